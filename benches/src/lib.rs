@@ -1,0 +1,1 @@
+//! Criterion benchmarks of ares live in `benches/`; this library is empty.

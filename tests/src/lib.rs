@@ -1,0 +1,1 @@
+//! Cross-crate integration tests of ares live in `tests/`; this library is empty.
