@@ -90,6 +90,19 @@ pub enum Error {
         /// The argument that is empty.
         what: &'static str,
     },
+    /// An index into another input is out of range (or repeated where it must be unique).
+    InvalidIndex {
+        /// The index argument.
+        what: &'static str,
+        /// Position of the offending entry in that argument.
+        position: usize,
+        /// The entry.
+        value: usize,
+        /// The length it indexes into.
+        len: usize,
+    },
+    /// The `core::fmt::Write` sink refused the output.
+    Format,
 }
 
 /// `Result` with [`Error`].
@@ -157,8 +170,24 @@ impl fmt::Display for Error {
             Error::Empty { what } => {
                 write!(f, "`{what}` is empty (needs at least one valid element)")
             }
+            Error::InvalidIndex {
+                what,
+                position,
+                value,
+                len,
+            } => write!(
+                f,
+                "`{what}` entry {value} at position {position} is out of range for length {len} or repeated"
+            ),
+            Error::Format => write!(f, "the output writer failed"),
         }
     }
 }
 
 impl core::error::Error for Error {}
+
+impl From<core::fmt::Error> for Error {
+    fn from(_: core::fmt::Error) -> Self {
+        Error::Format
+    }
+}
