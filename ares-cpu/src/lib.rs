@@ -1,7 +1,22 @@
 //! # ares-cpu
 //!
-//! The CPU backend of ares: fused log-prob + entropy over logits, entropy windows and HWE
-//! masks, masked dynamic KL, and the transformer ops of the runner's model.
+//! CPU token kernels of ares, the reference every CUDA kernel of `ares-cuda` is tested
+//! against, and fast in their own right (rayon over rows, SIMD-friendly inner loops with
+//! run-time dispatch to AVX2/AVX-512 on x86-64).
 //!
-//! **Not built yet.** This crate holds no API so far; the token kernels are the next
-//! milestone after `ares-core` (see the README's status table).
+//! - [`log_prob_entropy`]: per row of logits `[rows, V]` (f32, bf16 or f16), the log-prob of
+//!   a target token and the exact entropy of `softmax(z / temperature)`, from one read of
+//!   the logits with an online max/sum — no `[rows, V]` temporary.
+//!
+//! Not built yet (see the README's status table): the entropy-window / HWE kernel and the
+//! fused masked dynamic KL kernel; until they land, `ares_core::entropy` and `ares_core::kl`
+//! provide the same math one row at a time.
+
+mod error;
+mod exp;
+mod log_prob_entropy;
+mod logits;
+
+pub use error::{Error, Result};
+pub use log_prob_entropy::{LogProbEntropy, log_prob_entropy};
+pub use logits::{Logit, Logits};

@@ -105,6 +105,31 @@ pub fn read_baseline(inputs: &[&[f32]]) -> f32 {
     lanes.iter().sum()
 }
 
+/// Parallel (rayon) read-only baseline over an f32 buffer: each worker sums a contiguous
+/// part with [`read_baseline`]. Reads exactly the bytes a row-parallel kernel reads.
+pub fn par_read_baseline_f32(x: &[f32], part: usize) -> f32 {
+    use rayon::prelude::*;
+    x.par_chunks(part.max(1)).map(|c| read_baseline(&[c])).sum()
+}
+
+/// Parallel read-only baseline over 16-bit elements (bf16/f16 bit patterns).
+pub fn par_read_baseline_u16(x: &[u16], part: usize) -> u64 {
+    use rayon::prelude::*;
+    x.par_chunks(part.max(1))
+        .map(|c| {
+            let mut lanes = [0u32; 32];
+            let chunks = c.chunks_exact(32);
+            let tail: u64 = chunks.remainder().iter().map(|&v| u64::from(v)).sum();
+            for ch in chunks {
+                for (l, v) in lanes.iter_mut().zip(ch) {
+                    *l = l.wrapping_add(u32::from(*v));
+                }
+            }
+            lanes.iter().map(|&l| u64::from(l)).sum::<u64>() + tail
+        })
+        .sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
