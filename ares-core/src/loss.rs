@@ -124,22 +124,13 @@ impl<F: Float> Clip<F> {
         let l2 = neg_a * ratio.max(self.lo).min(self.hi);
         // L2 > L1 implies the clamp changed r, so the selected constant has zero slope.
         let clipped = l2 > l1;
-        let (mut loss, mut grad) = if clipped {
-            (l2, F::zero())
-        } else if live {
-            (l1, l1)
-        } else {
-            (l1, F::zero())
-        };
-        let mut dual_clipped = false;
-        if self.dual && a < F::zero() {
-            let l3 = neg_a * self.c;
-            if l3 < loss {
-                loss = l3;
-                grad = F::zero();
-                dual_clipped = true;
-            }
-        }
+        // Selects rather than branches: the sign of A is data-dependent.
+        let lc = if clipped { l2 } else { l1 };
+        let gc = if clipped | !live { F::zero() } else { l1 };
+        let l3 = neg_a * self.c;
+        let dual_clipped = self.dual & (a < F::zero()) & (l3 < lc);
+        let loss = if dual_clipped { l3 } else { lc };
+        let grad = if dual_clipped { F::zero() } else { gc };
         TokenLoss {
             loss,
             grad,
@@ -243,14 +234,17 @@ impl<F: Float> AggPlan<F> {
     /// Errors with [`Error::Empty`] when no token is valid, so `cols > 0` afterwards.
     fn new(mask: &[F], shape: Shape, mode: LossAggMode) -> Result<Self> {
         shape.check_mask("mask", mask)?;
-        let valid = mask.iter().filter(|&&m| m != F::zero()).count();
+        let (mut valid, mut rows) = (0usize, 0usize);
+        if shape.cols > 0 {
+            for row in mask.chunks_exact(shape.cols) {
+                let n_r = row_valid(row);
+                valid += n_r;
+                rows += usize::from(n_r > 0);
+            }
+        }
         if valid == 0 {
             return Err(Error::Empty { what: "mask" });
         }
-        let rows = mask
-            .chunks_exact(shape.cols)
-            .filter(|row| row.iter().any(|&m| m != F::zero()))
-            .count();
         Ok(AggPlan {
             mode,
             cols: shape.cols,
@@ -594,7 +588,8 @@ pub struct PolicyLossOutput<F> {
 /// The full PPO policy loss over `[rows, cols]` with its gradient.
 ///
 /// Per valid token: `L_t` from [`ppo_token_loss`], times the rollout importance weight
-/// `w_t` ([`is_weight`]; a constant, not differentiated). The loss is
+/// `w_t` ([`is_weight`]; a constant, not differentiated; icepop's w = 0 removes the token's
+/// loss and gradient but it still counts in the normalisation and the metrics). The loss is
 /// `agg(w_t·L_t)` by `config.agg`, and `grad[t] = ∂loss/∂logπ_t = weight_t · w_t · dL_t/dlogπ_t`
 /// with `weight_t` from [`aggregate_weights`]; `grad` is 0 on padding.
 ///
@@ -633,78 +628,154 @@ pub fn policy_loss<F: Float>(
     };
     check_len("logp_rollout", len, rollout.len())?;
     let plan = AggPlan::new(input.mask, shape, config.agg)?;
-    let cols = plan.cols;
+    let streams = Streams {
+        logp: input.logp,
+        logp_old: input.logp_old,
+        advantages: input.advantages,
+        mask: input.mask,
+        rollout,
+    };
+    // One monomorphised loop per correction mode keeps the mode out of the inner loop.
     let bound: F = cast(LOG_RATIO_CLAMP);
-    let check_rollout = is.mode != IsMode::None;
-
-    let mut loss = F::zero();
-    let mut kl = F::zero();
-    let mut w_sum = F::zero();
-    let (mut n_clip, mut n_dual, mut n_changed) = (0usize, 0usize, 0usize);
-
-    let rows = input
-        .logp
-        .chunks_exact(cols)
-        .zip(input.logp_old.chunks_exact(cols))
-        .zip(input.advantages.chunks_exact(cols))
-        .zip(input.mask.chunks_exact(cols))
-        .zip(rollout.chunks_exact(cols))
-        .zip(grad.chunks_exact_mut(cols));
-    for (r, (((((lp, lo), adv), m), lr), g)) in rows.enumerate() {
-        let n_r = row_valid(m);
-        let weight = plan.row_weight(n_r);
-        let (mut row_loss, mut row_kl, mut row_w) = (F::zero(), F::zero(), F::zero());
-        let toks = lp.iter().zip(lo).zip(adv).zip(m).zip(lr).zip(g.iter_mut());
-        for (t, (((((&lp, &lo), &a), &m), &lr), g)) in toks.enumerate() {
-            if m == F::zero() {
-                *g = F::zero();
-                continue;
-            }
-            let bad = if !lp.is_finite() {
-                Some("logp")
-            } else if !lo.is_finite() {
-                Some("logp_old")
-            } else if !a.is_finite() {
-                Some("advantages")
-            } else if check_rollout && !lr.is_finite() {
-                Some("logp_rollout")
-            } else {
-                None
-            };
-            if let Some(what) = bad {
-                return Err(Error::NonFinite {
-                    what,
-                    index: r * cols + t,
-                });
-            }
-            let d = lp - lo;
-            let tok = clip.token(d, a);
-            let (w, changed) = is.weight(lo - lr, bound);
-            row_loss = row_loss + w * tok.loss;
-            *g = weight * w * tok.grad;
-            row_kl = row_kl - d.max(-bound).min(bound);
-            row_w = row_w + w;
-            n_clip += usize::from(tok.clipped);
-            n_dual += usize::from(tok.dual_clipped);
-            n_changed += usize::from(changed);
-        }
-        if n_r > 0 {
-            loss = loss + row_loss * weight;
-        }
-        kl = kl + row_kl;
-        w_sum = w_sum + row_w;
-    }
+    let acc = match is.mode {
+        IsMode::None => loss_rows(&clip, &plan, &streams, grad, false, |_| (F::one(), false)),
+        _ => loss_rows(&clip, &plan, &streams, grad, true, |d| is.weight(d, bound)),
+    }?;
     let inv = plan.inv_total;
     let frac = |n: usize| cast::<F>(n as f64) * inv;
     Ok(PolicyLossOutput {
-        loss,
-        clipfrac: frac(n_clip),
-        clipfrac_lower: frac(n_dual),
-        approx_kl: kl * inv,
-        is_weight_mean: w_sum * inv,
-        is_changed_frac: frac(n_changed),
+        loss: acc.loss,
+        clipfrac: frac(acc.clipped),
+        clipfrac_lower: frac(acc.dual_clipped),
+        approx_kl: acc.kl * inv,
+        is_weight_mean: acc.w * inv,
+        is_changed_frac: frac(acc.changed),
         valid_tokens: plan.valid,
     })
+}
+
+/// The validated token streams of [`policy_loss`].
+struct Streams<'a, F> {
+    logp: &'a [F],
+    logp_old: &'a [F],
+    advantages: &'a [F],
+    mask: &'a [F],
+    rollout: &'a [F],
+}
+
+/// Sums of [`policy_loss`] over valid tokens.
+struct Acc<F> {
+    loss: F,
+    kl: F,
+    w: F,
+    clipped: usize,
+    dual_clipped: usize,
+    changed: usize,
+}
+
+/// The first non-finite input at a valid position of row `r` (`rollout` only when read).
+#[cold]
+fn first_bad<F: Float>(s: &Streams<'_, F>, r: usize, cols: usize, check_rollout: bool) -> Error {
+    let base = r * cols;
+    for t in 0..cols {
+        let at = |x: &[F]| x.get(base + t).copied().unwrap_or(F::zero());
+        if at(s.mask) == F::zero() {
+            continue;
+        }
+        let what = if !at(s.logp).is_finite() {
+            "logp"
+        } else if !at(s.logp_old).is_finite() {
+            "logp_old"
+        } else if !at(s.advantages).is_finite() {
+            "advantages"
+        } else if check_rollout && !at(s.rollout).is_finite() {
+            "logp_rollout"
+        } else {
+            continue;
+        };
+        return Error::NonFinite {
+            what,
+            index: base + t,
+        };
+    }
+    Error::NonFinite {
+        what: "logp",
+        index: base,
+    }
+}
+
+/// The per-row loop of [`policy_loss`]. Each row is processed up to its last valid token
+/// (trailing padding is only zero-filled) without data-dependent branches: padding inside
+/// that span is computed on whatever it holds and then discarded by selects, and
+/// finiteness is accumulated per row and located only when it fails.
+#[inline(always)]
+fn loss_rows<F: Float, W: Fn(F) -> (F, bool)>(
+    clip: &Clip<F>,
+    plan: &AggPlan<F>,
+    s: &Streams<'_, F>,
+    grad: &mut [F],
+    check_rollout: bool,
+    is_weight: W,
+) -> Result<Acc<F>> {
+    let cols = plan.cols;
+    let bound: F = cast(LOG_RATIO_CLAMP);
+    let zero = F::zero();
+    let mut acc = Acc {
+        loss: zero,
+        kl: zero,
+        w: zero,
+        clipped: 0,
+        dual_clipped: 0,
+        changed: 0,
+    };
+    let rows = s
+        .logp
+        .chunks_exact(cols)
+        .zip(s.logp_old.chunks_exact(cols))
+        .zip(s.advantages.chunks_exact(cols))
+        .zip(s.mask.chunks_exact(cols))
+        .zip(s.rollout.chunks_exact(cols))
+        .zip(grad.chunks_exact_mut(cols));
+    for (r, (((((lp, lo), adv), m), lr), g)) in rows.enumerate() {
+        let end = m.iter().rposition(|&x| x != zero).map_or(0, |t| t + 1);
+        let (g, g_pad) = g.split_at_mut(end);
+        g_pad.fill(zero);
+        if end == 0 {
+            continue;
+        }
+        let weight = plan.row_weight(row_valid(m));
+        let (mut row_loss, mut row_kl, mut row_w) = (zero, zero, zero);
+        let mut ok = true;
+        let toks = lp.iter().zip(lo).zip(adv).zip(m).zip(lr).zip(g.iter_mut());
+        for (((((&lp, &lo), &a), &m), &lr), g) in toks {
+            let valid = m != zero;
+            let finite =
+                lp.is_finite() & lo.is_finite() & a.is_finite() & (!check_rollout | lr.is_finite());
+            ok &= !valid | finite;
+            let d = lp - lo;
+            let tok = clip.token(d, a);
+            let (w, changed) = is_weight(lo - lr);
+            row_loss = row_loss + if valid { w * tok.loss } else { zero };
+            *g = if valid { weight * w * tok.grad } else { zero };
+            row_kl = row_kl
+                - if valid {
+                    d.max(-bound).min(bound)
+                } else {
+                    zero
+                };
+            row_w = row_w + if valid { w } else { zero };
+            acc.clipped += usize::from(valid & tok.clipped);
+            acc.dual_clipped += usize::from(valid & tok.dual_clipped);
+            acc.changed += usize::from(valid & changed);
+        }
+        if !ok {
+            return Err(first_bad(s, r, cols, check_rollout));
+        }
+        acc.loss = acc.loss + row_loss * weight;
+        acc.kl = acc.kl + row_kl;
+        acc.w = acc.w + row_w;
+    }
+    Ok(acc)
 }
 
 #[cfg(test)]
@@ -1091,6 +1162,14 @@ mod tests {
         // NaN under padding is fine
         let pad_nan = [0.0, 0.0, f64::NAN];
         assert!(policy_loss(&mk(&pad_nan, &pad_nan, &m), &cfg, &mut g).is_ok());
+        // … also inside a row (a hole in the mask), whose gradient is 0
+        let hole = [1.0, 0.0, 1.0];
+        let mid_nan = [0.0, f64::NAN, 0.0];
+        let adv = [1.0, f64::NAN, 1.0];
+        g = [7.0; 3];
+        // r = 1, A = 1: L = −1, slope −1, token-mean weight 1/2
+        let out = policy_loss(&mk(&mid_nan, &adv, &hole), &cfg, &mut g).unwrap();
+        assert_eq!((out.loss, g), (-1.0, [-0.5, 0.0, -0.5]));
         assert_eq!(
             policy_loss(&mk(&z, &z, &[0.0; 3]), &cfg, &mut g),
             Err(Error::Empty { what: "mask" })
