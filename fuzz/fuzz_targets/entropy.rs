@@ -73,7 +73,15 @@ fn windows(b: &mut Bytes) {
     let includes_self = b.bool();
     let mut means: Vec<f64> = zeros_near(b, n);
     let mut valid: Vec<f64> = zeros_near(b, n);
-    let _ = entropy::window_means(&h, &m, shape, window_size, includes_self, &mut means, &mut valid);
+    let _ = entropy::window_means(
+        &h,
+        &m,
+        shape,
+        window_size,
+        includes_self,
+        &mut means,
+        &mut valid,
+    );
     // sometimes feed the outputs of a successful pass, sometimes garbage
     if b.bool() {
         let n = valid.len();
@@ -83,7 +91,8 @@ fn windows(b: &mut Bytes) {
     let mut scratch: Vec<f64> = zeros_near(b, cols);
     let mut thr: Vec<f64> = zeros_near(b, rows);
     let mut has: Vec<f64> = zeros_near(b, rows);
-    let _ = entropy::response_thresholds(&means, &valid, shape, q, &mut scratch, &mut thr, &mut has);
+    let _ =
+        entropy::response_thresholds(&means, &valid, shape, q, &mut scratch, &mut thr, &mut has);
     let mut scratch2: Vec<f64> = zeros_near(b, thr.len());
     let m_batch = entropy::batch_median_threshold(&thr, &has, &mut scratch2);
     let mut ema = entropy::ThresholdEma::new(b.f64()).unwrap_or_default();
