@@ -189,6 +189,8 @@ fn window_row_fixed<F: Float, const W: usize, const O: usize>(
 ) -> (usize, bool) {
     const BLOCK: usize = 1 << 20;
     let w: F = cast(W as f64);
+    // for a power of two, x·(1/w) is exactly x/w and a multiply is much cheaper
+    let inv_w = F::one() / w;
     let h = h.get(O..).unwrap_or(&[]);
     let mut count = 0usize;
     let mut bad = false;
@@ -212,7 +214,12 @@ fn window_row_fixed<F: Float, const W: usize, const O: usize>(
             let complete = p == F::one();
             *v = p;
             // a select, not a multiply: padded entropies may be NaN and NaN·0 = NaN
-            *s = if complete { sum / w } else { F::zero() };
+            let mean = if W.is_power_of_two() {
+                sum * inv_w
+            } else {
+                sum / w
+            };
+            *s = if complete { mean } else { F::zero() };
             block_count += u32::from(complete);
         }
         count += block_count as usize;
