@@ -1,0 +1,643 @@
+//! Token-level steps: broadcasting a per-sample scalar, folding KL into token rewards,
+//! returns-to-go.
+//!
+//! The γ = 1 return-to-go of a row is a suffix sum, a chain of dependent additions; the row
+//! is cut into four segments whose local suffix sums run interleaved (four independent
+//! chains), then each segment adds the total of the segments after it in a vectorised
+//! second pass that also applies the mask and the fused validation.
+
+use super::lanes::{self, LANES, Lanes, check_ok, count_of, finite_check, mask_check, padded};
+use super::{GroupMoments, ResponseTokens};
+use crate::error::{Error, Result};
+use crate::num::{check_finite, check_len, check_mask, check_param};
+use crate::{Groups, Shape};
+use num_traits::Float;
+
+/// The error of a row whose mask has no 1: its sequence reward has no token to sit on.
+pub(crate) const EMPTY_ROW: Error = Error::Empty {
+    what: "mask row (no valid token to carry the sequence reward)",
+};
+
+/// Rows shorter than this run the suffix sum as one chain.
+const SEGMENT_MIN: usize = 64;
+
+/// Broadcasts one scalar per row over its tokens: `out[r, t] = per_row[r] · mask[r, t]`.
+///
+/// Errors: `per_row.len() ≠ rows`, `mask`/`out` ≠ rows × cols → `LengthMismatch`;
+/// non-finite `per_row` → `NonFinite`; mask not 0/1 → `InvalidMask`.
+pub fn broadcast_to_tokens<F: Float>(
+    shape: Shape,
+    per_row: &[F],
+    mask: &[F],
+    out: &mut [F],
+) -> Result<()> {
+    check_len("per_row", shape.rows, per_row.len())?;
+    check_finite("per_row", per_row)?;
+    shape.check("mask", mask.len())?;
+    shape.check("out", out.len())?;
+    let cols = shape.cols;
+    let mut ok = true;
+    for (r, &a) in per_row.iter().enumerate() {
+        let (_, chk) = broadcast_row(lanes::row_mut(out, cols, r), lanes::row(mask, cols, r), a);
+        ok &= check_ok(chk);
+    }
+    if ok { Ok(()) } else { check_mask("mask", mask) }
+}
+
+/// Folds the sequence reward and the KL penalty into token rewards (spec §4, KL in reward):
+/// `R_t = (−β_t·k_t + [t = last valid token of the row]·score_r) · m_t`, where
+/// `weighted_kl` holds `β_t·k_t` (e.g. the `weighted` output of [`crate::kl::token_kl`]) or
+/// is `None` for no KL. "Last valid token" is the largest t with `m_t = 1`.
+///
+/// Errors: lengths (`scores` = rows, the rest rows × cols) → `LengthMismatch`; non-finite
+/// `scores`/`weighted_kl` → `NonFinite`; mask not 0/1 → `InvalidMask`; a row whose mask is
+/// all 0 → `Empty` (its reward would be lost).
+pub fn token_level_rewards<F: Float>(
+    shape: Shape,
+    scores: &[F],
+    mask: &[F],
+    weighted_kl: Option<&[F]>,
+    out: &mut [F],
+) -> Result<()> {
+    check_len("scores", shape.rows, scores.len())?;
+    check_finite("scores", scores)?;
+    let tokens = ResponseTokens {
+        shape,
+        mask,
+        weighted_kl,
+    };
+    tokens.check(shape.rows, out.len())?;
+    for (r, &s) in scores.iter().enumerate() {
+        let o = lanes::row_mut(out, shape.cols, r);
+        let m = lanes::row(mask, shape.cols, r);
+        rewards_row(&tokens, r, s, o, m)?;
+    }
+    Ok(())
+}
+
+/// Returns-to-go over each row: `G_t = R_t·m_t + γ·G_{t+1}` (G = 0 past the row's end),
+/// written as `out_t = G_t · m_t`. Padded positions inside a row pass the return through
+/// (discounted by γ) but contribute no reward, as in OpenRLHF's `get_cumulative_returns`.
+/// γ = 1 is the undiscounted return of REINFORCE / RLOO / Pro Max.
+///
+/// Errors: lengths → `LengthMismatch`; non-finite `token_rewards` → `NonFinite`; mask not
+/// 0/1 → `InvalidMask`; γ ∉ [0, 1] → `OutOfRange`; finite rewards whose sum overflows →
+/// `OutOfRange` on `"returns-to-go"`.
+pub fn returns_to_go<F: Float>(
+    shape: Shape,
+    token_rewards: &[F],
+    mask: &[F],
+    gamma: F,
+    out: &mut [F],
+) -> Result<()> {
+    shape.check("token_rewards", token_rewards.len())?;
+    shape.check("out", out.len())?;
+    out.copy_from_slice(token_rewards);
+    returns_to_go_inner(shape, out, mask, gamma, "token_rewards")
+}
+
+/// [`returns_to_go`] in place: `values` holds the token rewards on entry and the masked
+/// returns on exit. Same errors (naming `"values"`); each row is checked before it is
+/// overwritten, so an error leaves the rows from the offending one on unchanged.
+pub fn returns_to_go_in_place<F: Float>(
+    shape: Shape,
+    values: &mut [F],
+    mask: &[F],
+    gamma: F,
+) -> Result<()> {
+    returns_to_go_inner(shape, values, mask, gamma, "values")
+}
+
+fn returns_to_go_inner<F: Float>(
+    shape: Shape,
+    values: &mut [F],
+    mask: &[F],
+    gamma: F,
+    what: &'static str,
+) -> Result<()> {
+    shape.check(what, values.len())?;
+    shape.check("mask", mask.len())?;
+    check_gamma(gamma)?;
+    let cols = shape.cols;
+    for r in 0..shape.rows {
+        let o = lanes::row_mut(values, cols, r);
+        let m = lanes::row(mask, cols, r);
+        // checked before the row is overwritten (then it is in L1 for the pass itself)
+        if !check_ok(check_row(o, m)) {
+            return Err(locate_row_error(what, o, m, r * cols));
+        }
+        let chk = if gamma == F::one() {
+            suffix_row::<F, true>(o, &[], m, F::zero()).1
+        } else {
+            discounted_row(o, m, gamma)
+        };
+        if !check_ok(chk) {
+            return Err(overflow("returns-to-go"));
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn check_gamma<F: Float>(gamma: F) -> Result<()> {
+    check_param(
+        "gamma",
+        gamma,
+        gamma >= F::zero() && gamma <= F::one(),
+        "in [0, 1]",
+    )
+}
+
+/// Finite inputs whose result overflowed.
+#[cold]
+pub(crate) fn overflow(what: &'static str) -> Error {
+    Error::OutOfRange {
+        what,
+        value: f64::INFINITY,
+        expected: "finite (the inputs are too large: the result overflows)",
+    }
+}
+
+/// The first bad element of a row: non-finite value first, then bad mask entry.
+#[cold]
+pub(crate) fn locate_row_error<F: Float>(
+    what: &'static str,
+    v: &[F],
+    m: &[F],
+    offset: usize,
+) -> Error {
+    if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+        return Error::NonFinite {
+            what,
+            index: offset + i,
+        };
+    }
+    match m.iter().position(|&x| x != F::zero() && x != F::one()) {
+        Some(i) => Error::InvalidMask {
+            what: "mask",
+            index: offset + i,
+        },
+        None => overflow(what),
+    }
+}
+
+/// Re-checks the token inputs after a fused check failed; if they are fine, the result
+/// overflowed.
+#[cold]
+pub(crate) fn token_error<F: Float>(tokens: &ResponseTokens<'_, F>, what: &'static str) -> Error {
+    if let Err(e) = check_mask("mask", tokens.mask) {
+        return e;
+    }
+    if let Some(k) = tokens.weighted_kl {
+        if let Err(e) = check_finite("weighted_kl", k) {
+            return e;
+        }
+    }
+    overflow(what)
+}
+
+/// Row `row` of `out` = the γ-return of `score` at the last valid token and `−β_t·k_t`
+/// per token, masked. Validates the row's mask/KL and that it has a valid token.
+pub(crate) fn fold_rtg_row<F: Float>(
+    tokens: &ResponseTokens<'_, F>,
+    row: usize,
+    score: F,
+    gamma: F,
+    out: &mut [F],
+) -> Result<()> {
+    let cols = tokens.shape.cols;
+    let o = lanes::row_mut(out, cols, row);
+    let m = lanes::row(tokens.mask, cols, row);
+    if gamma == F::one() {
+        let (cnt, chk) = match tokens.weighted_kl {
+            None => broadcast_row(o, m, score),
+            Some(k) => suffix_row::<F, false>(o, lanes::row(k, cols, row), m, score),
+        };
+        if !check_ok(chk) {
+            return Err(token_error(tokens, "token advantages"));
+        }
+        if count_of(cnt) == 0 {
+            return Err(EMPTY_ROW);
+        }
+        Ok(())
+    } else {
+        rewards_row(tokens, row, score, o, m)?;
+        if check_ok(discounted_row(o, m, gamma)) {
+            Ok(())
+        } else {
+            Err(overflow("returns-to-go"))
+        }
+    }
+}
+
+/// `o = (−β_t·k_t + [t = last]·score)·m`.
+fn rewards_row<F: Float>(
+    tokens: &ResponseTokens<'_, F>,
+    row: usize,
+    score: F,
+    o: &mut [F],
+    m: &[F],
+) -> Result<()> {
+    let chk = match tokens.weighted_kl {
+        None => broadcast_row(o, m, F::zero()).1,
+        Some(k) => neg_masked_row(o, lanes::row(k, tokens.shape.cols, row), m),
+    };
+    if !check_ok(chk) {
+        return Err(token_error(tokens, "token rewards"));
+    }
+    let last = m.iter().rposition(|&x| x != F::zero()).ok_or(EMPTY_ROW)?;
+    if let Some(x) = o.get_mut(last) {
+        *x = *x + score;
+    }
+    Ok(())
+}
+
+/// Token advantages `f(group moments, r)` broadcast over each row (GRPO and friends).
+pub(crate) fn broadcast_groups<F: Float>(
+    groups: &Groups<'_>,
+    rewards: &[F],
+    tokens: &ResponseTokens<'_, F>,
+    out: &mut [F],
+    f: impl Fn(&GroupMoments<F>, F) -> F,
+) -> Result<()> {
+    let cols = tokens.shape.cols;
+    let mut ok = true;
+    for g in 0..groups.count() {
+        let gm = super::group_moments(groups, g, rewards);
+        for row in groups.rows_of(g) {
+            let a = f(&gm, super::at(rewards, row));
+            let (_, chk) = broadcast_row(
+                lanes::row_mut(out, cols, row),
+                lanes::row(tokens.mask, cols, row),
+                a,
+            );
+            ok &= check_ok(chk);
+        }
+    }
+    if ok {
+        Ok(())
+    } else {
+        Err(token_error(tokens, "token advantages"))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row kernels. Each returns the fused check (0 iff every mask entry is 0/1 and every value it
+// produced is finite) and, where useful, the number of valid tokens (as F).
+
+/// `o = a·m`; returns `(Σm, check)`.
+pub(crate) fn broadcast_row<F: Float>(o: &mut [F], m: &[F], a: F) -> (F, F) {
+    map_row(o, None, m, |_, _, w| a * w)
+}
+
+/// `o = −k·m`; returns the check.
+fn neg_masked_row<F: Float>(o: &mut [F], k: &[F], m: &[F]) -> F {
+    map_row(o, Some(k), m, |_, kk, w| -(kk * w)).1
+}
+
+/// `o_t = f(o_t, k_t, m_t)` over a row (k = 0 when absent), lane-split; returns
+/// `(Σm, check)` where the check covers the mask and the outputs.
+#[inline(always)]
+fn map_row<F: Float>(o: &mut [F], k: Option<&[F]>, m: &[F], f: impl Fn(F, F, F) -> F) -> (F, F) {
+    let mut cnt: Lanes<F> = lanes::zeros();
+    let mut chk: Lanes<F> = lanes::zeros();
+    let n = o.len().min(m.len());
+    let o = o.get_mut(..n).unwrap_or(&mut []);
+    let m = m.get(..n).unwrap_or(&[]);
+    // without k the kernel reads zeros; `m` only stands in to keep one zipped loop
+    let (kz, use_k) = match k.and_then(|k| k.get(..n)) {
+        Some(k) => (k, true),
+        None => (m, false),
+    };
+    let mut oc = o.chunks_exact_mut(LANES);
+    let mut kc = kz.chunks_exact(LANES);
+    let mut mc = m.chunks_exact(LANES);
+    for ((oo, kk), mm) in oc.by_ref().zip(kc.by_ref()).zip(mc.by_ref()) {
+        if let (Some(oo), Some(kk), Some(mm)) = (
+            oo.first_chunk_mut::<LANES>(),
+            kk.first_chunk::<LANES>(),
+            mm.first_chunk::<LANES>(),
+        ) {
+            for j in 0..LANES {
+                let w = mm[j];
+                let kv = if use_k { kk[j] } else { F::zero() };
+                let v = f(oo[j], kv, w);
+                oo[j] = v;
+                cnt[j] = cnt[j] + w;
+                chk[j] = chk[j] + mask_check(w) + finite_check(v);
+            }
+        }
+    }
+    for ((x, &kk), &w) in oc
+        .into_remainder()
+        .iter_mut()
+        .zip(kc.remainder())
+        .zip(mc.remainder())
+    {
+        let kv = if use_k { kk } else { F::zero() };
+        let v = f(*x, kv, w);
+        *x = v;
+        cnt[0] = cnt[0] + w;
+        chk[0] = chk[0] + mask_check(w) + finite_check(v);
+    }
+    (lanes::hsum(&cnt), lanes::hsum(&chk))
+}
+
+/// Lane-split check of a row of values and its mask (values must be finite, mask 0/1).
+pub(crate) fn check_row<F: Float>(v: &[F], m: &[F]) -> F {
+    let mut chk: Lanes<F> = lanes::zeros();
+    let mut vc = v.chunks_exact(LANES);
+    let mut mc = m.chunks_exact(LANES);
+    for (vv, mm) in vc.by_ref().zip(mc.by_ref()) {
+        if let (Some(vv), Some(mm)) = (vv.first_chunk::<LANES>(), mm.first_chunk::<LANES>()) {
+            for j in 0..LANES {
+                chk[j] = chk[j] + finite_check(vv[j]) + mask_check(mm[j]);
+            }
+        }
+    }
+    let (vt, mt): (Lanes<F>, Lanes<F>) = (padded(vc.remainder()), padded(mc.remainder()));
+    for j in 0..LANES {
+        chk[j] = chk[j] + finite_check(vt[j]) + mask_check(mt[j]);
+    }
+    lanes::hsum(&chk)
+}
+
+/// γ < 1 returns-to-go of one row in place: `g = v·m + γ·g; v = g·m`. Returns the check of
+/// the outputs and the mask.
+fn discounted_row<F: Float>(o: &mut [F], m: &[F], gamma: F) -> F {
+    let mut g = F::zero();
+    let mut chk = F::zero();
+    for (x, &w) in o.iter_mut().zip(m).rev() {
+        g = *x * w + gamma * g;
+        let v = g * w;
+        *x = v;
+        chk = chk + mask_check(w) + finite_check(v);
+    }
+    chk
+}
+
+/// γ = 1 returns-to-go of one row: `o_t = m_t · (add + Σ_{u ≥ t} x_u·m_u)` with x = `o`
+/// itself when `INPLACE`, else `x = −k` (the KL folding, `k` = β·k tokens). Returns
+/// `(Σm, check)`.
+pub(crate) fn suffix_row<F: Float, const INPLACE: bool>(
+    o: &mut [F],
+    k: &[F],
+    m: &[F],
+    add: F,
+) -> (F, F) {
+    // without INPLACE, `k` must match the row; with it, `k` is unused
+    let k: &[F] = if INPLACE { m } else { k };
+    let n = o.len().min(m.len()).min(k.len());
+    let seg = n / 4;
+    if seg < SEGMENT_MIN / 4 {
+        let mut g = F::zero();
+        for ((x, &kk), &w) in o.iter_mut().zip(k).zip(m).rev() {
+            g = step::<F, INPLACE>(g, *x, kk, w);
+            *x = g;
+        }
+        return finish_row(o, m, add);
+    }
+    // four segments a..d of `seg` elements and a tail e of < 4
+    let (Some((oa, o1)), Some((ka, k1)), Some((ma, m1))) = (
+        o.split_at_mut_checked(seg),
+        k.split_at_checked(seg),
+        m.split_at_checked(seg),
+    ) else {
+        return (F::zero(), F::nan());
+    };
+    let (Some((ob, o2)), Some((kb, k2)), Some((mb, m2))) = (
+        o1.split_at_mut_checked(seg),
+        k1.split_at_checked(seg),
+        m1.split_at_checked(seg),
+    ) else {
+        return (F::zero(), F::nan());
+    };
+    let (Some((oc, o3)), Some((kc, k3)), Some((mc, m3))) = (
+        o2.split_at_mut_checked(seg),
+        k2.split_at_checked(seg),
+        m2.split_at_checked(seg),
+    ) else {
+        return (F::zero(), F::nan());
+    };
+    let (Some((od, oe)), Some((kd, ke)), Some((md, me))) = (
+        o3.split_at_mut_checked(seg),
+        k3.split_at_checked(seg),
+        m3.split_at_checked(seg),
+    ) else {
+        return (F::zero(), F::nan());
+    };
+    let mut ge = F::zero();
+    for ((x, &kk), &w) in oe.iter_mut().zip(ke).zip(me).rev() {
+        ge = step::<F, INPLACE>(ge, *x, kk, w);
+        *x = ge;
+    }
+    let (mut ga, mut gb, mut gc, mut gd) = (F::zero(), F::zero(), F::zero(), F::zero());
+    let ia = oa.iter_mut().zip(ka.iter().zip(ma));
+    let ib = ob.iter_mut().zip(kb.iter().zip(mb));
+    let ic = oc.iter_mut().zip(kc.iter().zip(mc));
+    let id = od.iter_mut().zip(kd.iter().zip(md));
+    for (((a, b), c), d) in ia.zip(ib).zip(ic).zip(id).rev() {
+        // four independent dependency chains
+        ga = step::<F, INPLACE>(ga, *a.0, *a.1.0, *a.1.1);
+        gb = step::<F, INPLACE>(gb, *b.0, *b.1.0, *b.1.1);
+        gc = step::<F, INPLACE>(gc, *c.0, *c.1.0, *c.1.1);
+        gd = step::<F, INPLACE>(gd, *d.0, *d.1.0, *d.1.1);
+        *a.0 = ga;
+        *b.0 = gb;
+        *c.0 = gc;
+        *d.0 = gd;
+    }
+    // each segment's suffix sums miss the totals of the segments after it
+    let carry_d = ge;
+    let carry_c = gd + carry_d;
+    let carry_b = gc + carry_c;
+    let carry_a = gb + carry_b;
+    let mut cnt = F::zero();
+    let mut chk = F::zero();
+    for (seg_o, seg_m, carry) in [
+        (oa, ma, carry_a),
+        (ob, mb, carry_b),
+        (oc, mc, carry_c),
+        (od, md, carry_d),
+        (oe, me, F::zero()),
+    ] {
+        let (c, k) = finish_row(seg_o, seg_m, add + carry);
+        cnt = cnt + c;
+        chk = chk + k;
+    }
+    (cnt, chk)
+}
+
+/// One step of the suffix-sum chain.
+#[inline(always)]
+fn step<F: Float, const INPLACE: bool>(g: F, x: F, k: F, m: F) -> F {
+    if INPLACE { g + x * m } else { g - k * m }
+}
+
+/// `o_t = m_t · (o_t + add)`; returns `(Σm, check)` (check covers the mask and the outputs).
+fn finish_row<F: Float>(o: &mut [F], m: &[F], add: F) -> (F, F) {
+    map_row(o, None, m, |x, _, w| w * (x + add))
+}
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+    use super::*;
+    use proptest::prelude::*;
+    use std::{vec, vec::Vec};
+
+    /// Straightforward reference: R masked, G = R + γG over the whole row, output × mask.
+    fn rtg_ref(shape: Shape, r: &[f64], m: &[f64], gamma: f64) -> Vec<f64> {
+        let mut out = vec![0.0; r.len()];
+        for row in 0..shape.rows {
+            let mut g = 0.0;
+            for t in (0..shape.cols).rev() {
+                let i = row * shape.cols + t;
+                g = r[i] * m[i] + gamma * g;
+                out[i] = g * m[i];
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn broadcast() {
+        let mut out = [9.0; 6];
+        broadcast_to_tokens(
+            Shape::new(2, 3),
+            &[2.0, -1.0],
+            &[1.0, 1.0, 0.0, 0.0, 1.0, 1.0],
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(out, [2.0, 2.0, 0.0, 0.0, -1.0, -1.0]);
+        assert_eq!(
+            broadcast_to_tokens(
+                Shape::new(2, 3),
+                &[2.0, -1.0],
+                &[1.0, 1.0, 0.0, 0.0, 2.0, 1.0],
+                &mut out
+            ),
+            Err(Error::InvalidMask {
+                what: "mask",
+                index: 4
+            })
+        );
+        assert_eq!(
+            broadcast_to_tokens(Shape::new(2, 3), &[2.0], &[1.0; 6], &mut out),
+            Err(Error::LengthMismatch {
+                what: "per_row",
+                expected: 2,
+                actual: 1
+            })
+        );
+        // zero-width rows are fine
+        broadcast_to_tokens::<f64>(Shape::new(2, 0), &[1.0, 2.0], &[], &mut []).unwrap();
+    }
+
+    #[test]
+    fn kl_folding() {
+        // row 0: valid t = 0, 1 (last = 1): R = (−0.1, −0.2 + 1, 0)
+        // row 1: a hole at t = 1, last valid t = 2: R = (−0.3, 0, −0.5 + 2)
+        let shape = Shape::new(2, 3);
+        let mask = [1.0, 1.0, 0.0, 1.0, 0.0, 1.0];
+        let wk = [0.1, 0.2, 7.0, 0.3, 0.4, 0.5];
+        let mut out = [9.0; 6];
+        token_level_rewards(shape, &[1.0, 2.0], &mask, Some(&wk), &mut out).unwrap();
+        assert_eq!(out, [-0.1, -0.2 + 1.0, 0.0, -0.3, 0.0, -0.5 + 2.0]);
+        token_level_rewards(shape, &[1.0, 2.0], &mask, None, &mut out).unwrap();
+        assert_eq!(out, [0.0, 1.0, 0.0, 0.0, 0.0, 2.0]);
+        assert_eq!(
+            token_level_rewards(
+                shape,
+                &[1.0, 2.0],
+                &[1.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+                None,
+                &mut out
+            ),
+            Err(EMPTY_ROW)
+        );
+        let mut bad = wk;
+        bad[2] = f64::INFINITY;
+        assert_eq!(
+            token_level_rewards(shape, &[1.0, 2.0], &mask, Some(&bad), &mut out),
+            Err(Error::NonFinite {
+                what: "weighted_kl",
+                index: 2
+            })
+        );
+        assert_eq!(
+            token_level_rewards(shape, &[1.0, f64::NAN], &mask, None, &mut out),
+            Err(Error::NonFinite {
+                what: "scores",
+                index: 1
+            })
+        );
+    }
+
+    #[test]
+    fn returns_hand_checked() {
+        // R = (1, 2, 3 | 0, 4, ·) with row 1's t = 2 padded, γ = 0.5:
+        // row 0: G2 = 3, G1 = 2 + 1.5 = 3.5, G0 = 1 + 1.75 = 2.75
+        // row 1: G2 = 0 (masked), G1 = 4, G0 = 0 + 2 = 2
+        let shape = Shape::new(2, 3);
+        let r = [1.0, 2.0, 3.0, 0.0, 4.0, 9.0];
+        let m = [1.0, 1.0, 1.0, 1.0, 1.0, 0.0];
+        let mut out = [0.0; 6];
+        returns_to_go(shape, &r, &m, 0.5, &mut out).unwrap();
+        assert_eq!(out, [2.75, 3.5, 3.0, 2.0, 4.0, 0.0]);
+        // γ = 1: suffix sums (6, 5, 3 | 4, 4, 0)
+        returns_to_go(shape, &r, &m, 1.0, &mut out).unwrap();
+        assert_eq!(out, [6.0, 5.0, 3.0, 4.0, 4.0, 0.0]);
+        assert!(matches!(
+            returns_to_go(shape, &r, &m, 1.5, &mut out),
+            Err(Error::OutOfRange { what: "gamma", .. })
+        ));
+        let mut v = r;
+        v[4] = f64::NAN;
+        assert_eq!(
+            returns_to_go_in_place(shape, &mut v, &m, 1.0),
+            Err(Error::NonFinite {
+                what: "values",
+                index: 4
+            })
+        );
+        // row 0 was processed, row 1 (the offending one) is untouched
+        assert_eq!(v[..3], [6.0, 5.0, 3.0]);
+        assert_eq!((v[3], v[5]), (0.0, 9.0));
+        assert!(v[4].is_nan());
+        assert!(matches!(
+            returns_to_go(
+                shape,
+                &[1e308, 1e308, 1e308, 0.0, 0.0, 0.0],
+                &m,
+                1.0,
+                &mut out
+            ),
+            Err(Error::OutOfRange { .. })
+        ));
+    }
+
+    proptest! {
+        #[test]
+        fn returns_match_reference(
+            rows in 1usize..4,
+            cols in 0usize..200,
+            gamma in prop::sample::select(vec![1.0f64, 0.9, 0.0, 0.5]),
+            seed in proptest::collection::vec((-2.0f64..2.0, 0u8..4), 800),
+        ) {
+            let shape = Shape::new(rows, cols);
+            let n = rows * cols;
+            let r: Vec<f64> = seed.iter().cycle().take(n).map(|s| s.0).collect();
+            let m: Vec<f64> = seed.iter().cycle().take(n).map(|s| (s.1 != 0) as u8 as f64).collect();
+            let want = rtg_ref(shape, &r, &m, gamma);
+            let mut out = vec![0.0; n];
+            returns_to_go(shape, &r, &m, gamma, &mut out).unwrap();
+            for (a, b) in out.iter().zip(&want) {
+                prop_assert!((a - b).abs() <= 1e-9 * (1.0 + b.abs()), "{} vs {}", a, b);
+            }
+            let mut v = r.clone();
+            returns_to_go_in_place(shape, &mut v, &m, gamma).unwrap();
+            prop_assert_eq!(&v, &out);
+        }
+    }
+}
