@@ -24,9 +24,7 @@
 //! cancellation near x = 0, where k3 is O(x²).
 
 use crate::Shape;
-use crate::advantage::lanes::{
-    self, LANES, Lanes, Sum, check_ok, count_of, finite_check, mask_check, padded, select,
-};
+use crate::advantage::lanes::{self, BLOCK, Block, Sum, bad_mask, bad_value, select};
 use crate::error::{Error, Result};
 use crate::num::{cast, check_finite, check_len, check_mask, check_param, to_f64};
 use num_traits::Float;
@@ -474,74 +472,93 @@ struct Args<'x, 'c, F> {
     cfg: &'x TokenKlConfig<'c, F>,
 }
 
-/// Lane accumulators of one row.
+/// Accumulators of one row: block slots for the float sums, an exact count, a "bad" flag.
 struct Acc<F> {
-    k: Lanes<F>,
-    wk: Lanes<F>,
-    m: Lanes<F>,
-    chk: Lanes<F>,
+    k: Block<F>,
+    wk: Block<F>,
+    count: usize,
+    bad: bool,
 }
 
-/// The token outputs of one chunk.
-struct ChunkOut<F> {
-    k: Lanes<F>,
-    wk: Lanes<F>,
-    g: Lanes<F>,
+/// Output slices of one block (scratch where an output is not requested).
+struct BlockOut<'o, F> {
+    k: &'o mut [F],
+    wk: &'o mut [F],
+    g: &'o mut [F],
 }
 
+/// Inputs of one block.
+struct BlockIn<'i, F> {
+    lp: &'i [F],
+    lr: &'i [F],
+    m: &'i [F],
+    h: &'i [F],
+}
+
+/// One block of a row: an element-wise loop over the block (so it vectorises) that writes
+/// the token outputs and adds into the accumulator slots.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn chunk<F: Float, E: Estimate, const HWE: bool>(
-    lp: &Lanes<F>,
-    lr: &Lanes<F>,
-    m: &Lanes<F>,
-    h: &Lanes<F>,
+fn block<F: Float, E: Estimate, const HWE: bool>(
+    x: BlockIn<'_, F>,
     beta: F,
     beta_lo: F,
     acc: &mut Acc<F>,
-    o: &mut ChunkOut<F>,
+    o: BlockOut<'_, F>,
 ) {
-    for j in 0..LANES {
-        let (k, g) = E::eval(lp[j] - lr[j]);
-        // select rather than multiply so a clamped ±∞-free k on a padded token stays 0
-        let on = m[j] != F::zero();
+    // indexed loop over a block of known length ≤ BLOCK: bounds checks fold away and the
+    // loop vectorises (deeply zipped iterators do not)
+    let n = (x.lp.len().min(x.lr.len()).min(x.m.len()).min(x.h.len()))
+        .min(o.k.len().min(o.wk.len()).min(o.g.len()))
+        .min(BLOCK);
+    let (Some(lp), Some(lr), Some(m), Some(h)) =
+        (x.lp.get(..n), x.lr.get(..n), x.m.get(..n), x.h.get(..n))
+    else {
+        return;
+    };
+    let (Some(ok), Some(owk), Some(og)) = (o.k.get_mut(..n), o.wk.get_mut(..n), o.g.get_mut(..n))
+    else {
+        return;
+    };
+    let mut count = 0u32;
+    let mut bad = false;
+    for i in 0..n {
+        let (lp, lr, m, h) = (lp[i], lr[i], m[i], h[i]);
+        let (k, g) = E::eval(lp - lr);
+        // select, not multiply: a k of ±∞ (k1/k2 of a huge δ) on a padded token stays out
+        let on = m != F::zero();
         let k = select(on, k, F::zero());
         let g = select(on, g, F::zero());
         let w = if HWE {
-            select(h[j] != F::zero(), beta_lo, beta)
+            select(h != F::zero(), beta_lo, beta)
         } else {
             beta
         };
         let wk = w * k;
-        o.k[j] = k;
-        o.wk[j] = wk;
-        o.g[j] = w * g;
-        acc.k[j] = acc.k[j] + k;
-        acc.wk[j] = acc.wk[j] + wk;
-        acc.m[j] = acc.m[j] + m[j];
-        let mut c = finite_check(lp[j]) + finite_check(lr[j]) + mask_check(m[j]);
+        ok[i] = k;
+        owk[i] = wk;
+        og[i] = w * g;
+        acc.k[i] = acc.k[i] + k;
+        acc.wk[i] = acc.wk[i] + wk;
+        count += u32::from(on);
+        bad |= bad_value(lp) | bad_value(lr) | bad_mask(m);
         if HWE {
-            c = c + mask_check(h[j]);
+            bad |= bad_mask(h);
         }
-        acc.chk[j] = acc.chk[j] + c;
     }
+    acc.count += count as usize;
+    acc.bad |= bad;
 }
 
-/// Copies `src` into the next chunk of an optional output iterator.
+/// The next output block of an optional output, or the matching part of a scratch block.
 #[inline(always)]
-fn emit<F: Copy>(it: &mut Option<core::slice::ChunksExactMut<'_, F>>, src: &Lanes<F>) {
-    if let Some(dst) = it.as_mut().and_then(|it| it.next()) {
-        dst.copy_from_slice(src);
-    }
-}
-
-/// Copies the first `dst.len()` lanes of `src` into an output tail.
-#[inline(always)]
-fn emit_tail<F: Copy>(dst: Option<&mut [F]>, src: &Lanes<F>) {
-    if let Some(dst) = dst {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = *s;
-        }
+fn out_block<'x, 's: 'x, F>(
+    it: &mut Option<core::slice::ChunksMut<'s, F>>,
+    scratch: &'x mut [F],
+    n: usize,
+) -> &'x mut [F] {
+    match it.as_mut().and_then(|it| it.next()) {
+        Some(o) => o,
+        None => scratch.get_mut(..n).unwrap_or(&mut []),
     }
 }
 
@@ -559,6 +576,8 @@ fn run<F: Float, E: Estimate, const HWE: bool>(
     } = out;
     // without an HWE mask the kernel ignores `h`; any slice of the right length will do
     let hwe = a.cfg.hwe_mask.unwrap_or(a.mask);
+    let (mut sk, mut swk, mut sg): (Block<F>, Block<F>, Block<F>) =
+        (lanes::zeros(), lanes::zeros(), lanes::zeros());
     let mut total_wk = Sum::new();
     let mut total_k = Sum::new();
     let mut seq_mean = Sum::new();
@@ -570,67 +589,45 @@ fn run<F: Float, E: Estimate, const HWE: bool>(
             KlCoefficient::PerRow(bs) => bs.get(r).copied().unwrap_or_else(F::zero),
         };
         let beta_lo = beta * a.cfg.low_ratio;
-        let lp = lanes::row(a.logp, cols, r);
-        let lr = lanes::row(a.logp_ref, cols, r);
-        let m = lanes::row(a.mask, cols, r);
-        let h = lanes::row(hwe, cols, r);
-        let mut o_k = kl.as_deref_mut().map(|s| lanes::row_mut(s, cols, r));
-        let mut o_wk = weighted.as_deref_mut().map(|s| lanes::row_mut(s, cols, r));
-        let mut o_g = grad.as_deref_mut().map(|s| lanes::row_mut(s, cols, r));
         let mut acc = Acc {
             k: lanes::zeros(),
             wk: lanes::zeros(),
-            m: lanes::zeros(),
-            chk: lanes::zeros(),
+            count: 0,
+            bad: false,
         };
-        let mut co = ChunkOut {
-            k: lanes::zeros(),
-            wk: lanes::zeros(),
-            g: lanes::zeros(),
-        };
-        {
-            let mut it_k = o_k.as_deref_mut().map(|s| s.chunks_exact_mut(LANES));
-            let mut it_wk = o_wk.as_deref_mut().map(|s| s.chunks_exact_mut(LANES));
-            let mut it_g = o_g.as_deref_mut().map(|s| s.chunks_exact_mut(LANES));
-            let ins = lp
-                .chunks_exact(LANES)
-                .zip(lr.chunks_exact(LANES))
-                .zip(m.chunks_exact(LANES).zip(h.chunks_exact(LANES)));
-            for ((x, y), (mm, hh)) in ins {
-                let (Some(x), Some(y), Some(mm), Some(hh)) = (
-                    x.first_chunk::<LANES>(),
-                    y.first_chunk::<LANES>(),
-                    mm.first_chunk::<LANES>(),
-                    hh.first_chunk::<LANES>(),
-                ) else {
-                    continue;
-                };
-                chunk::<F, E, HWE>(x, y, mm, hh, beta, beta_lo, &mut acc, &mut co);
-                emit(&mut it_k, &co.k);
-                emit(&mut it_wk, &co.wk);
-                emit(&mut it_g, &co.g);
-            }
+        let mut o_k = kl
+            .as_deref_mut()
+            .map(|s| lanes::row_mut(s, cols, r).chunks_mut(BLOCK));
+        let mut o_wk = weighted
+            .as_deref_mut()
+            .map(|s| lanes::row_mut(s, cols, r).chunks_mut(BLOCK));
+        let mut o_g = grad
+            .as_deref_mut()
+            .map(|s| lanes::row_mut(s, cols, r).chunks_mut(BLOCK));
+        let ins = (lanes::row(a.logp, cols, r).chunks(BLOCK))
+            .zip(lanes::row(a.logp_ref, cols, r).chunks(BLOCK))
+            .zip(
+                (lanes::row(a.mask, cols, r).chunks(BLOCK))
+                    .zip(lanes::row(hwe, cols, r).chunks(BLOCK)),
+            );
+        for ((lp, lr), (m, h)) in ins {
+            let n = lp.len();
+            let o = BlockOut {
+                k: out_block(&mut o_k, &mut sk, n),
+                wk: out_block(&mut o_wk, &mut swk, n),
+                g: out_block(&mut o_g, &mut sg, n),
+            };
+            block::<F, E, HWE>(BlockIn { lp, lr, m, h }, beta, beta_lo, &mut acc, o);
         }
-        let full = cols - cols % LANES;
-        let tail = |s: &[F]| padded(s.get(full..).unwrap_or(&[]));
-        if full < cols {
-            // zero-padded lanes have mask 0, so they add nothing
-            let (x, y, mm, hh) = (tail(lp), tail(lr), tail(m), tail(h));
-            chunk::<F, E, HWE>(&x, &y, &mm, &hh, beta, beta_lo, &mut acc, &mut co);
-            emit_tail(o_k.and_then(|s| s.get_mut(full..)), &co.k);
-            emit_tail(o_wk.and_then(|s| s.get_mut(full..)), &co.wk);
-            emit_tail(o_g.and_then(|s| s.get_mut(full..)), &co.g);
-        }
-        if !check_ok(lanes::hsum(&acc.chk)) {
+        if acc.bad {
             revalidate(a)?;
         }
-        let (k, wk, cnt) = (
-            lanes::hsum(&acc.k),
-            lanes::hsum(&acc.wk),
-            lanes::hsum(&acc.m),
-        );
-        let cnt_u = count_of(cnt);
-        let row_mean = if cnt_u > 0 { k / cnt } else { F::zero() };
+        let (k, wk, cnt_u) = (lanes::total(&acc.k), lanes::total(&acc.wk), acc.count);
+        let row_mean = if cnt_u > 0 {
+            k / cast(cnt_u as f64)
+        } else {
+            F::zero()
+        };
         if let Some(o) = row_weighted_sum.as_deref_mut().and_then(|s| s.get_mut(r)) {
             *o = wk;
         }

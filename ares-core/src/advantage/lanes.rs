@@ -1,67 +1,61 @@
-//! Lane-split kernels shared by the O(tokens) passes of [`crate::advantage`] and
+//! Block-accumulator kernels shared by the O(tokens) passes of [`crate::advantage`] and
 //! [`crate::kl`].
 //!
-//! Floating-point addition is not associative, so LLVM never vectorises a plain running sum.
-//! Keeping `LANES` independent partial sums (one per position modulo `LANES`) lets it keep
-//! them in SIMD registers; the partials are added pairwise at the end, which is also more
-//! accurate than one long chain. Tails shorter than `LANES` are padded with zeros (and a zero
-//! mask), so one kernel body serves every element.
+//! Floating-point addition is not associative, so LLVM never vectorises a running sum, and
+//! its straight-line (SLP) vectoriser handles hand-unrolled multi-accumulator lanes poorly.
+//! What it does vectorise reliably is an element-wise loop. So every reduction here keeps an
+//! accumulator *array* of `BLOCK` partial sums and walks the data in blocks of `BLOCK`,
+//! adding element i of each block into slot i: an element-wise update the loop vectoriser
+//! turns into SIMD code. The slots are added pairwise at the end, which is also more
+//! accurate than one long chain.
 //!
-//! Validation is fused into the same passes: each kernel also accumulates a "check" value that
-//! is exactly 0 when every input is finite and every mask entry is 0 or 1 (`x − x` is 0 for a
-//! finite `x` and NaN otherwise; `|m − m²|` is 0 only for m ∈ {0, 1}). Only when a check is not
-//! 0 do the callers rescan the inputs to name the offending argument and index.
+//! Counts and validation are fused into the same passes as integer / boolean reductions,
+//! which LLVM does vectorise in registers: a `u32` count of valid tokens, and a "bad" flag
+//! ORed over "mask entry not 0/1" and "value not finite" (`x − x ≠ 0`). Only when the flag is
+//! set do the callers rescan the inputs to name the offending argument and index.
 
 use crate::num::cast;
 use num_traits::Float;
 
-/// Width of the lane split: two SSE / one AVX register of `f32`, enough independent chains to
-/// hide the add latency.
-pub(crate) const LANES: usize = 8;
+/// Accumulator slots per reduction (and block length of the data walk).
+pub(crate) const BLOCK: usize = 64;
 
-/// One partial value per lane.
-pub(crate) type Lanes<F> = [F; LANES];
+/// One partial value per slot.
+pub(crate) type Block<F> = [F; BLOCK];
 
-/// All-zero lanes.
+/// All-zero slots.
 #[inline(always)]
-pub(crate) fn zeros<F: Float>() -> Lanes<F> {
-    [F::zero(); LANES]
+pub(crate) fn zeros<F: Float>() -> Block<F> {
+    [F::zero(); BLOCK]
 }
 
-/// Pairwise sum of the lanes.
-#[inline(always)]
-pub(crate) fn hsum<F: Float>(a: &Lanes<F>) -> F {
-    let [a0, a1, a2, a3, a4, a5, a6, a7] = *a;
-    ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
-}
-
-/// Copies `xs` (at most `LANES` elements) into zero-padded lanes.
-#[inline(always)]
-pub(crate) fn padded<F: Float>(xs: &[F]) -> Lanes<F> {
-    let mut t = zeros();
-    for (d, s) in t.iter_mut().zip(xs) {
-        *d = *s;
+/// Pairwise sum of the slots.
+#[inline]
+pub(crate) fn total<F: Float>(a: &Block<F>) -> F {
+    let mut w = *a;
+    let mut n = BLOCK;
+    while n > 1 {
+        n /= 2;
+        let (lo, hi) = w.split_at_mut(n);
+        for (x, y) in lo.iter_mut().zip(hi.iter()) {
+            *x = *x + *y;
+        }
     }
-    t
+    w.first().copied().unwrap_or_else(F::zero)
 }
 
-/// `|m − m²| + (x − x)`-style check term of a mask entry: 0 iff `m` is 0 or 1.
+/// True when a mask entry is neither 0 nor 1 (NaN included).
 #[inline(always)]
-pub(crate) fn mask_check<F: Float>(m: F) -> F {
-    (m - m * m).abs()
+pub(crate) fn bad_mask<F: Float>(m: F) -> bool {
+    !(m == F::zero() || m == F::one())
 }
 
-/// `x − x`: 0 for finite `x`, NaN for NaN or ±∞.
+/// True when `x` is NaN or ±∞ (`x − x` is 0 exactly for finite `x`); a compare, so it
+/// vectorises where `is_finite` may not.
 #[inline(always)]
-#[allow(clippy::eq_op)] // `x − x` is the point: it is NaN exactly when x is not finite
-pub(crate) fn finite_check<F: Float>(x: F) -> F {
-    x - x
-}
-
-/// True when a fused check found nothing wrong.
-#[inline(always)]
-pub(crate) fn check_ok<F: Float>(chk: F) -> bool {
-    chk == F::zero()
+#[allow(clippy::eq_op)] // `x − x` is the point
+pub(crate) fn bad_value<F: Float>(x: F) -> bool {
+    !(x - x == F::zero())
 }
 
 /// `select(c, a, b)` written so LLVM turns it into a blend.
@@ -160,13 +154,6 @@ impl<F: Float> Moments<F> {
             self.m2 / cast::<F>(self.count as f64)
         }
     }
-}
-
-/// Converts a lane-summed 0/1 count to `usize` (exact while a row has fewer than
-/// `LANES · 2^mantissa` tokens: 2^27 in `f32`).
-#[inline]
-pub(crate) fn count_of<F: Float>(c: F) -> usize {
-    c.to_usize().unwrap_or(0)
 }
 
 /// Row `r` of a row-major `[rows, cols]` slice; empty when out of range (callers validate

@@ -14,7 +14,7 @@
 //!
 //! Padded positions are 0 in every output.
 
-use super::lanes::{self, LANES, Lanes, Sum, check_ok, count_of, finite_check, mask_check, select};
+use super::lanes::{self, BLOCK, Block, Sum, bad_mask, bad_value, select};
 use super::rloo::rloo;
 use super::token::{fold_rtg_row, locate_row_error};
 use super::{GroupMoments, ResponseTokens, at, check_group_rewards, group_moments};
@@ -379,8 +379,8 @@ fn normalize_group<F: Float, const MASKED: bool>(
     for row in groups.rows_of(g) {
         let v = lanes::row(vals, cols, row);
         let m = lanes::row(mask, cols, row);
-        let (s, chk) = sign_sums_row::<F, MASKED>(v, m);
-        ok &= check_ok(chk);
+        let (s, row_ok) = sign_sums_row::<F, MASKED>(v, m);
+        ok &= row_ok;
         st.sp = st.sp + s.sp;
         st.sn = st.sn + s.sn;
         st.qp = st.qp + s.qp;
@@ -527,7 +527,7 @@ fn group_error<F: Float>(cols: usize, groups: &Groups<'_>, g: usize, v: &[F], m:
     for row in groups.rows_of(g) {
         let vr = lanes::row(v, cols, row);
         let mr = lanes::row(m, cols, row);
-        if !check_ok(super::token::check_row(vr, mr)) {
+        if !super::token::check_row(vr, mr) {
             let e = locate_row_error("advantages", vr, mr, row.saturating_mul(cols));
             if best.as_ref().is_none_or(|(r, _)| row < *r) {
                 best = Some((row, e));
@@ -538,80 +538,69 @@ fn group_error<F: Float>(cols: usize, groups: &Groups<'_>, g: usize, v: &[F], m:
         .unwrap_or(super::token::overflow("pro max statistics"))
 }
 
-/// Lane-split sign sums of one row.
-fn sign_sums_row<F: Float, const MASKED: bool>(v: &[F], m: &[F]) -> (SignSums<F>, F) {
-    let mut sp: Lanes<F> = lanes::zeros();
-    let mut sn: Lanes<F> = lanes::zeros();
-    let mut qp: Lanes<F> = lanes::zeros();
-    let mut qn: Lanes<F> = lanes::zeros();
-    let mut cp: Lanes<F> = lanes::zeros();
-    let mut cn: Lanes<F> = lanes::zeros();
-    let mut chk: Lanes<F> = lanes::zeros();
+/// Sign sums of one row (block accumulators), and whether its values are finite and its
+/// mask 0/1 (always true when not `MASKED`: those rows were checked when they were made).
+fn sign_sums_row<F: Float, const MASKED: bool>(v: &[F], m: &[F]) -> (SignSums<F>, bool) {
+    let mut sp: Block<F> = lanes::zeros();
+    let mut sn: Block<F> = lanes::zeros();
+    let mut qp: Block<F> = lanes::zeros();
+    let mut qn: Block<F> = lanes::zeros();
+    let (mut np, mut nn) = (0usize, 0usize);
+    let mut bad = false;
+    // unmasked: `v` stands in for the mask, which is not read
     let m: &[F] = if MASKED { m } else { v };
-    let mut vc = v.chunks_exact(LANES);
-    let mut mc = m.chunks_exact(LANES);
-    let (z, one) = (F::zero(), F::one());
-    let mut lane = |j: usize, x: F, w: F| {
-        let a = if MASKED { select(w != z, x, z) } else { x };
-        let pos = a > z;
-        let neg = a < z;
-        sp[j] = sp[j] + select(pos, a, z);
-        sn[j] = sn[j] + select(neg, a, z);
-        qp[j] = qp[j] + select(pos, a * a, z);
-        qn[j] = qn[j] + select(neg, a * a, z);
-        cp[j] = cp[j] + select(pos, one, z);
-        cn[j] = cn[j] + select(neg, one, z);
-        if MASKED {
-            chk[j] = chk[j] + finite_check(x) + mask_check(w);
-        }
-    };
-    for (vv, mm) in vc.by_ref().zip(mc.by_ref()) {
-        if let (Some(vv), Some(mm)) = (vv.first_chunk::<LANES>(), mm.first_chunk::<LANES>()) {
-            for j in 0..LANES {
-                lane(j, vv[j], mm[j]);
+    let z = F::zero();
+    for (vb, mb) in v.chunks(BLOCK).zip(m.chunks(BLOCK)) {
+        // indexed loop over a block whose length is known ≤ BLOCK: no bounds checks remain and
+        // the loop vectorises
+        let n = vb.len().min(mb.len()).min(BLOCK);
+        let (Some(vb), Some(mb)) = (vb.get(..n), mb.get(..n)) else {
+            continue;
+        };
+        let (mut cp, mut cn) = (0u32, 0u32);
+        for i in 0..n {
+            let (x, w) = (vb[i], mb[i]);
+            let a = if MASKED { select(w != z, x, z) } else { x };
+            let pos = a > z;
+            let neg = a < z;
+            sp[i] = sp[i] + select(pos, a, z);
+            sn[i] = sn[i] + select(neg, a, z);
+            qp[i] = qp[i] + select(pos, a * a, z);
+            qn[i] = qn[i] + select(neg, a * a, z);
+            cp += u32::from(pos);
+            cn += u32::from(neg);
+            if MASKED {
+                bad |= bad_value(x) | bad_mask(w);
             }
         }
-    }
-    for (&x, &w) in vc.remainder().iter().zip(mc.remainder()) {
-        lane(0, x, w);
+        np += cp as usize;
+        nn += cn as usize;
     }
     (
         SignSums {
-            sp: lanes::hsum(&sp),
-            sn: lanes::hsum(&sn),
-            qp: lanes::hsum(&qp),
-            qn: lanes::hsum(&qn),
-            np: count_of(lanes::hsum(&cp)),
-            nn: count_of(lanes::hsum(&cn)),
+            sp: lanes::total(&sp),
+            sn: lanes::total(&sn),
+            qp: lanes::total(&qp),
+            qn: lanes::total(&qn),
+            np,
+            nn,
         },
-        lanes::hsum(&chk),
+        !bad,
     )
 }
 
-/// `v = a·(a > 0 ? α : β)` with `a = v` (or `v·m` when `MASKED`); zeros stay 0.
+/// `v = a·(a > 0 ? α : β)` with `a = v` (or `v` where `m ≠ 0`, else 0, when `MASKED`); zeros
+/// stay 0.
 fn scale_row<F: Float, const MASKED: bool>(v: &mut [F], m: &[F], alpha: F, beta: F) {
     let z = F::zero();
-    let f = |x: F, w: F| {
-        let a = if MASKED { select(w != z, x, z) } else { x };
-        a * select(a > z, alpha, beta)
-    };
     if MASKED {
-        let mut vc = v.chunks_exact_mut(LANES);
-        let mut mc = m.chunks_exact(LANES);
-        for (vv, mm) in vc.by_ref().zip(mc.by_ref()) {
-            if let (Some(vv), Some(mm)) = (vv.first_chunk_mut::<LANES>(), mm.first_chunk::<LANES>())
-            {
-                for j in 0..LANES {
-                    vv[j] = f(vv[j], mm[j]);
-                }
-            }
-        }
-        for (x, &w) in vc.into_remainder().iter_mut().zip(mc.remainder()) {
-            *x = f(*x, w);
+        for (x, &w) in v.iter_mut().zip(m) {
+            let a = select(w != z, *x, z);
+            *x = a * select(a > z, alpha, beta);
         }
     } else {
         for x in v.iter_mut() {
-            *x = f(*x, F::one());
+            *x = *x * select(*x > z, alpha, beta);
         }
     }
 }

@@ -6,7 +6,7 @@
 //! chains), then each segment adds the total of the segments after it in a vectorised
 //! second pass that also applies the mask and the fused validation.
 
-use super::lanes::{self, LANES, Lanes, check_ok, count_of, finite_check, mask_check, padded};
+use super::lanes::{self, bad_mask, bad_value};
 use super::{GroupMoments, ResponseTokens};
 use crate::error::{Error, Result};
 use crate::num::{check_finite, check_len, check_mask, check_param};
@@ -38,8 +38,7 @@ pub fn broadcast_to_tokens<F: Float>(
     let cols = shape.cols;
     let mut ok = true;
     for (r, &a) in per_row.iter().enumerate() {
-        let (_, chk) = broadcast_row(lanes::row_mut(out, cols, r), lanes::row(mask, cols, r), a);
-        ok &= check_ok(chk);
+        ok &= broadcast_row(lanes::row_mut(out, cols, r), lanes::row(mask, cols, r), a).1;
     }
     if ok { Ok(()) } else { check_mask("mask", mask) }
 }
@@ -123,15 +122,15 @@ fn returns_to_go_inner<F: Float>(
         let o = lanes::row_mut(values, cols, r);
         let m = lanes::row(mask, cols, r);
         // checked before the row is overwritten (then it is in L1 for the pass itself)
-        if !check_ok(check_row(o, m)) {
-            return Err(locate_row_error(what, o, m, r * cols));
+        if !check_row(o, m) {
+            return Err(locate_row_error(what, o, m, r.saturating_mul(cols)));
         }
-        let chk = if gamma == F::one() {
+        let ok = if gamma == F::one() {
             suffix_row::<F, true>(o, &[], m, F::zero()).1
         } else {
             discounted_row(o, m, gamma)
         };
-        if !check_ok(chk) {
+        if !ok {
             return Err(overflow("returns-to-go"));
         }
     }
@@ -208,20 +207,20 @@ pub(crate) fn fold_rtg_row<F: Float>(
     let o = lanes::row_mut(out, cols, row);
     let m = lanes::row(tokens.mask, cols, row);
     if gamma == F::one() {
-        let (cnt, chk) = match tokens.weighted_kl {
+        let (cnt, ok) = match tokens.weighted_kl {
             None => broadcast_row(o, m, score),
             Some(k) => suffix_row::<F, false>(o, lanes::row(k, cols, row), m, score),
         };
-        if !check_ok(chk) {
+        if !ok {
             return Err(token_error(tokens, "token advantages"));
         }
-        if count_of(cnt) == 0 {
+        if cnt == 0 {
             return Err(EMPTY_ROW);
         }
         Ok(())
     } else {
         rewards_row(tokens, row, score, o, m)?;
-        if check_ok(discounted_row(o, m, gamma)) {
+        if discounted_row(o, m, gamma) {
             Ok(())
         } else {
             Err(overflow("returns-to-go"))
@@ -237,11 +236,11 @@ fn rewards_row<F: Float>(
     o: &mut [F],
     m: &[F],
 ) -> Result<()> {
-    let chk = match tokens.weighted_kl {
+    let ok = match tokens.weighted_kl {
         None => broadcast_row(o, m, F::zero()).1,
         Some(k) => neg_masked_row(o, lanes::row(k, tokens.shape.cols, row), m),
     };
-    if !check_ok(chk) {
+    if !ok {
         return Err(token_error(tokens, "token rewards"));
     }
     let last = m.iter().rposition(|&x| x != F::zero()).ok_or(EMPTY_ROW)?;
@@ -265,12 +264,12 @@ pub(crate) fn broadcast_groups<F: Float>(
         let gm = super::group_moments(groups, g, rewards);
         for row in groups.rows_of(g) {
             let a = f(&gm, super::at(rewards, row));
-            let (_, chk) = broadcast_row(
+            ok &= broadcast_row(
                 lanes::row_mut(out, cols, row),
                 lanes::row(tokens.mask, cols, row),
                 a,
-            );
-            ok &= check_ok(chk);
+            )
+            .1;
         }
     }
     if ok {
@@ -281,109 +280,99 @@ pub(crate) fn broadcast_groups<F: Float>(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Row kernels. Each returns the fused check (0 iff every mask entry is 0/1 and every value it
-// produced is finite) and, where useful, the number of valid tokens (as F).
+// Row kernels. Each returns whether its fused check passed (every mask entry 0 or 1, every
+// value it produced finite) and, where useful, the number of valid tokens. Counts and checks
+// are integer / boolean reductions, which LLVM vectorises in registers.
 
-/// `o = a·m`; returns `(Σm, check)`.
-pub(crate) fn broadcast_row<F: Float>(o: &mut [F], m: &[F], a: F) -> (F, F) {
+/// Rows are walked in chunks of this many tokens so per-chunk `u32` counts cannot overflow.
+const CHUNK: usize = 1 << 16;
+
+/// `o = a·m`; returns `(Σm, ok)`.
+pub(crate) fn broadcast_row<F: Float>(o: &mut [F], m: &[F], a: F) -> (usize, bool) {
     map_row(o, None, m, |_, _, w| a * w)
 }
 
-/// `o = −k·m`; returns the check.
-fn neg_masked_row<F: Float>(o: &mut [F], k: &[F], m: &[F]) -> F {
+/// `o = −k·m`; returns ok.
+fn neg_masked_row<F: Float>(o: &mut [F], k: &[F], m: &[F]) -> bool {
     map_row(o, Some(k), m, |_, kk, w| -(kk * w)).1
 }
 
-/// `o_t = f(o_t, k_t, m_t)` over a row (k = 0 when absent), lane-split; returns
-/// `(Σm, check)` where the check covers the mask and the outputs.
+/// `o_t = f(o_t, k_t, m_t)` over a row (k = 0 when absent); returns `(Σm, ok)` where the
+/// check covers the mask and the outputs.
 #[inline(always)]
-fn map_row<F: Float>(o: &mut [F], k: Option<&[F]>, m: &[F], f: impl Fn(F, F, F) -> F) -> (F, F) {
-    let mut cnt: Lanes<F> = lanes::zeros();
-    let mut chk: Lanes<F> = lanes::zeros();
-    let n = o.len().min(m.len());
-    let o = o.get_mut(..n).unwrap_or(&mut []);
-    let m = m.get(..n).unwrap_or(&[]);
-    // without k the kernel reads zeros; `m` only stands in to keep one zipped loop
-    let (kz, use_k) = match k.and_then(|k| k.get(..n)) {
+fn map_row<F: Float>(
+    o: &mut [F],
+    k: Option<&[F]>,
+    m: &[F],
+    f: impl Fn(F, F, F) -> F,
+) -> (usize, bool) {
+    // without k the kernel reads zeros; `m` only stands in to keep one loop
+    let (kz, use_k) = match k {
         Some(k) => (k, true),
         None => (m, false),
     };
-    let mut oc = o.chunks_exact_mut(LANES);
-    let mut kc = kz.chunks_exact(LANES);
-    let mut mc = m.chunks_exact(LANES);
-    for ((oo, kk), mm) in oc.by_ref().zip(kc.by_ref()).zip(mc.by_ref()) {
-        if let (Some(oo), Some(kk), Some(mm)) = (
-            oo.first_chunk_mut::<LANES>(),
-            kk.first_chunk::<LANES>(),
-            mm.first_chunk::<LANES>(),
-        ) {
-            for j in 0..LANES {
-                let w = mm[j];
-                let kv = if use_k { kk[j] } else { F::zero() };
-                let v = f(oo[j], kv, w);
-                oo[j] = v;
-                cnt[j] = cnt[j] + w;
-                chk[j] = chk[j] + mask_check(w) + finite_check(v);
-            }
-        }
-    }
-    for ((x, &kk), &w) in oc
-        .into_remainder()
-        .iter_mut()
-        .zip(kc.remainder())
-        .zip(mc.remainder())
+    let mut cnt = 0usize;
+    let mut bad = false;
+    for ((ob, kb), mb) in o
+        .chunks_mut(CHUNK)
+        .zip(kz.chunks(CHUNK))
+        .zip(m.chunks(CHUNK))
     {
-        let kv = if use_k { kk } else { F::zero() };
-        let v = f(*x, kv, w);
-        *x = v;
-        cnt[0] = cnt[0] + w;
-        chk[0] = chk[0] + mask_check(w) + finite_check(v);
-    }
-    (lanes::hsum(&cnt), lanes::hsum(&chk))
-}
-
-/// Lane-split check of a row of values and its mask (values must be finite, mask 0/1).
-pub(crate) fn check_row<F: Float>(v: &[F], m: &[F]) -> F {
-    let mut chk: Lanes<F> = lanes::zeros();
-    let mut vc = v.chunks_exact(LANES);
-    let mut mc = m.chunks_exact(LANES);
-    for (vv, mm) in vc.by_ref().zip(mc.by_ref()) {
-        if let (Some(vv), Some(mm)) = (vv.first_chunk::<LANES>(), mm.first_chunk::<LANES>()) {
-            for j in 0..LANES {
-                chk[j] = chk[j] + finite_check(vv[j]) + mask_check(mm[j]);
-            }
+        // an indexed loop over slices of one known length: bounds checks fold away and the
+        // loop vectorises (deeply zipped iterators do not)
+        let n = ob.len().min(kb.len()).min(mb.len());
+        let (Some(ob), Some(kb), Some(mb)) = (ob.get_mut(..n), kb.get(..n), mb.get(..n)) else {
+            continue;
+        };
+        let mut c = 0u32;
+        for i in 0..n {
+            let w = mb[i];
+            let kv = if use_k { kb[i] } else { F::zero() };
+            let v = f(ob[i], kv, w);
+            ob[i] = v;
+            c += u32::from(w != F::zero());
+            bad |= bad_mask(w) | bad_value(v);
         }
+        cnt += c as usize;
     }
-    let (vt, mt): (Lanes<F>, Lanes<F>) = (padded(vc.remainder()), padded(mc.remainder()));
-    for j in 0..LANES {
-        chk[j] = chk[j] + finite_check(vt[j]) + mask_check(mt[j]);
-    }
-    lanes::hsum(&chk)
+    (cnt, !bad)
 }
 
-/// γ < 1 returns-to-go of one row in place: `g = v·m + γ·g; v = g·m`. Returns the check of
-/// the outputs and the mask.
-fn discounted_row<F: Float>(o: &mut [F], m: &[F], gamma: F) -> F {
+/// Whether a row of values and its mask are valid (values finite, mask 0/1).
+pub(crate) fn check_row<F: Float>(v: &[F], m: &[F]) -> bool {
+    let n = v.len().min(m.len());
+    let (Some(v), Some(m)) = (v.get(..n), m.get(..n)) else {
+        return false;
+    };
+    let mut bad = false;
+    for i in 0..n {
+        bad |= bad_value(v[i]) | bad_mask(m[i]);
+    }
+    !bad
+}
+
+/// γ < 1 returns-to-go of one row in place: `g = v·m + γ·g; v = g·m`. Returns whether the
+/// outputs are finite (the inputs were checked before).
+fn discounted_row<F: Float>(o: &mut [F], m: &[F], gamma: F) -> bool {
     let mut g = F::zero();
-    let mut chk = F::zero();
     for (x, &w) in o.iter_mut().zip(m).rev() {
         g = *x * w + gamma * g;
-        let v = g * w;
-        *x = v;
-        chk = chk + mask_check(w) + finite_check(v);
+        *x = g * w;
     }
-    chk
+    // g is the return at t = 0, the largest partial sum in magnitude only if no cancellation;
+    // an overflow anywhere leaves ±∞ or NaN in some output, so check them all
+    check_finite("returns-to-go", o).is_ok()
 }
 
 /// γ = 1 returns-to-go of one row: `o_t = m_t · (add + Σ_{u ≥ t} x_u·m_u)` with x = `o`
 /// itself when `INPLACE`, else `x = −k` (the KL folding, `k` = β·k tokens). Returns
-/// `(Σm, check)`.
+/// `(Σm, ok)`.
 pub(crate) fn suffix_row<F: Float, const INPLACE: bool>(
     o: &mut [F],
     k: &[F],
     m: &[F],
     add: F,
-) -> (F, F) {
+) -> (usize, bool) {
     // without INPLACE, `k` must match the row; with it, `k` is unused
     let k: &[F] = if INPLACE { m } else { k };
     let n = o.len().min(m.len()).min(k.len());
@@ -402,28 +391,28 @@ pub(crate) fn suffix_row<F: Float, const INPLACE: bool>(
         k.split_at_checked(seg),
         m.split_at_checked(seg),
     ) else {
-        return (F::zero(), F::nan());
+        return (0, false);
     };
     let (Some((ob, o2)), Some((kb, k2)), Some((mb, m2))) = (
         o1.split_at_mut_checked(seg),
         k1.split_at_checked(seg),
         m1.split_at_checked(seg),
     ) else {
-        return (F::zero(), F::nan());
+        return (0, false);
     };
     let (Some((oc, o3)), Some((kc, k3)), Some((mc, m3))) = (
         o2.split_at_mut_checked(seg),
         k2.split_at_checked(seg),
         m2.split_at_checked(seg),
     ) else {
-        return (F::zero(), F::nan());
+        return (0, false);
     };
     let (Some((od, oe)), Some((kd, ke)), Some((md, me))) = (
         o3.split_at_mut_checked(seg),
         k3.split_at_checked(seg),
         m3.split_at_checked(seg),
     ) else {
-        return (F::zero(), F::nan());
+        return (0, false);
     };
     let mut ge = F::zero();
     for ((x, &kk), &w) in oe.iter_mut().zip(ke).zip(me).rev() {
@@ -431,28 +420,43 @@ pub(crate) fn suffix_row<F: Float, const INPLACE: bool>(
         *x = ge;
     }
     let (mut ga, mut gb, mut gc, mut gd) = (F::zero(), F::zero(), F::zero(), F::zero());
-    let ia = oa.iter_mut().zip(ka.iter().zip(ma));
-    let ib = ob.iter_mut().zip(kb.iter().zip(mb));
-    let ic = oc.iter_mut().zip(kc.iter().zip(mc));
-    let id = od.iter_mut().zip(kd.iter().zip(md));
-    for (((a, b), c), d) in ia.zip(ib).zip(ic).zip(id).rev() {
+    // every segment slice has length `seg`, so these indices are in bounds
+    let (Some(oa), Some(ob), Some(oc), Some(od)) = (
+        oa.get_mut(..seg),
+        ob.get_mut(..seg),
+        oc.get_mut(..seg),
+        od.get_mut(..seg),
+    ) else {
+        return (0, false);
+    };
+    let (Some(ka), Some(kb), Some(kc), Some(kd)) =
+        (ka.get(..seg), kb.get(..seg), kc.get(..seg), kd.get(..seg))
+    else {
+        return (0, false);
+    };
+    let (Some(ma), Some(mb), Some(mc), Some(md)) =
+        (ma.get(..seg), mb.get(..seg), mc.get(..seg), md.get(..seg))
+    else {
+        return (0, false);
+    };
+    for i in (0..seg).rev() {
         // four independent dependency chains
-        ga = step::<F, INPLACE>(ga, *a.0, *a.1.0, *a.1.1);
-        gb = step::<F, INPLACE>(gb, *b.0, *b.1.0, *b.1.1);
-        gc = step::<F, INPLACE>(gc, *c.0, *c.1.0, *c.1.1);
-        gd = step::<F, INPLACE>(gd, *d.0, *d.1.0, *d.1.1);
-        *a.0 = ga;
-        *b.0 = gb;
-        *c.0 = gc;
-        *d.0 = gd;
+        ga = step::<F, INPLACE>(ga, oa[i], ka[i], ma[i]);
+        gb = step::<F, INPLACE>(gb, ob[i], kb[i], mb[i]);
+        gc = step::<F, INPLACE>(gc, oc[i], kc[i], mc[i]);
+        gd = step::<F, INPLACE>(gd, od[i], kd[i], md[i]);
+        oa[i] = ga;
+        ob[i] = gb;
+        oc[i] = gc;
+        od[i] = gd;
     }
     // each segment's suffix sums miss the totals of the segments after it
     let carry_d = ge;
     let carry_c = gd + carry_d;
     let carry_b = gc + carry_c;
     let carry_a = gb + carry_b;
-    let mut cnt = F::zero();
-    let mut chk = F::zero();
+    let mut cnt = 0usize;
+    let mut ok = true;
     for (seg_o, seg_m, carry) in [
         (oa, ma, carry_a),
         (ob, mb, carry_b),
@@ -461,10 +465,10 @@ pub(crate) fn suffix_row<F: Float, const INPLACE: bool>(
         (oe, me, F::zero()),
     ] {
         let (c, k) = finish_row(seg_o, seg_m, add + carry);
-        cnt = cnt + c;
-        chk = chk + k;
+        cnt += c;
+        ok &= k;
     }
-    (cnt, chk)
+    (cnt, ok)
 }
 
 /// One step of the suffix-sum chain.
@@ -473,8 +477,8 @@ fn step<F: Float, const INPLACE: bool>(g: F, x: F, k: F, m: F) -> F {
     if INPLACE { g + x * m } else { g - k * m }
 }
 
-/// `o_t = m_t · (o_t + add)`; returns `(Σm, check)` (check covers the mask and the outputs).
-fn finish_row<F: Float>(o: &mut [F], m: &[F], add: F) -> (F, F) {
+/// `o_t = m_t · (o_t + add)`; returns `(Σm, ok)` (the check covers the mask and the outputs).
+fn finish_row<F: Float>(o: &mut [F], m: &[F], add: F) -> (usize, bool) {
     map_row(o, None, m, |x, _, w| w * (x + add))
 }
 

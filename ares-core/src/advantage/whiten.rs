@@ -1,8 +1,6 @@
 //! Masked whitening of token advantages over the whole batch (REINFORCE++).
 
-use super::lanes::{
-    self, LANES, Lanes, Moments, check_ok, count_of, finite_check, mask_check, select,
-};
+use super::lanes::{self, BLOCK, Block, Moments, bad_mask, bad_value, select};
 use crate::Shape;
 use crate::error::{Error, Result};
 use crate::num::{cast, check_finite, check_mask};
@@ -44,8 +42,8 @@ pub fn masked_whiten<F: Float>(
     let mut acc = Moments::empty();
     let mut ok = true;
     for r in 0..shape.rows {
-        let (mo, chk) = row_moments(lanes::row(values, cols, r), lanes::row(mask, cols, r));
-        ok &= check_ok(chk);
+        let (mo, row_ok) = row_moments(lanes::row(values, cols, r), lanes::row(mask, cols, r));
+        ok &= row_ok;
         acc.merge(mo);
     }
     if !ok {
@@ -80,71 +78,55 @@ pub(crate) fn finish<F: Float>(
 
 /// `v = m·(v − μ)·rstd` over the flat tensor.
 fn apply<F: Float>(v: &mut [F], m: &[F], mean: F, rstd: F) {
-    let mut vc = v.chunks_exact_mut(LANES);
-    let mut mc = m.chunks_exact(LANES);
-    for (vv, mm) in vc.by_ref().zip(mc.by_ref()) {
-        if let (Some(vv), Some(mm)) = (vv.first_chunk_mut::<LANES>(), mm.first_chunk::<LANES>()) {
-            for j in 0..LANES {
-                vv[j] = mm[j] * ((vv[j] - mean) * rstd);
-            }
-        }
-    }
-    for (x, &w) in vc.into_remainder().iter_mut().zip(mc.remainder()) {
+    for (x, &w) in v.iter_mut().zip(m) {
         *x = w * ((*x - mean) * rstd);
     }
 }
 
-/// Count, mean and M2 of a row's valid values (two passes; the row stays in L1), plus the
-/// fused check of the values and the mask.
-pub(crate) fn row_moments<F: Float>(v: &[F], m: &[F]) -> (Moments<F>, F) {
-    let mut s: Lanes<F> = lanes::zeros();
-    let mut c: Lanes<F> = lanes::zeros();
-    let mut chk: Lanes<F> = lanes::zeros();
-    let mut vc = v.chunks_exact(LANES);
-    let mut mc = m.chunks_exact(LANES);
-    for (vv, mm) in vc.by_ref().zip(mc.by_ref()) {
-        if let (Some(vv), Some(mm)) = (vv.first_chunk::<LANES>(), mm.first_chunk::<LANES>()) {
-            for j in 0..LANES {
-                let on = mm[j] != F::zero();
-                s[j] = s[j] + select(on, vv[j], F::zero());
-                c[j] = c[j] + mm[j];
-                chk[j] = chk[j] + finite_check(vv[j]) + mask_check(mm[j]);
-            }
+/// Count, mean and M2 of a row's valid values (two passes; the row stays in L1), and whether
+/// the values are finite and the mask 0/1.
+pub(crate) fn row_moments<F: Float>(v: &[F], m: &[F]) -> (Moments<F>, bool) {
+    let mut s: Block<F> = lanes::zeros();
+    let mut count = 0usize;
+    let mut bad = false;
+    for (vb, mb) in v.chunks(BLOCK).zip(m.chunks(BLOCK)) {
+        // indexed loop over a block of known length ≤ BLOCK: it vectorises
+        let n = vb.len().min(mb.len()).min(BLOCK);
+        let (Some(vb), Some(mb)) = (vb.get(..n), mb.get(..n)) else {
+            continue;
+        };
+        let mut c = 0u32;
+        for i in 0..n {
+            let (x, w) = (vb[i], mb[i]);
+            let on = w != F::zero();
+            s[i] = s[i] + select(on, x, F::zero());
+            c += u32::from(on);
+            bad |= bad_value(x) | bad_mask(w);
         }
+        count += c as usize;
     }
-    for (&x, &w) in vc.remainder().iter().zip(mc.remainder()) {
-        s[0] = s[0] + select(w != F::zero(), x, F::zero());
-        c[0] = c[0] + w;
-        chk[0] = chk[0] + finite_check(x) + mask_check(w);
+    if count == 0 || bad {
+        return (Moments::empty(), !bad);
     }
-    let (sum, cnt, chk) = (lanes::hsum(&s), lanes::hsum(&c), lanes::hsum(&chk));
-    let count = count_of(cnt);
-    if count == 0 || !check_ok(chk) {
-        return (Moments::empty(), chk);
-    }
-    let mean = sum / cnt;
-    let mut q: Lanes<F> = lanes::zeros();
-    let mut vc = v.chunks_exact(LANES);
-    let mut mc = m.chunks_exact(LANES);
-    for (vv, mm) in vc.by_ref().zip(mc.by_ref()) {
-        if let (Some(vv), Some(mm)) = (vv.first_chunk::<LANES>(), mm.first_chunk::<LANES>()) {
-            for j in 0..LANES {
-                let d = select(mm[j] != F::zero(), vv[j] - mean, F::zero());
-                q[j] = q[j] + d * d;
-            }
+    let mean = lanes::total(&s) / cast(count as f64);
+    let mut q: Block<F> = lanes::zeros();
+    for (vb, mb) in v.chunks(BLOCK).zip(m.chunks(BLOCK)) {
+        let n = vb.len().min(mb.len()).min(BLOCK);
+        let (Some(vb), Some(mb)) = (vb.get(..n), mb.get(..n)) else {
+            continue;
+        };
+        for i in 0..n {
+            let d = select(mb[i] != F::zero(), vb[i] - mean, F::zero());
+            q[i] = q[i] + d * d;
         }
-    }
-    for (&x, &w) in vc.remainder().iter().zip(mc.remainder()) {
-        let d = select(w != F::zero(), x - mean, F::zero());
-        q[0] = q[0] + d * d;
     }
     (
         Moments {
             count,
             mean,
-            m2: lanes::hsum(&q),
+            m2: lanes::total(&q),
         },
-        chk,
+        true,
     )
 }
 
