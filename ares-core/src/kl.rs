@@ -206,8 +206,8 @@ const LN2_LO: f64 = 1.428_606_820_309_417_3e-6;
 ///
 /// x = n·ln2 + r with n = round(x·log₂e), |r| ≤ ln2/2; `eʳ − 1 = r + r²·h(r)` by a Taylor
 /// polynomial (degree 13 for `f64`, 7 for `f32`: truncation below half an ulp); `2ⁿ` by five
-/// selects. For n = 0 (|x| ≲ 0.35) `eˣ − 1 − x = r²·h(r)` exactly in form, so k3 keeps full
-/// relative precision where it is O(x²).
+/// masked multiplies. For n = 0 (|x| ≲ 0.35) `eˣ − 1 − x = r²·h(r)` exactly in form, so k3
+/// keeps full relative precision where it is O(x²).
 #[inline(always)]
 fn exp_m1_minus_x<F: Float>(x: F) -> (F, F) {
     let one = F::one();
@@ -254,12 +254,14 @@ fn exp_m1_minus_x<F: Float>(x: F) -> (F, F) {
         (1.0, 2.0),
     ] {
         let take = k >= cast(bit);
-        k = select(take, k - cast(bit), k);
-        s = select(take, s * cast(pow), s);
+        // selects against zero compile to a single AND each
+        k = k - select(take, cast(bit), F::zero());
+        s = s * (F::one() + select(take, cast::<F>(pow - 1.0), F::zero()));
     }
-    let em1_far = s * q + (s - one);
+    let em1 = s * q + (s - one);
+    // for n = 0, eˣ − 1 − x is r²h exactly in form (no cancellation of x against eˣ − 1)
     let near = n == F::zero();
-    (select(near, r2h, em1_far - x), select(near, q, em1_far))
+    (select(near, r2h, em1 - x), em1)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -365,7 +367,8 @@ pub struct TokenKlSummary<F> {
 ///
 /// Errors: a length differing from `rows × cols` (or `rows` for per-row inputs/outputs)
 /// → [`Error::LengthMismatch`]; NaN/±∞ → [`Error::NonFinite`] (first offending argument in
-/// argument order); a mask value other than 0/1 → [`Error::InvalidMask`]; β < 0 or not
+/// argument order within the first offending row, with its flat index); a mask value other
+/// than 0/1 → [`Error::InvalidMask`]; β < 0 or not
 /// finite, `low_ratio` ∉ [0, 1] → [`Error::OutOfRange`]; finite inputs whose penalty
 /// overflows (k2 of |δ| ≳ 1e154, or 1e19 in `f32`) → [`Error::OutOfRange`] on
 /// `"kl penalty"`. On error the outputs hold unspecified values.
@@ -523,7 +526,8 @@ fn block<F: Float, E: Estimate, const HWE: bool>(
     let mut bad = false;
     for i in 0..n {
         let (lp, lr, m, h) = (lp[i], lr[i], m[i], h[i]);
-        let (k, g) = E::eval(lp - lr);
+        let d = lp - lr;
+        let (k, g) = E::eval(d);
         // select, not multiply: a k of ±∞ (k1/k2 of a huge δ) on a padded token stays out
         let on = m != F::zero();
         let k = select(on, k, F::zero());
@@ -540,7 +544,8 @@ fn block<F: Float, E: Estimate, const HWE: bool>(
         acc.k[i] = acc.k[i] + k;
         acc.wk[i] = acc.wk[i] + wk;
         count += u32::from(on);
-        bad |= bad_value(lp) | bad_value(lr) | bad_mask(m);
+        // δ is finite iff both log-probs are (or it overflowed: the rescan sorts that out)
+        bad |= bad_value(d) | bad_mask(m);
         if HWE {
             bad |= bad_mask(h);
         }
@@ -620,7 +625,7 @@ fn run<F: Float, E: Estimate, const HWE: bool>(
             block::<F, E, HWE>(BlockIn { lp, lr, m, h }, beta, beta_lo, &mut acc, o);
         }
         if acc.bad {
-            revalidate(a)?;
+            revalidate_row(a, r)?;
         }
         let (k, wk, cnt_u) = (lanes::total(&acc.k), lanes::total(&acc.wk), acc.count);
         let row_mean = if cnt_u > 0 {
@@ -670,15 +675,29 @@ fn run<F: Float, E: Estimate, const HWE: bool>(
     })
 }
 
-/// The slow, precise check run only after a fused check failed: names the first offending
-/// argument and index.
+/// The slow, precise check of row `r`, run only after its fused check failed: names the
+/// first offending argument (in argument order) and its flat index. `Ok` when the flag came
+/// from a finite δ that overflowed, which is not an error.
 #[cold]
-fn revalidate<F: Float>(a: &Args<'_, '_, F>) -> Result<()> {
-    check_finite("logp", a.logp)?;
-    check_finite("logp_ref", a.logp_ref)?;
-    check_mask("mask", a.mask)?;
+fn revalidate_row<F: Float>(a: &Args<'_, '_, F>, r: usize) -> Result<()> {
+    let cols = a.shape.cols;
+    let offset = r.saturating_mul(cols);
+    let at = |e: Error| match e {
+        Error::NonFinite { what, index } => Error::NonFinite {
+            what,
+            index: offset + index,
+        },
+        Error::InvalidMask { what, index } => Error::InvalidMask {
+            what,
+            index: offset + index,
+        },
+        e => e,
+    };
+    check_finite("logp", lanes::row(a.logp, cols, r)).map_err(at)?;
+    check_finite("logp_ref", lanes::row(a.logp_ref, cols, r)).map_err(at)?;
+    check_mask("mask", lanes::row(a.mask, cols, r)).map_err(at)?;
     if let Some(h) = a.cfg.hwe_mask {
-        check_mask("hwe_mask", h)?;
+        check_mask("hwe_mask", lanes::row(h, cols, r)).map_err(at)?;
     }
     Ok(())
 }

@@ -1,10 +1,10 @@
 //! Token-level steps: broadcasting a per-sample scalar, folding KL into token rewards,
 //! returns-to-go.
 //!
-//! The γ = 1 return-to-go of a row is a suffix sum, a chain of dependent additions; the row
-//! is cut into four segments whose local suffix sums run interleaved (four independent
-//! chains), then each segment adds the total of the segments after it in a vectorised
-//! second pass that also applies the mask and the fused validation.
+//! The γ = 1 return-to-go of a row is a suffix sum, a chain of dependent additions; it runs
+//! as four interleaved chains (a distance-4 recurrence the loop vectoriser executes four lanes
+//! wide) recombined by a vectorised second pass that also applies the mask and the fused
+//! validation.
 
 use super::lanes::{self, bad_mask, bad_value};
 use super::{GroupMoments, ResponseTokens};
@@ -17,9 +17,6 @@ use num_traits::Float;
 pub(crate) const EMPTY_ROW: Error = Error::Empty {
     what: "mask row (no valid token to carry the sequence reward)",
 };
-
-/// Rows shorter than this run the suffix sum as one chain.
-const SEGMENT_MIN: usize = 64;
 
 /// Broadcasts one scalar per row over its tokens: `out[r, t] = per_row[r] · mask[r, t]`.
 ///
@@ -126,9 +123,9 @@ fn returns_to_go_inner<F: Float>(
             return Err(locate_row_error(what, o, m, r.saturating_mul(cols)));
         }
         let ok = if gamma == F::one() {
-            suffix_row::<F, true>(o, &[], m, F::zero()).1
+            suffix_row::<F, true, false>(o, &[], m, F::zero(), gamma).1
         } else {
-            discounted_row(o, m, gamma)
+            suffix_row::<F, true, true>(o, &[], m, F::zero(), gamma).1
         };
         if !ok {
             return Err(overflow("returns-to-go"));
@@ -209,7 +206,7 @@ pub(crate) fn fold_rtg_row<F: Float>(
     if gamma == F::one() {
         let (cnt, ok) = match tokens.weighted_kl {
             None => broadcast_row(o, m, score),
-            Some(k) => suffix_row::<F, false>(o, lanes::row(k, cols, row), m, score),
+            Some(k) => suffix_row::<F, false, false>(o, lanes::row(k, cols, row), m, score, gamma),
         };
         if !ok {
             return Err(token_error(tokens, "token advantages"));
@@ -220,7 +217,7 @@ pub(crate) fn fold_rtg_row<F: Float>(
         Ok(())
     } else {
         rewards_row(tokens, row, score, o, m)?;
-        if discounted_row(o, m, gamma) {
+        if suffix_row::<F, true, true>(o, &[], m, F::zero(), gamma).1 {
             Ok(())
         } else {
             Err(overflow("returns-to-go"))
@@ -351,130 +348,107 @@ pub(crate) fn check_row<F: Float>(v: &[F], m: &[F]) -> bool {
     !bad
 }
 
-/// γ < 1 returns-to-go of one row in place: `g = v·m + γ·g; v = g·m`. Returns whether the
-/// outputs are finite (the inputs were checked before).
-fn discounted_row<F: Float>(o: &mut [F], m: &[F], gamma: F) -> bool {
-    let mut g = F::zero();
-    for (x, &w) in o.iter_mut().zip(m).rev() {
-        g = *x * w + gamma * g;
-        *x = g * w;
-    }
-    // g is the return at t = 0, the largest partial sum in magnitude only if no cancellation;
-    // an overflow anywhere leaves ±∞ or NaN in some output, so check them all
-    check_finite("returns-to-go", o).is_ok()
-}
-
-/// γ = 1 returns-to-go of one row: `o_t = m_t · (add + Σ_{u ≥ t} x_u·m_u)` with x = `o`
-/// itself when `INPLACE`, else `x = −k` (the KL folding, `k` = β·k tokens). Returns
-/// `(Σm, ok)`.
-pub(crate) fn suffix_row<F: Float, const INPLACE: bool>(
+/// Returns-to-go of one row: `o_t = m_t · (add + Σ_{u ≥ t} γ^{u−t}·x_u)` with `x_u = o_u·m_u`
+/// when `INPLACE`, else `x_u = −k_u·m_u` (the KL folding, `k` = β·k tokens); `DISCOUNT` false
+/// means γ = 1. Returns `(Σm, ok)`.
+///
+/// The recurrence `G_t = x_t + γ·G_{t+1}` is a chain of dependent operations. Here it runs as
+/// four interleaved chains, one per position modulo 4, `y_t = x_t + γ⁴·y_{t+4}` (four lanes of
+/// one SIMD register), and a second, fully vectorised pass recombines them:
+/// `G_t = y_t + γ·y_{t+1} + γ²·y_{t+2} + γ³·y_{t+3}`.
+pub(crate) fn suffix_row<F: Float, const INPLACE: bool, const DISCOUNT: bool>(
     o: &mut [F],
     k: &[F],
     m: &[F],
     add: F,
+    gamma: F,
 ) -> (usize, bool) {
     // without INPLACE, `k` must match the row; with it, `k` is unused
     let k: &[F] = if INPLACE { m } else { k };
     let n = o.len().min(m.len()).min(k.len());
-    let seg = n / 4;
-    if seg < SEGMENT_MIN / 4 {
+    let (Some(o), Some(k), Some(m)) = (o.get_mut(..n), k.get(..n), m.get(..n)) else {
+        return (0, false);
+    };
+    let g1 = if DISCOUNT { gamma } else { F::one() };
+    let (g2, g3) = (g1 * g1, g1 * g1 * g1);
+    let g4 = g2 * g2;
+    if n < 8 {
         let mut g = F::zero();
         for ((x, &kk), &w) in o.iter_mut().zip(k).zip(m).rev() {
-            g = step::<F, INPLACE>(g, *x, kk, w);
+            g = term::<F, INPLACE>(*x, kk, w) + if DISCOUNT { g1 * g } else { g };
             *x = g;
         }
         return finish_row(o, m, add);
     }
-    // four segments a..d of `seg` elements and a tail e of < 4
-    let (Some((oa, o1)), Some((ka, k1)), Some((ma, m1))) = (
-        o.split_at_mut_checked(seg),
-        k.split_at_checked(seg),
-        m.split_at_checked(seg),
+    // pass 1: y_t = x_t + γ⁴·y_{t+4}, with y = 0 past the end. Walked in 4-element chunks from
+    // the end with the four chains in a register array (no store-to-load round trip).
+    let mut y = [F::zero(); 4];
+    let head = n % 4;
+    let (Some((oh, ot)), Some((kh, kt)), Some((mh, mt))) = (
+        o.split_at_mut_checked(head),
+        k.split_at_checked(head),
+        m.split_at_checked(head),
     ) else {
         return (0, false);
     };
-    let (Some((ob, o2)), Some((kb, k2)), Some((mb, m2))) = (
-        o1.split_at_mut_checked(seg),
-        k1.split_at_checked(seg),
-        m1.split_at_checked(seg),
-    ) else {
-        return (0, false);
-    };
-    let (Some((oc, o3)), Some((kc, k3)), Some((mc, m3))) = (
-        o2.split_at_mut_checked(seg),
-        k2.split_at_checked(seg),
-        m2.split_at_checked(seg),
-    ) else {
-        return (0, false);
-    };
-    let (Some((od, oe)), Some((kd, ke)), Some((md, me))) = (
-        o3.split_at_mut_checked(seg),
-        k3.split_at_checked(seg),
-        m3.split_at_checked(seg),
-    ) else {
-        return (0, false);
-    };
-    let mut ge = F::zero();
-    for ((x, &kk), &w) in oe.iter_mut().zip(ke).zip(me).rev() {
-        ge = step::<F, INPLACE>(ge, *x, kk, w);
-        *x = ge;
+    for ((oc, kc), mc) in ot
+        .rchunks_exact_mut(4)
+        .zip(kt.rchunks_exact(4))
+        .zip(mt.rchunks_exact(4))
+    {
+        if let (Some(oc), Some(kc), Some(mc)) = (
+            oc.first_chunk_mut::<4>(),
+            kc.first_chunk::<4>(),
+            mc.first_chunk::<4>(),
+        ) {
+            for j in 0..4 {
+                let carried = if DISCOUNT { g4 * y[j] } else { y[j] };
+                y[j] = term::<F, INPLACE>(oc[j], kc[j], mc[j]) + carried;
+                oc[j] = y[j];
+            }
+        }
     }
-    let (mut ga, mut gb, mut gc, mut gd) = (F::zero(), F::zero(), F::zero(), F::zero());
-    // every segment slice has length `seg`, so these indices are in bounds
-    let (Some(oa), Some(ob), Some(oc), Some(od)) = (
-        oa.get_mut(..seg),
-        ob.get_mut(..seg),
-        oc.get_mut(..seg),
-        od.get_mut(..seg),
-    ) else {
-        return (0, false);
-    };
-    let (Some(ka), Some(kb), Some(kc), Some(kd)) =
-        (ka.get(..seg), kb.get(..seg), kc.get(..seg), kd.get(..seg))
-    else {
-        return (0, false);
-    };
-    let (Some(ma), Some(mb), Some(mc), Some(md)) =
-        (ma.get(..seg), mb.get(..seg), mc.get(..seg), md.get(..seg))
-    else {
-        return (0, false);
-    };
-    for i in (0..seg).rev() {
-        // four independent dependency chains
-        ga = step::<F, INPLACE>(ga, oa[i], ka[i], ma[i]);
-        gb = step::<F, INPLACE>(gb, ob[i], kb[i], mb[i]);
-        gc = step::<F, INPLACE>(gc, oc[i], kc[i], mc[i]);
-        gd = step::<F, INPLACE>(gd, od[i], kd[i], md[i]);
-        oa[i] = ga;
-        ob[i] = gb;
-        oc[i] = gc;
-        od[i] = gd;
+    // the first `head` (< 4) positions continue the chain of the position 4 after them
+    for t in (0..head).rev() {
+        let next = y[(t + 4 - head) % 4];
+        let carried = if DISCOUNT { g4 * next } else { next };
+        oh[t] = term::<F, INPLACE>(oh[t], kh[t], mh[t]) + carried;
     }
-    // each segment's suffix sums miss the totals of the segments after it
-    let carry_d = ge;
-    let carry_c = gd + carry_d;
-    let carry_b = gc + carry_c;
-    let carry_a = gb + carry_b;
-    let mut cnt = 0usize;
-    let mut ok = true;
-    for (seg_o, seg_m, carry) in [
-        (oa, ma, carry_a),
-        (ob, mb, carry_b),
-        (oc, mc, carry_c),
-        (od, md, carry_d),
-        (oe, me, F::zero()),
-    ] {
-        let (c, k) = finish_row(seg_o, seg_m, add + carry);
-        cnt += c;
-        ok &= k;
+    // pass 2 (ascending, so o[t+1..t+4] still hold y when o[t] is overwritten)
+    let mut cnt = 0u32;
+    let mut bad = false;
+    for t in 0..n - 3 {
+        let w = m[t];
+        let s = if DISCOUNT {
+            (o[t] + g1 * o[t + 1]) + (g2 * o[t + 2] + g3 * o[t + 3])
+        } else {
+            (o[t] + o[t + 1]) + (o[t + 2] + o[t + 3])
+        };
+        let v = w * (s + add);
+        o[t] = v;
+        cnt += u32::from(w != F::zero());
+        bad |= bad_mask(w) | bad_value(v);
     }
-    (cnt, ok)
+    let (y1, y2, y3) = (o[n - 3], o[n - 2], o[n - 1]);
+    let tail = [
+        (n - 3, y1 + g1 * y2 + g2 * y3),
+        (n - 2, y2 + g1 * y3),
+        (n - 1, y3),
+    ];
+    for (t, s) in tail {
+        let w = m[t];
+        let v = w * (s + add);
+        o[t] = v;
+        cnt += u32::from(w != F::zero());
+        bad |= bad_mask(w) | bad_value(v);
+    }
+    (cnt as usize, !bad)
 }
 
-/// One step of the suffix-sum chain.
+/// The summand of the suffix sum at one token: `x·m` in place, `−k·m` for KL folding.
 #[inline(always)]
-fn step<F: Float, const INPLACE: bool>(g: F, x: F, k: F, m: F) -> F {
-    if INPLACE { g + x * m } else { g - k * m }
+fn term<F: Float, const INPLACE: bool>(x: F, k: F, m: F) -> F {
+    if INPLACE { x * m } else { -(k * m) }
 }
 
 /// `o_t = m_t · (o_t + add)`; returns `(Σm, ok)` (the check covers the mask and the outputs).
