@@ -16,7 +16,9 @@
 
 use super::lanes::{self, BLOCK, Block, Sum, bad_mask, bad_value, select};
 use super::rloo::rloo;
-use super::token::{fold_rtg_row, locate_row_error};
+use super::token::{
+    EMPTY_ROW, broadcast_row, count_row, locate_row_error, suffix_row, token_error,
+};
 use super::{GroupMoments, ResponseTokens, at, check_group_rewards, group_moments};
 use crate::error::{Error, Result};
 use crate::num::{cast, check_len, check_param};
@@ -282,10 +284,7 @@ pub fn pro_max_normalize<F: Float>(
     for g in 0..groups.count() {
         let skip = skip_groups.and_then(|s| s.get(g).copied()).unwrap_or(false);
         let rep = normalize_group::<F, true>(shape.cols, groups, g, advantages, mask, skip, cfg)?;
-        total.add(&rep);
-        if let Some(o) = report.as_deref_mut().and_then(|r| r.get_mut(g)) {
-            *o = rep.0;
-        }
+        total.add(rep, &mut report, g);
     }
     Ok(total.finish())
 }
@@ -320,32 +319,77 @@ pub fn reinforce_pro_max<F: Float>(
         check_len("report (output)", groups.count(), r.len())?;
     }
     let mut total = Totals::new();
+    let cols = tokens.shape.cols;
     for g in 0..groups.count() {
         let gm = group_moments(groups, g, rewards);
         let uniform = cfg.is_uniform(&gm);
-        for row in groups.rows_of(g) {
-            let score = cfg.shaped(&gm, uniform, at(rewards, row));
-            fold_rtg_row(&tokens, row, score, F::one(), out)?;
-        }
-        // the folded rows are already masked and checked
-        let rep = normalize_group::<F, false>(
-            tokens.shape.cols,
-            groups,
-            g,
-            out,
-            tokens.mask,
-            uniform,
-            cfg,
-        )?;
-        total.add(&rep);
-        if let Some(o) = report.as_deref_mut().and_then(|r| r.get_mut(g)) {
-            *o = rep.0;
+        let mut st = SignSums::zero();
+        match tokens.weighted_kl {
+            None => {
+                // without KL every valid token of a row holds its r̃: the sums are r̃ times the
+                // row's count, and one broadcast pass writes the scaled result
+                for row in groups.rows_of(g) {
+                    let score = cfg.shaped(&gm, uniform, at(rewards, row));
+                    let (cnt, ok) = count_row(lanes::row(tokens.mask, cols, row));
+                    if !ok {
+                        return Err(token_error(&tokens, "token advantages"));
+                    }
+                    if cnt == 0 {
+                        return Err(EMPTY_ROW);
+                    }
+                    add_constant(&mut st, score, cnt);
+                }
+                let (status, alpha, beta) = decide(&st, uniform, cfg);
+                for row in groups.rows_of(g) {
+                    let score = cfg.shaped(&gm, uniform, at(rewards, row));
+                    let a = score * select(score > F::zero(), alpha, beta);
+                    let (_, ok) = broadcast_row(
+                        lanes::row_mut(out, cols, row),
+                        lanes::row(tokens.mask, cols, row),
+                        a,
+                    );
+                    if !ok {
+                        return Err(token_error(&tokens, "token advantages"));
+                    }
+                }
+                total.add(report_of(&st, status, alpha, beta), &mut report, g);
+            }
+            Some(kl) => {
+                // fold + return-to-go, then the sign sums while the row is in cache
+                for row in groups.rows_of(g) {
+                    let score = cfg.shaped(&gm, uniform, at(rewards, row));
+                    let o = lanes::row_mut(out, cols, row);
+                    let (cnt, ok) = suffix_row::<F, false, false>(
+                        o,
+                        lanes::row(kl, cols, row),
+                        lanes::row(tokens.mask, cols, row),
+                        score,
+                        F::one(),
+                    );
+                    if !ok {
+                        return Err(token_error(&tokens, "token advantages"));
+                    }
+                    if cnt == 0 {
+                        return Err(EMPTY_ROW);
+                    }
+                    // the row is in L1 now; its values are masked and checked
+                    st.merge(&sign_sums_row::<F, false>(o, &[]).0);
+                }
+                let (status, alpha, beta) = decide(&st, uniform, cfg);
+                if status.is_normalized() {
+                    for row in groups.rows_of(g) {
+                        scale_row::<F, false>(lanes::row_mut(out, cols, row), &[], alpha, beta);
+                    }
+                }
+                total.add(report_of(&st, status, alpha, beta), &mut report, g);
+            }
         }
     }
     Ok(total.finish())
 }
 
-/// Sums of one group's valid tokens by sign.
+/// Sums of a set of token values by sign: S⁺ = Σ A and Q⁺ = Σ A² over A > 0, S⁻ and Q⁻ over
+/// A < 0, with the counts |P| and |N| (zeros are not counted).
 #[derive(Debug, Clone, Copy)]
 struct SignSums<F> {
     sp: F,
@@ -354,6 +398,42 @@ struct SignSums<F> {
     qn: F,
     np: usize,
     nn: usize,
+}
+
+impl<F: Float> SignSums<F> {
+    fn zero() -> Self {
+        SignSums {
+            sp: F::zero(),
+            sn: F::zero(),
+            qp: F::zero(),
+            qn: F::zero(),
+            np: 0,
+            nn: 0,
+        }
+    }
+
+    fn merge(&mut self, s: &SignSums<F>) {
+        self.sp = self.sp + s.sp;
+        self.sn = self.sn + s.sn;
+        self.qp = self.qp + s.qp;
+        self.qn = self.qn + s.qn;
+        self.np = self.np.saturating_add(s.np);
+        self.nn = self.nn.saturating_add(s.nn);
+    }
+}
+
+/// `cnt` tokens all holding `a`, added to `st`.
+fn add_constant<F: Float>(st: &mut SignSums<F>, a: F, cnt: usize) {
+    let c = cast::<F>(cnt as f64);
+    if a > F::zero() {
+        st.sp = st.sp + a * c;
+        st.qp = st.qp + a * a * c;
+        st.np = st.np.saturating_add(cnt);
+    } else if a < F::zero() {
+        st.sn = st.sn + a * c;
+        st.qn = st.qn + a * a * c;
+        st.nn = st.nn.saturating_add(cnt);
+    }
 }
 
 /// Normalises group `g` in place. `MASKED`: the values are raw (mask applied here, inputs
@@ -367,26 +447,14 @@ fn normalize_group<F: Float, const MASKED: bool>(
     skip: bool,
     cfg: &ProMaxConfig<F>,
 ) -> Result<(ProMaxGroupReport<F>, F, F)> {
-    let mut st = SignSums {
-        sp: F::zero(),
-        sn: F::zero(),
-        qp: F::zero(),
-        qn: F::zero(),
-        np: 0,
-        nn: 0,
-    };
+    let mut st = SignSums::zero();
     let mut ok = true;
     for row in groups.rows_of(g) {
         let v = lanes::row(vals, cols, row);
         let m = lanes::row(mask, cols, row);
         let (s, row_ok) = sign_sums_row::<F, MASKED>(v, m);
         ok &= row_ok;
-        st.sp = st.sp + s.sp;
-        st.sn = st.sn + s.sn;
-        st.qp = st.qp + s.qp;
-        st.qn = st.qn + s.qn;
-        st.np = st.np.saturating_add(s.np);
-        st.nn = st.nn.saturating_add(s.nn);
+        st.merge(&s);
     }
     if !ok {
         return Err(group_error(cols, groups, g, vals, mask));
@@ -402,7 +470,17 @@ fn normalize_group<F: Float, const MASKED: bool>(
             );
         }
     }
-    // output moments from the sums: Σ = αS⁺ + βS⁻, Σ² = α²Q⁺ + β²Q⁻
+    Ok(report_of(&st, status, alpha, beta))
+}
+
+/// A group's report, with the Σx and Σx² of its output over the nonzero valid tokens
+/// (Σ = αS⁺ + βS⁻, Σ² = α²Q⁺ + β²Q⁻: no extra pass over the data).
+fn report_of<F: Float>(
+    st: &SignSums<F>,
+    status: ProMaxGroupStatus,
+    alpha: F,
+    beta: F,
+) -> (ProMaxGroupReport<F>, F, F) {
     let cnt = st.np.saturating_add(st.nn);
     let (s1, s2) = (
         alpha * st.sp + beta * st.sn,
@@ -418,7 +496,7 @@ fn normalize_group<F: Float, const MASKED: bool>(
         mean,
         std,
     };
-    Ok((rep, s1, s2))
+    (rep, s1, s2)
 }
 
 /// The α/β decision of step 3.
@@ -498,10 +576,19 @@ impl<F: Float> Totals<F> {
         }
     }
 
-    fn add(&mut self, (r, s1, s2): &(ProMaxGroupReport<F>, F, F)) {
+    /// Adds group `g`'s report to the totals and stores it in `report[g]` if asked.
+    fn add(
+        &mut self,
+        (r, s1, s2): (ProMaxGroupReport<F>, F, F),
+        report: &mut Option<&mut [ProMaxGroupReport<F>]>,
+        g: usize,
+    ) {
+        if let Some(o) = report.as_deref_mut().and_then(|rep| rep.get_mut(g)) {
+            *o = r;
+        }
         let n = r.positive_tokens.saturating_add(r.negative_tokens);
-        self.s1.add(*s1);
-        self.s2.add(*s2);
+        self.s1.add(s1);
+        self.s2.add(s2);
         self.n = self.n.saturating_add(n);
         let s = &mut self.sum;
         s.normalized += usize::from(r.status.is_normalized());

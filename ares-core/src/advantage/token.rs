@@ -456,6 +456,21 @@ fn finish_row<F: Float>(o: &mut [F], m: &[F], add: F) -> (usize, bool) {
     map_row(o, None, m, |x, _, w| w * (x + add))
 }
 
+/// Number of valid tokens of a mask row, and whether it holds only 0 and 1.
+pub(crate) fn count_row<F: Float>(m: &[F]) -> (usize, bool) {
+    let mut cnt = 0usize;
+    let mut bad = false;
+    for mb in m.chunks(CHUNK) {
+        let mut c = 0u32;
+        for &w in mb {
+            c += u32::from(w != F::zero());
+            bad |= bad_mask(w);
+        }
+        cnt += c as usize;
+    }
+    (cnt, !bad)
+}
+
 #[cfg(test)]
 mod tests {
     extern crate std;
