@@ -5,11 +5,10 @@
 
 use ares_core::advantage::{
     GrpoConfig, ProMaxConfig, ProMaxGroupReport, ResponseTokens, broadcast_to_tokens,
-    dr_grpo_advantages, grpo_advantages, grpo_token_advantages, masked_whiten,
-    pro_max_normalize, pro_max_shaped_rewards, reinforce_baseline_advantages,
-    reinforce_pp_advantages, reinforce_pp_baseline_advantages, reinforce_pro_max,
-    returns_to_go, returns_to_go_in_place, rloo_advantages, rloo_token_advantages,
-    token_level_rewards,
+    dr_grpo_advantages, grpo_advantages, grpo_token_advantages, masked_whiten, pro_max_normalize,
+    pro_max_shaped_rewards, reinforce_baseline_advantages, reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages, reinforce_pro_max, returns_to_go, returns_to_go_in_place,
+    rloo_advantages, rloo_token_advantages, token_level_rewards,
 };
 use ares_core::{Groups, Shape};
 use ares_fuzz::Bytes;

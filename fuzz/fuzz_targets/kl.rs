@@ -4,12 +4,22 @@
 
 use ares_core::Shape;
 use ares_core::kl::{
-    AdaptiveKlController, KlCoefficient, KlController, KlEstimator, TokenKlConfig,
-    TokenKlOutputs, dynamic_kl_weight, kl_penalty, kl_penalty_and_grad, masked_kl, token_kl,
+    AdaptiveKlController, KlCoefficient, KlController, KlEstimator, TokenKlConfig, TokenKlOutputs,
+    dynamic_kl_weight, kl_penalty, kl_penalty_and_grad, masked_kl, token_kl,
 };
 use ares_fuzz::Bytes;
 
-const NAMES: [&str; 9] = ["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "full", ""];
+const NAMES: [&str; 9] = [
+    "k1",
+    "kl",
+    "abs",
+    "k2",
+    "mse",
+    "k3",
+    "low_var_kl",
+    "full",
+    "",
+];
 
 /// A length: usually `n`, sometimes anything near it.
 fn len(b: &mut Bytes, n: usize) -> usize {
@@ -57,7 +67,11 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let lp = values(&mut b, n);
     let lr = values(&mut b, n);
     let m = mask(&mut b, n);
-    let hwe = if b.bool() { Some(mask(&mut b, n)) } else { None };
+    let hwe = if b.bool() {
+        Some(mask(&mut b, n))
+    } else {
+        None
+    };
     let betas = values(&mut b, rows);
     let coefficient = if b.bool() {
         KlCoefficient::Uniform(b.f64())
