@@ -283,7 +283,7 @@ pub fn pro_max_normalize<F: Float>(
     let mut total = Totals::new();
     for g in 0..groups.count() {
         let skip = skip_groups.and_then(|s| s.get(g).copied()).unwrap_or(false);
-        let rep = normalize_group::<F, true>(shape.cols, groups, g, advantages, mask, skip, cfg)?;
+        let rep = normalize_group(shape.cols, groups, g, advantages, mask, skip, cfg)?;
         total.add(rep, &mut report, g);
     }
     Ok(total.finish())
@@ -436,9 +436,8 @@ fn add_constant<F: Float>(st: &mut SignSums<F>, a: F, cnt: usize) {
     }
 }
 
-/// Normalises group `g` in place. `MASKED`: the values are raw (mask applied here, inputs
-/// validated here); otherwise they are already masked and valid.
-fn normalize_group<F: Float, const MASKED: bool>(
+/// Normalises group `g` of raw values in place (mask applied and inputs validated here).
+fn normalize_group<F: Float>(
     cols: usize,
     groups: &Groups<'_>,
     g: usize,
@@ -452,7 +451,7 @@ fn normalize_group<F: Float, const MASKED: bool>(
     for row in groups.rows_of(g) {
         let v = lanes::row(vals, cols, row);
         let m = lanes::row(mask, cols, row);
-        let (s, row_ok) = sign_sums_row::<F, MASKED>(v, m);
+        let (s, row_ok) = sign_sums_row::<F, true>(v, m);
         ok &= row_ok;
         st.merge(&s);
     }
@@ -460,15 +459,14 @@ fn normalize_group<F: Float, const MASKED: bool>(
         return Err(group_error(cols, groups, g, vals, mask));
     }
     let (status, alpha, beta) = decide(&st, skip, cfg);
-    if MASKED || status.is_normalized() {
-        for row in groups.rows_of(g) {
-            scale_row::<F, MASKED>(
-                lanes::row_mut(vals, cols, row),
-                lanes::row(mask, cols, row),
-                alpha,
-                beta,
-            );
-        }
+    // also for unchanged groups: this pass zeroes the padded positions
+    for row in groups.rows_of(g) {
+        scale_row::<F, true>(
+            lanes::row_mut(vals, cols, row),
+            lanes::row(mask, cols, row),
+            alpha,
+            beta,
+        );
     }
     Ok(report_of(&st, status, alpha, beta))
 }

@@ -88,8 +88,14 @@ pub fn returns_to_go<F: Float>(
 ) -> Result<()> {
     shape.check("token_rewards", token_rewards.len())?;
     shape.check("out", out.len())?;
-    out.copy_from_slice(token_rewards);
-    returns_to_go_inner(shape, out, mask, gamma, "token_rewards")
+    returns_to_go_inner(
+        shape,
+        Some(token_rewards),
+        out,
+        mask,
+        gamma,
+        "token_rewards",
+    )
 }
 
 /// [`returns_to_go`] in place: `values` holds the token rewards on entry and the masked
@@ -101,11 +107,14 @@ pub fn returns_to_go_in_place<F: Float>(
     mask: &[F],
     gamma: F,
 ) -> Result<()> {
-    returns_to_go_inner(shape, values, mask, gamma, "values")
+    returns_to_go_inner(shape, None, values, mask, gamma, "values")
 }
 
+/// Returns-to-go of `src` (or of `values` itself) into `values`, row by row: each row is
+/// copied (if from `src`) and checked while it comes into L1, then processed there.
 fn returns_to_go_inner<F: Float>(
     shape: Shape,
+    src: Option<&[F]>,
     values: &mut [F],
     mask: &[F],
     gamma: F,
@@ -118,6 +127,12 @@ fn returns_to_go_inner<F: Float>(
     for r in 0..shape.rows {
         let o = lanes::row_mut(values, cols, r);
         let m = lanes::row(mask, cols, r);
+        if let Some(src) = src {
+            let s = lanes::row(src, cols, r);
+            if s.len() == o.len() {
+                o.copy_from_slice(s);
+            }
+        }
         // checked before the row is overwritten (then it is in L1 for the pass itself)
         if !check_row(o, m) {
             return Err(locate_row_error(what, o, m, r.saturating_mul(cols)));
