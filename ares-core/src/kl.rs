@@ -363,7 +363,7 @@ pub struct TokenKlSummary<F> {
 /// [`TokenKlSummary`]. One pass over the inputs; validation is fused into it.
 ///
 /// All positions (padded ones too) of `logp` and `logp_ref` must be finite; `mask` and
-/// `hwe_mask` must hold only 0 and 1. The GPU kernel mirrors this function.
+/// `hwe_mask` must hold only 0 and 1. This is the fused op a GPU kernel mirrors.
 ///
 /// Errors: a length differing from `rows × cols` (or `rows` for per-row inputs/outputs)
 /// → [`Error::LengthMismatch`]; NaN/±∞ → [`Error::NonFinite`] (first offending argument in

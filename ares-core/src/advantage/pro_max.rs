@@ -635,28 +635,74 @@ fn sign_sums_row<F: Float, const MASKED: bool>(v: &[F], m: &[F]) -> (SignSums<F>
     // unmasked: `v` stands in for the mask, which is not read
     let m: &[F] = if MASKED { m } else { v };
     let z = F::zero();
-    for (vb, mb) in v.chunks(BLOCK).zip(m.chunks(BLOCK)) {
-        // indexed loop over a block whose length is known ≤ BLOCK: no bounds checks remain and
-        // the loop vectorises
+    // the contribution of one value: (S⁺, S⁻, Q⁺, Q⁻ terms, positive, negative, bad)
+    let one = |x: F, w: F| {
+        let a = if MASKED { select(w != z, x, z) } else { x };
+        let (pos, neg) = (a > z, a < z);
+        let bad = MASKED && (bad_value(x) | bad_mask(w));
+        (
+            select(pos, a, z),
+            select(neg, a, z),
+            select(pos, a * a, z),
+            select(neg, a * a, z),
+            u32::from(pos),
+            u32::from(neg),
+            bad,
+        )
+    };
+    // Pairs of blocks: each accumulator slot takes the sum of two values per update, which
+    // halves the accumulator loads and stores (the bottleneck of this pass); indexed loops
+    // over known-length slices, so no bounds checks remain and they vectorise.
+    let mut vc = v.chunks_exact(2 * BLOCK);
+    let mut mc = m.chunks_exact(2 * BLOCK);
+    for (vb, mb) in vc.by_ref().zip(mc.by_ref()) {
+        let (Some((v0, v1)), Some((m0, m1))) =
+            (vb.split_at_checked(BLOCK), mb.split_at_checked(BLOCK))
+        else {
+            continue;
+        };
+        let (Some(v0), Some(v1), Some(m0), Some(m1)) = (
+            v0.get(..BLOCK),
+            v1.get(..BLOCK),
+            m0.get(..BLOCK),
+            m1.get(..BLOCK),
+        ) else {
+            continue;
+        };
+        let (mut cp, mut cn) = (0u32, 0u32);
+        for i in 0..BLOCK {
+            let (a0, b0, c0, d0, p0, n0, e0) = one(v0[i], m0[i]);
+            let (a1, b1, c1, d1, p1, n1, e1) = one(v1[i], m1[i]);
+            sp[i] = sp[i] + (a0 + a1);
+            sn[i] = sn[i] + (b0 + b1);
+            qp[i] = qp[i] + (c0 + c1);
+            qn[i] = qn[i] + (d0 + d1);
+            cp += p0 + p1;
+            cn += n0 + n1;
+            bad |= e0 | e1;
+        }
+        np += cp as usize;
+        nn += cn as usize;
+    }
+    for (vb, mb) in vc
+        .remainder()
+        .chunks(BLOCK)
+        .zip(mc.remainder().chunks(BLOCK))
+    {
         let n = vb.len().min(mb.len()).min(BLOCK);
         let (Some(vb), Some(mb)) = (vb.get(..n), mb.get(..n)) else {
             continue;
         };
         let (mut cp, mut cn) = (0u32, 0u32);
         for i in 0..n {
-            let (x, w) = (vb[i], mb[i]);
-            let a = if MASKED { select(w != z, x, z) } else { x };
-            let pos = a > z;
-            let neg = a < z;
-            sp[i] = sp[i] + select(pos, a, z);
-            sn[i] = sn[i] + select(neg, a, z);
-            qp[i] = qp[i] + select(pos, a * a, z);
-            qn[i] = qn[i] + select(neg, a * a, z);
-            cp += u32::from(pos);
-            cn += u32::from(neg);
-            if MASKED {
-                bad |= bad_value(x) | bad_mask(w);
-            }
+            let (a, b, c, d, p, q, e) = one(vb[i], mb[i]);
+            sp[i] = sp[i] + a;
+            sn[i] = sn[i] + b;
+            qp[i] = qp[i] + c;
+            qn[i] = qn[i] + d;
+            cp += p;
+            cn += q;
+            bad |= e;
         }
         np += cp as usize;
         nn += cn as usize;
