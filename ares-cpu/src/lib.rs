@@ -8,15 +8,16 @@
 //!   a target token and the exact entropy of `softmax(z / temperature)`, from one read of
 //!   the logits with an online max/sum — no `[rows, V]` temporary.
 //!
-//! Not built yet (see the README's status table): the entropy-window / HWE kernel and the
-//! fused masked dynamic KL kernel; until they land, `ares_core::entropy` and `ares_core::kl`
-//! provide the same math one row at a time.
+//! - [`entropy_windows`], [`row_percentile`]: window means, HWE masks, per-row counts, soft
+//!   costs and percentile thresholds (spec §1), row-parallel over `ares_core::entropy`.
 
 mod error;
 mod exp;
 mod log_prob_entropy;
 mod logits;
+mod windows;
 
 pub use error::{Error, Result};
 pub use log_prob_entropy::{LogProbEntropy, log_prob_entropy};
 pub use logits::{Logit, Logits};
+pub use windows::{HweOutputs, WindowSpec, entropy_windows, row_percentile};
