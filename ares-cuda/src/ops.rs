@@ -1,0 +1,472 @@
+//! The token operations on device buffers: argument checks, launch shapes, and error
+//! reporting. Semantics are those of the CPU twins named on each function.
+
+use crate::device::Cuda;
+use crate::error::{DriverContext, Error, Result};
+use ares_core::kl::KlEstimator;
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use half::bf16;
+
+/// Logit element types with a fused log-prob + entropy kernel.
+pub trait LogitElem: DeviceRepr {
+    /// The kernel for this element type.
+    const KERNEL: &'static str;
+}
+impl LogitElem for f32 {
+    const KERNEL: &'static str = "log_prob_entropy_f32";
+}
+impl LogitElem for bf16 {
+    const KERNEL: &'static str = "log_prob_entropy_bf16";
+}
+
+/// Threads per block of the row kernels (one block per row).
+const ROW_BLOCK: u32 = 512;
+/// Threads per block of the per-token window kernel.
+const TOKEN_BLOCK: u32 = 256;
+/// A device null pointer, for optional kernel arguments.
+const NULL: u64 = 0;
+
+fn bad(kernel: &'static str, message: String) -> Error {
+    Error::BadArgument { kernel, message }
+}
+
+fn check_len(kernel: &'static str, what: &str, expected: usize, actual: usize) -> Result<()> {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(bad(
+            kernel,
+            format!("`{what}` has {actual} elements, expected {expected}"),
+        ))
+    }
+}
+
+fn grid_rows(kernel: &'static str, rows: usize) -> Result<u32> {
+    u32::try_from(rows)
+        .ok()
+        .filter(|&r| r <= i32::MAX as u32)
+        .ok_or_else(|| {
+            bad(
+                kernel,
+                format!("{rows} rows exceed the grid limit 2^31 - 1"),
+            )
+        })
+}
+
+fn shape(kernel: &'static str, len: usize, cols: usize) -> Result<usize> {
+    if cols == 0 {
+        return Err(bad(kernel, "`cols` must be >= 1".into()));
+    }
+    if len % cols != 0 {
+        return Err(bad(
+            kernel,
+            format!("{len} elements are not a multiple of cols = {cols}"),
+        ));
+    }
+    Ok(len / cols)
+}
+
+/// The window definition of [`Cuda::entropy_windows`] (spec §1).
+#[derive(Debug, Clone, Copy)]
+pub struct WindowSpec {
+    /// Padded response length (columns of the `[rows, cols]` tensors).
+    pub cols: usize,
+    /// Window size w (default 4).
+    pub window_size: usize,
+    /// `t ..= t+w−1` instead of the following tokens `t+1 ..= t+w`.
+    pub includes_self: bool,
+}
+
+/// Optional HWE outputs of [`Cuda::entropy_windows`].
+pub struct HweOutputs<'a> {
+    /// The threshold τ: HWE iff complete window and `W_t ≥ τ`.
+    pub tau: f32,
+    /// Optional 0/1 trigger-position mask `[rows, cols]` restricting HWE candidates.
+    pub trigger: Option<&'a CudaSlice<f32>>,
+    /// 0/1 HWE mask `[rows, cols]`.
+    pub hwe_mask: &'a mut CudaSlice<f32>,
+    /// Per-row HWE count (`high_entropy_token_num`).
+    pub counts: &'a mut CudaSlice<f32>,
+    /// Per-row soft cost Σ_HWE (W_t − τ).
+    pub soft_cost: &'a mut CudaSlice<f32>,
+}
+
+impl Cuda {
+    /// Fused log-prob + entropy, the twin of `ares_cpu::log_prob_entropy`: per row of
+    /// `logits` (`[rows, vocab]`, rows = `out_entropy.len()`), the entropy of
+    /// `softmax(logits / temperature)` and, with `targets = (ids, out_log_prob)`, the
+    /// log-prob of `ids[row]`. One block per row reads the row once with 16-byte loads.
+    /// Errors name the kernel: bad lengths or temperature, NaN/+∞ or all −∞ rows, target
+    /// ids out of range or with logit −∞.
+    pub fn log_prob_entropy<T: LogitElem>(
+        &mut self,
+        logits: &CudaSlice<T>,
+        vocab: usize,
+        temperature: f32,
+        targets: Option<(&CudaSlice<u32>, &mut CudaSlice<f32>)>,
+        out_entropy: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let kernel = T::KERNEL;
+        if vocab == 0 || vocab > u32::MAX as usize {
+            return Err(bad(
+                kernel,
+                format!("vocab = {vocab} must be in 1..=2^32-1"),
+            ));
+        }
+        let inv_t = 1.0 / temperature;
+        if !(temperature.is_finite() && temperature > 0.0 && inv_t.is_finite()) {
+            return Err(bad(
+                kernel,
+                format!("temperature = {temperature} must be finite and > 0"),
+            ));
+        }
+        let rows = out_entropy.len();
+        check_len(kernel, "logits", rows.saturating_mul(vocab), logits.len())?;
+        if let Some((ids, out)) = &targets {
+            check_len(kernel, "targets", rows, ids.len())?;
+            check_len(kernel, "out_log_prob", rows, out.len())?;
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let grid = grid_rows(kernel, rows)?;
+        self.clear_status(kernel)?;
+        let func = if kernel == "log_prob_entropy_f32" {
+            &self.functions.log_prob_entropy_f32
+        } else {
+            &self.functions.log_prob_entropy_bf16
+        };
+        let vocab_i64 = vocab as i64;
+        let mut launch = self.stream.launch_builder(func);
+        launch.arg(logits).arg(&vocab_i64).arg(&inv_t);
+        let (ids, out_lp) = match targets {
+            Some((ids, out)) => (Some(ids), Some(out)),
+            None => (None, None),
+        };
+        match ids {
+            Some(ids) => launch.arg(ids),
+            None => launch.arg(&NULL),
+        };
+        match out_lp {
+            Some(out) => launch.arg(out),
+            None => launch.arg(&NULL),
+        };
+        launch.arg(out_entropy).arg(&mut self.status);
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (ROW_BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument order and types match the kernel signature in token_kernels.cu;
+        // every buffer length was checked above.
+        unsafe { launch.launch(cfg) }.during(format!("launch {kernel}"))?;
+        match self.read_status(kernel)? {
+            0 => Ok(()),
+            s if s & 1 != 0 => Err(Error::BadData {
+                kernel,
+                message: "a logits row holds NaN or +inf, or every entry is -inf",
+            }),
+            _ => Err(Error::BadData {
+                kernel,
+                message: "a target id is >= vocab or has logit -inf",
+            }),
+        }
+    }
+
+    /// Entropy windows and HWE tokens, the twin of `ares_core::entropy`'s window means and
+    /// HWE mask (spec §1): for `[rows, cols]` entropies and 0/1 mask, `out_means[t]` = mean
+    /// entropy of the window (`t+1 ..= t+w`, or `t ..= t+w−1` with `includes_self`) where
+    /// the window is complete (every position inside the row with mask 1, and mask[t] = 1),
+    /// else 0; `out_valid[t]` = 1/0. With `hwe`, also the HWE mask against τ, per-row counts
+    /// and soft costs.
+    pub fn entropy_windows(
+        &mut self,
+        entropy: &CudaSlice<f32>,
+        mask: &CudaSlice<f32>,
+        spec: WindowSpec,
+        hwe: Option<HweOutputs<'_>>,
+        out_means: &mut CudaSlice<f32>,
+        out_valid: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        const KERNEL: &str = "entropy_windows";
+        let WindowSpec {
+            cols,
+            window_size,
+            includes_self,
+        } = spec;
+        let rows = shape(KERNEL, entropy.len(), cols)?;
+        let n = entropy.len();
+        check_len(KERNEL, "mask", n, mask.len())?;
+        check_len(KERNEL, "out_means", n, out_means.len())?;
+        check_len(KERNEL, "out_valid", n, out_valid.len())?;
+        let window = i32::try_from(window_size)
+            .ok()
+            .filter(|&w| w >= 1)
+            .ok_or_else(|| {
+                bad(
+                    KERNEL,
+                    format!("window_size = {window_size} must be in 1..=2^31-1"),
+                )
+            })?;
+        let col_blocks = u32::try_from(cols.div_ceil(TOKEN_BLOCK as usize))
+            .ok()
+            .filter(|&b| b <= 65_535)
+            .ok_or_else(|| {
+                bad(
+                    KERNEL,
+                    format!("cols = {cols} exceeds {} ", 65_535 * TOKEN_BLOCK),
+                )
+            })?;
+        let grid = grid_rows(KERNEL, rows)?;
+        if let Some(h) = &hwe {
+            if !h.tau.is_finite() {
+                return Err(bad(KERNEL, format!("tau = {} must be finite", h.tau)));
+            }
+            if let Some(t) = h.trigger {
+                check_len(KERNEL, "trigger", n, t.len())?;
+            }
+            check_len(KERNEL, "hwe_mask", n, h.hwe_mask.len())?;
+            check_len(KERNEL, "counts", rows, h.counts.len())?;
+            check_len(KERNEL, "soft_cost", rows, h.soft_cost.len())?;
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let cols_i64 = cols as i64;
+        let includes = i32::from(includes_self);
+        let mut hwe = hwe;
+        if let Some(h) = hwe.as_mut() {
+            self.stream
+                .memset_zeros(h.counts)
+                .during("clearing HWE counts")?;
+            self.stream
+                .memset_zeros(h.soft_cost)
+                .during("clearing HWE soft costs")?;
+        }
+        let tau = hwe.as_ref().map_or(0.0f32, |h| h.tau);
+        let mut launch = self.stream.launch_builder(&self.functions.entropy_windows);
+        launch
+            .arg(entropy)
+            .arg(mask)
+            .arg(&cols_i64)
+            .arg(&window)
+            .arg(&includes)
+            .arg(&tau);
+        match hwe.as_ref().and_then(|h| h.trigger) {
+            Some(t) => launch.arg(t),
+            None => launch.arg(&NULL),
+        };
+        launch.arg(out_means).arg(out_valid);
+        match hwe {
+            Some(h) => launch.arg(h.hwe_mask).arg(h.counts).arg(h.soft_cost),
+            None => launch.arg(&NULL).arg(&NULL).arg(&NULL),
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (grid, col_blocks, 1),
+            block_dim: (TOKEN_BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument order and types match `entropy_windows`; lengths checked above.
+        unsafe { launch.launch(cfg) }.during(format!("launch {KERNEL}"))?;
+        Ok(())
+    }
+
+    /// Per-row percentile thresholds, the twin of `ares_core::entropy`'s response
+    /// thresholds: for each row, the `q`-th percentile (numpy linear interpolation) of the
+    /// window means whose `valid` is 1; rows without one get threshold 0 and `has` 0.
+    /// Rows are sorted in shared memory, so `cols` is limited by the device (32 768 on
+    /// Hopper).
+    pub fn row_percentile(
+        &mut self,
+        means: &CudaSlice<f32>,
+        valid: &CudaSlice<f32>,
+        cols: usize,
+        q: f32,
+        out_threshold: &mut CudaSlice<f32>,
+        out_has: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        const KERNEL: &str = "row_percentile";
+        let rows = shape(KERNEL, means.len(), cols)?;
+        check_len(KERNEL, "valid", means.len(), valid.len())?;
+        check_len(KERNEL, "out_threshold", rows, out_threshold.len())?;
+        check_len(KERNEL, "out_has", rows, out_has.len())?;
+        if !(0.0..=100.0).contains(&q) {
+            return Err(bad(KERNEL, format!("q = {q} must be in [0, 100]")));
+        }
+        let padded = cols.next_power_of_two();
+        let smem = padded * std::mem::size_of::<f32>();
+        if smem > self.info().max_shared_per_block {
+            return Err(bad(
+                KERNEL,
+                format!(
+                    "cols = {cols} needs {smem} bytes of shared memory; this device allows {}",
+                    self.info().max_shared_per_block
+                ),
+            ));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let grid = grid_rows(KERNEL, rows)?;
+        let func = &self.functions.row_percentile;
+        if smem > 48 * 1024 {
+            func.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .during("raising row_percentile's shared memory limit")?;
+        }
+        let (cols_i64, padded_i32) = (cols as i64, padded as i32);
+        let mut launch = self.stream.launch_builder(func);
+        launch
+            .arg(means)
+            .arg(valid)
+            .arg(&cols_i64)
+            .arg(&padded_i32)
+            .arg(&q);
+        launch.arg(out_threshold).arg(out_has);
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // SAFETY: argument order and types match `row_percentile`; lengths checked above.
+        unsafe { launch.launch(cfg) }.during(format!("launch {KERNEL}"))?;
+        Ok(())
+    }
+}
+
+/// Inputs of [`Cuda::masked_dynamic_kl`]; all token tensors are `[rows, cols]`.
+pub struct MaskedKlInputs<'a> {
+    /// log π of the sampled tokens.
+    pub logp: &'a CudaSlice<f32>,
+    /// log π_ref of the same tokens.
+    pub ref_logp: &'a CudaSlice<f32>,
+    /// 0/1 response mask.
+    pub mask: &'a CudaSlice<f32>,
+    /// Optional 0/1 HWE mask: HWE tokens get weight β·low_ratio.
+    pub hwe_mask: Option<&'a CudaSlice<f32>>,
+    /// β per row (the bucket's λ_d under dual ascent, or the fixed/adaptive coefficient).
+    pub beta_rows: &'a CudaSlice<f32>,
+    /// Weight ratio on HWE tokens (default 0.5), in [0, 1].
+    pub low_ratio: f32,
+    /// The per-token estimator.
+    pub estimator: KlEstimator,
+    /// Columns.
+    pub cols: usize,
+}
+
+/// Outputs of [`Cuda::masked_dynamic_kl`].
+pub struct MaskedKlOutputs<'a> {
+    /// Optional per-token k_t (0 on padding).
+    pub kl: Option<&'a mut CudaSlice<f32>>,
+    /// Optional per-token β_t·k_t (0 on padding).
+    pub weighted: Option<&'a mut CudaSlice<f32>>,
+    /// Per-row Σ_t β_t·k_t.
+    pub row_weighted_sum: &'a mut CudaSlice<f32>,
+    /// Per-row mean of k_t over valid tokens (0 for a row without one).
+    pub row_mean_kl: &'a mut CudaSlice<f32>,
+    /// One element: Σ over rows of `row_weighted_sum`, summed in row order.
+    pub total: &'a mut CudaSlice<f32>,
+}
+
+impl Cuda {
+    /// Masked dynamic KL in one launch, the twin of `ares_core::kl::token_kl`: per token
+    /// `k_t` by the estimator, weight `β_t = β_row·(hwe_t ? low_ratio : 1)·mask_t`, per-row
+    /// weighted sums and mean KL, and the deterministic total.
+    pub fn masked_dynamic_kl(
+        &mut self,
+        inputs: MaskedKlInputs<'_>,
+        outputs: MaskedKlOutputs<'_>,
+    ) -> Result<()> {
+        const KERNEL: &str = "masked_dynamic_kl";
+        let MaskedKlInputs {
+            logp,
+            ref_logp,
+            mask,
+            hwe_mask,
+            beta_rows,
+            low_ratio,
+            estimator,
+            cols,
+        } = inputs;
+        let n = logp.len();
+        let rows = shape(KERNEL, n, cols)?;
+        check_len(KERNEL, "ref_logp", n, ref_logp.len())?;
+        check_len(KERNEL, "mask", n, mask.len())?;
+        if let Some(h) = hwe_mask {
+            check_len(KERNEL, "hwe_mask", n, h.len())?;
+        }
+        check_len(KERNEL, "beta_rows", rows, beta_rows.len())?;
+        if !(0.0..=1.0).contains(&low_ratio) {
+            return Err(bad(
+                KERNEL,
+                format!("low_ratio = {low_ratio} must be in [0, 1]"),
+            ));
+        }
+        let MaskedKlOutputs {
+            kl,
+            weighted,
+            row_weighted_sum,
+            row_mean_kl,
+            total,
+        } = outputs;
+        if let Some(k) = &kl {
+            check_len(KERNEL, "kl", n, k.len())?;
+        }
+        if let Some(w) = &weighted {
+            check_len(KERNEL, "weighted", n, w.len())?;
+        }
+        check_len(KERNEL, "row_weighted_sum", rows, row_weighted_sum.len())?;
+        check_len(KERNEL, "row_mean_kl", rows, row_mean_kl.len())?;
+        check_len(KERNEL, "total", 1, total.len())?;
+        if rows == 0 {
+            return self
+                .stream
+                .memset_zeros(total)
+                .during("zeroing the KL total");
+        }
+        let grid = grid_rows(KERNEL, rows)?;
+        let est: i32 = match estimator {
+            KlEstimator::K1 => 0,
+            KlEstimator::Abs => 1,
+            KlEstimator::K2 => 2,
+            KlEstimator::K3 => 3,
+        };
+        let cols_i64 = cols as i64;
+        let mut launch = self
+            .stream
+            .launch_builder(&self.functions.masked_dynamic_kl);
+        launch.arg(logp).arg(ref_logp).arg(mask);
+        match hwe_mask {
+            Some(h) => launch.arg(h),
+            None => launch.arg(&NULL),
+        };
+        launch
+            .arg(beta_rows)
+            .arg(&low_ratio)
+            .arg(&est)
+            .arg(&cols_i64);
+        match kl {
+            Some(k) => launch.arg(k),
+            None => launch.arg(&NULL),
+        };
+        match weighted {
+            Some(w) => launch.arg(w),
+            None => launch.arg(&NULL),
+        };
+        launch
+            .arg(row_weighted_sum)
+            .arg(row_mean_kl)
+            .arg(total)
+            .arg(&mut self.blocks_done);
+        let cfg = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (ROW_BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument order and types match `masked_dynamic_kl`; lengths checked above.
+        unsafe { launch.launch(cfg) }.during(format!("launch {KERNEL}"))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,96 @@
+//! Compiles every kernel source with NVRTC for sm_90, as CUBIN and as PTX, without a GPU.
+//!
+//! Without libnvrtc on the library path the test is skipped with a message, unless
+//! `ARES_REQUIRE_NVRTC=1` (CI sets it), which turns the skip into a failure.
+
+use ares_cuda::kernels::ALL;
+use ares_cuda::nvrtc::{Image, compile_cubin, compile_ptx, kernel_resources, nvrtc_available};
+
+/// ptxas register budget per thread: above it occupancy of these bandwidth-bound kernels
+/// drops; a kernel crossing it must be looked at.
+const MAX_REGISTERS: u32 = 64;
+
+fn nvrtc_or_skip() -> bool {
+    if nvrtc_available() {
+        return true;
+    }
+    let required = std::env::var("ARES_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+    assert!(
+        !required,
+        "ARES_REQUIRE_NVRTC=1 but libnvrtc was not found on LD_LIBRARY_PATH"
+    );
+    eprintln!("skipped: libnvrtc not found (set LD_LIBRARY_PATH; see README 'CUDA')");
+    false
+}
+
+#[test]
+fn every_kernel_compiles_to_sm90_cubin_without_spills() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let (major, minor) = ares_cuda::nvrtc::nvrtc_version().expect("version");
+    eprintln!("NVRTC {major}.{minor}");
+    for src in ALL {
+        let compiled = compile_cubin(src.name, src.code, 90).unwrap_or_else(|e| panic!("{e}"));
+        let Image::Cubin(bytes) = &compiled.image else {
+            panic!("asked for a CUBIN")
+        };
+        assert_eq!(
+            &bytes[..4],
+            b"\x7fELF",
+            "{}: CUBIN is an ELF image",
+            src.name
+        );
+        let resources = kernel_resources(&compiled.log);
+        for kernel in src.kernels {
+            let r = resources
+                .iter()
+                .find(|r| r.kernel == *kernel)
+                .unwrap_or_else(|| panic!("{kernel} missing from ptxas report:\n{}", compiled.log));
+            eprintln!(
+                "{kernel}: {} registers, {} spill bytes",
+                r.registers, r.spill_bytes
+            );
+            assert_eq!(r.spill_bytes, 0, "{kernel} spills registers");
+            assert!(
+                r.registers <= MAX_REGISTERS,
+                "{kernel} uses {} registers",
+                r.registers
+            );
+        }
+    }
+}
+
+#[test]
+fn every_kernel_compiles_to_ptx() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    for src in ALL {
+        let compiled = compile_ptx(src.name, src.code, 90).unwrap_or_else(|e| panic!("{e}"));
+        let Image::Ptx(ptx) = &compiled.image else {
+            panic!("asked for PTX")
+        };
+        for kernel in src.kernels {
+            assert!(
+                ptx.contains(&format!(".entry {kernel}(")),
+                "{kernel} missing from PTX"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_syntax_error_reports_the_nvrtc_log() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    let err = compile_ptx(
+        "broken.cu",
+        "extern \"C\" __global__ void k() { int x = ; }",
+        90,
+    )
+    .expect_err("must not compile");
+    let msg = err.to_string();
+    assert!(msg.contains("broken.cu") && msg.contains("error"), "{msg}");
+}

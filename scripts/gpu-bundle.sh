@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Builds the GPU test and benchmark binaries on this machine (no GPU and no CUDA toolkit
+# needed: CUDA libraries are loaded at run time) and packs them, with a runner, into a
+# folder to copy to a GPU machine that has no Rust toolchain.
+#
+#   scripts/gpu-bundle.sh [DIR]        # default DIR = .gpu (git-ignored)
+#   # on the GPU machine:
+#   DIR/run.sh                          # tests (ARES_REQUIRE_GPU=1), then benchmarks
+#
+# With the `device` tool of this workplace: carry `.gpu` and run `.gpu/run.sh`; results
+# land in $OUT when it is set.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=${1:-.gpu}
+rm -rf "$dir"
+mkdir -p "$dir/bin"
+
+artifacts() {
+  # prints "<kind>-<name> <path>" for every test/bench executable cargo built
+  python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    exe = m.get("executable")
+    if m.get("reason") == "compiler-artifact" and exe and m.get("profile", {}).get("test", True):
+        kind = m["target"]["kind"][0]
+        print(("bench" if kind == "bench" else "test") + "-" + m["target"]["name"], exe)
+'
+}
+
+echo "building GPU tests (release)…"
+cargo test --release -p ares-cuda --no-run --message-format=json 2>/dev/null | artifacts |
+  while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
+echo "building GPU benchmark…"
+cargo bench -p ares-cuda --bench gpu_kernels --no-run --message-format=json 2>/dev/null | artifacts |
+  while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
+cp scripts/torch_token_kernels.py "$dir/"
+
+cat > "$dir/run.sh" <<'RUN'
+#!/usr/bin/env bash
+# Runs the bundled GPU tests and benchmarks. Needs the CUDA driver and NVRTC on the
+# library path; the CUDA toolkit's lib64 is added when present.
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+  [ -d "$d" ] && LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
+done
+export LD_LIBRARY_PATH
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+echo "CUDA libraries found:"
+for lib in libcuda.so.1 libnvrtc.so.13 libnvrtc.so.12 libnvrtc.so; do
+  found=$( (IFS=:; for d in $LD_LIBRARY_PATH; do ls "$d/$lib" 2>/dev/null; done; ldconfig -p | awk -v l="$lib" '$1 == l {print $NF}') | head -1)
+  echo "  $lib -> ${found:-not found}"
+done
+export ARES_REQUIRE_GPU=1 ARES_REQUIRE_NVRTC=1 ARES_KERNEL_CACHE="$here/kernel-cache"
+out=${OUT:-$here}
+status=0
+for t in "$here"/bin/test-*; do
+  echo "== $(basename "$t")"
+  "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/gpu-tests.log" || status=1
+done
+echo "== bench-gpu_kernels"
+ARES_BENCH_OUT="$out/gpu_kernels.jsonl" "$here/bin/bench-gpu_kernels" | tee "$out/gpu_kernels.txt" || status=1
+if python3 -c 'import torch' 2>/dev/null; then
+  echo "== PyTorch baseline"
+  python3 "$here/torch_token_kernels.py" | tee "$out/torch_token_kernels.txt" || status=1
+fi
+exit $status
+RUN
+chmod +x "$dir/run.sh"
+du -sh "$dir"
+ls -la "$dir/bin"
