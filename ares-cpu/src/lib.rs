@@ -10,14 +10,18 @@
 //!
 //! - [`entropy_windows`], [`row_percentile`]: window means, HWE masks, per-row counts, soft
 //!   costs and percentile thresholds (spec §1), row-parallel over `ares_core::entropy`.
+//! - [`masked_dynamic_kl`]: per-token KL, HWE-aware weights, per-row and total weighted
+//!   sums in one pass (spec §4), row-parallel over `ares_core::kl::token_kl`.
 
 mod error;
 mod exp;
+mod kl;
 mod log_prob_entropy;
 mod logits;
 mod windows;
 
 pub use error::{Error, Result};
+pub use kl::{MaskedKlInputs, MaskedKlOutputs, masked_dynamic_kl};
 pub use log_prob_entropy::{LogProbEntropy, log_prob_entropy};
 pub use logits::{Logit, Logits};
 pub use windows::{HweOutputs, WindowSpec, entropy_windows, row_percentile};

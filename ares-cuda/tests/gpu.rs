@@ -160,3 +160,238 @@ fn log_prob_entropy_reports_bad_rows() {
         .expect_err("NaN row");
     assert!(err.to_string().contains("log_prob_entropy_f32"), "{err}");
 }
+
+/// A `[rows, cols]` batch of entropies and prefix masks of random lengths (some empty).
+fn token_batch(rng: &mut Rng, rows: usize, cols: usize) -> (Vec<f32>, Vec<f32>) {
+    let h: Vec<f32> = (0..rows * cols).map(|_| rng.unit() * 2.5).collect();
+    let mut m = vec![0.0f32; rows * cols];
+    for row in m.chunks_exact_mut(cols) {
+        let len = (rng.unit() * (cols + 1) as f32) as usize;
+        row[..len.min(cols)].fill(1.0);
+    }
+    (h, m)
+}
+
+#[test]
+fn entropy_windows_and_hwe_match_cpu() {
+    let Some(mut cuda) = gpu_or_skip() else {
+        return;
+    };
+    let mut rng = Rng(2);
+    for (rows, cols, window, includes_self) in [
+        (3usize, 8usize, 4usize, false),
+        (64, 1000, 4, false),
+        (17, 4096, 7, true),
+        (5, 300, 1, false),
+    ] {
+        let (h, m) = token_batch(&mut rng, rows, cols);
+        let trigger: Vec<f32> = (0..rows * cols)
+            .map(|_| if rng.unit() < 0.7 { 1.0 } else { 0.0 })
+            .collect();
+        let tau = 1.2f32;
+        let n = rows * cols;
+        for use_trigger in [false, true] {
+            let (mut means, mut valid, mut hwe) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+            let (mut counts, mut cost) = (vec![0.0; rows], vec![0.0; rows]);
+            let spec = ares_cpu::WindowSpec {
+                cols,
+                window_size: window,
+                includes_self,
+            };
+            let outs = ares_cpu::HweOutputs {
+                tau,
+                trigger: use_trigger.then_some(trigger.as_slice()),
+                hwe_mask: &mut hwe,
+                counts: &mut counts,
+                soft_cost: &mut cost,
+            };
+            ares_cpu::entropy_windows(&h, &m, spec, Some(outs), &mut means, &mut valid)
+                .expect("cpu");
+
+            let (dh, dm, dt) = (
+                upload(&cuda, &h),
+                upload(&cuda, &m),
+                upload(&cuda, &trigger),
+            );
+            let (mut d_means, mut d_valid, mut d_hwe) =
+                (poisoned(&cuda, n), poisoned(&cuda, n), poisoned(&cuda, n));
+            let (mut d_counts, mut d_cost) = (poisoned(&cuda, rows), poisoned(&cuda, rows));
+            let spec = ares_cuda::WindowSpec {
+                cols,
+                window_size: window,
+                includes_self,
+            };
+            let outs = ares_cuda::HweOutputs {
+                tau,
+                trigger: use_trigger.then_some(&dt),
+                hwe_mask: &mut d_hwe,
+                counts: &mut d_counts,
+                soft_cost: &mut d_cost,
+            };
+            cuda.entropy_windows(&dh, &dm, spec, Some(outs), &mut d_means, &mut d_valid)
+                .expect("gpu");
+            let what = format!(
+                "rows {rows} cols {cols} w {window} self {includes_self} trigger {use_trigger}"
+            );
+            assert_eq!(download(&cuda, &d_valid), valid, "{what}: valid");
+            assert_close(
+                &format!("{what}: means"),
+                &download(&cuda, &d_means),
+                &means,
+                1e-6,
+            );
+            // a mean within rounding of τ may land on either side; count such ties
+            let gpu_hwe = download(&cuda, &d_hwe);
+            let disagree: Vec<usize> = (0..n).filter(|&i| gpu_hwe[i] != hwe[i]).collect();
+            assert!(
+                disagree.iter().all(|&i| (means[i] - tau).abs() < 1e-6),
+                "{what}: HWE differs at {disagree:?}"
+            );
+            if disagree.is_empty() {
+                assert_eq!(download(&cuda, &d_counts), counts, "{what}: counts");
+                assert_close(
+                    &format!("{what}: soft cost"),
+                    &download(&cuda, &d_cost),
+                    &cost,
+                    1e-5,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn row_percentile_matches_cpu() {
+    let Some(mut cuda) = gpu_or_skip() else {
+        return;
+    };
+    let mut rng = Rng(3);
+    for (rows, cols) in [(4usize, 8usize), (33, 1000), (8, 4096), (2, 16_384)] {
+        let (h, m) = token_batch(&mut rng, rows, cols);
+        let n = rows * cols;
+        let (mut means, mut valid) = (vec![0.0; n], vec![0.0; n]);
+        let spec = ares_cpu::WindowSpec {
+            cols,
+            window_size: 4,
+            includes_self: false,
+        };
+        ares_cpu::entropy_windows(&h, &m, spec, None, &mut means, &mut valid).expect("cpu windows");
+        for q in [0.0f32, 50.0, 95.0, 100.0] {
+            let (mut thr, mut has) = (vec![0.0; rows], vec![0.0; rows]);
+            ares_cpu::row_percentile(&means, &valid, cols, q, &mut thr, &mut has).expect("cpu");
+            let (dmeans, dvalid) = (upload(&cuda, &means), upload(&cuda, &valid));
+            let (mut d_thr, mut d_has) = (poisoned(&cuda, rows), poisoned(&cuda, rows));
+            cuda.row_percentile(&dmeans, &dvalid, cols, q, &mut d_thr, &mut d_has)
+                .expect("gpu");
+            let what = format!("rows {rows} cols {cols} q {q}");
+            assert_eq!(download(&cuda, &d_has), has, "{what}: has");
+            assert_close(
+                &format!("{what}: threshold"),
+                &download(&cuda, &d_thr),
+                &thr,
+                1e-6,
+            );
+        }
+    }
+}
+
+#[test]
+fn masked_dynamic_kl_matches_cpu() {
+    use ares_core::kl::KlEstimator;
+    let Some(mut cuda) = gpu_or_skip() else {
+        return;
+    };
+    let mut rng = Rng(4);
+    for (rows, cols) in [(3usize, 5usize), (64, 1000), (16, 4096)] {
+        let n = rows * cols;
+        let (_, m) = token_batch(&mut rng, rows, cols);
+        let logp: Vec<f32> = (0..n).map(|_| -4.0 * rng.unit()).collect();
+        let ref_logp: Vec<f32> = logp.iter().map(|&l| l + (rng.unit() - 0.5) * 3.0).collect();
+        let hwe: Vec<f32> = (0..n)
+            .map(|_| if rng.unit() < 0.2 { 1.0 } else { 0.0 })
+            .collect();
+        let beta: Vec<f32> = (0..rows).map(|_| rng.unit() * 0.01).collect();
+        for estimator in KlEstimator::ALL {
+            let (mut kl, mut w) = (vec![0.0; n], vec![0.0; n]);
+            let (mut sums, mut means) = (vec![0.0; rows], vec![0.0; rows]);
+            let total = ares_cpu::masked_dynamic_kl(
+                ares_cpu::MaskedKlInputs {
+                    logp: &logp,
+                    ref_logp: &ref_logp,
+                    mask: &m,
+                    hwe_mask: Some(&hwe),
+                    beta_rows: &beta,
+                    low_ratio: 0.5,
+                    estimator,
+                    cols,
+                },
+                ares_cpu::MaskedKlOutputs {
+                    kl: Some(&mut kl),
+                    weighted: Some(&mut w),
+                    row_weighted_sum: &mut sums,
+                    row_mean_kl: &mut means,
+                },
+            )
+            .expect("cpu");
+            let (dl, dr, dm, dh, db) = (
+                upload(&cuda, &logp),
+                upload(&cuda, &ref_logp),
+                upload(&cuda, &m),
+                upload(&cuda, &hwe),
+                upload(&cuda, &beta),
+            );
+            let (mut d_kl, mut d_w) = (poisoned(&cuda, n), poisoned(&cuda, n));
+            let (mut d_sums, mut d_means, mut d_total) = (
+                poisoned(&cuda, rows),
+                poisoned(&cuda, rows),
+                poisoned(&cuda, 1),
+            );
+            cuda.masked_dynamic_kl(
+                ares_cuda::MaskedKlInputs {
+                    logp: &dl,
+                    ref_logp: &dr,
+                    mask: &dm,
+                    hwe_mask: Some(&dh),
+                    beta_rows: &db,
+                    low_ratio: 0.5,
+                    estimator,
+                    cols,
+                },
+                ares_cuda::MaskedKlOutputs {
+                    kl: Some(&mut d_kl),
+                    weighted: Some(&mut d_w),
+                    row_weighted_sum: &mut d_sums,
+                    row_mean_kl: &mut d_means,
+                    total: &mut d_total,
+                },
+            )
+            .expect("gpu");
+            let what = format!("rows {rows} cols {cols} {}", estimator.name());
+            assert_close(&format!("{what}: kl"), &download(&cuda, &d_kl), &kl, 1e-5);
+            assert_close(
+                &format!("{what}: weighted"),
+                &download(&cuda, &d_w),
+                &w,
+                1e-5,
+            );
+            assert_close(
+                &format!("{what}: row sums"),
+                &download(&cuda, &d_sums),
+                &sums,
+                1e-5,
+            );
+            assert_close(
+                &format!("{what}: row means"),
+                &download(&cuda, &d_means),
+                &means,
+                1e-5,
+            );
+            assert_close(
+                &format!("{what}: total"),
+                &download(&cuda, &d_total),
+                &[total],
+                1e-5,
+            );
+        }
+    }
+}
