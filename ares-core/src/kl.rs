@@ -24,9 +24,9 @@
 //! cancellation near x = 0, where k3 is O(x²).
 
 use crate::Shape;
-use crate::advantage::lanes::{self, BLOCK, Block, Sum, bad_mask, bad_value, select};
 use crate::error::{Error, Result};
-use crate::num::{cast, check_finite, check_len, check_mask, check_param, to_f64};
+use crate::lanes::{self, BLOCK, Block, Sum, bad_mask, bad_value, select};
+use crate::num::{LN2_HI, LN2_LO, cast, check_finite, check_len, check_mask, check_param, to_f64};
 use num_traits::Float;
 
 /// k3 clamps its exponent x = −δ to `[−K3_EXPONENT_CLAMP, K3_EXPONENT_CLAMP]`.
@@ -196,11 +196,6 @@ impl Estimate for K3 {
         (select(clamped, hi, k), select(clamped, F::zero(), -em1))
     }
 }
-
-/// `ln 2` split so that `n · LN2_HI` is exact for |n| < 2^7 in `f32` and `f64`
-/// (LN2_HI has 16 significant bits).
-const LN2_HI: f64 = 0.693_145_751_953_125;
-const LN2_LO: f64 = 1.428_606_820_309_417_3e-6;
 
 /// `(eˣ − 1 − x, eˣ − 1)` for x ∈ [−12, 3], branch-free.
 ///

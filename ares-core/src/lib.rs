@@ -37,6 +37,7 @@ mod error;
 pub mod filter;
 mod groups;
 pub mod kl;
+mod lanes;
 pub mod length;
 pub mod loss;
 mod num;

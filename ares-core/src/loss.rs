@@ -9,7 +9,8 @@
 //! anything, NaN included, and their gradient outputs are 0.
 
 use crate::error::{Error, Result};
-use crate::num::{cast, check_len, check_param};
+use crate::lanes::{self, BLOCK, Block, bad_value, select};
+use crate::num::{cast, check_len, check_param, exp_bounded};
 use crate::shape::Shape;
 use num_traits::Float;
 
@@ -119,7 +120,7 @@ impl<F: Float> Clip<F> {
         let neg_a = -a;
         // torch.clamp passes the gradient on the closed interval; so do we.
         let live = d >= -self.bound && d <= self.bound;
-        let ratio = d.max(-self.bound).min(self.bound).exp();
+        let ratio = exp_bounded(d.max(-self.bound).min(self.bound));
         let l1 = neg_a * ratio;
         let l2 = neg_a * ratio.max(self.lo).min(self.hi);
         // L2 > L1 implies the clamp changed r, so the selected constant has zero slope.
@@ -467,7 +468,7 @@ impl<F: Float> IsCorrection<F> {
     /// changed it (truncated, clamped or masked).
     #[inline(always)]
     fn weight(&self, d: F, bound: F) -> (F, bool) {
-        let raw = || d.max(-bound).min(bound).exp();
+        let raw = || exp_bounded(d.max(-bound).min(bound));
         match self.mode {
             IsMode::None => (F::one(), false),
             IsMode::Tis => {
@@ -704,10 +705,77 @@ fn first_bad<F: Float>(s: &Streams<'_, F>, r: usize, cols: usize, check_rollout:
     }
 }
 
+/// Per-slot partial sums of one row of [`policy_loss`] (see [`crate::lanes`]: element-wise
+/// updates of accumulator arrays are what the loop vectoriser turns into SIMD code).
+struct Slots<F> {
+    loss: Block<F>,
+    kl: Block<F>,
+    w: Block<F>,
+    clipped: [u32; BLOCK],
+    dual_clipped: [u32; BLOCK],
+    changed: [u32; BLOCK],
+    bad: [u32; BLOCK],
+}
+
+impl<F: Float> Slots<F> {
+    fn new() -> Self {
+        Slots {
+            loss: lanes::zeros(),
+            kl: lanes::zeros(),
+            w: lanes::zeros(),
+            clipped: [0; BLOCK],
+            dual_clipped: [0; BLOCK],
+            changed: [0; BLOCK],
+            bad: [0; BLOCK],
+        }
+    }
+}
+
+/// One token of [`policy_loss`] into slot `i`; returns its `dL/dlogπ` before the row weight.
+/// Padding (mask 0) is computed on whatever it holds and discarded by selects.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn token_into<F: Float, W: Fn(F) -> (F, bool)>(
+    clip: &Clip<F>,
+    is_weight: &W,
+    check_rollout: bool,
+    slots: &mut Slots<F>,
+    i: usize,
+    (lp, lo, a, m, lr): (F, F, F, F, F),
+) -> F {
+    let zero = F::zero();
+    let valid = m != zero;
+    let bad = bad_value(lp) | bad_value(lo) | bad_value(a) | (check_rollout & bad_value(lr));
+    let d = lp - lo;
+    let tok = clip.token(d, a);
+    let (w, changed) = is_weight(lo - lr);
+    if let (Some(loss), Some(kl), Some(ws)) = (
+        slots.loss.get_mut(i),
+        slots.kl.get_mut(i),
+        slots.w.get_mut(i),
+    ) {
+        *loss = *loss + select(valid, w * tok.loss, zero);
+        *kl = *kl - select(valid, d.max(-clip.bound).min(clip.bound), zero);
+        *ws = *ws + select(valid, w, zero);
+    }
+    if let (Some(c), Some(dc), Some(ch), Some(b)) = (
+        slots.clipped.get_mut(i),
+        slots.dual_clipped.get_mut(i),
+        slots.changed.get_mut(i),
+        slots.bad.get_mut(i),
+    ) {
+        *c += u32::from(valid & tok.clipped);
+        *dc += u32::from(valid & tok.dual_clipped);
+        *ch += u32::from(valid & changed);
+        *b |= u32::from(valid & bad);
+    }
+    select(valid, w * tok.grad, zero)
+}
+
 /// The per-row loop of [`policy_loss`]. Each row is processed up to its last valid token
-/// (trailing padding is only zero-filled) without data-dependent branches: padding inside
-/// that span is computed on whatever it holds and then discarded by selects, and
-/// finiteness is accumulated per row and located only when it fails.
+/// (trailing padding is only zero-filled) in blocks of [`BLOCK`] tokens, each token into its
+/// own accumulator slot, without data-dependent branches; finiteness is accumulated per row
+/// and located only when it fails.
 #[inline(always)]
 fn loss_rows<F: Float, W: Fn(F) -> (F, bool)>(
     clip: &Clip<F>,
@@ -718,7 +786,6 @@ fn loss_rows<F: Float, W: Fn(F) -> (F, bool)>(
     is_weight: W,
 ) -> Result<Acc<F>> {
     let cols = plan.cols;
-    let bound: F = cast(LOG_RATIO_CLAMP);
     let zero = F::zero();
     let mut acc = Acc {
         loss: zero,
@@ -744,36 +811,66 @@ fn loss_rows<F: Float, W: Fn(F) -> (F, bool)>(
             continue;
         }
         let weight = plan.row_weight(row_valid(m));
-        let (mut row_loss, mut row_kl, mut row_w) = (zero, zero, zero);
-        let mut ok = true;
-        let toks = lp.iter().zip(lo).zip(adv).zip(m).zip(lr).zip(g.iter_mut());
-        for (((((&lp, &lo), &a), &m), &lr), g) in toks {
-            let valid = m != zero;
-            let finite =
-                lp.is_finite() & lo.is_finite() & a.is_finite() & (!check_rollout | lr.is_finite());
-            ok &= !valid | finite;
-            let d = lp - lo;
-            let tok = clip.token(d, a);
-            let (w, changed) = is_weight(lo - lr);
-            row_loss = row_loss + if valid { w * tok.loss } else { zero };
-            *g = if valid { weight * w * tok.grad } else { zero };
-            row_kl = row_kl
-                - if valid {
-                    d.max(-bound).min(bound)
-                } else {
-                    zero
-                };
-            row_w = row_w + if valid { w } else { zero };
-            acc.clipped += usize::from(valid & tok.clipped);
-            acc.dual_clipped += usize::from(valid & tok.dual_clipped);
-            acc.changed += usize::from(valid & changed);
+        let mut slots = Slots::new();
+        let (lp, lo, adv, m, lr) = (&lp[..end], &lo[..end], &adv[..end], &m[..end], &lr[..end]);
+        let blocks = lp
+            .chunks_exact(BLOCK)
+            .zip(lo.chunks_exact(BLOCK))
+            .zip(adv.chunks_exact(BLOCK))
+            .zip(m.chunks_exact(BLOCK))
+            .zip(lr.chunks_exact(BLOCK))
+            .zip(g.chunks_exact_mut(BLOCK));
+        for (((((lp, lo), a), m), lr), g) in blocks {
+            for (i, (((((&lp, &lo), &a), &m), &lr), g)) in lp
+                .iter()
+                .zip(lo)
+                .zip(a)
+                .zip(m)
+                .zip(lr)
+                .zip(g.iter_mut())
+                .enumerate()
+            {
+                *g = weight
+                    * token_into(
+                        clip,
+                        &is_weight,
+                        check_rollout,
+                        &mut slots,
+                        i,
+                        (lp, lo, a, m, lr),
+                    );
+            }
         }
-        if !ok {
+        let done = end - end % BLOCK;
+        let tail = lp[done..]
+            .iter()
+            .zip(&lo[done..])
+            .zip(&adv[done..])
+            .zip(&m[done..])
+            .zip(&lr[done..]);
+        for (i, ((((&lp, &lo), &a), &m), &lr)) in tail.enumerate() {
+            let gi = token_into(
+                clip,
+                &is_weight,
+                check_rollout,
+                &mut slots,
+                i,
+                (lp, lo, a, m, lr),
+            );
+            if let Some(g) = g.get_mut(done + i) {
+                *g = weight * gi;
+            }
+        }
+        if slots.bad.iter().any(|&b| b != 0) {
             return Err(first_bad(s, r, cols, check_rollout));
         }
-        acc.loss = acc.loss + row_loss * weight;
-        acc.kl = acc.kl + row_kl;
-        acc.w = acc.w + row_w;
+        let count = |c: &[u32; BLOCK]| c.iter().map(|&x| x as usize).sum::<usize>();
+        acc.loss = acc.loss + lanes::total(&slots.loss) * weight;
+        acc.kl = acc.kl + lanes::total(&slots.kl);
+        acc.w = acc.w + lanes::total(&slots.w);
+        acc.clipped += count(&slots.clipped);
+        acc.dual_clipped += count(&slots.dual_clipped);
+        acc.changed += count(&slots.changed);
     }
     Ok(acc)
 }

@@ -38,7 +38,7 @@
 
 mod baseline;
 mod grpo;
-pub(crate) mod lanes;
+
 mod pro_max;
 mod reinforce;
 mod rloo;

@@ -14,13 +14,13 @@
 //!
 //! Padded positions are 0 in every output.
 
-use super::lanes::{self, BLOCK, Block, Sum, bad_mask, bad_value, select};
 use super::rloo::rloo;
 use super::token::{
     EMPTY_ROW, broadcast_row, count_row, locate_row_error, suffix_row, token_error,
 };
 use super::{GroupMoments, ResponseTokens, at, check_group_rewards, group_moments};
 use crate::error::{Error, Result};
+use crate::lanes::{self, BLOCK, Block, Sum, bad_mask, bad_value, select};
 use crate::num::{cast, check_len, check_param};
 use crate::{Groups, Shape};
 use num_traits::Float;

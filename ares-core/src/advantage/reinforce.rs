@@ -1,11 +1,11 @@
 //! REINFORCE++ and REINFORCE++-baseline: token rewards → returns-to-go → batch whitening.
 
-use super::lanes::{self, Moments};
 use super::token::{check_gamma, fold_rtg_row};
 use super::whiten::{WhitenStats, finish, row_moments};
 use super::{ResponseTokens, at, baseline::baseline, check_group_rewards, group_moments};
 use crate::Groups;
 use crate::error::Result;
+use crate::lanes::{self, Moments};
 use crate::num::{check_finite, check_len};
 use num_traits::Float;
 

@@ -6,9 +6,9 @@
 //! wide) recombined by a vectorised second pass that also applies the mask and the fused
 //! validation.
 
-use super::lanes::{self, bad_mask, bad_value};
 use super::{GroupMoments, ResponseTokens};
 use crate::error::{Error, Result};
+use crate::lanes::{self, bad_mask, bad_value};
 use crate::num::{check_finite, check_len, check_mask, check_param};
 use crate::{Groups, Shape};
 use num_traits::Float;

@@ -1,8 +1,8 @@
 //! Masked whitening of token advantages over the whole batch (REINFORCE++).
 
-use super::lanes::{self, BLOCK, Block, Moments, bad_mask, bad_value, select};
 use crate::Shape;
 use crate::error::{Error, Result};
+use crate::lanes::{self, BLOCK, Block, Moments, bad_mask, bad_value, select};
 use crate::num::{cast, check_finite, check_mask};
 use num_traits::Float;
 

@@ -1,5 +1,5 @@
-//! Block-accumulator kernels shared by the O(tokens) passes of [`crate::advantage`] and
-//! [`crate::kl`].
+//! Block-accumulator kernels shared by the O(tokens) passes of [`crate::advantage`],
+//! [`crate::kl`] and [`crate::loss`].
 //!
 //! Floating-point addition is not associative, so LLVM never vectorises a running sum, and
 //! its straight-line (SLP) vectoriser handles hand-unrolled multi-accumulator lanes poorly.
