@@ -28,8 +28,13 @@ for group in sorted(os.listdir(root)):
         nbytes = (meta.get("throughput") or {}).get("Bytes")
         name = meta.get("function_id") or fn
         results[name] = (mean_ns, nbytes)
-    base = next((v for k, v in results.items() if k.endswith("baseline_read")), None)
+    def baseline_for(name):
+        # "f32/fused" pairs with "f32/baseline_read"; plain names with "baseline_read"
+        prefix = name.rsplit("/", 1)[0] + "/" if "/" in name else ""
+        return results.get(prefix + "baseline_read")
+
     for name, (ns, nbytes) in results.items():
+        base = baseline_for(name)
         gbs = nbytes / ns if nbytes else float("nan")
         ratio = base[0] / ns if base else float("nan")
         rows.append((group, name, ns / 1e6, gbs, ratio))

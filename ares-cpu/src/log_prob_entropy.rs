@@ -19,15 +19,17 @@
 //! `H = 0`, `log_prob = 0`.
 
 use crate::error::{Error, Result};
-use crate::exp::{EXP_UNDERFLOW, exp_nonpositive};
+use crate::exp::{EXP_UNDERFLOW, exp_nonpositive, madd};
 use crate::logits::{Logit, Logits};
 use ares_core::Error as CoreError;
 use rayon::prelude::*;
 
-/// SIMD lanes the inner loops are written for (one AVX-512 register of f32).
-const LANES: usize = 16;
+/// Accumulator slots: the inner loops update slot i from element i of each LANES-long
+/// chunk, an element-wise loop the loop vectoriser turns into SIMD code at any width (a
+/// 16-slot version is fully unrolled instead and left scalar).
+const LANES: usize = 64;
 /// Elements per block: the unit of online-max rescaling and of f32 → f64 accumulation.
-pub(crate) const BLOCK: usize = 256;
+pub(crate) const BLOCK: usize = 1024;
 
 /// Log-prob of the target (when one was asked for) and entropy of one row.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -201,23 +203,23 @@ fn row_stats<L: Logit>(row: &[L], inv_t: f32) -> Option<RowStats> {
             return unsafe { row_stats_avx2(row, inv_t) };
         }
     }
-    row_stats_portable(row, inv_t)
+    row_stats_portable::<L, false>(row, inv_t)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 fn row_stats_avx512<L: Logit>(row: &[L], inv_t: f32) -> Option<RowStats> {
-    row_stats_portable(row, inv_t)
+    row_stats_portable::<L, true>(row, inv_t)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn row_stats_avx2<L: Logit>(row: &[L], inv_t: f32) -> Option<RowStats> {
-    row_stats_portable(row, inv_t)
+    row_stats_portable::<L, true>(row, inv_t)
 }
 
 #[inline(always)]
-fn row_stats_portable<L: Logit>(row: &[L], inv_t: f32) -> Option<RowStats> {
+fn row_stats_portable<L: Logit, const FMA: bool>(row: &[L], inv_t: f32) -> Option<RowStats> {
     let mut m = f32::NEG_INFINITY; // running max of z
     let mut s = [0.0f64; LANES]; // Σ e^{z−m}
     let mut u = [0.0f64; LANES]; // Σ e^{z−m}·(z−m)
@@ -225,14 +227,13 @@ fn row_stats_portable<L: Logit>(row: &[L], inv_t: f32) -> Option<RowStats> {
     let mut buf = [0.0f32; BLOCK];
     for chunk in row.chunks(BLOCK) {
         let (head, tail) = buf.split_at_mut(chunk.len());
-        L::load(chunk, head);
+        L::load_scaled(chunk, head, inv_t);
         // Padding with −∞ keeps every block full-width: −∞ adds nothing to S or U.
         tail.fill(f32::NEG_INFINITY);
 
         let mut block_max = [f32::NEG_INFINITY; LANES];
-        for lanes in buf.chunks_exact_mut(LANES) {
-            for ((z, mx), b) in lanes.iter_mut().zip(&mut block_max).zip(&mut bad) {
-                *z *= inv_t;
+        for lanes in buf.chunks_exact(LANES) {
+            for ((z, mx), b) in lanes.iter().zip(&mut block_max).zip(&mut bad) {
                 // A plain compare-select vectorises (f32::max's NaN rule does not); NaN is
                 // caught by the flag: `z < +∞` is false exactly for NaN and +∞.
                 *mx = if *z > *mx { *z } else { *mx };
@@ -260,9 +261,9 @@ fn row_stats_portable<L: Logit>(row: &[L], inv_t: f32) -> Option<RowStats> {
             for ((z, sl), ul) in lanes.iter().zip(&mut sb).zip(&mut ub) {
                 // Clamping keeps d finite for −∞ logits (and for m = −∞), so e·d = 0·d = 0.
                 let d = (*z - m).max(EXP_UNDERFLOW - 1.0);
-                let e = exp_nonpositive(d);
+                let e = exp_nonpositive::<FMA>(d);
                 *sl += e;
-                *ul += e * d;
+                *ul = madd::<FMA>(e, d, *ul);
             }
         }
         for (((sl, ul), b_s), b_u) in s.iter_mut().zip(&mut u).zip(&sb).zip(&ub) {

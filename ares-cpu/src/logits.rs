@@ -4,16 +4,18 @@ use half::{bf16, f16};
 
 /// An element type logits can be stored in. Loading converts a block to f32.
 pub trait Logit: Copy + Send + Sync + 'static {
-    /// Converts `src` into `dst` (same length).
-    fn load(src: &[Self], dst: &mut [f32]);
+    /// Converts `src` into `dst` (same length), multiplied by `scale`.
+    fn load_scaled(src: &[Self], dst: &mut [f32], scale: f32);
     /// One element as f32.
     fn to_f32(self) -> f32;
 }
 
 impl Logit for f32 {
     #[inline(always)]
-    fn load(src: &[f32], dst: &mut [f32]) {
-        dst.copy_from_slice(src);
+    fn load_scaled(src: &[f32], dst: &mut [f32], scale: f32) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = *s * scale;
+        }
     }
     #[inline(always)]
     fn to_f32(self) -> f32 {
@@ -23,10 +25,10 @@ impl Logit for f32 {
 
 impl Logit for bf16 {
     #[inline(always)]
-    fn load(src: &[bf16], dst: &mut [f32]) {
+    fn load_scaled(src: &[bf16], dst: &mut [f32], scale: f32) {
         // bf16 is the upper half of an f32: a shift, which vectorises.
         for (d, s) in dst.iter_mut().zip(src) {
-            *d = f32::from_bits(u32::from(s.to_bits()) << 16);
+            *d = f32::from_bits(u32::from(s.to_bits()) << 16) * scale;
         }
     }
     #[inline(always)]
@@ -37,9 +39,12 @@ impl Logit for bf16 {
 
 impl Logit for f16 {
     #[inline(always)]
-    fn load(src: &[f16], dst: &mut [f32]) {
+    fn load_scaled(src: &[f16], dst: &mut [f32], scale: f32) {
         use half::slice::HalfFloatSliceExt;
         src.convert_to_f32_slice(dst);
+        for d in dst.iter_mut() {
+            *d *= scale;
+        }
     }
     #[inline(always)]
     fn to_f32(self) -> f32 {
