@@ -23,6 +23,46 @@
 //! - Every function either is total or returns [`Result`]; bad input (wrong lengths,
 //!   NaN/∞, masks that are not 0/1, out-of-range parameters, groups of one) is an
 //!   [`Error`] naming the argument and the value. No function panics on any input.
+//!
+//! ## Example
+//!
+//! ARES rewards for one prompt's four samples, then GRPO and REINFORCE Pro Max advantages:
+//!
+//! ```
+//! use ares_core::advantage::{grpo_advantages, reinforce_pro_max, GrpoConfig, ProMaxConfig, ResponseTokens};
+//! use ares_core::difficulty::Difficulty;
+//! use ares_core::shaping::{shaped_reward, ShapingConfig};
+//! use ares_core::{Error, Groups, Shape};
+//!
+//! // rollout results: correctness and HWE token counts; the prompt is "easy", target T = 4
+//! let correct = [true, true, false, true];
+//! let hwe_counts = [12.0, 5.0, 9.0, 4.0];
+//! let cfg = ShapingConfig::<f64>::default();
+//! let mut rewards = [0.0; 4];
+//! for (i, r) in rewards.iter_mut().enumerate() {
+//!     let alpha = 0.5;
+//!     *r = shaped_reward(Difficulty::Easy, correct[i], hwe_counts[i], 4.0, alpha, 0.0, &cfg)?.overall;
+//! }
+//! // correct but far over budget is penalised: 1 − 0.5 (the cap)
+//! assert!((rewards[0] - 0.5).abs() < 1e-12);
+//!
+//! let groups = Groups::contiguous(4, 4)?;
+//! let mut adv = [0.0; 4];
+//! grpo_advantages(&groups, &rewards, &GrpoConfig::default(), &mut adv)?;
+//!
+//! // Pro Max works on padded token tensors [rows, cols] with a 0/1 mask
+//! let mask = [1., 1., 1., 1., 1., 0., 1., 0., 0., 1., 1., 1.];
+//! let tokens = ResponseTokens::new(Shape::new(4, 3), &mask[..]);
+//! let mut token_adv = [0.0; 12];
+//! reinforce_pro_max(&groups, &rewards, tokens, &ProMaxConfig::default(), None, &mut token_adv)?;
+//!
+//! // bad input is an error that names it
+//! let one_per_group = Groups::contiguous(4, 1)?;
+//! let err = grpo_advantages(&one_per_group, &rewards, &GrpoConfig::default(), &mut adv).unwrap_err();
+//! assert_eq!(err, Error::GroupTooSmall { estimator: "grpo", n: 1 });
+//! assert_eq!(err.to_string(), "advantage estimator `grpo` needs at least 2 samples per group, got n = 1");
+//! # Ok::<(), Error>(())
+//! ```
 #![no_std]
 #![forbid(unsafe_code)]
 #![cfg_attr(

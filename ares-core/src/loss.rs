@@ -731,45 +731,48 @@ impl<F: Float> Slots<F> {
     }
 }
 
-/// One token of [`policy_loss`] into slot `i`; returns its `dL/dlogπ` before the row weight.
-/// Padding (mask 0) is computed on whatever it holds and discarded by selects.
-#[allow(clippy::too_many_arguments)]
+/// One block of each token stream: logπ, logπ_old, advantages, mask, logπ_rollout.
+type TokenBlock<'a, F> = (
+    &'a [F; BLOCK],
+    &'a [F; BLOCK],
+    &'a [F; BLOCK],
+    &'a [F; BLOCK],
+    &'a [F; BLOCK],
+);
+
+/// One block of [`BLOCK`] tokens of [`policy_loss`], token i into slot i; writes each
+/// token's `dL/dlogπ` times the row weight. Fixed-size arrays let the compiler see every
+/// index is in range, so the loop vectorises. Padding (mask 0) is computed on whatever it
+/// holds and discarded by selects.
 #[inline(always)]
-fn token_into<F: Float, W: Fn(F) -> (F, bool)>(
+fn block_into<F: Float, W: Fn(F) -> (F, bool)>(
     clip: &Clip<F>,
     is_weight: &W,
     check_rollout: bool,
+    weight: F,
     slots: &mut Slots<F>,
-    i: usize,
-    (lp, lo, a, m, lr): (F, F, F, F, F),
-) -> F {
+    (lp, lo, a, m, lr): TokenBlock<'_, F>,
+    g: &mut [F; BLOCK],
+) {
     let zero = F::zero();
-    let valid = m != zero;
-    let bad = bad_value(lp) | bad_value(lo) | bad_value(a) | (check_rollout & bad_value(lr));
-    let d = lp - lo;
-    let tok = clip.token(d, a);
-    let (w, changed) = is_weight(lo - lr);
-    if let (Some(loss), Some(kl), Some(ws)) = (
-        slots.loss.get_mut(i),
-        slots.kl.get_mut(i),
-        slots.w.get_mut(i),
-    ) {
-        *loss = *loss + select(valid, w * tok.loss, zero);
-        *kl = *kl - select(valid, d.max(-clip.bound).min(clip.bound), zero);
-        *ws = *ws + select(valid, w, zero);
+    for i in 0..BLOCK {
+        let valid = m[i] != zero;
+        let bad = bad_value(lp[i])
+            | bad_value(lo[i])
+            | bad_value(a[i])
+            | (check_rollout & bad_value(lr[i]));
+        let d = lp[i] - lo[i];
+        let tok = clip.token(d, a[i]);
+        let (w, changed) = is_weight(lo[i] - lr[i]);
+        slots.loss[i] = slots.loss[i] + select(valid, w * tok.loss, zero);
+        slots.kl[i] = slots.kl[i] - select(valid, d.max(-clip.bound).min(clip.bound), zero);
+        slots.w[i] = slots.w[i] + select(valid, w, zero);
+        slots.clipped[i] += u32::from(valid & tok.clipped);
+        slots.dual_clipped[i] += u32::from(valid & tok.dual_clipped);
+        slots.changed[i] += u32::from(valid & changed);
+        slots.bad[i] |= u32::from(valid & bad);
+        g[i] = weight * select(valid, w * tok.grad, zero);
     }
-    if let (Some(c), Some(dc), Some(ch), Some(b)) = (
-        slots.clipped.get_mut(i),
-        slots.dual_clipped.get_mut(i),
-        slots.changed.get_mut(i),
-        slots.bad.get_mut(i),
-    ) {
-        *c += u32::from(valid & tok.clipped);
-        *dc += u32::from(valid & tok.dual_clipped);
-        *ch += u32::from(valid & changed);
-        *b |= u32::from(valid & bad);
-    }
-    select(valid, w * tok.grad, zero)
 }
 
 /// The per-row loop of [`policy_loss`]. Each row is processed up to its last valid token
@@ -813,53 +816,54 @@ fn loss_rows<F: Float, W: Fn(F) -> (F, bool)>(
         let weight = plan.row_weight(row_valid(m));
         let mut slots = Slots::new();
         let (lp, lo, adv, m, lr) = (&lp[..end], &lo[..end], &adv[..end], &m[..end], &lr[..end]);
-        let blocks = lp
+        // whole blocks in place, then the tail copied into a block padded with mask 0
+        let whole = end - end % BLOCK;
+        let blocks = lp[..whole]
             .chunks_exact(BLOCK)
-            .zip(lo.chunks_exact(BLOCK))
-            .zip(adv.chunks_exact(BLOCK))
-            .zip(m.chunks_exact(BLOCK))
-            .zip(lr.chunks_exact(BLOCK))
-            .zip(g.chunks_exact_mut(BLOCK));
+            .zip(lo[..whole].chunks_exact(BLOCK))
+            .zip(adv[..whole].chunks_exact(BLOCK))
+            .zip(m[..whole].chunks_exact(BLOCK))
+            .zip(lr[..whole].chunks_exact(BLOCK))
+            .zip(g[..whole].chunks_exact_mut(BLOCK));
         for (((((lp, lo), a), m), lr), g) in blocks {
-            for (i, (((((&lp, &lo), &a), &m), &lr), g)) in lp
-                .iter()
-                .zip(lo)
-                .zip(a)
-                .zip(m)
-                .zip(lr)
-                .zip(g.iter_mut())
-                .enumerate()
-            {
-                *g = weight
-                    * token_into(
-                        clip,
-                        &is_weight,
-                        check_rollout,
-                        &mut slots,
-                        i,
-                        (lp, lo, a, m, lr),
-                    );
+            let arrays = (
+                <&[F; BLOCK]>::try_from(lp),
+                <&[F; BLOCK]>::try_from(lo),
+                <&[F; BLOCK]>::try_from(a),
+                <&[F; BLOCK]>::try_from(m),
+                <&[F; BLOCK]>::try_from(lr),
+                <&mut [F; BLOCK]>::try_from(g),
+            );
+            if let (Ok(lp), Ok(lo), Ok(a), Ok(m), Ok(lr), Ok(g)) = arrays {
+                block_into(
+                    clip,
+                    &is_weight,
+                    check_rollout,
+                    weight,
+                    &mut slots,
+                    (lp, lo, a, m, lr),
+                    g,
+                );
             }
         }
-        let done = end - end % BLOCK;
-        let tail = lp[done..]
-            .iter()
-            .zip(&lo[done..])
-            .zip(&adv[done..])
-            .zip(&m[done..])
-            .zip(&lr[done..]);
-        for (i, ((((&lp, &lo), &a), &m), &lr)) in tail.enumerate() {
-            let gi = token_into(
+        if whole < end {
+            let n = end - whole;
+            let mut tail = [[zero; BLOCK]; 5];
+            for (buf, src) in tail.iter_mut().zip([lp, lo, adv, m, lr]) {
+                buf[..n].copy_from_slice(&src[whole..end]);
+            }
+            let mut g_tail = [zero; BLOCK];
+            let [tlp, tlo, ta, tm, tlr] = &tail;
+            block_into(
                 clip,
                 &is_weight,
                 check_rollout,
+                weight,
                 &mut slots,
-                i,
-                (lp, lo, a, m, lr),
+                (tlp, tlo, ta, tm, tlr),
+                &mut g_tail,
             );
-            if let Some(g) = g.get_mut(done + i) {
-                *g = weight * gi;
-            }
+            g[whole..end].copy_from_slice(&g_tail[..n]);
         }
         if slots.bad.iter().any(|&b| b != 0) {
             return Err(first_bad(s, r, cols, check_rollout));
