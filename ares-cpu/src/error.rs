@@ -35,3 +35,20 @@ pub enum Error {
 
 /// `Result` with [`Error`].
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// Moves the element index of a core error raised on a sub-slice (one row) to its position in
+/// the whole batch, so the message points at the right element.
+pub(crate) fn at_batch_index(e: ares_core::Error, base: usize) -> ares_core::Error {
+    use ares_core::Error as E;
+    match e {
+        E::NonFinite { what, index } => E::NonFinite {
+            what,
+            index: base + index,
+        },
+        E::InvalidMask { what, index } => E::InvalidMask {
+            what,
+            index: base + index,
+        },
+        other => other,
+    }
+}

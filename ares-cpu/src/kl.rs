@@ -1,7 +1,7 @@
 //! Masked dynamic KL over a `[rows, cols]` batch (spec §4): the row-parallel twin of
 //! `ares-cuda`'s `masked_dynamic_kl`, with the math of `ares_core::kl::token_kl` per row.
 
-use crate::error::Result;
+use crate::error::{Result, at_batch_index};
 use ares_core::kl::{KlCoefficient, KlEstimator, TokenKlConfig, TokenKlOutputs, token_kl};
 use ares_core::{Error as CoreError, Shape};
 use rayon::prelude::*;
@@ -135,25 +135,11 @@ pub fn masked_dynamic_kl(inputs: MaskedKlInputs<'_>, outputs: MaskedKlOutputs<'_
                 &cfg,
                 out,
             )
-            .map_err(|e| shift(e, r * cols))?;
+            .map_err(|e| at_batch_index(e, r * cols))?;
             (*wsum, *mean) = (s[0], m[0]);
             Ok::<(), crate::Error>(())
         })?;
     Ok(row_weighted_sum.iter().sum())
-}
-
-fn shift(e: CoreError, base: usize) -> CoreError {
-    match e {
-        CoreError::NonFinite { what, index } => CoreError::NonFinite {
-            what,
-            index: base + index,
-        },
-        CoreError::InvalidMask { what, index } => CoreError::InvalidMask {
-            what,
-            index: base + index,
-        },
-        other => other,
-    }
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //! batch (spec §1): the row-parallel twins of `ares-cuda`'s `entropy_windows` and
 //! `row_percentile`, with the math of `ares_core::entropy` applied to each row.
 
-use crate::error::Result;
+use crate::error::{Result, at_batch_index};
 use ares_core::{Error as CoreError, Shape, entropy};
 use rayon::prelude::*;
 
@@ -33,22 +33,6 @@ pub struct HweOutputs<'a> {
     pub counts: &'a mut [f32],
     /// Per-row soft cost Σ_HWE (W_t − τ).
     pub soft_cost: &'a mut [f32],
-}
-
-/// Moves a row-local element index of a core error to its batch-wide position.
-fn at_row(e: CoreError, row: usize, cols: usize) -> CoreError {
-    let base = row * cols;
-    match e {
-        CoreError::NonFinite { what, index } => CoreError::NonFinite {
-            what,
-            index: base + index,
-        },
-        CoreError::InvalidMask { what, index } => CoreError::InvalidMask {
-            what,
-            index: base + index,
-        },
-        other => other,
-    }
 }
 
 fn rows_of(what: &'static str, len: usize, cols: usize) -> Result<usize> {
@@ -101,7 +85,7 @@ pub fn entropy_windows(
             valid,
         )
         .map(|_| ())
-        .map_err(|e| at_row(e, r, cols).into())
+        .map_err(|e| at_batch_index(e, r * cols).into())
     };
     let outputs = out_means
         .par_chunks_exact_mut(cols)
@@ -129,7 +113,7 @@ pub fn entropy_windows(
             let trig = trigger.map(|t| &t[r * cols..(r + 1) * cols]);
             let (mut c, mut s) = ([0usize], [0.0f32]);
             entropy::hwe(means, valid, row_shape, tau, trig, hwe_row, &mut c, &mut s)
-                .map_err(|e| at_row(e, r, cols))?;
+                .map_err(|e| at_batch_index(e, r * cols))?;
             *count = c[0] as f32;
             *cost = s[0];
             Ok(())
@@ -172,7 +156,7 @@ pub fn row_percentile(
                     &mut t,
                     &mut h,
                 )
-                .map_err(|e| at_row(e, r, cols))?;
+                .map_err(|e| at_batch_index(e, r * cols))?;
                 (*thr, *has) = (t[0], h[0]);
                 Ok(())
             },

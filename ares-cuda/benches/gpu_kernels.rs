@@ -38,8 +38,8 @@ fn main() {
         .stream()
         .alloc_zeros::<bf16>(rows * vocab)
         .expect("alloc copy");
-    let copy_ms = time_ms(&cuda, || {
-        cuda.stream()
+    let copy_ms = time_ms_mut(&mut cuda, |c| {
+        c.stream()
             .memcpy_dtod(&logits, &mut copy_dst)
             .expect("dtod");
     });
@@ -174,29 +174,7 @@ impl Report {
     }
 }
 
-fn time_ms(cuda: &Cuda, mut f: impl FnMut()) -> f64 {
-    let stream = cuda.stream().clone();
-    let ctx = stream.context().clone();
-    f(); // warm-up
-    let mut times: Vec<f64> = (0..REPEATS)
-        .map(|_| {
-            let start = ctx
-                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .expect("event");
-            let end = ctx
-                .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .expect("event");
-            start.record(&stream).expect("record");
-            f();
-            end.record(&stream).expect("record");
-            end.synchronize().expect("sync");
-            f64::from(start.elapsed_ms(&end).expect("elapsed"))
-        })
-        .collect();
-    times.sort_by(f64::total_cmp);
-    times[REPEATS / 2]
-}
-
+/// Median over REPEATS of `f`, timed with CUDA events on the device stream (one warm-up).
 fn time_ms_mut(cuda: &mut Cuda, mut f: impl FnMut(&mut Cuda)) -> f64 {
     let stream = cuda.stream().clone();
     let ctx = stream.context().clone();
