@@ -279,7 +279,7 @@ fn row_valid<F: Float>(mask_row: &[F]) -> usize {
 ///
 /// Errors: lengths ≠ `rows·cols`, mask not 0/1, no valid token ([`Error::Empty`]),
 /// a non-finite value at a valid position.
-pub fn aggregate<F: Float>(values: &[F], mask: &[F], shape: Shape, mode: LossAggMode) -> Result<F> {
+pub fn aggregate<F: Float>(shape: Shape, values: &[F], mask: &[F], mode: LossAggMode) -> Result<F> {
     shape.check("values", values.len())?;
     let plan = AggPlan::new(mask, shape, mode)?;
     let mut total = F::zero();
@@ -314,8 +314,8 @@ pub fn aggregate<F: Float>(values: &[F], mask: &[F], shape: Shape, mode: LossAgg
 ///
 /// Errors: lengths, mask not 0/1, no valid token.
 pub fn aggregate_weights<F: Float>(
-    mask: &[F],
     shape: Shape,
+    mask: &[F],
     mode: LossAggMode,
     weights: &mut [F],
 ) -> Result<()> {
@@ -343,10 +343,10 @@ pub fn aggregate_weights<F: Float>(
 /// Errors: lengths, mask not 0/1, no valid token, non-finite `values` or `grad` at a valid
 /// position (then `grad` is left partly scaled).
 pub fn aggregate_term<F: Float>(
+    shape: Shape,
     values: &[F],
     grad: &mut [F],
     mask: &[F],
-    shape: Shape,
     mode: LossAggMode,
 ) -> Result<F> {
     shape.check("values", values.len())?;
@@ -1012,15 +1012,15 @@ mod tests {
         // 10/4; (6 + 4)/2; (6/3 + 4/1)/2; 10/3
         let want = [2.5, 5.0, 3.0, 10.0 / 3.0];
         for (mode, want) in MODES.into_iter().zip(want) {
-            let got = aggregate(&l, &m, s, mode).unwrap();
+            let got = aggregate(s, &l, &m, mode).unwrap();
             assert!(close(got, want, 1e-12), "{}: {got}", mode.name());
             assert!(close(
-                f64::from(aggregate(&l.map(|x| x as f32), &m.map(|x| x as f32), s, mode).unwrap()),
+                f64::from(aggregate(s, &l.map(|x| x as f32), &m.map(|x| x as f32), mode).unwrap()),
                 want,
                 1e-6
             ));
             let mut w = [0.0; 6];
-            aggregate_weights(&m, s, mode, &mut w).unwrap();
+            aggregate_weights(s, &m, mode, &mut w).unwrap();
             let dot: f64 = w.iter().zip(&l).map(|(w, l)| w * l).sum();
             assert!(close(dot, want, 1e-12));
             assert_eq!(LossAggMode::from_name(mode.name()), Some(mode));
@@ -1034,35 +1034,35 @@ mod tests {
         // row 1 has no valid token and holds NaN padding: ignored
         let l = [1.0, 2.0, f64::NAN, f64::NAN];
         let m = [1.0, 1.0, 0.0, 0.0];
-        assert_eq!(aggregate(&l, &m, s, LossAggMode::SeqMeanTokenSum), Ok(3.0));
-        assert_eq!(aggregate(&l, &m, s, LossAggMode::SeqMeanTokenMean), Ok(1.5));
-        assert_eq!(aggregate(&l, &m, s, LossAggMode::TokenMean), Ok(1.5));
+        assert_eq!(aggregate(s, &l, &m, LossAggMode::SeqMeanTokenSum), Ok(3.0));
+        assert_eq!(aggregate(s, &l, &m, LossAggMode::SeqMeanTokenMean), Ok(1.5));
+        assert_eq!(aggregate(s, &l, &m, LossAggMode::TokenMean), Ok(1.5));
         for mode in MODES {
             assert_eq!(
-                aggregate(&l, &[0.0; 4], s, mode),
+                aggregate(s, &l, &[0.0; 4], mode),
                 Err(Error::Empty { what: "mask" })
             );
         }
         assert_eq!(
-            aggregate::<f64>(&[], &[], Shape::new(3, 0), LossAggMode::TokenMean),
+            aggregate::<f64>(Shape::new(3, 0), &[], &[], LossAggMode::TokenMean),
             Err(Error::Empty { what: "mask" })
         );
         assert_eq!(
-            aggregate(&l, &[1.0, 1.0, 1.0, 0.0], s, LossAggMode::TokenMean),
+            aggregate(s, &l, &[1.0, 1.0, 1.0, 0.0], LossAggMode::TokenMean),
             Err(Error::NonFinite {
                 what: "values",
                 index: 2
             })
         );
         assert_eq!(
-            aggregate(&l, &[1.0, 0.5, 0.0, 0.0], s, LossAggMode::TokenMean),
+            aggregate(s, &l, &[1.0, 0.5, 0.0, 0.0], LossAggMode::TokenMean),
             Err(Error::InvalidMask {
                 what: "mask",
                 index: 1
             })
         );
         assert_eq!(
-            aggregate(&l[..3], &m, s, LossAggMode::TokenMean),
+            aggregate(s, &l[..3], &m, LossAggMode::TokenMean),
             Err(Error::LengthMismatch {
                 what: "values",
                 expected: 4,
@@ -1071,7 +1071,7 @@ mod tests {
         );
         let mut w = [0.0; 3];
         assert!(matches!(
-            aggregate_weights(&m, s, LossAggMode::TokenMean, &mut w),
+            aggregate_weights(s, &m, LossAggMode::TokenMean, &mut w),
             Err(Error::LengthMismatch {
                 what: "weights",
                 ..
@@ -1086,7 +1086,7 @@ mod tests {
         let v = [1.0, 2.0, 3.0, 4.0, 9.0, 9.0];
         let mut g = [1.0, 1.0, 1.0, 6.0, 7.0, 7.0];
         let m = [1.0, 1.0, 1.0, 1.0, 0.0, 0.0];
-        let agg = aggregate_term(&v, &mut g, &m, s, LossAggMode::SeqMeanTokenMean).unwrap();
+        let agg = aggregate_term(s, &v, &mut g, &m, LossAggMode::SeqMeanTokenMean).unwrap();
         assert!(close(agg, 3.0, 1e-12));
         let want = [1.0 / 6.0, 1.0 / 6.0, 1.0 / 6.0, 3.0, 0.0, 0.0];
         for (g, w) in g.iter().zip(want) {
@@ -1094,7 +1094,7 @@ mod tests {
         }
         let mut g = [f64::NAN, 0.0, 0.0, 0.0, 0.0, 0.0];
         assert_eq!(
-            aggregate_term(&v, &mut g, &m, s, LossAggMode::TokenMean),
+            aggregate_term(s, &v, &mut g, &m, LossAggMode::TokenMean),
             Err(Error::NonFinite {
                 what: "grad",
                 index: 0
@@ -1397,7 +1397,7 @@ mod tests {
             let mut g = vec![0.0; logp.len()];
             let out = policy_loss(&input, &cfg, &mut g).unwrap();
             let mut w = vec![0.0; logp.len()];
-            aggregate_weights(&mask, s, agg, &mut w).unwrap();
+            aggregate_weights(s, &mask, agg, &mut w).unwrap();
             let mut want = 0.0;
             for t in 0..logp.len() {
                 let tok = ppo_token_loss(logp[t], logp_old[t], adv[t], &clip).unwrap();
@@ -1418,18 +1418,18 @@ mod tests {
             let s = Shape::new(rows, cols);
             let v = vec![c; mask.len()];
             for agg in [LossAggMode::TokenMean, LossAggMode::SeqMeanTokenMean] {
-                let got = aggregate(&v, &mask, s, agg).unwrap();
+                let got = aggregate(s, &v, &mask, agg).unwrap();
                 prop_assert!((got - c).abs() < 1e-12);
                 let mut w = vec![0.0; mask.len()];
-                aggregate_weights(&mask, s, agg, &mut w).unwrap();
+                aggregate_weights(s, &mask, agg, &mut w).unwrap();
                 prop_assert!((w.iter().sum::<f64>() - 1.0).abs() < 1e-12);
             }
             let valid: f64 = mask.iter().sum();
             let nonempty = mask.chunks(cols).filter(|r| r.contains(&1.0)).count() as f64;
             let mut w = vec![0.0; mask.len()];
-            aggregate_weights(&mask, s, LossAggMode::SeqMeanTokenSum, &mut w).unwrap();
+            aggregate_weights(s, &mask, LossAggMode::SeqMeanTokenSum, &mut w).unwrap();
             prop_assert!((w.iter().sum::<f64>() - valid / nonempty).abs() < 1e-12);
-            aggregate_weights(&mask, s, LossAggMode::SeqMeanTokenSumNorm, &mut w).unwrap();
+            aggregate_weights(s, &mask, LossAggMode::SeqMeanTokenSumNorm, &mut w).unwrap();
             prop_assert!((w.iter().sum::<f64>() - valid / cols as f64).abs() < 1e-12);
         }
     }

@@ -156,13 +156,13 @@ fn entropy_difficulty_shaping_allocate_nothing() {
         token_entropy(&logits, 0.7).unwrap();
         token_log_prob_and_entropy(&logits, 17, 1.0).unwrap();
         window_means(
-            &b.entropy, &b.mask, b.shape, 4, false, &mut means, &mut valid,
+            b.shape, &b.entropy, &b.mask, 4, false, &mut means, &mut valid,
         )
         .unwrap();
         response_thresholds(
+            b.shape,
             &means,
             &valid,
-            b.shape,
             95.0,
             &mut scratch,
             &mut thr,
@@ -175,9 +175,9 @@ fn entropy_difficulty_shaping_allocate_nothing() {
         let mut ema = ThresholdEma::new(0.99).unwrap();
         let tau = ema.update(m).unwrap();
         hwe(
+            b.shape,
             &means,
             &valid,
-            b.shape,
             tau,
             None,
             &mut hwe_mask,
@@ -341,9 +341,9 @@ fn loss_length_filter_rubric_allocate_nothing() {
             LossAggMode::SeqMeanTokenMean,
             LossAggMode::SeqMeanTokenSumNorm,
         ] {
-            aggregate(&advantages, &b.mask, b.shape, mode).unwrap();
-            aggregate_weights(&b.mask, b.shape, mode, &mut weights).unwrap();
-            aggregate_term(&advantages, &mut weights, &b.mask, b.shape, mode).unwrap();
+            aggregate(b.shape, &advantages, &b.mask, mode).unwrap();
+            aggregate_weights(b.shape, &b.mask, mode, &mut weights).unwrap();
+            aggregate_term(b.shape, &advantages, &mut weights, &b.mask, mode).unwrap();
         }
         let input = PolicyLossInput {
             shape: b.shape,

@@ -76,9 +76,9 @@ pub fn entropy_windows(
     let windows = |r: usize, means: &mut [f32], valid: &mut [f32]| -> Result<()> {
         let span = r * cols..(r + 1) * cols;
         entropy::window_means(
+            row_shape,
             &entropy[span.clone()],
             &mask[span],
-            row_shape,
             window_size,
             includes_self,
             means,
@@ -112,7 +112,7 @@ pub fn entropy_windows(
             windows(r, means, valid)?;
             let trig = trigger.map(|t| &t[r * cols..(r + 1) * cols]);
             let (mut c, mut s) = ([0usize], [0.0f32]);
-            entropy::hwe(means, valid, row_shape, tau, trig, hwe_row, &mut c, &mut s)
+            entropy::hwe(row_shape, means, valid, tau, trig, hwe_row, &mut c, &mut s)
                 .map_err(|e| at_batch_index(e, r * cols))?;
             *count = c[0] as f32;
             *cost = s[0];
@@ -148,9 +148,9 @@ pub fn row_percentile(
                 let span = r * cols..(r + 1) * cols;
                 let (mut t, mut h) = ([0.0f32], [0.0f32]);
                 entropy::response_thresholds(
+                    row_shape,
                     &means[span.clone()],
                     &valid[span],
-                    row_shape,
                     q,
                     scratch,
                     &mut t,

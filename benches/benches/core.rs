@@ -134,7 +134,7 @@ fn benches(c: &mut Criterion) {
     });
     g.bench_function("window_means_w4", |b| {
         b.iter(|| {
-            window_means(&d.entropy, mask, d.shape, 4, false, &mut out, &mut out2).expect("windows")
+            window_means(d.shape, &d.entropy, mask, 4, false, &mut out, &mut out2).expect("windows")
         })
     });
     g.finish();
@@ -150,9 +150,9 @@ fn benches(c: &mut Criterion) {
     g.bench_function("response_thresholds_p95", |b| {
         b.iter(|| {
             response_thresholds(
+                d.shape,
                 &means,
                 &valid,
-                d.shape,
                 95.0,
                 &mut scratch,
                 &mut thr,
@@ -172,9 +172,9 @@ fn benches(c: &mut Criterion) {
     g.bench_function("hwe", |b| {
         b.iter(|| {
             hwe(
+                d.shape,
                 &means,
                 &valid,
-                d.shape,
                 1.2,
                 None,
                 &mut out,

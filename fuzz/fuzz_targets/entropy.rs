@@ -74,9 +74,9 @@ fn windows(b: &mut Bytes) {
     let mut means: Vec<f64> = zeros_near(b, n);
     let mut valid: Vec<f64> = zeros_near(b, n);
     let _ = entropy::window_means(
+        shape,
         &h,
         &m,
-        shape,
         window_size,
         includes_self,
         &mut means,
@@ -92,7 +92,7 @@ fn windows(b: &mut Bytes) {
     let mut thr: Vec<f64> = zeros_near(b, rows);
     let mut has: Vec<f64> = zeros_near(b, rows);
     let _ =
-        entropy::response_thresholds(&means, &valid, shape, q, &mut scratch, &mut thr, &mut has);
+        entropy::response_thresholds(shape, &means, &valid, q, &mut scratch, &mut thr, &mut has);
     let mut scratch2: Vec<f64> = zeros_near(b, thr.len());
     let m_batch = entropy::batch_median_threshold(&thr, &has, &mut scratch2);
     let mut ema = entropy::ThresholdEma::new(b.f64()).unwrap_or_default();
@@ -111,9 +111,9 @@ fn windows(b: &mut Bytes) {
     let mut counts: Vec<usize> = zeros_near(b, rows);
     let mut cost: Vec<f64> = zeros_near(b, rows);
     let _ = entropy::hwe(
+        shape,
         &means,
         &valid,
-        shape,
         tau,
         trigger.as_deref(),
         &mut out,
@@ -126,11 +126,11 @@ fn windows(b: &mut Bytes) {
     let m32: Vec<f32> = mask_f64(b, n).iter().map(|&x| x as f32).collect();
     let (mut a, mut v) = (vec![0.0f32; n], vec![0.0f32; n]);
     let ws = b.size(12);
-    let _ = entropy::window_means(&h32, &m32, shape, ws, b.bool(), &mut a, &mut v);
+    let _ = entropy::window_means(shape, &h32, &m32, ws, b.bool(), &mut a, &mut v);
     let (mut o, mut c, mut s) = (vec![0.0f32; n], vec![0usize; rows], vec![0.0f32; rows]);
-    let _ = entropy::hwe(&a, &v, shape, b.f32(), None, &mut o, &mut c, &mut s);
+    let _ = entropy::hwe(shape, &a, &v, b.f32(), None, &mut o, &mut c, &mut s);
     let (mut t, mut hs, mut sc) = (vec![0.0f32; rows], vec![0.0f32; rows], vec![0.0f32; cols]);
-    let _ = entropy::response_thresholds(&a, &v, shape, b.f32(), &mut sc, &mut t, &mut hs);
+    let _ = entropy::response_thresholds(shape, &a, &v, b.f32(), &mut sc, &mut t, &mut hs);
 }
 
 fn order_stats(b: &mut Bytes) {

@@ -100,10 +100,10 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let _ = policy_loss(&input, &config, &mut grad);
 
     let mode = MODES[b.size(3)];
-    let _ = aggregate(&logp, &mask, shape, mode);
-    let _ = aggregate_weights(&mask, shape, mode, &mut grad);
+    let _ = aggregate(shape, &logp, &mask, mode);
+    let _ = aggregate_weights(shape, &mask, mode, &mut grad);
     let mut g2 = adv.clone();
-    let _ = aggregate_term(&logp, &mut g2, &mask, shape, mode);
+    let _ = aggregate_term(shape, &logp, &mut g2, &mask, mode);
 
     let c = clip(&mut b);
     let _ = ppo_token_loss(b.f64(), b.f64(), b.f64(), &c);
@@ -143,7 +143,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         },
     };
     let _ = policy_loss(&input32, &config32, &mut g32);
-    let _ = aggregate(&lp32, &m32, shape, mode);
+    let _ = aggregate(shape, &lp32, &m32, mode);
 
     // names
     let name = core::str::from_utf8(data).unwrap_or("token-mean");

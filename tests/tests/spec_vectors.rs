@@ -62,7 +62,7 @@ fn vector_5_window_entropy() {
     let m = [1.0; 8];
     let shape = Shape::new(1, 8);
     let (mut means, mut valid) = ([0.0; 8], [0.0; 8]);
-    window_means(&h, &m, shape, 4, false, &mut means, &mut valid).unwrap();
+    window_means(shape, &h, &m, 4, false, &mut means, &mut valid).unwrap();
     close(means[1], 0.625, 1e-12, "vector 5: W_1");
     assert_eq!(
         valid,
@@ -71,9 +71,9 @@ fn vector_5_window_entropy() {
     );
     let (mut hwe_mask, mut counts, mut cost) = ([0.0; 8], [0usize; 1], [0.0; 1]);
     hwe(
+        shape,
         &means,
         &valid,
-        shape,
         0.6,
         None,
         &mut hwe_mask,
@@ -179,7 +179,7 @@ fn vector_10_aggregation() {
         (LossAggMode::SeqMeanTokenMean, 3.0),
         (LossAggMode::SeqMeanTokenSumNorm, 3.333_333_3),
     ] {
-        let got = aggregate(&l, &m, s, mode).unwrap();
+        let got = aggregate(s, &l, &m, mode).unwrap();
         close(got, want, 1e-7, &format!("vector 10: {}", mode.name()));
     }
 }

@@ -155,9 +155,9 @@ pub fn median<F: Float>(values: &[F], scratch: &mut [F]) -> Result<F> {
 /// ([`Error::InvalidMask`]); a non-finite mean under a valid window ([`Error::NonFinite`]);
 /// `scratch` shorter than `cols` ([`Error::ScratchTooSmall`]).
 pub fn response_thresholds<F: Float>(
+    shape: Shape,
     window_means: &[F],
     window_valid: &[F],
-    shape: Shape,
     percentile_q: F,
     scratch: &mut [F],
     out_thresholds: &mut [F],
@@ -466,9 +466,9 @@ mod tests {
         let valid = [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0];
         let (mut thr, mut has) = ([7.0; 3], [7.0; 3]);
         let n = response_thresholds(
+            shape,
             &means,
             &valid,
-            shape,
             95.0,
             &mut [0.0; 4],
             &mut thr,
@@ -493,9 +493,9 @@ mod tests {
         // errors
         assert_eq!(
             response_thresholds(
+                shape,
                 &means,
                 &valid,
-                shape,
                 95.0,
                 &mut [0.0; 3],
                 &mut thr,
@@ -509,9 +509,9 @@ mod tests {
         );
         assert!(matches!(
             response_thresholds(
+                shape,
                 &means,
                 &valid,
-                shape,
                 101.0,
                 &mut [0.0; 4],
                 &mut thr,
@@ -524,9 +524,9 @@ mod tests {
         ));
         assert_eq!(
             response_thresholds(
+                shape,
                 &means,
                 &valid,
-                shape,
                 95.0,
                 &mut [0.0; 4],
                 &mut thr[..2],
@@ -541,7 +541,7 @@ mod tests {
         let mut bad = valid;
         bad[10] = 2.0;
         assert_eq!(
-            response_thresholds(&means, &bad, shape, 95.0, &mut [0.0; 4], &mut thr, &mut has),
+            response_thresholds(shape, &means, &bad, 95.0, &mut [0.0; 4], &mut thr, &mut has),
             Err(Error::InvalidMask {
                 what: "window_valid",
                 index: 10
@@ -550,7 +550,7 @@ mod tests {
         let mut bad = means;
         bad[9] = f64::NAN;
         assert_eq!(
-            response_thresholds(&bad, &valid, shape, 95.0, &mut [0.0; 4], &mut thr, &mut has),
+            response_thresholds(shape, &bad, &valid, 95.0, &mut [0.0; 4], &mut thr, &mut has),
             Err(Error::NonFinite {
                 what: "window_means",
                 index: 9

@@ -81,9 +81,9 @@ fn row_error<F: Float>(
 /// `rows × cols` ([`Error::LengthMismatch`]); a mask value other than 0/1
 /// ([`Error::InvalidMask`]); a NaN/±∞ entropy under mask 1 ([`Error::NonFinite`]).
 pub fn window_means<F: Float>(
+    shape: Shape,
     entropies: &[F],
     mask: &[F],
-    shape: Shape,
     window_size: usize,
     window_includes_self: bool,
     out_means: &mut [F],
@@ -296,9 +296,9 @@ fn window_row_any<F: Float>(
 /// ([`Error::NonFinite`]).
 #[allow(clippy::too_many_arguments)]
 pub fn hwe<F: Float>(
+    shape: Shape,
     window_means: &[F],
     window_valid: &[F],
-    shape: Shape,
     tau: F,
     trigger_mask: Option<&[F]>,
     out_hwe_mask: &mut [F],
@@ -457,9 +457,9 @@ mod tests {
         let mask = [1.0; 8];
         let (mut means, mut valid) = ([9.0; 8], [9.0; 8]);
         let n = window_means(
+            Shape::new(1, 8),
             &H5,
             &mask,
-            Shape::new(1, 8),
             4,
             false,
             &mut means,
@@ -479,9 +479,9 @@ mod tests {
         let mut hwe_mask = [9.0; 8];
         let (mut counts, mut cost) = ([9usize], [9.0]);
         let total = hwe(
+            Shape::new(1, 8),
             &means,
             &valid,
-            Shape::new(1, 8),
             0.6,
             None,
             &mut hwe_mask,
@@ -497,9 +497,9 @@ mod tests {
         // a trigger mask keeping only t = 1
         let trig = [0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0];
         let total = hwe(
+            Shape::new(1, 8),
             &means,
             &valid,
-            Shape::new(1, 8),
             0.6,
             Some(&trig[..]),
             &mut hwe_mask,
@@ -518,9 +518,9 @@ mod tests {
         let mask = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0];
         let (mut means, mut valid) = ([0.0; 8], [0.0; 8]);
         let n = window_means(
+            Shape::new(1, 8),
             &H5,
             &mask,
-            Shape::new(1, 8),
             4,
             true,
             &mut means,
@@ -535,15 +535,15 @@ mod tests {
         let mut h = H5;
         h[7] = f64::NAN;
         let n2 =
-            window_means(&h, &mask, Shape::new(1, 8), 4, true, &mut means, &mut valid).unwrap();
+            window_means(Shape::new(1, 8), &h, &mask, 4, true, &mut means, &mut valid).unwrap();
         assert_eq!(n2, 4);
         assert!(means.iter().all(|x| x.is_finite()));
         // a hole at t = 3 breaks every window over it (default offset 1: t − 4 … t − 1)
         let mask = [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0];
         let n = window_means(
+            Shape::new(1, 8),
             &H5,
             &mask,
-            Shape::new(1, 8),
             2,
             false,
             &mut means,
@@ -556,9 +556,9 @@ mod tests {
         // window larger than the row, and usize::MAX (offset overflow)
         for w in [8, usize::MAX] {
             let n = window_means(
+                Shape::new(1, 8),
                 &H5,
                 &[1.0; 8],
-                Shape::new(1, 8),
                 w,
                 false,
                 &mut means,
@@ -570,9 +570,9 @@ mod tests {
         }
         // w = 1 with self: every masked position
         let n = window_means(
+            Shape::new(1, 8),
             &H5,
             &[1.0; 8],
-            Shape::new(1, 8),
             1,
             true,
             &mut means,
@@ -588,16 +588,16 @@ mod tests {
         let h: Vec<f32> = [0.5f32, 1.5, 2.5, 0.0, 3.0, 1.0, 1.0, 1.0].to_vec();
         let m = [1.0f32, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0];
         let (mut means, mut valid) = ([0.0f32; 8], [0.0f32; 8]);
-        let n = window_means(&h, &m, Shape::new(2, 4), 2, false, &mut means, &mut valid).unwrap();
+        let n = window_means(Shape::new(2, 4), &h, &m, 2, false, &mut means, &mut valid).unwrap();
         // row 0: response of 3 tokens, t = 0 → (1.5 + 2.5)/2 = 2; row 1: t = 0, 1 → 1, 1
         assert_eq!(n, 3);
         assert_eq!(means, [2.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0]);
         let mut hm = [0.0f32; 8];
         let (mut c, mut s) = ([0usize; 2], [0.0f32; 2]);
         let total = hwe(
+            Shape::new(2, 4),
             &means,
             &valid,
-            Shape::new(2, 4),
             1.0,
             None,
             &mut hm,
@@ -613,19 +613,19 @@ mod tests {
     fn empty_shapes() {
         let (mut a, mut b) = ([0.0f64; 0], [0.0f64; 0]);
         assert_eq!(
-            window_means(&[], &[], Shape::new(3, 0), 4, false, &mut a, &mut b),
+            window_means(Shape::new(3, 0), &[], &[], 4, false, &mut a, &mut b),
             Ok(0)
         );
         assert_eq!(
-            window_means(&[], &[], Shape::new(0, 5), 4, false, &mut a, &mut b),
+            window_means(Shape::new(0, 5), &[], &[], 4, false, &mut a, &mut b),
             Ok(0)
         );
         let (mut c, mut s) = ([7usize; 3], [7.0; 3]);
         assert_eq!(
             hwe(
-                &[],
-                &[],
                 Shape::new(3, 0),
+                &[],
+                &[],
                 0.5,
                 None,
                 &mut a,
@@ -644,14 +644,14 @@ mod tests {
         let m = [1.0f64; 8];
         let (mut a, mut b) = ([0.0; 8], [0.0; 8]);
         assert!(matches!(
-            window_means(&h, &m, s, 0, false, &mut a, &mut b),
+            window_means(s, &h, &m, 0, false, &mut a, &mut b),
             Err(Error::OutOfRange {
                 what: "window_size",
                 ..
             })
         ));
         assert_eq!(
-            window_means(&h[..7], &m, s, 2, false, &mut a, &mut b),
+            window_means(s, &h[..7], &m, 2, false, &mut a, &mut b),
             Err(Error::LengthMismatch {
                 what: "entropies",
                 expected: 8,
@@ -659,7 +659,7 @@ mod tests {
             })
         );
         assert_eq!(
-            window_means(&h, &m, s, 2, false, &mut a, &mut b[..3]),
+            window_means(s, &h, &m, 2, false, &mut a, &mut b[..3]),
             Err(Error::LengthMismatch {
                 what: "out_valid",
                 expected: 8,
@@ -669,7 +669,7 @@ mod tests {
         let mut bad_m = m;
         bad_m[6] = 0.5;
         assert_eq!(
-            window_means(&h, &bad_m, s, 2, false, &mut a, &mut b),
+            window_means(s, &h, &bad_m, 2, false, &mut a, &mut b),
             Err(Error::InvalidMask {
                 what: "mask",
                 index: 6
@@ -678,7 +678,7 @@ mod tests {
         let mut bad_h = h;
         bad_h[5] = f64::INFINITY;
         assert_eq!(
-            window_means(&bad_h, &m, s, 2, false, &mut a, &mut b),
+            window_means(s, &bad_h, &m, 2, false, &mut a, &mut b),
             Err(Error::NonFinite {
                 what: "entropies",
                 index: 5
@@ -686,11 +686,11 @@ mod tests {
         );
         let (mut c, mut sc) = ([0usize; 2], [0.0; 2]);
         assert!(matches!(
-            hwe(&h, &m, s, f64::NAN, None, &mut a, &mut c, &mut sc),
+            hwe(s, &h, &m, f64::NAN, None, &mut a, &mut c, &mut sc),
             Err(Error::OutOfRange { what: "tau", .. })
         ));
         assert_eq!(
-            hwe(&h, &m, s, 0.1, None, &mut a, &mut c[..1], &mut sc),
+            hwe(s, &h, &m, 0.1, None, &mut a, &mut c[..1], &mut sc),
             Err(Error::LengthMismatch {
                 what: "out_counts",
                 expected: 2,
@@ -698,21 +698,21 @@ mod tests {
             })
         );
         assert_eq!(
-            hwe(&h, &m, s, 0.1, Some(&bad_m[..]), &mut a, &mut c, &mut sc),
+            hwe(s, &h, &m, 0.1, Some(&bad_m[..]), &mut a, &mut c, &mut sc),
             Err(Error::InvalidMask {
                 what: "trigger_mask",
                 index: 6
             })
         );
         assert_eq!(
-            hwe(&h, &bad_m, s, 0.1, None, &mut a, &mut c, &mut sc),
+            hwe(s, &h, &bad_m, 0.1, None, &mut a, &mut c, &mut sc),
             Err(Error::InvalidMask {
                 what: "window_valid",
                 index: 6
             })
         );
         assert_eq!(
-            hwe(&bad_h, &m, s, 0.1, None, &mut a, &mut c, &mut sc),
+            hwe(s, &bad_h, &m, 0.1, None, &mut a, &mut c, &mut sc),
             Err(Error::NonFinite {
                 what: "window_means",
                 index: 5
@@ -721,7 +721,7 @@ mod tests {
         // a non-finite mean under window_valid = 0 is ignored
         let mut v0 = m;
         v0[5] = 0.0;
-        assert!(hwe(&bad_h, &v0, s, 0.1, None, &mut a, &mut c, &mut sc).is_ok());
+        assert!(hwe(s, &bad_h, &v0, 0.1, None, &mut a, &mut c, &mut sc).is_ok());
     }
 
     fn batch() -> impl Strategy<Value = (usize, usize, Vec<f64>, Vec<f64>)> {
@@ -744,7 +744,7 @@ mod tests {
         ) {
             let shape = Shape::new(rows, cols);
             let (mut means, mut valid) = (vec![f64::NAN; h.len()], vec![f64::NAN; h.len()]);
-            let n = window_means(&h, &m, shape, w, incl, &mut means, &mut valid).unwrap();
+            let n = window_means(shape, &h, &m, w, incl, &mut means, &mut valid).unwrap();
             let (rm, rv) = naive(&h, &m, cols, w, incl);
             prop_assert_eq!(&means, &rm);
             prop_assert_eq!(&valid, &rv);
@@ -770,12 +770,12 @@ mod tests {
         ) {
             let shape = Shape::new(rows, cols);
             let (mut means, mut valid) = (vec![0.0; h.len()], vec![0.0; h.len()]);
-            let windows = window_means(&h, &m, shape, w, false, &mut means, &mut valid).unwrap();
+            let windows = window_means(shape, &h, &m, w, false, &mut means, &mut valid).unwrap();
             // reuse the token mask as a trigger mask
             let trigger = if trig { Some(&m[..]) } else { None };
             let mut out = vec![f64::NAN; h.len()];
             let (mut c, mut s) = (vec![9; rows], vec![f64::NAN; rows]);
-            let total = hwe(&means, &valid, shape, tau, trigger, &mut out, &mut c, &mut s).unwrap();
+            let total = hwe(shape, &means, &valid, tau, trigger, &mut out, &mut c, &mut s).unwrap();
             prop_assert!(total <= windows);
             prop_assert_eq!(total, c.iter().sum::<usize>());
             for r in 0..rows {
