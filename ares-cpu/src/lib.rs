@@ -18,6 +18,7 @@ mod exp;
 mod kl;
 mod log_prob_entropy;
 mod logits;
+pub mod ops;
 mod windows;
 
 pub use error::{Error, Result};
