@@ -19,7 +19,7 @@
 //! `H = 0`, `log_prob = 0`.
 
 use crate::error::{Error, Result};
-use crate::exp::{EXP_UNDERFLOW, exp_nonpositive, madd};
+use crate::exp::{EXP2_UNDERFLOW, exp2_nonpositive, madd};
 use crate::logits::{Logit, Logits};
 use ares_core::Error as CoreError;
 use rayon::prelude::*;
@@ -157,7 +157,8 @@ fn row_result<L: Logit>(
     let log_prob = match target {
         None => None,
         Some(id) => {
-            let z = row
+            // the same f32 product the kernel formed, in base-2 units
+            let y = row
                 .get(id as usize)
                 .ok_or(Error::TargetOutOfRange {
                     row: r,
@@ -165,13 +166,13 @@ fn row_result<L: Logit>(
                     vocab: row.len(),
                 })?
                 .to_f32()
-                * inv_t;
-            if z == f32::NEG_INFINITY {
+                * (inv_t * LOG2E);
+            if y == f32::NEG_INFINITY {
                 return Err(Error::ImpossibleTarget { row: r, id });
             }
-            // (z − m) first: both are large for big logits and their difference is exact,
+            // (y − m) first: both are large for big logits and their difference is exact,
             // where z − lse would round lse to the ulp of |z|.
-            Some(((f64::from(z) - f64::from(stats.max)) - stats.ln_sum) as f32)
+            Some((LN2 * (f64::from(y) - f64::from(stats.max2)) - stats.ln_sum) as f32)
         }
     };
     Ok(LogProbEntropy {
@@ -180,13 +181,16 @@ fn row_result<L: Logit>(
     })
 }
 
-/// Row statistics: `lse = max + ln_sum`.
+/// Row statistics in base-2 units `y = z·log₂e`: `lse = ln 2·max2 + ln_sum`.
 #[derive(Clone, Copy)]
 struct RowStats {
-    max: f32,
+    max2: f32,
     ln_sum: f64,
     entropy: f32,
 }
+
+const LOG2E: f32 = core::f32::consts::LOG2_E;
+const LN2: f64 = core::f64::consts::LN_2;
 
 /// The [`RowStats`] of one row, or `None` for NaN/+∞ entries or an all −∞ row. Picks the
 /// widest SIMD the CPU has at run time; every variant runs the same code.
@@ -220,14 +224,15 @@ fn row_stats_avx2<L: Logit>(row: &[L], inv_t: f32) -> Option<RowStats> {
 
 #[inline(always)]
 fn row_stats_portable<L: Logit, const FMA: bool>(row: &[L], inv_t: f32) -> Option<RowStats> {
-    let mut m = f32::NEG_INFINITY; // running max of z
-    let mut s = [0.0f64; LANES]; // Σ e^{z−m}
-    let mut u = [0.0f64; LANES]; // Σ e^{z−m}·(z−m)
+    let mut m = f32::NEG_INFINITY; // running max of y = z·log₂e
+    let mut s = [0.0f64; LANES]; // Σ 2^{y−m}
+    let mut u = [0.0f64; LANES]; // Σ 2^{y−m}·(y−m)
     let mut bad = [0u32; LANES]; // nonzero once NaN or +∞ was seen
     let mut buf = [0.0f32; BLOCK];
     for chunk in row.chunks(BLOCK) {
         let (head, tail) = buf.split_at_mut(chunk.len());
-        L::load_scaled(chunk, head, inv_t);
+        // base 2 (y = z·log₂e): the exponential becomes 2^(y−m), whose range reduction is exact
+        L::load_scaled(chunk, head, inv_t * LOG2E);
         // Padding with −∞ keeps every block full-width: −∞ adds nothing to S or U.
         tail.fill(f32::NEG_INFINITY);
 
@@ -246,7 +251,7 @@ fn row_stats_portable<L: Logit, const FMA: bool>(row: &[L], inv_t: f32) -> Optio
         if bm > m {
             if m > f32::NEG_INFINITY {
                 let shift = f64::from(m) - f64::from(bm);
-                let c = shift.exp();
+                let c = shift.exp2();
                 for (sl, ul) in s.iter_mut().zip(&mut u) {
                     *ul = c * (*ul + shift * *sl);
                     *sl *= c;
@@ -260,8 +265,8 @@ fn row_stats_portable<L: Logit, const FMA: bool>(row: &[L], inv_t: f32) -> Optio
         for lanes in buf.chunks_exact(LANES) {
             for ((z, sl), ul) in lanes.iter().zip(&mut sb).zip(&mut ub) {
                 // Clamping keeps d finite for −∞ logits (and for m = −∞), so e·d = 0·d = 0.
-                let d = (*z - m).max(EXP_UNDERFLOW - 1.0);
-                let e = exp_nonpositive::<FMA>(d);
+                let d = (*z - m).max(EXP2_UNDERFLOW - 1.0);
+                let e = exp2_nonpositive::<FMA>(d);
                 *sl += e;
                 *ul = madd::<FMA>(e, d, *ul);
             }
@@ -277,10 +282,11 @@ fn row_stats_portable<L: Logit, const FMA: bool>(row: &[L], inv_t: f32) -> Optio
     let s_total: f64 = s.iter().sum();
     let u_total: f64 = u.iter().sum();
     let ln_sum = s_total.ln();
-    // True entropy is ≥ 0; rounding can leave −1e−9 on one-hot rows.
-    let entropy = (ln_sum - u_total / s_total).max(0.0) as f32;
+    // H = ln S − ln 2·U/S (U is in base-2 units). True entropy is ≥ 0; rounding can leave
+    // −1e−9 on one-hot rows.
+    let entropy = (ln_sum - LN2 * u_total / s_total).max(0.0) as f32;
     Some(RowStats {
-        max: m,
+        max2: m,
         ln_sum,
         entropy,
     })
