@@ -1,0 +1,688 @@
+//! Causal grouped-query attention (GQA) for Qwen2/Qwen3/Llama, as Hugging Face computes it
+//! with `scaled_dot_product_attention`, a causal mask and a padding `attention_mask`:
+//! training forward and backward side by side, and forward-only decode over a KV cache.
+//!
+//! For query token `t` of sequence `b` and query head `h` (kv head `g = h / (Hq/Hkv)`):
+//!
+//! ```text
+//! s_ts  = scale · q[b,t,h,:] · k[b,s,g,:]        for keys s ∈ K(b,t) = { s ≤ t : mask[b,s] = 1 }
+//! p_ts  = exp(s_ts − lse_t),  lse_t = log Σ_{s∈K} exp(s_ts)
+//! out[b,t,h,:] = Σ_{s∈K} p_ts · v[b,s,g,:]
+//! ```
+//!
+//! Layouts (row-major f32, tokens flattened as the q/k/v projections emit them):
+//! q and out `[B, T, Hq, D]`, k and v `[B, T, Hkv, D]`, key mask `[B, T]` (0/1, the
+//! `attention_mask` of Hugging Face; `None` = every key valid), lse `[B, T, Hq]`.
+//! `scale` defaults to `1/√D`.
+//!
+//! A query's own mask value does not matter, only which keys it may see, so right padding
+//! (training) gives every query a normal row, as in Hugging Face. A query with no valid key
+//! (a left-padding position) gets output 0, lse `−∞` and zero gradients, never NaN; Hugging
+//! Face returns an arbitrary finite row there. Such positions are discarded by the caller
+//! anyway, so the difference is harmless. A NaN or ±∞ score makes its row NaN (PyTorch
+//! would propagate it too).
+//!
+//! Saved for backward: only lse `[B, T, Hq]` (4·B·T·Hq bytes, nothing quadratic in T), plus
+//! the forward output the caller keeps anyway for the output projection. Backward
+//! recomputes the probabilities (FlashAttention-style): one more `q·k` per (query, key)
+//! pair in exchange for not storing `[B, Hq, T, T]`.
+//!
+//! Work is split over (batch, token, head) rows with rayon, so decode with one sequence
+//! and one token still runs its heads in parallel; rows are written to disjoint chunks
+//! without locks. Dot products use eight f32 lanes and softmax denominators eight f64
+//! lanes, so both vectorise.
+
+use crate::Result;
+use crate::exp::exp_nonpositive;
+use ares_core::{Error as CoreError, Shape};
+use rayon::prelude::*;
+
+/// Sizes of an attention call: `batch` sequences of `seq` tokens, `q_heads` query heads
+/// and `kv_heads` key/value heads of `head_dim` each; logits are `scale · q·k`.
+///
+/// For [`attention_decode`] `seq` is the number of new query tokens per sequence, for
+/// [`kv_cache_append`] the number of new key/value tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionShape {
+    /// `B`, sequences in the batch.
+    pub batch: usize,
+    /// `T`, tokens per sequence (padded length).
+    pub seq: usize,
+    /// `Hq`, query heads; a multiple of `kv_heads`.
+    pub q_heads: usize,
+    /// `Hkv`, key/value heads.
+    pub kv_heads: usize,
+    /// `D`, features per head.
+    pub head_dim: usize,
+    /// Multiplier of the dot products, finite and > 0; `1/√D` from [`AttentionShape::new`].
+    pub scale: f32,
+}
+
+impl AttentionShape {
+    /// A shape with the standard scale `1/√head_dim` (Hugging Face's `head_dim ** -0.5`).
+    pub fn new(batch: usize, seq: usize, q_heads: usize, kv_heads: usize, head_dim: usize) -> Self {
+        // Computed in f64 and rounded once, as Python's float is rounded to the tensor dtype.
+        let scale = (1.0 / (head_dim as f64).sqrt()) as f32;
+        AttentionShape {
+            batch,
+            seq,
+            q_heads,
+            kv_heads,
+            head_dim,
+            scale,
+        }
+    }
+
+    /// The same shape with another logit scale (e.g. a model's `query_pre_attn_scalar`).
+    pub fn with_scale(self, scale: f32) -> Self {
+        AttentionShape { scale, ..self }
+    }
+
+    /// Elements of q or out, `B·T·Hq·D`.
+    pub fn q_len(&self) -> Result<usize> {
+        numel(&[self.batch, self.seq, self.q_heads, self.head_dim])
+    }
+
+    /// Elements of k or v, `B·T·Hkv·D`.
+    pub fn kv_len(&self) -> Result<usize> {
+        numel(&[self.batch, self.seq, self.kv_heads, self.head_dim])
+    }
+
+    /// Elements of the saved lse, `B·T·Hq`.
+    pub fn lse_len(&self) -> Result<usize> {
+        numel(&[self.batch, self.seq, self.q_heads])
+    }
+
+    /// Validates the head configuration and computes the derived sizes.
+    fn dims(&self) -> Result<Dims> {
+        for (what, n) in [
+            ("q_heads", self.q_heads),
+            ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+        ] {
+            if n == 0 {
+                return Err(CoreError::OutOfRange {
+                    what,
+                    value: 0.0,
+                    expected: ">= 1",
+                }
+                .into());
+            }
+        }
+        if self.q_heads % self.kv_heads != 0 {
+            return Err(CoreError::NotDivisible {
+                what: "q_heads",
+                len: self.q_heads,
+                n: self.kv_heads,
+            }
+            .into());
+        }
+        if !(self.scale.is_finite() && self.scale > 0.0) {
+            return Err(CoreError::OutOfRange {
+                what: "scale",
+                value: f64::from(self.scale),
+                expected: "finite and > 0",
+            }
+            .into());
+        }
+        Ok(Dims {
+            b: self.batch,
+            t: self.seq,
+            hq: self.q_heads,
+            hkv: self.kv_heads,
+            d: self.head_dim,
+            group: self.q_heads / self.kv_heads,
+            scale: self.scale,
+            q_len: self.q_len()?,
+            kv_len: self.kv_len()?,
+            lse_len: self.lse_len()?,
+        })
+    }
+}
+
+/// Validated sizes, shorthand for the kernels.
+#[derive(Debug, Clone, Copy)]
+struct Dims {
+    b: usize,
+    t: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    /// Query heads per kv head.
+    group: usize,
+    scale: f32,
+    q_len: usize,
+    kv_len: usize,
+    lse_len: usize,
+}
+
+/// The inputs of [`attention_forward`] and [`attention_backward`].
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionInputs<'a> {
+    /// Queries `[B, T, Hq, D]` (after RoPE).
+    pub q: &'a [f32],
+    /// Keys `[B, T, Hkv, D]` (after RoPE).
+    pub k: &'a [f32],
+    /// Values `[B, T, Hkv, D]`.
+    pub v: &'a [f32],
+    /// 0/1 key validity `[B, T]` (Hugging Face's `attention_mask`); `None`: all valid.
+    pub key_mask: Option<&'a [f32]>,
+}
+
+impl AttentionInputs<'_> {
+    fn check(&self, dims: &Dims) -> Result<()> {
+        check_len("q", dims.q_len, self.q.len())?;
+        check_len("k", dims.kv_len, self.k.len())?;
+        check_len("v", dims.kv_len, self.v.len())?;
+        if let Some(m) = self.key_mask {
+            Shape::new(dims.b, dims.t).check_mask("key_mask", m)?;
+        }
+        Ok(())
+    }
+}
+
+/// The gradients written by [`attention_backward`], shaped like q, k and v.
+#[derive(Debug)]
+pub struct AttentionGrads<'a> {
+    /// `∂L/∂q`, `[B, T, Hq, D]`.
+    pub dq: &'a mut [f32],
+    /// `∂L/∂k`, `[B, T, Hkv, D]`, summed over the query heads of each kv head.
+    pub dk: &'a mut [f32],
+    /// `∂L/∂v`, `[B, T, Hkv, D]`, summed over the query heads of each kv head.
+    pub dv: &'a mut [f32],
+}
+
+/// Causal GQA forward: `out[b,t,h] = Σ_{s ≤ t, mask[b,s]=1} softmax_s(scale·q·k_s) · v_s`
+/// (module docs for the full formula and layouts).
+///
+/// Writes `out` `[B, T, Hq, D]` and the row log-sum-exp `lse` `[B, T, Hq]` that
+/// [`attention_backward`] needs. Rows without a valid key get `out = 0`, `lse = −∞`.
+///
+/// # Errors
+/// A zero head count or head size, `q_heads` not a multiple of `kv_heads`, a scale that is
+/// not finite and positive, a length not matching the shape (named after the argument),
+/// or a key mask value other than 0 and 1.
+pub fn attention_forward(
+    shape: &AttentionShape,
+    inputs: AttentionInputs<'_>,
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<()> {
+    let dims = shape.dims()?;
+    inputs.check(&dims)?;
+    check_len("out", dims.q_len, out.len())?;
+    check_len("lse", dims.lse_len, lse.len())?;
+    if dims.q_len == 0 {
+        return Ok(());
+    }
+    let ones;
+    let mask = match inputs.key_mask {
+        Some(m) => m,
+        None => {
+            ones = vec![1.0f32; dims.b * dims.t];
+            &ones
+        }
+    };
+    let Dims { t, hq, d, .. } = dims;
+    out.par_chunks_mut(d)
+        .zip(lse.par_iter_mut())
+        .zip(inputs.q.par_chunks(d))
+        .enumerate()
+        .for_each_init(
+            || vec![0.0f32; t],
+            |scores, (i, ((o, l), q))| {
+                // Row i is (b, token, h) of [B, T, Hq].
+                let (row, h) = (i / hq, i % hq);
+                let (b, tok) = (row / t, row % t);
+                let keys = KeySeq::new(&dims, inputs.k, inputs.v, mask, b, t);
+                *l = attend(q, keys, h / dims.group, tok + 1, dims.scale, scores, o);
+            },
+        );
+    Ok(())
+}
+
+/// Causal GQA backward: from `dout = ∂L/∂out` writes `dq`, `dk`, `dv`.
+///
+/// With `p_ts` recomputed as `exp(scale·q_t·k_s − lse_t)` and `δ_t = dout_t · out_t`:
+/// `ds_ts = p_ts·(dout_t·v_s − δ_t)`, `dq_t = scale·Σ_s ds_ts·k_s`,
+/// `dk_s = scale·Σ_{h in group, t ≥ s} ds_ts·q_t`, `dv_s = Σ_{h in group, t ≥ s} p_ts·dout_t`.
+///
+/// `out` and `lse` are what [`attention_forward`] wrote for the same inputs. The
+/// gradients are written, not accumulated: each of q, k and v feeds attention only, so
+/// there is nothing to add to and no buffer to zero first. Rows with `lse = −∞` (no valid
+/// key) and masked keys get zero gradients. Runs in two row-parallel passes, one over
+/// query rows (dq) and one over key rows (dk, dv), so no two threads write one element.
+///
+/// # Errors
+/// As [`attention_forward`], and for `out`, `lse`, `dout`, `dq`, `dk`, `dv` lengths.
+pub fn attention_backward(
+    shape: &AttentionShape,
+    inputs: AttentionInputs<'_>,
+    out: &[f32],
+    lse: &[f32],
+    dout: &[f32],
+    grads: AttentionGrads<'_>,
+) -> Result<()> {
+    let dims = shape.dims()?;
+    inputs.check(&dims)?;
+    check_len("out", dims.q_len, out.len())?;
+    check_len("lse", dims.lse_len, lse.len())?;
+    check_len("dout", dims.q_len, dout.len())?;
+    let AttentionGrads { dq, dk, dv } = grads;
+    check_len("dq", dims.q_len, dq.len())?;
+    check_len("dk", dims.kv_len, dk.len())?;
+    check_len("dv", dims.kv_len, dv.len())?;
+    if dims.q_len == 0 {
+        return Ok(());
+    }
+    let ones;
+    let mask = match inputs.key_mask {
+        Some(m) => m,
+        None => {
+            ones = vec![1.0f32; dims.b * dims.t];
+            &ones
+        }
+    };
+    let Dims {
+        t,
+        hq,
+        hkv,
+        d,
+        group,
+        scale,
+        ..
+    } = dims;
+    let AttentionInputs { q, k, v, .. } = inputs;
+
+    // δ_t = dout_t · out_t = Σ_s p_ts·(dout_t·v_s): the softmax Jacobian's shared term.
+    let mut delta = Vec::with_capacity(dims.lse_len);
+    dout.par_chunks(d)
+        .zip(out.par_chunks(d))
+        .map(|(g, o)| dot(g, o))
+        .collect_into_vec(&mut delta);
+
+    // Pass 1, query rows (b, t, h): dq_t = scale · Σ_s ds_ts · k_s.
+    dq.par_chunks_mut(d)
+        .zip(q.par_chunks(d).zip(dout.par_chunks(d)))
+        .zip(lse.par_iter().zip(delta.par_iter()))
+        .enumerate()
+        .for_each(|(i, ((dq_row, (q_row, g_row)), (&l, &dl)))| {
+            dq_row.fill(0.0);
+            if l == f32::NEG_INFINITY {
+                return;
+            }
+            let (row, h) = (i / hq, i % hq);
+            let (b, tok) = (row / t, row % t);
+            let keys = KeySeq::new(&dims, k, v, mask, b, t);
+            for (k_s, v_s, valid) in keys.rows(h / group, tok + 1) {
+                if valid {
+                    let p = exp_nonpositive::<false>((scale * dot(q_row, k_s) - l).min(0.0));
+                    let ds = p * (dot(g_row, v_s) - dl);
+                    axpy(ds, k_s, dq_row);
+                }
+            }
+            dq_row.iter_mut().for_each(|x| *x *= scale);
+        });
+
+    // Pass 2, key rows (b, s, g): sums over the group's query heads and queries t ≥ s.
+    let q_tok = hq * d;
+    dk.par_chunks_mut(d)
+        .zip(dv.par_chunks_mut(d))
+        .enumerate()
+        .for_each(|(i, (dk_row, dv_row))| {
+            dk_row.fill(0.0);
+            dv_row.fill(0.0);
+            let (row, g) = (i / hkv, i % hkv);
+            let (b, s) = (row / t, row % t);
+            let keys = KeySeq::new(&dims, k, v, mask, b, t);
+            let Some((k_s, v_s, true)) = keys.row(g, s) else {
+                return; // masked key: no query sees it
+            };
+            let (q_b, g_b) = (block(q, b, t * q_tok), block(dout, b, t * q_tok));
+            let (l_b, dl_b) = (block(lse, b, t * hq), block(&delta, b, t * hq));
+            for h in g * group..(g + 1) * group {
+                let queries = q_b
+                    .chunks_exact(q_tok)
+                    .zip(g_b.chunks_exact(q_tok))
+                    .zip(l_b.chunks_exact(hq).zip(dl_b.chunks_exact(hq)))
+                    .skip(s);
+                for ((q_t, g_t), (l_t, dl_t)) in queries {
+                    let (Some(&l), Some(&dl)) = (l_t.get(h), dl_t.get(h)) else {
+                        continue;
+                    };
+                    // t ≥ s and key s valid imply row t has a valid key, so l is finite.
+                    let (q_th, g_th) = (block(q_t, h, d), block(g_t, h, d));
+                    let p = exp_nonpositive::<false>((scale * dot(q_th, k_s) - l).min(0.0));
+                    axpy(p, g_th, dv_row);
+                    axpy(p * (dot(g_th, v_s) - dl), q_th, dk_row);
+                }
+            }
+            dk_row.iter_mut().for_each(|x| *x *= scale);
+        });
+    Ok(())
+}
+
+/// A KV cache view for [`attention_decode`]: per-sequence contiguous
+/// `[B, max_len, Hkv, D]` keys and values, sequence `b` holding `len[b]` filled slots
+/// `0..len[b]` in token order.
+#[derive(Debug, Clone, Copy)]
+pub struct KvCache<'a> {
+    /// Keys `[B, max_len, Hkv, D]`.
+    pub k: &'a [f32],
+    /// Values `[B, max_len, Hkv, D]`.
+    pub v: &'a [f32],
+    /// Slots per sequence.
+    pub max_len: usize,
+    /// Filled slots per sequence `[B]`, each in `[seq, max_len]`: the new queries' keys
+    /// must already be appended.
+    pub len: &'a [usize],
+    /// Optional 0/1 validity per slot `[B, max_len]` (Hugging Face's `attention_mask`
+    /// over cache positions, for left-padded prompts); `None`: all filled slots valid.
+    /// Slots at or past `len[b]` are never read, whatever their mask.
+    pub key_mask: Option<&'a [f32]>,
+}
+
+/// A mutable KV cache for [`kv_cache_append`]; layout as [`KvCache`].
+#[derive(Debug)]
+pub struct KvCacheMut<'a> {
+    /// Keys `[B, max_len, Hkv, D]`.
+    pub k: &'a mut [f32],
+    /// Values `[B, max_len, Hkv, D]`.
+    pub v: &'a mut [f32],
+    /// Slots per sequence.
+    pub max_len: usize,
+    /// Filled slots per sequence `[B]`, advanced by the number of appended tokens.
+    pub len: &'a mut [usize],
+}
+
+impl KvCache<'_> {
+    fn check(&self, dims: &Dims) -> Result<()> {
+        let kv_len = numel(&[dims.b, self.max_len, dims.hkv, dims.d])?;
+        check_len("k_cache", kv_len, self.k.len())?;
+        check_len("v_cache", kv_len, self.v.len())?;
+        check_len("cache_len", dims.b, self.len.len())?;
+        if let Some(m) = self.key_mask {
+            Shape::new(dims.b, self.max_len).check_mask("key_mask", m)?;
+        }
+        match self.len.iter().find(|&&n| n < dims.t || n > self.max_len) {
+            Some(&n) => Err(CoreError::OutOfRange {
+                what: "cache_len",
+                value: n as f64,
+                expected: "in [queries per sequence, max_len] (append the new keys first)",
+            }
+            .into()),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Appends `seq` new tokens per sequence to a KV cache:
+/// `cache.k[b, len[b] + i] = k_new[b, i]` (and v) for `i < seq`, then `len[b] += seq`.
+///
+/// `k_new`, `v_new` are `[B, seq, Hkv, D]` (shape's `batch`, `seq`, `kv_heads`,
+/// `head_dim`), the k/v projection output for the new tokens after RoPE. Sequences of
+/// different lengths can be filled one at a time through a batch-1 view of their
+/// contiguous slab `[max_len, Hkv, D]`.
+///
+/// # Errors
+/// As [`attention_forward`] for the shape; lengths of `k_new`, `v_new`, `k_cache`,
+/// `v_cache`, `cache_len`; `cache_len` past `max_len − seq`. Nothing is written on error.
+pub fn kv_cache_append(
+    shape: &AttentionShape,
+    k_new: &[f32],
+    v_new: &[f32],
+    cache: KvCacheMut<'_>,
+) -> Result<()> {
+    let dims = shape.dims()?;
+    check_len("k_new", dims.kv_len, k_new.len())?;
+    check_len("v_new", dims.kv_len, v_new.len())?;
+    let KvCacheMut { k, v, max_len, len } = cache;
+    let kv_len = numel(&[dims.b, max_len, dims.hkv, dims.d])?;
+    check_len("k_cache", kv_len, k.len())?;
+    check_len("v_cache", kv_len, v.len())?;
+    check_len("cache_len", dims.b, len.len())?;
+    if let Some(&n) = len.iter().find(|&&n| n > max_len.saturating_sub(dims.t)) {
+        return Err(CoreError::OutOfRange {
+            what: "cache_len",
+            value: n as f64,
+            expected: "<= max_len - new tokens (the cache is full)",
+        }
+        .into());
+    }
+    let tok = dims.hkv * dims.d;
+    let (chunk, slab) = (dims.t * tok, max_len * tok);
+    for (b, n) in len.iter_mut().enumerate() {
+        let start = b * slab + *n * tok;
+        for (cache, new) in [(&mut *k, k_new), (&mut *v, v_new)] {
+            let dst = cache.get_mut(start..start + chunk).unwrap_or_default();
+            dst.iter_mut()
+                .zip(block(new, b, chunk))
+                .for_each(|(d, s)| *d = *s);
+        }
+        *n += dims.t;
+    }
+    Ok(())
+}
+
+/// Attention of new query tokens over a KV cache, forward only (generation).
+///
+/// `q` and `out` are `[B, seq, Hq, D]`. Query `i` of sequence `b` sits at cache slot
+/// `len[b] − seq + i` and attends the valid slots at or before it, so after
+/// [`kv_cache_append`] of the same tokens this equals the rows of [`attention_forward`]
+/// over the whole sequence: `seq = 1` is one decode step, `seq > 1` a prefill chunk.
+/// Queries with no valid slot get 0.
+///
+/// Two cache layouts work: Hugging Face's left-padded batch (equal `len`, padding slots
+/// masked by `key_mask`) and ragged unpadded sequences (own `len` each, no mask). RoPE
+/// positions are the caller's: with left padding they count valid tokens only.
+///
+/// # Errors
+/// As [`attention_forward`] for the shape; lengths of `q`, `out`, `k_cache`, `v_cache`,
+/// `cache_len`, `key_mask`; a mask value other than 0/1; `cache_len` outside
+/// `[seq, max_len]`.
+pub fn attention_decode(
+    shape: &AttentionShape,
+    q: &[f32],
+    cache: KvCache<'_>,
+    out: &mut [f32],
+) -> Result<()> {
+    let dims = shape.dims()?;
+    check_len("q", dims.q_len, q.len())?;
+    check_len("out", dims.q_len, out.len())?;
+    cache.check(&dims)?;
+    if dims.q_len == 0 {
+        return Ok(());
+    }
+    let ones;
+    let mask = match cache.key_mask {
+        Some(m) => m,
+        None => {
+            ones = vec![1.0f32; dims.b * cache.max_len];
+            &ones
+        }
+    };
+    let Dims { t, hq, d, .. } = dims;
+    out.par_chunks_mut(d)
+        .zip(q.par_chunks(d))
+        .enumerate()
+        .for_each_init(
+            || vec![0.0f32; cache.max_len],
+            |scores, (i, (o, q_row))| {
+                let (row, h) = (i / hq, i % hq);
+                let (b, j) = (row / t, row % t);
+                let n = cache.len.get(b).map_or(0, |&n| n + j + 1 - t);
+                let keys = KeySeq::new(&dims, cache.k, cache.v, mask, b, cache.max_len);
+                attend(q_row, keys, h / dims.group, n, dims.scale, scores, o);
+            },
+        );
+    Ok(())
+}
+
+/// One sequence's keys and values `[S, Hkv, D]` and key mask `[S]`.
+#[derive(Clone, Copy)]
+struct KeySeq<'a> {
+    k: &'a [f32],
+    v: &'a [f32],
+    mask: &'a [f32],
+    hkv: usize,
+    d: usize,
+}
+
+impl<'a> KeySeq<'a> {
+    /// Sequence `b` of buffers holding `s` token slots per sequence.
+    fn new(dims: &Dims, k: &'a [f32], v: &'a [f32], mask: &'a [f32], b: usize, s: usize) -> Self {
+        let slab = s * dims.hkv * dims.d;
+        KeySeq {
+            k: block(k, b, slab),
+            v: block(v, b, slab),
+            mask: block(mask, b, s),
+            hkv: dims.hkv,
+            d: dims.d,
+        }
+    }
+
+    /// Key and value vectors of kv head `g` and validity of slot `s`.
+    fn row(self, g: usize, s: usize) -> Option<(&'a [f32], &'a [f32], bool)> {
+        let tok = self.hkv * self.d;
+        let (k, v) = (block(self.k, s, tok), block(self.v, s, tok));
+        let m = *self.mask.get(s)?;
+        Some((block(k, g, self.d), block(v, g, self.d), m == 1.0))
+    }
+
+    /// Key and value vectors of kv head `g` and validity of the first `n` slots.
+    fn rows(self, g: usize, n: usize) -> impl Iterator<Item = (&'a [f32], &'a [f32], bool)> {
+        let (tok, d) = (self.hkv * self.d, self.d);
+        self.k
+            .chunks_exact(tok)
+            .zip(self.v.chunks_exact(tok))
+            .zip(self.mask)
+            .take(n)
+            .map(move |((k, v), &m)| (block(k, g, d), block(v, g, d), m == 1.0))
+    }
+}
+
+/// One query row over the first `n` slots of `keys` (kv head `g`): writes the softmax-
+/// weighted sum of values to `out` and returns the log-sum-exp (`−∞` and zeros when no
+/// slot is valid, NaN when a score is not finite). `scores` is scratch of ≥ `n` elements.
+fn attend(
+    q: &[f32],
+    keys: KeySeq<'_>,
+    g: usize,
+    n: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) -> f32 {
+    let n = n.min(scores.len());
+    let scores = scores.get_mut(..n).unwrap_or_default();
+    let (mut max, mut finite) = (f32::NEG_INFINITY, true);
+    for (sc, (k, _, valid)) in scores.iter_mut().zip(keys.rows(g, n)) {
+        *sc = if valid {
+            let x = scale * dot(q, k);
+            finite &= x.is_finite();
+            max = max.max(x);
+            x
+        } else {
+            f32::NEG_INFINITY
+        };
+    }
+    out.fill(0.0);
+    if !finite {
+        out.fill(f32::NAN);
+        return f32::NAN;
+    }
+    if max == f32::NEG_INFINITY {
+        return f32::NEG_INFINITY; // no valid key: a padding query
+    }
+    // Masked slots hold −∞ and become exactly 0, so they are skipped below.
+    scores
+        .iter_mut()
+        .for_each(|x| *x = exp_nonpositive::<false>(*x - max));
+    let sum = sum_f64(scores);
+    for (&p, (_, v, _)) in scores.iter().zip(keys.rows(g, n)) {
+        if p != 0.0 {
+            axpy(p, v, out);
+        }
+    }
+    let inv = (1.0 / sum) as f32;
+    out.iter_mut().for_each(|x| *x *= inv);
+    (f64::from(max) + sum.ln()) as f32
+}
+
+/// Element count of a shape, or an error if it overflows `usize`.
+fn numel(dims: &[usize]) -> Result<usize> {
+    dims.iter()
+        .try_fold(1usize, |a, &x| a.checked_mul(x))
+        .ok_or_else(|| {
+            CoreError::OutOfRange {
+                what: "attention shape",
+                value: dims.iter().map(|&x| x as f64).product(),
+                expected: "element count to fit in usize",
+            }
+            .into()
+        })
+}
+
+fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(CoreError::LengthMismatch {
+            what,
+            expected,
+            actual,
+        }
+        .into())
+    }
+}
+
+/// Block `i` of `len` elements of `x`; empty if out of range, which validated shapes rule
+/// out (kernels then see no data instead of panicking).
+#[inline]
+fn block(x: &[f32], i: usize, len: usize) -> &[f32] {
+    x.get(i * len..(i + 1) * len).unwrap_or_default()
+}
+
+/// `a·b` over eight independent lanes so the loop vectorises.
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    let mut acc = [0.0f32; 8];
+    for (x, y) in ca.zip(cb) {
+        for ((s, x), y) in acc.iter_mut().zip(x).zip(y) {
+            *s += x * y;
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Σx in f64 over eight lanes: softmax denominators of long rows stay exact to f32.
+#[inline]
+fn sum_f64(x: &[f32]) -> f64 {
+    let c = x.chunks_exact(8);
+    let tail: f64 = c.remainder().iter().map(|&v| f64::from(v)).sum();
+    let mut acc = [0.0f64; 8];
+    for x in c {
+        for (s, &v) in acc.iter_mut().zip(x) {
+            *s += f64::from(v);
+        }
+    }
+    acc.iter().sum::<f64>() + tail
+}
+
+/// `y += a·x`.
+#[inline]
+fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,623 @@
+use super::*;
+use crate::Error;
+
+/// xorshift64*: reproducible inputs without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn uniform(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let x = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
+        x as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.uniform()).collect()
+    }
+}
+
+struct Case {
+    sh: AttentionShape,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    mask: Option<Vec<f32>>,
+}
+
+impl Case {
+    fn new(sh: AttentionShape, mask: Option<Vec<f32>>, seed: u64) -> Self {
+        let mut rng = Rng(seed);
+        // Spread of 2 keeps the softmax away from uniform.
+        let q = rng
+            .vec(sh.q_len().unwrap())
+            .iter()
+            .map(|x| 2.0 * x)
+            .collect();
+        let k = rng
+            .vec(sh.kv_len().unwrap())
+            .iter()
+            .map(|x| 2.0 * x)
+            .collect();
+        let v = rng.vec(sh.kv_len().unwrap());
+        Case { sh, q, k, v, mask }
+    }
+
+    fn inputs(&self) -> AttentionInputs<'_> {
+        AttentionInputs {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            key_mask: self.mask.as_deref(),
+        }
+    }
+
+    fn forward(&self) -> (Vec<f32>, Vec<f32>) {
+        let mut out = vec![f32::NAN; self.sh.q_len().unwrap()];
+        let mut lse = vec![f32::NAN; self.sh.lse_len().unwrap()];
+        attention_forward(&self.sh, self.inputs(), &mut out, &mut lse).unwrap();
+        (out, lse)
+    }
+
+    fn backward(&self, dout: &[f32]) -> [Vec<f32>; 3] {
+        let (out, lse) = self.forward();
+        let mut dq = vec![f32::NAN; self.q.len()];
+        let mut dk = vec![f32::NAN; self.k.len()];
+        let mut dv = vec![f32::NAN; self.v.len()];
+        let grads = AttentionGrads {
+            dq: &mut dq,
+            dk: &mut dk,
+            dv: &mut dv,
+        };
+        attention_backward(&self.sh, self.inputs(), &out, &lse, dout, grads).unwrap();
+        [dq, dk, dv]
+    }
+
+    /// Naive f64 attention: explicit scores, mask, softmax and weighted sum; rows without
+    /// a valid key are 0.
+    fn reference(&self) -> Vec<f64> {
+        let AttentionShape {
+            batch,
+            seq,
+            q_heads,
+            kv_heads,
+            head_dim: d,
+            scale,
+        } = self.sh;
+        let group = q_heads / kv_heads;
+        let qi = |b: usize, t: usize, h: usize| ((b * seq + t) * q_heads + h) * d;
+        let ki = |b: usize, s: usize, g: usize| ((b * seq + s) * kv_heads + g) * d;
+        let mut out = vec![0.0f64; self.q.len()];
+        for b in 0..batch {
+            for h in 0..q_heads {
+                let g = h / group;
+                for t in 0..seq {
+                    let valid = |s: usize| self.mask.as_ref().is_none_or(|m| m[b * seq + s] == 1.0);
+                    let scores: Vec<f64> = (0..seq)
+                        .map(|s| {
+                            if s > t || !valid(s) {
+                                return f64::NEG_INFINITY;
+                            }
+                            let dot: f64 = (0..d)
+                                .map(|e| {
+                                    f64::from(self.q[qi(b, t, h) + e])
+                                        * f64::from(self.k[ki(b, s, g) + e])
+                                })
+                                .sum();
+                            f64::from(scale) * dot
+                        })
+                        .collect();
+                    let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    if m == f64::NEG_INFINITY {
+                        continue;
+                    }
+                    let e: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+                    let z: f64 = e.iter().sum();
+                    for (s, p) in e.iter().enumerate() {
+                        for j in 0..d {
+                            out[qi(b, t, h) + j] += p / z * f64::from(self.v[ki(b, s, g) + j]);
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+fn assert_close(got: &[f32], want: &[f64], tol: f64, what: &str) {
+    assert_eq!(got.len(), want.len());
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (f64::from(g) - w).abs() <= tol * (1.0 + w.abs()),
+            "{what}[{i}]: got {g}, want {w}"
+        );
+    }
+}
+
+/// Sequence 0 left-padded by `pad` (generation prompts), sequence 1 right-padded by `pad`
+/// (training), further sequences unpadded.
+fn mixed_mask(batch: usize, seq: usize, pad: usize) -> Vec<f32> {
+    let mut m = vec![1.0f32; batch * seq];
+    for s in 0..pad {
+        m[s] = 0.0;
+        if batch > 1 {
+            m[2 * seq - 1 - s] = 0.0;
+        }
+    }
+    m
+}
+
+fn gqa() -> AttentionShape {
+    AttentionShape::new(2, 5, 6, 2, 8)
+}
+
+#[test]
+fn forward_matches_f64_reference_on_odd_shapes() {
+    let shapes = [
+        gqa(),
+        AttentionShape::new(2, 5, 3, 3, 8),  // Hq = Hkv
+        AttentionShape::new(3, 1, 4, 2, 5),  // T = 1, D not a multiple of 8
+        AttentionShape::new(1, 7, 4, 1, 12), // MQA
+        AttentionShape::new(2, 4, 2, 2, 3).with_scale(0.7),
+    ];
+    for (i, sh) in shapes.into_iter().enumerate() {
+        let c = Case::new(sh, None, 11 + i as u64);
+        let (out, lse) = c.forward();
+        assert_close(&out, &c.reference(), 1e-5, "out");
+        assert!(lse.iter().all(|l| l.is_finite()));
+    }
+}
+
+#[test]
+fn forward_matches_reference_with_left_and_right_padding() {
+    for (mask, seed) in [
+        (mixed_mask(2, 5, 2), 3),
+        (vec![0., 0., 0., 1., 1., 0., 1., 1., 1., 1.], 4), // left only
+        (vec![1., 1., 1., 0., 0., 1., 1., 1., 1., 0.], 5), // right only
+        (vec![1., 0., 1., 0., 1., 0., 1., 1., 0., 1.], 6), // holes
+    ] {
+        let c = Case::new(gqa(), Some(mask), seed);
+        assert_close(&c.forward().0, &c.reference(), 1e-5, "out");
+    }
+}
+
+#[test]
+fn future_keys_and_values_change_nothing() {
+    let mut c = Case::new(gqa(), Some(mixed_mask(2, 5, 1)), 7);
+    let (before, _) = c.forward();
+    // Token 3 of sequence 1, every kv head.
+    let (sh, t0) = (c.sh, 3);
+    let tok = sh.kv_heads * sh.head_dim;
+    for x in &mut c.k[(sh.seq + t0) * tok..(sh.seq + t0 + 1) * tok] {
+        *x += 1.5;
+    }
+    for x in &mut c.v[(sh.seq + t0) * tok..(sh.seq + t0 + 1) * tok] {
+        *x -= 0.5;
+    }
+    let (after, _) = c.forward();
+    let row = sh.q_heads * sh.head_dim;
+    let b1_t0 = (sh.seq + t0) * row;
+    assert_eq!(before[..b1_t0], after[..b1_t0], "past rows must not move");
+    for (bt, (x, y)) in before[b1_t0..]
+        .chunks(row)
+        .zip(after[b1_t0..].chunks(row))
+        .enumerate()
+    {
+        assert_ne!(x, y, "row {} sees the changed token", t0 + bt);
+    }
+}
+
+#[test]
+fn padding_queries_give_zero_output_and_gradient_never_nan() {
+    // Sequence 0: left padding of 3, so queries 0..3 see no valid key.
+    let mask = mixed_mask(2, 5, 3);
+    let c = Case::new(gqa(), Some(mask.clone()), 8);
+    let (out, lse) = c.forward();
+    let row = c.sh.q_heads * c.sh.head_dim;
+    assert!(out[..3 * row].iter().all(|&x| x == 0.0));
+    assert!(
+        lse[..3 * c.sh.q_heads]
+            .iter()
+            .all(|&l| l == f32::NEG_INFINITY)
+    );
+    assert!(out.iter().all(|x| x.is_finite()));
+    let dout = Rng(9).vec(out.len());
+    let [dq, dk, dv] = c.backward(&dout);
+    assert!(dq[..3 * row].iter().all(|&x| x == 0.0));
+    let tok = c.sh.kv_heads * c.sh.head_dim;
+    for (s, &m) in mask.iter().enumerate() {
+        if m == 0.0 {
+            let span = s * tok..(s + 1) * tok;
+            assert!(dk[span.clone()].iter().chain(&dv[span]).all(|&x| x == 0.0));
+        }
+    }
+    assert!(dq.iter().chain(&dk).chain(&dv).all(|x| x.is_finite()));
+}
+
+fn param(c: &mut Case, which: usize) -> &mut Vec<f32> {
+    match which {
+        0 => &mut c.q,
+        1 => &mut c.k,
+        _ => &mut c.v,
+    }
+}
+
+/// Central differences of `L = Σ dout ∘ out` against the analytic gradients.
+fn check_gradients(c: &mut Case, seed: u64) {
+    let dout = Rng(seed).vec(c.sh.q_len().unwrap());
+    let grads = c.backward(&dout);
+    let loss = |c: &Case| -> f64 {
+        let (out, _) = c.forward();
+        out.iter()
+            .zip(&dout)
+            .map(|(&o, &g)| f64::from(o) * f64::from(g))
+            .sum()
+    };
+    let h = 1e-2f32;
+    for (which, grad) in grads.iter().enumerate() {
+        for (i, &g) in grad.iter().enumerate() {
+            let x0 = param(c, which)[i];
+            param(c, which)[i] = x0 + h;
+            let up = loss(c);
+            param(c, which)[i] = x0 - h;
+            let down = loss(c);
+            param(c, which)[i] = x0;
+            let fd = (up - down) / (2.0 * f64::from(h));
+            let an = f64::from(g);
+            assert!(
+                (fd - an).abs() <= 1e-4 + 1e-3 * an.abs(),
+                "{}[{i}]: finite difference {fd}, backward {an}",
+                ["dq", "dk", "dv"][which]
+            );
+        }
+    }
+}
+
+#[test]
+fn gradients_match_central_differences_gqa_padded() {
+    let mut c = Case::new(gqa(), Some(mixed_mask(2, 5, 2)), 21);
+    check_gradients(&mut c, 22);
+}
+
+#[test]
+fn gradients_match_central_differences_mha_and_single_token() {
+    let mut c = Case::new(AttentionShape::new(1, 4, 2, 2, 5), None, 23);
+    check_gradients(&mut c, 24);
+    let mut c = Case::new(AttentionShape::new(2, 1, 4, 2, 3), None, 25);
+    check_gradients(&mut c, 26);
+}
+
+/// Generation: keys appended token by token (or in a prefill chunk), decode over the cache.
+fn decode_rows(c: &Case, chunks: &[usize]) -> Vec<f32> {
+    let sh = c.sh;
+    let (tq, tk) = (sh.q_heads * sh.head_dim, sh.kv_heads * sh.head_dim);
+    let max_len = sh.seq + 2; // spare slots must be ignored
+    let mut k_cache = vec![f32::NAN; sh.batch * max_len * tk];
+    let mut v_cache = vec![f32::NAN; sh.batch * max_len * tk];
+    let mut len = vec![0usize; sh.batch];
+    let mut key_mask = vec![1.0f32; sh.batch * max_len];
+    if let Some(m) = &c.mask {
+        for b in 0..sh.batch {
+            key_mask[b * max_len..b * max_len + sh.seq].copy_from_slice(&m[b * sh.seq..][..sh.seq]);
+        }
+    }
+    let mut got = vec![0.0f32; c.q.len()];
+    let mut t0 = 0;
+    for &n in chunks {
+        let step = AttentionShape { seq: n, ..sh };
+        // Tokens t0..t0+n of every sequence, as [B, n, H, D].
+        let take = |x: &[f32], w: usize| -> Vec<f32> {
+            (0..sh.batch)
+                .flat_map(|b| x[(b * sh.seq + t0) * w..(b * sh.seq + t0 + n) * w].to_vec())
+                .collect()
+        };
+        let cache = KvCacheMut {
+            k: &mut k_cache,
+            v: &mut v_cache,
+            max_len,
+            len: &mut len,
+        };
+        kv_cache_append(&step, &take(&c.k, tk), &take(&c.v, tk), cache).unwrap();
+        let mut out = vec![f32::NAN; sh.batch * n * tq];
+        let cache = KvCache {
+            k: &k_cache,
+            v: &v_cache,
+            max_len,
+            len: &len,
+            key_mask: Some(&key_mask),
+        };
+        attention_decode(&step, &take(&c.q, tq), cache, &mut out).unwrap();
+        for b in 0..sh.batch {
+            got[(b * sh.seq + t0) * tq..(b * sh.seq + t0 + n) * tq]
+                .copy_from_slice(&out[b * n * tq..(b + 1) * n * tq]);
+        }
+        t0 += n;
+    }
+    assert_eq!(len, vec![sh.seq; sh.batch]);
+    got
+}
+
+#[test]
+fn decode_over_cache_equals_forward_token_by_token_with_left_padding() {
+    let mut mask = vec![1.0f32; 3 * 5];
+    mask[..2].fill(0.0); // sequence 0 left-padded by 2
+    mask[5] = 0.0; // sequence 1 by 1
+    let c = Case::new(AttentionShape::new(3, 5, 6, 2, 8), Some(mask), 31);
+    let (full, _) = c.forward();
+    let got = decode_rows(&c, &[1, 1, 1, 1, 1]);
+    assert_eq!(got, full);
+    // Prefill chunk of 3, then two single-token steps.
+    let got = decode_rows(&c, &[3, 1, 1]);
+    assert_close(
+        &got,
+        &full.iter().map(|&x| f64::from(x)).collect::<Vec<_>>(),
+        1e-6,
+        "chunked",
+    );
+}
+
+#[test]
+fn decode_over_ragged_unpadded_caches() {
+    // Prompts of 2 and 4 tokens written through batch-1 views, then one decode step each.
+    let sh = AttentionShape::new(2, 1, 4, 2, 8);
+    let (lens, max_len) = ([3usize, 5], 6);
+    let tk = sh.kv_heads * sh.head_dim;
+    let seqs: Vec<Case> = lens
+        .iter()
+        .enumerate()
+        .map(|(b, &t)| {
+            Case::new(
+                AttentionShape {
+                    batch: 1,
+                    seq: t,
+                    ..sh
+                },
+                None,
+                40 + b as u64,
+            )
+        })
+        .collect();
+    let mut k_cache = vec![0.0f32; 2 * max_len * tk];
+    let mut v_cache = vec![0.0f32; 2 * max_len * tk];
+    let mut len = [0usize; 2];
+    for (b, c) in seqs.iter().enumerate() {
+        let prompt = lens[b] - 1;
+        let view = AttentionShape {
+            batch: 1,
+            seq: prompt,
+            ..sh
+        };
+        let slab = b * max_len * tk..(b + 1) * max_len * tk;
+        let cache = KvCacheMut {
+            k: &mut k_cache[slab.clone()],
+            v: &mut v_cache[slab],
+            max_len,
+            len: &mut len[b..b + 1],
+        };
+        kv_cache_append(&view, &c.k[..prompt * tk], &c.v[..prompt * tk], cache).unwrap();
+    }
+    assert_eq!(len, [2, 4]);
+    // The last token of each sequence, batched.
+    let last = |x: &Case, w: usize, f: fn(&Case) -> &Vec<f32>| f(x)[(x.sh.seq - 1) * w..].to_vec();
+    let k_new: Vec<f32> = seqs.iter().flat_map(|c| last(c, tk, |c| &c.k)).collect();
+    let v_new: Vec<f32> = seqs.iter().flat_map(|c| last(c, tk, |c| &c.v)).collect();
+    let tq = sh.q_heads * sh.head_dim;
+    let q_new: Vec<f32> = seqs.iter().flat_map(|c| last(c, tq, |c| &c.q)).collect();
+    let cache = KvCacheMut {
+        k: &mut k_cache,
+        v: &mut v_cache,
+        max_len,
+        len: &mut len,
+    };
+    kv_cache_append(&sh, &k_new, &v_new, cache).unwrap();
+    let mut out = vec![f32::NAN; 2 * tq];
+    let cache = KvCache {
+        k: &k_cache,
+        v: &v_cache,
+        max_len,
+        len: &len,
+        key_mask: None,
+    };
+    attention_decode(&sh, &q_new, cache, &mut out).unwrap();
+    for (b, c) in seqs.iter().enumerate() {
+        let want = c.reference();
+        assert_close(
+            &out[b * tq..(b + 1) * tq],
+            &want[want.len() - tq..],
+            1e-5,
+            "decode",
+        );
+    }
+}
+
+#[test]
+fn decode_query_without_valid_key_is_zero() {
+    let sh = AttentionShape::new(1, 1, 2, 1, 4);
+    let (k, v) = (vec![1.0f32; 8], vec![f32::NAN; 8]); // masked values are never read
+    let mut out = vec![f32::NAN; 8];
+    let cache = KvCache {
+        k: &k,
+        v: &v,
+        max_len: 2,
+        len: &[2],
+        key_mask: Some(&[0.0, 0.0]),
+    };
+    attention_decode(&sh, &[0.5; 8], cache, &mut out).unwrap();
+    assert_eq!(out, vec![0.0; 8]);
+}
+
+fn core_err(e: Error) -> CoreError {
+    match e {
+        Error::Core(c) => c,
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[test]
+fn bad_inputs_are_errors_naming_the_argument() {
+    let c = Case::new(gqa(), None, 50);
+    let (mut out, mut lse) = (
+        vec![0.0f32; c.q.len()],
+        vec![0.0f32; c.sh.lse_len().unwrap()],
+    );
+    let mismatch = |r: Result<()>| match core_err(r.unwrap_err()) {
+        CoreError::LengthMismatch { what, .. } => what,
+        other => panic!("unexpected {other:?}"),
+    };
+    let short = &c.k[1..];
+    let bad = AttentionInputs {
+        k: short,
+        ..c.inputs()
+    };
+    assert_eq!(
+        mismatch(attention_forward(&c.sh, bad, &mut out, &mut lse)),
+        "k"
+    );
+    assert_eq!(
+        mismatch(attention_forward(
+            &c.sh,
+            c.inputs(),
+            &mut out,
+            &mut lse[1..]
+        )),
+        "lse"
+    );
+    let grads = AttentionGrads {
+        dq: &mut vec![0.0; c.q.len()],
+        dk: &mut vec![0.0; c.k.len()],
+        dv: &mut [0.0; 3],
+    };
+    let r = attention_backward(&c.sh, c.inputs(), &out, &lse, &out, grads);
+    assert_eq!(mismatch(r), "dv");
+
+    let mask = vec![0.5f32; 10];
+    let bad = AttentionInputs {
+        key_mask: Some(&mask),
+        ..c.inputs()
+    };
+    let e = core_err(attention_forward(&c.sh, bad, &mut out, &mut lse).unwrap_err());
+    assert_eq!(
+        e,
+        CoreError::InvalidMask {
+            what: "key_mask",
+            index: 0
+        }
+    );
+
+    let sh = AttentionShape::new(2, 5, 6, 4, 8);
+    let e = core_err(attention_forward(&sh, c.inputs(), &mut out, &mut lse).unwrap_err());
+    assert!(matches!(
+        e,
+        CoreError::NotDivisible {
+            what: "q_heads",
+            ..
+        }
+    ));
+    let sh = gqa().with_scale(f32::NAN);
+    let e = core_err(attention_forward(&sh, c.inputs(), &mut out, &mut lse).unwrap_err());
+    assert!(matches!(e, CoreError::OutOfRange { what: "scale", .. }));
+    let sh = AttentionShape::new(2, 5, 6, 2, 0);
+    let e = core_err(attention_forward(&sh, c.inputs(), &mut out, &mut lse).unwrap_err());
+    assert!(matches!(
+        e,
+        CoreError::OutOfRange {
+            what: "head_dim",
+            ..
+        }
+    ));
+    let sh = AttentionShape::new(usize::MAX, 5, 6, 2, 8);
+    let e = core_err(attention_forward(&sh, c.inputs(), &mut out, &mut lse).unwrap_err());
+    assert!(matches!(e, CoreError::OutOfRange { .. }));
+}
+
+#[test]
+fn cache_overflow_and_short_cache_are_errors_and_write_nothing() {
+    let sh = AttentionShape::new(2, 2, 2, 1, 4);
+    let (mut k, mut v) = (vec![0.0f32; 2 * 3 * 4], vec![0.0f32; 2 * 3 * 4]);
+    let mut len = [1usize, 2];
+    let new = vec![1.0f32; 2 * 2 * 4];
+    let cache = KvCacheMut {
+        k: &mut k,
+        v: &mut v,
+        max_len: 3,
+        len: &mut len,
+    };
+    let e = core_err(kv_cache_append(&sh, &new, &new, cache).unwrap_err());
+    assert!(matches!(e, CoreError::OutOfRange { what: "cache_len", value, .. } if value == 2.0));
+    assert_eq!(len, [1, 2]);
+    assert!(k.iter().chain(&v).all(|&x| x == 0.0));
+    let cache = KvCacheMut {
+        k: &mut k,
+        v: &mut v,
+        max_len: 3,
+        len: &mut len[..1],
+    };
+    let e = core_err(kv_cache_append(&sh, &new, &new, cache).unwrap_err());
+    assert!(matches!(
+        e,
+        CoreError::LengthMismatch {
+            what: "cache_len",
+            ..
+        }
+    ));
+
+    // Two queries per sequence but sequence 0 holds one key: its keys were not appended.
+    let mut out = vec![0.0f32; 2 * 2 * 2 * 4];
+    let cache = KvCache {
+        k: &k,
+        v: &v,
+        max_len: 3,
+        len: &len,
+        key_mask: None,
+    };
+    let e = core_err(attention_decode(&sh, &out.clone(), cache, &mut out).unwrap_err());
+    assert!(matches!(e, CoreError::OutOfRange { what: "cache_len", value, .. } if value == 1.0));
+    let cache = KvCache {
+        k: &k[1..],
+        v: &v,
+        max_len: 3,
+        len: &[2, 2],
+        key_mask: None,
+    };
+    let e = core_err(attention_decode(&sh, &out.clone(), cache, &mut out).unwrap_err());
+    assert!(matches!(
+        e,
+        CoreError::LengthMismatch {
+            what: "k_cache",
+            ..
+        }
+    ));
+}
+
+#[test]
+fn empty_batch_is_a_no_op() {
+    let sh = AttentionShape::new(0, 5, 4, 2, 8);
+    let inputs = AttentionInputs {
+        q: &[],
+        k: &[],
+        v: &[],
+        key_mask: Some(&[]),
+    };
+    attention_forward(&sh, inputs, &mut [], &mut []).unwrap();
+    let grads = AttentionGrads {
+        dq: &mut [],
+        dk: &mut [],
+        dv: &mut [],
+    };
+    attention_backward(&sh, inputs, &[], &[], &[], grads).unwrap();
+}
+
+#[test]
+fn non_finite_scores_give_nan_rows() {
+    let mut c = Case::new(AttentionShape::new(1, 3, 2, 1, 4), None, 60);
+    c.k[4] = f32::INFINITY; // key 1
+    let (out, lse) = c.forward();
+    let row = 2 * 4;
+    assert!(
+        out[..row].iter().all(|x| x.is_finite()),
+        "row 0 does not see key 1"
+    );
+    assert!(out[row..].iter().all(|x| x.is_nan()) && lse[2..].iter().all(|l| l.is_nan()));
+}
