@@ -12,3 +12,4 @@
 //! - Every backward is checked against central finite differences of its forward in the
 //!   op's tests.
 pub mod rmsnorm;
+pub mod swiglu;
