@@ -7,8 +7,9 @@
 //!
 //! Numerics follow transformers' f32 path: squares rounded to f32 (torch's `pow(2)`), their
 //! sum accumulated in f64 (torch sums f32 pairwise, so both are within about an ulp of the
-//! exact sum), rounded to f32 and divided by `d` in f32 (torch's CPU `mean` is `sum / d`),
-//! `eps` added in f32, `r = 1 / sqrt(·)` in f32, then `w · (x · r)` in that order.
+//! exact sum), rounded to f32 and divided by `d` in f32, `eps` added in f32,
+//! `r = 1 / sqrt(·)` in f32 (torch's CPU `rsqrt`; CUDA's is approximate), then `w · (x · r)`
+//! in that order. Expect agreement with transformers to about an ulp, not bit-for-bit.
 
 use crate::Result;
 use ares_core::Error as CoreError;
