@@ -13,3 +13,6 @@
 //!   op's tests.
 
 pub mod attention;
+pub mod rmsnorm;
+pub mod rope;
+pub mod swiglu;
