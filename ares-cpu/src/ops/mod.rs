@@ -11,3 +11,5 @@
 //! - Every op validates lengths and returns [`crate::Result`]; none panics on bad input.
 //! - Every backward is checked against central finite differences of its forward in the
 //!   op's tests.
+
+pub mod matmul;
