@@ -12,4 +12,5 @@
 //! - Every backward is checked against central finite differences of its forward in the
 //!   op's tests.
 
+pub mod embedding;
 pub mod matmul;
