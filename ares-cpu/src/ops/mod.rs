@@ -14,3 +14,4 @@
 
 pub mod embedding;
 pub mod matmul;
+pub mod optim;
