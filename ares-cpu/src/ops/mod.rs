@@ -13,6 +13,9 @@
 //!   op's tests.
 
 pub mod attention;
+pub mod embedding;
+pub mod matmul;
+pub mod optim;
 pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;

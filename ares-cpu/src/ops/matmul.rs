@@ -1,0 +1,1046 @@
+//! Linear layers and matrix products on the `gemm` crate.
+//!
+//! `gemm` takes a row and a column stride for every operand, so the transposed products of
+//! the backward pass (`dout · W`, `doutᵀ · x`) and per-head attention products read the
+//! original buffers with swapped or widened strides instead of materialising copies, and
+//! its "read the destination" flag gives the `+=` accumulation that gradients need.
+//!
+//! - [`linear_forward`] / [`linear_backward`]: `y = x · Wᵀ + b` with `W` as `[out, in]`.
+//! - [`matmul`]: plain `c = a · b` on contiguous row-major matrices.
+//! - [`matmul_batched`]: `c = β·c + α·a·b` over a batch of strided matrices (attention).
+
+use ares_core::Error as CoreError;
+use gemm::Parallelism;
+use rayon::prelude::*;
+
+use crate::Result;
+
+/// Sizes of a matrix product `[n, k] · [k, m] → [n, m]`.
+///
+/// For a linear layer: `n` rows (tokens), `k` input features, `m` output features.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatmulDims {
+    /// Rows of the left operand and of the result.
+    pub n: usize,
+    /// The contracted dimension: columns of the left operand, rows of the right one.
+    pub k: usize,
+    /// Columns of the right operand and of the result.
+    pub m: usize,
+}
+
+/// Where the matrices of a batch lie inside one slice: element `(b, i, j)` (matrix `b`, row
+/// `i`, column `j`) is at `offset + b·batch_stride + i·row_stride + j·col_stride`.
+///
+/// Strides are free to be anything that stays inside the slice, so transposes and heads
+/// interleaved in a `[tokens, heads·head_dim]` activation need no copy: head `h` of such
+/// an activation is `MatLayout { offset: 0, batch_stride: head_dim, row_stride:
+/// heads·head_dim, col_stride: 1 }` with the batch running over heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatLayout {
+    /// Position of element `(0, 0, 0)`.
+    pub offset: usize,
+    /// Distance between consecutive matrices of the batch.
+    pub batch_stride: usize,
+    /// Distance between consecutive rows.
+    pub row_stride: usize,
+    /// Distance between consecutive columns.
+    pub col_stride: usize,
+}
+
+impl MatLayout {
+    /// Contiguous row-major `[batch, rows, cols]` matrices, one after the other.
+    pub const fn row_major(rows: usize, cols: usize) -> Self {
+        Self {
+            offset: 0,
+            // Saturating: an overflowing stride then fails the bounds check instead of wrapping.
+            batch_stride: rows.saturating_mul(cols),
+            row_stride: cols,
+            col_stride: 1,
+        }
+    }
+
+    /// The transposed view: element `(b, i, j)` of the result is element `(b, j, i)` of `self`.
+    pub const fn t(self) -> Self {
+        Self {
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
+            ..self
+        }
+    }
+
+    /// The same layout starting at `offset`.
+    pub const fn at(self, offset: usize) -> Self {
+        Self { offset, ..self }
+    }
+}
+
+/// A read-only batch of strided matrices: a slice and where the elements lie in it.
+#[derive(Clone, Copy, Debug)]
+pub struct MatRef<'a> {
+    /// The storage.
+    pub data: &'a [f32],
+    /// Where element `(b, i, j)` lies in `data`.
+    pub layout: MatLayout,
+}
+
+/// A writable batch of strided matrices: a slice and where the elements lie in it.
+#[derive(Debug)]
+pub struct MatMut<'a> {
+    /// The storage.
+    pub data: &'a mut [f32],
+    /// Where element `(b, i, j)` lies in `data`; no two elements may share a position.
+    pub layout: MatLayout,
+}
+
+/// Linear layer forward: `out[n, m] = x[n, k] · w[m, k]ᵀ (+ bias[m])`, i.e.
+/// `out[i, j] = Σ_l x[i, l]·w[j, l] + bias[j]`.
+///
+/// `w` is `[out_features, in_features]` (the Hugging Face layout). `out` is overwritten
+/// (its previous contents are never read, so it may hold garbage).
+///
+/// # Errors
+/// A length that does not match `dims` (`x`: `n·k`, `w`: `m·k`, `bias`: `m`, `out`: `n·m`).
+pub fn linear_forward(
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    dims: MatmulDims,
+    out: &mut [f32],
+) -> Result<()> {
+    let MatmulDims { n, k, m } = dims;
+    check_len("x", product(n, k)?, x.len())?;
+    check_len("w", product(m, k)?, w.len())?;
+    check_len("out", product(n, m)?, out.len())?;
+    let beta = match bias {
+        Some(b) => {
+            check_len("bias", m, b.len())?;
+            // Start every row from the bias and let the GEMM add onto it: one pass over `out`.
+            for row in out.chunks_exact_mut(m.max(1)) {
+                row.copy_from_slice(b);
+            }
+            1.0
+        }
+        None => 0.0,
+    };
+    // SAFETY: the lengths were checked above, so every addressed element is in bounds; `out`
+    // is a unique borrow, so it overlaps neither input, and row-major strides with `m`
+    // columns map distinct elements to distinct positions.
+    unsafe {
+        gemm_raw(
+            dims,
+            x.as_ptr(),
+            Strides::row_major(k)?,
+            w.as_ptr(),
+            // wᵀ: element (l, j) of the right operand is w[j, l].
+            Strides::row_major(k)?.t(),
+            out.as_mut_ptr(),
+            Strides::row_major(m)?,
+            1.0,
+            beta,
+            parallelism(dims),
+        );
+    }
+    Ok(())
+}
+
+/// Linear layer backward for `y = x · wᵀ + b` (shapes as in [`linear_forward`]), given
+/// `dout = ∂L/∂y` `[n, m]`. Every gradient is **accumulated** (`+=`), since shared weights
+/// and micro-batches add up:
+///
+/// - `dx[n, k] += dout · w`            (`dx[i, l] += Σ_j dout[i, j]·w[j, l]`), skipped if `None`;
+/// - `dw[m, k] += doutᵀ · x`           (`dw[j, l] += Σ_i dout[i, j]·x[i, l]`);
+/// - `dbias[m] += Σ_i dout[i, ·]`, skipped if `None`.
+///
+/// The bias sum runs over rows in order for every thread count (deterministic).
+///
+/// # Errors
+/// A length that does not match `dims` (`dout`: `n·m`, `x`, `dx`: `n·k`, `w`, `dw`: `m·k`,
+/// `dbias`: `m`); nothing is written then.
+pub fn linear_backward(
+    dout: &[f32],
+    x: &[f32],
+    w: &[f32],
+    dims: MatmulDims,
+    dx: Option<&mut [f32]>,
+    dw: &mut [f32],
+    dbias: Option<&mut [f32]>,
+) -> Result<()> {
+    let MatmulDims { n, k, m } = dims;
+    let (nk, mk, nm) = (product(n, k)?, product(m, k)?, product(n, m)?);
+    check_len("dout", nm, dout.len())?;
+    check_len("x", nk, x.len())?;
+    check_len("w", mk, w.len())?;
+    check_len("dw", mk, dw.len())?;
+    if let Some(dx) = dx.as_deref() {
+        check_len("dx", nk, dx.len())?;
+    }
+    if let Some(db) = dbias.as_deref() {
+        check_len("dbias", m, db.len())?;
+    }
+    let (row_m, row_k) = (Strides::row_major(m)?, Strides::row_major(k)?);
+
+    if let Some(dx) = dx {
+        // dx[n, k] += dout[n, m] · w[m, k]
+        let d = MatmulDims { n, k: m, m: k };
+        // SAFETY: lengths checked above; `dx` is a unique borrow with row-major strides.
+        unsafe {
+            gemm_raw(
+                d,
+                dout.as_ptr(),
+                row_m,
+                w.as_ptr(),
+                row_k,
+                dx.as_mut_ptr(),
+                row_k,
+                1.0,
+                1.0,
+                parallelism(d),
+            );
+        }
+    }
+
+    // dw[m, k] += dout[n, m]ᵀ · x[n, k]
+    let d = MatmulDims { n: m, k: n, m: k };
+    // SAFETY: lengths checked above; `dw` is a unique borrow with row-major strides.
+    unsafe {
+        gemm_raw(
+            d,
+            dout.as_ptr(),
+            row_m.t(),
+            x.as_ptr(),
+            row_k,
+            dw.as_mut_ptr(),
+            row_k,
+            1.0,
+            1.0,
+            parallelism(d),
+        );
+    }
+
+    if let Some(db) = dbias {
+        bias_backward(dout, m, db);
+    }
+    Ok(())
+}
+
+/// `dbias[j] += Σ_i dout[i, j]` over the rows of `dout` `[n, m]`, `m = dbias.len()`.
+fn bias_backward(dout: &[f32], m: usize, dbias: &mut [f32]) {
+    // Each task owns a block of columns and walks every row in order, so each sum has the
+    // same order for any thread count, and the inner loop is a contiguous, vectorisable add.
+    const COLS: usize = 256;
+    let add_block = |(block, db): (usize, &mut [f32])| {
+        let c0 = block * COLS;
+        for row in dout.chunks_exact(m.max(1)) {
+            if let Some(src) = row.get(c0..c0 + db.len()) {
+                for (d, s) in db.iter_mut().zip(src) {
+                    *d += s;
+                }
+            }
+        }
+    };
+    if dout.len() >= PAR_MIN_ELEMS {
+        dbias.par_chunks_mut(COLS).enumerate().for_each(add_block);
+    } else {
+        dbias.chunks_mut(COLS).enumerate().for_each(add_block);
+    }
+}
+
+/// Plain matrix product of contiguous row-major matrices: `c[n, m] = a[n, k] · b[k, m]`
+/// (`c[i, j] = Σ_l a[i, l]·b[l, j]`). `c` is overwritten without being read.
+///
+/// # Errors
+/// A length that does not match `dims` (`a`: `n·k`, `b`: `k·m`, `c`: `n·m`).
+pub fn matmul(a: &[f32], b: &[f32], dims: MatmulDims, c: &mut [f32]) -> Result<()> {
+    let MatmulDims { n, k, m } = dims;
+    check_len("a", product(n, k)?, a.len())?;
+    check_len("b", product(k, m)?, b.len())?;
+    check_len("c", product(n, m)?, c.len())?;
+    // SAFETY: lengths checked above; `c` is a unique borrow with row-major strides.
+    unsafe {
+        gemm_raw(
+            dims,
+            a.as_ptr(),
+            Strides::row_major(k)?,
+            b.as_ptr(),
+            Strides::row_major(m)?,
+            c.as_mut_ptr(),
+            Strides::row_major(m)?,
+            1.0,
+            0.0,
+            parallelism(dims),
+        );
+    }
+    Ok(())
+}
+
+/// Batched strided product: for every `b < batch`,
+/// `c[b] = beta·c[b] + alpha·a[b] · b[b]` with `a[b]` `[n, k]`, `b[b]` `[k, m]`, `c[b]` `[n, m]`,
+/// each laid out as its [`MatLayout`] says.
+///
+/// `beta = 0` overwrites `c` without reading it (the BLAS convention: it may hold garbage);
+/// `beta = 1` accumulates. Transposed operands are a matter of layout ([`MatLayout::t`]);
+/// e.g. attention scores of one head are `q · kᵀ`, with `alpha = 1/√head_dim`.
+///
+/// Small matrices run one per thread across the batch; large ones run one after the other,
+/// each spread over all threads.
+///
+/// # Errors
+/// - `LengthMismatch` if a layout reaches past the end of its slice (`expected` is then the
+///   smallest length that would hold it);
+/// - `OutOfRange` for `c.layout` if two elements of `c` share a position, or for `alpha` /
+///   `beta` if not finite. Nothing is written then.
+pub fn matmul_batched(
+    batch: usize,
+    dims: MatmulDims,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    c: MatMut<'_>,
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
+    let MatmulDims { n, k, m } = dims;
+    check_finite("alpha", alpha)?;
+    check_finite("beta", beta)?;
+    let sa = check_layout("a", a.data.len(), a.layout, [batch, n, k])?;
+    let sb = check_layout("b", b.data.len(), b.layout, [batch, k, m])?;
+    let sc = check_layout("c", c.data.len(), c.layout, [batch, n, m])?;
+    check_no_overlap(c.layout, [batch, n, m])?;
+    if batch == 0 || n == 0 || m == 0 {
+        return Ok(());
+    }
+    // Pointers to element (0, 0, 0) of each operand; `check_layout` proved the offsets in
+    // bounds (the batch, rows and columns are non-empty here).
+    let pa = SendPtr(a.data.as_ptr().wrapping_add(a.layout.offset).cast_mut());
+    let pb = SendPtr(b.data.as_ptr().wrapping_add(b.layout.offset).cast_mut());
+    let pc = SendPtr(c.data.as_mut_ptr().wrapping_add(c.layout.offset));
+    let (ba, bb, bc) = (sa.batch, sb.batch, sc.batch);
+    // SAFETY (for each call): `check_layout` proved every element of matrix `i` of each operand
+    // in bounds; `check_no_overlap` proved that distinct elements of `c` (within a matrix and
+    // across the batch) have distinct positions, so concurrent calls write disjoint elements;
+    // `c` is a unique borrow, so it overlaps neither `a` nor `b`.
+    let one = |i: usize, par: Parallelism| unsafe {
+        let i = i as isize;
+        gemm_raw(
+            dims,
+            pa.get().wrapping_offset(i * ba),
+            sa.mat,
+            pb.get().wrapping_offset(i * bb),
+            sb.mat,
+            pc.get().wrapping_offset(i * bc),
+            sc.mat,
+            alpha,
+            beta,
+            par,
+        );
+    };
+    let per_matrix = parallelism(dims);
+    if batch > 1 && matches!(per_matrix, Parallelism::None) {
+        // Small matrices: spread the batch over threads, each product single-threaded.
+        (0..batch)
+            .into_par_iter()
+            .for_each(|i| one(i, Parallelism::None));
+    } else {
+        for i in 0..batch {
+            one(i, per_matrix);
+        }
+    }
+    Ok(())
+}
+
+/// Products with fewer multiply-adds than this run on one thread: rayon's hand-off costs
+/// more than it saves.
+const PAR_MIN_FLOPS: usize = 1 << 18;
+/// Element-wise passes over fewer elements than this run on one thread.
+const PAR_MIN_ELEMS: usize = 1 << 16;
+
+fn parallelism(d: MatmulDims) -> Parallelism {
+    if d.n.saturating_mul(d.k).saturating_mul(d.m) >= PAR_MIN_FLOPS {
+        Parallelism::Rayon(0)
+    } else {
+        Parallelism::None
+    }
+}
+
+/// Row and column strides of one matrix, as `gemm` takes them.
+#[derive(Clone, Copy, Debug)]
+struct Strides {
+    row: isize,
+    col: isize,
+}
+
+impl Strides {
+    /// Row-major with `cols` columns.
+    fn row_major(cols: usize) -> Result<Self> {
+        Ok(Self {
+            row: to_isize("cols", cols)?,
+            col: 1,
+        })
+    }
+
+    fn t(self) -> Self {
+        Self {
+            row: self.col,
+            col: self.row,
+        }
+    }
+}
+
+/// Strides of a validated batched layout.
+#[derive(Clone, Copy, Debug)]
+struct BatchStrides {
+    batch: isize,
+    mat: Strides,
+}
+
+/// `c = beta·c + alpha·a·b` for one `[n, k]·[k, m]` product at raw positions.
+///
+/// # Safety
+/// For all `i < n`, `l < k`, `j < m` the positions `a + i·sa.row + l·sa.col`,
+/// `b + l·sb.row + j·sb.col` and `c + i·sc.row + j·sc.col` lie inside live allocations;
+/// distinct `(i, j)` give distinct positions of `c`; no element of `c` is an element of `a`
+/// or `b`, nor accessed by any other thread during the call.
+#[allow(clippy::too_many_arguments)] // mirrors gemm's own argument list
+unsafe fn gemm_raw(
+    dims: MatmulDims,
+    a: *const f32,
+    sa: Strides,
+    b: *const f32,
+    sb: Strides,
+    c: *mut f32,
+    sc: Strides,
+    alpha: f32,
+    beta: f32,
+    par: Parallelism,
+) {
+    let MatmulDims { n, k, m } = dims;
+    if n == 0 || m == 0 {
+        return;
+    }
+    if k == 0 {
+        // Empty sums: only the `beta·c` term is left. Handled here rather than trusting
+        // the kernel with a zero-depth product.
+        for i in 0..n {
+            for j in 0..m {
+                // SAFETY: in bounds by the caller's contract.
+                let p = unsafe { c.offset(i as isize * sc.row + j as isize * sc.col) };
+                // SAFETY: as above; `beta = 0` must not read `c` (it may be garbage/NaN).
+                unsafe { *p = if beta == 0.0 { 0.0 } else { beta * *p } };
+            }
+        }
+        return;
+    }
+    // gemm's `dst := alpha·dst + beta·lhs·rhs` names the scales the other way round from
+    // BLAS, takes (column, row) stride pairs, and reads `dst` only if asked to.
+    // SAFETY: forwarded from the caller's contract.
+    unsafe {
+        gemm::gemm(
+            n,
+            m,
+            k,
+            c,
+            sc.col,
+            sc.row,
+            beta != 0.0,
+            a,
+            sa.col,
+            sa.row,
+            b,
+            sb.col,
+            sb.row,
+            beta,
+            alpha,
+            false,
+            false,
+            false,
+            par,
+        );
+    }
+}
+
+/// A raw pointer that rayon tasks may share; every use is covered by a SAFETY note.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: the pointer is only dereferenced under the disjointness proven by
+// `check_no_overlap` (writes) or for reads of data borrowed shared for the whole call.
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    // A method (not field access) so closures capture the whole `Send` wrapper.
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Checks that every element `(b, i, j)` of `[batch, rows, cols]` under `layout` lies in a
+/// slice of length `len`, and returns the strides as `isize` (those of unit extents zeroed,
+/// since they are never used and may be arbitrary).
+fn check_layout(
+    what: &'static str,
+    len: usize,
+    layout: MatLayout,
+    [batch, rows, cols]: [usize; 3],
+) -> Result<BatchStrides> {
+    let stride = |extent: usize, s: usize| if extent > 1 { s } else { 0 };
+    let (bs, rs, cs) = (
+        stride(batch, layout.batch_stride),
+        stride(rows, layout.row_stride),
+        stride(cols, layout.col_stride),
+    );
+    if batch > 0 && rows > 0 && cols > 0 {
+        let last = [(batch, bs), (rows, rs), (cols, cs)]
+            .iter()
+            .try_fold(layout.offset, |acc, &(e, s)| {
+                (e - 1).checked_mul(s).and_then(|x| acc.checked_add(x))
+            });
+        match last {
+            Some(last) if last < len => {}
+            _ => {
+                return Err(CoreError::LengthMismatch {
+                    what,
+                    expected: last.map_or(usize::MAX, |l| l.saturating_add(1)),
+                    actual: len,
+                }
+                .into());
+            }
+        }
+    }
+    Ok(BatchStrides {
+        batch: to_isize(what, bs)?,
+        mat: Strides {
+            row: to_isize(what, rs)?,
+            col: to_isize(what, cs)?,
+        },
+    })
+}
+
+/// Checks that no two elements of `[batch, rows, cols]` under `layout` share a position:
+/// taking the dimensions by increasing stride, each stride must step over everything the
+/// smaller ones span. (Sufficient, and exact for the layouts that occur in practice.)
+fn check_no_overlap(layout: MatLayout, extents: [usize; 3]) -> Result<()> {
+    let strides = [layout.batch_stride, layout.row_stride, layout.col_stride];
+    let mut dims: Vec<(usize, usize)> = extents
+        .into_iter()
+        .zip(strides)
+        .filter(|&(e, _)| e > 1)
+        .map(|(e, s)| (s, e))
+        .collect();
+    dims.sort_unstable();
+    let mut span = 1usize; // positions covered so far, from the first element
+    for (s, e) in dims {
+        if s < span {
+            return Err(CoreError::OutOfRange {
+                what: "c.layout",
+                value: s as f64,
+                expected: "strides under which no two elements of `c` share a position",
+            }
+            .into());
+        }
+        span = (e - 1).saturating_mul(s).saturating_add(span);
+    }
+    Ok(())
+}
+
+fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(CoreError::LengthMismatch {
+            what,
+            expected,
+            actual,
+        }
+        .into())
+    }
+}
+
+fn check_finite(what: &'static str, x: f32) -> Result<()> {
+    if x.is_finite() {
+        Ok(())
+    } else {
+        Err(CoreError::OutOfRange {
+            what,
+            value: f64::from(x),
+            expected: "finite",
+        }
+        .into())
+    }
+}
+
+/// `a·b`, or an error if the element count does not fit in `usize`.
+fn product(a: usize, b: usize) -> Result<usize> {
+    a.checked_mul(b).ok_or_else(|| {
+        CoreError::OutOfRange {
+            what: "dims",
+            value: a as f64 * b as f64,
+            expected: "a product of dimensions that fits in usize",
+        }
+        .into()
+    })
+}
+
+fn to_isize(what: &'static str, x: usize) -> Result<isize> {
+    isize::try_from(x).map_err(|_| {
+        CoreError::OutOfRange {
+            what,
+            value: x as f64,
+            expected: "a stride or size <= isize::MAX",
+        }
+        .into()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Error;
+
+    /// Deterministic uniform values in [-1, 1) (xorshift; no test dependency needed).
+    fn rand_vec(len: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn dims(n: usize, k: usize, m: usize) -> MatmulDims {
+        MatmulDims { n, k, m }
+    }
+
+    /// y = x·wᵀ + b in f64, the reference.
+    fn naive_linear(x: &[f32], w: &[f32], b: Option<&[f32]>, d: MatmulDims) -> Vec<f64> {
+        let mut y = vec![0.0f64; d.n * d.m];
+        for i in 0..d.n {
+            for j in 0..d.m {
+                let mut s = b.map_or(0.0, |b| f64::from(b[j]));
+                for l in 0..d.k {
+                    s += f64::from(x[i * d.k + l]) * f64::from(w[j * d.k + l]);
+                }
+                y[i * d.m + j] = s;
+            }
+        }
+        y
+    }
+
+    fn assert_close(got: &[f32], want: &[f64], tol: f64) {
+        assert_eq!(got.len(), want.len());
+        for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+            let err = (f64::from(g) - w).abs();
+            assert!(err <= tol * (1.0 + w.abs()), "at {i}: got {g}, want {w}");
+        }
+    }
+
+    const SIZES: [(usize, usize, usize); 5] =
+        [(7, 13, 5), (1, 1, 1), (64, 96, 80), (3, 0, 4), (0, 5, 2)];
+
+    #[test]
+    fn forward_matches_naive_with_and_without_bias() {
+        for (seed, &(n, k, m)) in SIZES.iter().enumerate() {
+            let d = dims(n, k, m);
+            let x = rand_vec(n * k, seed as u64);
+            let w = rand_vec(m * k, 100 + seed as u64);
+            let b = rand_vec(m, 200 + seed as u64);
+            for bias in [None, Some(&b[..])] {
+                // NaN prefill: the forward must overwrite, never read, `out`.
+                let mut out = vec![f32::NAN; n * m];
+                linear_forward(&x, &w, bias, d, &mut out).unwrap();
+                assert_close(&out, &naive_linear(&x, &w, bias, d), 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn backward_accumulates_onto_existing_gradients() {
+        for (seed, &(n, k, m)) in SIZES.iter().enumerate() {
+            let s = seed as u64 * 10;
+            let x = rand_vec(n * k, s);
+            let w = rand_vec(m * k, s + 1);
+            let dout = rand_vec(n * m, s + 2);
+            let (dx0, dw0, db0) = (
+                rand_vec(n * k, s + 3),
+                rand_vec(m * k, s + 4),
+                rand_vec(m, s + 5),
+            );
+            let (mut dx, mut dw, mut db) = (dx0.clone(), dw0.clone(), db0.clone());
+            linear_backward(
+                &dout,
+                &x,
+                &w,
+                dims(n, k, m),
+                Some(&mut dx),
+                &mut dw,
+                Some(&mut db),
+            )
+            .unwrap();
+            let mut want_dx: Vec<f64> = dx0.iter().map(|&v| f64::from(v)).collect();
+            let mut want_dw: Vec<f64> = dw0.iter().map(|&v| f64::from(v)).collect();
+            let mut want_db: Vec<f64> = db0.iter().map(|&v| f64::from(v)).collect();
+            for i in 0..n {
+                for j in 0..m {
+                    let g = f64::from(dout[i * m + j]);
+                    want_db[j] += g;
+                    for l in 0..k {
+                        want_dx[i * k + l] += g * f64::from(w[j * k + l]);
+                        want_dw[j * k + l] += g * f64::from(x[i * k + l]);
+                    }
+                }
+            }
+            assert_close(&dx, &want_dx, 1e-5);
+            assert_close(&dw, &want_dw, 1e-5);
+            assert_close(&db, &want_db, 1e-5);
+        }
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        // L = Σ c ⊙ y, so ∂L/∂y = c; central differences of the f32 forward, in f64.
+        let d = dims(7, 13, 5);
+        let x = rand_vec(d.n * d.k, 1);
+        let w = rand_vec(d.m * d.k, 2);
+        let b = rand_vec(d.m, 3);
+        let c = rand_vec(d.n * d.m, 4);
+        let loss = |x: &[f32], w: &[f32], b: &[f32]| -> f64 {
+            let mut y = vec![0.0; d.n * d.m];
+            linear_forward(x, w, Some(b), d, &mut y).unwrap();
+            y.iter()
+                .zip(&c)
+                .map(|(&y, &c)| f64::from(y) * f64::from(c))
+                .sum()
+        };
+        let (mut dx, mut dw, mut db) = (vec![0.0; x.len()], vec![0.0; w.len()], vec![0.0; d.m]);
+        linear_backward(&c, &x, &w, d, Some(&mut dx), &mut dw, Some(&mut db)).unwrap();
+
+        let h = 1e-2f32;
+        let fd = |which: usize, idx: usize| -> f64 {
+            let (mut xp, mut wp, mut bp) = (x.clone(), w.clone(), b.clone());
+            let (mut xm, mut wm, mut bm) = (x.clone(), w.clone(), b.clone());
+            match which {
+                0 => (xp[idx] += h, xm[idx] -= h),
+                1 => (wp[idx] += h, wm[idx] -= h),
+                _ => (bp[idx] += h, bm[idx] -= h),
+            };
+            (loss(&xp, &wp, &bp) - loss(&xm, &wm, &bm)) / (2.0 * f64::from(h))
+        };
+        for (which, grad) in [(0, &dx), (1, &dw), (2, &db)] {
+            for (idx, &g) in grad.iter().enumerate() {
+                let want = fd(which, idx);
+                assert!(
+                    (f64::from(g) - want).abs() <= 1e-3 * (1.0 + want.abs()),
+                    "grad {which}[{idx}]: analytic {g}, finite difference {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn backward_without_dx_or_dbias_touches_only_dw() {
+        let d = dims(4, 3, 2);
+        let (x, w, dout) = (rand_vec(12, 1), rand_vec(6, 2), rand_vec(8, 3));
+        let mut dw = vec![0.0; 6];
+        linear_backward(&dout, &x, &w, d, None, &mut dw, None).unwrap();
+        let mut dw_full = vec![0.0; 6];
+        let (mut dx, mut db) = (vec![0.0; 12], vec![0.0; 2]);
+        linear_backward(&dout, &x, &w, d, Some(&mut dx), &mut dw_full, Some(&mut db)).unwrap();
+        assert_eq!(dw, dw_full);
+    }
+
+    #[test]
+    fn bad_lengths_name_the_argument() {
+        let d = dims(2, 3, 4);
+        let (x, w, b) = (vec![0.0; 6], vec![0.0; 12], vec![0.0; 4]);
+        let mut out = vec![0.0; 8];
+        let what = |r: Result<()>| match r {
+            Err(Error::Core(CoreError::LengthMismatch { what, .. })) => what,
+            other => panic!("expected a length error, got {other:?}"),
+        };
+        assert_eq!(what(linear_forward(&x[..5], &w, None, d, &mut out)), "x");
+        assert_eq!(what(linear_forward(&x, &w[..11], None, d, &mut out)), "w");
+        assert_eq!(
+            what(linear_forward(&x, &w, Some(&b[..3]), d, &mut out)),
+            "bias"
+        );
+        assert_eq!(what(linear_forward(&x, &w, None, d, &mut out[..7])), "out");
+        let mut dw = vec![0.0; 12];
+        let mut dx = vec![0.0; 5];
+        assert_eq!(
+            what(linear_backward(
+                &out,
+                &x,
+                &w,
+                d,
+                Some(&mut dx),
+                &mut dw,
+                None
+            )),
+            "dx"
+        );
+        assert!(dw.iter().all(|&v| v == 0.0), "nothing written on error");
+        assert_eq!(
+            what(linear_backward(&out[..7], &x, &w, d, None, &mut dw, None)),
+            "dout"
+        );
+        let mut db = vec![0.0; 5];
+        assert_eq!(
+            what(linear_backward(
+                &out,
+                &x,
+                &w,
+                d,
+                None,
+                &mut dw,
+                Some(&mut db)
+            )),
+            "dbias"
+        );
+        assert_eq!(what(matmul(&x, &w[..11], d, &mut out)), "b");
+        let huge = dims(usize::MAX, 2, 1);
+        assert!(linear_forward(&x, &w, None, huge, &mut out).is_err());
+    }
+
+    #[test]
+    fn matmul_matches_naive() {
+        for (seed, &(n, k, m)) in SIZES.iter().enumerate() {
+            let a = rand_vec(n * k, seed as u64);
+            let b = rand_vec(k * m, 50 + seed as u64);
+            let mut c = vec![f32::NAN; n * m];
+            matmul(&a, &b, dims(n, k, m), &mut c).unwrap();
+            let mut want = vec![0.0f64; n * m];
+            for i in 0..n {
+                for j in 0..m {
+                    want[i * m + j] = (0..k)
+                        .map(|l| f64::from(a[i * k + l]) * f64::from(b[l * m + j]))
+                        .sum();
+                }
+            }
+            assert_close(&c, &want, 1e-5);
+        }
+    }
+
+    /// Attention-like use: q, k as `[t, heads·hd]`, scores `[heads, t, t] = α·q_h·k_hᵀ`.
+    fn check_heads(t: usize, heads: usize, hd: usize) {
+        let (q, kk) = (rand_vec(t * heads * hd, 7), rand_vec(t * heads * hd, 8));
+        let per_head = MatLayout {
+            offset: 0,
+            batch_stride: hd,
+            row_stride: heads * hd,
+            col_stride: 1,
+        };
+        let alpha = 0.125;
+        let want = |h: usize, i: usize, j: usize| -> f64 {
+            (0..hd)
+                .map(|l| {
+                    f64::from(q[i * heads * hd + h * hd + l])
+                        * f64::from(kk[j * heads * hd + h * hd + l])
+                })
+                .sum::<f64>()
+                * f64::from(alpha)
+        };
+        let d = dims(t, hd, t);
+        let mut s = vec![f32::NAN; heads * t * t];
+        let (qa, ka) = (
+            MatRef {
+                data: &q,
+                layout: per_head,
+            },
+            MatRef {
+                data: &kk,
+                layout: per_head.t(),
+            },
+        );
+        let c = MatMut {
+            data: &mut s,
+            layout: MatLayout::row_major(t, t),
+        };
+        matmul_batched(heads, d, qa, ka, c, alpha, 0.0).unwrap();
+        let mut expect = vec![0.0; heads * t * t];
+        for h in 0..heads {
+            for i in 0..t {
+                for j in 0..t {
+                    expect[(h * t + i) * t + j] = want(h, i, j);
+                }
+            }
+        }
+        assert_close(&s, &expect, 1e-5);
+
+        // beta = 1 accumulates: a second identical product doubles the scores.
+        let c = MatMut {
+            data: &mut s,
+            layout: MatLayout::row_major(t, t),
+        };
+        matmul_batched(heads, d, qa, ka, c, alpha, 1.0).unwrap();
+        let doubled: Vec<f64> = expect.iter().map(|v| 2.0 * v).collect();
+        assert_close(&s, &doubled, 1e-5);
+    }
+
+    #[test]
+    fn batched_strided_heads_match_naive() {
+        check_heads(5, 3, 4); // small: batch spread over threads
+        check_heads(70, 2, 64); // large: each product spread over threads
+    }
+
+    #[test]
+    fn batched_unit_extents_ignore_their_strides() {
+        // One query row against 5 keys (decoding), 3 heads: row strides of unit extents
+        // are never used, so even absurd ones are accepted.
+        let (heads, t, hd) = (3, 5, 4);
+        let q = rand_vec(heads * hd, 1);
+        let k = rand_vec(t * heads * hd, 2);
+        let q_layout = MatLayout {
+            offset: 0,
+            batch_stride: hd,
+            row_stride: usize::MAX,
+            col_stride: 1,
+        };
+        let k_layout = MatLayout {
+            offset: 0,
+            batch_stride: hd,
+            row_stride: heads * hd,
+            col_stride: 1,
+        }
+        .t();
+        let mut s = vec![f32::NAN; heads * t];
+        let c = MatMut {
+            data: &mut s,
+            layout: MatLayout::row_major(1, t),
+        };
+        let (qa, ka) = (
+            MatRef {
+                data: &q,
+                layout: q_layout,
+            },
+            MatRef {
+                data: &k,
+                layout: k_layout,
+            },
+        );
+        matmul_batched(heads, dims(1, hd, t), qa, ka, c, 1.0, 0.0).unwrap();
+        for h in 0..heads {
+            for j in 0..t {
+                let want: f64 = (0..hd)
+                    .map(|l| f64::from(q[h * hd + l]) * f64::from(k[j * heads * hd + h * hd + l]))
+                    .sum();
+                assert!((f64::from(s[h * t + j]) - want).abs() < 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn batched_writes_strided_output_and_rejects_bad_layouts() {
+        // out[t, heads·hd] written per head from p[heads, t, t] · v_h (attention context).
+        let (t, heads, hd) = (4, 2, 3);
+        let p = rand_vec(heads * t * t, 1);
+        let v = rand_vec(t * heads * hd, 2);
+        let per_head = MatLayout {
+            offset: 0,
+            batch_stride: hd,
+            row_stride: heads * hd,
+            col_stride: 1,
+        };
+        let mut out = vec![f32::NAN; t * heads * hd];
+        let d = dims(t, t, hd);
+        let pa = MatRef {
+            data: &p,
+            layout: MatLayout::row_major(t, t),
+        };
+        let va = MatRef {
+            data: &v,
+            layout: per_head,
+        };
+        matmul_batched(
+            heads,
+            d,
+            pa,
+            va,
+            MatMut {
+                data: &mut out,
+                layout: per_head,
+            },
+            1.0,
+            0.0,
+        )
+        .unwrap();
+        for h in 0..heads {
+            for i in 0..t {
+                for j in 0..hd {
+                    let want: f64 = (0..t)
+                        .map(|l| {
+                            f64::from(p[(h * t + i) * t + l])
+                                * f64::from(v[l * heads * hd + h * hd + j])
+                        })
+                        .sum();
+                    let got = out[i * heads * hd + h * hd + j];
+                    assert!((f64::from(got) - want).abs() < 1e-5, "{got} vs {want}");
+                }
+            }
+        }
+
+        // Reaching past the end of a slice.
+        let mut small = vec![0.0; t * heads * hd - 1];
+        let err = matmul_batched(
+            heads,
+            d,
+            pa,
+            va,
+            MatMut {
+                data: &mut small,
+                layout: per_head,
+            },
+            1.0,
+            0.0,
+        );
+        assert!(matches!(
+            err,
+            Err(Error::Core(CoreError::LengthMismatch {
+                what: "c",
+                expected: 24,
+                actual: 23
+            }))
+        ));
+        // Two heads writing the same place.
+        let clash = MatLayout {
+            batch_stride: 1,
+            ..per_head
+        };
+        let err = matmul_batched(
+            heads,
+            d,
+            pa,
+            va,
+            MatMut {
+                data: &mut out,
+                layout: clash,
+            },
+            1.0,
+            0.0,
+        );
+        assert!(matches!(
+            err,
+            Err(Error::Core(CoreError::OutOfRange {
+                what: "c.layout",
+                ..
+            }))
+        ));
+        let err = matmul_batched(
+            heads,
+            d,
+            pa,
+            va,
+            MatMut {
+                data: &mut out,
+                layout: per_head,
+            },
+            f32::NAN,
+            0.0,
+        );
+        assert!(matches!(
+            err,
+            Err(Error::Core(CoreError::OutOfRange { what: "alpha", .. }))
+        ));
+    }
+}

@@ -1,0 +1,738 @@
+//! The optimizer side of training: AdamW, global gradient norm and clipping, learning-rate
+//! schedules.
+//!
+//! Hyper-parameters are `f64`, as the Python floats of PyTorch and transformers are; the
+//! per-element constants derived from them are rounded to `f32` once per step, as PyTorch
+//! does when it combines a Python scalar with an `f32` tensor.
+
+use ares_core::Error as CoreError;
+use rayon::prelude::*;
+
+use crate::Result;
+
+/// Tensors at least this long are processed in parallel chunks of [`CHUNK`] elements.
+const PAR_MIN_ELEMS: usize = 1 << 16;
+/// Fixed chunk length for parallel passes. Fixed (not derived from the thread count) so that
+/// reductions sum in the same order on every machine.
+const CHUNK: usize = 1 << 14;
+
+/// AdamW hyper-parameters other than the learning rate, which changes every step (see
+/// [`LrSchedule`]) and is passed to [`adamw_step`]. Defaults are PyTorch's
+/// `torch.optim.AdamW` defaults: `betas = (0.9, 0.999)`, `eps = 1e-8`, `weight_decay = 0.01`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWConfig {
+    /// Decay rate of the first-moment (mean) estimate, in `[0, 1)`.
+    pub beta1: f64,
+    /// Decay rate of the second-moment (uncentred variance) estimate, in `[0, 1)`.
+    pub beta2: f64,
+    /// Added to the denominator, `> 0`. (PyTorch accepts 0, which turns a zero gradient on a
+    /// fresh moment into 0/0 = NaN; refused here.)
+    pub eps: f64,
+    /// Decoupled weight decay coefficient, `>= 0`.
+    pub weight_decay: f64,
+}
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        Self {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        }
+    }
+}
+
+impl AdamWConfig {
+    /// Checks every field; the error names the first bad one.
+    ///
+    /// # Errors
+    /// `OutOfRange` for `beta1` or `beta2` outside `[0, 1)`, `eps` not finite and `> 0`, or
+    /// `weight_decay` not finite and `>= 0`.
+    pub fn validate(&self) -> Result<()> {
+        let unit = |x: f64| (0.0..1.0).contains(&x);
+        check("beta1", self.beta1, unit(self.beta1), "in [0, 1)")?;
+        check("beta2", self.beta2, unit(self.beta2), "in [0, 1)")?;
+        let eps_ok = self.eps.is_finite() && self.eps > 0.0;
+        check("eps", self.eps, eps_ok, "finite and > 0")?;
+        let wd_ok = self.weight_decay.is_finite() && self.weight_decay >= 0.0;
+        check("weight_decay", self.weight_decay, wd_ok, "finite and >= 0")
+    }
+}
+
+/// One AdamW update of one tensor, in place, with the semantics of PyTorch's
+/// `torch.optim.AdamW` (single-tensor path, `amsgrad = False`, `maximize = False`). With
+/// `t = step` (1 for the first update) and `lr` this step's learning rate, per element:
+///
+/// ```text
+/// θ ← θ·(1 − lr·wd)                              decoupled decay first, as PyTorch
+/// m ← m + (1 − β1)·(g − m)                       = β1·m + (1 − β1)·g (PyTorch's lerp form)
+/// v ← β2·v + (1 − β2)·g²
+/// θ ← θ − lr/(1 − β1ᵗ) · m / (√v / √(1 − β2ᵗ) + ε)
+/// ```
+///
+/// which is `θ ← θ − lr·(m̂/(√v̂ + ε) + wd·θ_old)` with the bias-corrected `m̂`, `v̂`, except
+/// that ε is added to `√v̂` exactly where PyTorch adds it. The scalar factors are computed
+/// in `f64` and rounded to `f32`, as PyTorch does with Python floats; the element
+/// operations run in `f32` in PyTorch's order. (PyTorch's vectorised CPU kernels fuse
+/// some multiply-adds, so results agree to `f32` rounding, not bit for bit.)
+///
+/// `params`, `grads`, `m` (first moment) and `v` (second moment) have the same length; `m`
+/// and `v` start at zero and are owned by this tensor.
+///
+/// # Errors
+/// - `LengthMismatch` for `grads`, `m` or `v` not as long as `params`;
+/// - `OutOfRange` for `step` 0, `lr` not finite and `>= 0`, or a bad `cfg` field;
+/// - `NonFinite` for `grads` at the first NaN or ±∞.
+///
+/// Everything is checked before anything is written: on error, nothing has changed.
+pub fn adamw_step(
+    params: &mut [f32],
+    grads: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    step: u64,
+    cfg: &AdamWConfig,
+    lr: f64,
+) -> Result<()> {
+    let len = params.len();
+    check_len("grads", len, grads.len())?;
+    check_len("m", len, m.len())?;
+    check_len("v", len, v.len())?;
+    cfg.validate()?;
+    check("step", step as f64, step >= 1, ">= 1")?;
+    check("lr", lr, lr.is_finite() && lr >= 0.0, "finite and >= 0")?;
+    if let Some(index) = first_non_finite(grads) {
+        return Err(CoreError::NonFinite {
+            what: "grads",
+            index,
+        }
+        .into());
+    }
+
+    let t = step as f64;
+    let k = AdamConsts {
+        decay: (1.0 - lr * cfg.weight_decay) as f32,
+        apply_decay: cfg.weight_decay != 0.0,
+        w1: (1.0 - cfg.beta1) as f32,
+        b2: cfg.beta2 as f32,
+        w2: (1.0 - cfg.beta2) as f32,
+        neg_step_size: (-lr / (1.0 - cfg.beta1.powf(t))) as f32,
+        bc2_sqrt: (1.0 - cfg.beta2.powf(t)).sqrt() as f32,
+        eps: cfg.eps as f32,
+    };
+    if len >= PAR_MIN_ELEMS {
+        params
+            .par_chunks_mut(CHUNK)
+            .zip(grads.par_chunks(CHUNK))
+            .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
+            .for_each(|((p, g), (m, v))| k.update(p, g, m, v));
+    } else {
+        k.update(params, grads, m, v);
+    }
+    Ok(())
+}
+
+/// The per-step `f32` factors of an AdamW update.
+struct AdamConsts {
+    decay: f32,
+    apply_decay: bool,
+    w1: f32,
+    b2: f32,
+    w2: f32,
+    neg_step_size: f32,
+    bc2_sqrt: f32,
+    eps: f32,
+}
+
+impl AdamConsts {
+    fn update(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+        // PyTorch's lerp switches form at weight 0.5 to stay accurate near both ends.
+        let low_weight = self.w1 < 0.5;
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            if self.apply_decay {
+                *p *= self.decay;
+            }
+            *m = if low_weight {
+                *m + self.w1 * (g - *m)
+            } else {
+                g - (g - *m) * (1.0 - self.w1)
+            };
+            *v = *v * self.b2 + self.w2 * g * g;
+            let denom = v.sqrt() / self.bc2_sqrt + self.eps;
+            *p += self.neg_step_size * (*m / denom);
+        }
+    }
+}
+
+/// Global L2 norm of a set of gradient tensors, `√(Σ_tensors Σ_i g_i²)`, accumulated in
+/// `f64` in a fixed order (deterministic for any thread count), returned as `f32`.
+///
+/// A NaN or ±∞ in any tensor gives a NaN or +∞ norm (as `torch.nn.utils.clip_grad_norm_`
+/// reports it), which callers can log or use to skip a step.
+pub fn global_grad_norm(grads: &[&[f32]]) -> f32 {
+    sum_of_squares(grads.iter().copied()).sqrt() as f32
+}
+
+/// Scales all gradients together so that their global L2 norm is at most `max_norm`, as
+/// `torch.nn.utils.clip_grad_norm_(params, max_norm)` (L2, `foreach` or not):
+///
+/// ```text
+/// norm  = √(Σ g²)                        (f64 accumulation, rounded to f32)
+/// scale = min(1, max_norm / (norm + 1e-6))   in f32
+/// g    ← g · scale                        only when scale < 1 (×1 changes nothing)
+/// ```
+///
+/// Returns `(norm, scale)`: the norm before clipping and the factor applied (1 if none).
+///
+/// # Errors
+/// - `OutOfRange` for `max_norm` not finite and `>= 0`;
+/// - `NonFinite` for `grads` if any element is NaN or ±∞, with `index` counted over the
+///   tensors concatenated in order (PyTorch's `error_if_nonfinite = True`; scaling by a NaN
+///   factor would silently ruin every gradient). Nothing is written then.
+pub fn clip_grad_norm(grads: &mut [&mut [f32]], max_norm: f32) -> Result<(f32, f32)> {
+    let ok = max_norm.is_finite() && max_norm >= 0.0;
+    check("max_norm", f64::from(max_norm), ok, "finite and >= 0")?;
+    let total = sum_of_squares(grads.iter().map(|g| &**g));
+    if !total.is_finite() {
+        // A sum of f32 squares (each < 1.2e77) overflows f64 only through a NaN or ±∞ input.
+        let mut base = 0usize;
+        for g in grads.iter() {
+            if let Some(i) = first_non_finite(g) {
+                return Err(CoreError::NonFinite {
+                    what: "grads",
+                    index: base + i,
+                }
+                .into());
+            }
+            base += g.len();
+        }
+    }
+    let norm = total.sqrt() as f32;
+    // In f32 like PyTorch (its norm is an f32 tensor); an f32-overflowing norm gives 0.
+    let scale = (max_norm / (norm + 1e-6)).min(1.0);
+    if scale < 1.0 {
+        for g in grads.iter_mut() {
+            if g.len() >= PAR_MIN_ELEMS {
+                g.par_chunks_mut(CHUNK)
+                    .for_each(|c| scale_in_place(c, scale));
+            } else {
+                scale_in_place(g, scale);
+            }
+        }
+    }
+    Ok((norm, if scale < 1.0 { scale } else { 1.0 }))
+}
+
+fn scale_in_place(xs: &mut [f32], s: f32) {
+    for x in xs {
+        *x *= s;
+    }
+}
+
+/// `Σ g²` over all tensors in `f64`, summed chunk by chunk in a fixed order.
+fn sum_of_squares<'a>(tensors: impl Iterator<Item = &'a [f32]>) -> f64 {
+    let mut total = 0.0f64;
+    for g in tensors {
+        total += if g.len() >= PAR_MIN_ELEMS {
+            // Partial sums come back in chunk order and are added serially: deterministic.
+            let partials: Vec<f64> = g.par_chunks(CHUNK).map(chunk_sum_of_squares).collect();
+            partials.iter().sum::<f64>()
+        } else {
+            g.chunks(CHUNK).map(chunk_sum_of_squares).sum::<f64>()
+        };
+    }
+    total
+}
+
+/// `Σ x²` in `f64` with eight independent accumulators, so the loop vectorises (a single
+/// accumulator would chain every addition).
+fn chunk_sum_of_squares(xs: &[f32]) -> f64 {
+    let mut acc = [0.0f64; 8];
+    let mut lanes = xs.chunks_exact(8);
+    for c in &mut lanes {
+        for (a, &x) in acc.iter_mut().zip(c) {
+            *a += f64::from(x) * f64::from(x);
+        }
+    }
+    for (a, &x) in acc.iter_mut().zip(lanes.remainder()) {
+        *a += f64::from(x) * f64::from(x);
+    }
+    acc.iter().sum()
+}
+
+/// Index of the first NaN or ±∞ in `xs`.
+fn first_non_finite(xs: &[f32]) -> Option<usize> {
+    // Finite f32s have |bits| <= 0x7f7f_ffff; an integer max over a chunk vectorises,
+    // and only a chunk that fails is searched element by element.
+    let bad =
+        |c: &[f32]| c.iter().fold(0u32, |a, x| a.max(x.to_bits() & 0x7fff_ffff)) > 0x7f7f_ffff;
+    let chunk = if xs.len() >= PAR_MIN_ELEMS {
+        xs.par_chunks(CHUNK).position_first(bad)?
+    } else {
+        xs.chunks(CHUNK).position(bad)?
+    };
+    let start = chunk * CHUNK;
+    xs.get(start..)?
+        .iter()
+        .position(|x| !x.is_finite())
+        .map(|i| start + i)
+}
+
+/// How the learning rate behaves after the linear warm-up.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum LrDecay {
+    /// Stay at the peak (transformers' `get_constant_schedule_with_warmup`).
+    Constant,
+    /// Half a cosine from the peak down to `min_lr_ratio · peak` at `total_steps`
+    /// (transformers' `get_cosine_schedule_with_warmup`, `num_cycles = 0.5`, which is the
+    /// case `min_lr_ratio = 0`; a positive ratio is its `get_cosine_with_min_lr_schedule_with_warmup`
+    /// with `min_lr_rate`).
+    Cosine {
+        /// Final learning rate as a fraction of the peak, in `[0, 1]`.
+        min_lr_ratio: f64,
+    },
+}
+
+/// A learning-rate schedule: linear warm-up from 0, then constant or cosine decay.
+///
+/// `lr(s)` is the learning rate after `s` scheduler steps, matching the `LambdaLR` schedules
+/// of Hugging Face transformers, for which the optimizer update number `t` (1-based, the
+/// `step` of [`adamw_step`]) uses `lr(t − 1)` — so the first update of a warm-up runs at
+/// `lr = 0`, as it does there. With warm-up `W`, total `N` and peak `η`:
+///
+/// ```text
+/// s < W:             η · s / max(1, W)
+/// constant, s >= W:  η
+/// cosine,   s >= W:  η · max(0, r + (1 − r) · ½(1 + cos(π · p))),  p = (s − W) / max(1, N − W)
+/// ```
+///
+/// As in transformers `p` is not clamped: past `N` the cosine rises again (trainers stop at
+/// `N`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LrSchedule {
+    peak_lr: f64,
+    warmup_steps: u64,
+    total_steps: u64,
+    decay: LrDecay,
+}
+
+impl LrSchedule {
+    /// Linear warm-up over `warmup_steps`, then `peak_lr` for ever.
+    ///
+    /// # Errors
+    /// `OutOfRange` for `peak_lr` not finite and `>= 0`.
+    pub fn constant_with_warmup(peak_lr: f64, warmup_steps: u64) -> Result<Self> {
+        check_peak(peak_lr)?;
+        Ok(Self {
+            peak_lr,
+            warmup_steps,
+            total_steps: u64::MAX,
+            decay: LrDecay::Constant,
+        })
+    }
+
+    /// Linear warm-up over `warmup_steps`, then half a cosine down to `min_lr_ratio · peak_lr`
+    /// at `total_steps`.
+    ///
+    /// # Errors
+    /// `OutOfRange` for `peak_lr` not finite and `>= 0`, `min_lr_ratio` outside `[0, 1]`,
+    /// `total_steps` 0, or `warmup_steps > total_steps`.
+    pub fn cosine_with_warmup(
+        peak_lr: f64,
+        warmup_steps: u64,
+        total_steps: u64,
+        min_lr_ratio: f64,
+    ) -> Result<Self> {
+        check_peak(peak_lr)?;
+        let r_ok = (0.0..=1.0).contains(&min_lr_ratio);
+        check("min_lr_ratio", min_lr_ratio, r_ok, "in [0, 1]")?;
+        check("total_steps", total_steps as f64, total_steps >= 1, ">= 1")?;
+        let w_ok = warmup_steps <= total_steps;
+        check("warmup_steps", warmup_steps as f64, w_ok, "<= total_steps")?;
+        Ok(Self {
+            peak_lr,
+            warmup_steps,
+            total_steps,
+            decay: LrDecay::Cosine { min_lr_ratio },
+        })
+    }
+
+    /// The learning rate after `step` scheduler steps: `peak_lr · multiplier(step)`.
+    pub fn lr(&self, step: u64) -> f64 {
+        self.peak_lr * self.multiplier(step)
+    }
+
+    /// The factor on the peak learning rate after `step` scheduler steps (the `lr_lambda`
+    /// of transformers' schedules).
+    pub fn multiplier(&self, step: u64) -> f64 {
+        let w = self.warmup_steps;
+        if step < w {
+            return step as f64 / w.max(1) as f64;
+        }
+        match self.decay {
+            LrDecay::Constant => 1.0,
+            LrDecay::Cosine { min_lr_ratio: r } => {
+                let progress = (step - w) as f64 / (self.total_steps - w).max(1) as f64;
+                // transformers writes π·num_cycles·2·p with num_cycles = 0.5: exactly π·p.
+                let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+                (cosine * (1.0 - r) + r).max(0.0)
+            }
+        }
+    }
+
+    /// The peak learning rate.
+    pub fn peak_lr(&self) -> f64 {
+        self.peak_lr
+    }
+
+    /// Warm-up length in steps.
+    pub fn warmup_steps(&self) -> u64 {
+        self.warmup_steps
+    }
+
+    /// What follows the warm-up.
+    pub fn decay(&self) -> LrDecay {
+        self.decay
+    }
+}
+
+/// Warm-up steps for a warm-up given as a fraction of the run: `⌈total_steps · ratio⌉`, in
+/// `f64` as transformers' `TrainingArguments.get_warmup_steps` (so `100 · 0.07 =
+/// 7.000000000000001` gives 8 there and here).
+///
+/// # Errors
+/// `OutOfRange` for `ratio` outside `[0, 1]`.
+pub fn warmup_steps_from_ratio(ratio: f64, total_steps: u64) -> Result<u64> {
+    check(
+        "warmup_ratio",
+        ratio,
+        (0.0..=1.0).contains(&ratio),
+        "in [0, 1]",
+    )?;
+    // In [0, total_steps] since ratio <= 1, so the cast is exact for any realistic run.
+    Ok((total_steps as f64 * ratio).ceil() as u64)
+}
+
+fn check_peak(peak_lr: f64) -> Result<()> {
+    let ok = peak_lr.is_finite() && peak_lr >= 0.0;
+    check("peak_lr", peak_lr, ok, "finite and >= 0")
+}
+
+fn check(what: &'static str, value: f64, ok: bool, expected: &'static str) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(CoreError::OutOfRange {
+            what,
+            value,
+            expected,
+        }
+        .into())
+    }
+}
+
+fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(CoreError::LengthMismatch {
+            what,
+            expected,
+            actual,
+        }
+        .into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Error;
+
+    fn near(got: f64, want: f64, tol: f64) -> bool {
+        (got - want).abs() <= tol * (1.0 + want.abs())
+    }
+
+    #[test]
+    fn adamw_first_two_steps_by_hand() {
+        // lr = 0.1, β = (0.9, 0.999), ε = 1e-8, wd = 0.01, θ = 1, m = v = 0.
+        // Step 1, g = 0.5:
+        //   θ = 1·(1 − 0.1·0.01)                      = 0.999
+        //   m = 0 + 0.1·(0.5 − 0)                     = 0.05
+        //   v = 0.999·0 + 0.001·0.25                  = 0.00025
+        //   step size = 0.1/(1 − 0.9)                 = 1
+        //   denom = √0.00025/√0.001 + 1e-8            = 0.5 + 1e-8
+        //   θ = 0.999 − 1·0.05/0.50000001             = 0.899000002
+        // Step 2, g = −0.25:
+        //   θ = 0.899000002·0.999                     = 0.898101002
+        //   m = 0.05 + 0.1·(−0.25 − 0.05)             = 0.02
+        //   v = 0.999·0.00025 + 0.001·0.0625          = 0.00031225
+        //   step size = 0.1/(1 − 0.81)                = 0.526315789
+        //   denom = √0.00031225/√0.001999 + 1e-8      = 0.395225391
+        //   θ = 0.898101002 − 0.526315789·0.050604036 = 0.871467299
+        let cfg = AdamWConfig::default();
+        let (mut p, mut m, mut v) = ([1.0f32], [0.0f32], [0.0f32]);
+        adamw_step(&mut p, &[0.5], &mut m, &mut v, 1, &cfg, 0.1).unwrap();
+        assert!(near(f64::from(p[0]), 0.899000002, 1e-6), "{}", p[0]);
+        assert!(near(f64::from(m[0]), 0.05, 1e-6));
+        assert!(near(f64::from(v[0]), 0.00025, 1e-6));
+        adamw_step(&mut p, &[-0.25], &mut m, &mut v, 2, &cfg, 0.1).unwrap();
+        assert!(near(f64::from(p[0]), 0.871467299, 1e-6), "{}", p[0]);
+        assert!(near(f64::from(m[0]), 0.02, 1e-6));
+        assert!(near(f64::from(v[0]), 0.00031225, 1e-6));
+    }
+
+    #[test]
+    fn adamw_zero_gradient_only_decays() {
+        // m = v = 0 stay 0, so the Adam term is 0/(0 + ε) = 0: θ·(1 − lr·wd) is all.
+        let cfg = AdamWConfig {
+            weight_decay: 0.1,
+            ..AdamWConfig::default()
+        };
+        let mut p = [2.0f32, -4.0];
+        let (mut m, mut v) = ([0.0f32; 2], [0.0f32; 2]);
+        adamw_step(&mut p, &[0.0, 0.0], &mut m, &mut v, 1, &cfg, 0.5).unwrap();
+        assert_eq!(p, [2.0 * 0.95, -4.0 * 0.95]);
+    }
+
+    #[test]
+    fn adamw_converges_on_a_quadratic() {
+        // f(θ) = ½ Σ a_i (θ_i − c_i)², ∇f = a ⊙ (θ − c); cosine schedule to 0 lets the
+        // iterate settle on the minimum instead of orbiting it at the step size.
+        let a = [1.0f32, 10.0, 0.1, 3.0];
+        let c = [0.5f32, -1.0, 2.0, 0.0];
+        let mut theta = [0.0f32; 4];
+        let (mut m, mut v) = ([0.0f32; 4], [0.0f32; 4]);
+        let cfg = AdamWConfig {
+            weight_decay: 0.0,
+            ..AdamWConfig::default()
+        };
+        let total = 2000;
+        let sched = LrSchedule::cosine_with_warmup(0.05, 20, total, 0.0).unwrap();
+        for t in 1..=total {
+            let g: Vec<f32> = (0..4).map(|i| a[i] * (theta[i] - c[i])).collect();
+            adamw_step(&mut theta, &g, &mut m, &mut v, t, &cfg, sched.lr(t - 1)).unwrap();
+        }
+        for i in 0..4 {
+            assert!(
+                (theta[i] - c[i]).abs() < 1e-2,
+                "θ{i} = {} vs {}",
+                theta[i],
+                c[i]
+            );
+        }
+    }
+
+    #[test]
+    fn adamw_parallel_path_matches_element_by_element() {
+        let n = PAR_MIN_ELEMS + 1234;
+        let g: Vec<f32> = (0..n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01)
+            .collect();
+        let mut p: Vec<f32> = (0..n).map(|i| (i % 7) as f32 * 0.1).collect();
+        let mut m: Vec<f32> = (0..n).map(|i| (i % 5) as f32 * 0.01).collect();
+        let mut v: Vec<f32> = (0..n).map(|i| (i % 3) as f32 * 0.001).collect();
+        let (mut p1, mut m1, mut v1) = (p.clone(), m.clone(), v.clone());
+        let cfg = AdamWConfig::default();
+        adamw_step(&mut p, &g, &mut m, &mut v, 3, &cfg, 1e-3).unwrap();
+        for i in (0..n).step_by(97) {
+            let (pi, mi, vi) = (&mut p1[i..=i], &mut m1[i..=i], &mut v1[i..=i]);
+            adamw_step(pi, &g[i..=i], mi, vi, 3, &cfg, 1e-3).unwrap();
+            assert_eq!((p[i], m[i], v[i]), (p1[i], m1[i], v1[i]));
+        }
+    }
+
+    #[test]
+    fn adamw_rejects_bad_input_without_writing() {
+        let cfg = AdamWConfig::default();
+        let (mut p, mut m, mut v) = ([1.0f32; 5], [0.0f32; 5], [0.0f32; 5]);
+        let g = [0.1, 0.2, 0.3, f32::NAN, f32::INFINITY];
+        let err = adamw_step(&mut p, &g, &mut m, &mut v, 1, &cfg, 1e-3);
+        assert_eq!(
+            err,
+            Err(Error::Core(CoreError::NonFinite {
+                what: "grads",
+                index: 3
+            }))
+        );
+        assert_eq!((p, m, v), ([1.0; 5], [0.0; 5], [0.0; 5]));
+
+        let what = |r: Result<()>| match r {
+            Err(Error::Core(CoreError::OutOfRange { what, .. }))
+            | Err(Error::Core(CoreError::LengthMismatch { what, .. })) => what,
+            other => panic!("expected an error, got {other:?}"),
+        };
+        let g = [0.0f32; 5];
+        assert_eq!(
+            what(adamw_step(&mut p, &g, &mut m, &mut v, 0, &cfg, 1e-3)),
+            "step"
+        );
+        assert_eq!(
+            what(adamw_step(&mut p, &g, &mut m, &mut v, 1, &cfg, -1.0)),
+            "lr"
+        );
+        assert_eq!(
+            what(adamw_step(&mut p, &g[..4], &mut m, &mut v, 1, &cfg, 1.0)),
+            "grads"
+        );
+        assert_eq!(
+            what(adamw_step(&mut p, &g, &mut m[..4], &mut v, 1, &cfg, 1.0)),
+            "m"
+        );
+        assert_eq!(
+            what(adamw_step(&mut p, &g, &mut m, &mut v[..4], 1, &cfg, 1.0)),
+            "v"
+        );
+        for (bad, name) in [
+            (AdamWConfig { beta1: 1.0, ..cfg }, "beta1"),
+            (AdamWConfig { beta2: -0.1, ..cfg }, "beta2"),
+            (AdamWConfig { eps: 0.0, ..cfg }, "eps"),
+            (
+                AdamWConfig {
+                    weight_decay: f64::NAN,
+                    ..cfg
+                },
+                "weight_decay",
+            ),
+        ] {
+            assert_eq!(what(bad.validate()), name);
+            assert_eq!(
+                what(adamw_step(&mut p, &g, &mut m, &mut v, 1, &bad, 1.0)),
+                name
+            );
+        }
+        assert_eq!((p, m, v), ([1.0; 5], [0.0; 5], [0.0; 5]));
+    }
+
+    #[test]
+    fn grad_norm_and_clipping_by_hand() {
+        // Two tensors [3, 4] and [0]: norm √(9 + 16) = 5.
+        let (mut a, mut b) = ([3.0f32, 4.0], [0.0f32]);
+        assert_eq!(global_grad_norm(&[&a, &b]), 5.0);
+
+        // max_norm 10 ≥ 5: scale 10/5.000001 > 1 → clamped to 1, nothing changes.
+        let (norm, scale) = clip_grad_norm(&mut [&mut a, &mut b], 10.0).unwrap();
+        assert_eq!((norm, scale, a), (5.0, 1.0, [3.0, 4.0]));
+
+        // max_norm 1: scale = 1/(5 + 1e-6) = 0.19999996, so g ≈ [0.6, 0.8].
+        let (norm, scale) = clip_grad_norm(&mut [&mut a, &mut b], 1.0).unwrap();
+        assert_eq!(norm, 5.0);
+        assert_eq!(scale, 1.0 / (5.0 + 1e-6f32));
+        assert!((a[0] - 0.6).abs() < 1e-6 && (a[1] - 0.8).abs() < 1e-6);
+        assert!((global_grad_norm(&[&a, &b]) - 1.0).abs() < 1e-6);
+
+        // No gradients at all: norm 0, nothing to scale.
+        assert_eq!(clip_grad_norm(&mut [], 1.0).unwrap(), (0.0, 1.0));
+    }
+
+    #[test]
+    fn grad_norm_of_large_tensors_is_exact_and_deterministic() {
+        // 3·PAR_MIN_ELEMS + 5 elements of 0.5: Σ g² = n/4 exactly in f64.
+        let n = 3 * PAR_MIN_ELEMS + 5;
+        let g = vec![0.5f32; n];
+        let want = ((n as f64) / 4.0).sqrt() as f32;
+        assert_eq!(global_grad_norm(&[&g]), want);
+        assert_eq!(global_grad_norm(&[&g[..7], &g[7..]]), want);
+    }
+
+    #[test]
+    fn clipping_rejects_non_finite_gradients() {
+        let (mut a, mut b) = ([1.0f32, 2.0], [3.0f32, f32::NAN]);
+        assert!(global_grad_norm(&[&a, &b]).is_nan());
+        let err = clip_grad_norm(&mut [&mut a, &mut b], 1.0);
+        assert_eq!(
+            err,
+            Err(Error::Core(CoreError::NonFinite {
+                what: "grads",
+                index: 3
+            }))
+        );
+        assert_eq!(a, [1.0, 2.0]);
+        let err = clip_grad_norm(&mut [&mut a], -1.0);
+        assert!(matches!(
+            err,
+            Err(Error::Core(CoreError::OutOfRange {
+                what: "max_norm",
+                ..
+            }))
+        ));
+    }
+
+    #[test]
+    fn first_non_finite_finds_the_first_one_in_a_large_slice() {
+        let mut x = vec![1.0f32; 5 * CHUNK];
+        assert_eq!(first_non_finite(&x), None);
+        x[3 * CHUNK + 17] = f32::NEG_INFINITY;
+        x[4 * CHUNK] = f32::NAN;
+        assert_eq!(first_non_finite(&x), Some(3 * CHUNK + 17));
+        x[2] = f32::MAX; // the largest finite value is fine
+        assert_eq!(first_non_finite(&x), Some(3 * CHUNK + 17));
+    }
+
+    #[test]
+    fn constant_schedule_with_warmup() {
+        let s = LrSchedule::constant_with_warmup(1e-3, 10).unwrap();
+        // s/10 during warm-up, then the peak.
+        assert_eq!(s.lr(0), 0.0);
+        assert!(near(s.lr(5), 0.5e-3, 1e-15));
+        assert_eq!(s.lr(10), 1e-3);
+        assert_eq!(s.lr(1_000_000), 1e-3);
+        let no_warmup = LrSchedule::constant_with_warmup(1e-3, 0).unwrap();
+        assert_eq!(no_warmup.lr(0), 1e-3);
+    }
+
+    #[test]
+    fn cosine_schedule_with_warmup() {
+        // W = 10, N = 110, r = 0.1: p = (s − 10)/100, factor = 0.1 + 0.9·½(1 + cos πp).
+        let s = LrSchedule::cosine_with_warmup(2.0, 10, 110, 0.1).unwrap();
+        assert_eq!(s.lr(0), 0.0); // step 0: 0/10
+        assert_eq!(s.lr(5), 1.0); // half-way up: 2·5/10
+        assert_eq!(s.lr(10), 2.0); // warm-up end: p = 0, cos 0 = 1
+        assert!(near(s.lr(60), 2.0 * 0.55, 1e-12)); // middle: p = ½, cos = 0 → 0.1 + 0.45
+        assert!(near(
+            s.lr(35),
+            2.0 * (0.1 + 0.45 * (1.0 + 0.5f64.sqrt())),
+            1e-12
+        )); // p = ¼
+        assert!(near(s.lr(110), 0.2, 1e-12)); // end: cos π = −1 → r
+        // transformers' plain cosine is r = 0: ends at 0.
+        let plain = LrSchedule::cosine_with_warmup(1.0, 0, 100, 0.0).unwrap();
+        assert_eq!(plain.lr(0), 1.0);
+        assert!(plain.lr(100).abs() < 1e-15);
+        assert!(near(plain.lr(50), 0.5, 1e-12));
+    }
+
+    #[test]
+    fn schedule_arguments_are_checked() {
+        let what = |r: Result<LrSchedule>| match r {
+            Err(Error::Core(CoreError::OutOfRange { what, .. })) => what,
+            other => panic!("expected an error, got {other:?}"),
+        };
+        assert_eq!(
+            what(LrSchedule::constant_with_warmup(f64::NAN, 1)),
+            "peak_lr"
+        );
+        assert_eq!(
+            what(LrSchedule::cosine_with_warmup(1.0, 1, 10, 1.5)),
+            "min_lr_ratio"
+        );
+        assert_eq!(
+            what(LrSchedule::cosine_with_warmup(1.0, 0, 0, 0.0)),
+            "total_steps"
+        );
+        assert_eq!(
+            what(LrSchedule::cosine_with_warmup(1.0, 11, 10, 0.0)),
+            "warmup_steps"
+        );
+        assert!(warmup_steps_from_ratio(1.1, 10).is_err());
+    }
+
+    #[test]
+    fn warmup_ratio_rounds_up_like_transformers() {
+        assert_eq!(warmup_steps_from_ratio(0.03, 1000).unwrap(), 30);
+        assert_eq!(warmup_steps_from_ratio(0.1, 15).unwrap(), 2); // ⌈1.5⌉
+        assert_eq!(warmup_steps_from_ratio(0.07, 100).unwrap(), 8); // ⌈7.000000000000001⌉
+        assert_eq!(warmup_steps_from_ratio(0.0, 100).unwrap(), 0);
+    }
+}
