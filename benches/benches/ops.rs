@@ -1,0 +1,123 @@
+//! ares-cpu transformer ops at the sizes of a small Qwen2-shaped model (hidden 896, MLP
+//! 4864, 14 query / 2 KV heads of 64 — Qwen2.5-0.5B's layer — on 512 tokens), on all
+//! threads. GEMMs report GFLOP/s (criterion's "elements" are FLOPs); the element-wise ops
+//! report bytes read and sit beside a same-bytes read baseline.
+
+use ares_benches::{SplitMix, read_baseline};
+use ares_cpu::ops::attention::{
+    AttentionGrads, AttentionInputs, AttentionShape, attention_backward, attention_forward,
+};
+use ares_cpu::ops::matmul::{MatmulDims, linear_backward, linear_forward};
+use ares_cpu::ops::rmsnorm::rmsnorm_forward;
+use ares_cpu::ops::swiglu::swiglu_forward;
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use std::hint::black_box;
+use std::time::Duration;
+
+const TOKENS: usize = 512;
+const HIDDEN: usize = 896;
+const MLP: usize = 4864;
+const Q_HEADS: usize = 14;
+const KV_HEADS: usize = 2;
+const HEAD_DIM: usize = 64;
+
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = SplitMix::new(seed);
+    (0..n).map(|_| rng.unit() - 0.5).collect()
+}
+
+fn ops(c: &mut Criterion) {
+    // linear: the MLP up projection, [512, 896] · [4864, 896]ᵀ
+    let dims = MatmulDims {
+        n: TOKENS,
+        k: HIDDEN,
+        m: MLP,
+    };
+    let (x, w) = (values(TOKENS * HIDDEN, 1), values(MLP * HIDDEN, 2));
+    let mut y = vec![0.0f32; TOKENS * MLP];
+    let (mut dx, mut dw) = (vec![0.0f32; TOKENS * HIDDEN], vec![0.0f32; MLP * HIDDEN]);
+    let flops = (2 * TOKENS * HIDDEN * MLP) as u64;
+    let mut g = c.benchmark_group("linear_512x896x4864");
+    g.sample_size(10).measurement_time(Duration::from_secs(4));
+    g.throughput(Throughput::Elements(flops));
+    g.bench_function("forward", |b| {
+        b.iter(|| linear_forward(&x, &w, None, dims, &mut y).expect("forward"))
+    });
+    g.throughput(Throughput::Elements(2 * flops));
+    g.bench_function("backward_dx_dw", |b| {
+        b.iter(|| {
+            linear_backward(&y, &x, &w, dims, Some(&mut dx), &mut dw, None).expect("backward")
+        })
+    });
+    g.finish();
+
+    // causal GQA attention on one 512-token sequence
+    let shape = AttentionShape::new(1, TOKENS, Q_HEADS, KV_HEADS, HEAD_DIM);
+    let q = values(TOKENS * Q_HEADS * HEAD_DIM, 3);
+    let k = values(TOKENS * KV_HEADS * HEAD_DIM, 4);
+    let v = values(TOKENS * KV_HEADS * HEAD_DIM, 5);
+    let mut out = vec![0.0f32; q.len()];
+    let mut lse = vec![0.0f32; TOKENS * Q_HEADS];
+    let (mut dq, mut dk, mut dv) = (
+        vec![0.0f32; q.len()],
+        vec![0.0f32; k.len()],
+        vec![0.0f32; v.len()],
+    );
+    // causal: about half of the T² scores, 2 FLOPs per multiply-add, for QKᵀ and PV
+    let attn_flops = (2 * 2 * Q_HEADS * HEAD_DIM * TOKENS * (TOKENS + 1) / 2) as u64;
+    let mut g = c.benchmark_group("attention_gqa_512");
+    g.sample_size(10).measurement_time(Duration::from_secs(4));
+    g.throughput(Throughput::Elements(attn_flops));
+    let inputs = AttentionInputs {
+        q: &q,
+        k: &k,
+        v: &v,
+        key_mask: None,
+    };
+    g.bench_function("forward", |b| {
+        b.iter(|| attention_forward(&shape, inputs, &mut out, &mut lse).expect("fwd"))
+    });
+    g.throughput(Throughput::Elements(2 * attn_flops));
+    g.bench_function("backward", |b| {
+        b.iter(|| {
+            let grads = AttentionGrads {
+                dq: &mut dq,
+                dk: &mut dk,
+                dv: &mut dv,
+            };
+            attention_backward(&shape, inputs, &out, &lse, &out, grads).expect("bwd")
+        })
+    });
+    g.finish();
+
+    // element-wise: RMSNorm over [512, 896] and SwiGLU over [512, 4864]
+    let weight = values(HIDDEN, 6);
+    let (mut normed, mut rstd) = (vec![0.0f32; x.len()], vec![0.0f32; TOKENS]);
+    let mut g = c.benchmark_group("rmsnorm_512x896");
+    g.sample_size(20)
+        .throughput(Throughput::Bytes((x.len() * 4) as u64));
+    g.bench_function("baseline_read", |b| {
+        b.iter(|| black_box(read_baseline(&[&x])))
+    });
+    g.bench_function("forward", |b| {
+        b.iter(|| {
+            rmsnorm_forward(&x, &weight, 1e-6, HIDDEN, &mut normed, &mut rstd).expect("rmsnorm")
+        })
+    });
+    g.finish();
+    let (gate, up) = (values(TOKENS * MLP, 7), values(TOKENS * MLP, 8));
+    let mut act = vec![0.0f32; gate.len()];
+    let mut g = c.benchmark_group("swiglu_512x4864");
+    g.sample_size(20)
+        .throughput(Throughput::Bytes((gate.len() * 8) as u64));
+    g.bench_function("baseline_read", |b| {
+        b.iter(|| black_box(read_baseline(&[&gate, &up])))
+    });
+    g.bench_function("forward", |b| {
+        b.iter(|| swiglu_forward(&gate, &up, &mut act).expect("swiglu"))
+    });
+    g.finish();
+}
+
+criterion_group!(benches, ops);
+criterion_main!(benches);
