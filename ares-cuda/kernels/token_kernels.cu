@@ -3,7 +3,10 @@
 // (ares-cuda/src/ops.rs) documents the arguments.
 
 typedef unsigned short bf16_t;
-typedef unsigned short f16_t;
+// IEEE half as its own type, so templates can tell it from bf16 (both are 16-bit words)
+struct half_t {
+    unsigned short bits;
+};
 
 #define NEG_INF __int_as_float(0xff800000)
 #define POS_INF __int_as_float(0x7f800000)
@@ -12,11 +15,12 @@ typedef unsigned short f16_t;
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(bf16_t x) { return __uint_as_float(((unsigned)x) << 16); }
-__device__ __forceinline__ float f16_to_f32(f16_t x) {
+__device__ __forceinline__ float f16_bits_to_f32(unsigned short x) {
     float y;
     asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(y) : "h"(x));
     return y;
 }
+__device__ __forceinline__ float to_f32(half_t x) { return f16_bits_to_f32(x.bits); }
 
 // 2^x with the hardware unit (max rel. error ~2^-22); 2^-inf = 0.
 __device__ __forceinline__ float exp2_approx(float x) {
@@ -99,6 +103,19 @@ template <> struct Vec16<bf16_t> {
         for (int i = 0; i < 4; i++) {
             out[2 * i] = __uint_as_float(w[i] << 16);
             out[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+        }
+    }
+};
+
+template <> struct Vec16<half_t> {
+    static const int N = 8;
+    __device__ __forceinline__ static void load(const half_t* p, float* out) {
+        uint4 v = __ldcs(reinterpret_cast<const uint4*>(p));
+        unsigned w[4] = {v.x, v.y, v.z, v.w};
+        #pragma unroll
+        for (int i = 0; i < 4; i++) {
+            out[2 * i] = f16_bits_to_f32((unsigned short)(w[i] & 0xffffu));
+            out[2 * i + 1] = f16_bits_to_f32((unsigned short)(w[i] >> 16));
         }
     }
 };
@@ -199,6 +216,12 @@ extern "C" __global__ void log_prob_entropy_bf16(const bf16_t* logits, long long
                                                  const unsigned* targets, float* out_log_prob,
                                                  float* out_entropy, unsigned* status) {
     log_prob_entropy_row<bf16_t>(logits, vocab, inv_t, targets, out_log_prob, out_entropy, status);
+}
+
+extern "C" __global__ void log_prob_entropy_f16(const half_t* logits, long long vocab, float inv_t,
+                                                const unsigned* targets, float* out_log_prob,
+                                                float* out_entropy, unsigned* status) {
+    log_prob_entropy_row<half_t>(logits, vocab, inv_t, targets, out_log_prob, out_entropy, status);
 }
 
 // ---------------------------------------------------------------------------------------

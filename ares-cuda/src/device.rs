@@ -28,6 +28,7 @@ pub struct Cuda {
 pub(crate) struct Functions {
     pub log_prob_entropy_f32: CudaFunction,
     pub log_prob_entropy_bf16: CudaFunction,
+    pub log_prob_entropy_f16: CudaFunction,
     pub entropy_windows: CudaFunction,
     pub row_percentile: CudaFunction,
     pub masked_dynamic_kl: CudaFunction,
@@ -112,6 +113,7 @@ impl Cuda {
         let functions = Functions {
             log_prob_entropy_f32: load("log_prob_entropy_f32")?,
             log_prob_entropy_bf16: load("log_prob_entropy_bf16")?,
+            log_prob_entropy_f16: load("log_prob_entropy_f16")?,
             entropy_windows: load("entropy_windows")?,
             row_percentile: load("row_percentile")?,
             masked_dynamic_kl: load("masked_dynamic_kl")?,

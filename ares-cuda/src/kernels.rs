@@ -19,6 +19,7 @@ pub const TOKEN_KERNELS: KernelSource = KernelSource {
     kernels: &[
         "log_prob_entropy_f32",
         "log_prob_entropy_bf16",
+        "log_prob_entropy_f16",
         "entropy_windows",
         "row_percentile",
         "masked_dynamic_kl",

@@ -5,7 +5,7 @@ use crate::device::Cuda;
 use crate::error::{DriverContext, Error, Result};
 use ares_core::kl::KlEstimator;
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
-use half::bf16;
+use half::{bf16, f16};
 
 /// Logit element types with a fused log-prob + entropy kernel.
 pub trait LogitElem: DeviceRepr {
@@ -17,6 +17,9 @@ impl LogitElem for f32 {
 }
 impl LogitElem for bf16 {
     const KERNEL: &'static str = "log_prob_entropy_bf16";
+}
+impl LogitElem for f16 {
+    const KERNEL: &'static str = "log_prob_entropy_f16";
 }
 
 /// Threads per block of the row kernels (one block per row).
@@ -93,7 +96,7 @@ pub struct HweOutputs<'a> {
 
 impl Cuda {
     /// Fused log-prob + entropy, the twin of `ares_cpu::log_prob_entropy`: per row of
-    /// `logits` (`[rows, vocab]`, rows = `out_entropy.len()`), the entropy of
+    /// `logits` (`[rows, vocab]`, f32/bf16/f16; rows = `out_entropy.len()`), the entropy of
     /// `softmax(logits / temperature)` and, with `targets = (ids, out_log_prob)`, the
     /// log-prob of `ids[row]`. One block per row reads the row once with 16-byte loads.
     /// Errors name the kernel: bad lengths or temperature, NaN/+∞ or all −∞ rows, target
@@ -131,10 +134,10 @@ impl Cuda {
         }
         let grid = grid_rows(kernel, rows)?;
         self.clear_status(kernel)?;
-        let func = if kernel == "log_prob_entropy_f32" {
-            &self.functions.log_prob_entropy_f32
-        } else {
-            &self.functions.log_prob_entropy_bf16
+        let func = match kernel {
+            "log_prob_entropy_f32" => &self.functions.log_prob_entropy_f32,
+            "log_prob_entropy_bf16" => &self.functions.log_prob_entropy_bf16,
+            _ => &self.functions.log_prob_entropy_f16,
         };
         let vocab_i64 = vocab as i64;
         let mut launch = self.stream.launch_builder(func);

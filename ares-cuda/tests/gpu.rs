@@ -395,3 +395,39 @@ fn masked_dynamic_kl_matches_cpu() {
         }
     }
 }
+
+#[test]
+fn log_prob_entropy_f16_matches_cpu() {
+    use half::f16;
+    let Some(mut cuda) = gpu_or_skip() else {
+        return;
+    };
+    let mut rng = Rng(5);
+    for (rows, vocab) in [(3usize, 1usize), (9, 1001), (4, 151_936)] {
+        let host: Vec<f16> = (0..rows * vocab)
+            .map(|_| f16::from_f32((rng.unit() - 0.5) * 30.0))
+            .collect();
+        let ids: Vec<u32> = (0..rows).map(|r| (r * 7919 % vocab) as u32).collect();
+        let (mut lp_cpu, mut h_cpu) = (vec![0.0; rows], vec![0.0; rows]);
+        let logits = ares_cpu::Logits::F16(&host);
+        ares_cpu::log_prob_entropy(logits, vocab, 0.8, Some((&ids, &mut lp_cpu)), &mut h_cpu)
+            .expect("cpu");
+        let (d_logits, d_ids) = (upload(&cuda, &host), upload(&cuda, &ids));
+        let (mut d_lp, mut d_h) = (poisoned(&cuda, rows), poisoned(&cuda, rows));
+        cuda.log_prob_entropy(&d_logits, vocab, 0.8, Some((&d_ids, &mut d_lp)), &mut d_h)
+            .expect("gpu");
+        let what = format!("f16 rows {rows} vocab {vocab}");
+        assert_close(
+            &format!("{what} entropy"),
+            &download(&cuda, &d_h),
+            &h_cpu,
+            1e-5,
+        );
+        assert_close(
+            &format!("{what} log_prob"),
+            &download(&cuda, &d_lp),
+            &lp_cpu,
+            1e-5,
+        );
+    }
+}
