@@ -41,6 +41,9 @@ Next to each model, `expected.safetensors` (f32 unless noted) holds, for two inp
 
 `params.json` per model: for every tensor of the checkpoint, its shape, first 4 values
 (row-major, as f32) and its sum (f64), so a loader can be checked against transformers.
+
+`scripts/check_hf_roundtrip.py` checks the other direction: checkpoints saved by
+ares-runner load in transformers with the same parameters and logits.
 """
 
 import json
@@ -137,7 +140,7 @@ def expected(model, seed):
 def summary(directory):
     from safetensors import safe_open
 
-    files = sorted(Path(directory).glob("*.safetensors"))
+    files = sorted(Path(directory).glob("model*.safetensors"))
     rows = {}
     for f in files:
         with safe_open(str(f), "pt") as st:
@@ -165,8 +168,9 @@ def make(name, cls, config, seed, dtype=torch.float32, max_shard_size=None, gene
     if max_shard_size is not None:
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(out, **kwargs)
-    # Expected values: f32 math on exactly the saved (possibly bf16-rounded) weights.
-    model = model.float()
+    # Expected values: f32 math on exactly the saved (possibly bf16-rounded) weights, from a
+    # fresh f32 load (casting the bf16 model back would leave its RoPE inv_freq bf16-rounded).
+    model = cls.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").eval()
     save_file(expected(model, seed + 1000), str(out / "expected.safetensors"))
     (out / "params.json").write_text(json.dumps(summary(out), indent=1) + "\n")
     return out
