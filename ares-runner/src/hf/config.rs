@@ -173,6 +173,24 @@ impl ModelConfig {
             }
         };
         let vocab_size = positive("vocab_size")?;
+        // The byte size of every weight matrix must fit in usize (no overflow later).
+        let bytes = |rows: usize, cols: usize| rows.checked_mul(cols)?.checked_mul(4);
+        let fits = num_attention_heads
+            .checked_mul(head_dim)
+            .and_then(|q| bytes(q, hidden_size))
+            .and(bytes(vocab_size, hidden_size))
+            .and(bytes(intermediate_size, hidden_size))
+            .is_some();
+        if !fits {
+            return Err(f.error(
+                "hidden_size",
+                format!(
+                    "weight matrices overflow usize (hidden_size {hidden_size}, vocab_size \
+                     {vocab_size}, intermediate_size {intermediate_size}, heads × head_dim \
+                     {num_attention_heads} × {head_dim})"
+                ),
+            ));
+        }
         let rms_norm_eps = f.opt::<f64>("rms_norm_eps")?.unwrap_or(1e-6);
         if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
             return Err(f.error("rms_norm_eps", format!("must be > 0, found {rms_norm_eps}")));
@@ -326,4 +344,180 @@ fn check_sliding_window(f: &Fields<'_>, layers: usize) -> Result<(), HfError> {
         ));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hf::rope::RopeScaling;
+
+    const BASE: &str = r#""hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "vocab_size": 10"#;
+
+    fn parse(extra: &str) -> Result<ModelConfig, HfError> {
+        let text = format!(
+            "{{{BASE}{}{extra}}}",
+            if extra.is_empty() { "" } else { ", " }
+        );
+        ModelConfig::from_json_str(Path::new("dir/config.json"), &text)
+    }
+
+    fn err(extra: &str) -> String {
+        match parse(extra) {
+            Ok(c) => panic!("expected an error for {extra}, got {c:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn defaults_follow_transformers() {
+        let c = parse(r#""model_type": "llama""#).unwrap();
+        assert_eq!((c.num_key_value_heads, c.head_dim), (4, 16));
+        assert_eq!(
+            (c.rope.theta, &c.rope.scaling),
+            (10_000.0, &RopeScaling::Default)
+        );
+        assert!(!c.tie_word_embeddings && !c.qkv_bias && !c.mlp_bias && !c.qk_norm);
+        assert_eq!((c.rms_norm_eps, c.max_position_embeddings), (1e-6, 2048));
+        assert!(c.eos_token_ids.is_empty() && c.bos_token_id.is_none() && c.dtype.is_none());
+        let c = parse(r#""model_type": "qwen3""#).unwrap();
+        assert_eq!(c.head_dim, 128);
+        assert!(c.qk_norm && !c.qkv_bias && !c.o_bias);
+        let c = parse(r#""model_type": "qwen2""#).unwrap();
+        assert!(c.qkv_bias && !c.o_bias);
+        assert_eq!(c.max_position_embeddings, 32768);
+    }
+
+    #[test]
+    fn bias_flags_and_token_ids() {
+        let c = parse(
+            r#""model_type": "llama", "attention_bias": true, "mlp_bias": true,
+            "eos_token_id": [7, 8], "torch_dtype": "float16", "tie_word_embeddings": true"#,
+        )
+        .unwrap();
+        assert!(c.qkv_bias && c.o_bias && c.mlp_bias && c.tie_word_embeddings);
+        assert_eq!(c.eos_token_ids, vec![7, 8]);
+        assert_eq!(c.dtype.as_deref(), Some("float16"));
+        let c = parse(r#""model_type": "qwen3", "attention_bias": true"#).unwrap();
+        assert!(c.qkv_bias && c.o_bias && !c.mlp_bias);
+    }
+
+    #[test]
+    fn architecture_from_architectures_or_error() {
+        let c = parse(r#""architectures": ["Qwen2ForCausalLM"]"#).unwrap();
+        assert_eq!(c.arch, Arch::Qwen2);
+        let e = err(r#""architectures": ["GPT2LMHeadModel"]"#);
+        assert!(e.contains("unknown architecture `GPT2LMHeadModel`"), "{e}");
+        assert!(e.contains("qwen2, qwen3, llama"), "{e}");
+        let e = err("");
+        assert_eq!(
+            e,
+            "dir/config.json: model_type: missing, and no `architectures` either"
+        );
+    }
+
+    #[test]
+    fn invalid_values_are_named() {
+        let e = err(r#""model_type": "llama", "num_key_value_heads": 3"#);
+        assert!(e.ends_with("num_key_value_heads: 3 does not divide num_attention_heads = 4"));
+        let e = err(r#""model_type": "llama", "hidden_act": "gelu""#);
+        assert!(e.contains("hidden_act: `gelu` is not supported"), "{e}");
+        let e = err(r#""model_type": "llama", "vocab_size": 0"#);
+        assert!(e.contains("vocab_size: must be > 0"), "{e}");
+        let e = err(r#""model_type": "llama", "num_attention_heads": 5"#);
+        assert!(e.contains("5 does not divide hidden_size = 64"), "{e}");
+        let e = err(r#""model_type": "llama", "vocab_size": 18446744073709551615"#);
+        assert!(
+            e.contains("hidden_size: weight matrices overflow usize"),
+            "{e}"
+        );
+        let e = err(r#""model_type": "llama", "rms_norm_eps": -1"#);
+        assert!(e.contains("rms_norm_eps: must be > 0, found -1"), "{e}");
+        let e = ModelConfig::from_json_str(Path::new("c.json"), r#"{"model_type": "llama"}"#)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(e, "c.json: hidden_size: missing (required)");
+        let e = ModelConfig::from_json_str(Path::new("c.json"), "[1]")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(e, "c.json: expected a JSON object, found an array");
+    }
+
+    #[test]
+    fn sliding_window_is_refused_only_when_used() {
+        parse(r#""model_type": "qwen2", "use_sliding_window": false, "sliding_window": 4096"#)
+            .unwrap();
+        let e = err(
+            r#""model_type": "qwen2", "use_sliding_window": true, "sliding_window": 4096,
+            "max_window_layers": 1"#,
+        );
+        assert!(
+            e.contains("use_sliding_window: sliding-window attention is not supported"),
+            "{e}"
+        );
+        let e =
+            err(r#""model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]"#);
+        assert!(
+            e.contains("layer_types: layer 1 is `sliding_attention`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn rope_styles() {
+        let c = parse(r#""model_type": "llama", "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2}"#)
+            .unwrap();
+        assert_eq!(c.rope.theta, 5e5);
+        assert_eq!(c.rope.scaling, RopeScaling::Linear { factor: 2.0 });
+        let c = parse(
+            r#""model_type": "qwen2", "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4}"#,
+        )
+        .unwrap();
+        assert_eq!(c.rope.theta, 1e6);
+        assert_eq!(
+            c.rope.scaling,
+            RopeScaling::Other {
+                rope_type: "yarn".into()
+            }
+        );
+        assert_eq!(c.rope.scaling.rope_type(), "yarn");
+        // Saved for transformers 4.x: rope_scaling copied from rope_parameters.
+        let saved = c.to_json("float32");
+        assert_eq!(
+            saved["rope_scaling"],
+            serde_json::json!({"rope_type": "yarn", "factor": 4})
+        );
+        let c = parse(r#""model_type": "qwen2", "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}"#)
+            .unwrap();
+        assert_eq!(c.to_json("bfloat16")["rope_scaling"], Value::Null);
+        assert_eq!(c.to_json("bfloat16")["torch_dtype"], "bfloat16");
+        let e =
+            err(r#""model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8}"#);
+        assert!(
+            e.contains("rope_scaling.low_freq_factor: missing (required)"),
+            "{e}"
+        );
+        let e =
+            err(r#""model_type": "llama", "rope_scaling": {"rope_type": "linear", "factor": 0}"#);
+        assert!(
+            e.contains("rope_scaling.factor: must be > 0, found 0"),
+            "{e}"
+        );
+        let e =
+            err(r#""model_type": "llama", "rope_theta": 1, "rope_parameters": {"rope_theta": 2}"#);
+        assert!(
+            e.contains("rope_theta: 1 contradicts rope_parameters.rope_theta = 2"),
+            "{e}"
+        );
+        let e = err(r#""model_type": "llama", "partial_rotary_factor": 0.5"#);
+        assert!(
+            e.contains("partial_rotary_factor: 0.5 is not supported"),
+            "{e}"
+        );
+        let e = err(r#""model_type": "llama", "rope_scaling": 3"#);
+        assert!(
+            e.contains("rope_scaling: expected an object, found a number"),
+            "{e}"
+        );
+    }
 }

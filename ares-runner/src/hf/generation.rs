@@ -94,3 +94,47 @@ impl GenerationConfig {
         &self.raw
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<GenerationConfig, HfError> {
+        GenerationConfig::from_json_str(Path::new("generation_config.json"), text)
+    }
+
+    #[test]
+    fn fields_are_optional_and_eos_is_int_or_list() {
+        let g = parse("{}").unwrap();
+        assert_eq!(
+            (g.eos_token_ids, g.temperature, g.top_k),
+            (None, None, None)
+        );
+        assert_eq!(
+            parse(r#"{"eos_token_id": 5}"#).unwrap().eos_token_ids,
+            Some(vec![5])
+        );
+        let g = parse(r#"{"eos_token_id": [5, 6], "top_k": 0, "min_p": 0.1}"#).unwrap();
+        assert_eq!(
+            (g.eos_token_ids, g.top_k, g.min_p),
+            (Some(vec![5, 6]), Some(0), Some(0.1))
+        );
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        let e = parse(r#"{"top_p": 1.5}"#).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "generation_config.json: top_p: must be in (0, 1], found 1.5"
+        );
+        let e = parse(r#"{"temperature": -1}"#).unwrap_err().to_string();
+        assert!(e.contains("temperature: must be >= 0"), "{e}");
+        let e = parse(r#"{"eos_token_id": "x"}"#).unwrap_err().to_string();
+        assert!(e.contains("eos_token_id: invalid type: string"), "{e}");
+        let e = parse(r#"{"eos_token_id": [1, -2]}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("eos_token_id: invalid value"), "{e}");
+    }
+}
