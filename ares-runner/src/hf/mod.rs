@@ -3,3 +3,20 @@
 //!
 //! Errors name the file and the field or tensor (`config.json: num_key_value_heads = 3 does
 //! not divide num_attention_heads = 14`), so a user can fix the input without reading code.
+//!
+//! A model directory is read with [`checkpoint::Checkpoint::load`]: [`config::ModelConfig`]
+//! (`config.json`), [`generation::GenerationConfig`] (`generation_config.json`, optional)
+//! and [`weights::ModelWeights`] (`model.safetensors` or sharded, via
+//! [`tensor_files::TensorFiles`]); [`checkpoint::Checkpoint::save`] writes it back.
+
+mod error;
+mod json;
+
+pub mod checkpoint;
+pub mod config;
+pub mod generation;
+pub mod rope;
+pub mod tensor_files;
+pub mod weights;
+
+pub use error::HfError;
