@@ -4,4 +4,5 @@
 //! Errors name the file and the field or tensor (`config.json: num_key_value_heads = 3 does
 //! not divide num_attention_heads = 14`), so a user can fix the input without reading code.
 
+pub mod chat;
 pub mod tokenizer;
