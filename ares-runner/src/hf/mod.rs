@@ -8,15 +8,19 @@
 //! (`config.json`), [`generation::GenerationConfig`] (`generation_config.json`, optional)
 //! and [`weights::ModelWeights`] (`model.safetensors` or sharded, via
 //! [`tensor_files::TensorFiles`]); [`checkpoint::Checkpoint::save`] writes it back.
+//! Text goes through [`tokenizer::Tokenizer`] (`tokenizer.json`, `tokenizer_config.json`)
+//! and [`chat::ChatTemplate`] (the model's chat template, inline or `chat_template.jinja`).
 
 mod error;
 mod json;
 
+pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod generation;
 pub mod rope;
 pub mod tensor_files;
+pub mod tokenizer;
 pub mod weights;
 
 pub use error::HfError;

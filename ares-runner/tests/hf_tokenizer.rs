@@ -1,0 +1,365 @@
+//! Tokenizer and chat-template I/O against fixtures made by `scripts/make_tokenizer_fixtures.py`
+//! with HF `tokenizers` and transformers' `apply_chat_template`.
+
+use std::path::{Path, PathBuf};
+
+use ares_runner::hf::chat::{
+    CHAT_TEMPLATE_FILE, ChatError, ChatMessage, ChatTemplate, CivilDateTime, RenderOptions,
+};
+use ares_runner::hf::tokenizer::{Tokenizer, TokenizerConfig, TokenizerError};
+use serde_json::Value as Json;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer")
+}
+
+fn read_json(name: &str) -> Json {
+    let text = std::fs::read_to_string(fixtures().join(name)).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// A fresh scratch directory under the target dir (no tempfile crate).
+fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("hf_tokenizer_{name}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn fixed_now() -> CivilDateTime {
+    // expected_chats.json "now": 2024-07-06T09:05:03
+    CivilDateTime::new(2024, 7, 6, 9, 5, 3).unwrap()
+}
+
+#[test]
+fn golden_ids_match_python_tokenizers() {
+    let golden = read_json("golden.json");
+    for dir in ["qwen_style", "llama_style"] {
+        let tok = Tokenizer::from_dir(&fixtures().join(dir)).unwrap();
+        let cases = golden[dir].as_array().unwrap();
+        assert!(cases.len() >= 100, "{dir}: {} strings", cases.len());
+        for case in cases {
+            let text = case["text"].as_str().unwrap();
+            let ids: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+            let with_special: Vec<u32> =
+                serde_json::from_value(case["ids_with_special"].clone()).unwrap();
+            assert_eq!(tok.encode(text, false).unwrap(), ids, "{dir}: {text:?}");
+            assert_eq!(
+                tok.encode(text, true).unwrap(),
+                with_special,
+                "{dir}: {text:?}"
+            );
+            // Raw `tokenizers` decode (no config clean-up) and transformers' decode.
+            let raw = Tokenizer::from_file(&fixtures().join(dir).join("tokenizer.json")).unwrap();
+            assert_eq!(
+                raw.decode(&ids, false).unwrap(),
+                case["decoded"],
+                "{dir}: {text:?}"
+            );
+            assert_eq!(
+                raw.decode(&ids, true).unwrap(),
+                case["decoded_skip_special"],
+                "{dir}: {text:?}"
+            );
+            assert_eq!(
+                tok.decode(&ids, false).unwrap(),
+                case["transformers_decoded"],
+                "{dir}: {text:?}"
+            );
+            assert_eq!(
+                tok.decode(&ids, true).unwrap(),
+                case["transformers_decoded_skip_special"],
+                "{dir}: {text:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn decode_round_trips_nfc_text() {
+    let tok = Tokenizer::from_dir(&fixtures().join("qwen_style")).unwrap();
+    for text in [
+        "Hello  world\n\n",
+        "日本語 🙂 café",
+        "<|im_start|>user\nx<|im_end|>",
+        "  \t ",
+    ] {
+        let ids = tok.encode(text, false).unwrap();
+        assert_eq!(tok.decode(&ids, false).unwrap(), text);
+    }
+}
+
+#[test]
+fn batch_encode_equals_single_encodes() {
+    let tok = Tokenizer::from_dir(&fixtures().join("llama_style")).unwrap();
+    let texts = ["a", "", "the model answer", "日本語<|eot_id|>x"];
+    let batch = tok.encode_batch(&texts, true).unwrap();
+    assert_eq!(batch.len(), texts.len());
+    for (t, ids) in texts.iter().zip(&batch) {
+        assert_eq!(&tok.encode(t, true).unwrap(), ids);
+    }
+}
+
+#[test]
+fn special_ids_vocab_eos_pad() {
+    let golden = read_json("golden.json");
+    let qwen = Tokenizer::from_dir(&fixtures().join("qwen_style")).unwrap();
+    assert_eq!(
+        qwen.vocab_size() as u64,
+        golden["vocab_size"].as_u64().unwrap()
+    );
+    for (token, id) in golden["special_ids"].as_object().unwrap() {
+        let id = id.as_u64().unwrap() as u32;
+        assert_eq!(qwen.token_to_id(token), Some(id));
+        assert_eq!(qwen.id_to_token(id).as_deref(), Some(token.as_str()));
+    }
+    let im_end = qwen.token_to_id("<|im_end|>").unwrap();
+    let eot = qwen.token_to_id("<|endoftext|>").unwrap();
+    assert_eq!(qwen.bos_id(), None);
+    assert_eq!(qwen.eos_id(), Some(im_end));
+    assert_eq!(qwen.pad_id(), Some(eot));
+    // generation_config.json eos ids first, then tokenizer_config's eos, no duplicates.
+    assert_eq!(qwen.eos_ids(&[eot, im_end]), vec![eot, im_end]);
+    assert_eq!(qwen.eos_ids(&[eot]), vec![eot, im_end]);
+    assert_eq!(qwen.eos_ids(&[]), vec![im_end]);
+
+    let llama = Tokenizer::from_dir(&fixtures().join("llama_style")).unwrap();
+    let bos = llama.token_to_id("<|begin_of_text|>").unwrap();
+    assert_eq!(llama.bos_id(), Some(bos));
+    assert_eq!(llama.pad_id(), None);
+    assert_eq!(llama.encode("hi", true).unwrap()[0], bos);
+    assert!(llama.config().unwrap().clean_up_tokenization_spaces);
+}
+
+#[test]
+fn missing_and_malformed_tokenizer_name_the_file() {
+    let dir = scratch("missing");
+    let err = Tokenizer::from_dir(&dir).unwrap_err();
+    assert!(matches!(err, TokenizerError::Io { .. }), "{err}");
+    assert!(err.to_string().contains("tokenizer.json"), "{err}");
+
+    std::fs::write(dir.join("tokenizer.json"), "{\"model\": [1, 2").unwrap();
+    let err = Tokenizer::from_dir(&dir).unwrap_err();
+    assert!(matches!(err, TokenizerError::Json { .. }), "{err}");
+    assert!(err.to_string().contains("tokenizer.json"), "{err}");
+
+    std::fs::write(dir.join("tokenizer.json"), "{\"model\": 3}").unwrap();
+    let err = Tokenizer::from_dir(&dir).unwrap_err();
+    assert!(matches!(err, TokenizerError::Tokenizer { .. }), "{err}");
+
+    std::fs::copy(
+        fixtures().join("qwen_style/tokenizer.json"),
+        dir.join("tokenizer.json"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        "{\"eos_token\": \"<nope>\"}",
+    )
+    .unwrap();
+    let err = Tokenizer::from_dir(&dir).unwrap_err().to_string();
+    assert!(
+        err.contains("tokenizer_config.json") && err.contains("eos_token"),
+        "{err}"
+    );
+
+    std::fs::write(dir.join("tokenizer_config.json"), "not json").unwrap();
+    let err = Tokenizer::from_dir(&dir).unwrap_err().to_string();
+    assert!(
+        err.contains("tokenizer_config.json") && err.contains("JSON"),
+        "{err}"
+    );
+}
+
+fn case_messages(expected: &Json, case: &Json) -> Vec<Json> {
+    match case.get("messages") {
+        Some(m) => m.as_array().unwrap().clone(),
+        None => expected["conversations"][case["conversation"].as_str().unwrap()]
+            .as_array()
+            .unwrap()
+            .clone(),
+    }
+}
+
+#[test]
+fn rendered_chats_equal_transformers() {
+    let expected = read_json("expected_chats.json");
+    let tools = expected["tools"].as_array().unwrap().clone();
+    let cases = expected["cases"].as_array().unwrap();
+    assert!(cases.len() >= 40);
+    for (i, case) in cases.iter().enumerate() {
+        let dir = fixtures().join(case["model_dir"].as_str().unwrap());
+        let template = match case.get("template_file").and_then(Json::as_str) {
+            Some(file) => {
+                let source =
+                    std::fs::read_to_string(fixtures().join("templates").join(file)).unwrap();
+                let config =
+                    TokenizerConfig::from_file(&dir.join("tokenizer_config.json")).unwrap();
+                ChatTemplate::from_source(&source, config.special).unwrap()
+            }
+            None => ChatTemplate::from_dir(&dir).unwrap(),
+        }
+        .with_fixed_time(fixed_now())
+        .unwrap();
+        let messages = case_messages(&expected, case);
+        let extra = case["extra"].as_object().unwrap();
+        let options = RenderOptions {
+            add_generation_prompt: case["add_generation_prompt"].as_bool().unwrap(),
+            tools: case["tools"].as_bool().unwrap().then_some(tools.as_slice()),
+            extra: Some(extra),
+        };
+        let got = template.render(&messages, &options).unwrap();
+        let want = case["expected"].as_str().unwrap();
+        assert_eq!(
+            got,
+            want,
+            "case {i}: {}",
+            serde_json::to_string(&case)
+                .unwrap()
+                .chars()
+                .take(200)
+                .collect::<String>()
+        );
+    }
+}
+
+#[test]
+fn separate_jinja_file_wins_over_config_field() {
+    let t = ChatTemplate::from_dir(&fixtures().join("llama_style")).unwrap();
+    assert!(t.source(false).unwrap().contains("start_header_id"));
+    assert!(!t.source(false).unwrap().contains("DECOY"));
+    assert_eq!(
+        t.special_tokens().bos_token.as_deref(),
+        Some("<|begin_of_text|>")
+    );
+}
+
+#[test]
+fn named_templates_pick_tool_use_with_tools() {
+    let t = ChatTemplate::from_dir(&fixtures().join("named")).unwrap();
+    assert_eq!(t.names().collect::<Vec<_>>(), ["default", "tool_use"]);
+    assert!(t.source(false).unwrap().contains("namespace("));
+    assert!(t.source(true).unwrap().contains("<tools>"));
+}
+
+#[test]
+fn system_helper_replaces_default_system_turn() {
+    let t = ChatTemplate::from_dir(&fixtures().join("qwen_style")).unwrap();
+    let rubric = "Grade with the rubric.";
+    let prompt = [ChatMessage::user("What is 2+2?")];
+    let got = t
+        .render_with_system(rubric, &prompt, &RenderOptions::generation())
+        .unwrap();
+    assert_eq!(
+        got,
+        "<|im_start|>system\nGrade with the rubric.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    );
+    assert_eq!(got.matches("<|im_start|>system").count(), 1);
+    assert!(!got.contains("helpful assistant for tests"));
+    // An existing system message is replaced, not doubled.
+    let prompt = [
+        ChatMessage::system("old"),
+        ChatMessage::user("What is 2+2?"),
+    ];
+    let again = t
+        .render_with_system(rubric, &prompt, &RenderOptions::generation())
+        .unwrap();
+    assert_eq!(again, got);
+    // Without the helper the template's default system turn is there.
+    let plain = t
+        .render(
+            &[ChatMessage::user("What is 2+2?")],
+            &RenderOptions::generation(),
+        )
+        .unwrap();
+    assert!(plain.contains("helpful assistant for tests"));
+}
+
+#[test]
+fn missing_template_is_a_clear_error() {
+    let dir = scratch("no_template");
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        "{\"eos_token\": \"</s>\"}",
+    )
+    .unwrap();
+    let err = ChatTemplate::from_dir(&dir).unwrap_err();
+    assert!(matches!(err, ChatError::NoTemplate { .. }), "{err}");
+    assert!(err.to_string().contains("has no chat template"), "{err}");
+
+    let empty = scratch("no_files");
+    let err = ChatTemplate::from_dir(&empty).unwrap_err();
+    assert!(matches!(err, ChatError::NoTemplate { .. }), "{err}");
+
+    std::fs::write(dir.join("tokenizer_config.json"), "{\"chat_template\": ").unwrap();
+    let err = ChatTemplate::from_dir(&dir).unwrap_err().to_string();
+    assert!(err.contains("tokenizer_config.json"), "{err}");
+}
+
+#[test]
+fn jinja_file_alone_is_enough() {
+    let dir = scratch("jinja_only");
+    std::fs::write(
+        dir.join(CHAT_TEMPLATE_FILE),
+        "{% for m in messages %}[{{ m.content }}]{% endfor %}\n",
+    )
+    .unwrap();
+    let t = ChatTemplate::from_dir(&dir).unwrap();
+    let out = t
+        .render(
+            &[ChatMessage::user("a"), ChatMessage::assistant("b")],
+            &RenderOptions::default(),
+        )
+        .unwrap();
+    assert_eq!(out, "[a][b]");
+}
+
+#[test]
+fn raise_exception_on_bad_role_carries_message() {
+    let t = ChatTemplate::from_dir(&fixtures().join("qwen_style")).unwrap();
+    let err = t
+        .render(
+            &[ChatMessage::new("robot", "beep")],
+            &RenderOptions::default(),
+        )
+        .unwrap_err();
+    match &err {
+        ChatError::Raised { origin, message } => {
+            assert_eq!(message, "Unsupported role: robot");
+            assert!(origin.contains("tokenizer_config.json"), "{origin}");
+        }
+        other => panic!("expected Raised, got {other}"),
+    }
+    assert!(err.to_string().contains("Unsupported role: robot"));
+
+    let named = ChatTemplate::from_dir(&fixtures().join("named")).unwrap();
+    let err = named
+        .render(
+            &[ChatMessage::user("a"), ChatMessage::system("late")],
+            &RenderOptions::default(),
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&err, ChatError::Raised { message, .. } if message.contains("must come first")),
+        "{err}"
+    );
+}
+
+#[test]
+fn strftime_now_uses_the_fixed_time() {
+    let t = ChatTemplate::from_source("{{ strftime_now('%d %b %Y') }}", Default::default())
+        .unwrap()
+        .with_fixed_time(fixed_now())
+        .unwrap();
+    assert_eq!(
+        t.render::<Json>(&[], &RenderOptions::default()).unwrap(),
+        "06 Jul 2024"
+    );
+    let live = ChatTemplate::from_source("{{ strftime_now('%Y') }}", Default::default()).unwrap();
+    let year: i32 = live
+        .render::<Json>(&[], &RenderOptions::default())
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(year >= 2024);
+}
