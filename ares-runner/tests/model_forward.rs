@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use ares_runner::backend::Backend;
 use ares_runner::backend::cpu::CpuBackend;
 use ares_runner::hf::checkpoint::Checkpoint;
 use ares_runner::model::{Inputs, Model, ModelError};
@@ -195,6 +196,7 @@ fn bad_inputs_are_errors_naming_what_is_wrong() {
         matches!(
             e,
             ModelError::TokenOutOfRange {
+                what: "input_ids",
                 index: 4,
                 id: 97,
                 vocab: 97
@@ -275,4 +277,65 @@ fn untied_model_without_lm_head_is_rejected() {
     checkpoint.weights.lm_head = None;
     let e = Model::from_checkpoint(CpuBackend, &checkpoint).unwrap_err();
     assert!(matches!(e, ModelError::MissingWeight { .. }), "{e}");
+}
+
+/// `(log softmax(z)[target], H(softmax(z)))` of one row in f64, `z = row / temperature`.
+fn reference_log_prob_entropy(row: &[f32], target: usize, temperature: f64) -> (f64, f64) {
+    let z: Vec<f64> = row.iter().map(|&x| f64::from(x) / temperature).collect();
+    let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let lse = m + z.iter().map(|&x| (x - m).exp()).sum::<f64>().ln();
+    let entropy = -z.iter().map(|&x| (x - lse).exp() * (x - lse)).sum::<f64>();
+    (z[target] - lse, entropy)
+}
+
+#[test]
+fn log_probs_and_entropies_match_the_logits() {
+    let model = model("qwen3_tiny");
+    let e = expected("qwen3_tiny", "right");
+    let inputs = Inputs {
+        batch: 2,
+        seq: 7,
+        input_ids: &e.input_ids,
+        attention_mask: &e.attention_mask,
+        position_ids: &e.position_ids,
+    };
+    let mut acts = model.activations(2, 7).unwrap();
+    model.forward(&inputs, &mut acts).unwrap();
+    // Next-token targets within each row; the last position predicts token 0.
+    let targets: Vec<u32> = (0..14)
+        .map(|i| if i % 7 == 6 { 0 } else { e.input_ids[i + 1] })
+        .collect();
+    let temperature = 0.7;
+    model
+        .log_prob_entropy(&mut acts, &targets, temperature)
+        .unwrap();
+    let be = model.backend();
+    let (mut log_prob, mut entropy, mut logits) =
+        (vec![0.0; 14], vec![0.0; 14], vec![0.0; 14 * 97]);
+    be.download(acts.log_probs(), &mut log_prob).unwrap();
+    be.download(acts.entropies(), &mut entropy).unwrap();
+    model.download_logits(&acts, &mut logits).unwrap();
+    for row in 0..14 {
+        let (lp, h) = reference_log_prob_entropy(
+            &logits[row * 97..(row + 1) * 97],
+            targets[row] as usize,
+            f64::from(temperature),
+        );
+        assert!((f64::from(log_prob[row]) - lp).abs() < 1e-5, "row {row}");
+        assert!((f64::from(entropy[row]) - h).abs() < 1e-5, "row {row}");
+    }
+
+    let e = model
+        .log_prob_entropy(&mut acts, &[97; 14], temperature)
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "targets[0] = 97 is out of range for vocab_size 97"
+    );
+    assert!(
+        model
+            .log_prob_entropy(&mut acts, &[0; 13], temperature)
+            .is_err()
+    );
+    assert!(model.log_prob_entropy(&mut acts, &[0; 14], 0.0).is_err());
 }

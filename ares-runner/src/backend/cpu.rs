@@ -8,6 +8,7 @@ use ares_cpu::ops::matmul::{MatmulDims, linear_forward};
 use ares_cpu::ops::rmsnorm::rmsnorm_forward;
 use ares_cpu::ops::rope::rope_forward;
 use ares_cpu::ops::swiglu::swiglu_forward;
+use ares_cpu::{Logits, log_prob_entropy};
 
 use super::{
     AttentionDims, AttentionInputs, Backend, BackendError, DeviceBuffer, LinearDims, Result,
@@ -205,5 +206,26 @@ impl Backend for CpuBackend {
             *o = x + y;
         }
         Ok(())
+    }
+
+    fn log_prob_entropy(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        temperature: f32,
+        targets: &Vec<u32>,
+        log_prob: TensorMut<'_, Self>,
+        entropy: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let (log_prob, entropy) = (slice_mut(log_prob)?, slice_mut(entropy)?);
+        BackendError::check_len("log_prob_entropy entropy", targets.len(), entropy.len())?;
+        log_prob_entropy(
+            Logits::F32(slice(logits)?),
+            vocab,
+            temperature,
+            Some((targets, log_prob)),
+            entropy,
+        )
+        .map_err(op("log_prob_entropy"))
     }
 }

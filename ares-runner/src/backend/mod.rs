@@ -187,4 +187,21 @@ pub trait Backend {
     /// Lengths that differ.
     fn add(&self, a: Tensor<'_, Self>, b: Tensor<'_, Self>, out: TensorMut<'_, Self>)
     -> Result<()>;
+
+    /// Per row of `logits` `[rows, vocab]`, with `z = logits / temperature`: writes the
+    /// entropy of `softmax(z)` to `entropy[row]` and `log softmax(z)[targets[row]]` to
+    /// `log_prob[row]`, without a `[rows, vocab]` temporary (rows = `targets.len()`).
+    ///
+    /// # Errors
+    /// Lengths that do not match, `vocab == 0`, a temperature not finite and > 0, and
+    /// (where checked) a target `>= vocab` or a row holding NaN/+∞.
+    fn log_prob_entropy(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        temperature: f32,
+        targets: &Self::Ids,
+        log_prob: TensorMut<'_, Self>,
+        entropy: TensorMut<'_, Self>,
+    ) -> Result<()>;
 }

@@ -63,6 +63,10 @@ pub struct Activations<B: Backend> {
     pub(crate) lnf_rstd: B::Buffer,
     /// `[N, V]` logits.
     pub(crate) logits: B::Buffer,
+    /// `[N]` target ids, and the log-prob and entropy of each row of the logits.
+    pub(crate) targets: B::Ids,
+    pub(crate) log_prob: B::Buffer,
+    pub(crate) entropy: B::Buffer,
 }
 
 /// Product of `dims`, or a [`ModelError::BatchShape`] on overflow.
@@ -129,6 +133,9 @@ impl<B: Backend> Activations<B> {
             lnf: alloc(&[n, c])?,
             lnf_rstd: alloc(&[n])?,
             logits: alloc(&[n, v])?,
+            targets: backend.alloc_ids(n)?,
+            log_prob: alloc(&[n])?,
+            entropy: alloc(&[n])?,
         })
     }
 
@@ -140,5 +147,17 @@ impl<B: Backend> Activations<B> {
     /// The logits `[batch, seq, vocab]` of the last forward pass (zeros before the first).
     pub fn logits(&self) -> Tensor<'_, B> {
         View::whole(&self.logits)
+    }
+
+    /// The per-token log-probs `[batch, seq]` of the last
+    /// [`Model::log_prob_entropy`](super::Model::log_prob_entropy) (zeros before the first).
+    pub fn log_probs(&self) -> Tensor<'_, B> {
+        View::whole(&self.log_prob)
+    }
+
+    /// The per-token entropies `[batch, seq]` of the last
+    /// [`Model::log_prob_entropy`](super::Model::log_prob_entropy) (zeros before the first).
+    pub fn entropies(&self) -> Tensor<'_, B> {
+        View::whole(&self.entropy)
     }
 }

@@ -47,8 +47,10 @@ pub enum ModelError {
         seq: usize,
     },
     /// A token id is not below the vocabulary size.
-    #[error("input_ids[{index}] = {id} is out of range for vocab_size {vocab}")]
+    #[error("{what}[{index}] = {id} is out of range for vocab_size {vocab}")]
     TokenOutOfRange {
+        /// The input (`input_ids`, `targets`).
+        what: &'static str,
         /// Flat index `b·seq + t`.
         index: usize,
         /// The id.

@@ -248,4 +248,52 @@ impl<B: Backend> Model<B> {
         )?;
         Ok(())
     }
+
+    /// After [`Model::forward`] on `acts`: the log-prob of `targets[b, t]` and the entropy
+    /// of `softmax(logits[b, t] / temperature)` for every token, left in `acts`
+    /// ([`Activations::log_probs`], [`Activations::entropies`]) without a host copy of the
+    /// logits. `targets` is `[batch, seq]` (e.g. the next token at each position; any id
+    /// `< vocab` at positions the caller ignores).
+    ///
+    /// # Errors
+    /// `targets` not `batch · seq` long or an id `>= vocab`, a temperature not finite and
+    /// > 0, non-finite logits, or a backend failure.
+    pub fn log_prob_entropy(
+        &self,
+        acts: &mut Activations<B>,
+        targets: &[u32],
+        temperature: f32,
+    ) -> Result<(), ModelError> {
+        let vocab = self.spec.vocab;
+        let n = acts.batch * acts.seq;
+        if targets.len() != n {
+            return Err(ModelError::InputLength {
+                what: "targets",
+                expected: n,
+                actual: targets.len(),
+            });
+        }
+        if let Some((index, &id)) = targets
+            .iter()
+            .enumerate()
+            .find(|&(_, &id)| id as usize >= vocab)
+        {
+            return Err(ModelError::TokenOutOfRange {
+                what: "targets",
+                index,
+                id,
+                vocab,
+            });
+        }
+        self.backend.upload_ids(targets, &mut acts.targets)?;
+        self.backend.log_prob_entropy(
+            View::whole(&acts.logits),
+            vocab,
+            temperature,
+            &acts.targets,
+            ViewMut::whole(&mut acts.log_prob),
+            ViewMut::whole(&mut acts.entropy),
+        )?;
+        Ok(())
+    }
 }

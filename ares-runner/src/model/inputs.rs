@@ -52,6 +52,7 @@ impl Inputs<'_> {
             .find(|&(_, &id)| id as usize >= spec.vocab)
         {
             return Err(ModelError::TokenOutOfRange {
+                what: "input_ids",
                 index,
                 id,
                 vocab: spec.vocab,

@@ -13,6 +13,8 @@
 //! - [`Model::forward`]: `input_ids`, `attention_mask`, `position_ids` `[batch, seq]` →
 //!   logits `[batch, seq, vocab]` in the arena. The host copies per call are the inputs in
 //!   and whatever the caller downloads.
+//! - [`Model::log_prob_entropy`]: after a forward pass, each token's log-prob of a target
+//!   and entropy at a temperature, fused over the logits rows on the device.
 //!
 //! Forward only so far; the manual backward (llm.c style, per layer) comes next.
 
