@@ -1,7 +1,10 @@
 //! # ares-runner
 //!
 //! The trainer of ares, as a library behind the `ares-runner` binary. Built so far: the
-//! Hugging Face file formats ([`hf`]). The model runtime, rollout, trainer and CLI are the
-//! next milestones (see the README's status table).
+//! Hugging Face file formats ([`hf`]), the [`backend::Backend`] trait with its CPU
+//! implementation, and the decoder [`model`] (forward pass) written against it. Rollout,
+//! trainer and CLI are the next milestones (see the README's status table).
 
+pub mod backend;
 pub mod hf;
+pub mod model;

@@ -1,0 +1,231 @@
+//! [`CpuBackend`]: the [`Backend`] over the f32 slice kernels of `ares-cpu`. Buffers are
+//! plain vectors, views are sub-slices, ops run on the calling thread (parallel inside
+//! over rayon) and have finished when they return, so nothing ever needs synchronising.
+
+use ares_cpu::ops::attention::{self, AttentionShape, attention_forward};
+use ares_cpu::ops::embedding::embedding_forward;
+use ares_cpu::ops::matmul::{MatmulDims, linear_forward};
+use ares_cpu::ops::rmsnorm::rmsnorm_forward;
+use ares_cpu::ops::rope::rope_forward;
+use ares_cpu::ops::swiglu::swiglu_forward;
+use ares_cpu::{Logits, log_prob_entropy};
+
+use super::{
+    AttentionDims, AttentionInputs, Backend, BackendError, DeviceBuffer, LinearDims, Result,
+    Tensor, TensorMut, View, ViewMut,
+};
+
+/// The CPU backend: f32 and u32 vectors, `ares-cpu` kernels.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CpuBackend;
+
+impl<T> DeviceBuffer for Vec<T> {
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+}
+
+/// The elements a view names. Views are bounds-checked when made, so this only fails if
+/// the buffer shrank since, which `Vec`s held by a view cannot.
+fn slice<'a>(view: View<'a, Vec<f32>>) -> Result<&'a [f32]> {
+    let (offset, len) = (view.offset(), view.len());
+    let buffer = view.buffer();
+    buffer
+        .get(offset..offset + len)
+        .ok_or(BackendError::ViewOutOfBounds {
+            offset,
+            len,
+            buffer_len: buffer.len(),
+        })
+}
+
+/// The elements a writable view names (see [`slice`]).
+fn slice_mut<'a>(view: ViewMut<'a, Vec<f32>>) -> Result<&'a mut [f32]> {
+    let (offset, len) = (view.offset(), view.len());
+    let buffer = view.into_buffer();
+    let buffer_len = buffer.len();
+    buffer
+        .get_mut(offset..offset + len)
+        .ok_or(BackendError::ViewOutOfBounds {
+            offset,
+            len,
+            buffer_len,
+        })
+}
+
+/// Wraps a kernel error with the op that raised it.
+fn op(name: &'static str) -> impl FnOnce(ares_cpu::Error) -> BackendError {
+    move |e| BackendError::Op {
+        op: name,
+        source: Box::new(e),
+    }
+}
+
+impl Backend for CpuBackend {
+    type Buffer = Vec<f32>;
+    type Ids = Vec<u32>;
+
+    fn name(&self) -> &str {
+        "cpu"
+    }
+
+    fn alloc(&self, len: usize) -> Result<Vec<f32>> {
+        Ok(vec![0.0; len])
+    }
+
+    fn alloc_ids(&self, len: usize) -> Result<Vec<u32>> {
+        Ok(vec![0; len])
+    }
+
+    fn upload(&self, src: &[f32], dst: TensorMut<'_, Self>) -> Result<()> {
+        let dst = slice_mut(dst)?;
+        BackendError::check_len("upload destination", src.len(), dst.len())?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn upload_ids(&self, src: &[u32], dst: &mut Vec<u32>) -> Result<()> {
+        BackendError::check_len("upload_ids destination", src.len(), dst.len())?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn download(&self, src: Tensor<'_, Self>, dst: &mut [f32]) -> Result<()> {
+        let src = slice(src)?;
+        BackendError::check_len("download destination", src.len(), dst.len())?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn embedding(
+        &self,
+        ids: &Vec<u32>,
+        table: Tensor<'_, Self>,
+        rows: usize,
+        dim: usize,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        embedding_forward(ids, slice(table)?, rows, dim, slice_mut(out)?).map_err(op("embedding"))
+    }
+
+    fn linear(
+        &self,
+        x: Tensor<'_, Self>,
+        w: Tensor<'_, Self>,
+        bias: Option<Tensor<'_, Self>>,
+        dims: LinearDims,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let dims = MatmulDims {
+            n: dims.rows,
+            k: dims.in_features,
+            m: dims.out_features,
+        };
+        let bias = bias.map(slice).transpose()?;
+        linear_forward(slice(x)?, slice(w)?, bias, dims, slice_mut(out)?).map_err(op("linear"))
+    }
+
+    fn rmsnorm(
+        &self,
+        x: Tensor<'_, Self>,
+        weight: Tensor<'_, Self>,
+        eps: f32,
+        dim: usize,
+        out: TensorMut<'_, Self>,
+        rstd: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        rmsnorm_forward(
+            slice(x)?,
+            slice(weight)?,
+            eps,
+            dim,
+            slice_mut(out)?,
+            slice_mut(rstd)?,
+        )
+        .map_err(op("rmsnorm"))
+    }
+
+    fn rope(
+        &self,
+        x: TensorMut<'_, Self>,
+        cos: Tensor<'_, Self>,
+        sin: Tensor<'_, Self>,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        rope_forward(slice_mut(x)?, slice(cos)?, slice(sin)?, heads, head_dim).map_err(op("rope"))
+    }
+
+    fn attention(
+        &self,
+        dims: AttentionDims,
+        inputs: AttentionInputs<'_, Vec<f32>>,
+        out: TensorMut<'_, Self>,
+        lse: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let shape = AttentionShape::new(
+            dims.batch,
+            dims.seq,
+            dims.q_heads,
+            dims.kv_heads,
+            dims.head_dim,
+        )
+        .with_scale(dims.scale);
+        let inputs = attention::AttentionInputs {
+            q: slice(inputs.q)?,
+            k: slice(inputs.k)?,
+            v: slice(inputs.v)?,
+            key_mask: inputs.key_mask.map(slice).transpose()?,
+        };
+        attention_forward(&shape, inputs, slice_mut(out)?, slice_mut(lse)?).map_err(op("attention"))
+    }
+
+    fn swiglu(
+        &self,
+        gate: Tensor<'_, Self>,
+        up: Tensor<'_, Self>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        swiglu_forward(slice(gate)?, slice(up)?, slice_mut(out)?).map_err(op("swiglu"))
+    }
+
+    fn add(
+        &self,
+        a: Tensor<'_, Self>,
+        b: Tensor<'_, Self>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let (a, b, out) = (slice(a)?, slice(b)?, slice_mut(out)?);
+        BackendError::check_len("add b", a.len(), b.len())?;
+        BackendError::check_len("add out", a.len(), out.len())?;
+        for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+            *o = x + y;
+        }
+        Ok(())
+    }
+
+    fn log_prob_entropy(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        temperature: f32,
+        targets: &Vec<u32>,
+        log_prob: TensorMut<'_, Self>,
+        entropy: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let (log_prob, entropy) = (slice_mut(log_prob)?, slice_mut(entropy)?);
+        BackendError::check_len("log_prob_entropy entropy", targets.len(), entropy.len())?;
+        log_prob_entropy(
+            Logits::F32(slice(logits)?),
+            vocab,
+            temperature,
+            Some((targets, log_prob)),
+            entropy,
+        )
+        .map_err(op("log_prob_entropy"))
+    }
+}

@@ -1,0 +1,51 @@
+//! The error of every [`Backend`](super::Backend) call.
+
+/// What went wrong in a backend call: a view outside its buffer, lengths that do not
+/// match, or an op that rejected its arguments.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BackendError {
+    /// A view `[offset, offset + len)` does not fit in its buffer.
+    #[error("view [{offset}, {offset} + {len}) is outside a buffer of {buffer_len} elements")]
+    ViewOutOfBounds {
+        /// First element of the view.
+        offset: usize,
+        /// Elements in the view.
+        len: usize,
+        /// Elements in the buffer.
+        buffer_len: usize,
+    },
+    /// A host slice or buffer does not have the length the call needs.
+    #[error("{what}: expected {expected} elements, found {actual}")]
+    LengthMismatch {
+        /// The argument.
+        what: &'static str,
+        /// The length the call needs.
+        expected: usize,
+        /// The length given.
+        actual: usize,
+    },
+    /// A kernel rejected its arguments (shapes, values); `source` is the kernel's reason.
+    #[error("{op}: {source}")]
+    Op {
+        /// The backend op (`linear`, `attention`, ...).
+        op: &'static str,
+        /// The kernel's error.
+        source: Box<dyn std::error::Error + Send + Sync + 'static>,
+    },
+}
+
+impl BackendError {
+    /// Errors with [`BackendError::LengthMismatch`] unless `expected == actual`.
+    pub fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<(), Self> {
+        if expected == actual {
+            Ok(())
+        } else {
+            Err(Self::LengthMismatch {
+                what,
+                expected,
+                actual,
+            })
+        }
+    }
+}

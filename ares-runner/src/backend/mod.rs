@@ -1,0 +1,207 @@
+//! The `Backend` trait: tensor storage plus the ops the model is written against, with one
+//! implementation per compute crate ([`cpu::CpuBackend`] over `ares-cpu`; a CUDA backend
+//! over `ares-cuda` implements the same trait).
+//!
+//! # Design
+//! - **Opaque, device-resident buffers.** [`Backend::Buffer`] (f32) and [`Backend::Ids`]
+//!   (u32 token ids and positions) are associated types the model never looks inside: on a
+//!   GPU they are device allocations, on the CPU plain vectors. The host reaches their
+//!   contents only through [`Backend::upload`] / [`Backend::upload_ids`] (weights at load
+//!   time, a batch's inputs) and [`Backend::download`] (results). Every op reads and writes
+//!   buffers in place, so a forward pass has no host round trip between its ops.
+//! - **Views, so one allocation holds many tensors.** Ops take [`View`] / [`ViewMut`]
+//!   windows `[offset, offset + len)` of a buffer, checked against the buffer when made.
+//!   The model keeps, llm.c style, one buffer per kind of tensor stacked over layers
+//!   (`q_proj` weights `[layers, q_dim, hidden]`, activations `[layers, tokens, ...]`) and
+//!   hands out per-layer views. An op's inputs and outputs are distinct borrows, so an
+//!   output never aliases an input (Rust's borrow rules enforce what kernels assume).
+//! - **Who owns memory.** The caller: buffers are allocated with [`Backend::alloc`] /
+//!   [`Backend::alloc_ids`], owned by whoever holds them (the model's weights, an
+//!   activation arena planned up front for a batch shape) and freed on drop. Ops never
+//!   allocate their outputs; the CPU attention kernel keeps an O(seq) scratch row per thread.
+//! - **Synchronisation.** Ops may be asynchronous (queued on a stream): the only calls that
+//!   may wait for the device are [`Backend::download`] (returns once the data is on the
+//!   host) and [`Backend::synchronize`]. Uploads copy from the host slice before they
+//!   return. Errors an op reports are argument errors found before launch (shapes, lengths);
+//!   a CPU backend reports value errors (an id out of range) too, a GPU one may not.
+//! - **Shapes are explicit.** Every op takes its dimensions ([`LinearDims`],
+//!   [`AttentionDims`], `dim`, `heads`) rather than inferring them from lengths, and checks
+//!   the lengths of its views against them.
+//! - **Extensible.** Backward ops (`linear_backward`, `rmsnorm_backward`, ...) are added
+//!   next to their forward ops with the same conventions; the forward ops save what the
+//!   backward needs (`rstd` of RMSNorm, `lse` of attention) in caller-provided views.
+
+mod error;
+mod shapes;
+mod view;
+
+pub mod cpu;
+
+pub use error::BackendError;
+pub use shapes::{AttentionDims, AttentionInputs, LinearDims};
+pub use view::{DeviceBuffer, View, ViewMut};
+
+/// Results of backend calls.
+pub type Result<T> = std::result::Result<T, BackendError>;
+
+/// A read-only f32 view of backend `B`.
+pub type Tensor<'a, B> = View<'a, <B as Backend>::Buffer>;
+/// A writable f32 view of backend `B`.
+pub type TensorMut<'a, B> = ViewMut<'a, <B as Backend>::Buffer>;
+
+/// Tensor storage and the forward ops of a Qwen2/Qwen3/Llama decoder (see the module docs
+/// for ownership and synchronisation). All tensors are row-major f32.
+pub trait Backend {
+    /// An f32 allocation.
+    type Buffer: DeviceBuffer;
+    /// A u32 allocation (token ids, positions).
+    type Ids: DeviceBuffer;
+
+    /// A human-readable name of the device (`"cpu"`).
+    fn name(&self) -> &str;
+
+    /// A new buffer of `len` f32 elements, zeroed.
+    ///
+    /// # Errors
+    /// The device is out of memory (CPU: never; allocation failure aborts).
+    fn alloc(&self, len: usize) -> Result<Self::Buffer>;
+
+    /// A new buffer of `len` u32 elements, zeroed.
+    ///
+    /// # Errors
+    /// As [`Backend::alloc`].
+    fn alloc_ids(&self, len: usize) -> Result<Self::Ids>;
+
+    /// Copies `src` into `dst`; returns once `src` may be reused.
+    ///
+    /// # Errors
+    /// `src.len() != dst.len()`.
+    fn upload(&self, src: &[f32], dst: TensorMut<'_, Self>) -> Result<()>;
+
+    /// Copies `src` into the whole of `dst`; returns once `src` may be reused.
+    ///
+    /// # Errors
+    /// `src.len() != dst.len()`.
+    fn upload_ids(&self, src: &[u32], dst: &mut Self::Ids) -> Result<()>;
+
+    /// Copies `src` to the host, after every op queued before it has finished.
+    ///
+    /// # Errors
+    /// `src.len() != dst.len()`, or a failure of a queued op reported now.
+    fn download(&self, src: Tensor<'_, Self>, dst: &mut [f32]) -> Result<()>;
+
+    /// Waits for every queued op (a no-op on the CPU).
+    ///
+    /// # Errors
+    /// A failure of a queued op reported now.
+    fn synchronize(&self) -> Result<()>;
+
+    /// Row gather: `out[t, :] = table[ids[t], :]`, with `table` `[rows, dim]` and `out`
+    /// `[ids.len(), dim]`. Token embedding, and the per-token RoPE cos/sin from a table
+    /// indexed by position.
+    ///
+    /// # Errors
+    /// Lengths that do not match, or (where checked) an id `>= rows`.
+    fn embedding(
+        &self,
+        ids: &Self::Ids,
+        table: Tensor<'_, Self>,
+        rows: usize,
+        dim: usize,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// Linear layer `out = x · wᵀ (+ bias)`, shapes in [`LinearDims`]. `out` is
+    /// overwritten. The LM head is this op with the head (or tied embedding) as `w`.
+    ///
+    /// # Errors
+    /// Lengths that do not match `dims`.
+    fn linear(
+        &self,
+        x: Tensor<'_, Self>,
+        w: Tensor<'_, Self>,
+        bias: Option<Tensor<'_, Self>>,
+        dims: LinearDims,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// RMSNorm over rows of `dim`: `out = weight · x / sqrt(mean(x²) + eps)`; `x`, `out`
+    /// `[rows, dim]`, `weight` `[dim]`, and `rstd` `[rows]` receives `1/sqrt(mean(x²) + eps)`
+    /// for the backward pass.
+    ///
+    /// # Errors
+    /// `dim == 0`, lengths that do not match, `eps` not finite and > 0.
+    fn rmsnorm(
+        &self,
+        x: Tensor<'_, Self>,
+        weight: Tensor<'_, Self>,
+        eps: f32,
+        dim: usize,
+        out: TensorMut<'_, Self>,
+        rstd: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// Rotary position embedding in place ("rotate_half" layout of Hugging Face) on `x`
+    /// `[tokens, heads, head_dim]`, with per-token `cos`, `sin` `[tokens, head_dim/2]`.
+    ///
+    /// # Errors
+    /// `head_dim` odd or 0, `heads == 0`, lengths that do not match.
+    fn rope(
+        &self,
+        x: TensorMut<'_, Self>,
+        cos: Tensor<'_, Self>,
+        sin: Tensor<'_, Self>,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<()>;
+
+    /// Causal grouped-query attention (shapes in [`AttentionDims`]): query `t` of sequence
+    /// `b` attends to keys `s <= t` with `key_mask[b, s] = 1` (`None`: all keys valid). Writes
+    /// `out` `[batch, seq, q_heads, head_dim]` and the softmax log-sum-exp `lse` `[batch,
+    /// seq, q_heads]` for the backward pass. A query without a valid key gets `out = 0`.
+    ///
+    /// # Errors
+    /// Invalid head counts or scale, lengths that do not match, a mask value not 0 or 1.
+    fn attention(
+        &self,
+        dims: AttentionDims,
+        inputs: AttentionInputs<'_, Self::Buffer>,
+        out: TensorMut<'_, Self>,
+        lse: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// SwiGLU, element-wise: `out = silu(gate) · up`.
+    ///
+    /// # Errors
+    /// Lengths that differ.
+    fn swiglu(
+        &self,
+        gate: Tensor<'_, Self>,
+        up: Tensor<'_, Self>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// Residual add, element-wise: `out = a + b`.
+    ///
+    /// # Errors
+    /// Lengths that differ.
+    fn add(&self, a: Tensor<'_, Self>, b: Tensor<'_, Self>, out: TensorMut<'_, Self>)
+    -> Result<()>;
+
+    /// Per row of `logits` `[rows, vocab]`, with `z = logits / temperature`: writes the
+    /// entropy of `softmax(z)` to `entropy[row]` and `log softmax(z)[targets[row]]` to
+    /// `log_prob[row]`, without a `[rows, vocab]` temporary (rows = `targets.len()`).
+    ///
+    /// # Errors
+    /// Lengths that do not match, `vocab == 0`, a temperature not finite and > 0, and
+    /// (where checked) a target `>= vocab` or a row holding NaN/+∞.
+    fn log_prob_entropy(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        temperature: f32,
+        targets: &Self::Ids,
+        log_prob: TensorMut<'_, Self>,
+        entropy: TensorMut<'_, Self>,
+    ) -> Result<()>;
+}

@@ -1,0 +1,63 @@
+//! Argument shapes and argument groups of the backend ops, spelled out so a call site
+//! reads like its math.
+
+use super::View;
+
+/// A linear layer `out[rows, out_features] = x[rows, in_features] · w[out_features,
+/// in_features]ᵀ (+ bias[out_features])`; `w` in the Hugging Face `[out, in]` layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinearDims {
+    /// Rows of `x` and `out` (tokens).
+    pub rows: usize,
+    /// Columns of `x`, columns of `w`.
+    pub in_features: usize,
+    /// Columns of `out`, rows of `w` and length of the bias.
+    pub out_features: usize,
+}
+
+/// A causal grouped-query attention call: `batch` sequences of `seq` tokens, q `[batch,
+/// seq, q_heads, head_dim]`, k and v `[batch, seq, kv_heads, head_dim]`, key mask `[batch,
+/// seq]`, logits `scale · q·k`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionDims {
+    /// Sequences in the batch.
+    pub batch: usize,
+    /// Tokens per sequence (padded length).
+    pub seq: usize,
+    /// Query heads, a multiple of `kv_heads`.
+    pub q_heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Features per head.
+    pub head_dim: usize,
+    /// Multiplier of the dot products.
+    pub scale: f32,
+}
+
+impl AttentionDims {
+    /// Dims with the standard scale `1/√head_dim` (rounded once from f64, as transformers'
+    /// `head_dim ** -0.5`).
+    pub fn new(batch: usize, seq: usize, q_heads: usize, kv_heads: usize, head_dim: usize) -> Self {
+        Self {
+            batch,
+            seq,
+            q_heads,
+            kv_heads,
+            head_dim,
+            scale: (1.0 / (head_dim as f64).sqrt()) as f32,
+        }
+    }
+}
+
+/// The inputs of [`Backend::attention`](super::Backend::attention), views of buffers `T`.
+#[derive(Debug)]
+pub struct AttentionInputs<'a, T: ?Sized> {
+    /// Queries `[batch, seq, q_heads, head_dim]`, after RoPE.
+    pub q: View<'a, T>,
+    /// Keys `[batch, seq, kv_heads, head_dim]`, after RoPE.
+    pub k: View<'a, T>,
+    /// Values `[batch, seq, kv_heads, head_dim]`.
+    pub v: View<'a, T>,
+    /// 0/1 key validity `[batch, seq]` (the `attention_mask`); `None`: every key valid.
+    pub key_mask: Option<View<'a, T>>,
+}

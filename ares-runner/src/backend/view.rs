@@ -1,0 +1,217 @@
+//! Views: a window `[offset, offset + len)` of elements of one backend buffer, so a single
+//! allocation (an arena) can hold many tensors. Views are checked against their buffer's
+//! length when made, so a backend can index with them without checking again.
+
+use super::BackendError;
+
+/// A backend allocation of `len()` elements. Its storage is opaque: the host reaches it
+/// only through [`Backend::upload`](super::Backend::upload) and
+/// [`Backend::download`](super::Backend::download).
+pub trait DeviceBuffer {
+    /// Number of elements.
+    fn len(&self) -> usize;
+
+    /// Whether the buffer holds no element.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Checks that `[offset, offset + len)` lies in a buffer of `buffer_len` elements.
+fn check_bounds(offset: usize, len: usize, buffer_len: usize) -> Result<(), BackendError> {
+    match offset.checked_add(len) {
+        Some(end) if end <= buffer_len => Ok(()),
+        _ => Err(BackendError::ViewOutOfBounds {
+            offset,
+            len,
+            buffer_len,
+        }),
+    }
+}
+
+/// A read-only view of `len` elements of `buffer` starting at `offset`.
+#[derive(Debug)]
+pub struct View<'a, T: ?Sized> {
+    buffer: &'a T,
+    offset: usize,
+    len: usize,
+}
+
+impl<T: ?Sized> Clone for View<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T: ?Sized> Copy for View<'_, T> {}
+
+impl<'a, T: DeviceBuffer + ?Sized> View<'a, T> {
+    /// The elements `[offset, offset + len)` of `buffer`.
+    ///
+    /// # Errors
+    /// [`BackendError::ViewOutOfBounds`] if they do not all lie in `buffer`.
+    pub fn new(buffer: &'a T, offset: usize, len: usize) -> Result<Self, BackendError> {
+        check_bounds(offset, len, buffer.len())?;
+        Ok(Self {
+            buffer,
+            offset,
+            len,
+        })
+    }
+
+    /// The whole of `buffer`.
+    pub fn whole(buffer: &'a T) -> Self {
+        Self {
+            buffer,
+            offset: 0,
+            len: buffer.len(),
+        }
+    }
+
+    /// Item `index` of `buffer` seen as consecutive items of `len` elements (layer `index`
+    /// of a `[layers, len]` stack).
+    ///
+    /// # Errors
+    /// [`BackendError::ViewOutOfBounds`] if the item does not lie in `buffer`.
+    pub fn item(buffer: &'a T, index: usize, len: usize) -> Result<Self, BackendError> {
+        let offset = index
+            .checked_mul(len)
+            .ok_or(BackendError::ViewOutOfBounds {
+                offset: usize::MAX,
+                len,
+                buffer_len: buffer.len(),
+            })?;
+        Self::new(buffer, offset, len)
+    }
+}
+
+impl<'a, T: ?Sized> View<'a, T> {
+    /// The buffer viewed.
+    pub fn buffer(&self) -> &'a T {
+        self.buffer
+    }
+
+    /// First element of the view in the buffer.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Number of elements in the view.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the view holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A writable view of `len` elements of `buffer` starting at `offset`.
+#[derive(Debug)]
+pub struct ViewMut<'a, T: ?Sized> {
+    buffer: &'a mut T,
+    offset: usize,
+    len: usize,
+}
+
+impl<'a, T: DeviceBuffer + ?Sized> ViewMut<'a, T> {
+    /// The elements `[offset, offset + len)` of `buffer`.
+    ///
+    /// # Errors
+    /// [`BackendError::ViewOutOfBounds`] if they do not all lie in `buffer`.
+    pub fn new(buffer: &'a mut T, offset: usize, len: usize) -> Result<Self, BackendError> {
+        check_bounds(offset, len, buffer.len())?;
+        Ok(Self {
+            buffer,
+            offset,
+            len,
+        })
+    }
+
+    /// The whole of `buffer`.
+    pub fn whole(buffer: &'a mut T) -> Self {
+        let len = buffer.len();
+        Self {
+            buffer,
+            offset: 0,
+            len,
+        }
+    }
+
+    /// Item `index` of `buffer` seen as consecutive items of `len` elements (layer `index`
+    /// of a `[layers, len]` stack).
+    ///
+    /// # Errors
+    /// [`BackendError::ViewOutOfBounds`] if the item does not lie in `buffer`.
+    pub fn item(buffer: &'a mut T, index: usize, len: usize) -> Result<Self, BackendError> {
+        let offset = index
+            .checked_mul(len)
+            .ok_or(BackendError::ViewOutOfBounds {
+                offset: usize::MAX,
+                len,
+                buffer_len: buffer.len(),
+            })?;
+        Self::new(buffer, offset, len)
+    }
+}
+
+impl<'a, T: ?Sized> ViewMut<'a, T> {
+    /// The buffer viewed, for writing (a backend then writes `[offset, offset + len)` only).
+    pub fn into_buffer(self) -> &'a mut T {
+        self.buffer
+    }
+
+    /// First element of the view in the buffer.
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+
+    /// Number of elements in the view.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the view holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The same window, read-only (while this borrow lasts).
+    pub fn as_view(&self) -> View<'_, T> {
+        View {
+            buffer: self.buffer,
+            offset: self.offset,
+            len: self.len,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn views_are_checked_against_their_buffer() {
+        let mut buf = vec![0.0f32; 10];
+        assert_eq!(
+            View::new(&buf, 4, 6).map(|v| (v.offset(), v.len())).ok(),
+            Some((4, 6))
+        );
+        assert!(matches!(
+            View::new(&buf, 5, 6),
+            Err(BackendError::ViewOutOfBounds {
+                offset: 5,
+                len: 6,
+                buffer_len: 10
+            })
+        ));
+        assert!(View::new(&buf, usize::MAX, 2).is_err());
+        assert_eq!(View::item(&buf, 4, 2).map(|v| v.offset()).ok(), Some(8));
+        assert!(View::item(&buf, 5, 2).is_err());
+        assert!(View::item(&buf, usize::MAX, 2).is_err());
+        assert!(ViewMut::item(&mut buf, 2, 5).is_err());
+        let v = ViewMut::item(&mut buf, 1, 5).map(|v| (v.offset(), v.as_view().len()));
+        assert_eq!(v.ok(), Some((5, 5)));
+    }
+}

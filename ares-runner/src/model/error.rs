@@ -1,0 +1,90 @@
+//! The error of building and running a [`Model`](super::Model).
+
+use crate::backend::BackendError;
+
+/// What went wrong building a model from a checkpoint or running it on a batch.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ModelError {
+    /// The config asks for something this model does not implement.
+    #[error("unsupported model config: {what}")]
+    Unsupported {
+        /// What, and what is supported instead.
+        what: String,
+    },
+    /// A tensor the config implies is not in the weights.
+    #[error("weights: {name} is missing")]
+    MissingWeight {
+        /// The Hugging Face tensor name.
+        name: String,
+    },
+    /// A weight tensor has the wrong number of elements for the config.
+    #[error("weights: {name} has {actual} elements, the config implies {expected}")]
+    WeightShape {
+        /// The Hugging Face tensor name.
+        name: String,
+        /// Elements the config implies.
+        expected: usize,
+        /// Elements found.
+        actual: usize,
+    },
+    /// An input is not `batch × seq` long, or the batch shape is empty or overflows.
+    #[error("input {what}: expected {expected} elements (batch × seq), found {actual}")]
+    InputLength {
+        /// The input (`input_ids`, `attention_mask`, `position_ids`).
+        what: &'static str,
+        /// `batch · seq`.
+        expected: usize,
+        /// The length given.
+        actual: usize,
+    },
+    /// `batch` or `seq` is 0, or their product overflows.
+    #[error("batch shape {batch} × {seq} is empty or too large")]
+    BatchShape {
+        /// Sequences.
+        batch: usize,
+        /// Tokens per sequence.
+        seq: usize,
+    },
+    /// A token id is not below the vocabulary size.
+    #[error("{what}[{index}] = {id} is out of range for vocab_size {vocab}")]
+    TokenOutOfRange {
+        /// The input (`input_ids`, `targets`).
+        what: &'static str,
+        /// Flat index `b·seq + t`.
+        index: usize,
+        /// The id.
+        id: u32,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// A position is not below the RoPE table's length (`max_position_embeddings`).
+    #[error("position_ids[{index}] = {position} is not below max_position_embeddings {max}")]
+    PositionOutOfRange {
+        /// Flat index `b·seq + t`.
+        index: usize,
+        /// The position.
+        position: u32,
+        /// The table length.
+        max: usize,
+    },
+    /// An attention mask value is neither 0 nor 1.
+    #[error("attention_mask[{index}] = {value}, expected 0 or 1")]
+    InvalidMask {
+        /// Flat index `b·seq + t`.
+        index: usize,
+        /// The value.
+        value: u32,
+    },
+    /// The activations were planned for another batch shape.
+    #[error("activations are planned for batch {planned:?} (batch, seq), the input is {actual:?}")]
+    ActivationShape {
+        /// `(batch, seq)` of the activations.
+        planned: (usize, usize),
+        /// `(batch, seq)` of the input.
+        actual: (usize, usize),
+    },
+    /// A backend call failed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}

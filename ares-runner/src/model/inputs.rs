@@ -1,0 +1,83 @@
+//! [`Inputs`]: one batch of token sequences as the host hands it to the model, checked
+//! before anything is uploaded.
+
+use super::{ModelError, ModelSpec};
+
+/// A batch of `batch` sequences of `seq` tokens, row-major `[batch, seq]` like Hugging
+/// Face's `input_ids`, `attention_mask` and `position_ids`.
+#[derive(Debug, Clone, Copy)]
+pub struct Inputs<'a> {
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence (padded length).
+    pub seq: usize,
+    /// Token ids, each below the vocabulary size.
+    pub input_ids: &'a [u32],
+    /// 1 for a real token, 0 for padding (left or right).
+    pub attention_mask: &'a [u32],
+    /// Position of each token, e.g. `0..seq` for right padding, `cumsum(mask) − 1` for
+    /// left padding.
+    pub position_ids: &'a [u32],
+}
+
+impl Inputs<'_> {
+    /// Checks lengths and values against `spec`; returns the token count `batch · seq`.
+    ///
+    /// # Errors
+    /// An empty or overflowing shape, a length that is not `batch · seq`, an id `>=
+    /// vocab`, a mask value other than 0/1, a position `>= max_positions`.
+    pub fn check(&self, spec: &ModelSpec) -> Result<usize, ModelError> {
+        let (batch, seq) = (self.batch, self.seq);
+        let n = match batch.checked_mul(seq) {
+            Some(n) if n > 0 => n,
+            _ => return Err(ModelError::BatchShape { batch, seq }),
+        };
+        for (what, actual) in [
+            ("input_ids", self.input_ids.len()),
+            ("attention_mask", self.attention_mask.len()),
+            ("position_ids", self.position_ids.len()),
+        ] {
+            if actual != n {
+                return Err(ModelError::InputLength {
+                    what,
+                    expected: n,
+                    actual,
+                });
+            }
+        }
+        if let Some((index, &id)) = self
+            .input_ids
+            .iter()
+            .enumerate()
+            .find(|&(_, &id)| id as usize >= spec.vocab)
+        {
+            return Err(ModelError::TokenOutOfRange {
+                what: "input_ids",
+                index,
+                id,
+                vocab: spec.vocab,
+            });
+        }
+        if let Some((index, &value)) = self
+            .attention_mask
+            .iter()
+            .enumerate()
+            .find(|&(_, &m)| m > 1)
+        {
+            return Err(ModelError::InvalidMask { index, value });
+        }
+        if let Some((index, &position)) = self
+            .position_ids
+            .iter()
+            .enumerate()
+            .find(|&(_, &p)| p as usize >= spec.max_positions)
+        {
+            return Err(ModelError::PositionOutOfRange {
+                index,
+                position,
+                max: spec.max_positions,
+            });
+        }
+        Ok(n)
+    }
+}

@@ -1,0 +1,155 @@
+//! The Qwen2 / Qwen2.5 / Qwen3 / Llama decoder, written once against the
+//! [`Backend`] trait.
+//!
+//! - [`ModelSpec`]: sizes and switches from `config.json` (q/k/v biases for Qwen2, q/k
+//!   RMSNorm for Qwen3, llama3 RoPE scaling, tied or untied LM head); unsupported configs
+//!   are rejected when the model is built.
+//! - [`Model`]: the spec, the weights uploaded once into backend buffers (one buffer per
+//!   kind of tensor stacked over layers), and the RoPE cos/sin tables for every position
+//!   `< max_position_embeddings` (computed once on the host with `ares-cpu`'s
+//!   [`RopeTable`], transformers' f32 numerics, and gathered per token on the device).
+//! - [`Activations`]: the activation arena, planned up front for a `(batch, seq)` and
+//!   reused across calls; every layer's intermediates are kept for the backward pass.
+//! - [`Model::forward`]: `input_ids`, `attention_mask`, `position_ids` `[batch, seq]` →
+//!   logits `[batch, seq, vocab]` in the arena. The host copies per call are the inputs in
+//!   and whatever the caller downloads.
+//! - [`Model::log_prob_entropy`]: after a forward pass, each token's log-prob of a target
+//!   and entropy at a temperature, fused over the logits rows on the device.
+//!
+//! Forward only so far; the manual backward (llm.c style, per layer) comes next.
+
+mod activations;
+mod error;
+mod forward;
+mod inputs;
+mod spec;
+mod weights;
+
+use ares_cpu::ops::rope::RopeTable;
+
+pub use activations::Activations;
+pub use error::ModelError;
+pub use inputs::Inputs;
+pub use spec::ModelSpec;
+
+use crate::backend::{Backend, ViewMut};
+use crate::hf::checkpoint::Checkpoint;
+use crate::hf::config::ModelConfig;
+use crate::hf::weights::ModelWeights;
+use weights::DeviceWeights;
+
+/// A decoder model on backend `B`: spec, weights and RoPE tables, all device-resident.
+#[derive(Debug)]
+pub struct Model<B: Backend> {
+    backend: B,
+    spec: ModelSpec,
+    weights: DeviceWeights<B>,
+    /// Rows of the RoPE tables (positions `0..rope_rows`).
+    rope_rows: usize,
+    /// `[rope_rows, head_dim/2]` cos and sin of `position · inv_freq`.
+    rope_cos: B::Buffer,
+    rope_sin: B::Buffer,
+}
+
+impl<B: Backend> Model<B> {
+    /// Builds the model of a loaded Hugging Face checkpoint on `backend`.
+    ///
+    /// # Errors
+    /// As [`Model::new`].
+    pub fn from_checkpoint(backend: B, checkpoint: &Checkpoint) -> Result<Self, ModelError> {
+        Self::new(backend, &checkpoint.config, &checkpoint.weights)
+    }
+
+    /// Builds the model of `config` with `weights`, uploading them to `backend`.
+    ///
+    /// # Errors
+    /// [`ModelError::Unsupported`] for a config this model does not implement (RoPE types
+    /// other than default/linear/llama3, an odd head_dim), a weight missing or of the wrong
+    /// size, or a backend failure.
+    pub fn new(
+        backend: B,
+        config: &ModelConfig,
+        weights: &ModelWeights,
+    ) -> Result<Self, ModelError> {
+        let spec = ModelSpec::from_config(config)?;
+        let table = RopeTable::new(&spec.rope).map_err(|e| ModelError::Unsupported {
+            what: format!("rope: {e}"),
+        })?;
+        let rope_rows = spec.max_positions;
+        let positions = u32::try_from(rope_rows)
+            .map(|rows| (0..rows).collect::<Vec<u32>>())
+            .map_err(|_| ModelError::Unsupported {
+                what: format!("max_position_embeddings = {rope_rows} does not fit in u32"),
+            })?;
+        let half = spec.head_dim / 2;
+        let len = rope_rows
+            .checked_mul(half)
+            .ok_or_else(|| ModelError::Unsupported {
+                what: format!("RoPE table of {rope_rows} × {half} overflows"),
+            })?;
+        let (mut cos, mut sin) = (vec![0.0f32; len], vec![0.0f32; len]);
+        table
+            .cos_sin(&positions, &mut cos, &mut sin)
+            .map_err(|e| ModelError::Unsupported {
+                what: format!("rope table: {e}"),
+            })?;
+        let mut rope_cos = backend.alloc(len)?;
+        let mut rope_sin = backend.alloc(len)?;
+        backend.upload(&cos, ViewMut::whole(&mut rope_cos))?;
+        backend.upload(&sin, ViewMut::whole(&mut rope_sin))?;
+        let weights = DeviceWeights::upload(&backend, &spec, weights)?;
+        Ok(Self {
+            backend,
+            spec,
+            weights,
+            rope_rows,
+            rope_cos,
+            rope_sin,
+        })
+    }
+
+    /// The architecture's sizes and switches.
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// The backend the model runs on.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// A new activation arena for `batch` sequences of `seq` tokens.
+    ///
+    /// # Errors
+    /// As [`Activations::new`].
+    pub fn activations(&self, batch: usize, seq: usize) -> Result<Activations<B>, ModelError> {
+        Activations::new(&self.backend, &self.spec, batch, seq)
+    }
+
+    /// Copies the logits `[batch, seq, vocab]` of the last forward pass in `acts` to `out`.
+    ///
+    /// # Errors
+    /// `out` not `batch · seq · vocab` long, or a backend failure.
+    pub fn download_logits(
+        &self,
+        acts: &Activations<B>,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        Ok(self.backend.download(acts.logits(), out)?)
+    }
+
+    /// Convenience: plans an arena for the input's shape, runs [`Model::forward`] and
+    /// returns the logits `[batch, seq, vocab]` on the host. Allocates per call; loops
+    /// should keep one [`Activations`] and call [`Model::forward`].
+    ///
+    /// # Errors
+    /// As [`Model::forward`].
+    pub fn forward_logits(&self, inputs: &Inputs<'_>) -> Result<Vec<f32>, ModelError> {
+        inputs.check(&self.spec)?;
+        let mut acts = self.activations(inputs.batch, inputs.seq)?;
+        self.forward(inputs, &mut acts)?;
+        let mut out = vec![0.0; acts.logits().len()];
+        self.download_logits(&acts, &mut out)?;
+        Ok(out)
+    }
+}
