@@ -19,6 +19,8 @@ mod kl;
 mod log_prob_entropy;
 mod logits;
 pub mod ops;
+#[cfg(test)]
+mod test_rng;
 mod windows;
 
 pub use error::{Error, Result};

@@ -403,20 +403,7 @@ pub fn rope_backward(
 mod tests {
     use super::*;
 
-    struct Rng(u64);
-    impl Rng {
-        /// Uniform in [-1, 1).
-        fn sym(&mut self) -> f64 {
-            self.0 = self
-                .0
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            2.0 * ((self.0 >> 11) as f64 / (1u64 << 53) as f64) - 1.0
-        }
-        fn vec(&mut self, n: usize, scale: f64) -> Vec<f32> {
-            (0..n).map(|_| (self.sym() * scale) as f32).collect()
-        }
-    }
+    use crate::test_rng::Rng;
 
     fn table(head_dim: usize, theta: f64, scaling: RopeScaling) -> RopeTable {
         RopeTable::new(&RopeConfig {

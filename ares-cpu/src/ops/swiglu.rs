@@ -102,20 +102,7 @@ pub fn swiglu_backward(
 mod tests {
     use super::*;
 
-    struct Rng(u64);
-    impl Rng {
-        /// Uniform in [-1, 1).
-        fn sym(&mut self) -> f64 {
-            self.0 = self
-                .0
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            2.0 * ((self.0 >> 11) as f64 / (1u64 << 53) as f64) - 1.0
-        }
-        fn vec(&mut self, n: usize, scale: f64) -> Vec<f32> {
-            (0..n).map(|_| (self.sym() * scale) as f32).collect()
-        }
-    }
+    use crate::test_rng::Rng;
 
     fn silu64(g: f64) -> f64 {
         g / (1.0 + (-g).exp())
