@@ -366,3 +366,83 @@ impl Backend for CpuBackend {
         .map_err(op("log_prob_entropy"))
     }
 }
+
+#[cfg(test)]
+mod backward_tests {
+    use super::*;
+
+    #[test]
+    fn backward_ops_accumulate_or_overwrite_as_documented() {
+        let be = CpuBackend;
+        // linear: y = x·wᵀ with x [1, 2], w [1, 2]; dout = [1] → dx = w, dw = x, db = 1.
+        let (x, w, dout) = (vec![2.0f32, 3.0], vec![5.0f32, 7.0], vec![1.0f32]);
+        let (mut dx, mut dw, mut db) = (vec![1.0f32; 2], vec![1.0f32; 2], vec![1.0f32]);
+        let dims = LinearDims {
+            rows: 1,
+            in_features: 2,
+            out_features: 1,
+        };
+        be.linear_backward(
+            View::whole(&dout),
+            View::whole(&x),
+            View::whole(&w),
+            dims,
+            Some(ViewMut::whole(&mut dx)),
+            ViewMut::whole(&mut dw),
+            Some(ViewMut::whole(&mut db)),
+        )
+        .unwrap();
+        assert_eq!((dx, dw, db), (vec![6.0, 8.0], vec![3.0, 4.0], vec![2.0]));
+
+        // fill zeroes a window only.
+        let mut buf = vec![1.0f32; 4];
+        be.fill(ViewMut::new(&mut buf, 1, 2).unwrap(), 0.0).unwrap();
+        assert_eq!(buf, [1.0, 0.0, 0.0, 1.0]);
+
+        // rope_backward inverts rope (an orthogonal rotation).
+        let (cos, sin) = (vec![0.6f32], vec![0.8f32]);
+        let mut v = vec![1.0f32, 2.0];
+        be.rope(
+            ViewMut::whole(&mut v),
+            View::whole(&cos),
+            View::whole(&sin),
+            1,
+            2,
+        )
+        .unwrap();
+        be.rope_backward(
+            ViewMut::whole(&mut v),
+            View::whole(&cos),
+            View::whole(&sin),
+            1,
+            2,
+        )
+        .unwrap();
+        assert!((v[0] - 1.0).abs() < 1e-6 && (v[1] - 2.0).abs() < 1e-6);
+
+        // swiglu_backward overwrites: at gate 0, silu'(0) = 1/2 and silu(0) = 0.
+        let (g, u, d) = (vec![0.0f32], vec![4.0f32], vec![1.0f32]);
+        let (mut dg, mut du) = (vec![9.0f32], vec![9.0f32]);
+        be.swiglu_backward(
+            View::whole(&d),
+            View::whole(&g),
+            View::whole(&u),
+            ViewMut::whole(&mut dg),
+            ViewMut::whole(&mut du),
+        )
+        .unwrap();
+        assert_eq!((dg[0], du[0]), (2.0, 0.0));
+
+        // Errors name the op.
+        let e = be
+            .swiglu_backward(
+                View::whole(&d),
+                View::whole(&g),
+                View::whole(&x),
+                ViewMut::whole(&mut dg),
+                ViewMut::whole(&mut du),
+            )
+            .unwrap_err();
+        assert!(e.to_string().starts_with("swiglu_backward"), "{e}");
+    }
+}
