@@ -2,17 +2,17 @@
 //! plain vectors, views are sub-slices, ops run on the calling thread (parallel inside
 //! over rayon) and have finished when they return, so nothing ever needs synchronising.
 
-use ares_cpu::ops::attention::{self, AttentionShape, attention_forward};
-use ares_cpu::ops::embedding::embedding_forward;
-use ares_cpu::ops::matmul::{MatmulDims, linear_forward};
-use ares_cpu::ops::rmsnorm::rmsnorm_forward;
-use ares_cpu::ops::rope::rope_forward;
-use ares_cpu::ops::swiglu::swiglu_forward;
+use ares_cpu::ops::attention::{self, AttentionShape, attention_backward, attention_forward};
+use ares_cpu::ops::embedding::{embedding_backward, embedding_forward};
+use ares_cpu::ops::matmul::{MatmulDims, linear_backward, linear_forward};
+use ares_cpu::ops::rmsnorm::{rmsnorm_backward, rmsnorm_forward};
+use ares_cpu::ops::rope::{rope_backward, rope_forward};
+use ares_cpu::ops::swiglu::{swiglu_backward, swiglu_forward};
 use ares_cpu::{Logits, log_prob_entropy};
 
 use super::{
-    AttentionDims, AttentionInputs, Backend, BackendError, DeviceBuffer, LinearDims, Result,
-    Tensor, TensorMut, View, ViewMut,
+    AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError, DeviceBuffer,
+    LinearDims, Result, Tensor, TensorMut, View, ViewMut,
 };
 
 /// The CPU backend: f32 and u32 vectors, `ares-cpu` kernels.
@@ -51,6 +51,37 @@ fn slice_mut<'a>(view: ViewMut<'a, Vec<f32>>) -> Result<&'a mut [f32]> {
             len,
             buffer_len,
         })
+}
+
+/// The `ares-cpu` matmul dims of a linear layer.
+fn matmul_dims(dims: LinearDims) -> MatmulDims {
+    MatmulDims {
+        n: dims.rows,
+        k: dims.in_features,
+        m: dims.out_features,
+    }
+}
+
+/// The `ares-cpu` attention shape and inputs of a backend attention call.
+fn attention_args<'a>(
+    dims: AttentionDims,
+    inputs: AttentionInputs<'a, Vec<f32>>,
+) -> Result<(AttentionShape, attention::AttentionInputs<'a>)> {
+    let shape = AttentionShape::new(
+        dims.batch,
+        dims.seq,
+        dims.q_heads,
+        dims.kv_heads,
+        dims.head_dim,
+    )
+    .with_scale(dims.scale);
+    let inputs = attention::AttentionInputs {
+        q: slice(inputs.q)?,
+        k: slice(inputs.k)?,
+        v: slice(inputs.v)?,
+        key_mask: inputs.key_mask.map(slice).transpose()?,
+    };
+    Ok((shape, inputs))
 }
 
 /// Wraps a kernel error with the op that raised it.
@@ -120,13 +151,15 @@ impl Backend for CpuBackend {
         dims: LinearDims,
         out: TensorMut<'_, Self>,
     ) -> Result<()> {
-        let dims = MatmulDims {
-            n: dims.rows,
-            k: dims.in_features,
-            m: dims.out_features,
-        };
         let bias = bias.map(slice).transpose()?;
-        linear_forward(slice(x)?, slice(w)?, bias, dims, slice_mut(out)?).map_err(op("linear"))
+        linear_forward(
+            slice(x)?,
+            slice(w)?,
+            bias,
+            matmul_dims(dims),
+            slice_mut(out)?,
+        )
+        .map_err(op("linear"))
     }
 
     fn rmsnorm(
@@ -167,20 +200,7 @@ impl Backend for CpuBackend {
         out: TensorMut<'_, Self>,
         lse: TensorMut<'_, Self>,
     ) -> Result<()> {
-        let shape = AttentionShape::new(
-            dims.batch,
-            dims.seq,
-            dims.q_heads,
-            dims.kv_heads,
-            dims.head_dim,
-        )
-        .with_scale(dims.scale);
-        let inputs = attention::AttentionInputs {
-            q: slice(inputs.q)?,
-            k: slice(inputs.k)?,
-            v: slice(inputs.v)?,
-            key_mask: inputs.key_mask.map(slice).transpose()?,
-        };
+        let (shape, inputs) = attention_args(dims, inputs)?;
         attention_forward(&shape, inputs, slice_mut(out)?, slice_mut(lse)?).map_err(op("attention"))
     }
 
@@ -208,6 +228,123 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn fill(&self, dst: TensorMut<'_, Self>, value: f32) -> Result<()> {
+        slice_mut(dst)?.fill(value);
+        Ok(())
+    }
+
+    fn embedding_backward(
+        &self,
+        ids: &Vec<u32>,
+        dout: Tensor<'_, Self>,
+        rows: usize,
+        dim: usize,
+        dtable: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        embedding_backward(ids, slice(dout)?, rows, dim, slice_mut(dtable)?)
+            .map_err(op("embedding_backward"))
+    }
+
+    fn linear_backward(
+        &self,
+        dout: Tensor<'_, Self>,
+        x: Tensor<'_, Self>,
+        w: Tensor<'_, Self>,
+        dims: LinearDims,
+        dx: Option<TensorMut<'_, Self>>,
+        dw: TensorMut<'_, Self>,
+        dbias: Option<TensorMut<'_, Self>>,
+    ) -> Result<()> {
+        linear_backward(
+            slice(dout)?,
+            slice(x)?,
+            slice(w)?,
+            matmul_dims(dims),
+            dx.map(slice_mut).transpose()?,
+            slice_mut(dw)?,
+            dbias.map(slice_mut).transpose()?,
+        )
+        .map_err(op("linear_backward"))
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dout: Tensor<'_, Self>,
+        x: Tensor<'_, Self>,
+        weight: Tensor<'_, Self>,
+        rstd: Tensor<'_, Self>,
+        dim: usize,
+        dx: TensorMut<'_, Self>,
+        dweight: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        rmsnorm_backward(
+            slice(dout)?,
+            slice(x)?,
+            slice(weight)?,
+            slice(rstd)?,
+            dim,
+            slice_mut(dx)?,
+            slice_mut(dweight)?,
+        )
+        .map_err(op("rmsnorm_backward"))
+    }
+
+    fn rope_backward(
+        &self,
+        dx: TensorMut<'_, Self>,
+        cos: Tensor<'_, Self>,
+        sin: Tensor<'_, Self>,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        rope_backward(slice_mut(dx)?, slice(cos)?, slice(sin)?, heads, head_dim)
+            .map_err(op("rope_backward"))
+    }
+
+    fn attention_backward(
+        &self,
+        dims: AttentionDims,
+        inputs: AttentionInputs<'_, Vec<f32>>,
+        out: Tensor<'_, Self>,
+        lse: Tensor<'_, Self>,
+        dout: Tensor<'_, Self>,
+        grads: AttentionGrads<'_, Vec<f32>>,
+    ) -> Result<()> {
+        let (shape, inputs) = attention_args(dims, inputs)?;
+        let grads = attention::AttentionGrads {
+            dq: slice_mut(grads.dq)?,
+            dk: slice_mut(grads.dk)?,
+            dv: slice_mut(grads.dv)?,
+        };
+        attention_backward(
+            &shape,
+            inputs,
+            slice(out)?,
+            slice(lse)?,
+            slice(dout)?,
+            grads,
+        )
+        .map_err(op("attention_backward"))
+    }
+
+    fn swiglu_backward(
+        &self,
+        dout: Tensor<'_, Self>,
+        gate: Tensor<'_, Self>,
+        up: Tensor<'_, Self>,
+        dgate: TensorMut<'_, Self>,
+        dup: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        swiglu_backward(
+            slice(dout)?,
+            slice(gate)?,
+            slice(up)?,
+            slice_mut(dgate)?,
+            slice_mut(dup)?,
+        )
+        .map_err(op("swiglu_backward"))
+    }
+
     fn log_prob_entropy(
         &self,
         logits: Tensor<'_, Self>,
@@ -227,5 +364,85 @@ impl Backend for CpuBackend {
             entropy,
         )
         .map_err(op("log_prob_entropy"))
+    }
+}
+
+#[cfg(test)]
+mod backward_tests {
+    use super::*;
+
+    #[test]
+    fn backward_ops_accumulate_or_overwrite_as_documented() {
+        let be = CpuBackend;
+        // linear: y = x·wᵀ with x [1, 2], w [1, 2]; dout = [1] → dx = w, dw = x, db = 1.
+        let (x, w, dout) = (vec![2.0f32, 3.0], vec![5.0f32, 7.0], vec![1.0f32]);
+        let (mut dx, mut dw, mut db) = (vec![1.0f32; 2], vec![1.0f32; 2], vec![1.0f32]);
+        let dims = LinearDims {
+            rows: 1,
+            in_features: 2,
+            out_features: 1,
+        };
+        be.linear_backward(
+            View::whole(&dout),
+            View::whole(&x),
+            View::whole(&w),
+            dims,
+            Some(ViewMut::whole(&mut dx)),
+            ViewMut::whole(&mut dw),
+            Some(ViewMut::whole(&mut db)),
+        )
+        .unwrap();
+        assert_eq!((dx, dw, db), (vec![6.0, 8.0], vec![3.0, 4.0], vec![2.0]));
+
+        // fill zeroes a window only.
+        let mut buf = vec![1.0f32; 4];
+        be.fill(ViewMut::new(&mut buf, 1, 2).unwrap(), 0.0).unwrap();
+        assert_eq!(buf, [1.0, 0.0, 0.0, 1.0]);
+
+        // rope_backward inverts rope (an orthogonal rotation).
+        let (cos, sin) = (vec![0.6f32], vec![0.8f32]);
+        let mut v = vec![1.0f32, 2.0];
+        be.rope(
+            ViewMut::whole(&mut v),
+            View::whole(&cos),
+            View::whole(&sin),
+            1,
+            2,
+        )
+        .unwrap();
+        be.rope_backward(
+            ViewMut::whole(&mut v),
+            View::whole(&cos),
+            View::whole(&sin),
+            1,
+            2,
+        )
+        .unwrap();
+        assert!((v[0] - 1.0).abs() < 1e-6 && (v[1] - 2.0).abs() < 1e-6);
+
+        // swiglu_backward overwrites: at gate 0, silu'(0) = 1/2 and silu(0) = 0.
+        let (g, u, d) = (vec![0.0f32], vec![4.0f32], vec![1.0f32]);
+        let (mut dg, mut du) = (vec![9.0f32], vec![9.0f32]);
+        be.swiglu_backward(
+            View::whole(&d),
+            View::whole(&g),
+            View::whole(&u),
+            ViewMut::whole(&mut dg),
+            ViewMut::whole(&mut du),
+        )
+        .unwrap();
+        assert_eq!((dg[0], du[0]), (2.0, 0.0));
+
+        // Errors name the op.
+        let e = be
+            .swiglu_backward(
+                View::whole(&d),
+                View::whole(&g),
+                View::whole(&x),
+                ViewMut::whole(&mut dg),
+                ViewMut::whole(&mut du),
+            )
+            .unwrap_err();
+        assert!(e.to_string().starts_with("swiglu_backward"), "{e}");
     }
 }

@@ -27,9 +27,10 @@
 //! - **Shapes are explicit.** Every op takes its dimensions ([`LinearDims`],
 //!   [`AttentionDims`], `dim`, `heads`) rather than inferring them from lengths, and checks
 //!   the lengths of its views against them.
-//! - **Extensible.** Backward ops (`linear_backward`, `rmsnorm_backward`, ...) are added
-//!   next to their forward ops with the same conventions; the forward ops save what the
-//!   backward needs (`rstd` of RMSNorm, `lse` of attention) in caller-provided views.
+//! - **Backward ops** (`linear_backward`, `rmsnorm_backward`, ...) follow the same
+//!   conventions; the forward ops save what they need (`rstd` of RMSNorm, `lse` of
+//!   attention) in caller-provided views. Each says whether it accumulates into its
+//!   gradient outputs (`+=`; zero them with [`Backend::fill`]) or overwrites them.
 
 mod error;
 mod shapes;
@@ -38,7 +39,7 @@ mod view;
 pub mod cpu;
 
 pub use error::BackendError;
-pub use shapes::{AttentionDims, AttentionInputs, LinearDims};
+pub use shapes::{AttentionDims, AttentionGrads, AttentionInputs, LinearDims};
 pub use view::{DeviceBuffer, View, ViewMut};
 
 /// Results of backend calls.
@@ -187,6 +188,116 @@ pub trait Backend {
     /// Lengths that differ.
     fn add(&self, a: Tensor<'_, Self>, b: Tensor<'_, Self>, out: TensorMut<'_, Self>)
     -> Result<()>;
+
+    // ----- Backward ops (llm.c style). Gradient outputs either **accumulate** (`+=`, so
+    // shared weights and residual branches add up; zero them first with
+    // [`Backend::fill`]) or are **overwritten**, as each op says. -----
+
+    /// Sets every element of `dst` to `value` (`0.0` zeroes a gradient before an
+    /// accumulating op).
+    ///
+    /// # Errors
+    /// None on the CPU; a device failure where the backend reports one.
+    fn fill(&self, dst: TensorMut<'_, Self>, value: f32) -> Result<()>;
+
+    /// Backward of [`Backend::embedding`]: `dtable[ids[t], :] += dout[t, :]`, with `dout`
+    /// `[ids.len(), dim]` and `dtable` `[rows, dim]`. **Accumulates** (tied embeddings add
+    /// the LM head's gradient into the same table).
+    ///
+    /// # Errors
+    /// Lengths that do not match, or (where checked) an id `>= rows`.
+    fn embedding_backward(
+        &self,
+        ids: &Self::Ids,
+        dout: Tensor<'_, Self>,
+        rows: usize,
+        dim: usize,
+        dtable: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// Backward of [`Backend::linear`] given `dout` `[rows, out_features]`. All three
+    /// gradients **accumulate**: `dx[rows, in] += dout · w` (skipped if `None`),
+    /// `dw[out, in] += doutᵀ · x`, `dbias[out] += Σ_rows dout` (skipped if `None`).
+    ///
+    /// # Errors
+    /// Lengths that do not match `dims`.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward(
+        &self,
+        dout: Tensor<'_, Self>,
+        x: Tensor<'_, Self>,
+        w: Tensor<'_, Self>,
+        dims: LinearDims,
+        dx: Option<TensorMut<'_, Self>>,
+        dw: TensorMut<'_, Self>,
+        dbias: Option<TensorMut<'_, Self>>,
+    ) -> Result<()>;
+
+    /// Backward of [`Backend::rmsnorm`] from `dout` `[rows, dim]`, the forward's input `x`,
+    /// `weight` and saved `rstd`. Both `dx` `[rows, dim]` and `dweight` `[dim]`
+    /// **accumulate** (`dx` is the residual stream's gradient; a q/k norm weight is shared
+    /// by every head).
+    ///
+    /// # Errors
+    /// `dim == 0`, lengths that do not match.
+    #[allow(clippy::too_many_arguments)]
+    fn rmsnorm_backward(
+        &self,
+        dout: Tensor<'_, Self>,
+        x: Tensor<'_, Self>,
+        weight: Tensor<'_, Self>,
+        rstd: Tensor<'_, Self>,
+        dim: usize,
+        dx: TensorMut<'_, Self>,
+        dweight: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// Backward of [`Backend::rope`], **in place**: `dx` `[tokens, heads, head_dim]` holds
+    /// the gradient w.r.t. the rotated tensor and is replaced by the gradient w.r.t. its
+    /// input (the inverse rotation).
+    ///
+    /// # Errors
+    /// As [`Backend::rope`].
+    fn rope_backward(
+        &self,
+        dx: TensorMut<'_, Self>,
+        cos: Tensor<'_, Self>,
+        sin: Tensor<'_, Self>,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<()>;
+
+    /// Backward of [`Backend::attention`] from `dout` `[batch, seq, q_heads, head_dim]`,
+    /// the forward's `inputs`, `out` and `lse`. **Overwrites** `grads` (q, k and v feed
+    /// attention only); queries without a valid key and masked keys get zero gradients.
+    ///
+    /// # Errors
+    /// As [`Backend::attention`], and lengths of `out`, `lse`, `dout` and `grads`.
+    fn attention_backward(
+        &self,
+        dims: AttentionDims,
+        inputs: AttentionInputs<'_, Self::Buffer>,
+        out: Tensor<'_, Self>,
+        lse: Tensor<'_, Self>,
+        dout: Tensor<'_, Self>,
+        grads: AttentionGrads<'_, Self::Buffer>,
+    ) -> Result<()>;
+
+    /// Backward of [`Backend::swiglu`] from `dout`: **overwrites** `dgate` and `dup`
+    /// (gate and up feed the SwiGLU only).
+    ///
+    /// # Errors
+    /// Lengths that differ.
+    fn swiglu_backward(
+        &self,
+        dout: Tensor<'_, Self>,
+        gate: Tensor<'_, Self>,
+        up: Tensor<'_, Self>,
+        dgate: TensorMut<'_, Self>,
+        dup: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    // ----- End of backward ops. -----
 
     /// Per row of `logits` `[rows, vocab]`, with `z = logits / temperature`: writes the
     /// entropy of `softmax(z)` to `entropy[row]` and `log softmax(z)[targets[row]]` to

@@ -1,7 +1,7 @@
 //! Argument shapes and argument groups of the backend ops, spelled out so a call site
 //! reads like its math.
 
-use super::View;
+use super::{View, ViewMut};
 
 /// A linear layer `out[rows, out_features] = x[rows, in_features] · w[out_features,
 /// in_features]ᵀ (+ bias[out_features])`; `w` in the Hugging Face `[out, in]` layout.
@@ -60,4 +60,16 @@ pub struct AttentionInputs<'a, T: ?Sized> {
     pub v: View<'a, T>,
     /// 0/1 key validity `[batch, seq]` (the `attention_mask`); `None`: every key valid.
     pub key_mask: Option<View<'a, T>>,
+}
+
+/// The gradients [`Backend::attention_backward`](super::Backend::attention_backward)
+/// writes, views of buffers `T` (overwritten).
+#[derive(Debug)]
+pub struct AttentionGrads<'a, T: ?Sized> {
+    /// `∂L/∂q` `[batch, seq, q_heads, head_dim]`.
+    pub dq: ViewMut<'a, T>,
+    /// `∂L/∂k` `[batch, seq, kv_heads, head_dim]`, summed over each kv head's query heads.
+    pub dk: ViewMut<'a, T>,
+    /// `∂L/∂v` `[batch, seq, kv_heads, head_dim]`, summed over each kv head's query heads.
+    pub dv: ViewMut<'a, T>,
 }

@@ -6,6 +6,7 @@
 //! them. With `N = batch · seq` tokens, `C` hidden, `I` intermediate, `V` vocab, `Hq`/`Hkv`
 //! heads of `D`, the arena holds about `L · N · (6C + 3·Hq·D + 4·Hkv·D + 3I) + N·V` floats.
 
+use super::backward::BackwardScratch;
 use super::{ModelError, ModelSpec};
 use crate::backend::{Backend, Tensor, View};
 
@@ -67,6 +68,8 @@ pub struct Activations<B: Backend> {
     pub(crate) targets: B::Ids,
     pub(crate) log_prob: B::Buffer,
     pub(crate) entropy: B::Buffer,
+    /// Per-layer intermediates of the backward pass, reused by every layer.
+    pub(crate) scratch: BackwardScratch<B>,
 }
 
 /// Product of `dims`, or a [`ModelError::BatchShape`] on overflow.
@@ -136,6 +139,7 @@ impl<B: Backend> Activations<B> {
             targets: backend.alloc_ids(n)?,
             log_prob: alloc(&[n])?,
             entropy: alloc(&[n])?,
+            scratch: BackwardScratch::new(backend, spec, n)?,
         })
     }
 

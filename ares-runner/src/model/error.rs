@@ -18,6 +18,14 @@ pub enum ModelError {
         /// The Hugging Face tensor name.
         name: String,
     },
+    /// A tensor name (Hugging Face style) that names no parameter of this model.
+    #[error("no parameter named {name} in this model ({why})")]
+    UnknownParameter {
+        /// The name asked for.
+        name: String,
+        /// Why it does not resolve (tied embeddings, no such layer, ...).
+        why: String,
+    },
     /// A weight tensor has the wrong number of elements for the config.
     #[error("weights: {name} has {actual} elements, the config implies {expected}")]
     WeightShape {

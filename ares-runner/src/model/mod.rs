@@ -16,11 +16,16 @@
 //! - [`Model::log_prob_entropy`]: after a forward pass, each token's log-prob of a target
 //!   and entropy at a temperature, fused over the logits rows on the device.
 //!
-//! Forward only so far; the manual backward (llm.c style, per layer) comes next.
+//! - [`Model::backward`]: from ∂L/∂logits (the caller's loss), the manual backward pass
+//!   (llm.c style, per layer, scratch planned with the activations) accumulating every
+//!   parameter's gradient into [`Grads`] (same layout as the weights; tied embeddings
+//!   share one gradient).
 
 mod activations;
+mod backward;
 mod error;
 mod forward;
+mod grads;
 mod inputs;
 mod spec;
 mod weights;
@@ -29,6 +34,7 @@ use ares_cpu::ops::rope::RopeTable;
 
 pub use activations::Activations;
 pub use error::ModelError;
+pub use grads::Grads;
 pub use inputs::Inputs;
 pub use spec::ModelSpec;
 

@@ -3,7 +3,7 @@
 //! views.
 
 use super::{ModelError, ModelSpec};
-use crate::backend::{Backend, Tensor, View, ViewMut};
+use crate::backend::{Backend, DeviceBuffer, Tensor, TensorMut, View, ViewMut};
 use crate::hf::weights::{LayerWeights, ModelWeights, Tensor as HostTensor};
 
 /// One kind of per-layer tensor, `[layers, item]` in one buffer.
@@ -18,6 +18,37 @@ impl<B: Backend> Stack<B> {
     pub(crate) fn layer(&self, layer: usize) -> Result<Tensor<'_, B>, ModelError> {
         Ok(View::item(&self.buffer, layer, self.item)?)
     }
+
+    /// The tensor of layer `layer`, writable (gradients).
+    pub(crate) fn layer_mut(&mut self, layer: usize) -> Result<TensorMut<'_, B>, ModelError> {
+        Ok(ViewMut::item(&mut self.buffer, layer, self.item)?)
+    }
+
+    /// The whole `[layers, item]` buffer.
+    pub(crate) fn buffer(&self) -> &B::Buffer {
+        &self.buffer
+    }
+
+    /// The whole `[layers, item]` buffer, writable.
+    pub(crate) fn buffer_mut(&mut self) -> &mut B::Buffer {
+        &mut self.buffer
+    }
+
+    /// A zeroed stack of the same shape (a gradient).
+    pub(crate) fn zeros_like(&self, backend: &B) -> Result<Self, ModelError> {
+        Ok(Self {
+            buffer: backend.alloc(self.buffer.len())?,
+            item: self.item,
+        })
+    }
+}
+
+/// The writable layer `l` tensor of an optional stack.
+pub(crate) fn layer_of_mut<B: Backend>(
+    stack: &mut Option<Stack<B>>,
+    layer: usize,
+) -> Result<Option<TensorMut<'_, B>>, ModelError> {
+    stack.as_mut().map(|s| s.layer_mut(layer)).transpose()
 }
 
 /// The layer `l` tensor of an optional stack (a bias, Qwen3's q/k norm).

@@ -1,0 +1,321 @@
+//! The backward pass, bottom to top as in llm.c's `gpt2_backward`: LM head → final RMSNorm
+//! → per layer, last to first: down → SwiGLU → gate/up → post-attention RMSNorm → o_proj →
+//! attention → RoPE⁻¹ on dq/dk → (Qwen3) q/k RMSNorm → q/k/v projections (with biases) →
+//! input RMSNorm; then the embedding.
+//!
+//! One buffer `dresidual` `[N, C]` carries the gradient of the residual stream down the
+//! layers: each block's RMSNorm backward adds its input gradient into it (the residual
+//! branch passes the gradient through unchanged). The per-layer intermediates live in a
+//! [`BackwardScratch`] planned up front with the [`Activations`] and reused by every layer.
+
+use super::weights::{layer_of, layer_of_mut};
+use super::{Activations, Grads, Inputs, Model, ModelError, ModelSpec};
+use crate::backend::{
+    AttentionDims, AttentionGrads, AttentionInputs, Backend, LinearDims, Tensor, View, ViewMut,
+};
+
+/// Backward intermediates of one layer, `N = batch · seq` tokens, reused across layers:
+/// about `N · (2C + 3I + 3·Hq·D + 4·Hkv·D)` floats.
+#[derive(Debug)]
+pub(crate) struct BackwardScratch<B: Backend> {
+    /// `[N, C]` gradient of the residual stream at the current point.
+    dresidual: B::Buffer,
+    /// `[N, C]` gradient of an RMSNorm output (final, post-attention, input norm).
+    dln: B::Buffer,
+    /// `[N, I]` gradients of `silu(gate)·up`, gate and up.
+    dact: B::Buffer,
+    dgate: B::Buffer,
+    dup: B::Buffer,
+    /// `[N, Hq·D]` gradient of the attention output.
+    datt: B::Buffer,
+    /// `[N, Hq·D]`, `[N, Hkv·D]` gradients of q, k (after RoPE, then before it) and v.
+    dq: B::Buffer,
+    dk: B::Buffer,
+    dv: B::Buffer,
+    /// `[N, Hq·D]`, `[N, Hkv·D]` gradients of the q/k projections before their RMSNorm
+    /// (Qwen3 only, else empty).
+    dq_raw: B::Buffer,
+    dk_raw: B::Buffer,
+}
+
+impl<B: Backend> BackwardScratch<B> {
+    /// Allocates the scratch for `n` tokens (`n` already checked not to overflow the
+    /// activations, which are larger).
+    pub(crate) fn new(backend: &B, spec: &ModelSpec, n: usize) -> Result<Self, ModelError> {
+        let (c, i, qd, kvd) = (spec.hidden, spec.intermediate, spec.q_dim(), spec.kv_dim());
+        let raw = usize::from(spec.qk_norm);
+        let alloc = |len: usize| backend.alloc(len);
+        Ok(Self {
+            dresidual: alloc(n * c)?,
+            dln: alloc(n * c)?,
+            dact: alloc(n * i)?,
+            dgate: alloc(n * i)?,
+            dup: alloc(n * i)?,
+            datt: alloc(n * qd)?,
+            dq: alloc(n * qd)?,
+            dk: alloc(n * kvd)?,
+            dv: alloc(n * kvd)?,
+            dq_raw: alloc(raw * n * qd)?,
+            dk_raw: alloc(raw * n * kvd)?,
+        })
+    }
+}
+
+impl<B: Backend> Model<B> {
+    /// Backpropagates `dlogits` = ∂L/∂logits `[batch, seq, vocab]` (from the caller's
+    /// loss) through the forward pass that filled `acts` (run it first, on the same
+    /// `inputs`), **adding** ∂L/∂θ into `grads` ([`Grads::zero`] them between steps).
+    /// Positions the loss ignores should carry zero rows in `dlogits`. Uses only device
+    /// buffers planned up front (the activations and their backward scratch).
+    ///
+    /// # Errors
+    /// Invalid inputs, `acts` planned for another `(batch, seq)`, `dlogits` not `batch ·
+    /// seq · vocab` long, `grads` made for another model, or a backend failure.
+    pub fn backward(
+        &self,
+        inputs: &Inputs<'_>,
+        acts: &mut Activations<B>,
+        dlogits: Tensor<'_, B>,
+        grads: &mut Grads<B>,
+    ) -> Result<(), ModelError> {
+        let n = inputs.check(&self.spec)?;
+        if acts.shape() != (inputs.batch, inputs.seq) {
+            return Err(ModelError::ActivationShape {
+                planned: acts.shape(),
+                actual: (inputs.batch, inputs.seq),
+            });
+        }
+        let be = &self.backend;
+        let s = &self.spec;
+        let w = &self.weights;
+        let (c, i, v, d) = (s.hidden, s.intermediate, s.vocab, s.head_dim);
+        let (qd, kvd, hq, hkv) = (s.q_dim(), s.kv_dim(), s.q_heads, s.kv_heads);
+        if dlogits.len() != n * v {
+            return Err(ModelError::InputLength {
+                what: "dlogits",
+                expected: n * v,
+                actual: dlogits.len(),
+            });
+        }
+        let a = acts;
+        let sc = &mut a.scratch;
+        let g = &mut grads.g;
+        let lin = |rows, in_features, out_features| LinearDims {
+            rows,
+            in_features,
+            out_features,
+        };
+
+        // LM head: dlnf = dlogits · W; dW += dlogitsᵀ · lnf (tied: into the embedding).
+        be.fill(ViewMut::whole(&mut sc.dln), 0.0)?;
+        let dhead = match g.lm_head.as_mut() {
+            Some(h) => ViewMut::whole(h),
+            None => ViewMut::whole(&mut g.embed),
+        };
+        be.linear_backward(
+            dlogits,
+            View::whole(&a.lnf),
+            w.lm_head(),
+            lin(n, c, v),
+            Some(ViewMut::whole(&mut sc.dln)),
+            dhead,
+            None,
+        )?;
+
+        // Final norm: the residual stream's gradient starts here.
+        let last = match s.layers.checked_sub(1) {
+            Some(l) => View::item(&a.resid_out, l, n * c)?,
+            None => View::whole(&a.encoded),
+        };
+        be.fill(ViewMut::whole(&mut sc.dresidual), 0.0)?;
+        be.rmsnorm_backward(
+            View::whole(&sc.dln),
+            last,
+            View::whole(&w.norm),
+            View::whole(&a.lnf_rstd),
+            c,
+            ViewMut::whole(&mut sc.dresidual),
+            ViewMut::whole(&mut g.norm),
+        )?;
+
+        let (cos, sin) = (View::whole(&a.cos), View::whole(&a.sin));
+        let mask = View::whole(&a.mask);
+        let attn = AttentionDims::new(inputs.batch, inputs.seq, hq, hkv, d);
+        for l in (0..s.layers).rev() {
+            let x = if l == 0 {
+                View::whole(&a.encoded)
+            } else {
+                View::item(&a.resid_out, l - 1, n * c)?
+            };
+
+            // MLP block; `dresidual` is ∂L/∂resid_out[l] = ∂L/∂mlp_out[l].
+            be.fill(ViewMut::whole(&mut sc.dact), 0.0)?;
+            be.linear_backward(
+                View::whole(&sc.dresidual),
+                View::item(&a.act, l, n * i)?,
+                w.down.layer(l)?,
+                lin(n, i, c),
+                Some(ViewMut::whole(&mut sc.dact)),
+                g.down.layer_mut(l)?,
+                layer_of_mut(&mut g.down_bias, l)?,
+            )?;
+            be.swiglu_backward(
+                View::whole(&sc.dact),
+                View::item(&a.gate, l, n * i)?,
+                View::item(&a.up, l, n * i)?,
+                ViewMut::whole(&mut sc.dgate),
+                ViewMut::whole(&mut sc.dup),
+            )?;
+            let ln2 = View::item(&a.ln2, l, n * c)?;
+            be.fill(ViewMut::whole(&mut sc.dln), 0.0)?;
+            be.linear_backward(
+                View::whole(&sc.dgate),
+                ln2,
+                w.gate.layer(l)?,
+                lin(n, c, i),
+                Some(ViewMut::whole(&mut sc.dln)),
+                g.gate.layer_mut(l)?,
+                layer_of_mut(&mut g.gate_bias, l)?,
+            )?;
+            be.linear_backward(
+                View::whole(&sc.dup),
+                ln2,
+                w.up.layer(l)?,
+                lin(n, c, i),
+                Some(ViewMut::whole(&mut sc.dln)),
+                g.up.layer_mut(l)?,
+                layer_of_mut(&mut g.up_bias, l)?,
+            )?;
+            // ∂L/∂resid_mid = dresidual (skip) + the norm's input gradient.
+            be.rmsnorm_backward(
+                View::whole(&sc.dln),
+                View::item(&a.resid_mid, l, n * c)?,
+                w.ln2.layer(l)?,
+                View::item(&a.ln2_rstd, l, n)?,
+                c,
+                ViewMut::whole(&mut sc.dresidual),
+                g.ln2.layer_mut(l)?,
+            )?;
+
+            // Attention block; `dresidual` is ∂L/∂resid_mid[l] = ∂L/∂att_proj[l].
+            be.fill(ViewMut::whole(&mut sc.datt), 0.0)?;
+            be.linear_backward(
+                View::whole(&sc.dresidual),
+                View::item(&a.att, l, n * qd)?,
+                w.o.layer(l)?,
+                lin(n, qd, c),
+                Some(ViewMut::whole(&mut sc.datt)),
+                g.o.layer_mut(l)?,
+                layer_of_mut(&mut g.o_bias, l)?,
+            )?;
+            be.attention_backward(
+                attn,
+                AttentionInputs {
+                    q: View::item(&a.q, l, n * qd)?,
+                    k: View::item(&a.k, l, n * kvd)?,
+                    v: View::item(&a.v, l, n * kvd)?,
+                    key_mask: Some(mask),
+                },
+                View::item(&a.att, l, n * qd)?,
+                View::item(&a.lse, l, n * hq)?,
+                View::whole(&sc.datt),
+                AttentionGrads {
+                    dq: ViewMut::whole(&mut sc.dq),
+                    dk: ViewMut::whole(&mut sc.dk),
+                    dv: ViewMut::whole(&mut sc.dv),
+                },
+            )?;
+            be.rope_backward(ViewMut::whole(&mut sc.dq), cos, sin, hq, d)?;
+            be.rope_backward(ViewMut::whole(&mut sc.dk), cos, sin, hkv, d)?;
+            // The gradients of the q/k projections' outputs.
+            let (dq_proj, dk_proj) = if s.qk_norm {
+                let (q_norm, k_norm) = match (layer_of(&w.q_norm, l)?, layer_of(&w.k_norm, l)?) {
+                    (Some(q), Some(k)) => (q, k),
+                    _ => {
+                        return Err(ModelError::MissingWeight {
+                            name: format!("model.layers.{l}.self_attn.q_norm/k_norm.weight"),
+                        });
+                    }
+                };
+                let (dq_norm, dk_norm) = match (
+                    layer_of_mut(&mut g.q_norm, l)?,
+                    layer_of_mut(&mut g.k_norm, l)?,
+                ) {
+                    (Some(q), Some(k)) => (q, k),
+                    _ => {
+                        return Err(ModelError::UnknownParameter {
+                            name: format!("model.layers.{l}.self_attn.q_norm/k_norm.weight"),
+                            why: "the gradients were made for a model without q/k norm".into(),
+                        });
+                    }
+                };
+                be.fill(ViewMut::whole(&mut sc.dq_raw), 0.0)?;
+                be.fill(ViewMut::whole(&mut sc.dk_raw), 0.0)?;
+                be.rmsnorm_backward(
+                    View::whole(&sc.dq),
+                    View::item(&a.q_raw, l, n * qd)?,
+                    q_norm,
+                    View::item(&a.q_rstd, l, n * hq)?,
+                    d,
+                    ViewMut::whole(&mut sc.dq_raw),
+                    dq_norm,
+                )?;
+                be.rmsnorm_backward(
+                    View::whole(&sc.dk),
+                    View::item(&a.k_raw, l, n * kvd)?,
+                    k_norm,
+                    View::item(&a.k_rstd, l, n * hkv)?,
+                    d,
+                    ViewMut::whole(&mut sc.dk_raw),
+                    dk_norm,
+                )?;
+                (View::whole(&sc.dq_raw), View::whole(&sc.dk_raw))
+            } else {
+                (View::whole(&sc.dq), View::whole(&sc.dk))
+            };
+            let ln1 = View::item(&a.ln1, l, n * c)?;
+            be.fill(ViewMut::whole(&mut sc.dln), 0.0)?;
+            for (dout, wt, dw, db, out_features) in [
+                (dq_proj, w.q.layer(l)?, &mut g.q, &mut g.q_bias, qd),
+                (dk_proj, w.k.layer(l)?, &mut g.k, &mut g.k_bias, kvd),
+                (
+                    View::whole(&sc.dv),
+                    w.v.layer(l)?,
+                    &mut g.v,
+                    &mut g.v_bias,
+                    kvd,
+                ),
+            ] {
+                be.linear_backward(
+                    dout,
+                    ln1,
+                    wt,
+                    lin(n, c, out_features),
+                    Some(ViewMut::whole(&mut sc.dln)),
+                    dw.layer_mut(l)?,
+                    layer_of_mut(db, l)?,
+                )?;
+            }
+            // ∂L/∂x = ∂L/∂resid_mid (skip) + the input norm's input gradient.
+            be.rmsnorm_backward(
+                View::whole(&sc.dln),
+                x,
+                w.ln1.layer(l)?,
+                View::item(&a.ln1_rstd, l, n)?,
+                c,
+                ViewMut::whole(&mut sc.dresidual),
+                g.ln1.layer_mut(l)?,
+            )?;
+        }
+
+        // Token embeddings.
+        be.embedding_backward(
+            &a.ids,
+            View::whole(&sc.dresidual),
+            v,
+            c,
+            ViewMut::whole(&mut g.embed),
+        )?;
+        Ok(())
+    }
+}

@@ -1,0 +1,309 @@
+//! The decoder backward pass on the CPU backend against transformers' gradients for the
+//! tiny fixtures (`tests/fixtures/models`, see its README): for both input sets, the loss
+//! `L = Σ_{valid b,t} Σ_v logits·W`, so `∂L/∂logits = W · mask`; plus finite differences
+//! of the whole model, accumulation semantics and name errors.
+
+use std::path::{Path, PathBuf};
+
+use ares_runner::backend::cpu::CpuBackend;
+use ares_runner::backend::{Backend, View, ViewMut};
+use ares_runner::hf::checkpoint::Checkpoint;
+use ares_runner::model::{Grads, Inputs, Model, ModelError};
+use safetensors::{Dtype, SafeTensors};
+
+/// Bound on `max |ours − theirs| / max |theirs|` per gradient tensor.
+const REL: f64 = 1e-4;
+
+/// The gradients the fixtures hold.
+const PARAMS: [&str; 4] = [
+    "model.embed_tokens.weight",
+    "model.layers.0.self_attn.q_proj.weight",
+    "model.layers.1.mlp.down_proj.weight",
+    "model.norm.weight",
+];
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/models")
+        .join(name)
+}
+
+/// One input set of a fixture.
+struct Set {
+    batch: usize,
+    seq: usize,
+    input_ids: Vec<u32>,
+    attention_mask: Vec<u32>,
+    position_ids: Vec<u32>,
+    /// `∂L/∂logits = W · mask`, `[batch, seq, vocab]`.
+    dlogits: Vec<f32>,
+    /// The expected gradients, in [`PARAMS`] order.
+    grads: Vec<Vec<f32>>,
+}
+
+impl Set {
+    fn inputs(&self) -> Inputs<'_> {
+        Inputs {
+            batch: self.batch,
+            seq: self.seq,
+            input_ids: &self.input_ids,
+            attention_mask: &self.attention_mask,
+            position_ids: &self.position_ids,
+        }
+    }
+}
+
+fn u32s(st: &SafeTensors<'_>, name: &str) -> (Vec<usize>, Vec<u32>) {
+    let t = st.tensor(name).unwrap();
+    assert_eq!(t.dtype(), Dtype::I64, "{name}");
+    let values = t
+        .data()
+        .chunks_exact(8)
+        .map(|b| u32::try_from(i64::from_le_bytes(b.try_into().unwrap())).unwrap())
+        .collect();
+    (t.shape().to_vec(), values)
+}
+
+fn f32s(st: &SafeTensors<'_>, name: &str) -> Vec<f32> {
+    let t = st.tensor(name).unwrap();
+    assert_eq!(t.dtype(), Dtype::F32, "{name}");
+    t.data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+fn set(name: &str, set: &str) -> Set {
+    let bytes = std::fs::read(fixture(name).join("expected.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let (shape, input_ids) = u32s(&st, &format!("{set}.input_ids"));
+    let (_, attention_mask) = u32s(&st, &format!("{set}.attention_mask"));
+    let (_, position_ids) = u32s(&st, &format!("{set}.position_ids"));
+    let w = f32s(&st, &format!("{set}.W"));
+    let vocab = w.len() / attention_mask.len();
+    let dlogits = w
+        .chunks_exact(vocab)
+        .zip(&attention_mask)
+        .flat_map(|(row, &m)| row.iter().map(move |&x| x * m as f32))
+        .collect();
+    let grads = PARAMS
+        .iter()
+        .map(|p| f32s(&st, &format!("{set}.grad.{p}")))
+        .collect();
+    Set {
+        batch: shape[0],
+        seq: shape[1],
+        input_ids,
+        attention_mask,
+        position_ids,
+        dlogits,
+        grads,
+    }
+}
+
+/// Forward then backward of `set` on `model`, adding into `grads`.
+fn forward_backward(model: &Model<CpuBackend>, s: &Set, grads: &mut Grads<CpuBackend>) {
+    let be = model.backend();
+    let mut acts = model.activations(s.batch, s.seq).unwrap();
+    model.forward(&s.inputs(), &mut acts).unwrap();
+    let mut dlogits = be.alloc(s.dlogits.len()).unwrap();
+    be.upload(&s.dlogits, ViewMut::whole(&mut dlogits)).unwrap();
+    model
+        .backward(&s.inputs(), &mut acts, View::whole(&dlogits), grads)
+        .unwrap();
+}
+
+/// `max |a − b| / max |b|`.
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let diff = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| (f64::from(x) - f64::from(y)).abs())
+        .fold(0.0, f64::max);
+    let scale = b.iter().map(|&y| f64::from(y).abs()).fold(0.0, f64::max);
+    diff / scale.max(1e-30)
+}
+
+fn load(name: &str) -> (Checkpoint, Model<CpuBackend>) {
+    let checkpoint = Checkpoint::load(&fixture(name)).unwrap();
+    let model = Model::from_checkpoint(CpuBackend, &checkpoint).unwrap();
+    (checkpoint, model)
+}
+
+fn check(name: &str) {
+    let (_, model) = load(name);
+    for set_name in ["right", "left"] {
+        let s = set(name, set_name);
+        let mut grads = model.grads().unwrap();
+        forward_backward(&model, &s, &mut grads);
+        for (param, expected) in PARAMS.iter().zip(&s.grads) {
+            let ours = grads.download(model.backend(), param).unwrap();
+            let err = rel_err(&ours, expected);
+            eprintln!("{name} {set_name} {param}: max rel error {err:.2e}");
+            assert!(err <= REL, "{name} {set_name} {param}: {err:e} > {REL:e}");
+        }
+    }
+}
+
+#[test]
+fn qwen2_gradients_match_transformers() {
+    check("qwen2_tiny");
+}
+
+#[test]
+fn qwen3_gradients_match_transformers() {
+    check("qwen3_tiny");
+}
+
+#[test]
+fn llama_gradients_match_transformers() {
+    check("llama_tiny");
+}
+
+/// The fixture loss of `set` for `model`, in f64.
+fn loss(model: &Model<CpuBackend>, s: &Set) -> f64 {
+    let logits = model.forward_logits(&s.inputs()).unwrap();
+    logits
+        .iter()
+        .zip(&s.dlogits)
+        .map(|(&x, &w)| f64::from(x) * f64::from(w))
+        .sum()
+}
+
+/// Central differences of the loss for the largest-gradient element of each parameter
+/// (picked by `get`), against the backward pass; covers biases and Qwen3's q/k norm.
+/// A parameter's name and where its values are in a checkpoint.
+type Param = (&'static str, fn(&mut Checkpoint) -> &mut Vec<f32>);
+
+fn finite_differences(name: &str, params: &[Param]) {
+    let (checkpoint, model) = load(name);
+    let s = set(name, "left");
+    let mut grads = model.grads().unwrap();
+    forward_backward(&model, &s, &mut grads);
+    for (param, get) in params {
+        let analytic = grads.download(model.backend(), param).unwrap();
+        let (idx, &g) = analytic
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.abs().total_cmp(&b.1.abs()))
+            .unwrap();
+        let h = 1e-2f32;
+        let at = |delta: f32| {
+            let mut c = checkpoint.clone();
+            get(&mut c)[idx] += delta;
+            loss(&Model::from_checkpoint(CpuBackend, &c).unwrap(), &s)
+        };
+        let numeric = (at(h) - at(-h)) / (2.0 * f64::from(h));
+        let err = (numeric - f64::from(g)).abs() / f64::from(g).abs();
+        eprintln!("{name} {param}[{idx}]: analytic {g:.6}, numeric {numeric:.6}, rel {err:.2e}");
+        assert!(err < 1e-2, "{name} {param}[{idx}]: {g} vs {numeric}");
+    }
+}
+
+#[test]
+fn qwen2_matches_finite_differences() {
+    finite_differences(
+        "qwen2_tiny",
+        &[
+            ("model.layers.0.self_attn.k_proj.bias", |c| {
+                &mut c.weights.layers[0].k_proj_bias.as_mut().unwrap().data
+            }),
+            ("model.layers.1.input_layernorm.weight", |c| {
+                &mut c.weights.layers[1].input_layernorm.data
+            }),
+        ],
+    );
+}
+
+#[test]
+fn qwen3_matches_finite_differences() {
+    finite_differences(
+        "qwen3_tiny",
+        &[
+            ("model.layers.0.self_attn.k_norm.weight", |c| {
+                c.weights.layers[0]
+                    .k_norm
+                    .as_mut()
+                    .map(|t| &mut t.data)
+                    .unwrap()
+            }),
+            ("model.layers.1.self_attn.v_proj.weight", |c| {
+                &mut c.weights.layers[1].v_proj.data
+            }),
+            ("lm_head.weight", |c| {
+                &mut c.weights.lm_head.as_mut().unwrap().data
+            }),
+        ],
+    );
+}
+
+#[test]
+fn backward_accumulates_until_zeroed() {
+    let (_, model) = load("qwen3_tiny");
+    let s = set("qwen3_tiny", "right");
+    let mut grads = model.grads().unwrap();
+    forward_backward(&model, &s, &mut grads);
+    let once: Vec<Vec<f32>> = PARAMS
+        .iter()
+        .map(|p| grads.download(model.backend(), p).unwrap())
+        .collect();
+    forward_backward(&model, &s, &mut grads);
+    for (p, once) in PARAMS.iter().zip(&once) {
+        let twice = grads.download(model.backend(), p).unwrap();
+        let doubled: Vec<f32> = once.iter().map(|x| 2.0 * x).collect();
+        assert!(rel_err(&twice, &doubled) < 1e-6, "{p}");
+    }
+    grads.zero(model.backend()).unwrap();
+    forward_backward(&model, &s, &mut grads);
+    for (p, once) in PARAMS.iter().zip(&once) {
+        assert_eq!(&grads.download(model.backend(), p).unwrap(), once, "{p}");
+    }
+}
+
+#[test]
+fn bad_backward_arguments_are_errors() {
+    let (_, model) = load("qwen2_tiny");
+    let s = set("qwen2_tiny", "right");
+    let mut grads = model.grads().unwrap();
+    let e = grads.tensor("lm_head.weight").unwrap_err();
+    assert!(matches!(e, ModelError::UnknownParameter { .. }), "{e}");
+    assert!(e.to_string().contains("tied"), "{e}");
+    assert!(grads.tensor("model.layers.2.mlp.up_proj.weight").is_err());
+    assert!(
+        grads
+            .tensor("model.layers.0.self_attn.q_norm.weight")
+            .is_err()
+    );
+    assert!(grads.tensor("model.layers.x.mlp.up_proj.weight").is_err());
+    assert_eq!(
+        grads
+            .tensor("model.layers.1.self_attn.q_proj.bias")
+            .unwrap()
+            .len(),
+        48
+    );
+
+    let mut acts = model.activations(s.batch, s.seq).unwrap();
+    model.forward(&s.inputs(), &mut acts).unwrap();
+    let short = vec![0.0f32; 10];
+    let e = model
+        .backward(&s.inputs(), &mut acts, View::whole(&short), &mut grads)
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ModelError::InputLength {
+                what: "dlogits",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let mut other = model.activations(1, 3).unwrap();
+    let dl = vec![0.0f32; s.dlogits.len()];
+    let e = model
+        .backward(&s.inputs(), &mut other, View::whole(&dl), &mut grads)
+        .unwrap_err();
+    assert!(matches!(e, ModelError::ActivationShape { .. }), "{e}");
+}
