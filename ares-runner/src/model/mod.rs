@@ -16,12 +16,19 @@
 //! - [`Model::log_prob_entropy`]: after a forward pass, each token's log-prob of a target
 //!   and entropy at a temperature, fused over the logits rows on the device.
 //!
+//! - [`Model::generate`]: batched generation with a [`KvCache`] (greedy or seeded
+//!   sampling, see [`GenerateRequest`]); [`Model::forward_cached`] is its prefill/decode
+//!   step.
+//!
 //! Forward only so far; the manual backward (llm.c style, per layer) comes next.
 
 mod activations;
 mod error;
 mod forward;
+mod generate;
 mod inputs;
+mod kv_cache;
+mod sampling;
 mod spec;
 mod weights;
 
@@ -29,7 +36,10 @@ use ares_cpu::ops::rope::RopeTable;
 
 pub use activations::Activations;
 pub use error::ModelError;
+pub use generate::{GenerateError, GenerateOutput, GenerateRequest};
 pub use inputs::Inputs;
+pub use kv_cache::KvCache;
+pub use sampling::Sampling;
 pub use spec::ModelSpec;
 
 use crate::backend::{Backend, ViewMut};
