@@ -2,7 +2,9 @@
 //! plain vectors, views are sub-slices, ops run on the calling thread (parallel inside
 //! over rayon) and have finished when they return, so nothing ever needs synchronising.
 
-use ares_cpu::ops::attention::{self, AttentionShape, attention_backward, attention_forward};
+use ares_cpu::ops::attention::{
+    self, AttentionShape, attention_backward, attention_decode, attention_forward, kv_cache_append,
+};
 use ares_cpu::ops::embedding::{embedding_backward, embedding_forward};
 use ares_cpu::ops::matmul::{MatmulDims, linear_backward, linear_forward};
 use ares_cpu::ops::rmsnorm::{rmsnorm_backward, rmsnorm_forward};
@@ -12,7 +14,7 @@ use ares_cpu::{Logits, log_prob_entropy};
 
 use super::{
     AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError, DeviceBuffer,
-    LinearDims, Result, Tensor, TensorMut, View, ViewMut,
+    KvCacheView, KvCacheViewMut, LinearDims, Result, Tensor, TensorMut, View, ViewMut,
 };
 
 /// The CPU backend: f32 and u32 vectors, `ares-cpu` kernels.
@@ -90,6 +92,18 @@ fn op(name: &'static str) -> impl FnOnce(ares_cpu::Error) -> BackendError {
         op: name,
         source: Box::new(e),
     }
+}
+
+/// The `ares-cpu` shape of an attention call.
+fn attention_shape(dims: AttentionDims) -> AttentionShape {
+    AttentionShape::new(
+        dims.batch,
+        dims.seq,
+        dims.q_heads,
+        dims.kv_heads,
+        dims.head_dim,
+    )
+    .with_scale(dims.scale)
 }
 
 impl Backend for CpuBackend {
@@ -364,6 +378,47 @@ impl Backend for CpuBackend {
             entropy,
         )
         .map_err(op("log_prob_entropy"))
+    }
+
+    fn kv_cache_append(
+        &self,
+        dims: AttentionDims,
+        k_new: Tensor<'_, Self>,
+        v_new: Tensor<'_, Self>,
+        cache: KvCacheViewMut<'_, Vec<f32>>,
+    ) -> Result<()> {
+        let mut len = vec![cache.len; dims.batch];
+        kv_cache_append(
+            &attention_shape(dims),
+            slice(k_new)?,
+            slice(v_new)?,
+            attention::KvCacheMut {
+                k: slice_mut(cache.k)?,
+                v: slice_mut(cache.v)?,
+                max_len: cache.max_len,
+                len: &mut len,
+            },
+        )
+        .map_err(op("kv_cache_append"))
+    }
+
+    fn attention_decode(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: KvCacheView<'_, Vec<f32>>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let len = vec![cache.len; dims.batch];
+        let cache = attention::KvCache {
+            k: slice(cache.k)?,
+            v: slice(cache.v)?,
+            max_len: cache.max_len,
+            len: &len,
+            key_mask: cache.key_mask.map(slice).transpose()?,
+        };
+        attention_decode(&attention_shape(dims), slice(q)?, cache, slice_mut(out)?)
+            .map_err(op("attention_decode"))
     }
 }
 

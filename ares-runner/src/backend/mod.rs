@@ -31,13 +31,18 @@
 //!   conventions; the forward ops save what they need (`rstd` of RMSNorm, `lse` of
 //!   attention) in caller-provided views. Each says whether it accumulates into its
 //!   gradient outputs (`+=`; zero them with [`Backend::fill`]) or overwrites them.
+//! - **Generation.** [`Backend::kv_cache_append`] and [`Backend::attention_decode`] keep
+//!   a KV cache in device buffers ([`KvCacheView`] for the layout) and attend new tokens
+//!   over it, so a decode step has no host round trip either.
 
+mod decode;
 mod error;
 mod shapes;
 mod view;
 
 pub mod cpu;
 
+pub use decode::{KvCacheView, KvCacheViewMut};
 pub use error::BackendError;
 pub use shapes::{AttentionDims, AttentionGrads, AttentionInputs, LinearDims};
 pub use view::{DeviceBuffer, View, ViewMut};
@@ -314,5 +319,38 @@ pub trait Backend {
         targets: &Self::Ids,
         log_prob: TensorMut<'_, Self>,
         entropy: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// Appends `dims.seq` new tokens per sequence to one layer's KV cache:
+    /// `cache.k[b, cache.len + i] = k_new[b, i]` (and v) for `i < dims.seq`, with `k_new`,
+    /// `v_new` `[batch, seq, kv_heads, head_dim]` (after RoPE). The caller tracks the
+    /// filled length (it is the same for every layer of a step).
+    ///
+    /// # Errors
+    /// Invalid head counts, lengths that do not match, `cache.len + seq > max_len`.
+    fn kv_cache_append(
+        &self,
+        dims: AttentionDims,
+        k_new: Tensor<'_, Self>,
+        v_new: Tensor<'_, Self>,
+        cache: KvCacheViewMut<'_, Self::Buffer>,
+    ) -> Result<()>;
+
+    /// Attention of `dims.seq` new queries per sequence `q` `[batch, seq, q_heads,
+    /// head_dim]` over a KV cache holding their keys already ([`Backend::kv_cache_append`]
+    /// first): query `i` sits at slot `cache.len − seq + i` and attends the valid slots at
+    /// or before it, so this equals [`Backend::attention`] over the whole sequence
+    /// (`seq = 1`: a decode step; `seq > 1`: a prefill). Writes `out` like q; a query
+    /// without a valid slot gets 0. Forward only: no log-sum-exp is saved.
+    ///
+    /// # Errors
+    /// Invalid head counts or scale, lengths that do not match, `cache.len` outside
+    /// `[seq, max_len]`, a mask value not 0 or 1.
+    fn attention_decode(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: KvCacheView<'_, Self::Buffer>,
+        out: TensorMut<'_, Self>,
     ) -> Result<()>;
 }

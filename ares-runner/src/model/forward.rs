@@ -3,7 +3,7 @@
 //! → RMSNorm → gate/up → SwiGLU → down → residual`, final RMSNorm, LM head.
 
 use super::weights::layer_of;
-use super::{Activations, Inputs, Model, ModelError};
+use super::{Activations, Inputs, KvCache, Model, ModelError};
 use crate::backend::{AttentionDims, AttentionInputs, Backend, LinearDims, View, ViewMut};
 
 impl<B: Backend> Model<B> {
@@ -19,6 +19,18 @@ impl<B: Backend> Model<B> {
         &self,
         inputs: &Inputs<'_>,
         acts: &mut Activations<B>,
+    ) -> Result<(), ModelError> {
+        self.forward_impl(inputs, acts, None)
+    }
+
+    /// [`Model::forward`], or with `cache` the same pass with attention over the KV cache
+    /// (the new keys and values appended to it, no log-sum-exp saved; the caller has put
+    /// the new tokens' key mask in the cache and advances its length afterwards).
+    pub(crate) fn forward_impl(
+        &self,
+        inputs: &Inputs<'_>,
+        acts: &mut Activations<B>,
+        mut cache: Option<&mut KvCache<B>>,
     ) -> Result<(), ModelError> {
         let n = inputs.check(&self.spec)?;
         if acts.shape() != (inputs.batch, inputs.seq) {
@@ -158,17 +170,28 @@ impl<B: Backend> Model<B> {
             )?;
             be.rope(ViewMut::item(&mut a.q, l, n * qd)?, cos, sin, hq, d)?;
             be.rope(ViewMut::item(&mut a.k, l, n * kvd)?, cos, sin, hkv, d)?;
-            be.attention(
-                attn,
-                AttentionInputs {
-                    q: View::item(&a.q, l, n * qd)?,
-                    k: View::item(&a.k, l, n * kvd)?,
-                    v: View::item(&a.v, l, n * kvd)?,
-                    key_mask: Some(mask),
-                },
-                ViewMut::item(&mut a.att, l, n * qd)?,
-                ViewMut::item(&mut a.lse, l, n * hq)?,
-            )?;
+            match cache.as_deref_mut() {
+                None => be.attention(
+                    attn,
+                    AttentionInputs {
+                        q: View::item(&a.q, l, n * qd)?,
+                        k: View::item(&a.k, l, n * kvd)?,
+                        v: View::item(&a.v, l, n * kvd)?,
+                        key_mask: Some(mask),
+                    },
+                    ViewMut::item(&mut a.att, l, n * qd)?,
+                    ViewMut::item(&mut a.lse, l, n * hq)?,
+                )?,
+                Some(cache) => cache.attend(
+                    be,
+                    l,
+                    attn,
+                    View::item(&a.q, l, n * qd)?,
+                    View::item(&a.k, l, n * kvd)?,
+                    View::item(&a.v, l, n * kvd)?,
+                    ViewMut::item(&mut a.att, l, n * qd)?,
+                )?,
+            }
             be.linear(
                 View::item(&a.att, l, n * qd)?,
                 w.o.layer(l)?,

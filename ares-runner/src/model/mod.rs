@@ -20,13 +20,19 @@
 //!   (llm.c style, per layer, scratch planned with the activations) accumulating every
 //!   parameter's gradient into [`Grads`] (same layout as the weights; tied embeddings
 //!   share one gradient).
+//! - [`Model::generate`]: batched generation with a [`KvCache`] (greedy or seeded
+//!   sampling, see [`GenerateRequest`]); [`Model::forward_cached`] is its prefill/decode
+//!   step.
 
 mod activations;
 mod backward;
 mod error;
 mod forward;
+mod generate;
 mod grads;
 mod inputs;
+mod kv_cache;
+mod sampling;
 mod spec;
 mod weights;
 
@@ -34,8 +40,11 @@ use ares_cpu::ops::rope::RopeTable;
 
 pub use activations::Activations;
 pub use error::ModelError;
+pub use generate::{GenerateError, GenerateOutput, GenerateRequest};
 pub use grads::Grads;
 pub use inputs::Inputs;
+pub use kv_cache::KvCache;
+pub use sampling::Sampling;
 pub use spec::ModelSpec;
 
 use crate::backend::{Backend, ViewMut};

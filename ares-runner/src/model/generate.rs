@@ -1,0 +1,364 @@
+//! Batched generation: [`Model::generate`] and its step [`Model::forward_cached`].
+//!
+//! The prompts are left-padded to the longest (pad id 0, key mask 0, positions counting
+//! each prompt's own tokens from 0, so padding changes no valid token's numbers), run
+//! through one forward pass that fills the [`KvCache`], then extended one token per step.
+//! After each forward the last logits row of every sequence is copied to the host and a
+//! token picked ([`Sampling`]); the log-prob of that token and the entropy of the sampling
+//! distribution are computed on the device by [`Backend::log_prob_entropy`].
+//!
+//! Finished sequences (an EOS id produced) stay in the batch, fed their last token, and
+//! their new tokens are ignored; the loop ends when every sequence has finished or
+//! `max_new_tokens` tokens were produced.
+
+use super::sampling::{pick, sequence_rng};
+use super::{Activations, Inputs, KvCache, Model, ModelError, Sampling};
+use crate::backend::{Backend, BackendError, View, ViewMut};
+
+/// A generation request: a batch of prompts and how to continue them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateRequest {
+    /// Prompt token ids, unpadded, one or more tokens each (padding is internal).
+    pub prompts: Vec<Vec<u32>>,
+    /// Tokens to generate at most per prompt (0: return empty outputs).
+    pub max_new_tokens: usize,
+    /// A sequence ends after producing any of these ids (included in its tokens).
+    pub eos_ids: Vec<u32>,
+    /// Greedy or sampled decoding.
+    pub sampling: Sampling,
+    /// Seed of the sampling streams (one per prompt, from the seed and the prompt's index,
+    /// so prompt `i` gets the same tokens in any batch at index `i`); unused by greedy.
+    pub seed: u64,
+}
+
+/// What [`Model::generate`] produced, one entry per prompt.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct GenerateOutput {
+    /// New token ids (the prompt excluded), the EOS id included if one ended the sequence.
+    pub tokens: Vec<Vec<u32>>,
+    /// Log-prob of each new token under the sampling distribution `softmax(logits /
+    /// temperature)` (temperature 1 for greedy), before top-k/top-p truncation.
+    pub log_probs: Vec<Vec<f32>>,
+    /// Entropy (nats) of that distribution at each new token, before truncation.
+    pub entropies: Vec<Vec<f32>>,
+    /// Whether the sequence ended with an EOS id (else it hit `max_new_tokens`).
+    pub finished_by_eos: Vec<bool>,
+}
+
+/// Why a generation request or cached forward pass failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GenerateError {
+    /// The request has no prompt.
+    #[error("generate: no prompts")]
+    NoPrompts,
+    /// A prompt has no token.
+    #[error("generate: prompt {index} is empty")]
+    EmptyPrompt {
+        /// Index of the prompt.
+        index: usize,
+    },
+    /// A prompt or EOS token id is not below the vocabulary size.
+    #[error("generate: {what} id {id} is out of range for vocab_size {vocab}")]
+    TokenOutOfRange {
+        /// Which id (`prompt 3 token 5`, `eos_ids[0]`).
+        what: String,
+        /// The id.
+        id: u32,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// A prompt plus the new tokens would need positions past the model's
+    /// `max_position_embeddings` (the RoPE table), or more memory than can be addressed.
+    #[error(
+        "generate: prompt {index} of {prompt_len} tokens + max_new_tokens {max_new_tokens} exceeds the maximum sequence length {max_len}"
+    )]
+    TooLong {
+        /// Index of the prompt.
+        index: usize,
+        /// Its length.
+        prompt_len: usize,
+        /// The requested new tokens.
+        max_new_tokens: usize,
+        /// The longest sequence the model supports.
+        max_len: usize,
+    },
+    /// Invalid sampling parameters.
+    #[error("generate: invalid sampling: {0}")]
+    Sampling(String),
+    /// No token can be picked from a row of logits (NaN, +∞, or all −∞).
+    #[error("generate: sequence {sequence}, new token {step}: logits are not finite")]
+    NonFiniteLogits {
+        /// Index of the sequence.
+        sequence: usize,
+        /// Index of the new token.
+        step: usize,
+    },
+    /// The cache holds another number of sequences than the input.
+    #[error("KV cache holds {cache} sequences, the input has {input}")]
+    CacheBatch {
+        /// Sequences in the cache.
+        cache: usize,
+        /// Sequences in the input.
+        input: usize,
+    },
+    /// The new tokens do not fit in the cache.
+    #[error("KV cache of {max_len} slots holds {len}, {new} new tokens do not fit")]
+    CacheFull {
+        /// Filled slots.
+        len: usize,
+        /// New tokens per sequence.
+        new: usize,
+        /// Slots per sequence.
+        max_len: usize,
+    },
+    /// The model or backend failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+impl From<BackendError> for GenerateError {
+    fn from(e: BackendError) -> Self {
+        Self::Model(e.into())
+    }
+}
+
+impl<B: Backend> Model<B> {
+    /// A forward pass over `inputs` `[batch, seq]` (the next `seq` tokens of every
+    /// sequence in `cache`) with attention over the cache: appends the new tokens' keys,
+    /// values and `attention_mask` at slots `cache.len()..+seq`, advances the cache and
+    /// leaves the logits `[batch, seq, vocab]` in `acts` like [`Model::forward`]. A prompt
+    /// batch at once is the prefill, one token per sequence a decode step. Positions are
+    /// the caller's (`inputs.position_ids`). Unlike [`Model::forward`], the attention
+    /// log-sum-exp is not saved (no backward through a cached pass).
+    ///
+    /// # Errors
+    /// As [`Model::forward`]; the cache planned for another batch or too short. On a
+    /// backend error the cache's contents past its length may have changed, its length not.
+    pub fn forward_cached(
+        &self,
+        inputs: &Inputs<'_>,
+        acts: &mut Activations<B>,
+        cache: &mut KvCache<B>,
+    ) -> Result<(), GenerateError> {
+        inputs.check(&self.spec)?;
+        if cache.batch != inputs.batch {
+            return Err(GenerateError::CacheBatch {
+                cache: cache.batch,
+                input: inputs.batch,
+            });
+        }
+        let (len, new, max_len) = (cache.len, inputs.seq, cache.max_len);
+        if new > max_len - len {
+            return Err(GenerateError::CacheFull { len, new, max_len });
+        }
+        for (b, row) in inputs.attention_mask.chunks(new).enumerate() {
+            let start = b * max_len + len;
+            if let Some(slots) = cache.host_mask.get_mut(start..start + new) {
+                for (slot, &m) in slots.iter_mut().zip(row) {
+                    *slot = m as f32;
+                }
+            }
+        }
+        cache.upload_mask(&self.backend)?;
+        self.forward_impl(inputs, acts, Some(cache))?;
+        cache.len += new;
+        Ok(())
+    }
+
+    /// Generates up to `request.max_new_tokens` tokens after each prompt, batched with a
+    /// KV cache (see the module docs of `generate` for padding, positions and finished
+    /// sequences). Deterministic: greedy has no randomness, sampling draws from per-prompt
+    /// streams of `request.seed`, so the same request gives the same output, and a prompt
+    /// gives the same tokens batched or alone (up to float rounding differences between
+    /// batch shapes that would flip a near-tie).
+    ///
+    /// # Errors
+    /// No prompts, an empty prompt, a token or EOS id `>= vocab`, a prompt plus
+    /// `max_new_tokens` longer than `max_position_embeddings`, invalid sampling
+    /// parameters, non-finite logits, or a model/backend failure.
+    pub fn generate(&self, request: &GenerateRequest) -> Result<GenerateOutput, GenerateError> {
+        let (prompts, max_new) = (&request.prompts, request.max_new_tokens);
+        let vocab = self.spec.vocab;
+        self.check_request(request)?;
+        let batch = prompts.len();
+        let mut out = GenerateOutput {
+            tokens: vec![Vec::new(); batch],
+            log_probs: vec![Vec::new(); batch],
+            entropies: vec![Vec::new(); batch],
+            finished_by_eos: vec![false; batch],
+        };
+        if max_new == 0 {
+            return Ok(out);
+        }
+        let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let max_len = width + max_new;
+        let too_long = |index: usize| GenerateError::TooLong {
+            index,
+            prompt_len: prompts.get(index).map_or(0, Vec::len),
+            max_new_tokens: max_new,
+            max_len: u32::MAX as usize,
+        };
+        // Row gather of the last prompt position of each sequence needs u32 row indices.
+        if batch
+            .checked_mul(width)
+            .is_none_or(|n| n > u32::MAX as usize)
+        {
+            return Err(too_long(0));
+        }
+
+        // Prefill: the left-padded prompts in one pass.
+        let mut ids = vec![0u32; batch * width];
+        let mut mask = vec![0u32; batch * width];
+        let mut positions = vec![0u32; batch * width];
+        for (b, p) in prompts.iter().enumerate() {
+            let pad = width - p.len();
+            let row = b * width + pad..(b + 1) * width;
+            ids[row.clone()].copy_from_slice(p);
+            mask[row.clone()].iter_mut().for_each(|m| *m = 1);
+            for (pos, i) in positions[row].iter_mut().zip(0u32..) {
+                *pos = i;
+            }
+        }
+        let mut cache = KvCache::new(&self.backend, &self.spec, batch, max_len)?;
+        let mut prefill = self.activations(batch, width)?;
+        let inputs = Inputs {
+            batch,
+            seq: width,
+            input_ids: &ids,
+            attention_mask: &mask,
+            position_ids: &positions,
+        };
+        self.forward_cached(&inputs, &mut prefill, &mut cache)?;
+
+        // The last prompt row of each sequence, gathered into a [batch, vocab] buffer.
+        let be = &self.backend;
+        let mut rows = be.alloc(batch * vocab)?;
+        let mut row_ids = be.alloc_ids(batch)?;
+        let last: Vec<u32> = (0..batch).map(|b| ((b + 1) * width - 1) as u32).collect();
+        be.upload_ids(&last, &mut row_ids)?;
+        be.embedding(
+            &row_ids,
+            prefill.logits(),
+            batch * width,
+            vocab,
+            ViewMut::whole(&mut rows),
+        )?;
+        drop(prefill);
+
+        let mut step_acts = self.activations(batch, 1)?;
+        let mut rngs: Vec<_> = (0..batch as u64)
+            .map(|i| sequence_rng(request.seed, i))
+            .collect();
+        let temperature = request.sampling.temperature();
+        let mut host_logits = vec![0.0f32; batch * vocab];
+        let mut next = vec![0u32; batch];
+        let mut targets = be.alloc_ids(batch)?;
+        let mut log_prob = be.alloc(batch)?;
+        let mut entropy = be.alloc(batch)?;
+        let (mut host_lp, mut host_ent) = (vec![0.0f32; batch], vec![0.0f32; batch]);
+        let mut done = vec![false; batch];
+        let step_mask = vec![1u32; batch];
+        let mut step_positions = vec![0u32; batch];
+        for step in 0..max_new {
+            let logits = if step == 0 {
+                View::whole(&rows)
+            } else {
+                step_acts.logits()
+            };
+            be.download(logits, &mut host_logits)?;
+            for (b, row) in host_logits.chunks_exact(vocab).enumerate() {
+                if done[b] {
+                    continue;
+                }
+                next[b] = pick(row, &request.sampling, &mut rngs[b])
+                    .ok_or(GenerateError::NonFiniteLogits { sequence: b, step })?;
+            }
+            be.upload_ids(&next, &mut targets)?;
+            be.log_prob_entropy(
+                logits,
+                vocab,
+                temperature,
+                &targets,
+                ViewMut::whole(&mut log_prob),
+                ViewMut::whole(&mut entropy),
+            )?;
+            be.download(View::whole(&log_prob), &mut host_lp)?;
+            be.download(View::whole(&entropy), &mut host_ent)?;
+            for b in 0..batch {
+                if done[b] {
+                    continue;
+                }
+                out.tokens[b].push(next[b]);
+                out.log_probs[b].push(host_lp[b]);
+                out.entropies[b].push(host_ent[b]);
+                if request.eos_ids.contains(&next[b]) {
+                    done[b] = true;
+                    out.finished_by_eos[b] = true;
+                }
+            }
+            if step + 1 == max_new || done.iter().all(|&d| d) {
+                break;
+            }
+            // Decode step: every sequence's newest token at its next position (finished
+            // ones repeat their last token; its outputs are ignored).
+            for (b, p) in prompts.iter().enumerate() {
+                step_positions[b] = (p.len() + step) as u32;
+            }
+            let inputs = Inputs {
+                batch,
+                seq: 1,
+                input_ids: &next,
+                attention_mask: &step_mask,
+                position_ids: &step_positions,
+            };
+            self.forward_cached(&inputs, &mut step_acts, &mut cache)?;
+        }
+        Ok(out)
+    }
+
+    /// Checks a request's prompts, EOS ids, lengths and sampling parameters.
+    fn check_request(&self, request: &GenerateRequest) -> Result<(), GenerateError> {
+        let vocab = self.spec.vocab;
+        if request.prompts.is_empty() {
+            return Err(GenerateError::NoPrompts);
+        }
+        for (index, p) in request.prompts.iter().enumerate() {
+            if p.is_empty() {
+                return Err(GenerateError::EmptyPrompt { index });
+            }
+            if let Some((t, &id)) = p.iter().enumerate().find(|&(_, &id)| id as usize >= vocab) {
+                return Err(GenerateError::TokenOutOfRange {
+                    what: format!("prompt {index} token {t}"),
+                    id,
+                    vocab,
+                });
+            }
+            let max_len = self.spec.max_positions;
+            if p.len()
+                .checked_add(request.max_new_tokens)
+                .is_none_or(|n| n > max_len)
+            {
+                return Err(GenerateError::TooLong {
+                    index,
+                    prompt_len: p.len(),
+                    max_new_tokens: request.max_new_tokens,
+                    max_len,
+                });
+            }
+        }
+        if let Some((i, &id)) = request
+            .eos_ids
+            .iter()
+            .enumerate()
+            .find(|&(_, &id)| id as usize >= vocab)
+        {
+            return Err(GenerateError::TokenOutOfRange {
+                what: format!("eos_ids[{i}]"),
+                id,
+                vocab,
+            });
+        }
+        request.sampling.check().map_err(GenerateError::Sampling)
+    }
+}

@@ -1,0 +1,143 @@
+//! [`KvCache`]: the keys and values of every layer for a batch of sequences, kept in
+//! backend buffers between generation steps.
+
+use super::{ModelError, ModelSpec};
+use crate::backend::{
+    AttentionDims, Backend, KvCacheView, KvCacheViewMut, Tensor, TensorMut, View, ViewMut,
+};
+
+/// Per-layer KV cache of `batch` sequences of up to `max_len` tokens: keys and values
+/// `[layers, batch, max_len, kv_heads, head_dim]` (each layer's slab is the
+/// `[batch, max_len, kv_heads, head_dim]` layout of [`KvCacheView`]) and a key mask
+/// `[batch, max_len]` (0 for padding slots). All sequences share one filled length
+/// [`KvCache::len`]; prompts of different lengths are left-padded.
+#[derive(Debug)]
+pub struct KvCache<B: Backend> {
+    pub(crate) batch: usize,
+    pub(crate) max_len: usize,
+    pub(crate) len: usize,
+    /// Elements of one layer's keys (or values), `batch · max_len · kv_heads · head_dim`.
+    layer_len: usize,
+    k: B::Buffer,
+    v: B::Buffer,
+    /// `[batch, max_len]` 0/1 slot validity, and its host copy.
+    mask: B::Buffer,
+    pub(crate) host_mask: Vec<f32>,
+}
+
+impl<B: Backend> KvCache<B> {
+    /// An empty cache for `batch` sequences of up to `max_len` tokens of a model with
+    /// `spec`.
+    ///
+    /// # Errors
+    /// [`ModelError::BatchShape`] if `batch` or `max_len` is 0 or the size overflows;
+    /// backend allocation failures.
+    pub fn new(
+        backend: &B,
+        spec: &ModelSpec,
+        batch: usize,
+        max_len: usize,
+    ) -> Result<Self, ModelError> {
+        let shape = ModelError::BatchShape {
+            batch,
+            seq: max_len,
+        };
+        if batch == 0 || max_len == 0 {
+            return Err(shape);
+        }
+        let slots = batch.checked_mul(max_len).ok_or(ModelError::BatchShape {
+            batch,
+            seq: max_len,
+        })?;
+        let layer_len = slots
+            .checked_mul(spec.kv_dim())
+            .ok_or(ModelError::BatchShape {
+                batch,
+                seq: max_len,
+            })?;
+        let total = layer_len.checked_mul(spec.layers).ok_or(shape)?;
+        Ok(Self {
+            batch,
+            max_len,
+            len: 0,
+            layer_len,
+            k: backend.alloc(total)?,
+            v: backend.alloc(total)?,
+            mask: backend.alloc(slots)?,
+            host_mask: vec![0.0; slots],
+        })
+    }
+
+    /// Sequences in the cache.
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    /// Slots per sequence.
+    pub fn max_len(&self) -> usize {
+        self.max_len
+    }
+
+    /// Slots filled in every sequence (padding included).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no slot is filled yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Empties the cache for reuse (the buffers are kept; stale slots are never read).
+    pub fn clear(&mut self) {
+        self.len = 0;
+        self.host_mask.iter_mut().for_each(|m| *m = 0.0);
+    }
+
+    /// Uploads the host copy of the key mask.
+    pub(crate) fn upload_mask(&mut self, backend: &B) -> Result<(), ModelError> {
+        Ok(backend.upload(&self.host_mask, ViewMut::whole(&mut self.mask))?)
+    }
+
+    /// Layer `layer`'s attention step: appends the new keys and values `k_new`, `v_new`
+    /// `[batch, seq, kv_heads, head_dim]` at slots `len..len + seq`, then attends `q` over
+    /// slots `..len + seq` into `out`. Does not advance [`KvCache::len`]: every layer of a
+    /// step writes the same slots, the caller advances it once after the last layer.
+    #[allow(clippy::too_many_arguments)] // mirrors Backend::attention's q, k, v, out
+    pub(crate) fn attend(
+        &mut self,
+        backend: &B,
+        layer: usize,
+        dims: AttentionDims,
+        q: Tensor<'_, B>,
+        k_new: Tensor<'_, B>,
+        v_new: Tensor<'_, B>,
+        out: TensorMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        let n = self.layer_len;
+        backend.kv_cache_append(
+            dims,
+            k_new,
+            v_new,
+            KvCacheViewMut {
+                k: ViewMut::item(&mut self.k, layer, n)?,
+                v: ViewMut::item(&mut self.v, layer, n)?,
+                max_len: self.max_len,
+                len: self.len,
+            },
+        )?;
+        backend.attention_decode(
+            dims,
+            q,
+            KvCacheView {
+                k: View::item(&self.k, layer, n)?,
+                v: View::item(&self.v, layer, n)?,
+                max_len: self.max_len,
+                len: self.len + dims.seq,
+                key_mask: Some(View::whole(&self.mask)),
+            },
+            out,
+        )?;
+        Ok(())
+    }
+}

@@ -1,0 +1,359 @@
+//! Batched generation with a KV cache on the CPU backend: greedy output against
+//! transformers' `generate` (tests/fixtures/models/*/greedy.json, written by
+//! `scripts/make_generation_fixtures.py`), batched = one by one, seeded sampling, EOS,
+//! log-probs against a full forward pass, and request errors.
+
+use std::path::{Path, PathBuf};
+
+use ares_runner::backend::cpu::CpuBackend;
+use ares_runner::hf::checkpoint::Checkpoint;
+use ares_runner::model::{GenerateError, GenerateOutput, GenerateRequest, Inputs, Model, Sampling};
+
+const MODELS: [&str; 3] = ["qwen2_tiny", "qwen3_tiny", "llama_tiny"];
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/models")
+        .join(name)
+}
+
+fn model(name: &str) -> Model<CpuBackend> {
+    let checkpoint = Checkpoint::load(&fixture(name)).unwrap();
+    Model::from_checkpoint(CpuBackend, &checkpoint).unwrap()
+}
+
+struct Greedy {
+    prompts: Vec<Vec<u32>>,
+    batched: Vec<Vec<u32>>,
+    one_by_one: Vec<Vec<u32>>,
+}
+
+fn greedy_fixture(name: &str) -> Greedy {
+    let text = std::fs::read_to_string(fixture(name).join("greedy.json")).unwrap();
+    let doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids = |key: &str| -> Vec<Vec<u32>> { serde_json::from_value(doc[key].clone()).unwrap() };
+    Greedy {
+        prompts: ids("prompts"),
+        batched: ids("batched_left_padded"),
+        one_by_one: ids("one_by_one"),
+    }
+}
+
+fn request(prompts: Vec<Vec<u32>>, sampling: Sampling, seed: u64) -> GenerateRequest {
+    GenerateRequest {
+        prompts,
+        max_new_tokens: 8,
+        eos_ids: Vec::new(),
+        sampling,
+        seed,
+    }
+}
+
+const SAMPLE: Sampling = Sampling::Sample {
+    temperature: 1.3,
+    top_k: Some(40),
+    top_p: 0.95,
+};
+
+/// Generates each prompt alone and stacks the outputs.
+fn one_by_one(model: &Model<CpuBackend>, req: &GenerateRequest) -> GenerateOutput {
+    let mut out = GenerateOutput::default();
+    for (i, p) in req.prompts.iter().enumerate() {
+        // Prompt i of a batch uses stream i: put it at index i with dummy prompts before.
+        let mut prompts = vec![vec![1u32]; i];
+        prompts.push(p.clone());
+        let single = model
+            .generate(&GenerateRequest {
+                prompts,
+                ..req.clone()
+            })
+            .unwrap();
+        out.tokens.push(single.tokens[i].clone());
+        out.log_probs.push(single.log_probs[i].clone());
+        out.entropies.push(single.entropies[i].clone());
+        out.finished_by_eos.push(single.finished_by_eos[i]);
+    }
+    out
+}
+
+fn assert_close(a: &[Vec<f32>], b: &[Vec<f32>], tol: f32, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (x, y) in a.iter().zip(b) {
+        assert_eq!(x.len(), y.len(), "{what}");
+        for (p, q) in x.iter().zip(y) {
+            assert!((p - q).abs() <= tol, "{what}: {p} vs {q}");
+        }
+    }
+}
+
+#[test]
+fn greedy_matches_transformers() {
+    for name in MODELS {
+        let m = model(name);
+        let f = greedy_fixture(name);
+        assert_eq!(
+            f.batched, f.one_by_one,
+            "{name}: fixture disagrees with itself"
+        );
+        let out = m
+            .generate(&request(f.prompts.clone(), Sampling::Greedy, 0))
+            .unwrap();
+        assert_eq!(out.tokens, f.batched, "{name}: batched greedy");
+        assert_eq!(out.finished_by_eos, vec![false; f.prompts.len()]);
+        for (i, p) in f.prompts.iter().enumerate() {
+            let single = m
+                .generate(&request(vec![p.clone()], Sampling::Greedy, 0))
+                .unwrap();
+            assert_eq!(
+                single.tokens[0], f.one_by_one[i],
+                "{name}: prompt {i} alone"
+            );
+        }
+    }
+}
+
+#[test]
+fn batched_equals_one_by_one() {
+    for name in MODELS {
+        let m = model(name);
+        let prompts = greedy_fixture(name).prompts;
+        for sampling in [Sampling::Greedy, SAMPLE] {
+            let req = request(prompts.clone(), sampling, 7);
+            let batched = m.generate(&req).unwrap();
+            let single = one_by_one(&m, &req);
+            assert_eq!(batched.tokens, single.tokens, "{name} {sampling:?}");
+            assert_close(&batched.log_probs, &single.log_probs, 1e-4, name);
+            assert_close(&batched.entropies, &single.entropies, 1e-4, name);
+        }
+    }
+}
+
+#[test]
+fn sampling_is_seeded() {
+    let m = model("qwen3_tiny");
+    let prompts = greedy_fixture("qwen3_tiny").prompts;
+    let a = m.generate(&request(prompts.clone(), SAMPLE, 42)).unwrap();
+    let b = m.generate(&request(prompts.clone(), SAMPLE, 42)).unwrap();
+    let c = m.generate(&request(prompts.clone(), SAMPLE, 43)).unwrap();
+    assert_eq!(a, b);
+    // 24 draws at temperature 1.3 over 97 tokens: equal by chance with negligible odds.
+    assert_ne!(a.tokens, c.tokens);
+    // Sampled log-probs are of the full tempered distribution, so at most 0.
+    assert!(a.log_probs.iter().flatten().all(|&lp| lp <= 0.0));
+    // Top-k 1 is greedy whatever the temperature and seed.
+    let top1 = Sampling::Sample {
+        temperature: 0.5,
+        top_k: Some(1),
+        top_p: 1.0,
+    };
+    let greedy = m
+        .generate(&request(prompts.clone(), Sampling::Greedy, 0))
+        .unwrap();
+    let k1 = m.generate(&request(prompts, top1, 5)).unwrap();
+    assert_eq!(greedy.tokens, k1.tokens);
+}
+
+#[test]
+fn eos_stops_a_sequence() {
+    let m = model("qwen3_tiny");
+    let f = greedy_fixture("qwen3_tiny");
+    // Prompt 2 greedily produces 33, 58, 22, ...: with EOS 22 it stops after 3 tokens.
+    let eos = f.batched[2][2];
+    let mut req = request(f.prompts.clone(), Sampling::Greedy, 0);
+    req.eos_ids = vec![eos];
+    let out = m.generate(&req).unwrap();
+    for (i, expected) in f.batched.iter().enumerate() {
+        let stop = expected.iter().position(|&t| t == eos);
+        let want = stop.map_or(&expected[..], |s| &expected[..=s]);
+        assert_eq!(out.tokens[i], want, "prompt {i}");
+        assert_eq!(out.finished_by_eos[i], stop.is_some());
+        assert_eq!(out.log_probs[i].len(), want.len());
+        assert_eq!(out.entropies[i].len(), want.len());
+    }
+    assert!(out.finished_by_eos[2]);
+    // Every sequence finished early: the loop ends there.
+    req.prompts = vec![f.prompts[2].clone()];
+    let out = m.generate(&req).unwrap();
+    assert_eq!(out.tokens[0], f.batched[2][..3]);
+}
+
+/// Log-softmax (f64) of `logits` at `target`, and the entropy of the softmax.
+fn log_softmax_entropy(logits: &[f32], target: u32) -> (f64, f64) {
+    let max = logits
+        .iter()
+        .fold(f64::NEG_INFINITY, |m, &x| m.max(f64::from(x)));
+    let lse = max
+        + logits
+            .iter()
+            .map(|&x| (f64::from(x) - max).exp())
+            .sum::<f64>()
+            .ln();
+    let entropy = -logits
+        .iter()
+        .map(|&x| {
+            let lp = f64::from(x) - lse;
+            lp.exp() * lp
+        })
+        .sum::<f64>();
+    (f64::from(logits[target as usize]) - lse, entropy)
+}
+
+#[test]
+fn greedy_log_probs_match_a_full_forward() {
+    for name in MODELS {
+        let m = model(name);
+        let vocab = m.spec().vocab;
+        let prompts = greedy_fixture(name).prompts;
+        let out = m
+            .generate(&request(prompts.clone(), Sampling::Greedy, 0))
+            .unwrap();
+        for (i, p) in prompts.iter().enumerate() {
+            let new = &out.tokens[i];
+            let seq: Vec<u32> = p.iter().chain(new).copied().collect();
+            let n = seq.len();
+            let mask = vec![1u32; n];
+            let positions: Vec<u32> = (0..n as u32).collect();
+            let logits = m
+                .forward_logits(&Inputs {
+                    batch: 1,
+                    seq: n,
+                    input_ids: &seq,
+                    attention_mask: &mask,
+                    position_ids: &positions,
+                })
+                .unwrap();
+            for (j, &tok) in new.iter().enumerate() {
+                let t = p.len() - 1 + j;
+                let row = &logits[t * vocab..(t + 1) * vocab];
+                let (lp, ent) = log_softmax_entropy(row, tok);
+                let argmax = (0..vocab).max_by(|&a, &b| row[a].total_cmp(&row[b]).then(b.cmp(&a)));
+                assert_eq!(argmax, Some(tok as usize), "{name} prompt {i} token {j}");
+                assert!(
+                    (f64::from(out.log_probs[i][j]) - lp).abs() <= 1e-5,
+                    "{name} lp"
+                );
+                assert!(
+                    (f64::from(out.entropies[i][j]) - ent).abs() <= 1e-5,
+                    "{name} ent"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn request_errors() {
+    let m = model("llama_tiny");
+    let ok = request(vec![vec![5, 6]], Sampling::Greedy, 0);
+    let err = |req: GenerateRequest| m.generate(&req).unwrap_err();
+
+    let e = err(GenerateRequest {
+        prompts: vec![],
+        ..ok.clone()
+    });
+    assert!(matches!(e, GenerateError::NoPrompts), "{e}");
+
+    let e = err(GenerateRequest {
+        prompts: vec![vec![3], vec![]],
+        ..ok.clone()
+    });
+    assert!(matches!(e, GenerateError::EmptyPrompt { index: 1 }), "{e}");
+
+    let e = err(GenerateRequest {
+        prompts: vec![vec![3, 97]],
+        ..ok.clone()
+    });
+    assert!(
+        matches!(
+            e,
+            GenerateError::TokenOutOfRange {
+                id: 97,
+                vocab: 97,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("prompt 0 token 1"), "{e}");
+
+    let e = err(GenerateRequest {
+        eos_ids: vec![2, 500],
+        ..ok.clone()
+    });
+    assert!(e.to_string().contains("eos_ids[1]"), "{e}");
+
+    let max = m.spec().max_positions;
+    let e = err(GenerateRequest {
+        max_new_tokens: max,
+        ..ok.clone()
+    });
+    assert!(
+        matches!(
+            e,
+            GenerateError::TooLong {
+                index: 0,
+                prompt_len: 2,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // One past the maximum fails, exactly the maximum fits.
+    let e = err(GenerateRequest {
+        prompts: vec![vec![1; max]],
+        max_new_tokens: 1,
+        ..ok.clone()
+    });
+    assert!(matches!(e, GenerateError::TooLong { .. }), "{e}");
+    let out = m
+        .generate(&GenerateRequest {
+            prompts: vec![vec![1; max - 1]],
+            max_new_tokens: 1,
+            ..ok.clone()
+        })
+        .unwrap();
+    assert_eq!(out.tokens[0].len(), 1);
+
+    for bad in [
+        Sampling::Sample {
+            temperature: 0.0,
+            top_k: None,
+            top_p: 1.0,
+        },
+        Sampling::Sample {
+            temperature: f32::NAN,
+            top_k: None,
+            top_p: 1.0,
+        },
+        Sampling::Sample {
+            temperature: 1.0,
+            top_k: Some(0),
+            top_p: 1.0,
+        },
+        Sampling::Sample {
+            temperature: 1.0,
+            top_k: None,
+            top_p: 0.0,
+        },
+        Sampling::Sample {
+            temperature: 1.0,
+            top_k: None,
+            top_p: 1.5,
+        },
+    ] {
+        let e = err(GenerateRequest {
+            sampling: bad,
+            ..ok.clone()
+        });
+        assert!(matches!(e, GenerateError::Sampling(_)), "{bad:?}: {e}");
+    }
+
+    // Zero new tokens: empty outputs.
+    let out = m
+        .generate(&GenerateRequest {
+            max_new_tokens: 0,
+            ..ok
+        })
+        .unwrap();
+    assert_eq!(out.tokens, vec![Vec::<u32>::new()]);
+}
