@@ -11,7 +11,7 @@ ares-runner: the trainer is not built yet.
 What exists today: `ares-core`, the complete math of ARES/AEPO, GRPO-λ, graded rubric
 prompts and REINFORCE Pro Max; the CPU and CUDA token kernels; and the first half of the
 model runtime (Hugging Face loading and saving, tokenizer, chat templates, and a
-Qwen2/Qwen3/Llama forward and backward that match transformers). `cargo test --workspace`
+Qwen2/Qwen3/Llama forward, backward and batched generation that match transformers). `cargo test --workspace`
 checks all of it. The optimizer step, rollout, RL loop and the built-in demo behind
 `ares-runner train` are the next milestones; the README's status table says where each
 stands.";
