@@ -52,3 +52,29 @@ pub(crate) fn at_batch_index(e: ares_core::Error, base: usize) -> ares_core::Err
         other => other,
     }
 }
+
+/// Errors with [`ares_core::Error::LengthMismatch`] unless `actual == expected`.
+pub(crate) fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(ares_core::Error::LengthMismatch {
+            what,
+            expected,
+            actual,
+        }
+        .into())
+    }
+}
+
+/// `a·b`, or an error if the element count does not fit in `usize`.
+pub(crate) fn product(a: usize, b: usize) -> Result<usize> {
+    a.checked_mul(b).ok_or_else(|| {
+        ares_core::Error::OutOfRange {
+            what: "dims",
+            value: a as f64 * b as f64,
+            expected: "a product of dimensions that fits in usize",
+        }
+        .into()
+    })
+}

@@ -18,6 +18,7 @@
 //! in a row, or a row that is −∞ everywhere, is an error naming the row; V = 1 gives
 //! `H = 0`, `log_prob = 0`.
 
+use crate::error::check_len;
 use crate::error::{Error, Result};
 use crate::exp::{EXP2_UNDERFLOW, exp2_nonpositive, madd};
 use crate::logits::{Logit, Logits};
@@ -89,19 +90,6 @@ pub fn log_prob_entropy(
         Logits::F32(x) => run(x, vocab, inv_t, targets, out_entropy),
         Logits::Bf16(x) => run(x, vocab, inv_t, targets, out_entropy),
         Logits::F16(x) => run(x, vocab, inv_t, targets, out_entropy),
-    }
-}
-
-fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
-    if expected == actual {
-        Ok(())
-    } else {
-        Err(CoreError::LengthMismatch {
-            what,
-            expected,
-            actual,
-        }
-        .into())
     }
 }
 

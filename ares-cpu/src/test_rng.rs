@@ -17,3 +17,16 @@ impl Rng {
         (0..n).map(|_| (self.sym() * scale) as f32).collect()
     }
 }
+
+/// `len` deterministic values uniform in [-1, 1) from an xorshift stream seeded by `seed`.
+pub(crate) fn rand_vec(len: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}

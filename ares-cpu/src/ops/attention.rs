@@ -33,6 +33,7 @@
 //! lanes, so both vectorise.
 
 use crate::Result;
+use crate::error::check_len;
 use crate::exp::exp_nonpositive;
 use ares_core::{Error as CoreError, Shape};
 use rayon::prelude::*;
@@ -621,19 +622,6 @@ fn numel(dims: &[usize]) -> Result<usize> {
             }
             .into()
         })
-}
-
-fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
-    if expected == actual {
-        Ok(())
-    } else {
-        Err(CoreError::LengthMismatch {
-            what,
-            expected,
-            actual,
-        }
-        .into())
-    }
 }
 
 /// Block `i` of `len` elements of `x`; empty if out of range, which validated shapes rule

@@ -4,6 +4,7 @@
 //! by one task, which adds the gradients of its tokens in token order, so the result is the
 //! same bit for bit for any thread count (repeated ids sum in the same order).
 
+use crate::error::{check_len, product};
 use ares_core::Error as CoreError;
 use rayon::prelude::*;
 
@@ -129,46 +130,11 @@ fn check_shapes(
     Ok(())
 }
 
-fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
-    if expected == actual {
-        Ok(())
-    } else {
-        Err(CoreError::LengthMismatch {
-            what,
-            expected,
-            actual,
-        }
-        .into())
-    }
-}
-
-fn product(a: usize, b: usize) -> Result<usize> {
-    a.checked_mul(b).ok_or_else(|| {
-        CoreError::OutOfRange {
-            what: "dim",
-            value: a as f64 * b as f64,
-            expected: "a product of dimensions that fits in usize",
-        }
-        .into()
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::Error;
-
-    fn rand_vec(len: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::test_rng::rand_vec;
 
     #[test]
     fn forward_gathers_rows() {

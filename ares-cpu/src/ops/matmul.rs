@@ -9,6 +9,7 @@
 //! - [`matmul`]: plain `c = a · b` on contiguous row-major matrices.
 //! - [`matmul_batched`]: `c = β·c + α·a·b` over a batch of strided matrices (attention).
 
+use crate::error::{check_len, product};
 use ares_core::Error as CoreError;
 use gemm::Parallelism;
 use rayon::prelude::*;
@@ -542,19 +543,6 @@ fn check_no_overlap(layout: MatLayout, extents: [usize; 3]) -> Result<()> {
     Ok(())
 }
 
-fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
-    if expected == actual {
-        Ok(())
-    } else {
-        Err(CoreError::LengthMismatch {
-            what,
-            expected,
-            actual,
-        }
-        .into())
-    }
-}
-
 fn check_finite(what: &'static str, x: f32) -> Result<()> {
     if x.is_finite() {
         Ok(())
@@ -566,18 +554,6 @@ fn check_finite(what: &'static str, x: f32) -> Result<()> {
         }
         .into())
     }
-}
-
-/// `a·b`, or an error if the element count does not fit in `usize`.
-fn product(a: usize, b: usize) -> Result<usize> {
-    a.checked_mul(b).ok_or_else(|| {
-        CoreError::OutOfRange {
-            what: "dims",
-            value: a as f64 * b as f64,
-            expected: "a product of dimensions that fits in usize",
-        }
-        .into()
-    })
 }
 
 fn to_isize(what: &'static str, x: usize) -> Result<isize> {
@@ -595,19 +571,7 @@ fn to_isize(what: &'static str, x: usize) -> Result<isize> {
 mod tests {
     use super::*;
     use crate::Error;
-
-    /// Deterministic uniform values in [-1, 1) (xorshift; no test dependency needed).
-    fn rand_vec(len: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::test_rng::rand_vec;
 
     fn dims(n: usize, k: usize, m: usize) -> MatmulDims {
         MatmulDims { n, k, m }

@@ -5,6 +5,7 @@
 //! per-element constants derived from them are rounded to `f32` once per step, as PyTorch
 //! does when it combines a Python scalar with an `f32` tensor.
 
+use crate::error::check_len;
 use ares_core::Error as CoreError;
 use rayon::prelude::*;
 
@@ -427,19 +428,6 @@ fn check(what: &'static str, value: f64, ok: bool, expected: &'static str) -> Re
             what,
             value,
             expected,
-        }
-        .into())
-    }
-}
-
-fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
-    if expected == actual {
-        Ok(())
-    } else {
-        Err(CoreError::LengthMismatch {
-            what,
-            expected,
-            actual,
         }
         .into())
     }

@@ -12,6 +12,7 @@
 //! in that order. Expect agreement with transformers to about an ulp, not bit-for-bit.
 
 use crate::Result;
+use crate::error::check_len;
 use ares_core::Error as CoreError;
 use rayon::prelude::*;
 
@@ -41,20 +42,6 @@ fn rows_of(what: &'static str, len: usize, d: usize) -> Result<usize> {
         return Err(CoreError::NotDivisible { what, len, n: d }.into());
     }
     Ok(len / d)
-}
-
-/// Errors unless `actual == expected`, naming the argument.
-fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
-    if expected == actual {
-        Ok(())
-    } else {
-        Err(CoreError::LengthMismatch {
-            what,
-            expected,
-            actual,
-        }
-        .into())
-    }
 }
 
 fn check_eps(eps: f32) -> Result<()> {

@@ -28,24 +28,12 @@
 //! positions above 2²⁴ round to f32 exactly as torch's `position_ids.float()` does.
 
 use crate::Result;
+use crate::error::check_len;
 use ares_core::Error as CoreError;
 use rayon::prelude::*;
 
 /// Elements per rayon task at least, so small inputs stay on one thread.
 const MIN_ELEMS_PER_TASK: usize = 1 << 14;
-
-fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
-    if expected == actual {
-        Ok(())
-    } else {
-        Err(CoreError::LengthMismatch {
-            what,
-            expected,
-            actual,
-        }
-        .into())
-    }
-}
 
 fn out_of_range(what: &'static str, value: f64, expected: &'static str) -> crate::Error {
     CoreError::OutOfRange {

@@ -8,24 +8,11 @@
 //! positive `g`, `e^(−g)` underflows to 0 and the result is `g`.
 
 use crate::Result;
-use ares_core::Error as CoreError;
+use crate::error::check_len;
 use rayon::prelude::*;
 
 /// Elements per rayon task: element-wise work this cheap only pays for threads in bulk.
 const CHUNK: usize = 1 << 14;
-
-fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<()> {
-    if expected == actual {
-        Ok(())
-    } else {
-        Err(CoreError::LengthMismatch {
-            what,
-            expected,
-            actual,
-        }
-        .into())
-    }
-}
 
 /// `1 / (1 + e^(−g))` in f32; 0 (not NaN) for very negative `g`.
 #[inline(always)]
