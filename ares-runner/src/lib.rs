@@ -8,3 +8,4 @@
 pub mod backend;
 pub mod hf;
 pub mod model;
+pub mod trainer;

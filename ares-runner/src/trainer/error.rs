@@ -1,0 +1,65 @@
+//! [`TrainError`]: everything that can stop a training run, each naming what was wrong.
+
+use std::path::PathBuf;
+
+use crate::model::{GenerateError, ModelError};
+
+/// Why training (or a piece of its step) failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TrainError {
+    /// An ares-core function rejected its input (the message names the argument).
+    #[error(transparent)]
+    Core(#[from] ares_core::Error),
+    /// The model failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// Generation failed.
+    #[error(transparent)]
+    Generate(#[from] GenerateError),
+    /// A file could not be read or written.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A value that must be finite is not.
+    #[error("{what} is not finite")]
+    NonFinite {
+        /// What it is.
+        what: String,
+    },
+    /// Online filtering could not fill a batch.
+    #[error(
+        "online filtering kept {kept} of {wanted} groups after {tries} generation rounds \
+         (algorithm.max_try_make_batch = {tries}): every other group was all-correct or \
+         all-wrong; raise max_try_make_batch, widen filter_low/filter_high, or turn \
+         algorithm.online_filtering off"
+    )]
+    FilterExhausted {
+        /// Groups kept.
+        kept: usize,
+        /// Groups wanted (`data.rollout_batch_size`).
+        wanted: usize,
+        /// Rounds tried.
+        tries: usize,
+    },
+    /// Invalid input or setting found while running (the message names it).
+    #[error("{0}")]
+    Invalid(String),
+    /// A broken internal invariant (a bug: please report it).
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl TrainError {
+    /// An I/O error at `path`.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Self::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}

@@ -1,0 +1,11 @@
+//! The RL trainer: one step of seed 001 §3.2 and its variants (spec §§1–9).
+
+mod error;
+
+pub mod advantages;
+pub mod hwe;
+pub mod policy;
+pub mod rewards;
+pub mod tokens;
+
+pub use error::TrainError;

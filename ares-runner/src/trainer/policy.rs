@@ -1,0 +1,227 @@
+//! The actor's loss on one micro-batch (spec §4, §6): the PPO clip / dual-clip policy loss
+//! plus, with `use_kl_loss`, the dynamic token-level KL term `agg(β_t·k_t)`, returned with
+//! `∂L/∂logπ_t` per token — the coefficients the model's loss head turns into `dlogits`.
+//!
+//! Micro-batches: a mini-batch's loss is the aggregate over all its rows; every mode of
+//! [`LossAggMode`] splits into micro-batch aggregates times a constant `scale` (the
+//! micro-batch's share of the mini-batch's valid tokens for `token-mean`, of its non-empty
+//! rows for the `seq-mean` modes, 1 for `seq-mean-token-sum-norm` whose divisor is the
+//! step-wide column count `T`), so gradient accumulation reproduces the full-batch gradient.
+
+use ares_core::Shape;
+use ares_core::kl::{KlCoefficient, KlEstimator, TokenKlConfig, TokenKlOutputs, token_kl};
+use ares_core::loss::{
+    LossAggMode, PolicyLossConfig, PolicyLossInput, aggregate_term, policy_loss,
+};
+
+use super::TrainError;
+
+/// The KL loss term's setting.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KlLoss<'a> {
+    /// The per-token estimator.
+    pub estimator: KlEstimator,
+    /// `β` of each row (the bucket's λ under dual ascent, else the controller's value).
+    pub beta: &'a [f32],
+    /// HWE mask `[rows, T]` for dynamic KL (`None`: plain token-level KL).
+    pub hwe_mask: Option<&'a [f32]>,
+    /// Weight of HWE tokens under dynamic KL.
+    pub low_ratio: f32,
+    /// logπ_ref `[rows, T]`.
+    pub logp_ref: &'a [f32],
+}
+
+/// The token tensors of one micro-batch, `[rows, T]`.
+#[derive(Debug, Clone, Copy)]
+pub struct MicroBatch<'a> {
+    /// `[rows, T]`.
+    pub shape: Shape,
+    /// 0/1 response mask.
+    pub mask: &'a [f32],
+    /// logπ under the current weights.
+    pub logp: &'a [f32],
+    /// logπ_old (the policy that made the batch, at training time).
+    pub logp_old: &'a [f32],
+    /// logπ of the sampler (for the importance correction; `None` when it is off).
+    pub logp_rollout: Option<&'a [f32]>,
+    /// Token advantages.
+    pub advantages: &'a [f32],
+}
+
+/// Loss values and metrics of one micro-batch (already multiplied by `scale`).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct MicroLoss {
+    /// Policy-gradient loss.
+    pub pg_loss: f64,
+    /// KL loss term (0 without `use_kl_loss`).
+    pub kl_loss: f64,
+    /// Clip fraction over valid tokens (not scaled).
+    pub clipfrac: f64,
+    /// Dual-clip fraction over valid tokens (not scaled).
+    pub clipfrac_lower: f64,
+    /// Mean of `−clamp(logπ − logπ_old)` over valid tokens (not scaled).
+    pub ppo_kl: f64,
+    /// Valid tokens.
+    pub tokens: usize,
+}
+
+/// `scale` of a micro-batch (see the module docs): its valid tokens and non-empty rows
+/// against the mini-batch's.
+pub fn micro_scale(
+    mode: LossAggMode,
+    micro_tokens: usize,
+    mini_tokens: usize,
+    micro_rows: usize,
+    mini_rows: usize,
+) -> f32 {
+    let ratio = |a: usize, b: usize| if b == 0 { 0.0 } else { a as f32 / b as f32 };
+    match mode {
+        LossAggMode::TokenMean => ratio(micro_tokens, mini_tokens),
+        LossAggMode::SeqMeanTokenSum | LossAggMode::SeqMeanTokenMean => {
+            ratio(micro_rows, mini_rows)
+        }
+        LossAggMode::SeqMeanTokenSumNorm => 1.0,
+    }
+}
+
+/// Loss of one micro-batch and `coeffs[t] = scale · ∂L/∂logπ_t` (`[rows, T]`, 0 on
+/// padding).
+///
+/// # Errors
+/// Non-finite inputs under the mask, a micro-batch without a valid token, bad parameters.
+pub fn micro_loss(
+    batch: &MicroBatch<'_>,
+    config: &PolicyLossConfig<f32>,
+    kl: Option<&KlLoss<'_>>,
+    scale: f32,
+    coeffs: &mut [f32],
+) -> Result<MicroLoss, TrainError> {
+    let input = PolicyLossInput {
+        shape: batch.shape,
+        logp: batch.logp,
+        logp_old: batch.logp_old,
+        advantages: batch.advantages,
+        mask: batch.mask,
+        logp_rollout: batch.logp_rollout,
+    };
+    let out = policy_loss(&input, config, coeffs)?;
+    let mut kl_loss = 0.0f64;
+    if let Some(kl) = kl {
+        let len = coeffs.len();
+        let mut weighted = vec![0.0f32; len];
+        let mut grad = vec![0.0f32; len];
+        let mut cfg = TokenKlConfig::new(kl.estimator, KlCoefficient::PerRow(kl.beta));
+        if let Some(h) = kl.hwe_mask {
+            cfg = cfg.with_hwe(h, kl.low_ratio);
+        }
+        token_kl(
+            batch.shape,
+            batch.logp,
+            kl.logp_ref,
+            batch.mask,
+            &cfg,
+            TokenKlOutputs {
+                weighted: Some(&mut weighted),
+                grad: Some(&mut grad),
+                ..TokenKlOutputs::default()
+            },
+        )?;
+        kl_loss = f64::from(aggregate_term(
+            batch.shape,
+            &weighted,
+            &mut grad,
+            batch.mask,
+            config.agg,
+        )?);
+        for (c, g) in coeffs.iter_mut().zip(&grad) {
+            *c += g;
+        }
+    }
+    for c in coeffs.iter_mut() {
+        *c *= scale;
+    }
+    let s = f64::from(scale);
+    Ok(MicroLoss {
+        pg_loss: f64::from(out.loss) * s,
+        kl_loss: kl_loss * s,
+        clipfrac: f64::from(out.clipfrac),
+        clipfrac_lower: f64::from(out.clipfrac_lower),
+        ppo_kl: f64::from(out.approx_kl),
+        tokens: out.valid_tokens,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn on_policy_gradient_is_minus_advantage_over_tokens() {
+        // r = 1 everywhere: dL/dlogπ = −A, token-mean over 3 valid tokens
+        let shape = Shape { rows: 2, cols: 2 };
+        let mask = [1.0, 1.0, 1.0, 0.0];
+        let logp = [-1.0, -2.0, -0.5, 0.0];
+        let adv = [1.0, 1.0, -2.0, 0.0];
+        let batch = MicroBatch {
+            shape,
+            mask: &mask,
+            logp: &logp,
+            logp_old: &logp,
+            logp_rollout: None,
+            advantages: &adv,
+        };
+        let mut c = [0.0f32; 4];
+        let out = micro_loss(&batch, &PolicyLossConfig::default(), None, 0.5, &mut c).unwrap();
+        let third = 1.0 / 3.0;
+        for (got, want) in c.iter().zip([-0.5 * third, -0.5 * third, 1.0 * third, 0.0]) {
+            assert!((got - want).abs() < 1e-6, "{c:?}");
+        }
+        // L = −A·1 averaged: (−1 −1 +2)/3 = 0
+        assert!(out.pg_loss.abs() < 1e-7);
+        assert_eq!(out.tokens, 3);
+    }
+
+    #[test]
+    fn kl_term_adds_its_gradient() {
+        let shape = Shape { rows: 1, cols: 1 };
+        let logp = [-1.0f32];
+        let refp = [-1.5f32];
+        let batch = MicroBatch {
+            shape,
+            mask: &[1.0],
+            logp: &logp,
+            logp_old: &logp,
+            logp_rollout: None,
+            advantages: &[0.0],
+        };
+        let kl = KlLoss {
+            estimator: KlEstimator::K3,
+            beta: &[2.0],
+            hwe_mask: None,
+            low_ratio: 0.5,
+            logp_ref: &refp,
+        };
+        let mut c = [0.0f32];
+        let out = micro_loss(&batch, &PolicyLossConfig::default(), Some(&kl), 1.0, &mut c).unwrap();
+        // spec vector 8: k3 = 0.1065307, β = 2
+        assert!((out.kl_loss - 0.2130614).abs() < 1e-5, "{}", out.kl_loss);
+        // d k3/d logπ = 1 − e^{ref − logπ} = 1 − e^{−0.5}
+        let want = 2.0 * (1.0 - (-0.5f32).exp());
+        assert!((c[0] - want).abs() < 1e-5, "{c:?} vs {want}");
+    }
+
+    #[test]
+    fn micro_scales_sum_to_one() {
+        let m = LossAggMode::TokenMean;
+        assert_eq!(
+            micro_scale(m, 3, 12, 1, 4) + micro_scale(m, 9, 12, 3, 4),
+            1.0
+        );
+        let m = LossAggMode::SeqMeanTokenMean;
+        assert_eq!(micro_scale(m, 3, 12, 1, 4), 0.25);
+        assert_eq!(
+            micro_scale(LossAggMode::SeqMeanTokenSumNorm, 3, 12, 1, 4),
+            1.0
+        );
+    }
+}

@@ -1,0 +1,232 @@
+//! Scalar reward of each sample (spec §3, §8, §9): a base reward — the answer's accuracy,
+//! the GRPO-λ length-penalised accuracy, or the rubric score — plus the ARES entropy reward
+//! `S` when entropy shaping is on, plus `format_weight ×` the format reward.
+
+use ares_core::Groups;
+use ares_core::difficulty::{Difficulty, PerBucket};
+use ares_core::length::{GrpoLambda, grpo_lambda_rewards};
+use ares_core::shaping::{ShapingConfig, entropy_reward};
+
+use super::TrainError;
+
+/// What grading found in one response.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Grade {
+    /// The final answer is right (spec §10), or the rubric score reached 1/2 for rubric rows
+    /// without an answer.
+    pub correct: bool,
+    /// Format reward in [0, 1].
+    pub format: f64,
+    /// Rubric score (spec §9), for rubric rows.
+    pub rubric: Option<f64>,
+}
+
+/// Where the base reward comes from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Base {
+    /// 1 if correct, else 0.
+    Accuracy,
+    /// GRPO-λ: the top ⌈λ·G⌉ groups by accuracy get a length-penalised reward.
+    GrpoLambda(GrpoLambda<f64>),
+    /// The rubric score (0 for a row without rubric score).
+    Rubric,
+}
+
+/// How rewards are formed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RewardParams {
+    /// The base reward.
+    pub base: Base,
+    /// ARES shaping constants (`None`: no entropy reward).
+    pub shaping: Option<ShapingConfig<f64>>,
+    /// Weight of the format reward.
+    pub format_weight: f64,
+}
+
+/// The ARES state a step's rewards read: each bucket's target `T_d` and coefficient `α_d`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BucketValues {
+    /// `T_d` (`None` before the bucket's first target: then `S = 0`).
+    pub target: PerBucket<Option<f64>>,
+    /// `α_d`.
+    pub alpha: PerBucket<f64>,
+}
+
+/// The parts of one sample's reward.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RewardParts {
+    /// 1 or 0.
+    pub accuracy: f64,
+    /// The base reward (accuracy, GRPO-λ or rubric score).
+    pub base: f64,
+    /// The ARES entropy reward `S` (0 without shaping).
+    pub entropy: f64,
+    /// The format reward (added with `format_weight`).
+    pub format: f64,
+    /// `base + S + format_weight·format`: the reward the advantages see.
+    pub overall: f64,
+}
+
+/// Rewards of a batch of `grades.len()` samples in groups of `n` consecutive rows.
+/// `buckets[g]` is group `g`'s difficulty, `hwe_counts`/`lengths` are per sample.
+///
+/// # Errors
+/// Shapes, invalid GRPO-λ or shaping parameters, non-finite results.
+pub fn rewards(
+    params: &RewardParams,
+    n: usize,
+    grades: &[Grade],
+    hwe_counts: &[usize],
+    lengths: &[usize],
+    buckets: &[Difficulty],
+    state: &BucketValues,
+) -> Result<Vec<RewardParts>, TrainError> {
+    let rows = grades.len();
+    if hwe_counts.len() != rows || lengths.len() != rows || buckets.len() * n != rows {
+        return Err(TrainError::Internal(format!(
+            "rewards: {rows} grades, {} HWE counts, {} lengths, {} groups of {n}",
+            hwe_counts.len(),
+            lengths.len(),
+            buckets.len()
+        )));
+    }
+    let correct: Vec<bool> = grades.iter().map(|g| g.correct).collect();
+    let base: Vec<f64> = match params.base {
+        Base::Accuracy => correct.iter().map(|&c| f64::from(u8::from(c))).collect(),
+        Base::Rubric => grades.iter().map(|g| g.rubric.unwrap_or(0.0)).collect(),
+        Base::GrpoLambda(p) => {
+            let groups = Groups::contiguous(rows, n)?;
+            let lens: Vec<f64> = lengths.iter().map(|&l| l as f64).collect();
+            let mut order = vec![0usize; buckets.len()];
+            let mut top = vec![false; buckets.len()];
+            let mut out = vec![0.0f64; rows];
+            grpo_lambda_rewards(&groups, &correct, &lens, &p, &mut order, &mut top, &mut out)?;
+            out
+        }
+    };
+    let mut parts = Vec::with_capacity(rows);
+    for (i, g) in grades.iter().enumerate() {
+        let d = buckets[i / n];
+        let entropy = match (&params.shaping, state.target[d]) {
+            (Some(cfg), Some(target)) => entropy_reward(
+                d,
+                g.correct,
+                hwe_counts[i] as f64,
+                target,
+                state.alpha[d],
+                cfg,
+            )?,
+            _ => 0.0,
+        };
+        let overall = base[i] + entropy + params.format_weight * g.format;
+        if !overall.is_finite() {
+            return Err(TrainError::NonFinite {
+                what: format!("reward of sample {i}"),
+            });
+        }
+        parts.push(RewardParts {
+            accuracy: f64::from(u8::from(g.correct)),
+            base: base[i],
+            entropy,
+            format: g.format,
+            overall,
+        });
+    }
+    Ok(parts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grade(correct: bool) -> Grade {
+        Grade {
+            correct,
+            format: 1.0,
+            rubric: None,
+        }
+    }
+
+    #[test]
+    fn ares_overall_matches_spec_vectors_1_and_2() {
+        let params = RewardParams {
+            base: Base::Accuracy,
+            shaping: Some(ShapingConfig::default()),
+            format_weight: 0.0,
+        };
+        let state = BucketValues {
+            target: PerBucket::splat(Some(4.0)),
+            alpha: PerBucket::splat(0.5),
+        };
+        let grades = [grade(true), grade(true), grade(false), grade(false)];
+        let r = rewards(
+            &params,
+            4,
+            &grades,
+            &[10, 6, 5, 9],
+            &[1, 1, 1, 1],
+            &[Difficulty::Easy],
+            &state,
+        )
+        .unwrap();
+        let want = [0.5, 0.9583333, 0.15, 0.2642391];
+        for (p, w) in r.iter().zip(want) {
+            assert!((p.overall - w).abs() < 1e-6, "{r:?}");
+        }
+    }
+
+    #[test]
+    fn grpo_lambda_spec_vector_12() {
+        let params = RewardParams {
+            base: Base::GrpoLambda(GrpoLambda {
+                lambda_: 0.2,
+                alpha: 0.6,
+            }),
+            shaping: None,
+            format_weight: 0.0,
+        };
+        let state = BucketValues {
+            target: PerBucket::splat(None),
+            alpha: PerBucket::splat(0.5),
+        };
+        let r = rewards(
+            &params,
+            4,
+            &[grade(true); 4],
+            &[0; 4],
+            &[100, 200, 300, 400],
+            &[Difficulty::Easy],
+            &state,
+        )
+        .unwrap();
+        let want = [0.8756558, 0.7659859, 0.6340141, 0.5243442];
+        for (p, w) in r.iter().zip(want) {
+            assert!((p.overall - w).abs() < 1e-6, "{r:?}");
+        }
+    }
+
+    #[test]
+    fn no_target_means_no_shaping_and_format_weight_adds() {
+        let params = RewardParams {
+            base: Base::Accuracy,
+            shaping: Some(ShapingConfig::default()),
+            format_weight: 0.5,
+        };
+        let state = BucketValues {
+            target: PerBucket::splat(None),
+            alpha: PerBucket::splat(0.5),
+        };
+        let r = rewards(
+            &params,
+            2,
+            &[grade(true), grade(false)],
+            &[3, 3],
+            &[1, 1],
+            &[Difficulty::Hard],
+            &state,
+        )
+        .unwrap();
+        assert_eq!(r[0].overall, 1.5);
+        assert_eq!(r[1].overall, 0.5);
+    }
+}
