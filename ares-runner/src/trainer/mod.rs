@@ -3,9 +3,11 @@
 mod error;
 
 pub mod advantages;
+pub mod checkpoints;
 pub mod hwe;
 pub mod policy;
 pub mod rewards;
+pub mod sequences;
 pub mod tokens;
 
 pub use error::TrainError;
