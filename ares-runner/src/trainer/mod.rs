@@ -3,11 +3,16 @@
 mod error;
 
 pub mod advantages;
+pub mod batch;
 pub mod checkpoints;
 pub mod hwe;
 pub mod policy;
+pub mod prepare;
 pub mod rewards;
+pub mod rollout;
 pub mod sequences;
+pub mod settings;
+pub mod state;
 pub mod tokens;
 
 pub use error::TrainError;

@@ -1,0 +1,330 @@
+//! From graded rollouts to what the PPO update needs (seed 001 §3.2, spec §§1–8): online
+//! filtering, the ARES controllers (HWE tokens, τ, buckets, targets, α), rewards, old and
+//! reference log-probs, dynamic token-level KL, advantages — and the step's metrics.
+
+use std::collections::BTreeMap;
+
+use ares_core::difficulty::{Difficulty, PerBucket};
+use ares_core::kl::{KlCoefficient, TokenKlConfig, TokenKlOutputs, token_kl};
+
+use super::TrainError;
+use super::advantages::{self, Advantages};
+use super::batch::Batch;
+use super::hwe::{HwePass, hwe_pass, update_tau};
+use super::rewards::{BucketValues, Grade, RewardParts, rewards};
+use super::settings::{FilterKey, KlControl, StepSettings};
+use super::state::AresState;
+use crate::backend::Backend;
+use crate::model::Model;
+
+/// Step metrics, by name (one JSON line per step).
+pub type Metrics = BTreeMap<String, f64>;
+
+/// Which groups of a graded round online filtering keeps (spec §7): the group mean of the
+/// filter key strictly inside `(low, high)`. `rewards` are only read for reward keys.
+pub fn keep_groups(
+    settings: &StepSettings,
+    n: usize,
+    grades: &[Grade],
+    rewards: Option<&[RewardParts]>,
+) -> Vec<bool> {
+    let Some(f) = settings.filter else {
+        return vec![true; grades.len() / n];
+    };
+    let value = |i: usize| -> f64 {
+        match (f.key, rewards) {
+            (FilterKey::Accuracy, _) | (_, None) => f64::from(u8::from(grades[i].correct)),
+            (FilterKey::Overall, Some(r)) => r[i].overall,
+            (FilterKey::Entropy, Some(r)) => r[i].entropy,
+            (FilterKey::Format, Some(r)) => r[i].format,
+        }
+    };
+    (0..grades.len() / n)
+        .map(|g| {
+            let mean = (g * n..(g + 1) * n).map(value).sum::<f64>() / n as f64;
+            f.low < mean && mean < f.high
+        })
+        .collect()
+}
+
+/// Bucket of each group from its samples' correctness.
+///
+/// # Errors
+/// Invalid thresholds.
+pub fn group_buckets(
+    settings: &StepSettings,
+    n: usize,
+    grades: &[Grade],
+) -> Result<Vec<Difficulty>, TrainError> {
+    grades
+        .chunks_exact(n)
+        .map(|g| {
+            let acc = g.iter().filter(|x| x.correct).count() as f64 / n as f64;
+            Ok(settings.difficulty.accuracy_thresholds.classify(acc)?)
+        })
+        .collect()
+}
+
+/// Everything the update reads, with the metrics gathered so far.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// HWE tokens under the τ in force.
+    pub hwe: HwePass,
+    /// Bucket per group.
+    pub buckets: Vec<Difficulty>,
+    /// Reward parts per row.
+    pub rewards: Vec<RewardParts>,
+    /// logπ_old `[rows, T]`.
+    pub old_logp: Vec<f32>,
+    /// logπ of the sampler `[rows, T]`.
+    pub rollout_logp: Vec<f32>,
+    /// logπ_ref `[rows, T]` (when KL is on).
+    pub ref_logp: Option<Vec<f32>>,
+    /// β per row (before HWE weighting).
+    pub beta: Vec<f32>,
+    /// Token advantages.
+    pub advantages: Advantages,
+    /// Metrics of the step so far.
+    pub metrics: Metrics,
+}
+
+/// Mean over the groups of each bucket of a per-group value (`None` for absent buckets).
+fn bucket_means(buckets: &[Difficulty], values: &[f64]) -> PerBucket<Option<f64>> {
+    let mut sum = PerBucket::splat(0.0f64);
+    let mut count = PerBucket::splat(0usize);
+    for (&d, &v) in buckets.iter().zip(values) {
+        sum[d] += v;
+        count[d] += 1;
+    }
+    PerBucket::new(
+        (count.easy > 0).then(|| sum.easy / count.easy as f64),
+        (count.medium > 0).then(|| sum.medium / count.medium as f64),
+        (count.hard > 0).then(|| sum.hard / count.hard as f64),
+    )
+}
+
+/// Mean of `values` where `mask` is 1.
+fn masked_mean(values: &[f32], mask: &[f32]) -> f64 {
+    let (mut s, mut k) = (0.0f64, 0usize);
+    for (&v, &m) in values.iter().zip(mask) {
+        if m != 0.0 {
+            s += f64::from(v);
+            k += 1;
+        }
+    }
+    if k == 0 { 0.0 } else { s / k as f64 }
+}
+
+/// Runs the ARES controllers and the scoring on a kept batch: HWE tokens (τ from before
+/// this step), τ update, buckets and difficulty map, targets and α, rewards, old/ref
+/// log-probs, KL, advantages. `actor` and `reference` score the responses; `trigger_mask`
+/// (`[rows, T]`) restricts HWE candidates to trigger words.
+///
+/// # Errors
+/// Any core or model error (non-finite values name their tensor).
+#[allow(clippy::too_many_arguments)]
+pub fn prepare<B: Backend>(
+    settings: &StepSettings,
+    state: &mut AresState,
+    step: u64,
+    batch: &Batch,
+    trigger_mask: Option<&[f32]>,
+    actor: &Model<B>,
+    reference: Option<&Model<B>>,
+) -> Result<Prepared, TrainError> {
+    let n = batch.n;
+    let rows = batch.rows();
+    let shape = batch.tokens.shape;
+    let mask = &batch.tokens.mask;
+    let mut metrics = Metrics::new();
+
+    // 1. HWE tokens under the τ in force, then τ moves (spec §1)
+    let entropies = batch.padded(|r| &r.entropies);
+    let tau_before = state.tau.tau();
+    let hwe = hwe_pass(
+        shape,
+        &entropies,
+        mask,
+        trigger_mask,
+        &settings.hwe,
+        tau_before,
+    )?;
+    let tau_after = update_tau(&mut state.tau, &hwe)?;
+
+    // 2. buckets, difficulty map, targets and α (spec §2)
+    let buckets = group_buckets(settings, n, &batch.grades)?;
+    for (item, &d) in batch.items.iter().zip(&buckets) {
+        state.difficulty.insert(item.global_id.clone(), d);
+    }
+    let group_hwe: Vec<f64> = hwe
+        .counts
+        .chunks_exact(n)
+        .map(|c| c.iter().sum::<usize>() as f64 / n as f64)
+        .collect();
+    let mean_hwe = bucket_means(&buckets, &group_hwe);
+    if settings.reward.shaping.is_some() {
+        state
+            .buckets
+            .step(&mean_hwe, &PerBucket::splat(None), step)?;
+    }
+
+    // 3. rewards with the updated targets and α (spec §3, §8, §9)
+    let bstate = state.buckets.state();
+    let values = BucketValues {
+        target: PerBucket::new(bstate.easy.target, bstate.medium.target, bstate.hard.target),
+        alpha: PerBucket::new(bstate.easy.alpha, bstate.medium.alpha, bstate.hard.alpha),
+    };
+    let lengths = batch.lengths();
+    let parts = rewards(
+        &settings.reward,
+        n,
+        &batch.grades,
+        &hwe.counts,
+        &lengths,
+        &buckets,
+        &values,
+    )?;
+
+    // 4. log-probs: old policy (training time), sampler, reference
+    let temperature = settings.sampling.temperature();
+    let old_logp = batch.score(actor, settings.micro_batch, temperature)?;
+    let rollout_logp = batch.padded(|r| &r.log_probs);
+    let ref_logp = match (settings.kl.enabled, reference) {
+        (true, Some(m)) => Some(batch.score(m, settings.micro_batch, temperature)?),
+        _ => None,
+    };
+
+    // 5. KL per token with β per row (dynamic on HWE tokens) (spec §4)
+    let beta: Vec<f32> = (0..rows)
+        .map(|r| state.beta(settings.kl.control, buckets[r / n]) as f32)
+        .collect();
+    let mut weighted = vec![0.0f32; rows * shape.cols];
+    let mut row_mean_kl = vec![0.0f32; rows];
+    let mut kl_token_mean = 0.0;
+    if let Some(ref_logp) = &ref_logp {
+        let mut cfg = TokenKlConfig::new(settings.kl.estimator, KlCoefficient::PerRow(&beta));
+        if settings.kl.dynamic {
+            cfg = cfg.with_hwe(&hwe.mask, settings.kl.low_ratio as f32);
+        }
+        let summary = token_kl(
+            shape,
+            &old_logp,
+            ref_logp,
+            mask,
+            &cfg,
+            TokenKlOutputs {
+                weighted: Some(&mut weighted),
+                row_mean_kl: Some(&mut row_mean_kl),
+                ..TokenKlOutputs::default()
+            },
+        )?;
+        kl_token_mean = f64::from(summary.token_mean_kl);
+    }
+
+    // 6. advantages (spec §5), KL folded into the rewards when it is not a loss term
+    let overall: Vec<f32> = parts.iter().map(|p| p.overall as f32).collect();
+    let fold = (!settings.kl.use_kl_loss && ref_logp.is_some()).then_some(weighted.as_slice());
+    let adv = advantages::compute(settings.estimator, n, &overall, &batch.tokens, fold)?;
+
+    // 7. dual ascent on the per-bucket KL, adaptive β (after the step's β was used)
+    if ref_logp.is_some() {
+        let seq_kl: Vec<f64> = row_mean_kl.iter().map(|&k| f64::from(k)).collect();
+        let group_kl: Vec<f64> = seq_kl
+            .chunks_exact(n)
+            .map(|c| c.iter().sum::<f64>() / n as f64)
+            .collect();
+        let mean_kl = bucket_means(&buckets, &group_kl);
+        match settings.kl.control {
+            KlControl::DualAscent => {
+                state
+                    .buckets
+                    .step(&PerBucket::splat(None), &mean_kl, step)?;
+            }
+            KlControl::Adaptive { .. } => {
+                if let Some(c) = state.adaptive_kl.as_mut() {
+                    c.update(kl_token_mean, rows)?;
+                }
+            }
+            KlControl::Fixed(_) => {}
+        }
+        for d in Difficulty::ALL {
+            if let Some(k) = mean_kl[d] {
+                metrics.insert(format!("kl/{}", d.name()), k);
+            }
+        }
+        metrics.insert("kl/mean".into(), kl_token_mean);
+    }
+
+    // metrics of the batch and the controllers
+    let mean = |f: &dyn Fn(&RewardParts) -> f64| parts.iter().map(f).sum::<f64>() / rows as f64;
+    metrics.insert("reward/mean".into(), mean(&|p| p.overall));
+    metrics.insert("accuracy/mean".into(), mean(&|p| p.accuracy));
+    metrics.insert("reward/entropy".into(), mean(&|p| p.entropy));
+    metrics.insert("reward/format".into(), mean(&|p| p.format));
+    metrics.insert(
+        "response_length/mean".into(),
+        lengths.iter().sum::<usize>() as f64 / rows as f64,
+    );
+    metrics.insert(
+        "response_length/clip_ratio".into(),
+        batch.responses.iter().filter(|r| !r.finished).count() as f64 / rows as f64,
+    );
+    metrics.insert("entropy/mean".into(), masked_mean(&entropies, mask));
+    metrics.insert(
+        "hwe/count_mean".into(),
+        hwe.counts.iter().sum::<usize>() as f64 / rows as f64,
+    );
+    metrics.insert(
+        "hwe/soft_cost_mean".into(),
+        hwe.soft_cost.iter().map(|&c| f64::from(c)).sum::<f64>() / rows as f64,
+    );
+    metrics.insert("tau/used".into(), hwe.tau);
+    if let Some(t) = tau_after {
+        metrics.insert("tau".into(), t);
+    }
+    metrics.insert("advantage/mean".into(), adv.mean);
+    metrics.insert("advantage/std".into(), adv.std);
+    let st = state.buckets.state();
+    for d in Difficulty::ALL {
+        let s = st[d];
+        let name = d.name();
+        if let Some(t) = s.target {
+            metrics.insert(format!("target/{name}"), t);
+        }
+        metrics.insert(format!("alpha/{name}"), s.alpha);
+        metrics.insert(format!("lambda/{name}"), s.lambda);
+        let groups = buckets.iter().filter(|&&b| b == d).count();
+        metrics.insert(format!("groups/{name}"), groups as f64);
+        if let Some(h) = mean_hwe[d] {
+            metrics.insert(format!("hwe/{name}"), h);
+        }
+        // accuracy and length per bucket
+        let (mut acc, mut len, mut k) = (0.0, 0.0, 0usize);
+        for (r, p) in parts.iter().enumerate() {
+            if buckets[r / n] == d {
+                acc += p.accuracy;
+                len += lengths[r] as f64;
+                k += 1;
+            }
+        }
+        if k > 0 {
+            metrics.insert(format!("accuracy/{name}"), acc / k as f64);
+            metrics.insert(format!("response_length/{name}"), len / k as f64);
+        }
+    }
+    if let Some(adaptive) = &state.adaptive_kl {
+        metrics.insert("kl/beta".into(), adaptive.value());
+    }
+
+    Ok(Prepared {
+        hwe,
+        buckets,
+        rewards: parts,
+        old_logp,
+        rollout_logp,
+        ref_logp,
+        beta,
+        advantages: adv,
+        metrics,
+    })
+}

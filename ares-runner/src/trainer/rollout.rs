@@ -1,0 +1,112 @@
+//! Rollout: `n` sampled responses per prompt, with the per-token log-probs and entropies
+//! of the sampling distribution (spec §1 computes HWE tokens from these entropies).
+
+use crate::backend::Backend;
+use crate::model::{GenerateRequest, Model, Sampling};
+
+use super::TrainError;
+
+/// One prompt of a step, prepared for the model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromptItem {
+    /// Index of the example in its dataset.
+    pub example: usize,
+    /// The prompt's `global_id`.
+    pub global_id: String,
+    /// Token ids of the prompt the policy is trained on.
+    pub train_prompt: Vec<u32>,
+    /// Token ids of each sample's rollout prompt (`n` of them; all equal to
+    /// `train_prompt` unless graded system prompts are on).
+    pub rollout_prompts: Vec<Vec<u32>>,
+}
+
+/// One generated response.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Response {
+    /// New token ids (EOS included when it ended the response).
+    pub tokens: Vec<u32>,
+    /// Sampler log-prob of each token.
+    pub log_probs: Vec<f32>,
+    /// Entropy of the sampling distribution at each token.
+    pub entropies: Vec<f32>,
+    /// Ended by EOS (else truncated at the length limit).
+    pub finished: bool,
+}
+
+/// How responses are generated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RolloutParams {
+    /// New tokens per response at most.
+    pub max_new_tokens: usize,
+    /// A response ends after any of these ids.
+    pub eos_ids: Vec<u32>,
+    /// Greedy or sampled.
+    pub sampling: Sampling,
+    /// Base seed: sequence `i` of a call always gets the same stream.
+    pub seed: u64,
+    /// Sequences generated together (bounds the KV cache).
+    pub chunk: usize,
+}
+
+/// Generates `prompts` (each once) in chunks of `params.chunk` sequences. `on_chunk` is
+/// told how many sequences are done (progress).
+///
+/// # Errors
+/// Generation errors (prompt too long for the model, non-finite logits…).
+pub fn generate_all<B: Backend>(
+    model: &Model<B>,
+    prompts: &[Vec<u32>],
+    params: &RolloutParams,
+    mut on_chunk: impl FnMut(usize),
+) -> Result<Vec<Response>, TrainError> {
+    let chunk = params.chunk.max(1);
+    let mut out = Vec::with_capacity(prompts.len());
+    for (c, part) in prompts.chunks(chunk).enumerate() {
+        // a distinct seed per chunk: stream i of chunk c is sequence c·chunk + i
+        let chunk_seed = params.seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let request = GenerateRequest {
+            prompts: part.to_vec(),
+            max_new_tokens: params.max_new_tokens,
+            eos_ids: params.eos_ids.clone(),
+            sampling: params.sampling,
+            seed: chunk_seed,
+        };
+        let g = model.generate(&request)?;
+        for i in 0..part.len() {
+            out.push(Response {
+                tokens: g.tokens[i].clone(),
+                log_probs: g.log_probs[i].clone(),
+                entropies: g.entropies[i].clone(),
+                finished: g.finished_by_eos[i],
+            });
+        }
+        on_chunk(out.len());
+    }
+    Ok(out)
+}
+
+/// Rolls out every item's `rollout_prompts` (item-major: rows `g·n … g·n + n − 1` are
+/// item `g`'s samples).
+///
+/// # Errors
+/// As [`generate_all`]; an item without exactly `n` rollout prompts.
+pub fn rollout_items<B: Backend>(
+    model: &Model<B>,
+    items: &[PromptItem],
+    n: usize,
+    params: &RolloutParams,
+    on_chunk: impl FnMut(usize),
+) -> Result<Vec<Response>, TrainError> {
+    let mut prompts = Vec::with_capacity(items.len() * n);
+    for item in items {
+        if item.rollout_prompts.len() != n {
+            return Err(TrainError::Internal(format!(
+                "prompt {} has {} rollout prompts, expected n = {n}",
+                item.global_id,
+                item.rollout_prompts.len()
+            )));
+        }
+        prompts.extend(item.rollout_prompts.iter().cloned());
+    }
+    generate_all(model, &prompts, params, on_chunk)
+}

@@ -1,0 +1,154 @@
+//! [`AresState`]: what the ARES controllers carry from step to step (spec §1–§2, §4) —
+//! the global threshold τ, each bucket's target `T_d`, `α_d`, `λ_d`, the adaptive KL
+//! coefficient, and the last known difficulty of every prompt — with its serialisable
+//! snapshot for checkpoints.
+
+use std::collections::BTreeMap;
+
+use ares_core::difficulty::{
+    BucketController, BucketState, Difficulty, DifficultyConfig, PerBucket,
+};
+use ares_core::entropy::ThresholdEma;
+use ares_core::kl::AdaptiveKlController;
+use serde::{Deserialize, Serialize};
+
+use super::TrainError;
+use super::settings::{KlControl, StepSettings};
+
+/// The controllers' live state.
+#[derive(Debug, Clone)]
+pub struct AresState {
+    /// τ.
+    pub tau: ThresholdEma<f64>,
+    /// `T_d`, `α_d`, `λ_d`.
+    pub buckets: BucketController<f64>,
+    /// β of the adaptive controller (when configured).
+    pub adaptive_kl: Option<AdaptiveKlController<f64>>,
+    /// Last bucket of each prompt, by `global_id`.
+    pub difficulty: BTreeMap<String, Difficulty>,
+}
+
+/// One bucket in a snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct BucketSnapshot {
+    /// `T_d`.
+    pub target: Option<f64>,
+    /// `α_d`.
+    pub alpha: f64,
+    /// `λ_d`.
+    pub lambda: f64,
+}
+
+/// [`AresState`] as saved in `trainer_state.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AresSnapshot {
+    /// τ (`None` before the first batch without bootstrap).
+    pub tau: Option<f64>,
+    /// Buckets by name.
+    pub buckets: BTreeMap<String, BucketSnapshot>,
+    /// β of the adaptive controller.
+    pub adaptive_kl: Option<f64>,
+    /// Difficulty name of each prompt seen.
+    pub difficulty: BTreeMap<String, String>,
+}
+
+impl AresState {
+    /// Fresh controllers from the settings.
+    ///
+    /// # Errors
+    /// Invalid controller settings.
+    pub fn new(settings: &StepSettings) -> Result<Self, TrainError> {
+        let adaptive_kl = match settings.kl.control {
+            KlControl::Adaptive {
+                init,
+                target,
+                horizon,
+            } => Some(AdaptiveKlController::new(init, target, horizon)?),
+            _ => None,
+        };
+        Ok(Self {
+            tau: ThresholdEma::new(settings.tau_momentum)?,
+            buckets: BucketController::new(settings.difficulty)?,
+            adaptive_kl,
+            difficulty: BTreeMap::new(),
+        })
+    }
+
+    /// The β of a sample in bucket `d` (before dynamic HWE weighting).
+    pub fn beta(&self, control: KlControl, d: Difficulty) -> f64 {
+        match control {
+            KlControl::Fixed(b) => b,
+            KlControl::Adaptive { init, .. } => self.adaptive_kl.map_or(init, |c| c.value()),
+            KlControl::DualAscent => self.buckets.lambda(d),
+        }
+    }
+
+    /// The serialisable snapshot.
+    pub fn snapshot(&self) -> AresSnapshot {
+        let buckets = Difficulty::ALL
+            .iter()
+            .map(|&d| {
+                let s = self.buckets.state()[d];
+                (
+                    d.name().to_string(),
+                    BucketSnapshot {
+                        target: s.target,
+                        alpha: s.alpha,
+                        lambda: s.lambda,
+                    },
+                )
+            })
+            .collect();
+        AresSnapshot {
+            tau: self.tau.tau(),
+            buckets,
+            adaptive_kl: self.adaptive_kl.map(|c| c.value()),
+            difficulty: self
+                .difficulty
+                .iter()
+                .map(|(k, d)| (k.clone(), d.name().to_string()))
+                .collect(),
+        }
+    }
+
+    /// The state of `snapshot` under `settings`.
+    ///
+    /// # Errors
+    /// A snapshot that does not fit the settings (unknown bucket name, non-finite values).
+    pub fn restore(settings: &StepSettings, snapshot: &AresSnapshot) -> Result<Self, TrainError> {
+        let mut state = Self::new(settings)?;
+        state.tau.restore(snapshot.tau)?;
+        let get = |d: Difficulty| -> Result<BucketState<f64>, TrainError> {
+            let b = snapshot.buckets.get(d.name()).ok_or_else(|| {
+                TrainError::Invalid(format!(
+                    "trainer_state.json: bucket {:?} is missing",
+                    d.name()
+                ))
+            })?;
+            Ok(BucketState {
+                target: b.target,
+                alpha: b.alpha,
+                lambda: b.lambda,
+            })
+        };
+        let buckets = PerBucket::new(
+            get(Difficulty::Easy)?,
+            get(Difficulty::Medium)?,
+            get(Difficulty::Hard)?,
+        );
+        let config: DifficultyConfig<f64> = settings.difficulty;
+        state.buckets = BucketController::with_state(config, buckets)?;
+        if let (Some(c), Some(v)) = (state.adaptive_kl.as_mut(), snapshot.adaptive_kl) {
+            *c = AdaptiveKlController::new(v, c.target(), c.horizon())?;
+        }
+        for (id, name) in &snapshot.difficulty {
+            let d = Difficulty::from_name(name).ok_or_else(|| {
+                TrainError::Invalid(format!(
+                    "trainer_state.json: difficulty of {id:?} is {name:?}, not easy/medium/hard"
+                ))
+            })?;
+            state.difficulty.insert(id.clone(), d);
+        }
+        Ok(state)
+    }
+}
