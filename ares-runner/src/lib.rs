@@ -6,6 +6,7 @@
 //! trainer and CLI are the next milestones (see the README's status table).
 
 pub mod backend;
+pub mod config;
 pub mod hf;
 pub mod model;
 pub mod trainer;

@@ -1,0 +1,68 @@
+//! `data.*`: where the prompts come from and how they are turned into model inputs.
+
+use serde::{Deserialize, Serialize};
+
+/// The dataset section. Column names follow verl/EasyR1 (`prompt`, `answer`, `difficulty`,
+/// `global_id`, `reward_model.rubrics`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// Training set (JSONL or Parquet). `None` → the built-in demo task.
+    pub train_files: Option<String>,
+    /// Validation set. `None` → no validation data (the demo makes its own).
+    pub val_files: Option<String>,
+    /// Column of the prompt: text, or chat messages (default `prompt`).
+    pub prompt_key: String,
+    /// Column of the reference answer (default `answer`).
+    pub answer_key: String,
+    /// Column of an optional difficulty label (default `difficulty`).
+    pub difficulty_key: String,
+    /// Column of an optional stable prompt id; generated when absent (default `global_id`).
+    pub global_id_key: String,
+    /// Dotted path of the rubric list inside a row (default `reward_model.rubrics`).
+    pub rubrics_key: String,
+    /// A jinja template file the prompt text is rendered through before the chat template
+    /// (like the seed's `math.jinja`). `None` → the prompt as it is.
+    pub format_prompt: Option<String>,
+    /// Longest prompt in tokens, ≥ 1 (default 512).
+    pub max_prompt_length: usize,
+    /// Longest response in tokens, ≥ 1 (default 512).
+    pub max_response_length: usize,
+    /// Drop prompts longer than `max_prompt_length` instead of failing (default true).
+    pub filter_overlong_prompts: bool,
+    /// Prompts (groups of `worker.rollout.n` samples) kept per step, after online filtering,
+    /// ≥ 1 (default 8).
+    pub rollout_batch_size: usize,
+    /// Prompts per validation generation batch, ≥ 1 (default 64).
+    pub val_batch_size: usize,
+    /// Shuffle the training set, differently each epoch (default true).
+    pub shuffle: bool,
+    /// Seed of the data order (default 1).
+    pub seed: u64,
+    /// Bootstrap pass before training (spec §2): one rollout over the training set fills the
+    /// difficulty of every prompt, the initial targets `T_d` and the first `τ` (default true).
+    pub bootstrap: bool,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        DataConfig {
+            train_files: None,
+            val_files: None,
+            prompt_key: "prompt".into(),
+            answer_key: "answer".into(),
+            difficulty_key: "difficulty".into(),
+            global_id_key: "global_id".into(),
+            rubrics_key: "reward_model.rubrics".into(),
+            format_prompt: None,
+            max_prompt_length: 512,
+            max_response_length: 512,
+            filter_overlong_prompts: true,
+            rollout_batch_size: 8,
+            val_batch_size: 64,
+            shuffle: true,
+            seed: 1,
+            bootstrap: true,
+        }
+    }
+}

@@ -1,0 +1,163 @@
+//! The trainer's configuration: YAML with verl/EasyR1-style sections (`data`, `algorithm`,
+//! `worker.{actor,rollout,ref,reward}`, `trainer`, `sft`) covering every knob of
+//! `shared/spec/algorithms.md` with its defaults, plus dotted command-line overrides.
+//!
+//! Resolution ([`Config::load`]):
+//! 1. the defaults ([`Config::default`], the spec's values) as a tree;
+//! 2. the YAML file, if any, merged onto it key by key (a key the defaults do not have is an
+//!    error naming the full dotted key and the valid keys of its section);
+//! 3. each override `dotted.key=value` in order (`worker.rollout.n=8`,
+//!    `algorithm.adv_estimator=grpo`, `worker.actor.optim.betas=[0.9,0.99]`,
+//!    `data.train_files=null`), with the same key checks;
+//! 4. typed deserialization of the resolved tree — a wrong type or an unknown enum value
+//!    names the dotted key and where the value came from;
+//! 5. [`Config::validate`]: ranges and cross-checks.
+//!
+//! ```
+//! use ares_runner::config::{AdvEstimator, Config};
+//!
+//! let cfg = Config::load(None, &["worker.rollout.n=4".into(), "algorithm.adv_estimator=rloo".into()])?;
+//! assert_eq!(cfg.worker.rollout.n, 4);
+//! assert_eq!(cfg.algorithm.adv_estimator, AdvEstimator::Rloo);
+//! assert_eq!(Config::from_yaml_str(&cfg.to_yaml(), "resolved")?, cfg);
+//! # Ok::<(), ares_runner::config::ConfigError>(())
+//! ```
+
+mod algorithm;
+mod data;
+mod error;
+mod trainer;
+mod tree;
+mod validate;
+mod worker;
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+pub use algorithm::{
+    AdvEstimator, AlgorithmConfig, DifficultyThresholds, DropSolvedConfig, DualAscentConfig,
+    EntropyRewardConfig, GrpoLambdaConfig, KlCtrl, KlPenalty, PerBucket,
+};
+pub use data::DataConfig;
+pub use error::ConfigError;
+pub use trainer::{Device, SaveDtypeCfg, SftConfig, TrainerConfig};
+pub use worker::{
+    ActorConfig, GradedPromptConfig, IsCorrection, LossAggMode, LrScheduler, OptimConfig,
+    RefConfig, RewardConfig, RewardType, RolloutConfig, RubricGrader, RubricSchedule, WorkerConfig,
+};
+
+use tree::Override;
+
+/// The whole configuration of a run. `Default` is the spec's defaults, which train the
+/// built-in demo.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// The dataset.
+    pub data: DataConfig,
+    /// Advantages, KL, filtering, entropy shaping, GRPO-λ.
+    pub algorithm: AlgorithmConfig,
+    /// Actor, rollout, reference and reward.
+    pub worker: WorkerConfig,
+    /// Output, checkpoints, validation, device.
+    pub trainer: TrainerConfig,
+    /// Supervised cold start.
+    pub sft: SftConfig,
+}
+
+impl Config {
+    /// The configuration in YAML `text` (named `source_name` in messages) over the defaults,
+    /// validated.
+    ///
+    /// Errors: malformed YAML (with line and column), unknown keys, wrong types, values out
+    /// of range — see [`ConfigError`].
+    pub fn from_yaml_str(text: &str, source_name: &str) -> Result<Config, ConfigError> {
+        resolve(Some((text, source_name)), &[])
+    }
+
+    /// The configuration of a run: the defaults, then the YAML file at `path` if given, then
+    /// the `overrides` (`dotted.key=value`) in order; validated.
+    ///
+    /// Errors: the file cannot be read ([`ConfigError::Io`]), and everything
+    /// [`Config::from_yaml_str`] reports, for the file and the overrides alike.
+    pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigError> {
+        match path {
+            None => resolve(None, overrides),
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+                resolve(Some((&text, &path.display().to_string())), overrides)
+            }
+        }
+    }
+
+    /// The resolved configuration as YAML, every key written out; it loads back into an
+    /// equal `Config`. (Serialising plain numbers, strings and enums cannot fail; should it
+    /// ever, the text is a YAML comment saying why, which loads back as the defaults.)
+    pub fn to_yaml(&self) -> String {
+        serde_saphyr::to_string(self)
+            .unwrap_or_else(|e| format!("# the configuration could not be written: {e}\n"))
+    }
+}
+
+/// Steps 1–5 of the module docs.
+fn resolve(file: Option<(&str, &str)>, overrides: &[String]) -> Result<Config, ConfigError> {
+    let mut resolved = serde_json::to_value(Config::default())
+        .map_err(|e| ConfigError::Internal(e.to_string()))?;
+    let mut file_tree = None;
+    if let Some((text, source_name)) = file {
+        let parsed = tree::parse_yaml(text, source_name)?;
+        tree::merge(
+            &mut resolved,
+            parsed.clone(),
+            "",
+            &format!("in {source_name}"),
+        )?;
+        file_tree = Some((parsed, source_name));
+    }
+    let overrides = overrides
+        .iter()
+        .map(|text| Override::parse(text))
+        .collect::<Result<Vec<_>, _>>()?;
+    for o in &overrides {
+        o.apply(&mut resolved)?;
+    }
+    let config: Config = serde_path_to_error::deserialize(resolved).map_err(|e| {
+        let keys: Vec<String> = e
+            .path()
+            .iter()
+            .map_while(|segment| match segment {
+                serde_path_to_error::Segment::Map { key } => Some(key.clone()),
+                _ => None,
+            })
+            .collect();
+        let origin = origin_of(&keys, &overrides, file_tree.as_ref());
+        ConfigError::Type {
+            key: e.path().to_string(),
+            origin,
+            message: e.into_inner().to_string(),
+        }
+    })?;
+    config.validate()?;
+    Ok(config)
+}
+
+/// Which source set the value at `keys`: the last override at or above it, else the file,
+/// else the defaults.
+fn origin_of(keys: &[String], overrides: &[Override], file: Option<&(Value, &str)>) -> String {
+    if let Some(o) = overrides
+        .iter()
+        .rev()
+        .find(|o| keys.starts_with(&o.segments))
+    {
+        return o.origin();
+    }
+    match file {
+        Some((parsed, name)) if tree::contains(parsed, keys) => format!("in {name}"),
+        _ => "default".to_string(),
+    }
+}

@@ -1,0 +1,137 @@
+//! `trainer.*` (run bookkeeping: output, checkpoints, validation, device) and `sft.*` (the
+//! supervised cold start).
+
+use serde::{Deserialize, Serialize};
+
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Device {
+    /// The CPU backend.
+    Cpu,
+    /// The CUDA backend (the trainer errors when no GPU is usable).
+    Cuda,
+    /// CUDA when a GPU is usable, else the CPU.
+    Auto,
+}
+
+impl Device {
+    /// The YAML spelling.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Device::Cpu => "cpu",
+            Device::Cuda => "cuda",
+            Device::Auto => "auto",
+        }
+    }
+}
+
+/// Precision of the saved weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SaveDtypeCfg {
+    /// 32-bit floats.
+    F32,
+    /// bfloat16 (half the size; what Hub checkpoints usually hold).
+    Bf16,
+}
+
+impl SaveDtypeCfg {
+    /// The YAML spelling.
+    pub const fn name(self) -> &'static str {
+        match self {
+            SaveDtypeCfg::F32 => "f32",
+            SaveDtypeCfg::Bf16 => "bf16",
+        }
+    }
+}
+
+/// The trainer section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainerConfig {
+    /// Project name, non-empty (default `ares`).
+    pub project_name: String,
+    /// Run name, non-empty, without path separators (default `demo`).
+    pub experiment_name: String,
+    /// Output directory. `None` → `runs/<experiment_name>`.
+    pub output_dir: Option<String>,
+    /// Passes over the training set, ≥ 1 (default 1).
+    pub total_epochs: usize,
+    /// Stop after this many steps, ≥ 1 when set (default none: `total_epochs` decides).
+    pub max_steps: Option<usize>,
+    /// Save every this many steps; 0 = only at the end (default 0).
+    pub save_freq: usize,
+    /// Checkpoints kept (the newest), ≥ 1 (default 2).
+    pub save_limit: usize,
+    /// Precision of the saved weights (default `f32`).
+    pub save_dtype: SaveDtypeCfg,
+    /// Continue from the newest checkpoint in the output directory (default false).
+    pub resume: bool,
+    /// Validate every this many steps; 0 = only before and after training as configured
+    /// (default 0).
+    pub val_freq: usize,
+    /// Validate before the first step (default true).
+    pub val_before_train: bool,
+    /// Backend (default `cpu`).
+    pub device: Device,
+    /// Seed of everything not seeded elsewhere (default 1).
+    pub seed: u64,
+    /// CPU threads; 0 = all cores (default 0).
+    pub threads: usize,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        TrainerConfig {
+            project_name: "ares".into(),
+            experiment_name: "demo".into(),
+            output_dir: None,
+            total_epochs: 1,
+            max_steps: None,
+            save_freq: 0,
+            save_limit: 2,
+            save_dtype: SaveDtypeCfg::F32,
+            resume: false,
+            val_freq: 0,
+            val_before_train: true,
+            device: Device::Cpu,
+            seed: 1,
+            threads: 0,
+        }
+    }
+}
+
+/// Supervised fine-tuning on prompt/response pairs (the ARES cold-start stage).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SftConfig {
+    /// Run the SFT stage (default false).
+    pub enable: bool,
+    /// Prompt/response data (JSONL or Parquet). `None` → the demo's worked solutions.
+    pub train_files: Option<String>,
+    /// Column of the target response, non-empty (default `response`).
+    pub response_key: String,
+    /// Passes over the data, ≥ 1 (default 1).
+    pub epochs: usize,
+    /// Learning rate, > 0 (default 1e−4).
+    pub lr: f64,
+    /// Sequences per optimiser step, ≥ 1 (default 16).
+    pub batch_size: usize,
+    /// Longest prompt + response in tokens, ≥ 1 (default 1024).
+    pub max_length: usize,
+}
+
+impl Default for SftConfig {
+    fn default() -> Self {
+        SftConfig {
+            enable: false,
+            train_files: None,
+            response_key: "response".into(),
+            epochs: 1,
+            lr: 1e-4,
+            batch_size: 16,
+            max_length: 1024,
+        }
+    }
+}

@@ -1,0 +1,378 @@
+//! `worker.*`: the actor (policy and its optimiser), the rollout (sampling and graded system
+//! prompts), the frozen reference model and the reward.
+
+use serde::{Deserialize, Serialize};
+
+/// How per-token losses are reduced to one number (spec §6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum LossAggMode {
+    /// `Σ m·L / Σ m` over the mini-batch. Also accepted as `token_mean`.
+    #[serde(rename = "token-mean", alias = "token_mean")]
+    TokenMean,
+    /// Mean over sequences of `Σ_t m·L`. Also accepted as `seq_mean_token_sum`.
+    #[serde(rename = "seq-mean-token-sum", alias = "seq_mean_token_sum")]
+    SeqMeanTokenSum,
+    /// Mean over sequences of the per-sequence token mean. Also accepted as
+    /// `seq_mean_token_mean`.
+    #[serde(rename = "seq-mean-token-mean", alias = "seq_mean_token_mean")]
+    SeqMeanTokenMean,
+    /// `Σ m·L / T` with T the padded length. Also accepted as `seq_mean_token_sum_norm`.
+    #[serde(rename = "seq-mean-token-sum-norm", alias = "seq_mean_token_sum_norm")]
+    SeqMeanTokenSumNorm,
+}
+
+impl LossAggMode {
+    /// The YAML spelling.
+    pub const fn name(self) -> &'static str {
+        match self {
+            LossAggMode::TokenMean => "token-mean",
+            LossAggMode::SeqMeanTokenSum => "seq-mean-token-sum",
+            LossAggMode::SeqMeanTokenMean => "seq-mean-token-mean",
+            LossAggMode::SeqMeanTokenSumNorm => "seq-mean-token-sum-norm",
+        }
+    }
+}
+
+/// Importance correction between rollout-time and training-time log-probs (spec §6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum IsCorrection {
+    /// No correction.
+    None,
+    /// Truncated importance sampling: weights capped at `is_threshold_high`.
+    Tis,
+    /// IcePop: tokens whose ratio leaves `[is_threshold_low, is_threshold_high]` are masked.
+    Icepop,
+    /// REINFORCE-Pro style correction with both thresholds.
+    ReinforcePro,
+}
+
+impl IsCorrection {
+    /// The YAML spelling.
+    pub const fn name(self) -> &'static str {
+        match self {
+            IsCorrection::None => "none",
+            IsCorrection::Tis => "tis",
+            IsCorrection::Icepop => "icepop",
+            IsCorrection::ReinforcePro => "reinforce_pro",
+        }
+    }
+}
+
+/// Learning-rate schedule after the warm-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LrScheduler {
+    /// `lr` throughout.
+    Constant,
+    /// Cosine decay from `lr` to `min_lr_ratio·lr` at the last step.
+    Cosine,
+}
+
+impl LrScheduler {
+    /// The YAML spelling.
+    pub const fn name(self) -> &'static str {
+        match self {
+            LrScheduler::Constant => "constant",
+            LrScheduler::Cosine => "cosine",
+        }
+    }
+}
+
+/// AdamW and its schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimConfig {
+    /// Peak learning rate, > 0 (default 1e−6).
+    pub lr: f64,
+    /// Adam β₁, β₂, each in `[0, 1)` (default `[0.9, 0.999]`).
+    pub betas: [f64; 2],
+    /// Adam ε, > 0 (default 1e−8).
+    pub eps: f64,
+    /// Decoupled weight decay, ≥ 0 (default 0.01).
+    pub weight_decay: f64,
+    /// Linear warm-up from 0 over this many optimiser steps (default 0).
+    pub lr_warmup_steps: usize,
+    /// Schedule after the warm-up (default `constant`).
+    pub lr_scheduler: LrScheduler,
+    /// Final learning rate of the cosine schedule as a fraction of `lr`, in `[0, 1]`
+    /// (default 0).
+    pub min_lr_ratio: f64,
+}
+
+impl Default for OptimConfig {
+    fn default() -> Self {
+        OptimConfig {
+            lr: 1e-6,
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            weight_decay: 0.01,
+            lr_warmup_steps: 0,
+            lr_scheduler: LrScheduler::Constant,
+            min_lr_ratio: 0.0,
+        }
+    }
+}
+
+/// The policy being trained.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ActorConfig {
+    /// Hugging Face model directory. `None` → the demo's tiny model.
+    pub model_path: Option<String>,
+    /// Samples per optimiser step (mini-batch), ≥ 1 and a multiple of
+    /// `micro_batch_size_per_device` (default 64). It may exceed the samples of a step
+    /// (`data.rollout_batch_size · worker.rollout.n`): the trainer then takes the whole step
+    /// as one mini-batch, so this is not an error.
+    pub global_batch_size: usize,
+    /// Samples per forward/backward; gradients accumulate over
+    /// `global_batch_size / micro_batch_size_per_device` micro-batches, ≥ 1 (default 8).
+    pub micro_batch_size_per_device: usize,
+    /// Passes over a step's samples, ≥ 1 (default 1).
+    pub ppo_epochs: usize,
+    /// ε_low of the PPO clip `clamp(r, 1 − ε_low, 1 + ε_high)`, in `[0, 1]` (default 0.2).
+    pub clip_ratio_low: f64,
+    /// ε_high, ≥ 0 (default 0.3).
+    pub clip_ratio_high: f64,
+    /// Dual-clip bound c for negative advantages: 0 disables it, otherwise > 1 (default 3).
+    pub clip_ratio_dual: f64,
+    /// Loss aggregation (default `token-mean`).
+    pub loss_agg_mode: LossAggMode,
+    /// Dynamic token-level KL (seed 001 §2.3): HWE tokens get `β·dynamic_kl_low_ratio`
+    /// (default true).
+    pub dynamic_kl_loss: bool,
+    /// KL weight ratio of HWE tokens, in `[0, 1]` (default 0.5).
+    pub dynamic_kl_low_ratio: f64,
+    /// Gradient-norm clip, > 0 (default 1).
+    pub max_grad_norm: f64,
+    /// Rollout/training importance correction (default `none`).
+    pub is_correction: IsCorrection,
+    /// Lower ratio threshold, in `[0, 1]` (default 0.5).
+    pub is_threshold_low: f64,
+    /// Upper ratio threshold, ≥ 1 (default 5).
+    pub is_threshold_high: f64,
+    /// AdamW.
+    pub optim: OptimConfig,
+}
+
+impl Default for ActorConfig {
+    fn default() -> Self {
+        ActorConfig {
+            model_path: None,
+            global_batch_size: 64,
+            micro_batch_size_per_device: 8,
+            ppo_epochs: 1,
+            clip_ratio_low: 0.2,
+            clip_ratio_high: 0.3,
+            clip_ratio_dual: 3.0,
+            loss_agg_mode: LossAggMode::TokenMean,
+            dynamic_kl_loss: true,
+            dynamic_kl_low_ratio: 0.5,
+            max_grad_norm: 1.0,
+            is_correction: IsCorrection::None,
+            is_threshold_low: 0.5,
+            is_threshold_high: 5.0,
+            optim: OptimConfig::default(),
+        }
+    }
+}
+
+/// Reveal schedule of the graded system prompt (seed 003, spec §9).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RubricSchedule {
+    /// Sample k of n sees the fraction `(n−1−k)/(n−1)` of the criteria.
+    Linear,
+    /// The first `full_reveal_count` samples see all criteria, the others none.
+    Binary,
+    /// Linear, times `(T−step)/(T−1)`.
+    StepLinear,
+    /// Linear, times `(1−x)^power` with `x = (step−1)/(T−1)`.
+    StepPower,
+    /// Linear, times `1/(1 + e^{(x−x0)·k})`.
+    StepSigmoid,
+}
+
+impl RubricSchedule {
+    /// The YAML spelling.
+    pub const fn name(self) -> &'static str {
+        match self {
+            RubricSchedule::Linear => "linear",
+            RubricSchedule::Binary => "binary",
+            RubricSchedule::StepLinear => "step_linear",
+            RubricSchedule::StepPower => "step_power",
+            RubricSchedule::StepSigmoid => "step_sigmoid",
+        }
+    }
+}
+
+/// The graded system prompt (seed 003, spec §9).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GradedPromptConfig {
+    /// Reveal schedule (default `linear`).
+    pub schedule: RubricSchedule,
+    /// Samples that see every criterion under `binary` (default 1).
+    pub full_reveal_count: usize,
+    /// Exponent p of `step_power`, ≥ 0 (default 2).
+    pub power: f64,
+    /// Midpoint x0 of `step_sigmoid`, in `[0, 1]` (default 0.3).
+    pub x0: f64,
+    /// Steepness k of `step_sigmoid`, ≥ 0 (default 10).
+    pub k: f64,
+    /// Add the instruction not to mention the criteria (default true).
+    pub hide_criteria_instruction: bool,
+    /// With no criterion shown, still send the intro line as a system message (default
+    /// false: no system message).
+    pub add_base_when_zero: bool,
+    /// Train on the augmented prompt instead of the original one (default false).
+    pub graded_prompt_in_training: bool,
+}
+
+impl Default for GradedPromptConfig {
+    fn default() -> Self {
+        GradedPromptConfig {
+            schedule: RubricSchedule::Linear,
+            full_reveal_count: 1,
+            power: 2.0,
+            x0: 0.3,
+            k: 10.0,
+            hide_criteria_instruction: true,
+            add_base_when_zero: false,
+            graded_prompt_in_training: false,
+        }
+    }
+}
+
+/// Sampling of the responses.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RolloutConfig {
+    /// Samples per prompt (the group size), ≥ 1; ≥ 2 for group estimators, online
+    /// filtering and GRPO-λ (default 8).
+    pub n: usize,
+    /// Sampling temperature, > 0 (default 1).
+    pub temperature: f64,
+    /// Nucleus mass, in `(0, 1]` (default 1 = off).
+    pub top_p: f64,
+    /// Top-k cut; 0 = off (default 0).
+    pub top_k: usize,
+    /// Seed of the sampling and of the rubric subsets (default 1).
+    pub seed: u64,
+    /// Window w of the window entropy `W_t` (spec §1), ≥ 1 (default 4).
+    pub window_size: usize,
+    /// Validation temperature, ≥ 0; 0 = greedy (default 0).
+    pub val_temperature: f64,
+    /// Validation samples per prompt, ≥ 1 (default 1).
+    pub val_n: usize,
+    /// Graded system prompts at rollout time (seed 003; default false). Active only while
+    /// training with n > 1.
+    pub enable_graded_system_prompt: bool,
+    /// The graded system prompt's schedule and wording options.
+    pub graded: GradedPromptConfig,
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        RolloutConfig {
+            n: 8,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 1,
+            window_size: 4,
+            val_temperature: 0.0,
+            val_n: 1,
+            enable_graded_system_prompt: false,
+            graded: GradedPromptConfig::default(),
+        }
+    }
+}
+
+/// The frozen reference policy of the KL term.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RefConfig {
+    /// Hugging Face model directory. `None` → the actor's initial weights.
+    pub model_path: Option<String>,
+}
+
+/// What the reward grades.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RewardType {
+    /// Math answers: the last `\boxed{…}` against the reference (spec §10).
+    Math,
+    /// Rubric criteria: Σ points of met criteria / Σ positive points (spec §9).
+    Rubric,
+}
+
+impl RewardType {
+    /// The YAML spelling.
+    pub const fn name(self) -> &'static str {
+        match self {
+            RewardType::Math => "math",
+            RewardType::Rubric => "rubric",
+        }
+    }
+}
+
+/// Who judges rubric criteria.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RubricGrader {
+    /// Built-in keyword/regex matchers of the criteria.
+    Builtin,
+    /// An external command speaking JSON lines over stdin/stdout (`rubric_command`).
+    Command,
+}
+
+impl RubricGrader {
+    /// The YAML spelling.
+    pub const fn name(self) -> &'static str {
+        match self {
+            RubricGrader::Builtin => "builtin",
+            RubricGrader::Command => "command",
+        }
+    }
+}
+
+/// The reward.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RewardConfig {
+    /// What is graded (default `math`).
+    pub reward_type: RewardType,
+    /// Weight of the format reward in the total, ≥ 0; 0 = reported only (default 0).
+    pub format_weight: f64,
+    /// Rubric grader (default `builtin`).
+    pub rubric_grader: RubricGrader,
+    /// The grader command line; required when `rubric_grader` is `command`.
+    pub rubric_command: Option<String>,
+}
+
+impl Default for RewardConfig {
+    fn default() -> Self {
+        RewardConfig {
+            reward_type: RewardType::Math,
+            format_weight: 0.0,
+            rubric_grader: RubricGrader::Builtin,
+            rubric_command: None,
+        }
+    }
+}
+
+/// The worker section.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerConfig {
+    /// The policy.
+    pub actor: ActorConfig,
+    /// Sampling.
+    pub rollout: RolloutConfig,
+    /// The reference model (YAML key `ref`).
+    #[serde(rename = "ref")]
+    pub ref_: RefConfig,
+    /// The reward.
+    pub reward: RewardConfig,
+}
