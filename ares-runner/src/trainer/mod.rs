@@ -8,6 +8,7 @@ pub mod checkpoints;
 pub mod hwe;
 pub mod policy;
 pub mod prepare;
+pub mod resolve;
 pub mod rewards;
 pub mod rollout;
 pub mod sequences;
