@@ -7,4 +7,5 @@
 
 pub mod backend;
 pub mod hf;
+pub mod metrics;
 pub mod model;
