@@ -9,3 +9,4 @@ pub mod backend;
 pub mod hf;
 pub mod metrics;
 pub mod model;
+pub mod plot;
