@@ -10,3 +10,4 @@ pub mod hf;
 pub mod metrics;
 pub mod model;
 pub mod plot;
+pub mod progress;
