@@ -8,5 +8,8 @@
 pub mod backend;
 pub mod config;
 pub mod hf;
+pub mod metrics;
 pub mod model;
+pub mod plot;
+pub mod progress;
 pub mod trainer;
