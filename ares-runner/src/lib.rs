@@ -9,3 +9,4 @@ pub mod backend;
 pub mod data;
 pub mod hf;
 pub mod model;
+pub mod reward;
