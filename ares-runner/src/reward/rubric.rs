@@ -110,7 +110,16 @@ impl RubricGrader for KeywordGrader {
         response: &str,
         criteria: &[Criterion],
     ) -> Result<Vec<bool>> {
-        Self::check(criteria)?;
+        // every criterion must be judgeable before any verdict is given (regexes compile
+        // once, through the cache, below)
+        if let Some(c) = criteria
+            .iter()
+            .find(|c| c.keywords.is_empty() && c.regex.is_none())
+        {
+            return Err(RewardError::NoMatcher {
+                criterion: c.criterion.clone(),
+            });
+        }
         let lower = response.to_lowercase();
         criteria
             .iter()
@@ -201,5 +210,7 @@ mod tests {
         let bad = [crit("bad", 1.0, &[], Some("(x"))];
         let e = KeywordGrader::check(&bad).unwrap_err().to_string();
         assert!(e.contains("`bad`: invalid regex `(x`"), "{e}");
+        let e = KeywordGrader::new().grade("q", "x", &bad).unwrap_err();
+        assert!(matches!(e, RewardError::Regex { .. }), "{e:?}");
     }
 }
