@@ -7,9 +7,11 @@
 
 pub mod backend;
 pub mod config;
+pub mod data;
 pub mod hf;
 pub mod metrics;
 pub mod model;
 pub mod plot;
 pub mod progress;
+pub mod reward;
 pub mod trainer;

@@ -1,0 +1,120 @@
+//! [`load_dataset`]: a file or a directory of files into validated [`Example`]s.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use super::error::{DataError, Location, Result};
+use super::example::Example;
+use super::jsonl::read_json;
+use super::keys::DataKeys;
+use super::parquet::read_parquet;
+use super::row::{RawRow, to_example};
+
+/// File formats by extension.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Format {
+    /// `.jsonl`: JSON lines.
+    JsonLines,
+    /// `.json`: JSON lines, or one JSON array of rows.
+    Json,
+    /// `.parquet`.
+    Parquet,
+}
+
+fn format_of(path: &Path) -> Option<Format> {
+    let ext = path.extension()?.to_str()?.to_ascii_lowercase();
+    match ext.as_str() {
+        "jsonl" => Some(Format::JsonLines),
+        "json" => Some(Format::Json),
+        "parquet" => Some(Format::Parquet),
+        _ => None,
+    }
+}
+
+/// Loads a dataset: one `.jsonl`/`.json`/`.parquet` file, or every such file of a directory
+/// (not recursive, in name order). `.json` is JSON lines, or a JSON array of rows when the
+/// file starts with `[`. Parquet is read without arrow; compressed columns may be snappy
+/// (pyarrow's and HF `datasets`' default) or uncompressed.
+///
+/// Columns are found with `keys` (dotted paths into nested columns). Each row must have a
+/// prompt (a string or a non-empty list of `{role, content}` messages with string content)
+/// and an answer (a string or a number; when the row lacks `keys.answer`, `ground_truth` and
+/// then `reward_model.ground_truth` are used — EasyR1's and verl's columns), except rows with
+/// rubric criteria, which may have none. `difficulty`, `global_id` and the rubrics are
+/// optional; a missing `global_id` is generated as `<file stem>-<row>` (0-based row, stable
+/// across runs). Rows carrying `images` or `videos` are refused.
+///
+/// Errors (each naming the file, the row — and the line for JSON lines — and the key): the
+/// path cannot be read, an unknown extension, a directory without data files, a file without
+/// rows, malformed JSON, an unreadable Parquet file, a row without prompt or answer or with a
+/// value of the wrong type, malformed rubric criteria (including invalid regexes), images or
+/// videos ("not supported yet"), and two rows with the same `global_id`.
+pub fn load_dataset(path: &Path, keys: &DataKeys) -> Result<Vec<Example>> {
+    let meta = std::fs::metadata(path).map_err(|source| DataError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let files = if meta.is_dir() {
+        data_files(path)?
+    } else {
+        vec![path.to_path_buf()]
+    };
+    let mut examples = Vec::new();
+    let mut seen: HashMap<String, Location> = HashMap::new();
+    for file in &files {
+        let format =
+            format_of(file).ok_or_else(|| DataError::UnsupportedFormat { path: file.clone() })?;
+        let rows = match format {
+            Format::JsonLines => read_json(file, false)?,
+            Format::Json => read_json(file, true)?,
+            Format::Parquet => read_parquet(file)?,
+        };
+        if rows.is_empty() {
+            return Err(DataError::Empty { path: file.clone() });
+        }
+        let stem = file
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        for raw in &rows {
+            let example = to_example(raw, keys, &stem)?;
+            check_unique(&mut seen, &example.global_id, raw)?;
+            examples.push(example);
+        }
+    }
+    Ok(examples)
+}
+
+fn check_unique(seen: &mut HashMap<String, Location>, id: &str, raw: &RawRow) -> Result<()> {
+    if let Some(first) = seen.get(id) {
+        return Err(DataError::DuplicateId {
+            id: id.to_owned(),
+            first: first.clone(),
+            second: raw.at.clone(),
+        });
+    }
+    seen.insert(id.to_owned(), raw.at.clone());
+    Ok(())
+}
+
+/// The data files of `dir`, sorted by name.
+fn data_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let io = |source| DataError::Io {
+        path: dir.to_path_buf(),
+        source,
+    };
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io)? {
+        let path = entry.map_err(io)?.path();
+        if path.is_file() && format_of(&path).is_some() {
+            files.push(path);
+        }
+    }
+    if files.is_empty() {
+        return Err(DataError::NoFiles {
+            dir: dir.to_path_buf(),
+        });
+    }
+    files.sort();
+    Ok(files)
+}

@@ -1,0 +1,112 @@
+//! Parquet files through the `parquet` crate's record API (no arrow): each row becomes a
+//! JSON object, so Parquet and JSON lines rows go through the same checks. Nested columns
+//! map as pyarrow writes them: structs → objects, lists → arrays, maps → objects.
+
+use std::fs::File;
+use std::path::Path;
+
+use parquet::file::reader::{FileReader, SerializedFileReader};
+use parquet::record::{Field, Row};
+use serde_json::{Map, Number, Value};
+
+use super::error::{DataError, Location, Result};
+use super::row::RawRow;
+
+/// Reads every row of a Parquet file.
+pub(crate) fn read_parquet(path: &Path) -> Result<Vec<RawRow>> {
+    let file = File::open(path).map_err(|source| DataError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let fail = |row: Option<usize>, e: parquet::errors::ParquetError| DataError::Parquet {
+        path: path.to_path_buf(),
+        row,
+        message: e.to_string(),
+    };
+    let reader = SerializedFileReader::new(file).map_err(|e| fail(None, e))?;
+    let iter = reader.get_row_iter(None).map_err(|e| fail(None, e))?;
+    let mut rows = Vec::new();
+    for (row, r) in iter.enumerate() {
+        let r = r.map_err(|e| fail(Some(row), e))?;
+        rows.push(RawRow {
+            at: Location {
+                path: path.to_path_buf(),
+                row,
+                line: None,
+            },
+            value: Value::Object(row_to_json(&r)),
+        });
+    }
+    Ok(rows)
+}
+
+fn row_to_json(row: &Row) -> Map<String, Value> {
+    row.get_column_iter()
+        .map(|(name, field)| (name.clone(), field_to_json(field)))
+        .collect()
+}
+
+fn float(x: f64) -> Value {
+    // NaN/∞ have no JSON form; as null they read as "absent", which the checks then report.
+    Number::from_f64(x).map_or(Value::Null, Value::Number)
+}
+
+fn field_to_json(field: &Field) -> Value {
+    match field {
+        Field::Null => Value::Null,
+        Field::Bool(b) => Value::Bool(*b),
+        Field::Byte(v) => Value::from(*v),
+        Field::Short(v) => Value::from(*v),
+        Field::Int(v) => Value::from(*v),
+        Field::Long(v) => Value::from(*v),
+        Field::UByte(v) => Value::from(*v),
+        Field::UShort(v) => Value::from(*v),
+        Field::UInt(v) => Value::from(*v),
+        Field::ULong(v) => Value::from(*v),
+        Field::Float16(v) => float(f64::from(*v)),
+        Field::Float(v) => float(f64::from(*v)),
+        Field::Double(v) => float(*v),
+        Field::Str(s) => Value::String(s.clone()),
+        // Binary columns: text if it is UTF-8 (some writers store strings as plain binary),
+        // else the bytes as numbers, so a non-empty binary column is never mistaken for empty.
+        Field::Bytes(b) => match std::str::from_utf8(b.data()) {
+            Ok(s) => Value::String(s.to_owned()),
+            Err(_) => Value::Array(b.data().iter().map(|&x| Value::from(x)).collect()),
+        },
+        // Decimals, dates and times are not training data; their printed form suffices.
+        Field::Decimal(_)
+        | Field::Date(_)
+        | Field::TimeMillis(_)
+        | Field::TimeMicros(_)
+        | Field::TimestampMillis(_)
+        | Field::TimestampMicros(_) => Value::String(field.to_string()),
+        Field::Group(row) => Value::Object(row_to_json(row)),
+        Field::ListInternal(list) => {
+            Value::Array(list.elements().iter().map(field_to_json).collect())
+        }
+        Field::MapInternal(map) => {
+            let entries = map.entries();
+            if entries.iter().all(|(k, _)| matches!(k, Field::Str(_))) {
+                Value::Object(
+                    entries
+                        .iter()
+                        .map(|(k, v)| {
+                            let key = match k {
+                                Field::Str(s) => s.clone(),
+                                other => other.to_string(),
+                            };
+                            (key, field_to_json(v))
+                        })
+                        .collect(),
+                )
+            } else {
+                Value::Array(
+                    entries
+                        .iter()
+                        .map(|(k, v)| Value::Array(vec![field_to_json(k), field_to_json(v)]))
+                        .collect(),
+                )
+            }
+        }
+    }
+}

@@ -1,0 +1,27 @@
+//! Rewards: math answer grading (spec §10), the format reward, and rubric rewards with a
+//! built-in keyword/regex grader or an external grader command (spec §9).
+//!
+//! - [`grade_math`]: the last `\boxed{…}` of a response against the reference answer
+//!   (normalised strings, numbers within 1e−6 relative, tuples/intervals element-wise; the
+//!   supported subset is listed in [`math`]).
+//! - [`format_reward`]: 1 for exactly one well-formed final `\boxed{}` (after `</think>`
+//!   when the response thinks), else 0.
+//! - [`RubricGrader`] with [`KeywordGrader`] and [`CommandGrader`]; [`rubric_score`]
+//!   `= Σ points met / Σ positive points`.
+
+mod boxed;
+mod command;
+mod error;
+mod format;
+mod latex;
+pub mod math;
+mod normalize;
+mod number;
+mod rubric;
+
+pub use boxed::extract_boxed;
+pub use command::CommandGrader;
+pub use error::{Result, RewardError};
+pub use format::format_reward;
+pub use math::{MathGrade, answers_match, grade_math};
+pub use rubric::{KeywordGrader, RubricGrader, rubric_reward, rubric_score};
