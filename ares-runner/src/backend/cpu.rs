@@ -6,6 +6,7 @@ use ares_cpu::ops::attention::{
     self, AttentionShape, attention_backward, attention_decode, attention_forward, kv_cache_append,
 };
 use ares_cpu::ops::embedding::{embedding_backward, embedding_forward};
+use ares_cpu::ops::log_prob_backward::log_prob_backward;
 use ares_cpu::ops::matmul::{MatmulDims, linear_backward, linear_forward};
 use ares_cpu::ops::rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 use ares_cpu::ops::rope::{rope_backward, rope_forward};
@@ -378,6 +379,26 @@ impl Backend for CpuBackend {
             entropy,
         )
         .map_err(op("log_prob_entropy"))
+    }
+
+    fn log_prob_backward(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        temperature: f32,
+        targets: &Vec<u32>,
+        coeffs: Tensor<'_, Self>,
+        dlogits: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        log_prob_backward(
+            slice(logits)?,
+            vocab,
+            temperature,
+            targets,
+            slice(coeffs)?,
+            slice_mut(dlogits)?,
+        )
+        .map_err(op("log_prob_backward"))
     }
 
     fn kv_cache_append(

@@ -321,6 +321,27 @@ pub trait Backend {
         entropy: TensorMut<'_, Self>,
     ) -> Result<()>;
 
+    /// Backward of the per-token log-prob of [`Backend::log_prob_entropy`]: per row of
+    /// `logits` `[rows, vocab]` (rows = `targets.len()`), with `z = logits / temperature`
+    /// and `g = coeffs[row]` (∂L/∂logπ of that token),
+    /// `dlogits[row, :] = g/temperature · (onehot(targets[row]) − softmax(z))`, without a
+    /// `[rows, vocab]` temporary. **Overwrites** `dlogits`; rows with `g = 0` are zero and
+    /// their logits are not read.
+    ///
+    /// # Errors
+    /// Lengths that do not match, `vocab == 0`, a temperature not finite and > 0, a
+    /// non-finite coefficient, and (where checked) for rows with `g ≠ 0` a target `>= vocab`
+    /// or a row holding NaN/+∞.
+    fn log_prob_backward(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        temperature: f32,
+        targets: &Self::Ids,
+        coeffs: Tensor<'_, Self>,
+        dlogits: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
     /// Appends `dims.seq` new tokens per sequence to one layer's KV cache:
     /// `cache.k[b, cache.len + i] = k_new[b, i]` (and v) for `i < dims.seq`, with `k_new`,
     /// `v_new` `[batch, seq, kv_heads, head_dim]` (after RoPE). The caller tracks the

@@ -92,6 +92,22 @@ pub enum ModelError {
         /// `(batch, seq)` of the input.
         actual: (usize, usize),
     },
+    /// Gradients or optimizer moments whose buffers do not match this model's parameters.
+    #[error("{what} do not match this model's parameters (made for another model?)")]
+    LayoutMismatch {
+        /// What was given (`gradients`, `optimizer moments`).
+        what: &'static str,
+    },
+    /// A scalar argument or one element of a per-token argument is outside its domain.
+    #[error("{what} = {value} is invalid: expected {expected}")]
+    InvalidValue {
+        /// The argument, with the index for an element (`coeffs[12]`, `temperature`).
+        what: String,
+        /// The value given.
+        value: f64,
+        /// What is allowed.
+        expected: &'static str,
+    },
     /// A backend call failed.
     #[error(transparent)]
     Backend(#[from] BackendError),

@@ -20,6 +20,9 @@
 //!   (llm.c style, per layer, scratch planned with the activations) accumulating every
 //!   parameter's gradient into [`Grads`] (same layout as the weights; tied embeddings
 //!   share one gradient).
+//! - [`Model::backward_from_log_prob_grads`]: the loss head of training, from ∂L/∂logπ
+//!   per token (what the policy losses return) through the fused log-prob backward on the
+//!   device to [`Model::backward`].
 //! - [`Model::generate`]: batched generation with a [`KvCache`] (greedy or seeded
 //!   sampling, see [`GenerateRequest`]); [`Model::forward_cached`] is its prefill/decode
 //!   step.
@@ -32,6 +35,7 @@ mod generate;
 mod grads;
 mod inputs;
 mod kv_cache;
+mod log_prob_grad;
 mod sampling;
 mod spec;
 mod weights;

@@ -1,0 +1,367 @@
+//! Training on the CPU backend with the tiny fixtures (`tests/fixtures/models`): the loss
+//! head ([`Model::backward_from_log_prob_grads`]) against the backward of host-computed
+//! ∂L/∂logits and against finite differences of the forward log-probs, and its argument
+//! errors.
+
+use std::path::{Path, PathBuf};
+
+use ares_runner::backend::cpu::CpuBackend;
+use ares_runner::backend::{Backend, View, ViewMut};
+use ares_runner::hf::checkpoint::Checkpoint;
+use ares_runner::hf::weights::expected_tensors;
+use ares_runner::model::{Grads, Inputs, Model, ModelError};
+use safetensors::{Dtype, SafeTensors};
+
+const MODELS: [&str; 3] = ["qwen2_tiny", "qwen3_tiny", "llama_tiny"];
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/models")
+        .join(name)
+}
+
+fn load(name: &str) -> (Checkpoint, Model<CpuBackend>) {
+    let checkpoint = Checkpoint::load(&fixture(name)).unwrap();
+    let model = Model::from_checkpoint(CpuBackend, &checkpoint).unwrap();
+    (checkpoint, model)
+}
+
+/// One input set of a fixture with a loss on it: next-token targets, and per-token
+/// coefficients ∂L/∂logπ (nonzero at valid positions that have a next valid token).
+struct Batch {
+    batch: usize,
+    seq: usize,
+    input_ids: Vec<u32>,
+    attention_mask: Vec<u32>,
+    position_ids: Vec<u32>,
+    targets: Vec<u32>,
+    coeffs: Vec<f32>,
+}
+
+impl Batch {
+    fn inputs(&self) -> Inputs<'_> {
+        Inputs {
+            batch: self.batch,
+            seq: self.seq,
+            input_ids: &self.input_ids,
+            attention_mask: &self.attention_mask,
+            position_ids: &self.position_ids,
+        }
+    }
+}
+
+fn u32s(st: &SafeTensors<'_>, name: &str) -> (Vec<usize>, Vec<u32>) {
+    let t = st.tensor(name).unwrap();
+    assert_eq!(t.dtype(), Dtype::I64, "{name}");
+    let values = t
+        .data()
+        .chunks_exact(8)
+        .map(|b| u32::try_from(i64::from_le_bytes(b.try_into().unwrap())).unwrap())
+        .collect();
+    (t.shape().to_vec(), values)
+}
+
+/// The fixture's input set `set` (`right` or `left` padded) with next-token targets and
+/// coefficients of both signs.
+fn batch(name: &str, set: &str) -> Batch {
+    let bytes = std::fs::read(fixture(name).join("expected.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let (shape, input_ids) = u32s(&st, &format!("{set}.input_ids"));
+    let (_, attention_mask) = u32s(&st, &format!("{set}.attention_mask"));
+    let (_, position_ids) = u32s(&st, &format!("{set}.position_ids"));
+    let (batch, seq) = (shape[0], shape[1]);
+    let mut targets = vec![0u32; batch * seq];
+    let mut coeffs = vec![0.0f32; batch * seq];
+    for b in 0..batch {
+        for t in 0..seq - 1 {
+            let (i, next) = (b * seq + t, b * seq + t + 1);
+            if attention_mask[i] == 1 && attention_mask[next] == 1 {
+                targets[i] = input_ids[next];
+                coeffs[i] = [-0.4, 0.25, -1.1, 0.6][(i * 7) % 4];
+            }
+        }
+    }
+    Batch {
+        batch,
+        seq,
+        input_ids,
+        attention_mask,
+        position_ids,
+        targets,
+        coeffs,
+    }
+}
+
+/// `max |a − b| / max |b|`.
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let diff = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| (f64::from(x) - f64::from(y)).abs())
+        .fold(0.0, f64::max);
+    let scale = b.iter().map(|&y| f64::from(y).abs()).fold(0.0, f64::max);
+    diff / scale.max(1e-30)
+}
+
+/// `∂L/∂logits` of `Σ_t c_t·logπ_t` at temperature `t`, from the logits in f64.
+fn host_dlogits(logits: &[f32], vocab: usize, s: &Batch, temperature: f32) -> Vec<f32> {
+    let t = f64::from(temperature);
+    let mut out = vec![0.0f32; logits.len()];
+    for (i, (row, o)) in logits
+        .chunks_exact(vocab)
+        .zip(out.chunks_exact_mut(vocab))
+        .enumerate()
+    {
+        let c = f64::from(s.coeffs[i]);
+        if c == 0.0 {
+            continue;
+        }
+        let z: Vec<f64> = row.iter().map(|&x| f64::from(x) / t).collect();
+        let m = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = z.iter().map(|&v| (v - m).exp()).sum();
+        for (v, (o, &zv)) in o.iter_mut().zip(&z).enumerate() {
+            let onehot = f64::from(u8::from(v == s.targets[i] as usize));
+            *o = (c / t * (onehot - (zv - m).exp() / sum)) as f32;
+        }
+    }
+    out
+}
+
+/// Every parameter's gradient, by name.
+fn all_grads(
+    model: &Model<CpuBackend>,
+    checkpoint: &Checkpoint,
+    grads: &Grads<CpuBackend>,
+) -> Vec<(String, Vec<f32>)> {
+    expected_tensors(&checkpoint.config)
+        .into_iter()
+        .map(|(name, _)| {
+            let g = grads.download(model.backend(), &name).unwrap();
+            (name, g)
+        })
+        .collect()
+}
+
+#[test]
+fn log_prob_head_equals_backward_of_host_dlogits() {
+    for name in MODELS {
+        let (checkpoint, model) = load(name);
+        let vocab = model.spec().vocab;
+        for set in ["right", "left"] {
+            let s = batch(name, set);
+            for temperature in [1.0f32, 0.7] {
+                let mut acts = model.activations(s.batch, s.seq).unwrap();
+                model.forward(&s.inputs(), &mut acts).unwrap();
+                // Scoring in between leaves the logits the head reads.
+                model
+                    .log_prob_entropy(&mut acts, &s.targets, temperature)
+                    .unwrap();
+                let mut ours = model.grads().unwrap();
+                model
+                    .backward_from_log_prob_grads(
+                        &s.inputs(),
+                        &mut acts,
+                        &s.targets,
+                        &s.coeffs,
+                        temperature,
+                        &mut ours,
+                    )
+                    .unwrap();
+
+                let mut logits = vec![0.0; s.batch * s.seq * vocab];
+                model.download_logits(&acts, &mut logits).unwrap();
+                let dlogits = host_dlogits(&logits, vocab, &s, temperature);
+                let be = model.backend();
+                let mut buf = be.alloc(dlogits.len()).unwrap();
+                be.upload(&dlogits, ViewMut::whole(&mut buf)).unwrap();
+                let mut want = model.grads().unwrap();
+                model
+                    .backward(&s.inputs(), &mut acts, View::whole(&buf), &mut want)
+                    .unwrap();
+
+                let ours = all_grads(&model, &checkpoint, &ours);
+                let want = all_grads(&model, &checkpoint, &want);
+                for ((param, a), (_, b)) in ours.iter().zip(&want) {
+                    let err = rel_err(a, b);
+                    assert!(err < 1e-5, "{name} {set} T={temperature} {param}: {err:e}");
+                }
+            }
+        }
+    }
+}
+
+/// `Σ_t c_t·logπ_t` computed by the forward pass and the fused log-prob kernel, in f64.
+fn loss(model: &Model<CpuBackend>, s: &Batch, temperature: f32) -> f64 {
+    let mut acts = model.activations(s.batch, s.seq).unwrap();
+    model.forward(&s.inputs(), &mut acts).unwrap();
+    model
+        .log_prob_entropy(&mut acts, &s.targets, temperature)
+        .unwrap();
+    let mut lp = vec![0.0; s.batch * s.seq];
+    model.backend().download(acts.log_probs(), &mut lp).unwrap();
+    lp.iter()
+        .zip(&s.coeffs)
+        .map(|(&l, &c)| f64::from(l) * f64::from(c))
+        .sum()
+}
+
+/// A parameter's name and where its values are in a checkpoint.
+type Param = (&'static str, fn(&mut Checkpoint) -> &mut Vec<f32>);
+
+/// Central differences of the loss at the largest-gradient element of each parameter.
+fn finite_differences(name: &str, temperature: f32, params: &[Param]) {
+    let (checkpoint, model) = load(name);
+    let s = batch(name, "left");
+    let mut acts = model.activations(s.batch, s.seq).unwrap();
+    model.forward(&s.inputs(), &mut acts).unwrap();
+    let mut grads = model.grads().unwrap();
+    model
+        .backward_from_log_prob_grads(
+            &s.inputs(),
+            &mut acts,
+            &s.targets,
+            &s.coeffs,
+            temperature,
+            &mut grads,
+        )
+        .unwrap();
+    for (param, get) in params {
+        let analytic = grads.download(model.backend(), param).unwrap();
+        let (idx, &g) = analytic
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.abs().total_cmp(&b.1.abs()))
+            .unwrap();
+        let h = 1e-2f32;
+        let at = |delta: f32| {
+            let mut c = checkpoint.clone();
+            get(&mut c)[idx] += delta;
+            loss(
+                &Model::from_checkpoint(CpuBackend, &c).unwrap(),
+                &s,
+                temperature,
+            )
+        };
+        let numeric = (at(h) - at(-h)) / (2.0 * f64::from(h));
+        let err = (numeric - f64::from(g)).abs() / f64::from(g).abs();
+        eprintln!("{name} {param}[{idx}]: analytic {g:.6}, numeric {numeric:.6}, rel {err:.2e}");
+        assert!(err < 1e-2, "{name} {param}[{idx}]: {g} vs {numeric}");
+    }
+}
+
+#[test]
+fn log_prob_head_matches_finite_differences() {
+    finite_differences(
+        "qwen2_tiny",
+        0.7,
+        &[
+            ("model.embed_tokens.weight", |c| {
+                &mut c.weights.embed_tokens.data
+            }),
+            ("model.layers.1.self_attn.q_proj.bias", |c| {
+                &mut c.weights.layers[1].q_proj_bias.as_mut().unwrap().data
+            }),
+        ],
+    );
+    finite_differences(
+        "qwen3_tiny",
+        1.0,
+        &[
+            ("lm_head.weight", |c| {
+                &mut c.weights.lm_head.as_mut().unwrap().data
+            }),
+            ("model.layers.0.self_attn.q_norm.weight", |c| {
+                c.weights.layers[0]
+                    .q_norm
+                    .as_mut()
+                    .map(|t| &mut t.data)
+                    .unwrap()
+            }),
+        ],
+    );
+    finite_differences(
+        "llama_tiny",
+        1.3,
+        &[("model.layers.0.mlp.up_proj.weight", |c| {
+            &mut c.weights.layers[0].up_proj.data
+        })],
+    );
+}
+
+#[test]
+fn bad_log_prob_head_arguments_are_errors() {
+    let (_, model) = load("qwen2_tiny");
+    let s = batch("qwen2_tiny", "left");
+    let mut acts = model.activations(s.batch, s.seq).unwrap();
+    model.forward(&s.inputs(), &mut acts).unwrap();
+    let mut grads = model.grads().unwrap();
+    let mut run = |targets: &[u32], coeffs: &[f32], t: f32| {
+        model.backward_from_log_prob_grads(&s.inputs(), &mut acts, targets, coeffs, t, &mut grads)
+    };
+    let e = run(&s.targets[1..], &s.coeffs, 1.0).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ModelError::InputLength {
+                what: "targets",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = run(&s.targets, &s.coeffs[1..], 1.0).unwrap_err();
+    assert!(
+        matches!(e, ModelError::InputLength { what: "coeffs", .. }),
+        "{e}"
+    );
+    let mut bad = s.targets.clone();
+    bad[3] = 97;
+    let e = run(&bad, &s.coeffs, 1.0).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ModelError::TokenOutOfRange {
+                what: "targets",
+                index: 3,
+                id: 97,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let mut nan = s.coeffs.clone();
+    nan[5] = f32::NAN;
+    let e = run(&s.targets, &nan, 1.0).unwrap_err();
+    assert!(e.to_string().contains("coeffs[5]"), "{e}");
+    // The left-padded set has padding at position 0 of a row.
+    let pad = s.attention_mask.iter().position(|&m| m == 0).unwrap();
+    let mut on_pad = s.coeffs.clone();
+    on_pad[pad] = 1.0;
+    let e = run(&s.targets, &on_pad, 1.0).unwrap_err();
+    assert!(e.to_string().contains("padding"), "{e}");
+    for t in [0.0, -1.0, f32::INFINITY, f32::NAN] {
+        let e = run(&s.targets, &s.coeffs, t).unwrap_err();
+        assert!(matches!(e, ModelError::InvalidValue { .. }), "{e}");
+    }
+    // Nothing was accumulated by the failed calls.
+    let embed = grads
+        .download(model.backend(), "model.embed_tokens.weight")
+        .unwrap();
+    assert!(embed.iter().all(|&x| x == 0.0));
+
+    // Gradients of another model are refused before anything is written.
+    let (_, other) = load("qwen3_tiny");
+    let mut foreign = other.grads().unwrap();
+    let e = model
+        .backward_from_log_prob_grads(
+            &s.inputs(),
+            &mut acts,
+            &s.targets,
+            &s.coeffs,
+            1.0,
+            &mut foreign,
+        )
+        .unwrap_err();
+    assert!(matches!(e, ModelError::LayoutMismatch { .. }), "{e}");
+}
