@@ -1,15 +1,17 @@
 //! Training on the CPU backend with the tiny fixtures (`tests/fixtures/models`): the loss
 //! head ([`Model::backward_from_log_prob_grads`]) against the backward of host-computed
 //! ∂L/∂logits and against finite differences of the forward log-probs, and its argument
-//! errors.
+//! errors; [`AdamW`] against `ares-cpu`'s optimizer and a hand computation, skipped steps,
+//! and its state file.
 
 use std::path::{Path, PathBuf};
 
+use ares_cpu::ops::optim::{adamw_step, clip_grad_norm};
 use ares_runner::backend::cpu::CpuBackend;
 use ares_runner::backend::{Backend, View, ViewMut};
 use ares_runner::hf::checkpoint::Checkpoint;
 use ares_runner::hf::weights::expected_tensors;
-use ares_runner::model::{Grads, Inputs, Model, ModelError};
+use ares_runner::model::{AdamW, AdamWConfig, Grads, Inputs, Model, ModelError};
 use safetensors::{Dtype, SafeTensors};
 
 const MODELS: [&str; 3] = ["qwen2_tiny", "qwen3_tiny", "llama_tiny"];
@@ -364,4 +366,302 @@ fn bad_log_prob_head_arguments_are_errors() {
         )
         .unwrap_err();
     assert!(matches!(e, ModelError::LayoutMismatch { .. }), "{e}");
+}
+
+// ----- AdamW over the model. -----
+
+/// Gradients of the loss head on the fixture's left-padded set.
+fn loss_grads(model: &Model<CpuBackend>, name: &str) -> Grads<CpuBackend> {
+    let s = batch(name, "left");
+    let mut acts = model.activations(s.batch, s.seq).unwrap();
+    model.forward(&s.inputs(), &mut acts).unwrap();
+    let mut grads = model.grads().unwrap();
+    model
+        .backward_from_log_prob_grads(
+            &s.inputs(),
+            &mut acts,
+            &s.targets,
+            &s.coeffs,
+            1.0,
+            &mut grads,
+        )
+        .unwrap();
+    grads
+}
+
+const CFG: AdamWConfig = AdamWConfig {
+    beta1: 0.9,
+    beta2: 0.95,
+    eps: 1e-8,
+    weight_decay: 0.1,
+};
+
+#[test]
+fn adamw_steps_equal_ares_cpu_and_the_hand_computation() {
+    for name in ["qwen2_tiny", "qwen3_tiny"] {
+        let (checkpoint, mut model) = load(name);
+        let grads = loss_grads(&model, name);
+        let names: Vec<String> = expected_tensors(&checkpoint.config)
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        let host_grads: Vec<Vec<f32>> = names
+            .iter()
+            .map(|n| grads.download(model.backend(), n).unwrap())
+            .collect();
+        let w0 = model.to_weights().unwrap();
+        assert_eq!(
+            w0, checkpoint.weights,
+            "{name}: to_weights is what was loaded"
+        );
+        let mut reference: Vec<Vec<f32>> =
+            w0.tensors().iter().map(|(_, t)| t.data.clone()).collect();
+        let mut m: Vec<Vec<f32>> = reference.iter().map(|p| vec![0.0; p.len()]).collect();
+        let mut v = m.clone();
+        let norm = host_grads
+            .iter()
+            .flatten()
+            .map(|&g| f64::from(g) * f64::from(g))
+            .sum::<f64>()
+            .sqrt();
+        let max_norm = (norm / 4.0) as f32;
+        let lr = 1e-3;
+        let cpu_cfg = ares_cpu::ops::optim::AdamWConfig {
+            beta1: CFG.beta1,
+            beta2: CFG.beta2,
+            eps: CFG.eps,
+            weight_decay: CFG.weight_decay,
+        };
+
+        let mut opt = AdamW::new(&model, CFG).unwrap();
+        for step in 1..=2u64 {
+            let report = opt.step(&mut model, &grads, lr, Some(max_norm)).unwrap();
+            assert!(report.applied);
+            assert!(
+                (f64::from(report.grad_norm) - norm).abs() <= 1e-6 * norm,
+                "{name}"
+            );
+            assert_eq!(opt.step_count(), step);
+
+            // ares-cpu on host copies: clip the same gradients, then one AdamW step each.
+            let mut g = host_grads.clone();
+            let mut views: Vec<&mut [f32]> = g.iter_mut().map(Vec::as_mut_slice).collect();
+            clip_grad_norm(&mut views, max_norm).unwrap();
+            let before = reference.clone();
+            for (((p, g), m), v) in reference.iter_mut().zip(&g).zip(&mut m).zip(&mut v) {
+                adamw_step(p, g, m, v, step, &cpu_cfg, lr).unwrap();
+            }
+            let ours = model.to_weights().unwrap();
+            for ((n, t), want) in ours.tensors().iter().zip(&reference) {
+                let err = rel_err(&t.data, want);
+                assert!(err < 1e-6, "{name} step {step} {n}: {err:e}");
+            }
+
+            // By hand for the first step: m̂ = ĝ and v̂ = ĝ², so
+            // θ₁ = θ₀·(1 − lr·wd) − lr·ĝ/(|ĝ| + ε) with ĝ = g·max_norm/(norm + 1e-6).
+            if step == 1 {
+                let scale = f64::from(max_norm) / (norm + 1e-6);
+                for (((n, t), p0), g) in ours.tensors().iter().zip(&before).zip(&host_grads) {
+                    for ((&p1, &p0), &g) in t.data.iter().zip(p0).zip(g) {
+                        let gh = f64::from(g) * scale;
+                        let want = f64::from(p0) * (1.0 - lr * CFG.weight_decay)
+                            - lr * gh / (gh.abs() + CFG.eps);
+                        let tol = 1e-6 * want.abs() + 2e-8;
+                        assert!(
+                            (f64::from(p1) - want).abs() <= tol,
+                            "{name} {n}: {p1} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The two moments of every parameter in a saved state, by tensor name.
+fn state_tensors(path: &Path) -> Vec<(String, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.data().to_vec()))
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn a_non_finite_gradient_changes_nothing() {
+    let (_, mut model) = load("llama_tiny");
+    let dir = tempfile::tempdir().unwrap();
+    let mut opt = AdamW::new(&model, CFG).unwrap();
+    let grads = loss_grads(&model, "llama_tiny");
+    opt.step(&mut model, &grads, 1e-3, Some(1.0)).unwrap();
+    let before = dir.path().join("before.safetensors");
+    opt.save(&model, &before).unwrap();
+    let weights = model.to_weights().unwrap();
+
+    // NaN in ∂L/∂logits reaches every gradient.
+    let s = batch("llama_tiny", "right");
+    let mut acts = model.activations(s.batch, s.seq).unwrap();
+    model.forward(&s.inputs(), &mut acts).unwrap();
+    let be = model.backend();
+    let mut dlogits = be.alloc(s.batch * s.seq * model.spec().vocab).unwrap();
+    let mut host = vec![0.0f32; dlogits.len()];
+    host[5] = f32::NAN;
+    be.upload(&host, ViewMut::whole(&mut dlogits)).unwrap();
+    let mut nan_grads = model.grads().unwrap();
+    model
+        .backward(
+            &s.inputs(),
+            &mut acts,
+            View::whole(&dlogits),
+            &mut nan_grads,
+        )
+        .unwrap();
+    let report = opt.step(&mut model, &nan_grads, 1e-3, Some(1.0)).unwrap();
+    assert!(!report.applied && report.grad_norm.is_nan(), "{report:?}");
+    assert_eq!(opt.step_count(), 1);
+    assert_eq!(model.to_weights().unwrap(), weights);
+    let after = dir.path().join("after.safetensors");
+    opt.save(&model, &after).unwrap();
+    assert_eq!(state_tensors(&before), state_tensors(&after));
+
+    // The next finite step goes through as the second update.
+    let report = opt.step(&mut model, &grads, 1e-3, None).unwrap();
+    assert!(report.applied && report.grad_norm.is_finite());
+    assert_eq!(opt.step_count(), 2);
+}
+
+#[test]
+fn optimizer_state_round_trips_exactly() {
+    for name in ["qwen2_tiny", "qwen3_tiny"] {
+        let (checkpoint, mut model) = load(name);
+        let grads = loss_grads(&model, name);
+        let mut opt = AdamW::new(&model, CFG).unwrap();
+        for _ in 0..2 {
+            opt.step(&mut model, &grads, 1e-3, Some(1.0)).unwrap();
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("optimizer.safetensors");
+        opt.save(&model, &path).unwrap();
+        // Only the file itself is left in the directory (the temporary was renamed).
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+
+        // A second model with the same weights, and the state loaded from disk.
+        let mut twin =
+            Model::new(CpuBackend, &checkpoint.config, &model.to_weights().unwrap()).unwrap();
+        let mut loaded = AdamW::load(&twin, CFG, &path).unwrap();
+        assert_eq!(loaded.step_count(), 2);
+        let again = dir.path().join("again.safetensors");
+        loaded.save(&twin, &again).unwrap();
+        assert_eq!(state_tensors(&path), state_tensors(&again));
+
+        // The next step is the same on both.
+        opt.step(&mut model, &grads, 2e-3, Some(1.0)).unwrap();
+        loaded.step(&mut twin, &grads, 2e-3, Some(1.0)).unwrap();
+        assert_eq!(
+            model.to_weights().unwrap(),
+            twin.to_weights().unwrap(),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn optimizer_errors_name_the_problem() {
+    let (_, mut qwen2) = load("qwen2_tiny");
+    let (_, qwen3) = load("qwen3_tiny");
+    let dir = tempfile::tempdir().unwrap();
+
+    let bad_cfg = AdamWConfig { beta1: 1.0, ..CFG };
+    let e = AdamW::new(&qwen2, bad_cfg).unwrap_err();
+    assert!(
+        matches!(e, ModelError::AdamWConfig(_)) && e.to_string().contains("beta1"),
+        "{e}"
+    );
+
+    let mut opt = AdamW::new(&qwen2, CFG).unwrap();
+    let grads = qwen2.grads().unwrap();
+    for lr in [-1.0, f64::NAN] {
+        let e = opt.step(&mut qwen2, &grads, lr, None).unwrap_err();
+        assert!(e.to_string().contains("lr"), "{e}");
+    }
+    let e = opt
+        .step(&mut qwen2, &grads, 1e-3, Some(f32::INFINITY))
+        .unwrap_err();
+    assert!(e.to_string().contains("max_grad_norm"), "{e}");
+    let foreign = qwen3.grads().unwrap();
+    let e = opt.step(&mut qwen2, &foreign, 1e-3, None).unwrap_err();
+    assert!(
+        matches!(e, ModelError::LayoutMismatch { what: "gradients" }),
+        "{e}"
+    );
+    assert_eq!(opt.step_count(), 0);
+
+    let missing = dir.path().join("missing.safetensors");
+    let e = AdamW::load(&qwen2, CFG, &missing).unwrap_err();
+    assert!(
+        matches!(e, ModelError::Io { .. }) && e.to_string().contains("missing.safetensors"),
+        "{e}"
+    );
+
+    // qwen2's state does not fit qwen3 (another architecture, other tensors).
+    let path = dir.path().join("qwen2.safetensors");
+    opt.save(&qwen2, &path).unwrap();
+    let e = AdamW::load(&qwen3, CFG, &path).unwrap_err();
+    assert!(matches!(e, ModelError::OptimizerState { .. }), "{e}");
+    assert!(e.to_string().contains("another model"), "{e}");
+    let e = opt.save(&qwen3, &path).unwrap_err();
+    assert!(matches!(e, ModelError::LayoutMismatch { .. }), "{e}");
+
+    // A safetensors file that is not an optimizer state.
+    let weights = fixture("qwen2_tiny").join("model.safetensors");
+    let e = AdamW::load(&qwen2, CFG, &weights).unwrap_err();
+    assert!(e.to_string().contains("format"), "{e}");
+
+    // A state with a moment missing, and one with a negative second moment.
+    let bytes = std::fs::read(&path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
+    let meta = meta.metadata().clone();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.shape().to_vec(), t.data().to_vec()))
+        .collect();
+    let write = |tensors: &[(String, Vec<usize>, Vec<u8>)], file: &str| {
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, s, d)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), d).unwrap(),
+                )
+            })
+            .collect();
+        let p = dir.path().join(file);
+        safetensors::serialize_to_file(views, meta.clone(), &p).unwrap();
+        p
+    };
+    let i = tensors
+        .iter()
+        .position(|t| t.0 == "model.norm.weight.exp_avg_sq")
+        .unwrap();
+    tensors[i].2[..4].copy_from_slice(&(-1.0f32).to_le_bytes());
+    let p = write(&tensors, "negative.safetensors");
+    let e = AdamW::load(&qwen2, CFG, &p).unwrap_err();
+    assert!(
+        e.to_string().contains("model.norm.weight.exp_avg_sq"),
+        "{e}"
+    );
+    tensors.remove(i);
+    let p = write(&tensors, "short.safetensors");
+    let e = AdamW::load(&qwen2, CFG, &p).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("`model.norm.weight.exp_avg_sq` is missing"),
+        "{e}"
+    );
 }

@@ -108,6 +108,29 @@ pub enum ModelError {
         /// What is allowed.
         expected: &'static str,
     },
+    /// An AdamW hyper-parameter is out of range (the error names it).
+    #[error("AdamW config: {0}")]
+    AdamWConfig(#[source] ares_cpu::Error),
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// An optimizer state file is malformed or does not belong to this model.
+    #[error("optimizer state {path}: {message}")]
+    OptimizerState {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong, naming the tensor or metadata key.
+        message: String,
+    },
+    /// Converting to or writing the Hugging Face checkpoint failed.
+    #[error(transparent)]
+    Hf(#[from] crate::hf::HfError),
     /// A backend call failed.
     #[error(transparent)]
     Backend(#[from] BackendError),

@@ -498,6 +498,32 @@ impl<B: Backend> DeviceWeights<B> {
             },
         }
     }
+
+    /// [`Self::tensor`], writable.
+    pub(crate) fn tensor_mut(&mut self, name: &str) -> Result<TensorMut<'_, B>, ModelError> {
+        match self.locate(name)? {
+            Place::Embed => Ok(ViewMut::whole(&mut self.embed)),
+            Place::Norm => Ok(ViewMut::whole(&mut self.norm)),
+            Place::LmHead => Ok(ViewMut::whole(
+                self.lm_head.as_mut().unwrap_or(&mut self.embed),
+            )),
+            Place::Layer { layer, slot } => {
+                match self
+                    .parts_mut()
+                    .2
+                    .into_iter()
+                    .nth(slot)
+                    .and_then(|(_, s)| s)
+                {
+                    Some(s) => s.layer_mut(layer),
+                    None => Err(ModelError::UnknownParameter {
+                        name: name.to_string(),
+                        why: "this architecture has no such tensor".into(),
+                    }),
+                }
+            }
+        }
+    }
 }
 
 /// Where a named parameter lives in [`DeviceWeights`].
