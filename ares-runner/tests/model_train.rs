@@ -2,7 +2,7 @@
 //! head ([`Model::backward_from_log_prob_grads`]) against the backward of host-computed
 //! ∂L/∂logits and against finite differences of the forward log-probs, and its argument
 //! errors; [`AdamW`] against `ares-cpu`'s optimizer and a hand computation, skipped steps,
-//! and its state file.
+//! and its state file; weights back to the host and trained checkpoints saved and reloaded.
 
 use std::path::{Path, PathBuf};
 
@@ -10,6 +10,7 @@ use ares_cpu::ops::optim::{adamw_step, clip_grad_norm};
 use ares_runner::backend::cpu::CpuBackend;
 use ares_runner::backend::{Backend, View, ViewMut};
 use ares_runner::hf::checkpoint::Checkpoint;
+use ares_runner::hf::tensor_files::SaveDtype;
 use ares_runner::hf::weights::expected_tensors;
 use ares_runner::model::{AdamW, AdamWConfig, Grads, Inputs, Model, ModelError};
 use safetensors::{Dtype, SafeTensors};
@@ -664,4 +665,102 @@ fn optimizer_errors_name_the_problem() {
             .contains("`model.norm.weight.exp_avg_sq` is missing"),
         "{e}"
     );
+}
+
+// ----- Weights back to the host, and checkpoints. -----
+
+#[test]
+fn to_weights_returns_what_was_loaded() {
+    for name in MODELS {
+        let (checkpoint, model) = load(name);
+        assert_eq!(model.to_weights().unwrap(), checkpoint.weights, "{name}");
+        assert_eq!(model.config(), &checkpoint.config, "{name}");
+    }
+}
+
+#[test]
+fn a_trained_model_saves_and_reloads_with_the_same_logits() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in MODELS {
+        let (checkpoint, mut model) = load(name);
+        let grads = loss_grads(&model, name);
+        let mut opt = AdamW::new(&model, CFG).unwrap();
+        assert!(
+            opt.step(&mut model, &grads, 1e-2, Some(1.0))
+                .unwrap()
+                .applied
+        );
+        let trained = model.to_weights().unwrap();
+        assert_ne!(
+            trained, checkpoint.weights,
+            "{name}: the step changed nothing"
+        );
+
+        let out = dir.path().join(name);
+        model
+            .save_pretrained(
+                &out,
+                model.config(),
+                checkpoint.generation.as_ref(),
+                SaveDtype::F32,
+            )
+            .unwrap();
+        let reloaded = Checkpoint::load(&out).unwrap();
+        assert_eq!(reloaded.weights, trained, "{name}");
+        assert_eq!(reloaded.generation, checkpoint.generation, "{name}");
+        let again = Model::from_checkpoint(CpuBackend, &reloaded).unwrap();
+        for set in ["right", "left"] {
+            let s = batch(name, set);
+            assert_eq!(
+                again.forward_logits(&s.inputs()).unwrap(),
+                model.forward_logits(&s.inputs()).unwrap(),
+                "{name} {set}"
+            );
+        }
+
+        // bf16: every weight rounded once, to nearest even.
+        model
+            .save_pretrained(&out, model.config(), None, SaveDtype::Bf16)
+            .unwrap();
+        let half = Checkpoint::load(&out).unwrap();
+        assert_eq!(half.config.dtype.as_deref(), Some("bfloat16"));
+        assert_eq!(half.generation, None);
+        for ((n, a), (_, b)) in half.weights.tensors().iter().zip(trained.tensors()) {
+            for (&x, &y) in a.data.iter().zip(&b.data) {
+                assert_eq!(x, half::bf16::from_f32(y).to_f32(), "{name} {n}");
+            }
+        }
+    }
+}
+
+#[test]
+fn saving_with_the_config_of_another_model_is_an_error() {
+    let (_, model) = load("qwen2_tiny");
+    let (other, _) = load("qwen3_tiny");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ckpt");
+    let e = model
+        .save_pretrained(&out, &other.config, None, SaveDtype::F32)
+        .unwrap_err();
+    assert!(matches!(e, ModelError::ConfigMismatch { .. }), "{e}");
+    assert!(e.to_string().contains("architecture"), "{e}");
+    assert!(!out.exists());
+    // Other token ids are fine.
+    let mut config = model.config().clone();
+    config.eos_token_ids = vec![3, 4];
+    model
+        .save_pretrained(&out, &config, None, SaveDtype::F32)
+        .unwrap();
+    assert_eq!(Checkpoint::load(&out).unwrap().config.eos_token_ids, [3, 4]);
+}
+
+#[test]
+fn a_frozen_reference_model_is_built_from_the_same_weights() {
+    let (checkpoint, mut policy) = load("qwen3_tiny");
+    let reference = Model::new(CpuBackend, policy.config(), &policy.to_weights().unwrap()).unwrap();
+    let grads = loss_grads(&policy, "qwen3_tiny");
+    let mut opt = AdamW::new(&policy, CFG).unwrap();
+    opt.step(&mut policy, &grads, 1e-2, None).unwrap();
+    assert_eq!(reference.to_weights().unwrap(), checkpoint.weights);
+    assert_ne!(policy.to_weights().unwrap(), checkpoint.weights);
 }

@@ -128,6 +128,12 @@ pub enum ModelError {
         /// What is wrong, naming the tensor or metadata key.
         message: String,
     },
+    /// A config given to save the model with describes another architecture.
+    #[error("the config does not describe this model ({difference})")]
+    ConfigMismatch {
+        /// The first field that differs, with both values.
+        difference: String,
+    },
     /// Converting to or writing the Hugging Face checkpoint failed.
     #[error(transparent)]
     Hf(#[from] crate::hf::HfError),
