@@ -14,6 +14,7 @@
 
 pub mod attention;
 pub mod embedding;
+pub mod log_prob_backward;
 pub mod matmul;
 pub mod optim;
 pub mod rmsnorm;

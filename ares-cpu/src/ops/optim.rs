@@ -96,6 +96,34 @@ pub fn adamw_step(
     cfg: &AdamWConfig,
     lr: f64,
 ) -> Result<()> {
+    adamw_step_scaled(params, grads, m, v, step, cfg, lr, 1.0)
+}
+
+/// [`adamw_step`] with the gradient multiplied by `grad_scale` first, in `f32`, as
+/// `g ← g·scale` of [`clip_grad_norm`] would leave it: the clipping factor of a global
+/// norm folded into the update, so the gradients themselves stay unchanged (the result is
+/// bit for bit clipping then stepping). `grad_scale = 1` skips the multiplication.
+///
+/// # Errors
+/// As [`adamw_step`], and `OutOfRange` for `grad_scale` not finite and `>= 0`.
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_step_scaled(
+    params: &mut [f32],
+    grads: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    step: u64,
+    cfg: &AdamWConfig,
+    lr: f64,
+    grad_scale: f32,
+) -> Result<()> {
+    let scale_ok = grad_scale.is_finite() && grad_scale >= 0.0;
+    check(
+        "grad_scale",
+        f64::from(grad_scale),
+        scale_ok,
+        "finite and >= 0",
+    )?;
     let len = params.len();
     check_len("grads", len, grads.len())?;
     check_len("m", len, m.len())?;
@@ -121,6 +149,7 @@ pub fn adamw_step(
         neg_step_size: (-lr / (1.0 - cfg.beta1.powf(t))) as f32,
         bc2_sqrt: (1.0 - cfg.beta2.powf(t)).sqrt() as f32,
         eps: cfg.eps as f32,
+        grad_scale,
     };
     if len >= PAR_MIN_ELEMS {
         params
@@ -144,13 +173,16 @@ struct AdamConsts {
     neg_step_size: f32,
     bc2_sqrt: f32,
     eps: f32,
+    grad_scale: f32,
 }
 
 impl AdamConsts {
     fn update(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
         // PyTorch's lerp switches form at weight 0.5 to stay accurate near both ends.
         let low_weight = self.w1 < 0.5;
+        let scaled = self.grad_scale != 1.0;
         for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            let g = if scaled { g * self.grad_scale } else { g };
             if self.apply_decay {
                 *p *= self.decay;
             }
@@ -164,6 +196,13 @@ impl AdamConsts {
             *p += self.neg_step_size * (*m / denom);
         }
     }
+}
+
+/// `Σ x²` of one tensor, accumulated in `f64` in a fixed chunk order (deterministic for
+/// any thread count): the per-tensor part of [`global_grad_norm`], for callers that hold
+/// their tensors in several places. NaN or ±∞ anywhere gives a non-finite sum.
+pub fn sum_of_squares_f64(x: &[f32]) -> f64 {
+    sum_of_squares(std::iter::once(x))
 }
 
 /// Global L2 norm of a set of gradient tensors, `√(Σ_tensors Σ_i g_i²)`, accumulated in
@@ -437,6 +476,7 @@ fn check(what: &'static str, value: f64, ok: bool, expected: &'static str) -> Re
 mod tests {
     use super::*;
     use crate::Error;
+    use crate::test_rng::Rng;
 
     fn near(got: f64, want: f64, tol: f64) -> bool {
         (got - want).abs() <= tol * (1.0 + want.abs())
@@ -591,6 +631,29 @@ mod tests {
             );
         }
         assert_eq!((p, m, v), ([1.0; 5], [0.0; 5], [0.0; 5]));
+    }
+
+    #[test]
+    fn scaled_step_is_clipping_then_stepping_bit_for_bit() {
+        let cfg = AdamWConfig::default();
+        let g0 = Rng(3).vec(300, 2.0);
+        let p0 = Rng(4).vec(300, 1.0);
+        let (mut pa, mut pb) = (p0.clone(), p0);
+        let (mut ma, mut va) = (vec![0.1f32; 300], vec![0.2f32; 300]);
+        let (mut mb, mut vb) = (ma.clone(), va.clone());
+        let mut clipped = g0.clone();
+        let (norm, scale) = clip_grad_norm(&mut [&mut clipped], 1.5).unwrap();
+        assert!(scale < 1.0);
+        assert_eq!(
+            f64::from(norm),
+            sum_of_squares_f64(&g0).sqrt() as f32 as f64
+        );
+        adamw_step(&mut pa, &clipped, &mut ma, &mut va, 3, &cfg, 1e-2).unwrap();
+        adamw_step_scaled(&mut pb, &g0, &mut mb, &mut vb, 3, &cfg, 1e-2, scale).unwrap();
+        assert_eq!((pa, ma, va), (pb, mb, vb));
+        let mut p = [1.0f32];
+        let bad = adamw_step_scaled(&mut p, &[1.0], &mut [0.0], &mut [0.0], 1, &cfg, 0.1, -1.0);
+        assert!(bad.is_err() && p == [1.0]);
     }
 
     #[test]

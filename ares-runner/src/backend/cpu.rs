@@ -6,15 +6,18 @@ use ares_cpu::ops::attention::{
     self, AttentionShape, attention_backward, attention_decode, attention_forward, kv_cache_append,
 };
 use ares_cpu::ops::embedding::{embedding_backward, embedding_forward};
+use ares_cpu::ops::log_prob_backward::log_prob_backward;
 use ares_cpu::ops::matmul::{MatmulDims, linear_backward, linear_forward};
+use ares_cpu::ops::optim::{adamw_step_scaled, sum_of_squares_f64};
 use ares_cpu::ops::rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 use ares_cpu::ops::rope::{rope_backward, rope_forward};
 use ares_cpu::ops::swiglu::{swiglu_backward, swiglu_forward};
 use ares_cpu::{Logits, log_prob_entropy};
 
 use super::{
-    AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError, DeviceBuffer,
-    KvCacheView, KvCacheViewMut, LinearDims, Result, Tensor, TensorMut, View, ViewMut,
+    AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
+    DeviceBuffer, KvCacheView, KvCacheViewMut, LinearDims, Result, Tensor, TensorMut, View,
+    ViewMut,
 };
 
 /// The CPU backend: f32 and u32 vectors, `ares-cpu` kernels.
@@ -378,6 +381,51 @@ impl Backend for CpuBackend {
             entropy,
         )
         .map_err(op("log_prob_entropy"))
+    }
+
+    fn log_prob_backward(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        temperature: f32,
+        targets: &Vec<u32>,
+        coeffs: Tensor<'_, Self>,
+        dlogits: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        log_prob_backward(
+            slice(logits)?,
+            vocab,
+            temperature,
+            targets,
+            slice(coeffs)?,
+            slice_mut(dlogits)?,
+        )
+        .map_err(op("log_prob_backward"))
+    }
+
+    fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64> {
+        Ok(sum_of_squares_f64(slice(x)?))
+    }
+
+    fn adamw_step(
+        &self,
+        param: TensorMut<'_, Self>,
+        grad: Tensor<'_, Self>,
+        exp_avg: TensorMut<'_, Self>,
+        exp_avg_sq: TensorMut<'_, Self>,
+        update: &AdamWUpdate,
+    ) -> Result<()> {
+        adamw_step_scaled(
+            slice_mut(param)?,
+            slice(grad)?,
+            slice_mut(exp_avg)?,
+            slice_mut(exp_avg_sq)?,
+            update.step,
+            &update.config,
+            update.lr,
+            update.grad_scale,
+        )
+        .map_err(op("adamw_step"))
     }
 
     fn kv_cache_append(

@@ -31,12 +31,16 @@
 //!   conventions; the forward ops save what they need (`rstd` of RMSNorm, `lse` of
 //!   attention) in caller-provided views. Each says whether it accumulates into its
 //!   gradient outputs (`+=`; zero them with [`Backend::fill`]) or overwrites them.
+//! - **Training.** [`Backend::log_prob_backward`] starts the backward pass from ∂L/∂logπ
+//!   per token; [`Backend::sum_of_squares`] and [`Backend::adamw_step`] are the optimizer's
+//!   ops, so parameters, gradients and moments never leave the device.
 //! - **Generation.** [`Backend::kv_cache_append`] and [`Backend::attention_decode`] keep
 //!   a KV cache in device buffers ([`KvCacheView`] for the layout) and attend new tokens
 //!   over it, so a decode step has no host round trip either.
 
 mod decode;
 mod error;
+mod optim;
 mod shapes;
 mod view;
 
@@ -44,6 +48,7 @@ pub mod cpu;
 
 pub use decode::{KvCacheView, KvCacheViewMut};
 pub use error::BackendError;
+pub use optim::{AdamWConfig, AdamWUpdate};
 pub use shapes::{AttentionDims, AttentionGrads, AttentionInputs, LinearDims};
 pub use view::{DeviceBuffer, View, ViewMut};
 
@@ -319,6 +324,54 @@ pub trait Backend {
         targets: &Self::Ids,
         log_prob: TensorMut<'_, Self>,
         entropy: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// Backward of the per-token log-prob of [`Backend::log_prob_entropy`]: per row of
+    /// `logits` `[rows, vocab]` (rows = `targets.len()`), with `z = logits / temperature`
+    /// and `g = coeffs[row]` (∂L/∂logπ of that token),
+    /// `dlogits[row, :] = g/temperature · (onehot(targets[row]) − softmax(z))`, without a
+    /// `[rows, vocab]` temporary. **Overwrites** `dlogits`; rows with `g = 0` are zero and
+    /// their logits are not read.
+    ///
+    /// # Errors
+    /// Lengths that do not match, `vocab == 0`, a temperature not finite and > 0, a
+    /// non-finite coefficient, and (where checked) for rows with `g ≠ 0` a target `>= vocab`
+    /// or a row holding NaN/+∞.
+    fn log_prob_backward(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        temperature: f32,
+        targets: &Self::Ids,
+        coeffs: Tensor<'_, Self>,
+        dlogits: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    // ----- Optimizer ops. -----
+
+    /// `Σ x²` over `x`, accumulated in f64 (CPU: in a fixed order, so deterministic),
+    /// returned to the host: the per-tensor part of the global gradient norm. **Waits** for
+    /// the queued ops (the caller decides on the host whether to step). NaN or ±∞ anywhere
+    /// gives a non-finite sum.
+    ///
+    /// # Errors
+    /// A failure of a queued op reported now.
+    fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64>;
+
+    /// One AdamW update of one parameter tensor, in place: `param`, `exp_avg` (first
+    /// moment) and `exp_avg_sq` (second moment) are updated from `grad · grad_scale` as
+    /// [`AdamWUpdate`] says. All four have the same length.
+    ///
+    /// # Errors
+    /// Lengths that differ, `update.step == 0`, a learning rate, scale or config field out
+    /// of range, and (where checked) a non-finite gradient; then nothing is written.
+    fn adamw_step(
+        &self,
+        param: TensorMut<'_, Self>,
+        grad: Tensor<'_, Self>,
+        exp_avg: TensorMut<'_, Self>,
+        exp_avg_sq: TensorMut<'_, Self>,
+        update: &AdamWUpdate,
     ) -> Result<()>;
 
     /// Appends `dims.seq` new tokens per sequence to one layer's KV cache:

@@ -260,9 +260,34 @@ impl ModelConfig {
     /// The `config.json` to save next to weights stored as `dtype` (`"float32"`,
     /// `"bfloat16"`): the source's fields in their order, with the dtype, the tie flag and
     /// RoPE written so that transformers 4.x and 5.x both read the same model (old-style
-    /// `rope_theta`/`rope_scaling` are added when the source only had `rope_parameters`).
+    /// `rope_theta`/`rope_scaling` are added when the source only had `rope_parameters`),
+    /// and the token ids of this struct (`bos_token_id`, `eos_token_id`, `pad_token_id`),
+    /// so edits to them are saved (`None`/empty: `null` where the source had the key).
     pub fn to_json(&self, dtype: &str) -> Value {
         let mut map = self.raw.clone();
+        for (key, id) in [
+            ("bos_token_id", self.bos_token_id),
+            ("pad_token_id", self.pad_token_id),
+        ] {
+            match id {
+                Some(id) => {
+                    map.insert(key.into(), Value::from(id));
+                }
+                None if map.contains_key(key) => {
+                    map.insert(key.into(), Value::Null);
+                }
+                None => {}
+            }
+        }
+        let eos_was_list = matches!(map.get("eos_token_id"), Some(Value::Array(_)));
+        let eos = match self.eos_token_ids.as_slice() {
+            [] => Value::Null,
+            [id] if !eos_was_list => Value::from(*id),
+            ids => Value::from(ids.to_vec()),
+        };
+        if !eos.is_null() || map.contains_key("eos_token_id") {
+            map.insert("eos_token_id".into(), eos);
+        }
         let dtype_keys: Vec<&str> = ["dtype", "torch_dtype"]
             .into_iter()
             .filter(|k| map.contains_key(*k))
@@ -400,6 +425,27 @@ mod tests {
         assert_eq!(c.dtype.as_deref(), Some("float16"));
         let c = parse(r#""model_type": "qwen3", "attention_bias": true"#).unwrap();
         assert!(c.qkv_bias && c.o_bias && !c.mlp_bias);
+    }
+
+    #[test]
+    fn edited_token_ids_are_saved_and_unchanged_ones_keep_their_form() {
+        let mut c =
+            parse(r#""model_type": "llama", "eos_token_id": [7], "bos_token_id": 1"#).unwrap();
+        let j = c.to_json("float32");
+        assert_eq!(
+            (&j["eos_token_id"], &j["bos_token_id"]),
+            (&serde_json::json!([7]), &serde_json::json!(1))
+        );
+        assert!(j.get("pad_token_id").is_none());
+        c.eos_token_ids = vec![3, 4];
+        c.bos_token_id = None;
+        c.pad_token_id = Some(0);
+        let j = c.to_json("float32");
+        assert_eq!(j["eos_token_id"], serde_json::json!([3, 4]));
+        assert!(j["bos_token_id"].is_null());
+        assert_eq!(j["pad_token_id"], serde_json::json!(0));
+        let c = parse(r#""model_type": "qwen2", "eos_token_id": 2"#).unwrap();
+        assert_eq!(c.to_json("float32")["eos_token_id"], serde_json::json!(2));
     }
 
     #[test]

@@ -229,6 +229,20 @@ pub fn write_safetensors(
     tensors: &[NamedTensor<'_>],
     dtype: SaveDtype,
 ) -> Result<(), HfError> {
+    let metadata = [("format".to_string(), "pt".to_string())]
+        .into_iter()
+        .collect();
+    write_safetensors_with_metadata(path, tensors, dtype, metadata)
+}
+
+/// Writes `tensors` as one safetensors file at `path` in `dtype`, with `metadata` as the
+/// header's `__metadata__` (string to string).
+pub fn write_safetensors_with_metadata(
+    path: &Path,
+    tensors: &[NamedTensor<'_>],
+    dtype: SaveDtype,
+    metadata: std::collections::HashMap<String, String>,
+) -> Result<(), HfError> {
     let encoded: Vec<(&str, Encoded<'_>)> = tensors
         .iter()
         .map(|&(name, shape, data)| {
@@ -254,15 +268,9 @@ pub fn write_safetensors(
             )
         })
         .collect();
-    let metadata = Some(
-        [("format".to_string(), "pt".to_string())]
-            .into_iter()
-            .collect(),
-    );
-    safetensors::serialize_to_file(encoded.iter().map(|(n, e)| (*n, e)), metadata, path).map_err(
-        |e| HfError::Safetensors {
+    safetensors::serialize_to_file(encoded.iter().map(|(n, e)| (*n, e)), Some(metadata), path)
+        .map_err(|e| HfError::Safetensors {
             path: path.to_path_buf(),
             message: e.to_string(),
-        },
-    )
+        })
 }

@@ -71,7 +71,7 @@ pub struct LayerWeights {
 }
 
 /// The name suffixes of a layer's tensors, in [`LayerWeights`] field order.
-const LAYER_SUFFIXES: [&str; 18] = [
+pub(crate) const LAYER_SUFFIXES: [&str; 18] = [
     "input_layernorm.weight",
     "self_attn.q_proj.weight",
     "self_attn.q_proj.bias",

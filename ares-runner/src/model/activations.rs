@@ -4,7 +4,8 @@
 //! Per-layer tensors are one buffer `[layers, tokens, ...]` each, so the backward pass (a
 //! later milestone) finds every layer's inputs, `rstd` and `lse` where the forward left
 //! them. With `N = batch · seq` tokens, `C` hidden, `I` intermediate, `V` vocab, `Hq`/`Hkv`
-//! heads of `D`, the arena holds about `L · N · (6C + 3·Hq·D + 4·Hkv·D + 3I) + N·V` floats.
+//! heads of `D`, the arena holds about `L · N · (6C + 3·Hq·D + 4·Hkv·D + 3I) + 2·N·V` floats
+//! (logits and their gradient), plus the backward scratch.
 
 use super::backward::BackwardScratch;
 use super::{ModelError, ModelSpec};
@@ -68,6 +69,10 @@ pub struct Activations<B: Backend> {
     pub(crate) targets: B::Ids,
     pub(crate) log_prob: B::Buffer,
     pub(crate) entropy: B::Buffer,
+    /// `[N]` ∂L/∂logπ per token and `[N, V]` the ∂L/∂logits they imply, written by
+    /// [`Model::backward_from_log_prob_grads`](super::Model::backward_from_log_prob_grads).
+    pub(crate) coeffs: B::Buffer,
+    pub(crate) dlogits: B::Buffer,
     /// Per-layer intermediates of the backward pass, reused by every layer.
     pub(crate) scratch: BackwardScratch<B>,
 }
@@ -139,6 +144,8 @@ impl<B: Backend> Activations<B> {
             targets: backend.alloc_ids(n)?,
             log_prob: alloc(&[n])?,
             entropy: alloc(&[n])?,
+            coeffs: alloc(&[n])?,
+            dlogits: alloc(&[n, v])?,
             scratch: BackwardScratch::new(backend, spec, n)?,
         })
     }

@@ -70,12 +70,25 @@ impl<B: Backend> Model<B> {
     ///
     /// # Errors
     /// Invalid inputs, `acts` planned for another `(batch, seq)`, `dlogits` not `batch ·
-    /// seq · vocab` long, `grads` made for another model, or a backend failure.
+    /// seq · vocab` long, `grads` made for another model ([`ModelError::LayoutMismatch`]),
+    /// or a backend failure. Argument errors are found before anything is added to `grads`.
     pub fn backward(
         &self,
         inputs: &Inputs<'_>,
         acts: &mut Activations<B>,
         dlogits: Tensor<'_, B>,
+        grads: &mut Grads<B>,
+    ) -> Result<(), ModelError> {
+        self.backward_impl(inputs, acts, Some(dlogits), grads)
+    }
+
+    /// [`Model::backward`] from `dlogits`, or with `None` from the arena's own
+    /// ∂L/∂logits buffer (filled by the log-prob backward).
+    pub(crate) fn backward_impl(
+        &self,
+        inputs: &Inputs<'_>,
+        acts: &mut Activations<B>,
+        dlogits: Option<Tensor<'_, B>>,
         grads: &mut Grads<B>,
     ) -> Result<(), ModelError> {
         let n = inputs.check(&self.spec)?;
@@ -90,6 +103,11 @@ impl<B: Backend> Model<B> {
         let w = &self.weights;
         let (c, i, v, d) = (s.hidden, s.intermediate, s.vocab, s.head_dim);
         let (qd, kvd, hq, hkv) = (s.q_dim(), s.kv_dim(), s.q_heads, s.kv_heads);
+        if !self.weights.same_layout(&grads.g) {
+            return Err(ModelError::LayoutMismatch { what: "gradients" });
+        }
+        let a = acts;
+        let dlogits = dlogits.unwrap_or_else(|| View::whole(&a.dlogits));
         if dlogits.len() != n * v {
             return Err(ModelError::InputLength {
                 what: "dlogits",
@@ -97,7 +115,6 @@ impl<B: Backend> Model<B> {
                 actual: dlogits.len(),
             });
         }
-        let a = acts;
         let sc = &mut a.scratch;
         let g = &mut grads.g;
         let lin = |rows, in_features, out_features| LinearDims {

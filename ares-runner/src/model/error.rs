@@ -92,6 +92,51 @@ pub enum ModelError {
         /// `(batch, seq)` of the input.
         actual: (usize, usize),
     },
+    /// Gradients or optimizer moments whose buffers do not match this model's parameters.
+    #[error("{what} do not match this model's parameters (made for another model?)")]
+    LayoutMismatch {
+        /// What was given (`gradients`, `optimizer moments`).
+        what: &'static str,
+    },
+    /// A scalar argument or one element of a per-token argument is outside its domain.
+    #[error("{what} = {value} is invalid: expected {expected}")]
+    InvalidValue {
+        /// The argument, with the index for an element (`coeffs[12]`, `temperature`).
+        what: String,
+        /// The value given.
+        value: f64,
+        /// What is allowed.
+        expected: &'static str,
+    },
+    /// An AdamW hyper-parameter is out of range (the error names it).
+    #[error("AdamW config: {0}")]
+    AdamWConfig(#[source] ares_cpu::Error),
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// An optimizer state file is malformed or does not belong to this model.
+    #[error("optimizer state {path}: {message}")]
+    OptimizerState {
+        /// The file.
+        path: std::path::PathBuf,
+        /// What is wrong, naming the tensor or metadata key.
+        message: String,
+    },
+    /// A config given to save the model with describes another architecture.
+    #[error("the config does not describe this model ({difference})")]
+    ConfigMismatch {
+        /// The first field that differs, with both values.
+        difference: String,
+    },
+    /// Converting to or writing the Hugging Face checkpoint failed.
+    #[error(transparent)]
+    Hf(#[from] crate::hf::HfError),
     /// A backend call failed.
     #[error(transparent)]
     Backend(#[from] BackendError),

@@ -2,6 +2,7 @@
 //! then per layer `RMSNorm → q/k/v (→ q/k RMSNorm) → RoPE → attention → o_proj → residual
 //! → RMSNorm → gate/up → SwiGLU → down → residual`, final RMSNorm, LM head.
 
+use super::log_prob_grad::check_targets;
 use super::weights::layer_of;
 use super::{Activations, Inputs, KvCache, Model, ModelError};
 use crate::backend::{AttentionDims, AttentionInputs, Backend, LinearDims, View, ViewMut};
@@ -288,26 +289,7 @@ impl<B: Backend> Model<B> {
         temperature: f32,
     ) -> Result<(), ModelError> {
         let vocab = self.spec.vocab;
-        let n = acts.batch * acts.seq;
-        if targets.len() != n {
-            return Err(ModelError::InputLength {
-                what: "targets",
-                expected: n,
-                actual: targets.len(),
-            });
-        }
-        if let Some((index, &id)) = targets
-            .iter()
-            .enumerate()
-            .find(|&(_, &id)| id as usize >= vocab)
-        {
-            return Err(ModelError::TokenOutOfRange {
-                what: "targets",
-                index,
-                id,
-                vocab,
-            });
-        }
+        check_targets(targets, acts.batch * acts.seq, vocab)?;
         self.backend.upload_ids(targets, &mut acts.targets)?;
         self.backend.log_prob_entropy(
             View::whole(&acts.logits),

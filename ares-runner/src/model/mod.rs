@@ -20,6 +20,12 @@
 //!   (llm.c style, per layer, scratch planned with the activations) accumulating every
 //!   parameter's gradient into [`Grads`] (same layout as the weights; tied embeddings
 //!   share one gradient).
+//! - [`Model::backward_from_log_prob_grads`]: the loss head of training, from ∂L/∂logπ
+//!   per token (what the policy losses return) through the fused log-prob backward on the
+//!   device to [`Model::backward`].
+//! - [`AdamW`]: the optimizer over the model's parameters (global gradient norm, skip on a
+//!   non-finite norm, clipping, decoupled weight decay), its moments on the device, saved
+//!   to and loaded from a safetensors file.
 //! - [`Model::generate`]: batched generation with a [`KvCache`] (greedy or seeded
 //!   sampling, see [`GenerateRequest`]); [`Model::forward_cached`] is its prefill/decode
 //!   step.
@@ -27,11 +33,15 @@
 mod activations;
 mod backward;
 mod error;
+mod export;
 mod forward;
 mod generate;
 mod grads;
 mod inputs;
 mod kv_cache;
+mod log_prob_grad;
+mod optim;
+mod optim_file;
 mod sampling;
 mod spec;
 mod weights;
@@ -44,6 +54,7 @@ pub use generate::{GenerateError, GenerateOutput, GenerateRequest};
 pub use grads::Grads;
 pub use inputs::Inputs;
 pub use kv_cache::KvCache;
+pub use optim::{AdamW, AdamWConfig, StepReport};
 pub use sampling::Sampling;
 pub use spec::ModelSpec;
 
@@ -57,6 +68,8 @@ use weights::DeviceWeights;
 #[derive(Debug)]
 pub struct Model<B: Backend> {
     backend: B,
+    /// The `config.json` the model was built from (names and shapes of its tensors).
+    config: ModelConfig,
     spec: ModelSpec,
     weights: DeviceWeights<B>,
     /// Rows of the RoPE tables (positions `0..rope_rows`).
@@ -115,12 +128,18 @@ impl<B: Backend> Model<B> {
         let weights = DeviceWeights::upload(&backend, &spec, weights)?;
         Ok(Self {
             backend,
+            config: config.clone(),
             spec,
             weights,
             rope_rows,
             rope_cos,
             rope_sin,
         })
+    }
+
+    /// The `config.json` this model was built from.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
     }
 
     /// The architecture's sizes and switches.

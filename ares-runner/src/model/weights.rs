@@ -4,7 +4,7 @@
 
 use super::{ModelError, ModelSpec};
 use crate::backend::{Backend, DeviceBuffer, Tensor, TensorMut, View, ViewMut};
-use crate::hf::weights::{LayerWeights, ModelWeights, Tensor as HostTensor};
+use crate::hf::weights::{LAYER_SUFFIXES, LayerWeights, ModelWeights, Tensor as HostTensor};
 
 /// One kind of per-layer tensor, `[layers, item]` in one buffer.
 #[derive(Debug)]
@@ -22,16 +22,6 @@ impl<B: Backend> Stack<B> {
     /// The tensor of layer `layer`, writable (gradients).
     pub(crate) fn layer_mut(&mut self, layer: usize) -> Result<TensorMut<'_, B>, ModelError> {
         Ok(ViewMut::item(&mut self.buffer, layer, self.item)?)
-    }
-
-    /// The whole `[layers, item]` buffer.
-    pub(crate) fn buffer(&self) -> &B::Buffer {
-        &self.buffer
-    }
-
-    /// The whole `[layers, item]` buffer, writable.
-    pub(crate) fn buffer_mut(&mut self) -> &mut B::Buffer {
-        &mut self.buffer
     }
 
     /// A zeroed stack of the same shape (a gradient).
@@ -291,4 +281,260 @@ impl<B: Backend> DeviceWeights<B> {
     pub(crate) fn lm_head(&self) -> Tensor<'_, B> {
         View::whole(self.lm_head.as_ref().unwrap_or(&self.embed))
     }
+
+    /// A zeroed copy of the same layout (a gradient, an optimizer moment).
+    pub(crate) fn zeros_like(&self, backend: &B) -> Result<Self, ModelError> {
+        let zeros = |s: &Option<Stack<B>>| s.as_ref().map(|s| s.zeros_like(backend)).transpose();
+        Ok(Self {
+            embed: backend.alloc(self.embed.len())?,
+            lm_head: self
+                .lm_head
+                .as_ref()
+                .map(|h| backend.alloc(h.len()))
+                .transpose()?,
+            norm: backend.alloc(self.norm.len())?,
+            ln1: self.ln1.zeros_like(backend)?,
+            q: self.q.zeros_like(backend)?,
+            q_bias: zeros(&self.q_bias)?,
+            k: self.k.zeros_like(backend)?,
+            k_bias: zeros(&self.k_bias)?,
+            v: self.v.zeros_like(backend)?,
+            v_bias: zeros(&self.v_bias)?,
+            o: self.o.zeros_like(backend)?,
+            o_bias: zeros(&self.o_bias)?,
+            q_norm: zeros(&self.q_norm)?,
+            k_norm: zeros(&self.k_norm)?,
+            ln2: self.ln2.zeros_like(backend)?,
+            gate: self.gate.zeros_like(backend)?,
+            gate_bias: zeros(&self.gate_bias)?,
+            up: self.up.zeros_like(backend)?,
+            up_bias: zeros(&self.up_bias)?,
+            down: self.down.zeros_like(backend)?,
+            down_bias: zeros(&self.down_bias)?,
+        })
+    }
+
+    /// Decoder layers.
+    pub(crate) fn layers(&self) -> usize {
+        self.ln1.buffer.len() / self.ln1.item.max(1)
+    }
+
+    /// Every per-layer stack with its name suffix, in [`LAYER_SUFFIXES`] order (`None`
+    /// where the architecture has no such tensor).
+    fn stacks(&self) -> [(&'static str, Option<&Stack<B>>); 18] {
+        let s = LAYER_SUFFIXES;
+        [
+            (s[0], Some(&self.ln1)),
+            (s[1], Some(&self.q)),
+            (s[2], self.q_bias.as_ref()),
+            (s[3], Some(&self.k)),
+            (s[4], self.k_bias.as_ref()),
+            (s[5], Some(&self.v)),
+            (s[6], self.v_bias.as_ref()),
+            (s[7], Some(&self.o)),
+            (s[8], self.o_bias.as_ref()),
+            (s[9], self.q_norm.as_ref()),
+            (s[10], self.k_norm.as_ref()),
+            (s[11], Some(&self.ln2)),
+            (s[12], Some(&self.gate)),
+            (s[13], self.gate_bias.as_ref()),
+            (s[14], Some(&self.up)),
+            (s[15], self.up_bias.as_ref()),
+            (s[16], Some(&self.down)),
+            (s[17], self.down_bias.as_ref()),
+        ]
+    }
+
+    /// The whole buffers and [`Self::stacks`], writable, borrowed together.
+    #[allow(clippy::type_complexity)]
+    fn parts_mut(
+        &mut self,
+    ) -> (
+        [&mut B::Buffer; 2],
+        Option<&mut B::Buffer>,
+        [(&'static str, Option<&mut Stack<B>>); 18],
+    ) {
+        let Self {
+            embed,
+            lm_head,
+            norm,
+            ln1,
+            q,
+            q_bias,
+            k,
+            k_bias,
+            v,
+            v_bias,
+            o,
+            o_bias,
+            q_norm,
+            k_norm,
+            ln2,
+            gate,
+            gate_bias,
+            up,
+            up_bias,
+            down,
+            down_bias,
+        } = self;
+        let s = LAYER_SUFFIXES;
+        let stacks = [
+            (s[0], Some(ln1)),
+            (s[1], Some(q)),
+            (s[2], q_bias.as_mut()),
+            (s[3], Some(k)),
+            (s[4], k_bias.as_mut()),
+            (s[5], Some(v)),
+            (s[6], v_bias.as_mut()),
+            (s[7], Some(o)),
+            (s[8], o_bias.as_mut()),
+            (s[9], q_norm.as_mut()),
+            (s[10], k_norm.as_mut()),
+            (s[11], Some(ln2)),
+            (s[12], Some(gate)),
+            (s[13], gate_bias.as_mut()),
+            (s[14], Some(up)),
+            (s[15], up_bias.as_mut()),
+            (s[16], Some(down)),
+            (s[17], down_bias.as_mut()),
+        ];
+        ([embed, norm], lm_head.as_mut(), stacks)
+    }
+
+    /// Every buffer (stacks whole) in a fixed order: embedding, final norm, LM head if
+    /// untied, then the stacks in [`LAYER_SUFFIXES`] order. Two `DeviceWeights` of the
+    /// same model list matching buffers at the same index.
+    pub(crate) fn buffers(&self) -> Vec<&B::Buffer> {
+        let mut out = vec![&self.embed, &self.norm];
+        out.extend(self.lm_head.as_ref());
+        out.extend(
+            self.stacks()
+                .into_iter()
+                .filter_map(|(_, s)| s.map(|s| &s.buffer)),
+        );
+        out
+    }
+
+    /// [`Self::buffers`], writable.
+    pub(crate) fn buffers_mut(&mut self) -> Vec<&mut B::Buffer> {
+        let (whole, head, stacks) = self.parts_mut();
+        let mut out: Vec<&mut B::Buffer> = whole.into_iter().collect();
+        out.extend(head);
+        out.extend(
+            stacks
+                .into_iter()
+                .filter_map(|(_, s)| s.map(|s| &mut s.buffer)),
+        );
+        out
+    }
+
+    /// Whether `other` has exactly this layout (same buffers, same lengths): gradients or
+    /// moments made for this model.
+    pub(crate) fn same_layout(&self, other: &Self) -> bool {
+        let (a, b) = (self.buffers(), other.buffers());
+        a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.len() == y.len())
+    }
+
+    /// Where the parameter with Hugging Face name `name` lives: a whole buffer, or a
+    /// layer of a stack.
+    fn locate(&self, name: &str) -> Result<Place, ModelError> {
+        let unknown = |why: &str| ModelError::UnknownParameter {
+            name: name.to_string(),
+            why: why.to_string(),
+        };
+        match name {
+            "model.embed_tokens.weight" => return Ok(Place::Embed),
+            "model.norm.weight" => return Ok(Place::Norm),
+            "lm_head.weight" => {
+                return match self.lm_head {
+                    Some(_) => Ok(Place::LmHead),
+                    None => Err(unknown(
+                        "embeddings are tied: the LM head is model.embed_tokens.weight",
+                    )),
+                };
+            }
+            _ => {}
+        }
+        let rest = name
+            .strip_prefix("model.layers.")
+            .ok_or_else(|| unknown("expected model.embed_tokens/norm or model.layers.N.*"))?;
+        let (layer, suffix) = rest
+            .split_once('.')
+            .ok_or_else(|| unknown("expected model.layers.N.<tensor>"))?;
+        let layer: usize = layer
+            .parse()
+            .map_err(|_| unknown("the layer index is not a number"))?;
+        let slot = LAYER_SUFFIXES
+            .iter()
+            .position(|s| *s == suffix)
+            .ok_or_else(|| unknown("not a tensor of a decoder layer"))?;
+        if self.stacks()[slot].1.is_none() {
+            return Err(unknown("this architecture has no such tensor"));
+        }
+        let layers = self.layers();
+        if layer >= layers {
+            return Err(unknown(&format!("the model has {layers} layers")));
+        }
+        Ok(Place::Layer { layer, slot })
+    }
+
+    /// The parameter with Hugging Face name `name` (`model.embed_tokens.weight`,
+    /// `model.layers.1.mlp.down_proj.weight`, ...), row-major in its HF shape.
+    ///
+    /// # Errors
+    /// [`ModelError::UnknownParameter`] for a name that is not a parameter of this model,
+    /// including `lm_head.weight` with tied embeddings.
+    pub(crate) fn tensor(&self, name: &str) -> Result<Tensor<'_, B>, ModelError> {
+        match self.locate(name)? {
+            Place::Embed => Ok(View::whole(&self.embed)),
+            Place::Norm => Ok(View::whole(&self.norm)),
+            Place::LmHead => Ok(View::whole(self.lm_head.as_ref().unwrap_or(&self.embed))),
+            Place::Layer { layer, slot } => match self.stacks()[slot].1 {
+                Some(s) => s.layer(layer),
+                None => Err(ModelError::UnknownParameter {
+                    name: name.to_string(),
+                    why: "this architecture has no such tensor".into(),
+                }),
+            },
+        }
+    }
+
+    /// [`Self::tensor`], writable.
+    pub(crate) fn tensor_mut(&mut self, name: &str) -> Result<TensorMut<'_, B>, ModelError> {
+        match self.locate(name)? {
+            Place::Embed => Ok(ViewMut::whole(&mut self.embed)),
+            Place::Norm => Ok(ViewMut::whole(&mut self.norm)),
+            Place::LmHead => Ok(ViewMut::whole(
+                self.lm_head.as_mut().unwrap_or(&mut self.embed),
+            )),
+            Place::Layer { layer, slot } => {
+                match self
+                    .parts_mut()
+                    .2
+                    .into_iter()
+                    .nth(slot)
+                    .and_then(|(_, s)| s)
+                {
+                    Some(s) => s.layer_mut(layer),
+                    None => Err(ModelError::UnknownParameter {
+                        name: name.to_string(),
+                        why: "this architecture has no such tensor".into(),
+                    }),
+                }
+            }
+        }
+    }
+}
+
+/// Where a named parameter lives in [`DeviceWeights`].
+#[derive(Debug, Clone, Copy)]
+enum Place {
+    Embed,
+    Norm,
+    LmHead,
+    /// Layer `layer` of the stack at index `slot` of [`LAYER_SUFFIXES`].
+    Layer {
+        layer: usize,
+        slot: usize,
+    },
 }

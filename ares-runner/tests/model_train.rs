@@ -1,0 +1,766 @@
+//! Training on the CPU backend with the tiny fixtures (`tests/fixtures/models`): the loss
+//! head ([`Model::backward_from_log_prob_grads`]) against the backward of host-computed
+//! ∂L/∂logits and against finite differences of the forward log-probs, and its argument
+//! errors; [`AdamW`] against `ares-cpu`'s optimizer and a hand computation, skipped steps,
+//! and its state file; weights back to the host and trained checkpoints saved and reloaded.
+
+use std::path::{Path, PathBuf};
+
+use ares_cpu::ops::optim::{adamw_step, clip_grad_norm};
+use ares_runner::backend::cpu::CpuBackend;
+use ares_runner::backend::{Backend, View, ViewMut};
+use ares_runner::hf::checkpoint::Checkpoint;
+use ares_runner::hf::tensor_files::SaveDtype;
+use ares_runner::hf::weights::expected_tensors;
+use ares_runner::model::{AdamW, AdamWConfig, Grads, Inputs, Model, ModelError};
+use safetensors::{Dtype, SafeTensors};
+
+const MODELS: [&str; 3] = ["qwen2_tiny", "qwen3_tiny", "llama_tiny"];
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/models")
+        .join(name)
+}
+
+fn load(name: &str) -> (Checkpoint, Model<CpuBackend>) {
+    let checkpoint = Checkpoint::load(&fixture(name)).unwrap();
+    let model = Model::from_checkpoint(CpuBackend, &checkpoint).unwrap();
+    (checkpoint, model)
+}
+
+/// One input set of a fixture with a loss on it: next-token targets, and per-token
+/// coefficients ∂L/∂logπ (nonzero at valid positions that have a next valid token).
+struct Batch {
+    batch: usize,
+    seq: usize,
+    input_ids: Vec<u32>,
+    attention_mask: Vec<u32>,
+    position_ids: Vec<u32>,
+    targets: Vec<u32>,
+    coeffs: Vec<f32>,
+}
+
+impl Batch {
+    fn inputs(&self) -> Inputs<'_> {
+        Inputs {
+            batch: self.batch,
+            seq: self.seq,
+            input_ids: &self.input_ids,
+            attention_mask: &self.attention_mask,
+            position_ids: &self.position_ids,
+        }
+    }
+}
+
+fn u32s(st: &SafeTensors<'_>, name: &str) -> (Vec<usize>, Vec<u32>) {
+    let t = st.tensor(name).unwrap();
+    assert_eq!(t.dtype(), Dtype::I64, "{name}");
+    let values = t
+        .data()
+        .chunks_exact(8)
+        .map(|b| u32::try_from(i64::from_le_bytes(b.try_into().unwrap())).unwrap())
+        .collect();
+    (t.shape().to_vec(), values)
+}
+
+/// The fixture's input set `set` (`right` or `left` padded) with next-token targets and
+/// coefficients of both signs.
+fn batch(name: &str, set: &str) -> Batch {
+    let bytes = std::fs::read(fixture(name).join("expected.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let (shape, input_ids) = u32s(&st, &format!("{set}.input_ids"));
+    let (_, attention_mask) = u32s(&st, &format!("{set}.attention_mask"));
+    let (_, position_ids) = u32s(&st, &format!("{set}.position_ids"));
+    let (batch, seq) = (shape[0], shape[1]);
+    let mut targets = vec![0u32; batch * seq];
+    let mut coeffs = vec![0.0f32; batch * seq];
+    for b in 0..batch {
+        for t in 0..seq - 1 {
+            let (i, next) = (b * seq + t, b * seq + t + 1);
+            if attention_mask[i] == 1 && attention_mask[next] == 1 {
+                targets[i] = input_ids[next];
+                coeffs[i] = [-0.4, 0.25, -1.1, 0.6][(i * 7) % 4];
+            }
+        }
+    }
+    Batch {
+        batch,
+        seq,
+        input_ids,
+        attention_mask,
+        position_ids,
+        targets,
+        coeffs,
+    }
+}
+
+/// `max |a − b| / max |b|`.
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let diff = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| (f64::from(x) - f64::from(y)).abs())
+        .fold(0.0, f64::max);
+    let scale = b.iter().map(|&y| f64::from(y).abs()).fold(0.0, f64::max);
+    diff / scale.max(1e-30)
+}
+
+/// `∂L/∂logits` of `Σ_t c_t·logπ_t` at temperature `t`, from the logits in f64.
+fn host_dlogits(logits: &[f32], vocab: usize, s: &Batch, temperature: f32) -> Vec<f32> {
+    let t = f64::from(temperature);
+    let mut out = vec![0.0f32; logits.len()];
+    for (i, (row, o)) in logits
+        .chunks_exact(vocab)
+        .zip(out.chunks_exact_mut(vocab))
+        .enumerate()
+    {
+        let c = f64::from(s.coeffs[i]);
+        if c == 0.0 {
+            continue;
+        }
+        let z: Vec<f64> = row.iter().map(|&x| f64::from(x) / t).collect();
+        let m = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = z.iter().map(|&v| (v - m).exp()).sum();
+        for (v, (o, &zv)) in o.iter_mut().zip(&z).enumerate() {
+            let onehot = f64::from(u8::from(v == s.targets[i] as usize));
+            *o = (c / t * (onehot - (zv - m).exp() / sum)) as f32;
+        }
+    }
+    out
+}
+
+/// Every parameter's gradient, by name.
+fn all_grads(
+    model: &Model<CpuBackend>,
+    checkpoint: &Checkpoint,
+    grads: &Grads<CpuBackend>,
+) -> Vec<(String, Vec<f32>)> {
+    expected_tensors(&checkpoint.config)
+        .into_iter()
+        .map(|(name, _)| {
+            let g = grads.download(model.backend(), &name).unwrap();
+            (name, g)
+        })
+        .collect()
+}
+
+#[test]
+fn log_prob_head_equals_backward_of_host_dlogits() {
+    for name in MODELS {
+        let (checkpoint, model) = load(name);
+        let vocab = model.spec().vocab;
+        for set in ["right", "left"] {
+            let s = batch(name, set);
+            for temperature in [1.0f32, 0.7] {
+                let mut acts = model.activations(s.batch, s.seq).unwrap();
+                model.forward(&s.inputs(), &mut acts).unwrap();
+                // Scoring in between leaves the logits the head reads.
+                model
+                    .log_prob_entropy(&mut acts, &s.targets, temperature)
+                    .unwrap();
+                let mut ours = model.grads().unwrap();
+                model
+                    .backward_from_log_prob_grads(
+                        &s.inputs(),
+                        &mut acts,
+                        &s.targets,
+                        &s.coeffs,
+                        temperature,
+                        &mut ours,
+                    )
+                    .unwrap();
+
+                let mut logits = vec![0.0; s.batch * s.seq * vocab];
+                model.download_logits(&acts, &mut logits).unwrap();
+                let dlogits = host_dlogits(&logits, vocab, &s, temperature);
+                let be = model.backend();
+                let mut buf = be.alloc(dlogits.len()).unwrap();
+                be.upload(&dlogits, ViewMut::whole(&mut buf)).unwrap();
+                let mut want = model.grads().unwrap();
+                model
+                    .backward(&s.inputs(), &mut acts, View::whole(&buf), &mut want)
+                    .unwrap();
+
+                let ours = all_grads(&model, &checkpoint, &ours);
+                let want = all_grads(&model, &checkpoint, &want);
+                for ((param, a), (_, b)) in ours.iter().zip(&want) {
+                    let err = rel_err(a, b);
+                    assert!(err < 1e-5, "{name} {set} T={temperature} {param}: {err:e}");
+                }
+            }
+        }
+    }
+}
+
+/// `Σ_t c_t·logπ_t` computed by the forward pass and the fused log-prob kernel, in f64.
+fn loss(model: &Model<CpuBackend>, s: &Batch, temperature: f32) -> f64 {
+    let mut acts = model.activations(s.batch, s.seq).unwrap();
+    model.forward(&s.inputs(), &mut acts).unwrap();
+    model
+        .log_prob_entropy(&mut acts, &s.targets, temperature)
+        .unwrap();
+    let mut lp = vec![0.0; s.batch * s.seq];
+    model.backend().download(acts.log_probs(), &mut lp).unwrap();
+    lp.iter()
+        .zip(&s.coeffs)
+        .map(|(&l, &c)| f64::from(l) * f64::from(c))
+        .sum()
+}
+
+/// A parameter's name and where its values are in a checkpoint.
+type Param = (&'static str, fn(&mut Checkpoint) -> &mut Vec<f32>);
+
+/// Central differences of the loss at the largest-gradient element of each parameter.
+fn finite_differences(name: &str, temperature: f32, params: &[Param]) {
+    let (checkpoint, model) = load(name);
+    let s = batch(name, "left");
+    let mut acts = model.activations(s.batch, s.seq).unwrap();
+    model.forward(&s.inputs(), &mut acts).unwrap();
+    let mut grads = model.grads().unwrap();
+    model
+        .backward_from_log_prob_grads(
+            &s.inputs(),
+            &mut acts,
+            &s.targets,
+            &s.coeffs,
+            temperature,
+            &mut grads,
+        )
+        .unwrap();
+    for (param, get) in params {
+        let analytic = grads.download(model.backend(), param).unwrap();
+        let (idx, &g) = analytic
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1.abs().total_cmp(&b.1.abs()))
+            .unwrap();
+        let h = 1e-2f32;
+        let at = |delta: f32| {
+            let mut c = checkpoint.clone();
+            get(&mut c)[idx] += delta;
+            loss(
+                &Model::from_checkpoint(CpuBackend, &c).unwrap(),
+                &s,
+                temperature,
+            )
+        };
+        let numeric = (at(h) - at(-h)) / (2.0 * f64::from(h));
+        let err = (numeric - f64::from(g)).abs() / f64::from(g).abs();
+        eprintln!("{name} {param}[{idx}]: analytic {g:.6}, numeric {numeric:.6}, rel {err:.2e}");
+        assert!(err < 1e-2, "{name} {param}[{idx}]: {g} vs {numeric}");
+    }
+}
+
+#[test]
+fn log_prob_head_matches_finite_differences() {
+    finite_differences(
+        "qwen2_tiny",
+        0.7,
+        &[
+            ("model.embed_tokens.weight", |c| {
+                &mut c.weights.embed_tokens.data
+            }),
+            ("model.layers.1.self_attn.q_proj.bias", |c| {
+                &mut c.weights.layers[1].q_proj_bias.as_mut().unwrap().data
+            }),
+        ],
+    );
+    finite_differences(
+        "qwen3_tiny",
+        1.0,
+        &[
+            ("lm_head.weight", |c| {
+                &mut c.weights.lm_head.as_mut().unwrap().data
+            }),
+            ("model.layers.0.self_attn.q_norm.weight", |c| {
+                c.weights.layers[0]
+                    .q_norm
+                    .as_mut()
+                    .map(|t| &mut t.data)
+                    .unwrap()
+            }),
+        ],
+    );
+    finite_differences(
+        "llama_tiny",
+        1.3,
+        &[("model.layers.0.mlp.up_proj.weight", |c| {
+            &mut c.weights.layers[0].up_proj.data
+        })],
+    );
+}
+
+#[test]
+fn bad_log_prob_head_arguments_are_errors() {
+    let (_, model) = load("qwen2_tiny");
+    let s = batch("qwen2_tiny", "left");
+    let mut acts = model.activations(s.batch, s.seq).unwrap();
+    model.forward(&s.inputs(), &mut acts).unwrap();
+    let mut grads = model.grads().unwrap();
+    let mut run = |targets: &[u32], coeffs: &[f32], t: f32| {
+        model.backward_from_log_prob_grads(&s.inputs(), &mut acts, targets, coeffs, t, &mut grads)
+    };
+    let e = run(&s.targets[1..], &s.coeffs, 1.0).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ModelError::InputLength {
+                what: "targets",
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = run(&s.targets, &s.coeffs[1..], 1.0).unwrap_err();
+    assert!(
+        matches!(e, ModelError::InputLength { what: "coeffs", .. }),
+        "{e}"
+    );
+    let mut bad = s.targets.clone();
+    bad[3] = 97;
+    let e = run(&bad, &s.coeffs, 1.0).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            ModelError::TokenOutOfRange {
+                what: "targets",
+                index: 3,
+                id: 97,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let mut nan = s.coeffs.clone();
+    nan[5] = f32::NAN;
+    let e = run(&s.targets, &nan, 1.0).unwrap_err();
+    assert!(e.to_string().contains("coeffs[5]"), "{e}");
+    // The left-padded set has padding at position 0 of a row.
+    let pad = s.attention_mask.iter().position(|&m| m == 0).unwrap();
+    let mut on_pad = s.coeffs.clone();
+    on_pad[pad] = 1.0;
+    let e = run(&s.targets, &on_pad, 1.0).unwrap_err();
+    assert!(e.to_string().contains("padding"), "{e}");
+    for t in [0.0, -1.0, f32::INFINITY, f32::NAN] {
+        let e = run(&s.targets, &s.coeffs, t).unwrap_err();
+        assert!(matches!(e, ModelError::InvalidValue { .. }), "{e}");
+    }
+    // Nothing was accumulated by the failed calls.
+    let embed = grads
+        .download(model.backend(), "model.embed_tokens.weight")
+        .unwrap();
+    assert!(embed.iter().all(|&x| x == 0.0));
+
+    // Gradients of another model are refused before anything is written.
+    let (_, other) = load("qwen3_tiny");
+    let mut foreign = other.grads().unwrap();
+    let e = model
+        .backward_from_log_prob_grads(
+            &s.inputs(),
+            &mut acts,
+            &s.targets,
+            &s.coeffs,
+            1.0,
+            &mut foreign,
+        )
+        .unwrap_err();
+    assert!(matches!(e, ModelError::LayoutMismatch { .. }), "{e}");
+}
+
+// ----- AdamW over the model. -----
+
+/// Gradients of the loss head on the fixture's left-padded set.
+fn loss_grads(model: &Model<CpuBackend>, name: &str) -> Grads<CpuBackend> {
+    let s = batch(name, "left");
+    let mut acts = model.activations(s.batch, s.seq).unwrap();
+    model.forward(&s.inputs(), &mut acts).unwrap();
+    let mut grads = model.grads().unwrap();
+    model
+        .backward_from_log_prob_grads(
+            &s.inputs(),
+            &mut acts,
+            &s.targets,
+            &s.coeffs,
+            1.0,
+            &mut grads,
+        )
+        .unwrap();
+    grads
+}
+
+const CFG: AdamWConfig = AdamWConfig {
+    beta1: 0.9,
+    beta2: 0.95,
+    eps: 1e-8,
+    weight_decay: 0.1,
+};
+
+#[test]
+fn adamw_steps_equal_ares_cpu_and_the_hand_computation() {
+    for name in ["qwen2_tiny", "qwen3_tiny"] {
+        let (checkpoint, mut model) = load(name);
+        let grads = loss_grads(&model, name);
+        let names: Vec<String> = expected_tensors(&checkpoint.config)
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        let host_grads: Vec<Vec<f32>> = names
+            .iter()
+            .map(|n| grads.download(model.backend(), n).unwrap())
+            .collect();
+        let w0 = model.to_weights().unwrap();
+        assert_eq!(
+            w0, checkpoint.weights,
+            "{name}: to_weights is what was loaded"
+        );
+        let mut reference: Vec<Vec<f32>> =
+            w0.tensors().iter().map(|(_, t)| t.data.clone()).collect();
+        let mut m: Vec<Vec<f32>> = reference.iter().map(|p| vec![0.0; p.len()]).collect();
+        let mut v = m.clone();
+        let norm = host_grads
+            .iter()
+            .flatten()
+            .map(|&g| f64::from(g) * f64::from(g))
+            .sum::<f64>()
+            .sqrt();
+        let max_norm = (norm / 4.0) as f32;
+        let lr = 1e-3;
+        let cpu_cfg = ares_cpu::ops::optim::AdamWConfig {
+            beta1: CFG.beta1,
+            beta2: CFG.beta2,
+            eps: CFG.eps,
+            weight_decay: CFG.weight_decay,
+        };
+
+        let mut opt = AdamW::new(&model, CFG).unwrap();
+        for step in 1..=2u64 {
+            let report = opt.step(&mut model, &grads, lr, Some(max_norm)).unwrap();
+            assert!(report.applied);
+            assert!(
+                (f64::from(report.grad_norm) - norm).abs() <= 1e-6 * norm,
+                "{name}"
+            );
+            assert_eq!(opt.step_count(), step);
+
+            // ares-cpu on host copies: clip the same gradients, then one AdamW step each.
+            let mut g = host_grads.clone();
+            let mut views: Vec<&mut [f32]> = g.iter_mut().map(Vec::as_mut_slice).collect();
+            clip_grad_norm(&mut views, max_norm).unwrap();
+            let before = reference.clone();
+            for (((p, g), m), v) in reference.iter_mut().zip(&g).zip(&mut m).zip(&mut v) {
+                adamw_step(p, g, m, v, step, &cpu_cfg, lr).unwrap();
+            }
+            let ours = model.to_weights().unwrap();
+            for ((n, t), want) in ours.tensors().iter().zip(&reference) {
+                let err = rel_err(&t.data, want);
+                assert!(err < 1e-6, "{name} step {step} {n}: {err:e}");
+            }
+
+            // By hand for the first step: m̂ = ĝ and v̂ = ĝ², so
+            // θ₁ = θ₀·(1 − lr·wd) − lr·ĝ/(|ĝ| + ε) with ĝ = g·max_norm/(norm + 1e-6).
+            if step == 1 {
+                let scale = f64::from(max_norm) / (norm + 1e-6);
+                for (((n, t), p0), g) in ours.tensors().iter().zip(&before).zip(&host_grads) {
+                    for ((&p1, &p0), &g) in t.data.iter().zip(p0).zip(g) {
+                        let gh = f64::from(g) * scale;
+                        let want = f64::from(p0) * (1.0 - lr * CFG.weight_decay)
+                            - lr * gh / (gh.abs() + CFG.eps);
+                        let tol = 1e-6 * want.abs() + 2e-8;
+                        assert!(
+                            (f64::from(p1) - want).abs() <= tol,
+                            "{name} {n}: {p1} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The two moments of every parameter in a saved state, by tensor name.
+fn state_tensors(path: &Path) -> Vec<(String, Vec<u8>)> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let mut out: Vec<(String, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.data().to_vec()))
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn a_non_finite_gradient_changes_nothing() {
+    let (_, mut model) = load("llama_tiny");
+    let dir = tempfile::tempdir().unwrap();
+    let mut opt = AdamW::new(&model, CFG).unwrap();
+    let grads = loss_grads(&model, "llama_tiny");
+    opt.step(&mut model, &grads, 1e-3, Some(1.0)).unwrap();
+    let before = dir.path().join("before.safetensors");
+    opt.save(&model, &before).unwrap();
+    let weights = model.to_weights().unwrap();
+
+    // NaN in ∂L/∂logits reaches every gradient.
+    let s = batch("llama_tiny", "right");
+    let mut acts = model.activations(s.batch, s.seq).unwrap();
+    model.forward(&s.inputs(), &mut acts).unwrap();
+    let be = model.backend();
+    let mut dlogits = be.alloc(s.batch * s.seq * model.spec().vocab).unwrap();
+    let mut host = vec![0.0f32; dlogits.len()];
+    host[5] = f32::NAN;
+    be.upload(&host, ViewMut::whole(&mut dlogits)).unwrap();
+    let mut nan_grads = model.grads().unwrap();
+    model
+        .backward(
+            &s.inputs(),
+            &mut acts,
+            View::whole(&dlogits),
+            &mut nan_grads,
+        )
+        .unwrap();
+    let report = opt.step(&mut model, &nan_grads, 1e-3, Some(1.0)).unwrap();
+    assert!(!report.applied && report.grad_norm.is_nan(), "{report:?}");
+    assert_eq!(opt.step_count(), 1);
+    assert_eq!(model.to_weights().unwrap(), weights);
+    let after = dir.path().join("after.safetensors");
+    opt.save(&model, &after).unwrap();
+    assert_eq!(state_tensors(&before), state_tensors(&after));
+
+    // The next finite step goes through as the second update.
+    let report = opt.step(&mut model, &grads, 1e-3, None).unwrap();
+    assert!(report.applied && report.grad_norm.is_finite());
+    assert_eq!(opt.step_count(), 2);
+}
+
+#[test]
+fn optimizer_state_round_trips_exactly() {
+    for name in ["qwen2_tiny", "qwen3_tiny"] {
+        let (checkpoint, mut model) = load(name);
+        let grads = loss_grads(&model, name);
+        let mut opt = AdamW::new(&model, CFG).unwrap();
+        for _ in 0..2 {
+            opt.step(&mut model, &grads, 1e-3, Some(1.0)).unwrap();
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("optimizer.safetensors");
+        opt.save(&model, &path).unwrap();
+        // Only the file itself is left in the directory (the temporary was renamed).
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+
+        // A second model with the same weights, and the state loaded from disk.
+        let mut twin =
+            Model::new(CpuBackend, &checkpoint.config, &model.to_weights().unwrap()).unwrap();
+        let mut loaded = AdamW::load(&twin, CFG, &path).unwrap();
+        assert_eq!(loaded.step_count(), 2);
+        let again = dir.path().join("again.safetensors");
+        loaded.save(&twin, &again).unwrap();
+        assert_eq!(state_tensors(&path), state_tensors(&again));
+
+        // The next step is the same on both.
+        opt.step(&mut model, &grads, 2e-3, Some(1.0)).unwrap();
+        loaded.step(&mut twin, &grads, 2e-3, Some(1.0)).unwrap();
+        assert_eq!(
+            model.to_weights().unwrap(),
+            twin.to_weights().unwrap(),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn optimizer_errors_name_the_problem() {
+    let (_, mut qwen2) = load("qwen2_tiny");
+    let (_, qwen3) = load("qwen3_tiny");
+    let dir = tempfile::tempdir().unwrap();
+
+    let bad_cfg = AdamWConfig { beta1: 1.0, ..CFG };
+    let e = AdamW::new(&qwen2, bad_cfg).unwrap_err();
+    assert!(
+        matches!(e, ModelError::AdamWConfig(_)) && e.to_string().contains("beta1"),
+        "{e}"
+    );
+
+    let mut opt = AdamW::new(&qwen2, CFG).unwrap();
+    let grads = qwen2.grads().unwrap();
+    for lr in [-1.0, f64::NAN] {
+        let e = opt.step(&mut qwen2, &grads, lr, None).unwrap_err();
+        assert!(e.to_string().contains("lr"), "{e}");
+    }
+    let e = opt
+        .step(&mut qwen2, &grads, 1e-3, Some(f32::INFINITY))
+        .unwrap_err();
+    assert!(e.to_string().contains("max_grad_norm"), "{e}");
+    let foreign = qwen3.grads().unwrap();
+    let e = opt.step(&mut qwen2, &foreign, 1e-3, None).unwrap_err();
+    assert!(
+        matches!(e, ModelError::LayoutMismatch { what: "gradients" }),
+        "{e}"
+    );
+    assert_eq!(opt.step_count(), 0);
+
+    let missing = dir.path().join("missing.safetensors");
+    let e = AdamW::load(&qwen2, CFG, &missing).unwrap_err();
+    assert!(
+        matches!(e, ModelError::Io { .. }) && e.to_string().contains("missing.safetensors"),
+        "{e}"
+    );
+
+    // qwen2's state does not fit qwen3 (another architecture, other tensors).
+    let path = dir.path().join("qwen2.safetensors");
+    opt.save(&qwen2, &path).unwrap();
+    let e = AdamW::load(&qwen3, CFG, &path).unwrap_err();
+    assert!(matches!(e, ModelError::OptimizerState { .. }), "{e}");
+    assert!(e.to_string().contains("another model"), "{e}");
+    let e = opt.save(&qwen3, &path).unwrap_err();
+    assert!(matches!(e, ModelError::LayoutMismatch { .. }), "{e}");
+
+    // A safetensors file that is not an optimizer state.
+    let weights = fixture("qwen2_tiny").join("model.safetensors");
+    let e = AdamW::load(&qwen2, CFG, &weights).unwrap_err();
+    assert!(e.to_string().contains("format"), "{e}");
+
+    // A state with a moment missing, and one with a negative second moment.
+    let bytes = std::fs::read(&path).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
+    let meta = meta.metadata().clone();
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.shape().to_vec(), t.data().to_vec()))
+        .collect();
+    let write = |tensors: &[(String, Vec<usize>, Vec<u8>)], file: &str| {
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, s, d)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), d).unwrap(),
+                )
+            })
+            .collect();
+        let p = dir.path().join(file);
+        safetensors::serialize_to_file(views, meta.clone(), &p).unwrap();
+        p
+    };
+    let i = tensors
+        .iter()
+        .position(|t| t.0 == "model.norm.weight.exp_avg_sq")
+        .unwrap();
+    tensors[i].2[..4].copy_from_slice(&(-1.0f32).to_le_bytes());
+    let p = write(&tensors, "negative.safetensors");
+    let e = AdamW::load(&qwen2, CFG, &p).unwrap_err();
+    assert!(
+        e.to_string().contains("model.norm.weight.exp_avg_sq"),
+        "{e}"
+    );
+    tensors.remove(i);
+    let p = write(&tensors, "short.safetensors");
+    let e = AdamW::load(&qwen2, CFG, &p).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("`model.norm.weight.exp_avg_sq` is missing"),
+        "{e}"
+    );
+}
+
+// ----- Weights back to the host, and checkpoints. -----
+
+#[test]
+fn to_weights_returns_what_was_loaded() {
+    for name in MODELS {
+        let (checkpoint, model) = load(name);
+        assert_eq!(model.to_weights().unwrap(), checkpoint.weights, "{name}");
+        assert_eq!(model.config(), &checkpoint.config, "{name}");
+    }
+}
+
+#[test]
+fn a_trained_model_saves_and_reloads_with_the_same_logits() {
+    let dir = tempfile::tempdir().unwrap();
+    for name in MODELS {
+        let (checkpoint, mut model) = load(name);
+        let grads = loss_grads(&model, name);
+        let mut opt = AdamW::new(&model, CFG).unwrap();
+        assert!(
+            opt.step(&mut model, &grads, 1e-2, Some(1.0))
+                .unwrap()
+                .applied
+        );
+        let trained = model.to_weights().unwrap();
+        assert_ne!(
+            trained, checkpoint.weights,
+            "{name}: the step changed nothing"
+        );
+
+        let out = dir.path().join(name);
+        model
+            .save_pretrained(
+                &out,
+                model.config(),
+                checkpoint.generation.as_ref(),
+                SaveDtype::F32,
+            )
+            .unwrap();
+        let reloaded = Checkpoint::load(&out).unwrap();
+        assert_eq!(reloaded.weights, trained, "{name}");
+        assert_eq!(reloaded.generation, checkpoint.generation, "{name}");
+        let again = Model::from_checkpoint(CpuBackend, &reloaded).unwrap();
+        for set in ["right", "left"] {
+            let s = batch(name, set);
+            assert_eq!(
+                again.forward_logits(&s.inputs()).unwrap(),
+                model.forward_logits(&s.inputs()).unwrap(),
+                "{name} {set}"
+            );
+        }
+
+        // bf16: every weight rounded once, to nearest even.
+        model
+            .save_pretrained(&out, model.config(), None, SaveDtype::Bf16)
+            .unwrap();
+        let half = Checkpoint::load(&out).unwrap();
+        assert_eq!(half.config.dtype.as_deref(), Some("bfloat16"));
+        assert_eq!(half.generation, None);
+        for ((n, a), (_, b)) in half.weights.tensors().iter().zip(trained.tensors()) {
+            for (&x, &y) in a.data.iter().zip(&b.data) {
+                assert_eq!(x, half::bf16::from_f32(y).to_f32(), "{name} {n}");
+            }
+        }
+    }
+}
+
+#[test]
+fn saving_with_the_config_of_another_model_is_an_error() {
+    let (_, model) = load("qwen2_tiny");
+    let (other, _) = load("qwen3_tiny");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("ckpt");
+    let e = model
+        .save_pretrained(&out, &other.config, None, SaveDtype::F32)
+        .unwrap_err();
+    assert!(matches!(e, ModelError::ConfigMismatch { .. }), "{e}");
+    assert!(e.to_string().contains("architecture"), "{e}");
+    assert!(!out.exists());
+    // Other token ids are fine.
+    let mut config = model.config().clone();
+    config.eos_token_ids = vec![3, 4];
+    model
+        .save_pretrained(&out, &config, None, SaveDtype::F32)
+        .unwrap();
+    assert_eq!(Checkpoint::load(&out).unwrap().config.eos_token_ids, [3, 4]);
+}
+
+#[test]
+fn a_frozen_reference_model_is_built_from_the_same_weights() {
+    let (checkpoint, mut policy) = load("qwen3_tiny");
+    let reference = Model::new(CpuBackend, policy.config(), &policy.to_weights().unwrap()).unwrap();
+    let grads = loss_grads(&policy, "qwen3_tiny");
+    let mut opt = AdamW::new(&policy, CFG).unwrap();
+    opt.step(&mut policy, &grads, 1e-2, None).unwrap();
+    assert_eq!(reference.to_weights().unwrap(), checkpoint.weights);
+    assert_ne!(policy.to_weights().unwrap(), checkpoint.weights);
+}
