@@ -6,5 +6,6 @@
 //! trainer and CLI are the next milestones (see the README's status table).
 
 pub mod backend;
+pub mod demo;
 pub mod hf;
 pub mod model;
