@@ -8,6 +8,7 @@
 pub mod backend;
 pub mod config;
 pub mod data;
+pub mod demo;
 pub mod hf;
 pub mod metrics;
 pub mod model;
