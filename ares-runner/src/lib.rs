@@ -6,6 +6,7 @@
 //! trainer and CLI are the next milestones (see the README's status table).
 
 pub mod backend;
+pub mod commands;
 pub mod config;
 pub mod data;
 pub mod demo;

@@ -1,31 +1,177 @@
-//! `ares-runner`: the trainer's command-line entry point.
+//! `ares-runner`: the trainer's command line.
 //!
-//! The trainer (rollout, RL loop, built-in demo) is not built yet; until it is, every command
-//! says so plainly and exits with status 2 instead of pretending to work.
+//! - `train` — RL training from a YAML config and dotted overrides; with no data configured,
+//!   the built-in demo (a tiny model learns arithmetic on the CPU in minutes).
+//! - `config` — prints the resolved configuration.
+//! - `eval` — accuracy and mean response length per difficulty of a model on a dataset.
+//! - `sft` — supervised fine-tuning on prompt/response data (the cold-start stage).
+//! - `plot` — draws the key curves of a `metrics.jsonl`.
+//! - `demo-data` — writes the demo's model, tokenizer and datasets to a directory.
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-const NOT_BUILT: &str = "\
-ares-runner: the trainer is not built yet.
+use clap::{Parser, Subcommand};
 
-What exists today: `ares-core`, the complete math of ARES/AEPO, GRPO-λ, graded rubric
-prompts and REINFORCE Pro Max; the CPU and CUDA token kernels; and the first half of the
-model runtime (Hugging Face loading and saving, tokenizer, chat templates, and a
-Qwen2/Qwen3/Llama forward, backward and batched generation that match transformers). `cargo test --workspace`
-checks all of it. The optimizer step, rollout, RL loop and the built-in demo behind
-`ares-runner train` are the next milestones; the README's status table says where each
-stands.";
+use ares_runner::config::Config;
+
+/// RL training of reasoning LLMs: ARES/AEPO, GRPO-λ, graded rubric prompts, REINFORCE Pro Max.
+#[derive(Debug, Parser)]
+#[command(name = "ares-runner", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// The configuration a command reads: a YAML file and dotted overrides.
+#[derive(Debug, clap::Args)]
+struct ConfigArgs {
+    /// YAML config (verl/EasyR1-style sections); defaults when absent.
+    #[arg(short, long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Dotted overrides applied after the file, e.g. `worker.rollout.n=8`.
+    #[arg(value_name = "KEY=VALUE")]
+    overrides: Vec<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Train with RL (no data configured: the built-in CPU demo).
+    Train {
+        #[command(flatten)]
+        cfg: ConfigArgs,
+        /// Device: cpu, cuda or auto (overrides `trainer.device`).
+        #[arg(long, value_name = "DEVICE")]
+        device: Option<String>,
+        /// Method of the built-in demo (no data configured): ares, grpo, grpo-lambda, pro-max.
+        #[arg(long, value_enum)]
+        method: Option<ares_runner::commands::demo::Method>,
+    },
+    /// Print the resolved configuration as YAML.
+    Config {
+        #[command(flatten)]
+        cfg: ConfigArgs,
+    },
+    /// Evaluate a model: accuracy and mean response length per difficulty.
+    Eval {
+        #[command(flatten)]
+        cfg: ConfigArgs,
+        /// Model directory (default: `worker.actor.model_path`).
+        #[arg(long, value_name = "DIR")]
+        model: Option<PathBuf>,
+        /// Dataset (default: `data.val_files`, else `data.train_files`).
+        #[arg(long, value_name = "FILE")]
+        data: Option<PathBuf>,
+    },
+    /// Supervised fine-tuning on prompt/response data (`sft.*` keys).
+    Sft {
+        #[command(flatten)]
+        cfg: ConfigArgs,
+    },
+    /// Plot the key curves of a metrics file.
+    Plot {
+        /// The `metrics.jsonl` of a run.
+        metrics: PathBuf,
+        /// Output image (.png or .svg).
+        #[arg(short, long, value_name = "FILE")]
+        output: PathBuf,
+        /// Keys to plot (repeatable; `prefix/*` groups a family); default: the key curves.
+        #[arg(short, long = "key", value_name = "KEY")]
+        keys: Vec<String>,
+    },
+    /// Write the demo's tiny model, tokenizer and datasets to a directory.
+    DemoData {
+        /// Output directory.
+        #[arg(short, long, value_name = "DIR", default_value = "runs/demo/assets")]
+        output: PathBuf,
+        /// Seed of the model's initialisation and of the problems.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+}
+
+/// Loads a config and applies `--device`.
+fn load(cfg: &ConfigArgs, device: Option<&str>) -> Result<Config, Box<dyn std::error::Error>> {
+    let mut overrides = cfg.overrides.clone();
+    if let Some(d) = device {
+        overrides.push(format!("trainer.device={d}"));
+    }
+    Ok(Config::load(cfg.config.as_deref(), &overrides)?)
+}
+
+fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
+    match cli.command {
+        Command::Train {
+            cfg,
+            device,
+            method,
+        } => {
+            let mut overrides = cfg.overrides.clone();
+            if let Some(d) = &device {
+                overrides.push(format!("trainer.device={d}"));
+            }
+            let config = load(&cfg, device.as_deref())?;
+            if config.data.train_files.is_none() && cfg.config.is_none() {
+                ares_runner::commands::demo::run(&overrides, method)?;
+            } else {
+                if method.is_some() {
+                    return Err(
+                        "--method selects the built-in demo's method; with your own data \
+                                set algorithm.* keys instead"
+                            .into(),
+                    );
+                }
+                ares_runner::commands::train(config, &overrides, cfg.config.is_some())?;
+            }
+        }
+        Command::Config { cfg } => {
+            print!("{}", load(&cfg, None)?.to_yaml());
+        }
+        Command::Eval { cfg, model, data } => {
+            let config = load(&cfg, None)?;
+            ares_runner::commands::eval(&config, model.as_deref(), data.as_deref())?;
+        }
+        Command::Sft { cfg } => {
+            let config = load(&cfg, None)?;
+            ares_runner::commands::sft(&config)?;
+        }
+        Command::Plot {
+            metrics,
+            output,
+            keys,
+        } => {
+            let keys = (!keys.is_empty()).then_some(keys.as_slice());
+            let summary = ares_runner::plot::plot_metrics(&metrics, &output, keys)?;
+            for k in &summary.skipped {
+                eprintln!("warning: no data for {k:?} in {}", metrics.display());
+            }
+            eprintln!(
+                "wrote {} ({} panels: {})",
+                output.display(),
+                summary.panels.len(),
+                summary.panels.join(", ")
+            );
+        }
+        Command::DemoData { output, seed } => {
+            let assets = ares_runner::demo::write_demo_assets(&output, seed)?;
+            eprintln!("wrote the demo assets to {}: {assets:?}", output.display());
+        }
+    }
+    Ok(())
+}
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        Some("--version" | "-V") => {
-            println!("ares-runner {}", env!("CARGO_PKG_VERSION"));
-            ExitCode::SUCCESS
-        }
-        _ => {
-            eprintln!("{NOT_BUILT}");
-            ExitCode::from(2)
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            let mut source = e.source();
+            while let Some(s) = source {
+                eprintln!("  caused by: {s}");
+                source = s.source();
+            }
+            ExitCode::FAILURE
         }
     }
 }

@@ -1,0 +1,129 @@
+//! The `ares-runner` subcommands as library functions (the binary only parses arguments):
+//! [`train`] (with the built-in [`demo`] when no data is configured), [`eval`] and [`sft`].
+
+pub mod demo;
+mod sft_cmd;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use crate::backend::cpu::CpuBackend;
+use crate::config::{Config, Device};
+use crate::trainer::eval::format_table;
+use crate::trainer::{TrainError, Trainer};
+
+pub use sft_cmd::{SftReport, run_sft, sft};
+
+/// The CPU backend, after checking the configured device and thread count.
+///
+/// # Errors
+/// `trainer.device: cuda` (the CUDA backend is not built yet).
+pub fn backend(cfg: &Config) -> Result<CpuBackend, TrainError> {
+    match cfg.trainer.device {
+        Device::Cpu => {}
+        Device::Auto => {}
+        Device::Cuda => {
+            return Err(TrainError::Invalid(
+                "trainer.device = cuda: the CUDA backend of the trainer is not built yet (see the \
+                 README's status table); use trainer.device=cpu"
+                    .into(),
+            ));
+        }
+    }
+    if cfg.trainer.threads > 0 {
+        // the pool can be set once per process; a second call (tests, demo stages) keeps it
+        let _ = rayon::ThreadPoolBuilder::new()
+            .num_threads(cfg.trainer.threads)
+            .build_global();
+    }
+    Ok(CpuBackend)
+}
+
+/// The Ctrl-C flag: the first Ctrl-C sets it (the trainer finishes its step, saves and
+/// stops); a second one exits at once with status 130.
+///
+/// # Errors
+/// The signal handlers cannot be installed.
+pub fn interrupt_flag() -> Result<Arc<AtomicBool>, TrainError> {
+    let flag = Arc::new(AtomicBool::new(false));
+    let io = |e: std::io::Error| TrainError::io("SIGINT handler", e);
+    // order matters: the conditional exit sees the flag before the first press sets it
+    signal_hook::flag::register_conditional_shutdown(
+        signal_hook::consts::SIGINT,
+        130,
+        Arc::clone(&flag),
+    )
+    .map_err(io)?;
+    signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&flag)).map_err(io)?;
+    Ok(flag)
+}
+
+/// `ares-runner train`: RL training of `cfg`; with no `data.train_files`, the built-in demo.
+///
+/// # Errors
+/// Any error of the run, naming what was wrong.
+pub fn train(cfg: Config, overrides: &[String], from_file: bool) -> Result<(), TrainError> {
+    if cfg.data.train_files.is_none() && !from_file {
+        return demo::run(overrides, None);
+    }
+    let backend = backend(&cfg)?;
+    let interrupt = interrupt_flag()?;
+    let mut trainer = Trainer::new(cfg, backend, interrupt)?;
+    if trainer.cfg.trainer.val_before_train && !trainer.val.is_empty() {
+        let val = trainer.val.clone();
+        let report = trainer.evaluate(&val)?;
+        eprintln!("validation before training:\n{}", format_table(&report));
+    }
+    let summary = trainer.run()?;
+    eprintln!(
+        "{} after {} steps; metrics: {}; checkpoint: {}",
+        if summary.interrupted {
+            "stopped (Ctrl-C)"
+        } else {
+            "done"
+        },
+        summary.steps,
+        summary.metrics.display(),
+        summary
+            .checkpoint
+            .as_ref()
+            .map_or("none".into(), |p| p.display().to_string())
+    );
+    Ok(())
+}
+
+/// `ares-runner eval`: accuracy and mean response length per difficulty of `model`
+/// (default `worker.actor.model_path`) on `data` (default `data.val_files`, else
+/// `data.train_files`), with the validation sampling of the config.
+///
+/// # Errors
+/// Missing model or data, generation or grading errors.
+pub fn eval(cfg: &Config, model: Option<&Path>, data: Option<&Path>) -> Result<(), TrainError> {
+    let model_dir = match model {
+        Some(m) => m.to_path_buf(),
+        None => cfg
+            .worker
+            .actor
+            .model_path
+            .as_deref()
+            .map(Into::into)
+            .ok_or_else(|| {
+                TrainError::Invalid("eval: give --model DIR or set worker.actor.model_path".into())
+            })?,
+    };
+    let data = match data {
+        Some(d) => d.to_string_lossy().into_owned(),
+        None => cfg
+            .data
+            .val_files
+            .clone()
+            .or_else(|| cfg.data.train_files.clone())
+            .ok_or_else(|| {
+                TrainError::Invalid("eval: give --data FILE or set data.val_files".into())
+            })?,
+    };
+    let report = demo::evaluate_model(cfg, &model_dir, &data)?;
+    println!("{}", format_table(&report));
+    Ok(())
+}

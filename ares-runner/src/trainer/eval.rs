@@ -1,0 +1,112 @@
+//! Evaluation: accuracy and mean response length per difficulty of a model on a dataset
+//! (greedy at `val_temperature = 0`, else sampled), the numbers of the demo's before/after
+//! table and of `ares-runner eval`.
+
+use std::collections::BTreeMap;
+
+use super::TrainError;
+use super::grading::Grader;
+use super::prompts::PromptRenderer;
+use super::rollout::{RolloutParams, generate_all};
+use crate::backend::Backend;
+use crate::data::Example;
+use crate::model::Model;
+
+/// Accuracy and length of one group of examples.
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+pub struct EvalRow {
+    /// Responses graded.
+    pub responses: usize,
+    /// Fraction correct.
+    pub accuracy: f64,
+    /// Mean response length in tokens.
+    pub mean_length: f64,
+}
+
+/// Results per difficulty label (`all` for everything; rows without a label count only
+/// there).
+pub type EvalReport = BTreeMap<String, EvalRow>;
+
+/// Generates `n` responses per example with `params` and grades them.
+///
+/// # Errors
+/// Rendering, generation or grading errors.
+pub fn evaluate<B: Backend>(
+    model: &Model<B>,
+    renderer: &PromptRenderer,
+    grader: &mut Grader,
+    examples: &[Example],
+    n: usize,
+    params: &RolloutParams,
+    on_progress: impl FnMut(usize),
+) -> Result<EvalReport, TrainError> {
+    let mut prompts = Vec::with_capacity(examples.len() * n);
+    for e in examples {
+        let ids = renderer.ids(e, None)?;
+        for _ in 0..n {
+            prompts.push(ids.clone());
+        }
+    }
+    let responses = generate_all(model, &prompts, params, on_progress)?;
+    let mut sums: BTreeMap<String, (usize, usize, usize)> = BTreeMap::new();
+    for (i, r) in responses.iter().enumerate() {
+        let e = &examples[i / n.max(1)];
+        let text = renderer
+            .tokenizer
+            .decode(&r.tokens, true)
+            .map_err(|err| TrainError::Invalid(format!("tokenizer: {err}")))?;
+        let g = grader.grade(e, &text)?;
+        let mut add = |key: &str| {
+            let s = sums.entry(key.to_string()).or_default();
+            s.0 += 1;
+            s.1 += usize::from(g.correct);
+            s.2 += r.tokens.len();
+        };
+        add("all");
+        if let Some(d) = &e.difficulty {
+            add(d);
+        }
+    }
+    Ok(sums
+        .into_iter()
+        .map(|(k, (count, correct, len))| {
+            let c = count.max(1) as f64;
+            (
+                k,
+                EvalRow {
+                    responses: count,
+                    accuracy: correct as f64 / c,
+                    mean_length: len as f64 / c,
+                },
+            )
+        })
+        .collect())
+}
+
+/// The report as a table, difficulty labels in the order easy, medium, hard, others, all.
+pub fn format_table(report: &EvalReport) -> String {
+    let mut keys: Vec<&String> = report.keys().collect();
+    let rank = |k: &str| match k {
+        "easy" => 0,
+        "medium" => 1,
+        "hard" => 2,
+        "all" => 4,
+        _ => 3,
+    };
+    keys.sort_by_key(|k| (rank(k), (*k).clone()));
+    let mut out = format!(
+        "{:<10} {:>9} {:>9} {:>11}\n",
+        "difficulty", "responses", "accuracy", "mean length"
+    );
+    for k in keys {
+        let r = report[k];
+        out.push_str(&format!(
+            "{:<10} {:>9} {:>8.1}% {:>11.1}\n",
+            k,
+            r.responses,
+            100.0 * r.accuracy,
+            r.mean_length
+        ));
+    }
+    out
+}

@@ -1,0 +1,1032 @@
+//! [`Trainer`]: the RL loop of seed 001 §3.2 on one backend — bootstrap, then per step:
+//! rollout with entropies → grading → online filtering with re-generation → ARES
+//! controllers → rewards → old/ref log-probs → dynamic KL → advantages → PPO → AdamW —
+//! with metrics, checkpoints, resume and clean interruption.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use super::TrainError;
+use super::batch::Batch;
+use super::checkpoints::{CheckpointDir, write_atomic};
+use super::grading::Grader;
+use super::hwe::hwe_pass;
+use super::prepare::{Metrics, group_buckets, keep_groups, prepare};
+use super::prompts::{PromptRenderer, graded_system_message};
+use super::resolve::step_settings;
+use super::rewards::{BucketValues, Grade, rewards};
+use super::rollout::{PromptItem, Response, RolloutParams, rollout_items};
+use super::settings::{FilterKey, StepSettings};
+use super::state::{AresSnapshot, AresState};
+use super::tokens::TokenBatch;
+use super::update::{Optimizer, ppo_update};
+use crate::backend::Backend;
+use crate::config::Config;
+use crate::data::{DataKeys, EpochSampler, Example, PromptTemplate, load_dataset};
+use crate::hf::checkpoint::Checkpoint;
+use crate::hf::tensor_files::SaveDtype;
+use crate::metrics::{MetricsWriter, PhaseTimes, Record};
+use crate::model::{AdamW, Model};
+use crate::progress::Progress;
+use ares_core::difficulty::{Difficulty, PerBucket};
+
+/// Files of the tokenizer copied next to every saved model.
+const TOKENIZER_FILES: [&str; 5] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+];
+
+/// What `trainer_state.json` holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// RL steps completed.
+    pub step: u64,
+    /// Optimizer steps taken (the LR schedule's clock).
+    pub optimizer_steps: u64,
+    /// The data order and position.
+    pub sampler: EpochSampler,
+    /// τ, targets, α, λ, difficulty per prompt.
+    pub ares: AresSnapshot,
+    /// Mini-batches skipped for non-finite values so far.
+    pub skipped_updates: u64,
+    /// Consecutive solved visits per prompt (`drop_solved`).
+    pub solved_streaks: BTreeMap<String, u32>,
+    /// Prompts removed from training by `drop_solved`.
+    pub dropped: BTreeSet<String>,
+}
+
+/// What the bootstrap pass found (`bootstrap.json` in the run directory).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BootstrapResult {
+    /// The first τ.
+    pub tau: Option<f64>,
+    /// `T_d` per bucket name.
+    pub targets: BTreeMap<String, f64>,
+    /// Difficulty per prompt.
+    pub difficulty: BTreeMap<String, String>,
+    /// Accuracy of the pass.
+    pub accuracy: f64,
+    /// Responses generated.
+    pub responses: usize,
+}
+
+/// The model and data of a run, ready to train.
+pub struct Trainer<B: Backend + Clone> {
+    /// The resolved configuration.
+    pub cfg: Config,
+    /// The step settings.
+    pub settings: StepSettings,
+    /// The run directory (metrics, checkpoints, bootstrap results).
+    pub run_dir: PathBuf,
+    /// Where the initial model came from (tokenizer files are copied from it).
+    pub model_dir: PathBuf,
+    checkpoint_config: Checkpoint,
+    /// The policy.
+    pub actor: Model<B>,
+    reference: Option<Model<B>>,
+    opt: Optimizer<B>,
+    /// Prompt rendering.
+    pub renderer: PromptRenderer,
+    grader: Grader,
+    /// Training examples.
+    pub train: Vec<Example>,
+    /// Rendered training prompts (without graded system messages).
+    train_ids: Vec<Vec<u32>>,
+    /// Evaluation examples.
+    pub val: Vec<Example>,
+    eos_ids: Vec<u32>,
+    /// Controller and loop state.
+    pub state: TrainerState,
+    ares: AresState,
+    /// RL steps of the whole run.
+    pub total_steps: u64,
+    progress: Progress,
+    interrupt: Arc<AtomicBool>,
+}
+
+impl<B: Backend + Clone> std::fmt::Debug for Trainer<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trainer")
+            .field("run_dir", &self.run_dir)
+            .field("step", &self.state.step)
+            .field("total_steps", &self.total_steps)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Loads a dataset with the config's keys.
+///
+/// # Errors
+/// Missing file, malformed rows, empty dataset.
+pub fn load_examples(cfg: &Config, path: &str) -> Result<Vec<Example>, TrainError> {
+    let keys = DataKeys {
+        prompt: cfg.data.prompt_key.clone(),
+        answer: cfg.data.answer_key.clone(),
+        difficulty: cfg.data.difficulty_key.clone(),
+        global_id: cfg.data.global_id_key.clone(),
+        rubrics: cfg.data.rubrics_key.clone(),
+    };
+    load_dataset(Path::new(path), &keys).map_err(|e| TrainError::Invalid(e.to_string()))
+}
+
+/// The run directory of a config: `trainer.output_dir`, else `runs/<experiment_name>`.
+pub fn run_dir(cfg: &Config) -> PathBuf {
+    cfg.trainer.output_dir.as_ref().map_or_else(
+        || Path::new("runs").join(&cfg.trainer.experiment_name),
+        PathBuf::from,
+    )
+}
+
+/// The EOS ids of a model: `generation_config.json`'s `eos_token_id`, else the
+/// tokenizer's EOS token.
+pub fn eos_ids(ckpt: &Checkpoint, renderer: &PromptRenderer) -> Vec<u32> {
+    let mut ids: Vec<u32> = ckpt
+        .generation
+        .as_ref()
+        .and_then(|g| g.eos_token_ids.clone())
+        .unwrap_or_default();
+    if ids.is_empty() {
+        if let Some(id) = renderer
+            .tokenizer
+            .config()
+            .and_then(|c| c.special.eos_token.clone())
+            .and_then(|t| renderer.tokenizer.token_to_id(&t))
+        {
+            ids.push(id);
+        }
+    }
+    ids
+}
+
+/// The renderer of a model directory with the config's `format_prompt`.
+///
+/// # Errors
+/// Missing or malformed tokenizer files or template.
+pub fn renderer(cfg: &Config, model_dir: &Path) -> Result<PromptRenderer, TrainError> {
+    let tokenizer = crate::hf::tokenizer::Tokenizer::from_dir(model_dir)
+        .map_err(|e| TrainError::Invalid(format!("{}: {e}", model_dir.display())))?;
+    let chat = crate::hf::chat::ChatTemplate::from_dir(model_dir).ok();
+    let format = cfg
+        .data
+        .format_prompt
+        .as_deref()
+        .map(|p| {
+            PromptTemplate::from_file(Path::new(p)).map_err(|e| TrainError::Invalid(e.to_string()))
+        })
+        .transpose()?;
+    Ok(PromptRenderer {
+        tokenizer,
+        chat,
+        format,
+    })
+}
+
+impl<B: Backend + Clone> Trainer<B> {
+    /// Prepares a run: loads the model (or the latest checkpoint when `trainer.resume`),
+    /// the reference model, the data (length-filtered), the grader and the state.
+    /// `interrupt` is set by Ctrl-C; the loop stops after the current step and saves.
+    ///
+    /// # Errors
+    /// Missing or malformed model, data or config values, each named.
+    pub fn new(cfg: Config, backend: B, interrupt: Arc<AtomicBool>) -> Result<Self, TrainError> {
+        let model_path = cfg.worker.actor.model_path.clone().ok_or_else(|| {
+            TrainError::Invalid(
+                "worker.actor.model_path is not set: point it at a Hugging Face model directory \
+                 (or run `ares-runner train` without a config for the built-in demo)"
+                    .into(),
+            )
+        })?;
+        let train_path = cfg.data.train_files.clone().ok_or_else(|| {
+            TrainError::Invalid(
+                "data.train_files is not set: point it at a JSONL or Parquet file".into(),
+            )
+        })?;
+        let model_dir = PathBuf::from(&model_path);
+        let run_dir = run_dir(&cfg);
+        let renderer = renderer(&cfg, &model_dir)?;
+        let grader = Grader::new(&cfg)?;
+        let train = load_examples(&cfg, &train_path)?;
+        grader.check(&train, "data.train_files")?;
+        let val = match &cfg.data.val_files {
+            Some(p) => {
+                let v = load_examples(&cfg, p)?;
+                grader.check(&v, "data.val_files")?;
+                v
+            }
+            None => Vec::new(),
+        };
+        let (train, train_ids) = filter_prompts(&cfg, &renderer, train)?;
+        let per_epoch = (train.len() / cfg.data.rollout_batch_size).max(1) as u64;
+        let total_steps = match cfg.trainer.max_steps {
+            Some(s) => s as u64,
+            None => per_epoch * cfg.trainer.total_epochs as u64,
+        };
+        let settings = step_settings(&cfg, total_steps)?;
+
+        let initial =
+            Checkpoint::load(&model_dir).map_err(|e| TrainError::Invalid(e.to_string()))?;
+        let eos_ids = eos_ids(&initial, &renderer);
+        if eos_ids.is_empty() {
+            return Err(TrainError::Invalid(format!(
+                "{}: no EOS token (generation_config.json eos_token_id or tokenizer_config.json \
+                 eos_token); generation would never stop",
+                model_dir.display()
+            )));
+        }
+        let reference = if settings.kl.enabled {
+            let ref_dir = cfg.worker.ref_.model_path.as_deref().map(PathBuf::from);
+            let ref_ckpt = match &ref_dir {
+                Some(d) => Checkpoint::load(d).map_err(|e| TrainError::Invalid(e.to_string()))?,
+                None => initial.clone(),
+            };
+            Some(Model::from_checkpoint(backend.clone(), &ref_ckpt)?)
+        } else {
+            None
+        };
+        let adamw_cfg = adamw_config(&cfg);
+        let ckdir = CheckpointDir::new(&run_dir);
+        let latest = if cfg.trainer.resume {
+            ckdir.latest()?
+        } else {
+            None
+        };
+        let (actor, opt, state, ares, checkpoint_config) = match latest {
+            Some((step, dir)) => {
+                let ck = Checkpoint::load(&dir.join("model"))
+                    .map_err(|e| TrainError::Invalid(e.to_string()))?;
+                let actor = Model::from_checkpoint(backend.clone(), &ck)?;
+                let adamw = AdamW::load(&actor, adamw_cfg, &dir.join("optimizer.safetensors"))?;
+                let text = std::fs::read_to_string(dir.join("trainer_state.json"))
+                    .map_err(|e| TrainError::io(dir.join("trainer_state.json"), e))?;
+                let state: TrainerState = serde_json::from_str(&text).map_err(|e| {
+                    TrainError::Invalid(format!(
+                        "{}: {e}",
+                        dir.join("trainer_state.json").display()
+                    ))
+                })?;
+                if state.step != step {
+                    return Err(TrainError::Invalid(format!(
+                        "{}: trainer_state.json says step {}, the directory says {step}",
+                        dir.display(),
+                        state.step
+                    )));
+                }
+                let ares = AresState::restore(&settings, &state.ares)?;
+                let grads = actor.grads()?;
+                eprintln!("resuming from {} (step {step})", dir.display());
+                let opt = Optimizer {
+                    adamw,
+                    grads,
+                    steps: state.optimizer_steps,
+                };
+                (actor, opt, state, ares, ck)
+            }
+            None => {
+                let actor = Model::from_checkpoint(backend.clone(), &initial)?;
+                let adamw = AdamW::new(&actor, adamw_cfg)?;
+                let grads = actor.grads()?;
+                let mut ares = AresState::new(&settings)?;
+                let mut state = TrainerState {
+                    step: 0,
+                    optimizer_steps: 0,
+                    sampler: EpochSampler::new(cfg.data.seed, cfg.data.shuffle),
+                    ares: ares.snapshot(),
+                    skipped_updates: 0,
+                    solved_streaks: BTreeMap::new(),
+                    dropped: BTreeSet::new(),
+                };
+                // a bootstrap of an earlier attempt of this run is reused
+                if let Some(b) = read_bootstrap(&run_dir)? {
+                    apply_bootstrap(&mut ares, &b)?;
+                    state.ares = ares.snapshot();
+                }
+                let opt = Optimizer {
+                    adamw,
+                    grads,
+                    steps: 0,
+                };
+                (actor, opt, state, ares, initial)
+            }
+        };
+        Ok(Self {
+            cfg,
+            settings,
+            run_dir,
+            model_dir,
+            checkpoint_config,
+            actor,
+            reference,
+            opt,
+            renderer,
+            grader,
+            train,
+            train_ids,
+            val,
+            eos_ids,
+            state,
+            ares,
+            total_steps,
+            progress: Progress::from_env(),
+            interrupt,
+        })
+    }
+
+    /// Rollout parameters of round `round` of step `step` (seeds derived from both, so
+    /// a resumed run samples what the uninterrupted one would have).
+    fn rollout_params(&self, step: u64, round: u64) -> RolloutParams {
+        let seed = self.settings.rollout_seed
+            ^ step.wrapping_mul(0xD1B5_4A32_D192_ED03)
+            ^ round.wrapping_mul(0x8CB9_2BA7_2F3D_8DD7);
+        RolloutParams {
+            max_new_tokens: self.settings.max_new_tokens,
+            eos_ids: self.eos_ids.clone(),
+            sampling: self.settings.sampling,
+            seed,
+            chunk: self.settings.rollout_chunk,
+        }
+    }
+
+    /// The prompt items of `indices` for `step` (graded system prompts per sample when
+    /// enabled).
+    fn items(&self, indices: &[usize], step: u64) -> Result<Vec<PromptItem>, TrainError> {
+        let n = self.settings.n;
+        let graded = &self.cfg.worker.rollout;
+        let mut out = Vec::with_capacity(indices.len());
+        for &i in indices {
+            let e = &self.train[i];
+            let plain = self.train_ids[i].clone();
+            let mut rollout_prompts = Vec::with_capacity(n);
+            let mut train_prompt = plain.clone();
+            if graded.enable_graded_system_prompt && n > 1 && !e.rubrics.is_empty() {
+                for k in 0..n {
+                    let msg = graded_system_message(
+                        &graded.graded,
+                        e,
+                        k,
+                        n,
+                        step,
+                        self.total_steps,
+                        self.cfg.trainer.seed,
+                    )?;
+                    let ids = match msg {
+                        Some(m) => self.renderer.ids(e, Some(&m))?,
+                        None => plain.clone(),
+                    };
+                    rollout_prompts.push(ids);
+                }
+                if graded.graded.graded_prompt_in_training {
+                    // one training prompt per group: the first sample's (the fullest reveal)
+                    train_prompt = rollout_prompts[0].clone();
+                }
+            } else {
+                rollout_prompts = vec![plain; n];
+            }
+            out.push(PromptItem {
+                example: i,
+                global_id: e.global_id.clone(),
+                train_prompt,
+                rollout_prompts,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Decodes and grades item-major responses.
+    fn grade(
+        &mut self,
+        items: &[PromptItem],
+        responses: &[Response],
+    ) -> Result<(Vec<String>, Vec<Grade>), TrainError> {
+        let n = self.settings.n;
+        let mut texts = Vec::with_capacity(responses.len());
+        let mut grades = Vec::with_capacity(responses.len());
+        for (r, resp) in responses.iter().enumerate() {
+            let e = &self.train[items[r / n].example];
+            let text = self
+                .renderer
+                .tokenizer
+                .decode(&resp.tokens, true)
+                .map_err(|err| TrainError::Invalid(format!("tokenizer: {err}")))?;
+            grades.push(self.grader.grade(e, &text)?);
+            texts.push(text);
+        }
+        Ok((texts, grades))
+    }
+
+    /// A `[rows, T]` 0/1 mask of trigger-word tokens (`None` without trigger words).
+    fn trigger_mask(&self, batch: &Batch) -> Option<Vec<f32>> {
+        if self.settings.trigger_words.is_empty() {
+            return None;
+        }
+        let t = batch.tokens.cols();
+        let mut mask = vec![0.0f32; batch.rows() * t];
+        for (r, resp) in batch.responses.iter().enumerate() {
+            for (j, &id) in resp.tokens.iter().enumerate() {
+                let word = self
+                    .renderer
+                    .tokenizer
+                    .decode(&[id], true)
+                    .unwrap_or_default()
+                    .trim()
+                    .to_lowercase();
+                if self.settings.trigger_words.contains(&word) {
+                    mask[r * t + j] = 1.0;
+                }
+            }
+        }
+        Some(mask)
+    }
+
+    /// Bootstrap (spec §2): one rollout over the training set without updates; sets the
+    /// first τ, the targets `T_d` and every prompt's difficulty, and saves them as
+    /// `bootstrap.json` (reused on resume). Skipped when already done.
+    ///
+    /// # Errors
+    /// Generation, grading or I/O errors.
+    pub fn bootstrap(&mut self) -> Result<Option<BootstrapResult>, TrainError> {
+        if !self.cfg.data.bootstrap
+            || self.state.step > 0
+            || read_bootstrap(&self.run_dir)?.is_some()
+        {
+            return Ok(None);
+        }
+        let n = self.settings.n;
+        let indices: Vec<usize> = (0..self.train.len()).collect();
+        let params = self.rollout_params(0, u64::MAX);
+        let bar = self.progress.bar((indices.len() * n) as u64, "bootstrap");
+        let mut all_responses = Vec::new();
+        let mut all_grades = Vec::new();
+        let mut items_all = Vec::new();
+        for chunk in indices.chunks(self.settings.rollout_chunk.max(n) / n.max(1)) {
+            let items = self.items(chunk, 0)?;
+            let base = all_responses.len() as u64;
+            let responses = rollout_items(&self.actor, &items, n, &params, |d| {
+                bar.set_position(base + d as u64);
+            })?;
+            let (_, grades) = self.grade(&items, &responses)?;
+            all_responses.extend(responses);
+            all_grades.extend(grades);
+            items_all.extend(items);
+        }
+        bar.finish();
+        let lengths: Vec<usize> = all_responses.iter().map(|r| r.tokens.len()).collect();
+        let tokens = TokenBatch::from_lengths(&lengths);
+        let ent: Vec<Vec<f32>> = all_responses.iter().map(|r| r.entropies.clone()).collect();
+        let entropies = tokens.pad(&ent, 0.0);
+        let pass = hwe_pass(
+            tokens.shape,
+            &entropies,
+            &tokens.mask,
+            None,
+            &self.settings.hwe,
+            None,
+        )?;
+        let buckets = group_buckets(&self.settings, n, &all_grades)?;
+        let mut sum = PerBucket::splat(0.0f64);
+        let mut count = PerBucket::splat(0usize);
+        for (r, &c) in pass.counts.iter().enumerate() {
+            let d = buckets[r / n];
+            sum[d] += c as f64;
+            count[d] += 1;
+        }
+        let mut result = BootstrapResult {
+            tau: pass.batch_threshold,
+            targets: BTreeMap::new(),
+            difficulty: BTreeMap::new(),
+            accuracy: all_grades.iter().filter(|g| g.correct).count() as f64
+                / all_grades.len().max(1) as f64,
+            responses: all_grades.len(),
+        };
+        for d in Difficulty::ALL {
+            if count[d] > 0 {
+                result.targets.insert(
+                    d.name().into(),
+                    ares_core::round_half_even(sum[d] / count[d] as f64),
+                );
+            }
+        }
+        for (item, d) in items_all.iter().zip(&buckets) {
+            result
+                .difficulty
+                .insert(item.global_id.clone(), d.name().into());
+        }
+        apply_bootstrap(&mut self.ares, &result)?;
+        self.state.ares = self.ares.snapshot();
+        let json = serde_json::to_vec_pretty(&result)
+            .map_err(|e| TrainError::Internal(format!("bootstrap.json: {e}")))?;
+        write_atomic(&self.run_dir.join("bootstrap.json"), &json)?;
+        Ok(Some(result))
+    }
+
+    /// Draws the next `count` training prompts, skipping prompts dropped as solved.
+    fn next_indices(&mut self, count: usize) -> Result<Vec<usize>, TrainError> {
+        let len = self.train.len();
+        if self.state.dropped.len() >= len {
+            return Err(TrainError::Invalid(
+                "every training prompt was dropped as solved (algorithm.drop_solved)".into(),
+            ));
+        }
+        let mut out = Vec::with_capacity(count);
+        // bounded: at most a few epochs of draws
+        for _ in 0..(4 * len / count.max(1) + 4) {
+            let batch = self
+                .state
+                .sampler
+                .next_batch(len, count)
+                .map_err(|e| TrainError::Invalid(e.to_string()))?;
+            out.extend(
+                batch
+                    .into_iter()
+                    .filter(|&i| !self.state.dropped.contains(&self.train[i].global_id)),
+            );
+            if out.len() >= count {
+                out.truncate(count);
+                return Ok(out);
+            }
+        }
+        Ok(out)
+    }
+
+    /// One RL step; returns its metrics.
+    ///
+    /// # Errors
+    /// Any error of the step's phases (non-finite updates are skipped, not errors).
+    pub fn step(&mut self) -> Result<Record, TrainError> {
+        let step = self.state.step + 1;
+        let n = self.settings.n;
+        let wanted = self.settings.groups_per_step;
+        let mut times = PhaseTimes::new();
+        let started = Instant::now();
+
+        // rollout, grading and online filtering with re-generation (spec §7)
+        let mut kept_items = Vec::new();
+        let mut kept_responses = Vec::new();
+        let mut kept_texts = Vec::new();
+        let mut kept_grades = Vec::new();
+        let mut generated_groups = 0usize;
+        let mut generated_tokens = 0usize;
+        let mut rollout_secs = 0.0;
+        let mut round = 0u64;
+        while kept_items.len() < wanted {
+            round += 1;
+            if let Some(f) = self.settings.filter {
+                if f.max_tries > 0 && round > f.max_tries as u64 {
+                    return Err(TrainError::FilterExhausted {
+                        kept: kept_items.len(),
+                        wanted,
+                        tries: f.max_tries,
+                    });
+                }
+            }
+            let indices = self.next_indices(wanted)?;
+            let items = self.items(&indices, step)?;
+            let params = self.rollout_params(step, round);
+            let bar = self.progress.bar((items.len() * n) as u64, "rollout");
+            let t0 = Instant::now();
+            let responses = rollout_items(&self.actor, &items, n, &params, |d| {
+                bar.set_position(d as u64)
+            })?;
+            bar.finish();
+            rollout_secs += t0.elapsed().as_secs_f64();
+            generated_tokens += responses.iter().map(|r| r.tokens.len()).sum::<usize>();
+            let t1 = Instant::now();
+            let (texts, grades) = self.grade(&items, &responses)?;
+            times.add("reward", t1.elapsed());
+            generated_groups += items.len();
+            self.track_solved(&items, &responses, &grades);
+            let keep = self.keep(&responses, &grades)?;
+            let mut resp = responses.into_iter();
+            let mut txt = texts.into_iter();
+            let mut grd = grades.into_iter();
+            for (item, k) in items.into_iter().zip(keep) {
+                let r: Vec<Response> = resp.by_ref().take(n).collect();
+                let t: Vec<String> = txt.by_ref().take(n).collect();
+                let g: Vec<Grade> = grd.by_ref().take(n).collect();
+                if k && kept_items.len() < wanted {
+                    kept_items.push(item);
+                    kept_responses.extend(r);
+                    kept_texts.extend(t);
+                    kept_grades.extend(g);
+                }
+            }
+            if self.settings.filter.is_none() {
+                break;
+            }
+        }
+        times.add("rollout", std::time::Duration::from_secs_f64(rollout_secs));
+        let batch = Batch::new(n, kept_items, kept_responses, kept_texts, kept_grades)?;
+
+        // controllers, rewards, log-probs, KL, advantages
+        let t2 = Instant::now();
+        let trigger = self.trigger_mask(&batch);
+        let prep = prepare(
+            &self.settings,
+            &mut self.ares,
+            step,
+            &batch,
+            trigger.as_deref(),
+            &self.actor,
+            self.reference.as_ref(),
+        )?;
+        times.add("prepare", t2.elapsed());
+
+        // PPO epochs and AdamW
+        let t3 = Instant::now();
+        let minis = batch.rows().div_ceil(self.settings.mini_batch) * self.settings.ppo_epochs;
+        let bar = self.progress.bar(minis as u64, "update");
+        let update = ppo_update(
+            &self.settings,
+            &batch,
+            &prep,
+            &mut self.actor,
+            &mut self.opt,
+            |done, _| bar.set_position(done as u64),
+        )?;
+        bar.finish();
+        times.add("update", t3.elapsed());
+
+        self.state.step = step;
+        self.state.optimizer_steps = self.opt.steps;
+        self.state.skipped_updates += update.skipped as u64;
+        self.state.ares = self.ares.snapshot();
+
+        let mut record = Record::with_step(step);
+        record.insert("epoch", self.state.sampler.epoch() as f64);
+        let mut all: Metrics = prep.metrics;
+        all.extend(update.metrics);
+        for (k, v) in all {
+            record.insert(k, v);
+        }
+        record.insert(
+            "filter/keep_ratio",
+            wanted as f64 / generated_groups.max(1) as f64,
+        );
+        record.insert("filter/rounds", round as f64);
+        record.insert("actor/skipped_updates", self.state.skipped_updates as f64);
+        record.insert("data/dropped_solved", self.state.dropped.len() as f64);
+        record.insert(
+            "perf/rollout_tokens_per_s",
+            generated_tokens as f64 / rollout_secs.max(1e-9),
+        );
+        record.insert("time/step", started.elapsed().as_secs_f64());
+        times.write_to(&mut record);
+        Ok(record)
+    }
+
+    /// Online filtering of one round: which groups are kept.
+    fn keep(&self, responses: &[Response], grades: &[Grade]) -> Result<Vec<bool>, TrainError> {
+        let n = self.settings.n;
+        let Some(f) = self.settings.filter else {
+            return Ok(vec![true; grades.len() / n]);
+        };
+        if f.key == FilterKey::Accuracy {
+            return Ok(keep_groups(&self.settings, n, grades, None));
+        }
+        // reward keys: provisional rewards under the controllers in force
+        let lengths: Vec<usize> = responses.iter().map(|r| r.tokens.len()).collect();
+        let tokens = TokenBatch::from_lengths(&lengths);
+        let ent: Vec<Vec<f32>> = responses.iter().map(|r| r.entropies.clone()).collect();
+        let entropies = tokens.pad(&ent, 0.0);
+        let pass = hwe_pass(
+            tokens.shape,
+            &entropies,
+            &tokens.mask,
+            None,
+            &self.settings.hwe,
+            self.ares.tau.tau(),
+        )?;
+        let buckets = group_buckets(&self.settings, n, grades)?;
+        let st = self.ares.buckets.state();
+        let values = BucketValues {
+            target: PerBucket::new(st.easy.target, st.medium.target, st.hard.target),
+            alpha: PerBucket::new(st.easy.alpha, st.medium.alpha, st.hard.alpha),
+        };
+        let parts = rewards(
+            &self.settings.reward,
+            n,
+            grades,
+            &pass.counts,
+            &lengths,
+            &buckets,
+            &values,
+        )?;
+        Ok(keep_groups(&self.settings, n, grades, Some(&parts)))
+    }
+
+    /// `drop_solved` (seed 3.4): a prompt all-correct with mean token entropy below the
+    /// threshold for `consecutive` visits in a row leaves the training set.
+    fn track_solved(&mut self, items: &[PromptItem], responses: &[Response], grades: &[Grade]) {
+        let ds = &self.cfg.algorithm.drop_solved;
+        if !ds.enable {
+            return;
+        }
+        let n = self.settings.n;
+        for (g, item) in items.iter().enumerate() {
+            let rows = g * n..(g + 1) * n;
+            let all_correct = grades[rows.clone()].iter().all(|x| x.correct);
+            let (s, k) = responses[rows].iter().fold((0.0f64, 0usize), |(s, k), r| {
+                (
+                    s + r.entropies.iter().map(|&e| f64::from(e)).sum::<f64>(),
+                    k + r.entropies.len(),
+                )
+            });
+            let mean_entropy = if k > 0 { s / k as f64 } else { 0.0 };
+            let streak = self
+                .state
+                .solved_streaks
+                .entry(item.global_id.clone())
+                .or_default();
+            if all_correct && mean_entropy < ds.entropy_threshold {
+                *streak += 1;
+                if *streak as usize >= ds.consecutive {
+                    self.state.dropped.insert(item.global_id.clone());
+                }
+            } else {
+                *streak = 0;
+            }
+        }
+    }
+
+    /// Saves a checkpoint of the current step (model + tokenizer, optimizer, trainer
+    /// state), atomically, keeping the newest `trainer.save_limit`.
+    ///
+    /// # Errors
+    /// I/O or serialisation errors.
+    pub fn save(&self) -> Result<PathBuf, TrainError> {
+        let dtype = match self.cfg.trainer.save_dtype {
+            crate::config::SaveDtypeCfg::F32 => SaveDtype::F32,
+            crate::config::SaveDtypeCfg::Bf16 => SaveDtype::Bf16,
+        };
+        let ckdir = CheckpointDir::new(&self.run_dir);
+        ckdir.save(self.state.step, self.cfg.trainer.save_limit, |dir| {
+            let model_dir = dir.join("model");
+            save_model(
+                &self.actor,
+                &self.checkpoint_config,
+                &self.model_dir,
+                &model_dir,
+                dtype,
+            )?;
+            self.opt
+                .adamw
+                .save(&self.actor, &dir.join("optimizer.safetensors"))?;
+            let state = serde_json::to_vec_pretty(&self.state)
+                .map_err(|e| TrainError::Internal(format!("trainer_state.json: {e}")))?;
+            write_atomic(&dir.join("trainer_state.json"), &state)?;
+            write_atomic(&dir.join("config.yaml"), self.cfg.to_yaml().as_bytes())
+        })
+    }
+
+    /// Evaluates the current policy on `examples` (validation settings of the config).
+    ///
+    /// # Errors
+    /// As [`super::eval::evaluate`].
+    pub fn evaluate(
+        &mut self,
+        examples: &[Example],
+    ) -> Result<super::eval::EvalReport, TrainError> {
+        let r = &self.cfg.worker.rollout;
+        let sampling = if r.val_temperature == 0.0 {
+            crate::model::Sampling::Greedy
+        } else {
+            crate::model::Sampling::Sample {
+                temperature: r.val_temperature as f32,
+                top_k: (r.top_k > 0).then_some(r.top_k),
+                top_p: r.top_p as f32,
+            }
+        };
+        let params = RolloutParams {
+            max_new_tokens: self.settings.max_new_tokens,
+            eos_ids: self.eos_ids.clone(),
+            sampling,
+            seed: self.cfg.trainer.seed,
+            chunk: self.settings.rollout_chunk,
+        };
+        let n = r.val_n.max(1);
+        let bar = self.progress.bar((examples.len() * n) as u64, "eval");
+        let report = super::eval::evaluate(
+            &self.actor,
+            &self.renderer,
+            &mut self.grader,
+            examples,
+            n,
+            &params,
+            |d| bar.set_position(d as u64),
+        )?;
+        bar.finish();
+        Ok(report)
+    }
+
+    /// The whole run: bootstrap, steps until `total_steps` (or an interrupt), periodic
+    /// validation and checkpoints, a final checkpoint. Metrics go to
+    /// `<run_dir>/metrics.jsonl`, one line per step.
+    ///
+    /// # Errors
+    /// Any step's error (the last checkpoint stays intact).
+    pub fn run(&mut self) -> Result<RunSummary, TrainError> {
+        std::fs::create_dir_all(&self.run_dir).map_err(|e| TrainError::io(&self.run_dir, e))?;
+        write_atomic(
+            &self.run_dir.join("config.yaml"),
+            self.cfg.to_yaml().as_bytes(),
+        )?;
+        let metrics_path = self.run_dir.join("metrics.jsonl");
+        let mut writer = if self.state.step > 0 {
+            MetricsWriter::resume(&metrics_path, self.state.step)
+        } else {
+            MetricsWriter::create(&metrics_path, false)
+        }
+        .map_err(|e| TrainError::Invalid(e.to_string()))?;
+        if let Some(b) = self.bootstrap()? {
+            eprintln!(
+                "bootstrap: {} responses, accuracy {:.1}%, τ = {}, targets {:?}",
+                b.responses,
+                100.0 * b.accuracy,
+                b.tau.map_or("none".into(), |t| format!("{t:.4}")),
+                b.targets
+            );
+        }
+        let save_freq = self.cfg.trainer.save_freq as u64;
+        let val_freq = self.cfg.trainer.val_freq as u64;
+        let mut interrupted = false;
+        let mut last_saved = None;
+        while self.state.step < self.total_steps {
+            if self.interrupt.load(Ordering::SeqCst) {
+                interrupted = true;
+                break;
+            }
+            let mut record = self.step()?;
+            if val_freq > 0 && self.state.step % val_freq == 0 && !self.val.is_empty() {
+                let val = self.val.clone();
+                let report = self.evaluate(&val)?;
+                for (k, row) in &report {
+                    record.insert(format!("eval/accuracy/{k}"), row.accuracy);
+                    record.insert(format!("eval/response_length/{k}"), row.mean_length);
+                }
+            }
+            writer
+                .write(&record)
+                .map_err(|e| TrainError::Invalid(e.to_string()))?;
+            eprintln!("{}", step_line(&record, self.state.step, self.total_steps));
+            if save_freq > 0 && self.state.step % save_freq == 0 {
+                last_saved = Some(self.save()?);
+            }
+        }
+        writer
+            .sync()
+            .map_err(|e| TrainError::Invalid(e.to_string()))?;
+        let final_checkpoint = if last_saved.is_some()
+            && CheckpointDir::new(&self.run_dir).latest()?.map(|(s, _)| s) == Some(self.state.step)
+        {
+            last_saved
+        } else if self.state.step > 0 {
+            Some(self.save()?)
+        } else {
+            None
+        };
+        Ok(RunSummary {
+            steps: self.state.step,
+            interrupted,
+            metrics: metrics_path,
+            checkpoint: final_checkpoint,
+            skipped_updates: self.state.skipped_updates,
+        })
+    }
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunSummary {
+    /// Steps completed (in total, across resumes).
+    pub steps: u64,
+    /// Stopped early by Ctrl-C.
+    pub interrupted: bool,
+    /// The metrics file.
+    pub metrics: PathBuf,
+    /// The last checkpoint.
+    pub checkpoint: Option<PathBuf>,
+    /// Mini-batches skipped for non-finite values.
+    pub skipped_updates: u64,
+}
+
+/// One log line per step.
+fn step_line(r: &Record, step: u64, total: u64) -> String {
+    let get = |k: &str| r.get(k).and_then(serde_json::Value::as_f64);
+    let f = |k: &str, digits: usize| get(k).map_or("-".to_string(), |v| format!("{v:.digits$}"));
+    format!(
+        "step {step}/{total}: reward {} acc {} len {} hwe {} τ {} kl {} pg_loss {} grad_norm {} ({}s)",
+        f("reward/mean", 3),
+        f("accuracy/mean", 3),
+        f("response_length/mean", 1),
+        f("hwe/count_mean", 2),
+        f("tau", 3),
+        f("kl/mean", 4),
+        f("actor/pg_loss", 4),
+        f("actor/grad_norm", 3),
+        f("time/step", 1),
+    )
+}
+
+/// AdamW hyper-parameters of the config.
+pub fn adamw_config(cfg: &Config) -> crate::model::AdamWConfig {
+    let o = &cfg.worker.actor.optim;
+    crate::model::AdamWConfig {
+        beta1: o.betas[0],
+        beta2: o.betas[1],
+        eps: o.eps,
+        weight_decay: o.weight_decay,
+    }
+}
+
+/// Saves `model` as a Hugging Face directory with the tokenizer files of `source_dir`.
+///
+/// # Errors
+/// I/O errors.
+pub fn save_model<B: Backend>(
+    model: &Model<B>,
+    ckpt: &Checkpoint,
+    source_dir: &Path,
+    dir: &Path,
+    dtype: SaveDtype,
+) -> Result<(), TrainError> {
+    model.save_pretrained(dir, &ckpt.config, ckpt.generation.as_ref(), dtype)?;
+    for name in TOKENIZER_FILES {
+        let src = source_dir.join(name);
+        if src.exists() {
+            std::fs::copy(&src, dir.join(name)).map_err(|e| TrainError::io(&src, e))?;
+        }
+    }
+    Ok(())
+}
+
+/// Keeps the examples whose rendered prompt fits `data.max_prompt_length` (when
+/// `filter_overlong_prompts`; else such a prompt is an error) and returns their ids.
+///
+/// # Errors
+/// Rendering errors; every prompt too long; a too-long prompt without filtering.
+pub fn filter_prompts(
+    cfg: &Config,
+    renderer: &PromptRenderer,
+    examples: Vec<Example>,
+) -> Result<(Vec<Example>, Vec<Vec<u32>>), TrainError> {
+    let max = cfg.data.max_prompt_length;
+    let mut ids = Vec::with_capacity(examples.len());
+    for e in &examples {
+        ids.push(renderer.ids(e, None)?);
+    }
+    if !cfg.data.filter_overlong_prompts {
+        if let Some((e, i)) = examples.iter().zip(&ids).find(|(_, i)| i.len() > max) {
+            return Err(TrainError::Invalid(format!(
+                "row {} ({}): prompt of {} tokens exceeds data.max_prompt_length = {max} \
+                 (set data.filter_overlong_prompts: true to drop such rows)",
+                e.row,
+                e.global_id,
+                i.len()
+            )));
+        }
+    }
+    let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
+    let (kept, dropped) = crate::data::filter_by_prompt_length(examples, &lengths, max)
+        .map_err(|e| TrainError::Invalid(e.to_string()))?;
+    if dropped > 0 {
+        eprintln!("data: dropped {dropped} prompts longer than data.max_prompt_length = {max}");
+    }
+    let ids: Vec<Vec<u32>> = ids.into_iter().filter(|i| i.len() <= max).collect();
+    Ok((kept, ids))
+}
+
+/// Reads `bootstrap.json` of a run, if any.
+fn read_bootstrap(run_dir: &Path) -> Result<Option<BootstrapResult>, TrainError> {
+    let path = run_dir.join("bootstrap.json");
+    match std::fs::read_to_string(&path) {
+        Ok(text) => serde_json::from_str(&text)
+            .map(Some)
+            .map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(TrainError::io(path, e)),
+    }
+}
+
+/// Sets τ, the targets and the difficulty map from a bootstrap result.
+fn apply_bootstrap(ares: &mut AresState, b: &BootstrapResult) -> Result<(), TrainError> {
+    ares.tau.restore(b.tau)?;
+    let get = |d: Difficulty| b.targets.get(d.name()).copied();
+    ares.buckets.bootstrap(&PerBucket::new(
+        get(Difficulty::Easy),
+        get(Difficulty::Medium),
+        get(Difficulty::Hard),
+    ))?;
+    for (id, name) in &b.difficulty {
+        if let Some(d) = Difficulty::from_name(name) {
+            ares.difficulty.insert(id.clone(), d);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,108 @@
+//! Supervised fine-tuning (the ARES cold-start stage): minimise the mean negative
+//! log-likelihood of the response tokens given the prompt,
+//! `L = −(1/N) Σ_t log π(y_t | x, y_<t)` over the `N` response tokens of a batch, so
+//! `∂L/∂logπ_t = −1/N` — the same loss head and backward as the RL update.
+
+use super::TrainError;
+use super::sequences::{Packed, response_log_probs};
+use super::update::Optimizer;
+use crate::backend::Backend;
+use crate::model::Model;
+
+/// One prompt/response pair, tokenised (the response ends with EOS).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SftExample {
+    /// Prompt ids (chat template applied).
+    pub prompt: Vec<u32>,
+    /// Response ids.
+    pub response: Vec<u32>,
+}
+
+/// Loss of one SFT optimizer step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SftStep {
+    /// Mean NLL per response token before the update.
+    pub loss: f64,
+    /// Global grad norm (before clipping).
+    pub grad_norm: f64,
+    /// Whether the update was applied (false: non-finite loss or gradient, skipped).
+    pub applied: bool,
+    /// Response tokens in the batch.
+    pub tokens: usize,
+}
+
+/// One optimizer step on `examples` (a mini-batch), `micro` examples per forward/backward,
+/// at learning rate `lr`.
+///
+/// # Errors
+/// Model errors; examples with an empty prompt or response.
+pub fn sft_step<B: Backend>(
+    model: &mut Model<B>,
+    opt: &mut Optimizer<B>,
+    examples: &[&SftExample],
+    micro: usize,
+    lr: f64,
+    max_grad_norm: Option<f32>,
+) -> Result<SftStep, TrainError> {
+    let total: usize = examples.iter().map(|e| e.response.len()).sum();
+    if let Some(e) = examples
+        .iter()
+        .find(|e| e.prompt.is_empty() || e.response.is_empty())
+    {
+        return Err(TrainError::Invalid(format!(
+            "sft: an example has {} prompt and {} response tokens; both must be non-empty",
+            e.prompt.len(),
+            e.response.len()
+        )));
+    }
+    let prompt_cols = examples.iter().map(|e| e.prompt.len()).max().unwrap_or(1);
+    let response_cols = examples.iter().map(|e| e.response.len()).max().unwrap_or(1);
+    opt.grads.zero(model.backend())?;
+    let mut nll = 0.0f64;
+    let mut finite = true;
+    for chunk in examples.chunks(micro.max(1)) {
+        let prompts: Vec<&[u32]> = chunk.iter().map(|e| e.prompt.as_slice()).collect();
+        let responses: Vec<&[u32]> = chunk.iter().map(|e| e.response.as_slice()).collect();
+        let packed = Packed::new(&prompts, &responses, prompt_cols, response_cols)?;
+        let mut acts = model.activations(chunk.len(), packed.seq())?;
+        let (logp, _) = response_log_probs(model, &mut acts, &packed, 1.0)?;
+        let mut coeffs = vec![0.0f32; chunk.len() * response_cols];
+        let w = -1.0 / total as f32;
+        for (r, e) in chunk.iter().enumerate() {
+            for t in 0..e.response.len() {
+                let i = r * response_cols + t;
+                nll -= f64::from(logp[i]);
+                coeffs[i] = w;
+            }
+        }
+        if !nll.is_finite() {
+            finite = false;
+            break;
+        }
+        let spread = packed.spread_response(&coeffs);
+        model.backward_from_log_prob_grads(
+            &packed.inputs(),
+            &mut acts,
+            &packed.targets,
+            &spread,
+            1.0,
+            &mut opt.grads,
+        )?;
+    }
+    opt.steps += 1;
+    if !finite {
+        return Ok(SftStep {
+            loss: f64::NAN,
+            grad_norm: f64::NAN,
+            applied: false,
+            tokens: total,
+        });
+    }
+    let r = opt.adamw.step(model, &opt.grads, lr, max_grad_norm)?;
+    Ok(SftStep {
+        loss: nll / total as f64,
+        grad_norm: f64::from(r.grad_norm),
+        applied: r.applied,
+        tokens: total,
+    })
+}

@@ -1,0 +1,349 @@
+//! End-to-end training on a tiny random model (the demo's task and tokenizer): every
+//! estimator and method runs 2 steps with finite metrics, the controllers move as the spec
+//! says, a 2 + resume + 2 run equals a 4-step run, and bad inputs fail before any work
+//! with errors that name what is wrong.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use ares_runner::backend::cpu::CpuBackend;
+use ares_runner::config::Config;
+use ares_runner::demo::model::TinyModelSpec;
+use ares_runner::demo::{DemoAssets, DemoOptions, write_demo_assets_with};
+use ares_runner::metrics::read_metrics;
+use ares_runner::trainer::{TrainError, Trainer};
+use serde_json::{Map, Value};
+
+/// Demo assets with a very small model and few problems.
+fn assets(dir: &Path) -> DemoAssets {
+    write_demo_assets_with(
+        dir,
+        &DemoOptions {
+            seed: 3,
+            train_per_level: 4,
+            eval_per_level: 2,
+            sft_examples: 8,
+            model: TinyModelSpec {
+                hidden: 32,
+                layers: 1,
+                heads: 2,
+                kv_heads: 1,
+                intermediate: 64,
+                // room for graded system prompts (long rubric messages, one token per char)
+                max_positions: 2048,
+                ..TinyModelSpec::default()
+            },
+        },
+    )
+    .unwrap()
+}
+
+/// A 2-step config over `assets` writing to `run`, then `overrides`.
+fn config(a: &DemoAssets, run: &Path, overrides: &[&str]) -> Result<Config, String> {
+    let base = format!(
+        "\
+data:
+  train_files: {train}
+  val_files: {val}
+  max_prompt_length: 40
+  max_response_length: 12
+  rollout_batch_size: 2
+  bootstrap: false
+algorithm:
+  online_filtering: false
+worker:
+  actor:
+    model_path: {model}
+    global_batch_size: 8
+    micro_batch_size_per_device: 4
+    optim: {{lr: 1.0e-3}}
+  rollout:
+    n: 4
+trainer:
+  output_dir: {run}
+  max_steps: 2
+  save_freq: 1
+  save_limit: 3
+",
+        train = a.train.display(),
+        val = a.eval.display(),
+        model = a.model_dir.display(),
+        run = run.display()
+    );
+    let path = run.with_extension("yaml");
+    std::fs::write(&path, base).unwrap();
+    let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    Config::load(Some(&path), &overrides).map_err(|e| e.to_string())
+}
+
+fn trainer(cfg: Config) -> Result<Trainer<CpuBackend>, TrainError> {
+    Trainer::new(cfg, CpuBackend, Arc::new(AtomicBool::new(false)))
+}
+
+/// Runs `overrides` for its steps and returns the metrics lines.
+fn run(dir: &Path, name: &str, overrides: &[&str]) -> Vec<Map<String, Value>> {
+    let a = assets(&dir.join("assets"));
+    let run = dir.join(name);
+    let cfg = config(&a, &run, overrides).unwrap();
+    let mut t = trainer(cfg).unwrap();
+    let summary = t.run().unwrap();
+    assert!(summary.checkpoint.is_some());
+    read_metrics(&summary.metrics).unwrap()
+}
+
+fn num(line: &Map<String, Value>, key: &str) -> f64 {
+    line.get(key)
+        .and_then(Value::as_f64)
+        .unwrap_or_else(|| panic!("no numeric {key:?} in {line:?}"))
+}
+
+/// Every numeric metric is finite (non-finite ones are written as null).
+fn assert_finite(lines: &[Map<String, Value>]) {
+    for line in lines {
+        for (k, v) in line {
+            assert!(!v.is_null(), "{k} is not finite in {line:?}");
+        }
+        for key in [
+            "reward/mean",
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "advantage/std",
+        ] {
+            assert!(num(line, key).is_finite(), "{key}");
+        }
+    }
+}
+
+#[test]
+fn every_estimator_trains_two_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    for est in [
+        "grpo",
+        "dr_grpo",
+        "rloo",
+        "reinforce",
+        "reinforce_baseline",
+        "reinforce_pro_max",
+    ] {
+        let lines = run(
+            dir.path(),
+            est,
+            &[&format!("algorithm.adv_estimator={est}")],
+        );
+        assert_eq!(lines.len(), 2, "{est}");
+        assert_finite(&lines);
+        assert_eq!(num(&lines[1], "step"), 2.0);
+    }
+}
+
+#[test]
+fn pro_max_uniform_scale_keeps_a_signal_on_uniform_groups() {
+    let dir = tempfile::tempdir().unwrap();
+    // a random model answers nothing right: every group is uniform (all wrong, reward 0
+    // plus shaping); with uniform_scale and shaping off the advantages are r/n = 0, without
+    // it RLOO gives 0 too — the run must stay finite either way
+    let lines = run(
+        dir.path(),
+        "pm",
+        &[
+            "algorithm.adv_estimator=reinforce_pro_max",
+            "algorithm.uniform_scale=true",
+            "algorithm.entropy_reward.enable=false",
+            "worker.reward.format_weight=0.5",
+        ],
+    );
+    assert_finite(&lines);
+}
+
+#[test]
+fn ares_with_bootstrap_sets_tau_targets_and_moves_alpha_and_lambda() {
+    let dir = tempfile::tempdir().unwrap();
+    let lines = run(dir.path(), "ares", &["data.bootstrap=true"]);
+    assert_finite(&lines);
+    let b: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("ares").join("bootstrap.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(b["tau"].as_f64().is_some(), "{b}");
+    let hard_target = b["targets"]["hard"]
+        .as_f64()
+        .expect("random model: all hard");
+    // τ in force at step 1 is the bootstrap's
+    assert_eq!(num(&lines[0], "tau/used"), b["tau"].as_f64().unwrap());
+    // α_hard moves by lr_α·(T − h̄) = 0.05·(T − h̄)
+    let h = num(&lines[0], "hwe/hard");
+    let t = num(&lines[0], "target/hard");
+    let expected_alpha = (0.5 + 0.05 * (hard_target - h)).clamp(0.0, 2.0);
+    assert!((num(&lines[0], "alpha/hard") - expected_alpha).abs() < 1e-9);
+    // target jumps to s·h̄ (μ = 1), rounded
+    assert_eq!(t, h.round_ties_even());
+    // dual ascent: λ_hard = max(0, 0.0005 + 0.01·(KL − 0.2))
+    let kl = num(&lines[0], "kl/hard");
+    let lambda = (0.0005 + 0.01 * (kl - 0.2)).max(0.0);
+    assert!((num(&lines[0], "lambda/hard") - lambda).abs() < 1e-9);
+    // τ after step 1 is the EMA of the bootstrap τ and the batch's median
+    assert_ne!(num(&lines[0], "tau"), num(&lines[0], "tau/used"));
+}
+
+#[test]
+fn grpo_lambda_and_kl_in_reward_train() {
+    let dir = tempfile::tempdir().unwrap();
+    let lines = run(
+        dir.path(),
+        "gl",
+        &[
+            "algorithm.entropy_reward.enable=false",
+            "algorithm.grpo_lambda.enable=true",
+            "algorithm.use_kl_loss=false",
+            "algorithm.kl_ctrl=adaptive",
+        ],
+    );
+    assert_finite(&lines);
+    assert!(num(&lines[1], "kl/beta") > 0.0);
+    // with KL folded into the reward there is no KL loss term
+    assert_eq!(num(&lines[1], "actor/kl_loss"), 0.0);
+}
+
+/// A rubric dataset whose keyword criteria a random model meets now and then.
+fn rubric_data(dir: &Path) -> PathBuf {
+    let path = dir.join("rubric.jsonl");
+    let mut text = String::new();
+    for i in 0..4 {
+        text.push_str(&format!(
+            "{{\"prompt\": \"{i}+{i}\", \"global_id\": \"r{i}\", \"reward_model\": {{\"rubrics\": [\
+             {{\"criterion\": \"mentions one\", \"points\": 2, \"keywords\": [\"1\"]}}, \
+             {{\"criterion\": \"mentions two\", \"points\": 1, \"keywords\": [\"2\"]}}, \
+             {{\"criterion\": \"no nines\", \"points\": -1, \"keywords\": [\"9\"]}}]}}}}\n"
+        ));
+    }
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn graded_system_prompts_with_rubric_rewards_and_online_filtering() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = rubric_data(dir.path());
+    let lines = run(
+        dir.path(),
+        "rubric",
+        &[
+            &format!("data.train_files={}", data.display()),
+            "data.val_files=null",
+            "data.max_response_length=24",
+            "algorithm.entropy_reward.enable=false",
+            "worker.reward.reward_type=rubric",
+            "worker.rollout.enable_graded_system_prompt=true",
+            "algorithm.online_filtering=true",
+            "algorithm.filter_key=overall",
+            "algorithm.filter_low=0.0",
+            "algorithm.filter_high=1.0",
+            "algorithm.max_try_make_batch=0",
+        ],
+    );
+    assert_finite(&lines);
+    for l in &lines {
+        assert!((0.0..=1.0).contains(&num(l, "filter/keep_ratio")));
+    }
+}
+
+#[test]
+fn filtering_that_keeps_nothing_fails_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let cfg = config(
+        &a,
+        &dir.path().join("f"),
+        &[
+            "algorithm.online_filtering=true",
+            "algorithm.max_try_make_batch=2",
+        ],
+    )
+    .unwrap();
+    let err = trainer(cfg).unwrap().run().unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("max_try_make_batch = 2"), "{msg}");
+    assert!(msg.contains("kept 0 of 2 groups"), "{msg}");
+}
+
+/// Metrics that depend on the wall clock.
+fn deterministic(lines: Vec<Map<String, Value>>) -> Vec<Map<String, Value>> {
+    lines
+        .into_iter()
+        .map(|l| {
+            l.into_iter()
+                .filter(|(k, _)| !k.starts_with("time/") && !k.starts_with("perf/"))
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn two_steps_resume_two_steps_equals_four_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let common = ["trainer.max_steps=4", "data.bootstrap=true"];
+    let cfg = config(&a, &dir.path().join("straight"), &common).unwrap();
+    let straight = trainer(cfg).unwrap().run().unwrap();
+    let want = deterministic(read_metrics(&straight.metrics).unwrap());
+
+    let resumed_dir = dir.path().join("resumed");
+    let cfg = config(
+        &a,
+        &resumed_dir,
+        &["trainer.max_steps=2", "data.bootstrap=true"],
+    )
+    .unwrap();
+    trainer(cfg).unwrap().run().unwrap();
+    let cfg = config(
+        &a,
+        &resumed_dir,
+        &[
+            "trainer.max_steps=4",
+            "data.bootstrap=true",
+            "trainer.resume=true",
+        ],
+    )
+    .unwrap();
+    let t = trainer(cfg).unwrap();
+    assert_eq!(t.state.step, 2);
+    let mut t = t;
+    let resumed = t.run().unwrap();
+    let got = deterministic(read_metrics(&resumed.metrics).unwrap());
+    assert_eq!(got.len(), 4);
+    assert_eq!(got, want);
+}
+
+#[test]
+fn bad_inputs_fail_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let run = dir.path().join("bad");
+    let err = |overrides: &[&str]| -> String {
+        match config(&a, &run, overrides) {
+            Err(e) => e,
+            Ok(cfg) => trainer(cfg).unwrap_err().to_string(),
+        }
+    };
+    let missing = err(&["data.train_files=/nonexistent/train.jsonl"]);
+    assert!(missing.contains("/nonexistent/train.jsonl"), "{missing}");
+
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+    let e = err(&[&format!("data.train_files={}", empty.display())]);
+    assert!(e.contains("empty.jsonl"), "{e}");
+
+    let no_answer = dir.path().join("no_answer.jsonl");
+    std::fs::write(&no_answer, "{\"prompt\": \"1+1\"}\n").unwrap();
+    let e = err(&[&format!("data.train_files={}", no_answer.display())]);
+    assert!(e.contains("answer"), "{e}");
+
+    let e = err(&["worker.rollout.n=1"]);
+    assert!(e.contains("grpo"), "{e}");
+
+    let e = err(&["worker.actor.model_path=/nonexistent/model"]);
+    assert!(e.contains("/nonexistent/model"), "{e}");
+
+    assert!(!run.exists(), "a failed start wrote {run:?}");
+}
