@@ -27,10 +27,11 @@
 //! recomputes the probabilities (FlashAttention-style): one more `q·k` per (query, key)
 //! pair in exchange for not storing `[B, Hq, T, T]`.
 //!
-//! Work is split over (batch, token, head) rows with rayon, so decode with one sequence
-//! and one token still runs its heads in parallel; rows are written to disjoint chunks
-//! without locks. Dot products use eight f32 lanes and softmax denominators eight f64
-//! lanes, so both vectorise.
+//! Training (forward and backward) runs as blocks of GEMMs (see `blocked`): per sequence
+//! and block of 64 query (or key) tokens, one task, each writing its own rows. Decode
+//! over a KV cache runs per (batch, token, head) row with rayon, so one sequence and one
+//! token still runs its heads in parallel; dot products there use eight f32 lanes and
+//! softmax denominators eight f64 lanes, so both vectorise.
 
 use crate::Result;
 use crate::error::check_len;
@@ -224,22 +225,7 @@ pub fn attention_forward(
             &ones
         }
     };
-    let Dims { t, hq, d, .. } = dims;
-    out.par_chunks_mut(d)
-        .zip(lse.par_iter_mut())
-        .zip(inputs.q.par_chunks(d))
-        .enumerate()
-        .for_each_init(
-            || vec![0.0f32; t],
-            |scores, (i, ((o, l), q))| {
-                // Row i is (b, token, h) of [B, T, Hq].
-                let (row, h) = (i / hq, i % hq);
-                let (b, tok) = (row / t, row % t);
-                let keys = KeySeq::new(&dims, inputs.k, inputs.v, mask, b, t);
-                *l = attend(q, keys, h / dims.group, tok + 1, dims.scale, scores, o);
-            },
-        );
-    Ok(())
+    blocked::forward(&dims, inputs, mask, out, lse, blocked::BLOCK)
 }
 
 /// Causal GQA backward: from `dout = ∂L/∂out` writes `dq`, `dk`, `dv`.
@@ -284,83 +270,8 @@ pub fn attention_backward(
             &ones
         }
     };
-    let Dims {
-        t,
-        hq,
-        hkv,
-        d,
-        group,
-        scale,
-        ..
-    } = dims;
-    let AttentionInputs { q, k, v, .. } = inputs;
-
-    // δ_t = dout_t · out_t = Σ_s p_ts·(dout_t·v_s): the softmax Jacobian's shared term.
-    let mut delta = Vec::with_capacity(dims.lse_len);
-    dout.par_chunks(d)
-        .zip(out.par_chunks(d))
-        .map(|(g, o)| dot(g, o))
-        .collect_into_vec(&mut delta);
-
-    // Pass 1, query rows (b, t, h): dq_t = scale · Σ_s ds_ts · k_s.
-    dq.par_chunks_mut(d)
-        .zip(q.par_chunks(d).zip(dout.par_chunks(d)))
-        .zip(lse.par_iter().zip(delta.par_iter()))
-        .enumerate()
-        .for_each(|(i, ((dq_row, (q_row, g_row)), (&l, &dl)))| {
-            dq_row.fill(0.0);
-            if l == f32::NEG_INFINITY {
-                return;
-            }
-            let (row, h) = (i / hq, i % hq);
-            let (b, tok) = (row / t, row % t);
-            let keys = KeySeq::new(&dims, k, v, mask, b, t);
-            for (k_s, v_s, valid) in keys.rows(h / group, tok + 1) {
-                if valid {
-                    let p = exp_nonpositive::<false>((scale * dot(q_row, k_s) - l).min(0.0));
-                    let ds = p * (dot(g_row, v_s) - dl);
-                    axpy(ds, k_s, dq_row);
-                }
-            }
-            dq_row.iter_mut().for_each(|x| *x *= scale);
-        });
-
-    // Pass 2, key rows (b, s, g): sums over the group's query heads and queries t ≥ s.
-    let q_tok = hq * d;
-    dk.par_chunks_mut(d)
-        .zip(dv.par_chunks_mut(d))
-        .enumerate()
-        .for_each(|(i, (dk_row, dv_row))| {
-            dk_row.fill(0.0);
-            dv_row.fill(0.0);
-            let (row, g) = (i / hkv, i % hkv);
-            let (b, s) = (row / t, row % t);
-            let keys = KeySeq::new(&dims, k, v, mask, b, t);
-            let Some((k_s, v_s, true)) = keys.row(g, s) else {
-                return; // masked key: no query sees it
-            };
-            let (q_b, g_b) = (block(q, b, t * q_tok), block(dout, b, t * q_tok));
-            let (l_b, dl_b) = (block(lse, b, t * hq), block(&delta, b, t * hq));
-            for h in g * group..(g + 1) * group {
-                let queries = q_b
-                    .chunks_exact(q_tok)
-                    .zip(g_b.chunks_exact(q_tok))
-                    .zip(l_b.chunks_exact(hq).zip(dl_b.chunks_exact(hq)))
-                    .skip(s);
-                for ((q_t, g_t), (l_t, dl_t)) in queries {
-                    let (Some(&l), Some(&dl)) = (l_t.get(h), dl_t.get(h)) else {
-                        continue;
-                    };
-                    // t ≥ s and key s valid imply row t has a valid key, so l is finite.
-                    let (q_th, g_th) = (block(q_t, h, d), block(g_t, h, d));
-                    let p = exp_nonpositive::<false>((scale * dot(q_th, k_s) - l).min(0.0));
-                    axpy(p, g_th, dv_row);
-                    axpy(p * (dot(g_th, v_s) - dl), q_th, dk_row);
-                }
-            }
-            dk_row.iter_mut().for_each(|x| *x *= scale);
-        });
-    Ok(())
+    let saved = blocked::Saved { out, lse, dout };
+    blocked::backward(&dims, inputs, mask, saved, dq, dk, dv, blocked::BLOCK)
 }
 
 /// A KV cache view for [`attention_decode`]: per-sequence contiguous
@@ -542,14 +453,6 @@ impl<'a> KeySeq<'a> {
         }
     }
 
-    /// Key and value vectors of kv head `g` and validity of slot `s`.
-    fn row(self, g: usize, s: usize) -> Option<(&'a [f32], &'a [f32], bool)> {
-        let tok = self.hkv * self.d;
-        let (k, v) = (block(self.k, s, tok), block(self.v, s, tok));
-        let m = *self.mask.get(s)?;
-        Some((block(k, g, self.d), block(v, g, self.d), m == 1.0))
-    }
-
     /// Key and value vectors of kv head `g` and validity of the first `n` slots.
     fn rows(self, g: usize, n: usize) -> impl Iterator<Item = (&'a [f32], &'a [f32], bool)> {
         let (tok, d) = (self.hkv * self.d, self.d);
@@ -672,5 +575,6 @@ fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     }
 }
 
+mod blocked;
 #[cfg(test)]
 mod tests;

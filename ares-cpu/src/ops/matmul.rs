@@ -371,6 +371,34 @@ pub fn matmul_batched(
     alpha: f32,
     beta: f32,
 ) -> Result<()> {
+    matmul_batched_with(batch, dims, a, b, c, alpha, beta, true)
+}
+
+/// One strided product `c = beta·c + alpha·a·b` ([`matmul_batched`] with a batch of 1) on
+/// the calling thread: for kernels that already run one task per thread.
+pub(crate) fn matmul_seq(
+    dims: MatmulDims,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    c: MatMut<'_>,
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
+    matmul_batched_with(1, dims, a, b, c, alpha, beta, false)
+}
+
+/// [`matmul_batched`], multithreaded only when `parallel`.
+#[allow(clippy::too_many_arguments)]
+fn matmul_batched_with(
+    batch: usize,
+    dims: MatmulDims,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    c: MatMut<'_>,
+    alpha: f32,
+    beta: f32,
+    parallel: bool,
+) -> Result<()> {
     let MatmulDims { n, k, m } = dims;
     check_finite("alpha", alpha)?;
     check_finite("beta", beta)?;
@@ -406,8 +434,16 @@ pub fn matmul_batched(
             par,
         );
     };
-    let per_matrix = parallelism(dims);
-    if batch > 1 && matches!(per_matrix, Parallelism::None) {
+    let per_matrix = if parallel {
+        parallelism(dims)
+    } else {
+        Parallelism::None
+    };
+    if !parallel {
+        for i in 0..batch {
+            one(i, Parallelism::None);
+        }
+    } else if batch > 1 && matches!(per_matrix, Parallelism::None) {
         // Small matrices: spread the batch over threads, each product single-threaded.
         (0..batch)
             .into_par_iter()
