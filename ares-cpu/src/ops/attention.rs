@@ -454,6 +454,7 @@ impl<'a> KeySeq<'a> {
     }
 
     /// Key and value vectors of kv head `g` and validity of the first `n` slots.
+    #[inline(always)]
     fn rows(self, g: usize, n: usize) -> impl Iterator<Item = (&'a [f32], &'a [f32], bool)> {
         let (tok, d) = (self.hkv * self.d, self.d);
         self.k
@@ -468,7 +469,61 @@ impl<'a> KeySeq<'a> {
 /// One query row over the first `n` slots of `keys` (kv head `g`): writes the softmax-
 /// weighted sum of values to `out` and returns the log-sum-exp (`−∞` and zeros when no
 /// slot is valid, NaN when a score is not finite). `scores` is scratch of ≥ `n` elements.
+/// Picks the widest SIMD the CPU has at run time; every variant runs the same code.
 fn attend(
+    q: &[f32],
+    keys: KeySeq<'_>,
+    g: usize,
+    n: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            return unsafe { attend_avx512(q, keys, g, n, scale, scores, out) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
+            return unsafe { attend_avx2(q, keys, g, n, scale, scores, out) };
+        }
+    }
+    attend_portable::<false>(q, keys, g, n, scale, scores, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn attend_avx512(
+    q: &[f32],
+    keys: KeySeq<'_>,
+    g: usize,
+    n: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) -> f32 {
+    attend_portable::<true>(q, keys, g, n, scale, scores, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn attend_avx2(
+    q: &[f32],
+    keys: KeySeq<'_>,
+    g: usize,
+    n: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) -> f32 {
+    attend_portable::<true>(q, keys, g, n, scale, scores, out)
+}
+
+#[inline(always)]
+fn attend_portable<const FMA: bool>(
     q: &[f32],
     keys: KeySeq<'_>,
     g: usize,
@@ -501,7 +556,7 @@ fn attend(
     // Masked slots hold −∞ and become exactly 0, so they are skipped below.
     scores
         .iter_mut()
-        .for_each(|x| *x = exp_nonpositive::<false>(*x - max));
+        .for_each(|x| *x = exp_nonpositive::<FMA>(*x - max));
     let sum = sum_f64(scores);
     for (&p, (_, v, _)) in scores.iter().zip(keys.rows(g, n)) {
         if p != 0.0 {
@@ -529,22 +584,22 @@ fn numel(dims: &[usize]) -> Result<usize> {
 
 /// Block `i` of `len` elements of `x`; empty if out of range, which validated shapes rule
 /// out (kernels then see no data instead of panicking).
-#[inline]
+#[inline(always)]
 fn block(x: &[f32], i: usize, len: usize) -> &[f32] {
     x.get(i * len..(i + 1) * len).unwrap_or_default()
 }
 
-/// `a·b` over eight independent lanes so the loop vectorises.
-#[inline]
+/// `a·b` over sixteen independent lanes so the loop vectorises.
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
     let tail: f32 = ca
         .remainder()
         .iter()
         .zip(cb.remainder())
         .map(|(x, y)| x * y)
         .sum();
-    let mut acc = [0.0f32; 8];
+    let mut acc = [0.0f32; 16];
     for (x, y) in ca.zip(cb) {
         for ((s, x), y) in acc.iter_mut().zip(x).zip(y) {
             *s += x * y;
@@ -554,7 +609,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Σx in f64 over eight lanes: softmax denominators of long rows stay exact to f32.
-#[inline]
+#[inline(always)]
 fn sum_f64(x: &[f32]) -> f64 {
     let c = x.chunks_exact(8);
     let tail: f64 = c.remainder().iter().map(|&v| f64::from(v)).sum();
@@ -568,7 +623,7 @@ fn sum_f64(x: &[f32]) -> f64 {
 }
 
 /// `y += a·x`.
-#[inline]
+#[inline(always)]
 fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     for (y, x) in y.iter_mut().zip(x) {
         *y += a * x;
