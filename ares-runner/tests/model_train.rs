@@ -764,3 +764,139 @@ fn a_frozen_reference_model_is_built_from_the_same_weights() {
     assert_eq!(reference.to_weights().unwrap(), checkpoint.weights);
     assert_ne!(policy.to_weights().unwrap(), checkpoint.weights);
 }
+
+// ----- Round trip through transformers (scripts/check_train_roundtrip.py). -----
+
+/// Little-endian bytes of i64 values (the fixtures' id dtype).
+fn i64_bytes(values: &[u32]) -> Vec<u8> {
+    values
+        .iter()
+        .flat_map(|&v| i64::from(v).to_le_bytes())
+        .collect()
+}
+
+fn f32_bytes(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// Trains every fixture one step (the loss head on the left-padded set, AdamW with
+/// clipping) and writes, per fixture, the checkpoint and what
+/// `scripts/check_train_roundtrip.py` compares: the logits after the step on both input
+/// sets, and the training batch and hyper-parameters so the script can redo the step in
+/// PyTorch. Run:
+///
+/// ```text
+/// ARES_TRAIN_ROUNDTRIP_DIR=/tmp/ares_train_rt cargo test -p ares-runner --test model_train -- --ignored write_train_roundtrip
+/// /tmp/pyenv/bin/python scripts/check_train_roundtrip.py /tmp/ares_train_rt
+/// ```
+#[test]
+#[ignore = "writes a directory for scripts/check_train_roundtrip.py (needs Python + transformers)"]
+fn write_train_roundtrip() {
+    let root = PathBuf::from(
+        std::env::var("ARES_TRAIN_ROUNDTRIP_DIR")
+            .unwrap_or_else(|_| "/tmp/ares_train_roundtrip".into()),
+    );
+    let (temperature, lr, max_grad_norm) = (0.8f32, 1e-3f64, 1.0f32);
+    for name in MODELS {
+        let (checkpoint, mut model) = load(name);
+        let s = batch(name, "left");
+        let mut acts = model.activations(s.batch, s.seq).unwrap();
+        model.forward(&s.inputs(), &mut acts).unwrap();
+        let mut grads = model.grads().unwrap();
+        model
+            .backward_from_log_prob_grads(
+                &s.inputs(),
+                &mut acts,
+                &s.targets,
+                &s.coeffs,
+                temperature,
+                &mut grads,
+            )
+            .unwrap();
+        let mut opt = AdamW::new(&model, CFG).unwrap();
+        let report = opt
+            .step(&mut model, &grads, lr, Some(max_grad_norm))
+            .unwrap();
+        assert!(report.applied);
+
+        let out = root.join(name);
+        model
+            .save_pretrained(
+                &out.join("checkpoint"),
+                model.config(),
+                checkpoint.generation.as_ref(),
+                SaveDtype::F32,
+            )
+            .unwrap();
+        let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+        let shape = vec![s.batch, s.seq];
+        for set in ["right", "left"] {
+            let b = batch(name, set);
+            let logits = model.forward_logits(&b.inputs()).unwrap();
+            let ids = [
+                ("input_ids", &b.input_ids),
+                ("attention_mask", &b.attention_mask),
+                ("position_ids", &b.position_ids),
+            ];
+            for (what, v) in ids {
+                tensors.push((
+                    format!("{set}.{what}"),
+                    Dtype::I64,
+                    shape.clone(),
+                    i64_bytes(v),
+                ));
+            }
+            let vocab = model.spec().vocab;
+            tensors.push((
+                format!("{set}.logits"),
+                Dtype::F32,
+                vec![b.batch, b.seq, vocab],
+                f32_bytes(&logits),
+            ));
+        }
+        let train = [
+            ("input_ids", &s.input_ids),
+            ("attention_mask", &s.attention_mask),
+            ("position_ids", &s.position_ids),
+            ("targets", &s.targets),
+        ];
+        for (what, v) in train {
+            tensors.push((
+                format!("train.{what}"),
+                Dtype::I64,
+                shape.clone(),
+                i64_bytes(v),
+            ));
+        }
+        tensors.push((
+            "train.coeffs".into(),
+            Dtype::F32,
+            shape.clone(),
+            f32_bytes(&s.coeffs),
+        ));
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, dt, shape, bytes)| {
+                let view = safetensors::tensor::TensorView::new(*dt, shape.clone(), bytes).unwrap();
+                (n.clone(), view)
+            })
+            .collect();
+        let meta: std::collections::HashMap<String, String> = [
+            ("fixture", name.to_string()),
+            ("temperature", temperature.to_string()),
+            ("lr", lr.to_string()),
+            ("beta1", CFG.beta1.to_string()),
+            ("beta2", CFG.beta2.to_string()),
+            ("eps", CFG.eps.to_string()),
+            ("weight_decay", CFG.weight_decay.to_string()),
+            ("max_grad_norm", max_grad_norm.to_string()),
+            ("grad_norm", report.grad_norm.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        safetensors::serialize_to_file(views, Some(meta), &out.join("expected.safetensors"))
+            .unwrap();
+    }
+    println!("wrote {}", root.display());
+}

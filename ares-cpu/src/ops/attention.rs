@@ -27,10 +27,11 @@
 //! recomputes the probabilities (FlashAttention-style): one more `q·k` per (query, key)
 //! pair in exchange for not storing `[B, Hq, T, T]`.
 //!
-//! Work is split over (batch, token, head) rows with rayon, so decode with one sequence
-//! and one token still runs its heads in parallel; rows are written to disjoint chunks
-//! without locks. Dot products use eight f32 lanes and softmax denominators eight f64
-//! lanes, so both vectorise.
+//! Training (forward and backward) runs as blocks of GEMMs (see `blocked`): per sequence
+//! and block of 64 query (or key) tokens, one task, each writing its own rows. Decode
+//! over a KV cache runs per (batch, token, head) row with rayon, so one sequence and one
+//! token still runs its heads in parallel; dot products there use eight f32 lanes and
+//! softmax denominators eight f64 lanes, so both vectorise.
 
 use crate::Result;
 use crate::error::check_len;
@@ -224,22 +225,7 @@ pub fn attention_forward(
             &ones
         }
     };
-    let Dims { t, hq, d, .. } = dims;
-    out.par_chunks_mut(d)
-        .zip(lse.par_iter_mut())
-        .zip(inputs.q.par_chunks(d))
-        .enumerate()
-        .for_each_init(
-            || vec![0.0f32; t],
-            |scores, (i, ((o, l), q))| {
-                // Row i is (b, token, h) of [B, T, Hq].
-                let (row, h) = (i / hq, i % hq);
-                let (b, tok) = (row / t, row % t);
-                let keys = KeySeq::new(&dims, inputs.k, inputs.v, mask, b, t);
-                *l = attend(q, keys, h / dims.group, tok + 1, dims.scale, scores, o);
-            },
-        );
-    Ok(())
+    blocked::forward(&dims, inputs, mask, out, lse, blocked::BLOCK)
 }
 
 /// Causal GQA backward: from `dout = ∂L/∂out` writes `dq`, `dk`, `dv`.
@@ -284,83 +270,8 @@ pub fn attention_backward(
             &ones
         }
     };
-    let Dims {
-        t,
-        hq,
-        hkv,
-        d,
-        group,
-        scale,
-        ..
-    } = dims;
-    let AttentionInputs { q, k, v, .. } = inputs;
-
-    // δ_t = dout_t · out_t = Σ_s p_ts·(dout_t·v_s): the softmax Jacobian's shared term.
-    let mut delta = Vec::with_capacity(dims.lse_len);
-    dout.par_chunks(d)
-        .zip(out.par_chunks(d))
-        .map(|(g, o)| dot(g, o))
-        .collect_into_vec(&mut delta);
-
-    // Pass 1, query rows (b, t, h): dq_t = scale · Σ_s ds_ts · k_s.
-    dq.par_chunks_mut(d)
-        .zip(q.par_chunks(d).zip(dout.par_chunks(d)))
-        .zip(lse.par_iter().zip(delta.par_iter()))
-        .enumerate()
-        .for_each(|(i, ((dq_row, (q_row, g_row)), (&l, &dl)))| {
-            dq_row.fill(0.0);
-            if l == f32::NEG_INFINITY {
-                return;
-            }
-            let (row, h) = (i / hq, i % hq);
-            let (b, tok) = (row / t, row % t);
-            let keys = KeySeq::new(&dims, k, v, mask, b, t);
-            for (k_s, v_s, valid) in keys.rows(h / group, tok + 1) {
-                if valid {
-                    let p = exp_nonpositive::<false>((scale * dot(q_row, k_s) - l).min(0.0));
-                    let ds = p * (dot(g_row, v_s) - dl);
-                    axpy(ds, k_s, dq_row);
-                }
-            }
-            dq_row.iter_mut().for_each(|x| *x *= scale);
-        });
-
-    // Pass 2, key rows (b, s, g): sums over the group's query heads and queries t ≥ s.
-    let q_tok = hq * d;
-    dk.par_chunks_mut(d)
-        .zip(dv.par_chunks_mut(d))
-        .enumerate()
-        .for_each(|(i, (dk_row, dv_row))| {
-            dk_row.fill(0.0);
-            dv_row.fill(0.0);
-            let (row, g) = (i / hkv, i % hkv);
-            let (b, s) = (row / t, row % t);
-            let keys = KeySeq::new(&dims, k, v, mask, b, t);
-            let Some((k_s, v_s, true)) = keys.row(g, s) else {
-                return; // masked key: no query sees it
-            };
-            let (q_b, g_b) = (block(q, b, t * q_tok), block(dout, b, t * q_tok));
-            let (l_b, dl_b) = (block(lse, b, t * hq), block(&delta, b, t * hq));
-            for h in g * group..(g + 1) * group {
-                let queries = q_b
-                    .chunks_exact(q_tok)
-                    .zip(g_b.chunks_exact(q_tok))
-                    .zip(l_b.chunks_exact(hq).zip(dl_b.chunks_exact(hq)))
-                    .skip(s);
-                for ((q_t, g_t), (l_t, dl_t)) in queries {
-                    let (Some(&l), Some(&dl)) = (l_t.get(h), dl_t.get(h)) else {
-                        continue;
-                    };
-                    // t ≥ s and key s valid imply row t has a valid key, so l is finite.
-                    let (q_th, g_th) = (block(q_t, h, d), block(g_t, h, d));
-                    let p = exp_nonpositive::<false>((scale * dot(q_th, k_s) - l).min(0.0));
-                    axpy(p, g_th, dv_row);
-                    axpy(p * (dot(g_th, v_s) - dl), q_th, dk_row);
-                }
-            }
-            dk_row.iter_mut().for_each(|x| *x *= scale);
-        });
-    Ok(())
+    let saved = blocked::Saved { out, lse, dout };
+    blocked::backward(&dims, inputs, mask, saved, dq, dk, dv, blocked::BLOCK)
 }
 
 /// A KV cache view for [`attention_decode`]: per-sequence contiguous
@@ -542,15 +453,8 @@ impl<'a> KeySeq<'a> {
         }
     }
 
-    /// Key and value vectors of kv head `g` and validity of slot `s`.
-    fn row(self, g: usize, s: usize) -> Option<(&'a [f32], &'a [f32], bool)> {
-        let tok = self.hkv * self.d;
-        let (k, v) = (block(self.k, s, tok), block(self.v, s, tok));
-        let m = *self.mask.get(s)?;
-        Some((block(k, g, self.d), block(v, g, self.d), m == 1.0))
-    }
-
     /// Key and value vectors of kv head `g` and validity of the first `n` slots.
+    #[inline(always)]
     fn rows(self, g: usize, n: usize) -> impl Iterator<Item = (&'a [f32], &'a [f32], bool)> {
         let (tok, d) = (self.hkv * self.d, self.d);
         self.k
@@ -565,7 +469,61 @@ impl<'a> KeySeq<'a> {
 /// One query row over the first `n` slots of `keys` (kv head `g`): writes the softmax-
 /// weighted sum of values to `out` and returns the log-sum-exp (`−∞` and zeros when no
 /// slot is valid, NaN when a score is not finite). `scores` is scratch of ≥ `n` elements.
+/// Picks the widest SIMD the CPU has at run time; every variant runs the same code.
 fn attend(
+    q: &[f32],
+    keys: KeySeq<'_>,
+    g: usize,
+    n: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F, checked just above.
+            return unsafe { attend_avx512(q, keys, g, n, scale, scores, out) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
+            return unsafe { attend_avx2(q, keys, g, n, scale, scores, out) };
+        }
+    }
+    attend_portable::<false>(q, keys, g, n, scale, scores, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn attend_avx512(
+    q: &[f32],
+    keys: KeySeq<'_>,
+    g: usize,
+    n: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) -> f32 {
+    attend_portable::<true>(q, keys, g, n, scale, scores, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn attend_avx2(
+    q: &[f32],
+    keys: KeySeq<'_>,
+    g: usize,
+    n: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) -> f32 {
+    attend_portable::<true>(q, keys, g, n, scale, scores, out)
+}
+
+#[inline(always)]
+fn attend_portable<const FMA: bool>(
     q: &[f32],
     keys: KeySeq<'_>,
     g: usize,
@@ -598,7 +556,7 @@ fn attend(
     // Masked slots hold −∞ and become exactly 0, so they are skipped below.
     scores
         .iter_mut()
-        .for_each(|x| *x = exp_nonpositive::<false>(*x - max));
+        .for_each(|x| *x = exp_nonpositive::<FMA>(*x - max));
     let sum = sum_f64(scores);
     for (&p, (_, v, _)) in scores.iter().zip(keys.rows(g, n)) {
         if p != 0.0 {
@@ -626,22 +584,22 @@ fn numel(dims: &[usize]) -> Result<usize> {
 
 /// Block `i` of `len` elements of `x`; empty if out of range, which validated shapes rule
 /// out (kernels then see no data instead of panicking).
-#[inline]
+#[inline(always)]
 fn block(x: &[f32], i: usize, len: usize) -> &[f32] {
     x.get(i * len..(i + 1) * len).unwrap_or_default()
 }
 
-/// `a·b` over eight independent lanes so the loop vectorises.
-#[inline]
+/// `a·b` over sixteen independent lanes so the loop vectorises.
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
     let tail: f32 = ca
         .remainder()
         .iter()
         .zip(cb.remainder())
         .map(|(x, y)| x * y)
         .sum();
-    let mut acc = [0.0f32; 8];
+    let mut acc = [0.0f32; 16];
     for (x, y) in ca.zip(cb) {
         for ((s, x), y) in acc.iter_mut().zip(x).zip(y) {
             *s += x * y;
@@ -651,7 +609,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Σx in f64 over eight lanes: softmax denominators of long rows stay exact to f32.
-#[inline]
+#[inline(always)]
 fn sum_f64(x: &[f32]) -> f64 {
     let c = x.chunks_exact(8);
     let tail: f64 = c.remainder().iter().map(|&v| f64::from(v)).sum();
@@ -665,12 +623,13 @@ fn sum_f64(x: &[f32]) -> f64 {
 }
 
 /// `y += a·x`.
-#[inline]
+#[inline(always)]
 fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     for (y, x) in y.iter_mut().zip(x) {
         *y += a * x;
     }
 }
 
+mod blocked;
 #[cfg(test)]
 mod tests;

@@ -108,9 +108,43 @@ pub fn linear_forward(
     dims: MatmulDims,
     out: &mut [f32],
 ) -> Result<()> {
+    check_len("w", product(dims.m, dims.k)?, w.len())?;
+    // wᵀ: element (l, j) of the right operand is w[j, l].
+    linear_with(x, w, Strides::row_major(dims.k)?.t(), bias, dims, out)
+}
+
+/// [`linear_forward`] with the weight stored transposed: `out[n, m] = x[n, k] · wt[k, m]
+/// (+ bias[m])`, `wt` `[in_features, out_features]` row-major (see [`transpose`]).
+///
+/// Same numbers as [`linear_forward`] up to summation order, but for a few rows of `x`
+/// (one generated token per sequence) several times faster: the GEMM reads this layout
+/// as it is, where the Hugging Face layout is first copied into panels on every call.
+///
+/// # Errors
+/// A length that does not match `dims` (`x`: `n·k`, `wt`: `k·m`, `bias`: `m`, `out`: `n·m`).
+pub fn linear_forward_t(
+    x: &[f32],
+    wt: &[f32],
+    bias: Option<&[f32]>,
+    dims: MatmulDims,
+    out: &mut [f32],
+) -> Result<()> {
+    check_len("wt", product(dims.k, dims.m)?, wt.len())?;
+    linear_with(x, wt, Strides::row_major(dims.m)?, bias, dims, out)
+}
+
+/// `out = x · W (+ bias)` with the right operand `W` `[k, m]` at `w` under strides `sw`
+/// (the caller checked `w` holds every element they address).
+fn linear_with(
+    x: &[f32],
+    w: &[f32],
+    sw: Strides,
+    bias: Option<&[f32]>,
+    dims: MatmulDims,
+    out: &mut [f32],
+) -> Result<()> {
     let MatmulDims { n, k, m } = dims;
     check_len("x", product(n, k)?, x.len())?;
-    check_len("w", product(m, k)?, w.len())?;
     check_len("out", product(n, m)?, out.len())?;
     let beta = match bias {
         Some(b) => {
@@ -123,23 +157,61 @@ pub fn linear_forward(
         }
         None => 0.0,
     };
-    // SAFETY: the lengths were checked above, so every addressed element is in bounds; `out`
-    // is a unique borrow, so it overlaps neither input, and row-major strides with `m`
-    // columns map distinct elements to distinct positions.
+    // SAFETY: the lengths were checked above and by the caller (for `w` under `sw`), so
+    // every addressed element is in bounds; `out` is a unique borrow, so it overlaps
+    // neither input, and row-major strides with `m` columns map distinct elements to
+    // distinct positions.
     unsafe {
         gemm_raw(
             dims,
             x.as_ptr(),
             Strides::row_major(k)?,
             w.as_ptr(),
-            // wᵀ: element (l, j) of the right operand is w[j, l].
-            Strides::row_major(k)?.t(),
+            sw,
             out.as_mut_ptr(),
             Strides::row_major(m)?,
             1.0,
             beta,
             parallelism(dims),
         );
+    }
+    Ok(())
+}
+
+/// `dst[cols, rows] = src[rows, cols]ᵀ`, row-major both, in cache-sized tiles, rows of
+/// `dst` in parallel for large matrices.
+///
+/// # Errors
+/// `src` or `dst` not `rows · cols` long.
+pub fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) -> Result<()> {
+    const TILE: usize = 32;
+    let len = product(rows, cols)?;
+    check_len("src", len, src.len())?;
+    check_len("dst", len, dst.len())?;
+    if len == 0 {
+        return Ok(());
+    }
+    // A band of TILE rows of dst (= TILE columns of src), filled tile by tile.
+    let band = |(b, out): (usize, &mut [f32])| {
+        let c0 = b * TILE;
+        let width = out.len() / rows;
+        for r0 in (0..rows).step_by(TILE) {
+            for r in r0..(r0 + TILE).min(rows) {
+                let from = src
+                    .get(r * cols + c0..r * cols + c0 + width)
+                    .unwrap_or_default();
+                for (c, &v) in from.iter().enumerate() {
+                    if let Some(o) = out.get_mut(c * rows + r) {
+                        *o = v;
+                    }
+                }
+            }
+        }
+    };
+    if len >= PAR_MIN_ELEMS {
+        dst.par_chunks_mut(TILE * rows).enumerate().for_each(band);
+    } else {
+        dst.chunks_mut(TILE * rows).enumerate().for_each(band);
     }
     Ok(())
 }
@@ -299,6 +371,34 @@ pub fn matmul_batched(
     alpha: f32,
     beta: f32,
 ) -> Result<()> {
+    matmul_batched_with(batch, dims, a, b, c, alpha, beta, true)
+}
+
+/// One strided product `c = beta·c + alpha·a·b` ([`matmul_batched`] with a batch of 1) on
+/// the calling thread: for kernels that already run one task per thread.
+pub(crate) fn matmul_seq(
+    dims: MatmulDims,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    c: MatMut<'_>,
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
+    matmul_batched_with(1, dims, a, b, c, alpha, beta, false)
+}
+
+/// [`matmul_batched`], multithreaded only when `parallel`.
+#[allow(clippy::too_many_arguments)]
+fn matmul_batched_with(
+    batch: usize,
+    dims: MatmulDims,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    c: MatMut<'_>,
+    alpha: f32,
+    beta: f32,
+    parallel: bool,
+) -> Result<()> {
     let MatmulDims { n, k, m } = dims;
     check_finite("alpha", alpha)?;
     check_finite("beta", beta)?;
@@ -334,8 +434,16 @@ pub fn matmul_batched(
             par,
         );
     };
-    let per_matrix = parallelism(dims);
-    if batch > 1 && matches!(per_matrix, Parallelism::None) {
+    let per_matrix = if parallel {
+        parallelism(dims)
+    } else {
+        Parallelism::None
+    };
+    if !parallel {
+        for i in 0..batch {
+            one(i, Parallelism::None);
+        }
+    } else if batch > 1 && matches!(per_matrix, Parallelism::None) {
         // Small matrices: spread the batch over threads, each product single-threaded.
         (0..batch)
             .into_par_iter()
@@ -572,6 +680,35 @@ mod tests {
     use super::*;
     use crate::Error;
     use crate::test_rng::rand_vec;
+
+    #[test]
+    fn transposed_weights_give_the_same_linear_layer() {
+        for (n, k, m) in [(1, 1, 1), (3, 5, 7), (16, 64, 40), (70, 33, 130)] {
+            let x = rand_vec(n * k, 1);
+            let w = rand_vec(m * k, 2);
+            let b = rand_vec(m, 3);
+            let mut wt = vec![0.0f32; k * m];
+            transpose(&w, m, k, &mut wt).unwrap();
+            for (j, l) in [(0, 0), (m - 1, k - 1), (m / 2, k / 3)] {
+                assert_eq!(wt[l * m + j], w[j * k + l]);
+            }
+            let want = naive_linear(&x, &w, Some(&b), dims(n, k, m));
+            let mut out = vec![f32::NAN; n * m];
+            linear_forward_t(&x, &wt, Some(&b), dims(n, k, m), &mut out).unwrap();
+            assert_close(&out, &want, 1e-5);
+        }
+        // A large transpose takes the parallel path and is exact.
+        let (r, c) = (300, 257);
+        let src = rand_vec(r * c, 4);
+        let mut t = vec![0.0f32; r * c];
+        transpose(&src, r, c, &mut t).unwrap();
+        let mut back = vec![0.0f32; r * c];
+        transpose(&t, c, r, &mut back).unwrap();
+        assert_eq!(back, src);
+        assert!(transpose(&src, r, c + 1, &mut t).is_err());
+        let mut out = vec![0.0f32; 4];
+        assert!(linear_forward_t(&[1.0; 2], &[1.0; 3], None, dims(2, 1, 2), &mut out).is_err());
+    }
 
     fn dims(n: usize, k: usize, m: usize) -> MatmulDims {
         MatmulDims { n, k, m }

@@ -7,7 +7,9 @@ use ares_cpu::ops::attention::{
 };
 use ares_cpu::ops::embedding::{embedding_backward, embedding_forward};
 use ares_cpu::ops::log_prob_backward::log_prob_backward;
-use ares_cpu::ops::matmul::{MatmulDims, linear_backward, linear_forward};
+use ares_cpu::ops::matmul::{
+    MatmulDims, linear_backward, linear_forward, linear_forward_t, transpose,
+};
 use ares_cpu::ops::optim::{adamw_step_scaled, sum_of_squares_f64};
 use ares_cpu::ops::rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 use ares_cpu::ops::rope::{rope_backward, rope_forward};
@@ -177,6 +179,35 @@ impl Backend for CpuBackend {
             slice_mut(out)?,
         )
         .map_err(op("linear"))
+    }
+
+    fn linear_transposed(
+        &self,
+        x: Tensor<'_, Self>,
+        wt: Tensor<'_, Self>,
+        bias: Option<Tensor<'_, Self>>,
+        dims: LinearDims,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let bias = bias.map(slice).transpose()?;
+        linear_forward_t(
+            slice(x)?,
+            slice(wt)?,
+            bias,
+            matmul_dims(dims),
+            slice_mut(out)?,
+        )
+        .map_err(op("linear_transposed"))
+    }
+
+    fn transpose(
+        &self,
+        src: Tensor<'_, Self>,
+        rows: usize,
+        cols: usize,
+        dst: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        transpose(slice(src)?, rows, cols, slice_mut(dst)?).map_err(op("transpose"))
     }
 
     fn rmsnorm(

@@ -136,6 +136,35 @@ pub trait Backend {
         out: TensorMut<'_, Self>,
     ) -> Result<()>;
 
+    /// Linear layer with the weight stored transposed: `out = x · wt (+ bias)`, `wt`
+    /// `[in_features, out_features]` (a [`Backend::transpose`]d copy of a Hugging Face
+    /// `[out, in]` weight). The same layer as [`Backend::linear`] up to summation order;
+    /// generation keeps such copies because a CPU GEMM multiplies a few rows by this layout
+    /// without first repacking the whole weight. `out` is overwritten.
+    ///
+    /// # Errors
+    /// Lengths that do not match `dims`.
+    fn linear_transposed(
+        &self,
+        x: Tensor<'_, Self>,
+        wt: Tensor<'_, Self>,
+        bias: Option<Tensor<'_, Self>>,
+        dims: LinearDims,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// `dst[cols, rows] = src[rows, cols]ᵀ` (row-major both).
+    ///
+    /// # Errors
+    /// `src` or `dst` not `rows · cols` long.
+    fn transpose(
+        &self,
+        src: Tensor<'_, Self>,
+        rows: usize,
+        cols: usize,
+        dst: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
     /// RMSNorm over rows of `dim`: `out = weight · x / sqrt(mean(x²) + eps)`; `x`, `out`
     /// `[rows, dim]`, `weight` `[dim]`, and `rstd` `[rows]` receives `1/sqrt(mean(x²) + eps)`
     /// for the backward pass.

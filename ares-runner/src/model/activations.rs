@@ -1,11 +1,12 @@
 //! [`Activations`]: every intermediate tensor of one forward pass, planned up front for a
 //! batch shape `(batch, seq)` and reused across calls (llm.c's `ActivationTensors`).
 //!
-//! Per-layer tensors are one buffer `[layers, tokens, ...]` each, so the backward pass (a
-//! later milestone) finds every layer's inputs, `rstd` and `lse` where the forward left
-//! them. With `N = batch · seq` tokens, `C` hidden, `I` intermediate, `V` vocab, `Hq`/`Hkv`
+//! Per-layer tensors are one buffer `[layers, tokens, ...]` each, so the backward pass
+//! finds every layer's inputs, `rstd` and `lse` where the forward left them. With `N = batch · seq` tokens, `C` hidden, `I` intermediate, `V` vocab, `Hq`/`Hkv`
 //! heads of `D`, the arena holds about `L · N · (6C + 3·Hq·D + 4·Hkv·D + 3I) + 2·N·V` floats
-//! (logits and their gradient), plus the backward scratch.
+//! (logits and their gradient), plus the backward scratch. Buffers a call never touches
+//! (the gradients during generation) cost address space only: fresh allocations are
+//! zero pages until written.
 
 use super::backward::BackwardScratch;
 use super::{ModelError, ModelSpec};

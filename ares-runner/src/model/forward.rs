@@ -2,10 +2,21 @@
 //! then per layer `RMSNorm → q/k/v (→ q/k RMSNorm) → RoPE → attention → o_proj → residual
 //! → RMSNorm → gate/up → SwiGLU → down → residual`, final RMSNorm, LM head.
 
+use super::decode_weights::DecodeWeights;
 use super::log_prob_grad::check_targets;
-use super::weights::layer_of;
+use super::weights::{Stack, layer_of};
 use super::{Activations, Inputs, KvCache, Model, ModelError};
-use crate::backend::{AttentionDims, AttentionInputs, Backend, LinearDims, View, ViewMut};
+use crate::backend::{
+    AttentionDims, AttentionInputs, Backend, LinearDims, Tensor, TensorMut, View, ViewMut,
+};
+
+/// Layer `l` of a transposed stack, when there is one.
+fn tw_layer<B: Backend>(
+    stack: Option<&Stack<B>>,
+    l: usize,
+) -> Result<Option<Tensor<'_, B>>, ModelError> {
+    stack.map(|s| s.layer(l)).transpose()
+}
 
 impl<B: Backend> Model<B> {
     /// Runs the model on `inputs`, leaving every activation and the logits `[batch, seq,
@@ -21,17 +32,37 @@ impl<B: Backend> Model<B> {
         inputs: &Inputs<'_>,
         acts: &mut Activations<B>,
     ) -> Result<(), ModelError> {
-        self.forward_impl(inputs, acts, None)
+        self.forward_impl(inputs, acts, None, None)
+    }
+
+    /// A linear layer from the weight `w` (`[out, in]`), or from its transposed copy `wt`
+    /// when the caller has one ([`DecodeWeights`], generation).
+    fn project(
+        &self,
+        x: Tensor<'_, B>,
+        w: Tensor<'_, B>,
+        wt: Option<Tensor<'_, B>>,
+        bias: Option<Tensor<'_, B>>,
+        dims: LinearDims,
+        out: TensorMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        match wt {
+            Some(wt) => self.backend.linear_transposed(x, wt, bias, dims, out)?,
+            None => self.backend.linear(x, w, bias, dims, out)?,
+        }
+        Ok(())
     }
 
     /// [`Model::forward`], or with `cache` the same pass with attention over the KV cache
     /// (the new keys and values appended to it, no log-sum-exp saved; the caller has put
-    /// the new tokens' key mask in the cache and advances its length afterwards).
+    /// the new tokens' key mask in the cache and advances its length afterwards). With
+    /// `tw`, the linear layers multiply by its transposed weights (generation).
     pub(crate) fn forward_impl(
         &self,
         inputs: &Inputs<'_>,
         acts: &mut Activations<B>,
         mut cache: Option<&mut KvCache<B>>,
+        tw: Option<&DecodeWeights<B>>,
     ) -> Result<(), ModelError> {
         let n = inputs.check(&self.spec)?;
         if acts.shape() != (inputs.batch, inputs.seq) {
@@ -108,16 +139,18 @@ impl<B: Backend> Model<B> {
             let ln1 = View::item(&a.ln1, l, n * c)?;
             if s.qk_norm {
                 // Qwen3: project, then RMSNorm every head over head_dim, then RoPE.
-                be.linear(
+                self.project(
                     ln1,
                     w.q.layer(l)?,
+                    tw_layer(tw.map(|t| &t.q), l)?,
                     layer_of(&w.q_bias, l)?,
                     lin(n, c, qd),
                     ViewMut::item(&mut a.q_raw, l, n * qd)?,
                 )?;
-                be.linear(
+                self.project(
                     ln1,
                     w.k.layer(l)?,
+                    tw_layer(tw.map(|t| &t.k), l)?,
                     layer_of(&w.k_bias, l)?,
                     lin(n, c, kvd),
                     ViewMut::item(&mut a.k_raw, l, n * kvd)?,
@@ -147,24 +180,27 @@ impl<B: Backend> Model<B> {
                     ViewMut::item(&mut a.k_rstd, l, n * hkv)?,
                 )?;
             } else {
-                be.linear(
+                self.project(
                     ln1,
                     w.q.layer(l)?,
+                    tw_layer(tw.map(|t| &t.q), l)?,
                     layer_of(&w.q_bias, l)?,
                     lin(n, c, qd),
                     ViewMut::item(&mut a.q, l, n * qd)?,
                 )?;
-                be.linear(
+                self.project(
                     ln1,
                     w.k.layer(l)?,
+                    tw_layer(tw.map(|t| &t.k), l)?,
                     layer_of(&w.k_bias, l)?,
                     lin(n, c, kvd),
                     ViewMut::item(&mut a.k, l, n * kvd)?,
                 )?;
             }
-            be.linear(
+            self.project(
                 ln1,
                 w.v.layer(l)?,
+                tw_layer(tw.map(|t| &t.v), l)?,
                 layer_of(&w.v_bias, l)?,
                 lin(n, c, kvd),
                 ViewMut::item(&mut a.v, l, n * kvd)?,
@@ -193,9 +229,10 @@ impl<B: Backend> Model<B> {
                     ViewMut::item(&mut a.att, l, n * qd)?,
                 )?,
             }
-            be.linear(
+            self.project(
                 View::item(&a.att, l, n * qd)?,
                 w.o.layer(l)?,
+                tw_layer(tw.map(|t| &t.o), l)?,
                 layer_of(&w.o_bias, l)?,
                 lin(n, qd, c),
                 ViewMut::item(&mut a.att_proj, l, n * c)?,
@@ -217,16 +254,18 @@ impl<B: Backend> Model<B> {
                 ViewMut::item(&mut a.ln2_rstd, l, n)?,
             )?;
             let ln2 = View::item(&a.ln2, l, n * c)?;
-            be.linear(
+            self.project(
                 ln2,
                 w.gate.layer(l)?,
+                tw_layer(tw.map(|t| &t.gate), l)?,
                 layer_of(&w.gate_bias, l)?,
                 lin(n, c, i),
                 ViewMut::item(&mut a.gate, l, n * i)?,
             )?;
-            be.linear(
+            self.project(
                 ln2,
                 w.up.layer(l)?,
+                tw_layer(tw.map(|t| &t.up), l)?,
                 layer_of(&w.up_bias, l)?,
                 lin(n, c, i),
                 ViewMut::item(&mut a.up, l, n * i)?,
@@ -236,9 +275,10 @@ impl<B: Backend> Model<B> {
                 View::item(&a.up, l, n * i)?,
                 ViewMut::item(&mut a.act, l, n * i)?,
             )?;
-            be.linear(
+            self.project(
                 View::item(&a.act, l, n * i)?,
                 w.down.layer(l)?,
+                tw_layer(tw.map(|t| &t.down), l)?,
                 layer_of(&w.down_bias, l)?,
                 lin(n, i, c),
                 ViewMut::item(&mut a.mlp_out, l, n * c)?,
@@ -263,9 +303,10 @@ impl<B: Backend> Model<B> {
             ViewMut::whole(&mut a.lnf),
             ViewMut::whole(&mut a.lnf_rstd),
         )?;
-        be.linear(
+        self.project(
             View::whole(&a.lnf),
             w.lm_head(),
+            tw.map(|t| View::whole(&t.lm_head)),
             None,
             lin(n, c, v),
             ViewMut::whole(&mut a.logits),

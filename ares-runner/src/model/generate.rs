@@ -7,10 +7,15 @@
 //! token picked ([`Sampling`]); the log-prob of that token and the entropy of the sampling
 //! distribution are computed on the device by [`Backend::log_prob_entropy`].
 //!
+//! The linear layers run on a transposed copy of the weights made at the start
+//! ([`DecodeWeights`]: faster few-row products on the CPU, a second copy of the linear
+//! weights in memory while generating).
+//!
 //! Finished sequences (an EOS id produced) stay in the batch, fed their last token, and
 //! their new tokens are ignored; the loop ends when every sequence has finished or
 //! `max_new_tokens` tokens were produced.
 
+use super::decode_weights::DecodeWeights;
 use super::sampling::{pick, sequence_rng};
 use super::{Activations, Inputs, KvCache, Model, ModelError, Sampling};
 use crate::backend::{Backend, BackendError, View, ViewMut};
@@ -141,6 +146,18 @@ impl<B: Backend> Model<B> {
         acts: &mut Activations<B>,
         cache: &mut KvCache<B>,
     ) -> Result<(), GenerateError> {
+        self.forward_cached_with(inputs, acts, cache, None)
+    }
+
+    /// [`Model::forward_cached`], with the linear layers on the transposed weights `tw`
+    /// when given.
+    fn forward_cached_with(
+        &self,
+        inputs: &Inputs<'_>,
+        acts: &mut Activations<B>,
+        cache: &mut KvCache<B>,
+        tw: Option<&DecodeWeights<B>>,
+    ) -> Result<(), GenerateError> {
         inputs.check(&self.spec)?;
         if cache.batch != inputs.batch {
             return Err(GenerateError::CacheBatch {
@@ -161,7 +178,7 @@ impl<B: Backend> Model<B> {
             }
         }
         cache.upload_mask(&self.backend)?;
-        self.forward_impl(inputs, acts, Some(cache))?;
+        self.forward_impl(inputs, acts, Some(cache), tw)?;
         cache.len += new;
         Ok(())
     }
@@ -221,6 +238,8 @@ impl<B: Backend> Model<B> {
             }
         }
         let mut cache = KvCache::new(&self.backend, &self.spec, batch, max_len)?;
+        // One transpose of the weights instead of a GEMM repack per projection and step.
+        let tw = DecodeWeights::new(&self.backend, &self.spec, &self.weights)?;
         let mut prefill = self.activations(batch, width)?;
         let inputs = Inputs {
             batch,
@@ -229,7 +248,7 @@ impl<B: Backend> Model<B> {
             attention_mask: &mask,
             position_ids: &positions,
         };
-        self.forward_cached(&inputs, &mut prefill, &mut cache)?;
+        self.forward_cached_with(&inputs, &mut prefill, &mut cache, Some(&tw))?;
 
         // The last prompt row of each sequence, gathered into a [batch, vocab] buffer.
         let be = &self.backend;
@@ -312,7 +331,7 @@ impl<B: Backend> Model<B> {
                 attention_mask: &step_mask,
                 position_ids: &step_positions,
             };
-            self.forward_cached(&inputs, &mut step_acts, &mut cache)?;
+            self.forward_cached_with(&inputs, &mut step_acts, &mut cache, Some(&tw))?;
         }
         Ok(out)
     }

@@ -32,6 +32,7 @@
 
 mod activations;
 mod backward;
+mod decode_weights;
 mod error;
 mod export;
 mod forward;

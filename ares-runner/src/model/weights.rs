@@ -24,6 +24,29 @@ impl<B: Backend> Stack<B> {
         Ok(ViewMut::item(&mut self.buffer, layer, self.item)?)
     }
 
+    /// Every layer's `[rows, cols]` matrix transposed to `[cols, rows]`, in a new stack.
+    pub(crate) fn transposed(
+        &self,
+        backend: &B,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, ModelError> {
+        let mut buffer = backend.alloc(self.buffer.len())?;
+        let layers = self.buffer.len() / self.item.max(1);
+        for l in 0..layers {
+            backend.transpose(
+                self.layer(l)?,
+                rows,
+                cols,
+                ViewMut::item(&mut buffer, l, self.item)?,
+            )?;
+        }
+        Ok(Self {
+            buffer,
+            item: self.item,
+        })
+    }
+
     /// A zeroed stack of the same shape (a gradient).
     pub(crate) fn zeros_like(&self, backend: &B) -> Result<Self, ModelError> {
         Ok(Self {

@@ -24,6 +24,9 @@ struct Case {
     k: Vec<f32>,
     v: Vec<f32>,
     mask: Option<Vec<f32>>,
+    /// Tokens per task of the blocked kernels: the public functions' block, or a smaller
+    /// one that makes short sequences span several blocks.
+    block: usize,
 }
 
 impl Case {
@@ -41,7 +44,27 @@ impl Case {
             .map(|x| 2.0 * x)
             .collect();
         let v = rng.vec(sh.kv_len().unwrap());
-        Case { sh, q, k, v, mask }
+        Case {
+            sh,
+            q,
+            k,
+            v,
+            mask,
+            block: blocked::BLOCK,
+        }
+    }
+
+    /// The same case run with `block` tokens per task.
+    fn with_block(mut self, block: usize) -> Self {
+        self.block = block;
+        self
+    }
+
+    /// The key mask, all ones when there is none.
+    fn mask_or_ones(&self) -> Vec<f32> {
+        self.mask
+            .clone()
+            .unwrap_or_else(|| vec![1.0; self.sh.batch * self.sh.seq])
     }
 
     fn inputs(&self) -> AttentionInputs<'_> {
@@ -56,7 +79,13 @@ impl Case {
     fn forward(&self) -> (Vec<f32>, Vec<f32>) {
         let mut out = vec![f32::NAN; self.sh.q_len().unwrap()];
         let mut lse = vec![f32::NAN; self.sh.lse_len().unwrap()];
-        attention_forward(&self.sh, self.inputs(), &mut out, &mut lse).unwrap();
+        if self.block == blocked::BLOCK {
+            attention_forward(&self.sh, self.inputs(), &mut out, &mut lse).unwrap();
+        } else {
+            let dims = self.sh.dims().unwrap();
+            let mask = self.mask_or_ones();
+            blocked::forward(&dims, self.inputs(), &mask, &mut out, &mut lse, self.block).unwrap();
+        }
         (out, lse)
     }
 
@@ -65,12 +94,33 @@ impl Case {
         let mut dq = vec![f32::NAN; self.q.len()];
         let mut dk = vec![f32::NAN; self.k.len()];
         let mut dv = vec![f32::NAN; self.v.len()];
-        let grads = AttentionGrads {
-            dq: &mut dq,
-            dk: &mut dk,
-            dv: &mut dv,
-        };
-        attention_backward(&self.sh, self.inputs(), &out, &lse, dout, grads).unwrap();
+        if self.block == blocked::BLOCK {
+            let grads = AttentionGrads {
+                dq: &mut dq,
+                dk: &mut dk,
+                dv: &mut dv,
+            };
+            attention_backward(&self.sh, self.inputs(), &out, &lse, dout, grads).unwrap();
+        } else {
+            let dims = self.sh.dims().unwrap();
+            let mask = self.mask_or_ones();
+            let saved = blocked::Saved {
+                out: &out,
+                lse: &lse,
+                dout,
+            };
+            blocked::backward(
+                &dims,
+                self.inputs(),
+                &mask,
+                saved,
+                &mut dq,
+                &mut dk,
+                &mut dv,
+                self.block,
+            )
+            .unwrap();
+        }
         [dq, dk, dv]
     }
 
@@ -282,6 +332,51 @@ fn gradients_match_central_differences_gqa_padded() {
 }
 
 #[test]
+fn gradients_match_central_differences_across_block_boundaries() {
+    for block in [1, 2, 3] {
+        let mut c = Case::new(gqa(), Some(mixed_mask(2, 5, 2)), 27).with_block(block);
+        check_gradients(&mut c, 28);
+        let mask = vec![1., 0., 1., 1., 0., 1., 1.];
+        let mut c = Case::new(AttentionShape::new(1, 7, 4, 1, 6), Some(mask), 29).with_block(block);
+        check_gradients(&mut c, 30);
+    }
+}
+
+#[test]
+fn block_size_changes_nothing_but_rounding() {
+    // Long sequences span several default blocks; small blocks split short ones.
+    let cases = [
+        (
+            AttentionShape::new(2, 150, 4, 2, 8),
+            mixed_mask(2, 150, 20),
+            [64, 7],
+        ),
+        (gqa(), mixed_mask(2, 5, 3), [64, 2]),
+        (AttentionShape::new(1, 9, 2, 2, 16), vec![1.0; 9], [4, 1]),
+    ];
+    for (i, (sh, mask, [a, b])) in cases.into_iter().enumerate() {
+        let c = Case::new(sh, Some(mask.clone()), 31 + i as u64).with_block(a);
+        let d = Case::new(sh, Some(mask), 31 + i as u64).with_block(b);
+        let (out_a, lse_a) = c.forward();
+        let (out_b, lse_b) = d.forward();
+        let want = c.reference();
+        assert_close(&out_a, &want, 1e-5, "out");
+        assert_close(&out_b, &want, 1e-5, "out (small blocks)");
+        for (x, y) in lse_a.iter().zip(&lse_b) {
+            assert!(
+                x == y || (x - y).abs() <= 1e-5 * (1.0 + x.abs()),
+                "lse {x} vs {y}"
+            );
+        }
+        let dout = Rng(40 + i as u64).vec(out_a.len());
+        for (ga, gb) in c.backward(&dout).iter().zip(&d.backward(&dout)) {
+            let want: Vec<f64> = ga.iter().map(|&x| f64::from(x)).collect();
+            assert_close(gb, &want, 2e-5, "gradient");
+        }
+    }
+}
+
+#[test]
 fn gradients_match_central_differences_mha_and_single_token() {
     let mut c = Case::new(AttentionShape::new(1, 4, 2, 2, 5), None, 23);
     check_gradients(&mut c, 24);
@@ -346,8 +441,14 @@ fn decode_over_cache_equals_forward_token_by_token_with_left_padding() {
     mask[5] = 0.0; // sequence 1 by 1
     let c = Case::new(AttentionShape::new(3, 5, 6, 2, 8), Some(mask), 31);
     let (full, _) = c.forward();
+    // The forward runs as GEMMs, decode as dot products: equal up to summation order.
     let got = decode_rows(&c, &[1, 1, 1, 1, 1]);
-    assert_eq!(got, full);
+    assert_close(
+        &got,
+        &full.iter().map(|&x| f64::from(x)).collect::<Vec<_>>(),
+        1e-6,
+        "decode token by token",
+    );
     // Prefill chunk of 3, then two single-token steps.
     let got = decode_rows(&c, &[3, 1, 1]);
     assert_close(

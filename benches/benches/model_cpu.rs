@@ -1,0 +1,179 @@
+//! The ares-runner decoder on the CPU backend beside PyTorch CPU
+//! (`scripts/bench_torch_cpu.py`, same shapes): a small Qwen2-shaped model (4 layers,
+//! hidden 256, 4 query / 2 KV heads of 64, MLP 704, vocab 8192, tied embeddings, q/k/v
+//! biases) with random weights.
+//!
+//! - **train**: tokens/s of one training step's model work on 8 × 256 tokens — forward,
+//!   the loss head (∂L/∂logπ = −1/N per token at T = 1) and the backward pass into zeroed
+//!   gradients; the AdamW step is timed on its own.
+//! - **generate**: new tokens/s of greedy batched generation with a KV cache, 16 prompts of
+//!   32 tokens, 128 new tokens each (no EOS, so every sequence runs the full length).
+//!
+//! A plain `main` (`harness = false`): `cargo bench -p ares-benches --bench model_cpu`
+//! prints the best and median of a few runs. Threads: rayon's default (all cores); set
+//! `RAYON_NUM_THREADS` to match `torch.set_num_threads` of the PyTorch script.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use ares_benches::SplitMix;
+use ares_runner::backend::cpu::CpuBackend;
+use ares_runner::hf::config::ModelConfig;
+use ares_runner::hf::weights::{ModelWeights, Tensor, expected_tensors};
+use ares_runner::model::{AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling};
+
+const CONFIG: &str = r#"{
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+    "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": true
+}"#;
+const TRAIN_BATCH: usize = 8;
+const TRAIN_SEQ: usize = 256;
+const GEN_PROMPTS: usize = 16;
+const GEN_PROMPT_LEN: usize = 32;
+const GEN_NEW: usize = 128;
+
+/// Random weights: norms 1, everything else uniform with standard deviation 0.02 (the
+/// `initializer_range` of transformers' init).
+fn weights(config: &ModelConfig, rng: &mut SplitMix) -> ModelWeights {
+    let half_width = 0.02 * 3f32.sqrt();
+    let map: HashMap<String, Tensor> = expected_tensors(config)
+        .into_iter()
+        .map(|(name, shape)| {
+            let mut t = Tensor::zeros(&shape);
+            if name.ends_with("norm.weight") {
+                t.data.fill(1.0);
+            } else {
+                t.data
+                    .iter_mut()
+                    .for_each(|x| *x = (2.0 * rng.unit() - 1.0) * half_width);
+            }
+            (name, t)
+        })
+        .collect();
+    ModelWeights::from_map(config, map).expect("the bench config's own tensors")
+}
+
+/// Best and median of `runs` timings of `f` (after one warm-up call).
+fn time(runs: usize, mut f: impl FnMut()) -> (Duration, Duration) {
+    f();
+    let mut t: Vec<Duration> = (0..runs)
+        .map(|_| {
+            let start = Instant::now();
+            f();
+            start.elapsed()
+        })
+        .collect();
+    t.sort();
+    (t[0], t[runs / 2])
+}
+
+fn report(what: &str, units: usize, unit: &str, (best, median): (Duration, Duration)) {
+    let rate = |d: Duration| units as f64 / d.as_secs_f64();
+    println!(
+        "{what}: {:.0} {unit}/s best ({:.1} ms), {:.0} {unit}/s median ({:.1} ms)",
+        rate(best),
+        best.as_secs_f64() * 1e3,
+        rate(median),
+        median.as_secs_f64() * 1e3,
+    );
+}
+
+fn main() {
+    let config = ModelConfig::from_json_str(Path::new("bench/config.json"), CONFIG)
+        .expect("the bench config parses");
+    let mut rng = SplitMix::new(7);
+    let w = weights(&config, &mut rng);
+    let start = Instant::now();
+    let mut model = Model::new(CpuBackend, &config, &w).expect("the bench model builds");
+    println!(
+        "model: 4 layers, hidden 256, 4/2 heads, MLP 704, vocab 8192 ({:.1} M parameters); Model::new {:.1} ms; {} threads",
+        w.tensors().iter().map(|(_, t)| t.data.len()).sum::<usize>() as f64 / 1e6,
+        start.elapsed().as_secs_f64() * 1e3,
+        rayon::current_num_threads(),
+    );
+    let only = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let runs: usize = std::env::var("ARES_BENCH_RUNS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(5);
+
+    if only.as_deref().is_none_or(|o| o == "train") {
+        let vocab = 8192u32;
+        let n = TRAIN_BATCH * TRAIN_SEQ;
+        let ids: Vec<u32> = (0..n)
+            .map(|_| (rng.next_u64() % u64::from(vocab)) as u32)
+            .collect();
+        let mask = vec![1u32; n];
+        let positions: Vec<u32> = (0..n).map(|i| (i % TRAIN_SEQ) as u32).collect();
+        let mut targets = vec![0u32; n];
+        let mut coeffs = vec![0.0f32; n];
+        for i in 0..n {
+            if i % TRAIN_SEQ + 1 < TRAIN_SEQ {
+                targets[i] = ids[i + 1];
+                coeffs[i] = -1.0 / n as f32;
+            }
+        }
+        let inputs = Inputs {
+            batch: TRAIN_BATCH,
+            seq: TRAIN_SEQ,
+            input_ids: &ids,
+            attention_mask: &mask,
+            position_ids: &positions,
+        };
+        let mut acts = model
+            .activations(TRAIN_BATCH, TRAIN_SEQ)
+            .expect("activations");
+        let mut grads = model.grads().expect("grads");
+        let be = CpuBackend;
+        let t = time(runs, || {
+            grads.zero(&be).expect("zero");
+            model.forward(&inputs, &mut acts).expect("forward");
+            model
+                .backward_from_log_prob_grads(
+                    &inputs, &mut acts, &targets, &coeffs, 1.0, &mut grads,
+                )
+                .expect("backward");
+        });
+        report("train forward+backward (8 × 256)", n, "tokens", t);
+        let t = time(runs, || {
+            model.forward(&inputs, &mut acts).expect("forward");
+        });
+        report("  of which forward", n, "tokens", t);
+        let mut opt = AdamW::new(&model, AdamWConfig::default()).expect("adamw");
+        let t = time(runs, || {
+            opt.step(&mut model, &grads, 1e-6, Some(1.0)).expect("step");
+        });
+        report("AdamW step (clip + update)", 1, "steps", t);
+    }
+
+    if only.as_deref().is_none_or(|o| o == "generate") {
+        let prompts: Vec<Vec<u32>> = (0..GEN_PROMPTS)
+            .map(|_| {
+                (0..GEN_PROMPT_LEN)
+                    .map(|_| (rng.next_u64() % 8192) as u32)
+                    .collect()
+            })
+            .collect();
+        let request = GenerateRequest {
+            prompts,
+            max_new_tokens: GEN_NEW,
+            eos_ids: Vec::new(),
+            sampling: Sampling::Greedy,
+            seed: 0,
+        };
+        let t = time(runs.min(3), || {
+            let out = model.generate(&request).expect("generate");
+            assert!(out.tokens.iter().all(|t| t.len() == GEN_NEW));
+        });
+        report(
+            "generate greedy (16 × 128 new, prompts of 32)",
+            GEN_PROMPTS * GEN_NEW,
+            "tokens",
+            t,
+        );
+    }
+}

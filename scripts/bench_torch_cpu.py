@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""PyTorch CPU side of `cargo bench -p ares-benches --bench model_cpu`: the same small
+Qwen2-shaped model (4 layers, hidden 256, 4 query / 2 KV heads of 64, MLP 704, vocab 8192,
+tied embeddings, q/k/v biases; transformers' random init), the same work:
+
+- train: forward, log_softmax(logits / T) gathered at the next tokens, loss
+  sum(c * log pi) with c = -1/N, backward (gradients set to None between steps), on 8 x 256
+  tokens; the AdamW step (clip_grad_norm_ + torch.optim.AdamW) timed on its own.
+- generate: greedy `model.generate` with the KV cache, 16 prompts of 32 tokens, exactly 128
+  new tokens each.
+
+    /tmp/pyenv/bin/python scripts/bench_torch_cpu.py [--threads 2] [--runs 5] [--attn sdpa|eager]
+
+Prints the best and median of the runs after one warm-up, in the format of the Rust bench.
+"""
+
+import argparse
+import time
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+TRAIN_BATCH, TRAIN_SEQ = 8, 256
+GEN_PROMPTS, GEN_PROMPT_LEN, GEN_NEW = 16, 32, 128
+
+
+def timed(runs, f):
+    f()
+    t = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        f()
+        t.append(time.perf_counter() - start)
+    t.sort()
+    return t[0], t[runs // 2]
+
+
+def report(what, units, unit, times):
+    best, median = times
+    print(
+        f"{what}: {units / best:.0f} {unit}/s best ({best * 1e3:.1f} ms), "
+        f"{units / median:.0f} {unit}/s median ({median * 1e3:.1f} ms)"
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    ap.add_argument("--only", choices=["train", "generate"])
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(7)
+    config = Qwen2Config(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        attn_implementation=args.attn,
+    )
+    model = Qwen2ForCausalLM(config).float()
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, attention {args.attn}, "
+        f"{params / 1e6:.1f} M parameters"
+    )
+
+    if args.only in (None, "train"):
+        model.train()
+        n = TRAIN_BATCH * TRAIN_SEQ
+        ids = torch.randint(0, 8192, (TRAIN_BATCH, TRAIN_SEQ))
+        mask = torch.ones_like(ids)
+        targets = torch.zeros_like(ids)
+        targets[:, :-1] = ids[:, 1:]
+        coeffs = torch.full((TRAIN_BATCH, TRAIN_SEQ), -1.0 / n)
+        coeffs[:, -1] = 0.0
+
+        def step():
+            model.zero_grad(set_to_none=True)
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
+            (coeffs * logp).sum().backward()
+
+        report(f"train forward+backward ({TRAIN_BATCH} × {TRAIN_SEQ})", n, "tokens", timed(args.runs, step))
+
+        def forward():
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=mask)
+
+        report("  of which forward (no_grad)", n, "tokens", timed(args.runs, forward))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+
+        def opt_step():
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+
+        report("AdamW step (clip + update)", 1, "steps", timed(args.runs, opt_step))
+
+    if args.only in (None, "generate"):
+        model.eval()
+        prompts = torch.randint(0, 8192, (GEN_PROMPTS, GEN_PROMPT_LEN))
+        attention = torch.ones_like(prompts)
+
+        def generate():
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=prompts,
+                    attention_mask=attention,
+                    max_new_tokens=GEN_NEW,
+                    min_new_tokens=GEN_NEW,
+                    do_sample=False,
+                    pad_token_id=0,
+                    eos_token_id=None,
+                )
+            assert out.shape == (GEN_PROMPTS, GEN_PROMPT_LEN + GEN_NEW)
+
+        report(
+            f"generate greedy ({GEN_PROMPTS} × {GEN_NEW} new, prompts of {GEN_PROMPT_LEN})",
+            GEN_PROMPTS * GEN_NEW,
+            "tokens",
+            timed(min(args.runs, 3), generate),
+        )
+
+
+if __name__ == "__main__":
+    main()
