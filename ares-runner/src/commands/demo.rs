@@ -96,12 +96,13 @@ algorithm:
     n: 8
     temperature: 1.0
     seed: 1
-    val_temperature: 0.0
+    val_temperature: 1.0
+    val_n: 4
 trainer:
   experiment_name: demo-{name}
-  max_steps: 40
+  max_steps: 120
   val_freq: 0
-  save_freq: 20
+  save_freq: 40
   save_limit: 1
   val_before_train: false
   seed: 1
@@ -306,8 +307,14 @@ pub fn run(overrides: &[String], method: Option<Method>) -> Result<(), TrainErro
     eprintln!("demo: evaluating the trained model on the held-out problems");
     let after = trainer.evaluate(&val_examples)?;
 
+    let r = &cfg.worker.rollout;
+    let decoding = if r.val_temperature == 0.0 {
+        "greedy decoding".to_string()
+    } else {
+        format!("{} samples per problem at temperature {}", r.val_n.max(1), r.val_temperature)
+    };
     println!(
-        "\nARES demo ({}), {} RL steps, held-out problems, greedy decoding:\n{}",
+        "\nARES demo ({}), {} RL steps; held-out problems, {decoding}:\n{}",
         method.name(),
         summary.steps,
         before_after(&before, &after)
