@@ -1,9 +1,15 @@
 //! # ares-runner
 //!
-//! The trainer of ares, as a library behind the `ares-runner` binary. Built so far: the
-//! Hugging Face file formats ([`hf`]), the [`backend::Backend`] trait with its CPU
-//! implementation, and the decoder [`model`] (forward pass) written against it. Rollout,
-//! trainer and CLI are the next milestones (see the README's status table).
+//! The libtorch-free trainer of ares, as a library behind the `ares-runner` binary.
+//!
+//! - Model runtime: [`hf`] (Hugging Face files in and out), [`backend`] (the `Backend`
+//!   trait and its CPU implementation), [`model`] (Qwen2/Qwen3/Llama forward, backward,
+//!   loss head, AdamW, generation).
+//! - Training: [`config`] (YAML + overrides), [`data`] (datasets, templates, sampler),
+//!   [`reward`] (math grading, format, rubric graders), [`trainer`] (the RL step and loop,
+//!   SFT, evaluation), [`metrics`], [`plot`], [`progress`].
+//! - [`commands`]: the subcommands of the binary; [`demo`]: the built-in demo's task,
+//!   tokenizer and tiny model.
 
 pub mod backend;
 pub mod commands;

@@ -217,15 +217,7 @@ pub fn evaluate_model(
     let model = crate::model::Model::from_checkpoint(super::backend(&c)?, &ckpt)?;
     let mut grader = crate::trainer::grading::Grader::new(&c)?;
     let rr = &c.worker.rollout;
-    let sampling = if rr.val_temperature == 0.0 {
-        crate::model::Sampling::Greedy
-    } else {
-        crate::model::Sampling::Sample {
-            temperature: rr.val_temperature as f32,
-            top_k: (rr.top_k > 0).then_some(rr.top_k),
-            top_p: rr.top_p as f32,
-        }
-    };
+    let sampling = crate::trainer::resolve::validation_sampling(&c);
     let params = crate::trainer::rollout::RolloutParams {
         max_new_tokens: c.data.max_response_length,
         eos_ids: eos,
@@ -311,7 +303,11 @@ pub fn run(overrides: &[String], method: Option<Method>) -> Result<(), TrainErro
     let decoding = if r.val_temperature == 0.0 {
         "greedy decoding".to_string()
     } else {
-        format!("{} samples per problem at temperature {}", r.val_n.max(1), r.val_temperature)
+        format!(
+            "{} samples per problem at temperature {}",
+            r.val_n.max(1),
+            r.val_temperature
+        )
     };
     println!(
         "\nARES demo ({}), {} RL steps; held-out problems, {decoding}:\n{}",

@@ -32,6 +32,21 @@ pub fn rollout_sampling(cfg: &Config) -> Sampling {
     }
 }
 
+/// The sampling of validation: greedy at `val_temperature = 0`, else that temperature with
+/// the rollout's top-k / top-p.
+pub fn validation_sampling(cfg: &Config) -> Sampling {
+    let r = &cfg.worker.rollout;
+    if r.val_temperature == 0.0 {
+        Sampling::Greedy
+    } else {
+        Sampling::Sample {
+            temperature: r.val_temperature as f32,
+            top_k: (r.top_k > 0).then_some(r.top_k),
+            top_p: r.top_p as f32,
+        }
+    }
+}
+
 /// The settings of a run of `total_steps` RL steps.
 ///
 /// # Errors

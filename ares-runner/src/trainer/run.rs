@@ -477,18 +477,7 @@ impl<B: Backend + Clone> Trainer<B> {
             items_all.extend(items);
         }
         bar.finish();
-        let lengths: Vec<usize> = all_responses.iter().map(|r| r.tokens.len()).collect();
-        let tokens = TokenBatch::from_lengths(&lengths);
-        let ent: Vec<Vec<f32>> = all_responses.iter().map(|r| r.entropies.clone()).collect();
-        let entropies = tokens.pad(&ent, 0.0);
-        let pass = hwe_pass(
-            tokens.shape,
-            &entropies,
-            &tokens.mask,
-            None,
-            &self.settings.hwe,
-            None,
-        )?;
+        let pass = responses_hwe(&all_responses, &self.settings, None)?;
         let buckets = group_buckets(&self.settings, n, &all_grades)?;
         let mut sum = PerBucket::splat(0.0f64);
         let mut count = PerBucket::splat(0usize);
@@ -692,17 +681,7 @@ impl<B: Backend + Clone> Trainer<B> {
         }
         // reward keys: provisional rewards under the controllers in force
         let lengths: Vec<usize> = responses.iter().map(|r| r.tokens.len()).collect();
-        let tokens = TokenBatch::from_lengths(&lengths);
-        let ent: Vec<Vec<f32>> = responses.iter().map(|r| r.entropies.clone()).collect();
-        let entropies = tokens.pad(&ent, 0.0);
-        let pass = hwe_pass(
-            tokens.shape,
-            &entropies,
-            &tokens.mask,
-            None,
-            &self.settings.hwe,
-            self.ares.tau.tau(),
-        )?;
+        let pass = responses_hwe(responses, &self.settings, self.ares.tau.tau())?;
         let buckets = group_buckets(&self.settings, n, grades)?;
         let st = self.ares.buckets.state();
         let values = BucketValues {
@@ -794,15 +773,7 @@ impl<B: Backend + Clone> Trainer<B> {
         examples: &[Example],
     ) -> Result<super::eval::EvalReport, TrainError> {
         let r = &self.cfg.worker.rollout;
-        let sampling = if r.val_temperature == 0.0 {
-            crate::model::Sampling::Greedy
-        } else {
-            crate::model::Sampling::Sample {
-                temperature: r.val_temperature as f32,
-                top_k: (r.top_k > 0).then_some(r.top_k),
-                top_p: r.top_p as f32,
-            }
-        };
+        let sampling = super::resolve::validation_sampling(&self.cfg);
         let params = RolloutParams {
             max_new_tokens: self.settings.max_new_tokens,
             eos_ids: self.eos_ids.clone(),
@@ -1000,6 +971,27 @@ pub fn filter_prompts(
     }
     let ids: Vec<Vec<u32>> = ids.into_iter().filter(|i| i.len() <= max).collect();
     Ok((kept, ids))
+}
+
+/// HWE tokens of unpadded responses (padded here) under `tau` (`None`: the batch's own
+/// threshold).
+fn responses_hwe(
+    responses: &[Response],
+    settings: &StepSettings,
+    tau: Option<f64>,
+) -> Result<super::hwe::HwePass, TrainError> {
+    let lengths: Vec<usize> = responses.iter().map(|r| r.tokens.len()).collect();
+    let tokens = TokenBatch::from_lengths(&lengths);
+    let ent: Vec<Vec<f32>> = responses.iter().map(|r| r.entropies.clone()).collect();
+    let entropies = tokens.pad(&ent, 0.0);
+    hwe_pass(
+        tokens.shape,
+        &entropies,
+        &tokens.mask,
+        None,
+        &settings.hwe,
+        tau,
+    )
 }
 
 /// Reads `bootstrap.json` of a run, if any.
