@@ -347,3 +347,35 @@ fn bad_inputs_fail_before_any_work() {
 
     assert!(!run.exists(), "a failed start wrote {run:?}");
 }
+
+#[test]
+fn drop_solved_removes_prompts_solved_with_low_entropy() {
+    let dir = tempfile::tempdir().unwrap();
+    // every response meets the only criterion (regex `.*`): every group is all-correct
+    let path = dir.path().join("solved.jsonl");
+    let mut text = String::new();
+    for i in 0..4 {
+        text.push_str(&format!(
+            "{{\"prompt\": \"{i}+1\", \"global_id\": \"s{i}\", \"reward_model\": {{\"rubrics\": \
+             [{{\"criterion\": \"anything\", \"points\": 1, \"regex\": \".*\"}}]}}}}\n"
+        ));
+    }
+    std::fs::write(&path, text).unwrap();
+    let lines = run(
+        dir.path(),
+        "solved",
+        &[
+            &format!("data.train_files={}", path.display()),
+            "data.val_files=null",
+            "data.shuffle=false",
+            "algorithm.entropy_reward.enable=false",
+            "worker.reward.reward_type=rubric",
+            "algorithm.drop_solved.enable=true",
+            "algorithm.drop_solved.entropy_threshold=100.0",
+            "algorithm.drop_solved.consecutive=1",
+        ],
+    );
+    assert_eq!(num(&lines[0], "data/dropped_solved"), 2.0);
+    assert_eq!(num(&lines[1], "data/dropped_solved"), 4.0);
+    assert_eq!(num(&lines[0], "accuracy/mean"), 1.0);
+}
