@@ -173,7 +173,17 @@ pub fn eos_ids(ckpt: &Checkpoint, renderer: &PromptRenderer) -> Vec<u32> {
 pub fn renderer(cfg: &Config, model_dir: &Path) -> Result<PromptRenderer, TrainError> {
     let tokenizer = crate::hf::tokenizer::Tokenizer::from_dir(model_dir)
         .map_err(|e| TrainError::Invalid(format!("{}: {e}", model_dir.display())))?;
-    let chat = crate::hf::chat::ChatTemplate::from_dir(model_dir).ok();
+    let chat = match crate::hf::chat::ChatTemplate::from_dir(model_dir) {
+        Ok(c) => Some(c),
+        Err(crate::hf::chat::ChatError::NoTemplate { .. }) => {
+            eprintln!(
+                "note: {} has no chat template; prompts are used as plain text",
+                model_dir.display()
+            );
+            None
+        }
+        Err(e) => return Err(TrainError::Invalid(format!("{}: {e}", model_dir.display()))),
+    };
     let format = cfg
         .data
         .format_prompt
