@@ -159,8 +159,22 @@ fn pro_max_uniform_scale_keeps_a_signal_on_uniform_groups() {
 #[test]
 fn ares_with_bootstrap_sets_tau_targets_and_moves_alpha_and_lambda() {
     let dir = tempfile::tempdir().unwrap();
-    let lines = run(dir.path(), "ares", &["data.bootstrap=true"]);
+    // filtering on the overall reward: a random model is wrong everywhere, but the entropy
+    // reward of wrong answers differs per sample, so groups stay strictly inside (0.01, 0.99)
+    let lines = run(
+        dir.path(),
+        "ares",
+        &[
+            "data.bootstrap=true",
+            "algorithm.online_filtering=true",
+            "algorithm.filter_key=overall",
+        ],
+    );
     assert_finite(&lines);
+    for l in &lines {
+        let keep = num(l, "filter/keep_ratio");
+        assert!(keep > 0.0 && keep <= 1.0, "{keep}");
+    }
     let b: Value = serde_json::from_str(
         &std::fs::read_to_string(dir.path().join("ares").join("bootstrap.json")).unwrap(),
     )
@@ -378,4 +392,17 @@ fn drop_solved_removes_prompts_solved_with_low_entropy() {
     assert_eq!(num(&lines[0], "data/dropped_solved"), 2.0);
     assert_eq!(num(&lines[1], "data/dropped_solved"), 4.0);
     assert_eq!(num(&lines[0], "accuracy/mean"), 1.0);
+}
+
+#[test]
+fn an_interrupt_stops_before_the_next_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let cfg = config(&a, &dir.path().join("int"), &[]).unwrap();
+    let flag = Arc::new(AtomicBool::new(true));
+    let mut t = Trainer::new(cfg, CpuBackend, flag).unwrap();
+    let summary = t.run().unwrap();
+    assert!(summary.interrupted);
+    assert_eq!(summary.steps, 0);
+    assert_eq!(summary.checkpoint, None);
 }
