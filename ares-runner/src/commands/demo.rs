@@ -218,8 +218,23 @@ pub fn evaluate_model(
     let mut grader = crate::trainer::grading::Grader::new(&c)?;
     let rr = &c.worker.rollout;
     let sampling = crate::trainer::resolve::validation_sampling(&c);
+    // eval must not fail on a config written for another model: cap the new tokens at
+    // what the model's positions allow after the longest prompt
+    let mut longest = 0;
+    for e in &examples {
+        longest = longest.max(r.ids(e, None)?.len());
+    }
+    let room = ckpt.config.max_position_embeddings.saturating_sub(longest);
+    let max_new_tokens = c.data.max_response_length.min(room);
+    if max_new_tokens < c.data.max_response_length {
+        eprintln!(
+            "note: responses capped at {max_new_tokens} tokens (data.max_response_length = {}; \
+             the model has {} positions, the longest prompt {longest} tokens)",
+            c.data.max_response_length, ckpt.config.max_position_embeddings
+        );
+    }
     let params = crate::trainer::rollout::RolloutParams {
-        max_new_tokens: c.data.max_response_length,
+        max_new_tokens,
         eos_ids: eos,
         sampling,
         seed: c.trainer.seed,
@@ -279,6 +294,7 @@ pub fn run(overrides: &[String], method: Option<Method>) -> Result<(), TrainErro
     let started = std::time::Instant::now();
     let method = method.unwrap_or(Method::Ares);
     let cfg = config(method, overrides)?;
+    super::backend(&cfg)?;
     eprintln!(
         "ares-runner demo ({}): a tiny model learns arithmetic on the CPU; `ares-runner train \
          -c config.yaml` trains your own model",

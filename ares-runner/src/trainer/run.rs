@@ -243,6 +243,16 @@ impl<B: Backend + Clone> Trainer<B> {
 
         let initial =
             Checkpoint::load(&model_dir).map_err(|e| TrainError::Invalid(e.to_string()))?;
+        let max_positions = initial.config.max_position_embeddings;
+        let longest = train_ids.iter().map(Vec::len).max().unwrap_or(0);
+        if longest + cfg.data.max_response_length > max_positions {
+            return Err(TrainError::Invalid(format!(
+                "the longest prompt ({longest} tokens) + data.max_response_length ({}) exceeds \
+                 the model's max_position_embeddings ({max_positions}); lower \
+                 data.max_response_length or data.max_prompt_length",
+                cfg.data.max_response_length
+            )));
+        }
         let eos_ids = eos_ids(&initial, &renderer);
         if eos_ids.is_empty() {
             return Err(TrainError::Invalid(format!(
