@@ -16,7 +16,7 @@ use super::sft_cmd::{SftOptions, run_sft};
 use crate::config::Config;
 use crate::demo::{DemoOptions, write_demo_assets_with};
 use crate::trainer::eval::{EvalReport, format_table};
-use crate::trainer::run::{load_examples, renderer, run_dir};
+use crate::trainer::setup::{load_examples, renderer, run_dir};
 use crate::trainer::{TrainError, Trainer};
 
 /// The RL method of a demo run.
@@ -213,7 +213,7 @@ pub fn evaluate_model(
     let r = renderer(&c, model_dir)?;
     let ckpt = crate::hf::checkpoint::Checkpoint::load(model_dir)
         .map_err(|e| TrainError::Invalid(e.to_string()))?;
-    let eos = crate::trainer::run::eos_ids(&ckpt, &r);
+    let eos = crate::trainer::setup::eos_ids(&ckpt, &r);
     let model = crate::model::Model::from_checkpoint(super::backend(&c)?, &ckpt)?;
     let mut grader = crate::trainer::grading::Grader::new(&c)?;
     let rr = &c.worker.rollout;

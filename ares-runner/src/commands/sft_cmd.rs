@@ -14,7 +14,7 @@ use crate::metrics::{MetricsWriter, Record};
 use crate::model::{AdamW, Model};
 use crate::progress::Progress;
 use crate::trainer::TrainError;
-use crate::trainer::run::{adamw_config, eos_ids, renderer, run_dir, save_model};
+use crate::trainer::setup::{adamw_config, eos_ids, renderer, run_dir, save_model};
 use crate::trainer::sft::{SftExample, sft_step};
 use crate::trainer::update::Optimizer;
 

@@ -19,6 +19,7 @@ mod error;
 
 pub mod advantages;
 pub mod batch;
+pub mod bootstrap;
 pub mod checkpoints;
 pub mod eval;
 pub mod grading;
@@ -32,6 +33,7 @@ pub mod rollout;
 pub mod run;
 pub mod sequences;
 pub mod settings;
+pub mod setup;
 pub mod sft;
 pub mod state;
 pub mod tokens;

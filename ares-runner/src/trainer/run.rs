@@ -4,7 +4,7 @@
 //! with metrics, checkpoints, resume and clean interruption.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use super::TrainError;
 use super::batch::Batch;
+use super::bootstrap::{apply_bootstrap, read_bootstrap};
 use super::checkpoints::{CheckpointDir, write_atomic};
 use super::grading::Grader;
 use super::hwe::hwe_pass;
@@ -22,27 +23,21 @@ use super::resolve::step_settings;
 use super::rewards::{BucketValues, Grade, rewards};
 use super::rollout::{PromptItem, Response, RolloutParams, rollout_items};
 use super::settings::{FilterKey, StepSettings};
+use super::setup::{
+    adamw_config, eos_ids, filter_prompts, load_examples, renderer, run_dir, save_model,
+};
 use super::state::{AresSnapshot, AresState};
 use super::tokens::TokenBatch;
 use super::update::{Optimizer, ppo_update};
 use crate::backend::Backend;
 use crate::config::Config;
-use crate::data::{DataKeys, EpochSampler, Example, PromptTemplate, load_dataset};
+use crate::data::{EpochSampler, Example};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::tensor_files::SaveDtype;
 use crate::metrics::{MetricsWriter, PhaseTimes, Record};
 use crate::model::{AdamW, Model};
 use crate::progress::Progress;
-use ares_core::difficulty::{Difficulty, PerBucket};
-
-/// Files of the tokenizer copied next to every saved model.
-const TOKENIZER_FILES: [&str; 5] = [
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "vocab.json",
-];
+use ares_core::difficulty::PerBucket;
 
 /// What `trainer_state.json` holds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -63,21 +58,6 @@ pub struct TrainerState {
     pub dropped: BTreeSet<String>,
 }
 
-/// What the bootstrap pass found (`bootstrap.json` in the run directory).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct BootstrapResult {
-    /// The first τ.
-    pub tau: Option<f64>,
-    /// `T_d` per bucket name.
-    pub targets: BTreeMap<String, f64>,
-    /// Difficulty per prompt.
-    pub difficulty: BTreeMap<String, String>,
-    /// Accuracy of the pass.
-    pub accuracy: f64,
-    /// Responses generated.
-    pub responses: usize,
-}
-
 /// The model and data of a run, ready to train.
 pub struct Trainer<B: Backend + Clone> {
     /// The resolved configuration.
@@ -88,28 +68,28 @@ pub struct Trainer<B: Backend + Clone> {
     pub run_dir: PathBuf,
     /// Where the initial model came from (tokenizer files are copied from it).
     pub model_dir: PathBuf,
-    checkpoint_config: Checkpoint,
+    pub(super) checkpoint_config: Checkpoint,
     /// The policy.
     pub actor: Model<B>,
-    reference: Option<Model<B>>,
-    opt: Optimizer<B>,
+    pub(super) reference: Option<Model<B>>,
+    pub(super) opt: Optimizer<B>,
     /// Prompt rendering.
     pub renderer: PromptRenderer,
-    grader: Grader,
+    pub(super) grader: Grader,
     /// Training examples.
     pub train: Vec<Example>,
     /// Rendered training prompts (without graded system messages).
-    train_ids: Vec<Vec<u32>>,
+    pub(super) train_ids: Vec<Vec<u32>>,
     /// Evaluation examples.
     pub val: Vec<Example>,
-    eos_ids: Vec<u32>,
+    pub(super) eos_ids: Vec<u32>,
     /// Controller and loop state.
     pub state: TrainerState,
-    ares: AresState,
+    pub(super) ares: AresState,
     /// RL steps of the whole run.
     pub total_steps: u64,
-    progress: Progress,
-    interrupt: Arc<AtomicBool>,
+    pub(super) progress: Progress,
+    pub(super) interrupt: Arc<AtomicBool>,
 }
 
 impl<B: Backend + Clone> std::fmt::Debug for Trainer<B> {
@@ -120,83 +100,6 @@ impl<B: Backend + Clone> std::fmt::Debug for Trainer<B> {
             .field("total_steps", &self.total_steps)
             .finish_non_exhaustive()
     }
-}
-
-/// Loads a dataset with the config's keys.
-///
-/// # Errors
-/// Missing file, malformed rows, empty dataset.
-pub fn load_examples(cfg: &Config, path: &str) -> Result<Vec<Example>, TrainError> {
-    let keys = DataKeys {
-        prompt: cfg.data.prompt_key.clone(),
-        answer: cfg.data.answer_key.clone(),
-        difficulty: cfg.data.difficulty_key.clone(),
-        global_id: cfg.data.global_id_key.clone(),
-        rubrics: cfg.data.rubrics_key.clone(),
-    };
-    load_dataset(Path::new(path), &keys).map_err(|e| TrainError::Invalid(e.to_string()))
-}
-
-/// The run directory of a config: `trainer.output_dir`, else `runs/<experiment_name>`.
-pub fn run_dir(cfg: &Config) -> PathBuf {
-    cfg.trainer.output_dir.as_ref().map_or_else(
-        || Path::new("runs").join(&cfg.trainer.experiment_name),
-        PathBuf::from,
-    )
-}
-
-/// The EOS ids of a model: `generation_config.json`'s `eos_token_id`, else the
-/// tokenizer's EOS token.
-pub fn eos_ids(ckpt: &Checkpoint, renderer: &PromptRenderer) -> Vec<u32> {
-    let mut ids: Vec<u32> = ckpt
-        .generation
-        .as_ref()
-        .and_then(|g| g.eos_token_ids.clone())
-        .unwrap_or_default();
-    if ids.is_empty() {
-        if let Some(id) = renderer
-            .tokenizer
-            .config()
-            .and_then(|c| c.special.eos_token.clone())
-            .and_then(|t| renderer.tokenizer.token_to_id(&t))
-        {
-            ids.push(id);
-        }
-    }
-    ids
-}
-
-/// The renderer of a model directory with the config's `format_prompt`.
-///
-/// # Errors
-/// Missing or malformed tokenizer files or template.
-pub fn renderer(cfg: &Config, model_dir: &Path) -> Result<PromptRenderer, TrainError> {
-    let tokenizer = crate::hf::tokenizer::Tokenizer::from_dir(model_dir)
-        .map_err(|e| TrainError::Invalid(format!("{}: {e}", model_dir.display())))?;
-    let chat = match crate::hf::chat::ChatTemplate::from_dir(model_dir) {
-        Ok(c) => Some(c),
-        Err(crate::hf::chat::ChatError::NoTemplate { .. }) => {
-            eprintln!(
-                "note: {} has no chat template; prompts are used as plain text",
-                model_dir.display()
-            );
-            None
-        }
-        Err(e) => return Err(TrainError::Invalid(format!("{}: {e}", model_dir.display()))),
-    };
-    let format = cfg
-        .data
-        .format_prompt
-        .as_deref()
-        .map(|p| {
-            PromptTemplate::from_file(Path::new(p)).map_err(|e| TrainError::Invalid(e.to_string()))
-        })
-        .transpose()?;
-    Ok(PromptRenderer {
-        tokenizer,
-        chat,
-        format,
-    })
 }
 
 impl<B: Backend + Clone> Trainer<B> {
@@ -361,7 +264,7 @@ impl<B: Backend + Clone> Trainer<B> {
 
     /// Rollout parameters of round `round` of step `step` (seeds derived from both, so
     /// a resumed run samples what the uninterrupted one would have).
-    fn rollout_params(&self, step: u64, round: u64) -> RolloutParams {
+    pub(super) fn rollout_params(&self, step: u64, round: u64) -> RolloutParams {
         let seed = self.settings.rollout_seed
             ^ step.wrapping_mul(0xD1B5_4A32_D192_ED03)
             ^ round.wrapping_mul(0x8CB9_2BA7_2F3D_8DD7);
@@ -376,7 +279,11 @@ impl<B: Backend + Clone> Trainer<B> {
 
     /// The prompt items of `indices` for `step` (graded system prompts per sample when
     /// enabled).
-    fn items(&self, indices: &[usize], step: u64) -> Result<Vec<PromptItem>, TrainError> {
+    pub(super) fn items(
+        &self,
+        indices: &[usize],
+        step: u64,
+    ) -> Result<Vec<PromptItem>, TrainError> {
         let n = self.settings.n;
         let graded = &self.cfg.worker.rollout;
         let mut out = Vec::with_capacity(indices.len());
@@ -420,7 +327,7 @@ impl<B: Backend + Clone> Trainer<B> {
     }
 
     /// Decodes and grades item-major responses.
-    fn grade(
+    pub(super) fn grade(
         &mut self,
         items: &[PromptItem],
         responses: &[Response],
@@ -463,76 +370,6 @@ impl<B: Backend + Clone> Trainer<B> {
             }
         }
         Some(mask)
-    }
-
-    /// Bootstrap (spec §2): one rollout over the training set without updates; sets the
-    /// first τ, the targets `T_d` and every prompt's difficulty, and saves them as
-    /// `bootstrap.json` (reused on resume). Skipped when already done.
-    ///
-    /// # Errors
-    /// Generation, grading or I/O errors.
-    pub fn bootstrap(&mut self) -> Result<Option<BootstrapResult>, TrainError> {
-        if !self.cfg.data.bootstrap
-            || self.state.step > 0
-            || read_bootstrap(&self.run_dir)?.is_some()
-        {
-            return Ok(None);
-        }
-        let n = self.settings.n;
-        let indices: Vec<usize> = (0..self.train.len()).collect();
-        let params = self.rollout_params(0, u64::MAX);
-        let bar = self.progress.bar((indices.len() * n) as u64, "bootstrap");
-        let mut all_responses = Vec::new();
-        let mut all_grades = Vec::new();
-        let mut items_all = Vec::new();
-        for chunk in indices.chunks(self.settings.rollout_chunk.max(n) / n.max(1)) {
-            let items = self.items(chunk, 0)?;
-            let base = all_responses.len() as u64;
-            let responses = rollout_items(&self.actor, &items, n, &params, |d| {
-                bar.set_position(base + d as u64);
-            })?;
-            let (_, grades) = self.grade(&items, &responses)?;
-            all_responses.extend(responses);
-            all_grades.extend(grades);
-            items_all.extend(items);
-        }
-        bar.finish();
-        let pass = responses_hwe(&all_responses, &self.settings, None)?;
-        let buckets = group_buckets(&self.settings, n, &all_grades)?;
-        let mut sum = PerBucket::splat(0.0f64);
-        let mut count = PerBucket::splat(0usize);
-        for (r, &c) in pass.counts.iter().enumerate() {
-            let d = buckets[r / n];
-            sum[d] += c as f64;
-            count[d] += 1;
-        }
-        let mut result = BootstrapResult {
-            tau: pass.batch_threshold,
-            targets: BTreeMap::new(),
-            difficulty: BTreeMap::new(),
-            accuracy: all_grades.iter().filter(|g| g.correct).count() as f64
-                / all_grades.len().max(1) as f64,
-            responses: all_grades.len(),
-        };
-        for d in Difficulty::ALL {
-            if count[d] > 0 {
-                result.targets.insert(
-                    d.name().into(),
-                    ares_core::round_half_even(sum[d] / count[d] as f64),
-                );
-            }
-        }
-        for (item, d) in items_all.iter().zip(&buckets) {
-            result
-                .difficulty
-                .insert(item.global_id.clone(), d.name().into());
-        }
-        apply_bootstrap(&mut self.ares, &result)?;
-        self.state.ares = self.ares.snapshot();
-        let json = serde_json::to_vec_pretty(&result)
-            .map_err(|e| TrainError::Internal(format!("bootstrap.json: {e}")))?;
-        write_atomic(&self.run_dir.join("bootstrap.json"), &json)?;
-        Ok(Some(result))
     }
 
     /// Draws the next `count` training prompts, skipping prompts dropped as solved.
@@ -925,77 +762,9 @@ fn step_line(r: &Record, step: u64, total: u64) -> String {
     )
 }
 
-/// AdamW hyper-parameters of the config.
-pub fn adamw_config(cfg: &Config) -> crate::model::AdamWConfig {
-    let o = &cfg.worker.actor.optim;
-    crate::model::AdamWConfig {
-        beta1: o.betas[0],
-        beta2: o.betas[1],
-        eps: o.eps,
-        weight_decay: o.weight_decay,
-    }
-}
-
-/// Saves `model` as a Hugging Face directory with the tokenizer files of `source_dir`.
-///
-/// # Errors
-/// I/O errors.
-pub fn save_model<B: Backend>(
-    model: &Model<B>,
-    ckpt: &Checkpoint,
-    source_dir: &Path,
-    dir: &Path,
-    dtype: SaveDtype,
-) -> Result<(), TrainError> {
-    model.save_pretrained(dir, &ckpt.config, ckpt.generation.as_ref(), dtype)?;
-    for name in TOKENIZER_FILES {
-        let src = source_dir.join(name);
-        if src.exists() {
-            std::fs::copy(&src, dir.join(name)).map_err(|e| TrainError::io(&src, e))?;
-        }
-    }
-    Ok(())
-}
-
-/// Keeps the examples whose rendered prompt fits `data.max_prompt_length` (when
-/// `filter_overlong_prompts`; else such a prompt is an error) and returns their ids.
-///
-/// # Errors
-/// Rendering errors; every prompt too long; a too-long prompt without filtering.
-pub fn filter_prompts(
-    cfg: &Config,
-    renderer: &PromptRenderer,
-    examples: Vec<Example>,
-) -> Result<(Vec<Example>, Vec<Vec<u32>>), TrainError> {
-    let max = cfg.data.max_prompt_length;
-    let mut ids = Vec::with_capacity(examples.len());
-    for e in &examples {
-        ids.push(renderer.ids(e, None)?);
-    }
-    if !cfg.data.filter_overlong_prompts {
-        if let Some((e, i)) = examples.iter().zip(&ids).find(|(_, i)| i.len() > max) {
-            return Err(TrainError::Invalid(format!(
-                "row {} ({}): prompt of {} tokens exceeds data.max_prompt_length = {max} \
-                 (set data.filter_overlong_prompts: true to drop such rows)",
-                e.row,
-                e.global_id,
-                i.len()
-            )));
-        }
-    }
-    let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
-    let (kept, dropped) = crate::data::filter_by_prompt_length(examples, &lengths, max)
-        .map_err(|e| TrainError::Invalid(e.to_string()))?;
-    if dropped > 0 {
-        eprintln!("data: dropped {dropped} prompts longer than data.max_prompt_length = {max}");
-    }
-    let ids: Vec<Vec<u32>> = ids.into_iter().filter(|i| i.len() <= max).collect();
-    Ok((kept, ids))
-}
-
 /// HWE tokens of unpadded responses (padded here) under `tau` (`None`: the batch's own
 /// threshold).
-fn responses_hwe(
+pub(super) fn responses_hwe(
     responses: &[Response],
     settings: &StepSettings,
     tau: Option<f64>,
@@ -1012,33 +781,4 @@ fn responses_hwe(
         &settings.hwe,
         tau,
     )
-}
-
-/// Reads `bootstrap.json` of a run, if any.
-fn read_bootstrap(run_dir: &Path) -> Result<Option<BootstrapResult>, TrainError> {
-    let path = run_dir.join("bootstrap.json");
-    match std::fs::read_to_string(&path) {
-        Ok(text) => serde_json::from_str(&text)
-            .map(Some)
-            .map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display()))),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(TrainError::io(path, e)),
-    }
-}
-
-/// Sets τ, the targets and the difficulty map from a bootstrap result.
-fn apply_bootstrap(ares: &mut AresState, b: &BootstrapResult) -> Result<(), TrainError> {
-    ares.tau.restore(b.tau)?;
-    let get = |d: Difficulty| b.targets.get(d.name()).copied();
-    ares.buckets.bootstrap(&PerBucket::new(
-        get(Difficulty::Easy),
-        get(Difficulty::Medium),
-        get(Difficulty::Hard),
-    ))?;
-    for (id, name) in &b.difficulty {
-        if let Some(d) = Difficulty::from_name(name) {
-            ares.difficulty.insert(id.clone(), d);
-        }
-    }
-    Ok(())
 }

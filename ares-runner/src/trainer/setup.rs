@@ -1,0 +1,168 @@
+//! Setting a run up from its configuration: the run directory, datasets, the prompt
+//! renderer, EOS ids, prompt-length filtering, the optimizer's hyper-parameters, and saving
+//! a model with its tokenizer files.
+
+use std::path::{Path, PathBuf};
+
+use super::TrainError;
+use super::prompts::PromptRenderer;
+use crate::backend::Backend;
+use crate::config::Config;
+use crate::data::{DataKeys, Example, PromptTemplate, load_dataset};
+use crate::hf::checkpoint::Checkpoint;
+use crate::hf::tensor_files::SaveDtype;
+use crate::model::Model;
+
+/// Files of the tokenizer copied next to every saved model.
+const TOKENIZER_FILES: [&str; 5] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+];
+
+/// Loads a dataset with the config's keys.
+///
+/// # Errors
+/// Missing file, malformed rows, empty dataset.
+pub fn load_examples(cfg: &Config, path: &str) -> Result<Vec<Example>, TrainError> {
+    let keys = DataKeys {
+        prompt: cfg.data.prompt_key.clone(),
+        answer: cfg.data.answer_key.clone(),
+        difficulty: cfg.data.difficulty_key.clone(),
+        global_id: cfg.data.global_id_key.clone(),
+        rubrics: cfg.data.rubrics_key.clone(),
+    };
+    load_dataset(Path::new(path), &keys).map_err(|e| TrainError::Invalid(e.to_string()))
+}
+
+/// The run directory of a config: `trainer.output_dir`, else `runs/<experiment_name>`.
+pub fn run_dir(cfg: &Config) -> PathBuf {
+    cfg.trainer.output_dir.as_ref().map_or_else(
+        || Path::new("runs").join(&cfg.trainer.experiment_name),
+        PathBuf::from,
+    )
+}
+
+/// The EOS ids of a model: `generation_config.json`'s `eos_token_id`, else the
+/// tokenizer's EOS token.
+pub fn eos_ids(ckpt: &Checkpoint, renderer: &PromptRenderer) -> Vec<u32> {
+    let mut ids: Vec<u32> = ckpt
+        .generation
+        .as_ref()
+        .and_then(|g| g.eos_token_ids.clone())
+        .unwrap_or_default();
+    if ids.is_empty() {
+        if let Some(id) = renderer
+            .tokenizer
+            .config()
+            .and_then(|c| c.special.eos_token.clone())
+            .and_then(|t| renderer.tokenizer.token_to_id(&t))
+        {
+            ids.push(id);
+        }
+    }
+    ids
+}
+
+/// The renderer of a model directory with the config's `format_prompt`.
+///
+/// # Errors
+/// Missing or malformed tokenizer files or template.
+pub fn renderer(cfg: &Config, model_dir: &Path) -> Result<PromptRenderer, TrainError> {
+    let tokenizer = crate::hf::tokenizer::Tokenizer::from_dir(model_dir)
+        .map_err(|e| TrainError::Invalid(format!("{}: {e}", model_dir.display())))?;
+    let chat = match crate::hf::chat::ChatTemplate::from_dir(model_dir) {
+        Ok(c) => Some(c),
+        Err(crate::hf::chat::ChatError::NoTemplate { .. }) => {
+            eprintln!(
+                "note: {} has no chat template; prompts are used as plain text",
+                model_dir.display()
+            );
+            None
+        }
+        Err(e) => return Err(TrainError::Invalid(format!("{}: {e}", model_dir.display()))),
+    };
+    let format = cfg
+        .data
+        .format_prompt
+        .as_deref()
+        .map(|p| {
+            PromptTemplate::from_file(Path::new(p)).map_err(|e| TrainError::Invalid(e.to_string()))
+        })
+        .transpose()?;
+    Ok(PromptRenderer {
+        tokenizer,
+        chat,
+        format,
+    })
+}
+
+/// AdamW hyper-parameters of the config.
+pub fn adamw_config(cfg: &Config) -> crate::model::AdamWConfig {
+    let o = &cfg.worker.actor.optim;
+    crate::model::AdamWConfig {
+        beta1: o.betas[0],
+        beta2: o.betas[1],
+        eps: o.eps,
+        weight_decay: o.weight_decay,
+    }
+}
+
+/// Saves `model` as a Hugging Face directory with the tokenizer files of `source_dir`.
+///
+/// # Errors
+/// I/O errors.
+pub fn save_model<B: Backend>(
+    model: &Model<B>,
+    ckpt: &Checkpoint,
+    source_dir: &Path,
+    dir: &Path,
+    dtype: SaveDtype,
+) -> Result<(), TrainError> {
+    model.save_pretrained(dir, &ckpt.config, ckpt.generation.as_ref(), dtype)?;
+    for name in TOKENIZER_FILES {
+        let src = source_dir.join(name);
+        if src.exists() {
+            std::fs::copy(&src, dir.join(name)).map_err(|e| TrainError::io(&src, e))?;
+        }
+    }
+    Ok(())
+}
+
+/// Keeps the examples whose rendered prompt fits `data.max_prompt_length` (when
+/// `filter_overlong_prompts`; else such a prompt is an error) and returns their ids.
+///
+/// # Errors
+/// Rendering errors; every prompt too long; a too-long prompt without filtering.
+pub fn filter_prompts(
+    cfg: &Config,
+    renderer: &PromptRenderer,
+    examples: Vec<Example>,
+) -> Result<(Vec<Example>, Vec<Vec<u32>>), TrainError> {
+    let max = cfg.data.max_prompt_length;
+    let mut ids = Vec::with_capacity(examples.len());
+    for e in &examples {
+        ids.push(renderer.ids(e, None)?);
+    }
+    if !cfg.data.filter_overlong_prompts {
+        if let Some((e, i)) = examples.iter().zip(&ids).find(|(_, i)| i.len() > max) {
+            return Err(TrainError::Invalid(format!(
+                "row {} ({}): prompt of {} tokens exceeds data.max_prompt_length = {max} \
+                 (set data.filter_overlong_prompts: true to drop such rows)",
+                e.row,
+                e.global_id,
+                i.len()
+            )));
+        }
+    }
+    let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
+    let (kept, dropped) = crate::data::filter_by_prompt_length(examples, &lengths, max)
+        .map_err(|e| TrainError::Invalid(e.to_string()))?;
+    if dropped > 0 {
+        eprintln!("data: dropped {dropped} prompts longer than data.max_prompt_length = {max}");
+    }
+    let ids: Vec<Vec<u32>> = ids.into_iter().filter(|i| i.len() <= max).collect();
+    Ok((kept, ids))
+}
