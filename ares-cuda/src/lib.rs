@@ -21,6 +21,8 @@ pub mod gemm;
 pub mod model_ops;
 mod ops;
 
+/// The cudarc this crate is built on (its slices and views are the ops' arguments).
+pub use cudarc;
 pub use device::{Cuda, DeviceInfo, cuda_available};
 pub use gemm::{GemmDims, cublas_available};
 pub use model_ops::{AdamWStep, AttentionShape, ModelOps};
