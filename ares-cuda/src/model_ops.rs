@@ -294,21 +294,24 @@ impl ModelOps {
         self.blas.set_tf32(on)
     }
 
-    /// A new zeroed f32 buffer of `len` elements.
+    /// A new zeroed f32 buffer of `len` elements (`len >= 1`: CUDA refuses empty
+    /// allocations).
     ///
     /// # Errors
-    /// The device is out of memory.
+    /// `len` 0 or past the address space, the device is out of memory.
     pub fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
+        check_alloc("alloc", len, 4)?;
         self.stream
             .alloc_zeros::<f32>(len)
             .during(format!("allocating {len} f32"))
     }
 
-    /// A new zeroed u32 buffer of `len` elements.
+    /// A new zeroed u32 buffer of `len` elements (`len >= 1`).
     ///
     /// # Errors
-    /// The device is out of memory.
+    /// As [`ModelOps::alloc`].
     pub fn alloc_ids(&self, len: usize) -> Result<CudaSlice<u32>> {
+        check_alloc("alloc_ids", len, 4)?;
         self.stream
             .alloc_zeros::<u32>(len)
             .during(format!("allocating {len} u32"))
@@ -324,6 +327,9 @@ impl ModelOps {
         dst: &mut CudaViewMut<'_, T>,
     ) -> Result<()> {
         check_len("upload", "dst", src.len(), dst.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
         self.stream.memcpy_htod(src, dst).during("upload")
     }
 
@@ -334,6 +340,9 @@ impl ModelOps {
     /// Lengths that differ, a driver failure, [`Error::DeviceStatus`].
     pub fn download(&self, src: &CudaView<'_, f32>, dst: &mut [f32]) -> Result<()> {
         check_len("download", "dst", src.len(), dst.len())?;
+        if dst.is_empty() {
+            return self.synchronize();
+        }
         self.stream.memcpy_dtoh(src, dst).during("download")?;
         self.check_status()
     }
@@ -396,6 +405,26 @@ fn scratch<'a>(
     scratch
         .try_slice_mut(0..len)
         .ok_or_else(|| bad("scratch", format!("scratch of {len} elements")))
+}
+
+/// Errors unless `len` elements of `size` bytes can be asked of the allocator.
+fn check_alloc(kernel: &'static str, len: usize, size: usize) -> Result<()> {
+    if len == 0 {
+        return Err(bad(
+            kernel,
+            "len = 0: CUDA refuses empty allocations".into(),
+        ));
+    }
+    if len
+        .checked_mul(size)
+        .is_none_or(|b| b > isize::MAX as usize)
+    {
+        return Err(bad(
+            kernel,
+            format!("len = {len} exceeds the address space"),
+        ));
+    }
+    Ok(())
 }
 
 /// An argument error of `kernel`.

@@ -25,7 +25,7 @@ mod buffer;
 
 pub use buffer::{CudaBuffer, CudaIds};
 
-use buffer::{ids, view, view_mut, view_mut_opt, view_opt};
+use buffer::{ids, ids_mut, view, view_mut, view_mut_opt, view_opt};
 
 use super::{
     AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
@@ -133,13 +133,13 @@ impl Backend for CudaBackend {
     }
 
     fn alloc(&self, len: usize) -> Result<CudaBuffer> {
-        let slice = self.ops.alloc(len).map_err(op("alloc"))?;
-        Ok(CudaBuffer { slice })
+        let slice = self.ops.alloc(len.max(1)).map_err(op("alloc"))?;
+        Ok(CudaBuffer { slice, len })
     }
 
     fn alloc_ids(&self, len: usize) -> Result<CudaIds> {
-        let slice = self.ops.alloc_ids(len).map_err(op("alloc_ids"))?;
-        Ok(CudaIds { slice })
+        let slice = self.ops.alloc_ids(len.max(1)).map_err(op("alloc_ids"))?;
+        Ok(CudaIds { slice, len })
     }
 
     fn upload(&self, src: &[f32], dst: TensorMut<'_, Self>) -> Result<()> {
@@ -150,9 +150,9 @@ impl Backend for CudaBackend {
     }
 
     fn upload_ids(&self, src: &[u32], dst: &mut CudaIds) -> Result<()> {
-        BackendError::check_len("upload_ids destination", src.len(), dst.slice.len())?;
+        BackendError::check_len("upload_ids destination", src.len(), dst.len)?;
         self.ops
-            .upload(src, &mut dst.slice.as_view_mut())
+            .upload(src, &mut ids_mut(dst)?)
             .map_err(op("upload_ids"))
     }
 
@@ -174,7 +174,13 @@ impl Backend for CudaBackend {
         out: TensorMut<'_, Self>,
     ) -> Result<()> {
         self.ops
-            .embedding(&ids(ids_buf), &view(table)?, rows, dim, &mut view_mut(out)?)
+            .embedding(
+                &ids(ids_buf)?,
+                &view(table)?,
+                rows,
+                dim,
+                &mut view_mut(out)?,
+            )
             .map_err(op("embedding"))
     }
 
@@ -325,7 +331,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         self.ops
             .embedding_backward(
-                &ids(ids_buf),
+                &ids(ids_buf)?,
                 &view(dout)?,
                 rows,
                 dim,
@@ -471,7 +477,7 @@ impl Backend for CudaBackend {
                 &view(logits)?,
                 vocab,
                 temperature,
-                &ids(targets),
+                &ids(targets)?,
                 &mut view_mut(log_prob)?,
                 &mut view_mut(entropy)?,
             )
@@ -492,7 +498,7 @@ impl Backend for CudaBackend {
                 &view(logits)?,
                 vocab,
                 temperature,
-                &ids(targets),
+                &ids(targets)?,
                 &view(coeffs)?,
                 &mut view_mut(dlogits)?,
             )
