@@ -34,6 +34,12 @@ for line in sys.stdin:
 echo "building GPU tests (release)…"
 cargo test --release -p ares-cuda --no-run --message-format=json 2>/dev/null | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
+echo "building the CUDA backend tests (release)…"
+cargo test --release -p ares-runner --test cuda_backend --no-run --message-format=json 2>/dev/null | artifacts |
+  while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
+# The backend tests read the tiny transformers fixtures; the bundle carries them.
+mkdir -p "$dir/fixtures"
+cp -r ares-runner/tests/fixtures/models "$dir/fixtures/models"
 echo "building GPU benchmark…"
 cargo bench -p ares-cuda --bench gpu_kernels --no-run --message-format=json 2>/dev/null | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
@@ -51,11 +57,12 @@ done
 export LD_LIBRARY_PATH
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 echo "CUDA libraries found:"
-for lib in libcuda.so.1 libnvrtc.so.13 libnvrtc.so.12 libnvrtc.so; do
+for lib in libcuda.so.1 libnvrtc.so.13 libnvrtc.so.12 libnvrtc.so libcublas.so.13 libcublas.so.12 libcublasLt.so.13; do
   found=$( (IFS=:; for d in $LD_LIBRARY_PATH; do ls "$d/$lib" 2>/dev/null; done; ldconfig -p | awk -v l="$lib" '$1 == l {print $NF}') | head -1)
   echo "  $lib -> ${found:-not found}"
 done
 export ARES_REQUIRE_GPU=1 ARES_REQUIRE_NVRTC=1 ARES_KERNEL_CACHE="$here/kernel-cache"
+export ARES_FIXTURE_MODELS="$here/fixtures/models"
 out=${OUT:-$here}
 status=0
 for t in "$here"/bin/test-*; do
