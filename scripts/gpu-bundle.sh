@@ -40,8 +40,10 @@ cargo test --release -p ares-runner --test cuda_backend --no-run --message-forma
 # The backend tests read the tiny transformers fixtures; the bundle carries them.
 mkdir -p "$dir/fixtures"
 cp -r ares-runner/tests/fixtures/models "$dir/fixtures/models"
-echo "building GPU benchmark…"
+echo "building GPU benchmarks…"
 cargo bench -p ares-cuda --bench gpu_kernels --no-run --message-format=json 2>/dev/null | artifacts |
+  while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
+cargo bench -p ares-benches --bench model_cuda --no-run --message-format=json 2>/dev/null | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
 cp scripts/torch_token_kernels.py "$dir/"
 
@@ -71,6 +73,8 @@ for t in "$here"/bin/test-*; do
 done
 echo "== bench-gpu_kernels"
 ARES_BENCH_OUT="$out/gpu_kernels.jsonl" "$here/bin/bench-gpu_kernels" | tee "$out/gpu_kernels.txt" || status=1
+echo "== bench-model_cuda"
+"$here/bin/bench-model_cuda" | tee "$out/model_cuda.txt" || status=1
 if python3 -c 'import torch' 2>/dev/null; then
   echo "== PyTorch baseline"
   python3 "$here/torch_token_kernels.py" | tee "$out/torch_token_kernels.txt" || status=1

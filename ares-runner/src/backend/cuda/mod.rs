@@ -606,6 +606,16 @@ mod tests {
         );
     }
 
+    /// The backend and its buffers may move between and be shared by threads (the trainer
+    /// scores rewards on other threads while the model lives on the GPU).
+    #[test]
+    fn backend_and_buffers_are_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<CudaBackend>();
+        check::<CudaBuffer>();
+        check::<CudaIds>();
+    }
+
     #[test]
     fn argument_errors_name_the_op_once() {
         let e = op("linear")(ares_cuda::Error::BadArgument {
