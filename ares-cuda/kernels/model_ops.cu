@@ -222,7 +222,7 @@ extern "C" __global__ void rmsnorm_bwd_dx(const float* __restrict__ dout, const 
         const double gx = block_sum_d(acc, sh);
         const float r = rstd[row];
         const double rd = (double)r;
-        const float coef = (float)(rd * rd * rd * gx / (double)dim);
+        const float coef = (float)(rd * rd * rd * gx * (1.0 / (double)dim));
         float* o = dx + row * dim;
         for (i64 c = threadIdx.x; c < dim; c += blockDim.x)
             o[c] = __fadd_rn(o[c], __fsub_rn(__fmul_rn(r, __fmul_rn(dy[c], w[c])), __fmul_rn(coef, xr[c])));
