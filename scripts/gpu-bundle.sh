@@ -34,8 +34,16 @@ for line in sys.stdin:
 echo "building GPU tests (release)…"
 cargo test --release -p ares-cuda --no-run --message-format=json 2>/dev/null | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
-echo "building GPU benchmark…"
+echo "building the CUDA backend tests (release)…"
+cargo test --release -p ares-runner --test cuda_backend --no-run --message-format=json 2>/dev/null | artifacts |
+  while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
+# The backend tests read the tiny transformers fixtures; the bundle carries them.
+mkdir -p "$dir/fixtures"
+cp -r ares-runner/tests/fixtures/models "$dir/fixtures/models"
+echo "building GPU benchmarks…"
 cargo bench -p ares-cuda --bench gpu_kernels --no-run --message-format=json 2>/dev/null | artifacts |
+  while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
+cargo bench -p ares-benches --bench model_cuda --no-run --message-format=json 2>/dev/null | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
 cp scripts/torch_token_kernels.py "$dir/"
 
@@ -51,11 +59,12 @@ done
 export LD_LIBRARY_PATH
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 echo "CUDA libraries found:"
-for lib in libcuda.so.1 libnvrtc.so.13 libnvrtc.so.12 libnvrtc.so; do
+for lib in libcuda.so.1 libnvrtc.so.13 libnvrtc.so.12 libnvrtc.so libcublas.so.13 libcublas.so.12 libcublasLt.so.13; do
   found=$( (IFS=:; for d in $LD_LIBRARY_PATH; do ls "$d/$lib" 2>/dev/null; done; ldconfig -p | awk -v l="$lib" '$1 == l {print $NF}') | head -1)
   echo "  $lib -> ${found:-not found}"
 done
 export ARES_REQUIRE_GPU=1 ARES_REQUIRE_NVRTC=1 ARES_KERNEL_CACHE="$here/kernel-cache"
+export ARES_FIXTURE_MODELS="$here/fixtures/models"
 out=${OUT:-$here}
 status=0
 for t in "$here"/bin/test-*; do
@@ -64,6 +73,8 @@ for t in "$here"/bin/test-*; do
 done
 echo "== bench-gpu_kernels"
 ARES_BENCH_OUT="$out/gpu_kernels.jsonl" "$here/bin/bench-gpu_kernels" | tee "$out/gpu_kernels.txt" || status=1
+echo "== bench-model_cuda"
+"$here/bin/bench-model_cuda" | tee "$out/model_cuda.txt" || status=1
 if python3 -c 'import torch' 2>/dev/null; then
   echo "== PyTorch baseline"
   python3 "$here/torch_token_kernels.py" | tee "$out/torch_token_kernels.txt" || status=1

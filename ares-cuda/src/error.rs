@@ -47,6 +47,23 @@ pub enum Error {
         /// What the kernel found.
         message: &'static str,
     },
+    /// Kernels met bad values (an id out of range, a mask value not 0/1, NaN logits, a
+    /// non-finite gradient) since the last check; the affected outputs are NaN.
+    #[error("a device op met bad values (status {bits:#x}): {what}")]
+    DeviceStatus {
+        /// The status bits (see `model_ops.cu`).
+        bits: u32,
+        /// What each bit means.
+        what: String,
+    },
+    /// A cuBLAS call failed.
+    #[error("cuBLAS error in {step}: {source}")]
+    Blas {
+        /// The call, e.g. `linear: sgemm`.
+        step: String,
+        /// cuBLAS's status.
+        source: cudarc::cublas::result::CublasError,
+    },
     /// The on-disk kernel cache could not be written (compiling still worked).
     #[error("kernel cache at {path}: {source}")]
     Cache {

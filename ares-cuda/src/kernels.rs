@@ -26,5 +26,45 @@ pub const TOKEN_KERNELS: KernelSource = KernelSource {
     ],
 };
 
+/// Model kernels: the decoder's element-wise, normalisation, RoPE, embedding, attention
+/// (forward, backward, decode) and KV-cache ops, the log-prob backward, and the optimizer's
+/// sum of squares and AdamW (what `ares-runner`'s CUDA backend launches besides cuBLAS).
+pub const MODEL_OPS: KernelSource = KernelSource {
+    name: "model_ops.cu",
+    code: include_str!("../kernels/model_ops.cu"),
+    kernels: &[
+        "fill_f32",
+        "add_f32",
+        "scale_f32",
+        "bias_add",
+        "swiglu_fwd",
+        "swiglu_bwd",
+        "embedding_fwd",
+        "embedding_bwd",
+        "rmsnorm_fwd",
+        "rmsnorm_bwd_dx",
+        "col_partials",
+        "col_reduce",
+        "rope",
+        "transpose_f32",
+        "log_prob_bwd",
+        "sum_sq_partial",
+        "sum_sq_final",
+        "adamw_check",
+        "adamw_update",
+        "kv_append",
+        "attention_fwd_d64",
+        "attention_fwd_d128",
+        "attention_fwd_d256",
+        "attention_bwd_delta",
+        "attention_bwd_dq_d64",
+        "attention_bwd_dq_d128",
+        "attention_bwd_dq_d256",
+        "attention_bwd_dkv_d64",
+        "attention_bwd_dkv_d128",
+        "attention_bwd_dkv_d256",
+    ],
+};
+
 /// Every kernel source of the crate (what CI compiles with NVRTC).
-pub const ALL: &[KernelSource] = &[TOKEN_KERNELS];
+pub const ALL: &[KernelSource] = &[TOKEN_KERNELS, MODEL_OPS];

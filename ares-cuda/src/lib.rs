@@ -1,6 +1,8 @@
 //! # ares-cuda
 //!
-//! CUDA token kernels of ares. Kernel sources are CUDA C compiled at run time by NVRTC
+//! CUDA kernels of ares: the token kernels of the RL losses ([`Cuda`]) and the model's
+//! forward/backward/optimizer ops with cuBLAS GEMMs ([`ModelOps`], what `ares-runner`'s
+//! CUDA backend runs on). Kernel sources are CUDA C compiled at run time by NVRTC
 //! (CUBIN for the device's architecture, PTX as fallback, cached on disk), and every CUDA
 //! library is loaded at run time (cudarc's dynamic loading), so building this crate needs
 //! no CUDA toolkit and a machine without CUDA gets an error, not a crash.
@@ -15,7 +17,13 @@ pub mod nvrtc;
 
 pub use error::{Error, Result};
 mod device;
+pub mod gemm;
+pub mod model_ops;
 mod ops;
 
+/// The cudarc this crate is built on (its slices and views are the ops' arguments).
+pub use cudarc;
 pub use device::{Cuda, DeviceInfo, cuda_available};
+pub use gemm::{GemmDims, cublas_available};
+pub use model_ops::{AdamWStep, AttentionShape, ModelOps};
 pub use ops::{HweOutputs, LogitElem, MaskedKlInputs, MaskedKlOutputs, WindowSpec};

@@ -1,6 +1,6 @@
 //! The `Backend` trait: tensor storage plus the ops the model is written against, with one
-//! implementation per compute crate ([`cpu::CpuBackend`] over `ares-cpu`; a CUDA backend
-//! over `ares-cuda` implements the same trait).
+//! implementation per compute crate ([`cpu::CpuBackend`] over `ares-cpu`; `cuda::CudaBackend`
+//! over `ares-cuda`, with the default `cuda` feature).
 //!
 //! # Design
 //! - **Opaque, device-resident buffers.** [`Backend::Buffer`] (f32) and [`Backend::Ids`]
@@ -45,6 +45,8 @@ mod shapes;
 mod view;
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 pub use decode::{KvCacheView, KvCacheViewMut};
 pub use error::BackendError;

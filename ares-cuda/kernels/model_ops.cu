@@ -1,0 +1,950 @@
+// Model kernels of ares (the decoder's forward and backward ops, the optimizer, the KV
+// cache), compiled at run time by NVRTC; no CUDA headers needed. Storage and math are f32
+// (f64 where a long sum must stay exact to f32), indices are 64-bit. Each kernel has a CPU
+// twin in ares-cpu with the same semantics; ares-cuda/src/model_ops/*.rs documents the
+// arguments and checks them before launch.
+//
+// Bad values a kernel meets (an id out of range, a mask value not 0/1, NaN logits, a
+// non-finite gradient) are OR-ed into a status word as the bits below; the host reads it
+// at the next synchronisation. The affected outputs are NaN (never silently wrong) unless
+// a kernel says otherwise.
+//
+// Block sizes are multiples of 32 (warp shuffles use full masks).
+
+#define NEG_INF __int_as_float(0xff800000)
+#define POS_INF __int_as_float(0x7f800000)
+#define NAN_F __int_as_float(0x7fffffff)
+#define LOG2E 1.4426950408889634f
+#define FULL 0xffffffffu
+
+#define ST_BAD_ROW 1u       // a logits row holds NaN/+inf or only -inf
+#define ST_BAD_TARGET 2u    // a target id >= vocab or with logit -inf
+#define ST_BAD_ID 4u        // an embedding id >= rows
+#define ST_BAD_MASK 8u      // a key mask value other than 0 and 1
+#define ST_BAD_COEFF 16u    // a non-finite log-prob coefficient
+#define ST_BAD_GRAD 32u     // a non-finite gradient given to AdamW (the step was skipped)
+
+typedef long long i64;
+
+__device__ __forceinline__ bool is_finite(float x) { return fabsf(x) < POS_INF; }
+
+__device__ __forceinline__ float warp_sum(float x) {
+    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(FULL, x, off);
+    return x;
+}
+
+__device__ __forceinline__ double warp_sum_d(double x) {
+    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(FULL, x, off);
+    return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+    for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(FULL, x, off));
+    return x;
+}
+
+// Block-wide sum, returned to every thread. The butterfly gives every lane the same value
+// and the tree is fixed by the block size, so the result is deterministic. `sh` holds 32
+// doubles; the leading barrier protects it from a previous call's readers.
+__device__ __forceinline__ double block_sum_d(double x, double* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    x = warp_sum_d(x);
+    __syncthreads();
+    if (lane == 0) sh[warp] = x;
+    __syncthreads();
+    return warp_sum_d(lane < nw ? sh[lane] : 0.0);
+}
+
+// Block-wide max and "any" flag, returned to every thread.
+__device__ __forceinline__ float block_max(float x, float* sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    x = warp_max(x);
+    __syncthreads();
+    if (lane == 0) sh[warp] = x;
+    __syncthreads();
+    return warp_max(lane < nw ? sh[lane] : NEG_INF);
+}
+
+// ---------------------------------------------------------------------------------------
+// Element-wise ops (grid-stride loops).
+
+extern "C" __global__ void fill_f32(float* __restrict__ dst, i64 n, float value) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        dst[i] = value;
+}
+
+extern "C" __global__ void add_f32(const float* __restrict__ a, const float* __restrict__ b,
+                                   float* __restrict__ out, i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        out[i] = a[i] + b[i];
+}
+
+extern "C" __global__ void scale_f32(float* __restrict__ x, i64 n, float s) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        x[i] = x[i] * s;
+}
+
+// out[r, c] += bias[c], one block per row (grid-stride over rows).
+extern "C" __global__ void bias_add(float* __restrict__ out, const float* __restrict__ bias,
+                                   i64 rows, i64 cols) {
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x)
+        for (i64 c = threadIdx.x; c < cols; c += blockDim.x) out[r * cols + c] += bias[c];
+}
+
+// SwiGLU: out = silu(g)·u with silu(g) = g / (1 + e^(−g)) (torch's f32 form).
+extern "C" __global__ void swiglu_fwd(const float* __restrict__ gate, const float* __restrict__ up,
+                                      float* __restrict__ out, i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        float g = gate[i];
+        out[i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), up[i]);
+    }
+}
+
+// dgate = ((dy·u)·σ)·(1 + g·(1 − σ)), dup = dy·silu(g); overwrites both. The _rn
+// intrinsics keep the compiler from fusing into FMAs, so the order is the CPU's.
+extern "C" __global__ void swiglu_bwd(const float* __restrict__ dout, const float* __restrict__ gate,
+                                      const float* __restrict__ up, float* __restrict__ dgate,
+                                      float* __restrict__ dup, i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        float g = gate[i], u = up[i], dy = dout[i];
+        float e = __fadd_rn(1.0f, expf(-g));
+        float s = __fdiv_rn(1.0f, e);
+        float one_plus = __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, s)));
+        dgate[i] = __fmul_rn(__fmul_rn(__fmul_rn(dy, u), s), one_plus);
+        dup[i] = __fmul_rn(dy, __fdiv_rn(g, e));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Embedding.
+
+// out[t, :] = table[ids[t], :]; a row whose id is >= rows is NaN (status ST_BAD_ID).
+extern "C" __global__ void embedding_fwd(const unsigned* __restrict__ ids,
+                                         const float* __restrict__ table, i64 rows, i64 dim,
+                                         i64 tokens, float* __restrict__ out,
+                                         unsigned* __restrict__ status) {
+    for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
+        const i64 id = ids[t];
+        float* o = out + t * dim;
+        if (id >= rows) {
+            for (i64 c = threadIdx.x; c < dim; c += blockDim.x) o[c] = NAN_F;
+            if (threadIdx.x == 0) atomicOr(status, ST_BAD_ID);
+            continue;
+        }
+        const float* src = table + id * dim;
+        for (i64 c = threadIdx.x; c < dim; c += blockDim.x) o[c] = src[c];
+    }
+}
+
+// dtable[ids[t], :] += dout[t, :], deterministic without atomics: the block of the first
+// token carrying an id owns that table row and adds the gradients of every token with the
+// id in token order (the CPU's order, so the sums agree bit for bit). Finding the owner
+// and the duplicates scans the ids: O(tokens²) comparisons from cache, cheap next to the
+// row adds for the token counts of a training micro-batch. Ids >= rows are skipped
+// (status ST_BAD_ID).
+extern "C" __global__ void embedding_bwd(const unsigned* __restrict__ ids,
+                                         const float* __restrict__ dout, i64 rows, i64 dim,
+                                         i64 tokens, float* __restrict__ dtable,
+                                         unsigned* __restrict__ status) {
+    __shared__ unsigned match_bits[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
+        const unsigned id = ids[t];
+        if ((i64)id >= rows) {
+            if (threadIdx.x == 0) atomicOr(status, ST_BAD_ID);
+            continue;
+        }
+        // Owner: no earlier token has this id.
+        bool earlier = false;
+        for (i64 base = 0; base < t; base += blockDim.x) {
+            const i64 s = base + threadIdx.x;
+            if (__syncthreads_or(s < t && ids[s] == id)) {
+                earlier = true;
+                break;
+            }
+        }
+        if (earlier) continue;
+        float* dst = dtable + (i64)id * dim;
+        for (i64 base = t; base < tokens; base += blockDim.x) {
+            const i64 s = base + threadIdx.x;
+            const unsigned bits = __ballot_sync(FULL, s < tokens && ids[s] == id);
+            if (lane == 0) match_bits[warp] = bits;
+            __syncthreads();
+            for (int w = 0; w < nw; w++) {
+                unsigned m = match_bits[w];
+                while (m) {
+                    const int l = __ffs(m) - 1;
+                    m &= m - 1;
+                    const float* src = dout + (base + w * 32 + l) * dim;
+                    for (i64 c = threadIdx.x; c < dim; c += blockDim.x) dst[c] += src[c];
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// RMSNorm: y = w·(x·r), r = 1/sqrt(fl32(Σ fl32(x²)) / d + eps), the sum in f64 (the CPU's
+// numerics: squares rounded to f32, their sum exact to f32). One block per row.
+
+extern "C" __global__ void rmsnorm_fwd(const float* __restrict__ x, const float* __restrict__ w,
+                                       float eps, i64 rows, i64 dim, float* __restrict__ out,
+                                       float* __restrict__ rstd) {
+    __shared__ double sh[32];
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float* xr = x + row * dim;
+        double acc = 0.0;
+        for (i64 c = threadIdx.x; c < dim; c += blockDim.x) {
+            float v = xr[c];
+            acc += (double)__fmul_rn(v, v);
+        }
+        const double sum = block_sum_d(acc, sh);
+        const float mean_sq = __fdiv_rn((float)sum, (float)dim);
+        const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_sq, eps)));
+        float* o = out + row * dim;
+        for (i64 c = threadIdx.x; c < dim; c += blockDim.x) o[c] = __fmul_rn(w[c], __fmul_rn(xr[c], r));
+        if (threadIdx.x == 0) rstd[row] = r;
+    }
+}
+
+// dx[t, i] += r·(dy·w)[i] − c·x[t, i] with c = r³·Σⱼ fl32(dy·w)ⱼ·xⱼ / d (f64), per row.
+extern "C" __global__ void rmsnorm_bwd_dx(const float* __restrict__ dout, const float* __restrict__ x,
+                                          const float* __restrict__ w, const float* __restrict__ rstd,
+                                          i64 rows, i64 dim, float* __restrict__ dx) {
+    __shared__ double sh[32];
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float* dy = dout + row * dim;
+        const float* xr = x + row * dim;
+        double acc = 0.0;
+        for (i64 c = threadIdx.x; c < dim; c += blockDim.x)
+            acc += (double)__fmul_rn(dy[c], w[c]) * (double)xr[c];
+        const double gx = block_sum_d(acc, sh);
+        const float r = rstd[row];
+        const double rd = (double)r;
+        const float coef = (float)(rd * rd * rd * gx * (1.0 / (double)dim));
+        float* o = dx + row * dim;
+        for (i64 c = threadIdx.x; c < dim; c += blockDim.x)
+            o[c] = __fadd_rn(o[c], __fsub_rn(__fmul_rn(r, __fmul_rn(dy[c], w[c])), __fmul_rn(coef, xr[c])));
+    }
+}
+
+// Column partial sums over chunks of rows, the first stage of a deterministic column
+// reduction: partial[k, c] = Σ_{rows r of chunk k, in order} a[r, c]·(b ? b[r, c]·s[r] : 1).
+// Grid: x over column blocks, y over chunks (grid-stride).
+extern "C" __global__ void col_partials(const float* __restrict__ a, const float* __restrict__ b,
+                                        const float* __restrict__ s, i64 rows, i64 cols,
+                                        i64 chunk_rows, i64 chunks, float* __restrict__ partial) {
+    const i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    for (i64 k = blockIdx.y; k < chunks; k += gridDim.y) {
+        const i64 r0 = k * chunk_rows;
+        const i64 r1 = r0 + chunk_rows < rows ? r0 + chunk_rows : rows;
+        float acc = 0.0f;
+        if (b) {
+            for (i64 r = r0; r < r1; r++)
+                acc = __fadd_rn(acc, __fmul_rn(a[r * cols + c], __fmul_rn(b[r * cols + c], s[r])));
+        } else {
+            for (i64 r = r0; r < r1; r++) acc = __fadd_rn(acc, a[r * cols + c]);
+        }
+        partial[k * cols + c] = acc;
+    }
+}
+
+// Second stage: out[c] += partial[0, c] + partial[1, c] + … in chunk order.
+extern "C" __global__ void col_reduce(const float* __restrict__ partial, i64 chunks, i64 cols,
+                                      float* __restrict__ out) {
+    for (i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x; c < cols; c += (i64)gridDim.x * blockDim.x) {
+        float acc = out[c];
+        for (i64 k = 0; k < chunks; k++) acc = __fadd_rn(acc, partial[k * cols + c]);
+        out[c] = acc;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// RoPE, "rotate_half" layout, in place on x [tokens, heads, head_dim] with cos/sin
+// [tokens, head_dim/2]. Forward: (x1·c − x2·s, x2·c + x1·s); inverse (the backward):
+// (x1·c + x2·s, x2·c − x1·s). Separately rounded products, as torch (and the CPU twin).
+// One block per token (grid-stride).
+extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__ cos_t,
+                                const float* __restrict__ sin_t, i64 tokens, int heads,
+                                int head_dim, int inverse) {
+    const int half = head_dim / 2;
+    const int pairs = heads * half;
+    for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
+        float* xt = x + t * (i64)heads * head_dim;
+        const float* ct = cos_t + t * half;
+        const float* st = sin_t + t * half;
+        for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+            const int h = i / half, j = i - h * half;
+            float* p = xt + (i64)h * head_dim;
+            const float u = p[j], v = p[j + half], c = ct[j], s = st[j];
+            if (inverse) {
+                p[j] = __fadd_rn(__fmul_rn(u, c), __fmul_rn(v, s));
+                p[j + half] = __fsub_rn(__fmul_rn(v, c), __fmul_rn(u, s));
+            } else {
+                p[j] = __fsub_rn(__fmul_rn(u, c), __fmul_rn(v, s));
+                p[j + half] = __fadd_rn(__fmul_rn(v, c), __fmul_rn(u, s));
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// dst[cols, rows] = src[rows, cols]ᵀ through 32×32 shared tiles (coalesced both ways).
+// Block 32×8; grid x over column tiles, y over row tiles (grid-stride).
+extern "C" __global__ void transpose_f32(const float* __restrict__ src, i64 rows, i64 cols,
+                                         float* __restrict__ dst) {
+    __shared__ float tile[32][33];
+    const i64 row_tiles = (rows + 31) / 32;
+    for (i64 ty = blockIdx.y; ty < row_tiles; ty += gridDim.y) {
+        const i64 r0 = ty * 32, c0 = (i64)blockIdx.x * 32;
+        for (int k = threadIdx.y; k < 32; k += blockDim.y) {
+            const i64 r = r0 + k, c = c0 + threadIdx.x;
+            if (r < rows && c < cols) tile[k][threadIdx.x] = src[r * cols + c];
+        }
+        __syncthreads();
+        for (int k = threadIdx.y; k < 32; k += blockDim.y) {
+            const i64 c = c0 + k, r = r0 + threadIdx.x;
+            if (r < rows && c < cols) dst[c * rows + r] = tile[threadIdx.x][k];
+        }
+        __syncthreads();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Log-prob backward: per row, with z = x/T, g = coeff/T,
+// dlogits = g·(onehot(target) − softmax(z)); rows with coeff 0 are zero and not read.
+// One block per row: the max (and a NaN/+inf check), then e = 2^(y − max) written into
+// the output while summing (f64 across threads), then the scaling, in place: the CPU's
+// algorithm. A bad row is NaN (status bits as named).
+extern "C" __global__ void log_prob_bwd(const float* __restrict__ logits, i64 vocab, float inv_t,
+                                        const unsigned* __restrict__ targets,
+                                        const float* __restrict__ coeffs, i64 rows,
+                                        float* __restrict__ dlogits, unsigned* __restrict__ status) {
+    __shared__ double shd[32];
+    __shared__ float shf[32];
+    const float scale = inv_t * LOG2E;
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float* x = logits + row * vocab;
+        float* out = dlogits + row * vocab;
+        const float c = coeffs[row];
+        const unsigned id = targets[row];
+        unsigned bad_bit = 0;
+        if (!is_finite(c)) bad_bit = ST_BAD_COEFF;
+        else if (c == 0.0f) {
+            for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) out[i] = 0.0f;
+            continue;
+        } else if ((i64)id >= vocab) bad_bit = ST_BAD_TARGET;
+        if (bad_bit == 0) {
+            float m = NEG_INF;
+            int bad = 0;
+            for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
+                const float y = x[i] * scale;
+                bad |= !(y < POS_INF);
+                m = fmaxf(m, y);
+            }
+            bad = __syncthreads_or(bad);
+            m = block_max(m, shf);
+            if (bad || m == NEG_INF) bad_bit = ST_BAD_ROW;
+            else if (x[id] == NEG_INF) bad_bit = ST_BAD_TARGET;
+            if (bad_bit == 0) {
+                float acc = 0.0f;
+                for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
+                    const float e = exp2f(x[i] * scale - m);
+                    out[i] = e;
+                    acc += e;
+                }
+                const double total = block_sum_d((double)acc, shd);
+                const float g = c * inv_t;
+                const float k = (float)(-(double)g / total);
+                for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
+                    float v = out[i] * k;
+                    if (i == (i64)id) v += g;
+                    out[i] = v;
+                }
+                continue;
+            }
+        }
+        for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) out[i] = NAN_F;
+        if (threadIdx.x == 0) atomicOr(status, bad_bit);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Σ x² in f64, deterministic: stage 1 sums fixed chunks (block b: elements
+// [b·chunk, (b+1)·chunk)) with a fixed thread mapping and tree; stage 2 adds the partials
+// in one block. The partition depends only on n, so the result does not depend on the GPU.
+extern "C" __global__ void sum_sq_partial(const float* __restrict__ x, i64 n, i64 chunk,
+                                          double* __restrict__ partials) {
+    __shared__ double sh[32];
+    const i64 start = (i64)blockIdx.x * chunk;
+    const i64 end = start + chunk < n ? start + chunk : n;
+    double acc = 0.0;
+    for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) {
+        const double v = (double)x[i];
+        acc += v * v;
+    }
+    const double s = block_sum_d(acc, sh);
+    if (threadIdx.x == 0) partials[blockIdx.x] = s;
+}
+
+extern "C" __global__ void sum_sq_final(const double* __restrict__ partials, int count,
+                                        double* __restrict__ out) {
+    __shared__ double sh[32];
+    double acc = 0.0;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
+    const double s = block_sum_d(acc, sh);
+    if (threadIdx.x == 0) *out = s;
+}
+
+// ---------------------------------------------------------------------------------------
+// AdamW (torch.optim.AdamW, single-tensor path), in place, in two launches: adamw_check
+// sets *guard when a gradient is NaN/±inf (and ST_BAD_GRAD), then adamw_update does
+// nothing if *guard is set, so a bad gradient changes nothing (as on the CPU). Per element,
+// the CPU's order with separately rounded operations:
+//   g ← g·scale;  θ ← θ·decay;  m ← m + w1·(g − m)  (or g − (g − m)·(1 − w1) for w1 ≥ ½)
+//   v ← v·β2 + (w2·g)·g;  θ ← θ + step·(m / (√v / bc2 + ε))
+extern "C" __global__ void adamw_check(const float* __restrict__ grad, i64 n,
+                                       unsigned* __restrict__ guard, unsigned* __restrict__ status) {
+    int bad = 0;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        bad |= !is_finite(grad[i]);
+    bad = __syncthreads_or(bad);
+    if (bad && threadIdx.x == 0) {
+        atomicOr(guard, 1u);
+        atomicOr(status, ST_BAD_GRAD);
+    }
+}
+
+extern "C" __global__ void adamw_update(float* __restrict__ param, const float* __restrict__ grad,
+                                        float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq,
+                                        i64 n, float grad_scale, float decay, int apply_decay,
+                                        float w1, float one_minus_w1, float b2, float w2,
+                                        float neg_step_size, float bc2_sqrt, float eps,
+                                        const unsigned* __restrict__ guard) {
+    if (*guard) return;
+    const bool low_weight = w1 < 0.5f;
+    const bool scaled = grad_scale != 1.0f;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        float g = grad[i];
+        if (scaled) g = __fmul_rn(g, grad_scale);
+        float p = param[i];
+        if (apply_decay) p = __fmul_rn(p, decay);
+        float m = exp_avg[i];
+        m = low_weight ? __fadd_rn(m, __fmul_rn(w1, __fsub_rn(g, m)))
+                       : __fsub_rn(g, __fmul_rn(__fsub_rn(g, m), one_minus_w1));
+        float v = __fadd_rn(__fmul_rn(exp_avg_sq[i], b2), __fmul_rn(__fmul_rn(w2, g), g));
+        const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), bc2_sqrt), eps);
+        p = __fadd_rn(p, __fmul_rn(neg_step_size, __fdiv_rn(m, denom)));
+        param[i] = p;
+        exp_avg[i] = m;
+        exp_avg_sq[i] = v;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// KV cache append: cache[b, len + i, :] = new[b, i, :] for keys and values, with `tok` =
+// kv_heads·head_dim elements per token slot.
+extern "C" __global__ void kv_append(const float* __restrict__ k_new, const float* __restrict__ v_new,
+                                     i64 batch, i64 seq, i64 tok, i64 max_len, i64 len,
+                                     float* __restrict__ k_cache, float* __restrict__ v_cache) {
+    const i64 per_seq = seq * tok;
+    const i64 n = batch * per_seq;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 b = i / per_seq, rem = i - b * per_seq;
+        const i64 dst = b * max_len * tok + len * tok + rem;
+        k_cache[dst] = k_new[i];
+        v_cache[dst] = v_new[i];
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Attention: causal GQA with a key mask, FlashAttention-style online softmax, f32.
+//
+// Rows are (query token t, query head h); the rows of one sequence b and kv head g are
+// numbered r = t·group + (h − g·group), so consecutive rows share a query token. A block
+// (NW warps) takes ROWS = NW·RW consecutive rows of one (b, g); each warp keeps RW rows'
+// softmax state in registers, lane ℓ holding dims ℓ, ℓ+32, … (DPL = dims per lane). Keys
+// come in tiles of 32 through shared memory: lane j scores key j of the tile (its
+// q·k over the head dims), the warp reduces max and sum with shuffles, and each lane adds
+// p_j·v_j for its dims. Key s is visible to the row of query t iff s ≤ pos0 + t and
+// mask[b, s] = 1 (pos0 = 0 in training; the query's cache slot offset in decoding).
+//
+// Layouts: q/out [B, q_seq, Hq, D], k/v [B, kv_seq, Hkv, D] (kv_seq = q_seq in training,
+// the cache's max_len in decoding), mask [B, kv_seq], lse [B, q_seq, Hq]. Rows without a
+// visible key: out 0, lse −inf. A visible non-finite score: out and lse NaN.
+
+#define NW 8
+#define KT 32
+
+struct AttnArgs {
+    const float* q;
+    const float* k;
+    const float* v;
+    const float* mask;
+    i64 batch, q_seq, kv_seq, pos0;
+    int hq, hkv, d;
+    float scale;
+};
+
+__device__ __forceinline__ float key_valid(const float* mask, i64 idx, unsigned* status) {
+    if (!mask) return 1.0f;
+    const float m = mask[idx];
+    if (m != 0.0f && m != 1.0f) atomicOr(status, ST_BAD_MASK);
+    return m == 1.0f ? 1.0f : 0.0f;
+}
+
+template <int DPL, int RW>
+__device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict__ out,
+                                                   float* __restrict__ lse,
+                                                   unsigned* __restrict__ status) {
+    const int ROWS = NW * RW;
+    extern __shared__ float smem[];
+    const int d = a.d, dp = a.d + 1;
+    float* Ks = smem;                 // [KT][d + 1]
+    float* Vs = Ks + KT * dp;         // [KT][d + 1]
+    float* Qs = Vs + KT * dp;         // [ROWS][d]
+    __shared__ float kvalid[KT];
+    const int group = a.hq / a.hkv;
+    const i64 rows_bg = a.q_seq * group;
+    const i64 tiles = (rows_bg + ROWS - 1) / ROWS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+    for (i64 blk = blockIdx.x; blk < a.batch * a.hkv * tiles; blk += gridDim.x) {
+        const i64 tile = blk % tiles;
+        const i64 bg = blk / tiles;
+        const int g = (int)(bg % a.hkv);
+        const i64 b = bg / a.hkv;
+        const i64 row0 = tile * ROWS;
+        __syncthreads();
+        for (int i = threadIdx.x; i < ROWS * d; i += blockDim.x) {
+            const i64 r = row0 + i / d;
+            float val = 0.0f;
+            if (r < rows_bg) {
+                const i64 t = r / group;
+                const int h = g * group + (int)(r % group);
+                val = a.q[((b * a.q_seq + t) * a.hq + h) * d + i % d];
+            }
+            Qs[i] = val;
+        }
+        float m[RW], l[RW], acc[RW][DPL];
+        int bad[RW];
+#pragma unroll
+        for (int rr = 0; rr < RW; rr++) {
+            m[rr] = NEG_INF;
+            l[rr] = 0.0f;
+            bad[rr] = 0;
+#pragma unroll
+            for (int i = 0; i < DPL; i++) acc[rr][i] = 0.0f;
+        }
+        i64 last_row = row0 + ROWS - 1;
+        if (last_row >= rows_bg) last_row = rows_bg - 1;
+        const i64 key_end = a.pos0 + last_row / group + 1;
+        for (i64 kb = 0; kb < key_end; kb += KT) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < KT * d; i += blockDim.x) {
+                const int j = i / d, c = i - j * d;
+                const i64 s = kb + j;
+                float kv = 0.0f, vv = 0.0f;
+                if (s < key_end) {
+                    const i64 idx = ((b * a.kv_seq + s) * a.hkv + g) * d + c;
+                    kv = a.k[idx];
+                    vv = a.v[idx];
+                }
+                Ks[j * dp + c] = kv;
+                Vs[j * dp + c] = vv;
+            }
+            if (threadIdx.x < KT) {
+                const i64 s = kb + threadIdx.x;
+                kvalid[threadIdx.x] = s < key_end ? key_valid(a.mask, b * a.kv_seq + s, status) : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int rr = 0; rr < RW; rr++) {
+                const int lr = warp * RW + rr;
+                const i64 r = row0 + lr;
+                if (r >= rows_bg) continue;
+                const i64 qpos = a.pos0 + r / group;
+                const i64 s = kb + lane;
+                const bool visible = s <= qpos && kvalid[lane] != 0.0f;
+                float score = NEG_INF;
+                if (visible) {
+                    const float* qr = Qs + lr * d;
+                    const float* kr = Ks + lane * dp;
+                    float dot = 0.0f;
+                    for (int c = 0; c < d; c++) dot = fmaf(qr[c], kr[c], dot);
+                    score = a.scale * dot;
+                    bad[rr] |= !is_finite(score);
+                }
+                const float tile_max = warp_max(visible && is_finite(score) ? score : NEG_INF);
+                if (tile_max == NEG_INF) continue;
+                const float m_new = fmaxf(m[rr], tile_max);
+                const float alpha = expf(m[rr] - m_new);
+                const float p = visible && is_finite(score) ? expf(score - m_new) : 0.0f;
+                l[rr] = l[rr] * alpha + warp_sum(p);
+#pragma unroll
+                for (int i = 0; i < DPL; i++) acc[rr][i] *= alpha;
+                for (int j = 0; j < KT; j++) {
+                    const float pj = __shfl_sync(FULL, p, j);
+                    if (pj == 0.0f) continue;
+                    const float* vr = Vs + j * dp;
+#pragma unroll
+                    for (int i = 0; i < DPL; i++) {
+                        const int c = lane + 32 * i;
+                        if (c < d) acc[rr][i] = fmaf(pj, vr[c], acc[rr][i]);
+                    }
+                }
+                m[rr] = m_new;
+            }
+        }
+#pragma unroll
+        for (int rr = 0; rr < RW; rr++) {
+            const i64 r = row0 + warp * RW + rr;
+            if (r >= rows_bg) continue;
+            const i64 t = r / group;
+            const int h = g * group + (int)(r % group);
+            const i64 orow = (b * a.q_seq + t) * a.hq + h;
+            const bool any_bad = __any_sync(FULL, bad[rr]);
+            const bool empty = m[rr] == NEG_INF;
+            const float inv = empty || any_bad ? 0.0f : 1.0f / l[rr];
+#pragma unroll
+            for (int i = 0; i < DPL; i++) {
+                const int c = lane + 32 * i;
+                if (c < d) out[orow * d + c] = any_bad ? NAN_F : acc[rr][i] * inv;
+            }
+            if (lse && lane == 0) lse[orow] = any_bad ? NAN_F : empty ? NEG_INF : m[rr] + logf(l[rr]);
+        }
+    }
+}
+
+#define ATTN_FWD(NAME, DPL, RW)                                                               \
+    extern "C" __global__ void __launch_bounds__(NW * 32)                                     \
+        NAME(const float* q, const float* k, const float* v, const float* mask, i64 batch,    \
+             i64 q_seq, i64 kv_seq, i64 pos0, int hq, int hkv, int d, float scale, float* out, \
+             float* lse, unsigned* status) {                                                   \
+        AttnArgs a = {q, k, v, mask, batch, q_seq, kv_seq, pos0, hq, hkv, d, scale};           \
+        attention_fwd_impl<DPL, RW>(a, out, lse, status);                                      \
+    }
+
+ATTN_FWD(attention_fwd_d64, 2, 2)
+ATTN_FWD(attention_fwd_d128, 4, 2)
+ATTN_FWD(attention_fwd_d256, 8, 1)
+
+// δ[row] = Σ_c dout[row, c]·out[row, c] per (token, head) row; one warp per row.
+extern "C" __global__ void attention_bwd_delta(const float* __restrict__ dout,
+                                               const float* __restrict__ out, i64 rows, int d,
+                                               float* __restrict__ delta) {
+    const int lane = threadIdx.x & 31;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    for (i64 r = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
+        float acc = 0.0f;
+        for (int c = lane; c < d; c += 32) acc = fmaf(dout[r * d + c], out[r * d + c], acc);
+        acc = warp_sum(acc);
+        if (lane == 0) delta[r] = acc;
+    }
+}
+
+// The probability of a visible key from its score and the row's saved lse: exp(x − lse)
+// (x ≤ lse up to rounding, so clamped at 0); 0 for a row without a key (lse −inf), NaN
+// for a row whose forward was NaN.
+__device__ __forceinline__ float prob_from_lse(float score, float row_lse) {
+    if (row_lse != row_lse) return NAN_F;
+    if (row_lse == NEG_INF) return 0.0f;
+    const float x = score - row_lse;
+    return expf(x < 0.0f ? x : 0.0f);
+}
+
+// Backward pass 1, over query rows (same tiling as the forward):
+//   p = exp(scale·q·k − lse), dp = dout·v, ds = p·(dp − δ), dq = scale·Σ ds·k.
+template <int DPL, int RW>
+__device__ __forceinline__ void attention_bwd_dq_impl(AttnArgs a, const float* __restrict__ lse,
+                                                      const float* __restrict__ delta,
+                                                      const float* __restrict__ dout,
+                                                      float* __restrict__ dq,
+                                                      unsigned* __restrict__ status) {
+    const int ROWS = NW * RW;
+    extern __shared__ float smem[];
+    const int d = a.d, dp = a.d + 1;
+    float* Ks = smem;                 // [KT][d + 1]
+    float* Vs = Ks + KT * dp;         // [KT][d + 1]
+    float* Qs = Vs + KT * dp;         // [ROWS][d]
+    float* Ds = Qs + ROWS * d;        // [ROWS][d] (dout rows)
+    __shared__ float kvalid[KT];
+    const int group = a.hq / a.hkv;
+    const i64 rows_bg = a.q_seq * group;
+    const i64 tiles = (rows_bg + ROWS - 1) / ROWS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+    for (i64 blk = blockIdx.x; blk < a.batch * a.hkv * tiles; blk += gridDim.x) {
+        const i64 tile = blk % tiles;
+        const i64 bg = blk / tiles;
+        const int g = (int)(bg % a.hkv);
+        const i64 b = bg / a.hkv;
+        const i64 row0 = tile * ROWS;
+        __syncthreads();
+        for (int i = threadIdx.x; i < ROWS * d; i += blockDim.x) {
+            const i64 r = row0 + i / d;
+            float qv = 0.0f, dv = 0.0f;
+            if (r < rows_bg) {
+                const i64 t = r / group;
+                const int h = g * group + (int)(r % group);
+                const i64 idx = ((b * a.q_seq + t) * a.hq + h) * d + i % d;
+                qv = a.q[idx];
+                dv = dout[idx];
+            }
+            Qs[i] = qv;
+            Ds[i] = dv;
+        }
+        float acc[RW][DPL], row_lse[RW], row_delta[RW];
+#pragma unroll
+        for (int rr = 0; rr < RW; rr++) {
+            const i64 r = row0 + warp * RW + rr;
+            row_lse[rr] = NEG_INF;
+            row_delta[rr] = 0.0f;
+            if (r < rows_bg) {
+                const i64 t = r / group;
+                const int h = g * group + (int)(r % group);
+                const i64 orow = (b * a.q_seq + t) * a.hq + h;
+                row_lse[rr] = lse[orow];
+                row_delta[rr] = delta[orow];
+            }
+#pragma unroll
+            for (int i = 0; i < DPL; i++) acc[rr][i] = 0.0f;
+        }
+        i64 last_row = row0 + ROWS - 1;
+        if (last_row >= rows_bg) last_row = rows_bg - 1;
+        const i64 key_end = a.pos0 + last_row / group + 1;
+        for (i64 kb = 0; kb < key_end; kb += KT) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < KT * d; i += blockDim.x) {
+                const int j = i / d, c = i - j * d;
+                const i64 s = kb + j;
+                float kv = 0.0f, vv = 0.0f;
+                if (s < key_end) {
+                    const i64 idx = ((b * a.kv_seq + s) * a.hkv + g) * d + c;
+                    kv = a.k[idx];
+                    vv = a.v[idx];
+                }
+                Ks[j * dp + c] = kv;
+                Vs[j * dp + c] = vv;
+            }
+            if (threadIdx.x < KT) {
+                const i64 s = kb + threadIdx.x;
+                kvalid[threadIdx.x] = s < key_end ? key_valid(a.mask, b * a.kv_seq + s, status) : 0.0f;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int rr = 0; rr < RW; rr++) {
+                const int lr = warp * RW + rr;
+                const i64 r = row0 + lr;
+                if (r >= rows_bg || row_lse[rr] == NEG_INF) continue;
+                const i64 qpos = a.pos0 + r / group;
+                const i64 s = kb + lane;
+                float ds = 0.0f;
+                if (s <= qpos && kvalid[lane] != 0.0f) {
+                    const float* qr = Qs + lr * d;
+                    const float* dr = Ds + lr * d;
+                    const float* kr = Ks + lane * dp;
+                    const float* vr = Vs + lane * dp;
+                    float qk = 0.0f, dv = 0.0f;
+                    for (int c = 0; c < d; c++) {
+                        qk = fmaf(qr[c], kr[c], qk);
+                        dv = fmaf(dr[c], vr[c], dv);
+                    }
+                    const float p = prob_from_lse(a.scale * qk, row_lse[rr]);
+                    ds = p * (dv - row_delta[rr]);
+                }
+                for (int j = 0; j < KT; j++) {
+                    const float dsj = __shfl_sync(FULL, ds, j);
+                    if (dsj == 0.0f) continue;
+                    const float* kr = Ks + j * dp;
+#pragma unroll
+                    for (int i = 0; i < DPL; i++) {
+                        const int c = lane + 32 * i;
+                        if (c < d) acc[rr][i] = fmaf(dsj, kr[c], acc[rr][i]);
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int rr = 0; rr < RW; rr++) {
+            const i64 r = row0 + warp * RW + rr;
+            if (r >= rows_bg) continue;
+            const i64 t = r / group;
+            const int h = g * group + (int)(r % group);
+            const i64 orow = (b * a.q_seq + t) * a.hq + h;
+#pragma unroll
+            for (int i = 0; i < DPL; i++) {
+                const int c = lane + 32 * i;
+                if (c < d) dq[orow * d + c] = a.scale * acc[rr][i];
+            }
+        }
+    }
+}
+
+#define ATTN_BWD_DQ(NAME, DPL, RW)                                                             \
+    extern "C" __global__ void __launch_bounds__(NW * 32)                                      \
+        NAME(const float* q, const float* k, const float* v, const float* mask, i64 batch,     \
+             i64 seq, int hq, int hkv, int d, float scale, const float* lse, const float* delta, \
+             const float* dout, float* dq, unsigned* status) {                                  \
+        AttnArgs a = {q, k, v, mask, batch, seq, seq, 0, hq, hkv, d, scale};                    \
+        attention_bwd_dq_impl<DPL, RW>(a, lse, delta, dout, dq, status);                        \
+    }
+
+ATTN_BWD_DQ(attention_bwd_dq_d64, 2, 1)
+ATTN_BWD_DQ(attention_bwd_dq_d128, 4, 2)
+ATTN_BWD_DQ(attention_bwd_dq_d256, 8, 1)
+
+// Backward pass 2, over key rows: a block takes KROWS = NW·RW consecutive key slots of one
+// (b, g), each warp RW of them, and walks the query rows (t, h in g's group) with t ≥ the
+// block's first key in tiles of 32 (lane j ↔ query row j of the tile):
+//   dv_s = Σ p·dout,  dk_s = scale·Σ p·(dout·v_s − δ)·q,
+// summed over the group's heads and the queries in a fixed order (deterministic). Masked
+// keys get zero gradients.
+template <int DPL, int RW>
+__device__ __forceinline__ void attention_bwd_dkv_impl(AttnArgs a, const float* __restrict__ lse,
+                                                       const float* __restrict__ delta,
+                                                       const float* __restrict__ dout,
+                                                       float* __restrict__ dk,
+                                                       float* __restrict__ dv,
+                                                       unsigned* __restrict__ status) {
+    const int KROWS = NW * RW;
+    extern __shared__ float smem[];
+    const int d = a.d, dp = a.d + 1;
+    float* Qs = smem;                 // [32][d + 1]
+    float* Ds = Qs + 32 * dp;         // [32][d + 1]
+    float* Kw = Ds + 32 * dp;         // [KROWS][d]
+    float* Vw = Kw + KROWS * d;       // [KROWS][d]
+    __shared__ float lse_s[32], delta_s[32];
+    __shared__ float key_ok[NW * 8];
+    const int group = a.hq / a.hkv;
+    const i64 rows_bg = a.q_seq * group;
+    const i64 tiles = (a.q_seq + KROWS - 1) / KROWS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+    for (i64 blk = blockIdx.x; blk < a.batch * a.hkv * tiles; blk += gridDim.x) {
+        const i64 tile = blk % tiles;
+        const i64 bg = blk / tiles;
+        const int g = (int)(bg % a.hkv);
+        const i64 b = bg / a.hkv;
+        const i64 s0 = tile * KROWS;
+        __syncthreads();
+        for (int i = threadIdx.x; i < KROWS * d; i += blockDim.x) {
+            const i64 s = s0 + i / d;
+            float kv = 0.0f, vv = 0.0f;
+            if (s < a.q_seq) {
+                const i64 idx = ((b * a.kv_seq + s) * a.hkv + g) * d + i % d;
+                kv = a.k[idx];
+                vv = a.v[idx];
+            }
+            Kw[i] = kv;
+            Vw[i] = vv;
+        }
+        if (threadIdx.x < KROWS) {
+            const i64 s = s0 + threadIdx.x;
+            key_ok[threadIdx.x] = s < a.q_seq ? key_valid(a.mask, b * a.kv_seq + s, status) : 0.0f;
+        }
+        float gk[RW][DPL], gv[RW][DPL];
+#pragma unroll
+        for (int rr = 0; rr < RW; rr++)
+#pragma unroll
+            for (int i = 0; i < DPL; i++) gk[rr][i] = gv[rr][i] = 0.0f;
+
+        for (i64 rt = s0 * group; rt < rows_bg; rt += 32) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < 32 * d; i += blockDim.x) {
+                const int j = i / d, c = i - j * d;
+                const i64 r = rt + j;
+                float qv = 0.0f, dv2 = 0.0f;
+                if (r < rows_bg) {
+                    const i64 t = r / group;
+                    const int h = g * group + (int)(r % group);
+                    const i64 idx = ((b * a.q_seq + t) * a.hq + h) * d + c;
+                    qv = a.q[idx];
+                    dv2 = dout[idx];
+                }
+                Qs[j * dp + c] = qv;
+                Ds[j * dp + c] = dv2;
+            }
+            if (threadIdx.x < 32) {
+                const i64 r = rt + threadIdx.x;
+                float l = NEG_INF, de = 0.0f;
+                if (r < rows_bg) {
+                    const i64 t = r / group;
+                    const int h = g * group + (int)(r % group);
+                    const i64 orow = (b * a.q_seq + t) * a.hq + h;
+                    l = lse[orow];
+                    de = delta[orow];
+                }
+                lse_s[threadIdx.x] = l;
+                delta_s[threadIdx.x] = de;
+            }
+            __syncthreads();
+            const i64 r = rt + lane;
+            const i64 t = r / group;
+#pragma unroll
+            for (int rr = 0; rr < RW; rr++) {
+                const int kr_i = warp * RW + rr;
+                const i64 s = s0 + kr_i;
+                if (s >= a.q_seq || key_ok[kr_i] == 0.0f) continue;
+                float p = 0.0f, ds = 0.0f;
+                if (r < rows_bg && t >= s) {
+                    const float* qr = Qs + lane * dp;
+                    const float* dr = Ds + lane * dp;
+                    const float* kr = Kw + kr_i * d;
+                    const float* vr = Vw + kr_i * d;
+                    float qk = 0.0f, dov = 0.0f;
+                    for (int c = 0; c < d; c++) {
+                        qk = fmaf(qr[c], kr[c], qk);
+                        dov = fmaf(dr[c], vr[c], dov);
+                    }
+                    p = prob_from_lse(a.scale * qk, lse_s[lane]);
+                    ds = p * (dov - delta_s[lane]);
+                }
+                for (int j = 0; j < 32; j++) {
+                    const float pj = __shfl_sync(FULL, p, j);
+                    const float dsj = __shfl_sync(FULL, ds, j);
+                    if (pj == 0.0f && dsj == 0.0f) continue;
+                    const float* qr = Qs + j * dp;
+                    const float* dr = Ds + j * dp;
+#pragma unroll
+                    for (int i = 0; i < DPL; i++) {
+                        const int c = lane + 32 * i;
+                        if (c < d) {
+                            gv[rr][i] = fmaf(pj, dr[c], gv[rr][i]);
+                            gk[rr][i] = fmaf(dsj, qr[c], gk[rr][i]);
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int rr = 0; rr < RW; rr++) {
+            const i64 s = s0 + warp * RW + rr;
+            if (s >= a.q_seq) continue;
+            const i64 base = ((b * a.kv_seq + s) * a.hkv + g) * d;
+#pragma unroll
+            for (int i = 0; i < DPL; i++) {
+                const int c = lane + 32 * i;
+                if (c < d) {
+                    dk[base + c] = a.scale * gk[rr][i];
+                    dv[base + c] = gv[rr][i];
+                }
+            }
+        }
+    }
+}
+
+#define ATTN_BWD_DKV(NAME, DPL, RW)                                                            \
+    extern "C" __global__ void __launch_bounds__(NW * 32)                                      \
+        NAME(const float* q, const float* k, const float* v, const float* mask, i64 batch,     \
+             i64 seq, int hq, int hkv, int d, float scale, const float* lse, const float* delta, \
+             const float* dout, float* dk, float* dv, unsigned* status) {                       \
+        AttnArgs a = {q, k, v, mask, batch, seq, seq, 0, hq, hkv, d, scale};                    \
+        attention_bwd_dkv_impl<DPL, RW>(a, lse, delta, dout, dk, dv, status);                   \
+    }
+
+ATTN_BWD_DKV(attention_bwd_dkv_d64, 2, 1)
+ATTN_BWD_DKV(attention_bwd_dkv_d128, 4, 1)
+ATTN_BWD_DKV(attention_bwd_dkv_d256, 8, 1)

@@ -1,0 +1,539 @@
+//! The model's device ops: one CUDA device with the kernels of `model_ops.cu` (and the
+//! fused log-prob/entropy kernel of `token_kernels.cu`) loaded, cuBLAS for the linear
+//! layers, and the small device state the kernels share (a status word for bad values, a
+//! scratch buffer for two-stage reductions).
+//!
+//! Every op takes cudarc views ([`CudaView`] in, [`CudaViewMut`] out), checks their
+//! lengths against the shape it is given and returns [`Error::BadArgument`] naming the
+//! argument before anything is launched; ops are queued on one stream and return without
+//! waiting. Bad *values* (an id out of range, a mask value not 0/1, NaN logits, a
+//! non-finite gradient) cannot be seen before launch: kernels write NaN into the affected
+//! outputs and set a bit of a device status word, which [`ModelOps::check_status`] reads
+//! (it waits for the stream) and turns into [`Error::DeviceStatus`]. The ops that wait
+//! anyway ([`ModelOps::download`], [`ModelOps::synchronize`], [`ModelOps::sum_of_squares`])
+//! check it, so a bad value is reported at the next synchronisation point at the latest.
+//!
+//! Semantics and numerics are those of the CPU twins in `ares-cpu` named on each op;
+//! where the GPU sums in another order the results agree to f32 rounding, not bit for bit.
+
+mod attention;
+mod elementwise;
+mod linear;
+mod loss;
+mod norm;
+mod optim;
+
+pub use attention::{
+    AttentionGradsMut, AttentionSaved, AttentionShape, KvCache, KvCacheMut, MAX_HEAD_DIM,
+};
+pub use optim::AdamWStep;
+
+use crate::device::DeviceInfo;
+use crate::error::{DriverContext, Error, Result};
+use crate::gemm::Blas;
+use crate::kernels::{MODEL_OPS, TOKEN_KERNELS};
+use crate::nvrtc::{self, Image};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut,
+    LaunchConfig,
+};
+use cudarc::nvrtc::Ptx;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Threads per block of the element-wise (grid-stride) kernels.
+const ELEMENT_BLOCK: u32 = 256;
+/// Grid cap of the grid-stride kernels (they loop over the rest).
+const MAX_GRID: usize = 1 << 20;
+
+/// Status bits the kernels set (see `model_ops.cu`), with what each means.
+const STATUS_BITS: [(u32, &str); 6] = [
+    (
+        1,
+        "a logits row holds NaN or +inf, or every entry is -inf (log_prob_entropy / log_prob_backward)",
+    ),
+    (
+        2,
+        "a target id is >= vocab or has logit -inf (log_prob_entropy / log_prob_backward)",
+    ),
+    (
+        4,
+        "a token id is >= the table's rows (embedding / embedding_backward)",
+    ),
+    (8, "a key mask value is neither 0 nor 1 (attention)"),
+    (
+        16,
+        "a log-prob coefficient is NaN or ±inf (log_prob_backward)",
+    ),
+    (
+        32,
+        "a gradient holds NaN or ±inf (adamw_step; that step was not applied)",
+    ),
+];
+
+/// Device state written by kernels and by the host between launches.
+struct State {
+    /// Status word the kernels OR bits into.
+    status: CudaSlice<u32>,
+    /// Per-call flag of AdamW's finiteness check.
+    guard: CudaSlice<u32>,
+    /// Partial sums of `sum_of_squares` plus one slot for the total.
+    sums: CudaSlice<f64>,
+    /// Scratch of the two-stage reductions and the attention backward (grown on demand).
+    scratch: CudaSlice<f32>,
+}
+
+/// The model's ops on one CUDA device (see the module docs).
+pub struct ModelOps {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    f: Functions,
+    blas: Blas,
+    state: Mutex<State>,
+    info: DeviceInfo,
+}
+
+impl std::fmt::Debug for ModelOps {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelOps")
+            .field("info", &self.info)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The loaded kernels.
+pub(crate) struct Functions {
+    pub fill: CudaFunction,
+    pub add: CudaFunction,
+    pub scale: CudaFunction,
+    pub bias_add: CudaFunction,
+    pub swiglu_fwd: CudaFunction,
+    pub swiglu_bwd: CudaFunction,
+    pub embedding_fwd: CudaFunction,
+    pub embedding_bwd: CudaFunction,
+    pub rmsnorm_fwd: CudaFunction,
+    pub rmsnorm_bwd_dx: CudaFunction,
+    pub col_partials: CudaFunction,
+    pub col_reduce: CudaFunction,
+    pub rope: CudaFunction,
+    pub transpose: CudaFunction,
+    pub log_prob_entropy: CudaFunction,
+    pub log_prob_bwd: CudaFunction,
+    pub sum_sq_partial: CudaFunction,
+    pub sum_sq_final: CudaFunction,
+    pub adamw_check: CudaFunction,
+    pub adamw_update: CudaFunction,
+    pub kv_append: CudaFunction,
+    /// Per head-size class (≤ 64, ≤ 128, ≤ 256).
+    pub attention_fwd: [CudaFunction; 3],
+    pub attention_bwd_delta: CudaFunction,
+    pub attention_bwd_dq: [CudaFunction; 3],
+    pub attention_bwd_dkv: [CudaFunction; 3],
+}
+
+/// Compiles `source` for `arch` (CUBIN, else PTX; disk cache) and loads it.
+fn load_module(
+    ctx: &Arc<CudaContext>,
+    name: &'static str,
+    code: &str,
+    arch: u32,
+) -> Result<(Arc<CudaModule>, String)> {
+    let image = nvrtc::compile_cached(name, code, arch)?;
+    let desc = match &image {
+        Image::Cubin(_) => format!("CUBIN sm_{arch}"),
+        Image::Ptx(_) => format!("PTX compute_{arch}"),
+    };
+    let ptx = match image {
+        Image::Cubin(bytes) => Ptx::from_binary(bytes),
+        Image::Ptx(text) => Ptx::from_src(text),
+    };
+    let module = ctx.load_module(ptx).during(format!("loading {name}"))?;
+    Ok((module, desc))
+}
+
+impl ModelOps {
+    /// Opens CUDA device `ordinal`, compiles (or loads from the kernel cache, see
+    /// [`nvrtc::cache_dir`]) and loads the kernels, and creates the cuBLAS handle.
+    ///
+    /// # Errors
+    /// [`Error::LibraryMissing`] when libcuda, libnvrtc or libcublas cannot be loaded (a
+    /// machine without a GPU driver or CUDA libraries on `LD_LIBRARY_PATH`),
+    /// [`Error::Driver`] when the device cannot be opened (no GPU with that ordinal),
+    /// [`Error::Compile`] if NVRTC rejects a kernel.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        if !crate::cuda_available() {
+            return Err(Error::LibraryMissing {
+                library: "libcuda.so (the CUDA driver)",
+            });
+        }
+        if !nvrtc::nvrtc_available() {
+            return Err(Error::LibraryMissing {
+                library: "libnvrtc.so (NVRTC)",
+            });
+        }
+        if !crate::gemm::cublas_available() {
+            return Err(Error::LibraryMissing {
+                library: "libcublas.so (cuBLAS)",
+            });
+        }
+        let ctx = CudaContext::new(ordinal).during(format!("opening CUDA device {ordinal}"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .during("reading compute capability")?;
+        let arch = u32::try_from(major * 10 + minor).unwrap_or(0);
+        let name = ctx.name().during("reading device name")?;
+        let max_shared = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            )
+            .during("reading shared memory limit")?;
+        let mut driver_version = 0i32;
+        // SAFETY: libcuda is present (checked above); the pointer is valid.
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }
+            .result()
+            .during("cuDriverGetVersion")?;
+        let (nv_major, nv_minor) = nvrtc::nvrtc_version()?;
+
+        let (model, desc) = load_module(&ctx, MODEL_OPS.name, MODEL_OPS.code, arch)?;
+        let (token, _) = load_module(&ctx, TOKEN_KERNELS.name, TOKEN_KERNELS.code, arch)?;
+        let load = |module: &Arc<CudaModule>, name: &str| {
+            module
+                .load_function(name)
+                .during(format!("loading kernel {name}"))
+        };
+        let m = |name: &str| load(&model, name);
+        let f = Functions {
+            fill: m("fill_f32")?,
+            add: m("add_f32")?,
+            scale: m("scale_f32")?,
+            bias_add: m("bias_add")?,
+            swiglu_fwd: m("swiglu_fwd")?,
+            swiglu_bwd: m("swiglu_bwd")?,
+            embedding_fwd: m("embedding_fwd")?,
+            embedding_bwd: m("embedding_bwd")?,
+            rmsnorm_fwd: m("rmsnorm_fwd")?,
+            rmsnorm_bwd_dx: m("rmsnorm_bwd_dx")?,
+            col_partials: m("col_partials")?,
+            col_reduce: m("col_reduce")?,
+            rope: m("rope")?,
+            transpose: m("transpose_f32")?,
+            log_prob_entropy: load(&token, "log_prob_entropy_f32")?,
+            log_prob_bwd: m("log_prob_bwd")?,
+            sum_sq_partial: m("sum_sq_partial")?,
+            sum_sq_final: m("sum_sq_final")?,
+            adamw_check: m("adamw_check")?,
+            adamw_update: m("adamw_update")?,
+            kv_append: m("kv_append")?,
+            attention_fwd: [
+                m("attention_fwd_d64")?,
+                m("attention_fwd_d128")?,
+                m("attention_fwd_d256")?,
+            ],
+            attention_bwd_delta: m("attention_bwd_delta")?,
+            attention_bwd_dq: [
+                m("attention_bwd_dq_d64")?,
+                m("attention_bwd_dq_d128")?,
+                m("attention_bwd_dq_d256")?,
+            ],
+            attention_bwd_dkv: [
+                m("attention_bwd_dkv_d64")?,
+                m("attention_bwd_dkv_d128")?,
+                m("attention_bwd_dkv_d256")?,
+            ],
+        };
+        let stream = ctx.default_stream();
+        let blas = Blas::new(stream.clone())?;
+        let state = State {
+            status: stream.alloc_zeros::<u32>(1).during("allocating status")?,
+            guard: stream.alloc_zeros::<u32>(1).during("allocating guard")?,
+            sums: stream
+                .alloc_zeros::<f64>(optim::MAX_PARTIALS + 1)
+                .during("allocating sum partials")?,
+            scratch: stream
+                .alloc_zeros::<f32>(1 << 16)
+                .during("allocating scratch")?,
+        };
+        Ok(Self {
+            ctx,
+            stream,
+            f,
+            blas,
+            state: Mutex::new(state),
+            info: DeviceInfo {
+                name,
+                arch,
+                driver: format!("{}.{}", driver_version / 1000, (driver_version % 1000) / 10),
+                nvrtc: format!("{nv_major}.{nv_minor}"),
+                image: desc,
+                max_shared_per_block: usize::try_from(max_shared).unwrap_or(0),
+            },
+        })
+    }
+
+    /// Device, driver and kernel-image description.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    /// The stream every op is queued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// The device's context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Uses TF32 tensor cores in the f32 GEMMs (`on`), or exact f32 (the default, which
+    /// matches the CPU backend to f32 rounding). TF32 rounds the GEMM inputs to 10
+    /// mantissa bits: faster, but ~1e-3 relative error.
+    ///
+    /// # Errors
+    /// A cuBLAS failure.
+    pub fn set_tf32(&self, on: bool) -> Result<()> {
+        self.blas.set_tf32(on)
+    }
+
+    /// A new zeroed f32 buffer of `len` elements (`len >= 1`: CUDA refuses empty
+    /// allocations).
+    ///
+    /// # Errors
+    /// `len` 0 or past the address space, the device is out of memory.
+    pub fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
+        check_alloc("alloc", len, 4)?;
+        self.stream
+            .alloc_zeros::<f32>(len)
+            .during(format!("allocating {len} f32"))
+    }
+
+    /// A new zeroed u32 buffer of `len` elements (`len >= 1`).
+    ///
+    /// # Errors
+    /// As [`ModelOps::alloc`].
+    pub fn alloc_ids(&self, len: usize) -> Result<CudaSlice<u32>> {
+        check_alloc("alloc_ids", len, 4)?;
+        self.stream
+            .alloc_zeros::<u32>(len)
+            .during(format!("allocating {len} u32"))
+    }
+
+    /// Copies `src` into `dst` (same length); `src` may be reused when this returns.
+    ///
+    /// # Errors
+    /// Lengths that differ, a driver failure.
+    pub fn upload<T: cudarc::driver::DeviceRepr>(
+        &self,
+        src: &[T],
+        dst: &mut CudaViewMut<'_, T>,
+    ) -> Result<()> {
+        check_len("upload", "dst", src.len(), dst.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.stream.memcpy_htod(src, dst).during("upload")
+    }
+
+    /// Copies `src` to the host after every queued op, then reports bad values any op met
+    /// ([`ModelOps::check_status`]).
+    ///
+    /// # Errors
+    /// Lengths that differ, a driver failure, [`Error::DeviceStatus`].
+    pub fn download(&self, src: &CudaView<'_, f32>, dst: &mut [f32]) -> Result<()> {
+        check_len("download", "dst", src.len(), dst.len())?;
+        if dst.is_empty() {
+            return self.synchronize();
+        }
+        self.stream.memcpy_dtoh(src, dst).during("download")?;
+        self.check_status()
+    }
+
+    /// Waits for every queued op, then reports bad values ([`ModelOps::check_status`]).
+    ///
+    /// # Errors
+    /// A failure of a queued op, [`Error::DeviceStatus`].
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().during("synchronize")?;
+        self.check_status()
+    }
+
+    /// Reads the status word (waiting for the queued ops) and clears it: `Ok` when no
+    /// kernel met a bad value since the last check.
+    ///
+    /// # Errors
+    /// [`Error::DeviceStatus`] listing what was found; a driver failure.
+    pub fn check_status(&self) -> Result<()> {
+        let mut state = self.lock();
+        let mut word = [0u32; 1];
+        self.stream
+            .memcpy_dtoh(&state.status, &mut word)
+            .during("reading the status word")?;
+        if word[0] == 0 {
+            return Ok(());
+        }
+        self.stream
+            .memset_zeros(&mut state.status)
+            .during("clearing the status word")?;
+        let what: Vec<&str> = STATUS_BITS
+            .iter()
+            .filter(|(bit, _)| word[0] & bit != 0)
+            .map(|&(_, what)| what)
+            .collect();
+        Err(Error::DeviceStatus {
+            bits: word[0],
+            what: what.join("; "),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The state is plain device memory: a panic elsewhere cannot leave it half-updated
+        // in a way that matters, so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The first `len` elements of `scratch`, grown (stream-ordered) if needed.
+fn scratch<'a>(
+    scratch: &'a mut CudaSlice<f32>,
+    stream: &Arc<CudaStream>,
+    len: usize,
+) -> Result<CudaViewMut<'a, f32>> {
+    if scratch.len() < len {
+        *scratch = stream
+            .alloc_zeros::<f32>(len.next_power_of_two())
+            .during(format!("growing scratch to {len} f32"))?;
+    }
+    scratch
+        .try_slice_mut(0..len)
+        .ok_or_else(|| bad("scratch", format!("scratch of {len} elements")))
+}
+
+/// Errors unless `len` elements of `size` bytes can be asked of the allocator.
+fn check_alloc(kernel: &'static str, len: usize, size: usize) -> Result<()> {
+    if len == 0 {
+        return Err(bad(
+            kernel,
+            "len = 0: CUDA refuses empty allocations".into(),
+        ));
+    }
+    if len
+        .checked_mul(size)
+        .is_none_or(|b| b > isize::MAX as usize)
+    {
+        return Err(bad(
+            kernel,
+            format!("len = {len} exceeds the address space"),
+        ));
+    }
+    Ok(())
+}
+
+/// An argument error of `kernel`.
+pub(crate) fn bad(kernel: &'static str, message: String) -> Error {
+    Error::BadArgument { kernel, message }
+}
+
+/// Errors unless `actual == expected`, naming the argument.
+pub(crate) fn check_len(
+    kernel: &'static str,
+    what: &str,
+    expected: usize,
+    actual: usize,
+) -> Result<()> {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(bad(
+            kernel,
+            format!("`{what}` has {actual} elements, expected {expected}"),
+        ))
+    }
+}
+
+/// `a · b`, or an error naming the shape when it overflows.
+pub(crate) fn mul(kernel: &'static str, what: &str, a: usize, b: usize) -> Result<usize> {
+    a.checked_mul(b)
+        .ok_or_else(|| bad(kernel, format!("{what} = {a} × {b} overflows")))
+}
+
+/// `n` as the kernels' 64-bit index type.
+pub(crate) fn i64_of(kernel: &'static str, what: &str, n: usize) -> Result<i64> {
+    i64::try_from(n).map_err(|_| bad(kernel, format!("{what} = {n} exceeds 2^63 - 1")))
+}
+
+/// `n` as a kernel's `int` argument.
+pub(crate) fn i32_of(kernel: &'static str, what: &str, n: usize) -> Result<i32> {
+    i32::try_from(n).map_err(|_| bad(kernel, format!("{what} = {n} exceeds 2^31 - 1")))
+}
+
+/// Blocks for `units` units of work, at least 1, at most [`MAX_GRID`] (kernels loop).
+pub(crate) fn grid(units: usize) -> u32 {
+    units.clamp(1, MAX_GRID) as u32
+}
+
+/// Launch shape of a grid-stride element-wise kernel over `n` elements.
+pub(crate) fn element_cfg(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid(n.div_ceil(ELEMENT_BLOCK as usize)), 1, 1),
+        block_dim: (ELEMENT_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Launch shape of a kernel with one block of `threads` per row (grid-stride over rows).
+pub(crate) fn row_cfg(rows: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid(rows), 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_a_driver_new_is_an_error_naming_the_library() {
+        if crate::cuda_available() {
+            return; // a machine with a driver: covered by the GPU tests
+        }
+        let err = ModelOps::new(0).err().map(|e| e.to_string());
+        assert!(
+            err.as_deref()
+                .is_some_and(|m| m.contains("libcuda") && m.contains("LD_LIBRARY_PATH")),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn launch_shapes_stay_in_limits() {
+        assert_eq!(element_cfg(0).grid_dim.0, 1);
+        assert_eq!(element_cfg(257).grid_dim.0, 2);
+        assert_eq!(element_cfg(usize::MAX).grid_dim.0, MAX_GRID as u32);
+        assert_eq!(row_cfg(5, 128).grid_dim, (5, 1, 1));
+        assert!(i32_of("k", "x", 1 << 31).is_err());
+        assert!(mul("k", "x", usize::MAX, 2).is_err());
+        let e = check_len("k", "dst", 3, 4).err().map(|e| e.to_string());
+        assert_eq!(e.as_deref(), Some("k: `dst` has 4 elements, expected 3"));
+    }
+
+    #[test]
+    fn every_status_bit_has_a_message() {
+        let all = STATUS_BITS.iter().fold(0u32, |acc, (bit, _)| acc | bit);
+        assert_eq!(all, 63);
+        // The bit values match the kernel source's definitions.
+        for (bit, name) in [
+            (1, "ST_BAD_ROW"),
+            (2, "ST_BAD_TARGET"),
+            (4, "ST_BAD_ID"),
+            (8, "ST_BAD_MASK"),
+            (16, "ST_BAD_COEFF"),
+            (32, "ST_BAD_GRAD"),
+        ] {
+            assert!(
+                MODEL_OPS.code.contains(&format!("#define {name} {bit}u")),
+                "{name}"
+            );
+        }
+    }
+}

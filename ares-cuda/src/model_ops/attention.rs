@@ -1,0 +1,622 @@
+//! Causal grouped-query attention (training forward and backward, decode over a KV cache)
+//! and the KV-cache append, the twins of `ares_cpu::ops::attention`.
+//!
+//! The kernels (`model_ops.cu`) run FlashAttention-style: keys in tiles of 32 through
+//! shared memory, online softmax, nothing `[T, T]` stored; the backward recomputes the
+//! probabilities from the saved log-sum-exp in a pass over query rows (dq) and one over
+//! key rows (dk, dv), each output element written by one warp in a fixed order
+//! (deterministic). Heads of up to 256 dims are supported (three kernel variants).
+
+use super::{ModelOps, bad, check_len, grid, i32_of, i64_of, mul, scratch};
+use crate::error::{DriverContext, Result};
+use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+
+/// Warps per block of every attention kernel (`NW` in `model_ops.cu`).
+const WARPS: usize = 8;
+/// Keys per shared-memory tile (`KT`).
+const KEY_TILE: usize = 32;
+/// Rows per warp (`RW`) of the forward, dq and dk/dv kernels, per head-size class
+/// (≤ 64, ≤ 128, ≤ 256): must match the `ATTN_*` instantiations in `model_ops.cu`.
+const FWD_ROWS_PER_WARP: [usize; 3] = [2, 2, 1];
+const DQ_ROWS_PER_WARP: [usize; 3] = [1, 2, 1];
+const DKV_ROWS_PER_WARP: [usize; 3] = [1, 1, 1];
+/// Largest head size the kernels take.
+pub const MAX_HEAD_DIM: usize = 256;
+/// Opt-in limit above which a kernel must be allowed more dynamic shared memory.
+const DEFAULT_SMEM: usize = 48 * 1024;
+
+/// The sizes of an attention call: `batch` sequences of `seq` tokens (for the decode ops:
+/// new tokens per sequence), `q_heads` query heads sharing `kv_heads` key/value heads,
+/// `head_dim` features per head, logits `scale · q·k`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionShape {
+    /// Sequences.
+    pub batch: usize,
+    /// Tokens per sequence (queries; new tokens in the decode ops).
+    pub seq: usize,
+    /// Query heads, a multiple of `kv_heads`.
+    pub q_heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Features per head, `1..=256`.
+    pub head_dim: usize,
+    /// Logit multiplier, finite and > 0 (usually `1/√head_dim`).
+    pub scale: f32,
+}
+
+/// One layer's KV cache to append to: keys and values `[batch, max_len, kv_heads,
+/// head_dim]`, slots `0..len` filled in every sequence.
+pub struct KvCacheMut<'a, 'b> {
+    /// Keys.
+    pub k: &'a mut CudaViewMut<'b, f32>,
+    /// Values.
+    pub v: &'a mut CudaViewMut<'b, f32>,
+    /// Slots per sequence.
+    pub max_len: usize,
+    /// Filled slots; the new tokens go to `len..len + seq`.
+    pub len: usize,
+}
+
+/// One layer's KV cache to attend over (layout as [`KvCacheMut`]).
+pub struct KvCache<'a, 'b> {
+    /// Keys.
+    pub k: &'a CudaView<'b, f32>,
+    /// Values.
+    pub v: &'a CudaView<'b, f32>,
+    /// Slots per sequence.
+    pub max_len: usize,
+    /// Filled slots, the new queries' own keys included.
+    pub len: usize,
+    /// 0/1 validity per slot `[batch, max_len]`; `None`: every filled slot valid.
+    pub key_mask: Option<&'a CudaView<'b, f32>>,
+}
+
+/// Validated sizes.
+struct Dims {
+    /// `batch · seq`.
+    tokens: usize,
+    /// `kv_heads · head_dim`, elements of one token's keys.
+    kv_tok: usize,
+    q_len: usize,
+    kv_len: usize,
+    lse_len: usize,
+    /// Head-size class: 0 (≤ 64), 1 (≤ 128), 2 (≤ 256).
+    class: usize,
+    hq: i32,
+    hkv: i32,
+    d: i32,
+}
+
+impl AttentionShape {
+    fn dims(&self, k: &'static str) -> Result<Dims> {
+        for (what, n) in [
+            ("q_heads", self.q_heads),
+            ("kv_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+        ] {
+            if n == 0 {
+                return Err(bad(k, format!("{what} = 0 must be >= 1")));
+            }
+        }
+        if self.q_heads % self.kv_heads != 0 {
+            return Err(bad(
+                k,
+                format!(
+                    "q_heads = {} is not a multiple of kv_heads = {}",
+                    self.q_heads, self.kv_heads
+                ),
+            ));
+        }
+        if self.head_dim > MAX_HEAD_DIM {
+            return Err(bad(
+                k,
+                format!(
+                    "head_dim = {} exceeds the CUDA kernels' limit {MAX_HEAD_DIM}",
+                    self.head_dim
+                ),
+            ));
+        }
+        if !(self.scale.is_finite() && self.scale > 0.0) {
+            return Err(bad(
+                k,
+                format!("scale = {} must be finite and > 0", self.scale),
+            ));
+        }
+        let tokens = mul(k, "batch × seq", self.batch, self.seq)?;
+        // head_dim <= 256, so these products fit whenever the head counts do.
+        let q_tok = mul(k, "q_heads × head_dim", self.q_heads, self.head_dim)?;
+        let kv_tok = mul(k, "kv_heads × head_dim", self.kv_heads, self.head_dim)?;
+        mul(k, "batch × kv_heads", self.batch, self.kv_heads)?;
+        Ok(Dims {
+            tokens,
+            kv_tok,
+            q_len: mul(k, "q elements", tokens, q_tok)?,
+            kv_len: mul(k, "k/v elements", tokens, kv_tok)?,
+            lse_len: mul(k, "lse elements", tokens, self.q_heads)?,
+            class: match self.head_dim {
+                0..=64 => 0,
+                65..=128 => 1,
+                _ => 2,
+            },
+            hq: i32_of(k, "q_heads", self.q_heads)?,
+            hkv: i32_of(k, "kv_heads", self.kv_heads)?,
+            d: i32_of(k, "head_dim", self.head_dim)?,
+        })
+    }
+}
+
+/// The launch of a row-tiled attention kernel: `units` tiles per (sequence, kv head),
+/// `smem` bytes of dynamic shared memory (raising the kernel's limit past 48 KiB).
+fn attention_cfg(
+    ops: &ModelOps,
+    k: &'static str,
+    func: &CudaFunction,
+    blocks: usize,
+    smem: usize,
+) -> Result<LaunchConfig> {
+    if smem > ops.info.max_shared_per_block {
+        return Err(bad(
+            k,
+            format!(
+                "needs {smem} bytes of shared memory; this device allows {}",
+                ops.info.max_shared_per_block
+            ),
+        ));
+    }
+    if smem > DEFAULT_SMEM {
+        func.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .during(format!("{k}: raising the shared memory limit"))?;
+    }
+    Ok(LaunchConfig {
+        grid_dim: (grid(blocks), 1, 1),
+        block_dim: ((WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: smem as u32,
+    })
+}
+
+/// Bytes of dynamic shared memory of the forward and dq kernels: two key tiles (padded
+/// rows) and `row_tiles` `[rows, d]` row buffers.
+fn rows_smem(d: usize, rows: usize, row_buffers: usize) -> usize {
+    4 * (2 * KEY_TILE * (d + 1) + row_buffers * rows * d)
+}
+
+impl ModelOps {
+    /// Causal GQA forward (twin of `ares_cpu::ops::attention::attention_forward`): q `[B,
+    /// T, Hq, D]`, k/v `[B, T, Hkv, D]`, key mask `[B, T]` (0/1; `None`: all valid); writes
+    /// `out` like q and the log-sum-exp `lse` `[B, T, Hq]`. Queries without a visible key
+    /// get 0 and lse −∞; a visible non-finite score makes the row NaN. A mask value other
+    /// than 0/1 counts as 0 and is reported at the next [`ModelOps::check_status`].
+    ///
+    /// # Errors
+    /// Invalid head counts, head size or scale, lengths that do not match.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        shape: AttentionShape,
+        q: &CudaView<'_, f32>,
+        k: &CudaView<'_, f32>,
+        v: &CudaView<'_, f32>,
+        key_mask: Option<&CudaView<'_, f32>>,
+        out: &mut CudaViewMut<'_, f32>,
+        lse: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "attention";
+        let dims = shape.dims(K)?;
+        check_len(K, "q", dims.q_len, q.len())?;
+        check_len(K, "k", dims.kv_len, k.len())?;
+        check_len(K, "v", dims.kv_len, v.len())?;
+        check_len(K, "out", dims.q_len, out.len())?;
+        check_len(K, "lse", dims.lse_len, lse.len())?;
+        if let Some(m) = key_mask {
+            check_len(K, "key_mask", dims.tokens, m.len())?;
+        }
+        if dims.q_len == 0 {
+            return Ok(());
+        }
+        self.attend(
+            K,
+            shape,
+            &dims,
+            Attend {
+                q,
+                k,
+                v,
+                key_mask,
+                kv_seq: shape.seq,
+                pos0: 0,
+            },
+            out,
+            Some(lse),
+        )
+    }
+
+    /// Attention of `shape.seq` new queries per sequence over a KV cache that already
+    /// holds their keys (twin of `ares_cpu::ops::attention::attention_decode` with one
+    /// shared `len`): query `i` sits at slot `len − seq + i` and attends the valid slots at
+    /// or before it. Forward only; a query without a valid slot gets 0.
+    ///
+    /// # Errors
+    /// As [`ModelOps::attention`]; `cache.len` outside `[seq, max_len]`, cache lengths.
+    pub fn attention_decode(
+        &self,
+        shape: AttentionShape,
+        q: &CudaView<'_, f32>,
+        cache: KvCache<'_, '_>,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "attention_decode";
+        let dims = shape.dims(K)?;
+        check_len(K, "q", dims.q_len, q.len())?;
+        check_len(K, "out", dims.q_len, out.len())?;
+        let slots = mul(K, "batch × max_len", shape.batch, cache.max_len)?;
+        let cache_len = mul(K, "cache elements", slots, dims.kv_tok)?;
+        check_len(K, "k_cache", cache_len, cache.k.len())?;
+        check_len(K, "v_cache", cache_len, cache.v.len())?;
+        if let Some(m) = cache.key_mask {
+            check_len(K, "key_mask", slots, m.len())?;
+        }
+        if cache.len < shape.seq || cache.len > cache.max_len {
+            return Err(bad(
+                K,
+                format!(
+                    "cache len = {} must be in [seq = {}, max_len = {}] (append the new keys first)",
+                    cache.len, shape.seq, cache.max_len
+                ),
+            ));
+        }
+        if dims.q_len == 0 {
+            return Ok(());
+        }
+        self.attend(
+            K,
+            shape,
+            &dims,
+            Attend {
+                q,
+                k: cache.k,
+                v: cache.v,
+                key_mask: cache.key_mask,
+                kv_seq: cache.max_len,
+                pos0: cache.len - shape.seq,
+            },
+            out,
+            None,
+        )
+    }
+
+    /// Launches the forward kernel.
+    fn attend(
+        &self,
+        k: &'static str,
+        shape: AttentionShape,
+        dims: &Dims,
+        a: Attend<'_, '_>,
+        out: &mut CudaViewMut<'_, f32>,
+        lse: Option<&mut CudaViewMut<'_, f32>>,
+    ) -> Result<()> {
+        let group = shape.q_heads / shape.kv_heads;
+        let rows = WARPS * FWD_ROWS_PER_WARP[dims.class];
+        let rows_bg = mul(k, "seq × group", shape.seq, group)?;
+        let blocks = mul(
+            k,
+            "attention blocks",
+            shape.batch * shape.kv_heads,
+            rows_bg.div_ceil(rows),
+        )?;
+        let func = &self.f.attention_fwd[dims.class];
+        let cfg = attention_cfg(self, k, func, blocks, rows_smem(shape.head_dim, rows, 1))?;
+        let (b64, qs64, ks64, p64) = (
+            i64_of(k, "batch", shape.batch)?,
+            i64_of(k, "seq", shape.seq)?,
+            i64_of(k, "kv slots", a.kv_seq)?,
+            i64_of(k, "pos0", a.pos0)?,
+        );
+        let null = 0u64;
+        let mut state = self.lock();
+        let mut l = self.stream.launch_builder(func);
+        l.arg(a.q).arg(a.k).arg(a.v);
+        match a.key_mask {
+            Some(m) => l.arg(m),
+            None => l.arg(&null),
+        };
+        l.arg(&b64)
+            .arg(&qs64)
+            .arg(&ks64)
+            .arg(&p64)
+            .arg(&dims.hq)
+            .arg(&dims.hkv)
+            .arg(&dims.d)
+            .arg(&shape.scale)
+            .arg(out);
+        match lse {
+            Some(lse) => l.arg(lse),
+            None => l.arg(&null),
+        };
+        l.arg(&mut state.status);
+        // SAFETY: argument order as the `ATTN_FWD` kernels; every length was checked
+        // against the shape by the caller, and the grid/shared memory match the variant.
+        unsafe { l.launch(cfg) }.during(k)?;
+        Ok(())
+    }
+
+    /// Causal GQA backward (twin of `ares_cpu::ops::attention::attention_backward`) from
+    /// `dout` and the forward's `out` and `lse`: **overwrites** `dq`, `dk`, `dv` (dk and dv
+    /// summed over each kv head's query heads). Rows without a visible key and masked
+    /// keys get zero gradients.
+    ///
+    /// # Errors
+    /// As [`ModelOps::attention`], and lengths of `out`, `lse`, `dout` and the gradients.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_backward(
+        &self,
+        shape: AttentionShape,
+        q: &CudaView<'_, f32>,
+        k: &CudaView<'_, f32>,
+        v: &CudaView<'_, f32>,
+        key_mask: Option<&CudaView<'_, f32>>,
+        saved: AttentionSaved<'_, '_>,
+        grads: AttentionGradsMut<'_, '_>,
+    ) -> Result<()> {
+        const K: &str = "attention_backward";
+        let dims = shape.dims(K)?;
+        check_len(K, "q", dims.q_len, q.len())?;
+        check_len(K, "k", dims.kv_len, k.len())?;
+        check_len(K, "v", dims.kv_len, v.len())?;
+        if let Some(m) = key_mask {
+            check_len(K, "key_mask", dims.tokens, m.len())?;
+        }
+        check_len(K, "out", dims.q_len, saved.out.len())?;
+        check_len(K, "lse", dims.lse_len, saved.lse.len())?;
+        check_len(K, "dout", dims.q_len, saved.dout.len())?;
+        check_len(K, "dq", dims.q_len, grads.dq.len())?;
+        check_len(K, "dk", dims.kv_len, grads.dk.len())?;
+        check_len(K, "dv", dims.kv_len, grads.dv.len())?;
+        if dims.q_len == 0 {
+            return Ok(());
+        }
+        let group = shape.q_heads / shape.kv_heads;
+        let (b64, s64) = (
+            i64_of(K, "batch", shape.batch)?,
+            i64_of(K, "seq", shape.seq)?,
+        );
+        let rows64 = i64_of(K, "lse rows", dims.lse_len)?;
+        let null = 0u64;
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        let mut delta = scratch(&mut state.scratch, &self.stream, dims.lse_len)?;
+        {
+            // δ = Σ dout·out per (token, head) row; one warp per row.
+            let mut l = self.stream.launch_builder(&self.f.attention_bwd_delta);
+            l.arg(saved.dout)
+                .arg(saved.out)
+                .arg(&rows64)
+                .arg(&dims.d)
+                .arg(&mut delta);
+            let cfg = LaunchConfig {
+                grid_dim: (grid(dims.lse_len.div_ceil(WARPS)), 1, 1),
+                block_dim: ((WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument order as `attention_bwd_delta`; dout/out hold rows × d,
+            // delta rows.
+            unsafe { l.launch(cfg) }.during(format!("{K}: delta"))?;
+        }
+        let delta = delta.as_view();
+        let status = &mut state.status;
+        {
+            let rows = WARPS * DQ_ROWS_PER_WARP[dims.class];
+            let rows_bg = mul(K, "seq × group", shape.seq, group)?;
+            let blocks = mul(
+                K,
+                "attention blocks",
+                shape.batch * shape.kv_heads,
+                rows_bg.div_ceil(rows),
+            )?;
+            let func = &self.f.attention_bwd_dq[dims.class];
+            let cfg = attention_cfg(self, K, func, blocks, rows_smem(shape.head_dim, rows, 2))?;
+            let mut l = self.stream.launch_builder(func);
+            l.arg(q).arg(k).arg(v);
+            match key_mask {
+                Some(m) => l.arg(m),
+                None => l.arg(&null),
+            };
+            l.arg(&b64)
+                .arg(&s64)
+                .arg(&dims.hq)
+                .arg(&dims.hkv)
+                .arg(&dims.d)
+                .arg(&shape.scale)
+                .arg(saved.lse)
+                .arg(&delta)
+                .arg(saved.dout)
+                .arg(grads.dq)
+                .arg(&mut *status);
+            // SAFETY: argument order as the `ATTN_BWD_DQ` kernels; lengths checked above.
+            unsafe { l.launch(cfg) }.during(format!("{K}: dq"))?;
+        }
+        let key_rows = WARPS * DKV_ROWS_PER_WARP[dims.class];
+        let blocks = mul(
+            K,
+            "attention blocks",
+            shape.batch * shape.kv_heads,
+            shape.seq.div_ceil(key_rows),
+        )?;
+        let func = &self.f.attention_bwd_dkv[dims.class];
+        let d = shape.head_dim;
+        let smem = 4 * (2 * 32 * (d + 1) + 2 * key_rows * d);
+        let cfg = attention_cfg(self, K, func, blocks, smem)?;
+        let mut l = self.stream.launch_builder(func);
+        l.arg(q).arg(k).arg(v);
+        match key_mask {
+            Some(m) => l.arg(m),
+            None => l.arg(&null),
+        };
+        l.arg(&b64)
+            .arg(&s64)
+            .arg(&dims.hq)
+            .arg(&dims.hkv)
+            .arg(&dims.d)
+            .arg(&shape.scale)
+            .arg(saved.lse)
+            .arg(&delta)
+            .arg(saved.dout)
+            .arg(grads.dk)
+            .arg(grads.dv)
+            .arg(status);
+        // SAFETY: argument order as the `ATTN_BWD_DKV` kernels; lengths checked above.
+        unsafe { l.launch(cfg) }.during(format!("{K}: dk, dv"))?;
+        Ok(())
+    }
+
+    /// Appends `shape.seq` new tokens per sequence to one layer's KV cache (twin of
+    /// `ares_cpu::ops::attention::kv_cache_append` with one shared `len`):
+    /// `cache.k[b, len + i] = k_new[b, i]` (and v), `k_new`, `v_new` `[batch, seq,
+    /// kv_heads, head_dim]`. The caller advances `len`.
+    ///
+    /// # Errors
+    /// Invalid head counts, lengths that do not match, `len + seq > max_len`.
+    pub fn kv_cache_append(
+        &self,
+        shape: AttentionShape,
+        k_new: &CudaView<'_, f32>,
+        v_new: &CudaView<'_, f32>,
+        cache: KvCacheMut<'_, '_>,
+    ) -> Result<()> {
+        const K: &str = "kv_cache_append";
+        let dims = shape.dims(K)?;
+        check_len(K, "k_new", dims.kv_len, k_new.len())?;
+        check_len(K, "v_new", dims.kv_len, v_new.len())?;
+        let tok = dims.kv_tok;
+        let slots = mul(K, "batch × max_len", shape.batch, cache.max_len)?;
+        let cache_len = mul(K, "cache elements", slots, tok)?;
+        check_len(K, "k_cache", cache_len, cache.k.len())?;
+        check_len(K, "v_cache", cache_len, cache.v.len())?;
+        if cache.len > cache.max_len.saturating_sub(shape.seq) {
+            return Err(bad(
+                K,
+                format!(
+                    "cache len = {} + {} new tokens exceeds max_len = {} (the cache is full)",
+                    cache.len, shape.seq, cache.max_len
+                ),
+            ));
+        }
+        if dims.kv_len == 0 {
+            return Ok(());
+        }
+        let args = [
+            i64_of(K, "batch", shape.batch)?,
+            i64_of(K, "seq", shape.seq)?,
+            i64_of(K, "kv_heads × head_dim", tok)?,
+            i64_of(K, "max_len", cache.max_len)?,
+            i64_of(K, "len", cache.len)?,
+        ];
+        let mut l = self.stream.launch_builder(&self.f.kv_append);
+        l.arg(k_new).arg(v_new);
+        for a in &args {
+            l.arg(a);
+        }
+        l.arg(cache.k).arg(cache.v);
+        // SAFETY: argument order as `kv_append`; lengths and the free room checked above.
+        unsafe { l.launch(super::element_cfg(dims.kv_len)) }.during(K)?;
+        Ok(())
+    }
+}
+
+/// Inputs of the forward launch.
+struct Attend<'a, 'b> {
+    q: &'a CudaView<'b, f32>,
+    k: &'a CudaView<'b, f32>,
+    v: &'a CudaView<'b, f32>,
+    key_mask: Option<&'a CudaView<'b, f32>>,
+    /// Token slots per sequence in k/v (seq in training, max_len in decoding).
+    kv_seq: usize,
+    /// Slot of the first query.
+    pos0: usize,
+}
+
+/// What [`ModelOps::attention_backward`] reads besides the inputs.
+pub struct AttentionSaved<'a, 'b> {
+    /// The forward output `[B, T, Hq, D]`.
+    pub out: &'a CudaView<'b, f32>,
+    /// The forward log-sum-exp `[B, T, Hq]`.
+    pub lse: &'a CudaView<'b, f32>,
+    /// `∂L/∂out` `[B, T, Hq, D]`.
+    pub dout: &'a CudaView<'b, f32>,
+}
+
+/// The gradients [`ModelOps::attention_backward`] writes (overwritten).
+pub struct AttentionGradsMut<'a, 'b> {
+    /// `∂L/∂q` `[B, T, Hq, D]`.
+    pub dq: &'a mut CudaViewMut<'b, f32>,
+    /// `∂L/∂k` `[B, T, Hkv, D]`.
+    pub dk: &'a mut CudaViewMut<'b, f32>,
+    /// `∂L/∂v` `[B, T, Hkv, D]`.
+    pub dv: &'a mut CudaViewMut<'b, f32>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::MODEL_OPS;
+
+    /// The launch geometry here must be the one the kernels were instantiated with.
+    #[test]
+    fn launch_constants_match_the_kernel_source() {
+        let src = MODEL_OPS.code;
+        assert!(src.contains(&format!("#define NW {WARPS}\n")), "NW");
+        assert!(src.contains(&format!("#define KT {KEY_TILE}\n")), "KT");
+        let dpl = [2, 4, 8];
+        for (class, d) in [64, 128, 256].iter().enumerate() {
+            for (mac, kernel, rw) in [
+                ("ATTN_FWD", "attention_fwd", FWD_ROWS_PER_WARP[class]),
+                ("ATTN_BWD_DQ", "attention_bwd_dq", DQ_ROWS_PER_WARP[class]),
+                (
+                    "ATTN_BWD_DKV",
+                    "attention_bwd_dkv",
+                    DKV_ROWS_PER_WARP[class],
+                ),
+            ] {
+                let line = format!("{mac}({kernel}_d{d}, {}, {rw})", dpl[class]);
+                assert!(src.contains(&line), "missing `{line}` in model_ops.cu");
+            }
+        }
+    }
+
+    #[test]
+    fn shapes_are_checked_with_named_errors() {
+        let ok = AttentionShape {
+            batch: 2,
+            seq: 3,
+            q_heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            scale: 0.5,
+        };
+        let d = ok.dims("t").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((d.q_len, d.kv_len, d.lse_len, d.class), (192, 96, 24, 0));
+        let msg = |s: AttentionShape| s.dims("t").err().map(|e| e.to_string());
+        let bad_group = AttentionShape { kv_heads: 3, ..ok };
+        assert!(msg(bad_group).is_some_and(|m| m.contains("not a multiple of kv_heads = 3")));
+        let too_wide = AttentionShape {
+            head_dim: 320,
+            ..ok
+        };
+        assert!(msg(too_wide).is_some_and(|m| m.contains("head_dim = 320")));
+        let no_scale = AttentionShape {
+            scale: f32::NAN,
+            ..ok
+        };
+        assert!(msg(no_scale).is_some_and(|m| m.contains("scale")));
+        let zero = AttentionShape { q_heads: 0, ..ok };
+        assert!(msg(zero).is_some_and(|m| m.contains("q_heads = 0")));
+        let huge = AttentionShape {
+            batch: usize::MAX,
+            ..ok
+        };
+        assert!(msg(huge).is_some_and(|m| m.contains("overflows")));
+        assert_eq!(rows_smem(64, 16, 1), 4 * (2 * 32 * 65 + 16 * 64));
+    }
+}

@@ -1,0 +1,362 @@
+//! Element-wise and gather/scatter ops: fill, add, scale, SwiGLU, RoPE, transpose,
+//! embedding forward/backward.
+
+use super::{ModelOps, bad, check_len, element_cfg, i32_of, i64_of, mul, row_cfg};
+use crate::error::{DriverContext, Result};
+use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+
+/// Threads per token of the embedding and RoPE kernels.
+const TOKEN_BLOCK: u32 = 256;
+
+impl ModelOps {
+    /// Sets every element of `dst` to `value`.
+    ///
+    /// # Errors
+    /// A launch failure.
+    pub fn fill(&self, dst: &mut CudaViewMut<'_, f32>, value: f32) -> Result<()> {
+        const K: &str = "fill";
+        let n = dst.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = i64_of(K, "len", n)?;
+        let mut b = self.stream.launch_builder(&self.f.fill);
+        b.arg(dst).arg(&n64).arg(&value);
+        // SAFETY: (dst, n, value) as `fill_f32` declares them; dst holds n elements.
+        unsafe { b.launch(element_cfg(n)) }.during(K)?;
+        Ok(())
+    }
+
+    /// `out = a + b`, element-wise (twin of the CPU backend's `add`).
+    ///
+    /// # Errors
+    /// Lengths that differ.
+    pub fn add(
+        &self,
+        a: &CudaView<'_, f32>,
+        b: &CudaView<'_, f32>,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "add";
+        let n = a.len();
+        check_len(K, "b", n, b.len())?;
+        check_len(K, "out", n, out.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = i64_of(K, "len", n)?;
+        let mut l = self.stream.launch_builder(&self.f.add);
+        l.arg(a).arg(b).arg(out).arg(&n64);
+        // SAFETY: (a, b, out, n) as `add_f32` declares them; lengths checked above.
+        unsafe { l.launch(element_cfg(n)) }.during(K)?;
+        Ok(())
+    }
+
+    /// `x *= s`, element-wise, in place.
+    ///
+    /// # Errors
+    /// A launch failure.
+    pub fn scale(&self, x: &mut CudaViewMut<'_, f32>, s: f32) -> Result<()> {
+        const K: &str = "scale";
+        let n = x.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = i64_of(K, "len", n)?;
+        let mut l = self.stream.launch_builder(&self.f.scale);
+        l.arg(x).arg(&n64).arg(&s);
+        // SAFETY: (x, n, s) as `scale_f32` declares them.
+        unsafe { l.launch(element_cfg(n)) }.during(K)?;
+        Ok(())
+    }
+
+    /// SwiGLU `out = silu(gate)·up` (twin of `ares_cpu::ops::swiglu::swiglu_forward`).
+    ///
+    /// # Errors
+    /// Lengths that differ.
+    pub fn swiglu(
+        &self,
+        gate: &CudaView<'_, f32>,
+        up: &CudaView<'_, f32>,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "swiglu";
+        let n = gate.len();
+        check_len(K, "up", n, up.len())?;
+        check_len(K, "out", n, out.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = i64_of(K, "len", n)?;
+        let mut l = self.stream.launch_builder(&self.f.swiglu_fwd);
+        l.arg(gate).arg(up).arg(out).arg(&n64);
+        // SAFETY: (gate, up, out, n) as `swiglu_fwd` declares them; lengths checked.
+        unsafe { l.launch(element_cfg(n)) }.during(K)?;
+        Ok(())
+    }
+
+    /// SwiGLU backward, overwriting `dgate` and `dup` (twin of
+    /// `ares_cpu::ops::swiglu::swiglu_backward`, same order of operations).
+    ///
+    /// # Errors
+    /// Lengths that differ.
+    pub fn swiglu_backward(
+        &self,
+        dout: &CudaView<'_, f32>,
+        gate: &CudaView<'_, f32>,
+        up: &CudaView<'_, f32>,
+        dgate: &mut CudaViewMut<'_, f32>,
+        dup: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "swiglu_backward";
+        let n = gate.len();
+        check_len(K, "dout", n, dout.len())?;
+        check_len(K, "up", n, up.len())?;
+        check_len(K, "dgate", n, dgate.len())?;
+        check_len(K, "dup", n, dup.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = i64_of(K, "len", n)?;
+        let mut l = self.stream.launch_builder(&self.f.swiglu_bwd);
+        l.arg(dout).arg(gate).arg(up).arg(dgate).arg(dup).arg(&n64);
+        // SAFETY: argument order as `swiglu_bwd`; lengths checked above.
+        unsafe { l.launch(element_cfg(n)) }.during(K)?;
+        Ok(())
+    }
+
+    /// RoPE in place on `x` `[tokens, heads, head_dim]` with `cos`, `sin` `[tokens,
+    /// head_dim/2]` (twin of `ares_cpu::ops::rope::rope_forward`, bit for bit: separately
+    /// rounded products).
+    ///
+    /// # Errors
+    /// `head_dim` odd or 0, `heads` 0, lengths that do not match.
+    pub fn rope(
+        &self,
+        x: &mut CudaViewMut<'_, f32>,
+        cos: &CudaView<'_, f32>,
+        sin: &CudaView<'_, f32>,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        self.rotate("rope", x, cos, sin, heads, head_dim, false)
+    }
+
+    /// Backward of [`ModelOps::rope`], in place: the inverse rotation (twin of
+    /// `ares_cpu::ops::rope::rope_backward`).
+    ///
+    /// # Errors
+    /// As [`ModelOps::rope`].
+    pub fn rope_backward(
+        &self,
+        dx: &mut CudaViewMut<'_, f32>,
+        cos: &CudaView<'_, f32>,
+        sin: &CudaView<'_, f32>,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        self.rotate("rope_backward", dx, cos, sin, heads, head_dim, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn rotate(
+        &self,
+        k: &'static str,
+        x: &mut CudaViewMut<'_, f32>,
+        cos: &CudaView<'_, f32>,
+        sin: &CudaView<'_, f32>,
+        heads: usize,
+        head_dim: usize,
+        inverse: bool,
+    ) -> Result<()> {
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(bad(
+                k,
+                format!("head_dim = {head_dim} must be even and >= 2"),
+            ));
+        }
+        if heads == 0 {
+            return Err(bad(k, "heads = 0 must be >= 1".into()));
+        }
+        let stride = mul(k, "heads × head_dim", heads, head_dim)?;
+        if x.len() % stride != 0 {
+            return Err(bad(
+                k,
+                format!(
+                    "`x` has {} elements, not a multiple of heads × head_dim = {stride}",
+                    x.len()
+                ),
+            ));
+        }
+        let tokens = x.len() / stride;
+        let half = head_dim / 2;
+        check_len(k, "cos", tokens * half, cos.len())?;
+        check_len(k, "sin", tokens * half, sin.len())?;
+        if tokens == 0 {
+            return Ok(());
+        }
+        // Pairs of one token are indexed with `int` in the kernel.
+        let _ = i32_of(k, "heads × head_dim", stride)?;
+        let (t64, h32, d32) = (
+            i64_of(k, "tokens", tokens)?,
+            i32_of(k, "heads", heads)?,
+            i32_of(k, "head_dim", head_dim)?,
+        );
+        let inv = i32::from(inverse);
+        let mut l = self.stream.launch_builder(&self.f.rope);
+        l.arg(x)
+            .arg(cos)
+            .arg(sin)
+            .arg(&t64)
+            .arg(&h32)
+            .arg(&d32)
+            .arg(&inv);
+        // SAFETY: argument order as `rope`; lengths checked above.
+        unsafe { l.launch(row_cfg(tokens, TOKEN_BLOCK)) }.during(k)?;
+        Ok(())
+    }
+
+    /// `dst[cols, rows] = src[rows, cols]ᵀ` (twin of `ares_cpu::ops::matmul::transpose`).
+    ///
+    /// # Errors
+    /// `src` or `dst` not `rows · cols` long.
+    pub fn transpose(
+        &self,
+        src: &CudaView<'_, f32>,
+        rows: usize,
+        cols: usize,
+        dst: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "transpose";
+        let n = mul(K, "rows × cols", rows, cols)?;
+        check_len(K, "src", n, src.len())?;
+        check_len(K, "dst", n, dst.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let col_tiles = u32::try_from(cols.div_ceil(32))
+            .ok()
+            .filter(|&t| t <= i32::MAX as u32)
+            .ok_or_else(|| bad(K, format!("cols = {cols} exceeds the grid")))?;
+        let row_tiles = rows.div_ceil(32).clamp(1, 65_535) as u32;
+        let (r64, c64) = (i64_of(K, "rows", rows)?, i64_of(K, "cols", cols)?);
+        let mut l = self.stream.launch_builder(&self.f.transpose);
+        l.arg(src).arg(&r64).arg(&c64).arg(dst);
+        let cfg = LaunchConfig {
+            grid_dim: (col_tiles, row_tiles, 1),
+            block_dim: (32, 8, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: argument order as `transpose_f32`; lengths checked above.
+        unsafe { l.launch(cfg) }.during(K)?;
+        Ok(())
+    }
+
+    /// Row gather `out[t, :] = table[ids[t], :]`, `table` `[rows, dim]`, `out` `[ids.len(),
+    /// dim]` (twin of `ares_cpu::ops::embedding::embedding_forward`). An id `>= rows` gives
+    /// a NaN row and is reported at the next [`ModelOps::check_status`].
+    ///
+    /// # Errors
+    /// Lengths that do not match.
+    pub fn embedding(
+        &self,
+        ids: &CudaView<'_, u32>,
+        table: &CudaView<'_, f32>,
+        rows: usize,
+        dim: usize,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "embedding";
+        let tokens = ids.len();
+        check_len(K, "table", mul(K, "rows × dim", rows, dim)?, table.len())?;
+        check_len(K, "out", mul(K, "tokens × dim", tokens, dim)?, out.len())?;
+        if tokens == 0 || dim == 0 {
+            return Ok(());
+        }
+        let (r64, d64, t64) = (
+            i64_of(K, "rows", rows)?,
+            i64_of(K, "dim", dim)?,
+            i64_of(K, "tokens", tokens)?,
+        );
+        let mut state = self.lock();
+        let mut l = self.stream.launch_builder(&self.f.embedding_fwd);
+        l.arg(ids)
+            .arg(table)
+            .arg(&r64)
+            .arg(&d64)
+            .arg(&t64)
+            .arg(out)
+            .arg(&mut state.status);
+        // SAFETY: argument order as `embedding_fwd`; lengths checked, ids range-checked on
+        // the device.
+        unsafe { l.launch(row_cfg(tokens, TOKEN_BLOCK)) }.during(K)?;
+        Ok(())
+    }
+
+    /// Backward of [`ModelOps::embedding`]: `dtable[ids[t], :] += dout[t, :]`,
+    /// **accumulating**, deterministic (each table row sums its tokens in token order, the
+    /// CPU's order: bit for bit `ares_cpu::ops::embedding::embedding_backward`). Ids
+    /// `>= rows` are skipped and reported at the next [`ModelOps::check_status`].
+    ///
+    /// # Errors
+    /// Lengths that do not match.
+    pub fn embedding_backward(
+        &self,
+        ids: &CudaView<'_, u32>,
+        dout: &CudaView<'_, f32>,
+        rows: usize,
+        dim: usize,
+        dtable: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "embedding_backward";
+        let tokens = ids.len();
+        check_len(K, "dtable", mul(K, "rows × dim", rows, dim)?, dtable.len())?;
+        check_len(K, "dout", mul(K, "tokens × dim", tokens, dim)?, dout.len())?;
+        if tokens == 0 || dim == 0 {
+            return Ok(());
+        }
+        let (r64, d64, t64) = (
+            i64_of(K, "rows", rows)?,
+            i64_of(K, "dim", dim)?,
+            i64_of(K, "tokens", tokens)?,
+        );
+        let mut state = self.lock();
+        let mut l = self.stream.launch_builder(&self.f.embedding_bwd);
+        l.arg(ids)
+            .arg(dout)
+            .arg(&r64)
+            .arg(&d64)
+            .arg(&t64)
+            .arg(dtable)
+            .arg(&mut state.status);
+        // SAFETY: argument order as `embedding_bwd`; lengths checked above.
+        unsafe { l.launch(row_cfg(tokens, TOKEN_BLOCK)) }.during(K)?;
+        Ok(())
+    }
+
+    /// `out[r, :] += bias` for the `rows = out.len() / bias.len()` rows of `out`.
+    pub(crate) fn bias_add(
+        &self,
+        out: &mut CudaViewMut<'_, f32>,
+        bias: &CudaView<'_, f32>,
+        rows: usize,
+    ) -> Result<()> {
+        const K: &str = "linear bias";
+        let cols = bias.len();
+        check_len(
+            K,
+            "out",
+            mul(K, "rows × out_features", rows, cols)?,
+            out.len(),
+        )?;
+        if rows == 0 || cols == 0 {
+            return Ok(());
+        }
+        let (r64, c64) = (i64_of(K, "rows", rows)?, i64_of(K, "cols", cols)?);
+        let mut l = self.stream.launch_builder(&self.f.bias_add);
+        l.arg(out).arg(bias).arg(&r64).arg(&c64);
+        // SAFETY: argument order as `bias_add`; lengths checked above.
+        unsafe { l.launch(row_cfg(rows, TOKEN_BLOCK)) }.during(K)?;
+        Ok(())
+    }
+}

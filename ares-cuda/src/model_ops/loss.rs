@@ -1,0 +1,134 @@
+//! The loss head's ops over logits rows: fused log-prob + entropy (forward) and the
+//! gradient of the per-token log-prob (backward), one block per row, no `[rows, vocab]`
+//! temporary.
+
+use super::{ModelOps, bad, check_len, i64_of, mul};
+use crate::error::{DriverContext, Result};
+use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+
+/// Threads per row.
+const ROW_BLOCK: u32 = 512;
+
+/// Checks `vocab` and the temperature; returns `1 / temperature`.
+fn check_head(k: &'static str, vocab: usize, temperature: f32) -> Result<f32> {
+    if vocab == 0 || vocab > u32::MAX as usize {
+        return Err(bad(k, format!("vocab = {vocab} must be in 1..=2^32-1")));
+    }
+    let inv_t = 1.0 / temperature;
+    if !(temperature.is_finite() && temperature > 0.0 && inv_t.is_finite()) {
+        return Err(bad(
+            k,
+            format!("temperature = {temperature} must be finite and > 0"),
+        ));
+    }
+    Ok(inv_t)
+}
+
+/// One block per row; rows beyond the grid limit are refused (the kernels index rows by
+/// block).
+fn rows_cfg(k: &'static str, rows: usize) -> Result<LaunchConfig> {
+    let grid = u32::try_from(rows)
+        .ok()
+        .filter(|&r| r <= i32::MAX as u32)
+        .ok_or_else(|| bad(k, format!("{rows} rows exceed the grid limit 2^31 - 1")))?;
+    Ok(LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (ROW_BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    })
+}
+
+impl ModelOps {
+    /// Per row of `logits` `[rows, vocab]` (rows = `targets.len()`), with `z = logits /
+    /// temperature`: `entropy[row]` = entropy of `softmax(z)`, `log_prob[row]` = `log
+    /// softmax(z)[targets[row]]` (twin of `ares_cpu::log_prob_entropy`; the token kernel
+    /// `log_prob_entropy_f32`). Rows holding NaN/+∞, only −∞, or a target out of range
+    /// give NaN and are reported at the next [`ModelOps::check_status`].
+    ///
+    /// # Errors
+    /// Lengths that do not match, `vocab` 0, a temperature not finite and > 0.
+    pub fn log_prob_entropy(
+        &self,
+        logits: &CudaView<'_, f32>,
+        vocab: usize,
+        temperature: f32,
+        targets: &CudaView<'_, u32>,
+        log_prob: &mut CudaViewMut<'_, f32>,
+        entropy: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "log_prob_entropy";
+        let inv_t = check_head(K, vocab, temperature)?;
+        let rows = targets.len();
+        check_len(
+            K,
+            "logits",
+            mul(K, "rows × vocab", rows, vocab)?,
+            logits.len(),
+        )?;
+        check_len(K, "log_prob", rows, log_prob.len())?;
+        check_len(K, "entropy", rows, entropy.len())?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let cfg = rows_cfg(K, rows)?;
+        let v64 = i64_of(K, "vocab", vocab)?;
+        let mut state = self.lock();
+        let mut l = self.stream.launch_builder(&self.f.log_prob_entropy);
+        l.arg(logits)
+            .arg(&v64)
+            .arg(&inv_t)
+            .arg(targets)
+            .arg(log_prob)
+            .arg(entropy)
+            .arg(&mut state.status);
+        // SAFETY: argument order as `log_prob_entropy_f32` in token_kernels.cu; lengths
+        // checked above.
+        unsafe { l.launch(cfg) }.during(K)?;
+        Ok(())
+    }
+
+    /// Backward of the per-token log-prob (twin of
+    /// `ares_cpu::ops::log_prob_backward::log_prob_backward`): per row, with `z = logits /
+    /// temperature` and `g = coeffs[row]`, `dlogits[row] = g/temperature·(onehot(target) −
+    /// softmax(z))`, **overwriting**; rows with `g = 0` are zero and their logits unread.
+    /// A non-finite coefficient, a bad row or target (for `g ≠ 0`) gives a NaN row,
+    /// reported at the next [`ModelOps::check_status`].
+    ///
+    /// # Errors
+    /// Lengths that do not match, `vocab` 0, a temperature not finite and > 0.
+    pub fn log_prob_backward(
+        &self,
+        logits: &CudaView<'_, f32>,
+        vocab: usize,
+        temperature: f32,
+        targets: &CudaView<'_, u32>,
+        coeffs: &CudaView<'_, f32>,
+        dlogits: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "log_prob_backward";
+        let inv_t = check_head(K, vocab, temperature)?;
+        let rows = targets.len();
+        let n = mul(K, "rows × vocab", rows, vocab)?;
+        check_len(K, "logits", n, logits.len())?;
+        check_len(K, "dlogits", n, dlogits.len())?;
+        check_len(K, "coeffs", rows, coeffs.len())?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let cfg = rows_cfg(K, rows)?;
+        let (v64, r64) = (i64_of(K, "vocab", vocab)?, i64_of(K, "rows", rows)?);
+        let mut state = self.lock();
+        let mut l = self.stream.launch_builder(&self.f.log_prob_bwd);
+        l.arg(logits)
+            .arg(&v64)
+            .arg(&inv_t)
+            .arg(targets)
+            .arg(coeffs)
+            .arg(&r64)
+            .arg(dlogits)
+            .arg(&mut state.status);
+        // SAFETY: argument order as `log_prob_bwd`; lengths checked above.
+        unsafe { l.launch(cfg) }.during(K)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,284 @@
+//! The optimizer's ops: the sum of squares behind the global gradient norm, and the AdamW
+//! update, both on the device so parameters, gradients and moments never leave it.
+
+use super::{ModelOps, bad, check_len, element_cfg, i32_of, i64_of};
+use crate::error::{DriverContext, Result};
+use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+
+/// Partial sums of [`ModelOps::sum_of_squares`] at most (blocks of its first stage).
+pub(crate) const MAX_PARTIALS: usize = 1024;
+/// Elements per block of the first stage at least.
+const MIN_CHUNK: usize = 8192;
+/// Threads per block of both stages.
+const SUM_BLOCK: u32 = 256;
+
+/// One AdamW update's hyper-parameters: `torch.optim.AdamW` semantics (decoupled decay
+/// `θ ← θ·(1 − lr·wd)` first, then the bias-corrected Adam step with ε added to
+/// `√v̂`), the gradient multiplied by `grad_scale` first (global-norm clipping folded in).
+/// The twin of `ares_cpu::ops::optim::adamw_step_scaled`, whose per-step f32 constants
+/// are computed here the same way.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWStep {
+    /// Learning rate of this step, finite and `>= 0`.
+    pub lr: f64,
+    /// β1 in `[0, 1)`.
+    pub beta1: f64,
+    /// β2 in `[0, 1)`.
+    pub beta2: f64,
+    /// ε, finite and `> 0`.
+    pub eps: f64,
+    /// Decoupled weight decay, finite and `>= 0`.
+    pub weight_decay: f64,
+    /// Update number, 1 for the first (bias corrections `1 − βᵗ`).
+    pub step: u64,
+    /// Factor on the gradient, finite and `>= 0` (1 = none).
+    pub grad_scale: f32,
+}
+
+/// The per-step f32 factors of an update, as the CPU twin derives them.
+struct Consts {
+    decay: f32,
+    apply_decay: i32,
+    w1: f32,
+    one_minus_w1: f32,
+    b2: f32,
+    w2: f32,
+    neg_step_size: f32,
+    bc2_sqrt: f32,
+    eps: f32,
+}
+
+impl AdamWStep {
+    /// Checks every field; the error names the first bad one.
+    fn consts(&self) -> Result<Consts> {
+        const K: &str = "adamw_step";
+        let unit = |x: f64| (0.0..1.0).contains(&x);
+        let checks = [
+            ("beta1", self.beta1, unit(self.beta1), "in [0, 1)"),
+            ("beta2", self.beta2, unit(self.beta2), "in [0, 1)"),
+            (
+                "eps",
+                self.eps,
+                self.eps.is_finite() && self.eps > 0.0,
+                "finite and > 0",
+            ),
+            (
+                "weight_decay",
+                self.weight_decay,
+                self.weight_decay.is_finite() && self.weight_decay >= 0.0,
+                "finite and >= 0",
+            ),
+            (
+                "lr",
+                self.lr,
+                self.lr.is_finite() && self.lr >= 0.0,
+                "finite and >= 0",
+            ),
+            (
+                "grad_scale",
+                f64::from(self.grad_scale),
+                self.grad_scale.is_finite() && self.grad_scale >= 0.0,
+                "finite and >= 0",
+            ),
+        ];
+        if let Some((what, value, _, expected)) = checks.iter().find(|c| !c.2) {
+            return Err(bad(K, format!("{what} = {value} must be {expected}")));
+        }
+        if self.step == 0 {
+            return Err(bad(K, "step = 0 must be >= 1".into()));
+        }
+        let t = self.step as f64;
+        let w1 = (1.0 - self.beta1) as f32;
+        Ok(Consts {
+            decay: (1.0 - self.lr * self.weight_decay) as f32,
+            apply_decay: i32::from(self.weight_decay != 0.0),
+            w1,
+            one_minus_w1: 1.0 - w1,
+            b2: self.beta2 as f32,
+            w2: (1.0 - self.beta2) as f32,
+            neg_step_size: (-self.lr / (1.0 - self.beta1.powf(t))) as f32,
+            bc2_sqrt: (1.0 - self.beta2.powf(t)).sqrt() as f32,
+            eps: self.eps as f32,
+        })
+    }
+}
+
+impl ModelOps {
+    /// `Σ x²` accumulated in f64, deterministic (a fixed partition of `x` into at most
+    /// 1024 chunks, each summed by one block with a fixed tree, then the partials in one
+    /// block), returned to the host: **waits** for the queued ops, then reports bad values
+    /// they met ([`ModelOps::check_status`]). NaN or ±∞ anywhere gives a non-finite sum.
+    /// Twin of `ares_cpu::ops::optim::sum_of_squares_f64` (equal up to summation order).
+    ///
+    /// # Errors
+    /// A driver failure, [`crate::Error::DeviceStatus`].
+    pub fn sum_of_squares(&self, x: &CudaView<'_, f32>) -> Result<f64> {
+        const K: &str = "sum_of_squares";
+        let n = x.len();
+        if n == 0 {
+            self.synchronize()?;
+            return Ok(0.0);
+        }
+        let chunk = n.div_ceil(MAX_PARTIALS).max(MIN_CHUNK);
+        let blocks = n.div_ceil(chunk);
+        let (n64, c64, b32) = (
+            i64_of(K, "len", n)?,
+            i64_of(K, "chunk", chunk)?,
+            i32_of(K, "blocks", blocks)?,
+        );
+        let total = {
+            let mut state = self.lock();
+            let (mut partials, mut rest) = state.sums.split_at_mut(MAX_PARTIALS);
+            {
+                let mut l = self.stream.launch_builder(&self.f.sum_sq_partial);
+                l.arg(x).arg(&n64).arg(&c64).arg(&mut partials);
+                let cfg = LaunchConfig {
+                    grid_dim: (blocks as u32, 1, 1),
+                    block_dim: (SUM_BLOCK, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                // SAFETY: argument order as `sum_sq_partial`; `blocks` <= MAX_PARTIALS
+                // partial slots.
+                unsafe { l.launch(cfg) }.during(format!("{K}: partials"))?;
+            }
+            let partials = partials.as_view();
+            let mut l = self.stream.launch_builder(&self.f.sum_sq_final);
+            l.arg(&partials).arg(&b32).arg(&mut rest);
+            let cfg = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (SUM_BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument order as `sum_sq_final`; `rest` holds one f64.
+            unsafe { l.launch(cfg) }.during(format!("{K}: total"))?;
+            drop(l);
+            let mut total = [0.0f64; 1];
+            self.stream
+                .memcpy_dtoh(&rest, &mut total)
+                .during(format!("{K}: reading the sum"))?;
+            total[0]
+        };
+        self.check_status()?;
+        Ok(total)
+    }
+
+    /// One AdamW update in place (see [`AdamWStep`]). `param`, `grad`, `exp_avg` (first
+    /// moment) and `exp_avg_sq` (second moment) have the same length. A non-finite
+    /// gradient anywhere leaves all three untouched (checked on the device before the
+    /// update) and is reported at the next [`ModelOps::check_status`].
+    ///
+    /// # Errors
+    /// Lengths that differ, a hyper-parameter out of range (named).
+    pub fn adamw_step(
+        &self,
+        param: &mut CudaViewMut<'_, f32>,
+        grad: &CudaView<'_, f32>,
+        exp_avg: &mut CudaViewMut<'_, f32>,
+        exp_avg_sq: &mut CudaViewMut<'_, f32>,
+        step: &AdamWStep,
+    ) -> Result<()> {
+        const K: &str = "adamw_step";
+        let c = step.consts()?;
+        let n = param.len();
+        check_len(K, "grad", n, grad.len())?;
+        check_len(K, "exp_avg", n, exp_avg.len())?;
+        check_len(K, "exp_avg_sq", n, exp_avg_sq.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = i64_of(K, "len", n)?;
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        self.stream
+            .memset_zeros(&mut state.guard)
+            .during(format!("{K}: clearing the guard"))?;
+        {
+            let mut l = self.stream.launch_builder(&self.f.adamw_check);
+            l.arg(grad)
+                .arg(&n64)
+                .arg(&mut state.guard)
+                .arg(&mut state.status);
+            // SAFETY: argument order as `adamw_check`.
+            unsafe { l.launch(element_cfg(n)) }.during(format!("{K}: check"))?;
+        }
+        let scale = step.grad_scale;
+        let mut l = self.stream.launch_builder(&self.f.adamw_update);
+        l.arg(param)
+            .arg(grad)
+            .arg(exp_avg)
+            .arg(exp_avg_sq)
+            .arg(&n64)
+            .arg(&scale)
+            .arg(&c.decay)
+            .arg(&c.apply_decay)
+            .arg(&c.w1)
+            .arg(&c.one_minus_w1)
+            .arg(&c.b2)
+            .arg(&c.w2)
+            .arg(&c.neg_step_size)
+            .arg(&c.bc2_sqrt)
+            .arg(&c.eps)
+            .arg(&state.guard);
+        // SAFETY: argument order as `adamw_update`; lengths checked above.
+        unsafe { l.launch(element_cfg(n)) }.during(format!("{K}: update"))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn torch_defaults(step: u64) -> AdamWStep {
+        AdamWStep {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            step,
+            grad_scale: 1.0,
+        }
+    }
+
+    #[test]
+    fn per_step_constants_are_the_cpu_twins() {
+        // step 2: bias corrections 1 − 0.9² = 0.19 and √(1 − 0.999²) = √0.001999.
+        let c = torch_defaults(2).consts().unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(c.decay, (1.0 - 1e-3 * 0.01) as f32);
+        assert_eq!(c.apply_decay, 1);
+        assert_eq!(c.w1, 0.1f64 as f32);
+        assert_eq!(c.one_minus_w1, 1.0 - 0.1f64 as f32);
+        assert_eq!(c.b2, 0.999f32);
+        assert_eq!(c.w2, (1.0 - 0.999f64) as f32);
+        assert_eq!(c.neg_step_size, (-1e-3 / 0.19f64) as f32);
+        assert_eq!(c.bc2_sqrt, 0.001999f64.sqrt() as f32);
+        assert_eq!(c.eps, 1e-8f32);
+        let no_decay = AdamWStep {
+            weight_decay: 0.0,
+            ..torch_defaults(1)
+        };
+        assert_eq!(no_decay.consts().map(|c| c.apply_decay).ok(), Some(0));
+    }
+
+    #[test]
+    fn bad_hyper_parameters_are_named() {
+        let msg = |s: AdamWStep| s.consts().err().map(|e| e.to_string()).unwrap_or_default();
+        let d = torch_defaults(1);
+        assert!(msg(AdamWStep { beta1: 1.0, ..d }).contains("beta1 = 1"));
+        assert!(msg(AdamWStep { beta2: -0.1, ..d }).contains("beta2"));
+        assert!(msg(AdamWStep { eps: 0.0, ..d }).contains("eps = 0"));
+        let wd = AdamWStep {
+            weight_decay: f64::NAN,
+            ..d
+        };
+        assert!(msg(wd).contains("weight_decay"));
+        assert!(msg(AdamWStep { lr: -1.0, ..d }).contains("lr = -1"));
+        let scale = AdamWStep {
+            grad_scale: f32::INFINITY,
+            ..d
+        };
+        assert!(msg(scale).contains("grad_scale"));
+        assert!(msg(AdamWStep { step: 0, ..d }).contains("step = 0"));
+    }
+}

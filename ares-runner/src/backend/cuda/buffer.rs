@@ -1,0 +1,118 @@
+//! Device buffers of the CUDA backend and the conversion of backend views into cudarc
+//! views (the form `ares-cuda`'s ops take).
+
+use crate::backend::{BackendError, DeviceBuffer, Result, View, ViewMut};
+use ares_cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+
+/// An f32 allocation on the GPU (the CUDA backend's [`Backend::Buffer`]). Freed,
+/// stream-ordered, on drop.
+///
+/// [`Backend::Buffer`]: crate::backend::Backend::Buffer
+pub struct CudaBuffer {
+    /// At least one element: CUDA refuses empty allocations.
+    pub(super) slice: CudaSlice<f32>,
+    /// Elements of the buffer (`<= slice.len()`).
+    pub(super) len: usize,
+}
+
+/// A u32 allocation on the GPU (token ids, positions; the CUDA backend's
+/// [`Backend::Ids`]).
+///
+/// [`Backend::Ids`]: crate::backend::Backend::Ids
+pub struct CudaIds {
+    /// At least one element (see [`CudaBuffer`]).
+    pub(super) slice: CudaSlice<u32>,
+    /// Elements of the buffer (`<= slice.len()`).
+    pub(super) len: usize,
+}
+
+impl std::fmt::Debug for CudaBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaBuffer(f32 × {})", self.len)
+    }
+}
+
+impl std::fmt::Debug for CudaIds {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaIds(u32 × {})", self.len)
+    }
+}
+
+impl DeviceBuffer for CudaBuffer {
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl DeviceBuffer for CudaIds {
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+/// The device elements a view names. Views are bounds-checked when made; this re-checks
+/// (a cudarc slice out of range would panic) and reports instead.
+pub(super) fn view<'a>(v: View<'a, CudaBuffer>) -> Result<CudaView<'a, f32>> {
+    let (offset, len) = (v.offset(), v.len());
+    let buffer = v.buffer();
+    offset
+        .checked_add(len)
+        .filter(|&end| end <= buffer.len)
+        .and_then(|end| buffer.slice.try_slice(offset..end))
+        .ok_or(BackendError::ViewOutOfBounds {
+            offset,
+            len,
+            buffer_len: buffer.len,
+        })
+}
+
+/// The device elements a writable view names (see [`view`]).
+pub(super) fn view_mut<'a>(v: ViewMut<'a, CudaBuffer>) -> Result<CudaViewMut<'a, f32>> {
+    let (offset, len) = (v.offset(), v.len());
+    let buffer = v.into_buffer();
+    let buffer_len = buffer.len;
+    offset
+        .checked_add(len)
+        .filter(|&end| end <= buffer_len)
+        .and_then(|end| buffer.slice.try_slice_mut(offset..end))
+        .ok_or(BackendError::ViewOutOfBounds {
+            offset,
+            len,
+            buffer_len,
+        })
+}
+
+/// [`view`] of an optional view.
+pub(super) fn view_opt<'a>(v: Option<View<'a, CudaBuffer>>) -> Result<Option<CudaView<'a, f32>>> {
+    v.map(view).transpose()
+}
+
+/// [`view_mut`] of an optional view.
+pub(super) fn view_mut_opt<'a>(
+    v: Option<ViewMut<'a, CudaBuffer>>,
+) -> Result<Option<CudaViewMut<'a, f32>>> {
+    v.map(view_mut).transpose()
+}
+
+/// The whole of an ids buffer.
+pub(super) fn ids(ids: &CudaIds) -> Result<CudaView<'_, u32>> {
+    ids.slice
+        .try_slice(0..ids.len)
+        .ok_or(BackendError::ViewOutOfBounds {
+            offset: 0,
+            len: ids.len,
+            buffer_len: ids.slice.len(),
+        })
+}
+
+/// The whole of an ids buffer, for writing.
+pub(super) fn ids_mut(ids: &mut CudaIds) -> Result<CudaViewMut<'_, u32>> {
+    let (len, buffer_len) = (ids.len, ids.slice.len());
+    ids.slice
+        .try_slice_mut(0..len)
+        .ok_or(BackendError::ViewOutOfBounds {
+            offset: 0,
+            len,
+            buffer_len,
+        })
+}

@@ -1,0 +1,635 @@
+//! [`CudaBackend`]: the [`Backend`] on one NVIDIA GPU, over `ares-cuda`'s
+//! [`ModelOps`] (NVRTC-compiled kernels plus cuBLAS). CUDA libraries are loaded at run
+//! time, so this compiles without a CUDA toolkit and [`CudaBackend::new`] returns an
+//! error (not a crash) on a machine without a GPU or driver.
+//!
+//! - **Buffers** are device allocations ([`CudaBuffer`], [`CudaIds`]); views become
+//!   cudarc views of them, so ops read and write device memory in place.
+//! - **Ordering.** Every op is queued on the device's default stream and returns without
+//!   waiting; [`Backend::download`], [`Backend::synchronize`] and
+//!   [`Backend::sum_of_squares`] wait.
+//! - **Errors.** Argument errors (lengths, shapes, hyper-parameters) are returned by the
+//!   op, before anything is queued. Bad *values* (an id `>= rows`, a mask value not 0/1,
+//!   NaN logits or an impossible target, a non-finite coefficient or gradient) are found
+//!   by the kernels: the affected outputs become NaN (a non-finite gradient leaves the
+//!   AdamW step unapplied) and the next waiting call returns the error, naming what was
+//!   found. The CPU backend reports those at the op itself.
+//! - **Numerics** follow the CPU backend's kernels (f32 storage and math, f64 for long
+//!   sums; GEMMs in true f32, no TF32 unless [`CudaBackend::set_tf32`]); results agree to
+//!   f32 rounding. Reductions are deterministic (fixed order, no float atomics), so a
+//!   run repeats bit for bit on the same GPU.
+//! - **Sharing.** `CudaBackend` is a cheap handle: clones share the device, its stream
+//!   and its kernels (e.g. the policy and a frozen reference model on one GPU).
+
+mod buffer;
+
+pub use buffer::{CudaBuffer, CudaIds};
+
+use buffer::{ids, ids_mut, view, view_mut, view_mut_opt, view_opt};
+
+use super::{
+    AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
+    KvCacheView, KvCacheViewMut, LinearDims, Result, Tensor, TensorMut,
+};
+use ares_cuda::model_ops::{AttentionGradsMut, AttentionSaved, KvCache, KvCacheMut};
+use ares_cuda::{AdamWStep, AttentionShape, DeviceInfo, GemmDims, ModelOps};
+use std::sync::Arc;
+
+/// The CUDA backend: one GPU, its stream, kernels and cuBLAS handle (see the module docs).
+#[derive(Clone)]
+pub struct CudaBackend {
+    ops: Arc<ModelOps>,
+    name: Arc<str>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("device", &self.name)
+            .finish()
+    }
+}
+
+/// Wraps an `ares-cuda` error with the backend op that raised it. Argument errors already
+/// name their kernel, which is the op.
+fn op(name: &'static str) -> impl FnOnce(ares_cuda::Error) -> BackendError {
+    move |e| match e {
+        ares_cuda::Error::BadArgument { kernel, message } => BackendError::Op {
+            op: kernel,
+            source: message.into(),
+        },
+        other => BackendError::Op {
+            op: name,
+            source: Box::new(other),
+        },
+    }
+}
+
+/// The `ares-cuda` attention shape of a backend call.
+fn shape(dims: AttentionDims) -> AttentionShape {
+    AttentionShape {
+        batch: dims.batch,
+        seq: dims.seq,
+        q_heads: dims.q_heads,
+        kv_heads: dims.kv_heads,
+        head_dim: dims.head_dim,
+        scale: dims.scale,
+    }
+}
+
+/// The cuBLAS dims of a linear layer.
+fn gemm_dims(dims: LinearDims) -> GemmDims {
+    GemmDims {
+        rows: dims.rows,
+        in_features: dims.in_features,
+        out_features: dims.out_features,
+    }
+}
+
+impl CudaBackend {
+    /// Opens GPU `ordinal` (0 for the first), compiling the kernels with NVRTC (cached on
+    /// disk: `$ARES_KERNEL_CACHE`, else `~/.cache/ares/kernels`) and creating a cuBLAS
+    /// handle.
+    ///
+    /// # Errors
+    /// [`BackendError::Op`] (op `cuda device`) when libcuda, libnvrtc or libcublas cannot
+    /// be loaded (the message names the library and `LD_LIBRARY_PATH`), when there is no
+    /// GPU with that ordinal, or when a kernel fails to compile.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let ops = ModelOps::new(ordinal).map_err(op("cuda device"))?;
+        let name = format!("cuda:{ordinal} ({})", ops.info().name);
+        Ok(Self {
+            ops: Arc::new(ops),
+            name: name.into(),
+        })
+    }
+
+    /// Device, driver, NVRTC and kernel-image description (for logs).
+    pub fn info(&self) -> &DeviceInfo {
+        self.ops.info()
+    }
+
+    /// The device ops underneath (for kernels the trait does not expose, and benches).
+    pub fn ops(&self) -> &ModelOps {
+        &self.ops
+    }
+
+    /// TF32 tensor cores in the linear layers (`true`: faster, ~1e-3 relative error) or
+    /// exact f32 (`false`, the default). Applies to every clone.
+    ///
+    /// # Errors
+    /// A cuBLAS failure.
+    pub fn set_tf32(&self, on: bool) -> Result<()> {
+        self.ops.set_tf32(on).map_err(op("set_tf32"))
+    }
+}
+
+impl Backend for CudaBackend {
+    type Buffer = CudaBuffer;
+    type Ids = CudaIds;
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn alloc(&self, len: usize) -> Result<CudaBuffer> {
+        let slice = self.ops.alloc(len.max(1)).map_err(op("alloc"))?;
+        Ok(CudaBuffer { slice, len })
+    }
+
+    fn alloc_ids(&self, len: usize) -> Result<CudaIds> {
+        let slice = self.ops.alloc_ids(len.max(1)).map_err(op("alloc_ids"))?;
+        Ok(CudaIds { slice, len })
+    }
+
+    fn upload(&self, src: &[f32], dst: TensorMut<'_, Self>) -> Result<()> {
+        BackendError::check_len("upload destination", src.len(), dst.len())?;
+        self.ops
+            .upload(src, &mut view_mut(dst)?)
+            .map_err(op("upload"))
+    }
+
+    fn upload_ids(&self, src: &[u32], dst: &mut CudaIds) -> Result<()> {
+        BackendError::check_len("upload_ids destination", src.len(), dst.len)?;
+        self.ops
+            .upload(src, &mut ids_mut(dst)?)
+            .map_err(op("upload_ids"))
+    }
+
+    fn download(&self, src: Tensor<'_, Self>, dst: &mut [f32]) -> Result<()> {
+        BackendError::check_len("download destination", src.len(), dst.len())?;
+        self.ops.download(&view(src)?, dst).map_err(op("download"))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.ops.synchronize().map_err(op("synchronize"))
+    }
+
+    fn embedding(
+        &self,
+        ids_buf: &CudaIds,
+        table: Tensor<'_, Self>,
+        rows: usize,
+        dim: usize,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.ops
+            .embedding(
+                &ids(ids_buf)?,
+                &view(table)?,
+                rows,
+                dim,
+                &mut view_mut(out)?,
+            )
+            .map_err(op("embedding"))
+    }
+
+    fn linear(
+        &self,
+        x: Tensor<'_, Self>,
+        w: Tensor<'_, Self>,
+        bias: Option<Tensor<'_, Self>>,
+        dims: LinearDims,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let bias = view_opt(bias)?;
+        self.ops
+            .linear(
+                &view(x)?,
+                &view(w)?,
+                bias.as_ref(),
+                gemm_dims(dims),
+                &mut view_mut(out)?,
+            )
+            .map_err(op("linear"))
+    }
+
+    fn linear_transposed(
+        &self,
+        x: Tensor<'_, Self>,
+        wt: Tensor<'_, Self>,
+        bias: Option<Tensor<'_, Self>>,
+        dims: LinearDims,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let bias = view_opt(bias)?;
+        self.ops
+            .linear_transposed(
+                &view(x)?,
+                &view(wt)?,
+                bias.as_ref(),
+                gemm_dims(dims),
+                &mut view_mut(out)?,
+            )
+            .map_err(op("linear_transposed"))
+    }
+
+    fn transpose(
+        &self,
+        src: Tensor<'_, Self>,
+        rows: usize,
+        cols: usize,
+        dst: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.ops
+            .transpose(&view(src)?, rows, cols, &mut view_mut(dst)?)
+            .map_err(op("transpose"))
+    }
+
+    fn rmsnorm(
+        &self,
+        x: Tensor<'_, Self>,
+        weight: Tensor<'_, Self>,
+        eps: f32,
+        dim: usize,
+        out: TensorMut<'_, Self>,
+        rstd: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.ops
+            .rmsnorm(
+                &view(x)?,
+                &view(weight)?,
+                eps,
+                dim,
+                &mut view_mut(out)?,
+                &mut view_mut(rstd)?,
+            )
+            .map_err(op("rmsnorm"))
+    }
+
+    fn rope(
+        &self,
+        x: TensorMut<'_, Self>,
+        cos: Tensor<'_, Self>,
+        sin: Tensor<'_, Self>,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        self.ops
+            .rope(&mut view_mut(x)?, &view(cos)?, &view(sin)?, heads, head_dim)
+            .map_err(op("rope"))
+    }
+
+    fn attention(
+        &self,
+        dims: AttentionDims,
+        inputs: AttentionInputs<'_, CudaBuffer>,
+        out: TensorMut<'_, Self>,
+        lse: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let mask = view_opt(inputs.key_mask)?;
+        self.ops
+            .attention(
+                shape(dims),
+                &view(inputs.q)?,
+                &view(inputs.k)?,
+                &view(inputs.v)?,
+                mask.as_ref(),
+                &mut view_mut(out)?,
+                &mut view_mut(lse)?,
+            )
+            .map_err(op("attention"))
+    }
+
+    fn swiglu(
+        &self,
+        gate: Tensor<'_, Self>,
+        up: Tensor<'_, Self>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.ops
+            .swiglu(&view(gate)?, &view(up)?, &mut view_mut(out)?)
+            .map_err(op("swiglu"))
+    }
+
+    fn add(
+        &self,
+        a: Tensor<'_, Self>,
+        b: Tensor<'_, Self>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        BackendError::check_len("add b", a.len(), b.len())?;
+        BackendError::check_len("add out", a.len(), out.len())?;
+        self.ops
+            .add(&view(a)?, &view(b)?, &mut view_mut(out)?)
+            .map_err(op("add"))
+    }
+
+    fn fill(&self, dst: TensorMut<'_, Self>, value: f32) -> Result<()> {
+        self.ops
+            .fill(&mut view_mut(dst)?, value)
+            .map_err(op("fill"))
+    }
+
+    fn embedding_backward(
+        &self,
+        ids_buf: &CudaIds,
+        dout: Tensor<'_, Self>,
+        rows: usize,
+        dim: usize,
+        dtable: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.ops
+            .embedding_backward(
+                &ids(ids_buf)?,
+                &view(dout)?,
+                rows,
+                dim,
+                &mut view_mut(dtable)?,
+            )
+            .map_err(op("embedding_backward"))
+    }
+
+    fn linear_backward(
+        &self,
+        dout: Tensor<'_, Self>,
+        x: Tensor<'_, Self>,
+        w: Tensor<'_, Self>,
+        dims: LinearDims,
+        dx: Option<TensorMut<'_, Self>>,
+        dw: TensorMut<'_, Self>,
+        dbias: Option<TensorMut<'_, Self>>,
+    ) -> Result<()> {
+        let mut dx = view_mut_opt(dx)?;
+        let mut dbias = view_mut_opt(dbias)?;
+        self.ops
+            .linear_backward(
+                &view(dout)?,
+                &view(x)?,
+                &view(w)?,
+                gemm_dims(dims),
+                dx.as_mut(),
+                &mut view_mut(dw)?,
+                dbias.as_mut(),
+            )
+            .map_err(op("linear_backward"))
+    }
+
+    fn rmsnorm_backward(
+        &self,
+        dout: Tensor<'_, Self>,
+        x: Tensor<'_, Self>,
+        weight: Tensor<'_, Self>,
+        rstd: Tensor<'_, Self>,
+        dim: usize,
+        dx: TensorMut<'_, Self>,
+        dweight: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.ops
+            .rmsnorm_backward(
+                &view(dout)?,
+                &view(x)?,
+                &view(weight)?,
+                &view(rstd)?,
+                dim,
+                &mut view_mut(dx)?,
+                &mut view_mut(dweight)?,
+            )
+            .map_err(op("rmsnorm_backward"))
+    }
+
+    fn rope_backward(
+        &self,
+        dx: TensorMut<'_, Self>,
+        cos: Tensor<'_, Self>,
+        sin: Tensor<'_, Self>,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        self.ops
+            .rope_backward(
+                &mut view_mut(dx)?,
+                &view(cos)?,
+                &view(sin)?,
+                heads,
+                head_dim,
+            )
+            .map_err(op("rope_backward"))
+    }
+
+    fn attention_backward(
+        &self,
+        dims: AttentionDims,
+        inputs: AttentionInputs<'_, CudaBuffer>,
+        out: Tensor<'_, Self>,
+        lse: Tensor<'_, Self>,
+        dout: Tensor<'_, Self>,
+        grads: AttentionGrads<'_, CudaBuffer>,
+    ) -> Result<()> {
+        let mask = view_opt(inputs.key_mask)?;
+        let (out, lse, dout) = (view(out)?, view(lse)?, view(dout)?);
+        let (mut dq, mut dk, mut dv) = (
+            view_mut(grads.dq)?,
+            view_mut(grads.dk)?,
+            view_mut(grads.dv)?,
+        );
+        self.ops
+            .attention_backward(
+                shape(dims),
+                &view(inputs.q)?,
+                &view(inputs.k)?,
+                &view(inputs.v)?,
+                mask.as_ref(),
+                AttentionSaved {
+                    out: &out,
+                    lse: &lse,
+                    dout: &dout,
+                },
+                AttentionGradsMut {
+                    dq: &mut dq,
+                    dk: &mut dk,
+                    dv: &mut dv,
+                },
+            )
+            .map_err(op("attention_backward"))
+    }
+
+    fn swiglu_backward(
+        &self,
+        dout: Tensor<'_, Self>,
+        gate: Tensor<'_, Self>,
+        up: Tensor<'_, Self>,
+        dgate: TensorMut<'_, Self>,
+        dup: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.ops
+            .swiglu_backward(
+                &view(dout)?,
+                &view(gate)?,
+                &view(up)?,
+                &mut view_mut(dgate)?,
+                &mut view_mut(dup)?,
+            )
+            .map_err(op("swiglu_backward"))
+    }
+
+    fn log_prob_entropy(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        temperature: f32,
+        targets: &CudaIds,
+        log_prob: TensorMut<'_, Self>,
+        entropy: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.ops
+            .log_prob_entropy(
+                &view(logits)?,
+                vocab,
+                temperature,
+                &ids(targets)?,
+                &mut view_mut(log_prob)?,
+                &mut view_mut(entropy)?,
+            )
+            .map_err(op("log_prob_entropy"))
+    }
+
+    fn log_prob_backward(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        temperature: f32,
+        targets: &CudaIds,
+        coeffs: Tensor<'_, Self>,
+        dlogits: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.ops
+            .log_prob_backward(
+                &view(logits)?,
+                vocab,
+                temperature,
+                &ids(targets)?,
+                &view(coeffs)?,
+                &mut view_mut(dlogits)?,
+            )
+            .map_err(op("log_prob_backward"))
+    }
+
+    fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64> {
+        self.ops
+            .sum_of_squares(&view(x)?)
+            .map_err(op("sum_of_squares"))
+    }
+
+    fn adamw_step(
+        &self,
+        param: TensorMut<'_, Self>,
+        grad: Tensor<'_, Self>,
+        exp_avg: TensorMut<'_, Self>,
+        exp_avg_sq: TensorMut<'_, Self>,
+        update: &AdamWUpdate,
+    ) -> Result<()> {
+        let step = AdamWStep {
+            lr: update.lr,
+            beta1: update.config.beta1,
+            beta2: update.config.beta2,
+            eps: update.config.eps,
+            weight_decay: update.config.weight_decay,
+            step: update.step,
+            grad_scale: update.grad_scale,
+        };
+        self.ops
+            .adamw_step(
+                &mut view_mut(param)?,
+                &view(grad)?,
+                &mut view_mut(exp_avg)?,
+                &mut view_mut(exp_avg_sq)?,
+                &step,
+            )
+            .map_err(op("adamw_step"))
+    }
+
+    fn kv_cache_append(
+        &self,
+        dims: AttentionDims,
+        k_new: Tensor<'_, Self>,
+        v_new: Tensor<'_, Self>,
+        cache: KvCacheViewMut<'_, CudaBuffer>,
+    ) -> Result<()> {
+        let (max_len, len) = (cache.max_len, cache.len);
+        let (mut k, mut v) = (view_mut(cache.k)?, view_mut(cache.v)?);
+        self.ops
+            .kv_cache_append(
+                shape(dims),
+                &view(k_new)?,
+                &view(v_new)?,
+                KvCacheMut {
+                    k: &mut k,
+                    v: &mut v,
+                    max_len,
+                    len,
+                },
+            )
+            .map_err(op("kv_cache_append"))
+    }
+
+    fn attention_decode(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: KvCacheView<'_, CudaBuffer>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let (k, v) = (view(cache.k)?, view(cache.v)?);
+        let mask = view_opt(cache.key_mask)?;
+        self.ops
+            .attention_decode(
+                shape(dims),
+                &view(q)?,
+                KvCache {
+                    k: &k,
+                    v: &v,
+                    max_len: cache.max_len,
+                    len: cache.len,
+                    key_mask: mask.as_ref(),
+                },
+                &mut view_mut(out)?,
+            )
+            .map_err(op("attention_decode"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_a_gpu_new_is_a_clear_error() {
+        if ares_cuda::cuda_available() {
+            return; // a machine with a driver: the GPU tests cover `new`
+        }
+        let err = CudaBackend::new(0).err().map(|e| e.to_string());
+        let msg = err.unwrap_or_default();
+        assert!(
+            msg.starts_with("cuda device: ") && msg.contains("libcuda"),
+            "{msg}"
+        );
+    }
+
+    /// The backend and its buffers may move between and be shared by threads (the trainer
+    /// scores rewards on other threads while the model lives on the GPU).
+    #[test]
+    fn backend_and_buffers_are_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<CudaBackend>();
+        check::<CudaBuffer>();
+        check::<CudaIds>();
+    }
+
+    #[test]
+    fn argument_errors_name_the_op_once() {
+        let e = op("linear")(ares_cuda::Error::BadArgument {
+            kernel: "linear",
+            message: "`x` has 3 elements, expected 4".into(),
+        });
+        assert_eq!(e.to_string(), "linear: `x` has 3 elements, expected 4");
+        let e = op("download")(ares_cuda::Error::DeviceStatus {
+            bits: 4,
+            what: "a token id is >= the table's rows".into(),
+        });
+        assert!(
+            e.to_string()
+                .starts_with("download: a device op met bad values")
+        );
+    }
+}

@@ -1,0 +1,1291 @@
+//! The CUDA backend against the CPU backend: every op forward and backward on fresh
+//! random data (including views at nonzero offsets), bad-value reporting, the tiny
+//! transformers fixtures (logits, gradients, a training step, greedy generation) through
+//! `Model<CudaBackend>`, and run-to-run determinism.
+//!
+//! Needs a GPU: without one every test is skipped with a message saying why, unless
+//! `ARES_REQUIRE_GPU=1` (set by `scripts/gpu-bundle.sh`'s runner), which makes the skip a
+//! failure.
+//!
+//! Tolerances, `|gpu − cpu| <= tol · max(1, |cpu|)` unless a test says otherwise:
+//! - 0 (bit for bit) for copies and ops written in the CPU's order of separately rounded
+//!   operations: fill, add, transpose, embedding forward and backward, RoPE, the KV-cache
+//!   append;
+//! - 1e-6 for element-wise ops with a transcendental (SwiGLU: CUDA's `expf` and Rust's
+//!   `exp` may differ by an ulp), RMSNorm forward and AdamW;
+//! - 1e-5 for reductions in another order: GEMMs (cuBLAS's blocking vs the CPU GEMM's),
+//!   RMSNorm backward, log-prob/entropy (the token kernel's `ex2.approx`);
+//! - 1e-4 for attention (online softmax vs the CPU's two-pass blocks) and whole models
+//!   (the fixtures' own bound against transformers);
+//! - 1e-10 relative for the f64 sum of squares.
+
+#![cfg(feature = "cuda")]
+
+use std::path::{Path, PathBuf};
+
+use ares_runner::backend::cpu::CpuBackend;
+use ares_runner::backend::cuda::{CudaBackend, CudaBuffer, CudaIds};
+use ares_runner::backend::{
+    AdamWConfig, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend,
+    DeviceBuffer, KvCacheView, KvCacheViewMut, LinearDims, View, ViewMut,
+};
+use ares_runner::hf::checkpoint::Checkpoint;
+use ares_runner::model::{AdamW, GenerateRequest, Grads, Inputs, Model, Sampling, StepReport};
+use safetensors::{Dtype, SafeTensors};
+
+// ----- Set-up and comparison helpers. -----
+
+fn gpu_or_skip() -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(be) => {
+            eprintln!("GPU: {}", be.info());
+            Some(be)
+        }
+        Err(e) => {
+            let required = std::env::var("ARES_REQUIRE_GPU").is_ok_and(|v| v == "1");
+            assert!(!required, "ARES_REQUIRE_GPU=1 but no usable GPU: {e}");
+            eprintln!("skipped (no GPU): {e}");
+            None
+        }
+    }
+}
+
+/// Deterministic uniform values (SplitMix64), so failures reproduce.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[-scale, scale)`.
+    fn f32(&mut self, scale: f32) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+    }
+
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f32(scale)).collect()
+    }
+
+    fn ids(&mut self, n: usize, below: u32) -> Vec<u32> {
+        (0..n)
+            .map(|_| (self.next() % u64::from(below)) as u32)
+            .collect()
+    }
+}
+
+fn up(be: &CudaBackend, host: &[f32]) -> CudaBuffer {
+    let mut b = be.alloc(host.len()).unwrap();
+    be.upload(host, ViewMut::whole(&mut b)).unwrap();
+    b
+}
+
+fn up_ids(be: &CudaBackend, host: &[u32]) -> CudaIds {
+    let mut b = be.alloc_ids(host.len()).unwrap();
+    be.upload_ids(host, &mut b).unwrap();
+    b
+}
+
+fn down(be: &CudaBackend, b: &CudaBuffer) -> Vec<f32> {
+    let mut v = vec![0.0; b.len()];
+    be.download(View::whole(b), &mut v).unwrap();
+    v
+}
+
+/// `|got − want| <= tol · max(1, |want|)` element-wise; equal infinities and NaN in both
+/// count as equal.
+fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    let mut worst = 0.0f32;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if g == w || (g.is_nan() && w.is_nan()) {
+            continue;
+        }
+        let err = (g - w).abs() / w.abs().max(1.0);
+        assert!(
+            err <= tol,
+            "{what}[{i}]: GPU {g}, CPU {w} (error {err:e} > {tol:e})"
+        );
+        worst = worst.max(err);
+    }
+    eprintln!("{what}: max error {worst:.2e}");
+}
+
+/// `max |got − want| / max |want|`: for outputs whose scale is far from 1.
+fn rel_err(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let diff = got
+        .iter()
+        .zip(want)
+        .map(|(&x, &y)| (f64::from(x) - f64::from(y)).abs())
+        .fold(0.0, f64::max);
+    let scale = want.iter().map(|&y| f64::from(y).abs()).fold(0.0, f64::max);
+    diff / scale.max(1e-30)
+}
+
+// ----- Ops. -----
+
+#[test]
+fn elementwise_ops_match_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(1);
+
+    // fill of a window leaves the rest alone.
+    let host = rng.vec(10, 1.0);
+    let mut d = up(&gpu, &host);
+    gpu.fill(ViewMut::new(&mut d, 3, 4).unwrap(), 2.5).unwrap();
+    let mut want = host.clone();
+    cpu.fill(ViewMut::new(&mut want, 3, 4).unwrap(), 2.5)
+        .unwrap();
+    assert_close("fill", &down(&gpu, &d), &want, 0.0);
+
+    // add, swiglu and its backward on views at offsets.
+    let n = 1000;
+    let (a, b, dy) = (rng.vec(n + 5, 4.0), rng.vec(n, 4.0), rng.vec(n, 1.0));
+    let (da, db, ddy) = (up(&gpu, &a), up(&gpu, &b), up(&gpu, &dy));
+    let av = |buf| View::new(buf, 5, n).unwrap();
+    let mut out_g = gpu.alloc(n + 2).unwrap();
+    gpu.add(
+        av(&da),
+        View::whole(&db),
+        ViewMut::new(&mut out_g, 2, n).unwrap(),
+    )
+    .unwrap();
+    let mut out_c = vec![0.0; n];
+    cpu.add(
+        View::new(&a, 5, n).unwrap(),
+        View::whole(&b),
+        ViewMut::whole(&mut out_c),
+    )
+    .unwrap();
+    assert_close("add", &down(&gpu, &out_g)[2..], &out_c, 0.0);
+
+    let mut sg = gpu.alloc(n).unwrap();
+    gpu.swiglu(av(&da), View::whole(&db), ViewMut::whole(&mut sg))
+        .unwrap();
+    let mut sc = vec![0.0; n];
+    cpu.swiglu(
+        View::new(&a, 5, n).unwrap(),
+        View::whole(&b),
+        ViewMut::whole(&mut sc),
+    )
+    .unwrap();
+    assert_close("swiglu", &down(&gpu, &sg), &sc, 1e-6);
+
+    let (mut dg_g, mut du_g) = (up(&gpu, &vec![f32::NAN; n]), up(&gpu, &vec![f32::NAN; n]));
+    gpu.swiglu_backward(
+        View::whole(&ddy),
+        av(&da),
+        View::whole(&db),
+        ViewMut::whole(&mut dg_g),
+        ViewMut::whole(&mut du_g),
+    )
+    .unwrap();
+    let (mut dg_c, mut du_c) = (vec![0.0; n], vec![0.0; n]);
+    cpu.swiglu_backward(
+        View::whole(&dy),
+        View::new(&a, 5, n).unwrap(),
+        View::whole(&b),
+        ViewMut::whole(&mut dg_c),
+        ViewMut::whole(&mut du_c),
+    )
+    .unwrap();
+    assert_close("swiglu_backward dgate", &down(&gpu, &dg_g), &dg_c, 1e-6);
+    assert_close("swiglu_backward dup", &down(&gpu, &du_g), &du_c, 1e-6);
+
+    // transpose, odd sizes across several 32×32 tiles.
+    for (rows, cols) in [(37usize, 70usize), (1, 5), (64, 32)] {
+        let src = rng.vec(rows * cols, 1.0);
+        let mut t_g = gpu.alloc(rows * cols).unwrap();
+        gpu.transpose(
+            View::whole(&up(&gpu, &src)),
+            rows,
+            cols,
+            ViewMut::whole(&mut t_g),
+        )
+        .unwrap();
+        let mut t_c = vec![0.0; rows * cols];
+        cpu.transpose(View::whole(&src), rows, cols, ViewMut::whole(&mut t_c))
+            .unwrap();
+        assert_close(
+            &format!("transpose {rows}x{cols}"),
+            &down(&gpu, &t_g),
+            &t_c,
+            0.0,
+        );
+    }
+
+    // RoPE forward and backward (its inverse rotation).
+    let (tokens, heads, head_dim) = (5, 3, 16);
+    let x = rng.vec(tokens * heads * head_dim, 2.0);
+    let (cos, sin) = (
+        rng.vec(tokens * head_dim / 2, 1.0),
+        rng.vec(tokens * head_dim / 2, 1.0),
+    );
+    let (dcos, dsin) = (up(&gpu, &cos), up(&gpu, &sin));
+    let mut xg = up(&gpu, &x);
+    let mut xc = x.clone();
+    gpu.rope(
+        ViewMut::whole(&mut xg),
+        View::whole(&dcos),
+        View::whole(&dsin),
+        heads,
+        head_dim,
+    )
+    .unwrap();
+    cpu.rope(
+        ViewMut::whole(&mut xc),
+        View::whole(&cos),
+        View::whole(&sin),
+        heads,
+        head_dim,
+    )
+    .unwrap();
+    assert_close("rope", &down(&gpu, &xg), &xc, 0.0);
+    gpu.rope_backward(
+        ViewMut::whole(&mut xg),
+        View::whole(&dcos),
+        View::whole(&dsin),
+        heads,
+        head_dim,
+    )
+    .unwrap();
+    cpu.rope_backward(
+        ViewMut::whole(&mut xc),
+        View::whole(&cos),
+        View::whole(&sin),
+        heads,
+        head_dim,
+    )
+    .unwrap();
+    assert_close("rope_backward", &down(&gpu, &xg), &xc, 0.0);
+
+    // Argument errors come back from the op, naming it.
+    let e = gpu
+        .add(
+            av(&da),
+            View::new(&db, 0, n - 1).unwrap(),
+            ViewMut::new(&mut out_g, 0, n).unwrap(),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("add b"), "{e}");
+    let e = gpu
+        .rope(
+            ViewMut::whole(&mut xg),
+            View::whole(&dcos),
+            View::whole(&dsin),
+            heads,
+            15,
+        )
+        .unwrap_err();
+    assert!(e.to_string().starts_with("rope: head_dim = 15"), "{e}");
+}
+
+#[test]
+fn embedding_matches_cpu_and_reports_bad_ids() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(2);
+    let (rows, dim, tokens) = (50usize, 40usize, 300usize);
+    let table = rng.vec(rows * dim, 1.0);
+    // Few distinct ids, so most repeat many times (the owner/duplicate scan).
+    let ids = rng
+        .ids(tokens, 7)
+        .iter()
+        .map(|&i| i * 7)
+        .collect::<Vec<_>>();
+    let (dtable, dids) = (up(&gpu, &table), up_ids(&gpu, &ids));
+
+    let mut out_g = gpu.alloc(tokens * dim).unwrap();
+    gpu.embedding(
+        &dids,
+        View::whole(&dtable),
+        rows,
+        dim,
+        ViewMut::whole(&mut out_g),
+    )
+    .unwrap();
+    let mut out_c = vec![0.0; tokens * dim];
+    cpu.embedding(
+        &ids,
+        View::whole(&table),
+        rows,
+        dim,
+        ViewMut::whole(&mut out_c),
+    )
+    .unwrap();
+    assert_close("embedding", &down(&gpu, &out_g), &out_c, 0.0);
+
+    // Backward accumulates into a prior, in token order: bit for bit the CPU's sums.
+    let dout = rng.vec(tokens * dim, 1.0);
+    let prior = rng.vec(rows * dim, 1.0);
+    let mut grad_g = up(&gpu, &prior);
+    gpu.embedding_backward(
+        &dids,
+        View::whole(&up(&gpu, &dout)),
+        rows,
+        dim,
+        ViewMut::whole(&mut grad_g),
+    )
+    .unwrap();
+    let mut grad_c = prior.clone();
+    cpu.embedding_backward(
+        &ids,
+        View::whole(&dout),
+        rows,
+        dim,
+        ViewMut::whole(&mut grad_c),
+    )
+    .unwrap();
+    assert_close("embedding_backward", &down(&gpu, &grad_g), &grad_c, 0.0);
+
+    // An id >= rows: NaN row, reported at the next waiting call, then cleared.
+    let bad = up_ids(&gpu, &[3, 50, 1]);
+    let mut out = gpu.alloc(3 * dim).unwrap();
+    gpu.embedding(
+        &bad,
+        View::whole(&dtable),
+        rows,
+        dim,
+        ViewMut::whole(&mut out),
+    )
+    .unwrap();
+    let mut host = vec![0.0; 3 * dim];
+    let e = gpu.download(View::whole(&out), &mut host).unwrap_err();
+    assert!(
+        e.to_string().contains("token id is >= the table's rows"),
+        "{e}"
+    );
+    assert!(host[dim..2 * dim].iter().all(|x| x.is_nan()));
+    assert_eq!(host[..dim], table[3 * dim..4 * dim]);
+    gpu.synchronize().unwrap();
+}
+
+#[test]
+fn linear_matches_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(3);
+    for (rows, inp, out) in [
+        (33usize, 70usize, 45usize),
+        (1, 64, 129),
+        (16, 1, 3),
+        (5, 0, 4),
+    ] {
+        let dims = LinearDims {
+            rows,
+            in_features: inp,
+            out_features: out,
+        };
+        let what = |op: &str| format!("{op} {rows}x{inp}->{out}");
+        let x = rng.vec(rows * inp, 1.0);
+        // Two weights in one buffer: the second is used through a view at an offset.
+        let w2 = rng.vec(2 * out * inp, 1.0);
+        let w = w2[out * inp..].to_vec();
+        let bias = rng.vec(out, 1.0);
+        let (dx_, dw2, db) = (up(&gpu, &x), up(&gpu, &w2), up(&gpu, &bias));
+        let wv = || View::item(&dw2, 1, out * inp).unwrap();
+        for with_bias in [false, true] {
+            let bg = with_bias.then(|| View::whole(&db));
+            let bc = with_bias.then(|| View::whole(&bias));
+            let mut yg = up(&gpu, &vec![f32::NAN; rows * out]);
+            gpu.linear(View::whole(&dx_), wv(), bg, dims, ViewMut::whole(&mut yg))
+                .unwrap();
+            let mut yc = vec![0.0; rows * out];
+            cpu.linear(
+                View::whole(&x),
+                View::whole(&w),
+                bc,
+                dims,
+                ViewMut::whole(&mut yc),
+            )
+            .unwrap();
+            assert_close(&what("linear"), &down(&gpu, &yg), &yc, 1e-5);
+
+            // The transposed weight, made on the GPU.
+            let mut wt = gpu.alloc(out * inp).unwrap();
+            gpu.transpose(wv(), out, inp, ViewMut::whole(&mut wt))
+                .unwrap();
+            let mut yt = up(&gpu, &vec![f32::NAN; rows * out]);
+            gpu.linear_transposed(
+                View::whole(&dx_),
+                View::whole(&wt),
+                bg,
+                dims,
+                ViewMut::whole(&mut yt),
+            )
+            .unwrap();
+            assert_close(&what("linear_transposed"), &down(&gpu, &yt), &yc, 1e-5);
+        }
+
+        // Backward: all three accumulate into priors; dx and dbias optional.
+        let dy = rng.vec(rows * out, 1.0);
+        let (pdx, pdw, pdb) = (
+            rng.vec(rows * inp, 1.0),
+            rng.vec(out * inp, 1.0),
+            rng.vec(out, 1.0),
+        );
+        let ddy = up(&gpu, &dy);
+        for with_optional in [true, false] {
+            let (mut gdx, mut gdw, mut gdb) = (up(&gpu, &pdx), up(&gpu, &pdw), up(&gpu, &pdb));
+            gpu.linear_backward(
+                View::whole(&ddy),
+                View::whole(&dx_),
+                wv(),
+                dims,
+                with_optional.then(|| ViewMut::whole(&mut gdx)),
+                ViewMut::whole(&mut gdw),
+                with_optional.then(|| ViewMut::whole(&mut gdb)),
+            )
+            .unwrap();
+            let (mut cdx, mut cdw, mut cdb) = (pdx.clone(), pdw.clone(), pdb.clone());
+            cpu.linear_backward(
+                View::whole(&dy),
+                View::whole(&x),
+                View::whole(&w),
+                dims,
+                with_optional.then(|| ViewMut::whole(&mut cdx)),
+                ViewMut::whole(&mut cdw),
+                with_optional.then(|| ViewMut::whole(&mut cdb)),
+            )
+            .unwrap();
+            assert_close(&what("linear_backward dx"), &down(&gpu, &gdx), &cdx, 1e-5);
+            assert_close(&what("linear_backward dw"), &down(&gpu, &gdw), &cdw, 1e-5);
+            assert_close(
+                &what("linear_backward dbias"),
+                &down(&gpu, &gdb),
+                &cdb,
+                1e-5,
+            );
+        }
+    }
+}
+
+#[test]
+fn rmsnorm_matches_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(4);
+    // The last shape makes the weight gradient's column sum span many chunks.
+    for (rows, dim) in [(7usize, 100usize), (3, 1), (2000, 12)] {
+        let what = |op: &str| format!("{op} {rows}x{dim}");
+        let x = rng.vec(rows * dim, 3.0);
+        let w = rng.vec(dim, 2.0);
+        let (dx_, dw_) = (up(&gpu, &x), up(&gpu, &w));
+        let (mut og, mut rg) = (gpu.alloc(rows * dim).unwrap(), gpu.alloc(rows).unwrap());
+        gpu.rmsnorm(
+            View::whole(&dx_),
+            View::whole(&dw_),
+            1e-6,
+            dim,
+            ViewMut::whole(&mut og),
+            ViewMut::whole(&mut rg),
+        )
+        .unwrap();
+        let (mut oc, mut rc) = (vec![0.0; rows * dim], vec![0.0; rows]);
+        cpu.rmsnorm(
+            View::whole(&x),
+            View::whole(&w),
+            1e-6,
+            dim,
+            ViewMut::whole(&mut oc),
+            ViewMut::whole(&mut rc),
+        )
+        .unwrap();
+        assert_close(&what("rmsnorm out"), &down(&gpu, &og), &oc, 1e-6);
+        assert_close(&what("rmsnorm rstd"), &down(&gpu, &rg), &rc, 1e-6);
+
+        let dy = rng.vec(rows * dim, 1.0);
+        let (pdx, pdw) = (rng.vec(rows * dim, 1.0), rng.vec(dim, 1.0));
+        let (mut gdx, mut gdw) = (up(&gpu, &pdx), up(&gpu, &pdw));
+        gpu.rmsnorm_backward(
+            View::whole(&up(&gpu, &dy)),
+            View::whole(&dx_),
+            View::whole(&dw_),
+            View::whole(&rg),
+            dim,
+            ViewMut::whole(&mut gdx),
+            ViewMut::whole(&mut gdw),
+        )
+        .unwrap();
+        let (mut cdx, mut cdw) = (pdx.clone(), pdw.clone());
+        cpu.rmsnorm_backward(
+            View::whole(&dy),
+            View::whole(&x),
+            View::whole(&w),
+            View::whole(&rc),
+            dim,
+            ViewMut::whole(&mut cdx),
+            ViewMut::whole(&mut cdw),
+        )
+        .unwrap();
+        assert_close(&what("rmsnorm_backward dx"), &down(&gpu, &gdx), &cdx, 1e-5);
+        assert_close(
+            &what("rmsnorm_backward dweight"),
+            &down(&gpu, &gdw),
+            &cdw,
+            1e-5,
+        );
+    }
+}
+
+/// A key mask `[batch, seq]`: sequence 0 right-padded (its last `pad` tokens), the others
+/// left-padded (their first `pad` tokens), so some queries have no valid key.
+fn padding_mask(batch: usize, seq: usize, pad: usize) -> Vec<f32> {
+    (0..batch * seq)
+        .map(|i| {
+            let (b, t) = (i / seq, i % seq);
+            let valid = if b == 0 { t < seq - pad } else { t >= pad };
+            if valid { 1.0 } else { 0.0 }
+        })
+        .collect()
+}
+
+#[test]
+fn attention_forward_and_backward_match_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(5);
+    // Every head-size class (≤ 64, ≤ 128, ≤ 256, partial warps of dims), GQA and MHA,
+    // sequences across several key tiles of 32.
+    for (batch, seq, hq, hkv, d) in [
+        (2usize, 5usize, 4usize, 2usize, 8usize),
+        (2, 70, 6, 2, 64),
+        (2, 40, 2, 1, 96),
+        (1, 33, 4, 4, 128),
+        (2, 9, 2, 1, 256),
+    ] {
+        let dims = AttentionDims::new(batch, seq, hq, hkv, d);
+        let what = |op: &str| format!("{op} b{batch} t{seq} hq{hq} hkv{hkv} d{d}");
+        let (qn, kn, ln) = (
+            batch * seq * hq * d,
+            batch * seq * hkv * d,
+            batch * seq * hq,
+        );
+        let (q, k, v) = (rng.vec(qn, 1.0), rng.vec(kn, 1.0), rng.vec(kn, 1.0));
+        let mask = padding_mask(batch, seq, 2.min(seq - 1));
+        let (gq, gk, gv, gm) = (up(&gpu, &q), up(&gpu, &k), up(&gpu, &v), up(&gpu, &mask));
+        for masked in [true, false] {
+            let gin = || AttentionInputs {
+                q: View::whole(&gq),
+                k: View::whole(&gk),
+                v: View::whole(&gv),
+                key_mask: masked.then(|| View::whole(&gm)),
+            };
+            let cin = || AttentionInputs {
+                q: View::whole(&q),
+                k: View::whole(&k),
+                v: View::whole(&v),
+                key_mask: masked.then(|| View::whole(&mask)),
+            };
+            let (mut go, mut gl) = (up(&gpu, &vec![f32::NAN; qn]), up(&gpu, &vec![f32::NAN; ln]));
+            gpu.attention(
+                dims,
+                gin(),
+                ViewMut::whole(&mut go),
+                ViewMut::whole(&mut gl),
+            )
+            .unwrap();
+            let (mut co, mut cl) = (vec![0.0; qn], vec![0.0; ln]);
+            cpu.attention(
+                dims,
+                cin(),
+                ViewMut::whole(&mut co),
+                ViewMut::whole(&mut cl),
+            )
+            .unwrap();
+            let m = if masked { " masked" } else { "" };
+            assert_close(
+                &what(&format!("attention out{m}")),
+                &down(&gpu, &go),
+                &co,
+                1e-4,
+            );
+            assert_close(
+                &what(&format!("attention lse{m}")),
+                &down(&gpu, &gl),
+                &cl,
+                1e-4,
+            );
+
+            let dout = rng.vec(qn, 1.0);
+            let (mut gdq, mut gdk, mut gdv) = (
+                up(&gpu, &vec![f32::NAN; qn]),
+                up(&gpu, &vec![f32::NAN; kn]),
+                up(&gpu, &vec![f32::NAN; kn]),
+            );
+            gpu.attention_backward(
+                dims,
+                gin(),
+                View::whole(&go),
+                View::whole(&gl),
+                View::whole(&up(&gpu, &dout)),
+                AttentionGrads {
+                    dq: ViewMut::whole(&mut gdq),
+                    dk: ViewMut::whole(&mut gdk),
+                    dv: ViewMut::whole(&mut gdv),
+                },
+            )
+            .unwrap();
+            let (mut cdq, mut cdk, mut cdv) = (vec![0.0; qn], vec![0.0; kn], vec![0.0; kn]);
+            cpu.attention_backward(
+                dims,
+                cin(),
+                View::whole(&co),
+                View::whole(&cl),
+                View::whole(&dout),
+                AttentionGrads {
+                    dq: ViewMut::whole(&mut cdq),
+                    dk: ViewMut::whole(&mut cdk),
+                    dv: ViewMut::whole(&mut cdv),
+                },
+            )
+            .unwrap();
+            assert_close(
+                &what(&format!("attention dq{m}")),
+                &down(&gpu, &gdq),
+                &cdq,
+                1e-4,
+            );
+            assert_close(
+                &what(&format!("attention dk{m}")),
+                &down(&gpu, &gdk),
+                &cdk,
+                1e-4,
+            );
+            assert_close(
+                &what(&format!("attention dv{m}")),
+                &down(&gpu, &gdv),
+                &cdv,
+                1e-4,
+            );
+        }
+    }
+    // A mask value other than 0/1 is reported at the next waiting call.
+    let dims = AttentionDims::new(1, 3, 1, 1, 4);
+    let (q, mask) = (up(&gpu, &[0.5; 12]), up(&gpu, &[1.0, 0.5, 1.0]));
+    let (mut o, mut l) = (gpu.alloc(12).unwrap(), gpu.alloc(3).unwrap());
+    let inputs = AttentionInputs {
+        q: View::whole(&q),
+        k: View::whole(&q),
+        v: View::whole(&q),
+        key_mask: Some(View::whole(&mask)),
+    };
+    gpu.attention(dims, inputs, ViewMut::whole(&mut o), ViewMut::whole(&mut l))
+        .unwrap();
+    let e = gpu.synchronize().unwrap_err();
+    assert!(e.to_string().contains("key mask value"), "{e}");
+}
+
+#[test]
+fn kv_cache_and_decode_match_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(6);
+    let (batch, hq, hkv, d, max_len, prompt) = (2usize, 4usize, 2usize, 32usize, 20usize, 6usize);
+    let slot = hkv * d;
+    let cache_len = batch * max_len * slot;
+    let (mut gk, mut gv) = (gpu.alloc(cache_len).unwrap(), gpu.alloc(cache_len).unwrap());
+    let (mut ck, mut cv) = (vec![0.0; cache_len], vec![0.0; cache_len]);
+    // Left-padded prompt of sequence 1: its first two slots are padding.
+    let mask: Vec<f32> = (0..batch * max_len)
+        .map(|i| {
+            if i / max_len == 1 && i % max_len < 2 {
+                0.0
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    let gmask = up(&gpu, &mask);
+    let mut len = 0;
+    for (step, seq) in [prompt, 1, 1, 1].into_iter().enumerate() {
+        let dims = AttentionDims::new(batch, seq, hq, hkv, d);
+        let what = |op: &str| format!("{op} step {step}");
+        let (kn, qn) = (batch * seq * slot, batch * seq * hq * d);
+        let (k_new, v_new, q) = (rng.vec(kn, 1.0), rng.vec(kn, 1.0), rng.vec(qn, 1.0));
+        gpu.kv_cache_append(
+            dims,
+            View::whole(&up(&gpu, &k_new)),
+            View::whole(&up(&gpu, &v_new)),
+            KvCacheViewMut {
+                k: ViewMut::whole(&mut gk),
+                v: ViewMut::whole(&mut gv),
+                max_len,
+                len,
+            },
+        )
+        .unwrap();
+        cpu.kv_cache_append(
+            dims,
+            View::whole(&k_new),
+            View::whole(&v_new),
+            KvCacheViewMut {
+                k: ViewMut::whole(&mut ck),
+                v: ViewMut::whole(&mut cv),
+                max_len,
+                len,
+            },
+        )
+        .unwrap();
+        len += seq;
+        assert_close(&what("k cache"), &down(&gpu, &gk), &ck, 0.0);
+        assert_close(&what("v cache"), &down(&gpu, &gv), &cv, 0.0);
+
+        let mut go = up(&gpu, &vec![f32::NAN; qn]);
+        gpu.attention_decode(
+            dims,
+            View::whole(&up(&gpu, &q)),
+            KvCacheView {
+                k: View::whole(&gk),
+                v: View::whole(&gv),
+                max_len,
+                len,
+                key_mask: Some(View::whole(&gmask)),
+            },
+            ViewMut::whole(&mut go),
+        )
+        .unwrap();
+        let mut co = vec![0.0; qn];
+        cpu.attention_decode(
+            dims,
+            View::whole(&q),
+            KvCacheView {
+                k: View::whole(&ck),
+                v: View::whole(&cv),
+                max_len,
+                len,
+                key_mask: Some(View::whole(&mask)),
+            },
+            ViewMut::whole(&mut co),
+        )
+        .unwrap();
+        assert_close(&what("attention_decode"), &down(&gpu, &go), &co, 1e-4);
+    }
+    // A full cache is an argument error.
+    let dims = AttentionDims::new(batch, max_len, hq, hkv, d);
+    let new = gpu.alloc(batch * max_len * slot).unwrap();
+    let e = gpu
+        .kv_cache_append(
+            dims,
+            View::whole(&new),
+            View::whole(&new),
+            KvCacheViewMut {
+                k: ViewMut::whole(&mut gk),
+                v: ViewMut::whole(&mut gv),
+                max_len,
+                len,
+            },
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("cache is full"), "{e}");
+}
+
+#[test]
+fn log_prob_ops_match_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(7);
+    for (rows, vocab, temperature) in [(6usize, 1000usize, 0.7f32), (3, 1, 1.0), (4, 151_936, 1.0)]
+    {
+        let what = |op: &str| format!("{op} {rows}x{vocab} T{temperature}");
+        let logits = rng.vec(rows * vocab, 8.0);
+        let targets = rng.ids(rows, vocab as u32);
+        let (gl, gt) = (up(&gpu, &logits), up_ids(&gpu, &targets));
+        let (mut glp, mut ge) = (gpu.alloc(rows).unwrap(), gpu.alloc(rows).unwrap());
+        gpu.log_prob_entropy(
+            View::whole(&gl),
+            vocab,
+            temperature,
+            &gt,
+            ViewMut::whole(&mut glp),
+            ViewMut::whole(&mut ge),
+        )
+        .unwrap();
+        let (mut clp, mut ce) = (vec![0.0; rows], vec![0.0; rows]);
+        cpu.log_prob_entropy(
+            View::whole(&logits),
+            vocab,
+            temperature,
+            &targets,
+            ViewMut::whole(&mut clp),
+            ViewMut::whole(&mut ce),
+        )
+        .unwrap();
+        assert_close(&what("log_prob"), &down(&gpu, &glp), &clp, 1e-5);
+        assert_close(&what("entropy"), &down(&gpu, &ge), &ce, 1e-5);
+
+        // Row 1 has coefficient 0: zero and unread.
+        let mut coeffs = rng.vec(rows, 2.0);
+        coeffs[1] = 0.0;
+        let mut gd = up(&gpu, &vec![f32::NAN; rows * vocab]);
+        gpu.log_prob_backward(
+            View::whole(&gl),
+            vocab,
+            temperature,
+            &gt,
+            View::whole(&up(&gpu, &coeffs)),
+            ViewMut::whole(&mut gd),
+        )
+        .unwrap();
+        let mut cd = vec![0.0; rows * vocab];
+        cpu.log_prob_backward(
+            View::whole(&logits),
+            vocab,
+            temperature,
+            &targets,
+            View::whole(&coeffs),
+            ViewMut::whole(&mut cd),
+        )
+        .unwrap();
+        let gd = down(&gpu, &gd);
+        assert!(
+            gd[vocab..2 * vocab].iter().all(|&x| x == 0.0),
+            "{}",
+            what("zero row")
+        );
+        let err = rel_err(&gd, &cd);
+        eprintln!("{}: max rel error {err:.2e}", what("log_prob_backward"));
+        assert!(err <= 1e-5, "{}: {err:e}", what("log_prob_backward"));
+    }
+    // A NaN logit in a scored row: NaN outputs, reported at the next waiting call.
+    let (gl, gt) = (up(&gpu, &[0.0, f32::NAN, 1.0]), up_ids(&gpu, &[0]));
+    let (mut lp, mut h) = (gpu.alloc(1).unwrap(), gpu.alloc(1).unwrap());
+    gpu.log_prob_entropy(
+        View::whole(&gl),
+        3,
+        1.0,
+        &gt,
+        ViewMut::whole(&mut lp),
+        ViewMut::whole(&mut h),
+    )
+    .unwrap();
+    let e = gpu.synchronize().unwrap_err();
+    assert!(e.to_string().contains("logits row holds NaN"), "{e}");
+}
+
+#[test]
+fn optimizer_ops_match_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(8);
+    for n in [0usize, 1, 1000, 300_001] {
+        let x = rng.vec(n, 3.0);
+        let g = gpu.sum_of_squares(View::whole(&up(&gpu, &x))).unwrap();
+        let c = cpu.sum_of_squares(View::whole(&x)).unwrap();
+        assert!(
+            (g - c).abs() <= 1e-10 * c.max(1e-30),
+            "sum_of_squares n={n}: {g} vs {c}"
+        );
+    }
+
+    let n = 70_000;
+    let p0 = rng.vec(n, 1.0);
+    let (mut gp, mut gm, mut gv) = (up(&gpu, &p0), gpu.alloc(n).unwrap(), gpu.alloc(n).unwrap());
+    let (mut cp, mut cm, mut cv) = (p0.clone(), vec![0.0; n], vec![0.0; n]);
+    for step in 1..=3u64 {
+        let grad = rng.vec(n, 0.1);
+        let update = AdamWUpdate {
+            config: AdamWConfig {
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+            },
+            lr: 1e-3,
+            step,
+            grad_scale: if step == 2 { 0.5 } else { 1.0 },
+        };
+        let dg = up(&gpu, &grad);
+        gpu.adamw_step(
+            ViewMut::whole(&mut gp),
+            View::whole(&dg),
+            ViewMut::whole(&mut gm),
+            ViewMut::whole(&mut gv),
+            &update,
+        )
+        .unwrap();
+        cpu.adamw_step(
+            ViewMut::whole(&mut cp),
+            View::whole(&grad),
+            ViewMut::whole(&mut cm),
+            ViewMut::whole(&mut cv),
+            &update,
+        )
+        .unwrap();
+        assert_close(
+            &format!("adamw param step {step}"),
+            &down(&gpu, &gp),
+            &cp,
+            1e-6,
+        );
+        assert_close(
+            &format!("adamw exp_avg step {step}"),
+            &down(&gpu, &gm),
+            &cm,
+            1e-6,
+        );
+        assert_close(
+            &format!("adamw exp_avg_sq step {step}"),
+            &down(&gpu, &gv),
+            &cv,
+            1e-6,
+        );
+    }
+    // A non-finite gradient changes nothing and is reported.
+    let before = down(&gpu, &gp);
+    let mut grad = vec![0.01f32; n];
+    grad[n - 1] = f32::INFINITY;
+    let update = AdamWUpdate {
+        config: AdamWConfig::default(),
+        lr: 1e-3,
+        step: 4,
+        grad_scale: 1.0,
+    };
+    gpu.adamw_step(
+        ViewMut::whole(&mut gp),
+        View::whole(&up(&gpu, &grad)),
+        ViewMut::whole(&mut gm),
+        ViewMut::whole(&mut gv),
+        &update,
+    )
+    .unwrap();
+    let e = gpu.synchronize().unwrap_err();
+    assert!(e.to_string().contains("gradient holds NaN"), "{e}");
+    assert_eq!(down(&gpu, &gp), before);
+    // Hyper-parameters are argument errors.
+    let bad = AdamWUpdate { step: 0, ..update };
+    let e = gpu
+        .adamw_step(
+            ViewMut::whole(&mut gp),
+            View::whole(&up(&gpu, &grad)),
+            ViewMut::whole(&mut gm),
+            ViewMut::whole(&mut gv),
+            &bad,
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("step = 0"), "{e}");
+}
+
+// ----- Models: the transformers fixtures through Model<CudaBackend>. -----
+
+const MODELS: [&str; 3] = ["qwen2_tiny", "qwen3_tiny", "llama_tiny"];
+
+/// A fixture model's directory: under `$ARES_FIXTURE_MODELS` when set (the GPU bundle
+/// carries a copy, since the test binary runs on another machine), else this crate's
+/// `tests/fixtures/models`.
+fn fixture(name: &str) -> PathBuf {
+    std::env::var_os("ARES_FIXTURE_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models"))
+        .join(name)
+}
+
+fn u32s(st: &SafeTensors<'_>, name: &str) -> (Vec<usize>, Vec<u32>) {
+    let t = st.tensor(name).unwrap();
+    assert_eq!(t.dtype(), Dtype::I64, "{name}");
+    let values = t
+        .data()
+        .chunks_exact(8)
+        .map(|b| u32::try_from(i64::from_le_bytes(b.try_into().unwrap())).unwrap())
+        .collect();
+    (t.shape().to_vec(), values)
+}
+
+fn f32s(st: &SafeTensors<'_>, name: &str) -> Vec<f32> {
+    let t = st.tensor(name).unwrap();
+    assert_eq!(t.dtype(), Dtype::F32, "{name}");
+    t.data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+/// One input set of a fixture with its expected logits and gradients.
+struct Set {
+    batch: usize,
+    seq: usize,
+    input_ids: Vec<u32>,
+    attention_mask: Vec<u32>,
+    position_ids: Vec<u32>,
+    logits: Vec<f32>,
+    /// `∂L/∂logits = W · mask` of the fixtures' gradient loss.
+    dlogits: Vec<f32>,
+}
+
+impl Set {
+    fn load(name: &str, set: &str) -> Self {
+        let bytes = std::fs::read(fixture(name).join("expected.safetensors")).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let (shape, input_ids) = u32s(&st, &format!("{set}.input_ids"));
+        let (_, attention_mask) = u32s(&st, &format!("{set}.attention_mask"));
+        let (_, position_ids) = u32s(&st, &format!("{set}.position_ids"));
+        let w = f32s(&st, &format!("{set}.W"));
+        let vocab = w.len() / attention_mask.len();
+        let dlogits = w
+            .chunks_exact(vocab)
+            .zip(&attention_mask)
+            .flat_map(|(row, &m)| row.iter().map(move |&x| x * m as f32))
+            .collect();
+        Self {
+            batch: shape[0],
+            seq: shape[1],
+            input_ids,
+            attention_mask,
+            position_ids,
+            logits: f32s(&st, &format!("{set}.logits")),
+            dlogits,
+        }
+    }
+
+    fn inputs(&self) -> Inputs<'_> {
+        Inputs {
+            batch: self.batch,
+            seq: self.seq,
+            input_ids: &self.input_ids,
+            attention_mask: &self.attention_mask,
+            position_ids: &self.position_ids,
+        }
+    }
+
+    /// The rows (tokens) with `attention_mask = 1`.
+    fn valid_rows<'a>(
+        &'a self,
+        x: &'a [f32],
+        vocab: usize,
+    ) -> impl Iterator<Item = &'a [f32]> + 'a {
+        x.chunks_exact(vocab)
+            .zip(&self.attention_mask)
+            .filter(|(_, m)| **m == 1)
+            .map(|(r, _)| r)
+    }
+}
+
+fn models(gpu: &CudaBackend, name: &str) -> (Model<CpuBackend>, Model<CudaBackend>) {
+    let checkpoint = Checkpoint::load(&fixture(name)).unwrap();
+    (
+        Model::from_checkpoint(CpuBackend, &checkpoint).unwrap(),
+        Model::from_checkpoint(gpu.clone(), &checkpoint).unwrap(),
+    )
+}
+
+#[test]
+fn fixture_logits_match_transformers_and_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    for name in MODELS {
+        let (cpu_model, gpu_model) = models(&gpu, name);
+        let vocab = gpu_model.spec().vocab;
+        for set in ["right", "left"] {
+            let s = Set::load(name, set);
+            let ours = gpu_model.forward_logits(&s.inputs()).unwrap();
+            let cpu = cpu_model.forward_logits(&s.inputs()).unwrap();
+            let flat = |x: &[f32]| {
+                s.valid_rows(x, vocab)
+                    .flatten()
+                    .copied()
+                    .collect::<Vec<_>>()
+            };
+            assert_close(
+                &format!("{name} {set} logits vs transformers"),
+                &flat(&ours),
+                &flat(&s.logits),
+                1e-4,
+            );
+            assert_close(
+                &format!("{name} {set} logits vs CPU"),
+                &flat(&ours),
+                &flat(&cpu),
+                1e-4,
+            );
+        }
+    }
+}
+
+/// Forward then backward of the fixture loss on `model`, returning every gradient.
+fn fixture_grads<B: Backend>(model: &Model<B>, s: &Set) -> Vec<(String, Vec<f32>)> {
+    let be = model.backend();
+    let mut acts = model.activations(s.batch, s.seq).unwrap();
+    model.forward(&s.inputs(), &mut acts).unwrap();
+    let mut dlogits = be.alloc(s.dlogits.len()).unwrap();
+    be.upload(&s.dlogits, ViewMut::whole(&mut dlogits)).unwrap();
+    let mut grads: Grads<B> = model.grads().unwrap();
+    model
+        .backward(&s.inputs(), &mut acts, View::whole(&dlogits), &mut grads)
+        .unwrap();
+    let names: Vec<String> = model
+        .to_weights()
+        .unwrap()
+        .tensors()
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    names
+        .into_iter()
+        .map(|n| {
+            let g = grads.download(be, &n).unwrap();
+            (n, g)
+        })
+        .collect()
+}
+
+#[test]
+fn fixture_gradients_match_cpu_and_repeat_exactly() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    for name in MODELS {
+        let (cpu_model, gpu_model) = models(&gpu, name);
+        for set in ["right", "left"] {
+            let s = Set::load(name, set);
+            let ours = fixture_grads(&gpu_model, &s);
+            let cpu = fixture_grads(&cpu_model, &s);
+            for ((n, g), (_, c)) in ours.iter().zip(&cpu) {
+                let err = rel_err(g, c);
+                eprintln!("{name} {set} {n}: max rel error {err:.2e}");
+                assert!(err <= 1e-4, "{name} {set} {n}: {err:e}");
+            }
+            // No float atomics anywhere: a second run is bit for bit the first.
+            let again = fixture_grads(&gpu_model, &s);
+            assert!(ours == again, "{name} {set}: gradients differ between runs");
+        }
+    }
+}
+
+/// One loss-head training step (log-probs and entropies, the backward from ∂L/∂logπ,
+/// two AdamW steps with clipping) on `model`; returns the log-probs, entropies, the step
+/// reports and the weights after.
+fn train_step<B: Backend>(
+    model: &mut Model<B>,
+    s: &Set,
+) -> (Vec<f32>, Vec<f32>, Vec<StepReport>, Vec<Vec<f32>>) {
+    let n = s.batch * s.seq;
+    // Targets: the next input token (0 past the end); coefficients on valid tokens only.
+    let targets: Vec<u32> = (0..n)
+        .map(|i| {
+            if (i + 1) % s.seq == 0 {
+                0
+            } else {
+                s.input_ids[i + 1]
+            }
+        })
+        .collect();
+    let coeffs: Vec<f32> = (0..n)
+        .map(|i| {
+            if s.attention_mask[i] == 1 {
+                ((i % 5) as f32 - 2.0) * 0.1
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mut acts = model.activations(s.batch, s.seq).unwrap();
+    model.forward(&s.inputs(), &mut acts).unwrap();
+    model.log_prob_entropy(&mut acts, &targets, 0.8).unwrap();
+    let be = model.backend();
+    let (mut lp, mut h) = (vec![0.0; n], vec![0.0; n]);
+    be.download(acts.log_probs(), &mut lp).unwrap();
+    be.download(acts.entropies(), &mut h).unwrap();
+    let mut grads = model.grads().unwrap();
+    model
+        .backward_from_log_prob_grads(&s.inputs(), &mut acts, &targets, &coeffs, 0.8, &mut grads)
+        .unwrap();
+    // ε = 1e-3 rather than 1e-8: Adam's first steps move each weight by about ±lr·sign(g),
+    // so a gradient element within rounding of 0 (GPU and CPU sum in different orders)
+    // could move its weight by 2·lr on one device and not the other. With ε above the
+    // rounding, the update is smooth in g and the comparison means something.
+    let config = ares_runner::model::AdamWConfig {
+        eps: 1e-3,
+        ..Default::default()
+    };
+    let mut opt = AdamW::new(model, config).unwrap();
+    let reports = (0..2)
+        .map(|_| opt.step(model, &grads, 1e-3, Some(0.05)).unwrap())
+        .collect();
+    let weights = model
+        .to_weights()
+        .unwrap()
+        .tensors()
+        .into_iter()
+        .map(|(_, t)| t.data.clone())
+        .collect();
+    (lp, h, reports, weights)
+}
+
+#[test]
+fn training_step_matches_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    for name in ["qwen2_tiny", "qwen3_tiny"] {
+        let (mut cpu_model, mut gpu_model) = models(&gpu, name);
+        let s = Set::load(name, "left");
+        let (glp, gh, grep, gw) = train_step(&mut gpu_model, &s);
+        let (clp, ch, crep, cw) = train_step(&mut cpu_model, &s);
+        let valid = |x: &[f32]| -> Vec<f32> {
+            x.iter()
+                .zip(&s.attention_mask)
+                .filter(|(_, m)| **m == 1)
+                .map(|(v, _)| *v)
+                .collect()
+        };
+        assert_close(
+            &format!("{name} log_probs"),
+            &valid(&glp),
+            &valid(&clp),
+            1e-5,
+        );
+        assert_close(&format!("{name} entropies"), &valid(&gh), &valid(&ch), 1e-5);
+        for (g, c) in grep.iter().zip(&crep) {
+            assert!(g.applied && c.applied);
+            let err = (g.grad_norm - c.grad_norm).abs() / c.grad_norm;
+            assert!(
+                err <= 1e-4,
+                "{name} grad norm {} vs {}",
+                g.grad_norm,
+                c.grad_norm
+            );
+        }
+        for (i, (g, c)) in gw.iter().zip(&cw).enumerate() {
+            let err = rel_err(g, c);
+            assert!(err <= 1e-5, "{name} weight tensor {i}: {err:e}");
+        }
+    }
+}
+
+#[test]
+fn greedy_generation_equals_cpu_and_transformers() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    for name in MODELS {
+        let (cpu_model, gpu_model) = models(&gpu, name);
+        let text = std::fs::read_to_string(fixture(name).join("greedy.json")).unwrap();
+        let doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let prompts: Vec<Vec<u32>> = serde_json::from_value(doc["prompts"].clone()).unwrap();
+        let expected: Vec<Vec<u32>> =
+            serde_json::from_value(doc["batched_left_padded"].clone()).unwrap();
+        let request = GenerateRequest {
+            prompts,
+            max_new_tokens: 8,
+            eos_ids: Vec::new(),
+            sampling: Sampling::Greedy,
+            seed: 0,
+        };
+        let ours = gpu_model.generate(&request).unwrap();
+        let cpu = cpu_model.generate(&request).unwrap();
+        assert_eq!(ours.tokens, expected, "{name}: greedy vs transformers");
+        assert_eq!(ours.tokens, cpu.tokens, "{name}: greedy vs CPU");
+        let flat = |x: &[Vec<f32>]| x.concat();
+        assert_close(
+            &format!("{name} generation log_probs"),
+            &flat(&ours.log_probs),
+            &flat(&cpu.log_probs),
+            1e-4,
+        );
+        assert_close(
+            &format!("{name} generation entropies"),
+            &flat(&ours.entropies),
+            &flat(&cpu.entropies),
+            1e-4,
+        );
+    }
+}

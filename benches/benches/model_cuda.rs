@@ -1,0 +1,218 @@
+//! The ares-runner decoder on the CUDA backend (f32 storage, cuBLAS f32 or TF32 GEMMs,
+//! the NVRTC kernels of `ares-cuda`), on a Qwen2.5-0.5B-shaped model with random weights
+//! (24 layers, hidden 896, 14 query / 2 KV heads of 64, MLP 4864, vocab 151 936, tied
+//! embeddings, q/k/v biases):
+//!
+//! - **train**: tokens/s of one training step's model work (forward, the loss head with
+//!   ∂L/∂logπ = −1/N per token, backward into zeroed gradients) on `ARES_BENCH_BATCH` ×
+//!   `ARES_BENCH_SEQ` tokens (default 4 × 512), with the achieved TFLOP/s counted as
+//!   6·params·tokens + the attention's 6·layers·hidden·seq·tokens (causal: half of the
+//!   12 of a full square); the AdamW step timed on its own;
+//! - **generate**: new tokens/s of greedy batched generation, 32 prompts of 32 tokens,
+//!   64 new tokens each.
+//!
+//! Each runs with exact f32 GEMMs, then with TF32 tensor cores. Times are wall clock
+//! around calls that end with a device synchronisation,
+//! best and median of `ARES_BENCH_RUNS` (default 3) after a warm-up. Without a GPU the
+//! binary says why and exits 0. A plain `main` (`harness = false`).
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use ares_benches::SplitMix;
+use ares_runner::backend::Backend;
+use ares_runner::backend::cuda::CudaBackend;
+use ares_runner::hf::config::ModelConfig;
+use ares_runner::hf::weights::{ModelWeights, Tensor, expected_tensors};
+use ares_runner::model::{AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling};
+
+const CONFIG: &str = r#"{
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+    "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+    "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": true
+}"#;
+const GEN_PROMPTS: usize = 32;
+const GEN_PROMPT_LEN: usize = 32;
+const GEN_NEW: usize = 64;
+
+/// Random weights: norms 1, everything else uniform with standard deviation 0.02.
+fn weights(config: &ModelConfig, rng: &mut SplitMix) -> ModelWeights {
+    let half_width = 0.02 * 3f32.sqrt();
+    let map: HashMap<String, Tensor> = expected_tensors(config)
+        .into_iter()
+        .map(|(name, shape)| {
+            let mut t = Tensor::zeros(&shape);
+            if name.ends_with("norm.weight") {
+                t.data.fill(1.0);
+            } else {
+                t.data
+                    .iter_mut()
+                    .for_each(|x| *x = (2.0 * rng.unit() - 1.0) * half_width);
+            }
+            (name, t)
+        })
+        .collect();
+    ModelWeights::from_map(config, map).expect("the bench config's own tensors")
+}
+
+/// Best and median of `runs` timings of `f` (after one warm-up call).
+fn time(runs: usize, mut f: impl FnMut()) -> (Duration, Duration) {
+    f();
+    let mut t: Vec<Duration> = (0..runs.max(1))
+        .map(|_| {
+            let start = Instant::now();
+            f();
+            start.elapsed()
+        })
+        .collect();
+    t.sort();
+    (t[0], t[t.len() / 2])
+}
+
+fn report(what: &str, units: usize, unit: &str, (best, median): (Duration, Duration)) {
+    let rate = |d: Duration| units as f64 / d.as_secs_f64();
+    println!(
+        "{what}: {:.0} {unit}/s best ({:.1} ms), {:.0} {unit}/s median ({:.1} ms)",
+        rate(best),
+        best.as_secs_f64() * 1e3,
+        rate(median),
+        median.as_secs_f64() * 1e3,
+    );
+}
+
+fn env_usize(key: &str, default: usize) -> usize {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn main() {
+    let gpu = match CudaBackend::new(0) {
+        Ok(g) => g,
+        Err(e) => {
+            println!("model_cuda: skipped, no usable GPU: {e}");
+            return;
+        }
+    };
+    println!("device: {}", gpu.info());
+    let config = ModelConfig::from_json_str(Path::new("bench/config.json"), CONFIG)
+        .expect("the bench config parses");
+    let mut rng = SplitMix::new(7);
+    let w = weights(&config, &mut rng);
+    let params: usize = w.tensors().iter().map(|(_, t)| t.data.len()).sum();
+    let start = Instant::now();
+    let mut model = Model::new(gpu.clone(), &config, &w).expect("the bench model builds");
+    gpu.synchronize().expect("upload");
+    println!(
+        "model: Qwen2.5-0.5B shape ({:.1} M parameters, f32); Model::new {:.0} ms",
+        params as f64 / 1e6,
+        start.elapsed().as_secs_f64() * 1e3,
+    );
+    let runs = env_usize("ARES_BENCH_RUNS", 3);
+    let (batch, seq) = (
+        env_usize("ARES_BENCH_BATCH", 4),
+        env_usize("ARES_BENCH_SEQ", 512),
+    );
+    let only = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+
+    for tf32 in [false, true] {
+        gpu.set_tf32(tf32).expect("math mode");
+        let mode = if tf32 { "TF32" } else { "f32" };
+        if only.as_deref().is_none_or(|o| o == "train") {
+            let vocab = 151_936u64;
+            let n = batch * seq;
+            let ids: Vec<u32> = (0..n).map(|_| (rng.next_u64() % vocab) as u32).collect();
+            let mask = vec![1u32; n];
+            let positions: Vec<u32> = (0..n).map(|i| (i % seq) as u32).collect();
+            let mut targets = vec![0u32; n];
+            let mut coeffs = vec![0.0f32; n];
+            for i in 0..n {
+                if i % seq + 1 < seq {
+                    targets[i] = ids[i + 1];
+                    coeffs[i] = -1.0 / n as f32;
+                }
+            }
+            let inputs = Inputs {
+                batch,
+                seq,
+                input_ids: &ids,
+                attention_mask: &mask,
+                position_ids: &positions,
+            };
+            let mut acts = model.activations(batch, seq).expect("activations");
+            let mut grads = model.grads().expect("grads");
+            let t = time(runs, || {
+                grads.zero(&gpu).expect("zero");
+                model.forward(&inputs, &mut acts).expect("forward");
+                model
+                    .backward_from_log_prob_grads(
+                        &inputs, &mut acts, &targets, &coeffs, 1.0, &mut grads,
+                    )
+                    .expect("backward");
+                gpu.synchronize().expect("sync");
+            });
+            let (h, layers) = (896.0, 24.0);
+            let flops = 6.0 * params as f64 * n as f64 + 6.0 * layers * h * seq as f64 * n as f64;
+            report(
+                &format!("[{mode}] train forward+backward ({batch} × {seq})"),
+                n,
+                "tokens",
+                t,
+            );
+            println!(
+                "  = {:.1} TFLOP/s (best), {:.2} GFLOP per step",
+                flops / t.0.as_secs_f64() / 1e12,
+                flops / 1e9
+            );
+            let t = time(runs, || {
+                model.forward(&inputs, &mut acts).expect("forward");
+                gpu.synchronize().expect("sync");
+            });
+            report("  of which forward", n, "tokens", t);
+            let mut opt = AdamW::new(&model, AdamWConfig::default()).expect("adamw");
+            let t = time(runs, || {
+                opt.step(&mut model, &grads, 1e-7, Some(1.0)).expect("step");
+                gpu.synchronize().expect("sync");
+            });
+            report(
+                &format!("[{mode}] AdamW step (norm + clip + update)"),
+                1,
+                "steps",
+                t,
+            );
+        }
+
+        if only.as_deref().is_none_or(|o| o == "generate") {
+            let prompts: Vec<Vec<u32>> = (0..GEN_PROMPTS)
+                .map(|_| {
+                    (0..GEN_PROMPT_LEN)
+                        .map(|_| (rng.next_u64() % 151_936) as u32)
+                        .collect()
+                })
+                .collect();
+            let request = GenerateRequest {
+                prompts,
+                max_new_tokens: GEN_NEW,
+                eos_ids: Vec::new(),
+                sampling: Sampling::Greedy,
+                seed: 0,
+            };
+            let t = time(runs.min(3), || {
+                let out = model.generate(&request).expect("generate");
+                assert!(out.tokens.iter().all(|t| t.len() == GEN_NEW));
+            });
+            report(
+                &format!(
+                    "[{mode}] generate greedy ({GEN_PROMPTS} × {GEN_NEW} new, prompts of {GEN_PROMPT_LEN})"
+                ),
+                GEN_PROMPTS * GEN_NEW,
+                "tokens",
+                t,
+            );
+        }
+    }
+}
