@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use super::sft_cmd::{SftOptions, run_sft};
+use crate::backend::Backend;
 use crate::config::Config;
 use crate::demo::{DemoOptions, write_demo_assets_with};
 use crate::trainer::eval::{EvalReport, format_table};
@@ -144,7 +145,7 @@ fn warm_start_dir() -> PathBuf {
 }
 
 /// Writes the assets and runs the supervised warm start, unless already done.
-fn warm_start(cfg: &Config) -> Result<PathBuf, TrainError> {
+fn warm_start<B: Backend + Clone>(cfg: &Config, backend: &B) -> Result<PathBuf, TrainError> {
     let warm = warm_start_dir();
     let done = warm.join("sft").join("config.json");
     let assets = warm.join("assets");
@@ -183,7 +184,7 @@ fn warm_start(cfg: &Config) -> Result<PathBuf, TrainError> {
     );
     let report = run_sft(
         cfg,
-        super::backend(cfg)?,
+        backend.clone(),
         &written.model_dir,
         &pairs,
         &options,
@@ -202,8 +203,9 @@ fn warm_start(cfg: &Config) -> Result<PathBuf, TrainError> {
 ///
 /// # Errors
 /// Loading, generation or grading errors.
-pub fn evaluate_model(
+pub fn evaluate_model<B: Backend + Clone>(
     cfg: &Config,
+    backend: B,
     model_dir: &Path,
     data: &str,
 ) -> Result<EvalReport, TrainError> {
@@ -214,7 +216,7 @@ pub fn evaluate_model(
     let ckpt = crate::hf::checkpoint::Checkpoint::load(model_dir)
         .map_err(|e| TrainError::Invalid(e.to_string()))?;
     let eos = crate::trainer::setup::eos_ids(&ckpt, &r);
-    let model = crate::model::Model::from_checkpoint(super::backend(&c)?, &ckpt)?;
+    let model = crate::model::Model::from_checkpoint(backend, &ckpt)?;
     let mut grader = crate::trainer::grading::Grader::new(&c)?;
     let rr = &c.worker.rollout;
     let sampling = crate::trainer::resolve::validation_sampling(&c);
@@ -294,21 +296,33 @@ pub fn run(overrides: &[String], method: Option<Method>) -> Result<(), TrainErro
     let started = std::time::Instant::now();
     let method = method.unwrap_or(Method::Ares);
     let cfg = config(method, overrides)?;
-    super::backend(&cfg)?;
+    let selected = super::select_backend(&cfg)?;
+    crate::with_backend!(selected, b => run_on(&cfg, method, b, started))
+}
+
+/// [`run`] on a chosen backend.
+fn run_on<B: Backend + Clone>(
+    cfg: &Config,
+    method: Method,
+    backend: B,
+    started: std::time::Instant,
+) -> Result<(), TrainError> {
+    let cfg = cfg.clone();
     eprintln!(
-        "ares-runner demo ({}): a tiny model learns arithmetic on the CPU; `ares-runner train \
+        "ares-runner demo ({}) on {}: a tiny model learns arithmetic; `ares-runner train \
          -c config.yaml` trains your own model",
-        method.name()
+        method.name(),
+        backend.name()
     );
-    warm_start(&cfg)?;
+    warm_start(&cfg, &backend)?;
     let sft_dir = PathBuf::from(cfg.worker.actor.model_path.clone().unwrap_or_default());
     let val = cfg.data.val_files.clone().unwrap_or_default();
     eprintln!("demo: evaluating the warm-started model on the held-out problems");
-    let before = evaluate_model(&cfg, &sft_dir, &val)?;
+    let before = evaluate_model(&cfg, backend.clone(), &sft_dir, &val)?;
     eprint!("{}", format_table(&before));
 
     let interrupt = super::interrupt_flag()?;
-    let mut trainer = Trainer::new(cfg.clone(), super::backend(&cfg)?, interrupt)?;
+    let mut trainer = Trainer::new(cfg.clone(), backend, interrupt)?;
     let summary = trainer.run()?;
     let run = run_dir(&cfg);
     let val_examples = trainer.val.clone();

@@ -8,6 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
+use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::config::{Config, Device};
 use crate::trainer::eval::format_table;
@@ -15,29 +16,63 @@ use crate::trainer::{TrainError, Trainer};
 
 pub use sft_cmd::{SftReport, run_sft, sft};
 
-/// The CPU backend, after checking the configured device and thread count.
+/// The backend `trainer.device` selects.
+#[derive(Debug, Clone)]
+pub enum Selected {
+    /// The CPU (ares-cpu ops, rayon threads).
+    Cpu(CpuBackend),
+    /// GPU 0.
+    #[cfg(feature = "cuda")]
+    Cuda(crate::backend::cuda::CudaBackend),
+}
+
+/// Runs `$body` with `$b` bound to the selected backend, whatever its type (the trainer is
+/// generic over the backend; this is the one place that picks it).
+#[macro_export]
+macro_rules! with_backend {
+    ($selected:expr, $b:ident => $body:expr) => {
+        match $selected {
+            $crate::commands::Selected::Cpu($b) => $body,
+            #[cfg(feature = "cuda")]
+            $crate::commands::Selected::Cuda($b) => $body,
+        }
+    };
+}
+
+/// The backend of `trainer.device`: `cpu`; `cuda` (GPU 0; an error naming what is missing
+/// when it cannot start); `auto` (CUDA when it starts, else the CPU, saying why).
+/// `trainer.threads > 0` sizes the CPU thread pool.
 ///
 /// # Errors
-/// `trainer.device: cuda` (the CUDA backend is not built yet).
-pub fn backend(cfg: &Config) -> Result<CpuBackend, TrainError> {
-    match cfg.trainer.device {
-        Device::Cpu => {}
-        Device::Auto => {}
-        Device::Cuda => {
-            return Err(TrainError::Invalid(
-                "trainer.device = cuda: the CUDA backend of the trainer is not built yet (see the \
-                 README's status table); use trainer.device=cpu"
-                    .into(),
-            ));
-        }
-    }
+/// `cuda` without a usable GPU, or in a build without the `cuda` feature.
+pub fn select_backend(cfg: &Config) -> Result<Selected, TrainError> {
     if cfg.trainer.threads > 0 {
         // the pool can be set once per process; a second call (tests, demo stages) keeps it
         let _ = rayon::ThreadPoolBuilder::new()
             .num_threads(cfg.trainer.threads)
             .build_global();
     }
-    Ok(CpuBackend)
+    match cfg.trainer.device {
+        Device::Cpu => Ok(Selected::Cpu(CpuBackend)),
+        #[cfg(feature = "cuda")]
+        Device::Cuda => crate::backend::cuda::CudaBackend::new(0)
+            .map(Selected::Cuda)
+            .map_err(|e| TrainError::Invalid(format!("trainer.device = cuda: {e}"))),
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda => Err(TrainError::Invalid(
+            "trainer.device = cuda: this ares-runner was built without the `cuda` feature".into(),
+        )),
+        #[cfg(feature = "cuda")]
+        Device::Auto => match crate::backend::cuda::CudaBackend::new(0) {
+            Ok(b) => Ok(Selected::Cuda(b)),
+            Err(e) => {
+                eprintln!("trainer.device = auto: no usable GPU ({e}); using the CPU");
+                Ok(Selected::Cpu(CpuBackend))
+            }
+        },
+        #[cfg(not(feature = "cuda"))]
+        Device::Auto => Ok(Selected::Cpu(CpuBackend)),
+    }
 }
 
 /// The Ctrl-C flag: the first Ctrl-C sets it (the trainer finishes its step, saves and
@@ -67,7 +102,12 @@ pub fn train(cfg: Config, overrides: &[String], from_file: bool) -> Result<(), T
     if cfg.data.train_files.is_none() && !from_file {
         return demo::run(overrides, None);
     }
-    let backend = backend(&cfg)?;
+    let selected = select_backend(&cfg)?;
+    crate::with_backend!(selected, b => train_on(cfg, b))
+}
+
+/// [`train`] on a chosen backend.
+fn train_on<B: Backend + Clone>(cfg: Config, backend: B) -> Result<(), TrainError> {
     let interrupt = interrupt_flag()?;
     let mut trainer = Trainer::new(cfg, backend, interrupt)?;
     if trainer.cfg.trainer.val_before_train && !trainer.val.is_empty() {
@@ -123,7 +163,7 @@ pub fn eval(cfg: &Config, model: Option<&Path>, data: Option<&Path>) -> Result<(
                 TrainError::Invalid("eval: give --data FILE or set data.val_files".into())
             })?,
     };
-    let report = demo::evaluate_model(cfg, &model_dir, &data)?;
+    let report = crate::with_backend!(select_backend(cfg)?, b => demo::evaluate_model(cfg, b, &model_dir, &data))?;
     println!("{}", format_table(&report));
     Ok(())
 }

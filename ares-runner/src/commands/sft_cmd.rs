@@ -253,7 +253,6 @@ pub fn sft(cfg: &Config) -> Result<(), TrainError> {
         TrainError::Invalid("worker.actor.model_path is not set: the model to fine-tune".into())
     })?;
     let pairs = read_pairs(Path::new(data), &cfg.data.prompt_key, &cfg.sft.response_key)?;
-    let backend = super::backend(cfg)?;
     let out = run_dir(cfg).join("sft");
     let options = SftOptions {
         epochs: cfg.sft.epochs,
@@ -263,7 +262,7 @@ pub fn sft(cfg: &Config) -> Result<(), TrainError> {
         max_length: cfg.sft.max_length,
         seed: cfg.data.seed,
     };
-    let report = run_sft(
+    let report = crate::with_backend!(super::select_backend(cfg)?, backend => run_sft(
         cfg,
         backend,
         Path::new(model_dir),
@@ -271,7 +270,7 @@ pub fn sft(cfg: &Config) -> Result<(), TrainError> {
         &options,
         &out,
         Some(&run_dir(cfg).join("sft_metrics.jsonl")),
-    )?;
+    ))?;
     eprintln!(
         "sft: {} steps, loss {:.4} → {:.4}, {} skipped; saved {}",
         report.steps,
