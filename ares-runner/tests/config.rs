@@ -523,3 +523,21 @@ fn example_configs_select_their_method() {
     .expect("override on a file");
     assert!(!c.algorithm.uniform_scale);
 }
+
+#[test]
+fn example_format_prompts_exist_and_render() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    for entry in std::fs::read_dir(examples_dir()).expect("examples/configs") {
+        let path = entry.expect("entry").path();
+        let c = Config::load(Some(&path), &[]).expect("loads");
+        if let Some(p) = &c.data.format_prompt {
+            let template = ares_runner::data::PromptTemplate::from_file(&root.join(p))
+                .unwrap_or_else(|e| panic!("{}: format_prompt {p}: {e}", path.display()));
+            let text = template.render("What is 1+1?").expect("renders");
+            assert!(
+                text.starts_with("What is 1+1?") && text.contains("\\boxed"),
+                "{text}"
+            );
+        }
+    }
+}
