@@ -406,3 +406,17 @@ fn an_interrupt_stops_before_the_next_step() {
     assert_eq!(summary.steps, 0);
     assert_eq!(summary.checkpoint, None);
 }
+
+#[test]
+fn a_fresh_run_refuses_a_directory_with_checkpoints() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let run_dir = dir.path().join("twice");
+    let cfg = config(&a, &run_dir, &["trainer.max_steps=1"]).unwrap();
+    trainer(cfg.clone()).unwrap().run().unwrap();
+    let err = trainer(cfg).unwrap_err().to_string();
+    assert!(err.contains("trainer.resume=true"), "{err}");
+    assert!(err.contains("step 1"), "{err}");
+    // the checkpoint is still there
+    assert!(run_dir.join("checkpoints").join("step_000001").exists());
+}

@@ -314,6 +314,13 @@ fn run_on<B: Backend + Clone>(
         method.name(),
         backend.name()
     );
+    // the demo owns its run directory: a new demo run replaces the previous one's outputs
+    // (unless it is asked to resume it)
+    let run = run_dir(&cfg);
+    if !cfg.trainer.resume && run.exists() {
+        eprintln!("demo: replacing the previous demo run in {}", run.display());
+        std::fs::remove_dir_all(&run).map_err(|e| TrainError::io(&run, e))?;
+    }
     warm_start(&cfg, &backend)?;
     let sft_dir = PathBuf::from(cfg.worker.actor.model_path.clone().unwrap_or_default());
     let val = cfg.data.val_files.clone().unwrap_or_default();
@@ -324,7 +331,6 @@ fn run_on<B: Backend + Clone>(
     let interrupt = super::interrupt_flag()?;
     let mut trainer = Trainer::new(cfg.clone(), backend, interrupt)?;
     let summary = trainer.run()?;
-    let run = run_dir(&cfg);
     let val_examples = trainer.val.clone();
     eprintln!("demo: evaluating the trained model on the held-out problems");
     let after = trainer.evaluate(&val_examples)?;

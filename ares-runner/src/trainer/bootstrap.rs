@@ -39,10 +39,7 @@ impl<B: Backend + Clone> Trainer<B> {
     /// # Errors
     /// Generation, grading or I/O errors.
     pub fn bootstrap(&mut self) -> Result<Option<BootstrapResult>, TrainError> {
-        if !self.cfg.data.bootstrap
-            || self.state.step > 0
-            || read_bootstrap(&self.run_dir)?.is_some()
-        {
+        if !self.cfg.data.bootstrap || self.state.step > 0 || self.bootstrap_done {
             return Ok(None);
         }
         let n = self.settings.n;
@@ -99,6 +96,7 @@ impl<B: Backend + Clone> Trainer<B> {
         let json = serde_json::to_vec_pretty(&result)
             .map_err(|e| TrainError::Internal(format!("bootstrap.json: {e}")))?;
         write_atomic(&self.run_dir.join("bootstrap.json"), &json)?;
+        self.bootstrap_done = true;
         Ok(Some(result))
     }
 }

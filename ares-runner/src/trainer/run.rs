@@ -90,6 +90,8 @@ pub struct Trainer<B: Backend + Clone> {
     pub total_steps: u64,
     pub(super) progress: Progress,
     pub(super) interrupt: Arc<AtomicBool>,
+    /// The bootstrap's results are in the state (resumed or reused).
+    pub(super) bootstrap_done: bool,
 }
 
 impl<B: Backend + Clone> std::fmt::Debug for Trainer<B> {
@@ -176,11 +178,17 @@ impl<B: Backend + Clone> Trainer<B> {
         };
         let adamw_cfg = adamw_config(&cfg);
         let ckdir = CheckpointDir::new(&run_dir);
-        let latest = if cfg.trainer.resume {
-            ckdir.latest()?
-        } else {
-            None
-        };
+        let latest = ckdir.latest()?;
+        if let (false, Some((step, dir))) = (cfg.trainer.resume, &latest) {
+            return Err(TrainError::Invalid(format!(
+                "{} already holds a checkpoint of this run (step {step}, {}): set \
+                 trainer.resume=true to continue it, or choose another trainer.experiment_name \
+                 or trainer.output_dir",
+                run_dir.display(),
+                dir.display()
+            )));
+        }
+        let mut bootstrap_done = false;
         let (actor, opt, state, ares, checkpoint_config) = match latest {
             Some((step, dir)) => {
                 let ck = Checkpoint::load(&dir.join("model"))
@@ -205,6 +213,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 let ares = AresState::restore(&settings, &state.ares)?;
                 let grads = actor.grads()?;
                 eprintln!("resuming from {} (step {step})", dir.display());
+                bootstrap_done = true;
                 let opt = Optimizer {
                     adamw,
                     grads,
@@ -226,10 +235,14 @@ impl<B: Backend + Clone> Trainer<B> {
                     solved_streaks: BTreeMap::new(),
                     dropped: BTreeSet::new(),
                 };
-                // a bootstrap of an earlier attempt of this run is reused
-                if let Some(b) = read_bootstrap(&run_dir)? {
-                    apply_bootstrap(&mut ares, &b)?;
-                    state.ares = ares.snapshot();
+                // resuming a run that stopped before its first checkpoint: its bootstrap
+                // is reused; a fresh run computes its own
+                if cfg.trainer.resume {
+                    if let Some(b) = read_bootstrap(&run_dir)? {
+                        apply_bootstrap(&mut ares, &b)?;
+                        state.ares = ares.snapshot();
+                        bootstrap_done = true;
+                    }
                 }
                 let opt = Optimizer {
                     adamw,
@@ -259,6 +272,7 @@ impl<B: Backend + Clone> Trainer<B> {
             total_steps,
             progress: Progress::from_env(),
             interrupt,
+            bootstrap_done,
         })
     }
 
