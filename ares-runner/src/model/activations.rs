@@ -2,17 +2,88 @@
 //! batch shape `(batch, seq)` and reused across calls (llm.c's `ActivationTensors`).
 //!
 //! Per-layer tensors are one buffer `[layers, tokens, ...]` each, so the backward pass
-//! finds every layer's inputs, `rstd` and `lse` where the forward left them. With `N = batch · seq` tokens, `C` hidden, `I` intermediate, `V` vocab, `Hq`/`Hkv`
-//! heads of `D`, the arena holds about `L · N · (6C + 3·Hq·D + 4·Hkv·D + 3I) + 2·N·V` floats
-//! (logits and their gradient), plus the backward scratch. Buffers a call never touches
-//! (the gradients during generation) cost address space only: fresh allocations are
-//! zero pages until written.
+//! finds every layer's inputs, `rstd` and `lse` where the forward left them. With `N = batch
+//! · seq` tokens, `C` hidden, `I` intermediate, `V` vocab, `Hq`/`Hkv` heads of `D`, the
+//! arena holds about `L · N · (6C + 3·Hq·D + 4·Hkv·D + 3I) + 2·R·V` floats, plus the
+//! backward scratch, where `R` is the number of logits rows the LM head keeps
+//! ([`HeadMode`]): `R = N` with whole logits, `R = rows` with a chunked head (the logits
+//! and their gradient, one buffer each). Buffers a call never touches (the gradients
+//! during generation) cost address space only: fresh allocations are zero pages until
+//! written.
+//!
+//! # Full or chunked LM head
+//! With a real vocabulary the logits dwarf everything else: `N = 8192` tokens of a
+//! 151 936-token vocabulary are 5 GB of f32, twice with their gradient. Training and
+//! scoring only need each token's log-prob and entropy (and, backwards, ∂L/∂logπ per
+//! token), so a **chunked** arena keeps the final-norm output `[N, C]` and one `[rows, V]`
+//! logits buffer (and one `[rows, V]` gradient buffer: the backend's ops never write a
+//! view of a buffer they read); [`Model::log_prob_entropy`](super::Model::log_prob_entropy)
+//! and [`Model::backward_from_log_prob_grads`](super::Model::backward_from_log_prob_grads)
+//! run the LM head `rows` tokens at a time, recomputing a chunk's logits in the backward
+//! pass. The numbers are those of the full head (the same kernels on the same rows; only
+//! the GEMMs' blocking may differ with the row count).
+//!
+//! **Policy** of [`Model::activations`](super::Model::activations) /
+//! [`Activations::new`] ([`HeadMode::auto`]): whole logits while `N · V · 4` bytes is at
+//! most [`HeadMode::AUTO_LOGITS_BYTES`] (256 MiB; the tiny test models and short batches),
+//! else a chunked head of `max(1, 256 MiB / (4·V))` rows (441 rows for `V = 151 936`), so
+//! the head's buffers never exceed 2 × 256 MiB unless a single row does.
+//! [`Model::activations_full`](super::Model::activations_full) and
+//! [`Model::activations_chunked`](super::Model::activations_chunked) choose explicitly.
+//! Whole logits are needed by [`Model::download_logits`](super::Model::download_logits),
+//! [`Model::backward`](super::Model::backward) with the caller's ∂L/∂logits and generation
+//! ([`Model::forward_cached`](super::Model::forward_cached)); those return
+//! [`ModelError::ChunkedLogits`] on a chunked arena.
 
 use super::backward::BackwardScratch;
 use super::{ModelError, ModelSpec};
-use crate::backend::{Backend, Tensor, View};
+use crate::backend::{Backend, DeviceBuffer, Tensor, View};
 
-/// The activation arena of a model for a fixed `(batch, seq)`.
+/// How an [`Activations`] arena keeps the output of the LM head (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadMode {
+    /// [`Model::forward`](super::Model::forward) writes the whole logits `[N, V]`; the
+    /// arena also holds a `[N, V]` ∂L/∂logits buffer.
+    Full,
+    /// The forward pass stops at the final norm; the log-prob head and its backward run
+    /// the LM head `rows` tokens at a time into one `[rows, V]` logits buffer (and one
+    /// `[rows, V]` gradient buffer). `rows >= 1`; more rows than the batch has tokens are
+    /// planned as `N`.
+    Chunked {
+        /// Token rows per chunk.
+        rows: usize,
+    },
+}
+
+impl HeadMode {
+    /// Size of the whole logits `[N, V]` in f32 bytes above which [`HeadMode::auto`]
+    /// chunks the head, and the size of one chunk it plans: 256 MiB.
+    pub const AUTO_LOGITS_BYTES: usize = 256 << 20;
+
+    /// The rows per chunk [`HeadMode::auto`] plans for a vocabulary of `vocab`:
+    /// `max(1, AUTO_LOGITS_BYTES / (4 · vocab))`.
+    pub fn auto_rows(vocab: usize) -> usize {
+        (Self::AUTO_LOGITS_BYTES / 4 / vocab.max(1)).max(1)
+    }
+
+    /// The mode [`Model::activations`](super::Model::activations) plans for `tokens` rows
+    /// of a vocabulary of `vocab`: [`HeadMode::Full`] while `tokens · vocab · 4` bytes is at
+    /// most [`HeadMode::AUTO_LOGITS_BYTES`], else chunks of [`HeadMode::auto_rows`].
+    pub fn auto(tokens: usize, vocab: usize) -> Self {
+        let bytes = tokens.saturating_mul(vocab).saturating_mul(4);
+        if bytes <= Self::AUTO_LOGITS_BYTES {
+            Self::Full
+        } else {
+            Self::Chunked {
+                rows: Self::auto_rows(vocab),
+            }
+        }
+    }
+}
+
+/// The activation arena of a model for a fixed `(batch, seq)`, with whole logits or a
+/// chunked LM head ([`HeadMode`]; the policy of [`Activations::new`] is in the module
+/// docs: whole logits up to 256 MiB of them, chunks of 256 MiB above).
 #[derive(Debug)]
 pub struct Activations<B: Backend> {
     pub(crate) batch: usize,
@@ -64,13 +135,20 @@ pub struct Activations<B: Backend> {
     /// `[N, C]` final RMSNorm output, and `[N]` its rstd.
     pub(crate) lnf: B::Buffer,
     pub(crate) lnf_rstd: B::Buffer,
-    /// `[N, V]` logits.
+    /// How the LM head's output is kept, and the token rows `R` of one head chunk (`N`
+    /// with whole logits).
+    pub(crate) head: HeadMode,
+    pub(crate) chunk_rows: usize,
+    /// `[R, V]` logits: the whole `[N, V]`, or the current chunk's.
     pub(crate) logits: B::Buffer,
-    /// `[N]` target ids, and the log-prob and entropy of each row of the logits.
-    pub(crate) targets: B::Ids,
+    /// Target ids, one buffer per head chunk (`[N]` with whole logits; the backend's
+    /// log-prob ops take a whole id buffer per call), and `[N]` the log-prob and entropy
+    /// of each token.
+    pub(crate) targets: Vec<B::Ids>,
     pub(crate) log_prob: B::Buffer,
     pub(crate) entropy: B::Buffer,
-    /// `[N]` ∂L/∂logπ per token and `[N, V]` the ∂L/∂logits they imply, written by
+    /// `[N]` ∂L/∂logπ per token and `[R, V]` the ∂L/∂logits they imply (of the current
+    /// chunk), written by
     /// [`Model::backward_from_log_prob_grads`](super::Model::backward_from_log_prob_grads).
     pub(crate) coeffs: B::Buffer,
     pub(crate) dlogits: B::Buffer,
@@ -85,8 +163,18 @@ fn numel(batch: usize, seq: usize, dims: &[usize]) -> Result<usize, ModelError> 
         .ok_or(ModelError::BatchShape { batch, seq })
 }
 
+/// The head chunks of `n` tokens in chunks of `rows` (`rows >= 1`): `(first token, rows)`
+/// for each, in order; the last may be shorter.
+pub(crate) fn head_chunks(n: usize, rows: usize) -> impl Iterator<Item = (usize, usize)> {
+    let rows = rows.max(1);
+    (0..n)
+        .step_by(rows)
+        .map(move |start| (start, rows.min(n - start)))
+}
+
 impl<B: Backend> Activations<B> {
-    /// Allocates the arena for `batch` sequences of `seq` tokens of a model with `spec`.
+    /// Allocates the arena for `batch` sequences of `seq` tokens of a model with `spec`,
+    /// with the LM head mode of [`HeadMode::auto`] (whole logits up to 256 MiB of them).
     ///
     /// # Errors
     /// [`ModelError::BatchShape`] for an empty or overflowing shape; backend allocation
@@ -97,10 +185,44 @@ impl<B: Backend> Activations<B> {
         batch: usize,
         seq: usize,
     ) -> Result<Self, ModelError> {
+        let head = HeadMode::auto(batch.saturating_mul(seq), spec.vocab);
+        Self::with_head(backend, spec, batch, seq, head)
+    }
+
+    /// Allocates the arena for `batch` sequences of `seq` tokens of a model with `spec`,
+    /// keeping the LM head's output as `head` says.
+    ///
+    /// # Errors
+    /// [`ModelError::BatchShape`] for an empty or overflowing shape,
+    /// [`ModelError::InvalidValue`] for a chunk of 0 rows; backend allocation failures.
+    pub fn with_head(
+        backend: &B,
+        spec: &ModelSpec,
+        batch: usize,
+        seq: usize,
+        head: HeadMode,
+    ) -> Result<Self, ModelError> {
         if batch == 0 || seq == 0 {
             return Err(ModelError::BatchShape { batch, seq });
         }
         let n = numel(batch, seq, &[batch, seq])?;
+        let (head, chunk_rows) = match head {
+            HeadMode::Full => (HeadMode::Full, n),
+            HeadMode::Chunked { rows: 0 } => {
+                return Err(ModelError::InvalidValue {
+                    what: "LM head chunk rows".into(),
+                    value: 0.0,
+                    expected: ">= 1",
+                });
+            }
+            HeadMode::Chunked { rows } => {
+                let rows = rows.min(n);
+                (HeadMode::Chunked { rows }, rows)
+            }
+        };
+        let targets = head_chunks(n, chunk_rows)
+            .map(|(_, rows)| backend.alloc_ids(rows))
+            .collect::<Result<Vec<_>, _>>()?;
         let l = spec.layers;
         let (c, i, v) = (spec.hidden, spec.intermediate, spec.vocab);
         let (qd, kvd) = (spec.q_dim(), spec.kv_dim());
@@ -141,12 +263,14 @@ impl<B: Backend> Activations<B> {
             resid_out: alloc(&[l, n, c])?,
             lnf: alloc(&[n, c])?,
             lnf_rstd: alloc(&[n])?,
-            logits: alloc(&[n, v])?,
-            targets: backend.alloc_ids(n)?,
+            head,
+            chunk_rows,
+            logits: alloc(&[chunk_rows, v])?,
+            targets,
             log_prob: alloc(&[n])?,
             entropy: alloc(&[n])?,
             coeffs: alloc(&[n])?,
-            dlogits: alloc(&[n, v])?,
+            dlogits: alloc(&[chunk_rows, v])?,
             scratch: BackwardScratch::new(backend, spec, n)?,
         })
     }
@@ -156,9 +280,37 @@ impl<B: Backend> Activations<B> {
         (self.batch, self.seq)
     }
 
+    /// How this arena keeps the LM head's output (a chunk of more rows than the arena
+    /// has tokens is reported as `N` rows).
+    pub fn head_mode(&self) -> HeadMode {
+        self.head
+    }
+
+    /// `Ok` with whole logits, else [`ModelError::ChunkedLogits`] naming `what` needed them.
+    pub(crate) fn require_full(&self, what: &'static str) -> Result<(), ModelError> {
+        match self.head {
+            HeadMode::Full => Ok(()),
+            HeadMode::Chunked { rows } => Err(ModelError::ChunkedLogits { what, rows }),
+        }
+    }
+
+    /// Elements of the arena's logits buffer: `N · V` with whole logits, `rows · V` with a
+    /// chunked head. The ∂L/∂logits buffer has the same length.
+    pub fn logits_buffer_len(&self) -> usize {
+        self.logits.len()
+    }
+
     /// The logits `[batch, seq, vocab]` of the last forward pass (zeros before the first).
+    /// A chunked arena keeps no whole logits: there this is an empty view (and
+    /// [`Model::download_logits`](super::Model::download_logits) an error).
     pub fn logits(&self) -> Tensor<'_, B> {
-        View::whole(&self.logits)
+        match self.head {
+            HeadMode::Full => View::whole(&self.logits),
+            // An empty window always lies in the buffer; the fallback is unreachable.
+            HeadMode::Chunked { .. } => {
+                View::new(&self.logits, 0, 0).unwrap_or_else(|_| View::whole(&self.logits))
+            }
+        }
     }
 
     /// The per-token log-probs `[batch, seq]` of the last
@@ -171,5 +323,46 @@ impl<B: Backend> Activations<B> {
     /// [`Model::log_prob_entropy`](super::Model::log_prob_entropy) (zeros before the first).
     pub fn entropies(&self) -> Tensor<'_, B> {
         View::whole(&self.entropy)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_chunks_cover_every_token_once() {
+        let all = |n, rows| head_chunks(n, rows).collect::<Vec<_>>();
+        assert_eq!(all(7, 3), [(0, 3), (3, 3), (6, 1)]);
+        assert_eq!(all(6, 3), [(0, 3), (3, 3)]);
+        assert_eq!(all(2, 5), [(0, 2)]);
+        assert_eq!(all(3, 1), [(0, 1), (1, 1), (2, 1)]);
+        assert_eq!(all(0, 4), []);
+    }
+
+    #[test]
+    fn auto_policy_chunks_above_256_mib_of_logits() {
+        // 256 MiB / 4 B = 67 108 864 floats; / 151 936 = 441.7 rows; / 97 = 691 843.9.
+        assert_eq!(HeadMode::auto_rows(151_936), 441);
+        assert_eq!(HeadMode::auto_rows(97), 691_843);
+        assert_eq!(HeadMode::auto_rows(0), 67_108_864);
+        assert_eq!(HeadMode::auto_rows(100_000_000), 1);
+        assert_eq!(HeadMode::auto(441, 151_936), HeadMode::Full);
+        assert_eq!(HeadMode::auto(14, 97), HeadMode::Full);
+        // 8 × 1024 tokens: 5.0 GB of logits.
+        assert_eq!(
+            HeadMode::auto(8 * 1024, 151_936),
+            HeadMode::Chunked { rows: 441 }
+        );
+        // Exactly 256 MiB stays whole; one more token chunks.
+        assert_eq!(HeadMode::auto(1 << 20, 64), HeadMode::Full);
+        assert_eq!(
+            HeadMode::auto((1 << 20) + 1, 64),
+            HeadMode::Chunked { rows: 1 << 20 }
+        );
+        assert_eq!(
+            HeadMode::auto(usize::MAX, 2),
+            HeadMode::Chunked { rows: 1 << 25 }
+        );
     }
 }

@@ -8,11 +8,28 @@
 //! branch passes the gradient through unchanged). The per-layer intermediates live in a
 //! [`BackwardScratch`] planned up front with the [`Activations`] and reused by every layer.
 
+use super::activations::head_chunks;
 use super::weights::{layer_of, layer_of_mut};
-use super::{Activations, Grads, Inputs, Model, ModelError, ModelSpec};
+use super::{Activations, Grads, HeadMode, Inputs, Model, ModelError, ModelSpec};
 use crate::backend::{
     AttentionDims, AttentionGrads, AttentionInputs, Backend, LinearDims, Tensor, View, ViewMut,
 };
+
+/// Where the backward pass starts: the gradient of the LM head's output.
+pub(crate) enum HeadGrad<'a, B: Backend> {
+    /// The caller's ∂L/∂logits `[N, V]` (arenas with whole logits only).
+    Dlogits(Tensor<'a, B>),
+    /// Per-token ∂L/∂logπ at `temperature`, already in the arena (its `coeffs` and
+    /// per-chunk `targets`); ∂L/∂logits is made on the device, one head chunk at a time.
+    /// Chunks with `active[k] == false` (all coefficients zero) contribute nothing and
+    /// are skipped.
+    LogProb {
+        /// The temperature of the log-probs.
+        temperature: f32,
+        /// Per head chunk, whether any of its coefficients is nonzero.
+        active: &'a [bool],
+    },
+}
 
 /// Backward intermediates of one layer, `N = batch · seq` tokens, reused across layers:
 /// about `N · (2C + 3I + 3·Hq·D + 4·Hkv·D)` floats.
@@ -68,10 +85,14 @@ impl<B: Backend> Model<B> {
     /// Positions the loss ignores should carry zero rows in `dlogits`. Uses only device
     /// buffers planned up front (the activations and their backward scratch).
     ///
+    /// Needs an arena with whole logits ([`HeadMode::Full`]); with a chunked LM head use
+    /// [`Model::backward_from_log_prob_grads`].
+    ///
     /// # Errors
-    /// Invalid inputs, `acts` planned for another `(batch, seq)`, `dlogits` not `batch ·
-    /// seq · vocab` long, `grads` made for another model ([`ModelError::LayoutMismatch`]),
-    /// or a backend failure. Argument errors are found before anything is added to `grads`.
+    /// Invalid inputs, `acts` planned for another `(batch, seq)` or with a chunked LM head
+    /// ([`ModelError::ChunkedLogits`]), `dlogits` not `batch · seq · vocab` long, `grads`
+    /// made for another model ([`ModelError::LayoutMismatch`]), or a backend failure.
+    /// Argument errors are found before anything is added to `grads`.
     pub fn backward(
         &self,
         inputs: &Inputs<'_>,
@@ -79,16 +100,15 @@ impl<B: Backend> Model<B> {
         dlogits: Tensor<'_, B>,
         grads: &mut Grads<B>,
     ) -> Result<(), ModelError> {
-        self.backward_impl(inputs, acts, Some(dlogits), grads)
+        self.backward_impl(inputs, acts, HeadGrad::Dlogits(dlogits), grads)
     }
 
-    /// [`Model::backward`] from `dlogits`, or with `None` from the arena's own
-    /// ∂L/∂logits buffer (filled by the log-prob backward).
+    /// [`Model::backward`] from the gradient of the LM head's output given by `head`.
     pub(crate) fn backward_impl(
         &self,
         inputs: &Inputs<'_>,
         acts: &mut Activations<B>,
-        dlogits: Option<Tensor<'_, B>>,
+        head: HeadGrad<'_, B>,
         grads: &mut Grads<B>,
     ) -> Result<(), ModelError> {
         let n = inputs.check(&self.spec)?;
@@ -107,15 +127,16 @@ impl<B: Backend> Model<B> {
             return Err(ModelError::LayoutMismatch { what: "gradients" });
         }
         let a = acts;
-        let dlogits = dlogits.unwrap_or_else(|| View::whole(&a.dlogits));
-        if dlogits.len() != n * v {
-            return Err(ModelError::InputLength {
-                what: "dlogits",
-                expected: n * v,
-                actual: dlogits.len(),
-            });
+        if let HeadGrad::Dlogits(dlogits) = &head {
+            a.require_full("backward with explicit dlogits")?;
+            if dlogits.len() != n * v {
+                return Err(ModelError::InputLength {
+                    what: "dlogits",
+                    expected: n * v,
+                    actual: dlogits.len(),
+                });
+            }
         }
-        let sc = &mut a.scratch;
         let g = &mut grads.g;
         let lin = |rows, in_features, out_features| LinearDims {
             rows,
@@ -124,20 +145,62 @@ impl<B: Backend> Model<B> {
         };
 
         // LM head: dlnf = dlogits · W; dW += dlogitsᵀ · lnf (tied: into the embedding).
-        be.fill(ViewMut::whole(&mut sc.dln), 0.0)?;
-        let dhead = match g.lm_head.as_mut() {
-            Some(h) => ViewMut::whole(h),
-            None => ViewMut::whole(&mut g.embed),
-        };
-        be.linear_backward(
-            dlogits,
-            View::whole(&a.lnf),
-            w.lm_head(),
-            lin(n, c, v),
-            Some(ViewMut::whole(&mut sc.dln)),
-            dhead,
-            None,
-        )?;
+        be.fill(ViewMut::whole(&mut a.scratch.dln), 0.0)?;
+        match head {
+            HeadGrad::Dlogits(dlogits) => {
+                let dhead = match g.lm_head.as_mut() {
+                    Some(h) => ViewMut::whole(h),
+                    None => ViewMut::whole(&mut g.embed),
+                };
+                be.linear_backward(
+                    dlogits,
+                    View::whole(&a.lnf),
+                    w.lm_head(),
+                    lin(n, c, v),
+                    Some(ViewMut::whole(&mut a.scratch.dln)),
+                    dhead,
+                    None,
+                )?;
+            }
+            HeadGrad::LogProb {
+                temperature,
+                active,
+            } => {
+                // Per head chunk (one of N rows with whole logits): its logits (recomputed
+                // when chunked), ∂L/∂logits of its rows, and their part of dlnf and dW.
+                let chunks = head_chunks(n, a.chunk_rows).zip(&a.targets).zip(active);
+                for (((start, rows), ids), &active) in chunks {
+                    if !active {
+                        continue;
+                    }
+                    if a.head != HeadMode::Full {
+                        self.head_chunk_logits(&a.lnf, start, rows, &mut a.logits)?;
+                    }
+                    be.log_prob_backward(
+                        View::new(&a.logits, 0, rows * v)?,
+                        v,
+                        temperature,
+                        ids,
+                        View::new(&a.coeffs, start, rows)?,
+                        ViewMut::new(&mut a.dlogits, 0, rows * v)?,
+                    )?;
+                    let dhead = match g.lm_head.as_mut() {
+                        Some(h) => ViewMut::whole(h),
+                        None => ViewMut::whole(&mut g.embed),
+                    };
+                    be.linear_backward(
+                        View::new(&a.dlogits, 0, rows * v)?,
+                        View::new(&a.lnf, start * c, rows * c)?,
+                        w.lm_head(),
+                        lin(rows, c, v),
+                        Some(ViewMut::new(&mut a.scratch.dln, start * c, rows * c)?),
+                        dhead,
+                        None,
+                    )?;
+                }
+            }
+        }
+        let sc = &mut a.scratch;
 
         // Final norm: the residual stream's gradient starts here.
         let last = match s.layers.checked_sub(1) {

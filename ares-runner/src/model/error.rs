@@ -92,6 +92,18 @@ pub enum ModelError {
         /// `(batch, seq)` of the input.
         actual: (usize, usize),
     },
+    /// A call that needs the whole logits `[batch·seq, vocab]` was given an arena planned
+    /// with a chunked LM head, which keeps none.
+    #[error(
+        "{what} needs the whole logits, but the activations were planned with a chunked LM \
+         head ({rows} rows per chunk); plan them with Model::activations_full"
+    )]
+    ChunkedLogits {
+        /// The call (`download_logits`, `backward with explicit dlogits`, `forward_cached`).
+        what: &'static str,
+        /// Rows per chunk of the arena.
+        rows: usize,
+    },
     /// Gradients or optimizer moments whose buffers do not match this model's parameters.
     #[error("{what} do not match this model's parameters (made for another model?)")]
     LayoutMismatch {

@@ -2,10 +2,11 @@
 //! then per layer `RMSNorm → q/k/v (→ q/k RMSNorm) → RoPE → attention → o_proj → residual
 //! → RMSNorm → gate/up → SwiGLU → down → residual`, final RMSNorm, LM head.
 
+use super::activations::head_chunks;
 use super::decode_weights::DecodeWeights;
 use super::log_prob_grad::check_targets;
 use super::weights::{Stack, layer_of};
-use super::{Activations, Inputs, KvCache, Model, ModelError};
+use super::{Activations, HeadMode, Inputs, KvCache, Model, ModelError};
 use crate::backend::{
     AttentionDims, AttentionInputs, Backend, LinearDims, Tensor, TensorMut, View, ViewMut,
 };
@@ -22,7 +23,10 @@ impl<B: Backend> Model<B> {
     /// Runs the model on `inputs`, leaving every activation and the logits `[batch, seq,
     /// vocab]` in `acts` ([`Activations::logits`]). Logits at padding positions are
     /// computed but meaningless (a left-padding query with no valid key attends to
-    /// nothing); callers read valid positions only.
+    /// nothing); callers read valid positions only. With a chunked LM head
+    /// ([`HeadMode::Chunked`]) the pass stops at the final norm: the logits are computed
+    /// chunk by chunk by [`Model::log_prob_entropy`] and
+    /// [`Model::backward_from_log_prob_grads`].
     ///
     /// # Errors
     /// Invalid inputs (see [`Inputs::check`]), `acts` planned for another `(batch, seq)`,
@@ -70,6 +74,9 @@ impl<B: Backend> Model<B> {
                 planned: acts.shape(),
                 actual: (inputs.batch, inputs.seq),
             });
+        }
+        if cache.is_some() || tw.is_some() {
+            acts.require_full("forward_cached")?;
         }
         let be = &self.backend;
         let s = &self.spec;
@@ -290,7 +297,7 @@ impl<B: Backend> Model<B> {
             )?;
         }
 
-        // Final norm and LM head.
+        // Final norm and (whole logits) LM head.
         let last = match s.layers.checked_sub(1) {
             Some(l) => View::item(&a.resid_out, l, n * c)?,
             None => View::whole(&a.encoded),
@@ -303,13 +310,39 @@ impl<B: Backend> Model<B> {
             ViewMut::whole(&mut a.lnf),
             ViewMut::whole(&mut a.lnf_rstd),
         )?;
-        self.project(
-            View::whole(&a.lnf),
-            w.lm_head(),
-            tw.map(|t| View::whole(&t.lm_head)),
+        if a.head == HeadMode::Full {
+            self.project(
+                View::whole(&a.lnf),
+                w.lm_head(),
+                tw.map(|t| View::whole(&t.lm_head)),
+                None,
+                lin(n, c, v),
+                ViewMut::whole(&mut a.logits),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Chunked LM head: the logits of tokens `start..start + rows` from the final-norm
+    /// output `lnf` `[N, C]`, into the first `rows · V` elements of `logits`.
+    pub(crate) fn head_chunk_logits(
+        &self,
+        lnf: &B::Buffer,
+        start: usize,
+        rows: usize,
+        logits: &mut B::Buffer,
+    ) -> Result<(), ModelError> {
+        let (c, v) = (self.spec.hidden, self.spec.vocab);
+        self.backend.linear(
+            View::new(lnf, start * c, rows * c)?,
+            self.weights.lm_head(),
             None,
-            lin(n, c, v),
-            ViewMut::whole(&mut a.logits),
+            LinearDims {
+                rows,
+                in_features: c,
+                out_features: v,
+            },
+            ViewMut::new(logits, 0, rows * v)?,
         )?;
         Ok(())
     }
@@ -318,7 +351,9 @@ impl<B: Backend> Model<B> {
     /// of `softmax(logits[b, t] / temperature)` for every token, left in `acts`
     /// ([`Activations::log_probs`], [`Activations::entropies`]) without a host copy of the
     /// logits. `targets` is `[batch, seq]` (e.g. the next token at each position; any id
-    /// `< vocab` at positions the caller ignores).
+    /// `< vocab` at positions the caller ignores). With a chunked LM head the logits are
+    /// computed here, chunk by chunk, each chunk's rows then reduced by the same op as
+    /// whole logits are.
     ///
     /// # Errors
     /// `targets` not `batch · seq` long or an id `>= vocab`, a temperature not finite and
@@ -330,16 +365,26 @@ impl<B: Backend> Model<B> {
         temperature: f32,
     ) -> Result<(), ModelError> {
         let vocab = self.spec.vocab;
-        check_targets(targets, acts.batch * acts.seq, vocab)?;
-        self.backend.upload_ids(targets, &mut acts.targets)?;
-        self.backend.log_prob_entropy(
-            View::whole(&acts.logits),
-            vocab,
-            temperature,
-            &acts.targets,
-            ViewMut::whole(&mut acts.log_prob),
-            ViewMut::whole(&mut acts.entropy),
-        )?;
+        let n = acts.batch * acts.seq;
+        check_targets(targets, n, vocab)?;
+        let be = &self.backend;
+        let a = acts;
+        for ((start, rows), ids) in head_chunks(n, a.chunk_rows).zip(&mut a.targets) {
+            be.upload_ids(&targets[start..start + rows], ids)?;
+        }
+        for ((start, rows), ids) in head_chunks(n, a.chunk_rows).zip(&a.targets) {
+            if a.head != HeadMode::Full {
+                self.head_chunk_logits(&a.lnf, start, rows, &mut a.logits)?;
+            }
+            be.log_prob_entropy(
+                View::new(&a.logits, 0, rows * vocab)?,
+                vocab,
+                temperature,
+                ids,
+                ViewMut::new(&mut a.log_prob, start, rows)?,
+                ViewMut::new(&mut a.entropy, start, rows)?,
+            )?;
+        }
         Ok(())
     }
 }

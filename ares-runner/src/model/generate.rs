@@ -138,8 +138,9 @@ impl<B: Backend> Model<B> {
     /// log-sum-exp is not saved (no backward through a cached pass).
     ///
     /// # Errors
-    /// As [`Model::forward`]; the cache planned for another batch or too short. On a
-    /// backend error the cache's contents past its length may have changed, its length not.
+    /// As [`Model::forward`]; the cache planned for another batch or too short;
+    /// [`ModelError::ChunkedLogits`] for `acts` without whole logits (plan them with
+    /// [`Model::activations_full`]). On a backend error the cache's contents past its length may have changed, its length not.
     pub fn forward_cached(
         &self,
         inputs: &Inputs<'_>,
@@ -159,6 +160,7 @@ impl<B: Backend> Model<B> {
         tw: Option<&DecodeWeights<B>>,
     ) -> Result<(), GenerateError> {
         inputs.check(&self.spec)?;
+        acts.require_full("forward_cached")?;
         if cache.batch != inputs.batch {
             return Err(GenerateError::CacheBatch {
                 cache: cache.batch,
@@ -240,7 +242,7 @@ impl<B: Backend> Model<B> {
         let mut cache = KvCache::new(&self.backend, &self.spec, batch, max_len)?;
         // One transpose of the weights instead of a GEMM repack per projection and step.
         let tw = DecodeWeights::new(&self.backend, &self.spec, &self.weights)?;
-        let mut prefill = self.activations(batch, width)?;
+        let mut prefill = self.activations_full(batch, width)?;
         let inputs = Inputs {
             batch,
             seq: width,
@@ -265,7 +267,7 @@ impl<B: Backend> Model<B> {
         )?;
         drop(prefill);
 
-        let mut step_acts = self.activations(batch, 1)?;
+        let mut step_acts = self.activations_full(batch, 1)?;
         let mut rngs: Vec<_> = (0..batch as u64)
             .map(|i| sequence_rng(request.seed, i))
             .collect();

@@ -2,8 +2,10 @@
 //! the model only needs the backward of the per-token log-prob to reach ∂L/∂θ — no
 //! autodiff, and no `[tokens, vocab]` log-softmax kept between the passes.
 
+use super::activations::head_chunks;
+use super::backward::HeadGrad;
 use super::{Activations, Grads, Inputs, Model, ModelError};
-use crate::backend::{Backend, View, ViewMut};
+use crate::backend::{Backend, ViewMut};
 
 /// Checks `targets` is `n` ids below `vocab`.
 pub(crate) fn check_targets(targets: &[u32], n: usize, vocab: usize) -> Result<(), ModelError> {
@@ -54,9 +56,17 @@ impl<B: Backend> Model<B> {
     ///
     /// into the arena (no host copy of the logits), then runs [`Model::backward`] from it,
     /// **adding** ∂L/∂θ into `grads`. Run [`Model::forward`] on the same `inputs` and
-    /// `acts` first ([`Model::log_prob_entropy`] in between is fine: it leaves the logits).
-    /// Use the temperature the log-probs of the loss were computed at (the rollout's
-    /// sampling temperature, as `logits / T` in verl-style trainers).
+    /// `acts` first ([`Model::log_prob_entropy`] in between is fine: it leaves the logits
+    /// and the final-norm output). Use the temperature the log-probs of the loss were
+    /// computed at (the rollout's sampling temperature, as `logits / T` in verl-style
+    /// trainers).
+    ///
+    /// With a chunked LM head ([`HeadMode::Chunked`](super::HeadMode::Chunked)) this runs
+    /// per chunk of rows: the chunk's logits are recomputed from the final-norm output,
+    /// turned into the chunk's ∂L/∂logits (`[rows, vocab]`, the largest head buffer), and
+    /// pushed through the LM head's backward (its rows of ∂L/∂lnf, its part of the head's — or
+    /// with tied embeddings the embedding's — gradient); chunks whose coefficients are all
+    /// zero are skipped. Then the layers' backward runs once, as with whole logits.
     ///
     /// # Errors
     /// Invalid inputs, `acts` planned for another `(batch, seq)`, `targets` or `coeffs` not
@@ -64,7 +74,10 @@ impl<B: Backend> Model<B> {
     /// coefficient at a padding position (`attention_mask = 0`: its logits are
     /// meaningless), a temperature not finite and > 0, non-finite logits at a token with a
     /// nonzero coefficient, `grads` made for another model, or a backend failure. Nothing
-    /// is added to `grads` unless every check passed.
+    /// is added to `grads` unless every argument check passed; non-finite logits are found
+    /// chunk by chunk, so with a chunked head the LM head's gradient of earlier chunks may
+    /// already have been added when they are (the layers' are not; zero the gradients
+    /// before retrying). [`Model::log_prob_entropy`] on the same pass finds them first.
     pub fn backward_from_log_prob_grads(
         &self,
         inputs: &Inputs<'_>,
@@ -108,16 +121,16 @@ impl<B: Backend> Model<B> {
             }
         }
         let be = &self.backend;
-        be.upload_ids(targets, &mut acts.targets)?;
+        let mut active = Vec::with_capacity(acts.targets.len());
+        for ((start, rows), ids) in head_chunks(n, acts.chunk_rows).zip(&mut acts.targets) {
+            be.upload_ids(&targets[start..start + rows], ids)?;
+            active.push(coeffs[start..start + rows].iter().any(|&c| c != 0.0));
+        }
         be.upload(coeffs, ViewMut::whole(&mut acts.coeffs))?;
-        be.log_prob_backward(
-            View::whole(&acts.logits),
-            vocab,
+        let head = HeadGrad::LogProb {
             temperature,
-            &acts.targets,
-            View::whole(&acts.coeffs),
-            ViewMut::whole(&mut acts.dlogits),
-        )?;
-        self.backward_impl(inputs, acts, None, grads)
+            active: &active,
+        };
+        self.backward_impl(inputs, acts, head, grads)
     }
 }

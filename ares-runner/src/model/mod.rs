@@ -9,20 +9,25 @@
 //!   `< max_position_embeddings` (computed once on the host with `ares-cpu`'s
 //!   [`RopeTable`], transformers' f32 numerics, and gathered per token on the device).
 //! - [`Activations`]: the activation arena, planned up front for a `(batch, seq)` and
-//!   reused across calls; every layer's intermediates are kept for the backward pass.
+//!   reused across calls; every layer's intermediates are kept for the backward pass. Its
+//!   LM head keeps the whole logits or runs in row chunks ([`HeadMode`]; chosen by size
+//!   in [`Model::activations`]), so a real vocabulary never needs `[tokens, vocab]`
+//!   buffers for training and scoring.
 //! - [`Model::forward`]: `input_ids`, `attention_mask`, `position_ids` `[batch, seq]` →
-//!   logits `[batch, seq, vocab]` in the arena. The host copies per call are the inputs in
-//!   and whatever the caller downloads.
+//!   logits `[batch, seq, vocab]` in the arena (a chunked arena: up to the final norm).
+//!   The host copies per call are the inputs in and whatever the caller downloads.
 //! - [`Model::log_prob_entropy`]: after a forward pass, each token's log-prob of a target
-//!   and entropy at a temperature, fused over the logits rows on the device.
+//!   and entropy at a temperature, fused over the logits rows on the device (chunk by
+//!   chunk in a chunked arena).
 //!
-//! - [`Model::backward`]: from ∂L/∂logits (the caller's loss), the manual backward pass
-//!   (llm.c style, per layer, scratch planned with the activations) accumulating every
-//!   parameter's gradient into [`Grads`] (same layout as the weights; tied embeddings
+//! - [`Model::backward`]: from ∂L/∂logits (the caller's loss; whole-logits arenas only),
+//!   the manual backward pass (llm.c style, per layer, scratch planned with the
+//!   activations) accumulating every parameter's gradient into [`Grads`] (same layout as the weights; tied embeddings
 //!   share one gradient).
 //! - [`Model::backward_from_log_prob_grads`]: the loss head of training, from ∂L/∂logπ
 //!   per token (what the policy losses return) through the fused log-prob backward on the
-//!   device to [`Model::backward`].
+//!   device to the LM head's backward (chunk by chunk, recomputing each chunk's logits, in
+//!   a chunked arena) and the rest of [`Model::backward`].
 //! - [`AdamW`]: the optimizer over the model's parameters (global gradient norm, skip on a
 //!   non-finite norm, clipping, decoupled weight decay), its moments on the device, saved
 //!   to and loaded from a safetensors file.
@@ -49,7 +54,7 @@ mod weights;
 
 use ares_cpu::ops::rope::RopeTable;
 
-pub use activations::Activations;
+pub use activations::{Activations, HeadMode};
 pub use error::ModelError;
 pub use generate::{GenerateError, GenerateOutput, GenerateRequest};
 pub use grads::Grads;
@@ -153,7 +158,10 @@ impl<B: Backend> Model<B> {
         &self.backend
     }
 
-    /// A new activation arena for `batch` sequences of `seq` tokens.
+    /// A new activation arena for `batch` sequences of `seq` tokens, with whole logits
+    /// while they take at most 256 MiB and a chunked LM head above ([`HeadMode::auto`]).
+    /// Training and scoring work with either; for the whole logits (download, generation)
+    /// use [`Model::activations_full`].
     ///
     /// # Errors
     /// As [`Activations::new`].
@@ -161,15 +169,42 @@ impl<B: Backend> Model<B> {
         Activations::new(&self.backend, &self.spec, batch, seq)
     }
 
+    /// A new activation arena for `batch` sequences of `seq` tokens that keeps the whole
+    /// logits `[batch, seq, vocab]` ([`HeadMode::Full`]), whatever their size.
+    ///
+    /// # Errors
+    /// As [`Activations::with_head`].
+    pub fn activations_full(&self, batch: usize, seq: usize) -> Result<Activations<B>, ModelError> {
+        Activations::with_head(&self.backend, &self.spec, batch, seq, HeadMode::Full)
+    }
+
+    /// A new activation arena for `batch` sequences of `seq` tokens with the LM head run
+    /// `chunk_rows` tokens at a time ([`HeadMode::Chunked`]): no buffer larger than
+    /// `[chunk_rows, vocab]` for the logits or their gradient.
+    ///
+    /// # Errors
+    /// `chunk_rows == 0`, or as [`Activations::with_head`].
+    pub fn activations_chunked(
+        &self,
+        batch: usize,
+        seq: usize,
+        chunk_rows: usize,
+    ) -> Result<Activations<B>, ModelError> {
+        let head = HeadMode::Chunked { rows: chunk_rows };
+        Activations::with_head(&self.backend, &self.spec, batch, seq, head)
+    }
+
     /// Copies the logits `[batch, seq, vocab]` of the last forward pass in `acts` to `out`.
     ///
     /// # Errors
-    /// `out` not `batch · seq · vocab` long, or a backend failure.
+    /// [`ModelError::ChunkedLogits`] for an arena with a chunked LM head, `out` not `batch ·
+    /// seq · vocab` long, or a backend failure.
     pub fn download_logits(
         &self,
         acts: &Activations<B>,
         out: &mut [f32],
     ) -> Result<(), ModelError> {
+        acts.require_full("download_logits")?;
         Ok(self.backend.download(acts.logits(), out)?)
     }
 
@@ -181,7 +216,7 @@ impl<B: Backend> Model<B> {
     /// As [`Model::forward`].
     pub fn forward_logits(&self, inputs: &Inputs<'_>) -> Result<Vec<f32>, ModelError> {
         inputs.check(&self.spec)?;
-        let mut acts = self.activations(inputs.batch, inputs.seq)?;
+        let mut acts = self.activations_full(inputs.batch, inputs.seq)?;
         self.forward(inputs, &mut acts)?;
         let mut out = vec![0.0; acts.logits().len()];
         self.download_logits(&acts, &mut out)?;
