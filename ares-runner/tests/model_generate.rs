@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 
 use ares_runner::backend::cpu::CpuBackend;
 use ares_runner::hf::checkpoint::Checkpoint;
-use ares_runner::model::{GenerateError, GenerateOutput, GenerateRequest, Inputs, Model, Sampling};
+use ares_runner::model::{
+    GenerateError, GenerateOutput, GenerateRequest, HeadMode, Inputs, KvCache, Model, Sampling,
+};
 
 const MODELS: [&str; 3] = ["qwen2_tiny", "qwen3_tiny", "llama_tiny"];
 
@@ -356,4 +358,39 @@ fn request_errors() {
         })
         .unwrap();
     assert_eq!(out.tokens, vec![Vec::<u32>::new()]);
+}
+
+#[test]
+fn prefill_computes_the_head_for_each_prompts_last_position_only() {
+    for name in MODELS {
+        let m = model(name);
+        let vocab = m.spec().vocab;
+        // 5 prompts of width 9: the prefill arena holds 5 · V logits, not 5 · 9 · V.
+        let acts = m.prefill_activations(5, 9).unwrap();
+        assert_eq!(acts.shape(), (5, 9));
+        assert_eq!(acts.logits_buffer_len(), 5 * vocab, "{name}");
+        assert_eq!(acts.head_mode(), HeadMode::Chunked { rows: 5 }, "{name}");
+        // One prompt of one token: a single row.
+        let acts = m.prefill_activations(1, 1).unwrap();
+        assert_eq!(acts.logits_buffer_len(), vocab, "{name}");
+        // The public cached pass still wants whole logits: it refuses this arena.
+        let mut acts = m.prefill_activations(2, 3).unwrap();
+        let mut cache = KvCache::new(m.backend(), m.spec(), 2, 4).unwrap();
+        let (ids, mask, pos) = ([1u32; 6], [1u32; 6], [0u32, 1, 2, 0, 1, 2]);
+        let err = m
+            .forward_cached(
+                &Inputs {
+                    batch: 2,
+                    seq: 3,
+                    input_ids: &ids,
+                    attention_mask: &mask,
+                    position_ids: &pos,
+                },
+                &mut acts,
+                &mut cache,
+            )
+            .unwrap_err();
+        assert!(err.to_string().contains("chunked LM head"), "{err}");
+        assert_eq!(cache.len(), 0);
+    }
 }

@@ -60,7 +60,9 @@ impl<B: Backend> Model<B> {
     /// [`Model::forward`], or with `cache` the same pass with attention over the KV cache
     /// (the new keys and values appended to it, no log-sum-exp saved; the caller has put
     /// the new tokens' key mask in the cache and advances its length afterwards). With
-    /// `tw`, the linear layers multiply by its transposed weights (generation).
+    /// `tw`, the linear layers multiply by its transposed weights (generation). A chunked
+    /// arena stops at the final norm here too (the generation prefill runs the head on the
+    /// rows it needs, [`Model::generate`]).
     pub(crate) fn forward_impl(
         &self,
         inputs: &Inputs<'_>,
@@ -74,9 +76,6 @@ impl<B: Backend> Model<B> {
                 planned: acts.shape(),
                 actual: (inputs.batch, inputs.seq),
             });
-        }
-        if cache.is_some() || tw.is_some() {
-            acts.require_full("forward_cached")?;
         }
         let be = &self.backend;
         let s = &self.spec;

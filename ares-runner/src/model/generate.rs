@@ -3,9 +3,12 @@
 //! The prompts are left-padded to the longest (pad id 0, key mask 0, positions counting
 //! each prompt's own tokens from 0, so padding changes no valid token's numbers), run
 //! through one forward pass that fills the [`KvCache`], then extended one token per step.
-//! After each forward the last logits row of every sequence is copied to the host and a
-//! token picked ([`Sampling`]); the log-prob of that token and the entropy of the sampling
-//! distribution are computed on the device by [`Backend::log_prob_entropy`].
+//! The prefill runs the LM head on each prompt's last position only (its final-norm rows
+//! gathered into `[batch, C]`, see [`Model::prefill_activations`]), so its logits are
+//! `[batch, V]` like a decode step's, not `[batch, width, V]`. After each forward these
+//! next-token logits are copied to the host and a token picked ([`Sampling`]); the
+//! log-prob of that token and the entropy of the sampling distribution are computed on the
+//! device by [`Backend::log_prob_entropy`].
 //!
 //! The linear layers run on a transposed copy of the weights made at the start
 //! ([`DecodeWeights`]: faster few-row products on the CPU, a second copy of the linear
@@ -15,10 +18,12 @@
 //! their new tokens are ignored; the loop ends when every sequence has finished or
 //! `max_new_tokens` tokens were produced.
 
+use rand_chacha::ChaCha20Rng;
+
 use super::decode_weights::DecodeWeights;
 use super::sampling::{pick, sequence_rng};
-use super::{Activations, Inputs, KvCache, Model, ModelError, Sampling};
-use crate::backend::{Backend, BackendError, View, ViewMut};
+use super::{Activations, HeadMode, Inputs, KvCache, Model, ModelError, Sampling};
+use crate::backend::{Backend, BackendError, LinearDims, Tensor, View, ViewMut};
 
 /// A generation request: a batch of prompts and how to continue them.
 #[derive(Debug, Clone, PartialEq)]
@@ -128,6 +133,92 @@ impl From<BackendError> for GenerateError {
     }
 }
 
+/// The per-token state of a generation: each sequence's sampling stream, newest token and
+/// whether it has finished, with the host and device buffers of one pick.
+struct Picker<'r, B: Backend> {
+    request: &'r GenerateRequest,
+    vocab: usize,
+    rngs: Vec<ChaCha20Rng>,
+    host_logits: Vec<f32>,
+    /// The token each sequence picked last (fed to the next decode step).
+    next: Vec<u32>,
+    targets: B::Ids,
+    log_prob: B::Buffer,
+    entropy: B::Buffer,
+    host_lp: Vec<f32>,
+    host_ent: Vec<f32>,
+    /// Whether each sequence has produced an EOS id.
+    done: Vec<bool>,
+}
+
+impl<'r, B: Backend> Picker<'r, B> {
+    /// The state before the first token of `request`'s prompts.
+    fn new(be: &B, request: &'r GenerateRequest, vocab: usize) -> Result<Self, GenerateError> {
+        let batch = request.prompts.len();
+        Ok(Self {
+            request,
+            vocab,
+            rngs: (0..batch as u64)
+                .map(|i| sequence_rng(request.seed, i))
+                .collect(),
+            host_logits: vec![0.0; batch * vocab],
+            next: vec![0; batch],
+            targets: be.alloc_ids(batch)?,
+            log_prob: be.alloc(batch)?,
+            entropy: be.alloc(batch)?,
+            host_lp: vec![0.0; batch],
+            host_ent: vec![0.0; batch],
+            done: vec![false; batch],
+        })
+    }
+
+    /// New token `step` of every unfinished sequence from `logits` `[batch, vocab]` (each
+    /// sequence's next-token logits): picks it, computes its log-prob and the entropy of
+    /// the sampling distribution on the device, appends all three to `out` and marks
+    /// sequences that produced an EOS id.
+    fn step(
+        &mut self,
+        be: &B,
+        logits: Tensor<'_, B>,
+        step: usize,
+        out: &mut GenerateOutput,
+    ) -> Result<(), GenerateError> {
+        let request = self.request;
+        be.download(logits, &mut self.host_logits)?;
+        for (b, row) in self.host_logits.chunks_exact(self.vocab).enumerate() {
+            if self.done[b] {
+                continue;
+            }
+            self.next[b] = pick(row, &request.sampling, &mut self.rngs[b])
+                .ok_or(GenerateError::NonFiniteLogits { sequence: b, step })?;
+        }
+        be.upload_ids(&self.next, &mut self.targets)?;
+        be.log_prob_entropy(
+            logits,
+            self.vocab,
+            request.sampling.temperature(),
+            &self.targets,
+            ViewMut::whole(&mut self.log_prob),
+            ViewMut::whole(&mut self.entropy),
+        )?;
+        be.download(View::whole(&self.log_prob), &mut self.host_lp)?;
+        be.download(View::whole(&self.entropy), &mut self.host_ent)?;
+        for b in 0..self.done.len() {
+            if self.done[b] {
+                continue;
+            }
+            out.tokens[b].push(self.next[b]);
+            out.log_probs[b].push(self.host_lp[b]);
+            out.entropies[b].push(self.host_ent[b]);
+            if request.eos_ids.contains(&self.next[b]) {
+                self.done[b] = true;
+                out.finished_by_eos[b] = true;
+            }
+        }
+        Ok(())
+    }
+}
+
 impl<B: Backend> Model<B> {
     /// A forward pass over `inputs` `[batch, seq]` (the next `seq` tokens of every
     /// sequence in `cache`) with attention over the cache: appends the new tokens' keys,
@@ -147,11 +238,30 @@ impl<B: Backend> Model<B> {
         acts: &mut Activations<B>,
         cache: &mut KvCache<B>,
     ) -> Result<(), GenerateError> {
+        acts.require_full("forward_cached")?;
         self.forward_cached_with(inputs, acts, cache, None)
     }
 
-    /// [`Model::forward_cached`], with the linear layers on the transposed weights `tw`
-    /// when given.
+    /// The activation arena [`Model::generate`] plans for the prefill of `batch` prompts
+    /// left-padded to `width` tokens: every per-token activation of the `batch · width`
+    /// tokens, but an LM head of `batch` rows ([`HeadMode::Chunked`] with `rows = batch`,
+    /// so [`Activations::logits_buffer_len`] is `batch · vocab`): generation needs the
+    /// logits of each prompt's last position only, which the prefill computes from those
+    /// rows of the final-norm output.
+    ///
+    /// # Errors
+    /// As [`Activations::with_head`].
+    pub fn prefill_activations(
+        &self,
+        batch: usize,
+        width: usize,
+    ) -> Result<Activations<B>, ModelError> {
+        let head = HeadMode::Chunked { rows: batch };
+        Activations::with_head(&self.backend, &self.spec, batch, width, head)
+    }
+
+    /// [`Model::forward_cached`] without the whole-logits check (a chunked arena stops at
+    /// the final norm), with the linear layers on the transposed weights `tw` when given.
     fn forward_cached_with(
         &self,
         inputs: &Inputs<'_>,
@@ -160,7 +270,6 @@ impl<B: Backend> Model<B> {
         tw: Option<&DecodeWeights<B>>,
     ) -> Result<(), GenerateError> {
         inputs.check(&self.spec)?;
-        acts.require_full("forward_cached")?;
         if cache.batch != inputs.batch {
             return Err(GenerateError::CacheBatch {
                 cache: cache.batch,
@@ -185,6 +294,45 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
+    /// The prefill's LM head, after a forward pass on an arena of
+    /// [`Model::prefill_activations`]: gathers the final-norm output row of each
+    /// sequence's last prompt position (token `b · width + width − 1`: the prompts are
+    /// left-padded) into a `[batch, C]` buffer and multiplies it by the head, leaving the
+    /// `[batch, V]` logits in the arena's logits buffer, whose view this returns.
+    fn prefill_head<'a>(
+        &self,
+        acts: &'a mut Activations<B>,
+        tw: &DecodeWeights<B>,
+    ) -> Result<Tensor<'a, B>, GenerateError> {
+        let (batch, width) = acts.shape();
+        let (c, v) = (self.spec.hidden, self.spec.vocab);
+        let be = &self.backend;
+        // u32 row ids: `generate` has checked that `batch · width` fits.
+        let last: Vec<u32> = (0..batch).map(|b| ((b + 1) * width - 1) as u32).collect();
+        let mut row_ids = be.alloc_ids(batch)?;
+        be.upload_ids(&last, &mut row_ids)?;
+        let mut hidden = be.alloc(batch * c)?;
+        be.embedding(
+            &row_ids,
+            View::whole(&acts.lnf),
+            batch * width,
+            c,
+            ViewMut::whole(&mut hidden),
+        )?;
+        be.linear_transposed(
+            View::whole(&hidden),
+            View::whole(&tw.lm_head),
+            None,
+            LinearDims {
+                rows: batch,
+                in_features: c,
+                out_features: v,
+            },
+            ViewMut::new(&mut acts.logits, 0, batch * v)?,
+        )?;
+        Ok(View::new(&acts.logits, 0, batch * v)?)
+    }
+
     /// Generates up to `request.max_new_tokens` tokens after each prompt, batched with a
     /// KV cache (see the module docs of `generate` for padding, positions and finished
     /// sequences). Deterministic: greedy has no randomness, sampling draws from per-prompt
@@ -192,13 +340,16 @@ impl<B: Backend> Model<B> {
     /// gives the same tokens batched or alone (up to float rounding differences between
     /// batch shapes that would flip a near-tie).
     ///
+    /// The prompt prefill keeps the activations of every prompt token but computes the LM
+    /// head for each prompt's last position only ([`Model::prefill_activations`]): its
+    /// logits take `batch · vocab` floats, not `batch · width · vocab`.
+    ///
     /// # Errors
     /// No prompts, an empty prompt, a token or EOS id `>= vocab`, a prompt plus
     /// `max_new_tokens` longer than `max_position_embeddings`, invalid sampling
     /// parameters, non-finite logits, or a model/backend failure.
     pub fn generate(&self, request: &GenerateRequest) -> Result<GenerateOutput, GenerateError> {
         let (prompts, max_new) = (&request.prompts, request.max_new_tokens);
-        let vocab = self.spec.vocab;
         self.check_request(request)?;
         let batch = prompts.len();
         let mut out = GenerateOutput {
@@ -242,98 +393,43 @@ impl<B: Backend> Model<B> {
         let mut cache = KvCache::new(&self.backend, &self.spec, batch, max_len)?;
         // One transpose of the weights instead of a GEMM repack per projection and step.
         let tw = DecodeWeights::new(&self.backend, &self.spec, &self.weights)?;
-        let mut prefill = self.activations_full(batch, width)?;
-        let inputs = Inputs {
-            batch,
-            seq: width,
-            input_ids: &ids,
-            attention_mask: &mask,
-            position_ids: &positions,
-        };
-        self.forward_cached_with(&inputs, &mut prefill, &mut cache, Some(&tw))?;
-
-        // The last prompt row of each sequence, gathered into a [batch, vocab] buffer.
-        let be = &self.backend;
-        let mut rows = be.alloc(batch * vocab)?;
-        let mut row_ids = be.alloc_ids(batch)?;
-        let last: Vec<u32> = (0..batch).map(|b| ((b + 1) * width - 1) as u32).collect();
-        be.upload_ids(&last, &mut row_ids)?;
-        be.embedding(
-            &row_ids,
-            prefill.logits(),
-            batch * width,
-            vocab,
-            ViewMut::whole(&mut rows),
-        )?;
-        drop(prefill);
+        let mut picker = Picker::new(&self.backend, request, self.spec.vocab)?;
+        {
+            let mut prefill = self.prefill_activations(batch, width)?;
+            let inputs = Inputs {
+                batch,
+                seq: width,
+                input_ids: &ids,
+                attention_mask: &mask,
+                position_ids: &positions,
+            };
+            self.forward_cached_with(&inputs, &mut prefill, &mut cache, Some(&tw))?;
+            let logits = self.prefill_head(&mut prefill, &tw)?;
+            picker.step(&self.backend, logits, 0, &mut out)?;
+            // The prefill arena is freed before the decode arena is planned.
+        }
 
         let mut step_acts = self.activations_full(batch, 1)?;
-        let mut rngs: Vec<_> = (0..batch as u64)
-            .map(|i| sequence_rng(request.seed, i))
-            .collect();
-        let temperature = request.sampling.temperature();
-        let mut host_logits = vec![0.0f32; batch * vocab];
-        let mut next = vec![0u32; batch];
-        let mut targets = be.alloc_ids(batch)?;
-        let mut log_prob = be.alloc(batch)?;
-        let mut entropy = be.alloc(batch)?;
-        let (mut host_lp, mut host_ent) = (vec![0.0f32; batch], vec![0.0f32; batch]);
-        let mut done = vec![false; batch];
         let step_mask = vec![1u32; batch];
         let mut step_positions = vec![0u32; batch];
-        for step in 0..max_new {
-            let logits = if step == 0 {
-                View::whole(&rows)
-            } else {
-                step_acts.logits()
-            };
-            be.download(logits, &mut host_logits)?;
-            for (b, row) in host_logits.chunks_exact(vocab).enumerate() {
-                if done[b] {
-                    continue;
-                }
-                next[b] = pick(row, &request.sampling, &mut rngs[b])
-                    .ok_or(GenerateError::NonFiniteLogits { sequence: b, step })?;
-            }
-            be.upload_ids(&next, &mut targets)?;
-            be.log_prob_entropy(
-                logits,
-                vocab,
-                temperature,
-                &targets,
-                ViewMut::whole(&mut log_prob),
-                ViewMut::whole(&mut entropy),
-            )?;
-            be.download(View::whole(&log_prob), &mut host_lp)?;
-            be.download(View::whole(&entropy), &mut host_ent)?;
-            for b in 0..batch {
-                if done[b] {
-                    continue;
-                }
-                out.tokens[b].push(next[b]);
-                out.log_probs[b].push(host_lp[b]);
-                out.entropies[b].push(host_ent[b]);
-                if request.eos_ids.contains(&next[b]) {
-                    done[b] = true;
-                    out.finished_by_eos[b] = true;
-                }
-            }
-            if step + 1 == max_new || done.iter().all(|&d| d) {
+        for step in 1..max_new {
+            if picker.done.iter().all(|&d| d) {
                 break;
             }
             // Decode step: every sequence's newest token at its next position (finished
             // ones repeat their last token; its outputs are ignored).
             for (b, p) in prompts.iter().enumerate() {
-                step_positions[b] = (p.len() + step) as u32;
+                step_positions[b] = (p.len() + step - 1) as u32;
             }
             let inputs = Inputs {
                 batch,
                 seq: 1,
-                input_ids: &next,
+                input_ids: &picker.next,
                 attention_mask: &step_mask,
                 position_ids: &step_positions,
             };
             self.forward_cached_with(&inputs, &mut step_acts, &mut cache, Some(&tw))?;
+            picker.step(&self.backend, step_acts.logits(), step, &mut out)?;
         }
         Ok(out)
     }

@@ -32,8 +32,8 @@
 //!   non-finite norm, clipping, decoupled weight decay), its moments on the device, saved
 //!   to and loaded from a safetensors file.
 //! - [`Model::generate`]: batched generation with a [`KvCache`] (greedy or seeded
-//!   sampling, see [`GenerateRequest`]); [`Model::forward_cached`] is its prefill/decode
-//!   step.
+//!   sampling, see [`GenerateRequest`]); [`Model::forward_cached`] is a prefill/decode
+//!   step with whole logits (generation's own prefill computes the last position's only).
 
 mod activations;
 mod backward;
