@@ -44,7 +44,7 @@ fn rows_of(what: &'static str, len: usize, cols: usize) -> Result<usize> {
         }
         .into());
     }
-    if len % cols != 0 {
+    if !len.is_multiple_of(cols) {
         return Err(CoreError::NotDivisible { what, len, n: cols }.into());
     }
     Ok(len / cols)

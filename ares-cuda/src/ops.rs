@@ -60,7 +60,7 @@ fn shape(kernel: &'static str, len: usize, cols: usize) -> Result<usize> {
     if cols == 0 {
         return Err(bad(kernel, "`cols` must be >= 1".into()));
     }
-    if len % cols != 0 {
+    if !len.is_multiple_of(cols) {
         return Err(bad(
             kernel,
             format!("{len} elements are not a multiple of cols = {cols}"),

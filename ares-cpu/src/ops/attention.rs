@@ -111,7 +111,7 @@ impl AttentionShape {
                 .into());
             }
         }
-        if self.q_heads % self.kv_heads != 0 {
+        if !self.q_heads.is_multiple_of(self.kv_heads) {
             return Err(CoreError::NotDivisible {
                 what: "q_heads",
                 len: self.q_heads,

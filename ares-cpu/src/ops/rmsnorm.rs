@@ -38,7 +38,7 @@ fn rows_of(what: &'static str, len: usize, d: usize) -> Result<usize> {
         }
         .into());
     }
-    if len % d != 0 {
+    if !len.is_multiple_of(d) {
         return Err(CoreError::NotDivisible { what, len, n: d }.into());
     }
     Ok(len / d)

@@ -289,7 +289,7 @@ fn check_rope_shapes(
     n_heads: usize,
     head_dim: usize,
 ) -> Result<usize> {
-    if head_dim == 0 || head_dim % 2 != 0 {
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
         return Err(out_of_range("head_dim", head_dim as f64, "even and >= 2"));
     }
     if n_heads == 0 {
@@ -302,7 +302,7 @@ fn check_rope_shapes(
             "n_heads × head_dim to fit in usize",
         )
     })?;
-    if x_len % stride != 0 {
+    if !x_len.is_multiple_of(stride) {
         return Err(CoreError::NotDivisible {
             what,
             len: x_len,

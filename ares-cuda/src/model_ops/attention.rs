@@ -98,7 +98,7 @@ impl AttentionShape {
                 return Err(bad(k, format!("{what} = 0 must be >= 1")));
             }
         }
-        if self.q_heads % self.kv_heads != 0 {
+        if !self.q_heads.is_multiple_of(self.kv_heads) {
             return Err(bad(
                 k,
                 format!(

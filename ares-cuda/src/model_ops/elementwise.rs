@@ -169,7 +169,7 @@ impl ModelOps {
         head_dim: usize,
         inverse: bool,
     ) -> Result<()> {
-        if head_dim == 0 || head_dim % 2 != 0 {
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
             return Err(bad(
                 k,
                 format!("head_dim = {head_dim} must be even and >= 2"),

@@ -206,7 +206,7 @@ fn rows_of(k: &'static str, len: usize, dim: usize) -> crate::Result<usize> {
     if dim == 0 {
         return Err(bad(k, "dim = 0 must be >= 1".into()));
     }
-    if len % dim != 0 {
+    if !len.is_multiple_of(dim) {
         return Err(bad(
             k,
             format!("`x` has {len} elements, not a multiple of dim = {dim}"),

@@ -373,7 +373,10 @@ fn validate_actor(a: &ActorConfig) -> Result<(), ConfigError> {
         a.micro_batch_size_per_device,
         1,
     )?;
-    if a.global_batch_size % a.micro_batch_size_per_device != 0 {
+    if !a
+        .global_batch_size
+        .is_multiple_of(a.micro_batch_size_per_device)
+    {
         return Err(ConfigError::Inconsistent {
             key: format!("{P}.micro_batch_size_per_device"),
             value: a.micro_batch_size_per_device.to_string(),

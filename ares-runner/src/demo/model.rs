@@ -92,14 +92,14 @@ impl TinyModelSpec {
                 return Err(setting(field, v, "must be > 0"));
             }
         }
-        if self.hidden % self.heads != 0 {
+        if !self.hidden.is_multiple_of(self.heads) {
             return Err(setting(
                 "heads",
                 self.heads,
                 &format!("must divide hidden = {}", self.hidden),
             ));
         }
-        if (self.hidden / self.heads) % 2 != 0 {
+        if !(self.hidden / self.heads).is_multiple_of(2) {
             return Err(setting(
                 "heads",
                 self.heads,
@@ -109,7 +109,7 @@ impl TinyModelSpec {
                 ),
             ));
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(setting(
                 "kv_heads",
                 self.kv_heads,

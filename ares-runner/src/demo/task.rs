@@ -104,7 +104,7 @@ impl Split {
         h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         h ^= h >> 31;
-        if h % 4 == 0 {
+        if h.is_multiple_of(4) {
             Split::Eval
         } else {
             Split::Train

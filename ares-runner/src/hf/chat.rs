@@ -375,11 +375,11 @@ impl RenderOptions<'_> {
 /// message, or inserts one. A template's default system turn (Qwen2.5's) is only written
 /// when no system message is given, so it is replaced, never doubled.
 pub fn set_system_message(messages: &mut Vec<Json>, system: &str) {
-    if let Some(Json::Object(first)) = messages.first_mut() {
-        if first.get("role").and_then(Json::as_str) == Some("system") {
-            first.insert("content".to_string(), Json::String(system.to_string()));
-            return;
-        }
+    if let Some(Json::Object(first)) = messages.first_mut()
+        && first.get("role").and_then(Json::as_str) == Some("system")
+    {
+        first.insert("content".to_string(), Json::String(system.to_string()));
+        return;
     }
     let mut msg = JsonMap::new();
     msg.insert("role".to_string(), Json::String("system".to_string()));

@@ -68,13 +68,13 @@ impl Rope {
         if let Some(p) = f.object("rope_parameters")? {
             // A per-layer-type map ({"full_attention": {...}, ...}) is another model family.
             let theta: f64 = p.req("rope_theta")?;
-            if let Some(top) = f.opt::<f64>("rope_theta")? {
-                if top != theta {
-                    return Err(f.error(
-                        "rope_theta",
-                        format!("{top} contradicts rope_parameters.rope_theta = {theta}"),
-                    ));
-                }
+            if let Some(top) = f.opt::<f64>("rope_theta")?
+                && top != theta
+            {
+                return Err(f.error(
+                    "rope_theta",
+                    format!("{top} contradicts rope_parameters.rope_theta = {theta}"),
+                ));
             }
             let rope = Self {
                 theta,
@@ -97,13 +97,13 @@ impl Rope {
         if !(self.theta.is_finite() && self.theta > 0.0) {
             return Err(f.error("rope_theta", format!("must be > 0, found {}", self.theta)));
         }
-        if let Some(p) = f.opt::<f64>("partial_rotary_factor")? {
-            if p != 1.0 {
-                return Err(f.error(
-                    "partial_rotary_factor",
-                    format!("{p} is not supported (only full rotary embeddings, 1.0)"),
-                ));
-            }
+        if let Some(p) = f.opt::<f64>("partial_rotary_factor")?
+            && p != 1.0
+        {
+            return Err(f.error(
+                "partial_rotary_factor",
+                format!("{p} is not supported (only full rotary embeddings, 1.0)"),
+            ));
         }
         Ok(())
     }

@@ -237,12 +237,12 @@ impl<B: Backend + Clone> Trainer<B> {
                 };
                 // resuming a run that stopped before its first checkpoint: its bootstrap
                 // is reused; a fresh run computes its own
-                if cfg.trainer.resume {
-                    if let Some(b) = read_bootstrap(&run_dir)? {
-                        apply_bootstrap(&mut ares, &b)?;
-                        state.ares = ares.snapshot();
-                        bootstrap_done = true;
-                    }
+                if cfg.trainer.resume
+                    && let Some(b) = read_bootstrap(&run_dir)?
+                {
+                    apply_bootstrap(&mut ares, &b)?;
+                    state.ares = ares.snapshot();
+                    bootstrap_done = true;
                 }
                 let opt = Optimizer {
                     adamw,
@@ -437,14 +437,15 @@ impl<B: Backend + Clone> Trainer<B> {
         let mut round = 0u64;
         while kept_items.len() < wanted {
             round += 1;
-            if let Some(f) = self.settings.filter {
-                if f.max_tries > 0 && round > f.max_tries as u64 {
-                    return Err(TrainError::FilterExhausted {
-                        kept: kept_items.len(),
-                        wanted,
-                        tries: f.max_tries,
-                    });
-                }
+            if let Some(f) = self.settings.filter
+                && f.max_tries > 0
+                && round > f.max_tries as u64
+            {
+                return Err(TrainError::FilterExhausted {
+                    kept: kept_items.len(),
+                    wanted,
+                    tries: f.max_tries,
+                });
             }
             let indices = self.next_indices(wanted)?;
             let items = self.items(&indices, step)?;
@@ -705,7 +706,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 break;
             }
             let mut record = self.step()?;
-            if val_freq > 0 && self.state.step % val_freq == 0 && !self.val.is_empty() {
+            if val_freq > 0 && self.state.step.is_multiple_of(val_freq) && !self.val.is_empty() {
                 let val = self.val.clone();
                 let report = self.evaluate(&val)?;
                 for (k, row) in &report {
@@ -717,7 +718,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 .write(&record)
                 .map_err(|e| TrainError::Invalid(e.to_string()))?;
             eprintln!("{}", step_line(&record, self.state.step, self.total_steps));
-            if save_freq > 0 && self.state.step % save_freq == 0 {
+            if save_freq > 0 && self.state.step.is_multiple_of(save_freq) {
                 last_saved = Some(self.save()?);
             }
         }

@@ -53,15 +53,14 @@ pub fn eos_ids(ckpt: &Checkpoint, renderer: &PromptRenderer) -> Vec<u32> {
         .as_ref()
         .and_then(|g| g.eos_token_ids.clone())
         .unwrap_or_default();
-    if ids.is_empty() {
-        if let Some(id) = renderer
+    if ids.is_empty()
+        && let Some(id) = renderer
             .tokenizer
             .config()
             .and_then(|c| c.special.eos_token.clone())
             .and_then(|t| renderer.tokenizer.token_to_id(&t))
-        {
-            ids.push(id);
-        }
+    {
+        ids.push(id);
     }
     ids
 }
@@ -146,16 +145,16 @@ pub fn filter_prompts(
     for e in &examples {
         ids.push(renderer.ids(e, None)?);
     }
-    if !cfg.data.filter_overlong_prompts {
-        if let Some((e, i)) = examples.iter().zip(&ids).find(|(_, i)| i.len() > max) {
-            return Err(TrainError::Invalid(format!(
-                "row {} ({}): prompt of {} tokens exceeds data.max_prompt_length = {max} \
+    if !cfg.data.filter_overlong_prompts
+        && let Some((e, i)) = examples.iter().zip(&ids).find(|(_, i)| i.len() > max)
+    {
+        return Err(TrainError::Invalid(format!(
+            "row {} ({}): prompt of {} tokens exceeds data.max_prompt_length = {max} \
                  (set data.filter_overlong_prompts: true to drop such rows)",
-                e.row,
-                e.global_id,
-                i.len()
-            )));
-        }
+            e.row,
+            e.global_id,
+            i.len()
+        )));
     }
     let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
     let (kept, dropped) = crate::data::filter_by_prompt_length(examples, &lengths, max)
