@@ -16,6 +16,18 @@ pub(crate) fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
     if FMA { a.mul_add(b, c) } else { a * b + c }
 }
 
+/// `2^r` on |r| ≤ ½: the degree-6 Taylor coefficients `(ln 2)^k / k!`, highest degree
+/// first (Horner). Shared by every kernel that must give the same numbers.
+pub(crate) const EXP2_POLY: [f32; 7] = [
+    1.540_353e-4,
+    1.333_355_8e-3,
+    9.618_129e-3,
+    5.550_411e-2,
+    2.402_265e-1,
+    6.931_472e-1,
+    1.0,
+];
+
 /// Below this `2^x` is under the smallest normal f32; the result is flushed to 0.
 pub(crate) const EXP2_UNDERFLOW: f32 = -126.0;
 
@@ -30,14 +42,10 @@ pub(crate) fn exp2_nonpositive<const FMA: bool>(x: f32) -> f32 {
     let n = k - ROUND_MAGIC;
     let n_int = k.to_bits().wrapping_sub(ROUND_MAGIC.to_bits()) as i32;
     let r = xc - n;
-    // (ln 2)^k / k!, highest degree first
-    let mut p = 1.540_353e-4_f32;
-    p = madd::<FMA>(p, r, 1.333_355_8e-3);
-    p = madd::<FMA>(p, r, 9.618_129e-3);
-    p = madd::<FMA>(p, r, 5.550_411e-2);
-    p = madd::<FMA>(p, r, 2.402_265e-1);
-    p = madd::<FMA>(p, r, 6.931_472e-1);
-    p = madd::<FMA>(p, r, 1.0);
+    let mut p = EXP2_POLY[0];
+    for &c in &EXP2_POLY[1..] {
+        p = madd::<FMA>(p, r, c);
+    }
     let scale = f32::from_bits((n_int.wrapping_add(127) as u32) << 23);
     if x < EXP2_UNDERFLOW { 0.0 } else { p * scale }
 }

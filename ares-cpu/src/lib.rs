@@ -26,5 +26,5 @@ mod windows;
 pub use error::{Error, Result};
 pub use kl::{MaskedKlInputs, MaskedKlOutputs, masked_dynamic_kl};
 pub use log_prob_entropy::{LogProbEntropy, log_prob_entropy};
-pub use logits::{Logit, Logits};
+pub use logits::{Logit, LogitKind, Logits};
 pub use windows::{HweOutputs, WindowSpec, entropy_windows, row_percentile};

@@ -181,13 +181,14 @@ const LOG2E: f32 = core::f32::consts::LOG2_E;
 const LN2: f64 = core::f64::consts::LN_2;
 
 /// The [`RowStats`] of one row, or `None` for NaN/+∞ entries or an all −∞ row. Picks the
-/// widest SIMD the CPU has at run time; every variant runs the same code.
+/// widest SIMD the CPU has at run time: AVX-512 intrinsics ([`avx512`]), else the portable
+/// loop compiled for AVX2+FMA or the base target; all give the same bits (FMA or not aside).
 fn row_stats<L: Logit>(row: &[L], inv_t: f32) -> Option<RowStats> {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { row_stats_avx512(row, inv_t) };
+            return unsafe { avx512::row_stats(row, inv_t) };
         }
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
         {
@@ -196,12 +197,6 @@ fn row_stats<L: Logit>(row: &[L], inv_t: f32) -> Option<RowStats> {
         }
     }
     row_stats_portable::<L, false>(row, inv_t)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-fn row_stats_avx512<L: Logit>(row: &[L], inv_t: f32) -> Option<RowStats> {
-    row_stats_portable::<L, true>(row, inv_t)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -280,5 +275,7 @@ fn row_stats_portable<L: Logit, const FMA: bool>(row: &[L], inv_t: f32) -> Optio
     })
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
 #[cfg(test)]
 mod tests;

@@ -2,8 +2,32 @@
 
 use half::{bf16, f16};
 
-/// An element type logits can be stored in. Loading converts a block to f32.
-pub trait Logit: Copy + Send + Sync + 'static {
+/// Which element type a [`Logit`] is (lets SIMD kernels pick the load instruction at
+/// compile time).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitKind {
+    /// f32
+    F32,
+    /// bf16
+    Bf16,
+    /// f16
+    F16,
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+}
+
+/// An element type logits can be stored in: f32, bf16 or f16 (sealed). Loading converts a
+/// block to f32.
+pub trait Logit: Copy + Send + Sync + 'static + sealed::Sealed {
+    /// The element type, for kernels that load it with their own instructions.
+    #[doc(hidden)]
+    const KIND: LogitKind;
     /// Converts `src` into `dst` (same length), multiplied by `scale`.
     fn load_scaled(src: &[Self], dst: &mut [f32], scale: f32);
     /// One element as f32.
@@ -11,6 +35,7 @@ pub trait Logit: Copy + Send + Sync + 'static {
 }
 
 impl Logit for f32 {
+    const KIND: LogitKind = LogitKind::F32;
     #[inline(always)]
     fn load_scaled(src: &[f32], dst: &mut [f32], scale: f32) {
         for (d, s) in dst.iter_mut().zip(src) {
@@ -24,6 +49,7 @@ impl Logit for f32 {
 }
 
 impl Logit for bf16 {
+    const KIND: LogitKind = LogitKind::Bf16;
     #[inline(always)]
     fn load_scaled(src: &[bf16], dst: &mut [f32], scale: f32) {
         // bf16 is the upper half of an f32: a shift, which vectorises.
@@ -38,6 +64,7 @@ impl Logit for bf16 {
 }
 
 impl Logit for f16 {
+    const KIND: LogitKind = LogitKind::F16;
     #[inline(always)]
     fn load_scaled(src: &[f16], dst: &mut [f32], scale: f32) {
         use half::slice::HalfFloatSliceExt;

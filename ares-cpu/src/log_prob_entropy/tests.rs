@@ -247,3 +247,74 @@ fn no_rows_is_fine() {
     let mut h: [f32; 0] = [];
     assert!(log_prob_entropy(Logits::F32(&[]), 10, 1.0, None, &mut h).is_ok());
 }
+
+/// The AVX-512 kernel against the portable one it rewrites: the same bits on every row,
+/// or the same rejection.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx512_kernel_equals_the_portable_kernel_bit_for_bit() {
+    if !std::arch::is_x86_feature_detected!("avx512f") {
+        eprintln!("skipped: this CPU has no AVX-512F");
+        return;
+    }
+    fn same<L: Logit>(row: &[L], inv_t: f32, what: &str) {
+        // SAFETY: AVX-512F was detected above.
+        let fast = unsafe { super::avx512::row_stats(row, inv_t) };
+        let slow = row_stats_portable::<L, true>(row, inv_t);
+        let bits = |s: Option<RowStats>| {
+            s.map(|s| (s.max2.to_bits(), s.ln_sum.to_bits(), s.entropy.to_bits()))
+        };
+        assert_eq!(bits(fast), bits(slow), "{what}");
+    }
+    let mut rng = Rng(23);
+    let mut rows: Vec<(String, Vec<f32>)> = Vec::new();
+    for vocab in [
+        1usize, 2, 15, 16, 17, 63, 64, 65, 1023, 1024, 1025, 3000, 151_936,
+    ] {
+        for spread in [0.1, 20.0, 300.0] {
+            let row = (0..vocab)
+                .map(|_| ((rng.unit() - 0.5) * spread) as f32)
+                .collect();
+            rows.push((format!("V {vocab} spread {spread}"), row));
+        }
+    }
+    // the max rising block after block (rescaling), −∞ runs, underflow, extremes
+    rows.push((
+        "rising".into(),
+        (0..5000).map(|i| i as f32 * 0.01).collect(),
+    ));
+    let mut holes: Vec<f32> = (0..2100).map(|i| (i % 7) as f32).collect();
+    holes[..1500].fill(f32::NEG_INFINITY);
+    holes[2099] = f32::NEG_INFINITY;
+    rows.push(("leading -inf blocks".into(), holes));
+    rows.push((
+        "underflow".into(),
+        (0..2000).map(|i| -(i as f32) * 0.07).collect(),
+    ));
+    rows.push((
+        "±1e4".into(),
+        (0..1500)
+            .map(|i| if i % 3 == 0 { 1e4 } else { -1e4 })
+            .collect(),
+    ));
+    let mut bad = vec![0.5f32; 1100];
+    bad[1050] = f32::NAN;
+    rows.push(("NaN in the last block".into(), bad.clone()));
+    bad[1050] = f32::INFINITY;
+    rows.push(("+inf".into(), bad.clone()));
+    let mut nan_first = vec![f32::NEG_INFINITY; 1100];
+    nan_first[7] = f32::NAN;
+    nan_first[1090] = 1.0;
+    rows.push(("NaN in an all -inf block".into(), nan_first));
+    rows.push(("all -inf".into(), vec![f32::NEG_INFINITY; 40]));
+    rows.push(("overflowing product".into(), vec![3e38f32, 1.0, 2.0]));
+    for (what, row) in &rows {
+        for inv_t in [1.0f32, 1.0 / 0.7, 4.0] {
+            same(row, inv_t, &format!("f32 {what} 1/T {inv_t}"));
+            let b: Vec<bf16> = row.iter().map(|&x| bf16::from_f32(x)).collect();
+            same(&b, inv_t, &format!("bf16 {what} 1/T {inv_t}"));
+            let h: Vec<f16> = row.iter().map(|&x| f16::from_f32(x)).collect();
+            same(&h, inv_t, &format!("f16 {what} 1/T {inv_t}"));
+        }
+    }
+}
