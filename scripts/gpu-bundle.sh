@@ -45,7 +45,10 @@ cargo bench -p ares-cuda --bench gpu_kernels --no-run --message-format=json 2>/d
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
 cargo bench -p ares-benches --bench model_cuda --no-run --message-format=json 2>/dev/null | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
-cp scripts/torch_token_kernels.py "$dir/"
+cp scripts/torch_token_kernels.py scripts/bench_torch_gpu.py scripts/bench_torch_cpu.py "$dir/"
+
+# Debug info is most of the size (92 → 22 MB); the device tool carries at most 64 MiB.
+strip --strip-debug "$dir"/bin/*
 
 cat > "$dir/run.sh" <<'RUN'
 #!/usr/bin/env bash
@@ -78,6 +81,8 @@ echo "== bench-model_cuda"
 if python3 -c 'import torch' 2>/dev/null; then
   echo "== PyTorch baseline"
   python3 "$here/torch_token_kernels.py" | tee "$out/torch_token_kernels.txt" || status=1
+  echo "== PyTorch + transformers, the bench-model_cuda model"
+  python3 "$here/bench_torch_gpu.py" --compile | tee "$out/torch_model_gpu.txt" || status=1
 fi
 exit $status
 RUN

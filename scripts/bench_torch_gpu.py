@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""PyTorch + transformers side of `bench-model_cuda` (issue 6), on the same GPU: the same
+Qwen2.5-0.5B-shaped model (24 layers, hidden 896, 14 query / 2 KV heads of 64, MLP 4864,
+vocab 151 936, tied embeddings, q/k/v biases; random weights), the same work:
+
+- train: forward, log_softmax(logits) gathered at the next tokens, loss sum(c * log pi) with
+  c = -1/N, backward (gradients set to None between steps), on BATCH x SEQ tokens (4 x 512);
+  in f32, TF32 and bf16 (autocast over f32 master weights, as mixed-precision trainers do),
+  eager and, with --compile, torch.compile; achieved TFLOP/s counted as the Rust bench does;
+- generate: greedy `model.generate` with the KV cache, 32 prompts of 32 tokens, exactly 64
+  new tokens each (--gen 64x512 for the issue's 64 x 512), f32 / TF32 / bf16 weights;
+- the physical floors, measured in the same run: dense GEMM rate (8192^3) per precision and
+  device-to-device copy bandwidth; MFU is reported against the measured GEMM rate;
+- peak memory (torch.cuda.max_memory_allocated) of each piece.
+
+    python3 scripts/bench_torch_gpu.py [--runs 3] [--compile] [--gen 32x64] [--only train]
+    python3 scripts/bench_torch_gpu.py --device cpu --tiny   # checks the script, no GPU
+
+Prints the best and median of the runs after one warm-up, in the format of the Rust bench.
+"""
+
+import argparse
+import time
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from bench_torch_cpu import report
+
+TRAIN_BATCH, TRAIN_SEQ = 4, 512
+
+
+def timed(runs, f, sync):
+    f()
+    sync()
+    t = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        f()
+        sync()
+        t.append(time.perf_counter() - start)
+    t.sort()
+    return t[0], t[runs // 2]
+
+
+def config(tiny):
+    if tiny:
+        shape = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    else:
+        shape = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                     num_attention_heads=14, num_key_value_heads=2, vocab_size=151936)
+    return Qwen2Config(max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=1e6,
+                       tie_word_embeddings=True, attn_implementation="sdpa", **shape)
+
+
+def floors(device, sync, runs, tiny):
+    """Dense GEMM TFLOP/s per precision and copy GB/s, measured now on this device."""
+    n = 512 if tiny else 8192
+    rates = {}
+    for name, dtype, tf32 in [("f32", torch.float32, False), ("TF32", torch.float32, True),
+                              ("bf16", torch.bfloat16, False)]:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        best, _ = timed(runs, lambda: a @ b, sync)
+        rates[name] = 2 * n**3 / best / 1e12
+        print(f"floor: {name} GEMM {n}^3: {rates[name]:.1f} TFLOP/s")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    src = torch.empty(256 << 20 if not tiny else 1 << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best, _ = timed(runs, lambda: dst.copy_(src), sync)
+    print(f"floor: device-to-device copy: {2 * src.numel() / best / 1e9:.0f} GB/s (read + write)")
+    return rates
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="also time torch.compile (train)")
+    ap.add_argument("--gen", default="32x64", help="PROMPTSxNEW for generation")
+    ap.add_argument("--only", choices=["train", "generate"])
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer model (checks the script)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    torch.manual_seed(7)
+    cfg = config(args.tiny)
+    model = Qwen2ForCausalLM(cfg).float().to(device)
+    params = sum(p.numel() for p in model.parameters())
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    print(f"torch {torch.__version__}, device {name}, {params / 1e6:.1f} M parameters")
+    rates = floors(device, sync, args.runs, args.tiny)
+
+    def peak(what):
+        if cuda:
+            print(f"  peak memory ({what}): {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB")
+            torch.cuda.reset_peak_memory_stats(device)
+
+    vocab, h, layers = cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers
+    if args.only in (None, "train"):
+        model.train()
+        b, s = (2, 64) if args.tiny else (TRAIN_BATCH, TRAIN_SEQ)
+        n = b * s
+        ids = torch.randint(0, vocab, (b, s), device=device)
+        mask = torch.ones_like(ids)
+        targets = torch.zeros_like(ids)
+        targets[:, :-1] = ids[:, 1:]
+        coeffs = torch.full((b, s), -1.0 / n, device=device)
+        coeffs[:, -1] = 0.0
+        flops = 6.0 * params * n + 6.0 * layers * h * s * n
+
+        def loss(m):
+            logits = m(input_ids=ids, attention_mask=mask).logits.float()
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
+            return (coeffs * logp).sum()
+
+        variants = [("f32", False, None), ("TF32", True, None), ("bf16 autocast", False, torch.bfloat16)]
+        for label, tf32, autocast in variants:
+            for compiled in [False, True] if args.compile else [False]:
+                torch.backends.cuda.matmul.allow_tf32 = tf32
+                m = torch.compile(model) if compiled else model
+
+                def step():
+                    model.zero_grad(set_to_none=True)
+                    with torch.autocast(device.type, dtype=autocast, enabled=autocast is not None):
+                        out = loss(m)
+                    out.backward()
+
+                kind = "compile" if compiled else "eager"
+                t = timed(args.runs, step, sync)
+                report(f"[{label} {kind}] train forward+backward ({b} × {s})", n, "tokens", t)
+                achieved = flops / t[0] / 1e12
+                floor = rates["bf16" if autocast else ("TF32" if tf32 else "f32")]
+                print(f"  = {achieved:.2f} TFLOP/s (best), MFU {100 * achieved / floor:.0f} % of the measured GEMM rate")
+                peak(f"{label} {kind} train")
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    if args.only in (None, "generate"):
+        model.eval()
+        prompts_n, new = (int(x) for x in args.gen.split("x"))
+        if args.tiny:
+            prompts_n, new = 4, 8
+        prompts = torch.randint(0, vocab, (prompts_n, 32), device=device)
+        attention = torch.ones_like(prompts)
+        for label, dtype, tf32 in [("f32", torch.float32, False), ("TF32", torch.float32, True),
+                                   ("bf16", torch.bfloat16, False)]:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            gen_model = model.to(dtype)
+
+            def generate():
+                with torch.no_grad():
+                    out = gen_model.generate(input_ids=prompts, attention_mask=attention,
+                                             max_new_tokens=new, min_new_tokens=new,
+                                             do_sample=False, pad_token_id=0, eos_token_id=None)
+                assert out.shape == (prompts_n, 32 + new)
+
+            t = timed(min(args.runs, 3), generate, sync)
+            report(f"[{label}] generate greedy ({prompts_n} × {new} new, prompts of 32)",
+                   prompts_n * new, "tokens", t)
+            peak(f"{label} generate")
+        model.float()
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
+if __name__ == "__main__":
+    main()
