@@ -19,6 +19,7 @@
 //! `max_new_tokens` tokens were produced.
 
 use rand_chacha::ChaCha20Rng;
+use rayon::prelude::*;
 
 use super::decode_weights::DecodeWeights;
 use super::sampling::{pick, sequence_rng};
@@ -185,12 +186,27 @@ impl<'r, B: Backend> Picker<'r, B> {
     ) -> Result<(), GenerateError> {
         let request = self.request;
         be.download(logits, &mut self.host_logits)?;
-        for (b, row) in self.host_logits.chunks_exact(self.vocab).enumerate() {
-            if self.done[b] {
-                continue;
+        // Rows in parallel (each has its own random stream, so the tokens do not depend on
+        // the threads), in tasks of at least 64 Ki logits.
+        let sampling = &request.sampling;
+        let picks: Vec<Option<u32>> = self
+            .host_logits
+            .par_chunks_exact(self.vocab)
+            .zip(self.rngs.par_iter_mut())
+            .zip(self.done.par_iter())
+            .with_min_len((1 << 16) / self.vocab.max(1))
+            .map(|((row, rng), &done)| {
+                if done {
+                    Some(0)
+                } else {
+                    pick(row, sampling, rng)
+                }
+            })
+            .collect();
+        for (b, p) in picks.into_iter().enumerate() {
+            if !self.done[b] {
+                self.next[b] = p.ok_or(GenerateError::NonFiniteLogits { sequence: b, step })?;
             }
-            self.next[b] = pick(row, &request.sampling, &mut self.rngs[b])
-                .ok_or(GenerateError::NonFiniteLogits { sequence: b, step })?;
         }
         be.upload_ids(&self.next, &mut self.targets)?;
         be.log_prob_entropy(
