@@ -5,7 +5,7 @@
 #
 #   scripts/gpu-bundle.sh [DIR]        # default DIR = .gpu (git-ignored)
 #   # on the GPU machine:
-#   DIR/run.sh                          # tests (ARES_REQUIRE_GPU=1), then benchmarks
+#   DIR/run.sh [tests|kernels|model|grpo]   # all parts, or one (each fits a 10-minute call)
 #
 # With the `device` tool of this workplace: carry `.gpu` and run `.gpu/run.sh`; results
 # land in $OUT when it is set.
@@ -32,20 +32,24 @@ for line in sys.stdin:
 }
 
 echo "building GPU tests (release)…"
-cargo test --release -p ares-cuda --no-run --message-format=json 2>/dev/null | artifacts |
+cargo test --release -p ares-cuda --no-run --message-format=json | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
 echo "building the CUDA backend tests (release)…"
-cargo test --release -p ares-runner --test cuda_backend --no-run --message-format=json 2>/dev/null | artifacts |
+cargo test --release -p ares-runner --test cuda_backend --no-run --message-format=json | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
 # The backend tests read the tiny transformers fixtures; the bundle carries them.
 mkdir -p "$dir/fixtures"
 cp -r ares-runner/tests/fixtures/models "$dir/fixtures/models"
 echo "building GPU benchmarks…"
-cargo bench -p ares-cuda --bench gpu_kernels --no-run --message-format=json 2>/dev/null | artifacts |
+cargo bench -p ares-cuda --bench gpu_kernels --no-run --message-format=json | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
-cargo bench -p ares-benches --bench model_cuda --no-run --message-format=json 2>/dev/null | artifacts |
+cargo bench -p ares-benches --bench model_cuda --no-run --message-format=json | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
-cp scripts/torch_token_kernels.py scripts/bench_torch_gpu.py scripts/bench_torch_cpu.py "$dir/"
+echo "building ares-runner (the RL-step benchmark)…"
+cargo build --release -p ares-runner
+cp target/release/ares-runner "$dir/bin/ares-runner"
+cp scripts/torch_token_kernels.py scripts/bench_torch_gpu.py scripts/bench_torch_cpu.py \
+  scripts/bench_grpo_step.sh scripts/bench_torch_grpo_step.py examples/configs/bench_grpo_step.yaml "$dir/"
 
 # Debug info is most of the size (92 → 22 MB); the device tool carries at most 64 MiB.
 strip --strip-debug "$dir"/bin/*
@@ -70,19 +74,36 @@ export ARES_REQUIRE_GPU=1 ARES_REQUIRE_NVRTC=1 ARES_KERNEL_CACHE="$here/kernel-c
 export ARES_FIXTURE_MODELS="$here/fixtures/models"
 out=${OUT:-$here}
 status=0
-for t in "$here"/bin/test-*; do
-  echo "== $(basename "$t")"
-  "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/gpu-tests.log" || status=1
-done
-echo "== bench-gpu_kernels"
-ARES_BENCH_OUT="$out/gpu_kernels.jsonl" "$here/bin/bench-gpu_kernels" | tee "$out/gpu_kernels.txt" || status=1
-echo "== bench-model_cuda"
-"$here/bin/bench-model_cuda" | tee "$out/model_cuda.txt" || status=1
-if python3 -c 'import torch' 2>/dev/null; then
-  echo "== PyTorch baseline"
-  python3 "$here/torch_token_kernels.py" | tee "$out/torch_token_kernels.txt" || status=1
-  echo "== PyTorch + transformers, the bench-model_cuda model"
-  python3 "$here/bench_torch_gpu.py" --compile | tee "$out/torch_model_gpu.txt" || status=1
+part=${1:-all}
+want() { [ "$part" = all ] || [ "$part" = "$1" ]; }
+has_torch() { python3 -c 'import torch, transformers' 2>/dev/null; }
+if want tests; then
+  for t in "$here"/bin/test-*; do
+    echo "== $(basename "$t")"
+    "$t" --test-threads=1 --nocapture 2>&1 | tee -a "$out/gpu-tests.log" || status=1
+  done
+fi
+if want kernels; then
+  echo "== bench-gpu_kernels"
+  ARES_BENCH_OUT="$out/gpu_kernels.jsonl" "$here/bin/bench-gpu_kernels" | tee "$out/gpu_kernels.txt" || status=1
+  if has_torch; then
+    echo "== PyTorch, the token kernels"
+    python3 "$here/torch_token_kernels.py" | tee "$out/torch_token_kernels.txt" || status=1
+  fi
+fi
+if want model; then
+  echo "== bench-model_cuda"
+  "$here/bin/bench-model_cuda" | tee "$out/model_cuda.txt" || status=1
+  if has_torch; then
+    echo "== PyTorch + transformers, the bench-model_cuda model"
+    python3 "$here/bench_torch_gpu.py" --compile | tee "$out/torch_model_gpu.txt" || status=1
+  fi
+fi
+if want grpo; then
+  # the 2 GB random model and the run stay out of $OUT (it is copied back)
+  echo "== one RL step, ares-runner vs PyTorch"
+  ARES_RUNNER="$here/bin/ares-runner" CONFIG="$here/bench_grpo_step.yaml" DIR=/tmp/ares-bench-grpo \
+    "$here/bench_grpo_step.sh" 2>&1 | grep -v '^\[' | tee "$out/grpo_step.txt" || status=1
 fi
 exit $status
 RUN

@@ -87,7 +87,24 @@ enum Command {
         /// Seed of the model's initialisation and of the problems.
         #[arg(long, default_value_t = 1)]
         seed: u64,
+        /// The random model's shape: the demo's tiny one, or Qwen2.5-0.5B's (benchmarks).
+        #[arg(long, value_enum, default_value_t = Shape::Demo)]
+        shape: Shape,
+        /// Rows of the embedding and LM head (at least the demo tokenizer's 59), e.g.
+        /// 151936 for a Qwen-sized vocabulary in benchmarks.
+        #[arg(long, value_name = "N")]
+        vocab: Option<usize>,
     },
+}
+
+/// Model shapes `demo-data` can write.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum Shape {
+    /// The demo's 0.56 M-parameter model.
+    Demo,
+    /// Qwen2.5-0.5B's sizes, random weights.
+    #[value(name = "qwen2.5-0.5b")]
+    Qwen2_5_0_5b,
 }
 
 /// Loads a config and applies `--device`.
@@ -152,8 +169,25 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 summary.panels.join(", ")
             );
         }
-        Command::DemoData { output, seed } => {
-            let assets = ares_runner::demo::write_demo_assets(&output, seed)?;
+        Command::DemoData {
+            output,
+            seed,
+            shape,
+            vocab,
+        } => {
+            use ares_runner::demo::DemoOptions;
+            use ares_runner::demo::model::TinyModelSpec;
+            let defaults = DemoOptions::default();
+            let options = DemoOptions {
+                seed,
+                model: match shape {
+                    Shape::Demo => TinyModelSpec::default(),
+                    Shape::Qwen2_5_0_5b => TinyModelSpec::qwen2_5_0_5b(),
+                },
+                vocab_size: vocab.unwrap_or(defaults.vocab_size),
+                ..defaults
+            };
+            let assets = ares_runner::demo::write_demo_assets_with(&output, &options)?;
             eprintln!("wrote the demo assets to {}: {assets:?}", output.display());
         }
     }

@@ -485,6 +485,7 @@ fn example_configs_load() {
         names,
         [
             "ares_math.yaml",
+            "bench_grpo_step.yaml",
             "grpo_lambda.yaml",
             "pro_max.yaml",
             "rubric.yaml"

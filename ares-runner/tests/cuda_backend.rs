@@ -1322,6 +1322,7 @@ fn trainer_steps_on_the_gpu_match_the_cpu() {
                 intermediate: 128,
                 ..TinyModelSpec::default()
             },
+            ..DemoOptions::default()
         },
     )
     .unwrap();

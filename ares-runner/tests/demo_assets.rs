@@ -267,3 +267,42 @@ fn default_assets_are_written() {
     assert_eq!(rows(&assets.eval).len(), 3 * opts.eval_per_level);
     assert_eq!(rows(&assets.sft).len(), opts.sft_examples);
 }
+
+#[test]
+fn padded_vocabulary_and_the_benchmark_shape() {
+    // More embedding rows than the tokenizer has ids (as Qwen pads its vocabulary).
+    let dir = tempfile::tempdir().unwrap();
+    let assets = write_demo_assets_with(
+        dir.path(),
+        &DemoOptions {
+            vocab_size: 1000,
+            ..small(4)
+        },
+    )
+    .unwrap();
+    let ckpt = Checkpoint::load(&assets.model_dir).unwrap();
+    assert_eq!(ckpt.config.vocab_size, 1000);
+    let tok = Tokenizer::from_dir(&assets.model_dir).unwrap();
+    assert_eq!(tok.vocab_size(), VOCAB_SIZE);
+    Model::from_checkpoint(CpuBackend, &ckpt).unwrap();
+
+    // Fewer rows than tokenizer ids: an error naming the field, nothing written.
+    let root = dir.path().join("too-small");
+    let err = write_demo_assets_with(
+        &root,
+        &DemoOptions {
+            vocab_size: VOCAB_SIZE - 1,
+            ..small(4)
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("vocab_size") && err.contains("58"), "{err}");
+    assert!(!root.exists());
+
+    // Qwen2.5-0.5B's shape: 494.0 M parameters with its 151 936-row vocabulary, as
+    // transformers counts them (tied embeddings counted once).
+    let qwen = TinyModelSpec::qwen2_5_0_5b();
+    qwen.validate().unwrap();
+    assert_eq!(qwen.parameter_count(151_936), 494_032_768);
+}

@@ -34,6 +34,7 @@ fn assets(dir: &Path) -> DemoAssets {
                 max_positions: 2048,
                 ..TinyModelSpec::default()
             },
+            ..DemoOptions::default()
         },
     )
     .unwrap()

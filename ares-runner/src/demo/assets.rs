@@ -24,6 +24,10 @@ pub struct DemoOptions {
     pub sft_examples: usize,
     /// The model's sizes.
     pub model: TinyModelSpec,
+    /// Rows of the model's embedding and LM head: the tokenizer's
+    /// [`VOCAB_SIZE`] ids, or more (padded, as Qwen pads 151 643 ids to 151 936;
+    /// benchmarks use a real vocabulary's size).
+    pub vocab_size: usize,
 }
 
 impl Default for DemoOptions {
@@ -36,6 +40,7 @@ impl Default for DemoOptions {
             eval_per_level: 64,
             sft_examples: 16_384,
             model: TinyModelSpec::default(),
+            vocab_size: VOCAB_SIZE,
         }
     }
 }
@@ -81,6 +86,13 @@ pub fn write_demo_assets(dir: &Path, seed: u64) -> Result<DemoAssets, DemoError>
 /// [`DemoError::Io`] / [`DemoError::Hf`] / [`DemoError::Tokenizer`] on writing.
 pub fn write_demo_assets_with(dir: &Path, options: &DemoOptions) -> Result<DemoAssets, DemoError> {
     options.model.validate()?;
+    if options.vocab_size < VOCAB_SIZE {
+        return Err(DemoError::Setting {
+            field: "vocab_size",
+            value: options.vocab_size.to_string(),
+            reason: format!("must be >= {VOCAB_SIZE}, the demo tokenizer's size"),
+        });
+    }
     let train = task::problems(Split::Train, options.seed, options.train_per_level)?;
     let eval = task::problems(Split::Eval, options.seed, options.eval_per_level)?;
     let sft = task::sft_examples(options.seed, options.sft_examples)?;
@@ -95,7 +107,7 @@ pub fn write_demo_assets_with(dir: &Path, options: &DemoOptions) -> Result<DemoA
     write_random_model(
         &assets.model_dir,
         &options.model,
-        VOCAB_SIZE,
+        options.vocab_size,
         ids.im_end,
         ids.endoftext,
         None,

@@ -75,6 +75,24 @@ fn setting(field: &'static str, value: impl ToString, reason: &str) -> DemoError
 }
 
 impl TinyModelSpec {
+    /// The shape of Qwen2.5-0.5B (24 layers, hidden 896, 14 query / 2 key-value heads of
+    /// 64, MLP 4864, RoPE base 10⁶, tied embeddings) for benchmarks with random weights
+    /// (`ares-runner demo-data --shape qwen2.5-0.5b --vocab 151936`).
+    pub fn qwen2_5_0_5b() -> Self {
+        Self {
+            hidden: 896,
+            layers: 24,
+            heads: 14,
+            kv_heads: 2,
+            intermediate: 4864,
+            max_positions: 32_768,
+            rope_theta: 1_000_000.0,
+            rms_norm_eps: 1e-6,
+            init_std: 0.02,
+            tie_embeddings: true,
+        }
+    }
+
     /// Checks the sizes describe a model the runner implements.
     ///
     /// # Errors
