@@ -394,3 +394,40 @@ fn prefill_computes_the_head_for_each_prompts_last_position_only() {
         assert_eq!(cache.len(), 0);
     }
 }
+
+#[test]
+fn a_generator_reused_for_several_batches_gives_what_generate_gives() {
+    for name in MODELS {
+        let m = model(name);
+        let requests = [
+            GenerateRequest {
+                prompts: vec![vec![1, 2, 3], vec![4, 5]],
+                max_new_tokens: 6,
+                eos_ids: vec![],
+                sampling: SAMPLE,
+                seed: 11,
+            },
+            GenerateRequest {
+                prompts: vec![vec![7, 8, 9, 10]],
+                max_new_tokens: 4,
+                eos_ids: vec![],
+                sampling: Sampling::Greedy,
+                seed: 0,
+            },
+        ];
+        let generator = m.generator().unwrap();
+        for (i, r) in requests.iter().enumerate() {
+            assert_eq!(
+                generator.generate(r).unwrap(),
+                m.generate(r).unwrap(),
+                "{name} request {i}"
+            );
+        }
+        // a bad request is still refused
+        let bad = GenerateRequest {
+            prompts: vec![],
+            ..requests[1].clone()
+        };
+        assert!(matches!(generator.generate(&bad), Err(GenerateError::NoPrompts)));
+    }
+}

@@ -134,6 +134,23 @@ impl From<BackendError> for GenerateError {
     }
 }
 
+/// A model with its linear weights transposed for generation ([`Model::generator`]):
+/// batches generated through it share one transpose. Same outputs as [`Model::generate`].
+pub struct Generator<'m, B: Backend> {
+    model: &'m Model<B>,
+    tw: DecodeWeights<B>,
+}
+
+impl<B: Backend> Generator<'_, B> {
+    /// [`Model::generate`] without its transpose.
+    ///
+    /// # Errors
+    /// As [`Model::generate`].
+    pub fn generate(&self, request: &GenerateRequest) -> Result<GenerateOutput, GenerateError> {
+        self.model.generate_with(request, &self.tw)
+    }
+}
+
 /// The per-token state of a generation: each sequence's sampling stream, newest token and
 /// whether it has finished, with the host and device buffers of one pick.
 struct Picker<'r, B: Backend> {
@@ -360,11 +377,38 @@ impl<B: Backend> Model<B> {
     /// head for each prompt's last position only ([`Model::prefill_activations`]): its
     /// logits take `batch · vocab` floats, not `batch · width · vocab`.
     ///
+    /// Each call transposes the linear weights first ([`DecodeWeights`]); to generate
+    /// several batches with the same weights, make a [`Generator`] once.
+    ///
     /// # Errors
     /// No prompts, an empty prompt, a token or EOS id `>= vocab`, a prompt plus
     /// `max_new_tokens` longer than `max_position_embeddings`, invalid sampling
     /// parameters, non-finite logits, or a model/backend failure.
     pub fn generate(&self, request: &GenerateRequest) -> Result<GenerateOutput, GenerateError> {
+        // a bad request fails before the weights are transposed
+        self.check_request(request)?;
+        self.generator()?.generate(request)
+    }
+
+    /// A [`Generator`]: the linear weights transposed once for any number of
+    /// [`Generator::generate`] calls. It borrows the model, so the weights cannot change
+    /// while it exists.
+    ///
+    /// # Errors
+    /// A backend failure (out of memory for the second copy of the linear weights).
+    pub fn generator(&self) -> Result<Generator<'_, B>, GenerateError> {
+        Ok(Generator {
+            model: self,
+            tw: DecodeWeights::new(&self.backend, &self.spec, &self.weights)?,
+        })
+    }
+
+    /// [`Model::generate`] with the transposed weights `tw` of this model's weights.
+    fn generate_with(
+        &self,
+        request: &GenerateRequest,
+        tw: &DecodeWeights<B>,
+    ) -> Result<GenerateOutput, GenerateError> {
         let (prompts, max_new) = (&request.prompts, request.max_new_tokens);
         self.check_request(request)?;
         let batch = prompts.len();
@@ -407,8 +451,6 @@ impl<B: Backend> Model<B> {
             }
         }
         let mut cache = KvCache::new(&self.backend, &self.spec, batch, max_len)?;
-        // One transpose of the weights instead of a GEMM repack per projection and step.
-        let tw = DecodeWeights::new(&self.backend, &self.spec, &self.weights)?;
         let mut picker = Picker::new(&self.backend, request, self.spec.vocab)?;
         {
             let mut prefill = self.prefill_activations(batch, width)?;
@@ -419,8 +461,8 @@ impl<B: Backend> Model<B> {
                 attention_mask: &mask,
                 position_ids: &positions,
             };
-            self.forward_cached_with(&inputs, &mut prefill, &mut cache, Some(&tw))?;
-            let logits = self.prefill_head(&mut prefill, &tw)?;
+            self.forward_cached_with(&inputs, &mut prefill, &mut cache, Some(tw))?;
+            let logits = self.prefill_head(&mut prefill, tw)?;
             picker.step(&self.backend, logits, 0, &mut out)?;
             // The prefill arena is freed before the decode arena is planned.
         }
@@ -444,7 +486,7 @@ impl<B: Backend> Model<B> {
                 attention_mask: &step_mask,
                 position_ids: &step_positions,
             };
-            self.forward_cached_with(&inputs, &mut step_acts, &mut cache, Some(&tw))?;
+            self.forward_cached_with(&inputs, &mut step_acts, &mut cache, Some(tw))?;
             picker.step(&self.backend, step_acts.logits(), step, &mut out)?;
         }
         Ok(out)

@@ -56,7 +56,7 @@ use ares_cpu::ops::rope::RopeTable;
 
 pub use activations::{Activations, HeadMode};
 pub use error::ModelError;
-pub use generate::{GenerateError, GenerateOutput, GenerateRequest};
+pub use generate::{GenerateError, GenerateOutput, GenerateRequest, Generator};
 pub use grads::Grads;
 pub use inputs::Inputs;
 pub use kv_cache::KvCache;

@@ -61,6 +61,11 @@ pub fn generate_all<B: Backend>(
 ) -> Result<Vec<Response>, TrainError> {
     let chunk = params.chunk.max(1);
     let mut out = Vec::with_capacity(prompts.len());
+    if prompts.is_empty() {
+        return Ok(out);
+    }
+    // one transpose of the weights for every chunk
+    let generator = model.generator()?;
     for (c, part) in prompts.chunks(chunk).enumerate() {
         // a distinct seed per chunk: stream i of chunk c is sequence c·chunk + i
         let chunk_seed = params.seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
@@ -71,7 +76,7 @@ pub fn generate_all<B: Backend>(
             sampling: params.sampling,
             seed: chunk_seed,
         };
-        let g = model.generate(&request)?;
+        let g = generator.generate(&request)?;
         for i in 0..part.len() {
             out.push(Response {
                 tokens: g.tokens[i].clone(),
