@@ -372,6 +372,58 @@ extern "C" __global__ void log_prob_bwd(const float* __restrict__ logits, i64 vo
 }
 
 // ---------------------------------------------------------------------------------------
+// Greedy decoding on the device: per row the index of the largest logit, the lowest index
+// among equal maxima (ares-runner's host `pick`). A row holding NaN/+inf, or only -inf,
+// gives 0xffffffff (no token; the caller reports it). One block per row; a thread walks
+// its elements in increasing order, so `>` keeps the first of equal values.
+
+__device__ __forceinline__ void argmax_merge(float& v, i64& i, float ov, i64 oi) {
+    if (ov > v || (ov == v && oi < i)) {
+        v = ov;
+        i = oi;
+    }
+}
+
+extern "C" __global__ void argmax_rows(const float* __restrict__ logits, i64 vocab, i64 rows,
+                                       unsigned* __restrict__ out) {
+    __shared__ float shv[32];
+    __shared__ i64 shi[32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float* x = logits + row * vocab;
+        float best = NEG_INF;
+        i64 best_i = vocab;  // none yet: -inf entries are never picked
+        int bad = 0;
+        for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const float v = x[i];
+            bad |= !(v < POS_INF);
+            if (v > best) {
+                best = v;
+                best_i = i;
+            }
+        }
+        bad = __syncthreads_or(bad);
+        for (int off = 16; off > 0; off >>= 1)
+            argmax_merge(best, best_i, __shfl_xor_sync(FULL, best, off),
+                         __shfl_xor_sync(FULL, best_i, off));
+        if (lane == 0) {
+            shv[warp] = best;
+            shi[warp] = best_i;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            best = lane < warps ? shv[lane] : NEG_INF;
+            best_i = lane < warps ? shi[lane] : vocab;
+            for (int off = 16; off > 0; off >>= 1)
+                argmax_merge(best, best_i, __shfl_xor_sync(FULL, best, off),
+                             __shfl_xor_sync(FULL, best_i, off));
+            if (lane == 0) out[row] = (bad || best_i >= vocab) ? 0xffffffffu : (unsigned)best_i;
+        }
+        __syncthreads();  // the shared arrays are reused by the next row
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // Σ x² in f64, deterministic: stage 1 sums fixed chunks (block b: elements
 // [b·chunk, (b+1)·chunk)) with a fixed thread mapping and tree; stage 2 adds the partials
 // in one block. The partition depends only on n, so the result does not depend on the GPU.

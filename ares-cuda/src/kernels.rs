@@ -48,6 +48,7 @@ pub const MODEL_OPS: KernelSource = KernelSource {
         "rope",
         "transpose_f32",
         "log_prob_bwd",
+        "argmax_rows",
         "sum_sq_partial",
         "sum_sq_final",
         "adamw_check",

@@ -118,6 +118,7 @@ pub(crate) struct Functions {
     pub transpose: CudaFunction,
     pub log_prob_entropy: CudaFunction,
     pub log_prob_bwd: CudaFunction,
+    pub argmax_rows: CudaFunction,
     pub sum_sq_partial: CudaFunction,
     pub sum_sq_final: CudaFunction,
     pub adamw_check: CudaFunction,
@@ -218,6 +219,7 @@ impl ModelOps {
             transpose: m("transpose_f32")?,
             log_prob_entropy: load(&token, "log_prob_entropy_f32")?,
             log_prob_bwd: m("log_prob_bwd")?,
+            argmax_rows: m("argmax_rows")?,
             sum_sq_partial: m("sum_sq_partial")?,
             sum_sq_final: m("sum_sq_final")?,
             adamw_check: m("adamw_check")?,
@@ -344,6 +346,19 @@ impl ModelOps {
             return self.synchronize();
         }
         self.stream.memcpy_dtoh(src, dst).during("download")?;
+        self.check_status()
+    }
+
+    /// [`ModelOps::download`] for ids.
+    ///
+    /// # Errors
+    /// As [`ModelOps::download`].
+    pub fn download_ids(&self, src: &CudaView<'_, u32>, dst: &mut [u32]) -> Result<()> {
+        check_len("download_ids", "dst", src.len(), dst.len())?;
+        if dst.is_empty() {
+            return self.synchronize();
+        }
+        self.stream.memcpy_dtoh(src, dst).during("download_ids")?;
         self.check_status()
     }
 

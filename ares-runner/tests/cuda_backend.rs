@@ -869,6 +869,48 @@ fn log_prob_ops_match_cpu() {
     assert!(e.to_string().contains("logits row holds NaN"), "{e}");
 }
 
+/// Rows for greedy decoding: random, with planted ties of the maximum (the lowest index
+/// wins), −∞ runs, and rows without a token (NaN, +∞, all −∞).
+fn greedy_rows(rng: &mut Rng, rows: usize, vocab: usize) -> Vec<f32> {
+    let mut x = rng.vec(rows * vocab, 8.0);
+    for (r, row) in x.chunks_exact_mut(vocab).enumerate() {
+        match r % 6 {
+            1 if vocab > 3 => {
+                row[vocab - 1] = 100.0;
+                row[vocab / 2] = 100.0;
+                row[vocab / 3] = 100.0;
+            }
+            2 => row[..vocab / 2].fill(f32::NEG_INFINITY),
+            3 => row[vocab / 2] = f32::NAN,
+            4 => row.fill(f32::NEG_INFINITY),
+            5 => row[0] = f32::INFINITY,
+            _ => {}
+        }
+    }
+    x
+}
+
+#[test]
+fn greedy_tokens_match_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(17);
+    for (rows, vocab) in [(12usize, 1usize), (12, 7), (30, 1000), (18, 151_936)] {
+        let logits = greedy_rows(&mut rng, rows, vocab);
+        let (mut cids, mut chost) = (vec![0u32; rows], vec![0u32; rows]);
+        cpu.greedy_tokens(View::whole(&logits), vocab, &mut cids, &mut chost)
+            .unwrap();
+        let gl = up(&gpu, &logits);
+        let mut gids = up_ids(&gpu, &vec![7u32; rows]);
+        let mut ghost = vec![7u32; rows];
+        gpu.greedy_tokens(View::whole(&gl), vocab, &mut gids, &mut ghost)
+            .unwrap();
+        assert_eq!(ghost, chost, "{rows}x{vocab}");
+        // and no status bit is left behind for the next op
+        gpu.synchronize().unwrap();
+    }
+}
+
 #[test]
 fn optimizer_ops_match_cpu() {
     let Some(gpu) = gpu_or_skip() else { return };

@@ -428,6 +428,9 @@ fn a_generator_reused_for_several_batches_gives_what_generate_gives() {
             prompts: vec![],
             ..requests[1].clone()
         };
-        assert!(matches!(generator.generate(&bad), Err(GenerateError::NoPrompts)));
+        assert!(matches!(
+            generator.generate(&bad),
+            Err(GenerateError::NoPrompts)
+        ));
     }
 }

@@ -131,4 +131,40 @@ impl ModelOps {
         unsafe { l.launch(cfg) }.during(K)?;
         Ok(())
     }
+
+    /// Greedy decoding: `out[row]` = the index of the largest logit of row `row` of
+    /// `logits` `[rows, vocab]` (rows = `out.len()`), the lowest index among equal maxima,
+    /// or `u32::MAX` for a row holding NaN/+∞ or only −∞ (twin of ares-runner's host
+    /// greedy pick). Sets no status bit: the caller turns `u32::MAX` into its own error.
+    ///
+    /// # Errors
+    /// Lengths that do not match, `vocab` 0 or ≥ 2³².
+    pub fn argmax_rows(
+        &self,
+        logits: &CudaView<'_, f32>,
+        vocab: usize,
+        out: &mut CudaViewMut<'_, u32>,
+    ) -> Result<()> {
+        const K: &str = "argmax_rows";
+        if vocab == 0 || vocab >= u32::MAX as usize {
+            return Err(bad(K, format!("vocab = {vocab} must be in 1..2^32-1")));
+        }
+        let rows = out.len();
+        check_len(
+            K,
+            "logits",
+            mul(K, "rows × vocab", rows, vocab)?,
+            logits.len(),
+        )?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let cfg = rows_cfg(K, rows)?;
+        let (v64, r64) = (i64_of(K, "vocab", vocab)?, i64_of(K, "rows", rows)?);
+        let mut l = self.stream.launch_builder(&self.f.argmax_rows);
+        l.arg(logits).arg(&v64).arg(&r64).arg(out);
+        // SAFETY: argument order as `argmax_rows` in model_ops.cu; lengths checked above.
+        unsafe { l.launch(cfg) }.during(K)?;
+        Ok(())
+    }
 }

@@ -111,6 +111,21 @@ fn attention_shape(dims: AttentionDims) -> AttentionShape {
     .with_scale(dims.scale)
 }
 
+/// The index of the largest logit of `row`, the lowest among equal maxima; `None` when a
+/// logit is NaN or +∞ or every logit is −∞ (greedy decoding, host and CPU backend).
+pub(crate) fn greedy_row(row: &[f32]) -> Option<u32> {
+    if row.iter().any(|x| x.is_nan() || *x == f32::INFINITY) {
+        return None;
+    }
+    let mut best: Option<(usize, f32)> = None;
+    for (i, &x) in row.iter().enumerate() {
+        if x > f32::NEG_INFINITY && best.is_none_or(|(_, b)| x > b) {
+            best = Some((i, x));
+        }
+    }
+    best.and_then(|(i, _)| u32::try_from(i).ok())
+}
+
 impl Backend for CpuBackend {
     type Buffer = Vec<f32>;
     type Ids = Vec<u32>;
@@ -434,6 +449,34 @@ impl Backend for CpuBackend {
         .map_err(op("log_prob_backward"))
     }
 
+    fn greedy_tokens(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        ids: &mut Vec<u32>,
+        host: &mut [u32],
+    ) -> Result<()> {
+        let logits = slice(logits)?;
+        if vocab == 0 || vocab >= u32::MAX as usize {
+            return Err(BackendError::Op {
+                op: "greedy_tokens",
+                source: format!("vocab = {vocab} must be in 1..2^32-1").into(),
+            });
+        }
+        BackendError::check_len("greedy_tokens host", ids.len(), host.len())?;
+        let expected = ids.len().saturating_mul(vocab);
+        BackendError::check_len("greedy_tokens logits", expected, logits.len())?;
+        for ((id, h), row) in ids
+            .iter_mut()
+            .zip(host.iter_mut())
+            .zip(logits.chunks_exact(vocab))
+        {
+            *id = greedy_row(row).unwrap_or(u32::MAX);
+            *h = *id;
+        }
+        Ok(())
+    }
+
     fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64> {
         Ok(sum_of_squares_f64(slice(x)?))
     }
@@ -578,5 +621,49 @@ mod backward_tests {
             )
             .unwrap_err();
         assert!(e.to_string().starts_with("swiglu_backward"), "{e}");
+    }
+}
+
+#[cfg(test)]
+mod greedy_tests {
+    use super::*;
+
+    #[test]
+    fn greedy_tokens_pick_the_first_maximum_and_flag_rows_without_one() {
+        let inf = f32::INFINITY;
+        let rows: [&[f32]; 7] = [
+            &[1.0, 3.0, 3.0, 2.0],             // tie: the lower index
+            &[-0.0, 0.0, -1.0, -2.0],          // −0 = +0: index 0
+            &[-inf, -inf, -5.0, -inf],         // −∞ never picked
+            &[-inf, -inf, -inf, -inf],         // nothing to pick
+            &[0.0, f32::NAN, 1.0, 2.0],        // NaN anywhere
+            &[0.0, 1.0, inf, 2.0],             // +∞ anywhere
+            &[f32::MIN, f32::MIN, -inf, -inf], // the lowest finite values
+        ];
+        let logits: Vec<f32> = rows.iter().flat_map(|r| r.iter().copied()).collect();
+        let (mut ids, mut host) = (vec![9u32; 7], vec![9u32; 7]);
+        CpuBackend
+            .greedy_tokens(View::whole(&logits), 4, &mut ids, &mut host)
+            .unwrap();
+        let none = u32::MAX;
+        assert_eq!(host, [1, 0, 2, none, none, none, 0]);
+        assert_eq!(ids, host);
+        // shapes and vocab are checked
+        let mut short = vec![0u32; 6];
+        assert!(
+            CpuBackend
+                .greedy_tokens(View::whole(&logits), 4, &mut ids, &mut short)
+                .is_err()
+        );
+        assert!(
+            CpuBackend
+                .greedy_tokens(View::whole(&logits), 5, &mut ids, &mut host)
+                .is_err()
+        );
+        assert!(
+            CpuBackend
+                .greedy_tokens(View::whole(&logits), 0, &mut ids, &mut host)
+                .is_err()
+        );
     }
 }

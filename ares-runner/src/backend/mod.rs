@@ -378,6 +378,22 @@ pub trait Backend {
         dlogits: TensorMut<'_, Self>,
     ) -> Result<()>;
 
+    /// Greedy decoding: per row of `logits` `[rows, vocab]` (rows = `ids.len()`), the index
+    /// of the largest logit, the lowest among equal maxima, written to `ids` on the device
+    /// and to `host`; `u32::MAX` for a row with no token to pick (NaN or +∞ anywhere, or
+    /// only −∞). Only `rows` ids cross to the host, not the logits. **Waits** for the
+    /// queued ops.
+    ///
+    /// # Errors
+    /// Lengths that do not match, `vocab` 0 or ≥ 2³².
+    fn greedy_tokens(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        ids: &mut Self::Ids,
+        host: &mut [u32],
+    ) -> Result<()>;
+
     // ----- Optimizer ops. -----
 
     /// `Σ x²` over `x`, accumulated in f64 (CPU: in a fixed order, so deterministic),

@@ -157,7 +157,10 @@ struct Picker<'r, B: Backend> {
     request: &'r GenerateRequest,
     vocab: usize,
     rngs: Vec<ChaCha20Rng>,
+    /// Each row's next-token logits on the host (sampling).
     host_logits: Vec<f32>,
+    /// Greedy picks from the device, `u32::MAX` for a row without one.
+    picked: Vec<u32>,
     /// The token each sequence picked last (fed to the next decode step).
     next: Vec<u32>,
     targets: B::Ids,
@@ -179,7 +182,11 @@ impl<'r, B: Backend> Picker<'r, B> {
             rngs: (0..batch as u64)
                 .map(|i| sequence_rng(request.seed, i))
                 .collect(),
-            host_logits: vec![0.0; batch * vocab],
+            host_logits: match request.sampling {
+                Sampling::Greedy => Vec::new(),
+                Sampling::Sample { .. } => vec![0.0; batch * vocab],
+            },
+            picked: vec![0; batch],
             next: vec![0; batch],
             targets: be.alloc_ids(batch)?,
             log_prob: be.alloc(batch)?,
@@ -202,30 +209,44 @@ impl<'r, B: Backend> Picker<'r, B> {
         out: &mut GenerateOutput,
     ) -> Result<(), GenerateError> {
         let request = self.request;
-        be.download(logits, &mut self.host_logits)?;
-        // Rows in parallel (each has its own random stream, so the tokens do not depend on
-        // the threads), in tasks of at least 64 Ki logits.
-        let sampling = &request.sampling;
-        let picks: Vec<Option<u32>> = self
-            .host_logits
-            .par_chunks_exact(self.vocab)
-            .zip(self.rngs.par_iter_mut())
-            .zip(self.done.par_iter())
-            .with_min_len((1 << 16) / self.vocab.max(1))
-            .map(|((row, rng), &done)| {
-                if done {
-                    Some(0)
-                } else {
-                    pick(row, sampling, rng)
+        if request.sampling == Sampling::Greedy {
+            // on the device: only the picked ids cross to the host, and they are already
+            // where the log-prob below needs them
+            be.greedy_tokens(logits, self.vocab, &mut self.targets, &mut self.picked)?;
+            for (b, &id) in self.picked.iter().enumerate() {
+                if !self.done[b] {
+                    if id == u32::MAX {
+                        return Err(GenerateError::NonFiniteLogits { sequence: b, step });
+                    }
+                    self.next[b] = id;
                 }
-            })
-            .collect();
-        for (b, p) in picks.into_iter().enumerate() {
-            if !self.done[b] {
-                self.next[b] = p.ok_or(GenerateError::NonFiniteLogits { sequence: b, step })?;
             }
+        } else {
+            be.download(logits, &mut self.host_logits)?;
+            // Rows in parallel (each has its own random stream, so the tokens do not depend
+            // on the threads), in tasks of at least 64 Ki logits.
+            let sampling = &request.sampling;
+            let picks: Vec<Option<u32>> = self
+                .host_logits
+                .par_chunks_exact(self.vocab)
+                .zip(self.rngs.par_iter_mut())
+                .zip(self.done.par_iter())
+                .with_min_len((1 << 16) / self.vocab.max(1))
+                .map(|((row, rng), &done)| {
+                    if done {
+                        Some(0)
+                    } else {
+                        pick(row, sampling, rng)
+                    }
+                })
+                .collect();
+            for (b, p) in picks.into_iter().enumerate() {
+                if !self.done[b] {
+                    self.next[b] = p.ok_or(GenerateError::NonFiniteLogits { sequence: b, step })?;
+                }
+            }
+            be.upload_ids(&self.next, &mut self.targets)?;
         }
-        be.upload_ids(&self.next, &mut self.targets)?;
         be.log_prob_entropy(
             logits,
             self.vocab,

@@ -9,6 +9,8 @@
 //! do not change with platforms or `rand` versions.
 
 use rand_chacha::ChaCha20Rng;
+
+use crate::backend::cpu::greedy_row;
 use rand_chacha::rand_core::{Rng, SeedableRng};
 
 /// How to pick each new token.
@@ -148,15 +150,7 @@ pub(crate) fn pick(logits: &[f32], sampling: &Sampling, rng: &mut ChaCha20Rng) -
         return None;
     }
     match *sampling {
-        Sampling::Greedy => {
-            let mut best: Option<(usize, f32)> = None;
-            for (i, &x) in logits.iter().enumerate() {
-                if x > f32::NEG_INFINITY && best.is_none_or(|(_, b)| x > b) {
-                    best = Some((i, x));
-                }
-            }
-            best.and_then(|(i, _)| u32::try_from(i).ok())
-        }
+        Sampling::Greedy => greedy_row(logits),
         Sampling::Sample {
             temperature,
             top_k,

@@ -484,6 +484,22 @@ impl Backend for CudaBackend {
             .map_err(op("log_prob_entropy"))
     }
 
+    fn greedy_tokens(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        ids_buf: &mut CudaIds,
+        host: &mut [u32],
+    ) -> Result<()> {
+        BackendError::check_len("greedy_tokens host", ids_buf.len, host.len())?;
+        self.ops
+            .argmax_rows(&view(logits)?, vocab, &mut ids_mut(ids_buf)?)
+            .map_err(op("greedy_tokens"))?;
+        self.ops
+            .download_ids(&ids(ids_buf)?, host)
+            .map_err(op("greedy_tokens"))
+    }
+
     fn log_prob_backward(
         &self,
         logits: Tensor<'_, Self>,
