@@ -398,7 +398,7 @@ impl<B: Backend> Model<B> {
     /// head for each prompt's last position only ([`Model::prefill_activations`]): its
     /// logits take `batch · vocab` floats, not `batch · width · vocab`.
     ///
-    /// Each call transposes the linear weights first ([`DecodeWeights`]); to generate
+    /// Each call transposes the linear weights first; to generate
     /// several batches with the same weights, make a [`Generator`] once.
     ///
     /// # Errors
