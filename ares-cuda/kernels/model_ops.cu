@@ -424,6 +424,100 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, i64 voc
 }
 
 // ---------------------------------------------------------------------------------------
+// Sampling on the device, the same token as ares-runner's host `pick` (sorted walk) without
+// sorting: candidates (logit > -inf) are ordered by a 64-bit key (descending logit, then
+// ascending id; -0 = +0); F(K) is the f64 weight exp((x - max)/T) of the candidates with
+// key <= K. Each cut of the sorted walk is the smallest key where a monotone condition
+// turns true, found by bisection over the key space (64 block-wide passes at most):
+// top-k (count >= k), top-p (F >= top_p * F(top-k cut)), the token (F > u * F(top-p cut)),
+// u in [0, 1) from the host's per-sequence stream. Equal to the host up to the order of the
+// f64 sums. A row holding NaN/+inf, or only -inf, gives 0xffffffff. One block per row.
+
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u64 descending_key(float x, i64 i) {
+    const unsigned b = x == 0.0f ? 0u : __float_as_uint(x);
+    const unsigned ascending = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((u64)(~ascending) << 32) | (u64)(unsigned)i;
+}
+
+// count (weights = false) or F (weights = true) of the candidates with key <= k
+__device__ double mass_upto(const float* x, i64 vocab, u64 k, bool weights, double max,
+                            double t, double* sh) {
+    double acc = 0.0;
+    for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = x[i];
+        if (v > NEG_INF && descending_key(v, i) <= k)
+            acc += weights ? exp(((double)v - max) / t) : 1.0;
+    }
+    return block_sum_d(acc, sh);
+}
+
+// the smallest key in [0, hi] where mass_upto(key) >= threshold (or > with strict); the
+// condition holds at hi
+__device__ u64 smallest_key(const float* x, i64 vocab, u64 hi, bool weights, bool strict,
+                            double threshold, double max, double t, double* sh) {
+    u64 lo = 0;
+    while (lo < hi) {
+        const u64 mid = lo + (hi - lo) / 2;
+        const double f = mass_upto(x, vocab, mid, weights, max, t, sh);
+        if (strict ? f > threshold : f >= threshold) hi = mid;
+        else lo = mid + 1;
+    }
+    return hi;
+}
+
+extern "C" __global__ void sample_rows(const float* __restrict__ logits, i64 vocab, i64 rows,
+                                       float temperature, i64 top_k, float top_p,
+                                       const double* __restrict__ uniforms,
+                                       unsigned* __restrict__ out) {
+    __shared__ double shd[32];
+    __shared__ float shf[32];
+    const u64 ALL = ~0ull;
+    const double t = (double)temperature;
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float* x = logits + row * vocab;
+        float m = NEG_INF;
+        int bad = 0;
+        for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const float v = x[i];
+            bad |= !(v < POS_INF);
+            m = fmaxf(m, v);
+        }
+        bad = __syncthreads_or(bad);
+        m = block_max(m, shf);
+        if (bad || m == NEG_INF) {
+            if (threadIdx.x == 0) out[row] = 0xffffffffu;
+            continue;
+        }
+        const double max = (double)m;
+        u64 k_cut = ALL;
+        if (top_k > 0 && (double)top_k < mass_upto(x, vocab, ALL, false, max, t, shd))
+            k_cut = smallest_key(x, vocab, ALL, false, false, (double)top_k, max, t, shd);
+        const double total = mass_upto(x, vocab, k_cut, true, max, t, shd);
+        // With top_p = 1 the top-p cut keeps the same mass (F reaches the total there and
+        // never exceeds it), so it is only searched for when needed.
+        u64 p_cut = ALL;
+        double kept = total;
+        if (top_p < 1.0f) {
+            p_cut = smallest_key(x, vocab, k_cut, true, false, (double)top_p * total, max, t, shd);
+            kept = mass_upto(x, vocab, p_cut, true, max, t, shd);
+        }
+        const double target = uniforms[row] * kept;
+        u64 chosen;
+        if (kept > target) {
+            chosen = smallest_key(x, vocab, p_cut < k_cut ? p_cut : k_cut, true, true, target,
+                                  max, t, shd);
+        } else {
+            // u * kept rounded up to kept: the host takes the last kept candidate
+            if (p_cut == ALL) p_cut = smallest_key(x, vocab, k_cut, true, false, total, max, t, shd);
+            chosen = p_cut;
+        }
+        if (threadIdx.x == 0) out[row] = (unsigned)(chosen & 0xffffffffull);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // Σ x² in f64, deterministic: stage 1 sums fixed chunks (block b: elements
 // [b·chunk, (b+1)·chunk)) with a fixed thread mapping and tree; stage 2 adds the partials
 // in one block. The partition depends only on n, so the result does not depend on the GPU.

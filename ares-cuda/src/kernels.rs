@@ -49,6 +49,7 @@ pub const MODEL_OPS: KernelSource = KernelSource {
         "transpose_f32",
         "log_prob_bwd",
         "argmax_rows",
+        "sample_rows",
         "sum_sq_partial",
         "sum_sq_final",
         "adamw_check",

@@ -119,6 +119,7 @@ pub(crate) struct Functions {
     pub log_prob_entropy: CudaFunction,
     pub log_prob_bwd: CudaFunction,
     pub argmax_rows: CudaFunction,
+    pub sample_rows: CudaFunction,
     pub sum_sq_partial: CudaFunction,
     pub sum_sq_final: CudaFunction,
     pub adamw_check: CudaFunction,
@@ -220,6 +221,7 @@ impl ModelOps {
             log_prob_entropy: load(&token, "log_prob_entropy_f32")?,
             log_prob_bwd: m("log_prob_bwd")?,
             argmax_rows: m("argmax_rows")?,
+            sample_rows: m("sample_rows")?,
             sum_sq_partial: m("sum_sq_partial")?,
             sum_sq_final: m("sum_sq_final")?,
             adamw_check: m("adamw_check")?,
@@ -347,6 +349,14 @@ impl ModelOps {
         }
         self.stream.memcpy_dtoh(src, dst).during("download")?;
         self.check_status()
+    }
+
+    /// A new device buffer holding `src` (f64: the sampler's uniform draws).
+    ///
+    /// # Errors
+    /// An allocation or copy failure.
+    pub fn upload_f64(&self, src: &[f64]) -> Result<cudarc::driver::CudaSlice<f64>> {
+        self.stream.clone_htod(src).during("upload_f64")
     }
 
     /// [`ModelOps::download`] for ids.

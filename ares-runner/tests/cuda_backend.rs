@@ -912,6 +912,57 @@ fn greedy_tokens_match_cpu() {
 }
 
 #[test]
+fn sampled_tokens_match_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(19);
+    // (rows, vocab, temperature, top_k, top_p)
+    let cases = [
+        (12usize, 1usize, 1.0f32, None, 1.0f32),
+        (30, 7, 0.7, None, 0.9),
+        (30, 1000, 1.0, None, 1.0),
+        (30, 1000, 1.3, Some(5), 1.0),
+        (30, 1000, 1.0, Some(50), 0.8),
+        (18, 151_936, 1.0, None, 1.0),
+        (18, 151_936, 0.6, Some(20), 0.95),
+    ];
+    for (rows, vocab, temperature, top_k, top_p) in cases {
+        let what = format!("{rows}x{vocab} T {temperature} top_k {top_k:?} top_p {top_p}");
+        let logits = greedy_rows(&mut rng, rows, vocab);
+        let uniforms: Vec<f64> = (0..rows).map(|r| (r as f64 + 0.37) / rows as f64).collect();
+        let (mut cids, mut chost) = (vec![0u32; rows], vec![0u32; rows]);
+        cpu.sample_tokens(
+            View::whole(&logits),
+            vocab,
+            temperature,
+            top_k,
+            top_p,
+            &uniforms,
+            &mut cids,
+            &mut chost,
+        )
+        .unwrap();
+        let gl = up(&gpu, &logits);
+        let mut gids = up_ids(&gpu, &vec![7u32; rows]);
+        let mut ghost = vec![7u32; rows];
+        gpu.sample_tokens(
+            View::whole(&gl),
+            vocab,
+            temperature,
+            top_k,
+            top_p,
+            &uniforms,
+            &mut gids,
+            &mut ghost,
+        )
+        .unwrap();
+        // equal up to the order of f64 sums: a draw this far from a boundary cannot differ
+        assert_eq!(ghost, chost, "{what}");
+        gpu.synchronize().unwrap();
+    }
+}
+
+#[test]
 fn optimizer_ops_match_cpu() {
     let Some(gpu) = gpu_or_skip() else { return };
     let cpu = CpuBackend;

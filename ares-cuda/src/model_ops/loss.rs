@@ -167,4 +167,60 @@ impl ModelOps {
         unsafe { l.launch(cfg) }.during(K)?;
         Ok(())
     }
+
+    /// Sampling (twin of ares-runner's host sorted walk, by bisection instead of sorting;
+    /// see `sample_rows` in model_ops.cu): `out[row]` = the token of row `row` of `logits`
+    /// `[rows, vocab]` (rows = `out.len()`) for the uniform draw `uniforms[row]` ∈ [0, 1),
+    /// with `temperature`, `top_k` (0 for none) and `top_p`; `u32::MAX` for a row holding
+    /// NaN/+∞ or only −∞. Sets no status bit.
+    ///
+    /// # Errors
+    /// Lengths that do not match, `vocab` 0 or ≥ 2³², a temperature not finite and > 0, a
+    /// `top_p` outside (0, 1].
+    #[allow(clippy::too_many_arguments)] // the kernel's parameters, each checked here
+    pub fn sample_rows(
+        &self,
+        logits: &CudaView<'_, f32>,
+        vocab: usize,
+        temperature: f32,
+        top_k: usize,
+        top_p: f32,
+        uniforms: &CudaView<'_, f64>,
+        out: &mut CudaViewMut<'_, u32>,
+    ) -> Result<()> {
+        const K: &str = "sample_rows";
+        if vocab == 0 || vocab >= u32::MAX as usize {
+            return Err(bad(K, format!("vocab = {vocab} must be in 1..2^32-1")));
+        }
+        check_head(K, vocab, temperature)?;
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(bad(K, format!("top_p = {top_p} must be in (0, 1]")));
+        }
+        let rows = out.len();
+        check_len(
+            K,
+            "logits",
+            mul(K, "rows × vocab", rows, vocab)?,
+            logits.len(),
+        )?;
+        check_len(K, "uniforms", rows, uniforms.len())?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let cfg = rows_cfg(K, rows)?;
+        let (v64, r64) = (i64_of(K, "vocab", vocab)?, i64_of(K, "rows", rows)?);
+        let k64 = i64_of(K, "top_k", top_k)?;
+        let mut l = self.stream.launch_builder(&self.f.sample_rows);
+        l.arg(logits)
+            .arg(&v64)
+            .arg(&r64)
+            .arg(&temperature)
+            .arg(&k64)
+            .arg(&top_p)
+            .arg(uniforms)
+            .arg(out);
+        // SAFETY: argument order as `sample_rows` in model_ops.cu; lengths checked above.
+        unsafe { l.launch(cfg) }.during(K)?;
+        Ok(())
+    }
 }

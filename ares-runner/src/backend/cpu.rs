@@ -16,6 +16,10 @@ use ares_cpu::ops::rope::{rope_backward, rope_forward};
 use ares_cpu::ops::swiglu::{swiglu_backward, swiglu_forward};
 use ares_cpu::{Logits, log_prob_entropy};
 
+use rayon::prelude::*;
+
+use super::sampling::{greedy_row, sample_row};
+
 use super::{
     AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
     DeviceBuffer, KvCacheView, KvCacheViewMut, LinearDims, Result, Tensor, TensorMut, View,
@@ -109,21 +113,6 @@ fn attention_shape(dims: AttentionDims) -> AttentionShape {
         dims.head_dim,
     )
     .with_scale(dims.scale)
-}
-
-/// The index of the largest logit of `row`, the lowest among equal maxima; `None` when a
-/// logit is NaN or +∞ or every logit is −∞ (greedy decoding, host and CPU backend).
-pub(crate) fn greedy_row(row: &[f32]) -> Option<u32> {
-    if row.iter().any(|x| x.is_nan() || *x == f32::INFINITY) {
-        return None;
-    }
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &x) in row.iter().enumerate() {
-        if x > f32::NEG_INFINITY && best.is_none_or(|(_, b)| x > b) {
-            best = Some((i, x));
-        }
-    }
-    best.and_then(|(i, _)| u32::try_from(i).ok())
 }
 
 impl Backend for CpuBackend {
@@ -477,6 +466,55 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn sample_tokens(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        temperature: f32,
+        top_k: Option<usize>,
+        top_p: f32,
+        uniforms: &[f64],
+        ids: &mut Vec<u32>,
+        host: &mut [u32],
+    ) -> Result<()> {
+        let logits = slice(logits)?;
+        let bad = |message: String| BackendError::Op {
+            op: "sample_tokens",
+            source: message.into(),
+        };
+        if vocab == 0 || vocab >= u32::MAX as usize {
+            return Err(bad(format!("vocab = {vocab} must be in 1..2^32-1")));
+        }
+        if !(temperature.is_finite() && temperature > 0.0) {
+            return Err(bad(format!(
+                "temperature = {temperature} must be finite and > 0"
+            )));
+        }
+        if top_k == Some(0) {
+            return Err(bad("top_k = 0 keeps no token (None for no limit)".into()));
+        }
+        if !(top_p > 0.0 && top_p <= 1.0) {
+            return Err(bad(format!("top_p = {top_p} must be in (0, 1]")));
+        }
+        BackendError::check_len("sample_tokens host", ids.len(), host.len())?;
+        BackendError::check_len("sample_tokens uniforms", ids.len(), uniforms.len())?;
+        BackendError::check_len(
+            "sample_tokens logits",
+            ids.len().saturating_mul(vocab),
+            logits.len(),
+        )?;
+        // rows in parallel, in tasks of at least 64 Ki logits
+        ids.par_iter_mut()
+            .zip(logits.par_chunks_exact(vocab))
+            .zip(uniforms.par_iter())
+            .with_min_len((1 << 16) / vocab)
+            .for_each(|((id, row), &u)| {
+                *id = sample_row(row, temperature, top_k, top_p, u).unwrap_or(u32::MAX);
+            });
+        host.copy_from_slice(ids);
+        Ok(())
+    }
+
     fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64> {
         Ok(sum_of_squares_f64(slice(x)?))
     }
@@ -665,5 +703,64 @@ mod greedy_tests {
                 .greedy_tokens(View::whole(&logits), 0, &mut ids, &mut host)
                 .is_err()
         );
+    }
+
+    #[test]
+    fn sample_tokens_follow_the_sorted_walk_and_check_their_arguments() {
+        let logits = vec![0.0f32, 2.0, 1.0, 2.0, f32::NAN, 0.0, 0.0, 0.0];
+        let first_row = logits[..4].to_vec();
+        let (mut ids, mut host) = (vec![9u32; 2], vec![9u32; 2]);
+        // row 0: weights 1, e², e, e² in the order 1, 3, 2, 0; u = 0 takes the first
+        CpuBackend
+            .sample_tokens(
+                View::whole(&logits),
+                4,
+                1.0,
+                None,
+                1.0,
+                &[0.0, 0.5],
+                &mut ids,
+                &mut host,
+            )
+            .unwrap();
+        assert_eq!(host, [1, u32::MAX]);
+        assert_eq!(ids, host);
+        // top_k 1 keeps only id 1 whatever the draw
+        CpuBackend
+            .sample_tokens(
+                View::whole(&first_row),
+                4,
+                1.0,
+                Some(1),
+                1.0,
+                &[0.99],
+                &mut ids[..1].to_vec(),
+                &mut host[..1],
+            )
+            .unwrap();
+        assert_eq!(host[0], 1);
+        let call = |t: f32, k: Option<usize>, p: f32, u: &[f64]| {
+            CpuBackend.sample_tokens(
+                View::whole(&logits),
+                4,
+                t,
+                k,
+                p,
+                u,
+                &mut vec![0; 2],
+                &mut [0; 2],
+            )
+        };
+        assert!(call(1.0, None, 1.0, &[0.5, 0.5]).is_ok());
+        for bad in [
+            call(0.0, None, 1.0, &[0.5, 0.5]),
+            call(f32::NAN, None, 1.0, &[0.5, 0.5]),
+            call(1.0, Some(0), 1.0, &[0.5, 0.5]),
+            call(1.0, None, 0.0, &[0.5, 0.5]),
+            call(1.0, None, 1.5, &[0.5, 0.5]),
+            call(1.0, None, 1.0, &[0.5]),
+        ] {
+            assert!(bad.is_err());
+        }
     }
 }

@@ -47,6 +47,7 @@ mod view;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub(crate) mod sampling;
 
 pub use decode::{KvCacheView, KvCacheViewMut};
 pub use error::BackendError;
@@ -390,6 +391,30 @@ pub trait Backend {
         &self,
         logits: Tensor<'_, Self>,
         vocab: usize,
+        ids: &mut Self::Ids,
+        host: &mut [u32],
+    ) -> Result<()>;
+
+    /// Sampling: per row of `logits` `[rows, vocab]` (rows = `ids.len()`), the token the
+    /// host's sorted walk picks for the uniform draw `uniforms[row]` ∈ [0, 1) with
+    /// `temperature`, `top_k` (`None`: no limit) and `top_p` (see
+    /// `backend::sampling::sample_row`), written to `ids` on the device and to `host`;
+    /// `u32::MAX` for a row with no token (NaN or +∞ anywhere, or only −∞). A device may
+    /// find the same cuts another way: equal to the host up to the order of its f64 sums.
+    /// **Waits** for the queued ops.
+    ///
+    /// # Errors
+    /// Lengths that do not match, `vocab` 0 or ≥ 2³², a temperature not finite and > 0,
+    /// `top_k` 0, `top_p` outside (0, 1].
+    #[allow(clippy::too_many_arguments)] // the sampling parameters, each checked
+    fn sample_tokens(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        temperature: f32,
+        top_k: Option<usize>,
+        top_p: f32,
+        uniforms: &[f64],
         ids: &mut Self::Ids,
         host: &mut [u32],
     ) -> Result<()>;

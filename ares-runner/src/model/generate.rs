@@ -19,10 +19,9 @@
 //! `max_new_tokens` tokens were produced.
 
 use rand_chacha::ChaCha20Rng;
-use rayon::prelude::*;
 
 use super::decode_weights::DecodeWeights;
-use super::sampling::{pick, sequence_rng};
+use super::sampling::{sequence_rng, uniform};
 use super::{Activations, HeadMode, Inputs, KvCache, Model, ModelError, Sampling};
 use crate::backend::{Backend, BackendError, LinearDims, Tensor, View, ViewMut};
 
@@ -157,9 +156,9 @@ struct Picker<'r, B: Backend> {
     request: &'r GenerateRequest,
     vocab: usize,
     rngs: Vec<ChaCha20Rng>,
-    /// Each row's next-token logits on the host (sampling).
-    host_logits: Vec<f32>,
-    /// Greedy picks from the device, `u32::MAX` for a row without one.
+    /// This step's uniform draw of each sequence (sampling).
+    uniforms: Vec<f64>,
+    /// The backend's picks, `u32::MAX` for a row without a token.
     picked: Vec<u32>,
     /// The token each sequence picked last (fed to the next decode step).
     next: Vec<u32>,
@@ -182,10 +181,7 @@ impl<'r, B: Backend> Picker<'r, B> {
             rngs: (0..batch as u64)
                 .map(|i| sequence_rng(request.seed, i))
                 .collect(),
-            host_logits: match request.sampling {
-                Sampling::Greedy => Vec::new(),
-                Sampling::Sample { .. } => vec![0.0; batch * vocab],
-            },
+            uniforms: vec![0.0; batch],
             picked: vec![0; batch],
             next: vec![0; batch],
             targets: be.alloc_ids(batch)?,
@@ -213,39 +209,35 @@ impl<'r, B: Backend> Picker<'r, B> {
             // on the device: only the picked ids cross to the host, and they are already
             // where the log-prob below needs them
             be.greedy_tokens(logits, self.vocab, &mut self.targets, &mut self.picked)?;
-            for (b, &id) in self.picked.iter().enumerate() {
-                if !self.done[b] {
-                    if id == u32::MAX {
-                        return Err(GenerateError::NonFiniteLogits { sequence: b, step });
-                    }
-                    self.next[b] = id;
-                }
+        } else if let Sampling::Sample {
+            temperature,
+            top_k,
+            top_p,
+        } = request.sampling
+        {
+            // one draw per unfinished sequence from its own stream, then the backend walks
+            // the candidates (the CUDA backend on the device)
+            for ((u, rng), &done) in self.uniforms.iter_mut().zip(&mut self.rngs).zip(&self.done) {
+                *u = if done { 0.0 } else { uniform(rng) };
             }
-        } else {
-            be.download(logits, &mut self.host_logits)?;
-            // Rows in parallel (each has its own random stream, so the tokens do not depend
-            // on the threads), in tasks of at least 64 Ki logits.
-            let sampling = &request.sampling;
-            let picks: Vec<Option<u32>> = self
-                .host_logits
-                .par_chunks_exact(self.vocab)
-                .zip(self.rngs.par_iter_mut())
-                .zip(self.done.par_iter())
-                .with_min_len((1 << 16) / self.vocab.max(1))
-                .map(|((row, rng), &done)| {
-                    if done {
-                        Some(0)
-                    } else {
-                        pick(row, sampling, rng)
-                    }
-                })
-                .collect();
-            for (b, p) in picks.into_iter().enumerate() {
-                if !self.done[b] {
-                    self.next[b] = p.ok_or(GenerateError::NonFiniteLogits { sequence: b, step })?;
+            be.sample_tokens(
+                logits,
+                self.vocab,
+                temperature,
+                top_k,
+                top_p,
+                &self.uniforms,
+                &mut self.targets,
+                &mut self.picked,
+            )?;
+        }
+        for (b, &id) in self.picked.iter().enumerate() {
+            if !self.done[b] {
+                if id == u32::MAX {
+                    return Err(GenerateError::NonFiniteLogits { sequence: b, step });
                 }
+                self.next[b] = id;
             }
-            be.upload_ids(&self.next, &mut self.targets)?;
         }
         be.log_prob_entropy(
             logits,

@@ -500,6 +500,42 @@ impl Backend for CudaBackend {
             .map_err(op("greedy_tokens"))
     }
 
+    fn sample_tokens(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        temperature: f32,
+        top_k: Option<usize>,
+        top_p: f32,
+        uniforms: &[f64],
+        ids_buf: &mut CudaIds,
+        host: &mut [u32],
+    ) -> Result<()> {
+        BackendError::check_len("sample_tokens host", ids_buf.len, host.len())?;
+        BackendError::check_len("sample_tokens uniforms", ids_buf.len, uniforms.len())?;
+        if top_k == Some(0) {
+            return Err(BackendError::Op {
+                op: "sample_tokens",
+                source: "top_k = 0 keeps no token (None for no limit)".into(),
+            });
+        }
+        let u = self.ops.upload_f64(uniforms).map_err(op("sample_tokens"))?;
+        self.ops
+            .sample_rows(
+                &view(logits)?,
+                vocab,
+                temperature,
+                top_k.unwrap_or(0),
+                top_p,
+                &u.as_view(),
+                &mut ids_mut(ids_buf)?,
+            )
+            .map_err(op("sample_tokens"))?;
+        self.ops
+            .download_ids(&ids(ids_buf)?, host)
+            .map_err(op("sample_tokens"))
+    }
+
     fn log_prob_backward(
         &self,
         logits: Tensor<'_, Self>,
