@@ -7,8 +7,8 @@ vocab 151 936, tied embeddings, q/k/v biases; random weights), the same work:
   c = -1/N, backward (gradients set to None between steps), on BATCH x SEQ tokens (4 x 512);
   in f32, TF32 and bf16 (autocast over f32 master weights, as mixed-precision trainers do),
   eager and, with --compile, torch.compile; achieved TFLOP/s counted as the Rust bench does;
-- generate: greedy `model.generate` with the KV cache, 32 prompts of 32 tokens, exactly 64
-  new tokens each (--gen 64x512 for the issue's 64 x 512), f32 / TF32 / bf16 weights;
+- generate: `model.generate` with the KV cache, greedy and sampled (T = 1, top-p 1), 32
+  prompts of 32 tokens, exactly 64 new tokens each (--gen 64x512 for the issue's 64 x 512), f32 / TF32 / bf16 weights;
 - the physical floors, measured in the same run: dense GEMM rate (8192^3) per precision and
   device-to-device copy bandwidth; MFU is reported against the measured GEMM rate;
 - peak memory (torch.cuda.max_memory_allocated) of each piece.
@@ -150,17 +150,19 @@ def main():
             torch.backends.cuda.matmul.allow_tf32 = tf32
             gen_model = model.to(dtype)
 
-            def generate():
-                with torch.no_grad():
-                    out = gen_model.generate(input_ids=prompts, attention_mask=attention,
-                                             max_new_tokens=new, min_new_tokens=new,
-                                             do_sample=False, pad_token_id=0, eos_token_id=None)
-                assert out.shape == (prompts_n, 32 + new)
+            sampled = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
+            for how, mode in [("greedy", dict(do_sample=False)), ("sampled (T = 1, top-p 1)", sampled)]:
+                def generate():
+                    with torch.no_grad():
+                        out = gen_model.generate(input_ids=prompts, attention_mask=attention,
+                                                 max_new_tokens=new, min_new_tokens=new,
+                                                 pad_token_id=0, eos_token_id=None, **mode)
+                    assert out.shape == (prompts_n, 32 + new)
 
-            t = timed(min(args.runs, 3), generate, sync)
-            report(f"[{label}] generate greedy ({prompts_n} × {new} new, prompts of 32)",
-                   prompts_n * new, "tokens", t)
-            peak(f"{label} generate")
+                t = timed(min(args.runs, 3), generate, sync)
+                report(f"[{label}] generate {how} ({prompts_n} × {new} new, prompts of 32)",
+                       prompts_n * new, "tokens", t)
+                peak(f"{label} generate {how}")
         model.float()
         torch.backends.cuda.matmul.allow_tf32 = False
 

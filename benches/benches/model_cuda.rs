@@ -8,8 +8,8 @@
 //!   `ARES_BENCH_SEQ` tokens (default 4 × 512), with the achieved TFLOP/s counted as
 //!   6·params·tokens + the attention's 6·layers·hidden·seq·tokens (causal: half of the
 //!   12 of a full square); the AdamW step timed on its own;
-//! - **generate**: new tokens/s of greedy batched generation, 32 prompts of 32 tokens,
-//!   64 new tokens each.
+//! - **generate**: new tokens/s of batched generation, greedy and sampled (T = 1, top-p 1:
+//!   tokens picked on the device), 32 prompts of 32 tokens, 64 new tokens each.
 //!
 //! Each runs with exact f32 GEMMs, then with TF32 tensor cores. Times are wall clock
 //! around calls that end with a device synchronisation,
@@ -194,25 +194,37 @@ fn main() {
                         .collect()
                 })
                 .collect();
-            let request = GenerateRequest {
-                prompts,
-                max_new_tokens: GEN_NEW,
-                eos_ids: Vec::new(),
-                sampling: Sampling::Greedy,
-                seed: 0,
-            };
-            let t = time(runs.min(3), || {
-                let out = model.generate(&request).expect("generate");
-                assert!(out.tokens.iter().all(|t| t.len() == GEN_NEW));
-            });
-            report(
-                &format!(
-                    "[{mode}] generate greedy ({GEN_PROMPTS} × {GEN_NEW} new, prompts of {GEN_PROMPT_LEN})"
+            for (label, sampling) in [
+                ("greedy", Sampling::Greedy),
+                (
+                    "sampled (T = 1, top-p 1)",
+                    Sampling::Sample {
+                        temperature: 1.0,
+                        top_k: None,
+                        top_p: 1.0,
+                    },
                 ),
-                GEN_PROMPTS * GEN_NEW,
-                "tokens",
-                t,
-            );
+            ] {
+                let request = GenerateRequest {
+                    prompts: prompts.clone(),
+                    max_new_tokens: GEN_NEW,
+                    eos_ids: Vec::new(),
+                    sampling,
+                    seed: 0,
+                };
+                let t = time(runs.min(3), || {
+                    let out = model.generate(&request).expect("generate");
+                    assert!(out.tokens.iter().all(|t| t.len() == GEN_NEW));
+                });
+                report(
+                    &format!(
+                        "[{mode}] generate {label} ({GEN_PROMPTS} × {GEN_NEW} new, prompts of {GEN_PROMPT_LEN})"
+                    ),
+                    GEN_PROMPTS * GEN_NEW,
+                    "tokens",
+                    t,
+                );
+            }
         }
     }
 }
