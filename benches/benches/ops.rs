@@ -7,7 +7,7 @@ use ares_benches::{SplitMix, read_baseline};
 use ares_cpu::ops::attention::{
     AttentionGrads, AttentionInputs, AttentionShape, attention_backward, attention_forward,
 };
-use ares_cpu::ops::matmul::{MatmulDims, linear_backward, linear_forward};
+use ares_cpu::ops::matmul::{MatmulDims, linear_backward, linear_forward, transpose};
 use ares_cpu::ops::rmsnorm::rmsnorm_forward;
 use ares_cpu::ops::swiglu::swiglu_forward;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
@@ -115,6 +115,22 @@ fn ops(c: &mut Criterion) {
     });
     g.bench_function("forward", |b| {
         b.iter(|| swiglu_forward(&gate, &up, &mut act).expect("swiglu"))
+    });
+    g.finish();
+
+    // transpose of the LM head [151936, 896] (generation's one-time copy of the weights),
+    // against a copy of the same bytes
+    let (rows, cols) = (151_936, HIDDEN);
+    let head = values(rows * cols, 9);
+    let mut out = vec![0.0f32; head.len()];
+    let mut g = c.benchmark_group("transpose_151936x896");
+    g.sample_size(10)
+        .throughput(Throughput::Bytes((head.len() * 8) as u64));
+    g.bench_function("baseline_copy", |b| {
+        b.iter(|| out.copy_from_slice(black_box(&head)))
+    });
+    g.bench_function("transpose", |b| {
+        b.iter(|| transpose(&head, rows, cols, &mut out).expect("transpose"))
     });
     g.finish();
 }

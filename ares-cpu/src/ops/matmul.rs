@@ -184,26 +184,31 @@ fn linear_with(
 /// # Errors
 /// `src` or `dst` not `rows · cols` long.
 pub fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) -> Result<()> {
-    const TILE: usize = 32;
+    const TILE: usize = 64;
     let len = product(rows, cols)?;
     check_len("src", len, src.len())?;
     check_len("dst", len, dst.len())?;
     if len == 0 {
         return Ok(());
     }
-    // A band of TILE rows of dst (= TILE columns of src), filled tile by tile.
+    // A band of TILE rows of dst (= TILE columns of src), filled tile by tile: each dst
+    // row segment is written contiguously from a TILE × TILE block of src that stays in L1
+    // (182 → 79 ms for the 151936 × 896 LM head on 2 threads; TILE 32: 109 ms, 128: 76 ms
+    // with half the parallel bands).
     let band = |(b, out): (usize, &mut [f32])| {
         let c0 = b * TILE;
         let width = out.len() / rows;
         for r0 in (0..rows).step_by(TILE) {
-            for r in r0..(r0 + TILE).min(rows) {
-                let from = src
-                    .get(r * cols + c0..r * cols + c0 + width)
-                    .unwrap_or_default();
-                for (c, &v) in from.iter().enumerate() {
-                    if let Some(o) = out.get_mut(c * rows + r) {
-                        *o = v;
-                    }
+            let h = TILE.min(rows - r0);
+            for c in 0..width {
+                let start = c * rows + r0;
+                let (Some(dst), Some(from)) =
+                    (out.get_mut(start..start + h), src.get(r0 * cols + c0 + c..))
+                else {
+                    continue; // not reached: the band and tile bounds are in range
+                };
+                for (d, s) in dst.iter_mut().zip(from.iter().step_by(cols)) {
+                    *d = *s;
                 }
             }
         }
