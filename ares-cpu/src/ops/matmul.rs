@@ -707,6 +707,11 @@ mod tests {
         let src = rand_vec(r * c, 4);
         let mut t = vec![0.0f32; r * c];
         transpose(&src, r, c, &mut t).unwrap();
+        for i in 0..r {
+            for j in 0..c {
+                assert_eq!(t[j * r + i], src[i * c + j], "({i}, {j})");
+            }
+        }
         let mut back = vec![0.0f32; r * c];
         transpose(&t, c, r, &mut back).unwrap();
         assert_eq!(back, src);
