@@ -13,14 +13,13 @@
 //! prints the best and median of a few runs. Threads: rayon's default (all cores); set
 //! `RAYON_NUM_THREADS` to match `torch.set_num_threads` of the PyTorch script.
 
-use std::collections::HashMap;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use ares_benches::SplitMix;
+use ares_benches::model::{best_and_median, env_usize, random_weights, report};
 use ares_runner::backend::cpu::CpuBackend;
 use ares_runner::hf::config::ModelConfig;
-use ares_runner::hf::weights::{ModelWeights, Tensor, expected_tensors};
 use ares_runner::model::{AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling};
 
 const CONFIG: &str = r#"{
@@ -36,57 +35,11 @@ const GEN_PROMPTS: usize = 16;
 const GEN_PROMPT_LEN: usize = 32;
 const GEN_NEW: usize = 128;
 
-/// Random weights: norms 1, everything else uniform with standard deviation 0.02 (the
-/// `initializer_range` of transformers' init).
-fn weights(config: &ModelConfig, rng: &mut SplitMix) -> ModelWeights {
-    let half_width = 0.02 * 3f32.sqrt();
-    let map: HashMap<String, Tensor> = expected_tensors(config)
-        .into_iter()
-        .map(|(name, shape)| {
-            let mut t = Tensor::zeros(&shape);
-            if name.ends_with("norm.weight") {
-                t.data.fill(1.0);
-            } else {
-                t.data
-                    .iter_mut()
-                    .for_each(|x| *x = (2.0 * rng.unit() - 1.0) * half_width);
-            }
-            (name, t)
-        })
-        .collect();
-    ModelWeights::from_map(config, map).expect("the bench config's own tensors")
-}
-
-/// Best and median of `runs` timings of `f` (after one warm-up call).
-fn time(runs: usize, mut f: impl FnMut()) -> (Duration, Duration) {
-    f();
-    let mut t: Vec<Duration> = (0..runs)
-        .map(|_| {
-            let start = Instant::now();
-            f();
-            start.elapsed()
-        })
-        .collect();
-    t.sort();
-    (t[0], t[runs / 2])
-}
-
-fn report(what: &str, units: usize, unit: &str, (best, median): (Duration, Duration)) {
-    let rate = |d: Duration| units as f64 / d.as_secs_f64();
-    println!(
-        "{what}: {:.0} {unit}/s best ({:.1} ms), {:.0} {unit}/s median ({:.1} ms)",
-        rate(best),
-        best.as_secs_f64() * 1e3,
-        rate(median),
-        median.as_secs_f64() * 1e3,
-    );
-}
-
 fn main() {
     let config = ModelConfig::from_json_str(Path::new("bench/config.json"), CONFIG)
         .expect("the bench config parses");
     let mut rng = SplitMix::new(7);
-    let w = weights(&config, &mut rng);
+    let w = random_weights(&config, &mut rng);
     let start = Instant::now();
     let mut model = Model::new(CpuBackend, &config, &w).expect("the bench model builds");
     println!(
@@ -96,10 +49,7 @@ fn main() {
         rayon::current_num_threads(),
     );
     let only = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    let runs: usize = std::env::var("ARES_BENCH_RUNS")
-        .ok()
-        .and_then(|r| r.parse().ok())
-        .unwrap_or(5);
+    let runs = env_usize("ARES_BENCH_RUNS", 5);
 
     if only.as_deref().is_none_or(|o| o == "train") {
         let vocab = 8192u32;
@@ -129,7 +79,7 @@ fn main() {
             .expect("activations");
         let mut grads = model.grads().expect("grads");
         let be = CpuBackend;
-        let t = time(runs, || {
+        let t = best_and_median(runs, || {
             grads.zero(&be).expect("zero");
             model.forward(&inputs, &mut acts).expect("forward");
             model
@@ -139,12 +89,12 @@ fn main() {
                 .expect("backward");
         });
         report("train forward+backward (8 × 256)", n, "tokens", t);
-        let t = time(runs, || {
+        let t = best_and_median(runs, || {
             model.forward(&inputs, &mut acts).expect("forward");
         });
         report("  of which forward", n, "tokens", t);
         let mut opt = AdamW::new(&model, AdamWConfig::default()).expect("adamw");
-        let t = time(runs, || {
+        let t = best_and_median(runs, || {
             opt.step(&mut model, &grads, 1e-6, Some(1.0)).expect("step");
         });
         report("AdamW step (clip + update)", 1, "steps", t);
@@ -165,7 +115,7 @@ fn main() {
             sampling: Sampling::Greedy,
             seed: 0,
         };
-        let t = time(runs.min(3), || {
+        let t = best_and_median(runs.min(3), || {
             let out = model.generate(&request).expect("generate");
             assert!(out.tokens.iter().all(|t| t.len() == GEN_NEW));
         });

@@ -16,15 +16,14 @@
 //! best and median of `ARES_BENCH_RUNS` (default 3) after a warm-up. Without a GPU the
 //! binary says why and exits 0. A plain `main` (`harness = false`).
 
-use std::collections::HashMap;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use ares_benches::SplitMix;
+use ares_benches::model::{best_and_median, env_usize, random_weights, report};
 use ares_runner::backend::Backend;
 use ares_runner::backend::cuda::CudaBackend;
 use ares_runner::hf::config::ModelConfig;
-use ares_runner::hf::weights::{ModelWeights, Tensor, expected_tensors};
 use ares_runner::model::{AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling};
 
 const CONFIG: &str = r#"{
@@ -38,58 +37,6 @@ const GEN_PROMPTS: usize = 32;
 const GEN_PROMPT_LEN: usize = 32;
 const GEN_NEW: usize = 64;
 
-/// Random weights: norms 1, everything else uniform with standard deviation 0.02.
-fn weights(config: &ModelConfig, rng: &mut SplitMix) -> ModelWeights {
-    let half_width = 0.02 * 3f32.sqrt();
-    let map: HashMap<String, Tensor> = expected_tensors(config)
-        .into_iter()
-        .map(|(name, shape)| {
-            let mut t = Tensor::zeros(&shape);
-            if name.ends_with("norm.weight") {
-                t.data.fill(1.0);
-            } else {
-                t.data
-                    .iter_mut()
-                    .for_each(|x| *x = (2.0 * rng.unit() - 1.0) * half_width);
-            }
-            (name, t)
-        })
-        .collect();
-    ModelWeights::from_map(config, map).expect("the bench config's own tensors")
-}
-
-/// Best and median of `runs` timings of `f` (after one warm-up call).
-fn time(runs: usize, mut f: impl FnMut()) -> (Duration, Duration) {
-    f();
-    let mut t: Vec<Duration> = (0..runs.max(1))
-        .map(|_| {
-            let start = Instant::now();
-            f();
-            start.elapsed()
-        })
-        .collect();
-    t.sort();
-    (t[0], t[t.len() / 2])
-}
-
-fn report(what: &str, units: usize, unit: &str, (best, median): (Duration, Duration)) {
-    let rate = |d: Duration| units as f64 / d.as_secs_f64();
-    println!(
-        "{what}: {:.0} {unit}/s best ({:.1} ms), {:.0} {unit}/s median ({:.1} ms)",
-        rate(best),
-        best.as_secs_f64() * 1e3,
-        rate(median),
-        median.as_secs_f64() * 1e3,
-    );
-}
-
-fn env_usize(key: &str, default: usize) -> usize {
-    std::env::var(key)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 fn main() {
     let gpu = match CudaBackend::new(0) {
         Ok(g) => g,
@@ -102,7 +49,7 @@ fn main() {
     let config = ModelConfig::from_json_str(Path::new("bench/config.json"), CONFIG)
         .expect("the bench config parses");
     let mut rng = SplitMix::new(7);
-    let w = weights(&config, &mut rng);
+    let w = random_weights(&config, &mut rng);
     let params: usize = w.tensors().iter().map(|(_, t)| t.data.len()).sum();
     let start = Instant::now();
     let mut model = Model::new(gpu.clone(), &config, &w).expect("the bench model builds");
@@ -145,7 +92,7 @@ fn main() {
             };
             let mut acts = model.activations(batch, seq).expect("activations");
             let mut grads = model.grads().expect("grads");
-            let t = time(runs, || {
+            let t = best_and_median(runs, || {
                 grads.zero(&gpu).expect("zero");
                 model.forward(&inputs, &mut acts).expect("forward");
                 model
@@ -168,13 +115,13 @@ fn main() {
                 flops / t.0.as_secs_f64() / 1e12,
                 flops / 1e9
             );
-            let t = time(runs, || {
+            let t = best_and_median(runs, || {
                 model.forward(&inputs, &mut acts).expect("forward");
                 gpu.synchronize().expect("sync");
             });
             report("  of which forward", n, "tokens", t);
             let mut opt = AdamW::new(&model, AdamWConfig::default()).expect("adamw");
-            let t = time(runs, || {
+            let t = best_and_median(runs, || {
                 opt.step(&mut model, &grads, 1e-7, Some(1.0)).expect("step");
                 gpu.synchronize().expect("sync");
             });
@@ -212,7 +159,7 @@ fn main() {
                     sampling,
                     seed: 0,
                 };
-                let t = time(runs.min(3), || {
+                let t = best_and_median(runs.min(3), || {
                     let out = model.generate(&request).expect("generate");
                     assert!(out.tokens.iter().all(|t| t.len() == GEN_NEW));
                 });

@@ -5,6 +5,8 @@
 //! possible work with them (a sum), so `time(baseline) / time(function)` says how close the
 //! function runs to what memory bandwidth allows on this machine.
 
+pub mod model;
+
 /// Prompts per batch in the realistic size (512 prompts × 8 samples × 4096 tokens).
 pub const PROMPTS: usize = 512;
 /// Samples per prompt.
