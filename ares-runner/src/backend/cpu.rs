@@ -115,6 +115,26 @@ fn attention_shape(dims: AttentionDims) -> AttentionShape {
     .with_scale(dims.scale)
 }
 
+/// The checks shared by [`Backend::greedy_tokens`] and [`Backend::sample_tokens`]: `vocab`
+/// in `1..2³²−1` (ids are u32, `u32::MAX` means "no token") and `rows` ids, host slots and
+/// `rows × vocab` logits.
+fn check_token_rows(
+    op: &'static str,
+    vocab: usize,
+    rows: usize,
+    host: usize,
+    logits: usize,
+) -> Result<()> {
+    if vocab == 0 || vocab >= u32::MAX as usize {
+        return Err(BackendError::Op {
+            op,
+            source: format!("vocab = {vocab} must be in 1..2^32-1").into(),
+        });
+    }
+    BackendError::check_len("token rows: host", rows, host)?;
+    BackendError::check_len("token rows: logits", rows.saturating_mul(vocab), logits)
+}
+
 impl Backend for CpuBackend {
     type Buffer = Vec<f32>;
     type Ids = Vec<u32>;
@@ -446,15 +466,7 @@ impl Backend for CpuBackend {
         host: &mut [u32],
     ) -> Result<()> {
         let logits = slice(logits)?;
-        if vocab == 0 || vocab >= u32::MAX as usize {
-            return Err(BackendError::Op {
-                op: "greedy_tokens",
-                source: format!("vocab = {vocab} must be in 1..2^32-1").into(),
-            });
-        }
-        BackendError::check_len("greedy_tokens host", ids.len(), host.len())?;
-        let expected = ids.len().saturating_mul(vocab);
-        BackendError::check_len("greedy_tokens logits", expected, logits.len())?;
+        check_token_rows("greedy_tokens", vocab, ids.len(), host.len(), logits.len())?;
         for ((id, h), row) in ids
             .iter_mut()
             .zip(host.iter_mut())
@@ -482,9 +494,7 @@ impl Backend for CpuBackend {
             op: "sample_tokens",
             source: message.into(),
         };
-        if vocab == 0 || vocab >= u32::MAX as usize {
-            return Err(bad(format!("vocab = {vocab} must be in 1..2^32-1")));
-        }
+        check_token_rows("sample_tokens", vocab, ids.len(), host.len(), logits.len())?;
         if !(temperature.is_finite() && temperature > 0.0) {
             return Err(bad(format!(
                 "temperature = {temperature} must be finite and > 0"
@@ -496,13 +506,7 @@ impl Backend for CpuBackend {
         if !(top_p > 0.0 && top_p <= 1.0) {
             return Err(bad(format!("top_p = {top_p} must be in (0, 1]")));
         }
-        BackendError::check_len("sample_tokens host", ids.len(), host.len())?;
         BackendError::check_len("sample_tokens uniforms", ids.len(), uniforms.len())?;
-        BackendError::check_len(
-            "sample_tokens logits",
-            ids.len().saturating_mul(vocab),
-            logits.len(),
-        )?;
         // rows in parallel, in tasks of at least 64 Ki logits
         ids.par_iter_mut()
             .zip(logits.par_chunks_exact(vocab))
