@@ -14,11 +14,8 @@ use ares_runner::hf::tensor_files::{SaveDtype, TensorFiles, write_safetensors};
 use ares_runner::hf::weights::{ModelWeights, expected_tensors};
 use serde_json::Value;
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/models")
-        .join(name)
-}
+mod common;
+use common::fixture;
 
 fn load(name: &str) -> Checkpoint {
     match Checkpoint::load(&fixture(name)) {

@@ -3,13 +3,14 @@
 //! `L = Σ_{valid b,t} Σ_v logits·W`, so `∂L/∂logits = W · mask`; plus finite differences
 //! of the whole model, accumulation semantics and name errors.
 
-use std::path::{Path, PathBuf};
-
 use ares_runner::backend::cpu::CpuBackend;
 use ares_runner::backend::{Backend, View, ViewMut};
 use ares_runner::hf::checkpoint::Checkpoint;
 use ares_runner::model::{Grads, Inputs, Model, ModelError};
-use safetensors::{Dtype, SafeTensors};
+use safetensors::SafeTensors;
+
+mod common;
+use common::{f32s, fixture, rel_err, u32s};
 
 /// Bound on `max |ours − theirs| / max |theirs|` per gradient tensor.
 const REL: f64 = 1e-4;
@@ -21,12 +22,6 @@ const PARAMS: [&str; 4] = [
     "model.layers.1.mlp.down_proj.weight",
     "model.norm.weight",
 ];
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/models")
-        .join(name)
-}
 
 /// One input set of a fixture.
 struct Set {
@@ -51,26 +46,6 @@ impl Set {
             position_ids: &self.position_ids,
         }
     }
-}
-
-fn u32s(st: &SafeTensors<'_>, name: &str) -> (Vec<usize>, Vec<u32>) {
-    let t = st.tensor(name).unwrap();
-    assert_eq!(t.dtype(), Dtype::I64, "{name}");
-    let values = t
-        .data()
-        .chunks_exact(8)
-        .map(|b| u32::try_from(i64::from_le_bytes(b.try_into().unwrap())).unwrap())
-        .collect();
-    (t.shape().to_vec(), values)
-}
-
-fn f32s(st: &SafeTensors<'_>, name: &str) -> Vec<f32> {
-    let t = st.tensor(name).unwrap();
-    assert_eq!(t.dtype(), Dtype::F32, "{name}");
-    t.data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect()
 }
 
 fn set(name: &str, set: &str) -> Set {
@@ -111,18 +86,6 @@ fn forward_backward(model: &Model<CpuBackend>, s: &Set, grads: &mut Grads<CpuBac
     model
         .backward(&s.inputs(), &mut acts, View::whole(&dlogits), grads)
         .unwrap();
-}
-
-/// `max |a − b| / max |b|`.
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let diff = a
-        .iter()
-        .zip(b)
-        .map(|(&x, &y)| (f64::from(x) - f64::from(y)).abs())
-        .fold(0.0, f64::max);
-    let scale = b.iter().map(|&y| f64::from(y).abs()).fold(0.0, f64::max);
-    diff / scale.max(1e-30)
 }
 
 fn load(name: &str) -> (Checkpoint, Model<CpuBackend>) {

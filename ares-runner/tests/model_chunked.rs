@@ -5,14 +5,15 @@
 //! padding; the arena holds `[rows, vocab]` logits; calls that need whole logits refuse a
 //! chunked arena; the automatic policy.
 
-use std::path::{Path, PathBuf};
-
 use ares_runner::backend::cpu::CpuBackend;
 use ares_runner::backend::{Backend, View};
 use ares_runner::hf::checkpoint::Checkpoint;
 use ares_runner::hf::weights::expected_tensors;
 use ares_runner::model::{Activations, Grads, HeadMode, Inputs, KvCache, Model, ModelError};
-use safetensors::{Dtype, SafeTensors};
+use safetensors::SafeTensors;
+
+mod common;
+use common::{fixture, rel_err, u32s};
 
 /// qwen2_tiny: tied embeddings; qwen3_tiny (q/k norm) and llama_tiny: untied head.
 const MODELS: [(&str, bool); 3] = [
@@ -20,12 +21,6 @@ const MODELS: [(&str, bool); 3] = [
     ("qwen3_tiny", false),
     ("llama_tiny", false),
 ];
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/models")
-        .join(name)
-}
 
 fn load(name: &str) -> (Checkpoint, Model<CpuBackend>) {
     load_on(CpuBackend, name)
@@ -64,17 +59,6 @@ impl Batch {
     }
 }
 
-fn u32s(st: &SafeTensors<'_>, name: &str) -> (Vec<usize>, Vec<u32>) {
-    let t = st.tensor(name).unwrap();
-    assert_eq!(t.dtype(), Dtype::I64, "{name}");
-    let values = t
-        .data()
-        .chunks_exact(8)
-        .map(|b| u32::try_from(i64::from_le_bytes(b.try_into().unwrap())).unwrap())
-        .collect();
-    (t.shape().to_vec(), values)
-}
-
 /// The fixture's input set `set` (`right` or `left` padded) with next-token targets and
 /// coefficients of both signs at valid positions that have a next valid token (0
 /// elsewhere, so some chunks of a few rows have none and are skipped).
@@ -105,18 +89,6 @@ fn batch(name: &str, set: &str) -> Batch {
         targets,
         coeffs,
     }
-}
-
-/// `max |a − b| / max |b|`.
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let diff = a
-        .iter()
-        .zip(b)
-        .map(|(&x, &y)| (f64::from(x) - f64::from(y)).abs())
-        .fold(0.0, f64::max);
-    let scale = b.iter().map(|&y| f64::from(y).abs()).fold(0.0, f64::max);
-    diff / scale.max(1e-30)
 }
 
 /// Chunk sizes to try for `n` tokens: 1, 3, N − 1, N, more than N.

@@ -2,22 +2,17 @@
 //! fixtures (`tests/fixtures/models`, see its README): every model, right- and
 //! left-padded inputs, valid positions only; plus input errors.
 
-use std::path::{Path, PathBuf};
-
 use ares_runner::backend::Backend;
 use ares_runner::backend::cpu::CpuBackend;
 use ares_runner::hf::checkpoint::Checkpoint;
 use ares_runner::model::{Inputs, Model, ModelError};
 use safetensors::{Dtype, SafeTensors};
 
+mod common;
+use common::fixture;
+
 /// Element-wise bound: `|ours − theirs| <= REL · max(1, |theirs|)`.
 const REL: f32 = 1e-4;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/models")
-        .join(name)
-}
 
 fn model(name: &str) -> Model<CpuBackend> {
     let checkpoint = Checkpoint::load(&fixture(name)).unwrap();

@@ -3,21 +3,16 @@
 //! `scripts/make_generation_fixtures.py`), batched = one by one, seeded sampling, EOS,
 //! log-probs against a full forward pass, and request errors.
 
-use std::path::{Path, PathBuf};
-
 use ares_runner::backend::cpu::CpuBackend;
 use ares_runner::hf::checkpoint::Checkpoint;
 use ares_runner::model::{
     GenerateError, GenerateOutput, GenerateRequest, HeadMode, Inputs, KvCache, Model, Sampling,
 };
 
-const MODELS: [&str; 3] = ["qwen2_tiny", "qwen3_tiny", "llama_tiny"];
+mod common;
+use common::fixture;
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/models")
-        .join(name)
-}
+const MODELS: [&str; 3] = ["qwen2_tiny", "qwen3_tiny", "llama_tiny"];
 
 fn model(name: &str) -> Model<CpuBackend> {
     let checkpoint = Checkpoint::load(&fixture(name)).unwrap();

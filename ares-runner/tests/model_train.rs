@@ -15,13 +15,10 @@ use ares_runner::hf::weights::expected_tensors;
 use ares_runner::model::{AdamW, AdamWConfig, Grads, Inputs, Model, ModelError};
 use safetensors::{Dtype, SafeTensors};
 
-const MODELS: [&str; 3] = ["qwen2_tiny", "qwen3_tiny", "llama_tiny"];
+mod common;
+use common::{fixture, rel_err, u32s};
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/models")
-        .join(name)
-}
+const MODELS: [&str; 3] = ["qwen2_tiny", "qwen3_tiny", "llama_tiny"];
 
 fn load(name: &str) -> (Checkpoint, Model<CpuBackend>) {
     let checkpoint = Checkpoint::load(&fixture(name)).unwrap();
@@ -53,17 +50,6 @@ impl Batch {
     }
 }
 
-fn u32s(st: &SafeTensors<'_>, name: &str) -> (Vec<usize>, Vec<u32>) {
-    let t = st.tensor(name).unwrap();
-    assert_eq!(t.dtype(), Dtype::I64, "{name}");
-    let values = t
-        .data()
-        .chunks_exact(8)
-        .map(|b| u32::try_from(i64::from_le_bytes(b.try_into().unwrap())).unwrap())
-        .collect();
-    (t.shape().to_vec(), values)
-}
-
 /// The fixture's input set `set` (`right` or `left` padded) with next-token targets and
 /// coefficients of both signs.
 fn batch(name: &str, set: &str) -> Batch {
@@ -93,18 +79,6 @@ fn batch(name: &str, set: &str) -> Batch {
         targets,
         coeffs,
     }
-}
-
-/// `max |a − b| / max |b|`.
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let diff = a
-        .iter()
-        .zip(b)
-        .map(|(&x, &y)| (f64::from(x) - f64::from(y)).abs())
-        .fold(0.0, f64::max);
-    let scale = b.iter().map(|&y| f64::from(y).abs()).fold(0.0, f64::max);
-    diff / scale.max(1e-30)
 }
 
 /// `∂L/∂logits` of `Σ_t c_t·logπ_t` at temperature `t`, from the logits in f64.
