@@ -79,6 +79,20 @@ extern "C" __global__ void add_f32(const float* __restrict__ a, const float* __r
         out[i] = a[i] + b[i];
 }
 
+// f32 -> bf16 bits, round to nearest even; NaN stays a quiet NaN (twin of
+// ares_cpu::ops::precision::MatmulPrecision::Bf16.round). The operands of bf16 GEMMs.
+extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, unsigned short* __restrict__ y,
+                                       i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        unsigned int b = __float_as_uint(x[i]);
+        if ((b & 0x7fffffffu) > 0x7f800000u) {
+            y[i] = (unsigned short)((b | 0x00400000u) >> 16);
+        } else {
+            y[i] = (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+        }
+    }
+}
+
 extern "C" __global__ void scale_f32(float* __restrict__ x, i64 n, float s) {
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         x[i] = x[i] * s;

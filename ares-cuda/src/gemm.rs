@@ -1,33 +1,50 @@
-//! Row-major f32 GEMMs of the linear layers through cuBLAS (loaded at run time).
+//! Row-major GEMMs of the linear layers through cuBLAS (loaded at run time).
 //!
 //! cuBLAS is column-major; a row-major `[r, c]` matrix is the column-major `[c, r]` one,
 //! i.e. its transpose, so each product below is written for the transposes:
 //!
 //! - `linear`: `Y[rows, out] = X[rows, in] · W[out, in]ᵀ` ⇔ `Yᵀ = W · Xᵀ`:
-//!   `sgemm(T, N, m = out, n = rows, k = in, A = W (lda = in), B = X (ldb = in), ldc = out)`.
+//!   `gemm(T, N, m = out, n = rows, k = in, A = W (lda = in), B = X (ldb = in), ldc = out)`.
 //! - `linear_t` (`Wt = Wᵀ` stored `[in, out]`): `Yᵀ = Wtᵀ · Xᵀ`:
-//!   `sgemm(N, N, m = out, n = rows, k = in, A = Wt (lda = out), B = X (ldb = in))`.
+//!   `gemm(N, N, m = out, n = rows, k = in, A = Wt (lda = out), B = X (ldb = in))`.
 //! - `dX[rows, in] += dY[rows, out] · W[out, in]` ⇔ `dXᵀ += Wᵀ · dYᵀ`:
-//!   `sgemm(N, N, m = in, n = rows, k = out, A = W (lda = in), B = dY (ldb = out), β = 1)`.
+//!   `gemm(N, N, m = in, n = rows, k = out, A = W (lda = in), B = dY (ldb = out), β = 1)`.
 //! - `dW[out, in] += dYᵀ · X` ⇔ `dWᵀ += Xᵀ · dY`:
-//!   `sgemm(N, T, m = in, n = out, k = rows, A = X (lda = in), B = dY (ldb = out), β = 1)`.
+//!   `gemm(N, T, m = in, n = out, k = rows, A = X (lda = in), B = dY (ldb = out), β = 1)`.
 //!
-//! Precision: the handle runs in `CUBLAS_DEFAULT_MATH`, true f32 products and sums (no
-//! TF32), so results match the CPU backend to f32 rounding; [`Blas::set_tf32`] switches
-//! to TF32 tensor cores (10-bit mantissa inputs, ~1e-3 relative error, several times
-//! faster). The fast path for training is bf16 inputs with f32 accumulation
-//! (`cublasGemmEx` / cuBLASLt), which needs bf16 weights and activations: not done yet.
+//! Precision, per call ([`GemmPrecision`]); every product is one `cublasGemmEx` with f32
+//! output and f32 accumulation:
+//! - `F32`: f32 operands, `CUBLAS_COMPUTE_32F` on a handle in `CUBLAS_DEFAULT_MATH`: true
+//!   f32 products (no TF32), matching the CPU backend to f32 rounding;
+//! - `Tf32`: f32 operands, `CUBLAS_COMPUTE_32F_FAST_TF32`: tensor cores round them to TF32;
+//! - `Bf16`: bf16 operands (the callers convert them, see `ModelOps::linear`),
+//!   `CUDA_R_16BF` inputs with `CUBLAS_COMPUTE_32F`: bf16 tensor cores, f32 sums.
 
 use crate::error::{Error, Result};
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, sys};
-use cudarc::driver::{CudaStream, CudaView, CudaViewMut};
-use std::ffi::c_int;
+use cudarc::cublas::{CudaBlas, result as blas_result, sys};
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, SyncOnDrop,
+};
+use std::ffi::{c_int, c_void};
 use std::sync::{Arc, Mutex};
 
 /// True when cuBLAS (`libcublas.so`, with its `libcublasLt.so`) can be loaded.
 pub fn cublas_available() -> bool {
     // SAFETY: only tries to dlopen the library; no cuBLAS function is called.
     unsafe { sys::is_culib_present() }
+}
+
+/// How a GEMM multiplies (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GemmPrecision {
+    /// True f32 products.
+    #[default]
+    F32,
+    /// f32 operands rounded to TF32 by the tensor cores.
+    Tf32,
+    /// bf16 operands (converted by the caller), f32 sums.
+    Bf16,
 }
 
 /// Sizes of a linear layer: `out[rows, out_features] = x[rows, in_features] ·
@@ -40,6 +57,8 @@ pub struct GemmDims {
     pub in_features: usize,
     /// Columns of `out`.
     pub out_features: usize,
+    /// How the products multiply.
+    pub precision: GemmPrecision,
 }
 
 /// Validated cuBLAS sizes of a [`GemmDims`].
@@ -51,6 +70,7 @@ pub(crate) struct BlasDims {
     pub x_len: usize,
     pub w_len: usize,
     pub y_len: usize,
+    pub precision: GemmPrecision,
 }
 
 impl GemmDims {
@@ -79,6 +99,7 @@ impl GemmDims {
                 self.in_features,
             )?,
             y_len: prod("rows × out_features", self.rows, self.out_features)?,
+            precision: self.precision,
         })
     }
 }
@@ -101,6 +122,29 @@ fn blas_err(step: impl Into<String>) -> impl FnOnce(cudarc::cublas::result::Cubl
     move |source| Error::Blas { step, source }
 }
 
+/// A GEMM operand: f32 (for `F32` and `Tf32`) or a bf16 copy (bits in `u16`, for `Bf16`).
+pub(crate) enum Operand<'a, 'b> {
+    F32(&'a CudaView<'b, f32>),
+    Bf16(&'a CudaSlice<u16>),
+}
+
+impl Operand<'_, '_> {
+    /// The device address, with the guard that records the read on `stream` when dropped.
+    fn device_ptr<'s>(&'s self, stream: &'s CudaStream) -> (CUdeviceptr, SyncOnDrop<'s>) {
+        match self {
+            Operand::F32(v) => v.device_ptr(stream),
+            Operand::Bf16(s) => s.device_ptr(stream),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Operand::F32(v) => v.len(),
+            Operand::Bf16(s) => s.len(),
+        }
+    }
+}
+
 /// One `C = α·op(A)·op(B) + β·C` call.
 struct Call<'a, 'b> {
     transa: bool,
@@ -108,12 +152,13 @@ struct Call<'a, 'b> {
     m: c_int,
     n: c_int,
     k: c_int,
-    a: &'a CudaView<'b, f32>,
+    a: Operand<'a, 'b>,
     lda: c_int,
-    b: &'a CudaView<'b, f32>,
+    b: Operand<'a, 'b>,
     ldb: c_int,
     beta: f32,
     ldc: c_int,
+    precision: GemmPrecision,
 }
 
 impl Blas {
@@ -128,32 +173,18 @@ impl Blas {
             });
         }
         let blas = CudaBlas::new(stream.clone()).map_err(blas_err("creating the cuBLAS handle"))?;
-        let this = Self {
+        // SAFETY: the handle is live (owned by `blas`). Default math: no TF32 unless a
+        // call asks for it through its compute type.
+        unsafe { sys::cublasSetMathMode(*blas.handle(), sys::cublasMath_t::CUBLAS_DEFAULT_MATH) }
+            .result()
+            .map_err(blas_err("cublasSetMathMode"))?;
+        Ok(Self {
             blas: Mutex::new(blas),
             stream,
-        };
-        this.set_tf32(false)?;
-        Ok(this)
+        })
     }
 
-    /// TF32 tensor cores for f32 GEMMs (`true`), or exact f32 (`false`, the default).
-    ///
-    /// # Errors
-    /// A cuBLAS failure.
-    pub fn set_tf32(&self, on: bool) -> Result<()> {
-        let mode = if on {
-            sys::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
-        } else {
-            sys::cublasMath_t::CUBLAS_DEFAULT_MATH
-        };
-        let blas = self.blas.lock().unwrap_or_else(|p| p.into_inner());
-        // SAFETY: the handle is live (owned by `blas`).
-        unsafe { sys::cublasSetMathMode(*blas.handle(), mode) }
-            .result()
-            .map_err(blas_err("cublasSetMathMode"))
-    }
-
-    fn sgemm(
+    fn gemm(
         &self,
         step: &'static str,
         call: Call<'_, '_>,
@@ -166,17 +197,58 @@ impl Blas {
                 sys::cublasOperation_t::CUBLAS_OP_N
             }
         };
-        let cfg = GemmConfig {
-            transa: op(call.transa),
-            transb: op(call.transb),
-            m: call.m,
-            n: call.n,
-            k: call.k,
-            alpha: 1.0f32,
-            lda: call.lda,
-            ldb: call.ldb,
-            beta: call.beta,
-            ldc: call.ldc,
+        // Element counts cuBLAS will touch: a column-major [rows, cols] operand with
+        // leading dimension ld spans ld·(cols − 1) + rows elements.
+        let span = |rows: c_int, cols: c_int, ld: c_int| {
+            let (r, c, l) = (rows as usize, cols as usize, ld as usize);
+            if r == 0 || c == 0 { 0 } else { l * (c - 1) + r }
+        };
+        let (ar, ac) = if call.transa {
+            (call.k, call.m)
+        } else {
+            (call.m, call.k)
+        };
+        let (br, bc) = if call.transb {
+            (call.n, call.k)
+        } else {
+            (call.k, call.n)
+        };
+        let spans_ok = call.a.len() >= span(ar, ac, call.lda)
+            && call.b.len() >= span(br, bc, call.ldb)
+            && c.len() >= span(call.m, call.n, call.ldc);
+        let mixed = matches!(
+            (&call.a, &call.b),
+            (Operand::F32(_), Operand::Bf16(_)) | (Operand::Bf16(_), Operand::F32(_))
+        );
+        let bf16_in = matches!(call.a, Operand::Bf16(_));
+        if !spans_ok || mixed || bf16_in != (call.precision == GemmPrecision::Bf16) {
+            return Err(Error::BadArgument {
+                kernel: step,
+                message: format!(
+                    "internal: operands ({} and {} elements) do not fit m={} n={} k={} or \
+                     precision {:?}",
+                    call.a.len(),
+                    call.b.len(),
+                    call.m,
+                    call.n,
+                    call.k,
+                    call.precision
+                ),
+            });
+        }
+        let (in_type, compute) = match call.precision {
+            GemmPrecision::F32 => (
+                sys::cudaDataType_t::CUDA_R_32F,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
+            GemmPrecision::Tf32 => (
+                sys::cudaDataType_t::CUDA_R_32F,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+            ),
+            GemmPrecision::Bf16 => (
+                sys::cudaDataType_t::CUDA_R_16BF,
+                sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            ),
         };
         let blas = self.blas.lock().unwrap_or_else(|p| p.into_inner());
         // cuBLAS runs in the context current on this thread.
@@ -187,17 +259,51 @@ impl Blas {
                 step: format!("{step}: binding the context"),
                 source,
             })?;
-        // SAFETY: the callers check every view's length against (m, n, k) and the leading
-        // dimensions, so cuBLAS reads and writes inside the views.
-        unsafe { blas.gemm(cfg, call.a, call.b, c) }.map_err(blas_err(format!("{step}: sgemm")))
+        let stream = &self.stream;
+        // The pointers' guards record the reads and the write on `stream` when they drop,
+        // after the call is queued.
+        let (a, _ra) = call.a.device_ptr(stream);
+        let (b, _rb) = call.b.device_ptr(stream);
+        let (cp, _rc) = c.device_ptr_mut(stream);
+        let alpha = 1.0f32;
+        // SAFETY: the spans were checked above (the callers also check every view against
+        // the layer's shape), so cuBLAS reads and writes inside the buffers; alpha and beta
+        // are f32 as CUBLAS_COMPUTE_32F* require; the handle is live and bound to `stream`.
+        unsafe {
+            blas_result::gemm_ex(
+                *blas.handle(),
+                op(call.transa),
+                op(call.transb),
+                call.m,
+                call.n,
+                call.k,
+                (&raw const alpha).cast::<c_void>(),
+                a as *const c_void,
+                in_type,
+                call.lda,
+                b as *const c_void,
+                in_type,
+                call.ldb,
+                (&raw const call.beta).cast::<c_void>(),
+                cp as *mut c_void,
+                sys::cudaDataType_t::CUDA_R_32F,
+                call.ldc,
+                compute,
+                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(blas_err(format!(
+            "{step}: cublasGemmEx ({:?})",
+            call.precision
+        )))
     }
 
     /// `y = x · wᵀ` (overwrites `y`), `w` `[out, in]`.
     pub(crate) fn linear(
         &self,
         d: &BlasDims,
-        x: &CudaView<'_, f32>,
-        w: &CudaView<'_, f32>,
+        x: Operand<'_, '_>,
+        w: Operand<'_, '_>,
         y: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         let call = Call {
@@ -212,16 +318,17 @@ impl Blas {
             ldb: d.inp,
             beta: 0.0,
             ldc: d.out,
+            precision: d.precision,
         };
-        self.sgemm("linear", call, y)
+        self.gemm("linear", call, y)
     }
 
     /// `y = x · wt` (overwrites `y`), `wt` `[in, out]`.
     pub(crate) fn linear_t(
         &self,
         d: &BlasDims,
-        x: &CudaView<'_, f32>,
-        wt: &CudaView<'_, f32>,
+        x: Operand<'_, '_>,
+        wt: Operand<'_, '_>,
         y: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         let call = Call {
@@ -236,16 +343,17 @@ impl Blas {
             ldb: d.inp,
             beta: 0.0,
             ldc: d.out,
+            precision: d.precision,
         };
-        self.sgemm("linear_transposed", call, y)
+        self.gemm("linear_transposed", call, y)
     }
 
     /// `dx += dy · w`.
     pub(crate) fn backward_dx(
         &self,
         d: &BlasDims,
-        dy: &CudaView<'_, f32>,
-        w: &CudaView<'_, f32>,
+        dy: Operand<'_, '_>,
+        w: Operand<'_, '_>,
         dx: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         let call = Call {
@@ -260,16 +368,17 @@ impl Blas {
             ldb: d.out,
             beta: 1.0,
             ldc: d.inp,
+            precision: d.precision,
         };
-        self.sgemm("linear_backward dx", call, dx)
+        self.gemm("linear_backward dx", call, dx)
     }
 
     /// `dw += dyᵀ · x`.
     pub(crate) fn backward_dw(
         &self,
         d: &BlasDims,
-        dy: &CudaView<'_, f32>,
-        x: &CudaView<'_, f32>,
+        dy: Operand<'_, '_>,
+        x: Operand<'_, '_>,
         dw: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         let call = Call {
@@ -284,7 +393,8 @@ impl Blas {
             ldb: d.out,
             beta: 1.0,
             ldc: d.inp,
+            precision: d.precision,
         };
-        self.sgemm("linear_backward dw", call, dw)
+        self.gemm("linear_backward dw", call, dw)
     }
 }

@@ -36,6 +36,7 @@ pub const MODEL_OPS: KernelSource = KernelSource {
         "fill_f32",
         "add_f32",
         "scale_f32",
+        "f32_to_bf16",
         "bias_add",
         "swiglu_fwd",
         "swiglu_bwd",

@@ -24,6 +24,6 @@ mod ops;
 /// The cudarc this crate is built on (its slices and views are the ops' arguments).
 pub use cudarc;
 pub use device::{Cuda, DeviceInfo, cuda_available};
-pub use gemm::{GemmDims, cublas_available};
+pub use gemm::{GemmDims, GemmPrecision, cublas_available};
 pub use model_ops::{AdamWStep, AttentionShape, ModelOps};
 pub use ops::{HweOutputs, LogitElem, MaskedKlInputs, MaskedKlOutputs, WindowSpec};

@@ -105,6 +105,7 @@ pub(crate) struct Functions {
     pub fill: CudaFunction,
     pub add: CudaFunction,
     pub scale: CudaFunction,
+    pub to_bf16: CudaFunction,
     pub bias_add: CudaFunction,
     pub swiglu_fwd: CudaFunction,
     pub swiglu_bwd: CudaFunction,
@@ -207,6 +208,7 @@ impl ModelOps {
             fill: m("fill_f32")?,
             add: m("add_f32")?,
             scale: m("scale_f32")?,
+            to_bf16: m("f32_to_bf16")?,
             bias_add: m("bias_add")?,
             swiglu_fwd: m("swiglu_fwd")?,
             swiglu_bwd: m("swiglu_bwd")?,
@@ -286,16 +288,6 @@ impl ModelOps {
     /// The device's context.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
-    }
-
-    /// Uses TF32 tensor cores in the f32 GEMMs (`on`), or exact f32 (the default, which
-    /// matches the CPU backend to f32 rounding). TF32 rounds the GEMM inputs to 10
-    /// mantissa bits: faster, but ~1e-3 relative error.
-    ///
-    /// # Errors
-    /// A cuBLAS failure.
-    pub fn set_tf32(&self, on: bool) -> Result<()> {
-        self.blas.set_tf32(on)
     }
 
     /// A new zeroed f32 buffer of `len` elements (`len >= 1`: CUDA refuses empty

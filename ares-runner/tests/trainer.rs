@@ -421,3 +421,30 @@ fn a_fresh_run_refuses_a_directory_with_checkpoints() {
     // the checkpoint is still there
     assert!(run_dir.join("checkpoints").join("step_000001").exists());
 }
+
+#[test]
+fn reduced_precision_matmuls_train_and_reach_the_update() {
+    let dir = tempfile::tempdir().unwrap();
+    let exact = run(dir.path(), "f32", &[]);
+    for p in ["tf32", "bf16"] {
+        let lines = run(dir.path(), p, &[&format!("trainer.matmul_precision={p}")]);
+        assert_eq!(lines.len(), 2, "{p}");
+        assert_finite(&lines);
+        // The first step starts from the same weights and seed: only the rounded products
+        // can move its gradient norm (through the update's products, and through sampling,
+        // which may pick other tokens from the slightly different probabilities).
+        let (g, g32) = (
+            num(&lines[0], "actor/grad_norm"),
+            num(&exact[0], "actor/grad_norm"),
+        );
+        assert!(g != g32, "{p}: grad norm {g} equals f32's");
+    }
+    let a = assets(&dir.path().join("assets"));
+    let e = config(
+        &a,
+        &dir.path().join("bad"),
+        &["trainer.matmul_precision=fp8"],
+    )
+    .unwrap_err();
+    assert!(e.contains("matmul_precision") && e.contains("fp8"), "{e}");
+}

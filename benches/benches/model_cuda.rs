@@ -1,5 +1,5 @@
-//! The ares-runner decoder on the CUDA backend (f32 storage, cuBLAS f32 or TF32 GEMMs,
-//! the NVRTC kernels of `ares-cuda`), on a Qwen2.5-0.5B-shaped model with random weights
+//! The ares-runner decoder on the CUDA backend (f32 storage; cuBLAS GEMMs in f32, TF32 or
+//! bf16 operands; the NVRTC kernels of `ares-cuda`), on a Qwen2.5-0.5B-shaped model with random weights
 //! (24 layers, hidden 896, 14 query / 2 KV heads of 64, MLP 4864, vocab 151 936, tied
 //! embeddings, q/k/v biases):
 //!
@@ -11,7 +11,8 @@
 //! - **generate**: new tokens/s of batched generation, greedy and sampled (T = 1, top-p 1:
 //!   tokens picked on the device), 32 prompts of 32 tokens, 64 new tokens each.
 //!
-//! Each runs with exact f32 GEMMs, then with TF32 tensor cores. Times are wall clock
+//! Each runs with exact f32 GEMMs, then TF32, then bf16 operands
+//! (`Model::set_matmul_precision`; f32 sums and f32 storage throughout). Times are wall clock
 //! around calls that end with a device synchronisation,
 //! best and median of `ARES_BENCH_RUNS` (default 3) after a warm-up. Without a GPU the
 //! binary says why and exits 0. A plain `main` (`harness = false`).
@@ -21,8 +22,8 @@ use std::time::Instant;
 
 use ares_benches::SplitMix;
 use ares_benches::model::{best_and_median, env_usize, random_weights, report};
-use ares_runner::backend::Backend;
 use ares_runner::backend::cuda::CudaBackend;
+use ares_runner::backend::{Backend, MatmulPrecision};
 use ares_runner::hf::config::ModelConfig;
 use ares_runner::model::{AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling};
 
@@ -66,9 +67,13 @@ fn main() {
     );
     let only = std::env::args().skip(1).find(|a| !a.starts_with('-'));
 
-    for tf32 in [false, true] {
-        gpu.set_tf32(tf32).expect("math mode");
-        let mode = if tf32 { "TF32" } else { "f32" };
+    for precision in [
+        MatmulPrecision::F32,
+        MatmulPrecision::Tf32,
+        MatmulPrecision::Bf16,
+    ] {
+        model.set_matmul_precision(precision);
+        let mode = precision.name();
         if only.as_deref().is_none_or(|o| o == "train") {
             let vocab = 151_936u64;
             let n = batch * seq;

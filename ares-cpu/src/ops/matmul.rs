@@ -15,6 +15,7 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use crate::Result;
+use crate::ops::precision::MatmulPrecision;
 
 /// Sizes of a matrix product `[n, k] · [k, m] → [n, m]`.
 ///
@@ -108,9 +109,27 @@ pub fn linear_forward(
     dims: MatmulDims,
     out: &mut [f32],
 ) -> Result<()> {
+    linear_forward_in(MatmulPrecision::F32, x, w, bias, dims, out)
+}
+
+/// [`linear_forward`] with the operands `x` and `w` rounded to `precision` (as
+/// [`MatmulPrecision::for_rows`] with `dims.n` rows decides); the bias is added in f32.
+///
+/// # Errors
+/// As [`linear_forward`].
+pub fn linear_forward_in(
+    precision: MatmulPrecision,
+    x: &[f32],
+    w: &[f32],
+    bias: Option<&[f32]>,
+    dims: MatmulDims,
+    out: &mut [f32],
+) -> Result<()> {
     check_len("w", product(dims.m, dims.k)?, w.len())?;
+    let p = precision.for_rows(dims.n);
     // wᵀ: element (l, j) of the right operand is w[j, l].
-    linear_with(x, w, Strides::row_major(dims.k)?.t(), bias, dims, out)
+    let sw = Strides::row_major(dims.k)?.t();
+    linear_with(&p.rounded(x), &p.rounded(w), sw, bias, dims, out)
 }
 
 /// [`linear_forward`] with the weight stored transposed: `out[n, m] = x[n, k] · wt[k, m]
@@ -129,8 +148,26 @@ pub fn linear_forward_t(
     dims: MatmulDims,
     out: &mut [f32],
 ) -> Result<()> {
+    linear_forward_t_in(MatmulPrecision::F32, x, wt, bias, dims, out)
+}
+
+/// [`linear_forward_t`] with the operands rounded to `precision` (as
+/// [`linear_forward_in`]).
+///
+/// # Errors
+/// As [`linear_forward_t`].
+pub fn linear_forward_t_in(
+    precision: MatmulPrecision,
+    x: &[f32],
+    wt: &[f32],
+    bias: Option<&[f32]>,
+    dims: MatmulDims,
+    out: &mut [f32],
+) -> Result<()> {
     check_len("wt", product(dims.k, dims.m)?, wt.len())?;
-    linear_with(x, wt, Strides::row_major(dims.m)?, bias, dims, out)
+    let p = precision.for_rows(dims.n);
+    let sw = Strides::row_major(dims.m)?;
+    linear_with(&p.rounded(x), &p.rounded(wt), sw, bias, dims, out)
 }
 
 /// `out = x · W (+ bias)` with the right operand `W` `[k, m]` at `w` under strides `sw`
@@ -243,6 +280,26 @@ pub fn linear_backward(
     dw: &mut [f32],
     dbias: Option<&mut [f32]>,
 ) -> Result<()> {
+    linear_backward_in(MatmulPrecision::F32, dout, x, w, dims, dx, dw, dbias)
+}
+
+/// [`linear_backward`] with the operands of both products (`dout`, `w`; `dout`, `x`)
+/// rounded to `precision` (as [`MatmulPrecision::for_rows`] with `dims.n` rows decides);
+/// the bias gradient sums the unrounded `dout` in f32.
+///
+/// # Errors
+/// As [`linear_backward`]; nothing is written then.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_backward_in(
+    precision: MatmulPrecision,
+    dout: &[f32],
+    x: &[f32],
+    w: &[f32],
+    dims: MatmulDims,
+    dx: Option<&mut [f32]>,
+    dw: &mut [f32],
+    dbias: Option<&mut [f32]>,
+) -> Result<()> {
     let MatmulDims { n, k, m } = dims;
     let (nk, mk, nm) = (product(n, k)?, product(m, k)?, product(n, m)?);
     check_len("dout", nm, dout.len())?;
@@ -256,6 +313,11 @@ pub fn linear_backward(
         check_len("dbias", m, db.len())?;
     }
     let (row_m, row_k) = (Strides::row_major(m)?, Strides::row_major(k)?);
+    if let Some(db) = dbias {
+        bias_backward(dout, m, db);
+    }
+    let p = precision.for_rows(n);
+    let (dout, x, w) = (p.rounded(dout), p.rounded(x), p.rounded(w));
 
     if let Some(dx) = dx {
         // dx[n, k] += dout[n, m] · w[m, k]
@@ -293,10 +355,6 @@ pub fn linear_backward(
             1.0,
             parallelism(d),
         );
-    }
-
-    if let Some(db) = dbias {
-        bias_backward(dout, m, db);
     }
     Ok(())
 }
@@ -1153,5 +1211,45 @@ mod tests {
             err,
             Err(Error::Core(CoreError::OutOfRange { what: "alpha", .. }))
         ));
+    }
+
+    #[test]
+    fn reduced_precision_rounds_the_operands_by_hand() {
+        use crate::ops::precision::{BF16_MIN_ROWS, MatmulPrecision as P};
+        let one = MatmulDims { n: 1, k: 1, m: 1 };
+        // x = 1 + 2⁻¹² is 1 in TF32 (half an ulp is 2⁻¹¹): 3·1 = 3 instead of 3 + 3·2⁻¹²
+        let x = 1.0 + 2f32.powi(-12);
+        let mut y = [0.0f32];
+        linear_forward_in(P::Tf32, &[x], &[3.0], Some(&[0.5]), one, &mut y).unwrap();
+        assert_eq!(y[0], 3.5);
+        linear_forward_in(P::F32, &[x], &[3.0], Some(&[0.5]), one, &mut y).unwrap();
+        assert_eq!(y[0], 3.5 + 3.0 * 2f32.powi(-12));
+        linear_forward_t_in(P::Tf32, &[x], &[3.0], None, one, &mut y).unwrap();
+        assert_eq!(y[0], 3.0);
+
+        // bf16 from BF16_MIN_ROWS rows on: 1 + 2⁻⁹ is 1 in bf16
+        let x = 1.0 + 2f32.powi(-9);
+        for (n, want) in [(BF16_MIN_ROWS - 1, x), (BF16_MIN_ROWS, 1.0)] {
+            let mut y = vec![0.0f32; n];
+            let d = MatmulDims { n, k: 1, m: 1 };
+            linear_forward_in(P::Bf16, &vec![x; n], &[1.0], None, d, &mut y).unwrap();
+            assert!(y.iter().all(|&v| v == want), "{n} rows: {} vs {want}", y[0]);
+        }
+
+        // backward in TF32: the products see rounded dout, x, w; the bias sums dout as is
+        let (dout, xs, w) = ([1.0 + 2f32.powi(-12)], [2.0 + 2f32.powi(-11)], [1.0f32]);
+        let (mut dx, mut dw, mut db) = ([0.0f32], [0.0f32], [0.0f32]);
+        linear_backward_in(
+            P::Tf32,
+            &dout,
+            &xs,
+            &w,
+            one,
+            Some(&mut dx),
+            &mut dw,
+            Some(&mut db),
+        )
+        .unwrap();
+        assert_eq!((dx[0], dw[0], db[0]), (1.0, 2.0, dout[0]));
     }
 }

@@ -17,6 +17,7 @@ pub mod embedding;
 pub mod log_prob_backward;
 pub mod matmul;
 pub mod optim;
+pub mod precision;
 pub mod rmsnorm;
 pub mod rope;
 pub mod swiglu;

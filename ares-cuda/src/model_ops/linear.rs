@@ -1,10 +1,16 @@
 //! Linear layers with Hugging Face `[out, in]` weights: cuBLAS GEMMs (see
 //! [`crate::gemm`]) plus the bias add and the bias gradient (a deterministic column sum).
+//!
+//! In [`GemmPrecision::Bf16`] each product's operands are first rounded into bf16 copies
+//! (one conversion kernel each, freed in stream order after the GEMM). Weights stay f32 and
+//! are converted on every call: ~6 bytes of traffic per weight element, small beside a
+//! product over many tokens; few-token products are kept in f32 by the caller's rule
+//! (`MatmulPrecision::for_rows` in ares-cpu).
 
 use super::{ModelOps, check_len};
 use crate::error::Result;
-use crate::gemm::GemmDims;
-use cudarc::driver::{CudaView, CudaViewMut};
+use crate::gemm::{GemmDims, GemmPrecision, Operand};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 
 impl ModelOps {
     /// `out = x · wᵀ (+ bias)` with `x` `[rows, in]`, `w` `[out, in]`, `bias` `[out]`,
@@ -63,10 +69,17 @@ impl ModelOps {
         if dims.in_features == 0 {
             // An empty sum: cuBLAS is not asked for k = 0.
             self.fill(out, 0.0)?;
-        } else if transposed {
-            self.blas.linear_t(&d, x, w, out)?;
         } else {
-            self.blas.linear(&d, x, w, out)?;
+            let (xb, wb) = (
+                self.bf16_copy(x, d.precision)?,
+                self.bf16_copy(w, d.precision)?,
+            );
+            let (x, w) = (operand(x, &xb), operand(w, &wb));
+            if transposed {
+                self.blas.linear_t(&d, x, w, out)?;
+            } else {
+                self.blas.linear(&d, x, w, out)?;
+            }
         }
         match bias {
             Some(b) => self.bias_add(out, b, dims.rows),
@@ -106,14 +119,42 @@ impl ModelOps {
         }
         // With rows, in or out zero every product is empty or adds nothing.
         if d.x_len != 0 && d.w_len != 0 && dims.rows != 0 {
+            let p = d.precision;
+            let doutb = self.bf16_copy(dout, p)?;
             if let Some(dx) = dx {
-                self.blas.backward_dx(&d, dout, w, dx)?;
+                let wb = self.bf16_copy(w, p)?;
+                self.blas
+                    .backward_dx(&d, operand(dout, &doutb), operand(w, &wb), dx)?;
             }
-            self.blas.backward_dw(&d, dout, x, dw)?;
+            let xb = self.bf16_copy(x, p)?;
+            self.blas
+                .backward_dw(&d, operand(dout, &doutb), operand(x, &xb), dw)?;
         }
         match dbias {
             Some(db) => self.column_sum_plain(K, dout, dims.rows, db),
             None => Ok(()),
         }
+    }
+}
+
+impl ModelOps {
+    /// A bf16 copy of `x` when `precision` is bf16, else nothing (the GEMM reads `x`).
+    fn bf16_copy(
+        &self,
+        x: &CudaView<'_, f32>,
+        precision: GemmPrecision,
+    ) -> Result<Option<CudaSlice<u16>>> {
+        match precision {
+            GemmPrecision::Bf16 => self.to_bf16(x).map(Some),
+            GemmPrecision::F32 | GemmPrecision::Tf32 => Ok(None),
+        }
+    }
+}
+
+/// The GEMM operand: the bf16 copy when there is one, else the f32 view.
+fn operand<'a, 'b>(x: &'a CudaView<'b, f32>, copy: &'a Option<CudaSlice<u16>>) -> Operand<'a, 'b> {
+    match copy {
+        Some(c) => Operand::Bf16(c),
+        None => Operand::F32(x),
     }
 }

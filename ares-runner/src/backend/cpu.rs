@@ -8,7 +8,7 @@ use ares_cpu::ops::attention::{
 use ares_cpu::ops::embedding::{embedding_backward, embedding_forward};
 use ares_cpu::ops::log_prob_backward::log_prob_backward;
 use ares_cpu::ops::matmul::{
-    MatmulDims, linear_backward, linear_forward, linear_forward_t, transpose,
+    MatmulDims, linear_backward_in, linear_forward_in, linear_forward_t_in, transpose,
 };
 use ares_cpu::ops::optim::{adamw_step_scaled, sum_of_squares_f64};
 use ares_cpu::ops::rmsnorm::{rmsnorm_backward, rmsnorm_forward};
@@ -195,7 +195,8 @@ impl Backend for CpuBackend {
         out: TensorMut<'_, Self>,
     ) -> Result<()> {
         let bias = bias.map(slice).transpose()?;
-        linear_forward(
+        linear_forward_in(
+            dims.precision,
             slice(x)?,
             slice(w)?,
             bias,
@@ -214,7 +215,8 @@ impl Backend for CpuBackend {
         out: TensorMut<'_, Self>,
     ) -> Result<()> {
         let bias = bias.map(slice).transpose()?;
-        linear_forward_t(
+        linear_forward_t_in(
+            dims.precision,
             slice(x)?,
             slice(wt)?,
             bias,
@@ -327,7 +329,8 @@ impl Backend for CpuBackend {
         dw: TensorMut<'_, Self>,
         dbias: Option<TensorMut<'_, Self>>,
     ) -> Result<()> {
-        linear_backward(
+        linear_backward_in(
+            dims.precision,
             slice(dout)?,
             slice(x)?,
             slice(w)?,
@@ -589,6 +592,7 @@ impl Backend for CpuBackend {
 #[cfg(test)]
 mod backward_tests {
     use super::*;
+    use crate::backend::MatmulPrecision;
 
     #[test]
     fn backward_ops_accumulate_or_overwrite_as_documented() {
@@ -600,6 +604,7 @@ mod backward_tests {
             rows: 1,
             in_features: 2,
             out_features: 1,
+            precision: MatmulPrecision::F32,
         };
         be.linear_backward(
             View::whole(&dout),

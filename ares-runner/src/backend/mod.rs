@@ -52,7 +52,7 @@ pub(crate) mod sampling;
 pub use decode::{KvCacheView, KvCacheViewMut};
 pub use error::BackendError;
 pub use optim::{AdamWConfig, AdamWUpdate};
-pub use shapes::{AttentionDims, AttentionGrads, AttentionInputs, LinearDims};
+pub use shapes::{AttentionDims, AttentionGrads, AttentionInputs, LinearDims, MatmulPrecision};
 pub use view::{DeviceBuffer, View, ViewMut};
 
 /// Results of backend calls.

@@ -2,6 +2,7 @@
 //! reads like its math.
 
 use super::{View, ViewMut};
+pub use ares_cpu::ops::precision::MatmulPrecision;
 
 /// A linear layer `out[rows, out_features] = x[rows, in_features] · w[out_features,
 /// in_features]ᵀ (+ bias[out_features])`; `w` in the Hugging Face `[out, in]` layout.
@@ -13,6 +14,9 @@ pub struct LinearDims {
     pub in_features: usize,
     /// Columns of `out`, rows of `w` and length of the bias.
     pub out_features: usize,
+    /// How the products treat their operands (the layer's forward and both backward
+    /// products alike); the backend applies [`MatmulPrecision::for_rows`] with `rows`.
+    pub precision: MatmulPrecision,
 }
 
 /// A causal grouped-query attention call: `batch` sequences of `seq` tokens, q `[batch,

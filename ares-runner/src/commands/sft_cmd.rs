@@ -11,7 +11,7 @@ use crate::hf::chat::ChatMessage;
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::tensor_files::SaveDtype;
 use crate::metrics::{MetricsWriter, Record};
-use crate::model::{AdamW, Model};
+use crate::model::AdamW;
 use crate::progress::Progress;
 use crate::trainer::TrainError;
 use crate::trainer::setup::{adamw_config, eos_ids, renderer, run_dir, save_model};
@@ -165,7 +165,7 @@ pub fn run_sft<B: Backend + Clone>(
             options.max_length
         );
     }
-    let mut model = Model::from_checkpoint(backend, &ckpt)?;
+    let mut model = crate::trainer::setup::build_model(backend, &ckpt, cfg)?;
     let mut opt = Optimizer {
         adamw: AdamW::new(&model, adamw_config(cfg))?,
         grads: model.grads()?,

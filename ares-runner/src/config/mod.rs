@@ -42,7 +42,7 @@ pub use algorithm::{
 };
 pub use data::DataConfig;
 pub use error::ConfigError;
-pub use trainer::{Device, SaveDtypeCfg, SftConfig, TrainerConfig};
+pub use trainer::{Device, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig, TrainerConfig};
 pub use worker::{
     ActorConfig, GradedPromptConfig, IsCorrection, LossAggMode, LrScheduler, OptimConfig,
     RefConfig, RewardConfig, RewardType, RolloutConfig, RubricGrader, RubricSchedule, WorkerConfig,

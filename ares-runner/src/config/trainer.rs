@@ -46,6 +46,36 @@ impl SaveDtypeCfg {
     }
 }
 
+/// How the linear layers multiply (`ares_cpu::ops::precision::MatmulPrecision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MatmulPrecisionCfg {
+    /// Exact f32 products.
+    F32,
+    /// Operands rounded to TF32 (GPU tensor cores; emulated on the CPU).
+    Tf32,
+    /// Operands rounded to bf16 in products of ≥ 64 tokens (GPU tensor cores; emulated on
+    /// the CPU).
+    Bf16,
+}
+
+impl MatmulPrecisionCfg {
+    /// The YAML spelling.
+    pub const fn name(self) -> &'static str {
+        self.precision().name()
+    }
+
+    /// The runtime setting.
+    pub const fn precision(self) -> crate::backend::MatmulPrecision {
+        use crate::backend::MatmulPrecision as P;
+        match self {
+            MatmulPrecisionCfg::F32 => P::F32,
+            MatmulPrecisionCfg::Tf32 => P::Tf32,
+            MatmulPrecisionCfg::Bf16 => P::Bf16,
+        }
+    }
+}
+
 /// The trainer section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -75,6 +105,10 @@ pub struct TrainerConfig {
     pub val_before_train: bool,
     /// Backend (default `cpu`).
     pub device: Device,
+    /// How the linear layers and the LM head multiply: `f32` (exact, default), `tf32` or
+    /// `bf16` (operands rounded, f32 sums; weights, activations and optimizer state stay
+    /// f32). The speed-up is the GPU's; the CPU emulates the rounding, slightly slower.
+    pub matmul_precision: MatmulPrecisionCfg,
     /// Seed of everything not seeded elsewhere (default 1).
     pub seed: u64,
     /// CPU threads; 0 = all cores (default 0).
@@ -96,6 +130,7 @@ impl Default for TrainerConfig {
             val_freq: 0,
             val_before_train: true,
             device: Device::Cpu,
+            matmul_precision: MatmulPrecisionCfg::F32,
             seed: 1,
             threads: 0,
         }

@@ -12,7 +12,7 @@ use super::activations::head_chunks;
 use super::weights::{layer_of, layer_of_mut};
 use super::{Activations, Grads, HeadMode, Inputs, Model, ModelError, ModelSpec};
 use crate::backend::{
-    AttentionDims, AttentionGrads, AttentionInputs, Backend, LinearDims, Tensor, View, ViewMut,
+    AttentionDims, AttentionGrads, AttentionInputs, Backend, Tensor, View, ViewMut,
 };
 
 /// Where the backward pass starts: the gradient of the LM head's output.
@@ -138,11 +138,8 @@ impl<B: Backend> Model<B> {
             }
         }
         let g = &mut grads.g;
-        let lin = |rows, in_features, out_features| LinearDims {
-            rows,
-            in_features,
-            out_features,
-        };
+        let lin =
+            |rows, in_features, out_features| self.linear_dims(rows, in_features, out_features);
 
         // LM head: dlnf = dlogits · W; dW += dlogitsᵀ · lnf (tied: into the embedding).
         be.fill(ViewMut::whole(&mut a.scratch.dln), 0.0)?;

@@ -119,11 +119,8 @@ impl<B: Backend> Model<B> {
         let (cos, sin) = (View::whole(&a.cos), View::whole(&a.sin));
         let mask = View::whole(&a.mask);
 
-        let lin = |rows, in_features, out_features| LinearDims {
-            rows,
-            in_features,
-            out_features,
-        };
+        let lin =
+            |rows, in_features, out_features| self.linear_dims(rows, in_features, out_features);
         let attn = AttentionDims::new(inputs.batch, inputs.seq, hq, hkv, d);
         for l in 0..s.layers {
             // The residual stream entering layer l.
@@ -336,11 +333,7 @@ impl<B: Backend> Model<B> {
             View::new(lnf, start * c, rows * c)?,
             self.weights.lm_head(),
             None,
-            LinearDims {
-                rows,
-                in_features: c,
-                out_features: v,
-            },
+            self.linear_dims(rows, c, v),
             ViewMut::new(logits, 0, rows * v)?,
         )?;
         Ok(())

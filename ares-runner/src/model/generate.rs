@@ -23,7 +23,7 @@ use rand_chacha::ChaCha20Rng;
 use super::decode_weights::DecodeWeights;
 use super::sampling::{sequence_rng, uniform};
 use super::{Activations, HeadMode, Inputs, KvCache, Model, ModelError, Sampling};
-use crate::backend::{Backend, BackendError, LinearDims, Tensor, View, ViewMut};
+use crate::backend::{Backend, BackendError, Tensor, View, ViewMut};
 
 /// A generation request: a batch of prompts and how to continue them.
 #[derive(Debug, Clone, PartialEq)]
@@ -369,11 +369,7 @@ impl<B: Backend> Model<B> {
             View::whole(&hidden),
             View::whole(&tw.lm_head),
             None,
-            LinearDims {
-                rows: batch,
-                in_features: c,
-                out_features: v,
-            },
+            self.linear_dims(batch, c, v),
             ViewMut::new(&mut acts.logits, 0, batch * v)?,
         )?;
         Ok(View::new(&acts.logits, 0, batch * v)?)

@@ -64,7 +64,7 @@ pub use optim::{AdamW, AdamWConfig, StepReport};
 pub use sampling::Sampling;
 pub use spec::ModelSpec;
 
-use crate::backend::{Backend, ViewMut};
+use crate::backend::{Backend, LinearDims, MatmulPrecision, ViewMut};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::config::ModelConfig;
 use crate::hf::weights::ModelWeights;
@@ -83,6 +83,8 @@ pub struct Model<B: Backend> {
     /// `[rope_rows, head_dim/2]` cos and sin of `position · inv_freq`.
     rope_cos: B::Buffer,
     rope_sin: B::Buffer,
+    /// How the linear layers (and the LM head) multiply (default exact f32).
+    matmul_precision: MatmulPrecision,
 }
 
 impl<B: Backend> Model<B> {
@@ -140,7 +142,36 @@ impl<B: Backend> Model<B> {
             rope_rows,
             rope_cos,
             rope_sin,
+            matmul_precision: MatmulPrecision::F32,
         })
+    }
+
+    /// How the linear layers and the LM head multiply from now on: exact f32 (the default),
+    /// or operands rounded to TF32 or bf16 with f32 sums (what tensor cores do; see
+    /// [`MatmulPrecision`]). Weights, activations, gradients and optimizer state stay f32
+    /// in every mode; attention, norms and the loss head are f32 too.
+    pub fn set_matmul_precision(&mut self, precision: MatmulPrecision) {
+        self.matmul_precision = precision;
+    }
+
+    /// The precision of the linear layers ([`Model::set_matmul_precision`]).
+    pub fn matmul_precision(&self) -> MatmulPrecision {
+        self.matmul_precision
+    }
+
+    /// The sizes of a linear layer over `rows` tokens, in this model's precision.
+    pub(crate) fn linear_dims(
+        &self,
+        rows: usize,
+        in_features: usize,
+        out_features: usize,
+    ) -> LinearDims {
+        LinearDims {
+            rows,
+            in_features,
+            out_features,
+            precision: self.matmul_precision,
+        }
     }
 
     /// The `config.json` this model was built from.

@@ -24,7 +24,8 @@ use super::rewards::{BucketValues, Grade, rewards};
 use super::rollout::{PromptItem, Response, RolloutParams, rollout_items};
 use super::settings::{FilterKey, StepSettings};
 use super::setup::{
-    adamw_config, eos_ids, filter_prompts, load_examples, renderer, run_dir, save_model,
+    adamw_config, build_model, eos_ids, filter_prompts, load_examples, renderer, run_dir,
+    save_model,
 };
 use super::state::{AresSnapshot, AresState};
 use super::tokens::TokenBatch;
@@ -172,7 +173,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 Some(d) => Checkpoint::load(d).map_err(|e| TrainError::Invalid(e.to_string()))?,
                 None => initial.clone(),
             };
-            Some(Model::from_checkpoint(backend.clone(), &ref_ckpt)?)
+            Some(build_model(backend.clone(), &ref_ckpt, &cfg)?)
         } else {
             None
         };
@@ -193,7 +194,7 @@ impl<B: Backend + Clone> Trainer<B> {
             Some((step, dir)) => {
                 let ck = Checkpoint::load(&dir.join("model"))
                     .map_err(|e| TrainError::Invalid(e.to_string()))?;
-                let actor = Model::from_checkpoint(backend.clone(), &ck)?;
+                let actor = build_model(backend.clone(), &ck, &cfg)?;
                 let adamw = AdamW::load(&actor, adamw_cfg, &dir.join("optimizer.safetensors"))?;
                 let text = std::fs::read_to_string(dir.join("trainer_state.json"))
                     .map_err(|e| TrainError::io(dir.join("trainer_state.json"), e))?;
@@ -222,7 +223,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 (actor, opt, state, ares, ck)
             }
             None => {
-                let actor = Model::from_checkpoint(backend.clone(), &initial)?;
+                let actor = build_model(backend.clone(), &initial, &cfg)?;
                 let adamw = AdamW::new(&actor, adamw_cfg)?;
                 let grads = actor.grads()?;
                 let mut ares = AresState::new(&settings)?;

@@ -22,6 +22,20 @@ const TOKENIZER_FILES: [&str; 5] = [
     "vocab.json",
 ];
 
+/// The model of `ckpt` on `backend`, multiplying in `trainer.matmul_precision`.
+///
+/// # Errors
+/// As [`Model::from_checkpoint`].
+pub fn build_model<B: Backend>(
+    backend: B,
+    ckpt: &Checkpoint,
+    cfg: &Config,
+) -> Result<Model<B>, TrainError> {
+    let mut model = Model::from_checkpoint(backend, ckpt)?;
+    model.set_matmul_precision(cfg.trainer.matmul_precision.precision());
+    Ok(model)
+}
+
 /// Loads a dataset with the config's keys.
 ///
 /// # Errors

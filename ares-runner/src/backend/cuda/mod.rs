@@ -15,8 +15,9 @@
 //!   AdamW step unapplied) and the next waiting call returns the error, naming what was
 //!   found. The CPU backend reports those at the op itself.
 //! - **Numerics** follow the CPU backend's kernels (f32 storage and math, f64 for long
-//!   sums; GEMMs in true f32, no TF32 unless [`CudaBackend::set_tf32`]); results agree to
-//!   f32 rounding. Reductions are deterministic (fixed order, no float atomics), so a
+//!   sums; GEMMs in the [`MatmulPrecision`] each call carries, true f32 by default, and
+//!   in TF32 or bf16 with the operands the CPU backend rounds the same way); results
+//!   agree to f32 rounding. Reductions are deterministic (fixed order, no float atomics), so a
 //!   run repeats bit for bit on the same GPU.
 //! - **Sharing.** `CudaBackend` is a cheap handle: clones share the device, its stream
 //!   and its kernels (e.g. the policy and a frozen reference model on one GPU).
@@ -29,10 +30,10 @@ use buffer::{ids, ids_mut, view, view_mut, view_mut_opt, view_opt};
 
 use super::{
     AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
-    KvCacheView, KvCacheViewMut, LinearDims, Result, Tensor, TensorMut,
+    KvCacheView, KvCacheViewMut, LinearDims, MatmulPrecision, Result, Tensor, TensorMut,
 };
 use ares_cuda::model_ops::{AttentionGradsMut, AttentionSaved, KvCache, KvCacheMut};
-use ares_cuda::{AdamWStep, AttentionShape, DeviceInfo, GemmDims, ModelOps};
+use ares_cuda::{AdamWStep, AttentionShape, DeviceInfo, GemmDims, GemmPrecision, ModelOps};
 use std::sync::Arc;
 
 /// The CUDA backend: one GPU, its stream, kernels and cuBLAS handle (see the module docs).
@@ -77,12 +78,18 @@ fn shape(dims: AttentionDims) -> AttentionShape {
     }
 }
 
-/// The cuBLAS dims of a linear layer.
+/// The cuBLAS dims of a linear layer, in the precision [`MatmulPrecision::for_rows`] picks
+/// (the CPU backend's rule, so the two stay twins).
 fn gemm_dims(dims: LinearDims) -> GemmDims {
     GemmDims {
         rows: dims.rows,
         in_features: dims.in_features,
         out_features: dims.out_features,
+        precision: match dims.precision.for_rows(dims.rows) {
+            MatmulPrecision::F32 => GemmPrecision::F32,
+            MatmulPrecision::Tf32 => GemmPrecision::Tf32,
+            MatmulPrecision::Bf16 => GemmPrecision::Bf16,
+        },
     }
 }
 
@@ -112,15 +119,6 @@ impl CudaBackend {
     /// The device ops underneath (for kernels the trait does not expose, and benches).
     pub fn ops(&self) -> &ModelOps {
         &self.ops
-    }
-
-    /// TF32 tensor cores in the linear layers (`true`: faster, ~1e-3 relative error) or
-    /// exact f32 (`false`, the default). Applies to every clone.
-    ///
-    /// # Errors
-    /// A cuBLAS failure.
-    pub fn set_tf32(&self, on: bool) -> Result<()> {
-        self.ops.set_tf32(on).map_err(op("set_tf32"))
     }
 }
 

@@ -1,0 +1,198 @@
+//! Reduced-precision GEMM operands: what a GPU's tensor cores multiply when a linear layer
+//! runs in TF32 or bf16, reproduced on the CPU so the CPU backend is the reference of
+//! those modes too.
+//!
+//! A tensor-core GEMM rounds each operand element to the narrow format, multiplies the
+//! narrow values exactly (an 8- or 11-bit by 8- or 11-bit significand product fits an f32)
+//! and accumulates in f32. Rounding the operands here and running the f32 GEMM gives the
+//! same products; only the order of the f32 sums differs from the GPU's.
+//!
+//! - [`MatmulPrecision::F32`]: no rounding (exact f32 products).
+//! - [`MatmulPrecision::Tf32`]: 10 explicit significand bits (`x` rounded to nearest, ties
+//!   to even). cuBLAS does not document how it rounds to TF32; its results may differ from
+//!   these in the last TF32 bit of an operand (relative 2⁻¹¹).
+//! - [`MatmulPrecision::Bf16`]: 7 explicit significand bits, round to nearest even, as
+//!   `__float2bfloat16_rn` and the CUDA backend's conversion kernel.
+//!
+//! Both roundings keep ±0, ±∞ and NaN (as a quiet NaN); a finite value past the narrow
+//! format's largest rounds to ∞ as IEEE rounding does.
+
+use rayon::prelude::*;
+use std::borrow::Cow;
+
+/// How the linear layers' matrix products treat their f32 operands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum MatmulPrecision {
+    /// Exact f32 products (the default; what the transformers fixtures are checked with).
+    #[default]
+    F32,
+    /// Operands rounded to TF32 (1 + 8 + 10 bits), f32 sums.
+    Tf32,
+    /// Operands rounded to bf16 (1 + 8 + 7 bits), f32 sums; only for products of at least
+    /// [`BF16_MIN_ROWS`] rows (see [`MatmulPrecision::for_rows`]).
+    Bf16,
+}
+
+/// Products with fewer rows (tokens) than this run in f32 even under
+/// [`MatmulPrecision::Bf16`]. With f32-stored weights a bf16 product first converts the
+/// weight, which costs more memory traffic than a few-row product (a decode step) saves;
+/// such products are bound by reading the weight, not by arithmetic.
+pub const BF16_MIN_ROWS: usize = 64;
+
+impl MatmulPrecision {
+    /// The precision a linear layer with `rows` rows (tokens) actually uses: `self`, except
+    /// `Bf16` below [`BF16_MIN_ROWS`] rows, which is `F32`. Forward and both backward
+    /// products of one layer call use the same answer (`rows` is the layer's token count).
+    pub const fn for_rows(self, rows: usize) -> Self {
+        match self {
+            Self::Bf16 if rows < BF16_MIN_ROWS => Self::F32,
+            p => p,
+        }
+    }
+
+    /// The configuration name: `"f32"`, `"tf32"`, `"bf16"`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Tf32 => "tf32",
+            Self::Bf16 => "bf16",
+        }
+    }
+
+    /// `x` rounded to this precision's operand format.
+    #[inline]
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            Self::F32 => x,
+            Self::Tf32 => round_to_bits(x, 13),
+            Self::Bf16 => round_to_bits(x, 16),
+        }
+    }
+
+    /// `src` with every element [`MatmulPrecision::round`]ed: borrowed for `F32`, a rounded
+    /// copy otherwise (in parallel for large slices).
+    pub fn rounded(self, src: &[f32]) -> Cow<'_, [f32]> {
+        const PAR_MIN: usize = 1 << 16;
+        if self == Self::F32 {
+            return Cow::Borrowed(src);
+        }
+        let mut out = vec![0.0f32; src.len()];
+        let fill = |(o, s): (&mut [f32], &[f32])| {
+            for (o, &s) in o.iter_mut().zip(s) {
+                *o = self.round(s);
+            }
+        };
+        if src.len() >= PAR_MIN {
+            out.par_chunks_mut(PAR_MIN)
+                .zip(src.par_chunks(PAR_MIN))
+                .for_each(fill);
+        } else {
+            fill((&mut out, src));
+        }
+        Cow::Owned(out)
+    }
+}
+
+/// `x` rounded to nearest (ties to even) with its low `drop` bits cleared; NaN stays a
+/// (quiet) NaN.
+#[inline]
+fn round_to_bits(x: f32, drop: u32) -> f32 {
+    let bits = x.to_bits();
+    let low = (1u32 << drop) - 1;
+    if bits & 0x7fff_ffff > 0x7f80_0000 {
+        // NaN: keep sign and payload's top, force the quiet bit
+        return f32::from_bits((bits | 0x0040_0000) & !low);
+    }
+    let half = (low >> 1) + ((bits >> drop) & 1);
+    // A carry out of the significand bumps the exponent: the correct rounding, up to ∞.
+    f32::from_bits(bits.wrapping_add(half) & !low)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MatmulPrecision::{Bf16, F32, Tf32};
+    use super::*;
+
+    #[test]
+    fn rounding_by_hand() {
+        // 1 + 2⁻⁹: below bf16's half ulp at 1 (2⁻⁸), a TF32 value (ulp 2⁻¹⁰)
+        let x = 1.0 + 2f32.powi(-9);
+        assert_eq!(Bf16.round(x), 1.0);
+        assert_eq!(Tf32.round(x), x);
+        assert_eq!(F32.round(x), x);
+        // ties go to the even neighbour: 1 + 2⁻⁸ → 1; 1 + 3·2⁻⁸ → 1 + 2⁻⁶
+        assert_eq!(Bf16.round(1.0 + 2f32.powi(-8)), 1.0);
+        assert_eq!(Bf16.round(1.0 + 3.0 * 2f32.powi(-8)), 1.0 + 2f32.powi(-6));
+        // just above a tie rounds up
+        assert_eq!(
+            Bf16.round(1.0 + 2f32.powi(-8) + 2f32.powi(-20)),
+            1.0 + 2f32.powi(-7)
+        );
+        assert_eq!(Tf32.round(1.0 + 2f32.powi(-11)), 1.0);
+        assert_eq!(Tf32.round(1.0 + 3.0 * 2f32.powi(-11)), 1.0 + 2f32.powi(-9));
+        // sign is kept
+        assert_eq!(Bf16.round(-3.0 - 2f32.powi(-10)), -3.0);
+        // the largest f32 is past bf16's largest finite value: it rounds to ∞
+        assert_eq!(Bf16.round(f32::MAX), f32::INFINITY);
+        assert_eq!(Bf16.round(f32::MIN), f32::NEG_INFINITY);
+    }
+
+    #[test]
+    fn special_values_survive() {
+        for p in [F32, Tf32, Bf16] {
+            assert_eq!(p.round(0.0).to_bits(), 0);
+            assert_eq!(p.round(-0.0).to_bits(), (-0.0f32).to_bits());
+            assert_eq!(p.round(f32::INFINITY), f32::INFINITY);
+            assert_eq!(p.round(f32::NEG_INFINITY), f32::NEG_INFINITY);
+            assert!(p.round(f32::NAN).is_nan());
+            // a NaN whose payload lies only in the dropped bits must not become ∞
+            assert!(p.round(f32::from_bits(0x7f80_0001)).is_nan());
+        }
+    }
+
+    #[test]
+    fn bf16_matches_the_half_crate() {
+        // half's conversion is round-to-nearest-even; every 97th f32 bit pattern
+        let mut bits = 0u32;
+        while let Some(next) = bits.checked_add(97 * 65_537) {
+            let x = f32::from_bits(bits);
+            let want = half::bf16::from_f32(x).to_f32();
+            let got = Bf16.round(x);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{x:e} ({bits:#x}): {got:e} vs {want:e}"
+            );
+            bits = next;
+        }
+    }
+
+    #[test]
+    fn rounding_error_is_within_half_an_ulp() {
+        let mut x = 1.0e-30f32;
+        while x < 1.0e30 {
+            for (p, eps) in [(Tf32, 2f64.powi(-11)), (Bf16, 2f64.powi(-8))] {
+                let r = f64::from(p.round(x));
+                let err = (r - f64::from(x)).abs() / f64::from(x);
+                assert!(err <= eps, "{p:?} {x:e}: relative error {err:e}");
+            }
+            x *= 1.37;
+        }
+    }
+
+    #[test]
+    fn bf16_only_for_enough_rows() {
+        assert_eq!(Bf16.for_rows(BF16_MIN_ROWS - 1), F32);
+        assert_eq!(Bf16.for_rows(BF16_MIN_ROWS), Bf16);
+        assert_eq!(Tf32.for_rows(1), Tf32);
+        assert_eq!(F32.for_rows(1 << 20), F32);
+    }
+
+    #[test]
+    fn rounded_borrows_for_f32_and_copies_otherwise() {
+        let v: Vec<f32> = (0..100_000).map(|i| 1.0 + i as f32 * 1e-6).collect();
+        assert!(matches!(F32.rounded(&v), Cow::Borrowed(_)));
+        let r = Bf16.rounded(&v);
+        assert_eq!(r.len(), v.len());
+        assert!(r.iter().zip(&v).all(|(&r, &x)| r == Bf16.round(x)));
+    }
+}
