@@ -4,14 +4,16 @@
 # 151 936-row vocabulary, old + reference log-probs, one PPO epoch, one AdamW step
 # (examples/configs/bench_grpo_step.yaml; scripts/bench_torch_grpo_step.py for PyTorch).
 #
-#   scripts/bench_grpo_step.sh                      # GPU: ares (cuda), then PyTorch f32 and bf16
+#   scripts/bench_grpo_step.sh                      # GPU: ares (cuda) f32 and bf16 matmuls,
+#                                                   # then PyTorch f32 and bf16
 #   DEVICE=cpu SHAPE=demo VOCAB=59 scripts/bench_grpo_step.sh data.rollout_batch_size=4 \
 #       worker.rollout.n=2 data.max_response_length=16 worker.actor.global_batch_size=8
 #                                                   # a quick check of the script on a CPU
 #
 # Extra arguments are dotted overrides for ares-runner. Environment: ARES_RUNNER (the
 # binary, default target/release/ares-runner), DEVICE (cuda), SHAPE (qwen2.5-0.5b), VOCAB
-# (151936), DIR (runs/bench-grpo), PYTHON (python3), TORCH_ARGS (extra arguments of the
+# (151936), DIR (runs/bench-grpo), PRECISIONS ("f32 bf16": trainer.matmul_precision
+# values to run), PYTHON (python3), TORCH_ARGS (extra arguments of the
 # PyTorch script, e.g. "--prompts 4 --n 2 --response 16"). Peak device memory is sampled
 # with nvidia-smi every 100 ms when it is there.
 set -euo pipefail
@@ -23,8 +25,6 @@ here=$(cd "$(dirname "$0")" && pwd)
 config=${CONFIG:-$here/../examples/configs/bench_grpo_step.yaml}
 
 "$bin" demo-data --shape "${SHAPE:-qwen2.5-0.5b}" --vocab "${VOCAB:-151936}" -o "$dir/assets"
-rm -rf "$dir/run"
-
 sampler=""
 peak() {  # max of the sampled device memory, MiB
   [ -n "$sampler" ] || return 0
@@ -40,13 +40,16 @@ sample_memory() {
   fi
 }
 
-echo "== ares-runner ($device)"
-sample_memory
-"$bin" train -c "$config" "trainer.device=$device" "data.train_files=$dir/assets/data/train.jsonl" \
-  "worker.actor.model_path=$dir/assets/model" "trainer.output_dir=$dir/run" "$@"
-peak
-metrics=$(find "$dir/run" -name metrics.jsonl | head -1)
-"$python" - "$metrics" <<'PY'
+for precision in ${PRECISIONS:-f32 bf16}; do
+  echo "== ares-runner ($device, matmul_precision $precision)"
+  rm -rf "$dir/run"
+  sample_memory
+  "$bin" train -c "$config" "trainer.device=$device" "trainer.matmul_precision=$precision" \
+    "data.train_files=$dir/assets/data/train.jsonl" "worker.actor.model_path=$dir/assets/model" \
+    "trainer.output_dir=$dir/run" "$@"
+  peak
+  metrics=$(find "$dir/run" -name metrics.jsonl | head -1)
+  "$python" - "$metrics" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
     m = json.loads(line)
@@ -56,6 +59,7 @@ for line in open(sys.argv[1]):
     if m.get("advantage/mean") == 0 and m.get("advantage/std") == 0:
         print("  warning: all advantages are 0; the loss head skips work PyTorch does: not comparable")
 PY
+done
 
 if "$python" -c 'import torch, transformers' 2>/dev/null; then
   for dtype in f32 bf16; do
