@@ -17,15 +17,14 @@
 //! - `F32`: f32 operands, `CUBLAS_COMPUTE_32F` on a handle in `CUBLAS_DEFAULT_MATH`: true
 //!   f32 products (no TF32), matching the CPU backend to f32 rounding;
 //! - `Tf32`: f32 operands, `CUBLAS_COMPUTE_32F_FAST_TF32`: tensor cores round them to TF32;
-//! - `Bf16`: bf16 operands (the callers convert them, see `ModelOps::linear`),
+//! - `Bf16`: bf16 operands (the callers convert them into a scratch buffer, see
+//!   `model_ops/linear.rs`),
 //!   `CUDA_R_16BF` inputs with `CUBLAS_COMPUTE_32F`: bf16 tensor cores, f32 sums.
 
 use crate::error::{Error, Result};
 use cudarc::cublas::{CudaBlas, result as blas_result, sys};
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{
-    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, SyncOnDrop,
-};
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, SyncOnDrop};
 use std::ffi::{c_int, c_void};
 use std::sync::{Arc, Mutex};
 
@@ -123,9 +122,10 @@ fn blas_err(step: impl Into<String>) -> impl FnOnce(cudarc::cublas::result::Cubl
 }
 
 /// A GEMM operand: f32 (for `F32` and `Tf32`) or a bf16 copy (bits in `u16`, for `Bf16`).
+#[derive(Clone, Copy)]
 pub(crate) enum Operand<'a, 'b> {
     F32(&'a CudaView<'b, f32>),
-    Bf16(&'a CudaSlice<u16>),
+    Bf16(&'a CudaView<'b, u16>),
 }
 
 impl Operand<'_, '_> {

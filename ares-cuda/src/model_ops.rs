@@ -80,6 +80,9 @@ struct State {
     sums: CudaSlice<f64>,
     /// Scratch of the two-stage reductions and the attention backward (grown on demand).
     scratch: CudaSlice<f32>,
+    /// bf16 copies of GEMM operands (grown on demand; reused in stream order, since every
+    /// op is queued on the one stream).
+    bf16: CudaSlice<u16>,
 }
 
 /// The model's ops on one CUDA device (see the module docs).
@@ -247,6 +250,11 @@ impl ModelOps {
             ],
         };
         let stream = ctx.default_stream();
+        // SAFETY: every buffer of this context is used on `stream` alone (no other stream is
+        // ever made), so cudarc's cross-stream events — two made per allocation — would
+        // synchronise nothing.
+        unsafe { ctx.disable_event_tracking() };
+        keep_freed_memory_pooled(&ctx);
         let blas = Blas::new(stream.clone())?;
         let state = State {
             status: stream.alloc_zeros::<u32>(1).during("allocating status")?,
@@ -257,6 +265,9 @@ impl ModelOps {
             scratch: stream
                 .alloc_zeros::<f32>(1 << 16)
                 .during("allocating scratch")?,
+            bf16: stream
+                .alloc_zeros::<u16>(1 << 16)
+                .during("allocating bf16 scratch")?,
         };
         Ok(Self {
             ctx,
@@ -405,6 +416,37 @@ impl ModelOps {
         // The state is plain device memory: a panic elsewhere cannot leave it half-updated
         // in a way that matters, so a poisoned lock is still usable.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Raises the release threshold of the device's default memory pool to "never", so memory
+/// freed in stream order (buffers of one micro-batch, regrown scratch) stays in the pool for
+/// the next allocation instead of going back to the driver at every synchronisation (the
+/// default threshold, 0) and being mapped again. A performance hint only: a device without
+/// memory pools, or a driver that refuses, keeps the default behaviour.
+fn keep_freed_memory_pooled(ctx: &CudaContext) {
+    use cudarc::driver::sys;
+    let pools = ctx
+        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)
+        .unwrap_or(0);
+    if pools == 0 {
+        return;
+    }
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: the device handle is live (owned by `ctx`); the pool pointer is written by
+    // the driver before use; the attribute takes a pointer to a u64 (cuuint64_t).
+    unsafe {
+        if sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device())
+            .result()
+            .is_ok()
+        {
+            let _ = sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&raw mut threshold).cast(),
+            );
+        }
     }
 }
 

@@ -3,7 +3,7 @@
 
 use super::{ModelOps, bad, check_len, element_cfg, i32_of, i64_of, mul, row_cfg};
 use crate::error::{DriverContext, Result};
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
 /// Threads per token of the embedding and RoPE kernels.
 const TOKEN_BLOCK: u32 = 256;
@@ -70,29 +70,25 @@ impl ModelOps {
         Ok(())
     }
 
-    /// `x` rounded to bf16 (to nearest even; NaN stays NaN) into a new buffer of bf16 bit
-    /// patterns: the operands of a bf16 GEMM (twin of
-    /// `ares_cpu::ops::precision::MatmulPrecision::Bf16.round`). The buffer is freed in
-    /// stream order when dropped, so it may be dropped as soon as its last use is queued.
+    /// `y = x` rounded to bf16 (to nearest even; NaN stays NaN) as bf16 bit patterns: the
+    /// operands of a bf16 GEMM (twin of
+    /// `ares_cpu::ops::precision::MatmulPrecision::Bf16.round`).
     ///
     /// # Errors
-    /// The device is out of memory, a launch failure.
-    pub fn to_bf16(&self, x: &CudaView<'_, f32>) -> Result<CudaSlice<u16>> {
+    /// Lengths that differ, a launch failure.
+    pub fn to_bf16(&self, x: &CudaView<'_, f32>, y: &mut CudaViewMut<'_, u16>) -> Result<()> {
         const K: &str = "f32_to_bf16";
         let n = x.len();
-        // SAFETY: every element is written by the kernel below before any read (an empty
-        // `x` gets a one-element buffer nobody reads: CUDA refuses empty allocations).
-        let mut y = unsafe { self.stream.alloc::<u16>(n.max(1)) }
-            .during(format!("{K}: allocating {n} bf16"))?;
+        check_len(K, "y", n, y.len())?;
         if n == 0 {
-            return Ok(y);
+            return Ok(());
         }
         let n64 = i64_of(K, "len", n)?;
         let mut l = self.stream.launch_builder(&self.f.to_bf16);
-        l.arg(x).arg(&mut y).arg(&n64);
+        l.arg(x).arg(y).arg(&n64);
         // SAFETY: (x, y, n) as `f32_to_bf16` declares them; both hold n elements.
         unsafe { l.launch(element_cfg(n)) }.during(K)?;
-        Ok(y)
+        Ok(())
     }
 
     /// SwiGLU `out = silu(gate)·up` (twin of `ares_cpu::ops::swiglu::swiglu_forward`).

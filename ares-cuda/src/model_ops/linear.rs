@@ -1,16 +1,17 @@
 //! Linear layers with Hugging Face `[out, in]` weights: cuBLAS GEMMs (see
 //! [`crate::gemm`]) plus the bias add and the bias gradient (a deterministic column sum).
 //!
-//! In [`GemmPrecision::Bf16`] each product's operands are first rounded into bf16 copies
-//! (one conversion kernel each, freed in stream order after the GEMM). Weights stay f32 and
-//! are converted on every call: ~6 bytes of traffic per weight element, small beside a
+//! In [`GemmPrecision::Bf16`] each product's operands are first rounded into bf16 copies in
+//! a scratch buffer that grows on demand and is reused (one conversion kernel per operand).
+//! Weights stay f32 and are converted on every call: ~6 bytes of traffic per weight element, small beside a
 //! product over many tokens; few-token products are kept in f32 by the caller's rule
 //! (`MatmulPrecision::for_rows` in ares-cpu).
 
 use super::{ModelOps, check_len};
+use crate::error::DriverContext;
 use crate::error::Result;
 use crate::gemm::{GemmDims, GemmPrecision, Operand};
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use cudarc::driver::{CudaView, CudaViewMut};
 
 impl ModelOps {
     /// `out = x · wᵀ (+ bias)` with `x` `[rows, in]`, `w` `[out, in]`, `bias` `[out]`,
@@ -70,16 +71,13 @@ impl ModelOps {
             // An empty sum: cuBLAS is not asked for k = 0.
             self.fill(out, 0.0)?;
         } else {
-            let (xb, wb) = (
-                self.bf16_copy(x, d.precision)?,
-                self.bf16_copy(w, d.precision)?,
-            );
-            let (x, w) = (operand(x, &xb), operand(w, &wb));
-            if transposed {
-                self.blas.linear_t(&d, x, w, out)?;
-            } else {
-                self.blas.linear(&d, x, w, out)?;
-            }
+            self.with_operands(d.precision, [x, w], |[x, w]| {
+                if transposed {
+                    self.blas.linear_t(&d, x, w, out)
+                } else {
+                    self.blas.linear(&d, x, w, out)
+                }
+            })?;
         }
         match bias {
             Some(b) => self.bias_add(out, b, dims.rows),
@@ -119,16 +117,15 @@ impl ModelOps {
         }
         // With rows, in or out zero every product is empty or adds nothing.
         if d.x_len != 0 && d.w_len != 0 && dims.rows != 0 {
-            let p = d.precision;
-            let doutb = self.bf16_copy(dout, p)?;
-            if let Some(dx) = dx {
-                let wb = self.bf16_copy(w, p)?;
-                self.blas
-                    .backward_dx(&d, operand(dout, &doutb), operand(w, &wb), dx)?;
+            match dx {
+                Some(dx) => self.with_operands(d.precision, [dout, w, x], |[dout, w, x]| {
+                    self.blas.backward_dx(&d, dout, w, dx)?;
+                    self.blas.backward_dw(&d, dout, x, dw)
+                })?,
+                None => self.with_operands(d.precision, [dout, x], |[dout, x]| {
+                    self.blas.backward_dw(&d, dout, x, dw)
+                })?,
             }
-            let xb = self.bf16_copy(x, p)?;
-            self.blas
-                .backward_dw(&d, operand(dout, &doutb), operand(x, &xb), dw)?;
         }
         match dbias {
             Some(db) => self.column_sum_plain(K, dout, dims.rows, db),
@@ -138,23 +135,34 @@ impl ModelOps {
 }
 
 impl ModelOps {
-    /// A bf16 copy of `x` when `precision` is bf16, else nothing (the GEMM reads `x`).
-    fn bf16_copy(
+    /// Calls `gemms` with `srcs` as GEMM operands: the f32 views themselves, or in bf16
+    /// their bf16 copies in the scratch buffer, converted first. The scratch stays locked
+    /// until the GEMMs are queued; the next user's conversion queues after them on the one
+    /// stream, so reusing it is safe.
+    fn with_operands<const N: usize>(
         &self,
-        x: &CudaView<'_, f32>,
         precision: GemmPrecision,
-    ) -> Result<Option<CudaSlice<u16>>> {
-        match precision {
-            GemmPrecision::Bf16 => self.to_bf16(x).map(Some),
-            GemmPrecision::F32 | GemmPrecision::Tf32 => Ok(None),
+        srcs: [&CudaView<'_, f32>; N],
+        gemms: impl FnOnce([Operand<'_, '_>; N]) -> Result<()>,
+    ) -> Result<()> {
+        if precision != GemmPrecision::Bf16 {
+            return gemms(srcs.map(Operand::F32));
         }
-    }
-}
-
-/// The GEMM operand: the bf16 copy when there is one, else the f32 view.
-fn operand<'a, 'b>(x: &'a CudaView<'b, f32>, copy: &'a Option<CudaSlice<u16>>) -> Operand<'a, 'b> {
-    match copy {
-        Some(c) => Operand::Bf16(c),
-        None => Operand::F32(x),
+        let mut state = self.lock();
+        let total: usize = srcs.iter().map(|s| s.len()).sum();
+        if state.bf16.len() < total {
+            // SAFETY: every element a GEMM reads is written by a conversion below first.
+            state.bf16 = unsafe { self.stream.alloc::<u16>(total.next_power_of_two()) }
+                .during(format!("growing the bf16 scratch to {total} elements"))?;
+        }
+        let mut ranges = [(0usize, 0usize); N];
+        let mut at = 0;
+        for (src, range) in srcs.iter().zip(&mut ranges) {
+            *range = (at, at + src.len());
+            self.to_bf16(src, &mut state.bf16.slice_mut(at..at + src.len()))?;
+            at += src.len();
+        }
+        let views = ranges.map(|(a, b)| state.bf16.slice(a..b));
+        gemms(std::array::from_fn(|i| Operand::Bf16(&views[i])))
     }
 }
