@@ -148,8 +148,11 @@ impl ModelOps {
         if precision != GemmPrecision::Bf16 {
             return gemms(srcs.map(Operand::F32));
         }
+        // Each copy starts on a 256-byte boundary (cuBLAS picks its fastest tensor-core
+        // kernels for aligned operands); the buffer itself comes aligned from the driver.
+        const ALIGN: usize = 128;
         let mut state = self.lock();
-        let total: usize = srcs.iter().map(|s| s.len()).sum();
+        let total: usize = srcs.iter().map(|s| s.len().next_multiple_of(ALIGN)).sum();
         if state.bf16.len() < total {
             // SAFETY: every element a GEMM reads is written by a conversion below first.
             state.bf16 = unsafe { self.stream.alloc::<u16>(total.next_power_of_two()) }
@@ -160,7 +163,7 @@ impl ModelOps {
         for (src, range) in srcs.iter().zip(&mut ranges) {
             *range = (at, at + src.len());
             self.to_bf16(src, &mut state.bf16.slice_mut(at..at + src.len()))?;
-            at += src.len();
+            at += src.len().next_multiple_of(ALIGN);
         }
         let views = ranges.map(|(a, b)| state.bf16.slice(a..b));
         gemms(std::array::from_fn(|i| Operand::Bf16(&views[i])))
