@@ -655,6 +655,40 @@ __device__ __forceinline__ float key_valid(const float* mask, i64 idx, unsigned*
     return m == 1.0f ? 1.0f : 0.0f;
 }
 
+// One past the last key a tile of query rows sees: the keys up to the position of its last
+// valid row (`last_row` clamped to the `rows_bg` rows of the (batch, kv-head) group).
+__device__ __forceinline__ i64 causal_key_end(const AttnArgs& a, i64 last_row, i64 rows_bg,
+                                              int group) {
+    if (last_row >= rows_bg) last_row = rows_bg - 1;
+    return a.pos0 + last_row / group + 1;
+}
+
+// Stages keys and values kb .. kb + KT - 1 of sequence b, kv head g in shared memory (rows of
+// d + 1 floats, zeros past key_end) and each key's mask validity, between two block barriers.
+__device__ __forceinline__ void stage_kv_tile(const AttnArgs& a, i64 b, int g, i64 kb,
+                                              i64 key_end, float* Ks, float* Vs, float* kvalid,
+                                              unsigned* status) {
+    const int d = a.d, dp = a.d + 1;
+    __syncthreads();
+    for (int i = threadIdx.x; i < KT * d; i += blockDim.x) {
+        const int j = i / d, c = i - j * d;
+        const i64 s = kb + j;
+        float kv = 0.0f, vv = 0.0f;
+        if (s < key_end) {
+            const i64 idx = ((b * a.kv_seq + s) * a.hkv + g) * d + c;
+            kv = a.k[idx];
+            vv = a.v[idx];
+        }
+        Ks[j * dp + c] = kv;
+        Vs[j * dp + c] = vv;
+    }
+    if (threadIdx.x < KT) {
+        const i64 s = kb + threadIdx.x;
+        kvalid[threadIdx.x] = s < key_end ? key_valid(a.mask, b * a.kv_seq + s, status) : 0.0f;
+    }
+    __syncthreads();
+}
+
 template <int DPL, int RW>
 __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict__ out,
                                                    float* __restrict__ lse,
@@ -698,28 +732,9 @@ __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict
 #pragma unroll
             for (int i = 0; i < DPL; i++) acc[rr][i] = 0.0f;
         }
-        i64 last_row = row0 + ROWS - 1;
-        if (last_row >= rows_bg) last_row = rows_bg - 1;
-        const i64 key_end = a.pos0 + last_row / group + 1;
+        const i64 key_end = causal_key_end(a, row0 + ROWS - 1, rows_bg, group);
         for (i64 kb = 0; kb < key_end; kb += KT) {
-            __syncthreads();
-            for (int i = threadIdx.x; i < KT * d; i += blockDim.x) {
-                const int j = i / d, c = i - j * d;
-                const i64 s = kb + j;
-                float kv = 0.0f, vv = 0.0f;
-                if (s < key_end) {
-                    const i64 idx = ((b * a.kv_seq + s) * a.hkv + g) * d + c;
-                    kv = a.k[idx];
-                    vv = a.v[idx];
-                }
-                Ks[j * dp + c] = kv;
-                Vs[j * dp + c] = vv;
-            }
-            if (threadIdx.x < KT) {
-                const i64 s = kb + threadIdx.x;
-                kvalid[threadIdx.x] = s < key_end ? key_valid(a.mask, b * a.kv_seq + s, status) : 0.0f;
-            }
-            __syncthreads();
+            stage_kv_tile(a, b, g, kb, key_end, Ks, Vs, kvalid, status);
 #pragma unroll
             for (int rr = 0; rr < RW; rr++) {
                 const int lr = warp * RW + rr;
@@ -872,28 +887,9 @@ __device__ __forceinline__ void attention_bwd_dq_impl(AttnArgs a, const float* _
 #pragma unroll
             for (int i = 0; i < DPL; i++) acc[rr][i] = 0.0f;
         }
-        i64 last_row = row0 + ROWS - 1;
-        if (last_row >= rows_bg) last_row = rows_bg - 1;
-        const i64 key_end = a.pos0 + last_row / group + 1;
+        const i64 key_end = causal_key_end(a, row0 + ROWS - 1, rows_bg, group);
         for (i64 kb = 0; kb < key_end; kb += KT) {
-            __syncthreads();
-            for (int i = threadIdx.x; i < KT * d; i += blockDim.x) {
-                const int j = i / d, c = i - j * d;
-                const i64 s = kb + j;
-                float kv = 0.0f, vv = 0.0f;
-                if (s < key_end) {
-                    const i64 idx = ((b * a.kv_seq + s) * a.hkv + g) * d + c;
-                    kv = a.k[idx];
-                    vv = a.v[idx];
-                }
-                Ks[j * dp + c] = kv;
-                Vs[j * dp + c] = vv;
-            }
-            if (threadIdx.x < KT) {
-                const i64 s = kb + threadIdx.x;
-                kvalid[threadIdx.x] = s < key_end ? key_valid(a.mask, b * a.kv_seq + s, status) : 0.0f;
-            }
-            __syncthreads();
+            stage_kv_tile(a, b, g, kb, key_end, Ks, Vs, kvalid, status);
 #pragma unroll
             for (int rr = 0; rr < RW; rr++) {
                 const int lr = warp * RW + rr;
