@@ -3,7 +3,7 @@
 
 use super::{ModelOps, bad, check_len, element_cfg, i32_of, i64_of, mul, row_cfg};
 use crate::error::{DriverContext, Result};
-use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
 /// Threads per token of the embedding and RoPE kernels.
 const TOKEN_BLOCK: u32 = 256;
@@ -291,27 +291,7 @@ impl ModelOps {
         let tokens = ids.len();
         check_len(K, "table", mul(K, "rows × dim", rows, dim)?, table.len())?;
         check_len(K, "out", mul(K, "tokens × dim", tokens, dim)?, out.len())?;
-        if tokens == 0 || dim == 0 {
-            return Ok(());
-        }
-        let (r64, d64, t64) = (
-            i64_of(K, "rows", rows)?,
-            i64_of(K, "dim", dim)?,
-            i64_of(K, "tokens", tokens)?,
-        );
-        let mut state = self.lock();
-        let mut l = self.stream.launch_builder(&self.f.embedding_fwd);
-        l.arg(ids)
-            .arg(table)
-            .arg(&r64)
-            .arg(&d64)
-            .arg(&t64)
-            .arg(out)
-            .arg(&mut state.status);
-        // SAFETY: argument order as `embedding_fwd`; lengths checked, ids range-checked on
-        // the device.
-        unsafe { l.launch(row_cfg(tokens, TOKEN_BLOCK)) }.during(K)?;
-        Ok(())
+        self.launch_embedding(K, &self.f.embedding_fwd, ids, table, rows, dim, out)
     }
 
     /// Backward of [`ModelOps::embedding`]: `dtable[ids[t], :] += dout[t, :]`,
@@ -333,25 +313,44 @@ impl ModelOps {
         let tokens = ids.len();
         check_len(K, "dtable", mul(K, "rows × dim", rows, dim)?, dtable.len())?;
         check_len(K, "dout", mul(K, "tokens × dim", tokens, dim)?, dout.len())?;
+        self.launch_embedding(K, &self.f.embedding_bwd, ids, dout, rows, dim, dtable)
+    }
+
+    /// Launches `embedding_fwd` or `embedding_bwd`, which take the same arguments `(ids,
+    /// src, rows, dim, tokens, dst, status)`, one block per token; the caller has checked
+    /// `src` and `dst` against `rows × dim` and `tokens × dim`.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_embedding(
+        &self,
+        k: &'static str,
+        kernel: &CudaFunction,
+        ids: &CudaView<'_, u32>,
+        src: &CudaView<'_, f32>,
+        rows: usize,
+        dim: usize,
+        dst: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let tokens = ids.len();
         if tokens == 0 || dim == 0 {
             return Ok(());
         }
         let (r64, d64, t64) = (
-            i64_of(K, "rows", rows)?,
-            i64_of(K, "dim", dim)?,
-            i64_of(K, "tokens", tokens)?,
+            i64_of(k, "rows", rows)?,
+            i64_of(k, "dim", dim)?,
+            i64_of(k, "tokens", tokens)?,
         );
         let mut state = self.lock();
-        let mut l = self.stream.launch_builder(&self.f.embedding_bwd);
+        let mut l = self.stream.launch_builder(kernel);
         l.arg(ids)
-            .arg(dout)
+            .arg(src)
             .arg(&r64)
             .arg(&d64)
             .arg(&t64)
-            .arg(dtable)
+            .arg(dst)
             .arg(&mut state.status);
-        // SAFETY: argument order as `embedding_bwd`; lengths checked above.
-        unsafe { l.launch(row_cfg(tokens, TOKEN_BLOCK)) }.during(K)?;
+        // SAFETY: argument order as both kernels declare it; lengths checked by the
+        // callers, ids range-checked on the device.
+        unsafe { l.launch(row_cfg(tokens, TOKEN_BLOCK)) }.during(k)?;
         Ok(())
     }
 
