@@ -317,10 +317,11 @@ pub fn linear_backward_in(
         bias_backward(dout, m, db);
     }
     let p = precision.for_rows(n);
-    let (dout, x, w) = (p.rounded(dout), p.rounded(x), p.rounded(w));
+    let (dout, x) = (p.rounded(dout), p.rounded(x));
 
     if let Some(dx) = dx {
-        // dx[n, k] += dout[n, m] · w[m, k]
+        // dx[n, k] += dout[n, m] · w[m, k]; `w` is only needed (and rounded) here
+        let w = p.rounded(w);
         let d = MatmulDims { n, k: m, m: k };
         // SAFETY: lengths checked above; `dx` is a unique borrow with row-major strides.
         unsafe {
