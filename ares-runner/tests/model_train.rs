@@ -12,11 +12,11 @@ use ares_runner::backend::{Backend, View, ViewMut};
 use ares_runner::hf::checkpoint::Checkpoint;
 use ares_runner::hf::tensor_files::SaveDtype;
 use ares_runner::hf::weights::expected_tensors;
-use ares_runner::model::{AdamW, AdamWConfig, Grads, Inputs, Model, ModelError};
+use ares_runner::model::{AdamW, AdamWConfig, Grads, Model, ModelError};
 use safetensors::{Dtype, SafeTensors};
 
 mod common;
-use common::{fixture, rel_err, u32s};
+use common::{Batch, batch, fixture, rel_err};
 
 const MODELS: [&str; 3] = ["qwen2_tiny", "qwen3_tiny", "llama_tiny"];
 
@@ -24,61 +24,6 @@ fn load(name: &str) -> (Checkpoint, Model<CpuBackend>) {
     let checkpoint = Checkpoint::load(&fixture(name)).unwrap();
     let model = Model::from_checkpoint(CpuBackend, &checkpoint).unwrap();
     (checkpoint, model)
-}
-
-/// One input set of a fixture with a loss on it: next-token targets, and per-token
-/// coefficients ∂L/∂logπ (nonzero at valid positions that have a next valid token).
-struct Batch {
-    batch: usize,
-    seq: usize,
-    input_ids: Vec<u32>,
-    attention_mask: Vec<u32>,
-    position_ids: Vec<u32>,
-    targets: Vec<u32>,
-    coeffs: Vec<f32>,
-}
-
-impl Batch {
-    fn inputs(&self) -> Inputs<'_> {
-        Inputs {
-            batch: self.batch,
-            seq: self.seq,
-            input_ids: &self.input_ids,
-            attention_mask: &self.attention_mask,
-            position_ids: &self.position_ids,
-        }
-    }
-}
-
-/// The fixture's input set `set` (`right` or `left` padded) with next-token targets and
-/// coefficients of both signs.
-fn batch(name: &str, set: &str) -> Batch {
-    let bytes = std::fs::read(fixture(name).join("expected.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let (shape, input_ids) = u32s(&st, &format!("{set}.input_ids"));
-    let (_, attention_mask) = u32s(&st, &format!("{set}.attention_mask"));
-    let (_, position_ids) = u32s(&st, &format!("{set}.position_ids"));
-    let (batch, seq) = (shape[0], shape[1]);
-    let mut targets = vec![0u32; batch * seq];
-    let mut coeffs = vec![0.0f32; batch * seq];
-    for b in 0..batch {
-        for t in 0..seq - 1 {
-            let (i, next) = (b * seq + t, b * seq + t + 1);
-            if attention_mask[i] == 1 && attention_mask[next] == 1 {
-                targets[i] = input_ids[next];
-                coeffs[i] = [-0.4, 0.25, -1.1, 0.6][(i * 7) % 4];
-            }
-        }
-    }
-    Batch {
-        batch,
-        seq,
-        input_ids,
-        attention_mask,
-        position_ids,
-        targets,
-        coeffs,
-    }
 }
 
 /// `∂L/∂logits` of `Σ_t c_t·logπ_t` at temperature `t`, from the logits in f64.
