@@ -8,6 +8,13 @@
 //! | [`KlEstimator::Abs`] | \|δ\| | sign(δ), 0 at δ = 0 |
 //! | [`KlEstimator::K2`] | δ²/2 | δ |
 //! | [`KlEstimator::K3`] (`low_var_kl`) | x = clamp(−δ, −20, 20), k = clamp(eˣ − x − 1, −10, 10) | 1 − eˣ, 0 where a clamp is active |
+//! | [`KlEstimator::K1Plus`] (`k1+`) | k1's δ | k2's δ |
+//! | [`KlEstimator::K3Plus`] (`k3+`) | k3's value | k2's δ |
+//!
+//! The `+` estimators are straight-through (verl's `k1+` / `k3+`): k1 and k3 are unbiased
+//! estimates of the KL's *value*, but their expected gradient is not the KL's gradient; k2's
+//! is (for samples from π). So the loss reports k1 or k3 while its gradient is k2's, δ,
+//! which has no clamp.
 //!
 //! **Dynamic token-level KL** (ARES, `dynamic_kl`): token t of row r is weighted by
 //! `β_t = β_r · (hwe_t ? low_ratio : 1)`, where `β_r` is the sample's coefficient (its
@@ -55,24 +62,42 @@ pub enum KlEstimator {
     /// The default: the estimator of the KL loss term.
     #[default]
     K3,
+    /// `k1+`: the value of k1 with the gradient of k2 (straight-through).
+    K1Plus,
+    /// `k3+`: the value of k3 with the gradient of k2 (straight-through).
+    K3Plus,
 }
 
 impl KlEstimator {
     /// Every estimator, in declaration order.
-    pub const ALL: [KlEstimator; 4] = [
+    pub const ALL: [KlEstimator; 6] = [
         KlEstimator::K1,
         KlEstimator::Abs,
         KlEstimator::K2,
         KlEstimator::K3,
+        KlEstimator::K1Plus,
+        KlEstimator::K3Plus,
     ];
 
-    /// The configuration name: `"k1"`, `"abs"`, `"k2"`, `"k3"`.
+    /// The configuration name: `"k1"`, `"abs"`, `"k2"`, `"k3"`, `"k1+"`, `"k3+"`.
     pub fn name(self) -> &'static str {
         match self {
             KlEstimator::K1 => "k1",
             KlEstimator::Abs => "abs",
             KlEstimator::K2 => "k2",
             KlEstimator::K3 => "k3",
+            KlEstimator::K1Plus => "k1+",
+            KlEstimator::K3Plus => "k3+",
+        }
+    }
+
+    /// The estimator whose *value* this one reports: k1 for `k1+`, k3 for `k3+`, itself
+    /// otherwise (a value-only kernel needs nothing else).
+    pub fn value_estimator(self) -> KlEstimator {
+        match self {
+            KlEstimator::K1Plus => KlEstimator::K1,
+            KlEstimator::K3Plus => KlEstimator::K3,
+            other => other,
         }
     }
 
@@ -84,6 +109,8 @@ impl KlEstimator {
             "abs" => Some(KlEstimator::Abs),
             "k2" | "mse" => Some(KlEstimator::K2),
             "k3" | "low_var_kl" => Some(KlEstimator::K3),
+            "k1+" | "kl+" => Some(KlEstimator::K1Plus),
+            "k3+" | "low_var_kl+" => Some(KlEstimator::K3Plus),
             _ => None,
         }
     }
@@ -119,7 +146,8 @@ pub fn kl_penalty<F: Float>(logp: F, logp_ref: F, estimator: KlEstimator) -> F {
 /// - k1: `(δ, 1)`; k2: `(δ²/2, δ)`;
 /// - abs: `(|δ|, sign δ)`, with the subgradient 0 chosen at δ = 0;
 /// - k3: `(k, 1 − eˣ)` with x = −δ, and derivative 0 wherever either clamp is active
-///   (|δ| > 20 or eˣ − x − 1 > 10, i.e. roughly δ < −2.6 or δ > 11).
+///   (|δ| > 20 or eˣ − x − 1 > 10, i.e. roughly δ < −2.6 or δ > 11);
+/// - k1+: `(δ, δ)`; k3+: `(k3's k, δ)` (straight-through: k2's gradient, no clamp).
 ///
 /// Total; NaN inputs give a NaN value (see [`kl_penalty`]).
 #[inline]
@@ -130,6 +158,8 @@ pub fn kl_penalty_and_grad<F: Float>(logp: F, logp_ref: F, estimator: KlEstimato
         KlEstimator::Abs => Abs::eval(delta),
         KlEstimator::K2 => K2::eval(delta),
         KlEstimator::K3 => K3::eval(delta),
+        KlEstimator::K1Plus => K1Plus::eval(delta),
+        KlEstimator::K3Plus => K3Plus::eval(delta),
     }
 }
 
@@ -153,6 +183,8 @@ struct K1;
 struct Abs;
 struct K2;
 struct K3;
+struct K1Plus;
+struct K3Plus;
 
 impl Estimate for K1 {
     #[inline(always)]
@@ -194,6 +226,20 @@ impl Estimate for K3 {
         let hi = cast::<F>(K3_VALUE_CLAMP);
         let clamped = k > hi;
         (select(clamped, hi, k), select(clamped, F::zero(), -em1))
+    }
+}
+
+impl Estimate for K1Plus {
+    #[inline(always)]
+    fn eval<F: Float>(d: F) -> (F, F) {
+        (d, d)
+    }
+}
+
+impl Estimate for K3Plus {
+    #[inline(always)]
+    fn eval<F: Float>(d: F) -> (F, F) {
+        (K3::eval(d).0, d)
     }
 }
 
@@ -434,6 +480,10 @@ pub fn token_kl<F: Float>(
         (KlEstimator::K2, Some(_)) => run::<F, K2, true>(&args, out),
         (KlEstimator::K3, None) => run::<F, K3, false>(&args, out),
         (KlEstimator::K3, Some(_)) => run::<F, K3, true>(&args, out),
+        (KlEstimator::K1Plus, None) => run::<F, K1Plus, false>(&args, out),
+        (KlEstimator::K1Plus, Some(_)) => run::<F, K1Plus, true>(&args, out),
+        (KlEstimator::K3Plus, None) => run::<F, K3Plus, false>(&args, out),
+        (KlEstimator::K3Plus, Some(_)) => run::<F, K3Plus, true>(&args, out),
     }
 }
 
@@ -1190,7 +1240,48 @@ mod tests {
         assert!((a.value() - 0.102).abs() < 1e-15);
     }
 
+    #[test]
+    fn straight_through_estimators() {
+        // spec vector 8's pair: k3 = e^−0.5 − 0.5 = 0.1065307, δ = 0.5
+        let (v, g) = kl_penalty_and_grad(-1.0, -1.5, KlEstimator::K3Plus);
+        assert!((v - 0.106_530_659_712_633_4).abs() < 1e-15 && g == 0.5);
+        assert_eq!(
+            kl_penalty_and_grad(-1.0, -1.5, KlEstimator::K1Plus),
+            (0.5, 0.5)
+        );
+        // beyond k3's clamps the value is clamped, the gradient is still δ (no clamp)
+        assert_eq!(
+            kl_penalty_and_grad(-30.0, 0.0, KlEstimator::K3Plus),
+            (10.0, -30.0)
+        );
+        assert_eq!(
+            kl_penalty_and_grad(25.0, 0.0, KlEstimator::K3Plus),
+            (10.0, 25.0)
+        );
+        assert_eq!(KlEstimator::from_name("k3+"), Some(KlEstimator::K3Plus));
+        assert_eq!(
+            KlEstimator::from_name("low_var_kl+"),
+            Some(KlEstimator::K3Plus)
+        );
+        assert_eq!(KlEstimator::from_name("kl+"), Some(KlEstimator::K1Plus));
+        assert_eq!(KlEstimator::from_name("k2+"), None);
+        for e in KlEstimator::ALL {
+            assert_eq!(e.value_estimator().value_estimator(), e.value_estimator());
+        }
+    }
+
     proptest! {
+        /// `k1+`/`k3+`: the value of k1/k3 and the derivative of k2, everywhere.
+        #[test]
+        fn plus_is_value_of_base_and_gradient_of_k2(lp in -40.0f64..5.0, lr in -40.0f64..5.0) {
+            for (plus, base) in [(KlEstimator::K1Plus, KlEstimator::K1), (KlEstimator::K3Plus, KlEstimator::K3)] {
+                let (v, g) = kl_penalty_and_grad(lp, lr, plus);
+                prop_assert_eq!(v, kl_penalty(lp, lr, base));
+                prop_assert_eq!(g, kl_penalty_and_grad(lp, lr, KlEstimator::K2).1);
+                prop_assert_eq!(plus.value_estimator(), base);
+            }
+        }
+
         #[test]
         fn k3_nonnegative_and_close_to_reference(lp in -60.0f64..5.0, lr in -60.0f64..5.0) {
             let k = kl_penalty(lp, lr, KlEstimator::K3);
@@ -1227,7 +1318,7 @@ mod tests {
         fn fused_matches_reference(
             rows in 1usize..4,
             cols in 0usize..40,
-            e in 0usize..4,
+            e in 0usize..6,
             hwe in any::<bool>(),
             low in 0.0f64..=1.0,
             raw in proptest::collection::vec((-6.0f64..0.0, -6.0f64..0.0, 0u8..4, any::<bool>()), 1..160),

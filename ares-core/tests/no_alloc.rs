@@ -23,8 +23,9 @@ use ares_core::kl::{
 };
 use ares_core::length::{GrpoLambda, grpo_lambda_rewards};
 use ares_core::loss::{
-    LossAggMode, PolicyLossConfig, PolicyLossInput, aggregate, aggregate_term, aggregate_weights,
-    policy_loss, ppo_token_loss,
+    ClipCovParams, GspoLevel, KlCovParams, LossAggMode, PolicyLossConfig, PolicyLossInput,
+    aggregate, aggregate_term, aggregate_weights, cispo_loss, clip_cov_loss, gspo_loss,
+    kl_cov_loss, policy_loss, ppo_token_loss,
 };
 use ares_core::rubric::{
     GradedSchedule, RevealRule, RubricPrompt, StepRule, rubric_score, select_criteria,
@@ -316,6 +317,7 @@ fn loss_length_filter_rubric_allocate_nothing() {
         .collect();
     let logp_old: Vec<f64> = b.logp.iter().map(|l| l + 0.01).collect();
     let (mut grad, mut weights) = (vec![0.0; ROWS * COLS], vec![0.0; ROWS * COLS]);
+    let mut scratch = vec![0usize; ROWS * COLS];
     let (mut order, mut top, mut rewards) = (vec![0usize; P], vec![false; P], vec![0.0; ROWS]);
     let (mut means, mut keep, mut keep_rows) = (vec![0.0; P], vec![false; P], vec![false; ROWS]);
     let criteria: Vec<(&str, f64)> = (0..10)
@@ -335,12 +337,7 @@ fn loss_length_filter_rubric_allocate_nothing() {
     };
     assert_no_alloc("loss", || {
         ppo_token_loss(-1.0, -1.2, 1.0, &Default::default()).unwrap();
-        for mode in [
-            LossAggMode::TokenMean,
-            LossAggMode::SeqMeanTokenSum,
-            LossAggMode::SeqMeanTokenMean,
-            LossAggMode::SeqMeanTokenSumNorm,
-        ] {
+        for mode in LossAggMode::ALL {
             aggregate(b.shape, &advantages, &b.mask, mode).unwrap();
             aggregate_weights(b.shape, &b.mask, mode, &mut weights).unwrap();
             aggregate_term(b.shape, &advantages, &mut weights, &b.mask, mode).unwrap();
@@ -353,7 +350,24 @@ fn loss_length_filter_rubric_allocate_nothing() {
             mask: &b.mask,
             logp_rollout: None,
         };
-        policy_loss(&input, &PolicyLossConfig::default(), &mut grad).unwrap();
+        let cfg = PolicyLossConfig::default();
+        policy_loss(&input, &cfg, &mut grad).unwrap();
+        for level in [GspoLevel::Sequence, GspoLevel::Token] {
+            gspo_loss(&input, &cfg, level, &mut grad).unwrap();
+        }
+        cispo_loss(&input, &cfg, &mut grad).unwrap();
+        let clip_cov = ClipCovParams {
+            ratio: 0.3,
+            lb: -1.0,
+            ub: 1.0,
+            seed: 3,
+        };
+        clip_cov_loss(&input, &cfg, &clip_cov, &mut scratch, &mut grad).unwrap();
+        let kl_cov = KlCovParams {
+            ratio: 0.3,
+            coef: 1.0,
+        };
+        kl_cov_loss(&input, &cfg, &kl_cov, &mut scratch, &mut grad).unwrap();
     });
     assert_no_alloc("length", || {
         let params = GrpoLambda::default();

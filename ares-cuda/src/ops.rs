@@ -430,11 +430,12 @@ impl Cuda {
                 .during("zeroing the KL total");
         }
         let grid = grid_rows(KERNEL, rows)?;
-        let est: i32 = match estimator {
-            KlEstimator::K1 => 0,
+        // The kernel computes values only, so `k1+`/`k3+` run as k1/k3.
+        let est: i32 = match estimator.value_estimator() {
+            KlEstimator::K1 | KlEstimator::K1Plus => 0,
             KlEstimator::Abs => 1,
             KlEstimator::K2 => 2,
-            KlEstimator::K3 => 3,
+            KlEstimator::K3 | KlEstimator::K3Plus => 3,
         };
         let cols_i64 = cols as i64;
         let mut launch = self

@@ -9,7 +9,10 @@ use ares_core::kl::{
 };
 use ares_fuzz::Bytes;
 
-const NAMES: [&str; 9] = [
+const NAMES: [&str; 12] = [
+    "k1+",
+    "k3+",
+    "k2+",
     "k1",
     "kl",
     "abs",
@@ -44,7 +47,7 @@ fn to32(v: &[f64]) -> Vec<f32> {
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let mut b = Bytes::new(data);
-    let est = KlEstimator::ALL[b.size(3)];
+    let est = KlEstimator::ALL[b.size(KlEstimator::ALL.len() - 1)];
 
     // scalar estimators
     let _ = kl_penalty(b.f64(), b.f64(), est);

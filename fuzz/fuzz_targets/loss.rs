@@ -1,20 +1,18 @@
 #![no_main]
-//! Fuzzes `ares_core::loss`: every public function with arbitrary shapes, mismatched
-//! lengths, NaN/∞, invalid masks and parameters. Results are ignored; nothing may panic.
+//! Fuzzes `ares_core::loss`: every public function (PPO, GSPO at both levels, CISPO,
+//! Clip-Cov, KL-Cov, aggregation, importance weights) with arbitrary shapes, mismatched
+//! lengths, NaN/∞, invalid masks, parameters and scratch. Results are ignored; nothing may
+//! panic.
 
 use ares_core::Shape;
 use ares_core::loss::{
-    ClipParams, IsCorrection, IsMode, LossAggMode, PolicyLossConfig, PolicyLossInput, aggregate,
-    aggregate_term, aggregate_weights, is_weight, policy_loss, ppo_token_loss,
+    ClipCovParams, ClipParams, GspoLevel, IsCorrection, IsMode, KlCovParams, LossAggMode,
+    PolicyLossConfig, PolicyLossInput, aggregate, aggregate_term, aggregate_weights, cispo_loss,
+    clip_cov_loss, gspo_loss, is_weight, kl_cov_loss, policy_loss, ppo_token_loss,
 };
 use ares_fuzz::Bytes;
 
-const MODES: [LossAggMode; 4] = [
-    LossAggMode::TokenMean,
-    LossAggMode::SeqMeanTokenSum,
-    LossAggMode::SeqMeanTokenMean,
-    LossAggMode::SeqMeanTokenSumNorm,
-];
+const MODES: [LossAggMode; 5] = LossAggMode::ALL;
 const IS_MODES: [IsMode; 4] = [
     IsMode::None,
     IsMode::Tis,
@@ -86,7 +84,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let mut grad = vec![0.0; len_near(&mut b, len)];
     let config = PolicyLossConfig {
         clip: clip(&mut b),
-        agg: MODES[b.size(3)],
+        agg: MODES[b.size(4)],
         is_correction: correction(&mut b),
     };
     let input = PolicyLossInput {
@@ -98,8 +96,32 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         logp_rollout: if b.bool() { Some(&rollout) } else { None },
     };
     let _ = policy_loss(&input, &config, &mut grad);
+    let level = if b.bool() {
+        GspoLevel::Sequence
+    } else {
+        GspoLevel::Token
+    };
+    let _ = gspo_loss(&input, &config, level, &mut grad);
+    let _ = cispo_loss(&input, &config, &mut grad);
+    let mut scratch = vec![0usize; len_near(&mut b, len)];
+    let clip_cov = if b.bool() {
+        ClipCovParams::default()
+    } else {
+        ClipCovParams {
+            ratio: b.f64(),
+            lb: b.f64(),
+            ub: b.f64(),
+            seed: u64::from(b.u32()),
+        }
+    };
+    let _ = clip_cov_loss(&input, &config, &clip_cov, &mut scratch, &mut grad);
+    let kl_cov = KlCovParams {
+        ratio: b.f64(),
+        coef: b.f64(),
+    };
+    let _ = kl_cov_loss(&input, &config, &kl_cov, &mut scratch, &mut grad);
 
-    let mode = MODES[b.size(3)];
+    let mode = MODES[b.size(4)];
     let _ = aggregate(shape, &logp, &mask, mode);
     let _ = aggregate_weights(shape, &mask, mode, &mut grad);
     let mut g2 = adv.clone();
@@ -143,6 +165,20 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         },
     };
     let _ = policy_loss(&input32, &config32, &mut g32);
+    let _ = gspo_loss(&input32, &config32, level, &mut g32);
+    let _ = cispo_loss(&input32, &config32, &mut g32);
+    let clip_cov32 = ClipCovParams {
+        ratio: clip_cov.ratio as f32,
+        lb: clip_cov.lb as f32,
+        ub: clip_cov.ub as f32,
+        seed: clip_cov.seed,
+    };
+    let _ = clip_cov_loss(&input32, &config32, &clip_cov32, &mut scratch, &mut g32);
+    let kl_cov32 = KlCovParams {
+        ratio: kl_cov.ratio as f32,
+        coef: kl_cov.coef as f32,
+    };
+    let _ = kl_cov_loss(&input32, &config32, &kl_cov32, &mut scratch, &mut g32);
     let _ = aggregate(shape, &lp32, &m32, mode);
 
     // names

@@ -175,9 +175,10 @@ fn vector_10_aggregation() {
     let s = Shape::new(2, 3);
     for (mode, want) in [
         (LossAggMode::TokenMean, 2.5),
+        (LossAggMode::TokenSum, 10.0),
         (LossAggMode::SeqMeanTokenSum, 5.0),
         (LossAggMode::SeqMeanTokenMean, 3.0),
-        (LossAggMode::SeqMeanTokenSumNorm, 3.333_333_3),
+        (LossAggMode::SeqMeanTokenSumNorm, 1.666_666_7),
     ] {
         let got = aggregate(s, &l, &m, mode).unwrap();
         close(got, want, 1e-7, &format!("vector 10: {}", mode.name()));

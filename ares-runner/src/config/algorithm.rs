@@ -97,6 +97,12 @@ pub enum KlPenalty {
     /// accepted as `k3`.
     #[serde(alias = "k3")]
     LowVarKl,
+    /// `k1+`: the value of k1 with the gradient of k2 (straight-through, as verl's `k1+`).
+    #[serde(rename = "k1+", alias = "kl+")]
+    K1Plus,
+    /// `k3+`: the value of k3 with the gradient of k2 (straight-through, as verl's `k3+`).
+    #[serde(rename = "k3+", alias = "low_var_kl+")]
+    K3Plus,
 }
 
 impl KlPenalty {
@@ -107,6 +113,8 @@ impl KlPenalty {
             KlPenalty::Abs => "abs",
             KlPenalty::Mse => "mse",
             KlPenalty::LowVarKl => "low_var_kl",
+            KlPenalty::K1Plus => "k1+",
+            KlPenalty::K3Plus => "k3+",
         }
     }
 }

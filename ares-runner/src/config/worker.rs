@@ -9,6 +9,9 @@ pub enum LossAggMode {
     /// `Σ m·L / Σ m` over the mini-batch. Also accepted as `token_mean`.
     #[serde(rename = "token-mean", alias = "token_mean")]
     TokenMean,
+    /// `Σ m·L` over the mini-batch (no normalisation). Also accepted as `token_sum`.
+    #[serde(rename = "token-sum", alias = "token_sum")]
+    TokenSum,
     /// Mean over sequences of `Σ_t m·L`. Also accepted as `seq_mean_token_sum`.
     #[serde(rename = "seq-mean-token-sum", alias = "seq_mean_token_sum")]
     SeqMeanTokenSum,
@@ -16,7 +19,8 @@ pub enum LossAggMode {
     /// `seq_mean_token_mean`.
     #[serde(rename = "seq-mean-token-mean", alias = "seq_mean_token_mean")]
     SeqMeanTokenMean,
-    /// `Σ m·L / T` with T the padded length. Also accepted as `seq_mean_token_sum_norm`.
+    /// `Σ m·L / (R·T)`: R sequences with a response token, T the padded length (Dr.GRPO; verl
+    /// ≥ 0.8). Also accepted as `seq_mean_token_sum_norm`.
     #[serde(rename = "seq-mean-token-sum-norm", alias = "seq_mean_token_sum_norm")]
     SeqMeanTokenSumNorm,
 }
@@ -26,6 +30,7 @@ impl LossAggMode {
     pub const fn name(self) -> &'static str {
         match self {
             LossAggMode::TokenMean => "token-mean",
+            LossAggMode::TokenSum => "token-sum",
             LossAggMode::SeqMeanTokenSum => "seq-mean-token-sum",
             LossAggMode::SeqMeanTokenMean => "seq-mean-token-mean",
             LossAggMode::SeqMeanTokenSumNorm => "seq-mean-token-sum-norm",

@@ -5,8 +5,9 @@
 //! Micro-batches: a mini-batch's loss is the aggregate over all its rows; every mode of
 //! [`LossAggMode`] splits into micro-batch aggregates times a constant `scale` (the
 //! micro-batch's share of the mini-batch's valid tokens for `token-mean`, of its non-empty
-//! rows for the `seq-mean` modes, 1 for `seq-mean-token-sum-norm` whose divisor is the
-//! step-wide column count `T`), so gradient accumulation reproduces the full-batch gradient.
+//! rows for the three `seq-mean` modes — `seq-mean-token-sum-norm` divides by `R·T` and every
+//! micro-batch of a step shares `T` — and 1 for `token-sum`), so gradient accumulation
+//! reproduces the full-batch gradient exactly.
 
 use ares_core::Shape;
 use ares_core::kl::{KlCoefficient, KlEstimator, TokenKlConfig, TokenKlOutputs, token_kl};
@@ -77,10 +78,10 @@ pub fn micro_scale(
     let ratio = |a: usize, b: usize| if b == 0 { 0.0 } else { a as f32 / b as f32 };
     match mode {
         LossAggMode::TokenMean => ratio(micro_tokens, mini_tokens),
-        LossAggMode::SeqMeanTokenSum | LossAggMode::SeqMeanTokenMean => {
-            ratio(micro_rows, mini_rows)
-        }
-        LossAggMode::SeqMeanTokenSumNorm => 1.0,
+        LossAggMode::TokenSum => 1.0,
+        LossAggMode::SeqMeanTokenSum
+        | LossAggMode::SeqMeanTokenMean
+        | LossAggMode::SeqMeanTokenSumNorm => ratio(micro_rows, mini_rows),
     }
 }
 
@@ -221,7 +222,64 @@ mod tests {
         assert_eq!(micro_scale(m, 3, 12, 1, 4), 0.25);
         assert_eq!(
             micro_scale(LossAggMode::SeqMeanTokenSumNorm, 3, 12, 1, 4),
-            1.0
+            0.25
         );
+        assert_eq!(micro_scale(LossAggMode::TokenSum, 3, 12, 1, 4), 1.0);
+    }
+
+    /// Every mode: the scaled micro-batch losses and coefficients of a split mini-batch sum to
+    /// the whole mini-batch's (rows of different lengths, one row without a response token).
+    #[test]
+    fn micro_batches_reproduce_the_mini_batch() {
+        let cols = 3;
+        let mask = [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0];
+        let logp = [
+            -1.0, -0.5, -2.0, -0.3, 0.0, 0.0, 0.0, 0.0, 0.0, -1.2, -0.7, 0.0,
+        ];
+        let old = [
+            -1.1, -0.4, -2.0, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0, -1.0, -0.7, 0.0,
+        ];
+        let adv = [1.0, 1.0, 1.0, -0.5, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0, 2.0, 0.0];
+        let rows_of = |r: std::ops::Range<usize>| {
+            let s = r.start * cols..r.end * cols;
+            let m = &mask[s.clone()];
+            (
+                MicroBatch {
+                    shape: Shape {
+                        rows: r.len(),
+                        cols,
+                    },
+                    mask: m,
+                    logp: &logp[s.clone()],
+                    logp_old: &old[s.clone()],
+                    logp_rollout: None,
+                    advantages: &adv[s],
+                },
+                m.iter().filter(|&&x| x != 0.0).count(),
+                m.chunks(cols).filter(|r| r.contains(&1.0)).count(),
+            )
+        };
+        for mode in LossAggMode::ALL {
+            let cfg = PolicyLossConfig {
+                agg: mode,
+                ..PolicyLossConfig::default()
+            };
+            let (whole, tokens, rows) = rows_of(0..4);
+            let mut want = [0.0f32; 12];
+            let full = micro_loss(&whole, &cfg, None, 1.0, &mut want).unwrap();
+            let mut got = [0.0f32; 12];
+            let mut loss = 0.0;
+            for (split, at) in [(0..2, 0), (2..4, 6)] {
+                let (micro, t, r) = rows_of(split);
+                let scale = micro_scale(mode, t, tokens, r, rows);
+                loss += micro_loss(&micro, &cfg, None, scale, &mut got[at..at + 6])
+                    .unwrap()
+                    .pg_loss;
+            }
+            assert!((loss - full.pg_loss).abs() < 1e-6, "{}", mode.name());
+            for (g, w) in got.iter().zip(&want) {
+                assert!((g - w).abs() < 1e-6, "{}: {got:?} vs {want:?}", mode.name());
+            }
+        }
     }
 }

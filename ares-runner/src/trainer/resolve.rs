@@ -146,6 +146,8 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
         config::KlPenalty::Abs => KlEstimator::Abs,
         config::KlPenalty::Mse => KlEstimator::K2,
         config::KlPenalty::LowVarKl => KlEstimator::K3,
+        config::KlPenalty::K1Plus => KlEstimator::K1Plus,
+        config::KlPenalty::K3Plus => KlEstimator::K3Plus,
     };
     let kl_off = matches!(control, KlControl::Fixed(b) if b == 0.0);
     let kl = KlSettings {
@@ -182,6 +184,7 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
 
     let agg = match actor.loss_agg_mode {
         config::LossAggMode::TokenMean => LossAggMode::TokenMean,
+        config::LossAggMode::TokenSum => LossAggMode::TokenSum,
         config::LossAggMode::SeqMeanTokenSum => LossAggMode::SeqMeanTokenSum,
         config::LossAggMode::SeqMeanTokenMean => LossAggMode::SeqMeanTokenMean,
         config::LossAggMode::SeqMeanTokenSumNorm => LossAggMode::SeqMeanTokenSumNorm,

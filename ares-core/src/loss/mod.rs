@@ -1,5 +1,13 @@
-//! PPO clipped / dual-clipped policy loss with its exact gradient, the loss aggregation
-//! modes, and the rollout importance correction (spec §6).
+//! Policy losses with their exact gradients, the loss aggregation modes, and the rollout
+//! importance correction (spec §6).
+//!
+//! | loss | per-token objective | function |
+//! |---|---|---|
+//! | PPO clip / dual clip | `max(−A·r, −A·clip(r))`, capped at `−A·c` for A < 0 | [`policy_loss`] |
+//! | GSPO | the same clip on the sequence ratio `s = exp(mean_t ℓ_t)` | [`gspo_loss`] |
+//! | CISPO | `−sg(clip(r))·A·logπ` | [`cispo_loss`] |
+//! | Clip-Cov | PPO clip; a few high-covariance tokens get no gradient | [`clip_cov_loss`] |
+//! | KL-Cov | `−A·r`, plus `coef·|ℓ|` on the top-covariance tokens | [`kl_cov_loss`] |
 //!
 //! Everything here returns `dLoss/dlogπ` next to the loss, so a runtime with a hand-written
 //! backward pass (the fused classifier of the runner) needs no autodiff: the gradient with
@@ -7,6 +15,17 @@
 //!
 //! Positions whose mask is 0 (padding) are never read for their values: they may hold
 //! anything, NaN included, and their gradient outputs are 0.
+
+mod cispo;
+mod cov;
+mod gspo;
+
+pub use cispo::cispo_loss;
+pub use cov::{
+    CLIP_COV_LB, CLIP_COV_RATIO, CLIP_COV_UB, ClipCovParams, KL_COV_RATIO, KlCovParams,
+    PPO_KL_COEF, clip_cov_loss, kl_cov_loss,
+};
+pub use gspo::{GSPO_LOG_RATIO_MAX, GspoLevel, gspo_loss};
 
 use crate::error::{Error, Result};
 use crate::lanes::{self, BLOCK, Block, bad_value, select};
@@ -118,16 +137,11 @@ impl<F: Float> Clip<F> {
     #[inline(always)]
     fn token(&self, d: F, a: F) -> TokenLoss<F> {
         let neg_a = -a;
-        // torch.clamp passes the gradient on the closed interval; so do we.
+        // Live on the closed interval (see the tie convention of `ppo_token_loss`).
         let live = d >= -self.bound && d <= self.bound;
         let ratio = exp_bounded(d.max(-self.bound).min(self.bound));
-        let l1 = neg_a * ratio;
-        let l2 = neg_a * ratio.max(self.lo).min(self.hi);
-        // L2 > L1 implies the clamp changed r, so the selected constant has zero slope.
-        let clipped = l2 > l1;
-        // Selects rather than branches: the sign of A is data-dependent.
-        let lc = if clipped { l2 } else { l1 };
-        let gc = if clipped | !live { F::zero() } else { l1 };
+        let (lc, slope, clipped) = clipped_surrogate(ratio, a, self.lo, self.hi);
+        let gc = if live { slope } else { F::zero() };
         let l3 = neg_a * self.c;
         let dual_clipped = self.dual & (a < F::zero()) & (l3 < lc);
         let loss = if dual_clipped { l3 } else { lc };
@@ -142,6 +156,24 @@ impl<F: Float> Clip<F> {
     }
 }
 
+/// PPO's clipped surrogate `Lc = max(L1, L2)`, `L1 = −A·r`, `L2 = −A·clamp(r, lo, hi)`, for a
+/// ratio `r > 0`: `(Lc, dLc/dlog r, L2 > L1)`. The slope is `L1` (= `−A·r`) where L1 is
+/// selected and 0 where the clip is (`L2 > L1` implies the clamp changed r, so the selected
+/// constant has zero slope); a tie takes L1.
+#[inline(always)]
+fn clipped_surrogate<F: Float>(ratio: F, a: F, lo: F, hi: F) -> (F, F, bool) {
+    let neg_a = -a;
+    let l1 = neg_a * ratio;
+    let l2 = neg_a * ratio.max(lo).min(hi);
+    let clipped = l2 > l1;
+    // Selects rather than branches: the sign of A is data-dependent.
+    (
+        if clipped { l2 } else { l1 },
+        if clipped { F::zero() } else { l1 },
+        clipped,
+    )
+}
+
 /// The PPO clip / dual-clip loss of one token and its exact derivative.
 ///
 /// ℓ = clamp(logπ − logπ_old, −20, 20), r = eˡ, L1 = −A·r,
@@ -149,10 +181,16 @@ impl<F: Float> Clip<F> {
 /// for A < 0 with dual clip on, L = min(Lc, −A·c), else L = Lc.
 ///
 /// `dL/dlogπ` is the exact piecewise derivative: `−A·r` where L = L1 and the ℓ clamp is
-/// live, 0 where a clamp or clip selects a constant. Ties: the ℓ clamp is live on the closed
-/// interval `[−20, 20]` (torch.clamp's convention); `L1 = L2` takes L1 (both have the same
-/// slope there unless A = 0); `Lc = −A·c` keeps Lc (not dual-clipped). So `clipped` means
-/// `L2 > L1` strictly (verl's clipfrac) and `dual_clipped` means `−A·c < Lc` strictly.
+/// live, 0 where a clamp or clip selects a constant.
+///
+/// Ties (a set of measure zero, where the loss has a kink) take the derivative of the branch
+/// that holds on the open side: the ℓ clamp is live on the closed interval `[−20, 20]`;
+/// `L1 = L2` takes L1 (slope `−A·r`); `Lc = −A·c` keeps Lc (not dual-clipped). So `clipped`
+/// means `L2 > L1` strictly (verl's clipfrac) and `dual_clipped` means `−A·c < Lc` strictly.
+/// Autograd in torch 2.15 differs only at these points: `torch.clamp` passes a zero gradient
+/// at its bounds (x = −20, 20, 1 − ε_low or 1 + ε_high exactly), and `torch.maximum` splits
+/// a tie's gradient equally, so verl gets 0 at ℓ = ±20 and `−A·r/2` at r = 1 + ε_high
+/// (A > 0) or r = 1 − ε_low (A < 0).
 ///
 /// Errors: non-finite `logp`, `logp_old` or `advantage` ([`Error::NonFinite`], index 0);
 /// invalid `clip` ([`ClipParams::validate`]).
@@ -176,8 +214,8 @@ pub fn ppo_token_loss<F: Float>(
 }
 
 /// How per-token losses `L_t` over `[rows, cols]` with mask `m` become one scalar
-/// (verl's `loss_agg_mode`). `n_r = Σ_t m_rt` is the number of valid tokens of row r and
-/// `R` the number of rows with `n_r > 0`.
+/// (verl's `loss_agg_mode`). `n_r = Σ_t m_rt` is the number of valid tokens of row r, `R` the
+/// number of rows with `n_r > 0` and `T = cols` the padded length.
 ///
 /// Rows without a valid token are skipped by the seq-mean modes (they count neither in the
 /// numerator nor in `R`), as current verl does. A batch with no valid token at all is an
@@ -187,20 +225,35 @@ pub enum LossAggMode {
     /// `token-mean`: `Σ m·L / Σ m`. Weight of a valid token: `1 / Σ m`.
     #[default]
     TokenMean,
+    /// `token-sum`: `Σ m·L`. Weight: 1.
+    TokenSum,
     /// `seq-mean-token-sum`: `(1/R) Σ_r Σ_t m·L`. Weight: `1 / R`.
     SeqMeanTokenSum,
     /// `seq-mean-token-mean`: `(1/R) Σ_r (Σ_t m·L / n_r)`. Weight: `1 / (R·n_r)`.
     SeqMeanTokenMean,
-    /// `seq-mean-token-sum-norm` (Dr.GRPO): `Σ m·L / cols`. Weight: `1 / cols`.
+    /// `seq-mean-token-sum-norm` (Dr.GRPO's constant normaliser): `Σ m·L / (R·T)`.
+    /// Weight: `1 / (R·T)`. verl ≥ 0.8 divides by `R·T`; verl 0.5–0.7 divided by `T` alone,
+    /// which is `R` times larger (spec §6).
     SeqMeanTokenSumNorm,
 }
 
 impl LossAggMode {
-    /// The mode named as in the configuration (`"token-mean"`, `"seq-mean-token-sum"`,
-    /// `"seq-mean-token-mean"`, `"seq-mean-token-sum-norm"`); `None` for anything else.
+    /// Every mode, in declaration order.
+    pub const ALL: [LossAggMode; 5] = [
+        LossAggMode::TokenMean,
+        LossAggMode::TokenSum,
+        LossAggMode::SeqMeanTokenSum,
+        LossAggMode::SeqMeanTokenMean,
+        LossAggMode::SeqMeanTokenSumNorm,
+    ];
+
+    /// The mode named as in the configuration (`"token-mean"`, `"token-sum"`,
+    /// `"seq-mean-token-sum"`, `"seq-mean-token-mean"`, `"seq-mean-token-sum-norm"`); `None`
+    /// for anything else.
     pub fn from_name(name: &str) -> Option<Self> {
         match name {
             "token-mean" => Some(LossAggMode::TokenMean),
+            "token-sum" => Some(LossAggMode::TokenSum),
             "seq-mean-token-sum" => Some(LossAggMode::SeqMeanTokenSum),
             "seq-mean-token-mean" => Some(LossAggMode::SeqMeanTokenMean),
             "seq-mean-token-sum-norm" => Some(LossAggMode::SeqMeanTokenSumNorm),
@@ -212,6 +265,7 @@ impl LossAggMode {
     pub fn name(self) -> &'static str {
         match self {
             LossAggMode::TokenMean => "token-mean",
+            LossAggMode::TokenSum => "token-sum",
             LossAggMode::SeqMeanTokenSum => "seq-mean-token-sum",
             LossAggMode::SeqMeanTokenMean => "seq-mean-token-mean",
             LossAggMode::SeqMeanTokenSumNorm => "seq-mean-token-sum-norm",
@@ -227,7 +281,7 @@ struct AggPlan<F> {
     valid: usize,
     inv_total: F,
     inv_rows: F,
-    inv_cols: F,
+    inv_rows_cols: F,
 }
 
 impl<F: Float> AggPlan<F> {
@@ -252,7 +306,8 @@ impl<F: Float> AggPlan<F> {
             valid,
             inv_total: F::one() / cast::<F>(valid as f64),
             inv_rows: F::one() / cast::<F>(rows as f64),
-            inv_cols: F::one() / cast::<F>(shape.cols as f64),
+            // R·T formed in f64: exact below 2^53, where usize·usize could overflow
+            inv_rows_cols: F::one() / cast::<F>(rows as f64 * shape.cols as f64),
         })
     }
 
@@ -262,9 +317,10 @@ impl<F: Float> AggPlan<F> {
     fn row_weight(&self, n_r: usize) -> F {
         match self.mode {
             LossAggMode::TokenMean => self.inv_total,
+            LossAggMode::TokenSum => F::one(),
             LossAggMode::SeqMeanTokenSum => self.inv_rows,
             LossAggMode::SeqMeanTokenMean => self.inv_rows / cast::<F>(n_r.max(1) as f64),
-            LossAggMode::SeqMeanTokenSumNorm => self.inv_cols,
+            LossAggMode::SeqMeanTokenSumNorm => self.inv_rows_cols,
         }
     }
 }
@@ -582,6 +638,9 @@ pub struct PolicyLossOutput<F> {
     pub is_weight_mean: F,
     /// Fraction of valid tokens whose importance weight was truncated, clamped or masked.
     pub is_changed_frac: F,
+    /// Fraction of valid tokens selected by covariance ([`clip_cov_loss`]: gradient removed;
+    /// [`kl_cov_loss`]: KL penalty added); 0 for the other losses.
+    pub selected_frac: F,
     /// Number of valid tokens.
     pub valid_tokens: usize,
 }
@@ -606,15 +665,40 @@ pub fn policy_loss<F: Float>(
     config: &PolicyLossConfig<F>,
     grad: &mut [F],
 ) -> Result<PolicyLossOutput<F>> {
-    let shape = input.shape;
     let clip = Clip::new(&config.clip)?;
+    let Checked { plan, streams, is } = check_input(input, config, grad.len())?;
+    // One monomorphised loop per correction mode keeps the mode out of the inner loop.
+    let bound: F = cast(LOG_RATIO_CLAMP);
+    let acc = match is.mode {
+        IsMode::None => loss_rows(&clip, &plan, &streams, grad, false, |_| (F::one(), false)),
+        _ => loss_rows(&clip, &plan, &streams, grad, true, |d| is.weight(d, bound)),
+    }?;
+    Ok(acc.output(&plan))
+}
+
+/// The validated inputs of a policy loss: aggregation plan, token streams, correction.
+struct Checked<'a, F> {
+    plan: AggPlan<F>,
+    streams: Streams<'a, F>,
+    is: IsCorrection<F>,
+}
+
+/// The checks every policy loss starts with: lengths (`grad` too), the correction and its
+/// rollout stream, the mask (0/1, at least one valid token). Finiteness is checked by the
+/// caller's token loop (or [`Streams::check_finite`]).
+fn check_input<'a, F: Float>(
+    input: &PolicyLossInput<'a, F>,
+    config: &PolicyLossConfig<F>,
+    grad_len: usize,
+) -> Result<Checked<'a, F>> {
+    let shape = input.shape;
     let is = config.is_correction;
     is.validate()?;
     let len = shape.len()?;
     check_len("logp", len, input.logp.len())?;
     check_len("logp_old", len, input.logp_old.len())?;
     check_len("advantages", len, input.advantages.len())?;
-    check_len("grad", len, grad.len())?;
+    check_len("grad", len, grad_len)?;
     // With no correction the rollout stream is never read; logp_old stands in for it.
     let rollout = match (is.mode, input.logp_rollout) {
         (IsMode::None, _) => input.logp_old,
@@ -636,26 +720,10 @@ pub fn policy_loss<F: Float>(
         mask: input.mask,
         rollout,
     };
-    // One monomorphised loop per correction mode keeps the mode out of the inner loop.
-    let bound: F = cast(LOG_RATIO_CLAMP);
-    let acc = match is.mode {
-        IsMode::None => loss_rows(&clip, &plan, &streams, grad, false, |_| (F::one(), false)),
-        _ => loss_rows(&clip, &plan, &streams, grad, true, |d| is.weight(d, bound)),
-    }?;
-    let inv = plan.inv_total;
-    let frac = |n: usize| cast::<F>(n as f64) * inv;
-    Ok(PolicyLossOutput {
-        loss: acc.loss,
-        clipfrac: frac(acc.clipped),
-        clipfrac_lower: frac(acc.dual_clipped),
-        approx_kl: acc.kl * inv,
-        is_weight_mean: acc.w * inv,
-        is_changed_frac: frac(acc.changed),
-        valid_tokens: plan.valid,
-    })
+    Ok(Checked { plan, streams, is })
 }
 
-/// The validated token streams of [`policy_loss`].
+/// The validated token streams of a policy loss.
 struct Streams<'a, F> {
     logp: &'a [F],
     logp_old: &'a [F],
@@ -664,7 +732,27 @@ struct Streams<'a, F> {
     rollout: &'a [F],
 }
 
-/// Sums of [`policy_loss`] over valid tokens.
+impl<F: Float> Streams<'_, F> {
+    /// Errors ([`Error::NonFinite`]) at the first valid position holding a non-finite
+    /// `logp`, `logp_old`, `advantages` or (when read) `logp_rollout`.
+    fn check_finite(&self, cols: usize, is: &IsCorrection<F>) -> Result<()> {
+        let check_rollout = is.mode != IsMode::None;
+        for (i, &m) in self.mask.iter().enumerate() {
+            let bad = |x: &[F]| x.get(i).is_some_and(|v| !v.is_finite());
+            if m != F::zero()
+                && (bad(self.logp)
+                    || bad(self.logp_old)
+                    || bad(self.advantages)
+                    || (check_rollout && bad(self.rollout)))
+            {
+                return Err(first_bad(self, i / cols.max(1), cols, check_rollout));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Sums of a policy loss over valid tokens.
 struct Acc<F> {
     loss: F,
     kl: F,
@@ -672,6 +760,46 @@ struct Acc<F> {
     clipped: usize,
     dual_clipped: usize,
     changed: usize,
+    selected: usize,
+}
+
+impl<F: Float> Acc<F> {
+    fn new() -> Self {
+        Acc {
+            loss: F::zero(),
+            kl: F::zero(),
+            w: F::zero(),
+            clipped: 0,
+            dual_clipped: 0,
+            changed: 0,
+            selected: 0,
+        }
+    }
+
+    /// Adds one valid token's metrics: clamped log-ratio `l`, importance weight `(w, changed)`.
+    #[inline]
+    fn token(&mut self, l: F, (w, changed): (F, bool), clipped: bool) {
+        self.kl = self.kl - l;
+        self.w = self.w + w;
+        self.changed += usize::from(changed);
+        self.clipped += usize::from(clipped);
+    }
+
+    /// The loss and the metrics as fractions and means over the plan's valid tokens.
+    fn output(&self, plan: &AggPlan<F>) -> PolicyLossOutput<F> {
+        let inv = plan.inv_total;
+        let frac = |n: usize| cast::<F>(n as f64) * inv;
+        PolicyLossOutput {
+            loss: self.loss,
+            clipfrac: frac(self.clipped),
+            clipfrac_lower: frac(self.dual_clipped),
+            approx_kl: self.kl * inv,
+            is_weight_mean: self.w * inv,
+            is_changed_frac: frac(self.changed),
+            selected_frac: frac(self.selected),
+            valid_tokens: plan.valid,
+        }
+    }
 }
 
 /// The first non-finite input at a valid position of row `r` (`rollout` only when read).
@@ -790,14 +918,7 @@ fn loss_rows<F: Float, W: Fn(F) -> (F, bool)>(
 ) -> Result<Acc<F>> {
     let cols = plan.cols;
     let zero = F::zero();
-    let mut acc = Acc {
-        loss: zero,
-        kl: zero,
-        w: zero,
-        clipped: 0,
-        dual_clipped: 0,
-        changed: 0,
-    };
+    let mut acc = Acc::new();
     let rows = s
         .logp
         .chunks_exact(cols)
@@ -886,12 +1007,7 @@ mod tests {
     use proptest::prelude::*;
     use std::{vec, vec::Vec};
 
-    const MODES: [LossAggMode; 4] = [
-        LossAggMode::TokenMean,
-        LossAggMode::SeqMeanTokenSum,
-        LossAggMode::SeqMeanTokenMean,
-        LossAggMode::SeqMeanTokenSumNorm,
-    ];
+    const MODES: [LossAggMode; 5] = LossAggMode::ALL;
 
     fn close(a: f64, b: f64, tol: f64) -> bool {
         (a - b).abs() <= tol * (1.0 + b.abs())
@@ -1009,8 +1125,8 @@ mod tests {
         let s = Shape::new(2, 3);
         let l = [1.0, 2.0, 3.0, 4.0, 0.0, 0.0];
         let m = [1.0, 1.0, 1.0, 1.0, 0.0, 0.0];
-        // 10/4; (6 + 4)/2; (6/3 + 4/1)/2; 10/3
-        let want = [2.5, 5.0, 3.0, 10.0 / 3.0];
+        // spec vector 10: 10/4; 10; (6 + 4)/2; (6/3 + 4/1)/2; 10/(2·3)
+        let want = [2.5, 10.0, 5.0, 3.0, 10.0 / 6.0];
         for (mode, want) in MODES.into_iter().zip(want) {
             let got = aggregate(s, &l, &m, mode).unwrap();
             assert!(close(got, want, 1e-12), "{}: {got}", mode.name());
@@ -1334,12 +1450,7 @@ mod tests {
     }
 
     fn mode() -> impl Strategy<Value = LossAggMode> {
-        prop_oneof![
-            Just(LossAggMode::TokenMean),
-            Just(LossAggMode::SeqMeanTokenSum),
-            Just(LossAggMode::SeqMeanTokenMean),
-            Just(LossAggMode::SeqMeanTokenSumNorm),
-        ]
+        proptest::sample::select(&LossAggMode::ALL[..])
     }
 
     proptest! {
@@ -1430,7 +1541,17 @@ mod tests {
             aggregate_weights(s, &mask, LossAggMode::SeqMeanTokenSum, &mut w).unwrap();
             prop_assert!((w.iter().sum::<f64>() - valid / nonempty).abs() < 1e-12);
             aggregate_weights(s, &mask, LossAggMode::SeqMeanTokenSumNorm, &mut w).unwrap();
-            prop_assert!((w.iter().sum::<f64>() - valid / cols as f64).abs() < 1e-12);
+            prop_assert!((w.iter().sum::<f64>() - valid / (nonempty * cols as f64)).abs() < 1e-12);
+            aggregate_weights(s, &mask, LossAggMode::TokenSum, &mut w).unwrap();
+            prop_assert!((w.iter().sum::<f64>() - valid).abs() < 1e-12);
+            // token-sum is token-mean times the valid count; sum-norm is seq-mean-token-sum / T
+            let v: Vec<f64> = (0..mask.len()).map(|i| c + i as f64).collect();
+            let sum = aggregate(s, &v, &mask, LossAggMode::TokenSum).unwrap();
+            let mean = aggregate(s, &v, &mask, LossAggMode::TokenMean).unwrap();
+            prop_assert!((sum - mean * valid).abs() < 1e-9 * (1.0 + sum.abs()));
+            let seq = aggregate(s, &v, &mask, LossAggMode::SeqMeanTokenSum).unwrap();
+            let norm = aggregate(s, &v, &mask, LossAggMode::SeqMeanTokenSumNorm).unwrap();
+            prop_assert!((norm * cols as f64 - seq).abs() < 1e-9 * (1.0 + seq.abs()));
         }
     }
 }
