@@ -179,7 +179,7 @@ impl<F: Float> AccuracyThresholds<F> {
 }
 
 /// Buckets of every group from per-sample correctness: group `g`'s bucket is
-/// [`Difficulty::from_counts`] of its number of correct samples out of `groups.n()`.
+/// [`Difficulty::from_counts`] of its number of correct samples out of its size.
 ///
 /// Errors: `correct` not of the batch size ([`Error::LengthMismatch`]); `out` not of
 /// length `groups.count()` ([`Error::LengthMismatch`]).
@@ -191,7 +191,7 @@ pub fn classify_groups(correct: &[bool], groups: &Groups, out: &mut [Difficulty]
             .rows_of(g)
             .filter(|&row| correct.get(row).copied().unwrap_or(false))
             .count();
-        *slot = Difficulty::from_counts(right, groups.n())?;
+        *slot = Difficulty::from_counts(right, groups.size(g))?;
     }
     Ok(())
 }

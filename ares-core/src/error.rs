@@ -37,6 +37,18 @@ pub enum Error {
         /// The group size it was given.
         n: usize,
     },
+    /// A group-relative estimator was given a layout with groups of different sizes, one of
+    /// which has fewer than two samples.
+    RaggedGroupTooSmall {
+        /// The estimator.
+        estimator: &'static str,
+        /// The first such group (in the layout's numbering).
+        group: usize,
+        /// Its uid, for a layout keyed by uid.
+        uid: Option<u64>,
+        /// Its size.
+        n: usize,
+    },
     /// A batch of `len` samples cannot be split into groups of `n`.
     NotDivisible {
         /// The batched argument.
@@ -132,6 +144,21 @@ impl fmt::Display for Error {
                 f,
                 "advantage estimator `{estimator}` needs at least 2 samples per group, got n = {n}"
             ),
+            Error::RaggedGroupTooSmall {
+                estimator,
+                group,
+                uid,
+                n,
+            } => {
+                write!(
+                    f,
+                    "advantage estimator `{estimator}` needs at least 2 samples per group; group {group}"
+                )?;
+                if let Some(uid) = uid {
+                    write!(f, " (uid {uid})")?;
+                }
+                write!(f, " has {n}")
+            }
             Error::NotDivisible { what, len, n } => write!(
                 f,
                 "`{what}` has {len} samples, which is not a multiple of the group size {n}"

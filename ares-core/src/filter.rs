@@ -53,16 +53,19 @@ impl<F: Float> FilterParams<F> {
     }
 }
 
-/// Σ of `values` over the rows of group `g` (rows are in range for a validated layout).
+/// The mean of `values` over the rows of group `g` (rows are in range for a validated
+/// layout; a layout never holds an empty group).
 #[inline]
-fn group_sum<F: Float>(groups: &Groups<'_>, values: &[F], g: usize) -> F {
-    groups
+fn group_mean<F: Float>(groups: &Groups<'_>, values: &[F], g: usize) -> F {
+    let sum = groups
         .rows_of(g)
         .map(|row| values.get(row).copied().unwrap_or(F::zero()))
-        .fold(F::zero(), |a, b| a + b)
+        .fold(F::zero(), |a, b| a + b);
+    sum / cast::<F>(groups.size(g) as f64)
 }
 
-/// Per-group mean of a per-sample metric: `means[g] = (1/n) Σ_i values[row(g, i)]`.
+/// Per-group mean of a per-sample metric: `means[g] = (1/n_g) Σ_i values[row(g, i)]`, with
+/// `n_g` the size of group g (groups may differ in size).
 ///
 /// `values` is indexed by batch row (the `filter_key`: accuracy by default, or `overall`,
 /// or any reward metric).
@@ -78,9 +81,8 @@ pub fn group_means<F: Float>(groups: &Groups<'_>, values: &[F], means: &mut [F])
             index,
         });
     }
-    let inv_n = F::one() / cast::<F>(groups.n() as f64);
     for (g, mean) in means.iter_mut().enumerate() {
-        *mean = group_sum(groups, values, g) * inv_n;
+        *mean = group_mean(groups, values, g);
     }
     Ok(())
 }
@@ -104,10 +106,9 @@ pub fn filter_groups<F: Float>(
             index,
         });
     }
-    let inv_n = F::one() / cast::<F>(groups.n() as f64);
     let mut kept = 0;
     for (g, k) in keep.iter_mut().enumerate() {
-        *k = params.keeps(group_sum(groups, values, g) * inv_n);
+        *k = params.keeps(group_mean(groups, values, g));
         kept += usize::from(*k);
     }
     Ok(kept)

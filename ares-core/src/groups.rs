@@ -1,19 +1,38 @@
-//! Group layouts: which batch rows hold the `n` samples of one prompt.
+//! Group layouts: which batch rows hold the samples of one prompt.
 //!
 //! - **Contiguous**: sample `i` of group `g` is row `g*n + i` (the rollout order).
 //! - **Permuted**: after a shuffle (dynamic batching), `index[row]` is the row's original
 //!   position `g*n + i`. The index must be a permutation of `0..B`; validating it fills a
 //!   caller-provided inverse table, so looking a member up is O(1) and nothing allocates.
+//! - **Ragged** (groups of different sizes, as verl keys them by `uid`): either contiguous
+//!   runs given by offsets ([`Groups::from_offsets`]) or one uid per row in any order
+//!   ([`Groups::by_uid`]), e.g. after a filter dropped some samples of a group.
+//!
+//! Every estimator reads a layout through [`Groups::count`], [`Groups::size`] and
+//! [`Groups::rows_of`], so they all accept every layout.
 
 use crate::error::{Error, Result};
 
-/// A validated grouping of a batch of `B = groups × n` rows.
+/// A validated grouping of a batch of rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Groups<'a> {
-    n: usize,
     count: usize,
-    /// `rows[g*n + i]` = the row holding sample `i` of group `g`; `None` = contiguous.
-    rows: Option<&'a [usize]>,
+    batch: usize,
+    layout: Layout<'a>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Layout<'a> {
+    /// `count` groups of `n`; `rows[g*n + i]` = the row holding sample `i` of group `g`,
+    /// `None` = contiguous.
+    Uniform { n: usize, rows: Option<&'a [usize]> },
+    /// Group `g` is `rows[offsets[g]..offsets[g + 1]]` (`None` = the rows themselves);
+    /// `uids` are the per-row keys of [`Groups::by_uid`].
+    Ragged {
+        offsets: &'a [usize],
+        rows: Option<&'a [usize]>,
+        uids: Option<&'a [u64]>,
+    },
 }
 
 impl<'a> Groups<'a> {
@@ -37,9 +56,9 @@ impl<'a> Groups<'a> {
             });
         }
         Ok(Groups {
-            n,
             count: batch / n,
-            rows: None,
+            batch,
+            layout: Layout::Uniform { n, rows: None },
         })
     }
 
@@ -75,16 +94,121 @@ impl<'a> Groups<'a> {
             }
         }
         Ok(Groups {
-            n,
             count,
-            rows: Some(inverse),
+            batch,
+            layout: Layout::Uniform {
+                n,
+                rows: Some(inverse),
+            },
         })
     }
 
-    /// Samples per group.
+    /// Contiguous groups of different sizes: group `g` is rows `offsets[g]..offsets[g + 1]`,
+    /// so `offsets` starts at 0, strictly increases (no empty group) and ends at the batch
+    /// size; `offsets.len()` is the number of groups plus one.
+    ///
+    /// Errors: `offsets` empty ([`Error::Empty`]), not starting at 0 or not strictly
+    /// increasing ([`Error::InvalidIndex`] naming `"offsets"` and the position).
+    pub fn from_offsets(offsets: &'a [usize]) -> Result<Self> {
+        let (&first, rest) = offsets
+            .split_first()
+            .ok_or(Error::Empty { what: "offsets" })?;
+        if first != 0 {
+            return Err(Error::InvalidIndex {
+                what: "offsets",
+                position: 0,
+                value: first,
+                len: 0,
+            });
+        }
+        let mut prev = first;
+        for (i, &o) in rest.iter().enumerate() {
+            if o <= prev {
+                return Err(Error::InvalidIndex {
+                    what: "offsets",
+                    position: i + 1,
+                    value: o,
+                    len: prev + 1,
+                });
+            }
+            prev = o;
+        }
+        Ok(Groups {
+            count: rest.len(),
+            batch: prev,
+            layout: Layout::Ragged {
+                offsets,
+                rows: None,
+                uids: None,
+            },
+        })
+    }
+
+    /// Groups keyed by a uid per row (verl's `index`): rows with equal `uids[row]` form one
+    /// group, whatever their positions and however many they are. Groups are numbered in
+    /// the order of their first row; within a group, rows are in batch order.
+    ///
+    /// `scratch` needs `2·B + 1` entries (B = `uids.len()`); it receives the row order and the
+    /// group offsets and is borrowed by the layout. O(B log B), no allocation.
+    ///
+    /// Errors: `scratch` too short ([`Error::ScratchTooSmall`]).
+    pub fn by_uid(uids: &'a [u64], scratch: &'a mut [usize]) -> Result<Self> {
+        let batch = uids.len();
+        let needed = 2 * batch + 1;
+        if scratch.len() < needed {
+            return Err(Error::ScratchTooSmall {
+                what: "scratch",
+                needed,
+                actual: scratch.len(),
+            });
+        }
+        let (rows, rest) = scratch[..needed].split_at_mut(batch);
+        let uid = |r: usize| uids.get(r).copied().unwrap_or(0);
+        for (i, r) in rows.iter_mut().enumerate() {
+            *r = i;
+        }
+        // (uid, row) order puts each group together with its first row leading it …
+        rows.sort_unstable_by_key(|&r| (uid(r), r));
+        let leader = &mut rest[..batch];
+        let mut first = 0;
+        for i in 0..batch {
+            if i > 0 && uid(rows[i]) != uid(rows[i - 1]) {
+                first = rows[i];
+            } else if i == 0 {
+                first = rows[0];
+            }
+            leader[rows[i]] = first;
+        }
+        // … and (leader, row) order numbers the groups by their first row.
+        rows.sort_unstable_by_key(|&r| (leader[r], r));
+        let offsets = rest;
+        let mut count = 0;
+        offsets[0] = 0;
+        for i in 1..=batch {
+            if i == batch || uid(rows[i]) != uid(rows[i - 1]) {
+                count += 1;
+                offsets[count] = i;
+            }
+        }
+        Ok(Groups {
+            count,
+            batch,
+            layout: Layout::Ragged {
+                offsets: &offsets[..=count],
+                rows: Some(rows),
+                uids: Some(uids),
+            },
+        })
+    }
+
+    /// The common group size of a [`contiguous`](Self::contiguous) or
+    /// [`permuted`](Self::permuted) layout; `None` for a ragged one.
     #[inline]
-    pub fn n(&self) -> usize {
-        self.n
+    pub fn uniform_size(&self) -> Option<usize> {
+        match self.layout {
+            Layout::Uniform { n, .. } => Some(n),
+            Layout::Ragged { .. } => None,
+        }
     }
 
     /// Number of groups.
@@ -93,40 +217,84 @@ impl<'a> Groups<'a> {
         self.count
     }
 
-    /// Total rows, `count × n`.
+    /// Total rows.
     #[inline]
     pub fn batch(&self) -> usize {
-        self.count * self.n
+        self.batch
     }
 
-    /// The row holding sample `i` of group `g` (`g < count`, `i < n`; other arguments give
-    /// an unspecified row that is still `< batch` when the layout is contiguous-in-range).
+    /// The number of samples of group `g` (0 for `g ≥ count`).
+    #[inline]
+    pub fn size(&self, g: usize) -> usize {
+        match self.layout {
+            Layout::Uniform { n, .. } => {
+                if g < self.count {
+                    n
+                } else {
+                    0
+                }
+            }
+            Layout::Ragged { offsets, .. } => match (offsets.get(g), offsets.get(g + 1)) {
+                (Some(&a), Some(&b)) => b - a,
+                _ => 0,
+            },
+        }
+    }
+
+    /// The uid of group `g` (a [`by_uid`](Self::by_uid) layout), else `None`.
+    pub fn uid(&self, g: usize) -> Option<u64> {
+        match self.layout {
+            Layout::Ragged {
+                uids: Some(uids),
+                rows: Some(rows),
+                offsets,
+            } => {
+                let first = *offsets.get(g)?;
+                uids.get(*rows.get(first)?).copied()
+            }
+            _ => None,
+        }
+    }
+
+    /// The row holding sample `i` of group `g` (`g < count`, `i < size(g)`; other arguments
+    /// give an unspecified row).
     #[inline]
     pub fn row(&self, g: usize, i: usize) -> usize {
-        let pos = g * self.n + i;
-        match self.rows {
-            None => pos,
-            Some(rows) => rows.get(pos).copied().unwrap_or(pos),
+        match self.layout {
+            Layout::Uniform { n, rows } => {
+                let pos = g * n + i;
+                rows.and_then(|r| r.get(pos).copied()).unwrap_or(pos)
+            }
+            Layout::Ragged { offsets, rows, .. } => {
+                let pos = offsets.get(g).copied().unwrap_or(0) + i;
+                rows.and_then(|r| r.get(pos).copied()).unwrap_or(pos)
+            }
         }
     }
 
     /// Iterator over the rows of group `g`, in sample order.
     #[inline]
     pub fn rows_of(&self, g: usize) -> impl Iterator<Item = usize> + '_ {
-        (0..self.n).map(move |i| self.row(g, i))
+        (0..self.size(g)).map(move |i| self.row(g, i))
     }
 
-    /// Errors with [`Error::GroupTooSmall`] unless `n ≥ 2`: every group-relative estimator
-    /// (GRPO, RLOO, Pro Max, …) is undefined for a single sample.
+    /// Errors with [`Error::GroupTooSmall`] unless every group has at least 2 samples:
+    /// every group-relative estimator (GRPO, RLOO, Pro Max, …) is undefined for a single
+    /// sample. For a ragged layout the error names the first such group and its uid.
     #[inline]
     pub fn require_pairs(&self, estimator: &'static str) -> Result<()> {
-        if self.n >= 2 {
-            Ok(())
-        } else {
-            Err(Error::GroupTooSmall {
-                estimator,
-                n: self.n,
-            })
+        match self.layout {
+            Layout::Uniform { n, .. } if n >= 2 => Ok(()),
+            Layout::Uniform { n, .. } => Err(Error::GroupTooSmall { estimator, n }),
+            Layout::Ragged { .. } => match (0..self.count).find(|&g| self.size(g) < 2) {
+                None => Ok(()),
+                Some(group) => Err(Error::RaggedGroupTooSmall {
+                    estimator,
+                    group,
+                    uid: self.uid(group),
+                    n: self.size(group),
+                }),
+            },
         }
     }
 
@@ -154,12 +322,15 @@ impl<'a> Groups<'a> {
 
 #[cfg(test)]
 mod tests {
+    extern crate std;
     use super::*;
+    use std::vec;
 
     #[test]
     fn contiguous_rows() {
         let g = Groups::contiguous(6, 3).unwrap();
-        assert_eq!((g.n(), g.count(), g.batch()), (3, 2, 6));
+        assert_eq!((g.uniform_size(), g.count(), g.batch()), (Some(3), 2, 6));
+        assert_eq!((g.size(1), g.size(2), g.uid(0)), (3, 0, None));
         assert_eq!(g.row(1, 2), 5);
         assert_eq!(
             Groups::contiguous(7, 3),
@@ -225,5 +396,85 @@ mod tests {
             g.check_same_prompt(&["b", "a", "b", "c"]),
             Err(Error::MixedGroup { group: 0, row: 3 })
         );
+    }
+
+    #[test]
+    fn offsets_layout() {
+        let g = Groups::from_offsets(&[0, 2, 5, 6]).unwrap();
+        assert_eq!((g.count(), g.batch(), g.uniform_size()), (3, 6, None));
+        assert_eq!((g.size(0), g.size(1), g.size(2), g.size(3)), (2, 3, 1, 0));
+        assert_eq!(g.rows_of(1).collect::<std::vec::Vec<_>>(), [2, 3, 4]);
+        assert_eq!(
+            g.require_pairs("rloo"),
+            Err(Error::RaggedGroupTooSmall {
+                estimator: "rloo",
+                group: 2,
+                uid: None,
+                n: 1
+            })
+        );
+        assert!(
+            Groups::from_offsets(&[0, 2, 5])
+                .unwrap()
+                .require_pairs("grpo")
+                .is_ok()
+        );
+        assert_eq!(
+            Groups::from_offsets(&[0, 2, 2]),
+            Err(Error::InvalidIndex {
+                what: "offsets",
+                position: 2,
+                value: 2,
+                len: 3
+            })
+        );
+        assert!(matches!(
+            Groups::from_offsets(&[1, 2]),
+            Err(Error::InvalidIndex { position: 0, .. })
+        ));
+        assert_eq!(
+            Groups::from_offsets(&[]),
+            Err(Error::Empty { what: "offsets" })
+        );
+        let empty = Groups::from_offsets(&[0]).unwrap();
+        assert_eq!((empty.count(), empty.batch()), (0, 0));
+    }
+
+    #[test]
+    fn uid_layout() {
+        // uids by row: groups in order of first row: 9 → rows 0, 3, 5; 4 → rows 1, 2; 7 → row 4
+        let uids = [9, 4, 4, 9, 7, 9];
+        let mut scratch = [0usize; 13];
+        let g = Groups::by_uid(&uids, &mut scratch).unwrap();
+        assert_eq!((g.count(), g.batch()), (3, 6));
+        let groups: std::vec::Vec<std::vec::Vec<usize>> =
+            (0..3).map(|k| g.rows_of(k).collect()).collect();
+        assert_eq!(groups, [vec![0, 3, 5], vec![1, 2], vec![4]]);
+        assert_eq!(
+            (g.uid(0), g.uid(1), g.uid(2), g.uid(3)),
+            (Some(9), Some(4), Some(7), None)
+        );
+        let err = g.require_pairs("grpo").unwrap_err();
+        assert_eq!(
+            err,
+            Error::RaggedGroupTooSmall {
+                estimator: "grpo",
+                group: 2,
+                uid: Some(7),
+                n: 1
+            }
+        );
+        assert_eq!(
+            std::format!("{err}"),
+            "advantage estimator `grpo` needs at least 2 samples per group; group 2 (uid 7) has 1"
+        );
+        let mut short = [0usize; 12];
+        assert!(matches!(
+            Groups::by_uid(&uids, &mut short),
+            Err(Error::ScratchTooSmall { needed: 13, .. })
+        ));
+        let mut none = [0usize; 1];
+        assert_eq!(Groups::by_uid(&[], &mut none).unwrap().count(), 0);
+        assert!(g.check_same_prompt(&uids).is_ok());
     }
 }

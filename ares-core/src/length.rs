@@ -80,7 +80,7 @@ fn sigmoid<F: Float>(z: F) -> F {
 
 /// GRPO-λ rewards for a batch laid out by `groups`.
 ///
-/// Per group k: `c_k = #correct / n`. Groups are ordered by `c_k` descending, stably (ties
+/// Per group k: `c_k = #correct / n_k` (`n_k` its size). Groups are ordered by `c_k` descending, stably (ties
 /// keep batch order), and the first [`top_group_count`]`(λ, G)` are efficiency-priority
 /// ("top"). In a top group with at least one correct sample, with `mean_c` and `std_c` the
 /// mean and population standard deviation of the group's correct lengths:
@@ -96,8 +96,8 @@ fn sigmoid<F: Float>(z: F) -> F {
 /// indices by accuracy, best first (stable), and is the sort's scratch (≥ G entries).
 /// Returns the number of top groups. An empty batch (G = 0) returns 0.
 ///
-/// Works for contiguous and permuted [`Groups`]; n = 1 is allowed (the reward needs no
-/// pair; the GRPO advantage after it does).
+/// Works for every [`Groups`] layout (contiguous, permuted, ragged); groups of one are
+/// allowed (the reward needs no pair; the GRPO advantage after it does).
 ///
 /// Errors: lengths of `correct`, `lengths`, `rewards` ≠ batch or of `top` ≠ G
 /// ([`Error::LengthMismatch`]); `order` shorter than G ([`Error::ScratchTooSmall`]);
@@ -127,32 +127,20 @@ pub fn grpo_lambda_rewards<F: Float>(
             expected: ">= 0",
         });
     }
-    let n = groups.n();
     let is_correct = |row: usize| correct.get(row).copied().unwrap_or(false);
     let length = |row: usize| lengths.get(row).copied().unwrap_or(F::zero());
 
-    // Sort key (n − #correct)·G + g: ascending = accuracy descending, then batch order, so
-    // a plain unstable sort of distinct integers gives the stable order without scratch
-    // for the keys.
-    if n.checked_add(1)
-        .and_then(|m| m.checked_mul(g_count))
-        .is_none()
-    {
-        return Err(Error::OutOfRange {
-            what: "batch (groups × (n + 1))",
-            value: g_count as f64 * (n as f64 + 1.0),
-            expected: "to fit in usize",
-        });
-    }
+    // Accuracy descending, then batch order: a total order, so an unstable sort is stable.
+    // Accuracies hits/n are compared exactly by cross-multiplying (groups may differ in size).
+    let hits = |g: usize| groups.rows_of(g).filter(|&row| is_correct(row)).count() as u128;
     let order = &mut order[..g_count];
     for (g, slot) in order.iter_mut().enumerate() {
-        let hits = groups.rows_of(g).filter(|&row| is_correct(row)).count();
-        *slot = (n - hits) * g_count + g;
+        *slot = g;
     }
-    order.sort_unstable();
-    for slot in order.iter_mut() {
-        *slot %= g_count; // g_count > 0 here: the loop ran only if it is
-    }
+    order.sort_unstable_by(|&a, &b| {
+        let (na, nb) = (groups.size(a) as u128, groups.size(b) as u128);
+        (hits(b) * na).cmp(&(hits(a) * nb)).then(a.cmp(&b))
+    });
 
     let k = top_group_count(params.lambda_, g_count)?;
     top.fill(false);

@@ -18,7 +18,8 @@
 //! ## Conventions
 //! - Token data are padded row-major `[rows, cols]` slices described by a [`Shape`], with a
 //!   0/1 `mask` of the same shape (1 on response tokens).
-//! - Groups of `n` samples per prompt are described by [`Groups`] (contiguous or permuted).
+//! - The samples of each prompt form a group, described by [`Groups`]: contiguous or permuted
+//!   groups of `n`, or groups of different sizes keyed by offsets or by a uid per row.
 //! - Outputs and scratch are caller-provided slices; nothing allocates.
 //! - Every function either is total or returns [`Result`]; bad input (wrong lengths,
 //!   NaN/∞, masks that are not 0/1, out-of-range parameters, groups of one) is an

@@ -221,6 +221,10 @@ fn kl_and_advantages_allocate_nothing() {
     let (mut scalar, mut tokens, mut tokens2) = (vec![0.0; ROWS], vec![0.0; n], vec![0.0; n]);
     let mut uniform = vec![false; P];
     let mut report = vec![ProMaxGroupReport::default(); P];
+    // groups of different sizes, keyed by uid, rows interleaved
+    let uids: Vec<u64> = (0..ROWS as u64).map(|r| (r * 7) % (P as u64 + 3)).collect();
+    let mut uid_scratch = vec![0usize; 2 * ROWS + 1];
+    let offsets: Vec<usize> = (0..=ROWS / 4).map(|g| g * 4).collect();
     assert_no_alloc("kl", || {
         kl_penalty_and_grad(-1.0, -1.5, KlEstimator::K3);
         let cfg = TokenKlConfig::new(KlEstimator::K3, KlCoefficient::PerRow(&beta))
@@ -246,6 +250,15 @@ fn kl_and_advantages_allocate_nothing() {
         ctl.update(0.05, ROWS).unwrap();
     });
     assert_no_alloc("advantage", || {
+        let by_uid = Groups::by_uid(&uids, &mut uid_scratch).unwrap();
+        grpo_advantages(&by_uid, &b.rewards, &GrpoConfig::default(), &mut scalar).unwrap();
+        let ragged = Groups::from_offsets(&offsets).unwrap();
+        rloo_advantages(
+            &ragged,
+            &b.rewards[..ragged.batch()],
+            &mut scalar[..ragged.batch()],
+        )
+        .unwrap();
         let permuted = Groups::permuted(&index, N, &mut inverse).unwrap();
         grpo_advantages(&permuted, &b.rewards, &GrpoConfig::default(), &mut scalar).unwrap();
         dr_grpo_advantages(&groups, &b.rewards, &mut scalar).unwrap();

@@ -11,7 +11,7 @@ use ares_core::advantage::{
     rloo_advantages, rloo_token_advantages, token_level_rewards,
 };
 use ares_core::{Groups, Shape};
-use ares_fuzz::Bytes;
+use ares_fuzz::{Bytes, Ragged};
 
 /// A length: usually `n`, sometimes anything near it.
 fn len(b: &mut Bytes, n: usize) -> usize {
@@ -68,10 +68,11 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         }
     }
     let mut inverse = vec![0usize; len(&mut b, batch)];
-    let groups = if b.bool() {
-        Groups::permuted(&index, n, &mut inverse)
-    } else {
-        Groups::contiguous(batch, n)
+    let mut ragged = Ragged::new(&mut b, batch);
+    let groups = match b.size(3) {
+        0 => Groups::permuted(&index, n, &mut inverse),
+        1 => Groups::contiguous(batch, n),
+        k => ragged.groups(k == 2),
     };
     let Ok(groups) = groups else {
         return;

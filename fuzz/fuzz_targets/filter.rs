@@ -6,7 +6,7 @@ use ares_core::Groups;
 use ares_core::filter::{
     FilterParams, expand_keep, filter_groups, group_means, is_solved, solved_streak,
 };
-use ares_fuzz::Bytes;
+use ares_fuzz::{Bytes, Ragged};
 
 fn len_near(b: &mut Bytes, len: usize) -> usize {
     if b.u8() % 16 == 0 {
@@ -31,10 +31,11 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         })
         .collect();
     let mut inverse = vec![0usize; len_near(&mut b, batch)];
-    let groups = if b.bool() {
-        Groups::permuted(&index, n, &mut inverse)
-    } else {
-        Groups::contiguous(len_near(&mut b, batch), n)
+    let mut ragged = Ragged::new(&mut b, batch);
+    let groups = match b.size(3) {
+        0 => Groups::permuted(&index, n, &mut inverse),
+        1 => Groups::contiguous(len_near(&mut b, batch), n),
+        k => ragged.groups(k == 2),
     };
     let Ok(groups) = groups else { return };
 

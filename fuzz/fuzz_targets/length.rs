@@ -4,7 +4,7 @@
 
 use ares_core::Groups;
 use ares_core::length::{GrpoLambda, grpo_lambda_rewards, top_group_count};
-use ares_fuzz::Bytes;
+use ares_fuzz::{Bytes, Ragged};
 
 fn len_near(b: &mut Bytes, len: usize) -> usize {
     if b.u8() % 16 == 0 {
@@ -35,10 +35,11 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         .map(|i| index[(i + shift) % batch.max(1)])
         .collect();
     let mut inverse = vec![0usize; len_near(&mut b, batch)];
-    let groups = if permuted {
-        Groups::permuted(&index, n, &mut inverse)
-    } else {
-        Groups::contiguous(len_near(&mut b, batch), n)
+    let mut ragged = Ragged::new(&mut b, batch);
+    let groups = match (permuted, b.size(2)) {
+        (true, _) => Groups::permuted(&index, n, &mut inverse),
+        (false, 0) => Groups::contiguous(len_near(&mut b, batch), n),
+        (false, k) => ragged.groups(k == 1),
     };
     let Ok(groups) = groups else { return };
 

@@ -84,3 +84,44 @@ impl<'a> Bytes<'a> {
         }
     }
 }
+
+/// The inputs of a ragged [`ares_core::Groups`] layout drawn from fuzzer bytes: a uid per
+/// row from a few values (so groups of one and of many occur), offsets that are sometimes
+/// invalid (repeats, a wrong total), and scratch that is sometimes too short.
+pub struct Ragged {
+    uids: Vec<u64>,
+    offsets: Vec<usize>,
+    scratch: Vec<usize>,
+}
+
+impl Ragged {
+    /// Draws the inputs for a batch of `batch` rows.
+    pub fn new(b: &mut Bytes, batch: usize) -> Self {
+        let uids = (0..batch).map(|_| u64::from(b.u8() % 5)).collect();
+        let mut offsets = vec![0];
+        let mut at = 0;
+        while at < batch {
+            at = (at + b.size(4)).min(batch + usize::from(b.u8() % 32 == 0));
+            offsets.push(at);
+            if b.u8() % 64 == 0 {
+                break;
+            }
+        }
+        let needed = 2 * batch + 1;
+        let scratch = vec![0; if b.u8() % 16 == 0 { b.size(needed) } else { needed }];
+        Ragged {
+            uids,
+            offsets,
+            scratch,
+        }
+    }
+
+    /// The layout by uid (`by_uid`) or by offsets.
+    pub fn groups(&mut self, by_uid: bool) -> ares_core::Result<ares_core::Groups<'_>> {
+        if by_uid {
+            ares_core::Groups::by_uid(&self.uids, &mut self.scratch)
+        } else {
+            ares_core::Groups::from_offsets(&self.offsets)
+        }
+    }
+}

@@ -1,7 +1,8 @@
 //! Advantage estimators (spec §5) and REINFORCE Pro Max (seed 004).
 //!
 //! Scalar, group-relative estimators over per-sample rewards `r` (one per batch row), with
-//! groups of `n ≥ 2` samples per prompt described by [`Groups`] (contiguous or permuted):
+//! groups of `n ≥ 2` samples per prompt described by [`Groups`] (contiguous, permuted, or of
+//! different sizes keyed by uid; `n` is then each group's own size):
 //!
 //! | estimator | advantage of sample i of group g | function |
 //! |---|---|---|
@@ -28,7 +29,9 @@
 //!   REINFORCE++-baseline (no rounding residue of the mean is amplified by `1/(std + ε)`);
 //! - padded positions (mask 0) of every token output are 0; every position of every input
 //!   (padded ones too) must be finite;
-//! - `n = 1` is [`Error::GroupTooSmall`](crate::Error::GroupTooSmall) naming the estimator;
+//! - `n = 1` is [`Error::GroupTooSmall`](crate::Error::GroupTooSmall) naming the estimator
+//!   ([`Error::RaggedGroupTooSmall`](crate::Error::RaggedGroupTooSmall) with the group and its
+//!   uid for a ragged layout);
 //! - on error, outputs hold unspecified values.
 //!
 //! Shuffled batches: build the layout with [`Groups::permuted`] (which rejects index arrays
@@ -146,7 +149,7 @@ pub(crate) fn group_moments<F: Float>(
         sum = sum + r;
         all_equal &= r == first;
     }
-    let n = crate::num::cast::<F>(groups.n() as f64);
+    let n = crate::num::cast::<F>(groups.size(g) as f64);
     let mean = sum / n;
     let mut m2 = F::zero();
     for row in groups.rows_of(g) {
