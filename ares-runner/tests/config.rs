@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use ares_runner::config::{
     AdvEstimator, Config, ConfigError, Device, IsCorrection, KlCtrl, KlPenalty, LossAggMode,
-    LrScheduler, PerBucket, RewardType, RubricGrader, RubricSchedule, SaveDtypeCfg,
+    LrScheduler, PerBucket, PolicyLoss, RewardType, RubricGrader, RubricSchedule, SaveDtypeCfg,
 };
 
 fn load(yaml: &str, overrides: &[&str]) -> Result<Config, ConfigError> {
@@ -365,6 +365,46 @@ fn out_of_range_values_name_key_value_and_range() {
     assert!(text.contains("in [0, 100]"), "{text}");
     with_overrides(&["worker.actor.clip_ratio_dual=0", "trainer.device=cuda"])
         .expect("dual clip off, cuda allowed");
+    let text = message(with_overrides(&["worker.actor.clip_cov_ub=0.5"]));
+    assert_eq!(
+        text,
+        "worker.actor.clip_cov_ub = 0.5 is out of range: expected > worker.actor.clip_cov_lb"
+    );
+    let text = message(with_overrides(&["worker.actor.kl_cov_ratio=0"]));
+    assert!(
+        text.contains("kl_cov_ratio = 0") && text.contains("(0, 1]"),
+        "{text}"
+    );
+    let text = message(with_overrides(&["worker.actor.ppo_kl_coef=-1"]));
+    assert!(text.contains("ppo_kl_coef = -1"), "{text}");
+}
+
+#[test]
+fn policy_losses_and_straight_through_kl_are_selectable() {
+    for (name, loss) in [
+        ("ppo", PolicyLoss::Ppo),
+        ("vanilla", PolicyLoss::Ppo),
+        ("gspo", PolicyLoss::Gspo),
+        ("gspo_token", PolicyLoss::GspoToken),
+        ("cispo", PolicyLoss::Cispo),
+        ("clip_cov", PolicyLoss::ClipCov),
+        ("kl_cov", PolicyLoss::KlCov),
+    ] {
+        let c = with_overrides(&[&format!("worker.actor.policy_loss={name}")]).expect(name);
+        assert_eq!(c.worker.actor.policy_loss, loss);
+        let back = Config::from_yaml_str(&c.to_yaml(), "resolved").expect("round trip");
+        assert_eq!(back.worker.actor.policy_loss, loss);
+    }
+    let text = message(with_overrides(&["worker.actor.policy_loss=grpo"]));
+    assert!(text.contains("worker.actor.policy_loss"), "{text}");
+    for (name, kl) in [("k1+", KlPenalty::K1Plus), ("k3+", KlPenalty::K3Plus)] {
+        let c = with_overrides(&[&format!("algorithm.kl_penalty={name}")]).expect(name);
+        assert_eq!(c.algorithm.kl_penalty, kl);
+        let back = Config::from_yaml_str(&c.to_yaml(), "resolved").expect("round trip");
+        assert_eq!(back.algorithm.kl_penalty, kl);
+    }
+    let c = with_overrides(&["worker.actor.loss_agg_mode=token-sum"]).expect("token-sum");
+    assert_eq!(c.worker.actor.loss_agg_mode, LossAggMode::TokenSum);
 }
 
 #[test]
@@ -486,7 +526,11 @@ fn example_configs_load() {
         [
             "ares_math.yaml",
             "bench_grpo_step.yaml",
+            "cispo.yaml",
+            "clip_cov.yaml",
             "grpo_lambda.yaml",
+            "gspo.yaml",
+            "kl_cov.yaml",
             "pro_max.yaml",
             "rubric.yaml"
         ]
@@ -515,6 +559,21 @@ fn example_configs_select_their_method() {
         AdvEstimator::ReinforceProMax
     );
     assert!(pro_max.algorithm.uniform_scale && !pro_max.algorithm.use_kl_loss);
+
+    for (name, loss) in [
+        ("gspo.yaml", PolicyLoss::Gspo),
+        ("cispo.yaml", PolicyLoss::Cispo),
+        ("clip_cov.yaml", PolicyLoss::ClipCov),
+        ("kl_cov.yaml", PolicyLoss::KlCov),
+    ] {
+        let c = load_example(name);
+        assert_eq!(c.worker.actor.policy_loss, loss, "{name}");
+        assert!(!c.algorithm.entropy_reward.enable, "{name}");
+    }
+    assert_eq!(
+        load_example("ares_math.yaml").worker.actor.policy_loss,
+        PolicyLoss::Ppo
+    );
 
     // Overrides apply on top of a file.
     let c = Config::load(

@@ -139,6 +139,51 @@ fn every_estimator_trains_two_steps() {
 }
 
 #[test]
+fn every_policy_loss_trains_two_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    for (loss, extra) in [
+        (
+            "gspo",
+            &["worker.actor.loss_agg_mode=seq-mean-token-mean"][..],
+        ),
+        ("gspo_token", &[][..]),
+        ("cispo", &["worker.actor.clip_ratio_low=1"][..]),
+        // a wide covariance window so Clip-Cov has candidates on a random model
+        (
+            "clip_cov",
+            &[
+                "worker.actor.clip_cov_ratio=0.5",
+                "worker.actor.clip_cov_lb=-100",
+                "worker.actor.clip_cov_ub=100",
+            ][..],
+        ),
+        ("kl_cov", &["worker.actor.kl_cov_ratio=0.1"][..]),
+    ] {
+        let mut overrides = vec![
+            format!("worker.actor.policy_loss={loss}"),
+            // k3+ in the loss: the straight-through KL runs end to end too
+            "algorithm.kl_penalty=k3+".to_string(),
+            // two PPO epochs so the second pass sees ratios ≠ 1
+            "worker.actor.ppo_epochs=2".to_string(),
+        ];
+        overrides.extend(extra.iter().map(|s| s.to_string()));
+        let refs: Vec<&str> = overrides.iter().map(String::as_str).collect();
+        let lines = run(dir.path(), loss, &refs);
+        assert_eq!(lines.len(), 2, "{loss}");
+        assert_finite(&lines);
+        for line in &lines {
+            match loss {
+                "clip_cov" | "kl_cov" => {
+                    let f = num(line, "actor/selected_frac");
+                    assert!(f > 0.0 && f <= 0.5, "{loss}: selected_frac {f}");
+                }
+                _ => assert!(!line.contains_key("actor/selected_frac"), "{loss}"),
+            }
+        }
+    }
+}
+
+#[test]
 fn pro_max_uniform_scale_keeps_a_signal_on_uniform_groups() {
     let dir = tempfile::tempdir().unwrap();
     // a random model answers nothing right: every group is uniform (all wrong, reward 0

@@ -1,7 +1,8 @@
 //! The built-in demo of `ares-runner train` (no data configured): a synthetic arithmetic
 //! task with three difficulty levels and worked solutions of varying length, a tiny Qwen2
 //! model and character tokenizer made by the program, a short supervised warm start, then
-//! RL — ARES by default, or plain GRPO, GRPO-λ, REINFORCE Pro Max (`--method`). It prints
+//! RL — ARES by default, or plain GRPO, GRPO-λ, REINFORCE Pro Max, or GRPO with the GSPO,
+//! CISPO, Clip-Cov or KL-Cov policy loss (`--method`). It prints
 //! a before/after table (accuracy and mean response length per difficulty) and leaves
 //! metrics, a plot, a summary and a checkpoint under `runs/`.
 //!
@@ -31,6 +32,15 @@ pub enum Method {
     GrpoLambda,
     /// REINFORCE Pro Max with `uniform_scale`.
     ProMax,
+    /// GRPO advantages with the GSPO loss (sequence ratio, clip 3e-4 / 4e-4,
+    /// `seq-mean-token-mean`).
+    Gspo,
+    /// GRPO advantages with the CISPO loss (no lower clip, ε_high 0.3).
+    Cispo,
+    /// GRPO advantages with the Clip-Cov loss (its defaults).
+    ClipCov,
+    /// GRPO advantages with the KL-Cov loss (`kl_cov_ratio` 0.002).
+    KlCov,
 }
 
 impl Method {
@@ -41,6 +51,10 @@ impl Method {
             Method::Grpo => "grpo",
             Method::GrpoLambda => "grpo-lambda",
             Method::ProMax => "pro-max",
+            Method::Gspo => "gspo",
+            Method::Cispo => "cispo",
+            Method::ClipCov => "clip-cov",
+            Method::KlCov => "kl-cov",
         }
     }
 
@@ -55,6 +69,24 @@ impl Method {
             Method::ProMax => {
                 "  entropy_reward: {enable: false}\n  adv_estimator: reinforce_pro_max\n  uniform_scale: true\n"
             }
+            // the policy-loss methods change only `worker.actor` (see `actor_keys`)
+            Method::Gspo | Method::Cispo | Method::ClipCov | Method::KlCov => {
+                "  adv_estimator: grpo\n  entropy_reward: {enable: false}\n"
+            }
+        }
+    }
+
+    /// The `worker.actor` keys that select the method's policy loss (indented for the demo
+    /// YAML).
+    fn actor_keys(self) -> &'static str {
+        match self {
+            Method::Ares | Method::Grpo | Method::GrpoLambda | Method::ProMax => "",
+            Method::Gspo => {
+                "    policy_loss: gspo\n    clip_ratio_low: 3.0e-4\n    clip_ratio_high: 4.0e-4\n    loss_agg_mode: seq-mean-token-mean\n"
+            }
+            Method::Cispo => "    policy_loss: cispo\n    clip_ratio_low: 1.0\n",
+            Method::ClipCov => "    policy_loss: clip_cov\n",
+            Method::KlCov => "    policy_loss: kl_cov\n    kl_cov_ratio: 0.002\n",
         }
     }
 }
@@ -92,7 +124,7 @@ algorithm:
     micro_batch_size_per_device: 64
     ppo_epochs: 1
     max_grad_norm: 1.0
-    optim: {{lr: 1.0e-4, weight_decay: 0.0}}
+{actor_keys}    optim: {{lr: 1.0e-4, weight_decay: 0.0}}
   rollout:
     n: 8
     temperature: 1.0
@@ -117,6 +149,7 @@ sft:
         val = data.join("eval.jsonl").display(),
         model = warm.join("sft").display(),
         method_keys = method.keys(),
+        actor_keys = method.actor_keys(),
         name = method.name(),
     )
 }
@@ -139,7 +172,7 @@ pub fn config(method: Method, overrides: &[String]) -> Result<Config, TrainError
     cfg.map_err(|e| TrainError::Invalid(e.to_string()))
 }
 
-/// Where the assets and the warm-started model live (shared by the four methods).
+/// Where the assets and the warm-started model live (shared by every method).
 fn warm_start_dir() -> PathBuf {
     PathBuf::from("runs").join(format!("demo-warmstart-seed{DEMO_SEED}"))
 }

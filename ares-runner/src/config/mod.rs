@@ -45,7 +45,8 @@ pub use error::ConfigError;
 pub use trainer::{Device, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig, TrainerConfig};
 pub use worker::{
     ActorConfig, GradedPromptConfig, IsCorrection, LossAggMode, LrScheduler, OptimConfig,
-    RefConfig, RewardConfig, RewardType, RolloutConfig, RubricGrader, RubricSchedule, WorkerConfig,
+    PolicyLoss, RefConfig, RewardConfig, RewardType, RolloutConfig, RubricGrader, RubricSchedule,
+    WorkerConfig,
 };
 
 use tree::Override;

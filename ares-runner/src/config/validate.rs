@@ -401,6 +401,30 @@ fn validate_actor(a: &ActorConfig) -> Result<(), ConfigError> {
         a.clip_ratio_dual == 0.0 || a.clip_ratio_dual > 1.0,
         "0 (off) or > 1",
     )?;
+    for (key, ratio) in [
+        ("clip_cov_ratio", a.clip_cov_ratio),
+        ("kl_cov_ratio", a.kl_cov_ratio),
+    ] {
+        real(
+            &format!("{P}.{key}"),
+            ratio,
+            ratio > 0.0 && ratio <= 1.0,
+            "in (0, 1]",
+        )?;
+    }
+    real(&format!("{P}.clip_cov_lb"), a.clip_cov_lb, true, "finite")?;
+    real(
+        &format!("{P}.clip_cov_ub"),
+        a.clip_cov_ub,
+        a.clip_cov_ub > a.clip_cov_lb,
+        "> worker.actor.clip_cov_lb",
+    )?;
+    real(
+        &format!("{P}.ppo_kl_coef"),
+        a.ppo_kl_coef,
+        a.ppo_kl_coef >= 0.0,
+        ">= 0",
+    )?;
     within(
         &format!("{P}.dynamic_kl_low_ratio"),
         a.dynamic_kl_low_ratio,

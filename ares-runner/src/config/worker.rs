@@ -38,6 +38,44 @@ impl LossAggMode {
     }
 }
 
+/// The policy loss (spec §6; `ares_core::loss`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyLoss {
+    /// PPO clip with dual clip (`clip_ratio_low/high/dual`). Also accepted as `vanilla`
+    /// (verl's name).
+    #[serde(alias = "vanilla")]
+    Ppo,
+    /// GSPO: the clip on the sequence ratio (geometric mean of token ratios), one loss per
+    /// sequence with the sequence's mean advantage.
+    Gspo,
+    /// GSPO-token: the sequence ratio with a straight-through token factor, clipped per
+    /// token (verl's `gspo`).
+    GspoToken,
+    /// CISPO: REINFORCE with a clipped, stop-gradient importance weight.
+    Cispo,
+    /// Clip-Cov: PPO clip; up to `clip_cov_ratio` of the tokens with covariance in
+    /// `(clip_cov_lb, clip_cov_ub)` lose their gradient.
+    ClipCov,
+    /// KL-Cov: `−A·r`, plus `ppo_kl_coef·|log r|` on the top `kl_cov_ratio` of tokens by
+    /// covariance.
+    KlCov,
+}
+
+impl PolicyLoss {
+    /// The YAML spelling.
+    pub const fn name(self) -> &'static str {
+        match self {
+            PolicyLoss::Ppo => "ppo",
+            PolicyLoss::Gspo => "gspo",
+            PolicyLoss::GspoToken => "gspo_token",
+            PolicyLoss::Cispo => "cispo",
+            PolicyLoss::ClipCov => "clip_cov",
+            PolicyLoss::KlCov => "kl_cov",
+        }
+    }
+}
+
 /// Importance correction between rollout-time and training-time log-probs (spec §6).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -140,7 +178,22 @@ pub struct ActorConfig {
     /// ε_high, ≥ 0 (default 0.3).
     pub clip_ratio_high: f64,
     /// Dual-clip bound c for negative advantages: 0 disables it, otherwise > 1 (default 3).
+    /// Only `ppo` uses it.
     pub clip_ratio_dual: f64,
+    /// The policy loss (default `ppo`). The clip ratios above apply to `ppo`, `gspo`,
+    /// `gspo_token`, `cispo` and `clip_cov`.
+    pub policy_loss: PolicyLoss,
+    /// Clip-Cov: fraction of a micro-batch's tokens that may lose their gradient, in
+    /// `(0, 1]` (default 0.0002).
+    pub clip_cov_ratio: f64,
+    /// Clip-Cov: lower covariance bound of the candidates (default 1).
+    pub clip_cov_lb: f64,
+    /// Clip-Cov: upper covariance bound, > `clip_cov_lb` (default 5).
+    pub clip_cov_ub: f64,
+    /// KL-Cov: fraction of a micro-batch's tokens penalised, in `(0, 1]` (default 0.0002).
+    pub kl_cov_ratio: f64,
+    /// KL-Cov: coefficient of `|log r|` on the selected tokens, ≥ 0 (default 1).
+    pub ppo_kl_coef: f64,
     /// Loss aggregation (default `token-mean`).
     pub loss_agg_mode: LossAggMode,
     /// Dynamic token-level KL (seed 001 §2.3): HWE tokens get `β·dynamic_kl_low_ratio`
@@ -170,6 +223,12 @@ impl Default for ActorConfig {
             clip_ratio_low: 0.2,
             clip_ratio_high: 0.3,
             clip_ratio_dual: 3.0,
+            policy_loss: PolicyLoss::Ppo,
+            clip_cov_ratio: 2e-4,
+            clip_cov_lb: 1.0,
+            clip_cov_ub: 5.0,
+            kl_cov_ratio: 2e-4,
+            ppo_kl_coef: 1.0,
             loss_agg_mode: LossAggMode::TokenMean,
             dynamic_kl_loss: true,
             dynamic_kl_low_ratio: 0.5,

@@ -1,6 +1,11 @@
-//! The actor's loss on one micro-batch (spec §4, §6): the PPO clip / dual-clip policy loss
-//! plus, with `use_kl_loss`, the dynamic token-level KL term `agg(β_t·k_t)`, returned with
-//! `∂L/∂logπ_t` per token — the coefficients the model's loss head turns into `dlogits`.
+//! The actor's loss on one micro-batch (spec §4, §6): the policy loss chosen by
+//! `worker.actor.policy_loss` (PPO clip / dual clip, GSPO, GSPO-token, CISPO, Clip-Cov,
+//! KL-Cov; each one function of `ares_core::loss`) plus, with `use_kl_loss`, the dynamic
+//! token-level KL term `agg(β_t·k_t)`, returned with `∂L/∂logπ_t` per token — the
+//! coefficients the model's loss head turns into `dlogits`.
+//!
+//! Clip-Cov and KL-Cov compute their token covariances and token budget over one
+//! micro-batch, as verl does.
 //!
 //! Micro-batches: a mini-batch's loss is the aggregate over all its rows; every mode of
 //! [`LossAggMode`] splits into micro-batch aggregates times a constant `scale` (the
@@ -12,10 +17,36 @@
 use ares_core::Shape;
 use ares_core::kl::{KlCoefficient, KlEstimator, TokenKlConfig, TokenKlOutputs, token_kl};
 use ares_core::loss::{
-    LossAggMode, PolicyLossConfig, PolicyLossInput, aggregate_term, policy_loss,
+    ClipCovParams, GspoLevel, KlCovParams, LossAggMode, PolicyLossConfig, PolicyLossInput,
+    aggregate_term, cispo_loss, clip_cov_loss, gspo_loss, kl_cov_loss, policy_loss,
 };
 
 use super::TrainError;
+
+/// Which policy loss a micro-batch takes (`worker.actor.policy_loss`), with its own
+/// parameters; the clip, aggregation and importance correction come from
+/// [`PolicyLossConfig`].
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum Objective {
+    /// [`policy_loss`]: PPO clip / dual clip.
+    #[default]
+    Ppo,
+    /// [`gspo_loss`] at a level.
+    Gspo(GspoLevel),
+    /// [`cispo_loss`].
+    Cispo,
+    /// [`clip_cov_loss`]; its `seed` is replaced per micro-batch (see [`micro_loss`]).
+    ClipCov(ClipCovParams<f32>),
+    /// [`kl_cov_loss`].
+    KlCov(KlCovParams<f32>),
+}
+
+impl Objective {
+    /// Whether the loss selects tokens by covariance (and reports `actor/selected_frac`).
+    pub fn selects_tokens(&self) -> bool {
+        matches!(self, Objective::ClipCov(_) | Objective::KlCov(_))
+    }
+}
 
 /// The KL loss term's setting.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -62,6 +93,8 @@ pub struct MicroLoss {
     pub clipfrac_lower: f64,
     /// Mean of `−clamp(logπ − logπ_old)` over valid tokens (not scaled).
     pub ppo_kl: f64,
+    /// Fraction of valid tokens selected by Clip-Cov / KL-Cov (not scaled; 0 otherwise).
+    pub selected_frac: f64,
     /// Valid tokens.
     pub tokens: usize,
 }
@@ -86,13 +119,16 @@ pub fn micro_scale(
 }
 
 /// Loss of one micro-batch and `coeffs[t] = scale · ∂L/∂logπ_t` (`[rows, T]`, 0 on
-/// padding).
+/// padding). `seed` picks Clip-Cov's tokens (the caller derives it from the optimizer step
+/// and the micro-batch, so a resumed run selects the same tokens).
 ///
 /// # Errors
 /// Non-finite inputs under the mask, a micro-batch without a valid token, bad parameters.
 pub fn micro_loss(
     batch: &MicroBatch<'_>,
     config: &PolicyLossConfig<f32>,
+    objective: &Objective,
+    seed: u64,
     kl: Option<&KlLoss<'_>>,
     scale: f32,
     coeffs: &mut [f32],
@@ -105,7 +141,21 @@ pub fn micro_loss(
         mask: batch.mask,
         logp_rollout: batch.logp_rollout,
     };
-    let out = policy_loss(&input, config, coeffs)?;
+    let mut scratch = if objective.selects_tokens() {
+        vec![0usize; coeffs.len()]
+    } else {
+        Vec::new()
+    };
+    let out = match *objective {
+        Objective::Ppo => policy_loss(&input, config, coeffs)?,
+        Objective::Gspo(level) => gspo_loss(&input, config, level, coeffs)?,
+        Objective::Cispo => cispo_loss(&input, config, coeffs)?,
+        Objective::ClipCov(params) => {
+            let params = ClipCovParams { seed, ..params };
+            clip_cov_loss(&input, config, &params, &mut scratch, coeffs)?
+        }
+        Objective::KlCov(params) => kl_cov_loss(&input, config, &params, &mut scratch, coeffs)?,
+    };
     let mut kl_loss = 0.0f64;
     if let Some(kl) = kl {
         let len = coeffs.len();
@@ -148,6 +198,7 @@ pub fn micro_loss(
         clipfrac: f64::from(out.clipfrac),
         clipfrac_lower: f64::from(out.clipfrac_lower),
         ppo_kl: f64::from(out.approx_kl),
+        selected_frac: f64::from(out.selected_frac),
         tokens: out.valid_tokens,
     })
 }
@@ -172,7 +223,16 @@ mod tests {
             advantages: &adv,
         };
         let mut c = [0.0f32; 4];
-        let out = micro_loss(&batch, &PolicyLossConfig::default(), None, 0.5, &mut c).unwrap();
+        let out = micro_loss(
+            &batch,
+            &PolicyLossConfig::default(),
+            &Objective::Ppo,
+            0,
+            None,
+            0.5,
+            &mut c,
+        )
+        .unwrap();
         let third = 1.0 / 3.0;
         for (got, want) in c.iter().zip([-0.5 * third, -0.5 * third, 1.0 * third, 0.0]) {
             assert!((got - want).abs() < 1e-6, "{c:?}");
@@ -203,7 +263,16 @@ mod tests {
             logp_ref: &refp,
         };
         let mut c = [0.0f32];
-        let out = micro_loss(&batch, &PolicyLossConfig::default(), Some(&kl), 1.0, &mut c).unwrap();
+        let out = micro_loss(
+            &batch,
+            &PolicyLossConfig::default(),
+            &Objective::Ppo,
+            0,
+            Some(&kl),
+            1.0,
+            &mut c,
+        )
+        .unwrap();
         // spec vector 8: k3 = 0.1065307, β = 2
         assert!((out.kl_loss - 0.2130614).abs() < 1e-5, "{}", out.kl_loss);
         // d k3/d logπ = 1 − e^{ref − logπ} = 1 − e^{−0.5}
@@ -259,26 +328,45 @@ mod tests {
                 m.chunks(cols).filter(|r| r.contains(&1.0)).count(),
             )
         };
-        for mode in LossAggMode::ALL {
+        // the row-separable losses (Clip-Cov and KL-Cov select within a micro-batch)
+        let objectives = [
+            Objective::Ppo,
+            Objective::Gspo(GspoLevel::Sequence),
+            Objective::Gspo(GspoLevel::Token),
+            Objective::Cispo,
+        ];
+        for (mode, objective) in LossAggMode::ALL
+            .into_iter()
+            .flat_map(|m| objectives.map(|o| (m, o)))
+        {
             let cfg = PolicyLossConfig {
                 agg: mode,
                 ..PolicyLossConfig::default()
             };
             let (whole, tokens, rows) = rows_of(0..4);
             let mut want = [0.0f32; 12];
-            let full = micro_loss(&whole, &cfg, None, 1.0, &mut want).unwrap();
+            let full = micro_loss(&whole, &cfg, &objective, 0, None, 1.0, &mut want).unwrap();
             let mut got = [0.0f32; 12];
             let mut loss = 0.0;
             for (split, at) in [(0..2, 0), (2..4, 6)] {
                 let (micro, t, r) = rows_of(split);
                 let scale = micro_scale(mode, t, tokens, r, rows);
-                loss += micro_loss(&micro, &cfg, None, scale, &mut got[at..at + 6])
-                    .unwrap()
-                    .pg_loss;
+                loss += micro_loss(
+                    &micro,
+                    &cfg,
+                    &objective,
+                    0,
+                    None,
+                    scale,
+                    &mut got[at..at + 6],
+                )
+                .unwrap()
+                .pg_loss;
             }
-            assert!((loss - full.pg_loss).abs() < 1e-6, "{}", mode.name());
+            let what = format!("{} {objective:?}", mode.name());
+            assert!((loss - full.pg_loss).abs() < 1e-6, "{what}");
             for (g, w) in got.iter().zip(&want) {
-                assert!((g - w).abs() < 1e-6, "{}: {got:?} vs {want:?}", mode.name());
+                assert!((g - w).abs() < 1e-6, "{what}: {got:?} vs {want:?}");
             }
         }
     }

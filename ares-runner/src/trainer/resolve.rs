@@ -4,12 +4,16 @@ use ares_core::advantage::ProMaxConfig;
 use ares_core::difficulty::{AccuracyThresholds, DifficultyConfig, PerBucket};
 use ares_core::kl::KlEstimator;
 use ares_core::length::GrpoLambda;
-use ares_core::loss::{ClipParams, IsCorrection, IsMode, LossAggMode, PolicyLossConfig};
+use ares_core::loss::{
+    ClipCovParams, ClipParams, GspoLevel, IsCorrection, IsMode, KlCovParams, LossAggMode,
+    PolicyLossConfig,
+};
 use ares_core::shaping::{BucketShaping, ShapingConfig};
 
 use super::TrainError;
 use super::advantages::Estimator;
 use super::hwe::HweParams;
+use super::policy::Objective;
 use super::rewards::{Base, RewardParams};
 use super::settings::{
     FilterKey, FilterSettings, KlControl, KlSettings, OptimSettings, StepSettings,
@@ -208,6 +212,30 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
             high: actor.is_threshold_high as f32,
         },
     };
+    let objective = match actor.policy_loss {
+        config::PolicyLoss::Ppo => Objective::Ppo,
+        config::PolicyLoss::Gspo => Objective::Gspo(GspoLevel::Sequence),
+        config::PolicyLoss::GspoToken => Objective::Gspo(GspoLevel::Token),
+        config::PolicyLoss::Cispo => Objective::Cispo,
+        config::PolicyLoss::ClipCov => {
+            let p = ClipCovParams {
+                ratio: actor.clip_cov_ratio as f32,
+                lb: actor.clip_cov_lb as f32,
+                ub: actor.clip_cov_ub as f32,
+                seed: 0,
+            };
+            p.validate()?;
+            Objective::ClipCov(p)
+        }
+        config::PolicyLoss::KlCov => {
+            let p = KlCovParams {
+                ratio: actor.kl_cov_ratio as f32,
+                coef: actor.ppo_kl_coef as f32,
+            };
+            p.validate()?;
+            Objective::KlCov(p)
+        }
+    };
 
     let step_rows = cfg.data.rollout_batch_size * n;
     let mini_batch = actor.global_batch_size.min(step_rows).max(1);
@@ -249,6 +277,7 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
         kl,
         filter,
         policy,
+        objective,
         uses_rollout_log_probs: is_mode != IsMode::None,
         ppo_epochs: actor.ppo_epochs.max(1),
         mini_batch,

@@ -7,6 +7,7 @@ use ares_core::loss::PolicyLossConfig;
 
 use super::advantages::Estimator;
 use super::hwe::HweParams;
+use super::policy::Objective;
 use super::rewards::RewardParams;
 use crate::model::Sampling;
 
@@ -136,8 +137,10 @@ pub struct StepSettings {
     pub kl: KlSettings,
     /// Online filtering (`None`: off).
     pub filter: Option<FilterSettings>,
-    /// PPO loss.
+    /// Clip, aggregation and importance correction of the policy loss.
     pub policy: PolicyLossConfig<f32>,
+    /// Which policy loss (`worker.actor.policy_loss`).
+    pub objective: Objective,
     /// Whether the sampler's log-probs are needed (importance correction on).
     pub uses_rollout_log_probs: bool,
     /// PPO epochs over each batch.

@@ -27,7 +27,7 @@ pub struct UpdateReport {
     pub skipped: usize,
     /// Averages over the applied mini-batches: `actor/pg_loss`, `actor/kl_loss`,
     /// `actor/grad_norm`, `actor/clipfrac`, `actor/clipfrac_lower`, `actor/ppo_kl`,
-    /// `actor/lr`.
+    /// `actor/lr`, and with Clip-Cov / KL-Cov `actor/selected_frac`.
     pub metrics: Metrics,
 }
 
@@ -85,7 +85,7 @@ pub fn ppo_update<B: Backend>(
             let mut micros = 0usize;
             opt.grads.zero(actor.backend())?;
             if mini_tokens > 0 {
-                for micro in mini.chunks(settings.micro_batch.max(1)) {
+                for (micro_index, micro) in mini.chunks(settings.micro_batch.max(1)).enumerate() {
                     let (micro_tokens, micro_rows) = count(batch, micro);
                     if micro_tokens == 0 {
                         continue;
@@ -134,16 +134,28 @@ pub fn ppo_update<B: Backend>(
                     };
                     let scale = micro_scale(agg, micro_tokens, mini_tokens, micro_rows, mini_rows);
                     let mut coeffs = vec![0.0f32; micro.len() * t];
-                    let loss =
-                        match micro_loss(&input, &settings.policy, kl.as_ref(), scale, &mut coeffs)
-                        {
-                            Ok(l) => l,
-                            Err(TrainError::Core(ares_core::Error::NonFinite { .. })) => {
-                                finite = false;
-                                break;
-                            }
-                            Err(e) => return Err(e),
-                        };
+                    // Clip-Cov's selection: fixed by the run's seed, the optimizer step and
+                    // the micro-batch, so a resumed run selects the same tokens.
+                    let seed = settings
+                        .rollout_seed
+                        .wrapping_add(opt.steps.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+                        .wrapping_add(micro_index as u64);
+                    let loss = match micro_loss(
+                        &input,
+                        &settings.policy,
+                        &settings.objective,
+                        seed,
+                        kl.as_ref(),
+                        scale,
+                        &mut coeffs,
+                    ) {
+                        Ok(l) => l,
+                        Err(TrainError::Core(ares_core::Error::NonFinite { .. })) => {
+                            finite = false;
+                            break;
+                        }
+                        Err(e) => return Err(e),
+                    };
                     if !(loss.pg_loss.is_finite() && loss.kl_loss.is_finite()) {
                         finite = false;
                         break;
@@ -163,6 +175,7 @@ pub fn ppo_update<B: Backend>(
                     acc.clipfrac += loss.clipfrac * w;
                     acc.clipfrac_lower += loss.clipfrac_lower * w;
                     acc.ppo_kl += loss.ppo_kl * w;
+                    acc.selected_frac += loss.selected_frac * w;
                     micros += 1;
                 }
             }
@@ -195,6 +208,9 @@ pub fn ppo_update<B: Backend>(
                         ("actor/lr", lr),
                     ] {
                         *sums.entry(k.into()).or_default() += v;
+                    }
+                    if settings.objective.selects_tokens() {
+                        *sums.entry("actor/selected_frac".into()).or_default() += acc.selected_frac;
                     }
                 }
                 _ => report.skipped += 1,
