@@ -33,7 +33,7 @@ pub enum Method {
     /// REINFORCE Pro Max with `uniform_scale`.
     ProMax,
     /// GRPO advantages with the GSPO loss (sequence ratio, clip 3e-4 / 4e-4,
-    /// `seq-mean-token-mean`).
+    /// `seq-mean-token-mean`); this and the three below take two mini-batches per step.
     Gspo,
     /// GRPO advantages with the CISPO loss (no lower clip, ε_high 0.3).
     Cispo,
@@ -73,6 +73,16 @@ impl Method {
             Method::Gspo | Method::Cispo | Method::ClipCov | Method::KlCov => {
                 "  adv_estimator: grpo\n  entropy_reward: {enable: false}\n"
             }
+        }
+    }
+
+    /// Samples per optimizer step. The policy-loss methods take two mini-batches per RL step:
+    /// with one, every update is on-policy (r = 1 exactly), where CISPO and KL-Cov reduce to
+    /// PPO's gradient and GSPO to PPO's with its aggregation.
+    fn global_batch_size(self) -> usize {
+        match self {
+            Method::Ares | Method::Grpo | Method::GrpoLambda | Method::ProMax => 128,
+            Method::Gspo | Method::Cispo | Method::ClipCov | Method::KlCov => 64,
         }
     }
 
@@ -120,7 +130,7 @@ algorithm:
 {method_keys}worker:
   actor:
     model_path: {model}
-    global_batch_size: 128
+    global_batch_size: {global_batch_size}
     micro_batch_size_per_device: 64
     ppo_epochs: 1
     max_grad_norm: 1.0
@@ -150,6 +160,7 @@ sft:
         model = warm.join("sft").display(),
         method_keys = method.keys(),
         actor_keys = method.actor_keys(),
+        global_batch_size = method.global_batch_size(),
         name = method.name(),
     )
 }
