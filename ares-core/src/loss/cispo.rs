@@ -3,8 +3,8 @@
 //! gradient is dropped by the clip.
 
 use super::{
-    Acc, Checked, LOG_RATIO_CLAMP, PolicyLossConfig, PolicyLossInput, PolicyLossOutput,
-    check_input, row_valid,
+    Acc, Checked, LOG_RATIO_CLAMP, PolicyLossConfig, PolicyLossInput, PolicyLossOutput, check_all,
+    row_valid,
 };
 use crate::error::Result;
 use crate::num::{cast, exp_bounded};
@@ -29,12 +29,9 @@ pub fn cispo_loss<F: Float>(
     config: &PolicyLossConfig<F>,
     grad: &mut [F],
 ) -> Result<PolicyLossOutput<F>> {
-    config.clip.validate()?;
-    let Checked { plan, streams, is } = check_input(input, config, grad.len())?;
+    let Checked { plan, streams, is } = check_all(input, config, grad.len())?;
     let cols = plan.cols;
-    streams.check_finite(cols, &is)?;
-    let lo = F::one() - config.clip.clip_ratio_low;
-    let hi = F::one() + config.clip.clip_ratio_high;
+    let (lo, hi) = config.clip.bounds();
     let bound: F = cast(LOG_RATIO_CLAMP);
     let mut acc = Acc::new();
     for (r, g_row) in grad.chunks_exact_mut(cols).enumerate() {

@@ -8,7 +8,7 @@
 
 use super::{
     Acc, AggPlan, Checked, Clip, ClipParams, LOG_RATIO_CLAMP, PolicyLossConfig, PolicyLossInput,
-    PolicyLossOutput, Streams, check_input, row_valid,
+    PolicyLossOutput, Streams, check_all, row_valid,
 };
 use crate::error::{Error, Result};
 use crate::num::{cast, check_param, exp_bounded, to_f64};
@@ -148,6 +148,22 @@ fn selection_key(seed: u64, i: usize) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The first `k` of `pool` in the total order `order` (all of it if `k ≥ len`), sorted by
+/// index for [`walk`]: a partial selection, O(len), then a sort of the k.
+fn first_k(
+    pool: &mut [usize],
+    k: usize,
+    order: impl FnMut(&usize, &usize) -> core::cmp::Ordering,
+) -> &mut [usize] {
+    let k = k.min(pool.len());
+    if k < pool.len() {
+        pool.select_nth_unstable_by(k, order);
+    }
+    let selected = &mut pool[..k];
+    selected.sort_unstable();
+    selected
+}
+
 fn check_scratch(needed: usize, scratch: &[usize]) -> Result<()> {
     if scratch.len() < needed {
         return Err(Error::ScratchTooSmall {
@@ -215,14 +231,12 @@ pub fn clip_cov_loss<F: Float>(
     grad: &mut [F],
 ) -> Result<PolicyLossOutput<F>> {
     params.validate()?;
-    config.clip.validate()?;
+    let Checked { plan, streams, is } = check_all(input, config, grad.len())?;
+    check_scratch(plan.valid, scratch)?;
     let clip = Clip::new(&ClipParams {
         clip_ratio_c: F::zero(),
         ..config.clip
     })?;
-    let Checked { plan, streams, is } = check_input(input, config, grad.len())?;
-    streams.check_finite(plan.cols, &is)?;
-    check_scratch(plan.valid, scratch)?;
     let cov = Covariance::new(&streams, &plan);
     let mut candidates = 0;
     for (i, &m) in streams.mask.iter().enumerate() {
@@ -238,13 +252,12 @@ pub fn clip_cov_loss<F: Float>(
             candidates += 1;
         }
     }
-    let k = token_budget(params.ratio, plan.valid).min(candidates);
-    let pool = &mut scratch[..candidates];
-    if k < candidates {
-        pool.select_nth_unstable_by_key(k, |&i| (selection_key(params.seed, i), i));
-    }
-    let selected = &mut pool[..k];
-    selected.sort_unstable();
+    let key = |i: &usize| (selection_key(params.seed, *i), *i);
+    let selected = first_k(
+        &mut scratch[..candidates],
+        token_budget(params.ratio, plan.valid),
+        |a, b| key(a).cmp(&key(b)),
+    );
     let bound: F = cast(LOG_RATIO_CLAMP);
     let mut acc = Acc::new();
     walk(
@@ -289,9 +302,7 @@ pub fn kl_cov_loss<F: Float>(
     grad: &mut [F],
 ) -> Result<PolicyLossOutput<F>> {
     params.validate()?;
-    config.clip.validate()?;
-    let Checked { plan, streams, is } = check_input(input, config, grad.len())?;
-    streams.check_finite(plan.cols, &is)?;
+    let Checked { plan, streams, is } = check_all(input, config, grad.len())?;
     check_scratch(plan.valid, scratch)?;
     let cov = Covariance::new(&streams, &plan);
     let pool = &mut scratch[..plan.valid];
@@ -303,18 +314,12 @@ pub fn kl_cov_loss<F: Float>(
     for (slot, (i, _)) in pool.iter_mut().zip(valid) {
         *slot = i;
     }
-    let k = token_budget(params.ratio, plan.valid).min(plan.valid);
     // descending covariance, then ascending index: a total order, so the top k are unique
-    let order = |a: &usize, b: &usize| {
+    let selected = first_k(pool, token_budget(params.ratio, plan.valid), |a, b| {
         to_f64(cov.at(*b))
             .total_cmp(&to_f64(cov.at(*a)))
             .then(a.cmp(b))
-    };
-    if k < pool.len() {
-        pool.select_nth_unstable_by(k, order);
-    }
-    let selected = &mut pool[..k];
-    selected.sort_unstable();
+    });
     let bound: F = cast(LOG_RATIO_CLAMP);
     let mut acc = Acc::new();
     walk(
@@ -355,6 +360,7 @@ pub fn kl_cov_loss<F: Float>(
 mod tests {
     extern crate std;
     use super::super::LossAggMode;
+    use super::super::testing::token_batch;
     use super::*;
     use crate::Shape;
     use proptest::prelude::*;
@@ -555,25 +561,6 @@ mod tests {
         );
     }
 
-    type Batch = (Shape, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
-
-    fn batch() -> impl Strategy<Value = Batch> {
-        (1usize..4, 1usize..7).prop_flat_map(|(rows, cols)| {
-            let n = rows * cols;
-            (
-                Just(Shape::new(rows, cols)),
-                proptest::collection::vec(-3.0f64..0.0, n),
-                proptest::collection::vec(-0.8f64..0.8, n),
-                proptest::collection::vec(-2.0f64..2.0, n),
-                proptest::collection::vec(prop_oneof![Just(0.0), Just(1.0), Just(1.0)], n)
-                    .prop_map(|mut m| {
-                        m[0] = 1.0;
-                        m
-                    }),
-            )
-        })
-    }
-
     /// Central differences of `loss` at every token; `skip(t)` leaves out kinks.
     fn check_fd(
         logp: &[f64],
@@ -619,7 +606,7 @@ mod tests {
         /// have zero gradient; the selected count is min(k, candidates).
         #[test]
         fn clip_cov_gradient_and_selection(
-            (shape, logp, shift, adv, mask) in batch(),
+            (shape, logp, shift, adv, mask) in token_batch(7),
             agg in proptest::sample::select(&LossAggMode::ALL[..]),
             ratio in 0.05f64..1.0,
             lb in -0.5f64..0.5,
@@ -656,7 +643,7 @@ mod tests {
         /// selected, and they are the k largest covariances.
         #[test]
         fn kl_cov_gradient_and_selection(
-            (shape, logp, shift, adv, mask) in batch(),
+            (shape, logp, shift, adv, mask) in token_batch(7),
             agg in proptest::sample::select(&LossAggMode::ALL[..]),
             ratio in 0.05f64..1.0,
             coef in 0.0f64..2.0,

@@ -2,8 +2,8 @@
 //! clip applied to a per-sequence importance ratio.
 
 use super::{
-    Acc, Checked, LOG_RATIO_CLAMP, PolicyLossConfig, PolicyLossInput, PolicyLossOutput,
-    check_input, clipped_surrogate, row_valid,
+    Acc, Checked, LOG_RATIO_CLAMP, PolicyLossConfig, PolicyLossInput, PolicyLossOutput, check_all,
+    clipped_surrogate, row_valid,
 };
 use crate::error::Result;
 use crate::num::cast;
@@ -68,12 +68,9 @@ pub fn gspo_loss<F: Float>(
     level: GspoLevel,
     grad: &mut [F],
 ) -> Result<PolicyLossOutput<F>> {
-    config.clip.validate()?;
-    let Checked { plan, streams, is } = check_input(input, config, grad.len())?;
+    let Checked { plan, streams, is } = check_all(input, config, grad.len())?;
     let cols = plan.cols;
-    streams.check_finite(cols, &is)?;
-    let lo = F::one() - config.clip.clip_ratio_low;
-    let hi = F::one() + config.clip.clip_ratio_high;
+    let (lo, hi) = config.clip.bounds();
     let bound: F = cast(LOG_RATIO_CLAMP);
     let cap: F = cast(GSPO_LOG_RATIO_MAX);
     let mut acc = Acc::new();
@@ -134,6 +131,7 @@ pub fn gspo_loss<F: Float>(
 #[cfg(test)]
 mod tests {
     extern crate std;
+    use super::super::testing::token_batch;
     use super::super::{ClipParams, LossAggMode, policy_loss};
     use super::*;
     use crate::Shape;
@@ -264,23 +262,6 @@ mod tests {
         ));
     }
 
-    fn batch() -> impl Strategy<Value = (Shape, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>)> {
-        (1usize..4, 1usize..6).prop_flat_map(|(rows, cols)| {
-            let n = rows * cols;
-            (
-                Just(Shape::new(rows, cols)),
-                proptest::collection::vec(-3.0f64..0.0, n),
-                proptest::collection::vec(-0.8f64..0.8, n),
-                proptest::collection::vec(-2.0f64..2.0, n),
-                proptest::collection::vec(prop_oneof![Just(0.0), Just(1.0), Just(1.0)], n)
-                    .prop_map(|mut m| {
-                        m[0] = 1.0;
-                        m
-                    }),
-            )
-        })
-    }
-
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
 
@@ -288,7 +269,7 @@ mod tests {
         /// from the clip kinks).
         #[test]
         fn sequence_gradient_matches_finite_differences(
-            (shape, logp, shift, adv, mask) in batch(),
+            (shape, logp, shift, adv, mask) in token_batch(6),
             agg in proptest::sample::select(&LossAggMode::ALL[..]),
         ) {
             let old: Vec<f64> = logp.iter().zip(&shift).map(|(l, s)| l - s).collect();
@@ -324,7 +305,7 @@ mod tests {
         /// GSPO in value and gradient (the paper's identity).
         #[test]
         fn token_level_equals_sequence_level_for_sequence_advantages(
-            (shape, logp, shift, adv, mask) in batch(),
+            (shape, logp, shift, adv, mask) in token_batch(6),
         ) {
             let old: Vec<f64> = logp.iter().zip(&shift).map(|(l, s)| l - s).collect();
             let row_adv: Vec<f64> = (0..adv.len()).map(|i| adv[i - i % shape.cols]).collect();
@@ -344,7 +325,7 @@ mod tests {
         /// level) is PPO without dual clip.
         #[test]
         fn one_token_rows_are_ppo(
-            (shape, logp, shift, adv, _mask) in batch(),
+            (shape, logp, shift, adv, _mask) in token_batch(6),
             agg in proptest::sample::select(&LossAggMode::ALL[..]),
         ) {
             let mask: Vec<f64> = (0..adv.len()).map(|i| f64::from(u8::from(i % shape.cols == 0))).collect();

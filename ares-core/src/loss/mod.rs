@@ -76,6 +76,14 @@ impl<F: Float> ClipParams<F> {
         Ok(p)
     }
 
+    /// The clip interval `(1 − ε_low, 1 + ε_high)`.
+    fn bounds(&self) -> (F, F) {
+        (
+            F::one() - self.clip_ratio_low,
+            F::one() + self.clip_ratio_high,
+        )
+    }
+
     /// Errors ([`Error::OutOfRange`]) unless ε_low ∈ [0, 1], ε_high ≥ 0 (finite) and
     /// c = 0 or c > 1 (finite).
     pub fn validate(&self) -> Result<()> {
@@ -124,9 +132,10 @@ struct Clip<F> {
 impl<F: Float> Clip<F> {
     fn new(p: &ClipParams<F>) -> Result<Self> {
         p.validate()?;
+        let (lo, hi) = p.bounds();
         Ok(Clip {
-            lo: F::one() - p.clip_ratio_low,
-            hi: F::one() + p.clip_ratio_high,
+            lo,
+            hi,
             c: p.clip_ratio_c,
             dual: p.clip_ratio_c > F::zero(),
             bound: cast(LOG_RATIO_CLAMP),
@@ -723,6 +732,21 @@ fn check_input<'a, F: Float>(
     Ok(Checked { plan, streams, is })
 }
 
+/// [`check_input`] plus what the losses beside PPO check up front: the clip parameters and
+/// finite inputs at every valid position (PPO's vectorised loop checks finiteness as it goes).
+fn check_all<'a, F: Float>(
+    input: &PolicyLossInput<'a, F>,
+    config: &PolicyLossConfig<F>,
+    grad_len: usize,
+) -> Result<Checked<'a, F>> {
+    config.clip.validate()?;
+    let checked = check_input(input, config, grad_len)?;
+    checked
+        .streams
+        .check_finite(checked.plan.cols, &checked.is)?;
+    Ok(checked)
+}
+
 /// The validated token streams of a policy loss.
 struct Streams<'a, F> {
     logp: &'a [F],
@@ -998,6 +1022,37 @@ fn loss_rows<F: Float, W: Fn(F) -> (F, bool)>(
         acc.changed += count(&slots.changed);
     }
     Ok(acc)
+}
+
+/// Token data shared by the loss modules' property tests.
+#[cfg(test)]
+mod testing {
+    extern crate std;
+    use crate::Shape;
+    use proptest::prelude::*;
+    use std::vec::Vec;
+
+    /// `(shape, logπ, logπ − logπ_old, advantages, mask)` over `[1..4, 1..max_cols]`: logπ in
+    /// [−3, 0), log-ratios in [−0.8, 0.8) (clipped and unclipped tokens), advantages in
+    /// [−2, 2), a 0/1 mask whose first token is valid.
+    pub(super) type TokenBatch = (Shape, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
+
+    pub(super) fn token_batch(max_cols: usize) -> impl Strategy<Value = TokenBatch> {
+        (1usize..4, 1usize..max_cols).prop_flat_map(|(rows, cols)| {
+            let n = rows * cols;
+            (
+                Just(Shape::new(rows, cols)),
+                proptest::collection::vec(-3.0f64..0.0, n),
+                proptest::collection::vec(-0.8f64..0.8, n),
+                proptest::collection::vec(-2.0f64..2.0, n),
+                proptest::collection::vec(prop_oneof![Just(0.0), Just(1.0), Just(1.0)], n)
+                    .prop_map(|mut m| {
+                        m[0] = 1.0;
+                        m
+                    }),
+            )
+        })
+    }
 }
 
 #[cfg(test)]
