@@ -11,7 +11,10 @@ use ares_core::advantage::{
 };
 use ares_core::entropy::{hwe, response_thresholds, window_means};
 use ares_core::kl::{KlCoefficient, KlEstimator, TokenKlConfig, TokenKlOutputs, token_kl};
-use ares_core::loss::{PolicyLossConfig, PolicyLossInput, policy_loss};
+use ares_core::loss::{
+    ClipCovParams, GspoLevel, KlCovParams, PolicyLossConfig, PolicyLossInput, cispo_loss,
+    clip_cov_loss, gspo_loss, kl_cov_loss, policy_loss,
+};
 use ares_core::{Groups, Shape};
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, Throughput, criterion_group, criterion_main};
@@ -230,17 +233,51 @@ fn benches(c: &mut Criterion) {
     g.bench_function("baseline_read", |b| {
         b.iter(|| black_box(read_baseline(&inputs)))
     });
+    let input = PolicyLossInput {
+        shape: d.shape,
+        logp: &d.logp,
+        logp_old: &logp_old,
+        advantages: &d.advantages,
+        mask,
+        logp_rollout: None,
+    };
+    let cfg = PolicyLossConfig::default();
     g.bench_function("policy_loss_token_mean", |b| {
+        b.iter(|| policy_loss(&input, &cfg, &mut out).expect("loss"))
+    });
+    // the losses beside PPO: same inputs and output, plus the covariance losses' scratch
+    g.bench_function("gspo_sequence", |b| {
+        b.iter(|| gspo_loss(&input, &cfg, GspoLevel::Sequence, &mut out).expect("gspo"))
+    });
+    g.bench_function("gspo_token", |b| {
+        b.iter(|| gspo_loss(&input, &cfg, GspoLevel::Token, &mut out).expect("gspo"))
+    });
+    g.bench_function("cispo", |b| {
+        b.iter(|| cispo_loss(&input, &cfg, &mut out).expect("cispo"))
+    });
+    let mut scratch = vec![0usize; out.len()];
+    g.bench_function("clip_cov", |b| {
         b.iter(|| {
-            let input = PolicyLossInput {
-                shape: d.shape,
-                logp: &d.logp,
-                logp_old: &logp_old,
-                advantages: &d.advantages,
-                mask,
-                logp_rollout: None,
-            };
-            policy_loss(&input, &PolicyLossConfig::default(), &mut out).expect("loss")
+            clip_cov_loss(
+                &input,
+                &cfg,
+                &ClipCovParams::default(),
+                &mut scratch,
+                &mut out,
+            )
+            .expect("clip_cov")
+        })
+    });
+    g.bench_function("kl_cov", |b| {
+        b.iter(|| {
+            kl_cov_loss(
+                &input,
+                &cfg,
+                &KlCovParams::default(),
+                &mut scratch,
+                &mut out,
+            )
+            .expect("kl_cov")
         })
     });
     g.finish();
