@@ -108,27 +108,25 @@ impl<'a> Groups<'a> {
     /// size; `offsets.len()` is the number of groups plus one.
     ///
     /// Errors: `offsets` empty ([`Error::Empty`]), not starting at 0 or not strictly
-    /// increasing ([`Error::InvalidIndex`] naming `"offsets"` and the position).
+    /// increasing ([`Error::OutOfRange`] naming `"offsets"`, the value and the rule).
     pub fn from_offsets(offsets: &'a [usize]) -> Result<Self> {
         let (&first, rest) = offsets
             .split_first()
             .ok_or(Error::Empty { what: "offsets" })?;
         if first != 0 {
-            return Err(Error::InvalidIndex {
+            return Err(Error::OutOfRange {
                 what: "offsets",
-                position: 0,
-                value: first,
-                len: 0,
+                value: first as f64,
+                expected: "0 at the start",
             });
         }
         let mut prev = first;
-        for (i, &o) in rest.iter().enumerate() {
+        for &o in rest {
             if o <= prev {
-                return Err(Error::InvalidIndex {
+                return Err(Error::OutOfRange {
                     what: "offsets",
-                    position: i + 1,
-                    value: o,
-                    len: prev + 1,
+                    value: o as f64,
+                    expected: "above the previous offset (no empty group)",
                 });
             }
             prev = o;
@@ -419,18 +417,14 @@ mod tests {
                 .require_pairs("grpo")
                 .is_ok()
         );
+        let err = Groups::from_offsets(&[0, 2, 2]).unwrap_err();
         assert_eq!(
-            Groups::from_offsets(&[0, 2, 2]),
-            Err(Error::InvalidIndex {
-                what: "offsets",
-                position: 2,
-                value: 2,
-                len: 3
-            })
+            std::format!("{err}"),
+            "`offsets` = 2 is out of range: expected above the previous offset (no empty group)"
         );
         assert!(matches!(
             Groups::from_offsets(&[1, 2]),
-            Err(Error::InvalidIndex { position: 0, .. })
+            Err(Error::OutOfRange { what: "offsets", value, .. }) if value == 1.0
         ));
         assert_eq!(
             Groups::from_offsets(&[]),
