@@ -179,19 +179,27 @@ impl<F: Float> AccuracyThresholds<F> {
 }
 
 /// Buckets of every group from per-sample correctness: group `g`'s bucket is
-/// [`Difficulty::from_counts`] of its number of correct samples out of its size.
+/// `thresholds.classify(correct_g / n_g)` ([`AccuracyThresholds::classify`]) with `n_g` its
+/// size. With the default thresholds this is [`Difficulty::from_counts`].
 ///
 /// Errors: `correct` not of the batch size ([`Error::LengthMismatch`]); `out` not of
-/// length `groups.count()` ([`Error::LengthMismatch`]).
-pub fn classify_groups(correct: &[bool], groups: &Groups, out: &mut [Difficulty]) -> Result<()> {
+/// length `groups.count()` ([`Error::LengthMismatch`]); invalid thresholds.
+pub fn classify_groups<F: Float>(
+    correct: &[bool],
+    groups: &Groups,
+    thresholds: &AccuracyThresholds<F>,
+    out: &mut [Difficulty],
+) -> Result<()> {
     groups.check_batch("correct", correct.len())?;
     check_len("out (difficulty per group)", groups.count(), out.len())?;
+    thresholds.validate()?;
     for (g, slot) in out.iter_mut().enumerate() {
         let right = groups
             .rows_of(g)
             .filter(|&row| correct.get(row).copied().unwrap_or(false))
             .count();
-        *slot = Difficulty::from_counts(right, groups.size(g))?;
+        let accuracy = cast::<F>(right as f64) / cast::<F>(groups.size(g).max(1) as f64);
+        *slot = thresholds.classify(accuracy)?;
     }
     Ok(())
 }
@@ -843,22 +851,44 @@ mod tests {
         let correct = [true, true, false, false, true, false];
         let groups = Groups::contiguous(6, 3).unwrap();
         let mut out = [Difficulty::Hard; 2];
-        classify_groups(&correct, &groups, &mut out).unwrap();
+        let th = AccuracyThresholds::<f64>::default();
+        classify_groups(&correct, &groups, &th, &mut out).unwrap();
         assert_eq!(out, [Difficulty::Easy, Difficulty::Medium]);
         // permuted: rows hold original positions [3, 4, 5, 0, 1, 2]
         let index = [3usize, 4, 5, 0, 1, 2];
         let mut inverse = [0usize; 6];
         let groups = Groups::permuted(&index, 3, &mut inverse).unwrap();
-        classify_groups(&correct, &groups, &mut out).unwrap();
+        classify_groups(&correct, &groups, &th, &mut out).unwrap();
         assert_eq!(out, [Difficulty::Medium, Difficulty::Easy]);
         assert!(matches!(
-            classify_groups(&correct[..5], &groups, &mut out),
+            classify_groups(&correct[..5], &groups, &th, &mut out),
             Err(Error::LengthMismatch { .. })
         ));
         assert!(matches!(
-            classify_groups(&correct, &groups, &mut out[..1]),
+            classify_groups(&correct, &groups, &th, &mut out[..1]),
             Err(Error::LengthMismatch { .. })
         ));
+        // custom thresholds: 2/3 is medium under (0.9, 0.5); 1/3 is hard
+        let strict = AccuracyThresholds {
+            easy: 0.9,
+            medium: 0.5,
+        };
+        classify_groups(&correct, &groups, &strict, &mut out).unwrap();
+        assert_eq!(out, [Difficulty::Hard, Difficulty::Medium]);
+        // the default thresholds agree with the exact counts, every n ≤ 12
+        for n in 1..=12usize {
+            for right in 0..=n {
+                let c: [bool; 12] = core::array::from_fn(|i| i < right);
+                let c = &c[..n];
+                let mut o = [Difficulty::Hard];
+                classify_groups(c, &Groups::contiguous(n, n).unwrap(), &th, &mut o).unwrap();
+                assert_eq!(
+                    o[0],
+                    Difficulty::from_counts(right, n).unwrap(),
+                    "{right}/{n}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -190,7 +190,8 @@ fn entropy_difficulty_shaping_allocate_nothing() {
         median(&thr, &mut scratch).unwrap();
     });
     assert_no_alloc("difficulty", || {
-        classify_groups(&b.correct, &groups, &mut buckets).unwrap();
+        let th = ares_core::difficulty::AccuracyThresholds::<f64>::default();
+        classify_groups(&b.correct, &groups, &th, &mut buckets).unwrap();
         let h = bucket_means(&buckets, &per_prompt).unwrap();
         let mut ctl = BucketController::new(DifficultyConfig::<f64>::default()).unwrap();
         ctl.bootstrap(&h).unwrap();

@@ -90,7 +90,15 @@ fn classify(b: &mut Bytes) {
     let correct: Vec<bool> = (0..b.size(16)).map(|_| b.bool()).collect();
     if let Ok(groups) = Groups::contiguous(batch, n) {
         let mut out = vec![Difficulty::Easy; b.size(8)];
-        let _ = classify_groups(&correct, &groups, &mut out);
+        let thresholds = if b.bool() {
+            AccuracyThresholds::default()
+        } else {
+            AccuracyThresholds {
+                easy: b.f64(),
+                medium: b.f64(),
+            }
+        };
+        let _ = classify_groups(&correct, &groups, &thresholds, &mut out);
     }
 }
 

@@ -71,6 +71,52 @@ pub fn token_level_rewards<F: Float>(
     Ok(())
 }
 
+/// The sequence score of each row with its KL penalty folded in (spec §4, KL in reward):
+/// `out[r] = score_r − Σ_t m_rt·β_t·k_t`, the whole-row sum of the token rewards of
+/// [`token_level_rewards`] (their γ = 1 return at the first token). GRPO and Dr.GRPO take
+/// their group statistics over these scores when KL is in the reward, as verl sums
+/// `token_level_rewards` per row. With `tokens.weighted_kl = None`, `out = scores`.
+///
+/// Errors: lengths (`scores`, `out` = rows; mask and KL rows × cols) → `LengthMismatch`;
+/// non-finite `scores` or KL at a valid position → `NonFinite`; mask not 0/1 → `InvalidMask`.
+/// A row without a valid token keeps its score (it has no KL to subtract).
+pub fn kl_folded_scores<F: Float>(
+    scores: &[F],
+    tokens: ResponseTokens<'_, F>,
+    out: &mut [F],
+) -> Result<()> {
+    let shape = tokens.shape;
+    check_len("scores", shape.rows, scores.len())?;
+    check_len("out", shape.rows, out.len())?;
+    check_finite("scores", scores)?;
+    shape.check("mask", tokens.mask.len())?;
+    check_mask("mask", tokens.mask)?;
+    let Some(kl) = tokens.weighted_kl else {
+        out.copy_from_slice(scores);
+        return Ok(());
+    };
+    shape.check("weighted_kl", kl.len())?;
+    let cols = shape.cols;
+    for (r, (o, &score)) in out.iter_mut().zip(scores).enumerate() {
+        let m = lanes::row(tokens.mask, cols, r);
+        let k = lanes::row(kl, cols, r);
+        let mut sum = F::zero();
+        for (t, (&kt, &mt)) in k.iter().zip(m).enumerate() {
+            if mt != F::zero() {
+                if !kt.is_finite() {
+                    return Err(Error::NonFinite {
+                        what: "weighted_kl",
+                        index: r * cols + t,
+                    });
+                }
+                sum = sum + kt;
+            }
+        }
+        *o = score - sum;
+    }
+    Ok(())
+}
+
 /// Returns-to-go over each row: `G_t = R_t·m_t + γ·G_{t+1}` (G = 0 past the row's end),
 /// written as `out_t = G_t · m_t`. Padded positions inside a row pass the return through
 /// (discounted by γ) but contribute no reward, as in OpenRLHF's `get_cumulative_returns`.
@@ -647,5 +693,46 @@ mod tests {
             returns_to_go_in_place(shape, &mut v, &m, gamma).unwrap();
             prop_assert_eq!(&v, &out);
         }
+    }
+
+    #[test]
+    fn kl_folded_scores_subtract_the_valid_kl() {
+        // row 0: KL 0.1 + 0.2 on valid tokens (0.5 under padding is ignored); row 1: none
+        let shape = Shape::new(2, 3);
+        let mask = [1.0, 1.0, 0.0, 0.0, 0.0, 0.0];
+        let kl = [0.1, 0.2, 0.5, 0.3, 0.0, 0.0];
+        let mut out = [0.0; 2];
+        kl_folded_scores(
+            &[1.0, 2.0],
+            ResponseTokens::new(shape, &mask).with_kl(&kl),
+            &mut out,
+        )
+        .unwrap();
+        assert!((out[0] - 0.7).abs() < 1e-15 && out[1] == 2.0, "{out:?}");
+        // equals the γ = 1 return at the first token of token_level_rewards
+        let mut r = [0.0; 6];
+        token_level_rewards(
+            shape,
+            &[1.0, 2.0],
+            &[1.0, 1.0, 0.0, 1.0, 0.0, 0.0],
+            Some(&kl),
+            &mut r,
+        )
+        .unwrap();
+        assert!((r[0] + r[1] - out[0]).abs() < 1e-15);
+        kl_folded_scores(&[1.0, 2.0], ResponseTokens::new(shape, &mask), &mut out).unwrap();
+        assert_eq!(out, [1.0, 2.0]);
+        let nan = [f64::NAN, 0.0, 0.0, 0.0, 0.0, 0.0];
+        assert_eq!(
+            kl_folded_scores(
+                &[1.0, 2.0],
+                ResponseTokens::new(shape, &mask).with_kl(&nan),
+                &mut out
+            ),
+            Err(Error::NonFinite {
+                what: "weighted_kl",
+                index: 0
+            })
+        );
     }
 }

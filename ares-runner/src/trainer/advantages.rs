@@ -2,8 +2,9 @@
 
 use ares_core::Groups;
 use ares_core::advantage::{
-    GrpoConfig, ProMaxConfig, ResponseTokens, grpo_token_advantages, reinforce_pp_advantages,
-    reinforce_pp_baseline_advantages, reinforce_pro_max, rloo_token_advantages,
+    GrpoConfig, ProMaxConfig, ResponseTokens, grpo_token_advantages, kl_folded_scores,
+    reinforce_pp_advantages, reinforce_pp_baseline_advantages, reinforce_pro_max,
+    rloo_token_advantages,
 };
 
 use super::TrainError;
@@ -73,14 +74,10 @@ pub fn compute(
             } else {
                 GrpoConfig::dr_grpo()
             };
-            let rewards: Vec<f32> = match weighted_kl {
-                None => rewards.to_vec(),
-                Some(kl) => rewards
-                    .iter()
-                    .zip(kl.chunks_exact(tokens.cols()))
-                    .map(|(&r, row)| r - row.iter().sum::<f32>())
-                    .collect(),
-            };
+            // with KL in the reward, the group statistics see r − Σ_t β_t·k_t
+            let mut scores = vec![0.0f32; rows];
+            kl_folded_scores(rewards, resp, &mut scores)?;
+            let rewards = scores;
             grpo_token_advantages(
                 &groups()?,
                 &rewards,

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use ares_core::difficulty::{Difficulty, PerBucket};
+use ares_core::difficulty::{Difficulty, PerBucket, bucket_means};
 use serde::{Deserialize, Serialize};
 
 use super::TrainError;
@@ -63,13 +63,10 @@ impl<B: Backend + Clone> Trainer<B> {
         bar.finish();
         let pass = responses_hwe(&all_responses, &self.settings, None)?;
         let buckets = group_buckets(&self.settings, n, &all_grades)?;
-        let mut sum = PerBucket::splat(0.0f64);
-        let mut count = PerBucket::splat(0usize);
-        for (r, &c) in pass.counts.iter().enumerate() {
-            let d = buckets[r / n];
-            sum[d] += c as f64;
-            count[d] += 1;
-        }
+        // h̄_d over every sample of the bucket's prompts (spec §2)
+        let row_buckets: Vec<Difficulty> = (0..pass.counts.len()).map(|r| buckets[r / n]).collect();
+        let counts: Vec<f64> = pass.counts.iter().map(|&c| c as f64).collect();
+        let mean_hwe = bucket_means(&row_buckets, &counts)?;
         let mut result = BootstrapResult {
             tau: pass.batch_threshold,
             targets: BTreeMap::new(),
@@ -79,11 +76,10 @@ impl<B: Backend + Clone> Trainer<B> {
             responses: all_grades.len(),
         };
         for d in Difficulty::ALL {
-            if count[d] > 0 {
-                result.targets.insert(
-                    d.name().into(),
-                    ares_core::round_half_even(sum[d] / count[d] as f64),
-                );
+            if let Some(mean) = mean_hwe[d] {
+                result
+                    .targets
+                    .insert(d.name().into(), ares_core::round_half_even(mean));
             }
         }
         for (item, d) in items_all.iter().zip(&buckets) {

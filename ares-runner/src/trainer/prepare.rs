@@ -4,7 +4,9 @@
 
 use std::collections::BTreeMap;
 
-use ares_core::difficulty::{Difficulty, PerBucket};
+use ares_core::Groups;
+use ares_core::difficulty::{Difficulty, PerBucket, bucket_means, classify_groups};
+use ares_core::filter::{FilterParams, filter_groups};
 use ares_core::kl::{KlCoefficient, TokenKlConfig, TokenKlOutputs, token_kl};
 
 use super::TrainError;
@@ -21,33 +23,40 @@ use crate::model::Model;
 pub type Metrics = BTreeMap<String, f64>;
 
 /// Which groups of a graded round online filtering keeps (spec §7): the group mean of the
-/// filter key strictly inside `(low, high)`. `rewards` are only read for reward keys.
+/// filter key strictly inside `(low, high)`, by ares-core's [`filter_groups`]. `rewards` are
+/// only read for reward keys.
+///
+/// # Errors
+/// A non-finite filter value (naming its row), bad bounds.
 pub fn keep_groups(
     settings: &StepSettings,
     n: usize,
     grades: &[Grade],
     rewards: Option<&[RewardParts]>,
-) -> Vec<bool> {
+) -> Result<Vec<bool>, TrainError> {
     let Some(f) = settings.filter else {
-        return vec![true; grades.len() / n];
+        return Ok(vec![true; grades.len() / n]);
     };
-    let value = |i: usize| -> f64 {
-        match (f.key, rewards) {
+    let values: Vec<f64> = (0..grades.len())
+        .map(|i| match (f.key, rewards) {
             (FilterKey::Accuracy, _) | (_, None) => f64::from(u8::from(grades[i].correct)),
             (FilterKey::Overall, Some(r)) => r[i].overall,
             (FilterKey::Entropy, Some(r)) => r[i].entropy,
             (FilterKey::Format, Some(r)) => r[i].format,
-        }
-    };
-    (0..grades.len() / n)
-        .map(|g| {
-            let mean = (g * n..(g + 1) * n).map(value).sum::<f64>() / n as f64;
-            f.low < mean && mean < f.high
         })
-        .collect()
+        .collect();
+    let groups = Groups::contiguous(values.len(), n)?;
+    let params = FilterParams {
+        filter_low: f.low,
+        filter_high: f.high,
+    };
+    let mut keep = vec![false; groups.count()];
+    filter_groups(&groups, &values, &params, &mut keep)?;
+    Ok(keep)
 }
 
-/// Bucket of each group from its samples' correctness.
+/// Bucket of each group from its samples' correctness, by ares-core's [`classify_groups`]
+/// with the configured accuracy thresholds.
 ///
 /// # Errors
 /// Invalid thresholds.
@@ -56,13 +65,16 @@ pub fn group_buckets(
     n: usize,
     grades: &[Grade],
 ) -> Result<Vec<Difficulty>, TrainError> {
-    grades
-        .chunks_exact(n)
-        .map(|g| {
-            let acc = g.iter().filter(|x| x.correct).count() as f64 / n as f64;
-            Ok(settings.difficulty.accuracy_thresholds.classify(acc)?)
-        })
-        .collect()
+    let correct: Vec<bool> = grades.iter().map(|g| g.correct).collect();
+    let groups = Groups::contiguous(correct.len(), n)?;
+    let mut out = vec![Difficulty::Hard; groups.count()];
+    classify_groups(
+        &correct,
+        &groups,
+        &settings.difficulty.accuracy_thresholds,
+        &mut out,
+    )?;
+    Ok(out)
 }
 
 /// Everything the update reads, with the metrics gathered so far.
@@ -86,21 +98,6 @@ pub struct Prepared {
     pub advantages: Advantages,
     /// Metrics of the step so far.
     pub metrics: Metrics,
-}
-
-/// Mean over the groups of each bucket of a per-group value (`None` for absent buckets).
-fn bucket_means(buckets: &[Difficulty], values: &[f64]) -> PerBucket<Option<f64>> {
-    let mut sum = PerBucket::splat(0.0f64);
-    let mut count = PerBucket::splat(0usize);
-    for (&d, &v) in buckets.iter().zip(values) {
-        sum[d] += v;
-        count[d] += 1;
-    }
-    PerBucket::new(
-        (count.easy > 0).then(|| sum.easy / count.easy as f64),
-        (count.medium > 0).then(|| sum.medium / count.medium as f64),
-        (count.hard > 0).then(|| sum.hard / count.hard as f64),
-    )
 }
 
 /// Mean of `values` where `mask` is 1.
@@ -161,7 +158,7 @@ pub fn prepare<B: Backend>(
         .chunks_exact(n)
         .map(|c| c.iter().sum::<usize>() as f64 / n as f64)
         .collect();
-    let mean_hwe = bucket_means(&buckets, &group_hwe);
+    let mean_hwe = bucket_means(&buckets, &group_hwe)?;
     if settings.reward.shaping.is_some() {
         state
             .buckets
@@ -233,7 +230,7 @@ pub fn prepare<B: Backend>(
             .chunks_exact(n)
             .map(|c| c.iter().sum::<f64>() / n as f64)
             .collect();
-        let mean_kl = bucket_means(&buckets, &group_kl);
+        let mean_kl = bucket_means(&buckets, &group_kl)?;
         match settings.kl.control {
             KlControl::DualAscent => {
                 state

@@ -39,6 +39,7 @@ use crate::metrics::{MetricsWriter, PhaseTimes, Record};
 use crate::model::{AdamW, Model};
 use crate::progress::Progress;
 use ares_core::difficulty::PerBucket;
+use ares_core::filter::{is_solved, solved_streak};
 
 /// What `trainer_state.json` holds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -463,7 +464,7 @@ impl<B: Backend + Clone> Trainer<B> {
             let (texts, grades) = self.grade(&items, &responses)?;
             times.add("reward", t1.elapsed());
             generated_groups += items.len();
-            self.track_solved(&items, &responses, &grades);
+            self.track_solved(&items, &responses, &grades)?;
             let keep = self.keep(&responses, &grades)?;
             let mut resp = responses.into_iter();
             let mut txt = texts.into_iter();
@@ -550,7 +551,7 @@ impl<B: Backend + Clone> Trainer<B> {
             return Ok(vec![true; grades.len() / n]);
         };
         if f.key == FilterKey::Accuracy {
-            return Ok(keep_groups(&self.settings, n, grades, None));
+            return keep_groups(&self.settings, n, grades, None);
         }
         // reward keys: provisional rewards under the controllers in force
         let lengths: Vec<usize> = responses.iter().map(|r| r.tokens.len()).collect();
@@ -570,16 +571,26 @@ impl<B: Backend + Clone> Trainer<B> {
             &buckets,
             &values,
         )?;
-        Ok(keep_groups(&self.settings, n, grades, Some(&parts)))
+        keep_groups(&self.settings, n, grades, Some(&parts))
     }
 
     /// `drop_solved` (seed 3.4): a prompt all-correct with mean token entropy below the
-    /// threshold for `consecutive` visits in a row leaves the training set.
-    fn track_solved(&mut self, items: &[PromptItem], responses: &[Response], grades: &[Grade]) {
+    /// threshold for `consecutive` visits in a row leaves the training set (ares-core's
+    /// [`solved_streak`] and [`is_solved`]).
+    ///
+    /// # Errors
+    /// A non-finite mean entropy or threshold.
+    fn track_solved(
+        &mut self,
+        items: &[PromptItem],
+        responses: &[Response],
+        grades: &[Grade],
+    ) -> Result<(), TrainError> {
         let ds = &self.cfg.algorithm.drop_solved;
         if !ds.enable {
-            return;
+            return Ok(());
         }
+        let consecutive = u32::try_from(ds.consecutive).unwrap_or(u32::MAX);
         let n = self.settings.n;
         for (g, item) in items.iter().enumerate() {
             let rows = g * n..(g + 1) * n;
@@ -596,15 +607,12 @@ impl<B: Backend + Clone> Trainer<B> {
                 .solved_streaks
                 .entry(item.global_id.clone())
                 .or_default();
-            if all_correct && mean_entropy < ds.entropy_threshold {
-                *streak += 1;
-                if *streak as usize >= ds.consecutive {
-                    self.state.dropped.insert(item.global_id.clone());
-                }
-            } else {
-                *streak = 0;
+            *streak = solved_streak(*streak, all_correct, mean_entropy, ds.entropy_threshold)?;
+            if is_solved(*streak, consecutive) {
+                self.state.dropped.insert(item.global_id.clone());
             }
         }
+        Ok(())
     }
 
     /// Saves a checkpoint of the current step (model + tokenizer, optimizer, trainer
