@@ -267,20 +267,24 @@ pub fn entropy_reward<F: Float>(
     })
 }
 
-/// The overall reward `accuracy + entropy_reward + format_weight·format_reward`.
+/// The overall reward `base + entropy_reward + format_weight·format_reward`.
+///
+/// `base` is the task reward the entropy shaping is added to: the accuracy (1 or 0) in ARES
+/// (spec §3), or a graded rubric score, or GRPO-λ's length-penalised reward when those
+/// methods replace it.
 ///
 /// Errors: any input not finite, or a non-finite sum ([`crate::Error::OutOfRange`]).
 pub fn overall_reward<F: Float>(
-    accuracy: F,
+    base: F,
     entropy_reward: F,
     format_reward: F,
     format_weight: F,
 ) -> Result<F> {
-    check_param("accuracy", accuracy, true, "finite")?;
+    check_param("base reward", base, true, "finite")?;
     check_param("entropy_reward", entropy_reward, true, "finite")?;
     check_param("format_reward", format_reward, true, "finite")?;
     check_param("format_weight", format_weight, true, "finite")?;
-    let overall = accuracy + entropy_reward + format_weight * format_reward;
+    let overall = base + entropy_reward + format_weight * format_reward;
     check_param("overall reward", overall, true, "finite")?;
     Ok(overall)
 }

@@ -5,7 +5,7 @@
 use ares_core::Groups;
 use ares_core::difficulty::{Difficulty, PerBucket};
 use ares_core::length::{GrpoLambda, grpo_lambda_rewards};
-use ares_core::shaping::{ShapingConfig, entropy_reward};
+use ares_core::shaping::{ShapingConfig, entropy_reward, overall_reward};
 
 use super::TrainError;
 
@@ -118,12 +118,12 @@ pub fn rewards(
             )?,
             _ => 0.0,
         };
-        let overall = base[i] + entropy + params.format_weight * g.format;
-        if !overall.is_finite() {
-            return Err(TrainError::NonFinite {
-                what: format!("reward of sample {i}"),
-            });
-        }
+        let overall =
+            overall_reward(base[i], entropy, g.format, params.format_weight).map_err(|e| {
+                TrainError::NonFinite {
+                    what: format!("reward of sample {i} ({e})"),
+                }
+            })?;
         parts.push(RewardParts {
             accuracy: f64::from(u8::from(g.correct)),
             base: base[i],
