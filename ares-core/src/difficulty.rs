@@ -1,5 +1,5 @@
 //! Difficulty buckets, per-bucket HWE targets, adaptive entropy coefficients α and
-//! dual-ascent KL coefficients λ (spec §2).
+//! dual-ascent KL coefficients λ (docs/algorithms.md §2).
 //!
 //! Each prompt is put in a bucket (easy / medium / hard) from its accuracy over its `n`
 //! samples. Each bucket `d` carries a state `(T_d, α_d, λ_d)`:

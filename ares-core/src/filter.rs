@@ -1,4 +1,4 @@
-//! Online group filtering for dynamic sampling (spec §7) and the `drop_solved` bookkeeping
+//! Online group filtering for dynamic sampling (docs/algorithms.md §7) and the `drop_solved` bookkeeping
 //! of seed 001 §3.4.
 //!
 //! A group whose samples all succeed or all fail carries no GRPO signal (every advantage is

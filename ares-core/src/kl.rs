@@ -1,4 +1,4 @@
-//! KL penalties between the policy π and the reference policy π_ref (spec §4).
+//! KL penalties between the policy π and the reference policy π_ref (docs/algorithms.md §4).
 //!
 //! Per token, with δ = logπ − logπ_ref:
 //!
@@ -398,7 +398,7 @@ pub struct TokenKlSummary<F> {
     pub seq_mean_kl: F,
 }
 
-/// The fused dynamic token-level KL pass (spec §4) over padded `[rows, cols]` tensors: for
+/// The fused dynamic token-level KL pass (docs/algorithms.md §4) over padded `[rows, cols]` tensors: for
 /// every token, δ = logp − logp_ref, `k_t` by `cfg.estimator`, `β_t = β_r·(hwe_t ?
 /// low_ratio : 1)`; writes the requested [`TokenKlOutputs`] and returns the
 /// [`TokenKlSummary`]. One pass over the inputs; validation is fused into it.

@@ -1,4 +1,4 @@
-//! GRPO-λ (seed 002, spec §8): batch-level top-λ group selection and the length-penalty
+//! GRPO-λ (seed 002, docs/algorithms.md §8): batch-level top-λ group selection and the length-penalty
 //! reward for the most accurate groups, 0/1 for the rest.
 //!
 //! The seed's formula is normative, not its sample code; where they differ we follow the

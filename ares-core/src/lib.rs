@@ -12,7 +12,7 @@
 //! - Shared pieces: PPO clip / dual-clip loss with its gradient ([`loss`]), online group
 //!   filtering ([`filter`]).
 //!
-//! The normative formulas are in the project's `spec/algorithms.md`; each function's doc
+//! The normative formulas are in the repository's `docs/algorithms.md`; each function's doc
 //! comment restates the formula it computes and its edge cases.
 //!
 //! ## Conventions

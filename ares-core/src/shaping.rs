@@ -1,4 +1,4 @@
-//! The ARES difficulty-aware entropy reward (spec §3).
+//! The ARES difficulty-aware entropy reward (docs/algorithms.md §3).
 //!
 //! Per response, from its correctness, its HWE count `g`, its prompt's bucket `d` and the
 //! bucket's target `T = T_d` and coefficient `α = α_d`, with the bucket's constants
@@ -169,7 +169,7 @@ const FIELD_NAMES: PerBucket<[&str; 5]> = PerBucket::new(
 
 /// The shaping configuration: per-bucket constants and the format-reward weight.
 ///
-/// Defaults (spec §3):
+/// Defaults (docs/algorithms.md §3):
 ///
 /// | d | f | κ | t | c | w |
 /// |---|---|---|---|---|---|
@@ -270,7 +270,7 @@ pub fn entropy_reward<F: Float>(
 /// The overall reward `base + entropy_reward + format_weight·format_reward`.
 ///
 /// `base` is the task reward the entropy shaping is added to: the accuracy (1 or 0) in ARES
-/// (spec §3), or a graded rubric score, or GRPO-λ's length-penalised reward when those
+/// (docs/algorithms.md §3), or a graded rubric score, or GRPO-λ's length-penalised reward when those
 /// methods replace it.
 ///
 /// Errors: any input not finite, or a non-finite sum ([`crate::Error::OutOfRange`]).

@@ -1,4 +1,4 @@
-//! Masked dynamic KL over a `[rows, cols]` batch (spec §4): the row-parallel twin of
+//! Masked dynamic KL over a `[rows, cols]` batch (docs/algorithms.md §4): the row-parallel twin of
 //! `ares-cuda`'s `masked_dynamic_kl`, with the math of `ares_core::kl::token_kl` per row.
 
 use crate::error::{Result, at_batch_index};
@@ -148,7 +148,7 @@ mod tests {
 
     #[test]
     fn weights_hwe_tokens_by_low_ratio_and_sums_rows() {
-        // spec §11 vector 8: k3(-1.0, -1.5) = 0.1065307, k3(-2, -1) = 0.7182818
+        // docs/algorithms.md §11 vector 8: k3(-1.0, -1.5) = 0.1065307, k3(-2, -1) = 0.7182818
         let logp = [-1.0f32, -2.0, -1.0, 0.0];
         let ref_logp = [-1.5f32, -1.0, -1.5, 0.0];
         let mask = [1.0f32, 1.0, 1.0, 0.0];

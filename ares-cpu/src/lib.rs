@@ -9,9 +9,9 @@
 //!   the logits with an online max/sum — no `[rows, V]` temporary.
 //!
 //! - [`entropy_windows`], [`row_percentile`]: window means, HWE masks, per-row counts, soft
-//!   costs and percentile thresholds (spec §1), row-parallel over `ares_core::entropy`.
+//!   costs and percentile thresholds (docs/algorithms.md §1), row-parallel over `ares_core::entropy`.
 //! - [`masked_dynamic_kl`]: per-token KL, HWE-aware weights, per-row and total weighted
-//!   sums in one pass (spec §4), row-parallel over `ares_core::kl::token_kl`.
+//!   sums in one pass (docs/algorithms.md §4), row-parallel over `ares_core::kl::token_kl`.
 
 mod error;
 mod exp;

@@ -1,5 +1,5 @@
 //! Entropy windows, HWE tokens and per-row percentile thresholds over a `[rows, cols]`
-//! batch (spec §1): the row-parallel twins of `ares-cuda`'s `entropy_windows` and
+//! batch (docs/algorithms.md §1): the row-parallel twins of `ares-cuda`'s `entropy_windows` and
 //! `row_percentile`, with the math of `ares_core::entropy` applied to each row.
 
 use crate::error::{Result, at_batch_index};
@@ -10,7 +10,7 @@ use rayon::prelude::*;
 /// work to schedule alone.
 const MIN_ROWS_PER_TASK: usize = 8;
 
-/// The window definition (spec §1).
+/// The window definition (docs/algorithms.md §1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WindowSpec {
     /// Padded response length (columns).
@@ -168,7 +168,7 @@ mod tests {
     use super::*;
 
     fn batch() -> (Vec<f32>, Vec<f32>) {
-        // spec §11 vector 5 as row 0; a shorter response as row 1
+        // docs/algorithms.md §11 vector 5 as row 0; a shorter response as row 1
         let h = vec![
             0.2, 1.0, 1.2, 0.8, 0.4, 0.1, 0.0, 0.0, //
             0.5, 0.9, 0.7, 0.3, 0.6, 0.2, 0.0, 0.0,

@@ -69,7 +69,7 @@ fn shape(kernel: &'static str, len: usize, cols: usize) -> Result<usize> {
     Ok(len / cols)
 }
 
-/// The window definition of [`Cuda::entropy_windows`] (spec §1).
+/// The window definition of [`Cuda::entropy_windows`] (docs/algorithms.md §1).
 #[derive(Debug, Clone, Copy)]
 pub struct WindowSpec {
     /// Padded response length (columns of the `[rows, cols]` tensors).
@@ -177,7 +177,7 @@ impl Cuda {
     }
 
     /// Entropy windows and HWE tokens, the twin of `ares_core::entropy`'s window means and
-    /// HWE mask (spec §1): for `[rows, cols]` entropies and 0/1 mask, `out_means[t]` = mean
+    /// HWE mask (docs/algorithms.md §1): for `[rows, cols]` entropies and 0/1 mask, `out_means[t]` = mean
     /// entropy of the window (`t+1 ..= t+w`, or `t ..= t+w−1` with `includes_self`) where
     /// the window is complete (every position inside the row with mask 1, and `mask[t] = 1`),
     /// else 0; `out_valid[t]` = 1/0. With `hwe`, also the HWE mask against τ, per-row counts

@@ -1,4 +1,4 @@
-//! Every test vector of the spec (`spec/algorithms.md` §11), through the public APIs, in
+//! Every test vector of the spec (`docs/algorithms.md` §11), through the public APIs, in
 //! f64 and, where the type matters, f32. These are a floor: each module's own tests go
 //! further.
 

@@ -9,7 +9,7 @@ use crate::lanes::{self, Moments};
 use crate::num::{check_finite, check_len};
 use num_traits::Float;
 
-/// REINFORCE++ token advantages (spec §5): token rewards
+/// REINFORCE++ token advantages (docs/algorithms.md §5): token rewards
 /// `R_t = −β_t·k_t + [t = last valid]·r` (KL from `tokens.weighted_kl`, if any), returns-to-go
 /// `G_t = R_t + γ·G_{t+1}`, then [`masked_whiten`](super::masked_whiten) over the whole batch.
 /// `out` is `[rows, cols]`; returns the whitening statistics (of the returns).
@@ -34,7 +34,7 @@ pub fn reinforce_pp_advantages<F: Float>(
     finish(acc, out, tokens.mask)
 }
 
-/// REINFORCE++-baseline token advantages (spec §5): the group-mean baseline `r − mean_g`
+/// REINFORCE++-baseline token advantages (docs/algorithms.md §5): the group-mean baseline `r − mean_g`
 /// ([`reinforce_baseline_advantages`](super::reinforce_baseline_advantages)), then the
 /// REINFORCE++ pipeline of [`reinforce_pp_advantages`]: KL folding, returns-to-go with γ, batch
 /// whitening. Works on any [`Groups`] layout.

@@ -40,7 +40,7 @@ pub fn broadcast_to_tokens<F: Float>(
     if ok { Ok(()) } else { check_mask("mask", mask) }
 }
 
-/// Folds the sequence reward and the KL penalty into token rewards (spec §4, KL in reward):
+/// Folds the sequence reward and the KL penalty into token rewards (docs/algorithms.md §4, KL in reward):
 /// `R_t = (−β_t·k_t + [t = last valid token of the row]·score_r) · m_t`, where
 /// `weighted_kl` holds `β_t·k_t` (e.g. the `weighted` output of [`crate::kl::token_kl`]) or
 /// is `None` for no KL. "Last valid token" is the largest t with `m_t = 1`.
@@ -71,7 +71,7 @@ pub fn token_level_rewards<F: Float>(
     Ok(())
 }
 
-/// The sequence score of each row with its KL penalty folded in (spec §4, KL in reward):
+/// The sequence score of each row with its KL penalty folded in (docs/algorithms.md §4, KL in reward):
 /// `out[r] = score_r − Σ_t m_rt·β_t·k_t`, the whole-row sum of the token rewards of
 /// [`token_level_rewards`] (their γ = 1 return at the first token). GRPO and Dr.GRPO take
 /// their group statistics over these scores when KL is in the reward, as verl sums

@@ -1,4 +1,4 @@
-//! Token entropy, window entropy and high-window-entropy (HWE) tokens (spec §1).
+//! Token entropy, window entropy and high-window-entropy (HWE) tokens (docs/algorithms.md §1).
 //!
 //! The ARES pipeline for one step, as data flows through this module:
 //!

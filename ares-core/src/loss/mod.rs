@@ -1,5 +1,5 @@
 //! Policy losses with their exact gradients, the loss aggregation modes, and the rollout
-//! importance correction (spec §6).
+//! importance correction (docs/algorithms.md §6).
 //!
 //! | loss | per-token objective | function |
 //! |---|---|---|
@@ -242,7 +242,7 @@ pub enum LossAggMode {
     SeqMeanTokenMean,
     /// `seq-mean-token-sum-norm` (Dr.GRPO's constant normaliser): `Σ m·L / (R·T)`.
     /// Weight: `1 / (R·T)`. verl ≥ 0.8 divides by `R·T`; verl 0.5–0.7 divided by `T` alone,
-    /// which is `R` times larger (spec §6).
+    /// which is `R` times larger (docs/algorithms.md §6).
     SeqMeanTokenSumNorm,
 }
 

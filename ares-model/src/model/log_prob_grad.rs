@@ -1,4 +1,4 @@
-//! The loss head of training: the policy losses (spec §6) hand back ∂L/∂logπ per token, so
+//! The loss head of training: the policy losses (docs/algorithms.md §6) hand back ∂L/∂logπ per token, so
 //! the model only needs the backward of the per-token log-prob to reach ∂L/∂θ — no
 //! autodiff, and no `[tokens, vocab]` log-softmax kept between the passes.
 

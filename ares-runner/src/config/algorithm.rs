@@ -1,9 +1,9 @@
 //! `algorithm.*`: advantages, KL, online filtering, difficulty buckets, ARES entropy
-//! shaping and GRPO-λ — the knobs of `shared/spec/algorithms.md` §§2–8 with its defaults.
+//! shaping and GRPO-λ — the knobs of `docs/algorithms.md` §§2–8 with its defaults.
 
 use serde::{Deserialize, Serialize};
 
-/// One value per difficulty bucket (spec §2: easy if accuracy ≥ 2/3, medium if ≥ 1/3, else
+/// One value per difficulty bucket (docs/algorithms.md §2: easy if accuracy ≥ 2/3, medium if ≥ 1/3, else
 /// hard). All three are required when the map is written out in full; a partial map in a
 /// config file keeps the spec default of the buckets it leaves out (the file is merged onto
 /// the defaults before it is typed).
@@ -39,7 +39,7 @@ impl PerBucket {
     }
 }
 
-/// Advantage estimator (spec §5).
+/// Advantage estimator (docs/algorithms.md §5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum AdvEstimator {
@@ -81,7 +81,7 @@ impl AdvEstimator {
     }
 }
 
-/// KL estimator per token, with `δ = logπ − logπ_ref` (spec §4).
+/// KL estimator per token, with `δ = logπ − logπ_ref` (docs/algorithms.md §4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KlPenalty {
@@ -119,7 +119,7 @@ impl KlPenalty {
     }
 }
 
-/// How the KL coefficient β evolves (spec §4).
+/// How the KL coefficient β evolves (docs/algorithms.md §4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KlCtrl {
@@ -127,7 +127,7 @@ pub enum KlCtrl {
     Fixed,
     /// `e = clip(KL/kl_target − 1, ±0.2)`, `β ← β·(1 + e·N/kl_horizon)`.
     Adaptive,
-    /// One λ_d per difficulty bucket, by dual ascent on the KL budgets (spec §2).
+    /// One λ_d per difficulty bucket, by dual ascent on the KL budgets (docs/algorithms.md §2).
     DualAscent,
 }
 
@@ -142,7 +142,7 @@ impl KlCtrl {
     }
 }
 
-/// Accuracy thresholds of the difficulty buckets (spec §2): easy iff `accuracy ≥ easy`,
+/// Accuracy thresholds of the difficulty buckets (docs/algorithms.md §2): easy iff `accuracy ≥ easy`,
 /// medium iff `accuracy ≥ medium`, else hard. With n = 8: 6–8 correct easy, 3–5 medium,
 /// 0–2 hard. Requires `0 ≤ medium ≤ easy ≤ 1`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -163,7 +163,7 @@ impl Default for DifficultyThresholds {
     }
 }
 
-/// Dual ascent on per-bucket KL budgets (seed 001 §2.2, spec §2):
+/// Dual ascent on per-bucket KL budgets (seed 001 §2.2, docs/algorithms.md §2):
 /// `λ_d ← min(λ_max, max(0, λ_d + η·(KL_d − ε_d)))`; λ_d is the bucket's KL coefficient.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -189,7 +189,7 @@ impl Default for DualAscentConfig {
     }
 }
 
-/// Remove solved prompts from the training set (seed 001 §3.4, spec §7): a prompt whose
+/// Remove solved prompts from the training set (seed 001 §3.4, docs/algorithms.md §7): a prompt whose
 /// group is all correct with mean token entropy below `entropy_threshold` on `consecutive`
 /// visits in a row is dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -213,7 +213,7 @@ impl Default for DropSolvedConfig {
     }
 }
 
-/// ARES difficulty-aware entropy reward (spec §§1–3): HWE tokens against the global
+/// ARES difficulty-aware entropy reward (docs/algorithms.md §§1–3): HWE tokens against the global
 /// threshold τ, per-bucket targets `T_d`, adaptive coefficients `α_d` and the shaping table.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -281,7 +281,7 @@ impl Default for EntropyRewardConfig {
     }
 }
 
-/// GRPO-λ (seed 002, spec §8): the top `max(1, ceil(λ·G))` groups by accuracy get the length
+/// GRPO-λ (seed 002, docs/algorithms.md §8): the top `max(1, ceil(λ·G))` groups by accuracy get the length
 /// reward `1 − α·sig(z)` on their correct samples; the others keep 0/1.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -335,7 +335,7 @@ pub struct AlgorithmConfig {
     pub kl_horizon: f64,
     /// Dual ascent on per-bucket KL budgets.
     pub dual_ascent: DualAscentConfig,
-    /// Accuracy thresholds of the difficulty buckets (added to the contract: spec §2's 2/3
+    /// Accuracy thresholds of the difficulty buckets (added to the contract: docs/algorithms.md §2's 2/3
     /// and 1/3 are knobs too).
     pub difficulty_thresholds: DifficultyThresholds,
     /// Keep only groups with `filter_low < mean(filter_key) < filter_high` and sample more

@@ -39,7 +39,7 @@ pub struct DataConfig {
     pub shuffle: bool,
     /// Seed of the data order (default 1).
     pub seed: u64,
-    /// Bootstrap pass before training (spec §2): one rollout over the training set fills the
+    /// Bootstrap pass before training (docs/algorithms.md §2): one rollout over the training set fills the
     /// difficulty of every prompt, the initial targets `T_d` and the first `τ` (default true).
     pub bootstrap: bool,
 }

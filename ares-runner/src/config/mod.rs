@@ -1,6 +1,6 @@
 //! The trainer's configuration: YAML with verl/EasyR1-style sections (`data`, `algorithm`,
 //! `worker.{actor,rollout,ref,reward}`, `trainer`, `sft`) covering every knob of
-//! `shared/spec/algorithms.md` with its defaults, plus dotted command-line overrides.
+//! `docs/algorithms.md` with its defaults, plus dotted command-line overrides.
 //!
 //! Resolution ([`Config::load`]):
 //! 1. the defaults ([`Config::default`], the spec's values) as a tree;

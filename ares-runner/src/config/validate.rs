@@ -7,7 +7,7 @@
 //!   mini-batch. It must be a multiple of `micro_batch_size_per_device`.
 //! - `filter_low`/`filter_high` lie in `[0, 1]` when the filter averages `accuracy` (a 0/1
 //!   value); other metrics (`overall` = accuracy + S) only need finite, ordered bounds.
-//! - ARES shaping, GRPO-λ and the rubric reward are alternative rewards (spec §3, §8, §9):
+//! - ARES shaping, GRPO-λ and the rubric reward are alternative rewards (docs/algorithms.md §3, §8, §9):
 //!   at most one may be on.
 //! - `trainer.device: cuda` is accepted here; the trainer decides whether a GPU is usable.
 
@@ -108,7 +108,7 @@ impl Config {
         self.validate_reward_choice()
     }
 
-    /// n ≥ 2 for everything that compares the samples of a group (spec §5: "n = 1 is an
+    /// n ≥ 2 for everything that compares the samples of a group (docs/algorithms.md §5: "n = 1 is an
     /// error for every group estimator").
     fn validate_group_size(&self) -> Result<(), ConfigError> {
         let n = self.worker.rollout.n;

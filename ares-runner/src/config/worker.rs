@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-/// How per-token losses are reduced to one number (spec §6).
+/// How per-token losses are reduced to one number (docs/algorithms.md §6).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum LossAggMode {
     /// `Σ m·L / Σ m` over the mini-batch. Also accepted as `token_mean`.
@@ -38,7 +38,7 @@ impl LossAggMode {
     }
 }
 
-/// The policy loss (spec §6; `ares_core::loss`).
+/// The policy loss (docs/algorithms.md §6; `ares_core::loss`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum PolicyLoss {
@@ -76,7 +76,7 @@ impl PolicyLoss {
     }
 }
 
-/// Importance correction between rollout-time and training-time log-probs (spec §6).
+/// Importance correction between rollout-time and training-time log-probs (docs/algorithms.md §6).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum IsCorrection {
@@ -241,7 +241,7 @@ impl Default for ActorConfig {
     }
 }
 
-/// Reveal schedule of the graded system prompt (seed 003, spec §9).
+/// Reveal schedule of the graded system prompt (seed 003, docs/algorithms.md §9).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RubricSchedule {
@@ -270,7 +270,7 @@ impl RubricSchedule {
     }
 }
 
-/// The graded system prompt (seed 003, spec §9).
+/// The graded system prompt (seed 003, docs/algorithms.md §9).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GradedPromptConfig {
@@ -323,7 +323,7 @@ pub struct RolloutConfig {
     pub top_k: usize,
     /// Seed of the sampling and of the rubric subsets (default 1).
     pub seed: u64,
-    /// Window w of the window entropy `W_t` (spec §1), ≥ 1 (default 4).
+    /// Window w of the window entropy `W_t` (docs/algorithms.md §1), ≥ 1 (default 4).
     pub window_size: usize,
     /// Validation temperature, ≥ 0; 0 = greedy (default 0).
     pub val_temperature: f64,
@@ -365,9 +365,9 @@ pub struct RefConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RewardType {
-    /// Math answers: the last `\boxed{…}` against the reference (spec §10).
+    /// Math answers: the last `\boxed{…}` against the reference (docs/algorithms.md §10).
     Math,
-    /// Rubric criteria: Σ points of met criteria / Σ positive points (spec §9).
+    /// Rubric criteria: Σ points of met criteria / Σ positive points (docs/algorithms.md §9).
     Rubric,
 }
 

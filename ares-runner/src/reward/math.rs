@@ -1,4 +1,4 @@
-//! Math answer grading (spec §10): the last `\boxed{…}` of the response against the
+//! Math answer grading (docs/algorithms.md §10): the last `\boxed{…}` of the response against the
 //! reference answer.
 //!
 //! Two answers match when, after [normalisation](#normalisation), they are

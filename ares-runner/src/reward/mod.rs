@@ -1,5 +1,5 @@
-//! Rewards: math answer grading (spec §10), the format reward, and rubric rewards with a
-//! built-in keyword/regex grader or an external grader command (spec §9).
+//! Rewards: math answer grading (docs/algorithms.md §10), the format reward, and rubric rewards with a
+//! built-in keyword/regex grader or an external grader command (docs/algorithms.md §9).
 //!
 //! - [`grade_math`]: the last `\boxed{…}` of a response against the reference answer
 //!   (normalised strings, numbers within 1e−6 relative, tuples/intervals element-wise; the

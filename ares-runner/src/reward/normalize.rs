@@ -1,4 +1,4 @@
-//! Answer normalisation for string comparison (spec §10).
+//! Answer normalisation for string comparison (docs/algorithms.md §10).
 
 use super::latex::{MAX_DEPTH, matching_brace, name_end};
 

@@ -4,7 +4,7 @@
 use super::latex::{MAX_DEPTH, matching_brace};
 use super::normalize::strip_outer_braces;
 
-/// Relative tolerance of numeric equality (spec §10).
+/// Relative tolerance of numeric equality (docs/algorithms.md §10).
 pub(crate) const REL_TOL: f64 = 1e-6;
 
 /// A parsed number: its value, and its exact value when it is an integer (so large integers

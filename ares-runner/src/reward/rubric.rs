@@ -1,4 +1,4 @@
-//! Rubric rewards (seed 003, spec §9): which criteria a response meets, decided by a
+//! Rubric rewards (seed 003, docs/algorithms.md §9): which criteria a response meets, decided by a
 //! pluggable [`RubricGrader`], and the score `Σ points of met criteria / Σ positive points`.
 
 use std::collections::HashMap;
@@ -15,7 +15,7 @@ pub trait RubricGrader {
     fn grade(&mut self, prompt: &str, response: &str, criteria: &[Criterion]) -> Result<Vec<bool>>;
 }
 
-/// The rubric score of spec §9: `Σ_{met} points / Σ_{points > 0} points`. Met criteria with
+/// The rubric score of docs/algorithms.md §9: `Σ_{met} points / Σ_{points > 0} points`. Met criteria with
 /// negative points subtract, so the score lies in `[Σ negative / Σ positive, 1]`; it is not
 /// clipped.
 ///

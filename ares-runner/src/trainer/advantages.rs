@@ -1,4 +1,4 @@
-//! Advantages of a step (spec §5), by estimator, as `[rows, T]` token values.
+//! Advantages of a step (docs/algorithms.md §5), by estimator, as `[rows, T]` token values.
 
 use ares_core::Groups;
 use ares_core::advantage::{

@@ -1,4 +1,4 @@
-//! The bootstrap pass (spec §2): one rollout over the training set without updates, which
+//! The bootstrap pass (docs/algorithms.md §2): one rollout over the training set without updates, which
 //! sets the first τ, the per-bucket targets `T_d` and every prompt's difficulty, saved as
 //! `bootstrap.json` beside the checkpoints and reused on resume.
 
@@ -32,7 +32,7 @@ pub struct BootstrapResult {
 }
 
 impl<B: Backend + Clone> Trainer<B> {
-    /// Bootstrap (spec §2): one rollout over the training set without updates; sets the
+    /// Bootstrap (docs/algorithms.md §2): one rollout over the training set without updates; sets the
     /// first τ, the targets `T_d` and every prompt's difficulty, and saves them as
     /// `bootstrap.json` (reused on resume). Skipped when already done.
     ///
@@ -63,7 +63,7 @@ impl<B: Backend + Clone> Trainer<B> {
         bar.finish();
         let pass = responses_hwe(&all_responses, &self.settings, None)?;
         let buckets = group_buckets(&self.settings, n, &all_grades)?;
-        // h̄_d over every sample of the bucket's prompts (spec §2)
+        // h̄_d over every sample of the bucket's prompts (docs/algorithms.md §2)
         let row_buckets: Vec<Difficulty> = (0..pass.counts.len()).map(|r| buckets[r / n]).collect();
         let counts: Vec<f64> = pass.counts.iter().map(|&c| c as f64).collect();
         let mean_hwe = bucket_means(&row_buckets, &counts)?;

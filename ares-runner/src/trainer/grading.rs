@@ -1,4 +1,4 @@
-//! Grading a response (spec §9, §10): the math answer against the reference, the format
+//! Grading a response (docs/algorithms.md §9, §10): the math answer against the reference, the format
 //! reward, and the rubric score from a pluggable grader.
 
 use super::TrainError;

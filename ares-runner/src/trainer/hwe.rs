@@ -1,4 +1,4 @@
-//! High-window-entropy (HWE) tokens of a batch of responses (spec §1): window means of the
+//! High-window-entropy (HWE) tokens of a batch of responses (docs/algorithms.md §1): window means of the
 //! sampled tokens' entropies, per-response thresholds, the batch median `m` that moves the
 //! global threshold τ, and the HWE mask and counts under the τ in force.
 
@@ -39,7 +39,7 @@ pub struct HwePass {
 
 /// Window means, thresholds and HWE tokens of `entropies` under `mask` (`[rows, cols]`),
 /// counted with `tau` — or, when no τ exists yet (no bootstrap, first batch), with the
-/// batch's own candidate `m` (spec §1). `trigger` optionally restricts candidates to
+/// batch's own candidate `m` (docs/algorithms.md §1). `trigger` optionally restricts candidates to
 /// positions whose token is a trigger word. τ itself is not updated here: the caller folds
 /// `batch_threshold` into its [`ThresholdEma`] after counting.
 ///

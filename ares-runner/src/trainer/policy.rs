@@ -1,4 +1,4 @@
-//! The actor's loss on one micro-batch (spec §4, §6): the policy loss chosen by
+//! The actor's loss on one micro-batch (docs/algorithms.md §4, §6): the policy loss chosen by
 //! `worker.actor.policy_loss` (PPO clip / dual clip, GSPO, GSPO-token, CISPO, Clip-Cov,
 //! KL-Cov; each one function of `ares_core::loss`) plus, with `use_kl_loss`, the dynamic
 //! token-level KL term `agg(β_t·k_t)`, returned with `∂L/∂logπ_t` per token — the

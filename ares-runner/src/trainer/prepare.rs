@@ -1,4 +1,4 @@
-//! From graded rollouts to what the PPO update needs (seed 001 §3.2, spec §§1–8): online
+//! From graded rollouts to what the PPO update needs (seed 001 §3.2, docs/algorithms.md §§1–8): online
 //! filtering, the ARES controllers (HWE tokens, τ, buckets, targets, α), rewards, old and
 //! reference log-probs, dynamic token-level KL, advantages — and the step's metrics.
 
@@ -22,7 +22,7 @@ use crate::model::Model;
 /// Step metrics, by name (one JSON line per step).
 pub type Metrics = BTreeMap<String, f64>;
 
-/// Which groups of a graded round online filtering keeps (spec §7): the group mean of the
+/// Which groups of a graded round online filtering keeps (docs/algorithms.md §7): the group mean of the
 /// filter key strictly inside `(low, high)`, by ares-core's [`filter_groups`]. `rewards` are
 /// only read for reward keys.
 ///
@@ -135,7 +135,7 @@ pub fn prepare<B: Backend>(
     let mask = &batch.tokens.mask;
     let mut metrics = Metrics::new();
 
-    // 1. HWE tokens under the τ in force, then τ moves (spec §1)
+    // 1. HWE tokens under the τ in force, then τ moves (docs/algorithms.md §1)
     let entropies = batch.padded(|r| &r.entropies);
     let tau_before = state.tau.tau();
     let hwe = hwe_pass(
@@ -148,7 +148,7 @@ pub fn prepare<B: Backend>(
     )?;
     let tau_after = update_tau(&mut state.tau, &hwe)?;
 
-    // 2. buckets, difficulty map, targets and α (spec §2)
+    // 2. buckets, difficulty map, targets and α (docs/algorithms.md §2)
     let buckets = group_buckets(settings, n, &batch.grades)?;
     for (item, &d) in batch.items.iter().zip(&buckets) {
         state.difficulty.insert(item.global_id.clone(), d);
@@ -165,7 +165,7 @@ pub fn prepare<B: Backend>(
             .step(&mean_hwe, &PerBucket::splat(None), step)?;
     }
 
-    // 3. rewards with the updated targets and α (spec §3, §8, §9)
+    // 3. rewards with the updated targets and α (docs/algorithms.md §3, §8, §9)
     let bstate = state.buckets.state();
     let values = BucketValues {
         target: PerBucket::new(bstate.easy.target, bstate.medium.target, bstate.hard.target),
@@ -191,7 +191,7 @@ pub fn prepare<B: Backend>(
         _ => None,
     };
 
-    // 5. KL per token with β per row (dynamic on HWE tokens) (spec §4)
+    // 5. KL per token with β per row (dynamic on HWE tokens) (docs/algorithms.md §4)
     let beta: Vec<f32> = (0..rows)
         .map(|r| state.beta(settings.kl.control, buckets[r / n]) as f32)
         .collect();
@@ -218,7 +218,7 @@ pub fn prepare<B: Backend>(
         kl_token_mean = f64::from(summary.token_mean_kl);
     }
 
-    // 6. advantages (spec §5), KL folded into the rewards when it is not a loss term
+    // 6. advantages (docs/algorithms.md §5), KL folded into the rewards when it is not a loss term
     let overall: Vec<f32> = parts.iter().map(|p| p.overall as f32).collect();
     let fold = (!settings.kl.use_kl_loss && ref_logp.is_some()).then_some(weighted.as_slice());
     let adv = advantages::compute(settings.estimator, n, &overall, &batch.tokens, fold)?;

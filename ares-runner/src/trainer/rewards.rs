@@ -1,4 +1,4 @@
-//! Scalar reward of each sample (spec §3, §8, §9): a base reward — the answer's accuracy,
+//! Scalar reward of each sample (docs/algorithms.md §3, §8, §9): a base reward — the answer's accuracy,
 //! the GRPO-λ length-penalised accuracy, or the rubric score — plus the ARES entropy reward
 //! `S` when entropy shaping is on, plus `format_weight ×` the format reward.
 
@@ -12,12 +12,12 @@ use super::TrainError;
 /// What grading found in one response.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Grade {
-    /// The final answer is right (spec §10), or the rubric score reached 1/2 for rubric rows
+    /// The final answer is right (docs/algorithms.md §10), or the rubric score reached 1/2 for rubric rows
     /// without an answer.
     pub correct: bool,
     /// Format reward in [0, 1].
     pub format: f64,
-    /// Rubric score (spec §9), for rubric rows.
+    /// Rubric score (docs/algorithms.md §9), for rubric rows.
     pub rubric: Option<f64>,
 }
 

@@ -1,5 +1,5 @@
 //! Rollout: `n` sampled responses per prompt, with the per-token log-probs and entropies
-//! of the sampling distribution (spec §1 computes HWE tokens from these entropies).
+//! of the sampling distribution (docs/algorithms.md §1 computes HWE tokens from these entropies).
 
 use crate::backend::Backend;
 use crate::model::{GenerateRequest, Model, Sampling};

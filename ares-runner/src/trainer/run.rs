@@ -428,7 +428,7 @@ impl<B: Backend + Clone> Trainer<B> {
         let mut times = PhaseTimes::new();
         let started = Instant::now();
 
-        // rollout, grading and online filtering with re-generation (spec §7)
+        // rollout, grading and online filtering with re-generation (docs/algorithms.md §7)
         let mut kept_items = Vec::new();
         let mut kept_responses = Vec::new();
         let mut kept_texts = Vec::new();

@@ -29,7 +29,7 @@ pub enum KlControl {
     DualAscent,
 }
 
-/// KL settings (spec §4).
+/// KL settings (docs/algorithms.md §4).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KlSettings {
     /// KL as a loss term (true) or folded into the rewards (false).
@@ -60,7 +60,7 @@ pub enum FilterKey {
     Format,
 }
 
-/// Online filtering (spec §7).
+/// Online filtering (docs/algorithms.md §7).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FilterSettings {
     /// The averaged metric.

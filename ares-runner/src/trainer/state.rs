@@ -1,4 +1,4 @@
-//! [`AresState`]: what the ARES controllers carry from step to step (spec §1–§2, §4) —
+//! [`AresState`]: what the ARES controllers carry from step to step (docs/algorithms.md §1–§2, §4) —
 //! the global threshold τ, each bucket's target `T_d`, `α_d`, `λ_d`, the adaptive KL
 //! coefficient, and the last known difficulty of every prompt — with its serialisable
 //! snapshot for checkpoints.

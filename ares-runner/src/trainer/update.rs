@@ -1,4 +1,4 @@
-//! The PPO update of a prepared batch (spec §6): `ppo_epochs` passes over the batch in
+//! The PPO update of a prepared batch (docs/algorithms.md §6): `ppo_epochs` passes over the batch in
 //! mini-batches of `mini_batch` samples (one optimizer step each), each mini-batch in
 //! micro-batches of `micro_batch` samples whose gradients accumulate. Per micro-batch the
 //! model computes logπ, ares-core the loss and `∂L/∂logπ`, and the model's loss head turns
