@@ -35,7 +35,6 @@
 //! ([`Model::forward_cached`](super::Model::forward_cached)); those return
 //! [`ModelError::ChunkedLogits`] on a chunked arena.
 
-use super::backward::BackwardScratch;
 use super::{ModelError, ModelSpec};
 use crate::backend::{Backend, DeviceBuffer, Tensor, View};
 
@@ -323,6 +322,53 @@ impl<B: Backend> Activations<B> {
     /// [`Model::log_prob_entropy`](super::Model::log_prob_entropy) (zeros before the first).
     pub fn entropies(&self) -> Tensor<'_, B> {
         View::whole(&self.entropy)
+    }
+}
+
+/// Backward intermediates of one layer, `N = batch · seq` tokens, reused across layers:
+/// about `N · (2C + 3I + 3·Hq·D + 4·Hkv·D)` floats.
+#[derive(Debug)]
+pub(crate) struct BackwardScratch<B: Backend> {
+    /// `[N, C]` gradient of the residual stream at the current point.
+    pub(crate) dresidual: B::Buffer,
+    /// `[N, C]` gradient of an RMSNorm output (final, post-attention, input norm).
+    pub(crate) dln: B::Buffer,
+    /// `[N, I]` gradients of `silu(gate)·up`, gate and up.
+    pub(crate) dact: B::Buffer,
+    pub(crate) dgate: B::Buffer,
+    pub(crate) dup: B::Buffer,
+    /// `[N, Hq·D]` gradient of the attention output.
+    pub(crate) datt: B::Buffer,
+    /// `[N, Hq·D]`, `[N, Hkv·D]` gradients of q, k (after RoPE, then before it) and v.
+    pub(crate) dq: B::Buffer,
+    pub(crate) dk: B::Buffer,
+    pub(crate) dv: B::Buffer,
+    /// `[N, Hq·D]`, `[N, Hkv·D]` gradients of the q/k projections before their RMSNorm
+    /// (Qwen3 only, else empty).
+    pub(crate) dq_raw: B::Buffer,
+    pub(crate) dk_raw: B::Buffer,
+}
+
+impl<B: Backend> BackwardScratch<B> {
+    /// Allocates the scratch for `n` tokens (`n` already checked not to overflow the
+    /// activations, which are larger).
+    pub(crate) fn new(backend: &B, spec: &ModelSpec, n: usize) -> Result<Self, ModelError> {
+        let (c, i, qd, kvd) = (spec.hidden, spec.intermediate, spec.q_dim(), spec.kv_dim());
+        let raw = usize::from(spec.qk_norm);
+        let alloc = |len: usize| backend.alloc(len);
+        Ok(Self {
+            dresidual: alloc(n * c)?,
+            dln: alloc(n * c)?,
+            dact: alloc(n * i)?,
+            dgate: alloc(n * i)?,
+            dup: alloc(n * i)?,
+            datt: alloc(n * qd)?,
+            dq: alloc(n * qd)?,
+            dk: alloc(n * kvd)?,
+            dv: alloc(n * kvd)?,
+            dq_raw: alloc(raw * n * qd)?,
+            dk_raw: alloc(raw * n * kvd)?,
+        })
     }
 }
 

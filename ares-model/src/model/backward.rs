@@ -6,11 +6,12 @@
 //! One buffer `dresidual` `[N, C]` carries the gradient of the residual stream down the
 //! layers: each block's RMSNorm backward adds its input gradient into it (the residual
 //! branch passes the gradient through unchanged). The per-layer intermediates live in a
-//! [`BackwardScratch`] planned up front with the [`Activations`] and reused by every layer.
+//! `BackwardScratch` planned up front with the [`Activations`] (in `activations.rs`, which owns the
+//! memory plan) and reused by every layer.
 
 use super::activations::head_chunks;
 use super::weights::{layer_of, layer_of_mut};
-use super::{Activations, Grads, HeadMode, Inputs, Model, ModelError, ModelSpec};
+use super::{Activations, Grads, HeadMode, Inputs, Model, ModelError};
 use crate::backend::{
     AttentionDims, AttentionGrads, AttentionInputs, Backend, Tensor, View, ViewMut,
 };
@@ -29,53 +30,6 @@ pub(crate) enum HeadGrad<'a, B: Backend> {
         /// Per head chunk, whether any of its coefficients is nonzero.
         active: &'a [bool],
     },
-}
-
-/// Backward intermediates of one layer, `N = batch · seq` tokens, reused across layers:
-/// about `N · (2C + 3I + 3·Hq·D + 4·Hkv·D)` floats.
-#[derive(Debug)]
-pub(crate) struct BackwardScratch<B: Backend> {
-    /// `[N, C]` gradient of the residual stream at the current point.
-    dresidual: B::Buffer,
-    /// `[N, C]` gradient of an RMSNorm output (final, post-attention, input norm).
-    dln: B::Buffer,
-    /// `[N, I]` gradients of `silu(gate)·up`, gate and up.
-    dact: B::Buffer,
-    dgate: B::Buffer,
-    dup: B::Buffer,
-    /// `[N, Hq·D]` gradient of the attention output.
-    datt: B::Buffer,
-    /// `[N, Hq·D]`, `[N, Hkv·D]` gradients of q, k (after RoPE, then before it) and v.
-    dq: B::Buffer,
-    dk: B::Buffer,
-    dv: B::Buffer,
-    /// `[N, Hq·D]`, `[N, Hkv·D]` gradients of the q/k projections before their RMSNorm
-    /// (Qwen3 only, else empty).
-    dq_raw: B::Buffer,
-    dk_raw: B::Buffer,
-}
-
-impl<B: Backend> BackwardScratch<B> {
-    /// Allocates the scratch for `n` tokens (`n` already checked not to overflow the
-    /// activations, which are larger).
-    pub(crate) fn new(backend: &B, spec: &ModelSpec, n: usize) -> Result<Self, ModelError> {
-        let (c, i, qd, kvd) = (spec.hidden, spec.intermediate, spec.q_dim(), spec.kv_dim());
-        let raw = usize::from(spec.qk_norm);
-        let alloc = |len: usize| backend.alloc(len);
-        Ok(Self {
-            dresidual: alloc(n * c)?,
-            dln: alloc(n * c)?,
-            dact: alloc(n * i)?,
-            dgate: alloc(n * i)?,
-            dup: alloc(n * i)?,
-            datt: alloc(n * qd)?,
-            dq: alloc(n * qd)?,
-            dk: alloc(n * kvd)?,
-            dv: alloc(n * kvd)?,
-            dq_raw: alloc(raw * n * qd)?,
-            dk_raw: alloc(raw * n * kvd)?,
-        })
-    }
 }
 
 impl<B: Backend> Model<B> {
