@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use super::sft_cmd::{SftOptions, run_sft};
+use super::sft::{SftOptions, run_sft};
 use crate::backend::Backend;
 use crate::config::Config;
 use crate::demo::{DemoOptions, write_demo_assets_with};
@@ -213,7 +213,7 @@ fn warm_start<B: Backend + Clone>(cfg: &Config, backend: &B) -> Result<PathBuf, 
         },
     )
     .map_err(|e| TrainError::Invalid(e.to_string()))?;
-    let pairs = super::sft_cmd::read_pairs(&written.sft, "prompt", "response")?;
+    let pairs = super::sft::read_pairs(&written.sft, "prompt", "response")?;
     let options = SftOptions {
         epochs: cfg.sft.epochs,
         batch_size: cfg.sft.batch_size,

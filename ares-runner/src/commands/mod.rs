@@ -2,7 +2,7 @@
 //! [`train`] (with the built-in [`demo`] when no data is configured), [`eval`] and [`sft`].
 
 pub mod demo;
-mod sft_cmd;
+mod sft;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use crate::config::{Config, Device};
 use crate::trainer::eval::format_table;
 use crate::trainer::{TrainError, Trainer};
 
-pub use sft_cmd::{SftReport, run_sft, sft};
+pub use sft::{SftReport, run_sft, sft};
 
 /// The backend `trainer.device` selects.
 #[derive(Debug, Clone)]

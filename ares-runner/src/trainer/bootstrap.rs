@@ -10,7 +10,7 @@ use ares_core::difficulty::{Difficulty, PerBucket};
 use serde::{Deserialize, Serialize};
 
 use super::TrainError;
-use super::state::AresState;
+use super::controllers::AresState;
 
 /// What the bootstrap pass found (`bootstrap.json` in the run directory).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

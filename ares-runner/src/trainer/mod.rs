@@ -7,7 +7,7 @@
 //!   ─► prepare: online filter · HWE/τ · buckets, targets, α · rewards · old/ref log-probs
 //!               · dynamic KL · dual ascent · advantages
 //!   ─► update: PPO epochs, mini/micro-batches (policy: loss and ∂L/∂logπ) ─► AdamW
-//!   ─► run: metrics line, checkpoints (checkpoints), resume (state)
+//!   ─► run: metrics line, checkpoints (checkpoints), resume (controllers: τ, T_d, α_d, λ_d, β)
 //! ```
 //!
 //! [`run::Trainer`] owns the loop; [`sft`] is the supervised cold start and [`eval`] the
@@ -21,6 +21,7 @@ pub mod advantages;
 pub mod batch;
 pub mod bootstrap;
 pub mod checkpoints;
+pub mod controllers;
 pub mod eval;
 pub mod grading;
 pub mod hwe;
@@ -35,7 +36,6 @@ pub mod sequences;
 pub mod settings;
 pub mod setup;
 pub mod sft;
-pub mod state;
 pub mod tokens;
 pub mod update;
 

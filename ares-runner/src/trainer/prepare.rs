@@ -12,10 +12,10 @@ use ares_core::kl::{KlCoefficient, TokenKlConfig, TokenKlOutputs, token_kl};
 use super::TrainError;
 use super::advantages::{self, Advantages};
 use super::batch::Batch;
+use super::controllers::AresState;
 use super::hwe::{HwePass, hwe_pass, update_tau};
 use super::rewards::{BucketValues, Grade, RewardParts, rewards};
 use super::settings::{FilterKey, KlControl, StepSettings};
-use super::state::AresState;
 use crate::backend::Backend;
 use crate::model::Model;
 

@@ -15,6 +15,7 @@ use super::TrainError;
 use super::batch::Batch;
 use super::bootstrap::{BootstrapResult, apply_bootstrap, read_bootstrap};
 use super::checkpoints::{CheckpointDir, write_atomic};
+use super::controllers::{AresSnapshot, AresState};
 use super::grading::Grader;
 use super::hwe::hwe_pass;
 use super::prepare::{Metrics, group_buckets, keep_groups, prepare};
@@ -27,7 +28,6 @@ use super::setup::{
     adamw_config, build_model, eos_ids, filter_prompts, load_examples, renderer, run_dir,
     save_model,
 };
-use super::state::{AresSnapshot, AresState};
 use super::tokens::TokenBatch;
 use super::update::{Optimizer, ppo_update};
 use crate::backend::Backend;
