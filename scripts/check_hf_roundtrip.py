@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Check that checkpoints saved by ares-runner load in transformers.
 
-    ARES_HF_ROUNDTRIP_DIR=/tmp/ares_rt cargo test -p ares-runner --test hf_models \\
+    ARES_HF_ROUNDTRIP_DIR=/tmp/ares_rt cargo test -p ares-model --test hf_models \\
         -- --ignored write_roundtrip
     /tmp/pyenv/bin/python scripts/check_hf_roundtrip.py /tmp/ares_rt
 
@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-FIXTURES = Path(__file__).resolve().parent.parent / "ares-runner" / "tests" / "fixtures" / "models"
+FIXTURES = Path(__file__).resolve().parent.parent / "ares-model" / "tests" / "fixtures" / "models"
 
 
 def load(path):

@@ -2,7 +2,7 @@
 """Check that a model trained one step by ares-runner loads in transformers, computes the
 same logits there, and took the step PyTorch takes.
 
-    ARES_TRAIN_ROUNDTRIP_DIR=/tmp/ares_train_rt cargo test -p ares-runner --test model_train \\
+    ARES_TRAIN_ROUNDTRIP_DIR=/tmp/ares_train_rt cargo test -p ares-model --test model_train \\
         -- --ignored write_train_roundtrip
     /tmp/pyenv/bin/python scripts/check_train_roundtrip.py /tmp/ares_train_rt
 
@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-FIXTURES = Path(__file__).resolve().parent.parent / "ares-runner" / "tests" / "fixtures" / "models"
+FIXTURES = Path(__file__).resolve().parent.parent / "ares-model" / "tests" / "fixtures" / "models"
 
 
 def load(path):

@@ -39,7 +39,7 @@ cargo test --release -p ares-runner --test cuda_backend --no-run --message-forma
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
 # The backend tests read the tiny transformers fixtures; the bundle carries them.
 mkdir -p "$dir/fixtures"
-cp -r ares-runner/tests/fixtures/models "$dir/fixtures/models"
+cp -r ares-model/tests/fixtures/models "$dir/fixtures/models"
 echo "building GPU benchmarks…"
 cargo bench -p ares-cuda --bench gpu_kernels --no-run --message-format=json | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done

@@ -1,4 +1,4 @@
-"""Greedy-generation fixtures of `ares-runner` (tests/fixtures/models/<name>/greedy.json).
+"""Greedy-generation fixtures of `ares-model` (tests/fixtures/models/<name>/greedy.json).
 
 Re-run from the repository root after `scripts/make_hf_fixtures.py`, with any Python that
 has torch and transformers (made with torch 2.9.1, transformers 4.57.6):
@@ -20,7 +20,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-ROOT = Path(__file__).resolve().parent.parent / "ares-runner/tests/fixtures/models"
+ROOT = Path(__file__).resolve().parent.parent / "ares-model/tests/fixtures/models"
 MODELS = ["qwen2_tiny", "qwen3_tiny", "llama_tiny"]
 PROMPTS = [[5, 17, 42, 8, 91, 33, 60], [12, 3], [77, 21, 64, 9]]
 MAX_NEW = 8

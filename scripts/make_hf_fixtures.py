@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Make the tiny Hugging Face model fixtures of `ares-runner` (tests/fixtures/models/).
+"""Make the tiny Hugging Face model fixtures of `ares-model` (tests/fixtures/models/).
 
 Re-run from the repository root with any Python that has torch and transformers
 (made with torch 2.9.1, transformers 4.57.6):
@@ -64,7 +64,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-ROOT = Path(__file__).resolve().parent.parent / "ares-runner" / "tests" / "fixtures" / "models"
+ROOT = Path(__file__).resolve().parent.parent / "ares-model" / "tests" / "fixtures" / "models"
 COMMON = dict(
     vocab_size=97,
     hidden_size=48,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Generate ares-runner's tokenizer and chat-template fixtures (deterministic, offline).
+"""Generate ares-model's tokenizer and chat-template fixtures (deterministic, offline).
 
-Writes under ares-runner/tests/fixtures/tokenizer/:
+Writes under ares-model/tests/fixtures/tokenizer/:
 
   qwen_style/   tokenizer.json (a small byte-level BPE with Qwen2's pipeline),
                 tokenizer_config.json with the chat template inline (a string)
@@ -29,7 +29,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import PreTrainedTokenizerFast
 from transformers.utils import chat_template_utils
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ares-runner", "tests", "fixtures", "tokenizer")
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ares-model", "tests", "fixtures", "tokenizer")
 TEMPLATES = os.path.join(ROOT, "templates")
 
 # Qwen2's pre-tokenizer regex (from its tokenizer.json): contractions, letters, single digits,

@@ -5,13 +5,13 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
-use ares_runner::hf::HfError;
-use ares_runner::hf::checkpoint::Checkpoint;
-use ares_runner::hf::config::{Arch, ModelConfig};
-use ares_runner::hf::generation::GenerationConfig;
-use ares_runner::hf::rope::{Rope, RopeScaling};
-use ares_runner::hf::tensor_files::{SaveDtype, TensorFiles, write_safetensors};
-use ares_runner::hf::weights::{ModelWeights, expected_tensors};
+use ares_model::hf::HfError;
+use ares_model::hf::checkpoint::Checkpoint;
+use ares_model::hf::config::{Arch, ModelConfig};
+use ares_model::hf::generation::GenerationConfig;
+use ares_model::hf::rope::{Rope, RopeScaling};
+use ares_model::hf::tensor_files::{SaveDtype, TensorFiles, write_safetensors};
+use ares_model::hf::weights::{ModelWeights, expected_tensors};
 use serde_json::Value;
 
 mod common;
@@ -573,7 +573,7 @@ fn save_rejects_weights_that_do_not_fit_the_config() {
 #[test]
 fn from_map_and_tensors_mut_use_hf_names() {
     let ckpt = load("qwen3_tiny");
-    let map: HashMap<String, ares_runner::hf::weights::Tensor> = ckpt
+    let map: HashMap<String, ares_model::hf::weights::Tensor> = ckpt
         .weights
         .tensors()
         .into_iter()
@@ -594,7 +594,7 @@ fn from_map_and_tensors_mut_use_hf_names() {
 /// fixtures. Run:
 ///
 /// ```text
-/// ARES_HF_ROUNDTRIP_DIR=/tmp/ares_rt cargo test -p ares-runner --test hf_models -- --ignored write_roundtrip
+/// ARES_HF_ROUNDTRIP_DIR=/tmp/ares_rt cargo test -p ares-model --test hf_models -- --ignored write_roundtrip
 /// python scripts/check_hf_roundtrip.py /tmp/ares_rt
 /// ```
 #[test]

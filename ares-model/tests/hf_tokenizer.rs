@@ -3,10 +3,10 @@
 
 use std::path::{Path, PathBuf};
 
-use ares_runner::hf::chat::{
+use ares_model::hf::chat::{
     CHAT_TEMPLATE_FILE, ChatError, ChatMessage, ChatTemplate, CivilDateTime, RenderOptions,
 };
-use ares_runner::hf::tokenizer::{Tokenizer, TokenizerConfig, TokenizerError};
+use ares_model::hf::tokenizer::{Tokenizer, TokenizerConfig, TokenizerError};
 use serde_json::Value as Json;
 
 fn fixtures() -> PathBuf {

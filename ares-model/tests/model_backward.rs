@@ -3,10 +3,10 @@
 //! `L = Σ_{valid b,t} Σ_v logits·W`, so `∂L/∂logits = W · mask`; plus finite differences
 //! of the whole model, accumulation semantics and name errors.
 
-use ares_runner::backend::cpu::CpuBackend;
-use ares_runner::backend::{Backend, View, ViewMut};
-use ares_runner::hf::checkpoint::Checkpoint;
-use ares_runner::model::{Grads, Inputs, Model, ModelError};
+use ares_model::backend::cpu::CpuBackend;
+use ares_model::backend::{Backend, View, ViewMut};
+use ares_model::hf::checkpoint::Checkpoint;
+use ares_model::model::{Grads, Inputs, Model, ModelError};
 use safetensors::SafeTensors;
 
 mod common;

@@ -5,11 +5,11 @@
 //! padding; the arena holds `[rows, vocab]` logits; calls that need whole logits refuse a
 //! chunked arena; the automatic policy.
 
-use ares_runner::backend::cpu::CpuBackend;
-use ares_runner::backend::{Backend, View};
-use ares_runner::hf::checkpoint::Checkpoint;
-use ares_runner::hf::weights::expected_tensors;
-use ares_runner::model::{Activations, Grads, HeadMode, KvCache, Model, ModelError};
+use ares_model::backend::cpu::CpuBackend;
+use ares_model::backend::{Backend, View};
+use ares_model::hf::checkpoint::Checkpoint;
+use ares_model::hf::weights::expected_tensors;
+use ares_model::model::{Activations, Grads, HeadMode, KvCache, Model, ModelError};
 
 mod common;
 use common::{Batch, batch, fixture, rel_err};
@@ -365,7 +365,7 @@ fn chunked_scoring_checks_its_arguments() {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use ares_runner::backend::cuda::CudaBackend;
+    use ares_model::backend::cuda::CudaBackend;
 
     const GPU: Tolerance = Tolerance {
         exact_single_chunk: false,

@@ -2,10 +2,10 @@
 //! fixtures (`tests/fixtures/models`, see its README): every model, right- and
 //! left-padded inputs, valid positions only; plus input errors.
 
-use ares_runner::backend::Backend;
-use ares_runner::backend::cpu::CpuBackend;
-use ares_runner::hf::checkpoint::Checkpoint;
-use ares_runner::model::{Inputs, Model, ModelError};
+use ares_model::backend::Backend;
+use ares_model::backend::cpu::CpuBackend;
+use ares_model::hf::checkpoint::Checkpoint;
+use ares_model::model::{Inputs, Model, ModelError};
 use safetensors::{Dtype, SafeTensors};
 
 mod common;
@@ -256,7 +256,7 @@ fn bad_inputs_are_errors_naming_what_is_wrong() {
 #[test]
 fn unsupported_rope_type_is_rejected() {
     let mut checkpoint = Checkpoint::load(&fixture("llama_tiny")).unwrap();
-    checkpoint.config.rope.scaling = ares_runner::hf::rope::RopeScaling::Other {
+    checkpoint.config.rope.scaling = ares_model::hf::rope::RopeScaling::Other {
         rope_type: "yarn".into(),
     };
     let e = Model::from_checkpoint(CpuBackend, &checkpoint).unwrap_err();

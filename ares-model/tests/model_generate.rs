@@ -3,9 +3,9 @@
 //! `scripts/make_generation_fixtures.py`), batched = one by one, seeded sampling, EOS,
 //! log-probs against a full forward pass, and request errors.
 
-use ares_runner::backend::cpu::CpuBackend;
-use ares_runner::hf::checkpoint::Checkpoint;
-use ares_runner::model::{
+use ares_model::backend::cpu::CpuBackend;
+use ares_model::hf::checkpoint::Checkpoint;
+use ares_model::model::{
     GenerateError, GenerateOutput, GenerateRequest, HeadMode, Inputs, KvCache, Model, Sampling,
 };
 

@@ -3,10 +3,10 @@
 //! the rounding reaches logits and gradients, stays within the formats' bounds, TF32 is
 //! closer than bf16, and few-token products stay f32 under bf16.
 
-use ares_runner::backend::cpu::CpuBackend;
-use ares_runner::backend::{Backend, MatmulPrecision, View, ViewMut};
-use ares_runner::hf::checkpoint::Checkpoint;
-use ares_runner::model::{Inputs, Model};
+use ares_model::backend::cpu::CpuBackend;
+use ares_model::backend::{Backend, MatmulPrecision, View, ViewMut};
+use ares_model::hf::checkpoint::Checkpoint;
+use ares_model::model::{Inputs, Model};
 
 mod common;
 use common::{fixture, rel_err};

@@ -7,12 +7,12 @@
 use std::path::{Path, PathBuf};
 
 use ares_cpu::ops::optim::{adamw_step, clip_grad_norm};
-use ares_runner::backend::cpu::CpuBackend;
-use ares_runner::backend::{Backend, View, ViewMut};
-use ares_runner::hf::checkpoint::Checkpoint;
-use ares_runner::hf::tensor_files::SaveDtype;
-use ares_runner::hf::weights::expected_tensors;
-use ares_runner::model::{AdamW, AdamWConfig, Grads, Model, ModelError};
+use ares_model::backend::cpu::CpuBackend;
+use ares_model::backend::{Backend, View, ViewMut};
+use ares_model::hf::checkpoint::Checkpoint;
+use ares_model::hf::tensor_files::SaveDtype;
+use ares_model::hf::weights::expected_tensors;
+use ares_model::model::{AdamW, AdamWConfig, Grads, Model, ModelError};
 use safetensors::{Dtype, SafeTensors};
 
 mod common;
@@ -705,7 +705,7 @@ fn f32_bytes(values: &[f32]) -> Vec<u8> {
 /// PyTorch. Run:
 ///
 /// ```text
-/// ARES_TRAIN_ROUNDTRIP_DIR=/tmp/ares_train_rt cargo test -p ares-runner --test model_train -- --ignored write_train_roundtrip
+/// ARES_TRAIN_ROUNDTRIP_DIR=/tmp/ares_train_rt cargo test -p ares-model --test model_train -- --ignored write_train_roundtrip
 /// /tmp/pyenv/bin/python scripts/check_train_roundtrip.py /tmp/ares_train_rt
 /// ```
 #[test]

@@ -1087,12 +1087,14 @@ fn optimizer_ops_match_cpu() {
 const MODELS: [&str; 3] = ["qwen2_tiny", "qwen3_tiny", "llama_tiny"];
 
 /// A fixture model's directory: under `$ARES_FIXTURE_MODELS` when set (the GPU bundle
-/// carries a copy, since the test binary runs on another machine), else this crate's
-/// `tests/fixtures/models`.
+/// carries a copy, since the test binary runs on another machine), else the fixtures in
+/// `ares-model/tests/fixtures/models`.
 fn fixture(name: &str) -> PathBuf {
     std::env::var_os("ARES_FIXTURE_MODELS")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models"))
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../ares-model/tests/fixtures/models")
+        })
         .join(name)
 }
 

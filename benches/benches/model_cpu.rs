@@ -1,4 +1,4 @@
-//! The ares-runner decoder on the CPU backend beside PyTorch CPU
+//! The ares-model decoder on the CPU backend beside PyTorch CPU
 //! (`scripts/bench_torch_cpu.py`, same shapes): a small Qwen2-shaped model (4 layers,
 //! hidden 256, 4 query / 2 KV heads of 64, MLP 704, vocab 8192, tied embeddings, q/k/v
 //! biases) with random weights.
@@ -18,9 +18,9 @@ use std::time::Instant;
 
 use ares_benches::SplitMix;
 use ares_benches::model::{best_and_median, env_usize, random_weights, report};
-use ares_runner::backend::cpu::CpuBackend;
-use ares_runner::hf::config::ModelConfig;
-use ares_runner::model::{AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling};
+use ares_model::backend::cpu::CpuBackend;
+use ares_model::hf::config::ModelConfig;
+use ares_model::model::{AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling};
 
 const CONFIG: &str = r#"{
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",

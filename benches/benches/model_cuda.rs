@@ -1,4 +1,4 @@
-//! The ares-runner decoder on the CUDA backend (f32 storage; cuBLAS GEMMs in f32, TF32 or
+//! The ares-model decoder on the CUDA backend (f32 storage; cuBLAS GEMMs in f32, TF32 or
 //! bf16 operands; the NVRTC kernels of `ares-cuda`), on a Qwen2.5-0.5B-shaped model with random weights
 //! (24 layers, hidden 896, 14 query / 2 KV heads of 64, MLP 4864, vocab 151 936, tied
 //! embeddings, q/k/v biases):
@@ -22,10 +22,10 @@ use std::time::Instant;
 
 use ares_benches::SplitMix;
 use ares_benches::model::{best_and_median, env_usize, random_weights, report};
-use ares_runner::backend::cuda::CudaBackend;
-use ares_runner::backend::{Backend, MatmulPrecision};
-use ares_runner::hf::config::ModelConfig;
-use ares_runner::model::{AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling};
+use ares_model::backend::cuda::CudaBackend;
+use ares_model::backend::{Backend, MatmulPrecision};
+use ares_model::hf::config::ModelConfig;
+use ares_model::model::{AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling};
 
 const CONFIG: &str = r#"{
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",

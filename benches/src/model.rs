@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use ares_runner::hf::config::ModelConfig;
-use ares_runner::hf::weights::{ModelWeights, Tensor, expected_tensors};
+use ares_model::hf::config::ModelConfig;
+use ares_model::hf::weights::{ModelWeights, Tensor, expected_tensors};
 
 use crate::SplitMix;
 

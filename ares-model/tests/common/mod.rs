@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ares_runner::model::Inputs;
+use ares_model::model::Inputs;
 use safetensors::{Dtype, SafeTensors};
 
 /// The directory of fixture model `name` (`tests/fixtures/models/<name>`).
