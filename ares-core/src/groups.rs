@@ -153,13 +153,7 @@ impl<'a> Groups<'a> {
     pub fn by_uid(uids: &'a [u64], scratch: &'a mut [usize]) -> Result<Self> {
         let batch = uids.len();
         let needed = 2 * batch + 1;
-        if scratch.len() < needed {
-            return Err(Error::ScratchTooSmall {
-                what: "scratch",
-                needed,
-                actual: scratch.len(),
-            });
-        }
+        crate::num::check_scratch("scratch", needed, scratch.len())?;
         let (rows, rest) = scratch[..needed].split_at_mut(batch);
         let uid = |r: usize| uids.get(r).copied().unwrap_or(0);
         for (i, r) in rows.iter_mut().enumerate() {
@@ -170,10 +164,8 @@ impl<'a> Groups<'a> {
         let leader = &mut rest[..batch];
         let mut first = 0;
         for i in 0..batch {
-            if i > 0 && uid(rows[i]) != uid(rows[i - 1]) {
+            if i == 0 || uid(rows[i]) != uid(rows[i - 1]) {
                 first = rows[i];
-            } else if i == 0 {
-                first = rows[0];
             }
             leader[rows[i]] = first;
         }

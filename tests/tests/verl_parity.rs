@@ -268,11 +268,6 @@ fn policy_losses() {
     }
 }
 
-/// The uid-keyed layout of a case.
-fn uid_groups<'a>(uids: &'a [u64], scratch: &'a mut [usize]) -> Groups<'a> {
-    Groups::by_uid(uids, scratch).expect("uid layout")
-}
-
 #[test]
 fn advantages() {
     let fx = fixture();
@@ -291,7 +286,7 @@ fn advantages() {
             .map(|u| u.as_u64().expect("uid is an integer"))
             .collect();
         let mut scratch = vec![0usize; 2 * uids.len() + 1];
-        let groups = uid_groups(&uids, &mut scratch);
+        let groups = Groups::by_uid(&uids, &mut scratch).expect("uid layout");
         let want = f64s(c, "advantages");
         let mut per_row = vec![0.0; sh.rows];
         let mut got = vec![0.0; sh.rows * sh.cols];

@@ -10,8 +10,9 @@ use super::{
     Acc, AggPlan, Checked, Clip, ClipParams, LOG_RATIO_CLAMP, PolicyLossConfig, PolicyLossInput,
     PolicyLossOutput, Streams, check_all, row_valid,
 };
-use crate::error::{Error, Result};
-use crate::num::{cast, check_param, exp_bounded, to_f64};
+use crate::error::Result;
+use crate::kl::KlEstimator;
+use crate::num::{cast, check_param, check_scratch, exp_bounded, to_f64};
 use num_traits::Float;
 
 /// Default fraction of valid tokens Clip-Cov may clip (`clip_cov_ratio`).
@@ -51,7 +52,7 @@ impl<F: Float> Default for ClipCovParams<F> {
 }
 
 impl<F: Float> ClipCovParams<F> {
-    /// Errors ([`Error::OutOfRange`]) unless `ratio ∈ (0, 1]` and `lb < ub`, both finite.
+    /// Errors ([`Error::OutOfRange`](crate::Error::OutOfRange)) unless `ratio ∈ (0, 1]` and `lb < ub`, both finite.
     pub fn validate(&self) -> Result<()> {
         check_ratio("clip_cov_ratio", self.ratio)?;
         check_param("clip_cov_lb", self.lb, self.lb.is_finite(), "finite")?;
@@ -83,7 +84,7 @@ impl<F: Float> Default for KlCovParams<F> {
 }
 
 impl<F: Float> KlCovParams<F> {
-    /// Errors ([`Error::OutOfRange`]) unless `ratio ∈ (0, 1]` and `coef ≥ 0`, both finite.
+    /// Errors ([`Error::OutOfRange`](crate::Error::OutOfRange)) unless `ratio ∈ (0, 1]` and `coef ≥ 0`, both finite.
     pub fn validate(&self) -> Result<()> {
         check_ratio("kl_cov_ratio", self.ratio)?;
         check_param("ppo_kl_coef", self.coef, self.coef >= F::zero(), ">= 0")
@@ -164,17 +165,6 @@ fn first_k(
     selected
 }
 
-fn check_scratch(needed: usize, scratch: &[usize]) -> Result<()> {
-    if scratch.len() < needed {
-        return Err(Error::ScratchTooSmall {
-            what: "scratch",
-            needed,
-            actual: scratch.len(),
-        });
-    }
-    Ok(())
-}
-
 /// Walks valid tokens with a sorted list of selected flat indices (`selected[..]` ascending):
 /// calls `f(flat index, row weight, is selected, grad slot)`; zeroes padding gradients.
 fn walk<F: Float>(
@@ -222,7 +212,7 @@ fn walk<F: Float>(
 /// [SplitMix64]: https://prng.di.unimi.it/splitmix64.c
 ///
 /// Errors: as [`super::policy_loss`], invalid `params`, `scratch` shorter than N
-/// ([`Error::ScratchTooSmall`]).
+/// ([`Error::ScratchTooSmall`](crate::Error::ScratchTooSmall)).
 pub fn clip_cov_loss<F: Float>(
     input: &PolicyLossInput<'_, F>,
     config: &PolicyLossConfig<F>,
@@ -232,7 +222,7 @@ pub fn clip_cov_loss<F: Float>(
 ) -> Result<PolicyLossOutput<F>> {
     params.validate()?;
     let Checked { plan, streams, is } = check_all(input, config, grad.len())?;
-    check_scratch(plan.valid, scratch)?;
+    check_scratch("scratch", plan.valid, scratch.len())?;
     let clip = Clip::new(&ClipParams {
         clip_ratio_c: F::zero(),
         ..config.clip
@@ -303,7 +293,7 @@ pub fn kl_cov_loss<F: Float>(
 ) -> Result<PolicyLossOutput<F>> {
     params.validate()?;
     let Checked { plan, streams, is } = check_all(input, config, grad.len())?;
-    check_scratch(plan.valid, scratch)?;
+    check_scratch("scratch", plan.valid, scratch.len())?;
     let cov = Covariance::new(&streams, &plan);
     let pool = &mut scratch[..plan.valid];
     let valid = streams
@@ -336,14 +326,9 @@ pub fn kl_cov_loss<F: Float>(
             let neg_a_r = -streams.advantages[i] * exp_bounded(l);
             let (mut loss, mut slope) = (neg_a_r, if live { neg_a_r } else { F::zero() });
             if chosen {
-                let sign = if l > F::zero() {
-                    F::one()
-                } else if l < F::zero() {
-                    -F::one()
-                } else {
-                    F::zero()
-                };
-                loss = loss + params.coef * l.abs();
+                // |ℓ| and its slope sign ℓ (0 at ℓ = 0): the `abs` KL estimator
+                let (abs, sign) = KlEstimator::Abs.penalty_and_grad(l, F::zero());
+                loss = loss + params.coef * abs;
                 slope = slope + if live { params.coef * sign } else { F::zero() };
             }
             let (w, changed) = is.weight(lo_old - lr, bound);
@@ -362,7 +347,7 @@ mod tests {
     use super::super::LossAggMode;
     use super::super::testing::token_batch;
     use super::*;
-    use crate::Shape;
+    use crate::{Error, Shape};
     use proptest::prelude::*;
     use std::{vec, vec::Vec};
 
