@@ -80,11 +80,19 @@ fn main() {
         let outs = HweOutputs {
             tau: 1.2,
             trigger: None,
-            hwe_mask: &mut hwe,
-            counts: &mut counts,
-            soft_cost: &mut cost,
+            hwe_mask: hwe.as_view_mut(),
+            counts: counts.as_view_mut(),
+            soft_cost: cost.as_view_mut(),
         };
-        c.entropy_windows(&entropy, &mask, spec, Some(outs), &mut means, &mut valid)
+        c.token_ops()
+            .entropy_windows(
+                &entropy.as_view(),
+                &mask.as_view(),
+                spec,
+                Some(outs),
+                &mut means.as_view_mut(),
+                &mut valid.as_view_mut(),
+            )
             .expect("kernel");
     });
     let bytes = (n * 4 * 5) as f64; // read H, mask; write means, valid, hwe
@@ -98,7 +106,15 @@ fn main() {
     let mut thr = cuda.stream().alloc_zeros::<f32>(rows).expect("alloc");
     let mut has = cuda.stream().alloc_zeros::<f32>(rows).expect("alloc");
     let ms = time_ms_mut(&mut cuda, |c| {
-        c.row_percentile(&means, &valid, cols, 95.0, &mut thr, &mut has)
+        c.token_ops()
+            .row_percentile(
+                &means.as_view(),
+                &valid.as_view(),
+                cols,
+                95.0,
+                &mut thr.as_view_mut(),
+                &mut has.as_view_mut(),
+            )
             .expect("kernel");
     });
     let bytes = (n * 4 * 2) as f64;
@@ -121,23 +137,25 @@ fn main() {
     let mut total = cuda.stream().alloc_zeros::<f32>(1).expect("alloc");
     let ms = time_ms_mut(&mut cuda, |c| {
         let inputs = MaskedKlInputs {
-            logp: &logp,
-            ref_logp: &ref_logp,
-            mask: &mask,
-            hwe_mask: Some(&hwe),
-            beta_rows: &beta,
+            logp: logp.as_view(),
+            ref_logp: ref_logp.as_view(),
+            mask: mask.as_view(),
+            hwe_mask: Some(hwe.as_view()),
+            beta_rows: beta.as_view(),
             low_ratio: 0.5,
             estimator: KlEstimator::K3,
             cols,
         };
         let outputs = MaskedKlOutputs {
             kl: None,
-            weighted: Some(&mut weighted),
-            row_weighted_sum: &mut row_sum,
-            row_mean_kl: &mut row_mean,
-            total: &mut total,
+            weighted: Some(weighted.as_view_mut()),
+            row_weighted_sum: row_sum.as_view_mut(),
+            row_mean_kl: row_mean.as_view_mut(),
+            total: total.as_view_mut(),
         };
-        c.masked_dynamic_kl(inputs, outputs).expect("kernel");
+        c.token_ops()
+            .masked_dynamic_kl(inputs, outputs)
+            .expect("kernel");
     });
     let bytes = (n * 4 * 5) as f64; // read logp, ref, mask, hwe; write weighted
     report.line(

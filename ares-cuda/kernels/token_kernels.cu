@@ -389,7 +389,11 @@ extern "C" __global__ void masked_dynamic_kl(const float* __restrict__ logp,
     const long long base = row * cols;
     const float beta = beta_rows[row];
     float wsum = 0.0f, ksum = 0.0f, n = 0.0f;
-    if ((cols & 3) == 0) {
+    // Callers pass views at any offset: the vector path needs every stream 16-byte aligned.
+    const unsigned long long addr_bits =
+        (unsigned long long)logp | (unsigned long long)ref | (unsigned long long)mask |
+        (unsigned long long)hwe | (unsigned long long)out_kl | (unsigned long long)out_weighted;
+    if ((cols & 3) == 0 && (addr_bits & 15) == 0) {
         // rows start 16-byte aligned: four tokens per 16-byte load of each stream
         const long long base4 = base >> 2, cols4 = cols >> 2;
         const float4* lp4 = reinterpret_cast<const float4*>(logp) + base4;

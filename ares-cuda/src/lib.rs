@@ -26,4 +26,4 @@ pub use cudarc;
 pub use device::{Cuda, DeviceInfo, cuda_available};
 pub use gemm::{GemmDims, GemmPrecision, cublas_available};
 pub use model_ops::{AdamWStep, AttentionShape, ModelOps};
-pub use ops::{HweOutputs, LogitElem, MaskedKlInputs, MaskedKlOutputs, WindowSpec};
+pub use ops::{HweOutputs, LogitElem, MaskedKlInputs, MaskedKlOutputs, TokenOps, WindowSpec};

@@ -33,6 +33,7 @@ use crate::error::{DriverContext, Error, Result};
 use crate::gemm::Blas;
 use crate::kernels::{MODEL_OPS, TOKEN_KERNELS};
 use crate::nvrtc::{self, Image};
+use crate::ops::TokenOps;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut,
     LaunchConfig,
@@ -80,6 +81,11 @@ struct State {
     sums: CudaSlice<f64>,
     /// Scratch of the two-stage reductions and the attention backward (grown on demand).
     scratch: CudaSlice<f32>,
+    /// Blocks-finished counter of the token ops' last-block reductions (the kernel resets
+    /// it to 0).
+    blocks_done: CudaSlice<u32>,
+    /// The one-element total of `masked_dynamic_kl` (the backend reads per-row sums).
+    kl_total: CudaSlice<f32>,
     /// bf16 copies of GEMM operands (grown on demand; reused in stream order, since every
     /// op is queued on the one stream).
     bf16: CudaSlice<u16>,
@@ -121,6 +127,9 @@ pub(crate) struct Functions {
     pub rope: CudaFunction,
     pub transpose: CudaFunction,
     pub log_prob_entropy: CudaFunction,
+    pub entropy_windows: CudaFunction,
+    pub row_percentile: CudaFunction,
+    pub masked_dynamic_kl: CudaFunction,
     pub log_prob_bwd: CudaFunction,
     pub argmax_rows: CudaFunction,
     pub sample_rows: CudaFunction,
@@ -224,6 +233,9 @@ impl ModelOps {
             rope: m("rope")?,
             transpose: m("transpose_f32")?,
             log_prob_entropy: load(&token, "log_prob_entropy_f32")?,
+            entropy_windows: load(&token, "entropy_windows")?,
+            row_percentile: load(&token, "row_percentile")?,
+            masked_dynamic_kl: load(&token, "masked_dynamic_kl")?,
             log_prob_bwd: m("log_prob_bwd")?,
             argmax_rows: m("argmax_rows")?,
             sample_rows: m("sample_rows")?,
@@ -265,6 +277,12 @@ impl ModelOps {
             scratch: stream
                 .alloc_zeros::<f32>(1 << 16)
                 .during("allocating scratch")?,
+            blocks_done: stream
+                .alloc_zeros::<u32>(1)
+                .during("allocating the block counter")?,
+            kl_total: stream
+                .alloc_zeros::<f32>(1)
+                .during("allocating the KL total")?,
             bf16: stream
                 .alloc_zeros::<u16>(1 << 16)
                 .during("allocating bf16 scratch")?,
@@ -410,6 +428,33 @@ impl ModelOps {
             bits: word[0],
             what: what.join("; "),
         })
+    }
+
+    /// Runs `f` with the ARES token ops (HWE windows, row percentiles, masked dynamic KL)
+    /// on this device's stream; `f` also gets the one-element buffer `masked_dynamic_kl`
+    /// writes its total to. The ops are queued and return without waiting.
+    ///
+    /// # Errors
+    /// `f`'s.
+    pub fn with_token_ops<R>(
+        &self,
+        f: impl FnOnce(TokenOps<'_>, CudaViewMut<'_, f32>) -> Result<R>,
+    ) -> Result<R> {
+        let mut state = self.lock();
+        let State {
+            blocks_done,
+            kl_total,
+            ..
+        } = &mut *state;
+        let ops = TokenOps {
+            stream: &self.stream,
+            entropy_windows: &self.f.entropy_windows,
+            row_percentile: &self.f.row_percentile,
+            masked_dynamic_kl: &self.f.masked_dynamic_kl,
+            blocks_done,
+            max_shared_per_block: self.info.max_shared_per_block,
+        };
+        f(ops, kl_total.as_view_mut())
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

@@ -4,8 +4,12 @@
 use crate::device::Cuda;
 use crate::error::{DriverContext, Error, Result};
 use ares_core::kl::KlEstimator;
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, LaunchConfig,
+    PushKernelArg,
+};
 use half::{bf16, f16};
+use std::sync::Arc;
 
 /// Logit element types with a fused log-prob + entropy kernel.
 pub trait LogitElem: DeviceRepr {
@@ -67,31 +71,6 @@ fn shape(kernel: &'static str, len: usize, cols: usize) -> Result<usize> {
         ));
     }
     Ok(len / cols)
-}
-
-/// The window definition of [`Cuda::entropy_windows`] (docs/algorithms.md §1).
-#[derive(Debug, Clone, Copy)]
-pub struct WindowSpec {
-    /// Padded response length (columns of the `[rows, cols]` tensors).
-    pub cols: usize,
-    /// Window size w (default 4).
-    pub window_size: usize,
-    /// `t ..= t+w−1` instead of the following tokens `t+1 ..= t+w`.
-    pub includes_self: bool,
-}
-
-/// Optional HWE outputs of [`Cuda::entropy_windows`].
-pub struct HweOutputs<'a> {
-    /// The threshold τ: HWE iff complete window and `W_t ≥ τ`.
-    pub tau: f32,
-    /// Optional 0/1 trigger-position mask `[rows, cols]` restricting HWE candidates.
-    pub trigger: Option<&'a CudaSlice<f32>>,
-    /// 0/1 HWE mask `[rows, cols]`.
-    pub hwe_mask: &'a mut CudaSlice<f32>,
-    /// Per-row HWE count (`high_entropy_token_num`).
-    pub counts: &'a mut CudaSlice<f32>,
-    /// Per-row soft cost Σ_HWE (W_t − τ).
-    pub soft_cost: &'a mut CudaSlice<f32>,
 }
 
 impl Cuda {
@@ -175,7 +154,97 @@ impl Cuda {
             }),
         }
     }
+}
 
+/// The window definition of [`TokenOps::entropy_windows`] (docs/algorithms.md §1).
+#[derive(Debug, Clone, Copy)]
+pub struct WindowSpec {
+    /// Padded response length (columns of the `[rows, cols]` tensors).
+    pub cols: usize,
+    /// Window size w (default 4).
+    pub window_size: usize,
+    /// `t ..= t+w−1` instead of the following tokens `t+1 ..= t+w`.
+    pub includes_self: bool,
+}
+
+/// Optional HWE outputs of [`TokenOps::entropy_windows`].
+pub struct HweOutputs<'a> {
+    /// The threshold τ: HWE iff complete window and `W_t ≥ τ`.
+    pub tau: f32,
+    /// Optional 0/1 trigger-position mask `[rows, cols]` restricting HWE candidates.
+    pub trigger: Option<CudaView<'a, f32>>,
+    /// 0/1 HWE mask `[rows, cols]`.
+    pub hwe_mask: CudaViewMut<'a, f32>,
+    /// Per-row HWE count (`high_entropy_token_num`).
+    pub counts: CudaViewMut<'a, f32>,
+    /// Per-row soft cost Σ_HWE (W_t − τ).
+    pub soft_cost: CudaViewMut<'a, f32>,
+}
+
+/// Inputs of [`TokenOps::masked_dynamic_kl`]; all token tensors are `[rows, cols]`.
+pub struct MaskedKlInputs<'a> {
+    /// log π of the sampled tokens.
+    pub logp: CudaView<'a, f32>,
+    /// log π_ref of the same tokens.
+    pub ref_logp: CudaView<'a, f32>,
+    /// 0/1 response mask.
+    pub mask: CudaView<'a, f32>,
+    /// Optional 0/1 HWE mask: HWE tokens get weight β·low_ratio.
+    pub hwe_mask: Option<CudaView<'a, f32>>,
+    /// β per row (the bucket's λ_d under dual ascent, or the fixed/adaptive coefficient).
+    pub beta_rows: CudaView<'a, f32>,
+    /// Weight ratio on HWE tokens (default 0.5), in [0, 1].
+    pub low_ratio: f32,
+    /// The per-token estimator.
+    pub estimator: KlEstimator,
+    /// Columns.
+    pub cols: usize,
+}
+
+/// Outputs of [`TokenOps::masked_dynamic_kl`].
+pub struct MaskedKlOutputs<'a> {
+    /// Optional per-token k_t (0 on padding).
+    pub kl: Option<CudaViewMut<'a, f32>>,
+    /// Optional per-token β_t·k_t (0 on padding).
+    pub weighted: Option<CudaViewMut<'a, f32>>,
+    /// Per-row Σ_t β_t·k_t.
+    pub row_weighted_sum: CudaViewMut<'a, f32>,
+    /// Per-row mean of k_t over valid tokens (0 for a row without one).
+    pub row_mean_kl: CudaViewMut<'a, f32>,
+    /// One element: Σ over rows of `row_weighted_sum`, summed in row order.
+    pub total: CudaViewMut<'a, f32>,
+}
+
+/// The ARES token ops on cudarc views, lent by whichever device holds the kernels —
+/// [`Cuda::token_ops`] or [`crate::ModelOps`] (the model backend) — so each launch is
+/// written once. Ops are queued on `stream` and return without waiting.
+pub struct TokenOps<'a> {
+    pub(crate) stream: &'a Arc<CudaStream>,
+    pub(crate) entropy_windows: &'a CudaFunction,
+    pub(crate) row_percentile: &'a CudaFunction,
+    pub(crate) masked_dynamic_kl: &'a CudaFunction,
+    /// Blocks-finished counter of the last-block reduction; the kernel resets it to 0.
+    pub(crate) blocks_done: &'a mut CudaSlice<u32>,
+    /// Largest dynamic shared memory a block may opt into, in bytes.
+    pub(crate) max_shared_per_block: usize,
+}
+
+impl Cuda {
+    /// The token ops of this device.
+    pub fn token_ops(&mut self) -> TokenOps<'_> {
+        let max_shared_per_block = self.info().max_shared_per_block;
+        TokenOps {
+            stream: &self.stream,
+            entropy_windows: &self.functions.entropy_windows,
+            row_percentile: &self.functions.row_percentile,
+            masked_dynamic_kl: &self.functions.masked_dynamic_kl,
+            blocks_done: &mut self.blocks_done,
+            max_shared_per_block,
+        }
+    }
+}
+
+impl TokenOps<'_> {
     /// Entropy windows and HWE tokens, the twin of `ares_core::entropy`'s window means and
     /// HWE mask (docs/algorithms.md §1): for `[rows, cols]` entropies and 0/1 mask, `out_means[t]` = mean
     /// entropy of the window (`t+1 ..= t+w`, or `t ..= t+w−1` with `includes_self`) where
@@ -184,12 +253,12 @@ impl Cuda {
     /// and soft costs.
     pub fn entropy_windows(
         &mut self,
-        entropy: &CudaSlice<f32>,
-        mask: &CudaSlice<f32>,
+        entropy: &CudaView<'_, f32>,
+        mask: &CudaView<'_, f32>,
         spec: WindowSpec,
         hwe: Option<HweOutputs<'_>>,
-        out_means: &mut CudaSlice<f32>,
-        out_valid: &mut CudaSlice<f32>,
+        out_means: &mut CudaViewMut<'_, f32>,
+        out_valid: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         const KERNEL: &str = "entropy_windows";
         let WindowSpec {
@@ -225,7 +294,7 @@ impl Cuda {
             if !h.tau.is_finite() {
                 return Err(bad(KERNEL, format!("tau = {} must be finite", h.tau)));
             }
-            if let Some(t) = h.trigger {
+            if let Some(t) = &h.trigger {
                 check_len(KERNEL, "trigger", n, t.len())?;
             }
             check_len(KERNEL, "hwe_mask", n, h.hwe_mask.len())?;
@@ -237,17 +306,20 @@ impl Cuda {
         }
         let cols_i64 = cols as i64;
         let includes = i32::from(includes_self);
-        let mut hwe = hwe;
-        if let Some(h) = hwe.as_mut() {
+        let tau = hwe.as_ref().map_or(0.0f32, |h| h.tau);
+        let (trigger, mut hwe_out) = match hwe {
+            Some(h) => (h.trigger, Some((h.hwe_mask, h.counts, h.soft_cost))),
+            None => (None, None),
+        };
+        if let Some((_, counts, soft_cost)) = hwe_out.as_mut() {
             self.stream
-                .memset_zeros(h.counts)
+                .memset_zeros(counts)
                 .during("clearing HWE counts")?;
             self.stream
-                .memset_zeros(h.soft_cost)
+                .memset_zeros(soft_cost)
                 .during("clearing HWE soft costs")?;
         }
-        let tau = hwe.as_ref().map_or(0.0f32, |h| h.tau);
-        let mut launch = self.stream.launch_builder(&self.functions.entropy_windows);
+        let mut launch = self.stream.launch_builder(self.entropy_windows);
         launch
             .arg(entropy)
             .arg(mask)
@@ -255,13 +327,13 @@ impl Cuda {
             .arg(&window)
             .arg(&includes)
             .arg(&tau);
-        match hwe.as_ref().and_then(|h| h.trigger) {
+        match &trigger {
             Some(t) => launch.arg(t),
             None => launch.arg(&NULL),
         };
         launch.arg(out_means).arg(out_valid);
-        match hwe {
-            Some(h) => launch.arg(h.hwe_mask).arg(h.counts).arg(h.soft_cost),
+        match hwe_out.as_mut() {
+            Some((hwe_mask, counts, soft_cost)) => launch.arg(hwe_mask).arg(counts).arg(soft_cost),
             None => launch.arg(&NULL).arg(&NULL).arg(&NULL),
         };
         let cfg = LaunchConfig {
@@ -281,12 +353,12 @@ impl Cuda {
     /// Hopper).
     pub fn row_percentile(
         &mut self,
-        means: &CudaSlice<f32>,
-        valid: &CudaSlice<f32>,
+        means: &CudaView<'_, f32>,
+        valid: &CudaView<'_, f32>,
         cols: usize,
         q: f32,
-        out_threshold: &mut CudaSlice<f32>,
-        out_has: &mut CudaSlice<f32>,
+        out_threshold: &mut CudaViewMut<'_, f32>,
+        out_has: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         const KERNEL: &str = "row_percentile";
         let rows = shape(KERNEL, means.len(), cols)?;
@@ -298,12 +370,12 @@ impl Cuda {
         }
         let padded = cols.next_power_of_two();
         let smem = padded * std::mem::size_of::<f32>();
-        if smem > self.info().max_shared_per_block {
+        if smem > self.max_shared_per_block {
             return Err(bad(
                 KERNEL,
                 format!(
                     "cols = {cols} needs {smem} bytes of shared memory; this device allows {}",
-                    self.info().max_shared_per_block
+                    self.max_shared_per_block
                 ),
             ));
         }
@@ -311,7 +383,7 @@ impl Cuda {
             return Ok(());
         }
         let grid = grid_rows(KERNEL, rows)?;
-        let func = &self.functions.row_percentile;
+        let func = self.row_percentile;
         if smem > 48 * 1024 {
             func.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -337,43 +409,7 @@ impl Cuda {
         unsafe { launch.launch(cfg) }.during(format!("launch {KERNEL}"))?;
         Ok(())
     }
-}
 
-/// Inputs of [`Cuda::masked_dynamic_kl`]; all token tensors are `[rows, cols]`.
-pub struct MaskedKlInputs<'a> {
-    /// log π of the sampled tokens.
-    pub logp: &'a CudaSlice<f32>,
-    /// log π_ref of the same tokens.
-    pub ref_logp: &'a CudaSlice<f32>,
-    /// 0/1 response mask.
-    pub mask: &'a CudaSlice<f32>,
-    /// Optional 0/1 HWE mask: HWE tokens get weight β·low_ratio.
-    pub hwe_mask: Option<&'a CudaSlice<f32>>,
-    /// β per row (the bucket's λ_d under dual ascent, or the fixed/adaptive coefficient).
-    pub beta_rows: &'a CudaSlice<f32>,
-    /// Weight ratio on HWE tokens (default 0.5), in [0, 1].
-    pub low_ratio: f32,
-    /// The per-token estimator.
-    pub estimator: KlEstimator,
-    /// Columns.
-    pub cols: usize,
-}
-
-/// Outputs of [`Cuda::masked_dynamic_kl`].
-pub struct MaskedKlOutputs<'a> {
-    /// Optional per-token k_t (0 on padding).
-    pub kl: Option<&'a mut CudaSlice<f32>>,
-    /// Optional per-token β_t·k_t (0 on padding).
-    pub weighted: Option<&'a mut CudaSlice<f32>>,
-    /// Per-row Σ_t β_t·k_t.
-    pub row_weighted_sum: &'a mut CudaSlice<f32>,
-    /// Per-row mean of k_t over valid tokens (0 for a row without one).
-    pub row_mean_kl: &'a mut CudaSlice<f32>,
-    /// One element: Σ over rows of `row_weighted_sum`, summed in row order.
-    pub total: &'a mut CudaSlice<f32>,
-}
-
-impl Cuda {
     /// Masked dynamic KL in one launch, the twin of `ares_core::kl::token_kl`: per token
     /// `k_t` by the estimator, weight `β_t = β_row·(hwe_t ? low_ratio : 1)·mask_t`, per-row
     /// weighted sums and mean KL, and the deterministic total.
@@ -397,7 +433,7 @@ impl Cuda {
         let rows = shape(KERNEL, n, cols)?;
         check_len(KERNEL, "ref_logp", n, ref_logp.len())?;
         check_len(KERNEL, "mask", n, mask.len())?;
-        if let Some(h) = hwe_mask {
+        if let Some(h) = &hwe_mask {
             check_len(KERNEL, "hwe_mask", n, h.len())?;
         }
         check_len(KERNEL, "beta_rows", rows, beta_rows.len())?;
@@ -408,11 +444,11 @@ impl Cuda {
             ));
         }
         let MaskedKlOutputs {
-            kl,
-            weighted,
-            row_weighted_sum,
-            row_mean_kl,
-            total,
+            mut kl,
+            mut weighted,
+            mut row_weighted_sum,
+            mut row_mean_kl,
+            mut total,
         } = outputs;
         if let Some(k) = &kl {
             check_len(KERNEL, "kl", n, k.len())?;
@@ -426,7 +462,7 @@ impl Cuda {
         if rows == 0 {
             return self
                 .stream
-                .memset_zeros(total)
+                .memset_zeros(&mut total)
                 .during("zeroing the KL total");
         }
         let grid = grid_rows(KERNEL, rows)?;
@@ -438,32 +474,30 @@ impl Cuda {
             KlEstimator::K3 | KlEstimator::K3Plus => 3,
         };
         let cols_i64 = cols as i64;
-        let mut launch = self
-            .stream
-            .launch_builder(&self.functions.masked_dynamic_kl);
-        launch.arg(logp).arg(ref_logp).arg(mask);
-        match hwe_mask {
+        let mut launch = self.stream.launch_builder(self.masked_dynamic_kl);
+        launch.arg(&logp).arg(&ref_logp).arg(&mask);
+        match &hwe_mask {
             Some(h) => launch.arg(h),
             None => launch.arg(&NULL),
         };
         launch
-            .arg(beta_rows)
+            .arg(&beta_rows)
             .arg(&low_ratio)
             .arg(&est)
             .arg(&cols_i64);
-        match kl {
+        match kl.as_mut() {
             Some(k) => launch.arg(k),
             None => launch.arg(&NULL),
         };
-        match weighted {
+        match weighted.as_mut() {
             Some(w) => launch.arg(w),
             None => launch.arg(&NULL),
         };
         launch
-            .arg(row_weighted_sum)
-            .arg(row_mean_kl)
-            .arg(total)
-            .arg(&mut self.blocks_done);
+            .arg(&mut row_weighted_sum)
+            .arg(&mut row_mean_kl)
+            .arg(&mut total)
+            .arg(&mut *self.blocks_done);
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: (ROW_BLOCK, 1, 1),

@@ -223,12 +223,20 @@ fn entropy_windows_and_hwe_match_cpu() {
             };
             let outs = ares_cuda::HweOutputs {
                 tau,
-                trigger: use_trigger.then_some(&dt),
-                hwe_mask: &mut d_hwe,
-                counts: &mut d_counts,
-                soft_cost: &mut d_cost,
+                trigger: use_trigger.then(|| dt.as_view()),
+                hwe_mask: d_hwe.as_view_mut(),
+                counts: d_counts.as_view_mut(),
+                soft_cost: d_cost.as_view_mut(),
             };
-            cuda.entropy_windows(&dh, &dm, spec, Some(outs), &mut d_means, &mut d_valid)
+            cuda.token_ops()
+                .entropy_windows(
+                    &dh.as_view(),
+                    &dm.as_view(),
+                    spec,
+                    Some(outs),
+                    &mut d_means.as_view_mut(),
+                    &mut d_valid.as_view_mut(),
+                )
                 .expect("gpu");
             let what = format!(
                 "rows {rows} cols {cols} w {window} self {includes_self} trigger {use_trigger}"
@@ -281,7 +289,15 @@ fn row_percentile_matches_cpu() {
             ares_cpu::row_percentile(&means, &valid, cols, q, &mut thr, &mut has).expect("cpu");
             let (dmeans, dvalid) = (upload(&cuda, &means), upload(&cuda, &valid));
             let (mut d_thr, mut d_has) = (poisoned(&cuda, rows), poisoned(&cuda, rows));
-            cuda.row_percentile(&dmeans, &dvalid, cols, q, &mut d_thr, &mut d_has)
+            cuda.token_ops()
+                .row_percentile(
+                    &dmeans.as_view(),
+                    &dvalid.as_view(),
+                    cols,
+                    q,
+                    &mut d_thr.as_view_mut(),
+                    &mut d_has.as_view_mut(),
+                )
                 .expect("gpu");
             let what = format!("rows {rows} cols {cols} q {q}");
             assert_eq!(download(&cuda, &d_has), has, "{what}: has");
@@ -346,26 +362,27 @@ fn masked_dynamic_kl_matches_cpu() {
                 poisoned(&cuda, rows),
                 poisoned(&cuda, 1),
             );
-            cuda.masked_dynamic_kl(
-                ares_cuda::MaskedKlInputs {
-                    logp: &dl,
-                    ref_logp: &dr,
-                    mask: &dm,
-                    hwe_mask: Some(&dh),
-                    beta_rows: &db,
-                    low_ratio: 0.5,
-                    estimator,
-                    cols,
-                },
-                ares_cuda::MaskedKlOutputs {
-                    kl: Some(&mut d_kl),
-                    weighted: Some(&mut d_w),
-                    row_weighted_sum: &mut d_sums,
-                    row_mean_kl: &mut d_means,
-                    total: &mut d_total,
-                },
-            )
-            .expect("gpu");
+            cuda.token_ops()
+                .masked_dynamic_kl(
+                    ares_cuda::MaskedKlInputs {
+                        logp: dl.as_view(),
+                        ref_logp: dr.as_view(),
+                        mask: dm.as_view(),
+                        hwe_mask: Some(dh.as_view()),
+                        beta_rows: db.as_view(),
+                        low_ratio: 0.5,
+                        estimator,
+                        cols,
+                    },
+                    ares_cuda::MaskedKlOutputs {
+                        kl: Some(d_kl.as_view_mut()),
+                        weighted: Some(d_w.as_view_mut()),
+                        row_weighted_sum: d_sums.as_view_mut(),
+                        row_mean_kl: d_means.as_view_mut(),
+                        total: d_total.as_view_mut(),
+                    },
+                )
+                .expect("gpu");
             let what = format!("rows {rows} cols {cols} {}", estimator.name());
             assert_close(&format!("{what}: kl"), &download(&cuda, &d_kl), &kl, 1e-5);
             assert_close(

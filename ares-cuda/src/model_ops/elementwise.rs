@@ -27,6 +27,19 @@ impl ModelOps {
         Ok(())
     }
 
+    /// `dst = src`: a device-to-device copy queued on the stream (no kernel; twin of the
+    /// CPU backend's `copy`).
+    ///
+    /// # Errors
+    /// Lengths that differ.
+    pub fn copy(&self, src: &CudaView<'_, f32>, dst: &mut CudaViewMut<'_, f32>) -> Result<()> {
+        check_len("copy", "dst", src.len(), dst.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.stream.memcpy_dtod(src, dst).during("copy")
+    }
+
     /// `out = a + b`, element-wise (twin of the CPU backend's `add`).
     ///
     /// # Errors
