@@ -35,8 +35,9 @@
 //! ([`Model::forward_cached`](super::Model::forward_cached)); those return
 //! [`ModelError::ChunkedLogits`] on a chunked arena.
 
+use super::weights::Stack;
 use super::{ModelError, ModelSpec};
-use crate::backend::{Backend, DeviceBuffer, Tensor, View};
+use crate::backend::{Backend, DeviceBuffer, Tensor, View, ViewMut};
 
 /// How an [`Activations`] arena keeps the output of the LM head (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,39 +99,8 @@ pub struct Activations<B: Backend> {
     /// `[N, D/2]` RoPE cos and sin of each token's position.
     pub(crate) cos: B::Buffer,
     pub(crate) sin: B::Buffer,
-    /// `[N, C]` token embeddings (input of layer 0).
-    pub(crate) encoded: B::Buffer,
-    /// `[L, N, C]` input RMSNorm output, and `[L, N]` its rstd.
-    pub(crate) ln1: B::Buffer,
-    pub(crate) ln1_rstd: B::Buffer,
-    /// `[L, N, Hq·D]`, `[L, N, Hkv·D]` q/k projections before their RMSNorm (Qwen3 only,
-    /// else empty), and `[L, N·Hq]`, `[L, N·Hkv]` their rstd.
-    pub(crate) q_raw: B::Buffer,
-    pub(crate) k_raw: B::Buffer,
-    pub(crate) q_rstd: B::Buffer,
-    pub(crate) k_rstd: B::Buffer,
-    /// `[L, N, Hq·D]`, `[L, N, Hkv·D]` q, k (after RoPE) and v.
-    pub(crate) q: B::Buffer,
-    pub(crate) k: B::Buffer,
-    pub(crate) v: B::Buffer,
-    /// `[L, N, Hq·D]` attention output and `[L, N·Hq]` its log-sum-exp.
-    pub(crate) att: B::Buffer,
-    pub(crate) lse: B::Buffer,
-    /// `[L, N, C]` output projection.
-    pub(crate) att_proj: B::Buffer,
-    /// `[L, N, C]` residual stream after attention.
-    pub(crate) resid_mid: B::Buffer,
-    /// `[L, N, C]` post-attention RMSNorm output, and `[L, N]` its rstd.
-    pub(crate) ln2: B::Buffer,
-    pub(crate) ln2_rstd: B::Buffer,
-    /// `[L, N, I]` gate and up projections, and `silu(gate) · up`.
-    pub(crate) gate: B::Buffer,
-    pub(crate) up: B::Buffer,
-    pub(crate) act: B::Buffer,
-    /// `[L, N, C]` down projection.
-    pub(crate) mlp_out: B::Buffer,
-    /// `[L, N, C]` residual stream after the MLP (input of the next layer).
-    pub(crate) resid_out: B::Buffer,
+    /// The decoder layers' activations, and the embeddings entering layer 0.
+    pub(crate) layers: LayerBuffers<B>,
     /// `[N, C]` final RMSNorm output, and `[N]` its rstd.
     pub(crate) lnf: B::Buffer,
     pub(crate) lnf_rstd: B::Buffer,
@@ -153,6 +123,97 @@ pub struct Activations<B: Backend> {
     pub(crate) dlogits: B::Buffer,
     /// Per-layer intermediates of the backward pass, reused by every layer.
     pub(crate) scratch: BackwardScratch<B>,
+}
+
+/// The activations of the decoder layers, each kind one [`Stack`] `[L, N, ...]` (llm.c's
+/// `ActivationTensors`), and the embeddings entering layer 0. The forward and backward
+/// passes read and write them one layer at a time through the views of `layer.rs`
+/// ([`LayerBuffers::at_mut`], [`LayerBuffers::at`]).
+#[derive(Debug)]
+pub(crate) struct LayerBuffers<B: Backend> {
+    /// Decoder layers `L`.
+    pub(crate) count: usize,
+    /// `[N, C]` token embeddings (input of layer 0).
+    pub(crate) encoded: B::Buffer,
+    /// `[L, N, C]` input RMSNorm output, and `[L, N]` its rstd.
+    pub(crate) ln1: Stack<B>,
+    pub(crate) ln1_rstd: Stack<B>,
+    /// `[L, N, Hq·D]`, `[L, N, Hkv·D]` q/k projections before their RMSNorm (Qwen3 only,
+    /// else empty), and `[L, N·Hq]`, `[L, N·Hkv]` their rstd.
+    pub(crate) q_raw: Stack<B>,
+    pub(crate) k_raw: Stack<B>,
+    pub(crate) q_rstd: Stack<B>,
+    pub(crate) k_rstd: Stack<B>,
+    /// `[L, N, Hq·D]`, `[L, N, Hkv·D]` q, k (after RoPE) and v.
+    pub(crate) q: Stack<B>,
+    pub(crate) k: Stack<B>,
+    pub(crate) v: Stack<B>,
+    /// `[L, N, Hq·D]` attention output and `[L, N·Hq]` its log-sum-exp.
+    pub(crate) att: Stack<B>,
+    pub(crate) lse: Stack<B>,
+    /// `[L, N, C]` output projection.
+    pub(crate) att_proj: Stack<B>,
+    /// `[L, N, C]` residual stream after attention.
+    pub(crate) resid_mid: Stack<B>,
+    /// `[L, N, C]` post-attention RMSNorm output, and `[L, N]` its rstd.
+    pub(crate) ln2: Stack<B>,
+    pub(crate) ln2_rstd: Stack<B>,
+    /// `[L, N, I]` gate and up projections, and `silu(gate) · up`.
+    pub(crate) gate: Stack<B>,
+    pub(crate) up: Stack<B>,
+    pub(crate) act: Stack<B>,
+    /// `[L, N, C]` down projection.
+    pub(crate) mlp_out: Stack<B>,
+    /// `[L, N, C]` residual stream after the MLP (input of the next layer).
+    pub(crate) resid_out: Stack<B>,
+}
+
+impl<B: Backend> LayerBuffers<B> {
+    /// Allocates the layers' activations for `n = batch · seq` tokens (`batch`, `seq` for
+    /// the overflow error).
+    fn new(
+        backend: &B,
+        spec: &ModelSpec,
+        batch: usize,
+        seq: usize,
+        n: usize,
+    ) -> Result<Self, ModelError> {
+        let l = spec.layers;
+        let (c, i) = (spec.hidden, spec.intermediate);
+        let (qd, kvd) = (spec.q_dim(), spec.kv_dim());
+        let (hq, hkv) = (spec.q_heads, spec.kv_heads);
+        // `[L, item]`, item = the product of `dims`.
+        let stack = |dims: &[usize]| -> Result<Stack<B>, ModelError> {
+            let item = numel(batch, seq, dims)?;
+            let total = numel(batch, seq, &[l, item])?;
+            Ok(Stack::new(backend.alloc(total)?, item))
+        };
+        let qk_raw = usize::from(spec.qk_norm);
+        Ok(Self {
+            count: l,
+            encoded: backend.alloc(numel(batch, seq, &[n, c])?)?,
+            ln1: stack(&[n, c])?,
+            ln1_rstd: stack(&[n])?,
+            q_raw: stack(&[qk_raw, n, qd])?,
+            k_raw: stack(&[qk_raw, n, kvd])?,
+            q_rstd: stack(&[qk_raw, n, hq])?,
+            k_rstd: stack(&[qk_raw, n, hkv])?,
+            q: stack(&[n, qd])?,
+            k: stack(&[n, kvd])?,
+            v: stack(&[n, kvd])?,
+            att: stack(&[n, qd])?,
+            lse: stack(&[n, hq])?,
+            att_proj: stack(&[n, c])?,
+            resid_mid: stack(&[n, c])?,
+            ln2: stack(&[n, c])?,
+            ln2_rstd: stack(&[n])?,
+            gate: stack(&[n, i])?,
+            up: stack(&[n, i])?,
+            act: stack(&[n, i])?,
+            mlp_out: stack(&[n, c])?,
+            resid_out: stack(&[n, c])?,
+        })
+    }
 }
 
 /// Product of `dims`, or a [`ModelError::BatchShape`] on overflow.
@@ -222,14 +283,10 @@ impl<B: Backend> Activations<B> {
         let targets = head_chunks(n, chunk_rows)
             .map(|(_, rows)| backend.alloc_ids(rows))
             .collect::<Result<Vec<_>, _>>()?;
-        let l = spec.layers;
-        let (c, i, v) = (spec.hidden, spec.intermediate, spec.vocab);
-        let (qd, kvd) = (spec.q_dim(), spec.kv_dim());
-        let (hq, hkv) = (spec.q_heads, spec.kv_heads);
+        let (c, v) = (spec.hidden, spec.vocab);
         let alloc = |dims: &[usize]| -> Result<B::Buffer, ModelError> {
             Ok(backend.alloc(numel(batch, seq, dims)?)?)
         };
-        let qk_raw = usize::from(spec.qk_norm);
         Ok(Self {
             batch,
             seq,
@@ -239,27 +296,7 @@ impl<B: Backend> Activations<B> {
             host_mask: vec![0.0; n],
             cos: alloc(&[n, spec.head_dim / 2])?,
             sin: alloc(&[n, spec.head_dim / 2])?,
-            encoded: alloc(&[n, c])?,
-            ln1: alloc(&[l, n, c])?,
-            ln1_rstd: alloc(&[l, n])?,
-            q_raw: alloc(&[qk_raw, l, n, qd])?,
-            k_raw: alloc(&[qk_raw, l, n, kvd])?,
-            q_rstd: alloc(&[qk_raw, l, n, hq])?,
-            k_rstd: alloc(&[qk_raw, l, n, hkv])?,
-            q: alloc(&[l, n, qd])?,
-            k: alloc(&[l, n, kvd])?,
-            v: alloc(&[l, n, kvd])?,
-            att: alloc(&[l, n, qd])?,
-            lse: alloc(&[l, n, hq])?,
-            att_proj: alloc(&[l, n, c])?,
-            resid_mid: alloc(&[l, n, c])?,
-            ln2: alloc(&[l, n, c])?,
-            ln2_rstd: alloc(&[l, n])?,
-            gate: alloc(&[l, n, i])?,
-            up: alloc(&[l, n, i])?,
-            act: alloc(&[l, n, i])?,
-            mlp_out: alloc(&[l, n, c])?,
-            resid_out: alloc(&[l, n, c])?,
+            layers: LayerBuffers::new(backend, spec, batch, seq, n)?,
             lnf: alloc(&[n, c])?,
             lnf_rstd: alloc(&[n])?,
             head,
@@ -325,28 +362,45 @@ impl<B: Backend> Activations<B> {
     }
 }
 
+/// One whole buffer of the [`BackwardScratch`], with short views (`sc.dln.r()`,
+/// `sc.dln.w()`) so that a backward op with scratch operands fits one line.
+#[derive(Debug)]
+pub(crate) struct Scratch<T>(pub(crate) T);
+
+impl<T: DeviceBuffer> Scratch<T> {
+    /// The whole buffer, read-only.
+    pub(crate) fn r(&self) -> View<'_, T> {
+        View::whole(&self.0)
+    }
+
+    /// The whole buffer, writable.
+    pub(crate) fn w(&mut self) -> ViewMut<'_, T> {
+        ViewMut::whole(&mut self.0)
+    }
+}
+
 /// Backward intermediates of one layer, `N = batch · seq` tokens, reused across layers:
 /// about `N · (2C + 3I + 3·Hq·D + 4·Hkv·D)` floats.
 #[derive(Debug)]
 pub(crate) struct BackwardScratch<B: Backend> {
     /// `[N, C]` gradient of the residual stream at the current point.
-    pub(crate) dresidual: B::Buffer,
+    pub(crate) dresidual: Scratch<B::Buffer>,
     /// `[N, C]` gradient of an RMSNorm output (final, post-attention, input norm).
-    pub(crate) dln: B::Buffer,
+    pub(crate) dln: Scratch<B::Buffer>,
     /// `[N, I]` gradients of `silu(gate)·up`, gate and up.
-    pub(crate) dact: B::Buffer,
-    pub(crate) dgate: B::Buffer,
-    pub(crate) dup: B::Buffer,
+    pub(crate) dact: Scratch<B::Buffer>,
+    pub(crate) dgate: Scratch<B::Buffer>,
+    pub(crate) dup: Scratch<B::Buffer>,
     /// `[N, Hq·D]` gradient of the attention output.
-    pub(crate) datt: B::Buffer,
+    pub(crate) datt: Scratch<B::Buffer>,
     /// `[N, Hq·D]`, `[N, Hkv·D]` gradients of q, k (after RoPE, then before it) and v.
-    pub(crate) dq: B::Buffer,
-    pub(crate) dk: B::Buffer,
-    pub(crate) dv: B::Buffer,
+    pub(crate) dq: Scratch<B::Buffer>,
+    pub(crate) dk: Scratch<B::Buffer>,
+    pub(crate) dv: Scratch<B::Buffer>,
     /// `[N, Hq·D]`, `[N, Hkv·D]` gradients of the q/k projections before their RMSNorm
     /// (Qwen3 only, else empty).
-    pub(crate) dq_raw: B::Buffer,
-    pub(crate) dk_raw: B::Buffer,
+    pub(crate) dq_raw: Scratch<B::Buffer>,
+    pub(crate) dk_raw: Scratch<B::Buffer>,
 }
 
 impl<B: Backend> BackwardScratch<B> {
@@ -355,7 +409,7 @@ impl<B: Backend> BackwardScratch<B> {
     pub(crate) fn new(backend: &B, spec: &ModelSpec, n: usize) -> Result<Self, ModelError> {
         let (c, i, qd, kvd) = (spec.hidden, spec.intermediate, spec.q_dim(), spec.kv_dim());
         let raw = usize::from(spec.qk_norm);
-        let alloc = |len: usize| backend.alloc(len);
+        let alloc = |len: usize| backend.alloc(len).map(Scratch);
         Ok(Self {
             dresidual: alloc(n * c)?,
             dln: alloc(n * c)?,

@@ -8,13 +8,15 @@
 //! branch passes the gradient through unchanged). The per-layer intermediates live in a
 //! `BackwardScratch` planned up front with the [`Activations`] (in `activations.rs`, which owns the
 //! memory plan) and reused by every layer.
+//!
+//! A layer reads what the forward pass saved (`a`) and its weights' gradients, each with
+//! its weight (`g`), through the per-layer views of `layer.rs`, under the forward pass's
+//! names: one line per op, in reverse order of the forward's.
 
 use super::activations::head_chunks;
-use super::weights::{layer_of, layer_of_mut};
+use super::layer::dqkv;
 use super::{Activations, Grads, HeadMode, Inputs, Model, ModelError};
-use crate::backend::{
-    AttentionDims, AttentionGrads, AttentionInputs, Backend, Tensor, View, ViewMut,
-};
+use crate::backend::{AttentionDims, Backend, Tensor, View, ViewMut};
 
 /// Where the backward pass starts: the gradient of the LM head's output.
 pub(crate) enum HeadGrad<'a, B: Backend> {
@@ -75,14 +77,13 @@ impl<B: Backend> Model<B> {
         let be = &self.backend;
         let s = &self.spec;
         let w = &self.weights;
-        let (c, i, v, d) = (s.hidden, s.intermediate, s.vocab, s.head_dim);
-        let (qd, kvd, hq, hkv) = (s.q_dim(), s.kv_dim(), s.q_heads, s.kv_heads);
+        let (c, v, d) = (s.hidden, s.vocab, s.head_dim);
+        let (hq, hkv) = (s.q_heads, s.kv_heads);
         if !self.weights.same_layout(&grads.g) {
             return Err(ModelError::LayoutMismatch { what: "gradients" });
         }
-        let a = acts;
         if let HeadGrad::Dlogits(dlogits) = &head {
-            a.require_full("backward with explicit dlogits")?;
+            acts.require_full("backward with explicit dlogits")?;
             if dlogits.len() != n * v {
                 return Err(ModelError::InputLength {
                     what: "dlogits",
@@ -91,24 +92,24 @@ impl<B: Backend> Model<B> {
                 });
             }
         }
-        let g = &mut grads.g;
+        let grads = &mut grads.g;
         let lin =
             |rows, in_features, out_features| self.linear_dims(rows, in_features, out_features);
 
         // LM head: dlnf = dlogits · W; dW += dlogitsᵀ · lnf (tied: into the embedding).
-        be.fill(ViewMut::whole(&mut a.scratch.dln), 0.0)?;
+        be.fill(acts.scratch.dln.w(), 0.0)?;
         match head {
             HeadGrad::Dlogits(dlogits) => {
-                let dhead = match g.lm_head.as_mut() {
+                let dhead = match grads.lm_head.as_mut() {
                     Some(h) => ViewMut::whole(h),
-                    None => ViewMut::whole(&mut g.embed),
+                    None => ViewMut::whole(&mut grads.embed),
                 };
                 be.linear_backward(
                     dlogits,
-                    View::whole(&a.lnf),
+                    View::whole(&acts.lnf),
                     w.lm_head(),
                     lin(n, c, v),
-                    Some(ViewMut::whole(&mut a.scratch.dln)),
+                    Some(acts.scratch.dln.w()),
                     dhead,
                     None,
                 )?;
@@ -119,233 +120,106 @@ impl<B: Backend> Model<B> {
             } => {
                 // Per head chunk (one of N rows with whole logits): its logits (recomputed
                 // when chunked), ∂L/∂logits of its rows, and their part of dlnf and dW.
-                let chunks = head_chunks(n, a.chunk_rows).zip(&a.targets).zip(active);
+                let chunks = head_chunks(n, acts.chunk_rows)
+                    .zip(&acts.targets)
+                    .zip(active);
                 for (((start, rows), ids), &active) in chunks {
                     if !active {
                         continue;
                     }
-                    if a.head != HeadMode::Full {
-                        self.head_chunk_logits(&a.lnf, start, rows, &mut a.logits)?;
+                    if acts.head != HeadMode::Full {
+                        self.head_chunk_logits(&acts.lnf, start, rows, &mut acts.logits)?;
                     }
                     be.log_prob_backward(
-                        View::new(&a.logits, 0, rows * v)?,
+                        View::new(&acts.logits, 0, rows * v)?,
                         v,
                         temperature,
                         ids,
-                        View::new(&a.coeffs, start, rows)?,
-                        ViewMut::new(&mut a.dlogits, 0, rows * v)?,
+                        View::new(&acts.coeffs, start, rows)?,
+                        ViewMut::new(&mut acts.dlogits, 0, rows * v)?,
                     )?;
-                    let dhead = match g.lm_head.as_mut() {
+                    let dhead = match grads.lm_head.as_mut() {
                         Some(h) => ViewMut::whole(h),
-                        None => ViewMut::whole(&mut g.embed),
+                        None => ViewMut::whole(&mut grads.embed),
                     };
                     be.linear_backward(
-                        View::new(&a.dlogits, 0, rows * v)?,
-                        View::new(&a.lnf, start * c, rows * c)?,
+                        View::new(&acts.dlogits, 0, rows * v)?,
+                        View::new(&acts.lnf, start * c, rows * c)?,
                         w.lm_head(),
                         lin(rows, c, v),
-                        Some(ViewMut::new(&mut a.scratch.dln, start * c, rows * c)?),
+                        Some(ViewMut::new(&mut acts.scratch.dln.0, start * c, rows * c)?),
                         dhead,
                         None,
                     )?;
                 }
             }
         }
-        let sc = &mut a.scratch;
+        let sc = &mut acts.scratch;
 
         // Final norm: the residual stream's gradient starts here.
-        let last = match s.layers.checked_sub(1) {
-            Some(l) => View::item(&a.resid_out, l, n * c)?,
-            None => View::whole(&a.encoded),
-        };
-        be.fill(ViewMut::whole(&mut sc.dresidual), 0.0)?;
+        be.fill(sc.dresidual.w(), 0.0)?;
         be.rmsnorm_backward(
-            View::whole(&sc.dln),
-            last,
+            sc.dln.r(),
+            acts.layers.output()?,
             View::whole(&w.norm),
-            View::whole(&a.lnf_rstd),
+            View::whole(&acts.lnf_rstd),
             c,
-            ViewMut::whole(&mut sc.dresidual),
-            ViewMut::whole(&mut g.norm),
+            sc.dresidual.w(),
+            ViewMut::whole(&mut grads.norm),
         )?;
 
-        let (cos, sin) = (View::whole(&a.cos), View::whole(&a.sin));
-        let mask = View::whole(&a.mask);
+        let (cos, sin) = (View::whole(&acts.cos), View::whole(&acts.sin));
+        let mask = View::whole(&acts.mask);
         let attn = AttentionDims::new(inputs.batch, inputs.seq, hq, hkv, d);
         for l in (0..s.layers).rev() {
-            let x = if l == 0 {
-                View::whole(&a.encoded)
-            } else {
-                View::item(&a.resid_out, l - 1, n * c)?
-            };
+            // Layer l's saved activations (`a.input`: the residual stream entering it) and
+            // its weights' gradients, each with its weight.
+            let a = acts.layers.at(l)?;
+            let g = self.layer_grads(l, n, grads)?;
 
             // MLP block; `dresidual` is ∂L/∂resid_out[l] = ∂L/∂mlp_out[l].
-            be.fill(ViewMut::whole(&mut sc.dact), 0.0)?;
-            be.linear_backward(
-                View::whole(&sc.dresidual),
-                View::item(&a.act, l, n * i)?,
-                w.down.layer(l)?,
-                lin(n, i, c),
-                Some(ViewMut::whole(&mut sc.dact)),
-                g.down.layer_mut(l)?,
-                layer_of_mut(&mut g.down_bias, l)?,
-            )?;
-            be.swiglu_backward(
-                View::whole(&sc.dact),
-                View::item(&a.gate, l, n * i)?,
-                View::item(&a.up, l, n * i)?,
-                ViewMut::whole(&mut sc.dgate),
-                ViewMut::whole(&mut sc.dup),
-            )?;
-            let ln2 = View::item(&a.ln2, l, n * c)?;
-            be.fill(ViewMut::whole(&mut sc.dln), 0.0)?;
-            be.linear_backward(
-                View::whole(&sc.dgate),
-                ln2,
-                w.gate.layer(l)?,
-                lin(n, c, i),
-                Some(ViewMut::whole(&mut sc.dln)),
-                g.gate.layer_mut(l)?,
-                layer_of_mut(&mut g.gate_bias, l)?,
-            )?;
-            be.linear_backward(
-                View::whole(&sc.dup),
-                ln2,
-                w.up.layer(l)?,
-                lin(n, c, i),
-                Some(ViewMut::whole(&mut sc.dln)),
-                g.up.layer_mut(l)?,
-                layer_of_mut(&mut g.up_bias, l)?,
-            )?;
+            be.fill(sc.dact.w(), 0.0)?;
+            self.matmul_backward(sc.dresidual.r(), a.act, g.down, sc.dact.w())?;
+            be.swiglu_backward(sc.dact.r(), a.gate, a.up, sc.dgate.w(), sc.dup.w())?;
+            be.fill(sc.dln.w(), 0.0)?;
+            self.matmul_backward(sc.dgate.r(), a.ln2, g.gate, sc.dln.w())?;
+            self.matmul_backward(sc.dup.r(), a.ln2, g.up, sc.dln.w())?;
             // ∂L/∂resid_mid = dresidual (skip) + the norm's input gradient.
-            be.rmsnorm_backward(
-                View::whole(&sc.dln),
-                View::item(&a.resid_mid, l, n * c)?,
-                w.ln2.layer(l)?,
-                View::item(&a.ln2_rstd, l, n)?,
-                c,
-                ViewMut::whole(&mut sc.dresidual),
-                g.ln2.layer_mut(l)?,
-            )?;
+            self.rmsnorm_backward(sc.dln.r(), a.resid_mid, a.ln2_rstd, g.ln2, sc.dresidual.w())?;
 
             // Attention block; `dresidual` is ∂L/∂resid_mid[l] = ∂L/∂att_proj[l].
-            be.fill(ViewMut::whole(&mut sc.datt), 0.0)?;
-            be.linear_backward(
-                View::whole(&sc.dresidual),
-                View::item(&a.att, l, n * qd)?,
-                w.o.layer(l)?,
-                lin(n, qd, c),
-                Some(ViewMut::whole(&mut sc.datt)),
-                g.o.layer_mut(l)?,
-                layer_of_mut(&mut g.o_bias, l)?,
-            )?;
-            be.attention_backward(
-                attn,
-                AttentionInputs {
-                    q: View::item(&a.q, l, n * qd)?,
-                    k: View::item(&a.k, l, n * kvd)?,
-                    v: View::item(&a.v, l, n * kvd)?,
-                    key_mask: Some(mask),
-                },
-                View::item(&a.att, l, n * qd)?,
-                View::item(&a.lse, l, n * hq)?,
-                View::whole(&sc.datt),
-                AttentionGrads {
-                    dq: ViewMut::whole(&mut sc.dq),
-                    dk: ViewMut::whole(&mut sc.dk),
-                    dv: ViewMut::whole(&mut sc.dv),
-                },
-            )?;
-            be.rope_backward(ViewMut::whole(&mut sc.dq), cos, sin, hq, d)?;
-            be.rope_backward(ViewMut::whole(&mut sc.dk), cos, sin, hkv, d)?;
+            be.fill(sc.datt.w(), 0.0)?;
+            self.matmul_backward(sc.dresidual.r(), a.att, g.o, sc.datt.w())?;
+            let dqkv = dqkv(&mut sc.dq, &mut sc.dk, &mut sc.dv);
+            be.attention_backward(attn, a.qkv(mask), a.att, a.lse, sc.datt.r(), dqkv)?;
+            be.rope_backward(sc.dq.w(), cos, sin, hq, d)?;
+            be.rope_backward(sc.dk.w(), cos, sin, hkv, d)?;
             // The gradients of the q/k projections' outputs.
             let (dq_proj, dk_proj) = if s.qk_norm {
-                let (q_norm, k_norm) = match (layer_of(&w.q_norm, l)?, layer_of(&w.k_norm, l)?) {
-                    (Some(q), Some(k)) => (q, k),
-                    _ => {
-                        return Err(ModelError::MissingWeight {
-                            name: format!("model.layers.{l}.self_attn.q_norm/k_norm.weight"),
-                        });
-                    }
-                };
-                let (dq_norm, dk_norm) = match (
-                    layer_of_mut(&mut g.q_norm, l)?,
-                    layer_of_mut(&mut g.k_norm, l)?,
-                ) {
-                    (Some(q), Some(k)) => (q, k),
-                    _ => {
-                        return Err(ModelError::UnknownParameter {
-                            name: format!("model.layers.{l}.self_attn.q_norm/k_norm.weight"),
-                            why: "the gradients were made for a model without q/k norm".into(),
-                        });
-                    }
-                };
-                be.fill(ViewMut::whole(&mut sc.dq_raw), 0.0)?;
-                be.fill(ViewMut::whole(&mut sc.dk_raw), 0.0)?;
-                be.rmsnorm_backward(
-                    View::whole(&sc.dq),
-                    View::item(&a.q_raw, l, n * qd)?,
-                    q_norm,
-                    View::item(&a.q_rstd, l, n * hq)?,
-                    d,
-                    ViewMut::whole(&mut sc.dq_raw),
-                    dq_norm,
-                )?;
-                be.rmsnorm_backward(
-                    View::whole(&sc.dk),
-                    View::item(&a.k_raw, l, n * kvd)?,
-                    k_norm,
-                    View::item(&a.k_rstd, l, n * hkv)?,
-                    d,
-                    ViewMut::whole(&mut sc.dk_raw),
-                    dk_norm,
-                )?;
-                (View::whole(&sc.dq_raw), View::whole(&sc.dk_raw))
+                let (q_norm, k_norm) = g.qk_norm.get()?;
+                be.fill(sc.dq_raw.w(), 0.0)?;
+                be.fill(sc.dk_raw.w(), 0.0)?;
+                self.rmsnorm_backward(sc.dq.r(), a.q_raw, a.q_rstd, q_norm, sc.dq_raw.w())?;
+                self.rmsnorm_backward(sc.dk.r(), a.k_raw, a.k_rstd, k_norm, sc.dk_raw.w())?;
+                (sc.dq_raw.r(), sc.dk_raw.r())
             } else {
-                (View::whole(&sc.dq), View::whole(&sc.dk))
+                (sc.dq.r(), sc.dk.r())
             };
-            let ln1 = View::item(&a.ln1, l, n * c)?;
-            be.fill(ViewMut::whole(&mut sc.dln), 0.0)?;
-            for (dout, wt, dw, db, out_features) in [
-                (dq_proj, w.q.layer(l)?, &mut g.q, &mut g.q_bias, qd),
-                (dk_proj, w.k.layer(l)?, &mut g.k, &mut g.k_bias, kvd),
-                (
-                    View::whole(&sc.dv),
-                    w.v.layer(l)?,
-                    &mut g.v,
-                    &mut g.v_bias,
-                    kvd,
-                ),
-            ] {
-                be.linear_backward(
-                    dout,
-                    ln1,
-                    wt,
-                    lin(n, c, out_features),
-                    Some(ViewMut::whole(&mut sc.dln)),
-                    dw.layer_mut(l)?,
-                    layer_of_mut(db, l)?,
-                )?;
-            }
-            // ∂L/∂x = ∂L/∂resid_mid (skip) + the input norm's input gradient.
-            be.rmsnorm_backward(
-                View::whole(&sc.dln),
-                x,
-                w.ln1.layer(l)?,
-                View::item(&a.ln1_rstd, l, n)?,
-                c,
-                ViewMut::whole(&mut sc.dresidual),
-                g.ln1.layer_mut(l)?,
-            )?;
+            be.fill(sc.dln.w(), 0.0)?;
+            self.matmul_backward(dq_proj, a.ln1, g.q, sc.dln.w())?;
+            self.matmul_backward(dk_proj, a.ln1, g.k, sc.dln.w())?;
+            self.matmul_backward(sc.dv.r(), a.ln1, g.v, sc.dln.w())?;
+            // ∂L/∂input = ∂L/∂resid_mid (skip) + the input norm's input gradient.
+            self.rmsnorm_backward(sc.dln.r(), a.input, a.ln1_rstd, g.ln1, sc.dresidual.w())?;
         }
 
         // Token embeddings.
         be.embedding_backward(
-            &a.ids,
-            View::whole(&sc.dresidual),
+            &acts.ids,
+            sc.dresidual.r(),
             v,
             c,
-            ViewMut::whole(&mut g.embed),
+            ViewMut::whole(&mut grads.embed),
         )?;
         Ok(())
     }

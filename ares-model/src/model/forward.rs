@@ -1,23 +1,17 @@
 //! The forward pass, top to bottom as in llm.c's `gpt2_forward`: upload the batch, embed,
 //! then per layer `RMSNorm → q/k/v (→ q/k RMSNorm) → RoPE → attention → o_proj → residual
 //! → RMSNorm → gate/up → SwiGLU → down → residual`, final RMSNorm, LM head.
+//!
+//! A layer reads its weights `p` and its activations `a` through the per-layer views of
+//! `layer.rs`, one line per op; the backward pass uses the same names (and `g` for the
+//! gradients), so the two read side by side.
 
 use super::activations::head_chunks;
 use super::decode_weights::DecodeWeights;
+use super::layer::qkv;
 use super::log_prob_grad::check_targets;
-use super::weights::{Stack, layer_of};
 use super::{Activations, HeadMode, Inputs, KvCache, Model, ModelError};
-use crate::backend::{
-    AttentionDims, AttentionInputs, Backend, LinearDims, Tensor, TensorMut, View, ViewMut,
-};
-
-/// Layer `l` of a transposed stack, when there is one.
-fn tw_layer<B: Backend>(
-    stack: Option<&Stack<B>>,
-    l: usize,
-) -> Result<Option<Tensor<'_, B>>, ModelError> {
-    stack.map(|s| s.layer(l)).transpose()
-}
+use crate::backend::{AttentionDims, Backend, View, ViewMut};
 
 impl<B: Backend> Model<B> {
     /// Runs the model on `inputs`, leaving every activation and the logits `[batch, seq,
@@ -37,24 +31,6 @@ impl<B: Backend> Model<B> {
         acts: &mut Activations<B>,
     ) -> Result<(), ModelError> {
         self.forward_impl(inputs, acts, None, None)
-    }
-
-    /// A linear layer from the weight `w` (`[out, in]`), or from its transposed copy `wt`
-    /// when the caller has one ([`DecodeWeights`], generation).
-    fn project(
-        &self,
-        x: Tensor<'_, B>,
-        w: Tensor<'_, B>,
-        wt: Option<Tensor<'_, B>>,
-        bias: Option<Tensor<'_, B>>,
-        dims: LinearDims,
-        out: TensorMut<'_, B>,
-    ) -> Result<(), ModelError> {
-        match wt {
-            Some(wt) => self.backend.linear_transposed(x, wt, bias, dims, out)?,
-            None => self.backend.linear(x, w, bias, dims, out)?,
-        }
-        Ok(())
     }
 
     /// [`Model::forward`], or with `cache` the same pass with attention over the KV cache
@@ -80,241 +56,95 @@ impl<B: Backend> Model<B> {
         let be = &self.backend;
         let s = &self.spec;
         let w = &self.weights;
-        let (c, i, v, d) = (s.hidden, s.intermediate, s.vocab, s.head_dim);
-        let (qd, kvd, hq, hkv) = (s.q_dim(), s.kv_dim(), s.q_heads, s.kv_heads);
-        let a = acts;
+        let (c, v, d) = (s.hidden, s.vocab, s.head_dim);
+        let (hq, hkv) = (s.q_heads, s.kv_heads);
 
         // Inputs: the only host → device copies of the pass.
-        be.upload_ids(inputs.input_ids, &mut a.ids)?;
-        be.upload_ids(inputs.position_ids, &mut a.positions)?;
-        for (m, &x) in a.host_mask.iter_mut().zip(inputs.attention_mask) {
+        be.upload_ids(inputs.input_ids, &mut acts.ids)?;
+        be.upload_ids(inputs.position_ids, &mut acts.positions)?;
+        for (m, &x) in acts.host_mask.iter_mut().zip(inputs.attention_mask) {
             *m = x as f32;
         }
-        be.upload(&a.host_mask, ViewMut::whole(&mut a.mask))?;
+        be.upload(&acts.host_mask, ViewMut::whole(&mut acts.mask))?;
 
         // Token embeddings, and each token's RoPE cos/sin gathered from the tables by position.
         be.embedding(
-            &a.ids,
+            &acts.ids,
             View::whole(&w.embed),
             v,
             c,
-            ViewMut::whole(&mut a.encoded),
+            ViewMut::whole(&mut acts.layers.encoded),
         )?;
         let half = d / 2;
         let table = self.rope_rows;
         be.embedding(
-            &a.positions,
+            &acts.positions,
             View::whole(&self.rope_cos),
             table,
             half,
-            ViewMut::whole(&mut a.cos),
+            ViewMut::whole(&mut acts.cos),
         )?;
         be.embedding(
-            &a.positions,
+            &acts.positions,
             View::whole(&self.rope_sin),
             table,
             half,
-            ViewMut::whole(&mut a.sin),
+            ViewMut::whole(&mut acts.sin),
         )?;
-        let (cos, sin) = (View::whole(&a.cos), View::whole(&a.sin));
-        let mask = View::whole(&a.mask);
+        let (cos, sin) = (View::whole(&acts.cos), View::whole(&acts.sin));
+        let mask = View::whole(&acts.mask);
 
-        let lin =
-            |rows, in_features, out_features| self.linear_dims(rows, in_features, out_features);
         let attn = AttentionDims::new(inputs.batch, inputs.seq, hq, hkv, d);
         for l in 0..s.layers {
-            // The residual stream entering layer l.
-            let x = if l == 0 {
-                View::whole(&a.encoded)
-            } else {
-                View::item(&a.resid_out, l - 1, n * c)?
-            };
+            // Layer l's weights and activations (`a.resid`: the residual stream in and out).
+            let p = self.layer_params(l, n, tw)?;
+            let mut a = acts.layers.at_mut(l);
 
             // Attention block.
-            be.rmsnorm(
-                x,
-                w.ln1.layer(l)?,
-                s.eps,
-                c,
-                ViewMut::item(&mut a.ln1, l, n * c)?,
-                ViewMut::item(&mut a.ln1_rstd, l, n)?,
-            )?;
-            let ln1 = View::item(&a.ln1, l, n * c)?;
+            self.rmsnorm(a.resid.input()?, p.ln1, a.ln1.w()?, a.ln1_rstd.w()?)?;
             if s.qk_norm {
                 // Qwen3: project, then RMSNorm every head over head_dim, then RoPE.
-                self.project(
-                    ln1,
-                    w.q.layer(l)?,
-                    tw_layer(tw.map(|t| &t.q), l)?,
-                    layer_of(&w.q_bias, l)?,
-                    lin(n, c, qd),
-                    ViewMut::item(&mut a.q_raw, l, n * qd)?,
-                )?;
-                self.project(
-                    ln1,
-                    w.k.layer(l)?,
-                    tw_layer(tw.map(|t| &t.k), l)?,
-                    layer_of(&w.k_bias, l)?,
-                    lin(n, c, kvd),
-                    ViewMut::item(&mut a.k_raw, l, n * kvd)?,
-                )?;
-                let (q_norm, k_norm) = match (layer_of(&w.q_norm, l)?, layer_of(&w.k_norm, l)?) {
-                    (Some(q), Some(k)) => (q, k),
-                    _ => {
-                        return Err(ModelError::MissingWeight {
-                            name: format!("model.layers.{l}.self_attn.q_norm/k_norm.weight"),
-                        });
-                    }
-                };
-                be.rmsnorm(
-                    View::item(&a.q_raw, l, n * qd)?,
-                    q_norm,
-                    s.eps,
-                    d,
-                    ViewMut::item(&mut a.q, l, n * qd)?,
-                    ViewMut::item(&mut a.q_rstd, l, n * hq)?,
-                )?;
-                be.rmsnorm(
-                    View::item(&a.k_raw, l, n * kvd)?,
-                    k_norm,
-                    s.eps,
-                    d,
-                    ViewMut::item(&mut a.k, l, n * kvd)?,
-                    ViewMut::item(&mut a.k_rstd, l, n * hkv)?,
-                )?;
+                self.matmul(a.ln1.r()?, p.q, a.q_raw.w()?)?;
+                self.matmul(a.ln1.r()?, p.k, a.k_raw.w()?)?;
+                let (q_norm, k_norm) = p.qk_norm.get()?;
+                self.rmsnorm(a.q_raw.r()?, q_norm, a.q.w()?, a.q_rstd.w()?)?;
+                self.rmsnorm(a.k_raw.r()?, k_norm, a.k.w()?, a.k_rstd.w()?)?;
             } else {
-                self.project(
-                    ln1,
-                    w.q.layer(l)?,
-                    tw_layer(tw.map(|t| &t.q), l)?,
-                    layer_of(&w.q_bias, l)?,
-                    lin(n, c, qd),
-                    ViewMut::item(&mut a.q, l, n * qd)?,
-                )?;
-                self.project(
-                    ln1,
-                    w.k.layer(l)?,
-                    tw_layer(tw.map(|t| &t.k), l)?,
-                    layer_of(&w.k_bias, l)?,
-                    lin(n, c, kvd),
-                    ViewMut::item(&mut a.k, l, n * kvd)?,
-                )?;
+                self.matmul(a.ln1.r()?, p.q, a.q.w()?)?;
+                self.matmul(a.ln1.r()?, p.k, a.k.w()?)?;
             }
-            self.project(
-                ln1,
-                w.v.layer(l)?,
-                tw_layer(tw.map(|t| &t.v), l)?,
-                layer_of(&w.v_bias, l)?,
-                lin(n, c, kvd),
-                ViewMut::item(&mut a.v, l, n * kvd)?,
-            )?;
-            be.rope(ViewMut::item(&mut a.q, l, n * qd)?, cos, sin, hq, d)?;
-            be.rope(ViewMut::item(&mut a.k, l, n * kvd)?, cos, sin, hkv, d)?;
+            self.matmul(a.ln1.r()?, p.v, a.v.w()?)?;
+            be.rope(a.q.w()?, cos, sin, hq, d)?;
+            be.rope(a.k.w()?, cos, sin, hkv, d)?;
+            let (q, k, v) = (a.q.r()?, a.k.r()?, a.v.r()?);
             match cache.as_deref_mut() {
-                None => be.attention(
-                    attn,
-                    AttentionInputs {
-                        q: View::item(&a.q, l, n * qd)?,
-                        k: View::item(&a.k, l, n * kvd)?,
-                        v: View::item(&a.v, l, n * kvd)?,
-                        key_mask: Some(mask),
-                    },
-                    ViewMut::item(&mut a.att, l, n * qd)?,
-                    ViewMut::item(&mut a.lse, l, n * hq)?,
-                )?,
-                Some(cache) => cache.attend(
-                    be,
-                    l,
-                    attn,
-                    View::item(&a.q, l, n * qd)?,
-                    View::item(&a.k, l, n * kvd)?,
-                    View::item(&a.v, l, n * kvd)?,
-                    ViewMut::item(&mut a.att, l, n * qd)?,
-                )?,
+                None => be.attention(attn, qkv(q, k, v, mask), a.att.w()?, a.lse.w()?)?,
+                Some(cache) => cache.attend(be, l, attn, q, k, v, a.att.w()?)?,
             }
-            self.project(
-                View::item(&a.att, l, n * qd)?,
-                w.o.layer(l)?,
-                tw_layer(tw.map(|t| &t.o), l)?,
-                layer_of(&w.o_bias, l)?,
-                lin(n, qd, c),
-                ViewMut::item(&mut a.att_proj, l, n * c)?,
-            )?;
-            be.add(
-                x,
-                View::item(&a.att_proj, l, n * c)?,
-                ViewMut::item(&mut a.resid_mid, l, n * c)?,
-            )?;
+            self.matmul(a.att.r()?, p.o, a.att_proj.w()?)?;
+            be.add(a.resid.input()?, a.att_proj.r()?, a.resid_mid.w()?)?;
 
             // MLP block.
-            let mid = View::item(&a.resid_mid, l, n * c)?;
-            be.rmsnorm(
-                mid,
-                w.ln2.layer(l)?,
-                s.eps,
-                c,
-                ViewMut::item(&mut a.ln2, l, n * c)?,
-                ViewMut::item(&mut a.ln2_rstd, l, n)?,
-            )?;
-            let ln2 = View::item(&a.ln2, l, n * c)?;
-            self.project(
-                ln2,
-                w.gate.layer(l)?,
-                tw_layer(tw.map(|t| &t.gate), l)?,
-                layer_of(&w.gate_bias, l)?,
-                lin(n, c, i),
-                ViewMut::item(&mut a.gate, l, n * i)?,
-            )?;
-            self.project(
-                ln2,
-                w.up.layer(l)?,
-                tw_layer(tw.map(|t| &t.up), l)?,
-                layer_of(&w.up_bias, l)?,
-                lin(n, c, i),
-                ViewMut::item(&mut a.up, l, n * i)?,
-            )?;
-            be.swiglu(
-                View::item(&a.gate, l, n * i)?,
-                View::item(&a.up, l, n * i)?,
-                ViewMut::item(&mut a.act, l, n * i)?,
-            )?;
-            self.project(
-                View::item(&a.act, l, n * i)?,
-                w.down.layer(l)?,
-                tw_layer(tw.map(|t| &t.down), l)?,
-                layer_of(&w.down_bias, l)?,
-                lin(n, i, c),
-                ViewMut::item(&mut a.mlp_out, l, n * c)?,
-            )?;
-            be.add(
-                mid,
-                View::item(&a.mlp_out, l, n * c)?,
-                ViewMut::item(&mut a.resid_out, l, n * c)?,
-            )?;
+            self.rmsnorm(a.resid_mid.r()?, p.ln2, a.ln2.w()?, a.ln2_rstd.w()?)?;
+            self.matmul(a.ln2.r()?, p.gate, a.gate.w()?)?;
+            self.matmul(a.ln2.r()?, p.up, a.up.w()?)?;
+            be.swiglu(a.gate.r()?, a.up.r()?, a.act.w()?)?;
+            self.matmul(a.act.r()?, p.down, a.mlp_out.w()?)?;
+            be.add(a.resid_mid.r()?, a.mlp_out.r()?, a.resid.output()?)?;
         }
 
         // Final norm and (whole logits) LM head.
-        let last = match s.layers.checked_sub(1) {
-            Some(l) => View::item(&a.resid_out, l, n * c)?,
-            None => View::whole(&a.encoded),
-        };
         be.rmsnorm(
-            last,
+            acts.layers.output()?,
             View::whole(&w.norm),
             s.eps,
             c,
-            ViewMut::whole(&mut a.lnf),
-            ViewMut::whole(&mut a.lnf_rstd),
+            ViewMut::whole(&mut acts.lnf),
+            ViewMut::whole(&mut acts.lnf_rstd),
         )?;
-        if a.head == HeadMode::Full {
-            self.project(
-                View::whole(&a.lnf),
-                w.lm_head(),
-                tw.map(|t| View::whole(&t.lm_head)),
-                None,
-                lin(n, c, v),
-                ViewMut::whole(&mut a.logits),
-            )?;
+        if acts.head == HeadMode::Full {
+            let (lnf, logits) = (View::whole(&acts.lnf), ViewMut::whole(&mut acts.logits));
+            self.matmul(lnf, self.lm_head(n, tw), logits)?;
         }
         Ok(())
     }

@@ -45,6 +45,7 @@ mod generate;
 mod grads;
 mod inputs;
 mod kv_cache;
+mod layer;
 mod log_prob_grad;
 mod optim;
 mod optim_file;

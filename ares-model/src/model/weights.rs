@@ -14,6 +14,11 @@ pub(crate) struct Stack<B: Backend> {
 }
 
 impl<B: Backend> Stack<B> {
+    /// A stack of `buffer.len() / item` layers of `item` elements each.
+    pub(crate) fn new(buffer: B::Buffer, item: usize) -> Self {
+        Self { buffer, item }
+    }
+
     /// The tensor of layer `layer`.
     pub(crate) fn layer(&self, layer: usize) -> Result<Tensor<'_, B>, ModelError> {
         Ok(View::item(&self.buffer, layer, self.item)?)

@@ -1,0 +1,559 @@
+//! Per-layer views of the stacked buffers (`[layers, ...]`), made once per decoder layer so
+//! that every op of the forward and backward passes is one line, as llm.c's
+//! `matmul_forward(l_qkv, l_ln1, l_qkvw, l_qkvb, ...)` after its `l_* = base + l * size`
+//! pointers:
+//!
+//! - [`LayerParams`] `p`: layer `l`'s weights, each projection a [`Linear`] (weight, its
+//!   transposed copy when generating, bias, dims) and each norm a [`Norm`] (weight, dim);
+//! - [`LayerGrads`] `g`: their gradients, each paired with the parameter view its backward
+//!   op reads, so a backward call names the parameter once;
+//! - [`LayerActsMut`] `a` (forward: every activation a [`Slot`], written, then read) and
+//!   [`LayerActs`] `a` (backward: what the forward saved, read-only), with the names of
+//!   the arena's fields ([`LayerBuffers`]);
+//! - the ops on them: [`Model::matmul`], [`Model::matmul_backward`], [`Model::rmsnorm`] and
+//!   [`Model::rmsnorm_backward`], thin wrappers that only unpack the views.
+
+use super::activations::{LayerBuffers, Scratch};
+use super::decode_weights::DecodeWeights;
+use super::weights::{DeviceWeights, Stack, layer_of, layer_of_mut};
+use super::{Model, ModelError};
+use crate::backend::{
+    AttentionGrads, AttentionInputs, Backend, DeviceBuffer, LinearDims, Tensor, TensorMut, View,
+};
+
+/// One projection of a layer, `out = x · wᵀ (+ bias)`, for a fixed number of token rows.
+pub(crate) struct Linear<'a, B: Backend> {
+    /// `[out, in]` (Hugging Face layout).
+    pub(crate) w: Tensor<'a, B>,
+    /// `[in, out]`: the transposed copy generation multiplies by ([`DecodeWeights`]).
+    pub(crate) wt: Option<Tensor<'a, B>>,
+    /// `[out]`, where the architecture has one.
+    pub(crate) bias: Option<Tensor<'a, B>>,
+    /// Rows, in and out features, precision.
+    pub(crate) dims: LinearDims,
+}
+
+/// One RMSNorm weight of a layer, over rows of `dim` (hidden, or head_dim for q/k norms).
+pub(crate) struct Norm<'a, B: Backend> {
+    /// `[dim]`.
+    pub(crate) w: Tensor<'a, B>,
+    /// Features normalised together.
+    pub(crate) dim: usize,
+}
+
+/// Qwen3's q/k RMSNorm weights of one layer (`None` in models without them).
+pub(crate) struct QkNorm<'a, B: Backend> {
+    layer: usize,
+    q: Option<Norm<'a, B>>,
+    k: Option<Norm<'a, B>>,
+}
+
+impl<'a, B: Backend> QkNorm<'a, B> {
+    /// The q and k norms, or [`ModelError::MissingWeight`] naming them.
+    pub(crate) fn get(self) -> Result<(Norm<'a, B>, Norm<'a, B>), ModelError> {
+        match (self.q, self.k) {
+            (Some(q), Some(k)) => Ok((q, k)),
+            _ => Err(ModelError::MissingWeight {
+                name: qk_norm_name(self.layer),
+            }),
+        }
+    }
+}
+
+/// `model.layers.{layer}.self_attn.q_norm/k_norm.weight`, for messages.
+fn qk_norm_name(layer: usize) -> String {
+    format!("model.layers.{layer}.self_attn.q_norm/k_norm.weight")
+}
+
+/// The weights of one decoder layer, in the order the forward pass uses them.
+pub(crate) struct LayerParams<'a, B: Backend> {
+    pub(crate) ln1: Norm<'a, B>,
+    pub(crate) q: Linear<'a, B>,
+    pub(crate) k: Linear<'a, B>,
+    pub(crate) v: Linear<'a, B>,
+    pub(crate) qk_norm: QkNorm<'a, B>,
+    pub(crate) o: Linear<'a, B>,
+    pub(crate) ln2: Norm<'a, B>,
+    pub(crate) gate: Linear<'a, B>,
+    pub(crate) up: Linear<'a, B>,
+    pub(crate) down: Linear<'a, B>,
+}
+
+/// The gradient of a [`Linear`]'s weight and bias, with the [`Linear`] itself.
+pub(crate) struct LinearGrad<'a, B: Backend> {
+    pub(crate) param: Linear<'a, B>,
+    pub(crate) dw: TensorMut<'a, B>,
+    pub(crate) dbias: Option<TensorMut<'a, B>>,
+}
+
+/// The gradient of a [`Norm`]'s weight, with the [`Norm`] itself.
+pub(crate) struct NormGrad<'a, B: Backend> {
+    pub(crate) param: Norm<'a, B>,
+    pub(crate) dw: TensorMut<'a, B>,
+}
+
+/// The gradients of Qwen3's q/k norms of one layer, with the norms.
+pub(crate) struct QkNormGrad<'a, B: Backend> {
+    param: QkNorm<'a, B>,
+    dq: Option<TensorMut<'a, B>>,
+    dk: Option<TensorMut<'a, B>>,
+}
+
+impl<'a, B: Backend> QkNormGrad<'a, B> {
+    /// The q and k norms with their gradients; [`ModelError::MissingWeight`] without the
+    /// norms, [`ModelError::UnknownParameter`] with gradients made for a model without.
+    pub(crate) fn get(self) -> Result<(NormGrad<'a, B>, NormGrad<'a, B>), ModelError> {
+        let layer = self.param.layer;
+        let (q, k) = self.param.get()?;
+        match (self.dq, self.dk) {
+            (Some(dq), Some(dk)) => {
+                Ok((NormGrad { param: q, dw: dq }, NormGrad { param: k, dw: dk }))
+            }
+            _ => Err(ModelError::UnknownParameter {
+                name: qk_norm_name(layer),
+                why: "the gradients were made for a model without q/k norm".into(),
+            }),
+        }
+    }
+}
+
+/// The gradients of one decoder layer's weights (added into by the backward ops), each with
+/// its parameter; the names of [`LayerParams`].
+pub(crate) struct LayerGrads<'a, B: Backend> {
+    pub(crate) ln1: NormGrad<'a, B>,
+    pub(crate) q: LinearGrad<'a, B>,
+    pub(crate) k: LinearGrad<'a, B>,
+    pub(crate) v: LinearGrad<'a, B>,
+    pub(crate) qk_norm: QkNormGrad<'a, B>,
+    pub(crate) o: LinearGrad<'a, B>,
+    pub(crate) ln2: NormGrad<'a, B>,
+    pub(crate) gate: LinearGrad<'a, B>,
+    pub(crate) up: LinearGrad<'a, B>,
+    pub(crate) down: LinearGrad<'a, B>,
+}
+
+/// Layer `layer` of a projection's weight stack, its transposed copy and its bias.
+fn linear<'a, B: Backend>(
+    layer: usize,
+    w: &'a Stack<B>,
+    wt: Option<&'a Stack<B>>,
+    bias: &'a Option<Stack<B>>,
+    dims: LinearDims,
+) -> Result<Linear<'a, B>, ModelError> {
+    Ok(Linear {
+        w: w.layer(layer)?,
+        wt: wt.map(|t| t.layer(layer)).transpose()?,
+        bias: layer_of(bias, layer)?,
+        dims,
+    })
+}
+
+/// A [`Linear`] with layer `layer` of its gradient stacks.
+fn linear_grad<'a, B: Backend>(
+    layer: usize,
+    param: Linear<'a, B>,
+    dw: &'a mut Stack<B>,
+    dbias: &'a mut Option<Stack<B>>,
+) -> Result<LinearGrad<'a, B>, ModelError> {
+    Ok(LinearGrad {
+        param,
+        dw: dw.layer_mut(layer)?,
+        dbias: layer_of_mut(dbias, layer)?,
+    })
+}
+
+impl<B: Backend> Model<B> {
+    /// The weights of layer `layer` applied to `rows` tokens; with `tw` the projections
+    /// multiply by its transposed copies (generation).
+    pub(crate) fn layer_params<'a>(
+        &'a self,
+        layer: usize,
+        rows: usize,
+        tw: Option<&'a DecodeWeights<B>>,
+    ) -> Result<LayerParams<'a, B>, ModelError> {
+        let (w, s) = (&self.weights, &self.spec);
+        let (c, i, qd, kvd) = (s.hidden, s.intermediate, s.q_dim(), s.kv_dim());
+        let dims = |in_features, out_features| self.linear_dims(rows, in_features, out_features);
+        let norm = |stack: &'a Stack<B>, dim| -> Result<Norm<'a, B>, ModelError> {
+            Ok(Norm {
+                w: stack.layer(layer)?,
+                dim,
+            })
+        };
+        let qk = |stack: &'a Option<Stack<B>>| -> Result<Option<Norm<'a, B>>, ModelError> {
+            Ok(layer_of(stack, layer)?.map(|w| Norm { w, dim: s.head_dim }))
+        };
+        Ok(LayerParams {
+            ln1: norm(&w.ln1, c)?,
+            q: linear(layer, &w.q, tw.map(|t| &t.q), &w.q_bias, dims(c, qd))?,
+            k: linear(layer, &w.k, tw.map(|t| &t.k), &w.k_bias, dims(c, kvd))?,
+            v: linear(layer, &w.v, tw.map(|t| &t.v), &w.v_bias, dims(c, kvd))?,
+            qk_norm: QkNorm {
+                layer,
+                q: qk(&w.q_norm)?,
+                k: qk(&w.k_norm)?,
+            },
+            o: linear(layer, &w.o, tw.map(|t| &t.o), &w.o_bias, dims(qd, c))?,
+            ln2: norm(&w.ln2, c)?,
+            gate: linear(
+                layer,
+                &w.gate,
+                tw.map(|t| &t.gate),
+                &w.gate_bias,
+                dims(c, i),
+            )?,
+            up: linear(layer, &w.up, tw.map(|t| &t.up), &w.up_bias, dims(c, i))?,
+            down: linear(
+                layer,
+                &w.down,
+                tw.map(|t| &t.down),
+                &w.down_bias,
+                dims(i, c),
+            )?,
+        })
+    }
+
+    /// The gradients `grads` (laid out as the weights) of layer `layer` applied to `rows`
+    /// tokens, each with its parameter.
+    pub(crate) fn layer_grads<'a>(
+        &'a self,
+        layer: usize,
+        rows: usize,
+        grads: &'a mut DeviceWeights<B>,
+    ) -> Result<LayerGrads<'a, B>, ModelError> {
+        let p = self.layer_params(layer, rows, None)?;
+        let DeviceWeights {
+            ln1,
+            q,
+            q_bias,
+            k,
+            k_bias,
+            v,
+            v_bias,
+            o,
+            o_bias,
+            q_norm,
+            k_norm,
+            ln2,
+            gate,
+            gate_bias,
+            up,
+            up_bias,
+            down,
+            down_bias,
+            ..
+        } = grads;
+        Ok(LayerGrads {
+            ln1: NormGrad {
+                param: p.ln1,
+                dw: ln1.layer_mut(layer)?,
+            },
+            q: linear_grad(layer, p.q, q, q_bias)?,
+            k: linear_grad(layer, p.k, k, k_bias)?,
+            v: linear_grad(layer, p.v, v, v_bias)?,
+            qk_norm: QkNormGrad {
+                param: p.qk_norm,
+                dq: layer_of_mut(q_norm, layer)?,
+                dk: layer_of_mut(k_norm, layer)?,
+            },
+            o: linear_grad(layer, p.o, o, o_bias)?,
+            ln2: NormGrad {
+                param: p.ln2,
+                dw: ln2.layer_mut(layer)?,
+            },
+            gate: linear_grad(layer, p.gate, gate, gate_bias)?,
+            up: linear_grad(layer, p.up, up, up_bias)?,
+            down: linear_grad(layer, p.down, down, down_bias)?,
+        })
+    }
+
+    /// The LM head applied to `rows` tokens (its transposed copy from `tw` when given).
+    pub(crate) fn lm_head<'a>(
+        &'a self,
+        rows: usize,
+        tw: Option<&'a DecodeWeights<B>>,
+    ) -> Linear<'a, B> {
+        let (c, v) = (self.spec.hidden, self.spec.vocab);
+        Linear {
+            w: self.weights.lm_head(),
+            wt: tw.map(|t| View::whole(&t.lm_head)),
+            bias: None,
+            dims: self.linear_dims(rows, c, v),
+        }
+    }
+
+    /// `out = x · wᵀ (+ bias)` (llm.c's `matmul_forward`), by the transposed copy when `p`
+    /// has one.
+    pub(crate) fn matmul(
+        &self,
+        x: Tensor<'_, B>,
+        p: Linear<'_, B>,
+        out: TensorMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        match p.wt {
+            Some(wt) => self.backend.linear_transposed(x, wt, p.bias, p.dims, out)?,
+            None => self.backend.linear(x, p.w, p.bias, p.dims, out)?,
+        }
+        Ok(())
+    }
+
+    /// Backward of [`Model::matmul`] from `dout`: **adds** `dout · w` into `dx` and the
+    /// weight and bias gradients into `g`.
+    pub(crate) fn matmul_backward(
+        &self,
+        dout: Tensor<'_, B>,
+        x: Tensor<'_, B>,
+        g: LinearGrad<'_, B>,
+        dx: TensorMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        let p = g.param;
+        Ok(self
+            .backend
+            .linear_backward(dout, x, p.w, p.dims, Some(dx), g.dw, g.dbias)?)
+    }
+
+    /// RMSNorm of `x`'s rows by `p` into `out`, saving each row's `rstd`.
+    pub(crate) fn rmsnorm(
+        &self,
+        x: Tensor<'_, B>,
+        p: Norm<'_, B>,
+        out: TensorMut<'_, B>,
+        rstd: TensorMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        let eps = self.spec.eps;
+        Ok(self.backend.rmsnorm(x, p.w, eps, p.dim, out, rstd)?)
+    }
+
+    /// Backward of [`Model::rmsnorm`] from `dout`, the forward's input `x` and saved `rstd`:
+    /// **adds** into `dx` and into the weight's gradient in `g`.
+    pub(crate) fn rmsnorm_backward(
+        &self,
+        dout: Tensor<'_, B>,
+        x: Tensor<'_, B>,
+        rstd: Tensor<'_, B>,
+        g: NormGrad<'_, B>,
+        dx: TensorMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        let p = g.param;
+        Ok(self
+            .backend
+            .rmsnorm_backward(dout, x, p.w, rstd, p.dim, dx, g.dw)?)
+    }
+}
+
+/// Layer `layer`'s window of an activation stack, written then read by the forward pass.
+pub(crate) struct Slot<'a, B: Backend> {
+    stack: &'a mut Stack<B>,
+    layer: usize,
+}
+
+impl<B: Backend> Slot<'_, B> {
+    /// The window, read-only.
+    pub(crate) fn r(&self) -> Result<Tensor<'_, B>, ModelError> {
+        self.stack.layer(self.layer)
+    }
+
+    /// The window, writable.
+    pub(crate) fn w(&mut self) -> Result<TensorMut<'_, B>, ModelError> {
+        self.stack.layer_mut(self.layer)
+    }
+}
+
+/// The residual stream around layer `layer`: its input (the embeddings for layer 0, else
+/// the previous layer's output) and its output, the same stack.
+pub(crate) struct Residual<'a, B: Backend> {
+    encoded: &'a B::Buffer,
+    out: &'a mut Stack<B>,
+    layer: usize,
+}
+
+impl<B: Backend> Residual<'_, B> {
+    /// The stream entering the layer.
+    pub(crate) fn input(&self) -> Result<Tensor<'_, B>, ModelError> {
+        match self.layer.checked_sub(1) {
+            None => Ok(View::whole(self.encoded)),
+            Some(prev) => self.out.layer(prev),
+        }
+    }
+
+    /// The stream leaving the layer (`resid_out`).
+    pub(crate) fn output(&mut self) -> Result<TensorMut<'_, B>, ModelError> {
+        self.out.layer_mut(self.layer)
+    }
+}
+
+/// One layer's activations for the forward pass, in the order it writes them.
+pub(crate) struct LayerActsMut<'a, B: Backend> {
+    pub(crate) resid: Residual<'a, B>,
+    pub(crate) ln1: Slot<'a, B>,
+    pub(crate) ln1_rstd: Slot<'a, B>,
+    pub(crate) q_raw: Slot<'a, B>,
+    pub(crate) k_raw: Slot<'a, B>,
+    pub(crate) q_rstd: Slot<'a, B>,
+    pub(crate) k_rstd: Slot<'a, B>,
+    pub(crate) q: Slot<'a, B>,
+    pub(crate) k: Slot<'a, B>,
+    pub(crate) v: Slot<'a, B>,
+    pub(crate) att: Slot<'a, B>,
+    pub(crate) lse: Slot<'a, B>,
+    pub(crate) att_proj: Slot<'a, B>,
+    pub(crate) resid_mid: Slot<'a, B>,
+    pub(crate) ln2: Slot<'a, B>,
+    pub(crate) ln2_rstd: Slot<'a, B>,
+    pub(crate) gate: Slot<'a, B>,
+    pub(crate) up: Slot<'a, B>,
+    pub(crate) act: Slot<'a, B>,
+    pub(crate) mlp_out: Slot<'a, B>,
+}
+
+/// What the forward pass saved of one layer, read by the backward pass (the names of
+/// [`LayerActsMut`]; `input` is the residual stream entering the layer).
+pub(crate) struct LayerActs<'a, B: Backend> {
+    pub(crate) input: Tensor<'a, B>,
+    pub(crate) ln1: Tensor<'a, B>,
+    pub(crate) ln1_rstd: Tensor<'a, B>,
+    pub(crate) q_raw: Tensor<'a, B>,
+    pub(crate) k_raw: Tensor<'a, B>,
+    pub(crate) q_rstd: Tensor<'a, B>,
+    pub(crate) k_rstd: Tensor<'a, B>,
+    pub(crate) q: Tensor<'a, B>,
+    pub(crate) k: Tensor<'a, B>,
+    pub(crate) v: Tensor<'a, B>,
+    pub(crate) att: Tensor<'a, B>,
+    pub(crate) lse: Tensor<'a, B>,
+    pub(crate) resid_mid: Tensor<'a, B>,
+    pub(crate) ln2: Tensor<'a, B>,
+    pub(crate) ln2_rstd: Tensor<'a, B>,
+    pub(crate) gate: Tensor<'a, B>,
+    pub(crate) up: Tensor<'a, B>,
+    pub(crate) act: Tensor<'a, B>,
+}
+
+impl<'a, B: Backend> LayerActs<'a, B> {
+    /// The saved q, k, v as the attention's inputs, under the key `mask`.
+    pub(crate) fn qkv(&self, mask: Tensor<'a, B>) -> AttentionInputs<'a, B::Buffer> {
+        qkv(self.q, self.k, self.v, mask)
+    }
+}
+
+/// The attention's inputs q, k, v under the key `mask`.
+pub(crate) fn qkv<'a, T: ?Sized>(
+    q: View<'a, T>,
+    k: View<'a, T>,
+    v: View<'a, T>,
+    mask: View<'a, T>,
+) -> AttentionInputs<'a, T> {
+    AttentionInputs {
+        q,
+        k,
+        v,
+        key_mask: Some(mask),
+    }
+}
+
+/// The attention's gradients dq, dk, dv (overwritten), whole scratch buffers.
+pub(crate) fn dqkv<'a, T: DeviceBuffer>(
+    dq: &'a mut Scratch<T>,
+    dk: &'a mut Scratch<T>,
+    dv: &'a mut Scratch<T>,
+) -> AttentionGrads<'a, T> {
+    AttentionGrads {
+        dq: dq.w(),
+        dk: dk.w(),
+        dv: dv.w(),
+    }
+}
+
+impl<B: Backend> LayerBuffers<B> {
+    /// Layer `layer`'s activations, to be written by the forward pass.
+    pub(crate) fn at_mut(&mut self, layer: usize) -> LayerActsMut<'_, B> {
+        let Self {
+            count: _,
+            encoded,
+            ln1,
+            ln1_rstd,
+            q_raw,
+            k_raw,
+            q_rstd,
+            k_rstd,
+            q,
+            k,
+            v,
+            att,
+            lse,
+            att_proj,
+            resid_mid,
+            ln2,
+            ln2_rstd,
+            gate,
+            up,
+            act,
+            mlp_out,
+            resid_out,
+        } = self;
+        let slot = |stack| Slot { stack, layer };
+        LayerActsMut {
+            resid: Residual {
+                encoded,
+                out: resid_out,
+                layer,
+            },
+            ln1: slot(ln1),
+            ln1_rstd: slot(ln1_rstd),
+            q_raw: slot(q_raw),
+            k_raw: slot(k_raw),
+            q_rstd: slot(q_rstd),
+            k_rstd: slot(k_rstd),
+            q: slot(q),
+            k: slot(k),
+            v: slot(v),
+            att: slot(att),
+            lse: slot(lse),
+            att_proj: slot(att_proj),
+            resid_mid: slot(resid_mid),
+            ln2: slot(ln2),
+            ln2_rstd: slot(ln2_rstd),
+            gate: slot(gate),
+            up: slot(up),
+            act: slot(act),
+            mlp_out: slot(mlp_out),
+        }
+    }
+
+    /// Layer `layer`'s saved activations, for the backward pass.
+    pub(crate) fn at(&self, layer: usize) -> Result<LayerActs<'_, B>, ModelError> {
+        let input = match layer.checked_sub(1) {
+            None => View::whole(&self.encoded),
+            Some(prev) => self.resid_out.layer(prev)?,
+        };
+        Ok(LayerActs {
+            input,
+            ln1: self.ln1.layer(layer)?,
+            ln1_rstd: self.ln1_rstd.layer(layer)?,
+            q_raw: self.q_raw.layer(layer)?,
+            k_raw: self.k_raw.layer(layer)?,
+            q_rstd: self.q_rstd.layer(layer)?,
+            k_rstd: self.k_rstd.layer(layer)?,
+            q: self.q.layer(layer)?,
+            k: self.k.layer(layer)?,
+            v: self.v.layer(layer)?,
+            att: self.att.layer(layer)?,
+            lse: self.lse.layer(layer)?,
+            resid_mid: self.resid_mid.layer(layer)?,
+            ln2: self.ln2.layer(layer)?,
+            ln2_rstd: self.ln2_rstd.layer(layer)?,
+            gate: self.gate.layer(layer)?,
+            up: self.up.layer(layer)?,
+            act: self.act.layer(layer)?,
+        })
+    }
+
+    /// The residual stream leaving the last layer (the embeddings with no layers): the
+    /// final norm's input.
+    pub(crate) fn output(&self) -> Result<Tensor<'_, B>, ModelError> {
+        match self.count.checked_sub(1) {
+            None => Ok(View::whole(&self.encoded)),
+            Some(last) => self.resid_out.layer(last),
+        }
+    }
+}
