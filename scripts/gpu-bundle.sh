@@ -34,8 +34,10 @@ for line in sys.stdin:
 echo "building GPU tests (release)…"
 cargo test --release -p ares-cuda --no-run --message-format=json | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
-echo "building the CUDA backend tests (release)…"
-cargo test --release -p ares-runner --test cuda_backend --no-run --message-format=json | artifacts |
+echo "building the CUDA backend and trainer tests (release)…"
+cargo test --release -p ares-model --test cuda_backend --no-run --message-format=json | artifacts |
+  while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
+cargo test --release -p ares-runner --test cuda_trainer --no-run --message-format=json | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
 # The backend tests read the tiny transformers fixtures; the bundle carries them.
 mkdir -p "$dir/fixtures"

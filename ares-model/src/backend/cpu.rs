@@ -22,8 +22,8 @@ use super::sampling::{greedy_row, sample_row};
 
 use super::{
     AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
-    DeviceBuffer, KvCacheView, KvCacheViewMut, LinearDims, Result, Tensor, TensorMut, View,
-    ViewMut,
+    DeviceBuffer, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims, Result,
+    Tensor, TensorMut, View, ViewMut, WindowSpec,
 };
 
 /// The CPU backend: f32 and u32 vectors, `ares-cpu` kernels.
@@ -299,6 +299,12 @@ impl Backend for CpuBackend {
         for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
             *o = x + y;
         }
+        Ok(())
+    }
+
+    fn copy(&self, src: Tensor<'_, Self>, dst: TensorMut<'_, Self>) -> Result<()> {
+        BackendError::check_len("copy destination", src.len(), dst.len())?;
+        slice_mut(dst)?.copy_from_slice(slice(src)?);
         Ok(())
     }
 
@@ -586,6 +592,82 @@ impl Backend for CpuBackend {
         };
         attention_decode(&attention_shape(dims), slice(q)?, cache, slice_mut(out)?)
             .map_err(op("attention_decode"))
+    }
+
+    fn entropy_windows(
+        &self,
+        entropy: Tensor<'_, Self>,
+        mask: Tensor<'_, Self>,
+        spec: WindowSpec,
+        hwe: Option<HweViews<'_, Vec<f32>>>,
+        means: TensorMut<'_, Self>,
+        valid: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let hwe = match hwe {
+            Some(h) => Some(ares_cpu::HweOutputs {
+                tau: h.tau,
+                trigger: h.trigger.map(slice).transpose()?,
+                hwe_mask: slice_mut(h.hwe_mask)?,
+                counts: slice_mut(h.counts)?,
+                soft_cost: slice_mut(h.soft_cost)?,
+            }),
+            None => None,
+        };
+        ares_cpu::entropy_windows(
+            slice(entropy)?,
+            slice(mask)?,
+            spec,
+            hwe,
+            slice_mut(means)?,
+            slice_mut(valid)?,
+        )
+        .map_err(op("entropy_windows"))
+    }
+
+    fn row_percentile(
+        &self,
+        means: Tensor<'_, Self>,
+        valid: Tensor<'_, Self>,
+        cols: usize,
+        q: f32,
+        threshold: TensorMut<'_, Self>,
+        has: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        ares_cpu::row_percentile(
+            slice(means)?,
+            slice(valid)?,
+            cols,
+            q,
+            slice_mut(threshold)?,
+            slice_mut(has)?,
+        )
+        .map_err(op("row_percentile"))
+    }
+
+    fn masked_dynamic_kl(
+        &self,
+        inputs: KlViews<'_, Vec<f32>>,
+        outputs: KlSumViews<'_, Vec<f32>>,
+    ) -> Result<()> {
+        let inputs = ares_cpu::MaskedKlInputs {
+            logp: slice(inputs.logp)?,
+            ref_logp: slice(inputs.ref_logp)?,
+            mask: slice(inputs.mask)?,
+            hwe_mask: inputs.hwe_mask.map(slice).transpose()?,
+            beta_rows: slice(inputs.beta_rows)?,
+            low_ratio: inputs.low_ratio,
+            estimator: inputs.estimator,
+            cols: inputs.cols,
+        };
+        let outputs = ares_cpu::MaskedKlOutputs {
+            kl: None,
+            weighted: outputs.weighted.map(slice_mut).transpose()?,
+            row_weighted_sum: slice_mut(outputs.row_weighted_sum)?,
+            row_mean_kl: slice_mut(outputs.row_mean_kl)?,
+        };
+        ares_cpu::masked_dynamic_kl(inputs, outputs)
+            .map(|_| ())
+            .map_err(op("masked_dynamic_kl"))
     }
 }
 

@@ -34,6 +34,9 @@
 //! - **Training.** [`Backend::log_prob_backward`] starts the backward pass from ∂L/∂logπ
 //!   per token; [`Backend::sum_of_squares`] and [`Backend::adamw_step`] are the optimizer's
 //!   ops, so parameters, gradients and moments never leave the device.
+//! - **ARES token ops.** [`Backend::entropy_windows`], [`Backend::row_percentile`] and
+//!   [`Backend::masked_dynamic_kl`] find a step's high-window-entropy tokens and its
+//!   dynamic KL on the device, so only per-row sums cross to the host.
 //! - **Generation.** [`Backend::kv_cache_append`] and [`Backend::attention_decode`] keep
 //!   a KV cache in device buffers ([`KvCacheView`] for the layout) and attend new tokens
 //!   over it, so a decode step has no host round trip either.
@@ -42,6 +45,7 @@ mod decode;
 mod error;
 mod optim;
 mod shapes;
+mod token;
 mod view;
 
 pub mod cpu;
@@ -53,6 +57,7 @@ pub use decode::{KvCacheView, KvCacheViewMut};
 pub use error::BackendError;
 pub use optim::{AdamWConfig, AdamWUpdate};
 pub use shapes::{AttentionDims, AttentionGrads, AttentionInputs, LinearDims, MatmulPrecision};
+pub use token::{HweViews, KlSumViews, KlViews, WindowSpec};
 pub use view::{DeviceBuffer, View, ViewMut};
 
 /// Results of backend calls.
@@ -241,6 +246,12 @@ pub trait Backend {
     /// # Errors
     /// None on the CPU; a device failure where the backend reports one.
     fn fill(&self, dst: TensorMut<'_, Self>, value: f32) -> Result<()>;
+    /// `dst = src` (views of equal length, possibly of one buffer but never overlapping,
+    /// which the borrow rules already forbid). On a GPU a device-to-device copy.
+    ///
+    /// # Errors
+    /// Lengths that differ.
+    fn copy(&self, src: Tensor<'_, Self>, dst: TensorMut<'_, Self>) -> Result<()>;
 
     /// Backward of [`Backend::embedding`]: `dtable[ids[t], :] += dout[t, :]`, with `dout`
     /// `[ids.len(), dim]` and `dtable` `[rows, dim]`. **Accumulates** (tied embeddings add
@@ -477,5 +488,57 @@ pub trait Backend {
         q: Tensor<'_, Self>,
         cache: KvCacheView<'_, Self::Buffer>,
         out: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    // ----- ARES token ops (docs/algorithms.md §1, §4). -----
+
+    /// Window means `W_t` and their 0/1 validity for every position of `[rows, cols]`
+    /// token entropies `entropy` under the 0/1 `mask` (`spec` says the window), and with
+    /// `hwe` the HWE mask, per-row HWE counts and soft costs against its τ (the semantics
+    /// of `ares_core::entropy::window_means` and `hwe`). Overwrites every output.
+    ///
+    /// # Errors
+    /// Lengths that do not match `spec.cols` and each other, `window_size` 0, a τ not
+    /// finite, and (where checked) non-finite entropies under the mask or a mask value
+    /// not 0/1.
+    fn entropy_windows(
+        &self,
+        entropy: Tensor<'_, Self>,
+        mask: Tensor<'_, Self>,
+        spec: WindowSpec,
+        hwe: Option<HweViews<'_, Self::Buffer>>,
+        means: TensorMut<'_, Self>,
+        valid: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// Per row of `[rows, cols]` window means, the `q`-th percentile (numpy's linear
+    /// interpolation) of those whose `valid` is 1, written to `threshold[row]` with
+    /// `has[row] = 1`; a row without a complete window gets 0 and 0.
+    ///
+    /// # Errors
+    /// Lengths that do not match, `cols` 0, `q` outside [0, 100], and on a GPU a row too
+    /// long for one block's shared memory.
+    fn row_percentile(
+        &self,
+        means: Tensor<'_, Self>,
+        valid: Tensor<'_, Self>,
+        cols: usize,
+        q: f32,
+        threshold: TensorMut<'_, Self>,
+        has: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// Masked dynamic KL: per token `k_t` by the estimator, weight
+    /// `β_t = β_row·(hwe_t ? low_ratio : 1)·mask_t`, per row `Σ_t β_t·k_t` and the mean
+    /// `k_t` over valid tokens (the semantics of `ares_core::kl::token_kl`). Overwrites
+    /// every output.
+    ///
+    /// # Errors
+    /// Lengths that do not match, `cols` 0, `low_ratio` outside [0, 1], and (where
+    /// checked) non-finite log-probs under the mask or a non-finite β.
+    fn masked_dynamic_kl(
+        &self,
+        inputs: KlViews<'_, Self::Buffer>,
+        outputs: KlSumViews<'_, Self::Buffer>,
     ) -> Result<()>;
 }

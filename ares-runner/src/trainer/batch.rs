@@ -2,13 +2,13 @@
 //! responses, grades, padded token tensors — and the scoring of its responses under a
 //! model (old policy, reference) in micro-batches.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, View, ViewMut};
 use crate::model::Model;
 
 use super::TrainError;
 use super::rewards::Grade;
 use super::rollout::{PromptItem, Response};
-use super::sequences::{Packed, response_log_probs};
+use super::sequences::Packed;
 use super::tokens::TokenBatch;
 
 /// The samples of a step: `items.len()` groups of `n` consecutive rows.
@@ -108,7 +108,9 @@ impl Batch {
     }
 
     /// Log-probs `[rows, T]` of every response under `model` at `temperature`, `micro`
-    /// rows per forward pass (0 on padding).
+    /// rows per forward pass, left on the device (padding positions hold whatever the model
+    /// computed there: mask them). Each row's response columns are copied device to
+    /// device, so nothing crosses to the host here.
     ///
     /// # Errors
     /// The model's.
@@ -117,10 +119,12 @@ impl Batch {
         model: &Model<B>,
         micro: usize,
         temperature: f32,
-    ) -> Result<Vec<f32>, TrainError> {
-        let t = self.tokens.cols();
+    ) -> Result<B::Buffer, TrainError> {
+        let (t, p) = (self.tokens.cols(), self.prompt_cols);
+        let be = model.backend();
+        let err = |e| TrainError::from(crate::model::ModelError::from(e));
+        let mut out = be.alloc(self.rows() * t).map_err(err)?;
         let rows: Vec<usize> = (0..self.rows()).collect();
-        let mut out = Vec::with_capacity(self.rows() * t);
         let mut arena: Option<(usize, crate::model::Activations<B>)> = None;
         for chunk in rows.chunks(micro.max(1)) {
             let packed = self.pack(chunk)?;
@@ -131,12 +135,15 @@ impl Batch {
                     &mut arena.insert((chunk.len(), a)).1
                 }
             };
-            let (logp, _) = response_log_probs(model, acts, &packed, temperature)?;
-            out.extend_from_slice(&logp);
-        }
-        for (v, &m) in out.iter_mut().zip(&self.tokens.mask) {
-            if m == 0.0 {
-                *v = 0.0;
+            model.forward(&packed.inputs(), acts)?;
+            model.log_prob_entropy(acts, &packed.targets, temperature)?;
+            let logp = acts.log_probs();
+            for (i, &row) in chunk.iter().enumerate() {
+                // response token j of a row sits at column P + j, predicted at P − 1 + j
+                let src = View::new(logp.buffer(), logp.offset() + i * packed.seq() + p - 1, t)
+                    .map_err(err)?;
+                let dst = ViewMut::new(&mut out, row * t, t).map_err(err)?;
+                be.copy(src, dst).map_err(err)?;
             }
         }
         Ok(out)

@@ -22,6 +22,7 @@ pub mod batch;
 pub mod bootstrap;
 pub mod checkpoints;
 pub mod controllers;
+pub mod device;
 pub mod eval;
 pub mod grading;
 pub mod hwe;

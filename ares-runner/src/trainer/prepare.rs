@@ -7,16 +7,16 @@ use std::collections::BTreeMap;
 use ares_core::Groups;
 use ares_core::difficulty::{Difficulty, PerBucket, bucket_means, classify_groups};
 use ares_core::filter::{FilterParams, filter_groups};
-use ares_core::kl::{KlCoefficient, TokenKlConfig, TokenKlOutputs, token_kl};
 
 use super::TrainError;
 use super::advantages::{self, Advantages};
 use super::batch::Batch;
 use super::controllers::AresState;
-use super::hwe::{HwePass, hwe_pass, update_tau};
+use super::device::{Downloads, alloc, download, upload};
+use super::hwe::{hwe_pass, update_tau};
 use super::rewards::{BucketValues, Grade, RewardParts, rewards};
 use super::settings::{FilterKey, KlControl, StepSettings};
-use crate::backend::Backend;
+use crate::backend::{Backend, KlSumViews, KlViews, View, ViewMut};
 use crate::model::Model;
 
 /// Step metrics, by name (one JSON line per step).
@@ -78,10 +78,13 @@ pub fn group_buckets(
 }
 
 /// Everything the update reads, with the metrics gathered so far.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Prepared {
-    /// HWE tokens under the τ in force.
-    pub hwe: HwePass,
+    /// HWE tokens per row under the τ in force.
+    pub hwe_counts: Vec<usize>,
+    /// The HWE mask `[rows, T]` on the host, only when the KL loss weights HWE tokens
+    /// (`use_kl_loss` with dynamic KL); otherwise it stays on the device.
+    pub hwe_mask: Option<Vec<f32>>,
     /// Bucket per group.
     pub buckets: Vec<Difficulty>,
     /// Reward parts per row.
@@ -90,7 +93,7 @@ pub struct Prepared {
     pub old_logp: Vec<f32>,
     /// logπ of the sampler `[rows, T]`.
     pub rollout_logp: Vec<f32>,
-    /// logπ_ref `[rows, T]` (when KL is on).
+    /// logπ_ref `[rows, T]`, on the host only when the KL is a loss term.
     pub ref_logp: Option<Vec<f32>>,
     /// β per row (before HWE weighting).
     pub beta: Vec<f32>,
@@ -98,6 +101,16 @@ pub struct Prepared {
     pub advantages: Advantages,
     /// Metrics of the step so far.
     pub metrics: Metrics,
+}
+
+/// `values` with 0 where `mask` is 0 (padding positions hold whatever the model computed).
+fn masked(mut values: Vec<f32>, mask: &[f32]) -> Vec<f32> {
+    for (v, &m) in values.iter_mut().zip(mask) {
+        if m == 0.0 {
+            *v = 0.0;
+        }
+    }
+    values
 }
 
 /// Mean of `values` where `mask` is 1.
@@ -135,16 +148,26 @@ pub fn prepare<B: Backend>(
     let mask = &batch.tokens.mask;
     let mut metrics = Metrics::new();
 
-    // 1. HWE tokens under the τ in force, then τ moves (docs/algorithms.md §1)
+    // The step's token tensors go to the device once; the HWE tokens and the KL are
+    // computed there and only per-row numbers come back (docs/algorithms.md §1, §4).
+    let be = actor.backend();
+    let mut downloads = Downloads::default();
+    let d_mask = upload(be, mask)?;
     let entropies = batch.padded(|r| &r.entropies);
+    let d_entropies = upload(be, &entropies)?;
+    let d_trigger = trigger_mask.map(|t| upload(be, t)).transpose()?;
+
+    // 1. HWE tokens under the τ in force, then τ moves (docs/algorithms.md §1)
     let tau_before = state.tau.tau();
     let hwe = hwe_pass(
+        be,
         shape,
-        &entropies,
-        mask,
-        trigger_mask,
+        View::whole(&d_entropies),
+        View::whole(&d_mask),
+        d_trigger.as_ref().map(View::whole),
         &settings.hwe,
         tau_before,
+        &mut downloads,
     )?;
     let tau_after = update_tau(&mut state.tau, &hwe)?;
 
@@ -182,11 +205,13 @@ pub fn prepare<B: Backend>(
         &values,
     )?;
 
-    // 4. log-probs: old policy (training time), sampler, reference
+    // 4. log-probs: old policy (training time), sampler, reference — scored on the device;
+    // the PPO loss reads logπ_old on the host
     let temperature = settings.sampling.temperature();
-    let old_logp = batch.score(actor, settings.micro_batch, temperature)?;
+    let d_old = batch.score(actor, settings.micro_batch, temperature)?;
+    let old_logp = masked(download(be, &d_old, &mut downloads)?, mask);
     let rollout_logp = batch.padded(|r| &r.log_probs);
-    let ref_logp = match (settings.kl.enabled, reference) {
+    let d_ref = match (settings.kl.enabled, reference) {
         (true, Some(m)) => Some(batch.score(m, settings.micro_batch, temperature)?),
         _ => None,
     };
@@ -195,36 +220,64 @@ pub fn prepare<B: Backend>(
     let beta: Vec<f32> = (0..rows)
         .map(|r| state.beta(settings.kl.control, buckets[r / n]) as f32)
         .collect();
-    let mut weighted = vec![0.0f32; rows * shape.cols];
+    let fold_kl = !settings.kl.use_kl_loss && d_ref.is_some();
+    let mut weighted = Vec::new();
     let mut row_mean_kl = vec![0.0f32; rows];
     let mut kl_token_mean = 0.0;
-    if let Some(ref_logp) = &ref_logp {
-        let mut cfg = TokenKlConfig::new(settings.kl.estimator, KlCoefficient::PerRow(&beta));
-        if settings.kl.dynamic {
-            cfg = cfg.with_hwe(&hwe.mask, settings.kl.low_ratio as f32);
-        }
-        let summary = token_kl(
-            shape,
-            &old_logp,
-            ref_logp,
-            mask,
-            &cfg,
-            TokenKlOutputs {
-                weighted: Some(&mut weighted),
-                row_mean_kl: Some(&mut row_mean_kl),
-                ..TokenKlOutputs::default()
+    let mut ref_logp = None;
+    let mut hwe_mask = None;
+    if let Some(d_ref) = &d_ref {
+        let d_beta = upload(be, &beta)?;
+        let mut d_weighted = fold_kl.then(|| alloc(be, rows * shape.cols)).transpose()?;
+        let (mut d_row_sum, mut d_row_mean) = (alloc(be, rows)?, alloc(be, rows)?);
+        be.masked_dynamic_kl(
+            KlViews {
+                logp: View::whole(&d_old),
+                ref_logp: View::whole(d_ref),
+                mask: View::whole(&d_mask),
+                hwe_mask: settings.kl.dynamic.then(|| View::whole(&hwe.mask)),
+                beta_rows: View::whole(&d_beta),
+                low_ratio: settings.kl.low_ratio as f32,
+                estimator: settings.kl.estimator,
+                cols: shape.cols,
             },
-        )?;
-        kl_token_mean = f64::from(summary.token_mean_kl);
+            KlSumViews {
+                weighted: d_weighted.as_mut().map(ViewMut::whole),
+                row_weighted_sum: ViewMut::whole(&mut d_row_sum),
+                row_mean_kl: ViewMut::whole(&mut d_row_mean),
+            },
+        )
+        .map_err(crate::model::ModelError::from)?;
+        row_mean_kl = download(be, &d_row_mean, &mut downloads)?;
+        // the batch's token mean from the row means: Σ_r mean_r·len_r / Σ_r len_r
+        let valid: usize = batch.lengths().iter().sum();
+        if valid > 0 {
+            kl_token_mean = row_mean_kl
+                .iter()
+                .zip(batch.lengths())
+                .map(|(&k, l)| f64::from(k) * l as f64)
+                .sum::<f64>()
+                / valid as f64;
+        }
+        if let Some(w) = &d_weighted {
+            // the token-level estimators take the KL per token when it is in the reward
+            weighted = download(be, w, &mut downloads)?;
+        }
+        if settings.kl.use_kl_loss {
+            ref_logp = Some(masked(download(be, d_ref, &mut downloads)?, mask));
+            if settings.kl.dynamic {
+                hwe_mask = Some(download(be, &hwe.mask, &mut downloads)?);
+            }
+        }
     }
 
     // 6. advantages (docs/algorithms.md §5), KL folded into the rewards when it is not a loss term
     let overall: Vec<f32> = parts.iter().map(|p| p.overall as f32).collect();
-    let fold = (!settings.kl.use_kl_loss && ref_logp.is_some()).then_some(weighted.as_slice());
+    let fold = fold_kl.then_some(weighted.as_slice());
     let adv = advantages::compute(settings.estimator, n, &overall, &batch.tokens, fold)?;
 
     // 7. dual ascent on the per-bucket KL, adaptive β (after the step's β was used)
-    if ref_logp.is_some() {
+    if d_ref.is_some() {
         let seq_kl: Vec<f64> = row_mean_kl.iter().map(|&k| f64::from(k)).collect();
         let group_kl: Vec<f64> = seq_kl
             .chunks_exact(n)
@@ -313,8 +366,10 @@ pub fn prepare<B: Backend>(
         metrics.insert("kl/beta".into(), adaptive.value());
     }
 
+    metrics.insert("perf/d2h_bytes".into(), downloads.bytes as f64);
     Ok(Prepared {
-        hwe,
+        hwe_counts: hwe.counts,
+        hwe_mask,
         buckets,
         rewards: parts,
         old_logp,

@@ -17,7 +17,7 @@ use super::bootstrap::{BootstrapResult, apply_bootstrap, read_bootstrap};
 use super::checkpoints::{CheckpointDir, write_atomic};
 use super::controllers::{AresSnapshot, AresState};
 use super::grading::Grader;
-use super::hwe::hwe_pass;
+use super::hwe::hwe_pass_host;
 use super::prepare::{Metrics, group_buckets, keep_groups, prepare};
 use super::prompts::{PromptRenderer, graded_system_message};
 use super::resolve::step_settings;
@@ -555,7 +555,12 @@ impl<B: Backend + Clone> Trainer<B> {
         }
         // reward keys: provisional rewards under the controllers in force
         let lengths: Vec<usize> = responses.iter().map(|r| r.tokens.len()).collect();
-        let pass = responses_hwe(responses, &self.settings, self.ares.tau.tau())?;
+        let pass = responses_hwe(
+            self.actor.backend(),
+            responses,
+            &self.settings,
+            self.ares.tau.tau(),
+        )?;
         let buckets = group_buckets(&self.settings, n, grades)?;
         let st = self.ares.buckets.state();
         let values = BucketValues {
@@ -818,7 +823,7 @@ impl<B: Backend + Clone> Trainer<B> {
             items_all.extend(items);
         }
         bar.finish();
-        let pass = responses_hwe(&all_responses, &self.settings, None)?;
+        let pass = responses_hwe(self.actor.backend(), &all_responses, &self.settings, None)?;
         let buckets = group_buckets(&self.settings, n, &all_grades)?;
         // h̄_d over every sample of the bucket's prompts (docs/algorithms.md §2)
         let row_buckets: Vec<Difficulty> = (0..pass.counts.len()).map(|r| buckets[r / n]).collect();
@@ -855,21 +860,22 @@ impl<B: Backend + Clone> Trainer<B> {
 }
 
 /// HWE tokens of unpadded responses (padded here) under `tau` (`None`: the batch's own
-/// threshold).
-pub(super) fn responses_hwe(
+/// threshold), on `backend`'s device.
+pub(super) fn responses_hwe<B: Backend>(
+    backend: &B,
     responses: &[Response],
     settings: &StepSettings,
     tau: Option<f64>,
-) -> Result<super::hwe::HwePass, TrainError> {
+) -> Result<super::hwe::HwePass<B>, TrainError> {
     let lengths: Vec<usize> = responses.iter().map(|r| r.tokens.len()).collect();
     let tokens = TokenBatch::from_lengths(&lengths);
     let ent: Vec<Vec<f32>> = responses.iter().map(|r| r.entropies.clone()).collect();
     let entropies = tokens.pad(&ent, 0.0);
-    hwe_pass(
+    hwe_pass_host(
+        backend,
         tokens.shape,
         &entropies,
         &tokens.mask,
-        None,
         &settings.hwe,
         tau,
     )

@@ -120,13 +120,13 @@ pub fn ppo_update<B: Backend>(
                         advantages: &adv,
                     };
                     let ref_rows = prep.ref_logp.as_ref().map(|r| g(r));
-                    let hwe_rows = g(&prep.hwe.mask);
+                    let hwe_rows = prep.hwe_mask.as_ref().map(|h| g(h));
                     let beta_rows: Vec<f32> = micro.iter().map(|&r| prep.beta[r]).collect();
                     let kl = match (&ref_rows, settings.kl.use_kl_loss) {
                         (Some(logp_ref), true) => Some(KlLoss {
                             estimator: settings.kl.estimator,
                             beta: &beta_rows,
-                            hwe_mask: settings.kl.dynamic.then_some(hwe_rows.as_slice()),
+                            hwe_mask: hwe_rows.as_deref(),
                             low_ratio: settings.kl.low_ratio as f32,
                             logp_ref,
                         }),

@@ -29,8 +29,9 @@ pub use buffer::{CudaBuffer, CudaIds};
 use buffer::{ids, ids_mut, view, view_mut, view_mut_opt, view_opt};
 
 use super::{
-    AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
-    KvCacheView, KvCacheViewMut, LinearDims, MatmulPrecision, Result, Tensor, TensorMut,
+    AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError, HweViews,
+    KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims, MatmulPrecision, Result, Tensor,
+    TensorMut, WindowSpec,
 };
 use ares_cuda::model_ops::{AttentionGradsMut, AttentionSaved, KvCache, KvCacheMut};
 use ares_cuda::{AdamWStep, AttentionShape, DeviceInfo, GemmDims, GemmPrecision, ModelOps};
@@ -311,6 +312,13 @@ impl Backend for CudaBackend {
         self.ops
             .add(&view(a)?, &view(b)?, &mut view_mut(out)?)
             .map_err(op("add"))
+    }
+
+    fn copy(&self, src: Tensor<'_, Self>, dst: TensorMut<'_, Self>) -> Result<()> {
+        BackendError::check_len("copy destination", src.len(), dst.len())?;
+        self.ops
+            .copy(&view(src)?, &mut view_mut(dst)?)
+            .map_err(op("copy"))
     }
 
     fn fill(&self, dst: TensorMut<'_, Self>, value: f32) -> Result<()> {
@@ -636,6 +644,91 @@ impl Backend for CudaBackend {
                 &mut view_mut(out)?,
             )
             .map_err(op("attention_decode"))
+    }
+
+    fn entropy_windows(
+        &self,
+        entropy: Tensor<'_, Self>,
+        mask: Tensor<'_, Self>,
+        spec: WindowSpec,
+        hwe: Option<HweViews<'_, CudaBuffer>>,
+        means: TensorMut<'_, Self>,
+        valid: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let hwe = match hwe {
+            Some(h) => Some(ares_cuda::HweOutputs {
+                tau: h.tau,
+                trigger: view_opt(h.trigger)?,
+                hwe_mask: view_mut(h.hwe_mask)?,
+                counts: view_mut(h.counts)?,
+                soft_cost: view_mut(h.soft_cost)?,
+            }),
+            None => None,
+        };
+        let spec = ares_cuda::WindowSpec {
+            cols: spec.cols,
+            window_size: spec.window_size,
+            includes_self: spec.includes_self,
+        };
+        let (entropy, mask) = (view(entropy)?, view(mask)?);
+        let (mut means, mut valid) = (view_mut(means)?, view_mut(valid)?);
+        self.ops
+            .with_token_ops(|mut t, _| {
+                t.entropy_windows(&entropy, &mask, spec, hwe, &mut means, &mut valid)
+            })
+            .map_err(op("entropy_windows"))
+    }
+
+    fn row_percentile(
+        &self,
+        means: Tensor<'_, Self>,
+        valid: Tensor<'_, Self>,
+        cols: usize,
+        q: f32,
+        threshold: TensorMut<'_, Self>,
+        has: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let (means, valid) = (view(means)?, view(valid)?);
+        let (mut threshold, mut has) = (view_mut(threshold)?, view_mut(has)?);
+        self.ops
+            .with_token_ops(|mut t, _| {
+                t.row_percentile(&means, &valid, cols, q, &mut threshold, &mut has)
+            })
+            .map_err(op("row_percentile"))
+    }
+
+    fn masked_dynamic_kl(
+        &self,
+        inputs: KlViews<'_, CudaBuffer>,
+        outputs: KlSumViews<'_, CudaBuffer>,
+    ) -> Result<()> {
+        let inputs = ares_cuda::MaskedKlInputs {
+            logp: view(inputs.logp)?,
+            ref_logp: view(inputs.ref_logp)?,
+            mask: view(inputs.mask)?,
+            hwe_mask: view_opt(inputs.hwe_mask)?,
+            beta_rows: view(inputs.beta_rows)?,
+            low_ratio: inputs.low_ratio,
+            estimator: inputs.estimator,
+            cols: inputs.cols,
+        };
+        let (weighted, row_weighted_sum, row_mean_kl) = (
+            view_mut_opt(outputs.weighted)?,
+            view_mut(outputs.row_weighted_sum)?,
+            view_mut(outputs.row_mean_kl)?,
+        );
+        self.ops
+            .with_token_ops(|mut t, total| {
+                let outputs = ares_cuda::MaskedKlOutputs {
+                    kl: None,
+                    weighted,
+                    row_weighted_sum,
+                    row_mean_kl,
+                    total,
+                };
+                t.masked_dynamic_kl(inputs, outputs)
+            })
+            .map_err(op("masked_dynamic_kl"))
     }
 }
 

@@ -23,14 +23,14 @@
 
 use std::path::{Path, PathBuf};
 
-use ares_runner::backend::cpu::CpuBackend;
-use ares_runner::backend::cuda::{CudaBackend, CudaBuffer, CudaIds};
-use ares_runner::backend::{
+use ares_model::backend::cpu::CpuBackend;
+use ares_model::backend::cuda::{CudaBackend, CudaBuffer, CudaIds};
+use ares_model::backend::{
     AdamWConfig, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend,
     DeviceBuffer, KvCacheView, KvCacheViewMut, LinearDims, MatmulPrecision, View, ViewMut,
 };
-use ares_runner::hf::checkpoint::Checkpoint;
-use ares_runner::model::{AdamW, GenerateRequest, Grads, Inputs, Model, Sampling, StepReport};
+use ares_model::hf::checkpoint::Checkpoint;
+use ares_model::model::{AdamW, GenerateRequest, Grads, Inputs, Model, Sampling, StepReport};
 use safetensors::{Dtype, SafeTensors};
 
 // ----- Set-up and comparison helpers. -----
@@ -1092,9 +1092,7 @@ const MODELS: [&str; 3] = ["qwen2_tiny", "qwen3_tiny", "llama_tiny"];
 fn fixture(name: &str) -> PathBuf {
     std::env::var_os("ARES_FIXTURE_MODELS")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../ares-model/tests/fixtures/models")
-        })
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models"))
         .join(name)
 }
 
@@ -1308,7 +1306,7 @@ fn train_step<B: Backend>(
     // so a gradient element within rounding of 0 (GPU and CPU sum in different orders)
     // could move its weight by 2·lr on one device and not the other. With ε above the
     // rounding, the update is smooth in g and the comparison means something.
-    let config = ares_runner::model::AdamWConfig {
+    let config = ares_model::model::AdamWConfig {
         eps: 1e-3,
         ..Default::default()
     };
@@ -1402,81 +1400,233 @@ fn greedy_generation_equals_cpu_and_transformers() {
     }
 }
 
-/// The trainer's whole loop on the GPU: 2 ARES steps (bootstrap, filtering off) of the
-/// demo's task on a tiny random model give the same metrics as on the CPU. Sampling happens
-/// on the host from downloaded logits with the same seeds, so the rollouts are identical
-/// unless a logit difference of ~1e-6 moves a draw across a token boundary (not seen in
-/// practice); losses, KL and gradient norms then agree to f32 reduction-order noise.
-#[test]
-fn trainer_steps_on_the_gpu_match_the_cpu() {
-    use ares_runner::config::Config;
-    use ares_runner::demo::model::TinyModelSpec;
-    use ares_runner::demo::{DemoOptions, write_demo_assets_with};
-    use ares_runner::metrics::read_metrics;
-    use ares_runner::trainer::Trainer;
-    use std::sync::Arc;
-    use std::sync::atomic::AtomicBool;
+// ----- ARES token ops and copy. -----
 
+/// A `[rows, cols]` 0/1 response mask with rows of random lengths (some empty, some full).
+fn response_mask(rng: &mut Rng, rows: usize, cols: usize) -> Vec<f32> {
+    let mut m = vec![0.0f32; rows * cols];
+    for r in 0..rows {
+        let len = (rng.next() % (cols as u64 + 1)) as usize;
+        m[r * cols..r * cols + len].fill(1.0);
+    }
+    m
+}
+
+/// `host` in a buffer with `pad` junk elements before it: the op must honour view offsets.
+fn up_at<B: Backend>(be: &B, host: &[f32], pad: usize) -> B::Buffer {
+    let mut b = be.alloc(pad + host.len()).unwrap();
+    be.fill(ViewMut::whole(&mut b), f32::NAN).unwrap();
+    be.upload(host, ViewMut::new(&mut b, pad, host.len()).unwrap())
+        .unwrap();
+    b
+}
+
+fn tail<T: DeviceBuffer>(b: &T, pad: usize) -> View<'_, T> {
+    View::new(b, pad, b.len() - pad).unwrap()
+}
+
+fn tail_mut<T: DeviceBuffer>(b: &mut T, pad: usize) -> ViewMut<'_, T> {
+    let len = b.len() - pad;
+    ViewMut::new(b, pad, len).unwrap()
+}
+
+fn down_tail<B: Backend>(be: &B, b: &B::Buffer, pad: usize) -> Vec<f32> {
+    let mut v = vec![0.0; b.len() - pad];
+    be.download(tail(b, pad), &mut v).unwrap();
+    v
+}
+
+/// HWE windows, counts and soft costs, and the row percentiles, on views at odd offsets:
+/// windows and counts exactly, means and costs to f32 summation order.
+#[test]
+fn entropy_windows_and_row_percentile_match_cpu() {
+    use ares_model::backend::{HweViews, WindowSpec};
     let Some(gpu) = gpu_or_skip() else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let a = write_demo_assets_with(
-        &dir.path().join("assets"),
-        &DemoOptions {
-            seed: 5,
-            train_per_level: 4,
-            eval_per_level: 2,
-            sft_examples: 8,
-            model: TinyModelSpec {
-                hidden: 64,
-                layers: 2,
-                heads: 4,
-                kv_heads: 2,
-                intermediate: 128,
-                ..TinyModelSpec::default()
-            },
-            ..DemoOptions::default()
-        },
-    )
-    .unwrap();
-    let run = |name: &str, device: &str| -> Vec<serde_json::Map<String, serde_json::Value>> {
-        let yaml = format!(
-            "data: {{train_files: {}, max_response_length: 16, rollout_batch_size: 2, bootstrap: true}}\n\
-             algorithm: {{online_filtering: false}}\n\
-             worker: {{actor: {{model_path: {}, global_batch_size: 8, micro_batch_size_per_device: 4}}, rollout: {{n: 4}}}}\n\
-             trainer: {{output_dir: {}, max_steps: 2, device: {device}}}\n",
-            a.train.display(),
-            a.model_dir.display(),
-            dir.path().join(name).display()
-        );
-        let cfg = Config::from_yaml_str(&yaml, name).unwrap();
-        let flag = Arc::new(AtomicBool::new(false));
-        let summary = if device == "cuda" {
-            Trainer::new(cfg, gpu.clone(), flag).unwrap().run().unwrap()
-        } else {
-            Trainer::new(cfg, CpuBackend, flag).unwrap().run().unwrap()
+    let mut rng = Rng(21);
+    for (rows, cols, window, includes_self, pad) in [
+        (1, 8, 4, false, 0),
+        (7, 33, 4, true, 3),
+        (64, 257, 6, false, 5),
+        (3, 1, 1, true, 1),
+    ] {
+        let n = rows * cols;
+        let h: Vec<f32> = rng.vec(n, 1.5).iter().map(|x| x + 1.5).collect();
+        let mask = response_mask(&mut rng, rows, cols);
+        let trigger: Vec<f32> = (0..n)
+            .map(|_| f32::from(rng.next().is_multiple_of(3)))
+            .collect();
+        let spec = WindowSpec {
+            cols,
+            window_size: window,
+            includes_self,
         };
-        read_metrics(&summary.metrics).unwrap()
-    };
-    let cpu = run("cpu", "cpu");
-    let gpu_lines = run("gpu", "cuda");
-    for (c, g) in cpu.iter().zip(&gpu_lines) {
-        // token-level results: exact (same sampled tokens)
-        for key in ["accuracy/mean", "response_length/mean"] {
-            assert_eq!(c[key], g[key], "{key}");
+        let mut outs: Vec<Vec<Vec<f32>>> = Vec::new();
+        macro_rules! pass {
+            ($be:expr) => {{
+                let be = $be;
+                let (dh, dm, dt) = (
+                    up_at(be, &h, pad),
+                    up_at(be, &mask, pad),
+                    up_at(be, &trigger, pad),
+                );
+                let (mut means, mut valid, mut hwe) = (
+                    up_at(be, &vec![0.0; n], pad),
+                    up_at(be, &vec![0.0; n], pad),
+                    up_at(be, &vec![0.0; n], pad),
+                );
+                let (mut counts, mut cost) = (
+                    up_at(be, &vec![0.0; rows], pad),
+                    up_at(be, &vec![0.0; rows], pad),
+                );
+                be.entropy_windows(
+                    tail(&dh, pad),
+                    tail(&dm, pad),
+                    spec,
+                    Some(HweViews {
+                        tau: 1.4,
+                        trigger: Some(tail(&dt, pad)),
+                        hwe_mask: tail_mut(&mut hwe, pad),
+                        counts: tail_mut(&mut counts, pad),
+                        soft_cost: tail_mut(&mut cost, pad),
+                    }),
+                    tail_mut(&mut means, pad),
+                    tail_mut(&mut valid, pad),
+                )
+                .unwrap();
+                let (mut thr, mut has) = (
+                    up_at(be, &vec![0.0; rows], pad),
+                    up_at(be, &vec![0.0; rows], pad),
+                );
+                be.row_percentile(
+                    tail(&means, pad),
+                    tail(&valid, pad),
+                    cols,
+                    95.0,
+                    tail_mut(&mut thr, pad),
+                    tail_mut(&mut has, pad),
+                )
+                .unwrap();
+                vec![
+                    down_tail(be, &means, pad),
+                    down_tail(be, &valid, pad),
+                    down_tail(be, &hwe, pad),
+                    down_tail(be, &counts, pad),
+                    down_tail(be, &cost, pad),
+                    down_tail(be, &thr, pad),
+                    down_tail(be, &has, pad),
+                ]
+            }};
         }
-        for key in [
-            "reward/mean",
-            "kl/mean",
-            "actor/pg_loss",
-            "actor/grad_norm",
-            "tau",
-            "advantage/std",
+        outs.push(pass!(&CpuBackend));
+        outs.push(pass!(&gpu));
+        let (c, g) = (&outs[0], &outs[1]);
+        let what = format!("rows {rows} cols {cols} w {window} self {includes_self} pad {pad}");
+        assert_close(&format!("{what}: means"), &g[0], &c[0], 1e-6);
+        for (i, name) in [(1, "valid"), (2, "hwe mask"), (3, "counts"), (6, "has")] {
+            assert_eq!(g[i], c[i], "{what}: {name}");
+        }
+        assert_close(&format!("{what}: soft cost"), &g[4], &c[4], 1e-5);
+        assert_close(&format!("{what}: thresholds"), &g[5], &c[5], 1e-6);
+    }
+}
+
+/// The masked dynamic KL for every estimator, with and without an HWE mask, on views at
+/// odd offsets (the kernel's 16-byte path must not be taken there).
+#[test]
+fn masked_dynamic_kl_matches_cpu() {
+    use ares_core::kl::KlEstimator;
+    use ares_model::backend::{KlSumViews, KlViews};
+    let Some(gpu) = gpu_or_skip() else { return };
+    let mut rng = Rng(22);
+    for (rows, cols, pad) in [(4, 16, 0), (9, 40, 1), (33, 129, 2)] {
+        let n = rows * cols;
+        let logp: Vec<f32> = rng.vec(n, 1.5).iter().map(|x| x - 1.6).collect();
+        let ref_logp: Vec<f32> = rng.vec(n, 1.5).iter().map(|x| x - 1.6).collect();
+        let mask = response_mask(&mut rng, rows, cols);
+        let hwe: Vec<f32> = (0..n)
+            .map(|_| f32::from(rng.next().is_multiple_of(4)))
+            .collect();
+        let beta: Vec<f32> = (0..rows).map(|_| 0.01 + rng.f32(0.005)).collect();
+        for estimator in [
+            KlEstimator::K1,
+            KlEstimator::Abs,
+            KlEstimator::K2,
+            KlEstimator::K3,
+            KlEstimator::K3Plus,
         ] {
-            let (x, y) = (c[key].as_f64().unwrap(), g[key].as_f64().unwrap());
-            assert!(
-                (x - y).abs() <= 1e-3 * x.abs().max(1e-2),
-                "{key}: cpu {x} gpu {y}"
-            );
+            for with_hwe in [false, true] {
+                macro_rules! pass {
+                    ($be:expr) => {{
+                        let be = $be;
+                        let (dl, dr, dm, dh, db) = (
+                            up_at(be, &logp, pad),
+                            up_at(be, &ref_logp, pad),
+                            up_at(be, &mask, pad),
+                            up_at(be, &hwe, pad),
+                            up_at(be, &beta, pad),
+                        );
+                        let mut w = up_at(be, &vec![0.0; n], pad);
+                        let (mut sums, mut means) = (
+                            up_at(be, &vec![0.0; rows], pad),
+                            up_at(be, &vec![0.0; rows], pad),
+                        );
+                        be.masked_dynamic_kl(
+                            KlViews {
+                                logp: tail(&dl, pad),
+                                ref_logp: tail(&dr, pad),
+                                mask: tail(&dm, pad),
+                                hwe_mask: with_hwe.then(|| tail(&dh, pad)),
+                                beta_rows: tail(&db, pad),
+                                low_ratio: 0.5,
+                                estimator,
+                                cols,
+                            },
+                            KlSumViews {
+                                weighted: Some(tail_mut(&mut w, pad)),
+                                row_weighted_sum: tail_mut(&mut sums, pad),
+                                row_mean_kl: tail_mut(&mut means, pad),
+                            },
+                        )
+                        .unwrap();
+                        [
+                            down_tail(be, &w, pad),
+                            down_tail(be, &sums, pad),
+                            down_tail(be, &means, pad),
+                        ]
+                    }};
+                }
+                let (c, g) = (pass!(&CpuBackend), pass!(&gpu));
+                let what = format!(
+                    "rows {rows} cols {cols} pad {pad} {} hwe {with_hwe}",
+                    estimator.name()
+                );
+                assert_close(&format!("{what}: weighted"), &g[0], &c[0], 1e-5);
+                assert!(rel_err(&g[1], &c[1]) <= 1e-5, "{what}: row sums");
+                assert!(rel_err(&g[2], &c[2]) <= 1e-5, "{what}: row means");
+            }
         }
     }
+}
+
+/// `copy` between views at different offsets, bit for bit.
+#[test]
+fn copy_matches_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let mut rng = Rng(23);
+    let src = rng.vec(1000, 3.0);
+    let d_src = up(&gpu, &src);
+    let mut d_dst = up(&gpu, &vec![0.0; 1003]);
+    gpu.copy(
+        View::new(&d_src, 7, 500).unwrap(),
+        ViewMut::new(&mut d_dst, 3, 500).unwrap(),
+    )
+    .unwrap();
+    let got = down(&gpu, &d_dst);
+    assert_eq!(&got[3..503], &src[7..507]);
+    assert!(got[..3].iter().chain(&got[503..]).all(|&x| x == 0.0));
+    let e = gpu.copy(
+        View::new(&d_src, 0, 10).unwrap(),
+        ViewMut::new(&mut d_dst, 0, 11).unwrap(),
+    );
+    assert!(e.is_err(), "lengths that differ are an error");
 }

@@ -1,0 +1,52 @@
+//! The step's tensors on the backend's device: allocation, upload, and the downloads that
+//! bring results back, counted so that a step reports how many bytes crossed device → host
+//! (`perf/d2h_bytes`).
+
+use super::TrainError;
+use crate::backend::{Backend, BackendError, View, ViewMut};
+use crate::model::ModelError;
+
+/// Bytes downloaded from the device so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Downloads {
+    /// Bytes, from the buffers' sizes.
+    pub bytes: usize,
+}
+
+fn err(e: BackendError) -> TrainError {
+    ModelError::from(e).into()
+}
+
+/// A zeroed device buffer of `len` f32.
+///
+/// # Errors
+/// The backend's (out of memory).
+pub fn alloc<B: Backend>(be: &B, len: usize) -> Result<B::Buffer, TrainError> {
+    be.alloc(len).map_err(err)
+}
+
+/// A device copy of `host`.
+///
+/// # Errors
+/// The backend's.
+pub fn upload<B: Backend>(be: &B, host: &[f32]) -> Result<B::Buffer, TrainError> {
+    let mut buf = alloc(be, host.len())?;
+    be.upload(host, ViewMut::whole(&mut buf)).map_err(err)?;
+    Ok(buf)
+}
+
+/// The contents of `buf` on the host (waits for the queued ops), counted in `downloads`.
+///
+/// # Errors
+/// The backend's, including a bad value a queued kernel found.
+pub fn download<B: Backend>(
+    be: &B,
+    buf: &B::Buffer,
+    downloads: &mut Downloads,
+) -> Result<Vec<f32>, TrainError> {
+    let view = View::whole(buf);
+    let mut host = vec![0.0f32; view.len()];
+    be.download(view, &mut host).map_err(err)?;
+    downloads.bytes += 4 * host.len();
+    Ok(host)
+}
