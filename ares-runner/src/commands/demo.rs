@@ -263,7 +263,7 @@ pub fn evaluate_model<B: Backend + Clone>(
     let model = crate::trainer::setup::build_model(backend, &ckpt, &c)?;
     let mut grader = crate::trainer::grading::Grader::new(&c)?;
     let rr = &c.worker.rollout;
-    let sampling = crate::trainer::resolve::validation_sampling(&c);
+    let sampling = crate::trainer::settings::validation_sampling(&c);
     // eval must not fail on a config written for another model: cap the new tokens at
     // what the model's positions allow after the longest prompt
     let mut longest = 0;

@@ -11,6 +11,19 @@ use super::rollout::{PromptItem, Response};
 use super::sequences::Packed;
 use super::tokens::TokenBatch;
 
+/// One prompt and its `n` graded samples, as a round of generation produced them.
+#[derive(Debug, Clone)]
+pub struct Group {
+    /// The prompt.
+    pub item: PromptItem,
+    /// Its samples.
+    pub responses: Vec<Response>,
+    /// Their decoded texts.
+    pub texts: Vec<String>,
+    /// Their grades.
+    pub grades: Vec<Grade>,
+}
+
 /// The samples of a step: `items.len()` groups of `n` consecutive rows.
 #[derive(Debug, Clone)]
 pub struct Batch {
@@ -31,26 +44,32 @@ pub struct Batch {
 }
 
 impl Batch {
-    /// Assembles a batch; `responses`, `texts` and `grades` are item-major.
+    /// Assembles a batch from its groups, each with `n` samples.
     ///
     /// # Errors
-    /// Counts that do not match `items.len() · n`.
-    pub fn new(
-        n: usize,
-        items: Vec<PromptItem>,
-        responses: Vec<Response>,
-        texts: Vec<String>,
-        grades: Vec<Grade>,
-    ) -> Result<Self, TrainError> {
-        let rows = items.len() * n;
-        if responses.len() != rows || texts.len() != rows || grades.len() != rows {
-            return Err(TrainError::Internal(format!(
-                "batch of {} groups × {n}: {} responses, {} texts, {} grades",
-                items.len(),
-                responses.len(),
-                texts.len(),
-                grades.len()
-            )));
+    /// A group without exactly `n` responses, texts and grades.
+    pub fn new(n: usize, groups: Vec<Group>) -> Result<Self, TrainError> {
+        let rows = groups.len() * n;
+        let (mut items, mut responses, mut texts, mut grades) = (
+            Vec::with_capacity(groups.len()),
+            Vec::with_capacity(rows),
+            Vec::with_capacity(rows),
+            Vec::with_capacity(rows),
+        );
+        for g in groups {
+            if g.responses.len() != n || g.texts.len() != n || g.grades.len() != n {
+                return Err(TrainError::Internal(format!(
+                    "group {:?} of a batch with n = {n}: {} responses, {} texts, {} grades",
+                    g.item.global_id,
+                    g.responses.len(),
+                    g.texts.len(),
+                    g.grades.len()
+                )));
+            }
+            items.push(g.item);
+            responses.extend(g.responses);
+            texts.extend(g.texts);
+            grades.extend(g.grades);
         }
         let lengths: Vec<usize> = responses.iter().map(|r| r.tokens.len()).collect();
         let tokens = TokenBatch::from_lengths(&lengths);

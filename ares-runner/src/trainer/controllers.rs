@@ -9,10 +9,11 @@ use ares_core::difficulty::{
     BucketController, BucketState, Difficulty, DifficultyConfig, PerBucket,
 };
 use ares_core::entropy::ThresholdEma;
-use ares_core::kl::AdaptiveKlController;
+use ares_core::kl::{AdaptiveKlController, KlController};
 use serde::{Deserialize, Serialize};
 
 use super::TrainError;
+use super::rewards::BucketValues;
 use super::settings::{KlControl, StepSettings};
 
 /// The controllers' live state.
@@ -22,8 +23,9 @@ pub struct AresState {
     pub tau: ThresholdEma<f64>,
     /// `T_d`, `α_d`, `λ_d`.
     pub buckets: BucketController<f64>,
-    /// β of the adaptive controller (when configured).
-    pub adaptive_kl: Option<AdaptiveKlController<f64>>,
+    /// The KL coefficient's controller (one β under `Global`, the buckets' λ_d under dual
+    /// ascent).
+    pub kl: KlControl,
     /// Last bucket of each prompt, by `global_id`.
     pub difficulty: BTreeMap<String, Difficulty>,
 }
@@ -58,29 +60,54 @@ impl AresState {
     /// # Errors
     /// Invalid controller settings.
     pub fn new(settings: &StepSettings) -> Result<Self, TrainError> {
-        let adaptive_kl = match settings.kl.control {
-            KlControl::Adaptive {
-                init,
-                target,
-                horizon,
-            } => Some(AdaptiveKlController::new(init, target, horizon)?),
-            _ => None,
-        };
         Ok(Self {
             tau: ThresholdEma::new(settings.tau_momentum)?,
             buckets: BucketController::new(settings.difficulty)?,
-            adaptive_kl,
+            kl: settings.kl.control,
             difficulty: BTreeMap::new(),
         })
     }
 
+    /// Each bucket's target `T_d` and `α_d` in force: what the rewards read.
+    pub fn bucket_values(&self) -> BucketValues {
+        let st = self.buckets.state();
+        BucketValues {
+            target: PerBucket::new(st.easy.target, st.medium.target, st.hard.target),
+            alpha: PerBucket::new(st.easy.alpha, st.medium.alpha, st.hard.alpha),
+        }
+    }
+
     /// The β of a sample in bucket `d` (before dynamic HWE weighting).
-    pub fn beta(&self, control: KlControl, d: Difficulty) -> f64 {
-        match control {
-            KlControl::Fixed(b) => b,
-            KlControl::Adaptive { init, .. } => self.adaptive_kl.map_or(init, |c| c.value()),
+    pub fn beta(&self, d: Difficulty) -> f64 {
+        match self.kl {
+            KlControl::Global(c) => c.value(),
             KlControl::DualAscent => self.buckets.lambda(d),
         }
+    }
+
+    /// Moves β after a step charged the KL with it (docs/algorithms.md §4, §2): the adaptive
+    /// controller from the batch's token-mean KL `token_mean_kl` over `rows` samples, dual
+    /// ascent from the mean KL of each bucket `bucket_kl` at RL step `step`; a fixed β stays.
+    ///
+    /// # Errors
+    /// Non-finite KL values.
+    pub fn update_kl(
+        &mut self,
+        token_mean_kl: f64,
+        rows: usize,
+        bucket_kl: &PerBucket<Option<f64>>,
+        step: u64,
+    ) -> Result<(), TrainError> {
+        match &mut self.kl {
+            KlControl::Global(c) => {
+                c.update(token_mean_kl, rows)?;
+            }
+            KlControl::DualAscent => {
+                self.buckets
+                    .step(&PerBucket::splat(None), bucket_kl, step)?;
+            }
+        }
+        Ok(())
     }
 
     /// The serialisable snapshot.
@@ -102,7 +129,10 @@ impl AresState {
         AresSnapshot {
             tau: self.tau.tau(),
             buckets,
-            adaptive_kl: self.adaptive_kl.map(|c| c.value()),
+            adaptive_kl: match self.kl {
+                KlControl::Global(KlController::Adaptive(c)) => Some(c.value()),
+                _ => None,
+            },
             difficulty: self
                 .difficulty
                 .iter()
@@ -138,7 +168,9 @@ impl AresState {
         );
         let config: DifficultyConfig<f64> = settings.difficulty;
         state.buckets = BucketController::with_state(config, buckets)?;
-        if let (Some(c), Some(v)) = (state.adaptive_kl.as_mut(), snapshot.adaptive_kl) {
+        if let (KlControl::Global(KlController::Adaptive(c)), Some(v)) =
+            (&mut state.kl, snapshot.adaptive_kl)
+        {
             *c = AdaptiveKlController::new(v, c.target(), c.horizon())?;
         }
         for (id, name) in &snapshot.difficulty {

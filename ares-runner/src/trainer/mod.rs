@@ -29,7 +29,7 @@ pub mod hwe;
 pub mod policy;
 pub mod prepare;
 pub mod prompts;
-pub mod resolve;
+pub mod report;
 pub mod rewards;
 pub mod rollout;
 pub mod run;

@@ -12,17 +12,18 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use super::TrainError;
-use super::batch::Batch;
+use super::batch::{Batch, Group};
 use super::bootstrap::{BootstrapResult, apply_bootstrap, read_bootstrap};
 use super::checkpoints::{CheckpointDir, write_atomic};
 use super::controllers::{AresSnapshot, AresState};
 use super::grading::Grader;
 use super::hwe::hwe_pass_host;
-use super::prepare::{Metrics, group_buckets, keep_groups, prepare};
+use super::prepare::{group_buckets, keep_groups, prepare};
 use super::prompts::{PromptRenderer, graded_system_message};
-use super::resolve::step_settings;
-use super::rewards::{BucketValues, Grade, rewards};
+use super::report::{Collection, RunCounters, step_record};
+use super::rewards::{Grade, rewards};
 use super::rollout::{PromptItem, Response, RolloutParams, rollout_items};
+use super::settings::step_settings;
 use super::settings::{FilterKey, StepSettings};
 use super::setup::{
     adamw_config, build_model, eos_ids, filter_prompts, load_examples, renderer, run_dir,
@@ -38,7 +39,7 @@ use crate::hf::tensor_files::SaveDtype;
 use crate::metrics::{MetricsWriter, PhaseTimes, Record};
 use crate::model::{AdamW, Model};
 use crate::progress::Progress;
-use ares_core::difficulty::{Difficulty, PerBucket, bucket_means};
+use ares_core::difficulty::{Difficulty, bucket_means};
 use ares_core::filter::{is_solved, solved_streak};
 
 /// What `trainer_state.json` holds.
@@ -417,78 +418,23 @@ impl<B: Backend + Clone> Trainer<B> {
         Ok(out)
     }
 
-    /// One RL step; returns its metrics.
+    /// One RL step; returns its metrics. Reads as the data flows: rollout → grading →
+    /// online filtering (with re-generation) → ARES controllers → rewards → log-probs and
+    /// KL → advantages → PPO update → metrics.
     ///
     /// # Errors
     /// Any error of the step's phases (non-finite updates are skipped, not errors).
     pub fn step(&mut self) -> Result<Record, TrainError> {
         let step = self.state.step + 1;
-        let n = self.settings.n;
-        let wanted = self.settings.groups_per_step;
         let mut times = PhaseTimes::new();
         let started = Instant::now();
 
         // rollout, grading and online filtering with re-generation (docs/algorithms.md §7)
-        let mut kept_items = Vec::new();
-        let mut kept_responses = Vec::new();
-        let mut kept_texts = Vec::new();
-        let mut kept_grades = Vec::new();
-        let mut generated_groups = 0usize;
-        let mut generated_tokens = 0usize;
-        let mut rollout_secs = 0.0;
-        let mut round = 0u64;
-        while kept_items.len() < wanted {
-            round += 1;
-            if let Some(f) = self.settings.filter
-                && f.max_tries > 0
-                && round > f.max_tries as u64
-            {
-                return Err(TrainError::FilterExhausted {
-                    kept: kept_items.len(),
-                    wanted,
-                    tries: f.max_tries,
-                });
-            }
-            let indices = self.next_indices(wanted)?;
-            let items = self.items(&indices, step)?;
-            let params = self.rollout_params(step, round);
-            let bar = self.progress.bar((items.len() * n) as u64, "rollout");
-            let t0 = Instant::now();
-            let responses = rollout_items(&self.actor, &items, n, &params, |d| {
-                bar.set_position(d as u64)
-            })?;
-            bar.finish();
-            rollout_secs += t0.elapsed().as_secs_f64();
-            generated_tokens += responses.iter().map(|r| r.tokens.len()).sum::<usize>();
-            let t1 = Instant::now();
-            let (texts, grades) = self.grade(&items, &responses)?;
-            times.add("reward", t1.elapsed());
-            generated_groups += items.len();
-            self.track_solved(&items, &responses, &grades)?;
-            let keep = self.keep(&responses, &grades)?;
-            let mut resp = responses.into_iter();
-            let mut txt = texts.into_iter();
-            let mut grd = grades.into_iter();
-            for (item, k) in items.into_iter().zip(keep) {
-                let r: Vec<Response> = resp.by_ref().take(n).collect();
-                let t: Vec<String> = txt.by_ref().take(n).collect();
-                let g: Vec<Grade> = grd.by_ref().take(n).collect();
-                if k && kept_items.len() < wanted {
-                    kept_items.push(item);
-                    kept_responses.extend(r);
-                    kept_texts.extend(t);
-                    kept_grades.extend(g);
-                }
-            }
-            if self.settings.filter.is_none() {
-                break;
-            }
-        }
-        times.add("rollout", std::time::Duration::from_secs_f64(rollout_secs));
-        let batch = Batch::new(n, kept_items, kept_responses, kept_texts, kept_grades)?;
+        let (groups, collection) = self.collect_groups(step, &mut times)?;
+        let batch = Batch::new(self.settings.n, groups)?;
 
-        // controllers, rewards, log-probs, KL, advantages
-        let t2 = Instant::now();
+        // controllers, rewards, log-probs, KL, advantages (docs/algorithms.md §1–§5)
+        let t = Instant::now();
         let trigger = self.trigger_mask(&batch);
         let prep = prepare(
             &self.settings,
@@ -499,10 +445,10 @@ impl<B: Backend + Clone> Trainer<B> {
             &self.actor,
             self.reference.as_ref(),
         )?;
-        times.add("prepare", t2.elapsed());
+        times.add("prepare", t.elapsed());
 
         // PPO epochs and AdamW
-        let t3 = Instant::now();
+        let t = Instant::now();
         let minis = batch.rows().div_ceil(self.settings.mini_batch) * self.settings.ppo_epochs;
         let bar = self.progress.bar(minis as u64, "update");
         let update = ppo_update(
@@ -514,34 +460,94 @@ impl<B: Backend + Clone> Trainer<B> {
             |done, _| bar.set_position(done as u64),
         )?;
         bar.finish();
-        times.add("update", t3.elapsed());
+        times.add("update", t.elapsed());
 
         self.state.step = step;
         self.state.optimizer_steps = self.opt.steps;
         self.state.skipped_updates += update.skipped as u64;
         self.state.ares = self.ares.snapshot();
+        let counters = RunCounters {
+            epoch: self.state.sampler.epoch(),
+            skipped_updates: self.state.skipped_updates,
+            dropped_solved: self.state.dropped.len(),
+        };
+        Ok(step_record(
+            step,
+            &batch,
+            &prep,
+            &self.ares,
+            &update,
+            &collection,
+            &counters,
+            &times,
+            started.elapsed(),
+        ))
+    }
 
-        let mut record = Record::with_step(step);
-        record.insert("epoch", self.state.sampler.epoch() as f64);
-        let mut all: Metrics = prep.metrics;
-        all.extend(update.metrics);
-        for (k, v) in all {
-            record.insert(k, v);
+    /// Rounds of rollout and grading until `groups_per_step` groups pass the online filter
+    /// (one round without a filter), or the filter's `max_try_make_batch` is used up.
+    ///
+    /// # Errors
+    /// [`TrainError::FilterExhausted`], or any generation or grading error.
+    fn collect_groups(
+        &mut self,
+        step: u64,
+        times: &mut PhaseTimes,
+    ) -> Result<(Vec<Group>, Collection), TrainError> {
+        let (n, wanted) = (self.settings.n, self.settings.groups_per_step);
+        let mut kept: Vec<Group> = Vec::with_capacity(wanted);
+        let mut c = Collection::default();
+        while kept.len() < wanted {
+            c.rounds += 1;
+            if let Some(f) = self.settings.filter
+                && f.max_tries > 0
+                && c.rounds > f.max_tries as u64
+            {
+                return Err(TrainError::FilterExhausted {
+                    kept: kept.len(),
+                    wanted,
+                    tries: f.max_tries,
+                });
+            }
+            let indices = self.next_indices(wanted)?;
+            let items = self.items(&indices, step)?;
+            let params = self.rollout_params(step, c.rounds);
+            let bar = self.progress.bar((items.len() * n) as u64, "rollout");
+            let t = Instant::now();
+            let responses = rollout_items(&self.actor, &items, n, &params, |d| {
+                bar.set_position(d as u64)
+            })?;
+            bar.finish();
+            c.rollout_secs += t.elapsed().as_secs_f64();
+            c.generated_tokens += responses.iter().map(|r| r.tokens.len()).sum::<usize>();
+            c.generated_groups += items.len();
+            let t = Instant::now();
+            let (texts, grades) = self.grade(&items, &responses)?;
+            times.add("reward", t.elapsed());
+            self.track_solved(&items, &responses, &grades)?;
+            let keep = self.keep(&responses, &grades)?;
+            let (mut resp, mut txt, mut grd) =
+                (responses.into_iter(), texts.into_iter(), grades.into_iter());
+            for (item, k) in items.into_iter().zip(keep) {
+                let group = Group {
+                    item,
+                    responses: resp.by_ref().take(n).collect(),
+                    texts: txt.by_ref().take(n).collect(),
+                    grades: grd.by_ref().take(n).collect(),
+                };
+                if k && kept.len() < wanted {
+                    kept.push(group);
+                }
+            }
+            if self.settings.filter.is_none() {
+                break;
+            }
         }
-        record.insert(
-            "filter/keep_ratio",
-            wanted as f64 / generated_groups.max(1) as f64,
+        times.add(
+            "rollout",
+            std::time::Duration::from_secs_f64(c.rollout_secs),
         );
-        record.insert("filter/rounds", round as f64);
-        record.insert("actor/skipped_updates", self.state.skipped_updates as f64);
-        record.insert("data/dropped_solved", self.state.dropped.len() as f64);
-        record.insert(
-            "perf/rollout_tokens_per_s",
-            generated_tokens as f64 / rollout_secs.max(1e-9),
-        );
-        record.insert("time/step", started.elapsed().as_secs_f64());
-        times.write_to(&mut record);
-        Ok(record)
+        Ok((kept, c))
     }
 
     /// Online filtering of one round: which groups are kept.
@@ -562,11 +568,7 @@ impl<B: Backend + Clone> Trainer<B> {
             self.ares.tau.tau(),
         )?;
         let buckets = group_buckets(&self.settings, n, grades)?;
-        let st = self.ares.buckets.state();
-        let values = BucketValues {
-            target: PerBucket::new(st.easy.target, st.medium.target, st.hard.target),
-            alpha: PerBucket::new(st.easy.alpha, st.medium.alpha, st.hard.alpha),
-        };
+        let values = self.ares.bucket_values();
         let parts = rewards(
             &self.settings.reward,
             n,
@@ -659,7 +661,7 @@ impl<B: Backend + Clone> Trainer<B> {
         examples: &[Example],
     ) -> Result<super::eval::EvalReport, TrainError> {
         let r = &self.cfg.worker.rollout;
-        let sampling = super::resolve::validation_sampling(&self.cfg);
+        let sampling = super::settings::validation_sampling(&self.cfg);
         let params = RolloutParams {
             max_new_tokens: self.settings.max_new_tokens,
             eos_ids: self.eos_ids.clone(),

@@ -1,31 +1,34 @@
-//! [`StepSettings`]: everything one RL step reads, resolved from the configuration into
-//! ares-core's types (so the step itself never parses strings or re-validates keys).
+//! [`StepSettings`]: everything one RL step reads, and [`step_settings`], which resolves it
+//! from the validated configuration into ares-core's types (so the step itself never parses
+//! strings or re-validates keys).
 
-use ares_core::difficulty::DifficultyConfig;
-use ares_core::kl::KlEstimator;
-use ares_core::loss::PolicyLossConfig;
+use ares_core::advantage::ProMaxConfig;
+use ares_core::difficulty::{AccuracyThresholds, DifficultyConfig, PerBucket};
+use ares_core::kl::{KlController, KlEstimator};
+use ares_core::length::GrpoLambda;
+use ares_core::loss::{
+    ClipCovParams, ClipParams, GspoLevel, IsCorrection, IsMode, KlCovParams, LossAggMode,
+    PolicyLossConfig,
+};
+use ares_core::shaping::{BucketShaping, ShapingConfig};
 
+use super::TrainError;
 use super::advantages::Estimator;
 use super::hwe::HweParams;
 use super::policy::Objective;
-use super::rewards::RewardParams;
+use super::rewards::{Base, RewardParams};
+use crate::config::{self, Config};
 use crate::model::Sampling;
 
-/// Which KL coefficient a sample gets.
+/// The KL coefficient β and how it moves (docs/algorithms.md §4, §2): one type from the
+/// resolved configuration to the step, carried between steps in the controllers' state.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum KlControl {
-    /// `kl_coef`, constant.
-    Fixed(f64),
-    /// The adaptive controller: initial β, target KL, horizon.
-    Adaptive {
-        /// Initial β.
-        init: f64,
-        /// Target KL.
-        target: f64,
-        /// Horizon.
-        horizon: f64,
-    },
-    /// Per-bucket λ_d by dual ascent (the controller in [`DifficultyConfig`]).
+    /// One β for every row: ares-core's fixed or adaptive controller (`kl_coef`, and for
+    /// `adaptive` `kl_target` / `kl_horizon`).
+    Global(KlController<f64>),
+    /// β of a row is its bucket's λ_d, moved by dual ascent (the bucket controller of
+    /// [`DifficultyConfig`]).
     DualAscent,
 }
 
@@ -153,6 +156,276 @@ pub struct StepSettings {
     pub optim: OptimSettings,
 }
 
+/// ares-core's per-bucket values of a config [`config::PerBucket`].
+pub fn per_bucket(p: &config::PerBucket) -> PerBucket<f64> {
+    PerBucket::new(p.easy, p.medium, p.hard)
+}
+
+/// The sampling of the rollout (`temperature`, `top_k` 0 = off, `top_p`).
+pub fn rollout_sampling(cfg: &Config) -> Sampling {
+    let r = &cfg.worker.rollout;
+    Sampling::Sample {
+        temperature: r.temperature as f32,
+        top_k: (r.top_k > 0).then_some(r.top_k),
+        top_p: r.top_p as f32,
+    }
+}
+
+/// The sampling of validation: greedy at `val_temperature = 0`, else that temperature with
+/// the rollout's top-k / top-p.
+pub fn validation_sampling(cfg: &Config) -> Sampling {
+    let r = &cfg.worker.rollout;
+    if r.val_temperature == 0.0 {
+        Sampling::Greedy
+    } else {
+        Sampling::Sample {
+            temperature: r.val_temperature as f32,
+            top_k: (r.top_k > 0).then_some(r.top_k),
+            top_p: r.top_p as f32,
+        }
+    }
+}
+
+/// The settings of a run of `total_steps` RL steps.
+///
+/// # Errors
+/// A filter key that is not a reward metric, or parameters ares-core rejects.
+pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, TrainError> {
+    let alg = &cfg.algorithm;
+    let er = &alg.entropy_reward;
+    let actor = &cfg.worker.actor;
+    let rollout = &cfg.worker.rollout;
+    let n = rollout.n;
+
+    let difficulty = DifficultyConfig {
+        accuracy_thresholds: AccuracyThresholds {
+            easy: alg.difficulty_thresholds.easy,
+            medium: alg.difficulty_thresholds.medium,
+        },
+        target_momentum: er.target_momentum,
+        target_scale: per_bucket(&er.target_scale),
+        target_update_interval: er.target_update_interval as u64,
+        alpha_init: PerBucket::splat(er.alpha_init),
+        alpha_lr: er.alpha_lr,
+        alpha_min: er.alpha_min,
+        alpha_max: er.alpha_max,
+        lambda_init: per_bucket(&alg.dual_ascent.lambda_init),
+        kl_budget: per_bucket(&alg.dual_ascent.budget),
+        lambda_lr: alg.dual_ascent.eta,
+        lambda_max: alg.dual_ascent.lambda_max,
+    };
+    difficulty.validate()?;
+
+    let shaping = er
+        .enable
+        .then(|| {
+            let f = per_bucket(&er.margin_fraction);
+            let k = per_bucket(&er.huber_kappa);
+            let t = per_bucket(&er.sigmoid_temperature);
+            let c = per_bucket(&er.cap_scale);
+            let w = per_bucket(&er.wrong_factor);
+            let b = |d| BucketShaping::new(f[d], k[d], t[d], c[d], w[d]);
+            use ares_core::difficulty::Difficulty::{Easy, Hard, Medium};
+            let s = ShapingConfig {
+                buckets: PerBucket::new(b(Easy), b(Medium), b(Hard)),
+                format_weight: cfg.worker.reward.format_weight,
+            };
+            s.validate().map(|()| s)
+        })
+        .transpose()?;
+    let base = if alg.grpo_lambda.enable {
+        Base::GrpoLambda(GrpoLambda {
+            lambda_: alg.grpo_lambda.lambda,
+            alpha: alg.grpo_lambda.alpha,
+        })
+    } else if cfg.worker.reward.reward_type == config::RewardType::Rubric {
+        Base::Rubric
+    } else {
+        Base::Accuracy
+    };
+
+    let estimator = match alg.adv_estimator {
+        config::AdvEstimator::Grpo => Estimator::Grpo {
+            norm_by_std: alg.norm_adv_by_std_in_grpo,
+        },
+        config::AdvEstimator::DrGrpo => Estimator::Grpo { norm_by_std: false },
+        config::AdvEstimator::Rloo => Estimator::Rloo,
+        config::AdvEstimator::Reinforce => Estimator::Reinforce {
+            gamma: alg.gamma as f32,
+        },
+        config::AdvEstimator::ReinforceBaseline => Estimator::ReinforceBaseline {
+            gamma: alg.gamma as f32,
+        },
+        config::AdvEstimator::ReinforceProMax => {
+            if alg.gamma != 1.0 {
+                tracing_warn(&format!(
+                    "algorithm.gamma = {} is ignored by reinforce_pro_max (γ is 1 by definition)",
+                    alg.gamma
+                ));
+            }
+            Estimator::ProMax(ProMaxConfig {
+                uniform_scale: alg.uniform_scale,
+                max_scale: alg.pro_max_max_scale as f32,
+                ..ProMaxConfig::default()
+            })
+        }
+    };
+
+    let control = match alg.kl_ctrl {
+        config::KlCtrl::Fixed => KlControl::Global(KlController::fixed(alg.kl_coef)?),
+        config::KlCtrl::Adaptive => KlControl::Global(KlController::adaptive(
+            alg.kl_coef,
+            alg.kl_target,
+            alg.kl_horizon,
+        )?),
+        config::KlCtrl::DualAscent => KlControl::DualAscent,
+    };
+    let estimator_kl = match alg.kl_penalty {
+        config::KlPenalty::Kl => KlEstimator::K1,
+        config::KlPenalty::Abs => KlEstimator::Abs,
+        config::KlPenalty::Mse => KlEstimator::K2,
+        config::KlPenalty::LowVarKl => KlEstimator::K3,
+        config::KlPenalty::K1Plus => KlEstimator::K1Plus,
+        config::KlPenalty::K3Plus => KlEstimator::K3Plus,
+    };
+    let kl_off = matches!(control, KlControl::Global(KlController::Fixed(b)) if b == 0.0);
+    let kl = KlSettings {
+        use_kl_loss: alg.use_kl_loss,
+        estimator: estimator_kl,
+        control,
+        dynamic: actor.dynamic_kl_loss,
+        low_ratio: actor.dynamic_kl_low_ratio,
+        enabled: !kl_off,
+    };
+
+    let filter = if alg.online_filtering {
+        let key = match alg.filter_key.as_str() {
+            "accuracy" | "acc" => FilterKey::Accuracy,
+            "overall" | "reward" => FilterKey::Overall,
+            "entropy" | "entropy_reward" => FilterKey::Entropy,
+            "format" => FilterKey::Format,
+            other => {
+                return Err(TrainError::Invalid(format!(
+                    "algorithm.filter_key = {other:?}: expected one of accuracy, overall, \
+                     entropy, format"
+                )));
+            }
+        };
+        Some(FilterSettings {
+            key,
+            low: alg.filter_low,
+            high: alg.filter_high,
+            max_tries: usize::try_from(alg.max_try_make_batch.max(0)).unwrap_or(0),
+        })
+    } else {
+        None
+    };
+
+    let agg = match actor.loss_agg_mode {
+        config::LossAggMode::TokenMean => LossAggMode::TokenMean,
+        config::LossAggMode::TokenSum => LossAggMode::TokenSum,
+        config::LossAggMode::SeqMeanTokenSum => LossAggMode::SeqMeanTokenSum,
+        config::LossAggMode::SeqMeanTokenMean => LossAggMode::SeqMeanTokenMean,
+        config::LossAggMode::SeqMeanTokenSumNorm => LossAggMode::SeqMeanTokenSumNorm,
+    };
+    let is_mode = match actor.is_correction {
+        config::IsCorrection::None => IsMode::None,
+        config::IsCorrection::Tis => IsMode::Tis,
+        config::IsCorrection::Icepop => IsMode::Icepop,
+        config::IsCorrection::ReinforcePro => IsMode::ReinforcePro,
+    };
+    let policy = PolicyLossConfig {
+        clip: ClipParams::new(
+            actor.clip_ratio_low as f32,
+            actor.clip_ratio_high as f32,
+            actor.clip_ratio_dual as f32,
+        )?,
+        agg,
+        is_correction: IsCorrection {
+            mode: is_mode,
+            low: actor.is_threshold_low as f32,
+            high: actor.is_threshold_high as f32,
+        },
+    };
+    let objective = match actor.policy_loss {
+        config::PolicyLoss::Ppo => Objective::Ppo,
+        config::PolicyLoss::Gspo => Objective::Gspo(GspoLevel::Sequence),
+        config::PolicyLoss::GspoToken => Objective::Gspo(GspoLevel::Token),
+        config::PolicyLoss::Cispo => Objective::Cispo,
+        config::PolicyLoss::ClipCov => {
+            let p = ClipCovParams {
+                ratio: actor.clip_cov_ratio as f32,
+                lb: actor.clip_cov_lb as f32,
+                ub: actor.clip_cov_ub as f32,
+                seed: 0,
+            };
+            p.validate()?;
+            Objective::ClipCov(p)
+        }
+        config::PolicyLoss::KlCov => {
+            let p = KlCovParams {
+                ratio: actor.kl_cov_ratio as f32,
+                coef: actor.ppo_kl_coef as f32,
+            };
+            p.validate()?;
+            Objective::KlCov(p)
+        }
+    };
+
+    let step_rows = cfg.data.rollout_batch_size * n;
+    let mini_batch = actor.global_batch_size.min(step_rows).max(1);
+    let micro_batch = actor.micro_batch_size_per_device.min(mini_batch).max(1);
+    let optim = OptimSettings {
+        lr: actor.optim.lr,
+        warmup_steps: actor.optim.lr_warmup_steps as u64,
+        cosine: actor.optim.lr_scheduler == config::LrScheduler::Cosine,
+        min_lr_ratio: actor.optim.min_lr_ratio,
+        total_steps: total_steps * (step_rows.div_ceil(mini_batch) * actor.ppo_epochs) as u64,
+        max_grad_norm: Some(actor.max_grad_norm as f32),
+    };
+
+    Ok(StepSettings {
+        n,
+        groups_per_step: cfg.data.rollout_batch_size,
+        sampling: rollout_sampling(cfg),
+        max_new_tokens: cfg.data.max_response_length,
+        rollout_chunk: 64,
+        rollout_seed: rollout.seed,
+        hwe: HweParams {
+            window_size: rollout.window_size,
+            window_includes_self: er.window_includes_self,
+            percentile: er.percentile,
+        },
+        tau_momentum: er.tau_momentum,
+        trigger_words: er
+            .trigger_words
+            .iter()
+            .map(|w| w.trim().to_lowercase())
+            .collect(),
+        difficulty,
+        reward: RewardParams {
+            base,
+            shaping,
+            format_weight: cfg.worker.reward.format_weight,
+        },
+        estimator,
+        kl,
+        filter,
+        policy,
+        objective,
+        uses_rollout_log_probs: is_mode != IsMode::None,
+        ppo_epochs: actor.ppo_epochs.max(1),
+        mini_batch,
+        micro_batch,
+        optim,
+    })
+}
+
+/// A warning on stderr (the trainer's log).
+fn tracing_warn(message: &str) {
+    eprintln!("warning: {message}");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -174,5 +447,19 @@ mod tests {
         assert!((o.lr_at(12) - 0.1).abs() < 1e-12);
         let c = OptimSettings { cosine: false, ..o };
         assert_eq!(c.lr_at(100), 1.0);
+    }
+
+    #[test]
+    fn defaults_resolve() {
+        let cfg = Config::default();
+        let s = step_settings(&cfg, 10).unwrap();
+        assert_eq!(s.n, 8);
+        assert_eq!(s.kl.control, KlControl::DualAscent);
+        assert!(s.reward.shaping.is_some());
+        assert_eq!(s.reward.base, Base::Accuracy);
+        assert_eq!(s.mini_batch, 64);
+        assert_eq!(s.micro_batch, 8);
+        assert_eq!(s.optim.total_steps, 10);
+        assert!(s.filter.is_some());
     }
 }

@@ -9,10 +9,13 @@
 
 use ares_core::loss::LossAggMode;
 
+/// Metrics by name.
+pub type Metrics = std::collections::BTreeMap<String, f64>;
+
 use super::TrainError;
 use super::batch::Batch;
 use super::policy::{KlLoss, MicroBatch, MicroLoss, micro_loss, micro_scale};
-use super::prepare::{Metrics, Prepared};
+use super::prepare::Prepared;
 use super::settings::StepSettings;
 use super::tokens::gather_rows;
 use crate::backend::Backend;
@@ -102,7 +105,7 @@ pub fn ppo_update<B: Backend>(
                         super::sequences::response_log_probs(actor, acts, &packed, temperature)?;
                     let g = |v: &[f32]| gather_rows(v, t, micro);
                     let mask = g(&batch.tokens.mask);
-                    let old = g(&prep.old_logp);
+                    let old = g(&prep.scored.old_logp);
                     let adv = g(&prep.advantages.values);
                     let rollout = settings
                         .uses_rollout_log_probs
@@ -119,9 +122,9 @@ pub fn ppo_update<B: Backend>(
                         logp_rollout: rollout.as_deref(),
                         advantages: &adv,
                     };
-                    let ref_rows = prep.ref_logp.as_ref().map(|r| g(r));
-                    let hwe_rows = prep.hwe_mask.as_ref().map(|h| g(h));
-                    let beta_rows: Vec<f32> = micro.iter().map(|&r| prep.beta[r]).collect();
+                    let ref_rows = prep.scored.ref_logp.as_ref().map(|r| g(r));
+                    let hwe_rows = prep.scored.hwe_mask.as_ref().map(|h| g(h));
+                    let beta_rows: Vec<f32> = micro.iter().map(|&r| prep.scored.beta[r]).collect();
                     let kl = match (&ref_rows, settings.kl.use_kl_loss) {
                         (Some(logp_ref), true) => Some(KlLoss {
                             estimator: settings.kl.estimator,

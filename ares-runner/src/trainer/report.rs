@@ -1,0 +1,173 @@
+//! The step's metrics, assembled in one place from what each phase returned: the
+//! collection (rollout rounds, filtering), the prepared batch (controllers, rewards, KL,
+//! advantages), the update, and the phase times. One [`Record`] per step, one line of
+//! `metrics.jsonl`.
+
+use std::time::Duration;
+
+use ares_core::difficulty::Difficulty;
+use ares_core::kl::KlController;
+
+use super::batch::Batch;
+use super::controllers::AresState;
+use super::prepare::Prepared;
+use super::settings::KlControl;
+use super::update::UpdateReport;
+use crate::metrics::{PhaseTimes, Record};
+
+/// What the rollout and online filtering of a step did.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Collection {
+    /// Groups generated over all rounds.
+    pub generated_groups: usize,
+    /// Response tokens generated over all rounds.
+    pub generated_tokens: usize,
+    /// Rounds of generation.
+    pub rounds: u64,
+    /// Seconds spent generating.
+    pub rollout_secs: f64,
+}
+
+/// Counters of the run at the end of the step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RunCounters {
+    /// The data epoch.
+    pub epoch: u64,
+    /// Mini-batches skipped for non-finite values so far.
+    pub skipped_updates: u64,
+    /// Prompts dropped as solved so far.
+    pub dropped_solved: usize,
+}
+
+/// Mean of `values` where `mask` is 1.
+fn masked_mean(values: &[f32], mask: &[f32]) -> f64 {
+    let (mut s, mut k) = (0.0f64, 0usize);
+    for (&v, &m) in values.iter().zip(mask) {
+        if m != 0.0 {
+            s += f64::from(v);
+            k += 1;
+        }
+    }
+    if k == 0 { 0.0 } else { s / k as f64 }
+}
+
+/// The record of step `step` (see the module docs).
+#[allow(clippy::too_many_arguments)] // one argument per phase of the step
+pub fn step_record(
+    step: u64,
+    batch: &Batch,
+    prep: &Prepared,
+    state: &AresState,
+    update: &UpdateReport,
+    collection: &Collection,
+    counters: &RunCounters,
+    times: &PhaseTimes,
+    elapsed: Duration,
+) -> Record {
+    let (n, rows) = (batch.n, batch.rows() as f64);
+    let mut r = Record::with_step(step);
+    r.insert("epoch", counters.epoch as f64);
+
+    // the batch: rewards, accuracy, lengths, entropy
+    let parts = &prep.rewards;
+    let lengths = batch.lengths();
+    let mean =
+        |f: &dyn Fn(&super::rewards::RewardParts) -> f64| parts.iter().map(f).sum::<f64>() / rows;
+    r.insert("reward/mean", mean(&|p| p.overall));
+    r.insert("accuracy/mean", mean(&|p| p.accuracy));
+    r.insert("reward/entropy", mean(&|p| p.entropy));
+    r.insert("reward/format", mean(&|p| p.format));
+    r.insert(
+        "response_length/mean",
+        lengths.iter().sum::<usize>() as f64 / rows,
+    );
+    r.insert(
+        "response_length/clip_ratio",
+        batch.responses.iter().filter(|x| !x.finished).count() as f64 / rows,
+    );
+    r.insert(
+        "entropy/mean",
+        masked_mean(&batch.padded(|x| &x.entropies), &batch.tokens.mask),
+    );
+
+    // the controllers: HWE tokens, τ, per-bucket state
+    r.insert(
+        "hwe/count_mean",
+        prep.hwe_counts.iter().sum::<usize>() as f64 / rows,
+    );
+    r.insert(
+        "hwe/soft_cost_mean",
+        prep.hwe_soft_cost
+            .iter()
+            .map(|&c| f64::from(c))
+            .sum::<f64>()
+            / rows,
+    );
+    r.insert("tau/used", prep.tau.0);
+    if let Some(t) = prep.tau.1 {
+        r.insert("tau", t);
+    }
+    let st = state.buckets.state();
+    for d in Difficulty::ALL {
+        let (s, name) = (st[d], d.name());
+        if let Some(t) = s.target {
+            r.insert(format!("target/{name}"), t);
+        }
+        r.insert(format!("alpha/{name}"), s.alpha);
+        r.insert(format!("lambda/{name}"), s.lambda);
+        let groups = prep.buckets.iter().filter(|&&b| b == d).count();
+        r.insert(format!("groups/{name}"), groups as f64);
+        if let Some(h) = prep.mean_hwe[d] {
+            r.insert(format!("hwe/{name}"), h);
+        }
+        let (mut acc, mut len, mut k) = (0.0, 0.0, 0usize);
+        for (row, p) in parts.iter().enumerate() {
+            if prep.buckets[row / n] == d {
+                acc += p.accuracy;
+                len += lengths[row] as f64;
+                k += 1;
+            }
+        }
+        if k > 0 {
+            r.insert(format!("accuracy/{name}"), acc / k as f64);
+            r.insert(format!("response_length/{name}"), len / k as f64);
+        }
+    }
+
+    // KL and advantages
+    if let Some(bucket_kl) = &prep.bucket_kl {
+        for d in Difficulty::ALL {
+            if let Some(k) = bucket_kl[d] {
+                r.insert(format!("kl/{}", d.name()), k);
+            }
+        }
+        r.insert("kl/mean", prep.scored.token_mean_kl);
+    }
+    if let KlControl::Global(KlController::Adaptive(c)) = state.kl {
+        r.insert("kl/beta", c.value());
+    }
+    r.insert("advantage/mean", prep.advantages.mean);
+    r.insert("advantage/std", prep.advantages.std);
+
+    // the update
+    for (k, v) in &update.metrics {
+        r.insert(k.clone(), *v);
+    }
+
+    // collection, counters, performance
+    r.insert(
+        "filter/keep_ratio",
+        batch.items.len() as f64 / collection.generated_groups.max(1) as f64,
+    );
+    r.insert("filter/rounds", collection.rounds as f64);
+    r.insert("actor/skipped_updates", counters.skipped_updates as f64);
+    r.insert("data/dropped_solved", counters.dropped_solved as f64);
+    r.insert(
+        "perf/rollout_tokens_per_s",
+        collection.generated_tokens as f64 / collection.rollout_secs.max(1e-9),
+    );
+    r.insert("perf/d2h_bytes", prep.d2h_bytes as f64);
+    r.insert("time/step", elapsed.as_secs_f64());
+    times.write_to(&mut r);
+    r
+}
