@@ -17,3 +17,4 @@
 pub mod backend;
 pub mod hf;
 pub mod model;
+pub mod vision;

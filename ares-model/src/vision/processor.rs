@@ -1,0 +1,1 @@
+//! The Qwen2-VL image and video processor: under construction.
