@@ -2,9 +2,9 @@
 //! status words kernels report bad input through.
 
 use crate::error::{DriverContext, Error, Result};
-use crate::kernels::TOKEN_KERNELS;
+use crate::kernels::{KernelSource, TOKEN_KERNELS};
 use crate::nvrtc::{self, Image};
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
 use cudarc::nvrtc::Ptx;
 use std::sync::Arc;
 
@@ -61,55 +61,89 @@ impl std::fmt::Display for DeviceInfo {
     }
 }
 
+/// Opens device `ordinal` after checking that libcuda, libnvrtc and (with `cublas`) libcublas
+/// load, and describes it; `image` is left empty for the caller, who compiles the kernels.
+pub(crate) fn open_device(ordinal: usize, cublas: bool) -> Result<(Arc<CudaContext>, DeviceInfo)> {
+    if !cuda_available() {
+        return Err(Error::LibraryMissing {
+            library: "libcuda.so (the CUDA driver)",
+        });
+    }
+    if !nvrtc::nvrtc_available() {
+        return Err(Error::LibraryMissing {
+            library: "libnvrtc.so (NVRTC)",
+        });
+    }
+    if cublas && !crate::gemm::cublas_available() {
+        return Err(Error::LibraryMissing {
+            library: "libcublas.so (cuBLAS)",
+        });
+    }
+    let ctx = CudaContext::new(ordinal).during(format!("opening CUDA device {ordinal}"))?;
+    let (major, minor) = ctx
+        .compute_capability()
+        .during("reading compute capability")?;
+    let arch = u32::try_from(major * 10 + minor).unwrap_or(0);
+    let name = ctx.name().during("reading device name")?;
+    let max_shared = ctx
+        .attribute(
+            cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+        )
+        .during("reading shared memory limit")?;
+    let mut driver_version = 0i32;
+    // SAFETY: libcuda is present (checked above); the pointer is valid.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }
+        .result()
+        .during("cuDriverGetVersion")?;
+    let (nv_major, nv_minor) = nvrtc::nvrtc_version()?;
+    let info = DeviceInfo {
+        name,
+        arch,
+        driver: format!("{}.{}", driver_version / 1000, (driver_version % 1000) / 10),
+        nvrtc: format!("{nv_major}.{nv_minor}"),
+        image: String::new(),
+        max_shared_per_block: usize::try_from(max_shared).unwrap_or(0),
+    };
+    Ok((ctx, info))
+}
+
+/// Compiles `source` for `arch` (CUBIN, else PTX; disk cache) and loads it; also returns
+/// the image's description ([`DeviceInfo::image`]).
+pub(crate) fn load_module(
+    ctx: &Arc<CudaContext>,
+    source: &KernelSource,
+    arch: u32,
+) -> Result<(Arc<CudaModule>, String)> {
+    let image = nvrtc::compile_cached(source.name, source.code, arch)?;
+    let desc = match &image {
+        Image::Cubin(_) => format!("CUBIN sm_{arch}"),
+        Image::Ptx(_) => format!("PTX compute_{arch}"),
+    };
+    let ptx = match image {
+        Image::Cubin(bytes) => Ptx::from_binary(bytes),
+        Image::Ptx(text) => Ptx::from_src(text),
+    };
+    let module = ctx
+        .load_module(ptx)
+        .during(format!("loading {}", source.name))?;
+    Ok((module, desc))
+}
+
+/// Kernel `name` of a loaded module.
+pub(crate) fn load_function(module: &Arc<CudaModule>, name: &str) -> Result<CudaFunction> {
+    module
+        .load_function(name)
+        .during(format!("loading kernel {name}"))
+}
+
 impl Cuda {
     /// Opens device `ordinal`, compiles (or loads from the cache) and loads the kernels.
     /// Errors instead of panicking when libcuda or libnvrtc is missing.
     pub fn new(ordinal: usize) -> Result<Self> {
-        if !cuda_available() {
-            return Err(Error::LibraryMissing {
-                library: "libcuda.so (the CUDA driver)",
-            });
-        }
-        if !nvrtc::nvrtc_available() {
-            return Err(Error::LibraryMissing {
-                library: "libnvrtc.so (NVRTC)",
-            });
-        }
-        let ctx = CudaContext::new(ordinal).during(format!("opening CUDA device {ordinal}"))?;
-        let (major, minor) = ctx
-            .compute_capability()
-            .during("reading compute capability")?;
-        let arch = u32::try_from(major * 10 + minor).unwrap_or(0);
-        let name = ctx.name().during("reading device name")?;
-        let max_shared = ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-            )
-            .during("reading shared memory limit")?;
-        let mut driver_version = 0i32;
-        // SAFETY: libcuda is present; the pointer is valid.
-        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }
-            .result()
-            .during("cuDriverGetVersion")?;
-        let (nv_major, nv_minor) = nvrtc::nvrtc_version()?;
-
-        let image = nvrtc::compile_cached(TOKEN_KERNELS.name, TOKEN_KERNELS.code, arch)?;
-        let image_desc = match &image {
-            Image::Cubin(_) => format!("CUBIN sm_{arch}"),
-            Image::Ptx(_) => format!("PTX compute_{arch}"),
-        };
-        let ptx = match image {
-            Image::Cubin(bytes) => Ptx::from_binary(bytes),
-            Image::Ptx(text) => Ptx::from_src(text),
-        };
-        let module = ctx
-            .load_module(ptx)
-            .during(format!("loading {}", TOKEN_KERNELS.name))?;
-        let load = |name: &str| {
-            module
-                .load_function(name)
-                .during(format!("loading kernel {name}"))
-        };
+        let (ctx, mut info) = open_device(ordinal, false)?;
+        let (module, image) = load_module(&ctx, &TOKEN_KERNELS, info.arch)?;
+        info.image = image;
+        let load = |name: &str| load_function(&module, name);
         let functions = Functions {
             log_prob_entropy_f32: load("log_prob_entropy_f32")?,
             log_prob_entropy_bf16: load("log_prob_entropy_bf16")?,
@@ -130,14 +164,7 @@ impl Cuda {
             functions,
             status,
             blocks_done,
-            info: DeviceInfo {
-                name,
-                arch,
-                driver: format!("{}.{}", driver_version / 1000, (driver_version % 1000) / 10),
-                nvrtc: format!("{nv_major}.{nv_minor}"),
-                image: image_desc,
-                max_shared_per_block: usize::try_from(max_shared).unwrap_or(0),
-            },
+            info,
         })
     }
 

@@ -145,7 +145,10 @@ impl Operand<'_, '_> {
     }
 }
 
-/// One `C = α·op(A)·op(B) + β·C` call.
+/// One `C = α·op(A)·op(B) + β·C` call, in cuBLAS's column-major terms: `op(A)` is
+/// `[m, k]`, `op(B)` `[k, n]`, `C` `[m, n]`. Every operand is packed (its leading
+/// dimension is its stored row count), which is what the row-major tensors of the model
+/// are when read column-major.
 struct Call<'a, 'b> {
     transa: bool,
     transb: bool,
@@ -153,11 +156,8 @@ struct Call<'a, 'b> {
     n: c_int,
     k: c_int,
     a: Operand<'a, 'b>,
-    lda: c_int,
     b: Operand<'a, 'b>,
-    ldb: c_int,
     beta: f32,
-    ldc: c_int,
     precision: GemmPrecision,
 }
 
@@ -197,12 +197,8 @@ impl Blas {
                 sys::cublasOperation_t::CUBLAS_OP_N
             }
         };
-        // Element counts cuBLAS will touch: a column-major [rows, cols] operand with
-        // leading dimension ld spans ld·(cols − 1) + rows elements.
-        let span = |rows: c_int, cols: c_int, ld: c_int| {
-            let (r, c, l) = (rows as usize, cols as usize, ld as usize);
-            if r == 0 || c == 0 { 0 } else { l * (c - 1) + r }
-        };
+        // Stored shapes (rows, cols) of A and B; packed, so the leading dimension of each
+        // is its rows and cuBLAS touches rows · cols elements.
         let (ar, ac) = if call.transa {
             (call.k, call.m)
         } else {
@@ -213,9 +209,11 @@ impl Blas {
         } else {
             (call.k, call.n)
         };
-        let spans_ok = call.a.len() >= span(ar, ac, call.lda)
-            && call.b.len() >= span(br, bc, call.ldb)
-            && c.len() >= span(call.m, call.n, call.ldc);
+        let (lda, ldb, ldc) = (ar, br, call.m);
+        let span = |rows: c_int, cols: c_int| rows as usize * cols as usize;
+        let spans_ok = call.a.len() >= span(ar, ac)
+            && call.b.len() >= span(br, bc)
+            && c.len() >= span(call.m, call.n);
         let mixed = matches!(
             (&call.a, &call.b),
             (Operand::F32(_), Operand::Bf16(_)) | (Operand::Bf16(_), Operand::F32(_))
@@ -280,14 +278,14 @@ impl Blas {
                 (&raw const alpha).cast::<c_void>(),
                 a as *const c_void,
                 in_type,
-                call.lda,
+                lda,
                 b as *const c_void,
                 in_type,
-                call.ldb,
+                ldb,
                 (&raw const call.beta).cast::<c_void>(),
                 cp as *mut c_void,
                 sys::cudaDataType_t::CUDA_R_32F,
-                call.ldc,
+                ldc,
                 compute,
                 sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )
@@ -313,11 +311,8 @@ impl Blas {
             n: d.rows,
             k: d.inp,
             a: w,
-            lda: d.inp,
             b: x,
-            ldb: d.inp,
             beta: 0.0,
-            ldc: d.out,
             precision: d.precision,
         };
         self.gemm("linear", call, y)
@@ -338,11 +333,8 @@ impl Blas {
             n: d.rows,
             k: d.inp,
             a: wt,
-            lda: d.out,
             b: x,
-            ldb: d.inp,
             beta: 0.0,
-            ldc: d.out,
             precision: d.precision,
         };
         self.gemm("linear_transposed", call, y)
@@ -363,11 +355,8 @@ impl Blas {
             n: d.rows,
             k: d.out,
             a: w,
-            lda: d.inp,
             b: dy,
-            ldb: d.out,
             beta: 1.0,
-            ldc: d.inp,
             precision: d.precision,
         };
         self.gemm("linear_backward dx", call, dx)
@@ -388,11 +377,8 @@ impl Blas {
             n: d.out,
             k: d.rows,
             a: x,
-            lda: d.inp,
             b: dy,
-            ldb: d.out,
             beta: 1.0,
-            ldc: d.inp,
             precision: d.precision,
         };
         self.gemm("linear_backward dw", call, dw)

@@ -28,17 +28,15 @@ pub use attention::{
 };
 pub use optim::AdamWStep;
 
-use crate::device::DeviceInfo;
+use crate::device::{DeviceInfo, load_function, load_module, open_device};
 use crate::error::{DriverContext, Error, Result};
 use crate::gemm::Blas;
 use crate::kernels::{MODEL_OPS, TOKEN_KERNELS};
-use crate::nvrtc::{self, Image};
 use crate::ops::TokenOps;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut,
-    LaunchConfig,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr,
+    LaunchArgs, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
-use cudarc::nvrtc::Ptx;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Threads per block of the element-wise (grid-stride) kernels.
@@ -145,29 +143,9 @@ pub(crate) struct Functions {
     pub attention_bwd_dkv: [CudaFunction; 3],
 }
 
-/// Compiles `source` for `arch` (CUBIN, else PTX; disk cache) and loads it.
-fn load_module(
-    ctx: &Arc<CudaContext>,
-    name: &'static str,
-    code: &str,
-    arch: u32,
-) -> Result<(Arc<CudaModule>, String)> {
-    let image = nvrtc::compile_cached(name, code, arch)?;
-    let desc = match &image {
-        Image::Cubin(_) => format!("CUBIN sm_{arch}"),
-        Image::Ptx(_) => format!("PTX compute_{arch}"),
-    };
-    let ptx = match image {
-        Image::Cubin(bytes) => Ptx::from_binary(bytes),
-        Image::Ptx(text) => Ptx::from_src(text),
-    };
-    let module = ctx.load_module(ptx).during(format!("loading {name}"))?;
-    Ok((module, desc))
-}
-
 impl ModelOps {
     /// Opens CUDA device `ordinal`, compiles (or loads from the kernel cache, see
-    /// [`nvrtc::cache_dir`]) and loads the kernels, and creates the cuBLAS handle.
+    /// [`crate::nvrtc::cache_dir`]) and loads the kernels, and creates the cuBLAS handle.
     ///
     /// # Errors
     /// [`Error::LibraryMissing`] when libcuda, libnvrtc or libcublas cannot be loaded (a
@@ -175,47 +153,11 @@ impl ModelOps {
     /// [`Error::Driver`] when the device cannot be opened (no GPU with that ordinal),
     /// [`Error::Compile`] if NVRTC rejects a kernel.
     pub fn new(ordinal: usize) -> Result<Self> {
-        if !crate::cuda_available() {
-            return Err(Error::LibraryMissing {
-                library: "libcuda.so (the CUDA driver)",
-            });
-        }
-        if !nvrtc::nvrtc_available() {
-            return Err(Error::LibraryMissing {
-                library: "libnvrtc.so (NVRTC)",
-            });
-        }
-        if !crate::gemm::cublas_available() {
-            return Err(Error::LibraryMissing {
-                library: "libcublas.so (cuBLAS)",
-            });
-        }
-        let ctx = CudaContext::new(ordinal).during(format!("opening CUDA device {ordinal}"))?;
-        let (major, minor) = ctx
-            .compute_capability()
-            .during("reading compute capability")?;
-        let arch = u32::try_from(major * 10 + minor).unwrap_or(0);
-        let name = ctx.name().during("reading device name")?;
-        let max_shared = ctx
-            .attribute(
-                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
-            )
-            .during("reading shared memory limit")?;
-        let mut driver_version = 0i32;
-        // SAFETY: libcuda is present (checked above); the pointer is valid.
-        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver_version) }
-            .result()
-            .during("cuDriverGetVersion")?;
-        let (nv_major, nv_minor) = nvrtc::nvrtc_version()?;
-
-        let (model, desc) = load_module(&ctx, MODEL_OPS.name, MODEL_OPS.code, arch)?;
-        let (token, _) = load_module(&ctx, TOKEN_KERNELS.name, TOKEN_KERNELS.code, arch)?;
-        let load = |module: &Arc<CudaModule>, name: &str| {
-            module
-                .load_function(name)
-                .during(format!("loading kernel {name}"))
-        };
-        let m = |name: &str| load(&model, name);
+        let (ctx, mut info) = open_device(ordinal, true)?;
+        let (model, image) = load_module(&ctx, &MODEL_OPS, info.arch)?;
+        let (token, _) = load_module(&ctx, &TOKEN_KERNELS, info.arch)?;
+        info.image = image;
+        let m = |name: &str| load_function(&model, name);
         let f = Functions {
             fill: m("fill_f32")?,
             add: m("add_f32")?,
@@ -232,10 +174,10 @@ impl ModelOps {
             col_reduce: m("col_reduce")?,
             rope: m("rope")?,
             transpose: m("transpose_f32")?,
-            log_prob_entropy: load(&token, "log_prob_entropy_f32")?,
-            entropy_windows: load(&token, "entropy_windows")?,
-            row_percentile: load(&token, "row_percentile")?,
-            masked_dynamic_kl: load(&token, "masked_dynamic_kl")?,
+            log_prob_entropy: load_function(&token, "log_prob_entropy_f32")?,
+            entropy_windows: load_function(&token, "entropy_windows")?,
+            row_percentile: load_function(&token, "row_percentile")?,
+            masked_dynamic_kl: load_function(&token, "masked_dynamic_kl")?,
             log_prob_bwd: m("log_prob_bwd")?,
             argmax_rows: m("argmax_rows")?,
             sample_rows: m("sample_rows")?,
@@ -293,14 +235,7 @@ impl ModelOps {
             f,
             blas,
             state: Mutex::new(state),
-            info: DeviceInfo {
-                name,
-                arch,
-                driver: format!("{}.{}", driver_version / 1000, (driver_version % 1000) / 10),
-                nvrtc: format!("{nv_major}.{nv_minor}"),
-                image: desc,
-                max_shared_per_block: usize::try_from(max_shared).unwrap_or(0),
-            },
+            info,
         })
     }
 
@@ -325,10 +260,7 @@ impl ModelOps {
     /// # Errors
     /// `len` 0 or past the address space, the device is out of memory.
     pub fn alloc(&self, len: usize) -> Result<CudaSlice<f32>> {
-        check_alloc("alloc", len, 4)?;
-        self.stream
-            .alloc_zeros::<f32>(len)
-            .during(format!("allocating {len} f32"))
+        self.alloc_zeroed("alloc", len)
     }
 
     /// A new zeroed u32 buffer of `len` elements (`len >= 1`).
@@ -336,10 +268,19 @@ impl ModelOps {
     /// # Errors
     /// As [`ModelOps::alloc`].
     pub fn alloc_ids(&self, len: usize) -> Result<CudaSlice<u32>> {
-        check_alloc("alloc_ids", len, 4)?;
+        self.alloc_zeroed("alloc_ids", len)
+    }
+
+    /// [`ModelOps::alloc`] of any element type, errors naming `kernel`.
+    fn alloc_zeroed<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        kernel: &'static str,
+        len: usize,
+    ) -> Result<CudaSlice<T>> {
+        check_alloc(kernel, len, std::mem::size_of::<T>())?;
         self.stream
-            .alloc_zeros::<u32>(len)
-            .during(format!("allocating {len} u32"))
+            .alloc_zeros::<T>(len)
+            .during(format!("allocating {len} {}", std::any::type_name::<T>()))
     }
 
     /// Copies `src` into `dst` (same length); `src` may be reused when this returns.
@@ -364,12 +305,7 @@ impl ModelOps {
     /// # Errors
     /// Lengths that differ, a driver failure, [`Error::DeviceStatus`].
     pub fn download(&self, src: &CudaView<'_, f32>, dst: &mut [f32]) -> Result<()> {
-        check_len("download", "dst", src.len(), dst.len())?;
-        if dst.is_empty() {
-            return self.synchronize();
-        }
-        self.stream.memcpy_dtoh(src, dst).during("download")?;
-        self.check_status()
+        self.download_as("download", src, dst)
     }
 
     /// A new device buffer holding `src` (f64: the sampler's uniform draws).
@@ -385,11 +321,21 @@ impl ModelOps {
     /// # Errors
     /// As [`ModelOps::download`].
     pub fn download_ids(&self, src: &CudaView<'_, u32>, dst: &mut [u32]) -> Result<()> {
-        check_len("download_ids", "dst", src.len(), dst.len())?;
+        self.download_as("download_ids", src, dst)
+    }
+
+    /// [`ModelOps::download`] of any element type, errors naming `step`.
+    fn download_as<T: DeviceRepr>(
+        &self,
+        step: &'static str,
+        src: &CudaView<'_, T>,
+        dst: &mut [T],
+    ) -> Result<()> {
+        check_len(step, "dst", src.len(), dst.len())?;
         if dst.is_empty() {
             return self.synchronize();
         }
-        self.stream.memcpy_dtoh(src, dst).during("download_ids")?;
+        self.stream.memcpy_dtoh(src, dst).during(step)?;
         self.check_status()
     }
 
@@ -572,6 +518,29 @@ pub(crate) fn i32_of(kernel: &'static str, what: &str, n: usize) -> Result<i32> 
 /// Blocks for `units` units of work, at least 1, at most [`MAX_GRID`] (kernels loop).
 pub(crate) fn grid(units: usize) -> u32 {
     units.clamp(1, MAX_GRID) as u32
+}
+
+/// A device null pointer: the value of an absent optional pointer argument.
+pub(crate) const NULL: u64 = 0;
+
+/// Pushing an optional pointer argument onto a kernel launch.
+pub(crate) trait ArgOrNull {
+    /// Pushes `arg`, or a null pointer for `None` (the kernels test the pointer).
+    fn arg_or_null<A>(&mut self, arg: Option<A>) -> &mut Self
+    where
+        Self: PushKernelArg<A>;
+}
+
+impl ArgOrNull for LaunchArgs<'_> {
+    fn arg_or_null<A>(&mut self, arg: Option<A>) -> &mut Self
+    where
+        Self: PushKernelArg<A>,
+    {
+        match arg {
+            Some(a) => self.arg(a),
+            None => PushKernelArg::<&u64>::arg(self, &NULL),
+        }
+    }
 }
 
 /// Launch shape of a grid-stride element-wise kernel over `n` elements.

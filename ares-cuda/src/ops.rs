@@ -3,6 +3,7 @@
 
 use crate::device::Cuda;
 use crate::error::{DriverContext, Error, Result};
+use crate::model_ops::{ArgOrNull, NULL, bad, check_len};
 use ares_core::kl::KlEstimator;
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, LaunchConfig,
@@ -30,23 +31,6 @@ impl LogitElem for f16 {
 const ROW_BLOCK: u32 = 512;
 /// Threads per block of the per-token window kernel.
 const TOKEN_BLOCK: u32 = 256;
-/// A device null pointer, for optional kernel arguments.
-const NULL: u64 = 0;
-
-fn bad(kernel: &'static str, message: String) -> Error {
-    Error::BadArgument { kernel, message }
-}
-
-fn check_len(kernel: &'static str, what: &str, expected: usize, actual: usize) -> Result<()> {
-    if expected == actual {
-        Ok(())
-    } else {
-        Err(bad(
-            kernel,
-            format!("`{what}` has {actual} elements, expected {expected}"),
-        ))
-    }
-}
 
 fn grid_rows(kernel: &'static str, rows: usize) -> Result<u32> {
     u32::try_from(rows)
@@ -125,15 +109,11 @@ impl Cuda {
             Some((ids, out)) => (Some(ids), Some(out)),
             None => (None, None),
         };
-        match ids {
-            Some(ids) => launch.arg(ids),
-            None => launch.arg(&NULL),
-        };
-        match out_lp {
-            Some(out) => launch.arg(out),
-            None => launch.arg(&NULL),
-        };
-        launch.arg(out_entropy).arg(&mut self.status);
+        launch
+            .arg_or_null(ids)
+            .arg_or_null(out_lp)
+            .arg(out_entropy)
+            .arg(&mut self.status);
         let cfg = LaunchConfig {
             grid_dim: (grid, 1, 1),
             block_dim: (ROW_BLOCK, 1, 1),
@@ -326,12 +306,10 @@ impl TokenOps<'_> {
             .arg(&cols_i64)
             .arg(&window)
             .arg(&includes)
-            .arg(&tau);
-        match &trigger {
-            Some(t) => launch.arg(t),
-            None => launch.arg(&NULL),
-        };
-        launch.arg(out_means).arg(out_valid);
+            .arg(&tau)
+            .arg_or_null(trigger.as_ref())
+            .arg(out_means)
+            .arg(out_valid);
         match hwe_out.as_mut() {
             Some((hwe_mask, counts, soft_cost)) => launch.arg(hwe_mask).arg(counts).arg(soft_cost),
             None => launch.arg(&NULL).arg(&NULL).arg(&NULL),
@@ -475,25 +453,17 @@ impl TokenOps<'_> {
         };
         let cols_i64 = cols as i64;
         let mut launch = self.stream.launch_builder(self.masked_dynamic_kl);
-        launch.arg(&logp).arg(&ref_logp).arg(&mask);
-        match &hwe_mask {
-            Some(h) => launch.arg(h),
-            None => launch.arg(&NULL),
-        };
         launch
+            .arg(&logp)
+            .arg(&ref_logp)
+            .arg(&mask)
+            .arg_or_null(hwe_mask.as_ref())
             .arg(&beta_rows)
             .arg(&low_ratio)
             .arg(&est)
-            .arg(&cols_i64);
-        match kl.as_mut() {
-            Some(k) => launch.arg(k),
-            None => launch.arg(&NULL),
-        };
-        match weighted.as_mut() {
-            Some(w) => launch.arg(w),
-            None => launch.arg(&NULL),
-        };
-        launch
+            .arg(&cols_i64)
+            .arg_or_null(kl.as_mut())
+            .arg_or_null(weighted.as_mut())
             .arg(&mut row_weighted_sum)
             .arg(&mut row_mean_kl)
             .arg(&mut total)

@@ -7,9 +7,11 @@
 //! key rows (dk, dv), each output element written by one warp in a fixed order
 //! (deterministic). Heads of up to 256 dims are supported (three kernel variants).
 
-use super::{ModelOps, bad, check_len, grid, i32_of, i64_of, mul, scratch};
+use super::{ArgOrNull, ModelOps, bad, check_len, grid, i32_of, i64_of, mul, scratch};
 use crate::error::{DriverContext, Result};
-use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaView, CudaViewMut, LaunchArgs, LaunchConfig, PushKernelArg,
+};
 
 /// Warps per block of every attention kernel (`NW` in `model_ops.cu`).
 const WARPS: usize = 8;
@@ -177,6 +179,43 @@ fn attention_cfg(
     })
 }
 
+/// Checks the lengths of a KV cache of `max_len` slots per sequence (keys `k_len`,
+/// values `v_len` elements); returns the slots, `batch · max_len`.
+fn check_cache(
+    k: &'static str,
+    shape: &AttentionShape,
+    dims: &Dims,
+    max_len: usize,
+    k_len: usize,
+    v_len: usize,
+) -> Result<usize> {
+    let slots = mul(k, "batch × max_len", shape.batch, max_len)?;
+    let cache_len = mul(k, "cache elements", slots, dims.kv_tok)?;
+    check_len(k, "k_cache", cache_len, k_len)?;
+    check_len(k, "v_cache", cache_len, v_len)?;
+    Ok(slots)
+}
+
+/// Blocks of a row-tiled kernel: per (sequence, kv head), `rows` rows in tiles of `tile`.
+fn tiled_blocks(
+    k: &'static str,
+    shape: &AttentionShape,
+    rows: usize,
+    tile: usize,
+) -> Result<usize> {
+    mul(
+        k,
+        "attention blocks",
+        shape.batch * shape.kv_heads,
+        rows.div_ceil(tile),
+    )
+}
+
+/// Query rows per (sequence, kv head): the tokens times the query heads of the group.
+fn query_rows(k: &'static str, shape: &AttentionShape) -> Result<usize> {
+    mul(k, "seq × group", shape.seq, shape.q_heads / shape.kv_heads)
+}
+
 /// Bytes of dynamic shared memory of the forward and dq kernels: two key tiles (padded
 /// rows) and `row_tiles` `[rows, d]` row buffers.
 fn rows_smem(d: usize, rows: usize, row_buffers: usize) -> usize {
@@ -251,10 +290,14 @@ impl ModelOps {
         let dims = shape.dims(K)?;
         check_len(K, "q", dims.q_len, q.len())?;
         check_len(K, "out", dims.q_len, out.len())?;
-        let slots = mul(K, "batch × max_len", shape.batch, cache.max_len)?;
-        let cache_len = mul(K, "cache elements", slots, dims.kv_tok)?;
-        check_len(K, "k_cache", cache_len, cache.k.len())?;
-        check_len(K, "v_cache", cache_len, cache.v.len())?;
+        let slots = check_cache(
+            K,
+            &shape,
+            &dims,
+            cache.max_len,
+            cache.k.len(),
+            cache.v.len(),
+        )?;
         if let Some(m) = cache.key_mask {
             check_len(K, "key_mask", slots, m.len())?;
         }
@@ -297,15 +340,8 @@ impl ModelOps {
         out: &mut CudaViewMut<'_, f32>,
         lse: Option<&mut CudaViewMut<'_, f32>>,
     ) -> Result<()> {
-        let group = shape.q_heads / shape.kv_heads;
         let rows = WARPS * FWD_ROWS_PER_WARP[dims.class];
-        let rows_bg = mul(k, "seq × group", shape.seq, group)?;
-        let blocks = mul(
-            k,
-            "attention blocks",
-            shape.batch * shape.kv_heads,
-            rows_bg.div_ceil(rows),
-        )?;
+        let blocks = tiled_blocks(k, &shape, query_rows(k, &shape)?, rows)?;
         let func = &self.f.attention_fwd[dims.class];
         let cfg = attention_cfg(self, k, func, blocks, rows_smem(shape.head_dim, rows, 1))?;
         let (b64, qs64, ks64, p64) = (
@@ -314,15 +350,13 @@ impl ModelOps {
             i64_of(k, "kv slots", a.kv_seq)?,
             i64_of(k, "pos0", a.pos0)?,
         );
-        let null = 0u64;
         let mut state = self.lock();
         let mut l = self.stream.launch_builder(func);
-        l.arg(a.q).arg(a.k).arg(a.v);
-        match a.key_mask {
-            Some(m) => l.arg(m),
-            None => l.arg(&null),
-        };
-        l.arg(&b64)
+        l.arg(a.q)
+            .arg(a.k)
+            .arg(a.v)
+            .arg_or_null(a.key_mask)
+            .arg(&b64)
             .arg(&qs64)
             .arg(&ks64)
             .arg(&p64)
@@ -330,12 +364,9 @@ impl ModelOps {
             .arg(&dims.hkv)
             .arg(&dims.d)
             .arg(&shape.scale)
-            .arg(out);
-        match lse {
-            Some(lse) => l.arg(lse),
-            None => l.arg(&null),
-        };
-        l.arg(&mut state.status);
+            .arg(out)
+            .arg_or_null(lse)
+            .arg(&mut state.status);
         // SAFETY: argument order as the `ATTN_FWD` kernels; every length was checked
         // against the shape by the caller, and the grid/shared memory match the variant.
         unsafe { l.launch(cfg) }.during(k)?;
@@ -377,13 +408,11 @@ impl ModelOps {
         if dims.q_len == 0 {
             return Ok(());
         }
-        let group = shape.q_heads / shape.kv_heads;
         let (b64, s64) = (
             i64_of(K, "batch", shape.batch)?,
             i64_of(K, "seq", shape.seq)?,
         );
         let rows64 = i64_of(K, "lse rows", dims.lse_len)?;
-        let null = 0u64;
         let mut guard = self.lock();
         let state = &mut *guard;
         let mut delta = scratch(&mut state.scratch, &self.stream, dims.lse_len)?;
@@ -406,66 +435,37 @@ impl ModelOps {
         }
         let delta = delta.as_view();
         let status = &mut state.status;
+        let inputs = BackwardInputs {
+            q,
+            k,
+            v,
+            key_mask,
+            batch: b64,
+            seq: s64,
+            dims: &dims,
+            scale: shape.scale,
+            lse: saved.lse,
+            delta: &delta,
+            dout: saved.dout,
+        };
         {
             let rows = WARPS * DQ_ROWS_PER_WARP[dims.class];
-            let rows_bg = mul(K, "seq × group", shape.seq, group)?;
-            let blocks = mul(
-                K,
-                "attention blocks",
-                shape.batch * shape.kv_heads,
-                rows_bg.div_ceil(rows),
-            )?;
+            let blocks = tiled_blocks(K, &shape, query_rows(K, &shape)?, rows)?;
             let func = &self.f.attention_bwd_dq[dims.class];
             let cfg = attention_cfg(self, K, func, blocks, rows_smem(shape.head_dim, rows, 2))?;
             let mut l = self.stream.launch_builder(func);
-            l.arg(q).arg(k).arg(v);
-            match key_mask {
-                Some(m) => l.arg(m),
-                None => l.arg(&null),
-            };
-            l.arg(&b64)
-                .arg(&s64)
-                .arg(&dims.hq)
-                .arg(&dims.hkv)
-                .arg(&dims.d)
-                .arg(&shape.scale)
-                .arg(saved.lse)
-                .arg(&delta)
-                .arg(saved.dout)
-                .arg(grads.dq)
-                .arg(&mut *status);
+            inputs.push(&mut l).arg(grads.dq).arg(&mut *status);
             // SAFETY: argument order as the `ATTN_BWD_DQ` kernels; lengths checked above.
             unsafe { l.launch(cfg) }.during(format!("{K}: dq"))?;
         }
         let key_rows = WARPS * DKV_ROWS_PER_WARP[dims.class];
-        let blocks = mul(
-            K,
-            "attention blocks",
-            shape.batch * shape.kv_heads,
-            shape.seq.div_ceil(key_rows),
-        )?;
+        let blocks = tiled_blocks(K, &shape, shape.seq, key_rows)?;
         let func = &self.f.attention_bwd_dkv[dims.class];
         let d = shape.head_dim;
         let smem = 4 * (2 * 32 * (d + 1) + 2 * key_rows * d);
         let cfg = attention_cfg(self, K, func, blocks, smem)?;
         let mut l = self.stream.launch_builder(func);
-        l.arg(q).arg(k).arg(v);
-        match key_mask {
-            Some(m) => l.arg(m),
-            None => l.arg(&null),
-        };
-        l.arg(&b64)
-            .arg(&s64)
-            .arg(&dims.hq)
-            .arg(&dims.hkv)
-            .arg(&dims.d)
-            .arg(&shape.scale)
-            .arg(saved.lse)
-            .arg(&delta)
-            .arg(saved.dout)
-            .arg(grads.dk)
-            .arg(grads.dv)
-            .arg(status);
+        inputs.push(&mut l).arg(grads.dk).arg(grads.dv).arg(status);
         // SAFETY: argument order as the `ATTN_BWD_DKV` kernels; lengths checked above.
         unsafe { l.launch(cfg) }.during(format!("{K}: dk, dv"))?;
         Ok(())
@@ -490,10 +490,14 @@ impl ModelOps {
         check_len(K, "k_new", dims.kv_len, k_new.len())?;
         check_len(K, "v_new", dims.kv_len, v_new.len())?;
         let tok = dims.kv_tok;
-        let slots = mul(K, "batch × max_len", shape.batch, cache.max_len)?;
-        let cache_len = mul(K, "cache elements", slots, tok)?;
-        check_len(K, "k_cache", cache_len, cache.k.len())?;
-        check_len(K, "v_cache", cache_len, cache.v.len())?;
+        check_cache(
+            K,
+            &shape,
+            &dims,
+            cache.max_len,
+            cache.k.len(),
+            cache.v.len(),
+        )?;
         if cache.len > cache.max_len.saturating_sub(shape.seq) {
             return Err(bad(
                 K,
@@ -535,6 +539,41 @@ struct Attend<'a, 'b> {
     kv_seq: usize,
     /// Slot of the first query.
     pos0: usize,
+}
+
+/// The arguments the dq and dk/dv kernels share, in their order (`ATTN_BWD_*`).
+struct BackwardInputs<'a, 'b> {
+    q: &'a CudaView<'b, f32>,
+    k: &'a CudaView<'b, f32>,
+    v: &'a CudaView<'b, f32>,
+    key_mask: Option<&'a CudaView<'b, f32>>,
+    batch: i64,
+    seq: i64,
+    dims: &'a Dims,
+    scale: f32,
+    lse: &'a CudaView<'b, f32>,
+    /// `δ = Σ dout·out` per (token, head) row.
+    delta: &'a CudaView<'a, f32>,
+    dout: &'a CudaView<'b, f32>,
+}
+
+impl BackwardInputs<'_, '_> {
+    /// Pushes the shared arguments; the caller pushes the kernel's outputs after them.
+    fn push<'r, 'l>(&'l self, l: &'r mut LaunchArgs<'l>) -> &'r mut LaunchArgs<'l> {
+        l.arg(self.q)
+            .arg(self.k)
+            .arg(self.v)
+            .arg_or_null(self.key_mask)
+            .arg(&self.batch)
+            .arg(&self.seq)
+            .arg(&self.dims.hq)
+            .arg(&self.dims.hkv)
+            .arg(&self.dims.d)
+            .arg(&self.scale)
+            .arg(self.lse)
+            .arg(self.delta)
+            .arg(self.dout)
+    }
 }
 
 /// What [`ModelOps::attention_backward`] reads besides the inputs.

@@ -18,7 +18,7 @@ use ares_cpu::{Logits, log_prob_entropy};
 
 use rayon::prelude::*;
 
-use super::sampling::{greedy_row, sample_row};
+use super::sampling::{check_top_k, greedy_row, sample_row};
 
 use super::{
     AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
@@ -64,6 +64,16 @@ fn slice_mut<'a>(view: ViewMut<'a, Vec<f32>>) -> Result<&'a mut [f32]> {
         })
 }
 
+/// [`slice`] of an optional view.
+fn slice_opt<'a>(view: Option<View<'a, Vec<f32>>>) -> Result<Option<&'a [f32]>> {
+    view.map(slice).transpose()
+}
+
+/// [`slice_mut`] of an optional view.
+fn slice_mut_opt<'a>(view: Option<ViewMut<'a, Vec<f32>>>) -> Result<Option<&'a mut [f32]>> {
+    view.map(slice_mut).transpose()
+}
+
 /// The `ares-cpu` matmul dims of a linear layer.
 fn matmul_dims(dims: LinearDims) -> MatmulDims {
     MatmulDims {
@@ -78,21 +88,13 @@ fn attention_args<'a>(
     dims: AttentionDims,
     inputs: AttentionInputs<'a, Vec<f32>>,
 ) -> Result<(AttentionShape, attention::AttentionInputs<'a>)> {
-    let shape = AttentionShape::new(
-        dims.batch,
-        dims.seq,
-        dims.q_heads,
-        dims.kv_heads,
-        dims.head_dim,
-    )
-    .with_scale(dims.scale);
     let inputs = attention::AttentionInputs {
         q: slice(inputs.q)?,
         k: slice(inputs.k)?,
         v: slice(inputs.v)?,
-        key_mask: inputs.key_mask.map(slice).transpose()?,
+        key_mask: slice_opt(inputs.key_mask)?,
     };
-    Ok((shape, inputs))
+    Ok((attention_shape(dims), inputs))
 }
 
 /// Wraps a kernel error with the op that raised it.
@@ -194,7 +196,7 @@ impl Backend for CpuBackend {
         dims: LinearDims,
         out: TensorMut<'_, Self>,
     ) -> Result<()> {
-        let bias = bias.map(slice).transpose()?;
+        let bias = slice_opt(bias)?;
         linear_forward_in(
             dims.precision,
             slice(x)?,
@@ -214,7 +216,7 @@ impl Backend for CpuBackend {
         dims: LinearDims,
         out: TensorMut<'_, Self>,
     ) -> Result<()> {
-        let bias = bias.map(slice).transpose()?;
+        let bias = slice_opt(bias)?;
         linear_forward_t_in(
             dims.precision,
             slice(x)?,
@@ -341,9 +343,9 @@ impl Backend for CpuBackend {
             slice(x)?,
             slice(w)?,
             matmul_dims(dims),
-            dx.map(slice_mut).transpose()?,
+            slice_mut_opt(dx)?,
             slice_mut(dw)?,
-            dbias.map(slice_mut).transpose()?,
+            slice_mut_opt(dbias)?,
         )
         .map_err(op("linear_backward"))
     }
@@ -509,9 +511,7 @@ impl Backend for CpuBackend {
                 "temperature = {temperature} must be finite and > 0"
             )));
         }
-        if top_k == Some(0) {
-            return Err(bad("top_k = 0 keeps no token (None for no limit)".into()));
-        }
+        check_top_k("sample_tokens", top_k)?;
         if !(top_p > 0.0 && top_p <= 1.0) {
             return Err(bad(format!("top_p = {top_p} must be in (0, 1]")));
         }
@@ -588,7 +588,7 @@ impl Backend for CpuBackend {
             v: slice(cache.v)?,
             max_len: cache.max_len,
             len: &len,
-            key_mask: cache.key_mask.map(slice).transpose()?,
+            key_mask: slice_opt(cache.key_mask)?,
         };
         attention_decode(&attention_shape(dims), slice(q)?, cache, slice_mut(out)?)
             .map_err(op("attention_decode"))
@@ -606,7 +606,7 @@ impl Backend for CpuBackend {
         let hwe = match hwe {
             Some(h) => Some(ares_cpu::HweOutputs {
                 tau: h.tau,
-                trigger: h.trigger.map(slice).transpose()?,
+                trigger: slice_opt(h.trigger)?,
                 hwe_mask: slice_mut(h.hwe_mask)?,
                 counts: slice_mut(h.counts)?,
                 soft_cost: slice_mut(h.soft_cost)?,
@@ -653,7 +653,7 @@ impl Backend for CpuBackend {
             logp: slice(inputs.logp)?,
             ref_logp: slice(inputs.ref_logp)?,
             mask: slice(inputs.mask)?,
-            hwe_mask: inputs.hwe_mask.map(slice).transpose()?,
+            hwe_mask: slice_opt(inputs.hwe_mask)?,
             beta_rows: slice(inputs.beta_rows)?,
             low_ratio: inputs.low_ratio,
             estimator: inputs.estimator,
@@ -661,7 +661,7 @@ impl Backend for CpuBackend {
         };
         let outputs = ares_cpu::MaskedKlOutputs {
             kl: None,
-            weighted: outputs.weighted.map(slice_mut).transpose()?,
+            weighted: slice_mut_opt(outputs.weighted)?,
             row_weighted_sum: slice_mut(outputs.row_weighted_sum)?,
             row_mean_kl: slice_mut(outputs.row_mean_kl)?,
         };

@@ -6,10 +6,27 @@
 //! `argmax_rows` and `sample_rows` are their twins (`sample_rows` finds the same cuts by
 //! bisection instead of sorting, [`pick_by_bisection`] here being its reference).
 
+/// Errors unless `top_k` keeps a token (`None`: no limit; `Some(0)` keeps none), naming
+/// `op` (both backends' [`Backend::sample_tokens`](super::Backend::sample_tokens)).
+pub(crate) fn check_top_k(op: &'static str, top_k: Option<usize>) -> super::Result<()> {
+    if top_k == Some(0) {
+        return Err(super::BackendError::Op {
+            op,
+            source: "top_k = 0 keeps no token (None for no limit)".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Whether `row` holds NaN or +∞: then no token is picked, greedy or sampled.
+fn has_nan_or_inf(row: &[f32]) -> bool {
+    row.iter().any(|x| x.is_nan() || *x == f32::INFINITY)
+}
+
 /// The index of the largest logit of `row`, the lowest among equal maxima; `None` when a
 /// logit is NaN or +∞ or every logit is −∞ (greedy decoding, host and CPU backend).
 pub(crate) fn greedy_row(row: &[f32]) -> Option<u32> {
-    if row.iter().any(|x| x.is_nan() || *x == f32::INFINITY) {
+    if has_nan_or_inf(row) {
         return None;
     }
     let mut best: Option<(usize, f32)> = None;
@@ -100,7 +117,7 @@ pub(crate) fn sample_row(
     top_p: f32,
     u: f64,
 ) -> Option<u32> {
-    if logits.iter().any(|x| x.is_nan() || *x == f32::INFINITY) {
+    if has_nan_or_inf(logits) {
         return None;
     }
     let t = f64::from(temperature);
@@ -174,7 +191,7 @@ fn pick_by_bisection(
     top_p: f32,
     u: f64,
 ) -> Option<u32> {
-    if logits.iter().any(|x| x.is_nan() || *x == f32::INFINITY) {
+    if has_nan_or_inf(logits) {
         return None;
     }
     let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));

@@ -29,6 +29,16 @@ fn check_bounds(offset: usize, len: usize, buffer_len: usize) -> Result<(), Back
     }
 }
 
+/// The first element of item `index` of `len` elements (`index · len`), or the error of a
+/// view past any buffer (of `buffer_len` elements) when that overflows.
+fn item_offset(index: usize, len: usize, buffer_len: usize) -> Result<usize, BackendError> {
+    index.checked_mul(len).ok_or(BackendError::ViewOutOfBounds {
+        offset: usize::MAX,
+        len,
+        buffer_len,
+    })
+}
+
 /// A read-only view of `len` elements of `buffer` starting at `offset`.
 #[derive(Debug)]
 pub struct View<'a, T: ?Sized> {
@@ -74,14 +84,7 @@ impl<'a, T: DeviceBuffer + ?Sized> View<'a, T> {
     /// # Errors
     /// [`BackendError::ViewOutOfBounds`] if the item does not lie in `buffer`.
     pub fn item(buffer: &'a T, index: usize, len: usize) -> Result<Self, BackendError> {
-        let offset = index
-            .checked_mul(len)
-            .ok_or(BackendError::ViewOutOfBounds {
-                offset: usize::MAX,
-                len,
-                buffer_len: buffer.len(),
-            })?;
-        Self::new(buffer, offset, len)
+        Self::new(buffer, item_offset(index, len, buffer.len())?, len)
     }
 }
 
@@ -145,13 +148,7 @@ impl<'a, T: DeviceBuffer + ?Sized> ViewMut<'a, T> {
     /// # Errors
     /// [`BackendError::ViewOutOfBounds`] if the item does not lie in `buffer`.
     pub fn item(buffer: &'a mut T, index: usize, len: usize) -> Result<Self, BackendError> {
-        let offset = index
-            .checked_mul(len)
-            .ok_or(BackendError::ViewOutOfBounds {
-                offset: usize::MAX,
-                len,
-                buffer_len: buffer.len(),
-            })?;
+        let offset = item_offset(index, len, buffer.len())?;
         Self::new(buffer, offset, len)
     }
 }

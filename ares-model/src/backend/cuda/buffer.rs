@@ -50,36 +50,40 @@ impl DeviceBuffer for CudaIds {
     }
 }
 
-/// The device elements a view names. Views are bounds-checked when made; this re-checks
-/// (a cudarc slice out of range would panic) and reports instead.
-pub(super) fn view<'a>(v: View<'a, CudaBuffer>) -> Result<CudaView<'a, f32>> {
-    let (offset, len) = (v.offset(), v.len());
-    let buffer = v.buffer();
+/// `sub(offset..offset + len)` of a buffer of `buffer_len` elements, or
+/// [`BackendError::ViewOutOfBounds`] when the window does not fit (a cudarc slice out of
+/// range would panic; `sub` is its `try_slice`).
+fn window<V>(
+    offset: usize,
+    len: usize,
+    buffer_len: usize,
+    sub: impl FnOnce(std::ops::Range<usize>) -> Option<V>,
+) -> Result<V> {
     offset
         .checked_add(len)
-        .filter(|&end| end <= buffer.len)
-        .and_then(|end| buffer.slice.try_slice(offset..end))
+        .filter(|&end| end <= buffer_len)
+        .and_then(|end| sub(offset..end))
         .ok_or(BackendError::ViewOutOfBounds {
             offset,
             len,
-            buffer_len: buffer.len,
+            buffer_len,
         })
+}
+
+/// The device elements a view names. Views are bounds-checked when made; this re-checks
+/// and reports instead of panicking.
+pub(super) fn view<'a>(v: View<'a, CudaBuffer>) -> Result<CudaView<'a, f32>> {
+    let buffer = v.buffer();
+    window(v.offset(), v.len(), buffer.len, |r| {
+        buffer.slice.try_slice(r)
+    })
 }
 
 /// The device elements a writable view names (see [`view`]).
 pub(super) fn view_mut<'a>(v: ViewMut<'a, CudaBuffer>) -> Result<CudaViewMut<'a, f32>> {
     let (offset, len) = (v.offset(), v.len());
     let buffer = v.into_buffer();
-    let buffer_len = buffer.len;
-    offset
-        .checked_add(len)
-        .filter(|&end| end <= buffer_len)
-        .and_then(|end| buffer.slice.try_slice_mut(offset..end))
-        .ok_or(BackendError::ViewOutOfBounds {
-            offset,
-            len,
-            buffer_len,
-        })
+    window(offset, len, buffer.len, |r| buffer.slice.try_slice_mut(r))
 }
 
 /// [`view`] of an optional view.
@@ -96,23 +100,11 @@ pub(super) fn view_mut_opt<'a>(
 
 /// The whole of an ids buffer.
 pub(super) fn ids(ids: &CudaIds) -> Result<CudaView<'_, u32>> {
-    ids.slice
-        .try_slice(0..ids.len)
-        .ok_or(BackendError::ViewOutOfBounds {
-            offset: 0,
-            len: ids.len,
-            buffer_len: ids.slice.len(),
-        })
+    window(0, ids.len, ids.slice.len(), |r| ids.slice.try_slice(r))
 }
 
 /// The whole of an ids buffer, for writing.
 pub(super) fn ids_mut(ids: &mut CudaIds) -> Result<CudaViewMut<'_, u32>> {
-    let (len, buffer_len) = (ids.len, ids.slice.len());
-    ids.slice
-        .try_slice_mut(0..len)
-        .ok_or(BackendError::ViewOutOfBounds {
-            offset: 0,
-            len,
-            buffer_len,
-        })
+    let buffer_len = ids.slice.len();
+    window(0, ids.len, buffer_len, |r| ids.slice.try_slice_mut(r))
 }

@@ -28,6 +28,7 @@ pub use buffer::{CudaBuffer, CudaIds};
 
 use buffer::{ids, ids_mut, view, view_mut, view_mut_opt, view_opt};
 
+use super::sampling::check_top_k;
 use super::{
     AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError, HweViews,
     KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims, MatmulPrecision, Result, Tensor,
@@ -519,12 +520,7 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         BackendError::check_len("sample_tokens host", ids_buf.len, host.len())?;
         BackendError::check_len("sample_tokens uniforms", ids_buf.len, uniforms.len())?;
-        if top_k == Some(0) {
-            return Err(BackendError::Op {
-                op: "sample_tokens",
-                source: "top_k = 0 keeps no token (None for no limit)".into(),
-            });
-        }
+        check_top_k("sample_tokens", top_k)?;
         let u = self.ops.upload_f64(uniforms).map_err(op("sample_tokens"))?;
         self.ops
             .sample_rows(
