@@ -460,6 +460,17 @@ fn video_errors() {
         let msg = e.to_string();
         assert!(msg.contains("clip.mp4") && msg.contains("decoder"), "{msg}");
     }
+    // One image passed as a video.
+    let e = process_video_path(
+        &fixture_dir().join("rgb_56x56.png"),
+        VideoSampling::default(),
+        &cfg,
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string().contains("rgb_56x56.png") && e.to_string().contains("not a video"),
+        "{e}"
+    );
     // A directory without frames.
     let e = process_video_path(tmp.path(), VideoSampling::default(), &cfg).unwrap_err();
     assert!(e.to_string().contains("no frame images"), "{e}");

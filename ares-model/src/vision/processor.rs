@@ -1294,6 +1294,14 @@ pub fn process_video_path(
         let files = frame_files(path)?;
         return process_video_files(&files, sampling, cfg);
     }
+    if path.is_file() && has_extension(path, &FRAME_EXTENSIONS) {
+        return Err(VisionError::InFile {
+            file: path.to_path_buf(),
+            source: Box::new(VisionError::Video {
+                message: "a single image is not a video: pass the frames as a list of files or a directory".into(),
+            }),
+        });
+    }
     if has_extension(path, &VIDEO_EXTENSIONS) || path.is_file() {
         return Err(VisionError::VideoFileNeedsDecoder {
             file: path.to_path_buf(),
