@@ -141,8 +141,7 @@ impl Batch {
     ) -> Result<B::Buffer, TrainError> {
         let (t, p) = (self.tokens.cols(), self.prompt_cols);
         let be = model.backend();
-        let err = |e| TrainError::from(crate::model::ModelError::from(e));
-        let mut out = be.alloc(self.rows() * t).map_err(err)?;
+        let mut out = be.alloc(self.rows() * t)?;
         let rows: Vec<usize> = (0..self.rows()).collect();
         let mut arena: Option<(usize, crate::model::Activations<B>)> = None;
         for chunk in rows.chunks(micro.max(1)) {
@@ -159,10 +158,9 @@ impl Batch {
             let logp = acts.log_probs();
             for (i, &row) in chunk.iter().enumerate() {
                 // response token j of a row sits at column P + j, predicted at P − 1 + j
-                let src = View::new(logp.buffer(), logp.offset() + i * packed.seq() + p - 1, t)
-                    .map_err(err)?;
-                let dst = ViewMut::new(&mut out, row * t, t).map_err(err)?;
-                be.copy(src, dst).map_err(err)?;
+                let src = View::new(logp.buffer(), logp.offset() + i * packed.seq() + p - 1, t)?;
+                let dst = ViewMut::new(&mut out, row * t, t)?;
+                be.copy(src, dst)?;
             }
         }
         Ok(out)

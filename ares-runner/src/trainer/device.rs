@@ -3,8 +3,7 @@
 //! (`perf/d2h_bytes`).
 
 use super::TrainError;
-use crate::backend::{Backend, BackendError, View, ViewMut};
-use crate::model::ModelError;
+use crate::backend::{Backend, View, ViewMut};
 
 /// Bytes downloaded from the device so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -13,16 +12,12 @@ pub struct Downloads {
     pub bytes: usize,
 }
 
-fn err(e: BackendError) -> TrainError {
-    ModelError::from(e).into()
-}
-
 /// A zeroed device buffer of `len` f32.
 ///
 /// # Errors
 /// The backend's (out of memory).
 pub fn alloc<B: Backend>(be: &B, len: usize) -> Result<B::Buffer, TrainError> {
-    be.alloc(len).map_err(err)
+    Ok(be.alloc(len)?)
 }
 
 /// A device copy of `host`.
@@ -31,7 +26,7 @@ pub fn alloc<B: Backend>(be: &B, len: usize) -> Result<B::Buffer, TrainError> {
 /// The backend's.
 pub fn upload<B: Backend>(be: &B, host: &[f32]) -> Result<B::Buffer, TrainError> {
     let mut buf = alloc(be, host.len())?;
-    be.upload(host, ViewMut::whole(&mut buf)).map_err(err)?;
+    be.upload(host, ViewMut::whole(&mut buf))?;
     Ok(buf)
 }
 
@@ -46,7 +41,7 @@ pub fn download<B: Backend>(
 ) -> Result<Vec<f32>, TrainError> {
     let view = View::whole(buf);
     let mut host = vec![0.0f32; view.len()];
-    be.download(view, &mut host).map_err(err)?;
+    be.download(view, &mut host)?;
     downloads.bytes += 4 * host.len();
     Ok(host)
 }

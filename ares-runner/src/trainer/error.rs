@@ -63,3 +63,11 @@ impl TrainError {
         }
     }
 }
+
+/// A backend op of the step's own tensors (HWE, KL, scoring) failed: reported as the
+/// model's error, which names the op.
+impl From<crate::backend::BackendError> for TrainError {
+    fn from(e: crate::backend::BackendError) -> Self {
+        TrainError::Model(ModelError::from(e))
+    }
+}

@@ -73,8 +73,7 @@ pub fn hwe_pass<B: Backend>(
         None,
         ViewMut::whole(&mut means),
         ViewMut::whole(&mut valid),
-    )
-    .map_err(model_err)?;
+    )?;
     let (mut thresholds, mut has) = (alloc(be, rows)?, alloc(be, rows)?);
     be.row_percentile(
         View::whole(&means),
@@ -83,8 +82,7 @@ pub fn hwe_pass<B: Backend>(
         params.percentile as f32,
         ViewMut::whole(&mut thresholds),
         ViewMut::whole(&mut has),
-    )
-    .map_err(model_err)?;
+    )?;
     let thresholds = download(be, &thresholds, downloads)?;
     let has = download(be, &has, downloads)?;
     let mut scratch = vec![0.0f32; rows];
@@ -107,8 +105,7 @@ pub fn hwe_pass<B: Backend>(
         }),
         ViewMut::whole(&mut means),
         ViewMut::whole(&mut valid),
-    )
-    .map_err(model_err)?;
+    )?;
     // counts are whole numbers far below 2^24, exact in f32
     let counts = download(be, &counts, downloads)?
         .into_iter()
@@ -148,10 +145,6 @@ pub fn hwe_pass_host<B: Backend>(
         tau,
         &mut Downloads::default(),
     )
-}
-
-fn model_err(e: crate::backend::BackendError) -> TrainError {
-    crate::model::ModelError::from(e).into()
 }
 
 /// Folds a batch's candidate into τ (no-op without one); returns τ after the update.

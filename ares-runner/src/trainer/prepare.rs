@@ -215,8 +215,7 @@ pub fn score<B: Backend>(
             row_weighted_sum: ViewMut::whole(&mut d_row_sum),
             row_mean_kl: ViewMut::whole(&mut d_row_mean),
         },
-    )
-    .map_err(crate::model::ModelError::from)?;
+    )?;
     let row_mean_kl = download(be, &d_row_mean, downloads)?;
     let lengths = batch.lengths();
     let valid: usize = lengths.iter().sum();
