@@ -12,12 +12,16 @@
 //! - Every backward is checked against central finite differences of its forward in the
 //!   op's tests.
 
+pub mod activation;
 pub mod attention;
 pub mod embedding;
+pub mod layer_norm;
 pub mod log_prob_backward;
 pub mod matmul;
 pub mod optim;
 pub mod precision;
 pub mod rmsnorm;
 pub mod rope;
+pub mod scatter;
+pub mod segment_attention;
 pub mod swiglu;
