@@ -5,6 +5,7 @@
 //! - `config` — prints the resolved configuration.
 //! - `eval` — accuracy and mean response length per difficulty of a model on a dataset.
 //! - `sft` — supervised fine-tuning on prompt/response data (the cold-start stage).
+//! - `generate` — completions of prompts by a model (streamed text or JSON lines).
 //! - `plot` — draws the key curves of a `metrics.jsonl`.
 //! - `demo-data` — writes the demo's model, tokenizer and datasets to a directory.
 
@@ -68,6 +69,8 @@ enum Command {
         #[command(flatten)]
         cfg: ConfigArgs,
     },
+    /// Generate completions of prompts with a model (streamed, or JSON lines with --json).
+    Generate(ares_runner::commands::generate::GenerateArgs),
     /// Plot the key curves of a metrics file.
     Plot {
         /// The `metrics.jsonl` of a run.
@@ -152,6 +155,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             let config = load(&cfg, None)?;
             ares_runner::commands::sft(&config)?;
         }
+        Command::Generate(args) => ares_runner::commands::generate::run(&args)?,
         Command::Plot {
             metrics,
             output,

@@ -146,7 +146,21 @@ impl<B: Backend> Generator<'_, B> {
     /// # Errors
     /// As [`Model::generate`].
     pub fn generate(&self, request: &GenerateRequest) -> Result<GenerateOutput, GenerateError> {
-        self.model.generate_with(request, &self.tw)
+        self.model.generate_with(request, &self.tw, &mut |_, _| {})
+    }
+
+    /// [`Generator::generate`], calling `on_token(sequence, token)` as each new token is
+    /// picked (in order; the EOS id that ends a sequence included), for streaming output.
+    /// Same outputs as [`Generator::generate`].
+    ///
+    /// # Errors
+    /// As [`Model::generate`].
+    pub fn generate_streaming(
+        &self,
+        request: &GenerateRequest,
+        mut on_token: impl FnMut(usize, u32),
+    ) -> Result<GenerateOutput, GenerateError> {
+        self.model.generate_with(request, &self.tw, &mut on_token)
     }
 }
 
@@ -196,13 +210,14 @@ impl<'r, B: Backend> Picker<'r, B> {
     /// New token `step` of every unfinished sequence from `logits` `[batch, vocab]` (each
     /// sequence's next-token logits): picks it, computes its log-prob and the entropy of
     /// the sampling distribution on the device, appends all three to `out` and marks
-    /// sequences that produced an EOS id.
+    /// sequences that produced an EOS id. `on_token(sequence, token)` sees each new token.
     fn step(
         &mut self,
         be: &B,
         logits: Tensor<'_, B>,
         step: usize,
         out: &mut GenerateOutput,
+        on_token: &mut dyn FnMut(usize, u32),
     ) -> Result<(), GenerateError> {
         let request = self.request;
         if request.sampling == Sampling::Greedy {
@@ -254,6 +269,7 @@ impl<'r, B: Backend> Picker<'r, B> {
                 continue;
             }
             out.tokens[b].push(self.next[b]);
+            on_token(b, self.next[b]);
             out.log_probs[b].push(self.host_lp[b]);
             out.entropies[b].push(self.host_ent[b]);
             if request.eos_ids.contains(&self.next[b]) {
@@ -412,11 +428,13 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    /// [`Model::generate`] with the transposed weights `tw` of this model's weights.
+    /// [`Model::generate`] with the transposed weights `tw` of this model's weights,
+    /// calling `on_token(sequence, token)` for each new token.
     fn generate_with(
         &self,
         request: &GenerateRequest,
         tw: &DecodeWeights<B>,
+        on_token: &mut dyn FnMut(usize, u32),
     ) -> Result<GenerateOutput, GenerateError> {
         let (prompts, max_new) = (&request.prompts, request.max_new_tokens);
         self.check_request(request)?;
@@ -472,7 +490,7 @@ impl<B: Backend> Model<B> {
             };
             self.forward_cached_with(&inputs, &mut prefill, &mut cache, Some(tw))?;
             let logits = self.prefill_head(&mut prefill, tw)?;
-            picker.step(&self.backend, logits, 0, &mut out)?;
+            picker.step(&self.backend, logits, 0, &mut out, on_token)?;
             // The prefill arena is freed before the decode arena is planned.
         }
 
@@ -496,7 +514,7 @@ impl<B: Backend> Model<B> {
                 position_ids: &step_positions,
             };
             self.forward_cached_with(&inputs, &mut step_acts, &mut cache, Some(tw))?;
-            picker.step(&self.backend, step_acts.logits(), step, &mut out)?;
+            picker.step(&self.backend, step_acts.logits(), step, &mut out, on_token)?;
         }
         Ok(out)
     }

@@ -1,7 +1,9 @@
 //! The `ares-runner` subcommands as library functions (the binary only parses arguments):
-//! [`train`] (with the built-in [`demo`] when no data is configured), [`eval`] and [`sft`].
+//! [`train`] (with the built-in [`demo`] when no data is configured), [`eval`], [`sft`]
+//! and [`generate`].
 
 pub mod demo;
+pub mod generate;
 mod sft;
 
 use std::path::Path;

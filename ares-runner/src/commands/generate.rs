@@ -1,0 +1,868 @@
+//! `ares-runner generate`: text from a Hugging Face model directory, for prompts given on
+//! the command line (`--prompt`, repeatable) or in a JSONL file (`--prompts`).
+//!
+//! Each prompt is a conversation rendered with the model's chat template and its
+//! generation prompt (`--no-chat-template`: the text as is, through the tokenizer with its
+//! special tokens), generated alone (one request per prompt, the linear weights transposed
+//! once for all of them) until an EOS id of `generation_config.json` / `config.json` /
+//! `tokenizer_config.json` or `--max-new-tokens`.
+//!
+//! Decoding follows transformers' defaults: greedy unless `generation_config.json` sets
+//! `do_sample: true` or a sampling flag is given; then its `temperature`, `top_p` and
+//! `top_k` (transformers' 1.0, 1.0 and 50 when absent), each overridden by its flag.
+//! Prompt `i` samples with the seed `--seed ^ i·0x9E3779B97F4A7C15` (prompt 0: `--seed`).
+//!
+//! Output: without `--json`, the text is streamed to stdout as tokens are produced
+//! (decoded incrementally, special tokens skipped), one completion per prompt, with
+//! progress notes on stderr; with `--json`, one line per prompt:
+//! `{"prompt_index", "text", "token_ids", "input_ids", "finish_reason": "eos"|"length"}`.
+//!
+//! Images and videos (`--image`, `--video`, `"images"` / `"videos"` in a JSONL line) are
+//! for vision-language models (Qwen2-VL, Qwen2.5-VL) only; their generation goes through
+//! `multimodal_inputs`, which is not wired to the vision runtime yet.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::backend::Backend;
+use crate::config::Config;
+use crate::hf::chat::{ChatError, ChatMessage, ChatTemplate, RenderOptions};
+use crate::hf::checkpoint::Checkpoint;
+use crate::hf::generation::GenerationConfig;
+use crate::hf::tokenizer::{TOKENIZER_FILE, Tokenizer};
+use crate::model::{GenerateRequest, Sampling};
+use crate::trainer::TrainError;
+
+/// New tokens per prompt when neither `--max-new-tokens` nor `generation_config.json`'s
+/// `max_new_tokens` says.
+pub const DEFAULT_MAX_NEW_TOKENS: usize = 256;
+
+/// transformers' `top_k` when sampling and `generation_config.json` does not set one.
+const TRANSFORMERS_TOP_K: usize = 50;
+
+/// `model_type`s of the vision-language models (their prompts may carry images and videos).
+const VISION_LANGUAGE_MODEL_TYPES: [&str; 2] = ["qwen2_vl", "qwen2_5_vl"];
+
+/// The flags of `ares-runner generate`.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(name = "generate")]
+pub struct GenerateArgs {
+    /// Hugging Face model directory: config.json, safetensors weights, tokenizer.json,
+    /// tokenizer_config.json (with the chat template), generation_config.json (optional).
+    #[arg(short, long, value_name = "MODEL_DIR")]
+    pub model: PathBuf,
+    /// A user message, rendered with the model's chat template and generation prompt
+    /// (repeatable: one completion each).
+    #[arg(long, value_name = "TEXT", conflicts_with = "prompts")]
+    pub prompt: Vec<String>,
+    /// JSONL file, one prompt a line: {"messages": [{"role": ..., "content": ...}, ...]} or
+    /// {"prompt": "text"}, optionally with "images": [...] and "videos": [...] (paths
+    /// relative to the file's directory).
+    #[arg(long, value_name = "FILE.jsonl")]
+    pub prompts: Option<PathBuf>,
+    /// An image attached to every --prompt (repeatable; vision-language models only).
+    #[arg(long, value_name = "PATH", conflicts_with = "prompts")]
+    pub image: Vec<PathBuf>,
+    /// A video attached to every --prompt (repeatable; vision-language models only).
+    #[arg(long, value_name = "PATH", conflicts_with = "prompts")]
+    pub video: Vec<PathBuf>,
+    /// Most new tokens per prompt [default: generation_config.json's max_new_tokens, else 256].
+    #[arg(long, value_name = "N")]
+    pub max_new_tokens: Option<usize>,
+    /// Sampling temperature (0: greedy) [default: generation_config.json's, else 1.0].
+    #[arg(long, value_name = "T")]
+    pub temperature: Option<f32>,
+    /// Nucleus sampling mass in (0, 1] [default: generation_config.json's, else 1.0].
+    #[arg(long, value_name = "P")]
+    pub top_p: Option<f32>,
+    /// Sample from the K most likely tokens (0: all) [default: generation_config.json's,
+    /// else 50 as transformers].
+    #[arg(long, value_name = "K")]
+    pub top_k: Option<usize>,
+    /// Seed of the sampling streams.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Greedy decoding, whatever generation_config.json says.
+    #[arg(long, conflicts_with_all = ["temperature", "top_p", "top_k"])]
+    pub greedy: bool,
+    /// Device: cpu, cuda or auto (as `train --device`) [default: cpu].
+    #[arg(long, value_name = "DEVICE", value_parser = ["cpu", "cuda", "auto"])]
+    pub device: Option<String>,
+    /// One JSON line per prompt instead of streamed text.
+    #[arg(long)]
+    pub json: bool,
+    /// Tokenize the prompt text as is (no chat template).
+    #[arg(long)]
+    pub no_chat_template: bool,
+}
+
+/// What a prompt says: a text (a `--prompt` or `{"prompt": "..."}`) or a conversation.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptInput {
+    /// One user message (`--no-chat-template`: the raw text).
+    Text(String),
+    /// Chat messages (`role`, `content`, and whatever else the template reads).
+    Messages(Vec<Value>),
+}
+
+/// One prompt to complete, with its media.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prompt {
+    /// Where it came from, for messages (`--prompt 2`, `prompts.jsonl line 7`).
+    pub origin: String,
+    /// The text or conversation.
+    pub input: PromptInput,
+    /// Image files.
+    pub images: Vec<PathBuf>,
+    /// Video files.
+    pub videos: Vec<PathBuf>,
+}
+
+/// Why a completion ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// An EOS id was produced (it is the last of `token_ids`).
+    Eos,
+    /// The new-token limit was reached.
+    Length,
+}
+
+/// One prompt's completion (a `--json` line).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Completion {
+    /// Index of the prompt (order of `--prompt`s or of the file's prompt lines).
+    pub prompt_index: usize,
+    /// The new tokens decoded, special tokens skipped.
+    pub text: String,
+    /// The new token ids, the EOS id included when one ended the completion.
+    pub token_ids: Vec<u32>,
+    /// The prompt's token ids, as the model saw them.
+    pub input_ids: Vec<u32>,
+    /// Why the completion ended.
+    pub finish_reason: FinishReason,
+}
+
+/// `ares-runner generate`: completions of the prompts of `args`, on stdout.
+///
+/// # Errors
+/// As [`generate`].
+pub fn run(args: &GenerateArgs) -> Result<(), TrainError> {
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    generate(args, &mut out).map(|_| ())
+}
+
+/// Completes the prompts of `args`, writing streamed text (or, with `--json`, one JSON line
+/// per prompt) to `out`, notes to stderr; returns the completions.
+///
+/// # Errors
+/// Anything a user can fix, named: no prompt, a missing model directory or file, a prompt
+/// file line that is not a prompt, images for a text model, conflicting or invalid
+/// decoding flags, a prompt too long for the model, an unusable device; also generation
+/// failures and write errors on `out`.
+pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<Vec<Completion>, TrainError> {
+    check_decoding_flags(args)?;
+    let model_type = model_type(&args.model)?;
+    let prompts = collect_prompts(args)?;
+    let vision = VISION_LANGUAGE_MODEL_TYPES.contains(&model_type.as_str());
+    if !vision {
+        for p in &prompts {
+            for (what, media) in [("images", &p.images), ("videos", &p.videos)] {
+                if !media.is_empty() {
+                    return Err(invalid(format!(
+                        "model {} (model_type {model_type}) takes no {what} ({}: {})",
+                        args.model.display(),
+                        p.origin,
+                        media[0].display()
+                    )));
+                }
+            }
+        }
+    }
+    let tokenizer = load_tokenizer(&args.model)?;
+    let input_ids = if vision {
+        multimodal_inputs(&args.model, &model_type, &tokenizer, &prompts)?
+    } else {
+        text_inputs(&args.model, &tokenizer, &prompts, args.no_chat_template)?
+    };
+
+    // the device before the weights: a missing GPU fails fast
+    let mut overrides = Vec::new();
+    if let Some(d) = &args.device {
+        overrides.push(format!("trainer.device={d}"));
+    }
+    let cfg = Config::load(None, &overrides).map_err(|e| invalid(e.to_string()))?;
+    let selected = super::select_backend(&cfg)?;
+
+    let ckpt = Checkpoint::load(&args.model)
+        .map_err(|e| invalid(format!("loading model {}: {e}", args.model.display())))?;
+    let sampling = decoding(args, ckpt.generation.as_ref());
+    note_unapplied(ckpt.generation.as_ref());
+    let limits = new_token_limits(args, &ckpt, &prompts, &input_ids)?;
+    let eos_ids = eos_ids(&ckpt, &tokenizer);
+    if eos_ids.is_empty() {
+        eprintln!(
+            "note: {} names no EOS token; every completion runs to its token limit",
+            args.model.display()
+        );
+    }
+    eprintln!("generate: {}", describe(sampling, args.seed));
+    let job = Job {
+        ckpt: &ckpt,
+        cfg: &cfg,
+        tokenizer: &tokenizer,
+        input_ids: &input_ids,
+        limits: &limits,
+        eos_ids: &eos_ids,
+        sampling,
+        seed: args.seed,
+        json: args.json,
+    };
+    crate::with_backend!(selected, b => job.run(b, out))
+}
+
+// ---------------------------------------------------------------------------------------
+// MULTIMODAL (Qwen2-VL / Qwen2.5-VL): the one place to wire the vision runtime in.
+// ---------------------------------------------------------------------------------------
+
+/// The model inputs of `prompts` for the vision-language model in `model_dir`
+/// (`model_type` qwen2_vl or qwen2_5_vl), the counterpart of [`text_inputs`].
+///
+/// NOT WIRED YET: always an error. To wire it: render each prompt's messages with the
+/// chat template (images and videos as vision placeholders), load the media with
+/// `ares_model::vision::processor`, expand the placeholders to the patch counts, and
+/// return each prompt's ids — then extend the return type with the pixel rows, grids and
+/// M-RoPE positions ([`Prompt::images`] and [`Prompt::videos`] hold the paths; every
+/// `--image` / `--video` is attached to every `--prompt`, JSONL paths are already resolved
+/// against the file's directory), and generate them with the vision-language model where
+/// [`generate`] loads the checkpoint.
+///
+/// # Errors
+/// Always, for now: multimodal generation is not wired yet.
+fn multimodal_inputs(
+    model_dir: &Path,
+    model_type: &str,
+    tokenizer: &Tokenizer,
+    prompts: &[Prompt],
+) -> Result<Vec<Vec<u32>>, TrainError> {
+    let _ = tokenizer;
+    let media: usize = prompts
+        .iter()
+        .map(|p| p.images.len() + p.videos.len())
+        .sum();
+    Err(invalid(format!(
+        "model {} (model_type {model_type}): multimodal generation is not wired yet \
+         ({} prompts, {media} images and videos)",
+        model_dir.display(),
+        prompts.len()
+    )))
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// The token ids of text prompts: each rendered with the chat template of `model_dir` and
+/// its generation prompt, or (`raw`) tokenized as is with the special tokens of the
+/// tokenizer (its post-processor: a BOS for Llama).
+///
+/// # Errors
+/// Missing tokenizer files or chat template, a conversation with `raw`, template or
+/// tokenizer errors, an empty prompt; each naming the prompt.
+fn text_inputs(
+    model_dir: &Path,
+    tokenizer: &Tokenizer,
+    prompts: &[Prompt],
+    raw: bool,
+) -> Result<Vec<Vec<u32>>, TrainError> {
+    let chat = if raw {
+        None
+    } else {
+        Some(ChatTemplate::from_dir(model_dir).map_err(|e| match e {
+            ChatError::NoTemplate { .. } => invalid(format!(
+                "model {} has no chat template (no `chat_template` in tokenizer_config.json, \
+                 no chat_template.jinja); pass --no-chat-template to tokenize the prompt \
+                 text as is",
+                model_dir.display()
+            )),
+            e => invalid(format!("model {}: {e}", model_dir.display())),
+        })?)
+    };
+    let mut all = Vec::with_capacity(prompts.len());
+    for p in prompts {
+        let ids = match (&chat, &p.input) {
+            (Some(chat), input) => {
+                let messages = match input {
+                    PromptInput::Text(t) => vec![
+                        serde_json::to_value(ChatMessage::user(t))
+                            .map_err(|e| TrainError::Internal(e.to_string()))?,
+                    ],
+                    PromptInput::Messages(m) => m.clone(),
+                };
+                let text = chat
+                    .render(&messages, &RenderOptions::generation())
+                    .map_err(|e| invalid(format!("{}: {e}", p.origin)))?;
+                tokenizer.encode(&text, false)
+            }
+            (None, PromptInput::Text(t)) => tokenizer.encode(t, true),
+            (None, PromptInput::Messages(_)) => {
+                return Err(invalid(format!(
+                    "{}: a conversation (\"messages\") needs the chat template; drop \
+                     --no-chat-template or give {{\"prompt\": \"text\"}}",
+                    p.origin
+                )));
+            }
+        }
+        .map_err(|e| invalid(format!("{}: {e}", p.origin)))?;
+        if ids.is_empty() {
+            return Err(invalid(format!("{}: the prompt has no tokens", p.origin)));
+        }
+        all.push(ids);
+    }
+    Ok(all)
+}
+
+/// The tokenizer of `model_dir`, or an error saying which file is missing.
+fn load_tokenizer(model_dir: &Path) -> Result<Tokenizer, TrainError> {
+    if !model_dir.join(TOKENIZER_FILE).is_file() {
+        return Err(invalid(format!(
+            "model {} has no {TOKENIZER_FILE}: generate needs the tokenizer files \
+             ({TOKENIZER_FILE}, tokenizer_config.json) next to the weights",
+            model_dir.display()
+        )));
+    }
+    Tokenizer::from_dir(model_dir)
+        .map_err(|e| invalid(format!("model {}: {e}", model_dir.display())))
+}
+
+/// The `model_type` of `model_dir/config.json` (checking the directory is a model's).
+fn model_type(model_dir: &Path) -> Result<String, TrainError> {
+    if !model_dir.exists() {
+        return Err(invalid(format!(
+            "model directory {} does not exist",
+            model_dir.display()
+        )));
+    }
+    if !model_dir.is_dir() {
+        return Err(invalid(format!(
+            "--model {} is not a directory (give a Hugging Face model directory)",
+            model_dir.display()
+        )));
+    }
+    let path = model_dir.join("config.json");
+    if !path.is_file() {
+        return Err(invalid(format!(
+            "model directory {} has no config.json (is it a Hugging Face model directory?)",
+            model_dir.display()
+        )));
+    }
+    let text = std::fs::read_to_string(&path).map_err(|e| TrainError::io(&path, e))?;
+    let json: Value = serde_json::from_str(&text)
+        .map_err(|e| invalid(format!("{}: not valid JSON: {e}", path.display())))?;
+    Ok(json
+        .get("model_type")
+        .and_then(Value::as_str)
+        .unwrap_or("unknown")
+        .to_string())
+}
+
+/// The prompts of `args`: the `--prompt`s (each with every `--image` and `--video`) or the
+/// lines of `--prompts`.
+///
+/// # Errors
+/// No prompt, both sources, or a prompt file error.
+pub fn collect_prompts(args: &GenerateArgs) -> Result<Vec<Prompt>, TrainError> {
+    match (&args.prompts, args.prompt.is_empty()) {
+        (Some(_), false) => Err(invalid("give --prompt or --prompts, not both".to_string())),
+        (Some(file), true) => {
+            if !args.image.is_empty() || !args.video.is_empty() {
+                return Err(invalid(
+                    "--image and --video go with --prompt; in a --prompts file, give each \
+                     line its \"images\" / \"videos\""
+                        .to_string(),
+                ));
+            }
+            read_prompts_file(file)
+        }
+        (None, true) => Err(invalid(
+            "no prompt: give --prompt TEXT (repeatable) or --prompts FILE.jsonl".to_string(),
+        )),
+        (None, false) => Ok(args
+            .prompt
+            .iter()
+            .enumerate()
+            .map(|(i, text)| Prompt {
+                origin: format!("--prompt {}", i + 1),
+                input: PromptInput::Text(text.clone()),
+                images: args.image.clone(),
+                videos: args.video.clone(),
+            })
+            .collect()),
+    }
+}
+
+/// The prompts of a JSONL file: one per non-blank line, `{"messages": [...]}` or
+/// `{"prompt": "text"}` (a list of messages under `prompt` is taken as `messages`), with
+/// optional `"images"` and `"videos"` lists of paths (relative to the file's directory).
+/// Other keys are ignored.
+///
+/// # Errors
+/// The file cannot be read, has no prompt, or a line is not such an object (naming the
+/// line number).
+pub fn read_prompts_file(path: &Path) -> Result<Vec<Prompt>, TrainError> {
+    let text = std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?;
+    let base = path.parent().unwrap_or(Path::new(""));
+    let mut prompts = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let origin = format!("{} line {}", path.display(), n + 1);
+        prompts.push(parse_prompt_line(line, base, origin)?);
+    }
+    if prompts.is_empty() {
+        return Err(invalid(format!(
+            "{}: no prompts in the file",
+            path.display()
+        )));
+    }
+    Ok(prompts)
+}
+
+/// One line of a prompt file (see [`read_prompts_file`]).
+fn parse_prompt_line(line: &str, base: &Path, origin: String) -> Result<Prompt, TrainError> {
+    const EXPECTED: &str = "expected {\"messages\": [{\"role\": ..., \"content\": ...}, ...]} or {\"prompt\": \"text\"}";
+    let bad = |what: String| invalid(format!("{origin}: {what}"));
+    let value: Value =
+        serde_json::from_str(line).map_err(|e| bad(format!("not JSON ({e}); {EXPECTED}")))?;
+    let Value::Object(obj) = value else {
+        return Err(bad(format!("not a JSON object; {EXPECTED}")));
+    };
+    let messages = |v: &Value, key: &str| -> Result<Vec<Value>, TrainError> {
+        let Some(list) = v.as_array().filter(|l| !l.is_empty()) else {
+            return Err(bad(format!("`{key}` must be a non-empty list of messages")));
+        };
+        for (i, m) in list.iter().enumerate() {
+            let ok = m.get("role").is_some_and(Value::is_string) && m.get("content").is_some();
+            if !ok {
+                return Err(bad(format!(
+                    "`{key}[{i}]` must be an object with a string \"role\" and a \"content\""
+                )));
+            }
+        }
+        Ok(list.clone())
+    };
+    let input = match (obj.get("messages"), obj.get("prompt")) {
+        (Some(_), Some(_)) => {
+            return Err(bad("has both `messages` and `prompt`; give one".to_string()));
+        }
+        (Some(m), None) => PromptInput::Messages(messages(m, "messages")?),
+        (None, Some(Value::String(t))) => PromptInput::Text(t.clone()),
+        (None, Some(p @ Value::Array(_))) => PromptInput::Messages(messages(p, "prompt")?),
+        (None, Some(_)) => {
+            return Err(bad(
+                "`prompt` must be a string (or a list of messages)".to_string()
+            ));
+        }
+        (None, None) => return Err(bad(format!("no `messages` or `prompt`; {EXPECTED}"))),
+    };
+    let paths = |key: &str| -> Result<Vec<PathBuf>, TrainError> {
+        match obj.get(key) {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(Value::Array(list)) => list
+                .iter()
+                .map(|v| {
+                    v.as_str()
+                        .map(|s| base.join(s))
+                        .ok_or_else(|| bad(format!("`{key}` must be a list of paths (strings)")))
+                })
+                .collect(),
+            Some(_) => Err(bad(format!("`{key}` must be a list of paths (strings)"))),
+        }
+    };
+    Ok(Prompt {
+        images: paths("images")?,
+        videos: paths("videos")?,
+        input,
+        origin,
+    })
+}
+
+/// Checks the decoding flags.
+///
+/// # Errors
+/// `--greedy` with a sampling flag; a temperature or top-p out of range.
+fn check_decoding_flags(args: &GenerateArgs) -> Result<(), TrainError> {
+    let sampling_flags = [
+        args.temperature.map(|_| "--temperature"),
+        args.top_p.map(|_| "--top-p"),
+        args.top_k.map(|_| "--top-k"),
+    ];
+    if args.greedy
+        && let Some(flag) = sampling_flags.iter().flatten().next()
+    {
+        return Err(invalid(format!(
+            "--greedy conflicts with {flag}: greedy decoding does not sample"
+        )));
+    }
+    if let Some(t) = args.temperature
+        && !(t.is_finite() && t >= 0.0)
+    {
+        return Err(invalid(format!(
+            "--temperature {t}: must be >= 0 (0: greedy)"
+        )));
+    }
+    if let Some(p) = args.top_p
+        && !(p > 0.0 && p <= 1.0)
+    {
+        return Err(invalid(format!("--top-p {p}: must be in (0, 1]")));
+    }
+    Ok(())
+}
+
+/// The decoding of a run, as transformers picks it: greedy with `--greedy`, or unless a
+/// sampling flag is given or `generation` sets `do_sample: true`; then the flags'
+/// temperature, top-p and top-k, else `generation`'s, else transformers' 1.0, 1.0 and 50
+/// (temperature 0 is greedy, top-k 0 no limit).
+fn decoding(args: &GenerateArgs, generation: Option<&GenerationConfig>) -> Sampling {
+    let flagged = args.temperature.is_some() || args.top_p.is_some() || args.top_k.is_some();
+    let do_sample = flagged || generation.and_then(|g| g.do_sample) == Some(true);
+    if args.greedy || !do_sample {
+        return Sampling::Greedy;
+    }
+    let g = |f: fn(&GenerationConfig) -> Option<f64>| generation.and_then(f).map(|v| v as f32);
+    let temperature = args
+        .temperature
+        .or_else(|| g(|c| c.temperature))
+        .unwrap_or(1.0);
+    if temperature == 0.0 {
+        return Sampling::Greedy;
+    }
+    let top_k = args
+        .top_k
+        .or_else(|| generation.and_then(|c| c.top_k))
+        .unwrap_or(TRANSFORMERS_TOP_K);
+    Sampling::Sample {
+        temperature,
+        top_k: (top_k > 0).then_some(top_k),
+        top_p: args.top_p.or_else(|| g(|c| c.top_p)).unwrap_or(1.0),
+    }
+}
+
+/// Notes on the settings of `generation_config.json` that generate does not apply.
+fn note_unapplied(generation: Option<&GenerationConfig>) {
+    let Some(g) = generation else { return };
+    if let Some(r) = g.repetition_penalty.filter(|&r| r != 1.0) {
+        eprintln!("note: generation_config.json's repetition_penalty {r} is not applied");
+    }
+    if let Some(m) = g.min_p.filter(|&m| m > 0.0) {
+        eprintln!("note: generation_config.json's min_p {m} is not applied");
+    }
+}
+
+/// How a run decodes, for the log.
+fn describe(sampling: Sampling, seed: u64) -> String {
+    match sampling {
+        Sampling::Greedy => "greedy decoding".to_string(),
+        Sampling::Sample {
+            temperature,
+            top_k,
+            top_p,
+        } => format!(
+            "sampling with temperature {temperature}, top_k {}, top_p {top_p}, seed {seed}",
+            top_k.map_or("off".to_string(), |k| k.to_string())
+        ),
+    }
+}
+
+/// The new-token limit of each prompt: `--max-new-tokens`, else `generation_config.json`'s
+/// `max_new_tokens`, else [`DEFAULT_MAX_NEW_TOKENS`]; a default is capped at what the
+/// model's positions leave after the prompt (with a note), a flag is not.
+///
+/// # Errors
+/// A prompt that fills the model's positions, or one that with `--max-new-tokens` would
+/// need more positions than the model has.
+fn new_token_limits(
+    args: &GenerateArgs,
+    ckpt: &Checkpoint,
+    prompts: &[Prompt],
+    input_ids: &[Vec<u32>],
+) -> Result<Vec<usize>, TrainError> {
+    let wanted = args
+        .max_new_tokens
+        .or_else(|| ckpt.generation.as_ref().and_then(|g| g.max_new_tokens))
+        .unwrap_or(DEFAULT_MAX_NEW_TOKENS);
+    let positions = ckpt.config.max_position_embeddings;
+    let mut limits = Vec::with_capacity(prompts.len());
+    for (p, ids) in prompts.iter().zip(input_ids) {
+        let room = positions.saturating_sub(ids.len());
+        if room == 0 {
+            return Err(invalid(format!(
+                "{}: the prompt has {} tokens, the model's whole context \
+                 (max_position_embeddings = {positions}); shorten it",
+                p.origin,
+                ids.len()
+            )));
+        }
+        if wanted > room {
+            if args.max_new_tokens.is_some() {
+                return Err(invalid(format!(
+                    "{}: {} prompt tokens + --max-new-tokens {wanted} exceed the model's \
+                     context of {positions} tokens (max_position_embeddings); use \
+                     --max-new-tokens {room} or less",
+                    p.origin,
+                    ids.len()
+                )));
+            }
+            eprintln!(
+                "note: {}: at most {room} new tokens (the model's context is {positions} \
+                 tokens, the prompt {})",
+                p.origin,
+                ids.len()
+            );
+        }
+        limits.push(wanted.min(room));
+    }
+    Ok(limits)
+}
+
+/// The ids that end a completion: `generation_config.json`'s `eos_token_id` (else
+/// `config.json`'s), then the tokenizer config's `eos_token`.
+fn eos_ids(ckpt: &Checkpoint, tokenizer: &Tokenizer) -> Vec<u32> {
+    let model_eos = ckpt
+        .generation
+        .as_ref()
+        .and_then(|g| g.eos_token_ids.clone())
+        .unwrap_or_else(|| ckpt.config.eos_token_ids.clone());
+    tokenizer.eos_ids(&model_eos)
+}
+
+/// The seed of prompt `index`'s sampling stream.
+fn prompt_seed(seed: u64, index: usize) -> u64 {
+    seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+/// An [`TrainError::Invalid`] with `message`.
+fn invalid(message: String) -> TrainError {
+    TrainError::Invalid(message)
+}
+
+/// Everything the generation loop needs, backend aside.
+struct Job<'a> {
+    ckpt: &'a Checkpoint,
+    cfg: &'a Config,
+    tokenizer: &'a Tokenizer,
+    input_ids: &'a [Vec<u32>],
+    limits: &'a [usize],
+    eos_ids: &'a [u32],
+    sampling: Sampling,
+    seed: u64,
+    json: bool,
+}
+
+impl Job<'_> {
+    /// Generates every prompt on `backend`, one request each, writing to `out`.
+    fn run<B: Backend>(
+        &self,
+        backend: B,
+        out: &mut dyn Write,
+    ) -> Result<Vec<Completion>, TrainError> {
+        let write_err = |e: std::io::Error| TrainError::io("<output>", e);
+        let model = crate::trainer::setup::build_model(backend, self.ckpt, self.cfg)?;
+        let generator = model.generator()?;
+        let n = self.input_ids.len();
+        let mut completions = Vec::with_capacity(n);
+        for (index, (ids, &limit)) in self.input_ids.iter().zip(self.limits).enumerate() {
+            let request = GenerateRequest {
+                prompts: vec![ids.clone()],
+                max_new_tokens: limit,
+                eos_ids: self.eos_ids.to_vec(),
+                sampling: self.sampling,
+                seed: prompt_seed(self.seed, index),
+            };
+            let started = Instant::now();
+            let output = if self.json {
+                generator.generate(&request)?
+            } else {
+                if n > 1 {
+                    eprintln!("--- prompt {}/{n} ---", index + 1);
+                }
+                let mut stream = TextStream::new(self.tokenizer);
+                let mut failed: Option<TrainError> = None;
+                let output = generator.generate_streaming(&request, |_, id| {
+                    if failed.is_some() {
+                        return;
+                    }
+                    let written = stream.push(id).and_then(|delta| {
+                        out.write_all(delta.as_bytes())
+                            .and_then(|()| out.flush())
+                            .map_err(write_err)
+                    });
+                    if let Err(e) = written {
+                        failed = Some(e);
+                    }
+                })?;
+                if let Some(e) = failed {
+                    return Err(e);
+                }
+                let rest = stream.finish()?;
+                out.write_all(rest.as_bytes()).map_err(write_err)?;
+                writeln!(out).map_err(write_err)?;
+                out.flush().map_err(write_err)?;
+                output
+            };
+            let token_ids = output.tokens.into_iter().next().unwrap_or_default();
+            let finish_reason = if output.finished_by_eos.first() == Some(&true) {
+                FinishReason::Eos
+            } else {
+                FinishReason::Length
+            };
+            let completion = Completion {
+                prompt_index: index,
+                text: self
+                    .tokenizer
+                    .decode(&token_ids, true)
+                    .map_err(|e| invalid(e.to_string()))?,
+                token_ids,
+                input_ids: ids.clone(),
+                finish_reason,
+            };
+            if self.json {
+                let line = serde_json::to_string(&completion)
+                    .map_err(|e| TrainError::Internal(e.to_string()))?;
+                writeln!(out, "{line}").map_err(write_err)?;
+                out.flush().map_err(write_err)?;
+            } else {
+                let secs = started.elapsed().as_secs_f64();
+                let k = completion.token_ids.len();
+                eprintln!(
+                    "({}: {k} tokens in {secs:.2} s, {:.1} tokens/s)",
+                    match finish_reason {
+                        FinishReason::Eos => "eos",
+                        FinishReason::Length => "length limit",
+                    },
+                    k as f64 / secs.max(1e-9)
+                );
+            }
+            completions.push(completion);
+        }
+        Ok(completions)
+    }
+}
+
+/// Incremental decoding for streaming (text-generation-inference's scheme): the text of the
+/// tokens since `prefix` minus that of `prefix..read` is what the newest tokens added; it is
+/// held back while it ends in an incomplete UTF-8 character (U+FFFD).
+struct TextStream<'t> {
+    tokenizer: &'t Tokenizer,
+    ids: Vec<u32>,
+    prefix: usize,
+    read: usize,
+}
+
+impl<'t> TextStream<'t> {
+    fn new(tokenizer: &'t Tokenizer) -> Self {
+        Self {
+            tokenizer,
+            ids: Vec::new(),
+            prefix: 0,
+            read: 0,
+        }
+    }
+
+    /// Adds `id`; returns the text it completes (possibly empty).
+    fn push(&mut self, id: u32) -> Result<String, TrainError> {
+        self.ids.push(id);
+        self.delta(false)
+    }
+
+    /// The text not yet returned, whether or not it ends in a complete character.
+    fn finish(&mut self) -> Result<String, TrainError> {
+        self.delta(true)
+    }
+
+    fn delta(&mut self, last: bool) -> Result<String, TrainError> {
+        let decode = |ids: &[u32]| {
+            self.tokenizer
+                .decode(ids, true)
+                .map_err(|e| invalid(e.to_string()))
+        };
+        let before = decode(&self.ids[self.prefix..self.read])?;
+        let now = decode(&self.ids[self.prefix..])?;
+        let complete = last || !now.ends_with('\u{FFFD}');
+        match now.get(before.len()..) {
+            Some(delta) if complete && now.len() > before.len() && now.starts_with(&before) => {
+                let delta = delta.to_string();
+                self.prefix = self.read;
+                self.read = self.ids.len();
+                Ok(delta)
+            }
+            _ => Ok(String::new()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A byte-level tokenizer with one token per byte (no merges), as GPT-2 / Qwen encode
+    /// text before their merges: "é" is two tokens.
+    fn byte_tokenizer(dir: &Path) -> Tokenizer {
+        use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+        use tokenizers::models::bpe::BPE;
+        use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+        let vocab: tokenizers::models::bpe::Vocab = ByteLevel::alphabet()
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| (c.to_string(), i as u32))
+            .collect();
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, Vec::new())
+            .build()
+            .unwrap();
+        let mut tok = tokenizers::Tokenizer::new(bpe);
+        tok.with_pre_tokenizer(Some(ByteLevel::new(false, false, false)))
+            .with_decoder(Some(ByteLevelDecoder::default()));
+        let path = dir.join(TOKENIZER_FILE);
+        tok.save(&path, false).unwrap();
+        Tokenizer::from_file(&path).unwrap()
+    }
+
+    #[test]
+    fn the_stream_holds_back_partial_characters() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = byte_tokenizer(dir.path());
+        let text = "né, 漢字 ok";
+        let ids = tok.encode(text, false).unwrap();
+        assert_eq!(ids.len(), text.len(), "one token per byte");
+        let mut stream = TextStream::new(&tok);
+        let mut pieces = Vec::new();
+        for &id in &ids {
+            pieces.push(stream.push(id).unwrap());
+        }
+        pieces.push(stream.finish().unwrap());
+        assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{pieces:?}");
+        assert_eq!(pieces.concat(), text);
+        // "é" (2 bytes) appears whole at its second byte, nothing at its first
+        assert_eq!((pieces[1].as_str(), pieces[2].as_str()), ("", "é"));
+        // a truncated character at the end is flushed as decoded
+        let mut stream = TextStream::new(&tok);
+        let cut = &ids[..2];
+        let mut out = String::new();
+        for &id in cut {
+            out.push_str(&stream.push(id).unwrap());
+        }
+        out.push_str(&stream.finish().unwrap());
+        assert_eq!(out, tok.decode(cut, true).unwrap());
+    }
+
+    #[test]
+    fn prompt_seeds_keep_the_first_and_differ() {
+        assert_eq!(prompt_seed(42, 0), 42);
+        assert_ne!(prompt_seed(42, 1), prompt_seed(42, 2));
+    }
+}

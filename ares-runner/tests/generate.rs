@@ -1,0 +1,556 @@
+//! `ares-runner generate` through its library function: greedy ids against transformers'
+//! (the tiny model fixtures of ares-model, with a word-level tokenizer of their 97 ids),
+//! generation defaults, streamed text, prompt files, and the errors a user can act on.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use clap::Parser;
+use serde_json::{Value, json};
+
+use ares_runner::commands::generate::{Completion, FinishReason, GenerateArgs, generate};
+
+/// The tiny Hugging Face models of ares-model, with `greedy.json`.
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../ares-model/tests/fixtures/models")
+        .join(name)
+}
+
+/// A copy of fixture `name`'s model files with a word-level `tokenizer.json` whose token
+/// `t<i>` is id `i` (split on whitespace, decoded joined by spaces): prompt text
+/// `"t5 t17"` is ids `[5, 17]`.
+fn with_id_tokenizer(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixture(name);
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        let file = path.file_name().unwrap().to_str().unwrap().to_string();
+        let model_file = file == "config.json"
+            || file == "generation_config.json"
+            || file == "model.safetensors.index.json"
+            || (file.starts_with("model") && file.ends_with(".safetensors"));
+        if model_file {
+            std::fs::copy(&path, dir.path().join(&file)).unwrap();
+        }
+    }
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let vocab: serde_json::Map<String, Value> = (0..config["vocab_size"].as_u64().unwrap())
+        .map(|i| (format!("t{i}"), json!(i)))
+        .collect();
+    let tokenizer = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "WhitespaceSplit"},
+        "post_processor": null,
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"},
+    });
+    std::fs::write(dir.path().join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    dir
+}
+
+/// The demo's random tiny model with its character tokenizer and ChatML template.
+fn demo_model() -> &'static Path {
+    static DIR: OnceLock<(tempfile::TempDir, PathBuf)> = OnceLock::new();
+    &DIR.get_or_init(|| {
+        let dir = tempfile::tempdir().unwrap();
+        let options = ares_runner::demo::DemoOptions {
+            train_per_level: 1,
+            eval_per_level: 1,
+            sft_examples: 1,
+            ..Default::default()
+        };
+        let assets = ares_runner::demo::write_demo_assets_with(dir.path(), &options).unwrap();
+        (dir, assets.model_dir)
+    })
+    .1
+}
+
+fn args(model: &Path, rest: &[&str]) -> GenerateArgs {
+    let mut argv = vec![
+        "generate".to_string(),
+        "-m".into(),
+        model.display().to_string(),
+    ];
+    argv.extend(rest.iter().map(|s| s.to_string()));
+    GenerateArgs::try_parse_from(argv).unwrap()
+}
+
+/// Runs generate; returns the completions and what it wrote.
+fn run(model: &Path, rest: &[&str]) -> (Vec<Completion>, String) {
+    let mut out = Vec::new();
+    let completions = generate(&args(model, rest), &mut out).unwrap();
+    (completions, String::from_utf8(out).unwrap())
+}
+
+/// The error message of a run that must fail.
+fn error(model: &Path, rest: &[&str]) -> String {
+    match generate(&args(model, rest), &mut Vec::new()) {
+        Ok(c) => panic!("expected an error, got {c:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn text_of(ids: &[u32]) -> String {
+    ids.iter()
+        .map(|i| format!("t{i}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[test]
+fn greedy_json_reproduces_transformers_token_ids() {
+    for name in ["qwen2_tiny", "qwen3_tiny", "llama_tiny"] {
+        let greedy: Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture(name).join("greedy.json")).unwrap(),
+        )
+        .unwrap();
+        let prompts: Vec<Vec<u32>> = serde_json::from_value(greedy["prompts"].clone()).unwrap();
+        let expected: Vec<Vec<u32>> = serde_json::from_value(greedy["one_by_one"].clone()).unwrap();
+        let dir = with_id_tokenizer(name);
+        let texts: Vec<String> = prompts.iter().map(|p| text_of(p)).collect();
+        let mut rest = vec![
+            "--no-chat-template",
+            "--greedy",
+            "--json",
+            "--max-new-tokens",
+            "8",
+        ];
+        for t in &texts {
+            rest.extend(["--prompt", t.as_str()]);
+        }
+        let (completions, out) = run(dir.path(), &rest);
+        let lines: Vec<Value> = out
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), prompts.len(), "{name}: {out}");
+        for (i, (line, c)) in lines.iter().zip(&completions).enumerate() {
+            assert_eq!(line["prompt_index"], json!(i));
+            assert_eq!(line["input_ids"], json!(prompts[i]), "{name} prompt {i}");
+            assert_eq!(line["token_ids"], json!(expected[i]), "{name} prompt {i}");
+            assert_eq!(line["finish_reason"], json!("length"), "{name} prompt {i}");
+            assert_eq!(
+                line["text"],
+                json!(text_of(&expected[i])),
+                "{name} prompt {i}"
+            );
+            assert_eq!(line, &serde_json::to_value(c).unwrap());
+            let keys: Vec<&str> = line
+                .as_object()
+                .unwrap()
+                .keys()
+                .map(String::as_str)
+                .collect();
+            assert_eq!(
+                keys,
+                [
+                    "prompt_index",
+                    "text",
+                    "token_ids",
+                    "input_ids",
+                    "finish_reason"
+                ]
+            );
+        }
+    }
+}
+
+#[test]
+fn generation_config_decides_greedy_or_sampling_and_flags_override_it() {
+    // llama_tiny's generation_config.json has no do_sample: greedy, as transformers
+    let dir = with_id_tokenizer("llama_tiny");
+    let prompt = text_of(&[5, 17, 42, 8, 91, 33, 60]);
+    let base = [
+        "--no-chat-template",
+        "--json",
+        "--max-new-tokens",
+        "8",
+        "--prompt",
+    ];
+    let mut plain = base.to_vec();
+    plain.push(&prompt);
+    let (c, _) = run(dir.path(), &plain);
+    assert_eq!(c[0].token_ids, [87, 96, 47, 83, 69, 79, 23, 26]);
+
+    // qwen3_tiny's has no do_sample either; a sampling flag turns sampling on
+    let dir = with_id_tokenizer("qwen3_tiny");
+    let (greedy, _) = run(dir.path(), &plain);
+    let mut hot = plain.clone();
+    hot.extend(["--temperature", "50", "--top-k", "0"]);
+    let (hot1, _) = run(dir.path(), &hot);
+    let (hot2, _) = run(dir.path(), &hot);
+    assert_eq!(hot1, hot2, "same seed, same samples");
+    assert_ne!(hot1[0].token_ids, greedy[0].token_ids);
+    hot.extend(["--seed", "7"]);
+    let (hot3, _) = run(dir.path(), &hot);
+    assert_ne!(hot3[0].token_ids, hot1[0].token_ids, "another seed");
+
+    // qwen2_tiny's samples (do_sample: true, temperature 0.7, top_k 20, top_p 0.8): no flag
+    // is the same as those flags, and --greedy overrides it
+    let dir = with_id_tokenizer("qwen2_tiny");
+    let (defaults, _) = run(dir.path(), &plain);
+    let mut explicit = plain.clone();
+    explicit.extend(["--temperature", "0.7", "--top-k", "20", "--top-p", "0.8"]);
+    let (flags, _) = run(dir.path(), &explicit);
+    assert_eq!(defaults, flags);
+    let mut greedy = plain.clone();
+    greedy.push("--greedy");
+    let (greedy, _) = run(dir.path(), &greedy);
+    assert_eq!(greedy[0].token_ids, [60; 8]);
+    // generation_config.json's max_new_tokens (32) is the default limit; the model has 64
+    // positions, so a 7-token prompt gets all 32
+    let (c, _) = run(
+        dir.path(),
+        &[
+            "--no-chat-template",
+            "--json",
+            "--greedy",
+            "--prompt",
+            &prompt,
+        ],
+    );
+    assert_eq!(c[0].token_ids.len(), 32);
+    // without --max-new-tokens a long prompt is capped at the model's positions
+    let long = text_of(&[7; 50]);
+    let (c, _) = run(
+        dir.path(),
+        &[
+            "--no-chat-template",
+            "--json",
+            "--greedy",
+            "--prompt",
+            &long,
+        ],
+    );
+    assert_eq!(
+        (c[0].token_ids.len(), c[0].finish_reason),
+        (14, FinishReason::Length)
+    );
+}
+
+#[test]
+fn identical_prompts_sample_from_different_streams() {
+    let dir = with_id_tokenizer("qwen3_tiny");
+    let p = text_of(&[12, 3]);
+    let (c, _) = run(
+        dir.path(),
+        &[
+            "--no-chat-template",
+            "--json",
+            "--temperature",
+            "50",
+            "--top-k",
+            "0",
+            "--max-new-tokens",
+            "8",
+            "--prompt",
+            &p,
+            "--prompt",
+            &p,
+        ],
+    );
+    assert_eq!(c[0].input_ids, c[1].input_ids);
+    assert_ne!(c[0].token_ids, c[1].token_ids);
+}
+
+#[test]
+fn chat_prompts_from_flags_and_files_render_alike_and_stream_the_json_text() {
+    let model = demo_model();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("prompts.jsonl");
+    std::fs::write(
+        &file,
+        "{\"prompt\": \"what is 2+3?\"}\n\n\
+         {\"messages\": [{\"role\": \"user\", \"content\": \"what is 2+3?\"}], \"id\": 4}\n\
+         {\"messages\": [{\"role\": \"system\", \"content\": \"be brief.\"}, \
+         {\"role\": \"user\", \"content\": \"1+1\"}]}\n",
+    )
+    .unwrap();
+    let file = file.display().to_string();
+    let common = ["--greedy", "--max-new-tokens", "12"];
+    let mut json = common.to_vec();
+    json.extend(["--json", "--prompts", &file]);
+    let (from_file, out) = run(model, &json);
+    assert_eq!(from_file.len(), 3);
+    assert_eq!(out.lines().count(), 3);
+    // the ChatML template with the generation prompt, through the tokenizer
+    let tok = ares_runner::hf::tokenizer::Tokenizer::from_dir(model).unwrap();
+    let rendered = "<|im_start|>user\nwhat is 2+3?<|im_end|>\n<|im_start|>assistant\n";
+    assert_eq!(from_file[0].input_ids, tok.encode(rendered, false).unwrap());
+    assert_eq!(from_file[1].input_ids, from_file[0].input_ids);
+    let system = "<|im_start|>system\nbe brief.<|im_end|>\n<|im_start|>user\n1+1<|im_end|>\n\
+                  <|im_start|>assistant\n";
+    assert_eq!(from_file[2].input_ids, tok.encode(system, false).unwrap());
+
+    let mut flags = common.to_vec();
+    flags.extend(["--prompt", "what is 2+3?", "--prompt", "1+1"]);
+    let (streamed, text) = run(model, &flags);
+    assert_eq!(streamed[0], from_file[0]);
+    // streamed text is the completions' text, one per line
+    let expected: String = streamed.iter().map(|c| format!("{}\n", c.text)).collect();
+    assert_eq!(text, expected);
+    for c in &streamed {
+        assert_eq!(c.text, tok.decode(&c.token_ids, true).unwrap());
+        assert_eq!(
+            c.finish_reason == FinishReason::Eos,
+            c.token_ids.last() == Some(&58)
+        );
+    }
+
+    // --no-chat-template: the text as is
+    let (raw, _) = run(
+        model,
+        &[
+            "--greedy",
+            "--max-new-tokens",
+            "4",
+            "--no-chat-template",
+            "--prompt",
+            "1+1=",
+        ],
+    );
+    assert_eq!(raw[0].input_ids, tok.encode("1+1=", true).unwrap());
+}
+
+#[test]
+fn errors_name_what_to_fix() {
+    let model = demo_model();
+    let tmp = tempfile::tempdir().unwrap();
+
+    let e = error(&tmp.path().join("nope"), &["--prompt", "x"]);
+    assert!(e.contains("does not exist"), "{e}");
+    let e = error(tmp.path(), &["--prompt", "x"]);
+    assert!(e.contains("has no config.json"), "{e}");
+    let e = error(&fixture("qwen2_tiny"), &["--prompt", "x"]);
+    assert!(e.contains("has no tokenizer.json"), "{e}");
+    let e = error(model, &[]);
+    assert!(e.contains("no prompt: give --prompt TEXT"), "{e}");
+    let e = error(model, &["--prompt", "x", "--image", "cat.png"]);
+    assert!(
+        e.contains("(model_type qwen2) takes no images") && e.contains("cat.png"),
+        "{e}"
+    );
+    let e = error(model, &["--prompt", "x", "--video", "cat.mp4"]);
+    assert!(e.contains("takes no videos"), "{e}");
+    let e = error(model, &["--prompt", "x", "--top-p", "0"]);
+    assert!(e.contains("--top-p 0: must be in (0, 1]"), "{e}");
+    let e = error(model, &["--prompt", "x", "--temperature=-1"]);
+    assert!(e.contains("--temperature -1: must be >= 0"), "{e}");
+    let e = error(model, &["--prompt", "x", "--max-new-tokens", "600"]);
+    assert!(
+        e.contains("--max-new-tokens 600 exceed the model's context of 512 tokens")
+            && e.contains("use --max-new-tokens 492 or less"),
+        "{e}"
+    );
+    let long = "1".repeat(600);
+    let e = error(model, &["--prompt", &long]);
+    assert!(
+        e.contains("--prompt 1: the prompt has") && e.contains("shorten it"),
+        "{e}"
+    );
+    let e = error(model, &["--no-chat-template", "--prompt", ""]);
+    assert!(e.contains("--prompt 1: the prompt has no tokens"), "{e}");
+
+    // a model without a chat template
+    let bare = tmp.path().join("bare");
+    std::fs::create_dir(&bare).unwrap();
+    for f in [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ] {
+        std::fs::copy(model.join(f), bare.join(f)).unwrap();
+    }
+    let e = error(&bare, &["--prompt", "x"]);
+    assert!(
+        e.contains("has no chat template") && e.contains("--no-chat-template"),
+        "{e}"
+    );
+
+    // --greedy with a sampling flag: clap refuses it, and so does the library
+    let err = GenerateArgs::try_parse_from([
+        "generate", "-m", "m", "--prompt", "x", "--greedy", "--top-k", "3",
+    ])
+    .unwrap_err();
+    assert_eq!(err.kind(), clap::error::ErrorKind::ArgumentConflict);
+    let mut a = args(model, &["--prompt", "x", "--greedy"]);
+    a.temperature = Some(0.5);
+    let e = generate(&a, &mut Vec::new()).unwrap_err().to_string();
+    assert!(e.contains("--greedy conflicts with --temperature"), "{e}");
+    let err =
+        GenerateArgs::try_parse_from(["generate", "-m", "m", "--prompt", "x", "--prompts", "f"])
+            .unwrap_err();
+    assert_eq!(err.kind(), clap::error::ErrorKind::ArgumentConflict);
+}
+
+#[test]
+fn prompt_file_errors_name_the_line() {
+    let model = demo_model();
+    let tmp = tempfile::tempdir().unwrap();
+    let file = tmp.path().join("p.jsonl");
+    let check = |body: &str, rest: &[&str], want: &[&str]| {
+        std::fs::write(&file, body).unwrap();
+        let mut a = vec!["--prompts", file.to_str().unwrap()];
+        a.extend(rest);
+        let e = error(model, &a);
+        for w in want {
+            assert!(e.contains(w), "{body:?}: {e:?} lacks {w:?}");
+        }
+    };
+    let ok = "{\"prompt\": \"1+1\"}\n";
+    check(
+        &format!("{ok}{{\"prompt\": \"x\"\n"),
+        &[],
+        &["p.jsonl line 2: not JSON", "{\"messages\""],
+    );
+    check(
+        &format!("{ok}\n[1, 2]\n"),
+        &[],
+        &["line 3: not a JSON object"],
+    );
+    check(
+        &format!("{ok}{{\"text\": \"x\"}}\n"),
+        &[],
+        &["line 2: no `messages` or `prompt`"],
+    );
+    check(
+        "{\"prompt\": \"x\", \"messages\": []}\n",
+        &[],
+        &["line 1: has both `messages` and `prompt`"],
+    );
+    check(
+        "{\"messages\": [{\"content\": \"x\"}]}\n",
+        &[],
+        &["line 1: `messages[0]` must be an object with a string \"role\""],
+    );
+    check(
+        "{\"messages\": []}\n",
+        &[],
+        &["line 1: `messages` must be a non-empty list"],
+    );
+    check(
+        "{\"prompt\": 3}\n",
+        &[],
+        &["line 1: `prompt` must be a string"],
+    );
+    check(
+        "{\"prompt\": \"x\", \"images\": \"a.png\"}\n",
+        &[],
+        &["line 1: `images` must be a list of paths"],
+    );
+    check(
+        &format!("{ok}{ok}{{\"prompt\": \"x\", \"images\": [\"a.png\"]}}\n"),
+        &[],
+        &[
+            "(model_type qwen2) takes no images (",
+            "p.jsonl line 3: ",
+            "a.png",
+        ],
+    );
+    check("\n\n", &[], &["p.jsonl: no prompts in the file"]);
+    check(
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n",
+        &["--no-chat-template"],
+        &["line 1: a conversation (\"messages\") needs the chat template"],
+    );
+    check(
+        "{\"messages\": [{\"role\": \"tool\", \"content\": \"x\"}]}\n",
+        &[],
+        &["line 1: ", "the chat template raised an exception"],
+    );
+    let e = error(
+        model,
+        &[
+            "--prompts",
+            tmp.path().join("missing.jsonl").to_str().unwrap(),
+        ],
+    );
+    assert!(e.contains("missing.jsonl"), "{e}");
+}
+
+#[test]
+fn vision_language_models_are_not_wired_yet() {
+    let model = demo_model();
+    let tmp = tempfile::tempdir().unwrap();
+    let vl = tmp.path().join("vl");
+    std::fs::create_dir(&vl).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(model.join(f), vl.join(f)).unwrap();
+    }
+    for model_type in ["qwen2_vl", "qwen2_5_vl"] {
+        std::fs::write(
+            vl.join("config.json"),
+            json!({"model_type": model_type}).to_string(),
+        )
+        .unwrap();
+        for rest in [
+            &["--prompt", "what is this?", "--image", "cat.png"][..],
+            &["--prompt", "what is this?", "--video", "cat.mp4"],
+            &["--prompt", "what is this?"],
+        ] {
+            let e = error(&vl, rest);
+            assert!(
+                e.contains(&format!(
+                    "(model_type {model_type}): multimodal generation is not wired yet"
+                )),
+                "{e}"
+            );
+        }
+    }
+    // images in a prompt file are resolved against the file's directory
+    let file = tmp.path().join("p.jsonl");
+    std::fs::write(
+        &file,
+        "{\"prompt\": \"x\", \"images\": [\"img/a.png\", \"/abs/b.png\"]}\n",
+    )
+    .unwrap();
+    let prompts = ares_runner::commands::generate::read_prompts_file(&file).unwrap();
+    assert_eq!(
+        prompts[0].images,
+        [tmp.path().join("img/a.png"), PathBuf::from("/abs/b.png")]
+    );
+}
+
+#[test]
+fn streaming_hook_sees_every_new_token_in_order() {
+    use ares_runner::backend::cpu::CpuBackend;
+    use ares_runner::hf::checkpoint::Checkpoint;
+    use ares_runner::model::{GenerateRequest, Model, Sampling};
+    let ckpt = Checkpoint::load(&fixture("qwen3_tiny")).unwrap();
+    let model = Model::from_checkpoint(CpuBackend, &ckpt).unwrap();
+    let generator = model.generator().unwrap();
+    for sampling in [
+        Sampling::Greedy,
+        Sampling::Sample {
+            temperature: 2.0,
+            top_k: None,
+            top_p: 1.0,
+        },
+    ] {
+        let request = GenerateRequest {
+            prompts: vec![
+                vec![5, 17, 42, 8, 91, 33, 60],
+                vec![12, 3],
+                vec![77, 21, 64, 9],
+            ],
+            max_new_tokens: 8,
+            // an EOS id some sequences produce, so finished ones must stay silent
+            eos_ids: vec![58, 28],
+            sampling,
+            seed: 3,
+        };
+        let mut seen = vec![Vec::new(); 3];
+        let streamed = generator
+            .generate_streaming(&request, |b, id| seen[b].push(id))
+            .unwrap();
+        assert_eq!(seen, streamed.tokens);
+        assert_eq!(streamed, generator.generate(&request).unwrap());
+    }
+}
