@@ -14,6 +14,7 @@ use ares_cpu::ops::optim::{adamw_step_scaled, sum_of_squares_f64};
 use ares_cpu::ops::rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 use ares_cpu::ops::rope::{rope_backward, rope_forward};
 use ares_cpu::ops::swiglu::{swiglu_backward, swiglu_forward};
+use ares_cpu::ops::{activation, layer_norm, scatter, segment_attention};
 use ares_cpu::{Logits, log_prob_entropy};
 
 use rayon::prelude::*;
@@ -21,9 +22,9 @@ use rayon::prelude::*;
 use super::sampling::{check_top_k, greedy_row, sample_row};
 
 use super::{
-    AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
+    Activation, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
     DeviceBuffer, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims, Result,
-    Tensor, TensorMut, View, ViewMut, WindowSpec,
+    SegmentAttentionDims, Tensor, TensorMut, View, ViewMut, WindowSpec,
 };
 
 /// The CPU backend: f32 and u32 vectors, `ares-cpu` kernels.
@@ -115,6 +116,41 @@ fn attention_shape(dims: AttentionDims) -> AttentionShape {
         dims.head_dim,
     )
     .with_scale(dims.scale)
+}
+
+/// The `ares-cpu` activation of a backend one.
+fn cpu_activation(kind: Activation) -> activation::Activation {
+    match kind {
+        Activation::GeluErf => activation::Activation::GeluErf,
+        Activation::QuickGelu => activation::Activation::QuickGelu,
+        Activation::GeluTanh => activation::Activation::GeluTanh,
+    }
+}
+
+/// The `ares-cpu` shape of a segment attention call, after checking that `cu_seqlens`
+/// holds `segments + 1` offsets (the kernel checks their values).
+fn segment_shape(
+    op_name: &'static str,
+    dims: SegmentAttentionDims,
+    cu_seqlens: &[u32],
+) -> Result<segment_attention::SegmentAttentionShape> {
+    let expected = dims.segments.saturating_add(1);
+    if cu_seqlens.len() != expected {
+        return Err(BackendError::Op {
+            op: op_name,
+            source: Box::new(ares_cpu::Error::Core(ares_core::Error::LengthMismatch {
+                what: "cu_seqlens",
+                expected,
+                actual: cu_seqlens.len(),
+            })),
+        });
+    }
+    Ok(segment_attention::SegmentAttentionShape {
+        tokens: dims.tokens,
+        heads: dims.heads,
+        head_dim: dims.head_dim,
+        scale: dims.scale,
+    })
 }
 
 /// The checks shared by [`Backend::greedy_tokens`] and [`Backend::sample_tokens`]: `vocab`
@@ -668,6 +704,153 @@ impl Backend for CpuBackend {
         ares_cpu::masked_dynamic_kl(inputs, outputs)
             .map(|_| ())
             .map_err(op("masked_dynamic_kl"))
+    }
+
+    fn layer_norm(
+        &self,
+        x: Tensor<'_, Self>,
+        weight: Tensor<'_, Self>,
+        bias: Tensor<'_, Self>,
+        eps: f32,
+        dim: usize,
+        out: TensorMut<'_, Self>,
+        mean: TensorMut<'_, Self>,
+        rstd: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        layer_norm::layer_norm_forward(
+            slice(x)?,
+            slice(weight)?,
+            slice(bias)?,
+            eps,
+            dim,
+            slice_mut(out)?,
+            slice_mut(mean)?,
+            slice_mut(rstd)?,
+        )
+        .map_err(op("layer_norm"))
+    }
+
+    fn layer_norm_backward(
+        &self,
+        dout: Tensor<'_, Self>,
+        x: Tensor<'_, Self>,
+        weight: Tensor<'_, Self>,
+        mean: Tensor<'_, Self>,
+        rstd: Tensor<'_, Self>,
+        dim: usize,
+        dx: TensorMut<'_, Self>,
+        dweight: TensorMut<'_, Self>,
+        dbias: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        layer_norm::layer_norm_backward(
+            slice(dout)?,
+            slice(x)?,
+            slice(weight)?,
+            slice(mean)?,
+            slice(rstd)?,
+            dim,
+            slice_mut(dx)?,
+            slice_mut(dweight)?,
+            slice_mut(dbias)?,
+        )
+        .map_err(op("layer_norm_backward"))
+    }
+
+    fn activation(
+        &self,
+        kind: Activation,
+        x: Tensor<'_, Self>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        activation::activation_forward(cpu_activation(kind), slice(x)?, slice_mut(out)?)
+            .map_err(op("activation"))
+    }
+
+    fn activation_backward(
+        &self,
+        kind: Activation,
+        dout: Tensor<'_, Self>,
+        x: Tensor<'_, Self>,
+        dx: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        activation::activation_backward(
+            cpu_activation(kind),
+            slice(dout)?,
+            slice(x)?,
+            slice_mut(dx)?,
+        )
+        .map_err(op("activation_backward"))
+    }
+
+    fn segment_attention(
+        &self,
+        dims: SegmentAttentionDims,
+        cu_seqlens: &Vec<u32>,
+        q: Tensor<'_, Self>,
+        k: Tensor<'_, Self>,
+        v: Tensor<'_, Self>,
+        out: TensorMut<'_, Self>,
+        lse: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        const OP: &str = "segment_attention";
+        let shape = segment_shape(OP, dims, cu_seqlens)?;
+        segment_attention::segment_attention_forward(
+            &shape,
+            cu_seqlens,
+            slice(q)?,
+            slice(k)?,
+            slice(v)?,
+            slice_mut(out)?,
+            slice_mut(lse)?,
+        )
+        .map_err(op(OP))
+    }
+
+    fn segment_attention_backward(
+        &self,
+        dims: SegmentAttentionDims,
+        cu_seqlens: &Vec<u32>,
+        q: Tensor<'_, Self>,
+        k: Tensor<'_, Self>,
+        v: Tensor<'_, Self>,
+        out: Tensor<'_, Self>,
+        lse: Tensor<'_, Self>,
+        dout: Tensor<'_, Self>,
+        dq: TensorMut<'_, Self>,
+        dk: TensorMut<'_, Self>,
+        dv: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        const OP: &str = "segment_attention_backward";
+        let shape = segment_shape(OP, dims, cu_seqlens)?;
+        let saved = segment_attention::SegmentAttentionSaved {
+            out: slice(out)?,
+            lse: slice(lse)?,
+            dout: slice(dout)?,
+        };
+        segment_attention::segment_attention_backward(
+            &shape,
+            cu_seqlens,
+            slice(q)?,
+            slice(k)?,
+            slice(v)?,
+            saved,
+            slice_mut(dq)?,
+            slice_mut(dk)?,
+            slice_mut(dv)?,
+        )
+        .map_err(op(OP))
+    }
+
+    fn scatter_rows(
+        &self,
+        src: Tensor<'_, Self>,
+        index: &Vec<u32>,
+        rows: usize,
+        dim: usize,
+        dst: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        scatter::scatter_rows(slice(src)?, index, rows, dim, slice_mut(dst)?)
+            .map_err(op("scatter_rows"))
     }
 }
 

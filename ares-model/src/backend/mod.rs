@@ -40,6 +40,11 @@
 //! - **Generation.** [`Backend::kv_cache_append`] and [`Backend::attention_decode`] keep
 //!   a KV cache in device buffers ([`KvCacheView`] for the layout) and attend new tokens
 //!   over it, so a decode step has no host round trip either.
+//! - **Vision tower** (Qwen2-VL / Qwen2.5-VL): [`Backend::layer_norm`],
+//!   [`Backend::activation`] (the GELU family), [`Backend::segment_attention`] (non-causal
+//!   attention within `cu_seqlens` segments) with their backward ops, and
+//!   [`Backend::scatter_rows`], which places image embeddings among a sequence's token
+//!   embeddings.
 
 mod decode;
 mod error;
@@ -56,7 +61,10 @@ pub(crate) mod sampling;
 pub use decode::{KvCacheView, KvCacheViewMut};
 pub use error::BackendError;
 pub use optim::{AdamWConfig, AdamWUpdate};
-pub use shapes::{AttentionDims, AttentionGrads, AttentionInputs, LinearDims, MatmulPrecision};
+pub use shapes::{
+    Activation, AttentionDims, AttentionGrads, AttentionInputs, LinearDims, MatmulPrecision,
+    SegmentAttentionDims,
+};
 pub use token::{HweViews, KlSumViews, KlViews, WindowSpec};
 pub use view::{DeviceBuffer, View, ViewMut};
 
@@ -540,5 +548,132 @@ pub trait Backend {
         &self,
         inputs: KlViews<'_, Self::Buffer>,
         outputs: KlSumViews<'_, Self::Buffer>,
+    ) -> Result<()>;
+
+    // ----- Vision tower ops (Qwen2-VL / Qwen2.5-VL). -----
+
+    /// LayerNorm over rows of `dim` (torch.nn.LayerNorm): `out = (x − mean)·rstd·weight +
+    /// bias`, `rstd = 1/sqrt(var + eps)` with the biased variance; `x`, `out` `[rows, dim]`;
+    /// `weight`, `bias` `[dim]`; saves `mean` `[rows]` and `rstd` `[rows]` for the backward.
+    ///
+    /// # Errors
+    /// `dim == 0`, lengths that do not match, `eps` not finite and > 0.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm(
+        &self,
+        x: Tensor<'_, Self>,
+        weight: Tensor<'_, Self>,
+        bias: Tensor<'_, Self>,
+        eps: f32,
+        dim: usize,
+        out: TensorMut<'_, Self>,
+        mean: TensorMut<'_, Self>,
+        rstd: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// Backward of [`Backend::layer_norm`] from `dout` `[rows, dim]`, the forward's `x`,
+    /// `weight` and saved `mean`, `rstd`: `dx` `[rows, dim]`, `dweight` `[dim]` and `dbias`
+    /// `[dim]` all **accumulate** (`+=`).
+    ///
+    /// # Errors
+    /// `dim == 0`, lengths that do not match.
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm_backward(
+        &self,
+        dout: Tensor<'_, Self>,
+        x: Tensor<'_, Self>,
+        weight: Tensor<'_, Self>,
+        mean: Tensor<'_, Self>,
+        rstd: Tensor<'_, Self>,
+        dim: usize,
+        dx: TensorMut<'_, Self>,
+        dweight: TensorMut<'_, Self>,
+        dbias: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// Element-wise activation `out = act(x)` ([`Activation`] for the formulas).
+    ///
+    /// # Errors
+    /// Lengths that differ.
+    fn activation(
+        &self,
+        kind: Activation,
+        x: Tensor<'_, Self>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// Backward of [`Backend::activation`]: `dx = dout · act'(x)`, **overwrites** `dx`.
+    ///
+    /// # Errors
+    /// Lengths that differ.
+    fn activation_backward(
+        &self,
+        kind: Activation,
+        dout: Tensor<'_, Self>,
+        x: Tensor<'_, Self>,
+        dx: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// Non-causal multi-head attention restricted to segments (flash-attn's
+    /// `cu_seqlens`): `q`, `k`, `v`, `out` `[tokens, heads, head_dim]`; `cu_seqlens` (length
+    /// `segments + 1`) starts at 0, is non-decreasing and ends at `tokens` (empty segments
+    /// allowed); a query in segment `i` attends to every key in `[cu[i], cu[i+1])`. Writes
+    /// `out` and `lse` `[tokens, heads]` (log-sum-exp of the scaled logits). A non-finite
+    /// score makes its query's row NaN.
+    ///
+    /// # Errors
+    /// `heads` or `head_dim` 0, a scale not finite and > 0, lengths that do not match
+    /// (`cu_seqlens` included), and (where checked: the CPU) offsets that do not start at 0,
+    /// decrease or do not end at `tokens`. A GPU may limit `head_dim`.
+    #[allow(clippy::too_many_arguments)]
+    fn segment_attention(
+        &self,
+        dims: SegmentAttentionDims,
+        cu_seqlens: &Self::Ids,
+        q: Tensor<'_, Self>,
+        k: Tensor<'_, Self>,
+        v: Tensor<'_, Self>,
+        out: TensorMut<'_, Self>,
+        lse: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// Backward of [`Backend::segment_attention`] from `dout` `[tokens, heads, head_dim]`,
+    /// the forward's inputs, `out` and `lse`; **overwrites** `dq`, `dk`, `dv`.
+    ///
+    /// # Errors
+    /// As [`Backend::segment_attention`], and lengths of `out`, `lse`, `dout` and the
+    /// gradients.
+    #[allow(clippy::too_many_arguments)]
+    fn segment_attention_backward(
+        &self,
+        dims: SegmentAttentionDims,
+        cu_seqlens: &Self::Ids,
+        q: Tensor<'_, Self>,
+        k: Tensor<'_, Self>,
+        v: Tensor<'_, Self>,
+        out: Tensor<'_, Self>,
+        lse: Tensor<'_, Self>,
+        dout: Tensor<'_, Self>,
+        dq: TensorMut<'_, Self>,
+        dk: TensorMut<'_, Self>,
+        dv: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// Row scatter, **overwriting** the named rows: `dst[index[i], :] = src[i, :]`; `src`
+    /// `[index.len(), dim]`, `dst` `[rows, dim]`; other rows of `dst` untouched. Places
+    /// image embeddings at the `<|image_pad|>` positions; its backward is the
+    /// [`Backend::embedding`] gather with the same `index`.
+    ///
+    /// # Errors
+    /// `dim == 0`, lengths that do not match, and (where checked: the CPU) an index `>=
+    /// rows` or an index repeated. A GPU reports an index `>= rows` at the next waiting
+    /// call (that row is not written) and does not detect repeats (one of the rows wins).
+    fn scatter_rows(
+        &self,
+        src: Tensor<'_, Self>,
+        index: &Self::Ids,
+        rows: usize,
+        dim: usize,
+        dst: TensorMut<'_, Self>,
     ) -> Result<()>;
 }

@@ -77,3 +77,46 @@ pub struct AttentionGrads<'a, T: ?Sized> {
     /// `∂L/∂v` `[batch, seq, kv_heads, head_dim]`, summed over each kv head's query heads.
     pub dv: ViewMut<'a, T>,
 }
+
+/// GELU family activations of the vision tower.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// torch.nn.GELU() exact: `0.5·x·(1 + erf(x/√2))` (Qwen2-VL/2.5-VL patch merger).
+    GeluErf,
+    /// QuickGELU: `x·sigmoid(1.702·x)` (Qwen2-VL vision MLP, `hidden_act: "quick_gelu"`).
+    QuickGelu,
+    /// tanh approximation `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))` (`hidden_act:
+    /// "gelu_pytorch_tanh"`).
+    GeluTanh,
+}
+
+/// A [`Backend::segment_attention`](super::Backend::segment_attention) call: `tokens`
+/// tokens split into `segments` segments by `cu_seqlens`, q, k, v and out `[tokens, heads,
+/// head_dim]`, logits `scale · q·k`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SegmentAttentionDims {
+    /// Tokens over all segments.
+    pub tokens: usize,
+    /// Segments (`cu_seqlens` holds `segments + 1` offsets).
+    pub segments: usize,
+    /// Heads (q, k and v alike).
+    pub heads: usize,
+    /// Features per head.
+    pub head_dim: usize,
+    /// Multiplier of the dot products.
+    pub scale: f32,
+}
+
+impl SegmentAttentionDims {
+    /// Dims with the standard scale `1/√head_dim` (rounded once from f64, as transformers'
+    /// `head_dim ** -0.5`).
+    pub fn new(tokens: usize, segments: usize, heads: usize, head_dim: usize) -> Self {
+        Self {
+            tokens,
+            segments,
+            heads,
+            head_dim,
+            scale: (1.0 / (head_dim as f64).sqrt()) as f32,
+        }
+    }
+}

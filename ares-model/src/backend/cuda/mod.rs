@@ -30,9 +30,9 @@ use buffer::{ids, ids_mut, view, view_mut, view_mut_opt, view_opt};
 
 use super::sampling::check_top_k;
 use super::{
-    AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError, HweViews,
-    KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims, MatmulPrecision, Result, Tensor,
-    TensorMut, WindowSpec,
+    Activation, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
+    HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims, MatmulPrecision,
+    Result, SegmentAttentionDims, Tensor, TensorMut, WindowSpec,
 };
 use ares_cuda::model_ops::{AttentionGradsMut, AttentionSaved, KvCache, KvCacheMut};
 use ares_cuda::{AdamWStep, AttentionShape, DeviceInfo, GemmDims, GemmPrecision, ModelOps};
@@ -725,6 +725,103 @@ impl Backend for CudaBackend {
                 t.masked_dynamic_kl(inputs, outputs)
             })
             .map_err(op("masked_dynamic_kl"))
+    }
+
+    fn layer_norm(
+        &self,
+        _x: Tensor<'_, Self>,
+        _weight: Tensor<'_, Self>,
+        _bias: Tensor<'_, Self>,
+        _eps: f32,
+        _dim: usize,
+        _out: TensorMut<'_, Self>,
+        _mean: TensorMut<'_, Self>,
+        _rstd: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        Err(not_yet("layer_norm"))
+    }
+
+    fn layer_norm_backward(
+        &self,
+        _dout: Tensor<'_, Self>,
+        _x: Tensor<'_, Self>,
+        _weight: Tensor<'_, Self>,
+        _mean: Tensor<'_, Self>,
+        _rstd: Tensor<'_, Self>,
+        _dim: usize,
+        _dx: TensorMut<'_, Self>,
+        _dweight: TensorMut<'_, Self>,
+        _dbias: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        Err(not_yet("layer_norm_backward"))
+    }
+
+    fn activation(
+        &self,
+        _kind: Activation,
+        _x: Tensor<'_, Self>,
+        _out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        Err(not_yet("activation"))
+    }
+
+    fn activation_backward(
+        &self,
+        _kind: Activation,
+        _dout: Tensor<'_, Self>,
+        _x: Tensor<'_, Self>,
+        _dx: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        Err(not_yet("activation_backward"))
+    }
+
+    fn segment_attention(
+        &self,
+        _dims: SegmentAttentionDims,
+        _cu_seqlens: &CudaIds,
+        _q: Tensor<'_, Self>,
+        _k: Tensor<'_, Self>,
+        _v: Tensor<'_, Self>,
+        _out: TensorMut<'_, Self>,
+        _lse: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        Err(not_yet("segment_attention"))
+    }
+
+    fn segment_attention_backward(
+        &self,
+        _dims: SegmentAttentionDims,
+        _cu_seqlens: &CudaIds,
+        _q: Tensor<'_, Self>,
+        _k: Tensor<'_, Self>,
+        _v: Tensor<'_, Self>,
+        _out: Tensor<'_, Self>,
+        _lse: Tensor<'_, Self>,
+        _dout: Tensor<'_, Self>,
+        _dq: TensorMut<'_, Self>,
+        _dk: TensorMut<'_, Self>,
+        _dv: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        Err(not_yet("segment_attention_backward"))
+    }
+
+    fn scatter_rows(
+        &self,
+        _src: Tensor<'_, Self>,
+        _index: &CudaIds,
+        _rows: usize,
+        _dim: usize,
+        _dst: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        Err(not_yet("scatter_rows"))
+    }
+}
+
+/// The error of a vision tower op whose CUDA kernel is not written yet.
+fn not_yet(op: &'static str) -> BackendError {
+    BackendError::Op {
+        op,
+        source: "not yet implemented on the CUDA backend (use the CPU backend)".into(),
     }
 }
 
