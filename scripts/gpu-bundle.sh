@@ -37,11 +37,14 @@ cargo test --release -p ares-cuda --no-run --message-format=json | artifacts |
 echo "building the CUDA backend and trainer tests (release)…"
 cargo test --release -p ares-model --test cuda_backend --no-run --message-format=json | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
+cargo test --release -p ares-model --test cuda_vision --no-run --message-format=json | artifacts |
+  while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
 cargo test --release -p ares-runner --test cuda_trainer --no-run --message-format=json | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
 # The backend tests read the tiny transformers fixtures; the bundle carries them.
 mkdir -p "$dir/fixtures"
 cp -r ares-model/tests/fixtures/models "$dir/fixtures/models"
+cp -r ares-model/tests/fixtures/vl "$dir/fixtures/vl"
 echo "building GPU benchmarks…"
 cargo bench -p ares-cuda --bench gpu_kernels --no-run --message-format=json | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
@@ -74,6 +77,7 @@ for lib in libcuda.so.1 libnvrtc.so.13 libnvrtc.so.12 libnvrtc.so libcublas.so.1
 done
 export ARES_REQUIRE_GPU=1 ARES_REQUIRE_NVRTC=1 ARES_KERNEL_CACHE="$here/kernel-cache"
 export ARES_FIXTURE_MODELS="$here/fixtures/models"
+export ARES_FIXTURE_VL="$here/fixtures/vl"
 out=${OUT:-$here}
 status=0
 part=${1:-all}

@@ -127,6 +127,12 @@ impl ModelConfig {
         Self::from_map(path, map)
     }
 
+    /// Parses the language model's fields of a vision-language config, already rewritten as
+    /// a Qwen2 `config.json` by [`crate::vision::config`].
+    pub(crate) fn from_text_map(path: &Path, raw: Map<String, Value>) -> Result<Self, HfError> {
+        Self::from_map(path, raw)
+    }
+
     fn from_map(path: &Path, raw: Map<String, Value>) -> Result<Self, HfError> {
         let f = Fields::new(path, &raw);
         let arch = arch(path, &f)?;

@@ -12,7 +12,7 @@
 //! and [`chat::ChatTemplate`] (the model's chat template, inline or `chat_template.jinja`).
 
 mod error;
-mod json;
+pub(crate) mod json;
 
 pub mod chat;
 pub mod checkpoint;

@@ -16,7 +16,17 @@
 use super::activations::head_chunks;
 use super::layer::dqkv;
 use super::{Activations, Grads, HeadMode, Inputs, Model, ModelError};
-use crate::backend::{AttentionDims, Backend, Tensor, View, ViewMut};
+use crate::backend::{AttentionDims, Backend, DeviceBuffer, Tensor, TensorMut, View, ViewMut};
+
+/// The embedding rows a multimodal forward replaced ([`super::ForwardExtras::embeds`]) and
+/// where their gradient goes: the backward writes `∂L/∂embeds` there, and the replaced
+/// tokens' embedding rows get no gradient (their token embeddings were not used).
+pub struct EmbedGrad<'a, B: Backend> {
+    /// The replaced token rows of the flattened `[batch · seq]` input, as in the forward.
+    pub rows: &'a B::Ids,
+    /// `∂L/∂embeds` `[rows.len(), hidden]`, **overwritten**.
+    pub d_embeds: TensorMut<'a, B>,
+}
 
 /// Where the backward pass starts: the gradient of the LM head's output.
 pub(crate) enum HeadGrad<'a, B: Backend> {
@@ -56,7 +66,30 @@ impl<B: Backend> Model<B> {
         dlogits: Tensor<'_, B>,
         grads: &mut Grads<B>,
     ) -> Result<(), ModelError> {
-        self.backward_impl(inputs, acts, HeadGrad::Dlogits(dlogits), grads)
+        self.backward_impl(inputs, acts, HeadGrad::Dlogits(dlogits), grads, None)
+    }
+
+    /// [`Model::backward`] after a forward with replaced embedding rows
+    /// ([`Model::forward_with`]): also writes their gradient into `embeds.d_embeds` (the
+    /// vision tower's output gradient).
+    ///
+    /// # Errors
+    /// As [`Model::backward`], and `d_embeds` not a whole number of rows.
+    pub fn backward_with(
+        &self,
+        inputs: &Inputs<'_>,
+        acts: &mut Activations<B>,
+        dlogits: Tensor<'_, B>,
+        embeds: EmbedGrad<'_, B>,
+        grads: &mut Grads<B>,
+    ) -> Result<(), ModelError> {
+        self.backward_impl(
+            inputs,
+            acts,
+            HeadGrad::Dlogits(dlogits),
+            grads,
+            Some(embeds),
+        )
     }
 
     /// [`Model::backward`] from the gradient of the LM head's output given by `head`.
@@ -66,6 +99,7 @@ impl<B: Backend> Model<B> {
         acts: &mut Activations<B>,
         head: HeadGrad<'_, B>,
         grads: &mut Grads<B>,
+        embeds: Option<EmbedGrad<'_, B>>,
     ) -> Result<(), ModelError> {
         let n = inputs.check(&self.spec)?;
         if acts.shape() != (inputs.batch, inputs.seq) {
@@ -211,6 +245,22 @@ impl<B: Backend> Model<B> {
             self.matmul_backward(sc.dv.r(), a.ln1, g.v, sc.dln.w())?;
             // ∂L/∂input = ∂L/∂resid_mid (skip) + the input norm's input gradient.
             self.rmsnorm_backward(sc.dln.r(), a.input, a.ln1_rstd, g.ln1, sc.dresidual.w())?;
+        }
+
+        // Replaced rows (image / video embeddings): their gradient goes to the caller, none
+        // to the token embeddings they replaced.
+        if let Some(EmbedGrad { rows, d_embeds }) = embeds {
+            let k = rows.len();
+            if d_embeds.len() != k * c {
+                return Err(ModelError::InputLength {
+                    what: "d_embeds",
+                    expected: k * c,
+                    actual: d_embeds.len(),
+                });
+            }
+            be.embedding(rows, sc.dresidual.r(), n, c, d_embeds)?;
+            let zeros = be.alloc(k * c)?;
+            be.scatter_rows(View::whole(&zeros), rows, n, c, sc.dresidual.w())?;
         }
 
         // Token embeddings.

@@ -146,6 +146,13 @@ pub enum ModelError {
         /// The first field that differs, with both values.
         difference: String,
     },
+    /// Images or videos that do not fit the prompt or the model (grid, placeholder count,
+    /// pixel values), with what was found.
+    #[error("vision input: {message}")]
+    VisionInput {
+        /// What is wrong.
+        message: String,
+    },
     /// Converting to or writing the Hugging Face checkpoint failed.
     #[error(transparent)]
     Hf(#[from] crate::hf::HfError),

@@ -10,7 +10,7 @@ use super::activations::head_chunks;
 use super::decode_weights::DecodeWeights;
 use super::layer::qkv;
 use super::log_prob_grad::check_targets;
-use super::{Activations, HeadMode, Inputs, KvCache, Model, ModelError};
+use super::{Activations, ForwardExtras, HeadMode, Inputs, KvCache, Model, ModelError};
 use crate::backend::{AttentionDims, Backend, View, ViewMut};
 
 impl<B: Backend> Model<B> {
@@ -43,6 +43,32 @@ impl<B: Backend> Model<B> {
         &self,
         inputs: &Inputs<'_>,
         acts: &mut Activations<B>,
+        cache: Option<&mut KvCache<B>>,
+        tw: Option<&DecodeWeights<B>>,
+    ) -> Result<(), ModelError> {
+        self.forward_extras(inputs, &ForwardExtras::default(), acts, cache, tw)
+    }
+
+    /// [`Model::forward`] with the multimodal [`ForwardExtras`]: replaced embedding rows
+    /// and M-RoPE tables.
+    ///
+    /// # Errors
+    /// As [`Model::forward`], and extras of the wrong length.
+    pub fn forward_with(
+        &self,
+        inputs: &Inputs<'_>,
+        extras: &ForwardExtras<'_, B>,
+        acts: &mut Activations<B>,
+    ) -> Result<(), ModelError> {
+        self.forward_extras(inputs, extras, acts, None, None)
+    }
+
+    /// [`Model::forward_impl`] with extras.
+    pub(crate) fn forward_extras(
+        &self,
+        inputs: &Inputs<'_>,
+        extras: &ForwardExtras<'_, B>,
+        acts: &mut Activations<B>,
         mut cache: Option<&mut KvCache<B>>,
         tw: Option<&DecodeWeights<B>>,
     ) -> Result<(), ModelError> {
@@ -67,7 +93,8 @@ impl<B: Backend> Model<B> {
         }
         be.upload(&acts.host_mask, ViewMut::whole(&mut acts.mask))?;
 
-        // Token embeddings, and each token's RoPE cos/sin gathered from the tables by position.
+        // Token embeddings (image/video rows replaced), and each token's RoPE cos/sin:
+        // gathered from the tables by position, or M-RoPE's given per token.
         be.embedding(
             &acts.ids,
             View::whole(&w.embed),
@@ -75,22 +102,39 @@ impl<B: Backend> Model<B> {
             c,
             ViewMut::whole(&mut acts.layers.encoded),
         )?;
+        if let Some((rows, embeds)) = extras.embeds {
+            be.scatter_rows(embeds, rows, n, c, ViewMut::whole(&mut acts.layers.encoded))?;
+        }
         let half = d / 2;
-        let table = self.rope_rows;
-        be.embedding(
-            &acts.positions,
-            View::whole(&self.rope_cos),
-            table,
-            half,
-            ViewMut::whole(&mut acts.cos),
-        )?;
-        be.embedding(
-            &acts.positions,
-            View::whole(&self.rope_sin),
-            table,
-            half,
-            ViewMut::whole(&mut acts.sin),
-        )?;
+        if let Some((cos, sin)) = extras.rope {
+            for (what, t) in [("rope cos", cos), ("rope sin", sin)] {
+                if t.len() != n * half {
+                    return Err(ModelError::InputLength {
+                        what,
+                        expected: n * half,
+                        actual: t.len(),
+                    });
+                }
+            }
+            be.upload(cos, ViewMut::whole(&mut acts.cos))?;
+            be.upload(sin, ViewMut::whole(&mut acts.sin))?;
+        } else {
+            let table = self.rope_rows;
+            be.embedding(
+                &acts.positions,
+                View::whole(&self.rope_cos),
+                table,
+                half,
+                ViewMut::whole(&mut acts.cos),
+            )?;
+            be.embedding(
+                &acts.positions,
+                View::whole(&self.rope_sin),
+                table,
+                half,
+                ViewMut::whole(&mut acts.sin),
+            )?;
+        }
         let (cos, sin) = (View::whole(&acts.cos), View::whole(&acts.sin));
         let mask = View::whole(&acts.mask);
 

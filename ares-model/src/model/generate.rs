@@ -22,7 +22,7 @@ use rand_chacha::ChaCha20Rng;
 
 use super::decode_weights::DecodeWeights;
 use super::sampling::{sequence_rng, uniform};
-use super::{Activations, HeadMode, Inputs, KvCache, Model, ModelError, Sampling};
+use super::{Activations, ForwardExtras, HeadMode, Inputs, KvCache, Model, ModelError, Sampling};
 use crate::backend::{Backend, BackendError, Tensor, View, ViewMut};
 
 /// A generation request: a batch of prompts and how to continue them.
@@ -133,6 +133,20 @@ impl From<BackendError> for GenerateError {
     }
 }
 
+/// The multimodal side of a generation request (Qwen2-VL family): the embeddings that
+/// replace prompt tokens, and M-RoPE positions in place of `0..len`.
+pub struct PromptVision<'a, B: Backend> {
+    /// Embeddings `[k, hidden]` replacing prompt tokens (image / video placeholders).
+    pub embeds: Tensor<'a, B>,
+    /// For each row of `embeds`, `(prompt, token index in that prompt)`.
+    pub rows: &'a [(usize, usize)],
+    /// Per prompt, the M-RoPE cos and sin `[len, head_dim/2]` of its tokens.
+    pub rope: &'a [(Vec<f32>, Vec<f32>)],
+    /// Per prompt, `rope_delta`: new token `k` (from 0) sits at position `len + k +
+    /// rope_delta` on all three axes (a text position).
+    pub rope_deltas: &'a [i64],
+}
+
 /// A model with its linear weights transposed for generation ([`Model::generator`]):
 /// batches generated through it share one transpose. Same outputs as [`Model::generate`].
 pub struct Generator<'m, B: Backend> {
@@ -146,7 +160,7 @@ impl<B: Backend> Generator<'_, B> {
     /// # Errors
     /// As [`Model::generate`].
     pub fn generate(&self, request: &GenerateRequest) -> Result<GenerateOutput, GenerateError> {
-        self.model.generate_with(request, &self.tw, &mut |_, _| {})
+        self.model.generate_with(request, &self.tw, None, &mut |_, _| {})
     }
 
     /// [`Generator::generate`], calling `on_token(sequence, token)` as each new token is
@@ -160,7 +174,23 @@ impl<B: Backend> Generator<'_, B> {
         request: &GenerateRequest,
         mut on_token: impl FnMut(usize, u32),
     ) -> Result<GenerateOutput, GenerateError> {
-        self.model.generate_with(request, &self.tw, &mut on_token)
+        self.model.generate_with(request, &self.tw, None, &mut on_token)
+    }
+
+    /// [`Generator::generate_streaming`] for prompts with images or videos: `vision` gives
+    /// the embeddings that replace their placeholder tokens and their M-RoPE positions
+    /// (made by [`crate::vision::model::VlModel::generate`]).
+    ///
+    /// # Errors
+    /// As [`Model::generate`], and `vision` not matching the prompts.
+    pub fn generate_vision(
+        &self,
+        request: &GenerateRequest,
+        vision: &PromptVision<'_, B>,
+        mut on_token: impl FnMut(usize, u32),
+    ) -> Result<GenerateOutput, GenerateError> {
+        self.model
+            .generate_with(request, &self.tw, Some(vision), &mut on_token)
     }
 }
 
@@ -301,7 +331,7 @@ impl<B: Backend> Model<B> {
         cache: &mut KvCache<B>,
     ) -> Result<(), GenerateError> {
         acts.require_full("forward_cached")?;
-        self.forward_cached_with(inputs, acts, cache, None)
+        self.forward_cached_with(inputs, &ForwardExtras::default(), acts, cache, None)
     }
 
     /// The activation arena [`Model::generate`] plans for the prefill of `batch` prompts
@@ -327,6 +357,7 @@ impl<B: Backend> Model<B> {
     fn forward_cached_with(
         &self,
         inputs: &Inputs<'_>,
+        extras: &ForwardExtras<'_, B>,
         acts: &mut Activations<B>,
         cache: &mut KvCache<B>,
         tw: Option<&DecodeWeights<B>>,
@@ -351,7 +382,7 @@ impl<B: Backend> Model<B> {
             }
         }
         cache.upload_mask(&self.backend)?;
-        self.forward_impl(inputs, acts, Some(cache), tw)?;
+        self.forward_extras(inputs, extras, acts, Some(cache), tw)?;
         cache.len += new;
         Ok(())
     }
@@ -434,10 +465,14 @@ impl<B: Backend> Model<B> {
         &self,
         request: &GenerateRequest,
         tw: &DecodeWeights<B>,
+        vision: Option<&PromptVision<'_, B>>,
         on_token: &mut dyn FnMut(usize, u32),
     ) -> Result<GenerateOutput, GenerateError> {
         let (prompts, max_new) = (&request.prompts, request.max_new_tokens);
         self.check_request(request)?;
+        if let Some(v) = vision {
+            self.check_vision(request, v)?;
+        }
         let batch = prompts.len();
         let mut out = GenerateOutput {
             tokens: vec![Vec::new(); batch],
@@ -477,6 +512,32 @@ impl<B: Backend> Model<B> {
                 *pos = i;
             }
         }
+        // Multimodal prompts: the replaced rows and the M-RoPE tables in the padded layout
+        // (padding keeps position 0's cos 1, sin 0; its keys are masked anyway).
+        let half = self.spec.head_dim / 2;
+        let mut rows = None;
+        let mut rope = None;
+        if let Some(v) = vision {
+            let flat: Vec<u32> = v
+                .rows
+                .iter()
+                .map(|&(b, t)| (b * width + width - prompts[b].len() + t) as u32)
+                .collect();
+            let mut ids = self.backend.alloc_ids(flat.len())?;
+            self.backend.upload_ids(&flat, &mut ids)?;
+            rows = Some(ids);
+            let (mut cos, mut sin) = (vec![1.0f32; batch * width * half], vec![0.0f32; batch * width * half]);
+            for (b, (p, (c, s))) in prompts.iter().zip(v.rope).enumerate() {
+                let start = (b * width + width - p.len()) * half;
+                cos[start..start + c.len()].copy_from_slice(c);
+                sin[start..start + s.len()].copy_from_slice(s);
+            }
+            rope = Some((cos, sin));
+        }
+        let extras = ForwardExtras {
+            embeds: rows.as_ref().zip(vision).map(|(r, v)| (r, v.embeds)),
+            rope: rope.as_ref().map(|(c, s)| (c.as_slice(), s.as_slice())),
+        };
         let mut cache = KvCache::new(&self.backend, &self.spec, batch, max_len)?;
         let mut picker = Picker::new(&self.backend, request, self.spec.vocab)?;
         {
@@ -488,7 +549,7 @@ impl<B: Backend> Model<B> {
                 attention_mask: &mask,
                 position_ids: &positions,
             };
-            self.forward_cached_with(&inputs, &mut prefill, &mut cache, Some(tw))?;
+            self.forward_cached_with(&inputs, &extras, &mut prefill, &mut cache, Some(tw))?;
             let logits = self.prefill_head(&mut prefill, tw)?;
             picker.step(&self.backend, logits, 0, &mut out, on_token)?;
             // The prefill arena is freed before the decode arena is planned.
@@ -504,7 +565,9 @@ impl<B: Backend> Model<B> {
             // Decode step: every sequence's newest token at its next position (finished
             // ones repeat their last token; its outputs are ignored).
             for (b, p) in prompts.iter().enumerate() {
-                step_positions[b] = (p.len() + step - 1) as u32;
+                let delta = vision.map_or(0, |v| v.rope_deltas[b]);
+                // check_vision has bounded every decode position
+                step_positions[b] = (p.len() as i64 + step as i64 - 1 + delta) as u32;
             }
             let inputs = Inputs {
                 batch,
@@ -513,10 +576,63 @@ impl<B: Backend> Model<B> {
                 attention_mask: &step_mask,
                 position_ids: &step_positions,
             };
-            self.forward_cached_with(&inputs, &mut step_acts, &mut cache, Some(tw))?;
+            let none = ForwardExtras::default();
+            self.forward_cached_with(&inputs, &none, &mut step_acts, &mut cache, Some(tw))?;
             picker.step(&self.backend, step_acts.logits(), step, &mut out, on_token)?;
         }
         Ok(out)
+    }
+
+    /// Checks that `vision` fits `request`'s prompts: one M-RoPE table and delta per prompt,
+    /// rows inside their prompts, and every decode position in `[0, max_positions)`.
+    fn check_vision(
+        &self,
+        request: &GenerateRequest,
+        v: &PromptVision<'_, B>,
+    ) -> Result<(), GenerateError> {
+        let bad = |message: String| GenerateError::Model(ModelError::VisionInput { message });
+        let (batch, half) = (request.prompts.len(), self.spec.head_dim / 2);
+        if v.rope.len() != batch || v.rope_deltas.len() != batch {
+            return Err(bad(format!(
+                "{} rope tables and {} rope deltas for {batch} prompts",
+                v.rope.len(),
+                v.rope_deltas.len()
+            )));
+        }
+        if v.rows.len() * self.spec.hidden != v.embeds.len() {
+            return Err(bad(format!(
+                "{} replaced rows but {} embedding values (hidden {})",
+                v.rows.len(),
+                v.embeds.len(),
+                self.spec.hidden
+            )));
+        }
+        if let Some(&(b, t)) = v
+            .rows
+            .iter()
+            .find(|&&(b, t)| b >= batch || t >= request.prompts[b].len())
+        {
+            return Err(bad(format!("replaced row (prompt {b}, token {t}) is outside the prompts")));
+        }
+        for (b, (p, (c, s))) in request.prompts.iter().zip(v.rope).enumerate() {
+            if c.len() != p.len() * half || s.len() != p.len() * half {
+                return Err(bad(format!(
+                    "prompt {b}: rope tables of {} / {} values for {} tokens × {half}",
+                    c.len(),
+                    s.len(),
+                    p.len()
+                )));
+            }
+            let first = p.len() as i64 + v.rope_deltas[b];
+            let last = first + request.max_new_tokens as i64;
+            if first < 0 || last > self.spec.max_positions as i64 {
+                return Err(bad(format!(
+                    "prompt {b}: decode positions {first}..{last} (rope_delta {}) leave [0, {})",
+                    v.rope_deltas[b], self.spec.max_positions
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Checks a request's prompts, EOS ids, lengths and sampling parameters.

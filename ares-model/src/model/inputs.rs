@@ -2,6 +2,28 @@
 //! before anything is uploaded.
 
 use super::{ModelError, ModelSpec};
+use crate::backend::{Backend, Tensor};
+
+/// What a multimodal forward pass adds to [`Inputs`] (Qwen2-VL family): embeddings that
+/// replace the token embeddings at some rows (the image and video placeholders), and
+/// per-token rotary tables (M-RoPE) used instead of the lookup by `position_ids`.
+pub struct ForwardExtras<'a, B: Backend> {
+    /// `(rows, embeds)`: token `rows[i]` of the flattened `[batch · seq]` input gets
+    /// embedding row `i` of `embeds` `[rows.len(), hidden]`.
+    pub embeds: Option<(&'a B::Ids, Tensor<'a, B>)>,
+    /// `(cos, sin)`, each `[batch · seq, head_dim / 2]` in [`crate::backend::Backend::rope`]'s
+    /// layout.
+    pub rope: Option<(&'a [f32], &'a [f32])>,
+}
+
+impl<B: Backend> Default for ForwardExtras<'_, B> {
+    fn default() -> Self {
+        Self {
+            embeds: None,
+            rope: None,
+        }
+    }
+}
 
 /// A batch of `batch` sequences of `seq` tokens, row-major `[batch, seq]` like Hugging
 /// Face's `input_ids`, `attention_mask` and `position_ids`.

@@ -131,6 +131,6 @@ impl<B: Backend> Model<B> {
             temperature,
             active: &active,
         };
-        self.backward_impl(inputs, acts, head, grads)
+        self.backward_impl(inputs, acts, head, grads, None)
     }
 }

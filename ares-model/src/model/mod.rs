@@ -57,9 +57,10 @@ use ares_cpu::ops::rope::RopeTable;
 
 pub use activations::{Activations, HeadMode};
 pub use error::ModelError;
-pub use generate::{GenerateError, GenerateOutput, GenerateRequest, Generator};
+pub use generate::{GenerateError, GenerateOutput, GenerateRequest, Generator, PromptVision};
 pub use grads::Grads;
-pub use inputs::Inputs;
+pub use backward::EmbedGrad;
+pub use inputs::{ForwardExtras, Inputs};
 pub use kv_cache::KvCache;
 pub use optim::{AdamW, AdamWConfig, StepReport};
 pub use sampling::Sampling;

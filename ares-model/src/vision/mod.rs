@@ -1,5 +1,12 @@
 //! The vision side of the Qwen2-VL family (Qwen2-VL, Qwen2.5-VL): the image and video
-//! processor (pixels → patch rows and grids) and the multimodal rotary positions (M-RoPE).
+//! processor (pixels → patch rows and grids), the multimodal rotary positions (M-RoPE),
+//! the config and checkpoint of a vision-language model, its vision tower, and
+//! [`model::VlModel`], which joins the tower to the language model.
 
+pub mod checkpoint;
+pub mod config;
+pub mod model;
 pub mod mrope;
 pub mod processor;
+pub mod tower;
+pub mod weights;

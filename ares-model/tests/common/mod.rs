@@ -2,6 +2,8 @@
 //! crate uses some of them.
 #![allow(dead_code)]
 
+pub mod vl;
+
 use std::path::{Path, PathBuf};
 
 use ares_model::model::Inputs;

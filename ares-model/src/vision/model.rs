@@ -1,0 +1,385 @@
+//! [`VlModel`]: a Qwen2-VL / Qwen2.5-VL model on a backend — the language model
+//! ([`Model`]) and the vision tower ([`VisionTower`]) — and how a batch with images and
+//! videos becomes one forward pass:
+//!
+//! 1. the tower runs once over every image and video of the batch (images first, then
+//!    videos, each in prompt order), giving one embedding per `<|image_pad|>` /
+//!    `<|video_pad|>` token;
+//! 2. the language model embeds the tokens and replaces the placeholders' rows by those
+//!    embeddings ([`ForwardExtras::embeds`]);
+//! 3. rotary angles come from the 3-D M-RoPE positions of [`rope_index`] instead of the
+//!    1-D lookup ([`ForwardExtras::rope`]).
+
+use super::checkpoint::VlCheckpoint;
+use super::config::VlConfig;
+use super::mrope::{MropePositions, MropeRope, VisionGrids, rope_index};
+use super::tower::{VisionActs, VisionGrads, VisionPlan, VisionTower, input_error};
+use crate::backend::{Backend, Tensor, View, ViewMut};
+use crate::model::{
+    Activations, EmbedGrad, ForwardExtras, GenerateError, GenerateOutput, GenerateRequest,
+    Generator, Grads, Inputs, Model, ModelError, PromptVision,
+};
+
+/// The images and videos of one batch, as the processor gives them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct VisionBatch {
+    /// `pixel_values` of every image, concatenated in prompt order `[patches, patch_dim]`.
+    pub image_pixels: Vec<f32>,
+    /// `image_grid_thw`, one per image.
+    pub image_grids: Vec<[usize; 3]>,
+    /// `pixel_values_videos` of every video, concatenated.
+    pub video_pixels: Vec<f32>,
+    /// `video_grid_thw`, one per video.
+    pub video_grids: Vec<[usize; 3]>,
+    /// `second_per_grid_ts`, one per video (`temporal_patch_size / fps`; Qwen2.5-VL).
+    pub second_per_grid_ts: Vec<f64>,
+}
+
+impl VisionBatch {
+    /// Whether the batch has no image and no video.
+    pub fn is_empty(&self) -> bool {
+        self.image_grids.is_empty() && self.video_grids.is_empty()
+    }
+}
+
+/// A batch prepared for the language model: M-RoPE positions and tables, and where the
+/// tower's rows go.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MultimodalLayout {
+    /// 3-D positions and `rope_deltas`.
+    pub positions: MropePositions,
+    /// cos `[batch · seq, head_dim/2]`.
+    pub cos: Vec<f32>,
+    /// sin `[batch · seq, head_dim/2]`.
+    pub sin: Vec<f32>,
+    /// Flattened token index of each of the tower's merged rows (tower order).
+    pub rows: Vec<u32>,
+    /// The tower's plan (`None`: a text-only batch).
+    pub plan: Option<VisionPlan>,
+}
+
+/// What [`VlModel::forward`] keeps for the backward pass besides the language model's
+/// arena: the tower's activations and the placeholder rows (`None` for a text-only batch).
+pub struct VlActs<B: Backend> {
+    /// The tower's arena and the device ids of the placeholder rows.
+    pub tower: Option<(VisionActs<B>, B::Ids)>,
+}
+
+/// A vision-language model on backend `B`.
+pub struct VlModel<B: Backend> {
+    lm: Model<B>,
+    tower: VisionTower<B>,
+    config: VlConfig,
+    mrope: MropeRope,
+}
+
+impl<B: Backend> VlModel<B> {
+    /// Builds the model of a loaded checkpoint on `backend`.
+    ///
+    /// # Errors
+    /// As [`Model::new`] and [`VisionTower::new`].
+    pub fn from_checkpoint(backend: B, ck: &VlCheckpoint) -> Result<Self, ModelError> {
+        let c = &ck.config;
+        let mrope =
+            MropeRope::new(c.text.head_dim, c.text.rope.theta, c.mrope_section).map_err(|e| {
+                ModelError::Unsupported {
+                    what: e.to_string(),
+                }
+            })?;
+        let tower = VisionTower::new(&backend, &c.vision, &ck.vision)?;
+        let lm = Model::new(backend, &c.text, &ck.text)?;
+        Ok(Self {
+            lm,
+            tower,
+            config: c.clone(),
+            mrope,
+        })
+    }
+
+    /// The language model.
+    pub fn lm(&self) -> &Model<B> {
+        &self.lm
+    }
+
+    /// The vision tower.
+    pub fn tower(&self) -> &VisionTower<B> {
+        &self.tower
+    }
+
+    /// The config.
+    pub fn config(&self) -> &VlConfig {
+        &self.config
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        self.lm.backend()
+    }
+
+    /// Positions, rotary tables and placeholder rows of a batch of expanded prompts
+    /// `input_ids` `[batch, seq]` with `attention_mask`, and its images and videos.
+    ///
+    /// # Errors
+    /// A placeholder count that does not match the grids, an invalid grid, lengths that do
+    /// not fit `batch`.
+    pub fn layout(
+        &self,
+        input_ids: &[u32],
+        attention_mask: &[u32],
+        batch: usize,
+        vision: &VisionBatch,
+    ) -> Result<MultimodalLayout, ModelError> {
+        let c = &self.config;
+        let spt = (!vision.video_grids.is_empty() && !vision.second_per_grid_ts.is_empty())
+            .then_some(vision.second_per_grid_ts.as_slice());
+        let grids = VisionGrids {
+            images: &vision.image_grids,
+            videos: &vision.video_grids,
+            second_per_grid_ts: spt,
+        };
+        let positions = rope_index(&c.mrope(), input_ids, batch, Some(attention_mask), &grids)
+            .map_err(|e| input_error(e.to_string()))?;
+        let half = c.text.head_dim / 2;
+        let n = input_ids.len();
+        let (mut cos, mut sin) = (vec![0.0; n * half], vec![0.0; n * half]);
+        self.mrope
+            .cos_sin(&positions.position_ids, &mut cos, &mut sin)
+            .map_err(|e| input_error(e.to_string()))?;
+        if vision.is_empty() {
+            return Ok(MultimodalLayout {
+                positions,
+                cos,
+                sin,
+                rows: Vec::new(),
+                plan: None,
+            });
+        }
+        let mut all = vision.image_grids.clone();
+        all.extend(&vision.video_grids);
+        let plan = VisionPlan::new(&c.vision, &all)?;
+        // Placeholder positions in flattened order, images' then videos'.
+        let pads = |id: u32| -> Vec<u32> {
+            (0..n as u32)
+                .filter(|&i| input_ids[i as usize] == id && attention_mask[i as usize] == 1)
+                .collect()
+        };
+        let (image_rows, video_rows) = (pads(c.tokens.image_pad), pads(c.tokens.video_pad));
+        let m2 = c.vision.spatial_merge_size * c.vision.spatial_merge_size;
+        let units = |grids: &[[usize; 3]]| {
+            grids
+                .iter()
+                .map(|g| g.iter().product::<usize>() / m2)
+                .sum::<usize>()
+        };
+        let (image_units, video_units) = (units(&vision.image_grids), units(&vision.video_grids));
+        for (what, found, need) in [
+            ("<|image_pad|>", image_rows.len(), image_units),
+            ("<|video_pad|>", video_rows.len(), video_units),
+        ] {
+            if found != need {
+                return Err(input_error(format!(
+                    "the prompts hold {found} {what} tokens, the grids need {need} \
+                     (one per merged patch: expand each placeholder first)"
+                )));
+            }
+        }
+        let rows = plan
+            .unit_order
+            .iter()
+            .map(|&u| {
+                let u = u as usize;
+                if u < image_units {
+                    image_rows[u]
+                } else {
+                    video_rows[u - image_units]
+                }
+            })
+            .collect();
+        Ok(MultimodalLayout {
+            positions,
+            cos,
+            sin,
+            rows,
+            plan: Some(plan),
+        })
+    }
+
+    /// The tower's pixel rows of `vision`: images then videos.
+    pub fn pixels(vision: &VisionBatch) -> Vec<f32> {
+        let mut p = vision.image_pixels.clone();
+        p.extend_from_slice(&vision.video_pixels);
+        p
+    }
+
+    /// Runs the tower (when the batch has images or videos) and the language model,
+    /// leaving the language model's activations and logits in `acts`; returns the tower's
+    /// arena and the placeholder rows (`keep`: the tower's activations kept for
+    /// [`Self::backward`]).
+    ///
+    /// # Errors
+    /// As [`Self::layout`], [`VisionTower::forward`] and [`Model::forward_with`].
+    pub fn forward(
+        &self,
+        inputs: &Inputs<'_>,
+        vision: &VisionBatch,
+        layout: &MultimodalLayout,
+        acts: &mut Activations<B>,
+        keep: bool,
+    ) -> Result<VlActs<B>, ModelError> {
+        let be = self.lm.backend();
+        let Some(plan) = &layout.plan else {
+            let extras = ForwardExtras {
+                embeds: None,
+                rope: Some((&layout.cos, &layout.sin)),
+            };
+            self.lm.forward_with(inputs, &extras, acts)?;
+            return Ok(VlActs { tower: None });
+        };
+        let mut va = self.tower.activations(be, plan.clone(), keep)?;
+        self.tower.forward(be, &Self::pixels(vision), &mut va)?;
+        let mut rows = be.alloc_ids(layout.rows.len())?;
+        be.upload_ids(&layout.rows, &mut rows)?;
+        let extras = ForwardExtras {
+            embeds: Some((&rows, va.output())),
+            rope: Some((&layout.cos, &layout.sin)),
+        };
+        self.lm.forward_with(inputs, &extras, acts)?;
+        Ok(VlActs {
+            tower: Some((va, rows)),
+        })
+    }
+
+    /// Backward of [`Self::forward`] (run with `keep = true`) from `dlogits`: **adds** the
+    /// language model's gradients into `lm_grads` and, when `vision_grads` is given (an
+    /// unfrozen tower), the tower's into it.
+    ///
+    /// # Errors
+    /// As [`Model::backward_with`] and [`VisionTower::backward`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &self,
+        inputs: &Inputs<'_>,
+        acts: &mut Activations<B>,
+        vl: &VlActs<B>,
+        dlogits: Tensor<'_, B>,
+        lm_grads: &mut Grads<B>,
+        vision_grads: Option<&mut VisionGrads<B>>,
+    ) -> Result<(), ModelError> {
+        let be = self.lm.backend();
+        let Some((va, rows)) = &vl.tower else {
+            return self.lm.backward(inputs, acts, dlogits, lm_grads);
+        };
+        let mut d_embeds = be.alloc(va.output().len())?;
+        let embeds = EmbedGrad {
+            rows,
+            d_embeds: ViewMut::whole(&mut d_embeds),
+        };
+        self.lm
+            .backward_with(inputs, acts, dlogits, embeds, lm_grads)?;
+        if let Some(g) = vision_grads {
+            self.tower.backward(be, va, View::whole(&d_embeds), g)?;
+        }
+        Ok(())
+    }
+
+    /// Convenience: the logits `[batch, seq, vocab]` of one batch on the host.
+    ///
+    /// # Errors
+    /// As [`Self::forward`].
+    pub fn forward_logits(
+        &self,
+        input_ids: &[u32],
+        attention_mask: &[u32],
+        batch: usize,
+        vision: &VisionBatch,
+    ) -> Result<Vec<f32>, ModelError> {
+        let layout = self.layout(input_ids, attention_mask, batch, vision)?;
+        let seq = input_ids.len() / batch.max(1);
+        let position_ids = layout.positions.axis(0).to_vec();
+        let inputs = Inputs {
+            batch,
+            seq,
+            input_ids,
+            attention_mask,
+            position_ids: &position_ids,
+        };
+        let mut acts = self.lm.activations_full(batch, seq)?;
+        let _tower = self.forward(&inputs, vision, &layout, &mut acts, false)?;
+        let mut out = vec![0.0; acts.logits().len()];
+        self.lm.download_logits(&acts, &mut out)?;
+        Ok(out)
+    }
+
+    /// A generator: the language model's weights transposed once for any number of
+    /// [`VlGenerator::generate`] calls.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn generator(&self) -> Result<VlGenerator<'_, B>, GenerateError> {
+        Ok(VlGenerator {
+            model: self,
+            lm: self.lm.generator()?,
+        })
+    }
+}
+
+/// [`VlModel::generator`]: generation with images and videos.
+pub struct VlGenerator<'m, B: Backend> {
+    model: &'m VlModel<B>,
+    lm: Generator<'m, B>,
+}
+
+impl<B: Backend> VlGenerator<'_, B> {
+    /// Generates after each prompt of `request` (placeholders expanded, as
+    /// [`super::mrope::expand_placeholders`] makes them) with `vision[i]` the images and
+    /// videos of prompt `i`: the tower runs once per prompt, its rows replace the
+    /// placeholders, positions are M-RoPE's in the prompt and `len + k + rope_delta` after
+    /// it (transformers' rule). `on_token(prompt, token)` sees each new token.
+    ///
+    /// # Errors
+    /// `vision` not one batch per prompt, placeholders that do not match the grids, and
+    /// as [`Generator::generate_vision`].
+    pub fn generate(
+        &self,
+        request: &GenerateRequest,
+        vision: &[VisionBatch],
+        on_token: impl FnMut(usize, u32),
+    ) -> Result<GenerateOutput, GenerateError> {
+        let m = self.model;
+        let be = m.backend();
+        if vision.len() != request.prompts.len() {
+            return Err(GenerateError::Model(input_error(format!(
+                "{} vision batches for {} prompts",
+                vision.len(),
+                request.prompts.len()
+            ))));
+        }
+        let hidden = m.config.text.hidden_size;
+        let mut layouts = Vec::with_capacity(vision.len());
+        for (p, v) in request.prompts.iter().zip(vision) {
+            let mask = vec![1u32; p.len()];
+            layouts.push(m.layout(p, &mask, 1, v)?);
+        }
+        let total: usize = layouts.iter().map(|l| l.rows.len()).sum();
+        let mut embeds = be.alloc(total * hidden)?;
+        let mut rows = Vec::with_capacity(total);
+        for (b, (l, v)) in layouts.iter().zip(vision).enumerate() {
+            let Some(plan) = &l.plan else { continue };
+            let mut va = m.tower.activations(be, plan.clone(), false)?;
+            m.tower.forward(be, &VlModel::<B>::pixels(v), &mut va)?;
+            let at = rows.len() * hidden;
+            be.copy(va.output(), ViewMut::new(&mut embeds, at, va.output().len())?)?;
+            rows.extend(l.rows.iter().map(|&t| (b, t as usize)));
+        }
+        let rope: Vec<(Vec<f32>, Vec<f32>)> =
+            layouts.iter().map(|l| (l.cos.clone(), l.sin.clone())).collect();
+        let rope_deltas: Vec<i64> = layouts.iter().map(|l| l.positions.rope_deltas[0]).collect();
+        let pv = PromptVision {
+            embeds: View::whole(&embeds),
+            rows: &rows,
+            rope: &rope,
+            rope_deltas: &rope_deltas,
+        };
+        self.lm.generate_vision(request, &pv, on_token)
+    }
+}

@@ -1,0 +1,999 @@
+//! The vision tower of Qwen2-VL and Qwen2.5-VL on a [`Backend`], forward and hand-written
+//! backward, read top to bottom like the decoder (`model/forward.rs`):
+//!
+//! ```text
+//! x = pixels · W_patchᵀ                                 (the Conv3d: stride = kernel)
+//! per block:  n1 = Norm(x);  q, k, v = n1·W_qkvᵀ + b    (rows of the fused qkv weight)
+//!             q, k = rope2d(q), rope2d(k)               (h and w positions, a quarter of
+//!                                                        the head each, rotate-half)
+//!             a = attention within segments(q, k, v)    (one frame, or one window)
+//!             x = x + a·W_projᵀ + b
+//!             n2 = Norm(x);  x = x + MLP(n2)            (QuickGELU fc1/fc2, or SwiGLU)
+//! merger:     y = Norm(x) viewed [tokens/m², m²·C];  out = GELU(y·W0ᵀ + b0)·W2ᵀ + b2
+//! ```
+//!
+//! Norm is LayerNorm for Qwen2-VL and RMSNorm for Qwen2.5-VL (eps 1e-6 both). Qwen2.5-VL
+//! attends within windows of `window_size` pixels except in `fullatt_block_indexes`; its
+//! patches are put in window order before the tower (the merge units of each window
+//! contiguous, [`VisionPlan`]), so a window is a segment, and the merged rows come out in
+//! that order: [`VisionPlan::unit_order`] maps them back. Full attention is per frame, as
+//! transformers' `cu_seqlens`.
+//!
+//! Everything the backward needs is kept when the arena is planned for training
+//! ([`VisionActs::new`] with `keep = true`); inference keeps one block's activations.
+
+use super::config::{VisionConfig, VisionMlp, VlKind};
+use super::mrope::tokens_per_grid;
+use super::weights::{Slot, VisionParams, VisionWeights, param_table};
+use crate::backend::{
+    Activation, Backend, DeviceBuffer, LinearDims, MatmulPrecision, SegmentAttentionDims, Tensor,
+    TensorMut, View, ViewMut,
+};
+use crate::model::ModelError;
+
+/// Epsilon of every norm of the tower (transformers hard-codes 1e-6).
+const EPS: f32 = 1e-6;
+
+/// Host-side layout of one tower call: token order, segments and rotary tables.
+#[derive(Debug, Clone, PartialEq)]
+pub struct VisionPlan {
+    /// Patches (rows of `pixel_values`).
+    pub patches: usize,
+    /// Merged tokens, `patches / spatial_merge_size²`.
+    pub units: usize,
+    /// Merge unit of each position in tower order: the tower's merged row `j` is the
+    /// processor's merged token `unit_order[j]` (identity for Qwen2-VL).
+    pub unit_order: Vec<u32>,
+    /// Segment bounds of full attention (one per frame), `[frames + 1]`.
+    pub cu_full: Vec<u32>,
+    /// Segment bounds of window attention (Qwen2.5-VL; equals `cu_full` for Qwen2-VL).
+    pub cu_window: Vec<u32>,
+    /// Rotary cos / sin `[patches, head_dim/2]`, in tower order.
+    pub cos: Vec<f32>,
+    /// See `cos`.
+    pub sin: Vec<f32>,
+}
+
+pub(crate) fn input_error(message: impl Into<String>) -> ModelError {
+    ModelError::VisionInput {
+        message: message.into(),
+    }
+}
+
+impl VisionPlan {
+    /// The plan of the grids `[t, h, w]` (patches, before the merge) of the images and
+    /// videos of one call, in the order their patches are stacked.
+    ///
+    /// # Errors
+    /// No grid, a grid with a zero side or a side not a multiple of `spatial_merge_size`,
+    /// or more patches than `u32` indexes.
+    pub fn new(cfg: &VisionConfig, grids: &[[usize; 3]]) -> Result<Self, ModelError> {
+        let m = cfg.spatial_merge_size;
+        let unit = m * m;
+        if grids.is_empty() {
+            return Err(input_error("no image or video grid"));
+        }
+        let mut patches = 0usize;
+        for (i, &g) in grids.iter().enumerate() {
+            let n =
+                tokens_per_grid(g, m).map_err(|e| input_error(format!("grid {i} {g:?}: {e}")))?;
+            patches = patches
+                .checked_add(n * unit)
+                .filter(|&p| p <= u32::MAX as usize)
+                .ok_or_else(|| input_error("more patches than u32 indexes"))?;
+        }
+        let units = patches / unit;
+        let mut unit_order = Vec::with_capacity(units);
+        let (mut cu_full, mut cu_window) = (vec![0u32], vec![0u32]);
+        let mut base = 0usize;
+        let window = (cfg.window_size / m / cfg.patch_size).max(1);
+        for &[t, h, w] in grids {
+            let (lh, lw) = (h / m, w / m);
+            for frame in 0..t {
+                let first = base + frame * lh * lw;
+                cu_full.push(cu_full[cu_full.len() - 1] + (h * w) as u32);
+                if cfg.kind == VlKind::Qwen2Vl {
+                    unit_order.extend((first..first + lh * lw).map(|u| u as u32));
+                    continue;
+                }
+                // windows of `window × window` units, row-major, the last ones partial
+                for wr in (0..lh).step_by(window) {
+                    for wc in (0..lw).step_by(window) {
+                        let before = unit_order.len();
+                        for r in wr..(wr + window).min(lh) {
+                            for c in wc..(wc + window).min(lw) {
+                                unit_order.push((first + r * lw + c) as u32);
+                            }
+                        }
+                        let len = ((unit_order.len() - before) * unit) as u32;
+                        cu_window.push(cu_window[cu_window.len() - 1] + len);
+                    }
+                }
+            }
+            base += t * lh * lw;
+        }
+        if cfg.kind == VlKind::Qwen2Vl {
+            cu_window = cu_full.clone();
+        }
+        let (cos, sin) = rope_tables(cfg, grids, &unit_order, patches)?;
+        Ok(Self {
+            patches,
+            units,
+            unit_order,
+            cu_full,
+            cu_window,
+            cos,
+            sin,
+        })
+    }
+
+    /// `pixel_values` `[patches, patch_dim]` (processor order) rearranged into tower order.
+    ///
+    /// # Errors
+    /// `pixel_values` not `patches · patch_dim` long.
+    pub fn reorder_pixels(
+        &self,
+        cfg: &VisionConfig,
+        pixels: &[f32],
+    ) -> Result<Vec<f32>, ModelError> {
+        let row = cfg.patch_dim() * cfg.spatial_merge_size * cfg.spatial_merge_size;
+        if pixels.len() != self.units * row {
+            return Err(input_error(format!(
+                "pixel_values has {} values, the grids need {} patches × {} = {}",
+                pixels.len(),
+                self.patches,
+                cfg.patch_dim(),
+                self.units * row
+            )));
+        }
+        let mut out = Vec::with_capacity(pixels.len());
+        for &u in &self.unit_order {
+            let u = u as usize;
+            out.extend_from_slice(&pixels[u * row..(u + 1) * row]);
+        }
+        Ok(out)
+    }
+}
+
+/// The 2-D rotary cos/sin of every patch in tower order, as transformers computes them in
+/// f32: `inv_freq[j] = 1 / θ^(2j / (head_dim/2))` for `j < head_dim/4`, angle `pos · inv_freq`,
+/// the h angles then the w angles.
+fn rope_tables(
+    cfg: &VisionConfig,
+    grids: &[[usize; 3]],
+    unit_order: &[u32],
+    patches: usize,
+) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
+    let m = cfg.spatial_merge_size;
+    let half = cfg.head_dim / 2;
+    let quarter = half / 2;
+    let theta = cfg.rope_theta as f32;
+    let inv: Vec<f32> = (0..quarter)
+        .map(|j| 1.0 / theta.powf((2 * j) as f32 / half as f32))
+        .collect();
+    // (h, w) of each merge unit's patches, processor order: block-major within a frame
+    let mut hw: Vec<[u32; 2]> = Vec::with_capacity(patches);
+    for &[t, h, w] in grids {
+        for _ in 0..t {
+            for bh in 0..h / m {
+                for bw in 0..w / m {
+                    for ih in 0..m {
+                        for iw in 0..m {
+                            hw.push([(bh * m + ih) as u32, (bw * m + iw) as u32]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let unit = m * m;
+    let (mut cos, mut sin) = (vec![0.0f32; patches * half], vec![0.0f32; patches * half]);
+    let rows = unit_order
+        .iter()
+        .flat_map(|&u| (0..unit).map(move |r| u as usize * unit + r));
+    for (p, src) in rows.enumerate() {
+        let [ph, pw] = hw[src];
+        for (axis, pos) in [ph, pw].into_iter().enumerate() {
+            for (j, &f) in inv.iter().enumerate() {
+                let angle = pos as f32 * f;
+                let i = p * half + axis * quarter + j;
+                cos[i] = angle.cos();
+                sin[i] = angle.sin();
+            }
+        }
+    }
+    Ok((cos, sin))
+}
+
+/// The tower on backend `B`: its config and weights (one buffer per [`Slot`], per-block
+/// ones stacked over blocks).
+#[derive(Debug)]
+pub struct VisionTower<B: Backend> {
+    cfg: VisionConfig,
+    weights: VisionParams<B::Buffer>,
+    precision: MatmulPrecision,
+}
+
+/// Gradients of the tower's parameters, slot by slot like its weights.
+pub type VisionGrads<B> = VisionParams<<B as Backend>::Buffer>;
+
+/// The activations of one tower call.
+#[derive(Debug)]
+pub struct VisionActs<B: Backend> {
+    plan: VisionPlan,
+    /// Whether every block's activations are kept (training) or one block's (inference).
+    keep: bool,
+    pixels: B::Buffer,
+    cos: B::Buffer,
+    sin: B::Buffer,
+    cu_full: B::Ids,
+    cu_window: B::Ids,
+    /// Residual stream `[depth + 1, N, C]` (training) or `[2, N, C]`.
+    resid: B::Buffer,
+    n1: B::Buffer,
+    n1_mean: B::Buffer,
+    n1_rstd: B::Buffer,
+    q: B::Buffer,
+    k: B::Buffer,
+    v: B::Buffer,
+    att: B::Buffer,
+    lse: B::Buffer,
+    mid: B::Buffer,
+    n2: B::Buffer,
+    n2_mean: B::Buffer,
+    n2_rstd: B::Buffer,
+    mlp_in: B::Buffer,
+    mlp_up: B::Buffer,
+    mlp_act: B::Buffer,
+    /// Scratch `[N, C]` for a block's projection outputs.
+    branch: B::Buffer,
+    merge_norm: B::Buffer,
+    merge_mean: B::Buffer,
+    merge_rstd: B::Buffer,
+    merge_hidden: B::Buffer,
+    merge_act: B::Buffer,
+    /// The merged tokens `[units, out_hidden]`, in tower order.
+    out: B::Buffer,
+}
+
+impl<B: Backend> VisionActs<B> {
+    /// The plan this arena was made for.
+    pub fn plan(&self) -> &VisionPlan {
+        &self.plan
+    }
+
+    /// The merged tokens `[units, out_hidden]` of the last forward, in tower order.
+    pub fn output(&self) -> Tensor<'_, B> {
+        View::whole(&self.out)
+    }
+
+    /// The residual stream after the last block `[patches, hidden]` (transformers'
+    /// `last_hidden_state`), in tower order.
+    ///
+    /// # Errors
+    /// A view error (never for an arena made by [`VisionTower::activations`]).
+    pub fn last_hidden(&self, depth: usize) -> Result<Tensor<'_, B>, ModelError> {
+        let n = self.resid.len() / if self.keep { depth + 1 } else { 2 };
+        let idx = if self.keep { depth } else { depth % 2 };
+        Ok(View::item(&self.resid, idx, n)?)
+    }
+}
+
+impl<B: Backend> VisionTower<B> {
+    /// Uploads `weights` (checked against `cfg`'s parameter table).
+    ///
+    /// # Errors
+    /// A weight of the wrong size, or a backend failure.
+    pub fn new(be: &B, cfg: &VisionConfig, weights: &VisionWeights) -> Result<Self, ModelError> {
+        let table = param_table(cfg);
+        let uploaded = VisionParams::build(&table, |spec| {
+            let t = weights
+                .get(spec.slot)
+                .ok_or_else(|| ModelError::MissingWeight {
+                    name: spec.hf_name(0),
+                })?;
+            let blocks = if spec.per_block { cfg.depth } else { 1 };
+            let expected = blocks * spec.item();
+            if t.data.len() != expected {
+                return Err(ModelError::WeightShape {
+                    name: spec.hf_name(0),
+                    expected,
+                    actual: t.data.len(),
+                });
+            }
+            let mut buf = be.alloc(expected)?;
+            be.upload(&t.data, ViewMut::whole(&mut buf))?;
+            Ok(buf)
+        })?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            weights: uploaded,
+            precision: MatmulPrecision::F32,
+        })
+    }
+
+    /// The config.
+    pub fn config(&self) -> &VisionConfig {
+        &self.cfg
+    }
+
+    /// Sets how the linear layers multiply (as [`crate::model::Model::set_matmul_precision`]).
+    pub fn set_matmul_precision(&mut self, precision: MatmulPrecision) {
+        self.precision = precision;
+    }
+
+    /// The weights on the device.
+    pub fn weights(&self) -> &VisionParams<B::Buffer> {
+        &self.weights
+    }
+
+    /// The weights on the device, mutably (the optimizer).
+    pub fn weights_mut(&mut self) -> &mut VisionParams<B::Buffer> {
+        &mut self.weights
+    }
+
+    /// Downloads the weights to the host.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn download_weights(&self, be: &B) -> Result<VisionWeights, ModelError> {
+        let table = param_table(&self.cfg);
+        VisionParams::build(&table, |spec| {
+            let buf = self
+                .weights
+                .get(spec.slot)
+                .ok_or_else(|| ModelError::MissingWeight {
+                    name: spec.hf_name(0),
+                })?;
+            let mut data = vec![0.0; buf.len()];
+            be.download(View::whole(buf), &mut data)?;
+            let mut shape = if spec.per_block {
+                vec![self.cfg.depth]
+            } else {
+                Vec::new()
+            };
+            shape.extend(&spec.shape);
+            Ok(crate::hf::weights::Tensor { shape, data })
+        })
+    }
+
+    /// Zeroed gradients of every parameter.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn zero_grads(&self, be: &B) -> Result<VisionGrads<B>, ModelError> {
+        let table = param_table(&self.cfg);
+        VisionParams::build(&table, |spec| {
+            let len = self.weights.get(spec.slot).map_or(0, |b| b.len());
+            Ok::<_, ModelError>(be.alloc(len)?)
+        })
+    }
+
+    /// An arena for `plan`; `keep`: every block's activations (for [`Self::backward`]).
+    ///
+    /// # Errors
+    /// A backend failure (out of memory).
+    pub fn activations(
+        &self,
+        be: &B,
+        plan: VisionPlan,
+        keep: bool,
+    ) -> Result<VisionActs<B>, ModelError> {
+        let c = &self.cfg;
+        let n = plan.patches;
+        let (h, i) = (c.hidden, c.intermediate);
+        let blocks = if keep { c.depth } else { 1 };
+        let resid_items = if keep { c.depth + 1 } else { 2 };
+        let up = if c.mlp == VisionMlp::SwiGlu {
+            blocks * n * i
+        } else {
+            0
+        };
+        let m = c.merged_dim();
+        let stats = if c.layer_norm() { blocks * n } else { 0 };
+        let mut cu_full = be.alloc_ids(plan.cu_full.len())?;
+        be.upload_ids(&plan.cu_full, &mut cu_full)?;
+        let mut cu_window = be.alloc_ids(plan.cu_window.len())?;
+        be.upload_ids(&plan.cu_window, &mut cu_window)?;
+        let mut cos = be.alloc(plan.cos.len())?;
+        be.upload(&plan.cos, ViewMut::whole(&mut cos))?;
+        let mut sin = be.alloc(plan.sin.len())?;
+        be.upload(&plan.sin, ViewMut::whole(&mut sin))?;
+        Ok(VisionActs {
+            keep,
+            pixels: be.alloc(n * c.patch_dim())?,
+            cos,
+            sin,
+            cu_full,
+            cu_window,
+            resid: be.alloc(resid_items * n * h)?,
+            n1: be.alloc(blocks * n * h)?,
+            n1_mean: be.alloc(stats)?,
+            n1_rstd: be.alloc(blocks * n)?,
+            q: be.alloc(blocks * n * h)?,
+            k: be.alloc(blocks * n * h)?,
+            v: be.alloc(blocks * n * h)?,
+            att: be.alloc(blocks * n * h)?,
+            lse: be.alloc(blocks * n * c.heads)?,
+            mid: be.alloc(blocks * n * h)?,
+            n2: be.alloc(blocks * n * h)?,
+            n2_mean: be.alloc(stats)?,
+            n2_rstd: be.alloc(blocks * n)?,
+            mlp_in: be.alloc(blocks * n * i)?,
+            mlp_up: be.alloc(up)?,
+            mlp_act: be.alloc(blocks * n * i)?,
+            branch: be.alloc(n * h)?,
+            merge_norm: be.alloc(n * h)?,
+            merge_mean: be.alloc(if c.layer_norm() { n } else { 0 })?,
+            merge_rstd: be.alloc(n)?,
+            merge_hidden: be.alloc(plan.units * m)?,
+            merge_act: be.alloc(plan.units * m)?,
+            out: be.alloc(plan.units * c.out_hidden)?,
+            plan,
+        })
+    }
+
+    fn dims(&self, rows: usize, in_features: usize, out_features: usize) -> LinearDims {
+        LinearDims {
+            rows,
+            in_features,
+            out_features,
+            precision: self.precision,
+        }
+    }
+
+    /// The weight of `slot` for block `l` (or the whole tensor).
+    fn w(&self, slot: Slot, l: usize, item: usize) -> Result<Tensor<'_, B>, ModelError> {
+        let buf = self
+            .weights
+            .get(slot)
+            .ok_or_else(|| ModelError::MissingWeight {
+                name: format!("{slot:?}"),
+            })?;
+        Ok(View::item(buf, l, item)?)
+    }
+
+    /// Rows `part·h .. (part+1)·h` of block `l`'s fused qkv weight (0 q, 1 k, 2 v) and bias.
+    fn qkv(&self, l: usize, part: usize) -> Result<(Tensor<'_, B>, Tensor<'_, B>), ModelError> {
+        let h = self.cfg.hidden;
+        let w = self.weights.get(Slot::Qkv).ok_or_else(|| missing("qkv"))?;
+        let b = self
+            .weights
+            .get(Slot::QkvBias)
+            .ok_or_else(|| missing("qkv bias"))?;
+        Ok((
+            View::new(w, (l * 3 + part) * h * h, h * h)?,
+            View::new(b, (l * 3 + part) * h, h)?,
+        ))
+    }
+
+    /// Norm of `x` (`rows × dim`) by `slot`'s weight (and bias: LayerNorm) into `out`.
+    #[allow(clippy::too_many_arguments)]
+    fn norm(
+        &self,
+        be: &B,
+        slot: Slot,
+        l: usize,
+        x: Tensor<'_, B>,
+        out: TensorMut<'_, B>,
+        mean: Option<TensorMut<'_, B>>,
+        rstd: TensorMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        let h = self.cfg.hidden;
+        let w = self.w(slot, l, h)?;
+        match (bias_slot(slot), mean) {
+            (Some(bs), Some(mean)) if self.cfg.layer_norm() => {
+                let b = self.w(bs, l, h)?;
+                be.layer_norm(x, w, b, EPS, h, out, mean, rstd)?;
+            }
+            _ => be.rmsnorm(x, w, EPS, h, out, rstd)?,
+        }
+        Ok(())
+    }
+
+    /// Runs the tower on `pixel_values` `[patches, patch_dim]` (processor order, as
+    /// [`VisionPlan::reorder_pixels`] takes them), leaving the merged tokens in
+    /// [`VisionActs::output`] (tower order).
+    ///
+    /// # Errors
+    /// `pixel_values` of the wrong length, or a backend failure.
+    pub fn forward(
+        &self,
+        be: &B,
+        pixel_values: &[f32],
+        a: &mut VisionActs<B>,
+    ) -> Result<(), ModelError> {
+        let c = &self.cfg;
+        let (h, i, n) = (c.hidden, c.intermediate, a.plan.patches);
+        let (nh, hd) = (c.heads, c.head_dim);
+        let rows = a.plan.reorder_pixels(c, pixel_values)?;
+        be.upload(&rows, ViewMut::whole(&mut a.pixels))?;
+        let (nc, ni) = (n * h, n * i);
+        let keep = a.keep;
+        let slot = |l: usize| if keep { l } else { 0 };
+        let rslot = |l: usize| if keep { l } else { l % 2 };
+        let ln = c.layer_norm();
+
+        // Patch embedding: the Conv3d with stride = kernel is one linear layer over patches.
+        be.linear(
+            View::whole(&a.pixels),
+            self.w(Slot::Patch, 0, h * c.patch_dim())?,
+            None,
+            self.dims(n, c.patch_dim(), h),
+            ViewMut::item(&mut a.resid, 0, nc)?,
+        )?;
+        let seg_full = SegmentAttentionDims::new(n, a.plan.cu_full.len() - 1, nh, hd);
+        let seg_window = SegmentAttentionDims::new(n, a.plan.cu_window.len() - 1, nh, hd);
+        for l in 0..c.depth {
+            let (s, r_in, r_out) = (slot(l), rslot(l), rslot(l + 1));
+            // Attention block.
+            let x = View::item(&a.resid, r_in, nc)?;
+            let mean = ln
+                .then(|| ViewMut::item(&mut a.n1_mean, s, n))
+                .transpose()?;
+            self.norm(
+                be,
+                Slot::Norm1,
+                l,
+                x,
+                ViewMut::item(&mut a.n1, s, nc)?,
+                mean,
+                ViewMut::item(&mut a.n1_rstd, s, n)?,
+            )?;
+            let n1 = View::item(&a.n1, s, nc)?;
+            for (part, buf) in [(0, &mut a.q), (1, &mut a.k), (2, &mut a.v)] {
+                let (w, b) = self.qkv(l, part)?;
+                be.linear(
+                    n1,
+                    w,
+                    Some(b),
+                    self.dims(n, h, h),
+                    ViewMut::item(buf, s, nc)?,
+                )?;
+            }
+            let (cos, sin) = (View::whole(&a.cos), View::whole(&a.sin));
+            be.rope(ViewMut::item(&mut a.q, s, nc)?, cos, sin, nh, hd)?;
+            be.rope(ViewMut::item(&mut a.k, s, nc)?, cos, sin, nh, hd)?;
+            let (dims, cu) = if c.full_attention(l) {
+                (seg_full, &a.cu_full)
+            } else {
+                (seg_window, &a.cu_window)
+            };
+            be.segment_attention(
+                dims,
+                cu,
+                View::item(&a.q, s, nc)?,
+                View::item(&a.k, s, nc)?,
+                View::item(&a.v, s, nc)?,
+                ViewMut::item(&mut a.att, s, nc)?,
+                ViewMut::item(&mut a.lse, s, n * nh)?,
+            )?;
+            be.linear(
+                View::item(&a.att, s, nc)?,
+                self.w(Slot::Proj, l, h * h)?,
+                Some(self.w(Slot::ProjBias, l, h)?),
+                self.dims(n, h, h),
+                ViewMut::whole(&mut a.branch),
+            )?;
+            be.add(
+                View::item(&a.resid, r_in, nc)?,
+                View::whole(&a.branch),
+                ViewMut::item(&mut a.mid, s, nc)?,
+            )?;
+
+            // MLP block.
+            let mid = View::item(&a.mid, s, nc)?;
+            let mean = ln
+                .then(|| ViewMut::item(&mut a.n2_mean, s, n))
+                .transpose()?;
+            self.norm(
+                be,
+                Slot::Norm2,
+                l,
+                mid,
+                ViewMut::item(&mut a.n2, s, nc)?,
+                mean,
+                ViewMut::item(&mut a.n2_rstd, s, n)?,
+            )?;
+            let n2 = View::item(&a.n2, s, nc)?;
+            be.linear(
+                n2,
+                self.w(Slot::MlpIn, l, i * h)?,
+                Some(self.w(Slot::MlpInBias, l, i)?),
+                self.dims(n, h, i),
+                ViewMut::item(&mut a.mlp_in, s, ni)?,
+            )?;
+            match c.mlp {
+                VisionMlp::Plain(act) => {
+                    be.activation(
+                        act,
+                        View::item(&a.mlp_in, s, ni)?,
+                        ViewMut::item(&mut a.mlp_act, s, ni)?,
+                    )?;
+                }
+                VisionMlp::SwiGlu => {
+                    be.linear(
+                        n2,
+                        self.w(Slot::MlpUp, l, i * h)?,
+                        Some(self.w(Slot::MlpUpBias, l, i)?),
+                        self.dims(n, h, i),
+                        ViewMut::item(&mut a.mlp_up, s, ni)?,
+                    )?;
+                    be.swiglu(
+                        View::item(&a.mlp_in, s, ni)?,
+                        View::item(&a.mlp_up, s, ni)?,
+                        ViewMut::item(&mut a.mlp_act, s, ni)?,
+                    )?;
+                }
+            }
+            be.linear(
+                View::item(&a.mlp_act, s, ni)?,
+                self.w(Slot::MlpOut, l, h * i)?,
+                Some(self.w(Slot::MlpOutBias, l, h)?),
+                self.dims(n, i, h),
+                ViewMut::whole(&mut a.branch),
+            )?;
+            be.add(
+                View::item(&a.mid, s, nc)?,
+                View::whole(&a.branch),
+                ViewMut::item(&mut a.resid, r_out, nc)?,
+            )?;
+        }
+
+        // Patch merger: norm per patch, then m² patches side by side per merged token.
+        let units = a.plan.units;
+        let m = c.merged_dim();
+        let x = View::item(&a.resid, rslot(c.depth), nc)?;
+        let mean = ln.then(|| ViewMut::whole(&mut a.merge_mean));
+        self.norm(
+            be,
+            Slot::MergerNorm,
+            0,
+            x,
+            ViewMut::whole(&mut a.merge_norm),
+            mean,
+            ViewMut::whole(&mut a.merge_rstd),
+        )?;
+        be.linear(
+            View::whole(&a.merge_norm),
+            self.w(Slot::Merger0, 0, m * m)?,
+            Some(self.w(Slot::Merger0Bias, 0, m)?),
+            self.dims(units, m, m),
+            ViewMut::whole(&mut a.merge_hidden),
+        )?;
+        be.activation(
+            Activation::GeluErf,
+            View::whole(&a.merge_hidden),
+            ViewMut::whole(&mut a.merge_act),
+        )?;
+        be.linear(
+            View::whole(&a.merge_act),
+            self.w(Slot::Merger2, 0, c.out_hidden * m)?,
+            Some(self.w(Slot::Merger2Bias, 0, c.out_hidden)?),
+            self.dims(units, m, c.out_hidden),
+            ViewMut::whole(&mut a.out),
+        )?;
+        Ok(())
+    }
+
+    /// Backward of [`Self::forward`] (on an arena made with `keep = true`) from `dout`
+    /// `[units, out_hidden]` (tower order): **adds** every parameter's gradient into `g`.
+    ///
+    /// # Errors
+    /// An arena without every block's activations, `dout` of the wrong length, or a
+    /// backend failure.
+    pub fn backward(
+        &self,
+        be: &B,
+        a: &VisionActs<B>,
+        dout: Tensor<'_, B>,
+        g: &mut VisionGrads<B>,
+    ) -> Result<(), ModelError> {
+        let c = &self.cfg;
+        if !a.keep {
+            return Err(ModelError::Unsupported {
+                what: "vision backward on an inference arena (plan it with keep = true)".into(),
+            });
+        }
+        let (h, i, n, units, m) = (
+            c.hidden,
+            c.intermediate,
+            a.plan.patches,
+            a.plan.units,
+            c.merged_dim(),
+        );
+        let (nh, hd) = (c.heads, c.head_dim);
+        let (nc, ni) = (n * h, n * i);
+        let ln = c.layer_norm();
+        let mut d_resid = be.alloc(nc)?;
+        let mut d_mid = be.alloc(nc)?;
+        let mut d_norm = be.alloc(nc)?;
+        let mut d_att = be.alloc(nc)?;
+        let (mut dq, mut dk, mut dv) = (be.alloc(nc)?, be.alloc(nc)?, be.alloc(nc)?);
+        let (mut d_act, mut d_in, mut d_up) = (be.alloc(ni)?, be.alloc(ni)?, be.alloc(ni)?);
+        let (mut d_mh, mut d_ma) = (be.alloc(units * m)?, be.alloc(units * m)?);
+
+        // Merger.
+        let (w2, b2) = grad_pair(
+            g,
+            Slot::Merger2,
+            Slot::Merger2Bias,
+            0,
+            c.out_hidden * m,
+            c.out_hidden,
+        )?;
+        be.linear_backward(
+            dout,
+            View::whole(&a.merge_act),
+            self.w(Slot::Merger2, 0, c.out_hidden * m)?,
+            self.dims(units, m, c.out_hidden),
+            Some(ViewMut::whole(&mut d_ma)),
+            w2,
+            Some(b2),
+        )?;
+        be.activation_backward(
+            Activation::GeluErf,
+            View::whole(&d_ma),
+            View::whole(&a.merge_hidden),
+            ViewMut::whole(&mut d_mh),
+        )?;
+        let (w0, b0) = grad_pair(g, Slot::Merger0, Slot::Merger0Bias, 0, m * m, m)?;
+        be.fill(ViewMut::whole(&mut d_norm), 0.0)?;
+        be.linear_backward(
+            View::whole(&d_mh),
+            View::whole(&a.merge_norm),
+            self.w(Slot::Merger0, 0, m * m)?,
+            self.dims(units, m, m),
+            Some(ViewMut::whole(&mut d_norm)),
+            w0,
+            Some(b0),
+        )?;
+        be.fill(ViewMut::whole(&mut d_resid), 0.0)?;
+        let x = View::item(&a.resid, c.depth, nc)?;
+        let mean = ln.then(|| View::whole(&a.merge_mean));
+        self.norm_backward(
+            be,
+            g,
+            Slot::MergerNorm,
+            0,
+            View::whole(&d_norm),
+            x,
+            mean,
+            View::whole(&a.merge_rstd),
+            ViewMut::whole(&mut d_resid),
+        )?;
+
+        let seg_full = SegmentAttentionDims::new(n, a.plan.cu_full.len() - 1, nh, hd);
+        let seg_window = SegmentAttentionDims::new(n, a.plan.cu_window.len() - 1, nh, hd);
+        for l in (0..c.depth).rev() {
+            // MLP block: resid_out = mid + MLP(Norm(mid)).
+            be.copy(View::whole(&d_resid), ViewMut::whole(&mut d_mid))?;
+            let (wo, bo) = grad_pair(g, Slot::MlpOut, Slot::MlpOutBias, l, h * i, h)?;
+            be.fill(ViewMut::whole(&mut d_act), 0.0)?;
+            be.linear_backward(
+                View::whole(&d_resid),
+                View::item(&a.mlp_act, l, ni)?,
+                self.w(Slot::MlpOut, l, h * i)?,
+                self.dims(n, i, h),
+                Some(ViewMut::whole(&mut d_act)),
+                wo,
+                Some(bo),
+            )?;
+            be.fill(ViewMut::whole(&mut d_norm), 0.0)?;
+            let n2 = View::item(&a.n2, l, nc)?;
+            match c.mlp {
+                VisionMlp::Plain(act) => {
+                    be.activation_backward(
+                        act,
+                        View::whole(&d_act),
+                        View::item(&a.mlp_in, l, ni)?,
+                        ViewMut::whole(&mut d_in),
+                    )?;
+                }
+                VisionMlp::SwiGlu => {
+                    be.swiglu_backward(
+                        View::whole(&d_act),
+                        View::item(&a.mlp_in, l, ni)?,
+                        View::item(&a.mlp_up, l, ni)?,
+                        ViewMut::whole(&mut d_in),
+                        ViewMut::whole(&mut d_up),
+                    )?;
+                    let (wu, bu) = grad_pair(g, Slot::MlpUp, Slot::MlpUpBias, l, i * h, i)?;
+                    be.linear_backward(
+                        View::whole(&d_up),
+                        n2,
+                        self.w(Slot::MlpUp, l, i * h)?,
+                        self.dims(n, h, i),
+                        Some(ViewMut::whole(&mut d_norm)),
+                        wu,
+                        Some(bu),
+                    )?;
+                }
+            }
+            let (wi, bi) = grad_pair(g, Slot::MlpIn, Slot::MlpInBias, l, i * h, i)?;
+            be.linear_backward(
+                View::whole(&d_in),
+                n2,
+                self.w(Slot::MlpIn, l, i * h)?,
+                self.dims(n, h, i),
+                Some(ViewMut::whole(&mut d_norm)),
+                wi,
+                Some(bi),
+            )?;
+            let mean = ln.then(|| View::item(&a.n2_mean, l, n)).transpose()?;
+            self.norm_backward(
+                be,
+                g,
+                Slot::Norm2,
+                l,
+                View::whole(&d_norm),
+                View::item(&a.mid, l, nc)?,
+                mean,
+                View::item(&a.n2_rstd, l, n)?,
+                ViewMut::whole(&mut d_mid),
+            )?;
+
+            // Attention block: mid = resid_in + proj(attention(rope(qkv(Norm(resid_in))))).
+            be.copy(View::whole(&d_mid), ViewMut::whole(&mut d_resid))?;
+            let (wp, bp) = grad_pair(g, Slot::Proj, Slot::ProjBias, l, h * h, h)?;
+            be.fill(ViewMut::whole(&mut d_att), 0.0)?;
+            be.linear_backward(
+                View::whole(&d_mid),
+                View::item(&a.att, l, nc)?,
+                self.w(Slot::Proj, l, h * h)?,
+                self.dims(n, h, h),
+                Some(ViewMut::whole(&mut d_att)),
+                wp,
+                Some(bp),
+            )?;
+            let (dims, cu) = if c.full_attention(l) {
+                (seg_full, &a.cu_full)
+            } else {
+                (seg_window, &a.cu_window)
+            };
+            be.segment_attention_backward(
+                dims,
+                cu,
+                View::item(&a.q, l, nc)?,
+                View::item(&a.k, l, nc)?,
+                View::item(&a.v, l, nc)?,
+                View::item(&a.att, l, nc)?,
+                View::item(&a.lse, l, n * nh)?,
+                View::whole(&d_att),
+                ViewMut::whole(&mut dq),
+                ViewMut::whole(&mut dk),
+                ViewMut::whole(&mut dv),
+            )?;
+            let (cos, sin) = (View::whole(&a.cos), View::whole(&a.sin));
+            be.rope_backward(ViewMut::whole(&mut dq), cos, sin, nh, hd)?;
+            be.rope_backward(ViewMut::whole(&mut dk), cos, sin, nh, hd)?;
+            be.fill(ViewMut::whole(&mut d_norm), 0.0)?;
+            let n1 = View::item(&a.n1, l, nc)?;
+            for (part, d) in [(0, &dq), (1, &dk), (2, &dv)] {
+                let (w, _) = self.qkv(l, part)?;
+                let (gw, gb) = qkv_grads(g, l, part, h)?;
+                be.linear_backward(
+                    View::whole(d),
+                    n1,
+                    w,
+                    self.dims(n, h, h),
+                    Some(ViewMut::whole(&mut d_norm)),
+                    gw,
+                    Some(gb),
+                )?;
+            }
+            let mean = ln.then(|| View::item(&a.n1_mean, l, n)).transpose()?;
+            self.norm_backward(
+                be,
+                g,
+                Slot::Norm1,
+                l,
+                View::whole(&d_norm),
+                View::item(&a.resid, l, nc)?,
+                mean,
+                View::item(&a.n1_rstd, l, n)?,
+                ViewMut::whole(&mut d_resid),
+            )?;
+        }
+
+        // Patch embedding (no gradient for the pixels).
+        let gp = g
+            .get_mut(Slot::Patch)
+            .ok_or_else(|| missing("patch grad"))?;
+        be.linear_backward(
+            View::whole(&d_resid),
+            View::whole(&a.pixels),
+            self.w(Slot::Patch, 0, h * c.patch_dim())?,
+            self.dims(n, c.patch_dim(), h),
+            None,
+            ViewMut::whole(gp),
+            None,
+        )?;
+        Ok(())
+    }
+
+    /// Backward of [`Self::norm`]: **adds** into `dx` and the weight's (and bias's)
+    /// gradient.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_backward(
+        &self,
+        be: &B,
+        g: &mut VisionGrads<B>,
+        slot: Slot,
+        l: usize,
+        dout: Tensor<'_, B>,
+        x: Tensor<'_, B>,
+        mean: Option<Tensor<'_, B>>,
+        rstd: Tensor<'_, B>,
+        dx: TensorMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        let h = self.cfg.hidden;
+        let w = self.w(slot, l, h)?;
+        match (bias_slot(slot), mean) {
+            (Some(bs), Some(mean)) if self.cfg.layer_norm() => {
+                let (gw, gb) = grad_pair(g, slot, bs, l, h, h)?;
+                be.layer_norm_backward(dout, x, w, mean, rstd, h, dx, gw, gb)?;
+            }
+            _ => {
+                let gw = g.get_mut(slot).ok_or_else(|| missing("norm grad"))?;
+                be.rmsnorm_backward(dout, x, w, rstd, h, dx, ViewMut::item(gw, l, h)?)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn missing(what: &str) -> ModelError {
+    ModelError::MissingWeight {
+        name: format!("vision tower {what}"),
+    }
+}
+
+/// The bias slot of a norm's weight slot.
+fn bias_slot(slot: Slot) -> Option<Slot> {
+    match slot {
+        Slot::Norm1 => Some(Slot::Norm1Bias),
+        Slot::Norm2 => Some(Slot::Norm2Bias),
+        Slot::MergerNorm => Some(Slot::MergerNormBias),
+        _ => None,
+    }
+}
+
+/// Writable gradient views of a weight and its bias for block `l`.
+fn grad_pair<'g, T: DeviceBuffer>(
+    g: &'g mut VisionParams<T>,
+    w: Slot,
+    b: Slot,
+    l: usize,
+    w_len: usize,
+    b_len: usize,
+) -> Result<(ViewMut<'g, T>, ViewMut<'g, T>), ModelError> {
+    let mut it = g.iter_mut().filter(|(s, _)| *s == w || *s == b);
+    let (mut gw, mut gb) = (None, None);
+    for (s, buf) in it.by_ref() {
+        if s == w {
+            gw = Some(buf);
+        } else {
+            gb = Some(buf);
+        }
+    }
+    match (gw, gb) {
+        (Some(gw), Some(gb)) => Ok((ViewMut::item(gw, l, w_len)?, ViewMut::item(gb, l, b_len)?)),
+        _ => Err(missing(&format!("{w:?} gradient"))),
+    }
+}
+
+/// Writable gradient views of rows `part` of block `l`'s fused qkv weight and bias.
+fn qkv_grads<T: DeviceBuffer>(
+    g: &mut VisionParams<T>,
+    l: usize,
+    part: usize,
+    h: usize,
+) -> Result<(ViewMut<'_, T>, ViewMut<'_, T>), ModelError> {
+    let (gw, gb) = grad_pair(g, Slot::Qkv, Slot::QkvBias, 0, 0, 0)?;
+    let (gw, gb) = (gw.into_buffer(), gb.into_buffer());
+    Ok((
+        ViewMut::new(gw, (l * 3 + part) * h * h, h * h)?,
+        ViewMut::new(gb, (l * 3 + part) * h, h)?,
+    ))
+}

@@ -1,0 +1,286 @@
+//! The Qwen2-VL / Qwen2.5-VL runtime against transformers 5.24, written once for any backend:
+//! `tests/vision_model.rs` runs these checks on the CPU backend, `tests/cuda_vision.rs` on
+//! the CUDA one. Fixtures: `scripts/make_vl_fixtures.py` (`tests/fixtures/vl/`, README there).
+
+use std::path::{Path, PathBuf};
+
+use super::{f32s, rel_err, u32s};
+use ares_model::backend::Backend;
+use ares_model::vision::checkpoint::VlCheckpoint;
+use ares_model::vision::model::{VisionBatch, VlModel};
+use ares_model::vision::tower::VisionPlan;
+use safetensors::SafeTensors;
+
+pub const MODELS: [&str; 2] = ["qwen2_vl_tiny", "qwen2_5_vl_tiny"];
+pub const CASES: [&str; 4] = ["image", "two_images", "video", "text"];
+/// Relative tolerance of activations and logits (f32, other summation orders).
+pub const TOL: f64 = 1e-4;
+
+/// A fixture model's directory: under `$ARES_FIXTURE_VL` when set (the GPU bundle carries
+/// a copy, since its test binaries run on another machine), else `tests/fixtures/vl`.
+pub fn dir(model: &str) -> PathBuf {
+    std::env::var_os("ARES_FIXTURE_VL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vl"))
+        .join(model)
+}
+
+pub fn grids(st: &SafeTensors<'_>, name: &str) -> Vec<[usize; 3]> {
+    if st.tensor(name).is_err() {
+        return Vec::new();
+    }
+    let (_, v) = u32s(st, name);
+    v.chunks(3)
+        .map(|g| [g[0] as usize, g[1] as usize, g[2] as usize])
+        .collect()
+}
+
+pub fn has(st: &SafeTensors<'_>, name: &str) -> bool {
+    st.tensor(name).is_ok()
+}
+
+pub struct Case {
+    pub ids: Vec<u32>,
+    pub mask: Vec<u32>,
+    pub vision: VisionBatch,
+}
+
+pub fn case(st: &SafeTensors<'_>, c: &str) -> Case {
+    let (_, ids) = u32s(st, &format!("{c}.input_ids"));
+    let (_, mask) = u32s(st, &format!("{c}.attention_mask"));
+    let get = |n: &str| {
+        let n = format!("{c}.{n}");
+        if has(st, &n) {
+            f32s(st, &n)
+        } else {
+            Vec::new()
+        }
+    };
+    let vision = VisionBatch {
+        image_pixels: get("pixel_values"),
+        image_grids: grids(st, &format!("{c}.image_grid_thw")),
+        video_pixels: get("pixel_values_videos"),
+        video_grids: grids(st, &format!("{c}.video_grid_thw")),
+        second_per_grid_ts: get("second_per_grid_ts")
+            .iter()
+            .map(|&x| f64::from(x))
+            .collect(),
+    };
+    Case { ids, mask, vision }
+}
+
+pub fn load(model: &str) -> (VlCheckpoint, Vec<u8>) {
+    let ck = VlCheckpoint::load(&dir(model)).unwrap();
+    let bytes = std::fs::read(dir(model).join("expected.safetensors")).unwrap();
+    (ck, bytes)
+}
+
+pub fn window_order_and_tower_match_transformers<B: Backend>(make: impl Fn() -> B) {
+    for model in MODELS {
+        let (ck, bytes) = load(model);
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let m = VlModel::from_checkpoint(make(), &ck).unwrap();
+        let be = m.backend();
+        for c in CASES {
+            let cs = case(&st, c);
+            if cs.vision.is_empty() {
+                continue;
+            }
+            let mut grids = cs.vision.image_grids.clone();
+            grids.extend(&cs.vision.video_grids);
+            let plan = VisionPlan::new(&ck.config.vision, &grids).unwrap();
+            if has(&st, &format!("{c}.vision.window_index")) {
+                let (_, wi) = u32s(&st, &format!("{c}.vision.window_index"));
+                assert_eq!(plan.unit_order, wi, "{model} {c}: window order");
+                let (_, cu) = u32s(&st, &format!("{c}.vision.cu_window_seqlens"));
+                assert_eq!(plan.cu_window, cu, "{model} {c}: window bounds");
+            }
+            let tower = m.tower();
+            let mut acts = tower.activations(be, plan.clone(), false).unwrap();
+            tower
+                .forward(be, &VlModel::<B>::pixels(&cs.vision), &mut acts)
+                .unwrap();
+            let depth = ck.config.vision.depth;
+            let mut last = vec![0.0; acts.last_hidden(depth).unwrap().len()];
+            be.download(acts.last_hidden(depth).unwrap(), &mut last)
+                .unwrap();
+            let want = f32s(&st, &format!("{c}.vision.last_hidden_state"));
+            let e = rel_err(&last, &want);
+            assert!(e < TOL, "{model} {c}: last_hidden_state rel err {e:e}");
+            let mut out = vec![0.0; acts.output().len()];
+            be.download(acts.output(), &mut out).unwrap();
+            // tower order → processor order
+            let d = ck.config.vision.out_hidden;
+            let mut merged = vec![0.0; out.len()];
+            for (j, &u) in plan.unit_order.iter().enumerate() {
+                let u = u as usize;
+                merged[u * d..(u + 1) * d].copy_from_slice(&out[j * d..(j + 1) * d]);
+            }
+            let want = f32s(&st, &format!("{c}.vision.merged"));
+            let e = rel_err(&merged, &want);
+            assert!(e < TOL, "{model} {c}: merged rel err {e:e}");
+        }
+    }
+}
+
+pub fn positions_and_logits_match_transformers<B: Backend>(make: impl Fn() -> B) {
+    for model in MODELS {
+        let (ck, bytes) = load(model);
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let m = VlModel::from_checkpoint(make(), &ck).unwrap();
+        let vocab = ck.config.text.vocab_size;
+        for c in CASES {
+            let cs = case(&st, c);
+            let layout = m.layout(&cs.ids, &cs.mask, 1, &cs.vision).unwrap();
+            let (_, pos) = u32s(&st, &format!("{c}.position_ids"));
+            assert_eq!(
+                layout.positions.position_ids, pos,
+                "{model} {c}: position ids"
+            );
+            let logits = m.forward_logits(&cs.ids, &cs.mask, 1, &cs.vision).unwrap();
+            let s = cs.ids.len();
+            let last = &logits[(s - 1) * vocab..];
+            let want = f32s(&st, &format!("{c}.logits_last"));
+            let e = rel_err(last, &want);
+            assert!(e < TOL, "{model} {c}: last logits rel err {e:e}");
+            if c == "image" {
+                let want = f32s(&st, "image.logits");
+                let e = rel_err(&logits, &want);
+                assert!(e < TOL, "{model} {c}: all logits rel err {e:e}");
+            }
+        }
+    }
+}
+
+/// Gradients of `Σ logits · W` (transformers' autograd in the fixture) for every tower
+/// parameter and five language-model tensors, on the `image` and `video` cases.
+pub fn gradients_match_transformers_autograd<B: Backend>(make: impl Fn() -> B) {
+    use ares_model::backend::{DeviceBuffer, View, ViewMut};
+    use ares_model::model::Inputs;
+    use ares_model::vision::weights::param_table;
+    // f32 on both sides, other summation orders: all but one tensor agree within 6e-6; the
+    // exception, a norm weight's gradient (a sum over every patch), is at 1.5e-5.
+    const GRAD_TOL: f64 = 2e-5;
+    for model in MODELS {
+        let (ck, bytes) = load(model);
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let m = VlModel::from_checkpoint(make(), &ck).unwrap();
+        let be = m.backend();
+        let vocab = ck.config.text.vocab_size;
+        for c in ["image", "video"] {
+            let cs = case(&st, c);
+            let layout = m.layout(&cs.ids, &cs.mask, 1, &cs.vision).unwrap();
+            let seq = cs.ids.len();
+            let positions = layout.positions.axis(0).to_vec();
+            let inputs = Inputs {
+                batch: 1,
+                seq,
+                input_ids: &cs.ids,
+                attention_mask: &cs.mask,
+                position_ids: &positions,
+            };
+            let mut acts = m.lm().activations_full(1, seq).unwrap();
+            let vl = m
+                .forward(&inputs, &cs.vision, &layout, &mut acts, true)
+                .unwrap();
+            let w = f32s(&st, &format!("{c}.W"));
+            assert_eq!(w.len(), seq * vocab);
+            let mut dlogits = be.alloc(w.len()).unwrap();
+            be.upload(&w, ViewMut::whole(&mut dlogits)).unwrap();
+            let mut lm_grads = m.lm().grads().unwrap();
+            let mut vg = m.tower().zero_grads(be).unwrap();
+            m.backward(
+                &inputs,
+                &mut acts,
+                &vl,
+                View::whole(&dlogits),
+                &mut lm_grads,
+                Some(&mut vg),
+            )
+            .unwrap();
+            let prefix = if has(&st, &format!("{c}.grad.visual.merger.mlp.0.weight")) {
+                "visual."
+            } else {
+                "model.visual."
+            };
+            let mut checked = 0;
+            for spec in param_table(&ck.config.vision) {
+                let buf = vg.get(spec.slot).unwrap();
+                let mut got = vec![0.0; buf.len()];
+                be.download(View::whole(buf), &mut got).unwrap();
+                let blocks = if spec.per_block {
+                    ck.config.vision.depth
+                } else {
+                    1
+                };
+                for l in 0..blocks {
+                    let name = format!("{c}.grad.{prefix}{}", spec.hf_name(l));
+                    let want = f32s(&st, &name);
+                    let item = spec.item();
+                    let e = rel_err(&got[l * item..(l + 1) * item], &want);
+                    assert!(e < GRAD_TOL, "{model} {name}: rel err {e:e}");
+                    checked += 1;
+                }
+            }
+            assert!(checked > 20, "{model}: {checked} vision gradients");
+            for name in [
+                "model.embed_tokens.weight",
+                "model.layers.0.self_attn.q_proj.weight",
+                "model.layers.1.mlp.down_proj.weight",
+                "model.norm.weight",
+                "lm_head.weight",
+            ] {
+                let fixture_name = if prefix == "visual." || name == "lm_head.weight" {
+                    name.to_string()
+                } else {
+                    name.replacen("model.", "model.language_model.", 1)
+                };
+                let want = f32s(&st, &format!("{c}.grad.{fixture_name}"));
+                let got = lm_grads.download(be, name).unwrap();
+                let e = rel_err(&got, &want);
+                assert!(e < GRAD_TOL, "{model} {c} {name}: rel err {e:e}");
+            }
+        }
+    }
+}
+
+/// Greedy continuations (KV cache, M-RoPE prefill, `len + k + rope_delta` decode positions)
+/// equal transformers' `generate`, for every case, each prompt alone and all four batched
+/// (left padding).
+pub fn greedy_generation_matches_transformers<B: Backend>(make: impl Fn() -> B) {
+    use ares_model::model::{GenerateRequest, Sampling};
+    for model in MODELS {
+        let (ck, bytes) = load(model);
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let m = VlModel::from_checkpoint(make(), &ck).unwrap();
+        let generator = m.generator().unwrap();
+        let (mut prompts, mut visions, mut wants) = (Vec::new(), Vec::new(), Vec::new());
+        for c in CASES {
+            let cs = case(&st, c);
+            let (_, want) = u32s(&st, &format!("{c}.greedy"));
+            let request = GenerateRequest {
+                prompts: vec![cs.ids.clone()],
+                max_new_tokens: want.len(),
+                eos_ids: vec![293, 291],
+                sampling: Sampling::Greedy,
+                seed: 0,
+            };
+            let out = generator
+                .generate(&request, std::slice::from_ref(&cs.vision), |_, _| {})
+                .unwrap();
+            assert_eq!(out.tokens[0], want, "{model} {c}: greedy tokens");
+            prompts.push(cs.ids);
+            visions.push(cs.vision);
+            wants.push(want);
+        }
+        let request = GenerateRequest {
+            prompts,
+            max_new_tokens: 8,
+            eos_ids: vec![293, 291],
+            sampling: Sampling::Greedy,
+            seed: 0,
+        };
+        let out = generator.generate(&request, &visions, |_, _| {}).unwrap();
+        assert_eq!(out.tokens, wants, "{model}: batched greedy tokens");
+    }
+}
