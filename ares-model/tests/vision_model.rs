@@ -11,6 +11,7 @@ mod common;
 
 use ares_model::backend::cpu::CpuBackend;
 use ares_model::vision::checkpoint::{VlCheckpoint, WeightLayout};
+use ares_model::vision::model::VlModel;
 use common::vl::{self, MODELS, dir};
 
 #[test]
@@ -89,4 +90,96 @@ fn gradients_match_transformers_autograd() {
 #[test]
 fn greedy_generation_matches_transformers() {
     vl::greedy_generation_matches_transformers(|| CpuBackend);
+}
+
+/// Whole-model finite differences: `(L(θ + ε) − L(θ − ε)) / 2ε` of `L = Σ logits · W` for
+/// single weights of the tower (patch embedding, a block's fused qkv, norm, MLP, the merger)
+/// and of the language model, against the backward pass. Independent of transformers.
+#[test]
+fn gradients_match_finite_differences() {
+    use ares_model::backend::{Backend, View, ViewMut};
+    use ares_model::model::Inputs;
+    use ares_model::vision::weights::Slot;
+    use safetensors::SafeTensors;
+    let loss = |ck: &VlCheckpoint, cs: &vl::Case, w: &[f32]| -> f64 {
+        let m = VlModel::from_checkpoint(CpuBackend, ck).unwrap();
+        let logits = m.forward_logits(&cs.ids, &cs.mask, 1, &cs.vision).unwrap();
+        logits
+            .iter()
+            .zip(w)
+            .map(|(&a, &b)| f64::from(a) * f64::from(b))
+            .sum()
+    };
+    for model in MODELS {
+        let (ck, bytes) = vl::load(model);
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let cs = vl::case(&st, "image");
+        let w = common::f32s(&st, "image.W");
+        // analytic gradients
+        let m = VlModel::from_checkpoint(CpuBackend, &ck).unwrap();
+        let be = m.backend();
+        let layout = m.layout(&cs.ids, &cs.mask, 1, &cs.vision).unwrap();
+        let positions = layout.positions.axis(0).to_vec();
+        let seq = cs.ids.len();
+        let inputs = Inputs {
+            batch: 1,
+            seq,
+            input_ids: &cs.ids,
+            attention_mask: &cs.mask,
+            position_ids: &positions,
+        };
+        let mut acts = m.lm().activations_full(1, seq).unwrap();
+        let vla = m
+            .forward(&inputs, &cs.vision, &layout, &mut acts, true)
+            .unwrap();
+        let mut dl = be.alloc(w.len()).unwrap();
+        be.upload(&w, ViewMut::whole(&mut dl)).unwrap();
+        let mut lg = m.lm().grads().unwrap();
+        let mut vg = m.tower().zero_grads(be).unwrap();
+        m.backward(
+            &inputs,
+            &mut acts,
+            &vla,
+            View::whole(&dl),
+            &mut lg,
+            Some(&mut vg),
+        )
+        .unwrap();
+        let eps = 1e-2f32;
+        let probe = |analytic: f64, bump: &dyn Fn(&mut VlCheckpoint, f32), what: &str| {
+            let (mut plus, mut minus) = (ck.clone(), ck.clone());
+            bump(&mut plus, eps);
+            bump(&mut minus, -eps);
+            let fd = (loss(&plus, &cs, &w) - loss(&minus, &cs, &w)) / (2.0 * f64::from(eps));
+            let err = (fd - analytic).abs() / analytic.abs().max(1.0);
+            assert!(
+                err < 1e-2,
+                "{model} {what}: finite difference {fd}, backward {analytic}"
+            );
+        };
+        for (slot, index) in [
+            (Slot::Patch, 7),
+            (Slot::Qkv, 5),
+            (Slot::Norm1, 3),
+            (Slot::MlpIn, 11),
+            (Slot::MlpOut, 2),
+            (Slot::Merger0, 130),
+            (Slot::Merger2, 17),
+        ] {
+            let buf = vg.get(slot).unwrap();
+            let mut g = vec![0.0; buf.len()];
+            be.download(View::whole(buf), &mut g).unwrap();
+            let bump = move |c: &mut VlCheckpoint, e: f32| {
+                c.vision.get_mut(slot).unwrap().data[index] += e;
+            };
+            probe(f64::from(g[index]), &bump, &format!("{slot:?}[{index}]"));
+        }
+        let g = lg
+            .download(be, "model.layers.0.self_attn.q_proj.weight")
+            .unwrap();
+        let bump = |c: &mut VlCheckpoint, e: f32| {
+            c.text.layers[0].q_proj.data[9] += e;
+        };
+        probe(f64::from(g[9]), &bump, "q_proj[9]");
+    }
 }
