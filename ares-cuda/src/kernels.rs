@@ -69,5 +69,26 @@ pub const MODEL_OPS: KernelSource = KernelSource {
     ],
 };
 
+/// Vision tower kernels (Qwen2-VL / Qwen2.5-VL): LayerNorm, the GELU-family activations,
+/// attention within `cu_seqlens` segments, and the row scatter of image embeddings.
+pub const VISION_OPS: KernelSource = KernelSource {
+    name: "vision_ops.cu",
+    code: include_str!("../kernels/vision_ops.cu"),
+    kernels: &[
+        "layer_norm_fwd",
+        "layer_norm_bwd_dx",
+        "layer_norm_col_partials",
+        "activation_fwd",
+        "activation_bwd",
+        "scatter_rows",
+        "segment_attention_fwd_d64",
+        "segment_attention_fwd_d128",
+        "segment_attention_bwd_dq_d64",
+        "segment_attention_bwd_dq_d128",
+        "segment_attention_bwd_dkv_d64",
+        "segment_attention_bwd_dkv_d128",
+    ],
+};
+
 /// Every kernel source of the crate (what CI compiles with NVRTC).
-pub const ALL: &[KernelSource] = &[TOKEN_KERNELS, MODEL_OPS];
+pub const ALL: &[KernelSource] = &[TOKEN_KERNELS, MODEL_OPS, VISION_OPS];

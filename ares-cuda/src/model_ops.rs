@@ -1,5 +1,6 @@
 //! The model's device ops: one CUDA device with the kernels of `model_ops.cu` (and the
-//! fused log-prob/entropy kernel of `token_kernels.cu`) loaded, cuBLAS for the linear
+//! fused log-prob/entropy kernel of `token_kernels.cu`, the vision tower's kernels of
+//! `vision_ops.cu`) loaded, cuBLAS for the linear
 //! layers, and the small device state the kernels share (a status word for bad values, a
 //! scratch buffer for two-stage reductions).
 //!
@@ -22,16 +23,18 @@ mod linear;
 mod loss;
 mod norm;
 mod optim;
+mod vision;
 
 pub use attention::{
     AttentionGradsMut, AttentionSaved, AttentionShape, KvCache, KvCacheMut, MAX_HEAD_DIM,
 };
 pub use optim::AdamWStep;
+pub use vision::{Activation, MAX_SEGMENT_HEAD_DIM, SegmentAttentionShape};
 
 use crate::device::{DeviceInfo, load_function, load_module, open_device};
 use crate::error::{DriverContext, Error, Result};
 use crate::gemm::Blas;
-use crate::kernels::{MODEL_OPS, TOKEN_KERNELS};
+use crate::kernels::{MODEL_OPS, TOKEN_KERNELS, VISION_OPS};
 use crate::ops::TokenOps;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr,
@@ -44,8 +47,9 @@ const ELEMENT_BLOCK: u32 = 256;
 /// Grid cap of the grid-stride kernels (they loop over the rest).
 const MAX_GRID: usize = 1 << 20;
 
-/// Status bits the kernels set (see `model_ops.cu`), with what each means.
-const STATUS_BITS: [(u32, &str); 6] = [
+/// Status bits the kernels set (see `model_ops.cu` and `vision_ops.cu`), with what each
+/// means.
+const STATUS_BITS: [(u32, &str); 7] = [
     (
         1,
         "a logits row holds NaN or +inf, or every entry is -inf (log_prob_entropy / log_prob_backward)",
@@ -56,7 +60,7 @@ const STATUS_BITS: [(u32, &str); 6] = [
     ),
     (
         4,
-        "a token id is >= the table's rows (embedding / embedding_backward)",
+        "a token id is >= the table's rows (embedding / embedding_backward), or a row index >= rows (scatter_rows)",
     ),
     (8, "a key mask value is neither 0 nor 1 (attention)"),
     (
@@ -66,6 +70,10 @@ const STATUS_BITS: [(u32, &str); 6] = [
     (
         32,
         "a gradient holds NaN or ±inf (adamw_step; that step was not applied)",
+    ),
+    (
+        64,
+        "cu_seqlens do not start at 0, decrease, or do not end at tokens (segment_attention)",
     ),
 ];
 
@@ -141,6 +149,8 @@ pub(crate) struct Functions {
     pub attention_bwd_delta: CudaFunction,
     pub attention_bwd_dq: [CudaFunction; 3],
     pub attention_bwd_dkv: [CudaFunction; 3],
+    /// The vision tower's kernels (`vision_ops.cu`).
+    pub vision: vision::VisionFunctions,
 }
 
 impl ModelOps {
@@ -156,6 +166,7 @@ impl ModelOps {
         let (ctx, mut info) = open_device(ordinal, true)?;
         let (model, image) = load_module(&ctx, &MODEL_OPS, info.arch)?;
         let (token, _) = load_module(&ctx, &TOKEN_KERNELS, info.arch)?;
+        let (vision, _) = load_module(&ctx, &VISION_OPS, info.arch)?;
         info.image = image;
         let m = |name: &str| load_function(&model, name);
         let f = Functions {
@@ -202,6 +213,7 @@ impl ModelOps {
                 m("attention_bwd_dkv_d128")?,
                 m("attention_bwd_dkv_d256")?,
             ],
+            vision: vision::VisionFunctions::load(&vision)?,
         };
         let stream = ctx.default_stream();
         // SAFETY: every buffer of this context is used on `stream` alone (no other stream is
@@ -593,7 +605,7 @@ mod tests {
     #[test]
     fn every_status_bit_has_a_message() {
         let all = STATUS_BITS.iter().fold(0u32, |acc, (bit, _)| acc | bit);
-        assert_eq!(all, 63);
+        assert_eq!(all, 127);
         // The bit values match the kernel source's definitions.
         for (bit, name) in [
             (1, "ST_BAD_ROW"),
@@ -605,6 +617,13 @@ mod tests {
         ] {
             assert!(
                 MODEL_OPS.code.contains(&format!("#define {name} {bit}u")),
+                "{name}"
+            );
+        }
+        // vision_ops.cu shares the status word: its bits have the same values.
+        for (bit, name) in [(4, "ST_BAD_ID"), (64, "ST_BAD_SEGMENTS")] {
+            assert!(
+                VISION_OPS.code.contains(&format!("#define {name} {bit}u")),
                 "{name}"
             );
         }

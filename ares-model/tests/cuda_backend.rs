@@ -15,8 +15,9 @@
 //!   `exp` may differ by an ulp), RMSNorm forward and AdamW;
 //! - 1e-5 for reductions in another order: GEMMs (cuBLAS's blocking vs the CPU GEMM's),
 //!   RMSNorm backward, log-prob/entropy (the token kernel's `ex2.approx`);
-//! - 1e-4 for attention (online softmax vs the CPU's two-pass blocks) and whole models
-//!   (the fixtures' own bound against transformers);
+//! - 2e-6 for the vision activations (CUDA's f32 `erfcf`/`expf` vs the CPU's f64);
+//! - 1e-4 for attention (online softmax vs the CPU's two-pass blocks; segment attention
+//!   too) and whole models (the fixtures' own bound against transformers);
 //! - 1e-10 relative for the f64 sum of squares.
 
 #![cfg(feature = "cuda")]
@@ -26,8 +27,9 @@ use std::path::{Path, PathBuf};
 use ares_model::backend::cpu::CpuBackend;
 use ares_model::backend::cuda::{CudaBackend, CudaBuffer, CudaIds};
 use ares_model::backend::{
-    AdamWConfig, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend,
-    DeviceBuffer, KvCacheView, KvCacheViewMut, LinearDims, MatmulPrecision, View, ViewMut,
+    Activation, AdamWConfig, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend,
+    DeviceBuffer, KvCacheView, KvCacheViewMut, LinearDims, MatmulPrecision, SegmentAttentionDims,
+    View, ViewMut,
 };
 use ares_model::hf::checkpoint::Checkpoint;
 use ares_model::model::{AdamW, GenerateRequest, Grads, Inputs, Model, Sampling, StepReport};
@@ -1629,4 +1631,337 @@ fn copy_matches_cpu() {
         ViewMut::new(&mut d_dst, 0, 11).unwrap(),
     );
     assert!(e.is_err(), "lengths that differ are an error");
+}
+
+// ----- Vision tower ops (Qwen2-VL / Qwen2.5-VL). -----
+
+/// LayerNorm forward and backward on views at odd offsets: forward to 1e-6 (the same f64
+/// statistics), backward to 1e-5 (sums in another order), including rows whose mean is
+/// large next to their spread and a weight/bias gradient spanning many chunks.
+#[test]
+fn layer_norm_matches_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(31);
+    for (rows, dim, offset) in [
+        (7usize, 100usize, 0.0f32),
+        (3, 1, 0.0),
+        (2000, 12, 0.0),
+        (5, 1280, 50.0),
+    ] {
+        let what = |op: &str| format!("{op} {rows}x{dim}");
+        let pad = 3;
+        let x: Vec<f32> = rng
+            .vec(rows * dim, 3.0)
+            .iter()
+            .map(|v| v + offset)
+            .collect();
+        let (w, b) = (rng.vec(dim, 2.0), rng.vec(dim, 1.0));
+        let (gx, gw, gb) = (up_at(&gpu, &x, pad), up(&gpu, &w), up(&gpu, &b));
+        let mut go = up_at(&gpu, &vec![0.0; rows * dim], pad);
+        let (mut gm, mut gr) = (gpu.alloc(rows).unwrap(), gpu.alloc(rows).unwrap());
+        gpu.layer_norm(
+            tail(&gx, pad),
+            View::whole(&gw),
+            View::whole(&gb),
+            1e-6,
+            dim,
+            tail_mut(&mut go, pad),
+            ViewMut::whole(&mut gm),
+            ViewMut::whole(&mut gr),
+        )
+        .unwrap();
+        let (mut co, mut cm, mut cr) = (vec![0.0; rows * dim], vec![0.0; rows], vec![0.0; rows]);
+        cpu.layer_norm(
+            View::whole(&x),
+            View::whole(&w),
+            View::whole(&b),
+            1e-6,
+            dim,
+            ViewMut::whole(&mut co),
+            ViewMut::whole(&mut cm),
+            ViewMut::whole(&mut cr),
+        )
+        .unwrap();
+        assert_close(
+            &what("layer_norm out"),
+            &down_tail(&gpu, &go, pad),
+            &co,
+            1e-6,
+        );
+        assert_close(&what("layer_norm mean"), &down(&gpu, &gm), &cm, 1e-6);
+        assert_close(&what("layer_norm rstd"), &down(&gpu, &gr), &cr, 1e-6);
+
+        // The gradients accumulate onto priors.
+        let dy = rng.vec(rows * dim, 1.0);
+        let (pdx, pdw, pdb) = (
+            rng.vec(rows * dim, 1.0),
+            rng.vec(dim, 1.0),
+            rng.vec(dim, 1.0),
+        );
+        let (mut gdx, mut gdw, mut gdb) = (up_at(&gpu, &pdx, pad), up(&gpu, &pdw), up(&gpu, &pdb));
+        gpu.layer_norm_backward(
+            View::whole(&up(&gpu, &dy)),
+            tail(&gx, pad),
+            View::whole(&gw),
+            View::whole(&gm),
+            View::whole(&gr),
+            dim,
+            tail_mut(&mut gdx, pad),
+            ViewMut::whole(&mut gdw),
+            ViewMut::whole(&mut gdb),
+        )
+        .unwrap();
+        let (mut cdx, mut cdw, mut cdb) = (pdx.clone(), pdw.clone(), pdb.clone());
+        cpu.layer_norm_backward(
+            View::whole(&dy),
+            View::whole(&x),
+            View::whole(&w),
+            View::whole(&cm),
+            View::whole(&cr),
+            dim,
+            ViewMut::whole(&mut cdx),
+            ViewMut::whole(&mut cdw),
+            ViewMut::whole(&mut cdb),
+        )
+        .unwrap();
+        assert_close(
+            &what("layer_norm_backward dx"),
+            &down_tail(&gpu, &gdx, pad),
+            &cdx,
+            1e-5,
+        );
+        assert_close(
+            &what("layer_norm_backward dweight"),
+            &down(&gpu, &gdw),
+            &cdw,
+            1e-5,
+        );
+        assert_close(
+            &what("layer_norm_backward dbias"),
+            &down(&gpu, &gdb),
+            &cdb,
+            1e-5,
+        );
+    }
+    let mut o = gpu.alloc(6).unwrap();
+    let (mut m, mut r) = (gpu.alloc(2).unwrap(), gpu.alloc(2).unwrap());
+    let x = up(&gpu, &[1.0; 6]);
+    let e = gpu
+        .layer_norm(
+            View::whole(&x),
+            View::new(&x, 0, 3).unwrap(),
+            View::new(&x, 0, 2).unwrap(),
+            1e-6,
+            3,
+            ViewMut::whole(&mut o),
+            ViewMut::whole(&mut m),
+            ViewMut::whole(&mut r),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("`bias` has 2 elements"), "{e}");
+}
+
+/// The three activations and their derivatives over a wide range and in the tails: the
+/// GPU's f32 `erfcf`/`expf` against the CPU's f64 evaluation, to 2e-6 (a few ulps).
+#[test]
+fn activations_match_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(32);
+    let mut x = rng.vec(20_000, 8.0);
+    x.extend([0.0, 1e-3, -1e-3, 20.0, -20.0, 100.0, -100.0, 1e30, -1e30]);
+    let dout = rng.vec(x.len(), 2.0);
+    let (gx, gd) = (up(&gpu, &x), up(&gpu, &dout));
+    for kind in [
+        Activation::GeluErf,
+        Activation::QuickGelu,
+        Activation::GeluTanh,
+    ] {
+        let mut go = gpu.alloc(x.len()).unwrap();
+        gpu.activation(kind, View::whole(&gx), ViewMut::whole(&mut go))
+            .unwrap();
+        let mut co = vec![0.0; x.len()];
+        cpu.activation(kind, View::whole(&x), ViewMut::whole(&mut co))
+            .unwrap();
+        assert_close(&format!("{kind:?}"), &down(&gpu, &go), &co, 2e-6);
+
+        let mut gdx = up(&gpu, &vec![f32::NAN; x.len()]);
+        gpu.activation_backward(
+            kind,
+            View::whole(&gd),
+            View::whole(&gx),
+            ViewMut::whole(&mut gdx),
+        )
+        .unwrap();
+        let mut cdx = vec![0.0; x.len()];
+        cpu.activation_backward(
+            kind,
+            View::whole(&dout),
+            View::whole(&x),
+            ViewMut::whole(&mut cdx),
+        )
+        .unwrap();
+        assert_close(&format!("{kind:?} backward"), &down(&gpu, &gdx), &cdx, 2e-6);
+    }
+}
+
+/// Segment attention forward and backward: empty segments, segments spanning several
+/// query/key tiles and tiles spanning segment boundaries, both head-size classes (16 and
+/// Qwen2-VL's 80); attention tolerance 1e-4. Offsets that are not cu_seqlens are reported
+/// at the next waiting call; a wrong count is an error before launch.
+#[test]
+fn segment_attention_matches_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(33);
+    for (cu, heads, d) in [
+        (vec![0u32, 0, 5, 5, 75, 76, 206, 206], 3usize, 16usize),
+        (vec![0u32, 40, 41, 150], 2, 80),
+        (vec![0u32, 33], 1, 128),
+    ] {
+        let tokens = *cu.last().unwrap() as usize;
+        let dims = SegmentAttentionDims::new(tokens, cu.len() - 1, heads, d);
+        let what = |op: &str| format!("{op} t{tokens} h{heads} d{d}");
+        let (n, ln) = (tokens * heads * d, tokens * heads);
+        let (q, k, v) = (rng.vec(n, 1.5), rng.vec(n, 1.5), rng.vec(n, 1.0));
+        let (gq, gk, gv, gcu) = (up(&gpu, &q), up(&gpu, &k), up(&gpu, &v), up_ids(&gpu, &cu));
+        let (mut go, mut gl) = (up(&gpu, &vec![f32::NAN; n]), up(&gpu, &vec![f32::NAN; ln]));
+        gpu.segment_attention(
+            dims,
+            &gcu,
+            View::whole(&gq),
+            View::whole(&gk),
+            View::whole(&gv),
+            ViewMut::whole(&mut go),
+            ViewMut::whole(&mut gl),
+        )
+        .unwrap();
+        let (mut co, mut cl) = (vec![0.0; n], vec![0.0; ln]);
+        cpu.segment_attention(
+            dims,
+            &cu,
+            View::whole(&q),
+            View::whole(&k),
+            View::whole(&v),
+            ViewMut::whole(&mut co),
+            ViewMut::whole(&mut cl),
+        )
+        .unwrap();
+        assert_close(&what("segment_attention out"), &down(&gpu, &go), &co, 1e-4);
+        assert_close(&what("segment_attention lse"), &down(&gpu, &gl), &cl, 1e-4);
+
+        let dout = rng.vec(n, 1.0);
+        let (mut gdq, mut gdk, mut gdv) = (
+            up(&gpu, &vec![f32::NAN; n]),
+            up(&gpu, &vec![f32::NAN; n]),
+            up(&gpu, &vec![f32::NAN; n]),
+        );
+        gpu.segment_attention_backward(
+            dims,
+            &gcu,
+            View::whole(&gq),
+            View::whole(&gk),
+            View::whole(&gv),
+            View::whole(&go),
+            View::whole(&gl),
+            View::whole(&up(&gpu, &dout)),
+            ViewMut::whole(&mut gdq),
+            ViewMut::whole(&mut gdk),
+            ViewMut::whole(&mut gdv),
+        )
+        .unwrap();
+        let (mut cdq, mut cdk, mut cdv) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        cpu.segment_attention_backward(
+            dims,
+            &cu,
+            View::whole(&q),
+            View::whole(&k),
+            View::whole(&v),
+            View::whole(&co),
+            View::whole(&cl),
+            View::whole(&dout),
+            ViewMut::whole(&mut cdq),
+            ViewMut::whole(&mut cdk),
+            ViewMut::whole(&mut cdv),
+        )
+        .unwrap();
+        assert_close(&what("segment_attention dq"), &down(&gpu, &gdq), &cdq, 1e-4);
+        assert_close(&what("segment_attention dk"), &down(&gpu, &gdk), &cdk, 1e-4);
+        assert_close(&what("segment_attention dv"), &down(&gpu, &gdv), &cdv, 1e-4);
+    }
+
+    let dims = SegmentAttentionDims::new(4, 2, 1, 4);
+    let x = up(&gpu, &[0.5; 16]);
+    let (mut o, mut l) = (gpu.alloc(16).unwrap(), gpu.alloc(4).unwrap());
+    for (cu, before_launch) in [
+        (vec![0u32, 4], true),
+        (vec![0u32, 3, 2], false),
+        (vec![0u32, 2, 5], false),
+    ] {
+        let r = gpu.segment_attention(
+            dims,
+            &up_ids(&gpu, &cu),
+            View::whole(&x),
+            View::whole(&x),
+            View::whole(&x),
+            ViewMut::whole(&mut o),
+            ViewMut::whole(&mut l),
+        );
+        let e = if before_launch {
+            r.unwrap_err()
+        } else {
+            r.unwrap();
+            gpu.synchronize().unwrap_err()
+        };
+        assert!(e.to_string().contains("cu_seqlens"), "{cu:?}: {e}");
+    }
+    gpu.synchronize().unwrap();
+}
+
+/// Row scatter bit for bit, on views at an offset, and an index >= rows reported at the
+/// next waiting call with the other rows written.
+#[test]
+fn scatter_rows_matches_cpu_and_reports_bad_indices() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(34);
+    let (rows, dim, pad) = (300usize, 40usize, 5usize);
+    let index: Vec<u32> = (0..rows as u32).rev().step_by(3).collect();
+    let src = rng.vec(index.len() * dim, 1.0);
+    let before = rng.vec(rows * dim, 1.0);
+    let mut gdst = up_at(&gpu, &before, pad);
+    gpu.scatter_rows(
+        View::whole(&up(&gpu, &src)),
+        &up_ids(&gpu, &index),
+        rows,
+        dim,
+        tail_mut(&mut gdst, pad),
+    )
+    .unwrap();
+    let mut cdst = before.clone();
+    cpu.scatter_rows(
+        View::whole(&src),
+        &index,
+        rows,
+        dim,
+        ViewMut::whole(&mut cdst),
+    )
+    .unwrap();
+    assert_close("scatter_rows", &down_tail(&gpu, &gdst, pad), &cdst, 0.0);
+
+    let mut dst = up(&gpu, &[0.0; 8]);
+    gpu.scatter_rows(
+        View::whole(&up(&gpu, &[1.0, 2.0, 3.0, 4.0])),
+        &up_ids(&gpu, &[4, 1]),
+        4,
+        2,
+        ViewMut::whole(&mut dst),
+    )
+    .unwrap();
+    let mut host = vec![0.0; 8];
+    let e = gpu.download(View::whole(&dst), &mut host).unwrap_err();
+    assert!(e.to_string().contains("scatter_rows"), "{e}");
+    assert_eq!(host, [0.0, 0.0, 3.0, 4.0, 0.0, 0.0, 0.0, 0.0]);
+    gpu.synchronize().unwrap();
 }

@@ -729,99 +729,176 @@ impl Backend for CudaBackend {
 
     fn layer_norm(
         &self,
-        _x: Tensor<'_, Self>,
-        _weight: Tensor<'_, Self>,
-        _bias: Tensor<'_, Self>,
-        _eps: f32,
-        _dim: usize,
-        _out: TensorMut<'_, Self>,
-        _mean: TensorMut<'_, Self>,
-        _rstd: TensorMut<'_, Self>,
+        x: Tensor<'_, Self>,
+        weight: Tensor<'_, Self>,
+        bias: Tensor<'_, Self>,
+        eps: f32,
+        dim: usize,
+        out: TensorMut<'_, Self>,
+        mean: TensorMut<'_, Self>,
+        rstd: TensorMut<'_, Self>,
     ) -> Result<()> {
-        Err(not_yet("layer_norm"))
+        self.ops
+            .layer_norm(
+                &view(x)?,
+                &view(weight)?,
+                &view(bias)?,
+                eps,
+                dim,
+                &mut view_mut(out)?,
+                &mut view_mut(mean)?,
+                &mut view_mut(rstd)?,
+            )
+            .map_err(op("layer_norm"))
     }
 
     fn layer_norm_backward(
         &self,
-        _dout: Tensor<'_, Self>,
-        _x: Tensor<'_, Self>,
-        _weight: Tensor<'_, Self>,
-        _mean: Tensor<'_, Self>,
-        _rstd: Tensor<'_, Self>,
-        _dim: usize,
-        _dx: TensorMut<'_, Self>,
-        _dweight: TensorMut<'_, Self>,
-        _dbias: TensorMut<'_, Self>,
+        dout: Tensor<'_, Self>,
+        x: Tensor<'_, Self>,
+        weight: Tensor<'_, Self>,
+        mean: Tensor<'_, Self>,
+        rstd: Tensor<'_, Self>,
+        dim: usize,
+        dx: TensorMut<'_, Self>,
+        dweight: TensorMut<'_, Self>,
+        dbias: TensorMut<'_, Self>,
     ) -> Result<()> {
-        Err(not_yet("layer_norm_backward"))
+        self.ops
+            .layer_norm_backward(
+                &view(dout)?,
+                &view(x)?,
+                &view(weight)?,
+                &view(mean)?,
+                &view(rstd)?,
+                dim,
+                &mut view_mut(dx)?,
+                &mut view_mut(dweight)?,
+                &mut view_mut(dbias)?,
+            )
+            .map_err(op("layer_norm_backward"))
     }
 
     fn activation(
         &self,
-        _kind: Activation,
-        _x: Tensor<'_, Self>,
-        _out: TensorMut<'_, Self>,
+        kind: Activation,
+        x: Tensor<'_, Self>,
+        out: TensorMut<'_, Self>,
     ) -> Result<()> {
-        Err(not_yet("activation"))
+        self.ops
+            .activation(cuda_activation(kind), &view(x)?, &mut view_mut(out)?)
+            .map_err(op("activation"))
     }
 
     fn activation_backward(
         &self,
-        _kind: Activation,
-        _dout: Tensor<'_, Self>,
-        _x: Tensor<'_, Self>,
-        _dx: TensorMut<'_, Self>,
+        kind: Activation,
+        dout: Tensor<'_, Self>,
+        x: Tensor<'_, Self>,
+        dx: TensorMut<'_, Self>,
     ) -> Result<()> {
-        Err(not_yet("activation_backward"))
+        self.ops
+            .activation_backward(
+                cuda_activation(kind),
+                &view(dout)?,
+                &view(x)?,
+                &mut view_mut(dx)?,
+            )
+            .map_err(op("activation_backward"))
     }
 
     fn segment_attention(
         &self,
-        _dims: SegmentAttentionDims,
-        _cu_seqlens: &CudaIds,
-        _q: Tensor<'_, Self>,
-        _k: Tensor<'_, Self>,
-        _v: Tensor<'_, Self>,
-        _out: TensorMut<'_, Self>,
-        _lse: TensorMut<'_, Self>,
+        dims: SegmentAttentionDims,
+        cu_seqlens: &CudaIds,
+        q: Tensor<'_, Self>,
+        k: Tensor<'_, Self>,
+        v: Tensor<'_, Self>,
+        out: TensorMut<'_, Self>,
+        lse: TensorMut<'_, Self>,
     ) -> Result<()> {
-        Err(not_yet("segment_attention"))
+        self.ops
+            .segment_attention(
+                segment_shape(dims),
+                &ids(cu_seqlens)?,
+                &view(q)?,
+                &view(k)?,
+                &view(v)?,
+                &mut view_mut(out)?,
+                &mut view_mut(lse)?,
+            )
+            .map_err(op("segment_attention"))
     }
 
     fn segment_attention_backward(
         &self,
-        _dims: SegmentAttentionDims,
-        _cu_seqlens: &CudaIds,
-        _q: Tensor<'_, Self>,
-        _k: Tensor<'_, Self>,
-        _v: Tensor<'_, Self>,
-        _out: Tensor<'_, Self>,
-        _lse: Tensor<'_, Self>,
-        _dout: Tensor<'_, Self>,
-        _dq: TensorMut<'_, Self>,
-        _dk: TensorMut<'_, Self>,
-        _dv: TensorMut<'_, Self>,
+        dims: SegmentAttentionDims,
+        cu_seqlens: &CudaIds,
+        q: Tensor<'_, Self>,
+        k: Tensor<'_, Self>,
+        v: Tensor<'_, Self>,
+        out: Tensor<'_, Self>,
+        lse: Tensor<'_, Self>,
+        dout: Tensor<'_, Self>,
+        dq: TensorMut<'_, Self>,
+        dk: TensorMut<'_, Self>,
+        dv: TensorMut<'_, Self>,
     ) -> Result<()> {
-        Err(not_yet("segment_attention_backward"))
+        let (out, lse, dout) = (view(out)?, view(lse)?, view(dout)?);
+        let (mut dq, mut dk, mut dv) = (view_mut(dq)?, view_mut(dk)?, view_mut(dv)?);
+        self.ops
+            .segment_attention_backward(
+                segment_shape(dims),
+                &ids(cu_seqlens)?,
+                &view(q)?,
+                &view(k)?,
+                &view(v)?,
+                AttentionSaved {
+                    out: &out,
+                    lse: &lse,
+                    dout: &dout,
+                },
+                AttentionGradsMut {
+                    dq: &mut dq,
+                    dk: &mut dk,
+                    dv: &mut dv,
+                },
+            )
+            .map_err(op("segment_attention_backward"))
     }
 
     fn scatter_rows(
         &self,
-        _src: Tensor<'_, Self>,
-        _index: &CudaIds,
-        _rows: usize,
-        _dim: usize,
-        _dst: TensorMut<'_, Self>,
+        src: Tensor<'_, Self>,
+        index: &CudaIds,
+        rows: usize,
+        dim: usize,
+        dst: TensorMut<'_, Self>,
     ) -> Result<()> {
-        Err(not_yet("scatter_rows"))
+        self.ops
+            .scatter_rows(&view(src)?, &ids(index)?, rows, dim, &mut view_mut(dst)?)
+            .map_err(op("scatter_rows"))
     }
 }
 
-/// The error of a vision tower op whose CUDA kernel is not written yet.
-fn not_yet(op: &'static str) -> BackendError {
-    BackendError::Op {
-        op,
-        source: "not yet implemented on the CUDA backend (use the CPU backend)".into(),
+/// The `ares-cuda` activation of a backend one.
+fn cuda_activation(kind: Activation) -> ares_cuda::model_ops::Activation {
+    use ares_cuda::model_ops::Activation as A;
+    match kind {
+        Activation::GeluErf => A::GeluErf,
+        Activation::QuickGelu => A::QuickGelu,
+        Activation::GeluTanh => A::GeluTanh,
+    }
+}
+
+/// The `ares-cuda` shape of a segment attention call.
+fn segment_shape(dims: SegmentAttentionDims) -> ares_cuda::model_ops::SegmentAttentionShape {
+    ares_cuda::model_ops::SegmentAttentionShape {
+        tokens: dims.tokens,
+        segments: dims.segments,
+        heads: dims.heads,
+        head_dim: dims.head_dim,
+        scale: dims.scale,
     }
 }
 
