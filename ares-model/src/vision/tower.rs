@@ -262,6 +262,39 @@ impl<B: Backend> VisionActs<B> {
         &self.plan
     }
 
+    /// Bytes of the arena's f32 buffers (the tower's activation memory).
+    pub fn bytes(&self) -> usize {
+        let bufs = [
+            &self.pixels,
+            &self.cos,
+            &self.sin,
+            &self.resid,
+            &self.n1,
+            &self.n1_mean,
+            &self.n1_rstd,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.att,
+            &self.lse,
+            &self.mid,
+            &self.n2,
+            &self.n2_mean,
+            &self.n2_rstd,
+            &self.mlp_in,
+            &self.mlp_up,
+            &self.mlp_act,
+            &self.branch,
+            &self.merge_norm,
+            &self.merge_mean,
+            &self.merge_rstd,
+            &self.merge_hidden,
+            &self.merge_act,
+            &self.out,
+        ];
+        bufs.iter().map(|b| b.len() * 4).sum()
+    }
+
     /// The merged tokens `[units, out_hidden]` of the last forward, in tower order.
     pub fn output(&self) -> Tensor<'_, B> {
         View::whole(&self.out)
