@@ -183,3 +183,24 @@ fn gradients_match_finite_differences() {
         probe(f64::from(g[9]), &bump, "q_proj[9]");
     }
 }
+
+/// Writes both fixtures in both tensor layouts and both dtypes under
+/// `$ARES_VL_ROUNDTRIP_DIR` for `scripts/check_vl_roundtrip.py` (transformers must load
+/// them). Ignored: run by hand, `-- --ignored write_vl_roundtrip`.
+#[test]
+#[ignore = "writes checkpoints for scripts/check_vl_roundtrip.py"]
+fn write_vl_roundtrip() {
+    use ares_model::hf::tensor_files::SaveDtype;
+    let root = std::path::PathBuf::from(
+        std::env::var("ARES_VL_ROUNDTRIP_DIR").expect("set ARES_VL_ROUNDTRIP_DIR"),
+    );
+    for model in MODELS {
+        let ck = VlCheckpoint::load(&dir(model)).unwrap();
+        for (layout, l) in [(WeightLayout::Hub, "hub"), (WeightLayout::Nested, "nested")] {
+            for (dtype, d) in [(SaveDtype::F32, "f32"), (SaveDtype::Bf16, "bf16")] {
+                ck.save(&root.join(format!("{model}-{l}-{d}")), dtype, layout)
+                    .unwrap();
+            }
+        }
+    }
+}
