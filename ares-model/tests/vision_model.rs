@@ -204,3 +204,62 @@ fn write_vl_roundtrip() {
         }
     }
 }
+
+/// Bad multimodal inputs are errors naming what is wrong, never a panic: placeholders that
+/// do not match the grids (one too few, one too many), a grid that is not a multiple of
+/// the merge size, pixel values of the wrong length, a vision batch per prompt missing.
+#[test]
+fn bad_vision_inputs_are_clear_errors() {
+    use ares_model::model::{GenerateRequest, Sampling};
+    use safetensors::SafeTensors;
+    let (ck, bytes) = vl::load("qwen2_vl_tiny");
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let m = VlModel::from_checkpoint(CpuBackend, &ck).unwrap();
+    let cs = vl::case(&st, "image");
+    let pad = ck.config.tokens.image_pad;
+    let err = |r: Result<Vec<f32>, ares_model::model::ModelError>| r.unwrap_err().to_string();
+
+    // one placeholder too few; a stray one before the block
+    let i = cs.ids.iter().position(|&t| t == pad).unwrap();
+    let mut fewer = cs.ids.clone();
+    fewer[i] = 0;
+    let e = err(m.forward_logits(&fewer, &cs.mask, 1, &cs.vision));
+    assert!(
+        e.contains("5 <|image_pad|>") && e.contains("needs 6"),
+        "{e}"
+    );
+    let mut more = cs.ids.clone();
+    more[0] = pad;
+    let e = err(m.forward_logits(&more, &cs.mask, 1, &cs.vision));
+    assert!(
+        e.contains("has 1 <|image_pad|>") && e.contains("needs 6"),
+        "{e}"
+    );
+
+    // a grid the merge size does not divide
+    let mut odd = cs.vision.clone();
+    odd.image_grids[0] = [1, 3, 6];
+    let e = err(m.forward_logits(&cs.ids, &cs.mask, 1, &odd));
+    assert!(e.contains("[1, 3, 6] is invalid"), "{e}");
+
+    // pixel values of the wrong length
+    let mut short = cs.vision.clone();
+    short.image_pixels.truncate(100);
+    let e = err(m.forward_logits(&cs.ids, &cs.mask, 1, &short));
+    assert!(e.contains("pixel_values has 100 values"), "{e}");
+
+    // generation: one vision batch per prompt
+    let request = GenerateRequest {
+        prompts: vec![cs.ids.clone(), cs.ids.clone()],
+        max_new_tokens: 2,
+        eos_ids: vec![],
+        sampling: Sampling::Greedy,
+        seed: 0,
+    };
+    let g = m.generator().unwrap();
+    let e = g
+        .generate(&request, std::slice::from_ref(&cs.vision), |_, _| {})
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("1 vision batches for 2 prompts"), "{e}");
+}
