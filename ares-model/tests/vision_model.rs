@@ -263,3 +263,143 @@ fn bad_vision_inputs_are_clear_errors() {
         .to_string();
     assert!(e.contains("1 vision batches for 2 prompts"), "{e}");
 }
+
+/// The training step's pieces on a multimodal batch: the backward from per-token
+/// `∂L/∂logπ` equals the backward from the `∂L/∂logits` it implies (computed on the host),
+/// for the tower and the language model; an AdamW step moves tower and LM weights by
+/// PyTorch's update of the joint gradient; a frozen tower's weights stay bit-identical.
+#[test]
+fn training_step_pieces() {
+    use ares_model::backend::{Backend, View, ViewMut};
+    use ares_model::model::{AdamW, AdamWConfig, Inputs};
+    use ares_model::vision::weights::Slot;
+    use safetensors::SafeTensors;
+    let (ck, bytes) = vl::load("qwen2_5_vl_tiny");
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let cs = vl::case(&st, "image");
+    let mut m = VlModel::from_checkpoint(CpuBackend, &ck).unwrap();
+    let vocab = ck.config.text.vocab_size;
+    let layout = m.layout(&cs.ids, &cs.mask, 1, &cs.vision).unwrap();
+    let positions = layout.positions.axis(0).to_vec();
+    let seq = cs.ids.len();
+    let inputs = Inputs {
+        batch: 1,
+        seq,
+        input_ids: &cs.ids,
+        attention_mask: &cs.mask,
+        position_ids: &positions,
+    };
+    // targets: the next token; coefficients on the last 10 positions
+    let mut targets: Vec<u32> = cs.ids[1..].to_vec();
+    targets.push(0);
+    let coeffs: Vec<f32> = (0..seq)
+        .map(|t| {
+            if t + 11 > seq && t + 1 < seq {
+                0.1 * (t % 3) as f32 - 0.1
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let temperature = 0.7f32;
+
+    let grads_of = |m: &VlModel<CpuBackend>, from_logprob: bool| {
+        let be = m.backend();
+        let mut acts = m.lm().activations_full(1, seq).unwrap();
+        let vla = m
+            .forward(&inputs, &cs.vision, &layout, &mut acts, true)
+            .unwrap();
+        let mut lg = m.lm().grads().unwrap();
+        let mut vg = m.tower().zero_grads(be).unwrap();
+        if from_logprob {
+            m.backward_from_log_prob_grads(
+                &inputs,
+                &mut acts,
+                &vla,
+                &targets,
+                &coeffs,
+                temperature,
+                &mut lg,
+                Some(&mut vg),
+            )
+            .unwrap();
+        } else {
+            let mut logits = vec![0.0; seq * vocab];
+            m.lm().download_logits(&acts, &mut logits).unwrap();
+            let mut d = vec![0.0f32; seq * vocab];
+            for t in 0..seq {
+                let row = &logits[t * vocab..(t + 1) * vocab];
+                let z: Vec<f64> = row
+                    .iter()
+                    .map(|&x| f64::from(x) / f64::from(temperature))
+                    .collect();
+                let mx = z.iter().cloned().fold(f64::MIN, f64::max);
+                let sum: f64 = z.iter().map(|&x| (x - mx).exp()).sum();
+                for v in 0..vocab {
+                    let p = (z[v] - mx).exp() / sum;
+                    let onehot = f64::from(u8::from(v as u32 == targets[t]));
+                    d[t * vocab + v] =
+                        (f64::from(coeffs[t]) / f64::from(temperature) * (onehot - p)) as f32;
+                }
+            }
+            let mut dl = be.alloc(d.len()).unwrap();
+            be.upload(&d, ViewMut::whole(&mut dl)).unwrap();
+            m.backward(
+                &inputs,
+                &mut acts,
+                &vla,
+                View::whole(&dl),
+                &mut lg,
+                Some(&mut vg),
+            )
+            .unwrap();
+        }
+        let mut tower = Vec::new();
+        for (_, buf) in vg.iter() {
+            let mut h = vec![0.0; buf.len()];
+            be.download(View::whole(buf), &mut h).unwrap();
+            tower.push(h);
+        }
+        let q = lg
+            .download(be, "model.layers.0.self_attn.q_proj.weight")
+            .unwrap();
+        (tower, q, lg, vg)
+    };
+    let (t_lp, q_lp, lg, vg) = grads_of(&m, true);
+    let (t_dl, q_dl, _, _) = grads_of(&m, false);
+    for (i, (a, b)) in t_lp.iter().zip(&t_dl).enumerate() {
+        let e = common::rel_err(a, b);
+        assert!(e < 1e-5, "tower gradient {i}: {e:e}");
+    }
+    assert!(common::rel_err(&q_lp, &q_dl) < 1e-5);
+
+    // AdamW on the joint gradient, against PyTorch's formula on the host
+    let be = CpuBackend;
+    let cfg = AdamWConfig::default();
+    let lr = 1e-3;
+    let before = m.tower().download_weights(&be).unwrap();
+    let g_patch = t_lp[0].clone();
+    let mut opt = AdamW::new(m.lm(), cfg).unwrap();
+    let mut moments = m.vision_moments().unwrap();
+    let report = m
+        .optimizer_step(&mut opt, &lg, Some((&mut moments, &vg)), lr, None)
+        .unwrap();
+    assert!(report.applied);
+    let after = m.tower().download_weights(&be).unwrap();
+    // first step, no clipping: w ← w(1 − lr·wd) − lr · g/(|g| + eps) (bias-corrected m̂ = g, v̂ = g²)
+    let w0 = &before.get(Slot::Patch).unwrap().data;
+    let w1 = &after.get(Slot::Patch).unwrap().data;
+    for i in [0, 17, 500] {
+        let g = f64::from(g_patch[i]);
+        let want = f64::from(w0[i]) * (1.0 - lr * cfg.weight_decay) - lr * g / (g.abs() + cfg.eps);
+        assert!(
+            (f64::from(w1[i]) - want).abs() <= 1e-6 * want.abs().max(1e-3),
+            "patch[{i}]: {} vs {want}",
+            w1[i]
+        );
+    }
+    // frozen tower: a step without vision gradients leaves every tower weight as it was
+    let frozen_before = m.tower().download_weights(&be).unwrap();
+    m.optimizer_step(&mut opt, &lg, None, lr, None).unwrap();
+    assert_eq!(m.tower().download_weights(&be).unwrap(), frozen_before);
+}

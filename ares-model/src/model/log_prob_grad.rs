@@ -3,6 +3,7 @@
 //! autodiff, and no `[tokens, vocab]` log-softmax kept between the passes.
 
 use super::activations::head_chunks;
+use super::backward::EmbedGrad;
 use super::backward::HeadGrad;
 use super::{Activations, Grads, Inputs, Model, ModelError};
 use crate::backend::{Backend, ViewMut};
@@ -87,6 +88,33 @@ impl<B: Backend> Model<B> {
         temperature: f32,
         grads: &mut Grads<B>,
     ) -> Result<(), ModelError> {
+        self.backward_from_log_prob_grads_with(
+            inputs,
+            acts,
+            targets,
+            coeffs,
+            temperature,
+            grads,
+            None,
+        )
+    }
+
+    /// [`Model::backward_from_log_prob_grads`] after a forward with replaced embedding rows
+    /// ([`Model::forward_with`]): also writes their gradient into `embeds.d_embeds`.
+    ///
+    /// # Errors
+    /// As [`Model::backward_from_log_prob_grads`], and `d_embeds` not a whole number of rows.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_from_log_prob_grads_with(
+        &self,
+        inputs: &Inputs<'_>,
+        acts: &mut Activations<B>,
+        targets: &[u32],
+        coeffs: &[f32],
+        temperature: f32,
+        grads: &mut Grads<B>,
+        embeds: Option<EmbedGrad<'_, B>>,
+    ) -> Result<(), ModelError> {
         let n = inputs.check(&self.spec)?;
         if acts.shape() != (inputs.batch, inputs.seq) {
             return Err(ModelError::ActivationShape {
@@ -131,6 +159,6 @@ impl<B: Backend> Model<B> {
             temperature,
             active: &active,
         };
-        self.backward_impl(inputs, acts, head, grads, None)
+        self.backward_impl(inputs, acts, head, grads, embeds)
     }
 }

@@ -62,7 +62,7 @@ pub use grads::Grads;
 pub use backward::EmbedGrad;
 pub use inputs::{ForwardExtras, Inputs};
 pub use kv_cache::KvCache;
-pub use optim::{AdamW, AdamWConfig, StepReport};
+pub use optim::{AdamW, AdamWConfig, ExtraParam, StepReport};
 pub use sampling::Sampling;
 pub use spec::ModelSpec;
 

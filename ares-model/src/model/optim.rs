@@ -4,9 +4,22 @@
 
 use super::weights::DeviceWeights;
 use super::{Grads, Model, ModelError};
-use crate::backend::{AdamWUpdate, Backend, View, ViewMut};
+use crate::backend::{AdamWUpdate, Backend, DeviceBuffer, View, ViewMut};
 
 pub use crate::backend::AdamWConfig;
+
+/// A parameter outside the model's decoder that [`AdamW::step_with`] updates with it: the
+/// parameter, its gradient and its AdamW moments (all the same length).
+pub struct ExtraParam<'a, B: Backend> {
+    /// The parameter.
+    pub param: &'a mut B::Buffer,
+    /// Its accumulated gradient.
+    pub grad: &'a B::Buffer,
+    /// First moment.
+    pub exp_avg: &'a mut B::Buffer,
+    /// Second moment.
+    pub exp_avg_sq: &'a mut B::Buffer,
+}
 
 /// What one [`AdamW::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -106,6 +119,23 @@ impl<B: Backend> AdamW<B> {
         lr: f64,
         max_grad_norm: Option<f32>,
     ) -> Result<StepReport, ModelError> {
+        self.step_with(model, grads, &mut [], lr, max_grad_norm)
+    }
+
+    /// [`AdamW::step`] over the model's parameters and `extra` ones (another module's, such
+    /// as a vision tower's, each with its gradient and its two moments): one global
+    /// gradient norm over all of them, one clipping scale, one step count.
+    ///
+    /// # Errors
+    /// As [`AdamW::step`]; an extra group whose buffers differ in length.
+    pub fn step_with(
+        &mut self,
+        model: &mut Model<B>,
+        grads: &Grads<B>,
+        extra: &mut [ExtraParam<'_, B>],
+        lr: f64,
+        max_grad_norm: Option<f32>,
+    ) -> Result<StepReport, ModelError> {
         if !(lr.is_finite() && lr >= 0.0) {
             return Err(ModelError::InvalidValue {
                 what: "lr".into(),
@@ -137,6 +167,19 @@ impl<B: Backend> AdamW<B> {
         for buffer in &g {
             total += be.sum_of_squares(View::whole(*buffer))?;
         }
+        for (i, e) in extra.iter().enumerate() {
+            let n = e.param.len();
+            if e.grad.len() != n || e.exp_avg.len() != n || e.exp_avg_sq.len() != n {
+                return Err(ModelError::LayoutMismatch {
+                    what: if i == 0 {
+                        "extra parameter 0"
+                    } else {
+                        "extra parameters"
+                    },
+                });
+            }
+            total += be.sum_of_squares(View::whole(e.grad))?;
+        }
         let grad_norm = total.sqrt() as f32;
         if !total.is_finite() {
             return Ok(StepReport {
@@ -166,6 +209,15 @@ impl<B: Backend> AdamW<B> {
                 View::whole(g),
                 ViewMut::whole(m),
                 ViewMut::whole(v),
+                &update,
+            )?;
+        }
+        for e in extra.iter_mut() {
+            be.adamw_step(
+                ViewMut::whole(&mut *e.param),
+                View::whole(e.grad),
+                ViewMut::whole(&mut *e.exp_avg),
+                ViewMut::whole(&mut *e.exp_avg_sq),
                 &update,
             )?;
         }

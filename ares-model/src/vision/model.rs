@@ -19,6 +19,7 @@ use crate::model::{
     Activations, EmbedGrad, ForwardExtras, GenerateError, GenerateOutput, GenerateRequest,
     Generator, Grads, Inputs, Model, ModelError, PromptVision,
 };
+use crate::model::{AdamW, ExtraParam, StepReport};
 
 /// The images and videos of one batch, as the processor gives them.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -65,6 +66,15 @@ pub struct VlActs<B: Backend> {
     pub tower: Option<(VisionActs<B>, B::Ids)>,
 }
 
+/// AdamW moments of the vision tower ([`VlModel::vision_moments`]), slot by slot like its
+/// weights.
+pub struct VisionMoments<B: Backend> {
+    /// First moments.
+    pub exp_avg: VisionGrads<B>,
+    /// Second moments.
+    pub exp_avg_sq: VisionGrads<B>,
+}
+
 /// A vision-language model on backend `B`.
 pub struct VlModel<B: Backend> {
     lm: Model<B>,
@@ -101,9 +111,19 @@ impl<B: Backend> VlModel<B> {
         &self.lm
     }
 
+    /// The language model, mutably (precision, optimizer).
+    pub fn lm_mut(&mut self) -> &mut Model<B> {
+        &mut self.lm
+    }
+
     /// The vision tower.
     pub fn tower(&self) -> &VisionTower<B> {
         &self.tower
+    }
+
+    /// The vision tower, mutably.
+    pub fn tower_mut(&mut self) -> &mut VisionTower<B> {
+        &mut self.tower
     }
 
     /// The config.
@@ -265,21 +285,132 @@ impl<B: Backend> VlModel<B> {
         lm_grads: &mut Grads<B>,
         vision_grads: Option<&mut VisionGrads<B>>,
     ) -> Result<(), ModelError> {
+        self.backward_through(vl, vision_grads, |embeds| match embeds {
+            Some(e) => self.lm.backward_with(inputs, acts, dlogits, e, lm_grads),
+            None => self.lm.backward(inputs, acts, dlogits, lm_grads),
+        })
+    }
+
+    /// Backward of [`Self::forward`] (run with `keep = true`) from per-token `∂L/∂logπ`
+    /// (`coeffs`, as [`Model::backward_from_log_prob_grads`]): the training step's backward.
+    /// `vision_grads`: `None` for a frozen tower (no tower backward at all).
+    ///
+    /// # Errors
+    /// As [`Model::backward_from_log_prob_grads`] and [`VisionTower::backward`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_from_log_prob_grads(
+        &self,
+        inputs: &Inputs<'_>,
+        acts: &mut Activations<B>,
+        vl: &VlActs<B>,
+        targets: &[u32],
+        coeffs: &[f32],
+        temperature: f32,
+        lm_grads: &mut Grads<B>,
+        vision_grads: Option<&mut VisionGrads<B>>,
+    ) -> Result<(), ModelError> {
+        let frozen = vision_grads.is_none();
+        self.backward_through(vl, vision_grads, |embeds| {
+            // a frozen tower needs no gradient at its output
+            let embeds = if frozen { None } else { embeds };
+            self.lm.backward_from_log_prob_grads_with(
+                inputs,
+                acts,
+                targets,
+                coeffs,
+                temperature,
+                lm_grads,
+                embeds,
+            )
+        })
+    }
+
+    /// Runs the language model's backward `lm` (given where to put the placeholder rows'
+    /// gradient, when the batch has any), then the tower's from that gradient.
+    fn backward_through(
+        &self,
+        vl: &VlActs<B>,
+        vision_grads: Option<&mut VisionGrads<B>>,
+        lm: impl FnOnce(Option<EmbedGrad<'_, B>>) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
         let be = self.lm.backend();
         let Some((va, rows)) = &vl.tower else {
-            return self.lm.backward(inputs, acts, dlogits, lm_grads);
+            return lm(None);
         };
         let mut d_embeds = be.alloc(va.output().len())?;
-        let embeds = EmbedGrad {
+        lm(Some(EmbedGrad {
             rows,
             d_embeds: ViewMut::whole(&mut d_embeds),
-        };
-        self.lm
-            .backward_with(inputs, acts, dlogits, embeds, lm_grads)?;
+        }))?;
         if let Some(g) = vision_grads {
             self.tower.backward(be, va, View::whole(&d_embeds), g)?;
         }
         Ok(())
+    }
+
+    /// Zeroed AdamW moments for the tower's parameters.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn vision_moments(&self) -> Result<VisionMoments<B>, ModelError> {
+        let be = self.lm.backend();
+        Ok(VisionMoments {
+            exp_avg: self.tower.zero_grads(be)?,
+            exp_avg_sq: self.tower.zero_grads(be)?,
+        })
+    }
+
+    /// One AdamW step of the language model and, with `vision` (moments and gradients:
+    /// an unfrozen tower), of the tower too, under one global gradient norm
+    /// ([`AdamW::step_with`]). A frozen tower's weights are not touched.
+    ///
+    /// # Errors
+    /// As [`AdamW::step_with`].
+    pub fn optimizer_step(
+        &mut self,
+        opt: &mut AdamW<B>,
+        lm_grads: &Grads<B>,
+        vision: Option<(&mut VisionMoments<B>, &VisionGrads<B>)>,
+        lr: f64,
+        max_grad_norm: Option<f32>,
+    ) -> Result<StepReport, ModelError> {
+        let mut extra = Vec::new();
+        if let Some((moments, grads)) = vision {
+            let VisionMoments {
+                exp_avg,
+                exp_avg_sq,
+            } = moments;
+            let params = self.tower.weights_mut().iter_mut();
+            let m = exp_avg.iter_mut();
+            let v = exp_avg_sq.iter_mut();
+            for (((slot, param), (_, exp_avg)), (_, exp_avg_sq)) in params.zip(m).zip(v) {
+                let grad = grads.get(slot).ok_or_else(|| ModelError::LayoutMismatch {
+                    what: "vision gradients",
+                })?;
+                extra.push(ExtraParam {
+                    param,
+                    grad,
+                    exp_avg,
+                    exp_avg_sq,
+                });
+            }
+        }
+        opt.step_with(&mut self.lm, lm_grads, &mut extra, lr, max_grad_norm)
+    }
+
+    /// The model's current weights as a checkpoint (config and generation config of `like`,
+    /// its layout), e.g. to save after training.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn to_checkpoint(&self, like: &VlCheckpoint) -> Result<VlCheckpoint, ModelError> {
+        Ok(VlCheckpoint {
+            config: like.config.clone(),
+            generation: like.generation.clone(),
+            text: self.lm.to_weights()?,
+            vision: self.tower.download_weights(self.lm.backend())?,
+            layout: like.layout,
+        })
     }
 
     /// Convenience: the logits `[batch, seq, vocab]` of one batch on the host.
@@ -368,11 +499,16 @@ impl<B: Backend> VlGenerator<'_, B> {
             let mut va = m.tower.activations(be, plan.clone(), false)?;
             m.tower.forward(be, &VlModel::<B>::pixels(v), &mut va)?;
             let at = rows.len() * hidden;
-            be.copy(va.output(), ViewMut::new(&mut embeds, at, va.output().len())?)?;
+            be.copy(
+                va.output(),
+                ViewMut::new(&mut embeds, at, va.output().len())?,
+            )?;
             rows.extend(l.rows.iter().map(|&t| (b, t as usize)));
         }
-        let rope: Vec<(Vec<f32>, Vec<f32>)> =
-            layouts.iter().map(|l| (l.cos.clone(), l.sin.clone())).collect();
+        let rope: Vec<(Vec<f32>, Vec<f32>)> = layouts
+            .iter()
+            .map(|l| (l.cos.clone(), l.sin.clone()))
+            .collect();
         let rope_deltas: Vec<i64> = layouts.iter().map(|l| l.positions.rope_deltas[0]).collect();
         let pv = PromptVision {
             embeds: View::whole(&embeds),
