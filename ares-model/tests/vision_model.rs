@@ -403,3 +403,30 @@ fn training_step_pieces() {
     m.optimizer_step(&mut opt, &lg, None, lr, None).unwrap();
     assert_eq!(m.tower().download_weights(&be).unwrap(), frozen_before);
 }
+
+/// A rollout group (the same prompt and image n times) runs the tower once and shares its
+/// rows; each sample's greedy continuation still equals transformers'.
+#[test]
+fn repeated_prompts_share_the_tower_and_match() {
+    use ares_model::model::{GenerateRequest, Sampling};
+    use safetensors::SafeTensors;
+    let (ck, bytes) = vl::load("qwen2_5_vl_tiny");
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let cs = vl::case(&st, "two_images");
+    let (_, want) = common::u32s(&st, "two_images.greedy");
+    let m = VlModel::from_checkpoint(CpuBackend, &ck).unwrap();
+    let request = GenerateRequest {
+        prompts: vec![cs.ids.clone(); 3],
+        max_new_tokens: want.len(),
+        eos_ids: vec![293, 291],
+        sampling: Sampling::Greedy,
+        seed: 0,
+    };
+    let visions = vec![cs.vision.clone(); 3];
+    let out = m
+        .generator()
+        .unwrap()
+        .generate(&request, &visions, |_, _| {})
+        .unwrap();
+    assert_eq!(out.tokens, vec![want; 3]);
+}

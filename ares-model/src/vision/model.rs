@@ -494,15 +494,26 @@ impl<B: Backend> VlGenerator<'_, B> {
         let total: usize = layouts.iter().map(|l| l.rows.len()).sum();
         let mut embeds = be.alloc(total * hidden)?;
         let mut rows = Vec::with_capacity(total);
+        // The tower runs once per distinct image set: a prompt repeated with the same
+        // images (the n samples of a rollout group) copies the previous tower output.
+        let mut previous: Option<(usize, VisionActs<B>)> = None;
         for (b, (l, v)) in layouts.iter().zip(vision).enumerate() {
             let Some(plan) = &l.plan else { continue };
-            let mut va = m.tower.activations(be, plan.clone(), false)?;
-            m.tower.forward(be, &VlModel::<B>::pixels(v), &mut va)?;
             let at = rows.len() * hidden;
-            be.copy(
-                va.output(),
-                ViewMut::new(&mut embeds, at, va.output().len())?,
-            )?;
+            let same = previous
+                .as_ref()
+                .is_some_and(|(p, _)| vision[*p] == *v && layouts[*p].rows.len() == l.rows.len());
+            if !same {
+                let mut va = m.tower.activations(be, plan.clone(), false)?;
+                m.tower.forward(be, &VlModel::<B>::pixels(v), &mut va)?;
+                previous = Some((b, va));
+            }
+            if let Some((_, va)) = &previous {
+                be.copy(
+                    va.output(),
+                    ViewMut::new(&mut embeds, at, va.output().len())?,
+                )?;
+            }
             rows.extend(l.rows.iter().map(|&t| (b, t as usize)));
         }
         let rope: Vec<(Vec<f32>, Vec<f32>)> = layouts
