@@ -11,7 +11,7 @@
 //! - [`commands`]: the subcommands of the binary; [`demo`]: the built-in demo's task,
 //!   tokenizer and tiny model.
 
-pub use ares_model::{backend, hf, model};
+pub use ares_model::{backend, hf, model, vision};
 
 pub mod commands;
 pub mod config;

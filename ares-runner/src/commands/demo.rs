@@ -260,7 +260,8 @@ pub fn evaluate_model<B: Backend + Clone>(
     let ckpt = crate::hf::checkpoint::Checkpoint::load(model_dir)
         .map_err(|e| TrainError::Invalid(e.to_string()))?;
     let eos = crate::trainer::setup::eos_ids(&ckpt, &r);
-    let model = crate::trainer::setup::build_model(backend, &ckpt, &c)?;
+    let model =
+        crate::trainer::actor::Actor::Text(crate::trainer::setup::build_model(backend, &ckpt, &c)?);
     let mut grader = crate::trainer::grading::Grader::new(&c)?;
     let rr = &c.worker.rollout;
     let sampling = crate::trainer::settings::validation_sampling(&c);

@@ -169,6 +169,7 @@ pub fn run_sft<B: Backend + Clone>(
     let mut opt = Optimizer {
         adamw: AdamW::new(&model, adamw_config(cfg))?,
         grads: model.grads()?,
+        tower: None,
         steps: 0,
     };
     let per_epoch = examples.len().div_ceil(options.batch_size.max(1));

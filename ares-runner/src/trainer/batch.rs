@@ -3,9 +3,10 @@
 //! model (old policy, reference) in micro-batches.
 
 use crate::backend::{Backend, View, ViewMut};
-use crate::model::Model;
+use crate::vision::model::VisionBatch;
 
 use super::TrainError;
+use super::actor::{Actor, concat_vision};
 use super::rewards::Grade;
 use super::rollout::{PromptItem, Response};
 use super::sequences::Packed;
@@ -126,6 +127,15 @@ impl Batch {
         Packed::new(&prompts, &responses, self.prompt_cols, self.tokens.cols())
     }
 
+    /// The images and videos of `rows` (their prompts', in row order), `None` for text.
+    pub fn vision(&self, rows: &[usize]) -> Option<VisionBatch> {
+        let v: Vec<_> = rows
+            .iter()
+            .map(|&r| &self.items[self.group_of(r)].vision)
+            .collect();
+        concat_vision(&v)
+    }
+
     /// Log-probs `[rows, T]` of every response under `model` at `temperature`, `micro`
     /// rows per forward pass, left on the device (padding positions hold whatever the model
     /// computed there: mask them). Each row's response columns are copied device to
@@ -135,7 +145,7 @@ impl Batch {
     /// The model's.
     pub fn score<B: Backend>(
         &self,
-        model: &Model<B>,
+        model: &Actor<B>,
         micro: usize,
         temperature: f32,
     ) -> Result<B::Buffer, TrainError> {
@@ -149,12 +159,15 @@ impl Batch {
             let acts = match &mut arena {
                 Some((len, a)) if *len == chunk.len() => a,
                 _ => {
-                    let a = model.activations(chunk.len(), packed.seq())?;
+                    let a = model.lm().activations(chunk.len(), packed.seq())?;
                     &mut arena.insert((chunk.len(), a)).1
                 }
             };
-            model.forward(&packed.inputs(), acts)?;
-            model.log_prob_entropy(acts, &packed.targets, temperature)?;
+            let vision = self.vision(chunk);
+            model.forward(&packed.inputs(), vision.as_ref(), acts, false)?;
+            model
+                .lm()
+                .log_prob_entropy(acts, &packed.targets, temperature)?;
             let logp = acts.log_probs();
             for (i, &row) in chunk.iter().enumerate() {
                 // response token j of a row sits at column P + j, predicted at P − 1 + j

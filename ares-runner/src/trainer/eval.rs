@@ -5,12 +5,12 @@
 use std::collections::BTreeMap;
 
 use super::TrainError;
+use super::actor::Actor;
 use super::grading::Grader;
 use super::prompts::PromptRenderer;
 use super::rollout::{RolloutParams, generate_all};
 use crate::backend::Backend;
 use crate::data::Example;
-use crate::model::Model;
 
 /// Accuracy and length of one group of examples.
 #[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
@@ -32,7 +32,7 @@ pub type EvalReport = BTreeMap<String, EvalRow>;
 /// # Errors
 /// Rendering, generation or grading errors.
 pub fn evaluate<B: Backend>(
-    model: &Model<B>,
+    model: &Actor<B>,
     renderer: &PromptRenderer,
     grader: &mut Grader,
     examples: &[Example],
@@ -47,7 +47,7 @@ pub fn evaluate<B: Backend>(
             prompts.push(ids.clone());
         }
     }
-    let responses = generate_all(model, &prompts, params, on_progress)?;
+    let responses = generate_all(model, &prompts, &[], params, on_progress)?;
     let mut sums: BTreeMap<String, (usize, usize, usize)> = BTreeMap::new();
     for (i, r) in responses.iter().enumerate() {
         let e = &examples[i / n.max(1)];

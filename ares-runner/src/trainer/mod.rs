@@ -17,6 +17,7 @@
 
 mod error;
 
+pub mod actor;
 pub mod advantages;
 pub mod batch;
 pub mod bootstrap;

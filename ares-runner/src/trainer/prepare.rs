@@ -10,6 +10,7 @@ use ares_core::difficulty::{Difficulty, PerBucket, bucket_means, classify_groups
 use ares_core::filter::{FilterParams, filter_groups};
 
 use super::TrainError;
+use super::actor::Actor;
 use super::advantages::{self, Advantages};
 use super::batch::Batch;
 use super::controllers::AresState;
@@ -18,7 +19,6 @@ use super::hwe::{HwePass, hwe_pass, update_tau};
 use super::rewards::{Grade, RewardParts, rewards};
 use super::settings::{FilterKey, StepSettings};
 use crate::backend::{Backend, KlSumViews, KlViews, View, ViewMut};
-use crate::model::Model;
 
 /// Which groups of a graded round online filtering keeps (docs/algorithms.md §7): the group mean of the
 /// filter key strictly inside `(low, high)`, by ares-core's [`filter_groups`]. `rewards` are
@@ -170,8 +170,8 @@ pub struct Scored {
 pub fn score<B: Backend>(
     settings: &StepSettings,
     batch: &Batch,
-    actor: &Model<B>,
-    reference: Option<&Model<B>>,
+    actor: &Actor<B>,
+    reference: Option<&Actor<B>>,
     mask: &B::Buffer,
     hwe_mask: &B::Buffer,
     beta: Vec<f32>,
@@ -293,8 +293,8 @@ pub fn prepare<B: Backend>(
     step: u64,
     batch: &Batch,
     trigger_mask: Option<&[f32]>,
-    actor: &Model<B>,
-    reference: Option<&Model<B>>,
+    actor: &Actor<B>,
+    reference: Option<&Actor<B>>,
 ) -> Result<Prepared, TrainError> {
     let (n, rows) = (batch.n, batch.rows());
     // the step's token tensors go to the device once

@@ -2,9 +2,10 @@
 //! of the sampling distribution (docs/algorithms.md §1 computes HWE tokens from these entropies).
 
 use crate::backend::Backend;
-use crate::model::{GenerateRequest, Model, Sampling};
+use crate::model::{GenerateRequest, Sampling};
 
 use super::TrainError;
+use super::actor::{Actor, PromptVision};
 
 /// One prompt of a step, prepared for the model.
 #[derive(Debug, Clone, PartialEq)]
@@ -18,6 +19,8 @@ pub struct PromptItem {
     /// Token ids of each sample's rollout prompt (`n` of them; all equal to
     /// `train_prompt` unless graded system prompts are on).
     pub rollout_prompts: Vec<Vec<u32>>,
+    /// The prompt's images and videos (`None`: text).
+    pub vision: PromptVision,
 }
 
 /// One generated response.
@@ -48,14 +51,16 @@ pub struct RolloutParams {
     pub chunk: usize,
 }
 
-/// Generates `prompts` (each once) in chunks of `params.chunk` sequences. `on_chunk` is
-/// told how many sequences are done (progress).
+/// Generates `prompts` (each once, with `vision[i]` the images of prompt `i`; empty for
+/// text) in chunks of `params.chunk` sequences. `on_chunk` is told how many sequences are
+/// done (progress).
 ///
 /// # Errors
 /// Generation errors (prompt too long for the model, non-finite logits…).
 pub fn generate_all<B: Backend>(
-    model: &Model<B>,
+    model: &Actor<B>,
     prompts: &[Vec<u32>],
+    vision: &[PromptVision],
     params: &RolloutParams,
     mut on_chunk: impl FnMut(usize),
 ) -> Result<Vec<Response>, TrainError> {
@@ -67,6 +72,10 @@ pub fn generate_all<B: Backend>(
     // one transpose of the weights for every chunk
     let generator = model.generator()?;
     for (c, part) in prompts.chunks(chunk).enumerate() {
+        let first = c * chunk;
+        let part_vision = vision
+            .get(first..(first + part.len()).min(vision.len()))
+            .unwrap_or(&[]);
         // a distinct seed per chunk: stream i of chunk c is sequence c·chunk + i
         let chunk_seed = params.seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let request = GenerateRequest {
@@ -76,7 +85,7 @@ pub fn generate_all<B: Backend>(
             sampling: params.sampling,
             seed: chunk_seed,
         };
-        let g = generator.generate(&request)?;
+        let g = generator.generate(&request, part_vision)?;
         for i in 0..part.len() {
             out.push(Response {
                 tokens: g.tokens[i].clone(),
@@ -96,13 +105,14 @@ pub fn generate_all<B: Backend>(
 /// # Errors
 /// As [`generate_all`]; an item without exactly `n` rollout prompts.
 pub fn rollout_items<B: Backend>(
-    model: &Model<B>,
+    model: &Actor<B>,
     items: &[PromptItem],
     n: usize,
     params: &RolloutParams,
     on_chunk: impl FnMut(usize),
 ) -> Result<Vec<Response>, TrainError> {
     let mut prompts = Vec::with_capacity(items.len() * n);
+    let mut vision = Vec::with_capacity(items.len() * n);
     for item in items {
         if item.rollout_prompts.len() != n {
             return Err(TrainError::Internal(format!(
@@ -112,6 +122,7 @@ pub fn rollout_items<B: Backend>(
             )));
         }
         prompts.extend(item.rollout_prompts.iter().cloned());
+        vision.extend(std::iter::repeat_n(item.vision.clone(), n));
     }
-    generate_all(model, &prompts, params, on_chunk)
+    generate_all(model, &prompts, &vision, params, on_chunk)
 }

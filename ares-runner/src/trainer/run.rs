@@ -12,6 +12,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use super::TrainError;
+use super::actor::Actor;
 use super::batch::{Batch, Group};
 use super::bootstrap::{BootstrapResult, apply_bootstrap, read_bootstrap};
 use super::checkpoints::{CheckpointDir, write_atomic};
@@ -37,7 +38,7 @@ use crate::data::{EpochSampler, Example};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::tensor_files::SaveDtype;
 use crate::metrics::{MetricsWriter, PhaseTimes, Record};
-use crate::model::{AdamW, Model};
+use crate::model::AdamW;
 use crate::progress::Progress;
 use ares_core::difficulty::{Difficulty, bucket_means};
 use ares_core::filter::{is_solved, solved_streak};
@@ -73,8 +74,8 @@ pub struct Trainer<B: Backend + Clone> {
     pub model_dir: PathBuf,
     pub(super) checkpoint_config: Checkpoint,
     /// The policy.
-    pub actor: Model<B>,
-    pub(super) reference: Option<Model<B>>,
+    pub actor: Actor<B>,
+    pub(super) reference: Option<Actor<B>>,
     pub(super) opt: Optimizer<B>,
     /// Prompt rendering.
     pub renderer: PromptRenderer,
@@ -175,7 +176,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 Some(d) => Checkpoint::load(d).map_err(|e| TrainError::Invalid(e.to_string()))?,
                 None => initial.clone(),
             };
-            Some(build_model(backend.clone(), &ref_ckpt, &cfg)?)
+            Some(Actor::Text(build_model(backend.clone(), &ref_ckpt, &cfg)?))
         } else {
             None
         };
@@ -196,8 +197,8 @@ impl<B: Backend + Clone> Trainer<B> {
             Some((step, dir)) => {
                 let ck = Checkpoint::load(&dir.join("model"))
                     .map_err(|e| TrainError::Invalid(e.to_string()))?;
-                let actor = build_model(backend.clone(), &ck, &cfg)?;
-                let adamw = AdamW::load(&actor, adamw_cfg, &dir.join("optimizer.safetensors"))?;
+                let actor = Actor::Text(build_model(backend.clone(), &ck, &cfg)?);
+                let adamw = AdamW::load(actor.lm(), adamw_cfg, &dir.join("optimizer.safetensors"))?;
                 let text = std::fs::read_to_string(dir.join("trainer_state.json"))
                     .map_err(|e| TrainError::io(dir.join("trainer_state.json"), e))?;
                 let state: TrainerState = serde_json::from_str(&text).map_err(|e| {
@@ -214,20 +215,21 @@ impl<B: Backend + Clone> Trainer<B> {
                     )));
                 }
                 let ares = AresState::restore(&settings, &state.ares)?;
-                let grads = actor.grads()?;
+                let grads = actor.lm().grads()?;
                 eprintln!("resuming from {} (step {step})", dir.display());
                 bootstrap_done = true;
                 let opt = Optimizer {
                     adamw,
                     grads,
+                    tower: actor.tower_training()?,
                     steps: state.optimizer_steps,
                 };
                 (actor, opt, state, ares, ck)
             }
             None => {
-                let actor = build_model(backend.clone(), &initial, &cfg)?;
-                let adamw = AdamW::new(&actor, adamw_cfg)?;
-                let grads = actor.grads()?;
+                let actor = Actor::Text(build_model(backend.clone(), &initial, &cfg)?);
+                let adamw = AdamW::new(actor.lm(), adamw_cfg)?;
+                let grads = actor.lm().grads()?;
                 let mut ares = AresState::new(&settings)?;
                 let mut state = TrainerState {
                     step: 0,
@@ -250,6 +252,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 let opt = Optimizer {
                     adamw,
                     grads,
+                    tower: actor.tower_training()?,
                     steps: 0,
                 };
                 (actor, opt, state, ares, initial)
@@ -338,6 +341,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 global_id: e.global_id.clone(),
                 train_prompt,
                 rollout_prompts,
+                vision: None,
             });
         }
         Ok(out)
@@ -636,7 +640,7 @@ impl<B: Backend + Clone> Trainer<B> {
         ckdir.save(self.state.step, self.cfg.trainer.save_limit, |dir| {
             let model_dir = dir.join("model");
             save_model(
-                &self.actor,
+                self.actor.lm(),
                 &self.checkpoint_config,
                 &self.model_dir,
                 &model_dir,
@@ -644,7 +648,7 @@ impl<B: Backend + Clone> Trainer<B> {
             )?;
             self.opt
                 .adamw
-                .save(&self.actor, &dir.join("optimizer.safetensors"))?;
+                .save(self.actor.lm(), &dir.join("optimizer.safetensors"))?;
             let state = serde_json::to_vec_pretty(&self.state)
                 .map_err(|e| TrainError::Internal(format!("trainer_state.json: {e}")))?;
             write_atomic(&dir.join("trainer_state.json"), &state)?;

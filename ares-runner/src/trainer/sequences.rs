@@ -143,8 +143,21 @@ pub fn response_log_probs<B: Backend>(
     packed: &Packed,
     temperature: f32,
 ) -> Result<(Vec<f32>, Vec<f32>), TrainError> {
-    let inputs = packed.inputs();
-    model.forward(&inputs, acts)?;
+    model.forward(&packed.inputs(), acts)?;
+    response_log_probs_after_forward(model, acts, packed, temperature)
+}
+
+/// [`response_log_probs`] after the forward pass already ran on `acts` (a
+/// vision-language model's, [`super::actor::Actor::forward`]).
+///
+/// # Errors
+/// The model's.
+pub fn response_log_probs_after_forward<B: Backend>(
+    model: &Model<B>,
+    acts: &mut Activations<B>,
+    packed: &Packed,
+    temperature: f32,
+) -> Result<(Vec<f32>, Vec<f32>), TrainError> {
     model.log_prob_entropy(acts, &packed.targets, temperature)?;
     let n = packed.rows * packed.seq();
     let mut logp = vec![0.0f32; n];

@@ -19,7 +19,9 @@ use super::prepare::Prepared;
 use super::settings::StepSettings;
 use super::tokens::gather_rows;
 use crate::backend::Backend;
-use crate::model::{Activations, AdamW, Grads, Model};
+use crate::model::{Activations, AdamW, Grads};
+
+use super::actor::{Actor, TowerTraining};
 
 /// What the update did.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -47,12 +49,13 @@ fn count(batch: &Batch, rows: &[usize]) -> (usize, usize) {
 }
 
 /// The optimizer, its gradients and its step counter.
-#[derive(Debug)]
 pub struct Optimizer<B: Backend> {
     /// AdamW state.
     pub adamw: AdamW<B>,
     /// Gradient buffers.
     pub grads: Grads<B>,
+    /// The vision tower's gradients and moments (`None`: a text model or a frozen tower).
+    pub tower: Option<TowerTraining<B>>,
     /// Optimizer steps taken (applied or skipped), the schedule's clock.
     pub steps: u64,
 }
@@ -66,7 +69,7 @@ pub fn ppo_update<B: Backend>(
     settings: &StepSettings,
     batch: &Batch,
     prep: &Prepared,
-    actor: &mut Model<B>,
+    actor: &mut Actor<B>,
     opt: &mut Optimizer<B>,
     mut on_mini: impl FnMut(usize, usize),
 ) -> Result<UpdateReport, TrainError> {
@@ -87,6 +90,14 @@ pub fn ppo_update<B: Backend>(
             let mut finite = true;
             let mut micros = 0usize;
             opt.grads.zero(actor.backend())?;
+            if let Some(t) = &mut opt.tower {
+                for (_, g) in t.grads.iter_mut() {
+                    actor
+                        .backend()
+                        .fill(crate::backend::ViewMut::whole(g), 0.0)
+                        .map_err(crate::model::ModelError::from)?;
+                }
+            }
             if mini_tokens > 0 {
                 for (micro_index, micro) in mini.chunks(settings.micro_batch.max(1)).enumerate() {
                     let (micro_tokens, micro_rows) = count(batch, micro);
@@ -97,12 +108,23 @@ pub fn ppo_update<B: Backend>(
                     let acts = match &mut arena {
                         Some((len, a)) if *len == micro.len() => a,
                         _ => {
-                            let a = actor.activations(micro.len(), packed.seq())?;
+                            let a = actor.lm().activations(micro.len(), packed.seq())?;
                             &mut arena.insert((micro.len(), a)).1
                         }
                     };
-                    let (logp, _) =
-                        super::sequences::response_log_probs(actor, acts, &packed, temperature)?;
+                    let vision = batch.vision(micro);
+                    let pass = actor.forward(
+                        &packed.inputs(),
+                        vision.as_ref(),
+                        acts,
+                        opt.tower.is_some(),
+                    )?;
+                    let (logp, _) = super::sequences::response_log_probs_after_forward(
+                        actor.lm(),
+                        acts,
+                        &packed,
+                        temperature,
+                    )?;
                     let g = |v: &[f32]| gather_rows(v, t, micro);
                     let mask = g(&batch.tokens.mask);
                     let old = g(&prep.scored.old_logp);
@@ -167,10 +189,12 @@ pub fn ppo_update<B: Backend>(
                     actor.backward_from_log_prob_grads(
                         &packed.inputs(),
                         acts,
+                        &pass,
                         &packed.targets,
                         &spread,
                         temperature,
                         &mut opt.grads,
+                        opt.tower.as_mut(),
                     )?;
                     acc.pg_loss += loss.pg_loss;
                     acc.kl_loss += loss.kl_loss;
@@ -191,10 +215,13 @@ pub fn ppo_update<B: Backend>(
             let lr = settings.optim.lr_at(opt.steps);
             opt.steps += 1;
             let stepped = if finite {
-                Some(
-                    opt.adamw
-                        .step(actor, &opt.grads, lr, settings.optim.max_grad_norm)?,
-                )
+                Some(actor.optimizer_step(
+                    &mut opt.adamw,
+                    &opt.grads,
+                    opt.tower.as_mut(),
+                    lr,
+                    settings.optim.max_grad_norm,
+                )?)
             } else {
                 None
             };

@@ -1,0 +1,266 @@
+//! The model the trainer trains and scores with: a text decoder ([`Model`]) or a
+//! vision-language model ([`VlModel`]: Qwen2-VL / Qwen2.5-VL), behind one interface so the
+//! loop is written once. Every call takes the images and videos of its rows
+//! ([`VisionBatch`]es, `None` for text rows); a text model refuses any.
+//!
+//! A forward pass keeps what its backward needs ([`Pass`]): nothing extra for a text
+//! model, the tower's activations and the placeholder rows for a vision-language one.
+
+use std::sync::Arc;
+
+use crate::backend::Backend;
+use crate::model::{
+    Activations, AdamW, GenerateOutput, GenerateRequest, Generator, Grads, Inputs, Model,
+    ModelError, StepReport,
+};
+use crate::vision::model::{VisionBatch, VisionMoments, VlActs, VlGenerator, VlModel};
+use crate::vision::tower::VisionGrads;
+
+use super::TrainError;
+
+/// The images and videos of one prompt (shared by its samples).
+pub type PromptVision = Option<Arc<VisionBatch>>;
+
+/// A trained or scored model.
+#[allow(clippy::large_enum_variant)] // one or two per run, never moved in a loop
+pub enum Actor<B: Backend> {
+    /// A text decoder.
+    Text(Model<B>),
+    /// A vision-language model.
+    Vision(VlModel<B>),
+}
+
+/// What a forward pass keeps for its backward besides the language model's arena.
+pub struct Pass<B: Backend>(Option<VlActs<B>>);
+
+/// A generator of either kind: the language model's weights transposed once.
+pub enum ActorGenerator<'m, B: Backend> {
+    /// Text.
+    Text(Generator<'m, B>),
+    /// Vision-language.
+    Vision(VlGenerator<'m, B>),
+}
+
+/// Gradients and optimizer moments of the vision tower (none for a text model or a frozen
+/// tower).
+pub struct TowerTraining<B: Backend> {
+    /// Gradient buffers.
+    pub grads: VisionGrads<B>,
+    /// AdamW moments.
+    pub moments: VisionMoments<B>,
+}
+
+/// The images and videos of `rows` (each row's prompt's, in row order) as one batch, or
+/// `None` when no row has any.
+pub fn concat_vision(rows: &[&PromptVision]) -> Option<VisionBatch> {
+    if rows.iter().all(|v| v.is_none()) {
+        return None;
+    }
+    let mut out = VisionBatch::default();
+    for v in rows.iter().filter_map(|v| v.as_deref()) {
+        out.image_pixels.extend_from_slice(&v.image_pixels);
+        out.image_grids.extend_from_slice(&v.image_grids);
+        out.video_pixels.extend_from_slice(&v.video_pixels);
+        out.video_grids.extend_from_slice(&v.video_grids);
+        out.second_per_grid_ts
+            .extend_from_slice(&v.second_per_grid_ts);
+    }
+    Some(out)
+}
+
+fn no_vision(what: &str) -> TrainError {
+    TrainError::Invalid(format!(
+        "{what}: the data has images or videos but the model is a text model \
+         (worker.actor.model_path must be a Qwen2-VL / Qwen2.5-VL checkpoint)"
+    ))
+}
+
+impl<B: Backend> Actor<B> {
+    /// The language model.
+    pub fn lm(&self) -> &Model<B> {
+        match self {
+            Actor::Text(m) => m,
+            Actor::Vision(m) => m.lm(),
+        }
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        self.lm().backend()
+    }
+
+    /// The vision-language model, if this is one.
+    pub fn vision(&self) -> Option<&VlModel<B>> {
+        match self {
+            Actor::Text(_) => None,
+            Actor::Vision(m) => Some(m),
+        }
+    }
+
+    /// A generator for rollouts.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn generator(&self) -> Result<ActorGenerator<'_, B>, TrainError> {
+        Ok(match self {
+            Actor::Text(m) => ActorGenerator::Text(m.generator()?),
+            Actor::Vision(m) => ActorGenerator::Vision(m.generator()?),
+        })
+    }
+
+    /// Runs the model on `inputs` with the rows' images and videos (`vision`: the
+    /// concatenation of the rows', [`concat_vision`]); `keep`: the tower keeps what its
+    /// backward needs.
+    ///
+    /// # Errors
+    /// Images for a text model; the model's errors.
+    pub fn forward(
+        &self,
+        inputs: &Inputs<'_>,
+        vision: Option<&VisionBatch>,
+        acts: &mut Activations<B>,
+        keep: bool,
+    ) -> Result<Pass<B>, TrainError> {
+        match self {
+            Actor::Text(m) => {
+                if vision.is_some() {
+                    return Err(no_vision("forward"));
+                }
+                m.forward(inputs, acts)?;
+                Ok(Pass(None))
+            }
+            Actor::Vision(m) => {
+                let empty = VisionBatch::default();
+                let v = vision.unwrap_or(&empty);
+                let layout = m.layout(inputs.input_ids, inputs.attention_mask, inputs.batch, v)?;
+                let positions = layout.positions.axis(0).to_vec();
+                let inputs = Inputs {
+                    position_ids: &positions,
+                    ..*inputs
+                };
+                Ok(Pass(Some(m.forward(&inputs, v, &layout, acts, keep)?)))
+            }
+        }
+    }
+
+    /// Backward of [`Actor::forward`] from per-token `∂L/∂logπ` (`coeffs`), adding into
+    /// `grads` and, for an unfrozen tower, into `tower`.
+    ///
+    /// # Errors
+    /// The model's.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_from_log_prob_grads(
+        &self,
+        inputs: &Inputs<'_>,
+        acts: &mut Activations<B>,
+        pass: &Pass<B>,
+        targets: &[u32],
+        coeffs: &[f32],
+        temperature: f32,
+        grads: &mut Grads<B>,
+        tower: Option<&mut TowerTraining<B>>,
+    ) -> Result<(), TrainError> {
+        match (self, &pass.0) {
+            (Actor::Vision(m), Some(vl)) => {
+                // the backward's positions were the forward's (its rotary tables are in `acts`)
+                m.backward_from_log_prob_grads(
+                    inputs,
+                    acts,
+                    vl,
+                    targets,
+                    coeffs,
+                    temperature,
+                    grads,
+                    tower.map(|t| &mut t.grads),
+                )?;
+            }
+            _ => self.lm().backward_from_log_prob_grads(
+                inputs,
+                acts,
+                targets,
+                coeffs,
+                temperature,
+                grads,
+            )?,
+        }
+        Ok(())
+    }
+
+    /// Zeroed tower gradients and moments for training the tower (`None`: a text model).
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn tower_training(&self) -> Result<Option<TowerTraining<B>>, TrainError> {
+        match self {
+            Actor::Text(_) => Ok(None),
+            Actor::Vision(m) => Ok(Some(TowerTraining {
+                grads: m.tower().zero_grads(m.backend())?,
+                moments: m.vision_moments()?,
+            })),
+        }
+    }
+
+    /// One AdamW step (the tower's parameters too when `tower` is given).
+    ///
+    /// # Errors
+    /// As [`AdamW::step_with`].
+    pub fn optimizer_step(
+        &mut self,
+        opt: &mut AdamW<B>,
+        grads: &Grads<B>,
+        tower: Option<&mut TowerTraining<B>>,
+        lr: f64,
+        max_grad_norm: Option<f32>,
+    ) -> Result<StepReport, ModelError> {
+        match self {
+            Actor::Text(m) => opt.step(m, grads, lr, max_grad_norm),
+            Actor::Vision(m) => {
+                let tower = tower.map(|t| (&mut t.moments, &t.grads));
+                m.optimizer_step(opt, grads, tower, lr, max_grad_norm)
+            }
+        }
+    }
+}
+
+impl<B: Backend> ActorGenerator<'_, B> {
+    /// Generates `request` with each prompt's images and videos (`vision[i]` for prompt
+    /// `i`; empty: text only).
+    ///
+    /// # Errors
+    /// Images for a text model; the model's errors.
+    pub fn generate(
+        &self,
+        request: &GenerateRequest,
+        vision: &[PromptVision],
+    ) -> Result<GenerateOutput, TrainError> {
+        let any = vision.iter().any(Option::is_some);
+        match self {
+            ActorGenerator::Text(g) => {
+                if any {
+                    return Err(no_vision("rollout"));
+                }
+                Ok(g.generate(request)?)
+            }
+            ActorGenerator::Vision(g) => {
+                let empty = VisionBatch::default();
+                let batches: Vec<VisionBatch> = (0..request.prompts.len())
+                    .map(|i| {
+                        vision
+                            .get(i)
+                            .and_then(|v| v.as_deref())
+                            .unwrap_or(&empty)
+                            .clone()
+                    })
+                    .collect();
+                Ok(g.generate(request, &batches, |_, _| {})?)
+            }
+        }
+    }
+}
+
+impl<B: Backend> Pass<B> {
+    /// A pass without tower state (a text model's).
+    pub fn text() -> Self {
+        Pass(None)
+    }
+}
