@@ -7,6 +7,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod model;
 pub mod mrope;
+pub mod optim_file;
 pub mod processor;
 pub mod tower;
 pub mod weights;

@@ -211,6 +211,9 @@ pub struct ActorConfig {
     pub is_threshold_high: f64,
     /// AdamW.
     pub optim: OptimConfig,
+    /// Vision-language models: keep the vision tower's weights fixed (no tower backward,
+    /// no tower optimizer state). EasyR1's default, false, trains it.
+    pub freeze_vision_tower: bool,
 }
 
 impl Default for ActorConfig {
@@ -237,6 +240,7 @@ impl Default for ActorConfig {
             is_threshold_low: 0.5,
             is_threshold_high: 5.0,
             optim: OptimConfig::default(),
+            freeze_vision_tower: false,
         }
     }
 }

@@ -4,7 +4,7 @@
 //! with metrics, checkpoints, resume and clean interruption.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
@@ -12,7 +12,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use super::TrainError;
-use super::actor::Actor;
+use super::actor::{Actor, TowerTraining};
 use super::batch::{Batch, Group};
 use super::bootstrap::{BootstrapResult, apply_bootstrap, read_bootstrap};
 use super::checkpoints::{CheckpointDir, write_atomic};
@@ -27,19 +27,19 @@ use super::rollout::{PromptItem, Response, RolloutParams, rollout_items};
 use super::settings::step_settings;
 use super::settings::{FilterKey, StepSettings};
 use super::setup::{
-    adamw_config, build_model, eos_ids, filter_prompts, load_examples, renderer, run_dir,
-    save_model,
+    ModelFiles, adamw_config, build_actor, eos_ids_of, filter_prompts, load_examples, renderer,
+    run_dir, save_actor,
 };
 use super::tokens::TokenBatch;
 use super::update::{Optimizer, ppo_update};
 use crate::backend::Backend;
 use crate::config::Config;
 use crate::data::{EpochSampler, Example};
-use crate::hf::checkpoint::Checkpoint;
 use crate::hf::tensor_files::SaveDtype;
 use crate::metrics::{MetricsWriter, PhaseTimes, Record};
 use crate::model::AdamW;
 use crate::progress::Progress;
+use crate::vision::model::VisionMoments;
 use ares_core::difficulty::{Difficulty, bucket_means};
 use ares_core::filter::{is_solved, solved_streak};
 
@@ -72,7 +72,7 @@ pub struct Trainer<B: Backend + Clone> {
     pub run_dir: PathBuf,
     /// Where the initial model came from (tokenizer files are copied from it).
     pub model_dir: PathBuf,
-    pub(super) checkpoint_config: Checkpoint,
+    pub(super) checkpoint_config: ModelFiles,
     /// The policy.
     pub actor: Actor<B>,
     pub(super) reference: Option<Actor<B>>,
@@ -150,9 +150,8 @@ impl<B: Backend + Clone> Trainer<B> {
         };
         let settings = step_settings(&cfg, total_steps)?;
 
-        let initial =
-            Checkpoint::load(&model_dir).map_err(|e| TrainError::Invalid(e.to_string()))?;
-        let max_positions = initial.config.max_position_embeddings;
+        let initial = ModelFiles::load(&model_dir)?;
+        let max_positions = initial.text_config().max_position_embeddings;
         let longest = train_ids.iter().map(Vec::len).max().unwrap_or(0);
         if longest + cfg.data.max_response_length > max_positions {
             return Err(TrainError::Invalid(format!(
@@ -162,7 +161,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 cfg.data.max_response_length
             )));
         }
-        let eos_ids = eos_ids(&initial, &renderer);
+        let eos_ids = eos_ids_of(initial.generation(), &renderer);
         if eos_ids.is_empty() {
             return Err(TrainError::Invalid(format!(
                 "{}: no EOS token (generation_config.json eos_token_id or tokenizer_config.json \
@@ -172,11 +171,11 @@ impl<B: Backend + Clone> Trainer<B> {
         }
         let reference = if settings.kl.enabled {
             let ref_dir = cfg.worker.ref_.model_path.as_deref().map(PathBuf::from);
-            let ref_ckpt = match &ref_dir {
-                Some(d) => Checkpoint::load(d).map_err(|e| TrainError::Invalid(e.to_string()))?,
+            let ref_files = match &ref_dir {
+                Some(d) => ModelFiles::load(d)?,
                 None => initial.clone(),
             };
-            Some(Actor::Text(build_model(backend.clone(), &ref_ckpt, &cfg)?))
+            Some(build_actor(backend.clone(), &ref_files, &cfg)?)
         } else {
             None
         };
@@ -195,9 +194,8 @@ impl<B: Backend + Clone> Trainer<B> {
         let mut bootstrap_done = false;
         let (actor, opt, state, ares, checkpoint_config) = match latest {
             Some((step, dir)) => {
-                let ck = Checkpoint::load(&dir.join("model"))
-                    .map_err(|e| TrainError::Invalid(e.to_string()))?;
-                let actor = Actor::Text(build_model(backend.clone(), &ck, &cfg)?);
+                let ck = ModelFiles::load(&dir.join("model"))?;
+                let actor = build_actor(backend.clone(), &ck, &cfg)?;
                 let adamw = AdamW::load(actor.lm(), adamw_cfg, &dir.join("optimizer.safetensors"))?;
                 let text = std::fs::read_to_string(dir.join("trainer_state.json"))
                     .map_err(|e| TrainError::io(dir.join("trainer_state.json"), e))?;
@@ -221,13 +219,13 @@ impl<B: Backend + Clone> Trainer<B> {
                 let opt = Optimizer {
                     adamw,
                     grads,
-                    tower: actor.tower_training()?,
+                    tower: resume_tower(&actor, &cfg, &dir)?,
                     steps: state.optimizer_steps,
                 };
                 (actor, opt, state, ares, ck)
             }
             None => {
-                let actor = Actor::Text(build_model(backend.clone(), &initial, &cfg)?);
+                let actor = build_actor(backend.clone(), &initial, &cfg)?;
                 let adamw = AdamW::new(actor.lm(), adamw_cfg)?;
                 let grads = actor.lm().grads()?;
                 let mut ares = AresState::new(&settings)?;
@@ -252,7 +250,11 @@ impl<B: Backend + Clone> Trainer<B> {
                 let opt = Optimizer {
                     adamw,
                     grads,
-                    tower: actor.tower_training()?,
+                    tower: if cfg.worker.actor.freeze_vision_tower {
+                        None
+                    } else {
+                        actor.tower_training()?
+                    },
                     steps: 0,
                 };
                 (actor, opt, state, ares, initial)
@@ -639,8 +641,8 @@ impl<B: Backend + Clone> Trainer<B> {
         let ckdir = CheckpointDir::new(&self.run_dir);
         ckdir.save(self.state.step, self.cfg.trainer.save_limit, |dir| {
             let model_dir = dir.join("model");
-            save_model(
-                self.actor.lm(),
+            save_actor(
+                &self.actor,
                 &self.checkpoint_config,
                 &self.model_dir,
                 &model_dir,
@@ -649,6 +651,10 @@ impl<B: Backend + Clone> Trainer<B> {
             self.opt
                 .adamw
                 .save(self.actor.lm(), &dir.join("optimizer.safetensors"))?;
+            if let (Some(t), Some(vl)) = (&self.opt.tower, self.actor.vision()) {
+                t.moments
+                    .save(vl.backend(), vl.tower(), &dir.join(VISION_OPTIMIZER_FILE))?;
+            }
             let state = serde_json::to_vec_pretty(&self.state)
                 .map_err(|e| TrainError::Internal(format!("trainer_state.json: {e}")))?;
             write_atomic(&dir.join("trainer_state.json"), &state)?;
@@ -885,4 +891,32 @@ pub(super) fn responses_hwe<B: Backend>(
         &settings.hwe,
         tau,
     )
+}
+
+/// The vision tower's optimizer moments beside `optimizer.safetensors` in a checkpoint.
+const VISION_OPTIMIZER_FILE: &str = "vision_optimizer.safetensors";
+
+/// The tower's training state when resuming from checkpoint `dir`: none for a text model
+/// or a frozen tower, else zeroed gradients and the saved moments.
+fn resume_tower<B: Backend>(
+    actor: &Actor<B>,
+    cfg: &Config,
+    dir: &Path,
+) -> Result<Option<TowerTraining<B>>, TrainError> {
+    let (Some(vl), false) = (actor.vision(), cfg.worker.actor.freeze_vision_tower) else {
+        return Ok(None);
+    };
+    let path = dir.join(VISION_OPTIMIZER_FILE);
+    if !path.is_file() {
+        return Err(TrainError::Invalid(format!(
+            "{}: missing; the checkpoint was saved with a frozen vision tower (set \
+             worker.actor.freeze_vision_tower=true to resume it)",
+            path.display()
+        )));
+    }
+    let mut t = actor
+        .tower_training()?
+        .ok_or_else(|| TrainError::Internal("a vision model without a tower".into()))?;
+    t.moments = VisionMoments::load(vl.backend(), vl.tower(), &path)?;
+    Ok(Some(t))
 }

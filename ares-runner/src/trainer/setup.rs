@@ -5,22 +5,134 @@
 use std::path::{Path, PathBuf};
 
 use super::TrainError;
+use super::actor::Actor;
 use super::prompts::PromptRenderer;
 use crate::backend::Backend;
 use crate::config::Config;
 use crate::data::{DataKeys, Example, PromptTemplate, load_dataset};
 use crate::hf::checkpoint::Checkpoint;
+use crate::hf::config::ModelConfig;
+use crate::hf::generation::GenerationConfig;
 use crate::hf::tensor_files::SaveDtype;
 use crate::model::Model;
+use crate::vision::checkpoint::VlCheckpoint;
+use crate::vision::config::VlConfig;
+use crate::vision::model::VlModel;
 
-/// Files of the tokenizer copied next to every saved model.
-const TOKENIZER_FILES: [&str; 5] = [
+/// Files of the tokenizer (and a vision-language model's processor) copied next to every
+/// saved model.
+const TOKENIZER_FILES: [&str; 7] = [
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",
     "vocab.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
 ];
+
+/// A model directory's contents: a text decoder's checkpoint or a vision-language
+/// model's (Qwen2-VL / Qwen2.5-VL, told apart by `config.json`'s `model_type`).
+#[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)] // one or two per run
+pub enum ModelFiles {
+    /// Qwen2 / Qwen3 / Llama.
+    Text(Checkpoint),
+    /// Qwen2-VL / Qwen2.5-VL.
+    Vision(VlCheckpoint),
+}
+
+impl ModelFiles {
+    /// Loads the model directory `dir`.
+    ///
+    /// # Errors
+    /// Missing or malformed files, each named.
+    pub fn load(dir: &Path) -> Result<Self, TrainError> {
+        let invalid = |e: crate::hf::HfError| TrainError::Invalid(e.to_string());
+        Ok(if VlConfig::is_vl_dir(dir) {
+            ModelFiles::Vision(VlCheckpoint::load(dir).map_err(invalid)?)
+        } else {
+            ModelFiles::Text(Checkpoint::load(dir).map_err(invalid)?)
+        })
+    }
+
+    /// The language model's config.
+    pub fn text_config(&self) -> &ModelConfig {
+        match self {
+            ModelFiles::Text(c) => &c.config,
+            ModelFiles::Vision(c) => &c.config.text,
+        }
+    }
+
+    /// `generation_config.json`, when present.
+    pub fn generation(&self) -> Option<&GenerationConfig> {
+        match self {
+            ModelFiles::Text(c) => c.generation.as_ref(),
+            ModelFiles::Vision(c) => c.generation.as_ref(),
+        }
+    }
+}
+
+/// The model of `files` on `backend`, multiplying in `trainer.matmul_precision`.
+///
+/// # Errors
+/// As [`Model::from_checkpoint`] and [`VlModel::from_checkpoint`].
+pub fn build_actor<B: Backend>(
+    backend: B,
+    files: &ModelFiles,
+    cfg: &Config,
+) -> Result<Actor<B>, TrainError> {
+    let precision = cfg.trainer.matmul_precision.precision();
+    Ok(match files {
+        ModelFiles::Text(ck) => Actor::Text(build_model(backend, ck, cfg)?),
+        ModelFiles::Vision(ck) => {
+            let mut m = VlModel::from_checkpoint(backend, ck)?;
+            m.lm_mut().set_matmul_precision(precision);
+            m.tower_mut().set_matmul_precision(precision);
+            Actor::Vision(m)
+        }
+    })
+}
+
+/// Saves `actor` as a Hugging Face directory (the layout and configs of `files`) with the
+/// tokenizer and processor files of `source_dir`.
+///
+/// # Errors
+/// I/O errors.
+pub fn save_actor<B: Backend>(
+    actor: &Actor<B>,
+    files: &ModelFiles,
+    source_dir: &Path,
+    dir: &Path,
+    dtype: SaveDtype,
+) -> Result<(), TrainError> {
+    match (actor, files) {
+        (Actor::Text(m), ModelFiles::Text(ck)) => {
+            m.save_pretrained(dir, &ck.config, ck.generation.as_ref(), dtype)?;
+        }
+        (Actor::Vision(m), ModelFiles::Vision(ck)) => {
+            m.to_checkpoint(ck)?
+                .save(dir, dtype, ck.layout)
+                .map_err(|e| TrainError::Invalid(e.to_string()))?;
+        }
+        _ => {
+            return Err(TrainError::Internal(
+                "save_actor: the model and its files are of different kinds".into(),
+            ));
+        }
+    }
+    copy_tokenizer_files(source_dir, dir)
+}
+
+fn copy_tokenizer_files(source_dir: &Path, dir: &Path) -> Result<(), TrainError> {
+    for name in TOKENIZER_FILES {
+        let src = source_dir.join(name);
+        if src.exists() {
+            std::fs::copy(&src, dir.join(name)).map_err(|e| TrainError::io(&src, e))?;
+        }
+    }
+    Ok(())
+}
 
 /// The model of `ckpt` on `backend`, multiplying in `trainer.matmul_precision`.
 ///
@@ -62,9 +174,12 @@ pub fn run_dir(cfg: &Config) -> PathBuf {
 /// The EOS ids of a model: `generation_config.json`'s `eos_token_id`, else the
 /// tokenizer's EOS token.
 pub fn eos_ids(ckpt: &Checkpoint, renderer: &PromptRenderer) -> Vec<u32> {
-    let mut ids: Vec<u32> = ckpt
-        .generation
-        .as_ref()
+    eos_ids_of(ckpt.generation.as_ref(), renderer)
+}
+
+/// [`eos_ids`] from a model's generation config.
+pub fn eos_ids_of(generation: Option<&GenerationConfig>, renderer: &PromptRenderer) -> Vec<u32> {
+    let mut ids: Vec<u32> = generation
         .and_then(|g| g.eos_token_ids.clone())
         .unwrap_or_default();
     if ids.is_empty()
@@ -135,13 +250,7 @@ pub fn save_model<B: Backend>(
     dtype: SaveDtype,
 ) -> Result<(), TrainError> {
     model.save_pretrained(dir, &ckpt.config, ckpt.generation.as_ref(), dtype)?;
-    for name in TOKENIZER_FILES {
-        let src = source_dir.join(name);
-        if src.exists() {
-            std::fs::copy(&src, dir.join(name)).map_err(|e| TrainError::io(&src, e))?;
-        }
-    }
-    Ok(())
+    copy_tokenizer_files(source_dir, dir)
 }
 
 /// Keeps the examples whose rendered prompt fits `data.max_prompt_length` (when
