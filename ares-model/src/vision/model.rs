@@ -149,7 +149,47 @@ impl<B: Backend> VlModel<B> {
         batch: usize,
         vision: &VisionBatch,
     ) -> Result<MultimodalLayout, ModelError> {
+        self.layout_prompts(input_ids, attention_mask, batch, vision, None)
+    }
+
+    /// [`Self::layout`] of prompt + response rows whose prompts fill the first
+    /// `prompt_cols` columns (`None`: every column is prompt): placeholder ids in the
+    /// responses are text there (a sampled `<|image_pad|>` is a token like any other, at
+    /// a text position, as generation treated it).
+    ///
+    /// # Errors
+    /// As [`Self::layout`].
+    pub fn layout_prompts(
+        &self,
+        input_ids: &[u32],
+        attention_mask: &[u32],
+        batch: usize,
+        vision: &VisionBatch,
+        prompt_cols: Option<usize>,
+    ) -> Result<MultimodalLayout, ModelError> {
         let c = &self.config;
+        let neutral;
+        let input_ids = match prompt_cols {
+            Some(p) if batch > 0 && input_ids.len().is_multiple_of(batch) => {
+                let seq = input_ids.len() / batch;
+                let pads = [c.tokens.image_pad, c.tokens.video_pad];
+                // an id that is neither placeholder
+                let text = (0..3u32).find(|t| !pads.contains(t)).unwrap_or(0);
+                neutral = input_ids
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &t)| {
+                        if i % seq >= p && pads.contains(&t) {
+                            text
+                        } else {
+                            t
+                        }
+                    })
+                    .collect::<Vec<u32>>();
+                neutral.as_slice()
+            }
+            _ => input_ids,
+        };
         let spt = (!vision.video_grids.is_empty() && !vision.second_per_grid_ts.is_empty())
             .then_some(vision.second_per_grid_ts.as_slice());
         let grids = VisionGrids {

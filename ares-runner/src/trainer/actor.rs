@@ -109,8 +109,9 @@ impl<B: Backend> Actor<B> {
     }
 
     /// Runs the model on `inputs` with the rows' images and videos (`vision`: the
-    /// concatenation of the rows', [`concat_vision`]); `keep`: the tower keeps what its
-    /// backward needs.
+    /// concatenation of the rows', [`concat_vision`]); the prompts fill the first
+    /// `prompt_cols` columns (placeholders after them are response text); `keep`: the
+    /// tower keeps what its backward needs.
     ///
     /// # Errors
     /// Images for a text model; the model's errors.
@@ -118,6 +119,7 @@ impl<B: Backend> Actor<B> {
         &self,
         inputs: &Inputs<'_>,
         vision: Option<&VisionBatch>,
+        prompt_cols: usize,
         acts: &mut Activations<B>,
         keep: bool,
     ) -> Result<Pass<B>, TrainError> {
@@ -132,7 +134,13 @@ impl<B: Backend> Actor<B> {
             Actor::Vision(m) => {
                 let empty = VisionBatch::default();
                 let v = vision.unwrap_or(&empty);
-                let layout = m.layout(inputs.input_ids, inputs.attention_mask, inputs.batch, v)?;
+                let layout = m.layout_prompts(
+                    inputs.input_ids,
+                    inputs.attention_mask,
+                    inputs.batch,
+                    v,
+                    Some(prompt_cols),
+                )?;
                 let positions = layout.positions.axis(0).to_vec();
                 let inputs = Inputs {
                     position_ids: &positions,

@@ -164,7 +164,7 @@ impl Batch {
                 }
             };
             let vision = self.vision(chunk);
-            model.forward(&packed.inputs(), vision.as_ref(), acts, false)?;
+            model.forward(&packed.inputs(), vision.as_ref(), p, acts, false)?;
             model
                 .lm()
                 .log_prob_entropy(acts, &packed.targets, temperature)?;

@@ -116,6 +116,7 @@ pub fn ppo_update<B: Backend>(
                     let pass = actor.forward(
                         &packed.inputs(),
                         vision.as_ref(),
+                        packed.prompt_cols,
                         acts,
                         opt.tower.is_some(),
                     )?;
