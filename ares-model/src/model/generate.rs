@@ -160,7 +160,8 @@ impl<B: Backend> Generator<'_, B> {
     /// # Errors
     /// As [`Model::generate`].
     pub fn generate(&self, request: &GenerateRequest) -> Result<GenerateOutput, GenerateError> {
-        self.model.generate_with(request, &self.tw, None, &mut |_, _| {})
+        self.model
+            .generate_with(request, &self.tw, None, &mut |_, _| {})
     }
 
     /// [`Generator::generate`], calling `on_token(sequence, token)` as each new token is
@@ -174,7 +175,8 @@ impl<B: Backend> Generator<'_, B> {
         request: &GenerateRequest,
         mut on_token: impl FnMut(usize, u32),
     ) -> Result<GenerateOutput, GenerateError> {
-        self.model.generate_with(request, &self.tw, None, &mut on_token)
+        self.model
+            .generate_with(request, &self.tw, None, &mut on_token)
     }
 
     /// [`Generator::generate_streaming`] for prompts with images or videos: `vision` gives
@@ -526,7 +528,10 @@ impl<B: Backend> Model<B> {
             let mut ids = self.backend.alloc_ids(flat.len())?;
             self.backend.upload_ids(&flat, &mut ids)?;
             rows = Some(ids);
-            let (mut cos, mut sin) = (vec![1.0f32; batch * width * half], vec![0.0f32; batch * width * half]);
+            let (mut cos, mut sin) = (
+                vec![1.0f32; batch * width * half],
+                vec![0.0f32; batch * width * half],
+            );
             for (b, (p, (c, s))) in prompts.iter().zip(v.rope).enumerate() {
                 let start = (b * width + width - p.len()) * half;
                 cos[start..start + c.len()].copy_from_slice(c);
@@ -612,7 +617,9 @@ impl<B: Backend> Model<B> {
             .iter()
             .find(|&&(b, t)| b >= batch || t >= request.prompts[b].len())
         {
-            return Err(bad(format!("replaced row (prompt {b}, token {t}) is outside the prompts")));
+            return Err(bad(format!(
+                "replaced row (prompt {b}, token {t}) is outside the prompts"
+            )));
         }
         for (b, (p, (c, s))) in request.prompts.iter().zip(v.rope).enumerate() {
             if c.len() != p.len() * half || s.len() != p.len() * half {

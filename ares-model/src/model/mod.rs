@@ -56,10 +56,10 @@ mod weights;
 use ares_cpu::ops::rope::RopeTable;
 
 pub use activations::{Activations, HeadMode};
+pub use backward::EmbedGrad;
 pub use error::ModelError;
 pub use generate::{GenerateError, GenerateOutput, GenerateRequest, Generator, PromptVision};
 pub use grads::Grads;
-pub use backward::EmbedGrad;
 pub use inputs::{ForwardExtras, Inputs};
 pub use kv_cache::KvCache;
 pub use optim::{AdamW, AdamWConfig, ExtraParam, StepReport};
