@@ -8,6 +8,11 @@
 //! - **forward+backward**: the forward keeping every block, then the backward from a fixed
 //!   ∂L/∂merged into zeroed gradients (the unfrozen tower of a training step).
 //!
+//! - **rollout** (`vision_cpu rollout`): a small Qwen2.5-VL-shaped model (tower 4 × 128,
+//!   LM 2 × 128, vocab 512) generating n = 8 samples of 32 new tokens for one 224 × 224 image
+//!   prompt, with the tower output shared by the 8 samples (the default) and recomputed
+//!   for each: new tokens/s of both, side by side.
+//!
 //! The real tower has 32 blocks with full attention in 7, 15, 23, 31; the default here is
 //! `ARES_BENCH_VISION_DEPTH=4` blocks with full attention in block 3 (the same 3:1 mix of
 //! window and full attention; the time per block is what scales). Set it to 32 for the
@@ -25,6 +30,10 @@ use ares_model::vision::tower::{VisionPlan, VisionTower};
 use ares_model::vision::weights::VisionWeights;
 
 fn main() {
+    let only = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    if only.as_deref() == Some("rollout") {
+        return rollout();
+    }
     let depth = env_usize("ARES_BENCH_VISION_DEPTH", 4);
     let runs = env_usize("ARES_BENCH_RUNS", 3);
     let cfg = VisionConfig {
@@ -93,4 +102,96 @@ fn main() {
             .expect("backward");
     });
     report("vision forward+backward", plan.patches, "patches", t);
+}
+
+/// A small Qwen2.5-VL-shaped `config.json` (Hub layout).
+const SMALL_VL: &str = r#"{
+    "model_type": "qwen2_5_vl", "hidden_size": 128, "intermediate_size": 256,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "vocab_size": 512, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
+    "tie_word_embeddings": false, "image_token_id": 500, "video_token_id": 501,
+    "vision_start_token_id": 502, "vision_end_token_id": 503,
+    "vision_config": {"depth": 4, "hidden_size": 128, "num_heads": 4, "intermediate_size": 256,
+        "out_hidden_size": 128, "fullatt_block_indexes": [3], "window_size": 112,
+        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}
+}"#;
+
+fn rollout() {
+    use ares_model::hf::weights::ModelWeights;
+    use ares_model::model::{GenerateRequest, Sampling};
+    use ares_model::vision::checkpoint::{VlCheckpoint, WeightLayout};
+    use ares_model::vision::config::VlConfig;
+    use ares_model::vision::model::{VisionBatch, VlModel};
+
+    let raw: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(SMALL_VL).expect("bench config JSON");
+    let config =
+        VlConfig::from_map(std::path::Path::new("bench/config.json"), raw).expect("bench config");
+    let mut rng = SplitMix::new(9);
+    let text: ModelWeights = ares_benches::model::random_weights(&config.text, &mut rng);
+    let ck = VlCheckpoint {
+        vision: VisionWeights::random(&config.vision, 0.02, 3),
+        config,
+        generation: None,
+        text,
+        layout: WeightLayout::Hub,
+    };
+    let model = VlModel::from_checkpoint(CpuBackend, &ck).expect("bench model");
+    let (n, new_tokens) = (8usize, 32usize);
+    let grid = [1usize, 16, 16];
+    let patches = grid.iter().product::<usize>();
+    let units = patches / 4;
+    let pixels: Vec<f32> = (0..patches * ck.config.vision.patch_dim())
+        .map(|_| rng.unit() * 2.0 - 1.0)
+        .collect();
+    let vision = VisionBatch {
+        image_pixels: pixels,
+        image_grids: vec![grid],
+        ..VisionBatch::default()
+    };
+    // <|vision_start|> 64 × <|image_pad|> <|vision_end|> then 40 text tokens
+    let mut prompt = vec![502u32];
+    prompt.extend(std::iter::repeat_n(500u32, units));
+    prompt.push(503);
+    prompt.extend((0..40).map(|i| (i * 7 % 400) as u32 + 10));
+    let request = GenerateRequest {
+        prompts: vec![prompt; n],
+        max_new_tokens: new_tokens,
+        eos_ids: Vec::new(),
+        sampling: Sampling::Sample {
+            temperature: 1.0,
+            top_k: None,
+            top_p: 1.0,
+        },
+        seed: 1,
+    };
+    let visions = vec![vision; n];
+    let runs = env_usize("ARES_BENCH_RUNS", 5);
+    println!(
+        "rollout: n = {n} samples × {new_tokens} new tokens of one 224 × 224 image prompt ({} tokens, {units} image tokens), tower 4 × 128, LM 2 × 128; {} threads",
+        request.prompts[0].len(),
+        rayon::current_num_threads()
+    );
+    let shared = model.generator().expect("generator");
+    let t = best_and_median(runs, || {
+        shared
+            .generate(&request, &visions, |_, _| {})
+            .expect("generate");
+    });
+    report(
+        "rollout, tower shared by the n samples",
+        n * new_tokens,
+        "tokens",
+        t,
+    );
+    let each = model
+        .generator()
+        .expect("generator")
+        .without_tower_sharing();
+    let t = best_and_median(runs, || {
+        each.generate(&request, &visions, |_, _| {})
+            .expect("generate");
+    });
+    report("rollout, tower run per sample", n * new_tokens, "tokens", t);
 }

@@ -490,6 +490,7 @@ impl<B: Backend> VlModel<B> {
         Ok(VlGenerator {
             model: self,
             lm: self.lm.generator()?,
+            share: true,
         })
     }
 }
@@ -498,9 +499,18 @@ impl<B: Backend> VlModel<B> {
 pub struct VlGenerator<'m, B: Backend> {
     model: &'m VlModel<B>,
     lm: Generator<'m, B>,
+    /// Reuse the tower output of a prompt repeated with the same images (default true).
+    share: bool,
 }
 
 impl<B: Backend> VlGenerator<'_, B> {
+    /// Runs the tower for every prompt, even a repeat with the same images (outputs are the
+    /// same; only for measuring what sharing saves).
+    pub fn without_tower_sharing(mut self) -> Self {
+        self.share = false;
+        self
+    }
+
     /// Generates after each prompt of `request` (placeholders expanded, as
     /// [`super::mrope::expand_placeholders`] makes them) with `vision[i]` the images and
     /// videos of prompt `i`: the tower runs once per prompt, its rows replace the
@@ -540,9 +550,10 @@ impl<B: Backend> VlGenerator<'_, B> {
         for (b, (l, v)) in layouts.iter().zip(vision).enumerate() {
             let Some(plan) = &l.plan else { continue };
             let at = rows.len() * hidden;
-            let same = previous
-                .as_ref()
-                .is_some_and(|(p, _)| vision[*p] == *v && layouts[*p].rows.len() == l.rows.len());
+            let same = self.share
+                && previous.as_ref().is_some_and(|(p, _)| {
+                    vision[*p] == *v && layouts[*p].rows.len() == l.rows.len()
+                });
             if !same {
                 let mut va = m.tower.activations(be, plan.clone(), false)?;
                 m.tower.forward(be, &VlModel::<B>::pixels(v), &mut va)?;
