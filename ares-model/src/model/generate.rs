@@ -181,7 +181,7 @@ impl<B: Backend> Generator<'_, B> {
 
     /// [`Generator::generate_streaming`] for prompts with images or videos: `vision` gives
     /// the embeddings that replace their placeholder tokens and their M-RoPE positions
-    /// (made by [`crate::vision::model::VlModel::generate`]).
+    /// (made by [`crate::vision::model::VlGenerator::generate`]).
     ///
     /// # Errors
     /// As [`Model::generate`], and `vision` not matching the prompts.

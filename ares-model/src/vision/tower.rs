@@ -20,7 +20,7 @@
 //! transformers' `cu_seqlens`.
 //!
 //! Everything the backward needs is kept when the arena is planned for training
-//! ([`VisionActs::new`] with `keep = true`); inference keeps one block's activations.
+//! ([`VisionTower::activations`] with `keep = true`); inference keeps one block's activations.
 
 use super::config::{VisionConfig, VisionMlp, VlKind};
 use super::mrope::tokens_per_grid;
