@@ -430,3 +430,56 @@ fn repeated_prompts_share_the_tower_and_match() {
         .unwrap();
     assert_eq!(out.tokens, vec![want; 3]);
 }
+
+/// From the files a user has to the model's inputs, against transformers' processor: the
+/// chat template renders image / video content items, the tokenizer, the image processor
+/// on the PNG files, and the placeholder expansion give exactly the fixture's `input_ids`
+/// and `pixel_values` (cases `image` and `two_images`).
+#[test]
+fn chat_template_processor_and_expansion_match_transformers() {
+    use ares_model::hf::chat::{ChatTemplate, RenderOptions};
+    use ares_model::hf::tokenizer::Tokenizer;
+    use ares_model::vision::model::VisionBatch;
+    use ares_model::vision::processor::{ProcessorConfig, process_image_file};
+    use safetensors::SafeTensors;
+    let root = dir("qwen2_vl_tiny").parent().unwrap().to_path_buf();
+    let cases: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(root.join("cases.json")).unwrap()).unwrap();
+    for model in MODELS {
+        let (ck, bytes) = vl::load(model);
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let chat = ChatTemplate::from_dir(&dir(model)).unwrap();
+        let tokenizer = Tokenizer::from_dir(&dir(model)).unwrap();
+        let processor = ProcessorConfig::from_model_dir(&dir(model)).unwrap();
+        for c in ["image", "two_images"] {
+            let case = &cases["cases"][c];
+            let text = chat
+                .render(
+                    case["messages"].as_array().unwrap(),
+                    &RenderOptions::generation(),
+                )
+                .unwrap();
+            assert_eq!(
+                text,
+                case["prompt"].as_str().unwrap(),
+                "{model} {c}: rendered prompt"
+            );
+            let images: Vec<_> = case["images"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| process_image_file(&root.join(p.as_str().unwrap()), &processor).unwrap())
+                .collect();
+            let vision = VisionBatch::from_processed(&images, &[], &[]);
+            let ids = tokenizer.encode(&text, false).unwrap();
+            let ids = ck
+                .config
+                .expand_prompt(&ids, &vision.image_grids, &vision.video_grids)
+                .unwrap();
+            let (_, want) = common::u32s(&st, &format!("{c}.input_ids"));
+            assert_eq!(ids, want, "{model} {c}: input ids");
+            let want = common::f32s(&st, &format!("{c}.pixel_values"));
+            assert_eq!(vision.image_pixels, want, "{model} {c}: pixel values");
+        }
+    }
+}

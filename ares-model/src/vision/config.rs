@@ -237,6 +237,27 @@ impl VlConfig {
         }
     }
 
+    /// A tokenized prompt with one `<|image_pad|>` / `<|video_pad|>` per image / video (as a
+    /// chat template renders them) expanded to each grid's token count, the `i`-th
+    /// placeholder of a kind taking the `i`-th grid of that kind.
+    ///
+    /// # Errors
+    /// More or fewer placeholders than grids; an invalid grid.
+    pub fn expand_prompt(
+        &self,
+        ids: &[u32],
+        image_grids: &[[usize; 3]],
+        video_grids: &[[usize; 3]],
+    ) -> Result<Vec<u32>, super::mrope::MropeError> {
+        super::mrope::expand_placeholders(
+            ids,
+            self.tokens,
+            image_grids,
+            video_grids,
+            self.vision.spatial_merge_size,
+        )
+    }
+
     /// The JSON object this config was read from, unchanged (written back on save).
     pub fn raw(&self) -> &Map<String, Value> {
         &self.raw

@@ -13,6 +13,7 @@
 use super::checkpoint::VlCheckpoint;
 use super::config::VlConfig;
 use super::mrope::{MropePositions, MropeRope, VisionGrids, rope_index};
+use super::processor::{ProcessedImage, ProcessedVideo};
 use super::tower::{VisionActs, VisionGrads, VisionPlan, VisionTower, input_error};
 use crate::backend::{Backend, Tensor, View, ViewMut};
 use crate::model::{
@@ -37,6 +38,26 @@ pub struct VisionBatch {
 }
 
 impl VisionBatch {
+    /// The batch of one prompt's processed images and videos, in prompt order;
+    /// `second_per_grid_ts` one per video (`temporal_patch_size / fps`, Qwen2.5-VL) or empty.
+    pub fn from_processed(
+        images: &[ProcessedImage],
+        videos: &[ProcessedVideo],
+        second_per_grid_ts: &[f64],
+    ) -> Self {
+        let mut out = Self::default();
+        for i in images {
+            out.image_pixels.extend_from_slice(&i.pixel_values);
+            out.image_grids.push(i.grid_thw);
+        }
+        for v in videos {
+            out.video_pixels.extend_from_slice(&v.pixel_values_videos);
+            out.video_grids.push(v.video_grid_thw);
+        }
+        out.second_per_grid_ts = second_per_grid_ts.to_vec();
+        out
+    }
+
     /// Whether the batch has no image and no video.
     pub fn is_empty(&self) -> bool {
         self.image_grids.is_empty() && self.video_grids.is_empty()
