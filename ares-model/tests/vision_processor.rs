@@ -444,21 +444,31 @@ fn encode_png(h: u32, w: u32) -> Vec<u8> {
 fn video_errors() {
     let cfg = ProcessorConfig::default();
     let tmp = tempfile::tempdir().unwrap();
-    // A video file: a clear error about the decoder.
+    // A video file (a broken one) is decoded with ffmpeg: an error naming it, whether ffmpeg
+    // is missing or fails (tests/vision_video.rs covers both). Among frames, or as an image, a
+    // video file is an error pointing to process_video_path.
     let mp4 = tmp.path().join("clip.mp4");
     std::fs::write(&mp4, b"\0\0\0\x18ftypmp42").unwrap();
+    let e = process_video_path(&mp4, VideoSampling::default(), &cfg).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            VisionError::VideoFileNeedsDecoder { .. } | VisionError::VideoFile { .. }
+        ),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("clip.mp4"), "{e}");
     for e in [
-        process_video_path(&mp4, VideoSampling::default(), &cfg).unwrap_err(),
         process_video_files(std::slice::from_ref(&mp4), VideoSampling::default(), &cfg)
             .unwrap_err(),
         load_rgb(&mp4).unwrap_err(),
     ] {
-        assert!(
-            matches!(e, VisionError::VideoFileNeedsDecoder { .. }),
-            "{e:?}"
-        );
+        assert!(matches!(e, VisionError::UnsupportedFormat { .. }), "{e:?}");
         let msg = e.to_string();
-        assert!(msg.contains("clip.mp4") && msg.contains("decoder"), "{msg}");
+        assert!(
+            msg.contains("clip.mp4") && msg.contains("process_video_path"),
+            "{msg}"
+        );
     }
     // One image passed as a video.
     let e = process_video_path(

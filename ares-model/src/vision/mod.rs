@@ -10,4 +10,5 @@ pub mod mrope;
 pub mod optim_file;
 pub mod processor;
 pub mod tower;
+pub mod video;
 pub mod weights;

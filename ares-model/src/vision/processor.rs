@@ -40,8 +40,11 @@
 //!
 //! # Video
 //!
-//! Frames come as images (a list of files or a directory, sorted by file name); video files
-//! (mp4, webm, …) need a decoder and give [`VisionError::VideoFileNeedsDecoder`]. With a sampling
+//! Frames come as images (a list of files or a directory, sorted by file name), or as a video
+//! file (mp4, webm, mkv, mov, …) that [`process_video_path`] decodes with the system `ffmpeg`
+//! (module [`video`](super::video): found as `$ARES_FFMPEG` or on `PATH`, else
+//! [`VisionError::VideoFileNeedsDecoder`]; only the sampled frames are decoded and kept, `T` is
+//! the decoded frame count and `source_fps` the file's average rate). With a sampling
 //! rate ([`VideoSampling`]), frames are chosen as transformers' `Qwen2VLVideoProcessor.sample_frames`
 //! does for `T` frames recorded at `source_fps`:
 //! `n = T / source_fps · fps`, clamped to `[min_frames, ⌊min(max_frames, T) / tp⌋·tp]` and to `T`,
@@ -74,7 +77,7 @@ pub const MAX_ASPECT_RATIO: f64 = 200.0;
 
 /// File extensions taken as frames when a directory of frames is read.
 const FRAME_EXTENSIONS: [&str; 4] = ["png", "jpg", "jpeg", "webp"];
-/// File extensions recognised as video containers (which need a decoder).
+/// File extensions recognised as video containers (decoded by ffmpeg, never as images).
 const VIDEO_EXTENSIONS: [&str; 8] = ["mp4", "webm", "mkv", "avi", "mov", "m4v", "gif", "mpeg"];
 
 /// Errors of the processor. Errors about a file name the file.
@@ -134,10 +137,23 @@ pub enum VisionError {
         /// What is wrong.
         message: String,
     },
-    /// A video container was passed; this processor reads frames, not video files.
+    /// A video file needs ffmpeg to be decoded and none could be run (`$ARES_FFMPEG`, else
+    /// `ffmpeg` on `PATH`); the message says how to install it.
     VideoFileNeedsDecoder {
         /// The video file.
         file: PathBuf,
+        /// The ffmpeg looked for and why it failed (for example: none on `PATH`, or
+        /// `ARES_FFMPEG` naming a file that does not exist).
+        tried: String,
+    },
+    /// A video file that ffmpeg cannot decode (corrupt, not a video, no video stream), or whose
+    /// decoding gives nothing usable (no frames, no frame rate to sample by); the message quotes
+    /// ffmpeg where it said something.
+    VideoFile {
+        /// The video file.
+        file: PathBuf,
+        /// What is wrong.
+        message: String,
     },
     /// An error about one file's contents (for example its size), with the file named.
     InFile {
@@ -186,12 +202,13 @@ impl fmt::Display for VisionError {
             VisionError::Buffer { message }
             | VisionError::Argument { message }
             | VisionError::Video { message } => f.write_str(message),
-            VisionError::VideoFileNeedsDecoder { file } => write!(
+            VisionError::VideoFileNeedsDecoder { file, tried } => write!(
                 f,
-                "{}: video files need a decoder, which this processor does not have; pass the \
-                 video's frames as images (a list of files or a directory)",
-                file.display()
+                "{}: decoding a video file needs ffmpeg, and none could be run ({tried}); {}",
+                file.display(),
+                super::video::INSTALL_HINT
             ),
+            VisionError::VideoFile { file, message } => write!(f, "{}: {message}", file.display()),
             VisionError::InFile { file, source } => write!(f, "{}: {source}", file.display()),
         }
     }
@@ -215,6 +232,7 @@ fn in_file(file: &Path, e: VisionError) -> VisionError {
         | VisionError::UnsupportedFormat { .. }
         | VisionError::Decode { .. }
         | VisionError::VideoFileNeedsDecoder { .. }
+        | VisionError::VideoFile { .. }
         | VisionError::InFile { .. } => e,
         other => VisionError::InFile {
             file: file.to_path_buf(),
@@ -1049,13 +1067,11 @@ fn has_extension(path: &Path, list: &[&str]) -> bool {
 
 /// Decodes a PNG, JPEG or WebP file (format from its bytes) to RGB as PIL's `convert("RGB")`
 /// does: grey replicated, alpha dropped, 16-bit samples reduced to 8. Errors name the file:
-/// missing or unreadable, unsupported format, corrupt data, and video files
-/// ([`VisionError::VideoFileNeedsDecoder`]).
+/// missing or unreadable, unsupported format (video files included: [`process_video_path`]
+/// decodes those), corrupt data.
 pub fn load_rgb(path: &Path) -> Result<RgbImage, VisionError> {
     if has_extension(path, &VIDEO_EXTENSIONS) {
-        return Err(VisionError::VideoFileNeedsDecoder {
-            file: path.to_path_buf(),
-        });
+        return Err(video_not_image(path));
     }
     let bytes = std::fs::read(path).map_err(|e| VisionError::Io {
         file: path.to_path_buf(),
@@ -1101,6 +1117,16 @@ pub fn decode_rgb(bytes: &[u8], name: &Path) -> Result<RgbImage, VisionError> {
     let rgb = decoded.into_rgb8();
     let (w, h) = (rgb.width() as usize, rgb.height() as usize);
     RgbImage::new(h, w, rgb.into_raw()).map_err(|e| in_file(name, e))
+}
+
+/// A video file where an image (or a frame image) was expected.
+fn video_not_image(path: &Path) -> VisionError {
+    VisionError::UnsupportedFormat {
+        file: path.to_path_buf(),
+        message: "a video file, not an image: pass it alone as the video (process_video_path \
+                  decodes it with ffmpeg)"
+            .into(),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1181,7 +1207,9 @@ pub fn process_video_frames(
     process_chosen(&chosen, indices, cfg)
 }
 
-fn process_chosen(
+/// The frame pipeline shared by frame images and decoded video files: `frames` are the chosen
+/// frames, `frame_indices` their numbers in the video.
+pub(crate) fn process_chosen(
     frames: &[&RgbImage],
     frame_indices: Vec<usize>,
     cfg: &ProcessorConfig,
@@ -1227,14 +1255,15 @@ fn process_chosen(
 }
 
 /// Processes a video given as frame image files, in the order given. Only the sampled frames
-/// are decoded; errors name the file at fault.
+/// are decoded; errors name the file at fault. A video file among them is an error
+/// ([`process_video_path`] takes one video file).
 pub fn process_video_files(
     paths: &[PathBuf],
     sampling: VideoSampling,
     cfg: &ProcessorConfig,
 ) -> Result<ProcessedVideo, VisionError> {
     if let Some(p) = paths.iter().find(|p| has_extension(p, &VIDEO_EXTENSIONS)) {
-        return Err(VisionError::VideoFileNeedsDecoder { file: p.clone() });
+        return Err(video_not_image(p));
     }
     let indices = sample_frame_indices(paths.len(), sampling, cfg)?;
     let mut frames = Vec::with_capacity(indices.len());
@@ -1283,8 +1312,10 @@ pub fn frame_files(dir: &Path) -> Result<Vec<PathBuf>, VisionError> {
     Ok(files)
 }
 
-/// Processes a video given as a directory of frame images (sorted by file name), or, for a
-/// video file, returns [`VisionError::VideoFileNeedsDecoder`].
+/// Processes a video given as a directory of frame images (sorted by file name), or as a video
+/// file (any file that is not a PNG / JPEG / WebP image: mp4, webm, mkv, mov, …), decoded with
+/// ffmpeg ([`super::video::process_video_file`]; the file's own frame rate is the source rate,
+/// `sampling.source_fps` is used only when the file has none).
 pub fn process_video_path(
     path: &Path,
     sampling: VideoSampling,
@@ -1302,10 +1333,8 @@ pub fn process_video_path(
             }),
         });
     }
-    if has_extension(path, &VIDEO_EXTENSIONS) || path.is_file() {
-        return Err(VisionError::VideoFileNeedsDecoder {
-            file: path.to_path_buf(),
-        });
+    if path.is_file() {
+        return super::video::process_video_file(path, sampling, cfg);
     }
     Err(VisionError::Io {
         file: path.to_path_buf(),
