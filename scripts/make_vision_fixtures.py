@@ -82,9 +82,13 @@ VIDEOS = {
 
 
 def main():
-    if os.path.isdir(OUT):
-        shutil.rmtree(OUT)
-    os.makedirs(OUT)
+    # everything but video/ (scripts/make_video_fixtures.py writes that)
+    os.makedirs(OUT, exist_ok=True)
+    for name in os.listdir(OUT):
+        if name == "video":
+            continue
+        path = os.path.join(OUT, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     tensors = {}
     meta = {
         "transformers": transformers.__version__,
