@@ -475,37 +475,272 @@ fn prompt_file_errors_name_the_line() {
     assert!(e.contains("missing.jsonl"), "{e}");
 }
 
+/// The vision-language fixtures of ares-model: `qwen2_vl_tiny`, `qwen2_5_vl_tiny`,
+/// `images/`, `cases.json`.
+fn vl_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../ares-model/tests/fixtures/vl")
+}
+
+const VL_MODELS: [&str; 2] = ["qwen2_vl_tiny", "qwen2_5_vl_tiny"];
+
+fn vl_cases() -> Value {
+    serde_json::from_slice(&std::fs::read(vl_root().join("cases.json")).unwrap()).unwrap()
+}
+
+/// transformers' `<case>.input_ids` (i64, placeholders expanded) of a VL fixture model.
+fn vl_input_ids(model: &str, case: &str) -> Vec<u32> {
+    let bytes = std::fs::read(vl_root().join(model).join("expected.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor(&format!("{case}.input_ids")).unwrap();
+    assert_eq!(t.dtype(), safetensors::Dtype::I64);
+    t.data()
+        .chunks_exact(8)
+        .map(|b| u32::try_from(i64::from_le_bytes(b.try_into().unwrap())).unwrap())
+        .collect()
+}
+
+/// `cases.json`'s greedy ids of `case` for `model`.
+fn vl_greedy(cases: &Value, case: &str, model: &str) -> Vec<u32> {
+    serde_json::from_value(cases["cases"][case][model]["greedy"].clone()).unwrap()
+}
+
+const GREEDY_8: [&str; 4] = ["--greedy", "--json", "--max-new-tokens", "8"];
+
 #[test]
-fn vision_language_models_are_not_wired_yet() {
-    let model = demo_model();
+fn vision_language_models_reproduce_transformers_greedy_ids() {
+    let cases = vl_cases();
+    let image = vl_root().join("images/image_56x84.png");
+    let image = image.to_str().unwrap();
+    // a prompt file beside a copy of the images, with paths relative to it
     let tmp = tempfile::tempdir().unwrap();
-    let vl = tmp.path().join("vl");
-    std::fs::create_dir(&vl).unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(model.join(f), vl.join(f)).unwrap();
-    }
-    for model_type in ["qwen2_vl", "qwen2_5_vl"] {
-        std::fs::write(
-            vl.join("config.json"),
-            json!({"model_type": model_type}).to_string(),
+    std::fs::create_dir(tmp.path().join("pics")).unwrap();
+    for f in ["image_56x84.png", "two_a_70x45.png", "two_b_100x80.png"] {
+        std::fs::copy(
+            vl_root().join("images").join(f),
+            tmp.path().join("pics").join(f),
         )
         .unwrap();
-        for rest in [
-            &["--prompt", "what is this?", "--image", "cat.png"][..],
-            &["--prompt", "what is this?", "--video", "cat.mp4"],
-            &["--prompt", "what is this?"],
-        ] {
-            let e = error(&vl, rest);
-            assert!(
-                e.contains(&format!(
-                    "(model_type {model_type}): multimodal generation is not wired yet"
-                )),
-                "{e}"
+    }
+    let line = |case: &str, extra: Value| {
+        let mut v = json!({"messages": cases["cases"][case]["messages"]});
+        v.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        v.to_string()
+    };
+    let file = tmp.path().join("prompts.jsonl");
+    std::fs::write(
+        &file,
+        [
+            line(
+                "two_images",
+                json!({"images": ["pics/two_a_70x45.png", "pics/two_b_100x80.png"]}),
+            ),
+            line("text", json!({})),
+            json!({"prompt": "Describe this picture.", "images": ["pics/image_56x84.png"]})
+                .to_string(),
+            line("image", json!({"images": ["pics/image_56x84.png"]})),
+        ]
+        .join("\n"),
+    )
+    .unwrap();
+    for model in VL_MODELS {
+        let dir = vl_root().join(model);
+        let mut rest = GREEDY_8.to_vec();
+        rest.extend(["--prompt", "Describe this picture.", "--image", image]);
+        let (c, out) = run(&dir, &rest);
+        let line: Value = serde_json::from_str(out.trim()).unwrap();
+        assert_eq!(line, serde_json::to_value(&c[0]).unwrap());
+        assert_eq!(c[0].token_ids, vl_greedy(&cases, "image", model), "{model}");
+        assert_eq!(c[0].input_ids, vl_input_ids(model, "image"), "{model}");
+        assert_eq!(
+            json!(c[0].input_ids.len()),
+            cases["cases"]["image"][model]["seq_len"]
+        );
+        assert_eq!(c[0].finish_reason, FinishReason::Length);
+
+        let mut rest = GREEDY_8.to_vec();
+        rest.extend(["--prompts", file.to_str().unwrap()]);
+        let (c, _) = run(&dir, &rest);
+        assert_eq!(c.len(), 4);
+        for (i, case) in ["two_images", "text", "image", "image"]
+            .into_iter()
+            .enumerate()
+        {
+            assert_eq!(c[i].input_ids, vl_input_ids(model, case), "{model} {case}");
+            assert_eq!(
+                c[i].token_ids,
+                vl_greedy(&cases, case, model),
+                "{model} {case}"
             );
         }
+
+        // the same text prompt from the command line; streamed text is the completion's
+        let (c, text) = run(
+            &dir,
+            &[
+                "--greedy",
+                "--max-new-tokens",
+                "8",
+                "--prompt",
+                "Tell me a story.",
+            ],
+        );
+        assert_eq!(c[0].input_ids, vl_input_ids(model, "text"));
+        assert_eq!(c[0].token_ids, vl_greedy(&cases, "text", model));
+        assert_eq!(text, format!("{}\n", c[0].text));
     }
-    // images in a prompt file are resolved against the file's directory
+}
+
+/// A video as a directory of frame images. The fixture's Qwen2.5-VL ids were made with the
+/// frames' rate known (2.5 fps: `second_per_grid_ts` 0.8, temporal positions 0, 1); a
+/// directory of frames has none, so generate's positions are 0, 2 (one second per temporal
+/// patch) and only Qwen2-VL, whose positions ignore the rate, must match transformers' ids.
+#[test]
+fn a_video_as_a_directory_of_frames() {
+    let cases = vl_cases();
+    let tmp = tempfile::tempdir().unwrap();
+    let clip = tmp.path().join("clip");
+    std::fs::create_dir(&clip).unwrap();
+    for i in 0..4 {
+        let f = format!("video_frame_{i}.png");
+        std::fs::copy(vl_root().join("images").join(&f), clip.join(&f)).unwrap();
+    }
+    let mut rest = GREEDY_8.to_vec();
+    rest.extend([
+        "--prompt",
+        "What happens here?",
+        "--video",
+        clip.to_str().unwrap(),
+    ]);
+    for model in VL_MODELS {
+        let (c, _) = run(&vl_root().join(model), &rest);
+        assert_eq!(c[0].input_ids, vl_input_ids(model, "video"), "{model}");
+        if model == "qwen2_vl_tiny" {
+            assert_eq!(c[0].token_ids, vl_greedy(&cases, "video", model));
+        } else {
+            assert_eq!(c[0].token_ids.len(), 8);
+        }
+    }
+}
+
+#[test]
+fn vision_language_errors_name_the_prompt_and_the_file() {
+    let model = vl_root().join("qwen2_vl_tiny");
+    let tmp = tempfile::tempdir().unwrap();
+    let missing = tmp.path().join("nope.png");
+    let e = error(
+        &model,
+        &["--prompt", "x", "--image", missing.to_str().unwrap()],
+    );
+    assert!(
+        e.contains("--prompt 1: image ") && e.contains("nope.png does not exist"),
+        "{e}"
+    );
+    // random bytes named .png: not an image format at all
+    let noise = tmp.path().join("noise.png");
+    std::fs::write(
+        &noise,
+        (0..200u32)
+            .map(|i| (i * 97 % 251) as u8)
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let e = error(
+        &model,
+        &["--prompt", "x", "--image", noise.to_str().unwrap()],
+    );
+    assert!(
+        e.contains("--prompt 1: ") && e.contains("noise.png: unsupported image format"),
+        "{e}"
+    );
+    // a PNG cut short: corrupt
+    let png = std::fs::read(vl_root().join("images/image_56x84.png")).unwrap();
+    let cut = tmp.path().join("cut.png");
+    std::fs::write(&cut, &png[..png.len() / 2]).unwrap();
+    let e = error(&model, &["--prompt", "x", "--image", cut.to_str().unwrap()]);
+    assert!(e.contains("cut.png: corrupt image"), "{e}");
+    let e = error(
+        &model,
+        &[
+            "--prompt",
+            "x",
+            "--video",
+            tmp.path().join("clip").to_str().unwrap(),
+        ],
+    );
+    assert!(
+        e.contains("--prompt 1: video ") && e.contains("does not exist"),
+        "{e}"
+    );
+    // a directory without frame images is no video
+    let empty = tmp.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let e = error(
+        &model,
+        &["--prompt", "x", "--video", empty.to_str().unwrap()],
+    );
+    assert!(e.contains("no frame images"), "{e}");
+    let image = vl_root().join("images/image_56x84.png");
+    let e = error(
+        &model,
+        &[
+            "--no-chat-template",
+            "--prompt",
+            "x",
+            "--image",
+            image.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        e.contains("--prompt 1: images and videos need the chat template")
+            && e.contains("drop --no-chat-template"),
+        "{e}"
+    );
+
+    // a line with more image items than images, or fewer
     let file = tmp.path().join("p.jsonl");
+    let two_items = json!([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]}]);
+    let image = image.to_str().unwrap();
+    for (images, want) in [
+        (
+            json!([image]),
+            "have 2 image content item(s) but the line gives 1 path(s)",
+        ),
+        (
+            json!([image, image, image]),
+            "have 2 image content item(s) but the line gives 3 path(s)",
+        ),
+    ] {
+        std::fs::write(
+            &file,
+            format!(
+                "{}\n{}\n",
+                json!({"prompt": "ok"}),
+                json!({"messages": two_items, "images": images})
+            ),
+        )
+        .unwrap();
+        let e = error(&model, &["--prompts", file.to_str().unwrap()]);
+        assert!(
+            e.contains("p.jsonl line 2: the messages ") && e.contains(want),
+            "{e}"
+        );
+    }
+    // video items without videos
+    std::fs::write(
+        &file,
+        json!({"messages": [{"role": "user", "content": [{"type": "video"}]}]}).to_string(),
+    )
+    .unwrap();
+    let e = error(&model, &["--prompts", file.to_str().unwrap()]);
+    assert!(
+        e.contains("line 1: the messages have 1 video content item(s) but the line gives 0"),
+        "{e}"
+    );
+
+    // images in a prompt file are resolved against the file's directory
     std::fs::write(
         &file,
         "{\"prompt\": \"x\", \"images\": [\"img/a.png\", \"/abs/b.png\"]}\n",

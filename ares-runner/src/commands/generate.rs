@@ -18,9 +18,21 @@
 //! `{"prompt_index", "text", "token_ids", "input_ids", "finish_reason": "eos"|"length"}`.
 //!
 //! Images and videos (`--image`, `--video`, `"images"` / `"videos"` in a JSONL line) are
-//! for vision-language models (Qwen2-VL, Qwen2.5-VL) only; their generation goes through
-//! `multimodal_inputs`, which is not wired to the vision runtime yet.
+//! for vision-language models (`model_type` qwen2_vl, qwen2_5_vl) only; a text model refuses
+//! them. A `--prompt` (or a line's `"prompt"`) with media is one user message whose content
+//! is an `{"type": "image"}` item per image, then a `{"type": "video"}` item per video, then
+//! `{"type": "text", "text": ...}`; a line's `"messages"` are kept as given, their image and
+//! video content items (`"type": "image"` or an `image` / `image_url` key; `"type": "video"`
+//! or a `video` key, as Qwen's chat templates read them) taking the line's `"images"` /
+//! `"videos"` in order, as many items as paths. The chat template writes one
+//! `<|image_pad|>` / `<|video_pad|>` per item, which becomes one per merged patch of its
+//! image or video (`input_ids` in `--json` are these expanded ids). Images are PNG, JPEG or
+//! WebP files; a video is a directory of frame images (sorted by name) or a video file
+//! (decoded by ffmpeg), every frame kept. The frame rate of a video is not known here, so
+//! Qwen2.5-VL's temporal positions take one second per temporal patch (`rope_index` without
+//! `second_per_grid_ts`). Text prompts on a vision-language model need no processor config.
 
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -34,8 +46,17 @@ use crate::hf::chat::{ChatError, ChatMessage, ChatTemplate, RenderOptions};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::generation::GenerationConfig;
 use crate::hf::tokenizer::{TOKENIZER_FILE, Tokenizer};
-use crate::model::{GenerateRequest, Sampling};
+use crate::model::{GenerateOutput, GenerateRequest, Sampling};
 use crate::trainer::TrainError;
+use crate::trainer::actor::ActorGenerator;
+use crate::trainer::setup::{ModelFiles, build_actor};
+use crate::vision::checkpoint::VlCheckpoint;
+use crate::vision::config::{VlConfig, VlKind};
+use crate::vision::model::VisionBatch;
+use crate::vision::processor::{
+    ProcessedImage, ProcessedVideo, ProcessorConfig, VideoSampling, process_image_file,
+    process_video_path,
+};
 
 /// New tokens per prompt when neither `--max-new-tokens` nor `generation_config.json`'s
 /// `max_new_tokens` says.
@@ -43,9 +64,6 @@ pub const DEFAULT_MAX_NEW_TOKENS: usize = 256;
 
 /// transformers' `top_k` when sampling and `generation_config.json` does not set one.
 const TRANSFORMERS_TOP_K: usize = 50;
-
-/// `model_type`s of the vision-language models (their prompts may carry images and videos).
-const VISION_LANGUAGE_MODEL_TYPES: [&str; 2] = ["qwen2_vl", "qwen2_5_vl"];
 
 /// The flags of `ares-runner generate`.
 #[derive(Debug, Clone, clap::Parser)]
@@ -67,7 +85,8 @@ pub struct GenerateArgs {
     /// An image attached to every --prompt (repeatable; vision-language models only).
     #[arg(long, value_name = "PATH", conflicts_with = "prompts")]
     pub image: Vec<PathBuf>,
-    /// A video attached to every --prompt (repeatable; vision-language models only).
+    /// A video attached to every --prompt: a video file or a directory of frame images
+    /// (repeatable; vision-language models only).
     #[arg(long, value_name = "PATH", conflicts_with = "prompts")]
     pub video: Vec<PathBuf>,
     /// Most new tokens per prompt [default: generation_config.json's max_new_tokens, else 256].
@@ -118,7 +137,7 @@ pub struct Prompt {
     pub input: PromptInput,
     /// Image files.
     pub images: Vec<PathBuf>,
-    /// Video files.
+    /// Video files or directories of frame images.
     pub videos: Vec<PathBuf>,
 }
 
@@ -162,14 +181,15 @@ pub fn run(args: &GenerateArgs) -> Result<(), TrainError> {
 ///
 /// # Errors
 /// Anything a user can fix, named: no prompt, a missing model directory or file, a prompt
-/// file line that is not a prompt, images for a text model, conflicting or invalid
-/// decoding flags, a prompt too long for the model, an unusable device; also generation
-/// failures and write errors on `out`.
+/// file line that is not a prompt, images for a text model, a missing or undecodable image
+/// or video, image / video items that do not match a line's paths, media with
+/// `--no-chat-template`, conflicting or invalid decoding flags, a prompt too long for the
+/// model, an unusable device; also generation failures and write errors on `out`.
 pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<Vec<Completion>, TrainError> {
     check_decoding_flags(args)?;
     let model_type = model_type(&args.model)?;
     let prompts = collect_prompts(args)?;
-    let vision = VISION_LANGUAGE_MODEL_TYPES.contains(&model_type.as_str());
+    let vision = VlKind::from_model_type(&model_type).is_some();
     if !vision {
         for p in &prompts {
             for (what, media) in [("images", &p.images), ("videos", &p.videos)] {
@@ -185,10 +205,12 @@ pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<Vec<Completi
         }
     }
     let tokenizer = load_tokenizer(&args.model)?;
-    let input_ids = if vision {
-        multimodal_inputs(&args.model, &model_type, &tokenizer, &prompts)?
+    let mut input_ids = prompt_ids(&args.model, &tokenizer, &prompts, args.no_chat_template)?;
+    // the media before the device and the weights: a bad image fails fast
+    let media = if vision {
+        vision_inputs(&args.model, &prompts, &mut input_ids)?
     } else {
-        text_inputs(&args.model, &tokenizer, &prompts, args.no_chat_template)?
+        Vec::new()
     };
 
     // the device before the weights: a missing GPU fails fast
@@ -199,12 +221,17 @@ pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<Vec<Completi
     let cfg = Config::load(None, &overrides).map_err(|e| invalid(e.to_string()))?;
     let selected = super::select_backend(&cfg)?;
 
-    let ckpt = Checkpoint::load(&args.model)
-        .map_err(|e| invalid(format!("loading model {}: {e}", args.model.display())))?;
-    let sampling = decoding(args, ckpt.generation.as_ref());
-    note_unapplied(ckpt.generation.as_ref());
-    let limits = new_token_limits(args, &ckpt, &prompts, &input_ids)?;
-    let eos_ids = eos_ids(&ckpt, &tokenizer);
+    let load_error =
+        |e: crate::hf::HfError| invalid(format!("loading model {}: {e}", args.model.display()));
+    let files = if vision {
+        ModelFiles::Vision(VlCheckpoint::load(&args.model).map_err(load_error)?)
+    } else {
+        ModelFiles::Text(Checkpoint::load(&args.model).map_err(load_error)?)
+    };
+    let sampling = decoding(args, files.generation());
+    note_unapplied(files.generation());
+    let limits = new_token_limits(args, &files, &prompts, &input_ids)?;
+    let eos_ids = eos_ids(&files, &tokenizer);
     if eos_ids.is_empty() {
         eprintln!(
             "note: {} names no EOS token; every completion runs to its token limit",
@@ -213,10 +240,11 @@ pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<Vec<Completi
     }
     eprintln!("generate: {}", describe(sampling, args.seed));
     let job = Job {
-        ckpt: &ckpt,
+        files: &files,
         cfg: &cfg,
         tokenizer: &tokenizer,
         input_ids: &input_ids,
+        media: &media,
         limits: &limits,
         eos_ids: &eos_ids,
         sampling,
@@ -226,53 +254,16 @@ pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<Vec<Completi
     crate::with_backend!(selected, b => job.run(b, out))
 }
 
-// ---------------------------------------------------------------------------------------
-// MULTIMODAL (Qwen2-VL / Qwen2.5-VL): the one place to wire the vision runtime in.
-// ---------------------------------------------------------------------------------------
-
-/// The model inputs of `prompts` for the vision-language model in `model_dir`
-/// (`model_type` qwen2_vl or qwen2_5_vl), the counterpart of [`text_inputs`].
-///
-/// NOT WIRED YET: always an error. To wire it: render each prompt's messages with the
-/// chat template (images and videos as vision placeholders), load the media with
-/// `ares_model::vision::processor`, expand the placeholders to the patch counts, and
-/// return each prompt's ids — then extend the return type with the pixel rows, grids and
-/// M-RoPE positions ([`Prompt::images`] and [`Prompt::videos`] hold the paths; every
-/// `--image` / `--video` is attached to every `--prompt`, JSONL paths are already resolved
-/// against the file's directory), and generate them with the vision-language model where
-/// [`generate`] loads the checkpoint.
+/// The token ids of the prompts: each rendered with the chat template of `model_dir` and its
+/// generation prompt (a text with images or videos as one user message with their content
+/// items, [`prompt_messages`]), or (`raw`) tokenized as is with the special tokens of the
+/// tokenizer (its post-processor: a BOS for Llama). Placeholders are not expanded yet
+/// ([`vision_inputs`] does it).
 ///
 /// # Errors
-/// Always, for now: multimodal generation is not wired yet.
-fn multimodal_inputs(
-    model_dir: &Path,
-    model_type: &str,
-    tokenizer: &Tokenizer,
-    prompts: &[Prompt],
-) -> Result<Vec<Vec<u32>>, TrainError> {
-    let _ = tokenizer;
-    let media: usize = prompts
-        .iter()
-        .map(|p| p.images.len() + p.videos.len())
-        .sum();
-    Err(invalid(format!(
-        "model {} (model_type {model_type}): multimodal generation is not wired yet \
-         ({} prompts, {media} images and videos)",
-        model_dir.display(),
-        prompts.len()
-    )))
-}
-
-// ---------------------------------------------------------------------------------------
-
-/// The token ids of text prompts: each rendered with the chat template of `model_dir` and
-/// its generation prompt, or (`raw`) tokenized as is with the special tokens of the
-/// tokenizer (its post-processor: a BOS for Llama).
-///
-/// # Errors
-/// Missing tokenizer files or chat template, a conversation with `raw`, template or
-/// tokenizer errors, an empty prompt; each naming the prompt.
-fn text_inputs(
+/// Missing tokenizer files or chat template, a conversation or media with `raw`, template
+/// or tokenizer errors, an empty prompt; each naming the prompt.
+fn prompt_ids(
     model_dir: &Path,
     tokenizer: &Tokenizer,
     prompts: &[Prompt],
@@ -294,18 +285,18 @@ fn text_inputs(
     let mut all = Vec::with_capacity(prompts.len());
     for p in prompts {
         let ids = match (&chat, &p.input) {
-            (Some(chat), input) => {
-                let messages = match input {
-                    PromptInput::Text(t) => vec![
-                        serde_json::to_value(ChatMessage::user(t))
-                            .map_err(|e| TrainError::Internal(e.to_string()))?,
-                    ],
-                    PromptInput::Messages(m) => m.clone(),
-                };
+            (Some(chat), _) => {
                 let text = chat
-                    .render(&messages, &RenderOptions::generation())
+                    .render(&prompt_messages(p)?, &RenderOptions::generation())
                     .map_err(|e| invalid(format!("{}: {e}", p.origin)))?;
                 tokenizer.encode(&text, false)
+            }
+            (None, _) if !p.images.is_empty() || !p.videos.is_empty() => {
+                return Err(invalid(format!(
+                    "{}: images and videos need the chat template (it writes their \
+                     <|image_pad|> / <|video_pad|> placeholders); drop --no-chat-template",
+                    p.origin
+                )));
             }
             (None, PromptInput::Text(t)) => tokenizer.encode(t, true),
             (None, PromptInput::Messages(_)) => {
@@ -323,6 +314,166 @@ fn text_inputs(
         all.push(ids);
     }
     Ok(all)
+}
+
+/// The chat messages of a prompt: its `messages` as given; a text as one user message, whose
+/// content, when the prompt has images or videos, is an image item per image, a video item
+/// per video, then the text.
+fn prompt_messages(p: &Prompt) -> Result<Vec<Value>, TrainError> {
+    match &p.input {
+        PromptInput::Messages(m) => Ok(m.clone()),
+        PromptInput::Text(t) if p.images.is_empty() && p.videos.is_empty() => Ok(vec![
+            serde_json::to_value(ChatMessage::user(t))
+                .map_err(|e| TrainError::Internal(e.to_string()))?,
+        ]),
+        PromptInput::Text(t) => {
+            let mut content: Vec<Value> = Vec::new();
+            content.extend(
+                p.images
+                    .iter()
+                    .map(|_| serde_json::json!({"type": "image"})),
+            );
+            content.extend(
+                p.videos
+                    .iter()
+                    .map(|_| serde_json::json!({"type": "video"})),
+            );
+            content.push(serde_json::json!({"type": "text", "text": t}));
+            Ok(vec![
+                serde_json::json!({"role": "user", "content": content}),
+            ])
+        }
+    }
+}
+
+/// The image and video content items of `messages`, counted as Qwen's chat templates tell
+/// them apart: an item with `"type": "image"` or an `image` / `image_url` key is an image,
+/// else one with `"type": "video"` or a `video` key is a video.
+fn media_items(messages: &[Value]) -> (usize, usize) {
+    let (mut images, mut videos) = (0, 0);
+    for m in messages {
+        let Some(items) = m.get("content").and_then(Value::as_array) else {
+            continue;
+        };
+        for item in items {
+            let kind = item.get("type").and_then(Value::as_str);
+            let has = |key: &str| item.get(key).is_some();
+            if kind == Some("image") || has("image") || has("image_url") {
+                images += 1;
+            } else if kind == Some("video") || has("video") {
+                videos += 1;
+            }
+        }
+    }
+    (images, videos)
+}
+
+/// The images and videos of each prompt for the vision-language model in `model_dir`, as
+/// one [`VisionBatch`] per prompt (empty for a text prompt); each prompt's `ids` get their
+/// `<|image_pad|>` / `<|video_pad|>` placeholders expanded to one per merged patch.
+///
+/// # Errors
+/// A malformed `config.json` or processor config; a line whose image / video items are not
+/// as many as its paths; placeholders the chat template wrote that do not match the media;
+/// a missing, unreadable or undecodable image or video; each naming the prompt.
+fn vision_inputs(
+    model_dir: &Path,
+    prompts: &[Prompt],
+    ids: &mut [Vec<u32>],
+) -> Result<Vec<VisionBatch>, TrainError> {
+    let config = VlConfig::from_dir(model_dir)
+        .map_err(|e| invalid(format!("loading model {}: {e}", model_dir.display())))?;
+    let with_media = |p: &Prompt| !p.images.is_empty() || !p.videos.is_empty();
+    let processor = if prompts.iter().any(with_media) {
+        Some(
+            ProcessorConfig::from_model_dir(model_dir)
+                .map_err(|e| invalid(format!("model {}: {e}", model_dir.display())))?,
+        )
+    } else {
+        None
+    };
+    // an --image given with several --prompts is processed once
+    let mut images: HashMap<&Path, ProcessedImage> = HashMap::new();
+    let mut videos: HashMap<&Path, ProcessedVideo> = HashMap::new();
+    let mut batches = Vec::with_capacity(prompts.len());
+    for (p, ids) in prompts.iter().zip(ids.iter_mut()) {
+        let at = |e: &dyn std::fmt::Display| invalid(format!("{}: {e}", p.origin));
+        if let PromptInput::Messages(m) = &p.input {
+            let (image_items, video_items) = media_items(m);
+            for (what, items, paths, key) in [
+                ("image", image_items, p.images.len(), "images"),
+                ("video", video_items, p.videos.len(), "videos"),
+            ] {
+                if items != paths {
+                    return Err(invalid(format!(
+                        "{}: the messages have {items} {what} content item(s) but the line \
+                         gives {paths} path(s) in \"{key}\"; each {what} item takes the next \
+                         path of \"{key}\", so give as many paths as items",
+                        p.origin
+                    )));
+                }
+            }
+        }
+        let tokens = config.tokens;
+        for (pad, id, n, what) in [
+            ("<|image_pad|>", tokens.image_pad, p.images.len(), "image"),
+            ("<|video_pad|>", tokens.video_pad, p.videos.len(), "video"),
+        ] {
+            let found = ids.iter().filter(|&&t| t == id).count();
+            if found != n {
+                return Err(invalid(format!(
+                    "{}: the prompt holds {found} {pad} placeholder(s) for {n} {what}(s) \
+                     (the chat template writes one per {what} content item); does the \
+                     model's chat template render {what} items?",
+                    p.origin
+                )));
+            }
+        }
+        let Some(processor) = processor.as_ref().filter(|_| with_media(p)) else {
+            batches.push(VisionBatch::default());
+            continue;
+        };
+        for path in &p.images {
+            if !path.exists() {
+                return Err(at(&format!("image {} does not exist", path.display())));
+            }
+            if !images.contains_key(path.as_path()) {
+                let image = process_image_file(path, processor).map_err(|e| at(&e))?;
+                images.insert(path, image);
+            }
+        }
+        for path in &p.videos {
+            if !path.exists() {
+                return Err(at(&format!(
+                    "video {} does not exist (give a video file or a directory of frame \
+                     images)",
+                    path.display()
+                )));
+            }
+            if !videos.contains_key(path.as_path()) {
+                let video = process_video_path(path, VideoSampling::default(), processor)
+                    .map_err(|e| at(&e))?;
+                videos.insert(path, video);
+            }
+        }
+        let prompt_images: Vec<ProcessedImage> = p
+            .images
+            .iter()
+            .map(|i| images[i.as_path()].clone())
+            .collect();
+        let prompt_videos: Vec<ProcessedVideo> = p
+            .videos
+            .iter()
+            .map(|v| videos[v.as_path()].clone())
+            .collect();
+        // no frame rate: rope_index takes one second per temporal patch
+        let batch = VisionBatch::from_processed(&prompt_images, &prompt_videos, &[]);
+        *ids = config
+            .expand_prompt(ids, &batch.image_grids, &batch.video_grids)
+            .map_err(|e| at(&e))?;
+        batches.push(batch);
+    }
+    Ok(batches)
 }
 
 /// The tokenizer of `model_dir`, or an error saying which file is missing.
@@ -587,15 +738,15 @@ fn describe(sampling: Sampling, seed: u64) -> String {
 /// need more positions than the model has.
 fn new_token_limits(
     args: &GenerateArgs,
-    ckpt: &Checkpoint,
+    files: &ModelFiles,
     prompts: &[Prompt],
     input_ids: &[Vec<u32>],
 ) -> Result<Vec<usize>, TrainError> {
     let wanted = args
         .max_new_tokens
-        .or_else(|| ckpt.generation.as_ref().and_then(|g| g.max_new_tokens))
+        .or_else(|| files.generation().and_then(|g| g.max_new_tokens))
         .unwrap_or(DEFAULT_MAX_NEW_TOKENS);
-    let positions = ckpt.config.max_position_embeddings;
+    let positions = files.text_config().max_position_embeddings;
     let mut limits = Vec::with_capacity(prompts.len());
     for (p, ids) in prompts.iter().zip(input_ids) {
         let room = positions.saturating_sub(ids.len());
@@ -631,12 +782,11 @@ fn new_token_limits(
 
 /// The ids that end a completion: `generation_config.json`'s `eos_token_id` (else
 /// `config.json`'s), then the tokenizer config's `eos_token`.
-fn eos_ids(ckpt: &Checkpoint, tokenizer: &Tokenizer) -> Vec<u32> {
-    let model_eos = ckpt
-        .generation
-        .as_ref()
+fn eos_ids(files: &ModelFiles, tokenizer: &Tokenizer) -> Vec<u32> {
+    let model_eos = files
+        .generation()
         .and_then(|g| g.eos_token_ids.clone())
-        .unwrap_or_else(|| ckpt.config.eos_token_ids.clone());
+        .unwrap_or_else(|| files.text_config().eos_token_ids.clone());
     tokenizer.eos_ids(&model_eos)
 }
 
@@ -652,10 +802,13 @@ fn invalid(message: String) -> TrainError {
 
 /// Everything the generation loop needs, backend aside.
 struct Job<'a> {
-    ckpt: &'a Checkpoint,
+    files: &'a ModelFiles,
     cfg: &'a Config,
     tokenizer: &'a Tokenizer,
+    /// Each prompt's ids (placeholders expanded).
     input_ids: &'a [Vec<u32>],
+    /// Each prompt's images and videos (a vision-language model; empty for a text model).
+    media: &'a [VisionBatch],
     limits: &'a [usize],
     eos_ids: &'a [u32],
     sampling: Sampling,
@@ -671,8 +824,11 @@ impl Job<'_> {
         out: &mut dyn Write,
     ) -> Result<Vec<Completion>, TrainError> {
         let write_err = |e: std::io::Error| TrainError::io("<output>", e);
-        let model = crate::trainer::setup::build_model(backend, self.ckpt, self.cfg)?;
-        let generator = model.generator()?;
+        let model = build_actor(backend, self.files, self.cfg)?;
+        let runtime = Runtime {
+            generator: model.generator()?,
+            media: self.media,
+        };
         let n = self.input_ids.len();
         let mut completions = Vec::with_capacity(n);
         for (index, (ids, &limit)) in self.input_ids.iter().zip(self.limits).enumerate() {
@@ -685,14 +841,14 @@ impl Job<'_> {
             };
             let started = Instant::now();
             let output = if self.json {
-                generator.generate(&request)?
+                runtime.generate(&request, index, |_, _| {})?
             } else {
                 if n > 1 {
                     eprintln!("--- prompt {}/{n} ---", index + 1);
                 }
                 let mut stream = TextStream::new(self.tokenizer);
                 let mut failed: Option<TrainError> = None;
-                let output = generator.generate_streaming(&request, |_, id| {
+                let output = runtime.generate(&request, index, |_, id| {
                     if failed.is_some() {
                         return;
                     }
@@ -750,6 +906,33 @@ impl Job<'_> {
             completions.push(completion);
         }
         Ok(completions)
+    }
+}
+
+/// The generator of either model kind with the prompts' images and videos: one call per
+/// prompt, streaming each new token to `on_token`.
+struct Runtime<'m, B: Backend> {
+    generator: ActorGenerator<'m, B>,
+    /// Prompt `i`'s images and videos (a vision-language model; empty for a text model).
+    media: &'m [VisionBatch],
+}
+
+impl<B: Backend> Runtime<'_, B> {
+    /// Generates `request` (prompt `index` alone), calling `on_token(0, id)` per new token.
+    fn generate(
+        &self,
+        request: &GenerateRequest,
+        index: usize,
+        on_token: impl FnMut(usize, u32),
+    ) -> Result<GenerateOutput, TrainError> {
+        match &self.generator {
+            ActorGenerator::Text(g) => Ok(g.generate_streaming(request, on_token)?),
+            ActorGenerator::Vision(g) => {
+                let empty = VisionBatch::default();
+                let media = self.media.get(index).unwrap_or(&empty);
+                Ok(g.generate(request, std::slice::from_ref(media), on_token)?)
+            }
+        }
     }
 }
 
