@@ -283,15 +283,17 @@ fn verl_parquet() {
 }
 
 #[test]
-fn parquet_with_images_is_refused() {
+fn parquet_image_paths_are_checked() {
+    // (tests/data_vision.rs loads multimodal rows; here a missing image file is named)
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("mm.parquet");
     write_verl_parquet(&path, true);
     let e = err(&path);
-    assert!(
-        e.contains("mm.parquet: row 1: `images`: images/videos are not supported yet"),
-        "{e}"
+    let want = format!(
+        "mm.parquet: row 1 (global_id `mm-1`): `images`: image 0: no such file: {}",
+        dir.path().join("a.png").display()
     );
+    assert!(e.contains(&want), "{e}");
 }
 
 #[test]
@@ -389,7 +391,7 @@ fn bad_inputs_are_named() {
                 "video.jsonl",
                 "{\"prompt\": \"p\", \"answer\": \"1\", \"videos\": [\"v.mp4\"]}\n",
             ),
-            "video.jsonl: row 0 (line 1): `videos`: images/videos are not supported yet",
+            "video.jsonl: row 0 (line 1) (global_id `video-0`): `videos`: video 0: no such file",
         ),
         (
             write(

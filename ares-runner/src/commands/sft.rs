@@ -137,6 +137,8 @@ pub fn run_sft<B: Backend + Clone>(
             difficulty: None,
             rubrics: Vec::new(),
             row: i,
+            images: Vec::new(),
+            videos: Vec::new(),
         };
         let p = renderer.ids(&ex, None)?;
         let mut r = renderer

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 /// The dataset section. Column names follow verl/EasyR1 (`prompt`, `answer`, `difficulty`,
-/// `global_id`, `reward_model.rubrics`).
+/// `global_id`, `reward_model.rubrics`, `images`, `videos`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataConfig {
@@ -21,6 +21,22 @@ pub struct DataConfig {
     pub global_id_key: String,
     /// Dotted path of the rubric list inside a row (default `reward_model.rubrics`).
     pub rubrics_key: String,
+    /// Column of a row's images (EasyR1's `image_key`, default `images`): a list of paths
+    /// (relative to the dataset file's directory) or `{bytes, path}` structs, one per `<image>`
+    /// placeholder (or `{"type": "image"}` content item) of the prompt.
+    pub image_key: String,
+    /// Column of a row's videos (EasyR1's `video_key`, default `videos`): video files, frame
+    /// directories or lists of frame files, one per `<video>` placeholder.
+    pub video_key: String,
+    /// Lower pixel bound of a resized image; `None` (default) → the model's
+    /// `preprocessor_config.json`.
+    pub min_pixels: Option<usize>,
+    /// Upper pixel bound of a resized image; `None` (default) → the model's
+    /// `preprocessor_config.json`.
+    pub max_pixels: Option<usize>,
+    /// Frames per second sampled from a video file (default 2.0, the Qwen2-VL processor's);
+    /// `second_per_grid_ts = temporal_patch_size / video_fps`.
+    pub video_fps: f64,
     /// A jinja template file the prompt text is rendered through before the chat template
     /// (like the seed's `math.jinja`). `None` → the prompt as it is.
     pub format_prompt: Option<String>,
@@ -54,6 +70,11 @@ impl Default for DataConfig {
             difficulty_key: "difficulty".into(),
             global_id_key: "global_id".into(),
             rubrics_key: "reward_model.rubrics".into(),
+            image_key: "images".into(),
+            video_key: "videos".into(),
+            min_pixels: None,
+            max_pixels: None,
+            video_fps: 2.0,
             format_prompt: None,
             max_prompt_length: 512,
             max_response_length: 512,

@@ -179,6 +179,24 @@ fn validate_data(d: &DataConfig) -> Result<(), ConfigError> {
     non_empty("data.difficulty_key", &d.difficulty_key)?;
     non_empty("data.global_id_key", &d.global_id_key)?;
     non_empty("data.rubrics_key", &d.rubrics_key)?;
+    non_empty("data.image_key", &d.image_key)?;
+    non_empty("data.video_key", &d.video_key)?;
+    if let Some(min) = d.min_pixels {
+        at_least("data.min_pixels", min, 1)?;
+    }
+    if let Some(max) = d.max_pixels {
+        at_least("data.max_pixels", max, 1)?;
+    }
+    if let (Some(min), Some(max)) = (d.min_pixels, d.max_pixels)
+        && min > max
+    {
+        return Err(ConfigError::Inconsistent {
+            key: "data.min_pixels".into(),
+            value: min.to_string(),
+            reason: format!("it exceeds data.max_pixels = {max}"),
+        });
+    }
+    real("data.video_fps", d.video_fps, d.video_fps > 0.0, "> 0")?;
     at_least("data.max_prompt_length", d.max_prompt_length, 1)?;
     at_least("data.max_response_length", d.max_response_length, 1)?;
     at_least("data.rollout_batch_size", d.rollout_batch_size, 1)?;
@@ -629,6 +647,44 @@ mod tests {
         assert!(err(&c).starts_with("algorithm.grpo_lambda.enable = true"));
         c.algorithm.entropy_reward.enable = false;
         c.validate().expect("GRPO-λ alone");
+    }
+
+    #[test]
+    fn media_keys_and_pixel_bounds() {
+        let mut c = Config::default();
+        c.data.image_key = " ".into();
+        assert_eq!(
+            err(&c),
+            "data.image_key = \" \" is out of range: expected a non-empty string"
+        );
+        let mut c = Config::default();
+        c.data.video_key = String::new();
+        assert!(err(&c).starts_with("data.video_key = \"\""));
+        let mut c = Config::default();
+        c.data.min_pixels = Some(0);
+        assert_eq!(
+            err(&c),
+            "data.min_pixels = 0 is out of range: expected >= 1"
+        );
+        let mut c = Config::default();
+        c.data.max_pixels = Some(0);
+        assert!(err(&c).starts_with("data.max_pixels = 0"));
+        let mut c = Config::default();
+        c.data.min_pixels = Some(4096);
+        c.data.max_pixels = Some(1024);
+        assert_eq!(
+            err(&c),
+            "data.min_pixels = 4096: it exceeds data.max_pixels = 1024"
+        );
+        c.data.max_pixels = Some(4096);
+        c.validate().expect("min = max");
+        c.data.max_pixels = None;
+        c.validate().expect("one bound, the other from the model");
+        for fps in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let mut c = Config::default();
+            c.data.video_fps = fps;
+            assert!(err(&c).starts_with("data.video_fps = "), "{fps}");
+        }
     }
 
     #[test]

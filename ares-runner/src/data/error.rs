@@ -83,14 +83,36 @@ pub enum DataError {
         /// What is wrong.
         reason: String,
     },
-    /// A row carries images or videos.
-    #[error("{at}: `{key}`: images/videos are not supported yet (text-only training)")]
-    Multimodal {
-        /// The row.
-        at: Location,
-        /// `images` or `videos`.
+    /// A row's images or videos: a column of the wrong type, a missing file, or a number of
+    /// `<image>` / `<video>` placeholders different from the number of images / videos.
+    #[error("{at} (global_id `{global_id}`): `{key}`: {reason}")]
+    Media {
+        /// The row (boxed: keeps the error small).
+        at: Box<Location>,
+        /// The row's `global_id` (given or generated).
+        global_id: String,
+        /// The column, e.g. `images`.
         key: String,
+        /// What is wrong.
+        reason: String,
     },
+    /// A loaded example's images or videos cannot be decoded or processed, or its prompt (after
+    /// `format_prompt`) no longer has one placeholder per image / video.
+    #[error("row {row} (global_id `{global_id}`): `{key}`: {reason}")]
+    Example {
+        /// 0-based row in its file.
+        row: usize,
+        /// The example's `global_id`.
+        global_id: String,
+        /// The column (`images` / `videos`, as configured).
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The image processor's settings (the model's `preprocessor_config.json` with
+    /// `data.min_pixels` / `data.max_pixels`) cannot be used.
+    #[error("image processor: {0}")]
+    Processor(String),
     /// Two rows share a `global_id` (difficulty tracking needs it unique).
     #[error("duplicate global_id `{id}`: {first} and {second}")]
     DuplicateId {
@@ -138,6 +160,23 @@ impl DataError {
     pub(crate) fn row(at: &Location, key: &str, reason: impl Into<String>) -> Self {
         DataError::Row {
             at: at.clone(),
+            key: key.to_owned(),
+            reason: reason.into(),
+        }
+    }
+}
+
+impl DataError {
+    /// A [`DataError::Media`] at `at` (row `global_id`) about `key`.
+    pub(crate) fn media(
+        at: &Location,
+        global_id: &str,
+        key: &str,
+        reason: impl Into<String>,
+    ) -> Self {
+        DataError::Media {
+            at: Box::new(at.clone()),
+            global_id: global_id.to_owned(),
             key: key.to_owned(),
             reason: reason.into(),
         }

@@ -52,6 +52,8 @@ mod tests {
             difficulty: None,
             rubrics: vec![],
             row: 0,
+            images: vec![],
+            videos: vec![],
         }
     }
 

@@ -38,6 +38,51 @@ impl Default for DataKeys {
     }
 }
 
+/// Columns of a row's images and videos (`data.image_key`, `data.video_key`), dotted paths as
+/// in [`DataKeys`]. Kept apart from [`DataKeys`] so that code building a `DataKeys` field by
+/// field keeps compiling.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MediaKeys {
+    /// The images: a list of paths or `{bytes, path}` structs (default `images`).
+    pub image: String,
+    /// The videos: a list of video files, frame directories or lists of frame files (default
+    /// `videos`).
+    pub video: String,
+}
+
+impl Default for MediaKeys {
+    fn default() -> Self {
+        Self {
+            image: "images".into(),
+            video: "videos".into(),
+        }
+    }
+}
+
+impl DataKeys {
+    /// The keys of a config's `data` section.
+    pub fn from_config(d: &crate::config::DataConfig) -> Self {
+        Self {
+            prompt: d.prompt_key.clone(),
+            answer: d.answer_key.clone(),
+            difficulty: d.difficulty_key.clone(),
+            global_id: d.global_id_key.clone(),
+            rubrics: d.rubrics_key.clone(),
+        }
+    }
+}
+
+impl MediaKeys {
+    /// The media keys of a config's `data` section.
+    pub fn from_config(d: &crate::config::DataConfig) -> Self {
+        Self {
+            image: d.image_key.clone(),
+            video: d.video_key.clone(),
+        }
+    }
+}
+
 /// The value at dotted `key` in `row`: the column literally named `key` if there is one,
 /// else the walk through nested objects (`a.b.c`). A JSON `null` counts as absent.
 pub(crate) fn lookup<'a>(row: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use super::error::{DataError, Location, Result};
 use super::example::Example;
 use super::jsonl::read_json;
-use super::keys::DataKeys;
+use super::keys::{DataKeys, MediaKeys};
 use super::parquet::read_parquet;
 use super::row::{RawRow, to_example};
 
@@ -42,14 +42,43 @@ fn format_of(path: &Path) -> Option<Format> {
 /// then `reward_model.ground_truth` are used — EasyR1's and verl's columns), except rows with
 /// rubric criteria, which may have none. `difficulty`, `global_id` and the rubrics are
 /// optional; a missing `global_id` is generated as `<file stem>-<row>` (0-based row, stable
-/// across runs). Rows carrying `images` or `videos` are refused.
+/// across runs). Images and videos are read from the default columns `images` and `videos`
+/// ([`load_dataset_with_media`] takes other columns).
 ///
 /// Errors (each naming the file, the row — and the line for JSON lines — and the key): the
 /// path cannot be read, an unknown extension, a directory without data files, a file without
 /// rows, malformed JSON, an unreadable Parquet file, a row without prompt or answer or with a
-/// value of the wrong type, malformed rubric criteria (including invalid regexes), images or
-/// videos ("not supported yet"), and two rows with the same `global_id`.
+/// value of the wrong type, malformed rubric criteria (including invalid regexes), bad media
+/// (see [`load_dataset_with_media`]), and two rows with the same `global_id`.
 pub fn load_dataset(path: &Path, keys: &DataKeys) -> Result<Vec<Example>> {
+    load_dataset_with_media(path, keys, &MediaKeys::default())
+}
+
+/// [`load_dataset`] with the image and video columns of `media` (`data.image_key`,
+/// `data.video_key`).
+///
+/// A media column holds a list (or one item) of: a path (relative paths are joined to the
+/// dataset file's directory), a `{bytes, path}` struct (Hugging Face `datasets`' `Image`
+/// feature; the bytes, as binary in Parquet or base64 text / a list of numbers in JSON, win
+/// over the path), a list of bytes, or — for a video — a list of frame paths. A video path is
+/// a video file (decoded with ffmpeg when processed) or a directory of frame images. Null,
+/// `[]` and `""` mean no media.
+///
+/// In a row with media the prompt must hold one `<image>` placeholder per image and one
+/// `<video>` per video (EasyR1's convention); chat messages may instead give content lists,
+/// `[{"type": "image"}, {"type": "text", "text": …}]`, whose image and video items count as
+/// placeholders (and are kept as them in the prompt text). In a text row, `<image>` is plain
+/// text, but an image content item is an error.
+///
+/// Media errors ([`DataError::Media`], naming the file, the row, its `global_id` and the
+/// column): a column of the wrong type (a number, …), an item of the wrong type, a missing
+/// file (the path is named; files are only checked to exist, not decoded), and a number of
+/// images or videos different from the prompt's placeholders. Nothing is written.
+pub fn load_dataset_with_media(
+    path: &Path,
+    keys: &DataKeys,
+    media: &MediaKeys,
+) -> Result<Vec<Example>> {
     let meta = std::fs::metadata(path).map_err(|source| DataError::Io {
         path: path.to_path_buf(),
         source,
@@ -77,7 +106,7 @@ pub fn load_dataset(path: &Path, keys: &DataKeys) -> Result<Vec<Example>> {
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default();
         for raw in &rows {
-            let example = to_example(raw, keys, &stem)?;
+            let example = to_example(raw, keys, media, &stem)?;
             check_unique(&mut seen, &example.global_id, raw)?;
             examples.push(example);
         }

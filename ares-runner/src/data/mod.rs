@@ -5,7 +5,14 @@
 //! (`answer`, else `ground_truth`, else verl's `reward_model.ground_truth`), and optionally a
 //! `difficulty` label, a `global_id` (generated as `<file stem>-<row>` when absent) and rubric
 //! criteria (`reward_model.rubrics`, seed 003). Column names are configurable with
-//! [`DataKeys`]. Images and videos are refused ("not supported yet"): training is text-only.
+//! [`DataKeys`].
+//!
+//! Multimodal rows (EasyR1 / verl) carry `images` and `videos` ([`MediaKeys`]): paths relative
+//! to the dataset file, or `{bytes, path}` structs as Hugging Face `datasets` stores images in
+//! Parquet ([`MediaSource`]); the prompt has one `<image>` / `<video>` placeholder per item, or
+//! chat messages with `{"type": "image"}` content items. [`MediaProcessor`] and [`load_media`]
+//! turn them into the vision model's inputs, [`vision_token_count`] counts the tokens they
+//! expand to for prompt-length filtering, [`render_prompt`] renders a Qwen2-VL prompt.
 //!
 //! ```text
 //! {"prompt": "What is 2+3?", "answer": "5", "difficulty": "easy"}
@@ -13,6 +20,9 @@
 //! {"prompt": [{"role": "user", "content": "…"}],
 //!  "reward_model": {"rubrics": [{"criterion": "Names the symptoms", "points": 8,
 //!                                "keywords": ["fever", "cough"]}]}}
+//! {"prompt": "<image>Find x in the figure.", "answer": "3", "images": ["img/7.png"]}
+//! {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "…"}]}],
+//!  "answer": "3", "images": [{"bytes": "<base64>", "path": null}]}
 //! ```
 
 mod criterion;
@@ -22,16 +32,20 @@ mod filter;
 mod jsonl;
 mod keys;
 mod load;
+mod media;
 mod parquet;
 mod row;
 mod sampler;
 mod template;
+mod vision;
 
 pub use criterion::Criterion;
 pub use error::{DataError, Location, Result};
 pub use example::{Example, Prompt};
 pub use filter::filter_by_prompt_length;
-pub use keys::{ANSWER_FALLBACKS, DataKeys};
-pub use load::load_dataset;
+pub use keys::{ANSWER_FALLBACKS, DataKeys, MediaKeys};
+pub use load::{load_dataset, load_dataset_with_media};
+pub use media::{IMAGE_PLACEHOLDER, MediaSource, VIDEO_PLACEHOLDER};
 pub use sampler::EpochSampler;
 pub use template::PromptTemplate;
+pub use vision::{ExampleMedia, MediaProcessor, load_media, render_prompt, vision_token_count};

@@ -1,6 +1,8 @@
 //! Parquet files through the `parquet` crate's record API (no arrow): each row becomes a
 //! JSON object, so Parquet and JSON lines rows go through the same checks. Nested columns
-//! map as pyarrow writes them: structs → objects, lists → arrays, maps → objects.
+//! map as pyarrow writes them: structs → objects, lists → arrays, maps → objects. A binary
+//! field named `bytes` inside a struct (the encoded file of Hugging Face `datasets`' `Image`
+//! feature, `{bytes, path}`) becomes base64 text, as a JSON lines row gives it.
 
 use std::fs::File;
 use std::path::Path;
@@ -10,6 +12,7 @@ use parquet::record::{Field, Row};
 use serde_json::{Map, Number, Value};
 
 use super::error::{DataError, Location, Result};
+use super::media::base64_encode;
 use super::row::RawRow;
 
 /// Reads every row of a Parquet file.
@@ -34,15 +37,25 @@ pub(crate) fn read_parquet(path: &Path) -> Result<Vec<RawRow>> {
                 row,
                 line: None,
             },
-            value: Value::Object(row_to_json(&r)),
+            value: Value::Object(row_to_json(&r, false)),
         });
     }
     Ok(rows)
 }
 
-fn row_to_json(row: &Row) -> Map<String, Value> {
+/// A row or struct as an object; `nested` for a struct, whose binary `bytes` field is an
+/// encoded image or video, kept whole as base64.
+fn row_to_json(row: &Row, nested: bool) -> Map<String, Value> {
     row.get_column_iter()
-        .map(|(name, field)| (name.clone(), field_to_json(field)))
+        .map(|(name, field)| {
+            let value = match field {
+                Field::Bytes(b) if nested && name == "bytes" => {
+                    Value::String(base64_encode(b.data()))
+                }
+                _ => field_to_json(field),
+            };
+            (name.clone(), value)
+        })
         .collect()
 }
 
@@ -80,7 +93,7 @@ fn field_to_json(field: &Field) -> Value {
         | Field::TimeMicros(_)
         | Field::TimestampMillis(_)
         | Field::TimestampMicros(_) => Value::String(field.to_string()),
-        Field::Group(row) => Value::Object(row_to_json(row)),
+        Field::Group(row) => Value::Object(row_to_json(row, true)),
         Field::ListInternal(list) => {
             Value::Array(list.elements().iter().map(field_to_json).collect())
         }

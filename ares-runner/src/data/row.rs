@@ -6,12 +6,12 @@ use serde_json::{Map, Value};
 use super::criterion::{kind, parse_criteria};
 use super::error::{DataError, Location, Result};
 use super::example::{Example, Prompt};
-use super::keys::{ANSWER_FALLBACKS, DataKeys, lookup};
+use super::keys::{ANSWER_FALLBACKS, DataKeys, MediaKeys, lookup};
+use super::media::{
+    IMAGE_PLACEHOLDER, MediaKind, VIDEO_PLACEHOLDER, count_mismatch, count_placeholders,
+    media_column,
+};
 use crate::hf::chat::ChatMessage;
-
-/// Columns whose non-empty presence means a multimodal row (EasyR1's `image_key`/`video_key`
-/// defaults).
-const MULTIMODAL_KEYS: [&str; 2] = ["images", "videos"];
 
 /// A row as read from a file, before validation.
 #[derive(Debug, Clone)]
@@ -23,7 +23,12 @@ pub(crate) struct RawRow {
 }
 
 /// Checks `raw` and builds its [`Example`]; `stem` is the file stem used for generated ids.
-pub(crate) fn to_example(raw: &RawRow, keys: &DataKeys, stem: &str) -> Result<Example> {
+pub(crate) fn to_example(
+    raw: &RawRow,
+    keys: &DataKeys,
+    media: &MediaKeys,
+    stem: &str,
+) -> Result<Example> {
     let at = &raw.at;
     let Value::Object(row) = &raw.value else {
         return Err(DataError::row(
@@ -32,8 +37,7 @@ pub(crate) fn to_example(raw: &RawRow, keys: &DataKeys, stem: &str) -> Result<Ex
             format!("{}, expected a JSON object", kind(&raw.value)),
         ));
     };
-    reject_multimodal(row, at)?;
-    let prompt = prompt(row, &keys.prompt, at)?;
+    let (prompt, items) = prompt(row, &keys.prompt, at)?;
     let rubrics = match lookup(row, &keys.rubrics) {
         Some(v) => parse_criteria(v).map_err(|e| DataError::row(at, &keys.rubrics, e))?,
         None => Vec::new(),
@@ -79,6 +83,31 @@ pub(crate) fn to_example(raw: &RawRow, keys: &DataKeys, stem: &str) -> Result<Ex
             ));
         }
     };
+    let images = media_column(row, &media.image, MediaKind::Image, at, &global_id)?;
+    let videos = media_column(row, &media.video, MediaKind::Video, at, &global_id)?;
+    // In a text row, `<image>` in the text is plain text; content items always count.
+    let (image_marks, video_marks) = if images.is_empty() && videos.is_empty() {
+        items
+    } else {
+        prompt
+            .to_messages()
+            .iter()
+            .map(|m| count_placeholders(&m.content))
+            .fold((0, 0), |(a, b), (i, v)| (a + i, b + v))
+    };
+    for (kind, key, have, found) in [
+        (MediaKind::Image, &media.image, images.len(), image_marks),
+        (MediaKind::Video, &media.video, videos.len(), video_marks),
+    ] {
+        if have != found {
+            return Err(DataError::media(
+                at,
+                &global_id,
+                key,
+                count_mismatch(kind, have, found),
+            ));
+        }
+    }
     Ok(Example {
         global_id,
         prompt,
@@ -86,46 +115,34 @@ pub(crate) fn to_example(raw: &RawRow, keys: &DataKeys, stem: &str) -> Result<Ex
         difficulty,
         rubrics,
         row: at.row,
+        images,
+        videos,
     })
 }
 
-/// Errors if an `images`/`videos` column holds anything (null, `[]` and `""` are fine).
-fn reject_multimodal(row: &Map<String, Value>, at: &Location) -> Result<()> {
-    for key in MULTIMODAL_KEYS {
-        let empty = match lookup(row, key) {
-            None => true,
-            Some(Value::Array(a)) => a.is_empty(),
-            Some(Value::String(s)) => s.is_empty(),
-            Some(Value::Object(o)) => o.is_empty(),
-            Some(_) => false,
-        };
-        if !empty {
-            return Err(DataError::Multimodal {
-                at: at.clone(),
-                key: key.to_owned(),
-            });
-        }
-    }
-    Ok(())
-}
-
-fn prompt(row: &Map<String, Value>, key: &str, at: &Location) -> Result<Prompt> {
+/// The prompt at `key`, with the number of image and video content items of its messages
+/// (which the text holds as placeholders).
+fn prompt(row: &Map<String, Value>, key: &str, at: &Location) -> Result<(Prompt, (usize, usize))> {
     let value = lookup(row, key)
         .ok_or_else(|| DataError::row(at, key, "no prompt (the column is missing or null)"))?;
     match value {
         Value::String(s) if s.trim().is_empty() => Err(DataError::row(at, key, "empty prompt")),
-        Value::String(s) => Ok(Prompt::Text(s.clone())),
+        Value::String(s) => Ok((Prompt::Text(s.clone()), (0, 0))),
         Value::Array(items) if items.is_empty() => {
             Err(DataError::row(at, key, "empty list of messages"))
         }
-        Value::Array(items) => items
-            .iter()
-            .enumerate()
-            .map(|(i, m)| {
-                message(m).map_err(|e| DataError::row(at, key, format!("message {i}: {e}")))
-            })
-            .collect::<Result<Vec<_>>>()
-            .map(Prompt::Messages),
+        Value::Array(items) => {
+            let mut messages = Vec::with_capacity(items.len());
+            let (mut images, mut videos) = (0, 0);
+            for (i, m) in items.iter().enumerate() {
+                let (msg, (im, vi)) =
+                    message(m).map_err(|e| DataError::row(at, key, format!("message {i}: {e}")))?;
+                messages.push(msg);
+                images += im;
+                videos += vi;
+            }
+            Ok((Prompt::Messages(messages), (images, videos)))
+        }
         other => Err(DataError::row(
             at,
             key,
@@ -137,7 +154,10 @@ fn prompt(row: &Map<String, Value>, key: &str, at: &Location) -> Result<Prompt> 
     }
 }
 
-fn message(m: &Value) -> std::result::Result<ChatMessage, String> {
+/// One chat message; a content list (`[{"type": "text", "text": …}, {"type": "image"}, …]`)
+/// becomes its text with `<image>` / `<video>` where the image and video items are, and their
+/// counts.
+fn message(m: &Value) -> std::result::Result<(ChatMessage, (usize, usize)), String> {
     let Value::Object(obj) = m else {
         return Err(format!("{}, expected an object {{role, content}}", kind(m)));
     };
@@ -146,24 +166,59 @@ fn message(m: &Value) -> std::result::Result<ChatMessage, String> {
         Some(other) => return Err(format!("`role` is {other}, expected a non-empty string")),
         None => return Err("no `role`".into()),
     };
-    let content = match obj.get("content") {
-        Some(Value::String(c)) => c.clone(),
-        Some(Value::Array(parts)) => {
-            let multimodal = parts.iter().any(|p| {
-                p.get("type")
-                    .and_then(Value::as_str)
-                    .is_some_and(|t| t != "text")
-            });
-            return Err(if multimodal {
-                "images/videos are not supported yet (text-only training)".into()
-            } else {
-                "`content` is a list of parts; only a plain string content is supported".into()
-            });
+    let (content, counts) = match obj.get("content") {
+        Some(Value::String(c)) => (c.clone(), (0, 0)),
+        Some(Value::Array(parts)) => content_items(parts)?,
+        Some(other) => {
+            return Err(format!(
+                "`content` is {}, expected a string or a list of content items",
+                kind(other)
+            ));
         }
-        Some(other) => return Err(format!("`content` is {}, expected a string", kind(other))),
         None => return Err("no `content`".into()),
     };
-    Ok(ChatMessage { role, content })
+    Ok((ChatMessage { role, content }, counts))
+}
+
+/// A content list as text with placeholders, and its image and video item counts.
+fn content_items(parts: &[Value]) -> std::result::Result<(String, (usize, usize)), String> {
+    let mut text = String::new();
+    let (mut images, mut videos) = (0, 0);
+    for (j, part) in parts.iter().enumerate() {
+        let Value::Object(p) = part else {
+            return Err(format!(
+                "content item {j}: {}, expected an object {{\"type\": …}}",
+                kind(part)
+            ));
+        };
+        match p.get("type").and_then(Value::as_str) {
+            Some("text") => match p.get("text") {
+                Some(Value::String(t)) => text.push_str(t),
+                Some(other) => {
+                    return Err(format!(
+                        "content item {j}: `text` is {}, expected a string",
+                        kind(other)
+                    ));
+                }
+                None => return Err(format!("content item {j}: a text item without `text`")),
+            },
+            Some("image") => {
+                images += 1;
+                text.push_str(IMAGE_PLACEHOLDER);
+            }
+            Some("video") => {
+                videos += 1;
+                text.push_str(VIDEO_PLACEHOLDER);
+            }
+            Some(other) => {
+                return Err(format!(
+                    "content item {j}: type `{other}` (expected `text`, `image` or `video`)"
+                ));
+            }
+            None => return Err(format!("content item {j}: no `type`")),
+        }
+    }
+    Ok((text, (images, videos)))
 }
 
 /// The answer at `key`, else at the fallbacks; numbers become their decimal text. `None`
@@ -196,6 +251,7 @@ fn answer(row: &Map<String, Value>, key: &str, at: &Location) -> Result<Option<S
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::MediaSource;
     use serde_json::json;
     use std::path::PathBuf;
 
@@ -211,7 +267,7 @@ mod tests {
     }
 
     fn ex(v: Value) -> Result<Example> {
-        to_example(&raw(v), &DataKeys::default(), "d")
+        to_example(&raw(v), &DataKeys::default(), &MediaKeys::default(), "d")
     }
 
     fn err(v: Value) -> String {
@@ -271,10 +327,53 @@ mod tests {
         let e = to_example(
             &raw(json!({"prompt": "p", "ground_truth": "g"})),
             &keys,
+            &MediaKeys::default(),
             "d",
         )
         .unwrap();
         assert_eq!(e.answer, "g");
+    }
+
+    #[test]
+    fn content_lists_and_inline_media() {
+        // text-only content items are joined
+        let e = ex(json!({
+            "prompt": [{"role": "user", "content": [
+                {"type": "text", "text": "What is "}, {"type": "text", "text": "2+2?"}
+            ]}],
+            "answer": "4"
+        }))
+        .unwrap();
+        assert_eq!(
+            e.prompt,
+            Prompt::Messages(vec![ChatMessage::user("What is 2+2?")])
+        );
+        assert!(!e.has_media());
+        // image items become placeholders; inline bytes need no file
+        let e = ex(json!({
+            "prompt": [{"role": "user", "content": [
+                {"type": "image"}, {"type": "text", "text": "Describe."}
+            ]}],
+            "answer": "x",
+            "images": [{"bytes": "TWFu", "path": null}]
+        }))
+        .unwrap();
+        assert_eq!(
+            e.prompt,
+            Prompt::Messages(vec![ChatMessage::user("<image>Describe.")])
+        );
+        assert_eq!(e.images, vec![MediaSource::Bytes(b"Man".to_vec())]);
+        // a text row keeps `<image>` as text
+        let e =
+            ex(json!({"prompt": "Is <image> an HTML tag?", "answer": "no", "images": []})).unwrap();
+        assert!(!e.has_media());
+        // a single struct (non-list `Image` feature) and `{}` as no media
+        let e = ex(
+            json!({"prompt": "<image>", "answer": "1", "images": {"bytes": [1, 2]}, "videos": {}}),
+        )
+        .unwrap();
+        assert_eq!(e.images, vec![MediaSource::Bytes(vec![1, 2])]);
+        assert!(e.videos.is_empty());
     }
 
     #[test]
@@ -318,11 +417,28 @@ mod tests {
             ),
             (
                 json!({"prompt": [{"role": "user", "content": [{"type": "image"}]}], "answer": "1"}),
-                "images/videos are not supported yet",
+                "d.jsonl: row 3 (line 5) (global_id `d-3`): `images`: the row has 0 image(s) but \
+                 its prompt has 1 `<image>` placeholder(s)",
             ),
             (
-                json!({"prompt": [{"role": "user", "content": [{"type": "text", "text": "x"}]}], "answer": "1"}),
-                "only a plain string content",
+                json!({"prompt": [{"role": "user", "content": [{"type": "video"}, {"type": "video"}]}], "answer": "1", "global_id": 7}),
+                "(global_id `7`): `videos`: the row has 0 video(s) but its prompt has 2 `<video>`",
+            ),
+            (
+                json!({"prompt": [{"role": "user", "content": [{"type": "audio"}]}], "answer": "1"}),
+                "`prompt`: message 0: content item 0: type `audio` (expected `text`, `image` or `video`)",
+            ),
+            (
+                json!({"prompt": [{"role": "user", "content": [{"type": "text"}]}], "answer": "1"}),
+                "message 0: content item 0: a text item without `text`",
+            ),
+            (
+                json!({"prompt": [{"role": "user", "content": ["x"]}], "answer": "1"}),
+                "message 0: content item 0: a string, expected an object",
+            ),
+            (
+                json!({"prompt": [{"role": "user", "content": 3}], "answer": "1"}),
+                "message 0: `content` is a number, expected a string or a list of content items",
             ),
             (json!({"prompt": "p"}), "`answer`: no answer"),
             (json!({"prompt": "p", "answer": ""}), "`answer`: no answer"),
@@ -335,12 +451,32 @@ mod tests {
                 "`ground_truth`: a boolean",
             ),
             (
-                json!({"prompt": "p", "answer": "1", "images": ["a.png"]}),
-                "`images`: images/videos are not supported yet",
+                json!({"prompt": "<image>p", "answer": "1", "images": ["a.png"]}),
+                "(global_id `d-3`): `images`: image 0: no such file: a.png",
             ),
             (
-                json!({"prompt": "p", "answer": "1", "videos": "v.mp4"}),
-                "`videos`: images/videos are not supported yet",
+                json!({"prompt": "<video>p", "answer": "1", "videos": "v.mp4"}),
+                "(global_id `d-3`): `videos`: video 0: no such file: v.mp4",
+            ),
+            (
+                json!({"prompt": "<image>p", "answer": "1", "images": 5}),
+                "(global_id `d-3`): `images`: a number, expected a list of images",
+            ),
+            (
+                json!({"prompt": "<image>p", "answer": "1", "images": [true]}),
+                "`images`: image 0: a boolean, expected a path or a {bytes, path} struct",
+            ),
+            (
+                json!({"prompt": "p", "answer": "1", "images": [{"bytes": "TWFu"}]}),
+                "`images`: the row has 1 image(s) but its prompt has 0 `<image>` placeholder(s)",
+            ),
+            (
+                json!({"prompt": "<image><image>", "answer": "1", "images": [{"bytes": "TWFu"}]}),
+                "`images`: the row has 1 image(s) but its prompt has 2 `<image>`",
+            ),
+            (
+                json!({"prompt": "<image>", "answer": "1", "images": [{"bytes": "TWFu"}], "videos": [[1, 2]]}),
+                "`videos`: the row has 1 video(s) but its prompt has 0 `<video>`",
             ),
             (
                 json!({"prompt": "p", "answer": "1", "global_id": ""}),
