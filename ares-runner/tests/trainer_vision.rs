@@ -1,7 +1,8 @@
 //! Training a vision-language model (the tiny random Qwen2.5-VL of
-//! `ares-model/tests/fixtures/vl`, scripts/make_vl_fixtures.py): two steps run with finite
-//! metrics and save a Qwen2.5-VL checkpoint with the tower's optimizer moments; a frozen
-//! tower keeps its weights bit for bit; 2 + resume + 2 steps equal 4.
+//! `ares-model/tests/fixtures/vl`, scripts/make_vl_fixtures.py) on a dataset of image, video
+//! and text rows: two steps run with finite metrics and save a Qwen2.5-VL checkpoint with
+//! the tower's optimizer moments; a frozen tower keeps its weights bit for bit; 2 + resume
+//! + 2 steps equal 4; a text model refuses image rows.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -18,20 +19,37 @@ fn model_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../ares-model/tests/fixtures/vl/qwen2_5_vl_tiny")
 }
 
-/// A small text dataset (the vision model also answers text prompts).
+/// A small dataset: image rows (EasyR1's `<image>` placeholder and `images` column), a
+/// video row (a list of frames), and text rows (the vision model answers those too).
 fn dataset(dir: &Path) -> PathBuf {
-    let path = dir.join("train.jsonl");
-    let rows: Vec<String> = (0..6)
-        .map(|i| {
-            let difficulty = ["easy", "medium", "hard"][i % 3];
-            serde_json::json!({
-                "prompt": format!("Tell me a story about {i} cats."),
-                "answer": format!("{i}"),
-                "difficulty": difficulty,
-            })
-            .to_string()
-        })
+    let images =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../ares-model/tests/fixtures/vl/images");
+    let image = |name: &str| images.join(name).display().to_string();
+    let frames: Vec<String> = (0..4)
+        .map(|i| image(&format!("video_frame_{i}.png")))
         .collect();
+    let path = dir.join("train.jsonl");
+    let mut rows: Vec<String> = Vec::new();
+    for i in 0..6 {
+        let difficulty = ["easy", "medium", "hard"][i % 3];
+        let row = match i % 3 {
+            0 => serde_json::json!({
+                "prompt": format!("<image>How many shapes are there? ({i})"),
+                "images": [image("image_56x84.png")],
+                "answer": format!("{i}"), "difficulty": difficulty,
+            }),
+            1 if i == 1 => serde_json::json!({
+                "prompt": "<video>What happens here?",
+                "videos": [frames],
+                "answer": "1", "difficulty": difficulty,
+            }),
+            _ => serde_json::json!({
+                "prompt": format!("Tell me a story about {i} cats."),
+                "answer": format!("{i}"), "difficulty": difficulty,
+            }),
+        };
+        rows.push(row.to_string());
+    }
     std::fs::write(&path, rows.join("\n")).unwrap();
     path
 }
@@ -42,7 +60,7 @@ fn config(dir: &Path, run: &Path, overrides: &[&str]) -> Config {
         "\
 data:
   train_files: {train}
-  max_prompt_length: 64
+  max_prompt_length: 128
   max_response_length: 6
   rollout_batch_size: 2
   bootstrap: false
@@ -93,7 +111,12 @@ fn deterministic(lines: Vec<Map<String, Value>>) -> Vec<Map<String, Value>> {
 #[test]
 fn two_steps_train_and_save_the_tower() {
     let dir = tempfile::tempdir().unwrap();
-    let (lines, ck) = train(config(dir.path(), &dir.path().join("run"), &[]));
+    // every row (images, a video, text) in each of the two steps
+    let all_rows = [
+        "data.rollout_batch_size=6",
+        "worker.actor.global_batch_size=24",
+    ];
+    let (lines, ck) = train(config(dir.path(), &dir.path().join("run"), &all_rows));
     assert_eq!(lines.len(), 2);
     for l in &lines {
         let g = l["actor/grad_norm"].as_f64().unwrap();
@@ -141,4 +164,34 @@ fn two_steps_resume_two_steps_equals_four() {
         &["trainer.max_steps=4", "trainer.resume=true"],
     ));
     assert_eq!(deterministic(got), deterministic(want));
+}
+
+#[test]
+fn a_text_model_refuses_image_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    // a text model (qwen2_tiny) with a tokenizer (the VL fixture's)
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ares-model/tests/fixtures");
+    let text_model = dir.path().join("text_model");
+    std::fs::create_dir(&text_model).unwrap();
+    for entry in std::fs::read_dir(fixtures.join("models/qwen2_tiny")).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, text_model.join(p.file_name().unwrap())).unwrap();
+    }
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(
+            fixtures.join("vl/qwen2_vl_tiny").join(f),
+            text_model.join(f),
+        )
+        .unwrap();
+    }
+    let cfg = config(
+        dir.path(),
+        &dir.path().join("run"),
+        &[&format!("worker.actor.model_path={}", text_model.display())],
+    );
+    let err = match Trainer::new(cfg, CpuBackend, Arc::new(AtomicBool::new(false))) {
+        Ok(_) => panic!("a text model trained on image rows"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("images or videos"), "{err}");
 }

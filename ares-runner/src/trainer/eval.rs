@@ -41,13 +41,15 @@ pub fn evaluate<B: Backend>(
     on_progress: impl FnMut(usize),
 ) -> Result<EvalReport, TrainError> {
     let mut prompts = Vec::with_capacity(examples.len() * n);
+    let mut vision = Vec::with_capacity(examples.len() * n);
     for e in examples {
-        let ids = renderer.ids(e, None)?;
+        let (ids, v) = renderer.inputs(e, None)?;
         for _ in 0..n {
             prompts.push(ids.clone());
+            vision.push(v.clone());
         }
     }
-    let responses = generate_all(model, &prompts, &[], params, on_progress)?;
+    let responses = generate_all(model, &prompts, &vision, params, on_progress)?;
     let mut sums: BTreeMap<String, (usize, usize, usize)> = BTreeMap::new();
     for (i, r) in responses.iter().enumerate() {
         let e = &examples[i / n.max(1)];

@@ -8,11 +8,15 @@ use ares_core::rubric::{
 use rand_chacha::ChaCha8Rng;
 use rand_chacha::rand_core::{Rng, SeedableRng};
 
+use std::sync::Arc;
+
 use super::TrainError;
+use super::actor::PromptVision;
 use crate::config::{GradedPromptConfig, RubricSchedule};
-use crate::data::{Example, PromptTemplate};
+use crate::data::{Example, MediaProcessor, PromptTemplate, render_prompt};
 use crate::hf::chat::{ChatTemplate, RenderOptions};
 use crate::hf::tokenizer::Tokenizer;
+use crate::vision::config::VlConfig;
 
 /// Turns examples into token ids.
 #[derive(Debug)]
@@ -23,6 +27,22 @@ pub struct PromptRenderer {
     pub chat: Option<ChatTemplate>,
     /// The `format_prompt` template.
     pub format: Option<PromptTemplate>,
+    /// A vision-language model's image/video processing (`None`: a text model, whose
+    /// examples must have no media).
+    pub media: Option<MediaPrompts>,
+}
+
+/// How a vision-language model sees a prompt's images and videos.
+#[derive(Debug)]
+pub struct MediaPrompts {
+    /// The processor with the data section's pixel bounds and video rate.
+    pub processor: MediaProcessor,
+    /// The model's config (placeholder ids, merge size).
+    pub config: VlConfig,
+}
+
+fn media_error(e: &Example, err: impl std::fmt::Display) -> TrainError {
+    TrainError::Invalid(format!("row {} ({}): {err}", e.row, e.global_id))
 }
 
 impl PromptRenderer {
@@ -31,6 +51,23 @@ impl PromptRenderer {
     /// # Errors
     /// Template errors, naming the example.
     pub fn text(&self, example: &Example, system: Option<&str>) -> Result<String, TrainError> {
+        if example.has_media() {
+            return match (&self.chat, &self.media) {
+                (Some(chat), Some(m)) => render_prompt(
+                    chat,
+                    example,
+                    self.format.as_ref(),
+                    system,
+                    &m.processor.keys,
+                )
+                .map_err(|err| TrainError::Invalid(err.to_string())),
+                _ => Err(media_error(
+                    example,
+                    "has images or videos: worker.actor.model_path must be a Qwen2-VL / \
+                     Qwen2.5-VL model with a chat template",
+                )),
+            };
+        }
         let prompt = match &self.format {
             Some(t) => t.apply(&example.prompt).map_err(|e| {
                 TrainError::Invalid(format!("format_prompt on {}: {e}", example.global_id))
@@ -79,6 +116,75 @@ impl PromptRenderer {
     /// As [`PromptRenderer::text`] and [`PromptRenderer::encode`].
     pub fn ids(&self, example: &Example, system: Option<&str>) -> Result<Vec<u32>, TrainError> {
         self.encode(&self.text(example, system)?)
+    }
+
+    /// The length `ids` (the example's rendered prompt) takes once its image/video
+    /// placeholders are expanded, from the media's sizes only (no pixels processed).
+    ///
+    /// # Errors
+    /// Unreadable media, naming the row.
+    pub fn prompt_len(&self, example: &Example, ids: &[u32]) -> Result<usize, TrainError> {
+        match (&self.media, example.has_media()) {
+            (Some(m), true) => m
+                .processor
+                .expanded_prompt_length(example, ids.len())
+                .map_err(|err| TrainError::Invalid(err.to_string())),
+            _ => Ok(ids.len()),
+        }
+    }
+
+    /// The example's images and videos processed for the model (`None`: no media).
+    ///
+    /// # Errors
+    /// Unreadable media, naming the row.
+    pub fn vision(&self, example: &Example) -> Result<PromptVision, TrainError> {
+        match (&self.media, example.has_media()) {
+            (Some(m), true) => {
+                let media = m
+                    .processor
+                    .load(example)
+                    .map_err(|err| TrainError::Invalid(err.to_string()))?;
+                Ok(Some(Arc::new(media.vision_batch())))
+            }
+            (None, true) => Err(media_error(
+                example,
+                "has images or videos but the model is a text model",
+            )),
+            _ => Ok(None),
+        }
+    }
+
+    /// `ids` with the placeholders expanded to `vision`'s grids (unchanged without vision).
+    ///
+    /// # Errors
+    /// Placeholders that do not match the grids, naming the row.
+    pub fn expand(
+        &self,
+        example: &Example,
+        ids: Vec<u32>,
+        vision: &PromptVision,
+    ) -> Result<Vec<u32>, TrainError> {
+        match (&self.media, vision) {
+            (Some(m), Some(v)) => m
+                .config
+                .expand_prompt(&ids, &v.image_grids, &v.video_grids)
+                .map_err(|err| media_error(example, err)),
+            _ => Ok(ids),
+        }
+    }
+
+    /// The model inputs of `example`'s prompt: expanded ids and its images and videos.
+    ///
+    /// # Errors
+    /// As [`PromptRenderer::ids`], [`PromptRenderer::vision`] and [`PromptRenderer::expand`].
+    pub fn inputs(
+        &self,
+        example: &Example,
+        system: Option<&str>,
+    ) -> Result<(Vec<u32>, PromptVision), TrainError> {
+        let ids = self.ids(example, system)?;
+        let vision = self.vision(example)?;
+        Ok((self.expand(example, ids, &vision)?, vision))
     }
 }
 

@@ -311,7 +311,11 @@ impl<B: Backend + Clone> Trainer<B> {
         let mut out = Vec::with_capacity(indices.len());
         for &i in indices {
             let e = &self.train[i];
-            let plain = self.train_ids[i].clone();
+            // images once per prompt, shared by its samples; placeholders expanded to them
+            let vision = self.renderer.vision(e)?;
+            let plain = self
+                .renderer
+                .expand(e, self.train_ids[i].clone(), &vision)?;
             let mut rollout_prompts = Vec::with_capacity(n);
             let mut train_prompt = plain.clone();
             if graded.enable_graded_system_prompt && n > 1 && !e.rubrics.is_empty() {
@@ -326,7 +330,10 @@ impl<B: Backend + Clone> Trainer<B> {
                         self.cfg.trainer.seed,
                     )?;
                     let ids = match msg {
-                        Some(m) => self.renderer.ids(e, Some(&m))?,
+                        Some(m) => {
+                            let ids = self.renderer.ids(e, Some(&m))?;
+                            self.renderer.expand(e, ids, &vision)?
+                        }
                         None => plain.clone(),
                     };
                     rollout_prompts.push(ids);
@@ -343,7 +350,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 global_id: e.global_id.clone(),
                 train_prompt,
                 rollout_prompts,
-                vision: None,
+                vision,
             });
         }
         Ok(out)

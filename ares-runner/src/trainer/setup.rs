@@ -9,7 +9,7 @@ use super::actor::Actor;
 use super::prompts::PromptRenderer;
 use crate::backend::Backend;
 use crate::config::Config;
-use crate::data::{DataKeys, Example, PromptTemplate, load_dataset};
+use crate::data::{DataKeys, Example, PromptTemplate};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::config::ModelConfig;
 use crate::hf::generation::GenerationConfig;
@@ -160,7 +160,9 @@ pub fn load_examples(cfg: &Config, path: &str) -> Result<Vec<Example>, TrainErro
         global_id: cfg.data.global_id_key.clone(),
         rubrics: cfg.data.rubrics_key.clone(),
     };
-    load_dataset(Path::new(path), &keys).map_err(|e| TrainError::Invalid(e.to_string()))
+    let media = crate::data::MediaKeys::from_config(&cfg.data);
+    crate::data::load_dataset_with_media(Path::new(path), &keys, &media)
+        .map_err(|e| TrainError::Invalid(e.to_string()))
 }
 
 /// The run directory of a config: `trainer.output_dir`, else `runs/<experiment_name>`.
@@ -220,10 +222,21 @@ pub fn renderer(cfg: &Config, model_dir: &Path) -> Result<PromptRenderer, TrainE
             PromptTemplate::from_file(Path::new(p)).map_err(|e| TrainError::Invalid(e.to_string()))
         })
         .transpose()?;
+    let media = if VlConfig::is_vl_dir(model_dir) {
+        let invalid = |e: String| TrainError::Invalid(e);
+        Some(super::prompts::MediaPrompts {
+            processor: crate::data::MediaProcessor::from_model_dir(model_dir, &cfg.data)
+                .map_err(|e| invalid(e.to_string()))?,
+            config: VlConfig::from_dir(model_dir).map_err(|e| invalid(e.to_string()))?,
+        })
+    } else {
+        None
+    };
     Ok(PromptRenderer {
         tokenizer,
         chat,
         format,
+        media,
     })
 }
 
@@ -265,26 +278,32 @@ pub fn filter_prompts(
 ) -> Result<(Vec<Example>, Vec<Vec<u32>>), TrainError> {
     let max = cfg.data.max_prompt_length;
     let mut ids = Vec::with_capacity(examples.len());
+    let mut lengths = Vec::with_capacity(examples.len());
     for e in &examples {
-        ids.push(renderer.ids(e, None)?);
+        let i = renderer.ids(e, None)?;
+        // images and videos count with their expanded placeholders
+        lengths.push(renderer.prompt_len(e, &i)?);
+        ids.push(i);
     }
     if !cfg.data.filter_overlong_prompts
-        && let Some((e, i)) = examples.iter().zip(&ids).find(|(_, i)| i.len() > max)
+        && let Some((e, &len)) = examples.iter().zip(&lengths).find(|(_, l)| **l > max)
     {
         return Err(TrainError::Invalid(format!(
             "row {} ({}): prompt of {} tokens exceeds data.max_prompt_length = {max} \
                  (set data.filter_overlong_prompts: true to drop such rows)",
-            e.row,
-            e.global_id,
-            i.len()
+            e.row, e.global_id, len
         )));
     }
-    let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
     let (kept, dropped) = crate::data::filter_by_prompt_length(examples, &lengths, max)
         .map_err(|e| TrainError::Invalid(e.to_string()))?;
     if dropped > 0 {
         eprintln!("data: dropped {dropped} prompts longer than data.max_prompt_length = {max}");
     }
-    let ids: Vec<Vec<u32>> = ids.into_iter().filter(|i| i.len() <= max).collect();
+    let ids: Vec<Vec<u32>> = ids
+        .into_iter()
+        .zip(&lengths)
+        .filter(|(_, l)| **l <= max)
+        .map(|(i, _)| i)
+        .collect();
     Ok((kept, ids))
 }
