@@ -195,3 +195,36 @@ fn a_text_model_refuses_image_rows() {
     };
     assert!(err.contains("images or videos"), "{err}");
 }
+
+#[test]
+fn every_estimator_trains_two_steps_with_images() {
+    let dir = tempfile::tempdir().unwrap();
+    for est in [
+        "grpo",
+        "dr_grpo",
+        "rloo",
+        "reinforce",
+        "reinforce_baseline",
+        "reinforce_pro_max",
+    ] {
+        let estimator = format!("algorithm.adv_estimator={est}");
+        let cfg = config(
+            dir.path(),
+            &dir.path().join(est),
+            &[
+                &estimator,
+                "data.rollout_batch_size=6",
+                "worker.actor.global_batch_size=24",
+            ],
+        );
+        let (lines, _) = train(cfg);
+        assert_eq!(lines.len(), 2, "{est}");
+        for l in &lines {
+            for (k, v) in l {
+                if let Some(x) = v.as_f64() {
+                    assert!(x.is_finite(), "{est}: {k} = {x}");
+                }
+            }
+        }
+    }
+}
