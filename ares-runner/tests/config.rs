@@ -525,6 +525,7 @@ fn example_configs_load() {
         names,
         [
             "ares_math.yaml",
+            "ares_qwen25_vl_geo3k.yaml",
             "bench_grpo_step.yaml",
             "cispo.yaml",
             "clip_cov.yaml",
@@ -545,6 +546,11 @@ fn example_configs_select_their_method() {
     assert!(ares.algorithm.entropy_reward.enable && ares.data.bootstrap);
     assert_eq!(ares.algorithm.kl_ctrl, KlCtrl::DualAscent);
     assert_eq!(ares.trainer.device, Device::Cuda);
+
+    let vl = load_example("ares_qwen25_vl_geo3k.yaml");
+    assert_eq!(vl.data.image_key, "images");
+    assert_eq!(vl.data.min_pixels, Some(262_144));
+    assert!(!vl.worker.actor.freeze_vision_tower && vl.algorithm.entropy_reward.enable);
 
     let lambda = load_example("grpo_lambda.yaml");
     assert!(lambda.algorithm.grpo_lambda.enable && !lambda.algorithm.entropy_reward.enable);
