@@ -16,7 +16,7 @@ use crate::config::{Config, Device};
 use crate::trainer::eval::format_table;
 use crate::trainer::{TrainError, Trainer};
 
-pub use sft::{SftReport, run_sft, sft};
+pub use sft::{SftOptions, SftReport, run_sft, sft};
 
 /// The backend `trainer.device` selects.
 #[derive(Debug, Clone)]

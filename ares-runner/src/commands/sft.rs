@@ -8,13 +8,14 @@ use crate::backend::Backend;
 use crate::config::Config;
 use crate::data::{Example, Prompt};
 use crate::hf::chat::ChatMessage;
-use crate::hf::checkpoint::Checkpoint;
 use crate::hf::tensor_files::SaveDtype;
 use crate::metrics::{MetricsWriter, Record};
 use crate::model::AdamW;
 use crate::progress::Progress;
 use crate::trainer::TrainError;
-use crate::trainer::setup::{adamw_config, eos_ids, renderer, run_dir, save_model};
+use crate::trainer::setup::{
+    ModelFiles, adamw_config, build_actor, eos_ids_of, renderer, run_dir, save_actor,
+};
 use crate::trainer::sft::{SftExample, sft_step};
 use crate::trainer::update::Optimizer;
 
@@ -119,8 +120,8 @@ pub fn run_sft<B: Backend + Clone>(
     metrics: Option<&Path>,
 ) -> Result<SftReport, TrainError> {
     let renderer = renderer(cfg, model_dir)?;
-    let ckpt = Checkpoint::load(model_dir).map_err(|e| TrainError::Invalid(e.to_string()))?;
-    let eos = eos_ids(&ckpt, &renderer);
+    let files = ModelFiles::load(model_dir)?;
+    let eos = eos_ids_of(files.generation(), &renderer);
     let eos_id = *eos.first().ok_or_else(|| {
         TrainError::Invalid(format!(
             "{}: no EOS token to end responses with",
@@ -140,7 +141,7 @@ pub fn run_sft<B: Backend + Clone>(
             images: Vec::new(),
             videos: Vec::new(),
         };
-        let p = renderer.ids(&ex, None)?;
+        let (p, vision) = renderer.inputs(&ex, None)?;
         let mut r = renderer
             .tokenizer
             .encode(response, false)
@@ -153,6 +154,7 @@ pub fn run_sft<B: Backend + Clone>(
         examples.push(SftExample {
             prompt: p,
             response: r,
+            vision,
         });
     }
     if examples.is_empty() {
@@ -167,11 +169,15 @@ pub fn run_sft<B: Backend + Clone>(
             options.max_length
         );
     }
-    let mut model = crate::trainer::setup::build_model(backend, &ckpt, cfg)?;
+    let mut model = build_actor(backend, &files, cfg)?;
     let mut opt = Optimizer {
-        adamw: AdamW::new(&model, adamw_config(cfg))?,
-        grads: model.grads()?,
-        tower: None,
+        adamw: AdamW::new(model.lm(), adamw_config(cfg))?,
+        grads: model.lm().grads()?,
+        tower: if cfg.worker.actor.freeze_vision_tower {
+            None
+        } else {
+            model.tower_training()?
+        },
         steps: 0,
     };
     let per_epoch = examples.len().div_ceil(options.batch_size.max(1));
@@ -233,7 +239,7 @@ pub fn run_sft<B: Backend + Clone>(
     // atomic: write beside, then rename over
     let tmp = output.with_extension("tmp-sft");
     let _ = std::fs::remove_dir_all(&tmp);
-    save_model(&model, &ckpt, model_dir, &tmp, SaveDtype::F32)?;
+    save_actor(&model, &files, model_dir, &tmp, SaveDtype::F32)?;
     if output.exists() {
         std::fs::remove_dir_all(output).map_err(|e| TrainError::io(output, e))?;
     }

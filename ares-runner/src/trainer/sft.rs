@@ -4,18 +4,20 @@
 //! `∂L/∂logπ_t = −1/N` — the same loss head and backward as the RL update.
 
 use super::TrainError;
-use super::sequences::{Packed, response_log_probs};
+use super::actor::{Actor, PromptVision, concat_vision};
+use super::sequences::{Packed, response_log_probs_after_forward};
 use super::update::Optimizer;
 use crate::backend::Backend;
-use crate::model::Model;
 
 /// One prompt/response pair, tokenised (the response ends with EOS).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SftExample {
     /// Prompt ids (chat template applied).
     pub prompt: Vec<u32>,
     /// Response ids.
     pub response: Vec<u32>,
+    /// The prompt's images and videos (`None`: text), placeholders in `prompt` expanded.
+    pub vision: PromptVision,
 }
 
 /// Loss of one SFT optimizer step.
@@ -32,12 +34,13 @@ pub struct SftStep {
 }
 
 /// One optimizer step on `examples` (a mini-batch), `micro` examples per forward/backward,
-/// at learning rate `lr`.
+/// at learning rate `lr`. A vision-language model's tower trains too when `opt.tower` holds
+/// its gradients and moments (`None`: frozen).
 ///
 /// # Errors
 /// Model errors; examples with an empty prompt or response.
 pub fn sft_step<B: Backend>(
-    model: &mut Model<B>,
+    model: &mut Actor<B>,
     opt: &mut Optimizer<B>,
     examples: &[&SftExample],
     micro: usize,
@@ -58,14 +61,31 @@ pub fn sft_step<B: Backend>(
     let prompt_cols = examples.iter().map(|e| e.prompt.len()).max().unwrap_or(1);
     let response_cols = examples.iter().map(|e| e.response.len()).max().unwrap_or(1);
     opt.grads.zero(model.backend())?;
+    if let Some(t) = &mut opt.tower {
+        for (_, g) in t.grads.iter_mut() {
+            model
+                .backend()
+                .fill(crate::backend::ViewMut::whole(g), 0.0)
+                .map_err(crate::model::ModelError::from)?;
+        }
+    }
     let mut nll = 0.0f64;
     let mut finite = true;
     for chunk in examples.chunks(micro.max(1)) {
         let prompts: Vec<&[u32]> = chunk.iter().map(|e| e.prompt.as_slice()).collect();
         let responses: Vec<&[u32]> = chunk.iter().map(|e| e.response.as_slice()).collect();
         let packed = Packed::new(&prompts, &responses, prompt_cols, response_cols)?;
-        let mut acts = model.activations(chunk.len(), packed.seq())?;
-        let (logp, _) = response_log_probs(model, &mut acts, &packed, 1.0)?;
+        let mut acts = model.lm().activations(chunk.len(), packed.seq())?;
+        let rows: Vec<&PromptVision> = chunk.iter().map(|e| &e.vision).collect();
+        let vision = concat_vision(&rows);
+        let pass = model.forward(
+            &packed.inputs(),
+            vision.as_ref(),
+            prompt_cols,
+            &mut acts,
+            opt.tower.is_some(),
+        )?;
+        let (logp, _) = response_log_probs_after_forward(model.lm(), &mut acts, &packed, 1.0)?;
         let mut coeffs = vec![0.0f32; chunk.len() * response_cols];
         let w = -1.0 / total as f32;
         for (r, e) in chunk.iter().enumerate() {
@@ -83,10 +103,12 @@ pub fn sft_step<B: Backend>(
         model.backward_from_log_prob_grads(
             &packed.inputs(),
             &mut acts,
+            &pass,
             &packed.targets,
             &spread,
             1.0,
             &mut opt.grads,
+            opt.tower.as_mut(),
         )?;
     }
     opt.steps += 1;
@@ -98,7 +120,13 @@ pub fn sft_step<B: Backend>(
             tokens: total,
         });
     }
-    let r = opt.adamw.step(model, &opt.grads, lr, max_grad_norm)?;
+    let r = model.optimizer_step(
+        &mut opt.adamw,
+        &opt.grads,
+        opt.tower.as_mut(),
+        lr,
+        max_grad_norm,
+    )?;
     Ok(SftStep {
         loss: nll / total as f64,
         grad_norm: f64::from(r.grad_norm),
