@@ -74,14 +74,17 @@
 pub mod advantage;
 pub mod difficulty;
 pub mod entropy;
+pub mod entropy_bonus;
 mod error;
 pub mod filter;
+pub mod forking;
 mod groups;
 pub mod kl;
 mod lanes;
 pub mod length;
 pub mod loss;
 mod num;
+pub mod overlong;
 pub mod rubric;
 mod shape;
 pub mod shaping;

@@ -16,7 +16,9 @@ use ares_core::entropy::{
     ThresholdEma, batch_median_threshold, hwe, median, percentile, response_thresholds,
     token_entropy, token_log_prob_and_entropy, window_means,
 };
+use ares_core::entropy_bonus::{EntropyCoefController, entropy_grad_logits};
 use ares_core::filter::{FilterParams, expand_keep, filter_groups, group_means, solved_streak};
+use ares_core::forking::{forking_token_count, forking_token_mask, mask_token_gradient};
 use ares_core::kl::{
     AdaptiveKlController, KlCoefficient, KlEstimator, TokenKlConfig, TokenKlOutputs,
     kl_penalty_and_grad, masked_kl, token_kl,
@@ -27,6 +29,7 @@ use ares_core::loss::{
     aggregate, aggregate_term, aggregate_weights, cispo_loss, clip_cov_loss, gspo_loss,
     kl_cov_loss, policy_loss, ppo_token_loss,
 };
+use ares_core::overlong::{overlong_penalties, overlong_penalty};
 use ares_core::rubric::{
     GradedSchedule, RevealRule, RubricPrompt, StepRule, rubric_score, select_criteria,
     write_rubric_message,
@@ -420,6 +423,34 @@ fn loss_length_filter_rubric_allocate_nothing() {
                 .unwrap();
         }
         rubric_score(&points, &met).unwrap();
+    });
+}
+
+#[test]
+fn entropy_and_length_controls_allocate_nothing() {
+    let b = batch();
+    let n = ROWS * COLS;
+    let (mut scratch, mut keep, mut grad) = (vec![0.0; n], vec![0.0; n], vec![0.5; n]);
+    let logits: Vec<f64> = (0..1000).map(|i| (i as f64 * 0.37).sin() * 5.0).collect();
+    let mut dlogits = vec![0.0; logits.len()];
+    let lengths: Vec<usize> = b.lengths.iter().map(|&l| l as usize).collect();
+    let mut penalties = vec![0.0; ROWS];
+    assert_no_alloc("forking", || {
+        let stats = forking_token_mask(&b.entropy, &b.mask, 0.2, &mut scratch, &mut keep).unwrap();
+        assert_eq!(stats.kept, forking_token_count(0.2, stats.valid).unwrap());
+        mask_token_gradient(&mut grad, &keep).unwrap();
+    });
+    assert_no_alloc("entropy_bonus", || {
+        let h = entropy_grad_logits(&logits, 0.7, &mut dlogits).unwrap();
+        let mut ctl = EntropyCoefController::<f64>::default();
+        ctl.update(h).unwrap();
+        let saved = ctl.snapshot();
+        ctl.restore(saved).unwrap();
+    });
+    assert_no_alloc("overlong", || {
+        overlong_penalty(200, 256, 64, 1.0f64).unwrap();
+        overlong_penalties(&lengths, 256, 64, 1.0, None, &mut penalties).unwrap();
+        overlong_penalties(&lengths, 256, 64, 1.0, Some(&b.correct), &mut penalties).unwrap();
     });
 }
 
