@@ -18,6 +18,9 @@ pub mod model;
 mod rng;
 pub mod task;
 pub mod tokenizer;
+pub mod vision_assets;
+pub mod vision_model;
+pub mod vision_task;
 
 pub use assets::{DemoAssets, DemoOptions, write_demo_assets, write_demo_assets_with};
 pub use error::DemoError;
