@@ -493,3 +493,37 @@ fn reduced_precision_matmuls_train_and_reach_the_update() {
     .unwrap_err();
     assert!(e.contains("matmul_precision") && e.contains("fp8"), "{e}");
 }
+
+/// DAPO's soft overlong penalty (`worker.reward.overlong_buffer`) runs two steps and is
+/// reported; a buffer longer than `data.max_response_length` is refused naming the key.
+#[test]
+fn dapo_overlong_penalty_trains_two_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let lines = run(
+        dir.path(),
+        "overlong",
+        &[
+            "worker.reward.overlong_buffer.enable=true",
+            "worker.reward.overlong_buffer.len=6",
+        ],
+    );
+    assert_eq!(lines.len(), 2);
+    assert_finite(&lines);
+    for l in &lines {
+        let penalty = num(l, "reward/overlong");
+        let frac = num(l, "response_length/overlong_frac");
+        assert!(penalty <= 0.0 && (0.0..=1.0).contains(&frac), "{l:?}");
+        assert_eq!(penalty < 0.0, frac > 0.0, "{l:?}");
+    }
+    let a = assets(&dir.path().join("assets"));
+    let err = config(
+        &a,
+        &dir.path().join("bad"),
+        &[
+            "worker.reward.overlong_buffer.enable=true",
+            "worker.reward.overlong_buffer.len=13",
+        ],
+    )
+    .unwrap_err();
+    assert!(err.contains("worker.reward.overlong_buffer.len"), "{err}");
+}

@@ -102,6 +102,17 @@ impl Config {
             self.worker.ref_.model_path.as_deref(),
         )?;
         validate_reward(&self.worker.reward)?;
+        let o = &self.worker.reward.overlong_buffer;
+        if o.enable && (o.len == 0 || o.len > self.data.max_response_length) {
+            return Err(ConfigError::Inconsistent {
+                key: "worker.reward.overlong_buffer.len".into(),
+                value: o.len.to_string(),
+                reason: format!(
+                    "must be in [1, data.max_response_length = {}]",
+                    self.data.max_response_length
+                ),
+            });
+        }
         validate_trainer(&self.trainer)?;
         validate_sft(&self.sft)?;
         self.validate_group_size()?;
@@ -527,6 +538,13 @@ fn validate_reward(r: &RewardConfig) -> Result<(), ConfigError> {
         "worker.reward.format_weight",
         r.format_weight,
         r.format_weight >= 0.0,
+        ">= 0",
+    )?;
+    let o = &r.overlong_buffer;
+    real(
+        "worker.reward.overlong_buffer.penalty_factor",
+        o.penalty_factor,
+        o.penalty_factor >= 0.0,
         ">= 0",
     )?;
     match (r.rubric_grader, r.rubric_command.as_deref()) {

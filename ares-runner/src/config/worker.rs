@@ -417,6 +417,34 @@ pub struct RewardConfig {
     pub rubric_grader: RubricGrader,
     /// The grader command line; required when `rubric_grader` is `command`.
     pub rubric_command: Option<String>,
+    /// DAPO's soft overlong penalty (docs/algorithms.md §16.3).
+    pub overlong_buffer: OverlongBufferConfig,
+}
+
+/// `worker.reward.overlong_buffer`: DAPO's soft overlong penalty, a linear penalty over the
+/// last `len` tokens before `data.max_response_length` (verl's `reward_model.overlong_buffer`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OverlongBufferConfig {
+    /// Apply the penalty (default false).
+    pub enable: bool,
+    /// `L_cache`: tokens of the penalty zone, in `[1, data.max_response_length]` (default 64).
+    pub len: usize,
+    /// The penalty at the length limit, ≥ 0 (default 1, DAPO's).
+    pub penalty_factor: f64,
+    /// Penalise only correct responses (default false: every response, as DAPO).
+    pub only_correct: bool,
+}
+
+impl Default for OverlongBufferConfig {
+    fn default() -> Self {
+        OverlongBufferConfig {
+            enable: false,
+            len: 64,
+            penalty_factor: 1.0,
+            only_correct: false,
+        }
+    }
 }
 
 impl Default for RewardConfig {
@@ -426,6 +454,7 @@ impl Default for RewardConfig {
             format_weight: 0.0,
             rubric_grader: RubricGrader::Builtin,
             rubric_command: None,
+            overlong_buffer: OverlongBufferConfig::default(),
         }
     }
 }

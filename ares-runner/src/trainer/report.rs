@@ -77,6 +77,12 @@ pub fn step_record(
     r.insert("accuracy/mean", mean(&|p| p.accuracy));
     r.insert("reward/entropy", mean(&|p| p.entropy));
     r.insert("reward/format", mean(&|p| p.format));
+    // DAPO's overlong penalty: 0 and 0 when it is off
+    r.insert("reward/overlong", mean(&|p| p.overlong));
+    r.insert(
+        "response_length/overlong_frac",
+        mean(&|p| f64::from(u8::from(p.overlong < 0.0))),
+    );
     r.insert(
         "response_length/mean",
         lengths.iter().sum::<usize>() as f64 / rows,

@@ -5,6 +5,7 @@
 use ares_core::Groups;
 use ares_core::difficulty::{Difficulty, PerBucket};
 use ares_core::length::{GrpoLambda, grpo_lambda_rewards};
+use ares_core::overlong::overlong_penalties;
 use ares_core::shaping::{ShapingConfig, entropy_reward, overall_reward};
 
 use super::TrainError;
@@ -41,6 +42,21 @@ pub struct RewardParams {
     pub shaping: Option<ShapingConfig<f64>>,
     /// Weight of the format reward.
     pub format_weight: f64,
+    /// DAPO's soft overlong penalty (`None`: off).
+    pub overlong: Option<Overlong>,
+}
+
+/// DAPO's soft overlong penalty (docs/algorithms.md §16.3), added to the reward.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Overlong {
+    /// `L_max`: `data.max_response_length`.
+    pub max_len: usize,
+    /// `L_cache`: the penalty zone's length.
+    pub buffer_len: usize,
+    /// The penalty at `L_max`.
+    pub penalty_factor: f64,
+    /// Only correct responses are penalised.
+    pub only_correct: bool,
 }
 
 /// The ARES state a step's rewards read: each bucket's target `T_d` and coefficient `α_d`.
@@ -63,7 +79,9 @@ pub struct RewardParts {
     pub entropy: f64,
     /// The format reward (added with `format_weight`).
     pub format: f64,
-    /// `base + S + format_weight·format`: the reward the advantages see.
+    /// DAPO's overlong penalty (≤ 0; 0 when off).
+    pub overlong: f64,
+    /// `base + S + format_weight·format + overlong`: the reward the advantages see.
     pub overall: f64,
 }
 
@@ -104,6 +122,18 @@ pub fn rewards(
             out
         }
     };
+    let mut overlong = vec![0.0f64; rows];
+    if let Some(o) = &params.overlong {
+        let only = o.only_correct.then_some(correct.as_slice());
+        overlong_penalties(
+            lengths,
+            o.max_len,
+            o.buffer_len,
+            o.penalty_factor,
+            only,
+            &mut overlong,
+        )?;
+    }
     let mut parts = Vec::with_capacity(rows);
     for (i, g) in grades.iter().enumerate() {
         let d = buckets[i / n];
@@ -123,12 +153,13 @@ pub fn rewards(
                 TrainError::NonFinite {
                     what: format!("reward of sample {i} ({e})"),
                 }
-            })?;
+            })? + overlong[i];
         parts.push(RewardParts {
             accuracy: f64::from(u8::from(g.correct)),
             base: base[i],
             entropy,
             format: g.format,
+            overlong: overlong[i],
             overall,
         });
     }
@@ -153,6 +184,7 @@ mod tests {
             base: Base::Accuracy,
             shaping: Some(ShapingConfig::default()),
             format_weight: 0.0,
+            overlong: None,
         };
         let state = BucketValues {
             target: PerBucket::splat(Some(4.0)),
@@ -184,6 +216,7 @@ mod tests {
             }),
             shaping: None,
             format_weight: 0.0,
+            overlong: None,
         };
         let state = BucketValues {
             target: PerBucket::splat(None),
@@ -211,6 +244,7 @@ mod tests {
             base: Base::Accuracy,
             shaping: Some(ShapingConfig::default()),
             format_weight: 0.5,
+            overlong: None,
         };
         let state = BucketValues {
             target: PerBucket::splat(None),
@@ -228,5 +262,50 @@ mod tests {
         .unwrap();
         assert_eq!(r[0].overall, 1.5);
         assert_eq!(r[1].overall, 0.5);
+    }
+
+    #[test]
+    fn dapo_overlong_penalty_is_added_to_correct_or_every_response() {
+        let mut params = RewardParams {
+            base: Base::Accuracy,
+            shaping: None,
+            format_weight: 0.0,
+            overlong: Some(Overlong {
+                max_len: 20,
+                buffer_len: 8,
+                penalty_factor: 1.0,
+                only_correct: false,
+            }),
+        };
+        let state = BucketValues {
+            target: PerBucket::splat(None),
+            alpha: PerBucket::splat(0.5),
+        };
+        let grades = [grade(true), grade(true), grade(false), grade(true)];
+        // lengths 10 (before the zone), 16 (half way: −0.5), 20 (the limit: −1), 14 (−0.25)
+        let lengths = [10, 16, 20, 14];
+        let run = |p: &RewardParams| {
+            rewards(
+                p,
+                4,
+                &grades,
+                &[0; 4],
+                &lengths,
+                &[Difficulty::Easy],
+                &state,
+            )
+            .unwrap()
+        };
+        let r = run(&params);
+        let overall: Vec<f64> = r.iter().map(|p| p.overall).collect();
+        assert_eq!(overall, [1.0, 0.5, -1.0, 0.75]);
+        params.overlong = params.overlong.map(|o| Overlong {
+            only_correct: true,
+            ..o
+        });
+        let r = run(&params);
+        let overall: Vec<f64> = r.iter().map(|p| p.overall).collect();
+        assert_eq!(overall, [1.0, 0.5, 0.0, 0.75]);
+        assert_eq!(r[2].overlong, 0.0);
     }
 }

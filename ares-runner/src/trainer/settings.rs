@@ -407,6 +407,15 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
             base,
             shaping,
             format_weight: cfg.worker.reward.format_weight,
+            overlong: {
+                let o = &cfg.worker.reward.overlong_buffer;
+                o.enable.then_some(super::rewards::Overlong {
+                    max_len: cfg.data.max_response_length,
+                    buffer_len: o.len,
+                    penalty_factor: o.penalty_factor,
+                    only_correct: o.only_correct,
+                })
+            },
         },
         estimator,
         kl,
