@@ -118,11 +118,21 @@ pub fn check_text(text: &str) -> Result<(), DemoError> {
 
 /// The tokenizer as a `tokenizers` object (what [`write_tokenizer`] saves).
 fn build(path: &Path) -> Result<Tokenizer, DemoError> {
+    build_with(path, vocabulary(), &SPECIALS)
+}
+
+/// A character-level tokenizer of `vocab` (ids in order) with the added special tokens
+/// `specials`: the text demo's, and the vision demo's with the vision tokens added.
+pub(crate) fn build_with(
+    path: &Path,
+    vocab: Vec<String>,
+    specials: &[&str],
+) -> Result<Tokenizer, DemoError> {
     let fail = |message: String| DemoError::Tokenizer {
         path: path.to_path_buf(),
         message,
     };
-    let vocab = vocabulary()
+    let vocab = vocab
         .into_iter()
         .enumerate()
         .map(|(i, t)| (t, i as u32))
@@ -143,7 +153,7 @@ fn build(path: &Path) -> Result<Tokenizer, DemoError> {
         .map_err(|e| fail(e.to_string()))?
         .with_pre_tokenizer(Some(split))
         .with_decoder(Some(Fuse::new()));
-    let specials: Vec<AddedToken> = SPECIALS
+    let specials: Vec<AddedToken> = specials
         .iter()
         .map(|s| AddedToken::from(s.to_string(), true))
         .collect();

@@ -27,11 +27,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use serde_json::{Map, Value, json};
-use tokenizers::decoders::fuse::Fuse;
-use tokenizers::models::wordlevel::WordLevel;
-use tokenizers::normalizers::utils::Lowercase;
-use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
+use tokenizers::Tokenizer;
 
 use super::error::DemoError;
 use super::model::TinyModelSpec;
@@ -138,39 +134,12 @@ pub fn vl_special_ids() -> VlSpecialIds {
 /// The tokenizer as a `tokenizers` object: the text demo's (character `WordLevel`,
 /// `Lowercase`, one piece per character, `Fuse`) with seven special tokens.
 fn build_tokenizer(path: &Path) -> Result<Tokenizer, DemoError> {
-    let fail = |message: String| DemoError::Tokenizer {
-        path: path.to_path_buf(),
-        message,
-    };
-    let vocab = vl_vocabulary()
-        .into_iter()
-        .enumerate()
-        .map(|(i, t)| (t, i as u32))
-        .collect();
-    let model = WordLevel::builder()
-        .vocab(vocab)
-        .unk_token("<unk>".to_string())
-        .build()
-        .map_err(|e| fail(e.to_string()))?;
-    let split = Split::new(
-        SplitPattern::Regex(r"[\s\S]".to_string()),
-        SplitDelimiterBehavior::Isolated,
-        false,
-    )
-    .map_err(|e| fail(e.to_string()))?;
-    let mut tok = Tokenizer::new(model);
-    tok.with_normalizer(Some(Lowercase))
-        .map_err(|e| fail(e.to_string()))?
-        .with_pre_tokenizer(Some(split))
-        .with_decoder(Some(Fuse::new()));
-    let specials: Vec<AddedToken> = tokenizer::SPECIALS
+    let specials: Vec<&str> = tokenizer::SPECIALS
         .iter()
         .chain(VISION_SPECIALS.iter())
-        .map(|s| AddedToken::from(s.to_string(), true))
+        .copied()
         .collect();
-    tok.add_special_tokens(specials)
-        .map_err(|e| fail(e.to_string()))?;
-    Ok(tok)
+    tokenizer::build_with(path, vl_vocabulary(), &specials)
 }
 
 /// `tokenizer_config.json` of the vision tokenizer.
