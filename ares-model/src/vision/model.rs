@@ -10,6 +10,8 @@
 //! 3. rotary angles come from the 3-D M-RoPE positions of [`rope_index`] instead of the
 //!    1-D lookup ([`ForwardExtras::rope`]).
 
+use std::borrow::Borrow;
+
 use super::checkpoint::VlCheckpoint;
 use super::config::VlConfig;
 use super::mrope::{MropePositions, MropeRope, VisionGrids, rope_index};
@@ -541,12 +543,13 @@ impl<B: Backend> VlGenerator<'_, B> {
     /// # Errors
     /// `vision` not one batch per prompt, placeholders that do not match the grids, and
     /// as [`Generator::generate_vision`].
-    pub fn generate(
+    pub fn generate<V: Borrow<VisionBatch>>(
         &self,
         request: &GenerateRequest,
-        vision: &[VisionBatch],
+        vision: &[V],
         on_token: impl FnMut(usize, u32),
     ) -> Result<GenerateOutput, GenerateError> {
+        let vision: Vec<&VisionBatch> = vision.iter().map(Borrow::borrow).collect();
         let m = self.model;
         let be = m.backend();
         if vision.len() != request.prompts.len() {
@@ -558,7 +561,7 @@ impl<B: Backend> VlGenerator<'_, B> {
         }
         let hidden = m.config.text.hidden_size;
         let mut layouts = Vec::with_capacity(vision.len());
-        for (p, v) in request.prompts.iter().zip(vision) {
+        for (p, v) in request.prompts.iter().zip(&vision) {
             let mask = vec![1u32; p.len()];
             layouts.push(m.layout(p, &mask, 1, v)?);
         }
@@ -568,12 +571,14 @@ impl<B: Backend> VlGenerator<'_, B> {
         // The tower runs once per distinct image set: a prompt repeated with the same
         // images (the n samples of a rollout group) copies the previous tower output.
         let mut previous: Option<(usize, VisionActs<B>)> = None;
-        for (b, (l, v)) in layouts.iter().zip(vision).enumerate() {
+        for (b, (l, &v)) in layouts.iter().zip(&vision).enumerate() {
             let Some(plan) = &l.plan else { continue };
             let at = rows.len() * hidden;
             let same = self.share
                 && previous.as_ref().is_some_and(|(p, _)| {
-                    vision[*p] == *v && layouts[*p].rows.len() == l.rows.len()
+                    // the same batch (a group's samples share one), or equal pixels
+                    (std::ptr::eq(vision[*p], v) || vision[*p] == v)
+                        && layouts[*p].rows.len() == l.rows.len()
                 });
             if !same {
                 let mut va = m.tower.activations(be, plan.clone(), false)?;
@@ -588,11 +593,10 @@ impl<B: Backend> VlGenerator<'_, B> {
             }
             rows.extend(l.rows.iter().map(|&t| (b, t as usize)));
         }
-        let rope: Vec<(Vec<f32>, Vec<f32>)> = layouts
-            .iter()
-            .map(|l| (l.cos.clone(), l.sin.clone()))
-            .collect();
-        let rope_deltas: Vec<i64> = layouts.iter().map(|l| l.positions.rope_deltas[0]).collect();
+        let (rope, rope_deltas): (Vec<(Vec<f32>, Vec<f32>)>, Vec<i64>) = layouts
+            .into_iter()
+            .map(|l| ((l.cos, l.sin), l.positions.rope_deltas[0]))
+            .unzip();
         let pv = PromptVision {
             embeds: View::whole(&embeds),
             rows: &rows,

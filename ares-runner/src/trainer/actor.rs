@@ -250,15 +250,11 @@ impl<B: Backend> ActorGenerator<'_, B> {
                 Ok(g.generate(request)?)
             }
             ActorGenerator::Vision(g) => {
+                // borrowed, not copied: a group's samples share one batch, and the tower
+                // runs once for it
                 let empty = VisionBatch::default();
-                let batches: Vec<VisionBatch> = (0..request.prompts.len())
-                    .map(|i| {
-                        vision
-                            .get(i)
-                            .and_then(|v| v.as_deref())
-                            .unwrap_or(&empty)
-                            .clone()
-                    })
+                let batches: Vec<&VisionBatch> = (0..request.prompts.len())
+                    .map(|i| vision.get(i).and_then(|v| v.as_deref()).unwrap_or(&empty))
                     .collect();
                 Ok(g.generate(request, &batches, |_, _| {})?)
             }
@@ -266,9 +262,16 @@ impl<B: Backend> ActorGenerator<'_, B> {
     }
 }
 
-impl<B: Backend> Pass<B> {
-    /// A pass without tower state (a text model's).
-    pub fn text() -> Self {
-        Pass(None)
+impl<B: Backend> TowerTraining<B> {
+    /// Zeroes the tower's gradients (before a mini-batch accumulates into them).
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn zero_grads(&mut self, be: &B) -> Result<(), TrainError> {
+        for (_, g) in self.grads.iter_mut() {
+            be.fill(crate::backend::ViewMut::whole(g), 0.0)
+                .map_err(ModelError::from)?;
+        }
+        Ok(())
     }
 }

@@ -62,12 +62,7 @@ pub fn sft_step<B: Backend>(
     let response_cols = examples.iter().map(|e| e.response.len()).max().unwrap_or(1);
     opt.grads.zero(model.backend())?;
     if let Some(t) = &mut opt.tower {
-        for (_, g) in t.grads.iter_mut() {
-            model
-                .backend()
-                .fill(crate::backend::ViewMut::whole(g), 0.0)
-                .map_err(crate::model::ModelError::from)?;
-        }
+        t.zero_grads(model.backend())?;
     }
     let mut nll = 0.0f64;
     let mut finite = true;

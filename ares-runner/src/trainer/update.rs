@@ -91,12 +91,7 @@ pub fn ppo_update<B: Backend>(
             let mut micros = 0usize;
             opt.grads.zero(actor.backend())?;
             if let Some(t) = &mut opt.tower {
-                for (_, g) in t.grads.iter_mut() {
-                    actor
-                        .backend()
-                        .fill(crate::backend::ViewMut::whole(g), 0.0)
-                        .map_err(crate::model::ModelError::from)?;
-                }
+                t.zero_grads(actor.backend())?;
             }
             if mini_tokens > 0 {
                 for (micro_index, micro) in mini.chunks(settings.micro_batch.max(1)).enumerate() {
