@@ -593,10 +593,12 @@ impl<B: Backend> VlGenerator<'_, B> {
             }
             rows.extend(l.rows.iter().map(|&t| (b, t as usize)));
         }
-        let (rope, rope_deltas): (Vec<(Vec<f32>, Vec<f32>)>, Vec<i64>) = layouts
-            .into_iter()
-            .map(|l| ((l.cos, l.sin), l.positions.rope_deltas[0]))
-            .unzip();
+        let mut rope = Vec::with_capacity(layouts.len());
+        let mut rope_deltas = Vec::with_capacity(layouts.len());
+        for l in layouts {
+            rope_deltas.push(l.positions.rope_deltas[0]);
+            rope.push((l.cos, l.sin));
+        }
         let pv = PromptVision {
             embeds: View::whole(&embeds),
             rows: &rows,
