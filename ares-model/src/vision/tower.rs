@@ -1001,19 +1001,10 @@ fn grad_pair<'g, T: DeviceBuffer>(
     w_len: usize,
     b_len: usize,
 ) -> Result<(ViewMut<'g, T>, ViewMut<'g, T>), ModelError> {
-    let mut it = g.iter_mut().filter(|(s, _)| *s == w || *s == b);
-    let (mut gw, mut gb) = (None, None);
-    for (s, buf) in it.by_ref() {
-        if s == w {
-            gw = Some(buf);
-        } else {
-            gb = Some(buf);
-        }
-    }
-    match (gw, gb) {
-        (Some(gw), Some(gb)) => Ok((ViewMut::item(gw, l, w_len)?, ViewMut::item(gb, l, b_len)?)),
-        _ => Err(missing(&format!("{w:?} gradient"))),
-    }
+    let (gw, gb) = g
+        .pair_mut(w, b)
+        .ok_or_else(|| missing(&format!("{w:?} gradient")))?;
+    Ok((ViewMut::item(gw, l, w_len)?, ViewMut::item(gb, l, b_len)?))
 }
 
 /// Writable gradient views of rows `part` of block `l`'s fused qkv weight and bias.
@@ -1023,8 +1014,9 @@ fn qkv_grads<T: DeviceBuffer>(
     part: usize,
     h: usize,
 ) -> Result<(ViewMut<'_, T>, ViewMut<'_, T>), ModelError> {
-    let (gw, gb) = grad_pair(g, Slot::Qkv, Slot::QkvBias, 0, 0, 0)?;
-    let (gw, gb) = (gw.into_buffer(), gb.into_buffer());
+    let (gw, gb) = g
+        .pair_mut(Slot::Qkv, Slot::QkvBias)
+        .ok_or_else(|| missing("qkv gradient"))?;
     Ok((
         ViewMut::new(gw, (l * 3 + part) * h * h, h * h)?,
         ViewMut::new(gb, (l * 3 + part) * h, h)?,

@@ -246,6 +246,18 @@ impl<T> VisionParams<T> {
         self.items[slot as usize].as_mut()
     }
 
+    /// The values of two different slots, both mutably (a weight's and its bias's
+    /// gradients); `None` if either is absent or `a == b`.
+    pub fn pair_mut(&mut self, a: Slot, b: Slot) -> Option<(&mut T, &mut T)> {
+        let (i, j) = (a as usize, b as usize);
+        if i == j {
+            return None;
+        }
+        let (lo, hi) = self.items.split_at_mut(i.max(j));
+        let (x, y) = (lo[i.min(j)].as_mut()?, hi[0].as_mut()?);
+        Some(if i < j { (x, y) } else { (y, x) })
+    }
+
     /// Every present slot with its value, in checkpoint order.
     pub fn iter(&self) -> impl Iterator<Item = (Slot, &T)> {
         Slot::ALL
