@@ -21,7 +21,7 @@
 #define ST_BAD_TARGET 2u    // a target id >= vocab or with logit -inf
 #define ST_BAD_ID 4u        // an embedding id >= rows
 #define ST_BAD_MASK 8u      // a key mask value other than 0 and 1
-#define ST_BAD_COEFF 16u    // a non-finite log-prob coefficient
+#define ST_BAD_COEFF 16u    // a non-finite log-prob or entropy coefficient (or one overflowing)
 #define ST_BAD_GRAD 32u     // a non-finite gradient given to AdamW (the step was skipped)
 
 typedef long long i64;
@@ -378,6 +378,78 @@ extern "C" __global__ void log_prob_bwd(const float* __restrict__ logits, i64 vo
                     out[i] = v;
                 }
                 continue;
+            }
+        }
+        for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) out[i] = NAN_F;
+        if (threadIdx.x == 0) atomicOr(status, bad_bit);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Entropy backward: per row with c = coeffs[row] != 0, z = x/T, p = softmax(z) and
+// H = -sum p ln p, dlogits += c * dH/dx = -c * p * (ln p + H) / T, ACCUMULATED (it runs
+// after log_prob_bwd overwrote the buffer); rows with c = 0 are neither read nor written.
+// In base 2, with d = y - max y (y = x*log2e/T) and S = sum 2^d, ln p + H = ln2*(d - dbar)
+// where dbar = sum 2^d*d / S, so one block per row: the max (and a NaN/+inf check), then S
+// and sum 2^d*d (f64 across threads), then the update recomputing 2^d: the CPU's algorithm
+// (ares_cpu::ops::entropy_backward). d is clamped at -127 and 2^d below -126 is 0, so a
+// -inf logit gets exactly 0. A bad row (NaN/+inf or only -inf: ST_BAD_ROW) or a
+// non-finite c, or one so large against T that the gradient overflows (ST_BAD_COEFF),
+// makes the row NaN.
+__device__ __forceinline__ float entropy_bwd_d(float x, float scale, float m) {
+    return fmaxf(x * scale - m, -127.0f);
+}
+__device__ __forceinline__ float entropy_bwd_e(float d) {
+    return d < -126.0f ? 0.0f : exp2f(d);
+}
+
+extern "C" __global__ void entropy_bwd(const float* __restrict__ logits, i64 vocab, float inv_t,
+                                       const float* __restrict__ coeffs, i64 rows,
+                                       float* __restrict__ dlogits,
+                                       unsigned* __restrict__ status) {
+    __shared__ double shd[32];
+    __shared__ float shf[32];
+    const float scale = inv_t * LOG2E;
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float c = coeffs[row];
+        if (c == 0.0f) continue;
+        const float* x = logits + row * vocab;
+        float* out = dlogits + row * vocab;
+        unsigned bad_bit = 0;
+        if (!is_finite(c)) bad_bit = ST_BAD_COEFF;
+        if (bad_bit == 0) {
+            float m = NEG_INF;
+            int bad = 0;
+            for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
+                const float y = x[i] * scale;
+                bad |= !(y < POS_INF);
+                m = fmaxf(m, y);
+            }
+            bad = __syncthreads_or(bad);
+            m = block_max(m, shf);
+            if (bad || m == NEG_INF) bad_bit = ST_BAD_ROW;
+            if (bad_bit == 0) {
+                float s = 0.0f, u = 0.0f;
+                for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
+                    const float d = entropy_bwd_d(x[i], scale, m);
+                    const float e = entropy_bwd_e(d);
+                    s += e;
+                    u += e * d;
+                }
+                const double s_total = block_sum_d((double)s, shd);
+                const double u_total = block_sum_d((double)u, shd);
+                const float mean_d = (float)(u_total / s_total);
+                // |2^d * (d - dbar)| <= 127: a factor above FLT_MAX/128 could overflow.
+                const double k = -(double)c * 0.6931471805599453 * (double)inv_t / s_total;
+                if (fabs(k) * 128.0 <= 3.4028234663852886e38) {
+                    const float kf = (float)k;
+                    for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
+                        const float d = entropy_bwd_d(x[i], scale, m);
+                        out[i] += kf * entropy_bwd_e(d) * (d - mean_d);
+                    }
+                    continue;
+                }
+                bad_bit = ST_BAD_COEFF;
             }
         }
         for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) out[i] = NAN_F;

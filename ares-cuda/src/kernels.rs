@@ -27,7 +27,7 @@ pub const TOKEN_KERNELS: KernelSource = KernelSource {
 };
 
 /// Model kernels: the decoder's element-wise, normalisation, RoPE, embedding, attention
-/// (forward, backward, decode) and KV-cache ops, the log-prob backward, and the optimizer's
+/// (forward, backward, decode) and KV-cache ops, the log-prob and entropy backward, and the optimizer's
 /// sum of squares and AdamW (what `ares-runner`'s CUDA backend launches besides cuBLAS).
 pub const MODEL_OPS: KernelSource = KernelSource {
     name: "model_ops.cu",
@@ -49,6 +49,7 @@ pub const MODEL_OPS: KernelSource = KernelSource {
         "rope",
         "transpose_f32",
         "log_prob_bwd",
+        "entropy_bwd",
         "argmax_rows",
         "sample_rows",
         "sum_sq_partial",

@@ -52,7 +52,7 @@ const MAX_GRID: usize = 1 << 20;
 const STATUS_BITS: [(u32, &str); 7] = [
     (
         1,
-        "a logits row holds NaN or +inf, or every entry is -inf (log_prob_entropy / log_prob_backward)",
+        "a logits row holds NaN or +inf, or every entry is -inf (log_prob_entropy / log_prob_backward / entropy_backward)",
     ),
     (
         2,
@@ -65,7 +65,7 @@ const STATUS_BITS: [(u32, &str); 7] = [
     (8, "a key mask value is neither 0 nor 1 (attention)"),
     (
         16,
-        "a log-prob coefficient is NaN or ±inf (log_prob_backward)",
+        "a log-prob or entropy coefficient is NaN or ±inf, or so large against the temperature that the gradient overflows (log_prob_backward / entropy_backward)",
     ),
     (
         32,
@@ -137,6 +137,7 @@ pub(crate) struct Functions {
     pub row_percentile: CudaFunction,
     pub masked_dynamic_kl: CudaFunction,
     pub log_prob_bwd: CudaFunction,
+    pub entropy_bwd: CudaFunction,
     pub argmax_rows: CudaFunction,
     pub sample_rows: CudaFunction,
     pub sum_sq_partial: CudaFunction,
@@ -190,6 +191,7 @@ impl ModelOps {
             row_percentile: load_function(&token, "row_percentile")?,
             masked_dynamic_kl: load_function(&token, "masked_dynamic_kl")?,
             log_prob_bwd: m("log_prob_bwd")?,
+            entropy_bwd: m("entropy_bwd")?,
             argmax_rows: m("argmax_rows")?,
             sample_rows: m("sample_rows")?,
             sum_sq_partial: m("sum_sq_partial")?,

@@ -888,6 +888,93 @@ fn log_prob_ops_match_cpu() {
     assert!(e.to_string().contains("logits row holds NaN"), "{e}");
 }
 
+#[test]
+fn entropy_backward_matches_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(17);
+    for (rows, vocab, temperature) in [
+        (6usize, 1000usize, 0.7f32),
+        (3, 1, 1.0),
+        (5, 37, 1.6),
+        (4, 151_936, 1.0),
+    ] {
+        let what = format!("entropy_backward {rows}x{vocab} T{temperature}");
+        let mut logits = rng.vec(rows * vocab, 8.0);
+        // Row 1 has coefficient 0: NaN logits there are never read, its output untouched.
+        logits[vocab..2 * vocab].fill(f32::NAN);
+        // A −∞ logit of a scored row gets exactly 0 added (a row needs one finite logit).
+        if vocab > 1 {
+            logits[2 * vocab] = f32::NEG_INFINITY;
+        }
+        let mut coeffs = rng.vec(rows, 2.0);
+        coeffs[1] = 0.0;
+        // It accumulates: both start from the same values.
+        let base = rng.vec(rows * vocab, 1.0);
+        let mut gd = up(&gpu, &base);
+        gpu.entropy_backward(
+            View::whole(&up(&gpu, &logits)),
+            vocab,
+            temperature,
+            View::whole(&up(&gpu, &coeffs)),
+            ViewMut::whole(&mut gd),
+        )
+        .unwrap();
+        let mut cd = base.clone();
+        cpu.entropy_backward(
+            View::whole(&logits),
+            vocab,
+            temperature,
+            View::whole(&coeffs),
+            ViewMut::whole(&mut cd),
+        )
+        .unwrap();
+        let gd = down(&gpu, &gd);
+        assert_eq!(
+            gd[vocab..2 * vocab],
+            base[vocab..2 * vocab],
+            "{what}: zero row"
+        );
+        if vocab > 1 {
+            assert_eq!(gd[2 * vocab], base[2 * vocab], "{what}: -inf logit");
+        }
+        // Compare what was added (the base values would hide a gradient's error).
+        let added = |d: &[f32]| -> Vec<f32> { d.iter().zip(&base).map(|(a, b)| a - b).collect() };
+        let err = rel_err(&added(&gd), &added(&cd));
+        eprintln!("{what}: max rel error {err:.2e}");
+        assert!(err <= 1e-5, "{what}: {err:e}");
+        if vocab == 1 {
+            // One token: H = 0 whatever the logit, nothing added.
+            assert_eq!(gd, base, "{what}");
+        }
+    }
+    // A non-finite coefficient of a row, and NaN logits of a scored row: NaN rows,
+    // reported at the next waiting call.
+    let logits = up(&gpu, &[0.0, 1.0, 2.0, 3.0]);
+    let mut d = up(&gpu, &[0.0; 4]);
+    gpu.entropy_backward(
+        View::whole(&logits),
+        2,
+        1.0,
+        View::whole(&up(&gpu, &[1.0, f32::INFINITY])),
+        ViewMut::whole(&mut d),
+    )
+    .unwrap();
+    let e = gpu.synchronize().unwrap_err();
+    assert!(e.to_string().contains("entropy coefficient"), "{e}");
+    let mut d = up(&gpu, &[0.0; 3]);
+    gpu.entropy_backward(
+        View::whole(&up(&gpu, &[0.0, f32::NAN, 1.0])),
+        3,
+        1.0,
+        View::whole(&up(&gpu, &[1.0])),
+        ViewMut::whole(&mut d),
+    )
+    .unwrap();
+    let e = gpu.synchronize().unwrap_err();
+    assert!(e.to_string().contains("logits row holds NaN"), "{e}");
+}
+
 /// Rows for greedy decoding: random, with planted ties of the maximum (the lowest index
 /// wins), −∞ runs, and rows without a token (NaN, +∞, all −∞).
 fn greedy_rows(rng: &mut Rng, rows: usize, vocab: usize) -> Vec<f32> {

@@ -15,6 +15,7 @@
 pub mod activation;
 pub mod attention;
 pub mod embedding;
+pub mod entropy_backward;
 pub mod layer_norm;
 pub mod log_prob_backward;
 pub mod matmul;

@@ -1,6 +1,6 @@
 //! The loss head's ops over logits rows: fused log-prob + entropy (forward) and the
-//! gradient of the per-token log-prob (backward), one block per row, no `[rows, vocab]`
-//! temporary.
+//! gradients of the per-token log-prob and entropy (backward), one block per row, no
+//! `[rows, vocab]` temporary.
 
 use super::{ModelOps, bad, check_len, i64_of, mul};
 use crate::error::{DriverContext, Result};
@@ -128,6 +128,51 @@ impl ModelOps {
             .arg(dlogits)
             .arg(&mut state.status);
         // SAFETY: argument order as `log_prob_bwd`; lengths checked above.
+        unsafe { l.launch(cfg) }.during(K)?;
+        Ok(())
+    }
+
+    /// Backward of the per-token entropy (twin of
+    /// `ares_cpu::ops::entropy_backward::entropy_backward`): per row, with `z = logits /
+    /// temperature`, `p = softmax(z)`, `H = −Σ p ln p` and `c = coeffs[row]` (∂L/∂H of that
+    /// token), `dlogits[row] += c·∂H/∂logits = −c·p·(ln p + H)/temperature`, **accumulating**
+    /// (it runs after [`ModelOps::log_prob_backward`] overwrote `dlogits`); a −∞ logit gets
+    /// 0; rows with `c = 0` are untouched and their logits unread. A non-finite coefficient
+    /// (or one so large against the temperature that the gradient overflows f32) or a bad
+    /// row (for `c ≠ 0`: NaN/+∞, or only −∞) gives a NaN row, reported at the next
+    /// [`ModelOps::check_status`].
+    ///
+    /// # Errors
+    /// Lengths that do not match, `vocab` 0, a temperature not finite and > 0.
+    pub fn entropy_backward(
+        &self,
+        logits: &CudaView<'_, f32>,
+        vocab: usize,
+        temperature: f32,
+        coeffs: &CudaView<'_, f32>,
+        dlogits: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "entropy_backward";
+        let inv_t = check_head(K, vocab, temperature)?;
+        let rows = coeffs.len();
+        let n = mul(K, "rows × vocab", rows, vocab)?;
+        check_len(K, "logits", n, logits.len())?;
+        check_len(K, "dlogits", n, dlogits.len())?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let cfg = rows_cfg(K, rows)?;
+        let (v64, r64) = (i64_of(K, "vocab", vocab)?, i64_of(K, "rows", rows)?);
+        let mut state = self.lock();
+        let mut l = self.stream.launch_builder(&self.f.entropy_bwd);
+        l.arg(logits)
+            .arg(&v64)
+            .arg(&inv_t)
+            .arg(coeffs)
+            .arg(&r64)
+            .arg(dlogits)
+            .arg(&mut state.status);
+        // SAFETY: argument order as `entropy_bwd` in model_ops.cu; lengths checked above.
         unsafe { l.launch(cfg) }.during(K)?;
         Ok(())
     }

@@ -6,6 +6,7 @@ use ares_cpu::ops::attention::{
     self, AttentionShape, attention_backward, attention_decode, attention_forward, kv_cache_append,
 };
 use ares_cpu::ops::embedding::{embedding_backward, embedding_forward};
+use ares_cpu::ops::entropy_backward::entropy_backward;
 use ares_cpu::ops::log_prob_backward::log_prob_backward;
 use ares_cpu::ops::matmul::{
     MatmulDims, linear_backward_in, linear_forward_in, linear_forward_t_in, transpose,
@@ -503,6 +504,24 @@ impl Backend for CpuBackend {
             slice_mut(dlogits)?,
         )
         .map_err(op("log_prob_backward"))
+    }
+
+    fn entropy_backward(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        temperature: f32,
+        coeffs: Tensor<'_, Self>,
+        dlogits: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        entropy_backward(
+            slice(logits)?,
+            vocab,
+            temperature,
+            slice(coeffs)?,
+            slice_mut(dlogits)?,
+        )
+        .map_err(op("entropy_backward"))
     }
 
     fn greedy_tokens(

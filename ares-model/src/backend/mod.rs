@@ -32,7 +32,7 @@
 //!   attention) in caller-provided views. Each says whether it accumulates into its
 //!   gradient outputs (`+=`; zero them with [`Backend::fill`]) or overwrites them.
 //! - **Training.** [`Backend::log_prob_backward`] starts the backward pass from ∂L/∂logπ
-//!   per token; [`Backend::sum_of_squares`] and [`Backend::adamw_step`] are the optimizer's
+//!   per token, and [`Backend::entropy_backward`] adds an entropy bonus's ∂L/∂H per token; [`Backend::sum_of_squares`] and [`Backend::adamw_step`] are the optimizer's
 //!   ops, so parameters, gradients and moments never leave the device.
 //! - **ARES token ops.** [`Backend::entropy_windows`], [`Backend::row_percentile`] and
 //!   [`Backend::masked_dynamic_kl`] find a step's high-window-entropy tokens and its
@@ -394,6 +394,29 @@ pub trait Backend {
         vocab: usize,
         temperature: f32,
         targets: &Self::Ids,
+        coeffs: Tensor<'_, Self>,
+        dlogits: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// Backward of the per-token entropy of [`Backend::log_prob_entropy`]: per row of
+    /// `logits` `[rows, vocab]` (rows = `coeffs.len()`), with `z = logits / temperature`,
+    /// `p = softmax(z)`, `H = −Σ p ln p` and `c = coeffs[row]` (∂L/∂H of that token),
+    /// `dlogits[row, :] += c · ∂H/∂logits = −c · p · (ln p + H) / temperature`, without a
+    /// `[rows, vocab]` temporary (`ares_core::entropy_bonus::entropy_grad_logits` is the
+    /// formula). **Accumulates** into `dlogits` (it runs after
+    /// [`Backend::log_prob_backward`], which overwrites it); a −∞ logit gets 0; rows with
+    /// `c = 0` are untouched and their logits are not read.
+    ///
+    /// # Errors
+    /// Lengths that do not match, `vocab == 0`, a temperature not finite and > 0, a
+    /// non-finite coefficient, and (where checked) for rows with `c ≠ 0` a row holding
+    /// NaN/+∞ or only −∞, or a coefficient so large against the temperature that the
+    /// gradient overflows f32.
+    fn entropy_backward(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        temperature: f32,
         coeffs: Tensor<'_, Self>,
         dlogits: TensorMut<'_, Self>,
     ) -> Result<()>;

@@ -559,6 +559,25 @@ impl Backend for CudaBackend {
             .map_err(op("log_prob_backward"))
     }
 
+    fn entropy_backward(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        temperature: f32,
+        coeffs: Tensor<'_, Self>,
+        dlogits: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.ops
+            .entropy_backward(
+                &view(logits)?,
+                vocab,
+                temperature,
+                &view(coeffs)?,
+                &mut view_mut(dlogits)?,
+            )
+            .map_err(op("entropy_backward"))
+    }
+
     fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64> {
         self.ops
             .sum_of_squares(&view(x)?)
