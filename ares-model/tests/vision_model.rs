@@ -321,6 +321,7 @@ fn training_step_pieces() {
                 temperature,
                 &mut lg,
                 Some(&mut vg),
+                None,
             )
             .unwrap();
         } else {

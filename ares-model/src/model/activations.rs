@@ -120,6 +120,12 @@ pub struct Activations<B: Backend> {
     /// chunk), written by
     /// [`Model::backward_from_log_prob_grads`](super::Model::backward_from_log_prob_grads).
     pub(crate) coeffs: B::Buffer,
+    /// `[N]` ∂L/∂H per token of an entropy bonus, written by
+    /// [`Model::backward_from_log_prob_grads_with`](super::Model::backward_from_log_prob_grads_with)
+    /// when it is given some. Always allocated: `N` floats are nothing beside the `[L, N,
+    /// …]` activations, and a plan that does not depend on the loss keeps one arena good
+    /// for every call.
+    pub(crate) entropy_coeffs: B::Buffer,
     pub(crate) dlogits: B::Buffer,
     /// Per-layer intermediates of the backward pass, reused by every layer.
     pub(crate) scratch: BackwardScratch<B>,
@@ -306,6 +312,7 @@ impl<B: Backend> Activations<B> {
             log_prob: alloc(&[n])?,
             entropy: alloc(&[n])?,
             coeffs: alloc(&[n])?,
+            entropy_coeffs: alloc(&[n])?,
             dlogits: alloc(&[chunk_rows, v])?,
             scratch: BackwardScratch::new(backend, spec, n)?,
         })

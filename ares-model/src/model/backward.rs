@@ -33,14 +33,16 @@ pub(crate) enum HeadGrad<'a, B: Backend> {
     /// The caller's ∂L/∂logits `[N, V]` (arenas with whole logits only).
     Dlogits(Tensor<'a, B>),
     /// Per-token ∂L/∂logπ at `temperature`, already in the arena (its `coeffs` and
-    /// per-chunk `targets`); ∂L/∂logits is made on the device, one head chunk at a time.
-    /// Chunks with `active[k] == false` (all coefficients zero) contribute nothing and
-    /// are skipped.
+    /// per-chunk `targets`), and with `entropy` per-token ∂L/∂H (its `entropy_coeffs`);
+    /// ∂L/∂logits is made on the device, one head chunk at a time. Chunks with
+    /// `active[k] == false` (all coefficients zero) contribute nothing and are skipped.
     LogProb {
-        /// The temperature of the log-probs.
+        /// The temperature of the log-probs (and entropies).
         temperature: f32,
-        /// Per head chunk, whether any of its coefficients is nonzero.
+        /// Per head chunk, whether any of its log-prob or entropy coefficients is nonzero.
         active: &'a [bool],
+        /// Whether the arena's `entropy_coeffs` hold an entropy term to add.
+        entropy: bool,
     },
 }
 
@@ -151,6 +153,7 @@ impl<B: Backend> Model<B> {
             HeadGrad::LogProb {
                 temperature,
                 active,
+                entropy,
             } => {
                 // Per head chunk (one of N rows with whole logits): its logits (recomputed
                 // when chunked), ∂L/∂logits of its rows, and their part of dlnf and dW.
@@ -172,6 +175,16 @@ impl<B: Backend> Model<B> {
                         View::new(&acts.coeffs, start, rows)?,
                         ViewMut::new(&mut acts.dlogits, 0, rows * v)?,
                     )?;
+                    if entropy {
+                        // Adds ∂L/∂H·∂H/∂logits to what log_prob_backward just wrote.
+                        be.entropy_backward(
+                            View::new(&acts.logits, 0, rows * v)?,
+                            v,
+                            temperature,
+                            View::new(&acts.entropy_coeffs, start, rows)?,
+                            ViewMut::new(&mut acts.dlogits, 0, rows * v)?,
+                        )?;
+                    }
                     let dhead = match grads.lm_head.as_mut() {
                         Some(h) => ViewMut::whole(h),
                         None => ViewMut::whole(&mut grads.embed),

@@ -1,6 +1,7 @@
 //! The loss head of training: the policy losses (docs/algorithms.md §6) hand back ∂L/∂logπ per token, so
 //! the model only needs the backward of the per-token log-prob to reach ∂L/∂θ — no
-//! autodiff, and no `[tokens, vocab]` log-softmax kept between the passes.
+//! autodiff, and no `[tokens, vocab]` log-softmax kept between the passes. An entropy bonus
+//! (docs/algorithms.md §16) adds ∂L/∂H per token, back-propagated the same way.
 
 use super::activations::head_chunks;
 use super::backward::EmbedGrad;
@@ -43,6 +44,40 @@ pub(crate) fn check_temperature(temperature: f32) -> Result<(), ModelError> {
             expected: "finite and > 0",
         })
     }
+}
+
+/// Checks per-token coefficients `what` (`coeffs` or `entropy_coeffs`): `n` long, finite,
+/// and 0 at padding positions (`attention_mask = 0`, where the logits are meaningless).
+fn check_coeffs(
+    what: &'static str,
+    coeffs: &[f32],
+    attention_mask: &[u32],
+    n: usize,
+) -> Result<(), ModelError> {
+    if coeffs.len() != n {
+        return Err(ModelError::InputLength {
+            what,
+            expected: n,
+            actual: coeffs.len(),
+        });
+    }
+    for (t, (&c, &m)) in coeffs.iter().zip(attention_mask).enumerate() {
+        if !c.is_finite() {
+            return Err(ModelError::InvalidValue {
+                what: format!("{what}[{t}]"),
+                value: f64::from(c),
+                expected: "finite",
+            });
+        }
+        if m == 0 && c != 0.0 {
+            return Err(ModelError::InvalidValue {
+                what: format!("{what}[{t}] (a padding position, attention_mask = 0)"),
+                value: f64::from(c),
+                expected: "0 at padding positions",
+            });
+        }
+    }
+    Ok(())
 }
 
 impl<B: Backend> Model<B> {
@@ -96,14 +131,33 @@ impl<B: Backend> Model<B> {
             temperature,
             grads,
             None,
+            None,
         )
     }
 
-    /// [`Model::backward_from_log_prob_grads`] after a forward with replaced embedding rows
-    /// ([`Model::forward_with`]): also writes their gradient into `embeds.d_embeds`.
+    /// [`Model::backward_from_log_prob_grads`] with two optional extras:
+    ///
+    /// - `embeds`: after a forward with replaced embedding rows ([`Model::forward_with`]),
+    ///   also writes their gradient into `embeds.d_embeds`;
+    /// - `entropy_coeffs`: an entropy term of the loss, `entropy_coeffs[t] = ∂L/∂H_t` for the
+    ///   entropy `H_t` of `softmax(logits_t / temperature)` (what [`Model::log_prob_entropy`]
+    ///   computes at the same temperature; e.g. `−c·w_t` for a bonus `−c·Σ_t w_t·H_t`), per
+    ///   position like `coeffs` (`batch · seq`, finite, 0 at padding). The loss head then
+    ///   makes, per token, with `p_t = softmax(logits_t / T)`,
+    ///
+    ///   ```text
+    ///   ∂L/∂logits_t = coeffs[t]/T · (onehot(targets[t]) − p_t)
+    ///                − entropy_coeffs[t] · p_t·(ln p_t + H_t)/T
+    ///   ```
+    ///
+    ///   ([`Backend::log_prob_backward`], then [`Backend::entropy_backward`] adding to it).
+    ///   A head chunk runs when any of its log-prob or entropy coefficients is nonzero.
+    ///   `None` is the same as all zeros, without the upload or the extra pass.
     ///
     /// # Errors
-    /// As [`Model::backward_from_log_prob_grads`], and `d_embeds` not a whole number of rows.
+    /// As [`Model::backward_from_log_prob_grads`]; `d_embeds` not a whole number of rows;
+    /// `entropy_coeffs` checked as `coeffs` (length, finite, 0 at padding), and non-finite
+    /// logits at a token with a nonzero entropy coefficient.
     #[allow(clippy::too_many_arguments)]
     pub fn backward_from_log_prob_grads_with(
         &self,
@@ -114,6 +168,7 @@ impl<B: Backend> Model<B> {
         temperature: f32,
         grads: &mut Grads<B>,
         embeds: Option<EmbedGrad<'_, B>>,
+        entropy_coeffs: Option<&[f32]>,
     ) -> Result<(), ModelError> {
         let n = inputs.check(&self.spec)?;
         if acts.shape() != (inputs.batch, inputs.seq) {
@@ -125,39 +180,25 @@ impl<B: Backend> Model<B> {
         let vocab = self.spec.vocab;
         check_targets(targets, n, vocab)?;
         check_temperature(temperature)?;
-        if coeffs.len() != n {
-            return Err(ModelError::InputLength {
-                what: "coeffs",
-                expected: n,
-                actual: coeffs.len(),
-            });
-        }
-        for (t, (&c, &m)) in coeffs.iter().zip(inputs.attention_mask).enumerate() {
-            if !c.is_finite() {
-                return Err(ModelError::InvalidValue {
-                    what: format!("coeffs[{t}]"),
-                    value: f64::from(c),
-                    expected: "finite",
-                });
-            }
-            if m == 0 && c != 0.0 {
-                return Err(ModelError::InvalidValue {
-                    what: format!("coeffs[{t}] (a padding position, attention_mask = 0)"),
-                    value: f64::from(c),
-                    expected: "0 at padding positions",
-                });
-            }
+        check_coeffs("coeffs", coeffs, inputs.attention_mask, n)?;
+        if let Some(ec) = entropy_coeffs {
+            check_coeffs("entropy_coeffs", ec, inputs.attention_mask, n)?;
         }
         let be = &self.backend;
         let mut active = Vec::with_capacity(acts.targets.len());
         for ((start, rows), ids) in head_chunks(n, acts.chunk_rows).zip(&mut acts.targets) {
             be.upload_ids(&targets[start..start + rows], ids)?;
-            active.push(coeffs[start..start + rows].iter().any(|&c| c != 0.0));
+            let nonzero = |c: &[f32]| c[start..start + rows].iter().any(|&c| c != 0.0);
+            active.push(nonzero(coeffs) || entropy_coeffs.is_some_and(nonzero));
         }
         be.upload(coeffs, ViewMut::whole(&mut acts.coeffs))?;
+        if let Some(ec) = entropy_coeffs {
+            be.upload(ec, ViewMut::whole(&mut acts.entropy_coeffs))?;
+        }
         let head = HeadGrad::LogProb {
             temperature,
             active: &active,
+            entropy: entropy_coeffs.is_some(),
         };
         self.backward_impl(inputs, acts, head, grads, embeds)
     }

@@ -355,11 +355,13 @@ impl<B: Backend> VlModel<B> {
     }
 
     /// Backward of [`Self::forward`] (run with `keep = true`) from per-token `∂L/∂logπ`
-    /// (`coeffs`, as [`Model::backward_from_log_prob_grads`]): the training step's backward.
+    /// (`coeffs`, as [`Model::backward_from_log_prob_grads`]) and, when given, per-token
+    /// `∂L/∂H` of an entropy term (`entropy_coeffs`, as
+    /// [`Model::backward_from_log_prob_grads_with`]): the training step's backward.
     /// `vision_grads`: `None` for a frozen tower (no tower backward at all).
     ///
     /// # Errors
-    /// As [`Model::backward_from_log_prob_grads`] and [`VisionTower::backward`].
+    /// As [`Model::backward_from_log_prob_grads_with`] and [`VisionTower::backward`].
     #[allow(clippy::too_many_arguments)]
     pub fn backward_from_log_prob_grads(
         &self,
@@ -371,6 +373,7 @@ impl<B: Backend> VlModel<B> {
         temperature: f32,
         lm_grads: &mut Grads<B>,
         vision_grads: Option<&mut VisionGrads<B>>,
+        entropy_coeffs: Option<&[f32]>,
     ) -> Result<(), ModelError> {
         let frozen = vision_grads.is_none();
         self.backward_through(vl, vision_grads, |embeds| {
@@ -384,6 +387,7 @@ impl<B: Backend> VlModel<B> {
                 temperature,
                 lm_grads,
                 embeds,
+                entropy_coeffs,
             )
         })
     }

@@ -151,8 +151,9 @@ impl<B: Backend> Actor<B> {
         }
     }
 
-    /// Backward of [`Actor::forward`] from per-token `∂L/∂logπ` (`coeffs`), adding into
-    /// `grads` and, for an unfrozen tower, into `tower`.
+    /// Backward of [`Actor::forward`] from per-token `∂L/∂logπ` (`coeffs`) and, when given,
+    /// per-token `∂L/∂H` of an entropy term (`entropy_coeffs`, same layout and padding rule
+    /// as `coeffs`), adding into `grads` and, for an unfrozen tower, into `tower`.
     ///
     /// # Errors
     /// The model's.
@@ -167,6 +168,7 @@ impl<B: Backend> Actor<B> {
         temperature: f32,
         grads: &mut Grads<B>,
         tower: Option<&mut TowerTraining<B>>,
+        entropy_coeffs: Option<&[f32]>,
     ) -> Result<(), TrainError> {
         match (self, &pass.0) {
             (Actor::Vision(m), Some(vl)) => {
@@ -180,15 +182,18 @@ impl<B: Backend> Actor<B> {
                     temperature,
                     grads,
                     tower.map(|t| &mut t.grads),
+                    entropy_coeffs,
                 )?;
             }
-            _ => self.lm().backward_from_log_prob_grads(
+            _ => self.lm().backward_from_log_prob_grads_with(
                 inputs,
                 acts,
                 targets,
                 coeffs,
                 temperature,
                 grads,
+                None,
+                entropy_coeffs,
             )?,
         }
         Ok(())

@@ -104,6 +104,7 @@ pub fn sft_step<B: Backend>(
             1.0,
             &mut opt.grads,
             opt.tower.as_mut(),
+            None,
         )?;
     }
     opt.steps += 1;

@@ -191,6 +191,7 @@ pub fn ppo_update<B: Backend>(
                         temperature,
                         &mut opt.grads,
                         opt.tower.as_mut(),
+                        None,
                     )?;
                     acc.pg_loss += loss.pg_loss;
                     acc.kl_loss += loss.kl_loss;
