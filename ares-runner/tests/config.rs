@@ -529,11 +529,14 @@ fn example_configs_load() {
             "bench_grpo_step.yaml",
             "cispo.yaml",
             "clip_cov.yaml",
+            "dapo_overlong.yaml",
+            "forking_tokens.yaml",
             "grpo_lambda.yaml",
             "gspo.yaml",
             "kl_cov.yaml",
             "pro_max.yaml",
-            "rubric.yaml"
+            "rubric.yaml",
+            "target_entropy.yaml"
         ]
     );
 }
@@ -542,6 +545,15 @@ fn example_configs_load() {
 fn example_configs_select_their_method() {
     let load_example =
         |name: &str| Config::load(Some(&examples_dir().join(name)), &[]).expect(name);
+    let forking = load_example("forking_tokens.yaml");
+    assert!(forking.worker.actor.forking_tokens.enable);
+    assert_eq!(forking.worker.actor.forking_tokens.rho, 0.2);
+    let target = load_example("target_entropy.yaml");
+    assert_eq!(target.worker.actor.entropy_bonus.target, Some(0.2));
+    assert!(target.worker.actor.entropy_bonus.active());
+    let overlong = load_example("dapo_overlong.yaml");
+    assert!(overlong.worker.reward.overlong_buffer.enable);
+    assert_eq!(overlong.worker.reward.overlong_buffer.len, 1024);
     let ares = load_example("ares_math.yaml");
     assert!(ares.algorithm.entropy_reward.enable && ares.data.bootstrap);
     assert_eq!(ares.algorithm.kl_ctrl, KlCtrl::DualAscent);

@@ -527,3 +527,151 @@ fn dapo_overlong_penalty_trains_two_steps() {
     .unwrap_err();
     assert!(err.contains("worker.reward.overlong_buffer.len"), "{err}");
 }
+
+/// Forking tokens (docs/algorithms.md §16.1): two steps train with the kept fraction at
+/// ⌈ρ·N⌉/N and a threshold reported; ρ = 1 keeps every token, so its run equals a run
+/// without the option, metric for metric; ρ = 0.2 changes the update; ρ outside (0, 1] is an
+/// error naming the key.
+#[test]
+fn forking_tokens_train_two_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let on = ["worker.actor.forking_tokens.enable=true"];
+    let lines = run(dir.path(), "forking", &on);
+    assert_eq!(lines.len(), 2);
+    assert_finite(&lines);
+    for l in &lines {
+        // exactly ⌈0.2·N⌉ of the step's N response tokens (8 rows: 2 prompts × n = 4)
+        let valid = (8.0 * num(l, "response_length/mean")).round();
+        let kept = num(l, "forking/kept_frac") * valid;
+        assert!(
+            (kept - (0.2 * valid).ceil()).abs() < 1e-3,
+            "{kept} of {valid}: {l:?}"
+        );
+        assert!(num(l, "forking/entropy_threshold") > 0.0, "{l:?}");
+    }
+    let strip = |lines: Vec<Map<String, Value>>| -> Vec<Map<String, Value>> {
+        deterministic(lines)
+            .into_iter()
+            .map(|l| {
+                l.into_iter()
+                    .filter(|(k, _)| !k.starts_with("forking/"))
+                    .collect()
+            })
+            .collect()
+    };
+    let all = run(
+        dir.path(),
+        "forking-all",
+        &[
+            "worker.actor.forking_tokens.enable=true",
+            "worker.actor.forking_tokens.rho=1",
+        ],
+    );
+    assert_eq!(num(&all[0], "forking/kept_frac"), 1.0);
+    let plain = run(dir.path(), "plain", &[]);
+    assert_eq!(
+        strip(all),
+        strip(plain.clone()),
+        "ρ = 1 must equal no forking"
+    );
+    assert_ne!(
+        num(&lines[1], "actor/grad_norm"),
+        num(&plain[1], "actor/grad_norm"),
+        "ρ = 0.2 must change the update"
+    );
+    let a = assets(&dir.path().join("assets"));
+    let err = config(
+        &a,
+        &dir.path().join("bad"),
+        &["worker.actor.forking_tokens.rho=1.5"],
+    )
+    .unwrap_err();
+    assert!(err.contains("worker.actor.forking_tokens.rho"), "{err}");
+}
+
+/// The entropy bonus (docs/algorithms.md §16.2). A fixed coefficient changes the update and
+/// reports `actor/entropy_loss = −c·actor/entropy`. With a target above the batch entropy
+/// the controller raises the coefficient by `lr·(target − H̄)` from the step's mean entropy
+/// and stays within its bounds; 2 + resume + 2 steps equal 4 (the coefficient is in
+/// `trainer_state.json`); bad keys are errors naming them.
+#[test]
+fn entropy_bonus_fixed_and_target_train_and_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixed = run(
+        dir.path(),
+        "fixed",
+        &["worker.actor.entropy_bonus.coef=0.05"],
+    );
+    assert_finite(&fixed);
+    let plain = run(dir.path(), "plain", &[]);
+    for l in &fixed {
+        assert_eq!(num(l, "actor/entropy_coef"), 0.05);
+        let (h, loss) = (num(l, "actor/entropy"), num(l, "actor/entropy_loss"));
+        assert!(h > 0.0 && (loss + 0.05 * h).abs() < 1e-9, "{l:?}");
+    }
+    assert_ne!(
+        num(&fixed[0], "actor/grad_norm"),
+        num(&plain[0], "actor/grad_norm"),
+        "the bonus must change the gradient"
+    );
+
+    let target = [
+        "worker.actor.entropy_bonus.target=5.0",
+        "worker.actor.entropy_bonus.lr=0.001",
+        "worker.actor.entropy_bonus.max_coef=0.1",
+    ];
+    let a = assets(&dir.path().join("assets"));
+    let with = |run: &str, extra: &[&str]| {
+        let mut o: Vec<&str> = target.to_vec();
+        o.extend_from_slice(extra);
+        config(&a, &dir.path().join(run), &o).unwrap()
+    };
+    let straight = trainer(with("straight", &["trainer.max_steps=4"]))
+        .unwrap()
+        .run()
+        .unwrap();
+    let want = deterministic(read_metrics(&straight.metrics).unwrap());
+    // step 1 uses the starting 0; each step adds 0.001·(5 − H̄) with H̄ the step's entropy
+    assert_eq!(num(&want[0], "actor/entropy_coef"), 0.0);
+    for k in 1..4 {
+        let step = 0.001 * (5.0 - num(&want[k - 1], "entropy/mean"));
+        let got = num(&want[k], "actor/entropy_coef") - num(&want[k - 1], "actor/entropy_coef");
+        assert!((got - step).abs() < 1e-9, "step {k}: {got} vs {step}");
+    }
+    trainer(with("resumed", &["trainer.max_steps=2"]))
+        .unwrap()
+        .run()
+        .unwrap();
+    let resumed = trainer(with(
+        "resumed",
+        &["trainer.max_steps=4", "trainer.resume=true"],
+    ))
+    .unwrap()
+    .run()
+    .unwrap();
+    let got = deterministic(read_metrics(&resumed.metrics).unwrap());
+    assert_eq!(
+        got, want,
+        "2 + resume + 2 must equal 4 with the controller's state"
+    );
+
+    for (key, bad) in [
+        ("worker.actor.entropy_bonus.target", "-0.1"),
+        ("worker.actor.entropy_bonus.coef", "-1"),
+        ("worker.actor.entropy_bonus.max_coef", "-1"),
+    ] {
+        let e = config(&a, &dir.path().join("bad"), &[&format!("{key}={bad}")]).unwrap_err();
+        assert!(e.contains(key), "{e}");
+    }
+    // a starting coefficient outside the controller's bounds
+    let e = config(
+        &a,
+        &dir.path().join("bad"),
+        &[
+            "worker.actor.entropy_bonus.target=0.5",
+            "worker.actor.entropy_bonus.coef=0.5",
+        ],
+    )
+    .unwrap_err();
+    assert!(e.contains("worker.actor.entropy_bonus.coef"), "{e}");
+}

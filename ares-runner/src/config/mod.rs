@@ -44,9 +44,9 @@ pub use data::DataConfig;
 pub use error::ConfigError;
 pub use trainer::{Device, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig, TrainerConfig};
 pub use worker::{
-    ActorConfig, GradedPromptConfig, IsCorrection, LossAggMode, LrScheduler, OptimConfig,
-    PolicyLoss, RefConfig, RewardConfig, RewardType, RolloutConfig, RubricGrader, RubricSchedule,
-    WorkerConfig,
+    ActorConfig, EntropyBonusConfig, ForkingTokensConfig, GradedPromptConfig, IsCorrection,
+    LossAggMode, LrScheduler, OptimConfig, PolicyLoss, RefConfig, RewardConfig, RewardType,
+    RolloutConfig, RubricGrader, RubricSchedule, WorkerConfig,
 };
 
 use tree::Override;

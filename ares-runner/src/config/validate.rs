@@ -496,7 +496,48 @@ fn validate_actor(a: &ActorConfig) -> Result<(), ConfigError> {
         o.weight_decay >= 0.0,
         ">= 0",
     )?;
-    within(&format!("{P}.optim.min_lr_ratio"), o.min_lr_ratio, 0.0, 1.0)
+    within(&format!("{P}.optim.min_lr_ratio"), o.min_lr_ratio, 0.0, 1.0)?;
+    let f = &a.forking_tokens;
+    real(
+        &format!("{P}.forking_tokens.rho"),
+        f.rho,
+        f.rho > 0.0 && f.rho <= 1.0,
+        "in (0, 1]",
+    )?;
+    let e = &a.entropy_bonus;
+    real(
+        &format!("{P}.entropy_bonus.coef"),
+        e.coef,
+        e.coef >= 0.0,
+        ">= 0",
+    )?;
+    if let Some(t) = e.target {
+        real(&format!("{P}.entropy_bonus.target"), t, t >= 0.0, ">= 0")?;
+    }
+    real(&format!("{P}.entropy_bonus.lr"), e.lr, e.lr >= 0.0, ">= 0")?;
+    real(
+        &format!("{P}.entropy_bonus.min_coef"),
+        e.min_coef,
+        e.min_coef >= 0.0,
+        ">= 0",
+    )?;
+    real(
+        &format!("{P}.entropy_bonus.max_coef"),
+        e.max_coef,
+        e.max_coef >= e.min_coef,
+        ">= entropy_bonus.min_coef",
+    )?;
+    if e.target.is_some() && !(e.min_coef..=e.max_coef).contains(&e.coef) {
+        return Err(ConfigError::Inconsistent {
+            key: format!("{P}.entropy_bonus.coef"),
+            value: e.coef.to_string(),
+            reason: format!(
+                "the controller's starting value must lie in [min_coef, max_coef] = [{}, {}]",
+                e.min_coef, e.max_coef
+            ),
+        });
+    }
+    Ok(())
 }
 
 fn validate_rollout(r: &RolloutConfig) -> Result<(), ConfigError> {

@@ -214,6 +214,72 @@ pub struct ActorConfig {
     /// Vision-language models: keep the vision tower's weights fixed (no tower backward,
     /// no tower optimizer state). EasyR1's default, false, trains it.
     pub freeze_vision_tower: bool,
+    /// Forking-token policy gradient (docs/algorithms.md §16.1): the policy gradient only on
+    /// the batch's highest-entropy response tokens.
+    pub forking_tokens: ForkingTokensConfig,
+    /// Entropy bonus `−c·agg(H_t)` in the loss, fixed or held at a target entropy
+    /// (docs/algorithms.md §16.2).
+    pub entropy_bonus: EntropyBonusConfig,
+}
+
+/// `worker.actor.forking_tokens` ("Beyond the 80/20 rule", 2025).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ForkingTokensConfig {
+    /// Keep the policy gradient only on the top-ρ tokens by entropy (default false).
+    pub enable: bool,
+    /// ρ, the kept fraction of the step's response tokens, in (0, 1] (default 0.2, the
+    /// paper's). Ties at the threshold are broken by position (earlier rows and tokens
+    /// first), so the kept count is exactly `⌈ρ·N⌉`.
+    pub rho: f64,
+}
+
+impl Default for ForkingTokensConfig {
+    fn default() -> Self {
+        ForkingTokensConfig {
+            enable: false,
+            rho: ares_core::forking::DEFAULT_FORKING_RHO,
+        }
+    }
+}
+
+/// `worker.actor.entropy_bonus`: the loss gains `−coef·agg(H_t)` over the response tokens
+/// (verl's `actor.entropy_coeff`); with `target` set, `coef` is the controller's starting
+/// value and is moved each step by `lr·(target − H̄)`, clamped to `[min_coef, max_coef]`,
+/// where H̄ is the step's mean token entropy (docs/algorithms.md §16.2).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EntropyBonusConfig {
+    /// The coefficient c, ≥ 0 (default 0: no bonus unless `target` is set).
+    pub coef: f64,
+    /// Target mean token entropy in nats, ≥ 0 (default null: a fixed coefficient).
+    pub target: Option<f64>,
+    /// Controller step: coefficient change per nat of entropy error per step, ≥ 0
+    /// (default 0.001).
+    pub lr: f64,
+    /// Lower bound of the coefficient, ≥ 0 (default 0).
+    pub min_coef: f64,
+    /// Upper bound, ≥ `min_coef` (default 0.005, Skywork-OR1's).
+    pub max_coef: f64,
+}
+
+impl Default for EntropyBonusConfig {
+    fn default() -> Self {
+        EntropyBonusConfig {
+            coef: 0.0,
+            target: None,
+            lr: ares_core::entropy_bonus::DEFAULT_ENTROPY_COEFF_LR,
+            min_coef: 0.0,
+            max_coef: ares_core::entropy_bonus::DEFAULT_ENTROPY_COEFF_MAX,
+        }
+    }
+}
+
+impl EntropyBonusConfig {
+    /// Whether the loss has an entropy term (a nonzero fixed coefficient, or a target).
+    pub fn active(&self) -> bool {
+        self.coef != 0.0 || self.target.is_some()
+    }
 }
 
 impl Default for ActorConfig {
@@ -241,6 +307,8 @@ impl Default for ActorConfig {
             is_threshold_high: 5.0,
             optim: OptimConfig::default(),
             freeze_vision_tower: false,
+            forking_tokens: ForkingTokensConfig::default(),
+            entropy_bonus: EntropyBonusConfig::default(),
         }
     }
 }

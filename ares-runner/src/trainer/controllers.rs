@@ -9,6 +9,7 @@ use ares_core::difficulty::{
     BucketController, BucketState, Difficulty, DifficultyConfig, PerBucket,
 };
 use ares_core::entropy::ThresholdEma;
+use ares_core::entropy_bonus::{EntropyCoefController, EntropyCoefState};
 use ares_core::kl::{AdaptiveKlController, KlController};
 use serde::{Deserialize, Serialize};
 
@@ -28,6 +29,8 @@ pub struct AresState {
     pub kl: KlControl,
     /// Last bucket of each prompt, by `global_id`.
     pub difficulty: BTreeMap<String, Difficulty>,
+    /// The entropy bonus's coefficient (`None`: no bonus).
+    pub entropy_coef: Option<EntropyCoefController<f64>>,
 }
 
 /// One bucket in a snapshot.
@@ -52,6 +55,10 @@ pub struct AresSnapshot {
     pub adaptive_kl: Option<f64>,
     /// Difficulty name of each prompt seen.
     pub difficulty: BTreeMap<String, String>,
+    /// The entropy bonus's coefficient for the next step (absent in checkpoints of runs
+    /// without the bonus, and of versions before it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entropy_coef: Option<f64>,
 }
 
 impl AresState {
@@ -65,6 +72,7 @@ impl AresState {
             buckets: BucketController::new(settings.difficulty)?,
             kl: settings.kl.control,
             difficulty: BTreeMap::new(),
+            entropy_coef: settings.entropy_bonus,
         })
     }
 
@@ -110,6 +118,23 @@ impl AresState {
         Ok(())
     }
 
+    /// The entropy bonus's coefficient in force, then moves it toward the target from the
+    /// step's mean token entropy `mean_entropy` (docs/algorithms.md §16.2); `None` without
+    /// a bonus.
+    ///
+    /// # Errors
+    /// A mean entropy that is not finite and ≥ 0.
+    pub fn use_entropy_coef(&mut self, mean_entropy: f64) -> Result<Option<f64>, TrainError> {
+        match &mut self.entropy_coef {
+            Some(c) => {
+                let used = c.coef;
+                c.update(mean_entropy)?;
+                Ok(Some(used))
+            }
+            None => Ok(None),
+        }
+    }
+
     /// The serialisable snapshot.
     pub fn snapshot(&self) -> AresSnapshot {
         let buckets = Difficulty::ALL
@@ -138,6 +163,7 @@ impl AresState {
                 .iter()
                 .map(|(k, d)| (k.clone(), d.name().to_string()))
                 .collect(),
+            entropy_coef: self.entropy_coef.map(|c| c.coef),
         }
     }
 
@@ -172,6 +198,17 @@ impl AresState {
             (&mut state.kl, snapshot.adaptive_kl)
         {
             *c = AdaptiveKlController::new(v, c.target(), c.horizon())?;
+        }
+        match (&mut state.entropy_coef, snapshot.entropy_coef) {
+            (Some(c), Some(coef)) => c.restore(EntropyCoefState { coef })?,
+            (Some(_), None) => {
+                return Err(TrainError::Invalid(
+                    "trainer_state.json has no entropy_coef, but worker.actor.entropy_bonus is \
+                     on: the checkpoint was written by a run without the bonus"
+                        .into(),
+                ));
+            }
+            _ => {}
         }
         for (id, name) in &snapshot.difficulty {
             let d = Difficulty::from_name(name).ok_or_else(|| {

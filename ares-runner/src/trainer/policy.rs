@@ -78,6 +78,9 @@ pub struct MicroBatch<'a> {
     pub logp_rollout: Option<&'a [f32]>,
     /// Token advantages.
     pub advantages: &'a [f32],
+    /// Forking-token mask, 1 where the policy gradient is kept (`None`: every token;
+    /// docs/algorithms.md §16.1).
+    pub forking: Option<&'a [f32]>,
 }
 
 /// Loss values and metrics of one micro-batch (already multiplied by `scale`).
@@ -97,6 +100,11 @@ pub struct MicroLoss {
     pub selected_frac: f64,
     /// Valid tokens.
     pub tokens: usize,
+    /// With an entropy bonus: the micro-batch's share of `agg(H)` (0 otherwise; filled by
+    /// the caller, see [`entropy_bonus`]).
+    pub entropy: f64,
+    /// With an entropy bonus: its loss term `−c·agg(H)` share (0 otherwise).
+    pub entropy_loss: f64,
 }
 
 /// `scale` of a micro-batch (see the module docs): its valid tokens and non-empty rows
@@ -156,6 +164,11 @@ pub fn micro_loss(
         }
         Objective::KlCov(params) => kl_cov_loss(&input, config, &params, &mut scratch, coeffs)?,
     };
+    // forking tokens restrict the policy gradient only: the loss value, the clip metrics
+    // and the KL term still see every token (docs/algorithms.md §16.1)
+    if let Some(keep) = batch.forking {
+        ares_core::forking::mask_token_gradient(coeffs, keep)?;
+    }
     let mut kl_loss = 0.0f64;
     if let Some(kl) = kl {
         let len = coeffs.len();
@@ -200,7 +213,34 @@ pub fn micro_loss(
         ppo_kl: f64::from(out.approx_kl),
         selected_frac: f64::from(out.selected_frac),
         tokens: out.valid_tokens,
+        entropy: 0.0,
+        entropy_loss: 0.0,
     })
+}
+
+/// The entropy bonus of one micro-batch (docs/algorithms.md §16.2): the loss term
+/// `−coef·agg(H_t)` over the response tokens, aggregated like the policy loss, times the
+/// micro-batch's `scale`. Writes `∂L/∂H_t` to `grad` (0 on padding) — what the model's loss
+/// head turns into `∂L/∂logits` through `∂H/∂logits` — and returns `scale·agg(H)`, the
+/// micro-batch's share of the mini-batch's entropy (the term's value is `−coef` times it).
+///
+/// # Errors
+/// Lengths, a mask not 0/1, no valid token, a non-finite entropy at a valid token.
+pub fn entropy_bonus(
+    shape: Shape,
+    entropies: &[f32],
+    mask: &[f32],
+    agg: LossAggMode,
+    coef: f32,
+    scale: f32,
+    grad: &mut [f32],
+) -> Result<f64, TrainError> {
+    grad.fill(-coef);
+    let mean = aggregate_term(shape, entropies, grad, mask, agg)?;
+    for g in grad.iter_mut() {
+        *g *= scale;
+    }
+    Ok(f64::from(mean) * f64::from(scale))
 }
 
 #[cfg(test)]
@@ -221,6 +261,7 @@ mod tests {
             logp_old: &logp,
             logp_rollout: None,
             advantages: &adv,
+            forking: None,
         };
         let mut c = [0.0f32; 4];
         let out = micro_loss(
@@ -254,6 +295,7 @@ mod tests {
             logp_old: &logp,
             logp_rollout: None,
             advantages: &[0.0],
+            forking: None,
         };
         let kl = KlLoss {
             estimator: KlEstimator::K3,
@@ -278,6 +320,99 @@ mod tests {
         // d k3/d logπ = 1 − e^{ref − logπ} = 1 − e^{−0.5}
         let want = 2.0 * (1.0 - (-0.5f32).exp());
         assert!((c[0] - want).abs() < 1e-5, "{c:?} vs {want}");
+    }
+
+    #[test]
+    fn forking_mask_drops_the_policy_gradient_but_not_the_kl() {
+        // two tokens, on-policy: without the mask dL/dlogπ = −A/2 + KL gradient on each
+        let shape = Shape { rows: 1, cols: 2 };
+        let logp = [-1.0f32, -2.0];
+        let refp = [-1.5f32, -2.0];
+        let keep = [0.0f32, 1.0];
+        let batch = |forking| MicroBatch {
+            shape,
+            mask: &[1.0, 1.0],
+            logp: &logp,
+            logp_old: &logp,
+            logp_rollout: None,
+            advantages: &[1.0, 1.0],
+            forking,
+        };
+        let kl = KlLoss {
+            estimator: KlEstimator::K3,
+            beta: &[2.0],
+            hwe_mask: None,
+            low_ratio: 0.5,
+            logp_ref: &refp,
+        };
+        let run = |forking| {
+            let mut c = [0.0f32; 2];
+            let out = micro_loss(
+                &batch(forking),
+                &PolicyLossConfig::default(),
+                &Objective::Ppo,
+                0,
+                Some(&kl),
+                1.0,
+                &mut c,
+            )
+            .unwrap();
+            (c, out)
+        };
+        let (full, full_out) = run(None);
+        let (kept, kept_out) = run(Some(&keep));
+        // token 0 keeps only its KL gradient: β·(1 − e^{ref − logπ})/2 (token-mean over 2)
+        let kl0 = 2.0 * (1.0 - (-0.5f32).exp()) / 2.0;
+        assert!((kept[0] - kl0).abs() < 1e-6, "{kept:?}");
+        assert!((full[0] - (kl0 - 0.5)).abs() < 1e-6, "{full:?}");
+        // token 1 (kept, no KL since ref = logπ) is unchanged
+        assert_eq!(kept[1], full[1]);
+        assert!((kept[1] + 0.5).abs() < 1e-6);
+        // the loss values still see every token
+        assert_eq!(kept_out.pg_loss, full_out.pg_loss);
+        assert_eq!(kept_out.kl_loss, full_out.kl_loss);
+    }
+
+    #[test]
+    fn entropy_bonus_is_minus_coef_over_tokens() {
+        // token-mean over 3 valid tokens: ∂(−c·mean H)/∂H_t = −c/3, scaled by the share 0.5
+        let shape = Shape { rows: 2, cols: 2 };
+        let h = [0.6f32, 0.3, 0.9, f32::NAN];
+        let mask = [1.0, 1.0, 1.0, 0.0];
+        let mut g = [7.0f32; 4];
+        let mean =
+            entropy_bonus(shape, &h, &mask, LossAggMode::TokenMean, 0.01, 0.5, &mut g).unwrap();
+        assert!((mean - 0.5 * 0.6).abs() < 1e-6, "{mean}");
+        for (got, want) in g.iter().zip([-0.01 / 6.0, -0.01 / 6.0, -0.01 / 6.0, 0.0]) {
+            assert!((got - want).abs() < 1e-9, "{g:?}");
+        }
+        // seq-mean-token-mean: row 0 has 2 tokens, row 1 one; each row weighs 1/2
+        let mean = entropy_bonus(
+            shape,
+            &h,
+            &mask,
+            LossAggMode::SeqMeanTokenMean,
+            0.01,
+            1.0,
+            &mut g,
+        )
+        .unwrap();
+        assert!((mean - (0.45 + 0.9) / 2.0).abs() < 1e-6, "{mean}");
+        assert!((g[0] + 0.01 / 4.0).abs() < 1e-9 && (g[2] + 0.01 / 2.0).abs() < 1e-9);
+        // a NaN entropy at a valid token is an error
+        let bad = [0.6f32, f32::NAN, 0.9, 0.0];
+        assert!(
+            entropy_bonus(
+                shape,
+                &bad,
+                &mask,
+                LossAggMode::TokenMean,
+                0.01,
+                1.0,
+                &mut g
+            )
+            .is_err()
+        );
     }
 
     #[test]
@@ -323,6 +458,7 @@ mod tests {
                     logp_old: &old[s.clone()],
                     logp_rollout: None,
                     advantages: &adv[s],
+                    forking: None,
                 },
                 m.iter().filter(|&&x| x != 0.0).count(),
                 m.chunks(cols).filter(|r| r.contains(&1.0)).count(),

@@ -266,6 +266,51 @@ pub struct Prepared {
     pub advantages: Advantages,
     /// Bytes that crossed device → host in this phase.
     pub d2h_bytes: usize,
+    /// The forking-token mask, when forking tokens are on.
+    pub forking: Option<Forking>,
+    /// The entropy bonus's coefficient for this step's update (`None`: no bonus).
+    pub entropy_coef: Option<f64>,
+}
+
+/// The step's forking tokens (docs/algorithms.md §16.1): the response tokens whose policy
+/// gradient is kept.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Forking {
+    /// 1 on a kept token, 0 elsewhere (padding included), `[rows, T]`.
+    pub keep: Vec<f32>,
+    /// Kept over valid tokens.
+    pub kept_fraction: f64,
+    /// The entropy threshold τ_ρ (`None`: no valid token).
+    pub threshold: Option<f64>,
+}
+
+/// The top-ρ tokens of the whole step by the sampler's entropy (the ones the rollout
+/// computed; the paper's batch B is the training batch, and the sampler's entropies are the
+/// behaviour policy's, which is the policy being updated up to the importance ratio).
+fn forking_tokens(batch: &Batch, rho: f32) -> Result<Forking, TrainError> {
+    let entropies = batch.padded(|r| &r.entropies);
+    let mask = &batch.tokens.mask;
+    let mut keep = vec![0.0f32; mask.len()];
+    let mut scratch = vec![0.0f32; mask.len()];
+    let stats =
+        ares_core::forking::forking_token_mask(&entropies, mask, rho, &mut scratch, &mut keep)?;
+    Ok(Forking {
+        keep,
+        kept_fraction: f64::from(stats.fraction),
+        threshold: stats.threshold.map(f64::from),
+    })
+}
+
+/// The mean of `values` over the positions where `mask` is 1 (0 when there are none).
+pub(crate) fn masked_mean(values: &[f32], mask: &[f32]) -> f64 {
+    let (mut sum, mut count) = (0.0f64, 0usize);
+    for (&v, &m) in values.iter().zip(mask) {
+        if m != 0.0 {
+            sum += f64::from(v);
+            count += 1;
+        }
+    }
+    if count == 0 { 0.0 } else { sum / count as f64 }
 }
 
 /// `values` with 0 where `mask` is 0 (padding positions hold whatever the model computed).
@@ -345,6 +390,16 @@ pub fn prepare<B: Backend>(
         &batch.tokens,
         scored.weighted_kl.as_deref(),
     )?;
+    // the bonus's coefficient in force, then its move from this step's mean token entropy
+    // (the sampler's, over the response tokens), for the next step
+    let entropy_coef = state.use_entropy_coef(masked_mean(
+        &batch.padded(|r| &r.entropies),
+        &batch.tokens.mask,
+    ))?;
+    let forking = settings
+        .forking_rho
+        .map(|rho| forking_tokens(batch, rho))
+        .transpose()?;
     let bucket_kl = match &scored.row_mean_kl {
         Some(k) => {
             let bucket_kl = bucket_means(&c.buckets, &group_means(k, n, |&x| f64::from(x)))?;
@@ -365,5 +420,7 @@ pub fn prepare<B: Backend>(
         bucket_kl,
         advantages,
         d2h_bytes: downloads.bytes,
+        forking,
+        entropy_coef,
     })
 }

@@ -10,7 +10,7 @@ use ares_core::kl::KlController;
 
 use super::batch::Batch;
 use super::controllers::AresState;
-use super::prepare::Prepared;
+use super::prepare::{Prepared, masked_mean};
 use super::settings::KlControl;
 use super::update::UpdateReport;
 use crate::metrics::{PhaseTimes, Record};
@@ -37,18 +37,6 @@ pub struct RunCounters {
     pub skipped_updates: u64,
     /// Prompts dropped as solved so far.
     pub dropped_solved: usize,
-}
-
-/// Mean of `values` where `mask` is 1.
-fn masked_mean(values: &[f32], mask: &[f32]) -> f64 {
-    let (mut s, mut k) = (0.0f64, 0usize);
-    for (&v, &m) in values.iter().zip(mask) {
-        if m != 0.0 {
-            s += f64::from(v);
-            k += 1;
-        }
-    }
-    if k == 0 { 0.0 } else { s / k as f64 }
 }
 
 /// The record of step `step` (see the module docs).
@@ -95,6 +83,17 @@ pub fn step_record(
         "entropy/mean",
         masked_mean(&batch.padded(|x| &x.entropies), &batch.tokens.mask),
     );
+
+    if let Some(c) = prep.entropy_coef {
+        r.insert("actor/entropy_coef", c);
+    }
+    // forking tokens: the kept fraction of the response tokens and the entropy threshold
+    if let Some(f) = &prep.forking {
+        r.insert("forking/kept_frac", f.kept_fraction);
+        if let Some(t) = f.threshold {
+            r.insert("forking/entropy_threshold", t);
+        }
+    }
 
     // the controllers: HWE tokens, τ, per-bucket state
     r.insert(

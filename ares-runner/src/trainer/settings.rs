@@ -144,6 +144,12 @@ pub struct StepSettings {
     pub policy: PolicyLossConfig<f32>,
     /// Which policy loss (`worker.actor.policy_loss`).
     pub objective: Objective,
+    /// The entropy bonus's coefficient controller in its starting state (`None`: no bonus).
+    /// A fixed coefficient is a controller with `lr = 0` and bounds `[coef, coef]`.
+    pub entropy_bonus: Option<ares_core::entropy_bonus::EntropyCoefController<f64>>,
+    /// Forking tokens: ρ, the fraction of the step's response tokens that keep their
+    /// policy gradient (`None`: every token).
+    pub forking_rho: Option<f32>,
     /// Whether the sampler's log-probs are needed (importance correction on).
     pub uses_rollout_log_probs: bool,
     /// PPO epochs over each batch.
@@ -422,12 +428,32 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
         filter,
         policy,
         objective,
+        entropy_bonus: entropy_bonus(&actor.entropy_bonus)?,
+        forking_rho: {
+            let f = &actor.forking_tokens;
+            f.enable.then_some(f.rho as f32)
+        },
         uses_rollout_log_probs: is_mode != IsMode::None,
         ppo_epochs: actor.ppo_epochs.max(1),
         mini_batch,
         micro_batch,
         optim,
     })
+}
+
+/// The controller of `worker.actor.entropy_bonus` (`None` when the bonus is off).
+fn entropy_bonus(
+    e: &config::EntropyBonusConfig,
+) -> Result<Option<ares_core::entropy_bonus::EntropyCoefController<f64>>, TrainError> {
+    use ares_core::entropy_bonus::EntropyCoefController;
+    if !e.active() {
+        return Ok(None);
+    }
+    let c = match e.target {
+        Some(target) => EntropyCoefController::new(e.coef, target, e.lr, e.min_coef, e.max_coef),
+        None => EntropyCoefController::new(e.coef, 0.0, 0.0, e.coef, e.coef),
+    };
+    Ok(Some(c?))
 }
 
 /// A warning on stderr (the trainer's log).

@@ -14,7 +14,7 @@ pub type Metrics = std::collections::BTreeMap<String, f64>;
 
 use super::TrainError;
 use super::batch::Batch;
-use super::policy::{KlLoss, MicroBatch, MicroLoss, micro_loss, micro_scale};
+use super::policy::{KlLoss, MicroBatch, MicroLoss, entropy_bonus, micro_loss, micro_scale};
 use super::prepare::Prepared;
 use super::settings::StepSettings;
 use super::tokens::gather_rows;
@@ -32,7 +32,9 @@ pub struct UpdateReport {
     pub skipped: usize,
     /// Averages over the applied mini-batches: `actor/pg_loss`, `actor/kl_loss`,
     /// `actor/grad_norm`, `actor/clipfrac`, `actor/clipfrac_lower`, `actor/ppo_kl`,
-    /// `actor/lr`, and with Clip-Cov / KL-Cov `actor/selected_frac`.
+    /// `actor/lr`, with Clip-Cov / KL-Cov `actor/selected_frac`, and with an entropy bonus
+    /// `actor/entropy` (the aggregated token entropy of the training forward) and
+    /// `actor/entropy_loss` (`−c` times it).
     pub metrics: Metrics,
 }
 
@@ -115,7 +117,7 @@ pub fn ppo_update<B: Backend>(
                         acts,
                         opt.tower.is_some(),
                     )?;
-                    let (logp, _) = super::sequences::response_log_probs_after_forward(
+                    let (logp, entropy) = super::sequences::response_log_probs_after_forward(
                         actor.lm(),
                         acts,
                         &packed,
@@ -125,6 +127,7 @@ pub fn ppo_update<B: Backend>(
                     let mask = g(&batch.tokens.mask);
                     let old = g(&prep.scored.old_logp);
                     let adv = g(&prep.advantages.values);
+                    let forking = prep.forking.as_ref().map(|f| g(&f.keep));
                     let rollout = settings
                         .uses_rollout_log_probs
                         .then(|| g(&prep.rollout_logp));
@@ -139,6 +142,7 @@ pub fn ppo_update<B: Backend>(
                         logp_old: &old,
                         logp_rollout: rollout.as_deref(),
                         advantages: &adv,
+                        forking: forking.as_deref(),
                     };
                     let ref_rows = prep.scored.ref_logp.as_ref().map(|r| g(r));
                     let hwe_rows = prep.scored.hwe_mask.as_ref().map(|h| g(h));
@@ -182,6 +186,30 @@ pub fn ppo_update<B: Backend>(
                         break;
                     }
                     let spread = packed.spread_response(&coeffs);
+                    // the entropy bonus −c·agg(H_t) (docs/algorithms.md §16.2): its gradient
+                    // goes to the loss head as ∂L/∂H_t, beside ∂L/∂logπ_t
+                    let entropy_grad = match prep.entropy_coef {
+                        Some(c) if c != 0.0 => {
+                            let mut d = vec![0.0f32; micro.len() * t];
+                            match entropy_bonus(
+                                shape, &entropy, &mask, agg, c as f32, scale, &mut d,
+                            ) {
+                                Ok(h) => {
+                                    acc.entropy += h;
+                                    acc.entropy_loss -= c * h;
+                                    Some(packed.spread_response(&d))
+                                }
+                                // a non-finite entropy skips the mini-batch, as a
+                                // non-finite loss does
+                                Err(TrainError::Core(ares_core::Error::NonFinite { .. })) => {
+                                    finite = false;
+                                    break;
+                                }
+                                Err(e) => return Err(e),
+                            }
+                        }
+                        _ => None,
+                    };
                     actor.backward_from_log_prob_grads(
                         &packed.inputs(),
                         acts,
@@ -191,7 +219,7 @@ pub fn ppo_update<B: Backend>(
                         temperature,
                         &mut opt.grads,
                         opt.tower.as_mut(),
-                        None,
+                        entropy_grad.as_deref(),
                     )?;
                     acc.pg_loss += loss.pg_loss;
                     acc.kl_loss += loss.kl_loss;
@@ -235,6 +263,10 @@ pub fn ppo_update<B: Backend>(
                         ("actor/lr", lr),
                     ] {
                         *sums.entry(k.into()).or_default() += v;
+                    }
+                    if prep.entropy_coef.is_some() {
+                        *sums.entry("actor/entropy".into()).or_default() += acc.entropy;
+                        *sums.entry("actor/entropy_loss".into()).or_default() += acc.entropy_loss;
                     }
                     if settings.objective.selects_tokens() {
                         *sums.entry("actor/selected_frac".into()).or_default() += acc.selected_frac;
