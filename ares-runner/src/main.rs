@@ -44,9 +44,14 @@ enum Command {
         /// Device: cpu, cuda or auto (overrides `trainer.device`).
         #[arg(long, value_name = "DEVICE")]
         device: Option<String>,
-        /// Method of the built-in demo (no data configured): ares, grpo, grpo-lambda, pro-max.
+        /// Method of the built-in demo (no data configured): ares (default), grpo, grpo-lambda,
+        /// pro-max, gspo, cispo, clip-cov, kl-cov, forking, target-entropy, dapo-overlong.
         #[arg(long, value_enum)]
         method: Option<ares_runner::commands::demo::Method>,
+        /// Which built-in demo (no data configured): text (arithmetic) or vision (counting
+        /// shapes in pictures with a tiny Qwen2.5-VL-style model).
+        #[arg(long, value_enum)]
+        demo: Option<ares_runner::commands::demo::Demo>,
     },
     /// Print the resolved configuration as YAML.
     Config {
@@ -125,6 +130,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             cfg,
             device,
             method,
+            demo,
         } => {
             let mut overrides = cfg.overrides.clone();
             if let Some(d) = &device {
@@ -132,11 +138,11 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             }
             let config = load(&cfg, device.as_deref())?;
             if config.data.train_files.is_none() && cfg.config.is_none() {
-                ares_runner::commands::demo::run(&overrides, method)?;
+                ares_runner::commands::demo::run(&overrides, demo.unwrap_or_default(), method)?;
             } else {
-                if method.is_some() {
+                if method.is_some() || demo.is_some() {
                     return Err(
-                        "--method selects the built-in demo's method; with your own data \
+                        "--method and --demo select the built-in demo; with your own data \
                                 set algorithm.* keys instead"
                             .into(),
                     );

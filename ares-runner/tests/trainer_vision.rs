@@ -229,23 +229,40 @@ fn every_estimator_trains_two_steps_with_images() {
     }
 }
 
-/// Supervised fine-tuning of a vision-language model (text pairs here: the SFT data format
-/// has no media columns yet) lowers the loss and saves a Qwen2.5-VL checkpoint whose tower
-/// was stepped too.
+/// Supervised fine-tuning of a vision-language model on an SFT file with image rows
+/// (EasyR1's `images` column and `<image>` placeholder, read by `read_sft_pairs`) and text
+/// rows lowers the loss and saves a Qwen2.5-VL checkpoint whose language model and tower
+/// were both stepped; a row without its response is an error naming the row and the key.
 #[test]
 fn sft_fine_tunes_a_vision_language_model() {
-    use ares_runner::commands::{SftOptions, run_sft};
-    use ares_runner::data::Prompt;
+    use ares_runner::commands::{SftOptions, read_sft_pairs, run_sft};
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path(), &dir.path().join("run"), &[]);
-    let pairs: Vec<(Prompt, String)> = (0..8)
+    let images =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../ares-model/tests/fixtures/vl/images");
+    let sft = dir.path().join("sft.jsonl");
+    let rows: Vec<String> = (0..8)
         .map(|i| {
-            (
-                Prompt::Text(format!("Tell me a story about {i} cats.")),
-                format!("cats {i}"),
-            )
+            if i % 2 == 0 {
+                serde_json::json!({
+                    "prompt": format!("<image>Count the shapes ({i})."),
+                    "images": [images.join("image_56x84.png").display().to_string()],
+                    "response": format!("shapes {i}"),
+                })
+            } else {
+                serde_json::json!({
+                    "prompt": format!("Tell me a story about {i} cats."),
+                    "response": format!("cats {i}"),
+                })
+            }
+            .to_string()
         })
         .collect();
+    std::fs::write(&sft, rows.join("\n")).unwrap();
+    let pairs = read_sft_pairs(&sft, &cfg).unwrap();
+    assert_eq!(pairs.len(), 8);
+    assert_eq!(pairs[0].0.images.len(), 1);
+    assert_eq!(pairs[0].1, "shapes 0");
     let options = SftOptions {
         epochs: 6,
         batch_size: 4,
@@ -260,4 +277,10 @@ fn sft_fine_tunes_a_vision_language_model() {
     let saved = VlCheckpoint::load(&out).unwrap();
     let initial = VlCheckpoint::load(&model_dir()).unwrap();
     assert_ne!(saved.text, initial.text);
+    assert_ne!(saved.vision, initial.vision, "the tower was not trained");
+
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(&bad, format!("{}\n{{\"prompt\": \"hi\"}}\n", rows[0])).unwrap();
+    let err = read_sft_pairs(&bad, &cfg).unwrap_err().to_string();
+    assert!(err.contains("response") && err.contains("row 1"), "{err}");
 }

@@ -16,7 +16,7 @@ use crate::config::{Config, Device};
 use crate::trainer::eval::format_table;
 use crate::trainer::{TrainError, Trainer};
 
-pub use sft::{SftOptions, SftReport, run_sft, sft};
+pub use sft::{SftOptions, SftReport, read_sft_pairs, run_sft, sft};
 
 /// The backend `trainer.device` selects.
 #[derive(Debug, Clone)]
@@ -102,7 +102,7 @@ pub fn interrupt_flag() -> Result<Arc<AtomicBool>, TrainError> {
 /// Any error of the run, naming what was wrong.
 pub fn train(cfg: Config, overrides: &[String], from_file: bool) -> Result<(), TrainError> {
     if cfg.data.train_files.is_none() && !from_file {
-        return demo::run(overrides, None);
+        return demo::run(overrides, demo::Demo::Text, None);
     }
     let selected = select_backend(&cfg)?;
     crate::with_backend!(selected, b => train_on(cfg, b))

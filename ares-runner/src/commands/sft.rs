@@ -1,18 +1,18 @@
 //! `ares-runner sft`: supervised fine-tuning on prompt/response pairs (the ARES cold-start
 //! stage), saving a Hugging Face model directory the RL run starts from.
 
-use std::io::BufRead;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use crate::backend::Backend;
 use crate::config::Config;
-use crate::data::{Example, Prompt};
-use crate::hf::chat::ChatMessage;
+use crate::data::Example;
 use crate::hf::tensor_files::SaveDtype;
 use crate::metrics::{MetricsWriter, Record};
 use crate::model::AdamW;
 use crate::progress::Progress;
 use crate::trainer::TrainError;
+use crate::trainer::actor::PromptVision;
 use crate::trainer::setup::{
     ModelFiles, adamw_config, build_actor, eos_ids_of, renderer, run_dir, save_actor,
 };
@@ -34,58 +34,19 @@ pub struct SftReport {
     pub output: PathBuf,
 }
 
-/// Reads `prompt`/`response` pairs from a JSONL file (`prompt` as text or chat messages).
+/// Reads supervised pairs from a dataset (JSONL, JSON or Parquet, as RL data): each row's
+/// prompt at `data.prompt_key` (text or chat messages), its images and videos at
+/// `data.image_key` / `data.video_key` (EasyR1's `<image>` placeholders), and the target
+/// response at `sft.response_key`.
 ///
 /// # Errors
-/// Missing file, malformed lines, missing keys — naming file and line.
-pub fn read_pairs(
-    path: &Path,
-    prompt_key: &str,
-    response_key: &str,
-) -> Result<Vec<(Prompt, String)>, TrainError> {
-    let file = std::fs::File::open(path).map_err(|e| TrainError::io(path, e))?;
-    let mut out = Vec::new();
-    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let line = line.map_err(|e| TrainError::io(path, e))?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let at = || format!("{}:{}", path.display(), i + 1);
-        let v: serde_json::Value = serde_json::from_str(&line)
-            .map_err(|e| TrainError::Invalid(format!("{}: malformed JSON: {e}", at())))?;
-        let prompt = match v.get(prompt_key) {
-            Some(serde_json::Value::String(s)) => Prompt::Text(s.clone()),
-            Some(m @ serde_json::Value::Array(_)) => Prompt::Messages(
-                serde_json::from_value::<Vec<ChatMessage>>(m.clone()).map_err(|e| {
-                    TrainError::Invalid(format!("{}: {prompt_key:?} messages: {e}", at()))
-                })?,
-            ),
-            _ => {
-                return Err(TrainError::Invalid(format!(
-                    "{}: no {prompt_key:?} (text or chat messages)",
-                    at()
-                )));
-            }
-        };
-        let response = v
-            .get(response_key)
-            .and_then(serde_json::Value::as_str)
-            .filter(|s| !s.is_empty())
-            .ok_or_else(|| {
-                TrainError::Invalid(format!(
-                    "{}: no {response_key:?} text (sft.response_key)",
-                    at()
-                ))
-            })?;
-        out.push((prompt, response.to_string()));
-    }
-    if out.is_empty() {
-        return Err(TrainError::Invalid(format!(
-            "{}: no examples",
-            path.display()
-        )));
-    }
-    Ok(out)
+/// Missing file, malformed rows, a missing or blank response, bad media — naming file, row
+/// and key.
+pub fn read_sft_pairs(path: &Path, cfg: &Config) -> Result<Vec<(Example, String)>, TrainError> {
+    let keys = crate::data::DataKeys::from_config(&cfg.data);
+    let media = crate::data::MediaKeys::from_config(&cfg.data);
+    crate::data::load_sft_dataset(path, &keys, &cfg.sft.response_key, &media)
+        .map_err(|e| TrainError::Invalid(e.to_string()))
 }
 
 /// SFT options.
@@ -105,8 +66,10 @@ pub struct SftOptions {
     pub seed: u64,
 }
 
-/// Fine-tunes the model of `model_dir` on `pairs` and saves it (with the tokenizer files)
-/// to `output`; one metrics line per step goes to `metrics` when given.
+/// Fine-tunes the model of `model_dir` on `pairs` (prompt row, target response) and saves it
+/// (with the tokenizer and processor files) to `output`; one metrics line per step goes to
+/// `metrics` when given. Pairs that show the same images and videos share one processed copy
+/// of their pixels.
 ///
 /// # Errors
 /// Model, data or I/O errors.
@@ -114,7 +77,7 @@ pub fn run_sft<B: Backend + Clone>(
     cfg: &Config,
     backend: B,
     model_dir: &Path,
-    pairs: &[(Prompt, String)],
+    pairs: &[(Example, String)],
     options: &SftOptions,
     output: &Path,
     metrics: Option<&Path>,
@@ -130,18 +93,26 @@ pub fn run_sft<B: Backend + Clone>(
     })?;
     let mut examples = Vec::with_capacity(pairs.len());
     let mut dropped = 0usize;
-    for (i, (prompt, response)) in pairs.iter().enumerate() {
-        let ex = Example {
-            global_id: format!("sft-{i}"),
-            prompt: prompt.clone(),
-            answer: String::new(),
-            difficulty: None,
-            rubrics: Vec::new(),
-            row: i,
-            images: Vec::new(),
-            videos: Vec::new(),
+    // the same picture in many pairs is processed once (a cold start draws pictures with
+    // replacement; each would otherwise hold its own copy of the pixels)
+    let mut shared: HashMap<String, PromptVision> = HashMap::new();
+    for (ex, response) in pairs {
+        let ids = renderer.ids(ex, None)?;
+        let vision = if ex.has_media() {
+            let key = serde_json::to_string(&(&ex.images, &ex.videos))
+                .map_err(|e| TrainError::Internal(e.to_string()))?;
+            match shared.get(&key) {
+                Some(v) => v.clone(),
+                None => {
+                    let v = renderer.vision(ex)?;
+                    shared.insert(key, v.clone());
+                    v
+                }
+            }
+        } else {
+            None
         };
-        let (p, vision) = renderer.inputs(&ex, None)?;
+        let p = renderer.expand(ex, ids, &vision)?;
         let mut r = renderer
             .tokenizer
             .encode(response, false)
@@ -261,7 +232,7 @@ pub fn sft(cfg: &Config) -> Result<(), TrainError> {
     let model_dir = cfg.worker.actor.model_path.as_deref().ok_or_else(|| {
         TrainError::Invalid("worker.actor.model_path is not set: the model to fine-tune".into())
     })?;
-    let pairs = read_pairs(Path::new(data), &cfg.data.prompt_key, &cfg.sft.response_key)?;
+    let pairs = read_sft_pairs(Path::new(data), cfg)?;
     let out = run_dir(cfg).join("sft");
     let options = SftOptions {
         epochs: cfg.sft.epochs,

@@ -79,6 +79,72 @@ pub fn load_dataset_with_media(
     keys: &DataKeys,
     media: &MediaKeys,
 ) -> Result<Vec<Example>> {
+    let mut examples = Vec::new();
+    for_each_row(
+        path,
+        keys,
+        media,
+        |_| Ok(()),
+        |example, _| {
+            examples.push(example);
+            Ok(())
+        },
+    )?;
+    Ok(examples)
+}
+
+/// Supervised fine-tuning pairs: each row's prompt, images and videos as in
+/// [`load_dataset_with_media`] (same formats, columns and errors), and its target response
+/// from `response_key`, a non-empty string (the [`Example::answer`] is left empty: SFT rows
+/// need no reference answer, and the answer fallbacks are not consulted).
+///
+/// # Errors
+/// As [`load_dataset_with_media`], and a row whose `response_key` is missing, not a string or
+/// blank (naming file, row and key).
+pub fn load_sft_dataset(
+    path: &Path,
+    keys: &DataKeys,
+    response_key: &str,
+    media: &MediaKeys,
+) -> Result<Vec<(Example, String)>> {
+    let keys = DataKeys {
+        answer: response_key.to_owned(),
+        ..keys.clone()
+    };
+    let mut pairs = Vec::new();
+    // the response is checked before the row is built, so that a missing one is named as
+    // such rather than as a missing answer
+    let check = |raw: &RawRow| {
+        let row = raw.value.as_object();
+        match row.and_then(|r| super::keys::lookup(r, response_key)) {
+            Some(serde_json::Value::String(s)) if !s.trim().is_empty() => Ok(()),
+            other => Err(DataError::row(
+                &raw.at,
+                response_key,
+                format!(
+                    "{}, expected the response text (a non-empty string)",
+                    other.map_or("nothing", super::criterion::kind)
+                ),
+            )),
+        }
+    };
+    for_each_row(path, &keys, media, check, |mut example, _| {
+        let response = std::mem::take(&mut example.answer);
+        pairs.push((example, response));
+        Ok(())
+    })?;
+    Ok(pairs)
+}
+
+/// Reads every row of `path` (a file or a directory of files), runs `check` on it, builds
+/// its [`Example`] and hands both to `visit`, checking that `global_id`s are unique.
+fn for_each_row(
+    path: &Path,
+    keys: &DataKeys,
+    media: &MediaKeys,
+    check: impl Fn(&RawRow) -> Result<()>,
+    mut visit: impl FnMut(Example, &RawRow) -> Result<()>,
+) -> Result<()> {
     let meta = std::fs::metadata(path).map_err(|source| DataError::Io {
         path: path.to_path_buf(),
         source,
@@ -88,7 +154,6 @@ pub fn load_dataset_with_media(
     } else {
         vec![path.to_path_buf()]
     };
-    let mut examples = Vec::new();
     let mut seen: HashMap<String, Location> = HashMap::new();
     for file in &files {
         let format =
@@ -106,12 +171,13 @@ pub fn load_dataset_with_media(
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default();
         for raw in &rows {
+            check(raw)?;
             let example = to_example(raw, keys, media, &stem)?;
             check_unique(&mut seen, &example.global_id, raw)?;
-            examples.push(example);
+            visit(example, raw)?;
         }
     }
-    Ok(examples)
+    Ok(())
 }
 
 fn check_unique(seen: &mut HashMap<String, Location>, id: &str, raw: &RawRow) -> Result<()> {
