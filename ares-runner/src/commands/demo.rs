@@ -590,3 +590,40 @@ fn run_on<B: Backend + Clone>(
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::ValueEnum;
+
+    /// Every demo × method gives a valid config that selects what the method says, and
+    /// command-line overrides still apply on top.
+    #[test]
+    fn every_demo_and_method_configures() {
+        for &demo in Demo::value_variants() {
+            for &method in Method::value_variants() {
+                let c = config(demo, method, &[]).unwrap();
+                let name = format!("{}-{}", demo.prefix(), method.name());
+                assert_eq!(c.trainer.experiment_name, name);
+                let a = &c.worker.actor;
+                assert_eq!(a.forking_tokens.enable, method == Method::Forking, "{name}");
+                assert_eq!(
+                    a.entropy_bonus.target.is_some(),
+                    method == Method::TargetEntropy,
+                    "{name}"
+                );
+                assert_eq!(
+                    c.worker.reward.overlong_buffer.enable,
+                    method == Method::DapoOverlong,
+                    "{name}"
+                );
+                let (epochs, lr) = demo.sft_schedule();
+                assert_eq!((c.sft.epochs, c.sft.lr), (epochs, lr), "{name}");
+                assert_eq!(c.data.max_prompt_length, demo.lengths().0, "{name}");
+            }
+        }
+        let c = config(Demo::Vision, Method::Grpo, &["trainer.max_steps=3".into()]).unwrap();
+        assert_eq!(c.trainer.max_steps, Some(3));
+        assert!(config(Demo::Text, Method::Ares, &["nope.key=1".into()]).is_err());
+    }
+}
