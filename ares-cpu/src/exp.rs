@@ -57,6 +57,36 @@ pub(crate) fn exp_nonpositive<const FMA: bool>(x: f32) -> f32 {
     exp2_nonpositive::<FMA>(x * core::f32::consts::LOG2_E)
 }
 
+/// Accumulator slots of [`scaled_row_max`]'s loop (the vectoriser maps them onto SIMD lanes).
+const MAX_LANES: usize = 16;
+
+/// `max_v x_v·scale` of a logits row, or `None` for a row the softmax kernels reject: a NaN
+/// or `+∞` (after scaling) anywhere, or `−∞` everywhere. Written as per-lane compare-selects
+/// so it vectorises in the caller's `target_feature` context (`f32::max`'s NaN rule does not).
+#[inline(always)]
+pub(crate) fn scaled_row_max(x: &[f32], scale: f32) -> Option<f32> {
+    let (mut mx, mut bad) = ([f32::NEG_INFINITY; MAX_LANES], [0u32; MAX_LANES]);
+    let mut chunks = x.chunks_exact(MAX_LANES);
+    let lane = |v: f32, m: &mut f32, b: &mut u32| {
+        let y = v * scale;
+        *m = if y > *m { y } else { *m };
+        // `y < +∞` is false exactly for NaN and +∞.
+        #[allow(clippy::neg_cmp_op_on_partial_ord)] // the NaN case is the point
+        let not_below_inf = !(y < f32::INFINITY);
+        *b |= u32::from(not_below_inf);
+    };
+    for ch in &mut chunks {
+        for ((&v, m), b) in ch.iter().zip(&mut mx).zip(&mut bad) {
+            lane(v, m, b);
+        }
+    }
+    for ((&v, m), b) in chunks.remainder().iter().zip(&mut mx).zip(&mut bad) {
+        lane(v, m, b);
+    }
+    let m = mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    (bad.iter().all(|&b| b == 0) && m != f32::NEG_INFINITY).then_some(m)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,7 +19,7 @@
 //! are not read, so meaningless logits at padding positions never raise an error.
 
 use crate::error::{Error, Result, check_len, product};
-use crate::exp::{EXP2_UNDERFLOW, exp2_nonpositive};
+use crate::exp::{EXP2_UNDERFLOW, exp2_nonpositive, scaled_row_max};
 use ares_core::Error as CoreError;
 use rayon::prelude::*;
 
@@ -149,30 +149,9 @@ fn row_grad_portable<const FMA: bool>(
 ) -> RowOutcome {
     // Base 2: y = x·(log₂e/T), so e^{z−max z} = 2^{y−max y} with an exact range reduction.
     let scale = inv_t * LOG2E;
-    let (mut mx, mut bad) = ([f32::NEG_INFINITY; LANES], [0u32; LANES]);
-    let mut chunks = x.chunks_exact(LANES);
-    for c in &mut chunks {
-        for ((&v, m), b) in c.iter().zip(&mut mx).zip(&mut bad) {
-            let y = v * scale;
-            // A compare-select vectorises (f32::max's NaN rule does not); `y < +∞` is
-            // false exactly for NaN and +∞.
-            *m = if y > *m { y } else { *m };
-            #[allow(clippy::neg_cmp_op_on_partial_ord)] // the NaN case is the point
-            let not_below_inf = !(y < f32::INFINITY);
-            *b |= u32::from(not_below_inf);
-        }
-    }
-    for ((&v, m), b) in chunks.remainder().iter().zip(&mut mx).zip(&mut bad) {
-        let y = v * scale;
-        *m = if y > *m { y } else { *m };
-        #[allow(clippy::neg_cmp_op_on_partial_ord)]
-        let not_below_inf = !(y < f32::INFINITY);
-        *b |= u32::from(not_below_inf);
-    }
-    let m = mx.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    if bad.iter().any(|&b| b != 0) || m == f32::NEG_INFINITY {
+    let Some(m) = scaled_row_max(x, scale) else {
         return RowOutcome::Bad;
-    }
+    };
     if x.get(target).is_none_or(|&v| v == f32::NEG_INFINITY) {
         return RowOutcome::Impossible;
     }
