@@ -675,3 +675,57 @@ fn entropy_bonus_fixed_and_target_train_and_resume() {
     .unwrap_err();
     assert!(e.contains("worker.actor.entropy_bonus.coef"), "{e}");
 }
+
+/// Forking tokens and the entropy bonus together work with every advantage estimator, every
+/// policy loss and every loss aggregation mode: two steps with finite metrics, the kept
+/// fraction reported, the bonus's loss term `−c·entropy`.
+#[test]
+fn controls_work_with_every_estimator_loss_and_aggregation() {
+    let dir = tempfile::tempdir().unwrap();
+    let controls = [
+        "worker.actor.forking_tokens.enable=true",
+        "worker.actor.forking_tokens.rho=0.3",
+        "worker.actor.entropy_bonus.coef=0.01",
+    ];
+    let mut cases: Vec<(String, Vec<String>)> = Vec::new();
+    for est in [
+        "grpo",
+        "dr_grpo",
+        "rloo",
+        "reinforce",
+        "reinforce_baseline",
+        "reinforce_pro_max",
+    ] {
+        cases.push((est.into(), vec![format!("algorithm.adv_estimator={est}")]));
+    }
+    for loss in ["gspo", "gspo_token", "cispo", "clip_cov", "kl_cov"] {
+        cases.push((
+            loss.into(),
+            vec![format!("worker.actor.policy_loss={loss}")],
+        ));
+    }
+    for agg in [
+        "token-sum",
+        "seq-mean-token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum-norm",
+    ] {
+        cases.push((
+            agg.into(),
+            vec![format!("worker.actor.loss_agg_mode={agg}")],
+        ));
+    }
+    for (name, extra) in cases {
+        let mut o: Vec<&str> = controls.to_vec();
+        o.extend(extra.iter().map(String::as_str));
+        o.push("worker.actor.ppo_epochs=2");
+        let lines = run(dir.path(), &name, &o);
+        assert_eq!(lines.len(), 2, "{name}");
+        assert_finite(&lines);
+        for l in &lines {
+            assert!(num(l, "forking/kept_frac") >= 0.3, "{name}: {l:?}");
+            let (h, loss) = (num(l, "actor/entropy"), num(l, "actor/entropy_loss"));
+            assert!(h > 0.0 && (loss + 0.01 * h).abs() < 1e-9, "{name}: {l:?}");
+        }
+    }
+}
