@@ -1,0 +1,38 @@
+"""ares: ares-core's RL math for LLM training over numpy arrays.
+
+Every function takes float32 or float64 numpy arrays (one dtype per call; the outputs have
+it too), reads C-contiguous inputs in place without copying, allocates each output once and
+runs the computation with the GIL released. Groups of samples are given by ``n=``
+(consecutive groups of n rows) or ``uid=`` (one key per row, as verl's ``index``). Bad input
+raises ``ValueError`` with ares-core's message naming the argument.
+"""
+
+from ._ares import (
+    GRPO_EPSILON,
+    __version__,
+    dr_grpo_advantages,
+    grpo_advantages,
+    grpo_token_advantages,
+    masked_whiten,
+    reinforce_baseline_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    reinforce_pro_max,
+    rloo_advantages,
+    rloo_token_advantages,
+)
+
+__all__ = [
+    "GRPO_EPSILON",
+    "__version__",
+    "dr_grpo_advantages",
+    "grpo_advantages",
+    "grpo_token_advantages",
+    "masked_whiten",
+    "reinforce_baseline_advantages",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "reinforce_pro_max",
+    "rloo_advantages",
+    "rloo_token_advantages",
+]
