@@ -12,6 +12,7 @@
 
 mod args;
 mod funcs;
+mod loss;
 
 use pyo3::prelude::*;
 
@@ -20,5 +21,6 @@ use pyo3::prelude::*;
 fn _ares(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("GRPO_EPSILON", ares_core::advantage::GRPO_EPSILON)?;
-    funcs::register(m)
+    funcs::register(m)?;
+    loss::register(m)
 }

@@ -1,6 +1,6 @@
 """Type stubs of the native module (re-exported by ``ares``)."""
 
-from typing import Any, Optional, Sequence, Tuple, TypeVar, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, TypeVar, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -68,3 +68,37 @@ def reinforce_pro_max(
     uniform_std: float = 1e-8,
 ) -> _Arr[_F]: ...
 def masked_whiten(values: _Arr[_F], mask: _Arr[_F]) -> Tuple[_Arr[_F], float, float]: ...
+def policy_loss(
+    logp: _Arr[_F],
+    logp_old: _Arr[_F],
+    advantages: _Arr[_F],
+    mask: _Arr[_F],
+    *,
+    loss_mode: str = "vanilla",
+    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.3,
+    clip_ratio_c: float = 3.0,
+    is_correction: str = "none",
+    is_threshold_low: float = 0.5,
+    is_threshold_high: float = 5.0,
+    logp_rollout: Optional[_Arr[_F]] = None,
+    clip_cov_ratio: float = 2e-4,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    clip_cov_seed: int = 0,
+    kl_cov_ratio: float = 2e-4,
+    ppo_kl_coef: float = 1.0,
+) -> Dict[str, Any]: ...
+def aggregate(values: _Arr[_F], mask: _Arr[_F], loss_agg_mode: str = "token-mean") -> float: ...
+def aggregate_weights(mask: _Arr[_F], loss_agg_mode: str = "token-mean") -> _Arr[_F]: ...
+def token_kl(
+    logp: _Arr[_F],
+    logp_ref: _Arr[_F],
+    mask: _Arr[_F],
+    *,
+    estimator: str = "k3",
+    kl_coef: Union[float, _Arr[_F], None] = None,
+    hwe_mask: Optional[_Arr[_F]] = None,
+    low_ratio: float = 0.5,
+) -> Dict[str, Any]: ...
