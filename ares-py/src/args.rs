@@ -365,3 +365,55 @@ fn uid_keys(func: &str, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     }
     Ok(keys)
 }
+
+/// A 1-D numpy bool input read in place (C-contiguous, no copy).
+pub struct BoolInput<'py> {
+    array: PyReadonlyArrayDyn<'py, bool>,
+}
+
+impl<'py> BoolInput<'py> {
+    /// Checks and borrows `obj`, a 1-D C-contiguous numpy array of dtype bool.
+    pub fn new(func: &str, name: &str, obj: &Bound<'py, PyAny>) -> PyResult<Self> {
+        let arr = obj.cast::<PyUntypedArray>().map_err(|_| {
+            let ty = obj
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_else(|_| "?".into());
+            value_error(format!(
+                "{func}: `{name}` must be a numpy bool array, got {ty}"
+            ))
+        })?;
+        let dt = arr.dtype();
+        if !dt.is_equiv_to(&numpy::dtype::<bool>(obj.py())) {
+            return Err(value_error(format!(
+                "{func}: `{name}` must have dtype bool, got {dt} (pass {name} != 0 or \
+                 {name}.astype(bool))"
+            )));
+        }
+        if arr.ndim() != 1 {
+            return Err(value_error(format!(
+                "{func}: `{name}` must have 1 dimension, got shape {:?}",
+                arr.shape()
+            )));
+        }
+        if !arr.is_c_contiguous() {
+            return Err(value_error(format!(
+                "{func}: `{name}` is not C-contiguous (inputs are read in place, not copied); \
+                 pass np.ascontiguousarray({name})"
+            )));
+        }
+        let typed = obj
+            .cast::<PyArrayDyn<bool>>()
+            .map_err(|e| value_error(format!("{func}: `{name}`: {e}")))?;
+        let array = typed
+            .try_readonly()
+            .map_err(|e| value_error(format!("{func}: `{name}`: {e}")))?;
+        Ok(BoolInput { array })
+    }
+
+    /// The elements, without a copy.
+    pub fn slice(&self) -> &[bool] {
+        self.array.as_slice().unwrap_or(&[])
+    }
+}

@@ -11,6 +11,7 @@
 //! - bad input raises `ValueError` carrying ares-core's message, which names the argument.
 
 mod args;
+mod controllers;
 mod funcs;
 mod loss;
 
@@ -22,5 +23,6 @@ fn _ares(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("GRPO_EPSILON", ares_core::advantage::GRPO_EPSILON)?;
     funcs::register(m)?;
-    loss::register(m)
+    loss::register(m)?;
+    controllers::register(m)
 }
