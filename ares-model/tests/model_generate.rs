@@ -125,6 +125,34 @@ fn batched_equals_one_by_one() {
     }
 }
 
+/// A rollout batch (each prompt repeated, n samples each, in any order) prefills each
+/// distinct prompt once and copies its keys and values: the outputs equal each sequence
+/// generated alone, greedy and sampled, with EOS ending some sequences early.
+#[test]
+fn shared_prefill_equals_one_by_one() {
+    for name in MODELS {
+        let m = model(name);
+        let p = greedy_fixture(name).prompts;
+        let prompts: Vec<Vec<u32>> = [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 0, 1]
+            .iter()
+            .map(|&i| p[i % p.len()].clone())
+            .collect();
+        for sampling in [Sampling::Greedy, SAMPLE] {
+            let mut req = request(prompts.clone(), sampling, 11);
+            req.max_new_tokens = 12;
+            let single = one_by_one(&m, &req);
+            // an EOS that some sampled sequences produce and others do not
+            req.eos_ids = vec![single.tokens[5][3]];
+            let shared = m.generate(&req).unwrap();
+            let single = one_by_one(&m, &req);
+            assert_eq!(shared.tokens, single.tokens, "{name} {sampling:?}");
+            assert_eq!(shared.finished_by_eos, single.finished_by_eos, "{name}");
+            assert_close(&shared.log_probs, &single.log_probs, 1e-4, name);
+            assert_close(&shared.entropies, &single.entropies, 1e-4, name);
+        }
+    }
+}
+
 #[test]
 fn sampling_is_seeded() {
     let m = model("qwen3_tiny");

@@ -8,6 +8,10 @@
 //!   gradients; the AdamW step is timed on its own.
 //! - **generate**: new tokens/s of greedy batched generation with a KV cache, 16 prompts of
 //!   32 tokens, 128 new tokens each (no EOS, so every sequence runs the full length).
+//! - **rollout**: the RL rollout shape, 4 prompts of 100 tokens × n = 8 samples, 32 new
+//!   tokens each, sampled: each prompt's 8 copies identical (one shared prefill per prompt)
+//!   beside the same batch with the copies made distinct in their first token (32 prefills,
+//!   the path without sharing), same run; prints `rollout speedup (shared / distinct)`.
 //!
 //! A plain `main` (`harness = false`): `cargo bench -p ares-benches --bench model_cpu`
 //! prints the best and median of a few runs. Threads: rayon's default (all cores); set
@@ -98,6 +102,59 @@ fn main() {
             opt.step(&mut model, &grads, 1e-6, Some(1.0)).expect("step");
         });
         report("AdamW step (clip + update)", 1, "steps", t);
+    }
+
+    if only.as_deref().is_none_or(|o| o == "rollout") {
+        let (groups, n, len, new) = (4usize, 8usize, 100usize, 32usize);
+        let base: Vec<Vec<u32>> = (0..groups)
+            .map(|_| (0..len).map(|_| (rng.next_u64() % 8192) as u32).collect())
+            .collect();
+        let shared: Vec<Vec<u32>> = base
+            .iter()
+            .flat_map(|p| std::iter::repeat_n(p.clone(), n))
+            .collect();
+        let distinct: Vec<Vec<u32>> = shared
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let mut p = p.clone();
+                p[0] = (i % 8192) as u32;
+                p
+            })
+            .collect();
+        let sampling = Sampling::Sample {
+            temperature: 1.0,
+            top_k: None,
+            top_p: 1.0,
+        };
+        let time = |prompts: Vec<Vec<u32>>, what: &str| {
+            let request = GenerateRequest {
+                prompts,
+                max_new_tokens: new,
+                eos_ids: Vec::new(),
+                sampling,
+                seed: 1,
+            };
+            let generator = model.generator().expect("generator");
+            let t = best_and_median(runs.min(3), || {
+                let out = generator.generate(&request).expect("generate");
+                assert!(out.tokens.iter().all(|t| t.len() == new));
+            });
+            report(what, groups * n * new, "tokens", t);
+            t.0
+        };
+        let d = time(
+            distinct,
+            "rollout, copies distinct (4 × 8, prompts of 100, 32 new)",
+        );
+        let s = time(
+            shared,
+            "rollout, copies shared  (4 × 8, prompts of 100, 32 new)",
+        );
+        println!(
+            "rollout speedup (shared / distinct): {:.2}",
+            d.as_secs_f64() / s.as_secs_f64()
+        );
     }
 
     if only.as_deref().is_none_or(|o| o == "generate") {

@@ -10,6 +10,13 @@
 //! log-prob of that token and the entropy of the sampling distribution are computed on the
 //! device by [`Backend::log_prob_entropy`].
 //!
+//! Equal text prompts (a rollout group's n samples) share one prefill: each distinct prompt
+//! runs through the prefill once, into a cache of the prompt width only, and its keys,
+//! values and key mask are copied to every sequence that repeats it
+//! ([`KvCache::fill_from_prefix`]), as are its first-token logits; each sequence still
+//! samples from its own stream. The prefill work drops n-fold (bench `model_cpu rollout`).
+//! Prompts with images or videos are prefilled one row each.
+//!
 //! The linear layers run on a transposed copy of the weights made at the start
 //! ([`DecodeWeights`]: faster few-row products on the CPU, a second copy of the linear
 //! weights in memory while generating).
@@ -194,6 +201,24 @@ impl<B: Backend> Generator<'_, B> {
         self.model
             .generate_with(request, &self.tw, Some(vision), &mut on_token)
     }
+}
+
+/// The distinct prompts of `prompts` (indices of their first occurrences, in order) and,
+/// for every prompt, the index of its distinct prompt in that list.
+fn unique_prompts(prompts: &[Vec<u32>]) -> (Vec<usize>, Vec<usize>) {
+    let mut first: std::collections::HashMap<&[u32], usize> = std::collections::HashMap::new();
+    let mut unique = Vec::new();
+    let of_row = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            *first.entry(p.as_slice()).or_insert_with(|| {
+                unique.push(i);
+                unique.len() - 1
+            })
+        })
+        .collect();
+    (unique, of_row)
 }
 
 /// The per-token state of a generation: each sequence's sampling stream, newest token and
@@ -501,11 +526,19 @@ impl<B: Backend> Model<B> {
             return Err(too_long(0));
         }
 
-        // Prefill: the left-padded prompts in one pass.
-        let mut ids = vec![0u32; batch * width];
-        let mut mask = vec![0u32; batch * width];
-        let mut positions = vec![0u32; batch * width];
-        for (b, p) in prompts.iter().enumerate() {
+        // Shared prefill: equal text prompts (a rollout group's n samples) are prefilled
+        // once and their keys and values copied to each sequence; multimodal prompts are
+        // prefilled one row each.
+        let (unique, of_row) = match vision {
+            None => unique_prompts(prompts),
+            Some(_) => ((0..batch).collect(), (0..batch).collect()),
+        };
+        let u = unique.len();
+        // Prefill: the left-padded (unique) prompts in one pass.
+        let mut ids = vec![0u32; u * width];
+        let mut mask = vec![0u32; u * width];
+        let mut positions = vec![0u32; u * width];
+        for (b, p) in unique.iter().map(|&i| &prompts[i]).enumerate() {
             let pad = width - p.len();
             let row = b * width + pad..(b + 1) * width;
             ids[row.clone()].copy_from_slice(p);
@@ -543,20 +576,40 @@ impl<B: Backend> Model<B> {
             embeds: rows.as_ref().zip(vision).map(|(r, v)| (r, v.embeds)),
             rope: rope.as_ref().map(|(c, s)| (c.as_slice(), s.as_slice())),
         };
-        let mut cache = KvCache::new(&self.backend, &self.spec, batch, max_len)?;
         let mut picker = Picker::new(&self.backend, request, self.spec.vocab)?;
+        let mut cache;
         {
-            let mut prefill = self.prefill_activations(batch, width)?;
+            let mut prefill = self.prefill_activations(u, width)?;
             let inputs = Inputs {
-                batch,
+                batch: u,
                 seq: width,
                 input_ids: &ids,
                 attention_mask: &mask,
                 position_ids: &positions,
             };
-            self.forward_cached_with(&inputs, &extras, &mut prefill, &mut cache, Some(tw))?;
-            let logits = self.prefill_head(&mut prefill, tw)?;
-            picker.step(&self.backend, logits, 0, &mut out, on_token)?;
+            if u == batch {
+                cache = KvCache::new(&self.backend, &self.spec, batch, max_len)?;
+                self.forward_cached_with(&inputs, &extras, &mut prefill, &mut cache, Some(tw))?;
+                let logits = self.prefill_head(&mut prefill, tw)?;
+                picker.step(&self.backend, logits, 0, &mut out, on_token)?;
+            } else {
+                let mut shared = KvCache::new(&self.backend, &self.spec, u, width)?;
+                self.forward_cached_with(&inputs, &extras, &mut prefill, &mut shared, Some(tw))?;
+                cache = KvCache::new(&self.backend, &self.spec, batch, max_len)?;
+                cache.fill_from_prefix(&self.backend, &shared, &of_row)?;
+                drop(shared);
+                // each sequence's first-token logits: its prompt's row
+                let v = self.spec.vocab;
+                let unique_logits = self.prefill_head(&mut prefill, tw)?;
+                let mut logits = self.backend.alloc(batch * v)?;
+                for (b, &r) in of_row.iter().enumerate() {
+                    self.backend.copy(
+                        View::new(unique_logits.buffer(), unique_logits.offset() + r * v, v)?,
+                        ViewMut::new(&mut logits, b * v, v)?,
+                    )?;
+                }
+                picker.step(&self.backend, View::whole(&logits), 0, &mut out, on_token)?;
+            }
             // The prefill arena is freed before the decode arena is planned.
         }
 

@@ -2,6 +2,7 @@
 //! backend buffers between generation steps.
 
 use super::{ModelError, ModelSpec};
+use crate::backend::DeviceBuffer;
 use crate::backend::{
     AttentionDims, Backend, KvCacheView, KvCacheViewMut, Tensor, TensorMut, View, ViewMut,
 };
@@ -103,6 +104,58 @@ impl<B: Backend> KvCache<B> {
     /// `[batch, seq, kv_heads, head_dim]` at slots `len..len + seq`, then attends `q` over
     /// slots `..len + seq` into `out`. Does not advance [`KvCache::len`]: every layer of a
     /// step writes the same slots, the caller advances it once after the last layer.
+    /// Fills this cache (empty, planned for `rows.len()` sequences) from `prefix`, a cache
+    /// of `prefix.batch` prefilled sequences of `prefix.len` slots: sequence `b` gets a copy
+    /// of `prefix`'s sequence `rows[b]` (keys, values and key mask of every layer), and the
+    /// length becomes `prefix.len`. This is how a prompt prefilled once serves its n samples
+    /// (several `b` may name the same row).
+    ///
+    /// # Errors
+    /// `rows` not one per sequence or naming a row `>= prefix.batch`, this cache not empty,
+    /// another model's layout, or `prefix.len > max_len`.
+    pub(crate) fn fill_from_prefix(
+        &mut self,
+        backend: &B,
+        prefix: &KvCache<B>,
+        rows: &[usize],
+    ) -> Result<(), ModelError> {
+        let kv_dim = prefix.layer_len / (prefix.batch * prefix.max_len);
+        let fits = rows.len() == self.batch
+            && rows.iter().all(|&r| r < prefix.batch)
+            && self.len == 0
+            && prefix.len <= self.max_len
+            && self.layer_len == self.batch * self.max_len * kv_dim
+            && self.k.len() / self.layer_len == prefix.k.len() / prefix.layer_len;
+        if !fits {
+            return Err(ModelError::BatchShape {
+                batch: rows.len(),
+                seq: prefix.len,
+            });
+        }
+        let n = prefix.len * kv_dim;
+        let layers = self.k.len() / self.layer_len;
+        for layer in 0..layers {
+            for (b, &r) in rows.iter().enumerate() {
+                let src = layer * prefix.layer_len + r * prefix.max_len * kv_dim;
+                let dst = layer * self.layer_len + b * self.max_len * kv_dim;
+                backend.copy(
+                    View::new(&prefix.k, src, n)?,
+                    ViewMut::new(&mut self.k, dst, n)?,
+                )?;
+                backend.copy(
+                    View::new(&prefix.v, src, n)?,
+                    ViewMut::new(&mut self.v, dst, n)?,
+                )?;
+            }
+        }
+        for (b, &r) in rows.iter().enumerate() {
+            let src = &prefix.host_mask[r * prefix.max_len..r * prefix.max_len + prefix.len];
+            self.host_mask[b * self.max_len..b * self.max_len + prefix.len].copy_from_slice(src);
+        }
+        self.len = prefix.len;
+        self.upload_mask(backend)
+    }
+
     #[allow(clippy::too_many_arguments)] // mirrors Backend::attention's q, k, v, out
     pub(crate) fn attend(
         &mut self,
