@@ -24,7 +24,8 @@
 //! ignores: prompt, padding) are left as they are and their logits are not read, so
 //! meaningless logits at padding positions never raise an error.
 
-use crate::error::{Error, Result, check_len, product};
+use super::log_prob_backward::check_head_backward;
+use crate::error::{Error, Result};
 use crate::exp::{EXP2_UNDERFLOW, exp2_nonpositive, scaled_row_max};
 use ares_core::Error as CoreError;
 use rayon::prelude::*;
@@ -63,34 +64,7 @@ pub fn entropy_backward(
     coeffs: &[f32],
     dlogits: &mut [f32],
 ) -> Result<()> {
-    if vocab == 0 {
-        return Err(CoreError::OutOfRange {
-            what: "vocab",
-            value: 0.0,
-            expected: ">= 1",
-        }
-        .into());
-    }
-    let inv_t = 1.0 / temperature;
-    if !(temperature.is_finite() && temperature > 0.0 && inv_t.is_finite()) {
-        return Err(CoreError::OutOfRange {
-            what: "temperature",
-            value: f64::from(temperature),
-            expected: "finite and > 0",
-        }
-        .into());
-    }
-    let rows = coeffs.len();
-    let len = product(rows, vocab)?;
-    check_len("logits", len, logits.len())?;
-    check_len("dlogits", len, dlogits.len())?;
-    if let Some(index) = coeffs.iter().position(|c| !c.is_finite()) {
-        return Err(CoreError::NonFinite {
-            what: "coeffs",
-            index,
-        }
-        .into());
-    }
+    let inv_t = check_head_backward(logits, vocab, temperature, coeffs, dlogits)?;
     logits
         .par_chunks_exact(vocab)
         .zip(dlogits.par_chunks_exact_mut(vocab))

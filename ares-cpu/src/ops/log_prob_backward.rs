@@ -48,36 +48,9 @@ pub fn log_prob_backward(
     coeffs: &[f32],
     dlogits: &mut [f32],
 ) -> Result<()> {
-    if vocab == 0 {
-        return Err(CoreError::OutOfRange {
-            what: "vocab",
-            value: 0.0,
-            expected: ">= 1",
-        }
-        .into());
-    }
-    let finite_t = temperature.is_finite() && temperature > 0.0;
-    let inv_t = 1.0 / temperature;
-    if !finite_t || !inv_t.is_finite() {
-        return Err(CoreError::OutOfRange {
-            what: "temperature",
-            value: f64::from(temperature),
-            expected: "finite and > 0",
-        }
-        .into());
-    }
     let rows = targets.len();
-    let len = product(rows, vocab)?;
-    check_len("logits", len, logits.len())?;
-    check_len("dlogits", len, dlogits.len())?;
     check_len("coeffs", rows, coeffs.len())?;
-    if let Some(index) = coeffs.iter().position(|c| !c.is_finite()) {
-        return Err(CoreError::NonFinite {
-            what: "coeffs",
-            index,
-        }
-        .into());
-    }
+    let inv_t = check_head_backward(logits, vocab, temperature, coeffs, dlogits)?;
     logits
         .par_chunks_exact(vocab)
         .zip(dlogits.par_chunks_exact_mut(vocab))
@@ -98,6 +71,47 @@ pub fn log_prob_backward(
                 RowOutcome::Impossible => Err(Error::ImpossibleTarget { row: r, id }),
             }
         })
+}
+
+/// The checks of a loss-head backward over `coeffs.len()` rows of `logits` `[rows, vocab]`
+/// (shared by [`log_prob_backward`] and the entropy backward): `vocab ≥ 1`, a temperature
+/// finite and > 0 whose inverse is finite, `logits` and `dlogits` of `rows · vocab`, finite
+/// coefficients. Returns `1/temperature`.
+pub(crate) fn check_head_backward(
+    logits: &[f32],
+    vocab: usize,
+    temperature: f32,
+    coeffs: &[f32],
+    dlogits: &[f32],
+) -> Result<f32> {
+    if vocab == 0 {
+        return Err(CoreError::OutOfRange {
+            what: "vocab",
+            value: 0.0,
+            expected: ">= 1",
+        }
+        .into());
+    }
+    let inv_t = 1.0 / temperature;
+    if !(temperature.is_finite() && temperature > 0.0 && inv_t.is_finite()) {
+        return Err(CoreError::OutOfRange {
+            what: "temperature",
+            value: f64::from(temperature),
+            expected: "finite and > 0",
+        }
+        .into());
+    }
+    let len = product(coeffs.len(), vocab)?;
+    check_len("logits", len, logits.len())?;
+    check_len("dlogits", len, dlogits.len())?;
+    if let Some(index) = coeffs.iter().position(|c| !c.is_finite()) {
+        return Err(CoreError::NonFinite {
+            what: "coeffs",
+            index,
+        }
+        .into());
+    }
+    Ok(inv_t)
 }
 
 /// How one row went.
