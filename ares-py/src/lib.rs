@@ -13,6 +13,7 @@
 mod args;
 mod controllers;
 mod funcs;
+mod kernels;
 mod loss;
 
 use pyo3::prelude::*;
@@ -24,5 +25,6 @@ fn _ares(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("GRPO_EPSILON", ares_core::advantage::GRPO_EPSILON)?;
     funcs::register(m)?;
     loss::register(m)?;
-    controllers::register(m)
+    controllers::register(m)?;
+    kernels::register(m)
 }

@@ -214,3 +214,34 @@ class GrpoLambda:
     ) -> Dict[str, Any]: ...
     def state_dict(self) -> Dict[str, float]: ...
     def load_state_dict(self, state: Dict[str, float]) -> None: ...
+
+# ---------------------------------------------------------------- CPU token kernels (float32)
+
+_F32 = npt.NDArray[np.float32]
+
+def log_prob_entropy(
+    logits: Union[_F32, npt.NDArray[np.float16], npt.NDArray[np.uint16], npt.NDArray[np.int16]],
+    targets: Optional[npt.NDArray[np.integer[Any]]] = None,
+    *,
+    temperature: float = 1.0,
+) -> Tuple[Optional[_F32], _F32]: ...
+def entropy_windows(
+    entropy: _F32,
+    mask: _F32,
+    *,
+    window_size: int = 4,
+    includes_self: bool = False,
+    tau: Optional[float] = None,
+    trigger: Optional[_F32] = None,
+) -> Dict[str, _F32]: ...
+def row_percentile(means: _F32, valid: _F32, q: float = 95.0) -> Tuple[_F32, _F32]: ...
+def masked_dynamic_kl(
+    logp: _F32,
+    logp_ref: _F32,
+    mask: _F32,
+    beta: Union[float, _F32],
+    *,
+    hwe_mask: Optional[_F32] = None,
+    low_ratio: float = 0.5,
+    estimator: str = "k3",
+) -> Dict[str, Any]: ...
