@@ -450,7 +450,7 @@ impl ThresholdEma {
 ///
 /// State: `{"config": {...}, "buckets": {"easy": {"target", "alpha", "lambda"}, ...},
 /// "difficulty": {global_id: bucket name}}`.
-#[pyclass(module = "ares._ares")]
+#[pyclass(module = "ares._ares", subclass)]
 #[derive(Clone)]
 pub struct BucketController {
     inner: CoreBuckets<f64>,
@@ -1131,7 +1131,7 @@ fn grpo_lambda_rewards<'py>(
 /// GRPO-λ's parameters as an object: `GrpoLambda(lambda_=0.2, alpha=0.6)`; `rewards(correct,
 /// lengths, n=None, uid=None)` is `grpo_lambda_rewards` with them. It has no changing state;
 /// `state_dict()` is `{"lambda_": λ, "alpha": α}` for symmetry with the controllers.
-#[pyclass(module = "ares._ares")]
+#[pyclass(module = "ares._ares", subclass)]
 #[derive(Clone)]
 pub struct GrpoLambda {
     inner: CoreGrpoLambda<f64>,

@@ -5,36 +5,76 @@ it too), reads C-contiguous inputs in place without copying, allocates each outp
 runs the computation with the GIL released. Groups of samples are given by ``n=``
 (consecutive groups of n rows) or ``uid=`` (one key per row, as verl's ``index``). Bad input
 raises ``ValueError`` with ares-core's message naming the argument.
+
+Inputs may also be torch CPU tensors (bfloat16 logits included) or any object with
+``__array_interface__`` or ``__dlpack__``: they are turned into numpy views of the same
+memory (no copy; see ``ares.as_array``). A CUDA tensor is a ``ValueError``: ares runs on CPU
+arrays. Outputs are numpy arrays; ``torch.from_numpy`` wraps them without a copy.
 """
 
-from ._ares import (
-    GRPO_EPSILON,
-    AdaptiveKlController,
-    BucketController,
-    EntropyCoefController,
-    GrpoLambda,
-    ThresholdEma,
-    __version__,
-    aggregate,
-    aggregate_weights,
-    dr_grpo_advantages,
-    entropy_windows,
-    grpo_advantages,
-    grpo_lambda_rewards,
-    grpo_token_advantages,
-    log_prob_entropy,
-    masked_dynamic_kl,
-    masked_whiten,
-    policy_loss,
-    reinforce_baseline_advantages,
-    reinforce_pp_advantages,
-    reinforce_pp_baseline_advantages,
-    reinforce_pro_max,
-    rloo_advantages,
-    rloo_token_advantages,
-    row_percentile,
-    token_kl,
-)
+from typing import TYPE_CHECKING
+
+from . import _ares
+from ._ares import GRPO_EPSILON, AdaptiveKlController, EntropyCoefController, ThresholdEma, __version__
+from ._interop import as_array, wrap
+
+# Every array argument may be a torch CPU tensor or any __array_interface__ / __dlpack__
+# object: it reaches the native function as a numpy view of the same memory.
+if TYPE_CHECKING:  # the stubs of the native module give the signatures
+    from ._ares import (
+        aggregate,
+        aggregate_weights,
+        dr_grpo_advantages,
+        entropy_windows,
+        grpo_advantages,
+        grpo_lambda_rewards,
+        grpo_token_advantages,
+        log_prob_entropy,
+        masked_dynamic_kl,
+        masked_whiten,
+        policy_loss,
+        reinforce_baseline_advantages,
+        reinforce_pp_advantages,
+        reinforce_pp_baseline_advantages,
+        reinforce_pro_max,
+        rloo_advantages,
+        rloo_token_advantages,
+        row_percentile,
+        token_kl,
+    )
+else:
+    aggregate = wrap(_ares.aggregate)
+    aggregate_weights = wrap(_ares.aggregate_weights)
+    dr_grpo_advantages = wrap(_ares.dr_grpo_advantages)
+    entropy_windows = wrap(_ares.entropy_windows)
+    grpo_advantages = wrap(_ares.grpo_advantages)
+    grpo_lambda_rewards = wrap(_ares.grpo_lambda_rewards)
+    grpo_token_advantages = wrap(_ares.grpo_token_advantages)
+    log_prob_entropy = wrap(_ares.log_prob_entropy)
+    masked_dynamic_kl = wrap(_ares.masked_dynamic_kl)
+    masked_whiten = wrap(_ares.masked_whiten)
+    policy_loss = wrap(_ares.policy_loss)
+    reinforce_baseline_advantages = wrap(_ares.reinforce_baseline_advantages)
+    reinforce_pp_advantages = wrap(_ares.reinforce_pp_advantages)
+    reinforce_pp_baseline_advantages = wrap(_ares.reinforce_pp_baseline_advantages)
+    reinforce_pro_max = wrap(_ares.reinforce_pro_max)
+    rloo_advantages = wrap(_ares.rloo_advantages)
+    rloo_token_advantages = wrap(_ares.rloo_token_advantages)
+    row_percentile = wrap(_ares.row_percentile)
+    token_kl = wrap(_ares.token_kl)
+
+
+class BucketController(_ares.BucketController):
+    __doc__ = _ares.BucketController.__doc__
+    __module__ = "ares"
+    classify = wrap(_ares.BucketController.classify, "BucketController.classify")
+
+
+class GrpoLambda(_ares.GrpoLambda):
+    __doc__ = _ares.GrpoLambda.__doc__
+    __module__ = "ares"
+    rewards = wrap(_ares.GrpoLambda.rewards, "GrpoLambda.rewards")
+
 
 __all__ = [
     "GRPO_EPSILON",
@@ -44,6 +84,7 @@ __all__ = [
     "GrpoLambda",
     "ThresholdEma",
     "__version__",
+    "as_array",
     "aggregate",
     "aggregate_weights",
     "dr_grpo_advantages",
