@@ -430,6 +430,46 @@ fn repeated_prompts_share_the_tower_and_match() {
         .generate(&request, &visions, |_, _| {})
         .unwrap();
     assert_eq!(out.tokens, vec![want; 3]);
+
+    // a mixed rollout batch, sampled: repeats of two image prompts and of a text prompt
+    // share their prefill; the outputs equal a run without any sharing (each sequence on
+    // its own stream)
+    let one = vl::case(&st, "image");
+    let text = vl::case(&st, "text");
+    let order = [0usize, 0, 2, 2, 0, 1, 1, 2];
+    let cases = [&cs, &one, &text];
+    let request = GenerateRequest {
+        prompts: order.iter().map(|&i| cases[i].ids.clone()).collect(),
+        max_new_tokens: 10,
+        eos_ids: vec![293, 291],
+        sampling: Sampling::Sample {
+            temperature: 1.2,
+            top_k: None,
+            top_p: 1.0,
+        },
+        seed: 5,
+    };
+    let visions: Vec<_> = order.iter().map(|&i| cases[i].vision.clone()).collect();
+    let shared = m
+        .generator()
+        .unwrap()
+        .generate(&request, &visions, |_, _| {})
+        .unwrap();
+    let alone = m
+        .generator()
+        .unwrap()
+        .without_tower_sharing()
+        .generate(&request, &visions, |_, _| {})
+        .unwrap();
+    assert_eq!(shared.tokens, alone.tokens);
+    for (a, b) in shared
+        .log_probs
+        .iter()
+        .flatten()
+        .zip(alone.log_probs.iter().flatten())
+    {
+        assert!((a - b).abs() <= 1e-4, "{a} vs {b}");
+    }
 }
 
 /// From the files a user has to the model's inputs, against transformers' processor: the

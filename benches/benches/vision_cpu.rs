@@ -10,8 +10,8 @@
 //!
 //! - **rollout** (`vision_cpu rollout`): a small Qwen2.5-VL-shaped model (tower 4 × 128,
 //!   LM 2 × 128, vocab 512) generating n = 8 samples of 32 new tokens for one 224 × 224 image
-//!   prompt, with the tower output shared by the 8 samples (the default) and recomputed
-//!   for each: new tokens/s of both, side by side.
+//!   prompt, with the tower output and the prompt's prefill shared by the 8 samples (the
+//!   default) and both recomputed for each: new tokens/s of both, side by side.
 //!
 //! The real tower has 32 blocks with full attention in 7, 15, 23, 31; the default here is
 //! `ARES_BENCH_VISION_DEPTH=4` blocks with full attention in block 3 (the same 3:1 mix of
@@ -180,7 +180,7 @@ fn rollout() {
             .expect("generate");
     });
     report(
-        "rollout, tower shared by the n samples",
+        "rollout, tower and prefill shared by the n samples",
         n * new_tokens,
         "tokens",
         t,
@@ -193,5 +193,10 @@ fn rollout() {
         each.generate(&request, &visions, |_, _| {})
             .expect("generate");
     });
-    report("rollout, tower run per sample", n * new_tokens, "tokens", t);
+    report(
+        "rollout, tower and prefill run per sample",
+        n * new_tokens,
+        "tokens",
+        t,
+    );
 }

@@ -152,6 +152,11 @@ pub struct PromptVision<'a, B: Backend> {
     /// Per prompt, `rope_delta`: new token `k` (from 0) sits at position `len + k +
     /// rope_delta` on all three axes (a text position).
     pub rope_deltas: &'a [i64],
+    /// Per prompt, the first prompt whose embedding rows are the same values (itself when
+    /// none before is; `usize::MAX` for a prompt without embedding rows), as the caller knows it (the VL generator runs the tower once per
+    /// image set); `None`: no sharing. Prompts equal in ids, embeddings, M-RoPE tables and
+    /// delta then share one prefill.
+    pub same_embeds: Option<&'a [usize]>,
 }
 
 /// A model with its linear weights transposed for generation ([`Model::generator`]):
@@ -218,6 +223,36 @@ fn unique_prompts(prompts: &[Vec<u32>]) -> (Vec<usize>, Vec<usize>) {
             })
         })
         .collect();
+    (unique, of_row)
+}
+
+/// [`unique_prompts`] for multimodal prompts: two prompts are equal when their ids, their
+/// embedding rows (by the caller's `same_embeds`), M-RoPE tables and deltas are; without
+/// `same_embeds` every prompt is its own.
+fn unique_vision_prompts<B: Backend>(
+    prompts: &[Vec<u32>],
+    v: &PromptVision<'_, B>,
+) -> (Vec<usize>, Vec<usize>) {
+    let Some(same) = v.same_embeds else {
+        return ((0..prompts.len()).collect(), (0..prompts.len()).collect());
+    };
+    let mut unique: Vec<usize> = Vec::new();
+    let mut of_row = Vec::with_capacity(prompts.len());
+    for b in 0..prompts.len() {
+        let equal = |&a: &usize| {
+            prompts[a] == prompts[b]
+                && same.get(a) == same.get(b)
+                && v.rope_deltas[a] == v.rope_deltas[b]
+                && v.rope[a] == v.rope[b]
+        };
+        match unique.iter().position(equal) {
+            Some(k) => of_row.push(k),
+            None => {
+                of_row.push(unique.len());
+                unique.push(b);
+            }
+        }
+    }
     (unique, of_row)
 }
 
@@ -531,7 +566,7 @@ impl<B: Backend> Model<B> {
         // prefilled one row each.
         let (unique, of_row) = match vision {
             None => unique_prompts(prompts),
-            Some(_) => ((0..batch).collect(), (0..batch).collect()),
+            Some(v) => unique_vision_prompts(prompts, v),
         };
         let u = unique.len();
         // Prefill: the left-padded (unique) prompts in one pass.
@@ -547,33 +582,62 @@ impl<B: Backend> Model<B> {
                 *pos = i;
             }
         }
-        // Multimodal prompts: the replaced rows and the M-RoPE tables in the padded layout
+        // Multimodal prompts: the replaced rows (of the prefilled prompts, their embeddings
+        // gathered when some prompts are shared) and the M-RoPE tables in the padded layout
         // (padding keeps position 0's cos 1, sin 0; its keys are masked anyway).
         let half = self.spec.head_dim / 2;
+        let hidden = self.spec.hidden;
         let mut rows = None;
         let mut rope = None;
+        let mut gathered = None;
         if let Some(v) = vision {
-            let flat: Vec<u32> = v
-                .rows
-                .iter()
-                .map(|&(b, t)| (b * width + width - prompts[b].len() + t) as u32)
-                .collect();
+            let mut flat: Vec<u32> = Vec::with_capacity(v.rows.len());
+            let mut segments = Vec::new();
+            for (k, &b) in unique.iter().enumerate() {
+                let start = v.rows.iter().position(|&(p, _)| p == b);
+                let count = v.rows.iter().filter(|&&(p, _)| p == b).count();
+                if let Some(start) = start {
+                    segments.push((start, count));
+                }
+                for &(_, t) in v.rows.iter().filter(|&&(p, _)| p == b) {
+                    flat.push((k * width + width - prompts[b].len() + t) as u32);
+                }
+            }
+            if u < batch {
+                let mut buf = self.backend.alloc(flat.len() * hidden)?;
+                let mut at = 0;
+                for (start, count) in segments {
+                    let n = count * hidden;
+                    self.backend.copy(
+                        View::new(v.embeds.buffer(), v.embeds.offset() + start * hidden, n)?,
+                        ViewMut::new(&mut buf, at, n)?,
+                    )?;
+                    at += n;
+                }
+                gathered = Some(buf);
+            }
             let mut ids = self.backend.alloc_ids(flat.len())?;
             self.backend.upload_ids(&flat, &mut ids)?;
             rows = Some(ids);
             let (mut cos, mut sin) = (
-                vec![1.0f32; batch * width * half],
-                vec![0.0f32; batch * width * half],
+                vec![1.0f32; u * width * half],
+                vec![0.0f32; u * width * half],
             );
-            for (b, (p, (c, s))) in prompts.iter().zip(v.rope).enumerate() {
-                let start = (b * width + width - p.len()) * half;
+            for (k, &b) in unique.iter().enumerate() {
+                let (c, s) = &v.rope[b];
+                let start = (k * width + width - prompts[b].len()) * half;
                 cos[start..start + c.len()].copy_from_slice(c);
                 sin[start..start + s.len()].copy_from_slice(s);
             }
             rope = Some((cos, sin));
         }
+        let embeds = match (&gathered, vision) {
+            (Some(g), _) => Some(View::whole(g)),
+            (None, Some(v)) => Some(v.embeds),
+            (None, None) => None,
+        };
         let extras = ForwardExtras {
-            embeds: rows.as_ref().zip(vision).map(|(r, v)| (r, v.embeds)),
+            embeds: rows.as_ref().zip(embeds),
             rope: rope.as_ref().map(|(c, s)| (c.as_slice(), s.as_slice())),
         };
         let mut picker = Picker::new(&self.backend, request, self.spec.vocab)?;

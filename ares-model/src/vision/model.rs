@@ -575,8 +575,14 @@ impl<B: Backend> VlGenerator<'_, B> {
         // The tower runs once per distinct image set: a prompt repeated with the same
         // images (the n samples of a rollout group) copies the previous tower output.
         let mut previous: Option<(usize, VisionActs<B>)> = None;
+        // per prompt, the first prompt of its run of equal tower outputs
+        let mut same_embeds: Vec<usize> = (0..layouts.len()).collect();
         for (b, (l, &v)) in layouts.iter().zip(&vision).enumerate() {
-            let Some(plan) = &l.plan else { continue };
+            let Some(plan) = &l.plan else {
+                // no embedding rows: equal to every other such prompt
+                same_embeds[b] = usize::MAX;
+                continue;
+            };
             let at = rows.len() * hidden;
             let same = self.share
                 && previous.as_ref().is_some_and(|(p, _)| {
@@ -584,7 +590,11 @@ impl<B: Backend> VlGenerator<'_, B> {
                     (std::ptr::eq(vision[*p], v) || vision[*p] == v)
                         && layouts[*p].rows.len() == l.rows.len()
                 });
-            if !same {
+            if same {
+                if let Some((p, _)) = &previous {
+                    same_embeds[b] = same_embeds[*p];
+                }
+            } else {
                 let mut va = m.tower.activations(be, plan.clone(), false)?;
                 m.tower.forward(be, &VlModel::<B>::pixels(v), &mut va)?;
                 previous = Some((b, va));
@@ -608,6 +618,7 @@ impl<B: Backend> VlGenerator<'_, B> {
             rows: &rows,
             rope: &rope,
             rope_deltas: &rope_deltas,
+            same_embeds: self.share.then_some(same_embeds.as_slice()),
         };
         self.lm.generate_vision(request, &pv, on_token)
     }
