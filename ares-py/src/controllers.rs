@@ -79,6 +79,11 @@ fn state_dict<'py>(
     Ok(d.clone())
 }
 
+/// `x` as Python writes it (`None` or the float).
+fn py_opt(x: Option<f64>) -> String {
+    x.map_or_else(|| "None".into(), |t| format!("{t:?}"))
+}
+
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()
         .name()
@@ -420,9 +425,7 @@ impl ThresholdEma {
         format!(
             "ThresholdEma(rho={:?}, tau={})",
             self.inner.rho(),
-            self.inner
-                .tau()
-                .map_or_else(|| "None".into(), |t| format!("{t:?}"))
+            py_opt(self.inner.tau())
         )
     }
 }
@@ -820,11 +823,11 @@ impl BucketController {
     fn __repr__(&self) -> String {
         let s = self.inner.state();
         format!(
-            "BucketController(targets=({:?}, {:?}, {:?}), alphas=({:?}, {:?}, {:?}), \
+            "BucketController(targets=({}, {}, {}), alphas=({:?}, {:?}, {:?}), \
              lambdas=({:?}, {:?}, {:?}), prompts={})",
-            s.easy.target,
-            s.medium.target,
-            s.hard.target,
+            py_opt(s.easy.target),
+            py_opt(s.medium.target),
+            py_opt(s.hard.target),
             s.easy.alpha,
             s.medium.alpha,
             s.hard.alpha,
