@@ -594,8 +594,9 @@ fn vision_language_models_reproduce_transformers_greedy_ids() {
 
 /// A video as a directory of frame images. The fixture's Qwen2.5-VL ids were made with the
 /// frames' rate known (2.5 fps: `second_per_grid_ts` 0.8, temporal positions 0, 1); a
-/// directory of frames has none, so generate's positions are 0, 2 (one second per temporal
-/// patch) and only Qwen2-VL, whose positions ignore the rate, must match transformers' ids.
+/// directory of frames has none, so without `--video-fps` generate's positions are 0, 2 (one
+/// second per temporal patch) and only Qwen2-VL, whose positions ignore the rate, must match
+/// transformers' ids; with `--video-fps 2.5` both do, and a bad rate is an error naming it.
 #[test]
 fn a_video_as_a_directory_of_frames() {
     let cases = vl_cases();
@@ -621,7 +622,20 @@ fn a_video_as_a_directory_of_frames() {
         } else {
             assert_eq!(c[0].token_ids.len(), 8);
         }
+        let mut with_fps = rest.clone();
+        with_fps.extend(["--video-fps", "2.5"]);
+        let (c, _) = run(&vl_root().join(model), &with_fps);
+        assert_eq!(c[0].input_ids, vl_input_ids(model, "video"), "{model}");
+        assert_eq!(
+            c[0].token_ids,
+            vl_greedy(&cases, "video", model),
+            "{model} at 2.5 fps"
+        );
     }
+    let mut bad = rest.clone();
+    bad.extend(["--video-fps", "0"]);
+    let e = error(&vl_root().join("qwen2_5_vl_tiny"), &bad);
+    assert!(e.contains("--video-fps 0"), "{e}");
 }
 
 #[test]

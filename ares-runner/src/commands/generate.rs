@@ -28,9 +28,10 @@
 //! `<|image_pad|>` / `<|video_pad|>` per item, which becomes one per merged patch of its
 //! image or video (`input_ids` in `--json` are these expanded ids). Images are PNG, JPEG or
 //! WebP files; a video is a directory of frame images (sorted by name) or a video file
-//! (decoded by ffmpeg), every frame kept. The frame rate of a video is not known here, so
-//! Qwen2.5-VL's temporal positions take one second per temporal patch (`rope_index` without
-//! `second_per_grid_ts`). Text prompts on a vision-language model need no processor config.
+//! (decoded by ffmpeg), every frame kept unless `--video-fps` is given: then files are
+//! sampled at that rate, frame directories are taken as recorded at it, and Qwen2.5-VL's
+//! temporal positions step by `temporal_patch_size / fps` seconds (`second_per_grid_ts`, as
+//! the trainer's `data.video_fps`); without it they take one second per temporal patch. Text prompts on a vision-language model need no processor config.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -89,6 +90,12 @@ pub struct GenerateArgs {
     /// (repeatable; vision-language models only).
     #[arg(long, value_name = "PATH", conflicts_with = "prompts")]
     pub video: Vec<PathBuf>,
+    /// Frames per second of the videos (as `data.video_fps` in training): video files are
+    /// sampled at this rate, a directory of frames is taken as recorded at it, and
+    /// Qwen2.5-VL's M-RoPE time step is `temporal_patch_size / fps` [default: every frame of
+    /// a file kept, one second per temporal patch].
+    #[arg(long, value_name = "FPS")]
+    pub video_fps: Option<f64>,
     /// Most new tokens per prompt [default: generation_config.json's max_new_tokens, else 256].
     #[arg(long, value_name = "N")]
     pub max_new_tokens: Option<usize>,
@@ -208,7 +215,7 @@ pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<Vec<Completi
     let mut input_ids = prompt_ids(&args.model, &tokenizer, &prompts, args.no_chat_template)?;
     // the media before the device and the weights: a bad image fails fast
     let media = if vision {
-        vision_inputs(&args.model, &prompts, &mut input_ids)?
+        vision_inputs(&args.model, &prompts, &mut input_ids, args.video_fps)?
     } else {
         Vec::new()
     };
@@ -380,7 +387,15 @@ fn vision_inputs(
     model_dir: &Path,
     prompts: &[Prompt],
     ids: &mut [Vec<u32>],
+    video_fps: Option<f64>,
 ) -> Result<Vec<VisionBatch>, TrainError> {
+    if let Some(fps) = video_fps
+        && !(fps.is_finite() && fps > 0.0)
+    {
+        return Err(invalid(format!(
+            "--video-fps {fps}: must be a positive, finite frame rate"
+        )));
+    }
     let config = VlConfig::from_dir(model_dir)
         .map_err(|e| invalid(format!("loading model {}: {e}", model_dir.display())))?;
     let with_media = |p: &Prompt| !p.images.is_empty() || !p.videos.is_empty();
@@ -451,8 +466,15 @@ fn vision_inputs(
                 )));
             }
             if !videos.contains_key(path.as_path()) {
-                let video = process_video_path(path, VideoSampling::default(), processor)
-                    .map_err(|e| at(&e))?;
+                // a file is sampled at --video-fps; a directory keeps every frame
+                let sampling = match video_fps {
+                    Some(fps) if !path.is_dir() => VideoSampling {
+                        source_fps: None,
+                        fps: Some(fps),
+                    },
+                    _ => VideoSampling::default(),
+                };
+                let video = process_video_path(path, sampling, processor).map_err(|e| at(&e))?;
                 videos.insert(path, video);
             }
         }
@@ -466,8 +488,11 @@ fn vision_inputs(
             .iter()
             .map(|v| videos[v.as_path()].clone())
             .collect();
-        // no frame rate: rope_index takes one second per temporal patch
-        let batch = VisionBatch::from_processed(&prompt_images, &prompt_videos, &[]);
+        // without a frame rate rope_index takes one second per temporal patch
+        let seconds: Vec<f64> = video_fps
+            .map(|fps| vec![processor.temporal_patch_size as f64 / fps; prompt_videos.len()])
+            .unwrap_or_default();
+        let batch = VisionBatch::from_processed(&prompt_images, &prompt_videos, &seconds);
         *ids = config
             .expand_prompt(ids, &batch.image_grids, &batch.video_grids)
             .map_err(|e| at(&e))?;
