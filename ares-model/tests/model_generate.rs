@@ -153,6 +153,47 @@ fn shared_prefill_equals_one_by_one() {
     }
 }
 
+/// Sequences that finish leave the batch (their keys and values dropped from a smaller
+/// cache once they are a quarter of it) without changing anyone's tokens: a sampled batch
+/// whose sequences end at many different steps equals each sequence generated alone.
+#[test]
+fn finished_sequences_leave_the_batch_without_changing_tokens() {
+    for name in MODELS {
+        let m = model(name);
+        let p = greedy_fixture(name).prompts;
+        let prompts: Vec<Vec<u32>> = (0..16).map(|i| p[i % p.len()].clone()).collect();
+        let mut req = request(prompts, SAMPLE, 3);
+        req.max_new_tokens = 16;
+        // EOS: a token sampled mid-way in a run without EOS, the first that ends at least
+        // 4 sequences at 3 or more different steps
+        let free = m.generate(&req).unwrap();
+        let spread = |out: &GenerateOutput| {
+            let ended = out.finished_by_eos.iter().filter(|&&f| f).count();
+            let steps: std::collections::BTreeSet<usize> = out
+                .tokens
+                .iter()
+                .zip(&out.finished_by_eos)
+                .filter(|&(_, &f)| f)
+                .map(|(t, _)| t.len())
+                .collect();
+            ended >= 4 && steps.len() >= 3
+        };
+        let batched = (0..16)
+            .flat_map(|k| [4, 8].map(|at| free.tokens[k][at]))
+            .find_map(|eos| {
+                req.eos_ids = vec![eos];
+                let out = m.generate(&req).unwrap();
+                spread(&out).then_some(out)
+            })
+            .unwrap_or_else(|| panic!("{name}: no EOS candidate ends sequences at 3 steps"));
+        let single = one_by_one(&m, &req);
+        assert_eq!(batched.tokens, single.tokens, "{name}");
+        assert_eq!(batched.finished_by_eos, single.finished_by_eos, "{name}");
+        assert_close(&batched.log_probs, &single.log_probs, 1e-4, name);
+        assert_close(&batched.entropies, &single.entropies, 1e-4, name);
+    }
+}
+
 #[test]
 fn sampling_is_seeded() {
     let m = model("qwen3_tiny");

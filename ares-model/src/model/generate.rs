@@ -21,9 +21,11 @@
 //! ([`DecodeWeights`]: faster few-row products on the CPU, a second copy of the linear
 //! weights in memory while generating).
 //!
-//! Finished sequences (an EOS id produced) stay in the batch, fed their last token, and
-//! their new tokens are ignored; the loop ends when every sequence has finished or
-//! `max_new_tokens` tokens were produced.
+//! Finished sequences (an EOS id produced) stay in the batch, fed their last token, their
+//! new tokens ignored, until they are a quarter of it: then the live sequences' keys and
+//! values move to a smaller cache and the finished ones leave (each sequence keeps its own
+//! sampling stream, so the tokens do not change). The loop ends when every sequence has
+//! finished or `max_new_tokens` tokens were produced.
 
 use rand_chacha::ChaCha20Rng;
 
@@ -262,9 +264,12 @@ struct Picker<'r, B: Backend> {
     request: &'r GenerateRequest,
     vocab: usize,
     rngs: Vec<ChaCha20Rng>,
-    /// This step's uniform draw of each sequence (sampling).
+    /// The sequence of each row of the logits (all sequences, in order, until finished
+    /// ones leave the batch).
+    rows: Vec<usize>,
+    /// This step's uniform draw of each row (sampling).
     uniforms: Vec<f64>,
-    /// The backend's picks, `u32::MAX` for a row without a token.
+    /// The backend's pick of each row, `u32::MAX` for a row without a token.
     picked: Vec<u32>,
     /// The token each sequence picked last (fed to the next decode step).
     next: Vec<u32>,
@@ -287,6 +292,7 @@ impl<'r, B: Backend> Picker<'r, B> {
             rngs: (0..batch as u64)
                 .map(|i| sequence_rng(request.seed, i))
                 .collect(),
+            rows: (0..batch).collect(),
             uniforms: vec![0.0; batch],
             picked: vec![0; batch],
             next: vec![0; batch],
@@ -297,6 +303,21 @@ impl<'r, B: Backend> Picker<'r, B> {
             host_ent: vec![0.0; batch],
             done: vec![false; batch],
         })
+    }
+
+    /// Keeps rows `keep` (indices into the current rows) and drops the others: the buffers
+    /// of one pick shrink to the new row count.
+    fn compact(&mut self, be: &B, keep: &[usize]) -> Result<(), GenerateError> {
+        self.rows = keep.iter().map(|&r| self.rows[r]).collect();
+        let n = self.rows.len();
+        self.uniforms.truncate(n);
+        self.picked.truncate(n);
+        self.host_lp.truncate(n);
+        self.host_ent.truncate(n);
+        self.targets = be.alloc_ids(n)?;
+        self.log_prob = be.alloc(n)?;
+        self.entropy = be.alloc(n)?;
+        Ok(())
     }
 
     /// New token `step` of every unfinished sequence from `logits` `[batch, vocab]` (each
@@ -324,8 +345,12 @@ impl<'r, B: Backend> Picker<'r, B> {
         {
             // one draw per unfinished sequence from its own stream, then the backend walks
             // the candidates (the CUDA backend on the device)
-            for ((u, rng), &done) in self.uniforms.iter_mut().zip(&mut self.rngs).zip(&self.done) {
-                *u = if done { 0.0 } else { uniform(rng) };
+            for (u, &b) in self.uniforms.iter_mut().zip(&self.rows) {
+                *u = if self.done[b] {
+                    0.0
+                } else {
+                    uniform(&mut self.rngs[b])
+                };
             }
             be.sample_tokens(
                 logits,
@@ -338,7 +363,7 @@ impl<'r, B: Backend> Picker<'r, B> {
                 &mut self.picked,
             )?;
         }
-        for (b, &id) in self.picked.iter().enumerate() {
+        for (&b, &id) in self.rows.iter().zip(&self.picked) {
             if !self.done[b] {
                 if id == u32::MAX {
                     return Err(GenerateError::NonFiniteLogits { sequence: b, step });
@@ -356,14 +381,14 @@ impl<'r, B: Backend> Picker<'r, B> {
         )?;
         be.download(View::whole(&self.log_prob), &mut self.host_lp)?;
         be.download(View::whole(&self.entropy), &mut self.host_ent)?;
-        for b in 0..self.done.len() {
+        for (r, &b) in self.rows.iter().enumerate() {
             if self.done[b] {
                 continue;
             }
             out.tokens[b].push(self.next[b]);
             on_token(b, self.next[b]);
-            out.log_probs[b].push(self.host_lp[b]);
-            out.entropies[b].push(self.host_ent[b]);
+            out.log_probs[b].push(self.host_lp[r]);
+            out.entropies[b].push(self.host_ent[r]);
             if request.eos_ids.contains(&self.next[b]) {
                 self.done[b] = true;
                 out.finished_by_eos[b] = true;
@@ -678,23 +703,42 @@ impl<B: Backend> Model<B> {
         }
 
         let mut step_acts = self.activations_full(batch, 1)?;
-        let step_mask = vec![1u32; batch];
+        let mut step_mask = vec![1u32; batch];
+        let mut step_ids = vec![0u32; batch];
         let mut step_positions = vec![0u32; batch];
         for step in 1..max_new {
             if picker.done.iter().all(|&d| d) {
                 break;
             }
-            // Decode step: every sequence's newest token at its next position (finished
-            // ones repeat their last token; its outputs are ignored).
-            for (b, p) in prompts.iter().enumerate() {
+            // Finished sequences leave the batch once they are a quarter of it: the live
+            // rows' keys and values move to a smaller cache, so later steps do less work.
+            let finished = picker.rows.iter().filter(|&&b| picker.done[b]).count();
+            if finished > 0 && finished * 4 >= picker.rows.len() {
+                let keep: Vec<usize> = (0..picker.rows.len())
+                    .filter(|&r| !picker.done[picker.rows[r]])
+                    .collect();
+                let mut live = KvCache::new(&self.backend, &self.spec, keep.len(), max_len)?;
+                live.fill_from_prefix(&self.backend, &cache, &keep)?;
+                cache = live;
+                picker.compact(&self.backend, &keep)?;
+                let n = keep.len();
+                step_acts = self.activations_full(n, 1)?;
+                step_mask.truncate(n);
+                step_ids.truncate(n);
+                step_positions.truncate(n);
+            }
+            // Decode step: each row's newest token at its next position (a finished
+            // sequence still in the batch repeats its last token; its outputs are ignored).
+            for (r, &b) in picker.rows.iter().enumerate() {
                 let delta = vision.map_or(0, |v| v.rope_deltas[b]);
                 // check_vision has bounded every decode position
-                step_positions[b] = (p.len() as i64 + step as i64 - 1 + delta) as u32;
+                step_positions[r] = (prompts[b].len() as i64 + step as i64 - 1 + delta) as u32;
+                step_ids[r] = picker.next[b];
             }
             let inputs = Inputs {
-                batch,
+                batch: picker.rows.len(),
                 seq: 1,
-                input_ids: &picker.next,
+                input_ids: &step_ids,
                 attention_mask: &step_mask,
                 position_ids: &step_positions,
             };
