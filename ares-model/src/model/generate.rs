@@ -166,16 +166,27 @@ pub struct PromptVision<'a, B: Backend> {
 pub struct Generator<'m, B: Backend> {
     model: &'m Model<B>,
     tw: DecodeWeights<B>,
+    /// Shared prefill of equal prompts and finished sequences leaving the batch (the
+    /// default); off: every prompt prefilled, every row kept to the end.
+    batching: bool,
 }
 
 impl<B: Backend> Generator<'_, B> {
+    /// Static batching: every prompt prefilled on its own row and every row kept until the
+    /// last sequence ends (the outputs are the same; only for measuring what shared prefill
+    /// and compaction save, as the `rollout` bench does).
+    pub fn static_batching(mut self) -> Self {
+        self.batching = false;
+        self
+    }
+
     /// [`Model::generate`] without its transpose.
     ///
     /// # Errors
     /// As [`Model::generate`].
     pub fn generate(&self, request: &GenerateRequest) -> Result<GenerateOutput, GenerateError> {
         self.model
-            .generate_with(request, &self.tw, None, &mut |_, _| {})
+            .generate_with(request, &self.tw, None, self.batching, &mut |_, _| {})
     }
 
     /// [`Generator::generate`], calling `on_token(sequence, token)` as each new token is
@@ -190,7 +201,7 @@ impl<B: Backend> Generator<'_, B> {
         mut on_token: impl FnMut(usize, u32),
     ) -> Result<GenerateOutput, GenerateError> {
         self.model
-            .generate_with(request, &self.tw, None, &mut on_token)
+            .generate_with(request, &self.tw, None, self.batching, &mut on_token)
     }
 
     /// [`Generator::generate_streaming`] for prompts with images or videos: `vision` gives
@@ -205,8 +216,13 @@ impl<B: Backend> Generator<'_, B> {
         vision: &PromptVision<'_, B>,
         mut on_token: impl FnMut(usize, u32),
     ) -> Result<GenerateOutput, GenerateError> {
-        self.model
-            .generate_with(request, &self.tw, Some(vision), &mut on_token)
+        self.model.generate_with(
+            request,
+            &self.tw,
+            Some(vision),
+            self.batching,
+            &mut on_token,
+        )
     }
 }
 
@@ -543,6 +559,7 @@ impl<B: Backend> Model<B> {
         Ok(Generator {
             model: self,
             tw: DecodeWeights::new(&self.backend, &self.spec, &self.weights)?,
+            batching: true,
         })
     }
 
@@ -553,6 +570,7 @@ impl<B: Backend> Model<B> {
         request: &GenerateRequest,
         tw: &DecodeWeights<B>,
         vision: Option<&PromptVision<'_, B>>,
+        batching: bool,
         on_token: &mut dyn FnMut(usize, u32),
     ) -> Result<GenerateOutput, GenerateError> {
         let (prompts, max_new) = (&request.prompts, request.max_new_tokens);
@@ -590,6 +608,7 @@ impl<B: Backend> Model<B> {
         // once and their keys and values copied to each sequence; multimodal prompts are
         // prefilled one row each.
         let (unique, of_row) = match vision {
+            _ if !batching => ((0..batch).collect(), (0..batch).collect()),
             None => unique_prompts(prompts),
             Some(v) => unique_vision_prompts(prompts, v),
         };
@@ -713,7 +732,7 @@ impl<B: Backend> Model<B> {
             // Finished sequences leave the batch once they are a quarter of it: the live
             // rows' keys and values move to a smaller cache, so later steps do less work.
             let finished = picker.rows.iter().filter(|&&b| picker.done[b]).count();
-            if finished > 0 && finished * 4 >= picker.rows.len() {
+            if batching && finished > 0 && finished * 4 >= picker.rows.len() {
                 let keep: Vec<usize> = (0..picker.rows.len())
                     .filter(|&r| !picker.done[picker.rows[r]])
                     .collect();

@@ -1,0 +1,103 @@
+//! The RL rollout workload on the CPU backend: P prompts of ~100 tokens × n = 8 samples,
+//! sampled at T = 1, responses of long-tailed length (a set of EOS ids that a random model
+//! samples with probability ≈ 1 % per token, so lengths are roughly geometric, mean ~70, cut
+//! at the maximum), generated two ways in the same run:
+//!
+//! - **static**: [`Generator::static_batching`] — every sequence prefilled on its own row,
+//!   every row kept until the longest sequence ends (generation before issue 15);
+//! - **engine**: the default — each prompt prefilled once for its n samples, finished
+//!   sequences leaving the batch once they are a quarter of it.
+//!
+//! Both give the same tokens (checked before timing). Prints new tokens/s of each and a line
+//! `rollout speedup (engine / static): X.XX` per model size. Sizes: the bench model of
+//! `model_cpu` (4 layers, hidden 256, vocab 8192) and the demo's 0.56 M model shape with a
+//! 8192 vocabulary. `cargo bench -p ares-benches --bench rollout`; threads: rayon's default
+//! (`RAYON_NUM_THREADS`). Not in it yet: continuous batching proper (new sequences joining
+//! freed slots), bf16 decode weights, the 0.5B shape.
+
+use std::path::Path;
+
+use ares_benches::SplitMix;
+use ares_benches::model::{best_and_median, env_usize, random_weights, report};
+use ares_model::backend::cpu::CpuBackend;
+use ares_model::hf::config::ModelConfig;
+use ares_model::model::{GenerateRequest, Model, Sampling};
+
+const BENCH_MODEL: &str = r#"{
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+    "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": true
+}"#;
+
+const DEMO_MODEL: &str = r#"{
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+    "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "tie_word_embeddings": true
+}"#;
+
+fn main() {
+    let runs = env_usize("ARES_BENCH_RUNS", 3);
+    let prompts = env_usize("ARES_BENCH_PROMPTS", 8);
+    for (name, config) in [("bench model", BENCH_MODEL), ("demo shape", DEMO_MODEL)] {
+        let config = ModelConfig::from_json_str(Path::new("bench/config.json"), config)
+            .expect("the bench config parses");
+        let mut rng = SplitMix::new(11);
+        let w = random_weights(&config, &mut rng);
+        let model = Model::new(CpuBackend, &config, &w).expect("the bench model builds");
+        let (n, max_new) = (8usize, 256usize);
+        let mut request = GenerateRequest {
+            prompts: (0..prompts)
+                .flat_map(|_| {
+                    let len = 90 + (rng.next_u64() % 21) as usize;
+                    let p: Vec<u32> = (0..len).map(|_| (rng.next_u64() % 8192) as u32).collect();
+                    std::iter::repeat_n(p, n)
+                })
+                .collect(),
+            max_new_tokens: max_new,
+            // ~1 % of a random model's sampling mass: roughly geometric lengths
+            eos_ids: (0..82).map(|i| 100 + 97 * i).collect(),
+            sampling: Sampling::Sample {
+                temperature: 1.0,
+                top_k: None,
+                top_p: 1.0,
+            },
+            seed: 3,
+        };
+        request.eos_ids.sort_unstable();
+        let engine = model.generator().expect("generator");
+        let fixed = model.generator().expect("generator").static_batching();
+        let a = engine.generate(&request).expect("generate");
+        let b = fixed.generate(&request).expect("generate");
+        assert_eq!(
+            a.tokens, b.tokens,
+            "the engine must give the static batch's tokens"
+        );
+        let new: usize = a.tokens.iter().map(Vec::len).sum();
+        let mut lengths: Vec<usize> = a.tokens.iter().map(Vec::len).collect();
+        lengths.sort_unstable();
+        println!(
+            "{name}: {} layers, hidden {}; {prompts} prompts × {n}, {new} new tokens (lengths: median {}, max {}); {} threads",
+            config.num_hidden_layers,
+            config.hidden_size,
+            lengths[lengths.len() / 2],
+            lengths[lengths.len() - 1],
+            rayon::current_num_threads(),
+        );
+        let ts = best_and_median(runs, || {
+            fixed.generate(&request).expect("generate");
+        });
+        report("  static", new, "tokens", ts);
+        let te = best_and_median(runs, || {
+            engine.generate(&request).expect("generate");
+        });
+        report("  engine", new, "tokens", te);
+        println!(
+            "rollout speedup (engine / static): {:.2}",
+            ts.0.as_secs_f64() / te.0.as_secs_f64()
+        );
+    }
+}
