@@ -148,7 +148,7 @@ fn key_err(func: &str, path: &str, e: Error) -> PyErr {
 // Buckets.
 
 /// A bucket given as a name ("easy", "medium", "hard", any case) or an index (0, 1, 2).
-fn bucket_of(func: &str, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Difficulty> {
+pub(crate) fn bucket_of(func: &str, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Difficulty> {
     if let Ok(s) = obj.extract::<String>() {
         return Difficulty::from_name(&s).ok_or_else(|| {
             value_error(format!(

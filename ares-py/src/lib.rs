@@ -12,6 +12,7 @@
 
 mod args;
 mod controllers;
+mod extras;
 mod funcs;
 mod kernels;
 mod loss;
@@ -26,5 +27,6 @@ fn _ares(m: &Bound<'_, PyModule>) -> PyResult<()> {
     funcs::register(m)?;
     loss::register(m)?;
     controllers::register(m)?;
+    extras::register(m)?;
     kernels::register(m)
 }

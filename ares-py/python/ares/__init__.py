@@ -15,7 +15,7 @@ arrays. Outputs are numpy arrays; ``torch.from_numpy`` wraps them without a copy
 from typing import TYPE_CHECKING
 
 from . import _ares
-from ._ares import GRPO_EPSILON, AdaptiveKlController, EntropyCoefController, ThresholdEma, __version__
+from ._ares import DEFAULT_FORKING_RHO, GRPO_EPSILON, AdaptiveKlController, EntropyCoefController, ThresholdEma, __version__
 from ._interop import as_array, wrap
 
 # Every array argument may be a torch CPU tensor or any __array_interface__ / __dlpack__
@@ -25,13 +25,18 @@ if TYPE_CHECKING:  # the stubs of the native module give the signatures
         aggregate,
         aggregate_weights,
         dr_grpo_advantages,
+        entropy_grad_logits,
+        entropy_rewards,
         entropy_windows,
+        forking_token_mask,
         grpo_advantages,
         grpo_lambda_rewards,
         grpo_token_advantages,
         log_prob_entropy,
         masked_dynamic_kl,
         masked_whiten,
+        overlong_penalties,
+        overlong_penalty,
         policy_loss,
         reinforce_baseline_advantages,
         reinforce_pp_advantages,
@@ -46,13 +51,17 @@ else:
     aggregate = wrap(_ares.aggregate)
     aggregate_weights = wrap(_ares.aggregate_weights)
     dr_grpo_advantages = wrap(_ares.dr_grpo_advantages)
+    entropy_grad_logits = wrap(_ares.entropy_grad_logits)
+    entropy_rewards = wrap(_ares.entropy_rewards)
     entropy_windows = wrap(_ares.entropy_windows)
+    forking_token_mask = wrap(_ares.forking_token_mask)
     grpo_advantages = wrap(_ares.grpo_advantages)
     grpo_lambda_rewards = wrap(_ares.grpo_lambda_rewards)
     grpo_token_advantages = wrap(_ares.grpo_token_advantages)
     log_prob_entropy = wrap(_ares.log_prob_entropy)
     masked_dynamic_kl = wrap(_ares.masked_dynamic_kl)
     masked_whiten = wrap(_ares.masked_whiten)
+    overlong_penalty = _ares.overlong_penalty
     policy_loss = wrap(_ares.policy_loss)
     reinforce_baseline_advantages = wrap(_ares.reinforce_baseline_advantages)
     reinforce_pp_advantages = wrap(_ares.reinforce_pp_advantages)
@@ -62,6 +71,16 @@ else:
     rloo_token_advantages = wrap(_ares.rloo_token_advantages)
     row_percentile = wrap(_ares.row_percentile)
     token_kl = wrap(_ares.token_kl)
+
+
+    def overlong_penalties(lengths, max_len, buffer_len, penalty_factor=1.0, correct=None, *, dtype=None):
+        # `dtype` (a numpy type, which has `__array__`) must not go through as_array
+        f = "overlong_penalties"
+        return _ares.overlong_penalties(
+            as_array(lengths, f, "lengths"), max_len, buffer_len, penalty_factor, as_array(correct, f, "correct"), dtype=dtype
+        )
+
+    overlong_penalties.__doc__ = _ares.overlong_penalties.__doc__
 
 
 class BucketController(_ares.BucketController):
@@ -77,6 +96,7 @@ class GrpoLambda(_ares.GrpoLambda):
 
 
 __all__ = [
+    "DEFAULT_FORKING_RHO",
     "GRPO_EPSILON",
     "AdaptiveKlController",
     "BucketController",
@@ -88,13 +108,18 @@ __all__ = [
     "aggregate",
     "aggregate_weights",
     "dr_grpo_advantages",
+    "entropy_grad_logits",
+    "entropy_rewards",
     "entropy_windows",
+    "forking_token_mask",
     "grpo_advantages",
     "grpo_lambda_rewards",
     "grpo_token_advantages",
     "log_prob_entropy",
     "masked_dynamic_kl",
     "masked_whiten",
+    "overlong_penalties",
+    "overlong_penalty",
     "policy_loss",
     "reinforce_baseline_advantages",
     "reinforce_pp_advantages",

@@ -245,3 +245,32 @@ def masked_dynamic_kl(
     low_ratio: float = 0.5,
     estimator: str = "k3",
 ) -> Dict[str, Any]: ...
+
+# ---------------------------------------------------------------- forking, overlong, entropy bonus, shaping
+
+DEFAULT_FORKING_RHO: float
+
+def forking_token_mask(
+    entropies: _Arr[_F], mask: _Arr[_F], rho: float = 0.2
+) -> Tuple[_Arr[_F], Dict[str, Any]]: ...
+def overlong_penalty(length: int, max_len: int, buffer_len: int, penalty_factor: float = 1.0) -> float: ...
+def overlong_penalties(
+    lengths: Union[npt.NDArray[np.integer[Any]], Sequence[int]],
+    max_len: int,
+    buffer_len: int,
+    penalty_factor: float = 1.0,
+    correct: Optional[npt.NDArray[np.bool_]] = None,
+    *,
+    dtype: Any = None,
+) -> Tuple[npt.NDArray[Any], int]: ...
+def entropy_grad_logits(logits: _Arr[_F], temperature: float = 1.0) -> Tuple[Union[float, _Arr[_F]], _Arr[_F]]: ...
+def entropy_rewards(
+    correct: npt.NDArray[np.bool_],
+    hwe_count: _Arr[_F],
+    target: _Arr[_F],
+    alpha: _Arr[_F],
+    difficulty: Union[npt.NDArray[np.integer[Any]], Sequence[Union[str, int]]],
+    *,
+    format_reward: Optional[_Arr[_F]] = None,
+    format_weight: float = 0.0,
+) -> Tuple[_Arr[_F], _Arr[_F]]: ...
