@@ -209,7 +209,8 @@ fn init_std(name: &str, spec: &TinyModelSpec) -> Option<f64> {
     }
 }
 
-fn write_json(path: &Path, value: &Value) -> Result<(), DemoError> {
+/// `value` as pretty JSON with a final newline.
+pub(super) fn write_json(path: &Path, value: &Value) -> Result<(), DemoError> {
     let text = serde_json::to_string_pretty(value).map_err(|source| DemoError::Json {
         path: path.to_path_buf(),
         source,

@@ -162,16 +162,32 @@ pub(crate) fn build_with(
     Ok(tok)
 }
 
-/// `tokenizer_config.json` (see the module docs), with transformers' `added_tokens_decoder`.
+/// `tokenizer_config.json` (see the module docs).
 fn config() -> Value {
     let ids = special_ids();
-    let mut added = Map::new();
-    for (id, content) in [
-        (ids.endoftext, ENDOFTEXT),
-        (ids.im_start, IM_START),
-        (ids.im_end, IM_END),
-    ] {
-        added.insert(
+    config_with(
+        &[
+            (ids.endoftext, ENDOFTEXT),
+            (ids.im_start, IM_START),
+            (ids.im_end, IM_END),
+        ],
+        &[IM_START, IM_END],
+        CHAT_TEMPLATE,
+    )
+}
+
+/// A `tokenizer_config.json` of the demo tokenizers: the special tokens `added` (id,
+/// content) in transformers' `added_tokens_decoder`, `additional` as
+/// `additional_special_tokens`, `chat_template`, end of turn `<|im_end|>`, padding
+/// `<|endoftext|>`.
+pub(crate) fn config_with(
+    added: &[(u32, &str)],
+    additional: &[&str],
+    chat_template: &str,
+) -> Value {
+    let mut decoder = Map::new();
+    for &(id, content) in added {
+        decoder.insert(
             id.to_string(),
             json!({
                 "content": content,
@@ -184,10 +200,10 @@ fn config() -> Value {
         );
     }
     json!({
-        "added_tokens_decoder": added,
-        "additional_special_tokens": [IM_START, IM_END],
+        "added_tokens_decoder": decoder,
+        "additional_special_tokens": additional,
         "bos_token": null,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "clean_up_tokenization_spaces": false,
         "eos_token": IM_END,
         "model_max_length": MODEL_MAX_LENGTH,
@@ -204,6 +220,20 @@ fn config() -> Value {
 /// # Errors
 /// [`DemoError::Io`] or [`DemoError::Tokenizer`] when a file cannot be written.
 pub fn write_tokenizer(dir: &Path) -> Result<(), DemoError> {
+    write_files(dir, build, &config())
+}
+
+/// Writes the tokenizer `build` makes (given the `tokenizer.json` path, for messages) and
+/// `config` into `dir` (created if missing; other files there are left alone).
+///
+/// # Errors
+/// [`DemoError::Io`], [`DemoError::Json`] or [`DemoError::Tokenizer`] when a file cannot be
+/// written.
+pub(crate) fn write_files(
+    dir: &Path,
+    build: impl FnOnce(&Path) -> Result<Tokenizer, DemoError>,
+    config: &Value,
+) -> Result<(), DemoError> {
     std::fs::create_dir_all(dir).map_err(|e| DemoError::io(dir, e))?;
     let path = dir.join(TOKENIZER_FILE);
     let tok = build(&path)?;
@@ -212,12 +242,7 @@ pub fn write_tokenizer(dir: &Path) -> Result<(), DemoError> {
         message: e.to_string(),
     })?;
     write_text(&path, &text)?;
-    let path = dir.join(TOKENIZER_CONFIG_FILE);
-    let text = serde_json::to_string_pretty(&config()).map_err(|source| DemoError::Json {
-        path: path.clone(),
-        source,
-    })?;
-    write_text(&path, &text)
+    super::model::write_json(&dir.join(TOKENIZER_CONFIG_FILE), config)
 }
 
 #[cfg(test)]

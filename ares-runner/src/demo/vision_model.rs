@@ -26,19 +26,17 @@
 use std::collections::HashMap;
 use std::path::Path;
 
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 use tokenizers::Tokenizer;
 
 use super::error::DemoError;
-use super::model::TinyModelSpec;
+use super::model::{TinyModelSpec, write_json};
 use super::rng::{self, Stream};
-use super::task::write_text;
-use super::tokenizer::{self, ENDOFTEXT, IM_END, IM_START, MODEL_MAX_LENGTH, VOCAB_SIZE};
+use super::tokenizer::{self, ENDOFTEXT, IM_END, IM_START, VOCAB_SIZE};
 use super::vision_task::IMAGE_SIZE;
 use crate::hf::config::CONFIG_FILE;
 use crate::hf::generation::{GENERATION_CONFIG_FILE, GenerationConfig};
 use crate::hf::tensor_files::{NamedTensor, SINGLE_FILE, SaveDtype, write_safetensors};
-use crate::hf::tokenizer::{TOKENIZER_CONFIG_FILE, TOKENIZER_FILE};
 use crate::hf::weights::{ModelWeights, Tensor, expected_tensors};
 use crate::vision::checkpoint::{VlCheckpoint, WeightLayout};
 use crate::vision::config::VlConfig;
@@ -145,41 +143,26 @@ fn build_tokenizer(path: &Path) -> Result<Tokenizer, DemoError> {
 /// `tokenizer_config.json` of the vision tokenizer.
 fn tokenizer_config() -> Value {
     let ids = vl_special_ids();
-    let mut added = Map::new();
-    for (id, content) in [
-        (ids.endoftext, ENDOFTEXT),
-        (ids.im_start, IM_START),
-        (ids.im_end, IM_END),
-        (ids.vision_start, VISION_START),
-        (ids.vision_end, VISION_END),
-        (ids.image_pad, IMAGE_PAD),
-        (ids.video_pad, VIDEO_PAD),
-    ] {
-        added.insert(
-            id.to_string(),
-            json!({
-                "content": content,
-                "lstrip": false,
-                "normalized": false,
-                "rstrip": false,
-                "single_word": false,
-                "special": true,
-            }),
-        );
-    }
-    json!({
-        "added_tokens_decoder": added,
-        "additional_special_tokens": [IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD],
-        "bos_token": null,
-        "chat_template": VL_CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": false,
-        "eos_token": IM_END,
-        "model_max_length": MODEL_MAX_LENGTH,
-        "pad_token": ENDOFTEXT,
-        "split_special_tokens": false,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": null,
-    })
+    tokenizer::config_with(
+        &[
+            (ids.endoftext, ENDOFTEXT),
+            (ids.im_start, IM_START),
+            (ids.im_end, IM_END),
+            (ids.vision_start, VISION_START),
+            (ids.vision_end, VISION_END),
+            (ids.image_pad, IMAGE_PAD),
+            (ids.video_pad, VIDEO_PAD),
+        ],
+        &[
+            IM_START,
+            IM_END,
+            VISION_START,
+            VISION_END,
+            IMAGE_PAD,
+            VIDEO_PAD,
+        ],
+        VL_CHAT_TEMPLATE,
+    )
 }
 
 /// Writes the vision tokenizer's `tokenizer.json` and `tokenizer_config.json` into `dir`
@@ -188,15 +171,7 @@ fn tokenizer_config() -> Value {
 /// # Errors
 /// [`DemoError::Io`] or [`DemoError::Tokenizer`] when a file cannot be written.
 pub fn write_vl_tokenizer(dir: &Path) -> Result<(), DemoError> {
-    std::fs::create_dir_all(dir).map_err(|e| DemoError::io(dir, e))?;
-    let path = dir.join(TOKENIZER_FILE);
-    let tok = build_tokenizer(&path)?;
-    let text = tok.to_string(true).map_err(|e| DemoError::Tokenizer {
-        path: path.clone(),
-        message: e.to_string(),
-    })?;
-    write_text(&path, &text)?;
-    write_json(&dir.join(TOKENIZER_CONFIG_FILE), &tokenizer_config())
+    tokenizer::write_files(dir, build_tokenizer, &tokenizer_config())
 }
 
 /// Sizes and settings of the tiny Qwen2.5-VL vision tower.
@@ -383,14 +358,6 @@ fn tower_seed(seed: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
-}
-
-fn write_json(path: &Path, value: &Value) -> Result<(), DemoError> {
-    let text = serde_json::to_string_pretty(value).map_err(|source| DemoError::Json {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    write_text(path, &(text + "\n"))
 }
 
 /// The random model as an in-memory checkpoint (what [`write_random_vl_model`] writes).
