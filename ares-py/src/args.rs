@@ -74,6 +74,34 @@ pub fn float_dtype(func: &str, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<D
     }
 }
 
+/// Borrows `obj` (already known to be an array `arr` of element type `T`) in place after
+/// checking it has `ndim` dimensions and is C-contiguous: the checks every input shares.
+fn borrow_in_place<'py, T: Element>(
+    func: &str,
+    name: &str,
+    obj: &Bound<'py, PyAny>,
+    arr: &Bound<'py, PyUntypedArray>,
+    ndim: usize,
+) -> PyResult<PyReadonlyArrayDyn<'py, T>> {
+    if arr.ndim() != ndim {
+        return Err(value_error(format!(
+            "{func}: `{name}` must have {ndim} dimension{}, got shape {:?}",
+            if ndim == 1 { "" } else { "s" },
+            arr.shape()
+        )));
+    }
+    if !arr.is_c_contiguous() {
+        return Err(value_error(format!(
+            "{func}: `{name}` is not C-contiguous (inputs are read in place, not copied); \
+             pass np.ascontiguousarray({name})"
+        )));
+    }
+    obj.cast::<PyArrayDyn<T>>()
+        .map_err(|e| value_error(format!("{func}: `{name}`: {e}")))?
+        .try_readonly()
+        .map_err(|e| value_error(format!("{func}: `{name}`: {e}")))
+}
+
 /// A float input read in place: `ndim` dimensions, the dtype `F` of the call, C-contiguous.
 pub struct Input<'py, F: Real> {
     array: PyReadonlyArrayDyn<'py, F>,
@@ -97,25 +125,7 @@ impl<'py, F: Real> Input<'py, F> {
                 want.name()
             )));
         }
-        if arr.ndim() != ndim {
-            return Err(value_error(format!(
-                "{func}: `{name}` must have {ndim} dimension{}, got shape {:?}",
-                if ndim == 1 { "" } else { "s" },
-                arr.shape()
-            )));
-        }
-        if !arr.is_c_contiguous() {
-            return Err(value_error(format!(
-                "{func}: `{name}` is not C-contiguous (inputs are read in place, not copied); \
-                 pass np.ascontiguousarray({name})"
-            )));
-        }
-        let typed = obj
-            .cast::<PyArrayDyn<F>>()
-            .map_err(|e| value_error(format!("{func}: `{name}`: {e}")))?;
-        let array = typed
-            .try_readonly()
-            .map_err(|e| value_error(format!("{func}: `{name}`: {e}")))?;
+        let array = borrow_in_place(func, name, obj, arr, ndim)?;
         Ok(Input { array })
     }
 
@@ -391,24 +401,7 @@ impl<'py> BoolInput<'py> {
                  {name}.astype(bool))"
             )));
         }
-        if arr.ndim() != 1 {
-            return Err(value_error(format!(
-                "{func}: `{name}` must have 1 dimension, got shape {:?}",
-                arr.shape()
-            )));
-        }
-        if !arr.is_c_contiguous() {
-            return Err(value_error(format!(
-                "{func}: `{name}` is not C-contiguous (inputs are read in place, not copied); \
-                 pass np.ascontiguousarray({name})"
-            )));
-        }
-        let typed = obj
-            .cast::<PyArrayDyn<bool>>()
-            .map_err(|e| value_error(format!("{func}: `{name}`: {e}")))?;
-        let array = typed
-            .try_readonly()
-            .map_err(|e| value_error(format!("{func}: `{name}`: {e}")))?;
+        let array = borrow_in_place(func, name, obj, arr, 1)?;
         Ok(BoolInput { array })
     }
 
