@@ -10,6 +10,23 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+/// Runs `$body` with the type alias `$F` bound to the float type of `$dt` (a [`Dtype`]).
+macro_rules! by_dtype {
+    ($dt:expr, $F:ident => $body:expr) => {
+        match $dt {
+            $crate::args::Dtype::F32 => {
+                type $F = f32;
+                $body
+            }
+            $crate::args::Dtype::F64 => {
+                type $F = f64;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use by_dtype;
+
 /// A float type ares-core computes in and numpy stores.
 pub trait Real: Float + Element + Send + Sync {}
 impl Real for f32 {}

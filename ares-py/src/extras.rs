@@ -1,6 +1,7 @@
 //! The other ares-core families: forking-token masks, DAPO's overlong penalty, the entropy
 //! bonus gradient and the ARES entropy-shaping reward.
 
+use crate::args::by_dtype;
 use crate::args::{
     BoolInput, Dtype, Input, Output, cast, core_err, f64_of, float_dtype, value_error,
 };
@@ -13,22 +14,6 @@ use numpy::{
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-
-/// Runs `$body` with the type alias `$F` bound to the float type of `$dt`.
-macro_rules! by_dtype {
-    ($dt:expr, $F:ident => $body:expr) => {
-        match $dt {
-            Dtype::F32 => {
-                type $F = f32;
-                $body
-            }
-            Dtype::F64 => {
-                type $F = f64;
-                $body
-            }
-        }
-    };
-}
 
 /// Registers every function of this file in the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

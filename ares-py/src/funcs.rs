@@ -1,28 +1,13 @@
 //! The Python functions: thin wrappers that check arguments, allocate the output and call
 //! ares-core with the GIL released.
 
+use crate::args::by_dtype;
 use crate::args::{
-    Dtype, GroupSpec, Input, Output, Real, cast, core_err, float_dtype, token_input, value_error,
+    GroupSpec, Input, Output, Real, cast, core_err, float_dtype, token_input, value_error,
 };
 use ares_core::advantage::{self, GRPO_EPSILON, GrpoConfig, ProMaxConfig, ResponseTokens};
 use ares_core::{Error, Groups, Shape};
 use pyo3::prelude::*;
-
-/// Runs `$body` with the type alias `$F` bound to the float type of `$dt`.
-macro_rules! by_dtype {
-    ($dt:expr, $F:ident => $body:expr) => {
-        match $dt {
-            Dtype::F32 => {
-                type $F = f32;
-                $body
-            }
-            Dtype::F64 => {
-                type $F = f64;
-                $body
-            }
-        }
-    };
-}
 
 /// Registers every function of this file in the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

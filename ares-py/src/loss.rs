@@ -1,7 +1,8 @@
 //! Policy losses with dL/dlogπ, loss aggregation, and the token-level KL family.
 
+use crate::args::by_dtype;
 use crate::args::{
-    Dtype, Input, Output, Real, cast, core_err, f64_of, float_dtype, token_input, value_error,
+    Input, Output, Real, cast, core_err, f64_of, float_dtype, token_input, value_error,
 };
 use ares_core::kl::{KlCoefficient, KlEstimator, TokenKlConfig, TokenKlOutputs};
 use ares_core::loss::{
@@ -11,22 +12,6 @@ use ares_core::loss::{
 use ares_core::{Error, Shape};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-
-/// Runs `$body` with the type alias `$F` bound to the float type of `$dt`.
-macro_rules! by_dtype {
-    ($dt:expr, $F:ident => $body:expr) => {
-        match $dt {
-            Dtype::F32 => {
-                type $F = f32;
-                $body
-            }
-            Dtype::F64 => {
-                type $F = f64;
-                $body
-            }
-        }
-    };
-}
 
 /// Registers the functions of this file.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
