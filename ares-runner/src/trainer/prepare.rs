@@ -287,13 +287,11 @@ pub struct Forking {
 /// The top-ρ tokens of the whole step by the sampler's entropy (the ones the rollout
 /// computed; the paper's batch B is the training batch, and the sampler's entropies are the
 /// behaviour policy's, which is the policy being updated up to the importance ratio).
-fn forking_tokens(batch: &Batch, rho: f32) -> Result<Forking, TrainError> {
-    let entropies = batch.padded(|r| &r.entropies);
-    let mask = &batch.tokens.mask;
+fn forking_tokens(entropies: &[f32], mask: &[f32], rho: f32) -> Result<Forking, TrainError> {
     let mut keep = vec![0.0f32; mask.len()];
     let mut scratch = vec![0.0f32; mask.len()];
     let stats =
-        ares_core::forking::forking_token_mask(&entropies, mask, rho, &mut scratch, &mut keep)?;
+        ares_core::forking::forking_token_mask(entropies, mask, rho, &mut scratch, &mut keep)?;
     Ok(Forking {
         keep,
         kept_fraction: f64::from(stats.fraction),
@@ -346,7 +344,9 @@ pub fn prepare<B: Backend>(
     let be = actor.backend();
     let mut downloads = Downloads::default();
     let d_mask = upload(be, &batch.tokens.mask)?;
-    let d_entropies = upload(be, &batch.padded(|r| &r.entropies))?;
+    // the sampler's token entropies, padded once for the controllers, the bonus and forking
+    let entropies = batch.padded(|r| &r.entropies);
+    let d_entropies = upload(be, &entropies)?;
     let d_trigger = trigger_mask.map(|t| upload(be, t)).transpose()?;
 
     let c = control(
@@ -392,13 +392,10 @@ pub fn prepare<B: Backend>(
     )?;
     // the bonus's coefficient in force, then its move from this step's mean token entropy
     // (the sampler's, over the response tokens), for the next step
-    let entropy_coef = state.use_entropy_coef(masked_mean(
-        &batch.padded(|r| &r.entropies),
-        &batch.tokens.mask,
-    ))?;
+    let entropy_coef = state.use_entropy_coef(masked_mean(&entropies, &batch.tokens.mask))?;
     let forking = settings
         .forking_rho
-        .map(|rho| forking_tokens(batch, rho))
+        .map(|rho| forking_tokens(&entropies, &batch.tokens.mask, rho))
         .transpose()?;
     let bucket_kl = match &scored.row_mean_kl {
         Some(k) => {
