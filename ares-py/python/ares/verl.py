@@ -175,6 +175,44 @@ def _outcome(token_level_rewards, response_mask, func):
     return scores, mask
 
 
+# numpy cores: what each estimator computes once its tensors are host arrays (scores [B] and
+# mask [B, T] of one float dtype, uid one key per row). The torch functions below only convert;
+# tests/test_verl_fixtures.py checks these cores against verl's outputs without torch.
+
+
+def _grpo_np(scores, mask, uid, epsilon=1e-6, norm_adv_by_std=True):
+    from . import grpo_token_advantages
+
+    return grpo_token_advantages(scores, mask, uid=uid, epsilon=float(epsilon), norm_adv_by_std=bool(norm_adv_by_std))
+
+
+def _rloo_np(scores, mask, uid):
+    from . import rloo_token_advantages
+
+    return rloo_token_advantages(scores, mask, uid=uid)
+
+
+def _pro_max_np(scores, mask, uid):
+    from . import reinforce_pro_max
+
+    return reinforce_pro_max(scores, mask, uid=uid)
+
+
+def _grpo_lambda_np(scores, mask, uid, epsilon=1e-6, norm_adv_by_std=True):
+    """GRPO-λ rewards (correct = score > ``correct_threshold``, L = valid tokens of the mask,
+    λ and α from the settings), then GRPO token advantages over them."""
+    from . import grpo_lambda_rewards
+
+    rewards = grpo_lambda_rewards(
+        scores > _SETTINGS["correct_threshold"],
+        mask.sum(axis=-1),
+        uid=uid,
+        lambda_=_SETTINGS["grpo_lambda"],
+        alpha=_SETTINGS["grpo_lambda_alpha"],
+    )["rewards"]
+    return _grpo_np(rewards, mask, uid, epsilon, norm_adv_by_std)
+
+
 def ares_grpo(
     token_level_rewards,
     response_mask,
@@ -187,15 +225,13 @@ def ares_grpo(
     """GRPO outcome advantages ``(r − mean_g)/(std_g + ε)`` (unbiased std; without the division
     when ``norm_adv_by_std_in_grpo`` is False, from the argument or ``config``) broadcast over
     the response mask. Returns ``(advantages, returns)``, the same tensor, ``[B, T]``."""
-    from . import grpo_token_advantages
-
     scores, mask = _outcome(token_level_rewards, response_mask, "ares_grpo")
-    adv = grpo_token_advantages(
-        scores,
-        mask,
-        uid=_index(index, "ares_grpo"),
-        epsilon=float(epsilon),
-        norm_adv_by_std=_norm_by_std(norm_adv_by_std_in_grpo, config),
+    adv = _grpo_np(
+        scores.numpy(),
+        mask.numpy(),
+        _index(index, "ares_grpo"),
+        epsilon,
+        _norm_by_std(norm_adv_by_std_in_grpo, config),
     )
     adv = _out(adv, token_level_rewards)
     return adv, adv
@@ -204,10 +240,8 @@ def ares_grpo(
 def ares_rloo(token_level_rewards, response_mask, index=None, epsilon=1e-6, config=None, **kwargs):
     """RLOO outcome advantages ``r_i − mean of the group's other samples`` broadcast over the
     response mask. Returns ``(advantages, returns)``, the same tensor, ``[B, T]``."""
-    from . import rloo_token_advantages
-
     scores, mask = _outcome(token_level_rewards, response_mask, "ares_rloo")
-    adv = _out(rloo_token_advantages(scores, mask, uid=_index(index, "ares_rloo")), token_level_rewards)
+    adv = _out(_rloo_np(scores.numpy(), mask.numpy(), _index(index, "ares_rloo")), token_level_rewards)
     return adv, adv
 
 
@@ -216,10 +250,9 @@ def ares_reinforce_pro_max(token_level_rewards, response_mask, index=None, confi
     positive and negative tokens to mean 0, variance 1) from the outcome rewards. A KL folded
     into ``token_level_rewards`` (``use_kl_in_reward``) is summed into the outcome; prefer the
     actor's KL loss. Returns ``(advantages, returns)``, the same tensor, ``[B, T]``."""
-    from . import reinforce_pro_max
-
     scores, mask = _outcome(token_level_rewards, response_mask, "ares_reinforce_pro_max")
-    adv = _out(reinforce_pro_max(scores, mask, uid=_index(index, "ares_reinforce_pro_max")), token_level_rewards)
+    adv = _pro_max_np(scores.numpy(), mask.numpy(), _index(index, "ares_reinforce_pro_max"))
+    adv = _out(adv, token_level_rewards)
     return adv, adv
 
 
@@ -236,21 +269,13 @@ def ares_grpo_lambda(
     ``correct_threshold``), the top ``⌈λ·G⌉`` get the length-penalised rewards
     ``1 − α·sigmoid(z(L))`` on correct samples (L = valid response tokens), the others 0/1;
     then GRPO advantages over those rewards. Returns ``(advantages, returns)``, ``[B, T]``."""
-    from . import grpo_lambda_rewards, grpo_token_advantages
-
     scores, mask = _outcome(token_level_rewards, response_mask, "ares_grpo_lambda")
-    uid = _index(index, "ares_grpo_lambda")
-    correct = (scores > _SETTINGS["correct_threshold"]).numpy()
-    lengths = mask.sum(dim=-1).numpy()
-    rewards = grpo_lambda_rewards(
-        correct, lengths, uid=uid, lambda_=_SETTINGS["grpo_lambda"], alpha=_SETTINGS["grpo_lambda_alpha"]
-    )["rewards"]
-    adv = grpo_token_advantages(
-        rewards,
+    adv = _grpo_lambda_np(
+        scores.numpy(),
         mask.numpy(),
-        uid=uid,
-        epsilon=float(epsilon),
-        norm_adv_by_std=_norm_by_std(norm_adv_by_std_in_grpo, config),
+        _index(index, "ares_grpo_lambda"),
+        epsilon,
+        _norm_by_std(norm_adv_by_std_in_grpo, config),
     )
     adv = _out(adv, token_level_rewards)
     return adv, adv
@@ -287,7 +312,7 @@ def _loss_fn():
 def _agg_scale(mask, loss_agg_mode, info):
     """The factor turning ares's local aggregate into verl's ``agg_loss`` with
     ``global_batch_info`` (``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
-    ``loss_scale_factor``)."""
+    ``loss_scale_factor``). ``mask``: the numpy response mask [B, T]."""
     dp = info.get("dp_size") or 1
     if loss_agg_mode == "token-mean":
         total = info.get("batch_num_tokens")
@@ -298,7 +323,7 @@ def _agg_scale(mask, loss_agg_mode, info):
         return float(mask.sum()) * dp / float(total)
     if loss_agg_mode == "token-sum":
         return float(dp)
-    rows = float((mask.sum(dim=-1) > 0).sum())
+    rows = float((mask.sum(axis=-1) > 0).sum())
     gbs = info.get("global_batch_size")
     if gbs is None:
         if dp > 1:
@@ -313,38 +338,34 @@ def _agg_scale(mask, loss_agg_mode, info):
     return scale
 
 
-def _policy_loss(
-    registered, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
-):
-    import torch
+_METRIC_KEYS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
 
+
+def _policy_loss_np(registered, old, lp, adv, mask, loss_agg_mode="token-mean", config=None, weights=None):
+    """The numpy core of a registered loss: host arrays [B, T] of one float dtype in,
+    ``(loss, grad, metrics)`` out, loss and grad already scaled as verl's ``agg_loss`` with
+    ``config.global_batch_info``; ``None`` when the mask is empty. ``config`` may be verl's
+    ActorConfig or a dict of the same keys."""
     from . import policy_loss
 
     mode = POLICY_LOSSES[registered]
-    dtype = _float_dtype(log_prob)
-    lp = _host(log_prob, registered, "log_prob", dtype)
-    old = _host(old_log_prob, registered, "old_log_prob", dtype)
-    adv = _host(advantages, registered, "advantages", dtype)
-    mask = _host(response_mask, registered, "response_mask", dtype)
-    if rollout_is_weights is not None:
+    if weights is not None:
         if mode not in _WEIGHT_BY_ADVANTAGE:
             raise ValueError(
                 f"ares.verl.{registered}: rollout_is_weights are supported by ares_vanilla, ares_gspo "
                 f"and ares_cispo only"
             )
-        adv = adv * _host(rollout_is_weights, registered, "rollout_is_weights", dtype)
+        adv = adv * weights
+    if float(mask.sum()) == 0.0:  # nothing to learn from this micro-batch; ares refuses an empty mask
+        return None
     clip = _cfg(config, "clip_ratio", 0.2)
     pl = _cfg(config, "policy_loss", None)
     info = _cfg(config, "global_batch_info", None) or {}
-    metrics_keys = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
-    if float(mask.sum()) == 0.0:  # nothing to learn from this micro-batch; ares refuses an empty mask
-        zero = (log_prob * 0.0).sum()
-        return zero, dict.fromkeys(metrics_keys, 0.0)
     out = policy_loss(
-        lp.numpy(),
-        old.numpy(),
-        adv.numpy(),
-        mask.numpy(),
+        lp,
+        old,
+        adv,
+        mask,
         loss_mode=mode,
         loss_agg_mode=loss_agg_mode,
         clip_ratio_low=float(_cfg(config, "clip_ratio_low", clip)),
@@ -357,17 +378,37 @@ def _policy_loss(
         ppo_kl_coef=float(_cfg(pl, "ppo_kl_coef", 0.1)),
     )
     scale = _agg_scale(mask, loss_agg_mode, info)
-    grad = torch.from_numpy(out["grad"])
+    grad = out["grad"]
     if scale != 1.0:
-        grad.mul_(scale)
-    grad = grad.to(device=log_prob.device, dtype=log_prob.dtype)
-    loss = _loss_fn().apply(log_prob, float(out["loss"]) * scale, grad)
+        grad *= scale  # ares's own output array, not shared
     metrics = {
         "actor/pg_clipfrac": float(out["clipfrac"]),
         "actor/ppo_kl": float(out["approx_kl"]),
         "actor/pg_clipfrac_lower": float(out["clipfrac_lower"]),
     }
-    return loss, metrics
+    return float(out["loss"]) * scale, grad, metrics
+
+
+def _policy_loss(
+    registered, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
+):
+    import torch
+
+    dtype = _float_dtype(log_prob)
+    lp = _host(log_prob, registered, "log_prob", dtype)
+    old = _host(old_log_prob, registered, "old_log_prob", dtype)
+    adv = _host(advantages, registered, "advantages", dtype)
+    mask = _host(response_mask, registered, "response_mask", dtype)
+    w = None
+    if rollout_is_weights is not None:
+        w = _host(rollout_is_weights, registered, "rollout_is_weights", dtype).numpy()
+    res = _policy_loss_np(registered, old.numpy(), lp.numpy(), adv.numpy(), mask.numpy(), loss_agg_mode, config, w)
+    if res is None:
+        zero = (log_prob * 0.0).sum()
+        return zero, dict.fromkeys(_METRIC_KEYS, 0.0)
+    loss, grad, metrics = res
+    grad = torch.from_numpy(grad).to(device=log_prob.device, dtype=log_prob.dtype)
+    return _loss_fn().apply(log_prob, loss, grad), metrics
 
 
 def _make_loss(registered):
