@@ -12,6 +12,7 @@
 
 mod args;
 mod controllers;
+mod curriculum;
 mod extras;
 mod funcs;
 mod kernels;
@@ -28,5 +29,6 @@ fn _ares(m: &Bound<'_, PyModule>) -> PyResult<()> {
     loss::register(m)?;
     controllers::register(m)?;
     extras::register(m)?;
+    curriculum::register(m)?;
     kernels::register(m)
 }

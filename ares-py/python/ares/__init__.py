@@ -15,7 +15,27 @@ arrays. Outputs are numpy arrays; ``torch.from_numpy`` wraps them without a copy
 from typing import TYPE_CHECKING
 
 from . import _ares
-from ._ares import DEFAULT_FORKING_RHO, GRPO_EPSILON, AdaptiveKlController, EntropyCoefController, ThresholdEma, __version__
+from ._ares import (
+    DEFAULT_FORKING_RHO,
+    GRPO_EPSILON,
+    RUBRIC_AVOID_HEADER,
+    RUBRIC_BASE,
+    RUBRIC_CLOSING,
+    RUBRIC_HIDE_INSTRUCTION,
+    RUBRIC_INCLUDE_HEADER,
+    RUBRIC_INTRO,
+    AdaptiveKlController,
+    EntropyCoefController,
+    ThresholdEma,
+    __version__,
+    is_solved,
+    reveal_count,
+    reveal_ratio,
+    rubric_message,
+    select_criteria,
+    solved_streak,
+    step_factor,
+)
 from ._interop import as_array, wrap
 
 # Every array argument may be a torch CPU tensor or any __array_interface__ / __dlpack__
@@ -24,11 +44,16 @@ if TYPE_CHECKING:  # the stubs of the native module give the signatures
     from ._ares import (
         aggregate,
         aggregate_weights,
+        batch_median_threshold,
+        bucket_means,
         dr_grpo_advantages,
         entropy_grad_logits,
         entropy_rewards,
         entropy_windows,
+        expand_keep,
+        filter_groups,
         forking_token_mask,
+        group_means,
         grpo_advantages,
         grpo_lambda_rewards,
         grpo_token_advantages,
@@ -45,16 +70,22 @@ if TYPE_CHECKING:  # the stubs of the native module give the signatures
         rloo_advantages,
         rloo_token_advantages,
         row_percentile,
+        rubric_score,
         token_kl,
     )
 else:
     aggregate = wrap(_ares.aggregate)
     aggregate_weights = wrap(_ares.aggregate_weights)
+    batch_median_threshold = wrap(_ares.batch_median_threshold)
+    bucket_means = wrap(_ares.bucket_means)
     dr_grpo_advantages = wrap(_ares.dr_grpo_advantages)
     entropy_grad_logits = wrap(_ares.entropy_grad_logits)
     entropy_rewards = wrap(_ares.entropy_rewards)
     entropy_windows = wrap(_ares.entropy_windows)
+    expand_keep = wrap(_ares.expand_keep)
+    filter_groups = wrap(_ares.filter_groups)
     forking_token_mask = wrap(_ares.forking_token_mask)
+    group_means = wrap(_ares.group_means)
     grpo_advantages = wrap(_ares.grpo_advantages)
     grpo_lambda_rewards = wrap(_ares.grpo_lambda_rewards)
     grpo_token_advantages = wrap(_ares.grpo_token_advantages)
@@ -70,6 +101,7 @@ else:
     rloo_advantages = wrap(_ares.rloo_advantages)
     rloo_token_advantages = wrap(_ares.rloo_token_advantages)
     row_percentile = wrap(_ares.row_percentile)
+    rubric_score = wrap(_ares.rubric_score)
     token_kl = wrap(_ares.token_kl)
 
 
@@ -98,6 +130,12 @@ class GrpoLambda(_ares.GrpoLambda):
 __all__ = [
     "DEFAULT_FORKING_RHO",
     "GRPO_EPSILON",
+    "RUBRIC_AVOID_HEADER",
+    "RUBRIC_BASE",
+    "RUBRIC_CLOSING",
+    "RUBRIC_HIDE_INSTRUCTION",
+    "RUBRIC_INCLUDE_HEADER",
+    "RUBRIC_INTRO",
     "AdaptiveKlController",
     "BucketController",
     "EntropyCoefController",
@@ -107,14 +145,20 @@ __all__ = [
     "as_array",
     "aggregate",
     "aggregate_weights",
+    "batch_median_threshold",
+    "bucket_means",
     "dr_grpo_advantages",
     "entropy_grad_logits",
     "entropy_rewards",
     "entropy_windows",
+    "expand_keep",
+    "filter_groups",
     "forking_token_mask",
+    "group_means",
     "grpo_advantages",
     "grpo_lambda_rewards",
     "grpo_token_advantages",
+    "is_solved",
     "log_prob_entropy",
     "masked_dynamic_kl",
     "masked_whiten",
@@ -125,8 +169,15 @@ __all__ = [
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "reinforce_pro_max",
+    "reveal_count",
+    "reveal_ratio",
     "rloo_advantages",
     "rloo_token_advantages",
     "row_percentile",
+    "rubric_message",
+    "rubric_score",
+    "select_criteria",
+    "solved_streak",
+    "step_factor",
     "token_kl",
 ]

@@ -274,3 +274,84 @@ def entropy_rewards(
     format_reward: Optional[_Arr[_F]] = None,
     format_weight: float = 0.0,
 ) -> Tuple[_Arr[_F], _Arr[_F]]: ...
+
+# ---------------------------------------------------------------- online filtering, drop_solved, buckets
+
+def group_means(values: _Arr[_F], n: Optional[int] = None, uid: Optional[_Uid] = None) -> _Arr[_F]: ...
+def filter_groups(
+    values: _Arr[_F],
+    n: Optional[int] = None,
+    uid: Optional[_Uid] = None,
+    *,
+    filter_low: float = 0.01,
+    filter_high: float = 0.99,
+) -> Tuple[npt.NDArray[np.bool_], int]: ...
+def expand_keep(
+    keep_groups: npt.NDArray[np.bool_], n: Optional[int] = None, uid: Optional[_Uid] = None
+) -> Tuple[npt.NDArray[np.bool_], int]: ...
+def solved_streak(prev_streak: int, all_correct: bool, mean_entropy: float, entropy_threshold: float = 0.3) -> int: ...
+def is_solved(streak: int, k: int = 3) -> bool: ...
+def bucket_means(
+    difficulty: Union[npt.NDArray[np.integer[Any]], Sequence[Union[str, int]]], values: _Arr[_F]
+) -> Dict[str, Optional[float]]: ...
+def batch_median_threshold(threshold: _Arr[_F], has: _Arr[_F]) -> Optional[float]: ...
+
+# ---------------------------------------------------------------- graded rubric prompt
+
+RUBRIC_INTRO: str
+RUBRIC_INCLUDE_HEADER: str
+RUBRIC_AVOID_HEADER: str
+RUBRIC_CLOSING: str
+RUBRIC_HIDE_INSTRUCTION: str
+RUBRIC_BASE: str
+
+def reveal_ratio(
+    k: int,
+    n: int,
+    *,
+    step: int = 1,
+    total_steps: int = 1,
+    schedule: str = "linear",
+    full_reveal_count: int = 1,
+    power: float = 1.0,
+    start_point: float = 0.3,
+    steepness: float = 10.0,
+) -> float: ...
+def step_factor(
+    step: int,
+    total_steps: int,
+    schedule: str = "step_linear",
+    *,
+    power: float = 1.0,
+    start_point: float = 0.3,
+    steepness: float = 10.0,
+) -> float: ...
+def reveal_count(
+    k: int,
+    n: int,
+    criteria: int,
+    *,
+    step: int = 1,
+    total_steps: int = 1,
+    schedule: str = "linear",
+    full_reveal_count: int = 1,
+    power: float = 1.0,
+    start_point: float = 0.3,
+    steepness: float = 10.0,
+) -> Tuple[int, bool]: ...
+def select_criteria(count: int, total: int, seed: int, *, all: bool = False) -> list[int]: ...
+def rubric_message(
+    criteria: Sequence[Tuple[str, float]],
+    shown: Sequence[int],
+    *,
+    hide_instruction: bool = True,
+    add_base_when_zero: bool = False,
+    intro: Optional[str] = None,
+    include_header: Optional[str] = None,
+    avoid_header: Optional[str] = None,
+    closing: Optional[str] = None,
+    base: Optional[str] = None,
+) -> Optional[str]: ...
+def rubric_score(
+    points: Union[_Arr[_F], Sequence[float]], met: Union[npt.NDArray[np.bool_], Sequence[bool]]
+) -> float: ...
