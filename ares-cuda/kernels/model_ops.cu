@@ -691,6 +691,33 @@ extern "C" __global__ void kv_append(const float* __restrict__ k_new, const floa
     }
 }
 
+// Paged KV cache append: token i of sequence b goes to slot s = lens[b] + i, pool row
+// tables[b, s / block_size] · block_size + s % block_size (`tok` elements per row). A block id
+// past the pool is skipped and reported (ST_BAD_ID).
+extern "C" __global__ void paged_kv_append(const float* __restrict__ k_new,
+                                           const float* __restrict__ v_new, i64 batch, i64 seq,
+                                           i64 tok, const unsigned* __restrict__ tables,
+                                           const unsigned* __restrict__ lens, i64 block_size,
+                                           i64 max_blocks, i64 pool_blocks,
+                                           float* __restrict__ k_cache, float* __restrict__ v_cache,
+                                           unsigned* __restrict__ status) {
+    const i64 per_seq = seq * tok;
+    const i64 n = batch * per_seq;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 b = i / per_seq, rem = i - b * per_seq;
+        const i64 t = rem / tok, c = rem - t * tok;
+        const i64 s = (i64)lens[b] + t;
+        const unsigned id = tables[b * max_blocks + s / block_size];
+        if ((i64)id >= pool_blocks) {
+            atomicOr(status, ST_BAD_ID);
+            continue;
+        }
+        const i64 dst = ((i64)id * block_size + s % block_size) * tok + c;
+        k_cache[dst] = k_new[i];
+        v_cache[dst] = v_new[i];
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Attention: causal GQA with a key mask, FlashAttention-style online softmax, f32.
 //
@@ -706,6 +733,10 @@ extern "C" __global__ void kv_append(const float* __restrict__ k_new, const floa
 // Layouts: q/out [B, q_seq, Hq, D], k/v [B, kv_seq, Hkv, D] (kv_seq = q_seq in training,
 // the cache's max_len in decoding), mask [B, kv_seq], lse [B, q_seq, Hq]. Rows without a
 // visible key: out 0, lse −inf. A visible non-finite score: out and lse NaN.
+//
+// Paged decoding (`tables` not NULL): k/v are a pool [blocks, block_size, Hkv, D], key s of
+// sequence b is pool row tables[b, s / block_size] · block_size + s % block_size, the first
+// query of sequence b sits at slot lens[b] (its own pos0), and there is no mask.
 
 #define NW 8
 #define KT 32
@@ -718,7 +749,26 @@ struct AttnArgs {
     i64 batch, q_seq, kv_seq, pos0;
     int hq, hkv, d;
     float scale;
+    const unsigned* tables;  // paged: [batch, max_blocks] block ids; NULL: contiguous k/v
+    const unsigned* lens;    // paged: [batch] slots before the new queries
+    i64 block_size, max_blocks, pool_blocks;
 };
+
+// Slot of sequence b's first query.
+__device__ __forceinline__ i64 seq_pos0(const AttnArgs& a, i64 b) {
+    return a.tables ? (i64)a.lens[b] : a.pos0;
+}
+
+// Row of key s of sequence b in k/v (-1 and ST_BAD_ID for a block id past the pool).
+__device__ __forceinline__ i64 key_row(const AttnArgs& a, i64 b, i64 s, unsigned* status) {
+    if (!a.tables) return b * a.kv_seq + s;
+    const unsigned id = a.tables[b * a.max_blocks + s / a.block_size];
+    if ((i64)id >= a.pool_blocks) {
+        atomicOr(status, ST_BAD_ID);
+        return -1;
+    }
+    return (i64)id * a.block_size + s % a.block_size;
+}
 
 __device__ __forceinline__ float key_valid(const float* mask, i64 idx, unsigned* status) {
     if (!mask) return 1.0f;
@@ -729,10 +779,9 @@ __device__ __forceinline__ float key_valid(const float* mask, i64 idx, unsigned*
 
 // One past the last key a tile of query rows sees: the keys up to the position of its last
 // valid row (`last_row` clamped to the `rows_bg` rows of the (batch, kv-head) group).
-__device__ __forceinline__ i64 causal_key_end(const AttnArgs& a, i64 last_row, i64 rows_bg,
-                                              int group) {
+__device__ __forceinline__ i64 causal_key_end(i64 pos0, i64 last_row, i64 rows_bg, int group) {
     if (last_row >= rows_bg) last_row = rows_bg - 1;
-    return a.pos0 + last_row / group + 1;
+    return pos0 + last_row / group + 1;
 }
 
 // Stages keys and values kb .. kb + KT - 1 of sequence b, kv head g in shared memory (rows of
@@ -746,8 +795,9 @@ __device__ __forceinline__ void stage_kv_tile(const AttnArgs& a, i64 b, int g, i
         const int j = i / d, c = i - j * d;
         const i64 s = kb + j;
         float kv = 0.0f, vv = 0.0f;
-        if (s < key_end) {
-            const i64 idx = ((b * a.kv_seq + s) * a.hkv + g) * d + c;
+        const i64 row = s < key_end ? key_row(a, b, s, status) : -1;
+        if (row >= 0) {
+            const i64 idx = (row * a.hkv + g) * d + c;
             kv = a.k[idx];
             vv = a.v[idx];
         }
@@ -756,7 +806,8 @@ __device__ __forceinline__ void stage_kv_tile(const AttnArgs& a, i64 b, int g, i
     }
     if (threadIdx.x < KT) {
         const i64 s = kb + threadIdx.x;
-        kvalid[threadIdx.x] = s < key_end ? key_valid(a.mask, b * a.kv_seq + s, status) : 0.0f;
+        const bool inside = s < key_end && (!a.tables || a.tables[b * a.max_blocks + s / a.block_size] < a.pool_blocks);
+        kvalid[threadIdx.x] = inside ? key_valid(a.mask, b * a.kv_seq + s, status) : 0.0f;
     }
     __syncthreads();
 }
@@ -804,7 +855,8 @@ __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict
 #pragma unroll
             for (int i = 0; i < DPL; i++) acc[rr][i] = 0.0f;
         }
-        const i64 key_end = causal_key_end(a, row0 + ROWS - 1, rows_bg, group);
+        const i64 pos0 = seq_pos0(a, b);
+        const i64 key_end = causal_key_end(pos0, row0 + ROWS - 1, rows_bg, group);
         for (i64 kb = 0; kb < key_end; kb += KT) {
             stage_kv_tile(a, b, g, kb, key_end, Ks, Vs, kvalid, status);
 #pragma unroll
@@ -812,7 +864,7 @@ __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict
                 const int lr = warp * RW + rr;
                 const i64 r = row0 + lr;
                 if (r >= rows_bg) continue;
-                const i64 qpos = a.pos0 + r / group;
+                const i64 qpos = pos0 + r / group;
                 const i64 s = kb + lane;
                 const bool visible = s <= qpos && kvalid[lane] != 0.0f;
                 float score = NEG_INF;
@@ -868,9 +920,11 @@ __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict
 #define ATTN_FWD(NAME, DPL, RW)                                                               \
     extern "C" __global__ void __launch_bounds__(NW * 32)                                     \
         NAME(const float* q, const float* k, const float* v, const float* mask, i64 batch,    \
-             i64 q_seq, i64 kv_seq, i64 pos0, int hq, int hkv, int d, float scale, float* out, \
-             float* lse, unsigned* status) {                                                   \
-        AttnArgs a = {q, k, v, mask, batch, q_seq, kv_seq, pos0, hq, hkv, d, scale};           \
+             i64 q_seq, i64 kv_seq, i64 pos0, int hq, int hkv, int d, float scale,             \
+             const unsigned* tables, const unsigned* lens, i64 block_size, i64 max_blocks,      \
+             i64 pool_blocks, float* out, float* lse, unsigned* status) {                       \
+        AttnArgs a = {q, k, v, mask, batch, q_seq, kv_seq, pos0, hq, hkv, d, scale,           \
+                      tables, lens, block_size, max_blocks, pool_blocks};                      \
         attention_fwd_impl<DPL, RW>(a, out, lse, status);                                      \
     }
 
@@ -959,7 +1013,8 @@ __device__ __forceinline__ void attention_bwd_dq_impl(AttnArgs a, const float* _
 #pragma unroll
             for (int i = 0; i < DPL; i++) acc[rr][i] = 0.0f;
         }
-        const i64 key_end = causal_key_end(a, row0 + ROWS - 1, rows_bg, group);
+        const i64 pos0 = seq_pos0(a, b);
+        const i64 key_end = causal_key_end(pos0, row0 + ROWS - 1, rows_bg, group);
         for (i64 kb = 0; kb < key_end; kb += KT) {
             stage_kv_tile(a, b, g, kb, key_end, Ks, Vs, kvalid, status);
 #pragma unroll
@@ -967,7 +1022,7 @@ __device__ __forceinline__ void attention_bwd_dq_impl(AttnArgs a, const float* _
                 const int lr = warp * RW + rr;
                 const i64 r = row0 + lr;
                 if (r >= rows_bg || row_lse[rr] == NEG_INF) continue;
-                const i64 qpos = a.pos0 + r / group;
+                const i64 qpos = pos0 + r / group;
                 const i64 s = kb + lane;
                 float ds = 0.0f;
                 if (s <= qpos && kvalid[lane] != 0.0f) {

@@ -26,7 +26,8 @@ mod optim;
 mod vision;
 
 pub use attention::{
-    AttentionGradsMut, AttentionSaved, AttentionShape, KvCache, KvCacheMut, MAX_HEAD_DIM,
+    AttentionGradsMut, AttentionSaved, AttentionShape, BlockTablesView, KvCache, KvCacheMut,
+    MAX_HEAD_DIM, PagedKvCache, PagedKvCacheMut,
 };
 pub use optim::AdamWStep;
 pub use vision::{Activation, MAX_SEGMENT_HEAD_DIM, SegmentAttentionShape};
@@ -145,6 +146,7 @@ pub(crate) struct Functions {
     pub adamw_check: CudaFunction,
     pub adamw_update: CudaFunction,
     pub kv_append: CudaFunction,
+    pub paged_kv_append: CudaFunction,
     /// Per head-size class (≤ 64, ≤ 128, ≤ 256).
     pub attention_fwd: [CudaFunction; 3],
     pub attention_bwd_delta: CudaFunction,
@@ -199,6 +201,7 @@ impl ModelOps {
             adamw_check: m("adamw_check")?,
             adamw_update: m("adamw_update")?,
             kv_append: m("kv_append")?,
+            paged_kv_append: m("paged_kv_append")?,
             attention_fwd: [
                 m("attention_fwd_d64")?,
                 m("attention_fwd_d128")?,

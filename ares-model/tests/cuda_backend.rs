@@ -28,8 +28,8 @@ use ares_model::backend::cpu::CpuBackend;
 use ares_model::backend::cuda::{CudaBackend, CudaBuffer, CudaIds};
 use ares_model::backend::{
     Activation, AdamWConfig, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend,
-    DeviceBuffer, KvCacheView, KvCacheViewMut, LinearDims, MatmulPrecision, SegmentAttentionDims,
-    View, ViewMut,
+    BlockTables, DeviceBuffer, KvCacheView, KvCacheViewMut, LinearDims, MatmulPrecision,
+    PagedKvView, PagedKvViewMut, SegmentAttentionDims, View, ViewMut,
 };
 use ares_model::hf::checkpoint::Checkpoint;
 use ares_model::model::{AdamW, GenerateRequest, Grads, Inputs, Model, Sampling, StepReport};
@@ -803,6 +803,140 @@ fn kv_cache_and_decode_match_cpu() {
         )
         .unwrap_err();
     assert!(e.to_string().contains("cache is full"), "{e}");
+}
+
+/// Paged cache: three sequences of different lengths over a scrambled pool of 4-slot
+/// blocks, appended a prompt each then decoded three steps together; pools and outputs
+/// equal the CPU's, and a block id past the pool is an error naming the tables.
+#[test]
+fn paged_kv_cache_and_decode_match_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(8);
+    let (hq, hkv, d, bs, max_blocks) = (4usize, 2usize, 64usize, 4usize, 4usize);
+    let slot = hkv * d;
+    let prompts = [5usize, 9, 1];
+    let batch = prompts.len();
+    let order: [u32; 12] = [7, 2, 9, 0, 11, 4, 1, 10, 3, 6, 5, 8];
+    let tables: Vec<u32> = (0..batch * max_blocks)
+        .map(|i| order[(i * 5 + 3) % order.len()])
+        .collect();
+    let pool = 12 * bs * slot;
+    let (mut gk, mut gv) = (gpu.alloc(pool).unwrap(), gpu.alloc(pool).unwrap());
+    let (mut ck, mut cv) = (vec![0.0; pool], vec![0.0; pool]);
+    let gtables = up_ids(&gpu, &tables);
+    // the prompts one sequence at a time (a batch-1 table row each), then three joint steps
+    let mut lens = vec![0u32; batch];
+    let mut steps: Vec<(Vec<usize>, usize)> = (0..batch).map(|b| (vec![b], prompts[b])).collect();
+    steps.extend((0..3).map(|_| ((0..batch).collect(), 1)));
+    for (step, (rows, seq)) in steps.into_iter().enumerate() {
+        let n = rows.len();
+        let dims = AttentionDims::new(n, seq, hq, hkv, d);
+        let host_tables: Vec<u32> = rows
+            .iter()
+            .flat_map(|&b| tables[b * max_blocks..(b + 1) * max_blocks].to_vec())
+            .collect();
+        let host_len: Vec<u32> = rows.iter().map(|&b| lens[b]).collect();
+        let (gt, gl) = (up_ids(&gpu, &host_tables), up_ids(&gpu, &host_len));
+        let (ht, hl) = (&host_tables[..], &host_len[..]);
+        fn block_tables<'a, I>(
+            b: (usize, usize),
+            t: &'a I,
+            l: &'a I,
+            h: (&'a [u32], &'a [u32]),
+        ) -> BlockTables<'a, I> {
+            BlockTables {
+                block_size: b.0,
+                max_blocks: b.1,
+                tables: t,
+                len: l,
+                host_tables: h.0,
+                host_len: h.1,
+            }
+        }
+        let blocks = |t, l| block_tables((bs, max_blocks), t, l, (ht, hl));
+        let cpu_blocks = || block_tables((bs, max_blocks), &host_tables, &host_len, (ht, hl));
+        let what = |op: &str| format!("{op} step {step}");
+        let (kn, qn) = (n * seq * slot, n * seq * hq * d);
+        let (k_new, v_new, q) = (rng.vec(kn, 1.0), rng.vec(kn, 1.0), rng.vec(qn, 1.0));
+        gpu.paged_kv_cache_append(
+            dims,
+            View::whole(&up(&gpu, &k_new)),
+            View::whole(&up(&gpu, &v_new)),
+            PagedKvViewMut {
+                k: ViewMut::whole(&mut gk),
+                v: ViewMut::whole(&mut gv),
+                blocks: blocks(&gt, &gl),
+            },
+        )
+        .unwrap();
+        cpu.paged_kv_cache_append(
+            dims,
+            View::whole(&k_new),
+            View::whole(&v_new),
+            PagedKvViewMut {
+                k: ViewMut::whole(&mut ck),
+                v: ViewMut::whole(&mut cv),
+                blocks: cpu_blocks(),
+            },
+        )
+        .unwrap();
+        assert_close(&what("k pool"), &down(&gpu, &gk), &ck, 0.0);
+        assert_close(&what("v pool"), &down(&gpu, &gv), &cv, 0.0);
+        let mut go = up(&gpu, &vec![f32::NAN; qn]);
+        gpu.paged_attention_decode(
+            dims,
+            View::whole(&up(&gpu, &q)),
+            PagedKvView {
+                k: View::whole(&gk),
+                v: View::whole(&gv),
+                blocks: blocks(&gt, &gl),
+            },
+            ViewMut::whole(&mut go),
+        )
+        .unwrap();
+        let mut co = vec![0.0; qn];
+        cpu.paged_attention_decode(
+            dims,
+            View::whole(&q),
+            PagedKvView {
+                k: View::whole(&ck),
+                v: View::whole(&cv),
+                blocks: cpu_blocks(),
+            },
+            ViewMut::whole(&mut co),
+        )
+        .unwrap();
+        assert_close(&what("paged_attention_decode"), &down(&gpu, &go), &co, 1e-4);
+        for &b in &rows {
+            lens[b] += seq as u32;
+        }
+    }
+    drop(gtables);
+    // a block id past the pool is refused before any launch
+    let bad_tables = vec![12u32; max_blocks];
+    let (gt, gl) = (up_ids(&gpu, &bad_tables), up_ids(&gpu, &[0]));
+    let new = gpu.alloc(slot).unwrap();
+    let e = gpu
+        .paged_kv_cache_append(
+            AttentionDims::new(1, 1, hq, hkv, d),
+            View::whole(&new),
+            View::whole(&new),
+            PagedKvViewMut {
+                k: ViewMut::whole(&mut gk),
+                v: ViewMut::whole(&mut gv),
+                blocks: BlockTables {
+                    block_size: bs,
+                    max_blocks,
+                    tables: &gt,
+                    len: &gl,
+                    host_tables: &bad_tables,
+                    host_len: &[0],
+                },
+            },
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("block id 12"), "{e}");
 }
 
 #[test]

@@ -405,14 +405,7 @@ pub fn attention_decode(
     if dims.q_len == 0 {
         return Ok(());
     }
-    let ones;
-    let mask = match cache.key_mask {
-        Some(m) => m,
-        None => {
-            ones = vec![1.0f32; dims.b * cache.max_len];
-            &ones
-        }
-    };
+    let mask = cache.key_mask;
     let Dims { t, hq, d, .. } = dims;
     out.par_chunks_mut(d)
         .zip(q.par_chunks(d))
@@ -430,24 +423,49 @@ pub fn attention_decode(
     Ok(())
 }
 
-/// One sequence's keys and values `[S, Hkv, D]` and key mask `[S]`.
+/// One sequence's keys and values and the validity of its slots: contiguous slots
+/// `[S, Hkv, D]` with an optional key mask `[S]`, or slots scattered over the blocks of a
+/// paged cache (`table`: the sequence's block ids; slot `s` lives at row `table[s / bs]·bs
+/// + s % bs` of the pool, every slot valid).
 #[derive(Clone, Copy)]
 struct KeySeq<'a> {
     k: &'a [f32],
     v: &'a [f32],
-    mask: &'a [f32],
+    mask: Option<&'a [f32]>,
+    table: Option<(&'a [u32], usize)>,
     hkv: usize,
     d: usize,
 }
 
 impl<'a> KeySeq<'a> {
     /// Sequence `b` of buffers holding `s` token slots per sequence.
-    fn new(dims: &Dims, k: &'a [f32], v: &'a [f32], mask: &'a [f32], b: usize, s: usize) -> Self {
+    fn new(
+        dims: &Dims,
+        k: &'a [f32],
+        v: &'a [f32],
+        mask: Option<&'a [f32]>,
+        b: usize,
+        s: usize,
+    ) -> Self {
         let slab = s * dims.hkv * dims.d;
         KeySeq {
             k: block(k, b, slab),
             v: block(v, b, slab),
-            mask: block(mask, b, s),
+            mask: mask.map(|m| block(m, b, s)),
+            table: None,
+            hkv: dims.hkv,
+            d: dims.d,
+        }
+    }
+
+    /// A sequence whose slots are the blocks `table` (of `block_size` slots each) of the
+    /// pools `k`, `v` `[blocks, block_size, Hkv, D]`.
+    fn paged(dims: &Dims, k: &'a [f32], v: &'a [f32], table: &'a [u32], block_size: usize) -> Self {
+        KeySeq {
+            k,
+            v,
+            mask: None,
+            table: Some((table, block_size)),
             hkv: dims.hkv,
             d: dims.d,
         }
@@ -457,12 +475,17 @@ impl<'a> KeySeq<'a> {
     #[inline(always)]
     fn rows(self, g: usize, n: usize) -> impl Iterator<Item = (&'a [f32], &'a [f32], bool)> {
         let (tok, d) = (self.hkv * self.d, self.d);
-        self.k
-            .chunks_exact(tok)
-            .zip(self.v.chunks_exact(tok))
-            .zip(self.mask)
-            .take(n)
-            .map(move |((k, v), &m)| (block(k, g, d), block(v, g, d), m == 1.0))
+        (0..n).map(move |s| {
+            let row = match self.table {
+                None => s,
+                Some((t, bs)) => t
+                    .get(s / bs)
+                    .map_or(usize::MAX, |&p| p as usize * bs + s % bs),
+            };
+            let valid = self.mask.is_none_or(|m| m.get(s) == Some(&1.0));
+            let (k, v) = (block(self.k, row, tok), block(self.v, row, tok));
+            (block(k, g, d), block(v, g, d), valid)
+        })
     }
 }
 
@@ -631,5 +654,7 @@ fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
 }
 
 mod blocked;
+mod paged;
+pub use paged::{PagedKvCache, PagedKvCacheMut, paged_attention_decode, paged_kv_cache_append};
 #[cfg(test)]
 mod tests;

@@ -73,6 +73,99 @@ pub struct KvCache<'a, 'b> {
     pub key_mask: Option<&'a CudaView<'b, f32>>,
 }
 
+/// The block tables and lengths of a paged KV cache's sequences (see
+/// [`ModelOps::paged_attention_decode`]), on the device with host copies for the checks.
+pub struct BlockTablesView<'a, 'b> {
+    /// `[batch, max_blocks]` block ids.
+    pub tables: &'a CudaView<'b, u32>,
+    /// `[batch]` slots filled before the new tokens.
+    pub lens: &'a CudaView<'b, u32>,
+    /// Host copy of `tables`.
+    pub host_tables: &'a [u32],
+    /// Host copy of `lens`.
+    pub host_lens: &'a [u32],
+    /// Token slots per block.
+    pub block_size: usize,
+    /// Columns of `tables`.
+    pub max_blocks: usize,
+}
+
+/// One layer's paged KV cache to append to: pools `[blocks, block_size, kv_heads,
+/// head_dim]`.
+pub struct PagedKvCacheMut<'a, 'b> {
+    /// Keys.
+    pub k: &'a mut CudaViewMut<'b, f32>,
+    /// Values.
+    pub v: &'a mut CudaViewMut<'b, f32>,
+    /// The sequences' blocks and lengths.
+    pub blocks: BlockTablesView<'a, 'b>,
+}
+
+/// One layer's paged KV cache to attend over (layout as [`PagedKvCacheMut`]).
+pub struct PagedKvCache<'a, 'b> {
+    /// Keys.
+    pub k: &'a CudaView<'b, f32>,
+    /// Values.
+    pub v: &'a CudaView<'b, f32>,
+    /// The sequences' blocks and lengths (before the new tokens).
+    pub blocks: BlockTablesView<'a, 'b>,
+}
+
+/// Checks a paged cache against the shape (the twin of the CPU's checks): whole blocks in
+/// the pools, one table row and length per sequence, each sequence's slots `..len + seq`
+/// inside its table and on blocks of the pool. Returns the pool's block count.
+fn check_paged(
+    k: &'static str,
+    shape: &AttentionShape,
+    dims: &Dims,
+    k_len: usize,
+    v_len: usize,
+    b: &BlockTablesView<'_, '_>,
+) -> Result<usize> {
+    let per_block = mul(
+        k,
+        "block_size × kv_heads × head_dim",
+        b.block_size,
+        dims.kv_tok,
+    )?;
+    if per_block == 0 || !k_len.is_multiple_of(per_block) {
+        return Err(bad(
+            k,
+            format!(
+                "k_cache of {k_len} floats is not whole blocks of {per_block} (block_size = {})",
+                b.block_size
+            ),
+        ));
+    }
+    check_len(k, "v_cache", k_len, v_len)?;
+    let blocks = k_len / per_block;
+    let rows = mul(k, "batch × max_blocks", shape.batch, b.max_blocks)?;
+    check_len(k, "block_tables", rows, b.tables.len())?;
+    check_len(k, "block_tables (host)", rows, b.host_tables.len())?;
+    check_len(k, "cache_len", shape.batch, b.lens.len())?;
+    check_len(k, "cache_len (host)", shape.batch, b.host_lens.len())?;
+    for (i, &n) in b.host_lens.iter().enumerate() {
+        let end = n as usize + shape.seq;
+        if end > b.max_blocks * b.block_size {
+            return Err(bad(
+                k,
+                format!(
+                    "sequence {i}: {end} slots exceed its table of {} blocks × {}",
+                    b.max_blocks, b.block_size
+                ),
+            ));
+        }
+        let row = &b.host_tables[i * b.max_blocks..i * b.max_blocks + end.div_ceil(b.block_size)];
+        if let Some(&id) = row.iter().find(|&&id| id as usize >= blocks) {
+            return Err(bad(
+                k,
+                format!("sequence {i}: block id {id} past the pool of {blocks} blocks"),
+            ));
+        }
+    }
+    Ok(blocks)
+}
+
 /// Validated sizes.
 struct Dims {
     /// `batch · seq`.
@@ -266,6 +359,7 @@ impl ModelOps {
                 key_mask,
                 kv_seq: shape.seq,
                 pos0: 0,
+                paged: None,
             },
             out,
             Some(lse),
@@ -324,6 +418,7 @@ impl ModelOps {
                 key_mask: cache.key_mask,
                 kv_seq: cache.max_len,
                 pos0: cache.len - shape.seq,
+                paged: None,
             },
             out,
             None,
@@ -350,6 +445,14 @@ impl ModelOps {
             i64_of(k, "kv slots", a.kv_seq)?,
             i64_of(k, "pos0", a.pos0)?,
         );
+        let (bs64, mb64, pool64) = match a.paged {
+            Some(p) => (
+                i64_of(k, "block_size", p.block_size)?,
+                i64_of(k, "max_blocks", p.max_blocks)?,
+                i64_of(k, "pool blocks", a.kv_seq)?,
+            ),
+            None => (0, 0, 0),
+        };
         let mut state = self.lock();
         let mut l = self.stream.launch_builder(func);
         l.arg(a.q)
@@ -364,6 +467,11 @@ impl ModelOps {
             .arg(&dims.hkv)
             .arg(&dims.d)
             .arg(&shape.scale)
+            .arg_or_null(a.paged.map(|p| p.tables))
+            .arg_or_null(a.paged.map(|p| p.lens))
+            .arg(&bs64)
+            .arg(&mb64)
+            .arg(&pool64)
             .arg(out)
             .arg_or_null(lse)
             .arg(&mut state.status);
@@ -471,6 +579,108 @@ impl ModelOps {
         Ok(())
     }
 
+    /// Attention of `shape.seq` new queries per sequence over a paged KV cache holding their
+    /// keys already (twin of `ares_cpu::ops::attention::paged_attention_decode`): query `i`
+    /// of sequence `b` sits at slot `lens[b] + i` and attends every slot at or before it.
+    ///
+    /// # Errors
+    /// As [`ModelOps::attention`]; pool, table and length sizes, a slot past a table or a
+    /// block id past the pool.
+    pub fn paged_attention_decode(
+        &self,
+        shape: AttentionShape,
+        q: &CudaView<'_, f32>,
+        cache: PagedKvCache<'_, '_>,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "paged_attention_decode";
+        let dims = shape.dims(K)?;
+        check_len(K, "q", dims.q_len, q.len())?;
+        check_len(K, "out", dims.q_len, out.len())?;
+        let blocks = check_paged(
+            K,
+            &shape,
+            &dims,
+            cache.k.len(),
+            cache.v.len(),
+            &cache.blocks,
+        )?;
+        if dims.q_len == 0 {
+            return Ok(());
+        }
+        self.attend(
+            K,
+            shape,
+            &dims,
+            Attend {
+                q,
+                k: cache.k,
+                v: cache.v,
+                key_mask: None,
+                kv_seq: blocks,
+                pos0: 0,
+                paged: Some(&cache.blocks),
+            },
+            out,
+            None,
+        )
+    }
+
+    /// Appends `shape.seq` new tokens per sequence to a paged KV cache (twin of
+    /// `ares_cpu::ops::attention::paged_kv_cache_append`): token `i` of sequence `b` goes to
+    /// slot `lens[b] + i`. The caller advances the lengths.
+    ///
+    /// # Errors
+    /// As [`ModelOps::paged_attention_decode`].
+    pub fn paged_kv_cache_append(
+        &self,
+        shape: AttentionShape,
+        k_new: &CudaView<'_, f32>,
+        v_new: &CudaView<'_, f32>,
+        cache: PagedKvCacheMut<'_, '_>,
+    ) -> Result<()> {
+        const K: &str = "paged_kv_cache_append";
+        let dims = shape.dims(K)?;
+        check_len(K, "k_new", dims.kv_len, k_new.len())?;
+        check_len(K, "v_new", dims.kv_len, v_new.len())?;
+        let blocks = check_paged(
+            K,
+            &shape,
+            &dims,
+            cache.k.len(),
+            cache.v.len(),
+            &cache.blocks,
+        )?;
+        if dims.kv_len == 0 {
+            return Ok(());
+        }
+        let b = &cache.blocks;
+        let args = [
+            i64_of(K, "batch", shape.batch)?,
+            i64_of(K, "seq", shape.seq)?,
+            i64_of(K, "kv_heads × head_dim", dims.kv_tok)?,
+        ];
+        let paged = [
+            i64_of(K, "block_size", b.block_size)?,
+            i64_of(K, "max_blocks", b.max_blocks)?,
+            i64_of(K, "pool blocks", blocks)?,
+        ];
+        let mut state = self.lock();
+        let mut l = self.stream.launch_builder(&self.f.paged_kv_append);
+        l.arg(k_new).arg(v_new);
+        for a in &args {
+            l.arg(a);
+        }
+        l.arg(b.tables).arg(b.lens);
+        for a in &paged {
+            l.arg(a);
+        }
+        l.arg(cache.k).arg(cache.v).arg(&mut state.status);
+        // SAFETY: argument order as `paged_kv_append`; lengths, tables and room checked above.
+        unsafe { l.launch(super::element_cfg(dims.kv_len)) }.during(K)?;
+        Ok(())
+    }
+
     /// Appends `shape.seq` new tokens per sequence to one layer's KV cache (twin of
     /// `ares_cpu::ops::attention::kv_cache_append` with one shared `len`):
     /// `cache.k[b, len + i] = k_new[b, i]` (and v), `k_new`, `v_new` `[batch, seq,
@@ -539,6 +749,8 @@ struct Attend<'a, 'b> {
     kv_seq: usize,
     /// Slot of the first query.
     pos0: usize,
+    /// A paged cache instead of contiguous k/v (decoding only).
+    paged: Option<&'a BlockTablesView<'a, 'b>>,
 }
 
 /// The arguments the dq and dk/dv kernels share, in their order (`ATTN_BWD_*`).

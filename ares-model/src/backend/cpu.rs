@@ -24,8 +24,9 @@ use super::sampling::{check_top_k, greedy_row, sample_row};
 
 use super::{
     Activation, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
-    DeviceBuffer, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims, Result,
-    SegmentAttentionDims, Tensor, TensorMut, View, ViewMut, WindowSpec,
+    DeviceBuffer, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
+    PagedKvView, PagedKvViewMut, Result, SegmentAttentionDims, Tensor, TensorMut, View, ViewMut,
+    WindowSpec,
 };
 
 /// The CPU backend: f32 and u32 vectors, `ares-cpu` kernels.
@@ -647,6 +648,59 @@ impl Backend for CpuBackend {
         };
         attention_decode(&attention_shape(dims), slice(q)?, cache, slice_mut(out)?)
             .map_err(op("attention_decode"))
+    }
+
+    fn paged_kv_cache_append(
+        &self,
+        dims: AttentionDims,
+        k_new: Tensor<'_, Self>,
+        v_new: Tensor<'_, Self>,
+        cache: PagedKvViewMut<'_, Vec<f32>, Vec<u32>>,
+    ) -> Result<()> {
+        let b = cache.blocks;
+        attention::paged_kv_cache_append(
+            &attention_shape(dims),
+            slice(k_new)?,
+            slice(v_new)?,
+            attention::PagedKvCacheMut {
+                k: slice_mut(cache.k)?,
+                v: slice_mut(cache.v)?,
+                block_size: b.block_size,
+                block_tables: b.host_tables,
+                max_blocks: b.max_blocks,
+                len: b.host_len,
+            },
+        )
+        .map_err(op("paged_kv_cache_append"))
+    }
+
+    fn paged_attention_decode(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: PagedKvView<'_, Vec<f32>, Vec<u32>>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let b = cache.blocks;
+        let len: Vec<u32> = b
+            .host_len
+            .iter()
+            .map(|&n| n.saturating_add(dims.seq as u32))
+            .collect();
+        attention::paged_attention_decode(
+            &attention_shape(dims),
+            slice(q)?,
+            attention::PagedKvCache {
+                k: slice(cache.k)?,
+                v: slice(cache.v)?,
+                block_size: b.block_size,
+                block_tables: b.host_tables,
+                max_blocks: b.max_blocks,
+                len: &len,
+            },
+            slice_mut(out)?,
+        )
+        .map_err(op("paged_attention_decode"))
     }
 
     fn entropy_windows(

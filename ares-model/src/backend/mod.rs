@@ -58,7 +58,7 @@ pub mod cpu;
 pub mod cuda;
 pub(crate) mod sampling;
 
-pub use decode::{KvCacheView, KvCacheViewMut};
+pub use decode::{BlockTables, KvCacheView, KvCacheViewMut, PagedKvView, PagedKvViewMut};
 pub use error::BackendError;
 pub use optim::{AdamWConfig, AdamWUpdate};
 pub use shapes::{
@@ -518,6 +518,38 @@ pub trait Backend {
         dims: AttentionDims,
         q: Tensor<'_, Self>,
         cache: KvCacheView<'_, Self::Buffer>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// [`Backend::kv_cache_append`] for a paged cache: `k_new[b, i]` (and v) `[batch, seq,
+    /// kv_heads, head_dim]` goes to slot `len[b] + i` of sequence `b`'s blocks. The caller
+    /// owns each written block alone (a shared block is copied first) and advances the
+    /// lengths after the step's last layer.
+    ///
+    /// # Errors
+    /// Invalid head counts, lengths that do not match, a slot past a sequence's table or
+    /// a block id past the pool.
+    fn paged_kv_cache_append(
+        &self,
+        dims: AttentionDims,
+        k_new: Tensor<'_, Self>,
+        v_new: Tensor<'_, Self>,
+        cache: PagedKvViewMut<'_, Self::Buffer, Self::Ids>,
+    ) -> Result<()>;
+
+    /// [`Backend::attention_decode`] over a paged cache holding the new queries' keys
+    /// already ([`Backend::paged_kv_cache_append`] first): query `i` of sequence `b` sits at
+    /// slot `len[b] + i` and attends every slot at or before it (no key mask: the slots of
+    /// a sequence are its own tokens). Each sequence has its own length, so sequences of
+    /// any lengths share a step without padding.
+    ///
+    /// # Errors
+    /// As [`Backend::paged_kv_cache_append`].
+    fn paged_attention_decode(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: PagedKvView<'_, Self::Buffer, Self::Ids>,
         out: TensorMut<'_, Self>,
     ) -> Result<()>;
 

@@ -31,10 +31,15 @@ use buffer::{ids, ids_mut, view, view_mut, view_mut_opt, view_opt};
 use super::sampling::check_top_k;
 use super::{
     Activation, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
-    HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims, MatmulPrecision,
-    Result, SegmentAttentionDims, Tensor, TensorMut, WindowSpec,
+    BlockTables, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
+    MatmulPrecision, PagedKvView, PagedKvViewMut, Result, SegmentAttentionDims, Tensor, TensorMut,
+    WindowSpec,
 };
-use ares_cuda::model_ops::{AttentionGradsMut, AttentionSaved, KvCache, KvCacheMut};
+use ares_cuda::cudarc::driver::CudaView;
+use ares_cuda::model_ops::{
+    AttentionGradsMut, AttentionSaved, BlockTablesView, KvCache, KvCacheMut, PagedKvCache,
+    PagedKvCacheMut,
+};
 use ares_cuda::{AdamWStep, AttentionShape, DeviceInfo, GemmDims, GemmPrecision, ModelOps};
 use std::sync::Arc;
 
@@ -65,6 +70,22 @@ fn op(name: &'static str) -> impl FnOnce(ares_cuda::Error) -> BackendError {
             op: name,
             source: Box::new(other),
         },
+    }
+}
+
+/// The ares-cuda view of a step's block tables (device ids and their host copies).
+fn block_tables<'a, 'b>(
+    b: &BlockTables<'a, CudaIds>,
+    tables: &'a CudaView<'b, u32>,
+    lens: &'a CudaView<'b, u32>,
+) -> BlockTablesView<'a, 'b> {
+    BlockTablesView {
+        tables,
+        lens,
+        host_tables: b.host_tables,
+        host_lens: b.host_len,
+        block_size: b.block_size,
+        max_blocks: b.max_blocks,
     }
 }
 
@@ -659,6 +680,54 @@ impl Backend for CudaBackend {
                 &mut view_mut(out)?,
             )
             .map_err(op("attention_decode"))
+    }
+
+    fn paged_kv_cache_append(
+        &self,
+        dims: AttentionDims,
+        k_new: Tensor<'_, Self>,
+        v_new: Tensor<'_, Self>,
+        cache: PagedKvViewMut<'_, CudaBuffer, CudaIds>,
+    ) -> Result<()> {
+        let b = cache.blocks;
+        let (tables, lens) = (ids(b.tables)?, ids(b.len)?);
+        let (mut k, mut v) = (view_mut(cache.k)?, view_mut(cache.v)?);
+        self.ops
+            .paged_kv_cache_append(
+                shape(dims),
+                &view(k_new)?,
+                &view(v_new)?,
+                PagedKvCacheMut {
+                    k: &mut k,
+                    v: &mut v,
+                    blocks: block_tables(&b, &tables, &lens),
+                },
+            )
+            .map_err(op("paged_kv_cache_append"))
+    }
+
+    fn paged_attention_decode(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: PagedKvView<'_, CudaBuffer, CudaIds>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let b = cache.blocks;
+        let (tables, lens) = (ids(b.tables)?, ids(b.len)?);
+        let (k, v) = (view(cache.k)?, view(cache.v)?);
+        self.ops
+            .paged_attention_decode(
+                shape(dims),
+                &view(q)?,
+                PagedKvCache {
+                    k: &k,
+                    v: &v,
+                    blocks: block_tables(&b, &tables, &lens),
+                },
+                &mut view_mut(out)?,
+            )
+            .map_err(op("paged_attention_decode"))
     }
 
     fn entropy_windows(

@@ -1,0 +1,419 @@
+//! Decode attention over a paged (block) KV cache, as vLLM's PagedAttention lays it out:
+//! one pool of `blocks` blocks of `block_size` token slots per layer, keys and values
+//! `[blocks, block_size, Hkv, D]`, and per sequence a block table (its blocks in order) and
+//! a length. Slot `s` of sequence `b` is row `table[b][s / block_size] · block_size +
+//! s % block_size` of the pool. Sequences of any lengths share one call without padding,
+//! and a prompt's full blocks can be shared by its samples (the caller copies a shared
+//! block before writing into it).
+//!
+//! The arithmetic is [`attention_decode`](super::attention_decode)'s over the same slots in
+//! the same order, so a sequence gets the same output bits paged or contiguous.
+
+use super::{AttentionShape, Dims, KeySeq, attend};
+use crate::Result;
+use crate::error::check_len;
+use ares_core::Error as CoreError;
+use rayon::prelude::*;
+
+/// One layer's paged KV cache for [`paged_attention_decode`].
+#[derive(Debug, Clone, Copy)]
+pub struct PagedKvCache<'a> {
+    /// Keys `[blocks, block_size, Hkv, D]`.
+    pub k: &'a [f32],
+    /// Values `[blocks, block_size, Hkv, D]`.
+    pub v: &'a [f32],
+    /// Token slots per block, > 0.
+    pub block_size: usize,
+    /// Block ids `[B, max_blocks]`: sequence `b`'s blocks in order (entries past its
+    /// length are not read).
+    pub block_tables: &'a [u32],
+    /// Columns of `block_tables`.
+    pub max_blocks: usize,
+    /// Filled slots per sequence `[B]`, the new queries' keys included.
+    pub len: &'a [u32],
+}
+
+/// One layer's paged KV cache for [`paged_kv_cache_append`]; layout as [`PagedKvCache`].
+#[derive(Debug)]
+pub struct PagedKvCacheMut<'a> {
+    /// Keys `[blocks, block_size, Hkv, D]`.
+    pub k: &'a mut [f32],
+    /// Values `[blocks, block_size, Hkv, D]`.
+    pub v: &'a mut [f32],
+    /// Token slots per block, > 0.
+    pub block_size: usize,
+    /// Block ids `[B, max_blocks]`, as [`PagedKvCache::block_tables`].
+    pub block_tables: &'a [u32],
+    /// Columns of `block_tables`.
+    pub max_blocks: usize,
+    /// Filled slots per sequence `[B]` before the append: the new tokens go to slots
+    /// `len[b]..len[b] + seq` (the caller advances its lengths).
+    pub len: &'a [u32],
+}
+
+/// Checks a paged cache against the shape: pool lengths a whole number of blocks, one
+/// table row and one length per sequence, every slot `..len[b] + extra` inside the table
+/// and on a block of the pool. Returns the pool's block count.
+#[allow(clippy::too_many_arguments)] // the fields of both cache structs
+fn check_paged(
+    dims: &Dims,
+    k: usize,
+    v: usize,
+    block_size: usize,
+    tables: &[u32],
+    max_blocks: usize,
+    len: &[u32],
+    extra: usize,
+) -> Result<usize> {
+    let tok = dims.hkv * dims.d;
+    let per_block =
+        block_size
+            .checked_mul(tok)
+            .filter(|&n| n > 0)
+            .ok_or(CoreError::OutOfRange {
+                what: "block_size",
+                value: block_size as f64,
+                expected: "> 0",
+            })?;
+    let blocks = k / per_block;
+    check_len("k_cache", blocks * per_block, k)?;
+    check_len("v_cache", k, v)?;
+    check_len("block_tables", dims.b * max_blocks, tables.len())?;
+    check_len("cache_len", dims.b, len.len())?;
+    for (b, &n) in len.iter().enumerate() {
+        let end = n as usize + extra;
+        if end > max_blocks * block_size {
+            return Err(CoreError::OutOfRange {
+                what: "cache_len",
+                value: end as f64,
+                expected: "within the sequence's block table (max_blocks · block_size slots)",
+            }
+            .into());
+        }
+        let used = end.div_ceil(block_size);
+        if let Some(&id) = tables[b * max_blocks..b * max_blocks + used]
+            .iter()
+            .find(|&&id| id as usize >= blocks)
+        {
+            return Err(CoreError::OutOfRange {
+                what: "block_tables",
+                value: f64::from(id),
+                expected: "a block id below the pool's block count",
+            }
+            .into());
+        }
+    }
+    Ok(blocks)
+}
+
+/// Appends `seq` new tokens per sequence to a paged KV cache: `k_new[b, i]` (and v) goes
+/// to slot `len[b] + i` of sequence `b`. `k_new`, `v_new` are `[B, seq, Hkv, D]`. Two
+/// sequences must not own the same block at the slots written (the caller copies a shared
+/// block first).
+///
+/// # Errors
+/// As [`attention_decode`](super::attention_decode) for the shape; `block_size` 0; pool,
+/// table and length sizes; a slot past the table or a block id past the pool. Nothing is
+/// written on error.
+pub fn paged_kv_cache_append(
+    shape: &AttentionShape,
+    k_new: &[f32],
+    v_new: &[f32],
+    cache: PagedKvCacheMut<'_>,
+) -> Result<()> {
+    let dims = shape.dims()?;
+    check_len("k_new", dims.kv_len, k_new.len())?;
+    check_len("v_new", dims.kv_len, v_new.len())?;
+    let PagedKvCacheMut {
+        k,
+        v,
+        block_size,
+        block_tables,
+        max_blocks,
+        len,
+    } = cache;
+    check_paged(
+        &dims,
+        k.len(),
+        v.len(),
+        block_size,
+        block_tables,
+        max_blocks,
+        len,
+        dims.t,
+    )?;
+    let tok = dims.hkv * dims.d;
+    for (b, &n) in len.iter().enumerate() {
+        let table = &block_tables[b * max_blocks..(b + 1) * max_blocks];
+        for i in 0..dims.t {
+            let s = n as usize + i;
+            let row = table[s / block_size] as usize * block_size + s % block_size;
+            let src = (b * dims.t + i) * tok;
+            k[row * tok..(row + 1) * tok].copy_from_slice(&k_new[src..src + tok]);
+            v[row * tok..(row + 1) * tok].copy_from_slice(&v_new[src..src + tok]);
+        }
+    }
+    Ok(())
+}
+
+/// Attention of `seq` new queries per sequence over a paged KV cache that holds their keys
+/// already ([`paged_kv_cache_append`] first): query `i` of sequence `b` sits at slot
+/// `len[b] − seq + i` and attends every slot at or before it. `q` and `out` are `[B, seq,
+/// Hq, D]`. Equals [`attention_decode`](super::attention_decode) over the same keys laid
+/// out contiguously, bit for bit.
+///
+/// # Errors
+/// As [`paged_kv_cache_append`], and a `len[b]` below `seq`.
+pub fn paged_attention_decode(
+    shape: &AttentionShape,
+    q: &[f32],
+    cache: PagedKvCache<'_>,
+    out: &mut [f32],
+) -> Result<()> {
+    let dims = shape.dims()?;
+    check_len("q", dims.q_len, q.len())?;
+    check_len("out", dims.q_len, out.len())?;
+    let PagedKvCache {
+        k,
+        v,
+        block_size,
+        block_tables,
+        max_blocks,
+        len,
+    } = cache;
+    check_paged(
+        &dims,
+        k.len(),
+        v.len(),
+        block_size,
+        block_tables,
+        max_blocks,
+        len,
+        0,
+    )?;
+    if let Some(&n) = len.iter().find(|&&n| (n as usize) < dims.t) {
+        return Err(CoreError::OutOfRange {
+            what: "cache_len",
+            value: f64::from(n),
+            expected: ">= queries per sequence (append the new keys first)",
+        }
+        .into());
+    }
+    if dims.q_len == 0 {
+        return Ok(());
+    }
+    let longest = len.iter().map(|&n| n as usize).max().unwrap_or(0);
+    let Dims { t, hq, d, .. } = dims;
+    out.par_chunks_mut(d)
+        .zip(q.par_chunks(d))
+        .enumerate()
+        .for_each_init(
+            || vec![0.0f32; longest],
+            |scores, (i, (o, q_row))| {
+                let (row, h) = (i / hq, i % hq);
+                let (b, j) = (row / t, row % t);
+                let n = len.get(b).map_or(0, |&n| n as usize + j + 1 - t);
+                let table = block_tables
+                    .get(b * max_blocks..(b + 1) * max_blocks)
+                    .unwrap_or_default();
+                let keys = KeySeq::paged(&dims, k, v, table, block_size);
+                attend(q_row, keys, h / dims.group, n, dims.scale, scores, o);
+            },
+        );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{KvCache, KvCacheMut, attention_decode, kv_cache_append};
+    use super::*;
+
+    /// A deterministic pseudo-random vector.
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                (x as f32 / u32::MAX as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Three sequences of different lengths over a shuffled pool (blocks of 4 slots) give
+    /// the bits of the contiguous cache, for one new query and for a chunk of three.
+    #[test]
+    fn paged_equals_contiguous_bit_for_bit() {
+        let (hq, hkv, d, bs) = (4, 2, 8, 4);
+        let tok = hkv * d;
+        let lens = [5usize, 12, 1];
+        let max_len = 16usize;
+        for new in [1usize, 3] {
+            let b = lens.len();
+            let total: Vec<usize> = lens.iter().map(|&n| n + new).collect();
+            let max_blocks = max_len.div_ceil(bs);
+            // blocks handed out in a scrambled order, as a pool after many cycles would
+            let order = [7u32, 2, 9, 0, 11, 4, 1, 10, 3, 6, 5, 8];
+            let mut tables = vec![0u32; b * max_blocks];
+            let mut next = 0;
+            for (s, &n) in total.iter().enumerate() {
+                for c in 0..n.div_ceil(bs) {
+                    tables[s * max_blocks + c] = order[next];
+                    next += 1;
+                }
+            }
+            let blocks = 12;
+            let mut pk = vec![0.0f32; blocks * bs * tok];
+            let mut pv = pk.clone();
+            let mut ck = vec![0.0f32; b * max_len * tok];
+            let mut cv = ck.clone();
+            // each sequence's history, then the new tokens of all at once
+            for (s, &n) in lens.iter().enumerate() {
+                let one = AttentionShape::new(1, n, hq, hkv, d);
+                let (k, v) = (
+                    values(n * tok, 10 + s as u32),
+                    values(n * tok, 20 + s as u32),
+                );
+                let table = &tables[s * max_blocks..(s + 1) * max_blocks];
+                paged_kv_cache_append(
+                    &one,
+                    &k,
+                    &v,
+                    PagedKvCacheMut {
+                        k: &mut pk,
+                        v: &mut pv,
+                        block_size: bs,
+                        block_tables: table,
+                        max_blocks,
+                        len: &[0],
+                    },
+                )
+                .unwrap();
+                let slab = max_len * tok;
+                let mut l = [0usize];
+                kv_cache_append(
+                    &one,
+                    &k,
+                    &v,
+                    KvCacheMut {
+                        k: &mut ck[s * slab..(s + 1) * slab],
+                        v: &mut cv[s * slab..(s + 1) * slab],
+                        max_len,
+                        len: &mut l,
+                    },
+                )
+                .unwrap();
+            }
+            let shape = AttentionShape::new(b, new, hq, hkv, d);
+            let (k_new, v_new) = (values(b * new * tok, 3), values(b * new * tok, 4));
+            let before: Vec<u32> = lens.iter().map(|&n| n as u32).collect();
+            paged_kv_cache_append(
+                &shape,
+                &k_new,
+                &v_new,
+                PagedKvCacheMut {
+                    k: &mut pk,
+                    v: &mut pv,
+                    block_size: bs,
+                    block_tables: &tables,
+                    max_blocks,
+                    len: &before,
+                },
+            )
+            .unwrap();
+            let mut ragged = lens.to_vec();
+            kv_cache_append(
+                &shape,
+                &k_new,
+                &v_new,
+                KvCacheMut {
+                    k: &mut ck,
+                    v: &mut cv,
+                    max_len,
+                    len: &mut ragged,
+                },
+            )
+            .unwrap();
+            let q = values(b * new * hq * d, 5);
+            let after: Vec<u32> = total.iter().map(|&n| n as u32).collect();
+            let mut paged = vec![0.0f32; q.len()];
+            paged_attention_decode(
+                &shape,
+                &q,
+                PagedKvCache {
+                    k: &pk,
+                    v: &pv,
+                    block_size: bs,
+                    block_tables: &tables,
+                    max_blocks,
+                    len: &after,
+                },
+                &mut paged,
+            )
+            .unwrap();
+            let mut contiguous = vec![0.0f32; q.len()];
+            attention_decode(
+                &shape,
+                &q,
+                KvCache {
+                    k: &ck,
+                    v: &cv,
+                    max_len,
+                    len: &total,
+                    key_mask: None,
+                },
+                &mut contiguous,
+            )
+            .unwrap();
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&paged), bits(&contiguous), "new = {new}");
+            assert!(paged.iter().any(|&x| x != 0.0));
+        }
+    }
+
+    #[test]
+    fn bad_tables_and_lengths_are_named() {
+        let shape = AttentionShape::new(1, 1, 2, 1, 4);
+        let pool = vec![0.0f32; 2 * 4 * 4]; // two blocks of four slots
+        let q = [0.5f32; 8];
+        let mut out = [0.0f32; 8];
+        let call = |tables: &[u32], len: u32, bs: usize, out: &mut [f32]| {
+            paged_attention_decode(
+                &shape,
+                &q,
+                PagedKvCache {
+                    k: &pool,
+                    v: &pool,
+                    block_size: bs,
+                    block_tables: tables,
+                    max_blocks: 2,
+                    len: &[len],
+                },
+                out,
+            )
+            .unwrap_err()
+            .to_string()
+        };
+        assert!(call(&[0, 5], 6, 4, &mut out).contains("block_tables"));
+        assert!(call(&[0, 1], 9, 4, &mut out).contains("cache_len"));
+        assert!(call(&[0, 1], 0, 4, &mut out).contains("cache_len"));
+        assert!(call(&[0, 1], 2, 0, &mut out).contains("block_size"));
+        assert!(call(&[0], 2, 4, &mut out).contains("block_tables"));
+        // the right call works and reads only the first block's two slots
+        paged_attention_decode(
+            &shape,
+            &q,
+            PagedKvCache {
+                k: &pool,
+                v: &pool,
+                block_size: 4,
+                block_tables: &[1, 7],
+                max_blocks: 2,
+                len: &[2],
+            },
+            &mut out,
+        )
+        .unwrap();
+    }
+}
