@@ -1,4 +1,5 @@
-"""verl 0.9 registrations: ARES's advantage estimators and policy losses inside a verl run.
+"""verl 0.9 registrations: ARES's advantage estimators, policy losses and a batch-level reward
+manager inside a verl run.
 
 ``ares.verl.register()`` adds, to verl's own registries (``verl.trainer.ppo.core_algos``'s
 ``register_adv_est`` / ``register_policy_loss``), functions with verl's signatures that run
@@ -11,10 +12,26 @@ ares-core:
 - policy losses (``actor_rollout_ref.actor.policy_loss.loss_mode=...``): ``ares_vanilla``
   (verl's ``vanilla``: PPO clip / dual clip), ``ares_gspo`` (verl's ``gspo``, GSPO-token),
   ``ares_gspo_seq`` (the GSPO paper's sequence-level objective), ``ares_cispo`` (verl's
-  ``cispo``), ``ares_clip_cov`` and ``ares_kl_cov``.
+  ``cispo``), ``ares_clip_cov`` and ``ares_kl_cov``;
+- a reward manager (``verl.workers.reward_manager``'s registry, name ``"ares"``):
+  :class:`AresRewardManager` scores a batch with the user's ``compute_score`` as verl's
+  ``naive`` / ``batch`` managers do, then reshapes the outcome rewards over the whole batch:
+  GRPO-λ (``mode="grpo_lambda"``) or ARES entropy shaping (``mode="ares"``: HWE counts under
+  the global τ, buckets by global_id, the bucket controller's targets and α), keeping τ, the
+  controller and the step in the manager (``state_dict()`` / ``load_state_dict()``).
 
 verl is imported inside ``register()`` only; ``import ares`` and ``import ares.verl`` import
 neither verl nor torch.
+
+**What the reward manager reads**: ``prompts``, ``responses``, ``attention_mask`` (or
+``rm_scores``) and ``non_tensor_batch["uid"]`` in both modes; ``mode="ares"`` also needs the
+per-token entropies of the responses in ``batch["entropys"]`` [B, T] and a stable per-prompt
+``non_tensor_batch["global_id"]`` (key names are arguments); a missing key is a ``KeyError``
+naming it. verl 0.9.1's ``ray_trainer`` scores through its reward loop
+(``verl.experimental.reward_loop``, one sample at a time) rather than this registry, and it
+pops ``entropys`` after computing the old log-probs: call the manager on the batch from your
+trainer (after the old log-prob pass, with the entropies kept), or use ``ares_grpo_lambda``
+for GRPO-λ inside the stock trainer.
 
 **What the estimators need from the rollout**: what verl already passes — ``token_level_rewards``
 ``[B, T]`` (summed per row into the outcome reward), ``response_mask`` ``[B, T]`` and
@@ -23,8 +40,9 @@ of one is a ``ValueError`` where verl passes the reward through). ``ares_grpo_la
 sample as correct when its outcome reward is ``> correct_threshold`` and its length from the
 response mask. ARES's entropy machinery (HWE windows, the bucket controller) further needs the
 per-token entropies of the training forward and a stable per-prompt ``global_id``; verl's
-estimator and loss signatures carry neither, so use ``ares.entropy_windows`` and
-``ares.BucketController`` from your own hook with those.
+estimator and loss signatures carry neither: :class:`AresRewardManager` (``mode="ares"``)
+does the whole entropy control from a batch that has them, or use ``ares.entropy_windows`` and
+``ares.BucketController`` from your own hook.
 
 **Devices.** ares runs on CPU memory. CPU tensors are read in place (no copy; a bool or integer
 mask is converted to the float dtype, and a non-contiguous tensor is made contiguous, which do
@@ -41,10 +59,21 @@ usually are on the CPU already.
 advantages (exact for ``ares_vanilla``, ``ares_gspo`` and ``ares_cispo``, whose per-token losses
 are positively homogeneous in A; the clip metrics then skip tokens of weight 0); the other losses
 refuse them. ``config.global_batch_info`` (dp size, global token / sequence counts,
-``loss_scale_factor``) rescales the local aggregate exactly as verl's ``agg_loss``.
+``loss_scale_factor``) rescales the local aggregate exactly as verl's ``agg_loss``. Metrics are
+verl's keys; two differ in meaning for the covariance losses (docs/algorithms.md §15):
+``actor/pg_clipfrac`` is PPO's clip fraction (verl's Clip-Cov reports the selected fraction
+there; ares's ``selected_frac``), and ``actor/ppo_kl`` is ``mean(old − new log-prob)`` (verl's
+KL-Cov reports ``mean |log ratio|``).
+
+**Tests.** Each estimator and loss is a numpy core (``_grpo_np``, ``_rloo_np``,
+``_pro_max_np``, ``_grpo_lambda_np``, ``_policy_loss_np``) behind a thin torch conversion.
+``tests/test_verl_fixtures.py`` checks the cores against committed outputs of verl 0.9.1's own
+functions (``tests/fixtures/verl_adapter_*.npz``, written by
+``scripts/make_verl_adapter_fixtures.py``) with numpy only; ``tests/test_verl*.py`` compare the
+torch side live where torch and verl are installed.
 """
 
-__all__ = ["ESTIMATORS", "POLICY_LOSSES", "register", "settings"]
+__all__ = ["ESTIMATORS", "POLICY_LOSSES", "AresRewardManager", "register", "settings"]
 
 ESTIMATORS = ("ares_grpo", "ares_rloo", "ares_reinforce_pro_max", "ares_grpo_lambda")
 # registered name -> ares.policy_loss loss_mode
@@ -80,7 +109,10 @@ def register(*, copy_to_cpu=False, grpo_lambda=0.2, grpo_lambda_alpha=0.6, corre
     grpo_lambda, grpo_lambda_alpha: GRPO-λ's λ (fraction of groups penalised) and α (strength).
     correct_threshold: ``ares_grpo_lambda`` counts a sample correct when its reward exceeds it.
 
-    Returns ``{"adv_estimators": [...], "policy_losses": [...]}``, the registered names.
+    Also registers :class:`AresRewardManager` as ``"ares"`` in ``verl.workers.reward_manager``.
+
+    Returns ``{"adv_estimators": [...], "policy_losses": [...], "reward_managers": ["ares"]}``,
+    the registered names.
     """
     from verl.trainer.ppo import core_algos
 
@@ -98,7 +130,10 @@ def register(*, copy_to_cpu=False, grpo_lambda=0.2, grpo_lambda_alpha=0.6, corre
         core_algos.register_adv_est(name)(globals()[name])
     for name in POLICY_LOSSES:
         core_algos.register_policy_loss(name)(globals()[name])
-    return {"adv_estimators": list(ESTIMATORS), "policy_losses": list(POLICY_LOSSES)}
+    from verl.workers.reward_manager import register as register_reward_manager
+
+    register_reward_manager("ares")(AresRewardManager)
+    return {"adv_estimators": list(ESTIMATORS), "policy_losses": list(POLICY_LOSSES), "reward_managers": ["ares"]}
 
 
 # ---------------------------------------------------------------- tensors in and out
@@ -439,3 +474,310 @@ ares_gspo_seq = _make_loss("ares_gspo_seq")
 ares_cispo = _make_loss("ares_cispo")
 ares_clip_cov = _make_loss("ares_clip_cov")
 ares_kl_cov = _make_loss("ares_kl_cov")
+
+
+# ---------------------------------------------------------------- reward manager
+
+
+class AresRewardManager:
+    """A verl reward manager (``verl.workers.reward_manager``'s interface: registered by
+    :func:`register` as ``"ares"``) that scores a batch like verl's ``naive`` manager (or its
+    ``batch`` manager with ``batch_scoring=True``) and then reshapes the outcome rewards over
+    the whole batch with ares:
+
+    - ``mode="grpo_lambda"``: GRPO-λ (docs/algorithms.md §8): correct = score >
+      ``correct_threshold``, L = valid response tokens, the top ``⌈λ·G⌉`` groups by accuracy
+      get ``1 − α·sigmoid(z(L))`` on correct samples, the others 0/1 (``ares.GrpoLambda``).
+      Pair it with ``algorithm.adv_estimator=grpo`` (or ``ares_grpo``).
+    - ``mode="ares"``: ARES entropy shaping (§1–§3): HWE tokens of each response under the
+      global threshold τ in force (``entropy_windows`` → ``row_percentile`` →
+      ``batch_median_threshold``; the first batch counts with its own candidate), then τ's
+      EMA update (``ThresholdEma``); each group's bucket from this batch's accuracy
+      (``BucketController.classify``, remembered by global_id); the controller step with the
+      per-bucket mean over groups of their mean HWE count (α toward the target in force, then
+      the target); the reward ``correct + S (+ format_weight·format)`` with the updated T_d, α_d
+      (``entropy_rewards``). λ's dual ascent needs the step's KL, which a reward manager does
+      not see: call ``manager.controller.update_lambda`` from your trainer for it.
+
+    **What it reads from the DataProto**: ``batch["prompts"]``, ``batch["responses"]``,
+    ``batch["attention_mask"]`` (lengths and the response mask, as verl's managers), or
+    ``batch["rm_scores"]`` when present (then no scoring: the score is its row sum);
+    ``non_tensor_batch["reward_model"][i]["ground_truth"]``, ``[reward_fn_key]``,
+    ``["extra_info"]`` for ``compute_score``; ``non_tensor_batch[uid_key]`` (default
+    ``"uid"``, one group key per row; every group ≥ 2 samples) in both modes; for
+    ``mode="ares"`` also ``batch[entropy_key]`` (default ``"entropys"``: per-token entropies
+    of the responses [B, T], e.g. from the actor's ``compute_log_prob`` with
+    ``calculate_entropy=True``, which verl's trainer pops before scoring: keep a copy under
+    this key) and ``non_tensor_batch[global_id_key]`` (default ``"global_id"``: a stable
+    per-prompt id, e.g. from your dataset's ``extra_info``). A missing key is a ``KeyError``
+    naming it. With ``meta_info["validate"]`` true the raw scores are returned and no state
+    moves. The step (target update interval) is ``meta_info["global_steps"]`` when present,
+    else the number of training calls so far.
+
+    Returns verl's ``reward_tensor`` [B, T] float32 (the reward on each row's last valid token)
+    or, with ``return_dict``, ``{"reward_tensor", "reward_extra_info"}``; the extra info has
+    ``score`` (the raw score), ``acc`` and, for ``"ares"``, ``hwe_count``, ``entropy_reward``,
+    ``difficulty`` per sample. ``state_dict()`` / ``load_state_dict()`` save and restore τ,
+    the bucket controller (targets, α, λ, difficulty by global_id), GRPO-λ's parameters and
+    the step.
+
+    Caveat: verl 0.9.1's own trainer (``ray_trainer``) scores through the reward loop
+    (``verl.experimental.reward_loop``, one sample at a time), not through this registry; the
+    batch-level reshaping needs the whole batch, so call the manager yourself on the batch
+    (``reward_tensor = manager(batch)``) or use the ``ares_grpo_lambda`` advantage estimator
+    for GRPO-λ.
+    """
+
+    MODES = ("grpo_lambda", "ares")
+
+    def __init__(
+        self,
+        tokenizer=None,
+        num_examine=0,
+        compute_score=None,
+        reward_fn_key="data_source",
+        *,
+        mode="grpo_lambda",
+        batch_scoring=False,
+        correct_threshold=0.5,
+        grpo_lambda=0.2,
+        grpo_lambda_alpha=0.6,
+        uid_key="uid",
+        global_id_key="global_id",
+        entropy_key="entropys",
+        format_key=None,
+        format_weight=0.0,
+        window_size=4,
+        window_includes_self=False,
+        percentile=95.0,
+        tau_momentum=0.99,
+        controller=None,
+        **reward_kwargs,
+    ):
+        from . import BucketController, GrpoLambda, ThresholdEma
+
+        if mode not in self.MODES:
+            raise ValueError(f"AresRewardManager: `mode` = {mode!r} is not one of {self.MODES}")
+        self.tokenizer = tokenizer
+        self.num_examine = num_examine
+        self.compute_score = compute_score
+        self.reward_fn_key = reward_fn_key
+        self.reward_kwargs = reward_kwargs
+        self.mode = mode
+        self.batch_scoring = bool(batch_scoring)
+        self.correct_threshold = float(correct_threshold)
+        self.uid_key, self.global_id_key, self.entropy_key = uid_key, global_id_key, entropy_key
+        self.format_key, self.format_weight = format_key, float(format_weight)
+        self.window_size, self.window_includes_self = int(window_size), bool(window_includes_self)
+        self.percentile = float(percentile)
+        self.grpo_lambda = GrpoLambda(grpo_lambda, grpo_lambda_alpha)
+        self.tau = ThresholdEma(tau_momentum)
+        self.controller = BucketController(**(controller or {}))
+        self.steps = 0
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self):
+        """``{"steps", "tau", "controller", "grpo_lambda"}``: everything the next call reads."""
+        return {
+            "steps": self.steps,
+            "tau": self.tau.state_dict(),
+            "controller": self.controller.state_dict(),
+            "grpo_lambda": self.grpo_lambda.state_dict(),
+        }
+
+    def load_state_dict(self, state):
+        """Restores :meth:`state_dict`'s output (all parts are checked before any is set)."""
+        from . import BucketController, GrpoLambda, ThresholdEma
+
+        missing = [k for k in ("steps", "tau", "controller", "grpo_lambda") if k not in state]
+        if missing:
+            raise KeyError(f"AresRewardManager.load_state_dict: missing {missing}")
+        tau, ctrl, lam = ThresholdEma(), BucketController(), GrpoLambda()
+        tau.load_state_dict(state["tau"])
+        ctrl.load_state_dict(state["controller"])
+        lam.load_state_dict(state["grpo_lambda"])
+        self.tau, self.controller, self.grpo_lambda, self.steps = tau, ctrl, lam, int(state["steps"])
+
+    # ------------------------------------------------------------ numpy core
+
+    def shape_rewards(self, scores, lengths, uid, *, entropies=None, mask=None, global_id=None, fmt=None, step=None):
+        """The batch-level reshaping on host arrays, updating the state: ``scores`` [B] (the
+        raw outcome scores), ``lengths`` [B] (valid response tokens), ``uid`` [B]; for
+        ``"ares"`` also ``entropies`` and ``mask`` [B, T] (float32), ``global_id`` [B] and
+        optionally ``fmt`` [B] (format rewards). Returns a dict of per-sample numpy arrays:
+        ``reward`` (float64 [B]), ``correct``, and for ``"ares"`` ``hwe_count``,
+        ``entropy_reward``, ``difficulty`` (0 easy, 1 medium, 2 hard) plus ``tau`` (the τ the
+        HWE tokens were counted with)."""
+        import numpy as np
+
+        from . import (
+            batch_median_threshold,
+            bucket_means,
+            entropy_rewards,
+            entropy_windows,
+            group_means,
+            row_percentile,
+        )
+
+        scores = np.ascontiguousarray(scores, dtype=np.float64)
+        correct = scores > self.correct_threshold
+        if step is None:
+            step = self.steps + 1
+        if self.mode == "grpo_lambda":
+            lengths = np.ascontiguousarray(lengths, dtype=np.float64)
+            out = self.grpo_lambda.rewards(correct, lengths, uid=uid)
+            self.steps = int(step)
+            return {"reward": out["rewards"], "correct": correct}
+        if entropies is None or mask is None or global_id is None:
+            raise ValueError("AresRewardManager(mode='ares'): needs `entropies`, `mask` and `global_id`")
+        h = np.ascontiguousarray(entropies, dtype=np.float32)
+        m = np.ascontiguousarray(mask, dtype=np.float32)
+        win = dict(window_size=self.window_size, includes_self=self.window_includes_self)
+        w = entropy_windows(h, m, **win)
+        thr, has = row_percentile(w["means"], w["valid"], self.percentile)
+        cand = batch_median_threshold(thr, has)
+        tau = self.tau.tau if self.tau.tau is not None else (cand if cand is not None else 0.0)
+        counts = entropy_windows(h, m, tau=tau, **win)["counts"].astype(np.float64)
+        difficulty = self.controller.classify(correct, uid=uid, global_id=[str(g) for g in global_id])
+        # per group (numbered by first appearance, as group_means): its bucket and mean HWE
+        # count; h̄_d is the mean over the bucket's groups (docs/algorithms.md §2)
+        group_bucket = difficulty[_first_rows(uid)]
+        mean_hwe = bucket_means(group_bucket, group_means(counts, uid=uid))
+        # τ moves after counting (the τ in force counts the step), then the controller
+        if cand is not None:
+            self.tau.update(cand)
+        self.controller.step(mean_hwe=mean_hwe, step=int(step))
+        target = np.array([self.controller.target(int(d)) for d in difficulty], dtype=np.float64)
+        alpha = np.array([self.controller.alpha(int(d)) for d in difficulty], dtype=np.float64)
+        fmt = None if fmt is None else np.ascontiguousarray(fmt, dtype=np.float64)
+        s, overall = entropy_rewards(
+            correct, counts, target, alpha, difficulty, format_reward=fmt, format_weight=self.format_weight
+        )
+        self.steps = int(step)
+        return {
+            "reward": overall,
+            "correct": correct,
+            "hwe_count": counts,
+            "entropy_reward": s,
+            "difficulty": difficulty,
+            "tau": float(tau),
+        }
+
+    # ------------------------------------------------------------ verl interface
+
+    def _scores(self, data, valid_lengths):
+        """Raw scores [B] and the extra info lists, as verl's naive / batch managers."""
+        from collections import defaultdict
+
+        extra = defaultdict(list)
+        if "rm_scores" in data.batch.keys():
+            return data.batch["rm_scores"].sum(dim=-1).float().cpu().numpy(), extra
+        compute_score = self.compute_score
+        if compute_score is None:
+            from verl.utils.reward_score import default_compute_score as compute_score
+        ntb = data.non_tensor_batch
+        n = len(data)
+        for key in ("reward_model", self.reward_fn_key):
+            if key not in ntb:
+                raise KeyError(f"AresRewardManager: non_tensor_batch[{key!r}] is missing (needed to score)")
+        responses = data.batch["responses"]
+        strs = [
+            self.tokenizer.decode(responses[i][: int(valid_lengths[i])], skip_special_tokens=True) for i in range(n)
+        ]
+        truths = [ntb["reward_model"][i].get("ground_truth", None) for i in range(n)]
+        sources = ntb[self.reward_fn_key]
+        extras = ntb.get("extra_info", None)
+        extras = [dict(extras[i] or {}) if extras is not None else {} for i in range(n)]
+        if self.batch_scoring:
+            raw = compute_score(
+                data_sources=sources, solution_strs=strs, ground_truths=truths, extra_infos=extras, **self.reward_kwargs
+            )
+        else:
+            raw = [
+                compute_score(data_source=sources[i], solution_str=strs[i], ground_truth=truths[i], extra_info=extras[i])
+                for i in range(n)
+            ]
+        scores = []
+        for r in raw:
+            if isinstance(r, dict):
+                for k, v in r.items():
+                    extra[k].append(v)
+                r = r["score"]
+            scores.append(float(r))
+        printed = {}
+        for i in range(n):
+            src = sources[i]
+            if printed.get(src, 0) < self.num_examine:
+                printed[src] = printed.get(src, 0) + 1
+                print("[response]", strs[i])
+                print("[ground_truth]", truths[i])
+                print("[score]", scores[i])
+        import numpy as np
+
+        return np.asarray(scores, dtype=np.float64), extra
+
+    def __call__(self, data, return_dict=False):
+        import numpy as np
+        import torch
+
+        prompt_len = data.batch["prompts"].shape[-1]
+        resp_attn = data.batch["attention_mask"][:, prompt_len:]
+        valid = resp_attn.sum(dim=-1)
+        scores, extra = self._scores(data, valid)
+        extra["score"] = list(scores)
+        meta = getattr(data, "meta_info", None) or {}
+        if meta.get("validate", False):
+            reward = scores
+        else:
+            ntb = data.non_tensor_batch
+            if self.uid_key not in ntb:
+                raise KeyError(
+                    f"AresRewardManager: non_tensor_batch[{self.uid_key!r}] is missing: the group key of each "
+                    f"sample (verl's trainer sets 'uid' when it repeats the prompts n times)"
+                )
+            kw = {}
+            if self.mode == "ares":
+                if self.entropy_key not in data.batch.keys():
+                    raise KeyError(
+                        f"AresRewardManager(mode='ares'): batch[{self.entropy_key!r}] is missing: the per-token "
+                        f"entropies of the responses [B, T] (compute_log_prob with calculate_entropy=True; verl's "
+                        f"trainer pops 'entropys', keep a copy under this key)"
+                    )
+                if self.global_id_key not in ntb:
+                    raise KeyError(
+                        f"AresRewardManager(mode='ares'): non_tensor_batch[{self.global_id_key!r}] is missing: a "
+                        f"stable id per prompt (e.g. copied from the dataset's extra_info)"
+                    )
+                mask = data.batch["response_mask"] if "response_mask" in data.batch.keys() else resp_attn
+                kw = dict(
+                    entropies=data.batch[self.entropy_key].detach().float().cpu().numpy(),
+                    mask=mask.detach().float().cpu().numpy(),
+                    global_id=ntb[self.global_id_key],
+                )
+                if self.format_key is not None:
+                    kw["fmt"] = np.asarray(extra[self.format_key], dtype=np.float64)
+            step = meta.get("global_steps")
+            out = self.shape_rewards(scores, valid.cpu().numpy(), ntb[self.uid_key], step=step, **kw)
+            reward = out["reward"]
+            extra["acc"] = [float(c) for c in out["correct"]]
+            for k in ("hwe_count", "entropy_reward", "difficulty"):
+                if k in out:
+                    extra[k] = [float(v) for v in out[k]]
+        reward_tensor = torch.zeros_like(data.batch["responses"], dtype=torch.float32)
+        rows = torch.arange(reward_tensor.shape[0])
+        reward_tensor[rows, (valid - 1).clamp(min=0).long().cpu()] = torch.as_tensor(reward, dtype=torch.float32)
+        if return_dict:
+            return {"reward_tensor": reward_tensor, "reward_extra_info": extra}
+        return reward_tensor
+
+
+def _first_rows(keys):
+    """The first row of every distinct key, in order of first appearance (the order ares
+    numbers uid groups in)."""
+    import numpy as np
+
+    seen = {}
+    for i, k in enumerate(keys.tolist() if hasattr(keys, "tolist") else keys):
+        seen.setdefault(k, i)
+    return np.fromiter(seen.values(), dtype=np.int64, count=len(seen))
