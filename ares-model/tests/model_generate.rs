@@ -6,7 +6,8 @@
 use ares_model::backend::cpu::CpuBackend;
 use ares_model::hf::checkpoint::Checkpoint;
 use ares_model::model::{
-    GenerateError, GenerateOutput, GenerateRequest, HeadMode, Inputs, KvCache, Model, Sampling,
+    Engine, EngineConfig, EngineRequest, GenerateError, GenerateOutput, GenerateRequest, HeadMode,
+    Inputs, KvCache, Model, Sampling,
 };
 
 mod common;
@@ -126,7 +127,7 @@ fn batched_equals_one_by_one() {
 }
 
 /// A rollout batch (each prompt repeated, n samples each, in any order) prefills each
-/// distinct prompt once and copies its keys and values: the outputs equal each sequence
+/// distinct prompt once and shares its blocks: the outputs equal each sequence
 /// generated alone, greedy and sampled, with EOS ending some sequences early.
 #[test]
 fn shared_prefill_equals_one_by_one() {
@@ -153,9 +154,9 @@ fn shared_prefill_equals_one_by_one() {
     }
 }
 
-/// Sequences that finish leave the batch (their keys and values dropped from a smaller
-/// cache once they are a quarter of it) without changing anyone's tokens: a sampled batch
-/// whose sequences end at many different steps equals each sequence generated alone.
+/// Sequences that finish leave the decode batch (their blocks back to the pool) without
+/// changing anyone's tokens: a sampled batch whose sequences end at many different steps
+/// equals each sequence generated alone.
 #[test]
 fn finished_sequences_leave_the_batch_without_changing_tokens() {
     for name in MODELS {
@@ -191,6 +192,171 @@ fn finished_sequences_leave_the_batch_without_changing_tokens() {
         assert_eq!(batched.finished_by_eos, single.finished_by_eos, "{name}");
         assert_close(&batched.log_probs, &single.log_probs, 1e-4, name);
         assert_close(&batched.entropies, &single.entropies, 1e-4, name);
+    }
+}
+
+/// Runs `req`'s prompts through an engine of `config`; returns the outputs, the most rows a
+/// decode pass carried, the preemptions, and the blocks still in use at the end.
+fn engine_run(
+    m: &Model<CpuBackend>,
+    req: &GenerateRequest,
+    config: EngineConfig,
+) -> (GenerateOutput, usize, usize, usize) {
+    let generator = m.generator().unwrap();
+    let request = EngineRequest {
+        max_new_tokens: req.max_new_tokens,
+        eos_ids: req.eos_ids.clone(),
+        sampling: req.sampling,
+        seed: req.seed,
+    };
+    let mut engine = Engine::new(&generator, request, config).unwrap();
+    for (i, p) in req.prompts.iter().enumerate() {
+        assert_eq!(engine.submit(p.clone()).unwrap(), i);
+    }
+    let mut outs = vec![None; req.prompts.len()];
+    let mut widest = 0;
+    while !engine.is_idle() {
+        let before = engine.stats();
+        for f in engine.step().unwrap() {
+            let id = f.id;
+            assert!(outs[id].is_none(), "sequence {id} finished twice");
+            outs[id] = Some(f);
+        }
+        let after = engine.stats();
+        if after.decode_passes > before.decode_passes {
+            widest = widest.max(after.decode_rows - before.decode_rows);
+        }
+        assert!(engine.pool().capacity() <= config.max_blocks.unwrap_or(usize::MAX));
+    }
+    let mut out = GenerateOutput::default();
+    for f in outs.into_iter().map(Option::unwrap) {
+        out.tokens.push(f.tokens);
+        out.log_probs.push(f.log_probs);
+        out.entropies.push(f.entropies);
+        out.finished_by_eos.push(f.finished_by_eos);
+    }
+    let stats = engine.stats();
+    (out, widest, stats.preemptions, engine.pool().in_use())
+}
+
+/// The rollout engine with fewer decode slots than sequences, a small prefill budget and
+/// KV budgets small enough to preempt sequences: every sequence equals it generated alone
+/// (greedy and sampled; n = 1, 4, 8 samples per prompt; prompts of different lengths; EOS
+/// at different steps and the length limit hit), and every block is back in the pool.
+#[test]
+fn engine_with_few_slots_and_blocks_equals_one_by_one() {
+    let mut preempted = 0;
+    for name in MODELS {
+        let m = model(name);
+        let p = greedy_fixture(name).prompts;
+        for n in [1usize, 4, 8] {
+            let prompts: Vec<Vec<u32>> = (0..3 * n).map(|i| p[(i / n) % p.len()].clone()).collect();
+            for sampling in [Sampling::Greedy, SAMPLE] {
+                let mut req = request(prompts.clone(), sampling, 5);
+                req.max_new_tokens = 12;
+                let free = one_by_one(&m, &req);
+                req.eos_ids = vec![free.tokens[req.prompts.len() - 1][2]];
+                let want = one_by_one(&m, &req);
+                let longest = req.prompts.iter().map(Vec::len).max().unwrap() + 12;
+                for (max_seqs, max_blocks) in
+                    [(3, None), (2, Some(longest.div_ceil(4) + 2)), (5, Some(12))]
+                {
+                    let config = EngineConfig {
+                        max_seqs,
+                        block_size: 4,
+                        max_blocks,
+                        max_prefill_tokens: 8,
+                    };
+                    let what = format!("{name} n={n} {sampling:?} {config:?}");
+                    let (out, widest, preemptions, in_use) = engine_run(&m, &req, config);
+                    assert_eq!(out.tokens, want.tokens, "{what}");
+                    assert_eq!(out.finished_by_eos, want.finished_by_eos, "{what}");
+                    assert_close(&out.log_probs, &want.log_probs, 1e-4, &what);
+                    assert_close(&out.entropies, &want.entropies, 1e-4, &what);
+                    assert!(widest <= max_seqs, "{what}: {widest} rows");
+                    assert_eq!(in_use, 0, "{what}: blocks leaked");
+                    preempted += preemptions;
+                }
+            }
+        }
+    }
+    assert!(
+        preempted > 0,
+        "no run was preempted: the budgets test nothing"
+    );
+}
+
+/// A budget that cannot hold one sequence is an error naming it; bad sizes are refused.
+#[test]
+fn engine_budget_and_config_errors() {
+    let m = model("qwen3_tiny");
+    let generator = m.generator().unwrap();
+    let request = EngineRequest {
+        max_new_tokens: 8,
+        eos_ids: Vec::new(),
+        sampling: Sampling::Greedy,
+        seed: 0,
+    };
+    let small = EngineConfig {
+        block_size: 2,
+        max_blocks: Some(3),
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(&generator, request.clone(), small).unwrap();
+    engine.submit(vec![1, 2, 3, 4, 5, 6, 7]).unwrap();
+    let e = engine.run_to_end(&mut |_, _| {}).unwrap_err();
+    assert!(
+        matches!(e, GenerateError::KvBudget { sequence: 0, .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("raise max_blocks"), "{e}");
+    for bad in [
+        EngineConfig {
+            max_seqs: 0,
+            ..EngineConfig::default()
+        },
+        EngineConfig {
+            block_size: 0,
+            ..EngineConfig::default()
+        },
+        EngineConfig {
+            max_blocks: Some(0),
+            ..EngineConfig::default()
+        },
+    ] {
+        assert!(
+            Engine::new(&generator, request.clone(), bad).is_err(),
+            "{bad:?}"
+        );
+    }
+    let zero = EngineRequest {
+        max_new_tokens: 0,
+        ..request.clone()
+    };
+    assert!(Engine::new(&generator, zero, EngineConfig::default()).is_err());
+    let mut engine = Engine::new(&generator, request, EngineConfig::default()).unwrap();
+    let e = engine.submit(Vec::new()).unwrap_err();
+    assert!(matches!(e, GenerateError::EmptyPrompt { index: 0 }), "{e}");
+    let e = engine.submit(vec![u32::MAX]).unwrap_err();
+    assert!(matches!(e, GenerateError::TokenOutOfRange { .. }), "{e}");
+}
+
+/// Static batching (the benchmark's baseline) gives the engine's outputs.
+#[test]
+fn static_batching_equals_the_engine() {
+    for name in MODELS {
+        let m = model(name);
+        let p = greedy_fixture(name).prompts;
+        let prompts: Vec<Vec<u32>> = (0..8).map(|i| p[i % p.len()].clone()).collect();
+        let mut req = request(prompts, SAMPLE, 9);
+        req.max_new_tokens = 10;
+        req.eos_ids = vec![m.generate(&req).unwrap().tokens[1][3]];
+        let engine = m.generate(&req).unwrap();
+        let generator = m.generator().unwrap().static_batching();
+        let fixed = generator.generate(&req).unwrap();
+        assert_eq!(fixed.tokens, engine.tokens, "{name}");
+        assert_eq!(fixed.finished_by_eos, engine.finished_by_eos, "{name}");
+        assert_close(&fixed.log_probs, &engine.log_probs, 1e-4, name);
     }
 }
 

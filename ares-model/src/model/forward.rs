@@ -8,6 +8,7 @@
 
 use super::activations::head_chunks;
 use super::decode_weights::DecodeWeights;
+use super::kv_cache::StepCache;
 use super::layer::qkv;
 use super::log_prob_grad::check_targets;
 use super::{Activations, ForwardExtras, HeadMode, Inputs, KvCache, Model, ModelError};
@@ -46,6 +47,7 @@ impl<B: Backend> Model<B> {
         cache: Option<&mut KvCache<B>>,
         tw: Option<&DecodeWeights<B>>,
     ) -> Result<(), ModelError> {
+        let cache = cache.map(StepCache::Contiguous);
         self.forward_extras(inputs, &ForwardExtras::default(), acts, cache, tw)
     }
 
@@ -69,7 +71,7 @@ impl<B: Backend> Model<B> {
         inputs: &Inputs<'_>,
         extras: &ForwardExtras<'_, B>,
         acts: &mut Activations<B>,
-        mut cache: Option<&mut KvCache<B>>,
+        mut cache: Option<StepCache<'_, B>>,
         tw: Option<&DecodeWeights<B>>,
     ) -> Result<(), ModelError> {
         let n = inputs.check(&self.spec)?;
@@ -161,7 +163,7 @@ impl<B: Backend> Model<B> {
             be.rope(a.q.w()?, cos, sin, hq, d)?;
             be.rope(a.k.w()?, cos, sin, hkv, d)?;
             let (q, k, v) = (a.q.r()?, a.k.r()?, a.v.r()?);
-            match cache.as_deref_mut() {
+            match &mut cache {
                 None => be.attention(attn, qkv(q, k, v, mask), a.att.w()?, a.lse.w()?)?,
                 Some(cache) => cache.attend(be, l, attn, q, k, v, a.att.w()?)?,
             }

@@ -1,35 +1,28 @@
-//! Batched generation: [`Model::generate`] and its step [`Model::forward_cached`].
+//! Batched generation: [`Model::generate`], [`Generator`] and the steps they share.
 //!
-//! The prompts are left-padded to the longest (pad id 0, key mask 0, positions counting
-//! each prompt's own tokens from 0, so padding changes no valid token's numbers), run
-//! through one forward pass that fills the [`KvCache`], then extended one token per step.
-//! The prefill runs the LM head on each prompt's last position only (its final-norm rows
-//! gathered into `[batch, C]`, see [`Model::prefill_activations`]), so its logits are
-//! `[batch, V]` like a decode step's, not `[batch, width, V]`. After each forward these
-//! next-token logits are copied to the host and a token picked ([`Sampling`]); the
-//! log-prob of that token and the entropy of the sampling distribution are computed on the
-//! device by [`Backend::log_prob_entropy`].
+//! A request runs through the rollout engine ([`Engine`], `engine.rs`): continuous batching
+//! over a paged KV cache, each distinct prompt prefilled once for all of its samples, each
+//! sequence attending over its own blocks at its own length, and a finished sequence leaving
+//! the decode batch at once (its blocks back to the pool). [`Generator::static_batching`]
+//! keeps the old static path as the benchmarks' baseline: every prompt on its own row of
+//! one left-padded batch, every row decoded until the last sequence ends.
 //!
-//! Equal text prompts (a rollout group's n samples) share one prefill: each distinct prompt
-//! runs through the prefill once, into a cache of the prompt width only, and its keys,
-//! values and key mask are copied to every sequence that repeats it
-//! ([`KvCache::fill_from_prefix`]), as are its first-token logits; each sequence still
-//! samples from its own stream. The prefill work drops n-fold (bench `model_cpu rollout`).
-//! Prompts with images or videos are prefilled one row each.
+//! The prefill ([`Model::prefill`]) runs the prompts left-padded to the longest (pad id 0,
+//! key mask 0, positions counting each prompt's own tokens from 0, so padding changes no
+//! valid token's numbers) through one forward pass that fills a contiguous [`KvCache`], and
+//! runs the LM head on each prompt's last position only (its final-norm rows gathered into
+//! `[batch, C]`, see [`Model::prefill_activations`]). After each forward the next-token
+//! logits are picked from ([`Sampling`]; greedy on the device, or one uniform per sequence
+//! from its own stream) and the log-prob of the picked token and the entropy of the
+//! sampling distribution are computed on the device by [`Backend::log_prob_entropy`].
 //!
 //! The linear layers run on a transposed copy of the weights made at the start
 //! ([`DecodeWeights`]: faster few-row products on the CPU, a second copy of the linear
 //! weights in memory while generating).
-//!
-//! Finished sequences (an EOS id produced) stay in the batch, fed their last token, their
-//! new tokens ignored, until they are a quarter of it: then the live sequences' keys and
-//! values move to a smaller cache and the finished ones leave (each sequence keeps its own
-//! sampling stream, so the tokens do not change). The loop ends when every sequence has
-//! finished or `max_new_tokens` tokens were produced.
-
-use rand_chacha::ChaCha20Rng;
 
 use super::decode_weights::DecodeWeights;
+use super::engine::{Engine, EngineConfig};
+use super::kv_cache::StepCache;
 use super::sampling::{sequence_rng, uniform};
 use super::{Activations, ForwardExtras, HeadMode, Inputs, KvCache, Model, ModelError, Sampling};
 use crate::backend::{Backend, BackendError, Tensor, View, ViewMut};
@@ -62,6 +55,20 @@ pub struct GenerateOutput {
     pub entropies: Vec<Vec<f32>>,
     /// Whether the sequence ended with an EOS id (else it hit `max_new_tokens`).
     pub finished_by_eos: Vec<bool>,
+}
+
+impl GenerateOutput {
+    /// The output of sequences in order.
+    pub(crate) fn from_sequences(seqs: Vec<SequenceOutput>) -> Self {
+        let mut out = Self::default();
+        for s in seqs {
+            out.tokens.push(s.tokens);
+            out.log_probs.push(s.log_probs);
+            out.entropies.push(s.entropies);
+            out.finished_by_eos.push(s.finished_by_eos);
+        }
+        out
+    }
 }
 
 /// Why a generation request or cached forward pass failed.
@@ -131,6 +138,21 @@ pub enum GenerateError {
         /// Slots per sequence.
         max_len: usize,
     },
+    /// A sequence cannot get the KV blocks it needs even with every other sequence
+    /// preempted: the engine's `max_blocks` is too small for it.
+    #[error(
+        "KV cache budget of {budget} blocks × {block_size} slots cannot hold sequence {sequence} ({slots} slots); raise max_blocks"
+    )]
+    KvBudget {
+        /// Index of the sequence.
+        sequence: usize,
+        /// Slots it needs now.
+        slots: usize,
+        /// The engine's block budget.
+        budget: usize,
+        /// Slots per block.
+        block_size: usize,
+    },
     /// The model or backend failed.
     #[error(transparent)]
     Model(#[from] ModelError),
@@ -171,13 +193,23 @@ pub struct Generator<'m, B: Backend> {
     batching: bool,
 }
 
-impl<B: Backend> Generator<'_, B> {
+impl<'m, B: Backend> Generator<'m, B> {
     /// Static batching: every prompt prefilled on its own row and every row kept until the
-    /// last sequence ends (the outputs are the same; only for measuring what shared prefill
-    /// and compaction save, as the `rollout` bench does).
+    /// last sequence ends (the outputs are the same; only for measuring what the rollout
+    /// engine saves, as the `rollout` bench does).
     pub fn static_batching(mut self) -> Self {
         self.batching = false;
         self
+    }
+
+    /// The model these weights were transposed from.
+    pub fn model(&self) -> &'m Model<B> {
+        self.model
+    }
+
+    /// The transposed weights.
+    pub(crate) fn weights(&self) -> &DecodeWeights<B> {
+        &self.tw
     }
 
     /// [`Model::generate`] without its transpose.
@@ -185,8 +217,7 @@ impl<B: Backend> Generator<'_, B> {
     /// # Errors
     /// As [`Model::generate`].
     pub fn generate(&self, request: &GenerateRequest) -> Result<GenerateOutput, GenerateError> {
-        self.model
-            .generate_with(request, &self.tw, None, self.batching, &mut |_, _| {})
+        self.run(request, None, &mut |_, _| {})
     }
 
     /// [`Generator::generate`], calling `on_token(sequence, token)` as each new token is
@@ -200,8 +231,7 @@ impl<B: Backend> Generator<'_, B> {
         request: &GenerateRequest,
         mut on_token: impl FnMut(usize, u32),
     ) -> Result<GenerateOutput, GenerateError> {
-        self.model
-            .generate_with(request, &self.tw, None, self.batching, &mut on_token)
+        self.run(request, None, &mut on_token)
     }
 
     /// [`Generator::generate_streaming`] for prompts with images or videos: `vision` gives
@@ -216,38 +246,41 @@ impl<B: Backend> Generator<'_, B> {
         vision: &PromptVision<'_, B>,
         mut on_token: impl FnMut(usize, u32),
     ) -> Result<GenerateOutput, GenerateError> {
-        self.model.generate_with(
-            request,
-            &self.tw,
-            Some(vision),
-            self.batching,
-            &mut on_token,
-        )
+        self.run(request, Some(vision), &mut on_token)
+    }
+
+    /// A request through the rollout engine (every sequence admitted at once, the KV pool
+    /// unbounded: nothing is ever preempted), or statically batched.
+    fn run(
+        &self,
+        request: &GenerateRequest,
+        vision: Option<&PromptVision<'_, B>>,
+        on_token: &mut dyn FnMut(usize, u32),
+    ) -> Result<GenerateOutput, GenerateError> {
+        if !self.batching {
+            return self
+                .model
+                .generate_static(request, &self.tw, vision, on_token);
+        }
+        self.model.check_request(request)?;
+        if let Some(v) = vision {
+            self.model.check_vision(request, v)?;
+        }
+        if request.max_new_tokens == 0 {
+            let empty = vec![SequenceOutput::default(); request.prompts.len()];
+            return Ok(GenerateOutput::from_sequences(empty));
+        }
+        let config = EngineConfig::for_request(request, self.model.spec.kv_dim());
+        let mut engine = Engine::with_prompts(self, request, vision, config)?;
+        engine.run_to_end(on_token)
     }
 }
 
-/// The distinct prompts of `prompts` (indices of their first occurrences, in order) and,
-/// for every prompt, the index of its distinct prompt in that list.
-fn unique_prompts(prompts: &[Vec<u32>]) -> (Vec<usize>, Vec<usize>) {
-    let mut first: std::collections::HashMap<&[u32], usize> = std::collections::HashMap::new();
-    let mut unique = Vec::new();
-    let of_row = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            *first.entry(p.as_slice()).or_insert_with(|| {
-                unique.push(i);
-                unique.len() - 1
-            })
-        })
-        .collect();
-    (unique, of_row)
-}
-
-/// [`unique_prompts`] for multimodal prompts: two prompts are equal when their ids, their
+/// The distinct multimodal prompts of `prompts` (indices of their first occurrences, in
+/// order) and, for every prompt, the index of its distinct prompt: two prompts are equal when their ids, their
 /// embedding rows (by the caller's `same_embeds`), M-RoPE tables and deltas are; without
 /// `same_embeds` every prompt is its own.
-fn unique_vision_prompts<B: Backend>(
+pub(crate) fn unique_vision_prompts<B: Backend>(
     prompts: &[Vec<u32>],
     v: &PromptVision<'_, B>,
 ) -> (Vec<usize>, Vec<usize>) {
@@ -274,99 +307,63 @@ fn unique_vision_prompts<B: Backend>(
     (unique, of_row)
 }
 
-/// The per-token state of a generation: each sequence's sampling stream, newest token and
-/// whether it has finished, with the host and device buffers of one pick.
-struct Picker<'r, B: Backend> {
-    request: &'r GenerateRequest,
+/// The buffers of one pick of a token per row of a `[rows, vocab]` logits tensor, on the
+/// device and on the host, reused across steps (re-planned when the row count changes).
+pub(crate) struct Picks<B: Backend> {
     vocab: usize,
-    rngs: Vec<ChaCha20Rng>,
-    /// The sequence of each row of the logits (all sequences, in order, until finished
-    /// ones leave the batch).
-    rows: Vec<usize>,
-    /// This step's uniform draw of each row (sampling).
+    /// Each row's uniform draw (sampling).
     uniforms: Vec<f64>,
     /// The backend's pick of each row, `u32::MAX` for a row without a token.
-    picked: Vec<u32>,
-    /// The token each sequence picked last (fed to the next decode step).
-    next: Vec<u32>,
+    pub(crate) picked: Vec<u32>,
     targets: B::Ids,
     log_prob: B::Buffer,
     entropy: B::Buffer,
-    host_lp: Vec<f32>,
-    host_ent: Vec<f32>,
-    /// Whether each sequence has produced an EOS id.
-    done: Vec<bool>,
+    /// Log-prob of each row's pick under the sampling distribution.
+    pub(crate) host_lp: Vec<f32>,
+    /// Entropy of each row's sampling distribution.
+    pub(crate) host_ent: Vec<f32>,
 }
 
-impl<'r, B: Backend> Picker<'r, B> {
-    /// The state before the first token of `request`'s prompts.
-    fn new(be: &B, request: &'r GenerateRequest, vocab: usize) -> Result<Self, GenerateError> {
-        let batch = request.prompts.len();
+impl<B: Backend> Picks<B> {
+    /// Buffers for `rows` rows of `vocab` logits.
+    pub(crate) fn new(be: &B, rows: usize, vocab: usize) -> Result<Self, GenerateError> {
         Ok(Self {
-            request,
             vocab,
-            rngs: (0..batch as u64)
-                .map(|i| sequence_rng(request.seed, i))
-                .collect(),
-            rows: (0..batch).collect(),
-            uniforms: vec![0.0; batch],
-            picked: vec![0; batch],
-            next: vec![0; batch],
-            targets: be.alloc_ids(batch)?,
-            log_prob: be.alloc(batch)?,
-            entropy: be.alloc(batch)?,
-            host_lp: vec![0.0; batch],
-            host_ent: vec![0.0; batch],
-            done: vec![false; batch],
+            uniforms: vec![0.0; rows],
+            picked: vec![0; rows],
+            targets: be.alloc_ids(rows)?,
+            log_prob: be.alloc(rows)?,
+            entropy: be.alloc(rows)?,
+            host_lp: vec![0.0; rows],
+            host_ent: vec![0.0; rows],
         })
     }
 
-    /// Keeps rows `keep` (indices into the current rows) and drops the others: the buffers
-    /// of one pick shrink to the new row count.
-    fn compact(&mut self, be: &B, keep: &[usize]) -> Result<(), GenerateError> {
-        self.rows = keep.iter().map(|&r| self.rows[r]).collect();
-        let n = self.rows.len();
-        self.uniforms.truncate(n);
-        self.picked.truncate(n);
-        self.host_lp.truncate(n);
-        self.host_ent.truncate(n);
-        self.targets = be.alloc_ids(n)?;
-        self.log_prob = be.alloc(n)?;
-        self.entropy = be.alloc(n)?;
-        Ok(())
-    }
-
-    /// New token `step` of every unfinished sequence from `logits` `[batch, vocab]` (each
-    /// sequence's next-token logits): picks it, computes its log-prob and the entropy of
-    /// the sampling distribution on the device, appends all three to `out` and marks
-    /// sequences that produced an EOS id. `on_token(sequence, token)` sees each new token.
-    fn step(
+    /// Picks a token for each row of `logits` (greedy on the device, or sampled with
+    /// `draw(row)`, the row's uniform from its own stream), then computes its log-prob and
+    /// the entropy of the sampling distribution on the device: `picked`, `host_lp` and
+    /// `host_ent` hold them, one per row.
+    pub(crate) fn pick(
         &mut self,
         be: &B,
         logits: Tensor<'_, B>,
-        step: usize,
-        out: &mut GenerateOutput,
-        on_token: &mut dyn FnMut(usize, u32),
+        sampling: Sampling,
+        mut draw: impl FnMut(usize) -> f64,
     ) -> Result<(), GenerateError> {
-        let request = self.request;
-        if request.sampling == Sampling::Greedy {
-            // on the device: only the picked ids cross to the host, and they are already
-            // where the log-prob below needs them
-            be.greedy_tokens(logits, self.vocab, &mut self.targets, &mut self.picked)?;
-        } else if let Sampling::Sample {
+        let rows = logits.len() / self.vocab;
+        if rows != self.picked.len() {
+            *self = Self::new(be, rows, self.vocab)?;
+        }
+        if let Sampling::Sample {
             temperature,
             top_k,
             top_p,
-        } = request.sampling
+        } = sampling
         {
-            // one draw per unfinished sequence from its own stream, then the backend walks
-            // the candidates (the CUDA backend on the device)
-            for (u, &b) in self.uniforms.iter_mut().zip(&self.rows) {
-                *u = if self.done[b] {
-                    0.0
-                } else {
-                    uniform(&mut self.rngs[b])
-                };
+            // one draw per row from its own stream, then the backend walks the candidates
+            // (the CUDA backend on the device)
+            for (r, u) in self.uniforms.iter_mut().enumerate() {
+                *u = draw(r);
             }
             be.sample_tokens(
                 logits,
@@ -378,40 +375,66 @@ impl<'r, B: Backend> Picker<'r, B> {
                 &mut self.targets,
                 &mut self.picked,
             )?;
-        }
-        for (&b, &id) in self.rows.iter().zip(&self.picked) {
-            if !self.done[b] {
-                if id == u32::MAX {
-                    return Err(GenerateError::NonFiniteLogits { sequence: b, step });
-                }
-                self.next[b] = id;
-            }
+        } else {
+            // on the device: only the picked ids cross to the host, and they are already
+            // where the log-prob below needs them
+            be.greedy_tokens(logits, self.vocab, &mut self.targets, &mut self.picked)?;
         }
         be.log_prob_entropy(
             logits,
             self.vocab,
-            request.sampling.temperature(),
+            sampling.temperature(),
             &self.targets,
             ViewMut::whole(&mut self.log_prob),
             ViewMut::whole(&mut self.entropy),
         )?;
         be.download(View::whole(&self.log_prob), &mut self.host_lp)?;
         be.download(View::whole(&self.entropy), &mut self.host_ent)?;
-        for (r, &b) in self.rows.iter().enumerate() {
-            if self.done[b] {
-                continue;
-            }
-            out.tokens[b].push(self.next[b]);
-            on_token(b, self.next[b]);
-            out.log_probs[b].push(self.host_lp[r]);
-            out.entropies[b].push(self.host_ent[r]);
-            if request.eos_ids.contains(&self.next[b]) {
-                self.done[b] = true;
-                out.finished_by_eos[b] = true;
-            }
-        }
         Ok(())
     }
+}
+
+/// One sequence's new tokens, their log-probs and entropies so far.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(crate) struct SequenceOutput {
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) log_probs: Vec<f32>,
+    pub(crate) entropies: Vec<f32>,
+    pub(crate) finished_by_eos: bool,
+}
+
+impl SequenceOutput {
+    /// Appends row `r` of `picks` as new token `step` of sequence `sequence`; returns
+    /// whether the sequence has ended (an EOS id, or `max_new` tokens).
+    pub(crate) fn push<B: Backend>(
+        &mut self,
+        picks: &Picks<B>,
+        r: usize,
+        request: (&[u32], usize),
+        sequence: usize,
+        on_token: &mut dyn FnMut(usize, u32),
+    ) -> Result<bool, GenerateError> {
+        let (eos_ids, max_new) = request;
+        let id = picks.picked[r];
+        if id == u32::MAX {
+            let step = self.tokens.len();
+            return Err(GenerateError::NonFiniteLogits { sequence, step });
+        }
+        self.tokens.push(id);
+        on_token(sequence, id);
+        self.log_probs.push(picks.host_lp[r]);
+        self.entropies.push(picks.host_ent[r]);
+        self.finished_by_eos = eos_ids.contains(&id);
+        Ok(self.finished_by_eos || self.tokens.len() >= max_new)
+    }
+}
+
+/// A prefill's result: the KV cache of the left-padded prompts (`width` slots each, plus
+/// the room asked for) and each prompt's next-token logits `[prompts, vocab]`.
+pub(crate) struct Prefill<B: Backend> {
+    pub(crate) cache: KvCache<B>,
+    pub(crate) logits: B::Buffer,
+    pub(crate) width: usize,
 }
 
 impl<B: Backend> Model<B> {
@@ -485,7 +508,7 @@ impl<B: Backend> Model<B> {
             }
         }
         cache.upload_mask(&self.backend)?;
-        self.forward_extras(inputs, extras, acts, Some(cache), tw)?;
+        self.forward_extras(inputs, extras, acts, Some(StepCache::Contiguous(cache)), tw)?;
         cache.len += new;
         Ok(())
     }
@@ -563,14 +586,15 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    /// [`Model::generate`] with the transposed weights `tw` of this model's weights,
-    /// calling `on_token(sequence, token)` for each new token.
-    fn generate_with(
+    /// Static batching with the transposed weights `tw` of this model's weights: every
+    /// prompt prefilled on its own row of one left-padded batch, every row decoded until the
+    /// last sequence ends (a finished row is fed its last token, its outputs ignored).
+    /// The baseline the rollout engine is measured against; same outputs.
+    fn generate_static(
         &self,
         request: &GenerateRequest,
         tw: &DecodeWeights<B>,
         vision: Option<&PromptVision<'_, B>>,
-        batching: bool,
         on_token: &mut dyn FnMut(usize, u32),
     ) -> Result<GenerateOutput, GenerateError> {
         let (prompts, max_new) = (&request.prompts, request.max_new_tokens);
@@ -579,45 +603,92 @@ impl<B: Backend> Model<B> {
             self.check_vision(request, v)?;
         }
         let batch = prompts.len();
-        let mut out = GenerateOutput {
-            tokens: vec![Vec::new(); batch],
-            log_probs: vec![Vec::new(); batch],
-            entropies: vec![Vec::new(); batch],
-            finished_by_eos: vec![false; batch],
-        };
-        if max_new == 0 {
-            return Ok(out);
+        let mut seqs = vec![SequenceOutput::default(); batch];
+        if max_new > 0 {
+            let all: Vec<usize> = (0..batch).collect();
+            let Prefill {
+                mut cache, logits, ..
+            } = self.prefill(prompts, &all, vision, max_new, tw)?;
+            let mut rngs: Vec<_> = (0..batch as u64)
+                .map(|i| sequence_rng(request.seed, i))
+                .collect();
+            let mut done = vec![false; batch];
+            let mut picks = Picks::new(&self.backend, batch, self.spec.vocab)?;
+            let mut acts = self.activations_full(batch, 1)?;
+            let mut ids = vec![0u32; batch];
+            let mut positions = vec![0u32; batch];
+            let ones = vec![1u32; batch];
+            for step in 0..max_new {
+                if step > 0 {
+                    // Decode step: each row's newest token at its next position.
+                    for (b, out) in seqs.iter().enumerate() {
+                        let delta = vision.map_or(0, |v| v.rope_deltas[b]);
+                        // check_vision has bounded every decode position
+                        positions[b] = (prompts[b].len() as i64 + step as i64 - 1 + delta) as u32;
+                        ids[b] = out.tokens.last().copied().unwrap_or(0);
+                    }
+                    let inputs = Inputs {
+                        batch,
+                        seq: 1,
+                        input_ids: &ids,
+                        attention_mask: &ones,
+                        position_ids: &positions,
+                    };
+                    let none = ForwardExtras::default();
+                    self.forward_cached_with(&inputs, &none, &mut acts, &mut cache, Some(tw))?;
+                }
+                let logits = if step == 0 {
+                    View::whole(&logits)
+                } else {
+                    acts.logits()
+                };
+                let sampling = request.sampling;
+                picks.pick(&self.backend, logits, sampling, |b| {
+                    if done[b] { 0.0 } else { uniform(&mut rngs[b]) }
+                })?;
+                for (b, out) in seqs.iter_mut().enumerate() {
+                    if !done[b] {
+                        let req = (&request.eos_ids[..], max_new);
+                        done[b] = out.push(&picks, b, req, b, on_token)?;
+                    }
+                }
+                if done.iter().all(|&d| d) {
+                    break;
+                }
+            }
         }
-        let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        let max_len = width + max_new;
-        let too_long = |index: usize| GenerateError::TooLong {
-            index,
-            prompt_len: prompts.get(index).map_or(0, Vec::len),
-            max_new_tokens: max_new,
+        Ok(GenerateOutput::from_sequences(seqs))
+    }
+
+    /// Prefills `members` (indices into `prompts`) in one left-padded pass into a KV cache
+    /// of their width plus `room` slots, and computes each one's next-token logits
+    /// (the LM head on its last position only). Multimodal prompts get their embedding
+    /// rows and M-RoPE tables from `vision` (indexed by prompt).
+    pub(crate) fn prefill(
+        &self,
+        prompts: &[Vec<u32>],
+        members: &[usize],
+        vision: Option<&PromptVision<'_, B>>,
+        room: usize,
+        tw: &DecodeWeights<B>,
+    ) -> Result<Prefill<B>, GenerateError> {
+        let u = members.len();
+        let width = members.iter().map(|&i| prompts[i].len()).max().unwrap_or(0);
+        let too_long = GenerateError::TooLong {
+            index: members.first().copied().unwrap_or(0),
+            prompt_len: width,
+            max_new_tokens: room,
             max_len: u32::MAX as usize,
         };
         // Row gather of the last prompt position of each sequence needs u32 row indices.
-        if batch
-            .checked_mul(width)
-            .is_none_or(|n| n > u32::MAX as usize)
-        {
-            return Err(too_long(0));
+        if u.checked_mul(width).is_none_or(|n| n > u32::MAX as usize) {
+            return Err(too_long);
         }
-
-        // Shared prefill: equal text prompts (a rollout group's n samples) are prefilled
-        // once and their keys and values copied to each sequence; multimodal prompts are
-        // prefilled one row each.
-        let (unique, of_row) = match vision {
-            _ if !batching => ((0..batch).collect(), (0..batch).collect()),
-            None => unique_prompts(prompts),
-            Some(v) => unique_vision_prompts(prompts, v),
-        };
-        let u = unique.len();
-        // Prefill: the left-padded (unique) prompts in one pass.
+        let max_len = width.checked_add(room).ok_or(too_long)?;
         let mut ids = vec![0u32; u * width];
         let mut mask = vec![0u32; u * width];
         let mut positions = vec![0u32; u * width];
-        for (b, p) in unique.iter().map(|&i| &prompts[i]).enumerate() {
+        for (b, p) in members.iter().map(|&i| &prompts[i]).enumerate() {
             let pad = width - p.len();
             let row = b * width + pad..(b + 1) * width;
             ids[row.clone()].copy_from_slice(p);
@@ -626,9 +697,9 @@ impl<B: Backend> Model<B> {
                 *pos = i;
             }
         }
-        // Multimodal prompts: the replaced rows (of the prefilled prompts, their embeddings
-        // gathered when some prompts are shared) and the M-RoPE tables in the padded layout
-        // (padding keeps position 0's cos 1, sin 0; its keys are masked anyway).
+        // Multimodal prompts: the replaced rows of the members (their embeddings gathered
+        // unless the members are every prompt in order) and the M-RoPE tables in the padded
+        // layout (padding keeps position 0's cos 1, sin 0; its keys are masked anyway).
         let half = self.spec.head_dim / 2;
         let hidden = self.spec.hidden;
         let mut rows = None;
@@ -637,7 +708,7 @@ impl<B: Backend> Model<B> {
         if let Some(v) = vision {
             let mut flat: Vec<u32> = Vec::with_capacity(v.rows.len());
             let mut segments = Vec::new();
-            for (k, &b) in unique.iter().enumerate() {
+            for (k, &b) in members.iter().enumerate() {
                 let start = v.rows.iter().position(|&(p, _)| p == b);
                 let count = v.rows.iter().filter(|&&(p, _)| p == b).count();
                 if let Some(start) = start {
@@ -647,7 +718,9 @@ impl<B: Backend> Model<B> {
                     flat.push((k * width + width - prompts[b].len() + t) as u32);
                 }
             }
-            if u < batch {
+            let in_order =
+                members.len() == prompts.len() && members.iter().enumerate().all(|(k, &b)| k == b);
+            if !in_order {
                 let mut buf = self.backend.alloc(flat.len() * hidden)?;
                 let mut at = 0;
                 for (start, count) in segments {
@@ -667,7 +740,7 @@ impl<B: Backend> Model<B> {
                 vec![1.0f32; u * width * half],
                 vec![0.0f32; u * width * half],
             );
-            for (k, &b) in unique.iter().enumerate() {
+            for (k, &b) in members.iter().enumerate() {
                 let (c, s) = &v.rope[b];
                 let start = (k * width + width - prompts[b].len()) * half;
                 cos[start..start + c.len()].copy_from_slice(c);
@@ -684,93 +757,29 @@ impl<B: Backend> Model<B> {
             embeds: rows.as_ref().zip(embeds),
             rope: rope.as_ref().map(|(c, s)| (c.as_slice(), s.as_slice())),
         };
-        let mut picker = Picker::new(&self.backend, request, self.spec.vocab)?;
-        let mut cache;
-        {
-            let mut prefill = self.prefill_activations(u, width)?;
-            let inputs = Inputs {
-                batch: u,
-                seq: width,
-                input_ids: &ids,
-                attention_mask: &mask,
-                position_ids: &positions,
-            };
-            if u == batch {
-                cache = KvCache::new(&self.backend, &self.spec, batch, max_len)?;
-                self.forward_cached_with(&inputs, &extras, &mut prefill, &mut cache, Some(tw))?;
-                let logits = self.prefill_head(&mut prefill, tw)?;
-                picker.step(&self.backend, logits, 0, &mut out, on_token)?;
-            } else {
-                let mut shared = KvCache::new(&self.backend, &self.spec, u, width)?;
-                self.forward_cached_with(&inputs, &extras, &mut prefill, &mut shared, Some(tw))?;
-                cache = KvCache::new(&self.backend, &self.spec, batch, max_len)?;
-                cache.fill_from_prefix(&self.backend, &shared, &of_row)?;
-                drop(shared);
-                // each sequence's first-token logits: its prompt's row
-                let v = self.spec.vocab;
-                let unique_logits = self.prefill_head(&mut prefill, tw)?;
-                let mut logits = self.backend.alloc(batch * v)?;
-                for (b, &r) in of_row.iter().enumerate() {
-                    self.backend.copy(
-                        View::new(unique_logits.buffer(), unique_logits.offset() + r * v, v)?,
-                        ViewMut::new(&mut logits, b * v, v)?,
-                    )?;
-                }
-                picker.step(&self.backend, View::whole(&logits), 0, &mut out, on_token)?;
-            }
-            // The prefill arena is freed before the decode arena is planned.
-        }
-
-        let mut step_acts = self.activations_full(batch, 1)?;
-        let mut step_mask = vec![1u32; batch];
-        let mut step_ids = vec![0u32; batch];
-        let mut step_positions = vec![0u32; batch];
-        for step in 1..max_new {
-            if picker.done.iter().all(|&d| d) {
-                break;
-            }
-            // Finished sequences leave the batch once they are a quarter of it: the live
-            // rows' keys and values move to a smaller cache, so later steps do less work.
-            let finished = picker.rows.iter().filter(|&&b| picker.done[b]).count();
-            if batching && finished > 0 && finished * 4 >= picker.rows.len() {
-                let keep: Vec<usize> = (0..picker.rows.len())
-                    .filter(|&r| !picker.done[picker.rows[r]])
-                    .collect();
-                let mut live = KvCache::new(&self.backend, &self.spec, keep.len(), max_len)?;
-                live.fill_from_prefix(&self.backend, &cache, &keep)?;
-                cache = live;
-                picker.compact(&self.backend, &keep)?;
-                let n = keep.len();
-                step_acts = self.activations_full(n, 1)?;
-                step_mask.truncate(n);
-                step_ids.truncate(n);
-                step_positions.truncate(n);
-            }
-            // Decode step: each row's newest token at its next position (a finished
-            // sequence still in the batch repeats its last token; its outputs are ignored).
-            for (r, &b) in picker.rows.iter().enumerate() {
-                let delta = vision.map_or(0, |v| v.rope_deltas[b]);
-                // check_vision has bounded every decode position
-                step_positions[r] = (prompts[b].len() as i64 + step as i64 - 1 + delta) as u32;
-                step_ids[r] = picker.next[b];
-            }
-            let inputs = Inputs {
-                batch: picker.rows.len(),
-                seq: 1,
-                input_ids: &step_ids,
-                attention_mask: &step_mask,
-                position_ids: &step_positions,
-            };
-            let none = ForwardExtras::default();
-            self.forward_cached_with(&inputs, &none, &mut step_acts, &mut cache, Some(tw))?;
-            picker.step(&self.backend, step_acts.logits(), step, &mut out, on_token)?;
-        }
-        Ok(out)
+        let mut cache = KvCache::new(&self.backend, &self.spec, u, max_len)?;
+        let mut acts = self.prefill_activations(u, width)?;
+        let inputs = Inputs {
+            batch: u,
+            seq: width,
+            input_ids: &ids,
+            attention_mask: &mask,
+            position_ids: &positions,
+        };
+        self.forward_cached_with(&inputs, &extras, &mut acts, &mut cache, Some(tw))?;
+        let head = self.prefill_head(&mut acts, tw)?;
+        let mut logits = self.backend.alloc(head.len())?;
+        self.backend.copy(head, ViewMut::whole(&mut logits))?;
+        Ok(Prefill {
+            cache,
+            logits,
+            width,
+        })
     }
 
     /// Checks that `vision` fits `request`'s prompts: one M-RoPE table and delta per prompt,
     /// rows inside their prompts, and every decode position in `[0, max_positions)`.
-    fn check_vision(
+    pub(crate) fn check_vision(
         &self,
         request: &GenerateRequest,
         v: &PromptVision<'_, B>,
@@ -823,7 +832,7 @@ impl<B: Backend> Model<B> {
     }
 
     /// Checks a request's prompts, EOS ids, lengths and sampling parameters.
-    fn check_request(&self, request: &GenerateRequest) -> Result<(), GenerateError> {
+    pub(crate) fn check_request(&self, request: &GenerateRequest) -> Result<(), GenerateError> {
         let vocab = self.spec.vocab;
         if request.prompts.is_empty() {
             return Err(GenerateError::NoPrompts);

@@ -1,11 +1,44 @@
 //! [`KvCache`]: the keys and values of every layer for a batch of sequences, kept in
 //! backend buffers between generation steps.
 
+use super::BlockPool;
 use super::{ModelError, ModelSpec};
-use crate::backend::DeviceBuffer;
 use crate::backend::{
-    AttentionDims, Backend, KvCacheView, KvCacheViewMut, Tensor, TensorMut, View, ViewMut,
+    AttentionDims, Backend, BlockTables, KvCacheView, KvCacheViewMut, Tensor, TensorMut, View,
+    ViewMut,
 };
+
+/// The KV cache a cached forward pass attends over: a left-padded contiguous batch (the
+/// prefill, and static batching) or the rollout engine's paged pool with this step's
+/// block tables.
+pub(crate) enum StepCache<'c, B: Backend> {
+    /// Every sequence at the same filled length.
+    Contiguous(&'c mut KvCache<B>),
+    /// Each sequence its own blocks and length.
+    Paged(&'c mut BlockPool<B>, BlockTables<'c, B::Ids>),
+}
+
+impl<B: Backend> StepCache<'_, B> {
+    /// Layer `layer`'s attention step: append the new keys and values, attend `q`.
+    #[allow(clippy::too_many_arguments)] // mirrors Backend::attention's q, k, v, out
+    pub(crate) fn attend(
+        &mut self,
+        backend: &B,
+        layer: usize,
+        dims: AttentionDims,
+        q: Tensor<'_, B>,
+        k_new: Tensor<'_, B>,
+        v_new: Tensor<'_, B>,
+        out: TensorMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        match self {
+            Self::Contiguous(c) => c.attend(backend, layer, dims, q, k_new, v_new, out),
+            Self::Paged(pool, tables) => {
+                pool.attend(backend, layer, dims, q, k_new, v_new, *tables, out)
+            }
+        }
+    }
+}
 
 /// Per-layer KV cache of `batch` sequences of up to `max_len` tokens: keys and values
 /// `[layers, batch, max_len, kv_heads, head_dim]` (each layer's slab is the
@@ -89,6 +122,21 @@ impl<B: Backend> KvCache<B> {
         self.len == 0
     }
 
+    /// Keys of every layer, `[layers, batch, max_len, kv_heads, head_dim]`.
+    pub(crate) fn keys(&self) -> &B::Buffer {
+        &self.k
+    }
+
+    /// Values, as [`KvCache::keys`].
+    pub(crate) fn values(&self) -> &B::Buffer {
+        &self.v
+    }
+
+    /// Elements of one layer's keys (or values).
+    pub(crate) fn layer_len(&self) -> usize {
+        self.layer_len
+    }
+
     /// Empties the cache for reuse (the buffers are kept; stale slots are never read).
     pub fn clear(&mut self) {
         self.len = 0;
@@ -104,58 +152,6 @@ impl<B: Backend> KvCache<B> {
     /// `[batch, seq, kv_heads, head_dim]` at slots `len..len + seq`, then attends `q` over
     /// slots `..len + seq` into `out`. Does not advance [`KvCache::len`]: every layer of a
     /// step writes the same slots, the caller advances it once after the last layer.
-    /// Fills this cache (empty, planned for `rows.len()` sequences) from `prefix`, a cache
-    /// of `prefix.batch` prefilled sequences of `prefix.len` slots: sequence `b` gets a copy
-    /// of `prefix`'s sequence `rows[b]` (keys, values and key mask of every layer), and the
-    /// length becomes `prefix.len`. This is how a prompt prefilled once serves its n samples
-    /// (several `b` may name the same row).
-    ///
-    /// # Errors
-    /// `rows` not one per sequence or naming a row `>= prefix.batch`, this cache not empty,
-    /// another model's layout, or `prefix.len > max_len`.
-    pub(crate) fn fill_from_prefix(
-        &mut self,
-        backend: &B,
-        prefix: &KvCache<B>,
-        rows: &[usize],
-    ) -> Result<(), ModelError> {
-        let kv_dim = prefix.layer_len / (prefix.batch * prefix.max_len);
-        let fits = rows.len() == self.batch
-            && rows.iter().all(|&r| r < prefix.batch)
-            && self.len == 0
-            && prefix.len <= self.max_len
-            && self.layer_len == self.batch * self.max_len * kv_dim
-            && self.k.len() / self.layer_len == prefix.k.len() / prefix.layer_len;
-        if !fits {
-            return Err(ModelError::BatchShape {
-                batch: rows.len(),
-                seq: prefix.len,
-            });
-        }
-        let n = prefix.len * kv_dim;
-        let layers = self.k.len() / self.layer_len;
-        for layer in 0..layers {
-            for (b, &r) in rows.iter().enumerate() {
-                let src = layer * prefix.layer_len + r * prefix.max_len * kv_dim;
-                let dst = layer * self.layer_len + b * self.max_len * kv_dim;
-                backend.copy(
-                    View::new(&prefix.k, src, n)?,
-                    ViewMut::new(&mut self.k, dst, n)?,
-                )?;
-                backend.copy(
-                    View::new(&prefix.v, src, n)?,
-                    ViewMut::new(&mut self.v, dst, n)?,
-                )?;
-            }
-        }
-        for (b, &r) in rows.iter().enumerate() {
-            let src = &prefix.host_mask[r * prefix.max_len..r * prefix.max_len + prefix.len];
-            self.host_mask[b * self.max_len..b * self.max_len + prefix.len].copy_from_slice(src);
-        }
-        self.len = prefix.len;
-        self.upload_mask(backend)
-    }
-
     #[allow(clippy::too_many_arguments)] // mirrors Backend::attention's q, k, v, out
     pub(crate) fn attend(
         &mut self,

@@ -37,7 +37,9 @@
 
 mod activations;
 mod backward;
+mod block_pool;
 mod decode_weights;
+mod engine;
 mod error;
 mod export;
 mod forward;
@@ -57,6 +59,8 @@ use ares_cpu::ops::rope::RopeTable;
 
 pub use activations::{Activations, HeadMode};
 pub use backward::EmbedGrad;
+pub use block_pool::BlockPool;
+pub use engine::{Engine, EngineConfig, EngineRequest, EngineStats, FinishedSequence};
 pub use error::ModelError;
 pub use generate::{GenerateError, GenerateOutput, GenerateRequest, Generator, PromptVision};
 pub use grads::Grads;

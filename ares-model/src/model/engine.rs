@@ -1,0 +1,737 @@
+//! [`Engine`]: the rollout engine — continuous batching over a paged KV cache, with each
+//! prompt prefilled once for all of its samples.
+//!
+//! Sequences are [`Engine::submit`]ted (a prompt each) and wait in a queue. Each
+//! [`Engine::step`]:
+//!
+//! 1. **decodes** one token for every running sequence in one batch (each sequence at its
+//!    own length, attention over its own blocks: no padding). A sequence whose newest slot
+//!    starts a block gets one from the [`BlockPool`]; when the budget is used up the most
+//!    recently admitted sequence is **preempted** (its blocks freed, it goes back to the
+//!    front of the queue and later starts again from its prompt with its stream reset, so
+//!    its tokens do not change);
+//! 2. **admits** waiting sequences in order while a decode slot (`max_seqs`) and blocks are
+//!    free, **prefilling** the prompts not cached yet in one left-padded pass (at most
+//!    `max_prefill_tokens` prompt tokens a step, at least one prompt, so decoding is not
+//!    starved), and picks each admitted sequence's first token from its prompt's logits.
+//!
+//! Shared prefill: a prompt's keys and values are written once into blocks; each sample
+//! shares its full blocks (reference counts) and gets its own copy of the last, partial
+//! one, so samples never write into a shared block. The cached prompt lives while samples
+//! of it still wait. Two prompts are the same when their ids are (text), or their ids,
+//! embeddings, M-RoPE tables and deltas are (multimodal, see [`PromptVision`]).
+//!
+//! Determinism: sequence `i` samples from its own stream (`seed`, `i`), so its tokens do
+//! not depend on which sequences share a step; on the CPU in f32 they equal one-by-one
+//! generation (tests in `tests/model_generate.rs`).
+
+use std::collections::{HashMap, VecDeque};
+
+use rand_chacha::ChaCha20Rng;
+
+use super::decode_weights::DecodeWeights;
+use super::generate::{Picks, SequenceOutput, unique_vision_prompts};
+use super::kv_cache::StepCache;
+use super::sampling::{sequence_rng, uniform};
+use super::{
+    Activations, BlockPool, ForwardExtras, GenerateError, GenerateOutput, GenerateRequest,
+    Generator, Inputs, Model, PromptVision, Sampling,
+};
+use crate::backend::{Backend, BlockTables, View, ViewMut};
+
+/// Sizes of the engine.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineConfig {
+    /// Sequences decoded together at most (vLLM's `max_num_seqs`).
+    pub max_seqs: usize,
+    /// Token slots per KV block (vLLM's default is 16).
+    pub block_size: usize,
+    /// KV blocks at most (the cache's memory budget, shared by all layers); `None`: the
+    /// pool grows as needed and nothing is preempted.
+    pub max_blocks: Option<usize>,
+    /// Prompt tokens prefilled per step at most (one prompt is always allowed).
+    pub max_prefill_tokens: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            max_seqs: 256,
+            block_size: 16,
+            max_blocks: None,
+            max_prefill_tokens: 8192,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// The configuration [`Generator::generate`] uses: every sequence of `request`
+    /// admitted in the first step (one decode slot each), an unbounded pool.
+    pub(crate) fn for_request(request: &GenerateRequest, _kv_dim: usize) -> Self {
+        let tokens: usize = request.prompts.iter().map(Vec::len).sum();
+        Self {
+            max_seqs: request.prompts.len(),
+            max_prefill_tokens: tokens.max(1),
+            ..Self::default()
+        }
+    }
+
+    fn check(&self) -> Result<(), GenerateError> {
+        let bad = |what: &str| GenerateError::Sampling(format!("engine config: {what}"));
+        if self.max_seqs == 0 {
+            return Err(bad("max_seqs must be > 0"));
+        }
+        if self.block_size == 0 || self.block_size > u32::MAX as usize {
+            return Err(bad("block_size must be > 0"));
+        }
+        if self.max_blocks == Some(0) {
+            return Err(bad("max_blocks must be > 0"));
+        }
+        Ok(())
+    }
+}
+
+/// How the engine generates: the same for every sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineRequest {
+    /// Tokens to generate at most per sequence (≥ 1).
+    pub max_new_tokens: usize,
+    /// A sequence ends after producing any of these ids (included in its tokens).
+    pub eos_ids: Vec<u32>,
+    /// Greedy or sampled decoding.
+    pub sampling: Sampling,
+    /// Seed of the sampling streams: sequence `i` (the `i`-th submitted) draws from stream
+    /// `(seed, i)`, as prompt `i` of a [`GenerateRequest`] does.
+    pub seed: u64,
+}
+
+/// A sequence that has ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FinishedSequence {
+    /// Its id (the order of [`Engine::submit`], from 0).
+    pub id: usize,
+    /// New token ids, the EOS id included if one ended it.
+    pub tokens: Vec<u32>,
+    /// Log-prob of each new token under the sampling distribution (as [`GenerateOutput`]).
+    pub log_probs: Vec<f32>,
+    /// Entropy of the sampling distribution at each new token.
+    pub entropies: Vec<f32>,
+    /// Whether an EOS id ended it (else `max_new_tokens`).
+    pub finished_by_eos: bool,
+}
+
+/// What the engine has done so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Steps run.
+    pub steps: usize,
+    /// Decode forward passes and the sequence rows they carried.
+    pub decode_passes: usize,
+    /// Sum over decode passes of their rows.
+    pub decode_rows: usize,
+    /// Prefill passes and the prompts and prompt tokens they carried.
+    pub prefill_passes: usize,
+    /// Prompts prefilled.
+    pub prefill_prompts: usize,
+    /// Prompt tokens prefilled.
+    pub prefill_tokens: usize,
+    /// Sequences preempted (restarted later).
+    pub preemptions: usize,
+    /// The most KV blocks in use at once.
+    pub peak_blocks: usize,
+    /// The most KV blocks allocated at once (the memory held).
+    pub peak_capacity: usize,
+}
+
+/// One sequence's state.
+struct Sequence {
+    prompt: usize,
+    rng: ChaCha20Rng,
+    /// Its blocks, in order.
+    blocks: Vec<u32>,
+    /// Filled slots (its prompt and the tokens fed back so far).
+    len: usize,
+    out: SequenceOutput,
+    /// Order of admission (preemption takes the latest).
+    admitted: usize,
+}
+
+/// A prompt prefilled once: its blocks (owned by the prefix) and next-token logits.
+struct Prefix<B: Backend> {
+    blocks: Vec<u32>,
+    len: usize,
+    logits: B::Buffer,
+}
+
+/// The rollout engine over a [`Generator`]'s weights; see the module docs.
+pub struct Engine<'a, B: Backend> {
+    model: &'a Model<B>,
+    tw: &'a DecodeWeights<B>,
+    vision: Option<&'a PromptVision<'a, B>>,
+    request: EngineRequest,
+    config: EngineConfig,
+    pool: BlockPool<B>,
+    /// Prompts by index, and the prefix group of each.
+    prompts: Vec<Vec<u32>>,
+    group_of: Vec<usize>,
+    /// The first prompt of each group, and its sequences waiting for admission.
+    group_prompt: Vec<usize>,
+    waiting: Vec<usize>,
+    text_groups: HashMap<Vec<u32>, usize>,
+    prefixes: HashMap<usize, Prefix<B>>,
+    seqs: Vec<Option<Sequence>>,
+    pending: VecDeque<usize>,
+    /// Running sequences in admission order.
+    running: Vec<usize>,
+    admissions: usize,
+    picks: Picks<B>,
+    acts: Option<Activations<B>>,
+    stats: EngineStats,
+}
+
+impl<'a, B: Backend> Engine<'a, B> {
+    /// An engine generating with `generator`'s weights, nothing submitted yet.
+    ///
+    /// # Errors
+    /// `max_new_tokens` 0, an EOS id out of range, invalid sampling or sizes, or a backend
+    /// failure.
+    pub fn new(
+        generator: &'a Generator<'a, B>,
+        request: EngineRequest,
+        config: EngineConfig,
+    ) -> Result<Self, GenerateError> {
+        let check = GenerateRequest {
+            prompts: vec![vec![0]],
+            max_new_tokens: request.max_new_tokens,
+            eos_ids: request.eos_ids.clone(),
+            sampling: request.sampling,
+            seed: request.seed,
+        };
+        generator.model().check_request(&check)?;
+        if request.max_new_tokens == 0 {
+            return Err(GenerateError::Sampling(
+                "engine: max_new_tokens must be > 0".into(),
+            ));
+        }
+        Self::build(generator, None, request, config)
+    }
+
+    fn build(
+        generator: &'a Generator<'a, B>,
+        vision: Option<&'a PromptVision<'a, B>>,
+        request: EngineRequest,
+        config: EngineConfig,
+    ) -> Result<Self, GenerateError> {
+        config.check()?;
+        let model = generator.model();
+        let be = &model.backend;
+        let budget = config.max_blocks.unwrap_or(u32::MAX as usize);
+        let initial = (4 * config.max_seqs).min(budget);
+        let pool = BlockPool::new(
+            be,
+            model.spec.layers,
+            model.spec.kv_dim(),
+            config.block_size,
+            initial,
+            budget,
+        )?;
+        Ok(Self {
+            model,
+            tw: generator.weights(),
+            vision,
+            request,
+            config,
+            pool,
+            prompts: Vec::new(),
+            group_of: Vec::new(),
+            group_prompt: Vec::new(),
+            waiting: Vec::new(),
+            text_groups: HashMap::new(),
+            prefixes: HashMap::new(),
+            seqs: Vec::new(),
+            pending: VecDeque::new(),
+            running: Vec::new(),
+            admissions: 0,
+            picks: Picks::new(be, 1, model.spec.vocab)?,
+            acts: None,
+            stats: EngineStats::default(),
+        })
+    }
+
+    /// An engine holding every prompt of a checked `request` (sequence `i` = prompt `i`),
+    /// with the multimodal inputs of `vision`.
+    pub(crate) fn with_prompts(
+        generator: &'a Generator<'a, B>,
+        request: &GenerateRequest,
+        vision: Option<&'a PromptVision<'a, B>>,
+        config: EngineConfig,
+    ) -> Result<Self, GenerateError> {
+        let engine_request = EngineRequest {
+            max_new_tokens: request.max_new_tokens,
+            eos_ids: request.eos_ids.clone(),
+            sampling: request.sampling,
+            seed: request.seed,
+        };
+        let mut engine = Self::build(generator, vision, engine_request, config)?;
+        match vision {
+            None => {
+                for p in &request.prompts {
+                    engine.submit_unchecked(p.clone());
+                }
+            }
+            Some(v) => {
+                let (unique, of_row) = unique_vision_prompts(&request.prompts, v);
+                engine.group_prompt = unique;
+                engine.waiting = vec![0; engine.group_prompt.len()];
+                for (i, p) in request.prompts.iter().enumerate() {
+                    engine.enqueue(p.clone(), of_row[i]);
+                }
+            }
+        }
+        Ok(engine)
+    }
+
+    /// Queues a text prompt; returns its sequence id (0, 1, … in submission order).
+    ///
+    /// # Errors
+    /// An empty prompt, a token id out of range, a prompt plus `max_new_tokens` past the
+    /// model's positions, or an engine made for multimodal prompts.
+    pub fn submit(&mut self, prompt: Vec<u32>) -> Result<usize, GenerateError> {
+        if self.vision.is_some() {
+            return Err(GenerateError::Sampling(
+                "engine: submit takes text prompts; this engine was made for a multimodal request"
+                    .into(),
+            ));
+        }
+        let check = GenerateRequest {
+            prompts: vec![prompt],
+            max_new_tokens: self.request.max_new_tokens,
+            eos_ids: Vec::new(),
+            sampling: self.request.sampling,
+            seed: 0,
+        };
+        self.model.check_request(&check).map_err(|e| match e {
+            GenerateError::EmptyPrompt { .. } => GenerateError::EmptyPrompt {
+                index: self.seqs.len(),
+            },
+            e => e,
+        })?;
+        let [prompt] = <[Vec<u32>; 1]>::try_from(check.prompts).unwrap_or_else(|_| unreachable!());
+        Ok(self.submit_unchecked(prompt))
+    }
+
+    fn submit_unchecked(&mut self, prompt: Vec<u32>) -> usize {
+        let next = self.group_prompt.len();
+        let group = *self.text_groups.entry(prompt.clone()).or_insert(next);
+        if group == next {
+            self.group_prompt.push(self.prompts.len());
+            self.waiting.push(0);
+        }
+        self.enqueue(prompt, group)
+    }
+
+    fn enqueue(&mut self, prompt: Vec<u32>, group: usize) -> usize {
+        let id = self.seqs.len();
+        self.prompts.push(prompt);
+        self.group_of.push(group);
+        self.waiting[group] += 1;
+        self.seqs.push(Some(self.fresh(id)));
+        self.pending.push_back(id);
+        id
+    }
+
+    /// Sequence `id` before its first token.
+    fn fresh(&self, id: usize) -> Sequence {
+        Sequence {
+            prompt: id,
+            rng: sequence_rng(self.request.seed, id as u64),
+            blocks: Vec::new(),
+            len: 0,
+            out: SequenceOutput::default(),
+            admitted: 0,
+        }
+    }
+
+    /// Whether every submitted sequence has finished.
+    pub fn is_idle(&self) -> bool {
+        self.pending.is_empty() && self.running.is_empty()
+    }
+
+    /// Sequences waiting for admission and running.
+    pub fn counts(&self) -> (usize, usize) {
+        (self.pending.len(), self.running.len())
+    }
+
+    /// The KV block pool (blocks in use, capacity, budget).
+    pub fn pool(&self) -> &BlockPool<B> {
+        &self.pool
+    }
+
+    /// What the engine has done so far.
+    pub fn stats(&self) -> EngineStats {
+        self.stats
+    }
+
+    /// One step (a decode of the running sequences, then admissions with their prefill);
+    /// returns the sequences that ended in it.
+    ///
+    /// # Errors
+    /// Non-finite logits, a budget too small for one sequence, or a model failure.
+    pub fn step(&mut self) -> Result<Vec<FinishedSequence>, GenerateError> {
+        self.step_with(&mut |_, _| {})
+    }
+
+    /// [`Engine::step`], calling `on_token(sequence, token)` for each new token (a
+    /// preempted sequence later repeats its tokens).
+    ///
+    /// # Errors
+    /// As [`Engine::step`].
+    pub fn step_with(
+        &mut self,
+        on_token: &mut dyn FnMut(usize, u32),
+    ) -> Result<Vec<FinishedSequence>, GenerateError> {
+        let mut finished = Vec::new();
+        self.decode(&mut finished, on_token)?;
+        self.admit(&mut finished, on_token)?;
+        self.stats.steps += 1;
+        self.stats.peak_blocks = self.stats.peak_blocks.max(self.pool.in_use());
+        self.stats.peak_capacity = self.stats.peak_capacity.max(self.pool.capacity());
+        Ok(finished)
+    }
+
+    /// Steps until every submitted sequence has ended; the outputs by sequence id.
+    ///
+    /// # Errors
+    /// As [`Engine::step`].
+    pub fn run_to_end(
+        &mut self,
+        on_token: &mut dyn FnMut(usize, u32),
+    ) -> Result<GenerateOutput, GenerateError> {
+        let mut outs = vec![SequenceOutput::default(); self.seqs.len()];
+        while !self.is_idle() {
+            for f in self.step_with(on_token)? {
+                outs[f.id] = SequenceOutput {
+                    tokens: f.tokens,
+                    log_probs: f.log_probs,
+                    entropies: f.entropies,
+                    finished_by_eos: f.finished_by_eos,
+                };
+            }
+        }
+        Ok(GenerateOutput::from_sequences(outs))
+    }
+
+    fn seq(&self, id: usize) -> &Sequence {
+        self.seqs[id]
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("sequence {id} has ended"))
+    }
+
+    fn seq_mut(&mut self, id: usize) -> &mut Sequence {
+        self.seqs[id]
+            .as_mut()
+            .unwrap_or_else(|| unreachable!("sequence {id} has ended"))
+    }
+
+    /// Frees sequence `id`'s blocks, resets it and puts it first in the queue.
+    fn preempt(&mut self, id: usize) {
+        let s = self.seqs[id].take().unwrap_or_else(|| unreachable!());
+        s.blocks.iter().for_each(|&b| self.pool.release(b));
+        self.running.retain(|&r| r != id);
+        self.seqs[id] = Some(self.fresh(id));
+        self.waiting[self.group_of[id]] += 1;
+        self.pending.push_front(id);
+        self.stats.preemptions += 1;
+    }
+
+    /// Ends sequence `id`: frees its blocks and reports its output.
+    fn finish(&mut self, id: usize, finished: &mut Vec<FinishedSequence>) {
+        let s = self.seqs[id].take().unwrap_or_else(|| unreachable!());
+        s.blocks.iter().for_each(|&b| self.pool.release(b));
+        self.running.retain(|&r| r != id);
+        finished.push(FinishedSequence {
+            id,
+            tokens: s.out.tokens,
+            log_probs: s.out.log_probs,
+            entropies: s.out.entropies,
+            finished_by_eos: s.out.finished_by_eos,
+        });
+    }
+
+    fn budget_error(&self, id: usize, slots: usize) -> GenerateError {
+        GenerateError::KvBudget {
+            sequence: id,
+            slots,
+            budget: self.pool.max_blocks(),
+            block_size: self.pool.block_size(),
+        }
+    }
+
+    /// The decode step of the running sequences.
+    fn decode(
+        &mut self,
+        finished: &mut Vec<FinishedSequence>,
+        on_token: &mut dyn FnMut(usize, u32),
+    ) -> Result<(), GenerateError> {
+        let model = self.model;
+        let be = &model.backend;
+        let bs = self.pool.block_size();
+        // Room for each sequence's newest slot; preempt the latest admitted when none.
+        let mut rows = self.running.clone();
+        let mut r = 0;
+        while r < rows.len() {
+            let id = rows[r];
+            let s = self.seq(id);
+            if s.len < s.blocks.len() * bs {
+                r += 1;
+                continue;
+            }
+            if let Some(block) = self.pool.alloc(be)? {
+                self.seq_mut(id).blocks.push(block);
+                r += 1;
+                continue;
+            }
+            // Out of blocks: first drop the cached prompts (their waiting samples prefill
+            // again when admitted), then preempt the latest admitted sequence.
+            if !self.prefixes.is_empty() {
+                for (_, p) in self.prefixes.drain() {
+                    p.blocks.iter().for_each(|&b| self.pool.release(b));
+                }
+                continue;
+            }
+            let victim = *self
+                .running
+                .iter()
+                .max_by_key(|&&v| self.seq(v).admitted)
+                .unwrap_or(&id);
+            if victim == id && self.running.len() == 1 {
+                return Err(self.budget_error(id, self.seq(id).len + 1));
+            }
+            self.preempt(victim);
+            if let Some(p) = rows.iter().position(|&x| x == victim) {
+                rows.remove(p);
+                if p < r {
+                    r -= 1;
+                }
+            }
+        }
+        let n = rows.len();
+        if n == 0 {
+            return Ok(());
+        }
+        // This step's inputs and block tables.
+        let width = rows
+            .iter()
+            .map(|&id| self.seq(id).blocks.len())
+            .max()
+            .unwrap_or(1);
+        let mut host_tables = vec![0u32; n * width];
+        let mut host_len = vec![0u32; n];
+        let mut ids = vec![0u32; n];
+        let mut positions = vec![0u32; n];
+        for (r, &id) in rows.iter().enumerate() {
+            let s = self.seq(id);
+            host_tables[r * width..r * width + s.blocks.len()].copy_from_slice(&s.blocks);
+            host_len[r] = s.len as u32;
+            ids[r] = s.out.tokens.last().copied().unwrap_or(0);
+            let delta = self.vision.map_or(0, |v| v.rope_deltas[s.prompt]);
+            // check_vision (or the prompt check) has bounded every decode position
+            positions[r] = (s.len as i64 + delta) as u32;
+        }
+        let mut tables = be.alloc_ids(n * width)?;
+        be.upload_ids(&host_tables, &mut tables)?;
+        let mut lens = be.alloc_ids(n)?;
+        be.upload_ids(&host_len, &mut lens)?;
+        if self.acts.as_ref().is_none_or(|a| a.shape() != (n, 1)) {
+            self.acts = None; // the old arena is freed before the new one is planned
+            self.acts = Some(self.model.activations_full(n, 1)?);
+        }
+        let acts = self.acts.as_mut().unwrap_or_else(|| unreachable!());
+        let ones = vec![1u32; n];
+        let inputs = Inputs {
+            batch: n,
+            seq: 1,
+            input_ids: &ids,
+            attention_mask: &ones,
+            position_ids: &positions,
+        };
+        let step_tables = BlockTables {
+            block_size: bs,
+            max_blocks: width,
+            tables: &tables,
+            len: &lens,
+            host_tables: &host_tables,
+            host_len: &host_len,
+        };
+        let cache = StepCache::Paged(&mut self.pool, step_tables);
+        self.model.forward_extras(
+            &inputs,
+            &ForwardExtras::default(),
+            acts,
+            Some(cache),
+            Some(self.tw),
+        )?;
+        self.stats.decode_passes += 1;
+        self.stats.decode_rows += n;
+        let seqs = &mut self.seqs;
+        self.picks
+            .pick(be, acts.logits(), self.request.sampling, |r| {
+                seqs[rows[r]].as_mut().map_or(0.0, |s| uniform(&mut s.rng))
+            })?;
+        let req = (&self.request.eos_ids[..], self.request.max_new_tokens);
+        let mut ended = Vec::new();
+        for (r, &id) in rows.iter().enumerate() {
+            let s = self.seqs[id].as_mut().unwrap_or_else(|| unreachable!());
+            s.len += 1;
+            if s.out.push(&self.picks, r, req, id, on_token)? {
+                ended.push(id);
+            }
+        }
+        for id in ended {
+            self.finish(id, finished);
+        }
+        Ok(())
+    }
+
+    /// Admits waiting sequences, prefills their new prompts and picks their first tokens.
+    fn admit(
+        &mut self,
+        finished: &mut Vec<FinishedSequence>,
+        on_token: &mut dyn FnMut(usize, u32),
+    ) -> Result<(), GenerateError> {
+        let model = self.model;
+        let be = &model.backend;
+        let bs = self.pool.block_size();
+        let mut admitted = Vec::new();
+        let mut to_prefill: Vec<usize> = Vec::new(); // groups
+        let (mut tokens, mut reserved) = (0usize, 0usize);
+        while let Some(&id) = self.pending.front() {
+            if self.running.len() + admitted.len() >= self.config.max_seqs {
+                break;
+            }
+            let group = self.group_of[id];
+            let plen = self.prompts[id].len();
+            let new_prefix = !self.prefixes.contains_key(&group) && !to_prefill.contains(&group);
+            // blocks: the prompt's (once), the sample's partial copy, its first decode block
+            let need = if new_prefix { plen.div_ceil(bs) } else { 0 } + 2;
+            if self.pool.available() < reserved + need {
+                if self.running.is_empty() && admitted.is_empty() {
+                    return Err(self.budget_error(id, plen + 1));
+                }
+                break;
+            }
+            if new_prefix {
+                if tokens > 0 && tokens + plen > self.config.max_prefill_tokens {
+                    break;
+                }
+                tokens += plen;
+                to_prefill.push(group);
+            }
+            reserved += need;
+            self.pending.pop_front();
+            admitted.push(id);
+        }
+        if admitted.is_empty() {
+            return Ok(());
+        }
+        // Prefill the new prompts in one pass; write each into blocks of its own.
+        if !to_prefill.is_empty() {
+            let members: Vec<usize> = to_prefill.iter().map(|&g| self.group_prompt[g]).collect();
+            let prefill = self
+                .model
+                .prefill(&self.prompts, &members, self.vision, 0, self.tw)?;
+            let v = self.model.spec.vocab;
+            for (k, (&g, &p)) in to_prefill.iter().zip(&members).enumerate() {
+                let len = self.prompts[p].len();
+                let mut blocks = Vec::with_capacity(len.div_ceil(bs));
+                for _ in 0..len.div_ceil(bs) {
+                    let b = self
+                        .pool
+                        .alloc(be)?
+                        .ok_or_else(|| self.budget_error(p, len))?;
+                    blocks.push(b);
+                }
+                let from = prefill.width - len;
+                self.pool
+                    .write_from(be, &prefill.cache, k, from, len, &blocks)?;
+                let mut logits = be.alloc(v)?;
+                be.copy(
+                    View::new(&prefill.logits, k * v, v)?,
+                    ViewMut::whole(&mut logits),
+                )?;
+                self.prefixes.insert(
+                    g,
+                    Prefix {
+                        blocks,
+                        len,
+                        logits,
+                    },
+                );
+            }
+            self.stats.prefill_passes += 1;
+            self.stats.prefill_prompts += members.len();
+            self.stats.prefill_tokens += members
+                .iter()
+                .map(|&p| self.prompts[p].len())
+                .sum::<usize>();
+        }
+        // Each admitted sequence: the prompt's full blocks shared, its partial block copied,
+        // its first-token logits gathered.
+        let v = self.model.spec.vocab;
+        let mut logits = be.alloc(admitted.len() * v)?;
+        for (r, &id) in admitted.iter().enumerate() {
+            let group = self.group_of[id];
+            let prefix = self.prefixes.get(&group).unwrap_or_else(|| unreachable!());
+            let (full, rest) = (prefix.len / bs, prefix.len % bs);
+            let mut blocks: Vec<u32> = prefix.blocks[..full].to_vec();
+            let partial = (rest > 0).then(|| prefix.blocks[full]);
+            let len = prefix.len;
+            be.copy(
+                View::whole(&prefix.logits),
+                ViewMut::new(&mut logits, r * v, v)?,
+            )?;
+            blocks.iter().for_each(|&b| self.pool.retain(b));
+            if let Some(src) = partial {
+                let dst = self
+                    .pool
+                    .alloc(be)?
+                    .ok_or_else(|| self.budget_error(id, len))?;
+                self.pool.copy_block(be, src, dst, rest)?;
+                blocks.push(dst);
+            }
+            self.admissions += 1;
+            let admitted_at = self.admissions;
+            let s = self.seq_mut(id);
+            s.blocks = blocks;
+            s.len = len;
+            s.admitted = admitted_at;
+            self.running.push(id);
+            self.waiting[group] -= 1;
+            if self.waiting[group] == 0
+                && let Some(p) = self.prefixes.remove(&group)
+            {
+                p.blocks.iter().for_each(|&b| self.pool.release(b));
+            }
+        }
+        // First tokens.
+        let seqs = &mut self.seqs;
+        self.picks
+            .pick(be, View::whole(&logits), self.request.sampling, |r| {
+                seqs[admitted[r]]
+                    .as_mut()
+                    .map_or(0.0, |s| uniform(&mut s.rng))
+            })?;
+        let req = (&self.request.eos_ids[..], self.request.max_new_tokens);
+        let mut ended = Vec::new();
+        for (r, &id) in admitted.iter().enumerate() {
+            let s = self.seqs[id].as_mut().unwrap_or_else(|| unreachable!());
+            if s.out.push(&self.picks, r, req, id, on_token)? {
+                ended.push(id);
+            }
+        }
+        for id in ended {
+            self.finish(id, finished);
+        }
+        Ok(())
+    }
+}
