@@ -120,6 +120,9 @@ pub(crate) fn sample_row(
     if has_nan_or_inf(logits) {
         return None;
     }
+    if top_k.is_none() && top_p >= 1.0 && logits.len() >= FULL_ROW_MIN {
+        return sample_full_row(logits, temperature, u);
+    }
     let t = f64::from(temperature);
     let order = candidate_order(logits, top_k);
     let max = f64::from(*logits.get(*order.first()?)?);
@@ -154,6 +157,72 @@ pub(crate) fn sample_row(
         }
     }
     u32::try_from(chosen).ok()
+}
+
+/// Rows at least this long sample the whole distribution with [`sample_full_row`].
+const FULL_ROW_MIN: usize = 1024;
+
+/// [`sample_row`] without top-k or top-p, without sorting the row: the weights are summed
+/// into 256 buckets of logit value (bucket `⌊(max − x)·255/(max − min)⌋`, so the buckets
+/// follow the candidate order and equal logits share one), the draw's bucket is found from
+/// the bucket sums, and only that bucket's candidates are sorted and walked. The same
+/// token as the sorted walk up to the order of the f64 sums (a draw within ~1e-16 of a
+/// boundary between two tokens can land on the other one, as with the CUDA kernel);
+/// O(vocab) instead of a sort of the vocabulary per token. `logits` holds no NaN or +∞.
+fn sample_full_row(logits: &[f32], temperature: f32, u: f64) -> Option<u32> {
+    const BUCKETS: usize = 256;
+    let valid = |x: f32| x > f32::NEG_INFINITY;
+    let (mut max, mut min) = (f32::NEG_INFINITY, f32::INFINITY);
+    for &x in logits.iter().filter(|&&x| valid(x)) {
+        max = max.max(x);
+        min = min.min(x);
+    }
+    if !valid(max) {
+        return None;
+    }
+    let (t, top) = (f64::from(temperature), f64::from(max));
+    let span = top - f64::from(min);
+    let scale = if span > 0.0 {
+        (BUCKETS - 1) as f64 / span
+    } else {
+        0.0
+    };
+    // monotone in x, so bucket order is candidate order; the cast floors (the value is ≥ 0)
+    let bucket = |x: f32| (((top - f64::from(x)) * scale) as usize).min(BUCKETS - 1);
+    let weight = |x: f32| ((f64::from(x) - top) / t).exp();
+    let mut sums = [0.0f64; BUCKETS];
+    for &x in logits.iter().filter(|&&x| valid(x)) {
+        sums[bucket(x)] += weight(x);
+    }
+    let target = u * sums.iter().sum::<f64>();
+    let last = sums.iter().rposition(|&w| w > 0.0)?;
+    let mut cum = 0.0;
+    let b = (0..=last)
+        .find(|&b| {
+            let crossed = cum + sums[b] > target;
+            if !crossed {
+                cum += sums[b];
+            }
+            crossed
+        })
+        .unwrap_or(last);
+    let mut keys: Vec<u64> = logits
+        .iter()
+        .enumerate()
+        .filter(|&(_, &x)| valid(x) && bucket(x) == b)
+        .map(|(i, &x)| descending_key(x, i))
+        .collect();
+    keys.sort_unstable();
+    let mut chosen = None;
+    for k in keys {
+        let i = (k & 0xFFFF_FFFF) as usize;
+        chosen = u32::try_from(i).ok();
+        cum += logits.get(i).map_or(0.0, |&x| weight(x));
+        if cum > target {
+            break;
+        }
+    }
+    chosen
 }
 
 /// A 64-bit LCG: enough to make test rows.
@@ -304,6 +373,54 @@ mod tests {
             order.truncate(k);
         }
         order
+    }
+
+    /// The bucketed walk of long full-distribution rows picks the sorted walk's token: rows
+    /// with ties, −∞ and ±0, narrow and wide logit ranges, several temperatures.
+    #[test]
+    fn full_row_buckets_pick_the_sorted_walks_token() {
+        let mut rng = Rng(77);
+        for trial in 0..600 {
+            let vocab = [1024usize, 1500, 4096][trial % 3];
+            let spread = [0.01f32, 1.0, 12.0, 80.0][trial % 4];
+            let row: Vec<f32> = (0..vocab)
+                .map(|_| match rng.next() % 20 {
+                    0 => f32::NEG_INFINITY,
+                    1 => 0.5, // ties
+                    2 => -0.0,
+                    3 => 0.0,
+                    _ => (rng.unit() as f32 - 0.5) * spread,
+                })
+                .collect();
+            let temperature = [1.0f32, 0.6, 1.7][trial % 3];
+            for _ in 0..4 {
+                let u = rng.unit();
+                let order = candidate_order(&row, None);
+                let top = f64::from(row[order[0]]);
+                let weights: Vec<f64> = order
+                    .iter()
+                    .map(|&i| ((f64::from(row[i]) - top) / f64::from(temperature)).exp())
+                    .collect();
+                let target = u * weights.iter().sum::<f64>();
+                let mut cum = 0.0;
+                let want = order
+                    .iter()
+                    .zip(&weights)
+                    .find(|&(_, w)| {
+                        cum += w;
+                        cum > target
+                    })
+                    .map_or(order[order.len() - 1], |(&i, _)| i);
+                let got = sample_row(&row, temperature, None, 1.0, u);
+                assert_eq!(got, Some(want as u32), "trial {trial} u {u}");
+            }
+        }
+        // a row of one value, and one valid logit among −∞
+        assert_eq!(sample_full_row(&[2.0; 1024], 1.0, 0.999_9), Some(1023));
+        let mut row = vec![f32::NEG_INFINITY; 1024];
+        row[700] = -3.0;
+        assert_eq!(sample_full_row(&row, 0.7, 0.5), Some(700));
+        assert_eq!(sample_full_row(&[f32::NEG_INFINITY; 1024], 1.0, 0.5), None);
     }
 
     #[test]
