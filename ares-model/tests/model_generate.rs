@@ -341,6 +341,45 @@ fn engine_budget_and_config_errors() {
     assert!(matches!(e, GenerateError::TokenOutOfRange { .. }), "{e}");
 }
 
+/// Several requests (distinct seeds, prompts repeated within each) through one engine with
+/// fewer slots than their sequences give each request's own outputs.
+#[test]
+fn generate_many_equals_each_request_alone() {
+    let m = model("qwen2_tiny");
+    let p = greedy_fixture("qwen2_tiny").prompts;
+    let generator = m.generator().unwrap();
+    let requests: Vec<GenerateRequest> = (0..3u64)
+        .map(|k| {
+            let prompts = (0..6)
+                .map(|i| p[(i / 2 + k as usize) % p.len()].clone())
+                .collect();
+            let mut r = request(prompts, SAMPLE, 100 + k);
+            r.max_new_tokens = 10;
+            r.eos_ids = vec![5, 17, 61];
+            r
+        })
+        .collect();
+    let mut reported = Vec::new();
+    let many = generator
+        .generate_many(&requests, 4, |n| reported.push(n))
+        .unwrap();
+    assert_eq!(many.len(), 3);
+    for (r, out) in requests.iter().zip(&many) {
+        let alone = generator.generate(r).unwrap();
+        assert_eq!(out.tokens, alone.tokens);
+        assert_eq!(out.finished_by_eos, alone.finished_by_eos);
+        assert_close(&out.log_probs, &alone.log_probs, 1e-4, "log-probs");
+    }
+    assert_eq!(reported.last(), Some(&18));
+    assert!(reported.windows(2).all(|w| w[0] <= w[1]));
+    let mut other = requests[1].clone();
+    other.max_new_tokens = 3;
+    let e = generator
+        .generate_many(&[requests[0].clone(), other], 4, |_| {})
+        .unwrap_err();
+    assert!(e.to_string().contains("differ"), "{e}");
+}
+
 /// Static batching (the benchmark's baseline) gives the engine's outputs.
 #[test]
 fn static_batching_equals_the_engine() {

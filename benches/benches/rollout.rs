@@ -1,19 +1,23 @@
 //! The RL rollout workload on the CPU backend: P prompts of ~100 tokens × n = 8 samples,
 //! sampled at T = 1, responses of long-tailed length (a set of EOS ids that a random model
 //! samples with probability ≈ 1 % per token, so lengths are roughly geometric, mean ~70, cut
-//! at the maximum), generated two ways in the same run:
+//! at the maximum), generated three ways in the same run:
 //!
 //! - **static**: [`Generator::static_batching`] — every sequence prefilled on its own row,
 //!   every row kept until the longest sequence ends (generation before issue 15);
-//! - **engine**: the default — each prompt prefilled once for its n samples, finished
-//!   sequences leaving the batch once they are a quarter of it.
+//! - **engine**: the default — the rollout engine, each prompt prefilled once for its n
+//!   samples into a paged KV cache, every sequence admitted at once, a finished one leaving
+//!   the decode batch at once;
+//! - **engine, P·n/4 slots**: the same engine with a quarter of the decode slots
+//!   (continuous batching: a waiting sequence takes the slot of one that finishes), the
+//!   KV memory a quarter of the batch needs.
 //!
-//! Both give the same tokens (checked before timing). Prints new tokens/s of each and a line
-//! `rollout speedup (engine / static): X.XX` per model size. Sizes: the bench model of
-//! `model_cpu` (4 layers, hidden 256, vocab 8192) and the demo's 0.56 M model shape with a
-//! 8192 vocabulary. `cargo bench -p ares-benches --bench rollout`; threads: rayon's default
-//! (`RAYON_NUM_THREADS`). Not in it yet: continuous batching proper (new sequences joining
-//! freed slots), bf16 decode weights, the 0.5B shape.
+//! All give the same tokens (checked before timing). Prints new tokens/s of each, the KV
+//! memory each holds at its peak, and a line `rollout speedup (engine / static): X.XX` per
+//! model size. Sizes: the bench model of `model_cpu` (4 layers, hidden 256, vocab 8192) and
+//! the demo's 0.56 M model shape with a 8192 vocabulary. `cargo bench -p ares-benches
+//! --bench rollout`; threads: rayon's default (`RAYON_NUM_THREADS`). Not in it yet: bf16
+//! decode weights, the 0.5B shape.
 
 use std::path::Path;
 
@@ -21,7 +25,10 @@ use ares_benches::SplitMix;
 use ares_benches::model::{best_and_median, env_usize, random_weights, report};
 use ares_model::backend::cpu::CpuBackend;
 use ares_model::hf::config::ModelConfig;
-use ares_model::model::{GenerateRequest, Model, Sampling};
+use ares_model::model::{
+    Engine, EngineConfig, EngineRequest, GenerateOutput, GenerateRequest, Generator, Model,
+    Sampling,
+};
 
 const BENCH_MODEL: &str = r#"{
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
@@ -95,9 +102,61 @@ fn main() {
             engine.generate(&request).expect("generate");
         });
         report("  engine", new, "tokens", te);
+        let slots = request.prompts.len() / 4;
+        let (c, stats) = engine_run(&engine, &request, slots);
+        assert_eq!(
+            c.tokens, a.tokens,
+            "the engine's tokens do not depend on its slots"
+        );
+        let tq = best_and_median(runs, || {
+            engine_run(&engine, &request, slots);
+        });
+        report(&format!("  engine, {slots} slots"), new, "tokens", tq);
+        // KV memory: the static cache holds batch × (width + max_new) slots; the engine the
+        // blocks it allocated at its peak (16 slots each)
+        let (_, all) = engine_run(&engine, &request, request.prompts.len());
+        let width = request.prompts.iter().map(Vec::len).max().unwrap_or(0);
+        let slot_bytes = 2
+            * 4
+            * config.num_hidden_layers
+            * config.num_key_value_heads
+            * (config.hidden_size / config.num_attention_heads);
+        let mib = |slots: usize| (slots * slot_bytes) as f64 / (1 << 20) as f64;
+        println!(
+            "  KV cache at peak: static {:.1} MiB, engine {:.1} MiB, engine with {slots} slots {:.1} MiB ({} preemptions)",
+            mib(request.prompts.len() * (width + max_new)),
+            mib(all.peak_capacity * 16),
+            mib(stats.peak_capacity * 16),
+            stats.preemptions,
+        );
         println!(
             "rollout speedup (engine / static): {:.2}",
             ts.0.as_secs_f64() / te.0.as_secs_f64()
         );
     }
+}
+
+/// `request` through an engine of `slots` decode slots (unbounded KV pool): the outputs and
+/// the engine's statistics.
+fn engine_run(
+    generator: &Generator<'_, CpuBackend>,
+    request: &GenerateRequest,
+    slots: usize,
+) -> (GenerateOutput, ares_model::model::EngineStats) {
+    let engine_request = EngineRequest {
+        max_new_tokens: request.max_new_tokens,
+        eos_ids: request.eos_ids.clone(),
+        sampling: request.sampling,
+        seed: request.seed,
+    };
+    let config = EngineConfig {
+        max_seqs: slots,
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(generator, engine_request, config).expect("engine");
+    for p in &request.prompts {
+        engine.submit(p.clone()).expect("submit");
+    }
+    let out = engine.run_to_end(&mut |_, _| {}).expect("generate");
+    (out, engine.stats())
 }

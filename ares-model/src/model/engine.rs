@@ -146,6 +146,8 @@ pub struct EngineStats {
 /// One sequence's state.
 struct Sequence {
     prompt: usize,
+    /// Its sampling stream `(seed, index)`, and the stream itself.
+    stream: (u64, u64),
     rng: ChaCha20Rng,
     /// Its blocks, in order.
     blocks: Vec<u32>,
@@ -275,8 +277,8 @@ impl<'a, B: Backend> Engine<'a, B> {
         let mut engine = Self::build(generator, vision, engine_request, config)?;
         match vision {
             None => {
-                for p in &request.prompts {
-                    engine.submit_unchecked(p.clone());
+                for (i, p) in request.prompts.iter().enumerate() {
+                    engine.submit_unchecked(p.clone(), (request.seed, i as u64));
                 }
             }
             Some(v) => {
@@ -297,6 +299,21 @@ impl<'a, B: Backend> Engine<'a, B> {
     /// An empty prompt, a token id out of range, a prompt plus `max_new_tokens` past the
     /// model's positions, or an engine made for multimodal prompts.
     pub fn submit(&mut self, prompt: Vec<u32>) -> Result<usize, GenerateError> {
+        let stream = (self.request.seed, self.seqs.len() as u64);
+        self.submit_with_stream(prompt, stream)
+    }
+
+    /// [`Engine::submit`] sampling from stream `(seed, index)` instead of `(request seed,
+    /// id)`: the tokens prompt `index` of a [`GenerateRequest`] with that seed gets, so
+    /// several requests can share one engine and keep their tokens.
+    ///
+    /// # Errors
+    /// As [`Engine::submit`].
+    pub fn submit_with_stream(
+        &mut self,
+        prompt: Vec<u32>,
+        stream: (u64, u64),
+    ) -> Result<usize, GenerateError> {
         if self.vision.is_some() {
             return Err(GenerateError::Sampling(
                 "engine: submit takes text prompts; this engine was made for a multimodal request"
@@ -317,34 +334,40 @@ impl<'a, B: Backend> Engine<'a, B> {
             e => e,
         })?;
         let [prompt] = <[Vec<u32>; 1]>::try_from(check.prompts).unwrap_or_else(|_| unreachable!());
-        Ok(self.submit_unchecked(prompt))
+        Ok(self.submit_unchecked(prompt, stream))
     }
 
-    fn submit_unchecked(&mut self, prompt: Vec<u32>) -> usize {
+    fn submit_unchecked(&mut self, prompt: Vec<u32>, stream: (u64, u64)) -> usize {
         let next = self.group_prompt.len();
         let group = *self.text_groups.entry(prompt.clone()).or_insert(next);
         if group == next {
             self.group_prompt.push(self.prompts.len());
             self.waiting.push(0);
         }
-        self.enqueue(prompt, group)
+        self.enqueue_stream(prompt, group, stream)
     }
 
     fn enqueue(&mut self, prompt: Vec<u32>, group: usize) -> usize {
         let id = self.seqs.len();
+        self.enqueue_stream(prompt, group, (self.request.seed, id as u64))
+    }
+
+    fn enqueue_stream(&mut self, prompt: Vec<u32>, group: usize, stream: (u64, u64)) -> usize {
+        let id = self.seqs.len();
         self.prompts.push(prompt);
         self.group_of.push(group);
         self.waiting[group] += 1;
-        self.seqs.push(Some(self.fresh(id)));
+        self.seqs.push(Some(Self::fresh(id, stream)));
         self.pending.push_back(id);
         id
     }
 
-    /// Sequence `id` before its first token.
-    fn fresh(&self, id: usize) -> Sequence {
+    /// Sequence `id` of stream `(seed, index)` before its first token.
+    fn fresh(id: usize, stream: (u64, u64)) -> Sequence {
         Sequence {
             prompt: id,
-            rng: sequence_rng(self.request.seed, id as u64),
+            stream,
+            rng: sequence_rng(stream.0, stream.1),
             blocks: Vec::new(),
             len: 0,
             out: SequenceOutput::default(),
@@ -438,7 +461,7 @@ impl<'a, B: Backend> Engine<'a, B> {
         let s = self.seqs[id].take().unwrap_or_else(|| unreachable!());
         s.blocks.iter().for_each(|&b| self.pool.release(b));
         self.running.retain(|&r| r != id);
-        self.seqs[id] = Some(self.fresh(id));
+        self.seqs[id] = Some(Self::fresh(id, s.stream));
         self.waiting[self.group_of[id]] += 1;
         self.pending.push_front(id);
         self.stats.preemptions += 1;

@@ -21,7 +21,7 @@
 //! weights in memory while generating).
 
 use super::decode_weights::DecodeWeights;
-use super::engine::{Engine, EngineConfig};
+use super::engine::{Engine, EngineConfig, EngineRequest};
 use super::kv_cache::StepCache;
 use super::sampling::{sequence_rng, uniform};
 use super::{Activations, ForwardExtras, HeadMode, Inputs, KvCache, Model, ModelError, Sampling};
@@ -247,6 +247,87 @@ impl<'m, B: Backend> Generator<'m, B> {
         mut on_token: impl FnMut(usize, u32),
     ) -> Result<GenerateOutput, GenerateError> {
         self.run(request, Some(vision), &mut on_token)
+    }
+
+    /// Several text requests through one rollout engine of `max_seqs` decode slots (the
+    /// KV memory bound): their sequences are queued in order and each takes a slot as soon
+    /// as one frees, instead of each request waiting for the previous one's longest
+    /// sequence. Sequence `i` of every request samples from stream `(request.seed, i)`, so
+    /// the outputs equal [`Generator::generate`] of each request. `on_finished(count)`
+    /// reports the sequences finished so far.
+    ///
+    /// # Errors
+    /// As [`Model::generate`] for each request; requests that differ in `max_new_tokens`,
+    /// `eos_ids` or `sampling`.
+    pub fn generate_many(
+        &self,
+        requests: &[GenerateRequest],
+        max_seqs: usize,
+        mut on_finished: impl FnMut(usize),
+    ) -> Result<Vec<GenerateOutput>, GenerateError> {
+        let Some(first) = requests.first() else {
+            return Ok(Vec::new());
+        };
+        for r in requests {
+            self.model.check_request(r)?;
+            if (r.max_new_tokens, &r.eos_ids, r.sampling)
+                != (first.max_new_tokens, &first.eos_ids, first.sampling)
+            {
+                return Err(GenerateError::Sampling(
+                    "generate_many: the requests differ in max_new_tokens, eos_ids or sampling"
+                        .into(),
+                ));
+            }
+        }
+        if first.max_new_tokens == 0 {
+            return Ok(requests
+                .iter()
+                .map(|r| {
+                    GenerateOutput::from_sequences(vec![SequenceOutput::default(); r.prompts.len()])
+                })
+                .collect());
+        }
+        let request = EngineRequest {
+            max_new_tokens: first.max_new_tokens,
+            eos_ids: first.eos_ids.clone(),
+            sampling: first.sampling,
+            seed: first.seed,
+        };
+        let config = EngineConfig {
+            max_seqs: max_seqs.max(1),
+            ..EngineConfig::default()
+        };
+        let mut engine = Engine::new(self, request, config)?;
+        let mut slots = Vec::new(); // (request, index) of each sequence id
+        for (k, r) in requests.iter().enumerate() {
+            for (i, p) in r.prompts.iter().enumerate() {
+                engine.submit_with_stream(p.clone(), (r.seed, i as u64))?;
+                slots.push((k, i));
+            }
+        }
+        let mut outs: Vec<Vec<SequenceOutput>> = requests
+            .iter()
+            .map(|r| vec![SequenceOutput::default(); r.prompts.len()])
+            .collect();
+        let mut done = 0;
+        while !engine.is_idle() {
+            let finished = engine.step()?;
+            done += finished.len();
+            for f in finished {
+                let (k, i) = slots[f.id];
+                outs[k][i] = SequenceOutput {
+                    tokens: f.tokens,
+                    log_probs: f.log_probs,
+                    entropies: f.entropies,
+                    finished_by_eos: f.finished_by_eos,
+                };
+            }
+            on_finished(done);
+        }
+        Ok(outs
+            .into_iter()
+            .map(GenerateOutput::from_sequences)
+            .collect())
     }
 
     /// A request through the rollout engine (every sequence admitted at once, the KV pool

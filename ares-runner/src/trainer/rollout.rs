@@ -2,10 +2,10 @@
 //! of the sampling distribution (docs/algorithms.md §1 computes HWE tokens from these entropies).
 
 use crate::backend::Backend;
-use crate::model::{GenerateRequest, Sampling};
+use crate::model::{GenerateOutput, GenerateRequest, Sampling};
 
 use super::TrainError;
-use super::actor::{Actor, PromptVision};
+use super::actor::{Actor, ActorGenerator, PromptVision};
 
 /// One prompt of a step, prepared for the model.
 #[derive(Debug, Clone, PartialEq)]
@@ -52,11 +52,14 @@ pub struct RolloutParams {
 }
 
 /// Generates `prompts` (each once, with `vision[i]` the images of prompt `i`; empty for
-/// text) in chunks of `params.chunk` sequences. `on_chunk` is told how many sequences are
-/// done (progress).
+/// text) with `params.chunk` sequences decoding at once: text prompts through one rollout
+/// engine of that many slots (a sequence takes a slot as soon as one frees), multimodal
+/// prompts chunk by chunk. Chunk `c` (prompts `c·chunk ..`) samples from seed
+/// `seed ^ c·φ`, stream `i` for its `i`-th prompt, either way, so the tokens do not depend
+/// on the path. `on_chunk` is told how many sequences are done (progress).
 ///
 /// # Errors
-/// Generation errors (prompt too long for the model, non-finite logits…).
+/// Generation failures.
 pub fn generate_all<B: Backend>(
     model: &Actor<B>,
     prompts: &[Vec<u32>],
@@ -71,30 +74,50 @@ pub fn generate_all<B: Backend>(
     }
     // one transpose of the weights for every chunk
     let generator = model.generator()?;
-    for (c, part) in prompts.chunks(chunk).enumerate() {
-        let first = c * chunk;
-        let part_vision = vision
-            .get(first..(first + part.len()).min(vision.len()))
-            .unwrap_or(&[]);
-        // a distinct seed per chunk: stream i of chunk c is sequence c·chunk + i
-        let chunk_seed = params.seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        let request = GenerateRequest {
+    let requests: Vec<GenerateRequest> = prompts
+        .chunks(chunk)
+        .enumerate()
+        .map(|(c, part)| GenerateRequest {
             prompts: part.to_vec(),
             max_new_tokens: params.max_new_tokens,
             eos_ids: params.eos_ids.clone(),
             sampling: params.sampling,
-            seed: chunk_seed,
-        };
-        let g = generator.generate(&request, part_vision)?;
-        for i in 0..part.len() {
+            // a distinct seed per chunk: stream i of chunk c is sequence c·chunk + i
+            seed: params.seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        })
+        .collect();
+    let mut push = |g: GenerateOutput| {
+        for (((tokens, log_probs), entropies), finished) in g
+            .tokens
+            .into_iter()
+            .zip(g.log_probs)
+            .zip(g.entropies)
+            .zip(g.finished_by_eos)
+        {
             out.push(Response {
-                tokens: g.tokens[i].clone(),
-                log_probs: g.log_probs[i].clone(),
-                entropies: g.entropies[i].clone(),
-                finished: g.finished_by_eos[i],
+                tokens,
+                log_probs,
+                entropies,
+                finished,
             });
         }
-        on_chunk(out.len());
+    };
+    match &generator {
+        ActorGenerator::Text(g) if vision.iter().all(Option::is_none) => {
+            for output in g.generate_many(&requests, chunk, &mut on_chunk)? {
+                push(output);
+            }
+        }
+        _ => {
+            for (c, request) in requests.iter().enumerate() {
+                let first = c * chunk;
+                let part_vision = vision
+                    .get(first..(first + request.prompts.len()).min(vision.len()))
+                    .unwrap_or(&[]);
+                push(generator.generate(request, part_vision)?);
+                on_chunk(first + request.prompts.len());
+            }
+        }
     }
     Ok(out)
 }
