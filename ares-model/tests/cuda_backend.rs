@@ -485,6 +485,68 @@ fn linear_matches_cpu() {
     }
 }
 
+/// bf16 decode weights: each backend packs `[in, out]` weights in its own layout, and the
+/// products agree within bf16 rounding (CUDA also rounds `x` to bf16; the CPU keeps it f32).
+#[test]
+fn bf16_weight_products_match_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(12);
+    for (rows, inp, out) in [(1usize, 64usize, 96usize), (8, 128, 70), (20, 33, 64)] {
+        let dims = LinearDims {
+            rows,
+            in_features: inp,
+            out_features: out,
+            precision: MatmulPrecision::F32,
+        };
+        let (x, wt, bias) = (
+            rng.vec(rows * inp, 1.0),
+            rng.vec(inp * out, 1.0),
+            rng.vec(out, 1.0),
+        );
+        let packed = (inp * out).div_ceil(2);
+        let mut gw = gpu.alloc(packed).unwrap();
+        gpu.pack_bf16(
+            View::whole(&up(&gpu, &wt)),
+            inp,
+            out,
+            ViewMut::whole(&mut gw),
+        )
+        .unwrap();
+        let mut cw = vec![0.0f32; packed];
+        cpu.pack_bf16(View::whole(&wt), inp, out, ViewMut::whole(&mut cw))
+            .unwrap();
+        let (gx, gb) = (up(&gpu, &x), up(&gpu, &bias));
+        let mut yg = up(&gpu, &vec![f32::NAN; rows * out]);
+        gpu.linear_transposed_bf16(
+            View::whole(&gx),
+            View::whole(&gw),
+            Some(View::whole(&gb)),
+            dims,
+            ViewMut::whole(&mut yg),
+        )
+        .unwrap();
+        let mut yc = vec![0.0; rows * out];
+        cpu.linear_transposed_bf16(
+            View::whole(&x),
+            View::whole(&cw),
+            Some(View::whole(&bias)),
+            dims,
+            ViewMut::whole(&mut yc),
+        )
+        .unwrap();
+        // |error| of bf16 x: 2^-9 relative per term, over `inp` terms of size ~1
+        let tol = 0.01 * (inp as f32).sqrt();
+        let got = down(&gpu, &yg);
+        for (i, (g, c)) in got.iter().zip(&yc).enumerate() {
+            assert!(
+                (g - c).abs() <= tol,
+                "{rows}x{inp}->{out} [{i}]: {g} vs {c}"
+            );
+        }
+    }
+}
+
 #[test]
 fn rmsnorm_matches_cpu() {
     let Some(gpu) = gpu_or_skip() else { return };

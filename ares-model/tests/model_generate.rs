@@ -7,7 +7,7 @@ use ares_model::backend::cpu::CpuBackend;
 use ares_model::hf::checkpoint::Checkpoint;
 use ares_model::model::{
     Engine, EngineConfig, EngineRequest, GenerateError, GenerateOutput, GenerateRequest, HeadMode,
-    Inputs, KvCache, Model, Sampling,
+    Inputs, KvCache, Model, Sampling, WeightDtype,
 };
 
 mod common;
@@ -378,6 +378,70 @@ fn generate_many_equals_each_request_alone() {
         .generate_many(&[requests[0].clone(), other], 4, |_| {})
         .unwrap_err();
     assert!(e.to_string().contains("differ"), "{e}");
+}
+
+/// bf16 decode weights: generation equals the f32 model whose linear weights were rounded
+/// to bf16 (greedy and sampled; untied models, whose LM head is not also the embedding),
+/// and stays close to the f32 model itself (the log-prob gap is printed).
+#[test]
+fn bf16_decode_weights_equal_the_rounded_model() {
+    for name in ["qwen3_tiny", "llama_tiny"] {
+        let checkpoint = Checkpoint::load(&fixture(name)).unwrap();
+        let f32_model = Model::from_checkpoint(CpuBackend, &checkpoint).unwrap();
+        let mut rounded = checkpoint.weights.clone();
+        for (tensor, t) in rounded.tensors_mut() {
+            if tensor.ends_with("_proj.weight") || tensor == "lm_head.weight" {
+                for x in &mut t.data {
+                    *x = half::bf16::from_f32(*x).to_f32();
+                }
+            }
+        }
+        let reference = Model::new(CpuBackend, &checkpoint.config, &rounded).unwrap();
+        let bf16 = f32_model.generator_with(WeightDtype::Bf16).unwrap();
+        let prompts = greedy_fixture(name).prompts;
+        for sampling in [Sampling::Greedy, SAMPLE] {
+            let mut req = request(prompts.clone(), sampling, 21);
+            req.max_new_tokens = 12;
+            let want = reference.generate(&req).unwrap();
+            let got = bf16.generate(&req).unwrap();
+            assert_eq!(got.tokens, want.tokens, "{name} {sampling:?}");
+            assert_close(&got.log_probs, &want.log_probs, 1e-4, name);
+            assert_close(&got.entropies, &want.entropies, 1e-4, name);
+        }
+        // the gap to f32 on the tokens both pick greedily, before they first differ
+        let req = request(prompts.clone(), Sampling::Greedy, 0);
+        let (a, b) = (
+            f32_model.generate(&req).unwrap(),
+            bf16.generate(&req).unwrap(),
+        );
+        let mut gaps = Vec::new();
+        for (i, (ta, tb)) in a.tokens.iter().zip(&b.tokens).enumerate() {
+            for (j, _) in ta.iter().zip(tb).take_while(|(x, y)| x == y).enumerate() {
+                gaps.push((a.log_probs[i][j] - b.log_probs[i][j]).abs());
+            }
+        }
+        let mean = gaps.iter().sum::<f32>() / gaps.len().max(1) as f32;
+        let max = gaps.iter().copied().fold(0.0f32, f32::max);
+        eprintln!(
+            "{name}: bf16 vs f32 greedy log-prob gap over {} tokens: mean {mean:.2e}, max {max:.2e}",
+            gaps.len()
+        );
+        assert!(!gaps.is_empty() && max < 0.1, "{name}: gap {max}");
+    }
+    // a tied model too (its LM head rounded, its embedding lookup not): it runs and stays close
+    let m = model("qwen2_tiny");
+    let req = request(greedy_fixture("qwen2_tiny").prompts, Sampling::Greedy, 0);
+    let out = m
+        .generator_with(WeightDtype::Bf16)
+        .unwrap()
+        .generate(&req)
+        .unwrap();
+    assert!(
+        out.log_probs
+            .iter()
+            .flatten()
+            .all(|lp| lp.is_finite() && *lp <= 0.0)
+    );
 }
 
 /// Static batching (the benchmark's baseline) gives the engine's outputs.

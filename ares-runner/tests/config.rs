@@ -527,6 +527,7 @@ fn example_configs_load() {
             "ares_math.yaml",
             "ares_qwen25_vl_geo3k.yaml",
             "bench_grpo_step.yaml",
+            "bf16_rollout.yaml",
             "cispo.yaml",
             "clip_cov.yaml",
             "dapo_overlong.yaml",

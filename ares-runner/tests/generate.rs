@@ -161,6 +161,41 @@ fn greedy_json_reproduces_transformers_token_ids() {
     }
 }
 
+/// `--weight-dtype bf16` decodes with bf16 weights: qwen3_tiny's weights are bf16 values
+/// already, so its greedy ids stay transformers'; llama_tiny's are rounded (ids may differ).
+#[test]
+fn bf16_decode_weights_from_the_command_line() {
+    for (name, same) in [("qwen3_tiny", true), ("llama_tiny", false)] {
+        let greedy: Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture(name).join("greedy.json")).unwrap(),
+        )
+        .unwrap();
+        let prompts: Vec<Vec<u32>> = serde_json::from_value(greedy["prompts"].clone()).unwrap();
+        let expected: Vec<Vec<u32>> = serde_json::from_value(greedy["one_by_one"].clone()).unwrap();
+        let dir = with_id_tokenizer(name);
+        let text = text_of(&prompts[0]);
+        let base = [
+            "--no-chat-template",
+            "--greedy",
+            "--json",
+            "--max-new-tokens",
+            "8",
+            "--prompt",
+        ];
+        let mut f32_args = base.to_vec();
+        f32_args.push(&text);
+        let mut bf16_args = f32_args.clone();
+        bf16_args.extend(["--weight-dtype", "bf16"]);
+        let (f32_out, _) = run(dir.path(), &f32_args);
+        let (bf16_out, _) = run(dir.path(), &bf16_args);
+        assert_eq!(f32_out[0].token_ids, expected[0], "{name}");
+        if same {
+            assert_eq!(bf16_out[0].token_ids, expected[0], "{name}");
+        }
+        assert_eq!(bf16_out[0].token_ids.len(), 8, "{name}");
+    }
+}
+
 #[test]
 fn generation_config_decides_greedy_or_sampling_and_flags_override_it() {
     // llama_tiny's generation_config.json has no do_sample: greedy, as transformers

@@ -532,6 +532,34 @@ fn dapo_overlong_penalty_trains_two_steps() {
 /// ⌈ρ·N⌉/N and a threshold reported; ρ = 1 keeps every token, so its run equals a run
 /// without the option, metric for metric; ρ = 0.2 changes the update; ρ outside (0, 1] is an
 /// error naming the key.
+/// bf16 decode weights for the rollout (with TIS correcting the sampler/trainer gap) train
+/// two steps; the rollout differs from the f32 one; an unknown dtype names the key.
+#[test]
+fn bf16_rollout_weights_train_two_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let bf16 = [
+        "worker.rollout.weight_dtype=bf16",
+        "worker.actor.is_correction=tis",
+    ];
+    let lines = run(dir.path(), "bf16", &bf16);
+    assert_eq!(lines.len(), 2);
+    assert_finite(&lines);
+    let f32_lines = run(dir.path(), "f32", &["worker.actor.is_correction=tis"]);
+    assert_ne!(
+        deterministic(lines),
+        deterministic(f32_lines),
+        "bf16 decode weights changed nothing"
+    );
+    let a = assets(&dir.path().join("assets"));
+    let e = config(
+        &a,
+        &dir.path().join("bad"),
+        &["worker.rollout.weight_dtype=fp8"],
+    )
+    .unwrap_err();
+    assert!(e.contains("weight_dtype") && e.contains("fp8"), "{e}");
+}
+
 #[test]
 fn forking_tokens_train_two_steps() {
     let dir = tempfile::tempdir().unwrap();

@@ -46,6 +46,57 @@ impl ModelOps {
         self.linear_any("linear_transposed", x, wt, bias, dims, out, true)
     }
 
+    /// `out = x · wt (+ bias)` with `wt` `[in, out]` already in bf16 (bits, e.g. the
+    /// generation's decode weights packed once): `x` is rounded to bf16 into the scratch
+    /// buffer, the product runs on bf16 tensor cores with f32 sums (`dims.precision` is
+    /// ignored: always bf16). The twin of `ares_cpu::ops::matmul_bf16::linear_forward_t_bf16`,
+    /// which keeps `x` in f32.
+    ///
+    /// # Errors
+    /// As [`ModelOps::linear`].
+    pub fn linear_transposed_bf16(
+        &self,
+        x: &CudaView<'_, f32>,
+        wt: &CudaView<'_, u16>,
+        bias: Option<&CudaView<'_, f32>>,
+        dims: GemmDims,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "linear_transposed_bf16";
+        let dims = GemmDims {
+            precision: GemmPrecision::Bf16,
+            ..dims
+        };
+        let d = dims.blas(K)?;
+        check_len(K, "x", d.x_len, x.len())?;
+        check_len(K, "wt", d.w_len, wt.len())?;
+        check_len(K, "out", d.y_len, out.len())?;
+        if let Some(b) = bias {
+            check_len(K, "bias", dims.out_features, b.len())?;
+        }
+        if d.y_len == 0 {
+            return Ok(());
+        }
+        if dims.in_features == 0 {
+            self.fill(out, 0.0)?;
+        } else {
+            let mut state = self.lock();
+            if state.bf16.len() < x.len() {
+                // SAFETY: every element the GEMM reads is written by the conversion below.
+                state.bf16 = unsafe { self.stream.alloc::<u16>(x.len().next_power_of_two()) }
+                    .during(format!("growing the bf16 scratch to {} elements", x.len()))?;
+            }
+            self.to_bf16(x, &mut state.bf16.slice_mut(0..x.len()))?;
+            let x16 = state.bf16.slice(0..x.len());
+            self.blas
+                .linear_t(&d, Operand::Bf16(&x16), Operand::Bf16(wt), out)?;
+        }
+        match bias {
+            Some(b) => self.bias_add(out, b, dims.rows),
+            None => Ok(()),
+        }
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn linear_any(
         &self,

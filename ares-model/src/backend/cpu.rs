@@ -11,6 +11,7 @@ use ares_cpu::ops::log_prob_backward::log_prob_backward;
 use ares_cpu::ops::matmul::{
     MatmulDims, linear_backward_in, linear_forward_in, linear_forward_t_in, transpose,
 };
+use ares_cpu::ops::matmul_bf16;
 use ares_cpu::ops::optim::{adamw_step_scaled, sum_of_squares_f64};
 use ares_cpu::ops::rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 use ares_cpu::ops::rope::{rope_backward, rope_forward};
@@ -650,6 +651,42 @@ impl Backend for CpuBackend {
             .map_err(op("attention_decode"))
     }
 
+    fn pack_bf16(
+        &self,
+        src: Tensor<'_, Self>,
+        rows: usize,
+        cols: usize,
+        dst: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let src = slice(src)?;
+        let dst = slice_mut(dst)?;
+        BackendError::check_len("pack_bf16 dst", src.len().div_ceil(2), dst.len())?;
+        let halves = bf16_halves_mut(dst);
+        let n = src.len();
+        matmul_bf16::pack_bf16_tiles(src, rows, cols, &mut halves[..n]).map_err(op("pack_bf16"))
+    }
+
+    fn linear_transposed_bf16(
+        &self,
+        x: Tensor<'_, Self>,
+        wt: Tensor<'_, Self>,
+        bias: Option<Tensor<'_, Self>>,
+        dims: LinearDims,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let wt = slice(wt)?;
+        let n = dims.in_features.saturating_mul(dims.out_features);
+        BackendError::check_len("linear_transposed_bf16 wt", n.div_ceil(2), wt.len())?;
+        matmul_bf16::linear_forward_t_bf16(
+            slice(x)?,
+            &bf16_halves(wt)[..n],
+            slice_opt(bias)?,
+            matmul_dims(dims),
+            slice_mut(out)?,
+        )
+        .map_err(op("linear_transposed_bf16"))
+    }
+
     fn paged_kv_cache_append(
         &self,
         dims: AttentionDims,
@@ -925,6 +962,19 @@ impl Backend for CpuBackend {
         scatter::scatter_rows(slice(src)?, index, rows, dim, slice_mut(dst)?)
             .map_err(op("scatter_rows"))
     }
+}
+
+/// The 16-bit halves of `x`'s memory: packed bf16 bits ([`Backend::pack_bf16`]).
+fn bf16_halves(x: &[f32]) -> &[u16] {
+    // SAFETY: u16 has no invalid bit patterns and an alignment (2) dividing f32's (4); the
+    // slice covers exactly the bytes of `x`, borrowed for as long as `x` is.
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u16>(), x.len() * 2) }
+}
+
+/// [`bf16_halves`], writable.
+fn bf16_halves_mut(x: &mut [f32]) -> &mut [u16] {
+    // SAFETY: as `bf16_halves`; the unique borrow of `x` moves to the result.
+    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<u16>(), x.len() * 2) }
 }
 
 #[cfg(test)]

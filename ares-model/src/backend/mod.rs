@@ -521,6 +521,40 @@ pub trait Backend {
         out: TensorMut<'_, Self>,
     ) -> Result<()>;
 
+    /// Rounds the `[rows, cols]` weight matrix `src` to bf16 (nearest even, as
+    /// `torch.Tensor.bfloat16`) and packs the bits two to an element of `dst`
+    /// (`dst.len() == (rows · cols).div_ceil(2)`), in the layout this backend's
+    /// [`Backend::linear_transposed_bf16`] reads: the CPU's column tiles
+    /// (`ares_cpu::ops::matmul_bf16::pack_bf16_tiles`), CUDA's row-major. The storage of bf16
+    /// decode weights.
+    ///
+    /// # Errors
+    /// `src` not `rows · cols` long, `dst` of another length.
+    fn pack_bf16(
+        &self,
+        src: Tensor<'_, Self>,
+        rows: usize,
+        cols: usize,
+        dst: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// [`Backend::linear_transposed`] with the weight `wt` `[in, out]` in packed bf16
+    /// ([`Backend::pack_bf16`]; `wt.len() == (in · out).div_ceil(2)`): `out = x · wt (+
+    /// bias)`, half the weight bytes of the f32 product. CPU: the weights widened to f32,
+    /// `x`, products and sums in f32. CUDA: `x` rounded to bf16 as well, bf16 tensor cores
+    /// with f32 sums. `dims.precision` is not used.
+    ///
+    /// # Errors
+    /// As [`Backend::linear_transposed`].
+    fn linear_transposed_bf16(
+        &self,
+        x: Tensor<'_, Self>,
+        wt: Tensor<'_, Self>,
+        bias: Option<Tensor<'_, Self>>,
+        dims: LinearDims,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
     /// [`Backend::kv_cache_append`] for a paged cache: `k_new[b, i]` (and v) `[batch, seq,
     /// kv_heads, head_dim]` goes to slot `len[b] + i` of sequence `b`'s blocks. The caller
     /// owns each written block alone (a shared block is copied first) and advances the

@@ -1,6 +1,10 @@
 //! [`DecodeWeights`]: transposed copies (`[in, out]`) of the linear layers' weights, made
-//! once per [`Model::generate`](super::Model::generate) call and used by its forward passes
-//! through [`Backend::linear_transposed`].
+//! once per [`Model::generate`](super::Model::generate) call (or [`Generator`](super::Generator))
+//! and used by its forward passes through [`Backend::linear_transposed`], or in bf16
+//! ([`WeightDtype::Bf16`], packed by [`Backend::pack_bf16`]) through
+//! [`Backend::linear_transposed_bf16`]: half the bytes per decode step, the rollout's
+//! sampler then a little off the f32 policy that is trained (correct it with the rollout
+//! importance weights, `algorithm.rollout_is`).
 //!
 //! Why: a decode step multiplies one token per sequence by every weight. A CPU GEMM given
 //! the Hugging Face `[out, in]` layout with a row-major output first copies the whole
@@ -12,11 +16,23 @@
 
 use super::weights::{DeviceWeights, Stack};
 use super::{ModelError, ModelSpec};
-use crate::backend::{Backend, ViewMut};
+use crate::backend::{Backend, DeviceBuffer, View, ViewMut};
 
-/// The transposed linear weights of a model, `[layers, in, out]` per kind.
+/// The number format of the decode weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightDtype {
+    /// f32, the training weights' own values (the default).
+    #[default]
+    F32,
+    /// bf16 (round to nearest even), products and sums in f32 on the CPU.
+    Bf16,
+}
+
+/// The transposed linear weights of a model, `[layers, in, out]` per kind (packed two
+/// bf16 to an element in bf16).
 #[derive(Debug)]
 pub(crate) struct DecodeWeights<B: Backend> {
+    pub(crate) dtype: WeightDtype,
     pub(crate) q: Stack<B>,
     pub(crate) k: Stack<B>,
     pub(crate) v: Stack<B>,
@@ -29,25 +45,50 @@ pub(crate) struct DecodeWeights<B: Backend> {
 }
 
 impl<B: Backend> DecodeWeights<B> {
-    /// Transposes every linear weight of `w`.
+    /// Transposes every linear weight of `w` (and packs it into bf16 for
+    /// [`WeightDtype::Bf16`]).
+    ///
+    /// # Errors
+    /// A backend failure; bf16 with a matrix of an odd number of elements (layers would not
+    /// start on whole elements of the packed buffer).
     pub(crate) fn new(
         backend: &B,
         spec: &ModelSpec,
         w: &DeviceWeights<B>,
+        dtype: WeightDtype,
     ) -> Result<Self, ModelError> {
         let (c, i, v) = (spec.hidden, spec.intermediate, spec.vocab);
         let (qd, kvd) = (spec.q_dim(), spec.kv_dim());
+        if dtype == WeightDtype::Bf16 && [c * qd, c * kvd, c * i, c * v].iter().any(|n| n % 2 == 1)
+        {
+            return Err(ModelError::Unsupported {
+                what: "bf16 decode weights need matrices of an even number of elements".into(),
+            });
+        }
+        // a stack transposed to [rows, cols], then packed for bf16
+        let pack = |t: Stack<B>, rows, cols| -> Result<Stack<B>, ModelError> {
+            match dtype {
+                WeightDtype::F32 => Ok(t),
+                WeightDtype::Bf16 => t.packed_bf16(backend, rows, cols),
+            }
+        };
         let head = w.lm_head();
         let mut lm_head = backend.alloc(head.len())?;
         backend.transpose(head, v, c, ViewMut::whole(&mut lm_head))?;
+        if dtype == WeightDtype::Bf16 {
+            let mut packed = backend.alloc(lm_head.len().div_ceil(2))?;
+            backend.pack_bf16(View::whole(&lm_head), c, v, ViewMut::whole(&mut packed))?;
+            lm_head = packed;
+        }
         Ok(Self {
-            q: w.q.transposed(backend, qd, c)?,
-            k: w.k.transposed(backend, kvd, c)?,
-            v: w.v.transposed(backend, kvd, c)?,
-            o: w.o.transposed(backend, c, qd)?,
-            gate: w.gate.transposed(backend, i, c)?,
-            up: w.up.transposed(backend, i, c)?,
-            down: w.down.transposed(backend, c, i)?,
+            dtype,
+            q: pack(w.q.transposed(backend, qd, c)?, c, qd)?,
+            k: pack(w.k.transposed(backend, kvd, c)?, c, kvd)?,
+            v: pack(w.v.transposed(backend, kvd, c)?, c, kvd)?,
+            o: pack(w.o.transposed(backend, c, qd)?, qd, c)?,
+            gate: pack(w.gate.transposed(backend, i, c)?, c, i)?,
+            up: pack(w.up.transposed(backend, i, c)?, c, i)?,
+            down: pack(w.down.transposed(backend, c, i)?, i, c)?,
             lm_head,
         })
     }

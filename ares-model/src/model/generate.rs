@@ -20,7 +20,7 @@
 //! ([`DecodeWeights`]: faster few-row products on the CPU, a second copy of the linear
 //! weights in memory while generating).
 
-use super::decode_weights::DecodeWeights;
+use super::decode_weights::{DecodeWeights, WeightDtype};
 use super::engine::{Engine, EngineConfig, EngineRequest};
 use super::kv_cache::StepCache;
 use super::sampling::{sequence_rng, uniform};
@@ -619,11 +619,9 @@ impl<B: Backend> Model<B> {
             c,
             ViewMut::whole(&mut hidden),
         )?;
-        be.linear_transposed(
+        self.matmul(
             View::whole(&hidden),
-            View::whole(&tw.lm_head),
-            None,
-            self.linear_dims(batch, c, v),
+            self.lm_head(batch, Some(tw)),
             ViewMut::new(&mut acts.logits, 0, batch * v)?,
         )?;
         Ok(View::new(&acts.logits, 0, batch * v)?)
@@ -660,9 +658,19 @@ impl<B: Backend> Model<B> {
     /// # Errors
     /// A backend failure (out of memory for the second copy of the linear weights).
     pub fn generator(&self) -> Result<Generator<'_, B>, GenerateError> {
+        self.generator_with(WeightDtype::F32)
+    }
+
+    /// [`Model::generator`] with the decode weights in `dtype`: [`WeightDtype::Bf16`]
+    /// reads half the weight bytes per decode step; its tokens, log-probs and entropies
+    /// are those of the bf16-rounded model, a little off the f32 one.
+    ///
+    /// # Errors
+    /// As [`Model::generator`]; bf16 for a model with an odd-sized weight matrix.
+    pub fn generator_with(&self, dtype: WeightDtype) -> Result<Generator<'_, B>, GenerateError> {
         Ok(Generator {
             model: self,
-            tw: DecodeWeights::new(&self.backend, &self.spec, &self.weights)?,
+            tw: DecodeWeights::new(&self.backend, &self.spec, &self.weights, dtype)?,
             batching: true,
         })
     }

@@ -14,7 +14,7 @@
 //!   [`Model::rmsnorm_backward`], thin wrappers that only unpack the views.
 
 use super::activations::{LayerBuffers, Scratch};
-use super::decode_weights::DecodeWeights;
+use super::decode_weights::{DecodeWeights, WeightDtype};
 use super::weights::{DeviceWeights, Stack, layer_of, layer_of_mut};
 use super::{Model, ModelError};
 use crate::backend::{
@@ -27,6 +27,8 @@ pub(crate) struct Linear<'a, B: Backend> {
     pub(crate) w: Tensor<'a, B>,
     /// `[in, out]`: the transposed copy generation multiplies by ([`DecodeWeights`]).
     pub(crate) wt: Option<Tensor<'a, B>>,
+    /// Whether `wt` holds packed bf16 ([`WeightDtype::Bf16`]).
+    pub(crate) wt_bf16: bool,
     /// `[out]`, where the architecture has one.
     pub(crate) bias: Option<Tensor<'a, B>>,
     /// Rows, in and out features, precision.
@@ -136,13 +138,14 @@ pub(crate) struct LayerGrads<'a, B: Backend> {
 fn linear<'a, B: Backend>(
     layer: usize,
     w: &'a Stack<B>,
-    wt: Option<&'a Stack<B>>,
+    (wt, wt_bf16): (Option<&'a Stack<B>>, bool),
     bias: &'a Option<Stack<B>>,
     dims: LinearDims,
 ) -> Result<Linear<'a, B>, ModelError> {
     Ok(Linear {
         w: w.layer(layer)?,
         wt: wt.map(|t| t.layer(layer)).transpose()?,
+        wt_bf16,
         bias: layer_of(bias, layer)?,
         dims,
     })
@@ -173,6 +176,7 @@ impl<B: Backend> Model<B> {
     ) -> Result<LayerParams<'a, B>, ModelError> {
         let (w, s) = (&self.weights, &self.spec);
         let (c, i, qd, kvd) = (s.hidden, s.intermediate, s.q_dim(), s.kv_dim());
+        let bf16 = tw.is_some_and(|t| t.dtype == WeightDtype::Bf16);
         let dims = |in_features, out_features| self.linear_dims(rows, in_features, out_features);
         let norm = |stack: &'a Stack<B>, dim| -> Result<Norm<'a, B>, ModelError> {
             Ok(Norm {
@@ -185,28 +189,58 @@ impl<B: Backend> Model<B> {
         };
         Ok(LayerParams {
             ln1: norm(&w.ln1, c)?,
-            q: linear(layer, &w.q, tw.map(|t| &t.q), &w.q_bias, dims(c, qd))?,
-            k: linear(layer, &w.k, tw.map(|t| &t.k), &w.k_bias, dims(c, kvd))?,
-            v: linear(layer, &w.v, tw.map(|t| &t.v), &w.v_bias, dims(c, kvd))?,
+            q: linear(
+                layer,
+                &w.q,
+                (tw.map(|t| &t.q), bf16),
+                &w.q_bias,
+                dims(c, qd),
+            )?,
+            k: linear(
+                layer,
+                &w.k,
+                (tw.map(|t| &t.k), bf16),
+                &w.k_bias,
+                dims(c, kvd),
+            )?,
+            v: linear(
+                layer,
+                &w.v,
+                (tw.map(|t| &t.v), bf16),
+                &w.v_bias,
+                dims(c, kvd),
+            )?,
             qk_norm: QkNorm {
                 layer,
                 q: qk(&w.q_norm)?,
                 k: qk(&w.k_norm)?,
             },
-            o: linear(layer, &w.o, tw.map(|t| &t.o), &w.o_bias, dims(qd, c))?,
+            o: linear(
+                layer,
+                &w.o,
+                (tw.map(|t| &t.o), bf16),
+                &w.o_bias,
+                dims(qd, c),
+            )?,
             ln2: norm(&w.ln2, c)?,
             gate: linear(
                 layer,
                 &w.gate,
-                tw.map(|t| &t.gate),
+                (tw.map(|t| &t.gate), bf16),
                 &w.gate_bias,
                 dims(c, i),
             )?,
-            up: linear(layer, &w.up, tw.map(|t| &t.up), &w.up_bias, dims(c, i))?,
+            up: linear(
+                layer,
+                &w.up,
+                (tw.map(|t| &t.up), bf16),
+                &w.up_bias,
+                dims(c, i),
+            )?,
             down: linear(
                 layer,
                 &w.down,
-                tw.map(|t| &t.down),
+                (tw.map(|t| &t.down), bf16),
                 &w.down_bias,
                 dims(i, c),
             )?,
@@ -277,6 +311,7 @@ impl<B: Backend> Model<B> {
         Linear {
             w: self.weights.lm_head(),
             wt: tw.map(|t| View::whole(&t.lm_head)),
+            wt_bf16: tw.is_some_and(|t| t.dtype == WeightDtype::Bf16),
             bias: None,
             dims: self.linear_dims(rows, c, v),
         }
@@ -291,6 +326,9 @@ impl<B: Backend> Model<B> {
         out: TensorMut<'_, B>,
     ) -> Result<(), ModelError> {
         match p.wt {
+            Some(wt) if p.wt_bf16 => self
+                .backend
+                .linear_transposed_bf16(x, wt, p.bias, p.dims, out)?,
             Some(wt) => self.backend.linear_transposed(x, wt, p.bias, p.dims, out)?,
             None => self.backend.linear(x, p.w, p.bias, p.dims, out)?,
         }

@@ -60,6 +60,7 @@ use ares_cpu::ops::rope::RopeTable;
 pub use activations::{Activations, HeadMode};
 pub use backward::EmbedGrad;
 pub use block_pool::BlockPool;
+pub use decode_weights::WeightDtype;
 pub use engine::{Engine, EngineConfig, EngineRequest, EngineStats, FinishedSequence};
 pub use error::ModelError;
 pub use generate::{GenerateError, GenerateOutput, GenerateRequest, Generator, PromptVision};

@@ -52,6 +52,24 @@ impl<B: Backend> Stack<B> {
         })
     }
 
+    /// Every layer's `[rows, cols]` matrix rounded to bf16 and packed two to an element
+    /// ([`Backend::pack_bf16`]), in a new stack of half-size layers (`item` must be even).
+    pub(crate) fn packed_bf16(
+        &self,
+        backend: &B,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, ModelError> {
+        let half = self.item / 2;
+        let layers = self.buffer.len() / self.item.max(1);
+        let mut buffer = backend.alloc(layers * half)?;
+        for l in 0..layers {
+            let dst = ViewMut::item(&mut buffer, l, half)?;
+            backend.pack_bf16(self.layer(l)?, rows, cols, dst)?;
+        }
+        Ok(Self { buffer, item: half })
+    }
+
     /// A zeroed stack of the same shape (a gradient).
     pub(crate) fn zeros_like(&self, backend: &B) -> Result<Self, ModelError> {
         Ok(Self {

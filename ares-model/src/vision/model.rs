@@ -22,7 +22,7 @@ use crate::model::{
     Activations, EmbedGrad, ForwardExtras, GenerateError, GenerateOutput, GenerateRequest,
     Generator, Grads, Inputs, Model, ModelError, PromptVision,
 };
-use crate::model::{AdamW, ExtraParam, StepReport};
+use crate::model::{AdamW, ExtraParam, StepReport, WeightDtype};
 
 /// The images and videos of one batch, as the processor gives them.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -514,9 +514,18 @@ impl<B: Backend> VlModel<B> {
     /// # Errors
     /// A backend failure.
     pub fn generator(&self) -> Result<VlGenerator<'_, B>, GenerateError> {
+        self.generator_with(WeightDtype::F32)
+    }
+
+    /// [`VlModel::generator`] with the language model's decode weights in `dtype` (the
+    /// tower stays f32; see [`Model::generator_with`](crate::model::Model::generator_with)).
+    ///
+    /// # Errors
+    /// As [`VlModel::generator`].
+    pub fn generator_with(&self, dtype: WeightDtype) -> Result<VlGenerator<'_, B>, GenerateError> {
         Ok(VlGenerator {
             model: self,
-            lm: self.lm.generator()?,
+            lm: self.lm.generator_with(dtype)?,
             share: true,
         })
     }

@@ -419,6 +419,7 @@ pub fn evaluate_model<B: Backend + Clone>(
         sampling,
         seed: c.trainer.seed,
         chunk: 64,
+        weight_dtype: rr.weight_dtype.into(),
     };
     let bar = crate::progress::Progress::from_env()
         .bar((examples.len() * rr.val_n.max(1)) as u64, "eval");

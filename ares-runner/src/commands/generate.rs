@@ -118,6 +118,10 @@ pub struct GenerateArgs {
     /// Device: cpu, cuda or auto (as `train --device`) [default: cpu].
     #[arg(long, value_name = "DEVICE", value_parser = ["cpu", "cuda", "auto"])]
     pub device: Option<String>,
+    /// Decode weights: f32, or a bf16 copy (half the bytes per token; as
+    /// `worker.rollout.weight_dtype` in training) [default: f32].
+    #[arg(long, value_name = "DTYPE", value_parser = ["f32", "bf16"])]
+    pub weight_dtype: Option<String>,
     /// One JSON line per prompt instead of streamed text.
     #[arg(long)]
     pub json: bool,
@@ -224,6 +228,9 @@ pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<Vec<Completi
     let mut overrides = Vec::new();
     if let Some(d) = &args.device {
         overrides.push(format!("trainer.device={d}"));
+    }
+    if let Some(d) = &args.weight_dtype {
+        overrides.push(format!("worker.rollout.weight_dtype={d}"));
     }
     let cfg = Config::load(None, &overrides).map_err(|e| invalid(e.to_string()))?;
     let selected = super::select_backend(&cfg)?;
@@ -851,7 +858,7 @@ impl Job<'_> {
         let write_err = |e: std::io::Error| TrainError::io("<output>", e);
         let model = build_actor(backend, self.files, self.cfg)?;
         let runtime = Runtime {
-            generator: model.generator()?,
+            generator: model.generator_with(self.cfg.worker.rollout.weight_dtype.into())?,
             media: self.media,
         };
         let n = self.input_ids.len();

@@ -46,7 +46,7 @@ pub use trainer::{Device, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig, TrainerCo
 pub use worker::{
     ActorConfig, EntropyBonusConfig, ForkingTokensConfig, GradedPromptConfig, IsCorrection,
     LossAggMode, LrScheduler, OptimConfig, PolicyLoss, RefConfig, RewardConfig, RewardType,
-    RolloutConfig, RubricGrader, RubricSchedule, WorkerConfig,
+    RolloutConfig, RubricGrader, RubricSchedule, WeightDtype, WorkerConfig,
 };
 
 use tree::Override;

@@ -102,6 +102,38 @@ impl IsCorrection {
     }
 }
 
+/// The number format of the rollout's decode weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightDtype {
+    /// The f32 weights that are trained (default).
+    #[default]
+    F32,
+    /// A bf16 copy (half the bytes per decode step, as a bf16 vLLM rollout): the sampler's
+    /// log-probs are then a little off the trained policy's; correct with
+    /// `worker.actor.is_correction` (tis / icepop).
+    Bf16,
+}
+
+impl From<WeightDtype> for crate::model::WeightDtype {
+    fn from(d: WeightDtype) -> Self {
+        match d {
+            WeightDtype::F32 => Self::F32,
+            WeightDtype::Bf16 => Self::Bf16,
+        }
+    }
+}
+
+impl WeightDtype {
+    /// The YAML spelling.
+    pub const fn name(self) -> &'static str {
+        match self {
+            WeightDtype::F32 => "f32",
+            WeightDtype::Bf16 => "bf16",
+        }
+    }
+}
+
 /// Learning-rate schedule after the warm-up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -406,6 +438,9 @@ pub struct RolloutConfig {
     pub enable_graded_system_prompt: bool,
     /// The graded system prompt's schedule and wording options.
     pub graded: GradedPromptConfig,
+    /// Decode weights of rollout, bootstrap and validation generation: `f32` (default) or
+    /// `bf16`.
+    pub weight_dtype: WeightDtype,
 }
 
 impl Default for RolloutConfig {
@@ -421,6 +456,7 @@ impl Default for RolloutConfig {
             val_n: 1,
             enable_graded_system_prompt: false,
             graded: GradedPromptConfig::default(),
+            weight_dtype: WeightDtype::F32,
         }
     }
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use crate::backend::Backend;
 use crate::model::{
     Activations, AdamW, GenerateOutput, GenerateRequest, Generator, Grads, Inputs, Model,
-    ModelError, StepReport,
+    ModelError, StepReport, WeightDtype,
 };
 use crate::vision::model::{VisionBatch, VisionMoments, VlActs, VlGenerator, VlModel};
 use crate::vision::tower::VisionGrads;
@@ -102,9 +102,17 @@ impl<B: Backend> Actor<B> {
     /// # Errors
     /// A backend failure.
     pub fn generator(&self) -> Result<ActorGenerator<'_, B>, TrainError> {
+        self.generator_with(WeightDtype::F32)
+    }
+
+    /// [`Actor::generator`] with the language model's decode weights in `dtype`.
+    ///
+    /// # Errors
+    /// As [`Actor::generator`].
+    pub fn generator_with(&self, dtype: WeightDtype) -> Result<ActorGenerator<'_, B>, TrainError> {
         Ok(match self {
-            Actor::Text(m) => ActorGenerator::Text(m.generator()?),
-            Actor::Vision(m) => ActorGenerator::Vision(m.generator()?),
+            Actor::Text(m) => ActorGenerator::Text(m.generator_with(dtype)?),
+            Actor::Vision(m) => ActorGenerator::Vision(m.generator_with(dtype)?),
         })
     }
 

@@ -2,7 +2,7 @@
 //! of the sampling distribution (docs/algorithms.md §1 computes HWE tokens from these entropies).
 
 use crate::backend::Backend;
-use crate::model::{GenerateOutput, GenerateRequest, Sampling};
+use crate::model::{GenerateOutput, GenerateRequest, Sampling, WeightDtype};
 
 use super::TrainError;
 use super::actor::{Actor, ActorGenerator, PromptVision};
@@ -49,6 +49,8 @@ pub struct RolloutParams {
     pub seed: u64,
     /// Sequences generated together (bounds the KV cache).
     pub chunk: usize,
+    /// Decode weights: f32 or a bf16 copy.
+    pub weight_dtype: WeightDtype,
 }
 
 /// Generates `prompts` (each once, with `vision[i]` the images of prompt `i`; empty for
@@ -73,7 +75,7 @@ pub fn generate_all<B: Backend>(
         return Ok(out);
     }
     // one transpose of the weights for every chunk
-    let generator = model.generator()?;
+    let generator = model.generator_with(params.weight_dtype)?;
     let requests: Vec<GenerateRequest> = prompts
         .chunks(chunk)
         .enumerate()

@@ -296,6 +296,7 @@ impl<B: Backend + Clone> Trainer<B> {
             sampling: self.settings.sampling,
             seed,
             chunk: self.settings.rollout_chunk,
+            weight_dtype: self.settings.weight_dtype,
         }
     }
 
@@ -685,6 +686,7 @@ impl<B: Backend + Clone> Trainer<B> {
             sampling,
             seed: self.cfg.trainer.seed,
             chunk: self.settings.rollout_chunk,
+            weight_dtype: self.settings.weight_dtype,
         };
         let n = r.val_n.max(1);
         let bar = self.progress.bar((examples.len() * n) as u64, "eval");

@@ -122,6 +122,8 @@ pub struct StepSettings {
     pub max_new_tokens: usize,
     /// Sequences generated together (bounds the KV cache).
     pub rollout_chunk: usize,
+    /// Decode weights of every generation of the run.
+    pub weight_dtype: crate::model::WeightDtype,
     /// Base seed of the rollout streams.
     pub rollout_seed: u64,
     /// HWE windows and thresholds.
@@ -396,6 +398,7 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
         sampling: rollout_sampling(cfg),
         max_new_tokens: cfg.data.max_response_length,
         rollout_chunk: 64,
+        weight_dtype: rollout.weight_dtype.into(),
         rollout_seed: rollout.seed,
         hwe: HweParams {
             window_size: rollout.window_size,

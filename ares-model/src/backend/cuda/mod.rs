@@ -682,6 +682,56 @@ impl Backend for CudaBackend {
             .map_err(op("attention_decode"))
     }
 
+    fn pack_bf16(
+        &self,
+        src: Tensor<'_, Self>,
+        rows: usize,
+        cols: usize,
+        dst: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let src = view(src)?;
+        // row-major, the layout cuBLAS reads
+        BackendError::check_len("pack_bf16 src", rows.saturating_mul(cols), src.len())?;
+        let mut dst = view_mut(dst)?;
+        BackendError::check_len("pack_bf16 dst", src.len().div_ceil(2), dst.len())?;
+        // SAFETY: u16 has no invalid bit patterns; the view covers the first `src.len()`
+        // halves of `dst`'s bytes, which hold at least that many (checked).
+        let mut halves =
+            unsafe { dst.transmute_mut::<u16>(src.len()) }.ok_or_else(|| BackendError::Op {
+                op: "pack_bf16",
+                source: "dst too short for the bf16 halves".into(),
+            })?;
+        self.ops.to_bf16(&src, &mut halves).map_err(op("pack_bf16"))
+    }
+
+    fn linear_transposed_bf16(
+        &self,
+        x: Tensor<'_, Self>,
+        wt: Tensor<'_, Self>,
+        bias: Option<Tensor<'_, Self>>,
+        dims: LinearDims,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let wt = view(wt)?;
+        let n = dims.in_features.saturating_mul(dims.out_features);
+        BackendError::check_len("linear_transposed_bf16 wt", n.div_ceil(2), wt.len())?;
+        // SAFETY: u16 has no invalid bit patterns; `n` halves fit in `wt`'s bytes (checked).
+        let w16 = unsafe { wt.transmute::<u16>(n) }.ok_or_else(|| BackendError::Op {
+            op: "linear_transposed_bf16",
+            source: "wt too short for the bf16 halves".into(),
+        })?;
+        let bias = view_opt(bias)?;
+        self.ops
+            .linear_transposed_bf16(
+                &view(x)?,
+                &w16,
+                bias.as_ref(),
+                gemm_dims(dims),
+                &mut view_mut(out)?,
+            )
+            .map_err(op("linear_transposed_bf16"))
+    }
+
     fn paged_kv_cache_append(
         &self,
         dims: AttentionDims,
