@@ -8,8 +8,14 @@ tied embeddings, q/k/v biases; transformers' random init), the same work:
   tokens; the AdamW step (clip_grad_norm_ + torch.optim.AdamW) timed on its own.
 - generate: greedy `model.generate` with the KV cache, 16 prompts of 32 tokens, exactly 128
   new tokens each.
+- rollout (`--only rollout`, the workload of `cargo bench -p ares-benches --bench rollout`):
+  8 prompts of 90–110 random tokens × n = 8 samples, left-padded into one batch, sampled at
+  T = 1 (no top-k / top-p), the same 82 EOS ids (≈ 1 % of a random model's mass per token),
+  at most 256 new tokens; at the bench model's shape and the demo's (`--shape demo`), f32 or
+  bf16 weights (`--dtype`). New tokens count each row up to and including its first EOS.
 
     /tmp/pyenv/bin/python scripts/bench_torch_cpu.py [--threads 2] [--runs 5] [--attn sdpa|eager]
+    /work/verl-venv/bin/python scripts/bench_torch_cpu.py --only rollout --shape demo --dtype bf16
 
 Prints the best and median of the runs after one warm-up, in the format of the Rust bench.
 """
@@ -48,24 +54,29 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
-    ap.add_argument("--only", choices=["train", "generate"])
+    ap.add_argument("--only", choices=["train", "generate", "rollout"])
+    ap.add_argument("--shape", default="bench", choices=["bench", "demo"])
+    ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(7)
+    hidden, mlp, layers, theta = (256, 704, 4, 1e6) if args.shape == "bench" else (128, 352, 3, 1e4)
     config = Qwen2Config(
         vocab_size=8192,
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=4,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=2048,
         rms_norm_eps=1e-6,
-        rope_theta=1e6,
+        rope_theta=theta,
         tie_word_embeddings=True,
         attn_implementation=args.attn,
     )
     model = Qwen2ForCausalLM(config).float()
+    if args.dtype == "bf16":
+        model = model.to(torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, attention {args.attn}, "
@@ -127,6 +138,57 @@ def main():
             "tokens",
             timed(min(args.runs, 3), generate),
         )
+
+    if args.only == "rollout":
+        rollout(model, args)
+
+
+def rollout(model, args):
+    """The RL rollout workload (module docs), as transformers' `generate` runs it."""
+    model.eval()
+    gen = torch.Generator().manual_seed(3)
+    prompts = []
+    for _ in range(8):
+        length = 90 + int(torch.randint(0, 21, (1,), generator=gen))
+        p = torch.randint(0, 8192, (length,), generator=gen)
+        prompts += [p] * 8
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = p
+        attention[i, width - len(p):] = 1
+    eos = [100 + 97 * i for i in range(82)]
+    eos_set = torch.tensor(eos)
+    new_tokens = [0]
+
+    def run():
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=attention,
+                max_new_tokens=256,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=0,
+                eos_token_id=eos,
+            )
+        new = out[:, width:]
+        count = 0
+        for row in new:
+            hit = torch.isin(row, eos_set).nonzero()
+            count += int(hit[0]) + 1 if len(hit) else len(row)
+        new_tokens[0] = count
+
+    times = timed(min(args.runs, 3), run)
+    report(
+        f"rollout ({args.shape} shape, {args.dtype}: 8 prompts × 8, {new_tokens[0]} new tokens)",
+        new_tokens[0],
+        "tokens",
+        times,
+    )
 
 
 if __name__ == "__main__":
