@@ -41,10 +41,17 @@ cargo test --release -p ares-model --test cuda_vision --no-run --message-format=
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
 cargo test --release -p ares-runner --test cuda_trainer --no-run --message-format=json | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
-# The backend tests read the tiny transformers fixtures; the bundle carries them.
-mkdir -p "$dir/fixtures"
-cp -r ares-model/tests/fixtures/models "$dir/fixtures/models"
-cp -r ares-model/tests/fixtures/vl "$dir/fixtures/vl"
+# The backend tests read the tiny transformers fixtures. A bundle inside the repository
+# (the default .gpu, carried beside the working tree) reads the repository's copy; one
+# elsewhere carries its own.
+case "$(cd "$dir" && pwd)/" in
+  "$(pwd)"/*) ;;
+  *)
+    mkdir -p "$dir/fixtures"
+    cp -r ares-model/tests/fixtures/models "$dir/fixtures/models"
+    cp -r ares-model/tests/fixtures/vl "$dir/fixtures/vl"
+    ;;
+esac
 echo "building GPU benchmarks…"
 cargo bench -p ares-cuda --bench gpu_kernels --no-run --message-format=json | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
@@ -56,8 +63,9 @@ cp target/release/ares-runner "$dir/bin/ares-runner"
 cp scripts/torch_token_kernels.py scripts/bench_torch_gpu.py scripts/bench_torch_cpu.py \
   scripts/bench_grpo_step.sh scripts/bench_torch_grpo_step.py examples/configs/bench_grpo_step.yaml "$dir/"
 
-# Debug info is most of the size (92 → 22 MB); the device tool carries at most 64 MiB.
-strip --strip-debug "$dir"/bin/*
+# Symbols and debug info are most of the size (92 → 41 MB); the device tool carries at
+# most 64 MiB, the working tree included.
+strip --strip-all "$dir"/bin/*
 
 cat > "$dir/run.sh" <<'RUN'
 #!/usr/bin/env bash
@@ -76,8 +84,10 @@ for lib in libcuda.so.1 libnvrtc.so.13 libnvrtc.so.12 libnvrtc.so libcublas.so.1
   echo "  $lib -> ${found:-not found}"
 done
 export ARES_REQUIRE_GPU=1 ARES_REQUIRE_NVRTC=1 ARES_KERNEL_CACHE="$here/kernel-cache"
-export ARES_FIXTURE_MODELS="$here/fixtures/models"
-export ARES_FIXTURE_VL="$here/fixtures/vl"
+fixtures="$here/fixtures"
+[ -d "$fixtures" ] || fixtures="$here/../ares-model/tests/fixtures"
+export ARES_FIXTURE_MODELS="$fixtures/models"
+export ARES_FIXTURE_VL="$fixtures/vl"
 out=${OUT:-$here}
 status=0
 part=${1:-all}

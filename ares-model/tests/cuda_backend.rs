@@ -1105,8 +1105,10 @@ fn entropy_backward_matches_cpu() {
         }
         let mut coeffs = rng.vec(rows, 2.0);
         coeffs[1] = 0.0;
-        // It accumulates: both start from the same values.
-        let base = rng.vec(rows * vocab, 1.0);
+        // It accumulates: both start from the same values. They are scaled like the
+        // gradient (whose entries are about 1/vocab): against a base of 1 the f32 rounding
+        // of `base + g` alone would be ~1e-4 of a 151 936-wide row's largest `g`.
+        let base = rng.vec(rows * vocab, 1.0 / vocab as f32);
         let mut gd = up(&gpu, &base);
         gpu.entropy_backward(
             View::whole(&up(&gpu, &logits)),
