@@ -13,6 +13,9 @@ tied embeddings, q/k/v biases; transformers' random init), the same work:
   T = 1 (no top-k / top-p), the same 82 EOS ids (≈ 1 % of a random model's mass per token),
   at most 256 new tokens; at the bench model's shape and the demo's (`--shape demo`), f32 or
   bf16 weights (`--dtype`). New tokens count each row up to and including its first EOS.
+  `--shape qwen05`: the Qwen2.5-0.5B shape (24 layers, hidden 896, 14 / 2 heads, MLP 4864,
+  vocab 151 936, 1 520 EOS ids) with `--prompts 1` × 8 and at most 64 new tokens, as the
+  Rust bench runs it with `ARES_BENCH_05B=1`.
 
     /tmp/pyenv/bin/python scripts/bench_torch_cpu.py [--threads 2] [--runs 5] [--attn sdpa|eager]
     /work/verl-venv/bin/python scripts/bench_torch_cpu.py --only rollout --shape demo --dtype bf16
@@ -55,19 +58,25 @@ def main():
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     ap.add_argument("--only", choices=["train", "generate", "rollout"])
-    ap.add_argument("--shape", default="bench", choices=["bench", "demo"])
+    ap.add_argument("--shape", default="bench", choices=["bench", "demo", "qwen05"])
+    ap.add_argument("--prompts", type=int, help="rollout prompts (default 8; qwen05: 1)")
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(7)
-    hidden, mlp, layers, theta = (256, 704, 4, 1e6) if args.shape == "bench" else (128, 352, 3, 1e4)
+    # (hidden, MLP, layers, rope theta, vocab, query heads, KV heads)
+    hidden, mlp, layers, theta, vocab, heads, kv_heads = {
+        "bench": (256, 704, 4, 1e6, 8192, 4, 2),
+        "demo": (128, 352, 3, 1e4, 8192, 4, 2),
+        "qwen05": (896, 4864, 24, 1e6, 151936, 14, 2),
+    }[args.shape]
     config = Qwen2Config(
-        vocab_size=8192,
+        vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=mlp,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
         rms_norm_eps=1e-6,
         rope_theta=theta,
@@ -147,10 +156,13 @@ def rollout(model, args):
     """The RL rollout workload (module docs), as transformers' `generate` runs it."""
     model.eval()
     gen = torch.Generator().manual_seed(3)
+    vocab = model.config.vocab_size
+    count = args.prompts or (1 if args.shape == "qwen05" else 8)
+    max_new = 64 if args.shape == "qwen05" else 256
     prompts = []
-    for _ in range(8):
+    for _ in range(count):
         length = 90 + int(torch.randint(0, 21, (1,), generator=gen))
-        p = torch.randint(0, 8192, (length,), generator=gen)
+        p = torch.randint(0, vocab, (length,), generator=gen)
         prompts += [p] * 8
     width = max(len(p) for p in prompts)
     ids = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -158,7 +170,7 @@ def rollout(model, args):
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = p
         attention[i, width - len(p):] = 1
-    eos = [100 + 97 * i for i in range(82)]
+    eos = [100 + 97 * i for i in range(-(-vocab // 100))]
     eos_set = torch.tensor(eos)
     new_tokens = [0]
 
@@ -167,7 +179,7 @@ def rollout(model, args):
             out = model.generate(
                 input_ids=ids,
                 attention_mask=attention,
-                max_new_tokens=256,
+                max_new_tokens=max_new,
                 do_sample=True,
                 temperature=1.0,
                 top_k=0,
@@ -184,7 +196,7 @@ def rollout(model, args):
 
     times = timed(min(args.runs, 3), run)
     report(
-        f"rollout ({args.shape} shape, {args.dtype}: 8 prompts × 8, {new_tokens[0]} new tokens)",
+        f"rollout ({args.shape} shape, {args.dtype}: {count} prompts × 8, {new_tokens[0]} new tokens)",
         new_tokens[0],
         "tokens",
         times,

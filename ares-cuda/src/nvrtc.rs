@@ -187,6 +187,132 @@ pub fn kernel_resources(log: &str) -> Vec<KernelResources> {
     out
 }
 
+/// Registers and stack frame of one function as its CUBIN records them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CubinFunction {
+    /// The function's symbol (a kernel's `extern "C"` name).
+    pub name: String,
+    /// Registers per thread (`EIATTR_REGCOUNT`).
+    pub registers: u32,
+    /// Bytes of stack frame per thread (`EIATTR_FRAME_SIZE`): where register spills and
+    /// local arrays live, so 0 means neither.
+    pub stack_frame: u32,
+}
+
+/// Reads every function's register count and stack frame from a CUBIN (an ELF64 image):
+/// the `.nv.info` section holds attribute records `[format u8][attribute u8]` followed by a
+/// `u16` value, or for format 4 a `u16` size and that many bytes; `EIATTR_REGCOUNT` (0x2f)
+/// and `EIATTR_FRAME_SIZE` (0x11) carry `[symbol index u32][value u32]`, named through
+/// `.symtab`. This does not depend on NVRTC's log, which one NVRTC install left empty for
+/// `--ptxas-options=-v` (an H100 machine, benches/RESULTS.md); where the log is there the
+/// two agree (`tests/nvrtc.rs`).
+///
+/// # Errors
+/// A message naming what is missing or out of bounds when `cubin` is not such an image.
+pub fn cubin_functions(cubin: &[u8]) -> std::result::Result<Vec<CubinFunction>, String> {
+    const EIATTR_FRAME_SIZE: u8 = 0x11;
+    const EIATTR_REGCOUNT: u8 = 0x2f;
+    let bytes = |at: usize, n: usize| {
+        cubin
+            .get(at..at.checked_add(n).ok_or("offset overflow")?)
+            .ok_or_else(|| format!("CUBIN truncated: {n} bytes at {at} of {}", cubin.len()))
+    };
+    let u16_at = |at: usize| bytes(at, 2).map(|b| u16::from_le_bytes([b[0], b[1]]));
+    let u32_at = |at: usize| bytes(at, 4).map(|b| u32::from_le_bytes(b.try_into().unwrap()));
+    let usize_at = |at: usize| {
+        bytes(at, 8).and_then(|b| {
+            usize::try_from(u64::from_le_bytes(b.try_into().unwrap()))
+                .map_err(|_| format!("offset at {at} too large"))
+        })
+    };
+    if cubin.get(..6) != Some(b"\x7fELF\x02\x01".as_slice()) {
+        return Err("not a little-endian ELF64 image".into());
+    }
+    let shoff = usize_at(0x28)?;
+    let shentsize = usize::from(u16_at(0x3a)?);
+    let shnum = usize::from(u16_at(0x3c)?);
+    let shstrndx = usize::from(u16_at(0x3e)?);
+    if shentsize < 64 {
+        return Err(format!("section header size {shentsize} < 64"));
+    }
+    // (name offset, type, file offset, size, link) of section `i`.
+    let section = |i: usize| -> std::result::Result<(usize, u32, usize, usize, usize), String> {
+        let h = shoff.saturating_add(i * shentsize);
+        Ok((
+            u32_at(h)? as usize,
+            u32_at(h + 4)?,
+            usize_at(h + 24)?,
+            usize_at(h + 32)?,
+            u32_at(h + 40)? as usize,
+        ))
+    };
+    let c_str = |at: usize| -> std::result::Result<&str, String> {
+        let tail = cubin.get(at..).ok_or("string offset out of bounds")?;
+        let end = tail
+            .iter()
+            .position(|&c| c == 0)
+            .ok_or("unterminated string")?;
+        std::str::from_utf8(&tail[..end]).map_err(|_| "string is not UTF-8".to_string())
+    };
+    let names_at = section(shstrndx)?.2;
+    let (mut info, mut symtab) = (None, None);
+    for i in 0..shnum {
+        let s = section(i)?;
+        const SHT_SYMTAB: u32 = 2;
+        if s.1 == SHT_SYMTAB {
+            symtab = Some(s);
+        } else if c_str(names_at.saturating_add(s.0))? == ".nv.info" {
+            info = Some(s);
+        }
+    }
+    let (_, _, info_at, info_size, _) = info.ok_or("no .nv.info section")?;
+    let (_, _, sym_at, sym_size, strtab) = symtab.ok_or("no .symtab section")?;
+    let strings_at = section(strtab)?.2;
+    let symbol = |index: u32| -> std::result::Result<String, String> {
+        const SYM_SIZE: usize = 24;
+        let at = index as usize * SYM_SIZE;
+        if at.saturating_add(SYM_SIZE) > sym_size {
+            return Err(format!("symbol {index} outside .symtab"));
+        }
+        c_str(strings_at.saturating_add(u32_at(sym_at.saturating_add(at))? as usize))
+            .map(str::to_string)
+    };
+    let mut out: Vec<CubinFunction> = Vec::new();
+    let end = info_at.saturating_add(info_size);
+    let mut p = info_at;
+    while p.saturating_add(4) <= end {
+        let (format, attribute) = (bytes(p, 1)?[0], bytes(p + 1, 1)?[0]);
+        const EIFMT_SVAL: u8 = 4;
+        if format != EIFMT_SVAL {
+            p += 4;
+            continue;
+        }
+        let size = usize::from(u16_at(p + 2)?);
+        if size == 8 && (attribute == EIATTR_REGCOUNT || attribute == EIATTR_FRAME_SIZE) {
+            let name = symbol(u32_at(p + 4)?)?;
+            let value = u32_at(p + 8)?;
+            let at = match out.iter().position(|f| f.name == name) {
+                Some(at) => at,
+                None => {
+                    out.push(CubinFunction {
+                        name,
+                        registers: 0,
+                        stack_frame: 0,
+                    });
+                    out.len() - 1
+                }
+            };
+            if attribute == EIATTR_REGCOUNT {
+                out[at].registers = value;
+            } else {
+                out[at].stack_frame = value;
+            }
+        }
+        p += 4 + size;
+    }
+    Ok(out)
+}
+
 /// The on-disk cache directory: `$ARES_KERNEL_CACHE`, else `$XDG_CACHE_HOME/ares/kernels`,
 /// else `$HOME/.cache/ares/kernels`; `None` when none is set.
 pub fn cache_dir() -> Option<PathBuf> {
@@ -283,6 +409,16 @@ ptxas info    : Used 30 registers, used 1 barriers, 129 bytes smem\n";
                 spill_bytes: 8
             }]
         );
+    }
+
+    #[test]
+    fn cubin_functions_refuses_what_is_not_a_cubin() {
+        assert!(cubin_functions(b"").unwrap_err().contains("ELF64"));
+        assert!(cubin_functions(b"PK\x03\x04 not an elf").is_err());
+        // An ELF64 header cut short: an error naming the truncation, not a panic.
+        let mut head = b"\x7fELF\x02\x01".to_vec();
+        head.resize(0x30, 0);
+        assert!(cubin_functions(&head).unwrap_err().contains("truncated"));
     }
 
     #[test]
