@@ -120,6 +120,36 @@ pub fn linear_forward_t_bf16(
     Ok(())
 }
 
+/// Calls `$f::<R>(args, out)` with `R` = the row count of `args.0` (at most [`ROW_BLOCK`]): a
+/// fixed row count per instance keeps the accumulators in registers.
+macro_rules! by_row_count {
+    ($f:ident, $args:expr, $out:expr) => {{
+        let args = $args;
+        match args.0.len() / args.3.max(1) {
+            1 => $f::<1>(args, $out),
+            2 => $f::<2>(args, $out),
+            3 => $f::<3>(args, $out),
+            4 => $f::<4>(args, $out),
+            5 => $f::<5>(args, $out),
+            6 => $f::<6>(args, $out),
+            7 => $f::<7>(args, $out),
+            _ => $f::<ROW_BLOCK>(args, $out),
+        }
+    }};
+}
+
+/// `x` (`R` rows of `k`) transposed to `[k][R]`: one slice of the rows' values per step of
+/// the sum.
+fn rows_by_k<const R: usize>(x: &[f32], k: usize) -> Vec<[f32; R]> {
+    let mut xt = vec![[0.0f32; R]; k];
+    for (r, row) in x.chunks_exact(k.max(1)).take(R).enumerate() {
+        for (t, &v) in xt.iter_mut().zip(row) {
+            t[r] = v;
+        }
+    }
+    xt
+}
+
 /// Rows `x` (`rows · k`, at most [`ROW_BLOCK`] rows) times columns `c0..c1` of `W` into
 /// `out` (`rows` rows of `c1 − c0`, or of `m` when the range is every column).
 #[allow(clippy::too_many_arguments)]
@@ -162,17 +192,7 @@ fn block_avx512(
     out: &mut [f32],
 ) {
     let _ = m; // tiles are addressed by their first column
-    let a = (x, wt, bias, k, c0, c1);
-    match x.len() / k.max(1) {
-        1 => block_rows_avx512::<1>(a, out),
-        2 => block_rows_avx512::<2>(a, out),
-        3 => block_rows_avx512::<3>(a, out),
-        4 => block_rows_avx512::<4>(a, out),
-        5 => block_rows_avx512::<5>(a, out),
-        6 => block_rows_avx512::<6>(a, out),
-        7 => block_rows_avx512::<7>(a, out),
-        _ => block_rows_avx512::<ROW_BLOCK>(a, out),
-    }
+    by_row_count!(block_rows_avx512, (x, wt, bias, k, c0, c1), out)
 }
 
 /// [`block_rows`] with explicit AVX-512: a full tile's 32 weights are widened by two
@@ -204,12 +224,7 @@ fn block_rows_avx512<const R: usize>(
             out[at..at + w].copy_from_slice(row);
         }
     }
-    let mut xt = vec![[0.0f32; R]; k];
-    for (r, row) in x.chunks_exact(k.max(1)).take(R).enumerate() {
-        for (t, &v) in xt.iter_mut().zip(row) {
-            t[r] = v;
-        }
-    }
+    let xt = rows_by_k::<R>(x, k);
     let mut c = c0;
     while c < full_end {
         let mut acc = [[_mm512_setzero_ps(); 2]; R];
@@ -288,19 +303,8 @@ fn block_portable(
     c1: usize,
     out: &mut [f32],
 ) {
-    // a fixed row count per instance: the accumulators stay in registers
     let _ = m; // tiles are addressed by their first column
-    let a = (x, wt, bias, k, c0, c1);
-    match x.len() / k.max(1) {
-        1 => block_rows::<1>(a, out),
-        2 => block_rows::<2>(a, out),
-        3 => block_rows::<3>(a, out),
-        4 => block_rows::<4>(a, out),
-        5 => block_rows::<5>(a, out),
-        6 => block_rows::<6>(a, out),
-        7 => block_rows::<7>(a, out),
-        _ => block_rows::<ROW_BLOCK>(a, out),
-    }
+    by_row_count!(block_rows, (x, wt, bias, k, c0, c1), out)
 }
 
 /// [`block_portable`] for `R` rows.
@@ -311,13 +315,7 @@ fn block_rows<const R: usize>(
     out: &mut [f32],
 ) {
     let width = c1 - c0;
-    // x transposed to [k][R]: one slice of the R rows' values per step of the sum
-    let mut xt = vec![[0.0f32; R]; k];
-    for (r, row) in x.chunks_exact(k.max(1)).take(R).enumerate() {
-        for (t, &v) in xt.iter_mut().zip(row) {
-            t[r] = v;
-        }
-    }
+    let xt = rows_by_k::<R>(x, k);
     let mut c = c0;
     while c < c1 {
         let w = TILE.min(c1 - c);
