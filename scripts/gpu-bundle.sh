@@ -6,6 +6,7 @@
 #   scripts/gpu-bundle.sh [DIR]        # default DIR = .gpu (git-ignored)
 #   # on the GPU machine:
 #   DIR/run.sh [tests|kernels|model|grpo]   # all parts, or one (each fits a 10-minute call)
+#   DIR/check.sh                             # every part time-boxed in one call (~7 min)
 #
 # With the `device` tool of this workplace: carry `.gpu` and run `.gpu/run.sh`; results
 # land in $OUT when it is set.
@@ -76,7 +77,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
   [ -d "$d" ] && LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 done
-export LD_LIBRARY_PATH
+export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 echo "CUDA libraries found:"
 for lib in libcuda.so.1 libnvrtc.so.13 libnvrtc.so.12 libnvrtc.so libcublas.so.13 libcublas.so.12 libcublasLt.so.13; do
@@ -124,5 +125,41 @@ fi
 exit $status
 RUN
 chmod +x "$dir/run.sh"
+
+# One time-boxed device call for a short lease (15 minutes of device time, starts included):
+# every part of run.sh under its own limit, the RL step reduced to 16 prompts x 8 and 2 steps,
+# at most 8 files back in $OUT. T_TESTS, T_KERNELS, T_MODEL, T_GRPO set the limits (seconds;
+# the defaults add up to 420: give the call ~440).
+cat > "$dir/check.sh" <<'CHECK'
+#!/usr/bin/env bash
+set +u
+here=$(cd "$(dirname "$0")" && pwd)
+final=${OUT:-$here/out}; mkdir -p "$final"
+work=$(mktemp -d)
+# the CUDA libraries PyTorch's wheels bring, beside the toolkit's (run.sh adds those)
+for d in /opt/torch/.venv/lib/python3.*/site-packages/nvidia/*/lib; do
+  [ -d "$d" ] && LD_LIBRARY_PATH=$d:${LD_LIBRARY_PATH:-}
+done
+export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
+nvidia-smi -L 2>/dev/null
+part() {  # part NAME LIMIT: run.sh NAME under LIMIT seconds, its log to $final/NAME.txt
+  local t0; t0=$(date +%s)
+  OUT=$work timeout "$2" "$here/run.sh" "$1" > "$final/$1.txt" 2>&1
+  echo "$1: rc=$? in $(( $(date +%s) - t0 )) s"
+}
+part tests "${T_TESTS:-180}"
+grep -E "^test result|panicked" "$final/tests.txt" | sort | uniq -c | head -30
+part kernels "${T_KERNELS:-60}"
+cp "$work/gpu_kernels.jsonl" "$final/" 2>/dev/null
+part model "${T_MODEL:-70}"
+t0=$(date +%s)
+ARES_RUNNER="$here/bin/ares-runner" CONFIG="$here/bench_grpo_step.yaml" DIR="$work/grpo" \
+  ARES_KERNEL_CACHE="$here/kernel-cache" TORCH_ARGS="--prompts 16 --steps 2" \
+  timeout "${T_GRPO:-110}" "$here/bench_grpo_step.sh" data.rollout_batch_size=16 \
+  worker.actor.global_batch_size=128 trainer.max_steps=2 2>&1 | grep -v '^\[' > "$final/grpo.txt"
+echo "grpo: rc=${PIPESTATUS[0]} in $(( $(date +%s) - t0 )) s"
+tail -n 12 "$final/kernels.txt" "$final/model.txt" "$final/grpo.txt"
+CHECK
+chmod +x "$dir/check.sh"
 du -sh "$dir"
 ls -la "$dir/bin"
