@@ -17,8 +17,8 @@ tied embeddings, q/k/v biases; transformers' random init), the same work:
   vocab 151 936, 1 520 EOS ids) with `--prompts 1` × 8 and at most 64 new tokens, as the
   Rust bench runs it with `ARES_BENCH_05B=1`.
 
-    /tmp/pyenv/bin/python scripts/bench_torch_cpu.py [--threads 2] [--runs 5] [--attn sdpa|eager]
-    /work/verl-venv/bin/python scripts/bench_torch_cpu.py --only rollout --shape demo --dtype bf16
+    python3 scripts/bench_torch_cpu.py [--threads 2] [--runs 5] [--attn sdpa|eager]
+    python3 scripts/bench_torch_cpu.py --only rollout --shape demo --dtype bf16
 
 Prints the best and median of the runs after one warm-up, in the format of the Rust bench.
 """

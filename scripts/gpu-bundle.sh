@@ -5,7 +5,8 @@
 #
 #   scripts/gpu-bundle.sh [DIR]        # default DIR = .gpu (git-ignored)
 #   # on the GPU machine:
-#   DIR/run.sh [tests|kernels|model|grpo]   # all parts, or one (each fits a 10-minute call)
+#   DIR/run.sh [tests|kernels|model|grpo]   # all parts, or one (each fits a 10-minute call);
+#                                            # after `grpo`: dotted overrides of the RL step
 #   DIR/check.sh                             # every part time-boxed in one call (~7 min)
 #
 # With the `device` tool of this workplace: carry `.gpu` and run `.gpu/run.sh`; results
@@ -92,6 +93,7 @@ export ARES_FIXTURE_VL="$fixtures/vl"
 out=${OUT:-$here}
 status=0
 part=${1:-all}
+shift $(( $# > 0 ? 1 : 0 ))  # the rest: overrides of the RL step (grpo)
 want() { [ "$part" = all ] || [ "$part" = "$1" ]; }
 has_torch() { python3 -c 'import torch, transformers' 2>/dev/null; }
 if want tests; then
@@ -120,7 +122,7 @@ if want grpo; then
   # the 2 GB random model and the run stay out of $OUT (it is copied back)
   echo "== one RL step, ares-runner vs PyTorch"
   ARES_RUNNER="$here/bin/ares-runner" CONFIG="$here/bench_grpo_step.yaml" DIR=/tmp/ares-bench-grpo \
-    "$here/bench_grpo_step.sh" 2>&1 | grep -v '^\[' | tee "$out/grpo_step.txt" || status=1
+    "$here/bench_grpo_step.sh" "$@" 2>&1 | grep -v '^\[' | tee "$out/grpo_step.txt" || status=1
 fi
 exit $status
 RUN
@@ -142,9 +144,9 @@ for d in /opt/torch/.venv/lib/python3.*/site-packages/nvidia/*/lib; do
 done
 export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
 nvidia-smi -L 2>/dev/null
-part() {  # part NAME LIMIT: run.sh NAME under LIMIT seconds, its log to $final/NAME.txt
+part() {  # part NAME LIMIT [OVERRIDES]: run.sh NAME under LIMIT seconds, log to $final/NAME.txt
   local t0; t0=$(date +%s)
-  OUT=$work timeout "$2" "$here/run.sh" "$1" > "$final/$1.txt" 2>&1
+  OUT=$work timeout "$2" "$here/run.sh" "$1" "${@:3}" > "$final/$1.txt" 2>&1
   echo "$1: rc=$? in $(( $(date +%s) - t0 )) s"
 }
 part tests "${T_TESTS:-180}"
@@ -152,12 +154,8 @@ grep -E "^test result|panicked" "$final/tests.txt" | sort | uniq -c | head -30
 part kernels "${T_KERNELS:-60}"
 cp "$work/gpu_kernels.jsonl" "$final/" 2>/dev/null
 part model "${T_MODEL:-70}"
-t0=$(date +%s)
-ARES_RUNNER="$here/bin/ares-runner" CONFIG="$here/bench_grpo_step.yaml" DIR="$work/grpo" \
-  ARES_KERNEL_CACHE="$here/kernel-cache" TORCH_ARGS="--prompts 16 --steps 2" \
-  timeout "${T_GRPO:-110}" "$here/bench_grpo_step.sh" data.rollout_batch_size=16 \
-  worker.actor.global_batch_size=128 trainer.max_steps=2 2>&1 | grep -v '^\[' > "$final/grpo.txt"
-echo "grpo: rc=${PIPESTATUS[0]} in $(( $(date +%s) - t0 )) s"
+TORCH_ARGS="--prompts 16 --steps 2" part grpo "${T_GRPO:-110}" \
+  data.rollout_batch_size=16 worker.actor.global_batch_size=128 trainer.max_steps=2
 tail -n 12 "$final/kernels.txt" "$final/model.txt" "$final/grpo.txt"
 CHECK
 chmod +x "$dir/check.sh"
