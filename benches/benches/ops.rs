@@ -3,11 +3,17 @@
 //! threads. GEMMs report GFLOP/s (criterion's "elements" are FLOPs); the element-wise ops
 //! report bytes read and sit beside a same-bytes read baseline.
 
-use ares_benches::{SplitMix, read_baseline};
+use ares_benches::{SplitMix, par_read_baseline_f32, read_baseline};
 use ares_cpu::ops::attention::{
     AttentionGrads, AttentionInputs, AttentionShape, attention_backward, attention_forward,
 };
-use ares_cpu::ops::matmul::{MatmulDims, linear_backward, linear_forward, transpose};
+use ares_cpu::ops::matmul::{
+    MatmulDims, linear_backward, linear_forward, linear_forward_t_in, transpose,
+};
+use ares_cpu::ops::matmul_tiles::{
+    linear_forward_t_bf16, linear_forward_t_tiles, pack_bf16_tiles, pack_f32_tiles,
+};
+use ares_cpu::ops::precision::MatmulPrecision;
 use ares_cpu::ops::rmsnorm::rmsnorm_forward;
 use ares_cpu::ops::swiglu::swiglu_forward;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
@@ -50,6 +56,46 @@ fn ops(c: &mut Criterion) {
         })
     });
     g.finish();
+
+    // decode products: a few rows (one token per sequence) times the MLP up projection
+    // stored [in, out] as generation keeps it — row-major for the GEMM crate, column tiles in
+    // f32 and bf16 — beside a plain read of the f32 weight's bytes (the memory limit of f32)
+    let wt = values(HIDDEN * MLP, 6);
+    let mut tiles = vec![0.0f32; wt.len()];
+    pack_f32_tiles(&wt, HIDDEN, MLP, &mut tiles).expect("pack");
+    let mut tiles16 = vec![0u16; wt.len()];
+    pack_bf16_tiles(&wt, HIDDEN, MLP, &mut tiles16).expect("pack");
+    for rows in [1, 8, 64] {
+        let dims = MatmulDims {
+            n: rows,
+            k: HIDDEN,
+            m: MLP,
+        };
+        let x = values(rows * HIDDEN, 7);
+        let mut y = vec![0.0f32; rows * MLP];
+        let mut g = c.benchmark_group(format!("decode_linear_{rows}x896x4864"));
+        g.sample_size(20).measurement_time(Duration::from_secs(3));
+        g.throughput(Throughput::Bytes((wt.len() * 4) as u64));
+        g.bench_function("baseline_read_f32", |b| {
+            b.iter(|| par_read_baseline_f32(&wt, wt.len().div_ceil(rayon::current_num_threads())))
+        });
+        g.bench_function("gemm_row_major_f32", |b| {
+            b.iter(|| {
+                linear_forward_t_in(MatmulPrecision::F32, &x, &wt, None, dims, &mut y)
+                    .expect("gemm")
+            })
+        });
+        g.bench_function("tiles_f32", |b| {
+            b.iter(|| {
+                linear_forward_t_tiles(MatmulPrecision::F32, &x, &tiles, None, dims, &mut y)
+                    .expect("tiles")
+            })
+        });
+        g.bench_function("tiles_bf16", |b| {
+            b.iter(|| linear_forward_t_bf16(&x, &tiles16, None, dims, &mut y).expect("bf16"))
+        });
+        g.finish();
+    }
 
     // causal GQA attention on one 512-token sequence
     let shape = AttentionShape::new(1, TOKENS, Q_HEADS, KV_HEADS, HEAD_DIM);

@@ -19,7 +19,7 @@ pub mod entropy_backward;
 pub mod layer_norm;
 pub mod log_prob_backward;
 pub mod matmul;
-pub mod matmul_bf16;
+pub mod matmul_tiles;
 pub mod optim;
 pub mod precision;
 pub mod rmsnorm;

@@ -96,7 +96,7 @@ impl MatmulPrecision {
 /// `x` rounded to nearest (ties to even) with its low `drop` bits cleared; NaN stays a
 /// (quiet) NaN.
 #[inline]
-fn round_to_bits(x: f32, drop: u32) -> f32 {
+pub(crate) fn round_to_bits(x: f32, drop: u32) -> f32 {
     let bits = x.to_bits();
     let low = (1u32 << drop) - 1;
     if bits & 0x7fff_ffff > 0x7f80_0000 {

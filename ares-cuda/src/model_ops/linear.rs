@@ -49,7 +49,7 @@ impl ModelOps {
     /// `out = x · wt (+ bias)` with `wt` `[in, out]` already in bf16 (bits, e.g. the
     /// generation's decode weights packed once): `x` is rounded to bf16 into the scratch
     /// buffer, the product runs on bf16 tensor cores with f32 sums (`dims.precision` is
-    /// ignored: always bf16). The twin of `ares_cpu::ops::matmul_bf16::linear_forward_t_bf16`,
+    /// ignored: always bf16). The twin of `ares_cpu::ops::matmul_tiles::linear_forward_t_bf16`,
     /// which keeps `x` in f32.
     ///
     /// # Errors

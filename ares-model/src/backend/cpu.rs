@@ -11,7 +11,7 @@ use ares_cpu::ops::log_prob_backward::log_prob_backward;
 use ares_cpu::ops::matmul::{
     MatmulDims, linear_backward_in, linear_forward_in, linear_forward_t_in, transpose,
 };
-use ares_cpu::ops::matmul_bf16;
+use ares_cpu::ops::matmul_tiles;
 use ares_cpu::ops::optim::{adamw_step_scaled, sum_of_squares_f64};
 use ares_cpu::ops::rmsnorm::{rmsnorm_backward, rmsnorm_forward};
 use ares_cpu::ops::rope::{rope_backward, rope_forward};
@@ -651,6 +651,36 @@ impl Backend for CpuBackend {
             .map_err(op("attention_decode"))
     }
 
+    fn pack_decode_f32(
+        &self,
+        src: Tensor<'_, Self>,
+        rows: usize,
+        cols: usize,
+        dst: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        matmul_tiles::pack_f32_tiles(slice(src)?, rows, cols, slice_mut(dst)?)
+            .map_err(op("pack_decode_f32"))
+    }
+
+    fn linear_decode_f32(
+        &self,
+        x: Tensor<'_, Self>,
+        wt: Tensor<'_, Self>,
+        bias: Option<Tensor<'_, Self>>,
+        dims: LinearDims,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        matmul_tiles::linear_forward_t_tiles(
+            dims.precision,
+            slice(x)?,
+            slice(wt)?,
+            slice_opt(bias)?,
+            matmul_dims(dims),
+            slice_mut(out)?,
+        )
+        .map_err(op("linear_decode_f32"))
+    }
+
     fn pack_bf16(
         &self,
         src: Tensor<'_, Self>,
@@ -663,7 +693,7 @@ impl Backend for CpuBackend {
         BackendError::check_len("pack_bf16 dst", src.len().div_ceil(2), dst.len())?;
         let halves = bf16_halves_mut(dst);
         let n = src.len();
-        matmul_bf16::pack_bf16_tiles(src, rows, cols, &mut halves[..n]).map_err(op("pack_bf16"))
+        matmul_tiles::pack_bf16_tiles(src, rows, cols, &mut halves[..n]).map_err(op("pack_bf16"))
     }
 
     fn linear_transposed_bf16(
@@ -677,7 +707,7 @@ impl Backend for CpuBackend {
         let wt = slice(wt)?;
         let n = dims.in_features.saturating_mul(dims.out_features);
         BackendError::check_len("linear_transposed_bf16 wt", n.div_ceil(2), wt.len())?;
-        matmul_bf16::linear_forward_t_bf16(
+        matmul_tiles::linear_forward_t_bf16(
             slice(x)?,
             &bf16_halves(wt)[..n],
             slice_opt(bias)?,

@@ -521,11 +521,49 @@ pub trait Backend {
         out: TensorMut<'_, Self>,
     ) -> Result<()>;
 
+    /// Copies the `[rows, cols]` weight matrix `src` (an `[in, out]` transposed weight) into
+    /// `dst` (same length) in the layout this backend's [`Backend::linear_decode_f32`]
+    /// reads: the CPU's column tiles (`ares_cpu::ops::matmul_tiles::pack_f32_tiles`), the
+    /// same row-major matrix elsewhere (the default, a copy). The storage of f32 decode
+    /// weights.
+    ///
+    /// # Errors
+    /// `src` not `rows · cols` long, `dst` of another length.
+    fn pack_decode_f32(
+        &self,
+        src: Tensor<'_, Self>,
+        rows: usize,
+        cols: usize,
+        dst: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        BackendError::check_len("pack_decode_f32 src", rows.saturating_mul(cols), src.len())?;
+        self.copy(src, dst)
+    }
+
+    /// [`Backend::linear_transposed`] with the weight `wt` `[in, out]` as
+    /// [`Backend::pack_decode_f32`] stored it: `out = x · wt (+ bias)` in `dims.precision`.
+    /// The CPU's column-tile product sums every output in order whatever the batch (a row's
+    /// result does not depend on the other rows); elsewhere (the default)
+    /// [`Backend::linear_transposed`].
+    ///
+    /// # Errors
+    /// As [`Backend::linear_transposed`].
+    fn linear_decode_f32(
+        &self,
+        x: Tensor<'_, Self>,
+        wt: Tensor<'_, Self>,
+        bias: Option<Tensor<'_, Self>>,
+        dims: LinearDims,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.linear_transposed(x, wt, bias, dims, out)
+    }
+
     /// Rounds the `[rows, cols]` weight matrix `src` to bf16 (nearest even, as
     /// `torch.Tensor.bfloat16`) and packs the bits two to an element of `dst`
     /// (`dst.len() == (rows · cols).div_ceil(2)`), in the layout this backend's
     /// [`Backend::linear_transposed_bf16`] reads: the CPU's column tiles
-    /// (`ares_cpu::ops::matmul_bf16::pack_bf16_tiles`), CUDA's row-major. The storage of bf16
+    /// (`ares_cpu::ops::matmul_tiles::pack_bf16_tiles`), CUDA's row-major. The storage of bf16
     /// decode weights.
     ///
     /// # Errors

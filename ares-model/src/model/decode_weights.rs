@@ -1,6 +1,8 @@
 //! [`DecodeWeights`]: transposed copies (`[in, out]`) of the linear layers' weights, made
 //! once per [`Model::generate`](super::Model::generate) call (or [`Generator`](super::Generator))
-//! and used by its forward passes through [`Backend::linear_transposed`], or in bf16
+//! and used by its forward passes: in f32 stored by [`Backend::pack_decode_f32`] and
+//! multiplied by [`Backend::linear_decode_f32`] (on the CPU column tiles: each weight read
+//! once per step, every output summed in order whatever the batch), or in bf16
 //! ([`WeightDtype::Bf16`], packed by [`Backend::pack_bf16`]) through
 //! [`Backend::linear_transposed_bf16`]: half the bytes per decode step, the rollout's
 //! sampler then a little off the f32 policy that is trained (correct it with the rollout
@@ -68,18 +70,23 @@ impl<B: Backend> DecodeWeights<B> {
         // a stack transposed to [rows, cols], then packed for bf16
         let pack = |t: Stack<B>, rows, cols| -> Result<Stack<B>, ModelError> {
             match dtype {
-                WeightDtype::F32 => Ok(t),
+                WeightDtype::F32 => t.packed_f32(backend, rows, cols),
                 WeightDtype::Bf16 => t.packed_bf16(backend, rows, cols),
             }
         };
         let head = w.lm_head();
         let mut lm_head = backend.alloc(head.len())?;
         backend.transpose(head, v, c, ViewMut::whole(&mut lm_head))?;
-        if dtype == WeightDtype::Bf16 {
-            let mut packed = backend.alloc(lm_head.len().div_ceil(2))?;
-            backend.pack_bf16(View::whole(&lm_head), c, v, ViewMut::whole(&mut packed))?;
-            lm_head = packed;
+        let mut packed = backend.alloc(match dtype {
+            WeightDtype::F32 => lm_head.len(),
+            WeightDtype::Bf16 => lm_head.len().div_ceil(2),
+        })?;
+        let (src, dst) = (View::whole(&lm_head), ViewMut::whole(&mut packed));
+        match dtype {
+            WeightDtype::F32 => backend.pack_decode_f32(src, c, v, dst)?,
+            WeightDtype::Bf16 => backend.pack_bf16(src, c, v, dst)?,
         }
+        lm_head = packed;
         Ok(Self {
             dtype,
             q: pack(w.q.transposed(backend, qd, c)?, c, qd)?,

@@ -329,7 +329,7 @@ impl<B: Backend> Model<B> {
             Some(wt) if p.wt_bf16 => self
                 .backend
                 .linear_transposed_bf16(x, wt, p.bias, p.dims, out)?,
-            Some(wt) => self.backend.linear_transposed(x, wt, p.bias, p.dims, out)?,
+            Some(wt) => self.backend.linear_decode_f32(x, wt, p.bias, p.dims, out)?,
             None => self.backend.linear(x, p.w, p.bias, p.dims, out)?,
         }
         Ok(())

@@ -52,6 +52,26 @@ impl<B: Backend> Stack<B> {
         })
     }
 
+    /// Every layer's `[rows, cols]` matrix in the f32 decode layout
+    /// ([`Backend::pack_decode_f32`]), in a new stack.
+    pub(crate) fn packed_f32(
+        &self,
+        backend: &B,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, ModelError> {
+        let layers = self.buffer.len() / self.item.max(1);
+        let mut buffer = backend.alloc(self.buffer.len())?;
+        for l in 0..layers {
+            let dst = ViewMut::item(&mut buffer, l, self.item)?;
+            backend.pack_decode_f32(self.layer(l)?, rows, cols, dst)?;
+        }
+        Ok(Self {
+            buffer,
+            item: self.item,
+        })
+    }
+
     /// Every layer's `[rows, cols]` matrix rounded to bf16 and packed two to an element
     /// ([`Backend::pack_bf16`]), in a new stack of half-size layers (`item` must be even).
     pub(crate) fn packed_bf16(

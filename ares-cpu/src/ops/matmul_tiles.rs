@@ -1,0 +1,754 @@
+//! Products with the weights stored in column tiles, the layout of generation's decode
+//! weights: a decode step multiplies a few rows (one token per sequence) by every weight, so
+//! it is bound by reading the weights, and a layout read as one stream per tile of output
+//! columns lets the product keep its sums in registers and read each weight once.
+//!
+//! - [`pack_bf16`]: f32 → bf16 bits, round to nearest even (as `torch.Tensor.bfloat16`).
+//! - [`pack_bf16_tiles`] / [`pack_f32_tiles`]: a `[in, out]` weight matrix in column tiles
+//!   (rounded to bf16, or f32 as it is): tile `t` (output columns `32t .. 32t + w`, `w = 32`
+//!   but for the last) holds its `in` rows of `w` values one after the other.
+//! - [`linear_forward_t_bf16`]: `out = x · W (+ bias)` with `W` from [`pack_bf16_tiles`],
+//!   each weight widened to f32 (exact); half the weight bytes of f32.
+//! - [`linear_forward_t_tiles`]: the same with `W` from [`pack_f32_tiles`], in a
+//!   [`MatmulPrecision`] (TF32 / bf16 operands rounded as
+//!   [`linear_forward_t_in`](super::matmul::linear_forward_t_in) rounds them).
+//!
+//! Every output is `bias + Σᵢ x[i] · w[i]` summed over `i` in order by fused multiply-adds,
+//! whatever the row count, the other rows or the thread count: a row's result is the same
+//! bits alone or in any batch (batch invariance — a sampled decode does not depend on which
+//! sequences share its step). Equal to the f32 product of the (widened) weights up to the
+//! order of the sums.
+//!
+//! The work is split by ranges of whole tiles, one per thread; a thread walks its tiles
+//! once per [`ROW_CHUNK`] rows and multiplies each tile by [`ROW_BLOCK`] rows at a time
+//! (the block's sums stay in registers), so a decode step reads each weight once and a
+//! prefill of many rows re-reads a tile from cache, not memory, within a chunk.
+
+use crate::Result;
+use crate::error::{check_len, product};
+use crate::ops::matmul::MatmulDims;
+use crate::ops::precision::{MatmulPrecision, round_to_bits};
+use half::bf16;
+use rayon::prelude::*;
+
+/// Output columns per tile.
+pub const TILE: usize = 32;
+/// Rows whose sums share one pass over a tile (kept in registers).
+pub const ROW_BLOCK: usize = 8;
+/// Rows per pass over a thread's tiles: a tile stays in cache across the chunk's blocks.
+pub const ROW_CHUNK: usize = 64;
+
+/// Rounds `src` to bf16 (nearest even; NaN stays NaN) into `dst`, as bits.
+///
+/// # Errors
+/// Lengths that differ.
+pub fn pack_bf16(src: &[f32], dst: &mut [u16]) -> Result<()> {
+    check_len("dst", src.len(), dst.len())?;
+    dst.par_chunks_mut(1 << 14)
+        .zip(src.par_chunks(1 << 14))
+        .for_each(|(d, s)| {
+            for (d, &s) in d.iter_mut().zip(s) {
+                *d = bf16::from_f32(s).to_bits();
+            }
+        });
+    Ok(())
+}
+
+/// `src` `[k, m]` (row-major) rounded to bf16 into `dst` in the column-tile layout
+/// [`linear_forward_t_bf16`] reads (see the module docs).
+///
+/// # Errors
+/// Lengths that do not match `k · m`.
+pub fn pack_bf16_tiles(src: &[f32], k: usize, m: usize, dst: &mut [u16]) -> Result<()> {
+    pack_tiles(src, k, m, dst, |v| bf16::from_f32(v).to_bits())
+}
+
+/// `src` `[k, m]` (row-major) into `dst` in the column-tile layout
+/// [`linear_forward_t_tiles`] reads (see the module docs); the values are not changed.
+///
+/// # Errors
+/// Lengths that do not match `k · m`.
+pub fn pack_f32_tiles(src: &[f32], k: usize, m: usize, dst: &mut [f32]) -> Result<()> {
+    pack_tiles(src, k, m, dst, |v| v)
+}
+
+fn pack_tiles<E: Copy + Send>(
+    src: &[f32],
+    k: usize,
+    m: usize,
+    dst: &mut [E],
+    to: impl Fn(f32) -> E + Sync,
+) -> Result<()> {
+    check_len("src", product(k, m)?, src.len())?;
+    check_len("dst", product(k, m)?, dst.len())?;
+    if k == 0 {
+        return Ok(());
+    }
+    // tile t starts at element t·TILE·k: every tile before it is TILE wide
+    dst.par_chunks_mut(TILE * k)
+        .enumerate()
+        .for_each(|(t, tile)| {
+            let c = t * TILE;
+            let w = tile.len() / k;
+            for (i, row) in tile.chunks_exact_mut(w).enumerate() {
+                for (d, &v) in row.iter_mut().zip(&src[i * m + c..i * m + c + w]) {
+                    *d = to(v);
+                }
+            }
+        });
+    Ok(())
+}
+
+/// `out = x · W (+ bias)` with `x` `[n, k]`, `W` `[k, m]` packed by [`pack_bf16_tiles`],
+/// `out` `[n, m]` (f32); see the module docs.
+///
+/// # Errors
+/// Lengths that do not match `dims`, or a size that overflows.
+pub fn linear_forward_t_bf16(
+    x: &[f32],
+    wt: &[u16],
+    bias: Option<&[f32]>,
+    dims: MatmulDims,
+    out: &mut [f32],
+) -> Result<()> {
+    tiled_product::<Bf16Bits>(Isa::detect(), x, wt, bias, dims, out)
+}
+
+/// `out = x · W (+ bias)` with `x` `[n, k]`, `W` `[k, m]` packed by [`pack_f32_tiles`],
+/// `out` `[n, m]`, both operands rounded to `precision`'s format for `n` rows
+/// ([`MatmulPrecision::for_rows`]); see the module docs.
+///
+/// # Errors
+/// Lengths that do not match `dims`, or a size that overflows.
+pub fn linear_forward_t_tiles(
+    precision: MatmulPrecision,
+    x: &[f32],
+    wt: &[f32],
+    bias: Option<&[f32]>,
+    dims: MatmulDims,
+    out: &mut [f32],
+) -> Result<()> {
+    let p = precision.for_rows(dims.n);
+    let x = p.rounded(x);
+    let isa = Isa::detect();
+    match p {
+        MatmulPrecision::F32 => tiled_product::<F32Exact>(isa, &x, wt, bias, dims, out),
+        MatmulPrecision::Tf32 => tiled_product::<F32Rounded<13>>(isa, &x, wt, bias, dims, out),
+        MatmulPrecision::Bf16 => tiled_product::<F32Rounded<16>>(isa, &x, wt, bias, dims, out),
+    }
+}
+
+/// A stored weight format: how one stored weight becomes the f32 it multiplies.
+trait Widen: Send + Sync {
+    type Elem: Copy + Send + Sync;
+    fn widen(e: Self::Elem) -> f32;
+    /// 16 consecutive weights from `p`, widened.
+    ///
+    /// # Safety
+    /// The CPU supports AVX-512F; `p` points at 16 readable elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self::Elem) -> std::arch::x86_64::__m512;
+}
+
+/// bf16 bits: the 16 bits become the high half of the f32 (exact).
+struct Bf16Bits;
+/// f32 as it is.
+struct F32Exact;
+/// f32 rounded to nearest even with its `DROP` low significand bits cleared (TF32: 13,
+/// bf16: 16), as [`MatmulPrecision::round`].
+struct F32Rounded<const DROP: u32>;
+
+impl Widen for Bf16Bits {
+    type Elem = u16;
+    #[inline(always)]
+    fn widen(e: u16) -> f32 {
+        f32::from_bits(u32::from(e) << 16)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2")]
+    unsafe fn load16(p: *const u16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::{
+            __m256i, _mm256_loadu_si256, _mm512_castsi512_ps, _mm512_cvtepu16_epi32,
+            _mm512_slli_epi32,
+        };
+        // SAFETY: the caller guarantees 16 readable u16 (32 bytes) at `p`.
+        let bits = unsafe { _mm256_loadu_si256(p.cast::<__m256i>()) };
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)))
+    }
+}
+
+impl Widen for F32Exact {
+    type Elem = f32;
+    #[inline(always)]
+    fn widen(e: f32) -> f32 {
+        e
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller guarantees 16 readable f32 at `p`.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+    }
+}
+
+impl<const DROP: u32> Widen for F32Rounded<DROP> {
+    type Elem = f32;
+    #[inline(always)]
+    fn widen(e: f32) -> f32 {
+        round_to_bits(e, DROP)
+    }
+    // a reference mode (the GPU's TF32 / bf16 operands on the CPU), not a fast one
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        let mut v = [0.0f32; 16];
+        for (i, d) in v.iter_mut().enumerate() {
+            // SAFETY: the caller guarantees 16 readable f32 at `p`.
+            *d = Self::widen(unsafe { *p.add(i) });
+        }
+        // SAFETY: `v` holds 16 floats.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(v.as_ptr()) }
+    }
+}
+
+/// The instruction set the tile products run with, detected once per product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Isa {
+    /// Explicit AVX-512 for full tiles.
+    Avx512,
+    /// The portable loop compiled for AVX2 + FMA.
+    Avx2,
+    /// The portable loop (`mul_add` in software where the CPU has no FMA).
+    Portable,
+}
+
+impl Isa {
+    fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                return Self::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Self::Avx2;
+            }
+        }
+        Self::Portable
+    }
+}
+
+/// `out = x · W (+ bias)`, `W` in column tiles of `W::Elem`, with `isa` (the CPU supports
+/// it: [`Isa::detect`], or a test's choice of a supported one).
+fn tiled_product<W: Widen>(
+    isa: Isa,
+    x: &[f32],
+    wt: &[W::Elem],
+    bias: Option<&[f32]>,
+    dims: MatmulDims,
+    out: &mut [f32],
+) -> Result<()> {
+    let MatmulDims { n, k, m } = dims;
+    check_len("x", product(n, k)?, x.len())?;
+    check_len("wt", product(k, m)?, wt.len())?;
+    check_len("out", product(n, m)?, out.len())?;
+    if let Some(b) = bias {
+        check_len("bias", m, b.len())?;
+    }
+    if n == 0 || m == 0 {
+        return Ok(());
+    }
+    // each block of rows transposed to [k][rows]: one slice of the rows' values per step
+    // of the sum
+    let blocks: Vec<Vec<f32>> = x
+        .chunks(ROW_BLOCK * k.max(1))
+        .map(|b| {
+            let rows = if k == 0 {
+                ROW_BLOCK.min(n)
+            } else {
+                b.len() / k
+            };
+            let mut t = vec![0.0f32; k * rows];
+            for (r, row) in b.chunks_exact(k.max(1)).enumerate() {
+                for (i, &v) in row.iter().enumerate() {
+                    t[i * rows + r] = v;
+                }
+            }
+            t
+        })
+        .collect();
+    let blocks: Vec<(usize, &[f32])> = if k == 0 {
+        // no sums: every row is the bias (or 0)
+        (0..n.div_ceil(ROW_BLOCK))
+            .map(|b| (ROW_BLOCK.min(n - b * ROW_BLOCK), &[][..]))
+            .collect()
+    } else {
+        blocks.iter().map(|t| (t.len() / k, &t[..])).collect()
+    };
+    let tiles = m.div_ceil(TILE);
+    let per = tiles.div_ceil(rayon::current_num_threads().clamp(1, tiles));
+    let pieces: Vec<(usize, Vec<f32>)> = (0..tiles.div_ceil(per))
+        .into_par_iter()
+        .map(|p| {
+            let (c0, c1) = (p * per * TILE, ((p + 1) * per * TILE).min(m));
+            let mut local = vec![0.0f32; n * (c1 - c0)];
+            let part = Part {
+                blocks: &blocks,
+                wt,
+                bias,
+                k,
+                c0,
+                c1,
+            };
+            match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `isa` is one the CPU supports (the caller's contract).
+                Isa::Avx512 => unsafe { part_avx512::<W>(&part, &mut local) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                Isa::Avx2 => unsafe { part_avx2::<W>(&part, &mut local) },
+                _ => part_loop::<W, false>(&part, &mut local),
+            }
+            (c0, local)
+        })
+        .collect();
+    for (c0, local) in pieces {
+        let w = local.len() / n;
+        for (r, row) in local.chunks_exact(w).enumerate() {
+            out[r * m + c0..r * m + c0 + w].copy_from_slice(row);
+        }
+    }
+    Ok(())
+}
+
+/// One thread's share of a product: columns `c0..c1` (whole tiles) of every row.
+struct Part<'a, E> {
+    /// Row blocks in order: (rows, the rows transposed to `[k][rows]`).
+    blocks: &'a [(usize, &'a [f32])],
+    wt: &'a [E],
+    bias: Option<&'a [f32]>,
+    k: usize,
+    c0: usize,
+    c1: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn part_avx512<W: Widen>(part: &Part<'_, W::Elem>, out: &mut [f32]) {
+    part_loop::<W, true>(part, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn part_avx2<W: Widen>(part: &Part<'_, W::Elem>, out: &mut [f32]) {
+    part_loop::<W, false>(part, out);
+}
+
+/// Calls `$f::<W, R>(args…)` with `R` = `$rows` (1 ..= [`ROW_BLOCK`]): a fixed row count
+/// per instance keeps the block's sums in registers.
+macro_rules! by_row_count {
+    ($rows:expr, $f:ident, $w:ty, ($($arg:expr),*)) => {
+        match $rows {
+            1 => $f::<$w, 1>($($arg),*),
+            2 => $f::<$w, 2>($($arg),*),
+            3 => $f::<$w, 3>($($arg),*),
+            4 => $f::<$w, 4>($($arg),*),
+            5 => $f::<$w, 5>($($arg),*),
+            6 => $f::<$w, 6>($($arg),*),
+            7 => $f::<$w, 7>($($arg),*),
+            _ => $f::<$w, ROW_BLOCK>($($arg),*),
+        }
+    };
+}
+
+/// The tiles of `part` × its row blocks into `out` (every row, `c1 − c0` columns), a chunk
+/// of [`ROW_CHUNK`] rows per pass over the tiles; full tiles by AVX-512 when `AVX512`.
+#[inline(always)]
+fn part_loop<W: Widen, const AVX512: bool>(part: &Part<'_, W::Elem>, out: &mut [f32]) {
+    let Part {
+        blocks,
+        wt,
+        bias,
+        k,
+        c0,
+        c1,
+    } = *part;
+    let width = c1 - c0;
+    let mut row0 = 0;
+    for chunk in blocks.chunks(ROW_CHUNK / ROW_BLOCK) {
+        let mut c = c0;
+        while c < c1 {
+            let w = TILE.min(c1 - c);
+            // this tile's k rows of w values, one stream (c is a multiple of TILE)
+            let tile = &wt[c * k..c * k + w * k];
+            let b = bias.map(|b| &b[c..c + w]);
+            let mut r = row0;
+            for &(rows, xt) in chunk {
+                let o = &mut out[r * width + (c - c0)..];
+                #[cfg(target_arch = "x86_64")]
+                if AVX512 && w == TILE {
+                    // SAFETY: `AVX512` is set only under `part_avx512` (AVX-512F checked).
+                    unsafe { by_row_count!(rows, tile_avx512, W, (xt, tile, b, o, width)) };
+                    r += rows;
+                    continue;
+                }
+                by_row_count!(rows, tile_portable, W, (xt, tile, w, b, o, width));
+                r += rows;
+            }
+            c += w;
+        }
+        row0 += chunk.iter().map(|&(rows, _)| rows).sum::<usize>();
+    }
+}
+
+/// `R` rows (`xt`: `[k][R]`) times one tile (`k` rows of `w` weights) plus the tile's
+/// bias, into `R` rows of `out` at stride `ld`.
+#[inline(always)]
+fn tile_portable<W: Widen, const R: usize>(
+    xt: &[f32],
+    tile: &[W::Elem],
+    w: usize,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    ld: usize,
+) {
+    let mut acc = [[0.0f32; TILE]; R];
+    if let Some(b) = bias {
+        for a in acc.iter_mut() {
+            a[..w].copy_from_slice(b);
+        }
+    }
+    let (xt, _) = xt.as_chunks::<R>();
+    if w == TILE {
+        for (row, xs) in tile.chunks_exact(TILE).zip(xt) {
+            let mut wf = [0.0f32; TILE];
+            for (f, &e) in wf.iter_mut().zip(row) {
+                *f = W::widen(e);
+            }
+            for (a, &xv) in acc.iter_mut().zip(xs) {
+                for (s, &f) in a.iter_mut().zip(&wf) {
+                    *s = xv.mul_add(f, *s);
+                }
+            }
+        }
+    } else if w > 0 {
+        for (row, xs) in tile.chunks_exact(w).zip(xt) {
+            for (a, &xv) in acc.iter_mut().zip(xs) {
+                for (s, &e) in a.iter_mut().zip(row) {
+                    *s = xv.mul_add(W::widen(e), *s);
+                }
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        out[r * ld..r * ld + w].copy_from_slice(&a[..w]);
+    }
+}
+
+/// [`tile_portable`] for a full tile in explicit AVX-512: the 32 weights widened into two
+/// registers, each of the `R` rows keeping its 32 sums in two more (at most 16 of the
+/// 32). The compiler's vectorisation of the portable loop left the product compute-bound
+/// at ~35 GFLOP/s on 2 cores (8 rows); this one streams the weights. Same fused
+/// multiply-adds in the same order, so the same bits (test below).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn tile_avx512<W: Widen, const R: usize>(
+    xt: &[f32],
+    tile: &[W::Elem],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    ld: usize,
+) {
+    use std::arch::x86_64::{
+        _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_setzero_ps, _mm512_storeu_ps,
+    };
+    let mut acc = [[_mm512_setzero_ps(); 2]; R];
+    if let Some(b) = bias {
+        for a in acc.iter_mut() {
+            // SAFETY: `b` holds the tile's 32 floats; each load reads 16 of them.
+            unsafe {
+                a[0] = _mm512_loadu_ps(b.as_ptr());
+                a[1] = _mm512_loadu_ps(b[16..].as_ptr());
+            }
+        }
+    }
+    let (xt, _) = xt.as_chunks::<R>();
+    for (row, xs) in tile.chunks_exact(TILE).zip(xt) {
+        // SAFETY: `row` holds 32 weights; each load reads 16 of them; AVX-512F is enabled.
+        let (lo, hi) = unsafe { (W::load16(row.as_ptr()), W::load16(row[16..].as_ptr())) };
+        for (a, &xv) in acc.iter_mut().zip(xs) {
+            let v = _mm512_set1_ps(xv);
+            a[0] = _mm512_fmadd_ps(v, lo, a[0]);
+            a[1] = _mm512_fmadd_ps(v, hi, a[1]);
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        let o = &mut out[r * ld..r * ld + TILE];
+        // SAFETY: `o` holds 32 floats; each store writes 16 of them.
+        unsafe {
+            _mm512_storeu_ps(o.as_mut_ptr(), a[0]);
+            _mm512_storeu_ps(o[16..].as_mut_ptr(), a[1]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::matmul::linear_forward_t;
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(747_796_405).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s as f32 / u32::MAX as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn packing_rounds_to_nearest_even() {
+        // bf16 keeps 7 mantissa bits: the step above 1 is 1/128
+        let src = [
+            1.0f32,
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+            1.0 + 3.0 / 512.0,
+            -2.5,
+            f32::NAN,
+        ];
+        let mut dst = [0u16; 6];
+        pack_bf16(&src, &mut dst).unwrap();
+        assert_eq!(dst[0], 0x3F80);
+        assert_eq!(
+            dst[1], 0x3F80,
+            "the tie at half a step rounds down to the even mantissa"
+        );
+        assert_eq!(
+            dst[2], 0x3F82,
+            "the tie at 1.5 steps rounds up to the even mantissa"
+        );
+        assert_eq!(
+            dst[3], 0x3F81,
+            "0.75 of a step rounds to the nearest, one step"
+        );
+        assert_eq!(Bf16Bits::widen(dst[4]), -2.5);
+        assert!(Bf16Bits::widen(dst[5]).is_nan());
+        assert!(pack_bf16(&src, &mut [0u16; 5]).is_err());
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|f| f.to_bits()).collect()
+    }
+
+    /// `W` packed in column tiles of `E` by `to`.
+    fn tiles<E: Copy + Send + Default>(w: &[f32], k: usize, m: usize, to: fn(f32) -> E) -> Vec<E> {
+        let mut t = vec![E::default(); k * m];
+        pack_tiles(w, k, m, &mut t, to).unwrap();
+        t
+    }
+
+    /// The AVX-512 tiles give the portable code's bits (same FMAs in the same order), for
+    /// every stored format, row counts within a block, over several blocks and over more
+    /// than a chunk, full and partial tiles, with and without a bias.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn avx512_equals_the_portable_code_bit_for_bit() {
+        if !std::arch::is_x86_feature_detected!("avx512f") {
+            eprintln!("skipped: no AVX-512F on this CPU");
+            return;
+        }
+        fn check<W: Widen>(x: &[f32], wt: &[W::Elem], b: Option<&[f32]>, dims: MatmulDims) {
+            let MatmulDims { n, k, m } = dims;
+            let mut want = vec![f32::NAN; n * m];
+            tiled_product::<W>(Isa::Portable, x, wt, b, dims, &mut want).unwrap();
+            let mut got = vec![f32::NAN; n * m];
+            tiled_product::<W>(Isa::Avx512, x, wt, b, dims, &mut got).unwrap();
+            assert_eq!(bits(&got), bits(&want), "{n}x{k}x{m}");
+        }
+        for n in (1..=ROW_BLOCK).chain([9, 17, ROW_CHUNK + 3]) {
+            for (k, m) in [(5, 32), (37, 96), (64, 70), (3, 7), (0, 40)] {
+                let x = values(n * k, 4);
+                let w = values(k * m, 5);
+                let bias = values(m, 6);
+                let dims = MatmulDims { n, k, m };
+                for b in [None, Some(&bias[..])] {
+                    check::<Bf16Bits>(
+                        &x,
+                        &tiles(&w, k, m, |v| bf16::from_f32(v).to_bits()),
+                        b,
+                        dims,
+                    );
+                    let t = tiles(&w, k, m, |v| v);
+                    check::<F32Exact>(&x, &t, b, dims);
+                    check::<F32Rounded<13>>(&x, &t, b, dims);
+                }
+            }
+        }
+    }
+
+    /// Batch invariance: a row's outputs are the same bits alone, at any place in a batch of
+    /// any size, and with any number of threads (another split of the tiles).
+    #[test]
+    fn a_row_gives_the_same_bits_in_any_batch() {
+        let (k, m) = (96, 200);
+        let w = tiles(&values(k * m, 7), k, m, |v| v);
+        let wb = tiles(&values(k * m, 7), k, m, |v| bf16::from_f32(v).to_bits());
+        let bias = values(m, 8);
+        let x = values(80 * k, 9);
+        let alone: Vec<(Vec<f32>, Vec<f32>)> = (0..80)
+            .map(|r| {
+                let dims = MatmulDims { n: 1, k, m };
+                let (mut f, mut b) = (vec![0.0; m], vec![0.0; m]);
+                let row = &x[r * k..(r + 1) * k];
+                linear_forward_t_tiles(MatmulPrecision::F32, row, &w, Some(&bias), dims, &mut f)
+                    .unwrap();
+                linear_forward_t_bf16(row, &wb, Some(&bias), dims, &mut b).unwrap();
+                (f, b)
+            })
+            .collect();
+        for threads in [1, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                for (start, n) in [(0, 8), (5, 3), (10, 11), (0, 80), (7, 66)] {
+                    let dims = MatmulDims { n, k, m };
+                    let xs = &x[start * k..(start + n) * k];
+                    let (mut f, mut b) = (vec![0.0; n * m], vec![0.0; n * m]);
+                    linear_forward_t_tiles(MatmulPrecision::F32, xs, &w, Some(&bias), dims, &mut f)
+                        .unwrap();
+                    linear_forward_t_bf16(xs, &wb, Some(&bias), dims, &mut b).unwrap();
+                    for r in 0..n {
+                        let (af, ab) = &alone[start + r];
+                        let at = r * m..(r + 1) * m;
+                        assert_eq!(
+                            bits(&f[at.clone()]),
+                            bits(af),
+                            "f32 row {} of {n}",
+                            start + r
+                        );
+                        assert_eq!(bits(&b[at]), bits(ab), "bf16 row {} of {n}", start + r);
+                    }
+                }
+            });
+        }
+    }
+
+    /// f32 tiles against the row-major product in every precision (the same rounded
+    /// operands, sums in another order).
+    #[test]
+    fn f32_tiles_equal_the_row_major_product() {
+        use crate::ops::matmul::linear_forward_t_in;
+        for (n, k, m) in [
+            (1, 7, 5),
+            (3, 64, 96),
+            (9, 40, 31),
+            (70, 128, 70),
+            (2, 0, 3),
+        ] {
+            let x = values(n * k, 11);
+            let w = values(k * m, 12);
+            let t = tiles(&w, k, m, |v| v);
+            let mut sorted = t.clone();
+            sorted.sort_by(f32::total_cmp);
+            let mut plain = w.clone();
+            plain.sort_by(f32::total_cmp);
+            assert_eq!(
+                bits(&sorted),
+                bits(&plain),
+                "the tiles hold every weight once"
+            );
+            let bias = values(m, 13);
+            let dims = MatmulDims { n, k, m };
+            for p in [
+                MatmulPrecision::F32,
+                MatmulPrecision::Tf32,
+                MatmulPrecision::Bf16,
+            ] {
+                for b in [None, Some(&bias[..])] {
+                    let mut want = vec![f32::NAN; n * m];
+                    linear_forward_t_in(p, &x, &w, b, dims, &mut want).unwrap();
+                    let mut got = vec![f32::NAN; n * m];
+                    linear_forward_t_tiles(p, &x, &t, b, dims, &mut got).unwrap();
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                            "{p:?} {n}x{k}x{m} [{i}]: {g} vs {w}"
+                        );
+                    }
+                }
+            }
+        }
+        // TF32 rounds: a weight of 1 + 2⁻¹² times 1 is 1 in TF32, not in f32
+        let w = [1.0 + 2f32.powi(-12)];
+        let dims = MatmulDims { n: 1, k: 1, m: 1 };
+        let mut out = [0.0f32];
+        linear_forward_t_tiles(MatmulPrecision::Tf32, &[1.0], &w, None, dims, &mut out).unwrap();
+        assert_eq!(out[0], 1.0);
+        linear_forward_t_tiles(MatmulPrecision::F32, &[1.0], &w, None, dims, &mut out).unwrap();
+        assert_eq!(out[0], w[0]);
+        let e = linear_forward_t_tiles(
+            MatmulPrecision::F32,
+            &[0.0; 6],
+            &[0.0; 11],
+            None,
+            MatmulDims { n: 2, k: 3, m: 4 },
+            &mut [0.0; 8],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("wt"), "{e}");
+    }
+
+    /// Against the f32 product of the widened weights, for row counts around the block
+    /// size and widths around the tile, with and without a bias.
+    #[test]
+    fn equals_the_f32_product_of_the_widened_weights() {
+        for (n, k, m) in [
+            (1, 7, 5),
+            (3, 64, 96),
+            (8, 33, 100),
+            (9, 40, 31),
+            (20, 128, 70),
+        ] {
+            let x = values(n * k, 1);
+            let w = values(k * m, 2);
+            let mut bits = vec![0u16; k * m];
+            pack_bf16(&w, &mut bits).unwrap();
+            let widened: Vec<f32> = bits.iter().map(|&b| Bf16Bits::widen(b)).collect();
+            let mut tiles = vec![0u16; k * m];
+            pack_bf16_tiles(&w, k, m, &mut tiles).unwrap();
+            let mut sorted = tiles.clone();
+            sorted.sort_unstable();
+            let mut plain = bits.clone();
+            plain.sort_unstable();
+            assert_eq!(sorted, plain, "the tiles hold every rounded weight once");
+            let bits = tiles;
+            let bias = values(m, 3);
+            for b in [None, Some(&bias[..])] {
+                let dims = MatmulDims { n, k, m };
+                let mut want = vec![0.0f32; n * m];
+                linear_forward_t(&x, &widened, b, dims, &mut want).unwrap();
+                let mut got = vec![f32::NAN; n * m];
+                linear_forward_t_bf16(&x, &bits, b, dims, &mut got).unwrap();
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                        "{n}x{k}x{m} [{i}]: {g} vs {w}"
+                    );
+                }
+            }
+        }
+        let dims = MatmulDims { n: 2, k: 3, m: 4 };
+        let e = linear_forward_t_bf16(&[0.0; 6], &[0; 11], None, dims, &mut [0.0; 8]).unwrap_err();
+        assert!(e.to_string().contains("wt"), "{e}");
+    }
+}
