@@ -440,6 +440,37 @@ fn linear_matches_cpu() {
             )
             .unwrap();
             assert_close(&what("linear_transposed"), &down(&gpu, &yt), &yc, tol);
+
+            // The f32 decode layout, each backend's own (CPU column tiles, CUDA row-major).
+            let mut wd = gpu.alloc(out * inp).unwrap();
+            gpu.pack_decode_f32(View::whole(&wt), inp, out, ViewMut::whole(&mut wd))
+                .unwrap();
+            let mut yd = up(&gpu, &vec![f32::NAN; rows * out]);
+            gpu.linear_decode_f32(
+                View::whole(&dx_),
+                View::whole(&wd),
+                bg,
+                dims,
+                ViewMut::whole(&mut yd),
+            )
+            .unwrap();
+            let mut wtc = vec![0.0f32; out * inp];
+            cpu.transpose(View::whole(&w), out, inp, ViewMut::whole(&mut wtc))
+                .unwrap();
+            let mut wdc = vec![0.0f32; out * inp];
+            cpu.pack_decode_f32(View::whole(&wtc), inp, out, ViewMut::whole(&mut wdc))
+                .unwrap();
+            let mut ydc = vec![0.0f32; rows * out];
+            cpu.linear_decode_f32(
+                View::whole(&x),
+                View::whole(&wdc),
+                bc,
+                dims,
+                ViewMut::whole(&mut ydc),
+            )
+            .unwrap();
+            assert_close(&what("linear_decode_f32 (cpu)"), &ydc, &yc, tol);
+            assert_close(&what("linear_decode_f32"), &down(&gpu, &yd), &ydc, tol);
         }
 
         // Backward: all three accumulate into priors; dx and dbias optional.

@@ -262,18 +262,24 @@ fn tiled_product<W: Widen>(
     if n == 0 || m == 0 {
         return Ok(());
     }
+    if k == 0 {
+        // no sums: every row is the bias (or 0)
+        for row in out.chunks_exact_mut(m) {
+            match bias {
+                Some(b) => row.copy_from_slice(b),
+                None => row.fill(0.0),
+            }
+        }
+        return Ok(());
+    }
     // each block of rows transposed to [k][rows]: one slice of the rows' values per step
     // of the sum
-    let blocks: Vec<Vec<f32>> = x
-        .chunks(ROW_BLOCK * k.max(1))
+    let transposed: Vec<Vec<f32>> = x
+        .chunks(ROW_BLOCK * k)
         .map(|b| {
-            let rows = if k == 0 {
-                ROW_BLOCK.min(n)
-            } else {
-                b.len() / k
-            };
+            let rows = b.len() / k;
             let mut t = vec![0.0f32; k * rows];
-            for (r, row) in b.chunks_exact(k.max(1)).enumerate() {
+            for (r, row) in b.chunks_exact(k).enumerate() {
                 for (i, &v) in row.iter().enumerate() {
                     t[i * rows + r] = v;
                 }
@@ -281,14 +287,7 @@ fn tiled_product<W: Widen>(
             t
         })
         .collect();
-    let blocks: Vec<(usize, &[f32])> = if k == 0 {
-        // no sums: every row is the bias (or 0)
-        (0..n.div_ceil(ROW_BLOCK))
-            .map(|b| (ROW_BLOCK.min(n - b * ROW_BLOCK), &[][..]))
-            .collect()
-    } else {
-        blocks.iter().map(|t| (t.len() / k, &t[..])).collect()
-    };
+    let blocks: Vec<(usize, &[f32])> = transposed.iter().map(|t| (t.len() / k, &t[..])).collect();
     let tiles = m.div_ceil(TILE);
     let per = tiles.div_ceil(rayon::current_num_threads().clamp(1, tiles));
     let pieces: Vec<(usize, Vec<f32>)> = (0..tiles.div_ceil(per))
