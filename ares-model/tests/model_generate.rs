@@ -300,6 +300,113 @@ fn engine_with_few_slots_and_blocks_equals_one_by_one() {
     );
 }
 
+/// Chunked prefill: prompts longer than `max_prefill_tokens` are prefilled a chunk a step
+/// over their own blocks while the running sequences keep decoding. Each sequence equals
+/// its one-pass-prefill generation (tokens; log-probs and entropies within rounding: the
+/// paged attention sums in another order) and is the same bits in its own engine of the
+/// same chunk size (batch invariance); budgets that preempt leak no block.
+#[test]
+fn chunked_prefill_equals_one_pass_prefill() {
+    for name in MODELS {
+        let m = model(name);
+        let p = greedy_fixture(name).prompts;
+        // 18, 2 and 11 tokens, two samples each
+        let long: Vec<u32> = [&p[0], &p[2], &p[0]]
+            .into_iter()
+            .flatten()
+            .copied()
+            .collect();
+        let mid: Vec<u32> = [&p[0], &p[2]].into_iter().flatten().copied().collect();
+        let prompts: Vec<Vec<u32>> = [&p[1], &long, &mid]
+            .into_iter()
+            .flat_map(|q| [q.clone(), q.clone()])
+            .collect();
+        for sampling in [Sampling::Greedy, SAMPLE] {
+            let mut req = request(prompts.clone(), sampling, 9);
+            req.max_new_tokens = 10;
+            let want = one_by_one(&m, &req);
+            for (chunk, max_seqs, max_blocks) in [(3, 2, None), (5, 6, None), (4, 3, Some(12))] {
+                let config = EngineConfig {
+                    max_seqs,
+                    block_size: 4,
+                    max_blocks,
+                    max_prefill_tokens: chunk,
+                };
+                let what = format!("{name} {sampling:?} {config:?}");
+                let (out, widest, _, in_use) = engine_run(&m, &req, config);
+                assert_eq!(out.tokens, want.tokens, "{what}");
+                assert_close(&out.log_probs, &want.log_probs, 1e-4, &what);
+                assert_close(&out.entropies, &want.entropies, 1e-4, &what);
+                assert!(widest <= max_seqs, "{what}: {widest} rows");
+                assert_eq!(in_use, 0, "{what}: blocks leaked");
+                // each sequence alone in an engine of the same chunk size: the same bits
+                for (i, q) in req.prompts.iter().enumerate() {
+                    let mut alone = req.clone();
+                    // sequence i samples from stream i: dummy one-token prompts before it
+                    alone.prompts = vec![vec![1u32]; i];
+                    alone.prompts.push(q.clone());
+                    let (single, ..) = engine_run(&m, &alone, config);
+                    assert_eq!(single.tokens[i], out.tokens[i], "{what} [{i}]");
+                    let b = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        b(&single.log_probs[i]),
+                        b(&out.log_probs[i]),
+                        "{what} [{i}]"
+                    );
+                    assert_eq!(
+                        b(&single.entropies[i]),
+                        b(&out.entropies[i]),
+                        "{what} [{i}]"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// While a long prompt is prefilled in chunks, the running sequences decode every step.
+#[test]
+fn chunked_prefill_does_not_stall_decoding() {
+    let m = model("qwen2_tiny");
+    let generator = m.generator().unwrap();
+    let request = EngineRequest {
+        max_new_tokens: 20,
+        eos_ids: Vec::new(),
+        sampling: Sampling::Greedy,
+        seed: 0,
+    };
+    let config = EngineConfig {
+        max_seqs: 4,
+        block_size: 4,
+        max_blocks: None,
+        max_prefill_tokens: 4,
+    };
+    let mut engine = Engine::new(&generator, request, config).unwrap();
+    engine.submit(vec![3, 4]).unwrap();
+    let long: Vec<u32> = (0..30).map(|i| 5 + (i * 7) % 50).collect();
+    engine.submit(long).unwrap();
+    let mut tokens = [0usize; 2];
+    let mut steps_both = 0;
+    while !engine.is_idle() {
+        let before = tokens;
+        engine.step_with(&mut |id, _| tokens[id] += 1).unwrap();
+        // a step of the long prompt's prefill (tokens[1] still 0) in which the short
+        // sequence decoded
+        if tokens[1] == 0 && tokens[0] > before[0] && before[0] > 0 {
+            steps_both += 1;
+        }
+    }
+    let stats = engine.stats();
+    // 2 tokens in one pass, then 30 in chunks of 4: 8 chunk passes
+    assert_eq!(stats.prefill_tokens, 32, "{stats:?}");
+    assert_eq!(stats.prefill_passes, 9, "{stats:?}");
+    assert!(
+        steps_both >= 7,
+        "decoding stalled: {steps_both} steps with both"
+    );
+    assert_eq!(tokens, [20, 20]);
+}
+
 /// A budget that cannot hold one sequence is an error naming it; bad sizes are refused.
 #[test]
 fn engine_budget_and_config_errors() {
@@ -335,6 +442,10 @@ fn engine_budget_and_config_errors() {
         },
         EngineConfig {
             max_blocks: Some(0),
+            ..EngineConfig::default()
+        },
+        EngineConfig {
+            max_prefill_tokens: 0,
             ..EngineConfig::default()
         },
     ] {

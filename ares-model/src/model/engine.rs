@@ -10,10 +10,16 @@
 //!    recently admitted sequence is **preempted** (its blocks freed, it goes back to the
 //!    front of the queue and later starts again from its prompt with its stream reset, so
 //!    its tokens do not change);
-//! 2. **admits** waiting sequences in order while a decode slot (`max_seqs`) and blocks are
+//! 2. **prefills one chunk** of a text prompt longer than `max_prefill_tokens` (chunked
+//!    prefill): the chunk's tokens run as one sequence over the prompt's own blocks, each
+//!    attending to the chunks before it in the paged cache, so a long prompt takes several
+//!    steps and the running sequences keep decoding meanwhile;
+//! 3. **admits** waiting sequences in order while a decode slot (`max_seqs`) and blocks are
 //!    free, **prefilling** the prompts not cached yet in one left-padded pass (at most
-//!    `max_prefill_tokens` prompt tokens a step, at least one prompt, so decoding is not
-//!    starved), and picks each admitted sequence's first token from its prompt's logits.
+//!    `max_prefill_tokens` prompt tokens a step, counting this step's chunk, so decoding is
+//!    not starved; a longer text prompt starts a chunked prefill and the queue waits for
+//!    it; a longer multimodal prompt is prefilled whole), and picks each admitted
+//!    sequence's first token from its prompt's logits.
 //!
 //! Shared prefill: a prompt's keys and values are written once into blocks; each sample
 //! shares its full blocks (reference counts) and gets its own copy of the last, partial
@@ -21,9 +27,13 @@
 //! of it still wait. Two prompts are the same when their ids are (text), or their ids,
 //! embeddings, M-RoPE tables and deltas are (multimodal, see [`PromptVision`]).
 //!
-//! Determinism: sequence `i` samples from its own stream (`seed`, `i`), so its tokens do
-//! not depend on which sequences share a step; on the CPU in f32 they equal one-by-one
-//! generation (tests in `tests/model_generate.rs`).
+//! Determinism: sequence `i` samples from its own stream (`seed`, `i`), and on the CPU every
+//! row's numbers are independent of the other rows of a pass (the decode products are
+//! batch-invariant), so its tokens do not depend on which sequences share a step; they
+//! equal one-by-one generation (tests in `tests/model_generate.rs`). A chunked prompt's
+//! numbers depend on its chunk size only (the paged attention sums in another order than
+//! the one-pass prefill): the same tokens in any batch, log-probs within rounding of an
+//! unchunked prefill.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -49,7 +59,9 @@ pub struct EngineConfig {
     /// KV blocks at most (the cache's memory budget, shared by all layers); `None`: the
     /// pool grows as needed and nothing is preempted.
     pub max_blocks: Option<usize>,
-    /// Prompt tokens prefilled per step at most (one prompt is always allowed).
+    /// Prompt tokens prefilled per step at most (≥ 1): a text prompt longer than this is
+    /// prefilled in chunks of this many tokens, one chunk a step (a multimodal prompt is
+    /// prefilled whole).
     pub max_prefill_tokens: usize,
 }
 
@@ -86,6 +98,9 @@ impl EngineConfig {
         }
         if self.max_blocks == Some(0) {
             return Err(bad("max_blocks must be > 0"));
+        }
+        if self.max_prefill_tokens == 0 {
+            return Err(bad("max_prefill_tokens must be > 0"));
         }
         Ok(())
     }
@@ -165,6 +180,18 @@ struct Prefix<B: Backend> {
     logits: B::Buffer,
 }
 
+/// A text prompt prefilled over several steps, at most `max_prefill_tokens` of it a step,
+/// into blocks it owns until its last chunk makes it a [`Prefix`].
+struct ChunkedPrefill {
+    group: usize,
+    /// The group's prompt, and the first sequence waiting for it (named in errors).
+    prompt: usize,
+    first: usize,
+    blocks: Vec<u32>,
+    /// Prompt tokens in the blocks so far.
+    done: usize,
+}
+
 /// The rollout engine over a [`Generator`]'s weights; see the module docs.
 pub struct Engine<'a, B: Backend> {
     model: &'a Model<B>,
@@ -181,6 +208,9 @@ pub struct Engine<'a, B: Backend> {
     waiting: Vec<usize>,
     text_groups: HashMap<Vec<u32>, usize>,
     prefixes: HashMap<usize, Prefix<B>>,
+    /// The prompt being prefilled in chunks, and its pass's arena.
+    chunked: Option<ChunkedPrefill>,
+    chunk_acts: Option<Activations<B>>,
     seqs: Vec<Option<Sequence>>,
     pending: VecDeque<usize>,
     /// Running sequences in admission order.
@@ -250,6 +280,8 @@ impl<'a, B: Backend> Engine<'a, B> {
             waiting: Vec::new(),
             text_groups: HashMap::new(),
             prefixes: HashMap::new(),
+            chunked: None,
+            chunk_acts: None,
             seqs: Vec::new(),
             pending: VecDeque::new(),
             running: Vec::new(),
@@ -395,8 +427,8 @@ impl<'a, B: Backend> Engine<'a, B> {
         self.stats
     }
 
-    /// One step (a decode of the running sequences, then admissions with their prefill);
-    /// returns the sequences that ended in it.
+    /// One step (a decode of the running sequences, a chunk of a long prompt, then
+    /// admissions with their prefill); returns the sequences that ended in it.
     ///
     /// # Errors
     /// Non-finite logits, a budget too small for one sequence, or a model failure.
@@ -415,7 +447,8 @@ impl<'a, B: Backend> Engine<'a, B> {
     ) -> Result<Vec<FinishedSequence>, GenerateError> {
         let mut finished = Vec::new();
         self.decode(&mut finished, on_token)?;
-        self.admit(&mut finished, on_token)?;
+        let chunk = self.prefill_chunk()?;
+        self.admit(chunk, &mut finished, on_token)?;
         self.stats.steps += 1;
         self.stats.peak_blocks = self.stats.peak_blocks.max(self.pool.in_use());
         self.stats.peak_capacity = self.stats.peak_capacity.max(self.pool.capacity());
@@ -515,11 +548,9 @@ impl<'a, B: Backend> Engine<'a, B> {
                 continue;
             }
             // Out of blocks: first drop the cached prompts (their waiting samples prefill
-            // again when admitted), then preempt the latest admitted sequence.
-            if !self.prefixes.is_empty() {
-                for (_, p) in self.prefixes.drain() {
-                    p.blocks.iter().for_each(|&b| self.pool.release(b));
-                }
+            // again when admitted) and a chunked prefill under way (it starts again), then
+            // preempt the latest admitted sequence.
+            if self.drop_prefill_caches() {
                 continue;
             }
             let victim = *self
@@ -616,9 +647,120 @@ impl<'a, B: Backend> Engine<'a, B> {
         Ok(())
     }
 
-    /// Admits waiting sequences, prefills their new prompts and picks their first tokens.
+    /// Frees the blocks of the cached prompts and of a chunked prefill under way; whether
+    /// there were any.
+    fn drop_prefill_caches(&mut self) -> bool {
+        let any = !self.prefixes.is_empty() || self.chunked.is_some();
+        for (_, p) in self.prefixes.drain() {
+            p.blocks.iter().for_each(|&b| self.pool.release(b));
+        }
+        if let Some(c) = self.chunked.take() {
+            c.blocks.iter().for_each(|&b| self.pool.release(b));
+        }
+        any
+    }
+
+    /// Prefills the next chunk of the prompt being prefilled in chunks, if any: its
+    /// tokens as one sequence of `seq` = chunk tokens at slots `done..`, attending over the
+    /// prompt's blocks ([`Backend::paged_attention_decode`]: each query sees the slots up to
+    /// its own). The last chunk's final position gives the prompt's logits and the prompt
+    /// becomes a cached [`Prefix`]. Returns the prompt tokens prefilled (0 when it waits
+    /// for blocks that running sequences hold).
+    fn prefill_chunk(&mut self) -> Result<usize, GenerateError> {
+        let Some(mut c) = self.chunked.take() else {
+            return Ok(0);
+        };
+        let model = self.model;
+        let be = &model.backend;
+        let bs = self.pool.block_size();
+        let len = self.prompts[c.prompt].len();
+        let take = self.config.max_prefill_tokens.min(len - c.done);
+        while c.blocks.len() * bs < c.done + take {
+            if let Some(b) = self.pool.alloc(be)? {
+                c.blocks.push(b);
+                continue;
+            }
+            if !self.prefixes.is_empty() {
+                for (_, p) in self.prefixes.drain() {
+                    p.blocks.iter().for_each(|&b| self.pool.release(b));
+                }
+                continue;
+            }
+            if self.running.is_empty() {
+                c.blocks.iter().for_each(|&b| self.pool.release(b));
+                return Err(self.budget_error(c.first, len + 1));
+            }
+            // running sequences hold the blocks: wait for them to end
+            self.chunked = Some(c);
+            return Ok(0);
+        }
+        let ids = &self.prompts[c.prompt][c.done..c.done + take];
+        let positions: Vec<u32> = (c.done..c.done + take).map(|p| p as u32).collect();
+        let ones = vec![1u32; take];
+        let inputs = Inputs {
+            batch: 1,
+            seq: take,
+            input_ids: ids,
+            attention_mask: &ones,
+            position_ids: &positions,
+        };
+        let host_len = [c.done as u32];
+        let mut tables = be.alloc_ids(c.blocks.len())?;
+        be.upload_ids(&c.blocks, &mut tables)?;
+        let mut lens = be.alloc_ids(1)?;
+        be.upload_ids(&host_len, &mut lens)?;
+        if self
+            .chunk_acts
+            .as_ref()
+            .is_none_or(|a| a.shape() != (1, take))
+        {
+            self.chunk_acts = None; // the old arena is freed before the new one is planned
+            self.chunk_acts = Some(model.prefill_activations(1, take)?);
+        }
+        let acts = self.chunk_acts.as_mut().unwrap_or_else(|| unreachable!());
+        let step_tables = BlockTables {
+            block_size: bs,
+            max_blocks: c.blocks.len(),
+            tables: &tables,
+            len: &lens,
+            host_tables: &c.blocks,
+            host_len: &host_len,
+        };
+        model.forward_extras(
+            &inputs,
+            &ForwardExtras::default(),
+            acts,
+            Some(StepCache::Paged(&mut self.pool, step_tables)),
+            Some(self.tw),
+        )?;
+        c.done += take;
+        self.stats.prefill_passes += 1;
+        self.stats.prefill_tokens += take;
+        if c.done < len {
+            self.chunked = Some(c);
+            return Ok(take);
+        }
+        // the chunk's last row is the prompt's last position
+        let head = model.prefill_head(acts, self.tw)?;
+        let mut logits = be.alloc(model.spec.vocab)?;
+        be.copy(head, ViewMut::whole(&mut logits))?;
+        self.stats.prefill_prompts += 1;
+        self.prefixes.insert(
+            c.group,
+            Prefix {
+                blocks: c.blocks,
+                len,
+                logits,
+            },
+        );
+        Ok(take)
+    }
+
+    /// Admits waiting sequences, prefills their new prompts and picks their first tokens;
+    /// `chunk` prompt tokens were prefilled this step already.
     fn admit(
         &mut self,
+        chunk: usize,
         finished: &mut Vec<FinishedSequence>,
         on_token: &mut dyn FnMut(usize, u32),
     ) -> Result<(), GenerateError> {
@@ -627,7 +769,7 @@ impl<'a, B: Backend> Engine<'a, B> {
         let bs = self.pool.block_size();
         let mut admitted = Vec::new();
         let mut to_prefill: Vec<usize> = Vec::new(); // groups
-        let (mut tokens, mut reserved) = (0usize, 0usize);
+        let (mut tokens, mut reserved) = (chunk, 0usize);
         while let Some(&id) = self.pending.front() {
             if self.running.len() + admitted.len() >= self.config.max_seqs {
                 break;
@@ -635,12 +777,28 @@ impl<'a, B: Backend> Engine<'a, B> {
             let group = self.group_of[id];
             let plen = self.prompts[id].len();
             let new_prefix = !self.prefixes.contains_key(&group) && !to_prefill.contains(&group);
+            let chunked =
+                new_prefix && plen > self.config.max_prefill_tokens && self.vision.is_none();
+            if chunked && self.chunked.is_some() {
+                break; // its prompt (or one before it) is being prefilled in chunks
+            }
             // blocks: the prompt's (once), the sample's partial copy, its first decode block
             let need = if new_prefix { plen.div_ceil(bs) } else { 0 } + 2;
             if self.pool.available() < reserved + need {
                 if self.running.is_empty() && admitted.is_empty() {
                     return Err(self.budget_error(id, plen + 1));
                 }
+                break;
+            }
+            if chunked {
+                // prefilled over the next steps; the queue waits behind it
+                self.chunked = Some(ChunkedPrefill {
+                    group,
+                    prompt: self.group_prompt[group],
+                    first: id,
+                    blocks: Vec::new(),
+                    done: 0,
+                });
                 break;
             }
             if new_prefix {

@@ -599,7 +599,7 @@ impl<B: Backend> Model<B> {
     /// sequence's last prompt position (token `b · width + width − 1`: the prompts are
     /// left-padded) into a `[batch, C]` buffer and multiplies it by the head, leaving the
     /// `[batch, V]` logits in the arena's logits buffer, whose view this returns.
-    fn prefill_head<'a>(
+    pub(crate) fn prefill_head<'a>(
         &self,
         acts: &'a mut Activations<B>,
         tw: &DecodeWeights<B>,
