@@ -184,8 +184,7 @@ struct Prefix<B: Backend> {
 /// into blocks it owns until its last chunk makes it a [`Prefix`].
 struct ChunkedPrefill {
     group: usize,
-    /// The group's prompt, and the first sequence waiting for it (named in errors).
-    prompt: usize,
+    /// The first sequence waiting for it (named in errors).
     first: usize,
     blocks: Vec<u32>,
     /// Prompt tokens in the blocks so far.
@@ -673,17 +672,15 @@ impl<'a, B: Backend> Engine<'a, B> {
         let model = self.model;
         let be = &model.backend;
         let bs = self.pool.block_size();
-        let len = self.prompts[c.prompt].len();
+        let len = self.prompts[self.group_prompt[c.group]].len();
         let take = self.config.max_prefill_tokens.min(len - c.done);
         while c.blocks.len() * bs < c.done + take {
             if let Some(b) = self.pool.alloc(be)? {
                 c.blocks.push(b);
                 continue;
             }
-            if !self.prefixes.is_empty() {
-                for (_, p) in self.prefixes.drain() {
-                    p.blocks.iter().for_each(|&b| self.pool.release(b));
-                }
+            // (the chunked prefill is out of `self`: this drops the cached prompts only)
+            if self.drop_prefill_caches() {
                 continue;
             }
             if self.running.is_empty() {
@@ -694,7 +691,7 @@ impl<'a, B: Backend> Engine<'a, B> {
             self.chunked = Some(c);
             return Ok(0);
         }
-        let ids = &self.prompts[c.prompt][c.done..c.done + take];
+        let ids = &self.prompts[self.group_prompt[c.group]][c.done..c.done + take];
         let positions: Vec<u32> = (c.done..c.done + take).map(|p| p as u32).collect();
         let ones = vec![1u32; take];
         let inputs = Inputs {
@@ -794,7 +791,6 @@ impl<'a, B: Backend> Engine<'a, B> {
                 // prefilled over the next steps; the queue waits behind it
                 self.chunked = Some(ChunkedPrefill {
                     group,
-                    prompt: self.group_prompt[group],
                     first: id,
                     blocks: Vec::new(),
                     done: 0,
