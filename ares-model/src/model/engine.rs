@@ -10,16 +10,16 @@
 //!    recently admitted sequence is **preempted** (its blocks freed, it goes back to the
 //!    front of the queue and later starts again from its prompt with its stream reset, so
 //!    its tokens do not change);
-//! 2. **prefills one chunk** of a text prompt longer than `max_prefill_tokens` (chunked
+//! 2. **prefills one chunk** of a prompt longer than `max_prefill_tokens` (chunked
 //!    prefill): the chunk's tokens run as one sequence over the prompt's own blocks, each
-//!    attending to the chunks before it in the paged cache, so a long prompt takes several
+//!    attending to the chunks before it in the paged cache (a multimodal chunk with its
+//!    image/video rows and its span of the M-RoPE tables), so a long prompt takes several
 //!    steps and the running sequences keep decoding meanwhile;
 //! 3. **admits** waiting sequences in order while a decode slot (`max_seqs`) and blocks are
 //!    free, **prefilling** the prompts not cached yet in one left-padded pass (at most
 //!    `max_prefill_tokens` prompt tokens a step, counting this step's chunk, so decoding is
-//!    not starved; a longer text prompt starts a chunked prefill and the queue waits for
-//!    it; a longer multimodal prompt is prefilled whole), and picks each admitted
-//!    sequence's first token from its prompt's logits.
+//!    not starved; a longer prompt starts a chunked prefill and the queue waits for it),
+//!    and picks each admitted sequence's first token from its prompt's logits.
 //!
 //! Shared prefill: a prompt's keys and values are written once into blocks; each sample
 //! shares its full blocks (reference counts) and gets its own copy of the last, partial
@@ -59,9 +59,8 @@ pub struct EngineConfig {
     /// KV blocks at most (the cache's memory budget, shared by all layers); `None`: the
     /// pool grows as needed and nothing is preempted.
     pub max_blocks: Option<usize>,
-    /// Prompt tokens prefilled per step at most (≥ 1): a text prompt longer than this is
-    /// prefilled in chunks of this many tokens, one chunk a step (a multimodal prompt is
-    /// prefilled whole).
+    /// Prompt tokens prefilled per step at most (≥ 1): a prompt longer than this is
+    /// prefilled in chunks of this many tokens, one chunk a step.
     pub max_prefill_tokens: usize,
 }
 
@@ -180,7 +179,7 @@ struct Prefix<B: Backend> {
     logits: B::Buffer,
 }
 
-/// A text prompt prefilled over several steps, at most `max_prefill_tokens` of it a step,
+/// A prompt prefilled over several steps, at most `max_prefill_tokens` of it a step,
 /// into blocks it owns until its last chunk makes it a [`Prefix`].
 struct ChunkedPrefill {
     group: usize,
@@ -691,8 +690,24 @@ impl<'a, B: Backend> Engine<'a, B> {
             self.chunked = Some(c);
             return Ok(0);
         }
-        let ids = &self.prompts[self.group_prompt[c.group]][c.done..c.done + take];
+        let prompt = self.group_prompt[c.group];
+        let ids = &self.prompts[prompt][c.done..c.done + take];
         let positions: Vec<u32> = (c.done..c.done + take).map(|p| p as u32).collect();
+        // a multimodal chunk: its image/video rows and its span of the M-RoPE tables
+        let (rows, rope) = match self.vision {
+            Some(v) => {
+                let rows = chunk_vision_rows(be, v, prompt, c.done, take, model.spec.hidden)?;
+                let half = model.spec.head_dim / 2;
+                let (cos, sin) = &v.rope[prompt];
+                let span = c.done * half..(c.done + take) * half;
+                (rows, Some((&cos[span.clone()], &sin[span])))
+            }
+            None => (None, None),
+        };
+        let extras = ForwardExtras {
+            embeds: rows.as_ref().map(|(ids, e)| (ids, View::whole(e))),
+            rope,
+        };
         let ones = vec![1u32; take];
         let inputs = Inputs {
             batch: 1,
@@ -725,7 +740,7 @@ impl<'a, B: Backend> Engine<'a, B> {
         };
         model.forward_extras(
             &inputs,
-            &ForwardExtras::default(),
+            &extras,
             acts,
             Some(StepCache::Paged(&mut self.pool, step_tables)),
             Some(self.tw),
@@ -774,8 +789,7 @@ impl<'a, B: Backend> Engine<'a, B> {
             let group = self.group_of[id];
             let plen = self.prompts[id].len();
             let new_prefix = !self.prefixes.contains_key(&group) && !to_prefill.contains(&group);
-            let chunked =
-                new_prefix && plen > self.config.max_prefill_tokens && self.vision.is_none();
+            let chunked = new_prefix && plen > self.config.max_prefill_tokens;
             if chunked && self.chunked.is_some() {
                 break; // its prompt (or one before it) is being prefilled in chunks
             }
@@ -911,4 +925,44 @@ impl<'a, B: Backend> Engine<'a, B> {
         }
         Ok(())
     }
+}
+
+/// A chunk's replaced rows (indices in the chunk) and their embeddings `[rows, hidden]`.
+type ChunkRows<B> = Option<(<B as Backend>::Ids, <B as Backend>::Buffer)>;
+
+/// The replaced rows of prompt `prompt` that fall in its chunk `done..done + take`: their
+/// indices in the chunk and their embedding rows gathered (runs of consecutive rows copied
+/// at once); `None` when the chunk has none.
+fn chunk_vision_rows<B: Backend>(
+    be: &B,
+    v: &PromptVision<'_, B>,
+    prompt: usize,
+    done: usize,
+    take: usize,
+    hidden: usize,
+) -> Result<ChunkRows<B>, GenerateError> {
+    let inside: Vec<(usize, u32)> = v
+        .rows
+        .iter()
+        .enumerate()
+        .filter(|&(_, &(p, t))| p == prompt && (done..done + take).contains(&t))
+        .map(|(i, &(_, t))| (i, (t - done) as u32))
+        .collect();
+    if inside.is_empty() {
+        return Ok(None);
+    }
+    let mut buf = be.alloc(inside.len() * hidden)?;
+    let mut at = 0;
+    for run in inside.chunk_by(|a, b| b.0 == a.0 + 1) {
+        let n = run.len() * hidden;
+        be.copy(
+            View::new(v.embeds.buffer(), v.embeds.offset() + run[0].0 * hidden, n)?,
+            ViewMut::new(&mut buf, at, n)?,
+        )?;
+        at += n;
+    }
+    let flat: Vec<u32> = inside.iter().map(|&(_, t)| t).collect();
+    let mut ids = be.alloc_ids(flat.len())?;
+    be.upload_ids(&flat, &mut ids)?;
+    Ok(Some((ids, buf)))
 }

@@ -191,6 +191,8 @@ pub struct Generator<'m, B: Backend> {
     /// Shared prefill of equal prompts and finished sequences leaving the batch (the
     /// default); off: every prompt prefilled, every row kept to the end.
     batching: bool,
+    /// Prompt tokens prefilled per engine step at most (`None`: every prompt in the first).
+    max_prefill_tokens: Option<usize>,
 }
 
 impl<'m, B: Backend> Generator<'m, B> {
@@ -199,6 +201,17 @@ impl<'m, B: Backend> Generator<'m, B> {
     /// engine saves, as the `rollout` bench does).
     pub fn static_batching(mut self) -> Self {
         self.batching = false;
+        self
+    }
+
+    /// Prefills at most `tokens` prompt tokens per engine step, a longer prompt in chunks
+    /// of `tokens` over several steps while the admitted sequences decode
+    /// ([`EngineConfig::max_prefill_tokens`]; by default every prompt is prefilled in the
+    /// first step). Same tokens; on the CPU a chunked prompt's log-probs and entropies are
+    /// within rounding of the one-pass prefill's (the paged attention sums in another order).
+    /// 0 is refused when generating.
+    pub fn max_prefill_tokens(mut self, tokens: usize) -> Self {
+        self.max_prefill_tokens = Some(tokens);
         self
     }
 
@@ -351,7 +364,10 @@ impl<'m, B: Backend> Generator<'m, B> {
             let empty = vec![SequenceOutput::default(); request.prompts.len()];
             return Ok(GenerateOutput::from_sequences(empty));
         }
-        let config = EngineConfig::for_request(request, self.model.spec.kv_dim());
+        let mut config = EngineConfig::for_request(request, self.model.spec.kv_dim());
+        if let Some(tokens) = self.max_prefill_tokens {
+            config.max_prefill_tokens = tokens;
+        }
         let mut engine = Engine::with_prompts(self, request, vision, config)?;
         engine.run_to_end(on_token)
     }
@@ -672,6 +688,7 @@ impl<B: Backend> Model<B> {
             model: self,
             tw: DecodeWeights::new(&self.backend, &self.spec, &self.weights, dtype)?,
             batching: true,
+            max_prefill_tokens: None,
         })
     }
 

@@ -547,6 +547,13 @@ impl<B: Backend> VlGenerator<'_, B> {
         self
     }
 
+    /// Prefills at most `tokens` prompt tokens per step, a longer prompt (its image and
+    /// video rows with it) in chunks ([`Generator::max_prefill_tokens`]).
+    pub fn max_prefill_tokens(mut self, tokens: usize) -> Self {
+        self.lm = self.lm.max_prefill_tokens(tokens);
+        self
+    }
+
     /// Generates after each prompt of `request` (placeholders expanded, as
     /// [`super::mrope::expand_placeholders`] makes them) with `vision[i]` the images and
     /// videos of prompt `i`: the tower runs once per prompt, its rows replace the

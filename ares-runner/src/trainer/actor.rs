@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::model::{
-    Activations, AdamW, GenerateOutput, GenerateRequest, Generator, Grads, Inputs, Model,
-    ModelError, StepReport, WeightDtype,
+    Activations, AdamW, EngineConfig, GenerateOutput, GenerateRequest, Generator, Grads, Inputs,
+    Model, ModelError, StepReport, WeightDtype,
 };
 use crate::vision::model::{VisionBatch, VisionMoments, VlActs, VlGenerator, VlModel};
 use crate::vision::tower::VisionGrads;
@@ -112,7 +112,12 @@ impl<B: Backend> Actor<B> {
     pub fn generator_with(&self, dtype: WeightDtype) -> Result<ActorGenerator<'_, B>, TrainError> {
         Ok(match self {
             Actor::Text(m) => ActorGenerator::Text(m.generator_with(dtype)?),
-            Actor::Vision(m) => ActorGenerator::Vision(m.generator_with(dtype)?),
+            // as the text rollout's engine: a prompt past 8 192 tokens (a long video) is
+            // prefilled in chunks while the other sequences decode
+            Actor::Vision(m) => ActorGenerator::Vision(
+                m.generator_with(dtype)?
+                    .max_prefill_tokens(EngineConfig::default().max_prefill_tokens),
+            ),
         })
     }
 
