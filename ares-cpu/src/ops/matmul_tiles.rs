@@ -37,6 +37,11 @@ pub const TILE: usize = 32;
 pub const ROW_BLOCK: usize = 8;
 /// Rows per pass over a thread's tiles: a tile stays in cache across the chunk's blocks.
 pub const ROW_CHUNK: usize = 64;
+/// How far ahead of its multiply-adds the AVX-512 kernel prefetches the weight stream. With
+/// weights from memory (a 0.5B model's do not fit any cache) the hardware prefetcher alone
+/// left an 8-row product at ~14 GB/s of weights against a 29 GB/s read limit; 4 KB ahead
+/// gave 20–22 GB/s in f32 and 1.6–1.9× in bf16 (2–4 KB measured best of 0.25–4 KB).
+const PREFETCH_BYTES: usize = 4096;
 
 /// Rounds `src` to bf16 (nearest even; NaN stays NaN) into `dst`, as bits.
 ///
@@ -460,7 +465,8 @@ fn tile_avx512<W: Widen, const R: usize>(
     ld: usize,
 ) {
     use std::arch::x86_64::{
-        _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_setzero_ps, _mm512_storeu_ps,
+        _MM_HINT_T0, _mm_prefetch, _mm512_fmadd_ps, _mm512_loadu_ps, _mm512_set1_ps,
+        _mm512_setzero_ps, _mm512_storeu_ps,
     };
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
     if let Some(b) = bias {
@@ -473,7 +479,17 @@ fn tile_avx512<W: Widen, const R: usize>(
         }
     }
     let (xt, _) = xt.as_chunks::<R>();
+    let ahead = PREFETCH_BYTES / size_of::<W::Elem>();
+    let two_lines = TILE * size_of::<W::Elem>() > 64;
     for (row, xs) in tile.chunks_exact(TILE).zip(xt) {
+        // the weights PREFETCH_BYTES ahead (into the next tile past this one's end: the
+        // tiles are one stream), so memory and the multiply-adds overlap
+        // (a prefetch never faults, whatever the address)
+        let p = row.as_ptr().wrapping_add(ahead).cast::<i8>();
+        _mm_prefetch::<_MM_HINT_T0>(p);
+        if two_lines {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64));
+        }
         // SAFETY: `row` holds 32 weights; each load reads 16 of them; AVX-512F is enabled.
         let (lo, hi) = unsafe { (W::load16(row.as_ptr()), W::load16(row[16..].as_ptr())) };
         for (a, &xv) in acc.iter_mut().zip(xs) {
