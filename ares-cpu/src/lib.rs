@@ -4,6 +4,9 @@
 //! against, and fast in their own right (rayon over rows, SIMD-friendly inner loops with
 //! run-time dispatch to AVX2/AVX-512 on x86-64).
 //!
+//! The instruction-set path is picked at run time and can be forced with `ARES_CPU_ISA`
+//! ([`isa`]).
+//!
 //! - [`log_prob_entropy`]: per row of logits `[rows, V]` (f32, bf16 or f16), the log-prob of
 //!   a target token and the exact entropy of `softmax(z / temperature)`, from one read of
 //!   the logits with an online max/sum — no `[rows, V]` temporary.
@@ -15,6 +18,7 @@
 
 mod error;
 mod exp;
+pub mod isa;
 mod kl;
 mod log_prob_entropy;
 mod logits;
@@ -24,6 +28,7 @@ mod test_rng;
 mod windows;
 
 pub use error::{Error, Result};
+pub use isa::Isa;
 pub use kl::{MaskedKlInputs, MaskedKlOutputs, masked_dynamic_kl};
 pub use log_prob_entropy::{LogProbEntropy, log_prob_entropy};
 pub use logits::{Logit, LogitKind, Logits};

@@ -21,6 +21,7 @@
 use crate::error::check_len;
 use crate::error::{Error, Result};
 use crate::exp::{EXP2_UNDERFLOW, exp2_nonpositive, madd};
+use crate::isa::Isa;
 use crate::logits::{Logit, Logits};
 use ares_core::Error as CoreError;
 use rayon::prelude::*;
@@ -184,19 +185,15 @@ const LN2: f64 = core::f64::consts::LN_2;
 /// widest SIMD the CPU has at run time: AVX-512 intrinsics ([`avx512`]), else the portable
 /// loop compiled for AVX2+FMA or the base target; all give the same bits (FMA or not aside).
 fn row_stats<L: Logit>(row: &[L], inv_t: f32) -> Option<RowStats> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { avx512::row_stats(row, inv_t) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
-            return unsafe { row_stats_avx2(row, inv_t) };
-        }
+    match Isa::active() {
+        // SAFETY: `Isa::active` is a path the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { avx512::row_stats(row, inv_t) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { row_stats_avx2(row, inv_t) },
+        _ => row_stats_portable::<L, false>(row, inv_t),
     }
-    row_stats_portable::<L, false>(row, inv_t)
 }
 
 #[cfg(target_arch = "x86_64")]

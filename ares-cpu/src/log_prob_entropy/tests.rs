@@ -253,7 +253,7 @@ fn no_rows_is_fine() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn avx512_kernel_equals_the_portable_kernel_bit_for_bit() {
-    if !std::arch::is_x86_feature_detected!("avx512f") {
+    if !crate::Isa::Avx512.supported() {
         eprintln!("skipped: this CPU has no AVX-512F");
         return;
     }

@@ -36,6 +36,7 @@
 use crate::Result;
 use crate::error::check_len;
 use crate::exp::exp_nonpositive;
+use crate::isa::Isa;
 use ares_core::{Error as CoreError, Shape};
 use rayon::prelude::*;
 
@@ -502,19 +503,15 @@ fn attend(
     scores: &mut [f32],
     out: &mut [f32],
 ) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { attend_avx512(q, keys, g, n, scale, scores, out) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
-            return unsafe { attend_avx2(q, keys, g, n, scale, scores, out) };
-        }
+    match Isa::active() {
+        // SAFETY: `Isa::active` is a path the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { attend_avx512(q, keys, g, n, scale, scores, out) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { attend_avx2(q, keys, g, n, scale, scores, out) },
+        _ => attend_portable::<false>(q, keys, g, n, scale, scores, out),
     }
-    attend_portable::<false>(q, keys, g, n, scale, scores, out)
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -27,6 +27,7 @@
 use super::log_prob_backward::check_head_backward;
 use crate::error::{Error, Result};
 use crate::exp::{EXP2_UNDERFLOW, exp2_nonpositive, scaled_row_max};
+use crate::isa::Isa;
 use ares_core::Error as CoreError;
 use rayon::prelude::*;
 
@@ -98,19 +99,15 @@ enum RowOutcome {
 /// One row: `out += c·∂H/∂x` at `inv_t = 1/T`. Picks the widest SIMD the CPU has at run
 /// time; every variant runs the same code.
 fn row_grad(x: &[f32], out: &mut [f32], inv_t: f32, c: f32) -> RowOutcome {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { row_grad_avx512(x, out, inv_t, c) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
-            return unsafe { row_grad_avx2(x, out, inv_t, c) };
-        }
+    match Isa::active() {
+        // SAFETY: `Isa::active` is a path the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { row_grad_avx512(x, out, inv_t, c) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { row_grad_avx2(x, out, inv_t, c) },
+        _ => row_grad_portable::<false>(x, out, inv_t, c),
     }
-    row_grad_portable::<false>(x, out, inv_t, c)
 }
 
 #[cfg(target_arch = "x86_64")]

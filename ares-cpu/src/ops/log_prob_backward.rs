@@ -20,6 +20,7 @@
 
 use crate::error::{Error, Result, check_len, product};
 use crate::exp::{EXP2_UNDERFLOW, exp2_nonpositive, scaled_row_max};
+use crate::isa::Isa;
 use ares_core::Error as CoreError;
 use rayon::prelude::*;
 
@@ -126,19 +127,15 @@ enum RowOutcome {
 /// One row: `out = g·(onehot(target) − softmax(x·inv_t))`. Picks the widest SIMD the CPU
 /// has at run time; every variant runs the same code.
 fn row_grad(x: &[f32], out: &mut [f32], inv_t: f32, target: usize, g: f32) -> RowOutcome {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { row_grad_avx512(x, out, inv_t, target, g) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
-            return unsafe { row_grad_avx2(x, out, inv_t, target, g) };
-        }
+    match Isa::active() {
+        // SAFETY: `Isa::active` is a path the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { row_grad_avx512(x, out, inv_t, target, g) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { row_grad_avx2(x, out, inv_t, target, g) },
+        _ => row_grad_portable::<false>(x, out, inv_t, target, g),
     }
-    row_grad_portable::<false>(x, out, inv_t, target, g)
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -15,6 +15,7 @@ use gemm::Parallelism;
 use rayon::prelude::*;
 
 use crate::Result;
+use crate::isa::Isa;
 use crate::ops::precision::MatmulPrecision;
 
 /// Sizes of a matrix product `[n, k] · [k, m] → [n, m]`.
@@ -606,7 +607,8 @@ unsafe fn gemm_raw(
     // BLAS, takes (column, row) stride pairs, and reads `dst` only if asked to.
     // SAFETY: forwarded from the caller's contract.
     unsafe {
-        gemm::gemm(
+        gemm_on(
+            Isa::active(),
             n,
             m,
             k,
@@ -622,10 +624,113 @@ unsafe fn gemm_raw(
             sb.row,
             beta,
             alpha,
-            false,
-            false,
-            false,
             par,
+        );
+    }
+}
+
+/// `gemm::gemm` for f32 on the kernels of the path `isa` (one the CPU supports).
+///
+/// `gemm` picks its kernels from the CPU alone and has no setting, so when `ARES_CPU_ISA`
+/// forces a narrower path than the CPU's this calls that path's kernels itself: the very
+/// driver (`gemm_basic_generic`) and microkernel tables (`gemm_f32::microkernel::{fma,
+/// scalar}`) that `gemm::gemm` dispatches to on an AVX2-only or a pre-AVX2 CPU. Those are
+/// gemm's internals at the exact version this crate pins (`=0.19.0`);
+/// `tests::gemm_paths_agree` checks every path against gemm's own dispatch.
+///
+/// # Safety
+/// As `gemm::gemm` (the caller's contract of [`gemm_raw`]).
+#[allow(clippy::too_many_arguments)] // gemm's own argument list
+unsafe fn gemm_on(
+    isa: Isa,
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_cs: isize,
+    dst_rs: isize,
+    read_dst: bool,
+    lhs: *const f32,
+    lhs_cs: isize,
+    lhs_rs: isize,
+    rhs: *const f32,
+    rhs_cs: isize,
+    rhs_rs: isize,
+    alpha: f32,
+    beta: f32,
+    par: Parallelism,
+) {
+    macro_rules! on {
+        ($simd:expr, $kernels:path, $lanes:expr) => {{
+            use $kernels as ukr;
+            // SAFETY: forwarded from the caller's contract; `$simd` proves the CPU's features.
+            unsafe {
+                gemm_common::gemm::gemm_basic_generic::<
+                    _,
+                    f32,
+                    { $lanes },
+                    { ukr::MR_DIV_N * $lanes },
+                    { ukr::NR },
+                    { ukr::MR_DIV_N },
+                    { ukr::H_M },
+                    { ukr::H_N },
+                >(
+                    $simd,
+                    m,
+                    n,
+                    k,
+                    dst,
+                    dst_cs,
+                    dst_rs,
+                    read_dst,
+                    lhs,
+                    lhs_cs,
+                    lhs_rs,
+                    rhs,
+                    rhs_cs,
+                    rhs_rs,
+                    alpha,
+                    beta,
+                    false,
+                    false,
+                    false,
+                    |a, b, c| a * b + c,
+                    &ukr::UKR,
+                    &ukr::H_UKR,
+                    false,
+                    par,
+                )
+            }
+        }};
+    }
+    use gemm_common::simd::MixedSimd;
+    if isa != Isa::detected() {
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                // gemm's AVX2 path also asks for F16C, which every AVX2 CPU has; were it
+                // missing, gemm's own dispatch below is the fallback.
+                if let Some(v3) =
+                    <gemm_common::simd::V3 as MixedSimd<f32, f32, f32, f32>>::try_new()
+                {
+                    return on!(v3, gemm_f32::microkernel::fma::f32, 8);
+                }
+            }
+            Isa::Portable => {
+                return on!(
+                    gemm_common::simd::Scalar,
+                    gemm_f32::microkernel::scalar::f32,
+                    1
+                );
+            }
+            _ => {}
+        }
+    }
+    // SAFETY: forwarded from the caller's contract.
+    unsafe {
+        gemm::gemm(
+            m, n, k, dst, dst_cs, dst_rs, read_dst, lhs, lhs_cs, lhs_rs, rhs, rhs_cs, rhs_rs,
+            alpha, beta, false, false, false, par,
         );
     }
 }
@@ -808,6 +913,137 @@ mod tests {
 
     const SIZES: [(usize, usize, usize); 5] =
         [(7, 13, 5), (1, 1, 1), (64, 96, 80), (3, 0, 4), (0, 5, 2)];
+
+    /// Every path the CPU supports (gemm's AVX-512, AVX2 or scalar kernels, the narrower ones
+    /// called through gemm's internals) computes `c = β·c + α·a·b` within f32 rounding of
+    /// an f64 sum, on one row (gemm's vector kernels), small and blocked shapes, a transposed
+    /// right operand and an accumulated destination; the CPU's own path gives gemm's bits.
+    #[test]
+    fn gemm_paths_agree() {
+        let shapes = [
+            (1, 37, 300),
+            (7, 13, 5),
+            (64, 96, 80),
+            (130, 257, 70),
+            (33, 1, 9),
+        ];
+        for (seed, (n, k, m)) in shapes.into_iter().enumerate() {
+            let seed = seed as u64 * 4;
+            let (a, b) = (rand_vec(n * k, seed), rand_vec(k * m, seed + 1));
+            let c0 = rand_vec(n * m, seed + 2);
+            for (transposed_b, alpha, beta) in [(false, 1.0f32, 0.0f32), (true, 0.5, 1.0)] {
+                // b as [k, m] row-major, or the same values stored [m, k] and read transposed
+                let (bt, sb) = if transposed_b {
+                    let mut t = vec![0.0; k * m];
+                    transpose(&b, k, m, &mut t).unwrap();
+                    (
+                        t,
+                        Strides {
+                            row: 1,
+                            col: k as isize,
+                        },
+                    )
+                } else {
+                    (
+                        b.clone(),
+                        Strides {
+                            row: m as isize,
+                            col: 1,
+                        },
+                    )
+                };
+                let want: Vec<f64> = (0..n * m)
+                    .map(|e| {
+                        let (i, j) = (e / m, e % m);
+                        let dot: f64 = (0..k)
+                            .map(|l| f64::from(a[i * k + l]) * f64::from(b[l * m + j]))
+                            .sum();
+                        f64::from(beta) * f64::from(c0[e]) + f64::from(alpha) * dot
+                    })
+                    .collect();
+                let run = |isa: Isa| {
+                    let mut c = c0.clone();
+                    let (sa, sc) = (
+                        Strides {
+                            row: k as isize,
+                            col: 1,
+                        },
+                        Strides {
+                            row: m as isize,
+                            col: 1,
+                        },
+                    );
+                    // SAFETY: every operand is a live row-major buffer of its full size.
+                    unsafe {
+                        gemm_on(
+                            isa,
+                            n,
+                            m,
+                            k,
+                            c.as_mut_ptr(),
+                            sc.col,
+                            sc.row,
+                            beta != 0.0,
+                            a.as_ptr(),
+                            sa.col,
+                            sa.row,
+                            bt.as_ptr(),
+                            sb.col,
+                            sb.row,
+                            beta,
+                            alpha,
+                            Parallelism::None,
+                        );
+                    }
+                    c
+                };
+                for isa in Isa::ALL.into_iter().filter(|i| i.supported()) {
+                    let got = run(isa);
+                    let ctx = format!("{isa} {n}x{k}x{m} transposed_b={transposed_b}");
+                    for (e, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                        // k products in another order: within k·2⁻²⁴ of the sum of magnitudes
+                        let mag: f64 = (0..k)
+                            .map(|l| {
+                                (f64::from(a[e / m * k + l]) * f64::from(b[l * m + e % m])).abs()
+                            })
+                            .sum::<f64>()
+                            + f64::from(c0[e]).abs();
+                        let tol = (k as f64 + 2.0) * f64::from(f32::EPSILON) * mag;
+                        assert!((f64::from(g) - w).abs() <= tol, "{ctx} at {e}: {g} vs {w}");
+                    }
+                    if isa == Isa::detected() {
+                        let mut c = c0.clone();
+                        // SAFETY: as above.
+                        unsafe {
+                            gemm::gemm(
+                                n,
+                                m,
+                                k,
+                                c.as_mut_ptr(),
+                                1,
+                                m as isize,
+                                beta != 0.0,
+                                a.as_ptr(),
+                                1,
+                                k as isize,
+                                bt.as_ptr(),
+                                sb.col,
+                                sb.row,
+                                beta,
+                                alpha,
+                                false,
+                                false,
+                                false,
+                                Parallelism::None,
+                            );
+                        }
+                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&got), bits(&c), "{ctx}: gemm's own dispatch");
+                    }
+                }
+            }
+        }
+    }
 
     #[test]
     fn forward_matches_naive_with_and_without_bias() {

@@ -26,6 +26,7 @@
 
 use crate::Result;
 use crate::error::{check_len, product};
+use crate::isa::Isa;
 use crate::ops::matmul::MatmulDims;
 use crate::ops::precision::{MatmulPrecision, round_to_bits};
 use half::bf16;
@@ -116,7 +117,7 @@ pub fn linear_forward_t_bf16(
     dims: MatmulDims,
     out: &mut [f32],
 ) -> Result<()> {
-    tiled_product::<Bf16Bits>(Isa::detect(), x, wt, bias, dims, out)
+    tiled_product::<Bf16Bits>(Isa::active(), x, wt, bias, dims, out)
 }
 
 /// `out = x · W (+ bias)` with `x` `[n, k]`, `W` `[k, m]` packed by [`pack_f32_tiles`],
@@ -135,7 +136,7 @@ pub fn linear_forward_t_tiles(
 ) -> Result<()> {
     let p = precision.for_rows(dims.n);
     let x = p.rounded(x);
-    let isa = Isa::detect();
+    let isa = Isa::active();
     match p {
         MatmulPrecision::F32 => tiled_product::<F32Exact>(isa, &x, wt, bias, dims, out),
         MatmulPrecision::Tf32 => tiled_product::<F32Rounded<13>>(isa, &x, wt, bias, dims, out),
@@ -219,36 +220,8 @@ impl<const DROP: u32> Widen for F32Rounded<DROP> {
     }
 }
 
-/// The instruction set the tile products run with, detected once per product.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Isa {
-    /// Explicit AVX-512 for full tiles.
-    Avx512,
-    /// The portable loop compiled for AVX2 + FMA.
-    Avx2,
-    /// The portable loop (`mul_add` in software where the CPU has no FMA).
-    Portable,
-}
-
-impl Isa {
-    fn detect() -> Self {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                return Self::Avx512;
-            }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
-                return Self::Avx2;
-            }
-        }
-        Self::Portable
-    }
-}
-
 /// `out = x · W (+ bias)`, `W` in column tiles of `W::Elem`, with `isa` (the CPU supports
-/// it: [`Isa::detect`], or a test's choice of a supported one).
+/// it: [`Isa::active`], or a test's choice of a supported one).
 fn tiled_product<W: Widen>(
     isa: Isa,
     x: &[f32],
@@ -556,23 +529,24 @@ mod tests {
         t
     }
 
-    /// The AVX-512 tiles give the portable code's bits (same FMAs in the same order), for
-    /// every stored format, row counts within a block, over several blocks and over more
-    /// than a chunk, full and partial tiles, with and without a bias.
+    /// Every path the CPU has (AVX-512 and AVX2 tiles) gives the portable code's bits (the
+    /// same FMAs in the same order), for every stored format, row counts within a block,
+    /// over several blocks and over more than a chunk, full and partial tiles, with and
+    /// without a bias.
     #[test]
-    #[cfg(target_arch = "x86_64")]
-    fn avx512_equals_the_portable_code_bit_for_bit() {
-        if !std::arch::is_x86_feature_detected!("avx512f") {
-            eprintln!("skipped: no AVX-512F on this CPU");
-            return;
-        }
+    fn every_path_equals_the_portable_code_bit_for_bit() {
         fn check<W: Widen>(x: &[f32], wt: &[W::Elem], b: Option<&[f32]>, dims: MatmulDims) {
             let MatmulDims { n, k, m } = dims;
             let mut want = vec![f32::NAN; n * m];
             tiled_product::<W>(Isa::Portable, x, wt, b, dims, &mut want).unwrap();
-            let mut got = vec![f32::NAN; n * m];
-            tiled_product::<W>(Isa::Avx512, x, wt, b, dims, &mut got).unwrap();
-            assert_eq!(bits(&got), bits(&want), "{n}x{k}x{m}");
+            for isa in [Isa::Avx2, Isa::Avx512]
+                .into_iter()
+                .filter(|i| i.supported())
+            {
+                let mut got = vec![f32::NAN; n * m];
+                tiled_product::<W>(isa, x, wt, b, dims, &mut got).unwrap();
+                assert_eq!(bits(&got), bits(&want), "{isa} {n}x{k}x{m}");
+            }
         }
         for n in (1..=ROW_BLOCK).chain([9, 17, ROW_CHUNK + 3]) {
             for (k, m) in [(5, 32), (37, 96), (64, 70), (3, 7), (0, 40)] {

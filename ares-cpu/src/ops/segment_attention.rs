@@ -33,6 +33,7 @@
 use crate::Result;
 use crate::error::{check_len, product};
 use crate::exp::exp_nonpositive;
+use crate::isa::Isa;
 use crate::ops::matmul::{MatLayout, MatMut, MatRef, MatmulDims, matmul_seq};
 use ares_core::Error as CoreError;
 use rayon::prelude::*;
@@ -522,19 +523,15 @@ const LANES: usize = 16;
 /// Softmax of one query's scores in place; returns their log-sum-exp. A row holding a
 /// non-finite score becomes all NaN and returns NaN. `row` is not empty.
 fn softmax_row(row: &mut [f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { softmax_row_avx512(row) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
-            return unsafe { softmax_row_avx2(row) };
-        }
+    match Isa::active() {
+        // SAFETY: `Isa::active` is a path the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { softmax_row_avx512(row) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { softmax_row_avx2(row) },
+        _ => softmax_row_portable::<false>(row),
     }
-    softmax_row_portable::<false>(row)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -598,19 +595,15 @@ fn softmax_row_portable<const FMA: bool>(row: &mut [f32]) -> f32 {
 /// `p_s = exp(x_s − lse)` (clamped at 1: a recomputed score may round a hair above lse);
 /// all NaN for a NaN `lse` (the forward's row was NaN).
 fn probs_row(row: &mut [f32], lse: f32) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { probs_row_avx512(row, lse) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
-            return unsafe { probs_row_avx2(row, lse) };
-        }
+    match Isa::active() {
+        // SAFETY: `Isa::active` is a path the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { probs_row_avx512(row, lse) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { probs_row_avx2(row, lse) },
+        _ => probs_row_portable::<false>(row, lse),
     }
-    probs_row_portable::<false>(row, lse);
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -45,9 +45,22 @@ macro_rules! with_backend {
 /// when it cannot start); `auto` (CUDA when it starts, else the CPU, saying why).
 /// `trainer.threads > 0` sizes the CPU thread pool.
 ///
+/// `ARES_CPU_ISA` forces the CPU kernels' instruction-set path (`ares_cpu::isa`).
+///
 /// # Errors
-/// `cuda` without a usable GPU, or in a build without the `cuda` feature.
+/// `cuda` without a usable GPU, or in a build without the `cuda` feature; an `ARES_CPU_ISA`
+/// that names no path or one this CPU lacks.
 pub fn select_backend(cfg: &Config) -> Result<Selected, TrainError> {
+    // the host's kernels run on every device (scoring, sampling, the CPU backend's ops): an
+    // invalid ARES_CPU_ISA stops the run here rather than after a warning nobody reads
+    let isa = ares_cpu::Isa::setting().map_err(|e| TrainError::Invalid(e.to_string()))?;
+    if let Some(isa) = isa.filter(|&isa| isa != ares_cpu::Isa::detected()) {
+        eprintln!(
+            "CPU kernels on the {isa} path ({}; this CPU has {})",
+            ares_cpu::isa::ENV,
+            ares_cpu::Isa::detected()
+        );
+    }
     if cfg.trainer.threads > 0 {
         // the pool can be set once per process; a second call (tests, demo stages) keeps it
         let _ = rayon::ThreadPoolBuilder::new()

@@ -18,6 +18,7 @@
 use super::{AttentionInputs, Dims};
 use crate::Result;
 use crate::exp::exp_nonpositive;
+use crate::isa::Isa;
 use crate::ops::matmul::{MatLayout, MatMut, MatRef, MatmulDims, matmul_seq};
 use rayon::prelude::*;
 
@@ -406,19 +407,15 @@ pub(super) fn backward(
 /// the log-sum-exp of the kept scores: `−∞` with an all-zero row when none is kept, NaN
 /// with an all-NaN row when a kept score is not finite.
 fn softmax_row(row: &mut [f32], mask: &[f32], causal: usize) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { softmax_row_avx512(row, mask, causal) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
-            return unsafe { softmax_row_avx2(row, mask, causal) };
-        }
+    match Isa::active() {
+        // SAFETY: `Isa::active` is a path the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { softmax_row_avx512(row, mask, causal) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { softmax_row_avx2(row, mask, causal) },
+        _ => softmax_row_portable::<false>(row, mask, causal),
     }
-    softmax_row_portable::<false>(row, mask, causal)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -481,19 +478,15 @@ fn softmax_row_portable<const FMA: bool>(row: &mut [f32], mask: &[f32], causal: 
 /// `lse`: `p_s = exp(x_s − lse)` for kept keys (`s < causal`, `mask[s] = 1`), else 0; a
 /// row with `lse = −∞` (no valid key) is all 0, one with a NaN `lse` all NaN.
 fn probs_row(row: &mut [f32], mask: &[f32], causal: usize, lse: f32) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F, checked just above.
-            return unsafe { probs_row_avx512(row, mask, causal, lse) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            // SAFETY: the CPU supports AVX2 and FMA, checked just above.
-            return unsafe { probs_row_avx2(row, mask, causal, lse) };
-        }
+    match Isa::active() {
+        // SAFETY: `Isa::active` is a path the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { probs_row_avx512(row, mask, causal, lse) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { probs_row_avx2(row, mask, causal, lse) },
+        _ => probs_row_portable::<false>(row, mask, causal, lse),
     }
-    probs_row_portable::<false>(row, mask, causal, lse);
 }
 
 #[cfg(target_arch = "x86_64")]
