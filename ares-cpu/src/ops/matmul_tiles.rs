@@ -154,6 +154,12 @@ trait Widen: Send + Sync {
     /// The CPU supports AVX-512F; `p` points at 16 readable elements.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load16(p: *const Self::Elem) -> std::arch::x86_64::__m512;
+    /// 8 consecutive weights from `p`, widened.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2; `p` points at 8 readable elements.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self::Elem) -> std::arch::x86_64::__m256;
 }
 
 /// bf16 bits: the 16 bits become the high half of the f32 (exact).
@@ -182,6 +188,17 @@ impl Widen for Bf16Bits {
         let bits = unsafe { _mm256_loadu_si256(p.cast::<__m256i>()) };
         _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(bits)))
     }
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8(p: *const u16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::{
+            __m128i, _mm_loadu_si128, _mm256_castsi256_ps, _mm256_cvtepu16_epi32, _mm256_slli_epi32,
+        };
+        // SAFETY: the caller guarantees 8 readable u16 (16 bytes) at `p`.
+        let bits = unsafe { _mm_loadu_si128(p.cast::<__m128i>()) };
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(bits)))
+    }
 }
 
 impl Widen for F32Exact {
@@ -196,6 +213,13 @@ impl Widen for F32Exact {
     unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
         // SAFETY: the caller guarantees 16 readable f32 at `p`.
         unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller guarantees 8 readable f32 at `p`.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
     }
 }
 
@@ -217,6 +241,18 @@ impl<const DROP: u32> Widen for F32Rounded<DROP> {
         }
         // SAFETY: `v` holds 16 floats.
         unsafe { std::arch::x86_64::_mm512_loadu_ps(v.as_ptr()) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        let mut v = [0.0f32; 8];
+        for (i, d) in v.iter_mut().enumerate() {
+            // SAFETY: the caller guarantees 8 readable f32 at `p`.
+            *d = Self::widen(unsafe { *p.add(i) });
+        }
+        // SAFETY: `v` holds 8 floats.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(v.as_ptr()) }
     }
 }
 
@@ -288,7 +324,7 @@ fn tiled_product<W: Widen>(
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
                 Isa::Avx2 => unsafe { part_avx2::<W>(&part, &mut local) },
-                _ => part_loop::<W, false>(&part, &mut local),
+                _ => part_loop::<W, PORTABLE>(&part, &mut local),
             }
             (c0, local)
         })
@@ -316,14 +352,20 @@ struct Part<'a, E> {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 fn part_avx512<W: Widen>(part: &Part<'_, W::Elem>, out: &mut [f32]) {
-    part_loop::<W, true>(part, out);
+    part_loop::<W, AVX512>(part, out);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn part_avx2<W: Widen>(part: &Part<'_, W::Elem>, out: &mut [f32]) {
-    part_loop::<W, false>(part, out);
+    part_loop::<W, AVX2>(part, out);
 }
+
+/// The kernels [`part_loop`] multiplies full tiles with (a const parameter: the choice is
+/// made once per part, not per tile).
+const PORTABLE: u8 = 0;
+const AVX2: u8 = 1;
+const AVX512: u8 = 2;
 
 /// Calls `$f::<W, R>(args…)` with `R` = `$rows` (1 ..= [`ROW_BLOCK`]): a fixed row count
 /// per instance keeps the block's sums in registers.
@@ -343,9 +385,9 @@ macro_rules! by_row_count {
 }
 
 /// The tiles of `part` × its row blocks into `out` (every row, `c1 − c0` columns), a chunk
-/// of [`ROW_CHUNK`] rows per pass over the tiles; full tiles by AVX-512 when `AVX512`.
+/// of [`ROW_CHUNK`] rows per pass over the tiles; full tiles by the `KERNEL`'s intrinsics.
 #[inline(always)]
-fn part_loop<W: Widen, const AVX512: bool>(part: &Part<'_, W::Elem>, out: &mut [f32]) {
+fn part_loop<W: Widen, const KERNEL: u8>(part: &Part<'_, W::Elem>, out: &mut [f32]) {
     let Part {
         blocks,
         wt,
@@ -367,9 +409,15 @@ fn part_loop<W: Widen, const AVX512: bool>(part: &Part<'_, W::Elem>, out: &mut [
                 let (r, rows) = (ch * ROW_CHUNK + i * ROW_BLOCK, xt.len() / k);
                 let o = &mut out[r * width + (c - c0)..];
                 #[cfg(target_arch = "x86_64")]
-                if AVX512 && w == TILE {
-                    // SAFETY: `AVX512` is set only under `part_avx512` (AVX-512F checked).
+                if KERNEL == AVX512 && w == TILE {
+                    // SAFETY: `AVX512` only under `part_avx512` (a path the CPU supports).
                     unsafe { by_row_count!(rows, tile_avx512, W, (xt, tile, b, o, width)) };
+                    continue;
+                }
+                #[cfg(target_arch = "x86_64")]
+                if KERNEL == AVX2 && w == TILE {
+                    // SAFETY: `AVX2` only under `part_avx2` (a path the CPU supports).
+                    unsafe { by_row_count!(rows, tile_avx2, W, (xt, tile, b, o, width)) };
                     continue;
                 }
                 by_row_count!(rows, tile_portable, W, (xt, tile, w, b, o, width));
@@ -479,6 +527,95 @@ fn tile_avx512<W: Widen, const R: usize>(
             _mm512_storeu_ps(o[16..].as_mut_ptr(), a[1]);
         }
     }
+}
+
+/// [`tile_portable`] for a full tile in explicit AVX2: AVX2 has 16 registers of 8 floats,
+/// too few for [`tile_avx512`]'s `R` rows × 32 sums, so the rows go in groups of at most
+/// three, each a pass over the tile with its 3 × 32 sums in 12 registers (3 broadcasts
+/// and 4 weight loads, one weight register at a time, feed 12 FMAs). The first pass reads the weights from memory and
+/// prefetches them; the others find them in cache. The portable loop compiled for AVX2
+/// spilled its sums (2 µops of memory per FMA). Same FMAs in the same order: same bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn tile_avx2<W: Widen, const R: usize>(
+    xt: &[f32],
+    tile: &[W::Elem],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    ld: usize,
+) {
+    let mut first = 0;
+    while first < R {
+        let o = &mut out[first * ld..];
+        first += match R - first {
+            1 => tile_rows_avx2::<W, R, 1>(xt, first, tile, bias, o, ld),
+            2 => tile_rows_avx2::<W, R, 2>(xt, first, tile, bias, o, ld),
+            _ => tile_rows_avx2::<W, R, 3>(xt, first, tile, bias, o, ld),
+        };
+    }
+}
+
+/// Rows `first .. first + G` of a block of `R` (`xt`: `[k][R]`) times one full tile, into
+/// `G` rows of `out` at stride `ld`; returns `G`.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn tile_rows_avx2<W: Widen, const R: usize, const G: usize>(
+    xt: &[f32],
+    first: usize,
+    tile: &[W::Elem],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    ld: usize,
+) -> usize {
+    use std::arch::x86_64::{
+        __m256, _MM_HINT_T0, _mm_prefetch, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_set1_ps,
+        _mm256_setzero_ps, _mm256_storeu_ps,
+    };
+    const V: usize = TILE / 8;
+    let mut acc = [[_mm256_setzero_ps(); V]; G];
+    if let Some(b) = bias {
+        for a in acc.iter_mut() {
+            for (j, a) in a.iter_mut().enumerate() {
+                // SAFETY: `b` holds the tile's 32 floats; each load reads 8 of them.
+                *a = unsafe { _mm256_loadu_ps(b[8 * j..].as_ptr()) };
+            }
+        }
+    }
+    let (xt, _) = xt.as_chunks::<R>();
+    let prefetch = first == 0;
+    let ahead = PREFETCH_BYTES / size_of::<W::Elem>();
+    let two_lines = TILE * size_of::<W::Elem>() > 64;
+    for (row, xs) in tile.chunks_exact(TILE).zip(xt) {
+        if prefetch {
+            // as in `tile_avx512`: the weight stream PREFETCH_BYTES ahead (never faults)
+            let p = row.as_ptr().wrapping_add(ahead).cast::<i8>();
+            _mm_prefetch::<_MM_HINT_T0>(p);
+            if two_lines {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64));
+            }
+        }
+        let mut v = [_mm256_setzero_ps(); G];
+        for (v, &xv) in v.iter_mut().zip(&xs[first..first + G]) {
+            *v = _mm256_set1_ps(xv);
+        }
+        // one weight register at a time: G broadcasts + 1 weight + 4G sums ≤ 16 registers
+        for j in 0..V {
+            // SAFETY: `row` holds 32 weights; each load reads 8 of them; AVX2 is enabled.
+            let w: __m256 = unsafe { W::load8(row[8 * j..].as_ptr()) };
+            for (a, &v) in acc.iter_mut().zip(&v) {
+                a[j] = _mm256_fmadd_ps(v, w, a[j]);
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        let o = &mut out[r * ld..r * ld + TILE];
+        for (j, a) in a.iter().enumerate() {
+            // SAFETY: `o` holds 32 floats; each store writes 8 of them.
+            unsafe { _mm256_storeu_ps(o[8 * j..].as_mut_ptr(), *a) };
+        }
+    }
+    G
 }
 
 #[cfg(test)]
