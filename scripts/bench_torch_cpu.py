@@ -24,9 +24,26 @@ Prints the best and median of the runs after one warm-up, in the format of the R
 """
 
 import argparse
+import os
 import time
 
-import torch
+# ARES_CPU_ISA (as the Rust benches read it) limits PyTorch's own kernels, MKL and oneDNN to
+# the same instruction-set path; it must be set before torch is imported.
+_ISA_LIMITS = {
+    "avx512": ("avx512", "AVX512", "AVX512_CORE"),
+    "avx2": ("avx2", "AVX2", "AVX2"),
+    "portable": ("default", "SSE4_2", "SSE41"),
+}
+_isa = os.environ.get("ARES_CPU_ISA", "").strip().lower()
+if _isa in _ISA_LIMITS:
+    aten, mkl, onednn = _ISA_LIMITS[_isa]
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", aten)
+    os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", mkl)
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", onednn)
+elif _isa not in ("", "native"):
+    raise SystemExit(f"ARES_CPU_ISA={_isa!r} is not a CPU path: use avx512, avx2, portable or native")
+
+import torch  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 TRAIN_BATCH, TRAIN_SEQ = 8, 256
@@ -88,7 +105,8 @@ def main():
         model = model.to(torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, attention {args.attn}, "
+        f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
+        f"{torch.get_num_threads()} threads, attention {args.attn}, "
         f"{params / 1e6:.1f} M parameters"
     )
 

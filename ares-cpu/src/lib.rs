@@ -11,11 +11,13 @@
 //!   a target token and the exact entropy of `softmax(z / temperature)`, from one read of
 //!   the logits with an online max/sum — no `[rows, V]` temporary.
 //!
+//! - [`argmax`]: greedy decoding's pick, the first index of a row's largest logit.
 //! - [`entropy_windows`], [`row_percentile`]: window means, HWE masks, per-row counts, soft
 //!   costs and percentile thresholds (docs/algorithms.md §1), row-parallel over `ares_core::entropy`.
 //! - [`masked_dynamic_kl`]: per-token KL, HWE-aware weights, per-row and total weighted
 //!   sums in one pass (docs/algorithms.md §4), row-parallel over `ares_core::kl::token_kl`.
 
+mod argmax;
 mod error;
 mod exp;
 pub mod isa;
@@ -27,6 +29,7 @@ pub mod ops;
 mod test_rng;
 mod windows;
 
+pub use argmax::argmax;
 pub use error::{Error, Result};
 pub use isa::Isa;
 pub use kl::{MaskedKlInputs, MaskedKlOutputs, masked_dynamic_kl};

@@ -47,10 +47,12 @@ fn main() {
     let start = Instant::now();
     let mut model = Model::new(CpuBackend, &config, &w).expect("the bench model builds");
     println!(
-        "model: 4 layers, hidden 256, 4/2 heads, MLP 704, vocab 8192 ({:.1} M parameters); Model::new {:.1} ms; {} threads",
+        "model: 4 layers, hidden 256, 4/2 heads, MLP 704, vocab 8192 ({:.1} M parameters); Model::new {:.1} ms; {} threads; CPU path {} (ARES_CPU_ISA; the CPU has {})",
         w.tensors().iter().map(|(_, t)| t.data.len()).sum::<usize>() as f64 / 1e6,
         start.elapsed().as_secs_f64() * 1e3,
         rayon::current_num_threads(),
+        ares_cpu::Isa::active(),
+        ares_cpu::Isa::detected(),
     );
     let only = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let runs = env_usize("ARES_BENCH_RUNS", 5);

@@ -121,12 +121,13 @@ fn main() {
         let mut lengths: Vec<usize> = a.tokens.iter().map(Vec::len).collect();
         lengths.sort_unstable();
         println!(
-            "{name}: {} layers, hidden {}; {prompts} prompts × {n}, {new} new tokens (lengths: median {}, max {}); {} threads",
+            "{name}: {} layers, hidden {}; {prompts} prompts × {n}, {new} new tokens (lengths: median {}, max {}); {} threads; CPU path {}",
             config.num_hidden_layers,
             config.hidden_size,
             lengths[lengths.len() / 2],
             lengths[lengths.len() - 1],
             rayon::current_num_threads(),
+            ares_cpu::Isa::active(),
         );
         let ts = best_and_median(runs, || {
             fixed.generate(&request).expect("generate");

@@ -407,18 +407,21 @@ pub fn attention_decode(
         return Ok(());
     }
     let mask = cache.key_mask;
-    let Dims { t, hq, d, .. } = dims;
-    out.par_chunks_mut(d)
-        .zip(q.par_chunks(d))
+    let Dims {
+        t, hkv, d, group, ..
+    } = dims;
+    // one task per position and kv head: its `group` query heads share one pass over the keys
+    out.par_chunks_mut(group * d)
+        .zip(q.par_chunks(group * d))
         .enumerate()
         .for_each_init(
-            || vec![0.0f32; cache.max_len],
-            |scores, (i, (o, q_row))| {
-                let (row, h) = (i / hq, i % hq);
+            || vec![0.0f32; group.min(HEADS_AT_ONCE) * cache.max_len],
+            |scores, (i, (o, qs))| {
+                let (row, g) = (i / hkv, i % hkv);
                 let (b, j) = (row / t, row % t);
                 let n = cache.len.get(b).map_or(0, |&n| n + j + 1 - t);
                 let keys = KeySeq::new(&dims, cache.k, cache.v, mask, b, cache.max_len);
-                attend(q_row, keys, h / dims.group, n, dims.scale, scores, o);
+                attend(qs, keys, g, n, dims.scale, scores, o);
             },
         );
     Ok(())
@@ -490,102 +493,132 @@ impl<'a> KeySeq<'a> {
     }
 }
 
-/// One query row over the first `n` slots of `keys` (kv head `g`): writes the softmax-
-/// weighted sum of values to `out` and returns the log-sum-exp (`−∞` and zeros when no
-/// slot is valid, NaN when a score is not finite). `scores` is scratch of ≥ `n` elements.
-/// Picks the widest SIMD the CPU has at run time; every variant runs the same code.
+/// The query rows `qs` (`[heads, d]`, the query heads of kv head `g` at one position) over
+/// the first `n` slots of `keys`: writes each head's softmax-weighted sum of values to its
+/// row of `out` (zeros when no slot is valid, NaN when a score is not finite). `scores` is
+/// scratch of ≥ `min(heads, HEADS_AT_ONCE)·n` elements. Runs on the [`Isa::active`] path;
+/// every path runs the same code.
 fn attend(
-    q: &[f32],
+    qs: &[f32],
     keys: KeySeq<'_>,
     g: usize,
     n: usize,
     scale: f32,
     scores: &mut [f32],
     out: &mut [f32],
-) -> f32 {
+) {
     match Isa::active() {
         // SAFETY: `Isa::active` is a path the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { attend_avx512(q, keys, g, n, scale, scores, out) },
+        Isa::Avx512 => unsafe { attend_avx512(qs, keys, g, n, scale, scores, out) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { attend_avx2(q, keys, g, n, scale, scores, out) },
-        _ => attend_portable::<false>(q, keys, g, n, scale, scores, out),
+        Isa::Avx2 => unsafe { attend_avx2(qs, keys, g, n, scale, scores, out) },
+        _ => attend_portable::<false>(qs, keys, g, n, scale, scores, out),
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 fn attend_avx512(
-    q: &[f32],
+    qs: &[f32],
     keys: KeySeq<'_>,
     g: usize,
     n: usize,
     scale: f32,
     scores: &mut [f32],
     out: &mut [f32],
-) -> f32 {
-    attend_portable::<true>(q, keys, g, n, scale, scores, out)
+) {
+    attend_portable::<true>(qs, keys, g, n, scale, scores, out);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 fn attend_avx2(
-    q: &[f32],
+    qs: &[f32],
     keys: KeySeq<'_>,
     g: usize,
     n: usize,
     scale: f32,
     scores: &mut [f32],
     out: &mut [f32],
-) -> f32 {
-    attend_portable::<true>(q, keys, g, n, scale, scores, out)
+) {
+    attend_portable::<true>(qs, keys, g, n, scale, scores, out);
 }
 
+/// Query heads [`attend`] takes through one pass over the keys (a group of grouped-query
+/// attention shares its keys: Qwen2.5-0.5B 7 heads, Llama 3 8); larger groups go in parts.
+const HEADS_AT_ONCE: usize = 8;
+
+/// Each head's arithmetic is the one-head loop's, in the same order (the same bits); only
+/// the loops are swapped, so a key and a value row are read once for all heads.
 #[inline(always)]
 fn attend_portable<const FMA: bool>(
-    q: &[f32],
+    qs: &[f32],
     keys: KeySeq<'_>,
     g: usize,
     n: usize,
     scale: f32,
     scores: &mut [f32],
     out: &mut [f32],
-) -> f32 {
-    let n = n.min(scores.len());
-    let scores = scores.get_mut(..n).unwrap_or_default();
-    let (mut max, mut finite) = (f32::NEG_INFINITY, true);
-    for (sc, (k, _, valid)) in scores.iter_mut().zip(keys.rows(g, n)) {
-        *sc = if valid {
-            let x = scale * dot(q, k);
-            finite &= x.is_finite();
-            max = max.max(x);
-            x
-        } else {
-            f32::NEG_INFINITY
-        };
-    }
-    out.fill(0.0);
-    if !finite {
-        out.fill(f32::NAN);
-        return f32::NAN;
-    }
-    if max == f32::NEG_INFINITY {
-        return f32::NEG_INFINITY; // no valid key: a padding query
-    }
-    // Masked slots hold −∞ and become exactly 0, so they are skipped below.
-    scores
-        .iter_mut()
-        .for_each(|x| *x = exp_nonpositive::<FMA>(*x - max));
-    let sum = sum_f64(scores);
-    for (&p, (_, v, _)) in scores.iter().zip(keys.rows(g, n)) {
-        if p != 0.0 {
-            axpy(p, v, out);
+) {
+    let d = keys.d.max(1);
+    for (qs, out) in qs
+        .chunks(HEADS_AT_ONCE * d)
+        .zip(out.chunks_mut(HEADS_AT_ONCE * d))
+    {
+        let heads = qs.len() / d;
+        let n = n.min(scores.len() / heads.max(1));
+        let scores = scores.get_mut(..heads * n).unwrap_or_default();
+        // pass 1: every head's scores, its max and whether all are finite
+        let mut max = [f32::NEG_INFINITY; HEADS_AT_ONCE];
+        let mut finite = [true; HEADS_AT_ONCE];
+        for (s, (k, _, valid)) in keys.rows(g, n).enumerate() {
+            for (j, q) in qs.chunks_exact(d).enumerate() {
+                scores[j * n + s] = if valid {
+                    let x = scale * dot(q, k);
+                    finite[j] &= x.is_finite();
+                    max[j] = max[j].max(x);
+                    x
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+        }
+        // per head: probabilities (masked slots hold −∞ and become exactly 0) and their sum
+        out.fill(0.0);
+        let mut inv = [0.0f32; HEADS_AT_ONCE];
+        let mut live = [false; HEADS_AT_ONCE];
+        for (j, (row, o)) in scores
+            .chunks_mut(n.max(1))
+            .zip(out.chunks_mut(d))
+            .enumerate()
+        {
+            if !finite[j] {
+                o.fill(f32::NAN);
+            } else if max[j] > f32::NEG_INFINITY {
+                let m = max[j];
+                row.iter_mut()
+                    .for_each(|x| *x = exp_nonpositive::<FMA>(*x - m));
+                inv[j] = (1.0 / sum_f64(row)) as f32;
+                live[j] = true;
+            } // else no valid key (a padding query): zeros
+        }
+        // pass 2: the weighted values, each value row read once for all heads
+        for (s, (_, v, _)) in keys.rows(g, n).enumerate() {
+            for (j, o) in out.chunks_exact_mut(d).enumerate() {
+                let p = scores[j * n + s];
+                if live[j] && p != 0.0 {
+                    axpy(p, v, o);
+                }
+            }
+        }
+        for (o, (&inv, &live)) in out.chunks_exact_mut(d).zip(inv.iter().zip(&live)) {
+            if live {
+                o.iter_mut().for_each(|x| *x *= inv);
+            }
         }
     }
-    let inv = (1.0 / sum) as f32;
-    out.iter_mut().for_each(|x| *x *= inv);
-    (f64::from(max) + sum.ln()) as f32
 }
 
 /// Element count of a shape, or an error if it overflows `usize`.

@@ -26,16 +26,7 @@ fn has_nan_or_inf(row: &[f32]) -> bool {
 /// The index of the largest logit of `row`, the lowest among equal maxima; `None` when a
 /// logit is NaN or +∞ or every logit is −∞ (greedy decoding, host and CPU backend).
 pub(crate) fn greedy_row(row: &[f32]) -> Option<u32> {
-    if has_nan_or_inf(row) {
-        return None;
-    }
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &x) in row.iter().enumerate() {
-        if x > f32::NEG_INFINITY && best.is_none_or(|(_, b)| x > b) {
-            best = Some((i, x));
-        }
-    }
-    best.and_then(|(i, _)| u32::try_from(i).ok())
+    ares_cpu::argmax(row).and_then(|i| u32::try_from(i).ok())
 }
 
 /// The sort key of logit `x` (not NaN) at index `i` (< 2³²): ascending keys are

@@ -9,7 +9,7 @@
 //! The arithmetic is [`attention_decode`](super::attention_decode)'s over the same slots in
 //! the same order, so a sequence gets the same output bits paged or contiguous.
 
-use super::{AttentionShape, Dims, KeySeq, attend};
+use super::{AttentionShape, Dims, HEADS_AT_ONCE, KeySeq, attend};
 use crate::Result;
 use crate::error::check_len;
 use ares_core::Error as CoreError;
@@ -203,21 +203,24 @@ pub fn paged_attention_decode(
         return Ok(());
     }
     let longest = len.iter().map(|&n| n as usize).max().unwrap_or(0);
-    let Dims { t, hq, d, .. } = dims;
-    out.par_chunks_mut(d)
-        .zip(q.par_chunks(d))
+    let Dims {
+        t, hkv, d, group, ..
+    } = dims;
+    // one task per position and kv head: its `group` query heads share one pass over the keys
+    out.par_chunks_mut(group * d)
+        .zip(q.par_chunks(group * d))
         .enumerate()
         .for_each_init(
-            || vec![0.0f32; longest],
-            |scores, (i, (o, q_row))| {
-                let (row, h) = (i / hq, i % hq);
+            || vec![0.0f32; group.min(HEADS_AT_ONCE) * longest],
+            |scores, (i, (o, qs))| {
+                let (row, g) = (i / hkv, i % hkv);
                 let (b, j) = (row / t, row % t);
                 let n = len.get(b).map_or(0, |&n| n as usize + j + 1 - t);
                 let table = block_tables
                     .get(b * max_blocks..(b + 1) * max_blocks)
                     .unwrap_or_default();
                 let keys = KeySeq::paged(&dims, k, v, table, block_size);
-                attend(q_row, keys, h / dims.group, n, dims.scale, scores, o);
+                attend(qs, keys, g, n, dims.scale, scores, o);
             },
         );
     Ok(())

@@ -722,3 +722,57 @@ fn non_finite_scores_give_nan_rows() {
     );
     assert!(out[row..].iter().all(|x| x.is_nan()) && lse[2..].iter().all(|l| l.is_nan()));
 }
+
+/// Decode takes a kv head's query heads through one pass over its keys (in parts of
+/// `HEADS_AT_ONCE`); each head must get exactly the bits it gets alone. A group of 10 (a
+/// part of 8 and one of 2) against the same heads two at a time over MHA's one-head loop,
+/// with masked slots and a non-finite score in one sequence.
+#[test]
+fn grouped_heads_equal_one_head_at_a_time_bit_for_bit() {
+    let (b, hkv, group, d, max_len) = (2usize, 2usize, 10usize, 12usize, 9usize);
+    let hq = hkv * group;
+    let len = [7usize, 9];
+    let k = crate::test_rng::rand_vec(b * max_len * hkv * d, 71);
+    let v = crate::test_rng::rand_vec(b * max_len * hkv * d, 72);
+    let mut q = crate::test_rng::rand_vec(b * hq * d, 73);
+    q[hq * d + 3 * d] = f32::INFINITY; // sequence 1, head 3: NaN scores
+    let mut key_mask = vec![1.0f32; b * max_len];
+    key_mask[1] = 0.0;
+    key_mask[max_len + 4] = 0.0;
+    let cache = KvCache {
+        k: &k,
+        v: &v,
+        max_len,
+        len: &len,
+        key_mask: Some(&key_mask),
+    };
+    let mut grouped = vec![0.0f32; q.len()];
+    attention_decode(
+        &AttentionShape::new(b, 1, hq, hkv, d),
+        &q,
+        cache,
+        &mut grouped,
+    )
+    .unwrap();
+    assert!(grouped[hq * d + 3 * d].is_nan() && grouped[0].is_finite());
+    for i in 0..group {
+        // query heads i and group + i (kv heads 0 and 1) as an MHA of 2 heads
+        let pick = |x: &[f32]| -> Vec<f32> {
+            (0..b)
+                .flat_map(|s| [i, group + i].map(|h| &x[(s * hq + h) * d..][..d]))
+                .flatten()
+                .copied()
+                .collect()
+        };
+        let mut alone = vec![0.0f32; b * hkv * d];
+        let mha = AttentionShape::new(b, 1, hkv, hkv, d);
+        attention_decode(&mha, &pick(&q), cache, &mut alone).unwrap();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&pick(&grouped)),
+            bits(&alone),
+            "heads {i} and {}",
+            group + i
+        );
+    }
+}
