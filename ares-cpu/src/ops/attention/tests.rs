@@ -776,3 +776,35 @@ fn grouped_heads_equal_one_head_at_a_time_bit_for_bit() {
         );
     }
 }
+
+/// The AVX2 decode path scores 8 keys at a time; each score must be `dot`'s bits, for head
+/// sizes with and without a tail past the 16-lane chunks, zeros of both signs included.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn eight_key_dots_equal_dot_bit_for_bit() {
+    if !crate::Isa::Avx2.supported() {
+        eprintln!("skipped: no AVX2 on this CPU");
+        return;
+    }
+    for (i, d) in [1usize, 8, 15, 16, 17, 32, 48, 64, 100, 128]
+        .into_iter()
+        .enumerate()
+    {
+        let a = crate::test_rng::rand_vec(d, 80 + i as u64);
+        let mut rows: Vec<Vec<f32>> = (0..8)
+            .map(|j| crate::test_rng::rand_vec(d, 90 + (8 * i + j) as u64))
+            .collect();
+        rows[3].iter_mut().for_each(|x| *x = -0.0);
+        rows[5].iter_mut().for_each(|x| *x *= 1e30);
+        let b: [&[f32]; 8] = std::array::from_fn(|j| &rows[j][..]);
+        // SAFETY: AVX2 is supported (checked above); every row holds `d` values.
+        let got = unsafe { super::dot8_avx2(&a, &b) };
+        for (j, (g, row)) in got.iter().zip(&rows).enumerate() {
+            assert_eq!(
+                g.to_bits(),
+                super::dot(&a, row).to_bits(),
+                "d = {d}, key {j}"
+            );
+        }
+    }
+}
