@@ -514,7 +514,7 @@ fn attend(
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { attend_avx2(qs, keys, g, n, scale, scores, out) },
-        _ => attend_portable::<false>(qs, keys, g, n, scale, scores, out),
+        _ => attend_impl::<false, false>(qs, keys, g, n, scale, scores, out),
     }
 }
 
@@ -549,19 +549,6 @@ fn attend_avx2(
 /// Query heads [`attend`] takes through one pass over the keys (a group of grouped-query
 /// attention shares its keys: Qwen2.5-0.5B 7 heads, Llama 3 8); larger groups go in parts.
 const HEADS_AT_ONCE: usize = 8;
-
-#[inline(always)]
-fn attend_portable<const FMA: bool>(
-    qs: &[f32],
-    keys: KeySeq<'_>,
-    g: usize,
-    n: usize,
-    scale: f32,
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
-    attend_impl::<FMA, false>(qs, keys, g, n, scale, scores, out);
-}
 
 /// Each head's arithmetic is the one-head loop's, in the same order (the same bits); only
 /// the loops are swapped, so a key and a value row are read once for all heads. `DOT8`

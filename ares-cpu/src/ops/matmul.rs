@@ -636,7 +636,8 @@ unsafe fn gemm_raw(
 /// driver (`gemm_basic_generic`) and microkernel tables (`gemm_f32::microkernel::{fma,
 /// scalar}`) that `gemm::gemm` dispatches to on an AVX2-only or a pre-AVX2 CPU. Those are
 /// gemm's internals at the exact version this crate pins (`=0.19.0`);
-/// `tests::gemm_paths_agree` checks every path against gemm's own dispatch.
+/// `tests::gemm_paths_agree` checks every path against an f64 product, and the CPU's own
+/// path against `gemm::gemm` bit for bit.
 ///
 /// # Safety
 /// As `gemm::gemm` (the caller's contract of [`gemm_raw`]).
