@@ -31,6 +31,15 @@ pub enum RewardError {
         /// What went wrong.
         message: String,
     },
+    /// The Python reward function failed: the worker could not start or import it, the
+    /// function raised, returned something other than EasyR1's dicts, hung or crashed.
+    #[error("reward function {function}: {message}")]
+    Function {
+        /// `path.py:name` as configured.
+        function: String,
+        /// What went wrong (with the Python traceback and the sample, when there are).
+        message: String,
+    },
     /// The rubric score is undefined (no positive points, `met` of the wrong length).
     #[error("rubric score: {0}")]
     Score(#[from] ares_core::Error),

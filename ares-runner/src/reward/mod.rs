@@ -8,9 +8,13 @@
 //!   when the response thinks), else 0.
 //! - [`RubricGrader`] with [`KeywordGrader`] and [`CommandGrader`]; [`rubric_score`]
 //!   `= Σ points met / Σ positive points`.
+//! - [`RewardFunction`]: a Python reward function in EasyR1's interface, run in one worker
+//!   process.
 
 mod boxed;
 mod command;
+mod process;
+mod python;
 mod error;
 mod format;
 mod latex;
@@ -21,6 +25,7 @@ mod rubric;
 
 pub use boxed::extract_boxed;
 pub use command::CommandGrader;
+pub use python::{CallMode, DEFAULT_PYTHON, RewardFunction, RewardInput, Score, parse_spec};
 pub use error::{Result, RewardError};
 pub use format::format_reward;
 pub use math::{MathGrade, answers_match, grade_math};

@@ -1,0 +1,287 @@
+//! [`RewardFunction`]: a reward function written in Python for EasyR1's interface
+//! (`worker.reward.reward_function: path.py:name`), run in one long-lived worker process.
+//!
+//! The worker (`python_worker.py`, embedded in the binary and passed with `-c`) imports the
+//! file once, then answers one JSON line per batch. A `batch` function is called once with
+//! the list of every response's inputs and returns a list of dicts; a `sequential` one is
+//! called once per response and returns a dict. Each dict's `overall` is the reward; every
+//! other key is a metric. Keyword arguments (`reward_function_kwargs`) are passed on every
+//! call, as EasyR1's `functools.partial` does.
+//!
+//! The inputs are EasyR1's (`response`, `response_length`, `ground_truth`) and the ARES
+//! fork's batch fields (`accuracy`, `difficulty`, `high_entropy_token_num`,
+//! `target_high_entropy_token_num`, `alpha_entropy`, `entropies`), see [`RewardInput`].
+//!
+//! What the worker may do: it runs the user's file with the user's rights, environment and
+//! working directory (a reward function is the user's own code, like a config file). No
+//! shell is involved; the interpreter and the file path are passed as arguments. The user's
+//! prints go to stderr; stdout carries the protocol only.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use super::error::{Result, RewardError};
+use super::process::LineProcess;
+
+/// The worker's source, run with `python -c`.
+const WORKER: &str = include_str!("python_worker.py");
+/// How long the worker may take to import the user's file.
+const START_TIMEOUT: Duration = Duration::from_secs(120);
+/// Longest response quoted in an error.
+const QUOTE: usize = 300;
+
+/// How the function is called.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallMode {
+    /// Once per batch with a list of inputs.
+    Batch,
+    /// Once per response.
+    Sequential,
+}
+
+/// One response's inputs, as EasyR1's reward managers (and the ARES fork's batch manager)
+/// pass them.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RewardInput<'a> {
+    /// The decoded response, without special tokens.
+    pub response: &'a str,
+    /// Response tokens.
+    pub response_length: usize,
+    /// The reference answer.
+    pub ground_truth: &'a str,
+    /// The built-in grader's 0/1 correctness (the ARES fork's trainer-side accuracy).
+    pub accuracy: f64,
+    /// The group's difficulty bucket: `easy`, `medium` or `hard`.
+    pub difficulty: &'static str,
+    /// HWE tokens of the response (docs/algorithms.md §1).
+    pub high_entropy_token_num: usize,
+    /// The bucket's target `T_d` (0 before the bucket's first target, as the ARES fork's
+    /// default).
+    pub target_high_entropy_token_num: f64,
+    /// The bucket's `α_d`.
+    pub alpha_entropy: f64,
+    /// Mean token entropy of the response (nats).
+    pub entropies: f64,
+}
+
+/// A score: `overall` and the other metrics, by name.
+pub type Score = BTreeMap<String, f64>;
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Reply {
+    Ready { ready: bool, reward_type: String },
+    Scores { scores: Vec<Score> },
+    Error {
+        error: String,
+        #[serde(default)]
+        traceback: String,
+        index: Option<usize>,
+    },
+}
+
+/// A Python reward function in its worker process.
+#[derive(Debug)]
+pub struct RewardFunction {
+    /// `path.py:name`, for messages.
+    spec: String,
+    process: LineProcess,
+    mode: CallMode,
+    timeout: Duration,
+}
+
+/// Splits `path.py:name` (EasyR1: the last `:`; no `:` → `main`).
+pub fn parse_spec(spec: &str) -> (PathBuf, String) {
+    match spec.rsplit_once(':') {
+        Some((path, name)) if !name.is_empty() && !name.contains(['/', '\\']) => {
+            (PathBuf::from(path), name.to_string())
+        }
+        _ => (PathBuf::from(spec), "main".to_string()),
+    }
+}
+
+impl RewardFunction {
+    /// Starts the worker with `python` (e.g. `python3`), imports the function of `spec`
+    /// and learns how to call it: `mode`, else the module's `REWARD_TYPE`, else batch.
+    ///
+    /// Errors ([`RewardError::Function`]): the file is missing, Python cannot be started,
+    /// importing the file raised (with the traceback), the function is missing, or the
+    /// worker gave no answer within 120 s.
+    pub fn start(
+        spec: &str,
+        python: &str,
+        kwargs: &Map<String, Value>,
+        mode: Option<CallMode>,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let fail = |message: String| RewardError::Function {
+            function: spec.to_string(),
+            message,
+        };
+        let (path, name) = parse_spec(spec);
+        if !path.is_file() {
+            return Err(fail(format!(
+                "{} is not a file (worker.reward.reward_function is `path.py:function`, the \
+                 path relative to the working directory {})",
+                path.display(),
+                std::env::current_dir()
+                    .map(|d| d.display().to_string())
+                    .unwrap_or_else(|_| "?".into())
+            )));
+        }
+        let mode_arg = match mode {
+            Some(CallMode::Batch) => "batch",
+            Some(CallMode::Sequential) => "sequential",
+            None => "auto",
+        };
+        let args = [
+            "-u",
+            "-c",
+            WORKER,
+            &path.to_string_lossy(),
+            &name,
+            mode_arg,
+        ];
+        let mut process = LineProcess::spawn(python, &args).map_err(|e| {
+            fail(format!(
+                "{e} (set worker.reward.python to the interpreter that has your packages)"
+            ))
+        })?;
+        let hello = serde_json::json!({ "kwargs": kwargs }).to_string();
+        process.send(&hello).map_err(fail)?;
+        let line = process.next_line(Some(START_TIMEOUT)).map_err(fail)?;
+        let mode = match serde_json::from_str::<Reply>(&line) {
+            Ok(Reply::Ready {
+                ready: true,
+                reward_type,
+            }) => match reward_type.as_str() {
+                "sequential" => CallMode::Sequential,
+                _ => CallMode::Batch,
+            },
+            Ok(Reply::Error {
+                error, traceback, ..
+            }) => return Err(fail(with_traceback(error, &traceback))),
+            _ => return Err(fail(format!("the worker said `{}`", quote(&line)))),
+        };
+        Ok(Self {
+            spec: spec.to_string(),
+            process,
+            mode,
+            timeout,
+        })
+    }
+
+    /// How the function is called.
+    pub fn mode(&self) -> CallMode {
+        self.mode
+    }
+
+    /// `path.py:name` as configured.
+    pub fn spec(&self) -> &str {
+        &self.spec
+    }
+
+    fn error(&self, message: String) -> RewardError {
+        RewardError::Function {
+            function: self.spec.clone(),
+            message,
+        }
+    }
+
+    /// Scores a batch: one [`Score`] per input, each with a finite `overall`.
+    ///
+    /// Errors ([`RewardError::Function`]): the function raised (the traceback and, where
+    /// the worker knows it, the sample), returned the wrong type or count, a dict without
+    /// `overall` or with a non-numeric or non-finite value, or no reply came within the
+    /// timeout (the worker is killed), or the worker died. After a timeout or a crash every
+    /// later call fails too.
+    pub fn score(&mut self, inputs: &[RewardInput<'_>]) -> Result<Vec<Score>> {
+        if let Some(why) = self.process.broken() {
+            return Err(self.error(format!("unusable after an earlier failure: {why}")));
+        }
+        if inputs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let line = serde_json::json!({ "inputs": inputs }).to_string();
+        self.process.send(&line).map_err(|e| self.error(e))?;
+        let reply = match self.process.next_line(Some(self.timeout)) {
+            Ok(reply) => reply,
+            Err(e) => {
+                return Err(self.error(format!(
+                    "{e}, on a batch of {} responses{}",
+                    inputs.len(),
+                    sample(inputs, 0)
+                )));
+            }
+        };
+        match serde_json::from_str::<Reply>(&reply) {
+            Ok(Reply::Scores { scores }) if scores.len() == inputs.len() => {
+                for (i, s) in scores.iter().enumerate() {
+                    if !s.get("overall").is_some_and(|x| x.is_finite()) {
+                        return Err(self.error(format!(
+                            "score {i} has no finite `overall`{}",
+                            sample(inputs, i)
+                        )));
+                    }
+                }
+                Ok(scores)
+            }
+            Ok(Reply::Scores { scores }) => Err(self.error(format!(
+                "{} scores for {} responses",
+                scores.len(),
+                inputs.len()
+            ))),
+            Ok(Reply::Error {
+                error,
+                traceback,
+                index,
+            }) => {
+                let at = match index {
+                    Some(i) => sample(inputs, i),
+                    None => format!(
+                        " (a batch of {} responses{})",
+                        inputs.len(),
+                        sample(inputs, 0)
+                    ),
+                };
+                Err(self.error(with_traceback(format!("{error}{at}"), &traceback)))
+            }
+            _ => Err(self.error(format!("the worker said `{}`", quote(&reply)))),
+        }
+    }
+}
+
+/// ` on sample i (response "…", ground truth "…")`.
+fn sample(inputs: &[RewardInput<'_>], i: usize) -> String {
+    inputs.get(i).map_or_else(String::new, |x| {
+        format!(
+            ", on sample {i}: response {:?}, ground truth {:?}",
+            quote(x.response),
+            quote(x.ground_truth)
+        )
+    })
+}
+
+fn with_traceback(message: String, traceback: &str) -> String {
+    if traceback.trim().is_empty() {
+        message
+    } else {
+        format!("{message}\nPython traceback:\n{}", traceback.trim_end())
+    }
+}
+
+fn quote(s: &str) -> String {
+    let s = s.trim_end();
+    match s.char_indices().nth(QUOTE) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_owned(),
+    }
+}
+
+/// The default interpreter: `python3`, which a user's virtual environment puts first on
+/// `PATH` when it is active.
+pub const DEFAULT_PYTHON: &str = "python3";
