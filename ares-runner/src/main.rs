@@ -62,7 +62,7 @@ enum Command {
     Eval {
         #[command(flatten)]
         cfg: ConfigArgs,
-        /// Model directory (default: `worker.actor.model_path`).
+        /// Model directory (default: `worker.actor.model.model_path`).
         #[arg(long, value_name = "DIR")]
         model: Option<PathBuf>,
         /// Dataset (default: `data.val_files`, else `data.train_files`).

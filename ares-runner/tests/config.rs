@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use ares_runner::config::{
     AdvEstimator, Config, ConfigError, Device, IsCorrection, KlCtrl, KlPenalty, LossAggMode,
-    LrScheduler, PerBucket, PolicyLoss, RewardType, RubricGrader, RubricSchedule, SaveDtypeCfg,
+    LrScheduler, PerBucket, PolicyLoss, RewardGrader, RubricGrader, RubricSchedule, SaveDtypeCfg,
 };
 
 fn load(yaml: &str, overrides: &[&str]) -> Result<Config, ConfigError> {
@@ -72,7 +72,7 @@ fn defaults_are_the_spec_values() {
     // §4 KL
     assert!(a.use_kl_loss);
     assert_eq!(a.kl_penalty, KlPenalty::LowVarKl);
-    assert_eq!(a.kl_ctrl, KlCtrl::DualAscent);
+    assert_eq!(a.kl_type, KlCtrl::DualAscent);
     assert_eq!((a.kl_coef, a.kl_target, a.kl_horizon), (1e-3, 0.1, 10000.0));
     assert!(c.worker.actor.dynamic_kl_loss);
     assert_eq!(c.worker.actor.dynamic_kl_low_ratio, 0.5);
@@ -100,13 +100,13 @@ fn defaults_are_the_spec_values() {
     );
     assert_eq!(actor.optim.lr, 1e-6);
     assert_eq!(actor.optim.betas, [0.9, 0.999]);
-    assert_eq!(actor.optim.lr_scheduler, LrScheduler::Constant);
+    assert_eq!(actor.optim.lr_scheduler_type, LrScheduler::Constant);
 
     // §7 filtering
     assert!(a.online_filtering);
     assert_eq!(a.filter_key, "accuracy");
     assert_eq!(
-        (a.filter_low, a.filter_high, a.max_try_make_batch),
+        (a.filter_low, a.filter_high, c.trainer.max_try_make_batch),
         (0.01, 0.99, 20)
     );
     assert!(!a.drop_solved.enable);
@@ -118,14 +118,14 @@ fn defaults_are_the_spec_values() {
     // §9 graded prompts, rollout, reward
     let r = &c.worker.rollout;
     assert_eq!((r.n, r.temperature, r.top_p, r.top_k), (8, 1.0, 1.0, 0));
-    assert_eq!((r.val_temperature, r.val_n), (0.0, 1));
+    assert_eq!((r.val_temperature(), r.val_n()), (0.0, 1));
     assert!(!r.enable_graded_system_prompt);
     assert_eq!(r.graded.schedule, RubricSchedule::Linear);
     assert_eq!(r.graded.full_reveal_count, 1);
     assert_eq!((r.graded.power, r.graded.x0, r.graded.k), (2.0, 0.3, 10.0));
     assert!(r.graded.hide_criteria_instruction);
     assert!(!r.graded.add_base_when_zero && !r.graded.graded_prompt_in_training);
-    assert_eq!(c.worker.reward.reward_type, RewardType::Math);
+    assert_eq!(c.worker.reward.grader, RewardGrader::Math);
     assert_eq!(c.worker.reward.format_weight, 0.0);
     assert_eq!(c.worker.reward.rubric_grader, RubricGrader::Builtin);
 
@@ -435,7 +435,7 @@ fn one_sample_per_prompt_is_refused_by_group_methods() {
 #[test]
 fn rubric_command_is_required_for_the_command_grader() {
     let base = [
-        "worker.reward.reward_type=rubric",
+        "worker.reward.grader=rubric",
         "algorithm.entropy_reward.enable=false",
         "worker.reward.rubric_grader=command",
     ];
@@ -464,15 +464,15 @@ fn unusual() -> Config {
     c.data.format_prompt = Some("a: b #c.jinja".into());
     c.algorithm.adv_estimator = AdvEstimator::ReinforceProMax;
     c.algorithm.kl_penalty = KlPenalty::Abs;
-    c.algorithm.kl_ctrl = KlCtrl::Adaptive;
+    c.algorithm.kl_type = KlCtrl::Adaptive;
     c.algorithm.kl_coef = 1e-7;
     c.algorithm.difficulty_thresholds.easy = 0.7;
     c.algorithm.entropy_reward.trigger_words = vec!["wait".into(), "yes".into(), "1".into()];
     c.algorithm.entropy_reward.alpha_init = 0.1 + 0.2;
-    c.algorithm.max_try_make_batch = -1;
+    c.trainer.max_try_make_batch = -1;
     c.worker.actor.loss_agg_mode = LossAggMode::SeqMeanTokenMean;
     c.worker.actor.is_correction = IsCorrection::ReinforcePro;
-    c.worker.actor.optim.lr_scheduler = LrScheduler::Cosine;
+    c.worker.actor.optim.lr_scheduler_type = LrScheduler::Cosine;
     c.worker.actor.optim.betas = [0.0, 0.95];
     c.worker.rollout.graded.schedule = RubricSchedule::StepSigmoid;
     c.worker.rollout.top_p = 0.95;
@@ -557,20 +557,20 @@ fn example_configs_select_their_method() {
     assert_eq!(overlong.worker.reward.overlong_buffer.len, 1024);
     let ares = load_example("ares_math.yaml");
     assert!(ares.algorithm.entropy_reward.enable && ares.data.bootstrap);
-    assert_eq!(ares.algorithm.kl_ctrl, KlCtrl::DualAscent);
+    assert_eq!(ares.algorithm.kl_type, KlCtrl::DualAscent);
     assert_eq!(ares.trainer.device, Device::Cuda);
 
     let vl = load_example("ares_qwen25_vl_geo3k.yaml");
     assert_eq!(vl.data.image_key, "images");
     assert_eq!(vl.data.min_pixels, Some(262_144));
-    assert!(!vl.worker.actor.freeze_vision_tower && vl.algorithm.entropy_reward.enable);
+    assert!(!vl.worker.actor.model.freeze_vision_tower && vl.algorithm.entropy_reward.enable);
 
     let lambda = load_example("grpo_lambda.yaml");
     assert!(lambda.algorithm.grpo_lambda.enable && !lambda.algorithm.entropy_reward.enable);
 
     let rubric = load_example("rubric.yaml");
     assert!(rubric.worker.rollout.enable_graded_system_prompt);
-    assert_eq!(rubric.worker.reward.reward_type, RewardType::Rubric);
+    assert_eq!(rubric.worker.reward.grader, RewardGrader::Rubric);
 
     let pro_max = load_example("pro_max.yaml");
     assert_eq!(

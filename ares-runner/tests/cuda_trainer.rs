@@ -62,7 +62,7 @@ fn trainer_steps_on_the_gpu_match_the_cpu() {
         let yaml = format!(
             "data: {{train_files: {}, max_response_length: 16, rollout_batch_size: 2, bootstrap: true}}\n\
              algorithm: {{online_filtering: false}}\n\
-             worker: {{actor: {{model_path: {}, global_batch_size: 8, micro_batch_size_per_device: 4}}, rollout: {{n: 4}}}}\n\
+             worker: {{actor: {{model_path: {}, global_batch_size: 8, micro_batch_size_per_device_for_update: 4}}, rollout: {{n: 4}}}}\n\
              trainer: {{output_dir: {}, max_steps: 2, device: {device}}}\n",
             a.train.display(),
             a.model_dir.display(),

@@ -57,7 +57,7 @@ worker:
   actor:
     model_path: {model}
     global_batch_size: 8
-    micro_batch_size_per_device: 4
+    micro_batch_size_per_device_for_update: 4
     optim: {{lr: 1.0e-3}}
   rollout:
     n: 4
@@ -256,7 +256,7 @@ fn grpo_lambda_and_kl_in_reward_train() {
             "algorithm.entropy_reward.enable=false",
             "algorithm.grpo_lambda.enable=true",
             "algorithm.use_kl_loss=false",
-            "algorithm.kl_ctrl=adaptive",
+            "algorithm.kl_type=adaptive",
         ],
     );
     assert_finite(&lines);
@@ -293,13 +293,13 @@ fn graded_system_prompts_with_rubric_rewards_and_online_filtering() {
             "data.val_files=null",
             "data.max_response_length=24",
             "algorithm.entropy_reward.enable=false",
-            "worker.reward.reward_type=rubric",
+            "worker.reward.grader=rubric",
             "worker.rollout.enable_graded_system_prompt=true",
             "algorithm.online_filtering=true",
             "algorithm.filter_key=overall",
             "algorithm.filter_low=0.0",
             "algorithm.filter_high=1.0",
-            "algorithm.max_try_make_batch=0",
+            "trainer.max_try_make_batch=0",
         ],
     );
     assert_finite(&lines);
@@ -317,7 +317,7 @@ fn filtering_that_keeps_nothing_fails_clearly() {
         &dir.path().join("f"),
         &[
             "algorithm.online_filtering=true",
-            "algorithm.max_try_make_batch=2",
+            "trainer.max_try_make_batch=2",
         ],
     )
     .unwrap();
@@ -402,7 +402,7 @@ fn bad_inputs_fail_before_any_work() {
     let e = err(&["worker.rollout.n=1"]);
     assert!(e.contains("grpo"), "{e}");
 
-    let e = err(&["worker.actor.model_path=/nonexistent/model"]);
+    let e = err(&["worker.actor.model.model_path=/nonexistent/model"]);
     assert!(e.contains("/nonexistent/model"), "{e}");
 
     assert!(!run.exists(), "a failed start wrote {run:?}");
@@ -429,7 +429,7 @@ fn drop_solved_removes_prompts_solved_with_low_entropy() {
             "data.val_files=null",
             "data.shuffle=false",
             "algorithm.entropy_reward.enable=false",
-            "worker.reward.reward_type=rubric",
+            "worker.reward.grader=rubric",
             "algorithm.drop_solved.enable=true",
             "algorithm.drop_solved.entropy_threshold=100.0",
             "algorithm.drop_solved.consecutive=1",

@@ -70,7 +70,7 @@ worker:
   actor:
     model_path: {model}
     global_batch_size: 8
-    micro_batch_size_per_device: 4
+    micro_batch_size_per_device_for_update: 4
     optim: {{lr: 1.0e-3}}
   rollout:
     n: 4
@@ -137,7 +137,7 @@ fn a_frozen_tower_keeps_its_weights() {
     let cfg = config(
         dir.path(),
         &dir.path().join("run"),
-        &["worker.actor.freeze_vision_tower=true"],
+        &["worker.actor.model.freeze_vision_tower=true"],
     );
     let (_, ck) = train(cfg);
     let ck = ck.expect("a checkpoint");
@@ -187,7 +187,7 @@ fn a_text_model_refuses_image_rows() {
     let cfg = config(
         dir.path(),
         &dir.path().join("run"),
-        &[&format!("worker.actor.model_path={}", text_model.display())],
+        &[&format!("worker.actor.model.model_path={}", text_model.display())],
     );
     let err = match Trainer::new(cfg, CpuBackend, Arc::new(AtomicBool::new(false))) {
         Ok(_) => panic!("a text model trained on image rows"),

@@ -241,15 +241,15 @@ data:
   bootstrap: true
   seed: 1
 algorithm:
-  kl_ctrl: dual_ascent
+  kl_type: dual_ascent
   online_filtering: true
   filter_key: overall
-  max_try_make_batch: 8
 {method_keys}worker:
   actor:
-    model_path: {model}
+    model:
+      model_path: {model}
     global_batch_size: {global_batch_size}
-    micro_batch_size_per_device: 64
+    micro_batch_size_per_device_for_update: 64
     ppo_epochs: 1
     max_grad_norm: 1.0
 {actor_keys}    optim: {{lr: 1.0e-4, weight_decay: 0.0}}
@@ -257,9 +257,9 @@ algorithm:
     n: 8
     temperature: 1.0
     seed: 1
-    val_temperature: 1.0
-    val_n: 4
+    val_override_config: {{temperature: 1.0, n: 4}}
 {reward_keys}trainer:
+  max_try_make_batch: 8
   experiment_name: {prefix}-{name}
   max_steps: {rl_steps}
   val_freq: 0
@@ -435,7 +435,7 @@ fn warm_start<B: Backend + Clone>(
 }
 
 /// Accuracy and length per difficulty of the model in `model_dir` on `data` (greedy unless
-/// `worker.rollout.val_temperature` > 0).
+/// `worker.rollout.val_override_config.temperature` > 0).
 ///
 /// # Errors
 /// Loading, generation or grading errors.
@@ -446,7 +446,7 @@ pub fn evaluate_model<B: Backend + Clone>(
     data: &str,
 ) -> Result<EvalReport, TrainError> {
     let mut c = cfg.clone();
-    c.worker.actor.model_path = Some(model_dir.to_string_lossy().into_owned());
+    c.worker.actor.model.model_path = Some(model_dir.to_string_lossy().into_owned());
     let examples = load_examples(&c, data)?;
     let r = renderer(&c, model_dir)?;
     let files = crate::trainer::setup::ModelFiles::load(model_dir)?;
@@ -480,13 +480,13 @@ pub fn evaluate_model<B: Backend + Clone>(
         weight_dtype: rr.weight_dtype.into(),
     };
     let bar = crate::progress::Progress::from_env()
-        .bar((examples.len() * rr.val_n.max(1)) as u64, "eval");
+        .bar((examples.len() * rr.val_n()) as u64, "eval");
     let report = crate::trainer::eval::evaluate(
         &model,
         &r,
         &mut grader,
         &examples,
-        rr.val_n.max(1),
+        rr.val_n(),
         &params,
         |d| bar.set_position(d as u64),
     )?;
@@ -584,7 +584,7 @@ fn run_on<B: Backend + Clone>(
     };
     warm_start(demo, &cfg, &backend)?;
     lap(&mut phases.warm_start);
-    let sft_dir = PathBuf::from(cfg.worker.actor.model_path.clone().unwrap_or_default());
+    let sft_dir = PathBuf::from(cfg.worker.actor.model.model_path.clone().unwrap_or_default());
     let val = cfg.data.val_files.clone().unwrap_or_default();
     eprintln!("demo: evaluating the warm-started model on the held-out problems");
     let before = evaluate_model(&cfg, backend.clone(), &sft_dir, &val)?;
@@ -601,13 +601,13 @@ fn run_on<B: Backend + Clone>(
     lap(&mut phases.eval_after);
 
     let r = &cfg.worker.rollout;
-    let decoding = if r.val_temperature == 0.0 {
+    let decoding = if r.val_temperature() == 0.0 {
         "greedy decoding".to_string()
     } else {
         format!(
             "{} samples per problem at temperature {}",
-            r.val_n.max(1),
-            r.val_temperature
+            r.val_n(),
+            r.val_temperature()
         )
     };
     println!(

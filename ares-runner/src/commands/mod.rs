@@ -149,7 +149,7 @@ fn train_on<B: Backend + Clone>(cfg: Config, backend: B) -> Result<(), TrainErro
 }
 
 /// `ares-runner eval`: accuracy and mean response length per difficulty of `model`
-/// (default `worker.actor.model_path`) on `data` (default `data.val_files`, else
+/// (default `worker.actor.model.model_path`) on `data` (default `data.val_files`, else
 /// `data.train_files`), with the validation sampling of the config.
 ///
 /// # Errors
@@ -160,11 +160,12 @@ pub fn eval(cfg: &Config, model: Option<&Path>, data: Option<&Path>) -> Result<(
         None => cfg
             .worker
             .actor
+            .model
             .model_path
             .as_deref()
             .map(Into::into)
             .ok_or_else(|| {
-                TrainError::Invalid("eval: give --model DIR or set worker.actor.model_path".into())
+                TrainError::Invalid("eval: give --model DIR or set worker.actor.model.model_path".into())
             })?,
     };
     let data = match data {

@@ -144,7 +144,7 @@ pub fn run_sft<B: Backend + Clone>(
     let mut opt = Optimizer {
         adamw: AdamW::new(model.lm(), adamw_config(cfg))?,
         grads: model.lm().grads()?,
-        tower: if cfg.worker.actor.freeze_vision_tower {
+        tower: if cfg.worker.actor.model.freeze_vision_tower {
             None
         } else {
             model.tower_training()?
@@ -219,7 +219,7 @@ pub fn run_sft<B: Backend + Clone>(
 }
 
 /// `ares-runner sft`: `sft.train_files` (JSONL with `data.prompt_key` and
-/// `sft.response_key`) on `worker.actor.model_path`, saved to `<run dir>/sft`.
+/// `sft.response_key`) on `worker.actor.model.model_path`, saved to `<run dir>/sft`.
 ///
 /// # Errors
 /// Missing settings or files, and the run's errors.
@@ -229,15 +229,15 @@ pub fn sft(cfg: &Config) -> Result<(), TrainError> {
             "sft.train_files is not set: a JSONL file of prompt/response pairs".into(),
         )
     })?;
-    let model_dir = cfg.worker.actor.model_path.as_deref().ok_or_else(|| {
-        TrainError::Invalid("worker.actor.model_path is not set: the model to fine-tune".into())
+    let model_dir = cfg.worker.actor.model.model_path.as_deref().ok_or_else(|| {
+        TrainError::Invalid("worker.actor.model.model_path is not set: the model to fine-tune".into())
     })?;
     let pairs = read_sft_pairs(Path::new(data), cfg)?;
     let out = run_dir(cfg).join("sft");
     let options = SftOptions {
         epochs: cfg.sft.epochs,
         batch_size: cfg.sft.batch_size,
-        micro_batch: cfg.worker.actor.micro_batch_size_per_device,
+        micro_batch: cfg.worker.actor.micro_batch_size_per_device_for_update,
         lr: cfg.sft.lr,
         max_length: cfg.sft.max_length,
         seed: cfg.data.seed,

@@ -327,8 +327,8 @@ pub struct AlgorithmConfig {
     pub kl_penalty: KlPenalty,
     /// KL coefficient β of the `fixed` and `adaptive` controllers, ≥ 0 (default 1e−3).
     pub kl_coef: f64,
-    /// KL controller (default `dual_ascent`).
-    pub kl_ctrl: KlCtrl,
+    /// KL controller (default `dual_ascent`). (Older name: `kl_ctrl`.)
+    pub kl_type: KlCtrl,
     /// Target KL of the adaptive controller, > 0 (default 0.1).
     pub kl_target: f64,
     /// Horizon of the adaptive controller, > 0 (default 10000).
@@ -348,8 +348,6 @@ pub struct AlgorithmConfig {
     pub filter_low: f64,
     /// Upper bound (exclusive) of the kept group mean (default 0.99).
     pub filter_high: f64,
-    /// Most generation batches per step while filtering; ≤ 0 = unlimited (default 20).
-    pub max_try_make_batch: i64,
     /// Removal of solved prompts.
     pub drop_solved: DropSolvedConfig,
     /// ARES entropy shaping.
@@ -369,7 +367,7 @@ impl Default for AlgorithmConfig {
             use_kl_loss: true,
             kl_penalty: KlPenalty::LowVarKl,
             kl_coef: 1e-3,
-            kl_ctrl: KlCtrl::DualAscent,
+            kl_type: KlCtrl::DualAscent,
             kl_target: 0.1,
             kl_horizon: 10000.0,
             dual_ascent: DualAscentConfig::default(),
@@ -378,7 +376,6 @@ impl Default for AlgorithmConfig {
             filter_key: "accuracy".into(),
             filter_low: 0.01,
             filter_high: 0.99,
-            max_try_make_batch: 20,
             drop_solved: DropSolvedConfig::default(),
             entropy_reward: EntropyRewardConfig::default(),
             grpo_lambda: GrpoLambdaConfig::default(),

@@ -49,8 +49,6 @@ pub struct DataConfig {
     /// Prompts (groups of `worker.rollout.n` samples) kept per step, after online filtering,
     /// ≥ 1 (default 8).
     pub rollout_batch_size: usize,
-    /// Prompts per validation generation batch, ≥ 1 (default 64).
-    pub val_batch_size: usize,
     /// Shuffle the training set, differently each epoch (default true).
     pub shuffle: bool,
     /// Seed of the data order (default 1).
@@ -80,7 +78,6 @@ impl Default for DataConfig {
             max_response_length: 512,
             filter_overlong_prompts: true,
             rollout_batch_size: 8,
-            val_batch_size: 64,
             shuffle: true,
             seed: 1,
             bootstrap: true,

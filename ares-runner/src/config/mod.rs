@@ -25,6 +25,7 @@
 
 mod algorithm;
 mod data;
+mod easyr1;
 mod error;
 mod trainer;
 mod tree;
@@ -41,11 +42,12 @@ pub use algorithm::{
     EntropyRewardConfig, GrpoLambdaConfig, KlCtrl, KlPenalty, PerBucket,
 };
 pub use data::DataConfig;
+pub use easyr1::{ConfigNote, NoteAction};
 pub use error::ConfigError;
 pub use trainer::{Device, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig, TrainerConfig};
 pub use worker::{
     ActorConfig, EntropyBonusConfig, ForkingTokensConfig, GradedPromptConfig, IsCorrection,
-    LossAggMode, LrScheduler, OptimConfig, PolicyLoss, RefConfig, RewardConfig, RewardType,
+    LossAggMode, LrScheduler, OptimConfig, PolicyLoss, RefConfig, RewardConfig, RewardType, RewardGrader, ModelConfig, ValOverrideConfig,
     RolloutConfig, RubricGrader, RubricSchedule, WeightDtype, WorkerConfig,
 };
 
@@ -75,7 +77,7 @@ impl Config {
     /// Errors: malformed YAML (with line and column), unknown keys, wrong types, values out
     /// of range — see [`ConfigError`].
     pub fn from_yaml_str(text: &str, source_name: &str) -> Result<Config, ConfigError> {
-        resolve(Some((text, source_name)), &[])
+        resolve(Some((text, source_name)), &[]).map(|(config, _)| config)
     }
 
     /// The configuration of a run: the defaults, then the YAML file at `path` if given, then
@@ -84,6 +86,18 @@ impl Config {
     /// Errors: the file cannot be read ([`ConfigError::Io`]), and everything
     /// [`Config::from_yaml_str`] reports, for the file and the overrides alike.
     pub fn load(path: Option<&Path>, overrides: &[String]) -> Result<Config, ConfigError> {
+        Self::load_with_notes(path, overrides).map(|(config, _)| config)
+    }
+
+    /// [`Config::load`], with a note for every EasyR1 key that was read under another name,
+    /// mapped onto a setting of ours, or ignored as an engine knob (see the `easyr1` rules);
+    /// `ares-runner` prints them at start.
+    ///
+    /// Errors: as [`Config::load`].
+    pub fn load_with_notes(
+        path: Option<&Path>,
+        overrides: &[String],
+    ) -> Result<(Config, Vec<ConfigNote>), ConfigError> {
         match path {
             None => resolve(None, overrides),
             Some(path) => {
@@ -105,13 +119,18 @@ impl Config {
     }
 }
 
-/// Steps 1–5 of the module docs.
-fn resolve(file: Option<(&str, &str)>, overrides: &[String]) -> Result<Config, ConfigError> {
+/// Steps 1–5 of the module docs, with EasyR1's keys translated in steps 2 and 3.
+fn resolve(
+    file: Option<(&str, &str)>,
+    overrides: &[String],
+) -> Result<(Config, Vec<ConfigNote>), ConfigError> {
     let mut resolved = serde_json::to_value(Config::default())
         .map_err(|e| ConfigError::Internal(e.to_string()))?;
+    let mut notes = Vec::new();
     let mut file_tree = None;
     if let Some((text, source_name)) = file {
-        let parsed = tree::parse_yaml(text, source_name)?;
+        let mut parsed = tree::parse_yaml(text, source_name)?;
+        easyr1::translate_tree(&mut parsed, &format!("in {source_name}"), &mut notes)?;
         tree::merge(
             &mut resolved,
             parsed.clone(),
@@ -120,10 +139,13 @@ fn resolve(file: Option<(&str, &str)>, overrides: &[String]) -> Result<Config, C
         )?;
         file_tree = Some((parsed, source_name));
     }
-    let overrides = overrides
-        .iter()
-        .map(|text| Override::parse(text))
-        .collect::<Result<Vec<_>, _>>()?;
+    let mut translated = Vec::with_capacity(overrides.len());
+    for text in overrides {
+        if let Some(o) = easyr1::translate_override(Override::parse(text)?, &mut notes)? {
+            translated.push(o);
+        }
+    }
+    let overrides = translated;
     for o in &overrides {
         o.apply(&mut resolved)?;
     }
@@ -144,7 +166,7 @@ fn resolve(file: Option<(&str, &str)>, overrides: &[String]) -> Result<Config, C
         }
     })?;
     config.validate()?;
-    Ok(config)
+    Ok((config, notes))
 }
 
 /// Which source set the value at `keys`: the last override at or above it, else the file,

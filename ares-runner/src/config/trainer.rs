@@ -90,9 +90,12 @@ pub struct TrainerConfig {
     pub total_epochs: usize,
     /// Stop after this many steps, ≥ 1 when set (default none: `total_epochs` decides).
     pub max_steps: Option<usize>,
+    /// Most generation rounds per step while `algorithm.online_filtering` keeps too few
+    /// groups; ≤ 0 = unlimited (default 20). (Older name: `algorithm.max_try_make_batch`.)
+    pub max_try_make_batch: i64,
     /// Save every this many steps; 0 = only at the end (default 0).
     pub save_freq: usize,
-    /// Checkpoints kept (the newest), ≥ 1 (default 2).
+    /// Checkpoints kept (the newest); 0 = all (EasyR1's -1 is read as 0) (default 2).
     pub save_limit: usize,
     /// Precision of the saved weights (default `f32`).
     pub save_dtype: SaveDtypeCfg,
@@ -123,6 +126,7 @@ impl Default for TrainerConfig {
             output_dir: None,
             total_epochs: 1,
             max_steps: None,
+            max_try_make_batch: 20,
             save_freq: 0,
             save_limit: 2,
             save_dtype: SaveDtypeCfg::F32,

@@ -216,6 +216,12 @@ impl Override {
         self.segments.join(".")
     }
 
+    /// The value read as YAML, whatever the key holds (for translating EasyR1 keys, which
+    /// are not in the resolved tree).
+    pub(crate) fn value(&self) -> Result<Value, ConfigError> {
+        parse_yaml_value(&self.raw, &self.text)
+    }
+
     /// Where a value came from, for messages.
     pub(crate) fn origin(&self) -> String {
         format!("from override `{}`", self.text)

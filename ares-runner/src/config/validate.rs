@@ -4,7 +4,7 @@
 //! Choices made here (the spec leaves them open):
 //! - `worker.actor.global_batch_size` may exceed the samples of a step
 //!   (`data.rollout_batch_size · worker.rollout.n`); the trainer takes the whole step as one
-//!   mini-batch. It must be a multiple of `micro_batch_size_per_device`.
+//!   mini-batch. It must be a multiple of `micro_batch_size_per_device_for_update`.
 //! - `filter_low`/`filter_high` lie in `[0, 1]` when the filter averages `accuracy` (a 0/1
 //!   value); other metrics (`overall` = accuracy + S) only need finite, ordered bounds.
 //! - ARES shaping, GRPO-λ and the rubric reward are alternative rewards (docs/algorithms.md §3, §8, §9):
@@ -16,7 +16,7 @@ use super::algorithm::{AlgorithmConfig, EntropyRewardConfig, PerBucket};
 use super::data::DataConfig;
 use super::error::ConfigError;
 use super::trainer::{SftConfig, TrainerConfig};
-use super::worker::{ActorConfig, RewardConfig, RewardType, RolloutConfig, RubricGrader};
+use super::worker::{ActorConfig, RewardConfig, RewardGrader, RolloutConfig, RubricGrader};
 
 /// Errors unless `value` is finite and `ok`.
 fn real(key: &str, value: f64, ok: bool, expected: &str) -> Result<(), ConfigError> {
@@ -149,7 +149,7 @@ impl Config {
     fn validate_reward_choice(&self) -> Result<(), ConfigError> {
         let ares = self.algorithm.entropy_reward.enable;
         let lambda = self.algorithm.grpo_lambda.enable;
-        let rubric = self.worker.reward.reward_type == RewardType::Rubric;
+        let rubric = self.worker.reward.grader == RewardGrader::Rubric;
         let clash = |key: &str, value: &str, other: &str| ConfigError::Inconsistent {
             key: key.to_string(),
             value: value.to_string(),
@@ -164,7 +164,7 @@ impl Config {
         }
         if rubric && ares {
             return Err(clash(
-                "worker.reward.reward_type",
+                "worker.reward.grader",
                 "rubric",
                 "the ARES entropy reward, which shapes 0/1 correctness \
                  (algorithm.entropy_reward.enable = true)",
@@ -172,7 +172,7 @@ impl Config {
         }
         if rubric && lambda {
             return Err(clash(
-                "worker.reward.reward_type",
+                "worker.reward.grader",
                 "rubric",
                 "GRPO-λ, which needs 0/1 correctness (algorithm.grpo_lambda.enable = true)",
             ));
@@ -210,8 +210,7 @@ fn validate_data(d: &DataConfig) -> Result<(), ConfigError> {
     real("data.video_fps", d.video_fps, d.video_fps > 0.0, "> 0")?;
     at_least("data.max_prompt_length", d.max_prompt_length, 1)?;
     at_least("data.max_response_length", d.max_response_length, 1)?;
-    at_least("data.rollout_batch_size", d.rollout_batch_size, 1)?;
-    at_least("data.val_batch_size", d.val_batch_size, 1)
+    at_least("data.rollout_batch_size", d.rollout_batch_size, 1)
 }
 
 fn validate_algorithm(a: &AlgorithmConfig) -> Result<(), ConfigError> {
@@ -395,20 +394,21 @@ fn validate_entropy_reward(e: &EntropyRewardConfig) -> Result<(), ConfigError> {
 
 fn validate_actor(a: &ActorConfig) -> Result<(), ConfigError> {
     const P: &str = "worker.actor";
-    non_empty_path(&format!("{P}.model_path"), a.model_path.as_deref())?;
+    non_empty_path(&format!("{P}.model.model_path"), a.model.model_path.as_deref())?;
+    non_empty_path(&format!("{P}.model.tokenizer_path"), a.model.tokenizer_path.as_deref())?;
     at_least(&format!("{P}.global_batch_size"), a.global_batch_size, 1)?;
     at_least(
-        &format!("{P}.micro_batch_size_per_device"),
-        a.micro_batch_size_per_device,
+        &format!("{P}.micro_batch_size_per_device_for_update"),
+        a.micro_batch_size_per_device_for_update,
         1,
     )?;
     if !a
         .global_batch_size
-        .is_multiple_of(a.micro_batch_size_per_device)
+        .is_multiple_of(a.micro_batch_size_per_device_for_update)
     {
         return Err(ConfigError::Inconsistent {
-            key: format!("{P}.micro_batch_size_per_device"),
-            value: a.micro_batch_size_per_device.to_string(),
+            key: format!("{P}.micro_batch_size_per_device_for_update"),
+            value: a.micro_batch_size_per_device_for_update.to_string(),
             reason: format!(
                 "it must divide {P}.global_batch_size = {} (gradients accumulate over whole \
                  micro-batches)",
@@ -556,13 +556,26 @@ fn validate_rollout(r: &RolloutConfig) -> Result<(), ConfigError> {
         "in (0, 1]",
     )?;
     at_least(&format!("{P}.window_size"), r.window_size, 1)?;
-    real(
-        &format!("{P}.val_temperature"),
-        r.val_temperature,
-        r.val_temperature >= 0.0,
-        ">= 0 (0 = greedy)",
-    )?;
-    at_least(&format!("{P}.val_n"), r.val_n, 1)?;
+    let v = &r.val_override_config;
+    if let Some(t) = v.temperature {
+        real(
+            &format!("{P}.val_override_config.temperature"),
+            t,
+            t >= 0.0,
+            ">= 0 (0 = greedy)",
+        )?;
+    }
+    if let Some(p) = v.top_p {
+        real(
+            &format!("{P}.val_override_config.top_p"),
+            p,
+            p > 0.0 && p <= 1.0,
+            "in (0, 1]",
+        )?;
+    }
+    if let Some(n) = v.n {
+        at_least(&format!("{P}.val_override_config.n"), n, 1)?;
+    }
     let g = &r.graded;
     real(
         &format!("{P}.graded.power"),
@@ -575,6 +588,14 @@ fn validate_rollout(r: &RolloutConfig) -> Result<(), ConfigError> {
 }
 
 fn validate_reward(r: &RewardConfig) -> Result<(), ConfigError> {
+    non_empty_path("worker.reward.reward_function", r.reward_function.as_deref())?;
+    non_empty_path("worker.reward.python", r.python.as_deref())?;
+    real(
+        "worker.reward.timeout_s",
+        r.timeout_s,
+        r.timeout_s > 0.0,
+        "> 0 seconds",
+    )?;
     real(
         "worker.reward.format_weight",
         r.format_weight,
@@ -616,7 +637,7 @@ fn validate_trainer(t: &TrainerConfig) -> Result<(), ConfigError> {
     if let Some(steps) = t.max_steps {
         at_least("trainer.max_steps", steps, 1)?;
     }
-    at_least("trainer.save_limit", t.save_limit, 1)
+    Ok(())
 }
 
 fn validate_sft(s: &SftConfig) -> Result<(), ConfigError> {
@@ -695,7 +716,7 @@ mod tests {
     #[test]
     fn micro_batch_must_divide_global_batch() {
         let mut c = Config::default();
-        c.worker.actor.micro_batch_size_per_device = 12;
+        c.worker.actor.micro_batch_size_per_device_for_update = 12;
         assert!(err(&c).contains("must divide worker.actor.global_batch_size = 64"));
     }
 

@@ -168,8 +168,9 @@ pub struct OptimConfig {
     pub weight_decay: f64,
     /// Linear warm-up from 0 over this many optimiser steps (default 0).
     pub lr_warmup_steps: usize,
-    /// Schedule after the warm-up (default `constant`).
-    pub lr_scheduler: LrScheduler,
+    /// Schedule after the warm-up (default `constant`). (Older name: `lr_scheduler`; the
+    /// ARES fork's: `warmup_style`.)
+    pub lr_scheduler_type: LrScheduler,
     /// Final learning rate of the cosine schedule as a fraction of `lr`, in `[0, 1]`
     /// (default 0).
     pub min_lr_ratio: f64,
@@ -183,26 +184,43 @@ impl Default for OptimConfig {
             eps: 1e-8,
             weight_decay: 0.01,
             lr_warmup_steps: 0,
-            lr_scheduler: LrScheduler::Constant,
+            lr_scheduler_type: LrScheduler::Constant,
             min_lr_ratio: 0.0,
         }
     }
+}
+
+/// `worker.actor.model`: the weights that are trained (EasyR1's `ModelConfig`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelConfig {
+    /// Hugging Face model directory. `None` → the demo's tiny model. (ares's older name:
+    /// `worker.actor.model_path`.)
+    pub model_path: Option<String>,
+    /// Directory of the tokenizer and chat template (`tokenizer.json`,
+    /// `tokenizer_config.json`); `None` (default) → `model_path`.
+    pub tokenizer_path: Option<String>,
+    /// Vision-language models: keep the vision tower's weights fixed (no tower backward,
+    /// no tower optimizer state). EasyR1's default, false, trains it. (Older name:
+    /// `worker.actor.freeze_vision_tower`.)
+    pub freeze_vision_tower: bool,
 }
 
 /// The policy being trained.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ActorConfig {
-    /// Hugging Face model directory. `None` → the demo's tiny model.
-    pub model_path: Option<String>,
+    /// The model.
+    pub model: ModelConfig,
     /// Samples per optimiser step (mini-batch), ≥ 1 and a multiple of
-    /// `micro_batch_size_per_device` (default 64). It may exceed the samples of a step
-    /// (`data.rollout_batch_size · worker.rollout.n`): the trainer then takes the whole step
-    /// as one mini-batch, so this is not an error.
+    /// `micro_batch_size_per_device_for_update` (default 64). It may exceed the samples of a
+    /// step (`data.rollout_batch_size · worker.rollout.n`): the trainer then takes the whole
+    /// step as one mini-batch, so this is not an error.
     pub global_batch_size: usize,
-    /// Samples per forward/backward; gradients accumulate over
-    /// `global_batch_size / micro_batch_size_per_device` micro-batches, ≥ 1 (default 8).
-    pub micro_batch_size_per_device: usize,
+    /// Samples per forward/backward of the update; gradients accumulate over
+    /// `global_batch_size / micro_batch_size_per_device_for_update` micro-batches, ≥ 1
+    /// (default 8). (Older name: `micro_batch_size_per_device`.)
+    pub micro_batch_size_per_device_for_update: usize,
     /// Passes over a step's samples, ≥ 1 (default 1).
     pub ppo_epochs: usize,
     /// ε_low of the PPO clip `clamp(r, 1 − ε_low, 1 + ε_high)`, in `[0, 1]` (default 0.2).
@@ -243,9 +261,6 @@ pub struct ActorConfig {
     pub is_threshold_high: f64,
     /// AdamW.
     pub optim: OptimConfig,
-    /// Vision-language models: keep the vision tower's weights fixed (no tower backward,
-    /// no tower optimizer state). EasyR1's default, false, trains it.
-    pub freeze_vision_tower: bool,
     /// Forking-token policy gradient (docs/algorithms.md §16.1): the policy gradient only on
     /// the batch's highest-entropy response tokens.
     pub forking_tokens: ForkingTokensConfig,
@@ -317,9 +332,9 @@ impl EntropyBonusConfig {
 impl Default for ActorConfig {
     fn default() -> Self {
         ActorConfig {
-            model_path: None,
+            model: ModelConfig::default(),
             global_batch_size: 64,
-            micro_batch_size_per_device: 8,
+            micro_batch_size_per_device_for_update: 8,
             ppo_epochs: 1,
             clip_ratio_low: 0.2,
             clip_ratio_high: 0.3,
@@ -338,7 +353,6 @@ impl Default for ActorConfig {
             is_threshold_low: 0.5,
             is_threshold_high: 5.0,
             optim: OptimConfig::default(),
-            freeze_vision_tower: false,
             forking_tokens: ForkingTokensConfig::default(),
             entropy_bonus: EntropyBonusConfig::default(),
         }
@@ -429,10 +443,10 @@ pub struct RolloutConfig {
     pub seed: u64,
     /// Window w of the window entropy `W_t` (docs/algorithms.md §1), ≥ 1 (default 4).
     pub window_size: usize,
-    /// Validation temperature, ≥ 0; 0 = greedy (default 0).
-    pub val_temperature: f64,
-    /// Validation samples per prompt, ≥ 1 (default 1).
-    pub val_n: usize,
+    /// Validation's sampling (EasyR1's `val_override_config`): each key given replaces the
+    /// rollout's; a key left out (null) is the rollout's (default: greedy, one sample).
+    /// (Older names: `val_temperature`, `val_n`.)
+    pub val_override_config: ValOverrideConfig,
     /// Graded system prompts at rollout time (seed 003; default false). Active only while
     /// training with n > 1.
     pub enable_graded_system_prompt: bool,
@@ -452,12 +466,62 @@ impl Default for RolloutConfig {
             top_k: 0,
             seed: 1,
             window_size: 4,
-            val_temperature: 0.0,
-            val_n: 1,
+            val_override_config: ValOverrideConfig::default(),
             enable_graded_system_prompt: false,
             graded: GradedPromptConfig::default(),
             weight_dtype: WeightDtype::F32,
         }
+    }
+}
+
+/// `worker.rollout.val_override_config`: validation's sampling settings; null = the
+/// rollout's. As in EasyR1, a mapping given in a file replaces the whole default (a key it
+/// leaves out is the rollout's, not greedy).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ValOverrideConfig {
+    /// Temperature, ≥ 0; 0 = greedy (default 0).
+    pub temperature: Option<f64>,
+    /// Nucleus mass, in `(0, 1]` (default null: the rollout's).
+    pub top_p: Option<f64>,
+    /// Top-k cut; 0 = off (default null: the rollout's).
+    pub top_k: Option<usize>,
+    /// Samples per prompt, ≥ 1 (default 1).
+    pub n: Option<usize>,
+}
+
+impl Default for ValOverrideConfig {
+    fn default() -> Self {
+        ValOverrideConfig {
+            temperature: Some(0.0),
+            top_p: None,
+            top_k: None,
+            n: Some(1),
+        }
+    }
+}
+
+impl RolloutConfig {
+    /// Validation's temperature (0 = greedy).
+    pub fn val_temperature(&self) -> f64 {
+        self.val_override_config
+            .temperature
+            .unwrap_or(self.temperature)
+    }
+
+    /// Validation's nucleus mass.
+    pub fn val_top_p(&self) -> f64 {
+        self.val_override_config.top_p.unwrap_or(self.top_p)
+    }
+
+    /// Validation's top-k (0 = off).
+    pub fn val_top_k(&self) -> usize {
+        self.val_override_config.top_k.unwrap_or(self.top_k)
+    }
+
+    /// Validation's samples per prompt, ≥ 1.
+    pub fn val_n(&self) -> usize {
+        self.val_override_config.n.unwrap_or(self.n).max(1)
     }
 }
 
@@ -469,22 +533,43 @@ pub struct RefConfig {
     pub model_path: Option<String>,
 }
 
-/// What the reward grades.
+/// What the built-in reward grades.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum RewardType {
+pub enum RewardGrader {
     /// Math answers: the last `\boxed{…}` against the reference (docs/algorithms.md §10).
     Math,
     /// Rubric criteria: Σ points of met criteria / Σ positive points (docs/algorithms.md §9).
     Rubric,
 }
 
+impl RewardGrader {
+    /// The YAML spelling.
+    pub const fn name(self) -> &'static str {
+        match self {
+            RewardGrader::Math => "math",
+            RewardGrader::Rubric => "rubric",
+        }
+    }
+}
+
+/// How a Python reward function is called (EasyR1's `reward_type`, the ARES fork's key;
+/// EasyR1 itself reads the module's `REWARD_TYPE`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RewardType {
+    /// Once per batch with the list of every response's inputs; returns a list of dicts.
+    Batch,
+    /// Once per response with its inputs; returns a dict.
+    Sequential,
+}
+
 impl RewardType {
     /// The YAML spelling.
     pub const fn name(self) -> &'static str {
         match self {
-            RewardType::Math => "math",
-            RewardType::Rubric => "rubric",
+            RewardType::Batch => "batch",
+            RewardType::Sequential => "sequential",
         }
     }
 }
@@ -513,8 +598,24 @@ impl RubricGrader {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct RewardConfig {
-    /// What is graded (default `math`).
-    pub reward_type: RewardType,
+    /// What the built-in reward grades (default `math`), when no `reward_function` is set.
+    /// (Older name: `reward_type: math | rubric`.)
+    pub grader: RewardGrader,
+    /// A Python reward function in EasyR1's interface, `path.py:name` (`path.py` alone
+    /// calls `main`); relative paths are from the working directory. It replaces the
+    /// built-in grader; its dicts' `overall` is the reward and every other key a metric
+    /// (default null: the built-in grader).
+    pub reward_function: Option<String>,
+    /// Keyword arguments passed to the reward function (default null: none).
+    pub reward_function_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// `batch` or `sequential` calls; null (default) → the module's `REWARD_TYPE`, else
+    /// `batch`.
+    pub reward_type: Option<RewardType>,
+    /// The Python interpreter of the reward worker (default null: `python3` on `PATH`).
+    pub python: Option<String>,
+    /// Longest a reward call may take, in seconds, > 0 (default 600); the run stops with
+    /// an error naming the batch when it is exceeded.
+    pub timeout_s: f64,
     /// Weight of the format reward in the total, ≥ 0; 0 = reported only (default 0).
     pub format_weight: f64,
     /// Rubric grader (default `builtin`).
@@ -554,7 +655,12 @@ impl Default for OverlongBufferConfig {
 impl Default for RewardConfig {
     fn default() -> Self {
         RewardConfig {
-            reward_type: RewardType::Math,
+            grader: RewardGrader::Math,
+            reward_function: None,
+            reward_function_kwargs: None,
+            reward_type: None,
+            python: None,
+            timeout_s: 600.0,
             format_weight: 0.0,
             rubric_grader: RubricGrader::Builtin,
             rubric_command: None,

@@ -71,7 +71,7 @@ pub fn concat_vision(rows: &[&PromptVision]) -> Option<VisionBatch> {
 fn no_vision(what: &str) -> TrainError {
     TrainError::Invalid(format!(
         "{what}: the data has images or videos but the model is a text model \
-         (worker.actor.model_path must be a Qwen2-VL / Qwen2.5-VL checkpoint)"
+         (worker.actor.model.model_path must be a Qwen2-VL / Qwen2.5-VL checkpoint)"
     ))
 }
 

@@ -34,7 +34,7 @@ pub enum TrainError {
     /// Online filtering could not fill a batch.
     #[error(
         "online filtering kept {kept} of {wanted} groups after {tries} generation rounds \
-         (algorithm.max_try_make_batch = {tries}): every other group was all-correct or \
+         (trainer.max_try_make_batch = {tries}): every other group was all-correct or \
          all-wrong; raise max_try_make_batch, widen filter_low/filter_high, or turn \
          algorithm.online_filtering off"
     )]

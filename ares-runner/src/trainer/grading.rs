@@ -3,7 +3,7 @@
 
 use super::TrainError;
 use super::rewards::Grade;
-use crate::config::{Config, RewardType, RubricGrader as GraderKind};
+use crate::config::{Config, RewardGrader, RubricGrader as GraderKind};
 use crate::data::Example;
 use crate::reward::{
     CommandGrader, KeywordGrader, RubricGrader, format_reward, grade_math, rubric_score,
@@ -11,14 +11,14 @@ use crate::reward::{
 
 /// Grades responses for one run.
 pub struct Grader {
-    reward_type: RewardType,
+    grader: RewardGrader,
     rubric: Option<Box<dyn RubricGrader>>,
 }
 
 impl std::fmt::Debug for Grader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Grader")
-            .field("reward_type", &self.reward_type)
+            .field("grader", &self.grader)
             .field("rubric", &self.rubric.is_some())
             .finish()
     }
@@ -31,8 +31,8 @@ impl Grader {
     /// The grader command cannot be started.
     pub fn new(cfg: &Config) -> Result<Self, TrainError> {
         let r = &cfg.worker.reward;
-        let rubric: Option<Box<dyn RubricGrader>> = match r.reward_type {
-            RewardType::Rubric => Some(match r.rubric_grader {
+        let rubric: Option<Box<dyn RubricGrader>> = match r.grader {
+            RewardGrader::Rubric => Some(match r.rubric_grader {
                 GraderKind::Builtin => Box::new(KeywordGrader::new()),
                 GraderKind::Command => {
                     let command = r.rubric_command.as_deref().ok_or_else(|| {
@@ -50,7 +50,7 @@ impl Grader {
             _ => None,
         };
         Ok(Self {
-            reward_type: r.reward_type,
+            grader: r.grader,
             rubric,
         })
     }
@@ -62,8 +62,8 @@ impl Grader {
     /// The first example that cannot be graded, named.
     pub fn check(&self, examples: &[Example], what: &str) -> Result<(), TrainError> {
         for e in examples {
-            match self.reward_type {
-                RewardType::Rubric => {
+            match self.grader {
+                RewardGrader::Rubric => {
                     if e.rubrics.is_empty() && e.answer.is_empty() {
                         return Err(TrainError::Invalid(format!(
                             "{what}: row {} ({}) has neither rubric criteria nor an answer",

@@ -63,7 +63,7 @@ impl PromptRenderer {
                 .map_err(|err| TrainError::Invalid(err.to_string())),
                 _ => Err(media_error(
                     example,
-                    "has images or videos: worker.actor.model_path must be a Qwen2-VL / \
+                    "has images or videos: worker.actor.model.model_path must be a Qwen2-VL / \
                      Qwen2.5-VL model with a chat template",
                 )),
             };

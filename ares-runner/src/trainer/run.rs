@@ -116,9 +116,9 @@ impl<B: Backend + Clone> Trainer<B> {
     /// # Errors
     /// Missing or malformed model, data or config values, each named.
     pub fn new(cfg: Config, backend: B, interrupt: Arc<AtomicBool>) -> Result<Self, TrainError> {
-        let model_path = cfg.worker.actor.model_path.clone().ok_or_else(|| {
+        let model_path = cfg.worker.actor.model.model_path.clone().ok_or_else(|| {
             TrainError::Invalid(
-                "worker.actor.model_path is not set: point it at a Hugging Face model directory \
+                "worker.actor.model.model_path is not set: point it at a Hugging Face model directory \
                  (or run `ares-runner train` without a config for the built-in demo)"
                     .into(),
             )
@@ -250,7 +250,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 let opt = Optimizer {
                     adamw,
                     grads,
-                    tower: if cfg.worker.actor.freeze_vision_tower {
+                    tower: if cfg.worker.actor.model.freeze_vision_tower {
                         None
                     } else {
                         actor.tower_training()?
@@ -688,7 +688,7 @@ impl<B: Backend + Clone> Trainer<B> {
             chunk: self.settings.rollout_chunk,
             weight_dtype: self.settings.weight_dtype,
         };
-        let n = r.val_n.max(1);
+        let n = r.val_n();
         let bar = self.progress.bar((examples.len() * n) as u64, "eval");
         let report = super::eval::evaluate(
             &self.actor,
@@ -912,14 +912,14 @@ fn resume_tower<B: Backend>(
     cfg: &Config,
     dir: &Path,
 ) -> Result<Option<TowerTraining<B>>, TrainError> {
-    let (Some(vl), false) = (actor.vision(), cfg.worker.actor.freeze_vision_tower) else {
+    let (Some(vl), false) = (actor.vision(), cfg.worker.actor.model.freeze_vision_tower) else {
         return Ok(None);
     };
     let path = dir.join(VISION_OPTIMIZER_FILE);
     if !path.is_file() {
         return Err(TrainError::Invalid(format!(
             "{}: missing; the checkpoint was saved with a frozen vision tower (set \
-             worker.actor.freeze_vision_tower=true to resume it)",
+             worker.actor.model.freeze_vision_tower=true to resume it)",
             path.display()
         )));
     }

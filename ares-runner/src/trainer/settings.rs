@@ -179,17 +179,17 @@ pub fn rollout_sampling(cfg: &Config) -> Sampling {
     }
 }
 
-/// The sampling of validation: greedy at `val_temperature = 0`, else that temperature with
-/// the rollout's top-k / top-p.
+/// The sampling of validation (`worker.rollout.val_override_config` over the rollout's):
+/// greedy at temperature 0.
 pub fn validation_sampling(cfg: &Config) -> Sampling {
     let r = &cfg.worker.rollout;
-    if r.val_temperature == 0.0 {
+    if r.val_temperature() == 0.0 {
         Sampling::Greedy
     } else {
         Sampling::Sample {
-            temperature: r.val_temperature as f32,
-            top_k: (r.top_k > 0).then_some(r.top_k),
-            top_p: r.top_p as f32,
+            temperature: r.val_temperature() as f32,
+            top_k: (r.val_top_k() > 0).then_some(r.val_top_k()),
+            top_p: r.val_top_p() as f32,
         }
     }
 }
@@ -246,7 +246,7 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
             lambda_: alg.grpo_lambda.lambda,
             alpha: alg.grpo_lambda.alpha,
         })
-    } else if cfg.worker.reward.reward_type == config::RewardType::Rubric {
+    } else if cfg.worker.reward.grader == config::RewardGrader::Rubric {
         Base::Rubric
     } else {
         Base::Accuracy
@@ -279,7 +279,7 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
         }
     };
 
-    let control = match alg.kl_ctrl {
+    let control = match alg.kl_type {
         config::KlCtrl::Fixed => KlControl::Global(KlController::fixed(alg.kl_coef)?),
         config::KlCtrl::Adaptive => KlControl::Global(KlController::adaptive(
             alg.kl_coef,
@@ -323,7 +323,7 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
             key,
             low: alg.filter_low,
             high: alg.filter_high,
-            max_tries: usize::try_from(alg.max_try_make_batch.max(0)).unwrap_or(0),
+            max_tries: usize::try_from(cfg.trainer.max_try_make_batch.max(0)).unwrap_or(0),
         })
     } else {
         None
@@ -382,11 +382,11 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
 
     let step_rows = cfg.data.rollout_batch_size * n;
     let mini_batch = actor.global_batch_size.min(step_rows).max(1);
-    let micro_batch = actor.micro_batch_size_per_device.min(mini_batch).max(1);
+    let micro_batch = actor.micro_batch_size_per_device_for_update.min(mini_batch).max(1);
     let optim = OptimSettings {
         lr: actor.optim.lr,
         warmup_steps: actor.optim.lr_warmup_steps as u64,
-        cosine: actor.optim.lr_scheduler == config::LrScheduler::Cosine,
+        cosine: actor.optim.lr_scheduler_type == config::LrScheduler::Cosine,
         min_lr_ratio: actor.optim.min_lr_ratio,
         total_steps: total_steps * (step_rows.div_ceil(mini_batch) * actor.ppo_epochs) as u64,
         max_grad_norm: Some(actor.max_grad_norm as f32),
