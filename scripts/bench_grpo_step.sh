@@ -7,7 +7,7 @@
 #   scripts/bench_grpo_step.sh                      # GPU: ares (cuda) f32 and bf16 matmuls,
 #                                                   # then PyTorch f32 and bf16
 #   DEVICE=cpu SHAPE=demo VOCAB=59 scripts/bench_grpo_step.sh data.rollout_batch_size=4 \
-#       worker.rollout.n=2 data.max_response_length=16 worker.actor.global_batch_size=8
+#       worker.rollout.n=2 data.max_response_length=16 worker.actor.global_batch_size=4
 #                                                   # a quick check of the script on a CPU
 #
 # Extra arguments are dotted overrides for ares-runner. Environment: ARES_RUNNER (the
@@ -46,7 +46,7 @@ for precision in ${PRECISIONS:-f32 bf16}; do
   sample_memory
   "$bin" train -c "$config" "trainer.device=$device" "trainer.matmul_precision=$precision" \
     "data.train_files=$dir/assets/data/train.jsonl" "worker.actor.model_path=$dir/assets/model" \
-    "trainer.output_dir=$dir/run" "$@"
+    "trainer.save_checkpoint_path=$dir/run" "$@"
   peak
   metrics=$(find "$dir/run" -name metrics.jsonl | head -1)
   "$python" - "$metrics" <<'PY'

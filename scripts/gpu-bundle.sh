@@ -155,7 +155,7 @@ part kernels "${T_KERNELS:-60}"
 cp "$work/gpu_kernels.jsonl" "$final/" 2>/dev/null
 part model "${T_MODEL:-70}"
 TORCH_ARGS="--prompts 16 --steps 2" part grpo "${T_GRPO:-110}" \
-  data.rollout_batch_size=16 worker.actor.global_batch_size=128 trainer.max_steps=2
+  data.rollout_batch_size=16 worker.actor.global_batch_size=16 trainer.max_steps=2
 tail -n 12 "$final/kernels.txt" "$final/model.txt" "$final/grpo.txt"
 CHECK
 chmod +x "$dir/check.sh"

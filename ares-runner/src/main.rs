@@ -14,7 +14,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use ares_runner::config::Config;
+use ares_runner::config::{Config, ConfigNote, notes_table};
 
 /// RL training of reasoning LLMs: ARES/AEPO, GRPO-λ, graded rubric prompts, REINFORCE Pro Max.
 #[derive(Debug, Parser)]
@@ -115,13 +115,23 @@ enum Shape {
     Qwen2_5_0_5b,
 }
 
-/// Loads a config and applies `--device`.
+/// Loads a config and applies `--device`; the EasyR1 keys read differently go to stderr.
 fn load(cfg: &ConfigArgs, device: Option<&str>) -> Result<Config, Box<dyn std::error::Error>> {
+    let (config, notes) = load_with_notes(cfg, device)?;
+    eprint!("{}", notes_table(&notes));
+    Ok(config)
+}
+
+/// [`load`] without printing the notes.
+fn load_with_notes(
+    cfg: &ConfigArgs,
+    device: Option<&str>,
+) -> Result<(Config, Vec<ConfigNote>), Box<dyn std::error::Error>> {
     let mut overrides = cfg.overrides.clone();
     if let Some(d) = device {
         overrides.push(format!("trainer.device={d}"));
     }
-    Ok(Config::load(cfg.config.as_deref(), &overrides)?)
+    Ok(Config::load_with_notes(cfg.config.as_deref(), &overrides)?)
 }
 
 fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
@@ -151,7 +161,12 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             }
         }
         Command::Config { cfg } => {
-            print!("{}", load(&cfg, None)?.to_yaml());
+            // the notes follow as YAML comments, so the output still loads as a config
+            let (config, notes) = load_with_notes(&cfg, None)?;
+            print!("{}", config.to_yaml());
+            for line in notes_table(&notes).lines() {
+                println!("# {line}");
+            }
         }
         Command::Eval { cfg, model, data } => {
             let config = load(&cfg, None)?;

@@ -62,8 +62,8 @@ fn trainer_steps_on_the_gpu_match_the_cpu() {
         let yaml = format!(
             "data: {{train_files: {}, max_response_length: 16, rollout_batch_size: 2, bootstrap: true}}\n\
              algorithm: {{online_filtering: false}}\n\
-             worker: {{actor: {{model_path: {}, global_batch_size: 8, micro_batch_size_per_device_for_update: 4}}, rollout: {{n: 4}}}}\n\
-             trainer: {{output_dir: {}, max_steps: 2, device: {device}}}\n",
+             worker: {{actor: {{model_path: {}, global_batch_size: 2, micro_batch_size_per_device_for_update: 4}}, rollout: {{n: 4}}}}\n\
+             trainer: {{save_checkpoint_path: {}, max_steps: 2, device: {device}}}\n",
             a.train.display(),
             a.model_dir.display(),
             dir.path().join(name).display()

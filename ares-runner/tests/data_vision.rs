@@ -619,6 +619,7 @@ fn configured_columns() {
     let media = MediaKeys {
         image: "media.pics".into(),
         video: "clips".into(),
+        base_dir: None,
     };
     let ex = load_dataset_with_media(&path, &DataKeys::default(), &media).unwrap();
     assert_eq!(ex[0].images, vec![MediaSource::Path(d.join("a.png"))]);
@@ -642,6 +643,49 @@ fn configured_columns() {
     };
     assert_eq!(MediaKeys::from_config(&data), media);
     assert_eq!(DataKeys::from_config(&data), DataKeys::default());
+
+    // data.image_dir: relative paths are joined to it (EasyR1), absolute ones kept
+    let images = tempfile::tempdir().unwrap();
+    fs::copy(
+        fixture("images/two_a_70x45.png"),
+        images.path().join("b.png"),
+    )
+    .unwrap();
+    let absolute = d.join("a.png");
+    let path = write(
+        d,
+        "elsewhere.jsonl",
+        &format!(
+            r#"{{"prompt": "<image><image>x", "answer": "1", "media": {{"pics": ["b.png", {:?}]}}}}"#,
+            absolute.display().to_string()
+        ),
+    );
+    let data = DataConfig {
+        image_dir: Some(images.path().display().to_string()),
+        ..data
+    };
+    let media = MediaKeys::from_config(&data);
+    let ex = load_dataset_with_media(&path, &DataKeys::default(), &media).unwrap();
+    assert_eq!(
+        ex[0].images,
+        vec![
+            MediaSource::Path(images.path().join("b.png")),
+            MediaSource::Path(absolute)
+        ]
+    );
+    // a path missing there is named with the directory it was looked for in
+    let path = write(
+        d,
+        "elsewhere_bad.jsonl",
+        r#"{"prompt": "<image>x", "answer": "1", "media": {"pics": ["a.png"]}}"#,
+    );
+    let e = load_dataset_with_media(&path, &DataKeys::default(), &media)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no such file") && e.contains(&images.path().display().to_string()),
+        "{e}"
+    );
 }
 
 #[test]

@@ -135,7 +135,12 @@ fn every_failure_is_a_clear_error() {
     }
     let batch = [input("first response", "1"), input("second", "2")];
     let call = |name: &str| {
-        let mut f = start(&spec("misbehave.py", name), json!({}), Some(CallMode::Batch)).unwrap();
+        let mut f = start(
+            &spec("misbehave.py", name),
+            json!({}),
+            Some(CallMode::Batch),
+        )
+        .unwrap();
         message(f.score(&batch).unwrap_err())
     };
     let e = call("raises");
@@ -149,9 +154,15 @@ fn every_failure_is_a_clear_error() {
     assert!(call("not_a_list").contains("expected a list of dicts"));
     assert!(call("wrong_count").contains("returned 1 scores for 2 responses"));
     let e = call("no_overall");
-    assert!(e.contains("no 'overall' key (keys: score)") && e.contains("sample 0"), "{e}");
+    assert!(
+        e.contains("no 'overall' key (keys: score)") && e.contains("sample 0"),
+        "{e}"
+    );
     let e = call("not_a_number");
-    assert!(e.contains("'label' is str") && e.contains("expected a number"), "{e}");
+    assert!(
+        e.contains("'label' is str") && e.contains("expected a number"),
+        "{e}"
+    );
     assert!(call("nan").contains("expected a finite number"));
 
     // a crash: this call and every later one fail
@@ -176,7 +187,10 @@ fn every_failure_is_a_clear_error() {
     let t = Instant::now();
     let e = message(f.score(&batch).unwrap_err());
     assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
-    assert!(e.contains("no reply within 0.5 s") && e.contains("killed"), "{e}");
+    assert!(
+        e.contains("no reply within 0.5 s") && e.contains("killed"),
+        "{e}"
+    );
 
     // prints of the user's code go to stderr, not into the protocol
     let mut f = start(&spec("misbehave.py", "prints"), json!({}), None).unwrap();
@@ -208,7 +222,10 @@ fn start_errors_name_the_file_and_the_cause() {
     let e = message(start(&spec("broken_import.py", "f"), json!({}), None).unwrap_err());
     assert!(e.contains("importing") && e.contains("SyntaxError"), "{e}");
     let e = message(start(&spec("misbehave.py", "missing"), json!({}), None).unwrap_err());
-    assert!(e.contains("no function 'missing'") && e.contains("raises"), "{e}");
+    assert!(
+        e.contains("no function 'missing'") && e.contains("raises"),
+        "{e}"
+    );
     let kwargs = Map::new();
     let e = message(
         RewardFunction::start(
@@ -220,5 +237,8 @@ fn start_errors_name_the_file_and_the_cause() {
         )
         .unwrap_err(),
     );
-    assert!(e.contains("cannot start") && e.contains("worker.reward.python"), "{e}");
+    assert!(
+        e.contains("cannot start") && e.contains("worker.reward.python"),
+        "{e}"
+    );
 }

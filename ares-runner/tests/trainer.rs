@@ -56,13 +56,13 @@ algorithm:
 worker:
   actor:
     model_path: {model}
-    global_batch_size: 8
+    global_batch_size: 2
     micro_batch_size_per_device_for_update: 4
     optim: {{lr: 1.0e-3}}
   rollout:
     n: 4
 trainer:
-  output_dir: {run}
+  save_checkpoint_path: {run}
   max_steps: 2
   save_freq: 1
   save_limit: 3
@@ -324,7 +324,7 @@ fn filtering_that_keeps_nothing_fails_clearly() {
     let err = trainer(cfg).unwrap().run().unwrap_err();
     let msg = err.to_string();
     assert!(msg.contains("max_try_make_batch = 2"), "{msg}");
-    assert!(msg.contains("kept 0 of 2 groups"), "{msg}");
+    assert!(msg.contains("collected 0 of 2 groups"), "{msg}");
 }
 
 /// Metrics that depend on the wall clock.
@@ -362,7 +362,7 @@ fn two_steps_resume_two_steps_equals_four_steps() {
         &[
             "trainer.max_steps=4",
             "data.bootstrap=true",
-            "trainer.resume=true",
+            "trainer.find_last_checkpoint=true",
         ],
     )
     .unwrap();
@@ -461,7 +461,7 @@ fn a_fresh_run_refuses_a_directory_with_checkpoints() {
     let cfg = config(&a, &run_dir, &["trainer.max_steps=1"]).unwrap();
     trainer(cfg.clone()).unwrap().run().unwrap();
     let err = trainer(cfg).unwrap_err().to_string();
-    assert!(err.contains("trainer.resume=true"), "{err}");
+    assert!(err.contains("trainer.find_last_checkpoint=true"), "{err}");
     assert!(err.contains("step 1"), "{err}");
     // the checkpoint is still there
     assert!(run_dir.join("checkpoints").join("step_000001").exists());
@@ -672,7 +672,7 @@ fn entropy_bonus_fixed_and_target_train_and_resume() {
         .unwrap();
     let resumed = trainer(with(
         "resumed",
-        &["trainer.max_steps=4", "trainer.resume=true"],
+        &["trainer.max_steps=4", "trainer.find_last_checkpoint=true"],
     ))
     .unwrap()
     .run()
@@ -756,4 +756,59 @@ fn controls_work_with_every_estimator_loss_and_aggregation() {
             assert!(h > 0.0 && (loss + 0.01 * h).abs() < 1e-9, "{name}: {l:?}");
         }
     }
+}
+
+/// A Python reward function in EasyR1's interface that computes ARES's shaping from the
+/// fields the trainer passes gives the built-in rewards (step 1: same rollout), and trains.
+#[test]
+fn python_reward_function_gives_the_builtin_rewards() {
+    let has_python = std::process::Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_python {
+        eprintln!("python3 not found: skipping");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let spec = format!(
+        "worker.reward.reward_function={}:compute_score",
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures/reward_fn/ares_shaping.py")
+            .display()
+    );
+    let builtin = run(dir.path(), "builtin", &[]);
+    let function = run(dir.path(), "function", &[&spec]);
+    assert_eq!(function.len(), 2);
+    assert_finite(&function);
+    let (b, f) = (&builtin[0], &function[0]);
+    assert!(
+        num(b, "reward/entropy") != 0.0,
+        "the step must shape: {b:?}"
+    );
+    for (key, other) in [
+        ("reward/mean", "reward/mean"),
+        ("reward/mean", "reward_function/overall"),
+        ("reward/entropy", "reward_function/entropy"),
+        ("accuracy/mean", "reward_function/accuracy"),
+    ] {
+        assert!(
+            (num(b, key) - num(f, other)).abs() <= 1e-12,
+            "{key} {} vs {other} {}",
+            num(b, key),
+            num(f, other)
+        );
+    }
+    // the function's reward replaces the built-in terms, which may not be added to it
+    let a = assets(&dir.path().join("assets"));
+    let err = config(
+        &a,
+        &dir.path().join("clash"),
+        &[&spec, "worker.reward.format_weight=0.5"],
+    )
+    .unwrap_err();
+    assert!(
+        err.contains("worker.reward.format_weight") && err.contains("gives the whole reward"),
+        "{err}"
+    );
 }

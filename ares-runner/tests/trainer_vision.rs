@@ -69,13 +69,13 @@ algorithm:
 worker:
   actor:
     model_path: {model}
-    global_batch_size: 8
+    global_batch_size: 2
     micro_batch_size_per_device_for_update: 4
     optim: {{lr: 1.0e-3}}
   rollout:
     n: 4
 trainer:
-  output_dir: {run}
+  save_checkpoint_path: {run}
   max_steps: 2
   save_freq: 1
   save_limit: 3
@@ -114,7 +114,7 @@ fn two_steps_train_and_save_the_tower() {
     // every row (images, a video, text) in each of the two steps
     let all_rows = [
         "data.rollout_batch_size=6",
-        "worker.actor.global_batch_size=24",
+        "worker.actor.global_batch_size=6",
     ];
     let (lines, ck) = train(config(dir.path(), &dir.path().join("run"), &all_rows));
     assert_eq!(lines.len(), 2);
@@ -161,7 +161,7 @@ fn two_steps_resume_two_steps_equals_four() {
     let (got, _) = train(config(
         dir.path(),
         &resumed,
-        &["trainer.max_steps=4", "trainer.resume=true"],
+        &["trainer.max_steps=4", "trainer.find_last_checkpoint=true"],
     ));
     assert_eq!(deterministic(got), deterministic(want));
 }
@@ -187,7 +187,10 @@ fn a_text_model_refuses_image_rows() {
     let cfg = config(
         dir.path(),
         &dir.path().join("run"),
-        &[&format!("worker.actor.model.model_path={}", text_model.display())],
+        &[&format!(
+            "worker.actor.model.model_path={}",
+            text_model.display()
+        )],
     );
     let err = match Trainer::new(cfg, CpuBackend, Arc::new(AtomicBool::new(false))) {
         Ok(_) => panic!("a text model trained on image rows"),
@@ -214,7 +217,7 @@ fn every_estimator_trains_two_steps_with_images() {
             &[
                 &estimator,
                 "data.rollout_batch_size=6",
-                "worker.actor.global_batch_size=24",
+                "worker.actor.global_batch_size=6",
             ],
         );
         let (lines, _) = train(cfg);

@@ -454,6 +454,25 @@ impl ChatTemplate {
         )
     }
 
+    /// The template in the jinja file `template` (named `default`) in place of a model's own,
+    /// with the special tokens of `dir`'s `tokenizer_config.json` when it has one (EasyR1's
+    /// `data.override_chat_template`).
+    pub fn from_file_for_dir(template: &Path, dir: &Path) -> Result<Self> {
+        let config_path = dir.join(TOKENIZER_CONFIG_FILE);
+        let special = if config_path.exists() {
+            TokenizerConfig::from_file(&config_path)?.special
+        } else {
+            SpecialTokens::default()
+        };
+        let source = read_text(template)?;
+        Self::build(
+            vec![("default".to_string(), source)],
+            template.display().to_string(),
+            special,
+            None,
+        )
+    }
+
     /// A single template from a string (named `default`), with the given special tokens.
     pub fn from_source(source: &str, special: SpecialTokens) -> Result<Self> {
         Self::build(

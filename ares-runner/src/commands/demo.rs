@@ -93,7 +93,8 @@ impl Method {
         }
     }
 
-    /// Samples per optimizer step. The policy-loss methods take two mini-batches per RL step:
+    /// Prompts per optimizer step (EasyR1's unit; × n = 8 samples each). The policy-loss
+    /// methods take two mini-batches per RL step:
     /// with one, every update is on-policy (r = 1 exactly), where CISPO and KL-Cov reduce to
     /// PPO's gradient and GSPO to PPO's with its aggregation.
     fn global_batch_size(self) -> usize {
@@ -104,8 +105,8 @@ impl Method {
             | Method::ProMax
             | Method::Forking
             | Method::TargetEntropy
-            | Method::DapoOverlong => 128,
-            Method::Gspo | Method::Cispo | Method::ClipCov | Method::KlCov => 64,
+            | Method::DapoOverlong => 16,
+            Method::Gspo | Method::Cispo | Method::ClipCov | Method::KlCov => 8,
         }
     }
 
@@ -479,8 +480,8 @@ pub fn evaluate_model<B: Backend + Clone>(
         chunk: 64,
         weight_dtype: rr.weight_dtype.into(),
     };
-    let bar = crate::progress::Progress::from_env()
-        .bar((examples.len() * rr.val_n()) as u64, "eval");
+    let bar =
+        crate::progress::Progress::from_env().bar((examples.len() * rr.val_n()) as u64, "eval");
     let report = crate::trainer::eval::evaluate(
         &model,
         &r,
@@ -572,7 +573,7 @@ fn run_on<B: Backend + Clone>(
     // the demo owns its run directory: a new demo run replaces the previous one's outputs
     // (unless it is asked to resume it)
     let run = run_dir(&cfg);
-    if !cfg.trainer.resume && run.exists() {
+    if !cfg.trainer.find_last_checkpoint && run.exists() {
         eprintln!("demo: replacing the previous demo run in {}", run.display());
         std::fs::remove_dir_all(&run).map_err(|e| TrainError::io(&run, e))?;
     }
@@ -584,7 +585,14 @@ fn run_on<B: Backend + Clone>(
     };
     warm_start(demo, &cfg, &backend)?;
     lap(&mut phases.warm_start);
-    let sft_dir = PathBuf::from(cfg.worker.actor.model.model_path.clone().unwrap_or_default());
+    let sft_dir = PathBuf::from(
+        cfg.worker
+            .actor
+            .model
+            .model_path
+            .clone()
+            .unwrap_or_default(),
+    );
     let val = cfg.data.val_files.clone().unwrap_or_default();
     eprintln!("demo: evaluating the warm-started model on the held-out problems");
     let before = evaluate_model(&cfg, backend.clone(), &sft_dir, &val)?;

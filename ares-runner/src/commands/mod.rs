@@ -130,6 +130,16 @@ fn train_on<B: Backend + Clone>(cfg: Config, backend: B) -> Result<(), TrainErro
         let report = trainer.evaluate(&val)?;
         eprintln!("validation before training:\n{}", format_table(&report));
     }
+    if trainer.cfg.trainer.val_only {
+        if trainer.val.is_empty() {
+            return Err(TrainError::Invalid(
+                "trainer.val_only = true, but there is nothing to validate: set data.val_files"
+                    .into(),
+            ));
+        }
+        eprintln!("trainer.val_only: stopping after the validation");
+        return Ok(());
+    }
     let summary = trainer.run()?;
     eprintln!(
         "{} after {} steps; metrics: {}; checkpoint: {}",
@@ -165,7 +175,9 @@ pub fn eval(cfg: &Config, model: Option<&Path>, data: Option<&Path>) -> Result<(
             .as_deref()
             .map(Into::into)
             .ok_or_else(|| {
-                TrainError::Invalid("eval: give --model DIR or set worker.actor.model.model_path".into())
+                TrainError::Invalid(
+                    "eval: give --model DIR or set worker.actor.model.model_path".into(),
+                )
             })?,
     };
     let data = match data {

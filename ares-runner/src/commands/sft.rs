@@ -229,9 +229,17 @@ pub fn sft(cfg: &Config) -> Result<(), TrainError> {
             "sft.train_files is not set: a JSONL file of prompt/response pairs".into(),
         )
     })?;
-    let model_dir = cfg.worker.actor.model.model_path.as_deref().ok_or_else(|| {
-        TrainError::Invalid("worker.actor.model.model_path is not set: the model to fine-tune".into())
-    })?;
+    let model_dir = cfg
+        .worker
+        .actor
+        .model
+        .model_path
+        .as_deref()
+        .ok_or_else(|| {
+            TrainError::Invalid(
+                "worker.actor.model.model_path is not set: the model to fine-tune".into(),
+            )
+        })?;
     let pairs = read_sft_pairs(Path::new(data), cfg)?;
     let out = run_dir(cfg).join("sft");
     let options = SftOptions {

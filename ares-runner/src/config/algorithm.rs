@@ -321,6 +321,8 @@ pub struct AlgorithmConfig {
     pub uniform_scale: bool,
     /// Pro Max upper clamp of α and β, > 0 (default 10).
     pub pro_max_max_scale: f64,
+    /// No KL anywhere and no reference model (EasyR1's `disable_kl`; default false).
+    pub disable_kl: bool,
     /// KL as a loss term (default true) or folded into the token rewards (false).
     pub use_kl_loss: bool,
     /// KL estimator (default `low_var_kl`, k3).
@@ -364,6 +366,7 @@ impl Default for AlgorithmConfig {
             gamma: 1.0,
             uniform_scale: false,
             pro_max_max_scale: 10.0,
+            disable_kl: false,
             use_kl_loss: true,
             kl_penalty: KlPenalty::LowVarKl,
             kl_coef: 1e-3,

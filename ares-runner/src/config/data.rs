@@ -22,9 +22,13 @@ pub struct DataConfig {
     /// Dotted path of the rubric list inside a row (default `reward_model.rubrics`).
     pub rubrics_key: String,
     /// Column of a row's images (EasyR1's `image_key`, default `images`): a list of paths
-    /// (relative to the dataset file's directory) or `{bytes, path}` structs, one per `<image>`
-    /// placeholder (or `{"type": "image"}` content item) of the prompt.
+    /// (relative to `image_dir`, else to the dataset file's directory) or `{bytes, path}`
+    /// structs, one per `<image>` placeholder (or `{"type": "image"}` content item) of the
+    /// prompt.
     pub image_key: String,
+    /// Directory that relative image and video paths of the rows are joined to, as EasyR1
+    /// joins them (default null: the dataset file's directory).
+    pub image_dir: Option<String>,
     /// Column of a row's videos (EasyR1's `video_key`, default `videos`): video files, frame
     /// directories or lists of frame files, one per `<video>` placeholder.
     pub video_key: String,
@@ -40,6 +44,9 @@ pub struct DataConfig {
     /// A jinja template file the prompt text is rendered through before the chat template
     /// (like the seed's `math.jinja`). `None` → the prompt as it is.
     pub format_prompt: Option<String>,
+    /// A jinja file that replaces the model's chat template (EasyR1 reads a file; the ARES
+    /// fork's literal template text is not accepted) (default null: the model's).
+    pub override_chat_template: Option<String>,
     /// Longest prompt in tokens, ≥ 1 (default 512).
     pub max_prompt_length: usize,
     /// Longest response in tokens, ≥ 1 (default 512).
@@ -49,6 +56,10 @@ pub struct DataConfig {
     /// Prompts (groups of `worker.rollout.n` samples) kept per step, after online filtering,
     /// ≥ 1 (default 8).
     pub rollout_batch_size: usize,
+    /// Prompts generated per round while a step collects `rollout_batch_size` groups (verl's
+    /// `gen_batch_size`); surplus kept groups of the last round are dropped, as EasyR1 does
+    /// (default null: `rollout_batch_size`).
+    pub mini_rollout_batch_size: Option<usize>,
     /// Shuffle the training set, differently each epoch (default true).
     pub shuffle: bool,
     /// Seed of the data order (default 1).
@@ -70,14 +81,17 @@ impl Default for DataConfig {
             rubrics_key: "reward_model.rubrics".into(),
             image_key: "images".into(),
             video_key: "videos".into(),
+            image_dir: None,
             min_pixels: None,
             max_pixels: None,
             video_fps: 2.0,
             format_prompt: None,
+            override_chat_template: None,
             max_prompt_length: 512,
             max_response_length: 512,
             filter_overlong_prompts: true,
             rollout_batch_size: 8,
+            mini_rollout_batch_size: None,
             shuffle: true,
             seed: 1,
             bootstrap: true,

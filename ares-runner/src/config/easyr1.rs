@@ -78,6 +78,21 @@ impl fmt::Display for ConfigNote {
     }
 }
 
+/// The notes as a table for people: a heading and one line per note (empty for none).
+pub fn notes_table(notes: &[ConfigNote]) -> String {
+    if notes.is_empty() {
+        return String::new();
+    }
+    let mut out = format!(
+        "{} key(s) of EasyR1's schema (or older ares names) read differently:\n",
+        notes.len()
+    );
+    for n in notes {
+        out.push_str(&format!("  {n}\n"));
+    }
+    out
+}
+
 /// A translation of an EasyR1 value: the key it sets and the value, or why the value cannot
 /// be used.
 type Translate = fn(&Value) -> Result<(&'static str, Value), String>;
@@ -87,10 +102,7 @@ type Translate = fn(&Value) -> Result<(&'static str, Value), String>;
 #[derive(Clone, Copy)]
 pub(crate) enum Rule {
     /// An older ares name of `to`.
-    Renamed {
-        key: &'static str,
-        to: &'static str,
-    },
+    Renamed { key: &'static str, to: &'static str },
     /// An EasyR1 spelling: `translate` gives the key and value it sets (possibly `key`
     /// itself, with a value of ours).
     Mapped {
@@ -129,6 +141,8 @@ const NO_VLLM: &str = "ares generates with its own engine, not vLLM";
 const PACKED: &str = "ares always packs sequences without padding and sizes its own chunks";
 const ONE_DEVICE: &str = "ares runs on one device (data parallelism is not built yet)";
 const NO_CRITIC: &str = "ares has no critic: every estimator it offers is critic-free";
+const SECOND_CHANCE: &str = "a no-op in the ARES fork as released (its actor never receives \
+                             the soft cost it reads); not built here";
 
 fn is_false(v: &Value) -> bool {
     v.is_null() || *v == Value::Bool(false)
@@ -142,8 +156,30 @@ fn is_zero(v: &Value) -> bool {
     v.is_null() || v.as_f64() == Some(0.0)
 }
 
-fn is_one(v: &Value) -> bool {
-    v.is_null() || v.as_f64() == Some(1.0)
+fn is_count(v: &Value) -> bool {
+    v.is_null() || v.as_u64().is_some()
+}
+
+fn adamw(v: &Value) -> bool {
+    v.is_null() || matches!(v.as_str(), Some("adamw" | "adamw_bf16"))
+}
+
+/// EasyR1's logger names (a list, or one name).
+fn known_loggers(v: &Value) -> bool {
+    const KNOWN: [&str; 6] = [
+        "console",
+        "file",
+        "wandb",
+        "tensorboard",
+        "swanlab",
+        "mlflow",
+    ];
+    let known = |x: &Value| x.as_str().is_some_and(|s| KNOWN.contains(&s));
+    match v {
+        Value::Null => true,
+        Value::Array(items) => items.iter().all(known),
+        other => known(other),
+    }
 }
 
 fn is_empty_map(v: &Value) -> bool {
@@ -177,7 +213,8 @@ fn string_of(value: &Value) -> Option<&str> {
 }
 
 /// EasyR1's `loss_avg_mode` (`token`: Σ m·L / Σ m over the mini-batch; `seq`: the mean over
-/// sequences of each sequence's token mean).
+/// sequences of each sequence's token mean, as the ARES fork computes it — EasyR1 itself
+/// weights each micro-batch's sequence mean by its tokens).
 fn loss_avg_mode(v: &Value) -> Result<(&'static str, Value), String> {
     let to = "worker.actor.loss_agg_mode";
     match string_of(v) {
@@ -187,15 +224,22 @@ fn loss_avg_mode(v: &Value) -> Result<(&'static str, Value), String> {
     }
 }
 
-/// EasyR1's `loss_type`: `default` is PPO's clipped loss (with dual clip), `gspo` GSPO's
-/// token form, `cispo` CISPO.
+/// EasyR1's `loss_type`: `default` is PPO's clipped loss (with dual clip), `gspo` (the
+/// sequence ratio on every token; with outcome advantages the same values and gradients as
+/// the token form) and `gspo_token` GSPO's token form, `cispo` CISPO.
 fn loss_type(v: &Value) -> Result<(&'static str, Value), String> {
     let to = "worker.actor.policy_loss";
     match string_of(v) {
         Some("default") => Ok((to, "ppo".into())),
         Some("gspo") => Ok((to, "gspo_token".into())),
+        Some("gspo_token") => Ok((to, "gspo_token".into())),
         Some("cispo") => Ok((to, "cispo".into())),
-        _ => Err("expected `default`, `gspo` or `cispo`".into()),
+        Some("sapo") => Err(
+            "EasyR1's SAPO loss is not built; ares offers PPO (`default`), \
+                             GSPO, CISPO, Clip-Cov and KL-Cov (worker.actor.policy_loss)"
+                .into(),
+        ),
+        _ => Err("expected `default`, `gspo`, `gspo_token` or `cispo`".into()),
     }
 }
 
@@ -314,6 +358,14 @@ pub(crate) const RULES: &[Rule] = &[
     Rule::Renamed {
         key: "worker.actor.optim.warmup_style",
         to: "worker.actor.optim.lr_scheduler_type",
+    },
+    Rule::Renamed {
+        key: "trainer.output_dir",
+        to: "trainer.save_checkpoint_path",
+    },
+    Rule::Renamed {
+        key: "trainer.resume",
+        to: "trainer.find_last_checkpoint",
     },
     Rule::Renamed {
         key: "worker.rollout.val_temperature",
@@ -524,10 +576,63 @@ pub(crate) const RULES: &[Rule] = &[
         refused: "ares always decodes responses without special tokens",
     },
     Rule::Inert {
+        key: "worker.actor.optim.strategy",
+        inert: adamw,
+        why: "ares's AdamW keeps its moments in f32 (`adamw_bf16`'s bf16 moments are not \
+              built: the update is `adamw`'s)",
+        refused: "expected `adamw` or `adamw_bf16`",
+    },
+    Rule::Inert {
+        key: "trainer.logger",
+        inert: known_loggers,
+        why: "step lines go to the console and every metric to metrics.jsonl in the run \
+              directory; the wandb, tensorboard, swanlab and mlflow loggers are not built yet",
+        refused: "expected a list of `console`, `file`, `wandb`, `tensorboard`, `swanlab`, \
+                  `mlflow`",
+    },
+    Rule::Inert {
+        key: "trainer.val_generations_to_log",
+        inert: is_count,
+        why: "logging validation generations is not built yet",
+        refused: "expected a count of generations, >= 0",
+    },
+    Rule::Ignored {
+        key: "trainer.wandb_run_id",
+        why: "the wandb logger is not built yet",
+    },
+    Rule::Ignored {
         key: "worker.actor.tau_positive",
-        inert: is_one,
-        why: "no temperature on positive-advantage tokens (1)",
-        refused: "EasyR1's token temperatures are not built; only 1 is accepted",
+        why: "read only by EasyR1's `loss_type: sapo`, which ares does not offer",
+    },
+    Rule::Ignored {
+        key: "worker.actor.tau_negative",
+        why: "read only by EasyR1's `loss_type: sapo`, which ares does not offer",
+    },
+    // Keys of the ARES fork that its own code never reads (so ignoring them is what it does).
+    Rule::Ignored {
+        key: "algorithm.difficulty_aware_kl_penalty",
+        why: "read by nothing in the ARES fork; per-bucket KL here is algorithm.kl_type: \
+              dual_ascent and worker.actor.dynamic_kl_loss",
+    },
+    Rule::Ignored {
+        key: "worker.actor.enable_second_chance_kl",
+        why: SECOND_CHANCE,
+    },
+    Rule::Ignored {
+        key: "worker.actor.second_chance_easy_only",
+        why: SECOND_CHANCE,
+    },
+    Rule::Ignored {
+        key: "worker.actor.second_chance_incorrect_only",
+        why: SECOND_CHANCE,
+    },
+    Rule::Ignored {
+        key: "worker.actor.second_chance_soft_cost_min",
+        why: SECOND_CHANCE,
+    },
+    Rule::Ignored {
+        key: "worker.actor.second_chance_kl_relax",
+        why: SECOND_CHANCE,
     },
 ];
 
@@ -733,9 +838,4 @@ pub(crate) fn translate_override(
         raw: value.to_string(),
         text: o.text,
     }))
-}
-
-/// The dotted keys of every rule, for the fixture test that every EasyR1 key is known.
-pub(crate) fn rule_keys() -> impl Iterator<Item = &'static str> {
-    RULES.iter().map(Rule::key)
 }

@@ -42,13 +42,14 @@ pub use algorithm::{
     EntropyRewardConfig, GrpoLambdaConfig, KlCtrl, KlPenalty, PerBucket,
 };
 pub use data::DataConfig;
-pub use easyr1::{ConfigNote, NoteAction};
+pub use easyr1::{ConfigNote, NoteAction, notes_table};
 pub use error::ConfigError;
 pub use trainer::{Device, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig, TrainerConfig};
 pub use worker::{
     ActorConfig, EntropyBonusConfig, ForkingTokensConfig, GradedPromptConfig, IsCorrection,
-    LossAggMode, LrScheduler, OptimConfig, PolicyLoss, RefConfig, RewardConfig, RewardType, RewardGrader, ModelConfig, ValOverrideConfig,
-    RolloutConfig, RubricGrader, RubricSchedule, WeightDtype, WorkerConfig,
+    LossAggMode, LrScheduler, ModelConfig, OptimConfig, PolicyLoss, RefConfig, RewardConfig,
+    RewardGrader, RewardType, RolloutConfig, RubricGrader, RubricSchedule, ValOverrideConfig,
+    WeightDtype, WorkerConfig,
 };
 
 use tree::Override;

@@ -84,8 +84,13 @@ pub struct TrainerConfig {
     pub project_name: String,
     /// Run name, non-empty, without path separators (default `demo`).
     pub experiment_name: String,
-    /// Output directory. `None` → `runs/<experiment_name>`.
-    pub output_dir: Option<String>,
+    /// The run directory: checkpoints (`checkpoints/step_*`), `metrics.jsonl`, the resolved
+    /// `config.yaml`. `None` → `runs/<experiment_name>` (EasyR1's default is
+    /// `checkpoints/<project>/<experiment>`). (Older name: `output_dir`.)
+    pub save_checkpoint_path: Option<String>,
+    /// Resume from this checkpoint directory (a `step_*` directory of an earlier run)
+    /// instead of the newest one in the run directory (default null).
+    pub load_checkpoint_path: Option<String>,
     /// Passes over the training set, ≥ 1 (default 1).
     pub total_epochs: usize,
     /// Stop after this many steps, ≥ 1 when set (default none: `total_epochs` decides).
@@ -99,13 +104,21 @@ pub struct TrainerConfig {
     pub save_limit: usize,
     /// Precision of the saved weights (default `f32`).
     pub save_dtype: SaveDtypeCfg,
-    /// Continue from the newest checkpoint in the output directory (default false).
-    pub resume: bool,
+    /// Continue from the newest checkpoint in the run directory (default false: a run
+    /// directory that holds a checkpoint is an error, so nothing is overwritten by
+    /// accident; EasyR1's default is true). (Older name: `resume`.)
+    pub find_last_checkpoint: bool,
+    /// Checkpoints hold the model only, no optimizer or trainer state, so they cannot be
+    /// resumed from (default false).
+    pub save_model_only: bool,
     /// Validate every this many steps; 0 = only before and after training as configured
     /// (default 0).
     pub val_freq: usize,
     /// Validate before the first step (default true).
     pub val_before_train: bool,
+    /// Only validate (before training, so `val_before_train` must be on) and stop (default
+    /// false).
+    pub val_only: bool,
     /// Backend (default `cpu`).
     pub device: Device,
     /// How the linear layers and the LM head multiply: `f32` (exact, default), `tf32` or
@@ -123,16 +136,19 @@ impl Default for TrainerConfig {
         TrainerConfig {
             project_name: "ares".into(),
             experiment_name: "demo".into(),
-            output_dir: None,
+            save_checkpoint_path: None,
+            load_checkpoint_path: None,
             total_epochs: 1,
             max_steps: None,
             max_try_make_batch: 20,
             save_freq: 0,
             save_limit: 2,
             save_dtype: SaveDtypeCfg::F32,
-            resume: false,
+            find_last_checkpoint: false,
+            save_model_only: false,
             val_freq: 0,
             val_before_train: true,
+            val_only: false,
             device: Device::Cpu,
             matmul_precision: MatmulPrecisionCfg::F32,
             seed: 1,

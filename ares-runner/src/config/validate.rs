@@ -2,9 +2,10 @@
 //! naming the dotted key, its value and the accepted range or values.
 //!
 //! Choices made here (the spec leaves them open):
-//! - `worker.actor.global_batch_size` may exceed the samples of a step
-//!   (`data.rollout_batch_size · worker.rollout.n`); the trainer takes the whole step as one
-//!   mini-batch. It must be a multiple of `micro_batch_size_per_device_for_update`.
+//! - `worker.actor.global_batch_size` (prompts, as EasyR1 counts) may exceed
+//!   `data.rollout_batch_size`; the trainer takes the whole step as one mini-batch. Its
+//!   samples (`· worker.rollout.n`) must be a multiple of
+//!   `micro_batch_size_per_device_for_update`.
 //! - `filter_low`/`filter_high` lie in `[0, 1]` when the filter averages `accuracy` (a 0/1
 //!   value); other metrics (`overall` = accuracy + S) only need finite, ordered bounds.
 //! - ARES shaping, GRPO-λ and the rubric reward are alternative rewards (docs/algorithms.md §3, §8, §9):
@@ -95,7 +96,7 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         validate_data(&self.data)?;
         validate_algorithm(&self.algorithm)?;
-        validate_actor(&self.worker.actor)?;
+        validate_actor(&self.worker.actor, self.worker.rollout.n)?;
         validate_rollout(&self.worker.rollout)?;
         non_empty_path(
             "worker.ref.model_path",
@@ -175,6 +176,39 @@ impl Config {
                 "worker.reward.grader",
                 "rubric",
                 "GRPO-λ, which needs 0/1 correctness (algorithm.grpo_lambda.enable = true)",
+            ));
+        }
+        self.validate_reward_function()
+    }
+
+    /// A Python reward function's `overall` is the whole reward: the built-in terms that
+    /// would be added to it are refused rather than dropped.
+    fn validate_reward_function(&self) -> Result<(), ConfigError> {
+        let r = &self.worker.reward;
+        let Some(function) = &r.reward_function else {
+            return Ok(());
+        };
+        let clash = |key: &str, value: &str| ConfigError::Inconsistent {
+            key: key.to_string(),
+            value: value.to_string(),
+            reason: format!(
+                "worker.reward.reward_function = {function} gives the whole reward (its \
+                 `overall`); put this term into the function, or turn it off"
+            ),
+        };
+        if self.algorithm.grpo_lambda.enable {
+            return Err(clash("algorithm.grpo_lambda.enable", "true"));
+        }
+        if r.grader == RewardGrader::Rubric {
+            return Err(clash("worker.reward.grader", "rubric"));
+        }
+        if r.overlong_buffer.enable {
+            return Err(clash("worker.reward.overlong_buffer.enable", "true"));
+        }
+        if r.format_weight != 0.0 {
+            return Err(clash(
+                "worker.reward.format_weight",
+                &r.format_weight.to_string(),
             ));
         }
         Ok(())
@@ -392,25 +426,33 @@ fn validate_entropy_reward(e: &EntropyRewardConfig) -> Result<(), ConfigError> {
     )
 }
 
-fn validate_actor(a: &ActorConfig) -> Result<(), ConfigError> {
+/// `n` is `worker.rollout.n`: the mini-batch holds `global_batch_size · n` samples.
+fn validate_actor(a: &ActorConfig, n: usize) -> Result<(), ConfigError> {
     const P: &str = "worker.actor";
-    non_empty_path(&format!("{P}.model.model_path"), a.model.model_path.as_deref())?;
-    non_empty_path(&format!("{P}.model.tokenizer_path"), a.model.tokenizer_path.as_deref())?;
+    non_empty_path(
+        &format!("{P}.model.model_path"),
+        a.model.model_path.as_deref(),
+    )?;
+    non_empty_path(
+        &format!("{P}.model.tokenizer_path"),
+        a.model.tokenizer_path.as_deref(),
+    )?;
     at_least(&format!("{P}.global_batch_size"), a.global_batch_size, 1)?;
     at_least(
         &format!("{P}.micro_batch_size_per_device_for_update"),
         a.micro_batch_size_per_device_for_update,
         1,
     )?;
-    if !a
-        .global_batch_size
-        .is_multiple_of(a.micro_batch_size_per_device_for_update)
-    {
+    let samples = a.global_batch_size * n.max(1);
+    // a micro-batch as large as the mini-batch is the mini-batch (the trainer clamps it)
+    let micro = a.micro_batch_size_per_device_for_update;
+    if micro < samples && !samples.is_multiple_of(micro) {
         return Err(ConfigError::Inconsistent {
             key: format!("{P}.micro_batch_size_per_device_for_update"),
             value: a.micro_batch_size_per_device_for_update.to_string(),
             reason: format!(
-                "it must divide {P}.global_batch_size = {} (gradients accumulate over whole \
+                "it must divide the {samples} samples of a mini-batch ({P}.global_batch_size \
+                 = {} prompts × worker.rollout.n = {n}; gradients accumulate over whole \
                  micro-batches)",
                 a.global_batch_size
             ),
@@ -588,7 +630,10 @@ fn validate_rollout(r: &RolloutConfig) -> Result<(), ConfigError> {
 }
 
 fn validate_reward(r: &RewardConfig) -> Result<(), ConfigError> {
-    non_empty_path("worker.reward.reward_function", r.reward_function.as_deref())?;
+    non_empty_path(
+        "worker.reward.reward_function",
+        r.reward_function.as_deref(),
+    )?;
     non_empty_path("worker.reward.python", r.python.as_deref())?;
     real(
         "worker.reward.timeout_s",
@@ -624,15 +669,31 @@ fn validate_reward(r: &RewardConfig) -> Result<(), ConfigError> {
 fn validate_trainer(t: &TrainerConfig) -> Result<(), ConfigError> {
     non_empty("trainer.project_name", &t.project_name)?;
     non_empty("trainer.experiment_name", &t.experiment_name)?;
-    // The name becomes a directory under runs/ when no output_dir is given.
+    // The name becomes a directory under runs/ when no save_checkpoint_path is given.
     if t.experiment_name.contains(['/', '\\']) || t.experiment_name == ".." {
         return Err(out_of_range(
             "trainer.experiment_name",
             format!("{:?}", t.experiment_name),
-            "a name without path separators (use trainer.output_dir for a path)",
+            "a name without path separators (use trainer.save_checkpoint_path for a path)",
         ));
     }
-    non_empty_path("trainer.output_dir", t.output_dir.as_deref())?;
+    non_empty_path(
+        "trainer.save_checkpoint_path",
+        t.save_checkpoint_path.as_deref(),
+    )?;
+    non_empty_path(
+        "trainer.load_checkpoint_path",
+        t.load_checkpoint_path.as_deref(),
+    )?;
+    if t.val_only && !t.val_before_train {
+        return Err(ConfigError::Inconsistent {
+            key: "trainer.val_only".into(),
+            value: "true".into(),
+            reason: "it stops after the validation before training, which \
+                     trainer.val_before_train = false turns off (EasyR1 would train instead)"
+                .into(),
+        });
+    }
     at_least("trainer.total_epochs", t.total_epochs, 1)?;
     if let Some(steps) = t.max_steps {
         at_least("trainer.max_steps", steps, 1)?;
@@ -717,7 +778,7 @@ mod tests {
     fn micro_batch_must_divide_global_batch() {
         let mut c = Config::default();
         c.worker.actor.micro_batch_size_per_device_for_update = 12;
-        assert!(err(&c).contains("must divide worker.actor.global_batch_size = 64"));
+        assert!(err(&c).contains("must divide the 64 samples of a mini-batch"));
     }
 
     #[test]

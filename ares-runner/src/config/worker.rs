@@ -166,8 +166,13 @@ pub struct OptimConfig {
     pub eps: f64,
     /// Decoupled weight decay, ≥ 0 (default 0.01).
     pub weight_decay: f64,
-    /// Linear warm-up from 0 over this many optimiser steps (default 0).
-    pub lr_warmup_steps: usize,
+    /// Linear warm-up from 0 over this many optimiser steps (default null: from
+    /// `lr_warmup_ratio`).
+    pub lr_warmup_steps: Option<usize>,
+    /// Warm-up as a fraction of the run's optimiser steps, in `[0, 1]`, used when
+    /// `lr_warmup_steps` is null (default 0). EasyR1 counts training steps; the fraction of
+    /// the run is the same.
+    pub lr_warmup_ratio: f64,
     /// Schedule after the warm-up (default `constant`). (Older name: `lr_scheduler`; the
     /// ARES fork's: `warmup_style`.)
     pub lr_scheduler_type: LrScheduler,
@@ -183,7 +188,8 @@ impl Default for OptimConfig {
             betas: [0.9, 0.999],
             eps: 1e-8,
             weight_decay: 0.01,
-            lr_warmup_steps: 0,
+            lr_warmup_steps: None,
+            lr_warmup_ratio: 0.0,
             lr_scheduler_type: LrScheduler::Constant,
             min_lr_ratio: 0.0,
         }
@@ -212,10 +218,10 @@ pub struct ModelConfig {
 pub struct ActorConfig {
     /// The model.
     pub model: ModelConfig,
-    /// Samples per optimiser step (mini-batch), ≥ 1 and a multiple of
-    /// `micro_batch_size_per_device_for_update` (default 64). It may exceed the samples of a
-    /// step (`data.rollout_batch_size · worker.rollout.n`): the trainer then takes the whole
-    /// step as one mini-batch, so this is not an error.
+    /// Prompts per optimiser step (mini-batch), each with its `worker.rollout.n` responses,
+    /// as EasyR1 counts them, ≥ 1 (default 8: 64 samples at n = 8). It may exceed
+    /// `data.rollout_batch_size`: the trainer then takes the whole step as one mini-batch,
+    /// so this is not an error.
     pub global_batch_size: usize,
     /// Samples per forward/backward of the update; gradients accumulate over
     /// `global_batch_size / micro_batch_size_per_device_for_update` micro-batches, ≥ 1
@@ -333,7 +339,7 @@ impl Default for ActorConfig {
     fn default() -> Self {
         ActorConfig {
             model: ModelConfig::default(),
-            global_batch_size: 64,
+            global_batch_size: 8,
             micro_batch_size_per_device_for_update: 8,
             ppo_epochs: 1,
             clip_ratio_low: 0.2,
@@ -441,6 +447,9 @@ pub struct RolloutConfig {
     pub top_k: usize,
     /// Seed of the sampling and of the rubric subsets (default 1).
     pub seed: u64,
+    /// Most images a prompt may hold; a row with more is an error naming it (vLLM's
+    /// `limit_mm_per_prompt`, EasyR1's key); 0 = no limit (default 0).
+    pub limit_images: usize,
     /// Window w of the window entropy `W_t` (docs/algorithms.md §1), ≥ 1 (default 4).
     pub window_size: usize,
     /// Validation's sampling (EasyR1's `val_override_config`): each key given replaces the
@@ -465,6 +474,7 @@ impl Default for RolloutConfig {
             top_p: 1.0,
             top_k: 0,
             seed: 1,
+            limit_images: 0,
             window_size: 4,
             val_override_config: ValOverrideConfig::default(),
             enable_graded_system_prompt: false,
@@ -602,9 +612,13 @@ pub struct RewardConfig {
     /// (Older name: `reward_type: math | rubric`.)
     pub grader: RewardGrader,
     /// A Python reward function in EasyR1's interface, `path.py:name` (`path.py` alone
-    /// calls `main`); relative paths are from the working directory. It replaces the
-    /// built-in grader; its dicts' `overall` is the reward and every other key a metric
-    /// (default null: the built-in grader).
+    /// calls `main`); relative paths are from the working directory. Its dicts' `overall`
+    /// is the whole reward and every other key a metric (`reward_function/<key>`); the
+    /// built-in grader still decides correctness (difficulty buckets, the `accuracy`
+    /// filter, validation), and with `algorithm.entropy_reward.enable` the ARES controllers
+    /// run and pass their values (`difficulty`, `target_high_entropy_token_num`,
+    /// `alpha_entropy`) to the function, which does the shaping (default null: the built-in
+    /// reward).
     pub reward_function: Option<String>,
     /// Keyword arguments passed to the reward function (default null: none).
     pub reward_function_kwargs: Option<serde_json::Map<String, serde_json::Value>>,

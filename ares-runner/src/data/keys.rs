@@ -49,6 +49,9 @@ pub struct MediaKeys {
     /// The videos: a list of video files, frame directories or lists of frame files (default
     /// `videos`).
     pub video: String,
+    /// The directory relative image and video paths are joined to (EasyR1's `image_dir`);
+    /// `None` (default): the dataset file's directory.
+    pub base_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for MediaKeys {
@@ -56,6 +59,7 @@ impl Default for MediaKeys {
         Self {
             image: "images".into(),
             video: "videos".into(),
+            base_dir: None,
         }
     }
 }
@@ -79,6 +83,7 @@ impl MediaKeys {
         Self {
             image: d.image_key.clone(),
             video: d.video_key.clone(),
+            base_dir: d.image_dir.as_ref().map(Into::into),
         }
     }
 }

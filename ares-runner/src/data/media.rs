@@ -76,12 +76,14 @@ impl MediaKind {
 }
 
 /// The media column at `key` of `row`, parsed and checked: every path exists (nothing is
-/// decoded). Null, `[]`, `""` and `{}` mean no media. `global_id` names the row in errors.
+/// decoded). Null, `[]`, `""` and `{}` mean no media. Relative paths are joined to
+/// `base_dir`, else to the dataset file's directory. `global_id` names the row in errors.
 pub(crate) fn media_column(
     row: &Map<String, Value>,
     key: &str,
     media: MediaKind,
     at: &Location,
+    base_dir: Option<&Path>,
     global_id: &str,
 ) -> Result<Vec<MediaSource>> {
     let fail = |reason: String| DataError::media(at, global_id, key, reason);
@@ -100,7 +102,7 @@ pub(crate) fn media_column(
             )));
         }
     };
-    let base = at.path.parent().unwrap_or(Path::new(""));
+    let base = base_dir.unwrap_or_else(|| at.path.parent().unwrap_or(Path::new("")));
     items
         .into_iter()
         .enumerate()

@@ -83,8 +83,9 @@ pub(crate) fn to_example(
             ));
         }
     };
-    let images = media_column(row, &media.image, MediaKind::Image, at, &global_id)?;
-    let videos = media_column(row, &media.video, MediaKind::Video, at, &global_id)?;
+    let base = media.base_dir.as_deref();
+    let images = media_column(row, &media.image, MediaKind::Image, at, base, &global_id)?;
+    let videos = media_column(row, &media.video, MediaKind::Video, at, base, &global_id)?;
     // In a text row, `<image>` in the text is plain text; content items always count.
     let (image_marks, video_marks) = if images.is_empty() && videos.is_empty() {
         items

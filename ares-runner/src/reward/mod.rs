@@ -13,20 +13,20 @@
 
 mod boxed;
 mod command;
-mod process;
-mod python;
 mod error;
 mod format;
 mod latex;
 pub mod math;
 mod normalize;
 mod number;
+mod process;
+mod python;
 mod rubric;
 
 pub use boxed::extract_boxed;
 pub use command::CommandGrader;
-pub use python::{CallMode, DEFAULT_PYTHON, RewardFunction, RewardInput, Score, parse_spec};
 pub use error::{Result, RewardError};
 pub use format::format_reward;
 pub use math::{MathGrade, answers_match, grade_math};
+pub use python::{CallMode, DEFAULT_PYTHON, RewardFunction, RewardInput, Score, parse_spec};
 pub use rubric::{KeywordGrader, RubricGrader, rubric_reward, rubric_score};

@@ -74,8 +74,13 @@ pub type Score = BTreeMap<String, f64>;
 #[derive(Deserialize)]
 #[serde(untagged)]
 enum Reply {
-    Ready { ready: bool, reward_type: String },
-    Scores { scores: Vec<Score> },
+    Ready {
+        ready: bool,
+        reward_type: String,
+    },
+    Scores {
+        scores: Vec<Score>,
+    },
     Error {
         error: String,
         #[serde(default)]
@@ -138,14 +143,7 @@ impl RewardFunction {
             Some(CallMode::Sequential) => "sequential",
             None => "auto",
         };
-        let args = [
-            "-u",
-            "-c",
-            WORKER,
-            &path.to_string_lossy(),
-            &name,
-            mode_arg,
-        ];
+        let args = ["-u", "-c", WORKER, &path.to_string_lossy(), &name, mode_arg];
         let mut process = LineProcess::spawn(python, &args).map_err(|e| {
             fail(format!(
                 "{e} (set worker.reward.python to the interpreter that has your packages)"

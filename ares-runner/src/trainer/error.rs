@@ -31,12 +31,18 @@ pub enum TrainError {
         /// What it is.
         what: String,
     },
-    /// Online filtering could not fill a batch.
+    /// The generation rounds of a step could not fill its batch.
     #[error(
-        "online filtering kept {kept} of {wanted} groups after {tries} generation rounds \
-         (trainer.max_try_make_batch = {tries}): every other group was all-correct or \
-         all-wrong; raise max_try_make_batch, widen filter_low/filter_high, or turn \
-         algorithm.online_filtering off"
+        "a step collected {kept} of {wanted} groups in {tries} generation rounds \
+         (trainer.max_try_make_batch = {tries}): {}",
+        if *filtering {
+            "online filtering dropped the others as all-correct or all-wrong; raise \
+             max_try_make_batch, widen algorithm.filter_low/filter_high, or turn \
+             algorithm.online_filtering off"
+        } else {
+            "data.mini_rollout_batch_size prompts a round are too few; raise it or \
+             max_try_make_batch"
+        }
     )]
     FilterExhausted {
         /// Groups kept.
@@ -45,6 +51,8 @@ pub enum TrainError {
         wanted: usize,
         /// Rounds tried.
         tries: usize,
+        /// Whether online filtering was on.
+        filtering: bool,
     },
     /// Invalid input or setting found while running (the message names it).
     #[error("{0}")]

@@ -5,6 +5,8 @@
 //! them in turn. The step's token tensors live on the backend's device; what comes back to
 //! the host is counted (`perf/d2h_bytes`).
 
+use std::collections::BTreeMap;
+
 use ares_core::Groups;
 use ares_core::difficulty::{Difficulty, PerBucket, bucket_means, classify_groups};
 use ares_core::filter::{FilterParams, filter_groups};
@@ -16,7 +18,7 @@ use super::batch::Batch;
 use super::controllers::AresState;
 use super::device::{Downloads, alloc, download, upload};
 use super::hwe::{HwePass, hwe_pass, update_tau};
-use super::rewards::{Grade, RewardParts, rewards};
+use super::rewards::{FunctionCall, Grade, RewardParts, function_rewards, rewards};
 use super::settings::{FilterKey, StepSettings};
 use crate::backend::{Backend, KlSumViews, KlViews, View, ViewMut};
 
@@ -256,6 +258,8 @@ pub struct Prepared {
     pub mean_hwe: PerBucket<Option<f64>>,
     /// Reward parts per row.
     pub rewards: Vec<RewardParts>,
+    /// The mean of each key the Python reward function returned (empty without one).
+    pub function_metrics: BTreeMap<String, f64>,
     /// logπ of the sampler `[rows, T]`.
     pub rollout_logp: Vec<f32>,
     /// Log-probs and KL.
@@ -326,7 +330,8 @@ fn masked(mut values: Vec<f32>, mask: &[f32]) -> Vec<f32> {
 /// targets and α → rewards with the updated targets and α (§3, §8, §9) → old/ref log-probs
 /// and the KL with the step's β (§4) → advantages, the KL folded into the rewards when it
 /// is not a loss term (§5) → β moves (dual ascent or adaptive, after the step's β was
-/// charged). `trigger_mask` (`[rows, T]`) restricts HWE candidates to trigger words.
+/// charged). `trigger_mask` (`[rows, T]`) restricts HWE candidates to trigger words. With
+/// a Python reward function (`function`), its `overall` is each row's reward.
 ///
 /// # Errors
 /// Any core or model error (non-finite values name their tensor).
@@ -338,6 +343,7 @@ pub fn prepare<B: Backend>(
     trigger_mask: Option<&[f32]>,
     actor: &Actor<B>,
     reference: Option<&Actor<B>>,
+    function: Option<FunctionCall<'_>>,
 ) -> Result<Prepared, TrainError> {
     let (n, rows) = (batch.n, batch.rows());
     // the step's token tensors go to the device once
@@ -360,15 +366,28 @@ pub fn prepare<B: Backend>(
         d_trigger.as_ref(),
         &mut downloads,
     )?;
-    let parts = rewards(
+    let lengths = batch.lengths();
+    let mut parts = rewards(
         &settings.reward,
         n,
         &batch.grades,
         &c.hwe.counts,
-        &batch.lengths(),
+        &lengths,
         &c.buckets,
         &state.bucket_values(),
     )?;
+    let function_metrics = match function {
+        Some(call) => function_rewards(
+            call,
+            n,
+            &mut parts,
+            &c.hwe.counts,
+            &lengths,
+            &c.buckets,
+            &state.bucket_values(),
+        )?,
+        None => BTreeMap::new(),
+    };
     let beta = (0..rows)
         .map(|r| state.beta(c.buckets[r / n]) as f32)
         .collect();
@@ -412,6 +431,7 @@ pub fn prepare<B: Backend>(
         buckets: c.buckets,
         mean_hwe: c.mean_hwe,
         rewards: parts,
+        function_metrics,
         rollout_logp: batch.padded(|r| &r.log_probs),
         scored,
         bucket_kl,

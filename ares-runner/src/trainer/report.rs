@@ -67,6 +67,10 @@ pub fn step_record(
     r.insert("reward/format", mean(&|p| p.format));
     // DAPO's overlong penalty: 0 and 0 when it is off
     r.insert("reward/overlong", mean(&|p| p.overlong));
+    // every key a Python reward function returned, as its batch mean
+    for (key, value) in &prep.function_metrics {
+        r.insert(format!("reward_function/{key}"), *value);
+    }
     r.insert(
         "response_length/overlong_frac",
         mean(&|p| f64::from(u8::from(p.overlong < 0.0))),

@@ -2,6 +2,8 @@
 //! the GRPO-λ length-penalised accuracy, or the rubric score — plus the ARES entropy reward
 //! `S` when entropy shaping is on, plus `format_weight ×` the format reward.
 
+use std::collections::BTreeMap;
+
 use ares_core::Groups;
 use ares_core::difficulty::{Difficulty, PerBucket};
 use ares_core::length::{GrpoLambda, grpo_lambda_rewards};
@@ -9,6 +11,7 @@ use ares_core::overlong::overlong_penalties;
 use ares_core::shaping::{ShapingConfig, entropy_reward, overall_reward};
 
 use super::TrainError;
+use crate::reward::{RewardFunction, RewardInput};
 
 /// What grading found in one response.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -164,6 +167,89 @@ pub fn rewards(
         });
     }
     Ok(parts)
+}
+
+/// A Python reward function's call for one batch: the function and, per row, what
+/// EasyR1's reward managers pass besides the ARES fields.
+pub struct FunctionCall<'a> {
+    /// The function in its worker.
+    pub function: &'a mut RewardFunction,
+    /// Decoded responses, one per row.
+    pub texts: &'a [String],
+    /// Reference answers, one per row.
+    pub ground_truths: &'a [&'a str],
+    /// Mean token entropy of each response.
+    pub mean_entropies: &'a [f64],
+}
+
+/// Replaces each row's `overall` with the reward function's (`worker.reward.reward_function`:
+/// its `overall` is the whole reward, so the built-in entropy, format and overlong terms are
+/// not added; they stay in `parts` as metrics, the entropy term as 0). The function sees each
+/// row's built-in accuracy, its group's bucket, the row's HWE count and the bucket's `T_d`
+/// (0 before the first target) and `α_d`. Returns the mean of every key the function
+/// returned, over the batch, for the metrics (`reward_function/<key>`).
+///
+/// # Errors
+/// Shapes; the function's errors ([`crate::reward::RewardError::Function`]).
+pub fn function_rewards(
+    call: FunctionCall<'_>,
+    n: usize,
+    parts: &mut [RewardParts],
+    hwe_counts: &[usize],
+    lengths: &[usize],
+    buckets: &[Difficulty],
+    state: &BucketValues,
+) -> Result<BTreeMap<String, f64>, TrainError> {
+    let rows = parts.len();
+    if call.texts.len() != rows
+        || call.ground_truths.len() != rows
+        || call.mean_entropies.len() != rows
+        || hwe_counts.len() != rows
+        || lengths.len() != rows
+        || buckets.len() * n != rows
+    {
+        return Err(TrainError::Internal(format!(
+            "function rewards: {rows} rows, {} texts, {} answers, {} HWE counts, {} groups of {n}",
+            call.texts.len(),
+            call.ground_truths.len(),
+            hwe_counts.len(),
+            buckets.len()
+        )));
+    }
+    let inputs: Vec<RewardInput<'_>> = (0..rows)
+        .map(|i| {
+            let d = buckets[i / n];
+            RewardInput {
+                response: &call.texts[i],
+                response_length: lengths[i],
+                ground_truth: call.ground_truths[i],
+                accuracy: parts[i].accuracy,
+                difficulty: d.name(),
+                high_entropy_token_num: hwe_counts[i],
+                target_high_entropy_token_num: state.target[d].unwrap_or(0.0),
+                alpha_entropy: state.alpha[d],
+                entropies: call.mean_entropies[i],
+            }
+        })
+        .collect();
+    let scores = call
+        .function
+        .score(&inputs)
+        .map_err(|e| TrainError::Invalid(e.to_string()))?;
+    let mut sums: BTreeMap<String, f64> = BTreeMap::new();
+    for (p, score) in parts.iter_mut().zip(&scores) {
+        let overall = score.get("overall").copied().unwrap_or(f64::NAN);
+        p.base = overall;
+        p.entropy = 0.0;
+        p.overall = overall;
+        for (k, v) in score {
+            *sums.entry(k.clone()).or_default() += v;
+        }
+    }
+    for v in sums.values_mut() {
+        *v /= rows.max(1) as f64;
+    }
+    Ok(sums)
 }
 
 #[cfg(test)]

@@ -22,7 +22,7 @@ use super::hwe::hwe_pass_host;
 use super::prepare::{group_buckets, keep_groups, prepare};
 use super::prompts::{PromptRenderer, graded_system_message};
 use super::report::{Collection, RunCounters, step_record};
-use super::rewards::{Grade, rewards};
+use super::rewards::{FunctionCall, Grade, function_rewards, rewards};
 use super::rollout::{PromptItem, Response, RolloutParams, rollout_items};
 use super::settings::step_settings;
 use super::settings::{FilterKey, StepSettings};
@@ -39,6 +39,7 @@ use crate::hf::tensor_files::SaveDtype;
 use crate::metrics::{MetricsWriter, PhaseTimes, Record};
 use crate::model::AdamW;
 use crate::progress::Progress;
+use crate::reward::{CallMode, DEFAULT_PYTHON, RewardFunction};
 use crate::vision::model::VisionMoments;
 use ares_core::difficulty::{Difficulty, bucket_means};
 use ares_core::filter::{is_solved, solved_streak};
@@ -80,6 +81,8 @@ pub struct Trainer<B: Backend + Clone> {
     /// Prompt rendering.
     pub renderer: PromptRenderer,
     pub(super) grader: Grader,
+    /// The Python reward function (`worker.reward.reward_function`), in its worker.
+    reward_fn: Option<RewardFunction>,
     /// Training examples.
     pub train: Vec<Example>,
     /// Rendered training prompts (without graded system messages).
@@ -132,6 +135,7 @@ impl<B: Backend + Clone> Trainer<B> {
         let run_dir = run_dir(&cfg);
         let renderer = renderer(&cfg, &model_dir)?;
         let grader = Grader::new(&cfg)?;
+        let reward_fn = start_reward_function(&cfg)?;
         let train = load_examples(&cfg, &train_path)?;
         grader.check(&train, "data.train_files")?;
         let val = match &cfg.data.val_files {
@@ -181,15 +185,25 @@ impl<B: Backend + Clone> Trainer<B> {
         };
         let adamw_cfg = adamw_config(&cfg);
         let ckdir = CheckpointDir::new(&run_dir);
-        let latest = ckdir.latest()?;
-        if let (false, Some((step, dir))) = (cfg.trainer.resume, &latest) {
+        let latest = match &cfg.trainer.load_checkpoint_path {
+            Some(path) => Some(checkpoint_at(Path::new(path))?),
+            None => ckdir.latest()?,
+        };
+        if let (false, None, Some((step, dir))) = (
+            cfg.trainer.find_last_checkpoint,
+            &cfg.trainer.load_checkpoint_path,
+            &latest,
+        ) {
             return Err(TrainError::Invalid(format!(
                 "{} already holds a checkpoint of this run (step {step}, {}): set \
-                 trainer.resume=true to continue it, or choose another trainer.experiment_name \
-                 or trainer.output_dir",
+                 trainer.find_last_checkpoint=true to continue it, or choose another trainer.experiment_name \
+                 or trainer.save_checkpoint_path",
                 run_dir.display(),
                 dir.display()
             )));
+        }
+        if let Some((_, dir)) = &latest {
+            resumable(dir)?;
         }
         let mut bootstrap_done = false;
         let (actor, opt, state, ares, checkpoint_config) = match latest {
@@ -197,8 +211,8 @@ impl<B: Backend + Clone> Trainer<B> {
                 let ck = ModelFiles::load(&dir.join("model"))?;
                 let actor = build_actor(backend.clone(), &ck, &cfg)?;
                 let adamw = AdamW::load(actor.lm(), adamw_cfg, &dir.join("optimizer.safetensors"))?;
-                let text = std::fs::read_to_string(dir.join("trainer_state.json"))
-                    .map_err(|e| TrainError::io(dir.join("trainer_state.json"), e))?;
+                let text = std::fs::read_to_string(dir.join(TRAINER_STATE_FILE))
+                    .map_err(|e| TrainError::io(dir.join(TRAINER_STATE_FILE), e))?;
                 let state: TrainerState = serde_json::from_str(&text).map_err(|e| {
                     TrainError::Invalid(format!(
                         "{}: {e}",
@@ -240,7 +254,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 };
                 // resuming a run that stopped before its first checkpoint: its bootstrap
                 // is reused; a fresh run computes its own
-                if cfg.trainer.resume
+                if cfg.trainer.find_last_checkpoint
                     && let Some(b) = read_bootstrap(&run_dir)?
                 {
                     apply_bootstrap(&mut ares, &b)?;
@@ -271,6 +285,7 @@ impl<B: Backend + Clone> Trainer<B> {
             opt,
             renderer,
             grader,
+            reward_fn,
             train,
             train_ids,
             val,
@@ -450,6 +465,14 @@ impl<B: Backend + Clone> Trainer<B> {
         // controllers, rewards, log-probs, KL, advantages (docs/algorithms.md §1–§5)
         let t = Instant::now();
         let trigger = self.trigger_mask(&batch);
+        let answers = ground_truths(&self.train, &batch.items, batch.n);
+        let entropies = mean_entropies(&batch.responses);
+        let function = self.reward_fn.as_mut().map(|function| FunctionCall {
+            function,
+            texts: &batch.texts,
+            ground_truths: &answers,
+            mean_entropies: &entropies,
+        });
         let prep = prepare(
             &self.settings,
             &mut self.ares,
@@ -458,6 +481,7 @@ impl<B: Backend + Clone> Trainer<B> {
             trigger.as_deref(),
             &self.actor,
             self.reference.as_ref(),
+            function,
         )?;
         times.add("prepare", t.elapsed());
 
@@ -498,8 +522,10 @@ impl<B: Backend + Clone> Trainer<B> {
         ))
     }
 
-    /// Rounds of rollout and grading until `groups_per_step` groups pass the online filter
-    /// (one round without a filter), or the filter's `max_try_make_batch` is used up.
+    /// Rounds of `groups_per_round` prompts, rolled out and graded, until `groups_per_step`
+    /// groups pass the online filter (every group passes without one), or
+    /// `trainer.max_try_make_batch` rounds are used up; surplus groups of the last round are
+    /// dropped, as EasyR1 drops them.
     ///
     /// # Errors
     /// [`TrainError::FilterExhausted`], or any generation or grading error.
@@ -513,17 +539,16 @@ impl<B: Backend + Clone> Trainer<B> {
         let mut c = Collection::default();
         while kept.len() < wanted {
             c.rounds += 1;
-            if let Some(f) = self.settings.filter
-                && f.max_tries > 0
-                && c.rounds > f.max_tries as u64
-            {
+            let max_tries = self.settings.max_tries;
+            if max_tries > 0 && c.rounds > max_tries as u64 {
                 return Err(TrainError::FilterExhausted {
                     kept: kept.len(),
                     wanted,
-                    tries: f.max_tries,
+                    tries: max_tries,
+                    filtering: self.settings.filter.is_some(),
                 });
             }
-            let indices = self.next_indices(wanted)?;
+            let indices = self.next_indices(self.settings.groups_per_round)?;
             let items = self.items(&indices, step)?;
             let params = self.rollout_params(step, c.rounds);
             let bar = self.progress.bar((items.len() * n) as u64, "rollout");
@@ -539,7 +564,7 @@ impl<B: Backend + Clone> Trainer<B> {
             let (texts, grades) = self.grade(&items, &responses)?;
             times.add("reward", t.elapsed());
             self.track_solved(&items, &responses, &grades)?;
-            let keep = self.keep(&responses, &grades)?;
+            let keep = self.keep(&items, &responses, &texts, &grades)?;
             let (mut resp, mut txt, mut grd) =
                 (responses.into_iter(), texts.into_iter(), grades.into_iter());
             for (item, k) in items.into_iter().zip(keep) {
@@ -553,9 +578,6 @@ impl<B: Backend + Clone> Trainer<B> {
                     kept.push(group);
                 }
             }
-            if self.settings.filter.is_none() {
-                break;
-            }
         }
         times.add(
             "rollout",
@@ -565,7 +587,13 @@ impl<B: Backend + Clone> Trainer<B> {
     }
 
     /// Online filtering of one round: which groups are kept.
-    fn keep(&self, responses: &[Response], grades: &[Grade]) -> Result<Vec<bool>, TrainError> {
+    fn keep(
+        &mut self,
+        items: &[PromptItem],
+        responses: &[Response],
+        texts: &[String],
+        grades: &[Grade],
+    ) -> Result<Vec<bool>, TrainError> {
         let n = self.settings.n;
         let Some(f) = self.settings.filter else {
             return Ok(vec![true; grades.len() / n]);
@@ -583,7 +611,7 @@ impl<B: Backend + Clone> Trainer<B> {
         )?;
         let buckets = group_buckets(&self.settings, n, grades)?;
         let values = self.ares.bucket_values();
-        let parts = rewards(
+        let mut parts = rewards(
             &self.settings.reward,
             n,
             grades,
@@ -592,6 +620,25 @@ impl<B: Backend + Clone> Trainer<B> {
             &buckets,
             &values,
         )?;
+        let answers = ground_truths(&self.train, items, n);
+        let entropies = mean_entropies(responses);
+        if let Some(function) = self.reward_fn.as_mut() {
+            let call = FunctionCall {
+                function,
+                texts,
+                ground_truths: &answers,
+                mean_entropies: &entropies,
+            };
+            function_rewards(
+                call,
+                n,
+                &mut parts,
+                &pass.counts,
+                &lengths,
+                &buckets,
+                &values,
+            )?;
+        }
         keep_groups(&self.settings, n, grades, Some(&parts))
     }
 
@@ -637,7 +684,8 @@ impl<B: Backend + Clone> Trainer<B> {
     }
 
     /// Saves a checkpoint of the current step (model + tokenizer, optimizer, trainer
-    /// state), atomically, keeping the newest `trainer.save_limit`.
+    /// state; the model only with `trainer.save_model_only`), atomically, keeping the
+    /// newest `trainer.save_limit`.
     ///
     /// # Errors
     /// I/O or serialisation errors.
@@ -656,6 +704,10 @@ impl<B: Backend + Clone> Trainer<B> {
                 &model_dir,
                 dtype,
             )?;
+            write_atomic(&dir.join("config.yaml"), self.cfg.to_yaml().as_bytes())?;
+            if self.cfg.trainer.save_model_only {
+                return Ok(());
+            }
             self.opt
                 .adamw
                 .save(self.actor.lm(), &dir.join("optimizer.safetensors"))?;
@@ -665,8 +717,7 @@ impl<B: Backend + Clone> Trainer<B> {
             }
             let state = serde_json::to_vec_pretty(&self.state)
                 .map_err(|e| TrainError::Internal(format!("trainer_state.json: {e}")))?;
-            write_atomic(&dir.join("trainer_state.json"), &state)?;
-            write_atomic(&dir.join("config.yaml"), self.cfg.to_yaml().as_bytes())
+            write_atomic(&dir.join(TRAINER_STATE_FILE), &state)
         })
     }
 
@@ -777,6 +828,99 @@ impl<B: Backend + Clone> Trainer<B> {
             skipped_updates: self.state.skipped_updates,
         })
     }
+}
+
+/// Starts the Python reward function of `worker.reward.reward_function`, if one is set.
+///
+/// # Errors
+/// The function cannot be started or imported (the message has the Python traceback).
+fn start_reward_function(cfg: &Config) -> Result<Option<RewardFunction>, TrainError> {
+    let r = &cfg.worker.reward;
+    let Some(spec) = &r.reward_function else {
+        return Ok(None);
+    };
+    let mode = r.reward_type.map(|t| match t {
+        crate::config::RewardType::Batch => CallMode::Batch,
+        crate::config::RewardType::Sequential => CallMode::Sequential,
+    });
+    let python = r.python.as_deref().unwrap_or(DEFAULT_PYTHON);
+    let kwargs = r.reward_function_kwargs.clone().unwrap_or_default();
+    let t = Instant::now();
+    let f = RewardFunction::start(
+        spec,
+        python,
+        &kwargs,
+        mode,
+        std::time::Duration::from_secs_f64(r.timeout_s),
+    )
+    .map_err(|e| TrainError::Invalid(e.to_string()))?;
+    eprintln!(
+        "reward function {spec}: {} calls, worker started in {:.2} s",
+        match f.mode() {
+            CallMode::Batch => "batch",
+            CallMode::Sequential => "sequential",
+        },
+        t.elapsed().as_secs_f64()
+    );
+    Ok(Some(f))
+}
+
+/// The reference answer of every row of groups of `n` samples of `items` (of `train`).
+fn ground_truths<'a>(train: &'a [Example], items: &[PromptItem], n: usize) -> Vec<&'a str> {
+    items
+        .iter()
+        .flat_map(|item| std::iter::repeat_n(train[item.example].answer.as_str(), n))
+        .collect()
+}
+
+/// The mean sampled-token entropy of each response.
+fn mean_entropies(responses: &[Response]) -> Vec<f64> {
+    responses
+        .iter()
+        .map(|r| {
+            let sum: f64 = r.entropies.iter().map(|&h| f64::from(h)).sum();
+            sum / r.entropies.len().max(1) as f64
+        })
+        .collect()
+}
+
+/// The trainer's state in a checkpoint (absent from a `save_model_only` one).
+const TRAINER_STATE_FILE: &str = "trainer_state.json";
+
+/// `(step, dir)` of the checkpoint at `dir` (`trainer.load_checkpoint_path`): the step from
+/// its `trainer_state.json`.
+///
+/// # Errors
+/// `dir` is not a checkpoint directory of ares-runner, or cannot be resumed from.
+fn checkpoint_at(dir: &Path) -> Result<(u64, PathBuf), TrainError> {
+    if !dir.join("model").is_dir() {
+        return Err(TrainError::Invalid(format!(
+            "trainer.load_checkpoint_path = {}: not a checkpoint directory (expected a \
+             checkpoints/step_* directory of an earlier run, with model/ and {TRAINER_STATE_FILE})",
+            dir.display()
+        )));
+    }
+    resumable(dir)?;
+    let path = dir.join(TRAINER_STATE_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| TrainError::io(&path, e))?;
+    let state: TrainerState = serde_json::from_str(&text)
+        .map_err(|e| TrainError::Invalid(format!("{}: {e}", path.display())))?;
+    Ok((state.step, dir.to_path_buf()))
+}
+
+/// Errors unless the checkpoint at `dir` holds what a resume needs (a `save_model_only`
+/// checkpoint does not).
+fn resumable(dir: &Path) -> Result<(), TrainError> {
+    if dir.join(TRAINER_STATE_FILE).is_file() && dir.join("optimizer.safetensors").is_file() {
+        return Ok(());
+    }
+    Err(TrainError::Invalid(format!(
+        "{} holds no optimizer and trainer state (saved with trainer.save_model_only?), so \
+         training cannot resume from it; start a new run from its weights with \
+         worker.actor.model.model_path={} (and another trainer.save_checkpoint_path)",
+        dir.display(),
+        dir.join("model").display()
+    )))
 }
 
 /// How a run ended.

@@ -72,8 +72,6 @@ pub struct FilterSettings {
     pub low: f64,
     /// Upper bound.
     pub high: f64,
-    /// Generation rounds per step at most (0: unlimited).
-    pub max_tries: usize,
 }
 
 /// The optimizer schedule of the actor.
@@ -116,6 +114,10 @@ pub struct StepSettings {
     pub n: usize,
     /// Groups (prompts) per step.
     pub groups_per_step: usize,
+    /// Prompts generated per round (`data.mini_rollout_batch_size`, else `groups_per_step`).
+    pub groups_per_round: usize,
+    /// Generation rounds per step at most (0: unlimited).
+    pub max_tries: usize,
     /// Rollout sampling.
     pub sampling: Sampling,
     /// New tokens per response at most.
@@ -296,7 +298,8 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
         config::KlPenalty::K1Plus => KlEstimator::K1Plus,
         config::KlPenalty::K3Plus => KlEstimator::K3Plus,
     };
-    let kl_off = matches!(control, KlControl::Global(KlController::Fixed(b)) if b == 0.0);
+    let kl_off =
+        alg.disable_kl || matches!(control, KlControl::Global(KlController::Fixed(b)) if b == 0.0);
     let kl = KlSettings {
         use_kl_loss: alg.use_kl_loss,
         estimator: estimator_kl,
@@ -323,7 +326,6 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
             key,
             low: alg.filter_low,
             high: alg.filter_high,
-            max_tries: usize::try_from(cfg.trainer.max_try_make_batch.max(0)).unwrap_or(0),
         })
     } else {
         None
@@ -381,20 +383,34 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
     };
 
     let step_rows = cfg.data.rollout_batch_size * n;
-    let mini_batch = actor.global_batch_size.min(step_rows).max(1);
-    let micro_batch = actor.micro_batch_size_per_device_for_update.min(mini_batch).max(1);
+    // EasyR1 counts the mini-batch in prompts, each with its n responses
+    let mini_batch = (actor.global_batch_size * n).min(step_rows).max(1);
+    let micro_batch = actor
+        .micro_batch_size_per_device_for_update
+        .min(mini_batch)
+        .max(1);
+    let optimizer_steps = total_steps * (step_rows.div_ceil(mini_batch) * actor.ppo_epochs) as u64;
     let optim = OptimSettings {
         lr: actor.optim.lr,
-        warmup_steps: actor.optim.lr_warmup_steps as u64,
+        // EasyR1: the step count wins over the ratio of the run's steps
+        warmup_steps: actor.optim.lr_warmup_steps.map_or_else(
+            || (actor.optim.lr_warmup_ratio * optimizer_steps as f64).floor() as u64,
+            |s| s as u64,
+        ),
         cosine: actor.optim.lr_scheduler_type == config::LrScheduler::Cosine,
         min_lr_ratio: actor.optim.min_lr_ratio,
-        total_steps: total_steps * (step_rows.div_ceil(mini_batch) * actor.ppo_epochs) as u64,
+        total_steps: optimizer_steps,
         max_grad_norm: Some(actor.max_grad_norm as f32),
     };
 
     Ok(StepSettings {
         n,
         groups_per_step: cfg.data.rollout_batch_size,
+        groups_per_round: cfg
+            .data
+            .mini_rollout_batch_size
+            .unwrap_or(cfg.data.rollout_batch_size),
+        max_tries: usize::try_from(cfg.trainer.max_try_make_batch.max(0)).unwrap_or(0),
         sampling: rollout_sampling(cfg),
         max_new_tokens: cfg.data.max_response_length,
         rollout_chunk: 64,

@@ -161,13 +161,26 @@ pub fn load_examples(cfg: &Config, path: &str) -> Result<Vec<Example>, TrainErro
         rubrics: cfg.data.rubrics_key.clone(),
     };
     let media = crate::data::MediaKeys::from_config(&cfg.data);
-    crate::data::load_dataset_with_media(Path::new(path), &keys, &media)
-        .map_err(|e| TrainError::Invalid(e.to_string()))
+    let examples = crate::data::load_dataset_with_media(Path::new(path), &keys, &media)
+        .map_err(|e| TrainError::Invalid(e.to_string()))?;
+    let limit = cfg.worker.rollout.limit_images;
+    if let Some(e) = examples
+        .iter()
+        .find(|e| limit > 0 && e.images.len() > limit)
+    {
+        return Err(TrainError::Invalid(format!(
+            "{path}: row {} ({}) has {} images, more than worker.rollout.limit_images = {limit}",
+            e.row,
+            e.global_id,
+            e.images.len()
+        )));
+    }
+    Ok(examples)
 }
 
-/// The run directory of a config: `trainer.output_dir`, else `runs/<experiment_name>`.
+/// The run directory of a config: `trainer.save_checkpoint_path`, else `runs/<experiment_name>`.
 pub fn run_dir(cfg: &Config) -> PathBuf {
-    cfg.trainer.output_dir.as_ref().map_or_else(
+    cfg.trainer.save_checkpoint_path.as_ref().map_or_else(
         || Path::new("runs").join(&cfg.trainer.experiment_name),
         PathBuf::from,
     )
@@ -201,18 +214,39 @@ pub fn eos_ids_of(generation: Option<&GenerationConfig>, renderer: &PromptRender
 /// # Errors
 /// Missing or malformed tokenizer files or template.
 pub fn renderer(cfg: &Config, model_dir: &Path) -> Result<PromptRenderer, TrainError> {
-    let tokenizer = crate::hf::tokenizer::Tokenizer::from_dir(model_dir)
-        .map_err(|e| TrainError::Invalid(format!("{}: {e}", model_dir.display())))?;
-    let chat = match crate::hf::chat::ChatTemplate::from_dir(model_dir) {
-        Ok(c) => Some(c),
-        Err(crate::hf::chat::ChatError::NoTemplate { .. }) => {
-            eprintln!(
-                "note: {} has no chat template; prompts are used as plain text",
-                model_dir.display()
-            );
-            None
-        }
-        Err(e) => return Err(TrainError::Invalid(format!("{}: {e}", model_dir.display()))),
+    // `worker.actor.model.tokenizer_path` holds the tokenizer and chat template when set
+    let tokenizer_dir = cfg
+        .worker
+        .actor
+        .model
+        .tokenizer_path
+        .as_deref()
+        .map_or(model_dir, Path::new);
+    let tokenizer = crate::hf::tokenizer::Tokenizer::from_dir(tokenizer_dir)
+        .map_err(|e| TrainError::Invalid(format!("{}: {e}", tokenizer_dir.display())))?;
+    let chat = match &cfg.data.override_chat_template {
+        Some(file) => Some(
+            crate::hf::chat::ChatTemplate::from_file_for_dir(Path::new(file), tokenizer_dir)
+                .map_err(|e| {
+                    TrainError::Invalid(format!("data.override_chat_template = {file}: {e}"))
+                })?,
+        ),
+        None => match crate::hf::chat::ChatTemplate::from_dir(tokenizer_dir) {
+            Ok(c) => Some(c),
+            Err(crate::hf::chat::ChatError::NoTemplate { .. }) => {
+                eprintln!(
+                    "note: {} has no chat template; prompts are used as plain text",
+                    tokenizer_dir.display()
+                );
+                None
+            }
+            Err(e) => {
+                return Err(TrainError::Invalid(format!(
+                    "{}: {e}",
+                    tokenizer_dir.display()
+                )));
+            }
+        },
     };
     let format = cfg
         .data
