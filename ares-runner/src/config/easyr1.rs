@@ -275,6 +275,16 @@ fn empty_as_null(key: &'static str, v: &Value) -> (&'static str, Value) {
     }
 }
 
+/// `min_lr_ratio: null` is EasyR1's 0 (the cosine schedule's floor).
+fn min_lr_ratio(v: &Value) -> Result<(&'static str, Value), String> {
+    let to = "worker.actor.optim.min_lr_ratio";
+    Ok(if v.is_null() {
+        (to, Value::from(0.0))
+    } else {
+        (to, v.clone())
+    })
+}
+
 /// `save_freq`/`val_freq: -1` (EasyR1's "never during training") is our 0.
 fn save_freq(v: &Value) -> Result<(&'static str, Value), String> {
     Ok(minus_one_as("trainer.save_freq", v, Value::from(0)))
@@ -407,6 +417,10 @@ pub(crate) const RULES: &[Rule] = &[
     Rule::Mapped {
         key: "data.val_files",
         translate: val_files,
+    },
+    Rule::Mapped {
+        key: "worker.actor.optim.min_lr_ratio",
+        translate: min_lr_ratio,
     },
     Rule::Mapped {
         key: "trainer.save_freq",

@@ -529,9 +529,10 @@ impl RolloutConfig {
         self.val_override_config.top_k.unwrap_or(self.top_k)
     }
 
-    /// Validation's samples per prompt, ≥ 1.
+    /// Validation's samples per prompt, ≥ 1 (EasyR1 validates one sample unless `n` is
+    /// given).
     pub fn val_n(&self) -> usize {
-        self.val_override_config.n.unwrap_or(self.n).max(1)
+        self.val_override_config.n.unwrap_or(1).max(1)
     }
 }
 
