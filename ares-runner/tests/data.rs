@@ -467,3 +467,115 @@ fn template_filter_and_sampler_over_a_dataset() {
     s.next_batch(kept.len(), 1).unwrap();
     assert_eq!(s.epoch(), 1);
 }
+
+/// EasyR1's `name@split`: a dataset in a fake Hugging Face hub cache laid out as the hub
+/// lays it out (snapshot files are symlinks into `blobs/`), a local folder of split files,
+/// a single file, and the errors that list where it looked.
+#[test]
+fn datasets_named_as_easyr1_names_them() {
+    use ares_runner::data::resolve_data_files_in;
+    let tmp = tempfile::tempdir().unwrap();
+    let hub = tmp.path().join("hub");
+    let repo = hub.join("datasets--owner--math");
+    let snap = repo.join("snapshots/0123abcd");
+    fs::create_dir_all(snap.join("data")).unwrap();
+    fs::create_dir_all(repo.join("blobs")).unwrap();
+    fs::create_dir_all(repo.join("refs")).unwrap();
+    fs::write(repo.join("refs/main"), "0123abcd").unwrap();
+    let row = |q: &str, a: &str| format!("{{\"problem\": \"{q}\", \"answer\": \"{a}\"}}\n");
+    for (file, blob, rows) in [
+        (
+            "data/train-00000-of-00002.jsonl",
+            "b1",
+            row("1+1", "2") + &row("2+2", "4"),
+        ),
+        ("data/train-00001-of-00002.jsonl", "b2", row("3+3", "6")),
+        ("data/test-00000-of-00001.jsonl", "b3", row("5+5", "10")),
+    ] {
+        fs::write(repo.join("blobs").join(blob), rows).unwrap();
+        std::os::unix::fs::symlink(Path::new("../../../blobs").join(blob), snap.join(file))
+            .unwrap();
+    }
+    fs::write(snap.join("README.md"), "# card").unwrap();
+    let roots = vec![tmp.path().join("elsewhere"), hub.clone()];
+    let train = resolve_data_files_in("owner/math@train", &roots).unwrap();
+    assert_eq!(
+        train,
+        vec![
+            snap.join("data/train-00000-of-00002.jsonl"),
+            snap.join("data/train-00001-of-00002.jsonl")
+        ]
+    );
+    assert_eq!(resolve_data_files_in("owner/math", &roots).unwrap(), train);
+    assert_eq!(
+        resolve_data_files_in("owner/math@test", &roots).unwrap(),
+        vec![snap.join("data/test-00000-of-00001.jsonl")]
+    );
+    // the shards load as one dataset (ids from each shard's name)
+    let keys = DataKeys {
+        prompt: "problem".into(),
+        ..DataKeys::default()
+    };
+    let mut examples = Vec::new();
+    for f in &train {
+        examples.extend(load_dataset(f, &keys).unwrap());
+    }
+    assert_eq!(examples.len(), 3);
+    // a split that is not there names the files that are
+    let e = resolve_data_files_in("owner/math@validation", &roots)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("no file of split `validation`") && e.contains("data/test-00000-of-00001.jsonl"),
+        "{e}"
+    );
+    // a dataset that is not cached: every place looked in
+    let e = resolve_data_files_in("owner/other@train", &roots)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(
+            &tmp.path()
+                .join("elsewhere/datasets--owner--other")
+                .display()
+                .to_string()
+        ) && e.contains(&hub.join("datasets--owner--other").display().to_string())
+            && e.contains("huggingface-cli download --repo-type dataset owner/other"),
+        "{e}"
+    );
+    // a local folder with per-split files; files naming no split are all `train`
+    let local = tmp.path().join("local");
+    fs::create_dir_all(&local).unwrap();
+    fs::write(local.join("train.jsonl"), row("1", "1")).unwrap();
+    fs::write(local.join("dev.jsonl"), row("2", "2")).unwrap();
+    let spec = |s: &str| format!("{}@{s}", local.display());
+    assert_eq!(
+        resolve_data_files_in(&spec("validation"), &[]).unwrap(),
+        vec![local.join("dev.jsonl")]
+    );
+    let plain = tmp.path().join("plain");
+    fs::create_dir_all(&plain).unwrap();
+    fs::write(plain.join("part_a.jsonl"), row("1", "1")).unwrap();
+    assert_eq!(
+        resolve_data_files_in(&format!("{}@train", plain.display()), &[]).unwrap(),
+        vec![plain.join("part_a.jsonl")]
+    );
+    // one file holds only `train`
+    let one = local.join("train.jsonl");
+    assert_eq!(
+        resolve_data_files_in(&format!("{}@train", one.display()), &[]).unwrap(),
+        vec![one.clone()]
+    );
+    let e = resolve_data_files_in(&format!("{}@test", one.display()), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("holds only the `train` split"), "{e}");
+    // a missing path is not looked for in the hub
+    let e = load_dataset(Path::new("/nonexistent/train.jsonl"), &keys)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("/nonexistent/train.jsonl: cannot read") && !e.contains("hub"),
+        "{e}"
+    );
+}

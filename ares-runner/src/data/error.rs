@@ -35,6 +35,14 @@ pub enum DataError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// A dataset named by path or as `name@split` that cannot be found.
+    #[error("dataset `{spec}`: {reason}")]
+    NotFound {
+        /// The dataset as configured.
+        spec: String,
+        /// Where it was looked for, or which split is missing.
+        reason: String,
+    },
     /// The file's extension is not one the loader reads.
     #[error("{}: unsupported dataset format (expected .jsonl, .json or .parquet)", path.display())]
     UnsupportedFormat {

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use super::error::{DataError, Location, Result};
 use super::example::Example;
+use super::hub::resolve_data_files;
 use super::jsonl::read_json;
 use super::keys::{DataKeys, MediaKeys};
 use super::parquet::read_parquet;
@@ -145,14 +146,27 @@ fn for_each_row(
     check: impl Fn(&RawRow) -> Result<()>,
     mut visit: impl FnMut(Example, &RawRow) -> Result<()>,
 ) -> Result<()> {
-    let meta = std::fs::metadata(path).map_err(|source| DataError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let files = if meta.is_dir() {
-        data_files(path)?
+    // a path that does not exist may be EasyR1's `name@split`
+    let files = if path.exists() {
+        let meta = std::fs::metadata(path).map_err(|source| DataError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        if meta.is_dir() {
+            data_files(path)?
+        } else {
+            vec![path.to_path_buf()]
+        }
     } else {
-        vec![path.to_path_buf()]
+        match path.to_str() {
+            Some(spec) => resolve_data_files(spec)?,
+            None => {
+                return Err(DataError::Io {
+                    path: path.to_path_buf(),
+                    source: std::io::Error::from(std::io::ErrorKind::NotFound),
+                });
+            }
+        }
     };
     let mut seen: HashMap<String, Location> = HashMap::new();
     for file in &files {
