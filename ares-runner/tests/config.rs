@@ -531,6 +531,8 @@ fn example_configs_load() {
             "cispo.yaml",
             "clip_cov.yaml",
             "dapo_overlong.yaml",
+            "easyr1_aepo_math.yaml",
+            "easyr1_qwen25_vl_geo3k.yaml",
             "forking_tokens.yaml",
             "grpo_lambda.yaml",
             "gspo.yaml",

@@ -95,7 +95,17 @@ fn ares_fields_give_the_builtin_shaping() {
     if !has_python() {
         return;
     }
-    let mut f = start(&spec("ares_shaping.py", "compute_score"), json!({}), None).unwrap();
+    let mut f = start(
+        &format!(
+            "{}:compute_score",
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../examples/reward_function/ares_entropy_shaping.py")
+                .display()
+        ),
+        json!({}),
+        None,
+    )
+    .unwrap();
     assert_eq!(f.mode(), CallMode::Batch);
     let cfg = ShapingConfig::<f64>::default();
     let targets = PerBucket::new(4.0, 7.0, 12.0);

@@ -774,7 +774,7 @@ fn python_reward_function_gives_the_builtin_rewards() {
     let spec = format!(
         "worker.reward.reward_function={}:compute_score",
         Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("tests/fixtures/reward_fn/ares_shaping.py")
+            .join("../examples/reward_function/ares_entropy_shaping.py")
             .display()
     );
     let builtin = run(dir.path(), "builtin", &[]);
@@ -811,4 +811,57 @@ fn python_reward_function_gives_the_builtin_rewards() {
         err.contains("worker.reward.format_weight") && err.contains("gives the whole reward"),
         "{err}"
     );
+}
+
+/// `examples/configs/easyr1_aepo_math.yaml`, an EasyR1 / ARES-fork config with engine knobs
+/// and a Python reward function, trains two steps on the demo model with only its data,
+/// model and sizes overridden.
+#[test]
+fn easyr1_style_example_config_trains_two_steps() {
+    let has_python = std::process::Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_python {
+        eprintln!("python3 not found: skipping");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let example = root.join("examples/configs/easyr1_aepo_math.yaml");
+    let run_dir = dir.path().join("easyr1");
+    let overrides = [
+        format!("data.train_files={}", a.train.display()),
+        format!("data.val_files={}", a.eval.display()),
+        "data.prompt_key=prompt".into(),
+        "data.format_prompt=null".into(),
+        "data.max_prompt_length=40".into(),
+        "data.max_response_length=12".into(),
+        "data.rollout_batch_size=2".into(),
+        "data.bootstrap=false".into(),
+        "algorithm.online_filtering=false".into(),
+        format!("worker.actor.model.model_path={}", a.model_dir.display()),
+        "worker.actor.global_batch_size=2".into(),
+        "worker.actor.micro_batch_size_per_device_for_update=4".into(),
+        "worker.rollout.n=4".into(),
+        format!(
+            "worker.reward.reward_function={}:compute_score",
+            root.join("examples/reward_function/ares_entropy_shaping.py")
+                .display()
+        ),
+        format!("trainer.save_checkpoint_path={}", run_dir.display()),
+        "trainer.max_steps=2".into(),
+        "trainer.val_before_train=false".into(),
+    ];
+    let (cfg, notes) = Config::load_with_notes(Some(&example), &overrides).unwrap();
+    assert!(notes.len() > 10, "{notes:#?}");
+    assert_eq!(cfg.worker.actor.loss_agg_mode.name(), "token-mean");
+    let summary = trainer(cfg).unwrap().run().unwrap();
+    let lines = read_metrics(&summary.metrics).unwrap();
+    assert_eq!(lines.len(), 2);
+    assert_finite(&lines);
+    for l in &lines {
+        assert_eq!(num(l, "reward/mean"), num(l, "reward_function/overall"));
+    }
 }

@@ -287,3 +287,39 @@ fn sft_fine_tunes_a_vision_language_model() {
     let err = read_sft_pairs(&bad, &cfg).unwrap_err().to_string();
     assert!(err.contains("response") && err.contains("row 1"), "{err}");
 }
+
+/// `examples/configs/easyr1_qwen25_vl_geo3k.yaml`, EasyR1's multimodal layout with engine
+/// knobs, trains two steps on the tiny Qwen2.5-VL with only data, model and sizes overridden.
+#[test]
+fn easyr1_style_vl_example_config_trains_two_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let rows = dataset(dir.path());
+    let run = dir.path().join("easyr1_vl");
+    let example = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../examples/configs/easyr1_qwen25_vl_geo3k.yaml");
+    let overrides: Vec<String> = vec![
+        format!("data.train_files={}", rows.display()),
+        "data.val_files=null".into(),
+        "data.prompt_key=prompt".into(),
+        "data.format_prompt=null".into(),
+        "data.max_prompt_length=128".into(),
+        "data.max_response_length=6".into(),
+        "data.rollout_batch_size=2".into(),
+        "data.min_pixels=null".into(),
+        "data.max_pixels=null".into(),
+        format!("worker.actor.model.model_path={}", model_dir().display()),
+        "worker.actor.global_batch_size=2".into(),
+        "worker.rollout.n=4".into(),
+        format!("trainer.save_checkpoint_path={}", run.display()),
+        "trainer.max_steps=2".into(),
+        "trainer.val_before_train=false".into(),
+    ];
+    let cfg = Config::load(Some(&example), &overrides).unwrap();
+    let (lines, checkpoint) = train(cfg);
+    assert_eq!(lines.len(), 2);
+    assert!(checkpoint.is_some());
+    for l in &lines {
+        let reward = l["reward/mean"].as_f64().unwrap();
+        assert!(reward.is_finite());
+    }
+}

@@ -173,12 +173,12 @@ pub fn eval(cfg: &Config, model: Option<&Path>, data: Option<&Path>) -> Result<(
             .model
             .model_path
             .as_deref()
-            .map(Into::into)
+            .map(|m| crate::data::resolve_model_dir(m).map_err(TrainError::Invalid))
             .ok_or_else(|| {
                 TrainError::Invalid(
                     "eval: give --model DIR or set worker.actor.model.model_path".into(),
                 )
-            })?,
+            })??,
     };
     let data = match data {
         Some(d) => d.to_string_lossy().into_owned(),

@@ -253,7 +253,7 @@ pub fn sft(cfg: &Config) -> Result<(), TrainError> {
     let report = crate::with_backend!(super::select_backend(cfg)?, backend => run_sft(
         cfg,
         backend,
-        Path::new(model_dir),
+        &crate::data::resolve_model_dir(model_dir).map_err(TrainError::Invalid)?,
         &pairs,
         &options,
         &out,

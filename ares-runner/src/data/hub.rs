@@ -94,6 +94,33 @@ pub fn resolve_data_files_in(spec: &str, hub_roots: &[PathBuf]) -> Result<Vec<Pa
     ))
 }
 
+/// The directory of a model named `spec`: the path itself when it exists, else a Hugging
+/// Face hub name (`Qwen/Qwen2.5-7B-Instruct`, as EasyR1 configs name models) found in the hub
+/// cache (`models--owner--name/snapshots/<refs/main>`, under the directories of
+/// [`resolve_data_files`]).
+///
+/// # Errors
+/// Neither exists: the message lists where it looked.
+pub fn resolve_model_dir(spec: &str) -> std::result::Result<PathBuf, String> {
+    let path = Path::new(spec);
+    if path.exists() || spec.starts_with(['/', '.', '~']) || spec.matches('/').count() != 1 {
+        return Ok(path.to_path_buf());
+    }
+    let mut tried = Vec::new();
+    for root in hub_roots() {
+        let repo = root.join(format!("models--{}", spec.replace('/', "--")));
+        tried.push(repo.display().to_string());
+        if let Some(snapshot) = snapshot(&repo).map_err(|e| e.to_string())? {
+            return Ok(snapshot);
+        }
+    }
+    Err(format!(
+        "{spec}: no such directory, and no Hugging Face model `{spec}` in the hub cache \
+         (looked in {}); download it with `huggingface-cli download {spec}`, or give a path",
+        tried.join(", ")
+    ))
+}
+
 fn not_found(spec: &str, reason: String) -> DataError {
     DataError::NotFound {
         spec: spec.to_string(),

@@ -131,7 +131,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 "data.train_files is not set: point it at a JSONL or Parquet file".into(),
             )
         })?;
-        let model_dir = PathBuf::from(&model_path);
+        let model_dir = crate::data::resolve_model_dir(&model_path).map_err(TrainError::Invalid)?;
         let run_dir = run_dir(&cfg);
         let renderer = renderer(&cfg, &model_dir)?;
         let grader = Grader::new(&cfg)?;
@@ -174,7 +174,14 @@ impl<B: Backend + Clone> Trainer<B> {
             )));
         }
         let reference = if settings.kl.enabled {
-            let ref_dir = cfg.worker.ref_.model_path.as_deref().map(PathBuf::from);
+            let ref_dir = cfg
+                .worker
+                .ref_
+                .model_path
+                .as_deref()
+                .map(crate::data::resolve_model_dir)
+                .transpose()
+                .map_err(TrainError::Invalid)?;
             let ref_files = match &ref_dir {
                 Some(d) => ModelFiles::load(d)?,
                 None => initial.clone(),
