@@ -865,3 +865,98 @@ fn easyr1_style_example_config_trains_two_steps() {
         assert_eq!(num(l, "reward/mean"), num(l, "reward_function/overall"));
     }
 }
+
+/// EasyR1's checkpoint modes: resuming from a named checkpoint of another run gives the
+/// uninterrupted run's steps; a model-only checkpoint holds no optimizer or trainer state
+/// and is refused for resuming, saying what to do instead; `val_only` validates and stops.
+#[test]
+fn checkpoint_paths_and_modes() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let cfg = config(&a, &dir.path().join("straight"), &["trainer.max_steps=4"]).unwrap();
+    let straight = trainer(cfg).unwrap().run().unwrap();
+    let want = deterministic(read_metrics(&straight.metrics).unwrap());
+
+    // trainer.load_checkpoint_path: step 2 of another run, into a new run directory
+    let cfg = config(&a, &dir.path().join("first"), &["trainer.max_steps=2"]).unwrap();
+    trainer(cfg).unwrap().run().unwrap();
+    let step2 = dir.path().join("first/checkpoints/step_000002");
+    let cfg = config(
+        &a,
+        &dir.path().join("second"),
+        &[
+            "trainer.max_steps=4",
+            &format!("trainer.load_checkpoint_path={}", step2.display()),
+        ],
+    )
+    .unwrap();
+    let mut t = trainer(cfg).unwrap();
+    assert_eq!(t.state.step, 2);
+    let got = deterministic(read_metrics(&t.run().unwrap().metrics).unwrap());
+    assert_eq!(got, want[2..]);
+
+    // trainer.save_model_only
+    let only = dir.path().join("only");
+    let cfg = config(
+        &a,
+        &only,
+        &["trainer.max_steps=1", "trainer.save_model_only=true"],
+    )
+    .unwrap();
+    let saved = trainer(cfg).unwrap().run().unwrap().checkpoint.unwrap();
+    assert!(saved.join("model/config.json").is_file());
+    assert!(!saved.join("optimizer.safetensors").exists());
+    assert!(!saved.join("trainer_state.json").exists());
+    let cfg = config(
+        &a,
+        &only,
+        &["trainer.max_steps=2", "trainer.find_last_checkpoint=true"],
+    )
+    .unwrap();
+    let e = trainer(cfg).unwrap_err().to_string();
+    assert!(
+        e.contains("holds no optimizer and trainer state")
+            && e.contains("worker.actor.model.model_path="),
+        "{e}"
+    );
+    let cfg = config(
+        &a,
+        &dir.path().join("third"),
+        &[&format!("trainer.load_checkpoint_path={}", saved.display())],
+    )
+    .unwrap();
+    assert!(
+        trainer(cfg)
+            .unwrap_err()
+            .to_string()
+            .contains("save_model_only")
+    );
+    let cfg = config(
+        &a,
+        &dir.path().join("fourth"),
+        &[&format!(
+            "trainer.load_checkpoint_path={}",
+            dir.path().display()
+        )],
+    )
+    .unwrap();
+    let e = trainer(cfg).unwrap_err().to_string();
+    assert!(e.contains("not a checkpoint directory"), "{e}");
+}
+
+/// `trainer.val_only` validates before training and stops: no step, no checkpoint.
+#[test]
+fn val_only_validates_and_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let run = dir.path().join("val_only");
+    let cfg = config(&a, &run, &["trainer.val_only=true"]).unwrap();
+    ares_runner::commands::train(cfg, &[], true).unwrap();
+    assert!(!run.join("metrics.jsonl").exists());
+    assert!(!run.join("checkpoints").exists());
+    let cfg = config(&a, &run, &["trainer.val_only=true", "data.val_files=null"]).unwrap();
+    let e = ares_runner::commands::train(cfg, &[], true)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("set data.val_files"), "{e}");
+}
