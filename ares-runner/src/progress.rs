@@ -2,9 +2,9 @@
 //!
 //! On a terminal each phase gets an `indicatif` bar: phase name, `pos/len`, rate and ETA,
 //! cleared when the phase ends. When stderr is not a terminal (CI logs, `2> file`) a bar
-//! would be invisible or a mess of carriage returns, so one plain line is printed each time
-//! another tenth of the phase is done, plus a closing line. `ARES_NO_PROGRESS=1` silences
-//! both.
+//! would be invisible or a mess of carriage returns, so a phase prints one plain line when
+//! it ends (`[rollout] done 128/128 in 8.0s (16/s)`), and one more every 30 s while a long
+//! phase runs. `ARES_NO_PROGRESS=1` silences both.
 
 use std::io::{IsTerminal, Write};
 use std::sync::Mutex;
@@ -20,7 +20,8 @@ pub const NO_PROGRESS_ENV: &str = "ARES_NO_PROGRESS";
 pub enum ProgressMode {
     /// Live bars on stderr (stderr is a terminal).
     Bar,
-    /// One line per tenth of a phase on stderr (stderr is not a terminal).
+    /// A line per phase, and one per 30 s of a long phase, on stderr (stderr is not a
+    /// terminal).
     Log,
     /// Nothing.
     Off,
@@ -173,45 +174,53 @@ impl Sink {
     }
 }
 
-/// The non-terminal display: prints when a new tenth is reached.
+/// How often a long phase reports while it runs, off a terminal.
+const LOG_INTERVAL: Duration = Duration::from_secs(30);
+
+/// The non-terminal display: a closing line, and a progress line per `interval`.
 #[derive(Debug)]
 struct LogState {
     phase: String,
     len: u64,
     pos: u64,
-    /// Tenths already reported (0..=10).
-    reported: u64,
     finished: bool,
     start: Instant,
+    /// When the last line was printed (the start before the first).
+    last_line: Instant,
+    interval: Duration,
     sink: Sink,
 }
 
 impl LogState {
     fn new(phase: &str, len: u64, sink: Sink) -> Self {
+        Self::with_interval(phase, len, sink, LOG_INTERVAL)
+    }
+
+    fn with_interval(phase: &str, len: u64, sink: Sink, interval: Duration) -> Self {
+        let now = Instant::now();
         Self {
             phase: phase.to_string(),
             len,
             pos: 0,
-            reported: 0,
             finished: false,
-            start: Instant::now(),
+            start: now,
+            last_line: now,
+            interval,
             sink,
         }
     }
 
     fn update(&mut self, pos: u64) {
         self.pos = pos;
-        if self.finished || self.len == 0 {
+        if self.finished {
             return;
         }
-        let tenths = tenths(pos, self.len);
-        if tenths <= self.reported {
-            return;
-        }
-        self.reported = tenths;
-        if tenths >= 10 {
+        if pos >= self.len {
             self.finish();
-        } else {
+            return;
+        }
+        if self.last_line.elapsed() >= self.interval {
+            self.last_line = Instant::now();
             let line = progress_line(&self.phase, pos, self.len, self.start.elapsed());
             self.sink.line(&line);
         }
@@ -225,14 +234,6 @@ impl LogState {
         let line = closing_line(&self.phase, self.pos, self.len, self.start.elapsed());
         self.sink.line(&line);
     }
-}
-
-/// Whole tenths of `len` done at `pos` (0..=10; past the end counts as 10).
-fn tenths(pos: u64, len: u64) -> u64 {
-    if len == 0 {
-        return 10;
-    }
-    (u128::from(pos.min(len)) * 10 / u128::from(len)) as u64
 }
 
 /// `[rollout] 30/100 (30%) 12.5/s eta 6s`.
@@ -298,8 +299,16 @@ mod tests {
     use std::sync::Arc;
 
     fn log_bar(len: u64, phase: &str) -> (PhaseBar, Arc<Mutex<Vec<String>>>) {
+        log_bar_every(len, phase, LOG_INTERVAL)
+    }
+
+    fn log_bar_every(
+        len: u64,
+        phase: &str,
+        interval: Duration,
+    ) -> (PhaseBar, Arc<Mutex<Vec<String>>>) {
         let lines = Arc::new(Mutex::new(Vec::new()));
-        let state = LogState::new(phase, len, Sink::Memory(Arc::clone(&lines)));
+        let state = LogState::with_interval(phase, len, Sink::Memory(Arc::clone(&lines)), interval);
         let bar = PhaseBar {
             display: Display::Log(Mutex::new(state)),
         };
@@ -321,17 +330,14 @@ mod tests {
     }
 
     #[test]
-    fn log_prints_once_per_tenth_then_done() {
+    fn a_phase_prints_one_line_when_done() {
         let (bar, lines) = log_bar(25, "rollout");
         for _ in 0..25 {
             bar.inc(1);
         }
         let got = taken(&lines);
-        // Tenths of 25 are reached at 3, 5, 8, 10, 13, 15, 18, 20, 23, then 25 = done.
-        assert_eq!(got.len(), 10, "{got:?}");
-        assert!(got[0].starts_with("[rollout] 3/25 (12%)"), "{got:?}");
-        assert!(got[8].starts_with("[rollout] 23/25 (92%)"), "{got:?}");
-        assert!(got[9].starts_with("[rollout] done 25/25 in "), "{got:?}");
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert!(got[0].starts_with("[rollout] done 25/25 in "), "{got:?}");
         // Finishing (and dropping) after done prints nothing more.
         bar.finish();
         drop(bar);
@@ -339,12 +345,14 @@ mod tests {
     }
 
     #[test]
-    fn big_steps_print_one_line_and_early_end_says_stopped() {
-        let (bar, lines) = log_bar(100, "update");
+    fn a_long_phase_reports_each_interval_and_early_end_says_stopped() {
+        // an interval of 0: every update of a running phase is a report
+        let (bar, lines) = log_bar_every(100, "update", Duration::ZERO);
         bar.set_position(45);
-        assert_eq!(taken(&lines).len(), 1);
         bar.set_position(46);
-        assert!(taken(&lines).is_empty());
+        let got = taken(&lines);
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!(got[0].starts_with("[update] 45/100 (45%)"), "{got:?}");
         drop(bar);
         let got = taken(&lines);
         assert_eq!(got.len(), 1);
@@ -352,6 +360,10 @@ mod tests {
             got[0].starts_with("[update] stopped at 46/100 after "),
             "{got:?}"
         );
+        // the default interval: nothing until the end
+        let (bar, lines) = log_bar(100, "update");
+        bar.set_position(99);
+        assert!(taken(&lines).is_empty());
     }
 
     #[test]
@@ -372,8 +384,6 @@ mod tests {
             closing_line("rollout", 100, 100, Duration::from_secs(8)),
             "[rollout] done 100/100 in 8.0s (12.5/s)"
         );
-        assert_eq!(tenths(u64::MAX, u64::MAX), 10);
-        assert_eq!(tenths(7, 0), 10);
         assert_eq!(duration_text(65.0), "1m05s");
         assert_eq!(duration_text(7380.0), "2h03m");
         assert_eq!(rate_text(1234.4), "1234/s");
