@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use ares_core::difficulty::{Difficulty, PerBucket};
 use ares_core::shaping::{ShapingConfig, entropy_reward};
-use ares_runner::reward::{CallMode, RewardError, RewardFunction, RewardInput, parse_spec};
+use ares_runner::reward::{CallMode, PythonWorker, RewardError, RewardInput, parse_spec};
 use serde_json::{Map, Value, json};
 
 fn has_python() -> bool {
@@ -30,9 +30,9 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-fn start(spec: &str, kwargs: Value, mode: Option<CallMode>) -> Result<RewardFunction, RewardError> {
+fn start(spec: &str, kwargs: Value, mode: Option<CallMode>) -> Result<PythonWorker, RewardError> {
     let kwargs: Map<String, Value> = serde_json::from_value(kwargs).unwrap();
-    RewardFunction::start(spec, "python3", &kwargs, mode, Duration::from_secs(30))
+    PythonWorker::start_function(spec, "python3", &kwargs, mode, Duration::from_secs(30))
 }
 
 fn spec(file: &str, name: &str) -> String {
@@ -186,7 +186,7 @@ fn every_failure_is_a_clear_error() {
 
     // a hang: killed at the timeout
     let kwargs = Map::new();
-    let mut f = RewardFunction::start(
+    let mut f = PythonWorker::start_function(
         &spec("misbehave.py", "hangs"),
         "python3",
         &kwargs,
@@ -238,7 +238,7 @@ fn start_errors_name_the_file_and_the_cause() {
     );
     let kwargs = Map::new();
     let e = message(
-        RewardFunction::start(
+        PythonWorker::start_function(
             &spec("misbehave.py", "raises"),
             "/nonexistent/python",
             &kwargs,

@@ -490,6 +490,7 @@ pub fn evaluate_model<B: Backend + Clone>(
         rr.val_n(),
         &params,
         |d| bar.set_position(d as u64),
+        None,
     )?;
     bar.finish();
     Ok(report)

@@ -156,30 +156,8 @@ fn is_zero(v: &Value) -> bool {
     v.is_null() || v.as_f64() == Some(0.0)
 }
 
-fn is_count(v: &Value) -> bool {
-    v.is_null() || v.as_u64().is_some()
-}
-
 fn adamw(v: &Value) -> bool {
     v.is_null() || matches!(v.as_str(), Some("adamw" | "adamw_bf16"))
-}
-
-/// EasyR1's logger names (a list, or one name).
-fn known_loggers(v: &Value) -> bool {
-    const KNOWN: [&str; 6] = [
-        "console",
-        "file",
-        "wandb",
-        "tensorboard",
-        "swanlab",
-        "mlflow",
-    ];
-    let known = |x: &Value| x.as_str().is_some_and(|s| KNOWN.contains(&s));
-    match v {
-        Value::Null => true,
-        Value::Array(items) => items.iter().all(known),
-        other => known(other),
-    }
 }
 
 fn is_empty_map(v: &Value) -> bool {
@@ -596,24 +574,6 @@ pub(crate) const RULES: &[Rule] = &[
               built: the update is `adamw`'s)",
         refused: "expected `adamw` or `adamw_bf16`",
     },
-    Rule::Inert {
-        key: "trainer.logger",
-        inert: known_loggers,
-        why: "step lines go to the console and every metric to metrics.jsonl in the run \
-              directory; the wandb, tensorboard, swanlab and mlflow loggers are not built yet",
-        refused: "expected a list of `console`, `file`, `wandb`, `tensorboard`, `swanlab`, \
-                  `mlflow`",
-    },
-    Rule::Inert {
-        key: "trainer.val_generations_to_log",
-        inert: is_count,
-        why: "logging validation generations is not built yet",
-        refused: "expected a count of generations, >= 0",
-    },
-    Rule::Ignored {
-        key: "trainer.wandb_run_id",
-        why: "the wandb logger is not built yet",
-    },
     Rule::Ignored {
         key: "worker.actor.tau_positive",
         why: "read only by EasyR1's `loss_type: sapo`, which ares does not offer",
@@ -712,14 +672,12 @@ fn put(
     Ok(())
 }
 
+/// A rule's outcome: the key and value to set instead (if any), and the note (if any).
+type Applied = (Option<(String, Value)>, Option<ConfigNote>);
+
 /// What a rule makes of `value` written at `key`: the key and value to set instead (if
 /// any) and the note.
-fn apply_rule(
-    rule: &Rule,
-    key: &str,
-    value: Value,
-    origin: &str,
-) -> Result<(Option<(String, Value)>, Option<ConfigNote>), ConfigError> {
+fn apply_rule(rule: &Rule, key: &str, value: Value, origin: &str) -> Result<Applied, ConfigError> {
     let shown = |v: &Value| {
         if v.is_object() {
             format!("{key}.*")

@@ -44,7 +44,7 @@ pub use algorithm::{
 pub use data::DataConfig;
 pub use easyr1::{ConfigNote, NoteAction, notes_table};
 pub use error::ConfigError;
-pub use trainer::{Device, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig, TrainerConfig};
+pub use trainer::{Device, Logger, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig, TrainerConfig};
 pub use worker::{
     ActorConfig, EntropyBonusConfig, ForkingTokensConfig, GradedPromptConfig, IsCorrection,
     LossAggMode, LrScheduler, ModelConfig, OptimConfig, PolicyLoss, RefConfig, RewardConfig,

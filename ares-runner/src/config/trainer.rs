@@ -76,6 +76,45 @@ impl MatmulPrecisionCfg {
     }
 }
 
+/// An experiment logger (EasyR1's `trainer.logger` names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Logger {
+    /// A line per step on stderr.
+    Console,
+    /// `metrics.jsonl` in the run directory (written whatever the list says: resume and
+    /// `ares-runner plot` read it).
+    File,
+    /// Weights & Biases, through the `wandb` package (`WANDB_MODE=offline` works offline).
+    Wandb,
+    /// TensorBoard event files, through `torch.utils.tensorboard` or `tensorboardX`, under
+    /// `$TENSORBOARD_DIR` else `<run dir>/tensorboard`.
+    Tensorboard,
+    /// SwanLab, through the `swanlab` package (`SWANLAB_MODE=local` works offline).
+    Swanlab,
+    /// MLflow, through the `mlflow` package (`MLFLOW_TRACKING_URI`, else `./mlruns`).
+    Mlflow,
+}
+
+impl Logger {
+    /// The YAML spelling.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Logger::Console => "console",
+            Logger::File => "file",
+            Logger::Wandb => "wandb",
+            Logger::Tensorboard => "tensorboard",
+            Logger::Swanlab => "swanlab",
+            Logger::Mlflow => "mlflow",
+        }
+    }
+
+    /// Whether the logger runs in the Python worker.
+    pub const fn is_python(self) -> bool {
+        !matches!(self, Logger::Console | Logger::File)
+    }
+}
+
 /// The trainer section.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -119,6 +158,14 @@ pub struct TrainerConfig {
     /// Only validate (before training, so `val_before_train` must be on) and stop (default
     /// false).
     pub val_only: bool,
+    /// Experiment loggers (default `[console, file]`); wandb, tensorboard, swanlab and
+    /// mlflow run in the Python worker (`worker.reward.python`) through their own packages.
+    pub logger: Vec<Logger>,
+    /// Resume this wandb run id (the ARES fork's key; default null: a new run).
+    pub wandb_run_id: Option<String>,
+    /// Validation generations sent to the loggers after each validation, a seeded sample
+    /// as EasyR1 picks them (default 0).
+    pub val_generations_to_log: usize,
     /// Backend (default `cpu`).
     pub device: Device,
     /// How the linear layers and the LM head multiply: `f32` (exact, default), `tf32` or
@@ -149,6 +196,9 @@ impl Default for TrainerConfig {
             val_freq: 0,
             val_before_train: true,
             val_only: false,
+            logger: vec![Logger::Console, Logger::File],
+            wandb_run_id: None,
+            val_generations_to_log: 0,
             device: Device::Cpu,
             matmul_precision: MatmulPrecisionCfg::F32,
             seed: 1,

@@ -8,8 +8,8 @@
 //!   when the response thinks), else 0.
 //! - [`RubricGrader`] with [`KeywordGrader`] and [`CommandGrader`]; [`rubric_score`]
 //!   `= Σ points met / Σ positive points`.
-//! - [`RewardFunction`]: a Python reward function in EasyR1's interface, run in one worker
-//!   process.
+//! - [`PythonWorker`]: a Python reward function in EasyR1's interface, and EasyR1's
+//!   experiment loggers, run in one worker process.
 
 mod boxed;
 mod command;
@@ -28,5 +28,8 @@ pub use command::CommandGrader;
 pub use error::{Result, RewardError};
 pub use format::format_reward;
 pub use math::{MathGrade, answers_match, grade_math};
-pub use python::{CallMode, DEFAULT_PYTHON, RewardFunction, RewardInput, Score, parse_spec};
+pub use python::{
+    CallMode, DEFAULT_PYTHON, FunctionSpec, Generation, LoggerSetup, PythonWorker, RewardInput,
+    Score, parse_spec,
+};
 pub use rubric::{KeywordGrader, RubricGrader, rubric_reward, rubric_score};

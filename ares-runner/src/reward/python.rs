@@ -76,7 +76,17 @@ pub type Score = BTreeMap<String, f64>;
 enum Reply {
     Ready {
         ready: bool,
-        reward_type: String,
+        reward_type: Option<String>,
+        #[serde(default)]
+        loggers: Vec<String>,
+    },
+    Logged {
+        #[allow(dead_code)]
+        logged: bool,
+    },
+    Finished {
+        #[allow(dead_code)]
+        finished: bool,
     },
     Scores {
         scores: Vec<Score>,
@@ -89,13 +99,46 @@ enum Reply {
     },
 }
 
-/// A Python reward function in its worker process.
+/// The reward function a worker imports.
+#[derive(Debug, Clone, Copy)]
+pub struct FunctionSpec<'a> {
+    /// `path.py:name` (`path.py` alone: `main`).
+    pub spec: &'a str,
+    /// Keyword arguments of every call.
+    pub kwargs: &'a Map<String, Value>,
+    /// Batch or sequential calls; `None`: the module's `REWARD_TYPE`, else batch.
+    pub mode: Option<CallMode>,
+}
+
+/// The experiment loggers a worker opens.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LoggerSetup {
+    /// `wandb`, `tensorboard`, `swanlab`, `mlflow`.
+    pub names: Vec<String>,
+    /// `trainer.project_name`.
+    pub project: String,
+    /// `trainer.experiment_name`.
+    pub experiment: String,
+    /// The resolved config, logged with the run.
+    pub config: Value,
+    /// The run directory (wandb's and TensorBoard's files go below it).
+    pub run_dir: PathBuf,
+    /// Resume this wandb run (`trainer.wandb_run_id`).
+    pub wandb_run_id: Option<String>,
+}
+
+/// One validation generation for the loggers: prompt, response, ground truth, score.
+pub type Generation = (String, String, String, f64);
+
+/// A Python worker: a reward function, loggers, or both.
 #[derive(Debug)]
-pub struct RewardFunction {
-    /// `path.py:name`, for messages.
+pub struct PythonWorker {
+    /// `path.py:name`, or `python worker` when there is no function, for messages.
     spec: String,
     process: LineProcess,
-    mode: CallMode,
+    /// How the function is called (`None`: no function).
+    mode: Option<CallMode>,
+    loggers: Vec<String>,
     timeout: Duration,
 }
 
@@ -109,73 +152,188 @@ pub fn parse_spec(spec: &str) -> (PathBuf, String) {
     }
 }
 
-impl RewardFunction {
-    /// Starts the worker with `python` (e.g. `python3`), imports the function of `spec`
-    /// and learns how to call it: `mode`, else the module's `REWARD_TYPE`, else batch.
+impl PythonWorker {
+    /// A worker with the reward function of `spec` only (see [`PythonWorker::start`]).
     ///
-    /// Errors ([`RewardError::Function`]): the file is missing, Python cannot be started,
-    /// importing the file raised (with the traceback), the function is missing, or the
-    /// worker gave no answer within 120 s.
-    pub fn start(
+    /// # Errors
+    /// As [`PythonWorker::start`].
+    pub fn start_function(
         spec: &str,
         python: &str,
         kwargs: &Map<String, Value>,
         mode: Option<CallMode>,
         timeout: Duration,
     ) -> Result<Self> {
+        let function = FunctionSpec { spec, kwargs, mode };
+        Self::start(python, Some(function), None, timeout)
+    }
+
+    /// Starts the worker with `python` (e.g. `python3`): imports the reward function, if
+    /// any, learns how to call it (`mode`, else the module's `REWARD_TYPE`, else batch), and
+    /// opens the loggers, if any. Each call (a batch, a log) must be answered within
+    /// `timeout`.
+    ///
+    /// Errors ([`RewardError::Function`]): the function's file is missing, Python cannot be
+    /// started, importing the file raised (with the traceback), the function is missing, a
+    /// logger's package is missing or its start raised, or the worker gave no answer within
+    /// 120 s.
+    pub fn start(
+        python: &str,
+        function: Option<FunctionSpec<'_>>,
+        loggers: Option<&LoggerSetup>,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let spec = function.map_or("python worker", |f| f.spec).to_string();
         let fail = |message: String| RewardError::Function {
-            function: spec.to_string(),
+            function: spec.clone(),
             message,
         };
-        let (path, name) = parse_spec(spec);
-        if !path.is_file() {
-            return Err(fail(format!(
-                "{} is not a file (worker.reward.reward_function is `path.py:function`, the \
-                 path relative to the working directory {})",
-                path.display(),
-                std::env::current_dir()
-                    .map(|d| d.display().to_string())
-                    .unwrap_or_else(|_| "?".into())
-            )));
-        }
-        let mode_arg = match mode {
-            Some(CallMode::Batch) => "batch",
-            Some(CallMode::Sequential) => "sequential",
-            None => "auto",
+        let (path, name, mode_arg) = match function {
+            Some(f) => {
+                let (path, name) = parse_spec(f.spec);
+                if !path.is_file() {
+                    return Err(fail(format!(
+                        "{} is not a file (worker.reward.reward_function is `path.py:function`, \
+                         the path relative to the working directory {})",
+                        path.display(),
+                        std::env::current_dir()
+                            .map(|d| d.display().to_string())
+                            .unwrap_or_else(|_| "?".into())
+                    )));
+                }
+                let mode = match f.mode {
+                    Some(CallMode::Batch) => "batch",
+                    Some(CallMode::Sequential) => "sequential",
+                    None => "auto",
+                };
+                (path.to_string_lossy().into_owned(), name, mode)
+            }
+            None => ("-".to_string(), "-".to_string(), "auto"),
         };
-        let args = ["-u", "-c", WORKER, &path.to_string_lossy(), &name, mode_arg];
+        let args = ["-u", "-c", WORKER, &path, &name, mode_arg];
         let mut process = LineProcess::spawn(python, &args).map_err(|e| {
             fail(format!(
                 "{e} (set worker.reward.python to the interpreter that has your packages)"
             ))
         })?;
-        let hello = serde_json::json!({ "kwargs": kwargs }).to_string();
-        process.send(&hello).map_err(fail)?;
-        let line = process.next_line(Some(START_TIMEOUT)).map_err(fail)?;
-        let mode = match serde_json::from_str::<Reply>(&line) {
+        let empty = Map::new();
+        let hello = serde_json::json!({
+            "kwargs": function.map_or(&empty, |f| f.kwargs),
+            "loggers": loggers,
+        })
+        .to_string();
+        process.send(&hello).map_err(&fail)?;
+        let line = process.next_line(Some(START_TIMEOUT)).map_err(&fail)?;
+        let (mode, opened) = match serde_json::from_str::<Reply>(&line) {
             Ok(Reply::Ready {
                 ready: true,
                 reward_type,
-            }) => match reward_type.as_str() {
-                "sequential" => CallMode::Sequential,
-                _ => CallMode::Batch,
-            },
+                loggers,
+            }) => {
+                let mode = match reward_type.as_deref() {
+                    Some("sequential") => Some(CallMode::Sequential),
+                    Some(_) => Some(CallMode::Batch),
+                    None => None,
+                };
+                (mode, loggers)
+            }
             Ok(Reply::Error {
                 error, traceback, ..
             }) => return Err(fail(with_traceback(error, &traceback))),
             _ => return Err(fail(format!("the worker said `{}`", quote(&line)))),
         };
         Ok(Self {
-            spec: spec.to_string(),
+            spec,
             process,
             mode,
+            loggers: opened,
             timeout,
         })
     }
 
-    /// How the function is called.
+    /// How the function is called (batch when there is none).
     pub fn mode(&self) -> CallMode {
-        self.mode
+        self.mode.unwrap_or(CallMode::Batch)
+    }
+
+    /// Whether the worker has a reward function.
+    pub fn has_function(&self) -> bool {
+        self.mode.is_some()
+    }
+
+    /// The loggers the worker opened.
+    pub fn loggers(&self) -> &[String] {
+        &self.loggers
+    }
+
+    /// Sends `message` and waits for `{"logged": true}`.
+    fn exchange_log(&mut self, message: &Value) -> Result<()> {
+        if let Some(why) = self.process.broken() {
+            return Err(self.error(format!("unusable after an earlier failure: {why}")));
+        }
+        self.process
+            .send(&message.to_string())
+            .map_err(|e| self.error(e))?;
+        let reply = self
+            .process
+            .next_line(Some(self.timeout))
+            .map_err(|e| self.error(e))?;
+        match serde_json::from_str::<Reply>(&reply) {
+            Ok(Reply::Logged { .. }) => Ok(()),
+            Ok(Reply::Error {
+                error, traceback, ..
+            }) => Err(self.error(with_traceback(error, &traceback))),
+            _ => Err(self.error(format!("the worker said `{}`", quote(&reply)))),
+        }
+    }
+
+    /// Logs one step's numeric metrics (`step` is left out; other values are skipped) to
+    /// every logger.
+    ///
+    /// # Errors
+    /// A logger raised (with the traceback), or the worker timed out or died.
+    pub fn log(&mut self, step: u64, metrics: &Map<String, Value>) -> Result<()> {
+        if self.loggers.is_empty() {
+            return Ok(());
+        }
+        let data: Map<String, Value> = metrics
+            .iter()
+            .filter(|(k, v)| *k != "step" && v.is_number())
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        self.exchange_log(&serde_json::json!({ "log": data, "step": step }))
+    }
+
+    /// Logs validation generations to every logger (a table in wandb, text elsewhere).
+    ///
+    /// # Errors
+    /// As [`PythonWorker::log`].
+    pub fn log_generations(&mut self, step: u64, rows: &[Generation]) -> Result<()> {
+        if self.loggers.is_empty() || rows.is_empty() {
+            return Ok(());
+        }
+        self.exchange_log(&serde_json::json!({ "generations": rows, "step": step }))
+    }
+
+    /// Closes the loggers (wandb syncs its run), waiting up to the call timeout.
+    ///
+    /// # Errors
+    /// The worker timed out or died.
+    pub fn finish(&mut self) -> Result<()> {
+        if self.process.broken().is_some() || self.loggers.is_empty() {
+            return Ok(());
+        }
+        self.process
+            .send(r#"{"finish": true}"#)
+            .map_err(|e| self.error(e))?;
+        let reply = self
+            .process
+            .next_line(Some(self.timeout))
+            .map_err(|e| self.error(e))?;
+        match serde_json::from_str::<Reply>(&reply) {
+            Ok(Reply::Finished { .. }) => Ok(()),
+            _ => Err(self.error(format!("the worker said `{}`", quote(&reply)))),
+        }
     }
 
     /// `path.py:name` as configured.
@@ -190,7 +348,8 @@ impl RewardFunction {
         }
     }
 
-    /// Scores a batch: one [`Score`] per input, each with a finite `overall`.
+    /// Scores a batch with the reward function: one [`Score`] per input, each with a finite
+    /// `overall`.
     ///
     /// Errors ([`RewardError::Function`]): the function raised (the traceback and, where
     /// the worker knows it, the sample), returned the wrong type or count, a dict without
@@ -198,6 +357,9 @@ impl RewardFunction {
     /// timeout (the worker is killed), or the worker died. After a timeout or a crash every
     /// later call fails too.
     pub fn score(&mut self, inputs: &[RewardInput<'_>]) -> Result<Vec<Score>> {
+        if self.mode.is_none() {
+            return Err(self.error("the worker has no reward function".into()));
+        }
         if let Some(why) = self.process.broken() {
             return Err(self.error(format!("unusable after an earlier failure: {why}")));
         }

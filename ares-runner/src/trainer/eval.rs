@@ -11,6 +11,7 @@ use super::prompts::PromptRenderer;
 use super::rollout::{RolloutParams, generate_all};
 use crate::backend::Backend;
 use crate::data::Example;
+use crate::reward::Generation;
 
 /// Accuracy and length of one group of examples.
 #[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
@@ -27,10 +28,12 @@ pub struct EvalRow {
 /// there).
 pub type EvalReport = BTreeMap<String, EvalRow>;
 
-/// Generates `n` responses per example with `params` and grades them.
+/// Generates `n` responses per example with `params` and grades them; with `generations`,
+/// each response also goes there as (question, response, answer, 1 or 0).
 ///
 /// # Errors
 /// Rendering, generation or grading errors.
+#[allow(clippy::too_many_arguments)] // the model, its inputs and the two outputs
 pub fn evaluate<B: Backend>(
     model: &Actor<B>,
     renderer: &PromptRenderer,
@@ -39,6 +42,7 @@ pub fn evaluate<B: Backend>(
     n: usize,
     params: &RolloutParams,
     on_progress: impl FnMut(usize),
+    mut generations: Option<&mut Vec<Generation>>,
 ) -> Result<EvalReport, TrainError> {
     let mut prompts = Vec::with_capacity(examples.len() * n);
     let mut vision = Vec::with_capacity(examples.len() * n);
@@ -58,6 +62,14 @@ pub fn evaluate<B: Backend>(
             .decode(&r.tokens, true)
             .map_err(|err| TrainError::Invalid(format!("tokenizer: {err}")))?;
         let g = grader.grade(e, &text)?;
+        if let Some(out) = generations.as_deref_mut() {
+            out.push((
+                e.prompt.question().to_string(),
+                text.clone(),
+                e.answer.clone(),
+                f64::from(u8::from(g.correct)),
+            ));
+        }
         let mut add = |key: &str| {
             let s = sums.entry(key.to_string()).or_default();
             s.0 += 1;
@@ -83,6 +95,23 @@ pub fn evaluate<B: Backend>(
             )
         })
         .collect())
+}
+
+/// `count` of `generations` to log, picked as EasyR1 picks them: sorted by prompt, then a
+/// shuffle seeded with 42 (ChaCha8 here, numpy's `RandomState` there: the same rule, not the
+/// same draw).
+pub fn pick_generations(mut generations: Vec<Generation>, count: usize) -> Vec<Generation> {
+    use rand_chacha::ChaCha8Rng;
+    use rand_chacha::rand_core::{Rng, SeedableRng};
+    generations.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut rng = ChaCha8Rng::seed_from_u64(42);
+    // Fisher–Yates
+    for i in (1..generations.len()).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        generations.swap(i, j);
+    }
+    generations.truncate(count);
+    generations
 }
 
 /// The report as a table, difficulty labels in the order easy, medium, hard, others, all.

@@ -335,6 +335,7 @@ fn masked(mut values: Vec<f32>, mask: &[f32]) -> Vec<f32> {
 ///
 /// # Errors
 /// Any core or model error (non-finite values name their tensor).
+#[allow(clippy::too_many_arguments)] // one argument per input of the step's phases
 pub fn prepare<B: Backend>(
     settings: &StepSettings,
     state: &mut AresState,

@@ -11,7 +11,7 @@ use ares_core::overlong::overlong_penalties;
 use ares_core::shaping::{ShapingConfig, entropy_reward, overall_reward};
 
 use super::TrainError;
-use crate::reward::{RewardFunction, RewardInput};
+use crate::reward::{PythonWorker, RewardInput};
 
 /// What grading found in one response.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -173,7 +173,7 @@ pub fn rewards(
 /// EasyR1's reward managers pass besides the ARES fields.
 pub struct FunctionCall<'a> {
     /// The function in its worker.
-    pub function: &'a mut RewardFunction,
+    pub function: &'a mut PythonWorker,
     /// Decoded responses, one per row.
     pub texts: &'a [String],
     /// Reference answers, one per row.

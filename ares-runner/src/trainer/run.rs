@@ -33,13 +33,13 @@ use super::setup::{
 use super::tokens::TokenBatch;
 use super::update::{Optimizer, ppo_update};
 use crate::backend::Backend;
-use crate::config::Config;
+use crate::config::{Config, Logger};
 use crate::data::{EpochSampler, Example};
 use crate::hf::tensor_files::SaveDtype;
 use crate::metrics::{MetricsWriter, PhaseTimes, Record};
 use crate::model::AdamW;
 use crate::progress::Progress;
-use crate::reward::{CallMode, DEFAULT_PYTHON, RewardFunction};
+use crate::reward::{CallMode, DEFAULT_PYTHON, FunctionSpec, LoggerSetup, PythonWorker};
 use crate::vision::model::VisionMoments;
 use ares_core::difficulty::{Difficulty, bucket_means};
 use ares_core::filter::{is_solved, solved_streak};
@@ -81,8 +81,9 @@ pub struct Trainer<B: Backend + Clone> {
     /// Prompt rendering.
     pub renderer: PromptRenderer,
     pub(super) grader: Grader,
-    /// The Python reward function (`worker.reward.reward_function`), in its worker.
-    reward_fn: Option<RewardFunction>,
+    /// The Python worker: the reward function (`worker.reward.reward_function`) and the
+    /// loggers of `trainer.logger` that run in Python.
+    python: Option<PythonWorker>,
     /// Training examples.
     pub train: Vec<Example>,
     /// Rendered training prompts (without graded system messages).
@@ -135,7 +136,7 @@ impl<B: Backend + Clone> Trainer<B> {
         let run_dir = run_dir(&cfg);
         let renderer = renderer(&cfg, &model_dir)?;
         let grader = Grader::new(&cfg)?;
-        let reward_fn = start_reward_function(&cfg)?;
+        let python = start_python_worker(&cfg, &run_dir)?;
         let train = load_examples(&cfg, &train_path)?;
         grader.check(&train, "data.train_files")?;
         let val = match &cfg.data.val_files {
@@ -292,7 +293,7 @@ impl<B: Backend + Clone> Trainer<B> {
             opt,
             renderer,
             grader,
-            reward_fn,
+            python,
             train,
             train_ids,
             val,
@@ -474,12 +475,16 @@ impl<B: Backend + Clone> Trainer<B> {
         let trigger = self.trigger_mask(&batch);
         let answers = ground_truths(&self.train, &batch.items, batch.n);
         let entropies = mean_entropies(&batch.responses);
-        let function = self.reward_fn.as_mut().map(|function| FunctionCall {
-            function,
-            texts: &batch.texts,
-            ground_truths: &answers,
-            mean_entropies: &entropies,
-        });
+        let function = self
+            .python
+            .as_mut()
+            .filter(|w| w.has_function())
+            .map(|function| FunctionCall {
+                function,
+                texts: &batch.texts,
+                ground_truths: &answers,
+                mean_entropies: &entropies,
+            });
         let prep = prepare(
             &self.settings,
             &mut self.ares,
@@ -629,7 +634,7 @@ impl<B: Backend + Clone> Trainer<B> {
         )?;
         let answers = ground_truths(&self.train, items, n);
         let entropies = mean_entropies(responses);
-        if let Some(function) = self.reward_fn.as_mut() {
+        if let Some(function) = self.python.as_mut().filter(|w| w.has_function()) {
             let call = FunctionCall {
                 function,
                 texts,
@@ -747,6 +752,13 @@ impl<B: Backend + Clone> Trainer<B> {
             weight_dtype: self.settings.weight_dtype,
         };
         let n = r.val_n();
+        let to_log = self.cfg.trainer.val_generations_to_log;
+        let logging = to_log > 0
+            && self
+                .python
+                .as_ref()
+                .is_some_and(|w| !w.loggers().is_empty());
+        let mut generations = Vec::new();
         let bar = self.progress.bar((examples.len() * n) as u64, "eval");
         let report = super::eval::evaluate(
             &self.actor,
@@ -756,8 +768,15 @@ impl<B: Backend + Clone> Trainer<B> {
             n,
             &params,
             |d| bar.set_position(d as u64),
+            logging.then_some(&mut generations),
         )?;
         bar.finish();
+        if let Some(w) = self.python.as_mut().filter(|_| logging) {
+            let picked = super::eval::pick_generations(generations, to_log);
+            if let Err(e) = w.log_generations(self.state.step, &picked) {
+                eprintln!("warning: validation generations: {e}");
+            }
+        }
         Ok(report)
     }
 
@@ -810,7 +829,15 @@ impl<B: Backend + Clone> Trainer<B> {
             writer
                 .write(&record)
                 .map_err(|e| TrainError::Invalid(e.to_string()))?;
-            eprintln!("{}", step_line(&record, self.state.step, self.total_steps));
+            if self.cfg.trainer.logger.contains(&Logger::Console) {
+                eprintln!("{}", step_line(&record, self.state.step, self.total_steps));
+            }
+            if let Some(w) = self.python.as_mut()
+                && let Err(e) = w.log(self.state.step, record.as_map())
+            {
+                // a logger's failure is reported, and training goes on
+                eprintln!("warning: step {}: {e}", self.state.step);
+            }
             if save_freq > 0 && self.state.step.is_multiple_of(save_freq) {
                 last_saved = Some(self.save()?);
             }
@@ -818,6 +845,11 @@ impl<B: Backend + Clone> Trainer<B> {
         writer
             .sync()
             .map_err(|e| TrainError::Invalid(e.to_string()))?;
+        if let Some(w) = self.python.as_mut()
+            && let Err(e) = w.finish()
+        {
+            eprintln!("warning: closing the loggers: {e}");
+        }
         let final_checkpoint = if last_saved.is_some()
             && CheckpointDir::new(&self.run_dir).latest()?.map(|(s, _)| s) == Some(self.state.step)
         {
@@ -837,39 +869,75 @@ impl<B: Backend + Clone> Trainer<B> {
     }
 }
 
-/// Starts the Python reward function of `worker.reward.reward_function`, if one is set.
+/// Starts the Python worker when the config needs one: a reward function
+/// (`worker.reward.reward_function`) or a logger that runs in Python (`trainer.logger`).
 ///
 /// # Errors
-/// The function cannot be started or imported (the message has the Python traceback).
-fn start_reward_function(cfg: &Config) -> Result<Option<RewardFunction>, TrainError> {
+/// The function cannot be started or imported, or a logger's package is missing (the
+/// message has the Python traceback).
+fn start_python_worker(cfg: &Config, run_dir: &Path) -> Result<Option<PythonWorker>, TrainError> {
     let r = &cfg.worker.reward;
-    let Some(spec) = &r.reward_function else {
+    let names: Vec<String> = cfg
+        .trainer
+        .logger
+        .iter()
+        .filter(|l| l.is_python())
+        .map(|l| l.name().to_string())
+        .collect();
+    if r.reward_function.is_none() && names.is_empty() {
         return Ok(None);
-    };
-    let mode = r.reward_type.map(|t| match t {
-        crate::config::RewardType::Batch => CallMode::Batch,
-        crate::config::RewardType::Sequential => CallMode::Sequential,
-    });
-    let python = r.python.as_deref().unwrap_or(DEFAULT_PYTHON);
+    }
     let kwargs = r.reward_function_kwargs.clone().unwrap_or_default();
-    let t = Instant::now();
-    let f = RewardFunction::start(
+    let function = r.reward_function.as_deref().map(|spec| FunctionSpec {
         spec,
+        kwargs: &kwargs,
+        mode: r.reward_type.map(|t| match t {
+            crate::config::RewardType::Batch => CallMode::Batch,
+            crate::config::RewardType::Sequential => CallMode::Sequential,
+        }),
+    });
+    let loggers = (!names.is_empty())
+        .then(|| -> Result<LoggerSetup, TrainError> {
+            std::fs::create_dir_all(run_dir).map_err(|e| TrainError::io(run_dir, e))?;
+            let config = serde_json::to_value(cfg)
+                .map_err(|e| TrainError::Internal(format!("config as JSON: {e}")))?;
+            Ok(LoggerSetup {
+                names: names.clone(),
+                project: cfg.trainer.project_name.clone(),
+                experiment: cfg.trainer.experiment_name.clone(),
+                config,
+                run_dir: std::path::absolute(run_dir).unwrap_or_else(|_| run_dir.to_path_buf()),
+                wandb_run_id: cfg.trainer.wandb_run_id.clone(),
+            })
+        })
+        .transpose()?;
+    let python = r.python.as_deref().unwrap_or(DEFAULT_PYTHON);
+    let t = Instant::now();
+    let worker = PythonWorker::start(
         python,
-        &kwargs,
-        mode,
+        function,
+        loggers.as_ref(),
         std::time::Duration::from_secs_f64(r.timeout_s),
     )
     .map_err(|e| TrainError::Invalid(e.to_string()))?;
+    let what = [
+        r.reward_function.as_ref().map(|spec| {
+            format!(
+                "reward function {spec} ({} calls)",
+                match worker.mode() {
+                    CallMode::Batch => "batch",
+                    CallMode::Sequential => "sequential",
+                }
+            )
+        }),
+        (!names.is_empty()).then(|| format!("loggers {}", worker.loggers().join(", "))),
+    ];
     eprintln!(
-        "reward function {spec}: {} calls, worker started in {:.2} s",
-        match f.mode() {
-            CallMode::Batch => "batch",
-            CallMode::Sequential => "sequential",
-        },
+        "python worker ({python}): {}; started in {:.2} s",
+        what.into_iter().flatten().collect::<Vec<_>>().join(", "),
         t.elapsed().as_secs_f64()
     );
-    Ok(Some(f))
+    Ok(Some(worker))
 }
 
 /// The reference answer of every row of groups of `n` samples of `items` (of `train`).
