@@ -62,7 +62,7 @@ pub struct RewardInput<'a> {
     /// The bucket's target `T_d` (0 before the bucket's first target, as the ARES fork's
     /// default).
     pub target_high_entropy_token_num: f64,
-    /// The bucket's `α_d`.
+    /// The bucket's `α_d`; 0 before the bucket's first target (no shaping yet).
     pub alpha_entropy: f64,
     /// Mean token entropy of the response (nats).
     pub entropies: f64,
@@ -140,6 +140,8 @@ pub struct PythonWorker {
     mode: Option<CallMode>,
     loggers: Vec<String>,
     timeout: Duration,
+    /// Time spent in [`PythonWorker::score`] since the last [`PythonWorker::take_elapsed`].
+    elapsed: Duration,
 }
 
 /// Splits `path.py:name` (EasyR1: the last `:`; no `:` → `main`).
@@ -248,6 +250,7 @@ impl PythonWorker {
             mode,
             loggers: opened,
             timeout,
+            elapsed: Duration::ZERO,
         })
     }
 
@@ -357,6 +360,18 @@ impl PythonWorker {
     /// timeout (the worker is killed), or the worker died. After a timeout or a crash every
     /// later call fails too.
     pub fn score(&mut self, inputs: &[RewardInput<'_>]) -> Result<Vec<Score>> {
+        let started = std::time::Instant::now();
+        let scores = self.score_untimed(inputs);
+        self.elapsed += started.elapsed();
+        scores
+    }
+
+    /// The time spent scoring since the last call (the worker's share of a step).
+    pub fn take_elapsed(&mut self) -> Duration {
+        std::mem::take(&mut self.elapsed)
+    }
+
+    fn score_untimed(&mut self, inputs: &[RewardInput<'_>]) -> Result<Vec<Score>> {
         if self.mode.is_none() {
             return Err(self.error("the worker has no reward function".into()));
         }

@@ -186,7 +186,7 @@ pub struct FunctionCall<'a> {
 /// its `overall` is the whole reward, so the built-in entropy, format and overlong terms are
 /// not added; they stay in `parts` as metrics, the entropy term as 0). The function sees each
 /// row's built-in accuracy, its group's bucket, the row's HWE count and the bucket's `T_d`
-/// (0 before the first target) and `α_d`. Returns the mean of every key the function
+/// and `α_d` (before the bucket's first target: `T = 0` and `α = 0`, no shaping). Returns the mean of every key the function
 /// returned, over the batch, for the metrics (`reward_function/<key>`).
 ///
 /// # Errors
@@ -226,8 +226,14 @@ pub fn function_rewards(
                 accuracy: parts[i].accuracy,
                 difficulty: d.name(),
                 high_entropy_token_num: hwe_counts[i],
+                // before the bucket's first target there is no shaping: α = 0 says so to
+                // any shaping that scales with α (the seed's does), T = 0 as the ARES fork
                 target_high_entropy_token_num: state.target[d].unwrap_or(0.0),
-                alpha_entropy: state.alpha[d],
+                alpha_entropy: if state.target[d].is_some() {
+                    state.alpha[d]
+                } else {
+                    0.0
+                },
                 entropies: call.mean_entropies[i],
             }
         })

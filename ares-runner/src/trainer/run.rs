@@ -496,6 +496,10 @@ impl<B: Backend + Clone> Trainer<B> {
             function,
         )?;
         times.add("prepare", t.elapsed());
+        // the Python reward function's share of the step (filtering and final rewards)
+        if let Some(w) = self.python.as_mut().filter(|w| w.has_function()) {
+            times.add("reward_function", w.take_elapsed());
+        }
 
         // PPO epochs and AdamW
         let t = Instant::now();
