@@ -960,3 +960,121 @@ fn val_only_validates_and_stops() {
         .to_string();
     assert!(e.contains("set data.val_files"), "{e}");
 }
+
+/// `data.override_chat_template` replaces the model's chat template (a jinja file, as EasyR1
+/// reads it); `worker.actor.model.tokenizer_path` reads the tokenizer and template from
+/// another folder than the weights.
+#[test]
+fn chat_template_override_and_tokenizer_path() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let template = dir.path().join("plain.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{% if add_generation_prompt %}:{% endif %}",
+    )
+    .unwrap();
+    let cfg = config(
+        &a,
+        &dir.path().join("t"),
+        &[&format!(
+            "data.override_chat_template={}",
+            template.display()
+        )],
+    )
+    .unwrap();
+    let r = ares_runner::trainer::setup::renderer(&cfg, &a.model_dir).unwrap();
+    let examples =
+        ares_runner::trainer::setup::load_examples(&cfg, &a.train.display().to_string()).unwrap();
+    let text = r.text(&examples[0], None).unwrap();
+    assert!(text.starts_with('[') && text.ends_with("]:"), "{text}");
+    let cfg = config(
+        &a,
+        &dir.path().join("t"),
+        &["data.override_chat_template=/nonexistent/t.jinja"],
+    )
+    .unwrap();
+    let e = ares_runner::trainer::setup::renderer(&cfg, &a.model_dir)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("data.override_chat_template = /nonexistent/t.jinja"),
+        "{e}"
+    );
+
+    // the weights alone in one folder, the tokenizer in another
+    let bare = dir.path().join("weights");
+    std::fs::create_dir_all(&bare).unwrap();
+    for f in ["config.json", "generation_config.json", "model.safetensors"] {
+        std::fs::copy(a.model_dir.join(f), bare.join(f)).unwrap();
+    }
+    let with = |tokenizer: Option<&Path>| {
+        let mut o = vec![format!("worker.actor.model.model_path={}", bare.display())];
+        if let Some(t) = tokenizer {
+            o.push(format!("worker.actor.model.tokenizer_path={}", t.display()));
+        }
+        let o: Vec<&str> = o.iter().map(String::as_str).collect();
+        config(&a, &dir.path().join("w"), &o).unwrap()
+    };
+    let e = trainer(with(None)).unwrap_err().to_string();
+    assert!(e.contains("weights"), "{e}");
+    let mut t = trainer(with(Some(&a.model_dir))).unwrap();
+    assert_eq!(t.run().unwrap().steps, 2);
+}
+
+/// `data.mini_rollout_batch_size`: prompts generated per round; a step takes rounds until
+/// its batch is full, within `trainer.max_try_make_batch`.
+#[test]
+fn mini_rollout_batches_fill_a_step_in_rounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let lines = run(dir.path(), "mini", &["data.mini_rollout_batch_size=1"]);
+    for l in &lines {
+        assert_eq!(num(l, "filter/rounds"), 2.0, "{l:?}");
+    }
+    let a = assets(&dir.path().join("assets"));
+    let cfg = config(
+        &a,
+        &dir.path().join("mini_short"),
+        &[
+            "data.mini_rollout_batch_size=1",
+            "trainer.max_try_make_batch=1",
+        ],
+    )
+    .unwrap();
+    let e = trainer(cfg).unwrap().run().unwrap_err().to_string();
+    assert!(
+        e.contains("collected 1 of 2 groups") && e.contains("data.mini_rollout_batch_size"),
+        "{e}"
+    );
+}
+
+/// `algorithm.disable_kl`: no KL anywhere; `optim.lr_warmup_ratio`: the warm-up as a
+/// fraction of the run's optimizer steps, `lr_warmup_steps` winning when both are set.
+#[test]
+fn disable_kl_and_warmup_ratio() {
+    let dir = tempfile::tempdir().unwrap();
+    let lines = run(
+        dir.path(),
+        "nokl",
+        &[
+            "algorithm.disable_kl=true",
+            "worker.actor.optim.lr_warmup_ratio=1.0",
+        ],
+    );
+    for l in &lines {
+        assert!(l.get("kl/mean").is_none(), "{l:?}");
+        assert_eq!(num(l, "actor/kl_loss"), 0.0);
+    }
+    // 2 steps of one optimizer step each, both warm-up: lr/2, then lr
+    assert_eq!(num(&lines[0], "actor/lr"), 0.5e-3);
+    assert_eq!(num(&lines[1], "actor/lr"), 1.0e-3);
+    let lines = run(
+        dir.path(),
+        "steps_win",
+        &[
+            "worker.actor.optim.lr_warmup_ratio=1.0",
+            "worker.actor.optim.lr_warmup_steps=0",
+        ],
+    );
+    assert_eq!(num(&lines[0], "actor/lr"), 1.0e-3);
+}

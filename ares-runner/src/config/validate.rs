@@ -539,6 +539,12 @@ fn validate_actor(a: &ActorConfig, n: usize) -> Result<(), ConfigError> {
         ">= 0",
     )?;
     within(&format!("{P}.optim.min_lr_ratio"), o.min_lr_ratio, 0.0, 1.0)?;
+    within(
+        &format!("{P}.optim.lr_warmup_ratio"),
+        o.lr_warmup_ratio,
+        0.0,
+        1.0,
+    )?;
     let f = &a.forking_tokens;
     real(
         &format!("{P}.forking_tokens.rho"),
