@@ -363,3 +363,37 @@ fn strftime_now_uses_the_fixed_time() {
         .unwrap();
     assert!(year >= 2024);
 }
+
+/// A chat template is a program from a downloaded model folder: one that does not end, or
+/// that writes without bound, is stopped at its limits with a message that says which.
+#[test]
+fn chat_templates_are_bounded() {
+    use ares_model::hf::chat::{ChatError, ChatMessage, RenderOptions};
+    let render = |source: &str, content: &str| {
+        ChatTemplate::from_source(source, Default::default())
+            .unwrap()
+            .render(&[ChatMessage::user(content)], &RenderOptions::generation())
+    };
+    let forever =
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+    let e = render(forever, "hi").unwrap_err();
+    assert!(matches!(e, ChatError::Limit { .. }), "{e:?}");
+    assert!(e.to_string().contains("instructions"), "{e}");
+    // 64 KiB × 2 000 = 125 MiB of output: stopped at the 64 MiB cap, not built
+    let big = "x".repeat(64 << 10);
+    let e = render(
+        "{% for i in range(2000) %}{{ messages[0]['content'] }}{% endfor %}",
+        &big,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("output passed 64 MiB"), "{e}");
+    // ordinary templates are far from both
+    assert_eq!(
+        render(
+            "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+            "hi"
+        )
+        .unwrap(),
+        "hi"
+    );
+}

@@ -42,6 +42,75 @@ pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 /// Directory of additional named templates (`chat_templates/<name>.jinja`).
 pub const CHAT_TEMPLATES_DIR: &str = "chat_templates";
 
+/// Most instructions one render of a template may run: a chat template comes from a
+/// downloaded model folder and is a program; a loop that does not end stops here. A
+/// conversation of a few hundred messages with tools takes well under 1 % of it.
+pub const TEMPLATE_FUEL: u64 = 50_000_000;
+/// Longest text one render may produce (64 MiB): far past any prompt a model takes.
+pub const TEMPLATE_OUTPUT_CAP: usize = 64 << 20;
+
+/// Sets the instruction budget ([`TEMPLATE_FUEL`]) of every render in `env`.
+pub fn limit_environment(env: &mut Environment<'_>) {
+    env.set_fuel(Some(TEMPLATE_FUEL));
+}
+
+/// Why a bounded render failed.
+#[derive(Debug)]
+pub enum RenderFailure {
+    /// minijinja's error (syntax, undefined value, a raised exception, ...).
+    Jinja(JinjaError),
+    /// The template used up its [`TEMPLATE_FUEL`] or passed [`TEMPLATE_OUTPUT_CAP`]: the
+    /// message says which.
+    Limit(String),
+}
+
+/// Renders `template` with `ctx` within the limits: the environment's fuel (see
+/// [`limit_environment`]) and [`TEMPLATE_OUTPUT_CAP`] bytes of output, which are counted as
+/// they are written, so an overlong output is stopped rather than built.
+///
+/// # Errors
+/// [`RenderFailure`].
+pub fn render_bounded(
+    template: &minijinja::Template<'_, '_>,
+    ctx: Value,
+) -> std::result::Result<String, RenderFailure> {
+    /// The output so far; `over` once a write would pass the cap.
+    struct Capped {
+        bytes: Vec<u8>,
+        over: bool,
+    }
+    impl std::io::Write for Capped {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            if self.bytes.len() + buf.len() > TEMPLATE_OUTPUT_CAP {
+                self.over = true;
+                return Err(std::io::Error::other("output cap"));
+            }
+            self.bytes.extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut out = Capped {
+        bytes: Vec::new(),
+        over: false,
+    };
+    match template.render_captured_to(ctx, &mut out) {
+        Ok(_) => String::from_utf8(out.bytes)
+            .map_err(|e| RenderFailure::Limit(format!("the output is not UTF-8: {e}"))),
+        Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(RenderFailure::Limit(format!(
+            "the template ran more than {TEMPLATE_FUEL} instructions (a loop that does not \
+             end?) and was stopped"
+        ))),
+        Err(_) if out.over => Err(RenderFailure::Limit(format!(
+            "the template's output passed {} MiB and was stopped",
+            TEMPLATE_OUTPUT_CAP >> 20
+        ))),
+        Err(e) => Err(RenderFailure::Jinja(e)),
+    }
+}
+
 /// Errors from finding, compiling or rendering a chat template.
 #[derive(Debug, thiserror::Error)]
 pub enum ChatError {
@@ -107,6 +176,14 @@ pub enum ChatError {
         /// Which template (file and name).
         origin: String,
         /// minijinja's message, with the line.
+        message: String,
+    },
+    /// Rendering was stopped at a bound: the instruction budget or the output size.
+    #[error("{origin}: {message}")]
+    Limit {
+        /// Which template (file and name).
+        origin: String,
+        /// Which bound.
         message: String,
     },
     /// The messages, tools or extra variables could not be turned into template values.
@@ -544,6 +621,7 @@ impl ChatTemplate {
         fixed_now: Option<CivilDateTime>,
     ) -> Result<Self> {
         let mut env = Environment::new();
+        limit_environment(&mut env);
         let syntax = minijinja::syntax::SyntaxConfig::builder()
             .trim_blocks(true)
             .lstrip_blocks(true)
@@ -664,9 +742,12 @@ impl ChatTemplate {
             origin: self.origin_of(name),
             message: jinja_message(&e),
         })?;
-        template
-            .render(Value::from(minijinja::value::Serde(&ctx)))
-            .map_err(|e| match raised_message(&e) {
+        render_bounded(&template, Value::from(minijinja::value::Serde(&ctx))).map_err(|f| match f {
+            RenderFailure::Limit(message) => ChatError::Limit {
+                origin: self.origin_of(name),
+                message,
+            },
+            RenderFailure::Jinja(e) => match raised_message(&e) {
                 Some(message) => ChatError::Raised {
                     origin: self.origin_of(name),
                     message,
@@ -675,7 +756,8 @@ impl ChatTemplate {
                     origin: self.origin_of(name),
                     message: jinja_message(&e),
                 },
-            })
+            },
+        })
     }
 }
 

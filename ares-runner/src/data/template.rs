@@ -6,6 +6,8 @@ use std::path::Path;
 
 use minijinja::{Environment, UndefinedBehavior};
 
+use crate::hf::chat::{RenderFailure, limit_environment, render_bounded};
+
 use super::error::{DataError, Result};
 use super::example::Prompt;
 
@@ -42,6 +44,7 @@ impl PromptTemplate {
     /// Errors: as [`from_file`](Self::from_file).
     pub fn from_source(origin: &str, source: &str) -> Result<Self> {
         let mut env = Environment::new();
+        limit_environment(&mut env);
         // minijinja, like Jinja2, drops the template's final newline by default.
         env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
         env.set_undefined_behavior(UndefinedBehavior::Strict);
@@ -71,9 +74,13 @@ impl PromptTemplate {
             .env
             .get_template(NAME)
             .map_err(|e| template_error(&self.origin, &e))?;
-        template
-            .render(minijinja::context! { content => content })
-            .map_err(|e| template_error(&self.origin, &e))
+        render_bounded(&template, minijinja::context! { content => content }).map_err(|f| match f {
+            RenderFailure::Jinja(e) => template_error(&self.origin, &e),
+            RenderFailure::Limit(message) => DataError::Template {
+                origin: self.origin.clone(),
+                message,
+            },
+        })
     }
 
     /// Applies the template to a prompt: a text prompt is rendered whole; in a chat prompt
@@ -168,5 +175,20 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("/nonexistent/math.jinja: cannot read"), "{e}");
+    }
+
+    #[test]
+    fn a_template_that_does_not_end_is_stopped() {
+        let source = "{{ content }}{% for i in range(100000) %}{% for j in range(100000) %}\
+                      {% endfor %}{% endfor %}";
+        // the probe render at compile time already runs it
+        let e = PromptTemplate::from_source("loop.jinja", source)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("loop.jinja") && e.contains("instructions"),
+            "{e}"
+        );
     }
 }
