@@ -600,3 +600,55 @@ fn config_errors_name_file_and_field() {
         .to_string();
     assert!(msg.contains("preprocessor_config.json"), "{msg}");
 }
+
+/// A small file that declares a huge image (a decompression bomb) is refused from its
+/// header, before any pixel is decoded or allocated.
+#[test]
+fn huge_declared_images_are_refused_before_decoding() {
+    fn crc32(bytes: &[u8]) -> u32 {
+        let mut crc = !0u32;
+        for &b in bytes {
+            crc ^= u32::from(b);
+            for _ in 0..8 {
+                crc = if crc & 1 == 1 {
+                    (crc >> 1) ^ 0xEDB8_8320
+                } else {
+                    crc >> 1
+                };
+            }
+        }
+        !crc
+    }
+    let png_header = |w: u32, h: u32| {
+        let mut ihdr = b"IHDR".to_vec();
+        ihdr.extend_from_slice(&w.to_be_bytes());
+        ihdr.extend_from_slice(&h.to_be_bytes());
+        ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
+        let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+        png.extend_from_slice(&13u32.to_be_bytes());
+        png.extend_from_slice(&ihdr);
+        png.extend_from_slice(&crc32(&ihdr).to_be_bytes());
+        // an empty IDAT, where the decoder stops reading the header
+        png.extend_from_slice(&0u32.to_be_bytes());
+        png.extend_from_slice(b"IDAT");
+        png.extend_from_slice(&crc32(b"IDAT").to_be_bytes());
+        png
+    };
+    let bomb = png_header(100_000, 100_000);
+    assert!(bomb.len() < 64, "{}", bomb.len());
+    let e = ares_model::vision::processor::decode_rgb(&bomb, std::path::Path::new("bomb.png"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("bomb.png") && e.contains("100000×100000") && e.contains("before decoding"),
+        "{e}"
+    );
+    // an image under the limit gets as far as its (missing) pixel data
+    let e = ares_model::vision::processor::decode_rgb(
+        &png_header(64, 64),
+        std::path::Path::new("small.png"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("corrupt image"), "{e}");
+}

@@ -1080,7 +1080,12 @@ pub fn load_rgb(path: &Path) -> Result<RgbImage, VisionError> {
     decode_rgb(&bytes, path)
 }
 
-/// Decodes image bytes (PNG, JPEG or WebP); `name` names the source in errors.
+/// The most pixels an image may have: PIL's decompression-bomb limit (2 × 89 478 485),
+/// which transformers' image loading inherits. Checked from the header, before decoding.
+pub const MAX_IMAGE_PIXELS: u64 = 178_956_970;
+
+/// Decodes image bytes (PNG, JPEG or WebP); `name` names the source in errors. An image of
+/// more than [`MAX_IMAGE_PIXELS`] is refused from its header, before any pixel is decoded.
 pub fn decode_rgb(bytes: &[u8], name: &Path) -> Result<RgbImage, VisionError> {
     use image::ImageFormat;
     let file = name.to_path_buf();
@@ -1100,7 +1105,32 @@ pub fn decode_rgb(bytes: &[u8], name: &Path) -> Result<RgbImage, VisionError> {
             message: format!("{format:?}"),
         });
     }
-    let decoded = image::load_from_memory_with_format(bytes, format).map_err(|e| match e {
+    // the header's size first: a small file may declare a huge image (a decompression bomb)
+    let (w, h) = image::ImageReader::with_format(std::io::Cursor::new(bytes), format)
+        .into_dimensions()
+        .map_err(|e| VisionError::Decode {
+            file: file.clone(),
+            message: e.to_string(),
+        })?;
+    if u64::from(w) * u64::from(h) > MAX_IMAGE_PIXELS {
+        return Err(in_file(
+            name,
+            VisionError::ImageSize {
+                height: h as usize,
+                width: w as usize,
+                message: format!(
+                    "more than {MAX_IMAGE_PIXELS} pixels (PIL's decompression-bomb limit, which \
+                     transformers inherits); refused before decoding"
+                ),
+            },
+        ));
+    }
+    let mut reader = image::ImageReader::with_format(std::io::Cursor::new(bytes), format);
+    let mut limits = image::Limits::default();
+    // RGBA at the pixel limit, and some room for the decoder's own buffers
+    limits.max_alloc = Some(MAX_IMAGE_PIXELS * 4 + (64 << 20));
+    reader.limits(limits);
+    let decoded = reader.decode().map_err(|e| match e {
         image::ImageError::Unsupported(u) => VisionError::UnsupportedFormat {
             file: file.clone(),
             message: u.to_string(),
