@@ -1078,3 +1078,44 @@ fn disable_kl_and_warmup_ratio() {
     );
     assert_eq!(num(&lines[0], "actor/lr"), 1.0e-3);
 }
+
+/// A prompt of more bytes than `data.max_prompt_length` tokens can cover is overlong without
+/// being rendered or tokenized (a book in a row costs nothing): dropped when filtering,
+/// else named with its lower bound.
+#[test]
+fn book_length_prompts_are_refused_before_tokenizing() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let train = dir.path().join("with_book.jsonl");
+    let mut rows = std::fs::read_to_string(&a.train).unwrap();
+    let book = "1+1 ".repeat(4 << 20); // 16 MiB
+    rows.push_str(&format!(
+        "{{\"prompt\": \"{book}\", \"answer\": \"2\", \"global_id\": \"book\"}}\n"
+    ));
+    std::fs::write(&train, rows).unwrap();
+    let cfg = config(
+        &a,
+        &dir.path().join("book"),
+        &[&format!("data.train_files={}", train.display())],
+    )
+    .unwrap();
+    let t = std::time::Instant::now();
+    let mut tr = trainer(cfg).unwrap();
+    assert!(!tr.train.iter().any(|e| e.global_id == "book"));
+    assert_eq!(tr.run().unwrap().steps, 2);
+    eprintln!("with a 16 MiB row: {:?}", t.elapsed());
+    let cfg = config(
+        &a,
+        &dir.path().join("book2"),
+        &[
+            &format!("data.train_files={}", train.display()),
+            "data.filter_overlong_prompts=false",
+        ],
+    )
+    .unwrap();
+    let e = trainer(cfg).unwrap_err().to_string();
+    assert!(
+        e.contains("(book): prompt of at least") && e.contains("data.max_prompt_length = 40"),
+        "{e}"
+    );
+}

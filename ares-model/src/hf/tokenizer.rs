@@ -305,6 +305,27 @@ impl Tokenizer {
         })
     }
 
+    /// An upper bound on the UTF-8 bytes of input one token can cover: the longest token
+    /// of the vocabulary (added tokens included), times 4 when a normalizer may shrink the
+    /// text first (a character of up to 4 bytes normalized to 1). A text of `b` bytes is
+    /// therefore at least `b / max_token_bytes()` tokens — enough to refuse a book-length
+    /// prompt without tokenizing it.
+    pub fn max_token_bytes(&self) -> usize {
+        let longest = self
+            .inner
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        if self.inner.get_normalizer().is_some() {
+            longest * 4
+        } else {
+            longest
+        }
+    }
+
     /// Loads `tokenizer.json` and, when present, `tokenizer_config.json` from a model
     /// directory.
     pub fn from_dir(dir: &Path) -> Result<Self> {

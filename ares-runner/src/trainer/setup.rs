@@ -300,6 +300,14 @@ pub fn save_model<B: Backend>(
     copy_tokenizer_files(source_dir, dir)
 }
 
+/// The UTF-8 bytes of a prompt's text (every message's content).
+fn prompt_bytes(p: &crate::data::Prompt) -> usize {
+    match p {
+        crate::data::Prompt::Text(t) => t.len(),
+        crate::data::Prompt::Messages(m) => m.iter().map(|m| m.content.len()).sum(),
+    }
+}
+
 /// Keeps the examples whose rendered prompt fits `data.max_prompt_length` (when
 /// `filter_overlong_prompts`; else such a prompt is an error) and returns their ids.
 ///
@@ -311,9 +319,19 @@ pub fn filter_prompts(
     examples: Vec<Example>,
 ) -> Result<(Vec<Example>, Vec<Vec<u32>>), TrainError> {
     let max = cfg.data.max_prompt_length;
+    // a prompt of more bytes than `max` tokens can cover is overlong whatever the tokenizer
+    // makes of it: it is not rendered nor tokenized (a book in a row costs nothing)
+    let bytes_per_token = renderer.tokenizer.max_token_bytes();
+    let byte_limit = max.saturating_mul(bytes_per_token);
     let mut ids = Vec::with_capacity(examples.len());
     let mut lengths = Vec::with_capacity(examples.len());
     for e in &examples {
+        let bytes = prompt_bytes(&e.prompt);
+        if bytes > byte_limit {
+            lengths.push(bytes.div_ceil(bytes_per_token));
+            ids.push(Vec::new());
+            continue;
+        }
         let i = renderer.ids(e, None)?;
         // images and videos count with their expanded placeholders
         lengths.push(renderer.prompt_len(e, &i)?);
@@ -323,9 +341,16 @@ pub fn filter_prompts(
         && let Some((e, &len)) = examples.iter().zip(&lengths).find(|(_, l)| **l > max)
     {
         return Err(TrainError::Invalid(format!(
-            "row {} ({}): prompt of {} tokens exceeds data.max_prompt_length = {max} \
+            "row {} ({}): prompt of {}{} tokens exceeds data.max_prompt_length = {max} \
                  (set data.filter_overlong_prompts: true to drop such rows)",
-            e.row, e.global_id, len
+            e.row,
+            e.global_id,
+            if prompt_bytes(&e.prompt) > byte_limit {
+                "at least "
+            } else {
+                ""
+            },
+            len
         )));
     }
     let (kept, dropped) = crate::data::filter_by_prompt_length(examples, &lengths, max)
