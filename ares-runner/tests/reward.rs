@@ -243,3 +243,18 @@ fn dropping_a_grader_ends_its_process() {
     drop(CommandGrader::spawn("sh -c 'trap \"\" TERM; sleep 30'").unwrap());
     assert!(t.elapsed() < Duration::from_secs(10));
 }
+
+/// A helper that writes a line longer than 64 MiB gets an error, not an ever-growing buffer.
+#[test]
+fn an_endless_line_of_output_is_an_error() {
+    if !has("python3") {
+        eprintln!("python3 not found: skipping");
+        return;
+    }
+    let script = "import sys, time\nsys.stdin.readline()\nsys.stdout.write('x' * (65 << 20))\nsys.stdout.flush()\ntime.sleep(30)";
+    let mut g = CommandGrader::spawn(&format!("python3 -c \"{script}\"")).unwrap();
+    let t = Instant::now();
+    let e = command_error(g.grade("q", "r", &[crit("a", 1.0)]).unwrap_err());
+    assert!(e.contains("longer than 64 MiB"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+}

@@ -3,12 +3,12 @@
 //!
 //! The program is started without a shell (arguments as a list), its stderr is passed
 //! through, and a reader thread turns its stdout into a channel so that a reply can be
-//! waited for with a timeout. Once an exchange fails (the process exited, a timeout passed,
+//! waited for with a timeout; a line longer than 64 MiB is an error, not a growing buffer. Once an exchange fails (the process exited, a timeout passed,
 //! a write failed) the process is stopped and every later call fails with the first reason:
 //! the exchange is out of step.
 
 use std::ffi::OsStr;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::thread;
@@ -16,6 +16,9 @@ use std::time::{Duration, Instant};
 
 /// How long a helper may take to exit after its stdin is closed before it is killed.
 const EXIT_GRACE: Duration = Duration::from_secs(2);
+/// Longest line of output read from a helper (a reply of a batch of 128 responses with
+/// their metrics is a few KiB): a longer one is an error, not a growing buffer.
+pub(crate) const MAX_LINE_BYTES: u64 = 64 << 20;
 
 /// A running helper program.
 #[derive(Debug)]
@@ -51,8 +54,15 @@ impl LineProcess {
                 let mut reader = BufReader::new(stdout);
                 loop {
                     let mut line = String::new();
-                    match reader.read_line(&mut line) {
+                    match (&mut reader).take(MAX_LINE_BYTES).read_line(&mut line) {
                         Ok(0) => break,
+                        Ok(n) if n as u64 == MAX_LINE_BYTES && !line.ends_with('\n') => {
+                            let _ = tx.send(Err(std::io::Error::other(format!(
+                                "a line of output longer than {} MiB",
+                                MAX_LINE_BYTES >> 20
+                            ))));
+                            break;
+                        }
                         Ok(_) => {
                             if tx.send(Ok(line)).is_err() {
                                 break;
