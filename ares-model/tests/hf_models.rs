@@ -623,3 +623,53 @@ fn write_roundtrip_checkpoints() {
         .unwrap();
     println!("wrote {}", root.display());
 }
+
+/// A downloaded weight file is untrusted: a header that declares a tensor past the file's
+/// end, or a header length of gigabytes, is refused while reading the header, before any
+/// tensor is read or allocated.
+#[test]
+fn safetensors_headers_that_claim_too_much_are_refused() {
+    let (_tmp, dir) = copy_fixture("qwen2_tiny");
+    let path = dir.join("model.safetensors");
+    let write_header = |header: &str, data: usize| {
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        bytes.extend(std::iter::repeat_n(0u8, data));
+        std::fs::write(&path, bytes).unwrap();
+    };
+    // 100 GB declared, 8 bytes present
+    write_header(
+        r#"{"model.embed_tokens.weight":{"dtype":"F32","shape":[100000,262144],"data_offsets":[0,104857600000]}}"#,
+        8,
+    );
+    let (e, msg) = err_of(Checkpoint::load(&dir));
+    assert!(matches!(e, HfError::Safetensors { .. }), "{msg}");
+    assert!(msg.contains("model.safetensors"), "{msg}");
+    // a shape whose bytes disagree with its offsets
+    write_header(
+        r#"{"model.embed_tokens.weight":{"dtype":"F32","shape":[1000000000,1000000000],"data_offsets":[0,8]}}"#,
+        8,
+    );
+    let (e, msg) = err_of(Checkpoint::load(&dir));
+    assert!(matches!(e, HfError::Safetensors { .. }), "{msg}");
+    // a header length of 10 GB in a file of a few bytes
+    let mut bytes = (10u64 << 30).to_le_bytes().to_vec();
+    bytes.extend_from_slice(b"{}");
+    std::fs::write(&path, bytes).unwrap();
+    let (e, msg) = err_of(Checkpoint::load(&dir));
+    assert!(matches!(e, HfError::Safetensors { .. }), "{msg}");
+}
+
+/// A config that declares billions of positions does not size the precomputed RoPE tables:
+/// they hold at most `MAX_ROPE_POSITIONS`, and a position past them is refused by name.
+#[test]
+fn a_huge_declared_context_does_not_allocate_its_rope_table() {
+    use ares_model::model::{MAX_ROPE_POSITIONS, Model};
+    let (_tmp, dir) = copy_fixture("qwen2_tiny");
+    edit_config(&dir, |c| {
+        c.insert("max_position_embeddings".into(), 4_000_000_000u64.into());
+    });
+    let ckpt = Checkpoint::load(&dir).unwrap();
+    let model = Model::from_checkpoint(ares_model::backend::cpu::CpuBackend, &ckpt).unwrap();
+    assert_eq!(model.spec().max_positions, MAX_ROPE_POSITIONS);
+}

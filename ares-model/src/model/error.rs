@@ -66,8 +66,12 @@ pub enum ModelError {
         /// The vocabulary size.
         vocab: usize,
     },
-    /// A position is not below the RoPE table's length (`max_position_embeddings`).
-    #[error("position_ids[{index}] = {position} is not below max_position_embeddings {max}")]
+    /// A position is not below the RoPE table's length (`max_position_embeddings`, at most
+    /// `MAX_ROPE_POSITIONS`).
+    #[error(
+        "position_ids[{index}] = {position} is not below the RoPE table's {max} positions \
+         (max_position_embeddings, at most 262144)"
+    )]
     PositionOutOfRange {
         /// Flat index `b·seq + t`.
         index: usize,

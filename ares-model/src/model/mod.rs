@@ -69,7 +69,7 @@ pub use inputs::{ForwardExtras, Inputs};
 pub use kv_cache::KvCache;
 pub use optim::{AdamW, AdamWConfig, ExtraParam, StepReport};
 pub use sampling::Sampling;
-pub use spec::ModelSpec;
+pub use spec::{MAX_ROPE_POSITIONS, ModelSpec};
 
 use crate::backend::{Backend, LinearDims, MatmulPrecision, ViewMut};
 use crate::hf::checkpoint::Checkpoint;

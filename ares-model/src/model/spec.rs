@@ -7,6 +7,12 @@ use super::ModelError;
 use crate::hf::config::{Arch, ModelConfig};
 use crate::hf::rope::RopeScaling;
 
+/// The most positions the precomputed RoPE tables hold (262 144: 128 MiB of cos and sin at
+/// a head_dim of 128), whatever `max_position_embeddings` a downloaded config declares — a
+/// table sized by a config of 4 × 10⁹ positions would take 16 GB before any check. Longer
+/// sequences are refused with the limit named.
+pub const MAX_ROPE_POSITIONS: usize = 1 << 18;
+
 /// Everything the forward pass needs to know about the architecture.
 ///
 /// Qwen2: q/k/v biases. Qwen3: q/k RMSNorm per head before RoPE, no biases. Llama: no
@@ -43,6 +49,7 @@ pub struct ModelSpec {
     /// The LM head is the token embedding.
     pub tied_embeddings: bool,
     /// Rows of the RoPE cos/sin table: positions must be below this.
+    /// `max_position_embeddings`, at most [`MAX_ROPE_POSITIONS`].
     pub max_positions: usize,
     /// RoPE frequencies.
     pub rope: RopeConfig,
@@ -96,7 +103,8 @@ impl ModelSpec {
             mlp_bias: config.mlp_bias,
             qk_norm: config.qk_norm,
             tied_embeddings: config.tie_word_embeddings,
-            max_positions: config.max_position_embeddings,
+            // the table is precomputed: a config from a downloaded folder may not size it
+            max_positions: config.max_position_embeddings.min(MAX_ROPE_POSITIONS),
             rope: RopeConfig {
                 head_dim: config.head_dim,
                 theta: config.rope.theta,
