@@ -672,3 +672,34 @@ echo "progress=end"
         "{msg}"
     );
 }
+
+/// The size a video file declares bounds what decoding would allocate before ffmpeg runs:
+/// frames past the image limit, or more frames than 4 GiB of RGB, are refused (ffmpeg is
+/// not even started: this ffmpeg does not exist).
+#[test]
+fn declared_video_sizes_are_bounded_before_decoding() {
+    let ffmpeg = Ffmpeg::at("ares-no-such-ffmpeg");
+    let info = |height, width| VideoInfo {
+        height,
+        width,
+        fps: Some(30.0),
+        frames: 10_000,
+        codec: "h264".into(),
+    };
+    let path = Path::new("bomb.mp4");
+    let e = decode_frames(&ffmpeg, path, &info(100_000, 100_000), &[0, 1])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("bomb.mp4") && e.contains("before decoding"),
+        "{e}"
+    );
+    let many: Vec<usize> = (0..2000).collect();
+    let e = decode_frames(&ffmpeg, path, &info(1080, 1920), &many)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("2000 frames of 1080×1920") && e.contains("4096 MiB"),
+        "{e}"
+    );
+}

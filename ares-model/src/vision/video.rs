@@ -326,6 +326,10 @@ pub fn probe(ffmpeg: &Ffmpeg, path: &Path) -> Result<VideoInfo, VisionError> {
     Err(no_fps_mode(ffmpeg, path, &last_stderr))
 }
 
+/// The most bytes of RGB frames one video may decode to (4 GiB: 768 frames of 1280 × 720,
+/// transformers' `max_frames` at 720p, need 2 GiB).
+pub const MAX_DECODED_VIDEO_BYTES: u64 = 4 << 30;
+
 /// The `select` filter expression keeping frame numbers `indices` (ascending, distinct):
 /// `eq(n,i)` terms summed as a balanced tree. ffmpeg's expression parser rejects a flat sum of
 /// more than 100 terms (ffmpeg 9.0.2: "Cannot allocate memory"); nested by halves, 768 frames
@@ -381,6 +385,37 @@ pub fn decode_frames(
             format!("a frame size of {}×{}", info.height, info.width),
         ));
     }
+    // the probed size comes from the file: bound what decoding would allocate before ffmpeg
+    // runs (each frame as an image, all of them together)
+    let pixels = (info.height as u64).saturating_mul(info.width as u64);
+    if pixels > super::processor::MAX_IMAGE_PIXELS {
+        return Err(file_error(
+            path,
+            format!(
+                "frames of {}×{} are more than {} pixels (the image limit); refused before decoding",
+                info.height,
+                info.width,
+                super::processor::MAX_IMAGE_PIXELS
+            ),
+        ));
+    }
+    let total = pixels
+        .saturating_mul(3)
+        .saturating_mul(indices.len() as u64);
+    if total > MAX_DECODED_VIDEO_BYTES {
+        return Err(file_error(
+            path,
+            format!(
+                "{} frames of {}×{} would decode to {} MiB, more than {} MiB; sample fewer \
+                 frames (a lower video_fps) or scale the video down first",
+                indices.len(),
+                info.height,
+                info.width,
+                total >> 20,
+                MAX_DECODED_VIDEO_BYTES >> 20
+            ),
+        ));
+    }
     let mut last_stderr = Vec::new();
     for flag in FPS_MODE_FLAGS {
         match decode_run(ffmpeg, path, info, indices, flag)? {
@@ -425,8 +460,10 @@ fn decode_run(
     let mut stderr = child.stderr.take().expect("piped stderr");
     // Read stderr alongside stdout so that a chatty ffmpeg never blocks on a full pipe.
     let stderr_reader = std::thread::spawn(move || {
+        // the first MiB is kept for messages, the rest drained
         let mut buf = Vec::new();
-        let _ = stderr.read_to_end(&mut buf);
+        let _ = (&mut stderr).take(1 << 20).read_to_end(&mut buf);
+        let _ = std::io::copy(&mut stderr, &mut std::io::sink());
         buf
     });
     let mut stdout = child.stdout.take().expect("piped stdout");

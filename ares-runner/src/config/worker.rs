@@ -628,8 +628,9 @@ pub struct RewardConfig {
     pub reward_type: Option<RewardType>,
     /// The Python interpreter of the reward worker (default null: `python3` on `PATH`).
     pub python: Option<String>,
-    /// Longest a reward call may take, in seconds, > 0 (default 600); the run stops with
-    /// an error naming the batch when it is exceeded.
+    /// Longest a call of the Python reward function (a batch) or of the rubric grader
+    /// command (a response) may take, in seconds, > 0 (default 600); the helper is killed
+    /// and the run stops with an error naming the call when it is exceeded.
     pub timeout_s: f64,
     /// Weight of the format reward in the total, ≥ 0; 0 = reported only (default 0).
     pub format_weight: f64,

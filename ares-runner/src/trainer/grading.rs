@@ -43,7 +43,9 @@ impl Grader {
                     })?;
                     Box::new(
                         CommandGrader::spawn(command)
-                            .map_err(|e| TrainError::Invalid(e.to_string()))?,
+                            .map_err(|e| TrainError::Invalid(e.to_string()))?
+                            // a hung judge stops the run instead of stalling it
+                            .with_timeout(std::time::Duration::from_secs_f64(r.timeout_s)),
                     )
                 }
             }),
