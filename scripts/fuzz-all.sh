@@ -1,14 +1,41 @@
 #!/usr/bin/env bash
-# Runs every ares-core fuzz target for a fixed number of executions (default 1,000,000)
-# and prints one summary line per target. Needs nightly and cargo-fuzz:
+# Runs every fuzz target for a fixed number of executions (default 1,000,000) and prints
+# one summary line per target: ares-core's math, and the parsers of untrusted model folders
+# and datasets (config YAML + overrides, chat templates, the model folder's JSON files,
+# image bytes, dataset rows, the answer graders). Needs nightly and cargo-fuzz:
 #   rustup toolchain install nightly && cargo install cargo-fuzz
-# ares-core forbids unsafe code, so the address sanitizer adds nothing but time: targets
-# are built without it, with debug assertions (integer overflow checks) on.
+#   scripts/fuzz-all.sh [RUNS] [TARGET...]
+# The code fuzzed forbids unsafe code or sits on crates that check their own, so the
+# address sanitizer adds nothing but time: targets are built without it, with debug
+# assertions (integer overflow checks) on. A parser target's corpus starts from the
+# repository's fixtures of its input.
 set -euo pipefail
 runs=${1:-1000000}
-cd "$(dirname "$0")/../fuzz"
-targets=$(cargo +nightly fuzz list)
+shift || true
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root/fuzz"
+targets=${*:-$(cargo +nightly fuzz list)}
 cargo +nightly fuzz build --sanitizer none --debug-assertions
+
+# seed: target -> files of the repository it starts from
+seed() {
+  local dir="corpus/$1"; shift
+  if [ -n "$(ls -A "$dir" 2>/dev/null)" ]; then return 0; fi
+  mkdir -p "$dir"
+  local f
+  for f in "$@"; do
+    if [ -f "$f" ]; then cp "$f" "$dir/$(basename "$(dirname "$f")")_$(basename "$f")"; fi
+  done
+}
+fx="$root/ares-model/tests/fixtures"
+seed config_yaml "$root"/examples/configs/*.yaml "$root"/ares-runner/tests/fixtures/easyr1/*.yaml
+seed chat_template "$fx"/tokenizer/templates/* "$fx"/models/*/tokenizer_config.json
+seed hf_configs "$fx"/models/*/config.json "$fx"/models/*/generation_config.json \
+  "$fx"/models/*/tokenizer_config.json "$fx"/vl/*/config.json "$fx"/vl/*/preprocessor_config.json
+seed image "$fx"/vl/images/*.png "$root"/ares-runner/tests/fixtures/data/images/*
+seed dataset_rows "$root"/ares-runner/tests/fixtures/data/*.jsonl "$root"/ares-runner/tests/fixtures/data/*.parquet
+seed math_grader "$root"/ares-runner/tests/fixtures/data/math.jsonl
+
 for t in $targets; do
   mkdir -p "corpus/$t"
   log=$(mktemp)
