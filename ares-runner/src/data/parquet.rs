@@ -16,6 +16,10 @@ use super::media::base64_encode;
 use super::row::RawRow;
 
 /// Reads every row of a Parquet file.
+/// The most uncompressed bytes a row group may declare (1 GiB): the loader reads a group's
+/// pages whole, and dataset files hold groups of a few to a few hundred MiB.
+const MAX_ROW_GROUP_BYTES: u64 = 1 << 30;
+
 pub(crate) fn read_parquet(path: &Path) -> Result<Vec<RawRow>> {
     let file = File::open(path).map_err(|source| DataError::Io {
         path: path.to_path_buf(),
@@ -27,6 +31,23 @@ pub(crate) fn read_parquet(path: &Path) -> Result<Vec<RawRow>> {
         message: e.to_string(),
     };
     let reader = SerializedFileReader::new(file).map_err(|e| fail(None, e))?;
+    // the footer's sizes come from the file: refuse a row group that declares more than a
+    // dataset row group holds before its pages are read
+    for (i, rg) in reader.metadata().row_groups().iter().enumerate() {
+        let declared = u64::try_from(rg.total_byte_size()).unwrap_or(u64::MAX);
+        if declared > MAX_ROW_GROUP_BYTES {
+            return Err(DataError::Parquet {
+                path: path.to_path_buf(),
+                row: None,
+                message: format!(
+                    "row group {i} declares {} MiB uncompressed, more than {} MiB; write the \
+                     file with smaller row groups (pyarrow's row_group_size)",
+                    declared >> 20,
+                    MAX_ROW_GROUP_BYTES >> 20
+                ),
+            });
+        }
+    }
     let iter = reader.get_row_iter(None).map_err(|e| fail(None, e))?;
     let mut rows = Vec::new();
     for (row, r) in iter.enumerate() {
