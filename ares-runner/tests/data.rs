@@ -579,3 +579,17 @@ fn datasets_named_as_easyr1_names_them() {
         "{e}"
     );
 }
+
+/// Fuzzing found a Parquet file on which the `parquet` crate panics (a slice past a page's
+/// end in its bit reader): loading it is an error naming the file, not a crash.
+#[test]
+fn a_parquet_file_that_panics_the_decoder_is_an_error() {
+    let path = fixture("fuzz_parquet_bit_reader.parquet");
+    let e = load_dataset(&path, &DataKeys::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("fuzz_parquet_bit_reader.parquet") && e.contains("malformed file"),
+        "{e}"
+    );
+}

@@ -7,6 +7,13 @@ use ares_runner::data::{DataKeys, MediaKeys, load_dataset_with_media};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
+    // the loader catches the `parquet` crate's panics on malformed files and reports them
+    // as errors; libFuzzer's hook would abort on them first, so the default hook is back
+    // (a panic that reaches the harness still aborts there)
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let _ = std::panic::take_hook();
+    });
     let dir = std::env::temp_dir().join(format!("ares-fuzz-rows-{}", std::process::id()));
     let _ = std::fs::create_dir_all(&dir);
     let name = if data.starts_with(b"PAR1") {

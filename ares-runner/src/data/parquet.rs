@@ -21,6 +21,24 @@ use super::row::RawRow;
 const MAX_ROW_GROUP_BYTES: u64 = 1 << 30;
 
 pub(crate) fn read_parquet(path: &Path) -> Result<Vec<RawRow>> {
+    // The `parquet` crate can panic on a malformed file (found by fuzzing: a slice past a
+    // page's end in its bit reader). A downloaded file must give an error, so a panic in
+    // reading is caught and reported as this file's error.
+    std::panic::catch_unwind(|| read_parquet_unguarded(path)).unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic".into());
+        Err(DataError::Parquet {
+            path: path.to_path_buf(),
+            row: None,
+            message: format!("the Parquet decoder failed on this malformed file ({what})"),
+        })
+    })
+}
+
+fn read_parquet_unguarded(path: &Path) -> Result<Vec<RawRow>> {
     let file = File::open(path).map_err(|source| DataError::Io {
         path: path.to_path_buf(),
         source,
