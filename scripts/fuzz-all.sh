@@ -2,7 +2,7 @@
 # Runs every fuzz target for a fixed number of executions (default 1,000,000) and prints
 # one summary line per target: ares-core's math, and the parsers of untrusted model folders
 # and datasets (config YAML + overrides, chat templates, the model folder's JSON files,
-# image bytes, dataset rows, the answer graders). Needs nightly and cargo-fuzz:
+# image bytes, dataset rows, weight files, rubric criteria, the answer graders). Needs nightly and cargo-fuzz:
 #   rustup toolchain install nightly && cargo install cargo-fuzz
 #   scripts/fuzz-all.sh [RUNS] [TARGET...]
 # The code fuzzed forbids unsafe code or sits on crates that check their own, so the
@@ -35,6 +35,8 @@ seed hf_configs "$fx"/models/*/config.json "$fx"/models/*/generation_config.json
 seed image "$fx"/vl/images/*.png "$root"/ares-runner/tests/fixtures/data/images/*
 seed dataset_rows "$root"/ares-runner/tests/fixtures/data/*.jsonl "$root"/ares-runner/tests/fixtures/data/*.parquet
 seed math_grader "$root"/ares-runner/tests/fixtures/data/math.jsonl
+seed rubric_grader "$root"/ares-runner/tests/fixtures/data/rubrics.jsonl
+seed safetensors_files "$fx"/models/*/model.safetensors
 
 for t in $targets; do
   mkdir -p "corpus/$t"
