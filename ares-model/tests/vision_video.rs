@@ -703,3 +703,39 @@ fn declared_video_sizes_are_bounded_before_decoding() {
         "{e}"
     );
 }
+
+/// An ffmpeg run that does not end (a hostile file, or a stuck decoder) is killed at the
+/// time limit, counting frames and decoding them alike.
+#[test]
+fn a_hanging_ffmpeg_is_stopped_at_its_time_limit() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let script = tmp.path().join("ffmpeg");
+    std::fs::write(&script, "#!/bin/sh\nexec sleep 60\n").unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let video = tmp.path().join("v.mp4");
+    std::fs::write(&video, b"not really a video").unwrap();
+    let ffmpeg = Ffmpeg::at(&script).with_timeout(std::time::Duration::from_millis(300));
+    let t = std::time::Instant::now();
+    let e = probe(&ffmpeg, &video).unwrap_err().to_string();
+    assert!(e.contains("ran past 0.3 s counting the frames"), "{e}");
+    let info = VideoInfo {
+        height: 4,
+        width: 4,
+        fps: Some(1.0),
+        frames: 2,
+        codec: "h264".into(),
+    };
+    let e = decode_frames(&ffmpeg, &video, &info, &[0, 1])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("ran past 0.3 s decoding the sampled frames"),
+        "{e}"
+    );
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(10),
+        "{:?}",
+        t.elapsed()
+    );
+}

@@ -59,7 +59,10 @@
 use std::ffi::OsString;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use super::processor::{
     ProcessedVideo, ProcessorConfig, RgbImage, VideoSampling, VisionError, process_chosen,
@@ -82,6 +85,104 @@ const STDERR_TAIL_LINES: usize = 12;
 pub struct Ffmpeg {
     program: PathBuf,
     from_env: bool,
+    /// Longest one ffmpeg run on a video may take before it is killed.
+    timeout: Duration,
+}
+
+/// How long one ffmpeg run on a video may take (10 min): counting the frames decodes the
+/// whole file once, about 1 min for an hour of 720p; a file that keeps ffmpeg running
+/// longer is refused rather than waited for.
+pub const FFMPEG_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Kills a child process that still runs when its time is up; stopped (and joined) when
+/// the run ends first.
+struct Watchdog {
+    done: std::sync::mpsc::Sender<()>,
+    fired: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Watchdog {
+    /// Watches `child` for `limit`.
+    fn start(child: Arc<Mutex<Child>>, limit: Duration) -> Self {
+        let (done, stop) = std::sync::mpsc::channel::<()>();
+        let fired = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&fired);
+        let thread = std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stop.recv_timeout(limit) {
+                flag.store(true, Ordering::SeqCst);
+                if let Ok(mut c) = child.lock() {
+                    let _ = c.kill();
+                }
+            }
+        });
+        Self {
+            done,
+            fired,
+            thread,
+        }
+    }
+
+    /// Stops watching; whether the time ran out and the child was killed.
+    fn stop(self) -> bool {
+        let _ = self.done.send(());
+        let _ = self.thread.join();
+        self.fired.load(Ordering::SeqCst)
+    }
+}
+
+/// Waits for a watched child, locking it only to poll, so that the watchdog can still kill
+/// a process that closed its pipes but runs on.
+fn reap(child: &Mutex<Child>) -> std::io::Result<std::process::ExitStatus> {
+    loop {
+        let polled = child
+            .lock()
+            .map_err(|_| std::io::Error::other("ffmpeg's handle was poisoned"))?
+            .try_wait()?;
+        match polled {
+            Some(status) => return Ok(status),
+            None => std::thread::sleep(Duration::from_millis(5)),
+        }
+    }
+}
+
+/// Runs `cmd` (stdout and stderr piped, both read whole; stderr's first MiB kept) and waits
+/// for it, killing it after `limit`. Returns the output and whether the time ran out.
+fn output_within(mut cmd: Command, limit: Duration) -> std::io::Result<(Output, bool)> {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn()?;
+    let mut stdout = child.stdout.take();
+    let mut stderr = child.stderr.take();
+    let out_reader = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        if let Some(s) = stdout.as_mut() {
+            let _ = s.take(16 << 20).read_to_end(&mut buf);
+            let _ = std::io::copy(s, &mut std::io::sink());
+        }
+        buf
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        if let Some(s) = stderr.as_mut() {
+            let _ = s.take(1 << 20).read_to_end(&mut buf);
+            let _ = std::io::copy(s, &mut std::io::sink());
+        }
+        buf
+    });
+    let child = Arc::new(Mutex::new(child));
+    let dog = Watchdog::start(Arc::clone(&child), limit);
+    let stdout = out_reader.join().unwrap_or_default();
+    let stderr = err_reader.join().unwrap_or_default();
+    let status = reap(&child)?;
+    let timed_out = dog.stop();
+    Ok((
+        Output {
+            status,
+            stdout,
+            stderr,
+        },
+        timed_out,
+    ))
 }
 
 impl Ffmpeg {
@@ -96,10 +197,12 @@ impl Ffmpeg {
             Some(v) => Ffmpeg {
                 program: PathBuf::from(v),
                 from_env: true,
+                timeout: FFMPEG_TIMEOUT,
             },
             None => Ffmpeg {
                 program: PathBuf::from("ffmpeg"),
                 from_env: false,
+                timeout: FFMPEG_TIMEOUT,
             },
         }
     }
@@ -109,7 +212,25 @@ impl Ffmpeg {
         Ffmpeg {
             program: program.into(),
             from_env: false,
+            timeout: FFMPEG_TIMEOUT,
         }
+    }
+
+    /// The same ffmpeg with another time limit per run (default [`FFMPEG_TIMEOUT`]).
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    fn timed_out(&self, file: &Path, what: &str) -> VisionError {
+        file_error(
+            file,
+            format!(
+                "ffmpeg ran past {} s {what} and was stopped (a file that keeps ffmpeg \
+                 decoding that long is refused; cut or re-encode it)",
+                self.timeout.as_secs_f64()
+            ),
+        )
     }
 
     /// The executable run.
@@ -247,22 +368,22 @@ pub fn probe(ffmpeg: &Ffmpeg, path: &Path) -> Result<VideoInfo, VisionError> {
     }
     let mut last_stderr = Vec::new();
     for flag in FPS_MODE_FLAGS {
-        let out = ffmpeg
-            .command()
-            .args([
-                "-nostdin",
-                "-hide_banner",
-                "-nostats",
-                "-noautorotate",
-                "-i",
-            ])
-            .arg(input_url(path))
-            .args(["-map", "0:V:0", flag, "passthrough", "-f", "null", "-"])
-            .args(["-progress", "pipe:1"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .output()
-            .map_err(|e| ffmpeg.spawn_error(path, e))?;
+        let mut cmd = ffmpeg.command();
+        cmd.args([
+            "-nostdin",
+            "-hide_banner",
+            "-nostats",
+            "-noautorotate",
+            "-i",
+        ])
+        .arg(input_url(path))
+        .args(["-map", "0:V:0", flag, "passthrough", "-f", "null", "-"])
+        .args(["-progress", "pipe:1"]);
+        let (out, timed_out) =
+            output_within(cmd, ffmpeg.timeout).map_err(|e| ffmpeg.spawn_error(path, e))?;
+        if timed_out {
+            return Err(ffmpeg.timed_out(path, "counting the frames"));
+        }
         let stderr = String::from_utf8_lossy(&out.stderr);
         if !out.status.success() {
             if unrecognized(&out.stderr, flag) {
@@ -458,6 +579,9 @@ fn decode_run(
         .stderr(Stdio::piped());
     let mut child = cmd.spawn().map_err(|e| ffmpeg.spawn_error(path, e))?;
     let mut stderr = child.stderr.take().expect("piped stderr");
+    let mut stdout = child.stdout.take().expect("piped stdout");
+    let child = Arc::new(Mutex::new(child));
+    let dog = Watchdog::start(Arc::clone(&child), ffmpeg.timeout);
     // Read stderr alongside stdout so that a chatty ffmpeg never blocks on a full pipe.
     let stderr_reader = std::thread::spawn(move || {
         // the first MiB is kept for messages, the rest drained
@@ -466,7 +590,6 @@ fn decode_run(
         let _ = std::io::copy(&mut stderr, &mut std::io::sink());
         buf
     });
-    let mut stdout = child.stdout.take().expect("piped stdout");
     let frame_bytes = info.height * info.width * 3;
     let mut buffers = Vec::with_capacity(indices.len());
     let mut short = false;
@@ -492,8 +615,11 @@ fn decode_run(
         }
     }
     drop(stdout);
-    let status = child.wait();
+    let status = reap(&child);
     let stderr = stderr_reader.join().unwrap_or_default();
+    if dog.stop() {
+        return Err(ffmpeg.timed_out(path, "decoding the sampled frames"));
+    }
     let status = status.map_err(|e| VisionError::Io {
         file: path.to_path_buf(),
         source: e,
