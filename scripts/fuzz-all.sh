@@ -2,7 +2,8 @@
 # Runs every fuzz target for a fixed number of executions (default 1,000,000) and prints
 # one summary line per target: ares-core's math, and the parsers of untrusted model folders
 # and datasets (config YAML + overrides, chat templates, the model folder's JSON files,
-# image bytes, dataset rows, weight files, rubric criteria, the answer graders). Needs nightly and cargo-fuzz:
+# image bytes, dataset rows, weight files, rubric criteria and the grader command's replies,
+# the answer graders). Needs nightly and cargo-fuzz:
 #   rustup toolchain install nightly && cargo install cargo-fuzz
 #   scripts/fuzz-all.sh [RUNS] [TARGET...]
 # The code fuzzed forbids unsafe code or sits on crates that check their own, so the
@@ -37,6 +38,10 @@ seed dataset_rows "$root"/ares-runner/tests/fixtures/data/*.jsonl "$root"/ares-r
 seed math_grader "$root"/ares-runner/tests/fixtures/data/math.jsonl
 seed rubric_grader "$root"/ares-runner/tests/fixtures/data/rubrics.jsonl
 seed safetensors_files "$fx"/models/*/model.safetensors
+if [ ! -d corpus/grader_reply ]; then
+  mkdir -p corpus/grader_reply
+  printf '{"met": [true, false], "why": "the first is met"}' > corpus/grader_reply/seed
+fi
 
 for t in $targets; do
   mkdir -p "corpus/$t"

@@ -136,21 +136,30 @@ impl RubricGrader for CommandGrader {
             .process
             .next_line(self.timeout)
             .map_err(|e| self.error(e))?;
-        let met = serde_json::from_str::<Reply>(&reply)
-            .map_err(|e| {
-                self.error(format!(
-                    "expected one line {{\"met\": [true, false, …]}}, got `{}` ({e})",
-                    quote(&reply)
-                ))
-            })?
-            .met;
-        if met.len() != criteria.len() {
-            return Err(self.error(format!(
-                "replied {} verdicts for {} criteria",
-                met.len(),
-                criteria.len()
-            )));
-        }
-        Ok(met)
+        parse_reply(&reply, criteria.len()).map_err(|e| self.error(e))
     }
+}
+
+/// A grader's reply line: `{"met": [bool, …]}` with one verdict per criterion (other fields
+/// ignored). Public for fuzzing and for graders that speak the protocol in Rust.
+///
+/// # Errors
+/// Not that JSON (the reply is quoted, cut at 200 characters), or the wrong number of
+/// verdicts.
+pub fn parse_reply(reply: &str, criteria: usize) -> std::result::Result<Vec<bool>, String> {
+    let met = serde_json::from_str::<Reply>(reply)
+        .map_err(|e| {
+            format!(
+                "expected one line {{\"met\": [true, false, …]}}, got `{}` ({e})",
+                quote(reply)
+            )
+        })?
+        .met;
+    if met.len() != criteria {
+        return Err(format!(
+            "replied {} verdicts for {criteria} criteria",
+            met.len()
+        ));
+    }
+    Ok(met)
 }

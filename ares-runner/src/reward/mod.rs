@@ -24,7 +24,7 @@ mod python;
 mod rubric;
 
 pub use boxed::extract_boxed;
-pub use command::CommandGrader;
+pub use command::{CommandGrader, parse_reply as parse_grader_reply};
 pub use error::{Result, RewardError};
 pub use format::format_reward;
 pub use math::{MathGrade, answers_match, grade_math};
