@@ -78,6 +78,18 @@ trainer:
     Config::load(Some(&path), &overrides).map_err(|e| e.to_string())
 }
 
+/// Whether `python3` runs (the Python reward tests skip without it; CI has it).
+fn has_python() -> bool {
+    let ok = std::process::Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !ok {
+        eprintln!("python3 not found: skipping");
+    }
+    ok
+}
+
 fn trainer(cfg: Config) -> Result<Trainer<CpuBackend>, TrainError> {
     Trainer::new(cfg, CpuBackend, Arc::new(AtomicBool::new(false)))
 }
@@ -762,12 +774,7 @@ fn controls_work_with_every_estimator_loss_and_aggregation() {
 /// fields the trainer passes gives the built-in rewards (step 1: same rollout), and trains.
 #[test]
 fn python_reward_function_gives_the_builtin_rewards() {
-    let has_python = std::process::Command::new("python3")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has_python {
-        eprintln!("python3 not found: skipping");
+    if !has_python() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -818,12 +825,7 @@ fn python_reward_function_gives_the_builtin_rewards() {
 /// model and sizes overridden.
 #[test]
 fn easyr1_style_example_config_trains_two_steps() {
-    let has_python = std::process::Command::new("python3")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if !has_python {
-        eprintln!("python3 not found: skipping");
+    if !has_python() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

@@ -75,13 +75,9 @@ pub fn resolve_data_files_in(spec: &str, hub_roots: &[PathBuf]) -> Result<Vec<Pa
             source: std::io::Error::from(std::io::ErrorKind::NotFound),
         });
     }
-    let mut tried = Vec::new();
-    for root in hub_roots {
-        let repo = root.join(format!("datasets--{}", name.replace('/', "--")));
-        tried.push(repo.display().to_string());
-        if let Some(snapshot) = snapshot(&repo)? {
-            return split_files(&snapshot, split, spec);
-        }
+    let (found, tried) = cached_snapshot(hub_roots, "datasets", name)?;
+    if let Some(snapshot) = found {
+        return split_files(&snapshot, split, spec);
     }
     Err(not_found(
         spec,
@@ -106,13 +102,10 @@ pub fn resolve_model_dir(spec: &str) -> std::result::Result<PathBuf, String> {
     if path.exists() || spec.starts_with(['/', '.', '~']) || spec.matches('/').count() != 1 {
         return Ok(path.to_path_buf());
     }
-    let mut tried = Vec::new();
-    for root in hub_roots() {
-        let repo = root.join(format!("models--{}", spec.replace('/', "--")));
-        tried.push(repo.display().to_string());
-        if let Some(snapshot) = snapshot(&repo).map_err(|e| e.to_string())? {
-            return Ok(snapshot);
-        }
+    let (found, tried) =
+        cached_snapshot(&hub_roots(), "models", spec).map_err(|e| e.to_string())?;
+    if let Some(snapshot) = found {
+        return Ok(snapshot);
     }
     Err(format!(
         "{spec}: no such directory, and no Hugging Face model `{spec}` in the hub cache \
@@ -142,6 +135,24 @@ fn hub_roots() -> Vec<PathBuf> {
     roots.extend(var("HOME").map(|h| h.join(".cache/huggingface/hub")));
     roots.dedup();
     roots
+}
+
+/// The snapshot of `kind` (`datasets`, `models`) `owner/name` in the first hub cache of
+/// `roots` that has it, and the repository directories looked in.
+fn cached_snapshot(
+    roots: &[PathBuf],
+    kind: &str,
+    name: &str,
+) -> Result<(Option<PathBuf>, Vec<String>)> {
+    let mut tried = Vec::new();
+    for root in roots {
+        let repo = root.join(format!("{kind}--{}", name.replace('/', "--")));
+        tried.push(repo.display().to_string());
+        if let Some(found) = snapshot(&repo)? {
+            return Ok((Some(found), tried));
+        }
+    }
+    Ok((None, tried))
 }
 
 /// The snapshot directory of a cached hub repository: `refs/main`'s revision, else the

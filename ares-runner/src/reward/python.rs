@@ -269,24 +269,28 @@ impl PythonWorker {
         &self.loggers
     }
 
-    /// Sends `message` and waits for `{"logged": true}`.
-    fn exchange_log(&mut self, message: &Value) -> Result<()> {
+    /// Sends one line and reads the reply: the parsed reply, or the unparsed line.
+    fn request(&mut self, line: &str) -> Result<std::result::Result<Reply, String>> {
         if let Some(why) = self.process.broken() {
             return Err(self.error(format!("unusable after an earlier failure: {why}")));
         }
-        self.process
-            .send(&message.to_string())
-            .map_err(|e| self.error(e))?;
+        self.process.send(line).map_err(|e| self.error(e))?;
         let reply = self
             .process
             .next_line(Some(self.timeout))
             .map_err(|e| self.error(e))?;
-        match serde_json::from_str::<Reply>(&reply) {
+        Ok(serde_json::from_str::<Reply>(&reply).map_err(|_| reply))
+    }
+
+    /// Sends `message` and waits for `{"logged": true}`.
+    fn exchange_log(&mut self, message: &Value) -> Result<()> {
+        match self.request(&message.to_string())? {
             Ok(Reply::Logged { .. }) => Ok(()),
             Ok(Reply::Error {
                 error, traceback, ..
             }) => Err(self.error(with_traceback(error, &traceback))),
-            _ => Err(self.error(format!("the worker said `{}`", quote(&reply)))),
+            Ok(_) => Err(self.error("the worker answered a log with something else".into())),
+            Err(reply) => Err(self.error(format!("the worker said `{}`", quote(&reply)))),
         }
     }
 
@@ -326,16 +330,10 @@ impl PythonWorker {
         if self.process.broken().is_some() || self.loggers.is_empty() {
             return Ok(());
         }
-        self.process
-            .send(r#"{"finish": true}"#)
-            .map_err(|e| self.error(e))?;
-        let reply = self
-            .process
-            .next_line(Some(self.timeout))
-            .map_err(|e| self.error(e))?;
-        match serde_json::from_str::<Reply>(&reply) {
+        match self.request(r#"{"finish": true}"#)? {
             Ok(Reply::Finished { .. }) => Ok(()),
-            _ => Err(self.error(format!("the worker said `{}`", quote(&reply)))),
+            Ok(_) => Err(self.error("the worker answered `finish` with something else".into())),
+            Err(reply) => Err(self.error(format!("the worker said `{}`", quote(&reply)))),
         }
     }
 
