@@ -575,7 +575,6 @@ fn corrupt_and_non_video_files() {
 #[cfg(unix)]
 #[test]
 fn odd_ffmpeg_behaviour_is_reported() {
-    use std::os::unix::fs::PermissionsExt;
     let tmp = tempfile::tempdir().unwrap();
     let video = tmp.path().join("clip.mp4");
     std::fs::write(&video, b"not read by the fake ffmpeg").unwrap();
@@ -618,8 +617,7 @@ echo "progress=end"
         .iter()
         .map(|mode| {
             let path = tmp.path().join(format!("ffmpeg-{mode}"));
-            std::fs::write(&path, script(mode)).unwrap();
-            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+            write_executable(&path, &script(mode));
             Ffmpeg::at(path)
         })
         .collect();
@@ -704,15 +702,26 @@ fn declared_video_sizes_are_bounded_before_decoding() {
     );
 }
 
+/// Writes a shell script and marks it executable, from a child `sh` rather than this
+/// process: a file this (multi-threaded) test process held open for writing could be
+/// inherited by a child another test thread forks at that moment, and executing it then
+/// fails with ETXTBSY ("Text file busy") until that child has exec'd.
+fn write_executable(path: &Path, text: &str) {
+    let status = std::process::Command::new("sh")
+        .args(["-c", "printf '%s' \"$1\" > \"$2\" && chmod 755 \"$2\"", "sh", text])
+        .arg(path)
+        .status()
+        .unwrap();
+    assert!(status.success(), "writing {}: {status}", path.display());
+}
+
 /// An ffmpeg run that does not end (a hostile file, or a stuck decoder) is killed at the
 /// time limit, counting frames and decoding them alike.
 #[test]
 fn a_hanging_ffmpeg_is_stopped_at_its_time_limit() {
-    use std::os::unix::fs::PermissionsExt;
     let tmp = tempfile::tempdir().unwrap();
     let script = tmp.path().join("ffmpeg");
-    std::fs::write(&script, "#!/bin/sh\nexec sleep 60\n").unwrap();
-    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    write_executable(&script, "#!/bin/sh\nexec sleep 60\n");
     let video = tmp.path().join("v.mp4");
     std::fs::write(&video, b"not really a video").unwrap();
     let ffmpeg = Ffmpeg::at(&script).with_timeout(std::time::Duration::from_millis(300));
