@@ -629,6 +629,16 @@ fn write_roundtrip_checkpoints() {
 /// tensor is read or allocated.
 #[test]
 fn safetensors_headers_that_claim_too_much_are_refused() {
+    // a 100 GB tensor and a 10 GB header are declared: neither may be reserved
+    let Some(_peak) = ares_tests::bounded::rerun(
+        "safetensors_headers_that_claim_too_much_are_refused",
+        ares_tests::bounded::Bounds {
+            address_space_mib: 2048,
+            peak_rss_mib: 16,
+        },
+    ) else {
+        return;
+    };
     let (_tmp, dir) = copy_fixture("qwen2_tiny");
     let path = dir.join("model.safetensors");
     let write_header = |header: &str, data: usize| {
@@ -664,6 +674,16 @@ fn safetensors_headers_that_claim_too_much_are_refused() {
 /// they hold at most `MAX_ROPE_POSITIONS`, and a position past them is refused by name.
 #[test]
 fn a_huge_declared_context_does_not_allocate_its_rope_table() {
+    // 4 × 10⁹ positions' tables would be hundreds of GB
+    let Some(_peak) = ares_tests::bounded::rerun(
+        "a_huge_declared_context_does_not_allocate_its_rope_table",
+        ares_tests::bounded::Bounds {
+            address_space_mib: 2048,
+            peak_rss_mib: 64,
+        },
+    ) else {
+        return;
+    };
     use ares_model::model::{MAX_ROPE_POSITIONS, Model};
     let (_tmp, dir) = copy_fixture("qwen2_tiny");
     edit_config(&dir, |c| {

@@ -676,6 +676,16 @@ echo "progress=end"
 /// not even started: this ffmpeg does not exist).
 #[test]
 fn declared_video_sizes_are_bounded_before_decoding() {
+    // the frames declared are 30 GB and 12 GB: neither may be reserved
+    let Some(_peak) = ares_tests::bounded::rerun(
+        "declared_video_sizes_are_bounded_before_decoding",
+        ares_tests::bounded::Bounds {
+            address_space_mib: 2048,
+            peak_rss_mib: 16,
+        },
+    ) else {
+        return;
+    };
     let ffmpeg = Ffmpeg::at("ares-no-such-ffmpeg");
     let info = |height, width| VideoInfo {
         height,
@@ -708,7 +718,12 @@ fn declared_video_sizes_are_bounded_before_decoding() {
 /// fails with ETXTBSY ("Text file busy") until that child has exec'd.
 fn write_executable(path: &Path, text: &str) {
     let status = std::process::Command::new("sh")
-        .args(["-c", "printf '%s' \"$1\" > \"$2\" && chmod 755 \"$2\"", "sh", text])
+        .args([
+            "-c",
+            "printf '%s' \"$1\" > \"$2\" && chmod 755 \"$2\"",
+            "sh",
+            text,
+        ])
         .arg(path)
         .status()
         .unwrap();
