@@ -593,3 +593,76 @@ fn a_parquet_file_that_panics_the_decoder_is_an_error() {
         "{e}"
     );
 }
+
+/// A Snappy page whose header declares 128 MiB uncompressed, in a file of 70 KiB: the
+/// `parquet` crate would zero-fill 128 MiB before finding the page short. The header is
+/// read first and the page refused by name, without that allocation.
+#[test]
+fn a_page_that_declares_more_than_its_chunk_is_refused() {
+    let Some(mut peak) = ares_tests::bounded::rerun(
+        "a_page_that_declares_more_than_its_chunk_is_refused",
+        ares_tests::bounded::Bounds {
+            address_space_mib: 2048,
+            peak_rss_mib: 48,
+        },
+    ) else {
+        return;
+    };
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bomb.parquet");
+    let schema = Arc::new(
+        parse_message_type(
+            "message m { REQUIRED BYTE_ARRAY prompt (UTF8); REQUIRED BYTE_ARRAY answer (UTF8); }",
+        )
+        .unwrap(),
+    );
+    let props = WriterProperties::builder()
+        .set_compression(Compression::SNAPPY)
+        .set_dictionary_enabled(false)
+        .build();
+    let mut w =
+        SerializedFileWriter::new(fs::File::create(&path).unwrap(), schema, Arc::new(props))
+            .unwrap();
+    let mut rg = w.next_row_group().unwrap();
+    // 1.5 MB: the page's size takes a 4-byte varint, room for 2^27 - 1 in place
+    for value in ["0".repeat(1_500_000), "0".into()] {
+        let mut col = rg.next_column().unwrap().unwrap();
+        col.typed::<ByteArrayType>()
+            .write_batch(&[ByteArray::from(value.into_bytes())], None, None)
+            .unwrap();
+        col.close().unwrap();
+    }
+    rg.close().unwrap();
+    w.close().unwrap();
+    load_dataset(&path, &DataKeys::default()).unwrap();
+
+    // PageHeader: 0x15 type (DATA_PAGE = zigzag 0), 0x15 uncompressed_page_size (varint)
+    let at = SerializedFileReader::new(fs::File::open(&path).unwrap())
+        .unwrap()
+        .metadata()
+        .row_group(0)
+        .column(0)
+        .data_page_offset() as usize;
+    let mut bytes = fs::read(&path).unwrap();
+    assert!(bytes.len() < 100 << 10, "{}", bytes.len());
+    assert_eq!(&bytes[at..at + 3], &[0x15, 0x00, 0x15]);
+    let size = &mut bytes[at + 3..at + 7];
+    assert!(size[..3].iter().all(|b| b & 0x80 != 0) && size[3] & 0x80 == 0);
+    // zigzag(2^27 - 1) = 2^28 - 2 in four 7-bit groups
+    size.copy_from_slice(&[0xfe, 0xff, 0xff, 0x7f]);
+    fs::write(&path, &bytes).unwrap();
+    drop(bytes);
+    peak.restart();
+    let e = load_dataset(&path, &DataKeys::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("bomb.parquet")
+            && e.contains("row group 0, column prompt: page 0")
+            && e.contains(
+                "declares 134217727 bytes uncompressed, more than its whole column chunk"
+            ),
+        "{e}"
+    );
+}

@@ -100,15 +100,20 @@ pub struct Peak {
 
 impl Peak {
     fn start() -> Self {
+        let mut peak = Self { start_kib: None };
+        peak.restart();
+        peak
+    }
+
+    /// Counts from here: what the test built before (its inputs) is not the body's peak.
+    pub fn restart(&mut self) {
         if std::env::var_os(CHILD).is_none() {
-            return Self { start_kib: None };
+            return;
         }
         // "5" resets the peak (VmHWM) to the present resident size (Linux ≥ 4.0); where that
         // is not allowed, the peak counts from the process's start, which only overstates.
         let _ = std::fs::write("/proc/self/clear_refs", "5");
-        Self {
-            start_kib: status_kib("VmRSS"),
-        }
+        self.start_kib = status_kib("VmRSS");
     }
 }
 

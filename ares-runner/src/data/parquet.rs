@@ -15,11 +15,13 @@ use super::error::{DataError, Location, Result};
 use super::media::base64_encode;
 use super::row::RawRow;
 
-/// Reads every row of a Parquet file.
+mod pages;
+
 /// The most uncompressed bytes a row group may declare (1 GiB): the loader reads a group's
 /// pages whole, and dataset files hold groups of a few to a few hundred MiB.
 const MAX_ROW_GROUP_BYTES: u64 = 1 << 30;
 
+/// Reads every row of a Parquet file.
 pub(crate) fn read_parquet(path: &Path) -> Result<Vec<RawRow>> {
     // The `parquet` crate can panic on a malformed file (found by fuzzing: a slice past a
     // page's end in its bit reader). A downloaded file must give an error, so a panic in
@@ -49,23 +51,26 @@ fn read_parquet_unguarded(path: &Path) -> Result<Vec<RawRow>> {
         message: e.to_string(),
     };
     let reader = SerializedFileReader::new(file).map_err(|e| fail(None, e))?;
-    // the footer's sizes come from the file: refuse a row group that declares more than a
-    // dataset row group holds before its pages are read
-    for (i, rg) in reader.metadata().row_groups().iter().enumerate() {
-        let declared = u64::try_from(rg.total_byte_size()).unwrap_or(u64::MAX);
-        if declared > MAX_ROW_GROUP_BYTES {
-            return Err(DataError::Parquet {
-                path: path.to_path_buf(),
-                row: None,
-                message: format!(
-                    "row group {i} declares {} MiB uncompressed, more than {} MiB; write the \
-                     file with smaller row groups (pyarrow's row_group_size)",
-                    declared >> 20,
-                    MAX_ROW_GROUP_BYTES >> 20
-                ),
-            });
-        }
-    }
+    // the footer's and the page headers' sizes come from the file: refuse what declares
+    // more than a dataset holds before the decoder allocates it
+    let mut again = File::open(path).map_err(|source| DataError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let len = again
+        .metadata()
+        .map_err(|source| DataError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?
+        .len();
+    pages::check_declared_sizes(&mut again, len, reader.metadata(), MAX_ROW_GROUP_BYTES).map_err(
+        |message| DataError::Parquet {
+            path: path.to_path_buf(),
+            row: None,
+            message,
+        },
+    )?;
     let iter = reader.get_row_iter(None).map_err(|e| fail(None, e))?;
     let mut rows = Vec::new();
     for (row, r) in iter.enumerate() {
