@@ -1132,3 +1132,37 @@ fn book_length_prompts_are_refused_before_tokenizing() {
         "{e}"
     );
 }
+
+/// A model whose `config.json` declares more than this machine holds is refused before its
+/// weights are read, with the parts the run needs named; under the bound a child process
+/// checks that nothing of that size was reserved.
+#[test]
+fn a_run_that_cannot_fit_in_memory_is_refused_before_loading() {
+    let Some(_peak) = ares_tests::bounded::rerun(
+        "a_run_that_cannot_fit_in_memory_is_refused_before_loading",
+        ares_tests::bounded::Bounds {
+            address_space_mib: 2048,
+            peak_rss_mib: 256,
+        },
+    ) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let path = a.model_dir.join("config.json");
+    let mut c: Map<String, Value> =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    // ~2.7 × 10¹² parameters: 10 TB in f32, 50 TB with gradients, moments and reference
+    c.insert("num_hidden_layers".into(), 4096.into());
+    c.insert("intermediate_size".into(), 100_000_000.into());
+    std::fs::write(&path, serde_json::to_string(&c).unwrap()).unwrap();
+    let cfg = config(&a, &dir.path().join("run"), &[]).unwrap();
+    let e = trainer(cfg).unwrap_err().to_string();
+    assert!(
+        e.contains("this run needs at least")
+            && e.contains("weights (f32)")
+            && e.contains("AdamW moments")
+            && e.contains("available"),
+        "{e}"
+    );
+}

@@ -27,6 +27,7 @@ pub mod device;
 pub mod eval;
 pub mod grading;
 pub mod hwe;
+pub mod memory;
 pub mod policy;
 pub mod prepare;
 pub mod prompts;

@@ -155,6 +155,12 @@ impl<B: Backend + Clone> Trainer<B> {
         };
         let settings = step_settings(&cfg, total_steps)?;
 
+        check_memory(
+            &cfg,
+            &model_dir,
+            backend.name() == "cpu",
+            settings.kl.enabled,
+        )?;
         let initial = ModelFiles::load(&model_dir)?;
         let max_positions = initial.text_config().max_position_embeddings;
         let longest = train_ids.iter().map(Vec::len).max().unwrap_or(0);
@@ -942,6 +948,31 @@ fn start_python_worker(cfg: &Config, run_dir: &Path) -> Result<Option<PythonWork
         t.elapsed().as_secs_f64()
     );
     Ok(Some(worker))
+}
+
+/// Refuses a run that cannot fit in this machine's memory before the model is loaded
+/// ([`super::memory`]); prints a warning when its KV cache might not.
+fn check_memory(
+    cfg: &Config,
+    model_dir: &Path,
+    on_cpu: bool,
+    reference: bool,
+) -> Result<(), TrainError> {
+    let invalid = |e: crate::hf::HfError| TrainError::Invalid(e.to_string());
+    let config = if crate::vision::config::VlConfig::is_vl_dir(model_dir) {
+        crate::vision::config::VlConfig::from_dir(model_dir)
+            .map_err(invalid)?
+            .text
+    } else {
+        crate::hf::config::ModelConfig::from_dir(model_dir).map_err(invalid)?
+    };
+    let need = super::memory::host_need(cfg, &config, on_cpu, reference);
+    if let Some((available, source)) = super::memory::available_host_memory()?
+        && let Some(warning) = super::memory::check(&need, available, &source)?
+    {
+        eprintln!("{warning}");
+    }
+    Ok(())
 }
 
 /// The reference answer of every row of groups of `n` samples of `items` (of `train`).
