@@ -408,3 +408,47 @@ fn chat_templates_are_bounded() {
         "hi"
     );
 }
+
+/// `trim`, `.strip()`, `.lstrip()`, `.rstrip()` and `.split()` see whitespace as Python
+/// does: U+001C–U+001F too (Rust's `str::trim` keeps them, and a Llama 3 prompt ending in
+/// `\x1f` rendered one token longer than transformers'). Expected: Jinja2 3.1 on the same
+/// template and string.
+#[test]
+fn templates_strip_what_python_strips() {
+    let source = "[{{ messages[0]['content']|trim }}][{{ messages[0]['content'].strip() }}]\
+        [{{ messages[0]['content'].lstrip() }}][{{ messages[0]['content'].rstrip() }}]\
+        [{{ messages[0]['content'].split()|join('|') }}]\
+        [{{ messages[0]['content'].split(none, 1)|join('|') }}]\
+        [{{ messages[0]['content'].strip('\x1c ') }}][{{ 'a,b'.split(',')|join('|') }}]";
+    let t = ChatTemplate::from_source(source, Default::default()).unwrap();
+    let out = t
+        .render(
+            &[ChatMessage::user("\x1c a\u{3000}b  c \x1f")],
+            &RenderOptions::default(),
+        )
+        .unwrap();
+    assert_eq!(
+        out,
+        "[a\u{3000}b  c][a\u{3000}b  c][a\u{3000}b  c \x1f][\x1c a\u{3000}b  c][a|b|c]\
+         [a|b  c \x1f][a\u{3000}b  c \x1f][a|b]"
+    );
+    // the Llama 3-style template of the fixtures trims each message
+    let llama = ChatTemplate::from_source(
+        &std::fs::read_to_string(fixtures().join("templates/llama3_like.jinja")).unwrap(),
+        Default::default(),
+    )
+    .unwrap();
+    let a = llama
+        .render(
+            &[ChatMessage::user("What is 2+2?\x1f")],
+            &RenderOptions::generation(),
+        )
+        .unwrap();
+    let b = llama
+        .render(
+            &[ChatMessage::user("What is 2+2?")],
+            &RenderOptions::generation(),
+        )
+        .unwrap();
+    assert_eq!(a, b);
+}

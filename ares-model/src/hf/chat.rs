@@ -633,9 +633,10 @@ impl ChatTemplate {
             })?;
         env.set_syntax(syntax);
         env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(python_methods);
         env.set_formatter(python_formatter);
         env.add_filter("tojson", tojson_filter);
+        env.add_filter("trim", trim_filter);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", move |format: String| {
             fixed_now
@@ -858,6 +859,71 @@ fn raised_message(e: &JinjaError) -> Option<String> {
 }
 
 /// `raise_exception(message)`: fails the render with `message`.
+/// Python's `str.isspace()`: Unicode `White_Space` (Rust's `char::is_whitespace`) and the
+/// four separators U+001C–U+001F, which Rust's `str::trim` keeps and Python strips.
+fn is_python_space(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// Python's `str.strip(chars)` (`left`/`right`: `lstrip`/`rstrip` are one side of it);
+/// `chars = None` strips [`is_python_space`] characters.
+fn python_strip<'a>(s: &'a str, chars: Option<&str>, left: bool, right: bool) -> &'a str {
+    let strip = |c: char| chars.map_or_else(|| is_python_space(c), |set| set.contains(c));
+    let s = if left { s.trim_start_matches(strip) } else { s };
+    if right { s.trim_end_matches(strip) } else { s }
+}
+
+/// Python's `str.split(None, maxsplit)`: runs of whitespace separate, none at the ends;
+/// after `maxsplit` splits the rest is one item, its leading whitespace dropped.
+fn python_split_whitespace(s: &str, maxsplit: Option<i64>) -> Vec<Value> {
+    let mut out = Vec::new();
+    let mut rest = s.trim_start_matches(is_python_space);
+    while !rest.is_empty() {
+        if maxsplit.is_some_and(|m| m >= 0 && out.len() as i64 == m) {
+            out.push(Value::from(rest));
+            break;
+        }
+        let end = rest.find(is_python_space).unwrap_or(rest.len());
+        out.push(Value::from(&rest[..end]));
+        rest = rest[end..].trim_start_matches(is_python_space);
+    }
+    out
+}
+
+/// Jinja2's `trim` filter is Python's `str.strip(chars)`.
+fn trim_filter(s: &str, chars: Option<&str>) -> String {
+    python_strip(s, chars, true, true).to_string()
+}
+
+/// Python's string, dict and list methods: `minijinja-contrib`'s, except those whose idea
+/// of whitespace must be Python's (`strip`, `lstrip`, `rstrip`, `split()`): a template's
+/// output then matches transformers' character for character.
+fn python_methods(
+    state: &mut State,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> std::result::Result<Value, JinjaError> {
+    if let Some(s) = value.as_str() {
+        match method {
+            "strip" | "lstrip" | "rstrip" => {
+                let (chars,): (Option<&str>,) = minijinja::value::from_args(args)?;
+                let (left, right) = (method != "rstrip", method != "lstrip");
+                return Ok(Value::from(python_strip(s, chars, left, right)));
+            }
+            "split" => {
+                let (sep, maxsplit): (Option<&str>, Option<i64>) =
+                    minijinja::value::from_args(args)?;
+                if sep.is_none() {
+                    return Ok(Value::from(python_split_whitespace(s, maxsplit)));
+                }
+            }
+            _ => {}
+        }
+    }
+    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+}
+
 fn raise_exception(message: Value) -> std::result::Result<Value, JinjaError> {
     let text = match message.as_str() {
         Some(s) => s.to_string(),
