@@ -838,3 +838,65 @@ fn streaming_hook_sees_every_new_token_in_order() {
         assert_eq!(streamed, generator.generate(&request).unwrap());
     }
 }
+
+/// `--tools` and `--chat-template-kwargs` reach the chat template as transformers'
+/// `tools=` and `**kwargs`; malformed ones are refused by flag.
+#[test]
+fn tools_and_template_variables_reach_the_chat_template() {
+    let model = demo_model();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    std::fs::create_dir(&dir).unwrap();
+    for f in std::fs::read_dir(model).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+    }
+    // digits only, which the demo tokenizer spells one by one
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        "{{ tools|length if tools else 0 }}{{ 7 if enable_thinking is false else 3 }}+\
+         {% for m in messages %}{{ m['content'] }}{% endfor %}",
+    )
+    .unwrap();
+    let tools = tmp.path().join("tools.json");
+    std::fs::write(
+        &tools,
+        r#"[{"type": "function", "function": {"name": "calc", "parameters": {}}}]"#,
+    )
+    .unwrap();
+    let tok = ares_runner::hf::tokenizer::Tokenizer::from_dir(&dir).unwrap();
+    let common = ["--greedy", "--max-new-tokens", "2", "--prompt", "1+1"];
+    let ids = |extra: &[&str]| {
+        let mut flags = common.to_vec();
+        flags.extend_from_slice(extra);
+        run(&dir, &flags).0[0].input_ids.clone()
+    };
+    assert_eq!(ids(&[]), tok.encode("03+1+1", false).unwrap());
+    let t = tools.display().to_string();
+    assert_eq!(
+        ids(&[
+            "--tools",
+            &t,
+            "--chat-template-kwargs",
+            r#"{"enable_thinking": false}"#
+        ]),
+        tok.encode("17+1+1", false).unwrap()
+    );
+
+    let e = error(&dir, &["--prompt", "x", "--chat-template-kwargs", "[1]"]);
+    assert!(e.contains("expected a JSON object"), "{e}");
+    let e = error(
+        &dir,
+        &["--prompt", "x", "--chat-template-kwargs", r#"{"tools": 1}"#],
+    );
+    assert!(e.contains("`tools` is set by ares itself"), "{e}");
+    std::fs::write(&tools, r#"{"name": "calc"}"#).unwrap();
+    let e = error(&dir, &["--prompt", "x", "--tools", &t]);
+    assert!(
+        e.contains("tools.json") && e.contains("expected a list of tool schemas, found an object"),
+        "{e}"
+    );
+    std::fs::write(&tools, r#"[{"type": "function"}, "calc"]"#).unwrap();
+    let e = error(&dir, &["--prompt", "x", "--tools", &t]);
+    assert!(e.contains("`tools[1]`"), "{e}");
+}

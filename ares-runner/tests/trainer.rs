@@ -1166,3 +1166,59 @@ fn a_run_that_cannot_fit_in_memory_is_refused_before_loading() {
         "{e}"
     );
 }
+
+/// `data.tools` and `data.apply_chat_template_kwargs` (verl's key) are rendered into every
+/// prompt by the chat template; a variable ares sets itself and a malformed tools file are
+/// refused by key.
+#[test]
+fn tools_and_template_variables_reach_every_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let template = dir.path().join("t.jinja");
+    std::fs::write(
+        &template,
+        "{{ tools|length if tools else 0 }}{{ 7 if enable_thinking is false else 3 }}|\
+         {% for m in messages %}{{ m['content'] }}{% endfor %}",
+    )
+    .unwrap();
+    let tools = dir.path().join("tools.json");
+    std::fs::write(
+        &tools,
+        r#"[{"type": "function", "function": {"name": "calc"}},
+            {"type": "function", "function": {"name": "search"}}]"#,
+    )
+    .unwrap();
+    let t = format!("data.override_chat_template={}", template.display());
+    let text = |overrides: &[&str]| {
+        let mut all = vec![t.as_str()];
+        all.extend_from_slice(overrides);
+        let cfg = config(&a, &dir.path().join("t"), &all).unwrap();
+        let r = ares_runner::trainer::setup::renderer(&cfg, &a.model_dir)?;
+        let examples =
+            ares_runner::trainer::setup::load_examples(&cfg, &a.train.display().to_string())
+                .unwrap();
+        r.text(&examples[0], None)
+    };
+    assert!(text(&[]).unwrap().starts_with("03|"));
+    let tools_key = format!("data.tools={}", tools.display());
+    let with = text(&[
+        &tools_key,
+        "data.apply_chat_template_kwargs.enable_thinking=false",
+    ])
+    .unwrap();
+    assert!(with.starts_with("27|"), "{with}");
+
+    let e = config(
+        &a,
+        &dir.path().join("t"),
+        &["data.apply_chat_template_kwargs.add_generation_prompt=false"],
+    )
+    .unwrap_err();
+    assert!(
+        e.contains("data.apply_chat_template_kwargs.add_generation_prompt"),
+        "{e}"
+    );
+    std::fs::write(&tools, "not json").unwrap();
+    let e = text(&[&tools_key]).unwrap_err().to_string();
+    assert!(e.contains("data.tools") && e.contains("not JSON"), "{e}");
+}

@@ -448,6 +448,51 @@ impl RenderOptions<'_> {
     }
 }
 
+/// The template variables a render sets itself; extra variables may not be named so.
+pub const RENDER_VARIABLES: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
+
+/// Reads a JSON file of tool schemas — a list of objects, as transformers'
+/// `apply_chat_template(tools=…)` takes them (`{"type": "function", "function": {"name",
+/// "description", "parameters"}}`), passed to the template as they are.
+///
+/// # Errors
+/// [`ChatError::Io`] when unreadable; [`ChatError::Field`] when not JSON, not a list, or an
+/// entry is not an object.
+pub fn read_tools(path: &Path) -> Result<Vec<Json>> {
+    let text = std::fs::read_to_string(path).map_err(|source| ChatError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let field = |field: String, reason: String| ChatError::Field {
+        path: path.to_path_buf(),
+        field,
+        reason,
+    };
+    let tools = match serde_json::from_str::<Json>(&text) {
+        Ok(Json::Array(tools)) => tools,
+        Ok(other) => {
+            return Err(field(
+                "tools".into(),
+                format!(
+                    "expected a list of tool schemas, found {}",
+                    json_kind(&other)
+                ),
+            ));
+        }
+        Err(e) => return Err(field("tools".into(), format!("not JSON: {e}"))),
+    };
+    if let Some((i, t)) = tools.iter().enumerate().find(|(_, t)| !t.is_object()) {
+        return Err(field(
+            format!("tools[{i}]"),
+            format!(
+                "expected a tool schema (an object with `type` and `function`), found {}",
+                json_kind(t)
+            ),
+        ));
+    }
+    Ok(tools)
+}
+
 /// Puts `system` in front of a conversation: replaces the content of a leading `system`
 /// message, or inserts one. A template's default system turn (Qwen2.5's) is only written
 /// when no system message is given, so it is replaced, never doubled.

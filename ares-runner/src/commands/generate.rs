@@ -43,13 +43,14 @@ use serde_json::Value;
 
 use crate::backend::Backend;
 use crate::config::Config;
-use crate::hf::chat::{ChatError, ChatMessage, ChatTemplate, RenderOptions};
+use crate::hf::chat::{ChatError, ChatMessage, ChatTemplate};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::generation::GenerationConfig;
 use crate::hf::tokenizer::{TOKENIZER_FILE, Tokenizer};
 use crate::model::{GenerateOutput, GenerateRequest, Sampling};
 use crate::trainer::TrainError;
 use crate::trainer::actor::ActorGenerator;
+use crate::trainer::prompts::TemplateInputs;
 use crate::trainer::setup::{ModelFiles, build_actor};
 use crate::vision::checkpoint::VlCheckpoint;
 use crate::vision::config::{VlConfig, VlKind};
@@ -128,6 +129,51 @@ pub struct GenerateArgs {
     /// Tokenize the prompt text as is (no chat template).
     #[arg(long)]
     pub no_chat_template: bool,
+    /// A JSON file of tool schemas (a list, as transformers' `tools=`) the chat template
+    /// renders into every prompt (as `data.tools` in training).
+    #[arg(long, value_name = "FILE.json", conflicts_with = "no_chat_template")]
+    pub tools: Option<PathBuf>,
+    /// Extra chat-template variables as a JSON object, e.g. '{"enable_thinking": false}'
+    /// (as `data.apply_chat_template_kwargs` in training).
+    #[arg(long, value_name = "JSON", conflicts_with = "no_chat_template")]
+    pub chat_template_kwargs: Option<String>,
+}
+
+/// The chat template's inputs of `--tools` and `--chat-template-kwargs`.
+///
+/// # Errors
+/// An unreadable or malformed tools file; kwargs that are not a JSON object, or name a
+/// variable the render sets.
+fn template_inputs(args: &GenerateArgs) -> Result<TemplateInputs, TrainError> {
+    let tools = args
+        .tools
+        .as_deref()
+        .map(|f| crate::hf::chat::read_tools(f).map_err(|e| invalid(format!("--tools: {e}"))))
+        .transpose()?;
+    let kwargs = match &args.chat_template_kwargs {
+        None => None,
+        Some(text) => match serde_json::from_str::<Value>(text) {
+            Ok(Value::Object(map)) => {
+                if let Some(k) = map
+                    .keys()
+                    .find(|k| crate::hf::chat::RENDER_VARIABLES.contains(&k.as_str()))
+                {
+                    return Err(invalid(format!(
+                        "--chat-template-kwargs: `{k}` is set by ares itself (tools come from \
+                         --tools)"
+                    )));
+                }
+                Some(map)
+            }
+            Ok(_) | Err(_) => {
+                return Err(invalid(format!(
+                    "--chat-template-kwargs {text:?}: expected a JSON object, e.g. \
+                     '{{\"enable_thinking\": false}}'"
+                )));
+            }
+        },
+    };
+    Ok(TemplateInputs { tools, kwargs })
 }
 
 /// What a prompt says: a text (a `--prompt` or `{"prompt": "..."}`) or a conversation.
@@ -216,7 +262,14 @@ pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<Vec<Completi
         }
     }
     let tokenizer = load_tokenizer(&args.model)?;
-    let mut input_ids = prompt_ids(&args.model, &tokenizer, &prompts, args.no_chat_template)?;
+    let inputs = template_inputs(args)?;
+    let mut input_ids = prompt_ids(
+        &args.model,
+        &tokenizer,
+        &prompts,
+        args.no_chat_template,
+        &inputs,
+    )?;
     // the media before the device and the weights: a bad image fails fast
     let media = if vision {
         vision_inputs(&args.model, &prompts, &mut input_ids, args.video_fps)?
@@ -282,6 +335,7 @@ fn prompt_ids(
     tokenizer: &Tokenizer,
     prompts: &[Prompt],
     raw: bool,
+    inputs: &TemplateInputs,
 ) -> Result<Vec<Vec<u32>>, TrainError> {
     let chat = if raw {
         None
@@ -301,7 +355,7 @@ fn prompt_ids(
         let ids = match (&chat, &p.input) {
             (Some(chat), _) => {
                 let text = chat
-                    .render(&prompt_messages(p)?, &RenderOptions::generation())
+                    .render(&prompt_messages(p)?, &inputs.generation())
                     .map_err(|e| invalid(format!("{}: {e}", p.origin)))?;
                 tokenizer.encode(&text, false)
             }

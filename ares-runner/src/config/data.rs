@@ -47,6 +47,14 @@ pub struct DataConfig {
     /// A jinja file that replaces the model's chat template (EasyR1 reads a file; the ARES
     /// fork's literal template text is not accepted) (default null: the model's).
     pub override_chat_template: Option<String>,
+    /// Variables the chat template is rendered with, as transformers'
+    /// `apply_chat_template(**kwargs)` takes them and verl names the key (e.g.
+    /// `enable_thinking: false`); `messages`, `tools`, `documents` and
+    /// `add_generation_prompt` are set by ares (default null: none).
+    pub apply_chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// A JSON file of tool schemas — a list, as transformers' `apply_chat_template(tools=…)`
+    /// takes them — that the chat template renders into every prompt (default null: none).
+    pub tools: Option<String>,
     /// Longest prompt in tokens, ≥ 1 (default 512).
     pub max_prompt_length: usize,
     /// Longest response in tokens, ≥ 1 (default 512).
@@ -87,6 +95,8 @@ impl Default for DataConfig {
             video_fps: 2.0,
             format_prompt: None,
             override_chat_template: None,
+            apply_chat_template_kwargs: None,
+            tools: None,
             max_prompt_length: 512,
             max_response_length: 512,
             filter_overlong_prompts: true,

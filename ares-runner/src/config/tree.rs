@@ -11,6 +11,15 @@ use serde_json::{Map, Value};
 
 use super::error::ConfigError;
 
+/// Settings that are mappings of the user's own keys (keyword arguments passed on): a
+/// dotted override may name a key inside them that is not there yet
+/// (`data.apply_chat_template_kwargs.enable_thinking=false`), and one of the whole mapping
+/// replaces it.
+pub(crate) const FREE_MAPPINGS: [&str; 2] = [
+    "data.apply_chat_template_kwargs",
+    "worker.reward.reward_function_kwargs",
+];
+
 /// How the top-level section is named in messages.
 pub(crate) const TOP_LEVEL: &str = "the top level";
 
@@ -242,7 +251,13 @@ impl Override {
         let origin = self.origin();
         let mut node: &mut Value = tree;
         let mut path = String::new();
+        // inside a free-form mapping, keys are the user's: missing ones are made
+        let mut free = false;
         for segment in &self.segments {
+            free = free || FREE_MAPPINGS.contains(&path.as_str());
+            if free && node.is_null() {
+                *node = Value::Object(Map::new());
+            }
             let Value::Object(section) = node else {
                 return Err(ConfigError::NotASection {
                     key: path,
@@ -250,6 +265,9 @@ impl Override {
                     origin,
                 });
             };
+            if free && !section.contains_key(segment) {
+                section.insert(segment.clone(), Value::Null);
+            }
             if !section.contains_key(segment) {
                 return Err(unknown_key(section, &path, segment, &origin));
             }
@@ -266,6 +284,10 @@ impl Override {
         } else {
             parse_yaml_value(&self.raw, &self.text)?
         };
+        if free || FREE_MAPPINGS.contains(&path.as_str()) {
+            *node = value;
+            return Ok(());
+        }
         merge(node, value, &path, &origin)
     }
 }
@@ -407,6 +429,33 @@ mod tests {
             .and_then(|o| o.apply(&mut tree))
             .expect("quoted null");
         assert_eq!(tree["t"]["n"], json!("null"));
+    }
+
+    #[test]
+    fn overrides_make_keys_inside_free_mappings() {
+        let mut tree = json!({"data": {"apply_chat_template_kwargs": null, "n": 1}});
+        for text in [
+            "data.apply_chat_template_kwargs.enable_thinking=false",
+            "data.apply_chat_template_kwargs.style.name=terse",
+        ] {
+            Override::parse(text)
+                .and_then(|o| o.apply(&mut tree))
+                .expect(text);
+        }
+        assert_eq!(
+            tree["data"]["apply_chat_template_kwargs"],
+            json!({"enable_thinking": false, "style": {"name": "terse"}})
+        );
+        // the whole mapping is replaced, not merged key by key
+        Override::parse("data.apply_chat_template_kwargs={a: 1}")
+            .and_then(|o| o.apply(&mut tree))
+            .expect("whole");
+        assert_eq!(tree["data"]["apply_chat_template_kwargs"], json!({"a": 1}));
+        // a section's own keys stay checked
+        assert!(matches!(
+            Override::parse("data.m=1").and_then(|o| o.apply(&mut tree)),
+            Err(ConfigError::UnknownKey { .. })
+        ));
     }
 
     #[test]

@@ -219,6 +219,21 @@ fn validate_data(d: &DataConfig) -> Result<(), ConfigError> {
     non_empty_path("data.train_files", d.train_files.as_deref())?;
     non_empty_path("data.val_files", d.val_files.as_deref())?;
     non_empty_path("data.format_prompt", d.format_prompt.as_deref())?;
+    non_empty_path("data.tools", d.tools.as_deref())?;
+    if let Some(key) = d
+        .apply_chat_template_kwargs
+        .iter()
+        .flat_map(|m| m.keys())
+        .find(|k| crate::hf::chat::RENDER_VARIABLES.contains(&k.as_str()))
+    {
+        return Err(ConfigError::Inconsistent {
+            key: format!("data.apply_chat_template_kwargs.{key}"),
+            value: "given".into(),
+            reason: "ares sets this variable of the chat template itself (tools come from \
+                     data.tools)"
+                .into(),
+        });
+    }
     non_empty("data.prompt_key", &d.prompt_key)?;
     non_empty("data.answer_key", &d.answer_key)?;
     non_empty("data.difficulty_key", &d.difficulty_key)?;

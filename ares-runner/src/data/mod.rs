@@ -50,4 +50,6 @@ pub use load::{load_dataset, load_dataset_with_media, load_sft_dataset};
 pub use media::{IMAGE_PLACEHOLDER, MediaSource, VIDEO_PLACEHOLDER};
 pub use sampler::EpochSampler;
 pub use template::PromptTemplate;
-pub use vision::{ExampleMedia, MediaProcessor, load_media, render_prompt, vision_token_count};
+pub use vision::{
+    ExampleMedia, MediaProcessor, load_media, render_prompt, render_prompt_with, vision_token_count,
+};

@@ -403,15 +403,36 @@ pub fn render_prompt(
     system: Option<&str>,
     keys: &MediaKeys,
 ) -> Result<String> {
+    render_prompt_with(
+        chat,
+        example,
+        format,
+        system,
+        keys,
+        &RenderOptions::generation(),
+    )
+}
+
+/// [`render_prompt`] with the chat template's `options` (tools, extra variables).
+///
+/// # Errors
+/// As [`render_prompt`].
+pub fn render_prompt_with(
+    chat: &ChatTemplate,
+    example: &Example,
+    format: Option<&PromptTemplate>,
+    system: Option<&str>,
+    keys: &MediaKeys,
+    options: &RenderOptions<'_>,
+) -> Result<String> {
     let prompt: Prompt = match format {
         Some(t) => t.apply(&example.prompt)?,
         None => example.prompt.clone(),
     };
     let messages = example.chat_messages(&prompt, &keys.image, &keys.video)?;
-    let options = RenderOptions::generation();
     match system {
-        Some(s) => chat.render_with_system(s, &messages, &options),
-        None => chat.render(&messages, &options),
+        Some(s) => chat.render_with_system(s, &messages, options),
+        None => chat.render(&messages, options),
     }
     .map_err(|e| DataError::Example {
         row: example.row,

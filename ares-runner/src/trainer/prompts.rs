@@ -13,7 +13,7 @@ use std::sync::Arc;
 use super::TrainError;
 use super::actor::PromptVision;
 use crate::config::{GradedPromptConfig, RubricSchedule};
-use crate::data::{Example, MediaProcessor, PromptTemplate, render_prompt};
+use crate::data::{Example, MediaProcessor, PromptTemplate, render_prompt_with};
 use crate::hf::chat::{ChatTemplate, RenderOptions};
 use crate::hf::tokenizer::Tokenizer;
 use crate::vision::config::VlConfig;
@@ -30,6 +30,29 @@ pub struct PromptRenderer {
     /// A vision-language model's image/video processing (`None`: a text model, whose
     /// examples must have no media).
     pub media: Option<MediaPrompts>,
+    /// The chat template's inputs besides the messages.
+    pub template_inputs: TemplateInputs,
+}
+
+/// What the chat template renders besides the messages: `data.tools` and
+/// `data.apply_chat_template_kwargs`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TemplateInputs {
+    /// Tool schemas (transformers' `tools=`).
+    pub tools: Option<Vec<serde_json::Value>>,
+    /// Extra template variables (transformers' `**kwargs`, e.g. `enable_thinking`).
+    pub kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+impl TemplateInputs {
+    /// Options for a prompt the model continues (`add_generation_prompt = true`).
+    pub fn generation(&self) -> RenderOptions<'_> {
+        RenderOptions {
+            add_generation_prompt: true,
+            tools: self.tools.as_deref(),
+            extra: self.kwargs.as_ref(),
+        }
+    }
 }
 
 /// How a vision-language model sees a prompt's images and videos.
@@ -53,12 +76,13 @@ impl PromptRenderer {
     pub fn text(&self, example: &Example, system: Option<&str>) -> Result<String, TrainError> {
         if example.has_media() {
             return match (&self.chat, &self.media) {
-                (Some(chat), Some(m)) => render_prompt(
+                (Some(chat), Some(m)) => render_prompt_with(
                     chat,
                     example,
                     self.format.as_ref(),
                     system,
                     &m.processor.keys,
+                    &self.template_inputs.generation(),
                 )
                 .map_err(|err| TrainError::Invalid(err.to_string())),
                 _ => Err(media_error(
@@ -77,7 +101,7 @@ impl PromptRenderer {
         let messages = prompt.to_messages();
         match &self.chat {
             Some(chat) => {
-                let options = RenderOptions::generation();
+                let options = self.template_inputs.generation();
                 let rendered = match system {
                     Some(s) => chat.render_with_system(s, &messages, &options),
                     None => chat.render(&messages, &options),

@@ -266,11 +266,31 @@ pub fn renderer(cfg: &Config, model_dir: &Path) -> Result<PromptRenderer, TrainE
     } else {
         None
     };
+    let tools = cfg
+        .data
+        .tools
+        .as_deref()
+        .map(|file| {
+            crate::hf::chat::read_tools(Path::new(file))
+                .map_err(|e| TrainError::Invalid(format!("data.tools: {e}")))
+        })
+        .transpose()?;
+    if chat.is_none() && (tools.is_some() || cfg.data.apply_chat_template_kwargs.is_some()) {
+        return Err(TrainError::Invalid(format!(
+            "data.tools and data.apply_chat_template_kwargs are rendered by the chat template, \
+             and {} has none (set data.override_chat_template)",
+            tokenizer_dir.display()
+        )));
+    }
     Ok(PromptRenderer {
         tokenizer,
         chat,
         format,
         media,
+        template_inputs: super::prompts::TemplateInputs {
+            tools,
+            kwargs: cfg.data.apply_chat_template_kwargs.clone(),
+        },
     })
 }
 
