@@ -21,4 +21,5 @@ pub mod metrics;
 pub mod plot;
 pub mod progress;
 pub mod reward;
+pub mod tools;
 pub mod trainer;
