@@ -452,3 +452,91 @@ fn templates_strip_what_python_strips() {
         .unwrap();
     assert_eq!(a, b);
 }
+
+/// After a model's tool-calling turn, the text to append to its tokens is what the template
+/// writes after its end-of-turn text, the tool turn and the generation prompt; appended to
+/// the conversation rendered up to that end-of-turn, it gives the whole conversation
+/// rendered with the tool messages (what a re-render would prefill).
+#[test]
+fn tool_messages_continue_a_conversation_as_the_template_renders_it() {
+    use serde_json::json;
+    let template = |name: &str| {
+        ChatTemplate::from_source(
+            &std::fs::read_to_string(fixtures().join("templates").join(name)).unwrap(),
+            Default::default(),
+        )
+        .unwrap()
+    };
+    let tools = [json!({"type": "function", "function": {"name": "calculator"}})];
+    let options = RenderOptions {
+        tools: Some(&tools),
+        ..RenderOptions::generation()
+    };
+    for (name, end, call) in [
+        (
+            "qwen25_like.jinja",
+            "<|im_end|>",
+            "<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"12*34\"}}\n</tool_call>",
+        ),
+        (
+            "llama3_like.jinja",
+            "<|eot_id|>",
+            "{\"name\": \"calculator\", \"parameters\": {\"expression\": \"12*34\"}}",
+        ),
+    ] {
+        let t = template(name);
+        let conversation = [
+            json!({"role": "user", "content": "What is 12*34?"}),
+            json!({"role": "assistant", "content": call}),
+        ];
+        let results = [json!({"role": "tool", "content": "408"})];
+        let cont = t
+            .tool_continuation(&conversation, &results, end, &options)
+            .unwrap();
+        let closed = RenderOptions {
+            add_generation_prompt: false,
+            ..options
+        };
+        let before = t.render(&conversation, &closed).unwrap();
+        let mut all = conversation.to_vec();
+        all.extend_from_slice(&results);
+        let after = t.render(&all, &options).unwrap();
+        let cut = before.rfind(end).unwrap() + end.len();
+        assert_eq!(format!("{}{cont}", &before[..cut]), after, "{name}");
+        assert!(cont.contains("408"), "{name}: {cont}");
+    }
+    let qwen = template("qwen25_like.jinja");
+    let conversation = [
+        json!({"role": "user", "content": "What is 12*34?"}),
+        json!({"role": "assistant", "content": "<tool_call>{}</tool_call>"}),
+    ];
+    let results = [
+        json!({"role": "tool", "content": "408"}),
+        json!({"role": "tool", "content": "2"}),
+    ];
+    assert_eq!(
+        qwen.tool_continuation(&conversation, &results, "<|im_end|>", &options)
+            .unwrap(),
+        "\n<|im_start|>user\n<tool_response>\n408\n</tool_response>\n<tool_response>\n2\n\
+         </tool_response><|im_end|>\n<|im_start|>assistant\n"
+    );
+    // an end-of-turn the template does not write
+    let e = qwen
+        .tool_continuation(&conversation, &results, "</s>", &options)
+        .unwrap_err();
+    assert!(matches!(e, ChatError::Continuation { .. }), "{e}");
+    // a template that rewrites earlier turns once more messages follow
+    let rewriting = ChatTemplate::from_source(
+        "{% for m in messages %}{{ m['content'] }}{% if loop.last %}<end>{% endif %}{% endfor %}",
+        Default::default(),
+    )
+    .unwrap();
+    let e = rewriting
+        .tool_continuation(&conversation, &results, "<end>", &options)
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("renders the earlier turns differently"),
+        "{e}"
+    );
+}

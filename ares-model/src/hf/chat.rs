@@ -186,6 +186,16 @@ pub enum ChatError {
         /// Which bound.
         message: String,
     },
+    /// A conversation cannot be continued token by token after tool messages: the
+    /// template renders the earlier turns differently once they follow, or does not end
+    /// the assistant's turn with the model's end-of-turn text.
+    #[error("{origin}: cannot continue the conversation after tool messages: {message}")]
+    Continuation {
+        /// Which template (file and name).
+        origin: String,
+        /// What does not hold.
+        message: String,
+    },
     /// The messages, tools or extra variables could not be turned into template values.
     #[error("chat messages: {message}")]
     Messages {
@@ -719,6 +729,60 @@ impl ChatTemplate {
             message: e.to_string(),
         })?;
         self.render_json(messages, options)
+    }
+
+    /// The text between the end of the assistant turn a model generated (the last message
+    /// of `conversation`, whose final token's text is `end_of_turn`, e.g. `<|im_end|>`) and
+    /// the model's next turn, when `tool_messages` answer it: what the template writes
+    /// after `end_of_turn` in the assistant's turn, the tool messages' turn(s) and the
+    /// generation prompt. The model's own tokens are kept as generated and this text is
+    /// appended to them, so a multi-turn trajectory is the model's tokens and the
+    /// template's, never the model's re-tokenized.
+    ///
+    /// # Errors
+    /// [`ChatError::Continuation`] when the conversation rendered with the tool messages
+    /// does not begin with the conversation rendered without them (the template rewrites
+    /// earlier turns), or `end_of_turn` is not in it; rendering errors.
+    pub fn tool_continuation(
+        &self,
+        conversation: &[Json],
+        tool_messages: &[Json],
+        end_of_turn: &str,
+        options: &RenderOptions<'_>,
+    ) -> Result<String> {
+        let origin = self.origin_of(self.select(options.tools.is_some())?);
+        let fail = |message: String| ChatError::Continuation {
+            origin: origin.clone(),
+            message,
+        };
+        let closed = RenderOptions {
+            add_generation_prompt: false,
+            ..*options
+        };
+        let before = self.render_json(Json::Array(conversation.to_vec()), &closed)?;
+        let mut all = conversation.to_vec();
+        all.extend_from_slice(tool_messages);
+        let open = RenderOptions {
+            add_generation_prompt: true,
+            ..*options
+        };
+        let after = self.render_json(Json::Array(all), &open)?;
+        let Some(added) = after.strip_prefix(before.as_str()) else {
+            return Err(fail(
+                "the template renders the earlier turns differently once tool messages \
+                 follow them"
+                    .into(),
+            ));
+        };
+        let Some(end) = (!end_of_turn.is_empty())
+            .then(|| before.rfind(end_of_turn))
+            .flatten()
+        else {
+            return Err(fail(format!(
+                "the assistant's turn does not end with {end_of_turn:?} in the template"
+            )));
+        };
+        Ok(format!("{}{added}", &before[end + end_of_turn.len()..]))
     }
 
     /// Renders `messages` with `system` as the system message (see [`set_system_message`]):
