@@ -1,0 +1,323 @@
+//! One multi-turn trajectory: the model answers; its tool calls run; their results are
+//! appended through the chat template ([`ChatTemplate::tool_continuation`]); the model
+//! answers again — until a turn without calls, `max_turns` turns, or the token budget.
+//!
+//! The trajectory is the model's tokens exactly as generated, with the template's and the
+//! tools' tokens between its turns, and a mask that says which are the model's: only those
+//! are the policy's actions (loss, entropy, KL and length count them alone).
+//!
+//! Each turn is generated after the whole trajectory so far (a re-prefill: the reference
+//! behaviour; keeping the KV cache across turns is the engine's part).
+
+use serde_json::{Value as Json, json};
+
+use super::{ToolBox, ToolCallFormat, parse_turn};
+use crate::hf::chat::{ChatTemplate, RenderOptions};
+use crate::trainer::TrainError;
+
+/// What the driver needs from a model and its tokenizer.
+pub trait TurnModel {
+    /// Generates after `ids`, at most `max_new` tokens: the new tokens, and whether the
+    /// last one ended the turn (an EOS id) rather than the budget.
+    ///
+    /// # Errors
+    /// The model's.
+    fn generate(&mut self, ids: &[u32], max_new: usize) -> Result<(Vec<u32>, bool), TrainError>;
+    /// The text of `ids`, with special tokens written (`special`) or left out.
+    ///
+    /// # Errors
+    /// The tokenizer's.
+    fn decode(&self, ids: &[u32], special: bool) -> Result<String, TrainError>;
+    /// The ids of template text (special tokens in it become their ids).
+    ///
+    /// # Errors
+    /// The tokenizer's.
+    fn encode(&self, text: &str) -> Result<Vec<u32>, TrainError>;
+}
+
+/// How an episode runs.
+#[derive(Debug, Clone, Copy)]
+pub struct EpisodeSettings<'a> {
+    /// The chat template (it renders the tool turns).
+    pub template: &'a ChatTemplate,
+    /// Its tools and extra variables, as the prompt was rendered with.
+    pub options: RenderOptions<'a>,
+    /// How the model writes calls.
+    pub format: ToolCallFormat,
+    /// The tools that answer.
+    pub toolbox: &'a ToolBox,
+    /// Model turns at most (≥ 1): a call in the last turn is not run.
+    pub max_turns: usize,
+    /// Tokens after the prompt at most, the model's and the tools' together.
+    pub max_tokens: usize,
+}
+
+/// Why an episode ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// A turn without tool calls: the model's answer.
+    Answered,
+    /// The token budget ran out (a turn cut short, or a tool turn that did not fit).
+    Length,
+    /// `max_turns` turns, the last one still calling tools.
+    MaxTurns,
+}
+
+/// A finished trajectory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Episode {
+    /// The tokens after the prompt, in order.
+    pub tokens: Vec<u32>,
+    /// Per token: written by the model (`true`) or by the template and the tools.
+    pub from_model: Vec<bool>,
+    /// Model turns.
+    pub turns: usize,
+    /// Tool calls run, and how many of them failed (malformed, unknown tool, tool error).
+    pub calls: usize,
+    /// Of `calls`, those that failed.
+    pub failed_calls: usize,
+    /// Why it ended.
+    pub stop: Stop,
+    /// The conversation: the prompt's messages, each assistant turn (its text without
+    /// special tokens) and each tool message.
+    pub messages: Vec<Json>,
+}
+
+/// Runs one trajectory after `prompt_ids` (the rendering of `messages` with the
+/// generation prompt).
+///
+/// # Errors
+/// The model's and the tokenizer's errors, and a template that cannot continue the
+/// conversation ([`crate::hf::chat::ChatError::Continuation`]); a tool's failure is a
+/// message for the model, not an error.
+pub fn run_episode(
+    model: &mut impl TurnModel,
+    prompt_ids: &[u32],
+    mut messages: Vec<Json>,
+    s: &EpisodeSettings<'_>,
+) -> Result<Episode, TrainError> {
+    if s.max_turns == 0 {
+        return Err(TrainError::Invalid("max_turns must be at least 1".into()));
+    }
+    let mut ids = prompt_ids.to_vec();
+    let mut e = Episode {
+        tokens: Vec::new(),
+        from_model: Vec::new(),
+        turns: 0,
+        calls: 0,
+        failed_calls: 0,
+        stop: Stop::Length,
+        messages: Vec::new(),
+    };
+    loop {
+        let left = s.max_tokens.saturating_sub(e.tokens.len());
+        if left == 0 {
+            e.stop = Stop::Length;
+            break;
+        }
+        let (new, ended) = model.generate(&ids, left)?;
+        e.turns += 1;
+        push(&mut e, &mut ids, &new, true);
+        let text = model.decode(&new, false)?;
+        messages.push(json!({"role": "assistant", "content": text}));
+        if !ended {
+            e.stop = Stop::Length;
+            break;
+        }
+        let turn = parse_turn(&text, s.format);
+        if turn.calls.is_empty() {
+            e.stop = Stop::Answered;
+            break;
+        }
+        if e.turns == s.max_turns {
+            e.stop = Stop::MaxTurns;
+            break;
+        }
+        let results: Vec<Json> = turn
+            .calls
+            .iter()
+            .map(|call| {
+                let r = s.toolbox.run(call);
+                e.calls += 1;
+                e.failed_calls += usize::from(!r.ok);
+                match call {
+                    super::ParsedCall::Call(c) => {
+                        json!({"role": "tool", "name": c.name, "content": r.content})
+                    }
+                    super::ParsedCall::Malformed { .. } => {
+                        json!({"role": "tool", "content": r.content})
+                    }
+                }
+            })
+            .collect();
+        let end_of_turn = model.decode(&new[new.len().saturating_sub(1)..], true)?;
+        let text = s
+            .template
+            .tool_continuation(&messages, &results, &end_of_turn, &s.options)
+            .map_err(|err| TrainError::Invalid(err.to_string()))?;
+        let tool_ids = model.encode(&text)?;
+        messages.extend(results);
+        if e.tokens.len() + tool_ids.len() >= s.max_tokens {
+            e.stop = Stop::Length;
+            break;
+        }
+        push(&mut e, &mut ids, &tool_ids, false);
+    }
+    e.messages = messages;
+    Ok(e)
+}
+
+fn push(e: &mut Episode, ids: &mut Vec<u32>, new: &[u32], from_model: bool) {
+    e.tokens.extend_from_slice(new);
+    e.from_model
+        .extend(std::iter::repeat_n(from_model, new.len()));
+    ids.extend_from_slice(new);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tools::Calculator;
+
+    /// A scripted model over a character tokenizer: id = the char's code point, and id 0 is
+    /// the end-of-turn `<|im_end|>` (a special token).
+    struct Scripted {
+        turns: Vec<&'static str>,
+        seen: Vec<Vec<u32>>,
+    }
+
+    const EOS: u32 = 0;
+
+    impl TurnModel for Scripted {
+        fn generate(
+            &mut self,
+            ids: &[u32],
+            max_new: usize,
+        ) -> Result<(Vec<u32>, bool), TrainError> {
+            self.seen.push(ids.to_vec());
+            let text = self.turns.remove(0);
+            let mut new: Vec<u32> = text.chars().map(u32::from).collect();
+            new.push(EOS);
+            let ended = new.len() <= max_new;
+            new.truncate(max_new);
+            Ok((new, ended))
+        }
+
+        fn decode(&self, ids: &[u32], special: bool) -> Result<String, TrainError> {
+            Ok(ids
+                .iter()
+                .map(|&i| match (i, special) {
+                    (EOS, true) => "<|im_end|>".to_string(),
+                    (EOS, false) => String::new(),
+                    (i, _) => char::from_u32(i).unwrap().to_string(),
+                })
+                .collect())
+        }
+
+        fn encode(&self, text: &str) -> Result<Vec<u32>, TrainError> {
+            let mut out = Vec::new();
+            let mut rest = text;
+            while !rest.is_empty() {
+                if let Some(r) = rest.strip_prefix("<|im_end|>") {
+                    out.push(EOS);
+                    rest = r;
+                } else {
+                    let c = rest.chars().next().unwrap();
+                    out.push(u32::from(c));
+                    rest = &rest[c.len_utf8()..];
+                }
+            }
+            Ok(out)
+        }
+    }
+
+    fn template() -> ChatTemplate {
+        ChatTemplate::from_source(
+            "{% for m in messages %}{% if m.role == 'tool' %}[tool {{ m.content }}]\
+             {% else %}<{{ m.role }}>{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}\
+             {% if add_generation_prompt %}<assistant>{% endif %}",
+            Default::default(),
+        )
+        .unwrap()
+    }
+
+    fn toolbox() -> ToolBox {
+        let mut b = ToolBox::default();
+        b.add(Box::new(Calculator)).unwrap();
+        b
+    }
+
+    const CALL: &str = "<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": \"12*34\"}}</tool_call>";
+
+    fn run(turns: Vec<&'static str>, max_turns: usize, max_tokens: usize) -> (Episode, Scripted) {
+        let (t, b) = (template(), toolbox());
+        let s = EpisodeSettings {
+            template: &t,
+            options: RenderOptions::generation(),
+            format: ToolCallFormat::Hermes,
+            toolbox: &b,
+            max_turns,
+            max_tokens,
+        };
+        let mut m = Scripted {
+            turns,
+            seen: Vec::new(),
+        };
+        let prompt = m
+            .encode("<user>What is 12*34?<|im_end|>\n<assistant>")
+            .unwrap();
+        let messages = vec![json!({"role": "user", "content": "What is 12*34?"})];
+        let e = run_episode(&mut m, &prompt, messages, &s).unwrap();
+        (e, m)
+    }
+
+    #[test]
+    fn a_call_is_answered_and_the_model_goes_on() {
+        let (e, m) = run(vec![CALL, "\\boxed{408}"], 4, 1000);
+        assert_eq!(
+            (e.stop, e.turns, e.calls, e.failed_calls),
+            (Stop::Answered, 2, 1, 0)
+        );
+        let text = m.decode(&e.tokens, true).unwrap();
+        assert_eq!(
+            text,
+            format!("{CALL}<|im_end|>\n[tool 408]<assistant>\\boxed{{408}}<|im_end|>")
+        );
+        // token by token: the model's turns (with their end-of-turn) are its actions, the
+        // template's and the tool's tokens between them are not
+        let n_call = CALL.chars().count() + 1;
+        let n_tool = "\n[tool 408]<assistant>".chars().count();
+        let expected: Vec<bool> = std::iter::repeat_n(true, n_call)
+            .chain(std::iter::repeat_n(false, n_tool))
+            .chain(std::iter::repeat_n(true, "\\boxed{408}".len() + 1))
+            .collect();
+        assert_eq!(e.from_model, expected);
+        // the second turn was generated after the whole trajectory so far
+        assert_eq!(m.seen[1].len(), m.seen[0].len() + n_call + n_tool);
+        assert_eq!(e.messages.len(), 4);
+        assert_eq!(e.messages[2]["content"], "408");
+    }
+
+    #[test]
+    fn failures_are_messages_and_limits_stop_the_episode() {
+        // a malformed call: the model is told, and answers
+        let (e, m) = run(vec!["<tool_call>{oops}</tool_call>", "4"], 4, 1000);
+        assert_eq!((e.stop, e.calls, e.failed_calls), (Stop::Answered, 1, 1));
+        assert!(
+            m.decode(&e.tokens, true)
+                .unwrap()
+                .contains("[tool error: the tool call")
+        );
+        // the last turn allowed still calls: not run
+        let (e, _) = run(vec![CALL, CALL], 2, 1000);
+        assert_eq!((e.stop, e.turns, e.calls), (Stop::MaxTurns, 2, 1));
+        // the budget cuts the first turn
+        let (e, _) = run(vec![CALL], 4, 20);
+        assert_eq!((e.stop, e.turns, e.tokens.len()), (Stop::Length, 1, 20));
+        assert!(e.from_model.iter().all(|&m| m));
+        // the tool turn does not fit after the call
+        let (e, _) = run(vec![CALL], 4, CALL.chars().count() + 5);
+        assert_eq!((e.stop, e.calls), (Stop::Length, 1));
+        assert_eq!(e.tokens.len(), CALL.chars().count() + 1);
+    }
+}
