@@ -75,7 +75,7 @@ enum Command {
         cfg: ConfigArgs,
     },
     /// Generate completions of prompts with a model (streamed, or JSON lines with --json).
-    Generate(ares_runner::commands::generate::GenerateArgs),
+    Generate(Box<ares_runner::commands::generate::GenerateArgs>),
     /// Plot the key curves of a metrics file.
     Plot {
         /// The `metrics.jsonl` of a run.

@@ -900,3 +900,44 @@ fn tools_and_template_variables_reach_the_chat_template() {
     let e = error(&dir, &["--prompt", "x", "--tools", &t]);
     assert!(e.contains("`tools[1]`"), "{e}");
 }
+
+/// `--max-turns` above 1 runs each prompt as an episode: with a model that calls no tool it
+/// is the single-turn completion, with the tool counts reported; a template that shows no
+/// tool-call format, and 0 turns, are refused.
+#[test]
+fn multi_turn_without_calls_is_the_single_turn_completion() {
+    let model = demo_model();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    std::fs::create_dir(&dir).unwrap();
+    for f in std::fs::read_dir(model).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+    }
+    let flags = ["--greedy", "--max-new-tokens", "24", "--prompt", "13+3"];
+    let (single, _) = run(&dir, &flags);
+    // the demo's template shows no tool-call format
+    let mut multi = flags.to_vec();
+    multi.extend(["--max-turns", "3"]);
+    let e = error(&dir, &multi);
+    assert!(e.contains("shows no tool-call format"), "{e}");
+    // a template that teaches the Hermes format (and ignores the tools otherwise)
+    let source = std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap();
+    let config: Value = serde_json::from_str(&source).unwrap();
+    let template = config["chat_template"].as_str().unwrap();
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        format!("{{# calls go in <tool_call></tool_call> #}}{template}"),
+    )
+    .unwrap();
+    let (episodes, _) = run(&dir, &multi);
+    assert_eq!(episodes[0].token_ids, single[0].token_ids);
+    assert_eq!(episodes[0].input_ids, single[0].input_ids);
+    let t = episodes[0].tools.as_ref().unwrap();
+    assert_eq!((t.turns, t.calls, t.failed_calls), (1, 0, 0));
+    assert!(t.from_model.iter().all(|&m| m));
+    assert_eq!(t.from_model.len(), single[0].token_ids.len());
+    let mut zero = flags.to_vec();
+    zero.extend(["--max-turns", "0"]);
+    assert!(error(&dir, &zero).contains("--max-turns 0"));
+}

@@ -48,6 +48,8 @@ use crate::hf::checkpoint::Checkpoint;
 use crate::hf::generation::GenerationConfig;
 use crate::hf::tokenizer::{TOKENIZER_FILE, Tokenizer};
 use crate::model::{GenerateOutput, GenerateRequest, Sampling};
+use crate::tools::episode::{EpisodeSettings, Stop, TurnModel, run_episode};
+use crate::tools::{Calculator, ToolBox, ToolCallFormat};
 use crate::trainer::TrainError;
 use crate::trainer::actor::ActorGenerator;
 use crate::trainer::prompts::TemplateInputs;
@@ -137,6 +139,17 @@ pub struct GenerateArgs {
     /// (as `data.apply_chat_template_kwargs` in training).
     #[arg(long, value_name = "JSON", conflicts_with = "no_chat_template")]
     pub chat_template_kwargs: Option<String>,
+    /// Model turns per prompt: above 1 the model's tool calls are run with the built-in
+    /// tools (`calculator`; shown to the model unless --tools says otherwise), their
+    /// results appended through the chat template, and generation resumed; the new-token
+    /// limit counts the model's and the tools' tokens together. Text models only.
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 1,
+        conflicts_with = "no_chat_template"
+    )]
+    pub max_turns: usize,
 }
 
 /// The chat template's inputs of `--tools` and `--chat-template-kwargs`.
@@ -221,6 +234,24 @@ pub struct Completion {
     pub input_ids: Vec<u32>,
     /// Why the completion ended.
     pub finish_reason: FinishReason,
+    /// With `--max-turns` above 1: the model's turns, the tool calls run and how many of
+    /// them failed, and per token of `token_ids` whether the model wrote it (the rest are
+    /// the chat template's and the tools').
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tools: Option<ToolUse>,
+}
+
+/// What a multi-turn completion did with tools.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ToolUse {
+    /// Model turns.
+    pub turns: usize,
+    /// Tool calls run.
+    pub calls: usize,
+    /// Of them, those that failed (malformed, unknown tool, tool error).
+    pub failed_calls: usize,
+    /// Per new token: written by the model.
+    pub from_model: Vec<bool>,
 }
 
 /// `ares-runner generate`: completions of the prompts of `args`, on stdout.
@@ -262,7 +293,8 @@ pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<Vec<Completi
         }
     }
     let tokenizer = load_tokenizer(&args.model)?;
-    let inputs = template_inputs(args)?;
+    let mut inputs = template_inputs(args)?;
+    let episodes = episode_setup(args, vision, &prompts, &mut inputs)?;
     let mut input_ids = prompt_ids(
         &args.model,
         &tokenizer,
@@ -317,6 +349,7 @@ pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<Vec<Completi
         sampling,
         seed: args.seed,
         json: args.json,
+        episodes: episodes.as_ref().map(|e| (e, &inputs)),
     };
     crate::with_backend!(selected, b => job.run(b, out))
 }
@@ -900,9 +933,190 @@ struct Job<'a> {
     sampling: Sampling,
     seed: u64,
     json: bool,
+    /// With `--max-turns` above 1: the episodes' settings and the template's inputs.
+    episodes: Option<(&'a Episodes, &'a TemplateInputs)>,
+}
+
+/// What `--max-turns` above 1 runs each prompt with.
+struct Episodes {
+    template: ChatTemplate,
+    format: ToolCallFormat,
+    toolbox: ToolBox,
+    max_turns: usize,
+    /// Each prompt's conversation.
+    messages: Vec<Vec<Value>>,
+}
+
+/// The episodes of `--max-turns` (None for 1): the built-in tools, shown to the model
+/// unless `--tools` lists others, and the tool-call format of the chat template.
+///
+/// # Errors
+/// `--max-turns 0`; several turns with a vision model or with a template that teaches no
+/// tool-call format.
+fn episode_setup(
+    args: &GenerateArgs,
+    vision: bool,
+    prompts: &[Prompt],
+    inputs: &mut TemplateInputs,
+) -> Result<Option<Episodes>, TrainError> {
+    match args.max_turns {
+        0 => {
+            return Err(invalid(
+                "--max-turns 0: a completion takes at least one turn".into(),
+            ));
+        }
+        1 => return Ok(None),
+        _ => {}
+    }
+    if vision {
+        return Err(invalid(
+            "--max-turns above 1 (tool calls) is for text models so far".into(),
+        ));
+    }
+    let mut toolbox = ToolBox::default();
+    toolbox.add(Box::new(Calculator)).map_err(invalid)?;
+    if inputs.tools.is_none() {
+        inputs.tools = Some(toolbox.schemas());
+    }
+    let template = ChatTemplate::from_dir(&args.model)
+        .map_err(|e| invalid(format!("model {}: {e}", args.model.display())))?;
+    let source = template.source(true).map_err(|e| invalid(e.to_string()))?;
+    let format = ToolCallFormat::of_template(source).ok_or_else(|| {
+        invalid(format!(
+            "--max-turns {}: the chat template of {} shows no tool-call format (neither \
+             <tool_call> nor Llama 3's JSON calls), so the model's calls cannot be read",
+            args.max_turns,
+            args.model.display()
+        ))
+    })?;
+    let messages = prompts
+        .iter()
+        .map(prompt_messages)
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(Episodes {
+        template,
+        format,
+        toolbox,
+        max_turns: args.max_turns,
+        messages,
+    }))
+}
+
+/// A [`TurnModel`] of `generate`: one request per turn, on the prompt's seed mixed with the
+/// turn's number.
+struct CliTurns<'r, 'm, B: Backend> {
+    runtime: &'r Runtime<'m, B>,
+    tokenizer: &'r Tokenizer,
+    eos_ids: &'r [u32],
+    sampling: Sampling,
+    seed: u64,
+    index: usize,
+    turn: usize,
+}
+
+impl<B: Backend> TurnModel for CliTurns<'_, '_, B> {
+    fn generate(&mut self, ids: &[u32], max_new: usize) -> Result<(Vec<u32>, bool), TrainError> {
+        let request = GenerateRequest {
+            prompts: vec![ids.to_vec()],
+            max_new_tokens: max_new,
+            eos_ids: self.eos_ids.to_vec(),
+            sampling: self.sampling,
+            seed: prompt_seed(self.seed, self.turn),
+        };
+        self.turn += 1;
+        let out = self.runtime.generate(&request, self.index, |_, _| {})?;
+        let ended = out.finished_by_eos.first() == Some(&true);
+        Ok((out.tokens.into_iter().next().unwrap_or_default(), ended))
+    }
+
+    fn decode(&self, ids: &[u32], special: bool) -> Result<String, TrainError> {
+        self.tokenizer
+            .decode(ids, !special)
+            .map_err(|e| invalid(e.to_string()))
+    }
+
+    fn encode(&self, text: &str) -> Result<Vec<u32>, TrainError> {
+        self.tokenizer
+            .encode(text, false)
+            .map_err(|e| invalid(e.to_string()))
+    }
 }
 
 impl Job<'_> {
+    /// Prompt `index` as a multi-turn episode with tools.
+    fn episode<B: Backend>(
+        &self,
+        runtime: &Runtime<'_, B>,
+        episodes: &Episodes,
+        inputs: &TemplateInputs,
+        index: usize,
+        ids: &[u32],
+        limit: usize,
+    ) -> Result<Completion, TrainError> {
+        let mut turns = CliTurns {
+            runtime,
+            tokenizer: self.tokenizer,
+            eos_ids: self.eos_ids,
+            sampling: self.sampling,
+            seed: prompt_seed(self.seed, index),
+            index,
+            turn: 0,
+        };
+        let settings = EpisodeSettings {
+            template: &episodes.template,
+            options: inputs.generation(),
+            format: episodes.format,
+            toolbox: &episodes.toolbox,
+            max_turns: episodes.max_turns,
+            max_tokens: limit,
+        };
+        let e = run_episode(&mut turns, ids, episodes.messages[index].clone(), &settings)?;
+        Ok(Completion {
+            prompt_index: index,
+            text: self
+                .tokenizer
+                .decode(&e.tokens, true)
+                .map_err(|err| invalid(err.to_string()))?,
+            token_ids: e.tokens,
+            input_ids: ids.to_vec(),
+            finish_reason: if e.stop == Stop::Answered {
+                FinishReason::Eos
+            } else {
+                FinishReason::Length
+            },
+            tools: Some(ToolUse {
+                turns: e.turns,
+                calls: e.calls,
+                failed_calls: e.failed_calls,
+                from_model: e.from_model,
+            }),
+        })
+    }
+
+    /// Writes a finished multi-turn completion: its JSON line, or its text and a note.
+    fn write(&self, out: &mut dyn Write, c: &Completion, n: usize) -> Result<(), TrainError> {
+        let write_err = |e: std::io::Error| TrainError::io("<output>", e);
+        if self.json {
+            let line = serde_json::to_string(c).map_err(|e| TrainError::Internal(e.to_string()))?;
+            writeln!(out, "{line}").map_err(write_err)?;
+        } else {
+            if n > 1 {
+                eprintln!("--- prompt {}/{n} ---", c.prompt_index + 1);
+            }
+            writeln!(out, "{}", c.text).map_err(write_err)?;
+            if let Some(t) = &c.tools {
+                eprintln!(
+                    "({} turns, {} tool calls, {} failed, {} tokens)",
+                    t.turns,
+                    t.calls,
+                    t.failed_calls,
+                    c.token_ids.len()
+                );
+            }
+        }
+        out.flush().map_err(write_err)
+    }
+
     /// Generates every prompt on `backend`, one request each, writing to `out`.
     fn run<B: Backend>(
         &self,
@@ -918,6 +1132,12 @@ impl Job<'_> {
         let n = self.input_ids.len();
         let mut completions = Vec::with_capacity(n);
         for (index, (ids, &limit)) in self.input_ids.iter().zip(self.limits).enumerate() {
+            if let Some((episodes, inputs)) = self.episodes {
+                let completion = self.episode(&runtime, episodes, inputs, index, ids, limit)?;
+                self.write(out, &completion, n)?;
+                completions.push(completion);
+                continue;
+            }
             let request = GenerateRequest {
                 prompts: vec![ids.clone()],
                 max_new_tokens: limit,
@@ -971,6 +1191,7 @@ impl Job<'_> {
                 token_ids,
                 input_ids: ids.clone(),
                 finish_reason,
+                tools: None,
             };
             if self.json {
                 let line = serde_json::to_string(&completion)
