@@ -3,7 +3,7 @@
 # one summary line per target: ares-core's math, and the parsers of untrusted model folders
 # and datasets (config YAML + overrides, chat templates, the model folder's JSON files,
 # image bytes, dataset rows, weight files, rubric criteria and the grader command's replies,
-# the answer graders). Needs nightly and cargo-fuzz:
+# the answer graders, the model's tool calls). Needs nightly and cargo-fuzz:
 #   rustup toolchain install nightly && cargo install cargo-fuzz
 #   scripts/fuzz-all.sh [RUNS] [TARGET...]
 # The code fuzzed forbids unsafe code or sits on crates that check their own, so the
@@ -38,6 +38,12 @@ seed dataset_rows "$root"/ares-runner/tests/fixtures/data/*.jsonl "$root"/ares-r
 seed math_grader "$root"/ares-runner/tests/fixtures/data/math.jsonl
 seed rubric_grader "$root"/ares-runner/tests/fixtures/data/rubrics.jsonl
 seed safetensors_files "$fx"/models/*/model.safetensors
+if [ ! -d corpus/tool_calls ]; then
+  mkdir -p corpus/tool_calls
+  printf '<tool_call>\n{"name": "calculator", "arguments": {"expression": "(17*23 - 4)/3"}}\n</tool_call>' > corpus/tool_calls/hermes
+  printf '<|python_tag|>{"name": "calculator", "parameters": {"expression": "2^-3 + 0.25"}}; {"name": "x"}' > corpus/tool_calls/llama3
+  printf '%s' '-(2**10)/(1.5-3/2)' > corpus/tool_calls/expression
+fi
 if [ ! -d corpus/grader_reply ]; then
   mkdir -p corpus/grader_reply
   printf '{"met": [true, false], "why": "the first is met"}' > corpus/grader_reply/seed
