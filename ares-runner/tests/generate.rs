@@ -940,4 +940,26 @@ fn multi_turn_without_calls_is_the_single_turn_completion() {
     let mut zero = flags.to_vec();
     zero.extend(["--max-turns", "0"]);
     assert!(error(&dir, &zero).contains("--max-turns 0"));
+
+    // tools answered by programs: their schemas come from --tools
+    let tools = tmp.path().join("tools.json");
+    std::fs::write(
+        &tools,
+        r#"[{"type": "function", "function": {"name": "lookup"}}]"#,
+    )
+    .unwrap();
+    let t = tools.display().to_string();
+    let mut with = multi.clone();
+    with.extend(["--tools", &t, "--tool-command", "lookup=cat"]);
+    let (episodes, _) = run(&dir, &with);
+    assert_eq!(episodes[0].tools.as_ref().unwrap().turns, 1);
+    let mut one = flags.to_vec();
+    one.extend(["--tools", &t, "--tool-command", "lookup=cat"]);
+    assert!(error(&dir, &one).contains("give --max-turns 2 or more"));
+    let mut unknown = multi.clone();
+    unknown.extend(["--tools", &t, "--tool-command", "search=cat"]);
+    assert!(error(&dir, &unknown).contains("--tools has no schema named `search`"));
+    let mut bad = multi.clone();
+    bad.extend(["--tools", &t, "--tool-command", "lookup"]);
+    assert!(error(&dir, &bad).contains("expected NAME=COMMAND"));
 }

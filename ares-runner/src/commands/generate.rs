@@ -150,6 +150,15 @@ pub struct GenerateArgs {
         conflicts_with = "no_chat_template"
     )]
     pub max_turns: usize,
+    /// A tool answered by a program, `NAME=COMMAND` (repeatable; with --max-turns above 1):
+    /// its schema is NAME's entry of --tools; the command reads one JSON line per call,
+    /// `{"name", "arguments"}`, and answers `{"content": …}` or `{"error": …}`.
+    #[arg(long, value_name = "NAME=COMMAND", requires = "tools")]
+    pub tool_command: Vec<String>,
+    /// Seconds a tool command may take per call before it is killed and the call fails
+    /// (the model is told) [default: 30].
+    #[arg(long, value_name = "SECS", default_value_t = 30.0)]
+    pub tool_timeout: f64,
 }
 
 /// The chat template's inputs of `--tools` and `--chat-template-kwargs`.
@@ -965,6 +974,11 @@ fn episode_setup(
                 "--max-turns 0: a completion takes at least one turn".into(),
             ));
         }
+        1 if !args.tool_command.is_empty() => {
+            return Err(invalid(
+                "--tool-command runs tools between turns: give --max-turns 2 or more".into(),
+            ));
+        }
         1 => return Ok(None),
         _ => {}
     }
@@ -975,6 +989,37 @@ fn episode_setup(
     }
     let mut toolbox = ToolBox::default();
     toolbox.add(Box::new(Calculator)).map_err(invalid)?;
+    if !(args.tool_timeout.is_finite() && args.tool_timeout > 0.0) {
+        return Err(invalid(format!(
+            "--tool-timeout {}: must be a number of seconds above 0",
+            args.tool_timeout
+        )));
+    }
+    for spec in &args.tool_command {
+        let (name, command) = spec
+            .split_once('=')
+            .ok_or_else(|| invalid(format!("--tool-command {spec:?}: expected NAME=COMMAND")))?;
+        let schema = inputs
+            .tools
+            .iter()
+            .flatten()
+            .find(|t| crate::tools::schema_name(t) == Some(name))
+            .ok_or_else(|| {
+                invalid(format!(
+                    "--tool-command {name}=…: --tools has no schema named `{name}`"
+                ))
+            })?;
+        let tool = crate::tools::external::CommandTool::new(
+            schema.clone(),
+            command,
+            std::time::Duration::from_secs_f64(args.tool_timeout),
+            4,
+        )
+        .map_err(|e| invalid(format!("--tool-command {name}: {e}")))?;
+        toolbox
+            .add(Box::new(tool))
+            .map_err(|e| invalid(format!("--tool-command {name}: {e}")))?;
+    }
     if inputs.tools.is_none() {
         inputs.tools = Some(toolbox.schemas());
     }

@@ -19,7 +19,7 @@ mod latex;
 pub mod math;
 mod normalize;
 mod number;
-mod process;
+pub(crate) mod process;
 mod python;
 mod rubric;
 

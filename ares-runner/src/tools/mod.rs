@@ -11,6 +11,7 @@
 pub mod calculator;
 pub mod calls;
 pub mod episode;
+pub mod external;
 
 use serde_json::{Map, Value, json};
 
