@@ -17,6 +17,7 @@ pub mod commands;
 pub mod config;
 pub mod data;
 pub mod demo;
+pub mod host_memory;
 pub mod metrics;
 pub mod plot;
 pub mod progress;

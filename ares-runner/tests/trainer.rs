@@ -1222,3 +1222,46 @@ fn tools_and_template_variables_reach_every_prompt() {
     let e = text(&[&tools_key]).unwrap_err().to_string();
     assert!(e.contains("data.tools") && e.contains("not JSON"), "{e}");
 }
+
+/// A dataset whose files hold more bytes than the memory available is refused before its
+/// rows are read (here the memory is stated with `ARES_MEMORY_LIMIT`, in a child process);
+/// a limit that is not a size is named.
+#[test]
+fn a_dataset_larger_than_memory_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let cfg = dir.path().join("run.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "data:\n  train_files: {}\nworker:\n  actor:\n    model:\n      model_path: {}\n\
+             trainer:\n  save_checkpoint_path: {}\n",
+            a.train.display(),
+            a.model_dir.display(),
+            dir.path().join("out").display()
+        ),
+    )
+    .unwrap();
+    let train = |limit: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_ares-runner"))
+            .args(["train", "-c"])
+            .arg(&cfg)
+            .env("ARES_MEMORY_LIMIT", limit)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let e = train("100");
+    assert!(
+        e.contains("the dataset's files hold")
+            && e.contains("(ARES_MEMORY_LIMIT)")
+            && e.contains("loaded into memory whole"),
+        "{e}"
+    );
+    let e = train("lots");
+    assert!(
+        e.contains("ARES_MEMORY_LIMIT=\"lots\" is not a size"),
+        "{e}"
+    );
+}

@@ -55,6 +55,26 @@ pub enum DataError {
         /// The directory.
         dir: PathBuf,
     },
+    /// The dataset's files hold more bytes than the memory available (rows are loaded
+    /// whole, and take at least their bytes).
+    #[error(
+        "{}: the dataset's files hold {}, more than the {} of memory available \
+         ({origin}); its rows are loaded into memory whole: split it, or drop columns the \
+         run does not read",
+        path.display(),
+        crate::host_memory::human_bytes(*bytes),
+        crate::host_memory::human_bytes(*available)
+    )]
+    TooLarge {
+        /// The dataset (file or directory).
+        path: PathBuf,
+        /// Its files' bytes.
+        bytes: u64,
+        /// The memory available.
+        available: u64,
+        /// Where that figure comes from.
+        origin: String,
+    },
     /// A file (or a whole directory) holds no rows.
     #[error("{}: the dataset is empty (no rows)", path.display())]
     Empty {

@@ -168,6 +168,7 @@ fn for_each_row(
             }
         }
     };
+    check_fits_memory(path, &files)?;
     let mut seen: HashMap<String, Location> = HashMap::new();
     for file in &files {
         let format =
@@ -192,6 +193,30 @@ fn for_each_row(
         }
     }
     Ok(())
+}
+
+/// Refuses a dataset whose files hold more bytes than the memory available: its rows,
+/// loaded whole, would not fit (`ARES_MEMORY_LIMIT` states the memory).
+fn check_fits_memory(path: &Path, files: &[std::path::PathBuf]) -> Result<()> {
+    let bytes = files
+        .iter()
+        .filter_map(|f| std::fs::metadata(f).ok())
+        .map(|m| m.len())
+        .fold(0u64, u64::saturating_add);
+    let available =
+        crate::host_memory::available_host_memory().map_err(|reason| DataError::Io {
+            path: path.to_path_buf(),
+            source: std::io::Error::other(reason),
+        })?;
+    match available {
+        Some((available, origin)) if bytes > available => Err(DataError::TooLarge {
+            path: path.to_path_buf(),
+            bytes,
+            available,
+            origin,
+        }),
+        _ => Ok(()),
+    }
 }
 
 fn check_unique(seen: &mut HashMap<String, Location>, id: &str, raw: &RawRow) -> Result<()> {

@@ -12,8 +12,6 @@
 //! fuller per-phase plan (activations, logits chunks, the vision tower, device memory) is
 //! the memory plan's job.
 
-use std::path::Path;
-
 use crate::config::Config;
 use crate::hf::config::ModelConfig;
 
@@ -100,65 +98,8 @@ pub fn host_need(cfg: &Config, config: &ModelConfig, on_cpu: bool, reference: bo
     }
 }
 
-/// The memory this process may use, and where that figure comes from: the smaller of
-/// `/proc/meminfo`'s `MemAvailable` and the cgroup's limit less its usage (a container's
-/// limit is not in `MemAvailable`), or `ARES_MEMORY_LIMIT` (bytes, or with a `G`/`M`
-/// suffix) when set. `None` where neither is known (not Linux).
-///
-/// # Errors
-/// An `ARES_MEMORY_LIMIT` that is not a size.
-pub fn available_host_memory() -> Result<Option<(u64, String)>, TrainError> {
-    if let Ok(text) = std::env::var("ARES_MEMORY_LIMIT") {
-        return parse_size(&text)
-            .map(|b| Some((b, "ARES_MEMORY_LIMIT".to_string())))
-            .ok_or_else(|| {
-                TrainError::Invalid(format!(
-                    "ARES_MEMORY_LIMIT={text:?} is not a size (bytes, or a number with G or M)"
-                ))
-            });
-    }
-    let mut best: Option<(u64, String)> = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| meminfo_kib(&m, "MemAvailable"))
-        .map(|kib| {
-            (
-                kib.saturating_mul(1024),
-                "MemAvailable in /proc/meminfo".into(),
-            )
-        });
-    let cgroup = Path::new("/sys/fs/cgroup");
-    let read = |name: &str| std::fs::read_to_string(cgroup.join(name)).ok();
-    if let (Some(max), Some(current)) = (read("memory.max"), read("memory.current"))
-        && let (Ok(max), Ok(current)) = (max.trim().parse::<u64>(), current.trim().parse::<u64>())
-    {
-        let left = max.saturating_sub(current);
-        if best.as_ref().is_none_or(|(b, _)| left < *b) {
-            best = Some((left, "the cgroup's memory.max less memory.current".into()));
-        }
-    }
-    Ok(best)
-}
-
-fn meminfo_kib(meminfo: &str, field: &str) -> Option<u64> {
-    meminfo.lines().find_map(|l| {
-        let rest = l.strip_prefix(field)?.strip_prefix(':')?;
-        rest.trim().strip_suffix("kB")?.trim().parse().ok()
-    })
-}
-
-/// `123`, `64G`, `512M` (binary units).
-fn parse_size(text: &str) -> Option<u64> {
-    let t = text.trim();
-    let (digits, shift) = match t.as_bytes().last()? {
-        b'G' | b'g' => (&t[..t.len() - 1], 30),
-        b'M' | b'm' => (&t[..t.len() - 1], 20),
-        _ => (t, 0),
-    };
-    digits.trim().parse::<u64>().ok()?.checked_mul(1 << shift)
-}
-
 fn gib(bytes: u64) -> String {
-    format!("{:.1} GiB", bytes as f64 / f64::from(1u32 << 30))
+    crate::host_memory::human_bytes(bytes)
 }
 
 /// Refuses a run whose certain need passes `available` (from `source`), naming each part;
@@ -201,24 +142,6 @@ pub fn check(need: &HostNeed, available: u64, source: &str) -> Result<Option<Str
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_parse_in_binary_units() {
-        assert_eq!(parse_size("1024"), Some(1024));
-        assert_eq!(parse_size("64G"), Some(64 << 30));
-        assert_eq!(parse_size(" 512m "), Some(512 << 20));
-        assert_eq!(parse_size("G"), None);
-        assert_eq!(parse_size("lots"), None);
-        assert_eq!(parse_size("99999999999999999999G"), None);
-        assert_eq!(parse_size(&format!("{}G", u64::MAX >> 10)), None);
-    }
-
-    #[test]
-    fn meminfo_reads_its_field() {
-        let m = "MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n";
-        assert_eq!(meminfo_kib(m, "MemAvailable"), Some(20_000_000));
-        assert_eq!(meminfo_kib(m, "SwapFree"), None);
-    }
 
     #[test]
     fn a_need_past_what_is_available_is_refused_by_part() {

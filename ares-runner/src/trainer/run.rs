@@ -967,7 +967,8 @@ fn check_memory(
         crate::hf::config::ModelConfig::from_dir(model_dir).map_err(invalid)?
     };
     let need = super::memory::host_need(cfg, &config, on_cpu, reference);
-    if let Some((available, source)) = super::memory::available_host_memory()?
+    if let Some((available, source)) =
+        crate::host_memory::available_host_memory().map_err(TrainError::Invalid)?
         && let Some(warning) = super::memory::check(&need, available, &source)?
     {
         eprintln!("{warning}");
