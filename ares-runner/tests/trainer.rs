@@ -1265,3 +1265,57 @@ fn a_dataset_larger_than_memory_is_refused() {
         "{e}"
     );
 }
+
+/// `worker.rollout.multi_turn` rolls out episodes: a model that calls no tool trains
+/// exactly as the single-turn rollout (its first round samples alike, and no token is
+/// masked out), with the tool counts reported; without a chat template that shows a
+/// tool-call format, episodes are refused.
+#[test]
+fn multi_turn_without_calls_trains_as_single_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let single = run(dir.path(), "single", &[]);
+    let e = trainer(
+        config(
+            &a,
+            &dir.path().join("refused"),
+            &["worker.rollout.multi_turn.enable=true"],
+        )
+        .unwrap(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("shows no tool-call format"), "{e}");
+    // the demo's template, marked as teaching <tool_call> (it ignores the tools otherwise)
+    let config_json: Value = serde_json::from_str(
+        &std::fs::read_to_string(a.model_dir.join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    let template = dir.path().join("tools.jinja");
+    std::fs::write(
+        &template,
+        format!(
+            "{{# calls go in <tool_call></tool_call> #}}{}",
+            config_json["chat_template"].as_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let t = format!("data.override_chat_template={}", template.display());
+    let plain = run(dir.path(), "plain", &[&t]);
+    let episodes = run(
+        dir.path(),
+        "episodes",
+        &[&t, "worker.rollout.multi_turn.enable=true"],
+    );
+    assert_eq!(deterministic(plain.clone()), deterministic(single));
+    for (p, e) in plain.iter().zip(&episodes) {
+        assert_eq!(num(e, "tools/turns_per_response"), 1.0);
+        assert_eq!(num(e, "tools/calls_per_response"), 0.0);
+        let e: Map<String, Value> = e
+            .iter()
+            .filter(|(k, _)| !k.starts_with("tools/"))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        assert_eq!(deterministic(vec![e]), deterministic(vec![p.clone()]));
+    }
+}

@@ -47,9 +47,9 @@ pub use error::ConfigError;
 pub use trainer::{Device, Logger, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig, TrainerConfig};
 pub use worker::{
     ActorConfig, EntropyBonusConfig, ForkingTokensConfig, GradedPromptConfig, IsCorrection,
-    LossAggMode, LrScheduler, ModelConfig, OptimConfig, PolicyLoss, RefConfig, RewardConfig,
-    RewardGrader, RewardType, RolloutConfig, RubricGrader, RubricSchedule, ValOverrideConfig,
-    WeightDtype, WorkerConfig,
+    LossAggMode, LrScheduler, ModelConfig, MultiTurnConfig, OptimConfig, PolicyLoss, RefConfig,
+    RewardConfig, RewardGrader, RewardType, RolloutConfig, RubricGrader, RubricSchedule,
+    ValOverrideConfig, WeightDtype, WorkerConfig,
 };
 
 use tree::Override;

@@ -619,6 +619,28 @@ fn validate_rollout(r: &RolloutConfig) -> Result<(), ConfigError> {
         "in (0, 1]",
     )?;
     at_least(&format!("{P}.window_size"), r.window_size, 1)?;
+    let m = &r.multi_turn;
+    at_least(
+        &format!("{P}.multi_turn.max_assistant_turns"),
+        m.max_assistant_turns,
+        1,
+    )?;
+    if let Some(t) = m.tools.iter().find(|t| t.as_str() != "calculator") {
+        return Err(out_of_range(
+            &format!("{P}.multi_turn.tools"),
+            format!("{t:?}"),
+            "built-in tools: calculator",
+        ));
+    }
+    if m.enable && r.enable_graded_system_prompt {
+        return Err(ConfigError::Inconsistent {
+            key: format!("{P}.multi_turn.enable"),
+            value: "true".into(),
+            reason: "graded system prompts give each sample its own conversation; \
+                     multi-turn episodes with them are not supported yet"
+                .into(),
+        });
+    }
     let v = &r.val_override_config;
     if let Some(t) = v.temperature {
         real(

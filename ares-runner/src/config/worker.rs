@@ -464,6 +464,35 @@ pub struct RolloutConfig {
     /// Decode weights of rollout, bootstrap and validation generation: `f32` (default) or
     /// `bf16`.
     pub weight_dtype: WeightDtype,
+    /// Multi-turn rollout with tool calls (verl's `multi_turn` section).
+    pub multi_turn: MultiTurnConfig,
+}
+
+/// `worker.rollout.multi_turn`: the training rollout as episodes — the model's tool calls
+/// run, their results appended through the chat template, generation resumed. Only the
+/// model's tokens are its actions (loss, entropy, HWE, KL, length); the response budget
+/// `data.max_response_length` counts the model's and the tools' tokens together.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MultiTurnConfig {
+    /// Roll out episodes (default false: one turn).
+    pub enable: bool,
+    /// Model turns per episode at most, ≥ 1 (verl's key; default 4): a call in the last one
+    /// is not run.
+    pub max_assistant_turns: usize,
+    /// Built-in tools the model may call (default `[calculator]`); shown to it unless
+    /// `data.tools` lists others.
+    pub tools: Vec<String>,
+}
+
+impl Default for MultiTurnConfig {
+    fn default() -> Self {
+        Self {
+            enable: false,
+            max_assistant_turns: 4,
+            tools: vec!["calculator".into()],
+        }
+    }
 }
 
 impl Default for RolloutConfig {
@@ -480,6 +509,7 @@ impl Default for RolloutConfig {
             enable_graded_system_prompt: false,
             graded: GradedPromptConfig::default(),
             weight_dtype: WeightDtype::F32,
+            multi_turn: MultiTurnConfig::default(),
         }
     }
 }

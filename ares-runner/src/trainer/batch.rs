@@ -72,8 +72,7 @@ impl Batch {
             texts.extend(g.texts);
             grades.extend(g.grades);
         }
-        let lengths: Vec<usize> = responses.iter().map(|r| r.tokens.len()).collect();
-        let tokens = TokenBatch::from_lengths(&lengths);
+        let tokens = TokenBatch::from_responses(&responses);
         let prompt_cols = items
             .iter()
             .map(|i| i.train_prompt.len())
@@ -100,9 +99,10 @@ impl Batch {
         r / self.n
     }
 
-    /// Response lengths in tokens.
+    /// Response lengths in tokens: the model's (a multi-turn episode's tool tokens left
+    /// out).
     pub fn lengths(&self) -> Vec<usize> {
-        self.responses.iter().map(|r| r.tokens.len()).collect()
+        self.responses.iter().map(Response::model_len).collect()
     }
 
     /// A `[rows, T]` tensor of a per-token field of the responses.

@@ -74,7 +74,7 @@ pub fn evaluate<B: Backend>(
             let s = sums.entry(key.to_string()).or_default();
             s.0 += 1;
             s.1 += usize::from(g.correct);
-            s.2 += r.tokens.len();
+            s.2 += r.model_len();
         };
         add("all");
         if let Some(d) = &e.difficulty {

@@ -24,6 +24,7 @@ pub mod bootstrap;
 pub mod checkpoints;
 pub mod controllers;
 pub mod device;
+pub mod episodes;
 pub mod eval;
 pub mod grading;
 pub mod hwe;

@@ -124,6 +124,25 @@ impl PromptRenderer {
         }
     }
 
+    /// The conversation of a text `example` as the chat template renders it (after
+    /// `format_prompt`): what a multi-turn episode continues.
+    ///
+    /// # Errors
+    /// `format_prompt` errors, naming the example.
+    pub fn messages(&self, example: &Example) -> Result<Vec<serde_json::Value>, TrainError> {
+        let prompt = match &self.format {
+            Some(t) => t.apply(&example.prompt).map_err(|e| {
+                TrainError::Invalid(format!("format_prompt on {}: {e}", example.global_id))
+            })?,
+            None => example.prompt.clone(),
+        };
+        prompt
+            .to_messages()
+            .iter()
+            .map(|m| serde_json::to_value(m).map_err(|e| TrainError::Internal(e.to_string())))
+            .collect()
+    }
+
     /// Token ids of a rendered prompt (a chat template writes the special tokens itself).
     ///
     /// # Errors

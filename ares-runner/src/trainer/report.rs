@@ -26,6 +26,8 @@ pub struct Collection {
     pub rounds: u64,
     /// Seconds spent generating.
     pub rollout_secs: f64,
+    /// What multi-turn episodes did (all zero for a single-turn rollout).
+    pub episodes: super::episodes::EpisodeCounts,
 }
 
 /// Counters of the run at the end of the step.
@@ -169,6 +171,17 @@ pub fn step_record(
         batch.items.len() as f64 / collection.generated_groups.max(1) as f64,
     );
     r.insert("filter/rounds", collection.rounds as f64);
+    let e = &collection.episodes;
+    if e.episodes > 0 {
+        // multi-turn episodes, over every round's responses
+        let per = |x: usize| x as f64 / e.episodes as f64;
+        r.insert("tools/turns_per_response", per(e.turns));
+        r.insert("tools/calls_per_response", per(e.calls));
+        r.insert(
+            "tools/failed_call_ratio",
+            e.failed_calls as f64 / e.calls.max(1) as f64,
+        );
+    }
     r.insert("actor/skipped_updates", counters.skipped_updates as f64);
     r.insert("data/dropped_solved", counters.dropped_solved as f64);
     r.insert(

@@ -34,6 +34,33 @@ pub struct Response {
     pub entropies: Vec<f32>,
     /// Ended by EOS (else truncated at the length limit).
     pub finished: bool,
+    /// A multi-turn episode's: per token, whether the model wrote it (the rest are the
+    /// chat template's and the tools', which are not the policy's actions). `None`: every
+    /// token is the model's.
+    pub from_model: Option<Vec<bool>>,
+}
+
+impl Response {
+    /// Whether token `t` is the model's.
+    pub fn is_model_token(&self, t: usize) -> bool {
+        self.from_model.as_ref().is_none_or(|m| m[t])
+    }
+
+    /// The entropies at the model's tokens.
+    pub fn model_entropies(&self) -> impl Iterator<Item = f32> + '_ {
+        self.entropies
+            .iter()
+            .enumerate()
+            .filter(|&(t, _)| self.is_model_token(t))
+            .map(|(_, &h)| h)
+    }
+
+    /// The model's tokens (the response's length as the algorithms count it).
+    pub fn model_len(&self) -> usize {
+        self.from_model
+            .as_ref()
+            .map_or(self.tokens.len(), |m| m.iter().filter(|&&b| b).count())
+    }
 }
 
 /// How responses are generated.
@@ -101,6 +128,7 @@ pub fn generate_all<B: Backend>(
                 log_probs,
                 entropies,
                 finished,
+                from_model: None,
             });
         }
     };

@@ -17,6 +17,7 @@ use super::batch::{Batch, Group};
 use super::bootstrap::{BootstrapResult, apply_bootstrap, read_bootstrap};
 use super::checkpoints::{CheckpointDir, write_atomic};
 use super::controllers::{AresSnapshot, AresState};
+use super::episodes::{EpisodeTools, rollout_episodes};
 use super::grading::Grader;
 use super::hwe::hwe_pass_host;
 use super::prepare::{group_buckets, keep_groups, prepare};
@@ -100,6 +101,15 @@ pub struct Trainer<B: Backend + Clone> {
     pub(super) interrupt: Arc<AtomicBool>,
     /// The bootstrap's results are in the state (resumed or reused).
     pub(super) bootstrap_done: bool,
+    /// `worker.rollout.multi_turn`: the tools and how the model calls them.
+    pub(super) multi_turn: Option<MultiTurn>,
+}
+
+/// What a multi-turn rollout runs with.
+pub(super) struct MultiTurn {
+    toolbox: crate::tools::ToolBox,
+    format: crate::tools::ToolCallFormat,
+    max_turns: usize,
 }
 
 impl<B: Backend + Clone> std::fmt::Debug for Trainer<B> {
@@ -135,6 +145,7 @@ impl<B: Backend + Clone> Trainer<B> {
         let model_dir = crate::data::resolve_model_dir(&model_path).map_err(TrainError::Invalid)?;
         let run_dir = run_dir(&cfg);
         let renderer = renderer(&cfg, &model_dir)?;
+        let multi_turn = multi_turn(&cfg, &renderer)?;
         let grader = Grader::new(&cfg)?;
         let python = start_python_worker(&cfg, &run_dir)?;
         let train = load_examples(&cfg, &train_path)?;
@@ -310,6 +321,7 @@ impl<B: Backend + Clone> Trainer<B> {
             progress: Progress::from_env(),
             interrupt,
             bootstrap_done,
+            multi_turn,
         })
     }
 
@@ -575,9 +587,42 @@ impl<B: Backend + Clone> Trainer<B> {
             let params = self.rollout_params(step, c.rounds);
             let bar = self.progress.bar((items.len() * n) as u64, "rollout");
             let t = Instant::now();
-            let responses = rollout_items(&self.actor, &items, n, &params, |d| {
-                bar.set_position(d as u64)
-            })?;
+            let responses = match &self.multi_turn {
+                Some(mt) => {
+                    let messages = items
+                        .iter()
+                        .map(|i| self.renderer.messages(&self.train[i.example]))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let chat = self.renderer.chat.as_ref().ok_or_else(|| {
+                        TrainError::Internal("multi-turn without a chat template".into())
+                    })?;
+                    let tools = EpisodeTools {
+                        template: chat,
+                        options: self.renderer.template_inputs.generation(),
+                        format: mt.format,
+                        toolbox: &mt.toolbox,
+                        tokenizer: &self.renderer.tokenizer,
+                        max_turns: mt.max_turns,
+                    };
+                    let (responses, counts) = rollout_episodes(
+                        &self.actor,
+                        &items,
+                        &messages,
+                        n,
+                        &params,
+                        &tools,
+                        |d| bar.set_position(d as u64),
+                    )?;
+                    c.episodes.episodes += counts.episodes;
+                    c.episodes.turns += counts.turns;
+                    c.episodes.calls += counts.calls;
+                    c.episodes.failed_calls += counts.failed_calls;
+                    responses
+                }
+                None => rollout_items(&self.actor, &items, n, &params, |d| {
+                    bar.set_position(d as u64)
+                })?,
+            };
             bar.finish();
             c.rollout_secs += t.elapsed().as_secs_f64();
             c.generated_tokens += responses.iter().map(|r| r.tokens.len()).sum::<usize>();
@@ -624,7 +669,7 @@ impl<B: Backend + Clone> Trainer<B> {
             return keep_groups(&self.settings, n, grades, None);
         }
         // reward keys: provisional rewards under the controllers in force
-        let lengths: Vec<usize> = responses.iter().map(|r| r.tokens.len()).collect();
+        let lengths: Vec<usize> = responses.iter().map(Response::model_len).collect();
         let pass = responses_hwe(
             self.actor.backend(),
             responses,
@@ -687,8 +732,8 @@ impl<B: Backend + Clone> Trainer<B> {
             let all_correct = grades[rows.clone()].iter().all(|x| x.correct);
             let (s, k) = responses[rows].iter().fold((0.0f64, 0usize), |(s, k), r| {
                 (
-                    s + r.entropies.iter().map(|&e| f64::from(e)).sum::<f64>(),
-                    k + r.entropies.len(),
+                    s + r.model_entropies().map(f64::from).sum::<f64>(),
+                    k + r.model_len(),
                 )
             });
             let mean_entropy = if k > 0 { s / k as f64 } else { 0.0 };
@@ -950,6 +995,39 @@ fn start_python_worker(cfg: &Config, run_dir: &Path) -> Result<Option<PythonWork
     Ok(Some(worker))
 }
 
+/// The tools and call format of `worker.rollout.multi_turn` (None when off).
+///
+/// # Errors
+/// Episodes without a chat template, or with one that shows no tool-call format.
+fn multi_turn(cfg: &Config, renderer: &PromptRenderer) -> Result<Option<MultiTurn>, TrainError> {
+    let mt = &cfg.worker.rollout.multi_turn;
+    if !mt.enable {
+        return Ok(None);
+    }
+    let chat = renderer.chat.as_ref().ok_or_else(|| {
+        TrainError::Invalid(
+            "worker.rollout.multi_turn.enable: the model has no chat template to render tool \
+             turns with (set data.override_chat_template)"
+                .into(),
+        )
+    })?;
+    let source = chat
+        .source(true)
+        .map_err(|e| TrainError::Invalid(e.to_string()))?;
+    let format = crate::tools::ToolCallFormat::of_template(source).ok_or_else(|| {
+        TrainError::Invalid(
+            "worker.rollout.multi_turn.enable: the chat template shows no tool-call format \
+             (neither <tool_call> nor Llama 3's JSON calls), so the model's calls cannot be read"
+                .into(),
+        )
+    })?;
+    Ok(Some(MultiTurn {
+        toolbox: super::setup::builtin_tools(cfg)?,
+        format,
+        max_turns: mt.max_assistant_turns,
+    }))
+}
+
 /// Refuses a run that cannot fit in this machine's memory before the model is loaded
 /// ([`super::memory`]); prints a warning when its KV cache might not.
 fn check_memory(
@@ -989,8 +1067,8 @@ fn mean_entropies(responses: &[Response]) -> Vec<f64> {
     responses
         .iter()
         .map(|r| {
-            let sum: f64 = r.entropies.iter().map(|&h| f64::from(h)).sum();
-            sum / r.entropies.len().max(1) as f64
+            let sum: f64 = r.model_entropies().map(f64::from).sum();
+            sum / r.model_len().max(1) as f64
         })
         .collect()
 }
@@ -1143,8 +1221,7 @@ pub(super) fn responses_hwe<B: Backend>(
     settings: &StepSettings,
     tau: Option<f64>,
 ) -> Result<super::hwe::HwePass<B>, TrainError> {
-    let lengths: Vec<usize> = responses.iter().map(|r| r.tokens.len()).collect();
-    let tokens = TokenBatch::from_lengths(&lengths);
+    let tokens = TokenBatch::from_responses(responses);
     let ent: Vec<Vec<f32>> = responses.iter().map(|r| r.entropies.clone()).collect();
     let entropies = tokens.pad(&ent, 0.0);
     hwe_pass_host(

@@ -178,6 +178,29 @@ pub fn load_examples(cfg: &Config, path: &str) -> Result<Vec<Example>, TrainErro
     Ok(examples)
 }
 
+/// The built-in tools of `worker.rollout.multi_turn.tools`.
+///
+/// # Errors
+/// A tool name that is not built in (the config's validation names it first).
+pub fn builtin_tools(cfg: &Config) -> Result<crate::tools::ToolBox, TrainError> {
+    let mut toolbox = crate::tools::ToolBox::default();
+    for name in &cfg.worker.rollout.multi_turn.tools {
+        let tool: Box<dyn crate::tools::Tool> = match name.as_str() {
+            "calculator" => Box::new(crate::tools::Calculator),
+            other => {
+                return Err(TrainError::Invalid(format!(
+                    "worker.rollout.multi_turn.tools: no built-in tool named {other:?} (built in: \
+                     calculator)"
+                )));
+            }
+        };
+        toolbox
+            .add(tool)
+            .map_err(|e| TrainError::Invalid(format!("worker.rollout.multi_turn.tools: {e}")))?;
+    }
+    Ok(toolbox)
+}
+
 /// The run directory of a config: `trainer.save_checkpoint_path`, else `runs/<experiment_name>`.
 pub fn run_dir(cfg: &Config) -> PathBuf {
     cfg.trainer.save_checkpoint_path.as_ref().map_or_else(
@@ -275,6 +298,11 @@ pub fn renderer(cfg: &Config, model_dir: &Path) -> Result<PromptRenderer, TrainE
                 .map_err(|e| TrainError::Invalid(format!("data.tools: {e}")))
         })
         .transpose()?;
+    // episodes show the model their built-in tools unless data.tools lists others
+    let tools = match tools {
+        None if cfg.worker.rollout.multi_turn.enable => Some(builtin_tools(cfg)?.schemas()),
+        t => t,
+    };
     if chat.is_none() && (tools.is_some() || cfg.data.apply_chat_template_kwargs.is_some()) {
         return Err(TrainError::Invalid(format!(
             "data.tools and data.apply_chat_template_kwargs are rendered by the chat template, \

@@ -29,6 +29,24 @@ impl TokenBatch {
         }
     }
 
+    /// The mask of `responses`: 1 on the model's tokens (a multi-turn episode's tool and
+    /// template tokens are 0, as padding is), padded to the longest response.
+    pub fn from_responses(responses: &[super::rollout::Response]) -> Self {
+        let lengths: Vec<usize> = responses.iter().map(|r| r.tokens.len()).collect();
+        let mut batch = Self::from_lengths(&lengths);
+        let cols = batch.shape.cols;
+        for (row, r) in batch.mask.chunks_exact_mut(cols).zip(responses) {
+            if let Some(m) = &r.from_model {
+                for (x, &mine) in row.iter_mut().zip(m) {
+                    if !mine {
+                        *x = 0.0;
+                    }
+                }
+            }
+        }
+        batch
+    }
+
     /// Pads one vector per row into a `[rows, cols]` tensor (`fill` beyond each row).
     pub fn pad(&self, rows: &[Vec<f32>], fill: f32) -> Vec<f32> {
         let cols = self.shape.cols;
@@ -84,6 +102,41 @@ pub fn gather_rows<T: Copy>(data: &[T], cols: usize, rows: &[usize]) -> Vec<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A two-turn episode: the model's call (3 tokens, its end-of-turn included), the
+    /// tool turn (2), the model's answer (2). The mask — what the loss, the entropy
+    /// statistics, HWE and the KL read — holds the model's 5 tokens; its length is 5.
+    #[test]
+    fn an_episode_masks_the_tools_tokens() {
+        use super::super::rollout::Response;
+        let episode = Response {
+            tokens: vec![11, 12, 0, 90, 91, 13, 0],
+            log_probs: vec![-0.1, -0.2, -0.3, 0.0, 0.0, -0.4, -0.5],
+            entropies: vec![1.0, 2.0, 3.0, 0.0, 0.0, 4.0, 5.0],
+            finished: true,
+            from_model: Some(vec![true, true, true, false, false, true, true]),
+        };
+        let plain = Response {
+            tokens: vec![7, 0],
+            log_probs: vec![-0.1, -0.2],
+            entropies: vec![1.0, 1.0],
+            finished: true,
+            from_model: None,
+        };
+        let b = TokenBatch::from_responses(&[episode.clone(), plain.clone()]);
+        assert_eq!((b.rows(), b.cols()), (2, 7));
+        assert_eq!(
+            b.mask,
+            [
+                1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, //
+                1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0
+            ]
+        );
+        assert_eq!((b.row_len(0), b.row_len(1)), (5, 2));
+        assert_eq!((episode.model_len(), plain.model_len()), (5, 2));
+        let h: Vec<f32> = episode.model_entropies().collect();
+        assert_eq!(h, [1.0, 2.0, 3.0, 4.0, 5.0]);
+    }
 
     #[test]
     fn pads_to_the_longest_response() {

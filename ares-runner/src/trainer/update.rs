@@ -43,7 +43,7 @@ fn count(batch: &Batch, rows: &[usize]) -> (usize, usize) {
     let mut tokens = 0;
     let mut nonempty = 0;
     for &r in rows {
-        let len = batch.responses[r].tokens.len();
+        let len = batch.responses[r].model_len();
         tokens += len;
         nonempty += usize::from(len > 0);
     }

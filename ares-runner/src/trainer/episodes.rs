@@ -1,0 +1,343 @@
+//! The training rollout as multi-turn episodes (`worker.rollout.multi_turn`): every sample
+//! is a [`crate::tools::episode`] trajectory, generated a turn at a time for the whole
+//! batch — round `r` generates the next turn of every episode still going, after its whole
+//! trajectory so far (a re-prefill; keeping the KV cache across turns is the engine's
+//! part) — so one engine call serves each round.
+//!
+//! A response is the model's tokens as generated with the template's and tools' tokens
+//! between its turns, `from_model` marking which are the model's: the step's mask holds
+//! those alone, so loss, entropy, HWE, KL and length see the model's tokens only. Tool and
+//! template tokens carry no sampler log-prob or entropy (0, masked).
+//! `data.max_response_length` bounds the whole trajectory after the prompt.
+
+use serde_json::{Value as Json, json};
+
+use super::TrainError;
+use super::actor::Actor;
+use super::rollout::{PromptItem, Response, RolloutParams, generate_all};
+use crate::backend::Backend;
+use crate::hf::chat::{ChatTemplate, RenderOptions};
+use crate::hf::tokenizer::Tokenizer;
+use crate::tools::{ParsedCall, ToolBox, ToolCallFormat, parse_turn};
+
+/// What episodes are run with.
+#[derive(Debug, Clone, Copy)]
+pub struct EpisodeTools<'a> {
+    /// The chat template (it renders the tool turns).
+    pub template: &'a ChatTemplate,
+    /// Its tools and extra variables, as the prompts were rendered with.
+    pub options: RenderOptions<'a>,
+    /// How the model writes calls.
+    pub format: ToolCallFormat,
+    /// The tools that answer.
+    pub toolbox: &'a ToolBox,
+    /// Decodes turns and encodes the template's continuations.
+    pub tokenizer: &'a Tokenizer,
+    /// Model turns per episode at most.
+    pub max_turns: usize,
+}
+
+/// What the episodes of a rollout did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EpisodeCounts {
+    /// Episodes.
+    pub episodes: usize,
+    /// Model turns, over all episodes.
+    pub turns: usize,
+    /// Tool calls run.
+    pub calls: usize,
+    /// Of them, those that failed (malformed, unknown tool, tool error).
+    pub failed_calls: usize,
+}
+
+struct Row {
+    ids: Vec<u32>,
+    response: Response,
+    from_model: Vec<bool>,
+    messages: Vec<Json>,
+    done: bool,
+}
+
+/// Rolls out every item's `n` samples as episodes (item-major rows, as
+/// [`super::rollout::rollout_items`]); `messages[g]` is item `g`'s conversation (its prompt
+/// rendered with the generation prompt is its `rollout_prompts`). Round 0 samples as the
+/// single-turn rollout does, so a model that calls no tool gives the same responses.
+///
+/// # Errors
+/// Items with images or videos, or without `n` rollout prompts; generation, tokenizer and
+/// template errors (a template that cannot continue a conversation after tool messages).
+pub fn rollout_episodes<B: Backend>(
+    model: &Actor<B>,
+    items: &[PromptItem],
+    messages: &[Vec<Json>],
+    n: usize,
+    params: &RolloutParams,
+    tools: &EpisodeTools<'_>,
+    mut on_progress: impl FnMut(usize),
+) -> Result<(Vec<Response>, EpisodeCounts), TrainError> {
+    let mut rows = Vec::with_capacity(items.len() * n);
+    for (item, msgs) in items.iter().zip(messages) {
+        if item.vision.is_some() {
+            return Err(TrainError::Invalid(format!(
+                "prompt {}: multi-turn episodes (worker.rollout.multi_turn) take text prompts \
+                 only so far",
+                item.global_id
+            )));
+        }
+        if item.rollout_prompts.len() != n {
+            return Err(TrainError::Internal(format!(
+                "prompt {} has {} rollout prompts, expected n = {n}",
+                item.global_id,
+                item.rollout_prompts.len()
+            )));
+        }
+        for prompt in &item.rollout_prompts {
+            rows.push(Row {
+                ids: prompt.clone(),
+                response: Response {
+                    tokens: Vec::new(),
+                    log_probs: Vec::new(),
+                    entropies: Vec::new(),
+                    finished: false,
+                    from_model: None,
+                },
+                from_model: Vec::new(),
+                messages: msgs.clone(),
+                done: false,
+            });
+        }
+    }
+    let budget = params.max_new_tokens;
+    let mut counts = EpisodeCounts {
+        episodes: rows.len(),
+        ..EpisodeCounts::default()
+    };
+    for round in 0..tools.max_turns {
+        let active: Vec<usize> = (0..rows.len()).filter(|&r| !rows[r].done).collect();
+        if active.is_empty() {
+            break;
+        }
+        let prompts: Vec<Vec<u32>> = active.iter().map(|&r| rows[r].ids.clone()).collect();
+        let longest_left = active
+            .iter()
+            .map(|&r| budget - rows[r].response.tokens.len())
+            .max()
+            .unwrap_or(0);
+        let round_params = RolloutParams {
+            max_new_tokens: longest_left,
+            // round 0 samples as the single-turn rollout
+            seed: params.seed ^ (round as u64).wrapping_mul(0xD1B5_4A32_D192_ED03),
+            ..params.clone()
+        };
+        let finished_before = rows.len() - active.len();
+        let outputs = generate_all(
+            model,
+            &prompts,
+            &vec![None; active.len()],
+            &round_params,
+            |d| on_progress(finished_before + d),
+        )?;
+        for (&r, out) in active.iter().zip(outputs) {
+            counts.turns += 1;
+            let last_round = round + 1 == tools.max_turns;
+            step_row(&mut rows[r], out, budget, last_round, tools, &mut counts)?;
+        }
+    }
+    let responses = rows
+        .into_iter()
+        .map(|row| {
+            let mut response = row.response;
+            if row.from_model.iter().any(|&m| !m) {
+                response.from_model = Some(row.from_model);
+            }
+            response
+        })
+        .collect();
+    Ok((responses, counts))
+}
+
+/// Adds a turn's output to its row: the model's tokens (cut at the budget), then, when the
+/// turn called tools and another turn may follow, the tools' results through the template.
+fn step_row(
+    row: &mut Row,
+    out: Response,
+    budget: usize,
+    last_round: bool,
+    tools: &EpisodeTools<'_>,
+    counts: &mut EpisodeCounts,
+) -> Result<(), TrainError> {
+    let left = budget - row.response.tokens.len();
+    let cut = out.tokens.len().min(left);
+    let ended = out.finished && out.tokens.len() <= left;
+    let new = &out.tokens[..cut];
+    push(row, new, &out.log_probs[..cut], &out.entropies[..cut], true);
+    row.response.finished = ended;
+    if !ended {
+        row.done = true;
+        return Ok(());
+    }
+    let tokenizer_error =
+        |e: crate::hf::tokenizer::TokenizerError| TrainError::Invalid(format!("tokenizer: {e}"));
+    let text = tools.tokenizer.decode(new, true).map_err(tokenizer_error)?;
+    row.messages
+        .push(json!({"role": "assistant", "content": text}));
+    let turn = parse_turn(&text, tools.format);
+    if turn.calls.is_empty() || last_round {
+        row.done = true;
+        return Ok(());
+    }
+    let results: Vec<Json> = turn
+        .calls
+        .iter()
+        .map(|call| {
+            let r = tools.toolbox.run(call);
+            counts.calls += 1;
+            counts.failed_calls += usize::from(!r.ok);
+            match call {
+                ParsedCall::Call(c) => {
+                    json!({"role": "tool", "name": c.name, "content": r.content})
+                }
+                ParsedCall::Malformed { .. } => json!({"role": "tool", "content": r.content}),
+            }
+        })
+        .collect();
+    let end_of_turn = tools
+        .tokenizer
+        .decode(&new[new.len().saturating_sub(1)..], false)
+        .map_err(tokenizer_error)?;
+    let continuation = tools
+        .template
+        .tool_continuation(&row.messages, &results, &end_of_turn, &tools.options)
+        .map_err(|e| TrainError::Invalid(e.to_string()))?;
+    let ids = tools
+        .tokenizer
+        .encode(&continuation, false)
+        .map_err(tokenizer_error)?;
+    row.messages.extend(results);
+    if row.response.tokens.len() + ids.len() >= budget {
+        row.done = true;
+        return Ok(());
+    }
+    let zeros = vec![0.0f32; ids.len()];
+    push(row, &ids, &zeros, &zeros, false);
+    Ok(())
+}
+
+fn push(row: &mut Row, ids: &[u32], log_probs: &[f32], entropies: &[f32], from_model: bool) {
+    row.response.tokens.extend_from_slice(ids);
+    row.response.log_probs.extend_from_slice(log_probs);
+    row.response.entropies.extend_from_slice(entropies);
+    row.from_model
+        .extend(std::iter::repeat_n(from_model, ids.len()));
+    row.ids.extend_from_slice(ids);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tools::Calculator;
+    use std::path::Path;
+
+    fn fixtures() -> std::path::PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../ares-model/tests/fixtures/tokenizer")
+    }
+
+    /// One turn of a real byte-level tokenizer and the Qwen2.5-style fixture template: a
+    /// calculator call is run, and the tool turn is appended as the template writes it,
+    /// outside the model's mask; an answer ends the episode; the budget is kept.
+    #[test]
+    fn a_turn_with_a_call_appends_the_tool_turn_outside_the_mask() {
+        let tokenizer = Tokenizer::from_dir(&fixtures().join("qwen_style")).unwrap();
+        let template = ChatTemplate::from_source(
+            &std::fs::read_to_string(fixtures().join("templates/qwen25_like.jinja")).unwrap(),
+            Default::default(),
+        )
+        .unwrap();
+        let mut toolbox = ToolBox::default();
+        toolbox.add(Box::new(Calculator)).unwrap();
+        let schemas = toolbox.schemas();
+        let tools = EpisodeTools {
+            template: &template,
+            options: RenderOptions {
+                tools: Some(&schemas),
+                ..RenderOptions::generation()
+            },
+            format: ToolCallFormat::Hermes,
+            toolbox: &toolbox,
+            tokenizer: &tokenizer,
+            max_turns: 4,
+        };
+        let im_end = tokenizer.encode("<|im_end|>", false).unwrap();
+        assert_eq!(im_end.len(), 1);
+        let turn = |text: &str| {
+            let mut tokens = tokenizer.encode(text, false).unwrap();
+            tokens.extend(&im_end);
+            let k = tokens.len();
+            Response {
+                tokens,
+                log_probs: vec![-0.5; k],
+                entropies: vec![1.5; k],
+                finished: true,
+                from_model: None,
+            }
+        };
+        let new_row = || Row {
+            ids: vec![1, 2, 3],
+            response: Response {
+                tokens: Vec::new(),
+                log_probs: Vec::new(),
+                entropies: Vec::new(),
+                finished: false,
+                from_model: None,
+            },
+            from_model: Vec::new(),
+            messages: vec![json!({"role": "user", "content": "What is 12*34?"})],
+            done: false,
+        };
+        let call = turn(
+            "<tool_call>\n{\"name\": \"calculator\", \"arguments\": {\"expression\": \"12*34\"}}\n</tool_call>",
+        );
+        let k = call.tokens.len();
+        let mut counts = EpisodeCounts::default();
+        let mut row = new_row();
+        step_row(&mut row, call.clone(), 1000, false, &tools, &mut counts).unwrap();
+        assert!(!row.done && row.response.finished);
+        assert_eq!((counts.calls, counts.failed_calls), (1, 0));
+        let appended = tokenizer.decode(&row.response.tokens[k..], false).unwrap();
+        assert_eq!(
+            appended,
+            "\n<|im_start|>user\n<tool_response>\n408\n</tool_response><|im_end|>\n\
+             <|im_start|>assistant\n"
+        );
+        let n_tool = row.response.tokens.len() - k;
+        assert!(row.from_model[..k].iter().all(|&m| m));
+        assert!(row.from_model[k..].iter().all(|&m| !m));
+        assert_eq!(row.response.entropies[k..], vec![0.0; n_tool][..]);
+        assert_eq!(row.ids.len(), 3 + k + n_tool);
+        // the answer ends the episode
+        step_row(
+            &mut row,
+            turn("\\boxed{408}"),
+            1000,
+            false,
+            &tools,
+            &mut counts,
+        )
+        .unwrap();
+        assert!(row.done && row.response.finished);
+        assert_eq!(row.messages.len(), 4);
+
+        // the last turn allowed: the call is not run
+        let mut row = new_row();
+        step_row(&mut row, call.clone(), 1000, true, &tools, &mut counts).unwrap();
+        assert!(row.done && row.response.tokens.len() == k && counts.calls == 1);
+        // the budget cuts the turn: not finished, nothing run
+        let mut row = new_row();
+        step_row(&mut row, call.clone(), 5, false, &tools, &mut counts).unwrap();
+        assert!(row.done && !row.response.finished && row.response.tokens.len() == 5);
+        // the tool turn does not fit: the episode ends after the call
+        let mut row = new_row();
+        step_row(&mut row, call, k + 3, false, &tools, &mut counts).unwrap();
+        assert!(row.done && row.response.finished && row.response.tokens.len() == k);
+    }
+}
