@@ -1318,4 +1318,28 @@ fn multi_turn_without_calls_trains_as_single_turn() {
             .collect();
         assert_eq!(deterministic(vec![e]), deterministic(vec![p.clone()]));
     }
+
+    // tools answered by programs take their schemas from data.tools
+    let commands = "worker.rollout.multi_turn.tool_commands=[{name: lookup, command: cat}]";
+    let on = "worker.rollout.multi_turn.enable=true";
+    let e = trainer(config(&a, &dir.path().join("no_schema"), &[&t, on, commands]).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`lookup` has no schema in data.tools"), "{e}");
+    let tools = dir.path().join("tools.json");
+    std::fs::write(
+        &tools,
+        r#"[{"type": "function", "function": {"name": "lookup", "parameters": {}}}]"#,
+    )
+    .unwrap();
+    let with_tools = format!("data.tools={}", tools.display());
+    let lines = run(dir.path(), "commands", &[&t, on, commands, &with_tools]);
+    assert_eq!(lines.len(), episodes.len());
+    let e = config(
+        &a,
+        &dir.path().join("bad"),
+        &["worker.rollout.multi_turn.tool_commands=[{name: x, command: cat, timeout_s: 0}]"],
+    )
+    .unwrap_err();
+    assert!(e.contains("tool_commands[0].timeout_s"), "{e}");
 }

@@ -49,7 +49,7 @@ pub use worker::{
     ActorConfig, EntropyBonusConfig, ForkingTokensConfig, GradedPromptConfig, IsCorrection,
     LossAggMode, LrScheduler, ModelConfig, MultiTurnConfig, OptimConfig, PolicyLoss, RefConfig,
     RewardConfig, RewardGrader, RewardType, RolloutConfig, RubricGrader, RubricSchedule,
-    ValOverrideConfig, WeightDtype, WorkerConfig,
+    ToolCommandConfig, ValOverrideConfig, WeightDtype, WorkerConfig,
 };
 
 use tree::Override;

@@ -632,6 +632,18 @@ fn validate_rollout(r: &RolloutConfig) -> Result<(), ConfigError> {
             "built-in tools: calculator",
         ));
     }
+    for (i, t) in m.tool_commands.iter().enumerate() {
+        let key = format!("{P}.multi_turn.tool_commands[{i}]");
+        non_empty(&format!("{key}.name"), &t.name)?;
+        non_empty(&format!("{key}.command"), &t.command)?;
+        real(
+            &format!("{key}.timeout_s"),
+            t.timeout_s,
+            t.timeout_s > 0.0,
+            "> 0",
+        )?;
+        at_least(&format!("{key}.max_concurrency"), t.max_concurrency, 1)?;
+    }
     if m.enable && r.enable_graded_system_prompt {
         return Err(ConfigError::Inconsistent {
             key: format!("{P}.multi_turn.enable"),

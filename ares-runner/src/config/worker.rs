@@ -483,6 +483,35 @@ pub struct MultiTurnConfig {
     /// Built-in tools the model may call (default `[calculator]`); shown to it unless
     /// `data.tools` lists others.
     pub tools: Vec<String>,
+    /// Tools answered by programs (default none): each one's schema is its `name`'s entry
+    /// of `data.tools`; the command reads one JSON line per call (`{"name", "arguments"}`)
+    /// and answers `{"content": …}` or `{"error": …}`.
+    pub tool_commands: Vec<ToolCommandConfig>,
+}
+
+/// One entry of `worker.rollout.multi_turn.tool_commands`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ToolCommandConfig {
+    /// The tool's name (its schema's `function.name` in `data.tools`).
+    pub name: String,
+    /// The command line, split as a shell would and run without one.
+    pub command: String,
+    /// Seconds a call may take before the program is killed and the call fails (the model
+    /// is told), > 0 (default 30).
+    #[serde(default = "default_tool_timeout")]
+    pub timeout_s: f64,
+    /// Copies of the program running at once at most, ≥ 1 (default 4).
+    #[serde(default = "default_tool_concurrency")]
+    pub max_concurrency: usize,
+}
+
+fn default_tool_timeout() -> f64 {
+    30.0
+}
+
+fn default_tool_concurrency() -> usize {
+    4
 }
 
 impl Default for MultiTurnConfig {
@@ -491,6 +520,7 @@ impl Default for MultiTurnConfig {
             enable: false,
             max_assistant_turns: 4,
             tools: vec!["calculator".into()],
+            tool_commands: Vec::new(),
         }
     }
 }

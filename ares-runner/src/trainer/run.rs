@@ -1022,7 +1022,7 @@ fn multi_turn(cfg: &Config, renderer: &PromptRenderer) -> Result<Option<MultiTur
         )
     })?;
     Ok(Some(MultiTurn {
-        toolbox: super::setup::builtin_tools(cfg)?,
+        toolbox: super::setup::episode_tools(cfg, renderer.template_inputs.tools.as_deref())?,
         format,
         max_turns: mt.max_assistant_turns,
     }))

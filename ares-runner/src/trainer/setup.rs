@@ -178,25 +178,54 @@ pub fn load_examples(cfg: &Config, path: &str) -> Result<Vec<Example>, TrainErro
     Ok(examples)
 }
 
-/// The built-in tools of `worker.rollout.multi_turn.tools`.
+/// The tools of `worker.rollout.multi_turn`: the built-in ones of `tools`, and the
+/// programs of `tool_commands` with their schemas from `schemas` (`data.tools`).
 ///
 /// # Errors
-/// A tool name that is not built in (the config's validation names it first).
-pub fn builtin_tools(cfg: &Config) -> Result<crate::tools::ToolBox, TrainError> {
+/// A tool name that is not built in, a command whose schema `data.tools` lacks, a command
+/// line that does not split, two tools of one name.
+pub fn episode_tools(
+    cfg: &Config,
+    schemas: Option<&[serde_json::Value]>,
+) -> Result<crate::tools::ToolBox, TrainError> {
+    const KEY: &str = "worker.rollout.multi_turn";
+    let mt = &cfg.worker.rollout.multi_turn;
     let mut toolbox = crate::tools::ToolBox::default();
-    for name in &cfg.worker.rollout.multi_turn.tools {
+    for name in &mt.tools {
         let tool: Box<dyn crate::tools::Tool> = match name.as_str() {
             "calculator" => Box::new(crate::tools::Calculator),
             other => {
                 return Err(TrainError::Invalid(format!(
-                    "worker.rollout.multi_turn.tools: no built-in tool named {other:?} (built in: \
-                     calculator)"
+                    "{KEY}.tools: no built-in tool named {other:?} (built in: calculator)"
                 )));
             }
         };
         toolbox
             .add(tool)
-            .map_err(|e| TrainError::Invalid(format!("worker.rollout.multi_turn.tools: {e}")))?;
+            .map_err(|e| TrainError::Invalid(format!("{KEY}.tools: {e}")))?;
+    }
+    for t in &mt.tool_commands {
+        let schema = schemas
+            .into_iter()
+            .flatten()
+            .find(|s| crate::tools::schema_name(s) == Some(t.name.as_str()))
+            .ok_or_else(|| {
+                TrainError::Invalid(format!(
+                    "{KEY}.tool_commands: `{}` has no schema in data.tools (a JSON file of \
+                     tool schemas; the tool's is the one whose function.name is `{}`)",
+                    t.name, t.name
+                ))
+            })?;
+        let tool = crate::tools::external::CommandTool::new(
+            schema.clone(),
+            &t.command,
+            std::time::Duration::from_secs_f64(t.timeout_s),
+            t.max_concurrency,
+        )
+        .map_err(|e| TrainError::Invalid(format!("{KEY}.tool_commands `{}`: {e}", t.name)))?;
+        toolbox
+            .add(Box::new(tool))
+            .map_err(|e| TrainError::Invalid(format!("{KEY}.tool_commands: {e}")))?;
     }
     Ok(toolbox)
 }
@@ -300,7 +329,7 @@ pub fn renderer(cfg: &Config, model_dir: &Path) -> Result<PromptRenderer, TrainE
         .transpose()?;
     // episodes show the model their built-in tools unless data.tools lists others
     let tools = match tools {
-        None if cfg.worker.rollout.multi_turn.enable => Some(builtin_tools(cfg)?.schemas()),
+        None if cfg.worker.rollout.multi_turn.enable => Some(episode_tools(cfg, None)?.schemas()),
         t => t,
     };
     if chat.is_none() && (tools.is_some() || cfg.data.apply_chat_template_kwargs.is_some()) {
