@@ -1333,7 +1333,12 @@ fn multi_turn_without_calls_trains_as_single_turn() {
     )
     .unwrap();
     let with_tools = format!("data.tools={}", tools.display());
-    let lines = run(dir.path(), "commands", &[&t, on, commands, &with_tools]);
+    // (and the bootstrap rolls out episodes too)
+    let lines = run(
+        dir.path(),
+        "commands",
+        &[&t, on, commands, &with_tools, "data.bootstrap=true"],
+    );
     assert_eq!(lines.len(), episodes.len());
     let e = config(
         &a,

@@ -46,6 +46,16 @@ impl Response {
         self.from_model.as_ref().is_none_or(|m| m[t])
     }
 
+    /// The model's tokens, in order (an episode's tool turns left out).
+    pub fn model_tokens(&self) -> Vec<u32> {
+        self.tokens
+            .iter()
+            .enumerate()
+            .filter(|&(t, _)| self.is_model_token(t))
+            .map(|(_, &id)| id)
+            .collect()
+    }
+
     /// The entropies at the model's tokens.
     pub fn model_entropies(&self) -> impl Iterator<Item = f32> + '_ {
         self.entropies

@@ -17,7 +17,7 @@ use super::batch::{Batch, Group};
 use super::bootstrap::{BootstrapResult, apply_bootstrap, read_bootstrap};
 use super::checkpoints::{CheckpointDir, write_atomic};
 use super::controllers::{AresSnapshot, AresState};
-use super::episodes::{EpisodeTools, rollout_episodes};
+use super::episodes::{EpisodeCounts, EpisodeTools, rollout_episodes};
 use super::grading::Grader;
 use super::hwe::hwe_pass_host;
 use super::prepare::{group_buckets, keep_groups, prepare};
@@ -398,7 +398,52 @@ impl<B: Backend + Clone> Trainer<B> {
         Ok(out)
     }
 
-    /// Decodes and grades item-major responses.
+    /// Rolls out `items`' `n` samples: as multi-turn episodes when
+    /// `worker.rollout.multi_turn` is on, else one turn each.
+    ///
+    /// # Errors
+    /// Generation, tokenizer and template errors.
+    fn roll_out(
+        &self,
+        items: &[PromptItem],
+        n: usize,
+        params: &RolloutParams,
+        on_progress: impl FnMut(usize),
+    ) -> Result<(Vec<Response>, EpisodeCounts), TrainError> {
+        let Some(mt) = &self.multi_turn else {
+            let responses = rollout_items(&self.actor, items, n, params, on_progress)?;
+            return Ok((responses, EpisodeCounts::default()));
+        };
+        let messages = items
+            .iter()
+            .map(|i| self.renderer.messages(&self.train[i.example]))
+            .collect::<Result<Vec<_>, _>>()?;
+        let chat = self
+            .renderer
+            .chat
+            .as_ref()
+            .ok_or_else(|| TrainError::Internal("multi-turn without a chat template".into()))?;
+        let tools = EpisodeTools {
+            template: chat,
+            options: self.renderer.template_inputs.generation(),
+            format: mt.format,
+            toolbox: &mt.toolbox,
+            tokenizer: &self.renderer.tokenizer,
+            max_turns: mt.max_turns,
+        };
+        rollout_episodes(
+            &self.actor,
+            items,
+            &messages,
+            n,
+            params,
+            &tools,
+            on_progress,
+        )
+    }
+
+    /// Decodes and grades item-major responses: the model's tokens (an episode's tool
+    /// turns are not its answer).
     pub(super) fn grade(
         &mut self,
         items: &[PromptItem],
@@ -412,7 +457,7 @@ impl<B: Backend + Clone> Trainer<B> {
             let text = self
                 .renderer
                 .tokenizer
-                .decode(&resp.tokens, true)
+                .decode(&resp.model_tokens(), true)
                 .map_err(|err| TrainError::Invalid(format!("tokenizer: {err}")))?;
             grades.push(self.grader.grade(e, &text)?);
             texts.push(text);
@@ -587,42 +632,12 @@ impl<B: Backend + Clone> Trainer<B> {
             let params = self.rollout_params(step, c.rounds);
             let bar = self.progress.bar((items.len() * n) as u64, "rollout");
             let t = Instant::now();
-            let responses = match &self.multi_turn {
-                Some(mt) => {
-                    let messages = items
-                        .iter()
-                        .map(|i| self.renderer.messages(&self.train[i.example]))
-                        .collect::<Result<Vec<_>, _>>()?;
-                    let chat = self.renderer.chat.as_ref().ok_or_else(|| {
-                        TrainError::Internal("multi-turn without a chat template".into())
-                    })?;
-                    let tools = EpisodeTools {
-                        template: chat,
-                        options: self.renderer.template_inputs.generation(),
-                        format: mt.format,
-                        toolbox: &mt.toolbox,
-                        tokenizer: &self.renderer.tokenizer,
-                        max_turns: mt.max_turns,
-                    };
-                    let (responses, counts) = rollout_episodes(
-                        &self.actor,
-                        &items,
-                        &messages,
-                        n,
-                        &params,
-                        &tools,
-                        |d| bar.set_position(d as u64),
-                    )?;
-                    c.episodes.episodes += counts.episodes;
-                    c.episodes.turns += counts.turns;
-                    c.episodes.calls += counts.calls;
-                    c.episodes.failed_calls += counts.failed_calls;
-                    responses
-                }
-                None => rollout_items(&self.actor, &items, n, &params, |d| {
-                    bar.set_position(d as u64)
-                })?,
-            };
+            let (responses, episodes) =
+                self.roll_out(&items, n, &params, |d| bar.set_position(d as u64))?;
+            c.episodes.episodes += episodes.episodes;
+            c.episodes.turns += episodes.turns;
+            c.episodes.calls += episodes.calls;
+            c.episodes.failed_calls += episodes.failed_calls;
             bar.finish();
             c.rollout_secs += t.elapsed().as_secs_f64();
             c.generated_tokens += responses.iter().map(|r| r.tokens.len()).sum::<usize>();
@@ -1168,7 +1183,7 @@ impl<B: Backend + Clone> Trainer<B> {
         for chunk in indices.chunks(self.settings.rollout_chunk.max(n) / n.max(1)) {
             let items = self.items(chunk, 0)?;
             let base = all_responses.len() as u64;
-            let responses = rollout_items(&self.actor, &items, n, &params, |d| {
+            let (responses, _) = self.roll_out(&items, n, &params, |d| {
                 bar.set_position(base + d as u64);
             })?;
             let (_, grades) = self.grade(&items, &responses)?;
