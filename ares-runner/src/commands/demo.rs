@@ -485,6 +485,7 @@ pub fn evaluate_model<B: Backend + Clone>(
     let report = crate::trainer::eval::evaluate(
         &model,
         &r,
+        None,
         &mut grader,
         &examples,
         rr.val_n(),

@@ -6,9 +6,10 @@ use std::collections::BTreeMap;
 
 use super::TrainError;
 use super::actor::Actor;
+use super::episodes::{EpisodeTools, rollout_episodes};
 use super::grading::Grader;
 use super::prompts::PromptRenderer;
-use super::rollout::{RolloutParams, generate_all};
+use super::rollout::{PromptItem, RolloutParams, generate_all};
 use crate::backend::Backend;
 use crate::data::Example;
 use crate::reward::Generation;
@@ -28,8 +29,9 @@ pub struct EvalRow {
 /// there).
 pub type EvalReport = BTreeMap<String, EvalRow>;
 
-/// Generates `n` responses per example with `params` and grades them; with `generations`,
-/// each response also goes there as (question, response, answer, 1 or 0).
+/// Generates `n` responses per example with `params` (as multi-turn episodes with
+/// `episodes`) and grades them on the model's tokens; with `generations`, each response
+/// also goes there as (question, response, answer, 1 or 0).
 ///
 /// # Errors
 /// Rendering, generation or grading errors.
@@ -37,6 +39,7 @@ pub type EvalReport = BTreeMap<String, EvalRow>;
 pub fn evaluate<B: Backend>(
     model: &Actor<B>,
     renderer: &PromptRenderer,
+    episodes: Option<&EpisodeTools<'_>>,
     grader: &mut Grader,
     examples: &[Example],
     n: usize,
@@ -53,13 +56,33 @@ pub fn evaluate<B: Backend>(
             vision.push(v.clone());
         }
     }
-    let responses = generate_all(model, &prompts, &vision, params, on_progress)?;
+    let responses = match episodes {
+        None => generate_all(model, &prompts, &vision, params, on_progress)?,
+        Some(tools) => {
+            let items: Vec<PromptItem> = examples
+                .iter()
+                .enumerate()
+                .map(|(i, e)| PromptItem {
+                    example: i,
+                    global_id: e.global_id.clone(),
+                    train_prompt: prompts[i * n].clone(),
+                    rollout_prompts: prompts[i * n..(i + 1) * n].to_vec(),
+                    vision: vision[i * n].clone(),
+                })
+                .collect();
+            let messages = examples
+                .iter()
+                .map(|e| renderer.messages(e))
+                .collect::<Result<Vec<_>, _>>()?;
+            rollout_episodes(model, &items, &messages, n, params, tools, on_progress)?.0
+        }
+    };
     let mut sums: BTreeMap<String, (usize, usize, usize)> = BTreeMap::new();
     for (i, r) in responses.iter().enumerate() {
         let e = &examples[i / n.max(1)];
         let text = renderer
             .tokenizer
-            .decode(&r.tokens, true)
+            .decode(&r.model_tokens(), true)
             .map_err(|err| TrainError::Invalid(format!("tokenizer: {err}")))?;
         let g = grader.grade(e, &text)?;
         if let Some(out) = generations.as_deref_mut() {

@@ -410,7 +410,7 @@ impl<B: Backend + Clone> Trainer<B> {
         params: &RolloutParams,
         on_progress: impl FnMut(usize),
     ) -> Result<(Vec<Response>, EpisodeCounts), TrainError> {
-        let Some(mt) = &self.multi_turn else {
+        let Some(tools) = episode_tools(self.multi_turn.as_ref(), &self.renderer)? else {
             let responses = rollout_items(&self.actor, items, n, params, on_progress)?;
             return Ok((responses, EpisodeCounts::default()));
         };
@@ -418,19 +418,6 @@ impl<B: Backend + Clone> Trainer<B> {
             .iter()
             .map(|i| self.renderer.messages(&self.train[i.example]))
             .collect::<Result<Vec<_>, _>>()?;
-        let chat = self
-            .renderer
-            .chat
-            .as_ref()
-            .ok_or_else(|| TrainError::Internal("multi-turn without a chat template".into()))?;
-        let tools = EpisodeTools {
-            template: chat,
-            options: self.renderer.template_inputs.generation(),
-            format: mt.format,
-            toolbox: &mt.toolbox,
-            tokenizer: &self.renderer.tokenizer,
-            max_turns: mt.max_turns,
-        };
         rollout_episodes(
             &self.actor,
             items,
@@ -830,9 +817,11 @@ impl<B: Backend + Clone> Trainer<B> {
                 .is_some_and(|w| !w.loggers().is_empty());
         let mut generations = Vec::new();
         let bar = self.progress.bar((examples.len() * n) as u64, "eval");
+        let tools = episode_tools(self.multi_turn.as_ref(), &self.renderer)?;
         let report = super::eval::evaluate(
             &self.actor,
             &self.renderer,
+            tools.as_ref(),
             &mut self.grader,
             examples,
             n,
@@ -1008,6 +997,31 @@ fn start_python_worker(cfg: &Config, run_dir: &Path) -> Result<Option<PythonWork
         t.elapsed().as_secs_f64()
     );
     Ok(Some(worker))
+}
+
+/// What episodes run with (None without `worker.rollout.multi_turn`).
+///
+/// # Errors
+/// Episodes without a chat template (refused at start already).
+fn episode_tools<'a>(
+    mt: Option<&'a MultiTurn>,
+    renderer: &'a PromptRenderer,
+) -> Result<Option<EpisodeTools<'a>>, TrainError> {
+    let Some(mt) = mt else {
+        return Ok(None);
+    };
+    let chat = renderer
+        .chat
+        .as_ref()
+        .ok_or_else(|| TrainError::Internal("multi-turn without a chat template".into()))?;
+    Ok(Some(EpisodeTools {
+        template: chat,
+        options: renderer.template_inputs.generation(),
+        format: mt.format,
+        toolbox: &mt.toolbox,
+        tokenizer: &renderer.tokenizer,
+        max_turns: mt.max_turns,
+    }))
 }
 
 /// The tools and call format of `worker.rollout.multi_turn` (None when off).
