@@ -323,3 +323,43 @@ fn easyr1_style_vl_example_config_trains_two_steps() {
         assert!(reward.is_finite());
     }
 }
+
+/// Multi-turn episodes keep a prompt's images and videos in every turn: a vision model
+/// that calls no tool trains exactly as the single-turn rollout.
+#[test]
+fn vision_episodes_without_calls_train_as_single_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let config_json: Value = serde_json::from_str(
+        &std::fs::read_to_string(model_dir().join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    let template = dir.path().join("tools.jinja");
+    std::fs::write(
+        &template,
+        format!(
+            "{{# calls go in <tool_call></tool_call> #}}{}",
+            config_json["chat_template"].as_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let t = format!("data.override_chat_template={}", template.display());
+    let all_rows = [
+        "data.rollout_batch_size=6",
+        "worker.actor.global_batch_size=6",
+    ];
+    let mut plain = all_rows.to_vec();
+    plain.push(&t);
+    let (single, _) = train(config(dir.path(), &dir.path().join("single"), &plain));
+    let mut on = plain.clone();
+    on.push("worker.rollout.multi_turn.enable=true");
+    let (episodes, _) = train(config(dir.path(), &dir.path().join("episodes"), &on));
+    for (s, e) in single.iter().zip(&episodes) {
+        assert_eq!(e["tools/turns_per_response"].as_f64(), Some(1.0));
+        let e: Map<String, Value> = e
+            .iter()
+            .filter(|(k, _)| !k.starts_with("tools/"))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        assert_eq!(deterministic(vec![e]), deterministic(vec![s.clone()]));
+    }
+}

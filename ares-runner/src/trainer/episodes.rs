@@ -13,7 +13,7 @@
 use serde_json::{Value as Json, json};
 
 use super::TrainError;
-use super::actor::Actor;
+use super::actor::{Actor, PromptVision};
 use super::rollout::{PromptItem, Response, RolloutParams, generate_all};
 use crate::backend::Backend;
 use crate::hf::chat::{ChatTemplate, RenderOptions};
@@ -52,6 +52,8 @@ pub struct EpisodeCounts {
 
 struct Row {
     ids: Vec<u32>,
+    /// The prompt's images and videos (every turn of the episode sees them).
+    vision: PromptVision,
     response: Response,
     from_model: Vec<bool>,
     messages: Vec<Json>,
@@ -63,9 +65,11 @@ struct Row {
 /// rendered with the generation prompt is its `rollout_prompts`). Round 0 samples as the
 /// single-turn rollout does, so a model that calls no tool gives the same responses.
 ///
+/// A vision-language prompt keeps its images and videos in every turn (the tool turns
+/// are text).
+///
 /// # Errors
-/// Items with images or videos, or without `n` rollout prompts; generation, tokenizer and
-/// template errors (a template that cannot continue a conversation after tool messages).
+/// Items without `n` rollout prompts; generation, tokenizer and template errors (a template that cannot continue a conversation after tool messages).
 pub fn rollout_episodes<B: Backend>(
     model: &Actor<B>,
     items: &[PromptItem],
@@ -77,13 +81,6 @@ pub fn rollout_episodes<B: Backend>(
 ) -> Result<(Vec<Response>, EpisodeCounts), TrainError> {
     let mut rows = Vec::with_capacity(items.len() * n);
     for (item, msgs) in items.iter().zip(messages) {
-        if item.vision.is_some() {
-            return Err(TrainError::Invalid(format!(
-                "prompt {}: multi-turn episodes (worker.rollout.multi_turn) take text prompts \
-                 only so far",
-                item.global_id
-            )));
-        }
         if item.rollout_prompts.len() != n {
             return Err(TrainError::Internal(format!(
                 "prompt {} has {} rollout prompts, expected n = {n}",
@@ -94,6 +91,7 @@ pub fn rollout_episodes<B: Backend>(
         for prompt in &item.rollout_prompts {
             rows.push(Row {
                 ids: prompt.clone(),
+                vision: item.vision.clone(),
                 response: Response {
                     tokens: Vec::new(),
                     log_probs: Vec::new(),
@@ -130,13 +128,10 @@ pub fn rollout_episodes<B: Backend>(
             ..params.clone()
         };
         let finished_before = rows.len() - active.len();
-        let outputs = generate_all(
-            model,
-            &prompts,
-            &vec![None; active.len()],
-            &round_params,
-            |d| on_progress(finished_before + d),
-        )?;
+        let vision: Vec<PromptVision> = active.iter().map(|&r| rows[r].vision.clone()).collect();
+        let outputs = generate_all(model, &prompts, &vision, &round_params, |d| {
+            on_progress(finished_before + d)
+        })?;
         for (&r, out) in active.iter().zip(outputs) {
             counts.turns += 1;
             let last_round = round + 1 == tools.max_turns;
@@ -283,6 +278,7 @@ mod tests {
         };
         let new_row = || Row {
             ids: vec![1, 2, 3],
+            vision: None,
             response: Response {
                 tokens: Vec::new(),
                 log_probs: Vec::new(),
