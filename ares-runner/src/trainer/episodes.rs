@@ -20,6 +20,9 @@ use crate::hf::chat::{ChatTemplate, RenderOptions};
 use crate::hf::tokenizer::Tokenizer;
 use crate::tools::{ParsedCall, ToolBox, ToolCallFormat, parse_turn};
 
+/// Threads that run a round's tool calls at most.
+const TOOL_THREADS: usize = 16;
+
 /// What episodes are run with.
 #[derive(Debug, Clone, Copy)]
 pub struct EpisodeTools<'a> {
@@ -132,10 +135,44 @@ pub fn rollout_episodes<B: Backend>(
         let outputs = generate_all(model, &prompts, &vision, &round_params, |d| {
             on_progress(finished_before + d)
         })?;
-        for (&r, out) in active.iter().zip(outputs) {
-            counts.turns += 1;
-            let last_round = round + 1 == tools.max_turns;
-            step_row(&mut rows[r], out, budget, last_round, tools, &mut counts)?;
+        let last_round = round + 1 == tools.max_turns;
+        counts.turns += active.len();
+        // the rows' tool calls run side by side (a program tool bounds its own copies)
+        let mut work: Vec<(&mut Row, Response)> = rows
+            .iter_mut()
+            .filter(|row| !row.done)
+            .zip(outputs)
+            .collect();
+        let per_thread = work.len().div_ceil(TOOL_THREADS).max(1);
+        let results: Vec<Result<EpisodeCounts, TrainError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = work
+                .chunks_mut(per_thread)
+                .map(|chunk| {
+                    scope.spawn(move || {
+                        let mut c = EpisodeCounts::default();
+                        for (row, out) in chunk.iter_mut() {
+                            let out = std::mem::take(out);
+                            step_row(row, out, budget, last_round, tools, &mut c)?;
+                        }
+                        Ok(c)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(TrainError::Internal(
+                            "a tool-running thread panicked".into(),
+                        ))
+                    })
+                })
+                .collect()
+        });
+        for c in results {
+            let c = c?;
+            counts.calls += c.calls;
+            counts.failed_calls += c.failed_calls;
         }
     }
     let responses = rows

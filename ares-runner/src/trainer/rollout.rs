@@ -24,7 +24,7 @@ pub struct PromptItem {
 }
 
 /// One generated response.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Response {
     /// New token ids (EOS included when it ended the response).
     pub tokens: Vec<u32>,
