@@ -666,3 +666,39 @@ fn a_page_that_declares_more_than_its_chunk_is_refused() {
         "{e}"
     );
 }
+
+/// verl's multi-turn rows give each tool its arguments in `extra_info.tools_kwargs`: kept
+/// per example for the tools; anything but an object is refused by key.
+#[test]
+fn tools_kwargs_of_verl_rows_are_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tools.jsonl");
+    fs::write(
+        &path,
+        concat!(
+            r#"{"prompt": "What is 12*34?", "answer": "408", "extra_info": {"tools_kwargs": {"calc": {"create_kwargs": {"ground_truth": "408"}}}}}"#,
+            "\n",
+            r#"{"prompt": "1+1?", "answer": "2"}"#,
+            "\n"
+        ),
+    )
+    .unwrap();
+    let ex = load_dataset(&path, &DataKeys::default()).unwrap();
+    assert_eq!(
+        ex[0].tools_kwargs.as_ref().unwrap()["calc"]["create_kwargs"]["ground_truth"],
+        "408"
+    );
+    assert!(ex[1].tools_kwargs.is_none());
+    fs::write(
+        &path,
+        r#"{"prompt": "x", "answer": "1", "extra_info": {"tools_kwargs": "calc"}}"#,
+    )
+    .unwrap();
+    let e = load_dataset(&path, &DataKeys::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`extra_info.tools_kwargs`") && e.contains("expected an object"),
+        "{e}"
+    );
+}

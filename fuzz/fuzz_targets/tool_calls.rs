@@ -16,7 +16,7 @@ fuzz_target!(|data: &[u8]| {
     for format in [ToolCallFormat::Hermes, ToolCallFormat::Llama3Json] {
         let turn = parse_turn(text, format);
         for call in &turn.calls {
-            let r = toolbox.run(call);
+            let r = toolbox.run(call, None);
             assert!(r.ok || r.content.starts_with("error: "));
         }
     }

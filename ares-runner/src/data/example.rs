@@ -71,6 +71,10 @@ pub struct Example {
     /// The row's videos (`data.video_key`), one per `<video>` placeholder, in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub videos: Vec<MediaSource>,
+    /// verl's `extra_info.tools_kwargs`: per tool name, what this row gives the tool
+    /// (passed to a program tool with each call in a multi-turn episode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tools_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 impl Example {
@@ -196,6 +200,7 @@ mod tests {
             row: 4,
             images: vec![MediaSource::Path("a.png".into()); images],
             videos: vec![MediaSource::Path("v.mp4".into()); videos],
+            tools_kwargs: None,
         }
     }
 

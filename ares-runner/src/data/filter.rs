@@ -54,6 +54,7 @@ mod tests {
             row: 0,
             images: vec![],
             videos: vec![],
+            tools_kwargs: None,
         }
     }
 

@@ -109,6 +109,17 @@ pub(crate) fn to_example(
             ));
         }
     }
+    let tools_kwargs = match lookup(row, TOOLS_KWARGS) {
+        None => None,
+        Some(Value::Object(m)) => Some(m.clone()),
+        Some(other) => {
+            return Err(DataError::row(
+                at,
+                TOOLS_KWARGS,
+                format!("{}, expected an object of tool names", kind(other)),
+            ));
+        }
+    };
     Ok(Example {
         global_id,
         prompt,
@@ -118,8 +129,12 @@ pub(crate) fn to_example(
         row: at.row,
         images,
         videos,
+        tools_kwargs,
     })
 }
+
+/// Where verl's multi-turn rows keep what each tool is given.
+const TOOLS_KWARGS: &str = "extra_info.tools_kwargs";
 
 /// The prompt at `key`, with the number of image and video content items of its messages
 /// (which the text holds as placeholders).

@@ -1,6 +1,8 @@
 //! Tools that are programs: a command spoken to in JSON lines, as the rubric grader is.
 //!
-//! Each call writes one line `{"name": …, "arguments": {…}}` and reads one line back,
+//! Each call writes one line `{"name": …, "arguments": {…}}` (with `"kwargs"`: the data
+//! row's entry for this tool in verl's `extra_info.tools_kwargs`, when it has one) and reads
+//! one line back,
 //! `{"content": "…"}` or `{"error": "…"}`. The program is started without a shell and kept
 //! running between calls; at most `max_concurrency` copies run at once. Whatever goes
 //! wrong — the program hangs past the timeout (it is killed), exits, prints something that
@@ -128,9 +130,13 @@ impl Tool for CommandTool {
         self.schema.clone()
     }
 
-    fn call(&self, arguments: &Map<String, Value>) -> Result<String, String> {
+    fn call(&self, arguments: &Map<String, Value>, row: Option<&Value>) -> Result<String, String> {
         let name = super::schema_name(&self.schema).unwrap_or_default();
-        let request = json!({"name": name, "arguments": arguments}).to_string();
+        let mut request = json!({"name": name, "arguments": arguments});
+        if let Some(kwargs) = row {
+            request["kwargs"] = kwargs.clone();
+        }
+        let request = request.to_string();
         let mut p = self.acquire()?;
         let result = self.exchange(&mut p, &request);
         // a copy whose exchange failed is out of step (or dead): drop it
@@ -169,10 +175,13 @@ mod tests {
     fn call(t: CommandTool) -> (String, bool) {
         let mut b = ToolBox::default();
         b.add(Box::new(t)).unwrap();
-        let r = b.run(&ParsedCall::Call(ToolCall {
-            name: "echo".into(),
-            arguments: json!({"x": 1}).as_object().unwrap().clone(),
-        }));
+        let r = b.run(
+            &ParsedCall::Call(ToolCall {
+                name: "echo".into(),
+                arguments: json!({"x": 1}).as_object().unwrap().clone(),
+            }),
+            None,
+        );
         (r.content, r.ok)
     }
 
@@ -185,6 +194,15 @@ mod tests {
         let (content, ok) = call(t);
         assert!(ok, "{content}");
         assert_eq!(content, r#"{"name":"echo","arguments":{"x":1}}"#);
+        // the row's entry for this tool goes with the call
+        let t = tool(
+            r#"sh -c 'while read -r l; do printf "{\"content\": %s}\n" "$(printf %s "$l" | sed "s/\"/\\\\\"/g; s/.*/\"&\"/")"; done'"#,
+        );
+        let got = t.call(&Map::new(), Some(&json!({"ground_truth": "408"})));
+        assert_eq!(
+            got.as_deref(),
+            Ok(r#"{"name":"echo","arguments":{},"kwargs":{"ground_truth":"408"}}"#)
+        );
         let t = tool(r#"sh -c 'read -r l; echo "{\"error\": \"no such city\"}"'"#);
         assert_eq!(call(t), ("error: no such city".into(), false));
     }
@@ -229,11 +247,11 @@ mod tests {
             name: "echo".into(),
             arguments: Map::new(),
         });
-        assert_eq!(b.run(&c).content, "once");
+        assert_eq!(b.run(&c, None).content, "once");
         // the copy exited: this call fails on it or starts a new one, never hangs
-        let second = b.run(&c);
+        let second = b.run(&c, None);
         assert!(second.content == "once" || !second.ok, "{second:?}");
-        assert_eq!(b.run(&c).content, "once");
+        assert_eq!(b.run(&c, None).content, "once");
 
         // 4 threads, 3 calls each, at most 2 copies: each copy writes its pid once
         let dir = tempfile::tempdir().unwrap();
@@ -252,7 +270,7 @@ mod tests {
             for _ in 0..4 {
                 s.spawn(|| {
                     for _ in 0..3 {
-                        assert_eq!(t.call(&Map::new()).as_deref(), Ok("ok"));
+                        assert_eq!(t.call(&Map::new(), None).as_deref(), Ok("ok"));
                     }
                 });
             }

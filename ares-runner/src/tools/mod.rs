@@ -21,11 +21,13 @@ pub use calls::{ParsedCall, ToolCall, ToolCallFormat, Turn, parse_turn};
 pub trait Tool: Send + Sync {
     /// The schema the chat template renders (transformers' `tools=` entry).
     fn schema(&self) -> Value;
-    /// Runs the call; `Err` is a message the model is shown.
+    /// Runs the call with what the data row gives this tool (`row`: its entry of verl's
+    /// `extra_info.tools_kwargs`, when the row has one); `Err` is a message the model is
+    /// shown.
     ///
     /// # Errors
     /// Arguments the tool cannot use, or its own failure, as text for the model.
-    fn call(&self, arguments: &Map<String, Value>) -> Result<String, String>;
+    fn call(&self, arguments: &Map<String, Value>, row: Option<&Value>) -> Result<String, String>;
 }
 
 /// The name a schema gives its function (`function.name`, or a top-level `name`).
@@ -81,8 +83,9 @@ impl ToolBox {
         self.tools.iter().map(|(_, t)| t.schema()).collect()
     }
 
-    /// Runs a parsed call. Every failure becomes the result's text, prefixed `error:`.
-    pub fn run(&self, call: &ParsedCall) -> ToolResult {
+    /// Runs a parsed call, with the data row's `tools_kwargs` (each tool is given its own
+    /// entry). Every failure becomes the result's text, prefixed `error:`.
+    pub fn run(&self, call: &ParsedCall, tools_kwargs: Option<&Map<String, Value>>) -> ToolResult {
         let error = |text: String| ToolResult {
             content: format!("error: {text}"),
             ok: false,
@@ -101,7 +104,10 @@ impl ToolBox {
                 names.join(", ")
             ));
         };
-        match tool.call(&call.arguments) {
+        match tool.call(
+            &call.arguments,
+            tools_kwargs.and_then(|k| k.get(&call.name)),
+        ) {
             Ok(content) => ToolResult { content, ok: true },
             Err(e) => error(e),
         }
@@ -134,7 +140,7 @@ impl Tool for Calculator {
         })
     }
 
-    fn call(&self, arguments: &Map<String, Value>) -> Result<String, String> {
+    fn call(&self, arguments: &Map<String, Value>, _row: Option<&Value>) -> Result<String, String> {
         match arguments.get("expression") {
             Some(Value::String(e)) => calculator::evaluate(e),
             // a number is an expression too
@@ -160,7 +166,7 @@ mod tests {
         let b = toolbox();
         let run = |text: &str| {
             let turn = parse_turn(text, ToolCallFormat::Hermes);
-            b.run(&turn.calls[0])
+            b.run(&turn.calls[0], None)
         };
         let r = run(
             r#"<tool_call>{"name": "calculator", "arguments": {"expression": "1/3+1/6"}}</tool_call>"#,
@@ -188,6 +194,35 @@ mod tests {
             "{}",
             r.content
         );
+    }
+
+    /// Each tool is given its own entry of the row's `tools_kwargs`.
+    #[test]
+    fn each_tool_gets_its_entry_of_the_rows_kwargs() {
+        struct Echo;
+        impl Tool for Echo {
+            fn schema(&self) -> Value {
+                json!({"type": "function", "function": {"name": "echo"}})
+            }
+            fn call(&self, _: &Map<String, Value>, row: Option<&Value>) -> Result<String, String> {
+                Ok(row.map_or("none".into(), Value::to_string))
+            }
+        }
+        let mut b = toolbox();
+        b.add(Box::new(Echo)).unwrap();
+        let call = |name: &str| {
+            ParsedCall::Call(ToolCall {
+                name: name.into(),
+                arguments: Map::new(),
+            })
+        };
+        let kwargs = json!({"echo": {"ground_truth": "408"}, "other": 1});
+        let kwargs = kwargs.as_object().unwrap();
+        assert_eq!(
+            b.run(&call("echo"), Some(kwargs)).content,
+            r#"{"ground_truth":"408"}"#
+        );
+        assert_eq!(b.run(&call("echo"), None).content, "none");
     }
 
     #[test]

@@ -57,15 +57,27 @@ struct Row {
     ids: Vec<u32>,
     /// The prompt's images and videos (every turn of the episode sees them).
     vision: PromptVision,
+    /// The data row's `extra_info.tools_kwargs`.
+    tools_kwargs: Option<serde_json::Map<String, Json>>,
     response: Response,
     from_model: Vec<bool>,
     messages: Vec<Json>,
     done: bool,
 }
 
+/// Where an item's episodes start from: its conversation and what its data row gives the
+/// tools.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EpisodeStart {
+    /// The prompt's conversation (its rendering is the item's `rollout_prompts`).
+    pub messages: Vec<Json>,
+    /// The row's `extra_info.tools_kwargs`.
+    pub tools_kwargs: Option<serde_json::Map<String, Json>>,
+}
+
 /// Rolls out every item's `n` samples as episodes (item-major rows, as
-/// [`super::rollout::rollout_items`]); `messages[g]` is item `g`'s conversation (its prompt
-/// rendered with the generation prompt is its `rollout_prompts`). Round 0 samples as the
+/// [`super::rollout::rollout_items`]); `starts[g]` is item `g`'s conversation and tool
+/// arguments. Round 0 samples as the
 /// single-turn rollout does, so a model that calls no tool gives the same responses.
 ///
 /// A vision-language prompt keeps its images and videos in every turn (the tool turns
@@ -76,14 +88,14 @@ struct Row {
 pub fn rollout_episodes<B: Backend>(
     model: &Actor<B>,
     items: &[PromptItem],
-    messages: &[Vec<Json>],
+    starts: &[EpisodeStart],
     n: usize,
     params: &RolloutParams,
     tools: &EpisodeTools<'_>,
     mut on_progress: impl FnMut(usize),
 ) -> Result<(Vec<Response>, EpisodeCounts), TrainError> {
     let mut rows = Vec::with_capacity(items.len() * n);
-    for (item, msgs) in items.iter().zip(messages) {
+    for (item, start) in items.iter().zip(starts) {
         if item.rollout_prompts.len() != n {
             return Err(TrainError::Internal(format!(
                 "prompt {} has {} rollout prompts, expected n = {n}",
@@ -95,6 +107,7 @@ pub fn rollout_episodes<B: Backend>(
             rows.push(Row {
                 ids: prompt.clone(),
                 vision: item.vision.clone(),
+                tools_kwargs: start.tools_kwargs.clone(),
                 response: Response {
                     tokens: Vec::new(),
                     log_probs: Vec::new(),
@@ -103,7 +116,7 @@ pub fn rollout_episodes<B: Backend>(
                     from_model: None,
                 },
                 from_model: Vec::new(),
-                messages: msgs.clone(),
+                messages: start.messages.clone(),
                 done: false,
             });
         }
@@ -222,7 +235,7 @@ fn step_row(
         .calls
         .iter()
         .map(|call| {
-            let r = tools.toolbox.run(call);
+            let r = tools.toolbox.run(call, row.tools_kwargs.as_ref());
             counts.calls += 1;
             counts.failed_calls += usize::from(!r.ok);
             match call {
@@ -316,6 +329,7 @@ mod tests {
         let new_row = || Row {
             ids: vec![1, 2, 3],
             vision: None,
+            tools_kwargs: None,
             response: Response {
                 tokens: Vec::new(),
                 log_probs: Vec::new(),

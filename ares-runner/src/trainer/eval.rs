@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use super::TrainError;
 use super::actor::Actor;
-use super::episodes::{EpisodeTools, rollout_episodes};
+use super::episodes::{EpisodeStart, EpisodeTools, rollout_episodes};
 use super::grading::Grader;
 use super::prompts::PromptRenderer;
 use super::rollout::{PromptItem, RolloutParams, generate_all};
@@ -70,11 +70,16 @@ pub fn evaluate<B: Backend>(
                     vision: vision[i * n].clone(),
                 })
                 .collect();
-            let messages = examples
+            let starts = examples
                 .iter()
-                .map(|e| renderer.messages(e))
-                .collect::<Result<Vec<_>, _>>()?;
-            rollout_episodes(model, &items, &messages, n, params, tools, on_progress)?.0
+                .map(|e| {
+                    Ok(EpisodeStart {
+                        messages: renderer.messages(e)?,
+                        tools_kwargs: e.tools_kwargs.clone(),
+                    })
+                })
+                .collect::<Result<Vec<_>, TrainError>>()?;
+            rollout_episodes(model, &items, &starts, n, params, tools, on_progress)?.0
         }
     };
     let mut sums: BTreeMap<String, (usize, usize, usize)> = BTreeMap::new();

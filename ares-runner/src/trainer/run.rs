@@ -17,7 +17,7 @@ use super::batch::{Batch, Group};
 use super::bootstrap::{BootstrapResult, apply_bootstrap, read_bootstrap};
 use super::checkpoints::{CheckpointDir, write_atomic};
 use super::controllers::{AresSnapshot, AresState};
-use super::episodes::{EpisodeCounts, EpisodeTools, rollout_episodes};
+use super::episodes::{EpisodeCounts, EpisodeStart, EpisodeTools, rollout_episodes};
 use super::grading::Grader;
 use super::hwe::hwe_pass_host;
 use super::prepare::{group_buckets, keep_groups, prepare};
@@ -414,19 +414,17 @@ impl<B: Backend + Clone> Trainer<B> {
             let responses = rollout_items(&self.actor, items, n, params, on_progress)?;
             return Ok((responses, EpisodeCounts::default()));
         };
-        let messages = items
+        let starts = items
             .iter()
-            .map(|i| self.renderer.messages(&self.train[i.example]))
-            .collect::<Result<Vec<_>, _>>()?;
-        rollout_episodes(
-            &self.actor,
-            items,
-            &messages,
-            n,
-            params,
-            &tools,
-            on_progress,
-        )
+            .map(|i| {
+                let e = &self.train[i.example];
+                Ok(EpisodeStart {
+                    messages: self.renderer.messages(e)?,
+                    tools_kwargs: e.tools_kwargs.clone(),
+                })
+            })
+            .collect::<Result<Vec<_>, TrainError>>()?;
+        rollout_episodes(&self.actor, items, &starts, n, params, &tools, on_progress)
     }
 
     /// Decodes and grades item-major responses: the model's tokens (an episode's tool
