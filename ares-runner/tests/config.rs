@@ -537,6 +537,7 @@ fn example_configs_load() {
             "grpo_lambda.yaml",
             "gspo.yaml",
             "kl_cov.yaml",
+            "multi_turn_tools.yaml",
             "pro_max.yaml",
             "rubric.yaml",
             "target_entropy.yaml"
@@ -548,6 +549,9 @@ fn example_configs_load() {
 fn example_configs_select_their_method() {
     let load_example =
         |name: &str| Config::load(Some(&examples_dir().join(name)), &[]).expect(name);
+    let tools = load_example("multi_turn_tools.yaml");
+    assert!(tools.worker.rollout.multi_turn.enable);
+    assert_eq!(tools.worker.rollout.multi_turn.tools, ["calculator"]);
     let forking = load_example("forking_tokens.yaml");
     assert!(forking.worker.actor.forking_tokens.enable);
     assert_eq!(forking.worker.actor.forking_tokens.rho, 0.2);
