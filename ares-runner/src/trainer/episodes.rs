@@ -51,6 +51,11 @@ pub struct EpisodeCounts {
     pub calls: usize,
     /// Of them, those that failed (malformed, unknown tool, tool error).
     pub failed_calls: usize,
+    /// Tokens prefilled over all rounds (each turn re-prefills its trajectory so far).
+    pub prefill_tokens: usize,
+    /// Of them, those a KV cache kept across turns would not have prefilled again (the
+    /// trajectory up to the previous turn's end).
+    pub reprefilled_tokens: usize,
 }
 
 struct Row {
@@ -59,6 +64,8 @@ struct Row {
     vision: PromptVision,
     /// The data row's `extra_info.tools_kwargs`.
     tools_kwargs: Option<serde_json::Map<String, Json>>,
+    /// Tokens of the tool turn appended since the last generation.
+    appended: usize,
     response: Response,
     from_model: Vec<bool>,
     messages: Vec<Json>,
@@ -108,6 +115,7 @@ pub fn rollout_episodes<B: Backend>(
                 ids: prompt.clone(),
                 vision: item.vision.clone(),
                 tools_kwargs: start.tools_kwargs.clone(),
+                appended: 0,
                 response: Response {
                     tokens: Vec::new(),
                     log_probs: Vec::new(),
@@ -144,6 +152,13 @@ pub fn rollout_episodes<B: Backend>(
             ..params.clone()
         };
         let finished_before = rows.len() - active.len();
+        for &r in &active {
+            counts.prefill_tokens += rows[r].ids.len();
+            if round > 0 {
+                // all but the tool turn appended since the last generation
+                counts.reprefilled_tokens += rows[r].ids.len() - rows[r].appended;
+            }
+        }
         let vision: Vec<PromptVision> = active.iter().map(|&r| rows[r].vision.clone()).collect();
         let outputs = generate_all(model, &prompts, &vision, &round_params, |d| {
             on_progress(finished_before + d)
@@ -265,6 +280,7 @@ fn step_row(
     }
     let zeros = vec![0.0f32; ids.len()];
     push(row, &ids, &zeros, &zeros, false);
+    row.appended = ids.len();
     Ok(())
 }
 
@@ -330,6 +346,7 @@ mod tests {
             ids: vec![1, 2, 3],
             vision: None,
             tools_kwargs: None,
+            appended: 0,
             response: Response {
                 tokens: Vec::new(),
                 log_probs: Vec::new(),
@@ -361,6 +378,7 @@ mod tests {
         assert!(row.from_model[k..].iter().all(|&m| !m));
         assert_eq!(row.response.entropies[k..], vec![0.0; n_tool][..]);
         assert_eq!(row.ids.len(), 3 + k + n_tool);
+        assert_eq!(row.appended, n_tool);
         // the answer ends the episode
         step_row(
             &mut row,

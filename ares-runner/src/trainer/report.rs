@@ -181,6 +181,12 @@ pub fn step_record(
             "tools/failed_call_ratio",
             e.failed_calls as f64 / e.calls.max(1) as f64,
         );
+        // what re-prefilling each turn costs: the share of prefill a KV cache kept across
+        // turns would save
+        r.insert(
+            "tools/reprefilled_fraction",
+            e.reprefilled_tokens as f64 / e.prefill_tokens.max(1) as f64,
+        );
     }
     r.insert("actor/skipped_updates", counters.skipped_updates as f64);
     r.insert("data/dropped_solved", counters.dropped_solved as f64);
