@@ -920,10 +920,12 @@ fn paged_kv_cache_and_decode_match_cpu() {
     let gtables = up_ids(&gpu, &tables);
     // the prompts one sequence at a time (a batch-1 table row each), a second chunk of the
     // first prompt after its first (chunked prefill: queries at slots 5..8 over 0..=slot),
-    // then three joint steps
+    // two tokens of every sequence at once (continuations after a tool turn), then three
+    // joint steps
     let mut lens = vec![0u32; batch];
     let mut steps: Vec<(Vec<usize>, usize)> = (0..batch).map(|b| (vec![b], prompts[b])).collect();
     steps.push((vec![0], 3));
+    steps.push(((0..batch).collect(), 2));
     steps.extend((0..3).map(|_| ((0..batch).collect(), 1)));
     for (step, (rows, seq)) in steps.into_iter().enumerate() {
         let n = rows.len();

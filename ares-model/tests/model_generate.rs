@@ -7,8 +7,8 @@ use ares_model::backend::MatmulPrecision;
 use ares_model::backend::cpu::CpuBackend;
 use ares_model::hf::checkpoint::Checkpoint;
 use ares_model::model::{
-    Engine, EngineConfig, EngineRequest, GenerateError, GenerateOutput, GenerateRequest, HeadMode,
-    Inputs, KvCache, Model, Sampling, WeightDtype,
+    Engine, EngineConfig, EngineRequest, EngineStats, GenerateError, GenerateOutput,
+    GenerateRequest, HeadMode, Inputs, KvCache, Model, Sampling, WeightDtype,
 };
 
 mod common;
@@ -464,6 +464,217 @@ fn engine_budget_and_config_errors() {
     assert!(matches!(e, GenerateError::EmptyPrompt { index: 0 }), "{e}");
     let e = engine.submit(vec![u32::MAX]).unwrap_err();
     assert!(matches!(e, GenerateError::TokenOutOfRange { .. }), "{e}");
+}
+
+/// Turns of every conversation, tokens appended after each turn (a tool's answer), and
+/// the new tokens each turn may take, for the continuation tests.
+const TURNS: usize = 3;
+
+fn appended(row: usize, turn: usize) -> Vec<u32> {
+    (0..1 + (row + 2 * turn) % 5)
+        .map(|i| 3 + ((row * 7 + turn * 5 + i * 3) % 40) as u32)
+        .collect()
+}
+
+fn turn_budget(row: usize, turn: usize) -> usize {
+    // turn 0 takes the engine's budget
+    if turn == 0 { 5 } else { 4 + (row + turn) % 3 }
+}
+
+/// One turn of a conversation: the conversation before it, and what it generated.
+type Turn = (Vec<u32>, ares_model::model::FinishedSequence);
+
+/// Runs [`TURNS`]-turn conversations through one engine that keeps each finished turn's
+/// blocks and continues it with [`appended`] tokens (turn `t` of row `j` samples from
+/// stream `(seed ^ t, j)`); returns each row's turns, the engine's statistics and the
+/// blocks in use once every kept sequence is released.
+fn multi_turn_run(
+    m: &Model<CpuBackend>,
+    prompts: &[Vec<u32>],
+    sampling: Sampling,
+    seed: u64,
+    config: EngineConfig,
+) -> (Vec<Vec<Turn>>, EngineStats, usize) {
+    let generator = m.generator().unwrap();
+    let request = EngineRequest {
+        max_new_tokens: turn_budget(0, 0),
+        eos_ids: Vec::new(),
+        sampling,
+        seed,
+    };
+    let mut engine = Engine::new(&generator, request, config).unwrap();
+    engine.keep_finished(true);
+    let mut owner = std::collections::HashMap::new();
+    let mut convs: Vec<Vec<u32>> = prompts.to_vec();
+    let mut turns: Vec<Vec<Turn>> = vec![Vec::new(); prompts.len()];
+    for (j, p) in prompts.iter().enumerate() {
+        let id = engine
+            .submit_with_stream(p.clone(), (seed, j as u64))
+            .unwrap();
+        owner.insert(id, (j, 0usize));
+    }
+    let mut steps = 0;
+    while !engine.is_idle() {
+        steps += 1;
+        assert!(steps < 10_000, "the engine does not finish");
+        for f in engine.step().unwrap() {
+            let (j, t) = owner[&f.id];
+            let id = f.id;
+            let before = convs[j].clone();
+            convs[j].extend(&f.tokens);
+            turns[j].push((before, f));
+            if t + 1 < TURNS {
+                let app = appended(j, t);
+                convs[j].extend(&app);
+                let stream = (seed ^ (t as u64 + 1), j as u64);
+                let next = engine
+                    .continue_with(id, &app, stream, turn_budget(j, t + 1))
+                    .unwrap();
+                owner.insert(next, (j, t + 1));
+            } else {
+                engine.release(id);
+            }
+        }
+    }
+    (turns, engine.stats(), engine.pool().in_use())
+}
+
+/// Multi-turn conversations through one engine that keeps each turn's KV blocks and
+/// prefills only the appended tokens ([`Engine::continue_with`]) equal re-prefilling each
+/// whole conversation alone: the same tokens, log-probs and entropies within rounding
+/// (decode-written keys against prefill-written ones), greedy and sampled, with budgets
+/// that drop kept blocks and preempt; no block leaks, and with room to spare each turn
+/// prefills its new tokens only.
+#[test]
+fn continued_turns_equal_re_prefilling_the_conversation() {
+    let (mut squeezed, mut preempted) = (0, 0);
+    for name in MODELS {
+        let m = model(name);
+        let p = greedy_fixture(name).prompts;
+        let prompts: Vec<Vec<u32>> = (0..6).map(|i| p[i / 2].clone()).collect();
+        for sampling in [Sampling::Greedy, SAMPLE] {
+            let seed = 11;
+            for (max_seqs, max_blocks, max_prefill_tokens) in [
+                (8, None, 64),
+                (3, None, 6),
+                (4, Some(14), 8),
+                (6, Some(10), 40),
+            ] {
+                let config = EngineConfig {
+                    max_seqs,
+                    block_size: 4,
+                    max_blocks,
+                    max_prefill_tokens,
+                };
+                let what = format!("{name} {sampling:?} {config:?}");
+                let (turns, stats, in_use) = multi_turn_run(&m, &prompts, sampling, seed, config);
+                assert_eq!(in_use, 0, "{what}: blocks leaked");
+                for (j, row) in turns.iter().enumerate() {
+                    assert_eq!(row.len(), TURNS, "{what} row {j}");
+                    for (t, (conv, f)) in row.iter().enumerate() {
+                        // the conversation alone, from the same stream
+                        let mut prompts = vec![vec![1u32]; j];
+                        prompts.push(conv.clone());
+                        let want = m
+                            .generate(&GenerateRequest {
+                                prompts,
+                                max_new_tokens: turn_budget(j, t),
+                                eos_ids: Vec::new(),
+                                sampling,
+                                seed: seed ^ t as u64,
+                            })
+                            .unwrap();
+                        let at = format!("{what} row {j} turn {t}");
+                        assert_eq!(f.tokens, want.tokens[j], "{at}");
+                        assert_close(
+                            &want.log_probs[j..=j],
+                            std::slice::from_ref(&f.log_probs),
+                            1e-4,
+                            &at,
+                        );
+                        assert_close(
+                            &want.entropies[j..=j],
+                            std::slice::from_ref(&f.entropies),
+                            1e-4,
+                            &at,
+                        );
+                    }
+                }
+                let continued: usize = (0..prompts.len())
+                    .flat_map(|j| (0..TURNS - 1).map(move |t| 1 + appended(j, t).len()))
+                    .sum();
+                if max_blocks.is_none() {
+                    // every continuation prefilled its new tokens only; the prompts once
+                    assert_eq!(stats.extend_tokens, continued, "{what}");
+                    assert_eq!(
+                        stats.prefill_tokens,
+                        p.iter().map(Vec::len).sum::<usize>(),
+                        "{what}"
+                    );
+                    assert_eq!(stats.preemptions, 0, "{what}");
+                } else {
+                    assert!(stats.extend_tokens <= continued, "{what}");
+                    squeezed += usize::from(stats.extend_tokens < continued);
+                    preempted += stats.preemptions;
+                }
+            }
+        }
+    }
+    eprintln!("squeezed {squeezed} preempted {preempted}");
+    assert!(
+        squeezed > 0,
+        "no budget dropped kept blocks: the budgets test nothing"
+    );
+}
+
+/// Continuing what cannot be continued is an error; `parent` stays kept.
+#[test]
+fn continue_with_errors() {
+    let m = model("qwen2_tiny");
+    let generator = m.generator().unwrap();
+    let request = EngineRequest {
+        max_new_tokens: 3,
+        eos_ids: Vec::new(),
+        sampling: Sampling::Greedy,
+        seed: 0,
+    };
+    let mut engine = Engine::new(&generator, request.clone(), EngineConfig::default()).unwrap();
+    let a = engine.submit(vec![3, 4, 5]).unwrap();
+    // not finished yet
+    let e = engine.continue_with(a, &[6], (0, 1), 3).unwrap_err();
+    assert!(
+        e.to_string().contains("not a finished sequence kept"),
+        "{e}"
+    );
+    engine.run_to_end(&mut |_, _| {}).unwrap();
+    // keep_finished was off
+    let e = engine.continue_with(a, &[6], (0, 1), 3).unwrap_err();
+    assert!(e.to_string().contains("keep_finished is off"), "{e}");
+
+    let mut engine = Engine::new(&generator, request, EngineConfig::default()).unwrap();
+    engine.keep_finished(true);
+    let a = engine.submit(vec![3, 4, 5]).unwrap();
+    engine.run_to_end(&mut |_, _| {}).unwrap();
+    let held = engine.pool().in_use();
+    assert!(held > 0);
+    let e = engine.continue_with(a, &[6], (0, 1), 0).unwrap_err();
+    assert!(e.to_string().contains("max_new_tokens > 0"), "{e}");
+    let e = engine.continue_with(a, &[500], (0, 1), 3).unwrap_err();
+    assert!(matches!(e, GenerateError::TokenOutOfRange { .. }), "{e}");
+    let e = engine.continue_with(a, &[6; 60], (0, 1), 3).unwrap_err();
+    assert!(e.to_string().contains("maximum sequence length"), "{e}");
+    assert_eq!(
+        engine.pool().in_use(),
+        held,
+        "a refused continuation keeps its parent"
+    );
+    let b = engine.continue_with(a, &[6], (0, 1), 3).unwrap();
+    let e = engine.continue_with(a, &[6], (0, 1), 3).unwrap_err();
+    assert!(e.to_string().contains("continued or released"), "{e}");
+    engine.run_to_end(&mut |_, _| {}).unwrap();
+    engine.release(b);
+    engine.release(b); // releasing twice does nothing
+    assert_eq!(engine.pool().in_use(), 0);
 }
 
 /// Several requests (distinct seeds, prompts repeated within each) through one engine with

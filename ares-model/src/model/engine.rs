@@ -27,6 +27,14 @@
 //! of it still wait. Two prompts are the same when their ids are (text), or their ids,
 //! embeddings, M-RoPE tables and deltas are (multimodal, see [`PromptVision`]).
 //!
+//! Multi-turn continuations ([`Engine::keep_finished`], [`Engine::continue_with`]): a
+//! finished sequence can keep its blocks, and its next turn — its tokens, then the tokens
+//! a tool's answer appended — prefills only its last token and the appended ones over
+//! them. Continuations admitted in one step share one right-padded pass (padding writes go
+//! to a scratch block and no real query attends to them). When blocks run short, kept
+//! blocks are freed before anything is preempted, and a continuation without them
+//! prefills its whole conversation.
+//!
 //! Determinism: sequence `i` samples from its own stream (`seed`, `i`), and on the CPU every
 //! row's numbers are independent of the other rows of a pass (the decode products are
 //! batch-invariant), so its tokens do not depend on which sequences share a step; they
@@ -149,6 +157,12 @@ pub struct EngineStats {
     pub prefill_prompts: usize,
     /// Prompt tokens prefilled.
     pub prefill_tokens: usize,
+    /// Continuation passes ([`Engine::continue_with`]) and the tokens they prefilled
+    /// (each continuation's new tokens only: its conversation so far stays in its kept
+    /// blocks).
+    pub extend_passes: usize,
+    /// Tokens prefilled by continuation passes.
+    pub extend_tokens: usize,
     /// Sequences preempted (restarted later).
     pub preemptions: usize,
     /// The most KV blocks in use at once.
@@ -168,8 +182,24 @@ struct Sequence {
     /// Filled slots (its prompt and the tokens fed back so far).
     len: usize,
     out: SequenceOutput,
+    /// Its new tokens at most.
+    max_new: usize,
     /// Order of admission (preemption takes the latest).
     admitted: usize,
+}
+
+/// A finished sequence kept for [`Engine::continue_with`]: its tokens (prompt and new)
+/// and, unless memory ran short, its blocks holding the keys and values of the first
+/// `len` of them (all but the last new token, never fed back).
+struct Kept {
+    ids: Vec<u32>,
+    cache: Option<KeptCache>,
+}
+
+/// Blocks holding the keys and values of a sequence's first `len` tokens.
+struct KeptCache {
+    blocks: Vec<u32>,
+    len: usize,
 }
 
 /// A prompt prefilled once: its blocks (owned by the prefix) and next-token logits.
@@ -217,6 +247,12 @@ pub struct Engine<'a, B: Backend> {
     picks: Picks<B>,
     acts: Option<Activations<B>>,
     stats: EngineStats,
+    /// Whether finished sequences keep their blocks for [`Engine::continue_with`].
+    keep_finished: bool,
+    /// Finished sequences kept, by id.
+    kept: HashMap<usize, Kept>,
+    /// Continuations waiting for admission, by id: the blocks they extend.
+    extend: HashMap<usize, KeptCache>,
 }
 
 impl<'a, B: Backend> Engine<'a, B> {
@@ -287,6 +323,9 @@ impl<'a, B: Backend> Engine<'a, B> {
             picks: Picks::new(be, 1, model.spec.vocab)?,
             acts: None,
             stats: EngineStats::default(),
+            keep_finished: false,
+            kept: HashMap::new(),
+            extend: HashMap::new(),
         })
     }
 
@@ -387,13 +426,14 @@ impl<'a, B: Backend> Engine<'a, B> {
         self.prompts.push(prompt);
         self.group_of.push(group);
         self.waiting[group] += 1;
-        self.seqs.push(Some(Self::fresh(id, stream)));
+        let max_new = self.request.max_new_tokens;
+        self.seqs.push(Some(Self::fresh(id, stream, max_new)));
         self.pending.push_back(id);
         id
     }
 
     /// Sequence `id` of stream `(seed, index)` before its first token.
-    fn fresh(id: usize, stream: (u64, u64)) -> Sequence {
+    fn fresh(id: usize, stream: (u64, u64), max_new: usize) -> Sequence {
         Sequence {
             prompt: id,
             stream,
@@ -401,7 +441,87 @@ impl<'a, B: Backend> Engine<'a, B> {
             blocks: Vec::new(),
             len: 0,
             out: SequenceOutput::default(),
+            max_new,
             admitted: 0,
+        }
+    }
+
+    /// Whether finished sequences keep their KV blocks so that [`Engine::continue_with`]
+    /// prefills only what follows them (off by default). Kept blocks count against the
+    /// budget until continued or [`Engine::release`]d; when blocks run short they are
+    /// freed first, and their continuations prefill the whole conversation instead (the
+    /// same tokens, log-probs within rounding).
+    pub fn keep_finished(&mut self, keep: bool) {
+        self.keep_finished = keep;
+    }
+
+    /// Queues the next turn of finished sequence `parent` (kept, see
+    /// [`Engine::keep_finished`]): its prompt is `parent`'s prompt and new tokens followed
+    /// by `appended` (a tool's answer as the chat template writes it), generated from
+    /// stream `stream` with at most `max_new_tokens` new tokens. Only `parent`'s last
+    /// token and `appended` are prefilled, over `parent`'s blocks, which pass to the new
+    /// sequence. Returns its id.
+    ///
+    /// # Errors
+    /// `parent` not a kept finished sequence (still running, continued or released
+    /// already, or not kept), `max_new_tokens` 0, a token id out of range, the conversation
+    /// plus `max_new_tokens` past the model's positions, or an engine made for multimodal
+    /// prompts. On error `parent` stays kept.
+    pub fn continue_with(
+        &mut self,
+        parent: usize,
+        appended: &[u32],
+        stream: (u64, u64),
+        max_new_tokens: usize,
+    ) -> Result<usize, GenerateError> {
+        if self.vision.is_some() {
+            return Err(GenerateError::Sampling(
+                "engine: continue_with takes text conversations; this engine was made for a \
+                 multimodal request"
+                    .into(),
+            ));
+        }
+        let Some(kept) = self.kept.get(&parent) else {
+            return Err(GenerateError::Sampling(format!(
+                "engine: sequence {parent} is not a finished sequence kept for continuing \
+                 (still running, continued or released already, or keep_finished is off)"
+            )));
+        };
+        if max_new_tokens == 0 {
+            return Err(GenerateError::Sampling(
+                "engine: continue_with needs max_new_tokens > 0".into(),
+            ));
+        }
+        let mut prompt = Vec::with_capacity(kept.ids.len() + appended.len());
+        prompt.extend_from_slice(&kept.ids);
+        prompt.extend_from_slice(appended);
+        let check = GenerateRequest {
+            prompts: vec![prompt],
+            max_new_tokens,
+            eos_ids: Vec::new(),
+            sampling: self.request.sampling,
+            seed: 0,
+        };
+        self.model.check_request(&check)?;
+        let [prompt] = <[Vec<u32>; 1]>::try_from(check.prompts).unwrap_or_else(|_| unreachable!());
+        let kept = self.kept.remove(&parent).unwrap_or_else(|| unreachable!());
+        // a group of its own: no other prompt shares its blocks
+        let group = self.group_prompt.len();
+        self.group_prompt.push(self.prompts.len());
+        self.waiting.push(0);
+        let id = self.enqueue_stream(prompt, group, stream);
+        self.seq_mut(id).max_new = max_new_tokens;
+        if let Some(cache) = kept.cache {
+            self.extend.insert(id, cache);
+        }
+        Ok(id)
+    }
+
+    /// Frees the blocks of finished sequence `id` kept for [`Engine::continue_with`]
+    /// (nothing if it is not kept).
+    pub fn release(&mut self, id: usize) {
+        if let Some(cache) = self.kept.remove(&id).and_then(|k| k.cache) {
+            cache.blocks.iter().for_each(|&b| self.pool.release(b));
         }
     }
 
@@ -492,16 +612,33 @@ impl<'a, B: Backend> Engine<'a, B> {
         let s = self.seqs[id].take().unwrap_or_else(|| unreachable!());
         s.blocks.iter().for_each(|&b| self.pool.release(b));
         self.running.retain(|&r| r != id);
-        self.seqs[id] = Some(Self::fresh(id, s.stream));
+        self.seqs[id] = Some(Self::fresh(id, s.stream, s.max_new));
         self.waiting[self.group_of[id]] += 1;
         self.pending.push_front(id);
         self.stats.preemptions += 1;
     }
 
-    /// Ends sequence `id`: frees its blocks and reports its output.
+    /// Ends sequence `id`: frees its blocks (or keeps them, see [`Engine::keep_finished`])
+    /// and reports its output.
     fn finish(&mut self, id: usize, finished: &mut Vec<FinishedSequence>) {
         let s = self.seqs[id].take().unwrap_or_else(|| unreachable!());
-        s.blocks.iter().for_each(|&b| self.pool.release(b));
+        if self.keep_finished {
+            let mut ids = self.prompts[s.prompt].clone();
+            ids.extend_from_slice(&s.out.tokens);
+            let cache = KeptCache {
+                blocks: s.blocks,
+                len: s.len,
+            };
+            self.kept.insert(
+                id,
+                Kept {
+                    ids,
+                    cache: Some(cache),
+                },
+            );
+        } else {
+            s.blocks.iter().for_each(|&b| self.pool.release(b));
+        }
         self.running.retain(|&r| r != id);
         finished.push(FinishedSequence {
             id,
@@ -630,11 +767,11 @@ impl<'a, B: Backend> Engine<'a, B> {
             .pick(be, acts.logits(), self.request.sampling, |r| {
                 seqs[rows[r]].as_mut().map_or(0.0, |s| uniform(&mut s.rng))
             })?;
-        let req = (&self.request.eos_ids[..], self.request.max_new_tokens);
         let mut ended = Vec::new();
         for (r, &id) in rows.iter().enumerate() {
             let s = self.seqs[id].as_mut().unwrap_or_else(|| unreachable!());
             s.len += 1;
+            let req = (&self.request.eos_ids[..], s.max_new);
             if s.out.push(&self.picks, r, req, id, on_token)? {
                 ended.push(id);
             }
@@ -645,8 +782,9 @@ impl<'a, B: Backend> Engine<'a, B> {
         Ok(())
     }
 
-    /// Frees the blocks of the cached prompts and of a chunked prefill under way; whether
-    /// there were any.
+    /// Frees the blocks of the cached prompts, of a chunked prefill under way and of the
+    /// kept sequences and waiting continuations (which then prefill their whole
+    /// conversation); whether there were any.
     fn drop_prefill_caches(&mut self) -> bool {
         let any = !self.prefixes.is_empty() || self.chunked.is_some();
         for (_, p) in self.prefixes.drain() {
@@ -654,6 +792,43 @@ impl<'a, B: Backend> Engine<'a, B> {
         }
         if let Some(c) = self.chunked.take() {
             c.blocks.iter().for_each(|&b| self.pool.release(b));
+        }
+        self.drop_kept_and_waiting() || any
+    }
+
+    /// [`Engine::drop_kept`], and the blocks of the continuations still waiting; whether
+    /// there were any.
+    fn drop_kept_and_waiting(&mut self) -> bool {
+        let kept = self.drop_kept();
+        self.drop_waiting(None) || kept
+    }
+
+    /// Frees the blocks of the continuations waiting, but `except`'s (they will prefill
+    /// their whole conversation); whether there were any.
+    fn drop_waiting(&mut self, except: Option<usize>) -> bool {
+        let ids: Vec<usize> = self
+            .extend
+            .keys()
+            .copied()
+            .filter(|&id| Some(id) != except)
+            .collect();
+        for id in &ids {
+            if let Some(c) = self.extend.remove(id) {
+                c.blocks.iter().for_each(|&b| self.pool.release(b));
+            }
+        }
+        !ids.is_empty()
+    }
+
+    /// Frees the blocks of the kept sequences (their continuations will prefill their
+    /// whole conversation); whether there were any.
+    fn drop_kept(&mut self) -> bool {
+        let mut any = false;
+        for kept in self.kept.values_mut() {
+            if let Some(c) = kept.cache.take() {
+                any = true;
+                c.blocks.iter().for_each(|&b| self.pool.release(b));
+            }
         }
         any
     }
@@ -782,12 +957,43 @@ impl<'a, B: Backend> Engine<'a, B> {
         let mut admitted = Vec::new();
         let mut to_prefill: Vec<usize> = Vec::new(); // groups
         let (mut tokens, mut reserved) = (chunk, 0usize);
+        // continuations, and the padded width of their pass
+        let (mut extending, mut ext_width) = (Vec::new(), 0usize);
         while let Some(&id) = self.pending.front() {
             if self.running.len() + admitted.len() >= self.config.max_seqs {
                 break;
             }
             let group = self.group_of[id];
             let plen = self.prompts[id].len();
+            let nothing_else = self.running.is_empty() && admitted.is_empty();
+            if let Some(c) = self.extend.get(&id) {
+                // its new slots and first decode slot, and once the padding's scratch block
+                let need = (plen + 1).div_ceil(bs).saturating_sub(c.blocks.len())
+                    + usize::from(extending.is_empty());
+                let width = ext_width.max(plen - c.len);
+                if tokens + (extending.len() + 1) * width > self.config.max_prefill_tokens
+                    && (tokens > 0 || !extending.is_empty())
+                {
+                    break;
+                }
+                if self.pool.available() < reserved + need {
+                    // (the other continuations waiting give theirs up before this one)
+                    if nothing_else && (self.drop_kept() || self.drop_waiting(Some(id))) {
+                        continue;
+                    }
+                    if nothing_else {
+                        return Err(self.budget_error(id, plen + 1));
+                    }
+                    break;
+                }
+                reserved += need;
+                ext_width = width;
+                self.pending.pop_front();
+                admitted.push(id);
+                extending.push(id);
+                continue;
+            }
+            let used = tokens + extending.len() * ext_width;
             let new_prefix = !self.prefixes.contains_key(&group) && !to_prefill.contains(&group);
             let chunked = new_prefix && plen > self.config.max_prefill_tokens;
             if chunked && self.chunked.is_some() {
@@ -796,7 +1002,10 @@ impl<'a, B: Backend> Engine<'a, B> {
             // blocks: the prompt's (once), the sample's partial copy, its first decode block
             let need = if new_prefix { plen.div_ceil(bs) } else { 0 } + 2;
             if self.pool.available() < reserved + need {
-                if self.running.is_empty() && admitted.is_empty() {
+                if nothing_else && self.drop_kept_and_waiting() {
+                    continue;
+                }
+                if nothing_else {
                     return Err(self.budget_error(id, plen + 1));
                 }
                 break;
@@ -812,7 +1021,7 @@ impl<'a, B: Backend> Engine<'a, B> {
                 break;
             }
             if new_prefix {
-                if tokens > 0 && tokens + plen > self.config.max_prefill_tokens {
+                if used > 0 && used + plen > self.config.max_prefill_tokens {
                     break;
                 }
                 tokens += plen;
@@ -866,12 +1075,30 @@ impl<'a, B: Backend> Engine<'a, B> {
                 .map(|&p| self.prompts[p].len())
                 .sum::<usize>();
         }
+        let ext_logits = if extending.is_empty() {
+            None
+        } else {
+            Some(self.extend_pass(&extending)?)
+        };
         // Each admitted sequence: the prompt's full blocks shared, its partial block copied,
         // its first-token logits gathered.
         let v = self.model.spec.vocab;
         let mut logits = be.alloc(admitted.len() * v)?;
         for (r, &id) in admitted.iter().enumerate() {
             let group = self.group_of[id];
+            if let Some(k) = extending.iter().position(|&e| e == id) {
+                // a continuation: its blocks and length set by the extension pass
+                let ext = ext_logits.as_ref().unwrap_or_else(|| unreachable!());
+                be.copy(
+                    View::new(ext, k * v, v)?,
+                    ViewMut::new(&mut logits, r * v, v)?,
+                )?;
+                self.admissions += 1;
+                self.seq_mut(id).admitted = self.admissions;
+                self.running.push(id);
+                self.waiting[group] -= 1;
+                continue;
+            }
             let prefix = self.prefixes.get(&group).unwrap_or_else(|| unreachable!());
             let (full, rest) = (prefix.len / bs, prefix.len % bs);
             let mut blocks: Vec<u32> = prefix.blocks[..full].to_vec();
@@ -912,10 +1139,10 @@ impl<'a, B: Backend> Engine<'a, B> {
                     .as_mut()
                     .map_or(0.0, |s| uniform(&mut s.rng))
             })?;
-        let req = (&self.request.eos_ids[..], self.request.max_new_tokens);
         let mut ended = Vec::new();
         for (r, &id) in admitted.iter().enumerate() {
             let s = self.seqs[id].as_mut().unwrap_or_else(|| unreachable!());
+            let req = (&self.request.eos_ids[..], s.max_new);
             if s.out.push(&self.picks, r, req, id, on_token)? {
                 ended.push(id);
             }
@@ -924,6 +1151,106 @@ impl<'a, B: Backend> Engine<'a, B> {
             self.finish(id, finished);
         }
         Ok(())
+    }
+}
+
+impl<B: Backend> Engine<'_, B> {
+    /// Prefills the continuations `rows` (admitted sequences with kept blocks) in one
+    /// pass: row `b`'s new tokens (its parent's last token and the appended ones) at its
+    /// slots `len_b..`, right-padded to the longest row. Padding slots past a row's own
+    /// blocks go to a scratch block freed after the pass; a query sees only the slots up to its own, so no
+    /// real token attends to padding. Sets each row's blocks and length; returns the
+    /// next-token logits `[rows, vocab]`.
+    fn extend_pass(&mut self, rows: &[usize]) -> Result<B::Buffer, GenerateError> {
+        let model = self.model;
+        let be = &model.backend;
+        let bs = self.pool.block_size();
+        let mut caches = Vec::with_capacity(rows.len());
+        for &id in rows {
+            let mut c = self.extend.remove(&id).unwrap_or_else(|| unreachable!());
+            let end = self.prompts[id].len() + 1; // its tokens and its first decode slot
+            while c.blocks.len() * bs < end {
+                let b = self.pool.alloc(be)?;
+                c.blocks.push(b.ok_or_else(|| self.budget_error(id, end))?);
+            }
+            caches.push(c);
+        }
+        let news: Vec<usize> = rows
+            .iter()
+            .zip(&caches)
+            .map(|(&id, c)| self.prompts[id].len() - c.len)
+            .collect();
+        let (n, width) = (rows.len(), news.iter().copied().max().unwrap_or(1));
+        // a block for the padding to write to, for this pass
+        let scratch = if news.iter().any(|&k| k < width) {
+            let b = self.pool.alloc(be)?;
+            Some(b.ok_or_else(|| self.budget_error(rows[0], width))?)
+        } else {
+            None
+        };
+        let table_width = caches
+            .iter()
+            .map(|c| c.blocks.len().max((c.len + width).div_ceil(bs)))
+            .max()
+            .unwrap_or(1);
+        let mut host_tables = vec![scratch.unwrap_or(0); n * table_width];
+        let mut host_len = Vec::with_capacity(n);
+        let mut ids = vec![0u32; n * width];
+        let mut positions = vec![0u32; n * width];
+        let mut last = Vec::with_capacity(n);
+        for (b, ((&id, c), &k)) in rows.iter().zip(&caches).zip(&news).enumerate() {
+            host_tables[b * table_width..b * table_width + c.blocks.len()]
+                .copy_from_slice(&c.blocks);
+            host_len.push(c.len as u32);
+            ids[b * width..b * width + k].copy_from_slice(&self.prompts[id][c.len..]);
+            // (a padding token takes the row's last position: any valid one will do)
+            for (i, p) in positions[b * width..(b + 1) * width].iter_mut().enumerate() {
+                *p = (c.len + i.min(k - 1)) as u32;
+            }
+            last.push((b * width + k - 1) as u32);
+        }
+        let mut tables = be.alloc_ids(host_tables.len())?;
+        be.upload_ids(&host_tables, &mut tables)?;
+        let mut lens = be.alloc_ids(n)?;
+        be.upload_ids(&host_len, &mut lens)?;
+        let mut acts = model.prefill_activations(n, width)?;
+        let ones = vec![1u32; n * width];
+        let inputs = Inputs {
+            batch: n,
+            seq: width,
+            input_ids: &ids,
+            attention_mask: &ones,
+            position_ids: &positions,
+        };
+        let step_tables = BlockTables {
+            block_size: bs,
+            max_blocks: table_width,
+            tables: &tables,
+            len: &lens,
+            host_tables: &host_tables,
+            host_len: &host_len,
+        };
+        model.forward_extras(
+            &inputs,
+            &ForwardExtras::default(),
+            &mut acts,
+            Some(StepCache::Paged(&mut self.pool, step_tables)),
+            Some(self.tw),
+        )?;
+        if let Some(b) = scratch {
+            self.pool.release(b);
+        }
+        let head = model.prefill_head_rows(&mut acts, self.tw, &last)?;
+        let mut logits = be.alloc(n * model.spec.vocab)?;
+        be.copy(head, ViewMut::whole(&mut logits))?;
+        for ((&id, c), &k) in rows.iter().zip(caches).zip(&news) {
+            let s = self.seq_mut(id);
+            s.len = c.len + k;
+            s.blocks = c.blocks;
+        }
+        self.stats.extend_passes += 1;
+        self.stats.extend_tokens += news.iter().sum::<usize>();
+        Ok(logits)
     }
 }
 

@@ -621,12 +621,30 @@ impl<B: Backend> Model<B> {
         tw: &DecodeWeights<B>,
     ) -> Result<Tensor<'a, B>, GenerateError> {
         let (batch, width) = acts.shape();
-        let (c, v) = (self.spec.hidden, self.spec.vocab);
-        let be = &self.backend;
         // u32 row ids: `generate` has checked that `batch · width` fits.
         let last: Vec<u32> = (0..batch).map(|b| ((b + 1) * width - 1) as u32).collect();
+        self.prefill_head_rows(acts, tw, &last)
+    }
+
+    /// [`Model::prefill_head`] at the given token rows (one per sequence, as `b · width +
+    /// position`): the last real token of each right-padded sequence.
+    pub(crate) fn prefill_head_rows<'a>(
+        &self,
+        acts: &'a mut Activations<B>,
+        tw: &DecodeWeights<B>,
+        last: &[u32],
+    ) -> Result<Tensor<'a, B>, GenerateError> {
+        let (rows, width) = acts.shape();
+        let batch = last.len();
+        if batch != rows || last.iter().any(|&r| r as usize >= rows * width) {
+            return Err(GenerateError::Sampling(format!(
+                "prefill head: {batch} rows {last:?} for an arena of {rows} × {width}"
+            )));
+        }
+        let (c, v) = (self.spec.hidden, self.spec.vocab);
+        let be = &self.backend;
         let mut row_ids = be.alloc_ids(batch)?;
-        be.upload_ids(&last, &mut row_ids)?;
+        be.upload_ids(last, &mut row_ids)?;
         let mut hidden = be.alloc(batch * c)?;
         be.embedding(
             &row_ids,
