@@ -1,19 +1,30 @@
 //! The training rollout as multi-turn episodes (`worker.rollout.multi_turn`): every sample
-//! is a [`crate::tools::episode`] trajectory, generated a turn at a time for the whole
-//! batch — round `r` generates the next turn of every episode still going, after its whole
-//! trajectory so far (a re-prefill; keeping the KV cache across turns is the engine's
-//! part) — so one engine call serves each round.
+//! is a [`crate::tools::episode`] trajectory. Text episodes run in one rollout engine that
+//! keeps each turn's KV blocks: when a turn ends, its tool calls run and the next turn is
+//! queued at once, prefilling only the tool's answer ([`Engine::continue_with`]).
+//! Vision-language episodes go a round at a time for the whole batch — round `r`
+//! generates the next turn of every episode still going after re-prefilling its whole
+//! trajectory (their M-RoPE positions are laid out per prompt).
 //!
 //! A response is the model's tokens as generated with the template's and tools' tokens
 //! between its turns, `from_model` marking which are the model's: the step's mask holds
 //! those alone, so loss, entropy, HWE, KL and length see the model's tokens only. Tool and
 //! template tokens carry no sampler log-prob or entropy (0, masked).
 //! `data.max_response_length` bounds the whole trajectory after the prompt.
+//!
+//! Streams: turn `t` of row `j` samples from stream `(seed ^ t·κ ^ c·φ, i)` with `c, i` the
+//! chunk and place of row `j` (as [`super::rollout::generate_all`] numbers them), so turn 0
+//! samples as the single-turn rollout and a row's tokens do not depend on when its tools
+//! answered.
 
 use serde_json::{Value as Json, json};
 
+use std::collections::HashMap;
+
+use ares_model::model::{Engine, EngineConfig, EngineRequest, Generator};
+
 use super::TrainError;
-use super::actor::{Actor, PromptVision};
+use super::actor::{Actor, ActorGenerator, PromptVision};
 use super::rollout::{PromptItem, Response, RolloutParams, generate_all};
 use crate::backend::Backend;
 use crate::hf::chat::{ChatTemplate, RenderOptions};
@@ -51,11 +62,11 @@ pub struct EpisodeCounts {
     pub calls: usize,
     /// Of them, those that failed (malformed, unknown tool, tool error).
     pub failed_calls: usize,
-    /// Tokens prefilled over all rounds (each turn re-prefills its trajectory so far).
+    /// Tokens prefilled (a prompt shared by samples once; a text episode's later turns
+    /// their new tokens only).
     pub prefill_tokens: usize,
-    /// Of them, those a KV cache kept across turns would not have prefilled again (the
-    /// trajectory up to the previous turn's end).
-    pub reprefilled_tokens: usize,
+    /// What re-prefilling each turn's whole trajectory for each sample would prefill.
+    pub conversation_tokens: usize,
 }
 
 struct Row {
@@ -66,6 +77,8 @@ struct Row {
     tools_kwargs: Option<serde_json::Map<String, Json>>,
     /// Tokens of the tool turn appended since the last generation.
     appended: usize,
+    /// Model turns so far.
+    turns: usize,
     response: Response,
     from_model: Vec<bool>,
     messages: Vec<Json>,
@@ -116,6 +129,7 @@ pub fn rollout_episodes<B: Backend>(
                 vision: item.vision.clone(),
                 tools_kwargs: start.tools_kwargs.clone(),
                 appended: 0,
+                turns: 0,
                 response: Response::default(),
                 from_model: Vec::new(),
                 messages: start.messages.clone(),
@@ -123,11 +137,139 @@ pub fn rollout_episodes<B: Backend>(
             });
         }
     }
-    let budget = params.max_new_tokens;
     let mut counts = EpisodeCounts {
         episodes: rows.len(),
         ..EpisodeCounts::default()
     };
+    let generator = model.generator_with(params.weight_dtype)?;
+    match &generator {
+        ActorGenerator::Text(g) if items.iter().all(|i| i.vision.is_none()) => {
+            engine_episodes(g, &mut rows, params, tools, &mut counts, &mut on_progress)?;
+        }
+        _ => {
+            drop(generator);
+            round_episodes(
+                model,
+                &mut rows,
+                params,
+                tools,
+                &mut counts,
+                &mut on_progress,
+            )?;
+        }
+    }
+    let responses = rows
+        .into_iter()
+        .map(|row| {
+            let mut response = row.response;
+            if row.from_model.iter().any(|&m| !m) {
+                response.from_model = Some(row.from_model);
+            }
+            response
+        })
+        .collect();
+    Ok((responses, counts))
+}
+
+/// The stream of turn `turn` of row `row` (see the module docs).
+fn stream(params: &RolloutParams, row: usize, turn: usize) -> (u64, u64) {
+    let chunk = params.chunk.max(1);
+    let (c, i) = (row / chunk, row % chunk);
+    let seed = params.seed
+        ^ (turn as u64).wrapping_mul(0xD1B5_4A32_D192_ED03)
+        ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (seed, i as u64)
+}
+
+/// Text episodes through one engine of `params.chunk` slots that keeps each finished
+/// turn's blocks: after each step, the turns that ended have their tool calls run and
+/// their next turns queued over their kept blocks.
+fn engine_episodes<B: Backend>(
+    generator: &Generator<'_, B>,
+    rows: &mut [Row],
+    params: &RolloutParams,
+    tools: &EpisodeTools<'_>,
+    counts: &mut EpisodeCounts,
+    on_progress: &mut impl FnMut(usize),
+) -> Result<(), TrainError> {
+    let budget = params.max_new_tokens;
+    let request = EngineRequest {
+        max_new_tokens: budget,
+        eos_ids: params.eos_ids.clone(),
+        sampling: params.sampling,
+        seed: params.seed,
+    };
+    let config = EngineConfig {
+        max_seqs: params.chunk.max(1),
+        ..EngineConfig::default()
+    };
+    let mut engine = Engine::new(generator, request, config)?;
+    engine.keep_finished(true);
+    let mut row_of = HashMap::new(); // sequence id → row
+    for (j, row) in rows.iter().enumerate() {
+        let id = engine.submit_with_stream(row.ids.clone(), stream(params, j, 0))?;
+        row_of.insert(id, j);
+        counts.conversation_tokens += row.ids.len();
+    }
+    let mut ended = 0;
+    while !engine.is_idle() {
+        let finished = engine.step()?;
+        if finished.is_empty() {
+            continue;
+        }
+        let mut outs: Vec<Option<Response>> = vec![None; rows.len()];
+        let mut seq_of = vec![None; rows.len()];
+        for f in finished {
+            let j = row_of[&f.id];
+            seq_of[j] = Some(f.id);
+            outs[j] = Some(Response {
+                tokens: f.tokens,
+                log_probs: f.log_probs,
+                entropies: f.entropies,
+                finished: f.finished_by_eos,
+                from_model: None,
+            });
+        }
+        let work: Vec<(&mut Row, Response)> = rows
+            .iter_mut()
+            .zip(outs)
+            .filter_map(|(row, out)| out.map(|o| (row, o)))
+            .collect();
+        add(counts, after_turns(work, budget, tools)?);
+        for (j, row) in rows.iter().enumerate() {
+            let Some(id) = seq_of[j] else {
+                continue; // its turn goes on
+            };
+            row_of.remove(&id);
+            if row.done {
+                engine.release(id);
+                ended += 1;
+                continue;
+            }
+            let appended = &row.ids[row.ids.len() - row.appended..];
+            let left = budget - row.response.tokens.len();
+            let next = engine.continue_with(id, appended, stream(params, j, row.turns), left)?;
+            row_of.insert(next, j);
+            counts.conversation_tokens += row.ids.len();
+        }
+        on_progress(ended);
+    }
+    let stats = engine.stats();
+    counts.prefill_tokens += stats.prefill_tokens + stats.extend_tokens;
+    Ok(())
+}
+
+/// Vision-language episodes a round at a time: each round generates the next turn of
+/// every episode still going, re-prefilling its trajectory so far.
+fn round_episodes<B: Backend>(
+    model: &Actor<B>,
+    rows: &mut [Row],
+    params: &RolloutParams,
+    tools: &EpisodeTools<'_>,
+    counts: &mut EpisodeCounts,
+    on_progress: &mut impl FnMut(usize),
+) -> Result<(), TrainError> {
+    let budget = params.max_new_tokens;
     for round in 0..tools.max_turns {
         let active: Vec<usize> = (0..rows.len()).filter(|&r| !rows[r].done).collect();
         if active.is_empty() {
@@ -148,66 +290,66 @@ pub fn rollout_episodes<B: Backend>(
         let finished_before = rows.len() - active.len();
         for &r in &active {
             counts.prefill_tokens += rows[r].ids.len();
-            if round > 0 {
-                // all but the tool turn appended since the last generation
-                counts.reprefilled_tokens += rows[r].ids.len() - rows[r].appended;
-            }
+            counts.conversation_tokens += rows[r].ids.len();
         }
         let vision: Vec<PromptVision> = active.iter().map(|&r| rows[r].vision.clone()).collect();
         let outputs = generate_all(model, &prompts, &vision, &round_params, |d| {
             on_progress(finished_before + d)
         })?;
-        let last_round = round + 1 == tools.max_turns;
-        counts.turns += active.len();
-        // the rows' tool calls run side by side (a program tool bounds its own copies)
-        let mut work: Vec<(&mut Row, Response)> = rows
+        let work: Vec<(&mut Row, Response)> = rows
             .iter_mut()
             .filter(|row| !row.done)
             .zip(outputs)
             .collect();
-        let per_thread = work.len().div_ceil(TOOL_THREADS).max(1);
-        let results: Vec<Result<EpisodeCounts, TrainError>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = work
-                .chunks_mut(per_thread)
-                .map(|chunk| {
-                    scope.spawn(move || {
-                        let mut c = EpisodeCounts::default();
-                        for (row, out) in chunk.iter_mut() {
-                            let out = std::mem::take(out);
-                            step_row(row, out, budget, last_round, tools, &mut c)?;
-                        }
-                        Ok(c)
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(TrainError::Internal(
-                            "a tool-running thread panicked".into(),
-                        ))
-                    })
-                })
-                .collect()
-        });
-        for c in results {
-            let c = c?;
-            counts.calls += c.calls;
-            counts.failed_calls += c.failed_calls;
-        }
+        add(counts, after_turns(work, budget, tools)?);
     }
-    let responses = rows
-        .into_iter()
-        .map(|row| {
-            let mut response = row.response;
-            if row.from_model.iter().any(|&m| !m) {
-                response.from_model = Some(row.from_model);
-            }
-            response
-        })
-        .collect();
-    Ok((responses, counts))
+    Ok(())
+}
+
+fn add(counts: &mut EpisodeCounts, c: EpisodeCounts) {
+    counts.turns += c.turns;
+    counts.calls += c.calls;
+    counts.failed_calls += c.failed_calls;
+}
+
+/// [`step_row`] for each row and its new turn, the rows' tool calls side by side (a
+/// program tool bounds its own copies); the turns and calls made.
+fn after_turns(
+    mut work: Vec<(&mut Row, Response)>,
+    budget: usize,
+    tools: &EpisodeTools<'_>,
+) -> Result<EpisodeCounts, TrainError> {
+    let per_thread = work.len().div_ceil(TOOL_THREADS).max(1);
+    let results: Vec<Result<EpisodeCounts, TrainError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = work
+            .chunks_mut(per_thread)
+            .map(|chunk| {
+                scope.spawn(move || {
+                    let mut c = EpisodeCounts::default();
+                    for (row, out) in chunk.iter_mut() {
+                        let out = std::mem::take(out);
+                        step_row(row, out, budget, tools, &mut c)?;
+                    }
+                    Ok(c)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(TrainError::Internal(
+                        "a tool-running thread panicked".into(),
+                    ))
+                })
+            })
+            .collect()
+    });
+    let mut counts = EpisodeCounts::default();
+    for c in results {
+        add(&mut counts, c?);
+    }
+    Ok(counts)
 }
 
 /// Adds a turn's output to its row: the model's tokens (cut at the budget), then, when the
@@ -216,10 +358,12 @@ fn step_row(
     row: &mut Row,
     out: Response,
     budget: usize,
-    last_round: bool,
     tools: &EpisodeTools<'_>,
     counts: &mut EpisodeCounts,
 ) -> Result<(), TrainError> {
+    row.turns += 1;
+    counts.turns += 1;
+    let last_round = row.turns >= tools.max_turns;
     let left = budget - row.response.tokens.len();
     let cut = out.tokens.len().min(left);
     let ended = out.finished && out.tokens.len() <= left;
@@ -341,6 +485,7 @@ mod tests {
             vision: None,
             tools_kwargs: None,
             appended: 0,
+            turns: 0,
             response: Response::default(),
             from_model: Vec::new(),
             messages: vec![json!({"role": "user", "content": "What is 12*34?"})],
@@ -352,7 +497,7 @@ mod tests {
         let k = call.tokens.len();
         let mut counts = EpisodeCounts::default();
         let mut row = new_row();
-        step_row(&mut row, call.clone(), 1000, false, &tools, &mut counts).unwrap();
+        step_row(&mut row, call.clone(), 1000, &tools, &mut counts).unwrap();
         assert!(!row.done && row.response.finished);
         assert_eq!((counts.calls, counts.failed_calls), (1, 0));
         let appended = tokenizer.decode(&row.response.tokens[k..], false).unwrap();
@@ -368,29 +513,22 @@ mod tests {
         assert_eq!(row.ids.len(), 3 + k + n_tool);
         assert_eq!(row.appended, n_tool);
         // the answer ends the episode
-        step_row(
-            &mut row,
-            turn("\\boxed{408}"),
-            1000,
-            false,
-            &tools,
-            &mut counts,
-        )
-        .unwrap();
+        step_row(&mut row, turn("\\boxed{408}"), 1000, &tools, &mut counts).unwrap();
         assert!(row.done && row.response.finished);
         assert_eq!(row.messages.len(), 4);
 
         // the last turn allowed: the call is not run
         let mut row = new_row();
-        step_row(&mut row, call.clone(), 1000, true, &tools, &mut counts).unwrap();
+        row.turns = tools.max_turns - 1;
+        step_row(&mut row, call.clone(), 1000, &tools, &mut counts).unwrap();
         assert!(row.done && row.response.tokens.len() == k && counts.calls == 1);
         // the budget cuts the turn: not finished, nothing run
         let mut row = new_row();
-        step_row(&mut row, call.clone(), 5, false, &tools, &mut counts).unwrap();
+        step_row(&mut row, call.clone(), 5, &tools, &mut counts).unwrap();
         assert!(row.done && !row.response.finished && row.response.tokens.len() == 5);
         // the tool turn does not fit: the episode ends after the call
         let mut row = new_row();
-        step_row(&mut row, call, k + 3, false, &tools, &mut counts).unwrap();
+        step_row(&mut row, call, k + 3, &tools, &mut counts).unwrap();
         assert!(row.done && row.response.finished && row.response.tokens.len() == k);
     }
 }

@@ -181,11 +181,12 @@ pub fn step_record(
             "tools/failed_call_ratio",
             e.failed_calls as f64 / e.calls.max(1) as f64,
         );
-        // what re-prefilling each turn costs: the share of prefill a KV cache kept across
-        // turns would save
+        // prefill per response, and how many times that re-prefilling every turn's whole
+        // trajectory for each sample would take
+        r.insert("tools/prefill_tokens_per_response", per(e.prefill_tokens));
         r.insert(
-            "tools/reprefilled_fraction",
-            e.reprefilled_tokens as f64 / e.prefill_tokens.max(1) as f64,
+            "tools/prefill_saving",
+            e.conversation_tokens as f64 / e.prefill_tokens.max(1) as f64,
         );
     }
     r.insert("actor/skipped_updates", counters.skipped_updates as f64);

@@ -624,7 +624,7 @@ impl<B: Backend + Clone> Trainer<B> {
             c.episodes.calls += episodes.calls;
             c.episodes.failed_calls += episodes.failed_calls;
             c.episodes.prefill_tokens += episodes.prefill_tokens;
-            c.episodes.reprefilled_tokens += episodes.reprefilled_tokens;
+            c.episodes.conversation_tokens += episodes.conversation_tokens;
             bar.finish();
             c.rollout_secs += t.elapsed().as_secs_f64();
             c.generated_tokens += responses.iter().map(|r| r.tokens.len()).sum::<usize>();
