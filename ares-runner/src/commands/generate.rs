@@ -48,7 +48,7 @@ use crate::hf::checkpoint::Checkpoint;
 use crate::hf::generation::GenerationConfig;
 use crate::hf::tokenizer::{TOKENIZER_FILE, Tokenizer};
 use crate::model::{GenerateOutput, GenerateRequest, Sampling};
-use crate::tools::episode::{EpisodeSettings, Stop, TurnModel, run_episode};
+use crate::tools::episode::{EpisodeSettings, Stop, TurnModel, TurnText, run_episode};
 use crate::tools::{Calculator, ToolBox, ToolCallFormat};
 use crate::trainer::TrainError;
 use crate::trainer::actor::ActorGenerator;
@@ -1073,17 +1073,15 @@ impl<B: Backend> TurnModel for CliTurns<'_, '_, B> {
         let ended = out.finished_by_eos.first() == Some(&true);
         Ok((out.tokens.into_iter().next().unwrap_or_default(), ended))
     }
+}
 
+impl<B: Backend> TurnText for CliTurns<'_, '_, B> {
     fn decode(&self, ids: &[u32], special: bool) -> Result<String, TrainError> {
-        self.tokenizer
-            .decode(ids, !special)
-            .map_err(|e| invalid(e.to_string()))
+        TurnText::decode(self.tokenizer, ids, special)
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>, TrainError> {
-        self.tokenizer
-            .encode(text, false)
-            .map_err(|e| invalid(e.to_string()))
+        TurnText::encode(self.tokenizer, text)
     }
 }
 
@@ -1113,9 +1111,9 @@ impl Job<'_> {
             format: episodes.format,
             toolbox: &episodes.toolbox,
             max_turns: episodes.max_turns,
-            max_tokens: limit,
         };
-        let e = run_episode(&mut turns, ids, episodes.messages[index].clone(), &settings)?;
+        let messages = episodes.messages[index].clone();
+        let e = run_episode(&mut turns, ids, messages, &settings, limit)?;
         Ok(Completion {
             prompt_index: index,
             text: self

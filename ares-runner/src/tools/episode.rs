@@ -6,23 +6,20 @@
 //! tools' tokens between its turns, and a mask that says which are the model's: only those
 //! are the policy's actions (loss, entropy, KL and length count them alone).
 //!
-//! Each turn is generated after the whole trajectory so far (a re-prefill: the reference
-//! behaviour; keeping the KV cache across turns is the engine's part).
+//! [`after_turn`] is the step between two turns, for every driver: [`run_episode`] (one
+//! trajectory, each turn generated after the whole trajectory so far — `generate
+//! --max-turns`) and the trainer's rollout (`trainer/episodes.rs`: many trajectories in one
+//! engine that keeps each turn's KV blocks).
 
-use serde_json::{Value as Json, json};
+use serde_json::{Map, Value as Json, json};
 
-use super::{ToolBox, ToolCallFormat, parse_turn};
+use super::{ParsedCall, ToolBox, ToolCallFormat, parse_turn};
 use crate::hf::chat::{ChatTemplate, RenderOptions};
+use crate::hf::tokenizer::Tokenizer;
 use crate::trainer::TrainError;
 
-/// What the driver needs from a model and its tokenizer.
-pub trait TurnModel {
-    /// Generates after `ids`, at most `max_new` tokens: the new tokens, and whether the
-    /// last one ended the turn (an EOS id) rather than the budget.
-    ///
-    /// # Errors
-    /// The model's.
-    fn generate(&mut self, ids: &[u32], max_new: usize) -> Result<(Vec<u32>, bool), TrainError>;
+/// Turn text to and from ids: a tokenizer's part of an episode.
+pub trait TurnText {
     /// The text of `ids`, with special tokens written (`special`) or left out.
     ///
     /// # Errors
@@ -35,7 +32,29 @@ pub trait TurnModel {
     fn encode(&self, text: &str) -> Result<Vec<u32>, TrainError>;
 }
 
-/// How an episode runs.
+impl TurnText for Tokenizer {
+    fn decode(&self, ids: &[u32], special: bool) -> Result<String, TrainError> {
+        Tokenizer::decode(self, ids, !special)
+            .map_err(|e| TrainError::Invalid(format!("tokenizer: {e}")))
+    }
+
+    fn encode(&self, text: &str) -> Result<Vec<u32>, TrainError> {
+        Tokenizer::encode(self, text, false)
+            .map_err(|e| TrainError::Invalid(format!("tokenizer: {e}")))
+    }
+}
+
+/// What the driver needs from a model and its tokenizer.
+pub trait TurnModel: TurnText {
+    /// Generates after `ids`, at most `max_new` tokens: the new tokens, and whether the
+    /// last one ended the turn (an EOS id) rather than the budget.
+    ///
+    /// # Errors
+    /// The model's.
+    fn generate(&mut self, ids: &[u32], max_new: usize) -> Result<(Vec<u32>, bool), TrainError>;
+}
+
+/// How an episode's turns go on.
 #[derive(Debug, Clone, Copy)]
 pub struct EpisodeSettings<'a> {
     /// The chat template (it renders the tool turns).
@@ -48,8 +67,6 @@ pub struct EpisodeSettings<'a> {
     pub toolbox: &'a ToolBox,
     /// Model turns at most (≥ 1): a call in the last turn is not run.
     pub max_turns: usize,
-    /// Tokens after the prompt at most, the model's and the tools' together.
-    pub max_tokens: usize,
 }
 
 /// Why an episode ended.
@@ -61,6 +78,109 @@ pub enum Stop {
     Length,
     /// `max_turns` turns, the last one still calling tools.
     MaxTurns,
+}
+
+/// A model turn that has just been generated.
+#[derive(Debug, Clone, Copy)]
+pub struct TurnEnd<'t> {
+    /// Its tokens.
+    pub tokens: &'t [u32],
+    /// Whether an EOS id ended it (else the budget cut it).
+    pub ended: bool,
+    /// Its number in the episode, from 1.
+    pub number: usize,
+    /// Tokens the episode's budget has left after it.
+    pub left: usize,
+}
+
+/// What follows a model turn.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Next {
+    /// The episode ends.
+    Stop(Stop),
+    /// The tools answered: these template tokens follow (not the model's), then the model's
+    /// next turn.
+    Tools(Vec<u32>),
+}
+
+/// What [`after_turn`] decided, and the calls it ran.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AfterTurn {
+    /// What follows.
+    pub next: Next,
+    /// Tool calls run.
+    pub calls: usize,
+    /// Of them, those that failed (malformed, unknown tool, tool error).
+    pub failed_calls: usize,
+}
+
+/// The step after model turn `turn`: appends it to `messages` as the assistant's (its text
+/// without special tokens); ends the episode when the budget cut it, when it calls no tool
+/// (the answer) or when it was the last turn allowed; else runs its calls (with
+/// `tools_kwargs`, a data row's `extra_info.tools_kwargs`), appends their messages and
+/// returns the tool turn's tokens as the template writes it — or ends the episode when they
+/// do not fit in the budget.
+///
+/// # Errors
+/// The tokenizer's, and a template that cannot continue the conversation
+/// ([`crate::hf::chat::ChatError::Continuation`]); a tool's failure is a message for the
+/// model, not an error.
+pub fn after_turn(
+    s: &EpisodeSettings<'_>,
+    text: &(impl TurnText + ?Sized),
+    turn: TurnEnd<'_>,
+    messages: &mut Vec<Json>,
+    tools_kwargs: Option<&Map<String, Json>>,
+) -> Result<AfterTurn, TrainError> {
+    let stop = |why| AfterTurn {
+        next: Next::Stop(why),
+        calls: 0,
+        failed_calls: 0,
+    };
+    let said = text.decode(turn.tokens, false)?;
+    messages.push(json!({"role": "assistant", "content": said}));
+    if !turn.ended {
+        return Ok(stop(Stop::Length));
+    }
+    let calls = parse_turn(&said, s.format).calls;
+    if calls.is_empty() {
+        return Ok(stop(Stop::Answered));
+    }
+    if turn.number >= s.max_turns {
+        return Ok(stop(Stop::MaxTurns));
+    }
+    let mut failed_calls = 0;
+    let results: Vec<Json> = calls
+        .iter()
+        .map(|call| {
+            let r = s.toolbox.run(call, tools_kwargs);
+            failed_calls += usize::from(!r.ok);
+            match call {
+                ParsedCall::Call(c) => {
+                    json!({"role": "tool", "name": c.name, "content": r.content})
+                }
+                ParsedCall::Malformed { .. } => json!({"role": "tool", "content": r.content}),
+            }
+        })
+        .collect();
+    let last = &turn.tokens[turn.tokens.len().saturating_sub(1)..];
+    let end_of_turn = text.decode(last, true)?;
+    let rendered = s
+        .template
+        .tool_continuation(messages, &results, &end_of_turn, &s.options)
+        .map_err(|err| TrainError::Invalid(err.to_string()))?;
+    let ids = text.encode(&rendered)?;
+    messages.extend(results);
+    let next = if ids.len() >= turn.left {
+        Next::Stop(Stop::Length)
+    } else {
+        Next::Tools(ids)
+    };
+    Ok(AfterTurn {
+        next,
+        calls: calls.len(),
+        failed_calls,
+    })
 }
 
 /// A finished trajectory.
@@ -84,17 +204,17 @@ pub struct Episode {
 }
 
 /// Runs one trajectory after `prompt_ids` (the rendering of `messages` with the
-/// generation prompt).
+/// generation prompt), at most `max_tokens` tokens after the prompt (the model's and the
+/// tools' together), each turn generated after the whole trajectory so far.
 ///
 /// # Errors
-/// The model's and the tokenizer's errors, and a template that cannot continue the
-/// conversation ([`crate::hf::chat::ChatError::Continuation`]); a tool's failure is a
-/// message for the model, not an error.
+/// `max_turns` 0, the model's errors and [`after_turn`]'s.
 pub fn run_episode(
     model: &mut impl TurnModel,
     prompt_ids: &[u32],
     mut messages: Vec<Json>,
     s: &EpisodeSettings<'_>,
+    max_tokens: usize,
 ) -> Result<Episode, TrainError> {
     if s.max_turns == 0 {
         return Err(TrainError::Invalid("max_turns must be at least 1".into()));
@@ -110,7 +230,7 @@ pub fn run_episode(
         messages: Vec::new(),
     };
     loop {
-        let left = s.max_tokens.saturating_sub(e.tokens.len());
+        let left = max_tokens.saturating_sub(e.tokens.len());
         if left == 0 {
             e.stop = Stop::Length;
             break;
@@ -118,50 +238,22 @@ pub fn run_episode(
         let (new, ended) = model.generate(&ids, left)?;
         e.turns += 1;
         push(&mut e, &mut ids, &new, true);
-        let text = model.decode(&new, false)?;
-        messages.push(json!({"role": "assistant", "content": text}));
-        if !ended {
-            e.stop = Stop::Length;
-            break;
+        let turn = TurnEnd {
+            tokens: &new,
+            ended,
+            number: e.turns,
+            left: max_tokens.saturating_sub(e.tokens.len()),
+        };
+        let after = after_turn(s, model, turn, &mut messages, None)?;
+        e.calls += after.calls;
+        e.failed_calls += after.failed_calls;
+        match after.next {
+            Next::Stop(why) => {
+                e.stop = why;
+                break;
+            }
+            Next::Tools(tool_ids) => push(&mut e, &mut ids, &tool_ids, false),
         }
-        let turn = parse_turn(&text, s.format);
-        if turn.calls.is_empty() {
-            e.stop = Stop::Answered;
-            break;
-        }
-        if e.turns == s.max_turns {
-            e.stop = Stop::MaxTurns;
-            break;
-        }
-        let results: Vec<Json> = turn
-            .calls
-            .iter()
-            .map(|call| {
-                let r = s.toolbox.run(call, None);
-                e.calls += 1;
-                e.failed_calls += usize::from(!r.ok);
-                match call {
-                    super::ParsedCall::Call(c) => {
-                        json!({"role": "tool", "name": c.name, "content": r.content})
-                    }
-                    super::ParsedCall::Malformed { .. } => {
-                        json!({"role": "tool", "content": r.content})
-                    }
-                }
-            })
-            .collect();
-        let end_of_turn = model.decode(&new[new.len().saturating_sub(1)..], true)?;
-        let text = s
-            .template
-            .tool_continuation(&messages, &results, &end_of_turn, &s.options)
-            .map_err(|err| TrainError::Invalid(err.to_string()))?;
-        let tool_ids = model.encode(&text)?;
-        messages.extend(results);
-        if e.tokens.len() + tool_ids.len() >= s.max_tokens {
-            e.stop = Stop::Length;
-            break;
-        }
-        push(&mut e, &mut ids, &tool_ids, false);
     }
     e.messages = messages;
     Ok(e)
@@ -202,7 +294,9 @@ mod tests {
             new.truncate(max_new);
             Ok((new, ended))
         }
+    }
 
+    impl TurnText for Scripted {
         fn decode(&self, ids: &[u32], special: bool) -> Result<String, TrainError> {
             Ok(ids
                 .iter()
@@ -257,7 +351,6 @@ mod tests {
             format: ToolCallFormat::Hermes,
             toolbox: &b,
             max_turns,
-            max_tokens,
         };
         let mut m = Scripted {
             turns,
@@ -267,7 +360,7 @@ mod tests {
             .encode("<user>What is 12*34?<|im_end|>\n<assistant>")
             .unwrap();
         let messages = vec![json!({"role": "user", "content": "What is 12*34?"})];
-        let e = run_episode(&mut m, &prompt, messages, &s).unwrap();
+        let e = run_episode(&mut m, &prompt, messages, &s, max_tokens).unwrap();
         (e, m)
     }
 

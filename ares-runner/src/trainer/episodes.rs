@@ -17,7 +17,7 @@
 //! samples as the single-turn rollout and a row's tokens do not depend on when its tools
 //! answered.
 
-use serde_json::{Value as Json, json};
+use serde_json::Value as Json;
 
 use std::collections::HashMap;
 
@@ -27,9 +27,8 @@ use super::TrainError;
 use super::actor::{Actor, ActorGenerator, PromptVision};
 use super::rollout::{PromptItem, Response, RolloutParams, generate_all};
 use crate::backend::Backend;
-use crate::hf::chat::{ChatTemplate, RenderOptions};
 use crate::hf::tokenizer::Tokenizer;
-use crate::tools::{ParsedCall, ToolBox, ToolCallFormat, parse_turn};
+use crate::tools::episode::{EpisodeSettings, Next, TurnEnd, after_turn};
 
 /// Threads that run a round's tool calls at most.
 const TOOL_THREADS: usize = 16;
@@ -37,18 +36,10 @@ const TOOL_THREADS: usize = 16;
 /// What episodes are run with.
 #[derive(Debug, Clone, Copy)]
 pub struct EpisodeTools<'a> {
-    /// The chat template (it renders the tool turns).
-    pub template: &'a ChatTemplate,
-    /// Its tools and extra variables, as the prompts were rendered with.
-    pub options: RenderOptions<'a>,
-    /// How the model writes calls.
-    pub format: ToolCallFormat,
-    /// The tools that answer.
-    pub toolbox: &'a ToolBox,
+    /// How turns go on (template, tools, call format, turns at most).
+    pub settings: EpisodeSettings<'a>,
     /// Decodes turns and encodes the template's continuations.
     pub tokenizer: &'a Tokenizer,
-    /// Model turns per episode at most.
-    pub max_turns: usize,
 }
 
 /// What the episodes of a rollout did.
@@ -270,7 +261,7 @@ fn round_episodes<B: Backend>(
     on_progress: &mut impl FnMut(usize),
 ) -> Result<(), TrainError> {
     let budget = params.max_new_tokens;
-    for round in 0..tools.max_turns {
+    for round in 0..tools.settings.max_turns {
         let active: Vec<usize> = (0..rows.len()).filter(|&r| !rows[r].done).collect();
         if active.is_empty() {
             break;
@@ -353,7 +344,8 @@ fn after_turns(
 }
 
 /// Adds a turn's output to its row: the model's tokens (cut at the budget), then, when the
-/// turn called tools and another turn may follow, the tools' results through the template.
+/// turn called tools and another turn may follow, the tools' results through the template
+/// ([`after_turn`]).
 fn step_row(
     row: &mut Row,
     out: Response,
@@ -363,62 +355,35 @@ fn step_row(
 ) -> Result<(), TrainError> {
     row.turns += 1;
     counts.turns += 1;
-    let last_round = row.turns >= tools.max_turns;
     let left = budget - row.response.tokens.len();
     let cut = out.tokens.len().min(left);
     let ended = out.finished && out.tokens.len() <= left;
     let new = &out.tokens[..cut];
     push(row, new, &out.log_probs[..cut], &out.entropies[..cut], true);
     row.response.finished = ended;
-    if !ended {
-        row.done = true;
-        return Ok(());
+    let turn = TurnEnd {
+        tokens: new,
+        ended,
+        number: row.turns,
+        left: budget - row.response.tokens.len(),
+    };
+    let after = after_turn(
+        &tools.settings,
+        tools.tokenizer,
+        turn,
+        &mut row.messages,
+        row.tools_kwargs.as_ref(),
+    )?;
+    counts.calls += after.calls;
+    counts.failed_calls += after.failed_calls;
+    match after.next {
+        Next::Stop(_) => row.done = true,
+        Next::Tools(ids) => {
+            let zeros = vec![0.0f32; ids.len()];
+            push(row, &ids, &zeros, &zeros, false);
+            row.appended = ids.len();
+        }
     }
-    let tokenizer_error =
-        |e: crate::hf::tokenizer::TokenizerError| TrainError::Invalid(format!("tokenizer: {e}"));
-    let text = tools.tokenizer.decode(new, true).map_err(tokenizer_error)?;
-    row.messages
-        .push(json!({"role": "assistant", "content": text}));
-    let turn = parse_turn(&text, tools.format);
-    if turn.calls.is_empty() || last_round {
-        row.done = true;
-        return Ok(());
-    }
-    let results: Vec<Json> = turn
-        .calls
-        .iter()
-        .map(|call| {
-            let r = tools.toolbox.run(call, row.tools_kwargs.as_ref());
-            counts.calls += 1;
-            counts.failed_calls += usize::from(!r.ok);
-            match call {
-                ParsedCall::Call(c) => {
-                    json!({"role": "tool", "name": c.name, "content": r.content})
-                }
-                ParsedCall::Malformed { .. } => json!({"role": "tool", "content": r.content}),
-            }
-        })
-        .collect();
-    let end_of_turn = tools
-        .tokenizer
-        .decode(&new[new.len().saturating_sub(1)..], false)
-        .map_err(tokenizer_error)?;
-    let continuation = tools
-        .template
-        .tool_continuation(&row.messages, &results, &end_of_turn, &tools.options)
-        .map_err(|e| TrainError::Invalid(e.to_string()))?;
-    let ids = tools
-        .tokenizer
-        .encode(&continuation, false)
-        .map_err(tokenizer_error)?;
-    row.messages.extend(results);
-    if row.response.tokens.len() + ids.len() >= budget {
-        row.done = true;
-        return Ok(());
-    }
-    let zeros = vec![0.0f32; ids.len()];
-    push(row, &ids, &zeros, &zeros, false);
-    row.appended = ids.len();
     Ok(())
 }
 
@@ -434,7 +399,9 @@ fn push(row: &mut Row, ids: &[u32], log_probs: &[f32], entropies: &[f32], from_m
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tools::Calculator;
+    use crate::hf::chat::{ChatTemplate, RenderOptions};
+    use crate::tools::{Calculator, ToolBox, ToolCallFormat};
+    use serde_json::json;
     use std::path::Path;
 
     fn fixtures() -> std::path::PathBuf {
@@ -456,15 +423,17 @@ mod tests {
         toolbox.add(Box::new(Calculator)).unwrap();
         let schemas = toolbox.schemas();
         let tools = EpisodeTools {
-            template: &template,
-            options: RenderOptions {
-                tools: Some(&schemas),
-                ..RenderOptions::generation()
+            settings: EpisodeSettings {
+                template: &template,
+                options: RenderOptions {
+                    tools: Some(&schemas),
+                    ..RenderOptions::generation()
+                },
+                format: ToolCallFormat::Hermes,
+                toolbox: &toolbox,
+                max_turns: 4,
             },
-            format: ToolCallFormat::Hermes,
-            toolbox: &toolbox,
             tokenizer: &tokenizer,
-            max_turns: 4,
         };
         let im_end = tokenizer.encode("<|im_end|>", false).unwrap();
         assert_eq!(im_end.len(), 1);
@@ -519,7 +488,7 @@ mod tests {
 
         // the last turn allowed: the call is not run
         let mut row = new_row();
-        row.turns = tools.max_turns - 1;
+        row.turns = tools.settings.max_turns - 1;
         step_row(&mut row, call.clone(), 1000, &tools, &mut counts).unwrap();
         assert!(row.done && row.response.tokens.len() == k && counts.calls == 1);
         // the budget cuts the turn: not finished, nothing run

@@ -41,6 +41,7 @@ use crate::metrics::{MetricsWriter, PhaseTimes, Record};
 use crate::model::AdamW;
 use crate::progress::Progress;
 use crate::reward::{CallMode, DEFAULT_PYTHON, FunctionSpec, LoggerSetup, PythonWorker};
+use crate::tools::episode::EpisodeSettings;
 use crate::vision::model::VisionMoments;
 use ares_core::difficulty::{Difficulty, bucket_means};
 use ares_core::filter::{is_solved, solved_streak};
@@ -1015,12 +1016,14 @@ fn episode_tools<'a>(
         .as_ref()
         .ok_or_else(|| TrainError::Internal("multi-turn without a chat template".into()))?;
     Ok(Some(EpisodeTools {
-        template: chat,
-        options: renderer.template_inputs.generation(),
-        format: mt.format,
-        toolbox: &mt.toolbox,
+        settings: EpisodeSettings {
+            template: chat,
+            options: renderer.template_inputs.generation(),
+            format: mt.format,
+            toolbox: &mt.toolbox,
+            max_turns: mt.max_turns,
+        },
         tokenizer: &renderer.tokenizer,
-        max_turns: mt.max_turns,
     }))
 }
 
