@@ -667,8 +667,9 @@ fn a_page_that_declares_more_than_its_chunk_is_refused() {
     );
 }
 
-/// verl's multi-turn rows give each tool its arguments in `extra_info.tools_kwargs`: kept
-/// per example for the tools; anything but an object is refused by key.
+/// verl's multi-turn rows give each tool its arguments in `extra_info.tools_kwargs` and
+/// the interaction its own in `extra_info.interaction_kwargs`: kept per example; tools
+/// kwargs other than an object are refused by key.
 #[test]
 fn tools_kwargs_of_verl_rows_are_kept() {
     let dir = tempfile::tempdir().unwrap();
@@ -676,7 +677,7 @@ fn tools_kwargs_of_verl_rows_are_kept() {
     fs::write(
         &path,
         concat!(
-            r#"{"prompt": "What is 12*34?", "answer": "408", "extra_info": {"tools_kwargs": {"calc": {"create_kwargs": {"ground_truth": "408"}}}}}"#,
+            r#"{"prompt": "What is 12*34?", "answer": "408", "extra_info": {"tools_kwargs": {"calc": {"create_kwargs": {"ground_truth": "408"}}}, "interaction_kwargs": {"name": "judge", "ground_truth": "408"}}}"#,
             "\n",
             r#"{"prompt": "1+1?", "answer": "2"}"#,
             "\n"
@@ -689,6 +690,12 @@ fn tools_kwargs_of_verl_rows_are_kept() {
         "408"
     );
     assert!(ex[1].tools_kwargs.is_none());
+    // and the interaction's, as given
+    assert_eq!(
+        ex[0].interaction_kwargs,
+        Some(serde_json::json!({"name": "judge", "ground_truth": "408"}))
+    );
+    assert!(ex[1].interaction_kwargs.is_none());
     fs::write(
         &path,
         r#"{"prompt": "x", "answer": "1", "extra_info": {"tools_kwargs": "calc"}}"#,

@@ -962,4 +962,70 @@ fn multi_turn_without_calls_is_the_single_turn_completion() {
     let mut bad = multi.clone();
     bad.extend(["--tools", &t, "--tool-command", "lookup"]);
     assert!(error(&dir, &bad).contains("expected NAME=COMMAND"));
+
+    // an interaction answers each turn without calls: `done` ends the episode with its
+    // score; else its reply is the user's next turn, until --max-turns (the last scored)
+    let done = tmp.path().join("done.sh");
+    let again = tmp.path().join("again.sh");
+    for (path, body) in [
+        (
+            &done,
+            "while read -r l; do echo '{\"done\": true, \"reward\": 1}'; done\n",
+        ),
+        (
+            &again,
+            "while read -r l; do echo '{\"content\": \"again\", \"reward\": 0.5}'; done\n",
+        ),
+    ] {
+        let status = std::process::Command::new("sh")
+            .args(["-c", &format!("cat > '{}'", path.display())])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::Write;
+                c.stdin.take().unwrap().write_all(body.as_bytes())?;
+                c.wait()
+            })
+            .unwrap();
+        assert!(status.success());
+    }
+    // a model whose turns end at once: the untrained demo model writes "\n" (id 18) first
+    let gen_config = dir.join("generation_config.json");
+    let mut g: Value =
+        serde_json::from_str(&std::fs::read_to_string(&gen_config).unwrap()).unwrap();
+    g["eos_token_id"] = serde_json::json!(18);
+    std::fs::write(&gen_config, g.to_string()).unwrap();
+    let with_env = |script: &std::path::Path| {
+        // room for the user's turns (one token a character)
+        let mut v: Vec<String> = multi
+            .iter()
+            .map(|s| if *s == "24" { "200" } else { s }.to_string())
+            .collect();
+        v.extend([
+            "--interaction-command".into(),
+            format!("sh {}", script.display()),
+        ]);
+        v
+    };
+    let args = with_env(&done);
+    let (episodes, _) = run(&dir, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(episodes[0].token_ids, [18]);
+    let t = episodes[0].tools.as_ref().unwrap();
+    assert_eq!(
+        (t.turns, t.turn_scores.clone()),
+        (1, vec![1.0]),
+        "{:?}",
+        episodes[0]
+    );
+    let args = with_env(&again);
+    let (episodes, _) = run(&dir, &args.iter().map(String::as_str).collect::<Vec<_>>());
+    let t = episodes[0].tools.as_ref().unwrap();
+    assert_eq!((t.turns, t.turn_scores.clone()), (3, vec![0.5; 3]));
+    assert!(
+        t.from_model.iter().any(|&m| !m),
+        "the user's turns are not the model's"
+    );
+    let mut one = flags.to_vec();
+    one.extend(["--interaction-command", "cat"]);
+    assert!(error(&dir, &one).contains("give --max-turns 2 or more"));
 }

@@ -1266,6 +1266,93 @@ fn a_dataset_larger_than_memory_is_refused() {
     );
 }
 
+/// An interaction program answers every turn without calls: its turns are counted, its
+/// scores reach the reward (`reward/interaction`, weight 1), and a program that fails ends
+/// its episodes without stopping the run; a bad interaction setting is refused by key.
+#[test]
+fn an_interaction_answers_turns_and_scores_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let config_json: Value = serde_json::from_str(
+        &std::fs::read_to_string(a.model_dir.join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    let template = dir.path().join("tools.jinja");
+    std::fs::write(
+        &template,
+        format!(
+            "{{# calls go in <tool_call></tool_call> #}}{}",
+            config_json["chat_template"].as_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let t = format!("data.override_chat_template={}", template.display());
+    let on = "worker.rollout.multi_turn.enable=true";
+    let turns = "worker.rollout.multi_turn.max_assistant_turns=3";
+    let long = "data.max_response_length=48";
+    // (scripts in files: written by a child, so no test thread holds them open)
+    let script = |name: &str, body: &str| {
+        let path = dir.path().join(name);
+        let status = std::process::Command::new("sh")
+            .args(["-c", &format!("cat > '{}'", path.display())])
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .and_then(|mut c| {
+                use std::io::Write;
+                c.stdin.take().unwrap().write_all(body.as_bytes())?;
+                c.wait()
+            })
+            .unwrap();
+        assert!(status.success());
+        path
+    };
+    let more = script(
+        "more.sh",
+        "while read -r l; do echo '{\"content\": \"more\", \"reward\": 0.5}'; done\n",
+    );
+    let more = format!(
+        "worker.rollout.multi_turn.interaction={{command: 'sh {}'}}",
+        more.display()
+    );
+    let lines = run(dir.path(), "more", &[&t, on, turns, long, &more]);
+    let mut answered = 0.0;
+    for line in &lines {
+        let per = num(line, "tools/interaction_turns_per_response");
+        // every response of the batch: its turns answered times 0.5
+        assert!(
+            (num(line, "reward/interaction") - 0.5 * per).abs() < 1e-9,
+            "{line:?}"
+        );
+        assert_eq!(num(line, "tools/interaction_error_ratio"), 0.0);
+        answered += per;
+    }
+    assert!(
+        answered > 0.0,
+        "no turn ended for the interaction to answer"
+    );
+    let broken = script("broken.sh", "read -r l; exit 1\n");
+    let broken = format!(
+        "worker.rollout.multi_turn.interaction={{command: 'sh {}', reward_weight: 0}}",
+        broken.display()
+    );
+    let lines = run(dir.path(), "broken", &[&t, on, turns, long, &broken]);
+    let failed: f64 = lines
+        .iter()
+        .map(|l| num(l, "tools/interaction_error_ratio"))
+        .sum();
+    assert!(failed > 0.0);
+    for line in &lines {
+        assert_eq!(num(line, "reward/interaction"), 0.0);
+    }
+    let e = config(
+        &a,
+        &dir.path().join("bad"),
+        &["worker.rollout.multi_turn.interaction={command: x, timeout_s: -1}"],
+    )
+    .unwrap_err();
+    assert!(e.contains("multi_turn.interaction.timeout_s"), "{e}");
+}
+
 /// `worker.rollout.multi_turn` rolls out episodes: a model that calls no tool trains
 /// exactly as the single-turn rollout (its first round samples alike, and no token is
 /// masked out), with the tool counts reported; without a chat template that shows a

@@ -159,6 +159,12 @@ pub struct GenerateArgs {
     /// (the model is told) [default: 30].
     #[arg(long, value_name = "SECS", default_value_t = 30.0)]
     pub tool_timeout: f64,
+    /// A program that answers each turn without tool calls as a user would (with
+    /// --max-turns above 1): it reads `{"messages", "kwargs", "turn"}` a line and answers
+    /// `{"content": …, "done": …, "reward": …}`; `done` ends the episode. Its timeout is
+    /// --tool-timeout's.
+    #[arg(long, value_name = "COMMAND")]
+    pub interaction_command: Option<String>,
 }
 
 /// The chat template's inputs of `--tools` and `--chat-template-kwargs`.
@@ -261,6 +267,12 @@ pub struct ToolUse {
     pub failed_calls: usize,
     /// Per new token: written by the model.
     pub from_model: Vec<bool>,
+    /// The interaction's score of each turn it answered (with --interaction-command).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub turn_scores: Vec<f64>,
+    /// The interaction's failure that ended the episode, if one did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub interaction_error: Option<String>,
 }
 
 /// `ares-runner generate`: completions of the prompts of `args`, on stdout.
@@ -952,6 +964,7 @@ struct Episodes {
     format: ToolCallFormat,
     toolbox: ToolBox,
     max_turns: usize,
+    interaction: Option<crate::tools::interaction::Interaction>,
     /// Each prompt's conversation.
     messages: Vec<Vec<Value>>,
 }
@@ -974,9 +987,11 @@ fn episode_setup(
                 "--max-turns 0: a completion takes at least one turn".into(),
             ));
         }
-        1 if !args.tool_command.is_empty() => {
+        1 if !args.tool_command.is_empty() || args.interaction_command.is_some() => {
             return Err(invalid(
-                "--tool-command runs tools between turns: give --max-turns 2 or more".into(),
+                "--tool-command and --interaction-command answer between turns: give \
+                 --max-turns 2 or more"
+                    .into(),
             ));
         }
         1 => return Ok(None),
@@ -1023,6 +1038,17 @@ fn episode_setup(
     if inputs.tools.is_none() {
         inputs.tools = Some(toolbox.schemas());
     }
+    let interaction = match &args.interaction_command {
+        None => None,
+        Some(command) => Some(
+            crate::tools::interaction::Interaction::new(
+                command,
+                std::time::Duration::from_secs_f64(args.tool_timeout),
+                4,
+            )
+            .map_err(|e| invalid(format!("--interaction-command: {e}")))?,
+        ),
+    };
     let template = ChatTemplate::from_dir(&args.model)
         .map_err(|e| invalid(format!("model {}: {e}", args.model.display())))?;
     let source = template.source(true).map_err(|e| invalid(e.to_string()))?;
@@ -1043,6 +1069,7 @@ fn episode_setup(
         format,
         toolbox,
         max_turns: args.max_turns,
+        interaction,
         messages,
     }))
 }
@@ -1111,6 +1138,7 @@ impl Job<'_> {
             format: episodes.format,
             toolbox: &episodes.toolbox,
             max_turns: episodes.max_turns,
+            interaction: episodes.interaction.as_ref(),
         };
         let messages = episodes.messages[index].clone();
         let e = run_episode(&mut turns, ids, messages, &settings, limit)?;
@@ -1132,6 +1160,8 @@ impl Job<'_> {
                 calls: e.calls,
                 failed_calls: e.failed_calls,
                 from_model: e.from_model,
+                turn_scores: e.turn_scores,
+                interaction_error: e.interaction_error,
             }),
         })
     }

@@ -644,6 +644,23 @@ fn validate_rollout(r: &RolloutConfig) -> Result<(), ConfigError> {
         )?;
         at_least(&format!("{key}.max_concurrency"), t.max_concurrency, 1)?;
     }
+    if let Some(t) = &m.interaction {
+        let key = format!("{P}.multi_turn.interaction");
+        non_empty(&format!("{key}.command"), &t.command)?;
+        real(
+            &format!("{key}.timeout_s"),
+            t.timeout_s,
+            t.timeout_s > 0.0,
+            "> 0",
+        )?;
+        at_least(&format!("{key}.max_concurrency"), t.max_concurrency, 1)?;
+        real(
+            &format!("{key}.reward_weight"),
+            t.reward_weight,
+            t.reward_weight.is_finite(),
+            "a finite number",
+        )?;
+    }
     if m.enable && r.enable_graded_system_prompt {
         return Err(ConfigError::Inconsistent {
             key: format!("{P}.multi_turn.enable"),

@@ -487,6 +487,33 @@ pub struct MultiTurnConfig {
     /// of `data.tools`; the command reads one JSON line per call (`{"name", "arguments"}`)
     /// and answers `{"content": …}` or `{"error": …}`.
     pub tool_commands: Vec<ToolCommandConfig>,
+    /// A program that answers each turn without tool calls as a user would (default none:
+    /// such a turn is the answer). See `tools::interaction` for its JSON lines.
+    pub interaction: Option<InteractionConfig>,
+}
+
+/// `worker.rollout.multi_turn.interaction`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InteractionConfig {
+    /// The command line, split as a shell would and run without one.
+    pub command: String,
+    /// Seconds a reply may take before the program is killed and the episode ends, > 0
+    /// (default 30).
+    #[serde(default = "default_tool_timeout")]
+    pub timeout_s: f64,
+    /// Copies of the program running at once at most, ≥ 1 (default 4).
+    #[serde(default = "default_tool_concurrency")]
+    pub max_concurrency: usize,
+    /// Weight of an episode's interaction score (the sum of its turns' `reward`s) in its
+    /// reward, added to the graded reward (default 1; 0: the scores are metrics only, as
+    /// verl's `turn_scores`).
+    #[serde(default = "default_interaction_weight")]
+    pub reward_weight: f64,
+}
+
+fn default_interaction_weight() -> f64 {
+    1.0
 }
 
 /// One entry of `worker.rollout.multi_turn.tool_commands`.
@@ -521,6 +548,7 @@ impl Default for MultiTurnConfig {
             max_assistant_turns: 4,
             tools: vec!["calculator".into()],
             tool_commands: Vec::new(),
+            interaction: None,
         }
     }
 }

@@ -75,6 +75,10 @@ pub struct Example {
     /// (passed to a program tool with each call in a multi-turn episode).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tools_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    /// verl's `extra_info.interaction_kwargs`: what this row gives the interaction with
+    /// each turn of a multi-turn episode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interaction_kwargs: Option<serde_json::Value>,
 }
 
 impl Example {
@@ -201,6 +205,7 @@ mod tests {
             images: vec![MediaSource::Path("a.png".into()); images],
             videos: vec![MediaSource::Path("v.mp4".into()); videos],
             tools_kwargs: None,
+            interaction_kwargs: None,
         }
     }
 

@@ -55,6 +55,7 @@ mod tests {
             images: vec![],
             videos: vec![],
             tools_kwargs: None,
+            interaction_kwargs: None,
         }
     }
 

@@ -120,6 +120,7 @@ pub(crate) fn to_example(
             ));
         }
     };
+    let interaction_kwargs = lookup(row, INTERACTION_KWARGS).cloned();
     Ok(Example {
         global_id,
         prompt,
@@ -130,11 +131,14 @@ pub(crate) fn to_example(
         images,
         videos,
         tools_kwargs,
+        interaction_kwargs,
     })
 }
 
 /// Where verl's multi-turn rows keep what each tool is given.
 const TOOLS_KWARGS: &str = "extra_info.tools_kwargs";
+/// Where verl's multi-turn rows keep what the interaction is given.
+const INTERACTION_KWARGS: &str = "extra_info.interaction_kwargs";
 
 /// The prompt at `key`, with the number of image and video content items of its messages
 /// (which the text holds as placeholders).

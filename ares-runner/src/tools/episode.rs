@@ -13,6 +13,7 @@
 
 use serde_json::{Map, Value as Json, json};
 
+use super::interaction::Interaction;
 use super::{ParsedCall, ToolBox, ToolCallFormat, parse_turn};
 use crate::hf::chat::{ChatTemplate, RenderOptions};
 use crate::hf::tokenizer::Tokenizer;
@@ -67,12 +68,25 @@ pub struct EpisodeSettings<'a> {
     pub toolbox: &'a ToolBox,
     /// Model turns at most (≥ 1): a call in the last turn is not run.
     pub max_turns: usize,
+    /// The program that answers turns without calls as a user would (none: such a turn is
+    /// the answer and ends the episode).
+    pub interaction: Option<&'a Interaction>,
+}
+
+/// What a data row gives the tools and the interaction (verl's `extra_info` fields).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RowKwargs<'a> {
+    /// `extra_info.tools_kwargs`: per tool name, what the tool is sent with each call.
+    pub tools: Option<&'a Map<String, Json>>,
+    /// `extra_info.interaction_kwargs`: what the interaction is sent each turn.
+    pub interaction: Option<&'a Json>,
 }
 
 /// Why an episode ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stop {
-    /// A turn without tool calls: the model's answer.
+    /// A turn without tool calls: the model's answer (with an interaction: the turn after
+    /// which it said `done`, or failed).
     Answered,
     /// The token budget ran out (a turn cut short, or a tool turn that did not fit).
     Length,
@@ -98,13 +112,13 @@ pub struct TurnEnd<'t> {
 pub enum Next {
     /// The episode ends.
     Stop(Stop),
-    /// The tools answered: these template tokens follow (not the model's), then the model's
-    /// next turn.
-    Tools(Vec<u32>),
+    /// The tools (or the interaction) answered: these template tokens follow (not the
+    /// model's), then the model's next turn.
+    Append(Vec<u32>),
 }
 
 /// What [`after_turn`] decided, and the calls it ran.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct AfterTurn {
     /// What follows.
     pub next: Next,
@@ -112,75 +126,102 @@ pub struct AfterTurn {
     pub calls: usize,
     /// Of them, those that failed (malformed, unknown tool, tool error).
     pub failed_calls: usize,
+    /// The interaction's score of the turn (`None`: it was not asked, or failed).
+    pub reward: Option<f64>,
+    /// The interaction failed (the episode ends; the error is in `error`).
+    pub interaction_error: Option<String>,
 }
 
 /// The step after model turn `turn`: appends it to `messages` as the assistant's (its text
 /// without special tokens); ends the episode when the budget cut it, when it calls no tool
-/// (the answer) or when it was the last turn allowed; else runs its calls (with
-/// `tools_kwargs`, a data row's `extra_info.tools_kwargs`), appends their messages and
-/// returns the tool turn's tokens as the template writes it — or ends the episode when they
-/// do not fit in the budget.
+/// and no interaction is set (the answer), or when it was the last turn allowed. A turn with
+/// calls has them run (with the row's `tools_kwargs`) and their messages appended; a turn
+/// without calls is sent to the interaction, whose reply ends the episode (`done`, or a
+/// failure) or becomes the next user message — the last turn allowed is sent too, for its
+/// score. What follows is the appended turn's tokens as the template writes it, or the end
+/// of the episode when they do not fit in the budget.
 ///
 /// # Errors
 /// The tokenizer's, and a template that cannot continue the conversation
-/// ([`crate::hf::chat::ChatError::Continuation`]); a tool's failure is a message for the
-/// model, not an error.
+/// ([`crate::hf::chat::ChatError::Continuation`]); a tool's or the interaction's failure is
+/// not an error of the run.
 pub fn after_turn(
     s: &EpisodeSettings<'_>,
     text: &(impl TurnText + ?Sized),
     turn: TurnEnd<'_>,
     messages: &mut Vec<Json>,
-    tools_kwargs: Option<&Map<String, Json>>,
+    row: RowKwargs<'_>,
 ) -> Result<AfterTurn, TrainError> {
-    let stop = |why| AfterTurn {
-        next: Next::Stop(why),
+    let mut after = AfterTurn {
+        next: Next::Stop(Stop::Answered),
         calls: 0,
         failed_calls: 0,
+        reward: None,
+        interaction_error: None,
     };
     let said = text.decode(turn.tokens, false)?;
     messages.push(json!({"role": "assistant", "content": said}));
     if !turn.ended {
-        return Ok(stop(Stop::Length));
+        after.next = Next::Stop(Stop::Length);
+        return Ok(after);
     }
+    let last_turn = turn.number >= s.max_turns;
     let calls = parse_turn(&said, s.format).calls;
-    if calls.is_empty() {
-        return Ok(stop(Stop::Answered));
-    }
-    if turn.number >= s.max_turns {
-        return Ok(stop(Stop::MaxTurns));
-    }
-    let mut failed_calls = 0;
-    let results: Vec<Json> = calls
-        .iter()
-        .map(|call| {
-            let r = s.toolbox.run(call, tools_kwargs);
-            failed_calls += usize::from(!r.ok);
-            match call {
-                ParsedCall::Call(c) => {
-                    json!({"role": "tool", "name": c.name, "content": r.content})
-                }
-                ParsedCall::Malformed { .. } => json!({"role": "tool", "content": r.content}),
+    let appended: Vec<Json> = if calls.is_empty() {
+        let Some(env) = s.interaction else {
+            return Ok(after);
+        };
+        match env.respond(messages, row.interaction, turn.number) {
+            Err(e) => {
+                after.interaction_error = Some(e);
+                return Ok(after);
             }
-        })
-        .collect();
+            Ok(reply) => {
+                after.reward = Some(reply.reward);
+                if reply.done {
+                    return Ok(after);
+                }
+                if last_turn {
+                    after.next = Next::Stop(Stop::MaxTurns);
+                    return Ok(after);
+                }
+                vec![json!({"role": "user", "content": reply.content})]
+            }
+        }
+    } else {
+        if last_turn {
+            after.next = Next::Stop(Stop::MaxTurns);
+            return Ok(after);
+        }
+        calls
+            .iter()
+            .map(|call| {
+                let r = s.toolbox.run(call, row.tools);
+                after.calls += 1;
+                after.failed_calls += usize::from(!r.ok);
+                match call {
+                    ParsedCall::Call(c) => {
+                        json!({"role": "tool", "name": c.name, "content": r.content})
+                    }
+                    ParsedCall::Malformed { .. } => json!({"role": "tool", "content": r.content}),
+                }
+            })
+            .collect()
+    };
     let last = &turn.tokens[turn.tokens.len().saturating_sub(1)..];
     let end_of_turn = text.decode(last, true)?;
     let rendered = s
         .template
-        .tool_continuation(messages, &results, &end_of_turn, &s.options)
+        .tool_continuation(messages, &appended, &end_of_turn, &s.options)
         .map_err(|err| TrainError::Invalid(err.to_string()))?;
     let ids = text.encode(&rendered)?;
-    messages.extend(results);
-    let next = if ids.len() >= turn.left {
+    messages.extend(appended);
+    after.next = if ids.len() >= turn.left {
         Next::Stop(Stop::Length)
     } else {
-        Next::Tools(ids)
+        Next::Append(ids)
     };
-    Ok(AfterTurn {
-        next,
-        calls: calls.len(),
-        failed_calls,
-    })
+    Ok(after)
 }
 
 /// A finished trajectory.
@@ -198,6 +239,10 @@ pub struct Episode {
     pub failed_calls: usize,
     /// Why it ended.
     pub stop: Stop,
+    /// The interaction's score of each turn it answered.
+    pub turn_scores: Vec<f64>,
+    /// The interaction's failure that ended the episode, if one did.
+    pub interaction_error: Option<String>,
     /// The conversation: the prompt's messages, each assistant turn (its text without
     /// special tokens) and each tool message.
     pub messages: Vec<Json>,
@@ -227,6 +272,8 @@ pub fn run_episode(
         calls: 0,
         failed_calls: 0,
         stop: Stop::Length,
+        turn_scores: Vec::new(),
+        interaction_error: None,
         messages: Vec::new(),
     };
     loop {
@@ -244,15 +291,17 @@ pub fn run_episode(
             number: e.turns,
             left: max_tokens.saturating_sub(e.tokens.len()),
         };
-        let after = after_turn(s, model, turn, &mut messages, None)?;
+        let after = after_turn(s, model, turn, &mut messages, RowKwargs::default())?;
         e.calls += after.calls;
         e.failed_calls += after.failed_calls;
+        e.turn_scores.extend(after.reward);
+        e.interaction_error = after.interaction_error;
         match after.next {
             Next::Stop(why) => {
                 e.stop = why;
                 break;
             }
-            Next::Tools(tool_ids) => push(&mut e, &mut ids, &tool_ids, false),
+            Next::Append(tool_ids) => push(&mut e, &mut ids, &tool_ids, false),
         }
     }
     e.messages = messages;
@@ -344,6 +393,15 @@ mod tests {
     const CALL: &str = "<tool_call>{\"name\": \"calculator\", \"arguments\": {\"expression\": \"12*34\"}}</tool_call>";
 
     fn run(turns: Vec<&'static str>, max_turns: usize, max_tokens: usize) -> (Episode, Scripted) {
+        run_with(turns, max_turns, max_tokens, None)
+    }
+
+    fn run_with(
+        turns: Vec<&'static str>,
+        max_turns: usize,
+        max_tokens: usize,
+        interaction: Option<&Interaction>,
+    ) -> (Episode, Scripted) {
         let (t, b) = (template(), toolbox());
         let s = EpisodeSettings {
             template: &t,
@@ -351,6 +409,7 @@ mod tests {
             format: ToolCallFormat::Hermes,
             toolbox: &b,
             max_turns,
+            interaction,
         };
         let mut m = Scripted {
             turns,
@@ -412,5 +471,54 @@ mod tests {
         let (e, _) = run(vec![CALL], 4, CALL.chars().count() + 5);
         assert_eq!((e.stop, e.calls), (Stop::Length, 1));
         assert_eq!(e.tokens.len(), CALL.chars().count() + 1);
+    }
+
+    /// A program that says "no" with reward 0 until the answer is 408, then ends the
+    /// episode with reward 1.
+    fn judge() -> Interaction {
+        Interaction::new(
+            r#"sh -c 'while read -r l; do case "$l" in *408*) echo "{\"done\": true, \"reward\": 1}";; *) echo "{\"content\": \"no\", \"reward\": 0}";; esac; done'"#,
+            std::time::Duration::from_secs(5),
+            1,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn an_interaction_answers_turns_without_calls() {
+        let env = judge();
+        // a wrong answer, told "no" as the user; a call answered by the tool (the
+        // interaction is not asked); the right answer ends the episode with reward 1
+        let (e, m) = run_with(vec!["407", CALL, "408"], 4, 1000, Some(&env));
+        assert_eq!(
+            (e.stop, e.turns, e.calls, e.turn_scores.clone()),
+            (Stop::Answered, 3, 1, vec![0.0, 1.0])
+        );
+        assert_eq!(e.interaction_error, None);
+        let text = m.decode(&e.tokens, true).unwrap();
+        assert_eq!(
+            text,
+            format!(
+                "407<|im_end|>\n<user>no<|im_end|>\n<assistant>{CALL}<|im_end|>\n[tool 408]<assistant>408<|im_end|>"
+            )
+        );
+        assert_eq!(e.messages[2], json!({"role": "user", "content": "no"}));
+        // the user's turn is not the model's
+        let n = "407".len() + 1;
+        assert!(e.from_model[..n].iter().all(|&x| x));
+        assert!(!e.from_model[n]);
+        // the last turn allowed is scored, and ends the episode
+        let (e, _) = run_with(vec!["1", "2"], 2, 1000, Some(&env));
+        assert_eq!((e.stop, e.turn_scores.len()), (Stop::MaxTurns, 2));
+        // a broken interaction ends the episode, named
+        let broken = Interaction::new(
+            "sh -c 'read -r l; exit 1'",
+            std::time::Duration::from_secs(5),
+            1,
+        )
+        .unwrap();
+        let (e, _) = run_with(vec!["1", "2"], 4, 1000, Some(&broken));
+        assert_eq!((e.stop, e.turns), (Stop::Answered, 1));
+        assert!(e.interaction_error.unwrap().contains("closed its output"));
     }
 }

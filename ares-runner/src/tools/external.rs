@@ -20,51 +20,45 @@ use crate::reward::process::LineProcess;
 /// The most of a reply's content the model is shown.
 pub const MAX_TOOL_OUTPUT_BYTES: usize = 16 << 10;
 
-/// A tool run by an external command.
-pub struct CommandTool {
-    schema: Value,
+/// Copies of a program spoken to in JSON lines: one request line, one reply line, each
+/// exchange within a timeout, at most `max_concurrency` copies at once (tools and
+/// interactions).
+pub struct CommandPool {
     program: String,
     args: Vec<String>,
     timeout: Duration,
     max_concurrency: usize,
-    /// Idle copies, and how many copies exist (idle or in a call).
+    /// Idle copies, and how many copies exist (idle or in an exchange).
     pool: Mutex<(Vec<LineProcess>, usize)>,
     freed: Condvar,
 }
 
-impl std::fmt::Debug for CommandTool {
+impl std::fmt::Debug for CommandPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CommandTool")
+        f.debug_struct("CommandPool")
             .field("program", &self.program)
             .field("args", &self.args)
             .finish_non_exhaustive()
     }
 }
 
-impl CommandTool {
-    /// A tool described by `schema` (its `function.name` is the tool's name), answered by
-    /// `command` (split as a shell would, run without one).
+impl CommandPool {
+    /// Copies of `command` (split as a shell would, run without one), started when needed.
     ///
     /// # Errors
     /// An empty command or unbalanced quotes; a zero timeout or concurrency.
-    pub fn new(
-        schema: Value,
-        command: &str,
-        timeout: Duration,
-        max_concurrency: usize,
-    ) -> Result<Self, String> {
+    pub fn new(command: &str, timeout: Duration, max_concurrency: usize) -> Result<Self, String> {
         let words = shlex::split(command)
             .ok_or_else(|| format!("`{command}`: unbalanced quotes or a trailing backslash"))?;
         let (program, args) = words
             .split_first()
-            .ok_or_else(|| "an empty tool command".to_string())?;
+            .ok_or_else(|| "an empty command".to_string())?;
         if timeout.is_zero() || max_concurrency == 0 {
             return Err(format!(
                 "`{command}`: the timeout and the concurrency limit must be above 0"
             ));
         }
         Ok(Self {
-            schema,
             program: program.clone(),
             args: args.to_vec(),
             timeout,
@@ -74,12 +68,34 @@ impl CommandTool {
         })
     }
 
+    /// Sends `request` (one line) to an idle copy and reads its reply as JSON. A copy whose
+    /// exchange failed is dropped (the next exchange starts a fresh one).
+    ///
+    /// # Errors
+    /// The program cannot start, exits, sends nothing within the timeout (it is killed) or
+    /// a line that is not JSON.
+    pub fn exchange(&self, request: &str) -> Result<Value, String> {
+        let mut p = self.acquire()?;
+        let reply = (|| {
+            p.send(request)?;
+            let line = p.next_line(Some(self.timeout))?;
+            serde_json::from_str(line.trim()).map_err(|_| {
+                let shown: String = line.trim().chars().take(200).collect();
+                format!("the program replied with something that is not JSON: {shown:?}")
+            })
+        })();
+        // a copy whose exchange failed is out of step (or dead): drop it
+        let healthy = reply.is_ok() && p.broken().is_none();
+        self.release(healthy.then_some(p));
+        reply
+    }
+
     /// An idle copy, or a new one while fewer than `max_concurrency` exist; else waits.
     fn acquire(&self) -> Result<LineProcess, String> {
         let mut pool = self
             .pool
             .lock()
-            .map_err(|_| "a tool call panicked".to_string())?;
+            .map_err(|_| "an exchange panicked".to_string())?;
         loop {
             if let Some(p) = pool.0.pop() {
                 return Ok(p);
@@ -94,7 +110,7 @@ impl CommandTool {
             pool = self
                 .freed
                 .wait(pool)
-                .map_err(|_| "a tool call panicked".to_string())?;
+                .map_err(|_| "an exchange panicked".to_string())?;
         }
     }
 
@@ -108,20 +124,43 @@ impl CommandTool {
         }
         self.freed.notify_one();
     }
+}
 
-    fn exchange(&self, p: &mut LineProcess, request: &str) -> Result<String, String> {
-        p.send(request)?;
-        let line = p.next_line(Some(self.timeout))?;
-        let reply: Value = serde_json::from_str(line.trim()).map_err(|_| {
-            let shown: String = line.trim().chars().take(200).collect();
-            format!("the tool replied with something that is not JSON: {shown:?}")
-        })?;
-        match (reply.get("content"), reply.get("error")) {
-            (_, Some(Value::String(e))) => Err(e.clone()),
-            (Some(Value::String(c)), None) => Ok(c.clone()),
-            (Some(other), None) => Ok(other.to_string()),
-            _ => Err("the tool's reply has neither `content` nor `error`".into()),
+/// Cuts `content` at [`MAX_TOOL_OUTPUT_BYTES`] (on a character boundary), saying so.
+pub(crate) fn cap_output(mut content: String) -> String {
+    if content.len() > MAX_TOOL_OUTPUT_BYTES {
+        let mut cut = MAX_TOOL_OUTPUT_BYTES;
+        while !content.is_char_boundary(cut) {
+            cut -= 1;
         }
+        content.truncate(cut);
+        content.push_str(&format!(" [cut at {} KiB]", MAX_TOOL_OUTPUT_BYTES >> 10));
+    }
+    content
+}
+
+/// A tool run by an external command.
+#[derive(Debug)]
+pub struct CommandTool {
+    schema: Value,
+    pool: CommandPool,
+}
+
+impl CommandTool {
+    /// A tool described by `schema` (its `function.name` is the tool's name), answered by
+    /// `command` (split as a shell would, run without one).
+    ///
+    /// # Errors
+    /// An empty command or unbalanced quotes; a zero timeout or concurrency.
+    pub fn new(
+        schema: Value,
+        command: &str,
+        timeout: Duration,
+        max_concurrency: usize,
+    ) -> Result<Self, String> {
+        let pool = CommandPool::new(command, timeout, max_concurrency)
+            .map_err(|e| e.replace("an empty command", "an empty tool command"))?;
+        Ok(Self { schema, pool })
     }
 }
 
@@ -136,23 +175,17 @@ impl Tool for CommandTool {
         if let Some(kwargs) = row {
             request["kwargs"] = kwargs.clone();
         }
-        let request = request.to_string();
-        let mut p = self.acquire()?;
-        let result = self.exchange(&mut p, &request);
-        // a copy whose exchange failed is out of step (or dead): drop it
-        let healthy = p.broken().is_none();
-        self.release(healthy.then_some(p));
-        result.map(|mut content| {
-            if content.len() > MAX_TOOL_OUTPUT_BYTES {
-                let mut cut = MAX_TOOL_OUTPUT_BYTES;
-                while !content.is_char_boundary(cut) {
-                    cut -= 1;
-                }
-                content.truncate(cut);
-                content.push_str(&format!(" [cut at {} KiB]", MAX_TOOL_OUTPUT_BYTES >> 10));
-            }
-            content
-        })
+        let reply = self
+            .pool
+            .exchange(&request.to_string())
+            .map_err(|e| e.replace("the program replied", "the tool replied"))?;
+        let content = match (reply.get("content"), reply.get("error")) {
+            (_, Some(Value::String(e))) => return Err(e.clone()),
+            (Some(Value::String(c)), None) => c.clone(),
+            (Some(other), None) => other.to_string(),
+            _ => return Err("the tool's reply has neither `content` nor `error`".into()),
+        };
+        Ok(cap_output(content))
     }
 }
 

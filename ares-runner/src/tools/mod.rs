@@ -1,17 +1,18 @@
 //! Tools a model may call while it answers (multi-turn RL, issue 31): the calls parsed from
 //! its turn ([`calls`]), the tools that answer them, and the message the model sees back.
 //!
-//! Built so far: parsing in the chat templates' formats, the exact [`calculator`], the
-//! [`ToolBox`] that runs a call and turns every failure — a malformed call, an unknown
-//! tool, bad arguments, an error of the tool — into a `tool` message for the model, never
-//! an error of the run, and the [`episode`] driver of one multi-turn trajectory with its
-//! mask of the model's tokens. Not built yet: episodes inside the trainer's rollout,
-//! external tools.
+//! Parsing in the chat templates' formats, the exact [`calculator`], programs as tools
+//! ([`external`]), the [`ToolBox`] that runs a call and turns every failure — a malformed
+//! call, an unknown tool, bad arguments, an error of the tool — into a `tool` message for
+//! the model, never an error of the run, an [`interaction`] program that answers the
+//! model's turns as a user would, and the [`episode`] step between two turns with its mask
+//! of the model's tokens.
 
 pub mod calculator;
 pub mod calls;
 pub mod episode;
 pub mod external;
+pub mod interaction;
 
 use serde_json::{Map, Value, json};
 

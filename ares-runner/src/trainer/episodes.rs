@@ -28,7 +28,7 @@ use super::actor::{Actor, ActorGenerator, PromptVision};
 use super::rollout::{PromptItem, Response, RolloutParams, generate_all};
 use crate::backend::Backend;
 use crate::hf::tokenizer::Tokenizer;
-use crate::tools::episode::{EpisodeSettings, Next, TurnEnd, after_turn};
+use crate::tools::episode::{EpisodeSettings, Next, RowKwargs, TurnEnd, after_turn};
 
 /// Threads that run a round's tool calls at most.
 const TOOL_THREADS: usize = 16;
@@ -58,14 +58,19 @@ pub struct EpisodeCounts {
     pub prefill_tokens: usize,
     /// What re-prefilling each turn's whole trajectory for each sample would prefill.
     pub conversation_tokens: usize,
+    /// Episodes the interaction's failure ended.
+    pub interaction_errors: usize,
+    /// Turns the interaction answered.
+    pub interaction_turns: usize,
 }
 
 struct Row {
     ids: Vec<u32>,
     /// The prompt's images and videos (every turn of the episode sees them).
     vision: PromptVision,
-    /// The data row's `extra_info.tools_kwargs`.
+    /// The data row's `extra_info.tools_kwargs` and `extra_info.interaction_kwargs`.
     tools_kwargs: Option<serde_json::Map<String, Json>>,
+    interaction_kwargs: Option<Json>,
     /// Tokens of the tool turn appended since the last generation.
     appended: usize,
     /// Model turns so far.
@@ -84,6 +89,8 @@ pub struct EpisodeStart {
     pub messages: Vec<Json>,
     /// The row's `extra_info.tools_kwargs`.
     pub tools_kwargs: Option<serde_json::Map<String, Json>>,
+    /// The row's `extra_info.interaction_kwargs`.
+    pub interaction_kwargs: Option<Json>,
 }
 
 /// Rolls out every item's `n` samples as episodes (item-major rows, as
@@ -119,6 +126,7 @@ pub fn rollout_episodes<B: Backend>(
                 ids: prompt.clone(),
                 vision: item.vision.clone(),
                 tools_kwargs: start.tools_kwargs.clone(),
+                interaction_kwargs: start.interaction_kwargs.clone(),
                 appended: 0,
                 turns: 0,
                 response: Response::default(),
@@ -219,6 +227,7 @@ fn engine_episodes<B: Backend>(
                 entropies: f.entropies,
                 finished: f.finished_by_eos,
                 from_model: None,
+                interaction: None,
             });
         }
         let work: Vec<(&mut Row, Response)> = rows
@@ -226,7 +235,7 @@ fn engine_episodes<B: Backend>(
             .zip(outs)
             .filter_map(|(row, out)| out.map(|o| (row, o)))
             .collect();
-        add(counts, after_turns(work, budget, tools)?);
+        counts.add(&after_turns(work, budget, tools)?);
         for (j, row) in rows.iter().enumerate() {
             let Some(id) = seq_of[j] else {
                 continue; // its turn goes on
@@ -292,15 +301,23 @@ fn round_episodes<B: Backend>(
             .filter(|row| !row.done)
             .zip(outputs)
             .collect();
-        add(counts, after_turns(work, budget, tools)?);
+        counts.add(&after_turns(work, budget, tools)?);
     }
     Ok(())
 }
 
-fn add(counts: &mut EpisodeCounts, c: EpisodeCounts) {
-    counts.turns += c.turns;
-    counts.calls += c.calls;
-    counts.failed_calls += c.failed_calls;
+impl EpisodeCounts {
+    /// Adds `other`'s counts to these.
+    pub fn add(&mut self, other: &EpisodeCounts) {
+        self.episodes += other.episodes;
+        self.turns += other.turns;
+        self.calls += other.calls;
+        self.failed_calls += other.failed_calls;
+        self.prefill_tokens += other.prefill_tokens;
+        self.conversation_tokens += other.conversation_tokens;
+        self.interaction_errors += other.interaction_errors;
+        self.interaction_turns += other.interaction_turns;
+    }
 }
 
 /// [`step_row`] for each row and its new turn, the rows' tool calls side by side (a
@@ -338,7 +355,7 @@ fn after_turns(
     });
     let mut counts = EpisodeCounts::default();
     for c in results {
-        add(&mut counts, c?);
+        counts.add(&c?);
     }
     Ok(counts)
 }
@@ -367,18 +384,37 @@ fn step_row(
         number: row.turns,
         left: budget - row.response.tokens.len(),
     };
+    let kwargs = RowKwargs {
+        tools: row.tools_kwargs.as_ref(),
+        interaction: row.interaction_kwargs.as_ref(),
+    };
     let after = after_turn(
         &tools.settings,
         tools.tokenizer,
         turn,
         &mut row.messages,
-        row.tools_kwargs.as_ref(),
+        kwargs,
     )?;
     counts.calls += after.calls;
     counts.failed_calls += after.failed_calls;
+    if let Some(r) = after.reward {
+        counts.interaction_turns += 1;
+        row.response.interaction = Some(row.response.interaction.unwrap_or(0.0) + r);
+    }
+    if let Some(e) = after.interaction_error {
+        counts.interaction_errors += 1;
+        // the first failure of the run is shown; the metric counts them all
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            eprintln!(
+                "warning: the interaction failed and its episode ended ({e}); \
+                 tools/interaction_error_ratio counts such episodes"
+            );
+        });
+    }
     match after.next {
         Next::Stop(_) => row.done = true,
-        Next::Tools(ids) => {
+        Next::Append(ids) => {
             let zeros = vec![0.0f32; ids.len()];
             push(row, &ids, &zeros, &zeros, false);
             row.appended = ids.len();
@@ -432,6 +468,7 @@ mod tests {
                 format: ToolCallFormat::Hermes,
                 toolbox: &toolbox,
                 max_turns: 4,
+                interaction: None,
             },
             tokenizer: &tokenizer,
         };
@@ -447,12 +484,14 @@ mod tests {
                 entropies: vec![1.5; k],
                 finished: true,
                 from_model: None,
+                interaction: None,
             }
         };
         let new_row = || Row {
             ids: vec![1, 2, 3],
             vision: None,
             tools_kwargs: None,
+            interaction_kwargs: None,
             appended: 0,
             turns: 0,
             response: Response::default(),

@@ -76,6 +76,7 @@ pub fn evaluate<B: Backend>(
                     Ok(EpisodeStart {
                         messages: renderer.messages(e)?,
                         tools_kwargs: e.tools_kwargs.clone(),
+                        interaction_kwargs: e.interaction_kwargs.clone(),
                     })
                 })
                 .collect::<Result<Vec<_>, TrainError>>()?;

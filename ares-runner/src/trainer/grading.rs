@@ -116,6 +116,7 @@ impl Grader {
             correct,
             format,
             rubric,
+            interaction: 0.0,
         })
     }
 }

@@ -69,6 +69,7 @@ pub fn step_record(
     r.insert("reward/format", mean(&|p| p.format));
     // DAPO's overlong penalty: 0 and 0 when it is off
     r.insert("reward/overlong", mean(&|p| p.overlong));
+    r.insert("reward/interaction", mean(&|p| p.interaction));
     // every key a Python reward function returned, as its batch mean
     for (key, value) in &prep.function_metrics {
         r.insert(format!("reward_function/{key}"), *value);
@@ -181,6 +182,11 @@ pub fn step_record(
             "tools/failed_call_ratio",
             e.failed_calls as f64 / e.calls.max(1) as f64,
         );
+        r.insert(
+            "tools/interaction_turns_per_response",
+            per(e.interaction_turns),
+        );
+        r.insert("tools/interaction_error_ratio", per(e.interaction_errors));
         // prefill per response, and how many times that re-prefilling every turn's whole
         // trajectory for each sample would take
         r.insert("tools/prefill_tokens_per_response", per(e.prefill_tokens));

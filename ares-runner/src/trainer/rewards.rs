@@ -23,6 +23,10 @@ pub struct Grade {
     pub format: f64,
     /// Rubric score (docs/algorithms.md §9), for rubric rows.
     pub rubric: Option<f64>,
+    /// A multi-turn episode's interaction score times its weight
+    /// (`worker.rollout.multi_turn.interaction.reward_weight`), added to the reward; 0
+    /// without an interaction.
+    pub interaction: f64,
 }
 
 /// Where the base reward comes from.
@@ -84,7 +88,10 @@ pub struct RewardParts {
     pub format: f64,
     /// DAPO's overlong penalty (≤ 0; 0 when off).
     pub overlong: f64,
-    /// `base + S + format_weight·format + overlong`: the reward the advantages see.
+    /// The weighted interaction score of a multi-turn episode (0 without).
+    pub interaction: f64,
+    /// `base + S + format_weight·format + overlong + interaction`: the reward the
+    /// advantages see.
     pub overall: f64,
 }
 
@@ -156,13 +163,15 @@ pub fn rewards(
                 TrainError::NonFinite {
                     what: format!("reward of sample {i} ({e})"),
                 }
-            })? + overlong[i];
+            })? + overlong[i]
+                + g.interaction;
         parts.push(RewardParts {
             accuracy: f64::from(u8::from(g.correct)),
             base: base[i],
             entropy,
             format: g.format,
             overlong: overlong[i],
+            interaction: g.interaction,
             overall,
         });
     }
@@ -184,7 +193,8 @@ pub struct FunctionCall<'a> {
 
 /// Replaces each row's `overall` with the reward function's (`worker.reward.reward_function`:
 /// its `overall` is the whole reward, so the built-in entropy, format and overlong terms are
-/// not added; they stay in `parts` as metrics, the entropy term as 0). The function sees each
+/// not added; they stay in `parts` as metrics, the entropy term as 0) plus the row's
+/// interaction score (the environment's, not a built-in term). The function sees each
 /// row's built-in accuracy, its group's bucket, the row's HWE count and the bucket's `T_d`
 /// and `α_d` (before the bucket's first target: `T = 0` and `α = 0`, no shaping). Returns the mean of every key the function
 /// returned, over the batch, for the metrics (`reward_function/<key>`).
@@ -247,7 +257,7 @@ pub fn function_rewards(
         let overall = score.get("overall").copied().unwrap_or(f64::NAN);
         p.base = overall;
         p.entropy = 0.0;
-        p.overall = overall;
+        p.overall = overall + p.interaction;
         for (k, v) in score {
             *sums.entry(k.clone()).or_default() += v;
         }
@@ -264,6 +274,7 @@ mod tests {
 
     fn grade(correct: bool) -> Grade {
         Grade {
+            interaction: 0.0,
             correct,
             format: 1.0,
             rubric: None,

@@ -38,6 +38,9 @@ pub struct Response {
     /// chat template's and the tools', which are not the policy's actions). `None`: every
     /// token is the model's.
     pub from_model: Option<Vec<bool>>,
+    /// A multi-turn episode's interaction score: the sum of its turns' (`None`: no
+    /// interaction answered it).
+    pub interaction: Option<f64>,
 }
 
 impl Response {
@@ -139,6 +142,7 @@ pub fn generate_all<B: Backend>(
                 entropies,
                 finished,
                 from_model: None,
+                interaction: None,
             });
         }
     };

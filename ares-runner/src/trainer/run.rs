@@ -111,6 +111,7 @@ pub(super) struct MultiTurn {
     toolbox: crate::tools::ToolBox,
     format: crate::tools::ToolCallFormat,
     max_turns: usize,
+    interaction: Option<crate::tools::interaction::Interaction>,
 }
 
 impl<B: Backend + Clone> std::fmt::Debug for Trainer<B> {
@@ -422,10 +423,20 @@ impl<B: Backend + Clone> Trainer<B> {
                 Ok(EpisodeStart {
                     messages: self.renderer.messages(e)?,
                     tools_kwargs: e.tools_kwargs.clone(),
+                    interaction_kwargs: e.interaction_kwargs.clone(),
                 })
             })
             .collect::<Result<Vec<_>, TrainError>>()?;
         rollout_episodes(&self.actor, items, &starts, n, params, &tools, on_progress)
+    }
+
+    /// `worker.rollout.multi_turn.interaction.reward_weight` (0 without an interaction).
+    fn interaction_weight(&self) -> f64 {
+        let mt = &self.cfg.worker.rollout.multi_turn;
+        mt.interaction
+            .as_ref()
+            .filter(|_| mt.enable)
+            .map_or(0.0, |i| i.reward_weight)
     }
 
     /// Decodes and grades item-major responses: the model's tokens (an episode's tool
@@ -445,7 +456,9 @@ impl<B: Backend + Clone> Trainer<B> {
                 .tokenizer
                 .decode(&resp.model_tokens(), true)
                 .map_err(|err| TrainError::Invalid(format!("tokenizer: {err}")))?;
-            grades.push(self.grader.grade(e, &text)?);
+            let mut grade = self.grader.grade(e, &text)?;
+            grade.interaction = self.interaction_weight() * resp.interaction.unwrap_or(0.0);
+            grades.push(grade);
             texts.push(text);
         }
         Ok((texts, grades))
@@ -620,12 +633,7 @@ impl<B: Backend + Clone> Trainer<B> {
             let t = Instant::now();
             let (responses, episodes) =
                 self.roll_out(&items, n, &params, |d| bar.set_position(d as u64))?;
-            c.episodes.episodes += episodes.episodes;
-            c.episodes.turns += episodes.turns;
-            c.episodes.calls += episodes.calls;
-            c.episodes.failed_calls += episodes.failed_calls;
-            c.episodes.prefill_tokens += episodes.prefill_tokens;
-            c.episodes.conversation_tokens += episodes.conversation_tokens;
+            c.episodes.add(&episodes);
             bar.finish();
             c.rollout_secs += t.elapsed().as_secs_f64();
             c.generated_tokens += responses.iter().map(|r| r.tokens.len()).sum::<usize>();
@@ -1022,6 +1030,7 @@ fn episode_tools<'a>(
             format: mt.format,
             toolbox: &mt.toolbox,
             max_turns: mt.max_turns,
+            interaction: mt.interaction.as_ref(),
         },
         tokenizer: &renderer.tokenizer,
     }))
@@ -1053,10 +1062,26 @@ fn multi_turn(cfg: &Config, renderer: &PromptRenderer) -> Result<Option<MultiTur
                 .into(),
         )
     })?;
+    let interaction = match &mt.interaction {
+        None => None,
+        Some(i) => Some(
+            crate::tools::interaction::Interaction::new(
+                &i.command,
+                std::time::Duration::from_secs_f64(i.timeout_s),
+                i.max_concurrency,
+            )
+            .map_err(|e| {
+                TrainError::Invalid(format!(
+                    "worker.rollout.multi_turn.interaction.command: {e}"
+                ))
+            })?,
+        ),
+    };
     Ok(Some(MultiTurn {
         toolbox: super::setup::episode_tools(cfg, renderer.template_inputs.tools.as_deref())?,
         format,
         max_turns: mt.max_assistant_turns,
+        interaction,
     }))
 }
 

@@ -115,6 +115,7 @@ mod tests {
             entropies: vec![1.0, 2.0, 3.0, 0.0, 0.0, 4.0, 5.0],
             finished: true,
             from_model: Some(vec![true, true, true, false, false, true, true]),
+            interaction: None,
         };
         let plain = Response {
             tokens: vec![7, 0],
@@ -122,6 +123,7 @@ mod tests {
             entropies: vec![1.0, 1.0],
             finished: true,
             from_model: None,
+            interaction: None,
         };
         let b = TokenBatch::from_responses(&[episode.clone(), plain.clone()]);
         assert_eq!((b.rows(), b.cols()), (2, 7));
