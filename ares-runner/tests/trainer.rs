@@ -1266,6 +1266,46 @@ fn a_dataset_larger_than_memory_is_refused() {
     );
 }
 
+/// `worker.actor.model.enable_gradient_checkpointing` recomputes each layer's
+/// activations in the backward pass: the run is the stored run, metric for metric.
+#[test]
+fn gradient_checkpointing_trains_as_the_stored_activations() {
+    let dir = tempfile::tempdir().unwrap();
+    // three layers: the arena keeps one layer's activations of three
+    let a = write_demo_assets_with(
+        &dir.path().join("assets"),
+        &DemoOptions {
+            seed: 3,
+            train_per_level: 4,
+            eval_per_level: 2,
+            sft_examples: 8,
+            model: TinyModelSpec {
+                hidden: 32,
+                layers: 3,
+                heads: 2,
+                kv_heads: 1,
+                intermediate: 64,
+                max_positions: 2048,
+                ..TinyModelSpec::default()
+            },
+            ..DemoOptions::default()
+        },
+    )
+    .unwrap();
+    let go = |name: &str, overrides: &[&str]| {
+        let cfg = config(&a, &dir.path().join(name), overrides).unwrap();
+        let summary = trainer(cfg).unwrap().run().unwrap();
+        read_metrics(&summary.metrics).unwrap()
+    };
+    let stored = go("stored", &[]);
+    let checkpointed = go(
+        "checkpointed",
+        &["worker.actor.model.enable_gradient_checkpointing=true"],
+    );
+    assert!(num(&stored[1], "actor/grad_norm") > 0.0);
+    assert_eq!(deterministic(checkpointed), deterministic(stored));
+}
+
 /// An interaction program answers every turn without calls: its turns are counted, its
 /// scores reach the reward (`reward/interaction`, weight 1), and a program that fails ends
 /// its episodes without stopping the run; a bad interaction setting is refused by key.

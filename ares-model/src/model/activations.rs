@@ -139,6 +139,12 @@ pub struct Activations<B: Backend> {
 pub(crate) struct LayerBuffers<B: Backend> {
     /// Decoder layers `L`.
     pub(crate) count: usize,
+    /// Activation checkpointing: the stacks below but `resid_out` hold one layer (`[1, N,
+    /// ...]`), which every layer's forward overwrites, and the backward pass recomputes a
+    /// layer's from its input before using them ([`Model::layer_forward`]).
+    ///
+    /// [`Model::layer_forward`]: super::Model::layer_forward
+    pub(crate) checkpointed: bool,
     /// `[N, C]` token embeddings (input of layer 0).
     pub(crate) encoded: B::Buffer,
     /// `[L, N, C]` input RMSNorm output, and `[L, N]` its rstd.
@@ -170,21 +176,25 @@ pub(crate) struct LayerBuffers<B: Backend> {
     pub(crate) act: Stack<B>,
     /// `[L, N, C]` down projection.
     pub(crate) mlp_out: Stack<B>,
-    /// `[L, N, C]` residual stream after the MLP (input of the next layer).
+    /// `[L, N, C]` residual stream after the MLP (input of the next layer); every layer's,
+    /// checkpointed or not.
     pub(crate) resid_out: Stack<B>,
 }
 
 impl<B: Backend> LayerBuffers<B> {
     /// Allocates the layers' activations for `n = batch · seq` tokens (`batch`, `seq` for
-    /// the overflow error).
+    /// the overflow error); `checkpointed`: one layer's but the residual stream.
     fn new(
         backend: &B,
         spec: &ModelSpec,
         batch: usize,
         seq: usize,
         n: usize,
+        checkpointed: bool,
     ) -> Result<Self, ModelError> {
-        let l = spec.layers;
+        let layers = spec.layers;
+        // the stacks that checkpointing keeps one layer of
+        let l = if checkpointed { layers.min(1) } else { layers };
         let (c, i) = (spec.hidden, spec.intermediate);
         let (qd, kvd) = (spec.q_dim(), spec.kv_dim());
         let (hq, hkv) = (spec.q_heads, spec.kv_heads);
@@ -195,8 +205,14 @@ impl<B: Backend> LayerBuffers<B> {
             Ok(Stack::new(backend.alloc(total)?, item))
         };
         let qk_raw = usize::from(spec.qk_norm);
+        let resid_item = numel(batch, seq, &[n, c])?;
+        let resid_out = Stack::new(
+            backend.alloc(numel(batch, seq, &[layers, resid_item])?)?,
+            resid_item,
+        );
         Ok(Self {
-            count: l,
+            count: layers,
+            checkpointed,
             encoded: backend.alloc(numel(batch, seq, &[n, c])?)?,
             ln1: stack(&[n, c])?,
             ln1_rstd: stack(&[n])?,
@@ -217,7 +233,7 @@ impl<B: Backend> LayerBuffers<B> {
             up: stack(&[n, i])?,
             act: stack(&[n, i])?,
             mlp_out: stack(&[n, c])?,
-            resid_out: stack(&[n, c])?,
+            resid_out,
         })
     }
 }
@@ -255,6 +271,11 @@ impl<B: Backend> Activations<B> {
         Self::with_head(backend, spec, batch, seq, head)
     }
 
+    /// Whether the arena keeps one layer's activations (activation checkpointing).
+    pub fn checkpointed(&self) -> bool {
+        self.layers.checkpointed
+    }
+
     /// Allocates the arena for `batch` sequences of `seq` tokens of a model with `spec`,
     /// keeping the LM head's output as `head` says.
     ///
@@ -267,6 +288,25 @@ impl<B: Backend> Activations<B> {
         batch: usize,
         seq: usize,
         head: HeadMode,
+    ) -> Result<Self, ModelError> {
+        Self::planned(backend, spec, batch, seq, head, false)
+    }
+
+    /// [`Activations::with_head`], keeping every layer's activations or, `checkpointed`,
+    /// one layer's and the residual stream: the backward pass recomputes each layer's
+    /// forward from its input first (activation checkpointing: the same gradients, bit for
+    /// bit, for about `(L − 1)·N·(5C + 3·Hq·D + 4·Hkv·D + 3I)` fewer floats and one more
+    /// forward pass of the layers).
+    ///
+    /// # Errors
+    /// As [`Activations::with_head`].
+    pub fn planned(
+        backend: &B,
+        spec: &ModelSpec,
+        batch: usize,
+        seq: usize,
+        head: HeadMode,
+        checkpointed: bool,
     ) -> Result<Self, ModelError> {
         if batch == 0 || seq == 0 {
             return Err(ModelError::BatchShape { batch, seq });
@@ -302,7 +342,7 @@ impl<B: Backend> Activations<B> {
             host_mask: vec![0.0; n],
             cos: alloc(&[n, spec.head_dim / 2])?,
             sin: alloc(&[n, spec.head_dim / 2])?,
-            layers: LayerBuffers::new(backend, spec, batch, seq, n)?,
+            layers: LayerBuffers::new(backend, spec, batch, seq, n, checkpointed)?,
             lnf: alloc(&[n, c])?,
             lnf_rstd: alloc(&[n])?,
             head,

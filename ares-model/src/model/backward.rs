@@ -219,6 +219,11 @@ impl<B: Backend> Model<B> {
         let mask = View::whole(&acts.mask);
         let attn = AttentionDims::new(inputs.batch, inputs.seq, hq, hkv, d);
         for l in (0..s.layers).rev() {
+            if acts.layers.checkpointed {
+                // not kept: layer l's forward again, from its input
+                let rope = (cos, sin);
+                self.layer_forward(l, n, None, &mut acts.layers, rope, mask, attn, &mut None)?;
+            }
             // Layer l's saved activations (`a.input`: the residual stream entering it) and
             // its weights' gradients, each with its weight.
             let a = acts.layers.at(l)?;

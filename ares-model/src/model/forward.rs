@@ -6,13 +6,13 @@
 //! `layer.rs`, one line per op; the backward pass uses the same names (and `g` for the
 //! gradients), so the two read side by side.
 
-use super::activations::head_chunks;
+use super::activations::{LayerBuffers, head_chunks};
 use super::decode_weights::DecodeWeights;
 use super::kv_cache::StepCache;
 use super::layer::qkv;
 use super::log_prob_grad::check_targets;
 use super::{Activations, ForwardExtras, HeadMode, Inputs, KvCache, Model, ModelError};
-use crate::backend::{AttentionDims, Backend, View, ViewMut};
+use crate::backend::{AttentionDims, Backend, Tensor, View, ViewMut};
 
 impl<B: Backend> Model<B> {
     /// Runs the model on `inputs`, leaving every activation and the logits `[batch, seq,
@@ -142,41 +142,16 @@ impl<B: Backend> Model<B> {
 
         let attn = AttentionDims::new(inputs.batch, inputs.seq, hq, hkv, d);
         for l in 0..s.layers {
-            // Layer l's weights and activations (`a.resid`: the residual stream in and out).
-            let p = self.layer_params(l, n, tw)?;
-            let mut a = acts.layers.at_mut(l);
-
-            // Attention block.
-            self.rmsnorm(a.resid.input()?, p.ln1, a.ln1.w()?, a.ln1_rstd.w()?)?;
-            if s.qk_norm {
-                // Qwen3: project, then RMSNorm every head over head_dim, then RoPE.
-                self.matmul(a.ln1.r()?, p.q, a.q_raw.w()?)?;
-                self.matmul(a.ln1.r()?, p.k, a.k_raw.w()?)?;
-                let (q_norm, k_norm) = p.qk_norm.get()?;
-                self.rmsnorm(a.q_raw.r()?, q_norm, a.q.w()?, a.q_rstd.w()?)?;
-                self.rmsnorm(a.k_raw.r()?, k_norm, a.k.w()?, a.k_rstd.w()?)?;
-            } else {
-                self.matmul(a.ln1.r()?, p.q, a.q.w()?)?;
-                self.matmul(a.ln1.r()?, p.k, a.k.w()?)?;
-            }
-            self.matmul(a.ln1.r()?, p.v, a.v.w()?)?;
-            be.rope(a.q.w()?, cos, sin, hq, d)?;
-            be.rope(a.k.w()?, cos, sin, hkv, d)?;
-            let (q, k, v) = (a.q.r()?, a.k.r()?, a.v.r()?);
-            match &mut cache {
-                None => be.attention(attn, qkv(q, k, v, mask), a.att.w()?, a.lse.w()?)?,
-                Some(cache) => cache.attend(be, l, attn, q, k, v, a.att.w()?)?,
-            }
-            self.matmul(a.att.r()?, p.o, a.att_proj.w()?)?;
-            be.add(a.resid.input()?, a.att_proj.r()?, a.resid_mid.w()?)?;
-
-            // MLP block.
-            self.rmsnorm(a.resid_mid.r()?, p.ln2, a.ln2.w()?, a.ln2_rstd.w()?)?;
-            self.matmul(a.ln2.r()?, p.gate, a.gate.w()?)?;
-            self.matmul(a.ln2.r()?, p.up, a.up.w()?)?;
-            be.swiglu(a.gate.r()?, a.up.r()?, a.act.w()?)?;
-            self.matmul(a.act.r()?, p.down, a.mlp_out.w()?)?;
-            be.add(a.resid_mid.r()?, a.mlp_out.r()?, a.resid.output()?)?;
+            self.layer_forward(
+                l,
+                n,
+                tw,
+                &mut acts.layers,
+                (cos, sin),
+                mask,
+                attn,
+                &mut cache,
+            )?;
         }
 
         // Final norm and (whole logits) LM head.
@@ -192,6 +167,64 @@ impl<B: Backend> Model<B> {
             let (lnf, logits) = (View::whole(&acts.lnf), ViewMut::whole(&mut acts.logits));
             self.matmul(lnf, self.lm_head(n, tw), logits)?;
         }
+        Ok(())
+    }
+
+    /// Decoder layer `l`'s forward pass: reads its input (the embeddings, or layer `l −
+    /// 1`'s output) from `layers` and writes its activations and output there, with the
+    /// pass's RoPE tables `(cos, sin)` and key mask; with `cache`, attention over the KV
+    /// cache. The backward pass calls it again for a layer whose activations were not kept
+    /// (activation checkpointing): the same ops on the same input give the same bits.
+    #[allow(clippy::too_many_arguments)] // the pass's shared inputs, as in the loop
+    pub(crate) fn layer_forward(
+        &self,
+        l: usize,
+        n: usize,
+        tw: Option<&DecodeWeights<B>>,
+        layers: &mut LayerBuffers<B>,
+        (cos, sin): (Tensor<'_, B>, Tensor<'_, B>),
+        mask: Tensor<'_, B>,
+        attn: AttentionDims,
+        cache: &mut Option<StepCache<'_, B>>,
+    ) -> Result<(), ModelError> {
+        let be = &self.backend;
+        let s = &self.spec;
+        let (hq, hkv, d) = (s.q_heads, s.kv_heads, s.head_dim);
+        // Layer l's weights and activations (`a.resid`: the residual stream in and out).
+        let p = self.layer_params(l, n, tw)?;
+        let mut a = layers.at_mut(l);
+
+        // Attention block.
+        self.rmsnorm(a.resid.input()?, p.ln1, a.ln1.w()?, a.ln1_rstd.w()?)?;
+        if s.qk_norm {
+            // Qwen3: project, then RMSNorm every head over head_dim, then RoPE.
+            self.matmul(a.ln1.r()?, p.q, a.q_raw.w()?)?;
+            self.matmul(a.ln1.r()?, p.k, a.k_raw.w()?)?;
+            let (q_norm, k_norm) = p.qk_norm.get()?;
+            self.rmsnorm(a.q_raw.r()?, q_norm, a.q.w()?, a.q_rstd.w()?)?;
+            self.rmsnorm(a.k_raw.r()?, k_norm, a.k.w()?, a.k_rstd.w()?)?;
+        } else {
+            self.matmul(a.ln1.r()?, p.q, a.q.w()?)?;
+            self.matmul(a.ln1.r()?, p.k, a.k.w()?)?;
+        }
+        self.matmul(a.ln1.r()?, p.v, a.v.w()?)?;
+        be.rope(a.q.w()?, cos, sin, hq, d)?;
+        be.rope(a.k.w()?, cos, sin, hkv, d)?;
+        let (q, k, v) = (a.q.r()?, a.k.r()?, a.v.r()?);
+        match cache {
+            None => be.attention(attn, qkv(q, k, v, mask), a.att.w()?, a.lse.w()?)?,
+            Some(cache) => cache.attend(be, l, attn, q, k, v, a.att.w()?)?,
+        }
+        self.matmul(a.att.r()?, p.o, a.att_proj.w()?)?;
+        be.add(a.resid.input()?, a.att_proj.r()?, a.resid_mid.w()?)?;
+
+        // MLP block.
+        self.rmsnorm(a.resid_mid.r()?, p.ln2, a.ln2.w()?, a.ln2_rstd.w()?)?;
+        self.matmul(a.ln2.r()?, p.gate, a.gate.w()?)?;
+        self.matmul(a.ln2.r()?, p.up, a.up.w()?)?;
+        be.swiglu(a.gate.r()?, a.up.r()?, a.act.w()?)?;
+        self.matmul(a.act.r()?, p.down, a.mlp_out.w()?)?;
+        be.add(a.resid_mid.r()?, a.mlp_out.r()?, a.resid.output()?)?;
         Ok(())
     }
 

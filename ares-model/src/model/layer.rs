@@ -505,8 +505,10 @@ pub(crate) fn dqkv<'a, T: DeviceBuffer>(
 impl<B: Backend> LayerBuffers<B> {
     /// Layer `layer`'s activations, to be written by the forward pass.
     pub(crate) fn at_mut(&mut self, layer: usize) -> LayerActsMut<'_, B> {
+        let inner = self.slot_of(layer);
         let Self {
             count: _,
+            checkpointed: _,
             encoded,
             ln1,
             ln1_rstd,
@@ -529,7 +531,10 @@ impl<B: Backend> LayerBuffers<B> {
             mlp_out,
             resid_out,
         } = self;
-        let slot = |stack| Slot { stack, layer };
+        let slot = |stack| Slot {
+            stack,
+            layer: inner,
+        };
         LayerActsMut {
             resid: Residual {
                 encoded,
@@ -564,26 +569,33 @@ impl<B: Backend> LayerBuffers<B> {
             None => View::whole(&self.encoded),
             Some(prev) => self.resid_out.layer(prev)?,
         };
+        let at = self.slot_of(layer);
         Ok(LayerActs {
             input,
-            ln1: self.ln1.layer(layer)?,
-            ln1_rstd: self.ln1_rstd.layer(layer)?,
-            q_raw: self.q_raw.layer(layer)?,
-            k_raw: self.k_raw.layer(layer)?,
-            q_rstd: self.q_rstd.layer(layer)?,
-            k_rstd: self.k_rstd.layer(layer)?,
-            q: self.q.layer(layer)?,
-            k: self.k.layer(layer)?,
-            v: self.v.layer(layer)?,
-            att: self.att.layer(layer)?,
-            lse: self.lse.layer(layer)?,
-            resid_mid: self.resid_mid.layer(layer)?,
-            ln2: self.ln2.layer(layer)?,
-            ln2_rstd: self.ln2_rstd.layer(layer)?,
-            gate: self.gate.layer(layer)?,
-            up: self.up.layer(layer)?,
-            act: self.act.layer(layer)?,
+            ln1: self.ln1.layer(at)?,
+            ln1_rstd: self.ln1_rstd.layer(at)?,
+            q_raw: self.q_raw.layer(at)?,
+            k_raw: self.k_raw.layer(at)?,
+            q_rstd: self.q_rstd.layer(at)?,
+            k_rstd: self.k_rstd.layer(at)?,
+            q: self.q.layer(at)?,
+            k: self.k.layer(at)?,
+            v: self.v.layer(at)?,
+            att: self.att.layer(at)?,
+            lse: self.lse.layer(at)?,
+            resid_mid: self.resid_mid.layer(at)?,
+            ln2: self.ln2.layer(at)?,
+            ln2_rstd: self.ln2_rstd.layer(at)?,
+            gate: self.gate.layer(at)?,
+            up: self.up.layer(at)?,
+            act: self.act.layer(at)?,
         })
+    }
+
+    /// Where layer `layer`'s activations live in the stacks other than the residual
+    /// stream: its own slot, or the one slot of a checkpointed arena.
+    fn slot_of(&self, layer: usize) -> usize {
+        if self.checkpointed { 0 } else { layer }
     }
 
     /// The residual stream leaving the last layer (the embeddings with no layers): the

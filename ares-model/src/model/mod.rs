@@ -92,6 +92,8 @@ pub struct Model<B: Backend> {
     rope_sin: B::Buffer,
     /// How the linear layers (and the LM head) multiply (default exact f32).
     matmul_precision: MatmulPrecision,
+    /// Whether new arenas keep one layer's activations ([`Model::set_gradient_checkpointing`]).
+    gradient_checkpointing: bool,
 }
 
 impl<B: Backend> Model<B> {
@@ -150,6 +152,7 @@ impl<B: Backend> Model<B> {
             rope_cos,
             rope_sin,
             matmul_precision: MatmulPrecision::F32,
+            gradient_checkpointing: false,
         })
     }
 
@@ -159,6 +162,21 @@ impl<B: Backend> Model<B> {
     /// in every mode; attention, norms and the loss head are f32 too.
     pub fn set_matmul_precision(&mut self, precision: MatmulPrecision) {
         self.matmul_precision = precision;
+    }
+
+    /// Activation checkpointing per decoder layer for the arenas planned from now on
+    /// ([`Model::activations`] and the others; off by default): an arena keeps the residual
+    /// stream of every layer and the other activations of one, and the backward pass
+    /// recomputes each layer's forward from its input before its gradients — the same
+    /// gradients, bit for bit, in far less memory, for one more forward pass of the layers
+    /// ([`Activations::planned`]).
+    pub fn set_gradient_checkpointing(&mut self, on: bool) {
+        self.gradient_checkpointing = on;
+    }
+
+    /// Whether new arenas are checkpointed ([`Model::set_gradient_checkpointing`]).
+    pub fn gradient_checkpointing(&self) -> bool {
+        self.gradient_checkpointing
     }
 
     /// The precision of the linear layers ([`Model::set_matmul_precision`]).
@@ -204,7 +222,15 @@ impl<B: Backend> Model<B> {
     /// # Errors
     /// As [`Activations::new`].
     pub fn activations(&self, batch: usize, seq: usize) -> Result<Activations<B>, ModelError> {
-        Activations::new(&self.backend, &self.spec, batch, seq)
+        let head = HeadMode::auto(batch.saturating_mul(seq), self.spec.vocab);
+        self.plan(batch, seq, head)
+    }
+
+    /// An arena for `batch × seq` tokens with `head`, checkpointed as the model says.
+    fn plan(&self, batch: usize, seq: usize, head: HeadMode) -> Result<Activations<B>, ModelError> {
+        let spec = &self.spec;
+        let checkpointed = self.gradient_checkpointing;
+        Activations::planned(&self.backend, spec, batch, seq, head, checkpointed)
     }
 
     /// A new activation arena for `batch` sequences of `seq` tokens that keeps the whole
@@ -213,7 +239,7 @@ impl<B: Backend> Model<B> {
     /// # Errors
     /// As [`Activations::with_head`].
     pub fn activations_full(&self, batch: usize, seq: usize) -> Result<Activations<B>, ModelError> {
-        Activations::with_head(&self.backend, &self.spec, batch, seq, HeadMode::Full)
+        self.plan(batch, seq, HeadMode::Full)
     }
 
     /// A new activation arena for `batch` sequences of `seq` tokens with the LM head run
@@ -228,8 +254,7 @@ impl<B: Backend> Model<B> {
         seq: usize,
         chunk_rows: usize,
     ) -> Result<Activations<B>, ModelError> {
-        let head = HeadMode::Chunked { rows: chunk_rows };
-        Activations::with_head(&self.backend, &self.spec, batch, seq, head)
+        self.plan(batch, seq, HeadMode::Chunked { rows: chunk_rows })
     }
 
     /// Copies the logits `[batch, seq, vocab]` of the last forward pass in `acts` to `out`.

@@ -466,10 +466,6 @@ pub(crate) const RULES: &[Rule] = &[
         why: ONE_DEVICE,
     },
     Rule::Ignored {
-        key: "worker.actor.model.enable_gradient_checkpointing",
-        why: "ares keeps every activation (activation checkpointing is not built yet)",
-    },
-    Rule::Ignored {
         key: "worker.actor.model.trust_remote_code",
         why: "ares runs no code from model folders: its own model code reads the weights",
     },

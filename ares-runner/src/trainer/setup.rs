@@ -73,7 +73,8 @@ impl ModelFiles {
     }
 }
 
-/// The model of `files` on `backend`, multiplying in `trainer.matmul_precision`.
+/// The model of `files` on `backend`, multiplying in `trainer.matmul_precision`, its
+/// decoder checkpointed as `worker.actor.model.enable_gradient_checkpointing` says.
 ///
 /// # Errors
 /// As [`Model::from_checkpoint`] and [`VlModel::from_checkpoint`].
@@ -89,6 +90,8 @@ pub fn build_actor<B: Backend>(
             let mut m = VlModel::from_checkpoint(backend, ck)?;
             m.lm_mut().set_matmul_precision(precision);
             m.tower_mut().set_matmul_precision(precision);
+            let checkpointing = cfg.worker.actor.model.enable_gradient_checkpointing;
+            m.lm_mut().set_gradient_checkpointing(checkpointing);
             Actor::Vision(m)
         }
     })
@@ -145,6 +148,7 @@ pub fn build_model<B: Backend>(
 ) -> Result<Model<B>, TrainError> {
     let mut model = Model::from_checkpoint(backend, ckpt)?;
     model.set_matmul_precision(cfg.trainer.matmul_precision.precision());
+    model.set_gradient_checkpointing(cfg.worker.actor.model.enable_gradient_checkpointing);
     Ok(model)
 }
 
