@@ -95,10 +95,39 @@ fn main() {
                 .expect("backward");
         });
         report("train forward+backward (8 × 256)", n, "tokens", t);
+        let t_train = t;
         let t = best_and_median(runs, || {
             model.forward(&inputs, &mut acts).expect("forward");
         });
         report("  of which forward", n, "tokens", t);
+        // activation checkpointing: one layer's activations kept, recomputed in the backward
+        model.set_gradient_checkpointing(true);
+        let mut ckpt = model
+            .activations(TRAIN_BATCH, TRAIN_SEQ)
+            .expect("activations");
+        let tc = best_and_median(runs, || {
+            grads.zero(&be).expect("zero");
+            model.forward(&inputs, &mut ckpt).expect("forward");
+            model
+                .backward_from_log_prob_grads(
+                    &inputs, &mut ckpt, &targets, &coeffs, 1.0, &mut grads,
+                )
+                .expect("backward");
+        });
+        model.set_gradient_checkpointing(false);
+        report("train forward+backward, checkpointed", n, "tokens", tc);
+        // the layers' activations per token (f32): ln1, q, k, v, att, lse, att_proj,
+        // resid_mid, ln2, gate, up, act, mlp_out, resid_out and two rstd
+        let (c, i, qd, kvd, hq) = (256usize, 704usize, 256usize, 128usize, 4usize);
+        let per_layer = 6 * c + 2 + 2 * qd + 2 * kvd + hq + 3 * i;
+        let layers = 4usize;
+        let mib = |floats: usize| (floats * n * 4) as f64 / (1 << 20) as f64;
+        println!(
+            "  layer activations: stored {:.1} MiB, checkpointed {:.1} MiB; time ratio checkpointed / stored {:.2}",
+            mib(layers * per_layer),
+            mib(per_layer + (layers - 1) * c),
+            tc.0.as_secs_f64() / t_train.0.as_secs_f64(),
+        );
         let mut opt = AdamW::new(&model, AdamWConfig::default()).expect("adamw");
         let t = best_and_median(runs, || {
             opt.step(&mut model, &grads, 1e-6, Some(1.0)).expect("step");
