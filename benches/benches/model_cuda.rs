@@ -125,6 +125,23 @@ fn main() {
                 gpu.synchronize().expect("sync");
             });
             report("  of which forward", n, "tokens", t);
+            if precision == MatmulPrecision::Bf16 {
+                // activation checkpointing: one layer's activations kept, recomputed
+                model.set_gradient_checkpointing(true);
+                let mut ckpt = model.activations(batch, seq).expect("activations");
+                let t = best_and_median(runs, || {
+                    grads.zero(&gpu).expect("zero");
+                    model.forward(&inputs, &mut ckpt).expect("forward");
+                    model
+                        .backward_from_log_prob_grads(
+                            &inputs, &mut ckpt, &targets, &coeffs, 1.0, &mut grads,
+                        )
+                        .expect("backward");
+                    gpu.synchronize().expect("sync");
+                });
+                model.set_gradient_checkpointing(false);
+                report("  checkpointed forward+backward", n, "tokens", t);
+            }
             let mut opt = AdamW::new(&model, AdamWConfig::default()).expect("adamw");
             let t = best_and_median(runs, || {
                 opt.step(&mut model, &grads, 1e-7, Some(1.0)).expect("step");
