@@ -45,6 +45,13 @@ fn gradients_match_transformers_autograd() {
 }
 
 #[test]
+fn checkpointed_gradients_are_the_stored_ones() {
+    if let Some(be) = gpu_or_skip() {
+        vl::checkpointed_gradients_are_the_stored_ones(|| be.clone());
+    }
+}
+
+#[test]
 fn greedy_generation_matches_transformers() {
     if let Some(be) = gpu_or_skip() {
         vl::greedy_generation_matches_transformers(|| be.clone());

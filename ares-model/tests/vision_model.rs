@@ -88,6 +88,11 @@ fn gradients_match_transformers_autograd() {
 }
 
 #[test]
+fn checkpointed_gradients_are_the_stored_ones() {
+    vl::checkpointed_gradients_are_the_stored_ones(|| CpuBackend);
+}
+
+#[test]
 fn greedy_generation_matches_transformers() {
     vl::greedy_generation_matches_transformers(|| CpuBackend);
 }
@@ -129,7 +134,7 @@ fn gradients_match_finite_differences() {
             position_ids: &positions,
         };
         let mut acts = m.lm().activations_full(1, seq).unwrap();
-        let vla = m
+        let mut vla = m
             .forward(&inputs, &cs.vision, &layout, &mut acts, true)
             .unwrap();
         let mut dl = be.alloc(w.len()).unwrap();
@@ -139,7 +144,7 @@ fn gradients_match_finite_differences() {
         m.backward(
             &inputs,
             &mut acts,
-            &vla,
+            &mut vla,
             View::whole(&dl),
             &mut lg,
             Some(&mut vg),
@@ -306,7 +311,7 @@ fn training_step_pieces() {
     let grads_of = |m: &VlModel<CpuBackend>, from_logprob: bool| {
         let be = m.backend();
         let mut acts = m.lm().activations_full(1, seq).unwrap();
-        let vla = m
+        let mut vla = m
             .forward(&inputs, &cs.vision, &layout, &mut acts, true)
             .unwrap();
         let mut lg = m.lm().grads().unwrap();
@@ -315,7 +320,7 @@ fn training_step_pieces() {
             m.backward_from_log_prob_grads(
                 &inputs,
                 &mut acts,
-                &vla,
+                &mut vla,
                 &targets,
                 &coeffs,
                 temperature,
@@ -348,7 +353,7 @@ fn training_step_pieces() {
             m.backward(
                 &inputs,
                 &mut acts,
-                &vla,
+                &mut vla,
                 View::whole(&dl),
                 &mut lg,
                 Some(&mut vg),

@@ -343,7 +343,7 @@ impl<B: Backend> VlModel<B> {
         &self,
         inputs: &Inputs<'_>,
         acts: &mut Activations<B>,
-        vl: &VlActs<B>,
+        vl: &mut VlActs<B>,
         dlogits: Tensor<'_, B>,
         lm_grads: &mut Grads<B>,
         vision_grads: Option<&mut VisionGrads<B>>,
@@ -367,7 +367,7 @@ impl<B: Backend> VlModel<B> {
         &self,
         inputs: &Inputs<'_>,
         acts: &mut Activations<B>,
-        vl: &VlActs<B>,
+        vl: &mut VlActs<B>,
         targets: &[u32],
         coeffs: &[f32],
         temperature: f32,
@@ -396,17 +396,17 @@ impl<B: Backend> VlModel<B> {
     /// gradient, when the batch has any), then the tower's from that gradient.
     fn backward_through(
         &self,
-        vl: &VlActs<B>,
+        vl: &mut VlActs<B>,
         vision_grads: Option<&mut VisionGrads<B>>,
         lm: impl FnOnce(Option<EmbedGrad<'_, B>>) -> Result<(), ModelError>,
     ) -> Result<(), ModelError> {
         let be = self.lm.backend();
-        let Some((va, rows)) = &vl.tower else {
+        let Some((va, rows)) = &mut vl.tower else {
             return lm(None);
         };
         let mut d_embeds = be.alloc(va.output().len())?;
         lm(Some(EmbedGrad {
-            rows,
+            rows: &*rows,
             d_embeds: ViewMut::whole(&mut d_embeds),
         }))?;
         if let Some(g) = vision_grads {

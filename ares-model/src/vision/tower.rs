@@ -212,6 +212,8 @@ pub struct VisionTower<B: Backend> {
     cfg: VisionConfig,
     weights: VisionParams<B::Buffer>,
     precision: MatmulPrecision,
+    /// Whether training arenas keep one block's activations ([`Self::set_gradient_checkpointing`]).
+    gradient_checkpointing: bool,
 }
 
 /// Gradients of the tower's parameters, slot by slot like its weights.
@@ -223,6 +225,9 @@ pub struct VisionActs<B: Backend> {
     plan: VisionPlan,
     /// Whether every block's activations are kept (training) or one block's (inference).
     keep: bool,
+    /// Training with per-block activation checkpointing: every block's input kept, the
+    /// rest of one block's, which the backward pass recomputes block by block.
+    checkpointed: bool,
     pixels: B::Buffer,
     cos: B::Buffer,
     sin: B::Buffer,
@@ -307,8 +312,23 @@ impl<B: Backend> VisionActs<B> {
     /// A view error (never for an arena made by [`VisionTower::activations`]).
     pub fn last_hidden(&self, depth: usize) -> Result<Tensor<'_, B>, ModelError> {
         let n = self.resid.len() / if self.keep { depth + 1 } else { 2 };
-        let idx = if self.keep { depth } else { depth % 2 };
-        Ok(View::item(&self.resid, idx, n)?)
+        Ok(View::item(&self.resid, self.rslot(depth), n)?)
+    }
+
+    /// Where block `l`'s activations (but the residual stream) live: its own slot when
+    /// every block's are kept, else the one slot.
+    fn slot(&self, l: usize) -> usize {
+        if self.keep && !self.checkpointed {
+            l
+        } else {
+            0
+        }
+    }
+
+    /// Where the residual stream entering block `l` lives (`l = depth`: the tower's
+    /// output): its own slot when kept for the backward pass, else one of two.
+    fn rslot(&self, l: usize) -> usize {
+        if self.keep { l } else { l % 2 }
     }
 }
 
@@ -342,12 +362,21 @@ impl<B: Backend> VisionTower<B> {
             cfg: cfg.clone(),
             weights: uploaded,
             precision: MatmulPrecision::F32,
+            gradient_checkpointing: false,
         })
     }
 
     /// The config.
     pub fn config(&self) -> &VisionConfig {
         &self.cfg
+    }
+
+    /// Activation checkpointing per block for the training arenas planned from now on
+    /// (as [`crate::model::Model::set_gradient_checkpointing`]): every block's input kept,
+    /// the rest recomputed block by block in [`Self::backward`] — the same gradients, bit
+    /// for bit.
+    pub fn set_gradient_checkpointing(&mut self, on: bool) {
+        self.gradient_checkpointing = on;
     }
 
     /// Sets how the linear layers multiply (as [`crate::model::Model::set_matmul_precision`]).
@@ -402,7 +431,8 @@ impl<B: Backend> VisionTower<B> {
         })
     }
 
-    /// An arena for `plan`; `keep`: every block's activations (for [`Self::backward`]).
+    /// An arena for `plan`; `keep`: for [`Self::backward`] — every block's activations, or
+    /// with [`Self::set_gradient_checkpointing`] every block's input and one block's rest.
     ///
     /// # Errors
     /// A backend failure (out of memory).
@@ -415,7 +445,8 @@ impl<B: Backend> VisionTower<B> {
         let c = &self.cfg;
         let n = plan.patches;
         let (h, i) = (c.hidden, c.intermediate);
-        let blocks = if keep { c.depth } else { 1 };
+        let checkpointed = keep && self.gradient_checkpointing;
+        let blocks = if keep && !checkpointed { c.depth } else { 1 };
         let resid_items = if keep { c.depth + 1 } else { 2 };
         let up = if c.mlp == VisionMlp::SwiGlu {
             blocks * n * i
@@ -434,6 +465,7 @@ impl<B: Backend> VisionTower<B> {
         be.upload(&plan.sin, ViewMut::whole(&mut sin))?;
         Ok(VisionActs {
             keep,
+            checkpointed,
             pixels: be.alloc(n * c.patch_dim())?,
             cos,
             sin,
@@ -537,14 +569,10 @@ impl<B: Backend> VisionTower<B> {
         a: &mut VisionActs<B>,
     ) -> Result<(), ModelError> {
         let c = &self.cfg;
-        let (h, i, n) = (c.hidden, c.intermediate, a.plan.patches);
-        let (nh, hd) = (c.heads, c.head_dim);
+        let (h, n) = (c.hidden, a.plan.patches);
         let rows = a.plan.reorder_pixels(c, pixel_values)?;
         be.upload(&rows, ViewMut::whole(&mut a.pixels))?;
-        let (nc, ni) = (n * h, n * i);
-        let keep = a.keep;
-        let slot = |l: usize| if keep { l } else { 0 };
-        let rslot = |l: usize| if keep { l } else { l % 2 };
+        let nc = n * h;
         let ln = c.layer_norm();
 
         // Patch embedding: the Conv3d with stride = kernel is one linear layer over patches.
@@ -555,128 +583,14 @@ impl<B: Backend> VisionTower<B> {
             self.dims(n, c.patch_dim(), h),
             ViewMut::item(&mut a.resid, 0, nc)?,
         )?;
-        let seg_full = SegmentAttentionDims::new(n, a.plan.cu_full.len() - 1, nh, hd);
-        let seg_window = SegmentAttentionDims::new(n, a.plan.cu_window.len() - 1, nh, hd);
         for l in 0..c.depth {
-            let (s, r_in, r_out) = (slot(l), rslot(l), rslot(l + 1));
-            // Attention block.
-            let x = View::item(&a.resid, r_in, nc)?;
-            let mean = ln
-                .then(|| ViewMut::item(&mut a.n1_mean, s, n))
-                .transpose()?;
-            self.norm(
-                be,
-                Slot::Norm1,
-                l,
-                x,
-                ViewMut::item(&mut a.n1, s, nc)?,
-                mean,
-                ViewMut::item(&mut a.n1_rstd, s, n)?,
-            )?;
-            let n1 = View::item(&a.n1, s, nc)?;
-            for (part, buf) in [(0, &mut a.q), (1, &mut a.k), (2, &mut a.v)] {
-                let (w, b) = self.qkv(l, part)?;
-                be.linear(
-                    n1,
-                    w,
-                    Some(b),
-                    self.dims(n, h, h),
-                    ViewMut::item(buf, s, nc)?,
-                )?;
-            }
-            let (cos, sin) = (View::whole(&a.cos), View::whole(&a.sin));
-            be.rope(ViewMut::item(&mut a.q, s, nc)?, cos, sin, nh, hd)?;
-            be.rope(ViewMut::item(&mut a.k, s, nc)?, cos, sin, nh, hd)?;
-            let (dims, cu) = if c.full_attention(l) {
-                (seg_full, &a.cu_full)
-            } else {
-                (seg_window, &a.cu_window)
-            };
-            be.segment_attention(
-                dims,
-                cu,
-                View::item(&a.q, s, nc)?,
-                View::item(&a.k, s, nc)?,
-                View::item(&a.v, s, nc)?,
-                ViewMut::item(&mut a.att, s, nc)?,
-                ViewMut::item(&mut a.lse, s, n * nh)?,
-            )?;
-            be.linear(
-                View::item(&a.att, s, nc)?,
-                self.w(Slot::Proj, l, h * h)?,
-                Some(self.w(Slot::ProjBias, l, h)?),
-                self.dims(n, h, h),
-                ViewMut::whole(&mut a.branch),
-            )?;
-            be.add(
-                View::item(&a.resid, r_in, nc)?,
-                View::whole(&a.branch),
-                ViewMut::item(&mut a.mid, s, nc)?,
-            )?;
-
-            // MLP block.
-            let mid = View::item(&a.mid, s, nc)?;
-            let mean = ln
-                .then(|| ViewMut::item(&mut a.n2_mean, s, n))
-                .transpose()?;
-            self.norm(
-                be,
-                Slot::Norm2,
-                l,
-                mid,
-                ViewMut::item(&mut a.n2, s, nc)?,
-                mean,
-                ViewMut::item(&mut a.n2_rstd, s, n)?,
-            )?;
-            let n2 = View::item(&a.n2, s, nc)?;
-            be.linear(
-                n2,
-                self.w(Slot::MlpIn, l, i * h)?,
-                Some(self.w(Slot::MlpInBias, l, i)?),
-                self.dims(n, h, i),
-                ViewMut::item(&mut a.mlp_in, s, ni)?,
-            )?;
-            match c.mlp {
-                VisionMlp::Plain(act) => {
-                    be.activation(
-                        act,
-                        View::item(&a.mlp_in, s, ni)?,
-                        ViewMut::item(&mut a.mlp_act, s, ni)?,
-                    )?;
-                }
-                VisionMlp::SwiGlu => {
-                    be.linear(
-                        n2,
-                        self.w(Slot::MlpUp, l, i * h)?,
-                        Some(self.w(Slot::MlpUpBias, l, i)?),
-                        self.dims(n, h, i),
-                        ViewMut::item(&mut a.mlp_up, s, ni)?,
-                    )?;
-                    be.swiglu(
-                        View::item(&a.mlp_in, s, ni)?,
-                        View::item(&a.mlp_up, s, ni)?,
-                        ViewMut::item(&mut a.mlp_act, s, ni)?,
-                    )?;
-                }
-            }
-            be.linear(
-                View::item(&a.mlp_act, s, ni)?,
-                self.w(Slot::MlpOut, l, h * i)?,
-                Some(self.w(Slot::MlpOutBias, l, h)?),
-                self.dims(n, i, h),
-                ViewMut::whole(&mut a.branch),
-            )?;
-            be.add(
-                View::item(&a.mid, s, nc)?,
-                View::whole(&a.branch),
-                ViewMut::item(&mut a.resid, r_out, nc)?,
-            )?;
+            self.block_forward(be, l, a)?;
         }
 
         // Patch merger: norm per patch, then m² patches side by side per merged token.
         let units = a.plan.units;
         let m = c.merged_dim();
-        let x = View::item(&a.resid, rslot(c.depth), nc)?;
+        let x = View::item(&a.resid, a.rslot(c.depth), nc)?;
         let mean = ln.then(|| ViewMut::whole(&mut a.merge_mean));
         self.norm(
             be,
@@ -709,6 +623,133 @@ impl<B: Backend> VisionTower<B> {
         Ok(())
     }
 
+    /// Block `l`'s forward pass: reads its input from the arena's residual stream and writes
+    /// its activations and output there. [`Self::backward`] calls it again for a block whose
+    /// activations a checkpointed arena did not keep (the same ops, the same bits).
+    fn block_forward(&self, be: &B, l: usize, a: &mut VisionActs<B>) -> Result<(), ModelError> {
+        let c = &self.cfg;
+        let (h, i, n) = (c.hidden, c.intermediate, a.plan.patches);
+        let (nh, hd) = (c.heads, c.head_dim);
+        let (nc, ni) = (n * h, n * i);
+        let (s, r_in, r_out) = (a.slot(l), a.rslot(l), a.rslot(l + 1));
+        let ln = c.layer_norm();
+        let seg_full = SegmentAttentionDims::new(n, a.plan.cu_full.len() - 1, nh, hd);
+        let seg_window = SegmentAttentionDims::new(n, a.plan.cu_window.len() - 1, nh, hd);
+        // Attention block.
+        let x = View::item(&a.resid, r_in, nc)?;
+        let mean = ln
+            .then(|| ViewMut::item(&mut a.n1_mean, s, n))
+            .transpose()?;
+        self.norm(
+            be,
+            Slot::Norm1,
+            l,
+            x,
+            ViewMut::item(&mut a.n1, s, nc)?,
+            mean,
+            ViewMut::item(&mut a.n1_rstd, s, n)?,
+        )?;
+        let n1 = View::item(&a.n1, s, nc)?;
+        for (part, buf) in [(0, &mut a.q), (1, &mut a.k), (2, &mut a.v)] {
+            let (w, b) = self.qkv(l, part)?;
+            be.linear(
+                n1,
+                w,
+                Some(b),
+                self.dims(n, h, h),
+                ViewMut::item(buf, s, nc)?,
+            )?;
+        }
+        let (cos, sin) = (View::whole(&a.cos), View::whole(&a.sin));
+        be.rope(ViewMut::item(&mut a.q, s, nc)?, cos, sin, nh, hd)?;
+        be.rope(ViewMut::item(&mut a.k, s, nc)?, cos, sin, nh, hd)?;
+        let (dims, cu) = if c.full_attention(l) {
+            (seg_full, &a.cu_full)
+        } else {
+            (seg_window, &a.cu_window)
+        };
+        be.segment_attention(
+            dims,
+            cu,
+            View::item(&a.q, s, nc)?,
+            View::item(&a.k, s, nc)?,
+            View::item(&a.v, s, nc)?,
+            ViewMut::item(&mut a.att, s, nc)?,
+            ViewMut::item(&mut a.lse, s, n * nh)?,
+        )?;
+        be.linear(
+            View::item(&a.att, s, nc)?,
+            self.w(Slot::Proj, l, h * h)?,
+            Some(self.w(Slot::ProjBias, l, h)?),
+            self.dims(n, h, h),
+            ViewMut::whole(&mut a.branch),
+        )?;
+        be.add(
+            View::item(&a.resid, r_in, nc)?,
+            View::whole(&a.branch),
+            ViewMut::item(&mut a.mid, s, nc)?,
+        )?;
+
+        // MLP block.
+        let mid = View::item(&a.mid, s, nc)?;
+        let mean = ln
+            .then(|| ViewMut::item(&mut a.n2_mean, s, n))
+            .transpose()?;
+        self.norm(
+            be,
+            Slot::Norm2,
+            l,
+            mid,
+            ViewMut::item(&mut a.n2, s, nc)?,
+            mean,
+            ViewMut::item(&mut a.n2_rstd, s, n)?,
+        )?;
+        let n2 = View::item(&a.n2, s, nc)?;
+        be.linear(
+            n2,
+            self.w(Slot::MlpIn, l, i * h)?,
+            Some(self.w(Slot::MlpInBias, l, i)?),
+            self.dims(n, h, i),
+            ViewMut::item(&mut a.mlp_in, s, ni)?,
+        )?;
+        match c.mlp {
+            VisionMlp::Plain(act) => {
+                be.activation(
+                    act,
+                    View::item(&a.mlp_in, s, ni)?,
+                    ViewMut::item(&mut a.mlp_act, s, ni)?,
+                )?;
+            }
+            VisionMlp::SwiGlu => {
+                be.linear(
+                    n2,
+                    self.w(Slot::MlpUp, l, i * h)?,
+                    Some(self.w(Slot::MlpUpBias, l, i)?),
+                    self.dims(n, h, i),
+                    ViewMut::item(&mut a.mlp_up, s, ni)?,
+                )?;
+                be.swiglu(
+                    View::item(&a.mlp_in, s, ni)?,
+                    View::item(&a.mlp_up, s, ni)?,
+                    ViewMut::item(&mut a.mlp_act, s, ni)?,
+                )?;
+            }
+        }
+        be.linear(
+            View::item(&a.mlp_act, s, ni)?,
+            self.w(Slot::MlpOut, l, h * i)?,
+            Some(self.w(Slot::MlpOutBias, l, h)?),
+            self.dims(n, i, h),
+            ViewMut::whole(&mut a.branch),
+        )?;
+        be.add(
+            View::item(&a.mid, s, nc)?,
+            View::whole(&a.branch),
+            ViewMut::item(&mut a.resid, r_out, nc)?,
+        )?;
+        Ok(())
+    }
+
     /// Backward of [`Self::forward`] (on an arena made with `keep = true`) from `dout`
     /// `[units, out_hidden]` (tower order): **adds** every parameter's gradient into `g`.
     ///
@@ -718,7 +759,7 @@ impl<B: Backend> VisionTower<B> {
     pub fn backward(
         &self,
         be: &B,
-        a: &VisionActs<B>,
+        a: &mut VisionActs<B>,
         dout: Tensor<'_, B>,
         g: &mut VisionGrads<B>,
     ) -> Result<(), ModelError> {
@@ -799,13 +840,18 @@ impl<B: Backend> VisionTower<B> {
         let seg_full = SegmentAttentionDims::new(n, a.plan.cu_full.len() - 1, nh, hd);
         let seg_window = SegmentAttentionDims::new(n, a.plan.cu_window.len() - 1, nh, hd);
         for l in (0..c.depth).rev() {
+            if a.checkpointed {
+                // not kept: block l's forward again, from its input
+                self.block_forward(be, l, a)?;
+            }
+            let s = a.slot(l);
             // MLP block: resid_out = mid + MLP(Norm(mid)).
             be.copy(View::whole(&d_resid), ViewMut::whole(&mut d_mid))?;
             let (wo, bo) = grad_pair(g, Slot::MlpOut, Slot::MlpOutBias, l, h * i, h)?;
             be.fill(ViewMut::whole(&mut d_act), 0.0)?;
             be.linear_backward(
                 View::whole(&d_resid),
-                View::item(&a.mlp_act, l, ni)?,
+                View::item(&a.mlp_act, s, ni)?,
                 self.w(Slot::MlpOut, l, h * i)?,
                 self.dims(n, i, h),
                 Some(ViewMut::whole(&mut d_act)),
@@ -813,21 +859,21 @@ impl<B: Backend> VisionTower<B> {
                 Some(bo),
             )?;
             be.fill(ViewMut::whole(&mut d_norm), 0.0)?;
-            let n2 = View::item(&a.n2, l, nc)?;
+            let n2 = View::item(&a.n2, s, nc)?;
             match c.mlp {
                 VisionMlp::Plain(act) => {
                     be.activation_backward(
                         act,
                         View::whole(&d_act),
-                        View::item(&a.mlp_in, l, ni)?,
+                        View::item(&a.mlp_in, s, ni)?,
                         ViewMut::whole(&mut d_in),
                     )?;
                 }
                 VisionMlp::SwiGlu => {
                     be.swiglu_backward(
                         View::whole(&d_act),
-                        View::item(&a.mlp_in, l, ni)?,
-                        View::item(&a.mlp_up, l, ni)?,
+                        View::item(&a.mlp_in, s, ni)?,
+                        View::item(&a.mlp_up, s, ni)?,
                         ViewMut::whole(&mut d_in),
                         ViewMut::whole(&mut d_up),
                     )?;
@@ -853,16 +899,16 @@ impl<B: Backend> VisionTower<B> {
                 wi,
                 Some(bi),
             )?;
-            let mean = ln.then(|| View::item(&a.n2_mean, l, n)).transpose()?;
+            let mean = ln.then(|| View::item(&a.n2_mean, s, n)).transpose()?;
             self.norm_backward(
                 be,
                 g,
                 Slot::Norm2,
                 l,
                 View::whole(&d_norm),
-                View::item(&a.mid, l, nc)?,
+                View::item(&a.mid, s, nc)?,
                 mean,
-                View::item(&a.n2_rstd, l, n)?,
+                View::item(&a.n2_rstd, s, n)?,
                 ViewMut::whole(&mut d_mid),
             )?;
 
@@ -872,7 +918,7 @@ impl<B: Backend> VisionTower<B> {
             be.fill(ViewMut::whole(&mut d_att), 0.0)?;
             be.linear_backward(
                 View::whole(&d_mid),
-                View::item(&a.att, l, nc)?,
+                View::item(&a.att, s, nc)?,
                 self.w(Slot::Proj, l, h * h)?,
                 self.dims(n, h, h),
                 Some(ViewMut::whole(&mut d_att)),
@@ -887,11 +933,11 @@ impl<B: Backend> VisionTower<B> {
             be.segment_attention_backward(
                 dims,
                 cu,
-                View::item(&a.q, l, nc)?,
-                View::item(&a.k, l, nc)?,
-                View::item(&a.v, l, nc)?,
-                View::item(&a.att, l, nc)?,
-                View::item(&a.lse, l, n * nh)?,
+                View::item(&a.q, s, nc)?,
+                View::item(&a.k, s, nc)?,
+                View::item(&a.v, s, nc)?,
+                View::item(&a.att, s, nc)?,
+                View::item(&a.lse, s, n * nh)?,
                 View::whole(&d_att),
                 ViewMut::whole(&mut dq),
                 ViewMut::whole(&mut dk),
@@ -901,7 +947,7 @@ impl<B: Backend> VisionTower<B> {
             be.rope_backward(ViewMut::whole(&mut dq), cos, sin, nh, hd)?;
             be.rope_backward(ViewMut::whole(&mut dk), cos, sin, nh, hd)?;
             be.fill(ViewMut::whole(&mut d_norm), 0.0)?;
-            let n1 = View::item(&a.n1, l, nc)?;
+            let n1 = View::item(&a.n1, s, nc)?;
             for (part, d) in [(0, &dq), (1, &dk), (2, &dv)] {
                 let (w, _) = self.qkv(l, part)?;
                 let (gw, gb) = qkv_grads(g, l, part, h)?;
@@ -915,7 +961,7 @@ impl<B: Backend> VisionTower<B> {
                     Some(gb),
                 )?;
             }
-            let mean = ln.then(|| View::item(&a.n1_mean, l, n)).transpose()?;
+            let mean = ln.then(|| View::item(&a.n1_mean, s, n)).transpose()?;
             self.norm_backward(
                 be,
                 g,
@@ -924,7 +970,7 @@ impl<B: Backend> VisionTower<B> {
                 View::whole(&d_norm),
                 View::item(&a.resid, l, nc)?,
                 mean,
-                View::item(&a.n1_rstd, l, n)?,
+                View::item(&a.n1_rstd, s, n)?,
                 ViewMut::whole(&mut d_resid),
             )?;
         }

@@ -180,7 +180,7 @@ pub fn gradients_match_transformers_autograd<B: Backend>(make: impl Fn() -> B) {
                 position_ids: &positions,
             };
             let mut acts = m.lm().activations_full(1, seq).unwrap();
-            let vl = m
+            let mut vl = m
                 .forward(&inputs, &cs.vision, &layout, &mut acts, true)
                 .unwrap();
             let w = f32s(&st, &format!("{c}.W"));
@@ -192,7 +192,7 @@ pub fn gradients_match_transformers_autograd<B: Backend>(make: impl Fn() -> B) {
             m.backward(
                 &inputs,
                 &mut acts,
-                &vl,
+                &mut vl,
                 View::whole(&dlogits),
                 &mut lm_grads,
                 Some(&mut vg),
@@ -240,6 +240,81 @@ pub fn gradients_match_transformers_autograd<B: Backend>(make: impl Fn() -> B) {
                 let e = rel_err(&got, &want);
                 assert!(e < GRAD_TOL, "{model} {c} {name}: rel err {e:e}");
             }
+        }
+    }
+}
+
+/// Activation checkpointing of the tower's blocks and the language model's layers
+/// (`set_gradient_checkpointing` on both) gives every tower gradient and the language
+/// model's, bit for bit, as the arenas that keep every activation — every fixture model,
+/// image and video.
+pub fn checkpointed_gradients_are_the_stored_ones<B: Backend>(make: impl Fn() -> B) {
+    use ares_model::backend::{DeviceBuffer, View, ViewMut};
+    use ares_model::model::Inputs;
+    use ares_model::vision::weights::param_table;
+    for model in MODELS {
+        let (ck, bytes) = load(model);
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let mut m = VlModel::from_checkpoint(make(), &ck).unwrap();
+        for c in ["image", "video"] {
+            let cs = case(&st, c);
+            let mut runs: Vec<Vec<Vec<u32>>> = Vec::new();
+            for on in [false, true] {
+                m.lm_mut().set_gradient_checkpointing(on);
+                m.tower_mut().set_gradient_checkpointing(on);
+                let be = m.backend();
+                let layout = m.layout(&cs.ids, &cs.mask, 1, &cs.vision).unwrap();
+                let seq = cs.ids.len();
+                let positions = layout.positions.axis(0).to_vec();
+                let inputs = Inputs {
+                    batch: 1,
+                    seq,
+                    input_ids: &cs.ids,
+                    attention_mask: &cs.mask,
+                    position_ids: &positions,
+                };
+                let mut acts = m.lm().activations_full(1, seq).unwrap();
+                assert_eq!(acts.checkpointed(), on);
+                let mut vl = m
+                    .forward(&inputs, &cs.vision, &layout, &mut acts, true)
+                    .unwrap();
+                let w = f32s(&st, &format!("{c}.W"));
+                let mut dlogits = be.alloc(w.len()).unwrap();
+                be.upload(&w, ViewMut::whole(&mut dlogits)).unwrap();
+                let mut lm_grads = m.lm().grads().unwrap();
+                let mut vg = m.tower().zero_grads(be).unwrap();
+                m.backward(
+                    &inputs,
+                    &mut acts,
+                    &mut vl,
+                    View::whole(&dlogits),
+                    &mut lm_grads,
+                    Some(&mut vg),
+                )
+                .unwrap();
+                let mut all = Vec::new();
+                for spec in param_table(&ck.config.vision) {
+                    let buf = vg.get(spec.slot).unwrap();
+                    let mut got = vec![0.0f32; buf.len()];
+                    be.download(View::whole(buf), &mut got).unwrap();
+                    all.push(got.iter().map(|x| x.to_bits()).collect());
+                }
+                for name in [
+                    "model.embed_tokens.weight",
+                    "model.layers.0.self_attn.q_proj.weight",
+                    "model.layers.1.mlp.down_proj.weight",
+                    "model.norm.weight",
+                ] {
+                    let got = lm_grads.download(be, name).unwrap();
+                    all.push(got.iter().map(|x| x.to_bits()).collect());
+                }
+                runs.push(all);
+            }
+            assert!(runs[0].iter().flatten().any(|&b| f32::from_bits(b) != 0.0));
+            assert!(
+                runs[0] == runs[1],
+                "{model} {c}: checkpointed gradients differ"
+            );
         }
     }
 }

@@ -210,11 +210,10 @@ pub struct ModelConfig {
     /// no tower optimizer state). EasyR1's default, false, trains it. (Older name:
     /// `worker.actor.freeze_vision_tower`.)
     pub freeze_vision_tower: bool,
-    /// Activation checkpointing per decoder layer: keep each layer's input and recompute
-    /// the rest of its activations in the backward pass — the same gradients bit for bit,
-    /// a fraction of the activation memory, one more forward pass of the layers per update
-    /// (default false; EasyR1's default is true). The vision tower keeps all of its
-    /// activations.
+    /// Activation checkpointing per decoder layer and per vision block: keep each one's
+    /// input and recompute the rest of its activations in the backward pass — the same
+    /// gradients bit for bit, a fraction of the activation memory, one more forward pass of
+    /// the layers and blocks per update (default false; EasyR1's default is true).
     pub enable_gradient_checkpointing: bool,
 }
 

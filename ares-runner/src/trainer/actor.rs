@@ -175,7 +175,7 @@ impl<B: Backend> Actor<B> {
         &self,
         inputs: &Inputs<'_>,
         acts: &mut Activations<B>,
-        pass: &Pass<B>,
+        pass: &mut Pass<B>,
         targets: &[u32],
         coeffs: &[f32],
         temperature: f32,
@@ -183,7 +183,7 @@ impl<B: Backend> Actor<B> {
         tower: Option<&mut TowerTraining<B>>,
         entropy_coeffs: Option<&[f32]>,
     ) -> Result<(), TrainError> {
-        match (self, &pass.0) {
+        match (self, &mut pass.0) {
             (Actor::Vision(m), Some(vl)) => {
                 // the backward's positions were the forward's (its rotary tables are in `acts`)
                 m.backward_from_log_prob_grads(

@@ -92,6 +92,7 @@ pub fn build_actor<B: Backend>(
             m.tower_mut().set_matmul_precision(precision);
             let checkpointing = cfg.worker.actor.model.enable_gradient_checkpointing;
             m.lm_mut().set_gradient_checkpointing(checkpointing);
+            m.tower_mut().set_gradient_checkpointing(checkpointing);
             Actor::Vision(m)
         }
     })

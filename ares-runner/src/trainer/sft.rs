@@ -73,7 +73,7 @@ pub fn sft_step<B: Backend>(
         let mut acts = model.lm().activations(chunk.len(), packed.seq())?;
         let rows: Vec<&PromptVision> = chunk.iter().map(|e| &e.vision).collect();
         let vision = concat_vision(&rows);
-        let pass = model.forward(
+        let mut pass = model.forward(
             &packed.inputs(),
             vision.as_ref(),
             prompt_cols,
@@ -98,7 +98,7 @@ pub fn sft_step<B: Backend>(
         model.backward_from_log_prob_grads(
             &packed.inputs(),
             &mut acts,
-            &pass,
+            &mut pass,
             &packed.targets,
             &spread,
             1.0,

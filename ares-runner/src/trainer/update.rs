@@ -110,7 +110,7 @@ pub fn ppo_update<B: Backend>(
                         }
                     };
                     let vision = batch.vision(micro);
-                    let pass = actor.forward(
+                    let mut pass = actor.forward(
                         &packed.inputs(),
                         vision.as_ref(),
                         packed.prompt_cols,
@@ -213,7 +213,7 @@ pub fn ppo_update<B: Backend>(
                     actor.backward_from_log_prob_grads(
                         &packed.inputs(),
                         acts,
-                        &pass,
+                        &mut pass,
                         &packed.targets,
                         &spread,
                         temperature,
