@@ -8,6 +8,7 @@
 //! - `generate` — completions of prompts by a model (streamed text or JSON lines).
 //! - `plot` — draws the key curves of a `metrics.jsonl`.
 //! - `demo-data` — writes the demo's model, tokenizer and datasets to a directory.
+//! - `init` — writes a random-weight model folder at a real model's shape.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -87,6 +88,26 @@ enum Command {
         #[arg(short, long = "key", value_name = "KEY")]
         keys: Vec<String>,
     },
+    /// Write a model folder of random weights at a real model's shape (a named one, or any
+    /// config.json), with the demo's character tokenizer: for measuring time and memory at
+    /// that shape with no download. Train on it with the demo's data (`demo-data`).
+    Init {
+        /// The model folder to write.
+        #[arg(value_name = "DIR")]
+        output: PathBuf,
+        /// A named shape.
+        #[arg(long, value_enum, required_unless_present = "config", conflicts_with = "config")]
+        shape: Option<ares_runner::commands::init::NamedShape>,
+        /// A `config.json` to give random weights (Qwen2, Qwen3, Llama; Qwen2-VL, Qwen2.5-VL).
+        #[arg(long, value_name = "FILE")]
+        config: Option<PathBuf>,
+        /// How the weights are stored.
+        #[arg(long, value_enum, default_value_t = InitDtype::Bf16)]
+        dtype: InitDtype,
+        /// Seed of the weights.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
     /// Write the demo's tiny model, tokenizer and datasets to a directory.
     DemoData {
         /// Output directory.
@@ -103,6 +124,15 @@ enum Command {
         #[arg(long, value_name = "N")]
         vocab: Option<usize>,
     },
+}
+
+/// Storage of `init`'s weights.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum InitDtype {
+    /// bfloat16: half the size.
+    Bf16,
+    /// 32-bit floats.
+    F32,
 }
 
 /// Model shapes `demo-data` can write.
@@ -192,6 +222,44 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 output.display(),
                 summary.panels.len(),
                 summary.panels.join(", ")
+            );
+        }
+        Command::Init {
+            output,
+            shape,
+            config,
+            dtype,
+            seed,
+        } => {
+            use ares_runner::commands::init::{InitOptions, init};
+            use ares_runner::hf::tensor_files::SaveDtype;
+            let dtype = match dtype {
+                InitDtype::Bf16 => SaveDtype::Bf16,
+                InitDtype::F32 => SaveDtype::F32,
+            };
+            let shape = match (shape, config) {
+                (Some(s), _) => Ok(s),
+                (None, Some(path)) => Err(path),
+                (None, None) => return Err("give --shape or --config".into()),
+            };
+            let started = std::time::Instant::now();
+            let report = init(&InitOptions {
+                output: output.clone(),
+                shape,
+                dtype,
+                seed,
+            })?;
+            eprintln!(
+                "wrote {} with {:.3} B random parameters ({}, {}) in {:.1} s; its tokenizer is \
+                 the demo's: train on it with `ares-runner demo-data -o D` and \
+                 `ares-runner train data.train_files=D/data/train.jsonl \
+                 data.val_files=D/data/eval.jsonl worker.actor.model.model_path={}`",
+                output.display(),
+                report.parameters as f64 / 1e9,
+                if report.vision { "vision-language" } else { "text" },
+                dtype.torch_name(),
+                started.elapsed().as_secs_f64(),
+                output.display(),
             );
         }
         Command::DemoData {

@@ -4,6 +4,7 @@
 
 pub mod demo;
 pub mod generate;
+pub mod init;
 mod sft;
 
 use std::path::Path;
