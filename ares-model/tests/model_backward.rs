@@ -342,3 +342,33 @@ fn checkpointed_gradients_are_the_stored_ones_bit_for_bit() {
         }
     }
 }
+
+/// The memory plan's arena size (`arena_elements`) is what `Activations::planned`
+/// allocates, element for element: every architecture, whole and chunked heads, stored and
+/// checkpointed.
+#[test]
+fn arena_elements_predict_the_allocation() {
+    use ares_model::model::{Activations, HeadMode, ModelSpec, arena_elements};
+    for name in ["qwen2_tiny", "qwen3_tiny", "llama_tiny"] {
+        let (checkpoint, _) = load(name);
+        let spec = ModelSpec::from_config(&checkpoint.config).unwrap();
+        for (batch, seq) in [(1, 1), (2, 7), (3, 16)] {
+            for head in [
+                HeadMode::Full,
+                HeadMode::Chunked { rows: 1 },
+                HeadMode::Chunked { rows: 5 },
+            ] {
+                for checkpointed in [false, true] {
+                    let acts =
+                        Activations::planned(&CpuBackend, &spec, batch, seq, head, checkpointed)
+                            .unwrap();
+                    assert_eq!(
+                        arena_elements(&spec, batch, seq, head, checkpointed),
+                        Some(acts.elements()),
+                        "{name} {batch}x{seq} {head:?} checkpointed={checkpointed}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -96,7 +96,12 @@ enum Command {
         #[arg(value_name = "DIR")]
         output: PathBuf,
         /// A named shape.
-        #[arg(long, value_enum, required_unless_present = "config", conflicts_with = "config")]
+        #[arg(
+            long,
+            value_enum,
+            required_unless_present = "config",
+            conflicts_with = "config"
+        )]
         shape: Option<ares_runner::commands::init::NamedShape>,
         /// A `config.json` to give random weights (Qwen2, Qwen3, Llama; Qwen2-VL, Qwen2.5-VL).
         #[arg(long, value_name = "FILE")]
@@ -256,7 +261,11 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                  data.val_files=D/data/eval.jsonl worker.actor.model.model_path={}`",
                 output.display(),
                 report.parameters as f64 / 1e9,
-                if report.vision { "vision-language" } else { "text" },
+                if report.vision {
+                    "vision-language"
+                } else {
+                    "text"
+                },
                 dtype.torch_name(),
                 started.elapsed().as_secs_f64(),
                 output.display(),

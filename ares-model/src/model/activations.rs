@@ -254,6 +254,56 @@ pub(crate) fn head_chunks(n: usize, rows: usize) -> impl Iterator<Item = (usize,
         .map(move |start| (start, rows.min(n - start)))
 }
 
+/// What an arena of [`Activations::planned`]`(spec, batch, seq, head, checkpointed)`
+/// holds, without allocating it (the memory plan's figure): `(f32 values, u32 ids)`, by
+/// the same sizes as the allocation (a test checks the two agree). `None` when the shape
+/// overflows or is empty, or `head` is a chunk of 0 rows (the allocation's errors).
+pub fn arena_elements(
+    spec: &ModelSpec,
+    batch: usize,
+    seq: usize,
+    head: HeadMode,
+    checkpointed: bool,
+) -> Option<(u64, u64)> {
+    if batch == 0 || seq == 0 {
+        return None;
+    }
+    let n = batch.checked_mul(seq)? as u64;
+    let rows = match head {
+        HeadMode::Full => n,
+        HeadMode::Chunked { rows: 0 } => return None,
+        HeadMode::Chunked { rows } => (rows as u64).min(n),
+    };
+    let (c, i, v) = (
+        spec.hidden as u64,
+        spec.intermediate as u64,
+        spec.vocab as u64,
+    );
+    let (qd, kvd) = (spec.q_dim() as u64, spec.kv_dim() as u64);
+    let (hq, hkv) = (spec.q_heads as u64, spec.kv_heads as u64);
+    let l = spec.layers as u64;
+    let kept = if checkpointed { l.min(1) } else { l };
+    let raw = u64::from(spec.qk_norm);
+    // per token of one layer, but the residual stream out: ln1 + rstd, (Qwen3) q/k before
+    // their norm + rstd, q, k, v, att, lse, att_proj, resid_mid, ln2 + rstd, gate, up,
+    // act, mlp_out
+    let layer = (c + 1)
+        + raw * (qd + kvd + hq + hkv)
+        + (qd + 2 * kvd)
+        + (qd + hq)
+        + 2 * c
+        + (c + 1)
+        + 3 * i
+        + c;
+    let layers = n * (c + kept * layer + l * c);
+    let scratch = n * (2 * c + 3 * i + 2 * qd + 2 * kvd + raw * (qd + kvd));
+    // mask (and its host copy), cos + sin, lnf + rstd, log-prob, entropy and both
+    // coefficients per token; the logits and their gradient
+    let floats = layers + scratch + n * (2 + spec.head_dim as u64 + c + 1 + 4) + 2 * rows * v;
+    // ids, positions and the head chunks' targets
+    Some((floats, 3 * n))
+}
+
 impl<B: Backend> Activations<B> {
     /// Allocates the arena for `batch` sequences of `seq` tokens of a model with `spec`,
     /// with the LM head mode of [`HeadMode::auto`] (whole logits up to 256 MiB of them).
@@ -274,6 +324,69 @@ impl<B: Backend> Activations<B> {
     /// Whether the arena keeps one layer's activations (activation checkpointing).
     pub fn checkpointed(&self) -> bool {
         self.layers.checkpointed
+    }
+
+    /// `(f32 values, u32 ids)` the arena holds (what [`arena_elements`] predicts).
+    pub fn elements(&self) -> (u64, u64) {
+        let l = &self.layers;
+        let stacks = [
+            &l.ln1,
+            &l.ln1_rstd,
+            &l.q_raw,
+            &l.k_raw,
+            &l.q_rstd,
+            &l.k_rstd,
+            &l.q,
+            &l.k,
+            &l.v,
+            &l.att,
+            &l.lse,
+            &l.att_proj,
+            &l.resid_mid,
+            &l.ln2,
+            &l.ln2_rstd,
+            &l.gate,
+            &l.up,
+            &l.act,
+            &l.mlp_out,
+            &l.resid_out,
+        ];
+        let sc = &self.scratch;
+        let scratch = [
+            &sc.dresidual,
+            &sc.dln,
+            &sc.dact,
+            &sc.dgate,
+            &sc.dup,
+            &sc.datt,
+            &sc.dq,
+            &sc.dk,
+            &sc.dv,
+            &sc.dq_raw,
+            &sc.dk_raw,
+        ];
+        let whole = [
+            &l.encoded,
+            &self.mask,
+            &self.cos,
+            &self.sin,
+            &self.lnf,
+            &self.lnf_rstd,
+            &self.logits,
+            &self.log_prob,
+            &self.entropy,
+            &self.coeffs,
+            &self.entropy_coeffs,
+            &self.dlogits,
+        ];
+        let floats = stacks.iter().map(|s| s.len()).sum::<usize>()
+            + scratch.iter().map(|s| s.0.len()).sum::<usize>()
+            + whole.iter().map(|b| b.len()).sum::<usize>()
+            + self.host_mask.len();
+        let ids = self.ids.len()
+            + self.positions.len()
+            + self.targets.iter().map(|t| t.len()).sum::<usize>();
+        (floats as u64, ids as u64)
     }
 
     /// Allocates the arena for `batch` sequences of `seq` tokens of a model with `spec`,

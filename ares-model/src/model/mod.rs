@@ -57,7 +57,7 @@ mod weights;
 
 use ares_cpu::ops::rope::RopeTable;
 
-pub use activations::{Activations, HeadMode};
+pub use activations::{Activations, HeadMode, arena_elements};
 pub use backward::EmbedGrad;
 pub use block_pool::BlockPool;
 pub use decode_weights::WeightDtype;

@@ -19,6 +19,11 @@ impl<B: Backend> Stack<B> {
         Self { buffer, item }
     }
 
+    /// Elements over every layer.
+    pub(crate) fn len(&self) -> usize {
+        self.buffer.len()
+    }
+
     /// The tensor of layer `layer`.
     pub(crate) fn layer(&self, layer: usize) -> Result<Tensor<'_, B>, ModelError> {
         Ok(View::item(&self.buffer, layer, self.item)?)
