@@ -241,6 +241,11 @@ impl<T> VisionParams<T> {
         self.items[slot as usize].as_ref()
     }
 
+    /// Every value the tower has, writable.
+    pub fn values_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.items.iter_mut().flatten()
+    }
+
     /// The value of `slot`, mutably.
     pub fn get_mut(&mut self, slot: Slot) -> Option<&mut T> {
         self.items[slot as usize].as_mut()

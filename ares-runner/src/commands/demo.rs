@@ -453,6 +453,8 @@ pub fn evaluate_model<B: Backend + Clone>(
     let files = crate::trainer::setup::ModelFiles::load(model_dir)?;
     let eos = crate::trainer::setup::eos_ids_of(files.generation(), &r);
     let model = crate::trainer::setup::build_actor(backend, &files, &c)?;
+    let mut files = files;
+    files.drop_weights(); // its configs are read below
     let mut grader = crate::trainer::grading::Grader::new(&c)?;
     let rr = &c.worker.rollout;
     let sampling = crate::trainer::settings::validation_sampling(&c);

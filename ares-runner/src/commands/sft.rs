@@ -141,6 +141,8 @@ pub fn run_sft<B: Backend + Clone>(
         );
     }
     let mut model = build_actor(backend, &files, cfg)?;
+    let mut files = files;
+    files.drop_weights(); // saving needs its configs only
     let mut opt = Optimizer {
         adamw: AdamW::new(model.lm(), adamw_config(cfg))?,
         grads: model.lm().grads()?,

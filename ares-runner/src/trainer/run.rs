@@ -202,11 +202,16 @@ impl<B: Backend + Clone> Trainer<B> {
                 .map(crate::data::resolve_model_dir)
                 .transpose()
                 .map_err(TrainError::Invalid)?;
+            // (the initial model itself when no other is named: no copy of its files)
+            let loaded;
             let ref_files = match &ref_dir {
-                Some(d) => ModelFiles::load(d)?,
-                None => initial.clone(),
+                Some(d) => {
+                    loaded = ModelFiles::load(d)?;
+                    &loaded
+                }
+                None => &initial,
             };
-            Some(build_actor(backend.clone(), &ref_files, &cfg)?)
+            Some(build_actor(backend.clone(), ref_files, &cfg)?)
         } else {
             None
         };
@@ -235,8 +240,10 @@ impl<B: Backend + Clone> Trainer<B> {
         let mut bootstrap_done = false;
         let (actor, opt, state, ares, checkpoint_config) = match latest {
             Some((step, dir)) => {
-                let ck = ModelFiles::load(&dir.join("model"))?;
+                drop(initial); // the checkpoint's model is trained
+                let mut ck = ModelFiles::load(&dir.join("model"))?;
                 let actor = build_actor(backend.clone(), &ck, &cfg)?;
+                ck.drop_weights();
                 let adamw = AdamW::load(actor.lm(), adamw_cfg, &dir.join("optimizer.safetensors"))?;
                 let text = std::fs::read_to_string(dir.join(TRAINER_STATE_FILE))
                     .map_err(|e| TrainError::io(dir.join(TRAINER_STATE_FILE), e))?;
@@ -267,6 +274,8 @@ impl<B: Backend + Clone> Trainer<B> {
             }
             None => {
                 let actor = build_actor(backend.clone(), &initial, &cfg)?;
+                let mut initial = initial;
+                initial.drop_weights(); // before the optimizer's memory is taken
                 let adamw = AdamW::new(actor.lm(), adamw_cfg)?;
                 let grads = actor.lm().grads()?;
                 let mut ares = AresState::new(&settings)?;

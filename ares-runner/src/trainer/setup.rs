@@ -56,6 +56,20 @@ impl ModelFiles {
         })
     }
 
+    /// Frees the weights, keeping the configs and the tensor layout — all that saving the
+    /// trained model needs once it is built — so a run does not hold a second f32 copy of
+    /// the model on the host.
+    pub fn drop_weights(&mut self) {
+        let clear = |t: &mut crate::hf::weights::Tensor| t.data = Vec::new();
+        match self {
+            ModelFiles::Text(c) => c.weights.tensors_mut().into_iter().for_each(|(_, t)| clear(t)),
+            ModelFiles::Vision(c) => {
+                c.text.tensors_mut().into_iter().for_each(|(_, t)| clear(t));
+                c.vision.values_mut().for_each(clear);
+            }
+        }
+    }
+
     /// The language model's config.
     pub fn text_config(&self) -> &ModelConfig {
         match self {
