@@ -75,6 +75,26 @@ pub fn human_bytes(bytes: u64) -> String {
     }
 }
 
+/// Big buffers go back to the system when freed. glibc's malloc raises its mmap threshold
+/// (up to 32 MiB) after a large free, so later multi-MiB buffers — a layer's decode
+/// weights, an arena's tensors — come from the heap and stay resident after they are
+/// freed: one phase's memory would stay with the next. A fixed 1 MiB threshold keeps each
+/// in its own mapping, released with it, so the process holds what the memory plan counts.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+pub fn release_big_buffers() {
+    unsafe extern "C" {
+        fn mallopt(param: i32, value: i32) -> i32;
+    }
+    const M_MMAP_THRESHOLD: i32 = -3;
+    // SAFETY: mallopt only sets an allocator parameter; called before any thread starts.
+    unsafe {
+        mallopt(M_MMAP_THRESHOLD, 1 << 20);
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+pub fn release_big_buffers() {}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,6 +3,7 @@
 //! - `train` — RL training from a YAML config and dotted overrides; with no data configured,
 //!   the built-in demo (a tiny model learns arithmetic on the CPU in minutes).
 //! - `config` — prints the resolved configuration.
+//! - `plan` — prints the memory plan of a run.
 //! - `eval` — accuracy and mean response length per difficulty of a model on a dataset.
 //! - `sft` — supervised fine-tuning on prompt/response data (the cold-start stage).
 //! - `generate` — completions of prompts by a model (streamed text or JSON lines).
@@ -53,6 +54,15 @@ enum Command {
         /// shapes in pictures with a tiny Qwen2.5-VL-style model).
         #[arg(long, value_enum)]
         demo: Option<ares_runner::commands::demo::Demo>,
+    },
+    /// Print the memory plan of a run (from the model's config.json; nothing is loaded):
+    /// what it holds and what each phase of a step adds, at its longest sequences.
+    Plan {
+        #[command(flatten)]
+        cfg: ConfigArgs,
+        /// Device: cpu or cuda (overrides `trainer.device`).
+        #[arg(long, value_name = "DEVICE")]
+        device: Option<String>,
     },
     /// Print the resolved configuration as YAML.
     Config {
@@ -195,6 +205,10 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 ares_runner::commands::train(config, &overrides, cfg.config.is_some())?;
             }
         }
+        Command::Plan { cfg, device } => {
+            let config = load(&cfg, device.as_deref())?;
+            print!("{}", ares_runner::commands::plan(&config)?);
+        }
         Command::Config { cfg } => {
             // the notes follow as YAML comments, so the output still loads as a config
             let (config, notes) = load_with_notes(&cfg, None)?;
@@ -297,6 +311,7 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn main() -> ExitCode {
+    ares_runner::host_memory::release_big_buffers();
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,

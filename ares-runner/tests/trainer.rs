@@ -1134,7 +1134,8 @@ fn book_length_prompts_are_refused_before_tokenizing() {
 }
 
 /// A model whose `config.json` declares more than this machine holds is refused before its
-/// weights are read, with the parts the run needs named; under the bound a child process
+/// weights are read, with its memory plan and the settings that would shrink it; under the
+/// bound a child process
 /// checks that nothing of that size was reserved.
 #[test]
 fn a_run_that_cannot_fit_in_memory_is_refused_before_loading() {
@@ -1159,12 +1160,80 @@ fn a_run_that_cannot_fit_in_memory_is_refused_before_loading() {
     let cfg = config(&a, &dir.path().join("run"), &[]).unwrap();
     let e = trainer(cfg).unwrap_err().to_string();
     assert!(
-        e.contains("this run needs at least")
-            && e.contains("weights (f32)")
+        e.contains("this run needs up to")
+            && e.contains("weights and RoPE tables (f32)")
             && e.contains("AdamW moments")
             && e.contains("available"),
         "{e}"
     );
+}
+
+/// The memory plan against the measured peak: a run whose sequences all reach their
+/// longest (a random model rarely ends a response) peaks within 10 % of the plan's figure
+/// (resident memory over what the process held before the trainer began, in a child
+/// process of its own).
+#[test]
+fn the_memory_plan_is_within_10_percent_of_the_measured_peak() {
+    let Some(mut peak) = ares_tests::bounded::rerun(
+        "the_memory_plan_is_within_10_percent_of_the_measured_peak",
+        ares_tests::bounded::Bounds {
+            address_space_mib: 16_384,
+            peak_rss_mib: 4096,
+        },
+    ) else {
+        return;
+    };
+    ares_runner::host_memory::release_big_buffers();
+    let dir = tempfile::tempdir().unwrap();
+    let a = write_demo_assets_with(
+        &dir.path().join("assets"),
+        &DemoOptions {
+            seed: 3,
+            train_per_level: 4,
+            eval_per_level: 2,
+            sft_examples: 8,
+            model: TinyModelSpec {
+                hidden: 384,
+                layers: 6,
+                heads: 6,
+                kv_heads: 2,
+                intermediate: 1024,
+                max_positions: 2048,
+                ..TinyModelSpec::default()
+            },
+            vocab_size: 8192,
+        },
+    )
+    .unwrap();
+    let cfg = config(
+        &a,
+        &dir.path().join("run"),
+        &["data.max_response_length=24", "trainer.save_freq=0"],
+    )
+    .unwrap();
+    let plan = ares_runner::trainer::run::memory_plan(&cfg, &a.model_dir, true, true).unwrap();
+    peak.restart();
+    let summary = trainer(cfg).unwrap().run().unwrap();
+    let measured = peak.added_kib().map(|k| k << 10);
+    let lines = read_metrics(&summary.metrics).unwrap();
+    assert_eq!(
+        num(&lines[0], "response_length/mean"),
+        24.0,
+        "every response at its longest"
+    );
+    if let Some(measured) = measured {
+        let planned = plan.peak();
+        let ratio = measured as f64 / planned as f64;
+        eprintln!(
+            "measured {measured} bytes, planned {planned}: {ratio:.3}\n{}",
+            plan.table()
+        );
+        assert!(
+            (0.9..=1.1).contains(&ratio),
+            "measured / planned = {ratio:.3}\n{}",
+            plan.table()
+        );
+    }
 }
 
 /// `data.tools` and `data.apply_chat_template_kwargs` (verl's key) are rendered into every

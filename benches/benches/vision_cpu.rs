@@ -98,7 +98,7 @@ fn main() {
     let t = best_and_median(runs, || {
         tower.forward(&be, &pixels, &mut train).expect("forward");
         tower
-            .backward(&be, &train, View::whole(&dout), &mut grads)
+            .backward(&be, &mut train, View::whole(&dout), &mut grads)
             .expect("backward");
     });
     report("vision forward+backward", plan.patches, "patches", t);

@@ -105,6 +105,13 @@ impl Peak {
         peak
     }
 
+    /// The peak resident memory since the start (or [`Peak::restart`]), in KiB: `None` where
+    /// it cannot be measured (not Linux, or the parent process).
+    pub fn added_kib(&self) -> Option<u64> {
+        let start = self.start_kib?;
+        Some(status_kib("VmHWM")?.saturating_sub(start))
+    }
+
     /// Counts from here: what the test built before (its inputs) is not the body's peak.
     pub fn restart(&mut self) {
         if std::env::var_os(CHILD).is_none() {

@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
 use memmap2::Mmap;
+use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, Metadata, TensorInfo};
-use safetensors::{SafeTensors, View};
 
 use super::HfError;
 use super::json::{self, Fields};
@@ -201,27 +201,6 @@ fn map(path: &Path) -> Result<Mapped, HfError> {
 /// One tensor to write: name, shape, f32 values (row-major).
 pub type NamedTensor<'a> = (&'a str, &'a [usize], &'a [f32]);
 
-struct Encoded<'a> {
-    dtype: Dtype,
-    shape: &'a [usize],
-    bytes: Vec<u8>,
-}
-
-impl View for &Encoded<'_> {
-    fn dtype(&self) -> Dtype {
-        self.dtype
-    }
-    fn shape(&self) -> &[usize] {
-        self.shape
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        Cow::Borrowed(&self.bytes)
-    }
-    fn data_len(&self) -> usize {
-        self.bytes.len()
-    }
-}
-
 /// Writes `tensors` as one safetensors file at `path` in `dtype`, with the
 /// `{"format": "pt"}` metadata transformers expects.
 pub fn write_safetensors(
@@ -243,34 +222,96 @@ pub fn write_safetensors_with_metadata(
     dtype: SaveDtype,
     metadata: std::collections::HashMap<String, String>,
 ) -> Result<(), HfError> {
-    let encoded: Vec<(&str, Encoded<'_>)> = tensors
-        .iter()
-        .map(|&(name, shape, data)| {
-            let (dtype, bytes) = match dtype {
-                SaveDtype::F32 => (
-                    Dtype::F32,
-                    data.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    let heads: Vec<(&str, &[usize])> = tensors.iter().map(|&(n, s, _)| (n, s)).collect();
+    write_safetensors_streamed(path, &heads, dtype, metadata, |i| {
+        Ok(Cow::Borrowed(tensors[i].2))
+    })
+}
+
+/// Writes a safetensors file of the tensors `heads` (name, shape) whose values `tensor(i)`
+/// gives one at a time, converted to `dtype` and written a chunk at a time: no copy of the
+/// whole file is ever held, and a caller that downloads each tensor just before it is
+/// written holds one tensor's values (an optimizer's moments, a device's weights). The
+/// header is safetensors' own: an 8-byte little-endian length, the JSON (offsets in
+/// `heads`' order, `__metadata__`), padded with spaces to 8 bytes.
+///
+/// # Errors
+/// A tensor whose values do not match its shape, `tensor`'s errors, I/O errors.
+pub fn write_safetensors_streamed<'a>(
+    path: &Path,
+    heads: &[(&str, &[usize])],
+    dtype: SaveDtype,
+    metadata: std::collections::HashMap<String, String>,
+    mut tensor: impl FnMut(usize) -> Result<Cow<'a, [f32]>, HfError>,
+) -> Result<(), HfError> {
+    use std::io::Write;
+    let io = |e: std::io::Error| HfError::Safetensors {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    };
+    let (name, size) = match dtype {
+        SaveDtype::F32 => ("F32", 4usize),
+        SaveDtype::Bf16 => ("BF16", 2),
+    };
+    let mut header = serde_json::Map::new();
+    if !metadata.is_empty() {
+        let meta: serde_json::Map<String, serde_json::Value> = metadata
+            .into_iter()
+            .collect::<BTreeMap<_, _>>()
+            .into_iter()
+            .map(|(k, v)| (k, serde_json::Value::String(v)))
+            .collect();
+        header.insert("__metadata__".into(), serde_json::Value::Object(meta));
+    }
+    let mut offset = 0usize;
+    for &(tensor_name, shape) in heads {
+        let bytes = shape.iter().product::<usize>() * size;
+        header.insert(
+            tensor_name.to_string(),
+            serde_json::json!({
+                "dtype": name,
+                "shape": shape,
+                "data_offsets": [offset, offset + bytes],
+            }),
+        );
+        offset += bytes;
+    }
+    let mut text = serde_json::Value::Object(header).to_string();
+    while !(8 + text.len()).is_multiple_of(8) {
+        text.push(' ');
+    }
+    let file = File::create(path).map_err(io)?;
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, file);
+    out.write_all(&(text.len() as u64).to_le_bytes())
+        .map_err(io)?;
+    out.write_all(text.as_bytes()).map_err(io)?;
+    let mut buf = Vec::with_capacity((1 << 16) * size);
+    for (i, &(tensor_name, shape)) in heads.iter().enumerate() {
+        let values = tensor(i)?;
+        let expected = shape.iter().product::<usize>();
+        if values.len() != expected {
+            return Err(HfError::Safetensors {
+                path: path.to_path_buf(),
+                message: format!(
+                    "tensor {tensor_name}: {} values for shape {shape:?} ({expected})",
+                    values.len()
                 ),
-                SaveDtype::Bf16 => (
-                    Dtype::BF16,
-                    data.iter()
-                        .flat_map(|&x| bf16::from_f32(x).to_bits().to_le_bytes())
-                        .collect(),
-                ),
-            };
-            (
-                name,
-                Encoded {
-                    dtype,
-                    shape,
-                    bytes,
-                },
-            )
-        })
-        .collect();
-    safetensors::serialize_to_file(encoded.iter().map(|(n, e)| (*n, e)), Some(metadata), path)
-        .map_err(|e| HfError::Safetensors {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })
+            });
+        }
+        for chunk in values.chunks(1 << 16) {
+            buf.clear();
+            match dtype {
+                SaveDtype::F32 => chunk.iter().for_each(|x| buf.extend(x.to_le_bytes())),
+                SaveDtype::Bf16 => chunk
+                    .iter()
+                    .for_each(|&x| buf.extend(bf16::from_f32(x).to_bits().to_le_bytes())),
+            }
+            out.write_all(&buf).map_err(io)?;
+        }
+    }
+    out.flush().map_err(io)?;
+    out.into_inner()
+        .map_err(|e| io(e.into_error()))?
+        .sync_all()
+        .map_err(io)
 }

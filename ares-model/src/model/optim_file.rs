@@ -21,7 +21,7 @@ use safetensors::{Dtype, SafeTensors};
 use super::optim::check_config;
 use super::{AdamW, AdamWConfig, Model, ModelError};
 use crate::backend::Backend;
-use crate::hf::tensor_files::{NamedTensor, SaveDtype, write_safetensors_with_metadata};
+use crate::hf::tensor_files::{SaveDtype, write_safetensors_streamed};
 use crate::hf::weights::expected_tensors;
 
 /// The `format` metadata value of an optimizer state file.
@@ -72,22 +72,20 @@ impl<B: Backend> AdamW<B> {
         }
         let be = &model.backend;
         let params = expected_tensors(&model.config);
+        // (name, shape, parameter, which moment): each downloaded just before it is written
         let mut names = Vec::with_capacity(2 * params.len());
-        let mut data = Vec::with_capacity(2 * params.len());
         for (name, shape) in &params {
-            for (suffix, moments) in MOMENTS.iter().zip([&self.exp_avg, &self.exp_avg_sq]) {
-                let t = moments.tensor(name)?;
-                let mut host = vec![0.0f32; t.len()];
-                be.download(t, &mut host)?;
-                names.push(format!("{name}.{suffix}"));
-                data.push((shape, host));
+            for (k, suffix) in MOMENTS.iter().enumerate() {
+                names.push((
+                    format!("{name}.{suffix}"),
+                    shape.as_slice(),
+                    name.as_str(),
+                    k,
+                ));
             }
         }
-        let list: Vec<NamedTensor<'_>> = names
-            .iter()
-            .zip(&data)
-            .map(|(n, (shape, d))| (n.as_str(), shape.as_slice(), d.as_slice()))
-            .collect();
+        let heads: Vec<(&str, &[usize])> =
+            names.iter().map(|(n, s, _, _)| (n.as_str(), *s)).collect();
         let c = &self.config;
         let metadata: HashMap<String, String> = [
             ("format", FORMAT.to_string()),
@@ -103,7 +101,23 @@ impl<B: Backend> AdamW<B> {
         .collect();
 
         let tmp = temp_path(path)?;
-        let written = write_safetensors_with_metadata(&tmp, &list, SaveDtype::F32, metadata)
+        let moment = |i: usize| -> Result<std::borrow::Cow<'static, [f32]>, crate::hf::HfError> {
+            let (_, _, param, k) = &names[i];
+            let moments = if *k == 0 {
+                &self.exp_avg
+            } else {
+                &self.exp_avg_sq
+            };
+            let fail = |e: ModelError| crate::hf::HfError::Safetensors {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            };
+            let t = moments.tensor(param).map_err(fail)?;
+            let mut host = vec![0.0f32; t.len()];
+            be.download(t, &mut host).map_err(|e| fail(e.into()))?;
+            Ok(std::borrow::Cow::Owned(host))
+        };
+        let written = write_safetensors_streamed(&tmp, &heads, SaveDtype::F32, metadata, moment)
             .map_err(|e| bad(path, e.to_string()))
             .and_then(|()| {
                 File::open(&tmp)

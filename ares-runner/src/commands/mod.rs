@@ -19,6 +19,49 @@ use crate::trainer::{TrainError, Trainer};
 
 pub use sft::{SftOptions, SftReport, read_sft_pairs, run_sft, sft};
 
+/// `ares-runner plan`: the memory plan of a run of `cfg` (its model's config files only,
+/// nothing allocated), as a table, and whether it fits this machine's host memory (a CPU
+/// run).
+///
+/// # Errors
+/// No model configured, unreadable model configs, an invalid config.
+pub fn plan(cfg: &Config) -> Result<String, TrainError> {
+    let path = cfg
+        .worker
+        .actor
+        .model
+        .model_path
+        .as_deref()
+        .ok_or_else(|| {
+            TrainError::Invalid(
+                "worker.actor.model.model_path is not set: the plan is made from the model's \
+             config.json"
+                    .into(),
+            )
+        })?;
+    let model_dir = crate::data::resolve_model_dir(path).map_err(TrainError::Invalid)?;
+    let reference = crate::trainer::settings::step_settings(cfg, 1)?.kl.enabled;
+    let on_cpu = cfg.trainer.device == Device::Cpu;
+    let plan = crate::trainer::run::memory_plan(cfg, &model_dir, on_cpu, reference)?;
+    let mut out = plan.table();
+    if on_cpu
+        && let Some((available, source)) =
+            crate::host_memory::available_host_memory().map_err(TrainError::Invalid)?
+    {
+        match crate::trainer::memory::check(&plan, available, &source, cfg) {
+            Ok(()) => out.push_str(&format!(
+                "fits: {} available ({source})\n",
+                crate::host_memory::human_bytes(available)
+            )),
+            Err(e) => out.push_str(&format!(
+                "does not fit: {}\n",
+                e.to_string().lines().next().unwrap_or_default()
+            )),
+        }
+    }
+    Ok(out)
+}
+
 /// The backend `trainer.device` selects.
 #[derive(Debug, Clone)]
 pub enum Selected {

@@ -1,49 +1,134 @@
-//! The host memory a run needs at the least, from the model's `config.json` and the run's
-//! config alone, checked before the model is loaded: a run that cannot fit stops with the
-//! parts it needs and what the machine has, not with the kernel's out-of-memory kill
-//! halfway through loading.
+//! The memory plan: what a run holds at its peak, phase by phase, from the model's
+//! `config.json` and the run's config alone — computed before anything is allocated, so a
+//! run that cannot fit stops with the parts it needs and the settings that would shrink
+//! them, not with the kernel's out-of-memory kill an hour in.
 //!
-//! A lower bound, by design: it counts what a run certainly holds at once — on the CPU the
-//! f32 weights, their gradients, both AdamW moments and the reference policy (when the KL
-//! needs one); on a GPU the f32 checkpoint that is read on the host before it is uploaded.
-//! The decode weights and the KV cache come on top; the KV cache at its largest (every
-//! sequence of a rollout at its longest) is reported with the check, as a warning when it
-//! would not fit. A bound that may refuse a run that would fit is not wanted here: the
-//! fuller per-phase plan (activations, logits chunks, the vision tower, device memory) is
-//! the memory plan's job.
+//! What is counted (f32, as the trainer stores everything today):
+//! - **held for the whole run**: the actor's weights and RoPE tables, its gradients, both
+//!   AdamW moments (the vision tower's too, unless frozen), and the reference policy when
+//!   the KL needs one;
+//! - **rollout**: the decode weights (a transposed copy of every linear layer and the LM
+//!   head, f32 or bf16), the paged KV cache when `min(rollout_batch_size · n, 64)`
+//!   sequences are at `max_prompt_length + max_response_length` (its pool grows by
+//!   doubling), the decode arena and one prefill pass with its cache;
+//! - **scoring** (old and reference log-probs) and **update**: the activation arena of a
+//!   micro-batch at the longest packed length (`arena_elements`, the same sizes the model
+//!   allocates: checkpointed or not, whole or chunked LM head);
+//! - **checkpoint save**: the weights copied to the host, then the optimizer's moments
+//!   streamed to the file one tensor at a time.
+//!
+//! The peak is the held memory plus the largest phase. It is an upper bound of the model's
+//! memory — every sequence at its longest, which a random or rambling policy does reach —
+//! and leaves out the program itself, the datasets and the vision tower's activations.
 
 use crate::config::Config;
 use crate::hf::config::ModelConfig;
+use crate::model::{HeadMode, ModelSpec, arena_elements};
 
 use super::TrainError;
 
-/// One part of a run's memory, in bytes.
+/// One part of a run's memory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Part {
-    /// What it is, as the message names it.
-    pub what: &'static str,
+    /// What it is, as the table names it.
+    pub what: String,
     /// Its bytes.
     pub bytes: u64,
 }
 
-/// What a run needs at the least, and the KV cache on top at its largest.
+/// The parts a phase of a step adds to what the run holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HostNeed {
-    /// Held at once for certain.
+pub struct Phase {
+    /// `rollout`, `scoring` or `update`.
+    pub name: &'static str,
+    /// Its parts.
     pub parts: Vec<Part>,
-    /// The KV cache when every sequence of a rollout is at its longest.
-    pub kv_cache_at_most: u64,
 }
 
-impl HostNeed {
+impl Phase {
     /// The parts' sum.
     pub fn total(&self) -> u64 {
-        self.parts.iter().map(|p| p.bytes).sum()
+        self.parts.iter().fold(0, |a, p| a.saturating_add(p.bytes))
     }
 }
 
-/// The language model's parameters as `config.json` declares them (the vision tower of a
-/// vision-language model is left out: this is a lower bound).
+/// A run's memory, held and per phase.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MemoryPlan {
+    /// Where the model lives: `host` or `GPU`.
+    pub place: &'static str,
+    /// Held for the whole run.
+    pub held: Vec<Part>,
+    /// The phases of a step.
+    pub phases: Vec<Phase>,
+}
+
+impl MemoryPlan {
+    /// What is held for the whole run.
+    pub fn held_total(&self) -> u64 {
+        self.held.iter().fold(0, |a, p| a.saturating_add(p.bytes))
+    }
+
+    /// The largest phase.
+    pub fn peak_phase(&self) -> Option<&Phase> {
+        self.phases.iter().max_by_key(|p| p.total())
+    }
+
+    /// The held memory plus the largest phase.
+    pub fn peak(&self) -> u64 {
+        self.held_total()
+            .saturating_add(self.peak_phase().map_or(0, Phase::total))
+    }
+
+    /// The plan as a table: each part, each phase's total, the peak.
+    pub fn table(&self) -> String {
+        let mut out = format!(
+            "memory plan ({} memory; every sequence at its longest)\n",
+            self.place
+        );
+        let row = |out: &mut String, what: &str, bytes: u64| {
+            out.push_str(&format!("  {what:<58} {:>10}\n", human(bytes)));
+        };
+        out.push_str("held for the whole run:\n");
+        for p in &self.held {
+            row(&mut out, &p.what, p.bytes);
+        }
+        row(&mut out, "held, in all", self.held_total());
+        for phase in &self.phases {
+            out.push_str(&format!("{}:\n", phase.name));
+            for p in &phase.parts {
+                row(&mut out, &p.what, p.bytes);
+            }
+            row(
+                &mut out,
+                &format!("{} peak (held + these)", phase.name),
+                self.held_total().saturating_add(phase.total()),
+            );
+        }
+        let peak = self.peak_phase().map_or("-", |p| p.name);
+        out.push_str(&format!("peak: {} (in {peak})\n", human(self.peak())));
+        out
+    }
+}
+
+fn human(bytes: u64) -> String {
+    crate::host_memory::human_bytes(bytes)
+}
+
+/// What the plan is made from besides the run's config.
+#[derive(Debug, Clone, Copy)]
+pub struct PlanModel<'a> {
+    /// The language model's config.
+    pub text: &'a ModelConfig,
+    /// The vision tower's parameters (0 for a text model).
+    pub tower_params: u64,
+    /// Whether the model is trained in host memory (else on a GPU).
+    pub on_cpu: bool,
+    /// Whether the KL needs a reference policy.
+    pub reference: bool,
+}
+
+/// The language model's parameters as `config.json` declares them.
 pub fn text_parameters(config: &ModelConfig) -> u64 {
     crate::hf::weights::expected_tensors(config)
         .iter()
@@ -51,122 +136,273 @@ pub fn text_parameters(config: &ModelConfig) -> u64 {
         .fold(0, u64::saturating_add)
 }
 
-/// The need of a run of `cfg` on the model of `config`: `on_cpu` when the model is trained
-/// in host memory, `reference` when the KL needs a reference policy.
-pub fn host_need(cfg: &Config, config: &ModelConfig, on_cpu: bool, reference: bool) -> HostNeed {
-    let f32s = |n: u64| n.saturating_mul(4);
-    let params = text_parameters(config);
-    let mut parts = vec![Part {
-        what: if on_cpu {
-            "weights (f32)"
-        } else {
-            "checkpoint read on the host (f32)"
-        },
-        bytes: f32s(params),
-    }];
-    if on_cpu && !cfg.trainer.val_only {
-        parts.push(Part {
-            what: "gradients (f32)",
-            bytes: f32s(params),
-        });
-        parts.push(Part {
-            what: "AdamW moments (2 × f32)",
-            bytes: f32s(params).saturating_mul(2),
-        });
-        if reference {
-            parts.push(Part {
-                what: "reference policy (f32)",
-                bytes: f32s(params),
-            });
-        }
-    }
-    let sequences =
-        (cfg.data.rollout_batch_size as u64).saturating_mul(cfg.worker.rollout.n as u64);
-    let tokens =
-        (cfg.data.max_prompt_length as u64).saturating_add(cfg.data.max_response_length as u64);
-    let per_token = (config.num_hidden_layers as u64)
-        .saturating_mul(2 * config.num_key_value_heads as u64)
-        .saturating_mul(config.head_dim as u64);
-    let kv_cache_at_most = if on_cpu {
-        f32s(sequences.saturating_mul(tokens).saturating_mul(per_token))
-    } else {
-        0
-    };
-    HostNeed {
-        parts,
-        kv_cache_at_most,
-    }
-}
+/// Sequences the rollout engine decodes at once (the trainer's 64 slots).
+const ROLLOUT_SLOTS: u64 = 64;
+/// Token slots per KV block, and the prompt tokens a prefill pass takes at most.
+const BLOCK: u64 = 16;
+const PREFILL_TOKENS: u64 = 8192;
 
-fn gib(bytes: u64) -> String {
-    crate::host_memory::human_bytes(bytes)
-}
-
-/// Refuses a run whose certain need passes `available` (from `source`), naming each part;
-/// returns a warning when the KV cache at its largest would not fit beside it.
+/// The plan of a run of `cfg` on `model`.
 ///
 /// # Errors
-/// [`TrainError::Invalid`] when the need passes what is available.
-pub fn check(need: &HostNeed, available: u64, source: &str) -> Result<Option<String>, TrainError> {
-    let total = need.total();
-    let parts = need
-        .parts
-        .iter()
-        .map(|p| format!("{} {}", p.what, gib(p.bytes)))
-        .collect::<Vec<_>>()
-        .join(" + ");
-    if total > available {
-        return Err(TrainError::Invalid(format!(
-            "this run needs at least {} of memory ({parts}), more than the {} available \
-             ({source}); pick a smaller model, or turn the KL's reference policy off \
-             (algorithm.disable_kl) if it is counted (set ARES_MEMORY_LIMIT to state the \
-             memory yourself)",
-            gib(total),
-            gib(available)
-        )));
+/// A config the model code cannot build a spec from.
+pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError> {
+    let spec = ModelSpec::from_config(model.text)?;
+    let f32s = |n: u64| n.saturating_mul(4);
+    let p = text_parameters(model.text);
+    let t = model.tower_params;
+    let rope = f32s((spec.max_positions as u64).saturating_mul(spec.head_dim as u64));
+    let frozen = cfg.worker.actor.model.freeze_vision_tower;
+    let trained = p + if frozen { 0 } else { t };
+    let mut held = vec![Part {
+        what: "weights and RoPE tables (f32)".into(),
+        bytes: f32s(p + t) + rope,
+    }];
+    if !cfg.trainer.val_only {
+        held.push(Part {
+            what: "gradients (f32)".into(),
+            bytes: f32s(trained),
+        });
+        held.push(Part {
+            what: "AdamW moments (2 × f32)".into(),
+            bytes: f32s(trained).saturating_mul(2),
+        });
     }
-    let kv = need.kv_cache_at_most;
-    Ok((total.saturating_add(kv) > available).then(|| {
-        format!(
-            "memory: the KV cache may reach {} when every rollout sequence is at \
-             data.max_prompt_length + data.max_response_length, beside {} held ({parts}); \
-             {} is available ({source}): lower data.rollout_batch_size, worker.rollout.n or \
-             the lengths if the run runs out of memory",
-            gib(kv),
-            gib(total),
-            gib(available)
-        )
-    }))
+    if model.reference {
+        held.push(Part {
+            what: "reference policy (f32)".into(),
+            bytes: f32s(p + t) + rope,
+        });
+    }
+
+    let (c, v, l) = (spec.hidden as u64, spec.vocab as u64, spec.layers as u64);
+    let (qd, kvd, i) = (
+        spec.q_dim() as u64,
+        spec.kv_dim() as u64,
+        spec.intermediate as u64,
+    );
+    let (prompt, response) = (
+        cfg.data.max_prompt_length as u64,
+        cfg.data.max_response_length as u64,
+    );
+    let longest = prompt + response;
+    let arena = |batch: u64, seq: u64, head: HeadMode, checkpointed: bool| -> u64 {
+        arena_elements(&spec, batch as usize, seq as usize, head, checkpointed)
+            .map_or(u64::MAX, |(floats, ids)| f32s(floats + ids))
+    };
+
+    // rollout: decode weights, the KV pool at its largest, the decode and prefill arenas
+    let linear = l * (c * qd + 2 * c * kvd + qd * c + 3 * c * i) + c * v;
+    let bf16 = cfg.worker.rollout.weight_dtype == crate::config::WeightDtype::Bf16;
+    let decode = if bf16 { linear * 2 } else { f32s(linear) };
+    let sequences = ((cfg.data.rollout_batch_size as u64) * (cfg.worker.rollout.n as u64))
+        .clamp(1, ROLLOUT_SLOTS);
+    let blocks = sequences * (longest + 1).div_ceil(BLOCK);
+    let mut capacity = 4 * sequences;
+    while capacity < blocks {
+        capacity *= 2;
+    }
+    let block_bytes = f32s(l * 2 * kvd * BLOCK);
+    let prompts = (cfg.data.rollout_batch_size as u64)
+        .min(PREFILL_TOKENS / prompt.max(1))
+        .max(1);
+    let prefill = arena(
+        prompts,
+        prompt.max(1),
+        HeadMode::Chunked {
+            rows: prompts as usize,
+        },
+        false,
+    ) + f32s(prompts * prompt * l * 2 * kvd);
+    let rollout = Phase {
+        name: "rollout",
+        parts: vec![
+            Part {
+                what: format!("decode weights ({})", if bf16 { "bf16" } else { "f32" }),
+                bytes: decode,
+            },
+            Part {
+                what: format!(
+                    "KV cache ({sequences} sequences × {longest} tokens, {capacity} blocks)"
+                ),
+                bytes: capacity * block_bytes,
+            },
+            Part {
+                what: format!("decode arena ({sequences} rows) and a prefill of {prompts} prompts"),
+                bytes: arena(sequences, 1, HeadMode::Full, false) + prefill,
+            },
+        ],
+    };
+
+    // scoring and update: an arena of a micro-batch at the longest packed length
+    let micro = (cfg.worker.actor.micro_batch_size_per_device_for_update as u64).max(1);
+    let rows = micro * longest;
+    let head = HeadMode::auto(rows as usize, spec.vocab);
+    let checkpointed = cfg.worker.actor.model.enable_gradient_checkpointing;
+    let head_note = match head {
+        HeadMode::Full => "whole logits".to_string(),
+        HeadMode::Chunked { rows } => format!("LM head {rows} rows at a time"),
+    };
+    let step_rows = (cfg.data.rollout_batch_size as u64) * (cfg.worker.rollout.n as u64);
+    let mut phases = vec![rollout];
+    for name in ["scoring", "update"] {
+        let what = format!(
+            "activations of {micro} sequences × {longest} tokens ({head_note}{})",
+            if checkpointed { ", checkpointed" } else { "" }
+        );
+        phases.push(Phase {
+            name,
+            parts: vec![
+                Part {
+                    what,
+                    bytes: arena(micro, longest, head, checkpointed),
+                },
+                Part {
+                    what: "per-token log-probs and masks of the step".into(),
+                    bytes: f32s(step_rows * response * 6),
+                },
+            ],
+        });
+    }
+    // a checkpoint: the weights copied to the host, then the moments one tensor at a time
+    let largest = c * v.max(i.max(c));
+    phases.push(Phase {
+        name: "checkpoint save",
+        parts: vec![Part {
+            what: "weights copied to the host (f32), one moment tensor".into(),
+            bytes: f32s(p + t) + f32s(largest),
+        }],
+    });
+    Ok(MemoryPlan {
+        place: if model.on_cpu { "host" } else { "GPU" },
+        held,
+        phases,
+    })
+}
+
+/// Refuses a run whose peak passes `available` (from `source`), naming its largest parts
+/// and the settings that would shrink them.
+///
+/// # Errors
+/// [`TrainError::Invalid`] when the plan's peak passes what is available.
+pub fn check(
+    plan: &MemoryPlan,
+    available: u64,
+    source: &str,
+    cfg: &Config,
+) -> Result<(), TrainError> {
+    let peak = plan.peak();
+    if peak <= available {
+        return Ok(());
+    }
+    let phase = plan.peak_phase().map_or("-", |p| p.name);
+    let mut ways = Vec::new();
+    if plan.held_total() > available {
+        // what the run holds throughout is too much already: only the model's size helps
+    } else if phase != "rollout" {
+        if cfg.worker.actor.micro_batch_size_per_device_for_update > 1 {
+            ways.push("a smaller worker.actor.micro_batch_size_per_device_for_update");
+        }
+        if !cfg.worker.actor.model.enable_gradient_checkpointing {
+            ways.push("worker.actor.model.enable_gradient_checkpointing=true");
+        }
+    } else {
+        ways.push("worker.rollout.weight_dtype=bf16");
+        ways.push("a smaller data.rollout_batch_size or worker.rollout.n");
+    }
+    if plan.held.iter().any(|p| p.what.starts_with("reference")) {
+        ways.push(
+            "no reference policy (algorithm.disable_kl, or algorithm.kl_coef 0 without a KL loss)",
+        );
+    }
+    ways.push("shorter data.max_prompt_length / max_response_length, or a smaller model");
+    Err(TrainError::Invalid(format!(
+        "this run needs up to {} of {} memory at its peak (in {phase}), more than the {} \
+         available ({source}); it could fit with {}. The plan (`ares-runner plan` prints \
+         it):\n{}(set ARES_MEMORY_LIMIT to state the memory yourself)",
+        human(peak),
+        plan.place,
+        human(available),
+        ways.join(", or "),
+        plan.table()
+    )))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn tiny() -> ModelConfig {
+        let json = r#"{
+            "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+            "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "tie_word_embeddings": true
+        }"#;
+        ModelConfig::from_json_str(std::path::Path::new("config.json"), json).unwrap()
+    }
+
+    /// Hand-checked parts for a 2-layer model: weights, moments, decode copy, KV pool.
     #[test]
-    fn a_need_past_what_is_available_is_refused_by_part() {
-        let need = HostNeed {
-            parts: vec![
-                Part {
-                    what: "weights (f32)",
-                    bytes: 4 << 30,
-                },
-                Part {
-                    what: "gradients (f32)",
-                    bytes: 4 << 30,
-                },
-            ],
-            kv_cache_at_most: 2 << 30,
-        };
-        let e = check(&need, 7 << 30, "test").unwrap_err().to_string();
+    fn parts_are_what_the_model_allocates() {
+        let text = tiny();
+        let mut cfg = Config::default();
+        cfg.data.rollout_batch_size = 4;
+        cfg.worker.rollout.n = 2;
+        cfg.data.max_prompt_length = 20;
+        cfg.data.max_response_length = 11;
+        let plan = plan(
+            &cfg,
+            PlanModel {
+                text: &text,
+                tower_params: 0,
+                on_cpu: true,
+                reference: true,
+            },
+        )
+        .unwrap();
+        // 100·64 embed + 2·(q 64·64+64, k,v 64·32+32 each, o 64·64, mlp 3·64·128, norms
+        // 2·64) + 64 final norm
+        let p = 6400 + 2 * (4160 + 2 * 2080 + 4096 + 24_576 + 128) + 64;
+        assert_eq!(text_parameters(&text), p);
+        let rope = 4 * 256 * 16;
+        assert_eq!(plan.held[0].bytes, 4 * p + rope);
+        assert_eq!(plan.held[2].bytes, 8 * p);
+        assert_eq!(plan.held[3].bytes, 4 * p + rope);
+        let rollout = &plan.phases[0];
+        // linear weights (no biases, norms or embedding) and the head
+        let linear = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128) + 64 * 100;
+        assert_eq!(rollout.parts[0].bytes, 4 * linear);
+        // 8 sequences × ⌈32 / 16⌉ = 16 blocks ≤ the first 32; 2 layers × k,v × 32 × 16 slots
+        assert_eq!(rollout.parts[1].bytes, 32 * 4 * 2 * 2 * 32 * 16);
+        assert!(plan.peak() > plan.held_total());
+        let table = plan.table();
         assert!(
-            e.contains("at least 8.0 GiB")
-                && e.contains("weights (f32) 4.0 GiB + gradients (f32) 4.0 GiB")
-                && e.contains("7.0 GiB available (test)"),
+            table.contains("KV cache (8 sequences × 31 tokens, 32 blocks)"),
+            "{table}"
+        );
+        assert!(table.contains("peak:"), "{table}");
+        // too little memory: refused with the plan and the ways to fit
+        let e = check(&plan, 1 << 20, "test", &cfg).unwrap_err().to_string();
+        assert!(
+            e.contains("more than the 1.0 MiB available (test)") && e.contains("memory plan"),
             "{e}"
         );
-        let w = check(&need, 9 << 30, "test").unwrap().unwrap();
-        assert!(w.contains("may reach 2.0 GiB"), "{w}");
-        assert_eq!(check(&need, 10 << 30, "test").unwrap(), None);
+        assert!(e.contains("no reference policy"), "{e}");
+        assert!(check(&plan, plan.peak(), "test", &cfg).is_ok());
+        // checkpointing shrinks the update's arena
+        cfg.worker.actor.model.enable_gradient_checkpointing = true;
+        let small = super::plan(
+            &cfg,
+            PlanModel {
+                text: &text,
+                tower_params: 0,
+                on_cpu: true,
+                reference: true,
+            },
+        )
+        .unwrap();
+        assert!(small.phases[2].total() < plan.phases[2].total());
     }
 }

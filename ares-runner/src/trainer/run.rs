@@ -1094,28 +1094,68 @@ fn multi_turn(cfg: &Config, renderer: &PromptRenderer) -> Result<Option<MultiTur
     }))
 }
 
-/// Refuses a run that cannot fit in this machine's memory before the model is loaded
-/// ([`super::memory`]); prints a warning when its KV cache might not.
+/// The memory plan of a run of `cfg` on the model in `model_dir` ([`super::memory`]), from
+/// its config files alone.
+///
+/// # Errors
+/// Unreadable model configs.
+pub fn memory_plan(
+    cfg: &Config,
+    model_dir: &Path,
+    on_cpu: bool,
+    reference: bool,
+) -> Result<super::memory::MemoryPlan, TrainError> {
+    let invalid = |e: crate::hf::HfError| TrainError::Invalid(e.to_string());
+    let (text, tower_params) = if crate::vision::config::VlConfig::is_vl_dir(model_dir) {
+        let vl = crate::vision::config::VlConfig::from_dir(model_dir).map_err(invalid)?;
+        let tower: u64 = crate::vision::weights::param_table(&vl.vision)
+            .iter()
+            .map(|spec| {
+                let blocks = if spec.per_block { vl.vision.depth } else { 1 };
+                (blocks * spec.item()) as u64
+            })
+            .sum();
+        (vl.text, tower)
+    } else {
+        (
+            crate::hf::config::ModelConfig::from_dir(model_dir).map_err(invalid)?,
+            0,
+        )
+    };
+    let model = super::memory::PlanModel {
+        text: &text,
+        tower_params,
+        on_cpu,
+        reference,
+    };
+    super::memory::plan(cfg, model)
+}
+
+/// Refuses, before the model is loaded, a CPU run whose memory plan passes this machine's
+/// memory ([`super::memory`]).
 fn check_memory(
     cfg: &Config,
     model_dir: &Path,
     on_cpu: bool,
     reference: bool,
 ) -> Result<(), TrainError> {
-    let invalid = |e: crate::hf::HfError| TrainError::Invalid(e.to_string());
-    let config = if crate::vision::config::VlConfig::is_vl_dir(model_dir) {
-        crate::vision::config::VlConfig::from_dir(model_dir)
-            .map_err(invalid)?
-            .text
-    } else {
-        crate::hf::config::ModelConfig::from_dir(model_dir).map_err(invalid)?
-    };
-    let need = super::memory::host_need(cfg, &config, on_cpu, reference);
+    let mut plan = memory_plan(cfg, model_dir, on_cpu, reference)?;
+    if !on_cpu {
+        // the GPU's share is the device's; the host reads the checkpoint in f32 first
+        let weights = plan.held[0].bytes;
+        plan = super::memory::MemoryPlan {
+            place: "host",
+            held: vec![super::memory::Part {
+                what: "the checkpoint read on the host (f32)".into(),
+                bytes: weights,
+            }],
+            phases: Vec::new(),
+        };
+    }
     if let Some((available, source)) =
         crate::host_memory::available_host_memory().map_err(TrainError::Invalid)?
-        && let Some(warning) = super::memory::check(&need, available, &source)?
     {
-        eprintln!("{warning}");
+        super::memory::check(&plan, available, &source, cfg)?;
     }
     Ok(())
 }

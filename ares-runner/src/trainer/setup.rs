@@ -62,7 +62,11 @@ impl ModelFiles {
     pub fn drop_weights(&mut self) {
         let clear = |t: &mut crate::hf::weights::Tensor| t.data = Vec::new();
         match self {
-            ModelFiles::Text(c) => c.weights.tensors_mut().into_iter().for_each(|(_, t)| clear(t)),
+            ModelFiles::Text(c) => c
+                .weights
+                .tensors_mut()
+                .into_iter()
+                .for_each(|(_, t)| clear(t)),
             ModelFiles::Vision(c) => {
                 c.text.tensors_mut().into_iter().for_each(|(_, t)| clear(t));
                 c.vision.values_mut().for_each(clear);
