@@ -87,6 +87,12 @@ pub trait Backend {
     /// A human-readable name of the device (`"cpu"`).
     fn name(&self) -> &str;
 
+    /// `(free, total)` bytes of the device's own memory where the backend has one (a GPU);
+    /// `None` for the host (see `available_host_memory` in ares-runner).
+    fn memory_info(&self) -> Option<(u64, u64)> {
+        None
+    }
+
     /// A new buffer of `len` f32 elements, zeroed.
     ///
     /// # Errors

@@ -168,12 +168,7 @@ impl<B: Backend + Clone> Trainer<B> {
         };
         let settings = step_settings(&cfg, total_steps)?;
 
-        check_memory(
-            &cfg,
-            &model_dir,
-            backend.name() == "cpu",
-            settings.kl.enabled,
-        )?;
+        check_memory(&cfg, &model_dir, backend.memory_info(), settings.kl.enabled)?;
         let initial = ModelFiles::load(&model_dir)?;
         let max_positions = initial.text_config().max_position_embeddings;
         let longest = train_ids.iter().map(Vec::len).max().unwrap_or(0);
@@ -1132,14 +1127,28 @@ pub fn memory_plan(
 }
 
 /// Refuses, before the model is loaded, a CPU run whose memory plan passes this machine's
-/// memory ([`super::memory`]).
+/// memory ([`super::memory`]); on a GPU (`device`: its free and total memory) warns when
+/// the plan passes the free memory (the GPU plan is not yet checked against measured peaks)
+/// and checks the host's share.
 fn check_memory(
     cfg: &Config,
     model_dir: &Path,
-    on_cpu: bool,
+    device: Option<(u64, u64)>,
     reference: bool,
 ) -> Result<(), TrainError> {
+    let on_cpu = device.is_none();
     let mut plan = memory_plan(cfg, model_dir, on_cpu, reference)?;
+    if let Some((free, total)) = device
+        && plan.peak() > free
+    {
+        eprintln!(
+            "memory: this run may need up to {} of GPU memory, more than the {} free of {}; \
+             it may run out of memory (ares-runner plan -c … --device cuda shows the plan)",
+            crate::host_memory::human_bytes(plan.peak()),
+            crate::host_memory::human_bytes(free),
+            crate::host_memory::human_bytes(total),
+        );
+    }
     if !on_cpu {
         // the GPU's share is the device's; the host reads the checkpoint in f32 first
         let weights = plan.held[0].bytes;

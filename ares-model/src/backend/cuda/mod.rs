@@ -153,6 +153,11 @@ impl Backend for CudaBackend {
         &self.name
     }
 
+    fn memory_info(&self) -> Option<(u64, u64)> {
+        let (free, total) = self.ops.context().mem_get_info().ok()?;
+        Some((free as u64, total as u64))
+    }
+
     fn alloc(&self, len: usize) -> Result<CudaBuffer> {
         let slice = self.ops.alloc(len.max(1)).map_err(op("alloc"))?;
         Ok(CudaBuffer { slice, len })
