@@ -558,11 +558,12 @@ impl<B: Backend> Model<B> {
     }
 
     /// The activation arena [`Model::generate`] plans for the prefill of `batch` prompts
-    /// left-padded to `width` tokens: every per-token activation of the `batch · width`
-    /// tokens, but an LM head of `batch` rows ([`HeadMode::Chunked`] with `rows = batch`,
-    /// so [`Activations::logits_buffer_len`] is `batch · vocab`): generation needs the
-    /// logits of each prompt's last position only, which the prefill computes from those
-    /// rows of the final-norm output.
+    /// left-padded to `width` tokens: one layer's activations of the `batch · width` tokens
+    /// (a forward pass into a KV cache has no backward to keep the others for: the
+    /// checkpointed layout of [`Activations::planned`]) and an LM head of `batch` rows
+    /// ([`HeadMode::Chunked`] with `rows = batch`, so [`Activations::logits_buffer_len`]
+    /// is `batch · vocab`): generation needs the logits of each prompt's last position
+    /// only, which the prefill computes from those rows of the final-norm output.
     ///
     /// # Errors
     /// As [`Activations::with_head`].
@@ -572,7 +573,7 @@ impl<B: Backend> Model<B> {
         width: usize,
     ) -> Result<Activations<B>, ModelError> {
         let head = HeadMode::Chunked { rows: batch };
-        Activations::with_head(&self.backend, &self.spec, batch, width, head)
+        Activations::planned(&self.backend, &self.spec, batch, width, head, true)
     }
 
     /// [`Model::forward_cached`] without the whole-logits check (a chunked arena stops at

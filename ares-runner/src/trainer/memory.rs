@@ -212,7 +212,7 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         HeadMode::Chunked {
             rows: prompts as usize,
         },
-        false,
+        true, // (a forward pass keeps one layer's activations)
     ) + f32s(prompts * prompt * l * 2 * kvd);
     let rollout = Phase {
         name: "rollout",
