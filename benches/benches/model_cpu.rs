@@ -21,18 +21,11 @@ use std::path::Path;
 use std::time::Instant;
 
 use ares_benches::SplitMix;
-use ares_benches::model::{best_and_median, env_usize, random_weights, report};
+use ares_benches::model::{BENCH_MODEL, best_and_median, env_usize, random_weights, report};
 use ares_model::backend::cpu::CpuBackend;
 use ares_model::hf::config::ModelConfig;
 use ares_model::model::{AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling};
 
-const CONFIG: &str = r#"{
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
-    "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192,
-    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "tie_word_embeddings": true
-}"#;
 const TRAIN_BATCH: usize = 8;
 const TRAIN_SEQ: usize = 256;
 const GEN_PROMPTS: usize = 16;
@@ -40,7 +33,7 @@ const GEN_PROMPT_LEN: usize = 32;
 const GEN_NEW: usize = 128;
 
 fn main() {
-    let config = ModelConfig::from_json_str(Path::new("bench/config.json"), CONFIG)
+    let config = ModelConfig::from_json_str(Path::new("bench/config.json"), BENCH_MODEL)
         .expect("the bench config parses");
     let mut rng = SplitMix::new(7);
     let w = random_weights(&config, &mut rng);

@@ -26,21 +26,13 @@
 use std::path::Path;
 
 use ares_benches::SplitMix;
-use ares_benches::model::{best_and_median, env_usize, random_weights, report};
+use ares_benches::model::{BENCH_MODEL, best_and_median, env_usize, random_weights, report};
 use ares_model::backend::cpu::CpuBackend;
 use ares_model::hf::config::ModelConfig;
 use ares_model::model::{
     Engine, EngineConfig, EngineRequest, GenerateOutput, GenerateRequest, Generator, Model,
     Sampling, WeightDtype,
 };
-
-const BENCH_MODEL: &str = r#"{
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
-    "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192,
-    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "tie_word_embeddings": true
-}"#;
 
 const DEMO_MODEL: &str = r#"{
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",

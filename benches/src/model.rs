@@ -67,3 +67,13 @@ pub fn env_usize(key: &str, default: usize) -> usize {
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
 }
+
+/// The benchmarks' small Qwen2-shaped model (4 layers, hidden 256, 4 query / 2 KV heads of
+/// 64, MLP 704, vocab 8192, tied embeddings): `config.json` text.
+pub const BENCH_MODEL: &str = r#"{
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+    "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192,
+    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": true
+}"#;

@@ -389,21 +389,30 @@ impl<'a, B: Backend> Engine<'a, B> {
                     .into(),
             ));
         }
+        let prompt = self
+            .checked(prompt, self.request.max_new_tokens)
+            .map_err(|e| match e {
+                GenerateError::EmptyPrompt { .. } => GenerateError::EmptyPrompt {
+                    index: self.seqs.len(),
+                },
+                e => e,
+            })?;
+        Ok(self.submit_unchecked(prompt, stream))
+    }
+
+    /// `prompt` when the model can take it with `max_new_tokens` after it (ids in range,
+    /// within its positions; [`Model::check_request`]).
+    fn checked(&self, prompt: Vec<u32>, max_new_tokens: usize) -> Result<Vec<u32>, GenerateError> {
         let check = GenerateRequest {
             prompts: vec![prompt],
-            max_new_tokens: self.request.max_new_tokens,
+            max_new_tokens,
             eos_ids: Vec::new(),
             sampling: self.request.sampling,
             seed: 0,
         };
-        self.model.check_request(&check).map_err(|e| match e {
-            GenerateError::EmptyPrompt { .. } => GenerateError::EmptyPrompt {
-                index: self.seqs.len(),
-            },
-            e => e,
-        })?;
+        self.model.check_request(&check)?;
         let [prompt] = <[Vec<u32>; 1]>::try_from(check.prompts).unwrap_or_else(|_| unreachable!());
-        Ok(self.submit_unchecked(prompt, stream))
+        Ok(prompt)
     }
 
     fn submit_unchecked(&mut self, prompt: Vec<u32>, stream: (u64, u64)) -> usize {
@@ -495,15 +504,7 @@ impl<'a, B: Backend> Engine<'a, B> {
         let mut prompt = Vec::with_capacity(kept.ids.len() + appended.len());
         prompt.extend_from_slice(&kept.ids);
         prompt.extend_from_slice(appended);
-        let check = GenerateRequest {
-            prompts: vec![prompt],
-            max_new_tokens,
-            eos_ids: Vec::new(),
-            sampling: self.request.sampling,
-            seed: 0,
-        };
-        self.model.check_request(&check)?;
-        let [prompt] = <[Vec<u32>; 1]>::try_from(check.prompts).unwrap_or_else(|_| unreachable!());
+        let prompt = self.checked(prompt, max_new_tokens)?;
         let kept = self.kept.remove(&parent).unwrap_or_else(|| unreachable!());
         // a group of its own: no other prompt shares its blocks
         let group = self.group_prompt.len();

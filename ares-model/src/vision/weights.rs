@@ -283,6 +283,18 @@ impl<T> VisionParams<T> {
 /// `[depth, …]`.
 pub type VisionWeights = VisionParams<Tensor>;
 
+/// The tower's parameters as `cfg` declares them (every slot of [`param_table`], blocks
+/// stacked).
+pub fn tower_parameters(cfg: &VisionConfig) -> u64 {
+    param_table(cfg)
+        .iter()
+        .map(|spec| {
+            let blocks = if spec.per_block { cfg.depth } else { 1 };
+            (blocks * spec.item()) as u64
+        })
+        .sum()
+}
+
 impl VisionWeights {
     /// Collects the tower's tensors from `take` (called with each Hugging Face name
     /// relative to the prefix, and the expected shape), stacking blocks.

@@ -28,9 +28,10 @@ use crate::hf::generation::GENERATION_CONFIG_FILE;
 use crate::hf::tensor_files::{NamedTensor, SINGLE_FILE, SaveDtype, write_safetensors};
 use crate::hf::weights::{ModelWeights, Tensor, expected_tensors};
 use crate::trainer::TrainError;
+use crate::trainer::memory::text_parameters;
 use crate::vision::checkpoint::{VlCheckpoint, WeightLayout};
 use crate::vision::config::VlConfig;
-use crate::vision::weights::{VisionWeights, param_table};
+use crate::vision::weights::{VisionWeights, tower_parameters};
 
 /// Model shapes `init` knows by name (the published configs' sizes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -327,25 +328,12 @@ pub fn parameter_count(config: &Value) -> Result<u64, TrainError> {
         return Err(invalid("a config is a JSON object"));
     };
     let path = Path::new(CONFIG_FILE);
-    let tensors = |c: &ModelConfig| -> u64 {
-        expected_tensors(c)
-            .iter()
-            .map(|(_, s)| s.iter().product::<usize>() as u64)
-            .sum()
-    };
     if map.contains_key("vision_config") {
         let vl = VlConfig::from_map(path, map.clone()).map_err(invalid)?;
-        let tower: u64 = param_table(&vl.vision)
-            .iter()
-            .map(|spec| {
-                let blocks = if spec.per_block { vl.vision.depth } else { 1 };
-                (blocks * spec.item()) as u64
-            })
-            .sum();
-        Ok(tensors(&vl.text) + tower)
+        Ok(text_parameters(&vl.text) + tower_parameters(&vl.vision))
     } else {
         let c = ModelConfig::from_json_str(path, &config.to_string()).map_err(invalid)?;
-        Ok(tensors(&c))
+        Ok(text_parameters(&c))
     }
 }
 

@@ -1103,13 +1103,7 @@ pub fn memory_plan(
     let invalid = |e: crate::hf::HfError| TrainError::Invalid(e.to_string());
     let (text, tower_params) = if crate::vision::config::VlConfig::is_vl_dir(model_dir) {
         let vl = crate::vision::config::VlConfig::from_dir(model_dir).map_err(invalid)?;
-        let tower: u64 = crate::vision::weights::param_table(&vl.vision)
-            .iter()
-            .map(|spec| {
-                let blocks = if spec.per_block { vl.vision.depth } else { 1 };
-                (blocks * spec.item()) as u64
-            })
-            .sum();
+        let tower = crate::vision::weights::tower_parameters(&vl.vision);
         (vl.text, tower)
     } else {
         (
