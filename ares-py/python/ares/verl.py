@@ -27,11 +27,11 @@ neither verl nor torch.
 ``rm_scores``) and ``non_tensor_batch["uid"]`` in both modes; ``mode="ares"`` also needs the
 per-token entropies of the responses in ``batch["entropys"]`` [B, T] and a stable per-prompt
 ``non_tensor_batch["global_id"]`` (key names are arguments); a missing key is a ``KeyError``
-naming it. verl 0.9.1's ``ray_trainer`` scores through its reward loop
-(``verl.experimental.reward_loop``, one sample at a time) rather than this registry, and it
-pops ``entropys`` after computing the old log-probs: call the manager on the batch from your
-trainer (after the old log-prob pass, with the entropies kept), or use ``ares_grpo_lambda``
-for GRPO-λ inside the stock trainer.
+naming it. verl 0.9.1's trainers score through its reward loop
+(``verl.experimental.reward_loop``, one sample at a time) rather than this registry: inside a
+stock verl run, ARES's batch-level step is the trainer modes of :mod:`ares.verl_v1`
+(``trainer.v1.trainer_mode=ares_sync``), which use this manager's numpy core; call the manager
+yourself only from a trainer of your own.
 
 **What the estimators need from the rollout**: what verl already passes — ``token_level_rewards``
 ``[B, T]`` (summed per row into the outcome reward), ``response_mask`` ``[B, T]`` and
@@ -109,10 +109,13 @@ def register(*, copy_to_cpu=False, grpo_lambda=0.2, grpo_lambda_alpha=0.6, corre
     grpo_lambda, grpo_lambda_alpha: GRPO-λ's λ (fraction of groups penalised) and α (strength).
     correct_threshold: ``ares_grpo_lambda`` counts a sample correct when its reward exceeds it.
 
-    Also registers :class:`AresRewardManager` as ``"ares"`` in ``verl.workers.reward_manager``.
+    Also registers :class:`AresRewardManager` as ``"ares"`` in ``verl.workers.reward_manager``
+    and, where verl's v1 trainer imports, ``ares.verl_v1``'s trainer modes (``ares_sync``, …),
+    the ``"ares"`` reward-loop manager and the multi-trajectory treatment of ares's outcome
+    estimators.
 
-    Returns ``{"adv_estimators": [...], "policy_losses": [...], "reward_managers": ["ares"]}``,
-    the registered names.
+    Returns ``{"adv_estimators": [...], "policy_losses": [...], "reward_managers": ["ares"],
+    "trainer_modes": [...]}``, the registered names.
     """
     from verl.trainer.ppo import core_algos
 
@@ -133,7 +136,15 @@ def register(*, copy_to_cpu=False, grpo_lambda=0.2, grpo_lambda_alpha=0.6, corre
     from verl.workers.reward_manager import register as register_reward_manager
 
     register_reward_manager("ares")(AresRewardManager)
-    return {"adv_estimators": list(ESTIMATORS), "policy_losses": list(POLICY_LOSSES), "reward_managers": ["ares"]}
+    from .verl_v1 import register_v1
+
+    trainers = register_v1()
+    return {
+        "adv_estimators": list(ESTIMATORS),
+        "policy_losses": list(POLICY_LOSSES),
+        "reward_managers": ["ares"],
+        "trainer_modes": trainers,
+    }
 
 
 # ---------------------------------------------------------------- tensors in and out
@@ -521,11 +532,11 @@ class AresRewardManager:
     the bucket controller (targets, α, λ, difficulty by global_id), GRPO-λ's parameters and
     the step.
 
-    Caveat: verl 0.9.1's own trainer (``ray_trainer``) scores through the reward loop
-    (``verl.experimental.reward_loop``, one sample at a time), not through this registry; the
-    batch-level reshaping needs the whole batch, so call the manager yourself on the batch
-    (``reward_tensor = manager(batch)``) or use the ``ares_grpo_lambda`` advantage estimator
-    for GRPO-λ.
+    Caveat: verl 0.9.1's trainers score through the reward loop
+    (``verl.experimental.reward_loop``, one sample at a time), not through this registry; in a
+    stock verl run use the trainer modes of :mod:`ares.verl_v1` (which run
+    :meth:`shape_rewards` on the TaskRunner), or call the manager on the batch from a trainer of
+    your own (``reward_tensor = manager(batch)``).
     """
 
     MODES = ("grpo_lambda", "ares")
@@ -608,7 +619,7 @@ class AresRewardManager:
         optionally ``fmt`` [B] (format rewards). Returns a dict of per-sample numpy arrays:
         ``reward`` (float64 [B]), ``correct``, and for ``"ares"`` ``hwe_count``,
         ``entropy_reward``, ``difficulty`` (0 easy, 1 medium, 2 hard) plus ``tau`` (the τ the
-        HWE tokens were counted with)."""
+        HWE tokens were counted with) and ``hwe_mask`` (float32 [B, T], 1 on HWE tokens)."""
         import numpy as np
 
         from . import (
@@ -638,7 +649,8 @@ class AresRewardManager:
         thr, has = row_percentile(w["means"], w["valid"], self.percentile)
         cand = batch_median_threshold(thr, has)
         tau = self.tau.tau if self.tau.tau is not None else (cand if cand is not None else 0.0)
-        counts = entropy_windows(h, m, tau=tau, **win)["counts"].astype(np.float64)
+        hwe = entropy_windows(h, m, tau=tau, **win)
+        counts = hwe["counts"].astype(np.float64)
         difficulty = self.controller.classify(correct, uid=uid, global_id=[str(g) for g in global_id])
         # per group (numbered by first appearance, as group_means): its bucket and mean HWE
         # count; h̄_d is the mean over the bucket's groups (docs/algorithms.md §2)
@@ -662,6 +674,7 @@ class AresRewardManager:
             "entropy_reward": s,
             "difficulty": difficulty,
             "tau": float(tau),
+            "hwe_mask": hwe["hwe_mask"],
         }
 
     # ------------------------------------------------------------ verl interface

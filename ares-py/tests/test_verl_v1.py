@@ -1,0 +1,426 @@
+"""ares.verl_v1: the ARES step of the verl trainer modes on host arrays (numpy + ares; CI runs
+these), and with verl 0.9.1 (where torch, verl and TransferQueue import) the multi-trajectory
+groups, the trainer step over a TransferQueue stand-in, checkpoints and the plugin's
+registrations."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import ares
+from ares.verl import AresRewardManager
+from ares.verl_v1 import AresSettingsError, AresStep, final_session_rows, settings_from_config
+
+
+def batch(seed, groups=6, n=4, t=24, holes=False):
+    rng = np.random.default_rng(seed)
+    b = groups * n
+    uid = np.array([f"p{i // n}" for i in rng.permutation(b)], dtype=object)
+    lengths = rng.integers(6, t + 1, b)
+    mask = (np.arange(t)[None, :] < lengths[:, None]).astype(np.float32)
+    if holes:  # tool answers masked out inside the response, as multi-turn rows have
+        mask[:, 2:4] = 0.0
+    entropies = (rng.gamma(0.6, 1.0, (b, t)) * mask).astype(np.float32)
+    scores = rng.integers(0, 2, b).astype(np.float64)
+    ids = np.array([f"q-{u}" for u in uid], dtype=object)
+    old = (-rng.random((b, t)) * 3).astype(np.float32)
+    ref = (old + 0.4 * rng.standard_normal((b, t))).astype(np.float32)
+    return dict(scores=scores, mask=mask, uid=uid, entropies=entropies, ids=ids, old=old, ref=ref)
+
+
+def run(ares_step, d, **kw):
+    return ares_step(
+        d["scores"], d["mask"], d["uid"], entropies=d["entropies"], difficulty_ids=d["ids"],
+        old_log_probs=d["old"], ref_log_probs=d["ref"], **kw,
+    )
+
+
+def last_valid(mask):
+    return np.array([np.nonzero(r)[0][-1] if r.any() else -1 for r in mask])
+
+
+def k3(old, ref):
+    # docs/algorithms.md §4: x = clamp(−δ, −20, 20), k = clamp(eˣ − x − 1, −10, 10), δ = logπ − logπ_ref
+    x = np.clip(-(old.astype(np.float64) - ref), -20, 20)
+    return np.clip(np.expm1(x) - x, -10, 10)
+
+
+def test_without_kl_the_shaped_reward_sits_on_each_rows_last_valid_token():
+    d = batch(0, holes=True)
+    step = AresStep({"kl": {"enable": False}})
+    token, metrics = step(d["scores"], d["mask"], d["uid"], entropies=d["entropies"], difficulty_ids=d["ids"], step=1)
+    want = AresRewardManager(mode="ares").shape_rewards(
+        d["scores"], d["mask"].sum(1), d["uid"], entropies=d["entropies"], mask=d["mask"], global_id=d["ids"], step=1
+    )["reward"]
+    last = last_valid(d["mask"])
+    np.testing.assert_array_equal(token[np.arange(len(last)), last], want.astype(np.float32))
+    token[np.arange(len(last)), last] = 0.0
+    assert not token.any()
+    assert metrics["ares/acc"] == pytest.approx(np.mean(d["scores"] > 0.5))
+
+
+def test_kl_is_charged_per_token_with_the_buckets_lambda_then_lambda_moves():
+    d = batch(1)
+    step = AresStep()
+    lam0 = {b: step.shaper.controller.lambda_(b) for b in ("easy", "medium", "hard")}
+    token, metrics = run(step, d, step=1)
+    # the shaping part, from a manager that saw the same batch
+    ref_mgr = AresRewardManager(mode="ares")
+    out = ref_mgr.shape_rewards(
+        d["scores"], d["mask"].sum(1), d["uid"], entropies=d["entropies"], mask=d["mask"], global_id=d["ids"], step=1
+    )
+    diff = out["difficulty"]
+    names = np.array(["easy", "medium", "hard"])[diff]
+    beta = np.array([lam0[n] for n in names])[:, None] * np.where(out["hwe_mask"] > 0, 0.5, 1.0)
+    kl = k3(d["old"], d["ref"]) * d["mask"]
+    want = -beta * kl
+    last = last_valid(d["mask"])
+    want[np.arange(len(last)), last] += out["reward"]
+    np.testing.assert_allclose(token, want, rtol=2e-6, atol=2e-7)
+    assert out["hwe_mask"].any()  # the dynamic weighting is exercised
+    # dual ascent (§2): λ_d ← min(10, max(0, λ_d + 0.01·(KL_d − ε_d))), KL_d the mean over the
+    # bucket's groups of their mean per-sample mean token KL
+    row_kl = kl.sum(1) / d["mask"].sum(1)
+    eps = {"easy": 0.05, "medium": 0.1, "hard": 0.2}
+    for b in ("easy", "medium", "hard"):
+        groups = sorted({u for u, n in zip(d["uid"], names) if n == b})
+        if not groups:
+            assert step.shaper.controller.lambda_(b) == lam0[b]
+            continue
+        kl_d = np.mean([row_kl[d["uid"] == g].mean() for g in groups])
+        assert step.shaper.controller.lambda_(b) == pytest.approx(min(10.0, max(0.0, lam0[b] + 0.01 * (kl_d - eps[b]))))
+        assert metrics[f"ares/lambda_{b}"] == step.shaper.controller.lambda_(b)
+
+
+def test_state_round_trip_gives_the_same_next_step():
+    d1, d2 = batch(2), batch(3)
+    a = AresStep()
+    run(a, d1, step=1)
+    b = AresStep()
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))  # as ares_state.json holds it
+    ta, ma = run(a, d2, step=2)
+    tb, mb = run(b, d2, step=2)
+    np.testing.assert_array_equal(ta, tb)
+    assert ma == mb and a.state_dict() == b.state_dict()
+    tc, _ = run(AresStep(), d2, step=2)
+    assert not np.array_equal(ta, tc)  # the state matters
+
+
+def test_grpo_lambda_mode():
+    d = batch(4)
+    step = AresStep({"mode": "grpo_lambda", "grpo_lambda": 0.5, "grpo_lambda_alpha": 0.4, "kl": {"enable": False}})
+    token, _ = step(d["scores"], d["mask"], d["uid"])
+    want = ares.grpo_lambda_rewards(d["scores"] > 0.5, d["mask"].sum(1).astype(np.float64), uid=d["uid"], lambda_=0.5, alpha=0.4)
+    np.testing.assert_allclose(token.sum(1), want["rewards"], rtol=1e-6)
+
+
+def test_settings_are_checked_by_name():
+    s = settings_from_config({"controller": {"alpha_lr": 0.1}, "kl": {"low_ratio": 0.25}})
+    assert s["kl"]["low_ratio"] == 0.25 and s["kl"]["estimator"] == "k3" and s["difficulty_key"] == "index"
+    for bad, match in [
+        ({"modee": "ares"}, "`ares.modee` is not an ares setting"),
+        ({"kl": {"lowratio": 1}}, "`ares.kl.lowratio`"),
+        ({"mode": "dapo"}, "`ares.mode`"),
+        ({"kl": {"low_ratio": 2}}, "`ares.kl.low_ratio`"),
+        ({"kl": {"estimator": "k4"}}, "`ares.kl.estimator`"),
+        ({"mode": "grpo_lambda"}, "`ares.kl.enable` needs `ares.mode: ares`"),
+        ({"window_size": 0}, "`ares.window_size`"),
+    ]:
+        with pytest.raises(AresSettingsError, match=match.replace(".", r"\.").replace("(", r"\(")):
+            settings_from_config(bad)
+
+
+def test_errors_move_no_state():
+    d = batch(5)
+    step = AresStep()
+    with pytest.raises(ValueError, match="needs old_log_probs"):
+        step(d["scores"], d["mask"], d["uid"], entropies=d["entropies"], difficulty_ids=d["ids"])
+    with pytest.raises(ValueError, match="entropies"):
+        step(d["scores"], d["mask"], d["uid"])
+    fresh = AresStep().state_dict()
+    bad = dict(d, entropies=np.full_like(d["entropies"], np.nan))
+    with pytest.raises(ValueError):
+        run(step, bad)
+    assert step.state_dict()["shaper"]["tau"] == fresh["shaper"]["tau"]
+
+
+def test_final_session_rows():
+    keys = ["a_0_0", "a_0_1", "b_0_0", "a_1_0", "a_0_2", "b_0_1"]
+    final, to_final = final_session_rows(keys)
+    assert final == [4, 5, 3]  # a_0 ends at index 2 (row 4), b_0 at row 5, a_1 at row 3
+    assert to_final == [0, 0, 1, 2, 0, 1]
+    with pytest.raises(ValueError, match="not verl v1's"):
+        final_session_rows(["no-underscores"])
+
+
+# ---------------------------------------------------------------- with verl 0.9.1
+
+
+def _verl_v1():
+    pytest.importorskip("torch")
+    pytest.importorskip("verl")
+    pytest.importorskip("transfer_queue")
+    from verl.trainer.ppo.v1 import trainer_base
+
+    return trainer_base
+
+
+def test_outcome_estimators_take_multi_trajectory_groups_as_verls_grpo():
+    tb = _verl_v1()
+    import torch
+    from verl import DataProto
+    from verl.trainer.ppo.core_algos import AdvantageEstimator
+
+    import ares.verl as av
+
+    av.register()
+    g = torch.Generator().manual_seed(0)
+    # 3 prompts × 4 sessions; some sessions have 2 or 3 outputs (turns), the reward on the last
+    keys, rows = [], 0
+    for p in range(3):
+        for s in range(4):
+            for i in range(1 + (p + s) % 3):
+                keys.append(f"u{p}_{s}_{i}")
+                rows += 1
+    t = 10
+    mask = (torch.rand(rows, t, generator=g) > 0.2).float()
+    mask[:, 0] = 1.0
+    rewards = torch.zeros(rows, t)
+    rewards[torch.arange(rows), t - 1] = torch.randint(0, 2, (rows,), generator=g).float()
+    uid = np.array([k.split("_")[0] for k in keys], dtype=object)
+
+    def data():
+        d = DataProto.from_dict(tensors={"token_level_rewards": rewards.clone(), "response_mask": mask.clone()})
+        d.non_tensor_batch["uid"] = uid
+        return d
+
+    f = tb.compute_advantage_for_multi_trajectories
+    want = f(data(), keys, AdvantageEstimator.GRPO, num_repeat=4, config=None).batch["advantages"]
+    got = f(data(), keys, "ares_grpo", num_repeat=4, config=None).batch["advantages"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # without the treatment every output would be its own sample: not the same numbers
+    plain = f.__wrapped__(data(), keys, "ares_grpo", num_repeat=4, config=None).batch["advantages"]
+    assert not torch.allclose(plain, want, atol=1e-4)
+
+
+def _registrations_script():
+    return (
+        "import json, verl\n"
+        "from verl.trainer.ppo import core_algos as ca\n"
+        "from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls\n"
+        "from verl.trainer.ppo.v1 import get_trainer_cls\n"
+        "out = {\n"
+        " 'est': [ca.get_adv_estimator_fn(n).__name__ for n in ('ares_grpo', 'ares_rloo', 'ares_reinforce_pro_max', 'ares_grpo_lambda')],\n"
+        " 'loss': [ca.get_policy_loss_fn(n).__name__ for n in ('ares_vanilla', 'ares_gspo', 'ares_gspo_seq', 'ares_cispo', 'ares_clip_cov', 'ares_kl_cov')],\n"
+        " 'rm': get_reward_manager_cls('ares').__name__,\n"
+        " 'trainers': [get_trainer_cls(n).__name__ for n in ('ares_sync', 'ares_colocate_async', 'ares_separate_async')],\n"
+        "}\n"
+        "print(json.dumps(out))\n"
+    )
+
+
+def _plugin_installed():
+    from importlib.metadata import entry_points
+
+    return any(ep.value == "ares.verl_plugin" for ep in entry_points(group="verl.plugins"))
+
+
+def test_the_entry_point_alone_registers_everything_in_a_fresh_process():
+    _verl_v1()
+    if not _plugin_installed():
+        pytest.skip("ares is not installed as a wheel here (no verl.plugins entry point)")
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", "VERL_USE_EXTERNAL_PLUGINS")}
+    out = subprocess.run([sys.executable, "-c", _registrations_script()], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["est"] == ["ares_grpo", "ares_rloo", "ares_reinforce_pro_max", "ares_grpo_lambda"]
+    assert got["loss"] == ["ares_vanilla", "ares_gspo", "ares_gspo_seq", "ares_cispo", "ares_clip_cov", "ares_kl_cov"]
+    assert got["rm"] == "AresRewardLoopManager"
+    assert got["trainers"] == ["AresPPOTrainerSync", "AresPPOTrainerColocateAsync", "AresPPOTrainerSeparateAsync"]
+    # and verl's switch turns it off
+    off = subprocess.run(
+        [sys.executable, "-c", _registrations_script()], env=dict(env, VERL_USE_EXTERNAL_PLUGINS="none"),
+        capture_output=True, text=True, timeout=300,
+    )
+    assert off.returncode != 0 and "ares_grpo" in off.stderr
+
+
+def test_a_ray_actor_resolves_every_name_through_the_entry_point_alone():
+    _verl_v1()
+    ray = pytest.importorskip("ray")
+    if not _plugin_installed():
+        pytest.skip("ares is not installed as a wheel here (no verl.plugins entry point)")
+    script = (
+        "import json, ray\n"
+        "ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)\n"
+        "@ray.remote\n"
+        "class TaskRunner:\n"
+        "    def names(self):\n"
+        "        ns = {}\n"
+        f"        exec({_registrations_script()!r}.replace('print(json.dumps(out))', ''), ns)\n"
+        "        return ns['out']\n"
+        "r = TaskRunner.remote()\n"
+        "print(json.dumps(ray.get(r.names.remote())))\n"
+        "ray.shutdown()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", "VERL_USE_EXTERNAL_PLUGINS")}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["rm"] == "AresRewardLoopManager" and len(got["trainers"]) == 3 and len(got["est"]) == 4
+    del ray
+
+
+@pytest.fixture(scope="module")
+def ares_sync_trainer(tmp_path_factory):
+    """An ``ares_sync`` trainer over a real TransferQueue on a local Ray (no workers: only the
+    TaskRunner-side steps are called)."""
+    _verl_v1()
+    ray = pytest.importorskip("ray")
+    from hydra import compose, initialize_config_module
+
+    import ares.verl as av
+
+    av.register()
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        cfg = compose("ppo_trainer", overrides=[
+            "trainer.v1.trainer_mode=ares_sync", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0",
+            f"trainer.default_local_dir={ckpt}", "+ares.window_size=2",
+        ])
+    import transfer_queue as tq
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    # TransferQueue's controller and storage units each take a logical CPU
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    tq.init()
+    trainer = get_trainer_cls("ares_sync")(cfg)
+    yield trainer, tq
+    tq.close()
+    ray.shutdown()
+
+
+def _tq_batch(tq, seed, prompts=5, n=4):
+    """Rows as verl's agent loop puts them: keys {uid}_{session}_0, ragged response fields."""
+    import torch
+    from transfer_queue import KVBatchMeta
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    rng = np.random.default_rng(seed)
+    rows, keys = [], []
+    for p in range(prompts):
+        for s in range(n):
+            length = int(rng.integers(4, 12))
+            rm = torch.zeros(length)
+            rm[-1] = float(rng.integers(0, 2))
+            old = torch.from_numpy((-rng.random(length) * 3).astype(np.float32))
+            keys.append(f"s{seed}p{p}_{s}_0")
+            rows.append(dict(
+                uid=f"s{seed}p{p}", index=100 + p, response_mask=torch.ones(length, dtype=torch.int64), rm_scores=rm,
+                entropy=torch.from_numpy(rng.gamma(0.6, 1.0, length).astype(np.float32)), old_log_probs=old,
+                ref_log_prob=old + torch.from_numpy((0.4 * rng.standard_normal(length)).astype(np.float32)),
+            ))
+    tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(rows))
+    return KVBatchMeta(keys=keys, tags=[{} for _ in keys], partition_id="train")
+
+
+def _padded(tq, batch, fields):
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields).to_padded_tensor()
+    return {f: (data[f].tolist() if f in ("uid", "index") else data[f].float().numpy()) for f in fields}
+
+
+def test_ares_sync_step_over_the_transfer_queue_equals_the_host_step_then_grpo(ares_sync_trainer):
+    trainer, tq = ares_sync_trainer
+    trainer.global_steps = 1
+    batch = _tq_batch(tq, 0)
+    before = _padded(tq, batch, ["uid", "index", "response_mask", "rm_scores", "entropy", "old_log_probs", "ref_log_prob"])
+    reference = AresStep(trainer.ares.settings)
+    reference.load_state_dict(trainer.ares.state_dict())
+    metrics = {}
+    trainer._compute_advantage(batch, metrics)
+    after = _padded(tq, batch, ["advantages", "rm_scores"])
+    mask, uid = before["response_mask"], np.array(before["uid"], dtype=object)
+    token, want_metrics = reference(
+        before["rm_scores"].sum(1).astype(np.float64), mask, uid, entropies=before["entropy"],
+        difficulty_ids=np.array([str(i) for i in before["index"]], dtype=object),
+        old_log_probs=before["old_log_probs"], ref_log_probs=before["ref_log_prob"], step=1,
+    )
+    np.testing.assert_allclose(after["rm_scores"], token, rtol=1e-6, atol=1e-7)
+    adv = ares.grpo_token_advantages(token.sum(1), mask, uid=uid)
+    np.testing.assert_allclose(after["advantages"], adv, rtol=1e-5, atol=1e-6)
+    assert metrics["ares/lambda_easy"] == want_metrics["ares/lambda_easy"] and "ares/tau" in metrics
+    assert trainer.ares.state_dict() == reference.state_dict()
+
+
+def test_ares_state_is_saved_before_verl_marks_the_checkpoint_and_restored(ares_sync_trainer, monkeypatch):
+    trainer, tq = ares_sync_trainer
+    from verl.trainer.ppo.v1 import PPOTrainerSync
+
+    trainer.global_steps = 2
+    trainer._compute_advantage(_tq_batch(tq, 1), {})
+    folder = os.path.join(trainer.config.trainer.default_local_dir, "global_step_2")
+    seen = []
+    monkeypatch.setattr(PPOTrainerSync, "_save_checkpoint", lambda self: seen.append(os.path.exists(os.path.join(folder, "ares_state.json"))))
+    trainer._save_checkpoint()
+    assert seen == [True]
+    saved = trainer.ares.state_dict()
+    trainer.global_steps = 3
+    trainer._compute_advantage(_tq_batch(tq, 2), {})
+    assert trainer.ares.state_dict() != saved
+
+    def resume(self):
+        self.global_steps = 2
+
+    monkeypatch.setattr(PPOTrainerSync, "_load_checkpoint", resume)
+    trainer._load_checkpoint()
+    assert trainer.ares.state_dict() == saved
+    os.remove(os.path.join(folder, "ares_state.json"))
+    with pytest.raises(FileNotFoundError, match="no ares_state.json"):
+        trainer._load_checkpoint()
+
+
+def test_settings_that_cannot_run_are_refused_before_any_rollout():
+    _verl_v1()
+    from hydra import compose, initialize_config_module
+
+    import ares.verl as av
+    from ares.verl_v1 import AresSettingsError
+
+    av.register()
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    cases = [
+        (["algorithm.use_kl_in_reward=true"], "would both charge the KL"),
+        (["+ares.kl.enable=true"], "needs the reference log-probs"),
+        (["+ares.klx=1"], "`ares.klx` is not an ares setting"),
+    ]
+    for overrides, match in cases:
+        with initialize_config_module("verl.trainer.config", version_base=None):
+            cfg = compose("ppo_trainer", overrides=["trainer.v1.trainer_mode=ares_sync", *overrides])
+        with pytest.raises(AresSettingsError, match=match.replace(".", r"\.")):
+            get_trainer_cls("ares_sync")(cfg)
+
+
+def test_the_ares_reward_loop_manager_scores_for_ares_modes_only():
+    _verl_v1()
+    from hydra import compose, initialize_config_module
+
+    import ares.verl as av
+
+    av.register()
+    from verl.experimental.reward_loop.reward_manager import get_reward_manager_cls
+    from verl.experimental.reward_loop.reward_manager.naive import NaiveRewardManager
+
+    cls = get_reward_manager_cls("ares")
+    assert issubclass(cls, NaiveRewardManager)
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        stock = compose("ppo_trainer", overrides=["reward.reward_manager.name=ares"])
+        ours = compose("ppo_trainer", overrides=["reward.reward_manager.name=ares", "trainer.v1.trainer_mode=ares_sync"])
+    with pytest.raises(ValueError, match="trainer.v1.trainer_mode is 'sync'"):
+        cls(stock, None, None)
+    assert cls(ours, None, None).compute_score is not None  # verl's default scoring, as `naive`
