@@ -43,7 +43,7 @@ def data_proto(seed, groups=4, n=4, p=5, t=12, entropies=True, global_id=True, u
     if uid:
         ntb["uid"] = np.array([f"u{int(i) // n}" for i in order], dtype=object)
     if global_id:
-        ntb["global_id"] = np.array([f"g{int(i) // n}" for i in order], dtype=object)
+        ntb["index"] = np.array([int(i) // n for i in order], dtype=object)  # RLHFDataset's extra_info.index
     return DataProto.from_dict(tensors=tensors, non_tensors=ntb), lengths
 
 
@@ -100,7 +100,7 @@ def test_ares_mode_equals_the_numpy_core_and_uses_rm_scores():
         data.non_tensor_batch["uid"],
         entropies=data.batch["entropys"].numpy(),
         mask=data.batch["response_mask"].float().numpy(),
-        global_id=data.non_tensor_batch["global_id"],
+        global_id=data.non_tensor_batch["index"],
         step=7,
     )
     np.testing.assert_allclose(out["reward_tensor"].sum(-1).numpy(), want["reward"], rtol=1e-7)
@@ -118,7 +118,7 @@ def test_ares_mode_equals_the_numpy_core_and_uses_rm_scores():
     [
         (dict(uid=False), "grpo_lambda", "non_tensor_batch\\['uid'\\] is missing"),
         (dict(entropies=False), "ares", "batch\\['entropys'\\] is missing"),
-        (dict(global_id=False), "ares", "non_tensor_batch\\['global_id'\\] is missing"),
+        (dict(global_id=False), "ares", "non_tensor_batch\\['index'\\] is missing"),
     ],
 )
 def test_missing_keys_are_named(kw, mode, match):

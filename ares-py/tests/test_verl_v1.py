@@ -219,6 +219,8 @@ def _registrations_script():
         " 'rm': get_reward_manager_cls('ares').__name__,\n"
         " 'trainers': [get_trainer_cls(n).__name__ for n in ('ares_sync', 'ares_colocate_async', 'ares_separate_async')],\n"
         "}\n"
+        "from verl.trainer import main_ppo\n"
+        "out['validate_config_checks_ares'] = hasattr(main_ppo.validate_config, '__wrapped__')\n"
         "print(json.dumps(out))\n"
     )
 
@@ -241,6 +243,7 @@ def test_the_entry_point_alone_registers_everything_in_a_fresh_process():
     assert got["loss"] == ["ares_vanilla", "ares_gspo", "ares_gspo_seq", "ares_cispo", "ares_clip_cov", "ares_kl_cov"]
     assert got["rm"] == "AresRewardLoopManager"
     assert got["trainers"] == ["AresPPOTrainerSync", "AresPPOTrainerColocateAsync", "AresPPOTrainerSeparateAsync"]
+    assert got["validate_config_checks_ares"]
     # and verl's switch turns it off
     off = subprocess.run(
         [sys.executable, "-c", _registrations_script()], env=dict(env, VERL_USE_EXTERNAL_PLUGINS="none"),
@@ -424,3 +427,37 @@ def test_the_ares_reward_loop_manager_scores_for_ares_modes_only():
     with pytest.raises(ValueError, match="trainer.v1.trainer_mode is 'sync'"):
         cls(stock, None, None)
     assert cls(ours, None, None).compute_score is not None  # verl's default scoring, as `naive`
+
+
+def test_names_and_settings_are_checked_with_verls_config_check():
+    _verl_v1()
+    from hydra import compose, initialize_config_module
+
+    import ares.verl as av
+
+    av.register()
+    from verl.utils import config as verl_config
+
+    from ares.verl_v1 import check_config
+
+    assert verl_config.validate_config.__wrapped__ is not None
+    cases = [
+        (["algorithm.adv_estimator=ares_grpoo"], "`algorithm.adv_estimator=ares_grpoo` is not a name ares registers.*did you mean 'ares_grpo'"),
+        (["actor_rollout_ref.actor.policy_loss.loss_mode=ares_vanila"], "did you mean 'ares_vanilla'"),
+        (["reward.reward_manager.name=aress"], "did you mean 'ares'"),
+        (["trainer.v1.trainer_mode=ares_synch"], "did you mean 'ares_sync'"),
+        (["+ares.mode=ares"], "read by ares's trainer modes only"),
+        (["trainer.v1.trainer_mode=ares_sync", "+ares.mode=dapo"], "`ares.mode`"),
+        (["trainer.v1.trainer_mode=ares_sync"], "needs the reference log-probs"),
+    ]
+    for overrides, match in cases:
+        with initialize_config_module("verl.trainer.config", version_base=None):
+            cfg = compose("ppo_trainer", overrides=overrides)
+        with pytest.raises(ValueError, match=match):
+            verl_config.validate_config(cfg, use_reference_policy=False, use_critic=False)
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        fine = compose("ppo_trainer", overrides=[
+            "trainer.v1.trainer_mode=ares_sync", "algorithm.adv_estimator=ares_grpo", "reward.reward_manager.name=ares",
+            "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0",
+        ])
+    check_config(fine)  # verl's own checks need model paths etc.; ares's pass

@@ -26,7 +26,8 @@ neither verl nor torch.
 **What the reward manager reads**: ``prompts``, ``responses``, ``attention_mask`` (or
 ``rm_scores``) and ``non_tensor_batch["uid"]`` in both modes; ``mode="ares"`` also needs the
 per-token entropies of the responses in ``batch["entropys"]`` [B, T] and a stable per-prompt
-``non_tensor_batch["global_id"]`` (key names are arguments); a missing key is a ``KeyError``
+id, by default ``non_tensor_batch["index"]`` (what verl's ``RLHFDataset`` copies from
+``extra_info.index``; key names are arguments); a missing key is a ``KeyError``
 naming it. verl 0.9.1's trainers score through its reward loop
 (``verl.experimental.reward_loop``, one sample at a time) rather than this registry: inside a
 stock verl run, ARES's batch-level step is the trainer modes of :mod:`ares.verl_v1`
@@ -519,8 +520,8 @@ class AresRewardManager:
     ``mode="ares"`` also ``batch[entropy_key]`` (default ``"entropys"``: per-token entropies
     of the responses [B, T], e.g. from the actor's ``compute_log_prob`` with
     ``calculate_entropy=True``, which verl's trainer pops before scoring: keep a copy under
-    this key) and ``non_tensor_batch[global_id_key]`` (default ``"global_id"``: a stable
-    per-prompt id, e.g. from your dataset's ``extra_info``). A missing key is a ``KeyError``
+    this key) and ``non_tensor_batch[global_id_key]`` (default ``"index"``: the stable
+    per-prompt id verl's ``RLHFDataset`` copies from ``extra_info.index``). A missing key is a ``KeyError``
     naming it. With ``meta_info["validate"]`` true the raw scores are returned and no state
     moves. The step (target update interval) is ``meta_info["global_steps"]`` when present,
     else the number of training calls so far.
@@ -554,7 +555,7 @@ class AresRewardManager:
         grpo_lambda=0.2,
         grpo_lambda_alpha=0.6,
         uid_key="uid",
-        global_id_key="global_id",
+        global_id_key="index",
         entropy_key="entropys",
         format_key=None,
         format_weight=0.0,
@@ -760,7 +761,8 @@ class AresRewardManager:
                 if self.global_id_key not in ntb:
                     raise KeyError(
                         f"AresRewardManager(mode='ares'): non_tensor_batch[{self.global_id_key!r}] is missing: a "
-                        f"stable id per prompt (e.g. copied from the dataset's extra_info)"
+                        f"stable id per prompt (verl's RLHFDataset sets 'index' from extra_info.index; "
+                        f"`global_id_key` names another field)"
                     )
                 mask = data.batch["response_mask"] if "response_mask" in data.batch.keys() else resp_attn
                 kw = dict(

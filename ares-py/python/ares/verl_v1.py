@@ -29,6 +29,11 @@ in its TransferQueue — the per-token ``entropy`` of the old-log-prob pass, ``r
 latest, and restored on resume (a resumed checkpoint without it is an error). Metrics are
 logged under ``ares/``.
 
+Names are checked when the config is: ``verl.utils.config.validate_config`` (run by
+``main_ppo`` in the driver, before Ray starts) first runs :func:`check_config` — a misspelt
+``ares_*`` name gets the list of ares's names and the closest one, and the ``ares`` settings
+below are checked there too.
+
 Settings: a top-level ``ares`` section (``+ares.mode=ares``, ``+ares.kl.enable=true`` on the
 command line; every key and default in :data:`DEFAULTS`). Refused at start, before any rollout:
 an unknown key, a value out of range, ``algorithm.use_kl_in_reward`` together with
@@ -62,6 +67,7 @@ __all__ = [
     "OUTCOME_ESTIMATORS",
     "TRAINER_MODES",
     "AresSettingsError",
+    "check_config",
     "AresStep",
     "final_session_rows",
     "register_v1",
@@ -339,6 +345,7 @@ def register_v1():
     except ImportError as e:  # verl installed without its v1 trainer's dependencies
         logger.debug("ares: verl's v1 trainer is not importable here (%s); trainer modes not registered", e)
         return []
+    _wrap_validate_config()
     current = trainer_base.compute_advantage_for_multi_trajectories
     if getattr(current, "__wrapped__", None) is None:
         trainer_base.compute_advantage_for_multi_trajectories = _multi_trajectory_wrapper(
@@ -351,6 +358,62 @@ def register_v1():
             trainer_base.register_trainer(mode)(_trainer_class(trainer_base.get_trainer_cls(base), base))
         modes.append(mode)
     return modes
+
+
+def check_config(config):
+    """What ``verl.utils.config.validate_config`` adds once ares is registered, in the driver
+    before Ray starts: a name starting with ``ares`` (estimator, policy loss, reward-loop
+    manager, trainer mode) that ares did not register, an ``ares`` section without an ares
+    trainer mode, and the ``ares`` settings of an ares trainer mode (:func:`settings_from_config`
+    and the verl settings they cannot run with). Raises ``ValueError`` naming the key."""
+    import difflib
+
+    from verl.experimental.reward_loop.reward_manager.registry import REWARD_MANAGER
+    from verl.trainer.ppo import core_algos
+    from verl.trainer.ppo.v1.trainer_base import TRAINER_REGISTRY
+
+    names = [
+        ("algorithm.adv_estimator", core_algos.ADV_ESTIMATOR_REGISTRY),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode", core_algos.POLICY_LOSS_REGISTRY),
+        ("trainer.v1.trainer_mode", TRAINER_REGISTRY),
+    ]
+    if _get(config, "reward.reward_manager.source", "register") == "register":
+        names.append(("reward.reward_manager.name", REWARD_MANAGER))
+    for key, registry in names:
+        value = _get(config, key, None)
+        if value is None or not str(value).startswith("ares") or str(value) in registry:
+            continue
+        ours = sorted(k for k in registry if str(k).startswith("ares"))
+        close = difflib.get_close_matches(str(value), ours, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"`{key}={value}` is not a name ares registers (it registers {ours}){hint}")
+    mode = _get(config, "trainer.v1.trainer_mode", None)
+    section = _ares_section(config)
+    if mode in TRAINER_MODES:
+        _check_verl_config(config, settings_from_config(section))
+    elif section is not None:
+        raise AresSettingsError(
+            f"the `ares` settings are read by ares's trainer modes only, and trainer.v1.trainer_mode is {mode!r}: "
+            f"set it to one of {sorted(TRAINER_MODES)}"
+        )
+
+
+def _wrap_validate_config():
+    """Has verl's own config check (``main_ppo`` runs it before starting Ray) run
+    :func:`check_config` first."""
+    from verl.utils import config as verl_config
+
+    original = verl_config.validate_config
+    if getattr(original, "__wrapped__", None) is not None:
+        return
+
+    def validate_config(config, *args, **kwargs):
+        check_config(config)
+        return original(config, *args, **kwargs)
+
+    validate_config.__wrapped__ = original
+    validate_config.__doc__ = original.__doc__
+    verl_config.validate_config = validate_config
 
 
 def _register_reward_loop_manager():
