@@ -157,6 +157,17 @@ def test_final_session_rows():
         final_session_rows(["no-underscores"])
 
 
+def test_verls_own_tests_pass_with_ares_substituted():
+    # the committed result of scripts/verl_tests_with_ares.py (CI has neither torch nor verl)
+    path = os.path.join(os.path.dirname(__file__), "fixtures", "verl_0_9_1_own_tests.json")
+    with open(path) as f:
+        result = json.load(f)
+    assert result["verl"] == "0.9.1" and result["differ"] == []
+    assert set(result["ares_substituted"]) == set(result["shipped"]) and len(result["shipped"]) >= 40
+    assert all(v == "passed" for v in result["ares_substituted"].values())
+    assert {"ares_grpo", "ares_rloo", "ares_vanilla"} <= {k for k, n in result["ares_calls"].items() if n > 0}
+
+
 # ---------------------------------------------------------------- with verl 0.9.1
 
 

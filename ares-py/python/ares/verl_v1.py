@@ -342,15 +342,17 @@ def register_v1():
     try:
         from verl.trainer.ppo import ray_trainer
         from verl.trainer.ppo.v1 import trainer_base
+        from verl.trainer.ppo.v1 import utils as v1_utils
     except ImportError as e:  # verl installed without its v1 trainer's dependencies
         logger.debug("ares: verl's v1 trainer is not importable here (%s); trainer modes not registered", e)
         return []
     _wrap_validate_config()
-    current = trainer_base.compute_advantage_for_multi_trajectories
+    current = v1_utils.compute_advantage_for_multi_trajectories
     if getattr(current, "__wrapped__", None) is None:
-        trainer_base.compute_advantage_for_multi_trajectories = _multi_trajectory_wrapper(
-            current, ray_trainer.compute_advantage
-        )
+        wrapped = _multi_trajectory_wrapper(current, ray_trainer.compute_advantage)
+        # where verl defines it, and where its trainer imported it by name
+        v1_utils.compute_advantage_for_multi_trajectories = wrapped
+        trainer_base.compute_advantage_for_multi_trajectories = wrapped
     _register_reward_loop_manager()
     modes = []
     for mode, base in TRAINER_MODES.items():
