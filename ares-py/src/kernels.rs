@@ -5,6 +5,7 @@
 
 use crate::args::{Input, Output, f64_of, value_error};
 use ares_core::kl::KlEstimator;
+use ares_cpu::ops::linear_head::{self, HeadDims};
 use ares_cpu::{HweOutputs, Logits, MaskedKlInputs, MaskedKlOutputs, WindowSpec};
 use half::{bf16, f16};
 use numpy::{
@@ -19,6 +20,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(entropy_windows, m)?)?;
     m.add_function(wrap_pyfunction!(row_percentile, m)?)?;
     m.add_function(wrap_pyfunction!(masked_dynamic_kl, m)?)?;
+    m.add_function(wrap_pyfunction!(linear_log_prob_entropy, m)?)?;
+    m.add_function(wrap_pyfunction!(linear_log_prob_entropy_backward, m)?)?;
     Ok(())
 }
 
@@ -464,4 +467,163 @@ fn masked_dynamic_kl<'py>(
     d.set_item("row_mean_kl", rmean.array)?;
     d.set_item("total", f64_of(total))?;
     Ok(d)
+}
+
+/// Scratch per chunk of the fused head when `chunk_rows` is not given: one `[chunk, V]`
+/// float32 buffer of about this many bytes.
+const HEAD_CHUNK_BYTES: usize = 32 << 20;
+
+/// The hidden states `[N, H]` and head `[V, H]` of a fused head call, checked.
+fn head_inputs<'py>(
+    func: &str,
+    hidden: &Bound<'py, PyAny>,
+    weight: &Bound<'py, PyAny>,
+    chunk_rows: Option<usize>,
+) -> PyResult<(Input<'py, f32>, Input<'py, f32>, HeadDims, usize)> {
+    let x = f32_input(func, "hidden", hidden, 2)?;
+    let w = f32_input(func, "weight", weight, 2)?;
+    let (rows, h) = (x.shape()[0], x.shape()[1]);
+    let (vocab, hw) = (w.shape()[0], w.shape()[1]);
+    if hw != h {
+        return Err(value_error(format!(
+            "{func}: `weight` has shape [{vocab}, {hw}], expected [V, {h}] (hidden has {h} features)"
+        )));
+    }
+    if chunk_rows == Some(0) {
+        return Err(value_error(format!(
+            "{func}: `chunk_rows` must be >= 1, got 0"
+        )));
+    }
+    let chunk = chunk_rows.unwrap_or_else(|| linear_head::chunk_rows_for(vocab, HEAD_CHUNK_BYTES));
+    Ok((
+        x,
+        w,
+        HeadDims {
+            rows,
+            hidden: h,
+            vocab,
+        },
+        chunk,
+    ))
+}
+
+/// The LM head fused with the per-token log-prob and entropy (the Liger / Cut-Cross-Entropy
+/// idea for RL): for hidden states `hidden` [N, H] and the head `weight` [V, H] (Hugging Face
+/// layout), `z = hidden·weightᵀ / temperature`; returns `(log_prob, entropy)` [N] float32,
+/// `log_prob[r] = log softmax(z_r)[targets[r]]` (`None` without targets) and `entropy[r] =
+/// H(softmax(z_r))`, computed `chunk_rows` rows at a time (default: ~32 MiB of logits per
+/// chunk), so the [N, V] logits are never held. float32 inputs, read in place.
+#[pyfunction]
+#[pyo3(signature = (hidden, weight, targets=None, *, temperature=1.0, chunk_rows=None))]
+fn linear_log_prob_entropy<'py>(
+    py: Python<'py>,
+    hidden: &Bound<'py, PyAny>,
+    weight: &Bound<'py, PyAny>,
+    targets: Option<&Bound<'py, PyAny>>,
+    temperature: f32,
+    chunk_rows: Option<usize>,
+) -> PyResult<(Option<Bound<'py, PyAny>>, Bound<'py, PyAny>)> {
+    const FUNC: &str = "linear_log_prob_entropy";
+    let (x, w, dims, chunk) = head_inputs(FUNC, hidden, weight, chunk_rows)?;
+    let ids = targets
+        .map(|t| target_ids(FUNC, t, &[dims.rows], dims.vocab))
+        .transpose()?;
+    let out_h = Output::<f32>::new(py, &[dims.rows]);
+    let out_lp = ids.as_ref().map(|_| Output::<f32>::new(py, &[dims.rows]));
+    {
+        let mut wh = out_h.write()?;
+        let ent = wh.as_slice_mut().map_err(|e| value_error(e.to_string()))?;
+        let mut wlp = out_lp.as_ref().map(|o| o.write()).transpose()?;
+        let lp = match wlp.as_mut() {
+            Some(w) => Some(w.as_slice_mut().map_err(|e| value_error(e.to_string()))?),
+            None => None,
+        };
+        let (xs, ws) = (x.slice(), w.slice());
+        let t = ids.as_deref().zip(lp);
+        py.detach(move || {
+            linear_head::linear_log_prob_entropy(xs, ws, dims, temperature, t, ent, chunk)
+        })
+        .map_err(|e| cpu_err(FUNC, e))?;
+    }
+    Ok((out_lp.map(|o| o.array.into_any()), out_h.array.into_any()))
+}
+
+/// Backward of [`linear_log_prob_entropy`]: from `grad_log_prob` (∂L/∂logπ [N], with
+/// `targets`) and/or `grad_entropy` (∂L/∂H [N]) returns `(grad_hidden [N, H], grad_weight
+/// [V, H])`, float32, recomputing each chunk's logits (nothing [N, V] is kept between the
+/// passes): `∂L/∂z = g/T·(onehot − p) − h·p∘(ln p + H)/T`, `grad_hidden = ∂L/∂z·weight`,
+/// `grad_weight = ∂L/∂zᵀ·hidden`. Rows whose coefficients are 0 contribute nothing.
+#[pyfunction]
+#[pyo3(signature = (hidden, weight, targets=None, grad_log_prob=None, grad_entropy=None, *,
+    temperature=1.0, chunk_rows=None))]
+#[allow(clippy::too_many_arguments)]
+fn linear_log_prob_entropy_backward<'py>(
+    py: Python<'py>,
+    hidden: &Bound<'py, PyAny>,
+    weight: &Bound<'py, PyAny>,
+    targets: Option<&Bound<'py, PyAny>>,
+    grad_log_prob: Option<&Bound<'py, PyAny>>,
+    grad_entropy: Option<&Bound<'py, PyAny>>,
+    temperature: f32,
+    chunk_rows: Option<usize>,
+) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    const FUNC: &str = "linear_log_prob_entropy_backward";
+    let (x, w, dims, chunk) = head_inputs(FUNC, hidden, weight, chunk_rows)?;
+    let per_row = |name: &str, obj: &Bound<'py, PyAny>| -> PyResult<Input<'py, f32>> {
+        let g = f32_input(FUNC, name, obj, 1)?;
+        if g.shape()[0] != dims.rows {
+            return Err(value_error(format!(
+                "{FUNC}: `{name}` has {} elements, expected {} (one per row of hidden)",
+                g.shape()[0],
+                dims.rows
+            )));
+        }
+        Ok(g)
+    };
+    let lp = match (targets, grad_log_prob) {
+        (Some(t), Some(g)) => Some((
+            target_ids(FUNC, t, &[dims.rows], dims.vocab)?,
+            per_row("grad_log_prob", g)?,
+        )),
+        (None, None) => None,
+        _ => {
+            return Err(value_error(format!(
+                "{FUNC}: `targets` and `grad_log_prob` go together (the log-prob's gradient needs its targets)"
+            )));
+        }
+    };
+    let gh = grad_entropy
+        .map(|g| per_row("grad_entropy", g))
+        .transpose()?;
+    if lp.is_none() && gh.is_none() {
+        return Err(value_error(format!(
+            "{FUNC}: give `grad_log_prob` (with `targets`) or `grad_entropy`, or both"
+        )));
+    }
+    let gx = Output::<f32>::new(py, &[dims.rows, dims.hidden]);
+    let gw = Output::<f32>::new(py, &[dims.vocab, dims.hidden]);
+    {
+        let (mut wx, mut ww) = (gx.write()?, gw.write()?);
+        let gxs = wx.as_slice_mut().map_err(|e| value_error(e.to_string()))?;
+        let gws = ww.as_slice_mut().map_err(|e| value_error(e.to_string()))?;
+        gws.fill(0.0);
+        let (xs, ws) = (x.slice(), w.slice());
+        let log_prob = lp.as_ref().map(|(ids, g)| (ids.as_slice(), g.slice()));
+        let ent = gh.as_ref().map(|g| g.slice());
+        py.detach(move || {
+            linear_head::linear_log_prob_entropy_backward(
+                xs,
+                ws,
+                dims,
+                temperature,
+                log_prob,
+                ent,
+                gxs,
+                gws,
+                chunk,
+            )
+        })
+        .map_err(|e| cpu_err(FUNC, e))?;
+    }
+    Ok((gx.array.into_any(), gw.array.into_any()))
 }

@@ -17,6 +17,7 @@ pub mod attention;
 pub mod embedding;
 pub mod entropy_backward;
 pub mod layer_norm;
+pub mod linear_head;
 pub mod log_prob_backward;
 pub mod matmul;
 pub mod matmul_tiles;

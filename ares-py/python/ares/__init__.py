@@ -57,6 +57,8 @@ if TYPE_CHECKING:  # the stubs of the native module give the signatures
         grpo_advantages,
         grpo_lambda_rewards,
         grpo_token_advantages,
+        linear_log_prob_entropy,
+        linear_log_prob_entropy_backward,
         log_prob_entropy,
         masked_dynamic_kl,
         masked_whiten,
@@ -89,6 +91,8 @@ else:
     grpo_advantages = wrap(_ares.grpo_advantages)
     grpo_lambda_rewards = wrap(_ares.grpo_lambda_rewards)
     grpo_token_advantages = wrap(_ares.grpo_token_advantages)
+    linear_log_prob_entropy = wrap(_ares.linear_log_prob_entropy)
+    linear_log_prob_entropy_backward = wrap(_ares.linear_log_prob_entropy_backward)
     log_prob_entropy = wrap(_ares.log_prob_entropy)
     masked_dynamic_kl = wrap(_ares.masked_dynamic_kl)
     masked_whiten = wrap(_ares.masked_whiten)
@@ -159,6 +163,8 @@ __all__ = [
     "grpo_lambda_rewards",
     "grpo_token_advantages",
     "is_solved",
+    "linear_log_prob_entropy",
+    "linear_log_prob_entropy_backward",
     "log_prob_entropy",
     "masked_dynamic_kl",
     "masked_whiten",
