@@ -472,3 +472,86 @@ def test_names_and_settings_are_checked_with_verls_config_check():
             "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0",
         ])
     check_config(fine)  # verl's own checks need model paths etc.; ares's pass
+
+
+def test_multi_turn_sessions_are_shaped_on_their_final_output(ares_sync_trainer):
+    """Sessions with several outputs (turns): the ARES step sees each session's final output;
+    the earlier outputs get the session's outcome on their last valid token and no KL."""
+    trainer, tq = ares_sync_trainer
+    import torch
+    from transfer_queue import KVBatchMeta
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    trainer.global_steps = 4
+    rng = np.random.default_rng(9)
+    rows, keys = [], []
+    for p in range(4):
+        for s in range(4):
+            turns = 1 + (p + s) % 2
+            score = float(rng.integers(0, 2))
+            for i in range(turns):
+                length = int(rng.integers(4, 10))
+                rm = torch.zeros(length)
+                rm[-1] = score  # verl's reward loop copies the final score to every output
+                old = torch.from_numpy((-rng.random(length) * 3).astype(np.float32))
+                keys.append(f"mt{p}_{s}_{i}")
+                rows.append(dict(
+                    uid=f"mt{p}", index=200 + p, response_mask=torch.ones(length, dtype=torch.int64), rm_scores=rm,
+                    entropy=torch.from_numpy(rng.gamma(0.6, 1.0, length).astype(np.float32)), old_log_probs=old,
+                    ref_log_prob=old + torch.from_numpy((0.4 * rng.standard_normal(length)).astype(np.float32)),
+                ))
+    tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(rows))
+    batch = KVBatchMeta(keys=keys, tags=[{} for _ in keys], partition_id="train")
+    before = _padded(tq, batch, ["uid", "index", "response_mask", "rm_scores", "entropy", "old_log_probs", "ref_log_prob"])
+    reference = AresStep(trainer.ares.settings)
+    reference.load_state_dict(trainer.ares.state_dict())
+    trainer._compute_advantage(batch, {})
+    after = _padded(tq, batch, ["rm_scores", "advantages"])
+    final, to_final = final_session_rows(keys)
+    fr = np.asarray(final)
+    token, _ = reference(
+        before["rm_scores"][fr].sum(1).astype(np.float64), before["response_mask"][fr],
+        np.array(before["uid"], dtype=object)[fr], entropies=before["entropy"][fr],
+        difficulty_ids=np.array([str(i) for i in before["index"]], dtype=object)[fr],
+        old_log_probs=before["old_log_probs"][fr], ref_log_probs=before["ref_log_prob"][fr], step=4,
+    )
+    last = last_valid(before["response_mask"])
+    for row, f in enumerate(to_final):
+        if row == final[f]:
+            np.testing.assert_allclose(after["rm_scores"][row], token[f], rtol=1e-6, atol=1e-7)
+        else:
+            want = np.zeros_like(after["rm_scores"][row])
+            want[last[row]] = token[f].sum()
+            np.testing.assert_allclose(after["rm_scores"][row], want, rtol=1e-6, atol=1e-7)
+    assert trainer.ares.state_dict() == reference.state_dict()
+    # and every output of a session carries the advantage of its final output (verl's grpo path)
+    adv_final = after["advantages"][fr, 0]
+    for row, f in enumerate(to_final):
+        np.testing.assert_allclose(after["advantages"][row][before["response_mask"][row] > 0], adv_final[f], rtol=1e-6)
+
+
+def test_resume_from_a_named_checkpoint_folder(ares_sync_trainer, monkeypatch, tmp_path):
+    trainer, tq = ares_sync_trainer
+    from omegaconf import open_dict
+    from verl.trainer.ppo.v1 import PPOTrainerSync
+
+    from ares.verl_v1 import _write_state
+
+    folder = tmp_path / "elsewhere" / "global_step_7"
+    saved = AresStep(trainer.ares.settings)
+    run(saved, batch(11), step=1)
+    _write_state(str(folder), {"global_steps": 7, **saved.state_dict()})
+    with open_dict(trainer.config):
+        trainer.config.trainer.resume_mode = "resume_path"
+        trainer.config.trainer.resume_from_path = str(folder)
+
+    def resume(self):
+        self.global_steps = 7
+
+    monkeypatch.setattr(PPOTrainerSync, "_load_checkpoint", resume)
+    try:
+        trainer._load_checkpoint()
+        assert trainer.ares.state_dict() == saved.state_dict()
+    finally:
+        with open_dict(trainer.config):
+            trainer.config.trainer.resume_mode = "auto"
