@@ -555,3 +555,29 @@ def test_resume_from_a_named_checkpoint_folder(ares_sync_trainer, monkeypatch, t
     finally:
         with open_dict(trainer.config):
             trainer.config.trainer.resume_mode = "auto"
+
+
+def test_dr_grpo_flag_reaches_ares_grpo_without_a_config():
+    _verl_v1()
+    import torch
+    from verl import DataProto
+    from verl.trainer.ppo import ray_trainer
+    from verl.trainer.ppo.core_algos import AdvantageEstimator
+
+    import ares.verl as av
+
+    av.register()
+    g = torch.Generator().manual_seed(3)
+    mask = torch.ones(8, 5)
+    rewards = torch.zeros(8, 5)
+    rewards[:, -1] = torch.rand(8, generator=g)
+    uid = np.array([f"p{i // 4}" for i in range(8)], dtype=object)
+
+    def adv(estimator, norm):
+        d = DataProto.from_dict(tensors={"token_level_rewards": rewards.clone(), "response_mask": mask.clone()})
+        d.non_tensor_batch["uid"] = uid
+        return ray_trainer.compute_advantage(d, estimator, norm_adv_by_std_in_grpo=norm).batch["advantages"]
+
+    for norm in (True, False):
+        torch.testing.assert_close(adv("ares_grpo", norm), adv(AdvantageEstimator.GRPO, norm), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(adv("ares_grpo", True), adv("ares_grpo", False))

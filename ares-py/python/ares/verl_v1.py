@@ -46,6 +46,10 @@ the bootstrap pass over the whole dataset before the first step (targets start f
 first batch, as with ``data.bootstrap: false`` in ares-runner); CUDA tensors are copied to the
 host (``[B, T]`` per step, on the TaskRunner).
 
+**Dr.GRPO's flag.** verl's ``compute_advantage`` passes ``norm_adv_by_std_in_grpo`` to its own
+GRPO only; for ``ares_grpo`` and ``ares_grpo_lambda`` called without a ``config`` the flag now
+reaches them as a one-key config (with a config, they read it there, as before).
+
 **Multi-trajectory groups.** verl's v1 trainer gives GRPO only the final output of each
 session (``{uid}_{session}_{index}`` keys) and broadcasts its advantage to the session's other
 outputs; any other estimator sees every output. ares's outcome estimators (``ares_grpo``,
@@ -332,6 +336,27 @@ def _multi_trajectory_wrapper(original, compute_advantage):
     return wrapped
 
 
+def _norm_flag_wrapper(original):
+    """verl's ``compute_advantage``, which passes ``norm_adv_by_std_in_grpo`` to its own GRPO
+    only: for ``ares_grpo`` / ``ares_grpo_lambda`` called without a ``config`` (which would
+    carry it), the flag is handed over as a one-key config."""
+    import inspect
+
+    sig = inspect.signature(original)
+
+    def compute_advantage(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if str(a["adv_estimator"]) in ("ares_grpo", "ares_grpo_lambda") and a.get("config") is None:
+            a["config"] = {"norm_adv_by_std_in_grpo": bool(a["norm_adv_by_std_in_grpo"])}
+        return original(*bound.args, **bound.kwargs)
+
+    compute_advantage.__wrapped__ = original
+    compute_advantage.__doc__ = original.__doc__
+    return compute_advantage
+
+
 # ---------------------------------------------------------------- registration
 
 
@@ -347,6 +372,10 @@ def register_v1():
         logger.debug("ares: verl's v1 trainer is not importable here (%s); trainer modes not registered", e)
         return []
     _wrap_validate_config()
+    if getattr(ray_trainer.compute_advantage, "__wrapped__", None) is None:
+        advantage = _norm_flag_wrapper(ray_trainer.compute_advantage)
+        ray_trainer.compute_advantage = advantage
+        v1_utils.compute_advantage = advantage  # imported there by name
     current = v1_utils.compute_advantage_for_multi_trajectories
     if getattr(current, "__wrapped__", None) is None:
         wrapped = _multi_trajectory_wrapper(current, ray_trainer.compute_advantage)
