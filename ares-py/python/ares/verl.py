@@ -41,9 +41,9 @@ of one is a ``ValueError`` where verl passes the reward through). ``ares_grpo_la
 sample as correct when its outcome reward is ``> correct_threshold`` and its length from the
 response mask. ARES's entropy machinery (HWE windows, the bucket controller) further needs the
 per-token entropies of the training forward and a stable per-prompt ``global_id``; verl's
-estimator and loss signatures carry neither: :class:`AresRewardManager` (``mode="ares"``)
-does the whole entropy control from a batch that has them, or use ``ares.entropy_windows`` and
-``ares.BucketController`` from your own hook.
+estimator and loss signatures carry neither: the trainer modes of :mod:`ares.verl_v1`
+(``trainer.v1.trainer_mode=ares_sync``) do the whole entropy control inside verl, through
+:class:`AresRewardManager`'s numpy core.
 
 **Devices.** ares runs on CPU memory. CPU tensors are read in place (no copy; a bool or integer
 mask is converted to the float dtype, and a non-contiguous tensor is made contiguous, which do
