@@ -319,26 +319,31 @@ def ares_sync_trainer(tmp_path_factory):
     ray.shutdown()
 
 
-def _tq_batch(tq, seed, prompts=5, n=4):
-    """Rows as verl's agent loop puts them: keys {uid}_{session}_0, ragged response fields."""
+def _tq_batch(tq, seed, prompts=5, n=4, turns=lambda p, s: 1, prefix=None):
+    """Rows as verl's agent loop puts them: keys {uid}_{session}_{turn}, ragged response
+    fields; every output of a session carries its final score (verl's reward loop copies it)."""
     import torch
     from transfer_queue import KVBatchMeta
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 
     rng = np.random.default_rng(seed)
+    prefix = prefix or f"s{seed}p"
     rows, keys = [], []
     for p in range(prompts):
         for s in range(n):
-            length = int(rng.integers(4, 12))
-            rm = torch.zeros(length)
-            rm[-1] = float(rng.integers(0, 2))
-            old = torch.from_numpy((-rng.random(length) * 3).astype(np.float32))
-            keys.append(f"s{seed}p{p}_{s}_0")
-            rows.append(dict(
-                uid=f"s{seed}p{p}", index=100 + p, response_mask=torch.ones(length, dtype=torch.int64), rm_scores=rm,
-                entropy=torch.from_numpy(rng.gamma(0.6, 1.0, length).astype(np.float32)), old_log_probs=old,
-                ref_log_prob=old + torch.from_numpy((0.4 * rng.standard_normal(length)).astype(np.float32)),
-            ))
+            score = float(rng.integers(0, 2))
+            for i in range(turns(p, s)):
+                length = int(rng.integers(4, 12))
+                rm = torch.zeros(length)
+                rm[-1] = score
+                old = torch.from_numpy((-rng.random(length) * 3).astype(np.float32))
+                keys.append(f"{prefix}{p}_{s}_{i}")
+                rows.append(dict(
+                    uid=f"{prefix}{p}", index=100 + p, response_mask=torch.ones(length, dtype=torch.int64),
+                    rm_scores=rm, entropy=torch.from_numpy(rng.gamma(0.6, 1.0, length).astype(np.float32)),
+                    old_log_probs=old,
+                    ref_log_prob=old + torch.from_numpy((0.4 * rng.standard_normal(length)).astype(np.float32)),
+                ))
     tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(rows))
     return KVBatchMeta(keys=keys, tags=[{} for _ in keys], partition_id="train")
 
@@ -478,30 +483,9 @@ def test_multi_turn_sessions_are_shaped_on_their_final_output(ares_sync_trainer)
     """Sessions with several outputs (turns): the ARES step sees each session's final output;
     the earlier outputs get the session's outcome on their last valid token and no KL."""
     trainer, tq = ares_sync_trainer
-    import torch
-    from transfer_queue import KVBatchMeta
-    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
-
     trainer.global_steps = 4
-    rng = np.random.default_rng(9)
-    rows, keys = [], []
-    for p in range(4):
-        for s in range(4):
-            turns = 1 + (p + s) % 2
-            score = float(rng.integers(0, 2))
-            for i in range(turns):
-                length = int(rng.integers(4, 10))
-                rm = torch.zeros(length)
-                rm[-1] = score  # verl's reward loop copies the final score to every output
-                old = torch.from_numpy((-rng.random(length) * 3).astype(np.float32))
-                keys.append(f"mt{p}_{s}_{i}")
-                rows.append(dict(
-                    uid=f"mt{p}", index=200 + p, response_mask=torch.ones(length, dtype=torch.int64), rm_scores=rm,
-                    entropy=torch.from_numpy(rng.gamma(0.6, 1.0, length).astype(np.float32)), old_log_probs=old,
-                    ref_log_prob=old + torch.from_numpy((0.4 * rng.standard_normal(length)).astype(np.float32)),
-                ))
-    tq.kv_batch_put(keys=keys, partition_id="train", fields=list_of_dict_to_tensordict(rows))
-    batch = KVBatchMeta(keys=keys, tags=[{} for _ in keys], partition_id="train")
+    batch = _tq_batch(tq, 9, prompts=4, turns=lambda p, s: 1 + (p + s) % 2, prefix="mt")
+    keys = batch.keys
     before = _padded(tq, batch, ["uid", "index", "response_mask", "rm_scores", "entropy", "old_log_probs", "ref_log_prob"])
     reference = AresStep(trainer.ares.settings)
     reference.load_state_dict(trainer.ares.state_dict())

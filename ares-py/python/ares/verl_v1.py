@@ -205,6 +205,7 @@ class AresStep:
         import numpy as np
 
         from . import bucket_means, group_means, masked_dynamic_kl
+        from .verl import _first_rows
 
         s = self.settings
         mask = np.ascontiguousarray(mask, dtype=np.float32)
@@ -278,12 +279,6 @@ def _last_valid(mask):
     last = cols - 1 - rev
     last[~(mask > 0).any(axis=1)] = -1
     return last
-
-
-def _first_rows(keys):
-    from .verl import _first_rows as first
-
-    return first(keys)
 
 
 # ---------------------------------------------------------------- multi-trajectory groups
@@ -536,23 +531,15 @@ def _check_verl_config(config, s):
             "ARES reads the per-token entropies of verl's old-log-prob pass, which "
             "`algorithm.rollout_correction.bypass_mode=true` skips"
         )
-    if s["kl"]["enable"] and not bool(_get(config, "algorithm.use_kl_in_reward", False)):
-        ref = _get(config, "actor_rollout_ref.actor.use_kl_loss", False)
-        if not ref and not _needs_reference(config):
+    if s["kl"]["enable"]:
+        from verl.trainer.ppo.utils import need_reference_policy
+
+        if not _get(config, "actor_rollout_ref.actor.use_kl_loss", False) and not need_reference_policy(config):
             raise AresSettingsError(
                 "`ares.kl.enable` needs the reference log-probs: set "
                 "`actor_rollout_ref.actor.use_kl_loss=true` with `actor_rollout_ref.actor.kl_loss_coef=0` "
                 "(verl then computes ref_log_prob; ares charges the KL) or `+ares.kl.enable=false`"
             )
-
-
-def _needs_reference(config):
-    try:
-        from verl.trainer.ppo.utils import need_reference_policy
-
-        return bool(need_reference_policy(config))
-    except Exception:  # an older layout: the caller's other checks decide
-        return False
 
 
 def _ares_rewards(trainer, batch, metrics):
@@ -591,8 +578,9 @@ def _ares_rewards(trainer, batch, metrics):
         kw["old_log_probs"] = padded["old_log_probs"].float().cpu().numpy()[fr]
         kw["ref_log_probs"] = padded["ref_log_prob"].float().cpu().numpy()[fr]
     token_final, m = trainer.ares(scores, mask_all[fr], uid_all[fr], step=int(trainer.global_steps), **kw)
-    # the final output's rewards on its own row; earlier outputs of a session get its outcome
-    # on their last valid token (as verl's reward loop copies the score) and no KL
+    # the final output's rewards on its own row; earlier outputs of a session get the final
+    # output's folded outcome (the sum of its token rewards, what GRPO groups) on their last
+    # valid token, as verl's reward loop copies the score, and no KL of their own
     token = np.zeros_like(mask_all)
     last = _last_valid(mask_all)
     outcome = token_final.sum(axis=1)
