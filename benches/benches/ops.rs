@@ -3,7 +3,7 @@
 //! threads. GEMMs report GFLOP/s (criterion's "elements" are FLOPs); the element-wise ops
 //! report bytes read and sit beside a same-bytes read baseline.
 
-use ares_benches::{SplitMix, par_read_baseline_f32, read_baseline};
+use ares_benches::{centered_values as values, par_read_baseline_f32, read_baseline};
 use ares_cpu::ops::attention::{
     AttentionGrads, AttentionInputs, AttentionShape, attention_backward, attention_forward,
 };
@@ -26,11 +26,6 @@ const MLP: usize = 4864;
 const Q_HEADS: usize = 14;
 const KV_HEADS: usize = 2;
 const HEAD_DIM: usize = 64;
-
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut rng = SplitMix::new(seed);
-    (0..n).map(|_| rng.unit() - 0.5).collect()
-}
 
 fn ops(c: &mut Criterion) {
     // linear: the MLP up projection, [512, 896] · [4864, 896]ᵀ

@@ -13,15 +13,15 @@
 //! (one thread, as the
 //! PyTorch comparison runs); `ARES_CPU_ISA` picks the path.
 
-use ares_benches::SplitMix;
-use ares_benches::model::env_usize;
+use ares_benches::centered_values as values;
+use ares_benches::model::{best_and_median, env_usize};
 use ares_cpu::Isa;
 use ares_cpu::ops::attention::{
     AttentionGrads, AttentionInputs, AttentionShape, attention_backward, attention_forward,
 };
 use ares_cpu::ops::matmul::{MatmulDims, linear_backward, linear_forward};
 use std::hint::black_box;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const TOKENS: usize = 8 * 256;
 const BATCH: usize = 8;
@@ -34,22 +34,9 @@ const KV_HEADS: usize = 2;
 const HEAD_DIM: usize = 64;
 const LAYERS: usize = 4;
 
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut rng = SplitMix::new(seed);
-    (0..n).map(|_| rng.unit() - 0.5).collect()
-}
-
 /// Best of `runs` timings of `f` after one warm-up call.
-fn best(runs: usize, mut f: impl FnMut()) -> Duration {
-    f();
-    (0..runs.max(1))
-        .map(|_| {
-            let start = Instant::now();
-            f();
-            start.elapsed()
-        })
-        .min()
-        .unwrap_or_default()
+fn best(runs: usize, f: impl FnMut()) -> Duration {
+    best_and_median(runs, f).0
 }
 
 /// GFLOP/s of this core's multiply-adds on the active path: 12 independent chains (enough

@@ -41,6 +41,12 @@ impl SplitMix {
     }
 }
 
+/// `n` values uniform in [-0.5, 0.5) from a [`SplitMix`] seeded by `seed`.
+pub fn centered_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = SplitMix::new(seed);
+    (0..n).map(|_| rng.unit() - 0.5).collect()
+}
+
 /// A padded batch of responses: per-row lengths between `cols/4` and `cols`, mask 1 on
 /// the response and 0 on padding, as rollouts produce them.
 pub struct TokenBatch {
