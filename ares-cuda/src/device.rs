@@ -2,9 +2,9 @@
 //! status words kernels report bad input through.
 
 use crate::error::{DriverContext, Error, Result};
-use crate::kernels::{KernelSource, TOKEN_KERNELS};
+use crate::kernels::{KernelSource, TOKEN_KERNELS, TokenFunctions};
 use crate::nvrtc::{self, Image};
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaModule, CudaSlice, CudaStream};
 use cudarc::nvrtc::Ptx;
 use std::sync::Arc;
 
@@ -17,21 +17,12 @@ pub fn cuda_available() -> bool {
 /// A device with the token kernels compiled and loaded.
 pub struct Cuda {
     pub(crate) stream: Arc<CudaStream>,
-    pub(crate) functions: Functions,
+    pub(crate) functions: TokenFunctions,
     /// Kernels OR bits into it when they find bad data; zeroed before each launch.
     pub(crate) status: CudaSlice<u32>,
     /// Blocks-finished counter of the last-block reductions; kernels reset it to 0.
     pub(crate) blocks_done: CudaSlice<u32>,
     info: DeviceInfo,
-}
-
-pub(crate) struct Functions {
-    pub log_prob_entropy_f32: CudaFunction,
-    pub log_prob_entropy_bf16: CudaFunction,
-    pub log_prob_entropy_f16: CudaFunction,
-    pub entropy_windows: CudaFunction,
-    pub row_percentile: CudaFunction,
-    pub masked_dynamic_kl: CudaFunction,
 }
 
 /// What was loaded, for logs and benchmark reports.
@@ -129,13 +120,6 @@ pub(crate) fn load_module(
     Ok((module, desc))
 }
 
-/// Kernel `name` of a loaded module.
-pub(crate) fn load_function(module: &Arc<CudaModule>, name: &str) -> Result<CudaFunction> {
-    module
-        .load_function(name)
-        .during(format!("loading kernel {name}"))
-}
-
 impl Cuda {
     /// Opens device `ordinal`, compiles (or loads from the cache) and loads the kernels.
     /// Errors instead of panicking when libcuda or libnvrtc is missing.
@@ -143,15 +127,7 @@ impl Cuda {
         let (ctx, mut info) = open_device(ordinal, false)?;
         let (module, image) = load_module(&ctx, &TOKEN_KERNELS, info.arch)?;
         info.image = image;
-        let load = |name: &str| load_function(&module, name);
-        let functions = Functions {
-            log_prob_entropy_f32: load("log_prob_entropy_f32")?,
-            log_prob_entropy_bf16: load("log_prob_entropy_bf16")?,
-            log_prob_entropy_f16: load("log_prob_entropy_f16")?,
-            entropy_windows: load("entropy_windows")?,
-            row_percentile: load("row_percentile")?,
-            masked_dynamic_kl: load("masked_dynamic_kl")?,
-        };
+        let functions = TokenFunctions::load(&module)?;
         let stream = ctx.default_stream();
         let status = stream
             .alloc_zeros::<u32>(1)

@@ -1,4 +1,10 @@
-//! The CUDA C sources, embedded in the binary, and the kernels each one defines.
+//! The CUDA C sources, embedded in the binary, and the kernels each one defines: one table
+//! per source names each kernel once, and gives both the list NVRTC's checks walk
+//! ([`KernelSource::kernels`]) and the struct of loaded functions the ops launch.
+
+use crate::error::{DriverContext, Result};
+use cudarc::driver::{CudaFunction, CudaModule};
+use std::sync::Arc;
 
 /// One kernel source file.
 #[derive(Debug, Clone, Copy)]
@@ -11,85 +17,151 @@ pub struct KernelSource {
     pub kernels: &'static [&'static str],
 }
 
-/// Token kernels: fused log-prob + entropy, entropy windows / HWE, row percentile, masked
-/// dynamic KL.
-pub const TOKEN_KERNELS: KernelSource = KernelSource {
-    name: "token_kernels.cu",
-    code: include_str!("../kernels/token_kernels.cu"),
-    kernels: &[
-        "log_prob_entropy_f32",
-        "log_prob_entropy_bf16",
-        "log_prob_entropy_f16",
-        "entropy_windows",
-        "row_percentile",
-        "masked_dynamic_kl",
-    ],
-};
+/// Kernel `name` of a loaded module.
+pub(crate) fn load_function(module: &Arc<CudaModule>, name: &str) -> Result<CudaFunction> {
+    module
+        .load_function(name)
+        .during(format!("loading kernel {name}"))
+}
 
-/// Model kernels: the decoder's element-wise, normalisation, RoPE, embedding, attention
-/// (forward, backward, decode) and KV-cache ops, the log-prob and entropy backward, and the optimizer's
-/// sum of squares and AdamW (what `ares-runner`'s CUDA backend launches besides cuBLAS).
-pub const MODEL_OPS: KernelSource = KernelSource {
-    name: "model_ops.cu",
-    code: include_str!("../kernels/model_ops.cu"),
-    kernels: &[
-        "fill_f32",
-        "add_f32",
-        "scale_f32",
-        "f32_to_bf16",
-        "bias_add",
-        "swiglu_fwd",
-        "swiglu_bwd",
-        "embedding_fwd",
-        "embedding_bwd",
-        "rmsnorm_fwd",
-        "rmsnorm_bwd_dx",
-        "col_partials",
-        "col_reduce",
-        "rope",
-        "transpose_f32",
-        "log_prob_bwd",
-        "entropy_bwd",
-        "argmax_rows",
-        "sample_rows",
-        "sum_sq_partial",
-        "sum_sq_final",
-        "adamw_check",
-        "adamw_update",
-        "kv_append",
-        "attention_fwd_d64",
-        "attention_fwd_d128",
-        "attention_fwd_d256",
-        "attention_bwd_delta",
-        "attention_bwd_dq_d64",
-        "attention_bwd_dq_d128",
-        "attention_bwd_dq_d256",
-        "attention_bwd_dkv_d64",
-        "attention_bwd_dkv_d128",
-        "attention_bwd_dkv_d256",
-    ],
-};
+/// `&[…]` of every kernel name of a table's entries, in order (a field names one kernel, a
+/// per-class field an array of them).
+macro_rules! kernel_names {
+    ([$($acc:literal),*]) => { &[$($acc),*] };
+    ([$($acc:literal),*] $k:literal $(, $($rest:tt)*)?) => {
+        kernel_names!([$($acc,)* $k] $($($rest)*)?)
+    };
+    ([$($acc:literal),*] [$($ks:literal),+] $(, $($rest:tt)*)?) => {
+        kernel_names!([$($acc,)* $($ks),+] $($($rest)*)?)
+    };
+}
 
-/// Vision tower kernels (Qwen2-VL / Qwen2.5-VL): LayerNorm, the GELU-family activations,
-/// attention within `cu_seqlens` segments, and the row scatter of image embeddings.
-pub const VISION_OPS: KernelSource = KernelSource {
-    name: "vision_ops.cu",
-    code: include_str!("../kernels/vision_ops.cu"),
-    kernels: &[
-        "layer_norm_fwd",
-        "layer_norm_bwd_dx",
-        "layer_norm_col_partials",
-        "activation_fwd",
-        "activation_bwd",
-        "scatter_rows",
-        "segment_attention_fwd_d64",
-        "segment_attention_fwd_d128",
-        "segment_attention_bwd_dq_d64",
-        "segment_attention_bwd_dq_d128",
-        "segment_attention_bwd_dkv_d64",
-        "segment_attention_bwd_dkv_d128",
-    ],
-};
+/// A field's type: one function, or one per class.
+macro_rules! kernel_field {
+    ($k:literal) => { CudaFunction };
+    ([$($ks:literal),+]) => { [CudaFunction; [$($ks),+].len()] };
+}
+
+/// A field loaded from module `$m`.
+macro_rules! kernel_load {
+    ($m:ident, $k:literal) => { load_function($m, $k)? };
+    ($m:ident, [$($ks:literal),+]) => { [$(load_function($m, $ks)?),+] };
+}
+
+/// A kernel source (`const`) and the functions it defines (`struct` with `load`), from one
+/// list of `field: "kernel"` (or `field: ["kernel per class", …]`) entries.
+macro_rules! kernel_table {
+    (
+        $(#[$meta:meta])*
+        pub const $source:ident = $file:literal;
+        $(#[$smeta:meta])*
+        pub(crate) struct $functions:ident {
+            $($(#[$fmeta:meta])* $field:ident: $kernels:tt),* $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        pub const $source: KernelSource = KernelSource {
+            name: $file,
+            code: include_str!(concat!("../kernels/", $file)),
+            kernels: kernel_names!([] $($kernels),*),
+        };
+
+        $(#[$smeta])*
+        pub(crate) struct $functions {
+            $($(#[$fmeta])* pub(crate) $field: kernel_field!($kernels),)*
+        }
+
+        impl $functions {
+            #[doc = concat!("The kernels of the loaded module of `", $file, "`.")]
+            pub(crate) fn load(m: &Arc<CudaModule>) -> Result<Self> {
+                Ok(Self { $($field: kernel_load!(m, $kernels),)* })
+            }
+        }
+    };
+}
+
+kernel_table! {
+    /// Token kernels: fused log-prob + entropy, entropy windows / HWE, row percentile, masked
+    /// dynamic KL.
+    pub const TOKEN_KERNELS = "token_kernels.cu";
+    /// The loaded kernels of `token_kernels.cu`.
+    pub(crate) struct TokenFunctions {
+        log_prob_entropy_f32: "log_prob_entropy_f32",
+        log_prob_entropy_bf16: "log_prob_entropy_bf16",
+        log_prob_entropy_f16: "log_prob_entropy_f16",
+        entropy_windows: "entropy_windows",
+        row_percentile: "row_percentile",
+        masked_dynamic_kl: "masked_dynamic_kl",
+    }
+}
+
+kernel_table! {
+    /// Model kernels: the decoder's element-wise, normalisation, RoPE, embedding, attention
+    /// (forward, backward, decode) and KV-cache ops, the log-prob and entropy backward, and the
+    /// optimizer's sum of squares and AdamW (what `ares-runner`'s CUDA backend launches besides
+    /// cuBLAS).
+    pub const MODEL_OPS = "model_ops.cu";
+    /// The loaded kernels of `model_ops.cu`.
+    pub(crate) struct ModelFunctions {
+        fill: "fill_f32",
+        add: "add_f32",
+        scale: "scale_f32",
+        to_bf16: "f32_to_bf16",
+        bias_add: "bias_add",
+        swiglu_fwd: "swiglu_fwd",
+        swiglu_bwd: "swiglu_bwd",
+        embedding_fwd: "embedding_fwd",
+        embedding_bwd: "embedding_bwd",
+        rmsnorm_fwd: "rmsnorm_fwd",
+        rmsnorm_bwd_dx: "rmsnorm_bwd_dx",
+        col_partials: "col_partials",
+        col_reduce: "col_reduce",
+        rope: "rope",
+        transpose: "transpose_f32",
+        log_prob_bwd: "log_prob_bwd",
+        entropy_bwd: "entropy_bwd",
+        argmax_rows: "argmax_rows",
+        sample_rows: "sample_rows",
+        sum_sq_partial: "sum_sq_partial",
+        sum_sq_final: "sum_sq_final",
+        adamw_check: "adamw_check",
+        adamw_update: "adamw_update",
+        kv_append: "kv_append",
+        paged_kv_append: "paged_kv_append",
+        /// Per head-size class (≤ 64, ≤ 128, ≤ 256).
+        attention_fwd: ["attention_fwd_d64", "attention_fwd_d128", "attention_fwd_d256"],
+        attention_bwd_delta: "attention_bwd_delta",
+        attention_bwd_dq: [
+            "attention_bwd_dq_d64",
+            "attention_bwd_dq_d128",
+            "attention_bwd_dq_d256"
+        ],
+        attention_bwd_dkv: [
+            "attention_bwd_dkv_d64",
+            "attention_bwd_dkv_d128",
+            "attention_bwd_dkv_d256"
+        ],
+    }
+}
+
+kernel_table! {
+    /// Vision tower kernels (Qwen2-VL / Qwen2.5-VL): LayerNorm, the GELU-family activations,
+    /// attention within `cu_seqlens` segments, and the row scatter of image embeddings.
+    pub const VISION_OPS = "vision_ops.cu";
+    /// The loaded kernels of `vision_ops.cu`.
+    pub(crate) struct VisionFunctions {
+        layer_norm_fwd: "layer_norm_fwd",
+        layer_norm_bwd_dx: "layer_norm_bwd_dx",
+        layer_norm_col_partials: "layer_norm_col_partials",
+        activation_fwd: "activation_fwd",
+        activation_bwd: "activation_bwd",
+        scatter_rows: "scatter_rows",
+        /// Per head-size class (≤ 64, ≤ 128).
+        segment_fwd: ["segment_attention_fwd_d64", "segment_attention_fwd_d128"],
+        segment_bwd_dq: ["segment_attention_bwd_dq_d64", "segment_attention_bwd_dq_d128"],
+        segment_bwd_dkv: ["segment_attention_bwd_dkv_d64", "segment_attention_bwd_dkv_d128"],
+    }
+}
 
 /// Every kernel source of the crate (what CI compiles with NVRTC).
 pub const ALL: &[KernelSource] = &[TOKEN_KERNELS, MODEL_OPS, VISION_OPS];

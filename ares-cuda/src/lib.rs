@@ -18,12 +18,13 @@ pub mod nvrtc;
 pub use error::{Error, Result};
 mod device;
 pub mod gemm;
+mod launch;
 pub mod model_ops;
-mod ops;
+mod token_ops;
 
 /// The cudarc this crate is built on (its slices and views are the ops' arguments).
 pub use cudarc;
 pub use device::{Cuda, DeviceInfo, cuda_available};
 pub use gemm::{GemmDims, GemmPrecision, cublas_available};
 pub use model_ops::{AdamWStep, AttentionShape, ModelOps};
-pub use ops::{HweOutputs, LogitElem, MaskedKlInputs, MaskedKlOutputs, TokenOps, WindowSpec};
+pub use token_ops::{HweOutputs, LogitElem, MaskedKlInputs, MaskedKlOutputs, TokenOps, WindowSpec};

@@ -32,21 +32,22 @@ pub use attention::{
 pub use optim::AdamWStep;
 pub use vision::{Activation, MAX_SEGMENT_HEAD_DIM, SegmentAttentionShape};
 
-use crate::device::{DeviceInfo, load_function, load_module, open_device};
+use crate::device::{DeviceInfo, load_module, open_device};
 use crate::error::{DriverContext, Error, Result};
 use crate::gemm::Blas;
-use crate::kernels::{MODEL_OPS, TOKEN_KERNELS, VISION_OPS};
-use crate::ops::TokenOps;
+use crate::kernels::{
+    MODEL_OPS, ModelFunctions, TOKEN_KERNELS, TokenFunctions, VISION_OPS, VisionFunctions,
+};
+pub(crate) use crate::launch::{ArgOrNull, bad, check_len, grid, i32_of, i64_of, mul};
+use crate::token_ops::TokenOps;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr,
-    LaunchArgs, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, LaunchConfig,
+    ValidAsZeroBits,
 };
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Threads per block of the element-wise (grid-stride) kernels.
 const ELEMENT_BLOCK: u32 = 256;
-/// Grid cap of the grid-stride kernels (they loop over the rest).
-const MAX_GRID: usize = 1 << 20;
 
 /// Status bits the kernels set (see `model_ops.cu` and `vision_ops.cu`), with what each
 /// means.
@@ -102,7 +103,9 @@ struct State {
 pub struct ModelOps {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    f: Functions,
+    f: ModelFunctions,
+    token: TokenFunctions,
+    vision: VisionFunctions,
     blas: Blas,
     state: Mutex<State>,
     info: DeviceInfo,
@@ -114,46 +117,6 @@ impl std::fmt::Debug for ModelOps {
             .field("info", &self.info)
             .finish_non_exhaustive()
     }
-}
-
-/// The loaded kernels.
-pub(crate) struct Functions {
-    pub fill: CudaFunction,
-    pub add: CudaFunction,
-    pub scale: CudaFunction,
-    pub to_bf16: CudaFunction,
-    pub bias_add: CudaFunction,
-    pub swiglu_fwd: CudaFunction,
-    pub swiglu_bwd: CudaFunction,
-    pub embedding_fwd: CudaFunction,
-    pub embedding_bwd: CudaFunction,
-    pub rmsnorm_fwd: CudaFunction,
-    pub rmsnorm_bwd_dx: CudaFunction,
-    pub col_partials: CudaFunction,
-    pub col_reduce: CudaFunction,
-    pub rope: CudaFunction,
-    pub transpose: CudaFunction,
-    pub log_prob_entropy: CudaFunction,
-    pub entropy_windows: CudaFunction,
-    pub row_percentile: CudaFunction,
-    pub masked_dynamic_kl: CudaFunction,
-    pub log_prob_bwd: CudaFunction,
-    pub entropy_bwd: CudaFunction,
-    pub argmax_rows: CudaFunction,
-    pub sample_rows: CudaFunction,
-    pub sum_sq_partial: CudaFunction,
-    pub sum_sq_final: CudaFunction,
-    pub adamw_check: CudaFunction,
-    pub adamw_update: CudaFunction,
-    pub kv_append: CudaFunction,
-    pub paged_kv_append: CudaFunction,
-    /// Per head-size class (≤ 64, ≤ 128, ≤ 256).
-    pub attention_fwd: [CudaFunction; 3],
-    pub attention_bwd_delta: CudaFunction,
-    pub attention_bwd_dq: [CudaFunction; 3],
-    pub attention_bwd_dkv: [CudaFunction; 3],
-    /// The vision tower's kernels (`vision_ops.cu`).
-    pub vision: vision::VisionFunctions,
 }
 
 impl ModelOps {
@@ -171,55 +134,9 @@ impl ModelOps {
         let (token, _) = load_module(&ctx, &TOKEN_KERNELS, info.arch)?;
         let (vision, _) = load_module(&ctx, &VISION_OPS, info.arch)?;
         info.image = image;
-        let m = |name: &str| load_function(&model, name);
-        let f = Functions {
-            fill: m("fill_f32")?,
-            add: m("add_f32")?,
-            scale: m("scale_f32")?,
-            to_bf16: m("f32_to_bf16")?,
-            bias_add: m("bias_add")?,
-            swiglu_fwd: m("swiglu_fwd")?,
-            swiglu_bwd: m("swiglu_bwd")?,
-            embedding_fwd: m("embedding_fwd")?,
-            embedding_bwd: m("embedding_bwd")?,
-            rmsnorm_fwd: m("rmsnorm_fwd")?,
-            rmsnorm_bwd_dx: m("rmsnorm_bwd_dx")?,
-            col_partials: m("col_partials")?,
-            col_reduce: m("col_reduce")?,
-            rope: m("rope")?,
-            transpose: m("transpose_f32")?,
-            log_prob_entropy: load_function(&token, "log_prob_entropy_f32")?,
-            entropy_windows: load_function(&token, "entropy_windows")?,
-            row_percentile: load_function(&token, "row_percentile")?,
-            masked_dynamic_kl: load_function(&token, "masked_dynamic_kl")?,
-            log_prob_bwd: m("log_prob_bwd")?,
-            entropy_bwd: m("entropy_bwd")?,
-            argmax_rows: m("argmax_rows")?,
-            sample_rows: m("sample_rows")?,
-            sum_sq_partial: m("sum_sq_partial")?,
-            sum_sq_final: m("sum_sq_final")?,
-            adamw_check: m("adamw_check")?,
-            adamw_update: m("adamw_update")?,
-            kv_append: m("kv_append")?,
-            paged_kv_append: m("paged_kv_append")?,
-            attention_fwd: [
-                m("attention_fwd_d64")?,
-                m("attention_fwd_d128")?,
-                m("attention_fwd_d256")?,
-            ],
-            attention_bwd_delta: m("attention_bwd_delta")?,
-            attention_bwd_dq: [
-                m("attention_bwd_dq_d64")?,
-                m("attention_bwd_dq_d128")?,
-                m("attention_bwd_dq_d256")?,
-            ],
-            attention_bwd_dkv: [
-                m("attention_bwd_dkv_d64")?,
-                m("attention_bwd_dkv_d128")?,
-                m("attention_bwd_dkv_d256")?,
-            ],
-            vision: vision::VisionFunctions::load(&vision)?,
-        };
+        let f = ModelFunctions::load(&model)?;
+        let token = TokenFunctions::load(&token)?;
+        let vision = VisionFunctions::load(&vision)?;
         let stream = ctx.default_stream();
         // SAFETY: every buffer of this context is used on `stream` alone (no other stream is
         // ever made), so cudarc's cross-stream events — two made per allocation — would
@@ -250,6 +167,8 @@ impl ModelOps {
             ctx,
             stream,
             f,
+            token,
+            vision,
             blas,
             state: Mutex::new(state),
             info,
@@ -411,13 +330,29 @@ impl ModelOps {
         } = &mut *state;
         let ops = TokenOps {
             stream: &self.stream,
-            entropy_windows: &self.f.entropy_windows,
-            row_percentile: &self.f.row_percentile,
-            masked_dynamic_kl: &self.f.masked_dynamic_kl,
+            entropy_windows: &self.token.entropy_windows,
+            row_percentile: &self.token.row_percentile,
+            masked_dynamic_kl: &self.token.masked_dynamic_kl,
             blocks_done,
             max_shared_per_block: self.info.max_shared_per_block,
         };
         f(ops, kl_total.as_view_mut())
+    }
+
+    /// [`TokenOps::row_percentile`] on this device's stream.
+    ///
+    /// # Errors
+    /// As [`TokenOps::row_percentile`].
+    pub fn row_percentile(
+        &self,
+        means: &CudaView<'_, f32>,
+        valid: &CudaView<'_, f32>,
+        cols: usize,
+        q: f32,
+        threshold: &mut CudaViewMut<'_, f32>,
+        has: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        self.with_token_ops(|mut t, _| t.row_percentile(means, valid, cols, q, threshold, has))
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -494,72 +429,6 @@ fn check_alloc(kernel: &'static str, len: usize, size: usize) -> Result<()> {
     Ok(())
 }
 
-/// An argument error of `kernel`.
-pub(crate) fn bad(kernel: &'static str, message: String) -> Error {
-    Error::BadArgument { kernel, message }
-}
-
-/// Errors unless `actual == expected`, naming the argument.
-pub(crate) fn check_len(
-    kernel: &'static str,
-    what: &str,
-    expected: usize,
-    actual: usize,
-) -> Result<()> {
-    if expected == actual {
-        Ok(())
-    } else {
-        Err(bad(
-            kernel,
-            format!("`{what}` has {actual} elements, expected {expected}"),
-        ))
-    }
-}
-
-/// `a · b`, or an error naming the shape when it overflows.
-pub(crate) fn mul(kernel: &'static str, what: &str, a: usize, b: usize) -> Result<usize> {
-    a.checked_mul(b)
-        .ok_or_else(|| bad(kernel, format!("{what} = {a} × {b} overflows")))
-}
-
-/// `n` as the kernels' 64-bit index type.
-pub(crate) fn i64_of(kernel: &'static str, what: &str, n: usize) -> Result<i64> {
-    i64::try_from(n).map_err(|_| bad(kernel, format!("{what} = {n} exceeds 2^63 - 1")))
-}
-
-/// `n` as a kernel's `int` argument.
-pub(crate) fn i32_of(kernel: &'static str, what: &str, n: usize) -> Result<i32> {
-    i32::try_from(n).map_err(|_| bad(kernel, format!("{what} = {n} exceeds 2^31 - 1")))
-}
-
-/// Blocks for `units` units of work, at least 1, at most [`MAX_GRID`] (kernels loop).
-pub(crate) fn grid(units: usize) -> u32 {
-    units.clamp(1, MAX_GRID) as u32
-}
-
-/// A device null pointer: the value of an absent optional pointer argument.
-pub(crate) const NULL: u64 = 0;
-
-/// Pushing an optional pointer argument onto a kernel launch.
-pub(crate) trait ArgOrNull {
-    /// Pushes `arg`, or a null pointer for `None` (the kernels test the pointer).
-    fn arg_or_null<A>(&mut self, arg: Option<A>) -> &mut Self
-    where
-        Self: PushKernelArg<A>;
-}
-
-impl ArgOrNull for LaunchArgs<'_> {
-    fn arg_or_null<A>(&mut self, arg: Option<A>) -> &mut Self
-    where
-        Self: PushKernelArg<A>,
-    {
-        match arg {
-            Some(a) => self.arg(a),
-            None => PushKernelArg::<&u64>::arg(self, &NULL),
-        }
-    }
-}
-
 /// Launch shape of a grid-stride element-wise kernel over `n` elements.
 pub(crate) fn element_cfg(n: usize) -> LaunchConfig {
     LaunchConfig {
@@ -581,6 +450,7 @@ pub(crate) fn row_cfg(rows: usize, threads: u32) -> LaunchConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::launch::MAX_GRID;
 
     #[test]
     fn without_a_driver_new_is_an_error_naming_the_library() {

@@ -40,6 +40,22 @@ impl ModelOps {
         self.stream.memcpy_dtod(src, dst).during("copy")
     }
 
+    /// `dst = src` for a `[rows, cols]` matrix: the decode weights' layout on the GPU is the
+    /// row-major one cuBLAS reads (the CPU packs tiles, `ares_cpu::ops::matmul_tiles`).
+    ///
+    /// # Errors
+    /// `src` not `rows · cols` long, lengths that differ.
+    pub fn copy_matrix(
+        &self,
+        src: &CudaView<'_, f32>,
+        rows: usize,
+        cols: usize,
+        dst: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        check_len("copy_matrix", "src", rows.saturating_mul(cols), src.len())?;
+        self.copy(src, dst)
+    }
+
     /// `out = a + b`, element-wise (twin of the CPU backend's `add`).
     ///
     /// # Errors

@@ -73,7 +73,7 @@ impl ModelOps {
         let cfg = rows_cfg(K, rows)?;
         let v64 = i64_of(K, "vocab", vocab)?;
         let mut state = self.lock();
-        let mut l = self.stream.launch_builder(&self.f.log_prob_entropy);
+        let mut l = self.stream.launch_builder(&self.token.log_prob_entropy_f32);
         l.arg(logits)
             .arg(&v64)
             .arg(&inv_t)

@@ -7,12 +7,8 @@ use super::{
     AttentionGradsMut, AttentionSaved, ModelOps, bad, check_len, element_cfg, grid, i32_of, i64_of,
     mul, row_cfg, scratch,
 };
-use crate::device::load_function;
 use crate::error::{DriverContext, Result};
-use cudarc::driver::{
-    CudaFunction, CudaModule, CudaView, CudaViewMut, LaunchConfig, PushKernelArg,
-};
-use std::sync::Arc;
+use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
 /// Threads per row of the LayerNorm kernels and per source row of the scatter.
 const ROW_BLOCK: u32 = 256;
@@ -34,47 +30,6 @@ const DQ_ROWS_PER_WARP: [usize; 2] = [1, 1];
 const DKV_ROWS_PER_WARP: [usize; 2] = [1, 1];
 /// Largest head size the segment attention kernels take (Qwen2-VL and Qwen2.5-VL use 80).
 pub const MAX_SEGMENT_HEAD_DIM: usize = 128;
-
-/// The loaded kernels of `vision_ops.cu`.
-pub(crate) struct VisionFunctions {
-    layer_norm_fwd: CudaFunction,
-    layer_norm_bwd_dx: CudaFunction,
-    layer_norm_col_partials: CudaFunction,
-    activation_fwd: CudaFunction,
-    activation_bwd: CudaFunction,
-    scatter_rows: CudaFunction,
-    /// Per head-size class (≤ 64, ≤ 128).
-    segment_fwd: [CudaFunction; 2],
-    segment_bwd_dq: [CudaFunction; 2],
-    segment_bwd_dkv: [CudaFunction; 2],
-}
-
-impl VisionFunctions {
-    /// The kernels of the loaded `vision_ops.cu` module.
-    pub(crate) fn load(m: &Arc<CudaModule>) -> Result<Self> {
-        let f = |name: &str| load_function(m, name);
-        Ok(Self {
-            layer_norm_fwd: f("layer_norm_fwd")?,
-            layer_norm_bwd_dx: f("layer_norm_bwd_dx")?,
-            layer_norm_col_partials: f("layer_norm_col_partials")?,
-            activation_fwd: f("activation_fwd")?,
-            activation_bwd: f("activation_bwd")?,
-            scatter_rows: f("scatter_rows")?,
-            segment_fwd: [
-                f("segment_attention_fwd_d64")?,
-                f("segment_attention_fwd_d128")?,
-            ],
-            segment_bwd_dq: [
-                f("segment_attention_bwd_dq_d64")?,
-                f("segment_attention_bwd_dq_d128")?,
-            ],
-            segment_bwd_dkv: [
-                f("segment_attention_bwd_dkv_d64")?,
-                f("segment_attention_bwd_dkv_d128")?,
-            ],
-        })
-    }
-}
 
 /// An activation of the vision tower (twin of `ares_cpu::ops::activation::Activation`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -262,7 +217,7 @@ impl ModelOps {
             return Ok(());
         }
         let (r64, d64) = (i64_of(K, "rows", rows)?, i64_of(K, "dim", dim)?);
-        let mut l = self.stream.launch_builder(&self.f.vision.layer_norm_fwd);
+        let mut l = self.stream.launch_builder(&self.vision.layer_norm_fwd);
         l.arg(x)
             .arg(weight)
             .arg(bias)
@@ -323,7 +278,7 @@ impl ModelOps {
             .ok()
             .filter(|&b| b <= i32::MAX as u32)
             .ok_or_else(|| bad(K, format!("dim = {dim} exceeds the grid")))?;
-        let v = &self.f.vision;
+        let v = &self.vision;
         {
             let mut l = self.stream.launch_builder(&v.layer_norm_bwd_dx);
             l.arg(dout)
@@ -398,7 +353,7 @@ impl ModelOps {
             return Ok(());
         }
         let (n64, code) = (i64_of(K, "len", n)?, kind.code());
-        let mut l = self.stream.launch_builder(&self.f.vision.activation_fwd);
+        let mut l = self.stream.launch_builder(&self.vision.activation_fwd);
         l.arg(x).arg(out).arg(&n64).arg(&code);
         // SAFETY: argument order as `activation_fwd`; both hold n elements.
         unsafe { l.launch(element_cfg(n)) }.during(K)?;
@@ -425,7 +380,7 @@ impl ModelOps {
             return Ok(());
         }
         let (n64, code) = (i64_of(K, "len", n)?, kind.code());
-        let mut l = self.stream.launch_builder(&self.f.vision.activation_bwd);
+        let mut l = self.stream.launch_builder(&self.vision.activation_bwd);
         l.arg(dout).arg(x).arg(dx).arg(&n64).arg(&code);
         // SAFETY: argument order as `activation_bwd`; all hold n elements.
         unsafe { l.launch(element_cfg(n)) }.during(K)?;
@@ -463,7 +418,7 @@ impl ModelOps {
             i64_of(K, "dim", dim)?,
         );
         let mut state = self.lock();
-        let mut l = self.stream.launch_builder(&self.f.vision.scatter_rows);
+        let mut l = self.stream.launch_builder(&self.vision.scatter_rows);
         l.arg(src)
             .arg(index)
             .arg(&n64)
@@ -520,7 +475,7 @@ impl ModelOps {
         let mut state = self.lock();
         let mut l = self
             .stream
-            .launch_builder(&self.f.vision.segment_fwd[dims.class]);
+            .launch_builder(&self.vision.segment_fwd[dims.class]);
         l.arg(q)
             .arg(k)
             .arg(v)
@@ -610,7 +565,7 @@ impl ModelOps {
         }
         let delta = delta.as_view();
         let status = &mut state.status;
-        let vf = &self.f.vision;
+        let vf = &self.vision;
         {
             let mut l = self.stream.launch_builder(&vf.segment_bwd_dq[dims.class]);
             l.arg(q)

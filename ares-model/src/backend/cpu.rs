@@ -5,24 +5,18 @@
 use ares_cpu::ops::attention::{
     self, AttentionShape, attention_backward, attention_decode, attention_forward, kv_cache_append,
 };
-use ares_cpu::ops::embedding::{embedding_backward, embedding_forward};
-use ares_cpu::ops::entropy_backward::entropy_backward;
-use ares_cpu::ops::log_prob_backward::log_prob_backward;
 use ares_cpu::ops::matmul::{
-    MatmulDims, linear_backward_in, linear_forward_in, linear_forward_t_in, transpose,
+    MatmulDims, linear_backward_in, linear_forward_in, linear_forward_t_in,
 };
 use ares_cpu::ops::matmul_tiles;
 use ares_cpu::ops::optim::{adamw_step_scaled, sum_of_squares_f64};
-use ares_cpu::ops::rmsnorm::{rmsnorm_backward, rmsnorm_forward};
-use ares_cpu::ops::rope::{rope_backward, rope_forward};
-use ares_cpu::ops::swiglu::{swiglu_backward, swiglu_forward};
-use ares_cpu::ops::{activation, layer_norm, scatter, segment_attention};
-use ares_cpu::{Logits, log_prob_entropy};
+use ares_cpu::ops::{activation, segment_attention};
 
 use rayon::prelude::*;
 
 use super::sampling::{check_top_k, greedy_row, sample_row};
 
+use super::ops::{declared_ops, op_arg_type};
 use super::{
     Activation, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
     DeviceBuffer, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
@@ -133,20 +127,16 @@ fn cpu_activation(kind: Activation) -> activation::Activation {
 /// The `ares-cpu` shape of a segment attention call, after checking that `cu_seqlens`
 /// holds `segments + 1` offsets (the kernel checks their values).
 fn segment_shape(
-    op_name: &'static str,
     dims: SegmentAttentionDims,
     cu_seqlens: &[u32],
-) -> Result<segment_attention::SegmentAttentionShape> {
+) -> std::result::Result<segment_attention::SegmentAttentionShape, ares_cpu::Error> {
     let expected = dims.segments.saturating_add(1);
     if cu_seqlens.len() != expected {
-        return Err(BackendError::Op {
-            op: op_name,
-            source: Box::new(ares_cpu::Error::Core(ares_core::Error::LengthMismatch {
-                what: "cu_seqlens",
-                expected,
-                actual: cu_seqlens.len(),
-            })),
-        });
+        return Err(ares_cpu::Error::Core(ares_core::Error::LengthMismatch {
+            what: "cu_seqlens",
+            expected,
+            actual: cu_seqlens.len(),
+        }));
     }
     Ok(segment_attention::SegmentAttentionShape {
         tokens: dims.tokens,
@@ -174,6 +164,160 @@ fn check_token_rows(
     }
     BackendError::check_len("token rows: host", rows, host)?;
     BackendError::check_len("token rows: logits", rows.saturating_mul(vocab), logits)
+}
+
+/// The CPU form of an argument of a declared op (`ops.rs`): views become slices, ids and
+/// host values pass as they are.
+#[rustfmt::skip]
+macro_rules! cpu_arg {
+    ($a:ident: In<f32>) => { slice($a)? };
+    ($a:ident: Out<f32>) => { slice_mut($a)? };
+    ($a:ident: InOpt<f32>) => { slice_opt($a)? };
+    ($a:ident: OutOpt<f32>) => { slice_mut_opt($a)? };
+    ($a:ident: In<u32>) => { $a };
+    ($a:ident: Ref<$t:ident>) => { $a };
+    ($a:ident: $t:ident) => { $a };
+}
+
+/// The CPU implementations of the declared ops: the `ares-cpu` function named by each
+/// declaration, called with its arguments in order, its error wrapped with the op's name.
+macro_rules! cpu_ops {
+    ($(
+        $(#[$meta:meta])*
+        fn $name:ident($($arg:ident: $kind:ident $(<$dt:ident>)?),* $(,)?)
+            cpu $cpu:path, cuda $cuda:ident;
+    )*) => {
+        $(
+            #[allow(clippy::too_many_arguments)]
+            fn $name(&self, $($arg: op_arg_type!($kind $(<$dt>)?)),*) -> Result<()> {
+                $cpu($(cpu_arg!($arg: $kind $(<$dt>)?)),*).map_err(op(stringify!($name)))
+            }
+        )*
+    };
+}
+
+/// `ares-cpu` kernels whose arguments differ from their op's declaration, in the declared
+/// order and types.
+mod kernels {
+    use super::{
+        Activation, AdamWUpdate, LinearDims, SegmentAttentionDims, activation, adamw_step_scaled,
+        cpu_activation, linear_backward_in, linear_forward_in, linear_forward_t_in, matmul_dims,
+        matmul_tiles, segment_attention, segment_shape,
+    };
+    use ares_cpu::Logits;
+
+    type Result = std::result::Result<(), ares_cpu::Error>;
+
+    pub(super) fn linear(
+        x: &[f32],
+        w: &[f32],
+        bias: Option<&[f32]>,
+        dims: LinearDims,
+        out: &mut [f32],
+    ) -> Result {
+        linear_forward_in(dims.precision, x, w, bias, matmul_dims(dims), out)
+    }
+
+    pub(super) fn linear_transposed(
+        x: &[f32],
+        wt: &[f32],
+        bias: Option<&[f32]>,
+        dims: LinearDims,
+        out: &mut [f32],
+    ) -> Result {
+        linear_forward_t_in(dims.precision, x, wt, bias, matmul_dims(dims), out)
+    }
+
+    pub(super) fn linear_backward(
+        dout: &[f32],
+        x: &[f32],
+        w: &[f32],
+        dims: LinearDims,
+        dx: Option<&mut [f32]>,
+        dw: &mut [f32],
+        dbias: Option<&mut [f32]>,
+    ) -> Result {
+        let md = matmul_dims(dims);
+        linear_backward_in(dims.precision, dout, x, w, md, dx, dw, dbias)
+    }
+
+    pub(super) fn linear_decode_f32(
+        x: &[f32],
+        wt: &[f32],
+        bias: Option<&[f32]>,
+        dims: LinearDims,
+        out: &mut [f32],
+    ) -> Result {
+        let md = matmul_dims(dims);
+        matmul_tiles::linear_forward_t_tiles(dims.precision, x, wt, bias, md, out)
+    }
+
+    pub(super) fn fill(dst: &mut [f32], value: f32) -> Result {
+        dst.fill(value);
+        Ok(())
+    }
+
+    pub(super) fn log_prob_entropy(
+        logits: &[f32],
+        vocab: usize,
+        temperature: f32,
+        targets: &[u32],
+        log_prob: &mut [f32],
+        entropy: &mut [f32],
+    ) -> Result {
+        if entropy.len() != targets.len() {
+            return Err(ares_cpu::Error::Core(ares_core::Error::LengthMismatch {
+                what: "entropy",
+                expected: targets.len(),
+                actual: entropy.len(),
+            }));
+        }
+        let logits = Logits::F32(logits);
+        ares_cpu::log_prob_entropy(
+            logits,
+            vocab,
+            temperature,
+            Some((targets, log_prob)),
+            entropy,
+        )
+    }
+
+    pub(super) fn adamw_step(
+        param: &mut [f32],
+        grad: &[f32],
+        exp_avg: &mut [f32],
+        exp_avg_sq: &mut [f32],
+        u: &AdamWUpdate,
+    ) -> Result {
+        let (step, lr, scale) = (u.step, u.lr, u.grad_scale);
+        adamw_step_scaled(param, grad, exp_avg, exp_avg_sq, step, &u.config, lr, scale)
+    }
+
+    pub(super) fn activation(kind: Activation, x: &[f32], out: &mut [f32]) -> Result {
+        activation::activation_forward(cpu_activation(kind), x, out)
+    }
+
+    pub(super) fn activation_backward(
+        kind: Activation,
+        dout: &[f32],
+        x: &[f32],
+        dx: &mut [f32],
+    ) -> Result {
+        activation::activation_backward(cpu_activation(kind), dout, x, dx)
+    }
+
+    pub(super) fn segment_attention(
+        dims: SegmentAttentionDims,
+        cu_seqlens: &[u32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+        lse: &mut [f32],
+    ) -> Result {
+        let shape = segment_shape(dims, cu_seqlens)?;
+        segment_attention::segment_attention_forward(&shape, cu_seqlens, q, k, v, out, lse)
+    }
 }
 
 impl Backend for CpuBackend {
@@ -216,97 +360,7 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn embedding(
-        &self,
-        ids: &Vec<u32>,
-        table: Tensor<'_, Self>,
-        rows: usize,
-        dim: usize,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        embedding_forward(ids, slice(table)?, rows, dim, slice_mut(out)?).map_err(op("embedding"))
-    }
-
-    fn linear(
-        &self,
-        x: Tensor<'_, Self>,
-        w: Tensor<'_, Self>,
-        bias: Option<Tensor<'_, Self>>,
-        dims: LinearDims,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        let bias = slice_opt(bias)?;
-        linear_forward_in(
-            dims.precision,
-            slice(x)?,
-            slice(w)?,
-            bias,
-            matmul_dims(dims),
-            slice_mut(out)?,
-        )
-        .map_err(op("linear"))
-    }
-
-    fn linear_transposed(
-        &self,
-        x: Tensor<'_, Self>,
-        wt: Tensor<'_, Self>,
-        bias: Option<Tensor<'_, Self>>,
-        dims: LinearDims,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        let bias = slice_opt(bias)?;
-        linear_forward_t_in(
-            dims.precision,
-            slice(x)?,
-            slice(wt)?,
-            bias,
-            matmul_dims(dims),
-            slice_mut(out)?,
-        )
-        .map_err(op("linear_transposed"))
-    }
-
-    fn transpose(
-        &self,
-        src: Tensor<'_, Self>,
-        rows: usize,
-        cols: usize,
-        dst: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        transpose(slice(src)?, rows, cols, slice_mut(dst)?).map_err(op("transpose"))
-    }
-
-    fn rmsnorm(
-        &self,
-        x: Tensor<'_, Self>,
-        weight: Tensor<'_, Self>,
-        eps: f32,
-        dim: usize,
-        out: TensorMut<'_, Self>,
-        rstd: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        rmsnorm_forward(
-            slice(x)?,
-            slice(weight)?,
-            eps,
-            dim,
-            slice_mut(out)?,
-            slice_mut(rstd)?,
-        )
-        .map_err(op("rmsnorm"))
-    }
-
-    fn rope(
-        &self,
-        x: TensorMut<'_, Self>,
-        cos: Tensor<'_, Self>,
-        sin: Tensor<'_, Self>,
-        heads: usize,
-        head_dim: usize,
-    ) -> Result<()> {
-        rope_forward(slice_mut(x)?, slice(cos)?, slice(sin)?, heads, head_dim).map_err(op("rope"))
-    }
+    declared_ops!(cpu_ops);
 
     fn attention(
         &self,
@@ -317,15 +371,6 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let (shape, inputs) = attention_args(dims, inputs)?;
         attention_forward(&shape, inputs, slice_mut(out)?, slice_mut(lse)?).map_err(op("attention"))
-    }
-
-    fn swiglu(
-        &self,
-        gate: Tensor<'_, Self>,
-        up: Tensor<'_, Self>,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        swiglu_forward(slice(gate)?, slice(up)?, slice_mut(out)?).map_err(op("swiglu"))
     }
 
     fn add(
@@ -347,80 +392,6 @@ impl Backend for CpuBackend {
         BackendError::check_len("copy destination", src.len(), dst.len())?;
         slice_mut(dst)?.copy_from_slice(slice(src)?);
         Ok(())
-    }
-
-    fn fill(&self, dst: TensorMut<'_, Self>, value: f32) -> Result<()> {
-        slice_mut(dst)?.fill(value);
-        Ok(())
-    }
-
-    fn embedding_backward(
-        &self,
-        ids: &Vec<u32>,
-        dout: Tensor<'_, Self>,
-        rows: usize,
-        dim: usize,
-        dtable: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        embedding_backward(ids, slice(dout)?, rows, dim, slice_mut(dtable)?)
-            .map_err(op("embedding_backward"))
-    }
-
-    fn linear_backward(
-        &self,
-        dout: Tensor<'_, Self>,
-        x: Tensor<'_, Self>,
-        w: Tensor<'_, Self>,
-        dims: LinearDims,
-        dx: Option<TensorMut<'_, Self>>,
-        dw: TensorMut<'_, Self>,
-        dbias: Option<TensorMut<'_, Self>>,
-    ) -> Result<()> {
-        linear_backward_in(
-            dims.precision,
-            slice(dout)?,
-            slice(x)?,
-            slice(w)?,
-            matmul_dims(dims),
-            slice_mut_opt(dx)?,
-            slice_mut(dw)?,
-            slice_mut_opt(dbias)?,
-        )
-        .map_err(op("linear_backward"))
-    }
-
-    fn rmsnorm_backward(
-        &self,
-        dout: Tensor<'_, Self>,
-        x: Tensor<'_, Self>,
-        weight: Tensor<'_, Self>,
-        rstd: Tensor<'_, Self>,
-        dim: usize,
-        dx: TensorMut<'_, Self>,
-        dweight: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        rmsnorm_backward(
-            slice(dout)?,
-            slice(x)?,
-            slice(weight)?,
-            slice(rstd)?,
-            dim,
-            slice_mut(dx)?,
-            slice_mut(dweight)?,
-        )
-        .map_err(op("rmsnorm_backward"))
-    }
-
-    fn rope_backward(
-        &self,
-        dx: TensorMut<'_, Self>,
-        cos: Tensor<'_, Self>,
-        sin: Tensor<'_, Self>,
-        heads: usize,
-        head_dim: usize,
-    ) -> Result<()> {
-        rope_backward(slice_mut(dx)?, slice(cos)?, slice(sin)?, heads, head_dim)
-            .map_err(op("rope_backward"))
     }
 
     fn attention_backward(
@@ -447,83 +418,6 @@ impl Backend for CpuBackend {
             grads,
         )
         .map_err(op("attention_backward"))
-    }
-
-    fn swiglu_backward(
-        &self,
-        dout: Tensor<'_, Self>,
-        gate: Tensor<'_, Self>,
-        up: Tensor<'_, Self>,
-        dgate: TensorMut<'_, Self>,
-        dup: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        swiglu_backward(
-            slice(dout)?,
-            slice(gate)?,
-            slice(up)?,
-            slice_mut(dgate)?,
-            slice_mut(dup)?,
-        )
-        .map_err(op("swiglu_backward"))
-    }
-
-    fn log_prob_entropy(
-        &self,
-        logits: Tensor<'_, Self>,
-        vocab: usize,
-        temperature: f32,
-        targets: &Vec<u32>,
-        log_prob: TensorMut<'_, Self>,
-        entropy: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        let (log_prob, entropy) = (slice_mut(log_prob)?, slice_mut(entropy)?);
-        BackendError::check_len("log_prob_entropy entropy", targets.len(), entropy.len())?;
-        log_prob_entropy(
-            Logits::F32(slice(logits)?),
-            vocab,
-            temperature,
-            Some((targets, log_prob)),
-            entropy,
-        )
-        .map_err(op("log_prob_entropy"))
-    }
-
-    fn log_prob_backward(
-        &self,
-        logits: Tensor<'_, Self>,
-        vocab: usize,
-        temperature: f32,
-        targets: &Vec<u32>,
-        coeffs: Tensor<'_, Self>,
-        dlogits: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        log_prob_backward(
-            slice(logits)?,
-            vocab,
-            temperature,
-            targets,
-            slice(coeffs)?,
-            slice_mut(dlogits)?,
-        )
-        .map_err(op("log_prob_backward"))
-    }
-
-    fn entropy_backward(
-        &self,
-        logits: Tensor<'_, Self>,
-        vocab: usize,
-        temperature: f32,
-        coeffs: Tensor<'_, Self>,
-        dlogits: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        entropy_backward(
-            slice(logits)?,
-            vocab,
-            temperature,
-            slice(coeffs)?,
-            slice_mut(dlogits)?,
-        )
-        .map_err(op("entropy_backward"))
     }
 
     fn greedy_tokens(
@@ -589,27 +483,6 @@ impl Backend for CpuBackend {
         Ok(sum_of_squares_f64(slice(x)?))
     }
 
-    fn adamw_step(
-        &self,
-        param: TensorMut<'_, Self>,
-        grad: Tensor<'_, Self>,
-        exp_avg: TensorMut<'_, Self>,
-        exp_avg_sq: TensorMut<'_, Self>,
-        update: &AdamWUpdate,
-    ) -> Result<()> {
-        adamw_step_scaled(
-            slice_mut(param)?,
-            slice(grad)?,
-            slice_mut(exp_avg)?,
-            slice_mut(exp_avg_sq)?,
-            update.step,
-            &update.config,
-            update.lr,
-            update.grad_scale,
-        )
-        .map_err(op("adamw_step"))
-    }
-
     fn kv_cache_append(
         &self,
         dims: AttentionDims,
@@ -649,36 +522,6 @@ impl Backend for CpuBackend {
         };
         attention_decode(&attention_shape(dims), slice(q)?, cache, slice_mut(out)?)
             .map_err(op("attention_decode"))
-    }
-
-    fn pack_decode_f32(
-        &self,
-        src: Tensor<'_, Self>,
-        rows: usize,
-        cols: usize,
-        dst: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        matmul_tiles::pack_f32_tiles(slice(src)?, rows, cols, slice_mut(dst)?)
-            .map_err(op("pack_decode_f32"))
-    }
-
-    fn linear_decode_f32(
-        &self,
-        x: Tensor<'_, Self>,
-        wt: Tensor<'_, Self>,
-        bias: Option<Tensor<'_, Self>>,
-        dims: LinearDims,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        matmul_tiles::linear_forward_t_tiles(
-            dims.precision,
-            slice(x)?,
-            slice(wt)?,
-            slice_opt(bias)?,
-            matmul_dims(dims),
-            slice_mut(out)?,
-        )
-        .map_err(op("linear_decode_f32"))
     }
 
     fn pack_bf16(
@@ -800,26 +643,6 @@ impl Backend for CpuBackend {
         .map_err(op("entropy_windows"))
     }
 
-    fn row_percentile(
-        &self,
-        means: Tensor<'_, Self>,
-        valid: Tensor<'_, Self>,
-        cols: usize,
-        q: f32,
-        threshold: TensorMut<'_, Self>,
-        has: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        ares_cpu::row_percentile(
-            slice(means)?,
-            slice(valid)?,
-            cols,
-            q,
-            slice_mut(threshold)?,
-            slice_mut(has)?,
-        )
-        .map_err(op("row_percentile"))
-    }
-
     fn masked_dynamic_kl(
         &self,
         inputs: KlViews<'_, Vec<f32>>,
@@ -846,106 +669,6 @@ impl Backend for CpuBackend {
             .map_err(op("masked_dynamic_kl"))
     }
 
-    fn layer_norm(
-        &self,
-        x: Tensor<'_, Self>,
-        weight: Tensor<'_, Self>,
-        bias: Tensor<'_, Self>,
-        eps: f32,
-        dim: usize,
-        out: TensorMut<'_, Self>,
-        mean: TensorMut<'_, Self>,
-        rstd: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        layer_norm::layer_norm_forward(
-            slice(x)?,
-            slice(weight)?,
-            slice(bias)?,
-            eps,
-            dim,
-            slice_mut(out)?,
-            slice_mut(mean)?,
-            slice_mut(rstd)?,
-        )
-        .map_err(op("layer_norm"))
-    }
-
-    fn layer_norm_backward(
-        &self,
-        dout: Tensor<'_, Self>,
-        x: Tensor<'_, Self>,
-        weight: Tensor<'_, Self>,
-        mean: Tensor<'_, Self>,
-        rstd: Tensor<'_, Self>,
-        dim: usize,
-        dx: TensorMut<'_, Self>,
-        dweight: TensorMut<'_, Self>,
-        dbias: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        layer_norm::layer_norm_backward(
-            slice(dout)?,
-            slice(x)?,
-            slice(weight)?,
-            slice(mean)?,
-            slice(rstd)?,
-            dim,
-            slice_mut(dx)?,
-            slice_mut(dweight)?,
-            slice_mut(dbias)?,
-        )
-        .map_err(op("layer_norm_backward"))
-    }
-
-    fn activation(
-        &self,
-        kind: Activation,
-        x: Tensor<'_, Self>,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        activation::activation_forward(cpu_activation(kind), slice(x)?, slice_mut(out)?)
-            .map_err(op("activation"))
-    }
-
-    fn activation_backward(
-        &self,
-        kind: Activation,
-        dout: Tensor<'_, Self>,
-        x: Tensor<'_, Self>,
-        dx: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        activation::activation_backward(
-            cpu_activation(kind),
-            slice(dout)?,
-            slice(x)?,
-            slice_mut(dx)?,
-        )
-        .map_err(op("activation_backward"))
-    }
-
-    fn segment_attention(
-        &self,
-        dims: SegmentAttentionDims,
-        cu_seqlens: &Vec<u32>,
-        q: Tensor<'_, Self>,
-        k: Tensor<'_, Self>,
-        v: Tensor<'_, Self>,
-        out: TensorMut<'_, Self>,
-        lse: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        const OP: &str = "segment_attention";
-        let shape = segment_shape(OP, dims, cu_seqlens)?;
-        segment_attention::segment_attention_forward(
-            &shape,
-            cu_seqlens,
-            slice(q)?,
-            slice(k)?,
-            slice(v)?,
-            slice_mut(out)?,
-            slice_mut(lse)?,
-        )
-        .map_err(op(OP))
-    }
-
     fn segment_attention_backward(
         &self,
         dims: SegmentAttentionDims,
@@ -961,7 +684,7 @@ impl Backend for CpuBackend {
         dv: TensorMut<'_, Self>,
     ) -> Result<()> {
         const OP: &str = "segment_attention_backward";
-        let shape = segment_shape(OP, dims, cu_seqlens)?;
+        let shape = segment_shape(dims, cu_seqlens).map_err(op(OP))?;
         let saved = segment_attention::SegmentAttentionSaved {
             out: slice(out)?,
             lse: slice(lse)?,
@@ -979,18 +702,6 @@ impl Backend for CpuBackend {
             slice_mut(dv)?,
         )
         .map_err(op(OP))
-    }
-
-    fn scatter_rows(
-        &self,
-        src: Tensor<'_, Self>,
-        index: &Vec<u32>,
-        rows: usize,
-        dim: usize,
-        dst: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        scatter::scatter_rows(slice(src)?, index, rows, dim, slice_mut(dst)?)
-            .map_err(op("scatter_rows"))
     }
 }
 

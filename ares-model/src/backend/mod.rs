@@ -48,6 +48,7 @@
 
 mod decode;
 mod error;
+mod ops;
 mod optim;
 mod shapes;
 mod token;
@@ -67,6 +68,8 @@ pub use shapes::{
 };
 pub use token::{HweViews, KlSumViews, KlViews, WindowSpec};
 pub use view::{DeviceBuffer, View, ViewMut};
+
+use ops::declare_ops;
 
 /// Results of backend calls.
 pub type Result<T> = std::result::Result<T, BackendError>;
@@ -129,93 +132,14 @@ pub trait Backend {
     /// A failure of a queued op reported now.
     fn synchronize(&self) -> Result<()>;
 
-    /// Row gather: `out[t, :] = table[ids[t], :]`, with `table` `[rows, dim]` and `out`
-    /// `[ids.len(), dim]`. Token embedding, and the per-token RoPE cos/sin from a table
-    /// indexed by position.
-    ///
-    /// # Errors
-    /// Lengths that do not match, or (where checked) an id `>= rows`.
-    fn embedding(
-        &self,
-        ids: &Self::Ids,
-        table: Tensor<'_, Self>,
-        rows: usize,
-        dim: usize,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()>;
+    // The ops declared once in `ops.rs`, implemented by both backends from there. Backward
+    // ops (llm.c style) either **accumulate** into their gradient outputs (`+=`, so shared
+    // weights and residual branches add up; zero them first with [`Backend::fill`]) or
+    // **overwrite** them, as each op says.
+    ops::declared_ops!(declare_ops);
 
-    /// Linear layer `out = x · wᵀ (+ bias)`, shapes in [`LinearDims`]. `out` is
-    /// overwritten. The LM head is this op with the head (or tied embedding) as `w`.
-    ///
-    /// # Errors
-    /// Lengths that do not match `dims`.
-    fn linear(
-        &self,
-        x: Tensor<'_, Self>,
-        w: Tensor<'_, Self>,
-        bias: Option<Tensor<'_, Self>>,
-        dims: LinearDims,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
-    /// Linear layer with the weight stored transposed: `out = x · wt (+ bias)`, `wt`
-    /// `[in_features, out_features]` (a [`Backend::transpose`]d copy of a Hugging Face
-    /// `[out, in]` weight). The same layer as [`Backend::linear`] up to summation order;
-    /// generation keeps such copies because a CPU GEMM multiplies a few rows by this layout
-    /// without first repacking the whole weight. `out` is overwritten.
-    ///
-    /// # Errors
-    /// Lengths that do not match `dims`.
-    fn linear_transposed(
-        &self,
-        x: Tensor<'_, Self>,
-        wt: Tensor<'_, Self>,
-        bias: Option<Tensor<'_, Self>>,
-        dims: LinearDims,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
-    /// `dst[cols, rows] = src[rows, cols]ᵀ` (row-major both).
-    ///
-    /// # Errors
-    /// `src` or `dst` not `rows · cols` long.
-    fn transpose(
-        &self,
-        src: Tensor<'_, Self>,
-        rows: usize,
-        cols: usize,
-        dst: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
-    /// RMSNorm over rows of `dim`: `out = weight · x / sqrt(mean(x²) + eps)`; `x`, `out`
-    /// `[rows, dim]`, `weight` `[dim]`, and `rstd` `[rows]` receives `1/sqrt(mean(x²) + eps)`
-    /// for the backward pass.
-    ///
-    /// # Errors
-    /// `dim == 0`, lengths that do not match, `eps` not finite and > 0.
-    fn rmsnorm(
-        &self,
-        x: Tensor<'_, Self>,
-        weight: Tensor<'_, Self>,
-        eps: f32,
-        dim: usize,
-        out: TensorMut<'_, Self>,
-        rstd: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
-    /// Rotary position embedding in place ("rotate_half" layout of Hugging Face) on `x`
-    /// `[tokens, heads, head_dim]`, with per-token `cos`, `sin` `[tokens, head_dim/2]`.
-    ///
-    /// # Errors
-    /// `head_dim` odd or 0, `heads == 0`, lengths that do not match.
-    fn rope(
-        &self,
-        x: TensorMut<'_, Self>,
-        cos: Tensor<'_, Self>,
-        sin: Tensor<'_, Self>,
-        heads: usize,
-        head_dim: usize,
-    ) -> Result<()>;
+    // ----- Ops written out in each backend (arguments that are structs of views, host
+    // outputs, a default implementation). -----
 
     /// Causal grouped-query attention (shapes in [`AttentionDims`]): query `t` of sequence
     /// `b` attends to keys `s <= t` with `key_mask[b, s] = 1` (`None`: all keys valid). Writes
@@ -232,17 +156,6 @@ pub trait Backend {
         lse: TensorMut<'_, Self>,
     ) -> Result<()>;
 
-    /// SwiGLU, element-wise: `out = silu(gate) · up`.
-    ///
-    /// # Errors
-    /// Lengths that differ.
-    fn swiglu(
-        &self,
-        gate: Tensor<'_, Self>,
-        up: Tensor<'_, Self>,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
     /// Residual add, element-wise: `out = a + b`.
     ///
     /// # Errors
@@ -250,89 +163,12 @@ pub trait Backend {
     fn add(&self, a: Tensor<'_, Self>, b: Tensor<'_, Self>, out: TensorMut<'_, Self>)
     -> Result<()>;
 
-    // ----- Backward ops (llm.c style). Gradient outputs either **accumulate** (`+=`, so
-    // shared weights and residual branches add up; zero them first with
-    // [`Backend::fill`]) or are **overwritten**, as each op says. -----
-
-    /// Sets every element of `dst` to `value` (`0.0` zeroes a gradient before an
-    /// accumulating op).
-    ///
-    /// # Errors
-    /// None on the CPU; a device failure where the backend reports one.
-    fn fill(&self, dst: TensorMut<'_, Self>, value: f32) -> Result<()>;
     /// `dst = src` (views of equal length, possibly of one buffer but never overlapping,
     /// which the borrow rules already forbid). On a GPU a device-to-device copy.
     ///
     /// # Errors
     /// Lengths that differ.
     fn copy(&self, src: Tensor<'_, Self>, dst: TensorMut<'_, Self>) -> Result<()>;
-
-    /// Backward of [`Backend::embedding`]: `dtable[ids[t], :] += dout[t, :]`, with `dout`
-    /// `[ids.len(), dim]` and `dtable` `[rows, dim]`. **Accumulates** (tied embeddings add
-    /// the LM head's gradient into the same table).
-    ///
-    /// # Errors
-    /// Lengths that do not match, or (where checked) an id `>= rows`.
-    fn embedding_backward(
-        &self,
-        ids: &Self::Ids,
-        dout: Tensor<'_, Self>,
-        rows: usize,
-        dim: usize,
-        dtable: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
-    /// Backward of [`Backend::linear`] given `dout` `[rows, out_features]`. All three
-    /// gradients **accumulate**: `dx[rows, in] += dout · w` (skipped if `None`),
-    /// `dw[out, in] += doutᵀ · x`, `dbias[out] += Σ_rows dout` (skipped if `None`).
-    ///
-    /// # Errors
-    /// Lengths that do not match `dims`.
-    #[allow(clippy::too_many_arguments)]
-    fn linear_backward(
-        &self,
-        dout: Tensor<'_, Self>,
-        x: Tensor<'_, Self>,
-        w: Tensor<'_, Self>,
-        dims: LinearDims,
-        dx: Option<TensorMut<'_, Self>>,
-        dw: TensorMut<'_, Self>,
-        dbias: Option<TensorMut<'_, Self>>,
-    ) -> Result<()>;
-
-    /// Backward of [`Backend::rmsnorm`] from `dout` `[rows, dim]`, the forward's input `x`,
-    /// `weight` and saved `rstd`. Both `dx` `[rows, dim]` and `dweight` `[dim]`
-    /// **accumulate** (`dx` is the residual stream's gradient; a q/k norm weight is shared
-    /// by every head).
-    ///
-    /// # Errors
-    /// `dim == 0`, lengths that do not match.
-    #[allow(clippy::too_many_arguments)]
-    fn rmsnorm_backward(
-        &self,
-        dout: Tensor<'_, Self>,
-        x: Tensor<'_, Self>,
-        weight: Tensor<'_, Self>,
-        rstd: Tensor<'_, Self>,
-        dim: usize,
-        dx: TensorMut<'_, Self>,
-        dweight: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
-    /// Backward of [`Backend::rope`], **in place**: `dx` `[tokens, heads, head_dim]` holds
-    /// the gradient w.r.t. the rotated tensor and is replaced by the gradient w.r.t. its
-    /// input (the inverse rotation).
-    ///
-    /// # Errors
-    /// As [`Backend::rope`].
-    fn rope_backward(
-        &self,
-        dx: TensorMut<'_, Self>,
-        cos: Tensor<'_, Self>,
-        sin: Tensor<'_, Self>,
-        heads: usize,
-        head_dim: usize,
-    ) -> Result<()>;
 
     /// Backward of [`Backend::attention`] from `dout` `[batch, seq, q_heads, head_dim]`,
     /// the forward's `inputs`, `out` and `lse`. **Overwrites** `grads` (q, k and v feed
@@ -348,83 +184,6 @@ pub trait Backend {
         lse: Tensor<'_, Self>,
         dout: Tensor<'_, Self>,
         grads: AttentionGrads<'_, Self::Buffer>,
-    ) -> Result<()>;
-
-    /// Backward of [`Backend::swiglu`] from `dout`: **overwrites** `dgate` and `dup`
-    /// (gate and up feed the SwiGLU only).
-    ///
-    /// # Errors
-    /// Lengths that differ.
-    fn swiglu_backward(
-        &self,
-        dout: Tensor<'_, Self>,
-        gate: Tensor<'_, Self>,
-        up: Tensor<'_, Self>,
-        dgate: TensorMut<'_, Self>,
-        dup: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
-    // ----- End of backward ops. -----
-
-    /// Per row of `logits` `[rows, vocab]`, with `z = logits / temperature`: writes the
-    /// entropy of `softmax(z)` to `entropy[row]` and `log softmax(z)[targets[row]]` to
-    /// `log_prob[row]`, without a `[rows, vocab]` temporary (rows = `targets.len()`).
-    ///
-    /// # Errors
-    /// Lengths that do not match, `vocab == 0`, a temperature not finite and > 0, and
-    /// (where checked) a target `>= vocab` or a row holding NaN/+∞.
-    fn log_prob_entropy(
-        &self,
-        logits: Tensor<'_, Self>,
-        vocab: usize,
-        temperature: f32,
-        targets: &Self::Ids,
-        log_prob: TensorMut<'_, Self>,
-        entropy: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
-    /// Backward of the per-token log-prob of [`Backend::log_prob_entropy`]: per row of
-    /// `logits` `[rows, vocab]` (rows = `targets.len()`), with `z = logits / temperature`
-    /// and `g = coeffs[row]` (∂L/∂logπ of that token),
-    /// `dlogits[row, :] = g/temperature · (onehot(targets[row]) − softmax(z))`, without a
-    /// `[rows, vocab]` temporary. **Overwrites** `dlogits`; rows with `g = 0` are zero and
-    /// their logits are not read.
-    ///
-    /// # Errors
-    /// Lengths that do not match, `vocab == 0`, a temperature not finite and > 0, a
-    /// non-finite coefficient, and (where checked) for rows with `g ≠ 0` a target `>= vocab`
-    /// or a row holding NaN/+∞.
-    fn log_prob_backward(
-        &self,
-        logits: Tensor<'_, Self>,
-        vocab: usize,
-        temperature: f32,
-        targets: &Self::Ids,
-        coeffs: Tensor<'_, Self>,
-        dlogits: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
-    /// Backward of the per-token entropy of [`Backend::log_prob_entropy`]: per row of
-    /// `logits` `[rows, vocab]` (rows = `coeffs.len()`), with `z = logits / temperature`,
-    /// `p = softmax(z)`, `H = −Σ p ln p` and `c = coeffs[row]` (∂L/∂H of that token),
-    /// `dlogits[row, :] += c · ∂H/∂logits = −c · p · (ln p + H) / temperature`, without a
-    /// `[rows, vocab]` temporary (`ares_core::entropy_bonus::entropy_grad_logits` is the
-    /// formula). **Accumulates** into `dlogits` (it runs after
-    /// [`Backend::log_prob_backward`], which overwrites it); a −∞ logit gets 0; rows with
-    /// `c = 0` are untouched and their logits are not read.
-    ///
-    /// # Errors
-    /// Lengths that do not match, `vocab == 0`, a temperature not finite and > 0, a
-    /// non-finite coefficient, and (where checked) for rows with `c ≠ 0` a row holding
-    /// NaN/+∞ or only −∞, or a coefficient so large against the temperature that the
-    /// gradient overflows f32.
-    fn entropy_backward(
-        &self,
-        logits: Tensor<'_, Self>,
-        vocab: usize,
-        temperature: f32,
-        coeffs: Tensor<'_, Self>,
-        dlogits: TensorMut<'_, Self>,
     ) -> Result<()>;
 
     /// Greedy decoding: per row of `logits` `[rows, vocab]` (rows = `ids.len()`), the index
@@ -478,22 +237,6 @@ pub trait Backend {
     /// A failure of a queued op reported now.
     fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64>;
 
-    /// One AdamW update of one parameter tensor, in place: `param`, `exp_avg` (first
-    /// moment) and `exp_avg_sq` (second moment) are updated from `grad · grad_scale` as
-    /// [`AdamWUpdate`] says. All four have the same length.
-    ///
-    /// # Errors
-    /// Lengths that differ, `update.step == 0`, a learning rate, scale or config field out
-    /// of range, and (where checked) a non-finite gradient; then nothing is written.
-    fn adamw_step(
-        &self,
-        param: TensorMut<'_, Self>,
-        grad: Tensor<'_, Self>,
-        exp_avg: TensorMut<'_, Self>,
-        exp_avg_sq: TensorMut<'_, Self>,
-        update: &AdamWUpdate,
-    ) -> Result<()>;
-
     /// Appends `dims.seq` new tokens per sequence to one layer's KV cache:
     /// `cache.k[b, cache.len + i] = k_new[b, i]` (and v) for `i < dims.seq`, with `k_new`,
     /// `v_new` `[batch, seq, kv_heads, head_dim]` (after RoPE). The caller tracks the
@@ -526,44 +269,6 @@ pub trait Backend {
         cache: KvCacheView<'_, Self::Buffer>,
         out: TensorMut<'_, Self>,
     ) -> Result<()>;
-
-    /// Copies the `[rows, cols]` weight matrix `src` (an `[in, out]` transposed weight) into
-    /// `dst` (same length) in the layout this backend's [`Backend::linear_decode_f32`]
-    /// reads: the CPU's column tiles (`ares_cpu::ops::matmul_tiles::pack_f32_tiles`), the
-    /// same row-major matrix elsewhere (the default, a copy). The storage of f32 decode
-    /// weights.
-    ///
-    /// # Errors
-    /// `src` not `rows · cols` long, `dst` of another length.
-    fn pack_decode_f32(
-        &self,
-        src: Tensor<'_, Self>,
-        rows: usize,
-        cols: usize,
-        dst: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        BackendError::check_len("pack_decode_f32 src", rows.saturating_mul(cols), src.len())?;
-        self.copy(src, dst)
-    }
-
-    /// [`Backend::linear_transposed`] with the weight `wt` `[in, out]` as
-    /// [`Backend::pack_decode_f32`] stored it: `out = x · wt (+ bias)` in `dims.precision`.
-    /// The CPU's column-tile product sums every output in order whatever the batch (a row's
-    /// result does not depend on the other rows); elsewhere (the default)
-    /// [`Backend::linear_transposed`].
-    ///
-    /// # Errors
-    /// As [`Backend::linear_transposed`].
-    fn linear_decode_f32(
-        &self,
-        x: Tensor<'_, Self>,
-        wt: Tensor<'_, Self>,
-        bias: Option<Tensor<'_, Self>>,
-        dims: LinearDims,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        self.linear_transposed(x, wt, bias, dims, out)
-    }
 
     /// Rounds the `[rows, cols]` weight matrix `src` to bf16 (nearest even, as
     /// `torch.Tensor.bfloat16`) and packs the bits two to an element of `dst`
@@ -652,23 +357,6 @@ pub trait Backend {
         valid: TensorMut<'_, Self>,
     ) -> Result<()>;
 
-    /// Per row of `[rows, cols]` window means, the `q`-th percentile (numpy's linear
-    /// interpolation) of those whose `valid` is 1, written to `threshold[row]` with
-    /// `has[row] = 1`; a row without a complete window gets 0 and 0.
-    ///
-    /// # Errors
-    /// Lengths that do not match, `cols` 0, `q` outside [0, 100], and on a GPU a row too
-    /// long for one block's shared memory.
-    fn row_percentile(
-        &self,
-        means: Tensor<'_, Self>,
-        valid: Tensor<'_, Self>,
-        cols: usize,
-        q: f32,
-        threshold: TensorMut<'_, Self>,
-        has: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
     /// Masked dynamic KL: per token `k_t` by the estimator, weight
     /// `β_t = β_row·(hwe_t ? low_ratio : 1)·mask_t`, per row `Σ_t β_t·k_t` and the mean
     /// `k_t` over valid tokens (the semantics of `ares_core::kl::token_kl`). Overwrites
@@ -681,93 +369,6 @@ pub trait Backend {
         &self,
         inputs: KlViews<'_, Self::Buffer>,
         outputs: KlSumViews<'_, Self::Buffer>,
-    ) -> Result<()>;
-
-    // ----- Vision tower ops (Qwen2-VL / Qwen2.5-VL). -----
-
-    /// LayerNorm over rows of `dim` (torch.nn.LayerNorm): `out = (x − mean)·rstd·weight +
-    /// bias`, `rstd = 1/sqrt(var + eps)` with the biased variance; `x`, `out` `[rows, dim]`;
-    /// `weight`, `bias` `[dim]`; saves `mean` `[rows]` and `rstd` `[rows]` for the backward.
-    ///
-    /// # Errors
-    /// `dim == 0`, lengths that do not match, `eps` not finite and > 0.
-    #[allow(clippy::too_many_arguments)]
-    fn layer_norm(
-        &self,
-        x: Tensor<'_, Self>,
-        weight: Tensor<'_, Self>,
-        bias: Tensor<'_, Self>,
-        eps: f32,
-        dim: usize,
-        out: TensorMut<'_, Self>,
-        mean: TensorMut<'_, Self>,
-        rstd: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
-    /// Backward of [`Backend::layer_norm`] from `dout` `[rows, dim]`, the forward's `x`,
-    /// `weight` and saved `mean`, `rstd`: `dx` `[rows, dim]`, `dweight` `[dim]` and `dbias`
-    /// `[dim]` all **accumulate** (`+=`).
-    ///
-    /// # Errors
-    /// `dim == 0`, lengths that do not match.
-    #[allow(clippy::too_many_arguments)]
-    fn layer_norm_backward(
-        &self,
-        dout: Tensor<'_, Self>,
-        x: Tensor<'_, Self>,
-        weight: Tensor<'_, Self>,
-        mean: Tensor<'_, Self>,
-        rstd: Tensor<'_, Self>,
-        dim: usize,
-        dx: TensorMut<'_, Self>,
-        dweight: TensorMut<'_, Self>,
-        dbias: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
-    /// Element-wise activation `out = act(x)` ([`Activation`] for the formulas).
-    ///
-    /// # Errors
-    /// Lengths that differ.
-    fn activation(
-        &self,
-        kind: Activation,
-        x: Tensor<'_, Self>,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
-    /// Backward of [`Backend::activation`]: `dx = dout · act'(x)`, **overwrites** `dx`.
-    ///
-    /// # Errors
-    /// Lengths that differ.
-    fn activation_backward(
-        &self,
-        kind: Activation,
-        dout: Tensor<'_, Self>,
-        x: Tensor<'_, Self>,
-        dx: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
-    /// Non-causal multi-head attention restricted to segments (flash-attn's
-    /// `cu_seqlens`): `q`, `k`, `v`, `out` `[tokens, heads, head_dim]`; `cu_seqlens` (length
-    /// `segments + 1`) starts at 0, is non-decreasing and ends at `tokens` (empty segments
-    /// allowed); a query in segment `i` attends to every key in `[cu[i], cu[i+1])`. Writes
-    /// `out` and `lse` `[tokens, heads]` (log-sum-exp of the scaled logits). A non-finite
-    /// score makes its query's row NaN.
-    ///
-    /// # Errors
-    /// `heads` or `head_dim` 0, a scale not finite and > 0, lengths that do not match
-    /// (`cu_seqlens` included), and (where checked: the CPU) offsets that do not start at 0,
-    /// decrease or do not end at `tokens`. A GPU may limit `head_dim`.
-    #[allow(clippy::too_many_arguments)]
-    fn segment_attention(
-        &self,
-        dims: SegmentAttentionDims,
-        cu_seqlens: &Self::Ids,
-        q: Tensor<'_, Self>,
-        k: Tensor<'_, Self>,
-        v: Tensor<'_, Self>,
-        out: TensorMut<'_, Self>,
-        lse: TensorMut<'_, Self>,
     ) -> Result<()>;
 
     /// Backward of [`Backend::segment_attention`] from `dout` `[tokens, heads, head_dim]`,
@@ -790,23 +391,5 @@ pub trait Backend {
         dq: TensorMut<'_, Self>,
         dk: TensorMut<'_, Self>,
         dv: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
-    /// Row scatter, **overwriting** the named rows: `dst[index[i], :] = src[i, :]`; `src`
-    /// `[index.len(), dim]`, `dst` `[rows, dim]`; other rows of `dst` untouched. Places
-    /// image embeddings at the `<|image_pad|>` positions; its backward is the
-    /// [`Backend::embedding`] gather with the same `index`.
-    ///
-    /// # Errors
-    /// `dim == 0`, lengths that do not match, and (where checked: the CPU) an index `>=
-    /// rows` or an index repeated. A GPU reports an index `>= rows` at the next waiting
-    /// call (that row is not written) and does not detect repeats (one of the rows wins).
-    fn scatter_rows(
-        &self,
-        src: Tensor<'_, Self>,
-        index: &Self::Ids,
-        rows: usize,
-        dim: usize,
-        dst: TensorMut<'_, Self>,
     ) -> Result<()>;
 }

@@ -28,6 +28,7 @@ pub use buffer::{CudaBuffer, CudaIds};
 
 use buffer::{ids, ids_mut, view, view_mut, view_mut_opt, view_opt};
 
+use super::ops::{declared_ops, op_arg_type};
 use super::sampling::check_top_k;
 use super::{
     Activation, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
@@ -145,6 +146,112 @@ impl CudaBackend {
     }
 }
 
+/// A host argument in the form `ares-cuda` takes it.
+trait ToCuda {
+    type Cuda;
+    fn to_cuda(self) -> Self::Cuda;
+}
+
+impl ToCuda for f32 {
+    type Cuda = f32;
+    fn to_cuda(self) -> f32 {
+        self
+    }
+}
+
+impl ToCuda for usize {
+    type Cuda = usize;
+    fn to_cuda(self) -> usize {
+        self
+    }
+}
+
+/// The cuBLAS dims of a linear layer, in the precision [`MatmulPrecision::for_rows`] picks
+/// (the CPU backend's rule, so the two stay twins).
+impl ToCuda for LinearDims {
+    type Cuda = GemmDims;
+    fn to_cuda(self) -> GemmDims {
+        gemm_dims(self)
+    }
+}
+
+impl ToCuda for Activation {
+    type Cuda = ares_cuda::model_ops::Activation;
+    fn to_cuda(self) -> Self::Cuda {
+        cuda_activation(self)
+    }
+}
+
+impl ToCuda for SegmentAttentionDims {
+    type Cuda = ares_cuda::model_ops::SegmentAttentionShape;
+    fn to_cuda(self) -> Self::Cuda {
+        segment_shape(self)
+    }
+}
+
+impl ToCuda for &AdamWUpdate {
+    type Cuda = AdamWStep;
+    fn to_cuda(self) -> AdamWStep {
+        AdamWStep {
+            lr: self.lr,
+            beta1: self.config.beta1,
+            beta2: self.config.beta2,
+            eps: self.config.eps,
+            weight_decay: self.config.weight_decay,
+            step: self.step,
+            grad_scale: self.grad_scale,
+        }
+    }
+}
+
+/// The CUDA form of an argument of a declared op (`ops.rs`): views become cudarc views,
+/// host values [`ToCuda`].
+#[rustfmt::skip]
+macro_rules! cuda_arg {
+    ($a:ident: In<f32>) => { view($a)? };
+    ($a:ident: Out<f32>) => { view_mut($a)? };
+    ($a:ident: InOpt<f32>) => { view_opt($a)? };
+    ($a:ident: OutOpt<f32>) => { view_mut_opt($a)? };
+    ($a:ident: In<u32>) => { ids($a)? };
+    ($a:ident: $($t:tt)+) => { ToCuda::to_cuda($a) };
+}
+
+/// How a converted argument is passed to a [`ModelOps`] method.
+#[rustfmt::skip]
+macro_rules! cuda_pass {
+    ($a:ident: In<f32>) => { &$a };
+    ($a:ident: Out<f32>) => { &mut $a };
+    ($a:ident: InOpt<f32>) => { $a.as_ref() };
+    ($a:ident: OutOpt<f32>) => { $a.as_mut() };
+    ($a:ident: In<u32>) => { &$a };
+    ($a:ident: Ref<$t:ident>) => { &$a };
+    ($a:ident: $t:ident) => { $a };
+}
+
+/// The CUDA implementations of the declared ops: every argument converted first (so a
+/// bad view is reported before anything is queued), then the [`ModelOps`] method named by
+/// the declaration, its error wrapped with the op's name.
+macro_rules! cuda_ops {
+    ($(
+        $(#[$meta:meta])*
+        fn $name:ident($($arg:ident: $kind:ident $(<$dt:ident>)?),* $(,)?)
+            cpu $cpu:path, cuda $cuda:ident;
+    )*) => {
+        $(
+            #[allow(clippy::too_many_arguments)]
+            fn $name(&self, $($arg: op_arg_type!($kind $(<$dt>)?)),*) -> Result<()> {
+                $(
+                    #[allow(unused_mut)]
+                    let mut $arg = cuda_arg!($arg: $kind $(<$dt>)?);
+                )*
+                self.ops
+                    .$cuda($(cuda_pass!($arg: $kind $(<$dt>)?)),*)
+                    .map_err(op(stringify!($name)))
+            }
+        )*
+    };
+}
+
 impl Backend for CudaBackend {
     type Buffer = CudaBuffer;
     type Ids = CudaIds;
@@ -191,110 +298,7 @@ impl Backend for CudaBackend {
         self.ops.synchronize().map_err(op("synchronize"))
     }
 
-    fn embedding(
-        &self,
-        ids_buf: &CudaIds,
-        table: Tensor<'_, Self>,
-        rows: usize,
-        dim: usize,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        self.ops
-            .embedding(
-                &ids(ids_buf)?,
-                &view(table)?,
-                rows,
-                dim,
-                &mut view_mut(out)?,
-            )
-            .map_err(op("embedding"))
-    }
-
-    fn linear(
-        &self,
-        x: Tensor<'_, Self>,
-        w: Tensor<'_, Self>,
-        bias: Option<Tensor<'_, Self>>,
-        dims: LinearDims,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        let bias = view_opt(bias)?;
-        self.ops
-            .linear(
-                &view(x)?,
-                &view(w)?,
-                bias.as_ref(),
-                gemm_dims(dims),
-                &mut view_mut(out)?,
-            )
-            .map_err(op("linear"))
-    }
-
-    fn linear_transposed(
-        &self,
-        x: Tensor<'_, Self>,
-        wt: Tensor<'_, Self>,
-        bias: Option<Tensor<'_, Self>>,
-        dims: LinearDims,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        let bias = view_opt(bias)?;
-        self.ops
-            .linear_transposed(
-                &view(x)?,
-                &view(wt)?,
-                bias.as_ref(),
-                gemm_dims(dims),
-                &mut view_mut(out)?,
-            )
-            .map_err(op("linear_transposed"))
-    }
-
-    fn transpose(
-        &self,
-        src: Tensor<'_, Self>,
-        rows: usize,
-        cols: usize,
-        dst: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        self.ops
-            .transpose(&view(src)?, rows, cols, &mut view_mut(dst)?)
-            .map_err(op("transpose"))
-    }
-
-    fn rmsnorm(
-        &self,
-        x: Tensor<'_, Self>,
-        weight: Tensor<'_, Self>,
-        eps: f32,
-        dim: usize,
-        out: TensorMut<'_, Self>,
-        rstd: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        self.ops
-            .rmsnorm(
-                &view(x)?,
-                &view(weight)?,
-                eps,
-                dim,
-                &mut view_mut(out)?,
-                &mut view_mut(rstd)?,
-            )
-            .map_err(op("rmsnorm"))
-    }
-
-    fn rope(
-        &self,
-        x: TensorMut<'_, Self>,
-        cos: Tensor<'_, Self>,
-        sin: Tensor<'_, Self>,
-        heads: usize,
-        head_dim: usize,
-    ) -> Result<()> {
-        self.ops
-            .rope(&mut view_mut(x)?, &view(cos)?, &view(sin)?, heads, head_dim)
-            .map_err(op("rope"))
-    }
+    declared_ops!(cuda_ops);
 
     fn attention(
         &self,
@@ -317,17 +321,6 @@ impl Backend for CudaBackend {
             .map_err(op("attention"))
     }
 
-    fn swiglu(
-        &self,
-        gate: Tensor<'_, Self>,
-        up: Tensor<'_, Self>,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        self.ops
-            .swiglu(&view(gate)?, &view(up)?, &mut view_mut(out)?)
-            .map_err(op("swiglu"))
-    }
-
     fn add(
         &self,
         a: Tensor<'_, Self>,
@@ -346,98 +339,6 @@ impl Backend for CudaBackend {
         self.ops
             .copy(&view(src)?, &mut view_mut(dst)?)
             .map_err(op("copy"))
-    }
-
-    fn fill(&self, dst: TensorMut<'_, Self>, value: f32) -> Result<()> {
-        self.ops
-            .fill(&mut view_mut(dst)?, value)
-            .map_err(op("fill"))
-    }
-
-    fn embedding_backward(
-        &self,
-        ids_buf: &CudaIds,
-        dout: Tensor<'_, Self>,
-        rows: usize,
-        dim: usize,
-        dtable: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        self.ops
-            .embedding_backward(
-                &ids(ids_buf)?,
-                &view(dout)?,
-                rows,
-                dim,
-                &mut view_mut(dtable)?,
-            )
-            .map_err(op("embedding_backward"))
-    }
-
-    fn linear_backward(
-        &self,
-        dout: Tensor<'_, Self>,
-        x: Tensor<'_, Self>,
-        w: Tensor<'_, Self>,
-        dims: LinearDims,
-        dx: Option<TensorMut<'_, Self>>,
-        dw: TensorMut<'_, Self>,
-        dbias: Option<TensorMut<'_, Self>>,
-    ) -> Result<()> {
-        let mut dx = view_mut_opt(dx)?;
-        let mut dbias = view_mut_opt(dbias)?;
-        self.ops
-            .linear_backward(
-                &view(dout)?,
-                &view(x)?,
-                &view(w)?,
-                gemm_dims(dims),
-                dx.as_mut(),
-                &mut view_mut(dw)?,
-                dbias.as_mut(),
-            )
-            .map_err(op("linear_backward"))
-    }
-
-    fn rmsnorm_backward(
-        &self,
-        dout: Tensor<'_, Self>,
-        x: Tensor<'_, Self>,
-        weight: Tensor<'_, Self>,
-        rstd: Tensor<'_, Self>,
-        dim: usize,
-        dx: TensorMut<'_, Self>,
-        dweight: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        self.ops
-            .rmsnorm_backward(
-                &view(dout)?,
-                &view(x)?,
-                &view(weight)?,
-                &view(rstd)?,
-                dim,
-                &mut view_mut(dx)?,
-                &mut view_mut(dweight)?,
-            )
-            .map_err(op("rmsnorm_backward"))
-    }
-
-    fn rope_backward(
-        &self,
-        dx: TensorMut<'_, Self>,
-        cos: Tensor<'_, Self>,
-        sin: Tensor<'_, Self>,
-        heads: usize,
-        head_dim: usize,
-    ) -> Result<()> {
-        self.ops
-            .rope_backward(
-                &mut view_mut(dx)?,
-                &view(cos)?,
-                &view(sin)?,
-                heads,
-                head_dim,
-            )
-            .map_err(op("rope_backward"))
     }
 
     fn attention_backward(
@@ -475,46 +376,6 @@ impl Backend for CudaBackend {
                 },
             )
             .map_err(op("attention_backward"))
-    }
-
-    fn swiglu_backward(
-        &self,
-        dout: Tensor<'_, Self>,
-        gate: Tensor<'_, Self>,
-        up: Tensor<'_, Self>,
-        dgate: TensorMut<'_, Self>,
-        dup: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        self.ops
-            .swiglu_backward(
-                &view(dout)?,
-                &view(gate)?,
-                &view(up)?,
-                &mut view_mut(dgate)?,
-                &mut view_mut(dup)?,
-            )
-            .map_err(op("swiglu_backward"))
-    }
-
-    fn log_prob_entropy(
-        &self,
-        logits: Tensor<'_, Self>,
-        vocab: usize,
-        temperature: f32,
-        targets: &CudaIds,
-        log_prob: TensorMut<'_, Self>,
-        entropy: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        self.ops
-            .log_prob_entropy(
-                &view(logits)?,
-                vocab,
-                temperature,
-                &ids(targets)?,
-                &mut view_mut(log_prob)?,
-                &mut view_mut(entropy)?,
-            )
-            .map_err(op("log_prob_entropy"))
     }
 
     fn greedy_tokens(
@@ -564,78 +425,10 @@ impl Backend for CudaBackend {
             .map_err(op("sample_tokens"))
     }
 
-    fn log_prob_backward(
-        &self,
-        logits: Tensor<'_, Self>,
-        vocab: usize,
-        temperature: f32,
-        targets: &CudaIds,
-        coeffs: Tensor<'_, Self>,
-        dlogits: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        self.ops
-            .log_prob_backward(
-                &view(logits)?,
-                vocab,
-                temperature,
-                &ids(targets)?,
-                &view(coeffs)?,
-                &mut view_mut(dlogits)?,
-            )
-            .map_err(op("log_prob_backward"))
-    }
-
-    fn entropy_backward(
-        &self,
-        logits: Tensor<'_, Self>,
-        vocab: usize,
-        temperature: f32,
-        coeffs: Tensor<'_, Self>,
-        dlogits: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        self.ops
-            .entropy_backward(
-                &view(logits)?,
-                vocab,
-                temperature,
-                &view(coeffs)?,
-                &mut view_mut(dlogits)?,
-            )
-            .map_err(op("entropy_backward"))
-    }
-
     fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64> {
         self.ops
             .sum_of_squares(&view(x)?)
             .map_err(op("sum_of_squares"))
-    }
-
-    fn adamw_step(
-        &self,
-        param: TensorMut<'_, Self>,
-        grad: Tensor<'_, Self>,
-        exp_avg: TensorMut<'_, Self>,
-        exp_avg_sq: TensorMut<'_, Self>,
-        update: &AdamWUpdate,
-    ) -> Result<()> {
-        let step = AdamWStep {
-            lr: update.lr,
-            beta1: update.config.beta1,
-            beta2: update.config.beta2,
-            eps: update.config.eps,
-            weight_decay: update.config.weight_decay,
-            step: update.step,
-            grad_scale: update.grad_scale,
-        };
-        self.ops
-            .adamw_step(
-                &mut view_mut(param)?,
-                &view(grad)?,
-                &mut view_mut(exp_avg)?,
-                &mut view_mut(exp_avg_sq)?,
-                &step,
-            )
-            .map_err(op("adamw_step"))
     }
 
     fn kv_cache_append(
@@ -818,24 +611,6 @@ impl Backend for CudaBackend {
             .map_err(op("entropy_windows"))
     }
 
-    fn row_percentile(
-        &self,
-        means: Tensor<'_, Self>,
-        valid: Tensor<'_, Self>,
-        cols: usize,
-        q: f32,
-        threshold: TensorMut<'_, Self>,
-        has: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        let (means, valid) = (view(means)?, view(valid)?);
-        let (mut threshold, mut has) = (view_mut(threshold)?, view_mut(has)?);
-        self.ops
-            .with_token_ops(|mut t, _| {
-                t.row_percentile(&means, &valid, cols, q, &mut threshold, &mut has)
-            })
-            .map_err(op("row_percentile"))
-    }
-
     fn masked_dynamic_kl(
         &self,
         inputs: KlViews<'_, CudaBuffer>,
@@ -868,109 +643,6 @@ impl Backend for CudaBackend {
                 t.masked_dynamic_kl(inputs, outputs)
             })
             .map_err(op("masked_dynamic_kl"))
-    }
-
-    fn layer_norm(
-        &self,
-        x: Tensor<'_, Self>,
-        weight: Tensor<'_, Self>,
-        bias: Tensor<'_, Self>,
-        eps: f32,
-        dim: usize,
-        out: TensorMut<'_, Self>,
-        mean: TensorMut<'_, Self>,
-        rstd: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        self.ops
-            .layer_norm(
-                &view(x)?,
-                &view(weight)?,
-                &view(bias)?,
-                eps,
-                dim,
-                &mut view_mut(out)?,
-                &mut view_mut(mean)?,
-                &mut view_mut(rstd)?,
-            )
-            .map_err(op("layer_norm"))
-    }
-
-    fn layer_norm_backward(
-        &self,
-        dout: Tensor<'_, Self>,
-        x: Tensor<'_, Self>,
-        weight: Tensor<'_, Self>,
-        mean: Tensor<'_, Self>,
-        rstd: Tensor<'_, Self>,
-        dim: usize,
-        dx: TensorMut<'_, Self>,
-        dweight: TensorMut<'_, Self>,
-        dbias: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        self.ops
-            .layer_norm_backward(
-                &view(dout)?,
-                &view(x)?,
-                &view(weight)?,
-                &view(mean)?,
-                &view(rstd)?,
-                dim,
-                &mut view_mut(dx)?,
-                &mut view_mut(dweight)?,
-                &mut view_mut(dbias)?,
-            )
-            .map_err(op("layer_norm_backward"))
-    }
-
-    fn activation(
-        &self,
-        kind: Activation,
-        x: Tensor<'_, Self>,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        self.ops
-            .activation(cuda_activation(kind), &view(x)?, &mut view_mut(out)?)
-            .map_err(op("activation"))
-    }
-
-    fn activation_backward(
-        &self,
-        kind: Activation,
-        dout: Tensor<'_, Self>,
-        x: Tensor<'_, Self>,
-        dx: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        self.ops
-            .activation_backward(
-                cuda_activation(kind),
-                &view(dout)?,
-                &view(x)?,
-                &mut view_mut(dx)?,
-            )
-            .map_err(op("activation_backward"))
-    }
-
-    fn segment_attention(
-        &self,
-        dims: SegmentAttentionDims,
-        cu_seqlens: &CudaIds,
-        q: Tensor<'_, Self>,
-        k: Tensor<'_, Self>,
-        v: Tensor<'_, Self>,
-        out: TensorMut<'_, Self>,
-        lse: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        self.ops
-            .segment_attention(
-                segment_shape(dims),
-                &ids(cu_seqlens)?,
-                &view(q)?,
-                &view(k)?,
-                &view(v)?,
-                &mut view_mut(out)?,
-                &mut view_mut(lse)?,
-            )
-            .map_err(op("segment_attention"))
     }
 
     fn segment_attention_backward(
@@ -1008,19 +680,6 @@ impl Backend for CudaBackend {
                 },
             )
             .map_err(op("segment_attention_backward"))
-    }
-
-    fn scatter_rows(
-        &self,
-        src: Tensor<'_, Self>,
-        index: &CudaIds,
-        rows: usize,
-        dim: usize,
-        dst: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        self.ops
-            .scatter_rows(&view(src)?, &ids(index)?, rows, dim, &mut view_mut(dst)?)
-            .map_err(op("scatter_rows"))
     }
 }
 

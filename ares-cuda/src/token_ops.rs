@@ -3,7 +3,7 @@
 
 use crate::device::Cuda;
 use crate::error::{DriverContext, Error, Result};
-use crate::model_ops::{ArgOrNull, NULL, bad, check_len};
+use crate::launch::{ArgOrNull, NULL, bad, check_len};
 use ares_core::kl::KlEstimator;
 use cudarc::driver::{
     CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, LaunchConfig,

@@ -1,0 +1,456 @@
+//! One declaration per op. Each op the two backends implement alike — its name, its
+//! arguments with their kinds and dtypes, the `ares-cpu` function and the `ares-cuda`
+//! [`ModelOps`](ares_cuda::ModelOps) method that run it — is written once, below, and the
+//! [`Backend`](super::Backend) method, the CPU implementation and the CUDA implementation
+//! follow from it: [`declared_ops!`] hands the list to a macro of each (`declare_ops!` in
+//! `mod.rs`, `cpu_ops!` in `cpu.rs`, `cuda_ops!` in `cuda/mod.rs`).
+//!
+//! Argument kinds:
+//! - `In<f32>` / `Out<f32>`: a tensor read / written ([`Tensor`](super::Tensor) /
+//!   [`TensorMut`](super::TensorMut)); `InOpt<f32>` / `OutOpt<f32>`: the same, optional;
+//! - `In<u32>`: token ids, positions or row indices (`&Self::Ids`);
+//! - `Ref<T>`: a `&T` of host parameters;
+//! - any other type: a host scalar or shape, passed by value (each backend converts it to
+//!   its kernel's form).
+//!
+//! The kernels are called with the arguments in the declared order; a kernel whose own
+//! order or types differ gets a small adapter next to its backend (`cpu.rs`, `mod kernels`).
+//! A dtype the declaration does not list cannot be passed: the macros have no arm for it, so
+//! it is a compile error, and a new dtype (bf16 storage) is added as a kind here and an arm
+//! in each backend. Ops whose arguments are structs of views (attention, KV caches, the
+//! ARES token ops) and the sampling ops are written out in each backend.
+
+/// Calls `$then! { … }` with the declarations of the ops both backends implement alike.
+macro_rules! declared_ops {
+    ($then:ident) => {
+        $then! {
+            /// Row gather: `out[t, :] = table[ids[t], :]`, with `table` `[rows, dim]` and `out`
+            /// `[ids.len(), dim]`. Token embedding, and the per-token RoPE cos/sin from a table
+            /// indexed by position.
+            ///
+            /// # Errors
+            /// Lengths that do not match, or (where checked) an id `>= rows`.
+            fn embedding(
+                ids: In<u32>,
+                table: In<f32>,
+                rows: usize,
+                dim: usize,
+                out: Out<f32>,
+            ) cpu ares_cpu::ops::embedding::embedding_forward, cuda embedding;
+
+            /// Linear layer `out = x · wᵀ (+ bias)`, shapes in [`LinearDims`]. `out` is
+            /// overwritten. The LM head is this op with the head (or tied embedding) as `w`.
+            ///
+            /// # Errors
+            /// Lengths that do not match `dims`.
+            fn linear(
+                x: In<f32>,
+                w: In<f32>,
+                bias: InOpt<f32>,
+                dims: LinearDims,
+                out: Out<f32>,
+            ) cpu kernels::linear, cuda linear;
+
+            /// Linear layer with the weight stored transposed: `out = x · wt (+ bias)`, `wt`
+            /// `[in_features, out_features]` (a [`Backend::transpose`]d copy of a Hugging Face
+            /// `[out, in]` weight). The same layer as [`Backend::linear`] up to summation order;
+            /// generation keeps such copies because a CPU GEMM multiplies a few rows by this layout
+            /// without first repacking the whole weight. `out` is overwritten.
+            ///
+            /// # Errors
+            /// Lengths that do not match `dims`.
+            fn linear_transposed(
+                x: In<f32>,
+                wt: In<f32>,
+                bias: InOpt<f32>,
+                dims: LinearDims,
+                out: Out<f32>,
+            ) cpu kernels::linear_transposed, cuda linear_transposed;
+
+            /// `dst[cols, rows] = src[rows, cols]ᵀ` (row-major both).
+            ///
+            /// # Errors
+            /// `src` or `dst` not `rows · cols` long.
+            fn transpose(
+                src: In<f32>,
+                rows: usize,
+                cols: usize,
+                dst: Out<f32>,
+            ) cpu ares_cpu::ops::matmul::transpose, cuda transpose;
+
+            /// RMSNorm over rows of `dim`: `out = weight · x / sqrt(mean(x²) + eps)`; `x`, `out`
+            /// `[rows, dim]`, `weight` `[dim]`, and `rstd` `[rows]` receives `1/sqrt(mean(x²) + eps)`
+            /// for the backward pass.
+            ///
+            /// # Errors
+            /// `dim == 0`, lengths that do not match, `eps` not finite and > 0.
+            fn rmsnorm(
+                x: In<f32>,
+                weight: In<f32>,
+                eps: f32,
+                dim: usize,
+                out: Out<f32>,
+                rstd: Out<f32>,
+            ) cpu ares_cpu::ops::rmsnorm::rmsnorm_forward, cuda rmsnorm;
+
+            /// Rotary position embedding in place ("rotate_half" layout of Hugging Face) on `x`
+            /// `[tokens, heads, head_dim]`, with per-token `cos`, `sin` `[tokens, head_dim/2]`.
+            ///
+            /// # Errors
+            /// `head_dim` odd or 0, `heads == 0`, lengths that do not match.
+            fn rope(
+                x: Out<f32>,
+                cos: In<f32>,
+                sin: In<f32>,
+                heads: usize,
+                head_dim: usize,
+            ) cpu ares_cpu::ops::rope::rope_forward, cuda rope;
+
+            /// SwiGLU, element-wise: `out = silu(gate) · up`.
+            ///
+            /// # Errors
+            /// Lengths that differ.
+            fn swiglu(
+                gate: In<f32>,
+                up: In<f32>,
+                out: Out<f32>,
+            ) cpu ares_cpu::ops::swiglu::swiglu_forward, cuda swiglu;
+
+            /// Backward of [`Backend::embedding`]: `dtable[ids[t], :] += dout[t, :]`, with `dout`
+            /// `[ids.len(), dim]` and `dtable` `[rows, dim]`. **Accumulates** (tied embeddings add
+            /// the LM head's gradient into the same table).
+            ///
+            /// # Errors
+            /// Lengths that do not match, or (where checked) an id `>= rows`.
+            fn embedding_backward(
+                ids: In<u32>,
+                dout: In<f32>,
+                rows: usize,
+                dim: usize,
+                dtable: Out<f32>,
+            ) cpu ares_cpu::ops::embedding::embedding_backward, cuda embedding_backward;
+
+            /// Backward of [`Backend::linear`] given `dout` `[rows, out_features]`. All three
+            /// gradients **accumulate**: `dx[rows, in] += dout · w` (skipped if `None`),
+            /// `dw[out, in] += doutᵀ · x`, `dbias[out] += Σ_rows dout` (skipped if `None`).
+            ///
+            /// # Errors
+            /// Lengths that do not match `dims`.
+            fn linear_backward(
+                dout: In<f32>,
+                x: In<f32>,
+                w: In<f32>,
+                dims: LinearDims,
+                dx: OutOpt<f32>,
+                dw: Out<f32>,
+                dbias: OutOpt<f32>,
+            ) cpu kernels::linear_backward, cuda linear_backward;
+
+            /// Backward of [`Backend::rmsnorm`] from `dout` `[rows, dim]`, the forward's input `x`,
+            /// `weight` and saved `rstd`. Both `dx` `[rows, dim]` and `dweight` `[dim]`
+            /// **accumulate** (`dx` is the residual stream's gradient; a q/k norm weight is shared
+            /// by every head).
+            ///
+            /// # Errors
+            /// `dim == 0`, lengths that do not match.
+            fn rmsnorm_backward(
+                dout: In<f32>,
+                x: In<f32>,
+                weight: In<f32>,
+                rstd: In<f32>,
+                dim: usize,
+                dx: Out<f32>,
+                dweight: Out<f32>,
+            ) cpu ares_cpu::ops::rmsnorm::rmsnorm_backward, cuda rmsnorm_backward;
+
+            /// Backward of [`Backend::rope`], **in place**: `dx` `[tokens, heads, head_dim]` holds
+            /// the gradient w.r.t. the rotated tensor and is replaced by the gradient w.r.t. its
+            /// input (the inverse rotation).
+            ///
+            /// # Errors
+            /// As [`Backend::rope`].
+            fn rope_backward(
+                dx: Out<f32>,
+                cos: In<f32>,
+                sin: In<f32>,
+                heads: usize,
+                head_dim: usize,
+            ) cpu ares_cpu::ops::rope::rope_backward, cuda rope_backward;
+
+            /// Backward of [`Backend::swiglu`] from `dout`: **overwrites** `dgate` and `dup`
+            /// (gate and up feed the SwiGLU only).
+            ///
+            /// # Errors
+            /// Lengths that differ.
+            fn swiglu_backward(
+                dout: In<f32>,
+                gate: In<f32>,
+                up: In<f32>,
+                dgate: Out<f32>,
+                dup: Out<f32>,
+            ) cpu ares_cpu::ops::swiglu::swiglu_backward, cuda swiglu_backward;
+
+            /// Per row of `logits` `[rows, vocab]`, with `z = logits / temperature`: writes the
+            /// entropy of `softmax(z)` to `entropy[row]` and `log softmax(z)[targets[row]]` to
+            /// `log_prob[row]`, without a `[rows, vocab]` temporary (rows = `targets.len()`).
+            ///
+            /// # Errors
+            /// Lengths that do not match, `vocab == 0`, a temperature not finite and > 0, and
+            /// (where checked) a target `>= vocab` or a row holding NaN/+∞.
+            fn log_prob_entropy(
+                logits: In<f32>,
+                vocab: usize,
+                temperature: f32,
+                targets: In<u32>,
+                log_prob: Out<f32>,
+                entropy: Out<f32>,
+            ) cpu kernels::log_prob_entropy, cuda log_prob_entropy;
+
+            /// Backward of the per-token log-prob of [`Backend::log_prob_entropy`]: per row of
+            /// `logits` `[rows, vocab]` (rows = `targets.len()`), with `z = logits / temperature`
+            /// and `g = coeffs[row]` (∂L/∂logπ of that token),
+            /// `dlogits[row, :] = g/temperature · (onehot(targets[row]) − softmax(z))`, without a
+            /// `[rows, vocab]` temporary. **Overwrites** `dlogits`; rows with `g = 0` are zero and
+            /// their logits are not read.
+            ///
+            /// # Errors
+            /// Lengths that do not match, `vocab == 0`, a temperature not finite and > 0, a
+            /// non-finite coefficient, and (where checked) for rows with `g ≠ 0` a target `>= vocab`
+            /// or a row holding NaN/+∞.
+            fn log_prob_backward(
+                logits: In<f32>,
+                vocab: usize,
+                temperature: f32,
+                targets: In<u32>,
+                coeffs: In<f32>,
+                dlogits: Out<f32>,
+            ) cpu ares_cpu::ops::log_prob_backward::log_prob_backward, cuda log_prob_backward;
+
+            /// Backward of the per-token entropy of [`Backend::log_prob_entropy`]: per row of
+            /// `logits` `[rows, vocab]` (rows = `coeffs.len()`), with `z = logits / temperature`,
+            /// `p = softmax(z)`, `H = −Σ p ln p` and `c = coeffs[row]` (∂L/∂H of that token),
+            /// `dlogits[row, :] += c · ∂H/∂logits = −c · p · (ln p + H) / temperature`, without a
+            /// `[rows, vocab]` temporary (`ares_core::entropy_bonus::entropy_grad_logits` is the
+            /// formula). **Accumulates** into `dlogits` (it runs after
+            /// [`Backend::log_prob_backward`], which overwrites it); a −∞ logit gets 0; rows with
+            /// `c = 0` are untouched and their logits are not read.
+            ///
+            /// # Errors
+            /// Lengths that do not match, `vocab == 0`, a temperature not finite and > 0, a
+            /// non-finite coefficient, and (where checked) for rows with `c ≠ 0` a row holding
+            /// NaN/+∞ or only −∞, or a coefficient so large against the temperature that the
+            /// gradient overflows f32.
+            fn entropy_backward(
+                logits: In<f32>,
+                vocab: usize,
+                temperature: f32,
+                coeffs: In<f32>,
+                dlogits: Out<f32>,
+            ) cpu ares_cpu::ops::entropy_backward::entropy_backward, cuda entropy_backward;
+
+            /// One AdamW update of one parameter tensor, in place: `param`, `exp_avg` (first
+            /// moment) and `exp_avg_sq` (second moment) are updated from `grad · grad_scale` as
+            /// [`AdamWUpdate`] says. All four have the same length.
+            ///
+            /// # Errors
+            /// Lengths that differ, `update.step == 0`, a learning rate, scale or config field out
+            /// of range, and (where checked) a non-finite gradient; then nothing is written.
+            fn adamw_step(
+                param: Out<f32>,
+                grad: In<f32>,
+                exp_avg: Out<f32>,
+                exp_avg_sq: Out<f32>,
+                update: Ref<AdamWUpdate>,
+            ) cpu kernels::adamw_step, cuda adamw_step;
+
+            // ----- Generation: decode weights. -----
+
+            /// Sets every element of `dst` to `value` (`0.0` zeroes a gradient before an
+            /// accumulating op).
+            ///
+            /// # Errors
+            /// None on the CPU; a device failure where the backend reports one.
+            fn fill(
+                dst: Out<f32>,
+                value: f32,
+            ) cpu kernels::fill, cuda fill;
+
+            /// Copies the `[rows, cols]` weight matrix `src` (an `[in, out]` transposed weight) into
+            /// `dst` (same length) in the layout this backend's [`Backend::linear_decode_f32`]
+            /// reads: the CPU's column tiles (`ares_cpu::ops::matmul_tiles::pack_f32_tiles`), the
+            /// same row-major matrix on the GPU (a checked copy). The storage of f32 decode weights.
+            ///
+            /// # Errors
+            /// `src` not `rows · cols` long, `dst` of another length.
+            fn pack_decode_f32(
+                src: In<f32>,
+                rows: usize,
+                cols: usize,
+                dst: Out<f32>,
+            ) cpu ares_cpu::ops::matmul_tiles::pack_f32_tiles, cuda copy_matrix;
+
+            /// [`Backend::linear_transposed`] with the weight `wt` `[in, out]` as
+            /// [`Backend::pack_decode_f32`] stored it: `out = x · wt (+ bias)` in `dims.precision`.
+            /// The CPU's column-tile product sums every output in order whatever the batch (a row's
+            /// result does not depend on the other rows); on the GPU
+            /// [`Backend::linear_transposed`].
+            ///
+            /// # Errors
+            /// As [`Backend::linear_transposed`].
+            fn linear_decode_f32(
+                x: In<f32>,
+                wt: In<f32>,
+                bias: InOpt<f32>,
+                dims: LinearDims,
+                out: Out<f32>,
+            ) cpu kernels::linear_decode_f32, cuda linear_transposed;
+
+            // ----- ARES token ops (docs/algorithms.md §1, §4). -----
+
+            /// Per row of `[rows, cols]` window means, the `q`-th percentile (numpy's linear
+            /// interpolation) of those whose `valid` is 1, written to `threshold[row]` with
+            /// `has[row] = 1`; a row without a complete window gets 0 and 0.
+            ///
+            /// # Errors
+            /// Lengths that do not match, `cols` 0, `q` outside [0, 100], and on a GPU a row too
+            /// long for one block's shared memory.
+            fn row_percentile(
+                means: In<f32>,
+                valid: In<f32>,
+                cols: usize,
+                q: f32,
+                threshold: Out<f32>,
+                has: Out<f32>,
+            ) cpu ares_cpu::row_percentile, cuda row_percentile;
+
+            // ----- Vision tower ops (Qwen2-VL / Qwen2.5-VL). -----
+            /// LayerNorm over rows of `dim` (torch.nn.LayerNorm): `out = (x − mean)·rstd·weight +
+            /// bias`, `rstd = 1/sqrt(var + eps)` with the biased variance; `x`, `out` `[rows, dim]`;
+            /// `weight`, `bias` `[dim]`; saves `mean` `[rows]` and `rstd` `[rows]` for the backward.
+            ///
+            /// # Errors
+            /// `dim == 0`, lengths that do not match, `eps` not finite and > 0.
+            fn layer_norm(
+                x: In<f32>,
+                weight: In<f32>,
+                bias: In<f32>,
+                eps: f32,
+                dim: usize,
+                out: Out<f32>,
+                mean: Out<f32>,
+                rstd: Out<f32>,
+            ) cpu ares_cpu::ops::layer_norm::layer_norm_forward, cuda layer_norm;
+
+            /// Backward of [`Backend::layer_norm`] from `dout` `[rows, dim]`, the forward's `x`,
+            /// `weight` and saved `mean`, `rstd`: `dx` `[rows, dim]`, `dweight` `[dim]` and `dbias`
+            /// `[dim]` all **accumulate** (`+=`).
+            ///
+            /// # Errors
+            /// `dim == 0`, lengths that do not match.
+            fn layer_norm_backward(
+                dout: In<f32>,
+                x: In<f32>,
+                weight: In<f32>,
+                mean: In<f32>,
+                rstd: In<f32>,
+                dim: usize,
+                dx: Out<f32>,
+                dweight: Out<f32>,
+                dbias: Out<f32>,
+            ) cpu ares_cpu::ops::layer_norm::layer_norm_backward, cuda layer_norm_backward;
+
+            /// Element-wise activation `out = act(x)` ([`Activation`] for the formulas).
+            ///
+            /// # Errors
+            /// Lengths that differ.
+            fn activation(
+                kind: Activation,
+                x: In<f32>,
+                out: Out<f32>,
+            ) cpu kernels::activation, cuda activation;
+
+            /// Backward of [`Backend::activation`]: `dx = dout · act'(x)`, **overwrites** `dx`.
+            ///
+            /// # Errors
+            /// Lengths that differ.
+            fn activation_backward(
+                kind: Activation,
+                dout: In<f32>,
+                x: In<f32>,
+                dx: Out<f32>,
+            ) cpu kernels::activation_backward, cuda activation_backward;
+
+            /// Non-causal multi-head attention restricted to segments (flash-attn's
+            /// `cu_seqlens`): `q`, `k`, `v`, `out` `[tokens, heads, head_dim]`; `cu_seqlens` (length
+            /// `segments + 1`) starts at 0, is non-decreasing and ends at `tokens` (empty segments
+            /// allowed); a query in segment `i` attends to every key in `[cu[i], cu[i+1])`. Writes
+            /// `out` and `lse` `[tokens, heads]` (log-sum-exp of the scaled logits). A non-finite
+            /// score makes its query's row NaN.
+            ///
+            /// # Errors
+            /// `heads` or `head_dim` 0, a scale not finite and > 0, lengths that do not match
+            /// (`cu_seqlens` included), and (where checked: the CPU) offsets that do not start at 0,
+            /// decrease or do not end at `tokens`. A GPU may limit `head_dim`.
+            fn segment_attention(
+                dims: SegmentAttentionDims,
+                cu_seqlens: In<u32>,
+                q: In<f32>,
+                k: In<f32>,
+                v: In<f32>,
+                out: Out<f32>,
+                lse: Out<f32>,
+            ) cpu kernels::segment_attention, cuda segment_attention;
+
+            /// Row scatter, **overwriting** the named rows: `dst[index[i], :] = src[i, :]`; `src`
+            /// `[index.len(), dim]`, `dst` `[rows, dim]`; other rows of `dst` untouched. Places
+            /// image embeddings at the `<|image_pad|>` positions; its backward is the
+            /// [`Backend::embedding`] gather with the same `index`.
+            ///
+            /// # Errors
+            /// `dim == 0`, lengths that do not match, and (where checked: the CPU) an index `>=
+            /// rows` or an index repeated. A GPU reports an index `>= rows` at the next waiting
+            /// call (that row is not written) and does not detect repeats (one of the rows wins).
+            fn scatter_rows(
+                src: In<f32>,
+                index: In<u32>,
+                rows: usize,
+                dim: usize,
+                dst: Out<f32>,
+            ) cpu ares_cpu::ops::scatter::scatter_rows, cuda scatter_rows;
+        }
+    };
+}
+pub(crate) use declared_ops;
+
+/// The Rust type of an argument of kind `$kind` in a [`Backend`](super::Backend) method.
+#[rustfmt::skip]
+macro_rules! op_arg_type {
+    (In<f32>) => { $crate::backend::Tensor<'_, Self> };
+    (Out<f32>) => { $crate::backend::TensorMut<'_, Self> };
+    (InOpt<f32>) => { Option<$crate::backend::Tensor<'_, Self>> };
+    (OutOpt<f32>) => { Option<$crate::backend::TensorMut<'_, Self>> };
+    (In<u32>) => { &Self::Ids };
+    (Ref<$t:ident>) => { &$t };
+    ($t:ident) => { $t };
+}
+pub(crate) use op_arg_type;
+
+/// The [`Backend`](super::Backend) methods of the declared ops (their docs are the
+/// declarations').
+macro_rules! declare_ops {
+    ($(
+        $(#[$meta:meta])*
+        fn $name:ident($($arg:ident: $kind:ident $(<$dt:ident>)?),* $(,)?)
+            cpu $cpu:path, cuda $cuda:ident;
+    )*) => {
+        $(
+            $(#[$meta])*
+            #[allow(clippy::too_many_arguments)]
+            fn $name(
+                &self,
+                $($arg: $crate::backend::ops::op_arg_type!($kind $(<$dt>)?)),*
+            ) -> $crate::backend::Result<()>;
+        )*
+    };
+}
+pub(crate) use declare_ops;
