@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One full RL step, ares-runner against PyTorch + transformers on the same machine (issue 6):
+# One full RL step, ares-runner against PyTorch + transformers on the same machine:
 # 64 prompts x 8 samples of up to 256 tokens on a random Qwen2.5-0.5B-shaped model with a
 # 151 936-row vocabulary, old + reference log-probs, one PPO epoch, one AdamW step
 # (examples/configs/bench_grpo_step.yaml; scripts/bench_torch_grpo_step.py for PyTorch).

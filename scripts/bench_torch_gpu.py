@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch + transformers side of `bench-model_cuda` (issue 6), on the same GPU: the same
+"""PyTorch + transformers side of `bench-model_cuda`, on the same GPU: the same
 Qwen2.5-0.5B-shaped model (24 layers, hidden 896, 14 query / 2 KV heads of 64, MLP 4864,
 vocab 151 936, tied embeddings, q/k/v biases; random weights), the same work:
 
@@ -8,7 +8,7 @@ vocab 151 936, tied embeddings, q/k/v biases; random weights), the same work:
   in f32, TF32 and bf16 (autocast over f32 master weights, as mixed-precision trainers do),
   eager and, with --compile, torch.compile; achieved TFLOP/s counted as the Rust bench does;
 - generate: `model.generate` with the KV cache, greedy and sampled (T = 1, top-p 1), 32
-  prompts of 32 tokens, exactly 64 new tokens each (--gen 64x512 for the issue's 64 x 512), f32 / TF32 / bf16 weights;
+  prompts of 32 tokens, exactly 64 new tokens each (--gen 64x512 for 64 x 512), f32 / TF32 / bf16 weights;
 - the physical floors, measured in the same run: dense GEMM rate (8192^3) per precision and
   device-to-device copy bandwidth; MFU is reported against the measured GEMM rate;
 - peak memory (torch.cuda.max_memory_allocated) of each piece.

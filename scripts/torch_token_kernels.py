@@ -2,7 +2,8 @@
 
 Eager: logsumexp − Σ softmax·z for the entropy, plus log_softmax + gather for the log-prob,
 as trainers (verl's entropy_from_logits, logprobs_from_logits) compute them; and the same
-function under torch.compile. Logits: 8192 × 151 936 bf16 (the issue's size), math in f32.
+function under torch.compile. Logits: 8192 × 151 936 bf16 (as ares-cuda/benches/gpu_kernels.rs),
+math in f32.
 Also a device-to-device copy of the logits, the bandwidth reference. Prints one line per
 measurement: name, median ms over 20 runs, GB/s of one read of the logits, peak extra
 memory.

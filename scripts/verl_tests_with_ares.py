@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """verl 0.9.1's own CPU unit tests of the functions ares registers, run twice: as verl ships
-them, then with verl's functions replaced by ares's (issue 29, item 5). Writes the outcome of
+them, then with verl's functions replaced by ares's. Writes the outcome of
 every test of both runs to a JSON file, committed as
 `ares-py/tests/fixtures/verl_0_9_1_own_tests.json` (CI has neither torch nor verl, so the
 result is committed rather than rerun there).

@@ -37,7 +37,7 @@ impl Difficulty {
     /// The three buckets in index order (easy, medium, hard).
     pub const ALL: [Difficulty; 3] = [Difficulty::Easy, Difficulty::Medium, Difficulty::Hard];
 
-    /// `"easy"`, `"medium"` or `"hard"` (the seed's labels).
+    /// `"easy"`, `"medium"` or `"hard"` (the labels of docs/algorithms.md §2).
     pub const fn name(self) -> &'static str {
         match self {
             Difficulty::Easy => "easy",
@@ -481,8 +481,8 @@ pub struct BucketState<F> {
 /// For a bucket present in a step, [`BucketController::step_bucket`] updates **α first,
 /// against the target that was in force during the step** (the pre-update `T_d`), then the
 /// target, then λ. With the default `μ = 1`, updating the target first would set
-/// `T_d = round(h̄_d)` and leave `Δ_d ≈ 0`, so α would never move — defeating the seed's
-/// "gradient ascent toward the target".
+/// `T_d = round(h̄_d)` and leave `Δ_d ≈ 0`, so α would never move — defeating the
+/// gradient ascent toward the target (docs/algorithms.md §2).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BucketController<F> {
     config: DifficultyConfig<F>,

@@ -1,5 +1,5 @@
-//! Online group filtering for dynamic sampling (docs/algorithms.md §7) and the `drop_solved` bookkeeping
-//! of seed 001 §3.4.
+//! Online group filtering for dynamic sampling and the `drop_solved` bookkeeping
+//! (docs/algorithms.md §7).
 //!
 //! A group whose samples all succeed or all fail carries no GRPO signal (every advantage is
 //! 0), so the trainer keeps only groups whose mean `filter_key` lies strictly inside

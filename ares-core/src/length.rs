@@ -1,7 +1,7 @@
-//! GRPO-λ (seed 002, docs/algorithms.md §8): batch-level top-λ group selection and the length-penalty
+//! GRPO-λ (docs/algorithms.md §8): batch-level top-λ group selection and the length-penalty
 //! reward for the most accurate groups, 0/1 for the rest.
 //!
-//! The seed's formula is normative, not its sample code; where they differ we follow the
+//! The formula is normative, not the reference sample code; where they differ we follow the
 //! formula and the tests show it: incorrect samples of a top group get 0 (the sample code
 //! gave them the length reward), a top group with no correct sample falls back to 0/1 (the
 //! sample code raised `KeyError`), a single correct sample or equal correct lengths give
@@ -295,7 +295,7 @@ mod tests {
     fn incorrect_samples_in_top_group_get_zero() {
         // Correct lengths 100, 300: mean 200, std 100, z = ∓1.
         // 1 − 0.6·sig(−1) = 1 − 0.6·0.2689414 = 0.8386352; 1 − 0.6·0.7310586 = 0.5613648.
-        // The seed's sample code would give the incorrect ones the length reward too
+        // The reference sample code would give the incorrect ones the length reward too
         // (e.g. L = 50: z = −1.5 → 0.8907...); the formula gives them 0.
         let (r, _, _, _) = run(
             4,
@@ -310,7 +310,7 @@ mod tests {
 
     #[test]
     fn top_group_without_correct_sample_falls_back_to_zero_one() {
-        // λ = 1: every group is top; group 1 has no correct sample (the seed's sample code
+        // λ = 1: every group is top; group 1 has no correct sample (the reference sample code
         // raises KeyError on `group_length_stats[group]`).
         let (r, top, _, k) = run(
             2,
@@ -326,13 +326,13 @@ mod tests {
 
     #[test]
     fn single_correct_and_equal_lengths_give_half_penalty() {
-        // Single correct sample: z = 0 → 1 − 0.6/2 = 0.7 (the seed divides by 0.0001, which
+        // Single correct sample: z = 0 → 1 − 0.6/2 = 0.7 (the sample code divides by 0.0001, which
         // also gives z = 0 for it but sends its incorrect peers to 0.4 or 1.0).
         let (r, _, _, _) = run(3, &[false, true, false], &[5.0, 900.0, 7.0], 0.2, 0.6);
         assert_eq!(r[0], 0.0);
         assert!(close(r[1], 0.7));
         assert_eq!(r[2], 0.0);
-        // Equal correct lengths, std = 0 (the seed divides by 0): z = 0 for all.
+        // Equal correct lengths, std = 0 (the sample code divides by 0): z = 0 for all.
         let (r, _, _, _) = run(3, &[true, true, true], &[0.1, 0.1, 0.1], 0.2, 0.5);
         assert!(r.iter().all(|&x| close(x, 0.75)));
     }

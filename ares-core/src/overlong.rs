@@ -23,7 +23,7 @@
 //! With `penalty_factor ≤ 1` and 0/1 accuracy a correct answer then always out-scores an
 //! incorrect one. The other length rewards need no such switch, because they already act on
 //! correct samples only: GRPO-λ ([`crate::length`], docs/algorithms.md §8) gives correct samples
-//! of its top groups `1 − α·sig(z)` and incorrect ones 0 (the seed's sample code gave the
+//! of its top groups `1 − α·sig(z)` and incorrect ones 0 (the reference sample code gave the
 //! incorrect ones the length reward too; ares follows the formula), and ARES's shaping
 //! ([`crate::shaping`], §3) penalises reasoning length (HWE tokens) only for correct answers
 //! while wrong answers get a small exploration reward, never a length penalty.

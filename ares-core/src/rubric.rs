@@ -1,4 +1,4 @@
-//! Graded system prompts (seed 003, docs/algorithms.md §9): per-sample rubric reveal ratios, the number
+//! Graded system prompts (docs/algorithms.md §9): per-sample rubric reveal ratios, the number
 //! of criteria shown, an unbiased random subset of them, the system message, and the
 //! rubric reward.
 //!

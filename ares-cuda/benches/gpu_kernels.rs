@@ -26,7 +26,7 @@ fn main() {
     println!("device: {}", cuda.info());
     let mut report = Report::new();
 
-    // --- fused log-prob + entropy, 8192 × 151 936 bf16 (the size) -------------
+    // --- fused log-prob + entropy, 8192 × 151 936 bf16 (Qwen2.5's vocabulary) --------
     let (rows, vocab) = (8192usize, 151_936usize);
     let logits: CudaSlice<bf16> = random_bf16(&cuda, rows * vocab, 1);
     let ids: Vec<u32> = (0..rows as u32).map(|r| r * 7919 % vocab as u32).collect();

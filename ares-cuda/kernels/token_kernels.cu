@@ -225,7 +225,7 @@ extern "C" __global__ void log_prob_entropy_f16(const half_t* logits, long long 
 }
 
 // ---------------------------------------------------------------------------------------
-// Entropy windows + HWE (spec §1). One thread per token; grid x = rows, y = column blocks.
+// Entropy windows + HWE (docs/algorithms.md §1). One thread per token; grid x = rows, y = column blocks.
 // W_t = mean of H over the window (t+1..t+w, or t..t+w−1 with includes_self); complete iff
 // every window position is inside the row with mask 1 and mask[t] = 1. HWE iff complete,
 // W_t ≥ tau and (trigger == null or trigger[t] = 1). Per row: HWE count and soft cost
@@ -331,7 +331,7 @@ extern "C" __global__ void row_percentile(const float* __restrict__ means,
 }
 
 // ---------------------------------------------------------------------------------------
-// Masked dynamic KL (spec §4), one block per row. δ = logp − ref; k by estimator
+// Masked dynamic KL (docs/algorithms.md §4), one block per row. δ = logp − ref; k by estimator
 // (0 k1, 1 abs, 2 k2, 3 k3 with clamps); weight β_row·(hwe ? low_ratio : 1)·mask.
 // Outputs: optional per-token k (out_kl) and β_t·k_t (out_weighted); per row Σ β_t·k_t and
 // mean of k over valid tokens (0 for an empty row); total Σ over rows of the weighted sums,

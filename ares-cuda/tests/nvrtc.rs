@@ -21,7 +21,7 @@ fn nvrtc_or_skip() -> bool {
         !required,
         "ARES_REQUIRE_NVRTC=1 but libnvrtc was not found on LD_LIBRARY_PATH"
     );
-    eprintln!("skipped: libnvrtc not found (set LD_LIBRARY_PATH; see README 'CUDA')");
+    eprintln!("skipped: libnvrtc not found (set LD_LIBRARY_PATH; see docs/kernels.md 'CUDA')");
     false
 }
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""ares vs verl 0.9.1's torch functions on the CPU, same process, same inputs (issue 16,
-"Performance"): GRPO advantages + REINFORCE Pro Max + the PPO policy loss (forward and
+"""ares vs verl 0.9.1's torch functions on the CPU, same process, same inputs
+(docs/python.md, *Speed*): GRPO advantages + REINFORCE Pro Max + the PPO policy loss (forward and
 backward) on ROWS x T float32 tokens (default 4096 x 4096 = 16.8 M), and the per-call Python
 overhead on a tiny input.
 

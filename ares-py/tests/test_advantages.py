@@ -219,7 +219,8 @@ def test_verl_advantage_fixture(verl):
         elif name == "rloo":
             got = ares.rloo_advantages(scores, uid=uid)[:, None] * mask
         elif name == "reinforce_plus_plus_baseline":
-            # same before the whitening, whose variance rule differs on purpose (README)
+            # same before the whitening, whose variance rule differs on purpose
+            # (docs/algorithms.md §15)
             got = rewhiten_unbiased(ares.reinforce_baseline_advantages(scores, uid=uid)[:, None] * mask, mask)
         else:
             continue

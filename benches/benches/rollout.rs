@@ -4,7 +4,7 @@
 //! at the maximum), generated three ways in the same run:
 //!
 //! - **static**: [`Generator::static_batching`] — every sequence prefilled on its own row,
-//!   every row kept until the longest sequence ends (generation before issue 15);
+//!   every row kept until the longest sequence ends (generation before the rollout engine);
 //! - **engine**: the default — the rollout engine, each prompt prefilled once for its n
 //!   samples into a paged KV cache, every sequence admitted at once, a finished one leaving
 //!   the decode batch at once;

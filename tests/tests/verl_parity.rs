@@ -3,7 +3,7 @@
 //! `tests/fixtures/verl_0_9_1.json` was written by `scripts/make_verl_fixtures.py` (torch on
 //! the CPU, float64, verl's `core_algos` and `torch_functional` called as they are); this test
 //! needs no Python. Where ares-core differs from verl on purpose, the test checks the
-//! documented relation instead of equality and says so (README, "ares-core and verl"):
+//! documented relation instead of equality and says so (docs/algorithms.md §15):
 //!
 //! - whitening uses the population variance with a floor, `(x − μ)/√max(var, 1e−8)`; verl uses
 //!   the unbiased variance inside `rsqrt(var + 1e−8)`;

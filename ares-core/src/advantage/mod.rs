@@ -1,4 +1,4 @@
-//! Advantage estimators (docs/algorithms.md §5) and REINFORCE Pro Max (seed 004).
+//! Advantage estimators and REINFORCE Pro Max (docs/algorithms.md §5).
 //!
 //! Scalar, group-relative estimators over per-sample rewards `r` (one per batch row), with
 //! groups of `n ≥ 2` samples per prompt described by [`Groups`] (contiguous, permuted, or of

@@ -1,5 +1,5 @@
 //! REINFORCE Pro Max: RLOO baseline + adaptive token-level normalisation per prompt
-//! (seed 004, normative; guards from its reference implementation).
+//! (docs/algorithms.md §5, normative; guards from its reference implementation).
 //!
 //! 1. r̃ = RLOO of each group; with `uniform_scale`, a group of equal rewards (unbiased
 //!    std < 1e−8) gets r̃ = r/n instead and skips step 3.
@@ -1080,7 +1080,7 @@ mod tests {
 
             /// Mean 0 and population variance 1 over the nonzero valid tokens of every group
             /// normalised without clamp (variance exactly D/(D + ε), D = Q⁺ + ρ²Q⁻, by the
-            /// seed's ε-stabilised denominator).
+            /// ε-stabilised denominator of docs/algorithms.md §5).
             #[test]
             fn normalised_groups_have_mean_0_var_1(
                 n in 2usize..6,

@@ -10,7 +10,7 @@ use crate::num::{cast, check_len, check_param};
 use crate::shape::Shape;
 use num_traits::Float;
 
-/// Default `window_size` (`worker.rollout.window_size = 4` in the seed).
+/// Default `window_size` (`worker.rollout.window_size`, docs/algorithms.md §1).
 pub const DEFAULT_WINDOW_SIZE: usize = 4;
 
 /// True when every `mask` value of the row is 0 or 1 and `values` is finite wherever the

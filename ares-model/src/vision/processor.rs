@@ -1168,7 +1168,7 @@ fn video_not_image(path: &Path) -> VisionError {
 pub struct VideoSampling {
     /// Frames per second the frames were recorded at.
     pub source_fps: Option<f64>,
-    /// Frames per second to keep (the seed's `video_fps`); `None` keeps every frame.
+    /// Frames per second to keep (`data.video_fps` in training); `None` keeps every frame.
     pub fps: Option<f64>,
 }
 

@@ -181,7 +181,8 @@ impl Demo {
     /// the question. The vision demo's response budget, 64 tokens, is shorter than about
     /// half of its worked solutions (43–85 tokens; those with two or three `check` lines),
     /// so the redundant lines cost answers there — without it they never do (the checks
-    /// are always right) and RL has no reason to drop them (README, *The vision demo*).
+    /// are always right) and RL has no reason to drop them (docs/multimodal.md, *The vision
+    /// demo*).
     fn lengths(self) -> (usize, usize, usize) {
         match self {
             Demo::Text => (40, 96, 128),

@@ -57,7 +57,7 @@ pub enum AdvEstimator {
     /// `reinforce_plus_plus_baseline`.
     #[serde(alias = "reinforce_plus_plus_baseline")]
     ReinforceBaseline,
-    /// REINFORCE Pro Max (seed 004): RLOO, then per-prompt α/β token normalisation.
+    /// REINFORCE Pro Max (docs/algorithms.md §5): RLOO, then per-prompt α/β token normalisation.
     ReinforceProMax,
 }
 
@@ -163,7 +163,7 @@ impl Default for DifficultyThresholds {
     }
 }
 
-/// Dual ascent on per-bucket KL budgets (seed 001 §2.2, docs/algorithms.md §2):
+/// Dual ascent on per-bucket KL budgets (docs/algorithms.md §2):
 /// `λ_d ← min(λ_max, max(0, λ_d + η·(KL_d − ε_d)))`; λ_d is the bucket's KL coefficient.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -189,7 +189,7 @@ impl Default for DualAscentConfig {
     }
 }
 
-/// Remove solved prompts from the training set (seed 001 §3.4, docs/algorithms.md §7): a prompt whose
+/// Remove solved prompts from the training set (docs/algorithms.md §7): a prompt whose
 /// group is all correct with mean token entropy below `entropy_threshold` on `consecutive`
 /// visits in a row is dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -281,7 +281,7 @@ impl Default for EntropyRewardConfig {
     }
 }
 
-/// GRPO-λ (seed 002, docs/algorithms.md §8): the top `max(1, ceil(λ·G))` groups by accuracy get the length
+/// GRPO-λ (docs/algorithms.md §8): the top `max(1, ceil(λ·G))` groups by accuracy get the length
 /// reward `1 − α·sig(z)` on their correct samples; the others keep 0/1.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]

@@ -42,7 +42,7 @@ pub struct DataConfig {
     /// `second_per_grid_ts = temporal_patch_size / video_fps`.
     pub video_fps: f64,
     /// A jinja template file the prompt text is rendered through before the chat template
-    /// (like the seed's `math.jinja`). `None` → the prompt as it is.
+    /// (like `examples/format_prompt/math.jinja`). `None` → the prompt as it is.
     pub format_prompt: Option<String>,
     /// A jinja file that replaces the model's chat template (EasyR1 reads a file; the ARES
     /// fork's literal template text is not accepted) (default null: the model's).

@@ -257,7 +257,7 @@ pub struct ActorConfig {
     pub ppo_kl_coef: f64,
     /// Loss aggregation (default `token-mean`).
     pub loss_agg_mode: LossAggMode,
-    /// Dynamic token-level KL (seed 001 §2.3): HWE tokens get `β·dynamic_kl_low_ratio`
+    /// Dynamic token-level KL (docs/algorithms.md §4): HWE tokens get `β·dynamic_kl_low_ratio`
     /// (default true).
     pub dynamic_kl_loss: bool,
     /// KL weight ratio of HWE tokens, in `[0, 1]` (default 0.5).
@@ -370,7 +370,7 @@ impl Default for ActorConfig {
     }
 }
 
-/// Reveal schedule of the graded system prompt (seed 003, docs/algorithms.md §9).
+/// Reveal schedule of the graded system prompt (docs/algorithms.md §9).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RubricSchedule {
@@ -399,7 +399,7 @@ impl RubricSchedule {
     }
 }
 
-/// The graded system prompt (seed 003, docs/algorithms.md §9).
+/// The graded system prompt (docs/algorithms.md §9).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct GradedPromptConfig {
@@ -461,8 +461,8 @@ pub struct RolloutConfig {
     /// rollout's; a key left out (null) is the rollout's (default: greedy, one sample).
     /// (Older names: `val_temperature`, `val_n`.)
     pub val_override_config: ValOverrideConfig,
-    /// Graded system prompts at rollout time (seed 003; default false). Active only while
-    /// training with n > 1.
+    /// Graded system prompts at rollout time (docs/algorithms.md §9; default false). Active
+    /// only while training with n > 1.
     pub enable_graded_system_prompt: bool,
     /// The graded system prompt's schedule and wording options.
     pub graded: GradedPromptConfig,

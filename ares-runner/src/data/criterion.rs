@@ -1,4 +1,4 @@
-//! Rubric criteria (seed 003's `reward_model.rubrics`): what a good answer includes or
+//! Rubric criteria (`reward_model.rubrics`, docs/algorithms.md §9): what a good answer includes or
 //! avoids, with its points, and optional matchers for the built-in keyword grader.
 
 use regex::{Regex, RegexBuilder};

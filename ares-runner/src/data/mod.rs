@@ -4,7 +4,7 @@
 //! A row holds a prompt (text, or chat messages `[{"role", "content"}]`), a reference answer
 //! (`answer`, else `ground_truth`, else verl's `reward_model.ground_truth`), and optionally a
 //! `difficulty` label, a `global_id` (generated as `<file stem>-<row>` when absent) and rubric
-//! criteria (`reward_model.rubrics`, seed 003). Column names are configurable with
+//! criteria (`reward_model.rubrics`, docs/algorithms.md §9). Column names are configurable with
 //! [`DataKeys`].
 //!
 //! Multimodal rows (EasyR1 / verl) carry `images` and `videos` ([`MediaKeys`]): paths relative

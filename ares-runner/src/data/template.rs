@@ -1,6 +1,6 @@
 //! Prompt templates (`data.format_prompt`): a Jinja file that wraps each question with
-//! instructions, like the seed's `math.jinja`: `{{ content | trim }} … put the final answer
-//! in \boxed{}.` The question is the variable `content`.
+//! instructions, like `examples/format_prompt/math.jinja`: `{{ content | trim }}`, then the
+//! request for the final answer inside `\boxed{}`. The question is the variable `content`.
 
 use std::path::Path;
 

@@ -1,4 +1,4 @@
-//! Rubric rewards (seed 003, docs/algorithms.md §9): which criteria a response meets, decided by a
+//! Rubric rewards (docs/algorithms.md §9): which criteria a response meets, decided by a
 //! pluggable [`RubricGrader`], and the score `Σ points of met criteria / Σ positive points`.
 
 use std::collections::HashMap;

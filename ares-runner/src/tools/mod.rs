@@ -1,5 +1,6 @@
-//! Tools a model may call while it answers (multi-turn RL, issue 31): the calls parsed from
-//! its turn ([`calls`]), the tools that answer them, and the message the model sees back.
+//! Tools a model may call while it answers (multi-turn RL, `worker.rollout.multi_turn`): the
+//! calls parsed from its turn ([`calls`]), the tools that answer them, and the message the
+//! model sees back.
 //!
 //! Parsing in the chat templates' formats, the exact [`calculator`], programs as tools
 //! ([`external`]), the [`ToolBox`] that runs a call and turns every failure — a malformed

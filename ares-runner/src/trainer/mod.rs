@@ -1,4 +1,4 @@
-//! The RL trainer: seed 001 §3.2 and its variants (docs/algorithms.md §§1–9), on any [`Backend`].
+//! The RL trainer: ARES's loop and its variants (docs/algorithms.md §§1–9), on any [`Backend`].
 //!
 //! One step, as data flows (each stage a module):
 //!

@@ -1,6 +1,6 @@
 //! Prompts as the model sees them: the dataset's prompt, through the `format_prompt`
 //! template, the model's chat template (with a generation prompt) and the tokenizer; and
-//! the graded system prompts of seed 003 (docs/algorithms.md §9), one per sample.
+//! the graded system prompts (docs/algorithms.md §9), one per sample.
 
 use ares_core::rubric::{
     GradedSchedule, RevealRule, RubricPrompt, StepRule, select_criteria, write_rubric_message,

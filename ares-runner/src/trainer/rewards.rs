@@ -237,7 +237,8 @@ pub fn function_rewards(
                 difficulty: d.name(),
                 high_entropy_token_num: hwe_counts[i],
                 // before the bucket's first target there is no shaping: α = 0 says so to
-                // any shaping that scales with α (the seed's does), T = 0 as the ARES fork
+                // any shaping that scales with α (ARES's does, docs/algorithms.md §3), T = 0 as
+                // the ARES fork
                 target_high_entropy_token_num: state.target[d].unwrap_or(0.0),
                 alpha_entropy: if state.target[d].is_some() {
                     state.alpha[d]

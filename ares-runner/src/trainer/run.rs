@@ -1,4 +1,5 @@
-//! [`Trainer`]: the RL loop of seed 001 §3.2 on one backend — bootstrap, then per step:
+//! [`Trainer`]: the RL loop on one backend (ARCHITECTURE.md, *One RL step*) — bootstrap, then
+//! per step:
 //! rollout with entropies → grading → online filtering with re-generation → ARES
 //! controllers → rewards → old/ref log-probs → dynamic KL → advantages → PPO → AdamW —
 //! with metrics, checkpoints, resume and clean interruption.
@@ -724,8 +725,8 @@ impl<B: Backend + Clone> Trainer<B> {
         keep_groups(&self.settings, n, grades, Some(&parts))
     }
 
-    /// `drop_solved` (seed 3.4): a prompt all-correct with mean token entropy below the
-    /// threshold for `consecutive` visits in a row leaves the training set (ares-core's
+    /// `drop_solved` (docs/algorithms.md §7): a prompt all-correct with mean token entropy below
+    /// the threshold for `consecutive` visits in a row leaves the training set (ares-core's
     /// [`solved_streak`] and [`is_solved`]).
     ///
     /// # Errors
