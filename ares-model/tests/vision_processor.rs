@@ -20,9 +20,10 @@ use std::path::{Path, PathBuf};
 
 use ares_model::vision::processor::{
     ProcessorConfig, RgbImage, VideoSampling, VisionError, decode_rgb, load_rgb, process_image,
-    process_image_file, process_video_files, process_video_frames, process_video_path,
-    sample_frame_indices, smart_resize,
+    process_image_file, process_video_files, process_video_frames, sample_frame_indices,
+    smart_resize,
 };
+use ares_model::vision::video::process_video_path;
 use safetensors::SafeTensors;
 use serde_json::Value;
 

@@ -20,8 +20,9 @@
 use std::path::{Path, PathBuf};
 
 use ares_model::vision::processor::{
-    ProcessorConfig, RgbImage, VideoSampling, VisionError, process_video_frames, process_video_path,
+    ProcessorConfig, RgbImage, VideoSampling, VisionError, process_video_frames,
 };
+use ares_model::vision::video::process_video_path;
 use ares_model::vision::video::{
     Ffmpeg, VideoInfo, decode_frames, probe, process_video_file_with, sample_indices,
 };

@@ -20,8 +20,9 @@ use ares_runner::hf::tokenizer::Tokenizer;
 use ares_runner::vision::config::VlConfig;
 use ares_runner::vision::processor::{
     ProcessorConfig, VideoSampling, decode_rgb, process_image, process_image_file,
-    process_video_files, process_video_path,
+    process_video_files,
 };
+use ares_runner::vision::video::process_video_path;
 use ares_runner::vision::video::{Ffmpeg, INSTALL_HINT};
 use serde_json::Value;
 

@@ -1,7 +1,7 @@
 //! [`KvCache`]: the keys and values of every layer for a batch of sequences, kept in
 //! backend buffers between generation steps.
 
-use super::BlockPool;
+use super::paged_kv::PagedKv;
 use super::{ModelError, ModelSpec};
 use crate::backend::{
     AttentionDims, Backend, BlockTables, KvCacheView, KvCacheViewMut, Tensor, TensorMut, View,
@@ -15,7 +15,7 @@ pub(crate) enum StepCache<'c, B: Backend> {
     /// Every sequence at the same filled length.
     Contiguous(&'c mut KvCache<B>),
     /// Each sequence its own blocks and length.
-    Paged(&'c mut BlockPool<B>, BlockTables<'c, B::Ids>),
+    Paged(&'c mut PagedKv<B>, BlockTables<'c, B::Ids>),
 }
 
 impl<B: Backend> StepCache<'_, B> {
@@ -33,8 +33,8 @@ impl<B: Backend> StepCache<'_, B> {
     ) -> Result<(), ModelError> {
         match self {
             Self::Contiguous(c) => c.attend(backend, layer, dims, q, k_new, v_new, out),
-            Self::Paged(pool, tables) => {
-                pool.attend(backend, layer, dims, q, k_new, v_new, *tables, out)
+            Self::Paged(kv, tables) => {
+                kv.attend(backend, layer, dims, q, k_new, v_new, *tables, out)
             }
         }
     }

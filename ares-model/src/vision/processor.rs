@@ -76,9 +76,14 @@ pub const DEFAULT_MAX_PIXELS: usize = 28 * 28 * 1280;
 pub const MAX_ASPECT_RATIO: f64 = 200.0;
 
 /// File extensions taken as frames when a directory of frames is read.
-const FRAME_EXTENSIONS: [&str; 4] = ["png", "jpg", "jpeg", "webp"];
+pub(crate) const FRAME_EXTENSIONS: [&str; 4] = ["png", "jpg", "jpeg", "webp"];
 /// File extensions recognised as video containers (decoded by ffmpeg, never as images).
 const VIDEO_EXTENSIONS: [&str; 8] = ["mp4", "webm", "mkv", "avi", "mov", "m4v", "gif", "mpeg"];
+
+/// How to get ffmpeg, for error messages.
+pub const INSTALL_HINT: &str = "install ffmpeg (`apt install ffmpeg`), or `pip install \
+     imageio-ffmpeg` and set ARES_FFMPEG to the binary it ships (`python -c 'import \
+     imageio_ffmpeg; print(imageio_ffmpeg.get_ffmpeg_exe())'`)";
 
 /// Errors of the processor. Errors about a file name the file.
 #[derive(Debug)]
@@ -206,7 +211,7 @@ impl fmt::Display for VisionError {
                 f,
                 "{}: decoding a video file needs ffmpeg, and none could be run ({tried}); {}",
                 file.display(),
-                super::video::INSTALL_HINT
+                INSTALL_HINT
             ),
             VisionError::VideoFile { file, message } => write!(f, "{}: {message}", file.display()),
             VisionError::InFile { file, source } => write!(f, "{}: {source}", file.display()),
@@ -1059,7 +1064,7 @@ pub fn process_image_file(
 // Decoding
 // ---------------------------------------------------------------------------------------------
 
-fn has_extension(path: &Path, list: &[&str]) -> bool {
+pub(crate) fn has_extension(path: &Path, list: &[&str]) -> bool {
     path.extension()
         .and_then(|e| e.to_str())
         .is_some_and(|e| list.iter().any(|x| x.eq_ignore_ascii_case(e)))
@@ -1340,36 +1345,6 @@ pub fn frame_files(dir: &Path) -> Result<Vec<PathBuf>, VisionError> {
         });
     }
     Ok(files)
-}
-
-/// Processes a video given as a directory of frame images (sorted by file name), or as a video
-/// file (any file that is not a PNG / JPEG / WebP image: mp4, webm, mkv, mov, …), decoded with
-/// ffmpeg ([`super::video::process_video_file`]; the file's own frame rate is the source rate,
-/// `sampling.source_fps` is used only when the file has none).
-pub fn process_video_path(
-    path: &Path,
-    sampling: VideoSampling,
-    cfg: &ProcessorConfig,
-) -> Result<ProcessedVideo, VisionError> {
-    if path.is_dir() {
-        let files = frame_files(path)?;
-        return process_video_files(&files, sampling, cfg);
-    }
-    if path.is_file() && has_extension(path, &FRAME_EXTENSIONS) {
-        return Err(VisionError::InFile {
-            file: path.to_path_buf(),
-            source: Box::new(VisionError::Video {
-                message: "a single image is not a video: pass the frames as a list of files or a directory".into(),
-            }),
-        });
-    }
-    if path.is_file() {
-        return super::video::process_video_file(path, sampling, cfg);
-    }
-    Err(VisionError::Io {
-        file: path.to_path_buf(),
-        source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory"),
-    })
 }
 
 #[cfg(test)]

@@ -65,17 +65,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::processor::{
-    ProcessedVideo, ProcessorConfig, RgbImage, VideoSampling, VisionError, process_chosen,
-    sample_frame_indices,
+    FRAME_EXTENSIONS, ProcessedVideo, ProcessorConfig, RgbImage, VideoSampling, VisionError,
+    frame_files, has_extension, process_chosen, process_video_files, sample_frame_indices,
 };
 
 /// The environment variable naming the ffmpeg executable.
 pub const FFMPEG_ENV: &str = "ARES_FFMPEG";
 
-/// How to get ffmpeg, for error messages.
-pub const INSTALL_HINT: &str = "install ffmpeg (`apt install ffmpeg`), or `pip install \
-     imageio-ffmpeg` and set ARES_FFMPEG to the binary it ships (`python -c 'import \
-     imageio_ffmpeg; print(imageio_ffmpeg.get_ffmpeg_exe())'`)";
+pub use super::processor::INSTALL_HINT;
 
 /// Lines of ffmpeg's stderr quoted in errors.
 const STDERR_TAIL_LINES: usize = 12;
@@ -892,6 +889,36 @@ fn parse_stream_lines(stderr: &str) -> Option<StreamLines> {
         codec,
         size: output_size.or(input_size),
         fps,
+    })
+}
+
+/// Processes a video given as a directory of frame images (sorted by file name), or as a video
+/// file (any file that is not a PNG / JPEG / WebP image: mp4, webm, mkv, mov, …), decoded with
+/// ffmpeg ([`process_video_file`]; the file's own frame rate is the source rate,
+/// `sampling.source_fps` is used only when the file has none).
+pub fn process_video_path(
+    path: &Path,
+    sampling: VideoSampling,
+    cfg: &ProcessorConfig,
+) -> Result<ProcessedVideo, VisionError> {
+    if path.is_dir() {
+        let files = frame_files(path)?;
+        return process_video_files(&files, sampling, cfg);
+    }
+    if path.is_file() && has_extension(path, &FRAME_EXTENSIONS) {
+        return Err(VisionError::InFile {
+            file: path.to_path_buf(),
+            source: Box::new(VisionError::Video {
+                message: "a single image is not a video: pass the frames as a list of files or a directory".into(),
+            }),
+        });
+    }
+    if path.is_file() {
+        return process_video_file(path, sampling, cfg);
+    }
+    Err(VisionError::Io {
+        file: path.to_path_buf(),
+        source: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory"),
     })
 }
 

@@ -59,8 +59,8 @@ use crate::vision::config::{VlConfig, VlKind};
 use crate::vision::model::VisionBatch;
 use crate::vision::processor::{
     ProcessedImage, ProcessedVideo, ProcessorConfig, VideoSampling, process_image_file,
-    process_video_path,
 };
+use crate::vision::video::process_video_path;
 
 /// New tokens per prompt when neither `--max-new-tokens` nor `generation_config.json`'s
 /// `max_new_tokens` says.

@@ -19,9 +19,9 @@ use crate::hf::chat::{ChatTemplate, RenderOptions};
 use crate::vision::model::VisionBatch;
 use crate::vision::processor::{
     ProcessedImage, ProcessedVideo, ProcessorConfig, VideoSampling, VisionError, decode_rgb,
-    frame_files, load_rgb, process_image, process_image_file, process_video_files,
-    process_video_path, smart_resize,
+    frame_files, load_rgb, process_image, process_image_file, process_video_files, smart_resize,
 };
+use crate::vision::video::process_video_path;
 use crate::vision::video::{Ffmpeg, probe, sample_indices};
 
 /// The image and video processor of a training run: the model's processor config with the

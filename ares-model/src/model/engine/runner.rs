@@ -1,0 +1,424 @@
+//! The engine's runner: it turns the scheduler's plans into backend calls — the forward
+//! passes over the paged KV cache ([`PagedKv`]), the prefill's writes into blocks, the
+//! copies of partial blocks — and picks the next tokens on the device ([`Picks`]). It
+//! decides nothing: which rows, blocks and chunks come from the plan.
+
+use std::collections::HashMap;
+
+use super::scheduler::{ChunkStep, ExtendPass, FirstLogits, NewPrefix, PrefillPlan, Scheduler};
+use crate::backend::{Backend, BlockTables, View, ViewMut};
+use crate::model::decode_weights::DecodeWeights;
+use crate::model::kv_cache::StepCache;
+use crate::model::paged_kv::PagedKv;
+use crate::model::picks::Picks;
+use crate::model::request::{GenerateError, PromptVision};
+use crate::model::{Activations, ForwardExtras, Inputs, Model, Sampling};
+
+/// The device side of the engine; see the module docs.
+pub(crate) struct Runner<'a, B: Backend> {
+    model: &'a Model<B>,
+    tw: &'a DecodeWeights<B>,
+    vision: Option<&'a PromptVision<'a, B>>,
+    kv: PagedKv<B>,
+    picks: Picks<B>,
+    /// The decode pass's arena, and the chunked prefill's.
+    acts: Option<Activations<B>>,
+    chunk_acts: Option<Activations<B>>,
+    /// The next-token logits of each cached prompt, by prefix group.
+    prefix_logits: HashMap<usize, B::Buffer>,
+}
+
+impl<'a, B: Backend> Runner<'a, B> {
+    /// A runner generating with `model`'s transposed weights `tw` and, for multimodal
+    /// prompts, `vision`; KV blocks of `block_size` slots.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub(crate) fn new(
+        model: &'a Model<B>,
+        tw: &'a DecodeWeights<B>,
+        vision: Option<&'a PromptVision<'a, B>>,
+        block_size: usize,
+    ) -> Result<Self, GenerateError> {
+        let be = &model.backend;
+        let spec = &model.spec;
+        Ok(Self {
+            model,
+            tw,
+            vision,
+            kv: PagedKv::new(be, spec.layers, spec.kv_dim(), block_size)?,
+            picks: Picks::new(be, 1, spec.vocab)?,
+            acts: None,
+            chunk_acts: None,
+            prefix_logits: HashMap::new(),
+        })
+    }
+
+    /// Whether the engine was made for multimodal prompts.
+    pub(crate) fn is_multimodal(&self) -> bool {
+        self.vision.is_some()
+    }
+
+    /// Grows the KV buffers to the blocks the scheduler may hand out now.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub(crate) fn reserve(&mut self, sched: &Scheduler) -> Result<(), GenerateError> {
+        let be = &self.model.backend;
+        Ok(self.kv.reserve(be, sched.pool().capacity())?)
+    }
+
+    /// The picks of the last [`Runner::decode`] or [`Runner::prefill`], one per row.
+    pub(crate) fn picked(&self, rows: usize) -> Vec<(u32, f32, f32)> {
+        (0..rows).map(|r| self.picks.row(r)).collect()
+    }
+
+    /// The decode pass of sequences `rows`: one token each, at its own length, attending
+    /// over its own blocks. Its logits wait for [`Runner::pick_decoded`].
+    ///
+    /// # Errors
+    /// A model or backend failure.
+    pub(crate) fn decode(
+        &mut self,
+        sched: &Scheduler,
+        rows: &[usize],
+    ) -> Result<(), GenerateError> {
+        let model = self.model;
+        let be = &model.backend;
+        let bs = sched.pool().block_size();
+        let n = rows.len();
+        // This step's inputs and block tables.
+        let width = rows
+            .iter()
+            .map(|&id| sched.decode_row(id).1.len())
+            .max()
+            .unwrap_or(1);
+        let mut host_tables = vec![0u32; n * width];
+        let mut host_len = vec![0u32; n];
+        let mut ids = vec![0u32; n];
+        let mut positions = vec![0u32; n];
+        for (r, &id) in rows.iter().enumerate() {
+            let (prompt, blocks, len, last) = sched.decode_row(id);
+            host_tables[r * width..r * width + blocks.len()].copy_from_slice(blocks);
+            host_len[r] = len as u32;
+            ids[r] = last;
+            let delta = self.vision.map_or(0, |v| v.rope_deltas[prompt]);
+            // check_vision (or the prompt check) has bounded every decode position
+            positions[r] = (len as i64 + delta) as u32;
+        }
+        let mut tables = be.alloc_ids(n * width)?;
+        be.upload_ids(&host_tables, &mut tables)?;
+        let mut lens = be.alloc_ids(n)?;
+        be.upload_ids(&host_len, &mut lens)?;
+        if self.acts.as_ref().is_none_or(|a| a.shape() != (n, 1)) {
+            self.acts = None; // the old arena is freed before the new one is planned
+            self.acts = Some(model.activations_full(n, 1)?);
+        }
+        let acts = self.acts.as_mut().unwrap_or_else(|| unreachable!());
+        let ones = vec![1u32; n];
+        let inputs = Inputs {
+            batch: n,
+            seq: 1,
+            input_ids: &ids,
+            attention_mask: &ones,
+            position_ids: &positions,
+        };
+        let step_tables = BlockTables {
+            block_size: bs,
+            max_blocks: width,
+            tables: &tables,
+            len: &lens,
+            host_tables: &host_tables,
+            host_len: &host_len,
+        };
+        let cache = StepCache::Paged(&mut self.kv, step_tables);
+        model.forward_extras(
+            &inputs,
+            &ForwardExtras::default(),
+            acts,
+            Some(cache),
+            Some(self.tw),
+        )?;
+        Ok(())
+    }
+
+    /// A token per row of the last decode pass's logits, `draw(r)` row `r`'s uniform.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub(crate) fn pick_decoded(
+        &mut self,
+        sampling: Sampling,
+        draw: impl FnMut(usize) -> f64,
+    ) -> Result<(), GenerateError> {
+        let acts = self
+            .acts
+            .as_ref()
+            .unwrap_or_else(|| unreachable!("a decode pass ran"));
+        self.picks
+            .pick(&self.model.backend, acts.logits(), sampling, draw)
+    }
+
+    /// A token per row of `logits` (the admitted rows' first-token logits).
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub(crate) fn pick(
+        &mut self,
+        logits: &B::Buffer,
+        sampling: Sampling,
+        draw: impl FnMut(usize) -> f64,
+    ) -> Result<(), GenerateError> {
+        self.picks
+            .pick(&self.model.backend, View::whole(logits), sampling, draw)
+    }
+
+    /// The prefill half of a step as `plan` lays it out — the chunk, the new prompts' pass
+    /// and their writes into blocks, the continuations' pass — then the admitted sequences'
+    /// partial-block copies; returns their first-token logits `[admitted, vocab]` (`None`
+    /// when none is admitted).
+    ///
+    /// # Errors
+    /// A model or backend failure.
+    pub(crate) fn prefill(
+        &mut self,
+        sched: &Scheduler,
+        plan: &PrefillPlan,
+    ) -> Result<Option<B::Buffer>, GenerateError> {
+        if let Some(chunk) = &plan.chunk {
+            self.chunk(sched, chunk)?;
+        }
+        if !plan.prefill.is_empty() {
+            self.new_prefixes(sched, &plan.prefill)?;
+        }
+        let ext_logits = match &plan.extend {
+            Some(pass) => Some(self.extend(sched, pass)?),
+            None => None,
+        };
+        if plan.admitted.is_empty() {
+            return Ok(None);
+        }
+        // Each admitted sequence: its first-token logits gathered, its partial block copied.
+        let be = &self.model.backend;
+        let v = self.model.spec.vocab;
+        let mut logits = be.alloc(plan.admitted.len() * v)?;
+        for (r, a) in plan.admitted.iter().enumerate() {
+            let src = match a.logits {
+                FirstLogits::Prefix(group) => {
+                    let l = self.prefix_logits.get(&group);
+                    View::whole(l.unwrap_or_else(|| unreachable!("prefix {group} has logits")))
+                }
+                FirstLogits::Extend(k) => {
+                    let ext = ext_logits.as_ref().unwrap_or_else(|| unreachable!());
+                    View::new(ext, k * v, v)?
+                }
+            };
+            be.copy(src, ViewMut::new(&mut logits, r * v, v)?)?;
+            if let Some((src, dst, slots)) = a.copy {
+                self.kv.copy_block(be, src, dst, slots)?;
+            }
+        }
+        Ok(Some(logits))
+    }
+
+    /// Drops the logits of prompts the scheduler no longer caches.
+    pub(crate) fn forget_prefixes(&mut self, sched: &Scheduler) {
+        self.prefix_logits.retain(|&g, _| sched.has_prefix(g));
+    }
+
+    /// The chunk's tokens as one sequence at slots `start..`, attending over the prompt's
+    /// blocks ([`Backend::paged_attention_decode`]: each query sees the slots up to its
+    /// own). The last chunk's final position gives the prompt's logits.
+    fn chunk(&mut self, sched: &Scheduler, c: &ChunkStep) -> Result<(), GenerateError> {
+        let model = self.model;
+        let be = &model.backend;
+        let (start, take) = (c.start, c.take);
+        let ids = &sched.prompts()[c.prompt][start..start + take];
+        let positions: Vec<u32> = (start..start + take).map(|p| p as u32).collect();
+        // a multimodal chunk: its image/video rows and its span of the M-RoPE tables
+        let (rows, rope) = match self.vision {
+            Some(v) => {
+                let rows = chunk_vision_rows(be, v, c.prompt, start, take, model.spec.hidden)?;
+                let half = model.spec.head_dim / 2;
+                let (cos, sin) = &v.rope[c.prompt];
+                let span = start * half..(start + take) * half;
+                (rows, Some((&cos[span.clone()], &sin[span])))
+            }
+            None => (None, None),
+        };
+        let extras = ForwardExtras {
+            embeds: rows.as_ref().map(|(ids, e)| (ids, View::whole(e))),
+            rope,
+        };
+        let ones = vec![1u32; take];
+        let inputs = Inputs {
+            batch: 1,
+            seq: take,
+            input_ids: ids,
+            attention_mask: &ones,
+            position_ids: &positions,
+        };
+        let host_len = [start as u32];
+        let mut tables = be.alloc_ids(c.blocks.len())?;
+        be.upload_ids(&c.blocks, &mut tables)?;
+        let mut lens = be.alloc_ids(1)?;
+        be.upload_ids(&host_len, &mut lens)?;
+        if self
+            .chunk_acts
+            .as_ref()
+            .is_none_or(|a| a.shape() != (1, take))
+        {
+            self.chunk_acts = None; // the old arena is freed before the new one is planned
+            self.chunk_acts = Some(model.prefill_activations(1, take)?);
+        }
+        let acts = self.chunk_acts.as_mut().unwrap_or_else(|| unreachable!());
+        let step_tables = BlockTables {
+            block_size: sched.pool().block_size(),
+            max_blocks: c.blocks.len(),
+            tables: &tables,
+            len: &lens,
+            host_tables: &c.blocks,
+            host_len: &host_len,
+        };
+        model.forward_extras(
+            &inputs,
+            &extras,
+            acts,
+            Some(StepCache::Paged(&mut self.kv, step_tables)),
+            Some(self.tw),
+        )?;
+        if c.last {
+            // the chunk's last row is the prompt's last position
+            let head = model.prefill_head(acts, self.tw)?;
+            let mut logits = be.alloc(model.spec.vocab)?;
+            be.copy(head, ViewMut::whole(&mut logits))?;
+            self.prefix_logits.insert(c.group, logits);
+        }
+        Ok(())
+    }
+
+    /// The new prompts in one left-padded pass, each written into its own blocks.
+    fn new_prefixes(&mut self, sched: &Scheduler, news: &[NewPrefix]) -> Result<(), GenerateError> {
+        let model = self.model;
+        let be = &model.backend;
+        let members: Vec<usize> = news.iter().map(|p| p.prompt).collect();
+        let prompts = sched.prompts();
+        let prefill = model.prefill(prompts, &members, self.vision, 0, self.tw)?;
+        let v = model.spec.vocab;
+        for (k, p) in news.iter().enumerate() {
+            let len = prompts[p.prompt].len();
+            let from = prefill.width - len;
+            self.kv
+                .write_from(be, &prefill.cache, k, from, len, &p.blocks)?;
+            let mut logits = be.alloc(v)?;
+            be.copy(
+                View::new(&prefill.logits, k * v, v)?,
+                ViewMut::whole(&mut logits),
+            )?;
+            self.prefix_logits.insert(p.group, logits);
+        }
+        Ok(())
+    }
+
+    /// The continuations of `pass` in one pass: row `b`'s new tokens (its parent's last
+    /// token and the appended ones) at its slots `cached..`, right-padded to the longest
+    /// row. Padding slots past a row's own blocks go to the scratch block; a query sees
+    /// only the slots up to its own, so no real token attends to padding. Returns the
+    /// next-token logits `[rows, vocab]`.
+    fn extend(&mut self, sched: &Scheduler, pass: &ExtendPass) -> Result<B::Buffer, GenerateError> {
+        let model = self.model;
+        let be = &model.backend;
+        let prompts = sched.prompts();
+        let (n, width, table_width) = (pass.rows.len(), pass.width, pass.table_width);
+        let mut host_tables = vec![pass.scratch.unwrap_or(0); n * table_width];
+        let mut host_len = Vec::with_capacity(n);
+        let mut ids = vec![0u32; n * width];
+        let mut positions = vec![0u32; n * width];
+        let mut last = Vec::with_capacity(n);
+        for (b, row) in pass.rows.iter().enumerate() {
+            let new = &prompts[row.id][row.cached..];
+            let k = new.len();
+            host_tables[b * table_width..b * table_width + row.blocks.len()]
+                .copy_from_slice(&row.blocks);
+            host_len.push(row.cached as u32);
+            ids[b * width..b * width + k].copy_from_slice(new);
+            // (a padding token takes the row's last position: any valid one will do)
+            for (i, p) in positions[b * width..(b + 1) * width].iter_mut().enumerate() {
+                *p = (row.cached + i.min(k - 1)) as u32;
+            }
+            last.push((b * width + k - 1) as u32);
+        }
+        let mut tables = be.alloc_ids(host_tables.len())?;
+        be.upload_ids(&host_tables, &mut tables)?;
+        let mut lens = be.alloc_ids(n)?;
+        be.upload_ids(&host_len, &mut lens)?;
+        let mut acts = model.prefill_activations(n, width)?;
+        let ones = vec![1u32; n * width];
+        let inputs = Inputs {
+            batch: n,
+            seq: width,
+            input_ids: &ids,
+            attention_mask: &ones,
+            position_ids: &positions,
+        };
+        let step_tables = BlockTables {
+            block_size: sched.pool().block_size(),
+            max_blocks: table_width,
+            tables: &tables,
+            len: &lens,
+            host_tables: &host_tables,
+            host_len: &host_len,
+        };
+        model.forward_extras(
+            &inputs,
+            &ForwardExtras::default(),
+            &mut acts,
+            Some(StepCache::Paged(&mut self.kv, step_tables)),
+            Some(self.tw),
+        )?;
+        let head = model.prefill_head_rows(&mut acts, self.tw, &last)?;
+        let mut logits = be.alloc(n * model.spec.vocab)?;
+        be.copy(head, ViewMut::whole(&mut logits))?;
+        Ok(logits)
+    }
+}
+
+/// A chunk's replaced rows (indices in the chunk) and their embeddings `[rows, hidden]`.
+type ChunkRows<B> = Option<(<B as Backend>::Ids, <B as Backend>::Buffer)>;
+
+/// The replaced rows of prompt `prompt` that fall in its chunk `done..done + take`: their
+/// indices in the chunk and their embedding rows gathered (runs of consecutive rows copied
+/// at once); `None` when the chunk has none.
+fn chunk_vision_rows<B: Backend>(
+    be: &B,
+    v: &PromptVision<'_, B>,
+    prompt: usize,
+    done: usize,
+    take: usize,
+    hidden: usize,
+) -> Result<ChunkRows<B>, GenerateError> {
+    let inside: Vec<(usize, u32)> = v
+        .rows
+        .iter()
+        .enumerate()
+        .filter(|&(_, &(p, t))| p == prompt && (done..done + take).contains(&t))
+        .map(|(i, &(_, t))| (i, (t - done) as u32))
+        .collect();
+    if inside.is_empty() {
+        return Ok(None);
+    }
+    let mut buf = be.alloc(inside.len() * hidden)?;
+    let mut at = 0;
+    for run in inside.chunk_by(|a, b| b.0 == a.0 + 1) {
+        let n = run.len() * hidden;
+        be.copy(
+            View::new(v.embeds.buffer(), v.embeds.offset() + run[0].0 * hidden, n)?,
+            ViewMut::new(&mut buf, at, n)?,
+        )?;
+        at += n;
+    }
+    let flat: Vec<u32> = inside.iter().map(|&(_, t)| t).collect();
+    let mut ids = be.alloc_ids(flat.len())?;
+    be.upload_ids(&flat, &mut ids)?;
+    Ok(Some((ids, buf)))
+}
