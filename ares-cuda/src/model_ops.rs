@@ -207,6 +207,14 @@ impl ModelOps {
         self.alloc_zeroed("alloc_ids", len)
     }
 
+    /// A new zeroed buffer of `len` 16-bit elements (bf16 or f16 bits; `len >= 1`).
+    ///
+    /// # Errors
+    /// As [`ModelOps::alloc`].
+    pub fn alloc_half(&self, len: usize) -> Result<CudaSlice<u16>> {
+        self.alloc_zeroed("alloc_half", len)
+    }
+
     /// [`ModelOps::alloc`] of any element type, errors naming `kernel`.
     fn alloc_zeroed<T: DeviceRepr + ValidAsZeroBits>(
         &self,

@@ -28,7 +28,7 @@ use ares_model::backend::cpu::CpuBackend;
 use ares_model::backend::cuda::{CudaBackend, CudaBuffer, CudaIds};
 use ares_model::backend::{
     Activation, AdamWConfig, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend,
-    BlockTables, DeviceBuffer, KvCacheView, KvCacheViewMut, LinearDims, MatmulPrecision,
+    BlockTables, DType, DeviceBuffer, KvCacheView, KvCacheViewMut, LinearDims, MatmulPrecision,
     PagedKvView, PagedKvViewMut, SegmentAttentionDims, View, ViewMut,
 };
 use ares_model::hf::checkpoint::Checkpoint;
@@ -535,8 +535,7 @@ fn bf16_weight_products_match_cpu() {
             rng.vec(inp * out, 1.0),
             rng.vec(out, 1.0),
         );
-        let packed = (inp * out).div_ceil(2);
-        let mut gw = gpu.alloc(packed).unwrap();
+        let mut gw = gpu.alloc_half(inp * out, DType::Bf16).unwrap();
         gpu.pack_bf16(
             View::whole(&up(&gpu, &wt)),
             inp,
@@ -544,7 +543,7 @@ fn bf16_weight_products_match_cpu() {
             ViewMut::whole(&mut gw),
         )
         .unwrap();
-        let mut cw = vec![0.0f32; packed];
+        let mut cw = cpu.alloc_half(inp * out, DType::Bf16).unwrap();
         cpu.pack_bf16(View::whole(&wt), inp, out, ViewMut::whole(&mut cw))
             .unwrap();
         let (gx, gb) = (up(&gpu, &x), up(&gpu, &bias));
@@ -576,6 +575,16 @@ fn bf16_weight_products_match_cpu() {
             );
         }
     }
+    // an f16 buffer where the op takes bf16: the CPU backend's error, before any launch
+    let mut f16 = gpu.alloc_half(4, DType::F16).unwrap();
+    let src = up(&gpu, &[1.0, 2.0, 3.0, 4.0]);
+    let e = gpu
+        .pack_bf16(View::whole(&src), 2, 2, ViewMut::whole(&mut f16))
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "pack_bf16: `dst` holds f16, the op takes bf16"
+    );
 }
 
 #[test]

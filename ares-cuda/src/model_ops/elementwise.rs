@@ -56,6 +56,23 @@ impl ModelOps {
         self.copy(src, dst)
     }
 
+    /// `dst` = the `[rows, cols]` matrix `src` rounded to bf16 (row-major, the layout
+    /// cuBLAS reads; twin of `ares_cpu::ops::matmul_tiles::pack_bf16_tiles`, whose CPU
+    /// layout differs).
+    ///
+    /// # Errors
+    /// `src` not `rows · cols` long, lengths that differ.
+    pub fn pack_bf16(
+        &self,
+        src: &CudaView<'_, f32>,
+        rows: usize,
+        cols: usize,
+        dst: &mut CudaViewMut<'_, u16>,
+    ) -> Result<()> {
+        check_len("f32_to_bf16", "src", rows.saturating_mul(cols), src.len())?;
+        self.to_bf16(src, dst)
+    }
+
     /// `out = a + b`, element-wise (twin of the CPU backend's `add`).
     ///
     /// # Errors

@@ -14,24 +14,89 @@ use ares_cpu::ops::{activation, segment_attention};
 
 use rayon::prelude::*;
 
+use super::check_half;
 use super::sampling::{check_top_k, greedy_row, sample_row};
 
 use super::ops::{declared_ops, op_arg_type};
 use super::{
     Activation, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
-    DeviceBuffer, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
+    DType, DeviceBuffer, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
     PagedKvView, PagedKvViewMut, Result, SegmentAttentionDims, Tensor, TensorMut, View, ViewMut,
     WindowSpec,
 };
 
-/// The CPU backend: f32 and u32 vectors, `ares-cpu` kernels.
+/// The CPU backend: f32, u32 and 16-bit vectors, `ares-cpu` kernels.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CpuBackend;
 
-impl<T> DeviceBuffer for Vec<T> {
+impl DeviceBuffer for Vec<f32> {
     fn len(&self) -> usize {
         Vec::len(self)
     }
+
+    fn dtype(&self) -> DType {
+        DType::F32
+    }
+}
+
+impl DeviceBuffer for Vec<u32> {
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+
+    fn dtype(&self) -> DType {
+        DType::U32
+    }
+}
+
+/// 16-bit floats on the host (the CPU backend's [`Backend::Half`]): their bits, and
+/// whether they are bf16 or f16.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HalfBuffer {
+    dtype: DType,
+    bits: Vec<u16>,
+}
+
+impl HalfBuffer {
+    /// The element bits.
+    pub fn bits(&self) -> &[u16] {
+        &self.bits
+    }
+}
+
+impl DeviceBuffer for HalfBuffer {
+    fn len(&self) -> usize {
+        self.bits.len()
+    }
+
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+}
+
+/// The bits a 16-bit view names, after checking it holds `want` (argument `arg` of `op`).
+fn half<'a>(
+    op: &'static str,
+    arg: &'static str,
+    view: View<'a, HalfBuffer>,
+    want: DType,
+) -> Result<&'a [u16]> {
+    let buffer = view.buffer();
+    BackendError::check_dtype(op, arg, want, buffer.dtype)?;
+    let (offset, len) = (view.offset(), view.len());
+    Ok(&buffer.bits[offset..offset + len])
+}
+
+/// [`half`], writable.
+fn half_mut<'a>(
+    op: &'static str,
+    arg: &'static str,
+    view: ViewMut<'a, HalfBuffer>,
+    want: DType,
+) -> Result<&'a mut [u16]> {
+    BackendError::check_dtype(op, arg, want, view.as_view().buffer().dtype)?;
+    let (offset, len) = (view.offset(), view.len());
+    Ok(&mut view.into_buffer().bits[offset..offset + len])
 }
 
 /// The elements a view names. Views are bounds-checked when made, so this only fails if
@@ -166,17 +231,23 @@ fn check_token_rows(
     BackendError::check_len("token rows: logits", rows.saturating_mul(vocab), logits)
 }
 
-/// The CPU form of an argument of a declared op (`ops.rs`): views become slices, ids and
-/// host values pass as they are.
+/// The CPU form of argument `$a` of declared op `$op` (`ops.rs`): views become slices (a
+/// 16-bit view's dtype checked), ids and host values pass as they are.
 #[rustfmt::skip]
 macro_rules! cpu_arg {
-    ($a:ident: In<f32>) => { slice($a)? };
-    ($a:ident: Out<f32>) => { slice_mut($a)? };
-    ($a:ident: InOpt<f32>) => { slice_opt($a)? };
-    ($a:ident: OutOpt<f32>) => { slice_mut_opt($a)? };
-    ($a:ident: In<u32>) => { $a };
-    ($a:ident: Ref<$t:ident>) => { $a };
-    ($a:ident: $t:ident) => { $a };
+    ($op:ident, $a:ident: In<f32>) => { slice($a)? };
+    ($op:ident, $a:ident: Out<f32>) => { slice_mut($a)? };
+    ($op:ident, $a:ident: InOpt<f32>) => { slice_opt($a)? };
+    ($op:ident, $a:ident: OutOpt<f32>) => { slice_mut_opt($a)? };
+    ($op:ident, $a:ident: In<u32>) => { $a };
+    ($op:ident, $a:ident: In<bf16>) => {
+        half(stringify!($op), stringify!($a), $a, DType::Bf16)?
+    };
+    ($op:ident, $a:ident: Out<bf16>) => {
+        half_mut(stringify!($op), stringify!($a), $a, DType::Bf16)?
+    };
+    ($op:ident, $a:ident: Ref<$t:ident>) => { $a };
+    ($op:ident, $a:ident: $t:ident) => { $a };
 }
 
 /// The CPU implementations of the declared ops: the `ares-cpu` function named by each
@@ -190,7 +261,7 @@ macro_rules! cpu_ops {
         $(
             #[allow(clippy::too_many_arguments)]
             fn $name(&self, $($arg: op_arg_type!($kind $(<$dt>)?)),*) -> Result<()> {
-                $cpu($(cpu_arg!($arg: $kind $(<$dt>)?)),*).map_err(op(stringify!($name)))
+                $cpu($(cpu_arg!($name, $arg: $kind $(<$dt>)?)),*).map_err(op(stringify!($name)))
             }
         )*
     };
@@ -255,6 +326,16 @@ mod kernels {
     pub(super) fn fill(dst: &mut [f32], value: f32) -> Result {
         dst.fill(value);
         Ok(())
+    }
+
+    pub(super) fn linear_transposed_bf16(
+        x: &[f32],
+        wt: &[u16],
+        bias: Option<&[f32]>,
+        dims: LinearDims,
+        out: &mut [f32],
+    ) -> Result {
+        matmul_tiles::linear_forward_t_bf16(x, wt, bias, matmul_dims(dims), out)
     }
 
     pub(super) fn log_prob_entropy(
@@ -323,6 +404,7 @@ mod kernels {
 impl Backend for CpuBackend {
     type Buffer = Vec<f32>;
     type Ids = Vec<u32>;
+    type Half = HalfBuffer;
 
     fn name(&self) -> &str {
         "cpu"
@@ -334,6 +416,14 @@ impl Backend for CpuBackend {
 
     fn alloc_ids(&self, len: usize) -> Result<Vec<u32>> {
         Ok(vec![0; len])
+    }
+
+    fn alloc_half(&self, len: usize, dtype: DType) -> Result<HalfBuffer> {
+        check_half("alloc_half", dtype)?;
+        Ok(HalfBuffer {
+            dtype,
+            bits: vec![0; len],
+        })
     }
 
     fn upload(&self, src: &[f32], dst: TensorMut<'_, Self>) -> Result<()> {
@@ -524,42 +614,6 @@ impl Backend for CpuBackend {
             .map_err(op("attention_decode"))
     }
 
-    fn pack_bf16(
-        &self,
-        src: Tensor<'_, Self>,
-        rows: usize,
-        cols: usize,
-        dst: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        let src = slice(src)?;
-        let dst = slice_mut(dst)?;
-        BackendError::check_len("pack_bf16 dst", src.len().div_ceil(2), dst.len())?;
-        let halves = bf16_halves_mut(dst);
-        let n = src.len();
-        matmul_tiles::pack_bf16_tiles(src, rows, cols, &mut halves[..n]).map_err(op("pack_bf16"))
-    }
-
-    fn linear_transposed_bf16(
-        &self,
-        x: Tensor<'_, Self>,
-        wt: Tensor<'_, Self>,
-        bias: Option<Tensor<'_, Self>>,
-        dims: LinearDims,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        let wt = slice(wt)?;
-        let n = dims.in_features.saturating_mul(dims.out_features);
-        BackendError::check_len("linear_transposed_bf16 wt", n.div_ceil(2), wt.len())?;
-        matmul_tiles::linear_forward_t_bf16(
-            slice(x)?,
-            &bf16_halves(wt)[..n],
-            slice_opt(bias)?,
-            matmul_dims(dims),
-            slice_mut(out)?,
-        )
-        .map_err(op("linear_transposed_bf16"))
-    }
-
     fn paged_kv_cache_append(
         &self,
         dims: AttentionDims,
@@ -705,19 +759,6 @@ impl Backend for CpuBackend {
     }
 }
 
-/// The 16-bit halves of `x`'s memory: packed bf16 bits ([`Backend::pack_bf16`]).
-fn bf16_halves(x: &[f32]) -> &[u16] {
-    // SAFETY: u16 has no invalid bit patterns and an alignment (2) dividing f32's (4); the
-    // slice covers exactly the bytes of `x`, borrowed for as long as `x` is.
-    unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u16>(), x.len() * 2) }
-}
-
-/// [`bf16_halves`], writable.
-fn bf16_halves_mut(x: &mut [f32]) -> &mut [u16] {
-    // SAFETY: as `bf16_halves`; the unique borrow of `x` moves to the result.
-    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<u16>(), x.len() * 2) }
-}
-
 #[cfg(test)]
 mod backward_tests {
     use super::*;
@@ -797,6 +838,65 @@ mod backward_tests {
             )
             .unwrap_err();
         assert!(e.to_string().starts_with("swiglu_backward"), "{e}");
+    }
+}
+
+#[cfg(test)]
+mod dtype_tests {
+    use super::*;
+    use crate::backend::MatmulPrecision;
+
+    /// 16-bit buffers carry their dtype; an op given another one than it declares is an
+    /// error naming the op, the argument and both dtypes, before anything runs.
+    #[test]
+    fn ops_refuse_a_dtype_they_do_not_take() {
+        let be = CpuBackend;
+        let e = be.alloc_half(4, DType::F32).unwrap_err();
+        assert!(e.to_string().contains("dtype = f32"), "{e}");
+        let src = vec![1.0f32, 2.0, 3.0, 4.0];
+        let mut f16 = be.alloc_half(4, DType::F16).unwrap();
+        let e = be
+            .pack_bf16(View::whole(&src), 2, 2, ViewMut::whole(&mut f16))
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "pack_bf16: `dst` holds f16, the op takes bf16"
+        );
+        assert!(f16.bits().iter().all(|&b| b == 0), "nothing written");
+        let mut out = vec![0.0f32; 2];
+        let dims = LinearDims {
+            rows: 1,
+            in_features: 2,
+            out_features: 2,
+            precision: MatmulPrecision::F32,
+        };
+        let e = be
+            .linear_transposed_bf16(
+                View::new(&src, 0, 2).unwrap(),
+                View::whole(&f16),
+                None,
+                dims,
+                ViewMut::whole(&mut out),
+            )
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                BackendError::DType {
+                    op: "linear_transposed_bf16",
+                    arg: "wt",
+                    expected: DType::Bf16,
+                    actual: DType::F16
+                }
+            ),
+            "{e}"
+        );
+        // bf16 round trip of the right dtype: 1, 2, 3, 4 are exact in bf16
+        let mut bf16 = be.alloc_half(4, DType::Bf16).unwrap();
+        be.pack_bf16(View::whole(&src), 2, 2, ViewMut::whole(&mut bf16))
+            .unwrap();
+        assert_eq!(bf16.dtype(), DType::Bf16);
+        assert!(bf16.bits().iter().all(|&b| b != 0));
     }
 }
 

@@ -1,5 +1,7 @@
 //! The error of every [`Backend`](super::Backend) call.
 
+use super::DType;
+
 /// What went wrong in a backend call: a view outside its buffer, lengths that do not
 /// match, or an op that rejected its arguments.
 #[derive(Debug, thiserror::Error)]
@@ -25,6 +27,18 @@ pub enum BackendError {
         /// The length given.
         actual: usize,
     },
+    /// A tensor of another dtype than the op takes there.
+    #[error("{op}: `{arg}` holds {actual}, the op takes {expected}")]
+    DType {
+        /// The backend op.
+        op: &'static str,
+        /// The argument.
+        arg: &'static str,
+        /// The dtype the op takes.
+        expected: DType,
+        /// The dtype given.
+        actual: DType,
+    },
     /// A kernel rejected its arguments (shapes, values); `source` is the kernel's reason.
     #[error("{op}: {source}")]
     Op {
@@ -36,6 +50,25 @@ pub enum BackendError {
 }
 
 impl BackendError {
+    /// Errors with [`BackendError::DType`] unless `actual == expected`.
+    pub fn check_dtype(
+        op: &'static str,
+        arg: &'static str,
+        expected: DType,
+        actual: DType,
+    ) -> Result<(), Self> {
+        if expected == actual {
+            Ok(())
+        } else {
+            Err(Self::DType {
+                op,
+                arg,
+                expected,
+                actual,
+            })
+        }
+    }
+
     /// Errors with [`BackendError::LengthMismatch`] unless `expected == actual`.
     pub fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<(), Self> {
         if expected == actual {

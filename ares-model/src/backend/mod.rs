@@ -3,8 +3,9 @@
 //! over `ares-cuda`, with the default `cuda` feature).
 //!
 //! # Design
-//! - **Opaque, device-resident buffers.** [`Backend::Buffer`] (f32) and [`Backend::Ids`]
-//!   (u32 token ids and positions) are associated types the model never looks inside: on a
+//! - **Opaque, device-resident buffers of a dtype.** [`Backend::Buffer`] (f32),
+//!   [`Backend::Ids`] (u32 token ids and positions) and [`Backend::Half`] (bf16 or f16,
+//!   tagged at run time) are associated types the model never looks inside: on a
 //!   GPU they are device allocations, on the CPU plain vectors. The host reaches their
 //!   contents only through [`Backend::upload`] / [`Backend::upload_ids`] (weights at load
 //!   time, a batch's inputs) and [`Backend::download`] (results). Every op reads and writes
@@ -67,9 +68,21 @@ pub use shapes::{
     SegmentAttentionDims,
 };
 pub use token::{HweViews, KlSumViews, KlViews, WindowSpec};
-pub use view::{DeviceBuffer, View, ViewMut};
+pub use view::{DType, DeviceBuffer, View, ViewMut};
 
 use ops::declare_ops;
+
+/// Errors unless `dtype` is a 16-bit float (what [`Backend::alloc_half`] takes).
+pub(crate) fn check_half(op: &'static str, dtype: DType) -> Result<()> {
+    if dtype.is_half() {
+        Ok(())
+    } else {
+        Err(BackendError::Op {
+            op,
+            source: format!("dtype = {dtype}: a 16-bit buffer holds bf16 or f16").into(),
+        })
+    }
+}
 
 /// Results of backend calls.
 pub type Result<T> = std::result::Result<T, BackendError>;
@@ -86,6 +99,9 @@ pub trait Backend {
     type Buffer: DeviceBuffer;
     /// A u32 allocation (token ids, positions).
     type Ids: DeviceBuffer;
+    /// A 16-bit float allocation, bf16 or f16 as its [`DeviceBuffer::dtype`] says (bf16
+    /// decode weights).
+    type Half: DeviceBuffer;
 
     /// A human-readable name of the device (`"cpu"`).
     fn name(&self) -> &str;
@@ -107,6 +123,12 @@ pub trait Backend {
     /// # Errors
     /// As [`Backend::alloc`].
     fn alloc_ids(&self, len: usize) -> Result<Self::Ids>;
+
+    /// A new buffer of `len` zeroed elements of the 16-bit float `dtype`.
+    ///
+    /// # Errors
+    /// `dtype` not bf16 or f16 ([`BackendError::DType`]); as [`Backend::alloc`].
+    fn alloc_half(&self, len: usize, dtype: DType) -> Result<Self::Half>;
 
     /// Copies `src` into `dst`; returns once `src` may be reused.
     ///
@@ -267,40 +289,6 @@ pub trait Backend {
         dims: AttentionDims,
         q: Tensor<'_, Self>,
         cache: KvCacheView<'_, Self::Buffer>,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
-    /// Rounds the `[rows, cols]` weight matrix `src` to bf16 (nearest even, as
-    /// `torch.Tensor.bfloat16`) and packs the bits two to an element of `dst`
-    /// (`dst.len() == (rows · cols).div_ceil(2)`), in the layout this backend's
-    /// [`Backend::linear_transposed_bf16`] reads: the CPU's column tiles
-    /// (`ares_cpu::ops::matmul_tiles::pack_bf16_tiles`), CUDA's row-major. The storage of bf16
-    /// decode weights.
-    ///
-    /// # Errors
-    /// `src` not `rows · cols` long, `dst` of another length.
-    fn pack_bf16(
-        &self,
-        src: Tensor<'_, Self>,
-        rows: usize,
-        cols: usize,
-        dst: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
-    /// [`Backend::linear_transposed`] with the weight `wt` `[in, out]` in packed bf16
-    /// ([`Backend::pack_bf16`]; `wt.len() == (in · out).div_ceil(2)`): `out = x · wt (+
-    /// bias)`, half the weight bytes of the f32 product. CPU: the weights widened to f32,
-    /// `x`, products and sums in f32. CUDA: `x` rounded to bf16 as well, bf16 tensor cores
-    /// with f32 sums. `dims.precision` is not used.
-    ///
-    /// # Errors
-    /// As [`Backend::linear_transposed`].
-    fn linear_transposed_bf16(
-        &self,
-        x: Tensor<'_, Self>,
-        wt: Tensor<'_, Self>,
-        bias: Option<Tensor<'_, Self>>,
-        dims: LinearDims,
         out: TensorMut<'_, Self>,
     ) -> Result<()>;
 

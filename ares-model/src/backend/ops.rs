@@ -9,15 +9,18 @@
 //! - `In<f32>` / `Out<f32>`: a tensor read / written ([`Tensor`](super::Tensor) /
 //!   [`TensorMut`](super::TensorMut)); `InOpt<f32>` / `OutOpt<f32>`: the same, optional;
 //! - `In<u32>`: token ids, positions or row indices (`&Self::Ids`);
+//! - `In<bf16>` / `Out<bf16>`: a view of a [`Backend::Half`](super::Backend::Half) buffer
+//!   that must hold bf16 (checked before the kernel runs: [`BackendError::DType`](super::BackendError::DType) names the
+//!   op, the argument and the dtype given);
 //! - `Ref<T>`: a `&T` of host parameters;
 //! - any other type: a host scalar or shape, passed by value (each backend converts it to
 //!   its kernel's form).
 //!
 //! The kernels are called with the arguments in the declared order; a kernel whose own
 //! order or types differ gets a small adapter next to its backend (`cpu.rs`, `mod kernels`).
-//! A dtype the declaration does not list cannot be passed: the macros have no arm for it, so
-//! it is a compile error, and a new dtype (bf16 storage) is added as a kind here and an arm
-//! in each backend. Ops whose arguments are structs of views (attention, KV caches, the
+//! A dtype is declared per argument: f32 and u32 are separate buffer types, so passing the
+//! wrong one is a compile error; the 16-bit floats share [`Backend::Half`](super::Backend::Half)
+//! and are checked at run time. A new dtype is a kind here and an arm in each backend. Ops whose arguments are structs of views (attention, KV caches, the
 //! ARES token ops) and the sampling ops are written out in each backend.
 
 /// Calls `$then! { … }` with the declarations of the ops both backends implement alike.
@@ -305,6 +308,37 @@ macro_rules! declared_ops {
                 out: Out<f32>,
             ) cpu kernels::linear_decode_f32, cuda linear_transposed;
 
+            /// Rounds the `[rows, cols]` weight matrix `src` to bf16 (nearest even, as
+            /// `torch.Tensor.bfloat16`) into `dst` (`rows · cols` bf16 elements), in the
+            /// layout this backend's [`Backend::linear_transposed_bf16`] reads: the CPU's column
+            /// tiles (`ares_cpu::ops::matmul_tiles::pack_bf16_tiles`), CUDA's row-major. The
+            /// storage of bf16 decode weights.
+            ///
+            /// # Errors
+            /// `src` or `dst` not `rows · cols` long, `dst` not bf16.
+            fn pack_bf16(
+                src: In<f32>,
+                rows: usize,
+                cols: usize,
+                dst: Out<bf16>,
+            ) cpu ares_cpu::ops::matmul_tiles::pack_bf16_tiles, cuda pack_bf16;
+
+            /// [`Backend::linear_transposed`] with the weight `wt` `[in, out]` in bf16 as
+            /// [`Backend::pack_bf16`] stored it: `out = x · wt (+ bias)`, half the weight bytes
+            /// of the f32 product. CPU: the weights widened to f32, `x`, products and sums in
+            /// f32. CUDA: `x` rounded to bf16 as well, bf16 tensor cores with f32 sums.
+            /// `dims.precision` is not used.
+            ///
+            /// # Errors
+            /// As [`Backend::linear_transposed`]; `wt` not bf16.
+            fn linear_transposed_bf16(
+                x: In<f32>,
+                wt: In<bf16>,
+                bias: InOpt<f32>,
+                dims: LinearDims,
+                out: Out<f32>,
+            ) cpu kernels::linear_transposed_bf16, cuda linear_transposed_bf16;
+
             // ----- ARES token ops (docs/algorithms.md §1, §4). -----
 
             /// Per row of `[rows, cols]` window means, the `q`-th percentile (numpy's linear
@@ -430,6 +464,8 @@ macro_rules! op_arg_type {
     (InOpt<f32>) => { Option<$crate::backend::Tensor<'_, Self>> };
     (OutOpt<f32>) => { Option<$crate::backend::TensorMut<'_, Self>> };
     (In<u32>) => { &Self::Ids };
+    (In<bf16>) => { $crate::backend::View<'_, Self::Half> };
+    (Out<bf16>) => { $crate::backend::ViewMut<'_, Self::Half> };
     (Ref<$t:ident>) => { &$t };
     ($t:ident) => { $t };
 }

@@ -4,12 +4,56 @@
 
 use super::BackendError;
 
-/// A backend allocation of `len()` elements. Its storage is opaque: the host reaches it
-/// only through [`Backend::upload`](super::Backend::upload) and
-/// [`Backend::download`](super::Backend::download).
+/// The element type of a device tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE binary32: activations, gradients, optimizer states, weights by default.
+    F32,
+    /// bfloat16 (the top 16 bits of an f32): decode weights in `bf16`, checkpoints.
+    Bf16,
+    /// IEEE binary16, as some checkpoints store weights.
+    F16,
+    /// Unsigned 32-bit integers: token ids, positions, row indices, block tables.
+    U32,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            Self::F32 | Self::U32 => 4,
+            Self::Bf16 | Self::F16 => 2,
+        }
+    }
+
+    /// Whether the dtype is a 16-bit float (the storage of [`Backend::Half`]).
+    ///
+    /// [`Backend::Half`]: super::Backend::Half
+    pub const fn is_half(self) -> bool {
+        matches!(self, Self::Bf16 | Self::F16)
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
+            Self::U32 => "u32",
+        })
+    }
+}
+
+/// A backend allocation of `len()` elements of [`DeviceBuffer::dtype`]. Its storage is
+/// opaque: the host reaches it only through [`Backend::upload`](super::Backend::upload)
+/// and [`Backend::download`](super::Backend::download).
 pub trait DeviceBuffer {
     /// Number of elements.
     fn len(&self) -> usize;
+
+    /// The element type.
+    fn dtype(&self) -> DType;
 
     /// Whether the buffer holds no element.
     fn is_empty(&self) -> bool {

@@ -155,17 +155,14 @@ impl TensorFiles {
         // read_metadata checked every offset against the file length.
         let bytes = &file.mmap[file.data_start + start..file.data_start + end];
         let out = match info.dtype {
-            Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            Dtype::F32 => le_f32s(bytes),
+            Dtype::BF16 => le_u16s(bytes)
+                .into_iter()
+                .map(|b| bf16::from_bits(b).to_f32())
                 .collect(),
-            Dtype::BF16 => bytes
-                .chunks_exact(2)
-                .map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
-                .collect(),
-            Dtype::F16 => bytes
-                .chunks_exact(2)
-                .map(|b| f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
+            Dtype::F16 => le_u16s(bytes)
+                .into_iter()
+                .map(|b| f16::from_bits(b).to_f32())
                 .collect(),
             other => {
                 return Err(HfError::UnsupportedDtype {
@@ -301,6 +298,9 @@ pub fn write_safetensors_streamed<'a>(
         for chunk in values.chunks(1 << 16) {
             buf.clear();
             match dtype {
+                SaveDtype::F32 if cfg!(target_endian = "little") => {
+                    buf.extend_from_slice(bytemuck::cast_slice(chunk))
+                }
                 SaveDtype::F32 => chunk.iter().for_each(|x| buf.extend(x.to_le_bytes())),
                 SaveDtype::Bf16 => chunk
                     .iter()
@@ -314,4 +314,24 @@ pub fn write_safetensors_streamed<'a>(
         .map_err(|e| io(e.into_error()))?
         .sync_all()
         .map_err(io)
+}
+
+/// The little-endian f32s of `bytes` (safetensors' byte order; any alignment: the bytes are
+/// copied into an aligned vector), a trailing partial element dropped.
+pub(crate) fn le_f32s(bytes: &[u8]) -> Vec<f32> {
+    let mut out: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes[..bytes.len() / 4 * 4]);
+    if cfg!(target_endian = "big") {
+        out.iter_mut()
+            .for_each(|x| *x = f32::from_bits(x.to_bits().swap_bytes()));
+    }
+    out
+}
+
+/// The little-endian 16-bit words of `bytes` (bf16 / f16 bits), as [`le_f32s`].
+fn le_u16s(bytes: &[u8]) -> Vec<u16> {
+    let mut out: Vec<u16> = bytemuck::pod_collect_to_vec(&bytes[..bytes.len() / 2 * 2]);
+    if cfg!(target_endian = "big") {
+        out.iter_mut().for_each(|x| *x = x.swap_bytes());
+    }
+    out
 }

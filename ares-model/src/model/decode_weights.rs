@@ -16,9 +16,9 @@
 //! benchmark model). The price is a second copy of the linear weights (LM head included)
 //! while generating.
 
-use super::weights::{DeviceWeights, Stack};
+use super::weights::{DeviceWeights, HalfStack, Stack};
 use super::{ModelError, ModelSpec};
-use crate::backend::{Backend, DeviceBuffer, View, ViewMut};
+use crate::backend::{Backend, Tensor, View, ViewMut};
 
 /// The number format of the decode weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -30,29 +30,77 @@ pub enum WeightDtype {
     Bf16,
 }
 
-/// The transposed linear weights of a model, `[layers, in, out]` per kind (packed two
-/// bf16 to an element in bf16).
+/// One kind of transposed decode weight, `[layers, in, out]`, in its storage dtype.
+pub(crate) enum DecodeStack<B: Backend> {
+    /// f32, in [`Backend::pack_decode_f32`]'s layout.
+    F32(Stack<B>),
+    /// bf16, in [`Backend::pack_bf16`]'s layout.
+    Bf16(HalfStack<B>),
+}
+
+impl<B: Backend> DecodeStack<B> {
+    /// The weight of layer `layer`.
+    pub(crate) fn layer(&self, layer: usize) -> Result<DecodeView<'_, B>, ModelError> {
+        Ok(match self {
+            Self::F32(s) => DecodeView::F32(s.layer(layer)?),
+            Self::Bf16(s) => DecodeView::Bf16(s.layer(layer)?),
+        })
+    }
+
+    /// Every layer at once (the LM head: one layer).
+    pub(crate) fn whole(&self) -> DecodeView<'_, B> {
+        match self {
+            Self::F32(s) => DecodeView::F32(s.whole()),
+            Self::Bf16(s) => DecodeView::Bf16(s.whole()),
+        }
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for DecodeStack<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (dtype, len) = match self {
+            Self::F32(s) => ("f32", s.len()),
+            Self::Bf16(s) => ("bf16", s.len()),
+        };
+        write!(f, "DecodeStack({dtype} × {len})")
+    }
+}
+
+/// One decode weight matrix, as [`Model::matmul`](super::Model::matmul) multiplies by it
+/// ([`Backend::linear_decode_f32`] or [`Backend::linear_transposed_bf16`]).
+pub(crate) enum DecodeView<'a, B: Backend> {
+    F32(Tensor<'a, B>),
+    Bf16(View<'a, B::Half>),
+}
+
+impl<B: Backend> Clone for DecodeView<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for DecodeView<'_, B> {}
+
+/// The transposed linear weights of a model, `[layers, in, out]` per kind.
 #[derive(Debug)]
 pub(crate) struct DecodeWeights<B: Backend> {
-    pub(crate) dtype: WeightDtype,
-    pub(crate) q: Stack<B>,
-    pub(crate) k: Stack<B>,
-    pub(crate) v: Stack<B>,
-    pub(crate) o: Stack<B>,
-    pub(crate) gate: Stack<B>,
-    pub(crate) up: Stack<B>,
-    pub(crate) down: Stack<B>,
-    /// `[hidden, vocab]`: the LM head (or tied embedding) transposed.
-    pub(crate) lm_head: B::Buffer,
+    pub(crate) q: DecodeStack<B>,
+    pub(crate) k: DecodeStack<B>,
+    pub(crate) v: DecodeStack<B>,
+    pub(crate) o: DecodeStack<B>,
+    pub(crate) gate: DecodeStack<B>,
+    pub(crate) up: DecodeStack<B>,
+    pub(crate) down: DecodeStack<B>,
+    /// `[hidden, vocab]`: the LM head (or tied embedding) transposed (one layer).
+    pub(crate) lm_head: DecodeStack<B>,
 }
 
 impl<B: Backend> DecodeWeights<B> {
-    /// Transposes every linear weight of `w` (and packs it into bf16 for
+    /// Transposes every linear weight of `w` (and rounds it to bf16 for
     /// [`WeightDtype::Bf16`]).
     ///
     /// # Errors
-    /// A backend failure; bf16 with a matrix of an odd number of elements (layers would not
-    /// start on whole elements of the packed buffer).
+    /// A backend failure.
     pub(crate) fn new(
         backend: &B,
         spec: &ModelSpec,
@@ -61,34 +109,18 @@ impl<B: Backend> DecodeWeights<B> {
     ) -> Result<Self, ModelError> {
         let (c, i, v) = (spec.hidden, spec.intermediate, spec.vocab);
         let (qd, kvd) = (spec.q_dim(), spec.kv_dim());
-        if dtype == WeightDtype::Bf16 && [c * qd, c * kvd, c * i, c * v].iter().any(|n| n % 2 == 1)
-        {
-            return Err(ModelError::Unsupported {
-                what: "bf16 decode weights need matrices of an even number of elements".into(),
-            });
-        }
-        // a stack transposed to [rows, cols], then packed for bf16
-        let pack = |t: Stack<B>, rows, cols| -> Result<Stack<B>, ModelError> {
-            match dtype {
-                WeightDtype::F32 => t.packed_f32(backend, rows, cols),
-                WeightDtype::Bf16 => t.packed_bf16(backend, rows, cols),
-            }
+        // a stack transposed to [rows, cols], then packed in `dtype`
+        let pack = |t: Stack<B>, rows, cols| -> Result<DecodeStack<B>, ModelError> {
+            Ok(match dtype {
+                WeightDtype::F32 => DecodeStack::F32(t.packed_f32(backend, rows, cols)?),
+                WeightDtype::Bf16 => DecodeStack::Bf16(t.packed_bf16(backend, rows, cols)?),
+            })
         };
         let head = w.lm_head();
         let mut lm_head = backend.alloc(head.len())?;
         backend.transpose(head, v, c, ViewMut::whole(&mut lm_head))?;
-        let mut packed = backend.alloc(match dtype {
-            WeightDtype::F32 => lm_head.len(),
-            WeightDtype::Bf16 => lm_head.len().div_ceil(2),
-        })?;
-        let (src, dst) = (View::whole(&lm_head), ViewMut::whole(&mut packed));
-        match dtype {
-            WeightDtype::F32 => backend.pack_decode_f32(src, c, v, dst)?,
-            WeightDtype::Bf16 => backend.pack_bf16(src, c, v, dst)?,
-        }
-        lm_head = packed;
+        let lm_head = Stack::new(lm_head, c * v);
         Ok(Self {
-            dtype,
             q: pack(w.q.transposed(backend, qd, c)?, c, qd)?,
             k: pack(w.k.transposed(backend, kvd, c)?, c, kvd)?,
             v: pack(w.v.transposed(backend, kvd, c)?, c, kvd)?,
@@ -96,7 +128,7 @@ impl<B: Backend> DecodeWeights<B> {
             gate: pack(w.gate.transposed(backend, i, c)?, c, i)?,
             up: pack(w.up.transposed(backend, i, c)?, c, i)?,
             down: pack(w.down.transposed(backend, c, i)?, i, c)?,
-            lm_head,
+            lm_head: pack(lm_head, c, v)?,
         })
     }
 }

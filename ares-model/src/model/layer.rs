@@ -14,7 +14,7 @@
 //!   [`Model::rmsnorm_backward`], thin wrappers that only unpack the views.
 
 use super::activations::{LayerBuffers, Scratch};
-use super::decode_weights::{DecodeWeights, WeightDtype};
+use super::decode_weights::{DecodeStack, DecodeView, DecodeWeights};
 use super::weights::{DeviceWeights, Stack, layer_of, layer_of_mut};
 use super::{Model, ModelError};
 use crate::backend::{
@@ -26,9 +26,7 @@ pub(crate) struct Linear<'a, B: Backend> {
     /// `[out, in]` (Hugging Face layout).
     pub(crate) w: Tensor<'a, B>,
     /// `[in, out]`: the transposed copy generation multiplies by ([`DecodeWeights`]).
-    pub(crate) wt: Option<Tensor<'a, B>>,
-    /// Whether `wt` holds packed bf16 ([`WeightDtype::Bf16`]).
-    pub(crate) wt_bf16: bool,
+    pub(crate) wt: Option<DecodeView<'a, B>>,
     /// `[out]`, where the architecture has one.
     pub(crate) bias: Option<Tensor<'a, B>>,
     /// Rows, in and out features, precision.
@@ -138,14 +136,13 @@ pub(crate) struct LayerGrads<'a, B: Backend> {
 fn linear<'a, B: Backend>(
     layer: usize,
     w: &'a Stack<B>,
-    (wt, wt_bf16): (Option<&'a Stack<B>>, bool),
+    wt: Option<&'a DecodeStack<B>>,
     bias: &'a Option<Stack<B>>,
     dims: LinearDims,
 ) -> Result<Linear<'a, B>, ModelError> {
     Ok(Linear {
         w: w.layer(layer)?,
         wt: wt.map(|t| t.layer(layer)).transpose()?,
-        wt_bf16,
         bias: layer_of(bias, layer)?,
         dims,
     })
@@ -176,7 +173,6 @@ impl<B: Backend> Model<B> {
     ) -> Result<LayerParams<'a, B>, ModelError> {
         let (w, s) = (&self.weights, &self.spec);
         let (c, i, qd, kvd) = (s.hidden, s.intermediate, s.q_dim(), s.kv_dim());
-        let bf16 = tw.is_some_and(|t| t.dtype == WeightDtype::Bf16);
         let dims = |in_features, out_features| self.linear_dims(rows, in_features, out_features);
         let norm = |stack: &'a Stack<B>, dim| -> Result<Norm<'a, B>, ModelError> {
             Ok(Norm {
@@ -189,58 +185,28 @@ impl<B: Backend> Model<B> {
         };
         Ok(LayerParams {
             ln1: norm(&w.ln1, c)?,
-            q: linear(
-                layer,
-                &w.q,
-                (tw.map(|t| &t.q), bf16),
-                &w.q_bias,
-                dims(c, qd),
-            )?,
-            k: linear(
-                layer,
-                &w.k,
-                (tw.map(|t| &t.k), bf16),
-                &w.k_bias,
-                dims(c, kvd),
-            )?,
-            v: linear(
-                layer,
-                &w.v,
-                (tw.map(|t| &t.v), bf16),
-                &w.v_bias,
-                dims(c, kvd),
-            )?,
+            q: linear(layer, &w.q, tw.map(|t| &t.q), &w.q_bias, dims(c, qd))?,
+            k: linear(layer, &w.k, tw.map(|t| &t.k), &w.k_bias, dims(c, kvd))?,
+            v: linear(layer, &w.v, tw.map(|t| &t.v), &w.v_bias, dims(c, kvd))?,
             qk_norm: QkNorm {
                 layer,
                 q: qk(&w.q_norm)?,
                 k: qk(&w.k_norm)?,
             },
-            o: linear(
-                layer,
-                &w.o,
-                (tw.map(|t| &t.o), bf16),
-                &w.o_bias,
-                dims(qd, c),
-            )?,
+            o: linear(layer, &w.o, tw.map(|t| &t.o), &w.o_bias, dims(qd, c))?,
             ln2: norm(&w.ln2, c)?,
             gate: linear(
                 layer,
                 &w.gate,
-                (tw.map(|t| &t.gate), bf16),
+                tw.map(|t| &t.gate),
                 &w.gate_bias,
                 dims(c, i),
             )?,
-            up: linear(
-                layer,
-                &w.up,
-                (tw.map(|t| &t.up), bf16),
-                &w.up_bias,
-                dims(c, i),
-            )?,
+            up: linear(layer, &w.up, tw.map(|t| &t.up), &w.up_bias, dims(c, i))?,
             down: linear(
                 layer,
                 &w.down,
-                (tw.map(|t| &t.down), bf16),
+                tw.map(|t| &t.down),
                 &w.down_bias,
                 dims(i, c),
             )?,
@@ -310,8 +276,7 @@ impl<B: Backend> Model<B> {
         let (c, v) = (self.spec.hidden, self.spec.vocab);
         Linear {
             w: self.weights.lm_head(),
-            wt: tw.map(|t| View::whole(&t.lm_head)),
-            wt_bf16: tw.is_some_and(|t| t.dtype == WeightDtype::Bf16),
+            wt: tw.map(|t| t.lm_head.whole()),
             bias: None,
             dims: self.linear_dims(rows, c, v),
         }
@@ -326,10 +291,12 @@ impl<B: Backend> Model<B> {
         out: TensorMut<'_, B>,
     ) -> Result<(), ModelError> {
         match p.wt {
-            Some(wt) if p.wt_bf16 => self
+            Some(DecodeView::Bf16(wt)) => self
                 .backend
                 .linear_transposed_bf16(x, wt, p.bias, p.dims, out)?,
-            Some(wt) => self.backend.linear_decode_f32(x, wt, p.bias, p.dims, out)?,
+            Some(DecodeView::F32(wt)) => {
+                self.backend.linear_decode_f32(x, wt, p.bias, p.dims, out)?
+            }
             None => self.backend.linear(x, p.w, p.bias, p.dims, out)?,
         }
         Ok(())

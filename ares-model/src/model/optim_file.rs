@@ -21,6 +21,7 @@ use safetensors::{Dtype, SafeTensors};
 use super::optim::check_config;
 use super::{AdamW, AdamWConfig, Model, ModelError};
 use crate::backend::Backend;
+use crate::hf::tensor_files::le_f32s;
 use crate::hf::tensor_files::{SaveDtype, write_safetensors_streamed};
 use crate::hf::weights::expected_tensors;
 
@@ -216,11 +217,7 @@ impl<B: Backend> AdamW<B> {
                         ),
                     ));
                 }
-                let values: Vec<f32> = t
-                    .data()
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect();
+                let values = le_f32s(t.data());
                 let second = *suffix == "exp_avg_sq";
                 if let Some((i, v)) = values
                     .iter()

@@ -3,7 +3,7 @@
 //! views.
 
 use super::{ModelError, ModelSpec};
-use crate::backend::{Backend, DeviceBuffer, Tensor, TensorMut, View, ViewMut};
+use crate::backend::{Backend, DType, DeviceBuffer, Tensor, TensorMut, View, ViewMut};
 use crate::hf::weights::{LAYER_SUFFIXES, LayerWeights, ModelWeights, Tensor as HostTensor};
 
 /// One kind of per-layer tensor, `[layers, item]` in one buffer.
@@ -11,6 +11,30 @@ use crate::hf::weights::{LAYER_SUFFIXES, LayerWeights, ModelWeights, Tensor as H
 pub(crate) struct Stack<B: Backend> {
     buffer: B::Buffer,
     item: usize,
+}
+
+/// [`Stack`] of 16-bit floats (bf16 decode weights).
+#[derive(Debug)]
+pub(crate) struct HalfStack<B: Backend> {
+    buffer: B::Half,
+    item: usize,
+}
+
+impl<B: Backend> HalfStack<B> {
+    /// Elements over every layer.
+    pub(crate) fn len(&self) -> usize {
+        self.buffer.len()
+    }
+
+    /// Every layer at once.
+    pub(crate) fn whole(&self) -> View<'_, B::Half> {
+        View::whole(&self.buffer)
+    }
+
+    /// The tensor of layer `layer`.
+    pub(crate) fn layer(&self, layer: usize) -> Result<View<'_, B::Half>, ModelError> {
+        Ok(View::item(&self.buffer, layer, self.item)?)
+    }
 }
 
 impl<B: Backend> Stack<B> {
@@ -22,6 +46,11 @@ impl<B: Backend> Stack<B> {
     /// Elements over every layer.
     pub(crate) fn len(&self) -> usize {
         self.buffer.len()
+    }
+
+    /// Every layer at once.
+    pub(crate) fn whole(&self) -> Tensor<'_, B> {
+        View::whole(&self.buffer)
     }
 
     /// The tensor of layer `layer`.
@@ -77,22 +106,24 @@ impl<B: Backend> Stack<B> {
         })
     }
 
-    /// Every layer's `[rows, cols]` matrix rounded to bf16 and packed two to an element
-    /// ([`Backend::pack_bf16`]), in a new stack of half-size layers (`item` must be even).
+    /// Every layer's `[rows, cols]` matrix rounded to bf16 in the bf16 decode layout
+    /// ([`Backend::pack_bf16`]), in a new stack.
     pub(crate) fn packed_bf16(
         &self,
         backend: &B,
         rows: usize,
         cols: usize,
-    ) -> Result<Self, ModelError> {
-        let half = self.item / 2;
+    ) -> Result<HalfStack<B>, ModelError> {
         let layers = self.buffer.len() / self.item.max(1);
-        let mut buffer = backend.alloc(layers * half)?;
+        let mut buffer = backend.alloc_half(self.buffer.len(), DType::Bf16)?;
         for l in 0..layers {
-            let dst = ViewMut::item(&mut buffer, l, half)?;
+            let dst = ViewMut::item(&mut buffer, l, self.item)?;
             backend.pack_bf16(self.layer(l)?, rows, cols, dst)?;
         }
-        Ok(Self { buffer, item: half })
+        Ok(HalfStack {
+            buffer,
+            item: self.item,
+        })
     }
 
     /// A zeroed stack of the same shape (a gradient).

@@ -16,6 +16,7 @@ use super::model::VisionMoments;
 use super::tower::VisionTower;
 use super::weights::{VisionParams, param_table};
 use crate::backend::{Backend, DeviceBuffer, View, ViewMut};
+use crate::hf::tensor_files::le_f32s;
 use crate::hf::tensor_files::{NamedTensor, SaveDtype, write_safetensors_with_metadata};
 use crate::model::ModelError;
 
@@ -126,11 +127,7 @@ impl<B: Backend> VisionMoments<B> {
                 if t.dtype() != Dtype::F32 || t.data().len() != 4 * len {
                     return Err(bad(path, format!("{name}: expected {len} f32 values")));
                 }
-                let host: Vec<f32> = t
-                    .data()
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect();
+                let host = le_f32s(t.data());
                 let mut buf = be.alloc(len)?;
                 be.upload(&host, ViewMut::whole(&mut buf))?;
                 Ok(buf)

@@ -1,7 +1,7 @@
 //! Device buffers of the CUDA backend and the conversion of backend views into cudarc
 //! views (the form `ares-cuda`'s ops take).
 
-use crate::backend::{BackendError, DeviceBuffer, Result, View, ViewMut};
+use crate::backend::{BackendError, DType, DeviceBuffer, Result, View, ViewMut};
 use ares_cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 
 /// An f32 allocation on the GPU (the CUDA backend's [`Backend::Buffer`]). Freed,
@@ -26,6 +26,62 @@ pub struct CudaIds {
     pub(super) len: usize,
 }
 
+/// A 16-bit float allocation on the GPU, bf16 or f16 (the CUDA backend's
+/// [`Backend::Half`]).
+///
+/// [`Backend::Half`]: crate::backend::Backend::Half
+pub struct CudaHalf {
+    /// At least one element (see [`CudaBuffer`]).
+    pub(super) slice: CudaSlice<u16>,
+    /// Elements of the buffer (`<= slice.len()`).
+    pub(super) len: usize,
+    pub(super) dtype: DType,
+}
+
+impl std::fmt::Debug for CudaHalf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaHalf({} × {})", self.dtype, self.len)
+    }
+}
+
+impl DeviceBuffer for CudaHalf {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+}
+
+/// The device bits a 16-bit view names, after checking it holds `want` (argument `arg` of
+/// `op`).
+pub(super) fn half_view<'a>(
+    op: &'static str,
+    arg: &'static str,
+    v: View<'a, CudaHalf>,
+    want: DType,
+) -> Result<CudaView<'a, u16>> {
+    let buffer = v.buffer();
+    BackendError::check_dtype(op, arg, want, buffer.dtype)?;
+    window(v.offset(), v.len(), buffer.len, |r| {
+        buffer.slice.try_slice(r)
+    })
+}
+
+/// [`half_view`], writable.
+pub(super) fn half_view_mut<'a>(
+    op: &'static str,
+    arg: &'static str,
+    v: ViewMut<'a, CudaHalf>,
+    want: DType,
+) -> Result<CudaViewMut<'a, u16>> {
+    BackendError::check_dtype(op, arg, want, v.as_view().buffer().dtype)?;
+    let (offset, len) = (v.offset(), v.len());
+    let buffer = v.into_buffer();
+    window(offset, len, buffer.len, |r| buffer.slice.try_slice_mut(r))
+}
+
 impl std::fmt::Debug for CudaBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "CudaBuffer(f32 × {})", self.len)
@@ -42,11 +98,19 @@ impl DeviceBuffer for CudaBuffer {
     fn len(&self) -> usize {
         self.len
     }
+
+    fn dtype(&self) -> DType {
+        DType::F32
+    }
 }
 
 impl DeviceBuffer for CudaIds {
     fn len(&self) -> usize {
         self.len
+    }
+
+    fn dtype(&self) -> DType {
+        DType::U32
     }
 }
 

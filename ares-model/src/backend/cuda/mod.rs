@@ -24,17 +24,17 @@
 
 mod buffer;
 
-pub use buffer::{CudaBuffer, CudaIds};
+pub use buffer::{CudaBuffer, CudaHalf, CudaIds};
 
-use buffer::{ids, ids_mut, view, view_mut, view_mut_opt, view_opt};
+use buffer::{half_view, half_view_mut, ids, ids_mut, view, view_mut, view_mut_opt, view_opt};
 
 use super::ops::{declared_ops, op_arg_type};
 use super::sampling::check_top_k;
 use super::{
     Activation, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
-    BlockTables, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
+    BlockTables, DType, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
     MatmulPrecision, PagedKvView, PagedKvViewMut, Result, SegmentAttentionDims, Tensor, TensorMut,
-    WindowSpec,
+    WindowSpec, check_half,
 };
 use ares_cuda::cudarc::driver::CudaView;
 use ares_cuda::model_ops::{
@@ -204,16 +204,22 @@ impl ToCuda for &AdamWUpdate {
     }
 }
 
-/// The CUDA form of an argument of a declared op (`ops.rs`): views become cudarc views,
-/// host values [`ToCuda`].
+/// The CUDA form of argument `$a` of declared op `$op` (`ops.rs`): views become cudarc
+/// views (a 16-bit view's dtype checked), host values [`ToCuda`].
 #[rustfmt::skip]
 macro_rules! cuda_arg {
-    ($a:ident: In<f32>) => { view($a)? };
-    ($a:ident: Out<f32>) => { view_mut($a)? };
-    ($a:ident: InOpt<f32>) => { view_opt($a)? };
-    ($a:ident: OutOpt<f32>) => { view_mut_opt($a)? };
-    ($a:ident: In<u32>) => { ids($a)? };
-    ($a:ident: $($t:tt)+) => { ToCuda::to_cuda($a) };
+    ($op:ident, $a:ident: In<f32>) => { view($a)? };
+    ($op:ident, $a:ident: Out<f32>) => { view_mut($a)? };
+    ($op:ident, $a:ident: InOpt<f32>) => { view_opt($a)? };
+    ($op:ident, $a:ident: OutOpt<f32>) => { view_mut_opt($a)? };
+    ($op:ident, $a:ident: In<u32>) => { ids($a)? };
+    ($op:ident, $a:ident: In<bf16>) => {
+        half_view(stringify!($op), stringify!($a), $a, DType::Bf16)?
+    };
+    ($op:ident, $a:ident: Out<bf16>) => {
+        half_view_mut(stringify!($op), stringify!($a), $a, DType::Bf16)?
+    };
+    ($op:ident, $a:ident: $($t:tt)+) => { ToCuda::to_cuda($a) };
 }
 
 /// How a converted argument is passed to a [`ModelOps`] method.
@@ -224,6 +230,8 @@ macro_rules! cuda_pass {
     ($a:ident: InOpt<f32>) => { $a.as_ref() };
     ($a:ident: OutOpt<f32>) => { $a.as_mut() };
     ($a:ident: In<u32>) => { &$a };
+    ($a:ident: In<bf16>) => { &$a };
+    ($a:ident: Out<bf16>) => { &mut $a };
     ($a:ident: Ref<$t:ident>) => { &$a };
     ($a:ident: $t:ident) => { $a };
 }
@@ -242,7 +250,7 @@ macro_rules! cuda_ops {
             fn $name(&self, $($arg: op_arg_type!($kind $(<$dt>)?)),*) -> Result<()> {
                 $(
                     #[allow(unused_mut)]
-                    let mut $arg = cuda_arg!($arg: $kind $(<$dt>)?);
+                    let mut $arg = cuda_arg!($name, $arg: $kind $(<$dt>)?);
                 )*
                 self.ops
                     .$cuda($(cuda_pass!($arg: $kind $(<$dt>)?)),*)
@@ -255,6 +263,7 @@ macro_rules! cuda_ops {
 impl Backend for CudaBackend {
     type Buffer = CudaBuffer;
     type Ids = CudaIds;
+    type Half = CudaHalf;
 
     fn name(&self) -> &str {
         &self.name
@@ -273,6 +282,12 @@ impl Backend for CudaBackend {
     fn alloc_ids(&self, len: usize) -> Result<CudaIds> {
         let slice = self.ops.alloc_ids(len.max(1)).map_err(op("alloc_ids"))?;
         Ok(CudaIds { slice, len })
+    }
+
+    fn alloc_half(&self, len: usize, dtype: DType) -> Result<CudaHalf> {
+        check_half("alloc_half", dtype)?;
+        let slice = self.ops.alloc_half(len.max(1)).map_err(op("alloc_half"))?;
+        Ok(CudaHalf { slice, len, dtype })
     }
 
     fn upload(&self, src: &[f32], dst: TensorMut<'_, Self>) -> Result<()> {
@@ -478,56 +493,6 @@ impl Backend for CudaBackend {
                 &mut view_mut(out)?,
             )
             .map_err(op("attention_decode"))
-    }
-
-    fn pack_bf16(
-        &self,
-        src: Tensor<'_, Self>,
-        rows: usize,
-        cols: usize,
-        dst: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        let src = view(src)?;
-        // row-major, the layout cuBLAS reads
-        BackendError::check_len("pack_bf16 src", rows.saturating_mul(cols), src.len())?;
-        let mut dst = view_mut(dst)?;
-        BackendError::check_len("pack_bf16 dst", src.len().div_ceil(2), dst.len())?;
-        // SAFETY: u16 has no invalid bit patterns; the view covers the first `src.len()`
-        // halves of `dst`'s bytes, which hold at least that many (checked).
-        let mut halves =
-            unsafe { dst.transmute_mut::<u16>(src.len()) }.ok_or_else(|| BackendError::Op {
-                op: "pack_bf16",
-                source: "dst too short for the bf16 halves".into(),
-            })?;
-        self.ops.to_bf16(&src, &mut halves).map_err(op("pack_bf16"))
-    }
-
-    fn linear_transposed_bf16(
-        &self,
-        x: Tensor<'_, Self>,
-        wt: Tensor<'_, Self>,
-        bias: Option<Tensor<'_, Self>>,
-        dims: LinearDims,
-        out: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        let wt = view(wt)?;
-        let n = dims.in_features.saturating_mul(dims.out_features);
-        BackendError::check_len("linear_transposed_bf16 wt", n.div_ceil(2), wt.len())?;
-        // SAFETY: u16 has no invalid bit patterns; `n` halves fit in `wt`'s bytes (checked).
-        let w16 = unsafe { wt.transmute::<u16>(n) }.ok_or_else(|| BackendError::Op {
-            op: "linear_transposed_bf16",
-            source: "wt too short for the bf16 halves".into(),
-        })?;
-        let bias = view_opt(bias)?;
-        self.ops
-            .linear_transposed_bf16(
-                &view(x)?,
-                &w16,
-                bias.as_ref(),
-                gemm_dims(dims),
-                &mut view_mut(out)?,
-            )
-            .map_err(op("linear_transposed_bf16"))
     }
 
     fn paged_kv_cache_append(
