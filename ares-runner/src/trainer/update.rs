@@ -76,203 +76,36 @@ pub fn ppo_update<B: Backend>(
     mut on_mini: impl FnMut(usize, usize),
 ) -> Result<UpdateReport, TrainError> {
     let rows: Vec<usize> = (0..batch.rows()).collect();
-    let t = batch.tokens.cols();
-    let temperature = settings.sampling.temperature();
-    let agg: LossAggMode = settings.policy.agg;
     let minis: Vec<&[usize]> = rows.chunks(settings.mini_batch.max(1)).collect();
     let total = minis.len() * settings.ppo_epochs;
+    let mut update = Update {
+        inputs: Inputs {
+            settings,
+            batch,
+            prep,
+        },
+        arena: None,
+    };
     let mut report = UpdateReport::default();
     let mut sums = Metrics::new();
-    let mut arena: Option<(usize, Activations<B>)> = None;
     let mut done = 0;
     for _epoch in 0..settings.ppo_epochs {
         for mini in &minis {
-            let (mini_tokens, mini_rows) = count(batch, mini);
-            let mut acc = MicroLoss::default();
-            let mut finite = true;
-            let mut micros = 0usize;
-            opt.grads.zero(actor.backend())?;
-            if let Some(t) = &mut opt.tower {
-                t.zero_grads(actor.backend())?;
-            }
-            if mini_tokens > 0 {
-                for (micro_index, micro) in mini.chunks(settings.micro_batch.max(1)).enumerate() {
-                    let (micro_tokens, micro_rows) = count(batch, micro);
-                    if micro_tokens == 0 {
-                        continue;
-                    }
-                    let packed = batch.pack(micro)?;
-                    let acts = match &mut arena {
-                        Some((len, a)) if *len == micro.len() => a,
-                        _ => {
-                            let a = actor.lm().activations(micro.len(), packed.seq())?;
-                            &mut arena.insert((micro.len(), a)).1
-                        }
-                    };
-                    let vision = batch.vision(micro);
-                    let mut pass = actor.forward(
-                        &packed.inputs(),
-                        vision.as_ref(),
-                        packed.prompt_cols,
-                        acts,
-                        opt.tower.is_some(),
-                    )?;
-                    let (logp, entropy) = super::sequences::response_log_probs_after_forward(
-                        actor.lm(),
-                        acts,
-                        &packed,
-                        temperature,
-                    )?;
-                    let g = |v: &[f32]| gather_rows(v, t, micro);
-                    let mask = g(&batch.tokens.mask);
-                    let old = g(&prep.scored.old_logp);
-                    let adv = g(&prep.advantages.values);
-                    let forking = prep.forking.as_ref().map(|f| g(&f.keep));
-                    let rollout = settings
-                        .uses_rollout_log_probs
-                        .then(|| g(&prep.rollout_logp));
-                    let shape = ares_core::Shape {
-                        rows: micro.len(),
-                        cols: t,
-                    };
-                    let input = MicroBatch {
-                        shape,
-                        mask: &mask,
-                        logp: &logp,
-                        logp_old: &old,
-                        logp_rollout: rollout.as_deref(),
-                        advantages: &adv,
-                        forking: forking.as_deref(),
-                    };
-                    let ref_rows = prep.scored.ref_logp.as_ref().map(|r| g(r));
-                    let hwe_rows = prep.scored.hwe_mask.as_ref().map(|h| g(h));
-                    let beta_rows: Vec<f32> = micro.iter().map(|&r| prep.scored.beta[r]).collect();
-                    let kl = match (&ref_rows, settings.kl.use_kl_loss) {
-                        (Some(logp_ref), true) => Some(KlLoss {
-                            estimator: settings.kl.estimator,
-                            beta: &beta_rows,
-                            hwe_mask: hwe_rows.as_deref(),
-                            low_ratio: settings.kl.low_ratio as f32,
-                            logp_ref,
-                        }),
-                        _ => None,
-                    };
-                    let scale = micro_scale(agg, micro_tokens, mini_tokens, micro_rows, mini_rows);
-                    let mut coeffs = vec![0.0f32; micro.len() * t];
-                    // Clip-Cov's selection: fixed by the run's seed, the optimizer step and
-                    // the micro-batch, so a resumed run selects the same tokens.
-                    let seed = settings
-                        .rollout_seed
-                        .wrapping_add(opt.steps.wrapping_mul(0x9E37_79B9_7F4A_7C15))
-                        .wrapping_add(micro_index as u64);
-                    let loss = match micro_loss(
-                        &input,
-                        &settings.policy,
-                        &settings.objective,
-                        seed,
-                        kl.as_ref(),
-                        scale,
-                        &mut coeffs,
-                    ) {
-                        Ok(l) => l,
-                        Err(TrainError::Core(ares_core::Error::NonFinite { .. })) => {
-                            finite = false;
-                            break;
-                        }
-                        Err(e) => return Err(e),
-                    };
-                    if !(loss.pg_loss.is_finite() && loss.kl_loss.is_finite()) {
-                        finite = false;
-                        break;
-                    }
-                    let spread = packed.spread_response(&coeffs);
-                    // the entropy bonus −c·agg(H_t) (docs/algorithms.md §16.2): its gradient
-                    // goes to the loss head as ∂L/∂H_t, beside ∂L/∂logπ_t
-                    let entropy_grad = match prep.entropy_coef {
-                        Some(c) if c != 0.0 => {
-                            let mut d = vec![0.0f32; micro.len() * t];
-                            match entropy_bonus(
-                                shape, &entropy, &mask, agg, c as f32, scale, &mut d,
-                            ) {
-                                Ok(h) => {
-                                    acc.entropy += h;
-                                    acc.entropy_loss -= c * h;
-                                    Some(packed.spread_response(&d))
-                                }
-                                // a non-finite entropy skips the mini-batch, as a
-                                // non-finite loss does
-                                Err(TrainError::Core(ares_core::Error::NonFinite { .. })) => {
-                                    finite = false;
-                                    break;
-                                }
-                                Err(e) => return Err(e),
-                            }
-                        }
-                        _ => None,
-                    };
-                    actor.backward_from_log_prob_grads(
-                        &packed.inputs(),
-                        acts,
-                        &mut pass,
-                        &packed.targets,
-                        &spread,
-                        temperature,
-                        &mut opt.grads,
-                        opt.tower.as_mut(),
-                        entropy_grad.as_deref(),
-                    )?;
-                    acc.pg_loss += loss.pg_loss;
-                    acc.kl_loss += loss.kl_loss;
-                    let w = loss.tokens as f64 / mini_tokens as f64;
-                    acc.clipfrac += loss.clipfrac * w;
-                    acc.clipfrac_lower += loss.clipfrac_lower * w;
-                    acc.ppo_kl += loss.ppo_kl * w;
-                    acc.selected_frac += loss.selected_frac * w;
-                    micros += 1;
-                }
-            }
             done += 1;
-            if micros == 0 && finite {
+            match update.mini_batch(mini, actor, opt)? {
                 // no valid token in the mini-batch: nothing to learn from
-                on_mini(done, total);
-                continue;
-            }
-            let lr = settings.optim.lr_at(opt.steps);
-            opt.steps += 1;
-            let stepped = if finite {
-                Some(actor.optimizer_step(
-                    &mut opt.adamw,
-                    &opt.grads,
-                    opt.tower.as_mut(),
-                    lr,
-                    settings.optim.max_grad_norm,
-                )?)
-            } else {
-                None
-            };
-            match stepped {
-                Some(r) if r.applied => {
-                    report.applied += 1;
-                    for (k, v) in [
-                        ("actor/pg_loss", acc.pg_loss),
-                        ("actor/kl_loss", acc.kl_loss),
-                        ("actor/clipfrac", acc.clipfrac),
-                        ("actor/clipfrac_lower", acc.clipfrac_lower),
-                        ("actor/ppo_kl", acc.ppo_kl),
-                        ("actor/grad_norm", f64::from(r.grad_norm)),
-                        ("actor/lr", lr),
-                    ] {
-                        *sums.entry(k.into()).or_default() += v;
+                MiniBatch::Empty => {}
+                MiniBatch::Learned(acc) => match update.optimizer_step(actor, opt, true)? {
+                    Some((grad_norm, lr)) => {
+                        report.applied += 1;
+                        update.add_metrics(&mut sums, &acc, grad_norm, lr);
                     }
-                    if prep.entropy_coef.is_some() {
-                        *sums.entry("actor/entropy".into()).or_default() += acc.entropy;
-                        *sums.entry("actor/entropy_loss".into()).or_default() += acc.entropy_loss;
-                    }
-                    if settings.objective.selects_tokens() {
-                        *sums.entry("actor/selected_frac".into()).or_default() += acc.selected_frac;
-                    }
+                    None => report.skipped += 1,
+                },
+                MiniBatch::NonFinite => {
+                    update.optimizer_step(actor, opt, false)?;
+                    report.skipped += 1;
                 }
-                _ => report.skipped += 1,
             }
             on_mini(done, total);
         }
@@ -280,4 +113,293 @@ pub fn ppo_update<B: Backend>(
     let k = report.applied.max(1) as f64;
     report.metrics = sums.into_iter().map(|(key, v)| (key, v / k)).collect();
     Ok(report)
+}
+
+/// What one mini-batch's forward and backward passes gave.
+enum MiniBatch {
+    /// No valid token: no optimizer step.
+    Empty,
+    /// A loss or gradient not finite: the step is counted and skipped.
+    NonFinite,
+    /// Gradients accumulated, and the mini-batch's losses and metrics.
+    Learned(MicroLoss),
+}
+
+/// A micro-batch's rows of the prepared batch's per-token tensors.
+struct Rows {
+    mask: Vec<f32>,
+    old: Vec<f32>,
+    advantages: Vec<f32>,
+    forking: Option<Vec<f32>>,
+    rollout: Option<Vec<f32>>,
+    reference: Option<Vec<f32>>,
+    hwe: Option<Vec<f32>>,
+    beta: Vec<f32>,
+}
+
+impl Rows {
+    /// Rows `micro` of `batch` and `prep`.
+    fn gather(batch: &Batch, prep: &Prepared, settings: &StepSettings, micro: &[usize]) -> Self {
+        let g = |v: &[f32]| gather_rows(v, batch.tokens.cols(), micro);
+        Self {
+            mask: g(&batch.tokens.mask),
+            old: g(&prep.scored.old_logp),
+            advantages: g(&prep.advantages.values),
+            forking: prep.forking.as_ref().map(|f| g(&f.keep)),
+            rollout: settings
+                .uses_rollout_log_probs
+                .then(|| g(&prep.rollout_logp)),
+            reference: prep.scored.ref_logp.as_ref().map(|r| g(r)),
+            hwe: prep.scored.hwe_mask.as_ref().map(|h| g(h)),
+            beta: micro.iter().map(|&r| prep.scored.beta[r]).collect(),
+        }
+    }
+
+    /// The policy loss's inputs for log-probs `logp`, and the KL loss's when the run has
+    /// one.
+    fn loss_inputs<'a>(
+        &'a self,
+        shape: ares_core::Shape,
+        logp: &'a [f32],
+        settings: &StepSettings,
+    ) -> (MicroBatch<'a>, Option<KlLoss<'a>>) {
+        let input = MicroBatch {
+            shape,
+            mask: &self.mask,
+            logp,
+            logp_old: &self.old,
+            logp_rollout: self.rollout.as_deref(),
+            advantages: &self.advantages,
+            forking: self.forking.as_deref(),
+        };
+        let kl = match (&self.reference, settings.kl.use_kl_loss) {
+            (Some(logp_ref), true) => Some(KlLoss {
+                estimator: settings.kl.estimator,
+                beta: &self.beta,
+                hwe_mask: self.hwe.as_deref(),
+                low_ratio: settings.kl.low_ratio as f32,
+                logp_ref,
+            }),
+            _ => None,
+        };
+        (input, kl)
+    }
+}
+
+/// One update's inputs, and the activation arena its micro-batches reuse.
+struct Update<'a, B: Backend> {
+    inputs: Inputs<'a>,
+    /// Planned for micro-batches of `.0` rows.
+    arena: Option<(usize, Activations<B>)>,
+}
+
+/// A micro-batch's loss, ∂L/∂logπ per token, and ∂L/∂H per token with an entropy bonus.
+type LossGrads = (MicroLoss, Vec<f32>, Option<Vec<f32>>);
+
+/// What an update reads: its settings, the batch and what `prepare` made of it.
+#[derive(Clone, Copy)]
+struct Inputs<'a> {
+    settings: &'a StepSettings,
+    batch: &'a Batch,
+    prep: &'a Prepared,
+}
+
+impl<B: Backend> Update<'_, B> {
+    /// Zeroes the gradients and accumulates those of every micro-batch of `mini`.
+    fn mini_batch(
+        &mut self,
+        mini: &[usize],
+        actor: &mut Actor<B>,
+        opt: &mut Optimizer<B>,
+    ) -> Result<MiniBatch, TrainError> {
+        let mini_size = count(self.inputs.batch, mini);
+        opt.grads.zero(actor.backend())?;
+        if let Some(t) = &mut opt.tower {
+            t.zero_grads(actor.backend())?;
+        }
+        let mut acc = MicroLoss::default();
+        let mut micros = 0usize;
+        if mini_size.0 > 0 {
+            for (index, micro) in mini
+                .chunks(self.inputs.settings.micro_batch.max(1))
+                .enumerate()
+            {
+                if count(self.inputs.batch, micro).0 == 0 {
+                    continue;
+                }
+                let Some(loss) = self.micro_batch(micro, index, mini_size, actor, opt)? else {
+                    return Ok(MiniBatch::NonFinite);
+                };
+                acc.pg_loss += loss.pg_loss;
+                acc.kl_loss += loss.kl_loss;
+                let w = loss.tokens as f64 / mini_size.0 as f64;
+                acc.clipfrac += loss.clipfrac * w;
+                acc.clipfrac_lower += loss.clipfrac_lower * w;
+                acc.ppo_kl += loss.ppo_kl * w;
+                acc.selected_frac += loss.selected_frac * w;
+                acc.entropy += loss.entropy;
+                acc.entropy_loss += loss.entropy_loss;
+                micros += 1;
+            }
+        }
+        Ok(if micros == 0 {
+            MiniBatch::Empty
+        } else {
+            MiniBatch::Learned(acc)
+        })
+    }
+
+    /// Micro-batch `index` (rows `micro`) of a mini-batch of `mini` (valid tokens,
+    /// non-empty rows): forward, logπ, the loss and ∂L/∂logπ (and an entropy bonus's
+    /// ∂L/∂H), backward into the accumulated gradients. `None` when a loss or the entropy
+    /// is not finite.
+    fn micro_batch(
+        &mut self,
+        micro: &[usize],
+        index: usize,
+        mini: (usize, usize),
+        actor: &mut Actor<B>,
+        opt: &mut Optimizer<B>,
+    ) -> Result<Option<MicroLoss>, TrainError> {
+        let read = self.inputs;
+        let batch = read.batch;
+        let (t, temperature) = (batch.tokens.cols(), read.settings.sampling.temperature());
+        let packed = batch.pack(micro)?;
+        let acts = match &mut self.arena {
+            Some((len, a)) if *len == micro.len() => a,
+            _ => {
+                let a = actor.lm().activations(micro.len(), packed.seq())?;
+                &mut self.arena.insert((micro.len(), a)).1
+            }
+        };
+        let vision = batch.vision(micro);
+        let inputs = packed.inputs();
+        let mut pass = actor.forward(
+            &inputs,
+            vision.as_ref(),
+            packed.prompt_cols,
+            acts,
+            opt.tower.is_some(),
+        )?;
+        let (logp, entropy) = super::sequences::response_log_probs_after_forward(
+            actor.lm(),
+            acts,
+            &packed,
+            temperature,
+        )?;
+        let shape = ares_core::Shape {
+            rows: micro.len(),
+            cols: t,
+        };
+        let step = (opt.steps, index, mini);
+        let Some((loss, coeffs, dh)) = read.loss(micro, step, shape, &logp, &entropy)? else {
+            return Ok(None);
+        };
+        let spread = packed.spread_response(&coeffs);
+        let entropy_grad = dh.map(|d| packed.spread_response(&d));
+        actor.backward_from_log_prob_grads(
+            &inputs,
+            acts,
+            &mut pass,
+            &packed.targets,
+            &spread,
+            temperature,
+            &mut opt.grads,
+            opt.tower.as_mut(),
+            entropy_grad.as_deref(),
+        )?;
+        Ok(Some(loss))
+    }
+
+    /// Advances the schedule's clock and, when the gradients are `finite`, steps AdamW;
+    /// `(grad_norm, lr)` when the step was applied.
+    fn optimizer_step(
+        &self,
+        actor: &mut Actor<B>,
+        opt: &mut Optimizer<B>,
+        finite: bool,
+    ) -> Result<Option<(f32, f64)>, TrainError> {
+        let optim = &self.inputs.settings.optim;
+        let lr = optim.lr_at(opt.steps);
+        opt.steps += 1;
+        if !finite {
+            return Ok(None);
+        }
+        let tower = opt.tower.as_mut();
+        let r = actor.optimizer_step(&mut opt.adamw, &opt.grads, tower, lr, optim.max_grad_norm)?;
+        Ok(r.applied.then_some((r.grad_norm, lr)))
+    }
+
+    /// Adds an applied mini-batch's losses and metrics to `sums`.
+    fn add_metrics(&self, sums: &mut Metrics, acc: &MicroLoss, grad_norm: f32, lr: f64) {
+        for (k, v) in [
+            ("actor/pg_loss", acc.pg_loss),
+            ("actor/kl_loss", acc.kl_loss),
+            ("actor/clipfrac", acc.clipfrac),
+            ("actor/clipfrac_lower", acc.clipfrac_lower),
+            ("actor/ppo_kl", acc.ppo_kl),
+            ("actor/grad_norm", f64::from(grad_norm)),
+            ("actor/lr", lr),
+        ] {
+            *sums.entry(k.into()).or_default() += v;
+        }
+        if self.inputs.prep.entropy_coef.is_some() {
+            *sums.entry("actor/entropy".into()).or_default() += acc.entropy;
+            *sums.entry("actor/entropy_loss".into()).or_default() += acc.entropy_loss;
+        }
+        if self.inputs.settings.objective.selects_tokens() {
+            *sums.entry("actor/selected_frac".into()).or_default() += acc.selected_frac;
+        }
+    }
+}
+
+impl Inputs<'_> {
+    /// The loss of micro-batch `index` (rows `micro`, `[rows, T]` log-probs `logp` and
+    /// entropies `entropy`) of a mini-batch of `mini` (valid tokens, non-empty rows) at
+    /// optimizer step `steps`: its values, ∂L/∂logπ per token and, with an entropy bonus,
+    /// ∂L/∂H per token. `None` when a loss or the entropy is not finite.
+    fn loss(
+        &self,
+        micro: &[usize],
+        (steps, index, mini): (u64, usize, (usize, usize)),
+        shape: ares_core::Shape,
+        logp: &[f32],
+        entropy: &[f32],
+    ) -> Result<Option<LossGrads>, TrainError> {
+        let (settings, prep) = (self.settings, self.prep);
+        let agg: LossAggMode = settings.policy.agg;
+        let rows = Rows::gather(self.batch, prep, settings, micro);
+        let (input, kl) = rows.loss_inputs(shape, logp, settings);
+        let (micro_tokens, micro_rows) = count(self.batch, micro);
+        let scale = micro_scale(agg, micro_tokens, mini.0, micro_rows, mini.1);
+        let mut coeffs = vec![0.0f32; shape.rows * shape.cols];
+        // Clip-Cov's selection: fixed by the run's seed, the optimizer step and the
+        // micro-batch, so a resumed run selects the same tokens.
+        let seed = settings
+            .rollout_seed
+            .wrapping_add(steps.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+            .wrapping_add(index as u64);
+        let (policy, objective, kl) = (&settings.policy, &settings.objective, kl.as_ref());
+        let mut loss = match micro_loss(&input, policy, objective, seed, kl, scale, &mut coeffs) {
+            Ok(l) if l.pg_loss.is_finite() && l.kl_loss.is_finite() => l,
+            Ok(_) | Err(TrainError::Core(ares_core::Error::NonFinite { .. })) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        // the entropy bonus −c·agg(H_t) (docs/algorithms.md §16.2): its gradient goes to the
+        // loss head as ∂L/∂H_t, beside ∂L/∂logπ_t
+        let Some(c) = prep.entropy_coef.filter(|&c| c != 0.0) else {
+            return Ok(Some((loss, coeffs, None)));
+        };
+        let mut d = vec![0.0f32; shape.rows * shape.cols];
+        match entropy_bonus(shape, entropy, &rows.mask, agg, c as f32, scale, &mut d) {
+            Ok(h) => {
+                loss.entropy = h;
+                loss.entropy_loss = -c * h;
+                Ok(Some((loss, coeffs, Some(d))))
+            }
+            // a non-finite entropy skips the mini-batch, as a non-finite loss does
+            Err(TrainError::Core(ares_core::Error::NonFinite { .. })) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
 }
