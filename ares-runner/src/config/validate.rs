@@ -12,8 +12,10 @@
 //!   at most one may be on.
 //! - `trainer.device: cuda` is accepted here; the trainer decides whether a GPU is usable.
 
+use ares_core::difficulty::PerBucket;
+
 use super::Config;
-use super::algorithm::{AlgorithmConfig, EntropyRewardConfig, PerBucket};
+use super::algorithm::{AlgorithmConfig, EntropyRewardConfig};
 use super::data::DataConfig;
 use super::error::ConfigError;
 use super::trainer::{SftConfig, TrainerConfig};
@@ -76,12 +78,12 @@ fn within(key: &str, value: f64, lo: f64, hi: f64) -> Result<(), ConfigError> {
 /// Every bucket finite and `ok`.
 fn buckets(
     key: &str,
-    values: &PerBucket,
+    values: &PerBucket<f64>,
     ok: impl Fn(f64) -> bool,
     expected: &str,
 ) -> Result<(), ConfigError> {
-    for (bucket, v) in values.entries() {
-        real(&format!("{key}.{bucket}"), v, ok(v), expected)?;
+    for (bucket, &v) in values.iter() {
+        real(&format!("{key}.{}", bucket.name()), v, ok(v), expected)?;
     }
     Ok(())
 }
