@@ -5,7 +5,7 @@
 //! required when the map is typed, but a partial map in a config file keeps the spec default
 //! of the buckets it leaves out, since the file is merged onto the defaults first.
 
-use ares_core::difficulty::{AccuracyThresholds, PerBucket};
+use ares_core::difficulty::{AccuracyThresholds, DifficultyConfig, PerBucket};
 use ares_core::kl::KlEstimator;
 use serde::{Deserialize, Serialize};
 
@@ -334,6 +334,30 @@ impl Default for AlgorithmConfig {
             drop_solved: DropSolvedConfig::default(),
             entropy_reward: EntropyRewardConfig::default(),
             grpo_lambda: GrpoLambdaConfig::default(),
+        }
+    }
+}
+
+impl AlgorithmConfig {
+    /// ares-core's settings of the difficulty controller: the bucket thresholds, the dual
+    /// ascent on the KL budgets (`dual_ascent`) and the α and target settings of
+    /// `entropy_reward` (α starts at `alpha_init` in every bucket). The trainer runs it and
+    /// validation checks it with ares-core's [`DifficultyConfig::validate`].
+    pub fn difficulty(&self) -> DifficultyConfig<f64> {
+        let (er, da) = (&self.entropy_reward, &self.dual_ascent);
+        DifficultyConfig {
+            accuracy_thresholds: self.difficulty_thresholds,
+            target_momentum: er.target_momentum,
+            target_scale: er.target_scale,
+            target_update_interval: er.target_update_interval as u64,
+            alpha_init: PerBucket::splat(er.alpha_init),
+            alpha_lr: er.alpha_lr,
+            alpha_min: er.alpha_min,
+            alpha_max: er.alpha_max,
+            lambda_init: da.lambda_init,
+            kl_budget: da.budget,
+            lambda_lr: da.eta,
+            lambda_max: da.lambda_max,
         }
     }
 }

@@ -201,20 +201,7 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
     let rollout = &cfg.worker.rollout;
     let n = rollout.n;
 
-    let difficulty = DifficultyConfig {
-        accuracy_thresholds: alg.difficulty_thresholds,
-        target_momentum: er.target_momentum,
-        target_scale: er.target_scale,
-        target_update_interval: er.target_update_interval as u64,
-        alpha_init: PerBucket::splat(er.alpha_init),
-        alpha_lr: er.alpha_lr,
-        alpha_min: er.alpha_min,
-        alpha_max: er.alpha_max,
-        lambda_init: alg.dual_ascent.lambda_init,
-        kl_budget: alg.dual_ascent.budget,
-        lambda_lr: alg.dual_ascent.eta,
-        lambda_max: alg.dual_ascent.lambda_max,
-    };
+    let difficulty = alg.difficulty();
     difficulty.validate()?;
 
     let shaping = er
