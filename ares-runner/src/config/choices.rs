@@ -1,8 +1,8 @@
 //! Tables of named choices, as verl's registries of advantage estimators and policy losses
 //! are: one row per choice with the value, its YAML name and the other names it is read
 //! from. Reading a config, writing the resolved YAML, `name()` and the list of accepted
-//! names in an `unknown variant` error all come from the table, so a choice (or an alias)
-//! is added in one place.
+//! names in an `unknown variant` error all come from the table, and a test holds the lists
+//! of docs/algorithms.md (§5, §12) to it, so a choice (or an alias) is added in one place.
 //!
 //! The tables: [`ESTIMATORS`](super::algorithm::ESTIMATORS) (`algorithm.adv_estimator`) and
 //! [`POLICY_LOSSES`](super::worker::POLICY_LOSSES) (`worker.actor.policy_loss`). Where
@@ -233,6 +233,42 @@ mod tests {
         ]);
         assert_eq!(parse::<E>("reinforce_plus_plus"), Some(E::Reinforce));
         assert_eq!(parse::<L>("vanilla"), Some(L::Ppo));
+    }
+
+    /// The table as docs/algorithms.md lists it: `` `a` (alias `b`), `c` ``.
+    fn listed<T: Choices>() -> String {
+        let row = |c: &Choice<T>| {
+            let aliases: Vec<String> = c.aliases.iter().map(|a| format!("`{a}`")).collect();
+            match aliases.len() {
+                0 => format!("`{}`", c.name),
+                1 => format!("`{}` (alias {})", c.name, aliases[0]),
+                _ => format!("`{}` (aliases {})", c.name, aliases.join(", ")),
+            }
+        };
+        T::TABLE.iter().map(row).collect::<Vec<_>>().join(", ")
+    }
+
+    #[test]
+    fn the_spec_lists_every_name_and_alias() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/algorithms.md");
+        let text = std::fs::read_to_string(path).expect("docs/algorithms.md");
+        let text = text.split_whitespace().collect::<Vec<_>>().join(" ");
+        for (key, list) in [
+            (
+                "algorithm.adv_estimator",
+                listed::<crate::config::AdvEstimator>(),
+            ),
+            (
+                "worker.actor.policy_loss",
+                listed::<crate::config::PolicyLoss>(),
+            ),
+        ] {
+            let line = format!("`{key}` ({list})");
+            assert!(
+                text.contains(&line),
+                "docs/algorithms.md should say: {line}"
+            );
+        }
     }
 
     #[test]
