@@ -121,7 +121,19 @@ impl fmt::Display for Difficulty {
 
 /// Accuracy thresholds of the buckets: easy iff `acc ≥ easy`, medium iff `acc ≥ medium`,
 /// else hard. Defaults 2/3 and 1/3.
+///
+/// With the `serde` feature: a mapping `{easy, medium}`; a key left out keeps its default,
+/// an unknown key is an error.
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(
+        deny_unknown_fields,
+        default,
+        bound(deserialize = "F: Float + serde::Deserialize<'de>")
+    )
+)]
 pub struct AccuracyThresholds<F> {
     /// Lowest accuracy of an easy prompt (default 2/3).
     pub easy: F,
@@ -205,7 +217,15 @@ pub fn classify_groups<F: Float>(
 }
 
 /// One value per bucket, indexable by [`Difficulty`].
+///
+/// With the `serde` feature: a mapping `{easy, medium, hard}` (the names of
+/// [`Difficulty::name`]), all three required, an unknown key an error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(deny_unknown_fields)
+)]
 pub struct PerBucket<T> {
     /// The easy bucket's value.
     pub easy: T,

@@ -50,21 +50,31 @@ pub const ADAPTIVE_KL_HORIZON: f64 = 10000.0;
 pub const ADAPTIVE_KL_ERROR_CLIP: f64 = 0.2;
 
 /// A per-token estimator of KL(π ‖ π_ref) from the two log-probabilities of the sampled token.
+///
+/// With the `serde` feature it is read from any name [`KlEstimator::from_name`] accepts and
+/// written as verl's `kl_penalty` names: `kl`, `abs`, `mse`, `low_var_kl`, `k1+`, `k3+`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum KlEstimator {
     /// `k1 = δ`: unbiased, high variance, can be negative.
+    #[cfg_attr(feature = "serde", serde(rename = "kl", alias = "k1"))]
     K1,
     /// `|δ|`.
+    #[cfg_attr(feature = "serde", serde(rename = "abs"))]
     Abs,
     /// `k2 = δ²/2` (`mse`).
+    #[cfg_attr(feature = "serde", serde(rename = "mse", alias = "k2"))]
     K2,
     /// `k3 = eˣ − x − 1` with x = −δ (`low_var_kl`), clamped as in the module table; ≥ 0.
     /// The default: the estimator of the KL loss term.
     #[default]
+    #[cfg_attr(feature = "serde", serde(rename = "low_var_kl", alias = "k3"))]
     K3,
     /// `k1+`: the value of k1 with the gradient of k2 (straight-through).
+    #[cfg_attr(feature = "serde", serde(rename = "k1+", alias = "kl+"))]
     K1Plus,
     /// `k3+`: the value of k3 with the gradient of k2 (straight-through).
+    #[cfg_attr(feature = "serde", serde(rename = "k3+", alias = "low_var_kl+"))]
     K3Plus,
 }
 

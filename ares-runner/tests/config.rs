@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use ares_runner::config::{
-    AdvEstimator, Config, ConfigError, Device, IsCorrection, KlCtrl, KlPenalty, LossAggMode,
+    AdvEstimator, Config, ConfigError, Device, IsMode, KlCtrl, KlEstimator, LossAggMode,
     LrScheduler, PerBucket, PolicyLoss, RewardGrader, RubricGrader, RubricSchedule, SaveDtypeCfg,
 };
 
@@ -71,7 +71,7 @@ fn defaults_are_the_spec_values() {
 
     // §4 KL
     assert!(a.use_kl_loss);
-    assert_eq!(a.kl_penalty, KlPenalty::LowVarKl);
+    assert_eq!(a.kl_penalty, KlEstimator::K3);
     assert_eq!(a.kl_type, KlCtrl::DualAscent);
     assert_eq!((a.kl_coef, a.kl_target, a.kl_horizon), (1e-3, 0.1, 10000.0));
     assert!(c.worker.actor.dynamic_kl_loss);
@@ -93,7 +93,7 @@ fn defaults_are_the_spec_values() {
         (0.2, 0.3, 3.0)
     );
     assert_eq!(actor.loss_agg_mode, LossAggMode::TokenMean);
-    assert_eq!(actor.is_correction, IsCorrection::None);
+    assert_eq!(actor.is_correction, IsMode::None);
     assert_eq!(
         (actor.is_threshold_low, actor.is_threshold_high),
         (0.5, 5.0)
@@ -205,16 +205,16 @@ fn aliases_of_enum_spellings_are_accepted() {
         "worker.actor.loss_agg_mode=seq_mean_token_sum_norm",
     ])
     .expect("aliases");
-    assert_eq!(c.algorithm.kl_penalty, KlPenalty::Kl);
+    assert_eq!(c.algorithm.kl_penalty, KlEstimator::K1);
     assert_eq!(c.algorithm.adv_estimator, AdvEstimator::ReinforceBaseline);
     assert_eq!(
         c.worker.actor.loss_agg_mode,
         LossAggMode::SeqMeanTokenSumNorm
     );
     let c = with_overrides(&["algorithm.kl_penalty=k2"]).expect("k2");
-    assert_eq!(c.algorithm.kl_penalty, KlPenalty::Mse);
+    assert_eq!(c.algorithm.kl_penalty, KlEstimator::K2);
     let c = with_overrides(&["algorithm.kl_penalty=k3"]).expect("k3");
-    assert_eq!(c.algorithm.kl_penalty, KlPenalty::LowVarKl);
+    assert_eq!(c.algorithm.kl_penalty, KlEstimator::K3);
 }
 
 #[test]
@@ -397,7 +397,7 @@ fn policy_losses_and_straight_through_kl_are_selectable() {
     }
     let text = message(with_overrides(&["worker.actor.policy_loss=grpo"]));
     assert!(text.contains("worker.actor.policy_loss"), "{text}");
-    for (name, kl) in [("k1+", KlPenalty::K1Plus), ("k3+", KlPenalty::K3Plus)] {
+    for (name, kl) in [("k1+", KlEstimator::K1Plus), ("k3+", KlEstimator::K3Plus)] {
         let c = with_overrides(&[&format!("algorithm.kl_penalty={name}")]).expect(name);
         assert_eq!(c.algorithm.kl_penalty, kl);
         let back = Config::from_yaml_str(&c.to_yaml(), "resolved").expect("round trip");
@@ -463,7 +463,7 @@ fn unusual() -> Config {
     c.data.train_files = Some("data/x.parquet".into());
     c.data.format_prompt = Some("a: b #c.jinja".into());
     c.algorithm.adv_estimator = AdvEstimator::ReinforceProMax;
-    c.algorithm.kl_penalty = KlPenalty::Abs;
+    c.algorithm.kl_penalty = KlEstimator::Abs;
     c.algorithm.kl_type = KlCtrl::Adaptive;
     c.algorithm.kl_coef = 1e-7;
     c.algorithm.difficulty_thresholds.easy = 0.7;
@@ -471,7 +471,7 @@ fn unusual() -> Config {
     c.algorithm.entropy_reward.alpha_init = 0.1 + 0.2;
     c.trainer.max_try_make_batch = -1;
     c.worker.actor.loss_agg_mode = LossAggMode::SeqMeanTokenMean;
-    c.worker.actor.is_correction = IsCorrection::ReinforcePro;
+    c.worker.actor.is_correction = IsMode::ReinforcePro;
     c.worker.actor.optim.lr_scheduler_type = LrScheduler::Cosine;
     c.worker.actor.optim.betas = [0.0, 0.95];
     c.worker.rollout.graded.schedule = RubricSchedule::StepSigmoid;

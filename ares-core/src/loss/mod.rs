@@ -229,20 +229,38 @@ pub fn ppo_token_loss<F: Float>(
 /// Rows without a valid token are skipped by the seq-mean modes (they count neither in the
 /// numerator nor in `R`), as current verl does. A batch with no valid token at all is an
 /// error ([`Error::Empty`] for `"mask"`) in every mode, even where the value would be 0.
+///
+/// With the `serde` feature a mode is written as its [`name`](Self::name) and read from it or
+/// from the same name with underscores (`token_mean`, as some configs spell it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub enum LossAggMode {
     /// `token-mean`: `Σ m·L / Σ m`. Weight of a valid token: `1 / Σ m`.
     #[default]
+    #[cfg_attr(feature = "serde", serde(rename = "token-mean", alias = "token_mean"))]
     TokenMean,
     /// `token-sum`: `Σ m·L`. Weight: 1.
+    #[cfg_attr(feature = "serde", serde(rename = "token-sum", alias = "token_sum"))]
     TokenSum,
     /// `seq-mean-token-sum`: `(1/R) Σ_r Σ_t m·L`. Weight: `1 / R`.
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "seq-mean-token-sum", alias = "seq_mean_token_sum")
+    )]
     SeqMeanTokenSum,
     /// `seq-mean-token-mean`: `(1/R) Σ_r (Σ_t m·L / n_r)`. Weight: `1 / (R·n_r)`.
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "seq-mean-token-mean", alias = "seq_mean_token_mean")
+    )]
     SeqMeanTokenMean,
     /// `seq-mean-token-sum-norm` (Dr.GRPO's constant normaliser): `Σ m·L / (R·T)`.
     /// Weight: `1 / (R·T)`. verl ≥ 0.8 divides by `R·T`; verl 0.5–0.7 divided by `T` alone,
     /// which is `R` times larger (docs/algorithms.md §6).
+    #[cfg_attr(
+        feature = "serde",
+        serde(rename = "seq-mean-token-sum-norm", alias = "seq_mean_token_sum_norm")
+    )]
     SeqMeanTokenSumNorm,
 }
 
@@ -458,7 +476,14 @@ pub fn aggregate_term<F: Float>(
 /// Rollout importance correction mode (`is_correction`): how the weight
 /// `w = exp(clamp(logπ_old − logπ_rollout, −20, 20))` between the training-time old policy
 /// and the sampler's policy is bounded.
+///
+/// With the `serde` feature a mode is read and written as its [`name`](Self::name).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "snake_case")
+)]
 pub enum IsMode {
     /// `none`: w = 1 (no correction; `logp_rollout` is not read).
     #[default]

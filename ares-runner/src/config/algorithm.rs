@@ -1,47 +1,20 @@
 //! `algorithm.*`: advantages, KL, online filtering, difficulty buckets, ARES entropy
 //! shaping and GRPO-λ — the knobs of `docs/algorithms.md` §§2–8 with its defaults.
+//!
+//! Per-bucket values are ares-core's `PerBucket` (`{easy, medium, hard}`): all three are
+//! required when the map is typed, but a partial map in a config file keeps the spec default
+//! of the buckets it leaves out, since the file is merged onto the defaults first.
 
+use ares_core::difficulty::{AccuracyThresholds, DifficultyConfig, PerBucket};
+use ares_core::kl::KlEstimator;
 use serde::{Deserialize, Serialize};
 
-/// One value per difficulty bucket (docs/algorithms.md §2: easy if accuracy ≥ 2/3, medium if ≥ 1/3, else
-/// hard). All three are required when the map is written out in full; a partial map in a
-/// config file keeps the spec default of the buckets it leaves out (the file is merged onto
-/// the defaults before it is typed).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PerBucket {
-    /// Value of the easy bucket.
-    pub easy: f64,
-    /// Value of the medium bucket.
-    pub medium: f64,
-    /// Value of the hard bucket.
-    pub hard: f64,
-}
+use super::choices::{self, Choice, Choices, serde_by_table, spellings};
 
-impl PerBucket {
-    /// `{easy, medium, hard}`.
-    pub const fn new(easy: f64, medium: f64, hard: f64) -> Self {
-        PerBucket { easy, medium, hard }
-    }
-
-    /// The same value for every bucket.
-    pub const fn splat(value: f64) -> Self {
-        PerBucket::new(value, value, value)
-    }
-
-    /// `[(name, value)]` in the order easy, medium, hard; the names are the YAML keys.
-    pub fn entries(&self) -> [(&'static str, f64); 3] {
-        [
-            ("easy", self.easy),
-            ("medium", self.medium),
-            ("hard", self.hard),
-        ]
-    }
-}
-
-/// Advantage estimator (docs/algorithms.md §5).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+/// Advantage estimator (docs/algorithms.md §5). ares-core has one function per estimator
+/// and no type naming them, so this is the config's own set; its names and aliases are
+/// the table [`ESTIMATORS`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AdvEstimator {
     /// GRPO: `(r − mean_g)/(std_g + 1e−6)`; Dr.GRPO when `norm_adv_by_std_in_grpo` is false.
     Grpo,
@@ -49,29 +22,62 @@ pub enum AdvEstimator {
     DrGrpo,
     /// RLOO: `r` minus the mean of the other n − 1 samples of the group.
     Rloo,
-    /// REINFORCE++: return-to-go of token rewards, whitened over the batch. Also accepted as
-    /// verl's `reinforce_plus_plus`.
-    #[serde(alias = "reinforce_plus_plus")]
+    /// REINFORCE++: return-to-go of token rewards, whitened over the batch.
     Reinforce,
-    /// REINFORCE++-baseline: `r − mean_g`, whitened over the batch. Also accepted as verl's
-    /// `reinforce_plus_plus_baseline`.
-    #[serde(alias = "reinforce_plus_plus_baseline")]
+    /// REINFORCE++-baseline: `r − mean_g`, whitened over the batch.
     ReinforceBaseline,
     /// REINFORCE Pro Max (docs/algorithms.md §5): RLOO, then per-prompt α/β token normalisation.
     ReinforceProMax,
 }
 
+/// The advantage estimators by name: `algorithm.adv_estimator` reads a name or an alias
+/// (verl's `reinforce_plus_plus`, `reinforce_plus_plus_baseline`) and writes the name.
+/// The trainer's dispatch is the one match of `trainer::settings::step_settings`.
+pub const ESTIMATORS: [Choice<AdvEstimator>; 6] = [
+    Choice {
+        value: AdvEstimator::Grpo,
+        name: "grpo",
+        aliases: &[],
+    },
+    Choice {
+        value: AdvEstimator::DrGrpo,
+        name: "dr_grpo",
+        aliases: &[],
+    },
+    Choice {
+        value: AdvEstimator::Rloo,
+        name: "rloo",
+        aliases: &[],
+    },
+    Choice {
+        value: AdvEstimator::Reinforce,
+        name: "reinforce",
+        aliases: &["reinforce_plus_plus"],
+    },
+    Choice {
+        value: AdvEstimator::ReinforceBaseline,
+        name: "reinforce_baseline",
+        aliases: &["reinforce_plus_plus_baseline"],
+    },
+    Choice {
+        value: AdvEstimator::ReinforceProMax,
+        name: "reinforce_pro_max",
+        aliases: &[],
+    },
+];
+const ESTIMATOR_SPELLINGS: [&str; 8] = spellings(&ESTIMATORS);
+
+impl Choices for AdvEstimator {
+    const TYPE: &'static str = "AdvEstimator";
+    const TABLE: &'static [Choice<Self>] = &ESTIMATORS;
+    const SPELLINGS: &'static [&'static str] = &ESTIMATOR_SPELLINGS;
+}
+serde_by_table!(AdvEstimator);
+
 impl AdvEstimator {
     /// The YAML spelling.
-    pub const fn name(self) -> &'static str {
-        match self {
-            AdvEstimator::Grpo => "grpo",
-            AdvEstimator::DrGrpo => "dr_grpo",
-            AdvEstimator::Rloo => "rloo",
-            AdvEstimator::Reinforce => "reinforce",
-            AdvEstimator::ReinforceBaseline => "reinforce_baseline",
-            AdvEstimator::ReinforceProMax => "reinforce_pro_max",
-        }
+    pub fn name(self) -> &'static str {
+        choices::name(self)
     }
 
     /// Whether the estimator compares the samples of a prompt's group, so that it needs
@@ -81,45 +87,9 @@ impl AdvEstimator {
     }
 }
 
-/// KL estimator per token, with `δ = logπ − logπ_ref` (docs/algorithms.md §4).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum KlPenalty {
-    /// k1: `δ`. Also accepted as `k1`.
-    #[serde(alias = "k1")]
-    Kl,
-    /// `|δ|`.
-    Abs,
-    /// k2: `δ²/2`. Also accepted as `k2`.
-    #[serde(alias = "k2")]
-    Mse,
-    /// k3 (low-variance): `eˣ − x − 1` with `x = clamp(−δ, ±20)`, clamped to ±10. Also
-    /// accepted as `k3`.
-    #[serde(alias = "k3")]
-    LowVarKl,
-    /// `k1+`: the value of k1 with the gradient of k2 (straight-through, as verl's `k1+`).
-    #[serde(rename = "k1+", alias = "kl+")]
-    K1Plus,
-    /// `k3+`: the value of k3 with the gradient of k2 (straight-through, as verl's `k3+`).
-    #[serde(rename = "k3+", alias = "low_var_kl+")]
-    K3Plus,
-}
-
-impl KlPenalty {
-    /// The YAML spelling.
-    pub const fn name(self) -> &'static str {
-        match self {
-            KlPenalty::Kl => "kl",
-            KlPenalty::Abs => "abs",
-            KlPenalty::Mse => "mse",
-            KlPenalty::LowVarKl => "low_var_kl",
-            KlPenalty::K1Plus => "k1+",
-            KlPenalty::K3Plus => "k3+",
-        }
-    }
-}
-
-/// How the KL coefficient β evolves (docs/algorithms.md §4).
+/// How the KL coefficient β evolves (docs/algorithms.md §4). Not ares-core's
+/// `KlController`: that one holds a running coefficient and has no `dual_ascent` (the
+/// per-bucket λ_d of `DifficultyConfig`), so the config keeps this choice of its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KlCtrl {
@@ -142,27 +112,6 @@ impl KlCtrl {
     }
 }
 
-/// Accuracy thresholds of the difficulty buckets (docs/algorithms.md §2): easy iff `accuracy ≥ easy`,
-/// medium iff `accuracy ≥ medium`, else hard. With n = 8: 6–8 correct easy, 3–5 medium,
-/// 0–2 hard. Requires `0 ≤ medium ≤ easy ≤ 1`.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct DifficultyThresholds {
-    /// Lowest accuracy of an easy prompt (default 2/3).
-    pub easy: f64,
-    /// Lowest accuracy of a medium prompt (default 1/3).
-    pub medium: f64,
-}
-
-impl Default for DifficultyThresholds {
-    fn default() -> Self {
-        DifficultyThresholds {
-            easy: 2.0 / 3.0,
-            medium: 1.0 / 3.0,
-        }
-    }
-}
-
 /// Dual ascent on per-bucket KL budgets (docs/algorithms.md §2):
 /// `λ_d ← min(λ_max, max(0, λ_d + η·(KL_d − ε_d)))`; λ_d is the bucket's KL coefficient.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -171,9 +120,9 @@ pub struct DualAscentConfig {
     /// Dual step size η ≥ 0 (default 0.01).
     pub eta: f64,
     /// Initial λ_d, in `[0, lambda_max]` (default easy 0.002, medium 0.001, hard 0.0005).
-    pub lambda_init: PerBucket,
+    pub lambda_init: PerBucket<f64>,
     /// KL budgets ε_d ≥ 0 (default easy 0.05, medium 0.1, hard 0.2).
-    pub budget: PerBucket,
+    pub budget: PerBucket<f64>,
     /// Upper clip of every λ_d, ≥ 0 (default 10).
     pub lambda_max: f64,
 }
@@ -244,17 +193,17 @@ pub struct EntropyRewardConfig {
     /// Target momentum μ in `[0, 1]`: `T_d ← round((1−μ)·T_d + μ·s_d·h̄_d)` (default 1).
     pub target_momentum: f64,
     /// Target scale s_d ≥ 0 (default 1 for every bucket).
-    pub target_scale: PerBucket,
+    pub target_scale: PerBucket<f64>,
     /// Margin fraction f: `m = max(1, f·max(T, 1))`, ≥ 0 (default 0.15, 0.25, 0.35).
-    pub margin_fraction: PerBucket,
+    pub margin_fraction: PerBucket<f64>,
     /// Huber κ > 0 (default 2, 3, 4).
-    pub huber_kappa: PerBucket,
+    pub huber_kappa: PerBucket<f64>,
     /// Sigmoid temperature t > 0 (default 2, 2.5, 3).
-    pub sigmoid_temperature: PerBucket,
+    pub sigmoid_temperature: PerBucket<f64>,
     /// Cap scale c ≥ 0: `cap = α·c` (default 1, 1, 1.2).
-    pub cap_scale: PerBucket,
+    pub cap_scale: PerBucket<f64>,
     /// Wrong-answer factor w ≥ 0 (default 0.6, 0.8, 1.0).
-    pub wrong_factor: PerBucket,
+    pub wrong_factor: PerBucket<f64>,
 }
 
 impl Default for EntropyRewardConfig {
@@ -325,8 +274,9 @@ pub struct AlgorithmConfig {
     pub disable_kl: bool,
     /// KL as a loss term (default true) or folded into the token rewards (false).
     pub use_kl_loss: bool,
-    /// KL estimator (default `low_var_kl`, k3).
-    pub kl_penalty: KlPenalty,
+    /// KL estimator (default `low_var_kl`, k3; also read as `k1`/`kl`, `abs`, `k2`/`mse`,
+    /// `k3`, `k1+`/`kl+`, `k3+`/`low_var_kl+`).
+    pub kl_penalty: KlEstimator,
     /// KL coefficient β of the `fixed` and `adaptive` controllers, ≥ 0 (default 1e−3).
     pub kl_coef: f64,
     /// KL controller (default `dual_ascent`). (Older name: `kl_ctrl`.)
@@ -338,8 +288,10 @@ pub struct AlgorithmConfig {
     /// Dual ascent on per-bucket KL budgets.
     pub dual_ascent: DualAscentConfig,
     /// Accuracy thresholds of the difficulty buckets (added to the contract: docs/algorithms.md §2's 2/3
-    /// and 1/3 are knobs too).
-    pub difficulty_thresholds: DifficultyThresholds,
+    /// and 1/3 are knobs too): easy iff `accuracy ≥ easy`, medium iff `accuracy ≥ medium`,
+    /// else hard. With n = 8: 6–8 correct easy, 3–5 medium, 0–2 hard. Requires
+    /// `0 ≤ medium ≤ easy ≤ 1` (default easy 2/3, medium 1/3).
+    pub difficulty_thresholds: AccuracyThresholds<f64>,
     /// Keep only groups with `filter_low < mean(filter_key) < filter_high` and sample more
     /// batches until `data.rollout_batch_size` groups are kept (default true).
     pub online_filtering: bool,
@@ -368,13 +320,13 @@ impl Default for AlgorithmConfig {
             pro_max_max_scale: 10.0,
             disable_kl: false,
             use_kl_loss: true,
-            kl_penalty: KlPenalty::LowVarKl,
+            kl_penalty: KlEstimator::K3,
             kl_coef: 1e-3,
             kl_type: KlCtrl::DualAscent,
             kl_target: 0.1,
             kl_horizon: 10000.0,
             dual_ascent: DualAscentConfig::default(),
-            difficulty_thresholds: DifficultyThresholds::default(),
+            difficulty_thresholds: AccuracyThresholds::default(),
             online_filtering: true,
             filter_key: "accuracy".into(),
             filter_low: 0.01,
@@ -382,6 +334,30 @@ impl Default for AlgorithmConfig {
             drop_solved: DropSolvedConfig::default(),
             entropy_reward: EntropyRewardConfig::default(),
             grpo_lambda: GrpoLambdaConfig::default(),
+        }
+    }
+}
+
+impl AlgorithmConfig {
+    /// ares-core's settings of the difficulty controller: the bucket thresholds, the dual
+    /// ascent on the KL budgets (`dual_ascent`) and the α and target settings of
+    /// `entropy_reward` (α starts at `alpha_init` in every bucket). The trainer runs it and
+    /// validation checks it with ares-core's [`DifficultyConfig::validate`].
+    pub fn difficulty(&self) -> DifficultyConfig<f64> {
+        let (er, da) = (&self.entropy_reward, &self.dual_ascent);
+        DifficultyConfig {
+            accuracy_thresholds: self.difficulty_thresholds,
+            target_momentum: er.target_momentum,
+            target_scale: er.target_scale,
+            target_update_interval: er.target_update_interval as u64,
+            alpha_init: PerBucket::splat(er.alpha_init),
+            alpha_lr: er.alpha_lr,
+            alpha_min: er.alpha_min,
+            alpha_max: er.alpha_max,
+            lambda_init: da.lambda_init,
+            kl_budget: da.budget,
+            lambda_lr: da.eta,
+            lambda_max: da.lambda_max,
         }
     }
 }

@@ -24,6 +24,7 @@
 //! ```
 
 mod algorithm;
+mod choices;
 mod data;
 mod easyr1;
 mod error;
@@ -38,18 +39,23 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 pub use algorithm::{
-    AdvEstimator, AlgorithmConfig, DifficultyThresholds, DropSolvedConfig, DualAscentConfig,
-    EntropyRewardConfig, GrpoLambdaConfig, KlCtrl, KlPenalty, PerBucket,
+    AdvEstimator, AlgorithmConfig, DropSolvedConfig, DualAscentConfig, ESTIMATORS,
+    EntropyRewardConfig, GrpoLambdaConfig, KlCtrl,
 };
+// ares-core's types that the config reads as they are (its `serde` feature).
+pub use ares_core::difficulty::{AccuracyThresholds, PerBucket};
+pub use ares_core::kl::KlEstimator;
+pub use ares_core::loss::{IsMode, LossAggMode};
+pub use choices::Choice;
 pub use data::DataConfig;
 pub use easyr1::{ConfigNote, NoteAction, notes_table};
 pub use error::ConfigError;
 pub use trainer::{Device, Logger, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig, TrainerConfig};
 pub use worker::{
-    ActorConfig, EntropyBonusConfig, ForkingTokensConfig, GradedPromptConfig, IsCorrection,
-    LossAggMode, LrScheduler, ModelConfig, MultiTurnConfig, OptimConfig, PolicyLoss, RefConfig,
-    RewardConfig, RewardGrader, RewardType, RolloutConfig, RubricGrader, RubricSchedule,
-    ToolCommandConfig, ValOverrideConfig, WeightDtype, WorkerConfig,
+    ActorConfig, EntropyBonusConfig, ForkingTokensConfig, GradedPromptConfig, LrScheduler,
+    ModelConfig, MultiTurnConfig, OptimConfig, POLICY_LOSSES, PolicyLoss, RefConfig, RewardConfig,
+    RewardGrader, RewardType, RolloutConfig, RubricGrader, RubricSchedule, ToolCommandConfig,
+    ValOverrideConfig, WeightDtype, WorkerConfig,
 };
 
 use tree::Override;

@@ -11,9 +11,25 @@
 //! - ARES shaping, GRPO-λ and the rubric reward are alternative rewards (docs/algorithms.md §3, §8, §9):
 //!   at most one may be on.
 //! - `trainer.device: cuda` is accepted here; the trainer decides whether a GPU is usable.
+//!
+//! Where ares-core checks a parameter the config sets (the clip, Clip-Cov and KL-Cov
+//! parameters, the KL controller, the difficulty controller, GRPO-λ's α, the entropy
+//! bonus's controller, the EMA of τ, forking tokens' ρ), the check is core's: its error is
+//! reported under the config's key with the value ([`from_core`]). The checks left here are
+//! the config's own: its keys, or ranges narrower or wider than core's. (With several values
+//! wrong at once, the one reported among the difficulty controller's is the first in core's
+//! order of checks.)
+
+use ares_core::difficulty::PerBucket;
+use ares_core::entropy::ThresholdEma;
+use ares_core::entropy_bonus::EntropyCoefController;
+use ares_core::forking::forking_token_count;
+use ares_core::kl::AdaptiveKlController;
+use ares_core::length::GrpoLambda;
+use ares_core::loss::{ClipCovParams, ClipParams, KlCovParams};
 
 use super::Config;
-use super::algorithm::{AlgorithmConfig, EntropyRewardConfig, PerBucket};
+use super::algorithm::{AlgorithmConfig, EntropyRewardConfig};
 use super::data::DataConfig;
 use super::error::ConfigError;
 use super::trainer::{SftConfig, TrainerConfig};
@@ -73,15 +89,81 @@ fn within(key: &str, value: f64, lo: f64, hi: f64) -> Result<(), ConfigError> {
     )
 }
 
+/// A parameter ares-core checks, as the config names it.
+struct CoreKey {
+    /// Its name in ares-core's error (`Error::OutOfRange::what`); a per-bucket name
+    /// (`lambda_init.easy`) also matches a key given without the bucket.
+    core: &'static str,
+    /// The dotted config key.
+    key: String,
+    /// The accepted range in the config's words, where core's differ (core names its own
+    /// fields; the config names keys, with their values).
+    expected: Option<String>,
+}
+
+/// `core` is the config's `key`, with core's wording of the range (less a leading
+/// `finite and `: every range here is of finite values).
+fn key(core: &'static str, key: impl Into<String>) -> CoreKey {
+    CoreKey {
+        core,
+        key: key.into(),
+        expected: None,
+    }
+}
+
+/// `core` is the config's `key`, and the range is worded `expected`.
+fn worded(core: &'static str, key: impl Into<String>, expected: impl Into<String>) -> CoreKey {
+    CoreKey {
+        core,
+        key: key.into(),
+        expected: Some(expected.into()),
+    }
+}
+
+/// The outcome of one of ares-core's checks as the config's error: core's `OutOfRange`
+/// names its field, which `keys` maps to the config key (a bucket suffix kept), with the
+/// value. An error no key maps is a bug here, reported as [`ConfigError::Internal`].
+fn from_core(checked: ares_core::Result<()>, keys: &[CoreKey]) -> Result<(), ConfigError> {
+    let Err(error) = checked else {
+        return Ok(());
+    };
+    let ares_core::Error::OutOfRange {
+        what,
+        value,
+        expected,
+    } = error
+    else {
+        return Err(ConfigError::Internal(format!(
+            "ares-core rejected the configuration: {error}"
+        )));
+    };
+    let mapped = keys.iter().find_map(|k| {
+        let key = if what == k.core {
+            k.key.clone()
+        } else {
+            let bucket = what.strip_prefix(k.core)?.strip_prefix('.')?;
+            format!("{}.{bucket}", k.key)
+        };
+        let core_words = expected.strip_prefix("finite and ").unwrap_or(expected);
+        Some((key, k.expected.as_deref().unwrap_or(core_words)))
+    });
+    match mapped {
+        Some((key, expected)) => Err(out_of_range(&key, value, expected)),
+        None => Err(ConfigError::Internal(format!(
+            "no config key for ares-core's `{what}`: {error}"
+        ))),
+    }
+}
+
 /// Every bucket finite and `ok`.
 fn buckets(
     key: &str,
-    values: &PerBucket,
+    values: &PerBucket<f64>,
     ok: impl Fn(f64) -> bool,
     expected: &str,
 ) -> Result<(), ConfigError> {
-    for (bucket, v) in values.entries() {
-        real(&format!("{key}.{bucket}"), v, ok(v), expected)?;
+    for (bucket, &v) in values.iter() {
+        real(&format!("{key}.{}", bucket.name()), v, ok(v), expected)?;
     }
     Ok(())
 }
@@ -270,53 +352,16 @@ fn validate_algorithm(a: &AlgorithmConfig) -> Result<(), ConfigError> {
         a.pro_max_max_scale > 0.0,
         "> 0",
     )?;
-    real("algorithm.kl_coef", a.kl_coef, a.kl_coef >= 0.0, ">= 0")?;
-    real("algorithm.kl_target", a.kl_target, a.kl_target > 0.0, "> 0")?;
-    real(
-        "algorithm.kl_horizon",
-        a.kl_horizon,
-        a.kl_horizon > 0.0,
-        "> 0",
+    // the adaptive controller's checks (`kl_coef` alone is the fixed one's)
+    from_core(
+        AdaptiveKlController::new(a.kl_coef, a.kl_target, a.kl_horizon).map(drop),
+        &[
+            key("init_kl_coef", "algorithm.kl_coef"),
+            key("kl_target", "algorithm.kl_target"),
+            key("kl_horizon", "algorithm.kl_horizon"),
+        ],
     )?;
-
-    let da = &a.dual_ascent;
-    real("algorithm.dual_ascent.eta", da.eta, da.eta >= 0.0, ">= 0")?;
-    real(
-        "algorithm.dual_ascent.lambda_max",
-        da.lambda_max,
-        da.lambda_max >= 0.0,
-        ">= 0",
-    )?;
-    let lambda_max = da.lambda_max;
-    buckets(
-        "algorithm.dual_ascent.lambda_init",
-        &da.lambda_init,
-        |l| (0.0..=lambda_max).contains(&l),
-        &format!("in [0, algorithm.dual_ascent.lambda_max = {lambda_max}]"),
-    )?;
-    buckets(
-        "algorithm.dual_ascent.budget",
-        &da.budget,
-        |e| e >= 0.0,
-        ">= 0",
-    )?;
-
-    let th = &a.difficulty_thresholds;
-    within(
-        "algorithm.difficulty_thresholds.medium",
-        th.medium,
-        0.0,
-        1.0,
-    )?;
-    real(
-        "algorithm.difficulty_thresholds.easy",
-        th.easy,
-        th.easy >= th.medium && th.easy <= 1.0,
-        &format!(
-            "in [algorithm.difficulty_thresholds.medium = {}, 1]",
-            th.medium
-        ),
-    )?;
+    validate_difficulty(a)?;
 
     non_empty("algorithm.filter_key", &a.filter_key)?;
     if a.filter_key == "accuracy" {
@@ -359,55 +404,89 @@ fn validate_algorithm(a: &AlgorithmConfig) -> Result<(), ConfigError> {
         gl.lambda > 0.0 && gl.lambda <= 1.0,
         "in (0, 1]",
     )?;
-    within("algorithm.grpo_lambda.alpha", gl.alpha, 0.0, 1.0)
+    let grpo_lambda = GrpoLambda {
+        lambda_: gl.lambda,
+        alpha: gl.alpha,
+    };
+    from_core(
+        grpo_lambda.validate(),
+        &[
+            key("lambda_", "algorithm.grpo_lambda.lambda"),
+            key("alpha", "algorithm.grpo_lambda.alpha"),
+        ],
+    )
+}
+
+/// The difficulty controller the trainer runs ([`AlgorithmConfig::difficulty`]: bucket
+/// thresholds, dual ascent, α and targets), by ares-core's checks; and `alpha_min ≥ 0`,
+/// which only the config asks (core takes any finite lower clip).
+fn validate_difficulty(a: &AlgorithmConfig) -> Result<(), ConfigError> {
+    const E: &str = "algorithm.entropy_reward";
+    const D: &str = "algorithm.dual_ascent";
+    const T: &str = "algorithm.difficulty_thresholds";
+    let (e, da) = (&a.entropy_reward, &a.dual_ascent);
+    real(
+        &format!("{E}.alpha_min"),
+        e.alpha_min,
+        e.alpha_min >= 0.0,
+        ">= 0",
+    )?;
+    from_core(
+        a.difficulty().validate(),
+        &[
+            key("accuracy_thresholds.medium", format!("{T}.medium")),
+            worded(
+                "accuracy_thresholds.easy",
+                format!("{T}.easy"),
+                format!("in [{T}.medium = {}, 1]", a.difficulty_thresholds.medium),
+            ),
+            key("target_momentum", format!("{E}.target_momentum")),
+            key("target_scale", format!("{E}.target_scale")),
+            key(
+                "target_update_interval",
+                format!("{E}.target_update_interval"),
+            ),
+            key("alpha_lr", format!("{E}.alpha_lr")),
+            key("alpha_min", format!("{E}.alpha_min")),
+            worded(
+                "alpha_max",
+                format!("{E}.alpha_max"),
+                format!(">= {E}.alpha_min = {}", e.alpha_min),
+            ),
+            // one α for every bucket: the first bucket is the one reported
+            worded(
+                "alpha_init.easy",
+                format!("{E}.alpha_init"),
+                format!(
+                    "in [{E}.alpha_min = {}, {E}.alpha_max = {}]",
+                    e.alpha_min, e.alpha_max
+                ),
+            ),
+            key("lambda_max", format!("{D}.lambda_max")),
+            worded(
+                "lambda_init",
+                format!("{D}.lambda_init"),
+                format!("in [0, {D}.lambda_max = {}]", da.lambda_max),
+            ),
+            key("kl_budget", format!("{D}.budget")),
+            key("lambda_lr", format!("{D}.eta")),
+        ],
+    )
 }
 
 fn validate_entropy_reward(e: &EntropyRewardConfig) -> Result<(), ConfigError> {
     const P: &str = "algorithm.entropy_reward";
     within(&format!("{P}.percentile"), e.percentile, 0.0, 100.0)?;
-    within(&format!("{P}.tau_momentum"), e.tau_momentum, 0.0, 1.0)?;
+    from_core(
+        ThresholdEma::new(e.tau_momentum).map(drop),
+        &[key("rho", format!("{P}.tau_momentum"))],
+    )?;
     for (i, word) in e.trigger_words.iter().enumerate() {
         non_empty(&format!("{P}.trigger_words[{i}]"), word)?;
     }
-    real(
-        &format!("{P}.alpha_lr"),
-        e.alpha_lr,
-        e.alpha_lr >= 0.0,
-        ">= 0",
-    )?;
-    real(
-        &format!("{P}.alpha_min"),
-        e.alpha_min,
-        e.alpha_min >= 0.0,
-        ">= 0",
-    )?;
-    real(
-        &format!("{P}.alpha_max"),
-        e.alpha_max,
-        e.alpha_max >= e.alpha_min,
-        &format!(">= {P}.alpha_min = {}", e.alpha_min),
-    )?;
-    real(
-        &format!("{P}.alpha_init"),
-        e.alpha_init,
-        e.alpha_init >= e.alpha_min && e.alpha_init <= e.alpha_max,
-        &format!(
-            "in [{P}.alpha_min = {}, {P}.alpha_max = {}]",
-            e.alpha_min, e.alpha_max
-        ),
-    )?;
-    at_least(
-        &format!("{P}.target_update_interval"),
-        e.target_update_interval,
-        1,
-    )?;
-    within(&format!("{P}.target_momentum"), e.target_momentum, 0.0, 1.0)?;
-    buckets(
-        &format!("{P}.target_scale"),
-        &e.target_scale,
-        |s| s >= 0.0,
-        ">= 0",
-    )?;
+    // α, the targets: validate_difficulty. The shaping constants stay the config's: core's
+    // `BucketShaping` also bounds margin_fraction and wrong_factor by 1, which the config
+    // does not (the trainer then refuses them when the ARES reward is on).
     buckets(
         &format!("{P}.margin_fraction"),
         &e.margin_fraction,
@@ -474,42 +553,37 @@ fn validate_actor(a: &ActorConfig, n: usize) -> Result<(), ConfigError> {
         });
     }
     at_least(&format!("{P}.ppo_epochs"), a.ppo_epochs, 1)?;
-    within(&format!("{P}.clip_ratio_low"), a.clip_ratio_low, 0.0, 1.0)?;
-    real(
-        &format!("{P}.clip_ratio_high"),
-        a.clip_ratio_high,
-        a.clip_ratio_high >= 0.0,
-        ">= 0",
+    from_core(
+        ClipParams::new(a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_dual).map(drop),
+        &[
+            key("clip_ratio_low", format!("{P}.clip_ratio_low")),
+            key("clip_ratio_high", format!("{P}.clip_ratio_high")),
+            key("clip_ratio_c", format!("{P}.clip_ratio_dual")),
+        ],
     )?;
-    real(
-        &format!("{P}.clip_ratio_dual"),
-        a.clip_ratio_dual,
-        a.clip_ratio_dual == 0.0 || a.clip_ratio_dual > 1.0,
-        "0 (off) or > 1",
-    )?;
-    for (key, ratio) in [
-        ("clip_cov_ratio", a.clip_cov_ratio),
-        ("kl_cov_ratio", a.kl_cov_ratio),
-    ] {
-        real(
-            &format!("{P}.{key}"),
-            ratio,
-            ratio > 0.0 && ratio <= 1.0,
-            "in (0, 1]",
-        )?;
-    }
-    real(&format!("{P}.clip_cov_lb"), a.clip_cov_lb, true, "finite")?;
-    real(
-        &format!("{P}.clip_cov_ub"),
-        a.clip_cov_ub,
-        a.clip_cov_ub > a.clip_cov_lb,
-        "> worker.actor.clip_cov_lb",
-    )?;
-    real(
-        &format!("{P}.ppo_kl_coef"),
-        a.ppo_kl_coef,
-        a.ppo_kl_coef >= 0.0,
-        ">= 0",
+    let clip_cov = ClipCovParams {
+        ratio: a.clip_cov_ratio,
+        lb: a.clip_cov_lb,
+        ub: a.clip_cov_ub,
+        seed: 0,
+    };
+    let kl_cov = KlCovParams {
+        ratio: a.kl_cov_ratio,
+        coef: a.ppo_kl_coef,
+    };
+    from_core(
+        clip_cov.validate().and_then(|()| kl_cov.validate()),
+        &[
+            key("clip_cov_ratio", format!("{P}.clip_cov_ratio")),
+            key("clip_cov_lb", format!("{P}.clip_cov_lb")),
+            worded(
+                "clip_cov_ub",
+                format!("{P}.clip_cov_ub"),
+                "> worker.actor.clip_cov_lb",
+            ),
+            key("kl_cov_ratio", format!("{P}.kl_cov_ratio")),
+            key("ppo_kl_coef", format!("{P}.ppo_kl_coef")),
+        ],
     )?;
     within(
         &format!("{P}.dynamic_kl_low_ratio"),
@@ -560,12 +634,10 @@ fn validate_actor(a: &ActorConfig, n: usize) -> Result<(), ConfigError> {
         0.0,
         1.0,
     )?;
-    let f = &a.forking_tokens;
-    real(
-        &format!("{P}.forking_tokens.rho"),
-        f.rho,
-        f.rho > 0.0 && f.rho <= 1.0,
-        "in (0, 1]",
+    // (ρ of no tokens keeps none: only the check of ρ)
+    from_core(
+        forking_token_count(a.forking_tokens.rho, 0).map(drop),
+        &[key("rho", format!("{P}.forking_tokens.rho"))],
     )?;
     let e = &a.entropy_bonus;
     real(
@@ -574,21 +646,28 @@ fn validate_actor(a: &ActorConfig, n: usize) -> Result<(), ConfigError> {
         e.coef >= 0.0,
         ">= 0",
     )?;
-    if let Some(t) = e.target {
-        real(&format!("{P}.entropy_bonus.target"), t, t >= 0.0, ">= 0")?;
-    }
-    real(&format!("{P}.entropy_bonus.lr"), e.lr, e.lr >= 0.0, ">= 0")?;
-    real(
-        &format!("{P}.entropy_bonus.min_coef"),
-        e.min_coef,
-        e.min_coef >= 0.0,
-        ">= 0",
-    )?;
-    real(
-        &format!("{P}.entropy_bonus.max_coef"),
-        e.max_coef,
-        e.max_coef >= e.min_coef,
-        ">= entropy_bonus.min_coef",
+    // the controller's checks (a fixed coefficient has target 0); its starting value is
+    // checked below, only with a target and in the config's words
+    let controller = EntropyCoefController {
+        coef: e.min_coef,
+        target: e.target.unwrap_or(0.0),
+        lr: e.lr,
+        min: e.min_coef,
+        max: e.max_coef,
+    };
+    const B: &str = "worker.actor.entropy_bonus";
+    from_core(
+        controller.validate(),
+        &[
+            key("target_entropy", format!("{B}.target")),
+            key("entropy_coeff_lr", format!("{B}.lr")),
+            key("entropy_coeff_min", format!("{B}.min_coef")),
+            worded(
+                "entropy_coeff_max",
+                format!("{B}.max_coef"),
+                ">= entropy_bonus.min_coef",
+            ),
+        ],
     )?;
     if e.target.is_some() && !(e.min_coef..=e.max_coef).contains(&e.coef) {
         return Err(ConfigError::Inconsistent {
@@ -819,6 +898,162 @@ mod tests {
             err(&c),
             "worker.actor.optim.lr = NaN is out of range: expected > 0"
         );
+    }
+
+    /// Every key whose check is ares-core's, with the message the config gave before it
+    /// called core (key, value and range in the config's words).
+    #[test]
+    fn core_checks_are_reported_under_config_keys() {
+        type Case = (fn(&mut Config), &'static str);
+        let cases: &[Case] = &[
+            (
+                |c| c.algorithm.kl_coef = -1.0,
+                "algorithm.kl_coef = -1: >= 0",
+            ),
+            (
+                |c| c.algorithm.kl_target = 0.0,
+                "algorithm.kl_target = 0: > 0",
+            ),
+            (
+                |c| c.algorithm.kl_horizon = -2.0,
+                "algorithm.kl_horizon = -2: > 0",
+            ),
+            (
+                |c| c.algorithm.dual_ascent.eta = -1.0,
+                "algorithm.dual_ascent.eta = -1: >= 0",
+            ),
+            (
+                |c| c.algorithm.dual_ascent.lambda_max = -1.0,
+                "algorithm.dual_ascent.lambda_max = -1: >= 0",
+            ),
+            (
+                |c| c.algorithm.dual_ascent.lambda_init.hard = 100.0,
+                "algorithm.dual_ascent.lambda_init.hard = 100: \
+                 in [0, algorithm.dual_ascent.lambda_max = 10]",
+            ),
+            (
+                |c| c.algorithm.dual_ascent.budget.medium = -1.0,
+                "algorithm.dual_ascent.budget.medium = -1: >= 0",
+            ),
+            (
+                |c| c.algorithm.difficulty_thresholds.medium = 1.5,
+                "algorithm.difficulty_thresholds.medium = 1.5: in [0, 1]",
+            ),
+            (
+                |c| c.algorithm.difficulty_thresholds.easy = 0.25,
+                "algorithm.difficulty_thresholds.easy = 0.25: \
+                 in [algorithm.difficulty_thresholds.medium = 0.3333333333333333, 1]",
+            ),
+            (
+                |c| c.algorithm.entropy_reward.tau_momentum = 2.0,
+                "algorithm.entropy_reward.tau_momentum = 2: in [0, 1]",
+            ),
+            (
+                |c| c.algorithm.entropy_reward.alpha_lr = -1.0,
+                "algorithm.entropy_reward.alpha_lr = -1: >= 0",
+            ),
+            (
+                |c| c.algorithm.entropy_reward.alpha_min = -1.0,
+                "algorithm.entropy_reward.alpha_min = -1: >= 0",
+            ),
+            (
+                |c| c.algorithm.entropy_reward.alpha_max = -1.0,
+                "algorithm.entropy_reward.alpha_max = -1: \
+                 >= algorithm.entropy_reward.alpha_min = 0",
+            ),
+            (
+                |c| c.algorithm.entropy_reward.alpha_init = 3.0,
+                "algorithm.entropy_reward.alpha_init = 3: in [algorithm.entropy_reward.alpha_min \
+                 = 0, algorithm.entropy_reward.alpha_max = 2]",
+            ),
+            (
+                |c| c.algorithm.entropy_reward.target_update_interval = 0,
+                "algorithm.entropy_reward.target_update_interval = 0: >= 1",
+            ),
+            (
+                |c| c.algorithm.entropy_reward.target_momentum = -0.5,
+                "algorithm.entropy_reward.target_momentum = -0.5: in [0, 1]",
+            ),
+            (
+                |c| c.algorithm.entropy_reward.target_scale.hard = -1.0,
+                "algorithm.entropy_reward.target_scale.hard = -1: >= 0",
+            ),
+            (
+                |c| {
+                    c.algorithm.entropy_reward.enable = false;
+                    c.algorithm.grpo_lambda.enable = true;
+                    c.algorithm.grpo_lambda.alpha = 2.0;
+                },
+                "algorithm.grpo_lambda.alpha = 2: in [0, 1]",
+            ),
+            (
+                |c| c.worker.actor.clip_ratio_low = 1.5,
+                "worker.actor.clip_ratio_low = 1.5: in [0, 1]",
+            ),
+            (
+                |c| c.worker.actor.clip_ratio_high = -1.0,
+                "worker.actor.clip_ratio_high = -1: >= 0",
+            ),
+            (
+                |c| c.worker.actor.clip_ratio_dual = 0.5,
+                "worker.actor.clip_ratio_dual = 0.5: 0 (off) or > 1",
+            ),
+            (
+                |c| c.worker.actor.clip_cov_ratio = 0.0,
+                "worker.actor.clip_cov_ratio = 0: in (0, 1]",
+            ),
+            (
+                |c| c.worker.actor.clip_cov_ub = 1.0,
+                "worker.actor.clip_cov_ub = 1: > worker.actor.clip_cov_lb",
+            ),
+            (
+                |c| c.worker.actor.kl_cov_ratio = 2.0,
+                "worker.actor.kl_cov_ratio = 2: in (0, 1]",
+            ),
+            (
+                |c| c.worker.actor.ppo_kl_coef = -1.0,
+                "worker.actor.ppo_kl_coef = -1: >= 0",
+            ),
+            (
+                |c| c.worker.actor.forking_tokens.rho = 0.0,
+                "worker.actor.forking_tokens.rho = 0: in (0, 1]",
+            ),
+            (
+                |c| c.worker.actor.entropy_bonus.target = Some(-1.0),
+                "worker.actor.entropy_bonus.target = -1: >= 0",
+            ),
+            (
+                |c| c.worker.actor.entropy_bonus.lr = -1.0,
+                "worker.actor.entropy_bonus.lr = -1: >= 0",
+            ),
+            (
+                |c| c.worker.actor.entropy_bonus.min_coef = -1.0,
+                "worker.actor.entropy_bonus.min_coef = -1: >= 0",
+            ),
+            (
+                |c| c.worker.actor.entropy_bonus.max_coef = -1.0,
+                "worker.actor.entropy_bonus.max_coef = -1: >= entropy_bonus.min_coef",
+            ),
+        ];
+        for (change, want) in cases {
+            let mut c = Config::default();
+            change(&mut c);
+            let (key_value, range) = want.split_once(": ").expect("key = value: range");
+            assert_eq!(
+                err(&c),
+                format!("{key_value} is out of range: expected {range}")
+            );
+        }
+        let mut c = Config::default();
+        c.worker.actor.entropy_bonus.target = Some(0.2);
+        c.worker.actor.entropy_bonus.coef = 1.0;
+        assert_eq!(
+            err(&c),
+            "worker.actor.entropy_bonus.coef = 1: the controller's starting value must lie in \
+             [min_coef, max_coef] = [0, 0.005]"
+        );
+        c.worker.actor.entropy_bonus.target = None;
+        c.validate().expect("a fixed coefficient has no bounds");
     }
 
     #[test]

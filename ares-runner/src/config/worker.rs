@@ -1,50 +1,17 @@
 //! `worker.*`: the actor (policy and its optimiser), the rollout (sampling and graded system
 //! prompts), the frozen reference model and the reward.
 
+use ares_core::loss::{IsMode, LossAggMode};
 use serde::{Deserialize, Serialize};
 
-/// How per-token losses are reduced to one number (docs/algorithms.md §6).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum LossAggMode {
-    /// `Σ m·L / Σ m` over the mini-batch. Also accepted as `token_mean`.
-    #[serde(rename = "token-mean", alias = "token_mean")]
-    TokenMean,
-    /// `Σ m·L` over the mini-batch (no normalisation). Also accepted as `token_sum`.
-    #[serde(rename = "token-sum", alias = "token_sum")]
-    TokenSum,
-    /// Mean over sequences of `Σ_t m·L`. Also accepted as `seq_mean_token_sum`.
-    #[serde(rename = "seq-mean-token-sum", alias = "seq_mean_token_sum")]
-    SeqMeanTokenSum,
-    /// Mean over sequences of the per-sequence token mean. Also accepted as
-    /// `seq_mean_token_mean`.
-    #[serde(rename = "seq-mean-token-mean", alias = "seq_mean_token_mean")]
-    SeqMeanTokenMean,
-    /// `Σ m·L / (R·T)`: R sequences with a response token, T the padded length (Dr.GRPO; verl
-    /// ≥ 0.8). Also accepted as `seq_mean_token_sum_norm`.
-    #[serde(rename = "seq-mean-token-sum-norm", alias = "seq_mean_token_sum_norm")]
-    SeqMeanTokenSumNorm,
-}
+use super::choices::{self, Choice, Choices, serde_by_table, spellings};
 
-impl LossAggMode {
-    /// The YAML spelling.
-    pub const fn name(self) -> &'static str {
-        match self {
-            LossAggMode::TokenMean => "token-mean",
-            LossAggMode::TokenSum => "token-sum",
-            LossAggMode::SeqMeanTokenSum => "seq-mean-token-sum",
-            LossAggMode::SeqMeanTokenMean => "seq-mean-token-mean",
-            LossAggMode::SeqMeanTokenSumNorm => "seq-mean-token-sum-norm",
-        }
-    }
-}
-
-/// The policy loss (docs/algorithms.md §6; `ares_core::loss`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
+/// The policy loss (docs/algorithms.md §6; `ares_core::loss`). ares-core has one function
+/// per loss (GSPO's two forms are its `GspoLevel`) and no type naming them all, so this is
+/// the config's own set; its names and aliases are the table [`POLICY_LOSSES`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PolicyLoss {
-    /// PPO clip with dual clip (`clip_ratio_low/high/dual`). Also accepted as `vanilla`
-    /// (verl's name).
-    #[serde(alias = "vanilla")]
+    /// PPO clip with dual clip (`clip_ratio_low/high/dual`).
     Ppo,
     /// GSPO: the clip on the sequence ratio (geometric mean of token ratios), one loss per
     /// sequence with the sequence's mean advantage.
@@ -62,43 +29,55 @@ pub enum PolicyLoss {
     KlCov,
 }
 
+/// The policy losses by name: `worker.actor.policy_loss` reads a name or an alias (verl's
+/// `vanilla` for PPO) and writes the name. EasyR1's `loss_type` names (its `gspo` is our
+/// `gspo_token`) are translated by the `easyr1` rules, not read here. The trainer's dispatch
+/// is the one match of `trainer::settings::step_settings`.
+pub const POLICY_LOSSES: [Choice<PolicyLoss>; 6] = [
+    Choice {
+        value: PolicyLoss::Ppo,
+        name: "ppo",
+        aliases: &["vanilla"],
+    },
+    Choice {
+        value: PolicyLoss::Gspo,
+        name: "gspo",
+        aliases: &[],
+    },
+    Choice {
+        value: PolicyLoss::GspoToken,
+        name: "gspo_token",
+        aliases: &[],
+    },
+    Choice {
+        value: PolicyLoss::Cispo,
+        name: "cispo",
+        aliases: &[],
+    },
+    Choice {
+        value: PolicyLoss::ClipCov,
+        name: "clip_cov",
+        aliases: &[],
+    },
+    Choice {
+        value: PolicyLoss::KlCov,
+        name: "kl_cov",
+        aliases: &[],
+    },
+];
+const POLICY_LOSS_SPELLINGS: [&str; 7] = spellings(&POLICY_LOSSES);
+
+impl Choices for PolicyLoss {
+    const TYPE: &'static str = "PolicyLoss";
+    const TABLE: &'static [Choice<Self>] = &POLICY_LOSSES;
+    const SPELLINGS: &'static [&'static str] = &POLICY_LOSS_SPELLINGS;
+}
+serde_by_table!(PolicyLoss);
+
 impl PolicyLoss {
     /// The YAML spelling.
-    pub const fn name(self) -> &'static str {
-        match self {
-            PolicyLoss::Ppo => "ppo",
-            PolicyLoss::Gspo => "gspo",
-            PolicyLoss::GspoToken => "gspo_token",
-            PolicyLoss::Cispo => "cispo",
-            PolicyLoss::ClipCov => "clip_cov",
-            PolicyLoss::KlCov => "kl_cov",
-        }
-    }
-}
-
-/// Importance correction between rollout-time and training-time log-probs (docs/algorithms.md §6).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum IsCorrection {
-    /// No correction.
-    None,
-    /// Truncated importance sampling: weights capped at `is_threshold_high`.
-    Tis,
-    /// IcePop: tokens whose ratio leaves `[is_threshold_low, is_threshold_high]` are masked.
-    Icepop,
-    /// REINFORCE-Pro style correction with both thresholds.
-    ReinforcePro,
-}
-
-impl IsCorrection {
-    /// The YAML spelling.
-    pub const fn name(self) -> &'static str {
-        match self {
-            IsCorrection::None => "none",
-            IsCorrection::Tis => "tis",
-            IsCorrection::Icepop => "icepop",
-            IsCorrection::ReinforcePro => "reinforce_pro",
-        }
+    pub fn name(self) -> &'static str {
+        choices::name(self)
     }
 }
 
@@ -255,7 +234,8 @@ pub struct ActorConfig {
     pub kl_cov_ratio: f64,
     /// KL-Cov: coefficient of `|log r|` on the selected tokens, ≥ 0 (default 1).
     pub ppo_kl_coef: f64,
-    /// Loss aggregation (default `token-mean`).
+    /// Loss aggregation (default `token-mean`; each mode also read with underscores,
+    /// `token_mean`).
     pub loss_agg_mode: LossAggMode,
     /// Dynamic token-level KL (docs/algorithms.md §4): HWE tokens get `β·dynamic_kl_low_ratio`
     /// (default true).
@@ -264,8 +244,11 @@ pub struct ActorConfig {
     pub dynamic_kl_low_ratio: f64,
     /// Gradient-norm clip, > 0 (default 1).
     pub max_grad_norm: f64,
-    /// Rollout/training importance correction (default `none`).
-    pub is_correction: IsCorrection,
+    /// Rollout/training importance correction (default `none`): `none`, `tis` (weights
+    /// capped at `is_threshold_high`), `icepop` (tokens whose ratio leaves
+    /// `[is_threshold_low, is_threshold_high]` are masked) or `reinforce_pro` (clamped to
+    /// both thresholds).
+    pub is_correction: IsMode,
     /// Lower ratio threshold, in `[0, 1]` (default 0.5).
     pub is_threshold_low: f64,
     /// Upper ratio threshold, ≥ 1 (default 5).
@@ -360,7 +343,7 @@ impl Default for ActorConfig {
             dynamic_kl_loss: true,
             dynamic_kl_low_ratio: 0.5,
             max_grad_norm: 1.0,
-            is_correction: IsCorrection::None,
+            is_correction: IsMode::None,
             is_threshold_low: 0.5,
             is_threshold_high: 5.0,
             optim: OptimConfig::default(),
@@ -370,7 +353,9 @@ impl Default for ActorConfig {
     }
 }
 
-/// Reveal schedule of the graded system prompt (docs/algorithms.md §9).
+/// Reveal schedule of the graded system prompt (docs/algorithms.md §9). Each schedule is a
+/// pair of ares-core's rubric rules (a `RevealRule` and a `StepRule` with its parameters
+/// from [`GradedPromptConfig`]), so the config keeps this flat choice of its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum RubricSchedule {

@@ -3,12 +3,11 @@
 //! strings or re-validates keys).
 
 use ares_core::advantage::ProMaxConfig;
-use ares_core::difficulty::{AccuracyThresholds, DifficultyConfig, PerBucket};
+use ares_core::difficulty::{DifficultyConfig, PerBucket};
 use ares_core::kl::{KlController, KlEstimator};
 use ares_core::length::GrpoLambda;
 use ares_core::loss::{
-    ClipCovParams, ClipParams, GspoLevel, IsCorrection, IsMode, KlCovParams, LossAggMode,
-    PolicyLossConfig,
+    ClipCovParams, ClipParams, GspoLevel, IsCorrection, IsMode, KlCovParams, PolicyLossConfig,
 };
 use ares_core::shaping::{BucketShaping, ShapingConfig};
 
@@ -166,11 +165,6 @@ pub struct StepSettings {
     pub optim: OptimSettings,
 }
 
-/// ares-core's per-bucket values of a config [`config::PerBucket`].
-pub fn per_bucket(p: &config::PerBucket) -> PerBucket<f64> {
-    PerBucket::new(p.easy, p.medium, p.hard)
-}
-
 /// The sampling of the rollout (`temperature`, `top_k` 0 = off, `top_p`).
 pub fn rollout_sampling(cfg: &Config) -> Sampling {
     let r = &cfg.worker.rollout;
@@ -207,33 +201,14 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
     let rollout = &cfg.worker.rollout;
     let n = rollout.n;
 
-    let difficulty = DifficultyConfig {
-        accuracy_thresholds: AccuracyThresholds {
-            easy: alg.difficulty_thresholds.easy,
-            medium: alg.difficulty_thresholds.medium,
-        },
-        target_momentum: er.target_momentum,
-        target_scale: per_bucket(&er.target_scale),
-        target_update_interval: er.target_update_interval as u64,
-        alpha_init: PerBucket::splat(er.alpha_init),
-        alpha_lr: er.alpha_lr,
-        alpha_min: er.alpha_min,
-        alpha_max: er.alpha_max,
-        lambda_init: per_bucket(&alg.dual_ascent.lambda_init),
-        kl_budget: per_bucket(&alg.dual_ascent.budget),
-        lambda_lr: alg.dual_ascent.eta,
-        lambda_max: alg.dual_ascent.lambda_max,
-    };
+    let difficulty = alg.difficulty();
     difficulty.validate()?;
 
     let shaping = er
         .enable
         .then(|| {
-            let f = per_bucket(&er.margin_fraction);
-            let k = per_bucket(&er.huber_kappa);
-            let t = per_bucket(&er.sigmoid_temperature);
-            let c = per_bucket(&er.cap_scale);
-            let w = per_bucket(&er.wrong_factor);
+            let (f, k, t) = (er.margin_fraction, er.huber_kappa, er.sigmoid_temperature);
+            let (c, w) = (er.cap_scale, er.wrong_factor);
             let b = |d| BucketShaping::new(f[d], k[d], t[d], c[d], w[d]);
             use ares_core::difficulty::Difficulty::{Easy, Hard, Medium};
             let s = ShapingConfig {
@@ -290,19 +265,11 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
         )?),
         config::KlCtrl::DualAscent => KlControl::DualAscent,
     };
-    let estimator_kl = match alg.kl_penalty {
-        config::KlPenalty::Kl => KlEstimator::K1,
-        config::KlPenalty::Abs => KlEstimator::Abs,
-        config::KlPenalty::Mse => KlEstimator::K2,
-        config::KlPenalty::LowVarKl => KlEstimator::K3,
-        config::KlPenalty::K1Plus => KlEstimator::K1Plus,
-        config::KlPenalty::K3Plus => KlEstimator::K3Plus,
-    };
     let kl_off =
         alg.disable_kl || matches!(control, KlControl::Global(KlController::Fixed(b)) if b == 0.0);
     let kl = KlSettings {
         use_kl_loss: alg.use_kl_loss,
-        estimator: estimator_kl,
+        estimator: alg.kl_penalty,
         control,
         dynamic: actor.dynamic_kl_loss,
         low_ratio: actor.dynamic_kl_low_ratio,
@@ -331,26 +298,14 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
         None
     };
 
-    let agg = match actor.loss_agg_mode {
-        config::LossAggMode::TokenMean => LossAggMode::TokenMean,
-        config::LossAggMode::TokenSum => LossAggMode::TokenSum,
-        config::LossAggMode::SeqMeanTokenSum => LossAggMode::SeqMeanTokenSum,
-        config::LossAggMode::SeqMeanTokenMean => LossAggMode::SeqMeanTokenMean,
-        config::LossAggMode::SeqMeanTokenSumNorm => LossAggMode::SeqMeanTokenSumNorm,
-    };
-    let is_mode = match actor.is_correction {
-        config::IsCorrection::None => IsMode::None,
-        config::IsCorrection::Tis => IsMode::Tis,
-        config::IsCorrection::Icepop => IsMode::Icepop,
-        config::IsCorrection::ReinforcePro => IsMode::ReinforcePro,
-    };
+    let is_mode = actor.is_correction;
     let policy = PolicyLossConfig {
         clip: ClipParams::new(
             actor.clip_ratio_low as f32,
             actor.clip_ratio_high as f32,
             actor.clip_ratio_dual as f32,
         )?,
-        agg,
+        agg: actor.loss_agg_mode,
         is_correction: IsCorrection {
             mode: is_mode,
             low: actor.is_threshold_low as f32,
