@@ -1,5 +1,5 @@
 //! The stateful controllers as Python classes, each wrapping the ares-core type the trainer
-//! (`ares-runner/src/trainer/controllers.rs`) drives, in f64 like the trainer:
+//! (`ares-runner/src/trainer/prepare/controllers.rs`) drives, in f64 like the trainer:
 //! `ThresholdEma` (τ), `BucketController` (T_d, α_d, λ_d and the difficulty of each prompt
 //! by global id), `AdaptiveKlController` (β), `EntropyCoefController` (the entropy bonus's
 //! coefficient) and `GrpoLambda` (the GRPO-λ rewards; parameters only, no changing state).

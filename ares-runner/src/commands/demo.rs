@@ -456,9 +456,9 @@ pub fn evaluate_model<B: Backend + Clone>(
     let model = crate::trainer::setup::build_actor(backend, &files, &c)?;
     let mut files = files;
     files.drop_weights(); // its configs are read below
-    let mut grader = crate::trainer::grading::Grader::new(&c)?;
+    let mut grader = crate::trainer::collect::grading::Grader::new(&c)?;
     let rr = &c.worker.rollout;
-    let sampling = crate::trainer::settings::validation_sampling(&c);
+    let sampling = crate::trainer::setup::settings::validation_sampling(&c);
     // eval must not fail on a config written for another model: cap the new tokens at
     // what the model's positions allow after the longest prompt
     let mut longest = 0;
@@ -475,7 +475,7 @@ pub fn evaluate_model<B: Backend + Clone>(
             c.data.max_response_length, positions
         );
     }
-    let params = crate::trainer::rollout::RolloutParams {
+    let params = crate::trainer::collect::rollout::RolloutParams {
         max_new_tokens,
         eos_ids: eos,
         sampling,

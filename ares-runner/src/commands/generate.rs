@@ -52,7 +52,7 @@ use crate::tools::episode::{EpisodeSettings, Stop, TurnModel, TurnText, run_epis
 use crate::tools::{Calculator, ToolBox, ToolCallFormat};
 use crate::trainer::TrainError;
 use crate::trainer::actor::ActorGenerator;
-use crate::trainer::prompts::TemplateInputs;
+use crate::trainer::collect::prompts::TemplateInputs;
 use crate::trainer::setup::{ModelFiles, build_actor};
 use crate::vision::checkpoint::VlCheckpoint;
 use crate::vision::config::{VlConfig, VlKind};

@@ -28,7 +28,7 @@ use crate::hf::generation::GENERATION_CONFIG_FILE;
 use crate::hf::tensor_files::{NamedTensor, SINGLE_FILE, SaveDtype, write_safetensors};
 use crate::hf::weights::{ModelWeights, Tensor, expected_tensors};
 use crate::trainer::TrainError;
-use crate::trainer::memory::text_parameters;
+use crate::trainer::setup::memory::text_parameters;
 use crate::vision::checkpoint::{VlCheckpoint, WeightLayout};
 use crate::vision::config::VlConfig;
 use crate::vision::weights::{VisionWeights, tower_parameters};

@@ -40,7 +40,9 @@ pub fn plan(cfg: &Config) -> Result<String, TrainError> {
             )
         })?;
     let model_dir = crate::data::resolve_model_dir(path).map_err(TrainError::Invalid)?;
-    let reference = crate::trainer::settings::step_settings(cfg, 1)?.kl.enabled;
+    let reference = crate::trainer::setup::settings::step_settings(cfg, 1)?
+        .kl
+        .enabled;
     let on_cpu = cfg.trainer.device == Device::Cpu;
     let plan = crate::trainer::run::memory_plan(cfg, &model_dir, on_cpu, reference)?;
     let mut out = plan.table();
@@ -48,7 +50,7 @@ pub fn plan(cfg: &Config) -> Result<String, TrainError> {
         && let Some((available, source)) =
             crate::host_memory::available_host_memory().map_err(TrainError::Invalid)?
     {
-        match crate::trainer::memory::check(&plan, available, &source, cfg) {
+        match crate::trainer::setup::memory::check(&plan, available, &source, cfg) {
             Ok(()) => out.push_str(&format!(
                 "fits: {} available ({source})\n",
                 crate::host_memory::human_bytes(available)

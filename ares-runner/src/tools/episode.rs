@@ -8,7 +8,7 @@
 //!
 //! [`after_turn`] is the step between two turns, for every driver: [`run_episode`] (one
 //! trajectory, each turn generated after the whole trajectory so far — `generate
-//! --max-turns`) and the trainer's rollout (`trainer/episodes.rs`: many trajectories in one
+//! --max-turns`) and the trainer's rollout (`trainer/collect/episodes.rs`: many trajectories in one
 //! engine that keeps each turn's KV blocks).
 
 use serde_json::{Map, Value as Json, json};

@@ -16,7 +16,7 @@ use crate::model::{
 use crate::vision::model::{VisionBatch, VisionMoments, VlActs, VlGenerator, VlModel};
 use crate::vision::tower::VisionGrads;
 
-use super::TrainError;
+use crate::trainer::TrainError;
 
 /// The images and videos of one prompt (shared by its samples).
 pub type PromptVision = Option<Arc<VisionBatch>>;

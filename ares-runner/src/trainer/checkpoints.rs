@@ -8,7 +8,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::TrainError;
+use crate::trainer::TrainError;
 
 /// The `checkpoints/` directory of a run.
 #[derive(Debug, Clone, PartialEq, Eq)]

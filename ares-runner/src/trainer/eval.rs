@@ -4,15 +4,15 @@
 
 use std::collections::BTreeMap;
 
-use super::TrainError;
-use super::actor::Actor;
-use super::episodes::{EpisodeStart, EpisodeTools, rollout_episodes};
-use super::grading::Grader;
-use super::prompts::PromptRenderer;
-use super::rollout::{PromptItem, RolloutParams, generate_all};
 use crate::backend::Backend;
 use crate::data::Example;
 use crate::reward::Generation;
+use crate::trainer::TrainError;
+use crate::trainer::actor::Actor;
+use crate::trainer::collect::episodes::{EpisodeStart, EpisodeTools, rollout_episodes};
+use crate::trainer::collect::grading::Grader;
+use crate::trainer::collect::prompts::PromptRenderer;
+use crate::trainer::collect::rollout::{PromptItem, RolloutParams, generate_all};
 
 /// Accuracy and length of one group of examples.
 #[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]

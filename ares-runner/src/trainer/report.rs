@@ -8,12 +8,12 @@ use std::time::Duration;
 use ares_core::difficulty::Difficulty;
 use ares_core::kl::KlController;
 
-use super::batch::Batch;
-use super::controllers::AresState;
-use super::prepare::{Prepared, masked_mean};
-use super::settings::KlControl;
-use super::update::UpdateReport;
 use crate::metrics::{PhaseTimes, Record};
+use crate::trainer::collect::batch::Batch;
+use crate::trainer::prepare::controllers::AresState;
+use crate::trainer::prepare::{Prepared, masked_mean};
+use crate::trainer::setup::settings::KlControl;
+use crate::trainer::update::UpdateReport;
 
 /// What the rollout and online filtering of a step did.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -27,7 +27,7 @@ pub struct Collection {
     /// Seconds spent generating.
     pub rollout_secs: f64,
     /// What multi-turn episodes did (all zero for a single-turn rollout).
-    pub episodes: super::episodes::EpisodeCounts,
+    pub episodes: crate::trainer::collect::episodes::EpisodeCounts,
 }
 
 /// Counters of the run at the end of the step.
@@ -61,8 +61,9 @@ pub fn step_record(
     // the batch: rewards, accuracy, lengths, entropy
     let parts = &prep.rewards;
     let lengths = batch.lengths();
-    let mean =
-        |f: &dyn Fn(&super::rewards::RewardParts) -> f64| parts.iter().map(f).sum::<f64>() / rows;
+    let mean = |f: &dyn Fn(&crate::trainer::prepare::rewards::RewardParts) -> f64| {
+        parts.iter().map(f).sum::<f64>() / rows
+    };
     r.insert("reward/mean", mean(&|p| p.overall));
     r.insert("accuracy/mean", mean(&|p| p.accuracy));
     r.insert("reward/entropy", mean(&|p| p.entropy));

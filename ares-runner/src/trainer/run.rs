@@ -12,28 +12,6 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use super::TrainError;
-use super::actor::{Actor, TowerTraining};
-use super::batch::{Batch, Group};
-use super::bootstrap::{BootstrapResult, apply_bootstrap, read_bootstrap};
-use super::checkpoints::{CheckpointDir, write_atomic};
-use super::controllers::{AresSnapshot, AresState};
-use super::episodes::{EpisodeCounts, EpisodeStart, EpisodeTools, rollout_episodes};
-use super::grading::Grader;
-use super::hwe::hwe_pass_host;
-use super::prepare::{group_buckets, keep_groups, prepare};
-use super::prompts::{PromptRenderer, graded_system_message};
-use super::report::{Collection, RunCounters, step_record};
-use super::rewards::{FunctionCall, Grade, function_rewards, rewards};
-use super::rollout::{PromptItem, Response, RolloutParams, rollout_items};
-use super::settings::step_settings;
-use super::settings::{FilterKey, StepSettings};
-use super::setup::{
-    ModelFiles, adamw_config, build_actor, eos_ids_of, filter_prompts, load_examples, renderer,
-    run_dir, save_actor,
-};
-use super::tokens::TokenBatch;
-use super::update::{Optimizer, ppo_update};
 use crate::backend::Backend;
 use crate::config::{Config, Logger};
 use crate::data::{EpochSampler, Example};
@@ -43,6 +21,30 @@ use crate::model::AdamW;
 use crate::progress::Progress;
 use crate::reward::{CallMode, DEFAULT_PYTHON, FunctionSpec, LoggerSetup, PythonWorker};
 use crate::tools::episode::EpisodeSettings;
+use crate::trainer::TrainError;
+use crate::trainer::actor::{Actor, TowerTraining};
+use crate::trainer::checkpoints::{CheckpointDir, write_atomic};
+use crate::trainer::collect::batch::{Batch, Group};
+use crate::trainer::collect::episodes::{
+    EpisodeCounts, EpisodeStart, EpisodeTools, rollout_episodes,
+};
+use crate::trainer::collect::grading::Grader;
+use crate::trainer::collect::prompts::{PromptRenderer, graded_system_message};
+use crate::trainer::collect::rollout::{PromptItem, Response, RolloutParams, rollout_items};
+use crate::trainer::collect::tokens::TokenBatch;
+use crate::trainer::prepare::controllers::{AresSnapshot, AresState};
+use crate::trainer::prepare::hwe::hwe_pass_host;
+use crate::trainer::prepare::rewards::{FunctionCall, Grade, function_rewards, rewards};
+use crate::trainer::prepare::{group_buckets, keep_groups, prepare};
+use crate::trainer::report::{Collection, RunCounters, step_record};
+use crate::trainer::setup::bootstrap::{BootstrapResult, apply_bootstrap, read_bootstrap};
+use crate::trainer::setup::settings::step_settings;
+use crate::trainer::setup::settings::{FilterKey, StepSettings};
+use crate::trainer::setup::{
+    ModelFiles, adamw_config, build_actor, eos_ids_of, filter_prompts, load_examples, renderer,
+    run_dir, save_actor,
+};
+use crate::trainer::update::{Optimizer, ppo_update};
 use crate::vision::model::VisionMoments;
 use ares_core::difficulty::{Difficulty, bucket_means};
 use ares_core::filter::{is_solved, solved_streak};
@@ -807,13 +809,13 @@ impl<B: Backend + Clone> Trainer<B> {
     /// Evaluates the current policy on `examples` (validation settings of the config).
     ///
     /// # Errors
-    /// As [`super::eval::evaluate`].
+    /// As [`crate::trainer::eval::evaluate`].
     pub fn evaluate(
         &mut self,
         examples: &[Example],
-    ) -> Result<super::eval::EvalReport, TrainError> {
+    ) -> Result<crate::trainer::eval::EvalReport, TrainError> {
         let r = &self.cfg.worker.rollout;
-        let sampling = super::settings::validation_sampling(&self.cfg);
+        let sampling = crate::trainer::setup::settings::validation_sampling(&self.cfg);
         let params = RolloutParams {
             max_new_tokens: self.settings.max_new_tokens,
             eos_ids: self.eos_ids.clone(),
@@ -832,7 +834,7 @@ impl<B: Backend + Clone> Trainer<B> {
         let mut generations = Vec::new();
         let bar = self.progress.bar((examples.len() * n) as u64, "eval");
         let tools = episode_tools(self.multi_turn.as_ref(), &self.renderer)?;
-        let report = super::eval::evaluate(
+        let report = crate::trainer::eval::evaluate(
             &self.actor,
             &self.renderer,
             tools.as_ref(),
@@ -845,7 +847,7 @@ impl<B: Backend + Clone> Trainer<B> {
         )?;
         bar.finish();
         if let Some(w) = self.python.as_mut().filter(|_| logging) {
-            let picked = super::eval::pick_generations(generations, to_log);
+            let picked = crate::trainer::eval::pick_generations(generations, to_log);
             if let Err(e) = w.log_generations(self.state.step, &picked) {
                 eprintln!("warning: validation generations: {e}");
             }
@@ -1083,14 +1085,17 @@ fn multi_turn(cfg: &Config, renderer: &PromptRenderer) -> Result<Option<MultiTur
         ),
     };
     Ok(Some(MultiTurn {
-        toolbox: super::setup::episode_tools(cfg, renderer.template_inputs.tools.as_deref())?,
+        toolbox: crate::trainer::setup::episode_tools(
+            cfg,
+            renderer.template_inputs.tools.as_deref(),
+        )?,
         format,
         max_turns: mt.max_assistant_turns,
         interaction,
     }))
 }
 
-/// The memory plan of a run of `cfg` on the model in `model_dir` ([`super::memory`]), from
+/// The memory plan of a run of `cfg` on the model in `model_dir` ([`crate::trainer::setup::memory`]), from
 /// its config files alone.
 ///
 /// # Errors
@@ -1100,7 +1105,7 @@ pub fn memory_plan(
     model_dir: &Path,
     on_cpu: bool,
     reference: bool,
-) -> Result<super::memory::MemoryPlan, TrainError> {
+) -> Result<crate::trainer::setup::memory::MemoryPlan, TrainError> {
     let invalid = |e: crate::hf::HfError| TrainError::Invalid(e.to_string());
     let (text, tower_params) = if crate::vision::config::VlConfig::is_vl_dir(model_dir) {
         let vl = crate::vision::config::VlConfig::from_dir(model_dir).map_err(invalid)?;
@@ -1112,17 +1117,17 @@ pub fn memory_plan(
             0,
         )
     };
-    let model = super::memory::PlanModel {
+    let model = crate::trainer::setup::memory::PlanModel {
         text: &text,
         tower_params,
         on_cpu,
         reference,
     };
-    super::memory::plan(cfg, model)
+    crate::trainer::setup::memory::plan(cfg, model)
 }
 
 /// Refuses, before the model is loaded, a CPU run whose memory plan passes this machine's
-/// memory ([`super::memory`]); on a GPU (`device`: its free and total memory) warns when
+/// memory ([`crate::trainer::setup::memory`]); on a GPU (`device`: its free and total memory) warns when
 /// the plan passes the free memory (the GPU plan is not yet checked against measured peaks)
 /// and checks the host's share.
 fn check_memory(
@@ -1147,9 +1152,9 @@ fn check_memory(
     if !on_cpu {
         // the GPU's share is the device's; the host reads the checkpoint in f32 first
         let weights = plan.held[0].bytes;
-        plan = super::memory::MemoryPlan {
+        plan = crate::trainer::setup::memory::MemoryPlan {
             place: "host",
-            held: vec![super::memory::Part {
+            held: vec![crate::trainer::setup::memory::Part {
                 what: "the checkpoint read on the host (f32)".into(),
                 bytes: weights,
             }],
@@ -1159,7 +1164,7 @@ fn check_memory(
     if let Some((available, source)) =
         crate::host_memory::available_host_memory().map_err(TrainError::Invalid)?
     {
-        super::memory::check(&plan, available, &source, cfg)?;
+        crate::trainer::setup::memory::check(&plan, available, &source, cfg)?;
     }
     Ok(())
 }
@@ -1256,7 +1261,7 @@ fn step_line(r: &Record, step: u64, total: u64) -> String {
 }
 
 /// The bootstrap pass (docs/algorithms.md §2): one rollout over the training set without
-/// updates; its result is saved as `bootstrap.json` (see [`super::bootstrap`]).
+/// updates; its result is saved as `bootstrap.json` (see [`crate::trainer::setup::bootstrap`]).
 impl<B: Backend + Clone> Trainer<B> {
     /// Bootstrap (docs/algorithms.md §2): one rollout over the training set without updates; sets the
     /// first τ, the targets `T_d` and every prompt's difficulty, and saves them as
@@ -1330,7 +1335,7 @@ pub(super) fn responses_hwe<B: Backend>(
     responses: &[Response],
     settings: &StepSettings,
     tau: Option<f64>,
-) -> Result<super::hwe::HwePass<B>, TrainError> {
+) -> Result<crate::trainer::prepare::hwe::HwePass<B>, TrainError> {
     let tokens = TokenBatch::from_responses(responses);
     let ent: Vec<Vec<f32>> = responses.iter().map(|r| r.entropies.clone()).collect();
     let entropies = tokens.pad(&ent, 0.0);

@@ -3,11 +3,11 @@
 //! `L = −(1/N) Σ_t log π(y_t | x, y_<t)` over the `N` response tokens of a batch, so
 //! `∂L/∂logπ_t = −1/N` — the same loss head and backward as the RL update.
 
-use super::TrainError;
-use super::actor::{Actor, PromptVision, concat_vision};
-use super::sequences::{Packed, response_log_probs_after_forward};
-use super::update::Optimizer;
 use crate::backend::Backend;
+use crate::trainer::TrainError;
+use crate::trainer::actor::{Actor, PromptVision, concat_vision};
+use crate::trainer::prepare::sequences::{Packed, response_log_probs_after_forward};
+use crate::trainer::update::Optimizer;
 
 /// One prompt/response pair, tokenised (the response ends with EOS).
 #[derive(Debug, Clone, PartialEq)]

@@ -10,8 +10,8 @@ use ares_core::length::{GrpoLambda, grpo_lambda_rewards};
 use ares_core::overlong::overlong_penalties;
 use ares_core::shaping::{ShapingConfig, entropy_reward, overall_reward};
 
-use super::TrainError;
 use crate::reward::{PythonWorker, RewardInput};
+use crate::trainer::TrainError;
 
 /// What grading found in one response.
 #[derive(Debug, Clone, Copy, PartialEq)]

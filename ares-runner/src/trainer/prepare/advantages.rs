@@ -7,8 +7,8 @@ use ares_core::advantage::{
     rloo_token_advantages,
 };
 
-use super::TrainError;
-use super::tokens::TokenBatch;
+use crate::trainer::TrainError;
+use crate::trainer::collect::tokens::TokenBatch;
 
 /// The advantage estimator and its options.
 #[derive(Debug, Clone, Copy, PartialEq)]

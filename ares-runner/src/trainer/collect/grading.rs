@@ -1,13 +1,13 @@
 //! Grading a response (docs/algorithms.md §9, §10): the math answer against the reference, the format
 //! reward, and the rubric score from a pluggable grader.
 
-use super::TrainError;
-use super::rewards::Grade;
 use crate::config::{Config, RewardGrader, RubricGrader as GraderKind};
 use crate::data::Example;
 use crate::reward::{
     CommandGrader, KeywordGrader, RubricGrader, format_reward, grade_math, rubric_score,
 };
+use crate::trainer::TrainError;
+use crate::trainer::prepare::rewards::Grade;
 
 /// Grades responses for one run.
 pub struct Grader {

@@ -5,22 +5,29 @@
 //! them in turn. The step's token tensors live on the backend's device; what comes back to
 //! the host is counted (`perf/d2h_bytes`).
 
+pub mod advantages;
+pub mod controllers;
+pub mod device;
+pub mod hwe;
+pub mod rewards;
+pub mod sequences;
+
 use std::collections::BTreeMap;
 
 use ares_core::Groups;
 use ares_core::difficulty::{Difficulty, PerBucket, bucket_means, classify_groups};
 use ares_core::filter::{FilterParams, filter_groups};
 
-use super::TrainError;
-use super::actor::Actor;
-use super::advantages::{self, Advantages};
-use super::batch::Batch;
-use super::controllers::AresState;
-use super::device::{Downloads, alloc, download, upload};
-use super::hwe::{HwePass, hwe_pass, update_tau};
-use super::rewards::{FunctionCall, Grade, RewardParts, function_rewards, rewards};
-use super::settings::{FilterKey, StepSettings};
 use crate::backend::{Backend, KlSumViews, KlViews, View, ViewMut};
+use crate::trainer::TrainError;
+use crate::trainer::actor::Actor;
+use crate::trainer::collect::batch::Batch;
+use crate::trainer::setup::settings::{FilterKey, StepSettings};
+use advantages::Advantages;
+use controllers::AresState;
+use device::{Downloads, alloc, download, upload};
+use hwe::{HwePass, hwe_pass, update_tau};
+use rewards::{FunctionCall, Grade, RewardParts, function_rewards, rewards};
 
 /// Which groups of a graded round online filtering keeps (docs/algorithms.md §7): the group mean of the
 /// filter key strictly inside `(low, high)`, by ares-core's [`filter_groups`]. `rewards` are

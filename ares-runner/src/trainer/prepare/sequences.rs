@@ -11,7 +11,7 @@
 use crate::backend::Backend;
 use crate::model::{Activations, Inputs, Model};
 
-use super::TrainError;
+use crate::trainer::TrainError;
 
 /// A packed batch, `[rows, P + T]` row-major.
 #[derive(Debug, Clone, PartialEq)]
@@ -148,7 +148,7 @@ pub fn response_log_probs<B: Backend>(
 }
 
 /// [`response_log_probs`] after the forward pass already ran on `acts` (a
-/// vision-language model's, [`super::actor::Actor::forward`]).
+/// vision-language model's, [`crate::trainer::actor::Actor::forward`]).
 ///
 /// # Errors
 /// The model's.

@@ -2,8 +2,8 @@
 //! bring results back, counted so that a step reports how many bytes crossed device → host
 //! (`perf/d2h_bytes`).
 
-use super::TrainError;
 use crate::backend::{Backend, View, ViewMut};
+use crate::trainer::TrainError;
 
 /// Bytes downloaded from the device so far.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

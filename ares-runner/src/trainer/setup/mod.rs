@@ -2,11 +2,12 @@
 //! renderer, EOS ids, prompt-length filtering, the optimizer's hyper-parameters, and saving
 //! a model with its tokenizer files.
 
+pub mod bootstrap;
+pub mod memory;
+pub mod settings;
+
 use std::path::{Path, PathBuf};
 
-use super::TrainError;
-use super::actor::Actor;
-use super::prompts::PromptRenderer;
 use crate::backend::Backend;
 use crate::config::Config;
 use crate::data::{DataKeys, Example, PromptTemplate};
@@ -15,6 +16,9 @@ use crate::hf::config::ModelConfig;
 use crate::hf::generation::GenerationConfig;
 use crate::hf::tensor_files::SaveDtype;
 use crate::model::Model;
+use crate::trainer::TrainError;
+use crate::trainer::actor::Actor;
+use crate::trainer::collect::prompts::PromptRenderer;
 use crate::vision::checkpoint::VlCheckpoint;
 use crate::vision::config::VlConfig;
 use crate::vision::model::VlModel;
@@ -333,7 +337,7 @@ pub fn renderer(cfg: &Config, model_dir: &Path) -> Result<PromptRenderer, TrainE
         .transpose()?;
     let media = if VlConfig::is_vl_dir(model_dir) {
         let invalid = |e: String| TrainError::Invalid(e);
-        Some(super::prompts::MediaPrompts {
+        Some(crate::trainer::collect::prompts::MediaPrompts {
             processor: crate::data::MediaProcessor::from_model_dir(model_dir, &cfg.data)
                 .map_err(|e| invalid(e.to_string()))?,
             config: VlConfig::from_dir(model_dir).map_err(|e| invalid(e.to_string()))?,
@@ -367,7 +371,7 @@ pub fn renderer(cfg: &Config, model_dir: &Path) -> Result<PromptRenderer, TrainE
         chat,
         format,
         media,
-        template_inputs: super::prompts::TemplateInputs {
+        template_inputs: crate::trainer::collect::prompts::TemplateInputs {
             tools,
             kwargs: cfg.data.apply_chat_template_kwargs.clone(),
         },

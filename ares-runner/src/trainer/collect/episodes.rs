@@ -13,7 +13,7 @@
 //! `data.max_response_length` bounds the whole trajectory after the prompt.
 //!
 //! Streams: turn `t` of row `j` samples from stream `(seed ^ t·κ ^ c·φ, i)` with `c, i` the
-//! chunk and place of row `j` (as [`super::rollout::generate_all`] numbers them), so turn 0
+//! chunk and place of row `j` (as [`crate::trainer::collect::rollout::generate_all`] numbers them), so turn 0
 //! samples as the single-turn rollout and a row's tokens do not depend on when its tools
 //! answered.
 
@@ -23,12 +23,12 @@ use std::collections::HashMap;
 
 use ares_model::model::{Engine, EngineConfig, EngineRequest, Generator};
 
-use super::TrainError;
-use super::actor::{Actor, ActorGenerator, PromptVision};
-use super::rollout::{PromptItem, Response, RolloutParams, generate_all};
 use crate::backend::Backend;
 use crate::hf::tokenizer::Tokenizer;
 use crate::tools::episode::{EpisodeSettings, Next, RowKwargs, TurnEnd, after_turn};
+use crate::trainer::TrainError;
+use crate::trainer::actor::{Actor, ActorGenerator, PromptVision};
+use crate::trainer::collect::rollout::{PromptItem, Response, RolloutParams, generate_all};
 
 /// Threads that run a round's tool calls at most.
 const TOOL_THREADS: usize = 16;
@@ -94,7 +94,7 @@ pub struct EpisodeStart {
 }
 
 /// Rolls out every item's `n` samples as episodes (item-major rows, as
-/// [`super::rollout::rollout_items`]); `starts[g]` is item `g`'s conversation and tool
+/// [`crate::trainer::collect::rollout::rollout_items`]); `starts[g]` is item `g`'s conversation and tool
 /// arguments. Round 0 samples as the
 /// single-turn rollout does, so a model that calls no tool gives the same responses.
 ///

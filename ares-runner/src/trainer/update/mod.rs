@@ -7,21 +7,23 @@
 //! A mini-batch whose loss or gradient is not finite is skipped and counted: its
 //! gradients are dropped and neither the weights nor the optimizer moments change.
 
+pub mod policy;
+
 use ares_core::loss::LossAggMode;
 
 /// Metrics by name.
 pub type Metrics = std::collections::BTreeMap<String, f64>;
 
-use super::TrainError;
-use super::batch::Batch;
-use super::policy::{KlLoss, MicroBatch, MicroLoss, entropy_bonus, micro_loss, micro_scale};
-use super::prepare::Prepared;
-use super::settings::StepSettings;
-use super::tokens::gather_rows;
 use crate::backend::Backend;
 use crate::model::{Activations, AdamW, Grads};
+use crate::trainer::TrainError;
+use crate::trainer::collect::batch::Batch;
+use crate::trainer::collect::tokens::gather_rows;
+use crate::trainer::prepare::Prepared;
+use crate::trainer::setup::settings::StepSettings;
+use policy::{KlLoss, MicroBatch, MicroLoss, entropy_bonus, micro_loss, micro_scale};
 
-use super::actor::{Actor, TowerTraining};
+use crate::trainer::actor::{Actor, TowerTraining};
 
 /// What the update did.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -281,7 +283,7 @@ impl<B: Backend> Update<'_, B> {
             acts,
             opt.tower.is_some(),
         )?;
-        let (logp, entropy) = super::sequences::response_log_probs_after_forward(
+        let (logp, entropy) = crate::trainer::prepare::sequences::response_log_probs_after_forward(
             actor.lm(),
             acts,
             &packed,

@@ -5,12 +5,12 @@
 use crate::backend::{Backend, View, ViewMut};
 use crate::vision::model::VisionBatch;
 
-use super::TrainError;
-use super::actor::{Actor, concat_vision};
-use super::rewards::Grade;
-use super::rollout::{PromptItem, Response};
-use super::sequences::Packed;
-use super::tokens::TokenBatch;
+use crate::trainer::TrainError;
+use crate::trainer::actor::{Actor, concat_vision};
+use crate::trainer::collect::rollout::{PromptItem, Response};
+use crate::trainer::collect::tokens::TokenBatch;
+use crate::trainer::prepare::rewards::Grade;
+use crate::trainer::prepare::sequences::Packed;
 
 /// One prompt and its `n` graded samples, as a round of generation produced them.
 #[derive(Debug, Clone)]

@@ -21,7 +21,7 @@ use ares_core::loss::{
     aggregate_term, cispo_loss, clip_cov_loss, gspo_loss, kl_cov_loss, policy_loss,
 };
 
-use super::TrainError;
+use crate::trainer::TrainError;
 
 /// Which policy loss a micro-batch takes (`worker.actor.policy_loss`), with its own
 /// parameters; the clip, aggregation and importance correction come from

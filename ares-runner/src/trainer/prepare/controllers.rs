@@ -13,9 +13,9 @@ use ares_core::entropy_bonus::{EntropyCoefController, EntropyCoefState};
 use ares_core::kl::{AdaptiveKlController, KlController};
 use serde::{Deserialize, Serialize};
 
-use super::TrainError;
-use super::rewards::BucketValues;
-use super::settings::{KlControl, StepSettings};
+use crate::trainer::TrainError;
+use crate::trainer::prepare::rewards::BucketValues;
+use crate::trainer::setup::settings::{KlControl, StepSettings};
 
 /// The controllers' live state.
 #[derive(Debug, Clone)]

@@ -31,7 +31,7 @@ impl TokenBatch {
 
     /// The mask of `responses`: 1 on the model's tokens (a multi-turn episode's tool and
     /// template tokens are 0, as padding is), padded to the longest response.
-    pub fn from_responses(responses: &[super::rollout::Response]) -> Self {
+    pub fn from_responses(responses: &[crate::trainer::collect::rollout::Response]) -> Self {
         let lengths: Vec<usize> = responses.iter().map(|r| r.tokens.len()).collect();
         let mut batch = Self::from_lengths(&lengths);
         let cols = batch.shape.cols;
@@ -108,7 +108,7 @@ mod tests {
     /// statistics, HWE and the KL read — holds the model's 5 tokens; its length is 5.
     #[test]
     fn an_episode_masks_the_tools_tokens() {
-        use super::super::rollout::Response;
+        use crate::trainer::collect::rollout::Response;
         let episode = Response {
             tokens: vec![11, 12, 0, 90, 91, 13, 0],
             log_probs: vec![-0.1, -0.2, -0.3, 0.0, 0.0, -0.4, -0.5],

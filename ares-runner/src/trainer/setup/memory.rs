@@ -25,7 +25,7 @@ use crate::config::Config;
 use crate::hf::config::ModelConfig;
 use crate::model::{HeadMode, ModelSpec, arena_elements};
 
-use super::TrainError;
+use crate::trainer::TrainError;
 
 /// One part of a run's memory.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -393,7 +393,7 @@ mod tests {
         assert!(check(&plan, plan.peak(), "test", &cfg).is_ok());
         // checkpointing shrinks the update's arena
         cfg.worker.actor.model.enable_gradient_checkpointing = true;
-        let small = super::plan(
+        let small = crate::trainer::setup::memory::plan(
             &cfg,
             PlanModel {
                 text: &text,

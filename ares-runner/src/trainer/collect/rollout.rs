@@ -4,8 +4,8 @@
 use crate::backend::Backend;
 use crate::model::{GenerateOutput, GenerateRequest, Sampling, WeightDtype};
 
-use super::TrainError;
-use super::actor::{Actor, ActorGenerator, PromptVision};
+use crate::trainer::TrainError;
+use crate::trainer::actor::{Actor, ActorGenerator, PromptVision};
 
 /// One prompt of a step, prepared for the model.
 #[derive(Debug, Clone, PartialEq)]

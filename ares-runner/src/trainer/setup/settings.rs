@@ -11,13 +11,13 @@ use ares_core::loss::{
 };
 use ares_core::shaping::{BucketShaping, ShapingConfig};
 
-use super::TrainError;
-use super::advantages::Estimator;
-use super::hwe::HweParams;
-use super::policy::Objective;
-use super::rewards::{Base, RewardParams};
 use crate::config::{self, Config};
 use crate::model::Sampling;
+use crate::trainer::TrainError;
+use crate::trainer::prepare::advantages::Estimator;
+use crate::trainer::prepare::hwe::HweParams;
+use crate::trainer::prepare::rewards::{Base, RewardParams};
+use crate::trainer::update::policy::Objective;
 
 /// The KL coefficient β and how it moves (docs/algorithms.md §4, §2): one type from the
 /// resolved configuration to the step, carried between steps in the controllers' state.
@@ -199,11 +199,65 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
     let er = &alg.entropy_reward;
     let actor = &cfg.worker.actor;
     let rollout = &cfg.worker.rollout;
-    let n = rollout.n;
-
     let difficulty = alg.difficulty();
     difficulty.validate()?;
+    // (in this order: which error a config with several shows first)
+    let reward = reward_params(cfg)?;
+    let estimator = estimator(alg);
+    let kl = kl_settings(cfg)?;
+    let filter = filter(alg)?;
+    let (policy, objective) = policy_loss(actor)?;
+    let (mini_batch, micro_batch, optim) = batches(cfg, total_steps);
+    Ok(StepSettings {
+        n: rollout.n,
+        groups_per_step: cfg.data.rollout_batch_size,
+        groups_per_round: cfg
+            .data
+            .mini_rollout_batch_size
+            .unwrap_or(cfg.data.rollout_batch_size),
+        max_tries: usize::try_from(cfg.trainer.max_try_make_batch.max(0)).unwrap_or(0),
+        sampling: rollout_sampling(cfg),
+        max_new_tokens: cfg.data.max_response_length,
+        rollout_chunk: 64,
+        weight_dtype: rollout.weight_dtype.into(),
+        rollout_seed: rollout.seed,
+        hwe: HweParams {
+            window_size: rollout.window_size,
+            window_includes_self: er.window_includes_self,
+            percentile: er.percentile,
+        },
+        tau_momentum: er.tau_momentum,
+        trigger_words: er
+            .trigger_words
+            .iter()
+            .map(|w| w.trim().to_lowercase())
+            .collect(),
+        difficulty,
+        reward,
+        estimator,
+        kl,
+        filter,
+        uses_rollout_log_probs: policy.is_correction.mode != IsMode::None,
+        policy,
+        objective,
+        entropy_bonus: entropy_bonus(&actor.entropy_bonus)?,
+        forking_rho: {
+            let f = &actor.forking_tokens;
+            f.enable.then_some(f.rho as f32)
+        },
+        ppo_epochs: actor.ppo_epochs.max(1),
+        mini_batch,
+        micro_batch,
+        optim,
+    })
+}
 
+/// The rewards (docs/algorithms.md §3, §8, §9): the base (accuracy, GRPO-λ or a rubric
+/// score), ARES's per-bucket shaping when enabled, the format weight and DAPO's overlong
+/// penalty.
+fn reward_params(cfg: &Config) -> Result<RewardParams, TrainError> {
+    let alg = &cfg.algorithm;
+    let er = &alg.entropy_reward;
     let shaping = er
         .enable
         .then(|| {
@@ -229,7 +283,26 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
         Base::Accuracy
     };
 
-    let estimator = match alg.adv_estimator {
+    let o = &cfg.worker.reward.overlong_buffer;
+    Ok(RewardParams {
+        base,
+        shaping,
+        format_weight: cfg.worker.reward.format_weight,
+        overlong: o
+            .enable
+            .then_some(crate::trainer::prepare::rewards::Overlong {
+                max_len: cfg.data.max_response_length,
+                buffer_len: o.len,
+                penalty_factor: o.penalty_factor,
+                only_correct: o.only_correct,
+            }),
+    })
+}
+
+/// The advantage estimator (docs/algorithms.md §5): the one match of the config's
+/// estimators.
+fn estimator(alg: &config::AlgorithmConfig) -> Estimator {
+    match alg.adv_estimator {
         config::AdvEstimator::Grpo => Estimator::Grpo {
             norm_by_std: alg.norm_adv_by_std_in_grpo,
         },
@@ -254,8 +327,14 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
                 ..ProMaxConfig::default()
             })
         }
-    };
+    }
+}
 
+/// The KL penalty (docs/algorithms.md §4): its estimator, control (fixed, adaptive or dual
+/// ascent), and whether it is on at all.
+fn kl_settings(cfg: &Config) -> Result<KlSettings, TrainError> {
+    let alg = &cfg.algorithm;
+    let actor = &cfg.worker.actor;
     let control = match alg.kl_type {
         config::KlCtrl::Fixed => KlControl::Global(KlController::fixed(alg.kl_coef)?),
         config::KlCtrl::Adaptive => KlControl::Global(KlController::adaptive(
@@ -267,37 +346,46 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
     };
     let kl_off =
         alg.disable_kl || matches!(control, KlControl::Global(KlController::Fixed(b)) if b == 0.0);
-    let kl = KlSettings {
+    Ok(KlSettings {
         use_kl_loss: alg.use_kl_loss,
         estimator: alg.kl_penalty,
         control,
         dynamic: actor.dynamic_kl_loss,
         low_ratio: actor.dynamic_kl_low_ratio,
         enabled: !kl_off,
-    };
+    })
+}
 
-    let filter = if alg.online_filtering {
-        let key = match alg.filter_key.as_str() {
-            "accuracy" | "acc" => FilterKey::Accuracy,
-            "overall" | "reward" => FilterKey::Overall,
-            "entropy" | "entropy_reward" => FilterKey::Entropy,
-            "format" => FilterKey::Format,
-            other => {
-                return Err(TrainError::Invalid(format!(
-                    "algorithm.filter_key = {other:?}: expected one of accuracy, overall, \
-                     entropy, format"
-                )));
-            }
-        };
-        Some(FilterSettings {
-            key,
-            low: alg.filter_low,
-            high: alg.filter_high,
-        })
-    } else {
-        None
+/// Online filtering (docs/algorithms.md §7), when enabled: the group statistic and its
+/// bounds.
+fn filter(alg: &config::AlgorithmConfig) -> Result<Option<FilterSettings>, TrainError> {
+    if !alg.online_filtering {
+        return Ok(None);
+    }
+    let key = match alg.filter_key.as_str() {
+        "accuracy" | "acc" => FilterKey::Accuracy,
+        "overall" | "reward" => FilterKey::Overall,
+        "entropy" | "entropy_reward" => FilterKey::Entropy,
+        "format" => FilterKey::Format,
+        other => {
+            return Err(TrainError::Invalid(format!(
+                "algorithm.filter_key = {other:?}: expected one of accuracy, overall, \
+                 entropy, format"
+            )));
+        }
     };
+    Ok(Some(FilterSettings {
+        key,
+        low: alg.filter_low,
+        high: alg.filter_high,
+    }))
+}
 
+/// The policy loss (docs/algorithms.md §6, §12): clipping, aggregation, the rollout
+/// importance correction, and the objective — the one match of the config's losses.
+fn policy_loss(
+    actor: &config::ActorConfig,
+) -> Result<(PolicyLossConfig<f32>, Objective), TrainError> {
     let is_mode = actor.is_correction;
     let policy = PolicyLossConfig {
         clip: ClipParams::new(
@@ -336,7 +424,14 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
             Objective::KlCov(p)
         }
     };
+    Ok((policy, objective))
+}
 
+/// Mini- and micro-batch sizes in samples, and the optimizer's schedule over the run's
+/// `total_steps` steps.
+fn batches(cfg: &Config, total_steps: u64) -> (usize, usize, OptimSettings) {
+    let actor = &cfg.worker.actor;
+    let n = cfg.worker.rollout.n;
     let step_rows = cfg.data.rollout_batch_size * n;
     // EasyR1 counts the mini-batch in prompts, each with its n responses
     let mini_batch = (actor.global_batch_size * n).min(step_rows).max(1);
@@ -357,62 +452,7 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
         total_steps: optimizer_steps,
         max_grad_norm: Some(actor.max_grad_norm as f32),
     };
-
-    Ok(StepSettings {
-        n,
-        groups_per_step: cfg.data.rollout_batch_size,
-        groups_per_round: cfg
-            .data
-            .mini_rollout_batch_size
-            .unwrap_or(cfg.data.rollout_batch_size),
-        max_tries: usize::try_from(cfg.trainer.max_try_make_batch.max(0)).unwrap_or(0),
-        sampling: rollout_sampling(cfg),
-        max_new_tokens: cfg.data.max_response_length,
-        rollout_chunk: 64,
-        weight_dtype: rollout.weight_dtype.into(),
-        rollout_seed: rollout.seed,
-        hwe: HweParams {
-            window_size: rollout.window_size,
-            window_includes_self: er.window_includes_self,
-            percentile: er.percentile,
-        },
-        tau_momentum: er.tau_momentum,
-        trigger_words: er
-            .trigger_words
-            .iter()
-            .map(|w| w.trim().to_lowercase())
-            .collect(),
-        difficulty,
-        reward: RewardParams {
-            base,
-            shaping,
-            format_weight: cfg.worker.reward.format_weight,
-            overlong: {
-                let o = &cfg.worker.reward.overlong_buffer;
-                o.enable.then_some(super::rewards::Overlong {
-                    max_len: cfg.data.max_response_length,
-                    buffer_len: o.len,
-                    penalty_factor: o.penalty_factor,
-                    only_correct: o.only_correct,
-                })
-            },
-        },
-        estimator,
-        kl,
-        filter,
-        policy,
-        objective,
-        entropy_bonus: entropy_bonus(&actor.entropy_bonus)?,
-        forking_rho: {
-            let f = &actor.forking_tokens;
-            f.enable.then_some(f.rho as f32)
-        },
-        uses_rollout_log_probs: is_mode != IsMode::None,
-        ppo_epochs: actor.ppo_epochs.max(1),
-        mini_batch,
-        micro_batch,
-        optim,
-    })
+    (mini_batch, micro_batch, optim)
 }
 
 /// The controller of `worker.actor.entropy_bonus` (`None` when the bonus is off).

@@ -1,6 +1,6 @@
 //! The bootstrap's result (docs/algorithms.md §2): the first τ, the per-bucket targets `T_d`
 //! and every prompt's difficulty, saved as `bootstrap.json` beside the checkpoints and
-//! reused on resume. The pass that computes it is [`Trainer::bootstrap`](super::Trainer),
+//! reused on resume. The pass that computes it is [`Trainer::bootstrap`](crate::trainer::Trainer),
 //! in `run.rs` with the rest of the loop.
 
 use std::collections::BTreeMap;
@@ -9,8 +9,8 @@ use std::path::Path;
 use ares_core::difficulty::{Difficulty, PerBucket};
 use serde::{Deserialize, Serialize};
 
-use super::TrainError;
-use super::controllers::AresState;
+use crate::trainer::TrainError;
+use crate::trainer::prepare::controllers::AresState;
 
 /// What the bootstrap pass found (`bootstrap.json` in the run directory).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -28,7 +28,7 @@ pub struct BootstrapResult {
 }
 
 /// Reads `bootstrap.json` of a run, if any.
-pub(super) fn read_bootstrap(run_dir: &Path) -> Result<Option<BootstrapResult>, TrainError> {
+pub(crate) fn read_bootstrap(run_dir: &Path) -> Result<Option<BootstrapResult>, TrainError> {
     let path = run_dir.join("bootstrap.json");
     match std::fs::read_to_string(&path) {
         Ok(text) => serde_json::from_str(&text)
@@ -40,7 +40,7 @@ pub(super) fn read_bootstrap(run_dir: &Path) -> Result<Option<BootstrapResult>, 
 }
 
 /// Sets τ, the targets and the difficulty map from a bootstrap result.
-pub(super) fn apply_bootstrap(ares: &mut AresState, b: &BootstrapResult) -> Result<(), TrainError> {
+pub(crate) fn apply_bootstrap(ares: &mut AresState, b: &BootstrapResult) -> Result<(), TrainError> {
     ares.tau.restore(b.tau)?;
     let get = |d: Difficulty| b.targets.get(d.name()).copied();
     ares.buckets.bootstrap(&PerBucket::new(

@@ -7,9 +7,9 @@
 use ares_core::Shape;
 use ares_core::entropy::{ThresholdEma, batch_median_threshold};
 
-use super::TrainError;
-use super::device::{Downloads, alloc, download, upload};
 use crate::backend::{Backend, HweViews, Tensor, View, ViewMut, WindowSpec};
+use crate::trainer::TrainError;
+use crate::trainer::prepare::device::{Downloads, alloc, download, upload};
 
 /// How windows and thresholds are formed (the `algorithm.entropy_reward` and
 /// `worker.rollout.window_size` keys).

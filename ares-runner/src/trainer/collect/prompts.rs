@@ -10,12 +10,12 @@ use rand_chacha::rand_core::{Rng, SeedableRng};
 
 use std::sync::Arc;
 
-use super::TrainError;
-use super::actor::PromptVision;
 use crate::config::{GradedPromptConfig, RubricSchedule};
 use crate::data::{Example, MediaProcessor, PromptTemplate, render_prompt_with};
 use crate::hf::chat::{ChatTemplate, RenderOptions};
 use crate::hf::tokenizer::Tokenizer;
+use crate::trainer::TrainError;
+use crate::trainer::actor::PromptVision;
 use crate::vision::config::VlConfig;
 
 /// Turns examples into token ids.
