@@ -10,8 +10,9 @@
 //!   [`TensorMut`](super::TensorMut)); `InOpt<f32>` / `OutOpt<f32>`: the same, optional;
 //! - `In<u32>`: token ids, positions or row indices (`&Self::Ids`);
 //! - `In<bf16>` / `Out<bf16>`: a view of a [`Backend::Half`](super::Backend::Half) buffer
-//!   that must hold bf16 (checked before the kernel runs: [`BackendError::DType`](super::BackendError::DType) names the
-//!   op, the argument and the dtype given);
+//!   that must hold bf16 (checked before the kernel runs:
+//!   [`BackendError::DType`](super::BackendError::DType) names the op, the argument and the
+//!   dtype given);
 //! - `Ref<T>`: a `&T` of host parameters;
 //! - any other type: a host scalar or shape, passed by value (each backend converts it to
 //!   its kernel's form).
@@ -19,9 +20,10 @@
 //! The kernels are called with the arguments in the declared order; a kernel whose own
 //! order or types differ gets a small adapter next to its backend (`cpu.rs`, `mod kernels`).
 //! A dtype is declared per argument: f32 and u32 are separate buffer types, so passing the
-//! wrong one is a compile error; the 16-bit floats share [`Backend::Half`](super::Backend::Half)
-//! and are checked at run time. A new dtype is a kind here and an arm in each backend. Ops whose arguments are structs of views (attention, KV caches, the
-//! ARES token ops) and the sampling ops are written out in each backend.
+//! wrong one is a compile error; the 16-bit floats share
+//! [`Backend::Half`](super::Backend::Half) and are checked at run time. A new dtype is a kind
+//! here and an arm in each backend. Ops whose arguments are structs of views (attention, KV
+//! caches, the ARES token ops) and the sampling ops are written out in each backend.
 
 /// Calls `$then! { … }` with the declarations of the ops both backends implement alike.
 macro_rules! declared_ops {
