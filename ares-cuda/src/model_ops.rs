@@ -26,7 +26,7 @@ mod optim;
 mod vision;
 
 pub use attention::{
-    AttentionGradsMut, AttentionSaved, AttentionShape, BlockTablesView, KvCache, KvCacheMut,
+    AttentionGrads, AttentionInputs, AttentionShape, BlockTablesView, KvCache, KvCacheMut,
     MAX_HEAD_DIM, PagedKvCache, PagedKvCacheMut,
 };
 pub use optim::AdamWStep;

@@ -324,18 +324,16 @@ impl ModelOps {
     ///
     /// # Errors
     /// Invalid head counts, head size or scale, lengths that do not match.
-    #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
         shape: AttentionShape,
-        q: &CudaView<'_, f32>,
-        k: &CudaView<'_, f32>,
-        v: &CudaView<'_, f32>,
-        key_mask: Option<&CudaView<'_, f32>>,
+        inputs: &AttentionInputs<'_>,
         out: &mut CudaViewMut<'_, f32>,
         lse: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         const K: &str = "attention";
+        let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
+        let key_mask = inputs.key_mask.as_ref();
         let dims = shape.dims(K)?;
         check_len(K, "q", dims.q_len, q.len())?;
         check_len(K, "k", dims.kv_len, k.len())?;
@@ -488,18 +486,24 @@ impl ModelOps {
     ///
     /// # Errors
     /// As [`ModelOps::attention`], and lengths of `out`, `lse`, `dout` and the gradients.
-    #[allow(clippy::too_many_arguments)]
     pub fn attention_backward(
         &self,
         shape: AttentionShape,
-        q: &CudaView<'_, f32>,
-        k: &CudaView<'_, f32>,
-        v: &CudaView<'_, f32>,
-        key_mask: Option<&CudaView<'_, f32>>,
-        saved: AttentionSaved<'_, '_>,
-        grads: AttentionGradsMut<'_, '_>,
+        inputs: &AttentionInputs<'_>,
+        out: &CudaView<'_, f32>,
+        lse: &CudaView<'_, f32>,
+        dout: &CudaView<'_, f32>,
+        grads: &mut AttentionGrads<'_>,
     ) -> Result<()> {
         const K: &str = "attention_backward";
+        let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
+        let key_mask = inputs.key_mask.as_ref();
+        let saved = AttentionSaved { out, lse, dout };
+        let grads = AttentionGradsMut {
+            dq: &mut grads.dq,
+            dk: &mut grads.dk,
+            dv: &mut grads.dv,
+        };
         let dims = shape.dims(K)?;
         check_len(K, "q", dims.q_len, q.len())?;
         check_len(K, "k", dims.kv_len, k.len())?;
@@ -789,7 +793,7 @@ impl BackwardInputs<'_, '_> {
 }
 
 /// What [`ModelOps::attention_backward`] reads besides the inputs.
-pub struct AttentionSaved<'a, 'b> {
+pub(crate) struct AttentionSaved<'a, 'b> {
     /// The forward output `[B, T, Hq, D]`.
     pub out: &'a CudaView<'b, f32>,
     /// The forward log-sum-exp `[B, T, Hq]`.
@@ -798,8 +802,31 @@ pub struct AttentionSaved<'a, 'b> {
     pub dout: &'a CudaView<'b, f32>,
 }
 
-/// The gradients [`ModelOps::attention_backward`] writes (overwritten).
-pub struct AttentionGradsMut<'a, 'b> {
+/// The query, key and value views of an attention call, and its key mask (`None`: every key
+/// valid).
+pub struct AttentionInputs<'a> {
+    /// `[B, T, Hq, D]`.
+    pub q: CudaView<'a, f32>,
+    /// `[B, T, Hkv, D]`.
+    pub k: CudaView<'a, f32>,
+    /// `[B, T, Hkv, D]`.
+    pub v: CudaView<'a, f32>,
+    /// `[B, T]`, 0/1.
+    pub key_mask: Option<CudaView<'a, f32>>,
+}
+
+/// The gradients of q, k and v that [`ModelOps::attention_backward`] overwrites.
+pub struct AttentionGrads<'a> {
+    /// `∂L/∂q` `[B, T, Hq, D]`.
+    pub dq: CudaViewMut<'a, f32>,
+    /// `∂L/∂k` `[B, T, Hkv, D]`.
+    pub dk: CudaViewMut<'a, f32>,
+    /// `∂L/∂v` `[B, T, Hkv, D]`.
+    pub dv: CudaViewMut<'a, f32>,
+}
+
+/// The gradients the backward kernels write (overwritten).
+pub(crate) struct AttentionGradsMut<'a, 'b> {
     /// `∂L/∂q` `[B, T, Hq, D]`.
     pub dq: &'a mut CudaViewMut<'b, f32>,
     /// `∂L/∂k` `[B, T, Hkv, D]`.

@@ -3,10 +3,8 @@
 //! `cu_seqlens` segments, and the row scatter of image embeddings. Twins of
 //! `ares_cpu::ops::{layer_norm, activation, segment_attention, scatter}`.
 
-use super::{
-    AttentionGradsMut, AttentionSaved, ModelOps, bad, check_len, element_cfg, grid, i32_of, i64_of,
-    mul, row_cfg, scratch,
-};
+use super::attention::{AttentionGradsMut, AttentionSaved};
+use super::{ModelOps, bad, check_len, element_cfg, grid, i32_of, i64_of, mul, row_cfg, scratch};
 use crate::error::{DriverContext, Result};
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
@@ -504,16 +502,23 @@ impl ModelOps {
     /// As [`ModelOps::segment_attention`], and lengths of `out`, `lse`, `dout` and the
     /// gradients.
     #[allow(clippy::too_many_arguments)]
-    pub fn segment_attention_backward(
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments, in its order
+    pub fn segment_attention_backward<'v>(
         &self,
         shape: SegmentAttentionShape,
         cu_seqlens: &CudaView<'_, u32>,
         q: &CudaView<'_, f32>,
         k: &CudaView<'_, f32>,
         v: &CudaView<'_, f32>,
-        saved: AttentionSaved<'_, '_>,
-        grads: AttentionGradsMut<'_, '_>,
+        out: &CudaView<'_, f32>,
+        lse: &CudaView<'_, f32>,
+        dout: &CudaView<'_, f32>,
+        dq: &mut CudaViewMut<'v, f32>,
+        dk: &mut CudaViewMut<'v, f32>,
+        dv: &mut CudaViewMut<'v, f32>,
     ) -> Result<()> {
+        let saved = AttentionSaved { out, lse, dout };
+        let grads = AttentionGradsMut { dq, dk, dv };
         const K: &str = "segment_attention_backward";
         let dims = shape.dims(K, cu_seqlens.len())?;
         check_len(K, "q", dims.q_len, q.len())?;

@@ -2,9 +2,7 @@
 //! plain vectors, views are sub-slices, ops run on the calling thread (parallel inside
 //! over rayon) and have finished when they return, so nothing ever needs synchronising.
 
-use ares_cpu::ops::attention::{
-    self, AttentionShape, attention_backward, attention_decode, attention_forward, kv_cache_append,
-};
+use ares_cpu::ops::attention::{self, AttentionShape, attention_decode, kv_cache_append};
 use ares_cpu::ops::matmul::{
     MatmulDims, linear_backward_in, linear_forward_in, linear_forward_t_in,
 };
@@ -146,18 +144,34 @@ fn matmul_dims(dims: LinearDims) -> MatmulDims {
     }
 }
 
-/// The `ares-cpu` attention shape and inputs of a backend attention call.
-fn attention_args<'a>(
-    dims: AttentionDims,
-    inputs: AttentionInputs<'a, Vec<f32>>,
-) -> Result<(AttentionShape, attention::AttentionInputs<'a>)> {
-    let inputs = attention::AttentionInputs {
-        q: slice(inputs.q)?,
-        k: slice(inputs.k)?,
-        v: slice(inputs.v)?,
-        key_mask: slice_opt(inputs.key_mask)?,
-    };
-    Ok((attention_shape(dims), inputs))
+/// A struct of backend views in the form its `ares-cpu` kernel takes (a `Views<T>` kind of
+/// a declared op).
+trait CpuViews<'a> {
+    type Kernel;
+    fn cpu(self) -> Result<Self::Kernel>;
+}
+
+impl<'a> CpuViews<'a> for AttentionInputs<'a, Vec<f32>> {
+    type Kernel = attention::AttentionInputs<'a>;
+    fn cpu(self) -> Result<Self::Kernel> {
+        Ok(attention::AttentionInputs {
+            q: slice(self.q)?,
+            k: slice(self.k)?,
+            v: slice(self.v)?,
+            key_mask: slice_opt(self.key_mask)?,
+        })
+    }
+}
+
+impl<'a> CpuViews<'a> for AttentionGrads<'a, Vec<f32>> {
+    type Kernel = attention::AttentionGrads<'a>;
+    fn cpu(self) -> Result<Self::Kernel> {
+        Ok(attention::AttentionGrads {
+            dq: slice_mut(self.dq)?,
+            dk: slice_mut(self.dk)?,
+            dv: slice_mut(self.dv)?,
+        })
+    }
 }
 
 /// Wraps a kernel error with the op that raised it.
@@ -246,6 +260,8 @@ macro_rules! cpu_arg {
     ($op:ident, $a:ident: Out<bf16>) => {
         half_mut(stringify!($op), stringify!($a), $a, DType::Bf16)?
     };
+    ($op:ident, $a:ident: Views<$t:ident>) => { CpuViews::cpu($a)? };
+    ($op:ident, $a:ident: ViewsMut<$t:ident>) => { CpuViews::cpu($a)? };
     ($op:ident, $a:ident: Ref<$t:ident>) => { $a };
     ($op:ident, $a:ident: $t:ident) => { $a };
 }
@@ -271,9 +287,10 @@ macro_rules! cpu_ops {
 /// order and types.
 mod kernels {
     use super::{
-        Activation, AdamWUpdate, LinearDims, SegmentAttentionDims, activation, adamw_step_scaled,
-        cpu_activation, linear_backward_in, linear_forward_in, linear_forward_t_in, matmul_dims,
-        matmul_tiles, segment_attention, segment_shape,
+        Activation, AdamWUpdate, AttentionDims, LinearDims, SegmentAttentionDims, activation,
+        adamw_step_scaled, attention, attention_shape, cpu_activation, linear_backward_in,
+        linear_forward_in, linear_forward_t_in, matmul_dims, matmul_tiles, segment_attention,
+        segment_shape,
     };
     use ares_cpu::Logits;
 
@@ -326,6 +343,60 @@ mod kernels {
     pub(super) fn fill(dst: &mut [f32], value: f32) -> Result {
         dst.fill(value);
         Ok(())
+    }
+
+    pub(super) fn attention(
+        dims: AttentionDims,
+        inputs: attention::AttentionInputs<'_>,
+        out: &mut [f32],
+        lse: &mut [f32],
+    ) -> Result {
+        attention::attention_forward(&attention_shape(dims), inputs, out, lse)
+    }
+
+    pub(super) fn attention_backward(
+        dims: AttentionDims,
+        inputs: attention::AttentionInputs<'_>,
+        out: &[f32],
+        lse: &[f32],
+        dout: &[f32],
+        grads: attention::AttentionGrads<'_>,
+    ) -> Result {
+        let shape = attention_shape(dims);
+        attention::attention_backward(&shape, inputs, out, lse, dout, grads)
+    }
+
+    pub(super) fn copy(src: &[f32], dst: &mut [f32]) -> Result {
+        if src.len() != dst.len() {
+            return Err(ares_cpu::Error::Core(ares_core::Error::LengthMismatch {
+                what: "dst",
+                expected: src.len(),
+                actual: dst.len(),
+            }));
+        }
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments, in its order
+    pub(super) fn segment_attention_backward(
+        dims: SegmentAttentionDims,
+        cu_seqlens: &[u32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &[f32],
+        lse: &[f32],
+        dout: &[f32],
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+    ) -> Result {
+        let shape = segment_shape(dims, cu_seqlens)?;
+        let saved = segment_attention::SegmentAttentionSaved { out, lse, dout };
+        segment_attention::segment_attention_backward(
+            &shape, cu_seqlens, q, k, v, saved, dq, dk, dv,
+        )
     }
 
     pub(super) fn linear_transposed_bf16(
@@ -452,17 +523,6 @@ impl Backend for CpuBackend {
 
     declared_ops!(cpu_ops);
 
-    fn attention(
-        &self,
-        dims: AttentionDims,
-        inputs: AttentionInputs<'_, Vec<f32>>,
-        out: TensorMut<'_, Self>,
-        lse: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        let (shape, inputs) = attention_args(dims, inputs)?;
-        attention_forward(&shape, inputs, slice_mut(out)?, slice_mut(lse)?).map_err(op("attention"))
-    }
-
     fn add(
         &self,
         a: Tensor<'_, Self>,
@@ -476,38 +536,6 @@ impl Backend for CpuBackend {
             *o = x + y;
         }
         Ok(())
-    }
-
-    fn copy(&self, src: Tensor<'_, Self>, dst: TensorMut<'_, Self>) -> Result<()> {
-        BackendError::check_len("copy destination", src.len(), dst.len())?;
-        slice_mut(dst)?.copy_from_slice(slice(src)?);
-        Ok(())
-    }
-
-    fn attention_backward(
-        &self,
-        dims: AttentionDims,
-        inputs: AttentionInputs<'_, Vec<f32>>,
-        out: Tensor<'_, Self>,
-        lse: Tensor<'_, Self>,
-        dout: Tensor<'_, Self>,
-        grads: AttentionGrads<'_, Vec<f32>>,
-    ) -> Result<()> {
-        let (shape, inputs) = attention_args(dims, inputs)?;
-        let grads = attention::AttentionGrads {
-            dq: slice_mut(grads.dq)?,
-            dk: slice_mut(grads.dk)?,
-            dv: slice_mut(grads.dv)?,
-        };
-        attention_backward(
-            &shape,
-            inputs,
-            slice(out)?,
-            slice(lse)?,
-            slice(dout)?,
-            grads,
-        )
-        .map_err(op("attention_backward"))
     }
 
     fn greedy_tokens(
@@ -721,41 +749,6 @@ impl Backend for CpuBackend {
         ares_cpu::masked_dynamic_kl(inputs, outputs)
             .map(|_| ())
             .map_err(op("masked_dynamic_kl"))
-    }
-
-    fn segment_attention_backward(
-        &self,
-        dims: SegmentAttentionDims,
-        cu_seqlens: &Vec<u32>,
-        q: Tensor<'_, Self>,
-        k: Tensor<'_, Self>,
-        v: Tensor<'_, Self>,
-        out: Tensor<'_, Self>,
-        lse: Tensor<'_, Self>,
-        dout: Tensor<'_, Self>,
-        dq: TensorMut<'_, Self>,
-        dk: TensorMut<'_, Self>,
-        dv: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        const OP: &str = "segment_attention_backward";
-        let shape = segment_shape(dims, cu_seqlens).map_err(op(OP))?;
-        let saved = segment_attention::SegmentAttentionSaved {
-            out: slice(out)?,
-            lse: slice(lse)?,
-            dout: slice(dout)?,
-        };
-        segment_attention::segment_attention_backward(
-            &shape,
-            cu_seqlens,
-            slice(q)?,
-            slice(k)?,
-            slice(v)?,
-            saved,
-            slice_mut(dq)?,
-            slice_mut(dk)?,
-            slice_mut(dv)?,
-        )
-        .map_err(op(OP))
     }
 }
 

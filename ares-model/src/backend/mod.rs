@@ -163,50 +163,12 @@ pub trait Backend {
     // ----- Ops written out in each backend (arguments that are structs of views, host
     // outputs, a default implementation). -----
 
-    /// Causal grouped-query attention (shapes in [`AttentionDims`]): query `t` of sequence
-    /// `b` attends to keys `s <= t` with `key_mask[b, s] = 1` (`None`: all keys valid). Writes
-    /// `out` `[batch, seq, q_heads, head_dim]` and the softmax log-sum-exp `lse` `[batch,
-    /// seq, q_heads]` for the backward pass. A query without a valid key gets `out = 0`.
-    ///
-    /// # Errors
-    /// Invalid head counts or scale, lengths that do not match, a mask value not 0 or 1.
-    fn attention(
-        &self,
-        dims: AttentionDims,
-        inputs: AttentionInputs<'_, Self::Buffer>,
-        out: TensorMut<'_, Self>,
-        lse: TensorMut<'_, Self>,
-    ) -> Result<()>;
-
     /// Residual add, element-wise: `out = a + b`.
     ///
     /// # Errors
     /// Lengths that differ.
     fn add(&self, a: Tensor<'_, Self>, b: Tensor<'_, Self>, out: TensorMut<'_, Self>)
     -> Result<()>;
-
-    /// `dst = src` (views of equal length, possibly of one buffer but never overlapping,
-    /// which the borrow rules already forbid). On a GPU a device-to-device copy.
-    ///
-    /// # Errors
-    /// Lengths that differ.
-    fn copy(&self, src: Tensor<'_, Self>, dst: TensorMut<'_, Self>) -> Result<()>;
-
-    /// Backward of [`Backend::attention`] from `dout` `[batch, seq, q_heads, head_dim]`,
-    /// the forward's `inputs`, `out` and `lse`. **Overwrites** `grads` (q, k and v feed
-    /// attention only); queries without a valid key and masked keys get zero gradients.
-    ///
-    /// # Errors
-    /// As [`Backend::attention`], and lengths of `out`, `lse`, `dout` and `grads`.
-    fn attention_backward(
-        &self,
-        dims: AttentionDims,
-        inputs: AttentionInputs<'_, Self::Buffer>,
-        out: Tensor<'_, Self>,
-        lse: Tensor<'_, Self>,
-        dout: Tensor<'_, Self>,
-        grads: AttentionGrads<'_, Self::Buffer>,
-    ) -> Result<()>;
 
     /// Greedy decoding: per row of `logits` `[rows, vocab]` (rows = `ids.len()`), the index
     /// of the largest logit, the lowest among equal maxima, written to `ids` on the device
@@ -357,27 +319,5 @@ pub trait Backend {
         &self,
         inputs: KlViews<'_, Self::Buffer>,
         outputs: KlSumViews<'_, Self::Buffer>,
-    ) -> Result<()>;
-
-    /// Backward of [`Backend::segment_attention`] from `dout` `[tokens, heads, head_dim]`,
-    /// the forward's inputs, `out` and `lse`; **overwrites** `dq`, `dk`, `dv`.
-    ///
-    /// # Errors
-    /// As [`Backend::segment_attention`], and lengths of `out`, `lse`, `dout` and the
-    /// gradients.
-    #[allow(clippy::too_many_arguments)]
-    fn segment_attention_backward(
-        &self,
-        dims: SegmentAttentionDims,
-        cu_seqlens: &Self::Ids,
-        q: Tensor<'_, Self>,
-        k: Tensor<'_, Self>,
-        v: Tensor<'_, Self>,
-        out: Tensor<'_, Self>,
-        lse: Tensor<'_, Self>,
-        dout: Tensor<'_, Self>,
-        dq: TensorMut<'_, Self>,
-        dk: TensorMut<'_, Self>,
-        dv: TensorMut<'_, Self>,
     ) -> Result<()>;
 }

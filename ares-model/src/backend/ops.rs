@@ -13,6 +13,8 @@
 //!   that must hold bf16 (checked before the kernel runs:
 //!   [`BackendError::DType`](super::BackendError::DType) names the op, the argument and the
 //!   dtype given);
+//! - `Views<T>` / `ViewsMut<T>`: a struct of views read / written (`AttentionInputs`,
+//!   `AttentionGrads`), converted field by field;
 //! - `Ref<T>`: a `&T` of host parameters;
 //! - any other type: a host scalar or shape, passed by value (each backend converts it to
 //!   its kernel's form).
@@ -22,8 +24,8 @@
 //! A dtype is declared per argument: f32 and u32 are separate buffer types, so passing the
 //! wrong one is a compile error; the 16-bit floats share
 //! [`Backend::Half`](super::Backend::Half) and are checked at run time. A new dtype is a kind
-//! here and an arm in each backend. Ops whose arguments are structs of views (attention, KV
-//! caches, the ARES token ops) and the sampling ops are written out in each backend.
+//! here and an arm in each backend. The KV-cache ops, the ARES token ops, the samplers, `add`
+//! and `sum_of_squares` are written out in each backend.
 
 /// Calls `$then! { … }` with the declarations of the ops both backends implement alike.
 macro_rules! declared_ops {
@@ -268,6 +270,45 @@ macro_rules! declared_ops {
                 update: Ref<AdamWUpdate>,
             ) cpu kernels::adamw_step, cuda adamw_step;
 
+            /// Causal grouped-query attention (shapes in [`AttentionDims`]): query `t` of sequence
+            /// `b` attends to keys `s <= t` with `key_mask[b, s] = 1` (`None`: all keys valid). Writes
+            /// `out` `[batch, seq, q_heads, head_dim]` and the softmax log-sum-exp `lse` `[batch,
+            /// seq, q_heads]` for the backward pass. A query without a valid key gets `out = 0`.
+            ///
+            /// # Errors
+            /// Invalid head counts or scale, lengths that do not match, a mask value not 0 or 1.
+            fn attention(
+                dims: AttentionDims,
+                inputs: Views<AttentionInputs>,
+                out: Out<f32>,
+                lse: Out<f32>,
+            ) cpu kernels::attention, cuda attention;
+
+            /// Backward of [`Backend::attention`] from `dout` `[batch, seq, q_heads, head_dim]`,
+            /// the forward's `inputs`, `out` and `lse`. **Overwrites** `grads` (q, k and v feed
+            /// attention only); queries without a valid key and masked keys get zero gradients.
+            ///
+            /// # Errors
+            /// As [`Backend::attention`], and lengths of `out`, `lse`, `dout` and `grads`.
+            fn attention_backward(
+                dims: AttentionDims,
+                inputs: Views<AttentionInputs>,
+                out: In<f32>,
+                lse: In<f32>,
+                dout: In<f32>,
+                grads: ViewsMut<AttentionGrads>,
+            ) cpu kernels::attention_backward, cuda attention_backward;
+
+            /// `dst = src` (views of equal length, possibly of one buffer but never overlapping,
+            /// which the borrow rules already forbid). On a GPU a device-to-device copy.
+            ///
+            /// # Errors
+            /// Lengths that differ.
+            fn copy(
+                src: In<f32>,
+                dst: Out<f32>,
+            ) cpu kernels::copy, cuda copy;
+
             // ----- Generation: decode weights. -----
 
             /// Sets every element of `dst` to `value` (`0.0` zeroes a gradient before an
@@ -453,6 +494,26 @@ macro_rules! declared_ops {
                 dim: usize,
                 dst: Out<f32>,
             ) cpu ares_cpu::ops::scatter::scatter_rows, cuda scatter_rows;
+
+            /// Backward of [`Backend::segment_attention`] from `dout` `[tokens, heads, head_dim]`,
+            /// the forward's inputs, `out` and `lse`; **overwrites** `dq`, `dk`, `dv`.
+            ///
+            /// # Errors
+            /// As [`Backend::segment_attention`], and lengths of `out`, `lse`, `dout` and the
+            /// gradients.
+            fn segment_attention_backward(
+                dims: SegmentAttentionDims,
+                cu_seqlens: In<u32>,
+                q: In<f32>,
+                k: In<f32>,
+                v: In<f32>,
+                out: In<f32>,
+                lse: In<f32>,
+                dout: In<f32>,
+                dq: Out<f32>,
+                dk: Out<f32>,
+                dv: Out<f32>,
+            ) cpu kernels::segment_attention_backward, cuda segment_attention_backward;
         }
     };
 }
@@ -468,6 +529,8 @@ macro_rules! op_arg_type {
     (In<u32>) => { &Self::Ids };
     (In<bf16>) => { $crate::backend::View<'_, Self::Half> };
     (Out<bf16>) => { $crate::backend::ViewMut<'_, Self::Half> };
+    (Views<$t:ident>) => { $crate::backend::$t<'_, Self::Buffer> };
+    (ViewsMut<$t:ident>) => { $crate::backend::$t<'_, Self::Buffer> };
     (Ref<$t:ident>) => { &$t };
     ($t:ident) => { $t };
 }

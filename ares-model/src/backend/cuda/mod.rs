@@ -37,10 +37,7 @@ use super::{
     WindowSpec, check_half,
 };
 use ares_cuda::cudarc::driver::CudaView;
-use ares_cuda::model_ops::{
-    AttentionGradsMut, AttentionSaved, BlockTablesView, KvCache, KvCacheMut, PagedKvCache,
-    PagedKvCacheMut,
-};
+use ares_cuda::model_ops::{BlockTablesView, KvCache, KvCacheMut, PagedKvCache, PagedKvCacheMut};
 use ares_cuda::{AdamWStep, AttentionShape, DeviceInfo, GemmDims, GemmPrecision, ModelOps};
 use std::sync::Arc;
 
@@ -175,6 +172,43 @@ impl ToCuda for LinearDims {
     }
 }
 
+impl ToCuda for AttentionDims {
+    type Cuda = AttentionShape;
+    fn to_cuda(self) -> AttentionShape {
+        shape(self)
+    }
+}
+
+/// A struct of backend views as the struct of cudarc views `ares-cuda` takes (a
+/// `Views<T>` kind of a declared op).
+trait CudaViews<'a> {
+    type Cuda;
+    fn cuda(self) -> Result<Self::Cuda>;
+}
+
+impl<'a> CudaViews<'a> for AttentionInputs<'a, CudaBuffer> {
+    type Cuda = ares_cuda::model_ops::AttentionInputs<'a>;
+    fn cuda(self) -> Result<Self::Cuda> {
+        Ok(ares_cuda::model_ops::AttentionInputs {
+            q: view(self.q)?,
+            k: view(self.k)?,
+            v: view(self.v)?,
+            key_mask: view_opt(self.key_mask)?,
+        })
+    }
+}
+
+impl<'a> CudaViews<'a> for AttentionGrads<'a, CudaBuffer> {
+    type Cuda = ares_cuda::model_ops::AttentionGrads<'a>;
+    fn cuda(self) -> Result<Self::Cuda> {
+        Ok(ares_cuda::model_ops::AttentionGrads {
+            dq: view_mut(self.dq)?,
+            dk: view_mut(self.dk)?,
+            dv: view_mut(self.dv)?,
+        })
+    }
+}
+
 impl ToCuda for Activation {
     type Cuda = ares_cuda::model_ops::Activation;
     fn to_cuda(self) -> Self::Cuda {
@@ -219,6 +253,8 @@ macro_rules! cuda_arg {
     ($op:ident, $a:ident: Out<bf16>) => {
         half_view_mut(stringify!($op), stringify!($a), $a, DType::Bf16)?
     };
+    ($op:ident, $a:ident: Views<$t:ident>) => { CudaViews::cuda($a)? };
+    ($op:ident, $a:ident: ViewsMut<$t:ident>) => { CudaViews::cuda($a)? };
     ($op:ident, $a:ident: $($t:tt)+) => { ToCuda::to_cuda($a) };
 }
 
@@ -232,6 +268,8 @@ macro_rules! cuda_pass {
     ($a:ident: In<u32>) => { &$a };
     ($a:ident: In<bf16>) => { &$a };
     ($a:ident: Out<bf16>) => { &mut $a };
+    ($a:ident: Views<$t:ident>) => { &$a };
+    ($a:ident: ViewsMut<$t:ident>) => { &mut $a };
     ($a:ident: Ref<$t:ident>) => { &$a };
     ($a:ident: $t:ident) => { $a };
 }
@@ -315,27 +353,6 @@ impl Backend for CudaBackend {
 
     declared_ops!(cuda_ops);
 
-    fn attention(
-        &self,
-        dims: AttentionDims,
-        inputs: AttentionInputs<'_, CudaBuffer>,
-        out: TensorMut<'_, Self>,
-        lse: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        let mask = view_opt(inputs.key_mask)?;
-        self.ops
-            .attention(
-                shape(dims),
-                &view(inputs.q)?,
-                &view(inputs.k)?,
-                &view(inputs.v)?,
-                mask.as_ref(),
-                &mut view_mut(out)?,
-                &mut view_mut(lse)?,
-            )
-            .map_err(op("attention"))
-    }
-
     fn add(
         &self,
         a: Tensor<'_, Self>,
@@ -347,50 +364,6 @@ impl Backend for CudaBackend {
         self.ops
             .add(&view(a)?, &view(b)?, &mut view_mut(out)?)
             .map_err(op("add"))
-    }
-
-    fn copy(&self, src: Tensor<'_, Self>, dst: TensorMut<'_, Self>) -> Result<()> {
-        BackendError::check_len("copy destination", src.len(), dst.len())?;
-        self.ops
-            .copy(&view(src)?, &mut view_mut(dst)?)
-            .map_err(op("copy"))
-    }
-
-    fn attention_backward(
-        &self,
-        dims: AttentionDims,
-        inputs: AttentionInputs<'_, CudaBuffer>,
-        out: Tensor<'_, Self>,
-        lse: Tensor<'_, Self>,
-        dout: Tensor<'_, Self>,
-        grads: AttentionGrads<'_, CudaBuffer>,
-    ) -> Result<()> {
-        let mask = view_opt(inputs.key_mask)?;
-        let (out, lse, dout) = (view(out)?, view(lse)?, view(dout)?);
-        let (mut dq, mut dk, mut dv) = (
-            view_mut(grads.dq)?,
-            view_mut(grads.dk)?,
-            view_mut(grads.dv)?,
-        );
-        self.ops
-            .attention_backward(
-                shape(dims),
-                &view(inputs.q)?,
-                &view(inputs.k)?,
-                &view(inputs.v)?,
-                mask.as_ref(),
-                AttentionSaved {
-                    out: &out,
-                    lse: &lse,
-                    dout: &dout,
-                },
-                AttentionGradsMut {
-                    dq: &mut dq,
-                    dk: &mut dk,
-                    dv: &mut dv,
-                },
-            )
-            .map_err(op("attention_backward"))
     }
 
     fn greedy_tokens(
@@ -608,43 +581,6 @@ impl Backend for CudaBackend {
                 t.masked_dynamic_kl(inputs, outputs)
             })
             .map_err(op("masked_dynamic_kl"))
-    }
-
-    fn segment_attention_backward(
-        &self,
-        dims: SegmentAttentionDims,
-        cu_seqlens: &CudaIds,
-        q: Tensor<'_, Self>,
-        k: Tensor<'_, Self>,
-        v: Tensor<'_, Self>,
-        out: Tensor<'_, Self>,
-        lse: Tensor<'_, Self>,
-        dout: Tensor<'_, Self>,
-        dq: TensorMut<'_, Self>,
-        dk: TensorMut<'_, Self>,
-        dv: TensorMut<'_, Self>,
-    ) -> Result<()> {
-        let (out, lse, dout) = (view(out)?, view(lse)?, view(dout)?);
-        let (mut dq, mut dk, mut dv) = (view_mut(dq)?, view_mut(dk)?, view_mut(dv)?);
-        self.ops
-            .segment_attention_backward(
-                segment_shape(dims),
-                &ids(cu_seqlens)?,
-                &view(q)?,
-                &view(k)?,
-                &view(v)?,
-                AttentionSaved {
-                    out: &out,
-                    lse: &lse,
-                    dout: &dout,
-                },
-                AttentionGradsMut {
-                    dq: &mut dq,
-                    dk: &mut dk,
-                    dv: &mut dv,
-                },
-            )
-            .map_err(op("segment_attention_backward"))
     }
 }
 
