@@ -80,17 +80,18 @@ extern "C" __global__ void add_f32(const float* __restrict__ a, const float* __r
 }
 
 // f32 -> bf16 bits, round to nearest even; NaN stays a quiet NaN (twin of
-// ares_cpu::ops::precision::MatmulPrecision::Bf16.round). The operands of bf16 GEMMs.
+// ares_cpu::ops::precision::MatmulPrecision::Bf16.round and half::bf16::from_f32).
+__device__ __forceinline__ unsigned short bf16_rne(float x) {
+    unsigned int b = __float_as_uint(x);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((b | 0x00400000u) >> 16);
+    return (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+// The operands of bf16 GEMMs.
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, unsigned short* __restrict__ y,
                                        i64 n) {
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        unsigned int b = __float_as_uint(x[i]);
-        if ((b & 0x7fffffffu) > 0x7f800000u) {
-            y[i] = (unsigned short)((b | 0x00400000u) >> 16);
-        } else {
-            y[i] = (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-        }
-    }
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        y[i] = bf16_rne(x[i]);
 }
 
 extern "C" __global__ void scale_f32(float* __restrict__ x, i64 n, float s) {
@@ -649,12 +650,22 @@ extern "C" __global__ void adamw_check(const float* __restrict__ grad, i64 n,
     }
 }
 
-extern "C" __global__ void adamw_update(float* __restrict__ param, const float* __restrict__ grad,
-                                        float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq,
-                                        i64 n, float grad_scale, float decay, int apply_decay,
-                                        float w1, float one_minus_w1, float b2, float w2,
-                                        float neg_step_size, float bc2_sqrt, float eps,
-                                        const unsigned* __restrict__ guard) {
+// AdamW moments as stored: f32, or bf16 bits widened exactly and rounded to nearest even
+// (twin of ares_cpu::ops::optim::Moment).
+__device__ __forceinline__ float moment_load(float x) { return x; }
+__device__ __forceinline__ float moment_load(unsigned short b) {
+    return __uint_as_float((unsigned int)b << 16);
+}
+__device__ __forceinline__ void moment_store(float* p, float x) { *p = x; }
+__device__ __forceinline__ void moment_store(unsigned short* p, float x) { *p = bf16_rne(x); }
+
+template <typename M>
+__device__ __forceinline__ void adamw_update_impl(float* __restrict__ param, const float* __restrict__ grad,
+                                                  M* __restrict__ exp_avg, M* __restrict__ exp_avg_sq,
+                                                  i64 n, float grad_scale, float decay, int apply_decay,
+                                                  float w1, float one_minus_w1, float b2, float w2,
+                                                  float neg_step_size, float bc2_sqrt, float eps,
+                                                  const unsigned* __restrict__ guard) {
     if (*guard) return;
     const bool low_weight = w1 < 0.5f;
     const bool scaled = grad_scale != 1.0f;
@@ -663,16 +674,38 @@ extern "C" __global__ void adamw_update(float* __restrict__ param, const float* 
         if (scaled) g = __fmul_rn(g, grad_scale);
         float p = param[i];
         if (apply_decay) p = __fmul_rn(p, decay);
-        float m = exp_avg[i];
+        float m = moment_load(exp_avg[i]);
         m = low_weight ? __fadd_rn(m, __fmul_rn(w1, __fsub_rn(g, m)))
                        : __fsub_rn(g, __fmul_rn(__fsub_rn(g, m), one_minus_w1));
-        float v = __fadd_rn(__fmul_rn(exp_avg_sq[i], b2), __fmul_rn(__fmul_rn(w2, g), g));
+        float v = __fadd_rn(__fmul_rn(moment_load(exp_avg_sq[i]), b2), __fmul_rn(__fmul_rn(w2, g), g));
         const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), bc2_sqrt), eps);
         p = __fadd_rn(p, __fmul_rn(neg_step_size, __fdiv_rn(m, denom)));
         param[i] = p;
-        exp_avg[i] = m;
-        exp_avg_sq[i] = v;
+        moment_store(&exp_avg[i], m);
+        moment_store(&exp_avg_sq[i], v);
     }
+}
+
+extern "C" __global__ void adamw_update(float* __restrict__ param, const float* __restrict__ grad,
+                                        float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq,
+                                        i64 n, float grad_scale, float decay, int apply_decay,
+                                        float w1, float one_minus_w1, float b2, float w2,
+                                        float neg_step_size, float bc2_sqrt, float eps,
+                                        const unsigned* __restrict__ guard) {
+    adamw_update_impl(param, grad, exp_avg, exp_avg_sq, n, grad_scale, decay, apply_decay, w1,
+                      one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, guard);
+}
+
+// AdamW with bf16 moments: the same update, the moments rounded back after it.
+extern "C" __global__ void adamw_update_bf16(float* __restrict__ param, const float* __restrict__ grad,
+                                             unsigned short* __restrict__ exp_avg,
+                                             unsigned short* __restrict__ exp_avg_sq, i64 n,
+                                             float grad_scale, float decay, int apply_decay, float w1,
+                                             float one_minus_w1, float b2, float w2,
+                                             float neg_step_size, float bc2_sqrt, float eps,
+                                             const unsigned* __restrict__ guard) {
+    adamw_update_impl(param, grad, exp_avg, exp_avg_sq, n, grad_scale, decay, apply_decay, w1,
+                      one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, guard);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -126,6 +126,7 @@ kernel_table! {
         sum_sq_final: "sum_sq_final",
         adamw_check: "adamw_check",
         adamw_update: "adamw_update",
+        adamw_update_bf16: "adamw_update_bf16",
         kv_append: "kv_append",
         paged_kv_append: "paged_kv_append",
         /// Per head-size class (≤ 64, ≤ 128, ≤ 256).

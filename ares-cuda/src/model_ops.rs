@@ -268,6 +268,14 @@ impl ModelOps {
         self.download_as("download_ids", src, dst)
     }
 
+    /// [`ModelOps::download`] for 16-bit floats (their bits).
+    ///
+    /// # Errors
+    /// As [`ModelOps::download`].
+    pub fn download_half(&self, src: &CudaView<'_, u16>, dst: &mut [u16]) -> Result<()> {
+        self.download_as("download_half", src, dst)
+    }
+
     /// [`ModelOps::download`] of any element type, errors naming `step`.
     fn download_as<T: DeviceRepr>(
         &self,

@@ -1379,6 +1379,62 @@ fn optimizer_ops_match_cpu() {
             1e-6,
         );
     }
+    // bf16 moments: the same update, the moments rounded back (twin of the CPU's).
+    let widen = |b: &[u16]| -> Vec<f32> {
+        b.iter()
+            .map(|&x| f32::from_bits(u32::from(x) << 16))
+            .collect()
+    };
+    let (mut gp16, mut cp16) = (up(&gpu, &p0), p0.clone());
+    let mut gm16 = gpu.alloc_half(n, DType::Bf16).unwrap();
+    let mut gv16 = gpu.alloc_half(n, DType::Bf16).unwrap();
+    let mut cm16 = cpu.alloc_half(n, DType::Bf16).unwrap();
+    let mut cv16 = cpu.alloc_half(n, DType::Bf16).unwrap();
+    for step in 1..=3u64 {
+        let grad = rng.vec(n, 0.1);
+        let update = AdamWUpdate {
+            config: AdamWConfig::default(),
+            lr: 1e-3,
+            step,
+            grad_scale: 1.0,
+        };
+        let dg = up(&gpu, &grad);
+        gpu.adamw_step_bf16(
+            ViewMut::whole(&mut gp16),
+            View::whole(&dg),
+            ViewMut::whole(&mut gm16),
+            ViewMut::whole(&mut gv16),
+            &update,
+        )
+        .unwrap();
+        cpu.adamw_step_bf16(
+            ViewMut::whole(&mut cp16),
+            View::whole(&grad),
+            ViewMut::whole(&mut cm16),
+            ViewMut::whole(&mut cv16),
+            &update,
+        )
+        .unwrap();
+        assert_close(
+            &format!("adamw bf16 param step {step}"),
+            &down(&gpu, &gp16),
+            &cp16,
+            1e-6,
+        );
+        for (what, g, c) in [("exp_avg", &gm16, &cm16), ("exp_avg_sq", &gv16, &cv16)] {
+            let mut bits = vec![0u16; n];
+            gpu.download_half(View::whole(g), &mut bits).unwrap();
+            let mut cbits = vec![0u16; n];
+            cpu.download_half(View::whole(c), &mut cbits).unwrap();
+            // one bf16 step apart at most where the f32 values straddle a rounding boundary
+            assert_close(
+                &format!("adamw bf16 {what} step {step}"),
+                &widen(&bits),
+                &widen(&cbits),
+                3e-4,
+            );
+        }
+    }
     // A non-finite gradient changes nothing and is reported.
     let before = down(&gpu, &gp);
     let mut grad = vec![0.01f32; n];

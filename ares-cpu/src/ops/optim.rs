@@ -117,6 +117,72 @@ pub fn adamw_step_scaled(
     lr: f64,
     grad_scale: f32,
 ) -> Result<()> {
+    adamw_step_in(params, grads, m, v, step, cfg, lr, grad_scale)
+}
+
+/// [`adamw_step_scaled`] with both moments stored in bf16 (their bits): each is widened to
+/// f32, updated by the same f32 arithmetic, and rounded back to the nearest bf16 (ties to
+/// even) after the parameter's update used the f32 values. Half the moments' memory; the
+/// rounding adds at most 2⁻⁹ relative error to each moment per step.
+///
+/// # Errors
+/// As [`adamw_step_scaled`].
+#[allow(clippy::too_many_arguments)]
+pub fn adamw_step_scaled_bf16(
+    params: &mut [f32],
+    grads: &[f32],
+    m: &mut [u16],
+    v: &mut [u16],
+    step: u64,
+    cfg: &AdamWConfig,
+    lr: f64,
+    grad_scale: f32,
+) -> Result<()> {
+    adamw_step_in(params, grads, m, v, step, cfg, lr, grad_scale)
+}
+
+/// A stored AdamW moment: f32 itself, or bf16 bits widened and rounded (nearest even).
+pub trait Moment: Copy + Send + Sync {
+    /// The value in f32.
+    fn load(self) -> f32;
+    /// The stored form of `x`.
+    fn store(x: f32) -> Self;
+}
+
+impl Moment for f32 {
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn store(x: f32) -> Self {
+        x
+    }
+}
+
+impl Moment for u16 {
+    #[inline(always)]
+    fn load(self) -> f32 {
+        half::bf16::from_bits(self).to_f32()
+    }
+    #[inline(always)]
+    fn store(x: f32) -> Self {
+        half::bf16::from_f32(x).to_bits()
+    }
+}
+
+/// The checks and the update of [`adamw_step_scaled`] for moments stored as `M`.
+#[allow(clippy::too_many_arguments)]
+fn adamw_step_in<M: Moment>(
+    params: &mut [f32],
+    grads: &[f32],
+    m: &mut [M],
+    v: &mut [M],
+    step: u64,
+    cfg: &AdamWConfig,
+    lr: f64,
+    grad_scale: f32,
+) -> Result<()> {
     let scale_ok = grad_scale.is_finite() && grad_scale >= 0.0;
     check(
         "grad_scale",
@@ -177,23 +243,26 @@ struct AdamConsts {
 }
 
 impl AdamConsts {
-    fn update(&self, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    fn update<M: Moment>(&self, p: &mut [f32], g: &[f32], m: &mut [M], v: &mut [M]) {
         // PyTorch's lerp switches form at weight 0.5 to stay accurate near both ends.
         let low_weight = self.w1 < 0.5;
         let scaled = self.grad_scale != 1.0;
-        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        for (((p, &g), ms), vs) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
             let g = if scaled { g * self.grad_scale } else { g };
             if self.apply_decay {
                 *p *= self.decay;
             }
-            *m = if low_weight {
-                *m + self.w1 * (g - *m)
+            let m = ms.load();
+            let m = if low_weight {
+                m + self.w1 * (g - m)
             } else {
-                g - (g - *m) * (1.0 - self.w1)
+                g - (g - m) * (1.0 - self.w1)
             };
-            *v = *v * self.b2 + self.w2 * g * g;
+            let v = vs.load() * self.b2 + self.w2 * g * g;
             let denom = v.sqrt() / self.bc2_sqrt + self.eps;
-            *p += self.neg_step_size * (*m / denom);
+            *p += self.neg_step_size * (m / denom);
+            *ms = M::store(m);
+            *vs = M::store(v);
         }
     }
 }
@@ -474,6 +543,62 @@ fn check(what: &'static str, value: f64, ok: bool, expected: &'static str) -> Re
 
 #[cfg(test)]
 mod tests {
+    /// bf16 moments: the same f32 arithmetic on the widened moments, the parameter updated
+    /// from the f32 values, the moments rounded to the nearest bf16 (over sizes across the
+    /// parallel threshold, with clipping and decay).
+    #[test]
+    fn bf16_moments_step_as_f32_then_round() {
+        use half::bf16;
+        let cfg = AdamWConfig {
+            weight_decay: 0.1,
+            ..AdamWConfig::default()
+        };
+        for len in [7usize, (1 << 16) + 3] {
+            let mut x = 0x2545_F491_4F6C_DD1Du64;
+            let mut next = || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            };
+            let p0: Vec<f32> = (0..len).map(|_| next()).collect();
+            let g: Vec<f32> = (0..len).map(|_| next()).collect();
+            let m0: Vec<u16> = (0..len)
+                .map(|_| bf16::from_f32(next() * 0.1).to_bits())
+                .collect();
+            let v0: Vec<u16> = (0..len)
+                .map(|_| bf16::from_f32(next().abs() * 0.01).to_bits())
+                .collect();
+            let (mut p16, mut m16, mut v16) = (p0.clone(), m0.clone(), v0.clone());
+            adamw_step_scaled_bf16(&mut p16, &g, &mut m16, &mut v16, 3, &cfg, 1e-3, 0.5).unwrap();
+            let widen = |b: &[u16]| -> Vec<f32> {
+                b.iter().map(|&x| bf16::from_bits(x).to_f32()).collect()
+            };
+            let (mut p32, mut m32, mut v32) = (p0.clone(), widen(&m0), widen(&v0));
+            adamw_step_scaled(&mut p32, &g, &mut m32, &mut v32, 3, &cfg, 1e-3, 0.5).unwrap();
+            assert_eq!(p16, p32, "parameters as the f32 step");
+            let round = |x: &[f32]| -> Vec<u16> {
+                x.iter().map(|&x| bf16::from_f32(x).to_bits()).collect()
+            };
+            assert_eq!(m16, round(&m32));
+            assert_eq!(v16, round(&v32));
+        }
+        // a NaN gradient changes nothing, as in f32
+        let (mut p, mut m, mut v) = (vec![1.0f32; 3], vec![0u16; 3], vec![0u16; 3]);
+        let e = adamw_step_scaled_bf16(
+            &mut p,
+            &[0.0, f32::NAN, 0.0],
+            &mut m,
+            &mut v,
+            1,
+            &cfg,
+            1e-3,
+            1.0,
+        );
+        assert!(e.is_err());
+        assert_eq!((p, m, v), (vec![1.0; 3], vec![0; 3], vec![0; 3]));
+    }
+
     use super::*;
     use crate::Error;
     use crate::test_rng::Rng;

@@ -3,7 +3,9 @@
 
 use super::{ModelOps, bad, check_len, element_cfg, i32_of, i64_of};
 use crate::error::{DriverContext, Result};
-use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 
 /// Partial sums of [`ModelOps::sum_of_squares`] at most (blocks of its first stage).
 pub(crate) const MAX_PARTIALS: usize = 1024;
@@ -177,6 +179,38 @@ impl ModelOps {
         exp_avg_sq: &mut CudaViewMut<'_, f32>,
         step: &AdamWStep,
     ) -> Result<()> {
+        let kernel = &self.f.adamw_update;
+        self.adamw_step_with(kernel, param, grad, exp_avg, exp_avg_sq, step)
+    }
+
+    /// [`ModelOps::adamw_step`] with both moments stored in bf16 (their bits): widened,
+    /// updated in f32 as there, rounded back to the nearest bf16 (twin of
+    /// `ares_cpu::ops::optim::adamw_step_scaled_bf16`).
+    ///
+    /// # Errors
+    /// As [`ModelOps::adamw_step`].
+    pub fn adamw_step_bf16(
+        &self,
+        param: &mut CudaViewMut<'_, f32>,
+        grad: &CudaView<'_, f32>,
+        exp_avg: &mut CudaViewMut<'_, u16>,
+        exp_avg_sq: &mut CudaViewMut<'_, u16>,
+        step: &AdamWStep,
+    ) -> Result<()> {
+        let kernel = &self.f.adamw_update_bf16;
+        self.adamw_step_with(kernel, param, grad, exp_avg, exp_avg_sq, step)
+    }
+
+    /// The finiteness check, then `kernel`'s update of moments stored as `M`.
+    fn adamw_step_with<M: DeviceRepr>(
+        &self,
+        kernel: &CudaFunction,
+        param: &mut CudaViewMut<'_, f32>,
+        grad: &CudaView<'_, f32>,
+        exp_avg: &mut CudaViewMut<'_, M>,
+        exp_avg_sq: &mut CudaViewMut<'_, M>,
+        step: &AdamWStep,
+    ) -> Result<()> {
         const K: &str = "adamw_step";
         let c = step.consts()?;
         let n = param.len();
@@ -202,7 +236,7 @@ impl ModelOps {
             unsafe { l.launch(element_cfg(n)) }.during(format!("{K}: check"))?;
         }
         let scale = step.grad_scale;
-        let mut l = self.stream.launch_builder(&self.f.adamw_update);
+        let mut l = self.stream.launch_builder(kernel);
         l.arg(param)
             .arg(grad)
             .arg(exp_avg)
@@ -219,7 +253,8 @@ impl ModelOps {
             .arg(&c.bc2_sqrt)
             .arg(&c.eps)
             .arg(&state.guard);
-        // SAFETY: argument order as `adamw_update`; lengths checked above.
+        // SAFETY: argument order as `adamw_update` / `adamw_update_bf16` (moments of `M`, the
+        // kernel's storage type); lengths checked above.
         unsafe { l.launch(element_cfg(n)) }.during(format!("{K}: update"))?;
         Ok(())
     }

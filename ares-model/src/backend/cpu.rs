@@ -7,7 +7,7 @@ use ares_cpu::ops::matmul::{
     MatmulDims, linear_backward_in, linear_forward_in, linear_forward_t_in,
 };
 use ares_cpu::ops::matmul_tiles;
-use ares_cpu::ops::optim::{adamw_step_scaled, sum_of_squares_f64};
+use ares_cpu::ops::optim::{adamw_step_scaled, adamw_step_scaled_bf16, sum_of_squares_f64};
 use ares_cpu::ops::{activation, segment_attention};
 
 use rayon::prelude::*;
@@ -288,9 +288,9 @@ macro_rules! cpu_ops {
 mod kernels {
     use super::{
         Activation, AdamWUpdate, AttentionDims, LinearDims, SegmentAttentionDims, activation,
-        adamw_step_scaled, attention, attention_shape, cpu_activation, linear_backward_in,
-        linear_forward_in, linear_forward_t_in, matmul_dims, matmul_tiles, segment_attention,
-        segment_shape,
+        adamw_step_scaled, adamw_step_scaled_bf16, attention, attention_shape, cpu_activation,
+        linear_backward_in, linear_forward_in, linear_forward_t_in, matmul_dims, matmul_tiles,
+        segment_attention, segment_shape,
     };
     use ares_cpu::Logits;
 
@@ -445,6 +445,18 @@ mod kernels {
         adamw_step_scaled(param, grad, exp_avg, exp_avg_sq, step, &u.config, lr, scale)
     }
 
+    pub(super) fn adamw_step_bf16(
+        param: &mut [f32],
+        grad: &[f32],
+        exp_avg: &mut [u16],
+        exp_avg_sq: &mut [u16],
+        u: &AdamWUpdate,
+    ) -> Result {
+        let (step, lr, scale) = (u.step, u.lr, u.grad_scale);
+        let (m, v) = (exp_avg, exp_avg_sq);
+        adamw_step_scaled_bf16(param, grad, m, v, step, &u.config, lr, scale)
+    }
+
     pub(super) fn activation(kind: Activation, x: &[f32], out: &mut [f32]) -> Result {
         activation::activation_forward(cpu_activation(kind), x, out)
     }
@@ -514,6 +526,20 @@ impl Backend for CpuBackend {
         let src = slice(src)?;
         BackendError::check_len("download destination", src.len(), dst.len())?;
         dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn upload_half(&self, src: &[u16], dst: ViewMut<'_, HalfBuffer>) -> Result<()> {
+        BackendError::check_len("upload_half destination", src.len(), dst.len())?;
+        let (offset, len) = (dst.offset(), dst.len());
+        dst.into_buffer().bits[offset..offset + len].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn download_half(&self, src: View<'_, HalfBuffer>, dst: &mut [u16]) -> Result<()> {
+        BackendError::check_len("download_half destination", src.len(), dst.len())?;
+        let (offset, len) = (src.offset(), src.len());
+        dst.copy_from_slice(&src.buffer().bits[offset..offset + len]);
         Ok(())
     }
 
@@ -884,6 +910,26 @@ mod dtype_tests {
             ),
             "{e}"
         );
+        // AdamW with bf16 moments refuses f16 ones
+        let (mut p, g) = (vec![1.0f32; 4], vec![0.5f32; 4]);
+        let mut v16 = be.alloc_half(4, DType::Bf16).unwrap();
+        let update = AdamWUpdate {
+            config: crate::backend::AdamWConfig::default(),
+            lr: 1e-3,
+            step: 1,
+            grad_scale: 1.0,
+        };
+        let e = be
+            .adamw_step_bf16(
+                ViewMut::whole(&mut p),
+                View::whole(&g),
+                ViewMut::whole(&mut f16),
+                ViewMut::whole(&mut v16),
+                &update,
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("`exp_avg` holds f16"), "{e}");
+        assert_eq!(p, [1.0; 4], "nothing stepped");
         // bf16 round trip of the right dtype: 1, 2, 3, 4 are exact in bf16
         let mut bf16 = be.alloc_half(4, DType::Bf16).unwrap();
         be.pack_bf16(View::whole(&src), 2, 2, ViewMut::whole(&mut bf16))

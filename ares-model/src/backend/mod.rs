@@ -142,6 +142,20 @@ pub trait Backend {
     /// `src.len() != dst.len()`.
     fn upload_ids(&self, src: &[u32], dst: &mut Self::Ids) -> Result<()>;
 
+    /// Copies the 16-bit float bits `src` into `dst` (a `Half` buffer); returns once `src`
+    /// may be reused.
+    ///
+    /// # Errors
+    /// `src.len() != dst.len()`.
+    fn upload_half(&self, src: &[u16], dst: ViewMut<'_, Self::Half>) -> Result<()>;
+
+    /// Copies the bits of the 16-bit floats `src` to the host, after every op queued before
+    /// it has finished.
+    ///
+    /// # Errors
+    /// As [`Backend::download`].
+    fn download_half(&self, src: View<'_, Self::Half>, dst: &mut [u16]) -> Result<()>;
+
     /// Copies `src` to the host, after every op queued before it has finished.
     ///
     /// # Errors

@@ -270,6 +270,21 @@ macro_rules! declared_ops {
                 update: Ref<AdamWUpdate>,
             ) cpu kernels::adamw_step, cuda adamw_step;
 
+            /// [`Backend::adamw_step`] with both moments stored in bf16: each widened, updated
+            /// in f32 as there (the parameter from the f32 values), rounded back to the
+            /// nearest bf16 (`worker.actor.optim.state_dtype: bf16`, half the moments'
+            /// memory).
+            ///
+            /// # Errors
+            /// As [`Backend::adamw_step`]; moments that are not bf16.
+            fn adamw_step_bf16(
+                param: Out<f32>,
+                grad: In<f32>,
+                exp_avg: Out<bf16>,
+                exp_avg_sq: Out<bf16>,
+                update: Ref<AdamWUpdate>,
+            ) cpu kernels::adamw_step_bf16, cuda adamw_step_bf16;
+
             /// Causal grouped-query attention (shapes in [`AttentionDims`]): query `t` of sequence
             /// `b` attends to keys `s <= t` with `key_mask[b, s] = 1` (`None`: all keys valid). Writes
             /// `out` `[batch, seq, q_heads, head_dim]` and the softmax log-sum-exp `lse` `[batch,

@@ -34,7 +34,7 @@ use super::{
     Activation, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
     BlockTables, DType, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
     MatmulPrecision, PagedKvView, PagedKvViewMut, Result, SegmentAttentionDims, Tensor, TensorMut,
-    WindowSpec, check_half,
+    View, ViewMut, WindowSpec, check_half,
 };
 use ares_cuda::cudarc::driver::CudaView;
 use ares_cuda::model_ops::{BlockTablesView, KvCache, KvCacheMut, PagedKvCache, PagedKvCacheMut};
@@ -345,6 +345,21 @@ impl Backend for CudaBackend {
     fn download(&self, src: Tensor<'_, Self>, dst: &mut [f32]) -> Result<()> {
         BackendError::check_len("download destination", src.len(), dst.len())?;
         self.ops.download(&view(src)?, dst).map_err(op("download"))
+    }
+
+    fn upload_half(&self, src: &[u16], dst: ViewMut<'_, CudaHalf>) -> Result<()> {
+        BackendError::check_len("upload_half destination", src.len(), dst.len())?;
+        let dtype = dst.as_view().buffer().dtype;
+        let mut dst = half_view_mut("upload_half", "dst", dst, dtype)?;
+        self.ops.upload(src, &mut dst).map_err(op("upload_half"))
+    }
+
+    fn download_half(&self, src: View<'_, CudaHalf>, dst: &mut [u16]) -> Result<()> {
+        BackendError::check_len("download_half destination", src.len(), dst.len())?;
+        let src = half_view("download_half", "src", src, src.buffer().dtype)?;
+        self.ops
+            .download_half(&src, dst)
+            .map_err(op("download_half"))
     }
 
     fn synchronize(&self) -> Result<()> {
