@@ -21,7 +21,7 @@ pub struct GenerateRequest {
     pub seed: u64,
 }
 
-/// What [`Model::generate`] produced, one entry per prompt.
+/// What [`Model::generate`](super::Model::generate) produced, one entry per prompt.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct GenerateOutput {
     /// New token ids (the prompt excluded), the EOS id included if one ended the sequence.

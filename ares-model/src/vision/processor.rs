@@ -41,7 +41,7 @@
 //! # Video
 //!
 //! Frames come as images (a list of files or a directory, sorted by file name), or as a video
-//! file (mp4, webm, mkv, mov, …) that [`process_video_path`] decodes with the system `ffmpeg`
+//! file (mp4, webm, mkv, mov, …) that [`process_video_path`](super::video::process_video_path) decodes with the system `ffmpeg`
 //! (module [`video`](super::video): found as `$ARES_FFMPEG` or on `PATH`, else
 //! [`VisionError::VideoFileNeedsDecoder`]; only the sampled frames are decoded and kept, `T` is
 //! the decoded frame count and `source_fps` the file's average rate). With a sampling
@@ -1072,7 +1072,7 @@ pub(crate) fn has_extension(path: &Path, list: &[&str]) -> bool {
 
 /// Decodes a PNG, JPEG or WebP file (format from its bytes) to RGB as PIL's `convert("RGB")`
 /// does: grey replicated, alpha dropped, 16-bit samples reduced to 8. Errors name the file:
-/// missing or unreadable, unsupported format (video files included: [`process_video_path`]
+/// missing or unreadable, unsupported format (video files included: [`process_video_path`](super::video::process_video_path)
 /// decodes those), corrupt data.
 pub fn load_rgb(path: &Path) -> Result<RgbImage, VisionError> {
     if has_extension(path, &VIDEO_EXTENSIONS) {
@@ -1291,7 +1291,7 @@ pub(crate) fn process_chosen(
 
 /// Processes a video given as frame image files, in the order given. Only the sampled frames
 /// are decoded; errors name the file at fault. A video file among them is an error
-/// ([`process_video_path`] takes one video file).
+/// ([`process_video_path`](super::video::process_video_path) takes one video file).
 pub fn process_video_files(
     paths: &[PathBuf],
     sampling: VideoSampling,
