@@ -99,48 +99,6 @@ pub fn adamw_step(
     adamw_step_scaled(params, grads, m, v, step, cfg, lr, 1.0)
 }
 
-/// [`adamw_step`] with the gradient multiplied by `grad_scale` first, in `f32`, as
-/// `g ← g·scale` of [`clip_grad_norm`] would leave it: the clipping factor of a global
-/// norm folded into the update, so the gradients themselves stay unchanged (the result is
-/// bit for bit clipping then stepping). `grad_scale = 1` skips the multiplication.
-///
-/// # Errors
-/// As [`adamw_step`], and `OutOfRange` for `grad_scale` not finite and `>= 0`.
-#[allow(clippy::too_many_arguments)]
-pub fn adamw_step_scaled(
-    params: &mut [f32],
-    grads: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    step: u64,
-    cfg: &AdamWConfig,
-    lr: f64,
-    grad_scale: f32,
-) -> Result<()> {
-    adamw_step_in(params, grads, m, v, step, cfg, lr, grad_scale)
-}
-
-/// [`adamw_step_scaled`] with both moments stored in bf16 (their bits): each is widened to
-/// f32, updated by the same f32 arithmetic, and rounded back to the nearest bf16 (ties to
-/// even) after the parameter's update used the f32 values. Half the moments' memory; the
-/// rounding adds at most 2⁻⁹ relative error to each moment per step.
-///
-/// # Errors
-/// As [`adamw_step_scaled`].
-#[allow(clippy::too_many_arguments)]
-pub fn adamw_step_scaled_bf16(
-    params: &mut [f32],
-    grads: &[f32],
-    m: &mut [u16],
-    v: &mut [u16],
-    step: u64,
-    cfg: &AdamWConfig,
-    lr: f64,
-    grad_scale: f32,
-) -> Result<()> {
-    adamw_step_in(params, grads, m, v, step, cfg, lr, grad_scale)
-}
-
 /// A stored AdamW moment: f32 itself, or bf16 bits widened and rounded (nearest even).
 pub trait Moment: Copy + Send + Sync {
     /// The value in f32.
@@ -171,9 +129,20 @@ impl Moment for u16 {
     }
 }
 
-/// The checks and the update of [`adamw_step_scaled`] for moments stored as `M`.
+/// [`adamw_step`] with the gradient multiplied by `grad_scale` first, in `f32`, as
+/// `g ← g·scale` of [`clip_grad_norm`] would leave it: the clipping factor of a global
+/// norm folded into the update, so the gradients themselves stay unchanged (the result is
+/// bit for bit clipping then stepping). `grad_scale = 1` skips the multiplication.
+///
+/// The moments are stored as `M`: `f32`, or bf16 bits (`u16`), each widened to f32, updated
+/// by the same f32 arithmetic, and rounded back to the nearest bf16 (ties to even) after the
+/// parameter's update used the f32 values — half the moments' memory, at most 2⁻⁹ relative
+/// error added to each moment per step.
+///
+/// # Errors
+/// As [`adamw_step`], and `OutOfRange` for `grad_scale` not finite and `>= 0`.
 #[allow(clippy::too_many_arguments)]
-fn adamw_step_in<M: Moment>(
+pub fn adamw_step_scaled<M: Moment>(
     params: &mut [f32],
     grads: &[f32],
     m: &mut [M],
@@ -570,7 +539,7 @@ mod tests {
                 .map(|_| bf16::from_f32(next().abs() * 0.01).to_bits())
                 .collect();
             let (mut p16, mut m16, mut v16) = (p0.clone(), m0.clone(), v0.clone());
-            adamw_step_scaled_bf16(&mut p16, &g, &mut m16, &mut v16, 3, &cfg, 1e-3, 0.5).unwrap();
+            adamw_step_scaled(&mut p16, &g, &mut m16, &mut v16, 3, &cfg, 1e-3, 0.5).unwrap();
             let widen = |b: &[u16]| -> Vec<f32> {
                 b.iter().map(|&x| bf16::from_bits(x).to_f32()).collect()
             };
@@ -585,7 +554,7 @@ mod tests {
         }
         // a NaN gradient changes nothing, as in f32
         let (mut p, mut m, mut v) = (vec![1.0f32; 3], vec![0u16; 3], vec![0u16; 3]);
-        let e = adamw_step_scaled_bf16(
+        let e = adamw_step_scaled(
             &mut p,
             &[0.0, f32::NAN, 0.0],
             &mut m,

@@ -69,7 +69,7 @@ impl ModelOps {
         cols: usize,
         dst: &mut CudaViewMut<'_, u16>,
     ) -> Result<()> {
-        check_len("f32_to_bf16", "src", rows.saturating_mul(cols), src.len())?;
+        check_len("pack_bf16", "src", rows.saturating_mul(cols), src.len())?;
         self.to_bf16(src, dst)
     }
 

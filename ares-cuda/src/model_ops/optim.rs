@@ -185,7 +185,7 @@ impl ModelOps {
 
     /// [`ModelOps::adamw_step`] with both moments stored in bf16 (their bits): widened,
     /// updated in f32 as there, rounded back to the nearest bf16 (twin of
-    /// `ares_cpu::ops::optim::adamw_step_scaled_bf16`).
+    /// `ares_cpu::ops::optim::adamw_step_scaled` on bf16 moments).
     ///
     /// # Errors
     /// As [`ModelOps::adamw_step`].

@@ -7,7 +7,7 @@ use ares_cpu::ops::matmul::{
     MatmulDims, linear_backward_in, linear_forward_in, linear_forward_t_in,
 };
 use ares_cpu::ops::matmul_tiles;
-use ares_cpu::ops::optim::{adamw_step_scaled, adamw_step_scaled_bf16, sum_of_squares_f64};
+use ares_cpu::ops::optim::{Moment, adamw_step_scaled, sum_of_squares_f64};
 use ares_cpu::ops::{activation, segment_attention};
 
 use rayon::prelude::*;
@@ -287,8 +287,8 @@ macro_rules! cpu_ops {
 /// order and types.
 mod kernels {
     use super::{
-        Activation, AdamWUpdate, AttentionDims, LinearDims, SegmentAttentionDims, activation,
-        adamw_step_scaled, adamw_step_scaled_bf16, attention, attention_shape, cpu_activation,
+        Activation, AdamWUpdate, AttentionDims, LinearDims, Moment, SegmentAttentionDims,
+        activation, adamw_step_scaled, attention, attention_shape, cpu_activation,
         linear_backward_in, linear_forward_in, linear_forward_t_in, matmul_dims, matmul_tiles,
         segment_attention, segment_shape,
     };
@@ -434,27 +434,16 @@ mod kernels {
         )
     }
 
-    pub(super) fn adamw_step(
+    /// AdamW with moments stored as `M` (f32, or bf16 bits).
+    pub(super) fn adamw_step<M: Moment>(
         param: &mut [f32],
         grad: &[f32],
-        exp_avg: &mut [f32],
-        exp_avg_sq: &mut [f32],
+        exp_avg: &mut [M],
+        exp_avg_sq: &mut [M],
         u: &AdamWUpdate,
     ) -> Result {
         let (step, lr, scale) = (u.step, u.lr, u.grad_scale);
         adamw_step_scaled(param, grad, exp_avg, exp_avg_sq, step, &u.config, lr, scale)
-    }
-
-    pub(super) fn adamw_step_bf16(
-        param: &mut [f32],
-        grad: &[f32],
-        exp_avg: &mut [u16],
-        exp_avg_sq: &mut [u16],
-        u: &AdamWUpdate,
-    ) -> Result {
-        let (step, lr, scale) = (u.step, u.lr, u.grad_scale);
-        let (m, v) = (exp_avg, exp_avg_sq);
-        adamw_step_scaled_bf16(param, grad, m, v, step, &u.config, lr, scale)
     }
 
     pub(super) fn activation(kind: Activation, x: &[f32], out: &mut [f32]) -> Result {

@@ -283,7 +283,7 @@ macro_rules! declared_ops {
                 exp_avg: Out<bf16>,
                 exp_avg_sq: Out<bf16>,
                 update: Ref<AdamWUpdate>,
-            ) cpu kernels::adamw_step_bf16, cuda adamw_step_bf16;
+            ) cpu kernels::adamw_step, cuda adamw_step_bf16;
 
             /// Causal grouped-query attention (shapes in [`AttentionDims`]): query `t` of sequence
             /// `b` attends to keys `s <= t` with `key_mask[b, s] = 1` (`None`: all keys valid). Writes

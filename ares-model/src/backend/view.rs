@@ -18,14 +18,6 @@ pub enum DType {
 }
 
 impl DType {
-    /// Bytes per element.
-    pub const fn size(self) -> usize {
-        match self {
-            Self::F32 | Self::U32 => 4,
-            Self::Bf16 | Self::F16 => 2,
-        }
-    }
-
     /// Whether the dtype is a 16-bit float (the storage of [`Backend::Half`]).
     ///
     /// [`Backend::Half`]: super::Backend::Half

@@ -226,10 +226,13 @@ impl<B: Backend> Update<'_, B> {
                 .chunks(self.inputs.settings.micro_batch.max(1))
                 .enumerate()
             {
-                if count(self.inputs.batch, micro).0 == 0 {
+                let (micro_tokens, micro_rows) = count(self.inputs.batch, micro);
+                if micro_tokens == 0 {
                     continue;
                 }
-                let Some(loss) = self.micro_batch(micro, index, mini_size, actor, opt)? else {
+                let agg = self.inputs.settings.policy.agg;
+                let scale = micro_scale(agg, micro_tokens, mini_size.0, micro_rows, mini_size.1);
+                let Some(loss) = self.micro_batch(micro, index, scale, actor, opt)? else {
                     return Ok(MiniBatch::NonFinite);
                 };
                 acc.pg_loss += loss.pg_loss;
@@ -251,15 +254,15 @@ impl<B: Backend> Update<'_, B> {
         })
     }
 
-    /// Micro-batch `index` (rows `micro`) of a mini-batch of `mini` (valid tokens,
-    /// non-empty rows): forward, logπ, the loss and ∂L/∂logπ (and an entropy bonus's
+    /// Micro-batch `index` (rows `micro`, its share `scale` of the mini-batch, see
+    /// [`micro_scale`]): forward, logπ, the loss and ∂L/∂logπ (and an entropy bonus's
     /// ∂L/∂H), backward into the accumulated gradients. `None` when a loss or the entropy
     /// is not finite.
     fn micro_batch(
         &mut self,
         micro: &[usize],
         index: usize,
-        mini: (usize, usize),
+        scale: f32,
         actor: &mut Actor<B>,
         opt: &mut Optimizer<B>,
     ) -> Result<Option<MicroLoss>, TrainError> {
@@ -293,7 +296,7 @@ impl<B: Backend> Update<'_, B> {
             rows: micro.len(),
             cols: t,
         };
-        let step = (opt.steps, index, mini);
+        let step = (opt.steps, index, scale);
         let Some((loss, coeffs, dh)) = read.loss(micro, step, shape, &logp, &entropy)? else {
             return Ok(None);
         };
@@ -357,13 +360,13 @@ impl<B: Backend> Update<'_, B> {
 
 impl Inputs<'_> {
     /// The loss of micro-batch `index` (rows `micro`, `[rows, T]` log-probs `logp` and
-    /// entropies `entropy`) of a mini-batch of `mini` (valid tokens, non-empty rows) at
-    /// optimizer step `steps`: its values, ∂L/∂logπ per token and, with an entropy bonus,
+    /// entropies `entropy`), its share `scale` of the mini-batch, at optimizer step
+    /// `steps`: its values, ∂L/∂logπ per token and, with an entropy bonus,
     /// ∂L/∂H per token. `None` when a loss or the entropy is not finite.
     fn loss(
         &self,
         micro: &[usize],
-        (steps, index, mini): (u64, usize, (usize, usize)),
+        (steps, index, scale): (u64, usize, f32),
         shape: ares_core::Shape,
         logp: &[f32],
         entropy: &[f32],
@@ -372,8 +375,6 @@ impl Inputs<'_> {
         let agg: LossAggMode = settings.policy.agg;
         let rows = Rows::gather(self.batch, prep, settings, micro);
         let (input, kl) = rows.loss_inputs(shape, logp, settings);
-        let (micro_tokens, micro_rows) = count(self.batch, micro);
-        let scale = micro_scale(agg, micro_tokens, mini.0, micro_rows, mini.1);
         let mut coeffs = vec![0.0f32; shape.rows * shape.cols];
         // Clip-Cov's selection: fixed by the run's seed, the optimizer step and the
         // micro-batch, so a resumed run selects the same tokens.
