@@ -22,6 +22,7 @@ pub mod log_prob_backward;
 pub mod matmul;
 pub mod matmul_tiles;
 pub mod optim;
+pub mod optim_int8;
 pub mod precision;
 pub mod rmsnorm;
 pub mod rope;

@@ -152,40 +152,10 @@ pub fn adamw_step_scaled<M: Moment>(
     lr: f64,
     grad_scale: f32,
 ) -> Result<()> {
-    let scale_ok = grad_scale.is_finite() && grad_scale >= 0.0;
-    check(
-        "grad_scale",
-        f64::from(grad_scale),
-        scale_ok,
-        "finite and >= 0",
-    )?;
     let len = params.len();
-    check_len("grads", len, grads.len())?;
     check_len("m", len, m.len())?;
     check_len("v", len, v.len())?;
-    cfg.validate()?;
-    check("step", step as f64, step >= 1, ">= 1")?;
-    check("lr", lr, lr.is_finite() && lr >= 0.0, "finite and >= 0")?;
-    if let Some(index) = first_non_finite(grads) {
-        return Err(CoreError::NonFinite {
-            what: "grads",
-            index,
-        }
-        .into());
-    }
-
-    let t = step as f64;
-    let k = AdamConsts {
-        decay: (1.0 - lr * cfg.weight_decay) as f32,
-        apply_decay: cfg.weight_decay != 0.0,
-        w1: (1.0 - cfg.beta1) as f32,
-        b2: cfg.beta2 as f32,
-        w2: (1.0 - cfg.beta2) as f32,
-        neg_step_size: (-lr / (1.0 - cfg.beta1.powf(t))) as f32,
-        bc2_sqrt: (1.0 - cfg.beta2.powf(t)).sqrt() as f32,
-        eps: cfg.eps as f32,
-        grad_scale,
-    };
+    let k = AdamConsts::checked(grads, len, step, cfg, lr, grad_scale)?;
     if len >= PAR_MIN_ELEMS {
         params
             .par_chunks_mut(CHUNK)
@@ -199,7 +169,7 @@ pub fn adamw_step_scaled<M: Moment>(
 }
 
 /// The per-step `f32` factors of an AdamW update.
-struct AdamConsts {
+pub(crate) struct AdamConsts {
     decay: f32,
     apply_decay: bool,
     w1: f32,
@@ -212,7 +182,51 @@ struct AdamConsts {
 }
 
 impl AdamConsts {
-    fn update<M: Moment>(&self, p: &mut [f32], g: &[f32], m: &mut [M], v: &mut [M]) {
+    /// The factors of step `step`, after checking everything an update needs but the
+    /// moments: `grad_scale` finite and `>= 0`, `grads` as long as the parameters (`len`)
+    /// and finite, the config, `step >= 1`, `lr` finite and `>= 0`.
+    pub(crate) fn checked(
+        grads: &[f32],
+        len: usize,
+        step: u64,
+        cfg: &AdamWConfig,
+        lr: f64,
+        grad_scale: f32,
+    ) -> Result<Self> {
+        let scale_ok = grad_scale.is_finite() && grad_scale >= 0.0;
+        check(
+            "grad_scale",
+            f64::from(grad_scale),
+            scale_ok,
+            "finite and >= 0",
+        )?;
+        check_len("grads", len, grads.len())?;
+        cfg.validate()?;
+        check("step", step as f64, step >= 1, ">= 1")?;
+        check("lr", lr, lr.is_finite() && lr >= 0.0, "finite and >= 0")?;
+        if let Some(index) = first_non_finite(grads) {
+            return Err(CoreError::NonFinite {
+                what: "grads",
+                index,
+            }
+            .into());
+        }
+        let t = step as f64;
+        Ok(Self {
+            decay: (1.0 - lr * cfg.weight_decay) as f32,
+            apply_decay: cfg.weight_decay != 0.0,
+            w1: (1.0 - cfg.beta1) as f32,
+            b2: cfg.beta2 as f32,
+            w2: (1.0 - cfg.beta2) as f32,
+            neg_step_size: (-lr / (1.0 - cfg.beta1.powf(t))) as f32,
+            bc2_sqrt: (1.0 - cfg.beta2.powf(t)).sqrt() as f32,
+            eps: cfg.eps as f32,
+            grad_scale,
+        })
+    }
+
+    /// The update of one span: parameters, gradients and the two moments as stored.
+    pub(crate) fn update<M: Moment>(&self, p: &mut [f32], g: &[f32], m: &mut [M], v: &mut [M]) {
         // PyTorch's lerp switches form at weight 0.5 to stay accurate near both ends.
         let low_weight = self.w1 < 0.5;
         let scaled = self.grad_scale != 1.0;
