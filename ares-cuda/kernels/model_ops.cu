@@ -659,6 +659,23 @@ __device__ __forceinline__ float moment_load(unsigned short b) {
 __device__ __forceinline__ void moment_store(float* p, float x) { *p = x; }
 __device__ __forceinline__ void moment_store(unsigned short* p, float x) { *p = bf16_rne(x); }
 
+// One element's update (the order above). `m` and `v` are the stored moments read as f32;
+// they come back updated.
+struct AdamConsts {
+    float grad_scale, decay, w1, one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps;
+    int apply_decay;
+};
+
+__device__ __forceinline__ float adamw_element(float p, float g, float& m, float& v, const AdamConsts& k) {
+    if (k.grad_scale != 1.0f) g = __fmul_rn(g, k.grad_scale);
+    if (k.apply_decay) p = __fmul_rn(p, k.decay);
+    m = k.w1 < 0.5f ? __fadd_rn(m, __fmul_rn(k.w1, __fsub_rn(g, m)))
+                    : __fsub_rn(g, __fmul_rn(__fsub_rn(g, m), k.one_minus_w1));
+    v = __fadd_rn(__fmul_rn(v, k.b2), __fmul_rn(__fmul_rn(k.w2, g), g));
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), k.bc2_sqrt), k.eps);
+    return __fadd_rn(p, __fmul_rn(k.neg_step_size, __fdiv_rn(m, denom)));
+}
+
 template <typename M>
 __device__ __forceinline__ void adamw_update_impl(float* __restrict__ param, const float* __restrict__ grad,
                                                   M* __restrict__ exp_avg, M* __restrict__ exp_avg_sq,
@@ -667,20 +684,11 @@ __device__ __forceinline__ void adamw_update_impl(float* __restrict__ param, con
                                                   float neg_step_size, float bc2_sqrt, float eps,
                                                   const unsigned* __restrict__ guard) {
     if (*guard) return;
-    const bool low_weight = w1 < 0.5f;
-    const bool scaled = grad_scale != 1.0f;
+    const AdamConsts k = {grad_scale, decay, w1, one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, apply_decay};
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        float g = grad[i];
-        if (scaled) g = __fmul_rn(g, grad_scale);
-        float p = param[i];
-        if (apply_decay) p = __fmul_rn(p, decay);
         float m = moment_load(exp_avg[i]);
-        m = low_weight ? __fadd_rn(m, __fmul_rn(w1, __fsub_rn(g, m)))
-                       : __fsub_rn(g, __fmul_rn(__fsub_rn(g, m), one_minus_w1));
-        float v = __fadd_rn(__fmul_rn(moment_load(exp_avg_sq[i]), b2), __fmul_rn(__fmul_rn(w2, g), g));
-        const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), bc2_sqrt), eps);
-        p = __fadd_rn(p, __fmul_rn(neg_step_size, __fdiv_rn(m, denom)));
-        param[i] = p;
+        float v = moment_load(exp_avg_sq[i]);
+        param[i] = adamw_element(param[i], grad[i], m, v, k);
         moment_store(&exp_avg[i], m);
         moment_store(&exp_avg_sq[i], v);
     }
@@ -706,6 +714,83 @@ extern "C" __global__ void adamw_update_bf16(float* __restrict__ param, const fl
                                              const unsigned* __restrict__ guard) {
     adamw_update_impl(param, grad, exp_avg, exp_avg_sq, n, grad_scale, decay, apply_decay, w1,
                       one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, guard);
+}
+
+// AdamW with 8-bit moments (twin of ares_cpu::ops::optim_int8::adamw_step_int8): one block
+// of Q8_THREADS threads per quantisation block of Q8_BLOCK elements. Each element's moments
+// are read back (map[code]·absmax), updated as adamw_element does, and quantised again with
+// the block's new absmax: s = clamp(x·(1/max(absmax, 1e-38)), −1, 1), code = the number of
+// map midpoints below s (nearest value, ties low). `maps` holds the signed map (first
+// moment) then the unsigned one (second), 256 ascending values each.
+#define Q8_BLOCK 2048
+#define Q8_THREADS 256
+#define Q8_PER_THREAD (Q8_BLOCK / Q8_THREADS)
+
+__device__ __forceinline__ unsigned char q8_code(const float* mids, float s) {
+    int lo = 0, hi = 255;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (mids[mid] < s) lo = mid + 1;
+        else hi = mid;
+    }
+    return (unsigned char)lo;
+}
+
+extern "C" __global__ void __launch_bounds__(Q8_THREADS)
+adamw_update_int8(float* __restrict__ param, const float* __restrict__ grad,
+                  unsigned char* __restrict__ m_codes, unsigned char* __restrict__ v_codes,
+                  float* __restrict__ m_absmax, float* __restrict__ v_absmax,
+                  const float* __restrict__ maps, i64 n, float grad_scale, float decay,
+                  int apply_decay, float w1, float one_minus_w1, float b2, float w2,
+                  float neg_step_size, float bc2_sqrt, float eps,
+                  const unsigned* __restrict__ guard) {
+    __shared__ float map_m[256], map_v[256], mid_m[255], mid_v[255], sh[32];
+    if (*guard) return;
+    const AdamConsts k = {grad_scale, decay, w1, one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, apply_decay};
+    const int t = threadIdx.x;
+    map_m[t] = maps[t];
+    map_v[t] = maps[256 + t];
+    __syncthreads();
+    if (t < 255) {
+        mid_m[t] = __fmul_rn(__fadd_rn(map_m[t], map_m[t + 1]), 0.5f);
+        mid_v[t] = __fmul_rn(__fadd_rn(map_v[t], map_v[t + 1]), 0.5f);
+    }
+    const i64 base = (i64)blockIdx.x * Q8_BLOCK;
+    const float am = m_absmax[blockIdx.x], av = v_absmax[blockIdx.x];
+    float ms[Q8_PER_THREAD], vs[Q8_PER_THREAD];
+    float m_max = 0.0f, v_max = 0.0f;
+#pragma unroll
+    for (int j = 0; j < Q8_PER_THREAD; ++j) {
+        const i64 i = base + (i64)j * Q8_THREADS + t;
+        ms[j] = 0.0f;
+        vs[j] = 0.0f;
+        if (i < n) {
+            float m = __fmul_rn(map_m[m_codes[i]], am);
+            float v = __fmul_rn(map_v[v_codes[i]], av);
+            param[i] = adamw_element(param[i], grad[i], m, v, k);
+            ms[j] = m;
+            vs[j] = v;
+            m_max = fmaxf(m_max, fabsf(m));
+            v_max = fmaxf(v_max, fabsf(v));
+        }
+    }
+    // block_max's barriers also publish the midpoints
+    const float new_am = block_max(m_max, sh);
+    const float new_av = block_max(v_max, sh);
+    const float inv_m = __fdiv_rn(1.0f, fmaxf(new_am, 1e-38f));
+    const float inv_v = __fdiv_rn(1.0f, fmaxf(new_av, 1e-38f));
+#pragma unroll
+    for (int j = 0; j < Q8_PER_THREAD; ++j) {
+        const i64 i = base + (i64)j * Q8_THREADS + t;
+        if (i < n) {
+            m_codes[i] = q8_code(mid_m, fminf(fmaxf(__fmul_rn(ms[j], inv_m), -1.0f), 1.0f));
+            v_codes[i] = q8_code(mid_v, fminf(fmaxf(__fmul_rn(vs[j], inv_v), -1.0f), 1.0f));
+        }
+    }
+    if (t == 0) {
+        m_absmax[blockIdx.x] = new_am;
+        v_absmax[blockIdx.x] = new_av;
+    }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -127,6 +127,7 @@ kernel_table! {
         adamw_check: "adamw_check",
         adamw_update: "adamw_update",
         adamw_update_bf16: "adamw_update_bf16",
+        adamw_update_int8: "adamw_update_int8",
         kv_append: "kv_append",
         paged_kv_append: "paged_kv_append",
         /// Per head-size class (≤ 64, ≤ 128, ≤ 256).

@@ -215,6 +215,14 @@ impl ModelOps {
         self.alloc_zeroed("alloc_half", len)
     }
 
+    /// A new zeroed byte buffer of `len` elements (8-bit codes; `len >= 1`).
+    ///
+    /// # Errors
+    /// As [`ModelOps::alloc`].
+    pub fn alloc_bytes(&self, len: usize) -> Result<CudaSlice<u8>> {
+        self.alloc_zeroed("alloc_bytes", len)
+    }
+
     /// [`ModelOps::alloc`] of any element type, errors naming `kernel`.
     fn alloc_zeroed<T: DeviceRepr + ValidAsZeroBits>(
         &self,
@@ -274,6 +282,14 @@ impl ModelOps {
     /// As [`ModelOps::download`].
     pub fn download_half(&self, src: &CudaView<'_, u16>, dst: &mut [u16]) -> Result<()> {
         self.download_as("download_half", src, dst)
+    }
+
+    /// [`ModelOps::download`] for bytes.
+    ///
+    /// # Errors
+    /// As [`ModelOps::download`].
+    pub fn download_bytes(&self, src: &CudaView<'_, u8>, dst: &mut [u8]) -> Result<()> {
+        self.download_as("download_bytes", src, dst)
     }
 
     /// [`ModelOps::download`] of any element type, errors naming `step`.

@@ -1435,6 +1435,77 @@ fn optimizer_ops_match_cpu() {
             );
         }
     }
+    // 8-bit moments, block-wise: the same update on the read-back moments, quantised with
+    // each block's new scale (twin of the CPU's: codes equal, or one apart where a value
+    // sits within an ulp of a midpoint).
+    let maps = {
+        let mut m = ares_cpu::ops::optim_int8::dynamic_map(true).to_vec();
+        m.extend(ares_cpu::ops::optim_int8::dynamic_map(false));
+        m
+    };
+    let blocks = n.div_ceil(2048);
+    let (mut gp8, mut cp8) = (up(&gpu, &p0), p0.clone());
+    let (mut gm8, mut gv8) = (gpu.alloc_bytes(n).unwrap(), gpu.alloc_bytes(n).unwrap());
+    let (mut cm8, mut cv8) = (cpu.alloc_bytes(n).unwrap(), cpu.alloc_bytes(n).unwrap());
+    let (mut gma, mut gva) = (gpu.alloc(blocks).unwrap(), gpu.alloc(blocks).unwrap());
+    let (mut cma, mut cva) = (vec![0.0f32; blocks], vec![0.0f32; blocks]);
+    let gmaps = up(&gpu, &maps);
+    for step in 1..=3u64 {
+        let grad = rng.vec(n, 0.1);
+        let update = AdamWUpdate {
+            config: AdamWConfig::default(),
+            lr: 1e-3,
+            step,
+            grad_scale: if step == 3 { 0.25 } else { 1.0 },
+        };
+        let dg = up(&gpu, &grad);
+        gpu.adamw_step_int8(
+            ViewMut::whole(&mut gp8),
+            View::whole(&dg),
+            ViewMut::whole(&mut gm8),
+            ViewMut::whole(&mut gv8),
+            ViewMut::whole(&mut gma),
+            ViewMut::whole(&mut gva),
+            View::whole(&gmaps),
+            &update,
+        )
+        .unwrap();
+        cpu.adamw_step_int8(
+            ViewMut::whole(&mut cp8),
+            View::whole(&grad),
+            ViewMut::whole(&mut cm8),
+            ViewMut::whole(&mut cv8),
+            ViewMut::whole(&mut cma),
+            ViewMut::whole(&mut cva),
+            View::whole(&maps),
+            &update,
+        )
+        .unwrap();
+        let label = format!("adamw int8 step {step}");
+        assert_close(&format!("{label} param"), &down(&gpu, &gp8), &cp8, 1e-6);
+        assert_close(
+            &format!("{label} exp_avg absmax"),
+            &down(&gpu, &gma),
+            &cma,
+            1e-6,
+        );
+        assert_close(
+            &format!("{label} exp_avg_sq absmax"),
+            &down(&gpu, &gva),
+            &cva,
+            1e-6,
+        );
+        for (what, g, c) in [("exp_avg", &gm8, &cm8), ("exp_avg_sq", &gv8, &cv8)] {
+            let mut codes = vec![0u8; n];
+            gpu.download_bytes(View::whole(g), &mut codes).unwrap();
+            let apart = codes.iter().zip(c.iter()).filter(|(a, b)| a != b).count();
+            let far = codes.iter().zip(c.iter()).any(|(a, b)| a.abs_diff(*b) > 1);
+            assert!(
+                !far && apart <= n / 1000,
+                "{label} {what}: {apart} codes differ (more than one apart: {far})"
+            );
+        }
+    }
     // A non-finite gradient changes nothing and is reported.
     let before = down(&gpu, &gp);
     let mut grad = vec![0.01f32; n];

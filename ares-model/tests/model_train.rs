@@ -12,7 +12,7 @@ use ares_model::backend::{Backend, View, ViewMut};
 use ares_model::hf::checkpoint::Checkpoint;
 use ares_model::hf::tensor_files::SaveDtype;
 use ares_model::hf::weights::expected_tensors;
-use ares_model::model::{AdamW, AdamWConfig, Grads, Model, ModelError};
+use ares_model::model::{AdamW, AdamWConfig, Grads, HostMoment, Model, ModelError, StateDtype};
 use safetensors::{Dtype, SafeTensors};
 
 mod common;
@@ -487,6 +487,120 @@ fn optimizer_state_round_trips_exactly() {
             "{name}"
         );
     }
+}
+
+/// bf16 and 8-bit moments: saved in their own dtype, loaded bit for bit (the next step is
+/// the same as without the round trip), and close to f32 moments' steps.
+#[test]
+fn low_memory_optimizer_states_round_trip_exactly() {
+    let name = "qwen2_tiny";
+    let (checkpoint, base) = load(name);
+    let grads = loss_grads(&base, name);
+    let start = base.to_weights().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let fresh = || Model::new(CpuBackend, &checkpoint.config, &start).unwrap();
+    let mut reference = fresh();
+    let mut f32_opt = AdamW::new(&reference, CFG).unwrap();
+    for _ in 0..3 {
+        f32_opt
+            .step(&mut reference, &grads, 1e-3, Some(1.0))
+            .unwrap();
+    }
+    let f32_bytes = f32_opt.moment_bytes();
+    for dtype in [StateDtype::Bf16, StateDtype::Int8] {
+        let mut model = fresh();
+        let mut opt = AdamW::with_state_dtype(&model, CFG, dtype).unwrap();
+        assert_eq!(opt.state_dtype(), dtype);
+        for _ in 0..2 {
+            opt.step(&mut model, &grads, 1e-3, Some(1.0)).unwrap();
+        }
+        let path = dir.path().join(format!("{dtype}.safetensors"));
+        opt.save(&model, &path).unwrap();
+        let tensors = state_tensors(&path);
+        let bytes = std::fs::read(&path).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let want = if dtype == StateDtype::Bf16 {
+            Dtype::BF16
+        } else {
+            Dtype::U8
+        };
+        let stored = st
+            .tensors()
+            .into_iter()
+            .filter(|(_, t)| t.dtype() == want)
+            .count();
+        assert!(stored > 0, "{dtype}: no moment stored as {want:?}");
+
+        let mut twin =
+            Model::new(CpuBackend, &checkpoint.config, &model.to_weights().unwrap()).unwrap();
+        let mut loaded = AdamW::load(&twin, CFG, &path).unwrap();
+        assert_eq!((loaded.state_dtype(), loaded.step_count()), (dtype, 2));
+        let again = dir.path().join(format!("{dtype}-again.safetensors"));
+        loaded.save(&twin, &again).unwrap();
+        assert_eq!(tensors, state_tensors(&again), "{dtype}");
+        opt.step(&mut model, &grads, 1e-3, Some(1.0)).unwrap();
+        loaded.step(&mut twin, &grads, 1e-3, Some(1.0)).unwrap();
+        let got = model.to_weights().unwrap();
+        assert_eq!(got, twin.to_weights().unwrap(), "{dtype}");
+
+        // the moments' memory, and steps close to the f32 moments' (each step moves a
+        // weight by about lr; the stored moments differ by a few per cent at most)
+        let want: u64 = expected_tensors(&checkpoint.config)
+            .iter()
+            .map(|(_, shape)| dtype.moment_bytes(shape.iter().product()))
+            .sum();
+        assert_eq!(opt.moment_bytes(), want, "{dtype}");
+        assert!(want < f32_bytes, "{dtype}: {want} of {f32_bytes}");
+        // against the f32 run after the same three steps: the mean difference is a small
+        // part of the mean distance travelled
+        let (a, b) = (reference.to_weights().unwrap(), got);
+        let (mut diff, mut moved, mut n) = (0.0f64, 0.0f64, 0usize);
+        for (((_, x), (_, y)), (_, s0)) in a
+            .tensors()
+            .into_iter()
+            .zip(b.tensors())
+            .zip(start.tensors())
+        {
+            for ((u, v), w) in x.data.iter().zip(&y.data).zip(&s0.data) {
+                diff += f64::from((u - v).abs());
+                moved += f64::from((u - w).abs());
+                n += 1;
+            }
+        }
+        let (diff, moved) = (diff / n as f64, moved / n as f64);
+        eprintln!("{dtype}: mean |Δ| {diff:.3e} against a mean step of {moved:.3e}");
+        assert!(
+            diff > 0.0 && diff < 0.05 * moved,
+            "{dtype}: {diff} against {moved}"
+        );
+    }
+
+    // an f32 state loaded as int8 is quantised as the int8 optimizer stores it
+    let f32_path = dir.path().join("f32.safetensors");
+    f32_opt.save(&reference, &f32_path).unwrap();
+    let as_int8 = AdamW::load_as(&reference, CFG, StateDtype::Int8, &f32_path).unwrap();
+    let int8_path = dir.path().join("from-f32.safetensors");
+    as_int8.save(&reference, &int8_path).unwrap();
+    let f32_bytes = std::fs::read(&f32_path).unwrap();
+    let f32_st = SafeTensors::deserialize(&f32_bytes).unwrap();
+    let q_bytes = std::fs::read(&int8_path).unwrap();
+    let q_st = SafeTensors::deserialize(&q_bytes).unwrap();
+    let embed = "model.embed_tokens.weight.exp_avg";
+    let values: Vec<f32> = f32_st
+        .tensor(embed)
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let HostMoment::Int8 { codes, absmax } = HostMoment::encode(&values, StateDtype::Int8, false)
+    else {
+        panic!("the embedding is long enough to quantise");
+    };
+    assert_eq!(q_st.tensor(embed).unwrap().data(), codes.as_slice());
+    let scales: Vec<u8> = absmax.iter().flat_map(|a| a.to_le_bytes()).collect();
+    let key = format!("{embed}.absmax");
+    assert_eq!(q_st.tensor(&key).unwrap().data(), scales.as_slice());
 }
 
 #[test]

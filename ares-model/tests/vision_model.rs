@@ -276,7 +276,8 @@ fn bad_vision_inputs_are_clear_errors() {
 #[test]
 fn training_step_pieces() {
     use ares_model::backend::{Backend, View, ViewMut};
-    use ares_model::model::{AdamW, AdamWConfig, Inputs};
+    use ares_model::model::{AdamW, AdamWConfig, Inputs, StateDtype};
+    use ares_model::vision::model::VisionMoments;
     use ares_model::vision::weights::Slot;
     use safetensors::SafeTensors;
     let (ck, bytes) = vl::load("qwen2_5_vl_tiny");
@@ -386,7 +387,7 @@ fn training_step_pieces() {
     let before = m.tower().download_weights(&be).unwrap();
     let g_patch = t_lp[0].clone();
     let mut opt = AdamW::new(m.lm(), cfg).unwrap();
-    let mut moments = m.vision_moments().unwrap();
+    let mut moments = m.vision_moments(StateDtype::F32).unwrap();
     let report = m
         .optimizer_step(&mut opt, &lg, Some((&mut moments, &vg)), lr, None)
         .unwrap();
@@ -408,6 +409,28 @@ fn training_step_pieces() {
     let frozen_before = m.tower().download_weights(&be).unwrap();
     m.optimizer_step(&mut opt, &lg, None, lr, None).unwrap();
     assert_eq!(m.tower().download_weights(&be).unwrap(), frozen_before);
+
+    // the tower's moments in 8 bits: saved and loaded bit for bit
+    let mut q = m.vision_moments(StateDtype::Int8).unwrap();
+    let mut opt8 = AdamW::with_state_dtype(m.lm(), cfg, StateDtype::Int8).unwrap();
+    m.optimizer_step(&mut opt8, &lg, Some((&mut q, &vg)), lr, None)
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (first, second) = (dir.path().join("a"), dir.path().join("b"));
+    q.save(&be, m.tower(), &first).unwrap();
+    let back = VisionMoments::load(&be, m.tower(), StateDtype::Int8, &first).unwrap();
+    assert_eq!(back.state_dtype(), StateDtype::Int8);
+    back.save(&be, m.tower(), &second).unwrap();
+    let (a, b) = (
+        std::fs::read(&first).unwrap(),
+        std::fs::read(&second).unwrap(),
+    );
+    assert!(a == b, "the 8-bit tower moments changed on a round trip");
+    let text = String::from_utf8_lossy(&a[..a.len().min(4096)]).into_owned();
+    assert!(
+        text.contains("\"U8\"") && text.contains("\"int8\""),
+        "{text}"
+    );
 }
 
 /// A rollout group (the same prompt and image n times) runs the tower once and shares its

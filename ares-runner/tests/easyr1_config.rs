@@ -223,9 +223,10 @@ fn values_easyr1_has_and_ares_does_not_are_refused_with_the_reason() {
             "worker.actor.loss_avg_mode=tokens",
             "expected `token` or `seq`",
         ),
+        ("worker.actor.optim.strategy=sgd", "expected `adamw`"),
         (
-            "worker.actor.optim.strategy=sgd",
-            "expected `adamw` or `adamw_bf16`",
+            "worker.actor.optim.strategy=adamw_bf16",
+            "`worker.actor.optim.state_dtype: bf16`",
         ),
         ("worker.rollout.ignore_eos=true", "stops a response at EOS"),
         ("worker.rollout.dtype=fp16", "expected `bf16` or `fp32`"),

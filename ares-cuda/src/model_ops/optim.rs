@@ -7,6 +7,20 @@ use cudarc::driver::{
     CudaFunction, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
+/// Elements per block of 8-bit moments (one f32 scale each), as `ares_cpu`'s
+/// `optim_int8::BLOCK` and the kernel's `Q8_BLOCK`.
+pub const INT8_BLOCK: usize = 2048;
+/// Threads per quantisation block (the kernel's `Q8_THREADS`).
+const INT8_THREADS: u32 = 256;
+
+/// The scales and maps of 8-bit moments, and the launch shape (one block per scale).
+struct Int8Scales<'s, 'm, 'v, 'c> {
+    m: &'s mut CudaViewMut<'m, f32>,
+    v: &'s mut CudaViewMut<'v, f32>,
+    maps: &'s CudaView<'c, f32>,
+    cfg: LaunchConfig,
+}
+
 /// Partial sums of [`ModelOps::sum_of_squares`] at most (blocks of its first stage).
 pub(crate) const MAX_PARTIALS: usize = 1024;
 /// Elements per block of the first stage at least.
@@ -180,7 +194,8 @@ impl ModelOps {
         step: &AdamWStep,
     ) -> Result<()> {
         let kernel = &self.f.adamw_update;
-        self.adamw_step_with(kernel, param, grad, exp_avg, exp_avg_sq, step)
+        let k = "adamw_step";
+        self.adamw_step_with(k, kernel, param, grad, exp_avg, exp_avg_sq, None, step)
     }
 
     /// [`ModelOps::adamw_step`] with both moments stored in bf16 (their bits): widened,
@@ -198,34 +213,81 @@ impl ModelOps {
         step: &AdamWStep,
     ) -> Result<()> {
         let kernel = &self.f.adamw_update_bf16;
-        self.adamw_step_with(kernel, param, grad, exp_avg, exp_avg_sq, step)
+        let k = "adamw_step_bf16";
+        self.adamw_step_with(k, kernel, param, grad, exp_avg, exp_avg_sq, None, step)
     }
 
-    /// The finiteness check, then `kernel`'s update of moments stored as `M`.
+    /// [`ModelOps::adamw_step`] with both moments stored in 8 bits, block-wise (twin of
+    /// `ares_cpu::ops::optim_int8::adamw_step_int8`): `exp_avg`/`exp_avg_sq` one code per
+    /// element, `exp_avg_absmax`/`exp_avg_sq_absmax` one scale per block of
+    /// [`INT8_BLOCK`] elements, `maps` the signed then the unsigned dynamic map (512
+    /// ascending values, read as given).
+    ///
+    /// # Errors
+    /// As [`ModelOps::adamw_step`]; scales not `⌈len / INT8_BLOCK⌉` long, `maps` not 512.
+    #[allow(clippy::too_many_arguments)] // the moments' codes and scales, each checked
+    pub fn adamw_step_int8(
+        &self,
+        param: &mut CudaViewMut<'_, f32>,
+        grad: &CudaView<'_, f32>,
+        exp_avg: &mut CudaViewMut<'_, u8>,
+        exp_avg_sq: &mut CudaViewMut<'_, u8>,
+        exp_avg_absmax: &mut CudaViewMut<'_, f32>,
+        exp_avg_sq_absmax: &mut CudaViewMut<'_, f32>,
+        maps: &CudaView<'_, f32>,
+        step: &AdamWStep,
+    ) -> Result<()> {
+        const K: &str = "adamw_step_int8";
+        let n = param.len();
+        let blocks = n.div_ceil(INT8_BLOCK);
+        check_len(K, "exp_avg_absmax", blocks, exp_avg_absmax.len())?;
+        check_len(K, "exp_avg_sq_absmax", blocks, exp_avg_sq_absmax.len())?;
+        check_len(K, "maps", 512, maps.len())?;
+        let grid = i32_of(K, "blocks", blocks)?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid.max(1) as u32, 1, 1),
+            block_dim: (INT8_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let scales = Int8Scales {
+            m: exp_avg_absmax,
+            v: exp_avg_sq_absmax,
+            maps,
+            cfg,
+        };
+        let kernel = &self.f.adamw_update_int8;
+        let (m, v) = (exp_avg, exp_avg_sq);
+        self.adamw_step_with(K, kernel, param, grad, m, v, Some(scales), step)
+    }
+
+    /// The finiteness check, then `kernel`'s update of moments stored as `M` (8-bit ones
+    /// with their scales and maps after them, and their own launch shape).
+    #[allow(clippy::too_many_arguments)] // private: the three public entries' arguments
     fn adamw_step_with<M: DeviceRepr>(
         &self,
+        name: &'static str,
         kernel: &CudaFunction,
         param: &mut CudaViewMut<'_, f32>,
         grad: &CudaView<'_, f32>,
         exp_avg: &mut CudaViewMut<'_, M>,
         exp_avg_sq: &mut CudaViewMut<'_, M>,
+        int8: Option<Int8Scales<'_, '_, '_, '_>>,
         step: &AdamWStep,
     ) -> Result<()> {
-        const K: &str = "adamw_step";
         let c = step.consts()?;
         let n = param.len();
-        check_len(K, "grad", n, grad.len())?;
-        check_len(K, "exp_avg", n, exp_avg.len())?;
-        check_len(K, "exp_avg_sq", n, exp_avg_sq.len())?;
+        check_len(name, "grad", n, grad.len())?;
+        check_len(name, "exp_avg", n, exp_avg.len())?;
+        check_len(name, "exp_avg_sq", n, exp_avg_sq.len())?;
         if n == 0 {
             return Ok(());
         }
-        let n64 = i64_of(K, "len", n)?;
+        let n64 = i64_of(name, "len", n)?;
         let mut guard = self.lock();
         let state = &mut *guard;
         self.stream
             .memset_zeros(&mut state.guard)
-            .during(format!("{K}: clearing the guard"))?;
+            .during(format!("{name}: clearing the guard"))?;
         {
             let mut l = self.stream.launch_builder(&self.f.adamw_check);
             l.arg(grad)
@@ -233,15 +295,19 @@ impl ModelOps {
                 .arg(&mut state.guard)
                 .arg(&mut state.status);
             // SAFETY: argument order as `adamw_check`.
-            unsafe { l.launch(element_cfg(n)) }.during(format!("{K}: check"))?;
+            unsafe { l.launch(element_cfg(n)) }.during(format!("{name}: check"))?;
         }
         let scale = step.grad_scale;
         let mut l = self.stream.launch_builder(kernel);
-        l.arg(param)
-            .arg(grad)
-            .arg(exp_avg)
-            .arg(exp_avg_sq)
-            .arg(&n64)
+        l.arg(param).arg(grad).arg(exp_avg).arg(exp_avg_sq);
+        let cfg = match int8 {
+            Some(s) => {
+                l.arg(s.m).arg(s.v).arg(s.maps);
+                s.cfg
+            }
+            None => element_cfg(n),
+        };
+        l.arg(&n64)
             .arg(&scale)
             .arg(&c.decay)
             .arg(&c.apply_decay)
@@ -254,8 +320,9 @@ impl ModelOps {
             .arg(&c.eps)
             .arg(&state.guard);
         // SAFETY: argument order as `adamw_update` / `adamw_update_bf16` (moments of `M`, the
-        // kernel's storage type); lengths checked above.
-        unsafe { l.launch(element_cfg(n)) }.during(format!("{K}: update"))?;
+        // kernel's storage type) / `adamw_update_int8` (codes, then their scales and maps:
+        // lengths checked by `adamw_step_int8`); lengths checked above.
+        unsafe { l.launch(cfg) }.during(format!("{name}: update"))?;
         Ok(())
     }
 }

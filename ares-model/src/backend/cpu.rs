@@ -47,6 +47,16 @@ impl DeviceBuffer for Vec<u32> {
     }
 }
 
+impl DeviceBuffer for Vec<u8> {
+    fn len(&self) -> usize {
+        Vec::len(self)
+    }
+
+    fn dtype(&self) -> DType {
+        DType::U8
+    }
+}
+
 /// 16-bit floats on the host (the CPU backend's [`Backend::Half`]): their bits, and
 /// whether they are bf16 or f16.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -112,7 +122,7 @@ fn slice<'a>(view: View<'a, Vec<f32>>) -> Result<&'a [f32]> {
 }
 
 /// The elements a writable view names (see [`slice`]).
-fn slice_mut<'a>(view: ViewMut<'a, Vec<f32>>) -> Result<&'a mut [f32]> {
+fn slice_mut<'a, T>(view: ViewMut<'a, Vec<T>>) -> Result<&'a mut [T]> {
     let (offset, len) = (view.offset(), view.len());
     let buffer = view.into_buffer();
     let buffer_len = buffer.len();
@@ -260,6 +270,7 @@ macro_rules! cpu_arg {
     ($op:ident, $a:ident: Out<bf16>) => {
         half_mut(stringify!($op), stringify!($a), $a, DType::Bf16)?
     };
+    ($op:ident, $a:ident: Out<u8>) => { slice_mut($a)? };
     ($op:ident, $a:ident: Views<$t:ident>) => { CpuViews::cpu($a)? };
     ($op:ident, $a:ident: ViewsMut<$t:ident>) => { CpuViews::cpu($a)? };
     ($op:ident, $a:ident: Ref<$t:ident>) => { $a };
@@ -434,6 +445,26 @@ mod kernels {
         )
     }
 
+    /// AdamW with 8-bit moments.
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments
+    pub(super) fn adamw_step_int8(
+        param: &mut [f32],
+        grad: &[f32],
+        exp_avg: &mut [u8],
+        exp_avg_sq: &mut [u8],
+        exp_avg_absmax: &mut [f32],
+        exp_avg_sq_absmax: &mut [f32],
+        maps: &[f32],
+        u: &AdamWUpdate,
+    ) -> Result {
+        let (step, lr, scale) = (u.step, u.lr, u.grad_scale);
+        let (m, v) = (exp_avg, exp_avg_sq);
+        let (ma, va) = (exp_avg_absmax, exp_avg_sq_absmax);
+        ares_cpu::ops::optim_int8::adamw_step_int8(
+            param, grad, m, v, ma, va, maps, step, &u.config, lr, scale,
+        )
+    }
+
     /// AdamW with moments stored as `M` (f32, or bf16 bits).
     pub(super) fn adamw_step<M: Moment>(
         param: &mut [f32],
@@ -477,6 +508,7 @@ impl Backend for CpuBackend {
     type Buffer = Vec<f32>;
     type Ids = Vec<u32>;
     type Half = HalfBuffer;
+    type Bytes = Vec<u8>;
 
     fn name(&self) -> &str {
         "cpu"
@@ -496,6 +528,24 @@ impl Backend for CpuBackend {
             dtype,
             bits: vec![0; len],
         })
+    }
+
+    fn alloc_bytes(&self, len: usize) -> Result<Vec<u8>> {
+        Ok(vec![0; len])
+    }
+
+    fn upload_bytes(&self, src: &[u8], dst: ViewMut<'_, Vec<u8>>) -> Result<()> {
+        let dst = slice_mut(dst)?;
+        BackendError::check_len("upload_bytes destination", src.len(), dst.len())?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn download_bytes(&self, src: View<'_, Vec<u8>>, dst: &mut [u8]) -> Result<()> {
+        BackendError::check_len("download_bytes destination", src.len(), dst.len())?;
+        let (offset, len) = (src.offset(), src.len());
+        dst.copy_from_slice(&src.buffer()[offset..offset + len]);
+        Ok(())
     }
 
     fn upload(&self, src: &[f32], dst: TensorMut<'_, Self>) -> Result<()> {

@@ -102,6 +102,8 @@ pub trait Backend {
     /// A 16-bit float allocation, bf16 or f16 as its [`DeviceBuffer::dtype`] says (bf16
     /// decode weights).
     type Half: DeviceBuffer;
+    /// A byte allocation (8-bit codes: AdamW moments in `int8`).
+    type Bytes: DeviceBuffer;
 
     /// A human-readable name of the device (`"cpu"`).
     fn name(&self) -> &str;
@@ -129,6 +131,24 @@ pub trait Backend {
     /// # Errors
     /// `dtype` not bf16 or f16 ([`BackendError::DType`]); as [`Backend::alloc`].
     fn alloc_half(&self, len: usize, dtype: DType) -> Result<Self::Half>;
+
+    /// A new buffer of `len` zero bytes.
+    ///
+    /// # Errors
+    /// As [`Backend::alloc`].
+    fn alloc_bytes(&self, len: usize) -> Result<Self::Bytes>;
+
+    /// Copies `src` into `dst` (a `Bytes` buffer); returns once `src` may be reused.
+    ///
+    /// # Errors
+    /// `src.len() != dst.len()`.
+    fn upload_bytes(&self, src: &[u8], dst: ViewMut<'_, Self::Bytes>) -> Result<()>;
+
+    /// Copies the bytes `src` to the host, after every op queued before it has finished.
+    ///
+    /// # Errors
+    /// As [`Backend::download`].
+    fn download_bytes(&self, src: View<'_, Self::Bytes>, dst: &mut [u8]) -> Result<()>;
 
     /// Copies `src` into `dst`; returns once `src` may be reused.
     ///

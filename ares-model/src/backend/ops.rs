@@ -9,6 +9,8 @@
 //! - `In<f32>` / `Out<f32>`: a tensor read / written ([`Tensor`](super::Tensor) /
 //!   [`TensorMut`](super::TensorMut)); `InOpt<f32>` / `OutOpt<f32>`: the same, optional;
 //! - `In<u32>`: token ids, positions or row indices (`&Self::Ids`);
+//! - `Out<u8>`: a view of a [`Backend::Bytes`](super::Backend::Bytes) buffer written (8-bit
+//!   codes);
 //! - `In<bf16>` / `Out<bf16>`: a view of a [`Backend::Half`](super::Backend::Half) buffer
 //!   that must hold bf16 (checked before the kernel runs:
 //!   [`BackendError::DType`](super::BackendError::DType) names the op, the argument and the
@@ -285,6 +287,28 @@ macro_rules! declared_ops {
                 update: Ref<AdamWUpdate>,
             ) cpu kernels::adamw_step, cuda adamw_step_bf16;
 
+            /// [`Backend::adamw_step`] with both moments stored in 8 bits, block-wise
+            /// (`worker.actor.optim.state_dtype: int8`; `ares_cpu::ops::optim_int8`):
+            /// `exp_avg`/`exp_avg_sq` hold one code per element, `exp_avg_absmax` and
+            /// `exp_avg_sq_absmax` one f32 scale per block of 2 048 elements (`⌈len /
+            /// 2048⌉`), `maps` the signed then the unsigned dynamic map (512 values). Per
+            /// block: read back, the f32 update of [`Backend::adamw_step`], quantise with the
+            /// block's new scale.
+            ///
+            /// # Errors
+            /// As [`Backend::adamw_step`]; scale or map lengths that do not match, a map not
+            /// ascending (the CPU checks it; a device reads the map as given).
+            fn adamw_step_int8(
+                param: Out<f32>,
+                grad: In<f32>,
+                exp_avg: Out<u8>,
+                exp_avg_sq: Out<u8>,
+                exp_avg_absmax: Out<f32>,
+                exp_avg_sq_absmax: Out<f32>,
+                maps: In<f32>,
+                update: Ref<AdamWUpdate>,
+            ) cpu kernels::adamw_step_int8, cuda adamw_step_int8;
+
             /// Causal grouped-query attention (shapes in [`AttentionDims`]): query `t` of sequence
             /// `b` attends to keys `s <= t` with `key_mask[b, s] = 1` (`None`: all keys valid). Writes
             /// `out` `[batch, seq, q_heads, head_dim]` and the softmax log-sum-exp `lse` `[batch,
@@ -544,6 +568,7 @@ macro_rules! op_arg_type {
     (In<u32>) => { &Self::Ids };
     (In<bf16>) => { $crate::backend::View<'_, Self::Half> };
     (Out<bf16>) => { $crate::backend::ViewMut<'_, Self::Half> };
+    (Out<u8>) => { $crate::backend::ViewMut<'_, Self::Bytes> };
     (Views<$t:ident>) => { $crate::backend::$t<'_, Self::Buffer> };
     (ViewsMut<$t:ident>) => { $crate::backend::$t<'_, Self::Buffer> };
     (Ref<$t:ident>) => { &$t };

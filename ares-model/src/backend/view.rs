@@ -15,6 +15,8 @@ pub enum DType {
     F16,
     /// Unsigned 32-bit integers: token ids, positions, row indices, block tables.
     U32,
+    /// Bytes: 8-bit codes (AdamW moments in `int8`, `ares_cpu::ops::optim_int8`).
+    U8,
 }
 
 impl DType {
@@ -33,6 +35,7 @@ impl std::fmt::Display for DType {
             Self::Bf16 => "bf16",
             Self::F16 => "f16",
             Self::U32 => "u32",
+            Self::U8 => "u8",
         })
     }
 }

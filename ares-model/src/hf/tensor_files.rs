@@ -228,9 +228,7 @@ pub fn write_safetensors_with_metadata(
 /// Writes a safetensors file of the tensors `heads` (name, shape) whose values `tensor(i)`
 /// gives one at a time, converted to `dtype` and written a chunk at a time: no copy of the
 /// whole file is ever held, and a caller that downloads each tensor just before it is
-/// written holds one tensor's values (an optimizer's moments, a device's weights). The
-/// header is safetensors' own: an 8-byte little-endian length, the JSON (offsets in
-/// `heads`' order, `__metadata__`), padded with spaces to 8 bytes.
+/// written holds one tensor's values (a device's weights). See [`write_safetensors_typed`].
 ///
 /// # Errors
 /// A tensor whose values do not match its shape, `tensor`'s errors, I/O errors.
@@ -241,14 +239,58 @@ pub fn write_safetensors_streamed<'a>(
     metadata: std::collections::HashMap<String, String>,
     mut tensor: impl FnMut(usize) -> Result<Cow<'a, [f32]>, HfError>,
 ) -> Result<(), HfError> {
+    let dtype = match dtype {
+        SaveDtype::F32 => Dtype::F32,
+        SaveDtype::Bf16 => Dtype::BF16,
+    };
+    let typed: Vec<(&str, Dtype, &[usize])> = heads.iter().map(|&(n, s)| (n, dtype, s)).collect();
+    write_safetensors_typed(path, &typed, metadata, |i| Ok(TensorData::F32(tensor(i)?)))
+}
+
+/// The values of one tensor handed to [`write_safetensors_typed`].
+#[derive(Debug, Clone)]
+pub enum TensorData<'a> {
+    /// f32 values, written as F32 or rounded to BF16 (nearest even) as the head says.
+    F32(Cow<'a, [f32]>),
+    /// bf16 bits, written as BF16.
+    Bf16(Cow<'a, [u16]>),
+    /// Bytes, written as U8.
+    U8(Cow<'a, [u8]>),
+}
+
+impl TensorData<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::F32(x) => x.len(),
+            Self::Bf16(x) => x.len(),
+            Self::U8(x) => x.len(),
+        }
+    }
+}
+
+/// Writes a safetensors file of the tensors `heads` (name, dtype: F32, BF16 or U8, shape)
+/// whose data `tensor(i)` gives one at a time, each written a chunk at a time (f32 data under
+/// a BF16 head rounded on the way). The header is safetensors' own: an 8-byte little-endian
+/// length, the JSON (offsets in `heads`' order, `__metadata__`), padded with spaces to 8
+/// bytes.
+///
+/// # Errors
+/// A tensor whose data does not match its shape or head dtype, `tensor`'s errors, I/O
+/// errors.
+pub fn write_safetensors_typed<'a>(
+    path: &Path,
+    heads: &[(&str, Dtype, &[usize])],
+    metadata: std::collections::HashMap<String, String>,
+    mut tensor: impl FnMut(usize) -> Result<TensorData<'a>, HfError>,
+) -> Result<(), HfError> {
     use std::io::Write;
     let io = |e: std::io::Error| HfError::Safetensors {
         path: path.to_path_buf(),
         message: e.to_string(),
     };
-    let (name, size) = match dtype {
-        SaveDtype::F32 => ("F32", 4usize),
-        SaveDtype::Bf16 => ("BF16", 2),
+    let bad = |message: String| HfError::Safetensors {
+        path: path.to_path_buf(),
+        message,
     };
     let mut header = serde_json::Map::new();
     if !metadata.is_empty() {
@@ -261,8 +303,14 @@ pub fn write_safetensors_streamed<'a>(
         header.insert("__metadata__".into(), serde_json::Value::Object(meta));
     }
     let mut offset = 0usize;
-    for &(tensor_name, shape) in heads {
-        let bytes = shape.iter().product::<usize>() * size;
+    for &(tensor_name, dtype, shape) in heads {
+        let name = match dtype {
+            Dtype::F32 => "F32",
+            Dtype::BF16 => "BF16",
+            Dtype::U8 => "U8",
+            other => return Err(bad(format!("tensor {tensor_name}: cannot write {other:?}"))),
+        };
+        let bytes = shape.iter().product::<usize>() * (dtype.bitsize() / 8);
         header.insert(
             tensor_name.to_string(),
             serde_json::json!({
@@ -282,31 +330,52 @@ pub fn write_safetensors_streamed<'a>(
     out.write_all(&(text.len() as u64).to_le_bytes())
         .map_err(io)?;
     out.write_all(text.as_bytes()).map_err(io)?;
-    let mut buf = Vec::with_capacity((1 << 16) * size);
-    for (i, &(tensor_name, shape)) in heads.iter().enumerate() {
-        let values = tensor(i)?;
+    let mut buf = Vec::with_capacity(1 << 18);
+    const CHUNK: usize = 1 << 16;
+    for (i, &(tensor_name, dtype, shape)) in heads.iter().enumerate() {
+        let data = tensor(i)?;
         let expected = shape.iter().product::<usize>();
-        if values.len() != expected {
-            return Err(HfError::Safetensors {
-                path: path.to_path_buf(),
-                message: format!(
-                    "tensor {tensor_name}: {} values for shape {shape:?} ({expected})",
-                    values.len()
-                ),
-            });
+        if data.len() != expected {
+            return Err(bad(format!(
+                "tensor {tensor_name}: {} values for shape {shape:?} ({expected})",
+                data.len()
+            )));
         }
-        for chunk in values.chunks(1 << 16) {
-            buf.clear();
-            match dtype {
-                SaveDtype::F32 if cfg!(target_endian = "little") => {
-                    buf.extend_from_slice(bytemuck::cast_slice(chunk))
+        let little = cfg!(target_endian = "little");
+        match (&data, dtype) {
+            (TensorData::F32(x), Dtype::F32) => {
+                for chunk in x.chunks(CHUNK) {
+                    buf.clear();
+                    if little {
+                        buf.extend_from_slice(bytemuck::cast_slice(chunk));
+                    } else {
+                        chunk.iter().for_each(|x| buf.extend(x.to_le_bytes()));
+                    }
+                    out.write_all(&buf).map_err(io)?;
                 }
-                SaveDtype::F32 => chunk.iter().for_each(|x| buf.extend(x.to_le_bytes())),
-                SaveDtype::Bf16 => chunk
-                    .iter()
-                    .for_each(|&x| buf.extend(bf16::from_f32(x).to_bits().to_le_bytes())),
             }
-            out.write_all(&buf).map_err(io)?;
+            (TensorData::F32(x), Dtype::BF16) => {
+                for chunk in x.chunks(CHUNK) {
+                    buf.clear();
+                    chunk
+                        .iter()
+                        .for_each(|&x| buf.extend(bf16::from_f32(x).to_bits().to_le_bytes()));
+                    out.write_all(&buf).map_err(io)?;
+                }
+            }
+            (TensorData::Bf16(x), Dtype::BF16) => {
+                for chunk in x.chunks(CHUNK) {
+                    buf.clear();
+                    chunk.iter().for_each(|b| buf.extend(b.to_le_bytes()));
+                    out.write_all(&buf).map_err(io)?;
+                }
+            }
+            (TensorData::U8(x), Dtype::U8) => out.write_all(x).map_err(io)?,
+            _ => {
+                return Err(bad(format!(
+                    "tensor {tensor_name}: data does not match its dtype {dtype:?}"
+                )));
+            }
         }
     }
     out.flush().map_err(io)?;
@@ -328,7 +397,7 @@ pub(crate) fn le_f32s(bytes: &[u8]) -> Vec<f32> {
 }
 
 /// The little-endian 16-bit words of `bytes` (bf16 / f16 bits), as [`le_f32s`].
-fn le_u16s(bytes: &[u8]) -> Vec<u16> {
+pub(crate) fn le_u16s(bytes: &[u8]) -> Vec<u16> {
     let mut out: Vec<u16> = bytemuck::pod_collect_to_vec(&bytes[..bytes.len() / 2 * 2]);
     if cfg!(target_endian = "big") {
         out.iter_mut().for_each(|x| *x = x.swap_bytes());

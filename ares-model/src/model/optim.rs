@@ -1,8 +1,9 @@
 //! [`AdamW`] over a [`Model`]'s parameters: the global gradient norm, a skipped step when
 //! it is not finite, clipping, and PyTorch's AdamW update, every tensor updated on the
-//! device by [`Backend::adamw_step`]. The model's f32 buffers are the master weights.
+//! device by [`Backend::adamw_step`] (or its bf16 / 8-bit twin, as the moments'
+//! [`StateDtype`] says). The model's f32 buffers are the master weights.
 
-use super::weights::DeviceWeights;
+use super::moments::{Moments, StateDtype, int8_maps};
 use super::{Grads, Model, ModelError};
 use crate::backend::{AdamWUpdate, Backend, DeviceBuffer, View, ViewMut};
 
@@ -15,10 +16,8 @@ pub struct ExtraParam<'a, B: Backend> {
     pub param: &'a mut B::Buffer,
     /// Its accumulated gradient.
     pub grad: &'a B::Buffer,
-    /// First moment.
-    pub exp_avg: &'a mut B::Buffer,
-    /// Second moment.
-    pub exp_avg_sq: &'a mut B::Buffer,
+    /// Its two moments.
+    pub moments: &'a mut Moments<B>,
 }
 
 /// What one [`AdamW::step`] did.
@@ -49,12 +48,20 @@ pub struct StepReport {
 ///
 /// Weight decay applies to every parameter (norms and biases included), as
 /// `torch.optim.AdamW(model.parameters())` does. Tied embeddings are one parameter.
+///
+/// The moments are stored as the [`StateDtype`] says: f32, or rounded to bf16, or 8-bit
+/// block-wise codes; the update itself is the f32 arithmetic above in every case, on the
+/// moments as read back.
 pub struct AdamW<B: Backend> {
     pub(crate) config: AdamWConfig,
     /// Updates applied so far.
     pub(crate) step: u64,
-    pub(crate) exp_avg: DeviceWeights<B>,
-    pub(crate) exp_avg_sq: DeviceWeights<B>,
+    /// How the moments are stored.
+    pub(crate) state_dtype: StateDtype,
+    /// The moments of each of the model's weight buffers, in `DeviceWeights::buffers` order.
+    pub(crate) moments: Vec<Moments<B>>,
+    /// The 8-bit dynamic maps on the device (read by 8-bit moments only).
+    pub(crate) maps: B::Buffer,
 }
 
 impl<B: Backend> std::fmt::Debug for AdamW<B> {
@@ -62,6 +69,7 @@ impl<B: Backend> std::fmt::Debug for AdamW<B> {
         f.debug_struct("AdamW")
             .field("config", &self.config)
             .field("step", &self.step)
+            .field("state_dtype", &self.state_dtype)
             .finish_non_exhaustive()
     }
 }
@@ -72,19 +80,64 @@ pub(crate) fn check_config(config: &AdamWConfig) -> Result<(), ModelError> {
 }
 
 impl<B: Backend> AdamW<B> {
-    /// A fresh optimizer for `model`: zero moments, no step taken.
+    /// A fresh optimizer for `model` with f32 moments: zero moments, no step taken.
     ///
     /// # Errors
     /// [`ModelError::AdamWConfig`] for a bad `config` field, or a backend allocation
     /// failure.
     pub fn new(model: &Model<B>, config: AdamWConfig) -> Result<Self, ModelError> {
+        Self::with_state_dtype(model, config, StateDtype::F32)
+    }
+
+    /// [`AdamW::new`] with the moments stored as `state_dtype` says.
+    ///
+    /// # Errors
+    /// As [`AdamW::new`].
+    pub fn with_state_dtype(
+        model: &Model<B>,
+        config: AdamWConfig,
+        state_dtype: StateDtype,
+    ) -> Result<Self, ModelError> {
         check_config(&config)?;
+        let be = &model.backend;
+        let w = &model.weights;
+        let moments = w
+            .buffers()
+            .into_iter()
+            .zip(w.buffer_items())
+            .map(|(b, item)| Moments::zeros(be, b.len(), item, state_dtype))
+            .collect::<Result<_, _>>()?;
         Ok(Self {
             config,
             step: 0,
-            exp_avg: model.weights.zeros_like(&model.backend)?,
-            exp_avg_sq: model.weights.zeros_like(&model.backend)?,
+            state_dtype,
+            moments,
+            maps: upload_maps(be)?,
         })
+    }
+
+    /// How the moments are stored.
+    pub fn state_dtype(&self) -> StateDtype {
+        self.state_dtype
+    }
+
+    /// Zero moments for an extra parameter group of `len` elements made of tensors of
+    /// `item` elements (a vision tower's slot), stored as this optimizer's moments are.
+    ///
+    /// # Errors
+    /// As [`Moments::zeros`].
+    pub fn extra_moments(&self, be: &B, len: usize, item: usize) -> Result<Moments<B>, ModelError> {
+        Moments::zeros(be, len, item, self.state_dtype)
+    }
+
+    /// Bytes the moments of the model's parameters take on the device.
+    pub fn moment_bytes(&self) -> u64 {
+        self.moments.iter().map(Moments::bytes).sum()
+    }
+
+    /// Whether these moments are for buffers of `lens` (the same count, each as long).
+    pub(crate) fn fits(&self, lens: impl ExactSizeIterator<Item = usize>) -> bool {
+        lens.len() == self.moments.len() && lens.zip(&self.moments).all(|(n, m)| n == m.len())
     }
 
     /// Updates applied so far (skipped steps not counted); the next update uses bias
@@ -156,7 +209,7 @@ impl<B: Backend> AdamW<B> {
         if !w.same_layout(&grads.g) {
             return Err(ModelError::LayoutMismatch { what: "gradients" });
         }
-        if !w.same_layout(&self.exp_avg) || !w.same_layout(&self.exp_avg_sq) {
+        if !self.fits(w.buffers().into_iter().map(|b| b.len())) {
             return Err(ModelError::LayoutMismatch {
                 what: "optimizer moments",
             });
@@ -169,7 +222,7 @@ impl<B: Backend> AdamW<B> {
         }
         for (i, e) in extra.iter().enumerate() {
             let n = e.param.len();
-            if e.grad.len() != n || e.exp_avg.len() != n || e.exp_avg_sq.len() != n {
+            if e.grad.len() != n || e.moments.len() != n {
                 return Err(ModelError::LayoutMismatch {
                     what: if i == 0 {
                         "extra parameter 0"
@@ -198,28 +251,11 @@ impl<B: Backend> AdamW<B> {
             grad_scale,
         };
         let params = w.buffers_mut();
-        let moments = self
-            .exp_avg
-            .buffers_mut()
-            .into_iter()
-            .zip(self.exp_avg_sq.buffers_mut());
-        for ((p, g), (m, v)) in params.into_iter().zip(g).zip(moments) {
-            be.adamw_step(
-                ViewMut::whole(p),
-                View::whole(g),
-                ViewMut::whole(m),
-                ViewMut::whole(v),
-                &update,
-            )?;
+        for ((p, g), m) in params.into_iter().zip(g).zip(&mut self.moments) {
+            m.step(be, p, g, &self.maps, &update)?;
         }
         for e in extra.iter_mut() {
-            be.adamw_step(
-                ViewMut::whole(&mut *e.param),
-                View::whole(e.grad),
-                ViewMut::whole(&mut *e.exp_avg),
-                ViewMut::whole(&mut *e.exp_avg_sq),
-                &update,
-            )?;
+            e.moments.step(be, e.param, e.grad, &self.maps, &update)?;
         }
         self.step += 1;
         Ok(StepReport {
@@ -227,4 +263,12 @@ impl<B: Backend> AdamW<B> {
             applied: true,
         })
     }
+}
+
+/// [`int8_maps`] on the backend.
+pub(crate) fn upload_maps<B: Backend>(be: &B) -> Result<B::Buffer, ModelError> {
+    let maps = int8_maps();
+    let mut buffer = be.alloc(maps.len())?;
+    be.upload(&maps, ViewMut::whole(&mut buffer))?;
+    Ok(buffer)
 }

@@ -530,6 +530,38 @@ impl<B: Backend> DeviceWeights<B> {
         out
     }
 
+    /// The tensor length of each of [`Self::buffers`], in its order: a whole buffer's
+    /// length, or one layer's tensor of a stack.
+    pub(crate) fn buffer_items(&self) -> Vec<usize> {
+        let mut out = vec![self.embed.len(), self.norm.len()];
+        out.extend(self.lm_head.as_ref().map(DeviceBuffer::len));
+        out.extend(
+            self.stacks()
+                .into_iter()
+                .filter_map(|(_, s)| s.map(|s| s.item)),
+        );
+        out
+    }
+
+    /// Where the parameter with Hugging Face name `name` lives among [`Self::buffers`]:
+    /// the buffer's index and the tensor's index in it (its layer; 0 for a whole buffer).
+    ///
+    /// # Errors
+    /// As [`Self::tensor`].
+    pub(crate) fn buffer_item(&self, name: &str) -> Result<(usize, usize), ModelError> {
+        let whole = 2 + usize::from(self.lm_head.is_some());
+        Ok(match self.locate(name)? {
+            Place::Embed => (0, 0),
+            Place::Norm => (1, 0),
+            Place::LmHead => (2, 0),
+            Place::Layer { layer, slot } => {
+                let stacks = self.stacks();
+                let before = stacks[..slot].iter().filter(|(_, s)| s.is_some()).count();
+                (whole + before, layer)
+            }
+        })
+    }
+
     /// Whether `other` has exactly this layout (same buffers, same lengths): gradients or
     /// moments made for this model.
     pub(crate) fn same_layout(&self, other: &Self) -> bool {
@@ -598,32 +630,6 @@ impl<B: Backend> DeviceWeights<B> {
                     why: "this architecture has no such tensor".into(),
                 }),
             },
-        }
-    }
-
-    /// [`Self::tensor`], writable.
-    pub(crate) fn tensor_mut(&mut self, name: &str) -> Result<TensorMut<'_, B>, ModelError> {
-        match self.locate(name)? {
-            Place::Embed => Ok(ViewMut::whole(&mut self.embed)),
-            Place::Norm => Ok(ViewMut::whole(&mut self.norm)),
-            Place::LmHead => Ok(ViewMut::whole(
-                self.lm_head.as_mut().unwrap_or(&mut self.embed),
-            )),
-            Place::Layer { layer, slot } => {
-                match self
-                    .parts_mut()
-                    .2
-                    .into_iter()
-                    .nth(slot)
-                    .and_then(|(_, s)| s)
-                {
-                    Some(s) => s.layer_mut(layer),
-                    None => Err(ModelError::UnknownParameter {
-                        name: name.to_string(),
-                        why: "this architecture has no such tensor".into(),
-                    }),
-                }
-            }
         }
     }
 }

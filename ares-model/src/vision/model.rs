@@ -17,12 +17,13 @@ use super::config::VlConfig;
 use super::mrope::{MropePositions, MropeRope, VisionGrids, rope_index};
 use super::processor::{ProcessedImage, ProcessedVideo};
 use super::tower::{VisionActs, VisionGrads, VisionPlan, VisionTower, input_error};
-use crate::backend::{Backend, Tensor, View, ViewMut};
+use super::weights::{VisionParams, param_table};
+use crate::backend::{Backend, DeviceBuffer, Tensor, View, ViewMut};
 use crate::model::{
     Activations, EmbedGrad, ForwardExtras, GenerateError, GenerateOutput, GenerateRequest,
     Generator, Grads, Inputs, Model, ModelError, PromptVision,
 };
-use crate::model::{AdamW, ExtraParam, StepReport, WeightDtype};
+use crate::model::{AdamW, ExtraParam, Moments, StateDtype, StepReport, WeightDtype};
 
 /// The images and videos of one batch, as the processor gives them.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -90,12 +91,12 @@ pub struct VlActs<B: Backend> {
 }
 
 /// AdamW moments of the vision tower ([`VlModel::vision_moments`]), slot by slot like its
-/// weights.
+/// weights (each slot, stacked over blocks, is one tensor to the moments' store).
 pub struct VisionMoments<B: Backend> {
-    /// First moments.
-    pub exp_avg: VisionGrads<B>,
-    /// Second moments.
-    pub exp_avg_sq: VisionGrads<B>,
+    /// The moments of each slot.
+    pub(crate) moments: VisionParams<Moments<B>>,
+    /// How they are stored (short slots keep f32 under `int8`).
+    pub(crate) state_dtype: StateDtype,
 }
 
 /// A vision-language model on backend `B`.
@@ -415,15 +416,21 @@ impl<B: Backend> VlModel<B> {
         Ok(())
     }
 
-    /// Zeroed AdamW moments for the tower's parameters.
+    /// Zeroed AdamW moments for the tower's parameters, stored as `dtype` says.
     ///
     /// # Errors
     /// A backend failure.
-    pub fn vision_moments(&self) -> Result<VisionMoments<B>, ModelError> {
+    pub fn vision_moments(&self, dtype: StateDtype) -> Result<VisionMoments<B>, ModelError> {
         let be = self.lm.backend();
+        let table = param_table(self.tower.config());
+        let weights = self.tower.weights();
+        let moments = VisionParams::build(&table, |spec| {
+            let len = weights.get(spec.slot).map_or(0, DeviceBuffer::len);
+            Moments::zeros(be, len, len.max(1), dtype)
+        })?;
         Ok(VisionMoments {
-            exp_avg: self.tower.zero_grads(be)?,
-            exp_avg_sq: self.tower.zero_grads(be)?,
+            moments,
+            state_dtype: dtype,
         })
     }
 
@@ -443,22 +450,15 @@ impl<B: Backend> VlModel<B> {
     ) -> Result<StepReport, ModelError> {
         let mut extra = Vec::new();
         if let Some((moments, grads)) = vision {
-            let VisionMoments {
-                exp_avg,
-                exp_avg_sq,
-            } = moments;
             let params = self.tower.weights_mut().iter_mut();
-            let m = exp_avg.iter_mut();
-            let v = exp_avg_sq.iter_mut();
-            for (((slot, param), (_, exp_avg)), (_, exp_avg_sq)) in params.zip(m).zip(v) {
+            for ((slot, param), (_, moments)) in params.zip(moments.moments.iter_mut()) {
                 let grad = grads.get(slot).ok_or_else(|| ModelError::LayoutMismatch {
                     what: "vision gradients",
                 })?;
                 extra.push(ExtraParam {
                     param,
                     grad,
-                    exp_avg,
-                    exp_avg_sq,
+                    moments,
                 });
             }
         }

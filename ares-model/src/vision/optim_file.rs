@@ -7,21 +7,19 @@
 //! flushed, renamed).
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::Path;
 
-use safetensors::{Dtype, SafeTensors};
+use safetensors::SafeTensors;
 
 use super::model::VisionMoments;
 use super::tower::VisionTower;
 use super::weights::{VisionParams, param_table};
-use crate::backend::{Backend, DeviceBuffer, View, ViewMut};
-use crate::hf::tensor_files::le_f32s;
-use crate::hf::tensor_files::{NamedTensor, SaveDtype, write_safetensors_with_metadata};
-use crate::model::ModelError;
+use crate::backend::{Backend, DeviceBuffer};
+use crate::model::optim_file::{read_header, read_moments, save_moments};
+use crate::model::{ModelError, Moments, StateDtype};
 
 const FORMAT: &str = "ares-adamw-vision";
-const VERSION: &str = "1";
+const VERSION: &str = "2";
 
 fn bad(path: &Path, message: impl Into<String>) -> ModelError {
     ModelError::OptimizerState {
@@ -30,11 +28,9 @@ fn bad(path: &Path, message: impl Into<String>) -> ModelError {
     }
 }
 
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
-    move |source| ModelError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
+/// The file name of a slot's moments: its parameter name with `#` for the block index.
+fn slot_name(name: &str) -> String {
+    name.replace("{}", "#")
 }
 
 impl<B: Backend> VisionMoments<B> {
@@ -44,7 +40,8 @@ impl<B: Backend> VisionMoments<B> {
     /// A backend failure, or an I/O error naming the file.
     pub fn save(&self, be: &B, tower: &VisionTower<B>, path: &Path) -> Result<(), ModelError> {
         let table = param_table(tower.config());
-        let mut named = Vec::new();
+        let mut params = Vec::new();
+        let mut slots = Vec::new();
         for spec in &table {
             let mut shape = if spec.per_block {
                 vec![tower.config().depth]
@@ -52,90 +49,74 @@ impl<B: Backend> VisionMoments<B> {
                 Vec::new()
             };
             shape.extend(&spec.shape);
-            for (suffix, m) in [("exp_avg", &self.exp_avg), ("exp_avg_sq", &self.exp_avg_sq)] {
-                let buf = m
-                    .get(spec.slot)
-                    .ok_or_else(|| bad(path, "moment missing"))?;
-                let mut host = vec![0.0f32; buf.len()];
-                be.download(View::whole(buf), &mut host)?;
-                named.push((
-                    format!("{}.{suffix}", spec.name.replace("{}", "#")),
-                    shape.clone(),
-                    host,
-                ));
-            }
+            let m = self
+                .moments
+                .get(spec.slot)
+                .ok_or_else(|| bad(path, "moment missing"))?;
+            params.push((slot_name(spec.name), shape, m.dtype()));
+            slots.push(spec.slot);
         }
-        let list: Vec<NamedTensor<'_>> = named
-            .iter()
-            .map(|(n, s, d)| (n.as_str(), s.as_slice(), d.as_slice()))
-            .collect();
-        let metadata: HashMap<String, String> = [("format", FORMAT), ("version", VERSION)]
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        let tmp = path.with_file_name(format!(".{name}.tmp-{}", std::process::id()));
-        let written = write_safetensors_with_metadata(&tmp, &list, SaveDtype::F32, metadata)
-            .map_err(|e| bad(path, e.to_string()))
-            .and_then(|()| {
-                File::open(&tmp)
-                    .and_then(|f| f.sync_all())
-                    .map_err(io(&tmp))
-            })
-            .and_then(|()| std::fs::rename(&tmp, path).map_err(io(path)));
-        if written.is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        written
+        let dtype = self.state_dtype();
+        let metadata: HashMap<String, String> = [
+            ("format", FORMAT),
+            ("version", VERSION),
+            ("state_dtype", dtype.name()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        save_moments(path, &params, metadata, |p| {
+            let m = self
+                .moments
+                .get(slots[p])
+                .ok_or_else(|| bad(path, "moment missing"))?;
+            m.read(be, 0)
+        })
     }
 
-    /// Reads moments written by [`VisionMoments::save`] for `tower`.
+    /// How the moments are stored (short slots keep f32 under `int8`).
+    pub fn state_dtype(&self) -> StateDtype {
+        self.state_dtype
+    }
+
+    /// Reads moments written by [`VisionMoments::save`] for `tower`, stored as `dtype`
+    /// says (bit for bit when the file holds that dtype).
     ///
     /// # Errors
-    /// A missing or malformed file, a tensor missing or of another shape (named), or a
-    /// backend failure.
-    pub fn load(be: &B, tower: &VisionTower<B>, path: &Path) -> Result<Self, ModelError> {
-        let bytes = std::fs::read(path).map_err(io(path))?;
+    /// A missing or malformed file, a tensor missing or of another shape or dtype (named),
+    /// or a backend failure.
+    pub fn load(
+        be: &B,
+        tower: &VisionTower<B>,
+        dtype: StateDtype,
+        path: &Path,
+    ) -> Result<Self, ModelError> {
+        let bytes = std::fs::read(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
         let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| bad(path, e.to_string()))?;
-        let format = meta
-            .metadata()
-            .as_ref()
-            .and_then(|m| m.get("format").cloned());
-        if format.as_deref() != Some(FORMAT) {
-            return Err(bad(
-                path,
-                format!("format {format:?}, expected \"{FORMAT}\""),
-            ));
-        }
+        let meta = meta.metadata().clone().unwrap_or_default();
+        read_header(&meta, path, FORMAT, false)?;
         let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(path, e.to_string()))?;
         let table = param_table(tower.config());
-        let read = |suffix: &str| -> Result<VisionParams<B::Buffer>, ModelError> {
-            VisionParams::build(&table, |spec| {
-                let name = format!("{}.{suffix}", spec.name.replace("{}", "#"));
-                let t = st
-                    .tensor(&name)
-                    .map_err(|_| bad(path, format!("{name} is missing")))?;
-                let blocks = if spec.per_block {
-                    tower.config().depth
-                } else {
-                    1
-                };
-                let len = blocks * spec.item();
-                if t.dtype() != Dtype::F32 || t.data().len() != 4 * len {
-                    return Err(bad(path, format!("{name}: expected {len} f32 values")));
-                }
-                let host = le_f32s(t.data());
-                let mut buf = be.alloc(len)?;
-                be.upload(&host, ViewMut::whole(&mut buf))?;
-                Ok(buf)
-            })
-        };
+        let weights = tower.weights();
+        let moments = VisionParams::build(&table, |spec| {
+            let mut shape = if spec.per_block {
+                vec![tower.config().depth]
+            } else {
+                Vec::new()
+            };
+            shape.extend(&spec.shape);
+            let host = read_moments(&st, path, &slot_name(spec.name), &shape)?;
+            let len = weights.get(spec.slot).map_or(0, DeviceBuffer::len);
+            let mut m = Moments::zeros(be, len, len.max(1), dtype)?;
+            m.write(be, 0, [&host[0], &host[1]])?;
+            Ok::<_, ModelError>(m)
+        })?;
         Ok(Self {
-            exp_avg: read("exp_avg")?,
-            exp_avg_sq: read("exp_avg_sq")?,
+            moments,
+            state_dtype: dtype,
         })
     }
 }

@@ -144,12 +144,16 @@ pub fn run_sft<B: Backend + Clone>(
     let mut files = files;
     files.drop_weights(); // saving needs its configs only
     let mut opt = Optimizer {
-        adamw: AdamW::new(model.lm(), adamw_config(cfg))?,
+        adamw: AdamW::with_state_dtype(
+            model.lm(),
+            adamw_config(cfg),
+            cfg.worker.actor.optim.state_dtype.into(),
+        )?,
         grads: model.lm().grads()?,
         tower: if cfg.worker.actor.model.freeze_vision_tower {
             None
         } else {
-            model.tower_training()?
+            model.tower_training(cfg.worker.actor.optim.state_dtype.into())?
         },
         steps: 0,
     };

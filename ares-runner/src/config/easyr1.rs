@@ -157,7 +157,7 @@ fn is_zero(v: &Value) -> bool {
 }
 
 fn adamw(v: &Value) -> bool {
-    v.is_null() || matches!(v.as_str(), Some("adamw" | "adamw_bf16"))
+    v.is_null() || v.as_str() == Some("adamw")
 }
 
 fn is_empty_map(v: &Value) -> bool {
@@ -566,9 +566,10 @@ pub(crate) const RULES: &[Rule] = &[
     Rule::Inert {
         key: "worker.actor.optim.strategy",
         inert: adamw,
-        why: "ares's AdamW keeps its moments in f32 (`adamw_bf16`'s bf16 moments are not \
-              built: the update is `adamw`'s)",
-        refused: "expected `adamw` or `adamw_bf16`",
+        why: "ares's optimizer is AdamW; how its moments are stored is \
+              `worker.actor.optim.state_dtype`",
+        refused: "expected `adamw`; EasyR1's `adamw_bf16` (bf16 moments) is written \
+                  `worker.actor.optim.state_dtype: bf16` here",
     },
     Rule::Ignored {
         key: "worker.actor.tau_positive",

@@ -54,8 +54,8 @@ pub use trainer::{Device, Logger, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig, T
 pub use worker::{
     ActorConfig, EntropyBonusConfig, ForkingTokensConfig, GradedPromptConfig, LrScheduler,
     ModelConfig, MultiTurnConfig, OptimConfig, POLICY_LOSSES, PolicyLoss, RefConfig, RewardConfig,
-    RewardGrader, RewardType, RolloutConfig, RubricGrader, RubricSchedule, ToolCommandConfig,
-    ValOverrideConfig, WeightDtype, WorkerConfig,
+    RewardGrader, RewardType, RolloutConfig, RubricGrader, RubricSchedule, StateDtype,
+    ToolCommandConfig, ValOverrideConfig, WeightDtype, WorkerConfig,
 };
 
 use tree::Override;

@@ -113,6 +113,30 @@ impl WeightDtype {
     }
 }
 
+/// How AdamW stores its two moments (`worker.actor.optim.state_dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StateDtype {
+    /// f32, as `torch.optim.AdamW` (8 bytes a parameter; default).
+    #[default]
+    F32,
+    /// Rounded to bf16 after each update (4 bytes a parameter).
+    Bf16,
+    /// Block-wise 8-bit codes with a scale per 2 048 elements, bitsandbytes' 8-bit Adam
+    /// scheme (≈ 2 bytes a parameter; tensors under 4 096 elements keep f32).
+    Int8,
+}
+
+impl From<StateDtype> for crate::model::StateDtype {
+    fn from(d: StateDtype) -> Self {
+        match d {
+            StateDtype::F32 => Self::F32,
+            StateDtype::Bf16 => Self::Bf16,
+            StateDtype::Int8 => Self::Int8,
+        }
+    }
+}
+
 /// Learning-rate schedule after the warm-up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -158,6 +182,9 @@ pub struct OptimConfig {
     /// Final learning rate of the cosine schedule as a fraction of `lr`, in `[0, 1]`
     /// (default 0).
     pub min_lr_ratio: f64,
+    /// How the moments are stored: `f32` (default), `bf16` or `int8` (the update is f32
+    /// arithmetic in every case; the moments are rounded or quantised after it).
+    pub state_dtype: StateDtype,
 }
 
 impl Default for OptimConfig {
@@ -171,6 +198,7 @@ impl Default for OptimConfig {
             lr_warmup_ratio: 0.0,
             lr_scheduler_type: LrScheduler::Constant,
             min_lr_ratio: 0.0,
+            state_dtype: StateDtype::F32,
         }
     }
 }

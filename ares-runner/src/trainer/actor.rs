@@ -11,7 +11,7 @@ use std::sync::Arc;
 use crate::backend::Backend;
 use crate::model::{
     Activations, AdamW, EngineConfig, GenerateOutput, GenerateRequest, Generator, Grads, Inputs,
-    Model, ModelError, StepReport, WeightDtype,
+    Model, ModelError, StateDtype, StepReport, WeightDtype,
 };
 use crate::vision::model::{VisionBatch, VisionMoments, VlActs, VlGenerator, VlModel};
 use crate::vision::tower::VisionGrads;
@@ -216,12 +216,15 @@ impl<B: Backend> Actor<B> {
     ///
     /// # Errors
     /// A backend failure.
-    pub fn tower_training(&self) -> Result<Option<TowerTraining<B>>, TrainError> {
+    pub fn tower_training(
+        &self,
+        state_dtype: StateDtype,
+    ) -> Result<Option<TowerTraining<B>>, TrainError> {
         match self {
             Actor::Text(_) => Ok(None),
             Actor::Vision(m) => Ok(Some(TowerTraining {
                 grads: m.tower().zero_grads(m.backend())?,
-                moments: m.vision_moments()?,
+                moments: m.vision_moments(state_dtype)?,
             })),
         }
     }

@@ -214,6 +214,7 @@ impl<B: Backend + Clone> Trainer<B> {
             None
         };
         let adamw_cfg = adamw_config(&cfg);
+        let state_dtype = cfg.worker.actor.optim.state_dtype.into();
         let ckdir = CheckpointDir::new(&run_dir);
         let latest = match &cfg.trainer.load_checkpoint_path {
             Some(path) => Some(checkpoint_at(Path::new(path))?),
@@ -242,7 +243,8 @@ impl<B: Backend + Clone> Trainer<B> {
                 let mut ck = ModelFiles::load(&dir.join("model"))?;
                 let actor = build_actor(backend.clone(), &ck, &cfg)?;
                 ck.drop_weights();
-                let adamw = AdamW::load(actor.lm(), adamw_cfg, &dir.join("optimizer.safetensors"))?;
+                let opt_file = dir.join("optimizer.safetensors");
+                let adamw = AdamW::load_as(actor.lm(), adamw_cfg, state_dtype, &opt_file)?;
                 let text = std::fs::read_to_string(dir.join(TRAINER_STATE_FILE))
                     .map_err(|e| TrainError::io(dir.join(TRAINER_STATE_FILE), e))?;
                 let state: TrainerState = serde_json::from_str(&text).map_err(|e| {
@@ -274,7 +276,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 let actor = build_actor(backend.clone(), &initial, &cfg)?;
                 let mut initial = initial;
                 initial.drop_weights(); // before the optimizer's memory is taken
-                let adamw = AdamW::new(actor.lm(), adamw_cfg)?;
+                let adamw = AdamW::with_state_dtype(actor.lm(), adamw_cfg, state_dtype)?;
                 let grads = actor.lm().grads()?;
                 let mut ares = AresState::new(&settings)?;
                 let mut state = TrainerState {
@@ -301,7 +303,7 @@ impl<B: Backend + Clone> Trainer<B> {
                     tower: if cfg.worker.actor.model.freeze_vision_tower {
                         None
                     } else {
-                        actor.tower_training()?
+                        actor.tower_training(state_dtype)?
                     },
                     steps: 0,
                 };
@@ -1362,6 +1364,7 @@ fn resume_tower<B: Backend>(
     let (Some(vl), false) = (actor.vision(), cfg.worker.actor.model.freeze_vision_tower) else {
         return Ok(None);
     };
+    let state_dtype = cfg.worker.actor.optim.state_dtype.into();
     let path = dir.join(VISION_OPTIMIZER_FILE);
     if !path.is_file() {
         return Err(TrainError::Invalid(format!(
@@ -1371,8 +1374,8 @@ fn resume_tower<B: Backend>(
         )));
     }
     let mut t = actor
-        .tower_training()?
+        .tower_training(state_dtype)?
         .ok_or_else(|| TrainError::Internal("a vision model without a tower".into()))?;
-    t.moments = VisionMoments::load(vl.backend(), vl.tower(), &path)?;
+    t.moments = VisionMoments::load(vl.backend(), vl.tower(), state_dtype, &path)?;
     Ok(Some(t))
 }

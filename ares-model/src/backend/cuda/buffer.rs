@@ -38,6 +38,47 @@ pub struct CudaHalf {
     pub(super) dtype: DType,
 }
 
+/// A byte allocation on the GPU (8-bit codes; the CUDA backend's [`Backend::Bytes`]).
+///
+/// [`Backend::Bytes`]: crate::backend::Backend::Bytes
+pub struct CudaBytes {
+    /// At least one element (see [`CudaBuffer`]).
+    pub(super) slice: CudaSlice<u8>,
+    /// Elements of the buffer (`<= slice.len()`).
+    pub(super) len: usize,
+}
+
+impl std::fmt::Debug for CudaBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaBytes(u8 × {})", self.len)
+    }
+}
+
+impl DeviceBuffer for CudaBytes {
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn dtype(&self) -> DType {
+        DType::U8
+    }
+}
+
+/// The device bytes a view names.
+pub(super) fn bytes_view<'a>(v: View<'a, CudaBytes>) -> Result<CudaView<'a, u8>> {
+    let buffer = v.buffer();
+    window(v.offset(), v.len(), buffer.len, |r| {
+        buffer.slice.try_slice(r)
+    })
+}
+
+/// [`bytes_view`], writable.
+pub(super) fn bytes_view_mut<'a>(v: ViewMut<'a, CudaBytes>) -> Result<CudaViewMut<'a, u8>> {
+    let (offset, len) = (v.offset(), v.len());
+    let buffer = v.into_buffer();
+    window(offset, len, buffer.len, |r| buffer.slice.try_slice_mut(r))
+}
+
 impl std::fmt::Debug for CudaHalf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "CudaHalf({} × {})", self.dtype, self.len)

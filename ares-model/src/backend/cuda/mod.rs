@@ -24,9 +24,12 @@
 
 mod buffer;
 
-pub use buffer::{CudaBuffer, CudaHalf, CudaIds};
+pub use buffer::{CudaBuffer, CudaBytes, CudaHalf, CudaIds};
 
-use buffer::{half_view, half_view_mut, ids, ids_mut, view, view_mut, view_mut_opt, view_opt};
+use buffer::{
+    bytes_view, bytes_view_mut, half_view, half_view_mut, ids, ids_mut, view, view_mut,
+    view_mut_opt, view_opt,
+};
 
 use super::ops::{declared_ops, op_arg_type};
 use super::sampling::check_top_k;
@@ -253,6 +256,7 @@ macro_rules! cuda_arg {
     ($op:ident, $a:ident: Out<bf16>) => {
         half_view_mut(stringify!($op), stringify!($a), $a, DType::Bf16)?
     };
+    ($op:ident, $a:ident: Out<u8>) => { bytes_view_mut($a)? };
     ($op:ident, $a:ident: Views<$t:ident>) => { CudaViews::cuda($a)? };
     ($op:ident, $a:ident: ViewsMut<$t:ident>) => { CudaViews::cuda($a)? };
     ($op:ident, $a:ident: $($t:tt)+) => { ToCuda::to_cuda($a) };
@@ -268,6 +272,7 @@ macro_rules! cuda_pass {
     ($a:ident: In<u32>) => { &$a };
     ($a:ident: In<bf16>) => { &$a };
     ($a:ident: Out<bf16>) => { &mut $a };
+    ($a:ident: Out<u8>) => { &mut $a };
     ($a:ident: Views<$t:ident>) => { &$a };
     ($a:ident: ViewsMut<$t:ident>) => { &mut $a };
     ($a:ident: Ref<$t:ident>) => { &$a };
@@ -302,6 +307,7 @@ impl Backend for CudaBackend {
     type Buffer = CudaBuffer;
     type Ids = CudaIds;
     type Half = CudaHalf;
+    type Bytes = CudaBytes;
 
     fn name(&self) -> &str {
         &self.name
@@ -326,6 +332,28 @@ impl Backend for CudaBackend {
         check_half("alloc_half", dtype)?;
         let slice = self.ops.alloc_half(len.max(1)).map_err(op("alloc_half"))?;
         Ok(CudaHalf { slice, len, dtype })
+    }
+
+    fn alloc_bytes(&self, len: usize) -> Result<CudaBytes> {
+        let slice = self
+            .ops
+            .alloc_bytes(len.max(1))
+            .map_err(op("alloc_bytes"))?;
+        Ok(CudaBytes { slice, len })
+    }
+
+    fn upload_bytes(&self, src: &[u8], dst: ViewMut<'_, CudaBytes>) -> Result<()> {
+        BackendError::check_len("upload_bytes destination", src.len(), dst.len())?;
+        let mut dst = bytes_view_mut(dst)?;
+        self.ops.upload(src, &mut dst).map_err(op("upload_bytes"))
+    }
+
+    fn download_bytes(&self, src: View<'_, CudaBytes>, dst: &mut [u8]) -> Result<()> {
+        BackendError::check_len("download_bytes destination", src.len(), dst.len())?;
+        let src = bytes_view(src)?;
+        self.ops
+            .download_bytes(&src, dst)
+            .map_err(op("download_bytes"))
     }
 
     fn upload(&self, src: &[f32], dst: TensorMut<'_, Self>) -> Result<()> {

@@ -5,8 +5,8 @@
 //!
 //! What is counted (f32, as the trainer stores everything today):
 //! - **held for the whole run**: the actor's weights and RoPE tables, its gradients, both
-//!   AdamW moments (the vision tower's too, unless frozen), and the reference policy when
-//!   the KL needs one;
+//!   AdamW moments in their `state_dtype` (the vision tower's too, unless frozen), and the
+//!   reference policy when the KL needs one;
 //! - **rollout**: the decode weights (a transposed copy of every linear layer and the LM
 //!   head, f32 or bf16), the paged KV cache when `min(rollout_batch_size · n, 64)`
 //!   sequences are at `max_prompt_length + max_response_length` (its pool grows by
@@ -23,7 +23,7 @@
 
 use crate::config::Config;
 use crate::hf::config::ModelConfig;
-use crate::model::{HeadMode, ModelSpec, arena_elements};
+use crate::model::{HeadMode, ModelSpec, StateDtype, arena_elements};
 
 use crate::trainer::TrainError;
 
@@ -163,9 +163,21 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
             what: "gradients (f32)".into(),
             bytes: f32s(trained),
         });
+        let dtype: StateDtype = cfg.worker.actor.optim.state_dtype.into();
+        // per tensor, as the optimizer stores them (int8 keeps short tensors in f32); the
+        // tower's slots are stacked over blocks, one tensor each, counted here as one
+        let lm = crate::hf::weights::expected_tensors(model.text)
+            .iter()
+            .map(|(_, shape)| dtype.moment_bytes(shape.iter().product()))
+            .fold(0, u64::saturating_add);
+        let tower = if frozen || t == 0 {
+            0
+        } else {
+            dtype.moment_bytes(t as usize)
+        };
         held.push(Part {
-            what: "AdamW moments (2 × f32)".into(),
-            bytes: f32s(trained).saturating_mul(2),
+            what: format!("AdamW moments (2 × {dtype})"),
+            bytes: lm.saturating_add(tower),
         });
     }
     if model.reference {
@@ -310,6 +322,11 @@ pub fn check(
         ways.push("worker.rollout.weight_dtype=bf16");
         ways.push("a smaller data.rollout_batch_size or worker.rollout.n");
     }
+    if cfg.worker.actor.optim.state_dtype != crate::config::StateDtype::Int8
+        && plan.held.iter().any(|p| p.what.starts_with("AdamW"))
+    {
+        ways.push("worker.actor.optim.state_dtype=int8 (or bf16)");
+    }
     if plan.held.iter().any(|p| p.what.starts_with("reference")) {
         ways.push(
             "no reference policy (algorithm.disable_kl, or algorithm.kl_coef 0 without a KL loss)",
@@ -341,6 +358,37 @@ mod tests {
             "tie_word_embeddings": true
         }"#;
         ModelConfig::from_json_str(std::path::Path::new("config.json"), json).unwrap()
+    }
+
+    /// The moments in each state dtype, by hand: bf16 half of f32; int8 two bytes an
+    /// element and four a block of 2 048 each, tensors under 4 096 elements in f32.
+    #[test]
+    fn moments_follow_the_state_dtype() {
+        let text = tiny();
+        let moments = |dtype| {
+            let mut cfg = Config::default();
+            cfg.worker.actor.optim.state_dtype = dtype;
+            let model = PlanModel {
+                text: &text,
+                tower_params: 0,
+                on_cpu: true,
+                reference: false,
+            };
+            let plan = plan(&cfg, model).unwrap();
+            (plan.held[2].what.clone(), plan.held[2].bytes)
+        };
+        use crate::config::StateDtype as D;
+        let p = text_parameters(&text);
+        assert_eq!(moments(D::F32), ("AdamW moments (2 × f32)".into(), 8 * p));
+        assert_eq!(moments(D::Bf16).1, 4 * p);
+        // embed 6400 (4 blocks); per layer q, o 4096 (2 blocks), gate/up/down 8192 (4),
+        // k, v 2048 and the biases and norms in f32; the final norm in f32
+        let embed = 2 * 6400 + 8 * 4;
+        let layer =
+            2 * (2 * 4096 + 8 * 2) + 3 * (2 * 8192 + 8 * 4) + 8 * (2 * 2048 + 64 + 64 + 128);
+        let (what, bytes) = moments(D::Int8);
+        assert_eq!(bytes, embed + 2 * layer + 8 * 64, "{what}");
+        assert!(what.contains("int8"));
     }
 
     /// Hand-checked parts for a 2-layer model: weights, moments, decode copy, KV pool.
