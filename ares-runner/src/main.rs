@@ -123,6 +123,22 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
+    /// Merge a PEFT LoRA adapter (`adapter_config.json` + `adapter_model.safetensors`) into
+    /// its base model and write a full Hugging Face checkpoint (text models).
+    Merge {
+        /// The base model's directory.
+        #[arg(long, value_name = "DIR")]
+        model: PathBuf,
+        /// The adapter's directory, as `PeftModel.save_pretrained` writes it.
+        #[arg(long, value_name = "DIR")]
+        adapter: PathBuf,
+        /// Where to write the merged model (a new or empty directory).
+        #[arg(short, long, value_name = "DIR")]
+        output: PathBuf,
+        /// How the merged weights are stored.
+        #[arg(long, value_enum, default_value_t = InitDtype::Bf16)]
+        dtype: InitDtype,
+    },
     /// Write the demo's tiny model, tokenizer and datasets to a directory.
     DemoData {
         /// Output directory.
@@ -141,7 +157,7 @@ enum Command {
     },
 }
 
-/// Storage of `init`'s weights.
+/// Storage of the weights `init` and `merge` write.
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
 enum InitDtype {
     /// bfloat16: half the size.
@@ -241,6 +257,26 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 output.display(),
                 summary.panels.len(),
                 summary.panels.join(", ")
+            );
+        }
+        Command::Merge {
+            model,
+            adapter,
+            output,
+            dtype,
+        } => {
+            use ares_runner::hf::tensor_files::SaveDtype;
+            let dtype = match dtype {
+                InitDtype::Bf16 => SaveDtype::Bf16,
+                InitDtype::F32 => SaveDtype::F32,
+            };
+            let report = ares_runner::commands::merge::merge(&model, &adapter, &output, dtype)?;
+            eprintln!(
+                "merged {} LoRA pairs (rank {}, scale {}) into {}",
+                report.merged,
+                report.rank,
+                report.scale,
+                report.output.display()
             );
         }
         Command::Init {

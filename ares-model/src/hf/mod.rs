@@ -18,6 +18,7 @@ pub mod chat;
 pub mod checkpoint;
 pub mod config;
 pub mod generation;
+pub mod lora;
 pub mod rope;
 pub mod tensor_files;
 pub mod tokenizer;

@@ -346,7 +346,7 @@ fn write_assets(demo: Demo, assets: &Path) -> Result<(PathBuf, PathBuf), TrainEr
 /// What a warm start was made with (`warmstart.json` beside it): it is reused only by a run
 /// with the same settings, so a changed schedule (an override, a newer version) never
 /// trains on a stale model.
-#[derive(Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct WarmStartRecord {
     sft_examples: usize,
     epochs: usize,
@@ -354,6 +354,13 @@ struct WarmStartRecord {
     lr: f64,
     max_length: usize,
     seed: u64,
+    /// How the warm start's AdamW stored its moments (absent in older records: f32).
+    #[serde(default = "f32_states")]
+    state_dtype: String,
+}
+
+fn f32_states() -> String {
+    "f32".into()
 }
 
 /// Whether the warm start in `warm` is finished and was made with `record`'s settings.
@@ -381,6 +388,9 @@ fn warm_start<B: Backend + Clone>(
         lr: cfg.sft.lr,
         max_length: cfg.sft.max_length,
         seed: DEMO_SEED,
+        state_dtype: crate::model::StateDtype::from(cfg.worker.actor.optim.state_dtype)
+            .name()
+            .into(),
     };
     let record_path = warm.join("warmstart.json");
     if made_with(&warm, &record) {
@@ -717,6 +727,7 @@ mod tests {
             lr: 1e-3,
             max_length: 64,
             seed: 1,
+            state_dtype: "f32".into(),
         };
         // no record (a warm start of an older version), then no model, then a match
         std::fs::write(dir.join("sft").join("config.json"), "{}").unwrap();
@@ -727,9 +738,19 @@ mod tests {
         )
         .unwrap();
         assert!(made_with(&dir, &record));
+        let int8 = WarmStartRecord {
+            state_dtype: "int8".into(),
+            ..record.clone()
+        };
+        assert!(!made_with(&dir, &int8));
+        // a record written before the state dtype was recorded: f32 moments
+        let old =
+            r#"{"sft_examples":16,"epochs":1,"batch_size":4,"lr":0.001,"max_length":64,"seed":1}"#;
+        std::fs::write(dir.join("warmstart.json"), old).unwrap();
+        assert!(made_with(&dir, &record));
         let other = WarmStartRecord {
             batch_size: 8,
-            ..record
+            ..record.clone()
         };
         assert!(!made_with(&dir, &other));
         std::fs::remove_file(dir.join("sft").join("config.json")).unwrap();

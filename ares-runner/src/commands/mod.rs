@@ -5,6 +5,7 @@
 pub mod demo;
 pub mod generate;
 pub mod init;
+pub mod merge;
 mod sft;
 
 use std::path::Path;

@@ -25,7 +25,7 @@ use crate::vision::model::VlModel;
 
 /// Files of the tokenizer (and a vision-language model's processor) copied next to every
 /// saved model.
-const TOKENIZER_FILES: [&str; 7] = [
+pub(crate) const TOKENIZER_FILES: [&str; 7] = [
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -150,7 +150,7 @@ pub fn save_actor<B: Backend>(
     copy_tokenizer_files(source_dir, dir)
 }
 
-fn copy_tokenizer_files(source_dir: &Path, dir: &Path) -> Result<(), TrainError> {
+pub(crate) fn copy_tokenizer_files(source_dir: &Path, dir: &Path) -> Result<(), TrainError> {
     for name in TOKENIZER_FILES {
         let src = source_dir.join(name);
         if src.exists() {

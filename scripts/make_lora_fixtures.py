@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Make the PEFT LoRA adapter fixtures of `ares-model` (tests/fixtures/lora/).
+
+Everything here is written by peft and transformers (made with peft 0.21.2, transformers
+5.24.0, torch 2.15, CPU, f32); nothing of peft is re-implemented. Run from the repository
+root after `scripts/make_hf_fixtures.py` (the base models are its tiny fixtures):
+
+    /work/venv-torch/bin/pip install torch transformers peft
+    /work/venv-torch/bin/python scripts/make_lora_fixtures.py
+
+Adapters (one directory each, `PeftModel.save_pretrained`: `adapter_config.json` and
+`adapter_model.safetensors`), on the base model named first:
+
+* `qwen2_all`    qwen2_tiny, r = 4, lora_alpha = 8, every linear layer of the decoder
+                 (q, k, v, o, gate, up, down).
+* `llama_attn`   llama_tiny, r = 3, lora_alpha = 5, use_rslora (scale α/√r), q_proj and
+                 v_proj only, layer 1 only (`layers_to_transform: [1]`).
+
+PEFT initialises B to zero (the adapter starts as the identity); these set A and B to
+seeded normal values (std 0.02 / 0.05) so the adapter changes the logits.
+
+`expected.safetensors` per adapter: `right.logits` [2, 7, 97] of the PeftModel (adapter on,
+not merged) on the base model's `right` input set, and `right.base_logits` with the adapter
+disabled (`with model.disable_adapter()`), and `merged.<param>` for one merged weight
+(`merge_and_unload`), `model.layers.1.self_attn.q_proj.weight`.
+"""
+
+import os
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+MODELS = "ares-model/tests/fixtures/models"
+OUT = "ares-model/tests/fixtures/lora"
+
+CASES = [
+    (
+        "qwen2_all",
+        "qwen2_tiny",
+        dict(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        ),
+    ),
+    (
+        "llama_attn",
+        "llama_tiny",
+        dict(r=3, lora_alpha=5, use_rslora=True, target_modules=["q_proj", "v_proj"], layers_to_transform=[1]),
+    ),
+]
+
+torch.manual_seed(20261128)
+for name, base, kwargs in CASES:
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.join(MODELS, base), torch_dtype=torch.float32, attn_implementation="eager"
+    )
+    model.eval()
+    peft_model = get_peft_model(model, LoraConfig(lora_dropout=0.0, bias="none", **kwargs))
+    with torch.no_grad():
+        for pname, p in peft_model.named_parameters():
+            if "lora_A" in pname:
+                p.normal_(0.0, 0.02)
+            elif "lora_B" in pname:
+                p.normal_(0.0, 0.05)
+    out = os.path.join(OUT, name)
+    peft_model.save_pretrained(out, safe_serialization=True)
+
+    inputs = load_file(os.path.join(MODELS, base, "expected.safetensors"))
+    ids = inputs["right.input_ids"]
+    mask = inputs["right.attention_mask"]
+    with torch.no_grad():
+        logits = peft_model(input_ids=ids, attention_mask=mask).logits.float()
+        with peft_model.disable_adapter():
+            base_logits = peft_model(input_ids=ids, attention_mask=mask).logits.float()
+    # the adapter as a loader would see it: reload from disk onto a fresh base
+    fresh = AutoModelForCausalLM.from_pretrained(
+        os.path.join(MODELS, base), torch_dtype=torch.float32, attn_implementation="eager"
+    )
+    reloaded = PeftModel.from_pretrained(fresh, out)
+    with torch.no_grad():
+        again = reloaded(input_ids=ids, attention_mask=mask).logits.float()
+    assert torch.equal(again, logits), "reloaded adapter gives other logits"
+    merged = reloaded.merge_and_unload()
+    q = merged.state_dict()["model.layers.1.self_attn.q_proj.weight"].float().contiguous()
+    save_file(
+        {
+            "right.logits": logits.contiguous(),
+            "right.base_logits": base_logits.contiguous(),
+            "merged.model.layers.1.self_attn.q_proj.weight": q,
+        },
+        os.path.join(out, "expected.safetensors"),
+    )
+    print(name, "max |Δlogits| from the adapter:", (logits - base_logits).abs().max().item())
