@@ -192,3 +192,24 @@ fn unsupported_or_foreign_adapters_are_refused_with_the_reason() {
     let e = message(empty.path(), &qwen3);
     assert!(e.contains("not found") && e.contains(CONFIG_FILE), "{e}");
 }
+
+/// Writes each fixture adapter as ares writes it, for `scripts/check_peft_roundtrip.py`
+/// (peft loads them onto the base models and must give the fixtures' logits):
+///
+/// ```text
+/// ARES_PEFT_ROUNDTRIP_DIR=/tmp/ares_peft cargo test -p ares-model --test lora_peft \
+///     -- --ignored write_peft_roundtrip
+/// ```
+#[test]
+#[ignore = "writes adapters for scripts/check_peft_roundtrip.py"]
+fn write_peft_roundtrip() {
+    let root = std::env::var("ARES_PEFT_ROUNDTRIP_DIR").expect("ARES_PEFT_ROUNDTRIP_DIR");
+    for (name, base) in [("qwen2_all", "qwen2_tiny"), ("llama_attn", "llama_tiny")] {
+        let config = Checkpoint::load(&fixture(base)).unwrap().config;
+        let adapter = LoraAdapter::read(&lora_dir(name), &config).unwrap();
+        let base_path = fixture(base).display().to_string();
+        adapter
+            .write(&Path::new(&root).join(name), &base_path)
+            .unwrap();
+    }
+}
