@@ -15,6 +15,12 @@ Adapters (one directory each, `PeftModel.save_pretrained`: `adapter_config.json`
                  (q, k, v, o, gate, up, down).
 * `llama_attn`   llama_tiny, r = 3, lora_alpha = 5, use_rslora (scale α/√r), q_proj and
                  v_proj only, layer 1 only (`layers_to_transform: [1]`).
+* `qwen2_5_vl_lm` the tiny Qwen2.5-VL fixture (`tests/fixtures/vl/qwen2_5_vl_tiny`), r = 2,
+                 lora_alpha = 4, the language model's q_proj, k_proj, v_proj and o_proj (the
+                 tower's attention is `qkv`/`proj`: untouched). Its `expected.safetensors`
+                 holds only `merged.model.language_model.layers.1.self_attn.q_proj.weight`
+                 and `merged.model.language_model.layers.0.self_attn.o_proj.weight`
+                 (`merge_and_unload`), in transformers' module names.
 
 PEFT initialises B to zero (the adapter starts as the identity); these set A and B to
 seeded normal values (std 0.02 / 0.05) so the adapter changes the logits.
@@ -52,6 +58,31 @@ CASES = [
     ),
 ]
 
+def seeded(peft_model):
+    with torch.no_grad():
+        for pname, p in peft_model.named_parameters():
+            if "lora_A" in pname:
+                p.normal_(0.0, 0.02)
+            elif "lora_B" in pname:
+                p.normal_(0.0, 0.05)
+
+
+def sort_targets(out, targets=None):
+    """peft writes target_modules from a set: sorted (or `targets`), so reruns match."""
+    import json
+
+    path = os.path.join(out, "adapter_config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["target_modules"] = sorted(targets or cfg["target_modules"])
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+        f.write("\n")
+    readme = os.path.join(out, "README.md")
+    if os.path.exists(readme):
+        os.remove(readme)
+
+
 torch.manual_seed(20261128)
 for name, base, kwargs in CASES:
     model = AutoModelForCausalLM.from_pretrained(
@@ -59,14 +90,10 @@ for name, base, kwargs in CASES:
     )
     model.eval()
     peft_model = get_peft_model(model, LoraConfig(lora_dropout=0.0, bias="none", **kwargs))
-    with torch.no_grad():
-        for pname, p in peft_model.named_parameters():
-            if "lora_A" in pname:
-                p.normal_(0.0, 0.02)
-            elif "lora_B" in pname:
-                p.normal_(0.0, 0.05)
+    seeded(peft_model)
     out = os.path.join(OUT, name)
     peft_model.save_pretrained(out, safe_serialization=True)
+    sort_targets(out)
 
     inputs = load_file(os.path.join(MODELS, base, "expected.safetensors"))
     ids = inputs["right.input_ids"]
@@ -94,3 +121,28 @@ for name, base, kwargs in CASES:
         os.path.join(out, "expected.safetensors"),
     )
     print(name, "max |Δlogits| from the adapter:", (logits - base_logits).abs().max().item())
+
+# The vision-language model: its language model's attention only.
+from transformers import Qwen2_5_VLForConditionalGeneration  # noqa: E402
+
+VL = "ares-model/tests/fixtures/vl/qwen2_5_vl_tiny"
+vl = Qwen2_5_VLForConditionalGeneration.from_pretrained(VL, torch_dtype=torch.float32)
+targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj)"
+peft_vl = get_peft_model(vl, LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=targets))
+seeded(peft_vl)
+out = os.path.join(OUT, "qwen2_5_vl_lm")
+peft_vl.save_pretrained(out, safe_serialization=True)
+# ares reads module-name lists, not regexes: the same modules, listed
+sort_targets(out, ["q_proj", "k_proj", "v_proj", "o_proj"])
+merged = peft_vl.merge_and_unload().state_dict()
+save_file(
+    {
+        f"merged.{k}": merged[k].float().contiguous()
+        for k in [
+            "model.language_model.layers.1.self_attn.q_proj.weight",
+            "model.language_model.layers.0.self_attn.o_proj.weight",
+        ]
+    },
+    os.path.join(out, "expected.safetensors"),
+)
+print("qwen2_5_vl_lm:", sorted(k for k in load_file(os.path.join(out, "adapter_model.safetensors")))[:2])

@@ -187,6 +187,19 @@ fn unsupported_or_foreign_adapters_are_refused_with_the_reason() {
         matches!(e, HfError::MissingTensor { .. }) && e.to_string().contains("k_proj"),
         "{e}"
     );
+    // an adapter on a vision tower
+    let dir = edited("llama_attn", |_| {});
+    let key = "base_model.model.model.visual.blocks.0.mlp.gate_proj.lora_A.weight";
+    let data = [0.0f32; 6];
+    let tensors: [(&str, &[usize], &[f32]); 1] = [(key, &[3, 2], &data)];
+    ares_model::hf::tensor_files::write_safetensors(
+        &dir.path().join(WEIGHTS_FILE),
+        &tensors,
+        ares_model::hf::tensor_files::SaveDtype::F32,
+    )
+    .unwrap();
+    let e = message(dir.path(), &llama);
+    assert!(e.contains("vision tower") && e.contains(key), "{e}");
     // no adapter there
     let empty = tempfile::tempdir().unwrap();
     let e = message(empty.path(), &qwen3);

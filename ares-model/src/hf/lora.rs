@@ -8,10 +8,11 @@
 //! `W ← W + s·(B·A)`, the product in f32, as peft computes `delta = (B @ A) * scaling`.
 //!
 //! Supported: the decoder's linear layers (`q_proj`, `k_proj`, `v_proj`, `o_proj`,
-//! `gate_proj`, `up_proj`, `down_proj`, or `all-linear`), `layers_to_transform`, rsLoRA.
+//! `gate_proj`, `up_proj`, `down_proj`, or `all-linear`), `layers_to_transform`, rsLoRA; the
+//! language model of a vision-language model (transformers' `model.language_model.` names).
 //! Refused with the field named: other PEFT types, DoRA, LoRA biases, `fan_in_fan_out`,
 //! `modules_to_save`, per-module ranks or alphas, a regex `target_modules`, adapters on the
-//! embedding or the LM head.
+//! embedding, the LM head or a vision tower.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -98,6 +99,20 @@ pub struct LoraAdapter {
     pub config: LoraConfig,
     /// The pairs.
     pub pairs: BTreeMap<String, LoraPair>,
+    /// Whether the file names the decoder `model.language_model.` (a vision-language model
+    /// in transformers' module names) rather than `model.`.
+    pub language_model: bool,
+}
+
+/// The weights-file key of `which` (`A` or `B`) of the pair on weight `name`
+/// (`model.layers.…`), the decoder named `model.language_model.` when `language_model`.
+fn pair_key(name: &str, which: &str, language_model: bool) -> String {
+    let stem = name.trim_end_matches(".weight");
+    let stem = match (language_model, stem.strip_prefix("model.")) {
+        (true, Some(rest)) => format!("model.language_model.{rest}"),
+        _ => stem.to_string(),
+    };
+    format!("{PREFIX}{stem}.lora_{which}.weight")
 }
 
 /// The module of a decoder layer's linear weight: `self_attn` or `mlp`.
@@ -355,17 +370,24 @@ impl LoraAdapter {
                 }
             }
         }
-        let key = |name: &str, which: &str| {
-            format!(
-                "{PREFIX}{}.lora_{which}.weight",
-                name.trim_end_matches(".weight")
-            )
-        };
+        // sorted: the first offending tensor named is the same on every run
+        let mut names = st.names();
+        names.sort_unstable();
+        if let Some(tower) = names.iter().find(|n| n.contains(".visual.")) {
+            return Err(HfError::Safetensors {
+                path: path.clone(),
+                message: format!(
+                    "tensor `{tower}` adapts the vision tower; adapters on the tower are not supported (target the language model only)"
+                ),
+            });
+        }
+        let language_model = names.iter().any(|n| n.contains(".language_model."));
+        let key = |name: &str, which: &str| pair_key(name, which, language_model);
         let known: std::collections::BTreeSet<String> = wanted
             .keys()
             .flat_map(|n| [key(n, "A"), key(n, "B")])
             .collect();
-        if let Some(extra) = st.names().into_iter().find(|n| !known.contains(*n)) {
+        if let Some(extra) = names.into_iter().find(|n| !known.contains(*n)) {
             return Err(HfError::Safetensors {
                 path: path.clone(),
                 message: format!(
@@ -414,7 +436,11 @@ impl LoraAdapter {
                 },
             );
         }
-        Ok(Self { config, pairs })
+        Ok(Self {
+            config,
+            pairs,
+            language_model,
+        })
     }
 
     /// Adds each pair's `s·(B·A)` to its weight in `weights` (PEFT's `merge_and_unload`).
@@ -492,18 +518,10 @@ impl LoraAdapter {
         std::fs::write(&path, text).map_err(|source| HfError::Io { path, source })?;
         let mut named = Vec::new();
         for (name, p) in &self.pairs {
-            let stem = name.trim_end_matches(".weight");
             let [out, inp] = p.out_in;
-            named.push((
-                format!("{PREFIX}{stem}.lora_A.weight"),
-                vec![c.r, inp],
-                &p.a,
-            ));
-            named.push((
-                format!("{PREFIX}{stem}.lora_B.weight"),
-                vec![out, c.r],
-                &p.b,
-            ));
+            let lm = self.language_model;
+            named.push((pair_key(name, "A", lm), vec![c.r, inp], &p.a));
+            named.push((pair_key(name, "B", lm), vec![out, c.r], &p.b));
         }
         let list: Vec<NamedTensor<'_>> = named
             .iter()

@@ -2,8 +2,10 @@
 //! Hugging Face checkpoint (`W ← W + s·B·A` for every adapted weight, as peft's
 //! `merge_and_unload`), with the base model's tokenizer and generation config.
 //!
-//! Text models (Qwen2, Qwen3, Llama). The output directory must not exist or be empty, and
-//! is never the base model's own: a merge never writes over its input.
+//! Text models (Qwen2, Qwen3, Llama) and the language model of a vision-language one
+//! (Qwen2-VL, Qwen2.5-VL: written in the layout it was read in, with its processor files).
+//! The output directory must not exist or be empty, and is never the base model's own: a
+//! merge never writes over its input.
 
 use std::path::{Path, PathBuf};
 
@@ -12,6 +14,7 @@ use crate::hf::lora::LoraAdapter;
 use crate::hf::tensor_files::SaveDtype;
 use crate::trainer::TrainError;
 use crate::trainer::setup::copy_tokenizer_files;
+use crate::vision::checkpoint::VlCheckpoint;
 
 /// What `merge` read and wrote.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,7 +34,7 @@ pub struct MergeReport {
 ///
 /// # Errors
 /// `output` the base model's directory or a non-empty one; the model or adapter missing,
-/// malformed or not matching (named by the reader); a vision-language model; I/O errors.
+/// malformed or not matching (named by the reader); I/O errors.
 pub fn merge(
     model: &Path,
     adapter: &Path,
@@ -56,18 +59,21 @@ pub fn merge(
     }
     let config_text = std::fs::read_to_string(model.join("config.json"))
         .map_err(|e| TrainError::io(model.join("config.json"), e))?;
-    if config_text.contains("\"vision_config\"") {
-        return Err(TrainError::Invalid(format!(
-            "merge: {} is a vision-language model; merging adapters into one is not built yet \
-             (text models only)",
-            model.display()
-        )));
-    }
     let hf = |e: crate::hf::HfError| TrainError::Model(e.into());
-    let mut checkpoint = Checkpoint::load(model).map_err(hf)?;
-    let lora = LoraAdapter::read(adapter, &checkpoint.config).map_err(hf)?;
-    lora.merge_into(&mut checkpoint.weights).map_err(hf)?;
-    checkpoint.save(output, dtype).map_err(hf)?;
+    let lora = if config_text.contains("\"vision_config\"") {
+        let mut checkpoint = VlCheckpoint::load(model).map_err(hf)?;
+        let lora = LoraAdapter::read(adapter, &checkpoint.config.text).map_err(hf)?;
+        lora.merge_into(&mut checkpoint.text).map_err(hf)?;
+        let layout = checkpoint.layout;
+        checkpoint.save(output, dtype, layout).map_err(hf)?;
+        lora
+    } else {
+        let mut checkpoint = Checkpoint::load(model).map_err(hf)?;
+        let lora = LoraAdapter::read(adapter, &checkpoint.config).map_err(hf)?;
+        lora.merge_into(&mut checkpoint.weights).map_err(hf)?;
+        checkpoint.save(output, dtype).map_err(hf)?;
+        lora
+    };
     copy_tokenizer_files(model, output)?;
     Ok(MergeReport {
         merged: lora.pairs.len(),
