@@ -1029,3 +1029,68 @@ fn multi_turn_without_calls_is_the_single_turn_completion() {
     one.extend(["--interaction-command", "cat"]);
     assert!(error(&dir, &one).contains("give --max-turns 2 or more"));
 }
+
+/// `--adapter`: a PEFT adapter merged at load generates as the model `ares-runner merge`
+/// wrote from it; without it, as the base model (the adapter changes the sampled tokens).
+#[test]
+fn an_adapter_merged_at_load_generates_as_the_merged_model() {
+    let base = with_id_tokenizer("qwen2_tiny");
+    let adapter = fixture("../lora/qwen2_all");
+    let merged = tempfile::tempdir().unwrap();
+    let out = merged.path().join("m");
+    ares_runner::commands::merge::merge(
+        base.path(),
+        &adapter,
+        &out,
+        ares_runner::hf::tensor_files::SaveDtype::F32,
+    )
+    .unwrap();
+    let texts: Vec<String> = (1..=16u32)
+        .map(|i| text_of(&[i, (7 * i) % 97, (31 * i + 5) % 97]))
+        .collect();
+    // sampled, one seed: the adapter's logits (up to 1.4 from the base's) move the draws,
+    // where the tiny model's greedy tokens do not change
+    let mut flags = vec![
+        "--no-chat-template",
+        "--temperature",
+        "1",
+        "--seed",
+        "7",
+        "--max-new-tokens",
+        "12",
+    ];
+    for t in &texts {
+        flags.extend(["--prompt", t.as_str()]);
+    }
+    let ids = |model: &Path, more: &[&str]| -> Vec<Vec<u32>> {
+        let mut rest = flags.clone();
+        rest.extend_from_slice(more);
+        run(model, &rest)
+            .0
+            .into_iter()
+            .map(|c| c.token_ids)
+            .collect()
+    };
+    let adapter_arg = adapter.display().to_string();
+    let with = ids(base.path(), &["--adapter", &adapter_arg]);
+    assert_eq!(with, ids(&out, &[]));
+    assert_ne!(
+        with,
+        ids(base.path(), &[]),
+        "the adapter changes the sampled tokens"
+    );
+    let e = error(
+        base.path(),
+        &[
+            "--no-chat-template",
+            "--prompt",
+            "t1",
+            "--adapter",
+            "/nonexistent",
+        ],
+    );
+    assert!(
+        e.contains("/nonexistent") && e.contains("adapter_config.json"),
+        "{e}"
+    );
+}

@@ -220,7 +220,7 @@ impl ModelOps {
     /// [`ModelOps::adamw_step`] with both moments stored in 8 bits, block-wise (twin of
     /// `ares_cpu::ops::optim_int8::adamw_step_int8`): `exp_avg`/`exp_avg_sq` one code per
     /// element, `exp_avg_absmax`/`exp_avg_sq_absmax` one scale per block of
-    /// [`INT8_BLOCK`] elements, `maps` the signed then the unsigned dynamic map (512
+    /// 2 048 elements (`INT8_BLOCK`), `maps` the signed then the unsigned dynamic map (512
     /// ascending values, read as given).
     ///
     /// # Errors

@@ -77,6 +77,10 @@ pub struct GenerateArgs {
     /// tokenizer_config.json (with the chat template), generation_config.json (optional).
     #[arg(short, long, value_name = "MODEL_DIR")]
     pub model: PathBuf,
+    /// A PEFT LoRA adapter (`adapter_config.json` + `adapter_model.safetensors`) to merge
+    /// into the model's weights before generating.
+    #[arg(long, value_name = "ADAPTER_DIR")]
+    pub adapter: Option<PathBuf>,
     /// A user message, rendered with the model's chat template and generation prompt
     /// (repeatable: one completion each).
     #[arg(long, value_name = "TEXT", conflicts_with = "prompts")]
@@ -343,11 +347,20 @@ pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<Vec<Completi
 
     let load_error =
         |e: crate::hf::HfError| invalid(format!("loading model {}: {e}", args.model.display()));
-    let files = if vision {
+    let mut files = if vision {
         ModelFiles::Vision(VlCheckpoint::load(&args.model).map_err(load_error)?)
     } else {
         ModelFiles::Text(Checkpoint::load(&args.model).map_err(load_error)?)
     };
+    if let Some(dir) = &args.adapter {
+        let lora = files.merge_adapter(dir)?;
+        eprintln!(
+            "merged the LoRA adapter {} ({} pairs, rank {})",
+            dir.display(),
+            lora.pairs.len(),
+            lora.config.r
+        );
+    }
     let sampling = decoding(args, files.generation());
     note_unapplied(files.generation());
     let limits = new_token_limits(args, &files, &prompts, &input_ids)?;

@@ -9,12 +9,9 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::hf::checkpoint::Checkpoint;
-use crate::hf::lora::LoraAdapter;
 use crate::hf::tensor_files::SaveDtype;
 use crate::trainer::TrainError;
-use crate::trainer::setup::copy_tokenizer_files;
-use crate::vision::checkpoint::VlCheckpoint;
+use crate::trainer::setup::{ModelFiles, copy_tokenizer_files};
 
 /// What `merge` read and wrote.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,23 +54,13 @@ pub fn merge(
             output.display()
         )));
     }
-    let config_text = std::fs::read_to_string(model.join("config.json"))
-        .map_err(|e| TrainError::io(model.join("config.json"), e))?;
     let hf = |e: crate::hf::HfError| TrainError::Model(e.into());
-    let lora = if config_text.contains("\"vision_config\"") {
-        let mut checkpoint = VlCheckpoint::load(model).map_err(hf)?;
-        let lora = LoraAdapter::read(adapter, &checkpoint.config.text).map_err(hf)?;
-        lora.merge_into(&mut checkpoint.text).map_err(hf)?;
-        let layout = checkpoint.layout;
-        checkpoint.save(output, dtype, layout).map_err(hf)?;
-        lora
-    } else {
-        let mut checkpoint = Checkpoint::load(model).map_err(hf)?;
-        let lora = LoraAdapter::read(adapter, &checkpoint.config).map_err(hf)?;
-        lora.merge_into(&mut checkpoint.weights).map_err(hf)?;
-        checkpoint.save(output, dtype).map_err(hf)?;
-        lora
-    };
+    let mut files = ModelFiles::load(model)?;
+    let lora = files.merge_adapter(adapter)?;
+    match &files {
+        ModelFiles::Text(c) => c.save(output, dtype).map_err(hf)?,
+        ModelFiles::Vision(c) => c.save(output, dtype, c.layout).map_err(hf)?,
+    }
     copy_tokenizer_files(model, output)?;
     Ok(MergeReport {
         merged: lora.pairs.len(),

@@ -60,6 +60,26 @@ impl ModelFiles {
         })
     }
 
+    /// Merges the PEFT LoRA adapter in `dir` into the weights (`hf::lora`: its language
+    /// model's pairs, as peft's `merge_and_unload`), and returns it.
+    ///
+    /// # Errors
+    /// The adapter missing, malformed, unsupported or made for another model (named).
+    pub fn merge_adapter(
+        &mut self,
+        dir: &Path,
+    ) -> Result<crate::hf::lora::LoraAdapter, TrainError> {
+        let invalid =
+            |e: crate::hf::HfError| TrainError::Invalid(format!("adapter {}: {e}", dir.display()));
+        let (config, weights) = match self {
+            ModelFiles::Text(c) => (&c.config, &mut c.weights),
+            ModelFiles::Vision(c) => (&c.config.text, &mut c.text),
+        };
+        let adapter = crate::hf::lora::LoraAdapter::read(dir, config).map_err(invalid)?;
+        adapter.merge_into(weights).map_err(invalid)?;
+        Ok(adapter)
+    }
+
     /// Frees the weights, keeping the configs and the tensor layout — all that saving the
     /// trained model needs once it is built — so a run does not hold a second f32 copy of
     /// the model on the host.
