@@ -79,6 +79,9 @@ enum Command {
         /// Dataset (default: `data.val_files`, else `data.train_files`).
         #[arg(long, value_name = "FILE")]
         data: Option<PathBuf>,
+        /// A PEFT LoRA adapter to merge into the model's weights first.
+        #[arg(long, value_name = "DIR")]
+        adapter: Option<PathBuf>,
     },
     /// Supervised fine-tuning on prompt/response data (`sft.*` keys).
     Sft {
@@ -233,9 +236,15 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 println!("# {line}");
             }
         }
-        Command::Eval { cfg, model, data } => {
+        Command::Eval {
+            cfg,
+            model,
+            data,
+            adapter,
+        } => {
             let config = load(&cfg, None)?;
-            ares_runner::commands::eval(&config, model.as_deref(), data.as_deref())?;
+            let (model, adapter, data) = (model.as_deref(), adapter.as_deref(), data.as_deref());
+            ares_runner::commands::eval(&config, model, adapter, data)?;
         }
         Command::Sft { cfg } => {
             let config = load(&cfg, None)?;

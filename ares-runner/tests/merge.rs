@@ -124,3 +124,94 @@ fn merge_writes_a_vision_language_model() {
     }
     assert!(out.join("preprocessor_config.json").exists());
 }
+
+/// `eval --adapter`: the demo model with an adapter merged at load scores as the merged
+/// model `merge` writes, response for response.
+#[test]
+fn eval_with_an_adapter_equals_eval_of_the_merged_model() {
+    use ares_runner::backend::cpu::CpuBackend;
+    use ares_runner::commands::demo::{Demo, Method, config, evaluate_model};
+    use ares_runner::demo::model::TinyModelSpec;
+    use ares_runner::demo::{DemoOptions, write_demo_assets_with};
+    use ares_runner::hf::lora::{LoraAdapter, LoraConfig, LoraPair};
+
+    let dir = tempfile::tempdir().unwrap();
+    let a = write_demo_assets_with(
+        &dir.path().join("assets"),
+        &DemoOptions {
+            seed: 3,
+            train_per_level: 4,
+            eval_per_level: 2,
+            sft_examples: 8,
+            model: TinyModelSpec {
+                hidden: 32,
+                layers: 1,
+                heads: 2,
+                kv_heads: 1,
+                intermediate: 64,
+                max_positions: 2048,
+                ..TinyModelSpec::default()
+            },
+            ..DemoOptions::default()
+        },
+    )
+    .unwrap();
+    // a rank-2 adapter on layer 0's q_proj [32, 32] and down_proj [32, 64]
+    let values = |n: usize, k: f32| (0..n).map(|i| (i as f32 * k).sin() * 0.3).collect();
+    let pair = |out: usize, inp: usize| LoraPair {
+        a: values(2 * inp, 0.37),
+        b: values(out * 2, 0.71),
+        out_in: [out, inp],
+    };
+    let adapter = LoraAdapter {
+        config: LoraConfig {
+            r: 2,
+            lora_alpha: 4.0,
+            use_rslora: false,
+            target_modules: vec!["q_proj".into(), "down_proj".into()],
+            layers_to_transform: None,
+        },
+        pairs: [
+            (
+                "model.layers.0.self_attn.q_proj.weight".to_string(),
+                pair(32, 32),
+            ),
+            (
+                "model.layers.0.mlp.down_proj.weight".to_string(),
+                pair(32, 64),
+            ),
+        ]
+        .into_iter()
+        .collect(),
+        language_model: false,
+    };
+    let adapter_dir = dir.path().join("adapter");
+    adapter.write(&adapter_dir, "demo").unwrap();
+    let merged = dir.path().join("merged");
+    merge(&a.model_dir, &adapter_dir, &merged, SaveDtype::F32).unwrap();
+
+    let cfg = config(
+        Demo::Text,
+        Method::Ares,
+        &["data.max_response_length=16".into()],
+    )
+    .unwrap();
+    let data = a.eval.display().to_string();
+    let eval = |model: &Path, adapter: Option<&Path>| {
+        evaluate_model(&cfg, CpuBackend, model, adapter, &data).unwrap()
+    };
+    let with = eval(&a.model_dir, Some(&adapter_dir));
+    let of_merged = eval(&merged, None);
+    let base = eval(&a.model_dir, None);
+    let rows = |r: &ares_runner::trainer::eval::EvalReport| -> Vec<(String, f64, f64)> {
+        r.iter()
+            .map(|(k, v)| (k.clone(), v.accuracy, v.mean_length))
+            .collect()
+    };
+    assert_eq!(rows(&with), rows(&of_merged));
+    assert_ne!(
+        rows(&with),
+        rows(&base),
+        "the adapter changes the responses"
+    );
+}

@@ -455,13 +455,17 @@ pub fn evaluate_model<B: Backend + Clone>(
     cfg: &Config,
     backend: B,
     model_dir: &Path,
+    adapter: Option<&Path>,
     data: &str,
 ) -> Result<EvalReport, TrainError> {
     let mut c = cfg.clone();
     c.worker.actor.model.model_path = Some(model_dir.to_string_lossy().into_owned());
     let examples = load_examples(&c, data)?;
     let r = renderer(&c, model_dir)?;
-    let files = crate::trainer::setup::ModelFiles::load(model_dir)?;
+    let mut files = crate::trainer::setup::ModelFiles::load(model_dir)?;
+    if let Some(dir) = adapter {
+        files.merge_adapter(dir)?;
+    }
     let eos = crate::trainer::setup::eos_ids_of(files.generation(), &r);
     let model = crate::trainer::setup::build_actor(backend, &files, &c)?;
     let mut files = files;
@@ -610,7 +614,7 @@ fn run_on<B: Backend + Clone>(
     );
     let val = cfg.data.val_files.clone().unwrap_or_default();
     eprintln!("demo: evaluating the warm-started model on the held-out problems");
-    let before = evaluate_model(&cfg, backend.clone(), &sft_dir, &val)?;
+    let before = evaluate_model(&cfg, backend.clone(), &sft_dir, None, &val)?;
     eprint!("{}", format_table(&before));
     lap(&mut phases.eval_before);
 

@@ -211,7 +211,12 @@ fn train_on<B: Backend + Clone>(cfg: Config, backend: B) -> Result<(), TrainErro
 ///
 /// # Errors
 /// Missing model or data, generation or grading errors.
-pub fn eval(cfg: &Config, model: Option<&Path>, data: Option<&Path>) -> Result<(), TrainError> {
+pub fn eval(
+    cfg: &Config,
+    model: Option<&Path>,
+    adapter: Option<&Path>,
+    data: Option<&Path>,
+) -> Result<(), TrainError> {
     let model_dir = match model {
         Some(m) => m.to_path_buf(),
         None => cfg
@@ -238,7 +243,7 @@ pub fn eval(cfg: &Config, model: Option<&Path>, data: Option<&Path>) -> Result<(
                 TrainError::Invalid("eval: give --data FILE or set data.val_files".into())
             })?,
     };
-    let report = crate::with_backend!(select_backend(cfg)?, b => demo::evaluate_model(cfg, b, &model_dir, &data))?;
+    let report = crate::with_backend!(select_backend(cfg)?, b => demo::evaluate_model(cfg, b, &model_dir, adapter, &data))?;
     println!("{}", format_table(&report));
     Ok(())
 }
