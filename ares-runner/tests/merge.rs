@@ -12,6 +12,27 @@ fn model_fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../ares-model/tests/fixtures")
 }
 
+/// `got`, our merged weight `ours`, within 1e-6 of peft's `merged.<theirs>` in the adapter
+/// fixture's `expected.safetensors`.
+fn assert_merged_as_peft(adapter: &Path, ours: &str, theirs: &str, got: &[f32]) {
+    let bytes = std::fs::read(adapter.join("expected.safetensors")).unwrap();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let want: Vec<f32> = st
+        .tensor(&format!("merged.{theirs}"))
+        .unwrap()
+        .data()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    assert_eq!(got.len(), want.len(), "{ours}");
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(worst <= 1e-6, "merged {ours} off by {worst:e}");
+}
+
 #[test]
 fn merge_writes_peft_merged_weights() {
     let base = model_fixtures().join("models/qwen2_tiny");
@@ -31,21 +52,7 @@ fn merge_writes_peft_merged_weights() {
         .1
         .data
         .clone();
-    let bytes = std::fs::read(adapter.join("expected.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let want: Vec<f32> = st
-        .tensor(&format!("merged.{q}"))
-        .unwrap()
-        .data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
-    let worst = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max);
-    assert!(worst <= 1e-6, "merged {q} off by {worst:e}");
+    assert_merged_as_peft(&adapter, q, q, &got);
     assert!(out.join("generation_config.json").exists());
 
     // never over an input or a non-empty directory
@@ -87,8 +94,6 @@ fn merge_writes_a_vision_language_model() {
     let merged = VlCheckpoint::load(&out).unwrap();
     assert_eq!(merged.layout, before.layout);
     assert_eq!(merged.vision, before.vision, "the tower is untouched");
-    let bytes = std::fs::read(adapter.join("expected.safetensors")).unwrap();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
     for (ours, theirs) in [
         (
             "model.layers.1.self_attn.q_proj.weight",
@@ -108,19 +113,7 @@ fn merge_writes_a_vision_language_model() {
             .1
             .data
             .clone();
-        let want: Vec<f32> = st
-            .tensor(&format!("merged.{theirs}"))
-            .unwrap()
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-            .collect();
-        let worst = got
-            .iter()
-            .zip(&want)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0, f32::max);
-        assert!(worst <= 1e-6, "merged {ours} off by {worst:e}");
+        assert_merged_as_peft(&adapter, ours, theirs, &got);
     }
     assert!(out.join("preprocessor_config.json").exists());
 }

@@ -228,7 +228,7 @@ pub fn adamw_step_int8(
     let (signed, unsigned) = maps.split_at(MAP_LEN);
     let unsorted = |map: &[f32]| {
         map.windows(2)
-            .find(|w| w[0] >= w[1] || w[1].is_nan())
+            .find(|w| w[0].partial_cmp(&w[1]) != Some(std::cmp::Ordering::Less))
             .map(|w| w[1])
     };
     if let Some(value) = unsorted(signed).or(unsorted(unsigned)) {

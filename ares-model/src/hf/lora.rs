@@ -22,6 +22,7 @@ use serde_json::{Map, Value};
 
 use super::HfError;
 use super::config::ModelConfig;
+use super::json::{read_object, write_pretty};
 use super::tensor_files::{
     NamedTensor, SaveDtype, le_f32s, le_u16s, write_safetensors_with_metadata,
 };
@@ -309,26 +310,7 @@ impl LoraAdapter {
     /// adapter, DoRA magnitudes), of another shape, or missing.
     pub fn read(dir: &Path, model: &ModelConfig) -> Result<Self, HfError> {
         let config_path = dir.join(CONFIG_FILE);
-        let text = std::fs::read_to_string(&config_path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => HfError::MissingFile {
-                path: config_path.clone(),
-                what: "a PEFT adapter's configuration".into(),
-            },
-            _ => HfError::Io {
-                path: config_path.clone(),
-                source: e,
-            },
-        })?;
-        let json: Value = serde_json::from_str(&text).map_err(|e| HfError::Json {
-            path: config_path.clone(),
-            message: e.to_string(),
-        })?;
-        let Value::Object(o) = json else {
-            return Err(HfError::Json {
-                path: config_path,
-                message: "expected a JSON object".into(),
-            });
-        };
+        let o = read_object(&config_path, "a PEFT adapter's configuration")?;
         let config = parse_config(&config_path, &o)?;
         let layers = model.num_hidden_layers;
         if let Some(bad) = config
@@ -345,16 +327,16 @@ impl LoraAdapter {
         }
 
         let path = dir.join(WEIGHTS_FILE);
-        let bytes = std::fs::read(&path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => HfError::MissingFile {
-                path: path.clone(),
-                what: "a PEFT adapter's weights".into(),
-            },
-            _ => HfError::Io {
-                path: path.clone(),
-                source: e,
-            },
-        })?;
+        let bytes = match std::fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(HfError::MissingFile {
+                    path,
+                    what: "a PEFT adapter's weights".into(),
+                });
+            }
+            Err(e) => return Err(HfError::io(&path, e)),
+        };
         let st = SafeTensors::deserialize(&bytes).map_err(|e| HfError::Safetensors {
             path: path.clone(),
             message: e.to_string(),
@@ -491,10 +473,7 @@ impl LoraAdapter {
     /// # Errors
     /// I/O errors naming the file.
     pub fn write(&self, dir: &Path, base_model_name_or_path: &str) -> Result<(), HfError> {
-        std::fs::create_dir_all(dir).map_err(|source| HfError::Io {
-            path: dir.to_path_buf(),
-            source,
-        })?;
+        std::fs::create_dir_all(dir).map_err(|e| HfError::io(dir, e))?;
         let c = &self.config;
         let config = serde_json::json!({
             "peft_type": "LORA",
@@ -510,12 +489,7 @@ impl LoraAdapter {
             "fan_in_fan_out": false,
             "inference_mode": true,
         });
-        let path = dir.join(CONFIG_FILE);
-        let text = serde_json::to_string_pretty(&config).map_err(|e| HfError::Json {
-            path: path.clone(),
-            message: e.to_string(),
-        })?;
-        std::fs::write(&path, text).map_err(|source| HfError::Io { path, source })?;
+        write_pretty(&dir.join(CONFIG_FILE), &config)?;
         let mut named = Vec::new();
         for (name, p) in &self.pairs {
             let [out, inp] = p.out_in;
