@@ -99,6 +99,13 @@ extern "C" __global__ void scale_f32(float* __restrict__ x, i64 n, float s) {
         x[i] = x[i] * s;
 }
 
+// y += alpha·x; the product rounded before the sum, as ares_cpu::ops::axpy::axpy (no FMA).
+extern "C" __global__ void axpy_f32(float alpha, const float* __restrict__ x,
+                                    float* __restrict__ y, i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        y[i] = __fadd_rn(y[i], __fmul_rn(alpha, x[i]));
+}
+
 // out[r, c] += bias[c], one block per row (grid-stride over rows).
 extern "C" __global__ void bias_add(float* __restrict__ out, const float* __restrict__ bias,
                                    i64 rows, i64 cols) {

@@ -106,6 +106,7 @@ kernel_table! {
         fill: "fill_f32",
         add: "add_f32",
         scale: "scale_f32",
+        axpy: "axpy_f32",
         to_bf16: "f32_to_bf16",
         bias_add: "bias_add",
         swiglu_fwd: "swiglu_fwd",

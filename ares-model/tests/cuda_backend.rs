@@ -167,6 +167,14 @@ fn elementwise_ops_match_cpu() {
     .unwrap();
     assert_close("add", &down(&gpu, &out_g)[2..], &out_c, 0.0);
 
+    // axpy into a window: the same bits (the product rounded, then the sum)
+    let mut y_g = up(&gpu, &b);
+    gpu.axpy(0.3, av(&da), ViewMut::whole(&mut y_g)).unwrap();
+    let mut y_c = b.clone();
+    cpu.axpy(0.3, View::new(&a, 5, n).unwrap(), ViewMut::whole(&mut y_c))
+        .unwrap();
+    assert_close("axpy", &down(&gpu, &y_g), &y_c, 0.0);
+
     let mut sg = gpu.alloc(n).unwrap();
     gpu.swiglu(av(&da), View::whole(&db), ViewMut::whole(&mut sg))
         .unwrap();
@@ -481,7 +489,9 @@ fn linear_matches_cpu() {
             rng.vec(out, 1.0),
         );
         let ddy = up(&gpu, &dy);
-        for with_optional in [true, false] {
+        // (dx and dbias given, dw given): every gradient, the weight's alone, and a frozen
+        // weight's (dw None: left as it was)
+        for (with_optional, with_dw) in [(true, true), (false, true), (true, false)] {
             let (mut gdx, mut gdw, mut gdb) = (up(&gpu, &pdx), up(&gpu, &pdw), up(&gpu, &pdb));
             gpu.linear_backward(
                 View::whole(&ddy),
@@ -489,7 +499,7 @@ fn linear_matches_cpu() {
                 wv(),
                 dims,
                 with_optional.then(|| ViewMut::whole(&mut gdx)),
-                ViewMut::whole(&mut gdw),
+                with_dw.then(|| ViewMut::whole(&mut gdw)),
                 with_optional.then(|| ViewMut::whole(&mut gdb)),
             )
             .unwrap();
@@ -500,12 +510,15 @@ fn linear_matches_cpu() {
                 View::whole(&w),
                 dims,
                 with_optional.then(|| ViewMut::whole(&mut cdx)),
-                ViewMut::whole(&mut cdw),
+                with_dw.then(|| ViewMut::whole(&mut cdw)),
                 with_optional.then(|| ViewMut::whole(&mut cdb)),
             )
             .unwrap();
             assert_close(&what("linear_backward dx"), &down(&gpu, &gdx), &cdx, tol);
             assert_close(&what("linear_backward dw"), &down(&gpu, &gdw), &cdw, tol);
+            if !with_dw {
+                assert_eq!(cdw, pdw, "a frozen weight's gradient is left alone");
+            }
             assert_close(
                 &what("linear_backward dbias"),
                 &down(&gpu, &gdb),
@@ -631,7 +644,7 @@ fn rmsnorm_matches_cpu() {
             View::whole(&rg),
             dim,
             ViewMut::whole(&mut gdx),
-            ViewMut::whole(&mut gdw),
+            Some(ViewMut::whole(&mut gdw)),
         )
         .unwrap();
         let (mut cdx, mut cdw) = (pdx.clone(), pdw.clone());
@@ -642,7 +655,7 @@ fn rmsnorm_matches_cpu() {
             View::whole(&rc),
             dim,
             ViewMut::whole(&mut cdx),
-            ViewMut::whole(&mut cdw),
+            Some(ViewMut::whole(&mut cdw)),
         )
         .unwrap();
         assert_close(&what("rmsnorm_backward dx"), &down(&gpu, &gdx), &cdx, 1e-5);
@@ -651,6 +664,24 @@ fn rmsnorm_matches_cpu() {
             &down(&gpu, &gdw),
             &cdw,
             1e-5,
+        );
+        // a frozen weight: dx alone, the same as with dweight
+        let mut gdx2 = up(&gpu, &pdx);
+        gpu.rmsnorm_backward(
+            View::whole(&up(&gpu, &dy)),
+            View::whole(&dx_),
+            View::whole(&dw_),
+            View::whole(&rg),
+            dim,
+            ViewMut::whole(&mut gdx2),
+            None,
+        )
+        .unwrap();
+        assert_close(
+            &what("rmsnorm_backward frozen dx"),
+            &down(&gpu, &gdx2),
+            &down(&gpu, &gdx),
+            0.0,
         );
     }
 }

@@ -151,11 +151,12 @@ fn main() {
             black_box(&out);
         });
         let bwd = best(runs, || {
-            linear_backward(&dout, &x, &w, dims, Some(&mut dx), &mut dw, None).expect("backward");
+            linear_backward(&dout, &x, &w, dims, Some(&mut dx), Some(&mut dw), None)
+                .expect("backward");
             black_box((&dx, &dw));
         });
         let dw_only = best(runs, || {
-            linear_backward(&dout, &x, &w, dims, None, &mut dw, None).expect("backward");
+            linear_backward(&dout, &x, &w, dims, None, Some(&mut dw), None).expect("backward");
             black_box(&dw);
         });
         line(&format!("{name} forward"), flops, fwd);

@@ -171,7 +171,7 @@ pub fn linear_log_prob_entropy_backward(
         }
         let gx = &mut grad_x[r0 * h..(r0 + n) * h];
         gx.fill(0.0);
-        linear_backward(dz, xs, w, dims.chunk(n), Some(gx), grad_w, None)?;
+        linear_backward(dz, xs, w, dims.chunk(n), Some(gx), Some(grad_w), None)?;
     }
     Ok(())
 }

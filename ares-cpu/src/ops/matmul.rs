@@ -264,7 +264,8 @@ pub fn transpose(src: &[f32], rows: usize, cols: usize, dst: &mut [f32]) -> Resu
 /// and micro-batches add up:
 ///
 /// - `dx[n, k] += dout · w`            (`dx[i, l] += Σ_j dout[i, j]·w[j, l]`), skipped if `None`;
-/// - `dw[m, k] += doutᵀ · x`           (`dw[j, l] += Σ_i dout[i, j]·x[i, l]`);
+/// - `dw[m, k] += doutᵀ · x`           (`dw[j, l] += Σ_i dout[i, j]·x[i, l]`), skipped if `None`
+///   (a frozen weight);
 /// - `dbias[m] += Σ_i dout[i, ·]`, skipped if `None`.
 ///
 /// The bias sum runs over rows in order for every thread count (deterministic).
@@ -278,7 +279,7 @@ pub fn linear_backward(
     w: &[f32],
     dims: MatmulDims,
     dx: Option<&mut [f32]>,
-    dw: &mut [f32],
+    dw: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
 ) -> Result<()> {
     linear_backward_in(MatmulPrecision::F32, dout, x, w, dims, dx, dw, dbias)
@@ -298,7 +299,7 @@ pub fn linear_backward_in(
     w: &[f32],
     dims: MatmulDims,
     dx: Option<&mut [f32]>,
-    dw: &mut [f32],
+    dw: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
 ) -> Result<()> {
     let MatmulDims { n, k, m } = dims;
@@ -306,7 +307,9 @@ pub fn linear_backward_in(
     check_len("dout", nm, dout.len())?;
     check_len("x", nk, x.len())?;
     check_len("w", mk, w.len())?;
-    check_len("dw", mk, dw.len())?;
+    if let Some(dw) = dw.as_deref() {
+        check_len("dw", mk, dw.len())?;
+    }
     if let Some(dx) = dx.as_deref() {
         check_len("dx", nk, dx.len())?;
     }
@@ -341,7 +344,8 @@ pub fn linear_backward_in(
         }
     }
 
-    // dw[m, k] += dout[n, m]ᵀ · x[n, k]
+    // dw[m, k] += dout[n, m]ᵀ · x[n, k] (none for a frozen weight)
+    let Some(dw) = dw else { return Ok(()) };
     let d = MatmulDims { n: m, k: n, m: k };
     // SAFETY: lengths checked above; `dw` is a unique borrow with row-major strides.
     unsafe {
@@ -1081,7 +1085,7 @@ mod tests {
                 &w,
                 dims(n, k, m),
                 Some(&mut dx),
-                &mut dw,
+                Some(&mut dw),
                 Some(&mut db),
             )
             .unwrap();
@@ -1121,7 +1125,7 @@ mod tests {
                 .sum()
         };
         let (mut dx, mut dw, mut db) = (vec![0.0; x.len()], vec![0.0; w.len()], vec![0.0; d.m]);
-        linear_backward(&c, &x, &w, d, Some(&mut dx), &mut dw, Some(&mut db)).unwrap();
+        linear_backward(&c, &x, &w, d, Some(&mut dx), Some(&mut dw), Some(&mut db)).unwrap();
 
         let h = 1e-2f32;
         let fd = |which: usize, idx: usize| -> f64 {
@@ -1150,10 +1154,19 @@ mod tests {
         let d = dims(4, 3, 2);
         let (x, w, dout) = (rand_vec(12, 1), rand_vec(6, 2), rand_vec(8, 3));
         let mut dw = vec![0.0; 6];
-        linear_backward(&dout, &x, &w, d, None, &mut dw, None).unwrap();
+        linear_backward(&dout, &x, &w, d, None, Some(&mut dw), None).unwrap();
         let mut dw_full = vec![0.0; 6];
         let (mut dx, mut db) = (vec![0.0; 12], vec![0.0; 2]);
-        linear_backward(&dout, &x, &w, d, Some(&mut dx), &mut dw_full, Some(&mut db)).unwrap();
+        linear_backward(
+            &dout,
+            &x,
+            &w,
+            d,
+            Some(&mut dx),
+            Some(&mut dw_full),
+            Some(&mut db),
+        )
+        .unwrap();
         assert_eq!(dw, dw_full);
     }
 
@@ -1182,14 +1195,22 @@ mod tests {
                 &w,
                 d,
                 Some(&mut dx),
-                &mut dw,
+                Some(&mut dw),
                 None
             )),
             "dx"
         );
         assert!(dw.iter().all(|&v| v == 0.0), "nothing written on error");
         assert_eq!(
-            what(linear_backward(&out[..7], &x, &w, d, None, &mut dw, None)),
+            what(linear_backward(
+                &out[..7],
+                &x,
+                &w,
+                d,
+                None,
+                Some(&mut dw),
+                None
+            )),
             "dout"
         );
         let mut db = vec![0.0; 5];
@@ -1200,7 +1221,7 @@ mod tests {
                 &w,
                 d,
                 None,
-                &mut dw,
+                Some(&mut dw),
                 Some(&mut db)
             )),
             "dbias"
@@ -1484,7 +1505,7 @@ mod tests {
             &w,
             one,
             Some(&mut dx),
-            &mut dw,
+            Some(&mut dw),
             Some(&mut db),
         )
         .unwrap();

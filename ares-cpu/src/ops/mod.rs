@@ -14,6 +14,7 @@
 
 pub mod activation;
 pub mod attention;
+pub mod axpy;
 pub mod embedding;
 pub mod entropy_backward;
 pub mod layer_norm;

@@ -187,7 +187,7 @@ pub fn add_rmsnorm_forward(
 /// RMSNorm backward. With `g = dout ⊙ weight` per row and `r = rstd[t]`:
 ///
 /// - `dx[t, i] += r · g[i] − r³ · x[t, i] · (Σⱼ g[j] · x[t, j]) / d`
-/// - `dweight[i] += Σₜ dout[t, i] · x[t, i] · r`
+/// - `dweight[i] += Σₜ dout[t, i] · x[t, i] · r` (skipped if `None`: a frozen weight)
 ///
 /// Both accumulate (`+=`): `dx` is the residual stream's gradient, `dweight` may be shared
 /// (Qwen3's q/k norm weight is used by every head). `x` and `rstd` are the forward's input
@@ -205,14 +205,16 @@ pub fn rmsnorm_backward(
     rstd: &[f32],
     d: usize,
     dx: &mut [f32],
-    dweight: &mut [f32],
+    dweight: Option<&mut [f32]>,
 ) -> Result<()> {
     let rows = rows_of("x", x.len(), d)?;
     check_len("dout", x.len(), dout.len())?;
     check_len("weight", d, weight.len())?;
     check_len("rstd", rows, rstd.len())?;
     check_len("dx", x.len(), dx.len())?;
-    check_len("dweight", d, dweight.len())?;
+    if let Some(dw) = dweight.as_deref() {
+        check_len("dweight", d, dw.len())?;
+    }
     if rows == 0 {
         return Ok(());
     }
@@ -248,6 +250,10 @@ pub fn rmsnorm_backward(
                 }
             }
         });
+    // (a frozen weight, `None`: its partial sums are dropped)
+    let Some(dweight) = dweight else {
+        return Ok(());
+    };
     for p in partials.chunks_exact(d) {
         for (o, &v) in dweight.iter_mut().zip(p) {
             *o += v;
@@ -370,7 +376,7 @@ mod tests {
             let dx0 = rng.vec(rows * d, 1.0);
             let dw0 = rng.vec(d, 1.0);
             let (mut dx, mut dw) = (dx0.clone(), dw0.clone());
-            rmsnorm_backward(&c, &x, &w, &rstd, d, &mut dx, &mut dw).unwrap();
+            rmsnorm_backward(&c, &x, &w, &rstd, d, &mut dx, Some(&mut dw)).unwrap();
 
             let (x64, w64, c64) = (to64(&x), to64(&w), to64(&c));
             let loss = |x: &[f64], w: &[f64]| -> f64 {
@@ -427,7 +433,7 @@ mod tests {
         let (mut out, mut rstd) = (vec![0.0; rows * d], vec![0.0; rows]);
         rmsnorm_forward(&x, &w, 1e-5, d, &mut out, &mut rstd).unwrap();
         let (mut dx, mut dw) = (vec![0.0; rows * d], vec![0.0; d]);
-        rmsnorm_backward(&c, &x, &w, &rstd, d, &mut dx, &mut dw).unwrap();
+        rmsnorm_backward(&c, &x, &w, &rstd, d, &mut dx, Some(&mut dw)).unwrap();
         let h = 1e-2f32;
         for i in [0, 5, 17, 32] {
             let (mut p, mut m) = (x.clone(), x.clone());
@@ -506,7 +512,7 @@ mod tests {
         );
         let (mut dx, mut dw) = ([0.0f32; 6], [0.0f32; 3]);
         assert_eq!(
-            rmsnorm_backward(&x[..3], &x, &w, &rstd, 3, &mut dx, &mut dw),
+            rmsnorm_backward(&x[..3], &x, &w, &rstd, 3, &mut dx, Some(&mut dw)),
             err(E::LengthMismatch {
                 what: "dout",
                 expected: 6,
@@ -514,7 +520,7 @@ mod tests {
             })
         );
         assert_eq!(
-            rmsnorm_backward(&x, &x, &w, &rstd, 3, &mut dx, &mut dw[..2]),
+            rmsnorm_backward(&x, &x, &w, &rstd, 3, &mut dx, Some(&mut dw[..2])),
             err(E::LengthMismatch {
                 what: "dweight",
                 expected: 3,
@@ -522,7 +528,7 @@ mod tests {
             })
         );
         assert_eq!(
-            rmsnorm_backward(&x, &x, &w, &rstd, 3, &mut dx[..1], &mut dw),
+            rmsnorm_backward(&x, &x, &w, &rstd, 3, &mut dx[..1], Some(&mut dw)),
             err(E::LengthMismatch {
                 what: "dx",
                 expected: 6,
@@ -531,6 +537,6 @@ mod tests {
         );
         // Empty input is fine.
         assert!(rmsnorm_forward(&[], &w, 1e-6, 3, &mut [], &mut []).is_ok());
-        assert!(rmsnorm_backward(&[], &[], &w, &[], 3, &mut [], &mut dw).is_ok());
+        assert!(rmsnorm_backward(&[], &[], &w, &[], 3, &mut [], Some(&mut dw)).is_ok());
     }
 }

@@ -1,4 +1,4 @@
-//! Element-wise and gather/scatter ops: fill, add, scale, SwiGLU, RoPE, transpose,
+//! Element-wise and gather/scatter ops: fill, add, scale, axpy, SwiGLU, RoPE, transpose,
 //! embedding forward/backward.
 
 use super::{ModelOps, bad, check_len, element_cfg, i32_of, i64_of, mul, row_cfg};
@@ -112,6 +112,31 @@ impl ModelOps {
         let mut l = self.stream.launch_builder(&self.f.scale);
         l.arg(x).arg(&n64).arg(&s);
         // SAFETY: (x, n, s) as `scale_f32` declares them.
+        unsafe { l.launch(element_cfg(n)) }.during(K)?;
+        Ok(())
+    }
+
+    /// `y += alpha · x`, element-wise, the product rounded before the sum (twin of
+    /// `ares_cpu::ops::axpy::axpy`).
+    ///
+    /// # Errors
+    /// Lengths that differ, a launch failure.
+    pub fn axpy(
+        &self,
+        alpha: f32,
+        x: &CudaView<'_, f32>,
+        y: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "axpy";
+        let n = x.len();
+        check_len(K, "y", n, y.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = i64_of(K, "len", n)?;
+        let mut l = self.stream.launch_builder(&self.f.axpy);
+        l.arg(&alpha).arg(x).arg(y).arg(&n64);
+        // SAFETY: (alpha, x, y, n) as `axpy_f32` declares them; lengths checked above.
         unsafe { l.launch(element_cfg(n)) }.during(K)?;
         Ok(())
     }

@@ -137,7 +137,8 @@ impl ModelOps {
     }
 
     /// Backward of [`ModelOps::linear`] from `dout` `[rows, out]`; all three gradients
-    /// **accumulate**: `dx += dout · w` (skipped if `None`), `dw += doutᵀ · x`,
+    /// **accumulate**: `dx += dout · w` (skipped if `None`), `dw += doutᵀ · x` (skipped if
+    /// `None`: a frozen weight),
     /// `dbias += Σ_rows dout` (skipped if `None`; a deterministic column sum). Twin of
     /// `ares_cpu::ops::matmul::linear_backward`.
     ///
@@ -151,7 +152,7 @@ impl ModelOps {
         w: &CudaView<'_, f32>,
         dims: GemmDims,
         dx: Option<&mut CudaViewMut<'_, f32>>,
-        dw: &mut CudaViewMut<'_, f32>,
+        dw: Option<&mut CudaViewMut<'_, f32>>,
         dbias: Option<&mut CudaViewMut<'_, f32>>,
     ) -> Result<()> {
         const K: &str = "linear_backward";
@@ -159,7 +160,9 @@ impl ModelOps {
         check_len(K, "dout", d.y_len, dout.len())?;
         check_len(K, "x", d.x_len, x.len())?;
         check_len(K, "w", d.w_len, w.len())?;
-        check_len(K, "dw", d.w_len, dw.len())?;
+        if let Some(g) = &dw {
+            check_len(K, "dw", d.w_len, g.len())?;
+        }
         if let Some(g) = &dx {
             check_len(K, "dx", d.x_len, g.len())?;
         }
@@ -168,14 +171,20 @@ impl ModelOps {
         }
         // With rows, in or out zero every product is empty or adds nothing.
         if d.x_len != 0 && d.w_len != 0 && dims.rows != 0 {
-            match dx {
-                Some(dx) => self.with_operands(d.precision, [dout, w, x], |[dout, w, x]| {
-                    self.blas.backward_dx(&d, dout, w, dx)?;
+            match (dx, dw) {
+                (Some(dx), Some(dw)) => {
+                    self.with_operands(d.precision, [dout, w, x], |[dout, w, x]| {
+                        self.blas.backward_dx(&d, dout, w, dx)?;
+                        self.blas.backward_dw(&d, dout, x, dw)
+                    })?
+                }
+                (Some(dx), None) => self.with_operands(d.precision, [dout, w], |[dout, w]| {
+                    self.blas.backward_dx(&d, dout, w, dx)
+                })?,
+                (None, Some(dw)) => self.with_operands(d.precision, [dout, x], |[dout, x]| {
                     self.blas.backward_dw(&d, dout, x, dw)
                 })?,
-                None => self.with_operands(d.precision, [dout, x], |[dout, x]| {
-                    self.blas.backward_dw(&d, dout, x, dw)
-                })?,
+                (None, None) => {}
             }
         }
         match dbias {

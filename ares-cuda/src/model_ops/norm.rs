@@ -80,7 +80,7 @@ impl ModelOps {
         rstd: &CudaView<'_, f32>,
         dim: usize,
         dx: &mut CudaViewMut<'_, f32>,
-        dweight: &mut CudaViewMut<'_, f32>,
+        dweight: Option<&mut CudaViewMut<'_, f32>>,
     ) -> Result<()> {
         const K: &str = "rmsnorm_backward";
         let rows = rows_of(K, x.len(), dim)?;
@@ -88,7 +88,9 @@ impl ModelOps {
         check_len(K, "weight", dim, weight.len())?;
         check_len(K, "rstd", rows, rstd.len())?;
         check_len(K, "dx", x.len(), dx.len())?;
-        check_len(K, "dweight", dim, dweight.len())?;
+        if let Some(dw) = &dweight {
+            check_len(K, "dweight", dim, dw.len())?;
+        }
         if rows == 0 {
             return Ok(());
         }
@@ -103,6 +105,10 @@ impl ModelOps {
             .arg(dx);
         // SAFETY: argument order as `rmsnorm_bwd_dx`; lengths checked above.
         unsafe { l.launch(row_cfg(rows, ROW_BLOCK)) }.during(K)?;
+        // a frozen weight (`None`) has no gradient to sum
+        let Some(dweight) = dweight else {
+            return Ok(());
+        };
         let mut state = self.lock();
         self.column_sum(
             K,

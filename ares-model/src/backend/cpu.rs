@@ -333,7 +333,7 @@ mod kernels {
         w: &[f32],
         dims: LinearDims,
         dx: Option<&mut [f32]>,
-        dw: &mut [f32],
+        dw: Option<&mut [f32]>,
         dbias: Option<&mut [f32]>,
     ) -> Result {
         let md = matmul_dims(dims);
@@ -840,7 +840,7 @@ mod backward_tests {
             View::whole(&w),
             dims,
             Some(ViewMut::whole(&mut dx)),
-            ViewMut::whole(&mut dw),
+            Some(ViewMut::whole(&mut dw)),
             Some(ViewMut::whole(&mut db)),
         )
         .unwrap();

@@ -141,7 +141,8 @@ macro_rules! declared_ops {
 
             /// Backward of [`Backend::linear`] given `dout` `[rows, out_features]`. All three
             /// gradients **accumulate**: `dx[rows, in] += dout · w` (skipped if `None`),
-            /// `dw[out, in] += doutᵀ · x`, `dbias[out] += Σ_rows dout` (skipped if `None`).
+            /// `dw[out, in] += doutᵀ · x` (skipped if `None`: a frozen weight, as under LoRA),
+            /// `dbias[out] += Σ_rows dout` (skipped if `None`).
             ///
             /// # Errors
             /// Lengths that do not match `dims`.
@@ -151,14 +152,25 @@ macro_rules! declared_ops {
                 w: In<f32>,
                 dims: LinearDims,
                 dx: OutOpt<f32>,
-                dw: Out<f32>,
+                dw: OutOpt<f32>,
                 dbias: OutOpt<f32>,
             ) cpu kernels::linear_backward, cuda linear_backward;
+
+            /// `y += alpha · x`, element-wise, the product rounded before the sum (a LoRA pair's
+            /// scaled output added to its frozen layer's, and its gradient scaled back).
+            ///
+            /// # Errors
+            /// `x` and `y` of different lengths.
+            fn axpy(
+                alpha: f32,
+                x: In<f32>,
+                y: Out<f32>,
+            ) cpu ares_cpu::ops::axpy::axpy, cuda axpy;
 
             /// Backward of [`Backend::rmsnorm`] from `dout` `[rows, dim]`, the forward's input `x`,
             /// `weight` and saved `rstd`. Both `dx` `[rows, dim]` and `dweight` `[dim]`
             /// **accumulate** (`dx` is the residual stream's gradient; a q/k norm weight is shared
-            /// by every head).
+            /// by every head); `dweight` is skipped if `None` (a frozen weight).
             ///
             /// # Errors
             /// `dim == 0`, lengths that do not match.
@@ -169,7 +181,7 @@ macro_rules! declared_ops {
                 rstd: In<f32>,
                 dim: usize,
                 dx: Out<f32>,
-                dweight: Out<f32>,
+                dweight: OutOpt<f32>,
             ) cpu ares_cpu::ops::rmsnorm::rmsnorm_backward, cuda rmsnorm_backward;
 
             /// Backward of [`Backend::rope`], **in place**: `dx` `[tokens, heads, head_dim]` holds

@@ -35,6 +35,7 @@
 //! ([`Model::forward_cached`](super::Model::forward_cached)); those return
 //! [`ModelError::ChunkedLogits`] on a chunked arena.
 
+use super::lora::LoraActs;
 use super::weights::Stack;
 use super::{ModelError, ModelSpec};
 use crate::backend::{Backend, DeviceBuffer, Tensor, View, ViewMut};
@@ -129,6 +130,9 @@ pub struct Activations<B: Backend> {
     pub(crate) dlogits: B::Buffer,
     /// Per-layer intermediates of the backward pass, reused by every layer.
     pub(crate) scratch: BackwardScratch<B>,
+    /// The LoRA pairs' intermediates (a model with adapters, planned by
+    /// [`Model::activations`](super::Model::activations) and the others).
+    pub(crate) lora: Option<LoraActs<B>>,
 }
 
 /// The activations of the decoder layers, each kind one [`Stack`] `[L, N, ...]` (llm.c's
@@ -382,7 +386,8 @@ impl<B: Backend> Activations<B> {
         let floats = stacks.iter().map(|s| s.len()).sum::<usize>()
             + scratch.iter().map(|s| s.0.len()).sum::<usize>()
             + whole.iter().map(|b| b.len()).sum::<usize>()
-            + self.host_mask.len();
+            + self.host_mask.len()
+            + self.lora.as_ref().map_or(0, LoraActs::elements);
         let ids = self.ids.len()
             + self.positions.len()
             + self.targets.iter().map(|t| t.len()).sum::<usize>();
@@ -468,6 +473,7 @@ impl<B: Backend> Activations<B> {
             entropy_coeffs: alloc(&[n])?,
             dlogits: alloc(&[chunk_rows, v])?,
             scratch: BackwardScratch::new(backend, spec, n)?,
+            lora: None,
         })
     }
 

@@ -15,6 +15,7 @@
 
 use super::activations::head_chunks;
 use super::layer::dqkv;
+use super::lora::Target;
 use super::{Activations, Grads, HeadMode, Inputs, Model, ModelError};
 use crate::backend::{AttentionDims, Backend, DeviceBuffer, Tensor, TensorMut, View, ViewMut};
 
@@ -115,8 +116,17 @@ impl<B: Backend> Model<B> {
         let w = &self.weights;
         let (c, v, d) = (s.hidden, s.vocab, s.head_dim);
         let (hq, hkv) = (s.q_heads, s.kv_heads);
-        if !self.weights.same_layout(&grads.g) {
+        if !self.fits_grads(grads) {
             return Err(ModelError::LayoutMismatch { what: "gradients" });
+        }
+        // under LoRA the adapters must have run forward: they are all there is to train
+        let lora_on = acts.lora.as_ref().is_some_and(|l| l.applied);
+        if self.lora.is_some() && !lora_on {
+            return Err(ModelError::Lora {
+                message: "backward after a forward pass with the adapters off: there is \
+                          nothing to train"
+                    .into(),
+            });
         }
         if let HeadGrad::Dlogits(dlogits) = &head {
             acts.require_full("backward with explicit dlogits")?;
@@ -128,7 +138,11 @@ impl<B: Backend> Model<B> {
                 });
             }
         }
-        let grads = &mut grads.g;
+        let super::Grads {
+            g: base,
+            lora: lora_grads,
+        } = grads;
+        let mut grads = base.as_mut();
         let lin =
             |rows, in_features, out_features| self.linear_dims(rows, in_features, out_features);
 
@@ -136,17 +150,13 @@ impl<B: Backend> Model<B> {
         be.fill(acts.scratch.dln.w(), 0.0)?;
         match head {
             HeadGrad::Dlogits(dlogits) => {
-                let dhead = match grads.lm_head.as_mut() {
-                    Some(h) => ViewMut::whole(h),
-                    None => ViewMut::whole(&mut grads.embed),
-                };
                 be.linear_backward(
                     dlogits,
                     View::whole(&acts.lnf),
                     w.lm_head(),
                     lin(n, c, v),
                     Some(acts.scratch.dln.w()),
-                    dhead,
+                    head_grad(grads.as_deref_mut()),
                     None,
                 )?;
             }
@@ -185,23 +195,24 @@ impl<B: Backend> Model<B> {
                             ViewMut::new(&mut acts.dlogits, 0, rows * v)?,
                         )?;
                     }
-                    let dhead = match grads.lm_head.as_mut() {
-                        Some(h) => ViewMut::whole(h),
-                        None => ViewMut::whole(&mut grads.embed),
-                    };
                     be.linear_backward(
                         View::new(&acts.dlogits, 0, rows * v)?,
                         View::new(&acts.lnf, start * c, rows * c)?,
                         w.lm_head(),
                         lin(rows, c, v),
                         Some(ViewMut::new(&mut acts.scratch.dln.0, start * c, rows * c)?),
-                        dhead,
+                        head_grad(grads.as_deref_mut()),
                         None,
                     )?;
                 }
             }
         }
         let sc = &mut acts.scratch;
+        // the adapters and their intermediates, when they ran forward
+        let mut lora = match (&self.lora, acts.lora.as_mut(), lora_grads.as_mut()) {
+            (Some(l), Some(la), Some(lg)) if lora_on => Some(((l, la), lg)),
+            _ => None,
+        };
 
         // Final norm: the residual stream's gradient starts here.
         be.fill(sc.dresidual.w(), 0.0)?;
@@ -212,7 +223,7 @@ impl<B: Backend> Model<B> {
             View::whole(&acts.lnf_rstd),
             c,
             sc.dresidual.w(),
-            ViewMut::whole(&mut grads.norm),
+            grads.as_deref_mut().map(|g| ViewMut::whole(&mut g.norm)),
         )?;
 
         let (cos, sin) = (View::whole(&acts.cos), View::whole(&acts.sin));
@@ -222,26 +233,55 @@ impl<B: Backend> Model<B> {
             if acts.layers.checkpointed {
                 // not kept: layer l's forward again, from its input
                 let rope = (cos, sin);
-                self.layer_forward(l, n, None, &mut acts.layers, rope, mask, attn, &mut None)?;
+                let la = lora.as_mut().map(|((_, la), _)| &mut **la);
+                self.layer_forward(
+                    l,
+                    n,
+                    None,
+                    &mut acts.layers,
+                    la,
+                    rope,
+                    mask,
+                    attn,
+                    &mut None,
+                )?;
             }
             // Layer l's saved activations (`a.input`: the residual stream entering it) and
             // its weights' gradients, each with its weight.
+            let slot = acts.layers.slot_of(l);
             let a = acts.layers.at(l)?;
-            let g = self.layer_grads(l, n, grads)?;
+            let g = self.layer_grads(l, n, grads.as_deref_mut())?;
+            // a LoRA pair's backward after its frozen layer's: `(target, dy, x, dx)`
+            let mut pair = |t: Target,
+                            dy: Tensor<'_, B>,
+                            x: Tensor<'_, B>,
+                            dx: TensorMut<'_, B>|
+             -> Result<(), ModelError> {
+                match lora.as_mut() {
+                    Some(((l_, la), lg)) => {
+                        self.lora_backward((*l_, &mut **la), lg, t, l, slot, n, dy, x, dx)
+                    }
+                    None => Ok(()),
+                }
+            };
 
             // MLP block; `dresidual` is ∂L/∂resid_out[l] = ∂L/∂mlp_out[l].
             be.fill(sc.dact.w(), 0.0)?;
             self.matmul_backward(sc.dresidual.r(), a.act, g.down, sc.dact.w())?;
+            pair(Target::Down, sc.dresidual.r(), a.act, sc.dact.w())?;
             be.swiglu_backward(sc.dact.r(), a.gate, a.up, sc.dgate.w(), sc.dup.w())?;
             be.fill(sc.dln.w(), 0.0)?;
             self.matmul_backward(sc.dgate.r(), a.ln2, g.gate, sc.dln.w())?;
+            pair(Target::Gate, sc.dgate.r(), a.ln2, sc.dln.w())?;
             self.matmul_backward(sc.dup.r(), a.ln2, g.up, sc.dln.w())?;
+            pair(Target::Up, sc.dup.r(), a.ln2, sc.dln.w())?;
             // ∂L/∂resid_mid = dresidual (skip) + the norm's input gradient.
             self.rmsnorm_backward(sc.dln.r(), a.resid_mid, a.ln2_rstd, g.ln2, sc.dresidual.w())?;
 
             // Attention block; `dresidual` is ∂L/∂resid_mid[l] = ∂L/∂att_proj[l].
             be.fill(sc.datt.w(), 0.0)?;
             self.matmul_backward(sc.dresidual.r(), a.att, g.o, sc.datt.w())?;
+            pair(Target::O, sc.dresidual.r(), a.att, sc.datt.w())?;
             let dqkv = dqkv(&mut sc.dq, &mut sc.dk, &mut sc.dv);
             be.attention_backward(attn, a.qkv(mask), a.att, a.lse, sc.datt.r(), dqkv)?;
             be.rope_backward(sc.dq.w(), cos, sin, hq, d)?;
@@ -259,8 +299,11 @@ impl<B: Backend> Model<B> {
             };
             be.fill(sc.dln.w(), 0.0)?;
             self.matmul_backward(dq_proj, a.ln1, g.q, sc.dln.w())?;
+            pair(Target::Q, dq_proj, a.ln1, sc.dln.w())?;
             self.matmul_backward(dk_proj, a.ln1, g.k, sc.dln.w())?;
+            pair(Target::K, dk_proj, a.ln1, sc.dln.w())?;
             self.matmul_backward(sc.dv.r(), a.ln1, g.v, sc.dln.w())?;
+            pair(Target::V, sc.dv.r(), a.ln1, sc.dln.w())?;
             // ∂L/∂input = ∂L/∂resid_mid (skip) + the input norm's input gradient.
             self.rmsnorm_backward(sc.dln.r(), a.input, a.ln1_rstd, g.ln1, sc.dresidual.w())?;
         }
@@ -281,14 +324,26 @@ impl<B: Backend> Model<B> {
             be.scatter_rows(View::whole(&zeros), rows, n, c, sc.dresidual.w())?;
         }
 
-        // Token embeddings.
-        be.embedding_backward(
-            &acts.ids,
-            sc.dresidual.r(),
-            v,
-            c,
-            ViewMut::whole(&mut grads.embed),
-        )?;
+        // Token embeddings (frozen under LoRA).
+        if let Some(g) = grads {
+            be.embedding_backward(
+                &acts.ids,
+                sc.dresidual.r(),
+                v,
+                c,
+                ViewMut::whole(&mut g.embed),
+            )?;
+        }
         Ok(())
     }
+}
+
+/// The LM head's weight gradient: its own, or the tied embedding's (`None`: frozen).
+fn head_grad<B: Backend>(
+    grads: Option<&mut super::weights::DeviceWeights<B>>,
+) -> Option<crate::backend::TensorMut<'_, B>> {
+    grads.map(|g| match g.lm_head.as_mut() {
+        Some(h) => ViewMut::whole(h),
+        None => ViewMut::whole(&mut g.embed),
+    })
 }

@@ -16,6 +16,7 @@
 //! benchmark model). The price is a second copy of the linear weights (LM head included)
 //! while generating.
 
+use super::lora::{Lora, Target};
 use super::weights::{DeviceWeights, HalfStack, Stack};
 use super::{ModelError, ModelSpec};
 use crate::backend::{Backend, Tensor, View, ViewMut};
@@ -97,7 +98,8 @@ pub(crate) struct DecodeWeights<B: Backend> {
 
 impl<B: Backend> DecodeWeights<B> {
     /// Transposes every linear weight of `w` (and rounds it to bf16 for
-    /// [`WeightDtype::Bf16`]).
+    /// [`WeightDtype::Bf16`]), with `lora`'s pairs merged in when given (`Wᵀ + s·Aᵀ·Bᵀ`,
+    /// layer by layer): generation runs the adapted model at the base model's cost.
     ///
     /// # Errors
     /// A backend failure.
@@ -105,6 +107,7 @@ impl<B: Backend> DecodeWeights<B> {
         backend: &B,
         spec: &ModelSpec,
         w: &DeviceWeights<B>,
+        lora: Option<&Lora<B>>,
         dtype: WeightDtype,
     ) -> Result<Self, ModelError> {
         let (c, i, v) = (spec.hidden, spec.intermediate, spec.vocab);
@@ -120,14 +123,22 @@ impl<B: Backend> DecodeWeights<B> {
         let mut lm_head = backend.alloc(head.len())?;
         backend.transpose(head, v, c, ViewMut::whole(&mut lm_head))?;
         let lm_head = Stack::new(lm_head, c * v);
+        // `[out, in]` weights of `target` transposed, the pairs added
+        let t = |target: Target, stack: &Stack<B>, out, inp| -> Result<Stack<B>, ModelError> {
+            let mut wt = stack.transposed(backend, out, inp)?;
+            if let Some(lora) = lora {
+                lora.add_transposed_delta(backend, spec, target, &mut wt)?;
+            }
+            Ok(wt)
+        };
         Ok(Self {
-            q: pack(w.q.transposed(backend, qd, c)?, c, qd)?,
-            k: pack(w.k.transposed(backend, kvd, c)?, c, kvd)?,
-            v: pack(w.v.transposed(backend, kvd, c)?, c, kvd)?,
-            o: pack(w.o.transposed(backend, c, qd)?, qd, c)?,
-            gate: pack(w.gate.transposed(backend, i, c)?, c, i)?,
-            up: pack(w.up.transposed(backend, i, c)?, c, i)?,
-            down: pack(w.down.transposed(backend, c, i)?, i, c)?,
+            q: pack(t(Target::Q, &w.q, qd, c)?, c, qd)?,
+            k: pack(t(Target::K, &w.k, kvd, c)?, c, kvd)?,
+            v: pack(t(Target::V, &w.v, kvd, c)?, c, kvd)?,
+            o: pack(t(Target::O, &w.o, c, qd)?, qd, c)?,
+            gate: pack(t(Target::Gate, &w.gate, i, c)?, c, i)?,
+            up: pack(t(Target::Up, &w.up, i, c)?, c, i)?,
+            down: pack(t(Target::Down, &w.down, c, i)?, i, c)?,
             lm_head: pack(lm_head, c, v)?,
         })
     }

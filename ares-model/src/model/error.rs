@@ -157,6 +157,12 @@ pub enum ModelError {
         /// What is wrong.
         message: String,
     },
+    /// LoRA adapters that do not fit the model, or a LoRA call out of place.
+    #[error("LoRA: {message}")]
+    Lora {
+        /// What is wrong, naming the field or tensor.
+        message: String,
+    },
     /// Converting to or writing the Hugging Face checkpoint failed.
     #[error(transparent)]
     Hf(#[from] crate::hf::HfError),

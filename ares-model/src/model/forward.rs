@@ -11,8 +11,9 @@ use super::decode_weights::DecodeWeights;
 use super::kv_cache::StepCache;
 use super::layer::qkv;
 use super::log_prob_grad::check_targets;
+use super::lora::{LoraActs, Target};
 use super::{Activations, ForwardExtras, HeadMode, Inputs, KvCache, Model, ModelError};
-use crate::backend::{AttentionDims, Backend, Tensor, View, ViewMut};
+use crate::backend::{AttentionDims, Backend, Tensor, TensorMut, View, ViewMut};
 
 impl<B: Backend> Model<B> {
     /// Runs the model on `inputs`, leaving every activation and the logits `[batch, seq,
@@ -147,6 +148,7 @@ impl<B: Backend> Model<B> {
                 n,
                 tw,
                 &mut acts.layers,
+                acts.lora.as_mut(),
                 (cos, sin),
                 mask,
                 attn,
@@ -173,7 +175,9 @@ impl<B: Backend> Model<B> {
     /// Decoder layer `l`'s forward pass: reads its input (the embeddings, or layer `l −
     /// 1`'s output) from `layers` and writes its activations and output there, with the
     /// pass's RoPE tables `(cos, sin)` and key mask; with `cache`, attention over the KV
-    /// cache. The backward pass calls it again for a layer whose activations were not kept
+    /// cache; with `lora`, the adapters' intermediates (the adapters apply when they are
+    /// on and the weights are not the decode copies `tw`, which have them merged). The
+    /// backward pass calls it again for a layer whose activations were not kept
     /// (activation checkpointing): the same ops on the same input give the same bits.
     #[allow(clippy::too_many_arguments)] // the pass's shared inputs, as in the loop
     pub(crate) fn layer_forward(
@@ -182,6 +186,7 @@ impl<B: Backend> Model<B> {
         n: usize,
         tw: Option<&DecodeWeights<B>>,
         layers: &mut LayerBuffers<B>,
+        lora: Option<&mut LoraActs<B>>,
         (cos, sin): (Tensor<'_, B>, Tensor<'_, B>),
         mask: Tensor<'_, B>,
         attn: AttentionDims,
@@ -192,22 +197,37 @@ impl<B: Backend> Model<B> {
         let (hq, hkv, d) = (s.q_heads, s.kv_heads, s.head_dim);
         // Layer l's weights and activations (`a.resid`: the residual stream in and out).
         let p = self.layer_params(l, n, tw)?;
+        let slot = layers.slot_of(l);
         let mut a = layers.at_mut(l);
+        // a LoRA pair's forward after its frozen layer's: `(target, x, y)`
+        let mut lora = self.active_lora(lora, tw.is_some())?;
+        let mut pair =
+            |t: Target, x: Tensor<'_, B>, y: TensorMut<'_, B>| -> Result<(), ModelError> {
+                match lora.as_mut() {
+                    Some((l_, la)) => self.lora_forward((*l_, &mut **la), t, l, slot, n, x, y),
+                    None => Ok(()),
+                }
+            };
 
         // Attention block.
         self.rmsnorm(a.resid.input()?, p.ln1, a.ln1.w()?, a.ln1_rstd.w()?)?;
         if s.qk_norm {
             // Qwen3: project, then RMSNorm every head over head_dim, then RoPE.
             self.matmul(a.ln1.r()?, p.q, a.q_raw.w()?)?;
+            pair(Target::Q, a.ln1.r()?, a.q_raw.w()?)?;
             self.matmul(a.ln1.r()?, p.k, a.k_raw.w()?)?;
+            pair(Target::K, a.ln1.r()?, a.k_raw.w()?)?;
             let (q_norm, k_norm) = p.qk_norm.get()?;
             self.rmsnorm(a.q_raw.r()?, q_norm, a.q.w()?, a.q_rstd.w()?)?;
             self.rmsnorm(a.k_raw.r()?, k_norm, a.k.w()?, a.k_rstd.w()?)?;
         } else {
             self.matmul(a.ln1.r()?, p.q, a.q.w()?)?;
+            pair(Target::Q, a.ln1.r()?, a.q.w()?)?;
             self.matmul(a.ln1.r()?, p.k, a.k.w()?)?;
+            pair(Target::K, a.ln1.r()?, a.k.w()?)?;
         }
         self.matmul(a.ln1.r()?, p.v, a.v.w()?)?;
+        pair(Target::V, a.ln1.r()?, a.v.w()?)?;
         be.rope(a.q.w()?, cos, sin, hq, d)?;
         be.rope(a.k.w()?, cos, sin, hkv, d)?;
         let (q, k, v) = (a.q.r()?, a.k.r()?, a.v.r()?);
@@ -216,14 +236,18 @@ impl<B: Backend> Model<B> {
             Some(cache) => cache.attend(be, l, attn, q, k, v, a.att.w()?)?,
         }
         self.matmul(a.att.r()?, p.o, a.att_proj.w()?)?;
+        pair(Target::O, a.att.r()?, a.att_proj.w()?)?;
         be.add(a.resid.input()?, a.att_proj.r()?, a.resid_mid.w()?)?;
 
         // MLP block.
         self.rmsnorm(a.resid_mid.r()?, p.ln2, a.ln2.w()?, a.ln2_rstd.w()?)?;
         self.matmul(a.ln2.r()?, p.gate, a.gate.w()?)?;
+        pair(Target::Gate, a.ln2.r()?, a.gate.w()?)?;
         self.matmul(a.ln2.r()?, p.up, a.up.w()?)?;
+        pair(Target::Up, a.ln2.r()?, a.up.w()?)?;
         be.swiglu(a.gate.r()?, a.up.r()?, a.act.w()?)?;
         self.matmul(a.act.r()?, p.down, a.mlp_out.w()?)?;
+        pair(Target::Down, a.act.r()?, a.mlp_out.w()?)?;
         be.add(a.resid_mid.r()?, a.mlp_out.r()?, a.resid.output()?)?;
         Ok(())
     }

@@ -454,7 +454,13 @@ impl<B: Backend> Model<B> {
     pub fn generator_with(&self, dtype: WeightDtype) -> Result<Generator<'_, B>, GenerateError> {
         Ok(Generator {
             model: self,
-            tw: DecodeWeights::new(&self.backend, &self.spec, &self.weights, dtype)?,
+            tw: DecodeWeights::new(
+                &self.backend,
+                &self.spec,
+                &self.weights,
+                self.active_lora_params(),
+                dtype,
+            )?,
             batching: true,
             max_prefill_tokens: None,
         })

@@ -1,34 +1,51 @@
-//! [`Grads`]: the gradient of every parameter, laid out exactly like the model's weights
-//! (one buffer per kind of tensor, stacked over layers), so an optimizer can walk weights
-//! and gradients side by side. Tied embeddings have one gradient, `embed_tokens`, into
-//! which the LM head's gradient is added.
+//! [`Grads`]: the gradient of every trained parameter, laid out exactly like the model's
+//! weights (one buffer per kind of tensor, stacked over layers), so an optimizer can walk
+//! weights and gradients side by side. Tied embeddings have one gradient, `embed_tokens`,
+//! into which the LM head's gradient is added. A model with LoRA adapters trains the
+//! pairs only: its gradients are the pairs' (`…q_proj.lora_A.weight`), none of the base.
 
+use super::lora::{LoraParams, lora_tensor_name};
 use super::weights::DeviceWeights;
 use super::{Model, ModelError};
-use crate::backend::{Backend, DeviceBuffer, Tensor, ViewMut};
+use crate::backend::{Backend, DeviceBuffer, Tensor, View, ViewMut};
+
+/// A trained tensor: name, shape, and (buffer, layer) among the trained buffers.
+pub(crate) type TrainedTensor = (String, Vec<usize>, (usize, usize));
 
 /// Gradient buffers of a [`Model`] on backend `B`, zeroed when made. [`Model::backward`]
 /// accumulates into them; call [`Grads::zero`] between optimizer steps.
 pub struct Grads<B: Backend> {
-    pub(crate) g: DeviceWeights<B>,
+    /// The base weights' (none when they are frozen under LoRA).
+    pub(crate) g: Option<DeviceWeights<B>>,
+    /// The LoRA pairs' (a model with adapters).
+    pub(crate) lora: Option<LoraParams<B>>,
 }
 
 impl<B: Backend> std::fmt::Debug for Grads<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Grads")
-            .field("embed_tokens", &self.g.embed.len())
-            .field("untied_lm_head", &self.g.lm_head.is_some())
+            .field("base", &self.g.is_some())
+            .field("lora", &self.lora.is_some())
             .finish_non_exhaustive()
     }
 }
 
 impl<B: Backend> Grads<B> {
+    /// Every gradient buffer, in the order of the trained parameters' buffers.
+    pub(crate) fn buffers(&self) -> Vec<&B::Buffer> {
+        let mut out = self.g.as_ref().map(|g| g.buffers()).unwrap_or_default();
+        out.extend(self.lora.iter().flat_map(LoraParams::buffers));
+        out
+    }
+
     /// Sets every gradient to zero.
     ///
     /// # Errors
     /// A backend failure.
     pub fn zero(&mut self, backend: &B) -> Result<(), ModelError> {
-        for buffer in self.g.buffers_mut() {
+        let mut all = self.g.as_mut().map(|g| g.buffers_mut()).unwrap_or_default();
+        all.extend(self.lora.iter_mut().flat_map(LoraParams::buffers_mut));
+        for buffer in all {
             backend.fill(ViewMut::whole(buffer), 0.0)?;
         }
         Ok(())
@@ -43,7 +60,19 @@ impl<B: Backend> Grads<B> {
     /// including `lm_head.weight` of a model with tied embeddings (its gradient is part of
     /// `model.embed_tokens.weight`'s).
     pub fn tensor(&self, name: &str) -> Result<Tensor<'_, B>, ModelError> {
-        self.g.tensor(name)
+        if let Some(lora) = &self.lora
+            && let Some((buffer, layer)) = lora.locate(name)
+        {
+            let items = lora.buffer_items();
+            return Ok(View::item(lora.buffers()[buffer], layer, items[buffer])?);
+        }
+        match &self.g {
+            Some(g) => g.tensor(name),
+            None => Err(ModelError::UnknownParameter {
+                name: name.to_string(),
+                why: "the base weights are frozen (LoRA): only the adapters have gradients".into(),
+            }),
+        }
     }
 
     /// Copies the gradient of parameter `name` (see [`Grads::tensor`]) to a new host vector.
@@ -64,8 +93,72 @@ impl<B: Backend> Model<B> {
     /// # Errors
     /// A backend allocation failure.
     pub fn grads(&self) -> Result<Grads<B>, ModelError> {
-        Ok(Grads {
-            g: self.weights.zeros_like(&self.backend)?,
+        let be = &self.backend;
+        Ok(match &self.lora {
+            Some(lora) => Grads {
+                g: None,
+                lora: Some(lora.params.zeros_like(be)?),
+            },
+            None => Grads {
+                g: Some(self.weights.zeros_like(be)?),
+                lora: None,
+            },
         })
+    }
+
+    /// The buffers of the trained parameters: the weights, or with LoRA the pairs.
+    pub(crate) fn trainable(&self) -> Vec<&B::Buffer> {
+        match &self.lora {
+            Some(l) => l.params.buffers(),
+            None => self.weights.buffers(),
+        }
+    }
+
+    /// One tensor's length of each of [`Model::trainable`] (a whole buffer's, or one
+    /// layer's of a stack).
+    pub(crate) fn trainable_items(&self) -> Vec<usize> {
+        match &self.lora {
+            Some(l) => l.params.buffer_items(),
+            None => self.weights.buffer_items(),
+        }
+    }
+
+    /// Every trained tensor: its name, shape, and where it lives among
+    /// [`Model::trainable`] (buffer, layer).
+    pub(crate) fn trainable_tensors(
+        &self,
+    ) -> Result<Vec<TrainedTensor>, ModelError> {
+        let Some(lora) = &self.lora else {
+            let w = &self.weights;
+            return crate::hf::weights::expected_tensors(&self.config)
+                .into_iter()
+                .map(|(name, shape)| {
+                    let place = w.buffer_item(&name)?;
+                    Ok((name, shape, place))
+                })
+                .collect();
+        };
+        let r = lora.config.r;
+        let mut out = Vec::new();
+        let mut buffer = 0;
+        for t in super::lora::Target::ALL {
+            let Some(p) = &lora.params.pairs[t as usize] else {
+                continue;
+            };
+            let (inp, out_f) = (p.a.item() / r, p.b.item() / r);
+            let layers = p.a.len() / p.a.item().max(1);
+            for l in 0..layers {
+                out.push((lora_tensor_name(l, t, "A"), vec![r, inp], (buffer, l)));
+                out.push((lora_tensor_name(l, t, "B"), vec![out_f, r], (buffer + 1, l)));
+            }
+            buffer += 2;
+        }
+        Ok(out)
+    }
+
+    /// Whether `grads` were made for this model's trained parameters.
+    pub(crate) fn fits_grads(&self, grads: &Grads<B>) -> bool {
+        let (a, b) = (self.trainable(), grads.buffers());
+        a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.len() == y.len())
     }
 }

@@ -79,17 +79,18 @@ pub(crate) struct LayerParams<'a, B: Backend> {
     pub(crate) down: Linear<'a, B>,
 }
 
-/// The gradient of a [`Linear`]'s weight and bias, with the [`Linear`] itself.
+/// The gradient of a [`Linear`]'s weight and bias, with the [`Linear`] itself (`None`:
+/// frozen, as the base weights under LoRA).
 pub(crate) struct LinearGrad<'a, B: Backend> {
     pub(crate) param: Linear<'a, B>,
-    pub(crate) dw: TensorMut<'a, B>,
+    pub(crate) dw: Option<TensorMut<'a, B>>,
     pub(crate) dbias: Option<TensorMut<'a, B>>,
 }
 
-/// The gradient of a [`Norm`]'s weight, with the [`Norm`] itself.
+/// The gradient of a [`Norm`]'s weight, with the [`Norm`] itself (`None`: frozen).
 pub(crate) struct NormGrad<'a, B: Backend> {
     pub(crate) param: Norm<'a, B>,
-    pub(crate) dw: TensorMut<'a, B>,
+    pub(crate) dw: Option<TensorMut<'a, B>>,
 }
 
 /// The gradients of Qwen3's q/k norms of one layer, with the norms.
@@ -97,6 +98,8 @@ pub(crate) struct QkNormGrad<'a, B: Backend> {
     param: QkNorm<'a, B>,
     dq: Option<TensorMut<'a, B>>,
     dk: Option<TensorMut<'a, B>>,
+    /// The base weights are frozen: no gradients wanted.
+    frozen: bool,
 }
 
 impl<'a, B: Backend> QkNormGrad<'a, B> {
@@ -105,10 +108,23 @@ impl<'a, B: Backend> QkNormGrad<'a, B> {
     pub(crate) fn get(self) -> Result<(NormGrad<'a, B>, NormGrad<'a, B>), ModelError> {
         let layer = self.param.layer;
         let (q, k) = self.param.get()?;
+        if self.frozen {
+            return Ok((
+                NormGrad { param: q, dw: None },
+                NormGrad { param: k, dw: None },
+            ));
+        }
         match (self.dq, self.dk) {
-            (Some(dq), Some(dk)) => {
-                Ok((NormGrad { param: q, dw: dq }, NormGrad { param: k, dw: dk }))
-            }
+            (Some(dq), Some(dk)) => Ok((
+                NormGrad {
+                    param: q,
+                    dw: Some(dq),
+                },
+                NormGrad {
+                    param: k,
+                    dw: Some(dk),
+                },
+            )),
             _ => Err(ModelError::UnknownParameter {
                 name: qk_norm_name(layer),
                 why: "the gradients were made for a model without q/k norm".into(),
@@ -157,9 +173,18 @@ fn linear_grad<'a, B: Backend>(
 ) -> Result<LinearGrad<'a, B>, ModelError> {
     Ok(LinearGrad {
         param,
-        dw: dw.layer_mut(layer)?,
+        dw: Some(dw.layer_mut(layer)?),
         dbias: layer_of_mut(dbias, layer)?,
     })
+}
+
+/// A frozen [`Linear`]: no gradients.
+fn frozen<B: Backend>(param: Linear<'_, B>) -> LinearGrad<'_, B> {
+    LinearGrad {
+        param,
+        dw: None,
+        dbias: None,
+    }
 }
 
 impl<B: Backend> Model<B> {
@@ -214,14 +239,35 @@ impl<B: Backend> Model<B> {
     }
 
     /// The gradients `grads` (laid out as the weights) of layer `layer` applied to `rows`
-    /// tokens, each with its parameter.
+    /// tokens, each with its parameter; with no `grads` (the base frozen under LoRA) the
+    /// parameters alone.
     pub(crate) fn layer_grads<'a>(
         &'a self,
         layer: usize,
         rows: usize,
-        grads: &'a mut DeviceWeights<B>,
+        grads: Option<&'a mut DeviceWeights<B>>,
     ) -> Result<LayerGrads<'a, B>, ModelError> {
         let p = self.layer_params(layer, rows, None)?;
+        let Some(grads) = grads else {
+            let norm = |param| NormGrad { param, dw: None };
+            return Ok(LayerGrads {
+                ln1: norm(p.ln1),
+                q: frozen(p.q),
+                k: frozen(p.k),
+                v: frozen(p.v),
+                qk_norm: QkNormGrad {
+                    param: p.qk_norm,
+                    dq: None,
+                    dk: None,
+                    frozen: true,
+                },
+                o: frozen(p.o),
+                ln2: norm(p.ln2),
+                gate: frozen(p.gate),
+                up: frozen(p.up),
+                down: frozen(p.down),
+            });
+        };
         let DeviceWeights {
             ln1,
             q,
@@ -246,7 +292,7 @@ impl<B: Backend> Model<B> {
         Ok(LayerGrads {
             ln1: NormGrad {
                 param: p.ln1,
-                dw: ln1.layer_mut(layer)?,
+                dw: Some(ln1.layer_mut(layer)?),
             },
             q: linear_grad(layer, p.q, q, q_bias)?,
             k: linear_grad(layer, p.k, k, k_bias)?,
@@ -255,11 +301,12 @@ impl<B: Backend> Model<B> {
                 param: p.qk_norm,
                 dq: layer_of_mut(q_norm, layer)?,
                 dk: layer_of_mut(k_norm, layer)?,
+                frozen: false,
             },
             o: linear_grad(layer, p.o, o, o_bias)?,
             ln2: NormGrad {
                 param: p.ln2,
-                dw: ln2.layer_mut(layer)?,
+                dw: Some(ln2.layer_mut(layer)?),
             },
             gate: linear_grad(layer, p.gate, gate, gate_bias)?,
             up: linear_grad(layer, p.up, up, up_bias)?,
@@ -561,7 +608,7 @@ impl<B: Backend> LayerBuffers<B> {
 
     /// Where layer `layer`'s activations live in the stacks other than the residual
     /// stream: its own slot, or the one slot of a checkpointed arena.
-    fn slot_of(&self, layer: usize) -> usize {
+    pub(crate) fn slot_of(&self, layer: usize) -> usize {
         if self.checkpointed { 0 } else { layer }
     }
 

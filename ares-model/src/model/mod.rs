@@ -49,6 +49,7 @@ mod inputs;
 mod kv_cache;
 mod layer;
 mod log_prob_grad;
+mod lora;
 mod moments;
 mod optim;
 pub(crate) mod optim_file;
@@ -71,6 +72,7 @@ pub use generate::Generator;
 pub use grads::Grads;
 pub use inputs::{ForwardExtras, Inputs};
 pub use kv_cache::KvCache;
+pub use lora::{AdaptersOff, lora_arena_elements};
 pub use moments::{HostMoment, Moments, StateDtype};
 pub use optim::{AdamW, AdamWConfig, ExtraParam, StepReport};
 pub use request::{GenerateError, GenerateOutput, GenerateRequest, PromptVision};
@@ -100,6 +102,8 @@ pub struct Model<B: Backend> {
     matmul_precision: MatmulPrecision,
     /// Whether new arenas keep one layer's activations ([`Model::set_gradient_checkpointing`]).
     gradient_checkpointing: bool,
+    /// LoRA adapters ([`Model::add_lora`]): with them the base weights are frozen.
+    lora: Option<lora::Lora<B>>,
 }
 
 impl<B: Backend> Model<B> {
@@ -159,6 +163,7 @@ impl<B: Backend> Model<B> {
             rope_sin,
             matmul_precision: MatmulPrecision::F32,
             gradient_checkpointing: false,
+            lora: None,
         })
     }
 
@@ -236,7 +241,14 @@ impl<B: Backend> Model<B> {
     fn plan(&self, batch: usize, seq: usize, head: HeadMode) -> Result<Activations<B>, ModelError> {
         let spec = &self.spec;
         let checkpointed = self.gradient_checkpointing;
-        Activations::planned(&self.backend, spec, batch, seq, head, checkpointed)
+        let mut acts = Activations::planned(&self.backend, spec, batch, seq, head, checkpointed)?;
+        let kept = if checkpointed {
+            spec.layers.min(1)
+        } else {
+            spec.layers
+        };
+        acts.lora = self.lora_acts(batch * seq, kept)?;
+        Ok(acts)
     }
 
     /// A new activation arena for `batch` sequences of `seq` tokens that keeps the whole

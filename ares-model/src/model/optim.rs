@@ -100,11 +100,10 @@ impl<B: Backend> AdamW<B> {
     ) -> Result<Self, ModelError> {
         check_config(&config)?;
         let be = &model.backend;
-        let w = &model.weights;
-        let moments = w
-            .buffers()
+        let moments = model
+            .trainable()
             .into_iter()
-            .zip(w.buffer_items())
+            .zip(model.trainable_items())
             .map(|(b, item)| Moments::zeros(be, b.len(), item, state_dtype))
             .collect::<Result<_, _>>()?;
         Ok(Self {
@@ -205,17 +204,16 @@ impl<B: Backend> AdamW<B> {
                 expected: "finite and >= 0",
             });
         }
-        let w = &mut model.weights;
-        if !w.same_layout(&grads.g) {
+        if !model.fits_grads(grads) {
             return Err(ModelError::LayoutMismatch { what: "gradients" });
         }
-        if !self.fits(w.buffers().into_iter().map(|b| b.len())) {
+        if !self.fits(model.trainable().into_iter().map(|b| b.len())) {
             return Err(ModelError::LayoutMismatch {
                 what: "optimizer moments",
             });
         }
         let be = &model.backend;
-        let g = grads.g.buffers();
+        let g = grads.buffers();
         let mut total = 0.0f64;
         for buffer in &g {
             total += be.sum_of_squares(View::whole(*buffer))?;
@@ -250,7 +248,10 @@ impl<B: Backend> AdamW<B> {
             step: self.step + 1,
             grad_scale,
         };
-        let params = w.buffers_mut();
+        let params = match &mut model.lora {
+            Some(l) => l.params.buffers_mut(),
+            None => model.weights.buffers_mut(),
+        };
         for ((p, g), m) in params.into_iter().zip(g).zip(&mut self.moments) {
             m.step(be, p, g, &self.maps, &update)?;
         }

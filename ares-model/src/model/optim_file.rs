@@ -31,7 +31,6 @@ use super::optim::{check_config, upload_maps};
 use super::{AdamW, AdamWConfig, Model, ModelError, Moments};
 use crate::backend::{Backend, DeviceBuffer};
 use crate::hf::tensor_files::{TensorData, le_f32s, le_u16s, write_safetensors_typed};
-use crate::hf::weights::expected_tensors;
 
 /// The `format` metadata value of an optimizer state file.
 const FORMAT: &str = "ares-adamw";
@@ -327,8 +326,7 @@ impl<B: Backend> AdamW<B> {
     /// This optimizer made for another model ([`ModelError::LayoutMismatch`]), a backend
     /// failure, or an I/O error naming the file.
     pub fn save(&self, model: &Model<B>, path: &Path) -> Result<(), ModelError> {
-        let w = &model.weights;
-        if !self.fits(w.buffers().into_iter().map(|b| b.len())) {
+        if !self.fits(model.trainable().into_iter().map(|b| b.len())) {
             return Err(ModelError::LayoutMismatch {
                 what: "optimizer moments",
             });
@@ -336,8 +334,7 @@ impl<B: Backend> AdamW<B> {
         let be = &model.backend;
         let mut params = Vec::new();
         let mut places = Vec::new();
-        for (name, shape) in expected_tensors(&model.config) {
-            let (buffer, item) = w.buffer_item(&name)?;
+        for (name, shape, (buffer, item)) in model.trainable_tensors()? {
             params.push((name, shape, self.moments[buffer].dtype()));
             places.push((buffer, item));
         }
@@ -408,10 +405,10 @@ impl<B: Backend> AdamW<B> {
         let state_dtype = state_dtype.unwrap_or(file_dtype);
 
         let st = SafeTensors::deserialize(&mmap).map_err(|e| bad(path, e.to_string()))?;
-        let params = expected_tensors(&model.config);
+        let params = model.trainable_tensors()?;
         let wanted: BTreeSet<String> = params
             .iter()
-            .flat_map(|(n, s)| {
+            .flat_map(|(n, s, _)| {
                 moment_heads(n, s, StateDtype::Int8)
                     .into_iter()
                     .chain(moment_heads(n, s, StateDtype::F32))
@@ -428,17 +425,15 @@ impl<B: Backend> AdamW<B> {
         }
 
         let be = &model.backend;
-        let w = &model.weights;
-        let mut moments: Vec<Moments<B>> = w
-            .buffers()
+        let mut moments: Vec<Moments<B>> = model
+            .trainable()
             .into_iter()
-            .zip(w.buffer_items())
+            .zip(model.trainable_items())
             .map(|(b, item)| Moments::zeros(be, b.len(), item, state_dtype))
             .collect::<Result<_, _>>()?;
-        for (name, shape) in &params {
+        for (name, shape, (buffer, item)) in &params {
             let host = read_moments(&st, path, name, shape)?;
-            let (buffer, item) = w.buffer_item(name)?;
-            moments[buffer].write(be, item, [&host[0], &host[1]])?;
+            moments[*buffer].write(be, *item, [&host[0], &host[1]])?;
         }
         Ok(Self {
             config,

@@ -48,6 +48,21 @@ impl<B: Backend> Stack<B> {
         self.buffer.len()
     }
 
+    /// Elements of one layer's tensor.
+    pub(crate) fn item(&self) -> usize {
+        self.item
+    }
+
+    /// The buffer of every layer.
+    pub(crate) fn buffer(&self) -> &B::Buffer {
+        &self.buffer
+    }
+
+    /// The buffer of every layer, writable.
+    pub(crate) fn buffer_mut(&mut self) -> &mut B::Buffer {
+        &mut self.buffer
+    }
+
     /// Every layer at once.
     pub(crate) fn whole(&self) -> Tensor<'_, B> {
         View::whole(&self.buffer)
@@ -560,13 +575,6 @@ impl<B: Backend> DeviceWeights<B> {
                 (whole + before, layer)
             }
         })
-    }
-
-    /// Whether `other` has exactly this layout (same buffers, same lengths): gradients or
-    /// moments made for this model.
-    pub(crate) fn same_layout(&self, other: &Self) -> bool {
-        let (a, b) = (self.buffers(), other.buffers());
-        a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.len() == y.len())
     }
 
     /// Where the parameter with Hugging Face name `name` lives: a whole buffer, or a

@@ -802,7 +802,7 @@ impl<B: Backend> VisionTower<B> {
             self.w(Slot::Merger2, 0, c.out_hidden * m)?,
             self.dims(units, m, c.out_hidden),
             Some(ViewMut::whole(&mut d_ma)),
-            w2,
+            Some(w2),
             Some(b2),
         )?;
         be.activation_backward(
@@ -819,7 +819,7 @@ impl<B: Backend> VisionTower<B> {
             self.w(Slot::Merger0, 0, m * m)?,
             self.dims(units, m, m),
             Some(ViewMut::whole(&mut d_norm)),
-            w0,
+            Some(w0),
             Some(b0),
         )?;
         be.fill(ViewMut::whole(&mut d_resid), 0.0)?;
@@ -855,7 +855,7 @@ impl<B: Backend> VisionTower<B> {
                 self.w(Slot::MlpOut, l, h * i)?,
                 self.dims(n, i, h),
                 Some(ViewMut::whole(&mut d_act)),
-                wo,
+                Some(wo),
                 Some(bo),
             )?;
             be.fill(ViewMut::whole(&mut d_norm), 0.0)?;
@@ -884,7 +884,7 @@ impl<B: Backend> VisionTower<B> {
                         self.w(Slot::MlpUp, l, i * h)?,
                         self.dims(n, h, i),
                         Some(ViewMut::whole(&mut d_norm)),
-                        wu,
+                        Some(wu),
                         Some(bu),
                     )?;
                 }
@@ -896,7 +896,7 @@ impl<B: Backend> VisionTower<B> {
                 self.w(Slot::MlpIn, l, i * h)?,
                 self.dims(n, h, i),
                 Some(ViewMut::whole(&mut d_norm)),
-                wi,
+                Some(wi),
                 Some(bi),
             )?;
             let mean = ln.then(|| View::item(&a.n2_mean, s, n)).transpose()?;
@@ -922,7 +922,7 @@ impl<B: Backend> VisionTower<B> {
                 self.w(Slot::Proj, l, h * h)?,
                 self.dims(n, h, h),
                 Some(ViewMut::whole(&mut d_att)),
-                wp,
+                Some(wp),
                 Some(bp),
             )?;
             let (dims, cu) = if c.full_attention(l) {
@@ -957,7 +957,7 @@ impl<B: Backend> VisionTower<B> {
                     w,
                     self.dims(n, h, h),
                     Some(ViewMut::whole(&mut d_norm)),
-                    gw,
+                    Some(gw),
                     Some(gb),
                 )?;
             }
@@ -985,7 +985,7 @@ impl<B: Backend> VisionTower<B> {
             self.w(Slot::Patch, 0, h * c.patch_dim())?,
             self.dims(n, c.patch_dim(), h),
             None,
-            ViewMut::whole(gp),
+            Some(ViewMut::whole(gp)),
             None,
         )?;
         Ok(())
@@ -1015,7 +1015,7 @@ impl<B: Backend> VisionTower<B> {
             }
             _ => {
                 let gw = g.get_mut(slot).ok_or_else(|| missing("norm grad"))?;
-                be.rmsnorm_backward(dout, x, w, rstd, h, dx, ViewMut::item(gw, l, h)?)?;
+                be.rmsnorm_backward(dout, x, w, rstd, h, dx, Some(ViewMut::item(gw, l, h)?))?;
             }
         }
         Ok(())
