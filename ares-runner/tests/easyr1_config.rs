@@ -106,7 +106,6 @@ fn easyr1_defaults_file_resolves_as_easyr1_reads_it() {
         "worker.critic",
         "worker.ref.fsdp",
         "worker.rollout.tensor_parallel_size",
-        "worker.actor.model.lora",
         "data.val_batch_size",
         "algorithm.lam",
     ] {
@@ -210,13 +209,47 @@ fn a_file_with_both_names_of_a_key_is_refused() {
     );
 }
 
+/// EasyR1's LoRA block as its example configs write it turns LoRA on: every linear layer
+/// of the language model at `α = 64` unless named otherwise.
+#[test]
+fn easyr1_lora_settings_load() {
+    let (c, _) = load(
+        None,
+        &["worker.actor.model.lora={rank: 8, alpha: 16, target_modules: all-linear, exclude_modules: .*visual.*}"],
+    )
+    .unwrap();
+    let peft = c.worker.actor.model.lora.peft().unwrap().unwrap();
+    assert_eq!((peft.r, peft.lora_alpha), (8, 16.0));
+    assert_eq!(peft.target_modules.len(), 7);
+    let (c, _) = load(
+        None,
+        &[
+            "worker.actor.model.lora.rank=4",
+            "worker.actor.model.lora.target_modules=[v_proj, q_proj]",
+        ],
+    )
+    .unwrap();
+    let peft = c.worker.actor.model.lora.peft().unwrap().unwrap();
+    assert_eq!((peft.r, peft.lora_alpha), (4, 64.0));
+    assert_eq!(peft.target_modules, ["q_proj", "v_proj"]);
+    let (c, _) = load(None, &[]).unwrap();
+    assert_eq!(
+        c.worker.actor.model.lora.peft().unwrap(),
+        None,
+        "off by default"
+    );
+}
+
 #[test]
 fn values_easyr1_has_and_ares_does_not_are_refused_with_the_reason() {
     for (o, want) in [
-        ("worker.actor.model.lora.rank=8", "LoRA is not built yet"),
         (
-            "worker.actor.model.lora={rank: 16, alpha: 32}",
-            "LoRA is not built yet",
+            "worker.actor.model.lora={rank: 16, target_modules: [q_proj, lm_head]}",
+            "worker.actor.model.lora.target_modules",
+        ),
+        (
+            "worker.actor.model.lora={rank: 16, exclude_modules: .*mlp.*}",
+            "worker.actor.model.lora.exclude_modules",
         ),
         ("worker.actor.loss_type=sapo", "SAPO loss is not built"),
         (

@@ -104,8 +104,7 @@ fn run(dir: &Path, name: &str, overrides: &[&str]) -> Vec<Map<String, Value>> {
     let a = assets(&dir.join("assets"));
     let run = dir.join(name);
     let cfg = config(&a, &run, overrides).unwrap();
-    let mut t = trainer(cfg).unwrap();
-    let summary = t.run().unwrap();
+    let summary = trainer(cfg).unwrap().run().unwrap();
     assert!(summary.checkpoint.is_some());
     read_metrics(&summary.metrics).unwrap()
 }
@@ -418,6 +417,60 @@ fn low_memory_optimizer_states_resume_exactly() {
             "{header}"
         );
     }
+}
+
+/// A LoRA run (the base frozen, pairs on every linear layer, int8 moments) resumes
+/// exactly; its checkpoints hold the adapter as PEFT files and no model copy, and the
+/// optimizer state names the pairs.
+#[test]
+fn lora_runs_resume_exactly_and_save_peft_adapters() {
+    let lora = [
+        "worker.actor.model.lora.rank=4",
+        "worker.actor.model.lora.alpha=8",
+        "worker.actor.optim.state_dtype=int8",
+    ];
+    let header = resume_equals_straight(&lora, 128);
+    assert!(
+        header.contains("model.layers.0.self_attn.q_proj.lora_A.weight.exp_avg")
+            && !header.contains("\"model.embed_tokens.weight"),
+        "{header}"
+    );
+
+    // one more run, to look at its checkpoint
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets_sized(&dir.path().join("assets"), 64);
+    let mut o: Vec<&str> = lora.to_vec();
+    o.push("trainer.max_steps=2");
+    let cfg = config(&a, &dir.path().join("run"), &o).unwrap();
+    let summary = trainer(cfg).unwrap().run().unwrap();
+    // the reference is the base (adapters off): no KL before the first update, some after
+    let kl: Vec<f64> = read_metrics(&summary.metrics)
+        .unwrap()
+        .iter()
+        .map(|r| r["kl/mean"].as_f64().unwrap())
+        .collect();
+    assert!(kl[0] == 0.0 && kl[1] > 0.0, "{kl:?}");
+    let ck = summary.checkpoint.expect("a checkpoint");
+    assert!(ck.join("adapter/adapter_config.json").is_file());
+    assert!(ck.join("adapter/adapter_model.safetensors").is_file());
+    assert!(!ck.join("model").exists(), "no copy of the frozen base");
+    let model = ares_runner::hf::config::ModelConfig::from_dir(&a.model_dir).unwrap();
+    let adapter = ares_runner::hf::lora::LoraAdapter::read(&ck.join("adapter"), &model).unwrap();
+    assert_eq!(adapter.config.r, 4);
+    assert_eq!(adapter.pairs.len(), 7 * model.num_hidden_layers);
+    assert!(
+        adapter
+            .pairs
+            .values()
+            .any(|p| p.b.iter().any(|&x| x != 0.0)),
+        "the pairs were trained"
+    );
+
+    // resuming a LoRA checkpoint without LoRA is refused, naming the setting
+    let o = ["trainer.max_steps=3", "trainer.find_last_checkpoint=true"];
+    let cfg = config(&a, &dir.path().join("run"), &o).unwrap();
+    let e = trainer(cfg).unwrap_err().to_string();
+    assert!(e.contains("worker.actor.model.lora"), "{e}");
 }
 
 #[test]
@@ -1210,6 +1263,7 @@ fn the_memory_plan_is_within_10_percent_of_the_measured_peak() {
     plan_against_peak(
         "the_memory_plan_is_within_10_percent_of_the_measured_peak",
         &[],
+        true,
     );
 }
 
@@ -1218,12 +1272,26 @@ fn the_memory_plan_is_within_10_percent_of_the_measured_peak() {
 #[test]
 fn the_memory_plan_holds_with_int8_optimizer_states() {
     let name = "the_memory_plan_holds_with_int8_optimizer_states";
-    plan_against_peak(name, &["worker.actor.optim.state_dtype=int8"]);
+    plan_against_peak(name, &["worker.actor.optim.state_dtype=int8"], true);
+}
+
+/// The plan of a LoRA run (rank 8 on every linear layer): no base gradients or moments,
+/// no reference copy (the base with the adapters off), the pairs and their activations.
+#[test]
+fn the_memory_plan_holds_with_lora() {
+    let name = "the_memory_plan_holds_with_lora";
+    // (responses of 64 tokens: the few MiB no plan counts — threads, the allocator —
+    // stay a small part of a plan this small)
+    let o = [
+        "worker.actor.model.lora.rank=8",
+        "data.max_response_length=64",
+    ];
+    plan_against_peak(name, &o, false);
 }
 
 /// The run of the plan tests, in a child process re-running test `name`, with `extra`
-/// overrides.
-fn plan_against_peak(name: &str, extra: &[&str]) {
+/// overrides; `reference`: the run holds a reference copy.
+fn plan_against_peak(name: &str, extra: &[&str], reference: bool) {
     let Some(mut peak) = ares_tests::bounded::rerun(
         name,
         ares_tests::bounded::Bounds {
@@ -1258,14 +1326,15 @@ fn plan_against_peak(name: &str, extra: &[&str]) {
     let mut overrides = vec!["data.max_response_length=24", "trainer.save_freq=0"];
     overrides.extend_from_slice(extra);
     let cfg = config(&a, &dir.path().join("run"), &overrides).unwrap();
-    let plan = ares_runner::trainer::run::memory_plan(&cfg, &a.model_dir, true, true).unwrap();
+    let longest = cfg.data.max_response_length as f64;
+    let plan = ares_runner::trainer::run::memory_plan(&cfg, &a.model_dir, true, reference).unwrap();
     peak.restart();
     let summary = trainer(cfg).unwrap().run().unwrap();
     let measured = peak.added_kib().map(|k| k << 10);
     let lines = read_metrics(&summary.metrics).unwrap();
     assert_eq!(
         num(&lines[0], "response_length/mean"),
-        24.0,
+        longest,
         "every response at its longest"
     );
     if let Some(measured) = measured {

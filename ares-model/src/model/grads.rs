@@ -125,9 +125,7 @@ impl<B: Backend> Model<B> {
 
     /// Every trained tensor: its name, shape, and where it lives among
     /// [`Model::trainable`] (buffer, layer).
-    pub(crate) fn trainable_tensors(
-        &self,
-    ) -> Result<Vec<TrainedTensor>, ModelError> {
+    pub(crate) fn trainable_tensors(&self) -> Result<Vec<TrainedTensor>, ModelError> {
         let Some(lora) = &self.lora else {
             let w = &self.weights;
             return crate::hf::weights::expected_tensors(&self.config)

@@ -12,7 +12,7 @@
 //!   meaning (`top_k: -1` = off = `0`): the value is translated;
 //! - **ignored**: an engine knob of a Ray/FSDP/vLLM stack with no meaning here
 //!   (`worker.actor.fsdp.*`, `tensor_parallel_size`): accepted, whatever its value;
-//! - **inert**: a key accepted at the values that change nothing here (`lora.rank: 0`) and
+//! - **inert**: a key accepted at the values that change nothing here (`override_config: {}`) and
 //!   refused, with the reason, at any other.
 //!
 //! Every rule that fires leaves a [`ConfigNote`]; `ares-runner train` and `ares-runner
@@ -152,10 +152,6 @@ fn is_true(v: &Value) -> bool {
     v.is_null() || *v == Value::Bool(true)
 }
 
-fn is_zero(v: &Value) -> bool {
-    v.is_null() || v.as_f64() == Some(0.0)
-}
-
 fn adamw(v: &Value) -> bool {
     v.is_null() || v.as_str() == Some("adamw")
 }
@@ -164,15 +160,6 @@ fn is_empty_map(v: &Value) -> bool {
     match v {
         Value::Null => true,
         Value::Object(m) => m.is_empty(),
-        _ => false,
-    }
-}
-
-/// LoRA is off when `rank` is 0 (EasyR1's default); its other keys then change nothing.
-fn lora_off(v: &Value) -> bool {
-    match v {
-        Value::Null => true,
-        Value::Object(m) => m.get("rank").is_none_or(is_zero),
         _ => false,
     }
 }
@@ -538,12 +525,6 @@ pub(crate) const RULES: &[Rule] = &[
         why: "λ of GAE, which needs a critic; ares has none",
     },
     // Keys that change nothing at their default and are not built for other values.
-    Rule::Inert {
-        key: "worker.actor.model.lora",
-        inert: lora_off,
-        why: "LoRA is off (rank 0)",
-        refused: "LoRA is not built yet; set rank: 0 to train every weight",
-    },
     Rule::Inert {
         key: "worker.actor.model.override_config",
         inert: is_empty_map,

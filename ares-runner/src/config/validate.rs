@@ -531,6 +531,13 @@ fn validate_actor(a: &ActorConfig, n: usize) -> Result<(), ConfigError> {
         &format!("{P}.model.tokenizer_path"),
         a.model.tokenizer_path.as_deref(),
     )?;
+    if let Err((k, value, expected)) = a.model.lora.peft() {
+        return Err(ConfigError::OutOfRange {
+            key: format!("{P}.model.lora.{k}"),
+            value,
+            expected,
+        });
+    }
     at_least(&format!("{P}.global_batch_size"), a.global_batch_size, 1)?;
     at_least(
         &format!("{P}.micro_batch_size_per_device_for_update"),

@@ -222,6 +222,112 @@ pub struct ModelConfig {
     /// gradients bit for bit, a fraction of the activation memory, one more forward pass of
     /// the layers and blocks per update (default false; EasyR1's default is true).
     pub enable_gradient_checkpointing: bool,
+    /// LoRA: train low-rank pairs on the language model's linear layers, the base frozen
+    /// (EasyR1's `worker.actor.model.lora`; off at rank 0, the default).
+    pub lora: LoraSettings,
+}
+
+/// `worker.actor.model.lora`: LoRA pairs on the language model's linear layers, as PEFT
+/// puts them (`y = x·Wᵀ + (α/r)·x·Aᵀ·Bᵀ`, `A` uniform on `±1/√in`, `B = 0`). The base
+/// weights are frozen; the reference policy is the base (the adapters off), not a second
+/// copy; checkpoints hold the adapter as PEFT files (`adapter/`). The vision tower of a
+/// vision-language model is frozen under LoRA (pairs on it are not built).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoraSettings {
+    /// The rank `r`; 0 (default) turns LoRA off.
+    pub rank: usize,
+    /// `lora_alpha`, finite and > 0 (default 64, EasyR1's).
+    pub alpha: f64,
+    /// The adapted layers: `all-linear` (default: q/k/v/o and gate/up/down), one module
+    /// name, or a list of them (a YAML list or one comma-separated string) (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`,
+    /// `up_proj`, `down_proj`).
+    pub target_modules: LoraTargets,
+    /// Modules left out (EasyR1's key): only `null`, or a pattern naming the vision tower
+    /// (`.*visual.*`), which LoRA never adapts here.
+    pub exclude_modules: Option<String>,
+    /// Scale `α/√r` instead of `α/r` (rsLoRA; default false).
+    pub use_rslora: bool,
+}
+
+impl Default for LoraSettings {
+    fn default() -> Self {
+        Self {
+            rank: 0,
+            alpha: 64.0,
+            target_modules: LoraTargets::One("all-linear".into()),
+            exclude_modules: None,
+            use_rslora: false,
+        }
+    }
+}
+
+/// `target_modules`: one name (or `all-linear`) or a list.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum LoraTargets {
+    /// `all-linear` or one module name.
+    One(String),
+    /// Module names.
+    Many(Vec<String>),
+}
+
+impl LoraSettings {
+    /// The PEFT configuration of these settings (`None` at rank 0), or what is wrong with
+    /// them as `(key suffix, value, expected)`.
+    pub fn peft(&self) -> Result<Option<crate::hf::lora::LoraConfig>, (String, String, String)> {
+        use crate::hf::lora::TARGETS;
+        if self.rank == 0 {
+            return Ok(None);
+        }
+        let bad = |k: &str, v: String, e: &str| Err((k.to_string(), v, e.to_string()));
+        if !(self.alpha.is_finite() && self.alpha > 0.0) {
+            return bad("alpha", self.alpha.to_string(), "finite and > 0");
+        }
+        let names: Vec<String> = match &self.target_modules {
+            LoraTargets::One(s) if s == "all-linear" => {
+                TARGETS.iter().map(|t| t.to_string()).collect()
+            }
+            // one name, or names written as one string (`q_proj, v_proj`, `[q_proj, v_proj]`)
+            LoraTargets::One(s) => s
+                .trim_matches(|c: char| c == '[' || c == ']' || c.is_whitespace())
+                .split(',')
+                .map(|n| n.trim().to_string())
+                .filter(|n| !n.is_empty())
+                .collect(),
+            LoraTargets::Many(v) => v.clone(),
+        };
+        let expected = format!("all-linear or some of {}", TARGETS.join(", "));
+        if names.is_empty() {
+            return bad("target_modules", "[]".into(), &expected);
+        }
+        if let Some(n) = names.iter().find(|n| !TARGETS.contains(&n.as_str())) {
+            return bad("target_modules", n.clone(), &expected);
+        }
+        if let Some(x) = &self.exclude_modules
+            && !x.contains("visual")
+        {
+            return bad(
+                "exclude_modules",
+                x.clone(),
+                "null, or a pattern naming the vision tower (.*visual.*); to leave out \
+                 language-model layers list the others in target_modules",
+            );
+        }
+        let mut target_modules: Vec<String> = Vec::new();
+        for t in TARGETS {
+            if names.iter().any(|n| n == t) {
+                target_modules.push(t.to_string());
+            }
+        }
+        Ok(Some(crate::hf::lora::LoraConfig {
+            r: self.rank,
+            lora_alpha: self.alpha,
+            use_rslora: self.use_rslora,
+            target_modules,
+            layers_to_transform: None,
+        }))
+    }
 }
 
 /// The policy being trained.

@@ -84,6 +84,27 @@ impl<B: Backend> Actor<B> {
         }
     }
 
+    /// The language model, writable (to add LoRA adapters).
+    pub fn lm_mut(&mut self) -> &mut Model<B> {
+        match self {
+            Actor::Text(m) => m,
+            Actor::Vision(m) => m.lm_mut(),
+        }
+    }
+
+    /// The language model's LoRA adapter as PEFT writes it (`model.language_model.` names
+    /// for a vision-language model), `None` without adapters.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn lora_adapter(&self) -> Result<Option<crate::hf::lora::LoraAdapter>, TrainError> {
+        let mut adapter = self.lm().lora_adapter()?;
+        if let Some(a) = adapter.as_mut() {
+            a.language_model = self.vision().is_some();
+        }
+        Ok(adapter)
+    }
+
     /// The backend.
     pub fn backend(&self) -> &B {
         self.lm().backend()

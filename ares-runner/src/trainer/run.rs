@@ -171,7 +171,13 @@ impl<B: Backend + Clone> Trainer<B> {
         };
         let settings = step_settings(&cfg, total_steps)?;
 
-        check_memory(&cfg, &model_dir, backend.memory_info(), settings.kl.enabled)?;
+        let lora = cfg.worker.actor.model.lora.peft().map_err(|(k, v, e)| {
+            TrainError::Invalid(format!("worker.actor.model.lora.{k} = {v}: expected {e}"))
+        })?;
+        // under LoRA the reference policy is the base: the actor with its adapters off
+        let separate_reference =
+            settings.kl.enabled && (lora.is_none() || cfg.worker.ref_.model_path.is_some());
+        check_memory(&cfg, &model_dir, backend.memory_info(), separate_reference)?;
         let initial = ModelFiles::load(&model_dir)?;
         let max_positions = initial.text_config().max_position_embeddings;
         let longest = train_ids.iter().map(Vec::len).max().unwrap_or(0);
@@ -191,7 +197,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 model_dir.display()
             )));
         }
-        let reference = if settings.kl.enabled {
+        let reference = if separate_reference {
             let ref_dir = cfg
                 .worker
                 .ref_
@@ -239,10 +245,42 @@ impl<B: Backend + Clone> Trainer<B> {
         let mut bootstrap_done = false;
         let (actor, opt, state, ares, checkpoint_config) = match latest {
             Some((step, dir)) => {
-                drop(initial); // the checkpoint's model is trained
-                let mut ck = ModelFiles::load(&dir.join("model"))?;
-                let actor = build_actor(backend.clone(), &ck, &cfg)?;
-                ck.drop_weights();
+                let adapter_dir = dir.join(ADAPTER_DIR);
+                let (actor, ck) = match (&lora, adapter_dir.is_dir()) {
+                    (Some(_), true) => {
+                        // LoRA: the base of model_path with the checkpoint's adapter
+                        let mut actor = build_actor(backend.clone(), &initial, &cfg)?;
+                        let adapter =
+                            crate::hf::lora::LoraAdapter::read(&adapter_dir, initial.text_config())
+                                .map_err(|e| TrainError::Invalid(e.to_string()))?;
+                        actor.lm_mut().load_lora(&adapter)?;
+                        let mut ck = initial;
+                        ck.drop_weights();
+                        (actor, ck)
+                    }
+                    (None, false) => {
+                        drop(initial); // the checkpoint's model is trained
+                        let mut ck = ModelFiles::load(&dir.join("model"))?;
+                        let actor = build_actor(backend.clone(), &ck, &cfg)?;
+                        ck.drop_weights();
+                        (actor, ck)
+                    }
+                    (Some(_), false) => {
+                        return Err(TrainError::Invalid(format!(
+                            "{} was saved without LoRA (no {ADAPTER_DIR}/): resume it with \
+                             worker.actor.model.lora.rank=0, or start a LoRA run from its \
+                             model/ as worker.actor.model.model_path",
+                            dir.display()
+                        )));
+                    }
+                    (None, true) => {
+                        return Err(TrainError::Invalid(format!(
+                            "{} holds a LoRA adapter ({ADAPTER_DIR}/): resume it with the \
+                             run's worker.actor.model.lora settings (its config.yaml)",
+                            dir.display()
+                        )));
+                    }
+                };
                 let opt_file = dir.join("optimizer.safetensors");
                 let adamw = AdamW::load_as(actor.lm(), adamw_cfg, state_dtype, &opt_file)?;
                 let text = std::fs::read_to_string(dir.join(TRAINER_STATE_FILE))
@@ -267,13 +305,19 @@ impl<B: Backend + Clone> Trainer<B> {
                 let opt = Optimizer {
                     adamw,
                     grads,
-                    tower: resume_tower(&actor, &cfg, &dir)?,
+                    tower: match lora {
+                        Some(_) => None, // (the tower is frozen under LoRA)
+                        None => resume_tower(&actor, &cfg, &dir)?,
+                    },
                     steps: state.optimizer_steps,
                 };
                 (actor, opt, state, ares, ck)
             }
             None => {
-                let actor = build_actor(backend.clone(), &initial, &cfg)?;
+                let mut actor = build_actor(backend.clone(), &initial, &cfg)?;
+                if let Some(l) = &lora {
+                    actor.lm_mut().add_lora(l, cfg.data.seed)?;
+                }
                 let mut initial = initial;
                 initial.drop_weights(); // before the optimizer's memory is taken
                 let adamw = AdamW::with_state_dtype(actor.lm(), adamw_cfg, state_dtype)?;
@@ -300,7 +344,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 let opt = Optimizer {
                     adamw,
                     grads,
-                    tower: if cfg.worker.actor.model.freeze_vision_tower {
+                    tower: if cfg.worker.actor.model.freeze_vision_tower || lora.is_some() {
                         None
                     } else {
                         actor.tower_training(state_dtype)?
@@ -770,9 +814,9 @@ impl<B: Backend + Clone> Trainer<B> {
         Ok(())
     }
 
-    /// Saves a checkpoint of the current step (model + tokenizer, optimizer, trainer
-    /// state; the model only with `trainer.save_model_only`), atomically, keeping the
-    /// newest `trainer.save_limit`.
+    /// Saves a checkpoint of the current step (model + tokenizer, or under LoRA the
+    /// adapter as PEFT files in `adapter/`; optimizer, trainer state; the model only with
+    /// `trainer.save_model_only`), atomically, keeping the newest `trainer.save_limit`.
     ///
     /// # Errors
     /// I/O or serialisation errors.
@@ -783,14 +827,19 @@ impl<B: Backend + Clone> Trainer<B> {
         };
         let ckdir = CheckpointDir::new(&self.run_dir);
         ckdir.save(self.state.step, self.cfg.trainer.save_limit, |dir| {
-            let model_dir = dir.join("model");
-            save_actor(
-                &self.actor,
-                &self.checkpoint_config,
-                &self.model_dir,
-                &model_dir,
-                dtype,
-            )?;
+            match self.actor.lora_adapter()? {
+                // LoRA: the adapter as PEFT files; the base is model_path's
+                Some(adapter) => adapter
+                    .write(&dir.join(ADAPTER_DIR), &self.model_dir.to_string_lossy())
+                    .map_err(|e| TrainError::Invalid(e.to_string()))?,
+                None => save_actor(
+                    &self.actor,
+                    &self.checkpoint_config,
+                    &self.model_dir,
+                    &dir.join("model"),
+                    dtype,
+                )?,
+            }
             write_atomic(&dir.join("config.yaml"), self.cfg.to_yaml().as_bytes())?;
             if self.cfg.trainer.save_model_only {
                 return Ok(());
@@ -1192,6 +1241,8 @@ fn mean_entropies(responses: &[Response]) -> Vec<f64> {
 
 /// The trainer's state in a checkpoint (absent from a `save_model_only` one).
 const TRAINER_STATE_FILE: &str = "trainer_state.json";
+/// A LoRA run's checkpoint keeps its adapter here, as PEFT files.
+pub const ADAPTER_DIR: &str = "adapter";
 
 /// `(step, dir)` of the checkpoint at `dir` (`trainer.load_checkpoint_path`): the step from
 /// its `trainer_state.json`.

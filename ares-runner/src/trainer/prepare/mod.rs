@@ -202,6 +202,11 @@ pub fn score<B: Backend>(
     };
     let d_ref = match (settings.kl.enabled, reference) {
         (true, Some(m)) => batch.score(m, settings.micro_batch, temperature)?,
+        // LoRA: the reference policy is the base, the actor with its adapters off
+        (true, None) if actor.lm().lora_config().is_some() => {
+            let _off = actor.lm().adapters_off();
+            batch.score(actor, settings.micro_batch, temperature)?
+        }
         _ => return Ok(out),
     };
     let fold_kl = !settings.kl.use_kl_loss;

@@ -23,7 +23,7 @@
 
 use crate::config::Config;
 use crate::hf::config::ModelConfig;
-use crate::model::{HeadMode, ModelSpec, StateDtype, arena_elements};
+use crate::model::{HeadMode, ModelSpec, StateDtype, arena_elements, lora_arena_elements};
 
 use crate::trainer::TrainError;
 
@@ -152,12 +152,28 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
     let p = text_parameters(model.text);
     let t = model.tower_params;
     let rope = f32s((spec.max_positions as u64).saturating_mul(spec.head_dim as u64));
-    let frozen = cfg.worker.actor.model.freeze_vision_tower;
-    let trained = p + if frozen { 0 } else { t };
+    // LoRA: the pairs are trained, the base (and the tower) frozen
+    let lora = cfg.worker.actor.model.lora.peft().ok().flatten();
+    let pairs = lora
+        .as_ref()
+        .map(|l| lora_tensors(&spec, l))
+        .unwrap_or_default();
+    let adapter = pairs.iter().map(|&n| n as u64).sum::<u64>();
+    let frozen = cfg.worker.actor.model.freeze_vision_tower || lora.is_some();
+    let trained = match lora {
+        Some(_) => adapter,
+        None => p + if frozen { 0 } else { t },
+    };
     let mut held = vec![Part {
         what: "weights and RoPE tables (f32)".into(),
         bytes: f32s(p + t) + rope,
     }];
+    if let Some(l) = &lora {
+        held.push(Part {
+            what: format!("LoRA pairs (r = {}, f32)", l.r),
+            bytes: f32s(adapter),
+        });
+    }
     if !cfg.trainer.val_only {
         held.push(Part {
             what: "gradients (f32)".into(),
@@ -166,10 +182,16 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         let dtype: StateDtype = cfg.worker.actor.optim.state_dtype.into();
         // per tensor, as the optimizer stores them (int8 keeps short tensors in f32); the
         // tower's slots are stacked over blocks, one tensor each, counted here as one
-        let lm = crate::hf::weights::expected_tensors(model.text)
-            .iter()
-            .map(|(_, shape)| dtype.moment_bytes(shape.iter().product()))
-            .fold(0, u64::saturating_add);
+        let lm = match lora {
+            Some(_) => pairs
+                .iter()
+                .map(|&n| dtype.moment_bytes(n))
+                .fold(0, u64::saturating_add),
+            None => crate::hf::weights::expected_tensors(model.text)
+                .iter()
+                .map(|(_, shape)| dtype.moment_bytes(shape.iter().product()))
+                .fold(0, u64::saturating_add),
+        };
         let tower = if frozen || t == 0 {
             0
         } else {
@@ -199,8 +221,12 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
     );
     let longest = prompt + response;
     let arena = |batch: u64, seq: u64, head: HeadMode, checkpointed: bool| -> u64 {
+        let kept = if checkpointed { l.min(1) } else { l };
+        let pairs = lora
+            .as_ref()
+            .map_or(0, |lc| lora_arena_elements(&spec, lc, batch * seq, kept));
         arena_elements(&spec, batch as usize, seq as usize, head, checkpointed)
-            .map_or(u64::MAX, |(floats, ids)| f32s(floats + ids))
+            .map_or(u64::MAX, |(floats, ids)| f32s(floats + ids + pairs))
     };
 
     // rollout: decode weights, the KV pool at its largest, the decode and prefill arenas
@@ -276,13 +302,21 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
             ],
         });
     }
-    // a checkpoint: the weights copied to the host, then the moments one tensor at a time
+    // a checkpoint: the weights (under LoRA the pairs) copied to the host, then the
+    // moments one tensor at a time
     let largest = c * v.max(i.max(c));
+    let (copied, copy_note) = match lora {
+        Some(_) => (
+            adapter,
+            "LoRA pairs copied to the host (f32), one moment tensor",
+        ),
+        None => (p + t, "weights copied to the host (f32), one moment tensor"),
+    };
     phases.push(Phase {
         name: "checkpoint save",
         parts: vec![Part {
-            what: "weights copied to the host (f32), one moment tensor".into(),
-            bytes: f32s(p + t) + f32s(largest),
+            what: copy_note.into(),
+            bytes: f32s(copied) + f32s(largest),
         }],
     });
     Ok(MemoryPlan {
@@ -290,6 +324,22 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         held,
         phases,
     })
+}
+
+/// Elements of each LoRA tensor of `config` on a model of `spec`: `A` `[r, in]` and `B`
+/// `[out, r]` per adapted projection and layer (the optimizer's tensors).
+fn lora_tensors(spec: &ModelSpec, config: &crate::hf::lora::LoraConfig) -> Vec<usize> {
+    let (c, i, qd, kvd) = (spec.hidden, spec.intermediate, spec.q_dim(), spec.kv_dim());
+    let shapes = [(c, qd), (c, kvd), (c, kvd), (qd, c), (c, i), (c, i), (i, c)];
+    let mut out = Vec::new();
+    for (name, (inp, o)) in crate::hf::lora::TARGETS.iter().zip(shapes) {
+        if config.target_modules.iter().any(|t| t == name) {
+            for _ in 0..spec.layers {
+                out.extend([config.r * inp, o * config.r]);
+            }
+        }
+    }
+    out
 }
 
 /// Refuses a run whose peak passes `available` (from `source`), naming its largest parts
@@ -326,6 +376,9 @@ pub fn check(
         && plan.held.iter().any(|p| p.what.starts_with("AdamW"))
     {
         ways.push("worker.actor.optim.state_dtype=int8 (or bf16)");
+    }
+    if cfg.worker.actor.model.lora.rank == 0 && !cfg.trainer.val_only {
+        ways.push("LoRA (worker.actor.model.lora.rank=16: the base frozen, no reference copy)");
     }
     if plan.held.iter().any(|p| p.what.starts_with("reference")) {
         ways.push(
