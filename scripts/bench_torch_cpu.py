@@ -44,7 +44,9 @@ elif _isa not in ("", "native"):
     raise SystemExit(f"ARES_CPU_ISA={_isa!r} is not a CPU path: use avx512, avx2, portable or native")
 
 import torch  # noqa: E402
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from torch_lora import with_lora  # noqa: E402
 
 TRAIN_BATCH, TRAIN_SEQ = 8, 256
 GEN_PROMPTS, GEN_PROMPT_LEN, GEN_NEW = 16, 32, 128
@@ -140,6 +142,27 @@ def main():
             opt.step()
 
         report("AdamW step (clip + update)", 1, "steps", timed(args.runs, opt_step))
+
+        # LoRA r = 16 on every linear layer, the base frozen (peft when installed, else the
+        # same pair by hand: lora_linear below)
+        lora_model = with_lora(Qwen2ForCausalLM(config).float(), r=16, alpha=32)
+        lora_model.train()
+
+        def lora_step():
+            lora_model.zero_grad(set_to_none=True)
+            logits = lora_model(input_ids=ids, attention_mask=mask).logits
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]
+            (coeffs * logp).sum().backward()
+
+        report("train forward+backward, LoRA r=16 all-linear", n, "tokens", timed(args.runs, lora_step))
+        trainable = [p for p in lora_model.parameters() if p.requires_grad]
+        lora_opt = torch.optim.AdamW(trainable, lr=1e-6)
+
+        def lora_opt_step():
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            lora_opt.step()
+
+        report("AdamW step, LoRA pairs", 1, "steps", timed(args.runs, lora_opt_step))
 
     if args.only in (None, "generate"):
         model.eval()

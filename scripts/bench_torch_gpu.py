@@ -25,6 +25,8 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from torch_lora import with_lora  # noqa: E402
+
 from bench_torch_cpu import report
 
 TRAIN_BATCH, TRAIN_SEQ = 4, 512
@@ -137,6 +139,25 @@ def main():
                 print(f"  = {achieved:.2f} TFLOP/s (best), MFU {100 * achieved / floor:.0f} % of the measured GEMM rate")
                 peak(f"{label} {kind} train")
         torch.backends.cuda.matmul.allow_tf32 = False
+
+        # LoRA r = 16 on every linear layer, the base frozen, bf16 autocast, gradient
+        # checkpointing on (the issue's baseline for `model_cuda`'s LoRA step)
+        del m
+        lora_model = with_lora(Qwen2ForCausalLM(cfg).float().to(device), r=16, alpha=32)
+        lora_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        lora_model.enable_input_require_grads()
+        lora_model.train()
+        peak("before the LoRA step")
+
+        def lora_step():
+            lora_model.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                out = loss(lora_model)
+            out.backward()
+
+        t = timed(args.runs, lora_step, sync)
+        report(f"[bf16 autocast eager] LoRA r=16 all-linear, checkpointed ({b} × {s})", n, "tokens", t)
+        peak("LoRA step, checkpointed")
 
     if args.only in (None, "generate"):
         model.eval()

@@ -62,7 +62,7 @@ cargo bench -p ares-benches --bench model_cuda --no-run --message-format=json | 
 echo "building ares-runner (the RL-step benchmark)…"
 cargo build --release -p ares-runner
 cp target/release/ares-runner "$dir/bin/ares-runner"
-cp scripts/torch_token_kernels.py scripts/bench_torch_gpu.py scripts/bench_torch_cpu.py \
+cp scripts/torch_token_kernels.py scripts/bench_torch_gpu.py scripts/bench_torch_cpu.py scripts/torch_lora.py \
   scripts/bench_grpo_step.sh scripts/bench_torch_grpo_step.py examples/configs/bench_grpo_step.yaml "$dir/"
 
 # Symbols and debug info are most of the size (92 → 41 MB); the device tool carries at

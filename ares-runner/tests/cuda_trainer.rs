@@ -29,6 +29,19 @@ fn gpu_or_skip() -> Option<CudaBackend> {
 /// practice); losses, KL and gradient norms then agree to f32 reduction-order noise.
 #[test]
 fn trainer_steps_on_the_gpu_match_the_cpu() {
+    gpu_steps_match_cpu("");
+}
+
+/// [`trainer_steps_on_the_gpu_match_the_cpu`] with LoRA pairs on every linear layer (the
+/// base frozen, the reference the base with the adapters off).
+#[test]
+fn lora_trainer_steps_on_the_gpu_match_the_cpu() {
+    gpu_steps_match_cpu(", model: {lora: {rank: 4, alpha: 8}}, optim: {lr: 1.0e-3}");
+}
+
+/// Two steps of a tiny run on the GPU and on the CPU, `actor` appended to the
+/// `worker.actor` flow map.
+fn gpu_steps_match_cpu(actor: &str) {
     use ares_runner::config::Config;
     use ares_runner::demo::model::TinyModelSpec;
     use ares_runner::demo::{DemoOptions, write_demo_assets_with};
@@ -62,7 +75,7 @@ fn trainer_steps_on_the_gpu_match_the_cpu() {
         let yaml = format!(
             "data: {{train_files: {}, max_response_length: 16, rollout_batch_size: 2, bootstrap: true}}\n\
              algorithm: {{online_filtering: false}}\n\
-             worker: {{actor: {{model_path: {}, global_batch_size: 2, micro_batch_size_per_device_for_update: 4}}, rollout: {{n: 4}}}}\n\
+             worker: {{actor: {{model_path: {}, global_batch_size: 2, micro_batch_size_per_device_for_update: 4{actor}}}, rollout: {{n: 4}}}}\n\
              trainer: {{save_checkpoint_path: {}, max_steps: 2, device: {device}}}\n",
             a.train.display(),
             a.model_dir.display(),

@@ -5,7 +5,8 @@
 //!
 //! - **train**: tokens/s of one training step's model work on 8 × 256 tokens — forward,
 //!   the loss head (∂L/∂logπ = −1/N per token at T = 1) and the backward pass into zeroed
-//!   gradients; the AdamW step is timed on its own.
+//!   gradients; the AdamW step is timed on its own; then the same with LoRA pairs (r = 16,
+//!   all-linear, the base frozen: `Model::add_lora`).
 //! - **generate**: new tokens/s of greedy batched generation with a KV cache, 16 prompts of
 //!   32 tokens, 128 new tokens each (no EOS, so every sequence runs the full length).
 //! - **rollout**: the RL rollout shape, 4 prompts of 100 tokens × n = 8 samples, 32 new
@@ -24,6 +25,7 @@ use ares_benches::SplitMix;
 use ares_benches::model::{BENCH_MODEL, best_and_median, env_usize, random_weights, report};
 use ares_model::backend::cpu::CpuBackend;
 use ares_model::hf::config::ModelConfig;
+use ares_model::hf::lora::{LoraConfig, TARGETS};
 use ares_model::model::{AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling};
 
 const TRAIN_BATCH: usize = 8;
@@ -126,6 +128,47 @@ fn main() {
             opt.step(&mut model, &grads, 1e-6, Some(1.0)).expect("step");
         });
         report("AdamW step (clip + update)", 1, "steps", t);
+
+        // LoRA r = 16 on every linear layer (PEFT's all-linear), the base frozen: the
+        // same step on a second copy of the model, its pairs' gradients only
+        let mut lora_model = Model::new(CpuBackend, &config, &w).expect("the bench model builds");
+        let lora = LoraConfig {
+            r: 16,
+            lora_alpha: 32.0,
+            use_rslora: false,
+            target_modules: TARGETS.iter().map(|t| t.to_string()).collect(),
+            layers_to_transform: None,
+        };
+        lora_model.add_lora(&lora, 1).expect("adapters");
+        let mut acts = lora_model
+            .activations(TRAIN_BATCH, TRAIN_SEQ)
+            .expect("activations");
+        let mut grads = lora_model.grads().expect("grads");
+        let t = best_and_median(runs, || {
+            grads.zero(&be).expect("zero");
+            lora_model.forward(&inputs, &mut acts).expect("forward");
+            lora_model
+                .backward_from_log_prob_grads(
+                    &inputs, &mut acts, &targets, &coeffs, 1.0, &mut grads,
+                )
+                .expect("backward");
+        });
+        report(
+            "train forward+backward, LoRA r=16 all-linear",
+            n,
+            "tokens",
+            t,
+        );
+        println!(
+            "  time ratio LoRA / full {:.2}",
+            t.0.as_secs_f64() / t_train.0.as_secs_f64()
+        );
+        let mut opt = AdamW::new(&lora_model, AdamWConfig::default()).expect("adamw");
+        let t = best_and_median(runs, || {
+            opt.step(&mut lora_model, &grads, 1e-6, Some(1.0))
+                .expect("step");
+        });
+        report("AdamW step, LoRA pairs", 1, "steps", t);
     }
 
     if only.as_deref().is_none_or(|o| o == "rollout") {

@@ -141,6 +141,7 @@ fn main() {
                 });
                 model.set_gradient_checkpointing(false);
                 report("  checkpointed forward+backward", n, "tokens", t);
+                lora_step(&gpu, &config, &w, &inputs, &targets, &coeffs, runs);
             }
             let mut opt = AdamW::new(&model, AdamWConfig::default()).expect("adamw");
             let t = best_and_median(runs, || {
@@ -195,5 +196,61 @@ fn main() {
                 );
             }
         }
+    }
+}
+
+/// LoRA r = 16 on every linear layer of a second copy of the model (bf16 operands,
+/// checkpointed, the base frozen): the step's tokens/s and the device memory it took
+/// (`scripts/bench_torch_gpu.py` runs the same step with peft).
+fn lora_step(
+    gpu: &CudaBackend,
+    config: &ModelConfig,
+    w: &ares_model::hf::weights::ModelWeights,
+    inputs: &Inputs<'_>,
+    targets: &[u32],
+    coeffs: &[f32],
+    runs: usize,
+) {
+    use ares_model::hf::lora::{LoraConfig, TARGETS};
+    let used = || gpu.memory_info().map(|(free, total)| total - free);
+    let before = used();
+    let mut model = Model::new(gpu.clone(), config, w).expect("the bench model builds");
+    model.set_matmul_precision(MatmulPrecision::Bf16);
+    model.set_gradient_checkpointing(true);
+    let lora = LoraConfig {
+        r: 16,
+        lora_alpha: 32.0,
+        use_rslora: false,
+        target_modules: TARGETS.iter().map(|t| t.to_string()).collect(),
+        layers_to_transform: None,
+    };
+    model.add_lora(&lora, 1).expect("adapters");
+    let mut acts = model
+        .activations(inputs.batch, inputs.seq)
+        .expect("activations");
+    let mut grads = model.grads().expect("grads");
+    let n = inputs.batch * inputs.seq;
+    let t = best_and_median(runs, || {
+        grads.zero(gpu).expect("zero");
+        model.forward(inputs, &mut acts).expect("forward");
+        model
+            .backward_from_log_prob_grads(inputs, &mut acts, targets, coeffs, 1.0, &mut grads)
+            .expect("backward");
+        gpu.synchronize().expect("sync");
+    });
+    report(
+        &format!(
+            "[bf16] LoRA r=16 all-linear, checkpointed ({} × {})",
+            inputs.batch, inputs.seq
+        ),
+        n,
+        "tokens",
+        t,
+    );
+    if let (Some(a), Some(b)) = (before, used()) {
+        println!(
+            "  device memory of the LoRA model, arena and gradients: {:.2} GiB (cuMemGetInfo)",
+            (b.saturating_sub(a)) as f64 / (1u64 << 30) as f64
+        );
     }
 }

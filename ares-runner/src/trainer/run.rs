@@ -829,9 +829,13 @@ impl<B: Backend + Clone> Trainer<B> {
         ckdir.save(self.state.step, self.cfg.trainer.save_limit, |dir| {
             match self.actor.lora_adapter()? {
                 // LoRA: the adapter as PEFT files; the base is model_path's
-                Some(adapter) => adapter
-                    .write(&dir.join(ADAPTER_DIR), &self.model_dir.to_string_lossy())
-                    .map_err(|e| TrainError::Invalid(e.to_string()))?,
+                Some(adapter) => {
+                    let base = std::fs::canonicalize(&self.model_dir)
+                        .unwrap_or_else(|_| self.model_dir.clone());
+                    adapter
+                        .write(&dir.join(ADAPTER_DIR), &base.to_string_lossy())
+                        .map_err(|e| TrainError::Invalid(e.to_string()))?
+                }
                 None => save_actor(
                     &self.actor,
                     &self.checkpoint_config,
