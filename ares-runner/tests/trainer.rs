@@ -466,6 +466,34 @@ fn lora_runs_resume_exactly_and_save_peft_adapters() {
         "the pairs were trained"
     );
 
+    // a new run from that adapter (as from one peft wrote): the policy starts away from
+    // the base, so its first step already has a KL; other settings than the adapter's are
+    // refused with the ones to use
+    let adapter_dir = ck.join("adapter");
+    let from = format!(
+        "worker.actor.model.lora.adapter_path={}",
+        adapter_dir.display()
+    );
+    let mut o: Vec<&str> = lora.to_vec();
+    o.extend(["trainer.max_steps=1", &from]);
+    let cfg = config(&a, &dir.path().join("from_adapter"), &o).unwrap();
+    let summary = trainer(cfg).unwrap().run().unwrap();
+    let kl = read_metrics(&summary.metrics).unwrap()[0]["kl/mean"]
+        .as_f64()
+        .unwrap();
+    assert!(kl > 0.0, "{kl}");
+    let o = [
+        "worker.actor.model.lora.rank=8",
+        "trainer.max_steps=1",
+        from.as_str(),
+    ];
+    let cfg = config(&a, &dir.path().join("wrong_rank"), &o).unwrap();
+    let e = trainer(cfg).unwrap_err().to_string();
+    assert!(e.contains("r = 4") && e.contains("rank=4"), "{e}");
+    let o = ["trainer.max_steps=1", from.as_str()];
+    let e = config(&a, &dir.path().join("no_rank"), &o).unwrap_err();
+    assert!(e.contains("worker.actor.model.lora.rank"), "{e}");
+
     // resuming a LoRA checkpoint without LoRA is refused, naming the setting
     let o = ["trainer.max_steps=3", "trainer.find_last_checkpoint=true"];
     let cfg = config(&a, &dir.path().join("run"), &o).unwrap();

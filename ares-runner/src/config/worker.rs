@@ -248,6 +248,11 @@ pub struct LoraSettings {
     pub exclude_modules: Option<String>,
     /// Scale `α/√r` instead of `α/r` (rsLoRA; default false).
     pub use_rslora: bool,
+    /// Start from this PEFT adapter (`adapter_config.json` + `adapter_model.safetensors`,
+    /// e.g. a LoRA cold start made with peft) instead of fresh pairs; `rank`, `alpha`,
+    /// `target_modules` and `use_rslora` must say what its config says (the memory plan
+    /// and the checks read them from here). Default none.
+    pub adapter_path: Option<String>,
 }
 
 impl Default for LoraSettings {
@@ -258,6 +263,7 @@ impl Default for LoraSettings {
             target_modules: LoraTargets::One("all-linear".into()),
             exclude_modules: None,
             use_rslora: false,
+            adapter_path: None,
         }
     }
 }
@@ -278,6 +284,16 @@ impl LoraSettings {
     pub fn peft(&self) -> Result<Option<crate::hf::lora::LoraConfig>, (String, String, String)> {
         use crate::hf::lora::TARGETS;
         if self.rank == 0 {
+            if let Some(p) = &self.adapter_path {
+                return Err((
+                    "rank".into(),
+                    "0".into(),
+                    format!(
+                        "the rank of the adapter in adapter_path ({p}), with its alpha and \
+                         target_modules (LoRA is off at rank 0)"
+                    ),
+                ));
+            }
             return Ok(None);
         }
         let bad = |k: &str, v: String, e: &str| Err((k.to_string(), v, e.to_string()));

@@ -315,8 +315,13 @@ impl<B: Backend + Clone> Trainer<B> {
             }
             None => {
                 let mut actor = build_actor(backend.clone(), &initial, &cfg)?;
-                if let Some(l) = &lora {
-                    actor.lm_mut().add_lora(l, cfg.data.seed)?;
+                match (&lora, &cfg.worker.actor.model.lora.adapter_path) {
+                    (Some(l), Some(dir)) => {
+                        let adapter = starting_adapter(Path::new(dir), l, &initial)?;
+                        actor.lm_mut().load_lora(&adapter)?;
+                    }
+                    (Some(l), None) => actor.lm_mut().add_lora(l, cfg.data.seed)?,
+                    (None, _) => {}
                 }
                 let mut initial = initial;
                 initial.drop_weights(); // before the optimizer's memory is taken
@@ -1411,6 +1416,51 @@ const VISION_OPTIMIZER_FILE: &str = "vision_optimizer.safetensors";
 
 /// The tower's training state when resuming from checkpoint `dir`: none for a text model
 /// or a frozen tower, else zeroed gradients and the saved moments.
+/// The PEFT adapter in `dir` a LoRA run starts from, checked against the run's settings
+/// `want` (rank, alpha, targets, rsLoRA).
+///
+/// # Errors
+/// The adapter unreadable or made for another model, or settings that differ from its
+/// config (the message gives the settings to use).
+fn starting_adapter(
+    dir: &Path,
+    want: &crate::hf::lora::LoraConfig,
+    base: &ModelFiles,
+) -> Result<crate::hf::lora::LoraAdapter, TrainError> {
+    let adapter = crate::hf::lora::LoraAdapter::read(dir, base.text_config())
+        .map_err(|e| TrainError::Invalid(format!("worker.actor.model.lora.adapter_path: {e}")))?;
+    let c = &adapter.config;
+    let sorted = |t: &[String]| {
+        let mut t = t.to_vec();
+        t.sort();
+        t
+    };
+    if (c.r, c.lora_alpha, c.use_rslora, sorted(&c.target_modules))
+        != (
+            want.r,
+            want.lora_alpha,
+            want.use_rslora,
+            sorted(&want.target_modules),
+        )
+    {
+        return Err(TrainError::Invalid(format!(
+            "worker.actor.model.lora: the adapter in {} has r = {}, lora_alpha = {}, \
+             use_rslora = {}, target_modules = [{}]; set worker.actor.model.lora.rank={}, \
+             alpha={}, use_rslora={} and target_modules=[{}] to train it",
+            dir.display(),
+            c.r,
+            c.lora_alpha,
+            c.use_rslora,
+            c.target_modules.join(", "),
+            c.r,
+            c.lora_alpha,
+            c.use_rslora,
+            c.target_modules.join(", "),
+        )));
+    }
+    Ok(adapter)
+}
+
 fn resume_tower<B: Backend>(
     actor: &Actor<B>,
     cfg: &Config,
