@@ -11,7 +11,6 @@
 //! seven billion values must be drawn in seconds, in parallel, from a counter-based stream:
 //! the same seed gives the same bytes on any number of threads.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
@@ -25,11 +24,11 @@ use crate::demo::vision_model::{
 };
 use crate::hf::config::{CONFIG_FILE, ModelConfig};
 use crate::hf::generation::GENERATION_CONFIG_FILE;
-use crate::hf::tensor_files::{NamedTensor, SINGLE_FILE, SaveDtype, write_safetensors};
-use crate::hf::weights::{ModelWeights, Tensor, expected_tensors};
+use crate::hf::tensor_files::{SINGLE_FILE, SaveDtype, write_safetensors_streamed};
+use crate::hf::weights::expected_tensors;
 use crate::trainer::TrainError;
 use crate::trainer::setup::memory::text_parameters;
-use crate::vision::checkpoint::{VlCheckpoint, WeightLayout};
+use crate::vision::checkpoint::WeightLayout;
 use crate::vision::config::VlConfig;
 use crate::vision::weights::{VisionWeights, tower_parameters};
 
@@ -210,10 +209,13 @@ pub fn init(options: &InitOptions) -> Result<InitReport, TrainError> {
         .and_then(Value::as_f64)
         .unwrap_or(0.02) as f32;
     let vision_tower = vision_cfg.as_ref().map(|vl| vl.vision.clone());
-    let mut map = HashMap::new();
-    for (k, (name, shape)) in expected_tensors(&text).into_iter().enumerate() {
+    // the language model's tensors, each drawn just before it is written: a 7B folder
+    // never holds more than one tensor of the language model in memory
+    let text_tensors = expected_tensors(&text);
+    let draw = |k: usize| -> Vec<f32> {
+        let (name, shape) = &text_tensors[k];
         let n: usize = shape.iter().product();
-        let data = if name.ends_with("norm.weight") {
+        if name.ends_with("norm.weight") {
             vec![1.0; n]
         } else if name.ends_with(".bias") {
             vec![0.0; n]
@@ -225,36 +227,62 @@ pub fn init(options: &InitOptions) -> Result<InitReport, TrainError> {
                 std
             };
             uniform(n, sigma, options.seed, k as u64)
-        };
-        map.insert(name, Tensor { shape, data });
-    }
-    let weights = ModelWeights::from_map(&text, map).map_err(|e| shown(&e))?;
-    let path = options.output.join(SINGLE_FILE);
-    let parameters = match vision_cfg {
-        None => {
-            weights
-                .write_safetensors(&path, &text, options.dtype)
-                .map_err(|e| shown(&e))?;
-            count(weights.tensors().iter().map(|(_, t)| t.data.len()))
-        }
-        Some(config) => {
-            let vision = VisionWeights::random(&config.vision, std, options.seed ^ 0x5EED);
-            let ck = VlCheckpoint {
-                config: config.clone(),
-                generation: None,
-                text: weights,
-                vision,
-                layout: WeightLayout::Hub,
-            };
-            let named = ck.named(WeightLayout::Hub);
-            let list: Vec<NamedTensor<'_>> = named
-                .iter()
-                .map(|(n, s, d)| (n.as_str(), s.as_slice(), *d))
-                .collect();
-            write_safetensors(&path, &list, options.dtype).map_err(|e| shown(&e))?;
-            count(named.iter().map(|(_, _, d)| d.len()))
         }
     };
+    let path = options.output.join(SINGLE_FILE);
+    let metadata = [("format".to_string(), "pt".to_string())]
+        .into_iter()
+        .collect();
+    // (a vision-language folder names the language model as the Hub does, and adds the
+    // tower, drawn whole: a few hundred million parameters at most)
+    let (text_names, vision) = match &vision_cfg {
+        None => (
+            text_tensors
+                .iter()
+                .map(|(n, _)| n.clone())
+                .collect::<Vec<_>>(),
+            None,
+        ),
+        Some(config) => {
+            let layout = WeightLayout::Hub;
+            let names = text_tensors
+                .iter()
+                .map(|(n, _)| layout.text_name(n))
+                .collect();
+            let tower = VisionWeights::random(&config.vision, std, options.seed ^ 0x5EED);
+            (names, Some((layout.vision_prefix(), tower, &config.vision)))
+        }
+    };
+    let named_vision = vision
+        .as_ref()
+        .map(|(prefix, tower, cfg)| {
+            tower
+                .named(cfg)
+                .into_iter()
+                .map(|(n, shape, data)| (format!("{prefix}{n}"), shape, data))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    let mut heads: Vec<(&str, &[usize])> = text_names
+        .iter()
+        .zip(&text_tensors)
+        .map(|(n, (_, shape))| (n.as_str(), shape.as_slice()))
+        .collect();
+    heads.extend(
+        named_vision
+            .iter()
+            .map(|(n, s, _)| (n.as_str(), s.as_slice())),
+    );
+    let t = text_tensors.len();
+    write_safetensors_streamed(&path, &heads, options.dtype, metadata, |i| {
+        Ok(if i < t {
+            std::borrow::Cow::Owned(draw(i))
+        } else {
+            std::borrow::Cow::Borrowed(named_vision[i - t].2)
+        })
+    })
+    .map_err(|e| shown(&e))?;
+    let parameters = count(heads.iter().map(|(_, s)| s.iter().product::<usize>()));
     write_json(&config_path, &raw)?;
     let generation = json!({
         "bos_token_id": null,
