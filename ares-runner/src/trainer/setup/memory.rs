@@ -6,7 +6,8 @@
 //! What is counted (f32, as the trainer stores everything today):
 //! - **held for the whole run**: the actor's weights and RoPE tables, its gradients, both
 //!   AdamW moments in their `state_dtype` (the vision tower's too, unless frozen), and the
-//!   reference policy when the KL needs one;
+//!   reference policy when the KL needs one; under LoRA the pairs, and gradients and moments
+//!   of the pairs only, with no reference copy (the base with the adapters off);
 //! - **rollout**: the decode weights (a transposed copy of every linear layer and the LM
 //!   head, f32 or bf16), the paged KV cache when `min(rollout_batch_size · n, 64)`
 //!   sequences are at `max_prompt_length + max_response_length` (its pool grows by
@@ -124,7 +125,8 @@ pub struct PlanModel<'a> {
     pub tower_params: u64,
     /// Whether the model is trained in host memory (else on a GPU).
     pub on_cpu: bool,
-    /// Whether the KL needs a reference policy.
+    /// Whether the KL needs a reference policy (under LoRA it is the actor with its
+    /// adapters off and takes no memory, unless `worker.ref.model_path` names a model).
     pub reference: bool,
 }
 
@@ -202,7 +204,9 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
             bytes: lm.saturating_add(tower),
         });
     }
-    if model.reference {
+    // under LoRA the reference is the actor with its adapters off, unless another model
+    // is named
+    if model.reference && (lora.is_none() || cfg.worker.ref_.model_path.is_some()) {
         held.push(Part {
             what: "reference policy (f32)".into(),
             bytes: f32s(p + t) + rope,
@@ -304,7 +308,10 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
     }
     // a checkpoint: the weights (under LoRA the pairs) copied to the host, then the
     // moments one tensor at a time
-    let largest = c * v.max(i.max(c));
+    let largest = match lora {
+        Some(_) => pairs.iter().copied().max().unwrap_or(0) as u64,
+        None => c * v.max(i.max(c)),
+    };
     let (copied, copy_note) = match lora {
         Some(_) => (
             adapter,
