@@ -166,6 +166,67 @@ fn two_steps_resume_two_steps_equals_four() {
     assert_eq!(deterministic(got), deterministic(want));
 }
 
+/// LoRA on a vision-language model's language model (image, video and text rows): the
+/// tower frozen, the checkpoint a PEFT adapter in transformers' `model.language_model.`
+/// names, and 2 + resume + 2 steps equal 4.
+#[test]
+fn lora_on_the_language_model_trains_and_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let lora = [
+        "worker.actor.model.lora.rank=4",
+        "worker.actor.model.lora.exclude_modules=.*visual.*",
+    ];
+    let with = |more: &[&'static str]| -> Vec<&'static str> {
+        let mut o = lora.to_vec();
+        o.extend_from_slice(more);
+        o
+    };
+    let (want, _) = train(config(
+        dir.path(),
+        &dir.path().join("straight"),
+        &with(&["trainer.max_steps=4"]),
+    ));
+    let resumed = dir.path().join("resumed");
+    train(config(
+        dir.path(),
+        &resumed,
+        &with(&["trainer.max_steps=2"]),
+    ));
+    let (got, ck) = train(config(
+        dir.path(),
+        &resumed,
+        &with(&["trainer.max_steps=4", "trainer.find_last_checkpoint=true"]),
+    ));
+    assert_eq!(deterministic(got), deterministic(want.clone()));
+    // (a step whose rewards are all equal has no advantage, so no gradient)
+    assert!(
+        want.iter()
+            .any(|l| l["actor/grad_norm"].as_f64().unwrap() > 0.0)
+    );
+    let ck = ck.expect("a checkpoint");
+    assert!(!ck.join("model").exists() && !ck.join("vision_optimizer.safetensors").exists());
+    let bytes = std::fs::read(ck.join("adapter/adapter_model.safetensors")).unwrap();
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = String::from_utf8_lossy(&bytes[8..8 + header_len]);
+    assert!(
+        header.contains(
+            "base_model.model.model.language_model.layers.0.self_attn.q_proj.lora_A.weight"
+        ),
+        "{header}"
+    );
+    let initial = VlCheckpoint::load(&model_dir()).unwrap();
+    let adapter =
+        ares_runner::hf::lora::LoraAdapter::read(&ck.join("adapter"), &initial.config.text)
+            .unwrap();
+    assert!(adapter.language_model);
+    assert!(
+        adapter
+            .pairs
+            .values()
+            .any(|p| p.b.iter().any(|&x| x != 0.0))
+    );
+}
+
 #[test]
 fn a_text_model_refuses_image_rows() {
     let dir = tempfile::tempdir().unwrap();
