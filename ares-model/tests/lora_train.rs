@@ -371,6 +371,31 @@ fn generation_merges_the_adapters() {
     }
 }
 
+/// `Model::merge_lora` gives the merged model `LoraAdapter::merge_into` makes on the host
+/// (the same `W + s·B·A`, summed in another order) and leaves no adapters.
+#[test]
+fn merging_on_the_device_equals_merging_the_files() {
+    for name in MODELS {
+        let (checkpoint, mut model) = load(name);
+        let adapter = random_adapter(&checkpoint, config(4, &TARGETS, None), 23);
+        model.load_lora(&adapter).unwrap();
+        let b = batch(name, "right");
+        let adapted = model.forward_logits(&b.inputs()).unwrap();
+        model.merge_lora().unwrap();
+        assert!(model.lora_config().is_none() && !model.adapters_active());
+        let mut host = checkpoint.clone();
+        adapter.merge_into(&mut host.weights).unwrap();
+        let ours = model.to_weights().unwrap();
+        for ((n, a), (_, b)) in ours.tensors().iter().zip(host.weights.tensors()) {
+            let err = rel_err(&a.data, &b.data);
+            assert!(err < 1e-6, "{name} {n}: {err:e}");
+        }
+        let merged = model.forward_logits(&b.inputs()).unwrap();
+        let err = rel_err(&merged, &adapted);
+        assert!(err < 1e-5, "{name}: merged vs adapted logits {err:e}");
+    }
+}
+
 #[test]
 fn adapters_round_trip_through_peft_files() {
     let name = "llama_tiny";

@@ -343,6 +343,49 @@ fn sft_fine_tunes_a_vision_language_model() {
     assert_ne!(saved.text, initial.text);
     assert_ne!(saved.vision, initial.vision, "the tower was not trained");
 
+    // LoRA: the pairs alone learn; the output is the merged model (the tower as it was)
+    // with the adapter beside it, and merging that adapter into the base gives the output
+    let lora = config(
+        dir.path(),
+        &dir.path().join("run_lora"),
+        &[
+            "worker.actor.model.lora.rank=8",
+            "worker.actor.model.lora.alpha=16",
+        ],
+    );
+    let out = dir.path().join("sft_lora");
+    let report = run_sft(
+        &lora,
+        CpuBackend,
+        &model_dir(),
+        &pairs,
+        &options,
+        &out,
+        None,
+    )
+    .unwrap();
+    assert!(report.last_loss < report.first_loss, "{report:?}");
+    let saved = VlCheckpoint::load(&out).unwrap();
+    assert_ne!(saved.text, initial.text);
+    assert_eq!(
+        saved.vision, initial.vision,
+        "the tower is frozen under LoRA"
+    );
+    let adapter =
+        ares_runner::hf::lora::LoraAdapter::read(&out.join("adapter"), &initial.config.text)
+            .unwrap();
+    let mut merged = initial.text.clone();
+    adapter.merge_into(&mut merged).unwrap();
+    for ((n, a), (_, b)) in merged.tensors().iter().zip(saved.text.tensors()) {
+        let scale = b.data.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+        let diff = a
+            .data
+            .iter()
+            .zip(&b.data)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(diff / scale < 1e-5, "{n}: {}", diff / scale);
+    }
+
     let bad = dir.path().join("bad.jsonl");
     std::fs::write(&bad, format!("{}\n{{\"prompt\": \"hi\"}}\n", rows[0])).unwrap();
     let err = read_sft_pairs(&bad, &cfg).unwrap_err().to_string();

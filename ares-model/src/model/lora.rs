@@ -669,3 +669,57 @@ impl<B: Backend> Model<B> {
         self.lora.as_ref().filter(|_| self.adapters_active())
     }
 }
+
+impl<B: Backend> Model<B> {
+    /// Merges the adapters into the base weights on the device (`W ← W + s·B·A`, peft's
+    /// `merge_and_unload`) and removes them: the model is then an ordinary one (to save as
+    /// a full checkpoint). Without adapters, nothing happens. Arenas planned before keep
+    /// LoRA intermediates the passes no longer use.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn merge_lora(&mut self) -> Result<(), ModelError> {
+        let Some(lora) = self.lora.take() else {
+            return Ok(());
+        };
+        let be = &self.backend;
+        let r = lora.config.r;
+        let w = &mut self.weights;
+        for t in Target::ALL {
+            let Some(p) = &lora.params.pairs[t as usize] else {
+                continue;
+            };
+            let (inp, out) = t.in_out(&self.spec);
+            let stack = match t {
+                Target::Q => &mut w.q,
+                Target::K => &mut w.k,
+                Target::V => &mut w.v,
+                Target::O => &mut w.o,
+                Target::Gate => &mut w.gate,
+                Target::Up => &mut w.up,
+                Target::Down => &mut w.down,
+            };
+            let mut at = be.alloc(inp * r)?;
+            let mut delta = be.alloc(out * inp)?;
+            for l in 0..self.spec.layers {
+                // Aᵀ [in, r]; B·A = linear(B, Aᵀ) [out, in]
+                be.transpose(p.a.layer(l)?, r, inp, ViewMut::whole(&mut at))?;
+                let dims = crate::backend::LinearDims {
+                    rows: out,
+                    in_features: r,
+                    out_features: inp,
+                    precision: crate::backend::MatmulPrecision::F32,
+                };
+                be.linear(
+                    p.b.layer(l)?,
+                    View::whole(&at),
+                    None,
+                    dims,
+                    ViewMut::whole(&mut delta),
+                )?;
+                be.axpy(lora.scale, View::whole(&delta), stack.layer_mut(l)?)?;
+            }
+        }
+        Ok(())
+    }
+}

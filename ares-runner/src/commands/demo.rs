@@ -425,8 +425,11 @@ fn warm_start<B: Backend + Clone>(
         "demo: supervised warm start on {} worked solutions",
         pairs.len()
     );
+    // the warm start trains every weight of the random model, whatever the RL run does
+    let mut full = cfg.clone();
+    full.worker.actor.model.lora = Default::default();
     let report = run_sft(
-        cfg,
+        &full,
         backend.clone(),
         &model_dir,
         &pairs,

@@ -67,7 +67,9 @@ pub struct SftOptions {
 }
 
 /// Fine-tunes the model of `model_dir` on `pairs` (prompt row, target response) and saves it
-/// (with the tokenizer and processor files) to `output`; one metrics line per step goes to
+/// (with the tokenizer and processor files) to `output` — under `worker.actor.model.lora`
+/// the pairs alone are trained, and `output` holds the merged model and the adapter as PEFT
+/// files in `output/adapter` (for a LoRA run's `lora.adapter_path`); one metrics line per step goes to
 /// `metrics` when given. Pairs that show the same images and videos share one processed copy
 /// of their pixels.
 ///
@@ -141,6 +143,19 @@ pub fn run_sft<B: Backend + Clone>(
         );
     }
     let mut model = build_actor(backend, &files, cfg)?;
+    // LoRA: fresh pairs (or an adapter's), the base and the tower frozen
+    let lora = cfg.worker.actor.model.lora.peft().map_err(|(k, v, e)| {
+        TrainError::Invalid(format!("worker.actor.model.lora.{k} = {v}: expected {e}"))
+    })?;
+    if let Some(l) = &lora {
+        match &cfg.worker.actor.model.lora.adapter_path {
+            Some(dir) => {
+                let adapter = crate::trainer::run::starting_adapter(Path::new(dir), l, &files)?;
+                model.lm_mut().load_lora(&adapter)?;
+            }
+            None => model.lm_mut().add_lora(l, options.seed)?,
+        }
+    }
     let mut files = files;
     files.drop_weights(); // saving needs its configs only
     let mut opt = Optimizer {
@@ -150,7 +165,7 @@ pub fn run_sft<B: Backend + Clone>(
             cfg.worker.actor.optim.state_dtype.into(),
         )?,
         grads: model.lm().grads()?,
-        tower: if cfg.worker.actor.model.freeze_vision_tower {
+        tower: if cfg.worker.actor.model.freeze_vision_tower || lora.is_some() {
             None
         } else {
             model.tower_training(cfg.worker.actor.optim.state_dtype.into())?
@@ -216,7 +231,16 @@ pub fn run_sft<B: Backend + Clone>(
     // atomic: write beside, then rename over
     let tmp = output.with_extension("tmp-sft");
     let _ = std::fs::remove_dir_all(&tmp);
+    // under LoRA: the adapter as PEFT files in `adapter/`, beside the merged model
+    let adapter = model.lora_adapter()?;
+    model.lm_mut().merge_lora()?;
     save_actor(&model, &files, model_dir, &tmp, SaveDtype::F32)?;
+    if let Some(adapter) = adapter {
+        let base = std::fs::canonicalize(model_dir).unwrap_or_else(|_| model_dir.to_path_buf());
+        adapter
+            .write(&tmp.join("adapter"), &base.to_string_lossy())
+            .map_err(|e| TrainError::Invalid(e.to_string()))?;
+    }
     if output.exists() {
         std::fs::remove_dir_all(output).map_err(|e| TrainError::io(output, e))?;
     }

@@ -1422,7 +1422,7 @@ const VISION_OPTIMIZER_FILE: &str = "vision_optimizer.safetensors";
 /// # Errors
 /// The adapter unreadable or made for another model, or settings that differ from its
 /// config (the message gives the settings to use).
-fn starting_adapter(
+pub(crate) fn starting_adapter(
     dir: &Path,
     want: &crate::hf::lora::LoraConfig,
     base: &ModelFiles,
