@@ -396,6 +396,33 @@ fn merging_on_the_device_equals_merging_the_files() {
     }
 }
 
+/// The memory plan's figure of the LoRA intermediates is what an arena allocates, stored
+/// and checkpointed.
+#[test]
+fn lora_arena_elements_predict_the_allocation() {
+    use ares_model::model::{HeadMode, ModelSpec, arena_elements, lora_arena_elements};
+    for name in MODELS {
+        let (checkpoint, mut model) = load(name);
+        let spec = ModelSpec::from_config(&checkpoint.config).unwrap();
+        let cfg = config(8, &["q_proj", "down_proj", "up_proj"], None);
+        model.add_lora(&cfg, 1).unwrap();
+        for checkpointed in [false, true] {
+            model.set_gradient_checkpointing(checkpointed);
+            let (batch, seq) = (3, 7);
+            let acts = model.activations_full(batch, seq).unwrap();
+            let kept = if checkpointed { 1 } else { spec.layers as u64 };
+            let (floats, ids) =
+                arena_elements(&spec, batch, seq, HeadMode::Full, checkpointed).unwrap();
+            let want = floats + lora_arena_elements(&spec, &cfg, (batch * seq) as u64, kept);
+            assert_eq!(
+                acts.elements(),
+                (want, ids),
+                "{name} checkpointed={checkpointed}"
+            );
+        }
+    }
+}
+
 #[test]
 fn adapters_round_trip_through_peft_files() {
     let name = "llama_tiny";
