@@ -466,6 +466,24 @@ fn lora_runs_resume_exactly_and_save_peft_adapters() {
         "the pairs were trained"
     );
 
+    // `merge` takes the checkpoint itself (its adapter/) and writes the trained model
+    let merged = dir.path().join("merged");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ares-runner"))
+        .args(["merge", "--model"])
+        .arg(&a.model_dir)
+        .arg("--adapter")
+        .arg(&ck)
+        .arg("-o")
+        .arg(&merged)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(merged.join("model.safetensors").is_file());
+
     // a new run from that adapter (as from one peft wrote): the policy starts away from
     // the base, so its first step already has a KL; other settings than the adapter's are
     // refused with the ones to use

@@ -60,8 +60,9 @@ impl ModelFiles {
         })
     }
 
-    /// Merges the PEFT LoRA adapter in `dir` into the weights (`hf::lora`: its language
-    /// model's pairs, as peft's `merge_and_unload`), and returns it.
+    /// Merges the PEFT LoRA adapter in `dir` (or in `dir/adapter`, a LoRA run's checkpoint)
+    /// into the weights (`hf::lora`: its language model's pairs, as peft's
+    /// `merge_and_unload`), and returns it.
     ///
     /// # Errors
     /// The adapter missing, malformed, unsupported or made for another model (named).
@@ -69,6 +70,15 @@ impl ModelFiles {
         &mut self,
         dir: &Path,
     ) -> Result<crate::hf::lora::LoraAdapter, TrainError> {
+        // a LoRA run's checkpoint holds its adapter in `adapter/`
+        let nested = dir.join("adapter");
+        let dir = if !dir.join(crate::hf::lora::CONFIG_FILE).exists()
+            && nested.join(crate::hf::lora::CONFIG_FILE).is_file()
+        {
+            nested.as_path()
+        } else {
+            dir
+        };
         let invalid =
             |e: crate::hf::HfError| TrainError::Invalid(format!("adapter {}: {e}", dir.display()));
         let (config, weights) = match self {
