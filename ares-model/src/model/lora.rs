@@ -213,7 +213,7 @@ impl<B: Backend> std::fmt::Debug for LoraActs<B> {
 /// The adapters a pass applies, with its intermediates.
 pub(crate) type ActiveLora<'a, B> = (&'a Lora<B>, &'a mut LoraActs<B>);
 
-/// Floats of a [`LoraActs`] for `n` tokens, `kept` layers and `config`'s targets: the
+/// Floats of the LoRA intermediates of an arena for `n` tokens, `kept` layers and `config`'s targets: the
 /// memory plan's figure (the same sums as the allocation).
 pub fn lora_arena_elements(spec: &ModelSpec, config: &LoraConfig, n: u64, kept: u64) -> u64 {
     let r = config.r as u64;
