@@ -537,6 +537,7 @@ fn example_configs_load() {
             "grpo_lambda.yaml",
             "gspo.yaml",
             "kl_cov.yaml",
+            "lora.yaml",
             "multi_turn_tools.yaml",
             "pro_max.yaml",
             "rubric.yaml",
@@ -549,6 +550,13 @@ fn example_configs_load() {
 fn example_configs_select_their_method() {
     let load_example =
         |name: &str| Config::load(Some(&examples_dir().join(name)), &[]).expect(name);
+    let lora = load_example("lora.yaml").worker.actor;
+    let peft = lora.model.lora.peft().unwrap().expect("LoRA on");
+    assert_eq!(
+        (peft.r, peft.lora_alpha, peft.target_modules.len()),
+        (64, 128.0, 7)
+    );
+    assert!(lora.model.enable_gradient_checkpointing);
     let tools = load_example("multi_turn_tools.yaml");
     assert!(tools.worker.rollout.multi_turn.enable);
     assert_eq!(tools.worker.rollout.multi_turn.tools, ["calculator"]);
