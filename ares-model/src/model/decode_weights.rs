@@ -127,7 +127,7 @@ impl<B: Backend> DecodeWeights<B> {
         let t = |target: Target, stack: &Stack<B>, out, inp| -> Result<Stack<B>, ModelError> {
             let mut wt = stack.transposed(backend, out, inp)?;
             if let Some(lora) = lora {
-                lora.add_transposed_delta(backend, spec, target, &mut wt)?;
+                lora.add_delta(backend, spec, target, &mut wt, true)?;
             }
             Ok(wt)
         };

@@ -623,14 +623,16 @@ impl Drop for AdaptersOff<'_> {
 }
 
 impl<B: Backend> Lora<B> {
-    /// Adds `s·Aᵀ·Bᵀ` `[in, out]` of `target`'s pair at every layer to `wt`, the
-    /// transposed weights `[L, in, out]` (nothing when the target is not adapted).
-    pub(crate) fn add_transposed_delta(
+    /// Adds `s·(B·A)` of `target`'s pair at every layer to `w`, the layer stack of that
+    /// projection: `[L, out, in]`, or with `transposed` the decode copy `[L, in, out]`
+    /// (`s·Aᵀ·Bᵀ`). Nothing when the target is not adapted.
+    pub(crate) fn add_delta(
         &self,
         be: &B,
         spec: &ModelSpec,
         target: Target,
-        wt: &mut Stack<B>,
+        w: &mut Stack<B>,
+        transposed: bool,
     ) -> Result<(), ModelError> {
         let Some(p) = &self.params.pairs[target as usize] else {
             return Ok(());
@@ -641,22 +643,21 @@ impl<B: Backend> Lora<B> {
         let mut delta = be.alloc(inp * out)?;
         let layers = p.a.len() / p.a.item().max(1);
         for l in 0..layers {
-            // Aᵀ [in, r]; Aᵀ·Bᵀ = linear(Aᵀ, B) [in, out]
+            // Aᵀ [in, r]; then Aᵀ·Bᵀ = linear(Aᵀ, B) [in, out] or B·A = linear(B, Aᵀ) [out, in]
             be.transpose(p.a.layer(l)?, r, inp, ViewMut::whole(&mut at))?;
+            let (x, wt, rows, cols) = if transposed {
+                (View::whole(&at), p.b.layer(l)?, inp, out)
+            } else {
+                (p.b.layer(l)?, View::whole(&at), out, inp)
+            };
             let dims = crate::backend::LinearDims {
-                rows: inp,
+                rows,
                 in_features: r,
-                out_features: out,
+                out_features: cols,
                 precision: crate::backend::MatmulPrecision::F32,
             };
-            be.linear(
-                View::whole(&at),
-                p.b.layer(l)?,
-                None,
-                dims,
-                ViewMut::whole(&mut delta),
-            )?;
-            be.axpy(self.scale, View::whole(&delta), wt.layer_mut(l)?)?;
+            be.linear(x, wt, None, dims, ViewMut::whole(&mut delta))?;
+            be.axpy(self.scale, View::whole(&delta), w.layer_mut(l)?)?;
         }
         Ok(())
     }
@@ -682,14 +683,8 @@ impl<B: Backend> Model<B> {
         let Some(lora) = self.lora.take() else {
             return Ok(());
         };
-        let be = &self.backend;
-        let r = lora.config.r;
-        let w = &mut self.weights;
+        let (be, spec, w) = (&self.backend, &self.spec, &mut self.weights);
         for t in Target::ALL {
-            let Some(p) = &lora.params.pairs[t as usize] else {
-                continue;
-            };
-            let (inp, out) = t.in_out(&self.spec);
             let stack = match t {
                 Target::Q => &mut w.q,
                 Target::K => &mut w.k,
@@ -699,26 +694,7 @@ impl<B: Backend> Model<B> {
                 Target::Up => &mut w.up,
                 Target::Down => &mut w.down,
             };
-            let mut at = be.alloc(inp * r)?;
-            let mut delta = be.alloc(out * inp)?;
-            for l in 0..self.spec.layers {
-                // Aᵀ [in, r]; B·A = linear(B, Aᵀ) [out, in]
-                be.transpose(p.a.layer(l)?, r, inp, ViewMut::whole(&mut at))?;
-                let dims = crate::backend::LinearDims {
-                    rows: out,
-                    in_features: r,
-                    out_features: inp,
-                    precision: crate::backend::MatmulPrecision::F32,
-                };
-                be.linear(
-                    p.b.layer(l)?,
-                    View::whole(&at),
-                    None,
-                    dims,
-                    ViewMut::whole(&mut delta),
-                )?;
-                be.axpy(lora.scale, View::whole(&delta), stack.layer_mut(l)?)?;
-            }
+            lora.add_delta(be, spec, t, stack, false)?;
         }
         Ok(())
     }
