@@ -1713,14 +1713,7 @@ fn fixture_logits_match_transformers_and_cpu() {
 /// Forward then backward of the fixture loss on `model`, returning every gradient.
 fn fixture_grads<B: Backend>(model: &Model<B>, s: &Set) -> Vec<(String, Vec<f32>)> {
     let be = model.backend();
-    let mut acts = model.activations(s.batch, s.seq).unwrap();
-    model.forward(&s.inputs(), &mut acts).unwrap();
-    let mut dlogits = be.alloc(s.dlogits.len()).unwrap();
-    be.upload(&s.dlogits, ViewMut::whole(&mut dlogits)).unwrap();
-    let mut grads: Grads<B> = model.grads().unwrap();
-    model
-        .backward(&s.inputs(), &mut acts, View::whole(&dlogits), &mut grads)
-        .unwrap();
+    let grads = fixture_loss_grads(model, s);
     let names: Vec<String> = model
         .to_weights()
         .unwrap()
@@ -2466,13 +2459,7 @@ fn scatter_rows_matches_cpu_and_reports_bad_indices() {
 fn lora_training_matches_cpu() {
     use ares_model::hf::lora::{LoraAdapter, LoraConfig, LoraPair, TARGETS, weight_name};
     let Some(gpu) = gpu_or_skip() else { return };
-    let config = LoraConfig {
-        r: 4,
-        lora_alpha: 8.0,
-        use_rslora: false,
-        target_modules: TARGETS.iter().map(|t| t.to_string()).collect(),
-        layers_to_transform: None,
-    };
+    let config = LoraConfig::all_linear(4, 8.0);
     let mut rng = Rng(7);
     for name in MODELS {
         let checkpoint = Checkpoint::load(&fixture(name)).unwrap();
@@ -2510,8 +2497,8 @@ fn lora_training_matches_cpu() {
             assert!(off == base, "{name}: adapters off is the base, bit for bit");
         }
         let (g_gpu, g_cpu) = (
-            fixture_grads_lora(&gpu_model, &s),
-            fixture_grads_lora(&cpu_model, &s),
+            fixture_loss_grads(&gpu_model, &s),
+            fixture_loss_grads(&cpu_model, &s),
         );
         for n in adapter.pairs.keys() {
             let stem = n.trim_end_matches(".weight");
@@ -2541,8 +2528,9 @@ fn adamw_once<B: Backend>(model: &mut Model<B>, g: &Grads<B>) -> StepReport {
     opt.step(model, g, 1e-2, None).unwrap()
 }
 
-/// The pairs' gradients of the fixture loss (explicit ∂L/∂logits).
-fn fixture_grads_lora<B: Backend>(model: &Model<B>, s: &Set) -> Grads<B> {
+/// The gradients of the fixture loss (explicit ∂L/∂logits): the weights', or with LoRA the
+/// pairs'.
+fn fixture_loss_grads<B: Backend>(model: &Model<B>, s: &Set) -> Grads<B> {
     let be = model.backend();
     let mut acts = model.activations(s.batch, s.seq).unwrap();
     model.forward(&s.inputs(), &mut acts).unwrap();

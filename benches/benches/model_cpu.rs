@@ -25,7 +25,7 @@ use ares_benches::SplitMix;
 use ares_benches::model::{BENCH_MODEL, best_and_median, env_usize, random_weights, report};
 use ares_model::backend::cpu::CpuBackend;
 use ares_model::hf::config::ModelConfig;
-use ares_model::hf::lora::{LoraConfig, TARGETS};
+use ares_model::hf::lora::LoraConfig;
 use ares_model::model::{AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling};
 
 const TRAIN_BATCH: usize = 8;
@@ -132,13 +132,7 @@ fn main() {
         // LoRA r = 16 on every linear layer (PEFT's all-linear), the base frozen: the
         // same step on a second copy of the model, its pairs' gradients only
         let mut lora_model = Model::new(CpuBackend, &config, &w).expect("the bench model builds");
-        let lora = LoraConfig {
-            r: 16,
-            lora_alpha: 32.0,
-            use_rslora: false,
-            target_modules: TARGETS.iter().map(|t| t.to_string()).collect(),
-            layers_to_transform: None,
-        };
+        let lora = LoraConfig::all_linear(16, 32.0);
         lora_model.add_lora(&lora, 1).expect("adapters");
         let mut acts = lora_model
             .activations(TRAIN_BATCH, TRAIN_SEQ)

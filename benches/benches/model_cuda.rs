@@ -211,19 +211,13 @@ fn lora_step(
     coeffs: &[f32],
     runs: usize,
 ) {
-    use ares_model::hf::lora::{LoraConfig, TARGETS};
+    use ares_model::hf::lora::LoraConfig;
     let used = || gpu.memory_info().map(|(free, total)| total - free);
     let before = used();
     let mut model = Model::new(gpu.clone(), config, w).expect("the bench model builds");
     model.set_matmul_precision(MatmulPrecision::Bf16);
     model.set_gradient_checkpointing(true);
-    let lora = LoraConfig {
-        r: 16,
-        lora_alpha: 32.0,
-        use_rslora: false,
-        target_modules: TARGETS.iter().map(|t| t.to_string()).collect(),
-        layers_to_transform: None,
-    };
+    let lora = LoraConfig::all_linear(16, 32.0);
     model.add_lora(&lora, 1).expect("adapters");
     let mut acts = model
         .activations(inputs.batch, inputs.seq)

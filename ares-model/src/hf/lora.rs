@@ -61,6 +61,18 @@ pub struct LoraConfig {
 }
 
 impl LoraConfig {
+    /// Pairs of rank `r` on every linear layer of every decoder layer (PEFT's
+    /// `target_modules="all-linear"`), scale `alpha / r`.
+    pub fn all_linear(r: usize, lora_alpha: f64) -> Self {
+        Self {
+            r,
+            lora_alpha,
+            use_rslora: false,
+            target_modules: TARGETS.iter().map(|t| t.to_string()).collect(),
+            layers_to_transform: None,
+        }
+    }
+
     /// The factor `s` on `B·A`: `lora_alpha / r`, or `lora_alpha / √r` with rsLoRA.
     pub fn scale(&self) -> f64 {
         let r = self.r as f64;

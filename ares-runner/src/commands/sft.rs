@@ -144,18 +144,7 @@ pub fn run_sft<B: Backend + Clone>(
     }
     let mut model = build_actor(backend, &files, cfg)?;
     // LoRA: fresh pairs (or an adapter's), the base and the tower frozen
-    let lora = cfg.worker.actor.model.lora.peft().map_err(|(k, v, e)| {
-        TrainError::Invalid(format!("worker.actor.model.lora.{k} = {v}: expected {e}"))
-    })?;
-    if let Some(l) = &lora {
-        match &cfg.worker.actor.model.lora.adapter_path {
-            Some(dir) => {
-                let adapter = crate::trainer::run::starting_adapter(Path::new(dir), l, &files)?;
-                model.lm_mut().load_lora(&adapter)?;
-            }
-            None => model.lm_mut().add_lora(l, options.seed)?,
-        }
-    }
+    let lora = crate::trainer::setup::add_lora(&mut model, cfg, &files, options.seed)?;
     let mut files = files;
     files.drop_weights(); // saving needs its configs only
     let mut opt = Optimizer {

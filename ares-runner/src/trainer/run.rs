@@ -41,8 +41,8 @@ use crate::trainer::setup::bootstrap::{BootstrapResult, apply_bootstrap, read_bo
 use crate::trainer::setup::settings::step_settings;
 use crate::trainer::setup::settings::{FilterKey, StepSettings};
 use crate::trainer::setup::{
-    ModelFiles, adamw_config, build_actor, eos_ids_of, filter_prompts, load_examples, renderer,
-    run_dir, save_actor,
+    ModelFiles, adamw_config, add_lora, build_actor, eos_ids_of, filter_prompts, load_examples,
+    lora_settings, renderer, run_dir, save_actor,
 };
 use crate::trainer::update::{Optimizer, ppo_update};
 use crate::vision::model::VisionMoments;
@@ -171,13 +171,12 @@ impl<B: Backend + Clone> Trainer<B> {
         };
         let settings = step_settings(&cfg, total_steps)?;
 
-        let lora = cfg.worker.actor.model.lora.peft().map_err(|(k, v, e)| {
-            TrainError::Invalid(format!("worker.actor.model.lora.{k} = {v}: expected {e}"))
-        })?;
+        let lora = lora_settings(&cfg)?;
         // under LoRA the reference policy is the base: the actor with its adapters off
         let separate_reference =
             settings.kl.enabled && (lora.is_none() || cfg.worker.ref_.model_path.is_some());
-        check_memory(&cfg, &model_dir, backend.memory_info(), separate_reference)?;
+        // (the plan itself counts no reference copy under LoRA)
+        check_memory(&cfg, &model_dir, backend.memory_info(), settings.kl.enabled)?;
         let initial = ModelFiles::load(&model_dir)?;
         let max_positions = initial.text_config().max_position_embeddings;
         let longest = train_ids.iter().map(Vec::len).max().unwrap_or(0);
@@ -315,14 +314,7 @@ impl<B: Backend + Clone> Trainer<B> {
             }
             None => {
                 let mut actor = build_actor(backend.clone(), &initial, &cfg)?;
-                match (&lora, &cfg.worker.actor.model.lora.adapter_path) {
-                    (Some(l), Some(dir)) => {
-                        let adapter = starting_adapter(Path::new(dir), l, &initial)?;
-                        actor.lm_mut().load_lora(&adapter)?;
-                    }
-                    (Some(l), None) => actor.lm_mut().add_lora(l, cfg.data.seed)?,
-                    (None, _) => {}
-                }
+                add_lora(&mut actor, &cfg, &initial, cfg.data.seed)?;
                 let mut initial = initial;
                 initial.drop_weights(); // before the optimizer's memory is taken
                 let adamw = AdamW::with_state_dtype(actor.lm(), adamw_cfg, state_dtype)?;
@@ -1416,51 +1408,6 @@ const VISION_OPTIMIZER_FILE: &str = "vision_optimizer.safetensors";
 
 /// The tower's training state when resuming from checkpoint `dir`: none for a text model
 /// or a frozen tower, else zeroed gradients and the saved moments.
-/// The PEFT adapter in `dir` a LoRA run starts from, checked against the run's settings
-/// `want` (rank, alpha, targets, rsLoRA).
-///
-/// # Errors
-/// The adapter unreadable or made for another model, or settings that differ from its
-/// config (the message gives the settings to use).
-pub(crate) fn starting_adapter(
-    dir: &Path,
-    want: &crate::hf::lora::LoraConfig,
-    base: &ModelFiles,
-) -> Result<crate::hf::lora::LoraAdapter, TrainError> {
-    let adapter = crate::hf::lora::LoraAdapter::read(dir, base.text_config())
-        .map_err(|e| TrainError::Invalid(format!("worker.actor.model.lora.adapter_path: {e}")))?;
-    let c = &adapter.config;
-    let sorted = |t: &[String]| {
-        let mut t = t.to_vec();
-        t.sort();
-        t
-    };
-    if (c.r, c.lora_alpha, c.use_rslora, sorted(&c.target_modules))
-        != (
-            want.r,
-            want.lora_alpha,
-            want.use_rslora,
-            sorted(&want.target_modules),
-        )
-    {
-        return Err(TrainError::Invalid(format!(
-            "worker.actor.model.lora: the adapter in {} has r = {}, lora_alpha = {}, \
-             use_rslora = {}, target_modules = [{}]; set worker.actor.model.lora.rank={}, \
-             alpha={}, use_rslora={} and target_modules=[{}] to train it",
-            dir.display(),
-            c.r,
-            c.lora_alpha,
-            c.use_rslora,
-            c.target_modules.join(", "),
-            c.r,
-            c.lora_alpha,
-            c.use_rslora,
-            c.target_modules.join(", "),
-        )));
-    }
-    Ok(adapter)
-}
-
 fn resume_tower<B: Backend>(
     actor: &Actor<B>,
     cfg: &Config,

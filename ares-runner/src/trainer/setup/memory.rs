@@ -155,7 +155,7 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
     let t = model.tower_params;
     let rope = f32s((spec.max_positions as u64).saturating_mul(spec.head_dim as u64));
     // LoRA: the pairs are trained, the base (and the tower) frozen
-    let lora = cfg.worker.actor.model.lora.peft().ok().flatten();
+    let lora = super::lora_settings(cfg)?;
     let pairs = lora
         .as_ref()
         .map(|l| lora_tensors(&spec, l))

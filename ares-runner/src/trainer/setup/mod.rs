@@ -500,3 +500,85 @@ pub fn filter_prompts(
         .collect();
     Ok((kept, ids))
 }
+
+/// The run's LoRA settings (`worker.actor.model.lora`) as PEFT's configuration; `None` at
+/// rank 0.
+///
+/// # Errors
+/// A setting out of range, named.
+pub fn lora_settings(cfg: &Config) -> Result<Option<crate::hf::lora::LoraConfig>, TrainError> {
+    cfg.worker.actor.model.lora.peft().map_err(|(k, v, e)| {
+        TrainError::Invalid(format!("worker.actor.model.lora.{k} = {v}: expected {e}"))
+    })
+}
+
+/// Puts the run's LoRA pairs on `actor` (built from `base`): the adapter of
+/// `lora.adapter_path`, or fresh pairs drawn from `seed`; nothing at rank 0. Returns the
+/// configuration.
+///
+/// # Errors
+/// As [`lora_settings`]; the adapter unreadable, made for another model or with other
+/// settings; a backend failure.
+pub fn add_lora<B: Backend>(
+    actor: &mut Actor<B>,
+    cfg: &Config,
+    base: &ModelFiles,
+    seed: u64,
+) -> Result<Option<crate::hf::lora::LoraConfig>, TrainError> {
+    let Some(lora) = lora_settings(cfg)? else {
+        return Ok(None);
+    };
+    match &cfg.worker.actor.model.lora.adapter_path {
+        Some(dir) => {
+            let adapter = starting_adapter(Path::new(dir), &lora, base)?;
+            actor.lm_mut().load_lora(&adapter)?;
+        }
+        None => actor.lm_mut().add_lora(&lora, seed)?,
+    }
+    Ok(Some(lora))
+}
+
+/// The PEFT adapter in `dir` a LoRA run starts from, checked against the run's settings
+/// `want` (rank, alpha, targets, rsLoRA).
+///
+/// # Errors
+/// The adapter unreadable or made for another model, or settings that differ from its
+/// config (the message gives the settings to use).
+fn starting_adapter(
+    dir: &Path,
+    want: &crate::hf::lora::LoraConfig,
+    base: &ModelFiles,
+) -> Result<crate::hf::lora::LoraAdapter, TrainError> {
+    let adapter = crate::hf::lora::LoraAdapter::read(dir, base.text_config())
+        .map_err(|e| TrainError::Invalid(format!("worker.actor.model.lora.adapter_path: {e}")))?;
+    let c = &adapter.config;
+    let sorted = |t: &[String]| {
+        let mut t = t.to_vec();
+        t.sort();
+        t
+    };
+    if (c.r, c.lora_alpha, c.use_rslora, sorted(&c.target_modules))
+        != (
+            want.r,
+            want.lora_alpha,
+            want.use_rslora,
+            sorted(&want.target_modules),
+        )
+    {
+        return Err(TrainError::Invalid(format!(
+            "worker.actor.model.lora: the adapter in {} has r = {}, lora_alpha = {}, \
+             use_rslora = {}, target_modules = [{}]; set worker.actor.model.lora.rank={}, \
+             alpha={}, use_rslora={} and target_modules=[{}] to train it",
+            dir.display(),
+            c.r,
+            c.lora_alpha,
+            c.use_rslora,
+            c.target_modules.join(", "),
+            c.r,
+            c.lora_alpha,
+            c.use_rslora,
+            c.target_modules.join(", "),
+        )));
+    }
+    Ok(adapter)
+}
