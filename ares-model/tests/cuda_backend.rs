@@ -2476,6 +2476,7 @@ fn lora_training_matches_cpu() {
                     a: rng.vec(config.r * inp, 0.3),
                     b: rng.vec(out * config.r, 0.3),
                     out_in: [out, inp],
+                    kernel: Vec::new(),
                 };
                 pairs.insert(n, pair);
             }

@@ -33,6 +33,7 @@ fn config(r: usize, targets: &[&str], layers: Option<Vec<usize>>) -> LoraConfig 
         use_rslora: false,
         target_modules: targets.iter().map(|t| t.to_string()).collect(),
         layers_to_transform: layers,
+        exclude_modules: None,
     }
 }
 
@@ -68,6 +69,7 @@ fn random_adapter(checkpoint: &Checkpoint, config: LoraConfig, seed: u64) -> Lor
                     a,
                     b,
                     out_in: [out, inp],
+                    kernel: Vec::new(),
                 },
             );
         }

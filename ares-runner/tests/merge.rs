@@ -155,6 +155,7 @@ fn eval_with_an_adapter_equals_eval_of_the_merged_model() {
         a: values(2 * inp, 0.37),
         b: values(out * 2, 0.71),
         out_in: [out, inp],
+        kernel: Vec::new(),
     };
     let adapter = LoraAdapter {
         config: LoraConfig {
@@ -163,6 +164,7 @@ fn eval_with_an_adapter_equals_eval_of_the_merged_model() {
             use_rslora: false,
             target_modules: vec!["q_proj".into(), "down_proj".into()],
             layers_to_transform: None,
+            exclude_modules: None,
         },
         pairs: [
             (

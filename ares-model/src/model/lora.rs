@@ -27,8 +27,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::weights::Stack;
 use super::{Model, ModelError, ModelSpec};
-use crate::backend::{Backend, DeviceBuffer, Tensor, TensorMut, View, ViewMut};
-use crate::hf::lora::{LoraAdapter, LoraConfig, LoraPair, TARGETS, weight_name};
+use crate::backend::{
+    Backend, DeviceBuffer, LinearDims, MatmulPrecision, Tensor, TensorMut, View, ViewMut,
+};
+use crate::hf::lora::{LoraAdapter, LoraConfig, LoraPair, TARGETS, is_target_name, weight_name};
 
 /// A projection of a decoder layer a pair can sit on, in [`TARGETS`] order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,12 +82,13 @@ pub(crate) struct PairStack<B: Backend> {
     pub(crate) b: Stack<B>,
 }
 
-/// The pairs of every adapted target (or their gradients, or anything laid out alike).
-pub(crate) struct LoraParams<B: Backend> {
-    pub(crate) pairs: [Option<PairStack<B>>; 7],
+/// The pairs of every adapted target (or their gradients, or anything laid out alike), `N`
+/// targets: the decoder's 7 ([`Target`]) or the vision tower's.
+pub(crate) struct LoraParams<B: Backend, const N: usize = 7> {
+    pub(crate) pairs: [Option<PairStack<B>>; N],
 }
 
-impl<B: Backend> LoraParams<B> {
+impl<B: Backend, const N: usize> LoraParams<B, N> {
     /// Every buffer: each adapted target's `A` then `B`, in [`Target::ALL`] order.
     pub(crate) fn buffers(&self) -> Vec<&B::Buffer> {
         self.pairs
@@ -118,7 +121,7 @@ impl<B: Backend> LoraParams<B> {
 
     /// A zeroed copy of the same layout (gradients).
     pub(crate) fn zeros_like(&self, be: &B) -> Result<Self, ModelError> {
-        let mut pairs: [Option<PairStack<B>>; 7] = Default::default();
+        let mut pairs: [Option<PairStack<B>>; N] = std::array::from_fn(|_| None);
         for (slot, p) in pairs.iter_mut().zip(&self.pairs) {
             if let Some(p) = p {
                 *slot = Some(PairStack {
@@ -130,12 +133,23 @@ impl<B: Backend> LoraParams<B> {
         Ok(Self { pairs })
     }
 
-    /// The pair of `target` at `layer`: `(A, B)`, when the target is adapted.
-    fn pair(&self, target: Target, layer: usize) -> Result<Option<[Tensor<'_, B>; 2]>, ModelError> {
-        match &self.pairs[target as usize] {
+    /// The pair of target number `target` at `layer`: `(A, B)`, when the target is adapted.
+    pub(crate) fn pair_at(
+        &self,
+        target: usize,
+        layer: usize,
+    ) -> Result<Option<[Tensor<'_, B>; 2]>, ModelError> {
+        match &self.pairs[target] {
             None => Ok(None),
             Some(p) => Ok(Some([p.a.layer(layer)?, p.b.layer(layer)?])),
         }
+    }
+}
+
+impl<B: Backend> LoraParams<B> {
+    /// The pair of `target` at `layer`: `(A, B)`, when the target is adapted.
+    fn pair(&self, target: Target, layer: usize) -> Result<Option<[Tensor<'_, B>; 2]>, ModelError> {
+        self.pair_at(target as usize, layer)
     }
 
     /// Where the tensor named `name` (see [`lora_tensor_name`]) lives: its buffer's index
@@ -220,7 +234,7 @@ pub fn lora_arena_elements(spec: &ModelSpec, config: &LoraConfig, n: u64, kept: 
     let mut targets = 0;
     let mut widest = 0;
     for t in Target::ALL {
-        if config.target_modules.iter().any(|m| m == t.name()) {
+        if config.adapts_module(t.name()) {
             targets += 1;
             widest = widest.max(t.in_out(spec).1 as u64);
         }
@@ -265,7 +279,7 @@ impl<B: Backend> LoraActs<B> {
 
 /// Uniform draws on `[-bound, bound)` from a xorshift64* stream (`seed`, stream `k`): the
 /// same numbers on every backend and thread count.
-fn uniform(n: usize, bound: f32, seed: u64, k: u64) -> Vec<f32> {
+pub(crate) fn uniform(n: usize, bound: f32, seed: u64, k: u64) -> Vec<f32> {
     let mut state = (seed ^ k.wrapping_mul(0x9E37_79B9_7F4A_7C15)) | 1;
     (0..n)
         .map(|_| {
@@ -278,7 +292,7 @@ fn uniform(n: usize, bound: f32, seed: u64, k: u64) -> Vec<f32> {
         .collect()
 }
 
-fn lora_error(message: impl Into<String>) -> ModelError {
+pub(crate) fn lora_error(message: impl Into<String>) -> ModelError {
     ModelError::Lora {
         message: message.into(),
     }
@@ -295,7 +309,18 @@ impl<B: Backend> Model<B> {
     /// decoder layer, a layer past the model's, or a model that has adapters already; a
     /// backend failure.
     pub fn add_lora(&mut self, config: &LoraConfig, seed: u64) -> Result<(), ModelError> {
-        self.check_lora_config(config)?;
+        self.add_lora_with(config, seed, true)
+    }
+
+    /// [`Model::add_lora`]; `need_pairs`: refuse a config that selects no decoder module
+    /// (a vision-language model's may adapt its tower only).
+    pub(crate) fn add_lora_with(
+        &mut self,
+        config: &LoraConfig,
+        seed: u64,
+        need_pairs: bool,
+    ) -> Result<(), ModelError> {
+        self.check_lora_config(config, need_pairs)?;
         self.install_lora(config, |t, layer, adapted, r, (inp, out)| {
             let a = if adapted {
                 let bound = 1.0 / (inp as f32).sqrt();
@@ -318,7 +343,16 @@ impl<B: Backend> Model<B> {
     /// # Errors
     /// As [`Model::add_lora`]; a pair missing for an adapted weight or of the wrong shape.
     pub fn load_lora(&mut self, adapter: &LoraAdapter) -> Result<(), ModelError> {
-        self.check_lora_config(&adapter.config)?;
+        self.load_lora_with(adapter, true)
+    }
+
+    /// [`Model::load_lora`]; `need_pairs` as in [`Model::add_lora_with`].
+    pub(crate) fn load_lora_with(
+        &mut self,
+        adapter: &LoraAdapter,
+        need_pairs: bool,
+    ) -> Result<(), ModelError> {
+        self.check_lora_config(&adapter.config, need_pairs)?;
         self.install_lora(&adapter.config, |t, layer, adapted, r, (inp, out)| {
             if !adapted {
                 return Ok((vec![0.0; r * inp], vec![0.0; out * r]));
@@ -339,7 +373,7 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    fn check_lora_config(&self, config: &LoraConfig) -> Result<(), ModelError> {
+    fn check_lora_config(&self, config: &LoraConfig, need_pairs: bool) -> Result<(), ModelError> {
         if self.lora.is_some() {
             return Err(lora_error("the model has LoRA adapters already"));
         }
@@ -357,13 +391,17 @@ impl<B: Backend> Model<B> {
                 "target_modules is empty: nothing would be trained",
             ));
         }
-        if let Some(bad) = config
-            .target_modules
-            .iter()
-            .find(|m| !TARGETS.contains(&m.as_str()))
-        {
+        if let Some(bad) = config.target_modules.iter().find(|m| !is_target_name(m)) {
             return Err(lora_error(format!(
-                "target module {bad:?} is not a linear layer of a decoder layer (expected some of {})",
+                "target module {bad:?} is not a linear layer (expected some of {}, or a vision \
+                 tower's qkv, proj, fc1, fc2, mlp.0, mlp.2)",
+                TARGETS.join(", ")
+            )));
+        }
+        if need_pairs && !TARGETS.iter().any(|t| config.adapts_module(t)) {
+            return Err(lora_error(format!(
+                "target_modules [{}] selects no linear layer of the decoder (expected some of {})",
+                config.target_modules.join(", "),
                 TARGETS.join(", ")
             )));
         }
@@ -399,7 +437,7 @@ impl<B: Backend> Model<B> {
         let (r, layers) = (config.r, self.spec.layers);
         let mut pairs: [Option<PairStack<B>>; 7] = Default::default();
         for (t, slot) in Target::ALL.into_iter().zip(&mut pairs) {
-            if !config.target_modules.iter().any(|m| m == t.name()) {
+            if !config.adapts_module(t.name()) {
                 continue;
             }
             let (inp, out) = t.in_out(&self.spec);
@@ -458,6 +496,7 @@ impl<B: Backend> Model<B> {
                     a: ha,
                     b: hb,
                     out_in: [out, inp],
+                    kernel: Vec::new(),
                 };
                 pairs.insert(weight_name(l, t.name()), pair);
             }
@@ -473,9 +512,12 @@ impl<B: Backend> Model<B> {
     /// model's, bit for bit (the reference policy of a LoRA run). Without adapters the
     /// guard does nothing.
     pub fn adapters_off(&self) -> AdaptersOff<'_> {
-        let flag = self.lora.as_ref().map(|l| &l.enabled);
-        let was = flag.is_some_and(|f| f.swap(false, Ordering::SeqCst));
-        AdaptersOff { flag, was }
+        AdaptersOff::new([self.lora.as_ref().map(|l| &l.enabled), None])
+    }
+
+    /// The flag that turns the adapters on and off, if the model has any.
+    pub(crate) fn lora_flag(&self) -> Option<&AtomicBool> {
+        self.lora.as_ref().map(|l| &l.enabled)
     }
 
     /// Whether the passes apply adapters (the model has some, turned on).
@@ -540,17 +582,15 @@ impl<B: Backend> Model<B> {
         let Some([a, b]) = lora.params.pair(target, layer)? else {
             return Ok(());
         };
-        let be = &self.backend;
-        let r = lora.config.r;
         let (inp, out) = target.in_out(&self.spec);
-        let u = la.u[target as usize]
+        let shape = PairShape::new(n, inp, out, lora.config.r, self.matmul_precision);
+        let LoraActs { u, tmp, .. } = la;
+        let u = u[target as usize]
             .as_mut()
             .ok_or_else(|| lora_error("the activations were planned for other adapters"))?;
-        be.linear(x, a, None, self.linear_dims(n, inp, r), u.layer_mut(slot)?)?;
-        let t = ViewMut::new(&mut la.tmp, 0, n * out)?;
-        be.linear(u.layer(slot)?, b, None, self.linear_dims(n, r, out), t)?;
-        be.axpy(lora.scale, View::new(&la.tmp, 0, n * out)?, y)?;
-        Ok(())
+        let be = &self.backend;
+        shape.down(be, x, a, u.layer_mut(slot)?)?;
+        shape.up(be, lora.scale, u.layer(slot)?, b, tmp, y)
     }
 
     /// Backward of [`Model::lora_forward`] from `dy`: adds into the pair's gradients in
@@ -574,33 +614,138 @@ impl<B: Backend> Model<B> {
         let g = grads.pairs[target as usize]
             .as_mut()
             .ok_or(ModelError::LayoutMismatch { what: "gradients" })?;
-        let PairStack { a: ga, b: gb } = g;
-        let be = &self.backend;
-        let r = lora.config.r;
         let (inp, out) = target.in_out(&self.spec);
-        let u = la.u[target as usize]
+        let shape = PairShape::new(n, inp, out, lora.config.r, self.matmul_precision);
+        let LoraActs { u, tmp, du, .. } = la;
+        let u = u[target as usize]
             .as_ref()
             .ok_or_else(|| lora_error("the activations were planned for other adapters"))?;
-        // ds = s·dy
-        be.fill(ViewMut::new(&mut la.tmp, 0, n * out)?, 0.0)?;
-        be.axpy(lora.scale, dy, ViewMut::new(&mut la.tmp, 0, n * out)?)?;
-        be.fill(ViewMut::whole(&mut la.du), 0.0)?;
+        let be = &self.backend;
+        be.fill(ViewMut::whole(du), 0.0)?;
+        let du = &mut *du;
+        shape.up_backward(be, lora.scale, dy, u.layer(slot)?, b, tmp, du, g.b.layer_mut(layer)?)?;
+        shape.down_backward(be, du, x, a, Some(dx), g.a.layer_mut(layer)?)
+    }
+}
+
+/// The shape of one pair's pass: `rows` rows of `in` features to `out`, rank `r`. Its four
+/// steps are the whole of a pair's arithmetic, for the decoder's pairs and the vision
+/// tower's alike:
+///
+/// ```text
+/// down:           u  = x·Aᵀ                 down_backward:  dA += duᵀ·x ;  dx += du·A
+/// up:             y += s·(u·Bᵀ)             up_backward:    ds = s·dy ;  dB += dsᵀ·u ;  du += ds·B
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PairShape {
+    rows: usize,
+    inp: usize,
+    out: usize,
+    r: usize,
+    precision: MatmulPrecision,
+}
+
+impl PairShape {
+    pub(crate) fn new(
+        rows: usize,
+        inp: usize,
+        out: usize,
+        r: usize,
+        precision: MatmulPrecision,
+    ) -> Self {
+        Self {
+            rows,
+            inp,
+            out,
+            r,
+            precision,
+        }
+    }
+
+    fn dims(&self, in_features: usize, out_features: usize) -> LinearDims {
+        LinearDims {
+            rows: self.rows,
+            in_features,
+            out_features,
+            precision: self.precision,
+        }
+    }
+
+    /// `u = x·Aᵀ` (`u` `[rows, r]`, overwritten).
+    pub(crate) fn down<B: Backend>(
+        &self,
+        be: &B,
+        x: Tensor<'_, B>,
+        a: Tensor<'_, B>,
+        u: TensorMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        be.linear(x, a, None, self.dims(self.inp, self.r), u)?;
+        Ok(())
+    }
+
+    /// `y += s·(u·Bᵀ)`, the product in scratch `tmp` (at least `rows · out` long).
+    pub(crate) fn up<B: Backend>(
+        &self,
+        be: &B,
+        scale: f32,
+        u: Tensor<'_, B>,
+        b: Tensor<'_, B>,
+        tmp: &mut B::Buffer,
+        y: TensorMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        let len = self.rows * self.out;
+        be.linear(u, b, None, self.dims(self.r, self.out), ViewMut::new(tmp, 0, len)?)?;
+        be.axpy(scale, View::new(tmp, 0, len)?, y)?;
+        Ok(())
+    }
+
+    /// Backward of [`PairShape::up`] from `dy`: `dB += dsᵀ·u` and `du += ds·B`, with
+    /// `ds = s·dy` in scratch `tmp`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn up_backward<B: Backend>(
+        &self,
+        be: &B,
+        scale: f32,
+        dy: Tensor<'_, B>,
+        u: Tensor<'_, B>,
+        b: Tensor<'_, B>,
+        tmp: &mut B::Buffer,
+        du: &mut B::Buffer,
+        db: TensorMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        let len = self.rows * self.out;
+        be.fill(ViewMut::new(tmp, 0, len)?, 0.0)?;
+        be.axpy(scale, dy, ViewMut::new(tmp, 0, len)?)?;
         be.linear_backward(
-            View::new(&la.tmp, 0, n * out)?,
-            u.layer(slot)?,
+            View::new(tmp, 0, len)?,
+            u,
             b,
-            self.linear_dims(n, r, out),
-            Some(ViewMut::whole(&mut la.du)),
-            Some(gb.layer_mut(layer)?),
+            self.dims(self.r, self.out),
+            Some(ViewMut::new(du, 0, self.rows * self.r)?),
+            Some(db),
             None,
         )?;
+        Ok(())
+    }
+
+    /// Backward of [`PairShape::down`] from `du`: `dA += duᵀ·x` and, when given, `dx +=
+    /// du·A`.
+    pub(crate) fn down_backward<B: Backend>(
+        &self,
+        be: &B,
+        du: &B::Buffer,
+        x: Tensor<'_, B>,
+        a: Tensor<'_, B>,
+        dx: Option<TensorMut<'_, B>>,
+        da: TensorMut<'_, B>,
+    ) -> Result<(), ModelError> {
         be.linear_backward(
-            View::whole(&la.du),
+            View::new(du, 0, self.rows * self.r)?,
             x,
             a,
-            self.linear_dims(n, inp, r),
-            Some(dx),
-            Some(ga.layer_mut(layer)?),
+            self.dims(self.inp, self.r),
+            dx,
+            Some(da),
             None,
         )?;
         Ok(())
@@ -610,14 +755,23 @@ impl<B: Backend> Model<B> {
 /// Turns a model's adapters back on when dropped ([`Model::adapters_off`]).
 #[derive(Debug)]
 pub struct AdaptersOff<'a> {
-    flag: Option<&'a AtomicBool>,
-    was: bool,
+    /// Each flag turned off, with what it was.
+    flags: [Option<(&'a AtomicBool, bool)>; 2],
+}
+
+impl<'a> AdaptersOff<'a> {
+    /// Turns `flags` off (a language model's and a vision tower's adapters).
+    pub(crate) fn new(flags: [Option<&'a AtomicBool>; 2]) -> Self {
+        Self {
+            flags: flags.map(|f| f.map(|f| (f, f.swap(false, Ordering::SeqCst)))),
+        }
+    }
 }
 
 impl Drop for AdaptersOff<'_> {
     fn drop(&mut self) {
-        if let Some(f) = self.flag {
-            f.store(self.was, Ordering::SeqCst);
+        for (f, was) in self.flags.iter().flatten() {
+            f.store(*was, Ordering::SeqCst);
         }
     }
 }
@@ -637,27 +791,45 @@ impl<B: Backend> Lora<B> {
         let Some(p) = &self.params.pairs[target as usize] else {
             return Ok(());
         };
-        let r = self.config.r;
-        let (inp, out) = target.in_out(spec);
+        let stride = w.item();
+        let io = target.in_out(spec);
+        p.add_delta(be, self.scale, self.config.r, io, w.buffer_mut(), stride, transposed)
+    }
+}
+
+impl<B: Backend> PairStack<B> {
+    /// Adds `s·(B·A)` (`[out, in]`, or with `transposed` `s·Aᵀ·Bᵀ` `[in, out]`) of each
+    /// layer `l`'s pair (rank `r`) to the `out·in` values of `w` from `l·stride`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn add_delta(
+        &self,
+        be: &B,
+        scale: f32,
+        r: usize,
+        (inp, out): (usize, usize),
+        w: &mut B::Buffer,
+        stride: usize,
+        transposed: bool,
+    ) -> Result<(), ModelError> {
         let mut at = be.alloc(inp * r)?;
         let mut delta = be.alloc(inp * out)?;
-        let layers = p.a.len() / p.a.item().max(1);
+        let layers = self.a.len() / self.a.item().max(1);
         for l in 0..layers {
             // Aᵀ [in, r]; then Aᵀ·Bᵀ = linear(Aᵀ, B) [in, out] or B·A = linear(B, Aᵀ) [out, in]
-            be.transpose(p.a.layer(l)?, r, inp, ViewMut::whole(&mut at))?;
+            be.transpose(self.a.layer(l)?, r, inp, ViewMut::whole(&mut at))?;
             let (x, wt, rows, cols) = if transposed {
-                (View::whole(&at), p.b.layer(l)?, inp, out)
+                (View::whole(&at), self.b.layer(l)?, inp, out)
             } else {
-                (p.b.layer(l)?, View::whole(&at), out, inp)
+                (self.b.layer(l)?, View::whole(&at), out, inp)
             };
-            let dims = crate::backend::LinearDims {
+            let dims = LinearDims {
                 rows,
                 in_features: r,
                 out_features: cols,
-                precision: crate::backend::MatmulPrecision::F32,
+                precision: MatmulPrecision::F32,
             };
             be.linear(x, wt, None, dims, ViewMut::whole(&mut delta))?;
-            be.axpy(self.scale, View::whole(&delta), w.layer_mut(l)?)?;
+            be.axpy(scale, View::whole(&delta), ViewMut::new(w, l * stride, inp * out)?)?;
         }
         Ok(())
     }

@@ -49,7 +49,7 @@ mod inputs;
 mod kv_cache;
 mod layer;
 mod log_prob_grad;
-mod lora;
+pub(crate) mod lora;
 mod moments;
 mod optim;
 pub(crate) mod optim_file;
@@ -58,7 +58,7 @@ mod picks;
 mod request;
 mod sampling;
 mod spec;
-mod weights;
+pub(crate) mod weights;
 
 use ares_cpu::ops::rope::RopeTable;
 

@@ -5,6 +5,7 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod lora;
 pub mod model;
 pub mod mrope;
 pub mod optim_file;

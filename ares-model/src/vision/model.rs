@@ -17,13 +17,13 @@ use super::config::VlConfig;
 use super::mrope::{MropePositions, MropeRope, VisionGrids, rope_index};
 use super::processor::{ProcessedImage, ProcessedVideo};
 use super::tower::{VisionActs, VisionGrads, VisionPlan, VisionTower, input_error};
-use super::weights::{VisionParams, param_table};
-use crate::backend::{Backend, DeviceBuffer, Tensor, View, ViewMut};
+use crate::backend::{Backend, Tensor, View, ViewMut};
 use crate::model::{
     Activations, EmbedGrad, ForwardExtras, GenerateError, GenerateOutput, GenerateRequest,
     Generator, Grads, Inputs, Model, ModelError, PromptVision,
 };
-use crate::model::{AdamW, ExtraParam, Moments, StateDtype, StepReport, WeightDtype};
+use crate::hf::lora::{LoraAdapter, LoraConfig, TARGETS};
+use crate::model::{AdamW, AdaptersOff, ExtraParam, Moments, StateDtype, StepReport, WeightDtype};
 
 /// The images and videos of one batch, as the processor gives them.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -90,11 +90,12 @@ pub struct VlActs<B: Backend> {
     pub tower: Option<(VisionActs<B>, B::Ids)>,
 }
 
-/// AdamW moments of the vision tower ([`VlModel::vision_moments`]), slot by slot like its
-/// weights (each slot, stacked over blocks, is one tensor to the moments' store).
+/// AdamW moments of the vision tower's trained parameters ([`VlModel::vision_moments`]),
+/// one per [`VisionTower::trainable_names`] entry: each weight slot stacked over blocks, or
+/// each LoRA pair's `A` and `B` stacked over blocks.
 pub struct VisionMoments<B: Backend> {
-    /// The moments of each slot.
-    pub(crate) moments: VisionParams<Moments<B>>,
+    /// The moments of each trained parameter.
+    pub(crate) moments: Vec<Moments<B>>,
     /// How they are stored (short slots keep f32 under `int8`).
     pub(crate) state_dtype: StateDtype,
 }
@@ -422,12 +423,15 @@ impl<B: Backend> VlModel<B> {
     /// A backend failure.
     pub fn vision_moments(&self, dtype: StateDtype) -> Result<VisionMoments<B>, ModelError> {
         let be = self.lm.backend();
-        let table = param_table(self.tower.config());
-        let weights = self.tower.weights();
-        let moments = VisionParams::build(&table, |spec| {
-            let len = weights.get(spec.slot).map_or(0, DeviceBuffer::len);
-            Moments::zeros(be, len, len.max(1), dtype)
-        })?;
+        let moments = self
+            .tower
+            .trainable_names()
+            .iter()
+            .map(|(_, shape)| {
+                let len = shape.iter().product::<usize>();
+                Moments::zeros(be, len, len.max(1), dtype)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(VisionMoments {
             moments,
             state_dtype: dtype,
@@ -450,11 +454,14 @@ impl<B: Backend> VlModel<B> {
     ) -> Result<StepReport, ModelError> {
         let mut extra = Vec::new();
         if let Some((moments, grads)) = vision {
-            let params = self.tower.weights_mut().iter_mut();
-            for ((slot, param), (_, moments)) in params.zip(moments.moments.iter_mut()) {
-                let grad = grads.get(slot).ok_or_else(|| ModelError::LayoutMismatch {
-                    what: "vision gradients",
-                })?;
+            let params = self.tower.trainable_mut();
+            let grads = grads.buffers();
+            if params.len() != grads.len() || params.len() != moments.moments.len() {
+                return Err(ModelError::LayoutMismatch {
+                    what: "vision gradients or moments",
+                });
+            }
+            for ((param, grad), moments) in params.into_iter().zip(grads).zip(&mut moments.moments) {
                 extra.push(ExtraParam {
                     param,
                     grad,
@@ -463,6 +470,87 @@ impl<B: Backend> VlModel<B> {
             }
         }
         opt.step_with(&mut self.lm, lm_grads, &mut extra, lr, max_grad_norm)
+    }
+
+    /// Adds fresh LoRA pairs (PEFT's default initialisation, `A` drawn from `seed`) to the
+    /// modules `config` selects in the language model and in the vision tower (unless
+    /// `exclude_modules` names the tower): from now on every base weight is frozen and the
+    /// passes, gradients and optimizer train the pairs only.
+    ///
+    /// # Errors
+    /// [`ModelError::Lora`]: a config that selects no module of the model, or that
+    /// [`Model::add_lora`] or [`VisionTower::add_lora`] refuses; a backend failure.
+    pub fn add_lora(&mut self, config: &LoraConfig, seed: u64) -> Result<(), ModelError> {
+        self.check_selects(config)?;
+        self.lm.add_lora_with(config, seed, false)?;
+        self.tower.add_lora(self.lm.backend(), config, seed)?;
+        Ok(())
+    }
+
+    /// Installs `adapter` (read with [`LoraAdapter::read_vl`]) on the language model and
+    /// the tower for training, as [`VlModel::add_lora`] does with fresh pairs.
+    ///
+    /// # Errors
+    /// As [`VlModel::add_lora`]; a pair missing or of the wrong shape.
+    pub fn load_lora(&mut self, adapter: &LoraAdapter) -> Result<(), ModelError> {
+        self.check_selects(&adapter.config)?;
+        self.lm.load_lora_with(adapter, false)?;
+        self.tower.load_lora(self.lm.backend(), adapter)?;
+        Ok(())
+    }
+
+    /// Refuses a config that selects no module of this model.
+    fn check_selects(&self, config: &LoraConfig) -> Result<(), ModelError> {
+        let lm = TARGETS.iter().any(|t| config.adapts_module(t));
+        let tower = config
+            .tower_weights(self.tower.config())
+            .map_err(|message| ModelError::Lora { message })?;
+        if !lm && tower.is_empty() {
+            return Err(ModelError::Lora {
+                message: format!(
+                    "target_modules [{}]{} selects no linear layer of this model",
+                    config.target_modules.join(", "),
+                    if config.exclude_modules.is_some() {
+                        " outside the vision tower"
+                    } else {
+                        ""
+                    }
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// The adapters as PEFT writes them — the language model's pairs and the tower's, in
+    /// transformers' module names — copied to the host; `None` without adapters.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn lora_adapter(&self) -> Result<Option<LoraAdapter>, ModelError> {
+        let Some(mut adapter) = self.lm.lora_adapter()? else {
+            return Ok(None);
+        };
+        adapter.language_model = true;
+        adapter
+            .pairs
+            .extend(self.tower.lora_pairs(self.lm.backend())?);
+        Ok(Some(adapter))
+    }
+
+    /// Turns the adapters of the language model and the tower off until the guard is
+    /// dropped: the passes are the base model's, bit for bit (the reference policy).
+    pub fn adapters_off(&self) -> AdaptersOff<'_> {
+        AdaptersOff::new([self.lm.lora_flag(), self.tower.lora_flag()])
+    }
+
+    /// Merges every pair into the base weights (peft's `merge_and_unload`) and removes the
+    /// adapters.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn merge_lora(&mut self) -> Result<(), ModelError> {
+        self.lm.merge_lora()?;
+        self.tower.merge_lora(self.lm.backend())
     }
 
     /// The model's current weights as a checkpoint (config and generation config of `like`,

@@ -1,7 +1,8 @@
 //! The vision tower's AdamW moments on disk ([`VisionMoments::save`] / [`VisionMoments::load`]):
 //! one safetensors file, beside the language model's optimizer file, holding per parameter
 //! slot its two moments stacked over blocks, `<name>.exp_avg` and `<name>.exp_avg_sq` (the
-//! name of [`ParamSpec`](super::weights::ParamSpec) with `#` for the block index), and
+//! name of [`ParamSpec`](super::weights::ParamSpec) with `#` for the block index; with LoRA
+//! on the tower, each pair's `A` and `B`: `blocks.#.attn.qkv.lora_A.weight`), and
 //! `format = "ares-adamw-vision"`, `version = "1"` in the metadata. The step count is the
 //! language model's optimizer's (one step for both). Written atomically (temporary file,
 //! flushed, renamed).
@@ -13,8 +14,7 @@ use safetensors::SafeTensors;
 
 use super::model::VisionMoments;
 use super::tower::VisionTower;
-use super::weights::{VisionParams, param_table};
-use crate::backend::{Backend, DeviceBuffer};
+use crate::backend::Backend;
 use crate::model::optim_file::{read_header, read_moments, save_moments};
 use crate::model::{ModelError, Moments, StateDtype};
 
@@ -28,34 +28,21 @@ fn bad(path: &Path, message: impl Into<String>) -> ModelError {
     }
 }
 
-/// The file name of a slot's moments: its parameter name with `#` for the block index.
-fn slot_name(name: &str) -> String {
-    name.replace("{}", "#")
-}
-
 impl<B: Backend> VisionMoments<B> {
-    /// Writes both moments of every tower parameter to `path`, atomically.
+    /// Writes both moments of every trained tower parameter to `path`, atomically.
     ///
     /// # Errors
     /// A backend failure, or an I/O error naming the file.
     pub fn save(&self, be: &B, tower: &VisionTower<B>, path: &Path) -> Result<(), ModelError> {
-        let table = param_table(tower.config());
-        let mut params = Vec::new();
-        let mut slots = Vec::new();
-        for spec in &table {
-            let mut shape = if spec.per_block {
-                vec![tower.config().depth]
-            } else {
-                Vec::new()
-            };
-            shape.extend(&spec.shape);
-            let m = self
-                .moments
-                .get(spec.slot)
-                .ok_or_else(|| bad(path, "moment missing"))?;
-            params.push((slot_name(spec.name), shape, m.dtype()));
-            slots.push(spec.slot);
+        let names = tower.trainable_names();
+        if names.len() != self.moments.len() {
+            return Err(bad(path, "the moments are not the tower's"));
         }
+        let params: Vec<_> = names
+            .into_iter()
+            .zip(&self.moments)
+            .map(|((name, shape), m)| (name, shape, m.dtype()))
+            .collect();
         let dtype = self.state_dtype();
         let metadata: HashMap<String, String> = [
             ("format", FORMAT),
@@ -65,22 +52,16 @@ impl<B: Backend> VisionMoments<B> {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-        save_moments(path, &params, metadata, |p| {
-            let m = self
-                .moments
-                .get(slots[p])
-                .ok_or_else(|| bad(path, "moment missing"))?;
-            m.read(be, 0)
-        })
+        save_moments(path, &params, metadata, |p| self.moments[p].read(be, 0))
     }
 
-    /// How the moments are stored (short slots keep f32 under `int8`).
+    /// How the moments are stored (short tensors keep f32 under `int8`).
     pub fn state_dtype(&self) -> StateDtype {
         self.state_dtype
     }
 
-    /// Reads moments written by [`VisionMoments::save`] for `tower`, stored as `dtype`
-    /// says (bit for bit when the file holds that dtype).
+    /// Reads moments written by [`VisionMoments::save`] for `tower` (its weights, or its
+    /// LoRA pairs), stored as `dtype` says (bit for bit when the file holds that dtype).
     ///
     /// # Errors
     /// A missing or malformed file, a tensor missing or of another shape or dtype (named),
@@ -99,21 +80,17 @@ impl<B: Backend> VisionMoments<B> {
         let meta = meta.metadata().clone().unwrap_or_default();
         read_header(&meta, path, FORMAT, false)?;
         let st = SafeTensors::deserialize(&bytes).map_err(|e| bad(path, e.to_string()))?;
-        let table = param_table(tower.config());
-        let weights = tower.weights();
-        let moments = VisionParams::build(&table, |spec| {
-            let mut shape = if spec.per_block {
-                vec![tower.config().depth]
-            } else {
-                Vec::new()
-            };
-            shape.extend(&spec.shape);
-            let host = read_moments(&st, path, &slot_name(spec.name), &shape)?;
-            let len = weights.get(spec.slot).map_or(0, DeviceBuffer::len);
-            let mut m = Moments::zeros(be, len, len.max(1), dtype)?;
-            m.write(be, 0, [&host[0], &host[1]])?;
-            Ok::<_, ModelError>(m)
-        })?;
+        let moments = tower
+            .trainable_names()
+            .iter()
+            .map(|(name, shape)| {
+                let host = read_moments(&st, path, name, shape)?;
+                let len = shape.iter().product::<usize>();
+                let mut m = Moments::zeros(be, len, len.max(1), dtype)?;
+                m.write(be, 0, [&host[0], &host[1]])?;
+                Ok::<_, ModelError>(m)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             moments,
             state_dtype: dtype,

@@ -23,6 +23,7 @@
 //! ([`VisionTower::activations`] with `keep = true`); inference keeps one block's activations.
 
 use super::config::{VisionConfig, VisionMlp, VlKind};
+use super::lora::{TOWER_TARGETS, TowerLora, TowerLoraActs, TowerTarget};
 use super::mrope::tokens_per_grid;
 use super::weights::{Slot, VisionParams, VisionWeights, param_table};
 use crate::backend::{
@@ -30,6 +31,7 @@ use crate::backend::{
     TensorMut, View, ViewMut,
 };
 use crate::model::ModelError;
+use crate::model::lora::LoraParams;
 
 /// Epsilon of every norm of the tower (transformers hard-codes 1e-6).
 const EPS: f32 = 1e-6;
@@ -209,15 +211,52 @@ fn rope_tables(
 /// ones stacked over blocks).
 #[derive(Debug)]
 pub struct VisionTower<B: Backend> {
-    cfg: VisionConfig,
-    weights: VisionParams<B::Buffer>,
-    precision: MatmulPrecision,
+    pub(super) cfg: VisionConfig,
+    pub(super) weights: VisionParams<B::Buffer>,
+    pub(super) precision: MatmulPrecision,
     /// Whether training arenas keep one block's activations ([`Self::set_gradient_checkpointing`]).
     gradient_checkpointing: bool,
+    /// LoRA pairs (`vision/lora.rs`): with them the base weights are frozen.
+    pub(super) lora: Option<TowerLora<B>>,
 }
 
-/// Gradients of the tower's parameters, slot by slot like its weights.
-pub type VisionGrads<B> = VisionParams<<B as Backend>::Buffer>;
+/// Gradients of the tower's trained parameters: every weight slot's (full fine-tuning), or
+/// with LoRA pairs on the tower only the pairs' ([`VisionTower::zero_grads`]).
+pub struct VisionGrads<B: Backend> {
+    pub(crate) base: Option<VisionParams<B::Buffer>>,
+    pub(crate) lora: Option<LoraParams<B, TOWER_TARGETS>>,
+}
+
+impl<B: Backend> VisionGrads<B> {
+    /// The gradient of weight slot `slot` (full fine-tuning), if the tower has it.
+    pub fn get(&self, slot: Slot) -> Option<&B::Buffer> {
+        self.base.as_ref()?.get(slot)
+    }
+
+    /// Every weight slot's gradient (full fine-tuning; nothing under LoRA), in checkpoint
+    /// order.
+    pub fn iter(&self) -> impl Iterator<Item = (Slot, &B::Buffer)> {
+        self.base.iter().flat_map(|b| b.iter())
+    }
+
+    /// Every gradient buffer, in the order of [`VisionTower::trainable_names`].
+    pub fn buffers(&self) -> Vec<&B::Buffer> {
+        match (&self.base, &self.lora) {
+            (_, Some(l)) => l.buffers(),
+            (Some(b), None) => b.iter().map(|(_, g)| g).collect(),
+            (None, None) => Vec::new(),
+        }
+    }
+
+    /// [`Self::buffers`], writable (to zero them).
+    pub fn buffers_mut(&mut self) -> Vec<&mut B::Buffer> {
+        match (&mut self.base, &mut self.lora) {
+            (_, Some(l)) => l.buffers_mut(),
+            (Some(b), None) => b.iter_mut().map(|(_, g)| g).collect(),
+            (None, None) => Vec::new(),
+        }
+    }
+}
 
 /// The activations of one tower call.
 #[derive(Debug)]
@@ -259,6 +298,8 @@ pub struct VisionActs<B: Backend> {
     merge_act: B::Buffer,
     /// The merged tokens `[units, out_hidden]`, in tower order.
     out: B::Buffer,
+    /// The LoRA pairs' intermediates (a tower with pairs).
+    lora: Option<TowerLoraActs<B>>,
 }
 
 impl<B: Backend> VisionActs<B> {
@@ -297,7 +338,8 @@ impl<B: Backend> VisionActs<B> {
             &self.merge_act,
             &self.out,
         ];
-        bufs.iter().map(|b| b.len() * 4).sum()
+        bufs.iter().map(|b| b.len() * 4).sum::<usize>()
+            + self.lora.as_ref().map_or(0, |l| l.elements() * 4)
     }
 
     /// The merged tokens `[units, out_hidden]` of the last forward, in tower order.
@@ -363,6 +405,7 @@ impl<B: Backend> VisionTower<B> {
             weights: uploaded,
             precision: MatmulPrecision::F32,
             gradient_checkpointing: false,
+            lora: None,
         })
     }
 
@@ -419,16 +462,71 @@ impl<B: Backend> VisionTower<B> {
         })
     }
 
-    /// Zeroed gradients of every parameter.
+    /// Zeroed gradients of every trained parameter: the weights, or with LoRA pairs on the
+    /// tower the pairs.
     ///
     /// # Errors
     /// A backend failure.
     pub fn zero_grads(&self, be: &B) -> Result<VisionGrads<B>, ModelError> {
+        if let Some(l) = &self.lora {
+            return Ok(VisionGrads {
+                base: None,
+                lora: Some(l.params.zeros_like(be)?),
+            });
+        }
         let table = param_table(&self.cfg);
-        VisionParams::build(&table, |spec| {
+        let base = VisionParams::build(&table, |spec| {
             let len = self.weights.get(spec.slot).map_or(0, |b| b.len());
             Ok::<_, ModelError>(be.alloc(len)?)
+        })?;
+        Ok(VisionGrads {
+            base: Some(base),
+            lora: None,
         })
+    }
+
+    /// The trained parameters' buffers, in the order of [`Self::trainable_names`]: the
+    /// weights (full fine-tuning) or the LoRA pairs.
+    pub(crate) fn trainable_mut(&mut self) -> Vec<&mut B::Buffer> {
+        match &mut self.lora {
+            Some(l) => l.params.buffers_mut(),
+            None => self.weights.iter_mut().map(|(_, w)| w).collect(),
+        }
+    }
+
+    /// Name and shape of each trained parameter (blocks stacked, `#` for the block index,
+    /// as the optimizer file names them): a weight slot's name, or a pair's
+    /// (`blocks.#.attn.qkv.lora_A.weight`).
+    pub fn trainable_names(&self) -> Vec<(String, Vec<usize>)> {
+        let c = &self.cfg;
+        let mut out = Vec::new();
+        for spec in param_table(c) {
+            let mut shape = if spec.per_block { vec![c.depth] } else { Vec::new() };
+            match &self.lora {
+                None => {
+                    shape.extend(&spec.shape);
+                    out.push((spec.name.replace("{}", "#"), shape));
+                }
+                Some(l) => {
+                    let Some(t) = TowerTarget::ALL.into_iter().find(|t| t.slot() == spec.slot)
+                    else {
+                        continue;
+                    };
+                    if l.params.pairs[t as usize].is_none() {
+                        continue;
+                    }
+                    let (inp, outf) = t.in_out(c);
+                    let stem = spec.name.trim_end_matches(".weight").replace("{}", "#");
+                    let r = l.config.r;
+                    for (which, dims) in [("A", [r, inp]), ("B", [outf, r])] {
+                        let mut s = shape.clone();
+                        s.extend(dims);
+                        out.push((format!("{stem}.lora_{which}.weight"), s));
+                    }
+                }
+            }
+        }
+        out
     }
 
     /// An arena for `plan`; `keep`: for [`Self::backward`] — every block's activations, or
@@ -494,6 +592,7 @@ impl<B: Backend> VisionTower<B> {
             merge_hidden: be.alloc(plan.units * m)?,
             merge_act: be.alloc(plan.units * m)?,
             out: be.alloc(plan.units * c.out_hidden)?,
+            lora: self.lora_acts(be, n, plan.units, blocks)?,
             plan,
         })
     }
@@ -574,6 +673,7 @@ impl<B: Backend> VisionTower<B> {
         be.upload(&rows, ViewMut::whole(&mut a.pixels))?;
         let nc = n * h;
         let ln = c.layer_norm();
+        self.begin_lora(a.lora.as_mut())?;
 
         // Patch embedding: the Conv3d with stride = kernel is one linear layer over patches.
         be.linear(
@@ -582,6 +682,16 @@ impl<B: Backend> VisionTower<B> {
             None,
             self.dims(n, c.patch_dim(), h),
             ViewMut::item(&mut a.resid, 0, nc)?,
+        )?;
+        self.lora_forward(
+            be,
+            a.lora.as_mut(),
+            TowerTarget::Patch,
+            0,
+            0,
+            n,
+            View::whole(&a.pixels),
+            vec![ViewMut::item(&mut a.resid, 0, nc)?],
         )?;
         for l in 0..c.depth {
             self.block_forward(be, l, a)?;
@@ -608,6 +718,16 @@ impl<B: Backend> VisionTower<B> {
             self.dims(units, m, m),
             ViewMut::whole(&mut a.merge_hidden),
         )?;
+        self.lora_forward(
+            be,
+            a.lora.as_mut(),
+            TowerTarget::Merger0,
+            0,
+            0,
+            units,
+            View::whole(&a.merge_norm),
+            vec![ViewMut::whole(&mut a.merge_hidden)],
+        )?;
         be.activation(
             Activation::GeluErf,
             View::whole(&a.merge_hidden),
@@ -619,6 +739,16 @@ impl<B: Backend> VisionTower<B> {
             Some(self.w(Slot::Merger2Bias, 0, c.out_hidden)?),
             self.dims(units, m, c.out_hidden),
             ViewMut::whole(&mut a.out),
+        )?;
+        self.lora_forward(
+            be,
+            a.lora.as_mut(),
+            TowerTarget::Merger2,
+            0,
+            0,
+            units,
+            View::whole(&a.merge_act),
+            vec![ViewMut::whole(&mut a.out)],
         )?;
         Ok(())
     }
@@ -660,6 +790,20 @@ impl<B: Backend> VisionTower<B> {
                 ViewMut::item(buf, s, nc)?,
             )?;
         }
+        self.lora_forward(
+            be,
+            a.lora.as_mut(),
+            TowerTarget::Qkv,
+            l,
+            s,
+            n,
+            n1,
+            vec![
+                ViewMut::item(&mut a.q, s, nc)?,
+                ViewMut::item(&mut a.k, s, nc)?,
+                ViewMut::item(&mut a.v, s, nc)?,
+            ],
+        )?;
         let (cos, sin) = (View::whole(&a.cos), View::whole(&a.sin));
         be.rope(ViewMut::item(&mut a.q, s, nc)?, cos, sin, nh, hd)?;
         be.rope(ViewMut::item(&mut a.k, s, nc)?, cos, sin, nh, hd)?;
@@ -683,6 +827,16 @@ impl<B: Backend> VisionTower<B> {
             Some(self.w(Slot::ProjBias, l, h)?),
             self.dims(n, h, h),
             ViewMut::whole(&mut a.branch),
+        )?;
+        self.lora_forward(
+            be,
+            a.lora.as_mut(),
+            TowerTarget::Proj,
+            l,
+            s,
+            n,
+            View::item(&a.att, s, nc)?,
+            vec![ViewMut::whole(&mut a.branch)],
         )?;
         be.add(
             View::item(&a.resid, r_in, nc)?,
@@ -712,6 +866,16 @@ impl<B: Backend> VisionTower<B> {
             self.dims(n, h, i),
             ViewMut::item(&mut a.mlp_in, s, ni)?,
         )?;
+        self.lora_forward(
+            be,
+            a.lora.as_mut(),
+            TowerTarget::MlpIn,
+            l,
+            s,
+            n,
+            n2,
+            vec![ViewMut::item(&mut a.mlp_in, s, ni)?],
+        )?;
         match c.mlp {
             VisionMlp::Plain(act) => {
                 be.activation(
@@ -728,6 +892,16 @@ impl<B: Backend> VisionTower<B> {
                     self.dims(n, h, i),
                     ViewMut::item(&mut a.mlp_up, s, ni)?,
                 )?;
+                self.lora_forward(
+                    be,
+                    a.lora.as_mut(),
+                    TowerTarget::MlpUp,
+                    l,
+                    s,
+                    n,
+                    n2,
+                    vec![ViewMut::item(&mut a.mlp_up, s, ni)?],
+                )?;
                 be.swiglu(
                     View::item(&a.mlp_in, s, ni)?,
                     View::item(&a.mlp_up, s, ni)?,
@@ -742,6 +916,16 @@ impl<B: Backend> VisionTower<B> {
             self.dims(n, i, h),
             ViewMut::whole(&mut a.branch),
         )?;
+        self.lora_forward(
+            be,
+            a.lora.as_mut(),
+            TowerTarget::MlpOut,
+            l,
+            s,
+            n,
+            View::item(&a.mlp_act, s, ni)?,
+            vec![ViewMut::whole(&mut a.branch)],
+        )?;
         be.add(
             View::item(&a.mid, s, nc)?,
             View::whole(&a.branch),
@@ -751,11 +935,13 @@ impl<B: Backend> VisionTower<B> {
     }
 
     /// Backward of [`Self::forward`] (on an arena made with `keep = true`) from `dout`
-    /// `[units, out_hidden]` (tower order): **adds** every parameter's gradient into `g`.
+    /// `[units, out_hidden]` (tower order): **adds** every trained parameter's gradient
+    /// into `g` — the weights', or with LoRA pairs on the tower only the pairs' (the frozen
+    /// weights get none).
     ///
     /// # Errors
-    /// An arena without every block's activations, `dout` of the wrong length, or a
-    /// backend failure.
+    /// An arena without every block's activations, `dout` of the wrong length, gradients
+    /// of another layout, or a backend failure.
     pub fn backward(
         &self,
         be: &B,
@@ -767,6 +953,13 @@ impl<B: Backend> VisionTower<B> {
         if !a.keep {
             return Err(ModelError::Unsupported {
                 what: "vision backward on an inference arena (plan it with keep = true)".into(),
+            });
+        }
+        let VisionGrads { base, lora: lg } = g;
+        let pairs = a.lora.as_ref().is_some_and(|l| l.applied);
+        if base.is_none() && !pairs {
+            return Err(ModelError::LayoutMismatch {
+                what: "vision gradients (LoRA pairs' for a pass without them)",
             });
         }
         let (h, i, n, units, m) = (
@@ -786,10 +979,13 @@ impl<B: Backend> VisionTower<B> {
         let (mut dq, mut dk, mut dv) = (be.alloc(nc)?, be.alloc(nc)?, be.alloc(nc)?);
         let (mut d_act, mut d_in, mut d_up) = (be.alloc(ni)?, be.alloc(ni)?, be.alloc(ni)?);
         let (mut d_mh, mut d_ma) = (be.alloc(units * m)?, be.alloc(units * m)?);
+        // a frozen LayerNorm's weight and bias gradients land here, unread
+        let frozen_len = if base.is_none() && ln { h } else { 0 };
+        let mut frozen_norm = [be.alloc(frozen_len)?, be.alloc(frozen_len)?];
 
         // Merger.
         let (w2, b2) = grad_pair(
-            g,
+            base.as_mut(),
             Slot::Merger2,
             Slot::Merger2Bias,
             0,
@@ -802,8 +998,20 @@ impl<B: Backend> VisionTower<B> {
             self.w(Slot::Merger2, 0, c.out_hidden * m)?,
             self.dims(units, m, c.out_hidden),
             Some(ViewMut::whole(&mut d_ma)),
-            Some(w2),
-            Some(b2),
+            w2,
+            b2,
+        )?;
+        self.lora_backward(
+            be,
+            a.lora.as_mut(),
+            lg.as_mut(),
+            TowerTarget::Merger2,
+            0,
+            0,
+            units,
+            vec![dout],
+            View::whole(&a.merge_act),
+            Some(ViewMut::whole(&mut d_ma)),
         )?;
         be.activation_backward(
             Activation::GeluErf,
@@ -811,7 +1019,7 @@ impl<B: Backend> VisionTower<B> {
             View::whole(&a.merge_hidden),
             ViewMut::whole(&mut d_mh),
         )?;
-        let (w0, b0) = grad_pair(g, Slot::Merger0, Slot::Merger0Bias, 0, m * m, m)?;
+        let (w0, b0) = grad_pair(base.as_mut(), Slot::Merger0, Slot::Merger0Bias, 0, m * m, m)?;
         be.fill(ViewMut::whole(&mut d_norm), 0.0)?;
         be.linear_backward(
             View::whole(&d_mh),
@@ -819,15 +1027,27 @@ impl<B: Backend> VisionTower<B> {
             self.w(Slot::Merger0, 0, m * m)?,
             self.dims(units, m, m),
             Some(ViewMut::whole(&mut d_norm)),
-            Some(w0),
-            Some(b0),
+            w0,
+            b0,
+        )?;
+        self.lora_backward(
+            be,
+            a.lora.as_mut(),
+            lg.as_mut(),
+            TowerTarget::Merger0,
+            0,
+            0,
+            units,
+            vec![View::whole(&d_mh)],
+            View::whole(&a.merge_norm),
+            Some(ViewMut::whole(&mut d_norm)),
         )?;
         be.fill(ViewMut::whole(&mut d_resid), 0.0)?;
         let x = View::item(&a.resid, c.depth, nc)?;
         let mean = ln.then(|| View::whole(&a.merge_mean));
         self.norm_backward(
             be,
-            g,
+            (base.as_mut(), &mut frozen_norm),
             Slot::MergerNorm,
             0,
             View::whole(&d_norm),
@@ -847,7 +1067,7 @@ impl<B: Backend> VisionTower<B> {
             let s = a.slot(l);
             // MLP block: resid_out = mid + MLP(Norm(mid)).
             be.copy(View::whole(&d_resid), ViewMut::whole(&mut d_mid))?;
-            let (wo, bo) = grad_pair(g, Slot::MlpOut, Slot::MlpOutBias, l, h * i, h)?;
+            let (wo, bo) = grad_pair(base.as_mut(), Slot::MlpOut, Slot::MlpOutBias, l, h * i, h)?;
             be.fill(ViewMut::whole(&mut d_act), 0.0)?;
             be.linear_backward(
                 View::whole(&d_resid),
@@ -855,8 +1075,20 @@ impl<B: Backend> VisionTower<B> {
                 self.w(Slot::MlpOut, l, h * i)?,
                 self.dims(n, i, h),
                 Some(ViewMut::whole(&mut d_act)),
-                Some(wo),
-                Some(bo),
+                wo,
+                bo,
+            )?;
+            self.lora_backward(
+                be,
+                a.lora.as_mut(),
+                lg.as_mut(),
+                TowerTarget::MlpOut,
+                l,
+                s,
+                n,
+                vec![View::whole(&d_resid)],
+                View::item(&a.mlp_act, s, ni)?,
+                Some(ViewMut::whole(&mut d_act)),
             )?;
             be.fill(ViewMut::whole(&mut d_norm), 0.0)?;
             let n2 = View::item(&a.n2, s, nc)?;
@@ -877,32 +1109,57 @@ impl<B: Backend> VisionTower<B> {
                         ViewMut::whole(&mut d_in),
                         ViewMut::whole(&mut d_up),
                     )?;
-                    let (wu, bu) = grad_pair(g, Slot::MlpUp, Slot::MlpUpBias, l, i * h, i)?;
+                    let (wu, bu) =
+                        grad_pair(base.as_mut(), Slot::MlpUp, Slot::MlpUpBias, l, i * h, i)?;
                     be.linear_backward(
                         View::whole(&d_up),
                         n2,
                         self.w(Slot::MlpUp, l, i * h)?,
                         self.dims(n, h, i),
                         Some(ViewMut::whole(&mut d_norm)),
-                        Some(wu),
-                        Some(bu),
+                        wu,
+                        bu,
+                    )?;
+                    self.lora_backward(
+                        be,
+                        a.lora.as_mut(),
+                        lg.as_mut(),
+                        TowerTarget::MlpUp,
+                        l,
+                        s,
+                        n,
+                        vec![View::whole(&d_up)],
+                        n2,
+                        Some(ViewMut::whole(&mut d_norm)),
                     )?;
                 }
             }
-            let (wi, bi) = grad_pair(g, Slot::MlpIn, Slot::MlpInBias, l, i * h, i)?;
+            let (wi, bi) = grad_pair(base.as_mut(), Slot::MlpIn, Slot::MlpInBias, l, i * h, i)?;
             be.linear_backward(
                 View::whole(&d_in),
                 n2,
                 self.w(Slot::MlpIn, l, i * h)?,
                 self.dims(n, h, i),
                 Some(ViewMut::whole(&mut d_norm)),
-                Some(wi),
-                Some(bi),
+                wi,
+                bi,
+            )?;
+            self.lora_backward(
+                be,
+                a.lora.as_mut(),
+                lg.as_mut(),
+                TowerTarget::MlpIn,
+                l,
+                s,
+                n,
+                vec![View::whole(&d_in)],
+                n2,
+                Some(ViewMut::whole(&mut d_norm)),
             )?;
             let mean = ln.then(|| View::item(&a.n2_mean, s, n)).transpose()?;
             self.norm_backward(
                 be,
-                g,
+                (base.as_mut(), &mut frozen_norm),
                 Slot::Norm2,
                 l,
                 View::whole(&d_norm),
@@ -914,7 +1171,7 @@ impl<B: Backend> VisionTower<B> {
 
             // Attention block: mid = resid_in + proj(attention(rope(qkv(Norm(resid_in))))).
             be.copy(View::whole(&d_mid), ViewMut::whole(&mut d_resid))?;
-            let (wp, bp) = grad_pair(g, Slot::Proj, Slot::ProjBias, l, h * h, h)?;
+            let (wp, bp) = grad_pair(base.as_mut(), Slot::Proj, Slot::ProjBias, l, h * h, h)?;
             be.fill(ViewMut::whole(&mut d_att), 0.0)?;
             be.linear_backward(
                 View::whole(&d_mid),
@@ -922,8 +1179,20 @@ impl<B: Backend> VisionTower<B> {
                 self.w(Slot::Proj, l, h * h)?,
                 self.dims(n, h, h),
                 Some(ViewMut::whole(&mut d_att)),
-                Some(wp),
-                Some(bp),
+                wp,
+                bp,
+            )?;
+            self.lora_backward(
+                be,
+                a.lora.as_mut(),
+                lg.as_mut(),
+                TowerTarget::Proj,
+                l,
+                s,
+                n,
+                vec![View::whole(&d_mid)],
+                View::item(&a.att, s, nc)?,
+                Some(ViewMut::whole(&mut d_att)),
             )?;
             let (dims, cu) = if c.full_attention(l) {
                 (seg_full, &a.cu_full)
@@ -950,21 +1219,33 @@ impl<B: Backend> VisionTower<B> {
             let n1 = View::item(&a.n1, s, nc)?;
             for (part, d) in [(0, &dq), (1, &dk), (2, &dv)] {
                 let (w, _) = self.qkv(l, part)?;
-                let (gw, gb) = qkv_grads(g, l, part, h)?;
+                let (gw, gb) = qkv_grads(base.as_mut(), l, part, h)?;
                 be.linear_backward(
                     View::whole(d),
                     n1,
                     w,
                     self.dims(n, h, h),
                     Some(ViewMut::whole(&mut d_norm)),
-                    Some(gw),
-                    Some(gb),
+                    gw,
+                    gb,
                 )?;
             }
+            self.lora_backward(
+                be,
+                a.lora.as_mut(),
+                lg.as_mut(),
+                TowerTarget::Qkv,
+                l,
+                s,
+                n,
+                vec![View::whole(&dq), View::whole(&dk), View::whole(&dv)],
+                n1,
+                Some(ViewMut::whole(&mut d_norm)),
+            )?;
             let mean = ln.then(|| View::item(&a.n1_mean, s, n)).transpose()?;
             self.norm_backward(
                 be,
-                g,
+                (base.as_mut(), &mut frozen_norm),
                 Slot::Norm1,
                 l,
                 View::whole(&d_norm),
@@ -976,28 +1257,43 @@ impl<B: Backend> VisionTower<B> {
         }
 
         // Patch embedding (no gradient for the pixels).
-        let gp = g
-            .get_mut(Slot::Patch)
-            .ok_or_else(|| missing("patch grad"))?;
-        be.linear_backward(
-            View::whole(&d_resid),
+        if let Some(g) = base.as_mut() {
+            let gp = g
+                .get_mut(Slot::Patch)
+                .ok_or_else(|| missing("patch grad"))?;
+            be.linear_backward(
+                View::whole(&d_resid),
+                View::whole(&a.pixels),
+                self.w(Slot::Patch, 0, h * c.patch_dim())?,
+                self.dims(n, c.patch_dim(), h),
+                None,
+                Some(ViewMut::whole(gp)),
+                None,
+            )?;
+        }
+        self.lora_backward(
+            be,
+            a.lora.as_mut(),
+            lg.as_mut(),
+            TowerTarget::Patch,
+            0,
+            0,
+            n,
+            vec![View::whole(&d_resid)],
             View::whole(&a.pixels),
-            self.w(Slot::Patch, 0, h * c.patch_dim())?,
-            self.dims(n, c.patch_dim(), h),
-            None,
-            Some(ViewMut::whole(gp)),
             None,
         )?;
         Ok(())
     }
 
     /// Backward of [`Self::norm`]: **adds** into `dx` and the weight's (and bias's)
-    /// gradient.
+    /// gradient — in `g`, or for a frozen tower (`None`) a LayerNorm's into the scratch
+    /// pair `frozen` (`[dim]` each), RMSNorm's nowhere.
     #[allow(clippy::too_many_arguments)]
     fn norm_backward(
         &self,
         be: &B,
-        g: &mut VisionGrads<B>,
+        (g, frozen): (Option<&mut VisionParams<B::Buffer>>, &mut [B::Buffer; 2]),
         slot: Slot,
         l: usize,
         dout: Tensor<'_, B>,
@@ -1009,13 +1305,28 @@ impl<B: Backend> VisionTower<B> {
         let h = self.cfg.hidden;
         let w = self.w(slot, l, h)?;
         match (bias_slot(slot), mean) {
-            (Some(bs), Some(mean)) if self.cfg.layer_norm() => {
-                let (gw, gb) = grad_pair(g, slot, bs, l, h, h)?;
-                be.layer_norm_backward(dout, x, w, mean, rstd, h, dx, gw, gb)?;
-            }
+            (Some(bs), Some(mean)) if self.cfg.layer_norm() => match g {
+                Some(g) => {
+                    let (gw, gb) = grad_pair(Some(g), slot, bs, l, h, h)?;
+                    let (gw, gb) = gw.zip(gb).ok_or_else(|| missing("norm grad"))?;
+                    be.layer_norm_backward(dout, x, w, mean, rstd, h, dx, gw, gb)?;
+                }
+                None => {
+                    let [fw, fb] = frozen;
+                    let (gw, gb) = (ViewMut::whole(fw), ViewMut::whole(fb));
+                    be.layer_norm_backward(dout, x, w, mean, rstd, h, dx, gw, gb)?;
+                }
+            },
             _ => {
-                let gw = g.get_mut(slot).ok_or_else(|| missing("norm grad"))?;
-                be.rmsnorm_backward(dout, x, w, rstd, h, dx, Some(ViewMut::item(gw, l, h)?))?;
+                let gw = match g {
+                    Some(g) => Some(ViewMut::item(
+                        g.get_mut(slot).ok_or_else(|| missing("norm grad"))?,
+                        l,
+                        h,
+                    )?),
+                    None => None,
+                };
+                be.rmsnorm_backward(dout, x, w, rstd, h, dx, gw)?;
             }
         }
         Ok(())
@@ -1038,33 +1349,46 @@ fn bias_slot(slot: Slot) -> Option<Slot> {
     }
 }
 
-/// Writable gradient views of a weight and its bias for block `l`.
+/// Writable gradient views of a weight and its bias for block `l` (`None`s for a frozen
+/// tower, `g = None`).
+#[allow(clippy::type_complexity)]
 fn grad_pair<'g, T: DeviceBuffer>(
-    g: &'g mut VisionParams<T>,
+    g: Option<&'g mut VisionParams<T>>,
     w: Slot,
     b: Slot,
     l: usize,
     w_len: usize,
     b_len: usize,
-) -> Result<(ViewMut<'g, T>, ViewMut<'g, T>), ModelError> {
+) -> Result<(Option<ViewMut<'g, T>>, Option<ViewMut<'g, T>>), ModelError> {
+    let Some(g) = g else {
+        return Ok((None, None));
+    };
     let (gw, gb) = g
         .pair_mut(w, b)
         .ok_or_else(|| missing(&format!("{w:?} gradient")))?;
-    Ok((ViewMut::item(gw, l, w_len)?, ViewMut::item(gb, l, b_len)?))
+    Ok((
+        Some(ViewMut::item(gw, l, w_len)?),
+        Some(ViewMut::item(gb, l, b_len)?),
+    ))
 }
 
-/// Writable gradient views of rows `part` of block `l`'s fused qkv weight and bias.
+/// Writable gradient views of rows `part` of block `l`'s fused qkv weight and bias
+/// (`None`s for a frozen tower).
+#[allow(clippy::type_complexity)]
 fn qkv_grads<T: DeviceBuffer>(
-    g: &mut VisionParams<T>,
+    g: Option<&mut VisionParams<T>>,
     l: usize,
     part: usize,
     h: usize,
-) -> Result<(ViewMut<'_, T>, ViewMut<'_, T>), ModelError> {
+) -> Result<(Option<ViewMut<'_, T>>, Option<ViewMut<'_, T>>), ModelError> {
+    let Some(g) = g else {
+        return Ok((None, None));
+    };
     let (gw, gb) = g
         .pair_mut(Slot::Qkv, Slot::QkvBias)
         .ok_or_else(|| missing("qkv gradient"))?;
     Ok((
-        ViewMut::new(gw, (l * 3 + part) * h * h, h * h)?,
-        ViewMut::new(gb, (l * 3 + part) * h, h)?,
+        Some(ViewMut::new(gw, (l * 3 + part) * h * h, h * h)?),
+        Some(ViewMut::new(gb, (l * 3 + part) * h, h)?),
     ))
 }

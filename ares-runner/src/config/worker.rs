@@ -227,11 +227,11 @@ pub struct ModelConfig {
     pub lora: LoraSettings,
 }
 
-/// `worker.actor.model.lora`: LoRA pairs on the language model's linear layers, as PEFT
-/// puts them (`y = x·Wᵀ + (α/r)·x·Aᵀ·Bᵀ`, `A` uniform on `±1/√in`, `B = 0`). The base
-/// weights are frozen; the reference policy is the base (the adapters off), not a second
-/// copy; checkpoints hold the adapter as PEFT files (`adapter/`). The vision tower of a
-/// vision-language model is frozen under LoRA (pairs on it are not built).
+/// `worker.actor.model.lora`: LoRA pairs on linear layers, as PEFT puts them (`y = x·Wᵀ +
+/// (α/r)·x·Aᵀ·Bᵀ`, `A` uniform on `±1/√in`, `B = 0`) and selects them (a name selects every
+/// module whose path ends with it, the vision tower's included). The base weights are
+/// frozen; the reference policy is the base (the adapters off), not a second copy;
+/// checkpoints hold the adapter as PEFT files (`adapter/`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LoraSettings {
@@ -239,12 +239,15 @@ pub struct LoraSettings {
     pub rank: usize,
     /// `lora_alpha`, finite and > 0 (default 64, EasyR1's).
     pub alpha: f64,
-    /// The adapted layers: `all-linear` (default: q/k/v/o and gate/up/down), one module
-    /// name, or a list of them (a YAML list or one comma-separated string) (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`,
-    /// `up_proj`, `down_proj`).
+    /// The adapted layers: `all-linear` (default: every linear layer but the LM head — the
+    /// decoder's q/k/v/o and gate/up/down and, in a vision-language model, the tower's qkv,
+    /// attn.proj, MLP and merger), one module name, or a list of them (a YAML list or one
+    /// comma-separated string): the decoder's `q_proj`, `k_proj`, `v_proj`, `o_proj`,
+    /// `gate_proj`, `up_proj`, `down_proj`; the tower's `qkv`, `attn.proj`, `proj` (with the
+    /// patch embedding), `fc1`, `fc2`, `mlp.0`, `mlp.2`.
     pub target_modules: LoraTargets,
-    /// Modules left out (EasyR1's key): only `null`, or a pattern naming the vision tower
-    /// (`.*visual.*`), which LoRA never adapts here.
+    /// Modules left out (EasyR1's key): `null`, or a pattern naming the vision tower
+    /// (`.*visual.*`): the language model's layers only.
     pub exclude_modules: Option<String>,
     /// Scale `α/√r` instead of `α/r` (rsLoRA; default false).
     pub use_rslora: bool,
@@ -282,7 +285,7 @@ impl LoraSettings {
     /// The PEFT configuration of these settings (`None` at rank 0), or what is wrong with
     /// them as `(key suffix, value, expected)`.
     pub fn peft(&self) -> Result<Option<crate::hf::lora::LoraConfig>, (String, String, String)> {
-        use crate::hf::lora::TARGETS;
+        use crate::hf::lora::{TARGETS, is_tower_exclusion, target_names};
         if self.rank == 0 {
             if let Some(p) = &self.adapter_path {
                 return Err((
@@ -301,9 +304,7 @@ impl LoraSettings {
             return bad("alpha", self.alpha.to_string(), "finite and > 0");
         }
         let names: Vec<String> = match &self.target_modules {
-            LoraTargets::One(s) if s == "all-linear" => {
-                TARGETS.iter().map(|t| t.to_string()).collect()
-            }
+            LoraTargets::One(s) if s == "all-linear" => vec![s.clone()],
             // one name, or names written as one string (`q_proj, v_proj`, `[q_proj, v_proj]`)
             LoraTargets::One(s) => s
                 .trim_matches(|c: char| c == '[' || c == ']' || c.is_whitespace())
@@ -313,15 +314,16 @@ impl LoraSettings {
                 .collect(),
             LoraTargets::Many(v) => v.clone(),
         };
-        let expected = format!("all-linear or some of {}", TARGETS.join(", "));
-        if names.is_empty() {
-            return bad("target_modules", "[]".into(), &expected);
-        }
-        if let Some(n) = names.iter().find(|n| !TARGETS.contains(&n.as_str())) {
-            return bad("target_modules", n.clone(), &expected);
-        }
+        let expected = format!(
+            "all-linear or some of {}; a vision tower's qkv, attn.proj, proj, fc1, fc2, mlp.0, mlp.2",
+            TARGETS.join(", ")
+        );
+        let target_modules = match target_names(&names) {
+            Ok(t) => t,
+            Err(n) => return bad("target_modules", n, &expected),
+        };
         if let Some(x) = &self.exclude_modules
-            && !x.contains("visual")
+            && !is_tower_exclusion(x)
         {
             return bad(
                 "exclude_modules",
@@ -330,18 +332,13 @@ impl LoraSettings {
                  language-model layers list the others in target_modules",
             );
         }
-        let mut target_modules: Vec<String> = Vec::new();
-        for t in TARGETS {
-            if names.iter().any(|n| n == t) {
-                target_modules.push(t.to_string());
-            }
-        }
         Ok(Some(crate::hf::lora::LoraConfig {
             r: self.rank,
             lora_alpha: self.alpha,
             use_rslora: self.use_rslora,
             target_modules,
             layers_to_transform: None,
+            exclude_modules: self.exclude_modules.clone(),
         }))
     }
 }

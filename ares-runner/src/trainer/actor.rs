@@ -310,7 +310,7 @@ impl<B: Backend> TowerTraining<B> {
     /// # Errors
     /// A backend failure.
     pub fn zero_grads(&mut self, be: &B) -> Result<(), TrainError> {
-        for (_, g) in self.grads.iter_mut() {
+        for g in self.grads.buffers_mut() {
             be.fill(crate::backend::ViewMut::whole(g), 0.0)
                 .map_err(ModelError::from)?;
         }
