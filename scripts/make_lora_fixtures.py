@@ -146,3 +146,61 @@ save_file(
     os.path.join(out, "expected.safetensors"),
 )
 print("qwen2_5_vl_lm:", sorted(k for k in load_file(os.path.join(out, "adapter_model.safetensors")))[:2])
+
+# The vision-language models with pairs on the vision tower, fed the VL fixtures' `image`
+# case (`tests/fixtures/vl/<model>/expected.safetensors`).
+from transformers import Qwen2VLForConditionalGeneration  # noqa: E402
+
+VL_CASES = [
+    # every linear layer but the LM head: the tower's qkv, attn.proj, SwiGLU MLP, merger too
+    ("qwen2_5_vl_all", Qwen2_5_VLForConditionalGeneration, "qwen2_5_vl_tiny", dict(r=2, lora_alpha=4, target_modules="all-linear")),
+    # the tower only, Qwen2-VL (LayerNorm, fc1/fc2): `proj` selects attn.proj and the patch
+    # embedding's Conv3d; rsLoRA
+    (
+        "qwen2_vl_tower",
+        Qwen2VLForConditionalGeneration,
+        "qwen2_vl_tiny",
+        dict(r=3, lora_alpha=5, use_rslora=True, target_modules=["qkv", "proj", "fc1", "mlp.0"]),
+    ),
+]
+IMAGE_INPUTS = ["input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw"]
+for name, cls, base, kwargs in VL_CASES:
+    vl_dir = os.path.join("ares-model/tests/fixtures/vl", base)
+    model = cls.from_pretrained(vl_dir, torch_dtype=torch.float32)
+    model.eval()
+    peft_model = get_peft_model(model, LoraConfig(lora_dropout=0.0, bias="none", **kwargs))
+    seeded(peft_model)
+    out = os.path.join(OUT, name)
+    peft_model.save_pretrained(out, safe_serialization=True)
+    sort_targets(out)
+    fixture = load_file(os.path.join(vl_dir, "expected.safetensors"))
+    inputs = {k: fixture[f"image.{k}"] for k in IMAGE_INPUTS}
+    for k in ["input_ids", "attention_mask", "mm_token_type_ids", "image_grid_thw"]:
+        inputs[k] = inputs[k].long()
+    with torch.no_grad():
+        logits = peft_model(**inputs).logits.float()
+        peft_model.base_model.model.model.rope_deltas = None
+        with peft_model.disable_adapter():
+            base_logits = peft_model(**inputs).logits.float()
+    fresh = cls.from_pretrained(vl_dir, torch_dtype=torch.float32)
+    reloaded = PeftModel.from_pretrained(fresh, out)
+    with torch.no_grad():
+        again = reloaded(**inputs).logits.float()
+    assert torch.equal(again, logits), f"{name}: reloaded adapter gives other logits"
+    merged = reloaded.merge_and_unload().state_dict()
+    keep = [
+        k
+        for k in merged
+        if k
+        in {
+            "model.visual.blocks.1.attn.qkv.weight",
+            "model.visual.patch_embed.proj.weight",
+            "model.visual.merger.mlp.0.weight",
+            "model.visual.blocks.0.mlp.gate_proj.weight",
+            "model.language_model.layers.0.mlp.gate_proj.weight",
+        }
+    ]
+    tensors = {"image.logits": logits.contiguous(), "image.base_logits": base_logits.contiguous()}
+    tensors.update({f"merged.{k}": merged[k].float().contiguous() for k in keep})
+    save_file(tensors, os.path.join(out, "expected.safetensors"))
+    print(name, "max |Δlogits| from the adapter:", (logits - base_logits).abs().max().item(), "merged:", sorted(keep))

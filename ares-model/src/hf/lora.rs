@@ -282,7 +282,8 @@ impl LoraPair {
         let mut a = vec![r];
         a.extend(&self.kernel);
         let mut b = vec![out, r];
-        b.extend(std::iter::repeat_n(1, self.kernel.len()));
+        // a convolution's kernel dims are the input's but the channels
+        b.extend(std::iter::repeat_n(1, self.kernel.len().saturating_sub(1)));
         [a, b]
     }
 }
