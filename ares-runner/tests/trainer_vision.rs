@@ -227,6 +227,72 @@ fn lora_on_the_language_model_trains_and_resumes_exactly() {
     );
 }
 
+/// LoRA on every linear layer of a vision-language model (the default `all-linear`,
+/// nothing excluded): pairs on the tower too, trained beside the language model's; the
+/// tower's moments saved with the adapter; 2 + resume + 2 steps equal 4; and with
+/// `freeze_vision_tower` the tower carries no pairs.
+#[test]
+fn lora_on_the_tower_trains_and_resumes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (want, _) = train(config(
+        dir.path(),
+        &dir.path().join("straight"),
+        &["worker.actor.model.lora.rank=4", "trainer.max_steps=4"],
+    ));
+    let resumed = dir.path().join("resumed");
+    train(config(
+        dir.path(),
+        &resumed,
+        &["worker.actor.model.lora.rank=4", "trainer.max_steps=2"],
+    ));
+    let (got, ck) = train(config(
+        dir.path(),
+        &resumed,
+        &[
+            "worker.actor.model.lora.rank=4",
+            "trainer.max_steps=4",
+            "trainer.find_last_checkpoint=true",
+        ],
+    ));
+    assert_eq!(deterministic(got), deterministic(want));
+    let ck = ck.expect("a checkpoint");
+    assert!(!ck.join("model").exists());
+    assert!(ck.join("vision_optimizer.safetensors").is_file());
+    let initial = VlCheckpoint::load(&model_dir()).unwrap();
+    let (text, vision) = (&initial.config.text, &initial.config.vision);
+    let adapter =
+        ares_runner::hf::lora::LoraAdapter::read_vl(&ck.join("adapter"), text, vision).unwrap();
+    let trained = |prefix: &str| {
+        adapter
+            .pairs
+            .iter()
+            .any(|(k, p)| k.starts_with(prefix) && p.b.iter().any(|&x| x != 0.0))
+    };
+    assert!(trained("visual.blocks."), "the tower's pairs trained");
+    assert!(trained("visual.merger."), "the merger's pairs trained");
+    assert!(trained("model.layers."), "the language model's pairs trained");
+    // a text model's reader refuses it, naming the tower
+    let err = ares_runner::hf::lora::LoraAdapter::read(&ck.join("adapter"), text).unwrap_err();
+    assert!(err.to_string().contains("vision tower"), "{err}");
+
+    // freeze_vision_tower: the language model's pairs only
+    let (_, ck) = train(config(
+        dir.path(),
+        &dir.path().join("frozen"),
+        &[
+            "worker.actor.model.lora.rank=4",
+            "worker.actor.model.freeze_vision_tower=true",
+            "trainer.max_steps=1",
+        ],
+    ));
+    let ck = ck.expect("a checkpoint");
+    assert!(!ck.join("vision_optimizer.safetensors").exists());
+    let adapter =
+        ares_runner::hf::lora::LoraAdapter::read_vl(&ck.join("adapter"), text, vision).unwrap();
+    assert!(adapter.pairs.keys().all(|k| k.starts_with("model.layers.")));
+    assert_eq!(adapter.config.exclude_modules.as_deref(), Some(".*visual.*"));
+}
+
 #[test]
 fn a_text_model_refuses_image_rows() {
     let dir = tempfile::tempdir().unwrap();

@@ -191,6 +191,25 @@ pub fn tower_lora_elements(
     u + tmp + widest_rows * r
 }
 
+/// Elements of each LoRA tensor `config` puts on a tower of `cfg`, as the optimizer holds
+/// them: per adapted module its `A` stacked over blocks, then its `B` (the memory plan's
+/// figure).
+pub fn tower_lora_tensors(cfg: &VisionConfig, config: &LoraConfig) -> Vec<usize> {
+    let r = config.r;
+    let mut out = Vec::new();
+    for t in TowerTarget::ALL {
+        let Some((path, _)) = t.names(cfg) else {
+            continue;
+        };
+        if config.adapts_tower(path) {
+            let (inp, o) = t.in_out(cfg);
+            let n = t.count(cfg);
+            out.extend([n * r * inp, n * o * r]);
+        }
+    }
+    out
+}
+
 impl<B: Backend> VisionTower<B> {
     /// Adds fresh LoRA pairs to the tower's modules `config` selects ([`LoraConfig::adapts_tower`];
     /// PEFT's default initialisation, `A` drawn from `seed`): the tower's base weights are

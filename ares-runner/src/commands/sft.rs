@@ -143,8 +143,8 @@ pub fn run_sft<B: Backend + Clone>(
         );
     }
     let mut model = build_actor(backend, &files, cfg)?;
-    // LoRA: fresh pairs (or an adapter's), the base and the tower frozen
-    let lora = crate::trainer::setup::add_lora(&mut model, cfg, &files, options.seed)?;
+    // LoRA: fresh pairs (or an adapter's), every base weight frozen
+    crate::trainer::setup::add_lora(&mut model, cfg, &files, options.seed)?;
     let mut files = files;
     files.drop_weights(); // saving needs its configs only
     let mut opt = Optimizer {
@@ -154,10 +154,10 @@ pub fn run_sft<B: Backend + Clone>(
             cfg.worker.actor.optim.state_dtype.into(),
         )?,
         grads: model.lm().grads()?,
-        tower: if cfg.worker.actor.model.freeze_vision_tower || lora.is_some() {
-            None
-        } else {
+        tower: if model.trains_tower(cfg.worker.actor.model.freeze_vision_tower) {
             model.tower_training(cfg.worker.actor.optim.state_dtype.into())?
+        } else {
+            None
         },
         steps: 0,
     };
@@ -222,7 +222,7 @@ pub fn run_sft<B: Backend + Clone>(
     let _ = std::fs::remove_dir_all(&tmp);
     // under LoRA: the adapter as PEFT files in `adapter/`, beside the merged model
     let adapter = model.lora_adapter()?;
-    model.lm_mut().merge_lora()?;
+    model.merge_lora()?;
     save_actor(&model, &files, model_dir, &tmp, SaveDtype::F32)?;
     if let Some(adapter) = adapter {
         let base = std::fs::canonicalize(model_dir).unwrap_or_else(|_| model_dir.to_path_buf());

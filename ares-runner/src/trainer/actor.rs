@@ -92,17 +92,77 @@ impl<B: Backend> Actor<B> {
         }
     }
 
-    /// The language model's LoRA adapter as PEFT writes it (`model.language_model.` names
-    /// for a vision-language model), `None` without adapters.
+    /// The LoRA adapter as PEFT writes it (a vision-language model's in transformers'
+    /// `model.language_model.` / `model.visual.` names, the tower's pairs included), `None`
+    /// without adapters.
     ///
     /// # Errors
     /// A backend failure.
     pub fn lora_adapter(&self) -> Result<Option<crate::hf::lora::LoraAdapter>, TrainError> {
-        let mut adapter = self.lm().lora_adapter()?;
-        if let Some(a) = adapter.as_mut() {
-            a.language_model = self.vision().is_some();
+        Ok(match self {
+            Actor::Text(m) => m.lora_adapter()?,
+            Actor::Vision(m) => m.lora_adapter()?,
+        })
+    }
+
+    /// Installs a LoRA adapter read from PEFT files on the model (both parts of a
+    /// vision-language model).
+    ///
+    /// # Errors
+    /// As [`Model::load_lora`] / [`VlModel::load_lora`].
+    pub fn load_lora(&mut self, adapter: &crate::hf::lora::LoraAdapter) -> Result<(), TrainError> {
+        match self {
+            Actor::Text(m) => m.load_lora(adapter)?,
+            Actor::Vision(m) => m.load_lora(adapter)?,
         }
-        Ok(adapter)
+        Ok(())
+    }
+
+    /// Adds fresh LoRA pairs (drawn from `seed`) to the modules `config` selects.
+    ///
+    /// # Errors
+    /// As [`Model::add_lora`] / [`VlModel::add_lora`].
+    pub fn add_lora(
+        &mut self,
+        config: &crate::hf::lora::LoraConfig,
+        seed: u64,
+    ) -> Result<(), TrainError> {
+        match self {
+            Actor::Text(m) => m.add_lora(config, seed)?,
+            Actor::Vision(m) => m.add_lora(config, seed)?,
+        }
+        Ok(())
+    }
+
+    /// Turns the adapters off (both parts of a vision-language model) until the guard is
+    /// dropped: the reference policy of a LoRA run.
+    pub fn adapters_off(&self) -> crate::model::AdaptersOff<'_> {
+        match self {
+            Actor::Text(m) => m.adapters_off(),
+            Actor::Vision(m) => m.adapters_off(),
+        }
+    }
+
+    /// Merges the adapters into the base weights (both parts) and removes them.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn merge_lora(&mut self) -> Result<(), TrainError> {
+        match self {
+            Actor::Text(m) => m.merge_lora()?,
+            Actor::Vision(m) => m.merge_lora()?,
+        }
+        Ok(())
+    }
+
+    /// Whether an optimizer step updates the vision tower: a vision-language model whose
+    /// tower is trained in full (`freeze` false, no LoRA) or carries LoRA pairs.
+    pub fn trains_tower(&self, freeze: bool) -> bool {
+        match self {
+            Actor::Text(_) => false,
+            Actor::Vision(m) if m.lm().lora_config().is_some() => m.tower().has_lora(),
+            Actor::Vision(_) => !freeze,
+        }
     }
 
     /// The backend.

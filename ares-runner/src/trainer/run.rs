@@ -249,10 +249,8 @@ impl<B: Backend + Clone> Trainer<B> {
                     (Some(_), true) => {
                         // LoRA: the base of model_path with the checkpoint's adapter
                         let mut actor = build_actor(backend.clone(), &initial, &cfg)?;
-                        let adapter =
-                            crate::hf::lora::LoraAdapter::read(&adapter_dir, initial.text_config())
-                                .map_err(|e| TrainError::Invalid(e.to_string()))?;
-                        actor.lm_mut().load_lora(&adapter)?;
+                        let adapter = initial.read_adapter(&adapter_dir)?;
+                        actor.load_lora(&adapter)?;
                         let mut ck = initial;
                         ck.drop_weights();
                         (actor, ck)
@@ -304,10 +302,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 let opt = Optimizer {
                     adamw,
                     grads,
-                    tower: match lora {
-                        Some(_) => None, // (the tower is frozen under LoRA)
-                        None => resume_tower(&actor, &cfg, &dir)?,
-                    },
+                    tower: resume_tower(&actor, &cfg, &dir)?,
                     steps: state.optimizer_steps,
                 };
                 (actor, opt, state, ares, ck)
@@ -341,10 +336,10 @@ impl<B: Backend + Clone> Trainer<B> {
                 let opt = Optimizer {
                     adamw,
                     grads,
-                    tower: if cfg.worker.actor.model.freeze_vision_tower || lora.is_some() {
-                        None
-                    } else {
+                    tower: if actor.trains_tower(cfg.worker.actor.model.freeze_vision_tower) {
                         actor.tower_training(state_dtype)?
+                    } else {
+                        None
                     },
                     steps: 0,
                 };
@@ -1159,19 +1154,21 @@ pub fn memory_plan(
     reference: bool,
 ) -> Result<crate::trainer::setup::memory::MemoryPlan, TrainError> {
     let invalid = |e: crate::hf::HfError| TrainError::Invalid(e.to_string());
-    let (text, tower_params) = if crate::vision::config::VlConfig::is_vl_dir(model_dir) {
+    let (text, vision) = if crate::vision::config::VlConfig::is_vl_dir(model_dir) {
         let vl = crate::vision::config::VlConfig::from_dir(model_dir).map_err(invalid)?;
-        let tower = crate::vision::weights::tower_parameters(&vl.vision);
-        (vl.text, tower)
+        (vl.text, Some(vl.vision))
     } else {
         (
             crate::hf::config::ModelConfig::from_dir(model_dir).map_err(invalid)?,
-            0,
+            None,
         )
     };
     let model = crate::trainer::setup::memory::PlanModel {
         text: &text,
-        tower_params,
+        tower_params: vision
+            .as_ref()
+            .map_or(0, crate::vision::weights::tower_parameters),
+        vision: vision.as_ref(),
         on_cpu,
         reference,
     };
@@ -1407,21 +1404,31 @@ pub(super) fn responses_hwe<B: Backend>(
 const VISION_OPTIMIZER_FILE: &str = "vision_optimizer.safetensors";
 
 /// The tower's training state when resuming from checkpoint `dir`: none for a text model
-/// or a frozen tower, else zeroed gradients and the saved moments.
+/// or a frozen tower, else zeroed gradients and the saved moments (of its weights, or of
+/// its LoRA pairs).
 fn resume_tower<B: Backend>(
     actor: &Actor<B>,
     cfg: &Config,
     dir: &Path,
 ) -> Result<Option<TowerTraining<B>>, TrainError> {
-    let (Some(vl), false) = (actor.vision(), cfg.worker.actor.model.freeze_vision_tower) else {
+    let Some(vl) = actor.vision() else {
         return Ok(None);
     };
+    if !actor.trains_tower(cfg.worker.actor.model.freeze_vision_tower) {
+        return Ok(None);
+    }
     let state_dtype = cfg.worker.actor.optim.state_dtype.into();
     let path = dir.join(VISION_OPTIMIZER_FILE);
     if !path.is_file() {
+        let fix = if actor.lm().lora_config().is_some() {
+            "its adapter has no pairs on the vision tower (resume it with \
+             worker.actor.model.lora.exclude_modules=.*visual.*)"
+        } else {
+            "the checkpoint was saved with a frozen vision tower (set \
+             worker.actor.model.freeze_vision_tower=true to resume it)"
+        };
         return Err(TrainError::Invalid(format!(
-            "{}: missing; the checkpoint was saved with a frozen vision tower (set \
-             worker.actor.model.freeze_vision_tower=true to resume it)",
+            "{}: missing; {fix}",
             path.display()
         )));
     }

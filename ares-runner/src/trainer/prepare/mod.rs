@@ -204,7 +204,7 @@ pub fn score<B: Backend>(
         (true, Some(m)) => batch.score(m, settings.micro_batch, temperature)?,
         // LoRA: the reference policy is the base, the actor with its adapters off
         (true, None) if actor.lm().lora_config().is_some() => {
-            let _off = actor.lm().adapters_off();
+            let _off = actor.adapters_off();
             batch.score(actor, settings.micro_batch, temperature)?
         }
         _ => return Ok(out),

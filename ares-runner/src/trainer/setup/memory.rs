@@ -123,6 +123,8 @@ pub struct PlanModel<'a> {
     pub text: &'a ModelConfig,
     /// The vision tower's parameters (0 for a text model).
     pub tower_params: u64,
+    /// The vision tower's config (`None` for a text model): where LoRA pairs go.
+    pub vision: Option<&'a crate::vision::config::VisionConfig>,
     /// Whether the model is trained in host memory (else on a GPU).
     pub on_cpu: bool,
     /// Whether the KL needs a reference policy (under LoRA it is the actor with its
@@ -154,11 +156,17 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
     let p = text_parameters(model.text);
     let t = model.tower_params;
     let rope = f32s((spec.max_positions as u64).saturating_mul(spec.head_dim as u64));
-    // LoRA: the pairs are trained, the base (and the tower) frozen
+    // LoRA: the pairs (the language model's and the tower's) are trained, the base frozen
     let lora = super::lora_settings(cfg)?;
     let pairs = lora
         .as_ref()
-        .map(|l| lora_tensors(&spec, l))
+        .map(|l| {
+            let mut pairs = lora_tensors(&spec, l);
+            if let Some(v) = model.vision {
+                pairs.extend(crate::vision::lora::tower_lora_tensors(v, l));
+            }
+            pairs
+        })
         .unwrap_or_default();
     let adapter = pairs.iter().map(|&n| n as u64).sum::<u64>();
     let frozen = cfg.worker.actor.model.freeze_vision_tower || lora.is_some();
@@ -340,7 +348,7 @@ fn lora_tensors(spec: &ModelSpec, config: &crate::hf::lora::LoraConfig) -> Vec<u
     let shapes = [(c, qd), (c, kvd), (c, kvd), (qd, c), (c, i), (c, i), (i, c)];
     let mut out = Vec::new();
     for (name, (inp, o)) in crate::hf::lora::TARGETS.iter().zip(shapes) {
-        if config.target_modules.iter().any(|t| t == name) {
+        if config.adapts_module(name) {
             for _ in 0..spec.layers {
                 out.extend([config.r * inp, o * config.r]);
             }
@@ -431,6 +439,7 @@ mod tests {
             let model = PlanModel {
                 text: &text,
                 tower_params: 0,
+                vision: None,
                 on_cpu: true,
                 reference: false,
             };
@@ -465,6 +474,7 @@ mod tests {
             PlanModel {
                 text: &text,
                 tower_params: 0,
+                vision: None,
                 on_cpu: true,
                 reference: true,
             },
@@ -506,6 +516,7 @@ mod tests {
             PlanModel {
                 text: &text,
                 tower_params: 0,
+                vision: None,
                 on_cpu: true,
                 reference: true,
             },

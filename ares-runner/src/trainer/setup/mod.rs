@@ -81,13 +81,31 @@ impl ModelFiles {
         };
         let invalid =
             |e: crate::hf::HfError| TrainError::Invalid(format!("adapter {}: {e}", dir.display()));
-        let (config, weights) = match self {
-            ModelFiles::Text(c) => (&c.config, &mut c.weights),
-            ModelFiles::Vision(c) => (&c.config.text, &mut c.text),
-        };
-        let adapter = crate::hf::lora::LoraAdapter::read(dir, config).map_err(invalid)?;
-        adapter.merge_into(weights).map_err(invalid)?;
+        let adapter = self.read_adapter(dir)?;
+        match self {
+            ModelFiles::Text(c) => adapter.merge_into(&mut c.weights).map_err(invalid)?,
+            ModelFiles::Vision(c) => {
+                adapter.merge_into(&mut c.text).map_err(invalid)?;
+                adapter
+                    .merge_into_tower(&c.config.vision, &mut c.vision)
+                    .map_err(invalid)?;
+            }
+        }
         Ok(adapter)
+    }
+
+    /// Reads the PEFT LoRA adapter in `dir` made for this model (a vision-language model's
+    /// may hold pairs on its tower).
+    ///
+    /// # Errors
+    /// The adapter missing, malformed, unsupported or made for another model (named).
+    pub fn read_adapter(&self, dir: &Path) -> Result<crate::hf::lora::LoraAdapter, TrainError> {
+        use crate::hf::lora::LoraAdapter;
+        match self {
+            ModelFiles::Text(c) => LoraAdapter::read(dir, &c.config),
+            ModelFiles::Vision(c) => LoraAdapter::read_vl(dir, &c.config.text, &c.config.vision),
+        }
+        .map_err(|e| TrainError::Invalid(format!("adapter {}: {e}", dir.display())))
     }
 
     /// Frees the weights, keeping the configs and the tensor layout — all that saving the
@@ -502,14 +520,22 @@ pub fn filter_prompts(
 }
 
 /// The run's LoRA settings (`worker.actor.model.lora`) as PEFT's configuration; `None` at
-/// rank 0.
+/// rank 0. `worker.actor.model.freeze_vision_tower` keeps the tower as loaded: no pairs on
+/// it (as `exclude_modules: .*visual.*`).
 ///
 /// # Errors
 /// A setting out of range, named.
 pub fn lora_settings(cfg: &Config) -> Result<Option<crate::hf::lora::LoraConfig>, TrainError> {
-    cfg.worker.actor.model.lora.peft().map_err(|(k, v, e)| {
+    let mut lora = cfg.worker.actor.model.lora.peft().map_err(|(k, v, e)| {
         TrainError::Invalid(format!("worker.actor.model.lora.{k} = {v}: expected {e}"))
-    })
+    })?;
+    if let Some(l) = lora.as_mut()
+        && cfg.worker.actor.model.freeze_vision_tower
+        && l.exclude_modules.is_none()
+    {
+        l.exclude_modules = Some(".*visual.*".into());
+    }
+    Ok(lora)
 }
 
 /// Puts the run's LoRA pairs on `actor` (built from `base`): the adapter of
@@ -528,13 +554,19 @@ pub fn add_lora<B: Backend>(
     let Some(lora) = lora_settings(cfg)? else {
         return Ok(None);
     };
-    match &cfg.worker.actor.model.lora.adapter_path {
+    let added = match &cfg.worker.actor.model.lora.adapter_path {
         Some(dir) => {
             let adapter = starting_adapter(Path::new(dir), &lora, base)?;
-            actor.lm_mut().load_lora(&adapter)?;
+            actor.load_lora(&adapter)
         }
-        None => actor.lm_mut().add_lora(&lora, seed)?,
-    }
+        None => actor.add_lora(&lora, seed),
+    };
+    added.map_err(|e| match e {
+        TrainError::Model(m) if cfg.worker.actor.model.freeze_vision_tower => TrainError::Invalid(
+            format!("{m} (worker.actor.model.freeze_vision_tower=true keeps the tower without pairs)"),
+        ),
+        e => e,
+    })?;
     Ok(Some(lora))
 }
 
@@ -549,21 +581,22 @@ fn starting_adapter(
     want: &crate::hf::lora::LoraConfig,
     base: &ModelFiles,
 ) -> Result<crate::hf::lora::LoraAdapter, TrainError> {
-    let adapter = crate::hf::lora::LoraAdapter::read(dir, base.text_config())
-        .map_err(|e| TrainError::Invalid(format!("worker.actor.model.lora.adapter_path: {e}")))?;
+    let adapter = base.read_adapter(dir).map_err(|e| {
+        TrainError::Invalid(format!("worker.actor.model.lora.adapter_path: {e}"))
+    })?;
     let c = &adapter.config;
-    let sorted = |t: &[String]| {
-        let mut t = t.to_vec();
-        t.sort();
-        t
+    // the same modules adapted, however the names select them
+    let (text, vision) = match base {
+        ModelFiles::Text(c) => (&c.config, None),
+        ModelFiles::Vision(c) => (&c.config.text, Some(&c.config.vision)),
     };
-    if (c.r, c.lora_alpha, c.use_rslora, sorted(&c.target_modules))
-        != (
-            want.r,
-            want.lora_alpha,
-            want.use_rslora,
-            sorted(&want.target_modules),
-        )
+    let modules = |l: &crate::hf::lora::LoraConfig| {
+        crate::hf::lora::adapted_weights(l, text, vision)
+            .map(|w| w.into_keys().collect::<Vec<_>>())
+            .map_err(|e| TrainError::Invalid(format!("worker.actor.model.lora: {e}")))
+    };
+    if (c.r, c.lora_alpha, c.use_rslora) != (want.r, want.lora_alpha, want.use_rslora)
+        || modules(c)? != modules(want)?
     {
         return Err(TrainError::Invalid(format!(
             "worker.actor.model.lora: the adapter in {} has r = {}, lora_alpha = {}, \
