@@ -9,7 +9,7 @@
 mod common;
 
 use ares_model::backend::cuda::CudaBackend;
-use common::vl;
+use common::{lora_vl, vl};
 
 fn gpu_or_skip() -> Option<CudaBackend> {
     match CudaBackend::new(0) {
@@ -55,5 +55,19 @@ fn checkpointed_gradients_are_the_stored_ones() {
 fn greedy_generation_matches_transformers() {
     if let Some(be) = gpu_or_skip() {
         vl::greedy_generation_matches_transformers(|| be.clone());
+    }
+}
+
+#[test]
+fn peft_tower_adapters_give_peft_logits_and_merged_weights() {
+    if let Some(be) = gpu_or_skip() {
+        lora_vl::peft_tower_adapters_give_peft_logits_and_merged_weights(|| be.clone());
+    }
+}
+
+#[test]
+fn tower_pair_gradients_are_the_full_gradient_projected() {
+    if let Some(be) = gpu_or_skip() {
+        lora_vl::tower_pair_gradients_are_the_full_gradient_projected(|| be.clone());
     }
 }

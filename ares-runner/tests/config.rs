@@ -553,8 +553,14 @@ fn example_configs_select_their_method() {
     let lora = load_example("lora.yaml").worker.actor;
     let peft = lora.model.lora.peft().unwrap().expect("LoRA on");
     assert_eq!(
-        (peft.r, peft.lora_alpha, peft.target_modules.len()),
-        (64, 128.0, 7)
+        (peft.r, peft.lora_alpha, peft.exclude_modules.as_deref()),
+        (64, 128.0, Some(".*visual.*"))
+    );
+    // all-linear, the language model's seven
+    assert!(
+        ares_runner::hf::lora::TARGETS
+            .iter()
+            .all(|t| peft.adapts_module(t))
     );
     assert!(lora.model.enable_gradient_checkpointing);
     let tools = load_example("multi_turn_tools.yaml");

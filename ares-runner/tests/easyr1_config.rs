@@ -210,7 +210,7 @@ fn a_file_with_both_names_of_a_key_is_refused() {
 }
 
 /// EasyR1's LoRA block as its example configs write it turns LoRA on: every linear layer
-/// of the language model at `α = 64` unless named otherwise.
+/// (of the language model, with the tower excluded) at `α = 64` unless named otherwise.
 #[test]
 fn easyr1_lora_settings_load() {
     let (c, _) = load(
@@ -220,7 +220,8 @@ fn easyr1_lora_settings_load() {
     .unwrap();
     let peft = c.worker.actor.model.lora.peft().unwrap().unwrap();
     assert_eq!((peft.r, peft.lora_alpha), (8, 16.0));
-    assert_eq!(peft.target_modules.len(), 7);
+    assert_eq!(peft.target_modules, ares_runner::hf::lora::ALL_LINEAR);
+    assert_eq!(peft.exclude_modules.as_deref(), Some(".*visual.*"));
     let (c, _) = load(
         None,
         &[
@@ -231,7 +232,8 @@ fn easyr1_lora_settings_load() {
     .unwrap();
     let peft = c.worker.actor.model.lora.peft().unwrap().unwrap();
     assert_eq!((peft.r, peft.lora_alpha), (4, 64.0));
-    assert_eq!(peft.target_modules, ["q_proj", "v_proj"]);
+    assert_eq!(peft.target_modules, ["v_proj", "q_proj"]);
+    assert_eq!(peft.exclude_modules, None);
     let (c, _) = load(None, &[]).unwrap();
     assert_eq!(
         c.worker.actor.model.lora.peft().unwrap(),

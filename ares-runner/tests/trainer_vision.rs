@@ -409,8 +409,9 @@ fn sft_fine_tunes_a_vision_language_model() {
     assert_ne!(saved.text, initial.text);
     assert_ne!(saved.vision, initial.vision, "the tower was not trained");
 
-    // LoRA: the pairs alone learn; the output is the merged model (the tower as it was)
-    // with the adapter beside it, and merging that adapter into the base gives the output
+    // LoRA (all-linear: the tower's layers too): the pairs alone learn; the output is the
+    // merged model with the adapter beside it, and merging that adapter into the base
+    // gives the output
     let lora = config(
         dir.path(),
         &dir.path().join("run_lora"),
@@ -433,24 +434,45 @@ fn sft_fine_tunes_a_vision_language_model() {
     assert!(report.last_loss < report.first_loss, "{report:?}");
     let saved = VlCheckpoint::load(&out).unwrap();
     assert_ne!(saved.text, initial.text);
-    assert_eq!(
-        saved.vision, initial.vision,
-        "the tower is frozen under LoRA"
-    );
-    let adapter =
-        ares_runner::hf::lora::LoraAdapter::read(&out.join("adapter"), &initial.config.text)
-            .unwrap();
-    let mut merged = initial.text.clone();
-    adapter.merge_into(&mut merged).unwrap();
-    for ((n, a), (_, b)) in merged.tensors().iter().zip(saved.text.tensors()) {
-        let scale = b.data.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
-        let diff = a
-            .data
-            .iter()
-            .zip(&b.data)
-            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert_ne!(saved.vision, initial.vision, "the tower's pairs merged");
+    let adapter = ares_runner::hf::lora::LoraAdapter::read_vl(
+        &out.join("adapter"),
+        &initial.config.text,
+        &initial.config.vision,
+    )
+    .unwrap();
+    let mut merged = initial.clone();
+    adapter.merge_into(&mut merged.text).unwrap();
+    adapter
+        .merge_into_tower(&initial.config.vision, &mut merged.vision)
+        .unwrap();
+    let close = |n: &str, a: &[f32], b: &[f32]| {
+        let scale = b.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+        let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
         assert!(diff / scale < 1e-5, "{n}: {}", diff / scale);
+    };
+    for ((n, a), (_, b)) in merged.text.tensors().iter().zip(saved.text.tensors()) {
+        close(n, &a.data, &b.data);
     }
+    let cfg_v = &initial.config.vision;
+    for ((n, _, a), (_, _, b)) in merged.vision.named(cfg_v).iter().zip(saved.vision.named(cfg_v)) {
+        close(n, a, b);
+    }
+
+    // freeze_vision_tower under LoRA: the tower as it was
+    let frozen = config(
+        dir.path(),
+        &dir.path().join("run_lora_frozen"),
+        &[
+            "worker.actor.model.lora.rank=8",
+            "worker.actor.model.freeze_vision_tower=true",
+        ],
+    );
+    let out = dir.path().join("sft_lora_frozen");
+    let short = SftOptions { epochs: 1, ..options };
+    run_sft(&frozen, CpuBackend, &model_dir(), &pairs, &short, &out, None).unwrap();
+    let saved = VlCheckpoint::load(&out).unwrap();
+    assert_eq!(saved.vision, initial.vision, "the tower frozen");
 
     let bad = dir.path().join("bad.jsonl");
     std::fs::write(&bad, format!("{}\n{{\"prompt\": \"hi\"}}\n", rows[0])).unwrap();

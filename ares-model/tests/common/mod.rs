@@ -2,6 +2,7 @@
 //! crate uses some of them.
 #![allow(dead_code)]
 
+pub mod lora_vl;
 pub mod vl;
 
 use std::path::{Path, PathBuf};
