@@ -52,6 +52,7 @@ case "$(cd "$dir" && pwd)/" in
     mkdir -p "$dir/fixtures"
     cp -r ares-model/tests/fixtures/models "$dir/fixtures/models"
     cp -r ares-model/tests/fixtures/vl "$dir/fixtures/vl"
+    cp -r ares-model/tests/fixtures/lora "$dir/fixtures/lora"
     ;;
 esac
 echo "building GPU benchmarks…"
@@ -90,6 +91,7 @@ fixtures="$here/fixtures"
 [ -d "$fixtures" ] || fixtures="$here/../ares-model/tests/fixtures"
 export ARES_FIXTURE_MODELS="$fixtures/models"
 export ARES_FIXTURE_VL="$fixtures/vl"
+export ARES_FIXTURE_LORA="$fixtures/lora"
 out=${OUT:-$here}
 status=0
 part=${1:-all}

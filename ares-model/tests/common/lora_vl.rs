@@ -21,9 +21,12 @@ pub const CASES: [(&str, &str); 2] = [
     ("qwen2_vl_tower", "qwen2_vl_tiny"),
 ];
 
+/// A peft adapter fixture: under `$ARES_FIXTURE_LORA` when set (the GPU bundle's copy),
+/// else `tests/fixtures/lora`.
 pub fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/lora")
+    std::env::var_os("ARES_FIXTURE_LORA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora"))
         .join(name)
 }
 
