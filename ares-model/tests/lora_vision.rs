@@ -12,13 +12,12 @@ mod common;
 use std::path::Path;
 
 use ares_model::backend::cpu::CpuBackend;
-use ares_model::backend::{Backend, View, ViewMut};
 use ares_model::hf::lora::{LoraAdapter, LoraConfig};
-use ares_model::model::{AdamW, AdamWConfig, Inputs, StateDtype};
+use ares_model::model::{AdamW, AdamWConfig, StateDtype};
 use ares_model::vision::model::VlModel;
 use common::lora_vl::{self, CASES, adapter, bits, logits, tower_grads};
-use common::vl::{case, load};
-use common::{f32s, rel_err};
+use common::rel_err;
+use common::vl::{case, grads_of_case, load};
 use safetensors::SafeTensors;
 
 #[test]
@@ -30,7 +29,6 @@ fn peft_tower_adapters_give_peft_logits_and_merged_weights() {
 fn tower_pair_gradients_are_the_full_gradient_projected() {
     lora_vl::tower_pair_gradients_are_the_full_gradient_projected(|| CpuBackend);
 }
-
 
 #[test]
 fn tower_adapters_round_trip_through_peft_files() {
@@ -81,35 +79,8 @@ fn training_moves_the_pairs_only() {
     assert_eq!(nonzero, grads.len() / 2, "every B gets a gradient");
 
     // one AdamW step over both parts' pairs: the base weights do not move
-    let seq = cs.ids.len();
-    let layout = m.layout(&cs.ids, &cs.mask, 1, &cs.vision).unwrap();
-    let positions = layout.positions.axis(0).to_vec();
-    let inputs = Inputs {
-        batch: 1,
-        seq,
-        input_ids: &cs.ids,
-        attention_mask: &cs.mask,
-        position_ids: &positions,
-    };
-    let mut acts = m.lm().activations_full(1, seq).unwrap();
-    let mut vl = m
-        .forward(&inputs, &cs.vision, &layout, &mut acts, true)
-        .unwrap();
-    let w = f32s(&st, "image.W");
-    let mut dlogits = be.alloc(w.len()).unwrap();
-    be.upload(&w, ViewMut::whole(&mut dlogits)).unwrap();
-    let mut lm_grads = m.lm().grads().unwrap();
-    let mut vg = m.tower().zero_grads(&be).unwrap();
+    let (lm_grads, vg) = grads_of_case(&m, &st, "image");
     assert!(vg.get(ares_model::vision::weights::Slot::Qkv).is_none());
-    m.backward(
-        &inputs,
-        &mut acts,
-        &mut vl,
-        View::whole(&dlogits),
-        &mut lm_grads,
-        Some(&mut vg),
-    )
-    .unwrap();
     let mut opt = AdamW::new(m.lm(), AdamWConfig::default()).unwrap();
     let mut moments = m.vision_moments(StateDtype::Int8).unwrap();
     let report = m
@@ -130,21 +101,21 @@ fn training_moves_the_pairs_only() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("vision_optimizer.safetensors");
     moments.save(&be, m.tower(), &path).unwrap();
-    let back = ares_model::vision::model::VisionMoments::load(&be, m.tower(), StateDtype::Int8, &path)
-        .unwrap();
+    let back =
+        ares_model::vision::model::VisionMoments::load(&be, m.tower(), StateDtype::Int8, &path)
+            .unwrap();
     let again = dir.path().join("again.safetensors");
     back.save(&be, m.tower(), &again).unwrap();
-    assert_eq!(std::fs::read(&path).unwrap(), std::fs::read(&again).unwrap());
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        std::fs::read(&again).unwrap()
+    );
     // a full fine-tuning tower cannot load the pairs' moments
     let plain = VlModel::from_checkpoint(CpuBackend, &ck).unwrap();
-    let err = ares_model::vision::model::VisionMoments::load(
-        &be,
-        plain.tower(),
-        StateDtype::Int8,
-        &path,
-    )
-    .err()
-    .unwrap();
+    let err =
+        ares_model::vision::model::VisionMoments::load(&be, plain.tower(), StateDtype::Int8, &path)
+            .err()
+            .unwrap();
     assert!(err.to_string().contains("patch_embed.proj"), "{err}");
 }
 
@@ -203,7 +174,10 @@ fn tower_settings_are_checked() {
         )
         .unwrap_err()
         .to_string();
-    assert!(err.contains("selects no linear layer of the decoder"), "{err}");
+    assert!(
+        err.contains("selects no linear layer of the decoder"),
+        "{err}"
+    );
     // all-linear on a text model is its decoder's seven
     lm.add_lora(&LoraConfig::all_linear(2, 4.0), 1).unwrap();
     let adapter = lm.lora_adapter().unwrap().unwrap();

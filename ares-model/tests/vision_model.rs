@@ -102,8 +102,7 @@ fn greedy_generation_matches_transformers() {
 /// and of the language model, against the backward pass. Independent of transformers.
 #[test]
 fn gradients_match_finite_differences() {
-    use ares_model::backend::{Backend, View, ViewMut};
-    use ares_model::model::Inputs;
+    use ares_model::backend::{Backend, View};
     use ares_model::vision::weights::Slot;
     use safetensors::SafeTensors;
     let loss = |ck: &VlCheckpoint, cs: &vl::Case, w: &[f32]| -> f64 {
@@ -123,33 +122,7 @@ fn gradients_match_finite_differences() {
         // analytic gradients
         let m = VlModel::from_checkpoint(CpuBackend, &ck).unwrap();
         let be = m.backend();
-        let layout = m.layout(&cs.ids, &cs.mask, 1, &cs.vision).unwrap();
-        let positions = layout.positions.axis(0).to_vec();
-        let seq = cs.ids.len();
-        let inputs = Inputs {
-            batch: 1,
-            seq,
-            input_ids: &cs.ids,
-            attention_mask: &cs.mask,
-            position_ids: &positions,
-        };
-        let mut acts = m.lm().activations_full(1, seq).unwrap();
-        let mut vla = m
-            .forward(&inputs, &cs.vision, &layout, &mut acts, true)
-            .unwrap();
-        let mut dl = be.alloc(w.len()).unwrap();
-        be.upload(&w, ViewMut::whole(&mut dl)).unwrap();
-        let mut lg = m.lm().grads().unwrap();
-        let mut vg = m.tower().zero_grads(be).unwrap();
-        m.backward(
-            &inputs,
-            &mut acts,
-            &mut vla,
-            View::whole(&dl),
-            &mut lg,
-            Some(&mut vg),
-        )
-        .unwrap();
+        let (lg, vg) = vl::grads_of_case(&m, &st, "image");
         let eps = 1e-2f32;
         let probe = |analytic: f64, bump: &dyn Fn(&mut VlCheckpoint, f32), what: &str| {
             let (mut plus, mut minus) = (ck.clone(), ck.clone());

@@ -270,7 +270,10 @@ fn lora_on_the_tower_trains_and_resumes_exactly() {
     };
     assert!(trained("visual.blocks."), "the tower's pairs trained");
     assert!(trained("visual.merger."), "the merger's pairs trained");
-    assert!(trained("model.layers."), "the language model's pairs trained");
+    assert!(
+        trained("model.layers."),
+        "the language model's pairs trained"
+    );
     // a text model's reader refuses it, naming the tower
     let err = ares_runner::hf::lora::LoraAdapter::read(&ck.join("adapter"), text).unwrap_err();
     assert!(err.to_string().contains("vision tower"), "{err}");
@@ -290,7 +293,10 @@ fn lora_on_the_tower_trains_and_resumes_exactly() {
     let adapter =
         ares_runner::hf::lora::LoraAdapter::read_vl(&ck.join("adapter"), text, vision).unwrap();
     assert!(adapter.pairs.keys().all(|k| k.starts_with("model.layers.")));
-    assert_eq!(adapter.config.exclude_modules.as_deref(), Some(".*visual.*"));
+    assert_eq!(
+        adapter.config.exclude_modules.as_deref(),
+        Some(".*visual.*")
+    );
 }
 
 #[test]
@@ -455,7 +461,12 @@ fn sft_fine_tunes_a_vision_language_model() {
         close(n, &a.data, &b.data);
     }
     let cfg_v = &initial.config.vision;
-    for ((n, _, a), (_, _, b)) in merged.vision.named(cfg_v).iter().zip(saved.vision.named(cfg_v)) {
+    for ((n, _, a), (_, _, b)) in merged
+        .vision
+        .named(cfg_v)
+        .iter()
+        .zip(saved.vision.named(cfg_v))
+    {
         close(n, a, b);
     }
 
@@ -469,8 +480,20 @@ fn sft_fine_tunes_a_vision_language_model() {
         ],
     );
     let out = dir.path().join("sft_lora_frozen");
-    let short = SftOptions { epochs: 1, ..options };
-    run_sft(&frozen, CpuBackend, &model_dir(), &pairs, &short, &out, None).unwrap();
+    let short = SftOptions {
+        epochs: 1,
+        ..options
+    };
+    run_sft(
+        &frozen,
+        CpuBackend,
+        &model_dir(),
+        &pairs,
+        &short,
+        &out,
+        None,
+    )
+    .unwrap();
     let saved = VlCheckpoint::load(&out).unwrap();
     assert_eq!(saved.vision, initial.vision, "the tower frozen");
 

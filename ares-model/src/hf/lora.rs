@@ -449,7 +449,9 @@ fn parse_config(path: &Path, o: &Map<String, Value>) -> Result<LoraConfig, HfErr
             return Err(field(
                 path,
                 "exclude_modules",
-                format!("{v}: only null or a pattern naming the vision tower (.*visual.*) is supported"),
+                format!(
+                    "{v}: only null or a pattern naming the vision tower (.*visual.*) is supported"
+                ),
             ));
         }
     };
@@ -612,9 +614,9 @@ impl LoraAdapter {
                 ),
             });
         }
-        let language_model = names
-            .iter()
-            .any(|n| n.contains(".language_model.") || n.starts_with("base_model.model.model.visual."));
+        let language_model = names.iter().any(|n| {
+            n.contains(".language_model.") || n.starts_with("base_model.model.model.visual.")
+        });
         let key = |name: &str, which: &str| pair_key(name, which, language_model);
         let known: std::collections::BTreeSet<String> = wanted
             .keys()
@@ -626,7 +628,11 @@ impl LoraAdapter {
                 message: format!(
                     "tensor `{extra}` is not a LoRA pair of this model's {}{} (another model's adapter, or an unsupported kind)",
                     config.target_modules.join("/"),
-                    if config.exclude_modules.is_some() { " outside the vision tower" } else { "" }
+                    if config.exclude_modules.is_some() {
+                        " outside the vision tower"
+                    } else {
+                        ""
+                    }
                 ),
             });
         }
@@ -750,7 +756,10 @@ impl LoraAdapter {
         let scale = self.config.scale() as f32;
         let r = self.config.r;
         let [out, inp] = pair.out_in;
-        if shape.first() != Some(&out) || shape[1..].iter().product::<usize>() != inp || shape.len() < 2 {
+        if shape.first() != Some(&out)
+            || shape[1..].iter().product::<usize>() != inp
+            || shape.len() < 2
+        {
             return Err(HfError::ShapeMismatch {
                 path: CONFIG_FILE.into(),
                 tensor: name.to_string(),

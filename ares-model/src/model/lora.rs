@@ -623,7 +623,16 @@ impl<B: Backend> Model<B> {
         let be = &self.backend;
         be.fill(ViewMut::whole(du), 0.0)?;
         let du = &mut *du;
-        shape.up_backward(be, lora.scale, dy, u.layer(slot)?, b, tmp, du, g.b.layer_mut(layer)?)?;
+        shape.up_backward(
+            be,
+            lora.scale,
+            dy,
+            u.layer(slot)?,
+            b,
+            tmp,
+            du,
+            g.b.layer_mut(layer)?,
+        )?;
         shape.down_backward(be, du, x, a, Some(dx), g.a.layer_mut(layer)?)
     }
 }
@@ -694,7 +703,13 @@ impl PairShape {
         y: TensorMut<'_, B>,
     ) -> Result<(), ModelError> {
         let len = self.rows * self.out;
-        be.linear(u, b, None, self.dims(self.r, self.out), ViewMut::new(tmp, 0, len)?)?;
+        be.linear(
+            u,
+            b,
+            None,
+            self.dims(self.r, self.out),
+            ViewMut::new(tmp, 0, len)?,
+        )?;
         be.axpy(scale, View::new(tmp, 0, len)?, y)?;
         Ok(())
     }
@@ -793,7 +808,15 @@ impl<B: Backend> Lora<B> {
         };
         let stride = w.item();
         let io = target.in_out(spec);
-        p.add_delta(be, self.scale, self.config.r, io, w.buffer_mut(), stride, transposed)
+        p.add_delta(
+            be,
+            self.scale,
+            self.config.r,
+            io,
+            w.buffer_mut(),
+            stride,
+            transposed,
+        )
     }
 }
 
@@ -829,7 +852,11 @@ impl<B: Backend> PairStack<B> {
                 precision: MatmulPrecision::F32,
             };
             be.linear(x, wt, None, dims, ViewMut::whole(&mut delta))?;
-            be.axpy(scale, View::whole(&delta), ViewMut::new(w, l * stride, inp * out)?)?;
+            be.axpy(
+                scale,
+                View::whole(&delta),
+                ViewMut::new(w, l * stride, inp * out)?,
+            )?;
         }
         Ok(())
     }

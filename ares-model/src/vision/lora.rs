@@ -219,12 +219,17 @@ impl<B: Backend> VisionTower<B> {
     /// [`ModelError::Lora`] for a tower with adapters already or a rank of 0; a backend
     /// failure.
     pub fn add_lora(&mut self, be: &B, config: &LoraConfig, seed: u64) -> Result<bool, ModelError> {
-        self.install_lora(be, config, |t, l, r, (inp, _out)| {
-            let bound = 1.0 / (inp as f32).sqrt();
-            // streams apart from the decoder's (layer · 7 + target)
-            let k = (1u64 << 32) + (l * TOWER_TARGETS + t as usize) as u64;
-            Ok(uniform(r * inp, bound, seed, k))
-        }, |_, _| Ok(None))
+        self.install_lora(
+            be,
+            config,
+            |t, l, r, (inp, _out)| {
+                let bound = 1.0 / (inp as f32).sqrt();
+                // streams apart from the decoder's (layer · 7 + target)
+                let k = (1u64 << 32) + (l * TOWER_TARGETS + t as usize) as u64;
+                Ok(uniform(r * inp, bound, seed, k))
+            },
+            |_, _| Ok(None),
+        )
     }
 
     /// Installs the tower's pairs of `adapter` (read with [`LoraAdapter::read_vl`]) for
@@ -268,7 +273,12 @@ impl<B: Backend> VisionTower<B> {
         &mut self,
         be: &B,
         config: &LoraConfig,
-        mut pair_a: impl FnMut(TowerTarget, usize, usize, (usize, usize)) -> Result<Vec<f32>, ModelError>,
+        mut pair_a: impl FnMut(
+            TowerTarget,
+            usize,
+            usize,
+            (usize, usize),
+        ) -> Result<Vec<f32>, ModelError>,
         mut pair_b: impl FnMut(TowerTarget, usize) -> Result<Option<Vec<f32>>, ModelError>,
     ) -> Result<bool, ModelError> {
         if self.lora.is_some() {
@@ -525,11 +535,11 @@ impl<B: Backend> VisionTower<B> {
         let Some(p) = &lora.params.pairs[t as usize] else {
             return Ok(());
         };
-        let gp = g
-            .and_then(|g| g.pairs[t as usize].as_mut())
-            .ok_or(ModelError::LayoutMismatch {
-                what: "vision LoRA gradients",
-            })?;
+        let gp =
+            g.and_then(|g| g.pairs[t as usize].as_mut())
+                .ok_or(ModelError::LayoutMismatch {
+                    what: "vision LoRA gradients",
+                })?;
         let r = lora.config.r;
         let shape = self.shape(t, rows, r);
         let TowerLoraActs { u, tmp, du, .. } = la;

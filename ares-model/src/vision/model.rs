@@ -18,11 +18,11 @@ use super::mrope::{MropePositions, MropeRope, VisionGrids, rope_index};
 use super::processor::{ProcessedImage, ProcessedVideo};
 use super::tower::{VisionActs, VisionGrads, VisionPlan, VisionTower, input_error};
 use crate::backend::{Backend, Tensor, View, ViewMut};
+use crate::hf::lora::{LoraAdapter, LoraConfig, TARGETS};
 use crate::model::{
     Activations, EmbedGrad, ForwardExtras, GenerateError, GenerateOutput, GenerateRequest,
     Generator, Grads, Inputs, Model, ModelError, PromptVision,
 };
-use crate::hf::lora::{LoraAdapter, LoraConfig, TARGETS};
 use crate::model::{AdamW, AdaptersOff, ExtraParam, Moments, StateDtype, StepReport, WeightDtype};
 
 /// The images and videos of one batch, as the processor gives them.
@@ -461,7 +461,8 @@ impl<B: Backend> VlModel<B> {
                     what: "vision gradients or moments",
                 });
             }
-            for ((param, grad), moments) in params.into_iter().zip(grads).zip(&mut moments.moments) {
+            for ((param, grad), moments) in params.into_iter().zip(grads).zip(&mut moments.moments)
+            {
                 extra.push(ExtraParam {
                     param,
                     grad,

@@ -501,7 +501,11 @@ impl<B: Backend> VisionTower<B> {
         let c = &self.cfg;
         let mut out = Vec::new();
         for spec in param_table(c) {
-            let mut shape = if spec.per_block { vec![c.depth] } else { Vec::new() };
+            let mut shape = if spec.per_block {
+                vec![c.depth]
+            } else {
+                Vec::new()
+            };
             match &self.lora {
                 None => {
                     shape.extend(&spec.shape);

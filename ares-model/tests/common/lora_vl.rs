@@ -5,11 +5,10 @@
 
 use std::path::{Path, PathBuf};
 
-use super::vl::{Case, case, load};
+use super::vl::{Case, case, grads_of_case, load};
 use super::{f32s, rel_err};
-use ares_model::backend::{Backend, DeviceBuffer, View, ViewMut};
+use ares_model::backend::{Backend, DeviceBuffer, View};
 use ares_model::hf::lora::LoraAdapter;
-use ares_model::model::Inputs;
 use ares_model::vision::checkpoint::VlCheckpoint;
 use ares_model::vision::model::VlModel;
 use ares_model::vision::weights::param_table;
@@ -106,35 +105,7 @@ pub fn peft_tower_adapters_give_peft_logits_and_merged_weights<B: Backend>(make:
 /// `Σ logits · W` on the `image` case.
 pub fn tower_grads<B: Backend>(m: &VlModel<B>, st: &SafeTensors<'_>) -> Vec<(String, Vec<f32>)> {
     let be = m.backend();
-    let cs = case(st, "image");
-    let layout = m.layout(&cs.ids, &cs.mask, 1, &cs.vision).unwrap();
-    let seq = cs.ids.len();
-    let positions = layout.positions.axis(0).to_vec();
-    let inputs = Inputs {
-        batch: 1,
-        seq,
-        input_ids: &cs.ids,
-        attention_mask: &cs.mask,
-        position_ids: &positions,
-    };
-    let mut acts = m.lm().activations_full(1, seq).unwrap();
-    let mut vl = m
-        .forward(&inputs, &cs.vision, &layout, &mut acts, true)
-        .unwrap();
-    let w = f32s(st, "image.W");
-    let mut dlogits = be.alloc(w.len()).unwrap();
-    be.upload(&w, ViewMut::whole(&mut dlogits)).unwrap();
-    let mut lm_grads = m.lm().grads().unwrap();
-    let mut vg = m.tower().zero_grads(be).unwrap();
-    m.backward(
-        &inputs,
-        &mut acts,
-        &mut vl,
-        View::whole(&dlogits),
-        &mut lm_grads,
-        Some(&mut vg),
-    )
-    .unwrap();
+    let (_, vg) = grads_of_case(m, st, "image");
     let names = m.tower().trainable_names();
     let bufs = vg.buffers();
     assert_eq!(names.len(), bufs.len());
@@ -234,4 +205,3 @@ pub fn tower_pair_gradients_are_the_full_gradient_projected<B: Backend>(make: im
         }
     }
 }
-

@@ -75,6 +75,51 @@ pub fn load(model: &str) -> (VlCheckpoint, Vec<u8>) {
     (ck, bytes)
 }
 
+/// Forward and backward of `Σ logits · W` on case `c` of `st` (its `W` the upstream
+/// gradient): the language model's gradients and the tower's.
+pub fn grads_of_case<B: Backend>(
+    m: &VlModel<B>,
+    st: &SafeTensors<'_>,
+    c: &str,
+) -> (
+    ares_model::model::Grads<B>,
+    ares_model::vision::tower::VisionGrads<B>,
+) {
+    use ares_model::backend::{View, ViewMut};
+    use ares_model::model::Inputs;
+    let be = m.backend();
+    let cs = case(st, c);
+    let layout = m.layout(&cs.ids, &cs.mask, 1, &cs.vision).unwrap();
+    let seq = cs.ids.len();
+    let positions = layout.positions.axis(0).to_vec();
+    let inputs = Inputs {
+        batch: 1,
+        seq,
+        input_ids: &cs.ids,
+        attention_mask: &cs.mask,
+        position_ids: &positions,
+    };
+    let mut acts = m.lm().activations_full(1, seq).unwrap();
+    let mut vl = m
+        .forward(&inputs, &cs.vision, &layout, &mut acts, true)
+        .unwrap();
+    let w = f32s(st, &format!("{c}.W"));
+    let mut dlogits = be.alloc(w.len()).unwrap();
+    be.upload(&w, ViewMut::whole(&mut dlogits)).unwrap();
+    let mut lm_grads = m.lm().grads().unwrap();
+    let mut vg = m.tower().zero_grads(be).unwrap();
+    m.backward(
+        &inputs,
+        &mut acts,
+        &mut vl,
+        View::whole(&dlogits),
+        &mut lm_grads,
+        Some(&mut vg),
+    )
+    .unwrap();
+    (lm_grads, vg)
+}
+
 pub fn window_order_and_tower_match_transformers<B: Backend>(make: impl Fn() -> B) {
     for model in MODELS {
         let (ck, bytes) = load(model);
@@ -155,8 +200,7 @@ pub fn positions_and_logits_match_transformers<B: Backend>(make: impl Fn() -> B)
 /// Gradients of `Σ logits · W` (transformers' autograd in the fixture) for every tower
 /// parameter and five language-model tensors, on the `image` and `video` cases.
 pub fn gradients_match_transformers_autograd<B: Backend>(make: impl Fn() -> B) {
-    use ares_model::backend::{DeviceBuffer, View, ViewMut};
-    use ares_model::model::Inputs;
+    use ares_model::backend::{DeviceBuffer, View};
     use ares_model::vision::weights::param_table;
     // f32 on both sides, other summation orders: all but one tensor agree within 6e-6; the
     // exception, a norm weight's gradient (a sum over every patch), is at 1.5e-5.
@@ -168,36 +212,9 @@ pub fn gradients_match_transformers_autograd<B: Backend>(make: impl Fn() -> B) {
         let be = m.backend();
         let vocab = ck.config.text.vocab_size;
         for c in ["image", "video"] {
-            let cs = case(&st, c);
-            let layout = m.layout(&cs.ids, &cs.mask, 1, &cs.vision).unwrap();
-            let seq = cs.ids.len();
-            let positions = layout.positions.axis(0).to_vec();
-            let inputs = Inputs {
-                batch: 1,
-                seq,
-                input_ids: &cs.ids,
-                attention_mask: &cs.mask,
-                position_ids: &positions,
-            };
-            let mut acts = m.lm().activations_full(1, seq).unwrap();
-            let mut vl = m
-                .forward(&inputs, &cs.vision, &layout, &mut acts, true)
-                .unwrap();
-            let w = f32s(&st, &format!("{c}.W"));
-            assert_eq!(w.len(), seq * vocab);
-            let mut dlogits = be.alloc(w.len()).unwrap();
-            be.upload(&w, ViewMut::whole(&mut dlogits)).unwrap();
-            let mut lm_grads = m.lm().grads().unwrap();
-            let mut vg = m.tower().zero_grads(be).unwrap();
-            m.backward(
-                &inputs,
-                &mut acts,
-                &mut vl,
-                View::whole(&dlogits),
-                &mut lm_grads,
-                Some(&mut vg),
-            )
-            .unwrap();
+            let seq = case(&st, c).ids.len();
+            assert_eq!(f32s(&st, &format!("{c}.W")).len(), seq * vocab);
+            let (lm_grads, vg) = grads_of_case(&m, &st, c);
             let prefix = if has(&st, &format!("{c}.grad.visual.merger.mlp.0.weight")) {
                 "visual."
             } else {
@@ -249,8 +266,7 @@ pub fn gradients_match_transformers_autograd<B: Backend>(make: impl Fn() -> B) {
 /// model's, bit for bit, as the arenas that keep every activation — every fixture model,
 /// image and video.
 pub fn checkpointed_gradients_are_the_stored_ones<B: Backend>(make: impl Fn() -> B) {
-    use ares_model::backend::{DeviceBuffer, View, ViewMut};
-    use ares_model::model::Inputs;
+    use ares_model::backend::{DeviceBuffer, View};
     use ares_model::vision::weights::param_table;
     for model in MODELS {
         let (ck, bytes) = load(model);
@@ -263,35 +279,14 @@ pub fn checkpointed_gradients_are_the_stored_ones<B: Backend>(make: impl Fn() ->
                 m.lm_mut().set_gradient_checkpointing(on);
                 m.tower_mut().set_gradient_checkpointing(on);
                 let be = m.backend();
-                let layout = m.layout(&cs.ids, &cs.mask, 1, &cs.vision).unwrap();
-                let seq = cs.ids.len();
-                let positions = layout.positions.axis(0).to_vec();
-                let inputs = Inputs {
-                    batch: 1,
-                    seq,
-                    input_ids: &cs.ids,
-                    attention_mask: &cs.mask,
-                    position_ids: &positions,
-                };
-                let mut acts = m.lm().activations_full(1, seq).unwrap();
-                assert_eq!(acts.checkpointed(), on);
-                let mut vl = m
-                    .forward(&inputs, &cs.vision, &layout, &mut acts, true)
-                    .unwrap();
-                let w = f32s(&st, &format!("{c}.W"));
-                let mut dlogits = be.alloc(w.len()).unwrap();
-                be.upload(&w, ViewMut::whole(&mut dlogits)).unwrap();
-                let mut lm_grads = m.lm().grads().unwrap();
-                let mut vg = m.tower().zero_grads(be).unwrap();
-                m.backward(
-                    &inputs,
-                    &mut acts,
-                    &mut vl,
-                    View::whole(&dlogits),
-                    &mut lm_grads,
-                    Some(&mut vg),
-                )
-                .unwrap();
+                assert_eq!(
+                    m.lm()
+                        .activations_full(1, cs.ids.len())
+                        .unwrap()
+                        .checkpointed(),
+                    on
+                );
+                let (lm_grads, vg) = grads_of_case(&m, &st, c);
                 let mut all = Vec::new();
                 for spec in param_table(&ck.config.vision) {
                     let buf = vg.get(spec.slot).unwrap();

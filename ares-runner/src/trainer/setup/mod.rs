@@ -562,9 +562,11 @@ pub fn add_lora<B: Backend>(
         None => actor.add_lora(&lora, seed),
     };
     added.map_err(|e| match e {
-        TrainError::Model(m) if cfg.worker.actor.model.freeze_vision_tower => TrainError::Invalid(
-            format!("{m} (worker.actor.model.freeze_vision_tower=true keeps the tower without pairs)"),
-        ),
+        TrainError::Model(m) if cfg.worker.actor.model.freeze_vision_tower => {
+            TrainError::Invalid(format!(
+                "{m} (worker.actor.model.freeze_vision_tower=true keeps the tower without pairs)"
+            ))
+        }
         e => e,
     })?;
     Ok(Some(lora))
@@ -581,9 +583,9 @@ fn starting_adapter(
     want: &crate::hf::lora::LoraConfig,
     base: &ModelFiles,
 ) -> Result<crate::hf::lora::LoraAdapter, TrainError> {
-    let adapter = base.read_adapter(dir).map_err(|e| {
-        TrainError::Invalid(format!("worker.actor.model.lora.adapter_path: {e}"))
-    })?;
+    let adapter = base
+        .read_adapter(dir)
+        .map_err(|e| TrainError::Invalid(format!("worker.actor.model.lora.adapter_path: {e}")))?;
     let c = &adapter.config;
     // the same modules adapted, however the names select them
     let (text, vision) = match base {
