@@ -460,6 +460,45 @@ mod tests {
         assert!(what.contains("int8"));
     }
 
+    /// LoRA on a vision-language model: the tower's pairs are held, trained and counted
+    /// beside the language model's unless the tower is excluded or frozen (the tiny
+    /// Qwen2.5-VL fixture by hand: hidden 32, MLP 48, 4 blocks, merger 128 → 48, r = 4).
+    #[test]
+    fn lora_pairs_on_the_tower_are_counted() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../ares-model/tests/fixtures/vl/qwen2_5_vl_tiny");
+        let vl = crate::vision::config::VlConfig::from_dir(&dir).unwrap();
+        let pairs = |overrides: &[&str]| {
+            let mut cfg = Config::default();
+            cfg.worker.actor.model.lora.rank = 4;
+            for o in overrides {
+                match *o {
+                    "exclude" => {
+                        cfg.worker.actor.model.lora.exclude_modules = Some(".*visual.*".into())
+                    }
+                    "freeze" => cfg.worker.actor.model.freeze_vision_tower = true,
+                    _ => unreachable!(),
+                }
+            }
+            let model = PlanModel {
+                text: &vl.text,
+                tower_params: crate::vision::weights::tower_parameters(&vl.vision),
+                vision: Some(&vl.vision),
+                on_cpu: true,
+                reference: true,
+            };
+            let plan = plan(&cfg, model).unwrap();
+            let part = plan.held.iter().find(|p| p.what.starts_with("LoRA pairs"));
+            part.unwrap().bytes / 4
+        };
+        // per block r·(in + out): qkv 32 → 96, proj 32 → 32, gate and up 32 → 48, down 48 → 32
+        let block = 4 * (128 + 64 + 80 + 80 + 80);
+        let tower = 4 * block + 4 * (128 + 128) + 4 * (128 + 48);
+        let lm = pairs(&["exclude"]);
+        assert_eq!(pairs(&[]), lm + tower as u64);
+        assert_eq!(pairs(&["freeze"]), lm);
+    }
+
     /// Hand-checked parts for a 2-layer model: weights, moments, decode copy, KV pool.
     #[test]
     fn parts_are_what_the_model_allocates() {
