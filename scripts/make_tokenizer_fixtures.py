@@ -10,13 +10,24 @@ Writes under ares-model/tests/fixtures/tokenizer/:
                 which transformers prefers over the inline one
   named/        tokenizer_config.json with HF's list of named templates
                 ("default" and "tool_use")
+  qwen3/        Qwen3's real chat template (templates/qwen3_0.6b.jinja, below) inline in a
+                tokenizer_config.json as Qwen3's, over qwen_style's BPE with Qwen3's added
+                tokens <think>, </think>, <tool_call>, </tool_call>, <tool_response>,
+                </tool_response> (not special, as in Qwen3's file); its cases carry the
+                ids transformers encodes the rendered prompt to
   golden.json            ids from HF `tokenizers` for ~100 strings, per tokenizer
   expected_chats.json    prompts rendered by transformers' apply_chat_template
 
-The templates in templates/ are written for these tests (not copied from any model).
+The templates in templates/ are written for these tests (not copied from any model), but
+qwen3_0.6b.jinja: the chat template of Qwen/Qwen3-0.6B (Apache-2.0, the `chat_template` of its
+tokenizer_config.json, as llama.cpp keeps it in models/templates/Qwen-Qwen3-0.6B.jinja), verbatim
+with LF line ends.
 
 Run with a Python that has `tokenizers` and `transformers`:
     python scripts/make_tokenizer_fixtures.py
+or, to remake only qwen3/ and its cases (transformers 5.24; the rest were made with an earlier
+transformers, whose outputs for two cases differ):
+    python scripts/make_tokenizer_fixtures.py --only-qwen3
 """
 
 import datetime as _dt
@@ -25,8 +36,8 @@ import os
 import shutil
 import sys
 
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import chat_template_utils
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "ares-model", "tests", "fixtures", "tokenizer")
@@ -40,6 +51,8 @@ QWEN2_PATTERN = (
 )
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+# Qwen3's added tokens that are not special (its tokenizer_config.json: "special": false).
+QWEN3_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 VOCAB_SIZE = 400
 
 # strftime_now is datetime.now(); the fixtures pin it to this moment.
@@ -233,6 +246,16 @@ def read(path):
         return f.read()
 
 
+def write_json_compact_ids(path, obj):
+    """write_json, indented, with each list of integers on one line (the qwen3 cases' ids)."""
+    import re
+
+    text = json.dumps(obj, ensure_ascii=False, indent=2)
+    text = re.sub(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]", lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]", text)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+
+
 def write_json(path, obj, indent=2):
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, ensure_ascii=False, indent=indent)
@@ -293,10 +316,91 @@ CONVERSATIONS = {
 }
 
 
+# Qwen3's own cases: thinking in `reasoning_content` and in the content, a multi-step tool use
+# (reasoning, a call, its answer, a final answer), and the query after a tool round.
+QWEN3_CONVERSATIONS = {
+    "reasoning_field": [
+        {"role": "user", "content": "What is 3*4?"},
+        {"role": "assistant", "content": "12", "reasoning_content": "\n3 times 4 is 12.\n"},
+        {"role": "user", "content": "And 5*6?"},
+        {"role": "assistant", "content": "\n30", "reasoning_content": "5 times 6."},
+    ],
+    "multi_step_tool": [
+        {"role": "system", "content": "You can call tools."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "<think>\nI should call the tool.\n</think>\n\nLet me check.",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+                {"type": "function", "function": {"name": "noop", "arguments": {}}},
+            ],
+        },
+        {"role": "tool", "content": "{\"temp\": 21}"},
+        {"role": "tool", "content": "ok"},
+        {"role": "assistant", "content": "<think>\nIt is 21.\n</think>\n\nIt is 21°C in Paris."},
+    ],
+}
+
+
 def render(tokenizer, messages, tools, add_generation_prompt, **kwargs):
     return tokenizer.apply_chat_template(
         messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
     )
+
+
+def qwen3_fixture():
+    """Writes qwen3/ and returns its chat cases."""
+    shutil.rmtree(os.path.join(ROOT, "qwen3"), ignore_errors=True)
+    os.makedirs(os.path.join(ROOT, "qwen3"))
+    # Qwen3: its real template, its added tokens, its special-token settings.
+    qwen3_tok = build_tokenizer(with_bos=False)
+    qwen3_tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_ADDED])
+    qwen3_tok.save(os.path.join(ROOT, "qwen3", "tokenizer.json"))
+    write_json(
+        os.path.join(ROOT, "qwen3", "tokenizer_config.json"),
+        {
+            "add_bos_token": False,
+            "add_prefix_space": False,
+            "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+            "bos_token": None,
+            "chat_template": read(os.path.join(TEMPLATES, "qwen3_0.6b.jinja")),
+            "clean_up_tokenization_spaces": False,
+            "eos_token": "<|im_end|>",
+            "errors": "replace",
+            "model_max_length": 131072,
+            "pad_token": "<|endoftext|>",
+            "split_special_tokens": False,
+            "tokenizer_class": "Qwen2Tokenizer",
+            "unk_token": None,
+        },
+    )
+    cases = []
+    # Qwen3's real template: every conversation with and without tools, with and without a
+    # generation prompt, enable_thinking unset / false / true; the ids of each prompt.
+    hf = AutoTokenizer.from_pretrained(os.path.join(ROOT, "qwen3"))
+    conversations = dict(CONVERSATIONS, **QWEN3_CONVERSATIONS)
+    for name, messages in conversations.items():
+        for tools in [None, TOOLS]:
+            for agp in [False, True]:
+                for extra in [{}, {"enable_thinking": False}, {"enable_thinking": True}]:
+                    if extra and not agp:
+                        continue  # the switch only acts on the generation prompt
+                    text = render(hf, messages, tools, agp, **extra)
+                    case = {
+                        "model_dir": "qwen3",
+                        "tools": tools is not None,
+                        "add_generation_prompt": agp,
+                        "extra": extra,
+                        "expected": text,
+                        "expected_ids": hf(text, add_special_tokens=False)["input_ids"],
+                    }
+                    if name in QWEN3_CONVERSATIONS:
+                        case["messages"] = messages
+                    else:
+                        case["conversation"] = name
+                    cases.append(case)
+    return cases
 
 
 def main():
@@ -406,6 +510,7 @@ def main():
                             "expected": text,
                         }
                     )
+    cases += qwen3_fixture()
     # Python-flavoured output through a bare template with Qwen's special tokens.
     hf = PreTrainedTokenizerFast.from_pretrained(os.path.join(ROOT, "qwen_style"))
     quirk_messages = [
@@ -428,7 +533,7 @@ def main():
                 ),
             }
         )
-    write_json(
+    write_json_compact_ids(
         os.path.join(ROOT, "expected_chats.json"),
         {
             "now": FIXED_NOW.isoformat(),
@@ -440,5 +545,23 @@ def main():
     print(f"wrote {len(strings)} golden strings and {len(cases)} chat cases to {ROOT}", file=sys.stderr)
 
 
+def only_qwen3():
+    """Rewrites qwen3/ and its cases in expected_chats.json, leaving every other file and case
+    as it is (they were made with an earlier transformers, whose additional_special_tokens and
+    BPE decode clean-up differ from 5.24's)."""
+    chat_template_utils.datetime = type(
+        "FixedDatetime", (_dt.datetime,), {"now": classmethod(lambda cls, tz=None: FIXED_NOW)}
+    )
+    path = os.path.join(ROOT, "expected_chats.json")
+    with open(path, encoding="utf-8") as f:
+        chats = json.load(f)
+    chats["cases"] = [c for c in chats["cases"] if c.get("model_dir") != "qwen3"] + qwen3_fixture()
+    write_json_compact_ids(path, chats)
+    print(f"wrote qwen3/ and {len(chats['cases'])} chat cases", file=sys.stderr)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--only-qwen3"]:
+        only_qwen3()
+    else:
+        main()

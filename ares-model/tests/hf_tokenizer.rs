@@ -210,17 +210,23 @@ fn rendered_chats_equal_transformers() {
         };
         let got = template.render(&messages, &options).unwrap();
         let want = case["expected"].as_str().unwrap();
-        assert_eq!(
-            got,
-            want,
-            "case {i}: {}",
+        let what = || {
             serde_json::to_string(&case)
                 .unwrap()
                 .chars()
                 .take(200)
                 .collect::<String>()
-        );
+        };
+        assert_eq!(got, want, "case {i}: {}", what());
+        // Qwen3's real template: the prompt's ids too, as transformers encodes them
+        if let Some(ids) = case.get("expected_ids") {
+            let ids: Vec<u32> = serde_json::from_value(ids.clone()).unwrap();
+            let tok = Tokenizer::from_dir(&dir).unwrap();
+            assert_eq!(tok.encode(&got, false).unwrap(), ids, "case {i} ids: {}", what());
+        }
     }
+    let qwen3 = cases.iter().filter(|c| c["model_dir"] == "qwen3").count();
+    assert!(qwen3 >= 40, "{qwen3} cases of Qwen3's real template");
 }
 
 #[test]
