@@ -25,9 +25,7 @@ with LF line ends.
 
 Run with a Python that has `tokenizers` and `transformers`:
     python scripts/make_tokenizer_fixtures.py
-or, to remake only qwen3/ and its cases (transformers 5.24; the rest were made with an earlier
-transformers, whose outputs for two cases differ):
-    python scripts/make_tokenizer_fixtures.py --only-qwen3
+(made with transformers 5.24.0 and tokenizers 0.23.3).
 """
 
 import datetime as _dt
@@ -545,23 +543,5 @@ def main():
     print(f"wrote {len(strings)} golden strings and {len(cases)} chat cases to {ROOT}", file=sys.stderr)
 
 
-def only_qwen3():
-    """Rewrites qwen3/ and its cases in expected_chats.json, leaving every other file and case
-    as it is (they were made with an earlier transformers, whose additional_special_tokens and
-    BPE decode clean-up differ from 5.24's)."""
-    chat_template_utils.datetime = type(
-        "FixedDatetime", (_dt.datetime,), {"now": classmethod(lambda cls, tz=None: FIXED_NOW)}
-    )
-    path = os.path.join(ROOT, "expected_chats.json")
-    with open(path, encoding="utf-8") as f:
-        chats = json.load(f)
-    chats["cases"] = [c for c in chats["cases"] if c.get("model_dir") != "qwen3"] + qwen3_fixture()
-    write_json_compact_ids(path, chats)
-    print(f"wrote qwen3/ and {len(chats['cases'])} chat cases", file=sys.stderr)
-
-
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--only-qwen3"]:
-        only_qwen3()
-    else:
-        main()
+    main()

@@ -222,7 +222,12 @@ fn rendered_chats_equal_transformers() {
         if let Some(ids) = case.get("expected_ids") {
             let ids: Vec<u32> = serde_json::from_value(ids.clone()).unwrap();
             let tok = Tokenizer::from_dir(&dir).unwrap();
-            assert_eq!(tok.encode(&got, false).unwrap(), ids, "case {i} ids: {}", what());
+            assert_eq!(
+                tok.encode(&got, false).unwrap(),
+                ids,
+                "case {i} ids: {}",
+                what()
+            );
         }
     }
     let qwen3 = cases.iter().filter(|c| c["model_dir"] == "qwen3").count();

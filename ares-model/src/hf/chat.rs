@@ -19,7 +19,8 @@
 //! `.items()`, …) from `minijinja-contrib`'s pycompat, and Python's way of printing values
 //! (`True`, `None`, `{'a': 1}`). The variables are transformers': `messages`, `tools`
 //! (`None` when not given), `documents` (`None`), `add_generation_prompt`, the special tokens
-//! of `tokenizer_config.json` (`bos_token`, `eos_token`, …, `additional_special_tokens`) and
+//! of `tokenizer_config.json` (`bos_token`, `eos_token`, …; as transformers 5, not the list
+//! `additional_special_tokens`) and
 //! any extra variables the caller passes (e.g. `enable_thinking`).
 //!
 //! Not supported: the `{% generation %}` tag (assistant masks) and `continue_final_message`.
@@ -813,22 +814,12 @@ impl ChatTemplate {
     fn render_json(&self, messages: Json, options: &RenderOptions<'_>) -> Result<String> {
         let name = self.select(options.tools.is_some())?;
         // Same variables, in the same order, as transformers:
-        // {**special_tokens_map, **kwargs} then messages/tools/documents/add_generation_prompt.
+        // {**special_tokens_map, **kwargs} then messages/tools/documents/add_generation_prompt
+        // (transformers 5's special_tokens_map holds the named tokens only, not
+        // `additional_special_tokens`).
         let mut ctx = JsonMap::new();
         for (k, v) in self.special.named() {
             ctx.insert(k.to_string(), Json::String(v.to_string()));
-        }
-        if !self.special.additional_special_tokens.is_empty() {
-            ctx.insert(
-                "additional_special_tokens".to_string(),
-                Json::Array(
-                    self.special
-                        .additional_special_tokens
-                        .iter()
-                        .map(|t| Json::String(t.clone()))
-                        .collect(),
-                ),
-            );
         }
         if let Some(extra) = options.extra {
             for (k, v) in extra {

@@ -8,7 +8,9 @@
 //! - padding and truncation stored in `tokenizer.json` are switched off (transformers only
 //!   applies them when a call asks for them), so `encode` returns exactly the text's ids;
 //! - [`Tokenizer::decode`] applies `clean_up_tokenization_spaces` when `tokenizer_config.json`
-//!   sets it (Llama 3 does; Qwen2 does not).
+//!   sets it — but, as transformers 5 does, not for a BPE model (Llama 3 sets it and is BPE:
+//!   no clean-up), unless `clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output`
+//!   is set too.
 //!
 //! Prompts rendered by a chat template already hold their special tokens as text (`bos_token`
 //! included), so encode them with `add_special_tokens = false`, as transformers'
@@ -225,6 +227,9 @@ pub struct TokenizerConfig {
     pub special: SpecialTokens,
     /// `clean_up_tokenization_spaces` (transformers' default when absent: `false`).
     pub clean_up_tokenization_spaces: bool,
+    /// `clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output`: the
+    /// clean-up for a BPE model too (default `false`: transformers 5 skips it there).
+    pub clean_up_bpe: bool,
     /// The whole file, for fields not modelled here (the chat module reads `chat_template`).
     pub raw: Json,
 }
@@ -246,21 +251,22 @@ impl TokenizerConfig {
             ));
         }
         let special = SpecialTokens::from_config_json(&raw, path)?;
-        let clean_up_tokenization_spaces = match raw.get("clean_up_tokenization_spaces") {
-            None | Some(Json::Null) => false,
-            Some(Json::Bool(b)) => *b,
-            Some(other) => {
-                return Err(field_error(
-                    path,
-                    "clean_up_tokenization_spaces",
-                    &format!("expected a boolean, found {}", json_kind(other)),
-                ));
-            }
+        let flag = |key: &str| match raw.get(key) {
+            None | Some(Json::Null) => Ok(false),
+            Some(Json::Bool(b)) => Ok(*b),
+            Some(other) => Err(field_error(
+                path,
+                key,
+                &format!("expected a boolean, found {}", json_kind(other)),
+            )),
         };
         Ok(Self {
             path: path.to_path_buf(),
             special,
-            clean_up_tokenization_spaces,
+            clean_up_tokenization_spaces: flag("clean_up_tokenization_spaces")?,
+            clean_up_bpe: flag(
+                "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+            )?,
             raw,
         })
     }
@@ -401,7 +407,8 @@ impl Tokenizer {
 
     /// Decodes ids to text as transformers' `decode` does: ids outside the vocabulary are
     /// skipped, `skip_special_tokens` drops special tokens, and `clean_up_tokenization_spaces`
-    /// is applied when the config sets it.
+    /// is applied when the config sets it and the model is not BPE (transformers 5 skips the
+    /// clean-up there: it would strip spaces a BPE model meant, ` 're` → `'re`).
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
         let text =
             self.inner
@@ -410,10 +417,11 @@ impl Tokenizer {
                     path: self.path.clone(),
                     message: e.to_string(),
                 })?;
+        let bpe = matches!(self.inner.get_model(), tokenizers::ModelWrapper::BPE(_));
         let clean = self
             .config
             .as_ref()
-            .is_some_and(|c| c.clean_up_tokenization_spaces);
+            .is_some_and(|c| c.clean_up_tokenization_spaces && (!bpe || c.clean_up_bpe));
         Ok(if clean {
             clean_up_tokenization(&text)
         } else {
