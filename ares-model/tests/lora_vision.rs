@@ -183,3 +183,35 @@ fn tower_settings_are_checked() {
     let adapter = lm.lora_adapter().unwrap().unwrap();
     assert_eq!(adapter.pairs.len(), 7 * text.config.num_hidden_layers);
 }
+
+/// The tower's LoRA intermediates take what `tower_lora_elements` says (the figure a memory
+/// plan counts), stored or checkpointed.
+#[test]
+fn tower_lora_arena_is_what_the_plan_counts() {
+    use ares_model::vision::lora::tower_lora_elements;
+    use ares_model::vision::tower::VisionPlan;
+    let (ck, bytes) = load("qwen2_5_vl_tiny");
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let cs = case(&st, "image");
+    let cfg = &ck.config.vision;
+    let plan = VisionPlan::new(cfg, &cs.vision.image_grids).unwrap();
+    let config = LoraConfig::all_linear(3, 6.0);
+    let be = CpuBackend;
+    for checkpointed in [false, true] {
+        let mut plain = VlModel::from_checkpoint(CpuBackend, &ck).unwrap();
+        plain.tower_mut().set_gradient_checkpointing(checkpointed);
+        let base = plain.tower().activations(&be, plan.clone(), true).unwrap();
+        let mut m = VlModel::from_checkpoint(CpuBackend, &ck).unwrap();
+        m.tower_mut().set_gradient_checkpointing(checkpointed);
+        m.add_lora(&config, 1).unwrap();
+        let with = m.tower().activations(&be, plan.clone(), true).unwrap();
+        let blocks = if checkpointed { 1 } else { cfg.depth as u64 };
+        let want =
+            tower_lora_elements(cfg, &config, plan.patches as u64, plan.units as u64, blocks);
+        assert_eq!(
+            ((with.bytes() - base.bytes()) / 4) as u64,
+            want,
+            "checkpointed {checkpointed}"
+        );
+    }
+}

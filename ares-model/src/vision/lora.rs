@@ -3,7 +3,7 @@
 //! `gate_proj`/`up_proj`/`down_proj`), the merger's `mlp.0`/`mlp.2` — and on the patch
 //! embedding (a Conv3d with stride = kernel, i.e. a linear layer over flattened patches,
 //! which is how PEFT's conv pair computes too). Each pair computes what the decoder's do
-//! (`model/lora.rs`, [`PairShape`]): `y += s·(x·Aᵀ)·Bᵀ`, the base frozen. The fused qkv
+//! (`model/lora.rs`, `PairShape`): `y += s·(x·Aᵀ)·Bᵀ`, the base frozen. The fused qkv
 //! pair has one `A` and a `B` `[3h, r]` whose row blocks feed q, k and v: the tower runs
 //! the three parts as three linear layers, so its pair's `u` is computed once and each
 //! part adds `s·u·B_partᵀ`.
