@@ -11,5 +11,6 @@ pub mod mrope;
 pub mod optim_file;
 pub mod processor;
 pub mod tower;
+mod tower_lora;
 pub mod video;
 pub mod weights;
