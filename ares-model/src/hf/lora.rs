@@ -38,7 +38,7 @@ use super::tensor_files::{
 };
 use super::weights::{ModelWeights, expected_tensors};
 use crate::vision::config::VisionConfig;
-use crate::vision::weights::{Slot, VisionWeights, param_table};
+use crate::vision::weights::{ParamSpec, VisionWeights, param_table};
 
 /// The adapter's configuration file.
 pub const CONFIG_FILE: &str = "adapter_config.json";
@@ -217,7 +217,7 @@ impl LoraConfig {
     pub fn tower_weights(&self, cfg: &VisionConfig) -> Result<Vec<(String, Vec<usize>)>, String> {
         let mut out = Vec::new();
         for spec in param_table(cfg) {
-            let Some(path) = tower_module(spec.slot, spec.name) else {
+            let Some(path) = tower_module(&spec) else {
                 continue;
             };
             if !self.adapts_tower(path) {
@@ -238,23 +238,12 @@ impl LoraConfig {
     }
 }
 
-/// The module path (block index left out) of a tower weight slot a pair can sit on, from
-/// its parameter name `name` (`blocks.{}.attn.qkv.weight` → `attn.qkv`); `None` for biases
-/// and norms.
-pub(crate) fn tower_module(slot: Slot, name: &'static str) -> Option<&'static str> {
-    let adaptable = matches!(
-        slot,
-        Slot::Patch
-            | Slot::Qkv
-            | Slot::Proj
-            | Slot::MlpIn
-            | Slot::MlpUp
-            | Slot::MlpOut
-            | Slot::Merger0
-            | Slot::Merger2
-    );
-    let path = name.strip_suffix(".weight")?;
-    adaptable.then(|| path.strip_prefix("blocks.{}.").unwrap_or(path))
+/// The module path (block index left out) of a tower parameter a pair can sit on — a
+/// weight of two or more dims, a linear layer's or the patch embedding's — from its name
+/// (`blocks.{}.attn.qkv.weight` → `attn.qkv`); `None` for biases and norms.
+pub(crate) fn tower_module(spec: &ParamSpec) -> Option<&'static str> {
+    let path = spec.name.strip_suffix(".weight")?;
+    (spec.shape.len() >= 2).then(|| path.strip_prefix("blocks.{}.").unwrap_or(path))
 }
 
 /// One LoRA pair: `a` `[r, in]`, `b` `[out, r]`, row-major f32.
@@ -756,10 +745,7 @@ impl LoraAdapter {
         let scale = self.config.scale() as f32;
         let r = self.config.r;
         let [out, inp] = pair.out_in;
-        if shape.first() != Some(&out)
-            || shape[1..].iter().product::<usize>() != inp
-            || shape.len() < 2
-        {
+        if shape.len() < 2 || shape[0] != out || shape[1..].iter().product::<usize>() != inp {
             return Err(HfError::ShapeMismatch {
                 path: CONFIG_FILE.into(),
                 tensor: name.to_string(),

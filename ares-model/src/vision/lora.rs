@@ -84,6 +84,15 @@ impl TowerTarget {
         }
     }
 
+    /// Output features of one part: `hidden` for the fused qkv (its q, k and v are run as
+    /// three products), else all of them.
+    pub(crate) fn part_out(self, c: &VisionConfig) -> usize {
+        match self {
+            Self::Qkv => c.hidden,
+            _ => self.in_out(c).1,
+        }
+    }
+
     /// Its module path (block index left out: `attn.qkv`) and parameter name
     /// (`blocks.{}.attn.qkv.weight`) in a tower of `cfg`, `None` when the tower has no such
     /// layer (the SwiGLU up projection of Qwen2-VL).
@@ -91,7 +100,7 @@ impl TowerTarget {
         let spec = param_table(cfg)
             .into_iter()
             .find(|s| s.slot == self.slot())?;
-        Some((tower_module(spec.slot, spec.name)?, spec.name))
+        Some((tower_module(&spec)?, spec.name))
     }
 
     /// Pairs of this target: `depth` or 1.
@@ -156,9 +165,46 @@ pub(crate) fn rows(t: TowerTarget, patches: usize, units: usize) -> usize {
     }
 }
 
+/// The lengths of a call's LoRA intermediates: per adapted target its `u` stack (`total`,
+/// `item` = rows · r), and the two scratch buffers (`tmp`: the widest rows · part out of
+/// one product, `du`: the most rows · r).
+pub(crate) struct ArenaLayout {
+    pub(crate) u: [Option<(usize, usize)>; TOWER_TARGETS],
+    pub(crate) tmp: usize,
+    pub(crate) du: usize,
+}
+
+impl ArenaLayout {
+    /// The layout for the targets `adapted` says, rank `r`, over `patches` patches and
+    /// `units` merged tokens with `blocks` block slots kept.
+    pub(crate) fn new(
+        cfg: &VisionConfig,
+        r: usize,
+        adapted: impl Fn(TowerTarget) -> bool,
+        patches: usize,
+        units: usize,
+        blocks: usize,
+    ) -> Self {
+        let mut u = [None; TOWER_TARGETS];
+        let (mut tmp, mut widest) = (0, 0);
+        for t in TowerTarget::ALL.into_iter().filter(|&t| adapted(t)) {
+            let n = rows(t, patches, units);
+            let slots = if t.per_block() { blocks } else { 1 };
+            u[t as usize] = Some((slots * n * r, n * r));
+            tmp = tmp.max(n * t.part_out(cfg));
+            widest = widest.max(n);
+        }
+        Self {
+            u,
+            tmp,
+            du: widest * r,
+        }
+    }
+}
+
 /// Floats of the tower's LoRA intermediates for `patches` patches, `units` merged tokens
-/// and `blocks` kept block slots, under `config` (the memory plan's figure; the same sums as
-/// the allocation).
+/// and `blocks` kept block slots, under `config` — what the arena allocates (the memory
+/// plan does not count the tower's activations yet; this is its figure when it does).
 pub fn tower_lora_elements(
     cfg: &VisionConfig,
     config: &LoraConfig,
@@ -166,27 +212,16 @@ pub fn tower_lora_elements(
     units: u64,
     blocks: u64,
 ) -> u64 {
-    let r = config.r as u64;
-    let (mut u, mut tmp, mut widest_rows) = (0, 0, 0);
-    for t in TowerTarget::ALL {
-        let Some((path, _)) = t.names(cfg) else {
-            continue;
-        };
-        if !config.adapts_tower(path) {
-            continue;
-        }
-        let n = rows(t, patches as usize, units as usize) as u64;
-        let slots = if t.per_block() { blocks } else { 1 };
-        u += slots * n * r;
-        let out = if t == TowerTarget::Qkv {
-            cfg.hidden
-        } else {
-            t.in_out(cfg).1
-        };
-        tmp = tmp.max(n * out as u64);
-        widest_rows = widest_rows.max(n);
-    }
-    u + tmp + widest_rows * r
+    let adapted = |t: TowerTarget| t.names(cfg).is_some_and(|(p, _)| config.adapts_tower(p));
+    let l = ArenaLayout::new(
+        cfg,
+        config.r,
+        adapted,
+        patches as usize,
+        units as usize,
+        blocks as usize,
+    );
+    (l.u.iter().flatten().map(|&(total, _)| total).sum::<usize>() + l.tmp + l.du) as u64
 }
 
 /// Elements of each LoRA tensor `config` puts on a tower of `cfg`, as the optimizer holds

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::lora::{TOWER_TARGETS, TowerLora, TowerLoraActs, TowerTarget, b_part, rows};
+use super::lora::{ArenaLayout, TOWER_TARGETS, TowerLora, TowerLoraActs, TowerTarget, b_part};
 use super::tower::VisionTower;
 use super::weights::param_table;
 use crate::backend::{Backend, Tensor, TensorMut, ViewMut};
@@ -233,29 +233,18 @@ impl<B: Backend> VisionTower<B> {
         let Some(lora) = &self.lora else {
             return Ok(None);
         };
-        let cfg = &self.cfg;
-        let r = lora.config.r;
+        let adapted = |t: TowerTarget| lora.params.pairs[t as usize].is_some();
+        let layout = ArenaLayout::new(&self.cfg, lora.config.r, adapted, patches, units, blocks);
         let mut u: [Option<Stack<B>>; TOWER_TARGETS] = std::array::from_fn(|_| None);
-        let (mut tmp, mut widest) = (0, 0);
-        for (t, slot) in TowerTarget::ALL.into_iter().zip(&mut u) {
-            if lora.params.pairs[t as usize].is_none() {
-                continue;
+        for (slot, lens) in u.iter_mut().zip(layout.u) {
+            if let Some((total, item)) = lens {
+                *slot = Some(Stack::new(be.alloc(total)?, item));
             }
-            let n = rows(t, patches, units);
-            let slots = if t.per_block() { blocks } else { 1 };
-            *slot = Some(Stack::new(be.alloc(slots * n * r)?, n * r));
-            let out = if t == TowerTarget::Qkv {
-                cfg.hidden
-            } else {
-                t.in_out(cfg).1
-            };
-            tmp = tmp.max(n * out);
-            widest = widest.max(n);
         }
         Ok(Some(TowerLoraActs {
             u,
-            tmp: be.alloc(tmp)?,
-            du: be.alloc(widest * r)?,
+            tmp: be.alloc(layout.tmp)?,
+            du: be.alloc(layout.du)?,
             applied: false,
         }))
     }
@@ -276,9 +265,8 @@ impl<B: Backend> VisionTower<B> {
     }
 
     fn shape(&self, t: TowerTarget, rows: usize, r: usize) -> PairShape {
-        let (inp, out) = t.in_out(&self.cfg);
-        let out = if t == TowerTarget::Qkv { out / 3 } else { out };
-        PairShape::new(rows, inp, out, r, self.precision)
+        let (inp, _) = t.in_out(&self.cfg);
+        PairShape::new(rows, inp, t.part_out(&self.cfg), r, self.precision)
     }
 
     /// Forward of target `t`'s pair of block `l` (`u` in slot `slot`): `y += s·(x·Aᵀ)·Bᵀ`
