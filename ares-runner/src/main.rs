@@ -50,8 +50,9 @@ enum Command {
         /// pro-max, gspo, cispo, clip-cov, kl-cov, forking, target-entropy, dapo-overlong.
         #[arg(long, value_enum)]
         method: Option<ares_runner::commands::demo::Method>,
-        /// Which built-in demo (no data configured): text (arithmetic) or vision (counting
-        /// shapes in pictures with a tiny Qwen2.5-VL-style model).
+        /// Which built-in demo (no data configured): text (arithmetic), vision (counting
+        /// shapes in pictures with a tiny Qwen2.5-VL-style model) or tools (arithmetic with
+        /// a calculator the model learns when to call).
         #[arg(long, value_enum)]
         demo: Option<ares_runner::commands::demo::Demo>,
     },

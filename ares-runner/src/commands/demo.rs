@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 use super::sft::{SftOptions, run_sft};
 use crate::backend::Backend;
 use crate::config::Config;
+use crate::demo::tools_task::{ToolsDemoOptions, write_tools_demo_assets};
 use crate::demo::vision_assets::{VisionDemoOptions, write_vision_demo_assets_with};
 use crate::demo::{DemoOptions, write_demo_assets_with};
 use crate::trainer::eval::{EvalReport, format_table};
@@ -155,6 +156,8 @@ pub enum Demo {
     Text,
     /// Counting coloured shapes in pictures with a tiny Qwen2.5-VL-style model.
     Vision,
+    /// Arithmetic with a calculator the model may call: multi-turn episodes.
+    Tools,
 }
 
 impl Demo {
@@ -163,6 +166,7 @@ impl Demo {
         match self {
             Demo::Text => "demo",
             Demo::Vision => "demo-vision",
+            Demo::Tools => "demo-tools",
         }
     }
 
@@ -173,6 +177,7 @@ impl Demo {
         match self {
             Demo::Text => 17_920,
             Demo::Vision => VISION_SFT_EXAMPLES,
+            Demo::Tools => TOOLS_SFT_EXAMPLES,
         }
     }
 
@@ -183,10 +188,16 @@ impl Demo {
     /// so the redundant lines cost answers there — without it they never do (the checks
     /// are always right) and RL has no reason to drop them (docs/multimodal.md, *The vision
     /// demo*).
+    ///
+    /// Tools: the prompt is the system turn naming the calculator, the question and the
+    /// generation prompt (42 tokens at most); a call (27 tokens and its end of turn), the
+    /// tool's turn (24 at most) and the answer (13 at most) take 66 of the 72 response
+    /// tokens, so a second call does not fit.
     fn lengths(self) -> (usize, usize, usize) {
         match self {
             Demo::Text => (40, 96, 128),
             Demo::Vision => (80, 64, 176),
+            Demo::Tools => (48, 72, 128),
         }
     }
 
@@ -199,6 +210,7 @@ impl Demo {
         match self {
             Demo::Text => (1, 3.0e-3, 32),
             Demo::Vision => (1, 1.0e-3, 16),
+            Demo::Tools => (1, 3.0e-3, 32),
         }
     }
 
@@ -208,6 +220,7 @@ impl Demo {
         match self {
             Demo::Text => 120,
             Demo::Vision => 80,
+            Demo::Tools => TOOLS_RL_STEPS,
         }
     }
 
@@ -216,6 +229,16 @@ impl Demo {
         match self {
             Demo::Text => "a tiny model learns arithmetic",
             Demo::Vision => "a tiny vision-language model learns to count shapes in pictures",
+            Demo::Tools => "a tiny model learns when to call a calculator",
+        }
+    }
+
+    /// The `worker.rollout` keys of the demo (indented for the demo YAML): episodes with
+    /// the built-in calculator for the tools demo, a call and an answer at most.
+    fn rollout_keys(self) -> &'static str {
+        match self {
+            Demo::Text | Demo::Vision => "",
+            Demo::Tools => "    multi_turn: {enable: true, max_assistant_turns: 2}\n",
         }
     }
 }
@@ -225,6 +248,12 @@ const DEMO_SEED: u64 = 1;
 
 /// Worked solutions of the vision demo's warm start.
 const VISION_SFT_EXAMPLES: usize = 16_384;
+
+/// Worked traces of the tools demo's warm start.
+const TOOLS_SFT_EXAMPLES: usize = 8192;
+
+/// RL steps of the tools demo.
+const TOOLS_RL_STEPS: usize = 60;
 
 /// The demo's configuration (YAML), before command-line overrides.
 fn base_yaml(demo: Demo, method: Method, warm: &Path) -> String {
@@ -260,7 +289,7 @@ algorithm:
     temperature: 1.0
     seed: 1
     val_override_config: {{temperature: 1.0, n: 4}}
-{reward_keys}trainer:
+{rollout_keys}{reward_keys}trainer:
   max_try_make_batch: 8
   experiment_name: {prefix}-{name}
   max_steps: {rl_steps}
@@ -281,6 +310,7 @@ sft:
         method_keys = method.keys(),
         actor_keys = method.actor_keys(),
         reward_keys = method.reward_keys(),
+        rollout_keys = demo.rollout_keys(),
         global_batch_size = method.global_batch_size(),
         name = method.name(),
         prefix = demo.prefix(),
@@ -335,6 +365,18 @@ fn write_assets(demo: Demo, assets: &Path) -> Result<(PathBuf, PathBuf), TrainEr
                     seed: DEMO_SEED,
                     sft_examples: demo.sft_examples(),
                     ..VisionDemoOptions::default()
+                },
+            )
+            .map_err(invalid)?;
+            (w.model_dir, w.sft)
+        }
+        Demo::Tools => {
+            let w = write_tools_demo_assets(
+                assets,
+                &ToolsDemoOptions {
+                    seed: DEMO_SEED,
+                    sft_examples: demo.sft_examples(),
+                    ..ToolsDemoOptions::default()
                 },
             )
             .map_err(invalid)?;
@@ -502,10 +544,13 @@ pub fn evaluate_model<B: Backend + Clone>(
     };
     let bar =
         crate::progress::Progress::from_env().bar((examples.len() * rr.val_n()) as u64, "eval");
+    // a multi-turn config's episodes run their tools here too
+    let mt = crate::trainer::run::multi_turn(&c, &r)?;
+    let episodes = crate::trainer::run::episode_tools(mt.as_ref(), &r)?;
     let report = crate::trainer::eval::evaluate(
         &model,
         &r,
-        None,
+        episodes.as_ref(),
         &mut grader,
         &examples,
         rr.val_n(),
@@ -542,8 +587,16 @@ struct PhaseSeconds {
     eval_after: f64,
 }
 
-/// The before/after table.
+/// The before/after table: accuracy and length per difficulty, and calls per answer when
+/// either model called tools.
 fn before_after(before: &EvalReport, after: &EvalReport) -> String {
+    let calls = before
+        .values()
+        .chain(after.values())
+        .any(|r| r.calls_per_response > 0.0);
+    if calls {
+        return before_after_calls(before, after);
+    }
     let mut out = format!(
         "{:<10} {:>10} {:>10} {:>12} {:>12}\n",
         "difficulty", "acc before", "acc after", "len before", "len after"
@@ -557,6 +610,27 @@ fn before_after(before: &EvalReport, after: &EvalReport) -> String {
                 100.0 * a.accuracy,
                 b.mean_length,
                 a.mean_length
+            ));
+        }
+    }
+    out
+}
+
+/// [`before_after`] with calls per answer in place of lengths.
+fn before_after_calls(before: &EvalReport, after: &EvalReport) -> String {
+    let mut out = format!(
+        "{:<10} {:>10} {:>10} {:>13} {:>13}\n",
+        "difficulty", "acc before", "acc after", "calls before", "calls after"
+    );
+    for k in ["easy", "medium", "hard", "all"] {
+        if let (Some(b), Some(a)) = (before.get(k), after.get(k)) {
+            out.push_str(&format!(
+                "{:<10} {:>9.1}% {:>9.1}% {:>13.2} {:>13.2}\n",
+                k,
+                100.0 * b.accuracy,
+                100.0 * a.accuracy,
+                b.calls_per_response,
+                a.calls_per_response
             ));
         }
     }

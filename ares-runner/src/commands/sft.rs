@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use crate::backend::Backend;
 use crate::config::Config;
-use crate::data::Example;
+use crate::data::{Example, SftTarget};
 use crate::hf::tensor_files::SaveDtype;
 use crate::metrics::{MetricsWriter, Record};
 use crate::model::AdamW;
@@ -37,12 +37,12 @@ pub struct SftReport {
 /// Reads supervised pairs from a dataset (JSONL, JSON or Parquet, as RL data): each row's
 /// prompt at `data.prompt_key` (text or chat messages), its images and videos at
 /// `data.image_key` / `data.video_key` (EasyR1's `<image>` placeholders), and the target
-/// response at `sft.response_key`.
+/// response at `sft.response_key` (a text, or a multi-turn trace: a list of messages).
 ///
 /// # Errors
-/// Missing file, malformed rows, a missing or blank response, bad media — naming file, row
-/// and key.
-pub fn read_sft_pairs(path: &Path, cfg: &Config) -> Result<Vec<(Example, String)>, TrainError> {
+/// Missing file, malformed rows, a missing or blank response or a malformed trace, bad
+/// media — naming file, row and key.
+pub fn read_sft_pairs(path: &Path, cfg: &Config) -> Result<Vec<(Example, SftTarget)>, TrainError> {
     let keys = crate::data::DataKeys::from_config(&cfg.data);
     let media = crate::data::MediaKeys::from_config(&cfg.data);
     crate::data::load_sft_dataset(path, &keys, &cfg.sft.response_key, &media)
@@ -66,7 +66,9 @@ pub struct SftOptions {
     pub seed: u64,
 }
 
-/// Fine-tunes the model of `model_dir` on `pairs` (prompt row, target response) and saves it
+/// Fine-tunes the model of `model_dir` on `pairs` (prompt row, target response or
+/// multi-turn trace — whose tool turns are rendered through the chat template as a rollout
+/// appends them and left out of the loss) and saves it
 /// (with the tokenizer and processor files) to `output` — under `worker.actor.model.lora`
 /// the pairs alone are trained, and `output` holds the merged model and the adapter as PEFT
 /// files in `output/adapter` (for a LoRA run's `lora.adapter_path`); one metrics line per step goes to
@@ -79,7 +81,7 @@ pub fn run_sft<B: Backend + Clone>(
     cfg: &Config,
     backend: B,
     model_dir: &Path,
-    pairs: &[(Example, String)],
+    pairs: &[(Example, SftTarget)],
     options: &SftOptions,
     output: &Path,
     metrics: Option<&Path>,
@@ -115,11 +117,20 @@ pub fn run_sft<B: Backend + Clone>(
             None
         };
         let p = renderer.expand(ex, ids, &vision)?;
-        let mut r = renderer
-            .tokenizer
-            .encode(response, false)
-            .map_err(|e| TrainError::Invalid(format!("tokenizer: {e}")))?;
-        r.push(eos_id);
+        let (r, from_model) = match response {
+            SftTarget::Text(text) => {
+                let mut r = renderer
+                    .tokenizer
+                    .encode(text, false)
+                    .map_err(|e| TrainError::Invalid(format!("tokenizer: {e}")))?;
+                r.push(eos_id);
+                (r, None)
+            }
+            SftTarget::Turns(turns) => {
+                let (r, mask) = trace_tokens(&renderer, ex, turns, eos_id)?;
+                (r, Some(mask))
+            }
+        };
         if p.len() + r.len() > options.max_length || p.is_empty() {
             dropped += 1;
             continue;
@@ -127,6 +138,7 @@ pub fn run_sft<B: Backend + Clone>(
         examples.push(SftExample {
             prompt: p,
             response: r,
+            from_model,
             vision,
         });
     }
@@ -235,6 +247,38 @@ pub fn run_sft<B: Backend + Clone>(
     }
     std::fs::rename(&tmp, output).map_err(|e| TrainError::io(output, e))?;
     Ok(report)
+}
+
+/// The tokens of `ex`'s multi-turn trace `turns` after its prompt, and which are the
+/// model's ([`crate::tools::episode::trace_tokens`]).
+///
+/// # Errors
+/// A model without a chat template; the template's and tokenizer's errors, naming the row.
+fn trace_tokens(
+    renderer: &crate::trainer::collect::prompts::PromptRenderer,
+    ex: &Example,
+    turns: &[serde_json::Value],
+    eos_id: u32,
+) -> Result<(Vec<u32>, Vec<bool>), TrainError> {
+    let at = |e: TrainError| {
+        TrainError::Invalid(format!("sft row {} ({}): {e}", ex.row, ex.global_id))
+    };
+    let Some(template) = &renderer.chat else {
+        return Err(at(TrainError::Invalid(
+            "a multi-turn trace is rendered by the chat template, and the model has none \
+             (set data.override_chat_template)"
+                .into(),
+        )));
+    };
+    crate::tools::episode::trace_tokens(
+        template,
+        &renderer.template_inputs.generation(),
+        &renderer.tokenizer,
+        renderer.messages(ex)?,
+        turns,
+        eos_id,
+    )
+    .map_err(at)
 }
 
 /// `ares-runner sft`: `sft.train_files` (JSONL with `data.prompt_key` and

@@ -85,7 +85,7 @@ pub fn load_dataset_with_media(
         path,
         keys,
         media,
-        |_| Ok(()),
+        |_| Ok(None),
         |example, _| {
             examples.push(example);
             Ok(())
@@ -94,47 +94,150 @@ pub fn load_dataset_with_media(
     Ok(examples)
 }
 
+/// What a supervised row teaches the model to write after its prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SftTarget {
+    /// One response (the trainer appends the end-of-turn token).
+    Text(String),
+    /// A multi-turn trace: the messages after the prompt, first and last the assistant's,
+    /// with `tool` (or `user`) messages between the assistant's turns. The model learns its
+    /// own turns; the others are rendered through the chat template as a rollout appends
+    /// them, and are not in the loss.
+    Turns(Vec<serde_json::Value>),
+}
+
+/// Roles a trace's messages may have.
+const TRACE_ROLES: [&str; 3] = ["assistant", "tool", "user"];
+
+/// The trace in `value` (a JSON array of messages), or why it is not one.
+fn trace_of(value: &serde_json::Value) -> std::result::Result<Vec<serde_json::Value>, String> {
+    let serde_json::Value::Array(list) = value else {
+        return Err(format!(
+            "{}, expected the response text (a non-empty string) or a trace (a list of \
+             messages)",
+            super::criterion::kind(value)
+        ));
+    };
+    if list.is_empty() {
+        return Err("an empty trace (a trace needs at least one assistant message)".into());
+    }
+    for (i, m) in list.iter().enumerate() {
+        let role = m.get("role").and_then(serde_json::Value::as_str);
+        let Some(role) = role.filter(|r| TRACE_ROLES.contains(r)) else {
+            return Err(format!(
+                "message {i} has role {}, expected one of {}",
+                m.get("role").map_or("none".into(), ToString::to_string),
+                TRACE_ROLES.join(", ")
+            ));
+        };
+        if !m.get("content").is_some_and(serde_json::Value::is_string) {
+            return Err(format!("message {i} ({role}) has no string `content`"));
+        }
+    }
+    let role = |m: &serde_json::Value| m["role"].as_str().unwrap_or_default().to_string();
+    if role(&list[0]) != "assistant" || role(&list[list.len() - 1]) != "assistant" {
+        return Err(format!(
+            "a trace starts and ends with the assistant's turn; this one goes from {} to {}",
+            role(&list[0]),
+            role(&list[list.len() - 1])
+        ));
+    }
+    Ok(list.clone())
+}
+
 /// Supervised fine-tuning pairs: each row's prompt, images and videos as in
-/// [`load_dataset_with_media`] (same formats, columns and errors), and its target response
-/// from `response_key`, a non-empty string (the [`Example::answer`] is left empty: SFT rows
-/// need no reference answer, and the answer fallbacks are not consulted).
+/// [`load_dataset_with_media`] (same formats, columns and errors), and its target at
+/// `response_key`: a non-empty string, or a multi-turn trace ([`SftTarget::Turns`]). The
+/// [`Example::answer`] is left empty: SFT rows need no reference answer, and the answer
+/// fallbacks are not consulted.
 ///
 /// # Errors
-/// As [`load_dataset_with_media`], and a row whose `response_key` is missing, not a string or
-/// blank (naming file, row and key).
+/// As [`load_dataset_with_media`], and a row whose `response_key` is missing, blank, of
+/// another type or a malformed trace (naming file, row and key).
 pub fn load_sft_dataset(
     path: &Path,
     keys: &DataKeys,
     response_key: &str,
     media: &MediaKeys,
-) -> Result<Vec<(Example, String)>> {
+) -> Result<Vec<(Example, SftTarget)>> {
     let keys = DataKeys {
         answer: response_key.to_owned(),
         ..keys.clone()
     };
     let mut pairs = Vec::new();
     // the response is checked before the row is built, so that a missing one is named as
-    // such rather than as a missing answer
-    let check = |raw: &RawRow| {
+    // such rather than as a missing answer; a trace stands in the row as a placeholder
+    // answer while the example is built
+    let check = |raw: &RawRow| -> Result<Option<SftTarget>> {
         let row = raw.value.as_object();
         match row.and_then(|r| super::keys::lookup(r, response_key)) {
-            Some(serde_json::Value::String(s)) if !s.trim().is_empty() => Ok(()),
+            Some(serde_json::Value::String(s)) if !s.trim().is_empty() => Ok(None),
+            Some(v @ serde_json::Value::Array(_)) => trace_of(v)
+                .map(|t| Some(SftTarget::Turns(t)))
+                .map_err(|e| DataError::row(&raw.at, response_key, e)),
             other => Err(DataError::row(
                 &raw.at,
                 response_key,
                 format!(
-                    "{}, expected the response text (a non-empty string)",
+                    "{}, expected the response text (a non-empty string) or a trace (a list \
+                     of messages)",
                     other.map_or("nothing", super::criterion::kind)
                 ),
             )),
         }
     };
-    for_each_row(path, &keys, media, check, |mut example, _| {
-        let response = std::mem::take(&mut example.answer);
-        pairs.push((example, response));
-        Ok(())
-    })?;
+    // the row's trace, from `check` to `visit` (called in turn for each row)
+    let trace = std::cell::Cell::new(None);
+    for_each_row(
+        path,
+        &keys,
+        media,
+        |raw| {
+            let checked = check(raw)?;
+            let placeholder = checked
+                .is_some()
+                .then(|| with_value_at(&raw.value, response_key, "(trace)".into()));
+            trace.set(checked);
+            Ok(placeholder)
+        },
+        |mut example, _| {
+            let response = std::mem::take(&mut example.answer);
+            let target = match trace.take() {
+                Some(t) => t,
+                None => SftTarget::Text(response),
+            };
+            pairs.push((example, target));
+            Ok(())
+        },
+    )?;
     Ok(pairs)
+}
+
+/// `row` with the value at dotted `key` (as [`super::keys::lookup`] finds it) replaced by
+/// `value`.
+fn with_value_at(
+    row: &serde_json::Value,
+    key: &str,
+    value: serde_json::Value,
+) -> serde_json::Value {
+    let mut out = row.clone();
+    if let Some(obj) = out.as_object_mut() {
+        if obj.contains_key(key) {
+            obj.insert(key.to_owned(), value);
+        } else {
+            let mut at = Some(obj);
+            let parts: Vec<&str> = key.split('.').collect();
+            for (i, part) in parts.iter().enumerate() {
+                let Some(o) = at.take() else { break };
+                if i + 1 == parts.len() {
+                    o.insert((*part).to_owned(), value.clone());
+                } else {
+                    at = o.get_mut(*part).and_then(serde_json::Value::as_object_mut);
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Reads every row of `path` (a file or a directory of files), runs `check` on it, builds
@@ -143,7 +246,7 @@ fn for_each_row(
     path: &Path,
     keys: &DataKeys,
     media: &MediaKeys,
-    check: impl Fn(&RawRow) -> Result<()>,
+    mut check: impl FnMut(&RawRow) -> Result<Option<serde_json::Value>>,
     mut visit: impl FnMut(Example, &RawRow) -> Result<()>,
 ) -> Result<()> {
     // a path that does not exist may be EasyR1's `name@split`
@@ -186,8 +289,19 @@ fn for_each_row(
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_default();
         for raw in &rows {
-            check(raw)?;
-            let example = to_example(raw, keys, media, &stem)?;
+            // `check` may give the row to build the example from in the raw row's place
+            let example = match check(raw)? {
+                Some(value) => to_example(
+                    &RawRow {
+                        at: raw.at.clone(),
+                        value,
+                    },
+                    keys,
+                    media,
+                    &stem,
+                )?,
+                None => to_example(raw, keys, media, &stem)?,
+            };
             check_unique(&mut seen, &example.global_id, raw)?;
             visit(example, raw)?;
         }

@@ -46,7 +46,7 @@ pub use example::{Example, Prompt};
 pub use filter::filter_by_prompt_length;
 pub use hub::{resolve_data_files, resolve_data_files_in, resolve_model_dir};
 pub use keys::{ANSWER_FALLBACKS, DataKeys, MediaKeys};
-pub use load::{load_dataset, load_dataset_with_media, load_sft_dataset};
+pub use load::{SftTarget, load_dataset, load_dataset_with_media, load_sft_dataset};
 pub use media::{IMAGE_PLACEHOLDER, MediaSource, VIDEO_PLACEHOLDER};
 pub use sampler::EpochSampler;
 pub use template::PromptTemplate;

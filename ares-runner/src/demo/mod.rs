@@ -11,6 +11,9 @@
 //! - [`model`]: a randomly initialised Qwen2 decoder of about 0.56 M parameters.
 //! - [`write_demo_assets`]: all of it as files under one directory, loaded by the trainer
 //!   through the same code paths as a user's model and data.
+//!
+//! The vision demo's are in [`vision_task`], [`vision_model`] and [`vision_assets`]; the
+//! tool-use demo's (a calculator the model learns when to call) in [`tools_task`].
 
 mod assets;
 mod error;
@@ -18,6 +21,7 @@ pub mod model;
 mod rng;
 pub mod task;
 pub mod tokenizer;
+pub mod tools_task;
 pub mod vision_assets;
 pub mod vision_model;
 pub mod vision_task;

@@ -128,6 +128,21 @@ pub(crate) fn build_with(
     vocab: Vec<String>,
     specials: &[&str],
 ) -> Result<Tokenizer, DemoError> {
+    build_char_tokenizer(path, vocab, specials, &[], true)
+}
+
+/// A character-level tokenizer of `vocab` (ids in order; an `<unk>` entry there maps every
+/// other character to it, else they are encoding errors), then the added special tokens
+/// `specials` and the added ordinary tokens `words` (whole strings matched before the
+/// characters, kept when special tokens are skipped — as Qwen's `<tool_call>`), lower-casing
+/// the text first when `lowercase`.
+pub(crate) fn build_char_tokenizer(
+    path: &Path,
+    vocab: Vec<String>,
+    specials: &[&str],
+    words: &[&str],
+    lowercase: bool,
+) -> Result<Tokenizer, DemoError> {
     let fail = |message: String| DemoError::Tokenizer {
         path: path.to_path_buf(),
         message,
@@ -149,9 +164,11 @@ pub(crate) fn build_with(
     )
     .map_err(|e| fail(e.to_string()))?;
     let mut tok = Tokenizer::new(model);
-    tok.with_normalizer(Some(Lowercase))
-        .map_err(|e| fail(e.to_string()))?
-        .with_pre_tokenizer(Some(split))
+    if lowercase {
+        tok.with_normalizer(Some(Lowercase))
+            .map_err(|e| fail(e.to_string()))?;
+    }
+    tok.with_pre_tokenizer(Some(split))
         .with_decoder(Some(Fuse::new()));
     let specials: Vec<AddedToken> = specials
         .iter()
@@ -159,6 +176,11 @@ pub(crate) fn build_with(
         .collect();
     tok.add_special_tokens(specials)
         .map_err(|e| fail(e.to_string()))?;
+    let words: Vec<AddedToken> = words
+        .iter()
+        .map(|s| AddedToken::from(s.to_string(), false).normalized(false))
+        .collect();
+    tok.add_tokens(words).map_err(|e| fail(e.to_string()))?;
     Ok(tok)
 }
 

@@ -224,6 +224,66 @@ pub fn after_turn(
     Ok(after)
 }
 
+/// A recorded trace's tokens as a rollout holds them (for supervised warm starts on worked
+/// multi-turn traces): each assistant message's `content` encoded and ended with `eos`
+/// (the model's tokens), the messages between two assistant turns appended through the
+/// template's [`ChatTemplate::tool_continuation`] as [`after_turn`] appends a tool's
+/// answer (not the model's). `conversation` is the prompt's messages; `turns` starts and
+/// ends with an assistant message. Returns the tokens and, per token, whether it is the
+/// model's.
+///
+/// # Errors
+/// A message without string `content`, a trace that does not start and end with the
+/// assistant, the tokenizer's and the template's.
+pub fn trace_tokens(
+    template: &ChatTemplate,
+    options: &RenderOptions<'_>,
+    text: &(impl TurnText + ?Sized),
+    mut conversation: Vec<Json>,
+    turns: &[Json],
+    eos: u32,
+) -> Result<(Vec<u32>, Vec<bool>), TrainError> {
+    fn role(m: &Json) -> &str {
+        m.get("role").and_then(Json::as_str).unwrap_or_default()
+    }
+    if turns.first().map(role) != Some("assistant") || turns.last().map(role) != Some("assistant")
+    {
+        return Err(TrainError::Invalid(
+            "a trace starts and ends with the assistant's turn".into(),
+        ));
+    }
+    let end_of_turn = text.decode(&[eos], true)?;
+    let (mut tokens, mut from_model) = (Vec::new(), Vec::new());
+    let mut i = 0;
+    while i < turns.len() {
+        let turn = &turns[i];
+        let content = turn.get("content").and_then(Json::as_str).ok_or_else(|| {
+            TrainError::Invalid(format!("trace message {i} has no string `content`"))
+        })?;
+        let mut ids = text.encode(content)?;
+        ids.push(eos);
+        from_model.extend(std::iter::repeat_n(true, ids.len()));
+        tokens.extend(ids);
+        conversation.push(turn.clone());
+        let next = turns[i + 1..]
+            .iter()
+            .position(|m| role(m) == "assistant")
+            .map_or(turns.len(), |k| i + 1 + k);
+        if next < turns.len() {
+            let appended = &turns[i + 1..next];
+            let rendered = template
+                .tool_continuation(&conversation, appended, &end_of_turn, options)
+                .map_err(|err| TrainError::Invalid(err.to_string()))?;
+            let ids = text.encode(&rendered)?;
+            from_model.extend(std::iter::repeat_n(false, ids.len()));
+            tokens.extend(ids);
+            conversation.extend_from_slice(appended);
+        }
+        i = next;
+    }
+    Ok((tokens, from_model))
+}
+
 /// A finished trajectory.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Episode {

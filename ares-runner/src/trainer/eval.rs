@@ -21,8 +21,12 @@ pub struct EvalRow {
     pub responses: usize,
     /// Fraction correct.
     pub accuracy: f64,
-    /// Mean response length in tokens.
+    /// Mean response length in tokens (the model's: a multi-turn episode's tool turns
+    /// left out).
     pub mean_length: f64,
+    /// Mean tool calls per response (0 without multi-turn episodes).
+    #[serde(default)]
+    pub calls_per_response: f64,
 }
 
 /// Results per difficulty label (`all` for everything; rows without a label count only
@@ -83,7 +87,7 @@ pub fn evaluate<B: Backend>(
             rollout_episodes(model, &items, &starts, n, params, tools, on_progress)?.0
         }
     };
-    let mut sums: BTreeMap<String, (usize, usize, usize)> = BTreeMap::new();
+    let mut sums: BTreeMap<String, (usize, usize, usize, usize)> = BTreeMap::new();
     for (i, r) in responses.iter().enumerate() {
         let e = &examples[i / n.max(1)];
         let text = renderer
@@ -104,6 +108,7 @@ pub fn evaluate<B: Backend>(
             s.0 += 1;
             s.1 += usize::from(g.correct);
             s.2 += r.model_len();
+            s.3 += r.tool_calls;
         };
         add("all");
         if let Some(d) = &e.difficulty {
@@ -112,7 +117,7 @@ pub fn evaluate<B: Backend>(
     }
     Ok(sums
         .into_iter()
-        .map(|(k, (count, correct, len))| {
+        .map(|(k, (count, correct, len, calls))| {
             let c = count.max(1) as f64;
             (
                 k,
@@ -120,6 +125,7 @@ pub fn evaluate<B: Backend>(
                     responses: count,
                     accuracy: correct as f64 / c,
                     mean_length: len as f64 / c,
+                    calls_per_response: calls as f64 / c,
                 },
             )
         })
@@ -154,19 +160,29 @@ pub fn format_table(report: &EvalReport) -> String {
         _ => 3,
     };
     keys.sort_by_key(|k| (rank(k), (*k).clone()));
+    // episodes' tool calls get a column when there are any
+    let calls = report.values().any(|r| r.calls_per_response > 0.0);
     let mut out = format!(
-        "{:<10} {:>9} {:>9} {:>11}\n",
-        "difficulty", "responses", "accuracy", "mean length"
+        "{:<10} {:>9} {:>9} {:>11}{}\n",
+        "difficulty",
+        "responses",
+        "accuracy",
+        "mean length",
+        if calls { "  calls/answer" } else { "" }
     );
     for k in keys {
         let r = report[k];
         out.push_str(&format!(
-            "{:<10} {:>9} {:>8.1}% {:>11.1}\n",
+            "{:<10} {:>9} {:>8.1}% {:>11.1}",
             k,
             r.responses,
             100.0 * r.accuracy,
             r.mean_length
         ));
+        if calls {
+            out.push_str(&format!(" {:>13.2}", r.calls_per_response));
+        }
+        out.push('\n');
     }
     out
 }

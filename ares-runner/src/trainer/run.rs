@@ -110,7 +110,7 @@ pub struct Trainer<B: Backend + Clone> {
 }
 
 /// What a multi-turn rollout runs with.
-pub(super) struct MultiTurn {
+pub(crate) struct MultiTurn {
     toolbox: crate::tools::ToolBox,
     format: crate::tools::ToolCallFormat,
     max_turns: usize,
@@ -1066,7 +1066,7 @@ fn start_python_worker(cfg: &Config, run_dir: &Path) -> Result<Option<PythonWork
 ///
 /// # Errors
 /// Episodes without a chat template (refused at start already).
-fn episode_tools<'a>(
+pub(crate) fn episode_tools<'a>(
     mt: Option<&'a MultiTurn>,
     renderer: &'a PromptRenderer,
 ) -> Result<Option<EpisodeTools<'a>>, TrainError> {
@@ -1094,7 +1094,10 @@ fn episode_tools<'a>(
 ///
 /// # Errors
 /// Episodes without a chat template, or with one that shows no tool-call format.
-fn multi_turn(cfg: &Config, renderer: &PromptRenderer) -> Result<Option<MultiTurn>, TrainError> {
+pub(crate) fn multi_turn(
+    cfg: &Config,
+    renderer: &PromptRenderer,
+) -> Result<Option<MultiTurn>, TrainError> {
     let mt = &cfg.worker.rollout.multi_turn;
     if !mt.enable {
         return Ok(None);

@@ -16,8 +16,23 @@ pub struct SftExample {
     pub prompt: Vec<u32>,
     /// Response ids.
     pub response: Vec<u32>,
+    /// A multi-turn trace's: per response token, whether the model wrote it (only those
+    /// are in the loss; the rest are the template's and the tools'). `None`: every token.
+    pub from_model: Option<Vec<bool>>,
     /// The prompt's images and videos (`None`: text), placeholders in `prompt` expanded.
     pub vision: PromptVision,
+}
+
+impl SftExample {
+    /// Whether response token `t` is the model's (in the loss).
+    fn learns(&self, t: usize) -> bool {
+        self.from_model.as_ref().is_none_or(|m| m[t])
+    }
+
+    /// The response tokens in the loss.
+    fn learned_tokens(&self) -> usize {
+        (0..self.response.len()).filter(|&t| self.learns(t)).count()
+    }
 }
 
 /// Loss of one SFT optimizer step.
@@ -29,7 +44,7 @@ pub struct SftStep {
     pub grad_norm: f64,
     /// Whether the update was applied (false: non-finite loss or gradient, skipped).
     pub applied: bool,
-    /// Response tokens in the batch.
+    /// Response tokens in the loss (a trace's model tokens).
     pub tokens: usize,
 }
 
@@ -47,14 +62,25 @@ pub fn sft_step<B: Backend>(
     lr: f64,
     max_grad_norm: Option<f32>,
 ) -> Result<SftStep, TrainError> {
-    let total: usize = examples.iter().map(|e| e.response.len()).sum();
+    let total: usize = examples.iter().map(|e| e.learned_tokens()).sum();
     if let Some(e) = examples
         .iter()
-        .find(|e| e.prompt.is_empty() || e.response.is_empty())
+        .find(|e| e.prompt.is_empty() || e.learned_tokens() == 0)
     {
         return Err(TrainError::Invalid(format!(
-            "sft: an example has {} prompt and {} response tokens; both must be non-empty",
+            "sft: an example has {} prompt and {} response tokens to learn; both must be \
+             non-empty",
             e.prompt.len(),
+            e.learned_tokens()
+        )));
+    }
+    if let Some(e) = examples
+        .iter()
+        .find(|e| e.from_model.as_ref().is_some_and(|m| m.len() != e.response.len()))
+    {
+        return Err(TrainError::Internal(format!(
+            "sft: a trace's mask has {} entries for {} response tokens",
+            e.from_model.as_ref().map_or(0, Vec::len),
             e.response.len()
         )));
     }
@@ -84,7 +110,7 @@ pub fn sft_step<B: Backend>(
         let mut coeffs = vec![0.0f32; chunk.len() * response_cols];
         let w = -1.0 / total as f32;
         for (r, e) in chunk.iter().enumerate() {
-            for t in 0..e.response.len() {
+            for t in (0..e.response.len()).filter(|&t| e.learns(t)) {
                 let i = r * response_cols + t;
                 nll -= f64::from(logp[i]);
                 coeffs[i] = w;

@@ -228,6 +228,7 @@ fn engine_episodes<B: Backend>(
                 finished: f.finished_by_eos,
                 from_model: None,
                 interaction: None,
+                tool_calls: 0,
             });
         }
         let work: Vec<(&mut Row, Response)> = rows
@@ -397,6 +398,7 @@ fn step_row(
     )?;
     counts.calls += after.calls;
     counts.failed_calls += after.failed_calls;
+    row.response.tool_calls += after.calls;
     if let Some(r) = after.reward {
         counts.interaction_turns += 1;
         row.response.interaction = Some(row.response.interaction.unwrap_or(0.0) + r);
@@ -485,6 +487,7 @@ mod tests {
                 finished: true,
                 from_model: None,
                 interaction: None,
+                tool_calls: 0,
             }
         };
         let new_row = || Row {

@@ -41,6 +41,8 @@ pub struct Response {
     /// A multi-turn episode's interaction score: the sum of its turns' (`None`: no
     /// interaction answered it).
     pub interaction: Option<f64>,
+    /// A multi-turn episode's tool calls (0 for a single turn).
+    pub tool_calls: usize,
 }
 
 impl Response {
@@ -137,6 +139,7 @@ pub fn generate_all<B: Backend>(
             .zip(g.finished_by_eos)
         {
             out.push(Response {
+                tool_calls: 0,
                 tokens,
                 log_probs,
                 entropies,

@@ -116,6 +116,7 @@ mod tests {
             finished: true,
             from_model: Some(vec![true, true, true, false, false, true, true]),
             interaction: None,
+            tool_calls: 1,
         };
         let plain = Response {
             tokens: vec![7, 0],
@@ -124,6 +125,7 @@ mod tests {
             finished: true,
             from_model: None,
             interaction: None,
+            tool_calls: 0,
         };
         let b = TokenBatch::from_responses(&[episode.clone(), plain.clone()]);
         assert_eq!((b.rows(), b.cols()), (2, 7));
