@@ -398,7 +398,10 @@ fn sft_fine_tunes_a_vision_language_model() {
     let pairs = read_sft_pairs(&sft, &cfg).unwrap();
     assert_eq!(pairs.len(), 8);
     assert_eq!(pairs[0].0.images.len(), 1);
-    assert_eq!(pairs[0].1, "shapes 0");
+    assert_eq!(
+        pairs[0].1,
+        ares_runner::data::SftTarget::Text("shapes 0".into())
+    );
     let options = SftOptions {
         epochs: 6,
         batch_size: 4,

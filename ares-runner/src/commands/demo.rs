@@ -205,12 +205,16 @@ impl Demo {
     /// text demo's 3e-3 the vision features grow until the model ignores the picture (8.5 %
     /// held-out accuracy after one pass of 32s, vs 24 % at 1e-3 and 20 % at 5e-4); one pass
     /// in steps of 16 gives the model of two passes in steps of 32 (21.0 vs 21.1 % held-out
-    /// at the 64-token budget) in about half the time.
+    /// at the 64-token budget) in about half the time. Tools: six passes over 8192 traces in
+    /// steps of 32 (1536 steps) — copying the question into the call and the tool's answer
+    /// into the box appears between steps ~400 and ~900 (the loss falls from 0.48 to 0.19);
+    /// after 768 steps the model is right on 3.5 % of the held-out problems, after 1536 on
+    /// 56 %, and 1536 steps of 16 reach 15 %.
     fn sft_schedule(self) -> (usize, f64, usize) {
         match self {
             Demo::Text => (1, 3.0e-3, 32),
             Demo::Vision => (1, 1.0e-3, 16),
-            Demo::Tools => (1, 3.0e-3, 32),
+            Demo::Tools => (6, 3.0e-3, 32),
         }
     }
 
@@ -238,7 +242,9 @@ impl Demo {
     fn rollout_keys(self) -> &'static str {
         match self {
             Demo::Text | Demo::Vision => "",
-            Demo::Tools => "    multi_turn: {enable: true, max_assistant_turns: 2}\n",
+            Demo::Tools => {
+                "    multi_turn: {enable: true, max_assistant_turns: 2, call_cost: 0.25}\n"
+            }
         }
     }
 }

@@ -260,9 +260,8 @@ fn trace_tokens(
     turns: &[serde_json::Value],
     eos_id: u32,
 ) -> Result<(Vec<u32>, Vec<bool>), TrainError> {
-    let at = |e: TrainError| {
-        TrainError::Invalid(format!("sft row {} ({}): {e}", ex.row, ex.global_id))
-    };
+    let at =
+        |e: TrainError| TrainError::Invalid(format!("sft row {} ({}): {e}", ex.row, ex.global_id));
     let Some(template) = &renderer.chat else {
         return Err(at(TrainError::Invalid(
             "a multi-turn trace is rendered by the chat template, and the model has none \
@@ -331,4 +330,124 @@ pub fn sft(cfg: &Config) -> Result<(), TrainError> {
         report.output.display()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuBackend;
+    use crate::demo::model::TinyModelSpec;
+    use crate::demo::tools_task::{ToolsDemoOptions, write_tools_demo_assets};
+
+    /// A trace's tool turn is not in the loss: a trace whose mask keeps its first `k`
+    /// tokens has the loss and gradient of the response cut after them; its rows read back
+    /// as traces, and a malformed trace names its row and what is wrong.
+    #[test]
+    fn traces_learn_the_models_tokens_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = write_tools_demo_assets(
+            dir.path(),
+            &ToolsDemoOptions {
+                seed: 2,
+                train_per_level: 2,
+                eval_per_level: 2,
+                sft_examples: 16,
+                model: TinyModelSpec {
+                    hidden: 32,
+                    layers: 1,
+                    heads: 2,
+                    kv_heads: 1,
+                    intermediate: 48,
+                    ..TinyModelSpec::default()
+                },
+            },
+        )
+        .unwrap();
+        let yaml = "worker: {rollout: {multi_turn: {enable: true}}}";
+        let cfg = Config::from_yaml_str(yaml, "test").unwrap();
+        let pairs = read_sft_pairs(&a.sft, &cfg).unwrap();
+        assert_eq!(pairs.len(), 16);
+        let (ex, turns) = pairs
+            .iter()
+            .find_map(|(e, t)| match t {
+                SftTarget::Turns(t) if t.len() == 3 => Some((e, t.clone())),
+                _ => None,
+            })
+            .expect("a trace with a call");
+        let r = renderer(&cfg, &a.model_dir).unwrap();
+        let files = ModelFiles::load(&a.model_dir).unwrap();
+        let eos = eos_ids_of(files.generation(), &r)[0];
+        let prompt = r.ids(ex, None).unwrap();
+        let (tokens, mask) = trace_tokens(&r, ex, &turns, eos).unwrap();
+        let k = mask.iter().position(|&m| !m).unwrap();
+        assert!(
+            mask[k..].iter().any(|&m| m),
+            "the answer after the tool turn"
+        );
+        let first_only = SftExample {
+            prompt: prompt.clone(),
+            response: tokens.clone(),
+            from_model: Some((0..tokens.len()).map(|t| t < k).collect()),
+            vision: None,
+        };
+        let cut = SftExample {
+            prompt,
+            response: tokens[..k].to_vec(),
+            from_model: None,
+            vision: None,
+        };
+        let step = |e: &SftExample| {
+            let mut model = build_actor(CpuBackend, &files, &cfg).unwrap();
+            let mut opt = Optimizer {
+                adamw: AdamW::with_state_dtype(
+                    model.lm(),
+                    adamw_config(&cfg),
+                    crate::model::StateDtype::F32,
+                )
+                .unwrap(),
+                grads: model.lm().grads().unwrap(),
+                tower: None,
+                steps: 0,
+            };
+            sft_step(&mut model, &mut opt, &[e], 1, 0.0, None).unwrap()
+        };
+        let (masked, plain) = (step(&first_only), step(&cut));
+        assert_eq!((masked.tokens, plain.tokens), (k, k));
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-5 * y.abs().max(1.0);
+        assert!(close(masked.loss, plain.loss), "{masked:?} vs {plain:?}");
+        assert!(
+            close(masked.grad_norm, plain.grad_norm),
+            "{masked:?} vs {plain:?}"
+        );
+
+        let bad = dir.path().join("bad.jsonl");
+        for (row, needle) in [
+            (r#"{"prompt": "1+1", "response": []}"#, "an empty trace"),
+            (
+                r#"{"prompt": "1+1", "response": [{"role": "tool", "content": "2"}]}"#,
+                "starts and ends with the assistant",
+            ),
+            (
+                r#"{"prompt": "1+1", "response": [{"role": "robot", "content": "2"}]}"#,
+                "role \"robot\"",
+            ),
+            (
+                r#"{"prompt": "1+1", "response": [{"role": "assistant", "content": 2}]}"#,
+                "no string `content`",
+            ),
+            (r#"{"prompt": "1+1", "response": 7}"#, "or a trace"),
+        ] {
+            std::fs::write(&bad, row).unwrap();
+            let e = read_sft_pairs(&bad, &cfg).unwrap_err().to_string();
+            assert!(e.contains(needle) && e.contains("response"), "{e}");
+        }
+        // one assistant turn is a trace too
+        std::fs::write(
+            &bad,
+            r#"{"prompt": "1+1", "response": [{"role": "assistant", "content": "2"}]}"#,
+        )
+        .unwrap();
+        let pairs = read_sft_pairs(&bad, &cfg).unwrap();
+        assert!(matches!(&pairs[0].1, SftTarget::Turns(t) if t.len() == 1));
+    }
 }

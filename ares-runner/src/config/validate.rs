@@ -747,6 +747,12 @@ fn validate_rollout(r: &RolloutConfig) -> Result<(), ConfigError> {
             "a finite number",
         )?;
     }
+    real(
+        &format!("{P}.multi_turn.call_cost"),
+        m.call_cost,
+        m.call_cost >= 0.0 && m.call_cost.is_finite(),
+        ">= 0 and finite",
+    )?;
     if m.enable && r.enable_graded_system_prompt {
         return Err(ConfigError::Inconsistent {
             key: format!("{P}.multi_turn.enable"),

@@ -627,6 +627,9 @@ pub struct MultiTurnConfig {
     /// A program that answers each turn without tool calls as a user would (default none:
     /// such a turn is the answer). See `tools::interaction` for its JSON lines.
     pub interaction: Option<InteractionConfig>,
+    /// Cost of a tool call, ≥ 0 (default 0): an episode's reward loses `call_cost` per
+    /// call run, so a call pays only where it raises the expected reward by more.
+    pub call_cost: f64,
 }
 
 /// `worker.rollout.multi_turn.interaction`.
@@ -686,6 +689,7 @@ impl Default for MultiTurnConfig {
             tools: vec!["calculator".into()],
             tool_commands: Vec::new(),
             interaction: None,
+            call_cost: 0.0,
         }
     }
 }

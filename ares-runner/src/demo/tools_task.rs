@@ -26,7 +26,9 @@
 //! **Tokenizer**: one token per printable ASCII character and newline (anything else is
 //! `<unk>`, so no tool output can fail to encode), ChatML's special tokens, and as single
 //! ordinary tokens — as a BPE vocabulary would merge them — `<tool_call>`, `</tool_call>`,
-//! `calculator` and the call's three JSON keys with their quotes. A call is 27 tokens with a five-character expression.
+//! `calculator`, the call's three JSON keys with their quotes, the four roles and `boxed`.
+//! A call is 27 tokens with a five-character expression; the words keep what the model
+//! copies (the question into its call, the tool's answer into its own) a few tokens away.
 //!
 //! **Template**: ChatML with a system turn naming the tools (`tools: calculator`) when the
 //! trainer passes them, `tool` turns for their answers; calls in the Hermes format
@@ -50,18 +52,23 @@ use crate::tools::calculator;
 
 /// Probability that a warm-start trace of each level (easy, medium, hard) calls the
 /// calculator.
-pub const CALL_RATE: [f64; 3] = [0.1, 0.3, 0.3];
+pub const CALL_RATE: [f64; 3] = [0.2, 0.5, 0.5];
 
 /// The unknown-character token.
 pub const UNK: &str = "<unk>";
 /// Ordinary tokens of more than one character, in id order after the special tokens.
-pub const WORDS: [&str; 6] = [
+pub const WORDS: [&str; 11] = [
     "<tool_call>",
     "</tool_call>",
     "calculator",
     "\"name\"",
     "\"arguments\"",
     "\"expression\"",
+    "system",
+    "user",
+    "assistant",
+    "tool",
+    "boxed",
 ];
 /// Special tokens in id order after the characters.
 pub const SPECIALS: [&str; 4] = [UNK, ENDOFTEXT, IM_START, IM_END];
@@ -350,7 +357,7 @@ mod tests {
 
     #[test]
     fn the_vocabulary_has_every_token_once() {
-        assert_eq!(vocab_size(), 106);
+        assert_eq!(vocab_size(), 111);
         let unique: std::collections::HashSet<u32> = characters()
             .iter()
             .map(|c| c.to_string())

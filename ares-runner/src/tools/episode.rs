@@ -246,8 +246,7 @@ pub fn trace_tokens(
     fn role(m: &Json) -> &str {
         m.get("role").and_then(Json::as_str).unwrap_or_default()
     }
-    if turns.first().map(role) != Some("assistant") || turns.last().map(role) != Some("assistant")
-    {
+    if turns.first().map(role) != Some("assistant") || turns.last().map(role) != Some("assistant") {
         return Err(TrainError::Invalid(
             "a trace starts and ends with the assistant's turn".into(),
         ));
@@ -508,6 +507,30 @@ mod tests {
         assert_eq!(m.seen[1].len(), m.seen[0].len() + n_call + n_tool);
         assert_eq!(e.messages.len(), 4);
         assert_eq!(e.messages[2]["content"], "408");
+    }
+
+    /// A recorded trace gives the tokens and mask of the episode in which the model
+    /// wrote its turns and the tool answered them; malformed traces are refused.
+    #[test]
+    fn a_trace_tokenizes_as_its_episode() {
+        let (e, m) = run(vec![CALL, "\\boxed{408}"], 4, 1000);
+        let (t, opts) = (template(), RenderOptions::generation());
+        let prompt = vec![json!({"role": "user", "content": "What is 12*34?"})];
+        let trace = &e.messages[1..];
+        assert_eq!(trace[1]["role"], "tool");
+        let (tokens, mask) = trace_tokens(&t, &opts, &m, prompt.clone(), trace, EOS).unwrap();
+        assert_eq!((tokens, mask), (e.tokens.clone(), e.from_model.clone()));
+        // one turn: its tokens and end of turn, all the model's
+        let (tokens, mask) = trace_tokens(&t, &opts, &m, prompt.clone(), &trace[2..], EOS).unwrap();
+        assert_eq!(tokens.len(), "\\boxed{408}".len() + 1);
+        assert!(mask.iter().all(|&x| x));
+        for bad in [&trace[..2], &trace[1..], &[][..]] {
+            let err = trace_tokens(&t, &opts, &m, prompt.clone(), bad, EOS).unwrap_err();
+            assert!(err.to_string().contains("starts and ends"), "{err}");
+        }
+        let no_content = [json!({"role": "assistant"})];
+        let err = trace_tokens(&t, &opts, &m, prompt, &no_content, EOS).unwrap_err();
+        assert!(err.to_string().contains("no string `content`"), "{err}");
     }
 
     #[test]

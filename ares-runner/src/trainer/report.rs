@@ -71,6 +71,7 @@ pub fn step_record(
     // DAPO's overlong penalty: 0 and 0 when it is off
     r.insert("reward/overlong", mean(&|p| p.overlong));
     r.insert("reward/interaction", mean(&|p| p.interaction));
+    r.insert("reward/tool_cost", mean(&|p| p.tool_cost));
     // every key a Python reward function returned, as its batch mean
     for (key, value) in &prep.function_metrics {
         r.insert(format!("reward_function/{key}"), *value);

@@ -484,6 +484,12 @@ impl<B: Backend + Clone> Trainer<B> {
             .map_or(0.0, |i| i.reward_weight)
     }
 
+    /// `worker.rollout.multi_turn.call_cost` (0 without episodes).
+    fn call_cost(&self) -> f64 {
+        let mt = &self.cfg.worker.rollout.multi_turn;
+        if mt.enable { mt.call_cost } else { 0.0 }
+    }
+
     /// Decodes and grades item-major responses: the model's tokens (an episode's tool
     /// turns are not its answer).
     pub(super) fn grade(
@@ -503,6 +509,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 .map_err(|err| TrainError::Invalid(format!("tokenizer: {err}")))?;
             let mut grade = self.grader.grade(e, &text)?;
             grade.interaction = self.interaction_weight() * resp.interaction.unwrap_or(0.0);
+            grade.tool_cost = -self.call_cost() * resp.tool_calls as f64;
             grades.push(grade);
             texts.push(text);
         }

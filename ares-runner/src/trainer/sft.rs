@@ -74,10 +74,11 @@ pub fn sft_step<B: Backend>(
             e.learned_tokens()
         )));
     }
-    if let Some(e) = examples
-        .iter()
-        .find(|e| e.from_model.as_ref().is_some_and(|m| m.len() != e.response.len()))
-    {
+    if let Some(e) = examples.iter().find(|e| {
+        e.from_model
+            .as_ref()
+            .is_some_and(|m| m.len() != e.response.len())
+    }) {
         return Err(TrainError::Internal(format!(
             "sft: a trace's mask has {} entries for {} response tokens",
             e.from_model.as_ref().map_or(0, Vec::len),

@@ -117,6 +117,7 @@ impl Grader {
             format,
             rubric,
             interaction: 0.0,
+            tool_cost: 0.0,
         })
     }
 }

@@ -27,6 +27,9 @@ pub struct Grade {
     /// (`worker.rollout.multi_turn.interaction.reward_weight`), added to the reward; 0
     /// without an interaction.
     pub interaction: f64,
+    /// A multi-turn episode's cost of its tool calls, `−call_cost · calls`
+    /// (`worker.rollout.multi_turn.call_cost`), added to the reward; 0 without.
+    pub tool_cost: f64,
 }
 
 /// Where the base reward comes from.
@@ -90,8 +93,10 @@ pub struct RewardParts {
     pub overlong: f64,
     /// The weighted interaction score of a multi-turn episode (0 without).
     pub interaction: f64,
-    /// `base + S + format_weight·format + overlong + interaction`: the reward the
-    /// advantages see.
+    /// The cost of a multi-turn episode's tool calls (≤ 0; 0 without).
+    pub tool_cost: f64,
+    /// `base + S + format_weight·format + overlong + interaction + tool_cost`: the reward
+    /// the advantages see.
     pub overall: f64,
 }
 
@@ -164,7 +169,8 @@ pub fn rewards(
                     what: format!("reward of sample {i} ({e})"),
                 }
             })? + overlong[i]
-                + g.interaction;
+                + g.interaction
+                + g.tool_cost;
         parts.push(RewardParts {
             accuracy: f64::from(u8::from(g.correct)),
             base: base[i],
@@ -172,6 +178,7 @@ pub fn rewards(
             format: g.format,
             overlong: overlong[i],
             interaction: g.interaction,
+            tool_cost: g.tool_cost,
             overall,
         });
     }
@@ -258,7 +265,7 @@ pub fn function_rewards(
         let overall = score.get("overall").copied().unwrap_or(f64::NAN);
         p.base = overall;
         p.entropy = 0.0;
-        p.overall = overall + p.interaction;
+        p.overall = overall + p.interaction + p.tool_cost;
         for (k, v) in score {
             *sums.entry(k.clone()).or_default() += v;
         }
@@ -276,6 +283,7 @@ mod tests {
     fn grade(correct: bool) -> Grade {
         Grade {
             interaction: 0.0,
+            tool_cost: 0.0,
             correct,
             format: 1.0,
             rubric: None,
