@@ -20,8 +20,8 @@
 //! ```
 //!
 //! The warm start calls with a probability per level ([`CALL_RATE`]) that does not follow
-//! need (a tenth of the easy problems, 30 % of the others): RL has to learn when a call
-//! pays. The tool's answers in the traces are the [`calculator`]'s own.
+//! need (a fifth of the easy problems, half of the others): RL has to learn when a call
+//! pays (the demo gives each call a cost, `worker.rollout.multi_turn.call_cost`). The tool's answers in the traces are the [`calculator`]'s own.
 //!
 //! **Tokenizer**: one token per printable ASCII character and newline (anything else is
 //! `<unk>`, so no tool output can fail to encode), ChatML's special tokens, and as single

@@ -319,6 +319,30 @@ mod tests {
         }
     }
 
+    /// An episode's interaction score and the cost of its calls add to the reward as they
+    /// are, after the shaping.
+    #[test]
+    fn interaction_and_tool_cost_add_to_the_reward() {
+        let params = RewardParams {
+            base: Base::Accuracy,
+            shaping: None,
+            format_weight: 0.0,
+            overlong: None,
+        };
+        let state = BucketValues {
+            target: PerBucket::splat(None),
+            alpha: PerBucket::splat(0.5),
+        };
+        let mut g = [grade(true), grade(true), grade(false), grade(false)];
+        g[1].tool_cost = -0.25;
+        g[2].tool_cost = -0.5;
+        g[3].interaction = 0.75;
+        let r = rewards(&params, 4, &g, &[1; 4], &[1; 4], &[Difficulty::Easy], &state).unwrap();
+        let overall: Vec<f64> = r.iter().map(|p| p.overall).collect();
+        assert_eq!(overall, [1.0, 0.75, -0.5, 0.75]);
+        assert_eq!((r[1].tool_cost, r[3].interaction), (-0.25, 0.75));
+    }
+
     #[test]
     fn grpo_lambda_spec_vector_12() {
         let params = RewardParams {
