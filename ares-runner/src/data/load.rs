@@ -109,15 +109,8 @@ pub enum SftTarget {
 /// Roles a trace's messages may have.
 const TRACE_ROLES: [&str; 3] = ["assistant", "tool", "user"];
 
-/// The trace in `value` (a JSON array of messages), or why it is not one.
-fn trace_of(value: &serde_json::Value) -> std::result::Result<Vec<serde_json::Value>, String> {
-    let serde_json::Value::Array(list) = value else {
-        return Err(format!(
-            "{}, expected the response text (a non-empty string) or a trace (a list of \
-             messages)",
-            super::criterion::kind(value)
-        ));
-    };
+/// The trace of messages `list`, or why it is not one.
+fn trace_of(list: &[serde_json::Value]) -> std::result::Result<Vec<serde_json::Value>, String> {
     if list.is_empty() {
         return Err("an empty trace (a trace needs at least one assistant message)".into());
     }
@@ -142,7 +135,7 @@ fn trace_of(value: &serde_json::Value) -> std::result::Result<Vec<serde_json::Va
             role(&list[list.len() - 1])
         ));
     }
-    Ok(list.clone())
+    Ok(list.to_vec())
 }
 
 /// Supervised fine-tuning pairs: each row's prompt, images and videos as in
@@ -172,7 +165,7 @@ pub fn load_sft_dataset(
         let row = raw.value.as_object();
         match row.and_then(|r| super::keys::lookup(r, response_key)) {
             Some(serde_json::Value::String(s)) if !s.trim().is_empty() => Ok(None),
-            Some(v @ serde_json::Value::Array(_)) => trace_of(v)
+            Some(serde_json::Value::Array(list)) => trace_of(list)
                 .map(|t| Some(SftTarget::Turns(t)))
                 .map_err(|e| DataError::row(&raw.at, response_key, e)),
             other => Err(DataError::row(
