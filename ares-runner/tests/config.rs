@@ -354,7 +354,9 @@ fn out_of_range_values_name_key_value_and_range() {
         text,
         "worker.rollout.window_size = 0 is out of range: expected >= 1"
     );
-    let text = message(with_overrides(&["worker.rollout.multi_turn.call_cost=-0.1"]));
+    let text = message(with_overrides(&[
+        "worker.rollout.multi_turn.call_cost=-0.1",
+    ]));
     assert_eq!(
         text,
         "worker.rollout.multi_turn.call_cost = -0.1 is out of range: expected >= 0 and finite"

@@ -208,12 +208,19 @@ impl<'m, B: Backend> Generator<'m, B> {
             let empty = vec![SequenceOutput::default(); request.prompts.len()];
             return Ok(GenerateOutput::from_sequences(empty));
         }
+        let config = self.engine_config(request);
+        let mut engine = Engine::with_prompts(self, request, vision, config)?;
+        engine.run_to_end(on_token)
+    }
+
+    /// The engine sizes of `request` ([`EngineConfig::for_request`]) with this
+    /// generator's prefill chunk.
+    pub(crate) fn engine_config(&self, request: &GenerateRequest) -> EngineConfig {
         let mut config = EngineConfig::for_request(request, self.model.spec.kv_dim());
         if let Some(tokens) = self.max_prefill_tokens {
             config.max_prefill_tokens = tokens;
         }
-        let mut engine = Engine::with_prompts(self, request, vision, config)?;
-        engine.run_to_end(on_token)
+        config
     }
 }
 
@@ -655,6 +662,37 @@ impl<B: Backend> Model<B> {
             logits,
             width,
         })
+    }
+
+    /// The text RoPE cos and sin `[n, head_dim/2]` of positions `first..first + n` (the
+    /// rows of the model's own tables: a multimodal conversation's text tokens, whose three
+    /// M-RoPE axes are equal, take exactly these).
+    ///
+    /// # Errors
+    /// Positions outside the tables (`[0, max_positions)`), or a backend failure.
+    pub(crate) fn text_rope(
+        &self,
+        first: i64,
+        n: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), GenerateError> {
+        let half = self.spec.head_dim / 2;
+        let end = first.checked_add(n as i64);
+        if first < 0 || end.is_none_or(|e| e > self.rope_rows as i64) {
+            return Err(GenerateError::Model(ModelError::VisionInput {
+                message: format!(
+                    "text positions {first}.. ({n} of them) leave the RoPE tables' [0, {})",
+                    self.rope_rows
+                ),
+            }));
+        }
+        let (mut cos, mut sin) = (vec![0.0f32; n * half], vec![0.0f32; n * half]);
+        if n > 0 {
+            let at = first as usize * half;
+            let be = &self.backend;
+            be.download(View::new(&self.rope_cos, at, n * half)?, &mut cos)?;
+            be.download(View::new(&self.rope_sin, at, n * half)?, &mut sin)?;
+        }
+        Ok((cos, sin))
     }
 
     /// Checks that `vision` fits `request`'s prompts: one M-RoPE table and delta per prompt,

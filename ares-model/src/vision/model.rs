@@ -23,7 +23,10 @@ use crate::model::{
     Activations, EmbedGrad, ForwardExtras, GenerateError, GenerateOutput, GenerateRequest,
     Generator, Grads, Inputs, Model, ModelError, PromptVision,
 };
-use crate::model::{AdamW, AdaptersOff, ExtraParam, Moments, StateDtype, StepReport, WeightDtype};
+use crate::model::{
+    AdamW, AdaptersOff, Engine, EngineConfig, ExtraParam, Moments, StateDtype, StepReport,
+    WeightDtype,
+};
 
 /// The images and videos of one batch, as the processor gives them.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -658,6 +661,55 @@ impl<B: Backend> VlGenerator<'_, B> {
         vision: &[V],
         on_token: impl FnMut(usize, u32),
     ) -> Result<GenerateOutput, GenerateError> {
+        self.with_prompt_vision(request, vision, |pv| {
+            self.lm.generate_vision(request, pv, on_token)
+        })
+    }
+
+    /// A rollout engine holding `request`'s prompts with `vision[i]` the images and videos
+    /// of prompt `i` (the tower run as [`VlGenerator::generate`] runs it; sequence `i`
+    /// samples from stream `(request.seed, i)`), of `config`'s sizes (`None`: those
+    /// [`VlGenerator::generate`] takes), handed to `f` — for callers that drive it
+    /// themselves, e.g. multi-turn episodes continuing each finished turn over its kept
+    /// blocks ([`Engine::continue_with`]; a conversation keeps its first turn's images).
+    ///
+    /// # Errors
+    /// As [`VlGenerator::generate`], bad `config` sizes, and `f`'s.
+    pub fn with_engine<V: Borrow<VisionBatch>, R, E: From<GenerateError>>(
+        &self,
+        request: &GenerateRequest,
+        vision: &[V],
+        config: Option<EngineConfig>,
+        f: impl FnOnce(&mut Engine<'_, B>) -> Result<R, E>,
+    ) -> Result<R, E> {
+        let mut f = Some(f);
+        let mut out = None;
+        self.with_prompt_vision(request, vision, |pv| {
+            let m = self.lm.model();
+            m.check_request(request)?;
+            m.check_vision(request, pv)?;
+            if request.max_new_tokens == 0 {
+                return Err(GenerateError::Sampling(
+                    "engine: max_new_tokens must be > 0".into(),
+                ));
+            }
+            let config = config.unwrap_or_else(|| self.lm.engine_config(request));
+            let mut engine = Engine::with_prompts(&self.lm, request, Some(pv), config)?;
+            if let Some(f) = f.take() {
+                out = Some(f(&mut engine));
+            }
+            Ok(())
+        })?;
+        out.unwrap_or_else(|| unreachable!("the engine was handed over"))
+    }
+
+    /// Runs the tower for `request`'s prompts and hands `f` their [`PromptVision`].
+    fn with_prompt_vision<V: Borrow<VisionBatch>, R>(
+        &self,
+        request: &GenerateRequest,
+        vision: &[V],
+        f: impl FnOnce(&PromptVision<'_, B>) -> Result<R, GenerateError>,
+    ) -> Result<R, GenerateError> {
         let vision: Vec<&VisionBatch> = vision.iter().map(Borrow::borrow).collect();
         let m = self.model;
         let be = m.backend();
@@ -725,6 +777,6 @@ impl<B: Backend> VlGenerator<'_, B> {
             rope_deltas: &rope_deltas,
             same_embeds: self.share.then_some(same_embeds.as_slice()),
         };
-        self.lm.generate_vision(request, &pv, on_token)
+        f(&pv)
     }
 }

@@ -297,8 +297,12 @@ impl<'a, B: Backend> Engine<'a, B> {
     /// # Errors
     /// `parent` not a kept finished sequence (still running, continued or released
     /// already, or not kept), `max_new_tokens` 0, a token id out of range, the conversation
-    /// plus `max_new_tokens` past the model's positions, or an engine made for multimodal
-    /// prompts. On error `parent` stays kept.
+    /// plus `max_new_tokens` past the model's positions (a multimodal conversation's text
+    /// positions, `rope_delta` from its length). On error `parent` stays kept.
+    ///
+    /// A multimodal conversation keeps its first turn's images and M-RoPE positions; what
+    /// follows them is text, at `len + rope_delta` on all three axes (transformers' rule),
+    /// so a continuation equals generating after the whole conversation with the images.
     pub fn continue_with(
         &mut self,
         parent: usize,
@@ -306,13 +310,6 @@ impl<'a, B: Backend> Engine<'a, B> {
         stream: (u64, u64),
         max_new_tokens: usize,
     ) -> Result<usize, GenerateError> {
-        if self.runner.is_multimodal() {
-            return Err(GenerateError::Sampling(
-                "engine: continue_with takes text conversations; this engine was made for a \
-                 multimodal request"
-                    .into(),
-            ));
-        }
         let Some(kept) = self.sched.kept_tokens(parent) else {
             return Err(GenerateError::Sampling(format!(
                 "engine: sequence {parent} is not a finished sequence kept for continuing \
@@ -328,6 +325,17 @@ impl<'a, B: Backend> Engine<'a, B> {
         prompt.extend_from_slice(kept);
         prompt.extend_from_slice(appended);
         let prompt = self.checked(prompt, max_new_tokens)?;
+        // a multimodal conversation decodes at text positions `delta` from its length
+        let delta = self.runner.delta(&self.sched, parent);
+        let last = (prompt.len() + max_new_tokens) as i64 + delta;
+        if delta != 0 && last > self.model.spec.max_positions as i64 {
+            return Err(GenerateError::TooLong {
+                index: parent,
+                prompt_len: prompt.len(),
+                max_new_tokens,
+                max_len: (self.model.spec.max_positions as i64 - delta).max(0) as usize,
+            });
+        }
         let id = self
             .sched
             .continue_with(parent, prompt, stream, max_new_tokens);

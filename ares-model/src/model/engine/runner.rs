@@ -59,6 +59,68 @@ impl<'a, B: Backend> Runner<'a, B> {
         self.vision.is_some()
     }
 
+    /// The M-RoPE `rope_delta` of prompt `prompt`'s conversation (0 for text): new token
+    /// `k` after a conversation of `n` tokens sits at `n + k + delta` on all three axes.
+    pub(crate) fn delta(&self, sched: &Scheduler, prompt: usize) -> i64 {
+        self.vision
+            .map_or(0, |v| v.rope_deltas[sched.origin(prompt)])
+    }
+
+    /// The multimodal inputs of `members`' prefill when one of them continues a
+    /// conversation (its whole conversation prefilled: its kept blocks were freed, or it
+    /// was preempted): each member's images are its first turn's, its M-RoPE table that
+    /// turn's followed by text positions; `None` when every member is a submitted prompt
+    /// (the engine's own inputs serve).
+    fn continued_vision(
+        &self,
+        sched: &Scheduler,
+        members: &[usize],
+    ) -> Result<Option<ContinuedVision<B>>, GenerateError> {
+        let Some(v) = self.vision else {
+            return Ok(None);
+        };
+        if members.iter().all(|&m| sched.origin(m) == m) {
+            return Ok(None);
+        }
+        let model = self.model;
+        let (be, half, hidden) = (&model.backend, model.spec.head_dim / 2, model.spec.hidden);
+        let n = sched.prompts().len();
+        let mut out = ContinuedVision {
+            embeds: be.alloc(0)?,
+            rows: Vec::new(),
+            rope: vec![(Vec::new(), Vec::new()); n],
+            deltas: vec![0; n],
+        };
+        let mut segments = Vec::new();
+        for &m in members {
+            let o = sched.origin(m);
+            let delta = v.rope_deltas[o];
+            out.deltas[m] = delta;
+            let first = v.rows.iter().position(|&(p, _)| p == o);
+            let of_o = v.rows.iter().filter(|&&(p, _)| p == o);
+            out.rows.extend(of_o.clone().map(|&(_, t)| (m, t)));
+            if let Some(first) = first {
+                segments.push((first, of_o.count()));
+            }
+            let (cos, sin) = &v.rope[o];
+            let turn = cos.len() / half;
+            let rest = sched.prompts()[m].len() - turn;
+            let (tc, ts) = model.text_rope(turn as i64 + delta, rest)?;
+            out.rope[m] = ([&cos[..], &tc].concat(), [&sin[..], &ts].concat());
+        }
+        out.embeds = be.alloc(out.rows.len() * hidden)?;
+        let mut at = 0;
+        for (first, count) in segments {
+            let len = count * hidden;
+            be.copy(
+                View::new(v.embeds.buffer(), v.embeds.offset() + first * hidden, len)?,
+                ViewMut::new(&mut out.embeds, at, len)?,
+            )?;
+            at += len;
+        }
+        Ok(Some(out))
+    }
+
     /// Grows the KV buffers to the blocks the scheduler may hand out now.
     ///
     /// # Errors
@@ -102,7 +164,7 @@ impl<'a, B: Backend> Runner<'a, B> {
             host_tables[r * width..r * width + blocks.len()].copy_from_slice(blocks);
             host_len[r] = len as u32;
             ids[r] = last;
-            let delta = self.vision.map_or(0, |v| v.rope_deltas[prompt]);
+            let delta = self.delta(sched, prompt);
             // check_vision (or the prompt check) has bounded every decode position
             positions[r] = (len as i64 + delta) as u32;
         }
@@ -235,8 +297,11 @@ impl<'a, B: Backend> Runner<'a, B> {
         let (start, take) = (c.start, c.take);
         let ids = &sched.prompts()[c.prompt][start..start + take];
         let positions: Vec<u32> = (start..start + take).map(|p| p as u32).collect();
-        // a multimodal chunk: its image/video rows and its span of the M-RoPE tables
-        let (rows, rope) = match self.vision {
+        // a multimodal chunk: its image/video rows and its span of the M-RoPE tables (a
+        // continued conversation's, when it is one)
+        let continued = self.continued_vision(sched, &[c.prompt])?;
+        let view = continued.as_ref().map(ContinuedVision::view);
+        let (rows, rope) = match view.as_ref().or(self.vision) {
             Some(v) => {
                 let rows = chunk_vision_rows(be, v, c.prompt, start, take, model.spec.hidden)?;
                 let half = model.spec.head_dim / 2;
@@ -303,7 +368,10 @@ impl<'a, B: Backend> Runner<'a, B> {
         let be = &model.backend;
         let members: Vec<usize> = news.iter().map(|p| p.prompt).collect();
         let prompts = sched.prompts();
-        let prefill = model.prefill(prompts, &members, self.vision, 0, self.tw)?;
+        let continued = self.continued_vision(sched, &members)?;
+        let view = continued.as_ref().map(ContinuedVision::view);
+        let vision = view.as_ref().or(self.vision);
+        let prefill = model.prefill(prompts, &members, vision, 0, self.tw)?;
         let v = model.spec.vocab;
         for (k, p) in news.iter().enumerate() {
             let len = prompts[p.prompt].len();
@@ -338,13 +406,15 @@ impl<'a, B: Backend> Runner<'a, B> {
         for (b, row) in pass.rows.iter().enumerate() {
             let new = &prompts[row.id][row.cached..];
             let k = new.len();
+            // a multimodal conversation's text positions run `delta` from its slots
+            let delta = self.delta(sched, row.id);
             host_tables[b * table_width..b * table_width + row.blocks.len()]
                 .copy_from_slice(&row.blocks);
             host_len.push(row.cached as u32);
             ids[b * width..b * width + k].copy_from_slice(new);
             // (a padding token takes the row's last position: any valid one will do)
             for (i, p) in positions[b * width..(b + 1) * width].iter_mut().enumerate() {
-                *p = (row.cached + i.min(k - 1)) as u32;
+                *p = ((row.cached + i.min(k - 1)) as i64 + delta) as u32;
             }
             last.push((b * width + k - 1) as u32);
         }
@@ -380,6 +450,28 @@ impl<'a, B: Backend> Runner<'a, B> {
         let mut logits = be.alloc(n * model.spec.vocab)?;
         be.copy(head, ViewMut::whole(&mut logits))?;
         Ok(logits)
+    }
+}
+
+/// The multimodal inputs of a prefill that holds continued conversations (see
+/// [`Runner::continued_vision`]), indexed by prompt like the engine's own: the members'
+/// rows and embeddings, M-RoPE tables and deltas (empty for the other prompts).
+struct ContinuedVision<B: Backend> {
+    embeds: B::Buffer,
+    rows: Vec<(usize, usize)>,
+    rope: Vec<(Vec<f32>, Vec<f32>)>,
+    deltas: Vec<i64>,
+}
+
+impl<B: Backend> ContinuedVision<B> {
+    fn view(&self) -> PromptVision<'_, B> {
+        PromptVision {
+            embeds: View::whole(&self.embeds),
+            rows: &self.rows,
+            rope: &self.rope,
+            rope_deltas: &self.deltas,
+            same_embeds: None,
+        }
     }
 }
 

@@ -141,6 +141,9 @@ pub(crate) struct Scheduler {
     /// Prompts by index, and the prefix group of each.
     prompts: Vec<Vec<u32>>,
     group_of: Vec<usize>,
+    /// Per prompt, the submitted prompt its conversation started from (itself, or a
+    /// continuation's first turn's: a multimodal prompt's images and M-RoPE positions).
+    origin: Vec<usize>,
     /// The first prompt of each group, and its sequences waiting for admission.
     group_prompt: Vec<usize>,
     waiting: Vec<usize>,
@@ -178,6 +181,7 @@ impl Scheduler {
             pool,
             prompts: Vec::new(),
             group_of: Vec::new(),
+            origin: Vec::new(),
             group_prompt: Vec::new(),
             waiting: Vec::new(),
             text_groups: HashMap::new(),
@@ -209,6 +213,12 @@ impl Scheduler {
     /// Prompt `index` (a sequence's prompt, or a continuation's whole conversation).
     pub(crate) fn prompts(&self) -> &[Vec<u32>] {
         &self.prompts
+    }
+
+    /// The submitted prompt whose conversation prompt `index` continues (`index` itself
+    /// for a submitted prompt).
+    pub(crate) fn origin(&self, index: usize) -> usize {
+        self.origin[index]
     }
 
     /// Queues a text prompt sampling from `stream`; equal prompts share one prefix group.
@@ -243,6 +253,7 @@ impl Scheduler {
         let id = self.seqs.len();
         self.prompts.push(prompt);
         self.group_of.push(group);
+        self.origin.push(id);
         self.waiting[group] += 1;
         let max_new = self.request.max_new_tokens;
         self.seqs.push(Some(fresh(id, stream, max_new)));
@@ -275,6 +286,7 @@ impl Scheduler {
         self.group_prompt.push(self.prompts.len());
         self.waiting.push(0);
         let id = self.enqueue(prompt, group, stream);
+        self.origin[id] = self.origin[parent]; // (a sequence's prompt index is its id)
         self.seq_mut(id).max_new = max_new_tokens;
         if let Some(cache) = kept.cache {
             self.extend.insert(id, cache);

@@ -337,7 +337,16 @@ mod tests {
         g[1].tool_cost = -0.25;
         g[2].tool_cost = -0.5;
         g[3].interaction = 0.75;
-        let r = rewards(&params, 4, &g, &[1; 4], &[1; 4], &[Difficulty::Easy], &state).unwrap();
+        let r = rewards(
+            &params,
+            4,
+            &g,
+            &[1; 4],
+            &[1; 4],
+            &[Difficulty::Easy],
+            &state,
+        )
+        .unwrap();
         let overall: Vec<f64> = r.iter().map(|p| p.overall).collect();
         assert_eq!(overall, [1.0, 0.75, -0.5, 0.75]);
         assert_eq!((r[1].tool_cost, r[3].interaction), (-0.25, 0.75));
