@@ -581,3 +581,71 @@ fn vision_episodes_without_calls_train_as_single_turn() {
         assert_eq!(deterministic(vec![e]), deterministic(vec![s.clone()]));
     }
 }
+
+/// Vision-language episodes that go on for several turns (an interaction program answers
+/// each turn as a user, as tools do) continue over their kept KV blocks in the trainer's
+/// rollout, and the run trains with finite metrics; a turn ended by `<|endoftext|>`, which
+/// the ChatML template does not close turns with, ends its episode instead of failing
+/// the run. (That continuations equal generating after the whole conversation is checked
+/// on the engine: `ares-model/tests/vision_model.rs`.)
+#[test]
+fn vision_episodes_continue_over_kept_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let config_json: Value = serde_json::from_str(
+        &std::fs::read_to_string(model_dir().join("tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    let template = dir.path().join("tools.jinja");
+    std::fs::write(
+        &template,
+        format!(
+            "{{# calls go in <tool_call></tool_call> #}}{}",
+            config_json["chat_template"].as_str().unwrap()
+        ),
+    )
+    .unwrap();
+    // (written by a child, so no test thread holds the file open when it runs)
+    let script = dir.path().join("more.sh");
+    let status = std::process::Command::new("sh")
+        .args([
+            "-c",
+            &format!(
+                "echo 'while read -r l; do echo \"{{\\\"content\\\": \\\"more\\\"}}\"; done' > '{}'",
+                script.display()
+            ),
+        ])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let t = format!("data.override_chat_template={}", template.display());
+    let interaction = format!(
+        "worker.rollout.multi_turn.interaction={{command: 'sh {}', reward_weight: 0}}",
+        script.display()
+    );
+    let (lines, _) = train(config(
+        dir.path(),
+        &dir.path().join("episodes"),
+        &[
+            &t,
+            "worker.rollout.multi_turn.enable=true",
+            "worker.rollout.multi_turn.max_assistant_turns=3",
+            "data.max_response_length=48",
+            &interaction,
+        ],
+    ));
+    assert_eq!(lines.len(), 2);
+    let mut continued = 0.0;
+    for l in &lines {
+        // (the random model's turns mostly run to the budget; those that end go on)
+        let turns = l["tools/turns_per_response"].as_f64().unwrap();
+        assert!(turns >= 1.0, "{l:?}");
+        continued += turns - 1.0;
+        assert_eq!(l["tools/interaction_error_ratio"].as_f64(), Some(0.0));
+        assert!(l["tools/prefill_saving"].as_f64().unwrap() > 1.0, "{l:?}");
+        assert!(l["actor/grad_norm"].as_f64().unwrap().is_finite(), "{l:?}");
+    }
+    assert!(
+        continued > 0.0,
+        "no episode had a second turn: the test tests nothing"
+    );
+}

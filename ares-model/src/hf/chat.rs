@@ -786,6 +786,31 @@ impl ChatTemplate {
         Ok(format!("{}{added}", &before[end + end_of_turn.len()..]))
     }
 
+    /// Whether the template writes `end_of_turn` (the text of the token that ended the
+    /// model's turn) where the assistant's turn — the last message of `conversation` —
+    /// ends, so that [`ChatTemplate::tool_continuation`] can continue after it. A turn
+    /// ended by another end-of-sequence token (Qwen's `<|endoftext|>` under its ChatML
+    /// template) cannot be continued: the model stopped writing.
+    ///
+    /// # Errors
+    /// Rendering errors.
+    pub fn closes_turns_with(
+        &self,
+        conversation: &[Json],
+        end_of_turn: &str,
+        options: &RenderOptions<'_>,
+    ) -> Result<bool> {
+        if end_of_turn.is_empty() {
+            return Ok(false);
+        }
+        let closed = RenderOptions {
+            add_generation_prompt: false,
+            ..*options
+        };
+        let text = self.render_json(Json::Array(conversation.to_vec()), &closed)?;
+        Ok(text.contains(end_of_turn))
+    }
+
     /// Renders `messages` with `system` as the system message (see [`set_system_message`]):
     /// how the trainer puts a rubric in front of a prompt.
     pub fn render_with_system<M: Serialize>(

@@ -165,6 +165,18 @@ pub fn after_turn(
         after.next = Next::Stop(Stop::Length);
         return Ok(after);
     }
+    // a turn ended by an end-of-sequence token the template does not close turns with
+    // (Qwen's <|endoftext|> under ChatML) is the episode's last: the model stopped
+    // writing, and no turn can follow it in the template
+    let last = &turn.tokens[turn.tokens.len().saturating_sub(1)..];
+    let end_of_turn = text.decode(last, true)?;
+    if !s
+        .template
+        .closes_turns_with(messages, &end_of_turn, &s.options)
+        .map_err(|err| TrainError::Invalid(err.to_string()))?
+    {
+        return Ok(after);
+    }
     let last_turn = turn.number >= s.max_turns;
     let calls = parse_turn(&said, s.format).calls;
     let appended: Vec<Json> = if calls.is_empty() {
@@ -208,8 +220,6 @@ pub fn after_turn(
             })
             .collect()
     };
-    let last = &turn.tokens[turn.tokens.len().saturating_sub(1)..];
-    let end_of_turn = text.decode(last, true)?;
     let rendered = s
         .template
         .tool_continuation(messages, &appended, &end_of_turn, &s.options)
@@ -387,6 +397,8 @@ mod tests {
     }
 
     const EOS: u32 = 0;
+    /// An end-of-sequence token the template does not close turns with.
+    const OTHER_EOS: u32 = 1;
 
     impl TurnModel for Scripted {
         fn generate(
@@ -410,7 +422,8 @@ mod tests {
                 .iter()
                 .map(|&i| match (i, special) {
                     (EOS, true) => "<|im_end|>".to_string(),
-                    (EOS, false) => String::new(),
+                    (OTHER_EOS, true) => "<|endoftext|>".to_string(),
+                    (EOS | OTHER_EOS, false) => String::new(),
                     (i, _) => char::from_u32(i).unwrap().to_string(),
                 })
                 .collect())
@@ -507,6 +520,47 @@ mod tests {
         assert_eq!(m.seen[1].len(), m.seen[0].len() + n_call + n_tool);
         assert_eq!(e.messages.len(), 4);
         assert_eq!(e.messages[2]["content"], "408");
+    }
+
+    /// A turn ended by an end-of-sequence token the template does not close turns with
+    /// ends the episode — its calls are not run — instead of failing the run.
+    #[test]
+    fn a_turn_ended_by_another_eos_token_ends_the_episode() {
+        let (t, b) = (template(), toolbox());
+        let s = EpisodeSettings {
+            template: &t,
+            options: RenderOptions::generation(),
+            format: ToolCallFormat::Hermes,
+            toolbox: &b,
+            max_turns: 4,
+            interaction: None,
+        };
+        let m = Scripted {
+            turns: Vec::new(),
+            seen: Vec::new(),
+        };
+        let mut tokens: Vec<u32> = CALL.chars().map(u32::from).collect();
+        tokens.push(OTHER_EOS);
+        let mut messages = vec![json!({"role": "user", "content": "What is 12*34?"})];
+        let turn = TurnEnd {
+            tokens: &tokens,
+            ended: true,
+            number: 1,
+            left: 1000,
+        };
+        let after = after_turn(&s, &m, turn, &mut messages, RowKwargs::default()).unwrap();
+        assert_eq!((after.next, after.calls), (Next::Stop(Stop::Answered), 0));
+        // the same call ended by the template's end of turn is run
+        *tokens.last_mut().unwrap() = EOS;
+        let turn = TurnEnd {
+            tokens: &tokens,
+            ended: true,
+            number: 1,
+            left: 1000,
+        };
+        messages.truncate(1);
+        let after = after_turn(&s, &m, turn, &mut messages, RowKwargs::default()).unwrap();
+        assert!(matches!(after.next, Next::Append(_)) && after.calls == 1);
     }
 
     /// A recorded trace gives the tokens and mask of the episode in which the model

@@ -68,7 +68,7 @@ pub fn concat_vision(rows: &[&PromptVision]) -> Option<VisionBatch> {
     Some(out)
 }
 
-fn no_vision(what: &str) -> TrainError {
+pub(crate) fn no_vision(what: &str) -> TrainError {
     TrainError::Invalid(format!(
         "{what}: the data has images or videos but the model is a text model \
          (worker.actor.model.model_path must be a Qwen2-VL / Qwen2.5-VL checkpoint)"

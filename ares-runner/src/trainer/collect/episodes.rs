@@ -2,9 +2,9 @@
 //! is a [`crate::tools::episode`] trajectory. Text episodes run in one rollout engine that
 //! keeps each turn's KV blocks: when a turn ends, its tool calls run and the next turn is
 //! queued at once, prefilling only the tool's answer ([`Engine::continue_with`]).
-//! Vision-language episodes go a round at a time for the whole batch — round `r`
-//! generates the next turn of every episode still going after re-prefilling its whole
-//! trajectory (their M-RoPE positions are laid out per prompt).
+//! Vision-language episodes do the same in an engine per chunk of rows that holds their
+//! images: a conversation keeps its first turn's images and M-RoPE positions, and the
+//! tool turns after them are text at `len + rope_delta` (transformers' rule).
 //!
 //! A response is the model's tokens as generated with the template's and tools' tokens
 //! between its turns, `from_model` marking which are the model's: the step's mask holds
@@ -21,14 +21,15 @@ use serde_json::Value as Json;
 
 use std::collections::HashMap;
 
-use ares_model::model::{Engine, EngineConfig, EngineRequest, Generator};
+use ares_model::model::{Engine, EngineConfig, EngineRequest, GenerateRequest, Generator};
+use ares_model::vision::model::{VisionBatch, VlGenerator};
 
 use crate::backend::Backend;
 use crate::hf::tokenizer::Tokenizer;
 use crate::tools::episode::{EpisodeSettings, Next, RowKwargs, TurnEnd, after_turn};
 use crate::trainer::TrainError;
-use crate::trainer::actor::{Actor, ActorGenerator, PromptVision};
-use crate::trainer::collect::rollout::{PromptItem, Response, RolloutParams, generate_all};
+use crate::trainer::actor::{Actor, ActorGenerator, PromptVision, no_vision};
+use crate::trainer::collect::rollout::{PromptItem, Response, RolloutParams};
 
 /// Threads that run a round's tool calls at most.
 const TOOL_THREADS: usize = 16;
@@ -145,16 +146,9 @@ pub fn rollout_episodes<B: Backend>(
         ActorGenerator::Text(g) if items.iter().all(|i| i.vision.is_none()) => {
             engine_episodes(g, &mut rows, params, tools, &mut counts, &mut on_progress)?;
         }
-        _ => {
-            drop(generator);
-            round_episodes(
-                model,
-                &mut rows,
-                params,
-                tools,
-                &mut counts,
-                &mut on_progress,
-            )?;
+        ActorGenerator::Text(_) => return Err(no_vision("multi-turn rollout")),
+        ActorGenerator::Vision(g) => {
+            vision_engine_episodes(g, &mut rows, params, tools, &mut counts, &mut on_progress)?;
         }
     }
     let responses = rows
@@ -191,9 +185,8 @@ fn engine_episodes<B: Backend>(
     counts: &mut EpisodeCounts,
     on_progress: &mut impl FnMut(usize),
 ) -> Result<(), TrainError> {
-    let budget = params.max_new_tokens;
     let request = EngineRequest {
-        max_new_tokens: budget,
+        max_new_tokens: params.max_new_tokens,
         eos_ids: params.eos_ids.clone(),
         sampling: params.sampling,
         seed: params.seed,
@@ -208,8 +201,89 @@ fn engine_episodes<B: Backend>(
     for (j, row) in rows.iter().enumerate() {
         let id = engine.submit_with_stream(row.ids.clone(), stream(params, j, 0))?;
         row_of.insert(id, j);
-        counts.conversation_tokens += row.ids.len();
     }
+    drive(
+        &mut engine,
+        rows,
+        0,
+        row_of,
+        params,
+        tools,
+        counts,
+        on_progress,
+    )
+}
+
+/// Vision-language episodes: an engine per `params.chunk` rows holding their prompts and
+/// images (the tower run once per image set, round 0 sampling as the single-turn rollout),
+/// each finished turn continued over its kept blocks as in [`engine_episodes`] — the
+/// conversation keeps its first turn's images and M-RoPE positions, the tool turns are
+/// text.
+fn vision_engine_episodes<B: Backend>(
+    generator: &VlGenerator<'_, B>,
+    rows: &mut [Row],
+    params: &RolloutParams,
+    tools: &EpisodeTools<'_>,
+    counts: &mut EpisodeCounts,
+    on_progress: &mut impl FnMut(usize),
+) -> Result<(), TrainError> {
+    let chunk = params.chunk.max(1);
+    let empty = VisionBatch::default();
+    let total = rows.len();
+    for c in 0..total.div_ceil(chunk) {
+        let first = c * chunk;
+        let part = &mut rows[first..(first + chunk).min(total)];
+        let request = GenerateRequest {
+            prompts: part.iter().map(|r| r.ids.clone()).collect(),
+            max_new_tokens: params.max_new_tokens,
+            eos_ids: params.eos_ids.clone(),
+            sampling: params.sampling,
+            // as generate_all seeds chunk c: stream i of it is row c·chunk + i's
+            seed: stream(params, first, 0).0,
+        };
+        let vision: Vec<PromptVision> = part.iter().map(|r| r.vision.clone()).collect();
+        let batches: Vec<&VisionBatch> = vision
+            .iter()
+            .map(|v| v.as_deref().unwrap_or(&empty))
+            .collect();
+        generator.with_engine(&request, &batches, None, |engine| {
+            engine.keep_finished(true);
+            let row_of = (0..part.len()).map(|i| (i, i)).collect();
+            drive(
+                engine,
+                part,
+                first,
+                row_of,
+                params,
+                tools,
+                counts,
+                &mut |done| {
+                    on_progress(first + done);
+                },
+            )
+        })?;
+    }
+    Ok(())
+}
+
+/// Runs `engine` until it is idle: the turns that ended each step have their tool calls
+/// run; an episode that goes on has its next turn queued over its kept blocks
+/// ([`Engine::continue_with`]), one that ends has them freed. `row_of` maps the engine's
+/// sequences to `rows` (row `j` is row `first + j` of the rollout, for its streams);
+/// `on_progress` sees the episodes ended so far. Adds the prefill counts.
+#[allow(clippy::too_many_arguments)] // the engine, its rows and the rollout's settings
+fn drive<B: Backend>(
+    engine: &mut Engine<'_, B>,
+    rows: &mut [Row],
+    first: usize,
+    mut row_of: HashMap<usize, usize>,
+    params: &RolloutParams,
+    tools: &EpisodeTools<'_>,
+    counts: &mut EpisodeCounts,
+    on_progress: &mut dyn FnMut(usize),
+) -> Result<(), TrainError> {
+    let budget = params.max_new_tokens;
+    counts.conversation_tokens += rows.iter().map(|r| r.ids.len()).sum::<usize>();
     let mut ended = 0;
     while !engine.is_idle() {
         let finished = engine.step()?;
@@ -249,7 +323,8 @@ fn engine_episodes<B: Backend>(
             }
             let appended = &row.ids[row.ids.len() - row.appended..];
             let left = budget - row.response.tokens.len();
-            let next = engine.continue_with(id, appended, stream(params, j, row.turns), left)?;
+            let next =
+                engine.continue_with(id, appended, stream(params, first + j, row.turns), left)?;
             row_of.insert(next, j);
             counts.conversation_tokens += row.ids.len();
         }
@@ -257,53 +332,6 @@ fn engine_episodes<B: Backend>(
     }
     let stats = engine.stats();
     counts.prefill_tokens += stats.prefill_tokens + stats.extend_tokens;
-    Ok(())
-}
-
-/// Vision-language episodes a round at a time: each round generates the next turn of
-/// every episode still going, re-prefilling its trajectory so far.
-fn round_episodes<B: Backend>(
-    model: &Actor<B>,
-    rows: &mut [Row],
-    params: &RolloutParams,
-    tools: &EpisodeTools<'_>,
-    counts: &mut EpisodeCounts,
-    on_progress: &mut impl FnMut(usize),
-) -> Result<(), TrainError> {
-    let budget = params.max_new_tokens;
-    for round in 0..tools.settings.max_turns {
-        let active: Vec<usize> = (0..rows.len()).filter(|&r| !rows[r].done).collect();
-        if active.is_empty() {
-            break;
-        }
-        let prompts: Vec<Vec<u32>> = active.iter().map(|&r| rows[r].ids.clone()).collect();
-        let longest_left = active
-            .iter()
-            .map(|&r| budget - rows[r].response.tokens.len())
-            .max()
-            .unwrap_or(0);
-        let round_params = RolloutParams {
-            max_new_tokens: longest_left,
-            // round 0 samples as the single-turn rollout
-            seed: params.seed ^ (round as u64).wrapping_mul(0xD1B5_4A32_D192_ED03),
-            ..params.clone()
-        };
-        let finished_before = rows.len() - active.len();
-        for &r in &active {
-            counts.prefill_tokens += rows[r].ids.len();
-            counts.conversation_tokens += rows[r].ids.len();
-        }
-        let vision: Vec<PromptVision> = active.iter().map(|&r| rows[r].vision.clone()).collect();
-        let outputs = generate_all(model, &prompts, &vision, &round_params, |d| {
-            on_progress(finished_before + d)
-        })?;
-        let work: Vec<(&mut Row, Response)> = rows
-            .iter_mut()
-            .filter(|row| !row.done)
-            .zip(outputs)
-            .collect();
-        counts.add(&after_turns(work, budget, tools)?);
-    }
     Ok(())
 }
 
