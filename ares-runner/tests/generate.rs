@@ -1094,3 +1094,112 @@ fn an_adapter_merged_at_load_generates_as_the_merged_model() {
         "{e}"
     );
 }
+
+/// `--max-turns` with images: each turn of a vision-language prompt sees its images; the
+/// second turn (after an interaction's reply) equals generating after the whole
+/// conversation, written out as messages, with the same images.
+#[test]
+fn multi_turn_with_images_sees_them_every_turn() {
+    let cases = vl_cases();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    std::fs::create_dir(&dir).unwrap();
+    let model = vl_root().join("qwen2_5_vl_tiny");
+    for f in std::fs::read_dir(&model).unwrap() {
+        let f = f.unwrap().path();
+        if f.is_file() {
+            std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    std::fs::create_dir(tmp.path().join("pics")).unwrap();
+    std::fs::copy(
+        vl_root().join("images/image_56x84.png"),
+        tmp.path().join("pics/image_56x84.png"),
+    )
+    .unwrap();
+    let messages = cases["cases"]["image"]["messages"].clone();
+    let prompts = |messages: &Value, name: &str| {
+        let file = tmp.path().join(name);
+        let line = json!({"messages": messages, "images": ["pics/image_56x84.png"]});
+        std::fs::write(&file, line.to_string()).unwrap();
+        file.display().to_string()
+    };
+    let first = prompts(&messages, "first.jsonl");
+    let (single, _) = run(
+        &dir,
+        &["--greedy", "--max-new-tokens", "8", "--prompts", &first],
+    );
+    // turns that end at once: the model's first greedy token is its end of turn
+    let t0 = single[0].token_ids[0];
+    let gen_config = dir.join("generation_config.json");
+    let mut g: Value =
+        serde_json::from_str(&std::fs::read_to_string(&gen_config).unwrap()).unwrap();
+    g["eos_token_id"] = json!(t0);
+    std::fs::write(&gen_config, g.to_string()).unwrap();
+    let source = std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap();
+    let config: Value = serde_json::from_str(&source).unwrap();
+    std::fs::write(
+        dir.join("chat_template.jinja"),
+        format!(
+            "{{# calls go in <tool_call></tool_call> #}}{}",
+            config["chat_template"].as_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let script = tmp.path().join("more.sh");
+    std::fs::write(
+        &script,
+        "while read -r l; do echo '{\"content\": \"more\"}'; done\n",
+    )
+    .unwrap();
+    let interaction = format!("sh {}", script.display());
+    let (episode, _) = run(
+        &dir,
+        &[
+            "--greedy",
+            "--max-new-tokens",
+            "64",
+            "--prompts",
+            &first,
+            "--max-turns",
+            "2",
+            "--interaction-command",
+            &interaction,
+        ],
+    );
+    let e = &episode[0];
+    let t = e.tools.as_ref().unwrap();
+    assert_eq!(t.turns, 2, "{e:?}");
+    assert_eq!(e.token_ids[0], t0);
+    // the whole conversation as messages: the first turn, the user's reply
+    let tok = ares_runner::hf::tokenizer::Tokenizer::from_dir(&dir).unwrap();
+    let said = tok.decode(&[t0], true).unwrap();
+    let whole = prompts(
+        &json!([
+            messages[0],
+            {"role": "assistant", "content": said},
+            {"role": "user", "content": "more"}
+        ]),
+        "whole.jsonl",
+    );
+    let (after, _) = run(
+        &dir,
+        &["--greedy", "--max-new-tokens", "64", "--prompts", &whole],
+    );
+    let model_tail: Vec<u32> = e
+        .token_ids
+        .iter()
+        .zip(&t.from_model)
+        .skip(1)
+        .filter(|&(_, &m)| m)
+        .map(|(&id, _)| id)
+        .collect();
+    let mut conversation = e.input_ids.clone();
+    let user_end = t.from_model.iter().rposition(|&m| !m).unwrap() + 1;
+    conversation.extend(&e.token_ids[..user_end]);
+    assert_eq!(
+        after[0].input_ids, conversation,
+        "the conversation renders alike"
+    );
+    assert_eq!(model_tail, after[0].token_ids);
+}

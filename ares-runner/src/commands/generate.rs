@@ -146,7 +146,8 @@ pub struct GenerateArgs {
     /// Model turns per prompt: above 1 the model's tool calls are run with the built-in
     /// tools (`calculator`; shown to the model unless --tools says otherwise), their
     /// results appended through the chat template, and generation resumed; the new-token
-    /// limit counts the model's and the tools' tokens together. Text models only.
+    /// limit counts the model's and the tools' tokens together. A prompt's images stay
+    /// with it in every turn.
     #[arg(
         long,
         value_name = "N",
@@ -319,7 +320,7 @@ pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<Vec<Completi
     }
     let tokenizer = load_tokenizer(&args.model)?;
     let mut inputs = template_inputs(args)?;
-    let episodes = episode_setup(args, vision, &prompts, &mut inputs)?;
+    let episodes = episode_setup(args, &prompts, &mut inputs)?;
     let mut input_ids = prompt_ids(
         &args.model,
         &tokenizer,
@@ -986,11 +987,9 @@ struct Episodes {
 /// unless `--tools` lists others, and the tool-call format of the chat template.
 ///
 /// # Errors
-/// `--max-turns 0`; several turns with a vision model or with a template that teaches no
-/// tool-call format.
+/// `--max-turns 0`; several turns with a template that teaches no tool-call format.
 fn episode_setup(
     args: &GenerateArgs,
-    vision: bool,
     prompts: &[Prompt],
     inputs: &mut TemplateInputs,
 ) -> Result<Option<Episodes>, TrainError> {
@@ -1009,11 +1008,6 @@ fn episode_setup(
         }
         1 => return Ok(None),
         _ => {}
-    }
-    if vision {
-        return Err(invalid(
-            "--max-turns above 1 (tool calls) is for text models so far".into(),
-        ));
     }
     let mut toolbox = ToolBox::default();
     toolbox.add(Box::new(Calculator)).map_err(invalid)?;
