@@ -59,6 +59,13 @@ fn greedy_generation_matches_transformers() {
 }
 
 #[test]
+fn vision_turns_continued_over_kept_blocks_equal_the_whole_conversation() {
+    if let Some(be) = gpu_or_skip() {
+        vl::continued_turns_equal_the_whole_conversation(|| be.clone());
+    }
+}
+
+#[test]
 fn peft_tower_adapters_give_peft_logits_and_merged_weights() {
     if let Some(be) = gpu_or_skip() {
         lora_vl::peft_tower_adapters_give_peft_logits_and_merged_weights(|| be.clone());
