@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use super::scheduler::{ChunkStep, ExtendPass, FirstLogits, NewPrefix, PrefillPlan, Scheduler};
-use crate::backend::{Backend, BlockTables, View, ViewMut};
+use crate::backend::{Backend, BlockTables, Tensor, View, ViewMut};
 use crate::model::decode_weights::DecodeWeights;
 use crate::model::kv_cache::StepCache;
 use crate::model::paged_kv::PagedKv;
@@ -68,14 +68,14 @@ impl<'a, B: Backend> Runner<'a, B> {
 
     /// The multimodal inputs of `members`' prefill when one of them continues a
     /// conversation (its whole conversation prefilled: its kept blocks were freed, or it
-    /// was preempted): each member's images are its first turn's, its M-RoPE table that
-    /// turn's followed by text positions; `None` when every member is a submitted prompt
-    /// (the engine's own inputs serve).
+    /// was preempted): each member's images are its first turn's — the engine's rows of
+    /// that turn, renamed — and its M-RoPE table that turn's followed by text positions;
+    /// `None` when every member is a submitted prompt (the engine's own inputs serve).
     fn continued_vision(
         &self,
         sched: &Scheduler,
         members: &[usize],
-    ) -> Result<Option<ContinuedVision<B>>, GenerateError> {
+    ) -> Result<Option<ContinuedVision<'a, B>>, GenerateError> {
         let Some(v) = self.vision else {
             return Ok(None);
         };
@@ -83,41 +83,38 @@ impl<'a, B: Backend> Runner<'a, B> {
             return Ok(None);
         }
         let model = self.model;
-        let (be, half, hidden) = (&model.backend, model.spec.head_dim / 2, model.spec.hidden);
+        let half = model.spec.head_dim / 2;
         let n = sched.prompts().len();
         let mut out = ContinuedVision {
-            embeds: be.alloc(0)?,
+            embeds: v.embeds,
             rows: Vec::new(),
             rope: vec![(Vec::new(), Vec::new()); n],
             deltas: vec![0; n],
         };
-        let mut segments = Vec::new();
+        // a conversation has one live sequence at a time, so a pass holds at most one
+        // member per first turn, and that turn's rows can be renamed to it
+        let mut member_of = HashMap::new();
         for &m in members {
             let o = sched.origin(m);
+            if member_of.insert(o, m).is_some() {
+                return Err(GenerateError::Sampling(format!(
+                    "engine: two sequences of one conversation (prompt {o}) prefilled together"
+                )));
+            }
             let delta = v.rope_deltas[o];
             out.deltas[m] = delta;
-            let first = v.rows.iter().position(|&(p, _)| p == o);
-            let of_o = v.rows.iter().filter(|&&(p, _)| p == o);
-            out.rows.extend(of_o.clone().map(|&(_, t)| (m, t)));
-            if let Some(first) = first {
-                segments.push((first, of_o.count()));
-            }
             let (cos, sin) = &v.rope[o];
             let turn = cos.len() / half;
             let rest = sched.prompts()[m].len() - turn;
             let (tc, ts) = model.text_rope(turn as i64 + delta, rest)?;
             out.rope[m] = ([&cos[..], &tc].concat(), [&sin[..], &ts].concat());
         }
-        out.embeds = be.alloc(out.rows.len() * hidden)?;
-        let mut at = 0;
-        for (first, count) in segments {
-            let len = count * hidden;
-            be.copy(
-                View::new(v.embeds.buffer(), v.embeds.offset() + first * hidden, len)?,
-                ViewMut::new(&mut out.embeds, at, len)?,
-            )?;
-            at += len;
-        }
+        // (the rows of prompts outside the pass keep their index: no member has it)
+        out.rows = v
+            .rows
+            .iter()
+            .map(|&(p, t)| (member_of.get(&p).copied().unwrap_or(p), t))
+            .collect();
         Ok(Some(out))
     }
 
@@ -454,19 +451,20 @@ impl<'a, B: Backend> Runner<'a, B> {
 }
 
 /// The multimodal inputs of a prefill that holds continued conversations (see
-/// [`Runner::continued_vision`]), indexed by prompt like the engine's own: the members'
-/// rows and embeddings, M-RoPE tables and deltas (empty for the other prompts).
-struct ContinuedVision<B: Backend> {
-    embeds: B::Buffer,
+/// [`Runner::continued_vision`]), indexed by prompt like the engine's own: its embeddings,
+/// their rows renamed to the members, and the members' M-RoPE tables and deltas (empty
+/// for the other prompts).
+struct ContinuedVision<'a, B: Backend> {
+    embeds: Tensor<'a, B>,
     rows: Vec<(usize, usize)>,
     rope: Vec<(Vec<f32>, Vec<f32>)>,
     deltas: Vec<i64>,
 }
 
-impl<B: Backend> ContinuedVision<B> {
+impl<B: Backend> ContinuedVision<'_, B> {
     fn view(&self) -> PromptVision<'_, B> {
         PromptVision {
-            embeds: View::whole(&self.embeds),
+            embeds: self.embeds,
             rows: &self.rows,
             rope: &self.rope,
             rope_deltas: &self.deltas,
