@@ -22,7 +22,7 @@ use crate::config::Config;
 use crate::demo::tools_task::{ToolsDemoOptions, write_tools_demo_assets};
 use crate::demo::vision_assets::{VisionDemoOptions, write_vision_demo_assets_with};
 use crate::demo::{DemoOptions, write_demo_assets_with};
-use crate::trainer::eval::{EvalReport, format_table};
+use crate::trainer::eval::{EvalReport, EvalRow, format_table};
 use crate::trainer::setup::{load_examples, renderer, run_dir};
 use crate::trainer::{TrainError, Trainer};
 
@@ -593,50 +593,36 @@ struct PhaseSeconds {
     eval_after: f64,
 }
 
-/// The before/after table: accuracy and length per difficulty, and calls per answer when
-/// either model called tools.
+/// The before/after table: accuracy per difficulty, then calls per answer when either
+/// model called tools, else mean length.
 fn before_after(before: &EvalReport, after: &EvalReport) -> String {
     let calls = before
         .values()
         .chain(after.values())
         .any(|r| r.calls_per_response > 0.0);
-    if calls {
-        return before_after_calls(before, after);
-    }
+    // the second pair of columns: calls per answer, else mean length
+    let (name, width, digits, value): (_, usize, usize, fn(&EvalRow) -> f64) = if calls {
+        ("calls", 13, 2, |r| r.calls_per_response)
+    } else {
+        ("len", 12, 1, |r| r.mean_length)
+    };
     let mut out = format!(
-        "{:<10} {:>10} {:>10} {:>12} {:>12}\n",
-        "difficulty", "acc before", "acc after", "len before", "len after"
+        "{:<10} {:>10} {:>10} {:>width$} {:>width$}\n",
+        "difficulty",
+        "acc before",
+        "acc after",
+        format!("{name} before"),
+        format!("{name} after"),
     );
     for k in ["easy", "medium", "hard", "all"] {
         if let (Some(b), Some(a)) = (before.get(k), after.get(k)) {
             out.push_str(&format!(
-                "{:<10} {:>9.1}% {:>9.1}% {:>12.1} {:>12.1}\n",
+                "{:<10} {:>9.1}% {:>9.1}% {:>width$.digits$} {:>width$.digits$}\n",
                 k,
                 100.0 * b.accuracy,
                 100.0 * a.accuracy,
-                b.mean_length,
-                a.mean_length
-            ));
-        }
-    }
-    out
-}
-
-/// [`before_after`] with calls per answer in place of lengths.
-fn before_after_calls(before: &EvalReport, after: &EvalReport) -> String {
-    let mut out = format!(
-        "{:<10} {:>10} {:>10} {:>13} {:>13}\n",
-        "difficulty", "acc before", "acc after", "calls before", "calls after"
-    );
-    for k in ["easy", "medium", "hard", "all"] {
-        if let (Some(b), Some(a)) = (before.get(k), after.get(k)) {
-            out.push_str(&format!(
-                "{:<10} {:>9.1}% {:>9.1}% {:>13.2} {:>13.2}\n",
-                k,
-                100.0 * b.accuracy,
-                100.0 * a.accuracy,
-                b.calls_per_response,
-                a.calls_per_response
+                value(b),
+                value(a),
             ));
         }
     }
@@ -799,6 +785,30 @@ mod tests {
         let c = config(Demo::Vision, Method::Grpo, &["trainer.max_steps=3".into()]).unwrap();
         assert_eq!(c.trainer.max_steps, Some(3));
         assert!(config(Demo::Text, Method::Ares, &["nope.key=1".into()]).is_err());
+    }
+
+    /// The before/after table shows lengths, or calls per answer when a model called.
+    #[test]
+    fn the_table_shows_calls_when_there_are_any() {
+        let row = |accuracy, mean_length, calls_per_response| EvalRow {
+            responses: 4,
+            accuracy,
+            mean_length,
+            calls_per_response,
+        };
+        let report = |r: EvalRow| EvalReport::from([("easy".to_string(), r)]);
+        let t = before_after(&report(row(0.5, 30.0, 0.0)), &report(row(0.75, 20.0, 0.0)));
+        assert_eq!(
+            t,
+            "difficulty acc before  acc after   len before    len after\n\
+             easy            50.0%      75.0%         30.0         20.0\n"
+        );
+        let t = before_after(&report(row(0.5, 30.0, 0.25)), &report(row(0.75, 20.0, 1.0)));
+        assert_eq!(
+            t,
+            "difficulty acc before  acc after  calls before   calls after\n\
+             easy            50.0%      75.0%          0.25          1.00\n"
+        );
     }
 
     /// A warm start is reused only when it is finished and its record matches the settings.
