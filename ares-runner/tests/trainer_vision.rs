@@ -542,16 +542,14 @@ fn easyr1_style_vl_example_config_trains_two_steps() {
     }
 }
 
-/// Multi-turn episodes keep a prompt's images and videos in every turn: a vision model
-/// that calls no tool trains exactly as the single-turn rollout.
-#[test]
-fn vision_episodes_without_calls_train_as_single_turn() {
-    let dir = tempfile::tempdir().unwrap();
+/// The override of `data.override_chat_template` with the fixture's template marked as
+/// teaching `<tool_call>` (it ignores tools otherwise), written into `dir`.
+fn tool_template(dir: &Path) -> String {
     let config_json: Value = serde_json::from_str(
         &std::fs::read_to_string(model_dir().join("tokenizer_config.json")).unwrap(),
     )
     .unwrap();
-    let template = dir.path().join("tools.jinja");
+    let template = dir.join("tools.jinja");
     std::fs::write(
         &template,
         format!(
@@ -560,7 +558,15 @@ fn vision_episodes_without_calls_train_as_single_turn() {
         ),
     )
     .unwrap();
-    let t = format!("data.override_chat_template={}", template.display());
+    format!("data.override_chat_template={}", template.display())
+}
+
+/// Multi-turn episodes keep a prompt's images and videos in every turn: a vision model
+/// that calls no tool trains exactly as the single-turn rollout.
+#[test]
+fn vision_episodes_without_calls_train_as_single_turn() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tool_template(dir.path());
     let all_rows = [
         "data.rollout_batch_size=6",
         "worker.actor.global_batch_size=6",
@@ -591,19 +597,7 @@ fn vision_episodes_without_calls_train_as_single_turn() {
 #[test]
 fn vision_episodes_continue_over_kept_blocks() {
     let dir = tempfile::tempdir().unwrap();
-    let config_json: Value = serde_json::from_str(
-        &std::fs::read_to_string(model_dir().join("tokenizer_config.json")).unwrap(),
-    )
-    .unwrap();
-    let template = dir.path().join("tools.jinja");
-    std::fs::write(
-        &template,
-        format!(
-            "{{# calls go in <tool_call></tool_call> #}}{}",
-            config_json["chat_template"].as_str().unwrap()
-        ),
-    )
-    .unwrap();
+    let t = tool_template(dir.path());
     // (written by a child, so no test thread holds the file open when it runs)
     let script = dir.path().join("more.sh");
     let status = std::process::Command::new("sh")
@@ -617,7 +611,6 @@ fn vision_episodes_continue_over_kept_blocks() {
         .status()
         .unwrap();
     assert!(status.success());
-    let t = format!("data.override_chat_template={}", template.display());
     let interaction = format!(
         "worker.rollout.multi_turn.interaction={{command: 'sh {}', reward_weight: 0}}",
         script.display()
