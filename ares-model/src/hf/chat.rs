@@ -751,16 +751,47 @@ impl ChatTemplate {
         end_of_turn: &str,
         options: &RenderOptions<'_>,
     ) -> Result<String> {
+        let before = self.render_json(Json::Array(conversation.to_vec()), &closed(options))?;
+        self.continuation_after(&before, conversation, tool_messages, end_of_turn, options)
+    }
+
+    /// The rendering of `conversation` (closed: no generation prompt) when the template
+    /// writes `end_of_turn` (the text of the token that ended the model's turn, its last
+    /// message) in it, so that a tool's answer can follow
+    /// ([`ChatTemplate::continuation_after`]); `None` when it does not: a turn ended by
+    /// another end-of-sequence token (Qwen's `<|endoftext|>` under its ChatML template)
+    /// cannot be continued, the model stopped writing.
+    ///
+    /// # Errors
+    /// Rendering errors.
+    pub fn closed_turn(
+        &self,
+        conversation: &[Json],
+        end_of_turn: &str,
+        options: &RenderOptions<'_>,
+    ) -> Result<Option<String>> {
+        let before = self.render_json(Json::Array(conversation.to_vec()), &closed(options))?;
+        Ok((!end_of_turn.is_empty() && before.contains(end_of_turn)).then_some(before))
+    }
+
+    /// [`ChatTemplate::tool_continuation`] with the closed rendering of `conversation`,
+    /// `before`, already made ([`ChatTemplate::closed_turn`]).
+    ///
+    /// # Errors
+    /// As [`ChatTemplate::tool_continuation`].
+    pub fn continuation_after(
+        &self,
+        before: &str,
+        conversation: &[Json],
+        tool_messages: &[Json],
+        end_of_turn: &str,
+        options: &RenderOptions<'_>,
+    ) -> Result<String> {
         let origin = self.origin_of(self.select(options.tools.is_some())?);
         let fail = |message: String| ChatError::Continuation {
             origin: origin.clone(),
             message,
         };
-        let closed = RenderOptions {
-            add_generation_prompt: false,
-            ..*options
-        };
-        let before = self.render_json(Json::Array(conversation.to_vec()), &closed)?;
         let mut all = conversation.to_vec();
         all.extend_from_slice(tool_messages);
         let open = RenderOptions {
@@ -768,7 +799,7 @@ impl ChatTemplate {
             ..*options
         };
         let after = self.render_json(Json::Array(all), &open)?;
-        let Some(added) = after.strip_prefix(before.as_str()) else {
+        let Some(added) = after.strip_prefix(before) else {
             return Err(fail(
                 "the template renders the earlier turns differently once tool messages \
                  follow them"
@@ -784,31 +815,6 @@ impl ChatTemplate {
             )));
         };
         Ok(format!("{}{added}", &before[end + end_of_turn.len()..]))
-    }
-
-    /// Whether the template writes `end_of_turn` (the text of the token that ended the
-    /// model's turn) where the assistant's turn — the last message of `conversation` —
-    /// ends, so that [`ChatTemplate::tool_continuation`] can continue after it. A turn
-    /// ended by another end-of-sequence token (Qwen's `<|endoftext|>` under its ChatML
-    /// template) cannot be continued: the model stopped writing.
-    ///
-    /// # Errors
-    /// Rendering errors.
-    pub fn closes_turns_with(
-        &self,
-        conversation: &[Json],
-        end_of_turn: &str,
-        options: &RenderOptions<'_>,
-    ) -> Result<bool> {
-        if end_of_turn.is_empty() {
-            return Ok(false);
-        }
-        let closed = RenderOptions {
-            add_generation_prompt: false,
-            ..*options
-        };
-        let text = self.render_json(Json::Array(conversation.to_vec()), &closed)?;
-        Ok(text.contains(end_of_turn))
     }
 
     /// Renders `messages` with `system` as the system message (see [`set_system_message`]):
@@ -1397,6 +1403,14 @@ fn json_str(s: &str, ensure_ascii: bool, out: &mut String) {
         }
     }
     out.push('"');
+}
+
+/// `options` without the generation prompt: a conversation rendered as it stands.
+fn closed<'a>(options: &RenderOptions<'a>) -> RenderOptions<'a> {
+    RenderOptions {
+        add_generation_prompt: false,
+        ..*options
+    }
 }
 
 #[cfg(test)]

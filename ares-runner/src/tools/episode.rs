@@ -165,20 +165,24 @@ pub fn after_turn(
         after.next = Next::Stop(Stop::Length);
         return Ok(after);
     }
+    let last_turn = turn.number >= s.max_turns;
+    let calls = parse_turn(&said, s.format).calls;
+    if calls.is_empty() && s.interaction.is_none() {
+        return Ok(after); // the answer
+    }
     // a turn ended by an end-of-sequence token the template does not close turns with
     // (Qwen's <|endoftext|> under ChatML) is the episode's last: the model stopped
     // writing, and no turn can follow it in the template
     let last = &turn.tokens[turn.tokens.len().saturating_sub(1)..];
     let end_of_turn = text.decode(last, true)?;
-    if !s
+    let template_err = |err: crate::hf::chat::ChatError| TrainError::Invalid(err.to_string());
+    let Some(before) = s
         .template
-        .closes_turns_with(messages, &end_of_turn, &s.options)
-        .map_err(|err| TrainError::Invalid(err.to_string()))?
-    {
+        .closed_turn(messages, &end_of_turn, &s.options)
+        .map_err(template_err)?
+    else {
         return Ok(after);
-    }
-    let last_turn = turn.number >= s.max_turns;
-    let calls = parse_turn(&said, s.format).calls;
+    };
     let appended: Vec<Json> = if calls.is_empty() {
         let Some(env) = s.interaction else {
             return Ok(after);
@@ -222,8 +226,8 @@ pub fn after_turn(
     };
     let rendered = s
         .template
-        .tool_continuation(messages, &appended, &end_of_turn, &s.options)
-        .map_err(|err| TrainError::Invalid(err.to_string()))?;
+        .continuation_after(&before, messages, &appended, &end_of_turn, &s.options)
+        .map_err(template_err)?;
     let ids = text.encode(&rendered)?;
     messages.extend(appended);
     after.next = if ids.len() >= turn.left {
