@@ -19,6 +19,7 @@ pub mod data;
 pub mod demo;
 pub mod host_memory;
 pub mod metrics;
+pub mod parallel;
 pub mod plot;
 pub mod progress;
 pub mod reward;

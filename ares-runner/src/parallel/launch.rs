@@ -1,0 +1,559 @@
+//! Launching like every other trainer: one process per rank, started by `torchrun` or
+//! `srun`, which meet at `MASTER_ADDR:MASTER_PORT`.
+//!
+//! [`LaunchEnv::from_vars`] reads the launcher's variables; [`TcpRanks::connect`] makes rank 0
+//! listen at the master port and the others connect to it, each saying which rank of which
+//! world it is (a mismatch is an error on both sides). The connections then carry the
+//! [`Collective`]'s operations: a star through rank 0, which gathers every rank's bytes in
+//! rank order and sends the whole back.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::{Collective, CollectiveError, wire};
+
+/// The collective timeout when `ARES_COLLECTIVE_TIMEOUT` is not set: 10 minutes, NCCL's
+/// watchdog default in PyTorch.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// A launch environment that cannot work, with what to set.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct LaunchError(pub String);
+
+/// Which launcher started this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Launcher {
+    /// `torchrun` (or anything that sets `RANK`/`WORLD_SIZE`/`LOCAL_RANK`).
+    Torchrun,
+    /// Slurm's `srun` (`SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_LOCALID`).
+    Slurm,
+}
+
+/// This process's place among the ranks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaunchEnv {
+    /// Who set the variables.
+    pub launcher: Launcher,
+    /// This process's rank.
+    pub rank: usize,
+    /// The number of ranks.
+    pub world: usize,
+    /// The rank on this machine (its GPU index).
+    pub local_rank: usize,
+    /// Where rank 0 listens (`None` for a world of 1).
+    pub master: Option<(String, u16)>,
+    /// How long an operation waits for the other ranks.
+    pub timeout: Duration,
+}
+
+impl LaunchEnv {
+    /// The launch environment of this process, read from its variables.
+    ///
+    /// # Errors
+    /// As [`LaunchEnv::from_vars`].
+    pub fn from_env() -> Result<Option<Self>, LaunchError> {
+        Self::from_vars(|k| std::env::var(k).ok())
+    }
+
+    /// The launch environment that `var` describes: `None` when no launcher variable is
+    /// set (a plain single process). torchrun's `RANK`, `WORLD_SIZE`, `LOCAL_RANK` win over
+    /// Slurm's `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`; a world of more than one
+    /// needs `MASTER_ADDR` and `MASTER_PORT`. `ARES_COLLECTIVE_TIMEOUT` (seconds) bounds
+    /// each collective wait.
+    ///
+    /// # Errors
+    /// A variable missing, not a number or out of range, each named with what to set.
+    pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Option<Self>, LaunchError> {
+        let torch = ["RANK", "WORLD_SIZE", "LOCAL_RANK"];
+        let slurm = ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"];
+        let (launcher, names) = if torch.iter().any(|k| var(k).is_some()) {
+            (Launcher::Torchrun, torch)
+        } else if var("SLURM_PROCID").is_some() && var("SLURM_NTASKS").is_some() {
+            (Launcher::Slurm, slurm)
+        } else {
+            return Ok(None);
+        };
+        let number = |k: &str| -> Result<usize, LaunchError> {
+            let v = var(k).ok_or_else(|| {
+                LaunchError(format!(
+                    "{k} is not set while {} are: a {:?} launch sets all three ({})",
+                    names
+                        .iter()
+                        .filter(|n| var(n).is_some())
+                        .copied()
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    launcher,
+                    names.join(", ")
+                ))
+            })?;
+            v.trim()
+                .parse()
+                .map_err(|_| LaunchError(format!("{k}={v:?} is not a whole number")))
+        };
+        let (rank, world, local_rank) = (number(names[0])?, number(names[1])?, number(names[2])?);
+        if world == 0 {
+            return Err(LaunchError(format!(
+                "{}=0: a world needs at least one rank",
+                names[1]
+            )));
+        }
+        if rank >= world {
+            return Err(LaunchError(format!(
+                "{}={rank} but {}={world}: ranks run from 0 to {}",
+                names[0],
+                names[1],
+                world - 1
+            )));
+        }
+        let timeout = match var("ARES_COLLECTIVE_TIMEOUT") {
+            None => DEFAULT_TIMEOUT,
+            Some(v) => match v.trim().parse::<u64>() {
+                Ok(s) if s > 0 => Duration::from_secs(s),
+                _ => {
+                    return Err(LaunchError(format!(
+                        "ARES_COLLECTIVE_TIMEOUT={v:?}: give a whole number of seconds > 0"
+                    )));
+                }
+            },
+        };
+        let master = if world == 1 {
+            None
+        } else {
+            let addr = var("MASTER_ADDR").filter(|a| !a.trim().is_empty()).ok_or_else(|| {
+                LaunchError(format!(
+                    "MASTER_ADDR is not set: {world} ranks meet at rank 0's host; torchrun sets \
+                     it, with srun export MASTER_ADDR=$(scontrol show hostnames \
+                     \"$SLURM_JOB_NODELIST\" | head -n 1)"
+                ))
+            })?;
+            let port = var("MASTER_PORT").ok_or_else(|| {
+                LaunchError(
+                    "MASTER_PORT is not set: the port rank 0 listens on (any free port, the \
+                     same for every rank, e.g. export MASTER_PORT=29500)"
+                        .into(),
+                )
+            })?;
+            let port: u16 = port.trim().parse().ok().filter(|&p| p > 0).ok_or_else(|| {
+                LaunchError(format!("MASTER_PORT={port:?} is not a port (1–65535)"))
+            })?;
+            Some((addr.trim().to_string(), port))
+        };
+        Ok(Some(Self {
+            launcher,
+            rank,
+            world,
+            local_rank,
+            master,
+            timeout,
+        }))
+    }
+
+    /// Checks that `LOCAL_RANK` names one of the `devices` this process sees.
+    ///
+    /// # Errors
+    /// A local rank out of range, with what to change.
+    pub fn check_device(&self, devices: usize) -> Result<(), LaunchError> {
+        if self.local_rank < devices {
+            return Ok(());
+        }
+        let var = match self.launcher {
+            Launcher::Torchrun => "LOCAL_RANK",
+            Launcher::Slurm => "SLURM_LOCALID",
+        };
+        Err(LaunchError(format!(
+            "{var}={} but this process sees {devices} GPU(s) (CUDA_VISIBLE_DEVICES limits them): \
+             start at most {devices} ranks per machine (torchrun --nproc-per-node {devices}, \
+             srun --ntasks-per-node {devices})",
+            self.local_rank
+        )))
+    }
+}
+
+/// Ranks in separate processes, connected over TCP through rank 0.
+#[derive(Debug)]
+pub struct TcpRanks {
+    rank: usize,
+    world: usize,
+    timeout: Duration,
+    /// Operations so far, and the connections — rank 0: each other rank's (index
+    /// r − 1); another rank: rank 0's.
+    links: Mutex<(u64, Vec<TcpStream>)>,
+}
+
+const MAGIC: &[u8; 8] = b"ARES-DP1";
+
+impl TcpRanks {
+    /// Meets the other ranks of `env` (rank 0 listens at its `MASTER_PORT`; the others
+    /// connect to `MASTER_ADDR:MASTER_PORT`, retrying until the timeout).
+    ///
+    /// # Errors
+    /// The port is taken, rank 0 cannot be reached in time, or a rank reports another
+    /// world size or a rank twice.
+    pub fn connect(env: &LaunchEnv) -> Result<Self, CollectiveError> {
+        let (rank, world, timeout) = (env.rank, env.world, env.timeout);
+        let fail = |what: String| CollectiveError::Transport { rank, what };
+        let Some((addr, port)) = &env.master else {
+            return Ok(Self {
+                rank,
+                world,
+                timeout,
+                links: Mutex::new((0, Vec::new())),
+            });
+        };
+        let deadline = Instant::now() + timeout;
+        if rank == 0 {
+            let listener = TcpListener::bind(("0.0.0.0", *port)).map_err(|e| {
+                fail(format!(
+                    "cannot listen on port {port} (MASTER_PORT): {e}; pick a free port"
+                ))
+            })?;
+            listener
+                .set_nonblocking(true)
+                .map_err(|e| fail(format!("listener: {e}")))?;
+            let mut links: Vec<Option<TcpStream>> = (1..world).map(|_| None).collect();
+            while links.iter().any(Option::is_none) {
+                match listener.accept() {
+                    Ok((mut s, _)) => {
+                        s.set_nonblocking(false).map_err(|e| fail(e.to_string()))?;
+                        s.set_read_timeout(Some(timeout))
+                            .map_err(|e| fail(e.to_string()))?;
+                        let hello = read_frame(&mut s)
+                            .map_err(|e| fail(format!("a rank's greeting: {e}")))?;
+                        let (peer, peer_world) = parse_hello(&hello).map_err(fail)?;
+                        let problem = if peer_world != world {
+                            Some(format!(
+                                "rank {peer} says the world has {peer_world} ranks, rank 0 says {world}: \
+                                 start every rank with the same WORLD_SIZE"
+                            ))
+                        } else if peer == 0 || peer >= world {
+                            Some(format!("a rank says it is rank {peer} of {world}"))
+                        } else if links[peer - 1].is_some() {
+                            Some(format!("two processes say they are rank {peer}"))
+                        } else {
+                            None
+                        };
+                        if let Some(p) = problem {
+                            let _ = write_frame(&mut s, format!("refused: {p}").as_bytes());
+                            return Err(CollectiveError::Mismatch { rank, what: p });
+                        }
+                        write_frame(&mut s, b"ok").map_err(|e| fail(e.to_string()))?;
+                        links[peer - 1] = Some(s);
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        if Instant::now() >= deadline {
+                            let missing: Vec<usize> =
+                                (1..world).filter(|&r| links[r - 1].is_none()).collect();
+                            return Err(CollectiveError::Timeout {
+                                rank,
+                                round: 0,
+                                secs: timeout.as_secs(),
+                                missing,
+                            });
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    Err(e) => return Err(fail(format!("accepting a rank: {e}"))),
+                }
+            }
+            return Ok(Self {
+                rank,
+                world,
+                timeout,
+                links: Mutex::new((0, links.into_iter().flatten().collect())),
+            });
+        }
+        let target = format!("{addr}:{port}");
+        let mut stream = loop {
+            let resolved = target.to_socket_addrs().map_err(|e| {
+                fail(format!(
+                    "MASTER_ADDR:MASTER_PORT = {target} does not resolve: {e}"
+                ))
+            })?;
+            // rank 0 may not listen yet: retry until the timeout
+            let connected = resolved
+                .into_iter()
+                .find_map(|a| TcpStream::connect_timeout(&a, Duration::from_secs(2)).ok());
+            match connected {
+                Some(s) => break s,
+                None if Instant::now() >= deadline => {
+                    return Err(CollectiveError::Timeout {
+                        rank,
+                        round: 0,
+                        secs: timeout.as_secs(),
+                        missing: vec![0],
+                    });
+                }
+                None => std::thread::sleep(Duration::from_millis(100)),
+            }
+        };
+        stream
+            .set_read_timeout(Some(timeout))
+            .map_err(|e| fail(e.to_string()))?;
+        let mut hello = MAGIC.to_vec();
+        hello.extend_from_slice(&(rank as u64).to_le_bytes());
+        hello.extend_from_slice(&(world as u64).to_le_bytes());
+        write_frame(&mut stream, &hello).map_err(|e| fail(format!("greeting rank 0: {e}")))?;
+        let reply = read_frame(&mut stream).map_err(|e| fail(format!("rank 0's answer: {e}")))?;
+        if reply != b"ok" {
+            return Err(CollectiveError::Mismatch {
+                rank,
+                what: format!("rank 0 {}", String::from_utf8_lossy(&reply)),
+            });
+        }
+        Ok(Self {
+            rank,
+            world,
+            timeout,
+            links: Mutex::new((0, vec![stream])),
+        })
+    }
+}
+
+fn parse_hello(b: &[u8]) -> Result<(usize, usize), String> {
+    if b.len() != 24 || &b[..8] != MAGIC {
+        return Err("a connection to the master port that is not an ares rank".into());
+    }
+    let n = |s: &[u8]| u64::from_le_bytes(s.try_into().expect("8 bytes")) as usize;
+    Ok((n(&b[8..16]), n(&b[16..24])))
+}
+
+fn write_frame(s: &mut TcpStream, bytes: &[u8]) -> std::io::Result<()> {
+    s.write_all(&(bytes.len() as u64).to_le_bytes())?;
+    s.write_all(bytes)?;
+    s.flush()
+}
+
+fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    let mut len = [0u8; 8];
+    s.read_exact(&mut len)?;
+    let len = usize::try_from(u64::from_le_bytes(len))
+        .map_err(|_| std::io::Error::other("frame too long"))?;
+    let mut out = Vec::new();
+    // grow as bytes arrive: a corrupt length cannot allocate what never comes
+    s.take(len as u64).read_to_end(&mut out)?;
+    if out.len() != len {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            "connection closed mid-message",
+        ));
+    }
+    Ok(out)
+}
+
+impl Collective for TcpRanks {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        let rank = self.rank;
+        let mut guard = self
+            .links
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (round, links) = &mut *guard;
+        *round += 1;
+        let round = *round - 1;
+        if self.world == 1 {
+            return Ok(vec![mine]);
+        }
+        let lost = |gone: usize, e: std::io::Error| {
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) {
+                CollectiveError::Timeout {
+                    rank,
+                    round,
+                    secs: self.timeout.as_secs(),
+                    missing: vec![gone],
+                }
+            } else {
+                CollectiveError::RankGone {
+                    rank,
+                    gone,
+                    round,
+                    why: format!("its connection failed: {e}"),
+                }
+            }
+        };
+        if rank == 0 {
+            let mut all = vec![mine];
+            for (i, s) in links.iter_mut().enumerate() {
+                all.push(read_frame(s).map_err(|e| lost(i + 1, e))?);
+            }
+            let mut w = wire::Writer::default();
+            for b in &all {
+                w.bytes(b);
+            }
+            let msg = w.finish();
+            for (i, s) in links.iter_mut().enumerate() {
+                write_frame(s, &msg).map_err(|e| lost(i + 1, e))?;
+            }
+            return Ok(all);
+        }
+        let s = &mut links[0];
+        write_frame(s, &mine).map_err(|e| lost(0, e))?;
+        let msg = read_frame(s).map_err(|e| lost(0, e))?;
+        let mut r = wire::Reader::new(&msg);
+        let all = (0..self.world)
+            .map(|_| r.bytes().map(<[u8]>::to_vec))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.at(rank))?;
+        r.end().map_err(|e| e.at(rank))?;
+        Ok(all)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn env(pairs: &[(&str, &str)]) -> Result<Option<LaunchEnv>, LaunchError> {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        LaunchEnv::from_vars(|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn torchrun_and_slurm_variables_are_read() {
+        assert_eq!(env(&[]).unwrap(), None);
+        let t = env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "3"),
+            ("MASTER_ADDR", "node0"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (t.launcher, t.rank, t.world, t.local_rank),
+            (Launcher::Torchrun, 3, 8, 3)
+        );
+        assert_eq!(t.master, Some(("node0".into(), 29500)));
+        assert_eq!(t.timeout, DEFAULT_TIMEOUT);
+        let s = env(&[
+            ("SLURM_PROCID", "9"),
+            ("SLURM_NTASKS", "16"),
+            ("SLURM_LOCALID", "1"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "1234"),
+            ("ARES_COLLECTIVE_TIMEOUT", "30"),
+        ])
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (s.launcher, s.rank, s.world, s.local_rank),
+            (Launcher::Slurm, 9, 16, 1)
+        );
+        assert_eq!(s.timeout, Duration::from_secs(30));
+        // a world of one needs no master
+        let one = env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")])
+            .unwrap()
+            .unwrap();
+        assert_eq!(one.master, None);
+    }
+
+    #[test]
+    fn bad_launch_environments_say_what_to_set() {
+        let e = |pairs: &[(&str, &str)]| env(pairs).unwrap_err().to_string();
+        let base = [("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")];
+        assert!(e(&base).contains("MASTER_ADDR is not set"), "{}", e(&base));
+        let mut v = base.to_vec();
+        v.push(("MASTER_ADDR", "h"));
+        assert!(e(&v).contains("MASTER_PORT is not set"));
+        v.push(("MASTER_PORT", "http"));
+        assert!(e(&v).contains("MASTER_PORT=\"http\""));
+        let msg = e(&[("RANK", "2"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0")]);
+        assert!(msg.contains("RANK=2 but WORLD_SIZE=2"), "{msg}");
+        let msg = e(&[("RANK", "0"), ("WORLD_SIZE", "2")]);
+        assert!(msg.contains("LOCAL_RANK is not set"), "{msg}");
+        assert!(
+            e(&[("RANK", "x"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")]).contains("RANK=\"x\"")
+        );
+        assert!(
+            e(&[("RANK", "0"), ("WORLD_SIZE", "0"), ("LOCAL_RANK", "0")]).contains("WORLD_SIZE=0")
+        );
+        let one = env(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "2")])
+            .unwrap()
+            .unwrap();
+        let msg = one.check_device(2).unwrap_err().to_string();
+        assert!(
+            msg.contains("LOCAL_RANK=2 but this process sees 2 GPU(s)"),
+            "{msg}"
+        );
+        one.check_device(3).unwrap();
+    }
+
+    fn free_port() -> u16 {
+        TcpListener::bind(("127.0.0.1", 0))
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    }
+
+    fn launch(rank: usize, world: usize, port: u16) -> LaunchEnv {
+        LaunchEnv {
+            launcher: Launcher::Torchrun,
+            rank,
+            world,
+            local_rank: rank,
+            master: Some(("127.0.0.1".into(), port)),
+            timeout: Duration::from_secs(20),
+        }
+    }
+
+    #[test]
+    fn ranks_over_tcp_gather_in_rank_order() {
+        let port = free_port();
+        let out: Vec<Vec<Vec<u8>>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|r| {
+                    s.spawn(move || {
+                        let c = TcpRanks::connect(&launch(r, 3, port)).unwrap();
+                        let mut last = Vec::new();
+                        for k in 0..20u8 {
+                            last = c.all_gather(vec![r as u8; usize::from(k) + r]).unwrap();
+                        }
+                        last
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let want = vec![vec![0u8; 19], vec![1u8; 20], vec![2u8; 21]];
+        assert!(out.iter().all(|o| o == &want));
+    }
+
+    #[test]
+    fn a_rank_with_another_world_size_is_refused() {
+        let port = free_port();
+        let (a, b) = std::thread::scope(|s| {
+            let a = s.spawn(move || TcpRanks::connect(&launch(0, 2, port)).map(|_| ()));
+            let b = s.spawn(move || TcpRanks::connect(&launch(1, 3, port)).map(|_| ()));
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        let (a, b) = (a.unwrap_err().to_string(), b.unwrap_err().to_string());
+        assert!(
+            a.contains("rank 1 says the world has 3 ranks, rank 0 says 2"),
+            "{a}"
+        );
+        assert!(
+            b.contains("refused") && b.contains("same WORLD_SIZE"),
+            "{b}"
+        );
+    }
+}

@@ -1,0 +1,306 @@
+//! Data parallelism: ranks that share one RL step through a [`Collective`].
+//!
+//! A data-parallel step here is *replicated decisions, sharded work*: every rank holds the
+//! whole batch and runs every controller (online filter, buckets, τ, α/λ/β, advantages)
+//! on it, so no batch-wide quantity needs its own reduction; what costs — generating the
+//! rollout, scoring old and reference log-probs, the forward and backward passes of the
+//! update — is split into *units* (rollout requests, scoring chunks, micro-batches), each
+//! computed by one rank and gathered by all ([`Ranks::map_units`]).
+//!
+//! The units are those of a run without ranks and are computed with the same shapes, so
+//! their results are the same bits whatever the world size; the gradients of a mini-batch
+//! are one slice per micro-batch, summed in micro-batch order ([`Ranks::ordered_sum`]).
+//! A run's numbers therefore do not depend on the world size — with one exception that
+//! is a choice: a run *without* ranks accumulates its micro-batches inside the backward
+//! GEMMs instead of summing separate slices, so it equals a world of one in everything
+//! but the last bits of those sums.
+//!
+//! [`threads::ThreadGroup`] is the in-process implementation (threads as ranks), used by
+//! the tests. [`launch`] reads a launcher's variables (torchrun, Slurm) and
+//! meets the other processes over TCP ([`launch::TcpRanks`]).
+
+pub mod launch;
+pub mod threads;
+pub mod wire;
+
+use std::fmt;
+use std::sync::Arc;
+
+/// Why a collective operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CollectiveError {
+    /// Ranks did not arrive in time.
+    #[error(
+        "rank {rank}: collective operation {round} timed out after {secs} s waiting for rank(s) \
+         {missing:?} (a rank that hangs or died; the timeout is ARES_COLLECTIVE_TIMEOUT, seconds)"
+    )]
+    Timeout {
+        /// The rank that waited.
+        rank: usize,
+        /// The operation's sequence number.
+        round: u64,
+        /// Seconds waited.
+        secs: u64,
+        /// The ranks that never arrived.
+        missing: Vec<usize>,
+    },
+    /// A rank stopped (its thread or process ended, or it failed).
+    #[error("rank {rank}: rank {gone} stopped before collective operation {round}: {why}")]
+    RankGone {
+        /// The rank that noticed.
+        rank: usize,
+        /// The rank that stopped.
+        gone: usize,
+        /// The operation's sequence number.
+        round: u64,
+        /// What is known of why.
+        why: String,
+    },
+    /// The transport failed or carried something malformed.
+    #[error("rank {rank}: {what}")]
+    Transport {
+        /// The rank that saw it.
+        rank: usize,
+        /// What went wrong.
+        what: String,
+    },
+    /// Ranks disagree on something they must share (a unit count, a buffer length).
+    #[error("rank {rank}: {what}")]
+    Mismatch {
+        /// The rank that saw it.
+        rank: usize,
+        /// What differs.
+        what: String,
+    },
+}
+
+/// What ranks can do together. Every rank calls the same operations in the same order;
+/// an operation returns once every rank has called it.
+pub trait Collective: Send + Sync {
+    /// This rank, `0 ≤ rank < world`.
+    fn rank(&self) -> usize;
+
+    /// The number of ranks.
+    fn world(&self) -> usize;
+
+    /// Every rank's `mine`, in rank order — the same on every rank.
+    ///
+    /// # Errors
+    /// A rank that stopped or timed out; a transport failure.
+    fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, CollectiveError>;
+}
+
+/// A shared handle on this process's [`Collective`], with the step's helpers.
+#[derive(Clone)]
+pub struct Ranks(Arc<dyn Collective>);
+
+impl fmt::Debug for Ranks {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Ranks({}/{})", self.rank(), self.world())
+    }
+}
+
+/// Two handles are equal when they are the same collective.
+impl PartialEq for Ranks {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Ranks {
+    /// A handle on `collective`.
+    pub fn new(collective: Arc<dyn Collective>) -> Self {
+        Self(collective)
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.0.rank()
+    }
+
+    /// The number of ranks.
+    pub fn world(&self) -> usize {
+        self.0.world()
+    }
+
+    /// Whether this rank writes the run's files (rank 0).
+    pub fn is_first(&self) -> bool {
+        self.rank() == 0
+    }
+
+    /// The rank that computes unit `i` of `count`: contiguous blocks, balanced to one
+    /// unit (`⌊i·W/count⌋`), so neighbouring units share a rank and its caches.
+    pub fn owner(&self, i: usize, count: usize) -> usize {
+        owner(i, count, self.world())
+    }
+
+    /// Every rank's `mine`, in rank order.
+    ///
+    /// # Errors
+    /// As [`Collective::all_gather`].
+    pub fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        self.0.all_gather(mine)
+    }
+
+    /// Units `0..count`, each computed by its [`owner`](Ranks::owner) with `compute` and
+    /// gathered by every rank: the results in unit order, the same on every rank.
+    /// A unit's failure on its rank reaches every rank (as [`UnitsError::Unit`] there,
+    /// [`UnitsError::Elsewhere`] on the others), so all ranks stop together.
+    ///
+    /// # Errors
+    /// A unit's error; a collective failure.
+    pub fn map_units<E: fmt::Display>(
+        &self,
+        count: usize,
+        mut compute: impl FnMut(usize) -> Result<Vec<u8>, E>,
+    ) -> Result<Vec<Vec<u8>>, UnitsError<E>> {
+        let mut mine = wire::Writer::default();
+        let mut failed = None;
+        for i in (0..count).filter(|&i| self.owner(i, count) == self.rank()) {
+            match compute(i) {
+                Ok(bytes) => mine.bytes(&bytes),
+                Err(e) => {
+                    failed = Some((i, e));
+                    break;
+                }
+            }
+        }
+        // a failure is sent as a message so the other ranks stop too
+        let message = match &failed {
+            Some((i, e)) => {
+                let mut w = wire::Writer::default();
+                w.u8(1);
+                w.bytes(format!("unit {i} of {count} failed: {e}").as_bytes());
+                w.finish()
+            }
+            None => {
+                let mut w = wire::Writer::default();
+                w.u8(0);
+                w.bytes(&mine.finish());
+                w.finish()
+            }
+        };
+        let all = self.all_gather(message).map_err(UnitsError::Collective)?;
+        if let Some((_, e)) = failed {
+            return Err(UnitsError::Unit(e));
+        }
+        let mut out = Vec::with_capacity(count);
+        let bad = |e: wire::WireError| UnitsError::Collective(e.at(self.rank()));
+        for (r, bytes) in all.iter().enumerate() {
+            let mut reader = wire::Reader::new(bytes);
+            let (status, body) = (reader.u8().map_err(bad)?, reader.bytes().map_err(bad)?);
+            if status != 0 {
+                return Err(UnitsError::Elsewhere {
+                    rank: r,
+                    what: String::from_utf8_lossy(body).into_owned(),
+                });
+            }
+            let mut units = wire::Reader::new(body);
+            let owned = (0..count).filter(|&i| self.owner(i, count) == r).count();
+            for _ in 0..owned {
+                out.push(units.bytes().map_err(bad)?.to_vec());
+            }
+            units.end().map_err(bad)?;
+        }
+        Ok(out)
+    }
+
+    /// The sum of every rank's `parts`, folded left to right in rank order and, within a
+    /// rank, in `parts` order — `((p₀ + p₁) + p₂) + …` element by element, exactly as
+    /// one rank holding every part would add them — written to `out` on every rank.
+    /// With no part anywhere `out` is zeroed.
+    ///
+    /// # Errors
+    /// A part whose length is not `out`'s; a collective failure.
+    pub fn ordered_sum(&self, parts: &[Vec<f32>], out: &mut [f32]) -> Result<(), CollectiveError> {
+        let mut w = wire::Writer::default();
+        w.u64(parts.len() as u64);
+        for p in parts {
+            if p.len() != out.len() {
+                return Err(CollectiveError::Mismatch {
+                    rank: self.rank(),
+                    what: format!(
+                        "ordered_sum: a part of {} values, expected {}",
+                        p.len(),
+                        out.len()
+                    ),
+                });
+            }
+            w.f32s(p);
+        }
+        let rank = self.rank();
+        let all = self.all_gather(w.finish())?;
+        out.fill(0.0);
+        let mut first = true;
+        for bytes in &all {
+            let mut r = wire::Reader::new(bytes);
+            let k = r.u64().map_err(|e| e.at(rank))?;
+            for _ in 0..k {
+                let values = r.f32_slice(out.len()).map_err(|e| e.at(rank))?;
+                if first {
+                    // 0 + x = x, but −0 would become +0: start from the first part itself
+                    values.write_to(out);
+                    first = false;
+                } else {
+                    values.add_to(out);
+                }
+            }
+            r.end().map_err(|e| e.at(rank))?;
+        }
+        Ok(())
+    }
+}
+
+/// The rank of unit `i` of `count` at world `world` (see [`Ranks::owner`]).
+pub fn owner(i: usize, count: usize, world: usize) -> usize {
+    if count == 0 {
+        return 0;
+    }
+    // i·W/count < W for i < count; u128 so no product overflows
+    ((i as u128 * world as u128) / count as u128) as usize
+}
+
+/// Why [`Ranks::map_units`] failed.
+#[derive(Debug)]
+pub enum UnitsError<E> {
+    /// A unit this rank computed failed.
+    Unit(E),
+    /// A unit another rank computed failed.
+    Elsewhere {
+        /// That rank.
+        rank: usize,
+        /// Its error, as text.
+        what: String,
+    },
+    /// The collective failed.
+    Collective(CollectiveError),
+}
+
+impl<E> From<CollectiveError> for UnitsError<E> {
+    fn from(e: CollectiveError) -> Self {
+        UnitsError::Collective(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn owners_are_contiguous_balanced_and_cover_every_rank_when_they_can() {
+        for world in 1..=5 {
+            for count in 0..=13 {
+                let owners: Vec<usize> = (0..count).map(|i| owner(i, count, world)).collect();
+                assert!(owners.windows(2).all(|w| w[0] <= w[1]), "{owners:?}");
+                assert!(owners.iter().all(|&r| r < world));
+                let mut per = vec![0usize; world];
+                for &r in &owners {
+                    per[r] += 1;
+                }
+                let (lo, hi) = (per.iter().min().unwrap(), per.iter().max().unwrap());
+                assert!(hi - lo <= 1, "world {world} count {count}: {per:?}");
+            }
+        }
+    }
+}
