@@ -32,10 +32,17 @@ impl<B: Backend> std::fmt::Debug for Grads<B> {
 
 impl<B: Backend> Grads<B> {
     /// Every gradient buffer, in the order of the trained parameters' buffers.
-    pub(crate) fn buffers(&self) -> Vec<&B::Buffer> {
+    pub fn buffers(&self) -> Vec<&B::Buffer> {
         let mut out = self.g.as_ref().map(|g| g.buffers()).unwrap_or_default();
         out.extend(self.lora.iter().flat_map(LoraParams::buffers));
         out
+    }
+
+    /// [`Grads::buffers`], writable (a data-parallel run writes the ranks' sum back).
+    pub fn buffers_mut(&mut self) -> Vec<&mut B::Buffer> {
+        let mut all = self.g.as_mut().map(|g| g.buffers_mut()).unwrap_or_default();
+        all.extend(self.lora.iter_mut().flat_map(LoraParams::buffers_mut));
+        all
     }
 
     /// Sets every gradient to zero.
@@ -43,9 +50,7 @@ impl<B: Backend> Grads<B> {
     /// # Errors
     /// A backend failure.
     pub fn zero(&mut self, backend: &B) -> Result<(), ModelError> {
-        let mut all = self.g.as_mut().map(|g| g.buffers_mut()).unwrap_or_default();
-        all.extend(self.lora.iter_mut().flat_map(LoraParams::buffers_mut));
-        for buffer in all {
+        for buffer in self.buffers_mut() {
             backend.fill(ViewMut::whole(buffer), 0.0)?;
         }
         Ok(())

@@ -547,6 +547,7 @@ pub fn evaluate_model<B: Backend + Clone>(
         seed: c.trainer.seed,
         chunk: 64,
         weight_dtype: rr.weight_dtype.into(),
+        ranks: None,
     };
     let bar =
         crate::progress::Progress::from_env().bar((examples.len() * rr.val_n()) as u64, "eval");

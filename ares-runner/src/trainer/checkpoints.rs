@@ -61,10 +61,15 @@ impl CheckpointDir {
         Ok(out)
     }
 
-    /// The newest completed checkpoint.
+    /// The directory of step `step`'s checkpoint (whether or not it exists).
+    pub fn path_of(&self, step: u64) -> PathBuf {
+        self.root.join(step_name(step))
+    }
+
+    /// The newest complete checkpoint: (step, directory).
     ///
     /// # Errors
-    /// As [`CheckpointDir::list`].
+    /// The directory cannot be listed.
     pub fn latest(&self) -> Result<Option<(u64, PathBuf)>, TrainError> {
         Ok(self.list()?.pop())
     }

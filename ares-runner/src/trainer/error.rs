@@ -54,6 +54,17 @@ pub enum TrainError {
         /// Whether online filtering was on.
         filtering: bool,
     },
+    /// The ranks of a data-parallel run lost each other (one stopped or hangs).
+    #[error(transparent)]
+    Collective(#[from] crate::parallel::CollectiveError),
+    /// Another rank of a data-parallel run failed; every rank stops with its message.
+    #[error("rank {rank} failed: {what}")]
+    OtherRank {
+        /// That rank.
+        rank: usize,
+        /// Its error.
+        what: String,
+    },
     /// Invalid input or setting found while running (the message names it).
     #[error("{0}")]
     Invalid(String),
@@ -68,6 +79,17 @@ impl TrainError {
         Self::Io {
             path: path.into(),
             source,
+        }
+    }
+}
+
+impl From<crate::parallel::UnitsError<TrainError>> for TrainError {
+    fn from(e: crate::parallel::UnitsError<TrainError>) -> Self {
+        use crate::parallel::UnitsError;
+        match e {
+            UnitsError::Unit(e) => e,
+            UnitsError::Elsewhere { rank, what } => TrainError::OtherRank { rank, what },
+            UnitsError::Collective(e) => TrainError::Collective(e),
         }
     }
 }

@@ -30,7 +30,9 @@ use crate::trainer::collect::episodes::{
 };
 use crate::trainer::collect::grading::Grader;
 use crate::trainer::collect::prompts::{PromptRenderer, graded_system_message};
-use crate::trainer::collect::rollout::{PromptItem, Response, RolloutParams, rollout_items};
+use crate::trainer::collect::rollout::{
+    PromptItem, Response, RolloutParams, decode_responses, encode_responses, rollout_items,
+};
 use crate::trainer::collect::tokens::TokenBatch;
 use crate::trainer::prepare::controllers::{AresSnapshot, AresState};
 use crate::trainer::prepare::hwe::hwe_pass_host;
@@ -372,6 +374,55 @@ impl<B: Backend + Clone> Trainer<B> {
         })
     }
 
+    /// Makes this trainer one rank of a data-parallel run (every rank calls it, before
+    /// the first step, with the same config): the rollout, the scoring and the update's
+    /// micro-batches are shared out among the ranks, every decision is taken on the whole
+    /// batch by every rank, and the numbers do not depend on the world size (see
+    /// [`crate::parallel`]). Only rank 0 writes the run's files, prints step lines, shows
+    /// progress and runs the Python loggers; every rank keeps the same state.
+    ///
+    /// # Errors
+    /// The Python worker cannot be restarted without its loggers (ranks other than 0).
+    pub fn join(&mut self, ranks: crate::parallel::Ranks) -> Result<(), TrainError> {
+        if !ranks.is_first() {
+            self.progress = Progress::new(crate::progress::ProgressMode::Off);
+            if self
+                .python
+                .as_ref()
+                .is_some_and(|w| !w.loggers().is_empty())
+            {
+                // the loggers report once, from rank 0; a reward function runs on every rank
+                let mut cfg = self.cfg.clone();
+                cfg.trainer.logger.retain(|l| !l.is_python());
+                self.python = start_python_worker(&cfg, &self.run_dir)?;
+            }
+        }
+        self.settings.ranks = Some(ranks);
+        Ok(())
+    }
+
+    /// Whether the run should stop before its next step: Ctrl-C here, or on any rank of a
+    /// data-parallel run (the ranks decide together, so none is left waiting).
+    ///
+    /// # Errors
+    /// The ranks lost each other.
+    fn interrupted(&self) -> Result<bool, TrainError> {
+        let here = self.interrupt.load(Ordering::SeqCst);
+        let Some(ranks) = &self.settings.ranks else {
+            return Ok(here);
+        };
+        let all = ranks.all_gather(vec![u8::from(here)])?;
+        Ok(all.iter().any(|b| b.first() == Some(&1)))
+    }
+
+    /// Whether this process writes the run's files (rank 0, or no ranks).
+    pub fn writes_files(&self) -> bool {
+        self.settings
+            .ranks
+            .as_ref()
+            .is_none_or(crate::parallel::Ranks::is_first)
+    }
+
     /// Rollout parameters of round `round` of step `step` (seeds derived from both, so
     /// a resumed run samples what the uninterrupted one would have).
     pub(super) fn rollout_params(&self, step: u64, round: u64) -> RolloutParams {
@@ -385,6 +436,7 @@ impl<B: Backend + Clone> Trainer<B> {
             seed,
             chunk: self.settings.rollout_chunk,
             weight_dtype: self.settings.weight_dtype,
+            ranks: self.settings.ranks.clone(),
         }
     }
 
@@ -825,6 +877,10 @@ impl<B: Backend + Clone> Trainer<B> {
             crate::config::SaveDtypeCfg::Bf16 => SaveDtype::Bf16,
         };
         let ckdir = CheckpointDir::new(&self.run_dir);
+        if !self.writes_files() {
+            // rank 0 saves; every rank holds the same state
+            return Ok(ckdir.path_of(self.state.step));
+        }
         ckdir.save(self.state.step, self.cfg.trainer.save_limit, |dir| {
             match self.actor.lora_adapter()? {
                 // LoRA: the adapter as PEFT files; the base is model_path's
@@ -877,6 +933,7 @@ impl<B: Backend + Clone> Trainer<B> {
             seed: self.cfg.trainer.seed,
             chunk: self.settings.rollout_chunk,
             weight_dtype: self.settings.weight_dtype,
+            ranks: self.settings.ranks.clone(),
         };
         let n = r.val_n();
         let to_log = self.cfg.trainer.val_generations_to_log;
@@ -916,19 +973,24 @@ impl<B: Backend + Clone> Trainer<B> {
     /// # Errors
     /// Any step's error (the last checkpoint stays intact).
     pub fn run(&mut self) -> Result<RunSummary, TrainError> {
-        std::fs::create_dir_all(&self.run_dir).map_err(|e| TrainError::io(&self.run_dir, e))?;
-        write_atomic(
-            &self.run_dir.join("config.yaml"),
-            self.cfg.to_yaml().as_bytes(),
-        )?;
+        let writes = self.writes_files();
         let metrics_path = self.run_dir.join("metrics.jsonl");
-        let mut writer = if self.state.step > 0 {
-            MetricsWriter::resume(&metrics_path, self.state.step)
+        let mut writer = if writes {
+            std::fs::create_dir_all(&self.run_dir).map_err(|e| TrainError::io(&self.run_dir, e))?;
+            write_atomic(
+                &self.run_dir.join("config.yaml"),
+                self.cfg.to_yaml().as_bytes(),
+            )?;
+            let w = if self.state.step > 0 {
+                MetricsWriter::resume(&metrics_path, self.state.step)
+            } else {
+                MetricsWriter::create(&metrics_path, false)
+            };
+            Some(w.map_err(|e| TrainError::Invalid(e.to_string()))?)
         } else {
-            MetricsWriter::create(&metrics_path, false)
-        }
-        .map_err(|e| TrainError::Invalid(e.to_string()))?;
-        if let Some(b) = self.bootstrap()? {
+            None
+        };
+        if let Some(b) = self.bootstrap()?.filter(|_| writes) {
             eprintln!(
                 "bootstrap: {} responses, accuracy {:.1}%, τ = {}, targets {:?}",
                 b.responses,
@@ -942,7 +1004,7 @@ impl<B: Backend + Clone> Trainer<B> {
         let mut interrupted = false;
         let mut last_saved = None;
         while self.state.step < self.total_steps {
-            if self.interrupt.load(Ordering::SeqCst) {
+            if self.interrupted()? {
                 interrupted = true;
                 break;
             }
@@ -955,10 +1017,11 @@ impl<B: Backend + Clone> Trainer<B> {
                     record.insert(format!("eval/response_length/{k}"), row.mean_length);
                 }
             }
-            writer
-                .write(&record)
-                .map_err(|e| TrainError::Invalid(e.to_string()))?;
-            if self.cfg.trainer.logger.contains(&Logger::Console) {
+            if let Some(w) = writer.as_mut() {
+                w.write(&record)
+                    .map_err(|e| TrainError::Invalid(e.to_string()))?;
+            }
+            if writes && self.cfg.trainer.logger.contains(&Logger::Console) {
                 eprintln!("{}", step_line(&record, self.state.step, self.total_steps));
             }
             if let Some(w) = self.python.as_mut()
@@ -971,15 +1034,19 @@ impl<B: Backend + Clone> Trainer<B> {
                 last_saved = Some(self.save()?);
             }
         }
-        writer
-            .sync()
-            .map_err(|e| TrainError::Invalid(e.to_string()))?;
+        if let Some(mut w) = writer {
+            w.sync().map_err(|e| TrainError::Invalid(e.to_string()))?;
+        }
         if let Some(w) = self.python.as_mut()
             && let Err(e) = w.finish()
         {
             eprintln!("warning: closing the loggers: {e}");
         }
-        let final_checkpoint = if last_saved.is_some()
+        let final_checkpoint = if !writes {
+            // rank 0 writes it
+            (self.state.step > 0)
+                .then(|| CheckpointDir::new(&self.run_dir).path_of(self.state.step))
+        } else if last_saved.is_some()
             && CheckpointDir::new(&self.run_dir).latest()?.map(|(s, _)| s) == Some(self.state.step)
         {
             last_saved
@@ -1338,15 +1405,40 @@ impl<B: Backend + Clone> Trainer<B> {
         let indices: Vec<usize> = (0..self.train.len()).collect();
         let params = self.rollout_params(0, u64::MAX);
         let bar = self.progress.bar((indices.len() * n) as u64, "bootstrap");
+        let chunks: Vec<&[usize]> = indices
+            .chunks(self.settings.rollout_chunk.max(n) / n.max(1))
+            .collect();
+        let roll = |c: usize, params: &RolloutParams| -> Result<Vec<Response>, TrainError> {
+            let items = self.items(chunks[c], 0)?;
+            let base = (c * chunks[0].len() * n) as u64;
+            let (responses, _) = self.roll_out(&items, n, params, |d| {
+                bar.set_position(base + d as u64);
+            })?;
+            Ok(responses)
+        };
+        // each chunk is rolled out alone (its own seed stream), so ranks share them out
+        let rolled: Vec<Vec<Response>> = match &params.ranks {
+            None => (0..chunks.len())
+                .map(|c| roll(c, &params))
+                .collect::<Result<_, _>>()?,
+            Some(ranks) => {
+                let local = RolloutParams {
+                    ranks: None,
+                    ..params.clone()
+                };
+                ranks
+                    .map_units(chunks.len(), |c| Ok(encode_responses(&roll(c, &local)?)))?
+                    .iter()
+                    .map(|b| decode_responses(b).map_err(|e| e.at(ranks.rank())))
+                    .collect::<Result<_, _>>()?
+            }
+        };
+        bar.set_position((indices.len() * n) as u64);
         let mut all_responses = Vec::new();
         let mut all_grades = Vec::new();
         let mut items_all = Vec::new();
-        for chunk in indices.chunks(self.settings.rollout_chunk.max(n) / n.max(1)) {
+        for (chunk, responses) in chunks.iter().zip(rolled) {
             let items = self.items(chunk, 0)?;
-            let base = all_responses.len() as u64;
-            let (responses, _) = self.roll_out(&items, n, &params, |d| {
-                bar.set_position(base + d as u64);
-            })?;
             let (_, grades) = self.grade(&items, &responses)?;
             all_responses.extend(responses);
             all_grades.extend(grades);
@@ -1381,9 +1473,11 @@ impl<B: Backend + Clone> Trainer<B> {
         }
         apply_bootstrap(&mut self.ares, &result)?;
         self.state.ares = self.ares.snapshot();
-        let json = serde_json::to_vec_pretty(&result)
-            .map_err(|e| TrainError::Internal(format!("bootstrap.json: {e}")))?;
-        write_atomic(&self.run_dir.join("bootstrap.json"), &json)?;
+        if self.writes_files() {
+            let json = serde_json::to_vec_pretty(&result)
+                .map_err(|e| TrainError::Internal(format!("bootstrap.json: {e}")))?;
+            write_atomic(&self.run_dir.join("bootstrap.json"), &json)?;
+        }
         self.bootstrap_done = true;
         Ok(Some(result))
     }

@@ -5,6 +5,8 @@
 use crate::backend::{Backend, View, ViewMut};
 use crate::vision::model::VisionBatch;
 
+use crate::parallel::Ranks;
+use crate::parallel::wire::{Reader, Writer};
 use crate::trainer::TrainError;
 use crate::trainer::actor::{Actor, concat_vision};
 use crate::trainer::collect::rollout::{PromptItem, Response};
@@ -148,34 +150,80 @@ impl Batch {
         model: &Actor<B>,
         micro: usize,
         temperature: f32,
+        ranks: Option<&Ranks>,
     ) -> Result<B::Buffer, TrainError> {
-        let (t, p) = (self.tokens.cols(), self.prompt_cols);
+        let t = self.tokens.cols();
         let be = model.backend();
         let mut out = be.alloc(self.rows() * t)?;
         let rows: Vec<usize> = (0..self.rows()).collect();
+        let chunks: Vec<&[usize]> = rows.chunks(micro.max(1)).collect();
         let mut arena: Option<(usize, crate::model::Activations<B>)> = None;
-        for chunk in rows.chunks(micro.max(1)) {
-            let packed = self.pack(chunk)?;
-            let acts = match &mut arena {
-                Some((len, a)) if *len == chunk.len() => a,
-                _ => {
-                    let a = model.lm().activations(chunk.len(), packed.seq())?;
-                    &mut arena.insert((chunk.len(), a)).1
-                }
-            };
-            let vision = self.vision(chunk);
-            model.forward(&packed.inputs(), vision.as_ref(), p, acts, false)?;
-            model
-                .lm()
-                .log_prob_entropy(acts, &packed.targets, temperature)?;
-            let logp = acts.log_probs();
-            for (i, &row) in chunk.iter().enumerate() {
-                // response token j of a row sits at column P + j, predicted at P − 1 + j
-                let src = View::new(logp.buffer(), logp.offset() + i * packed.seq() + p - 1, t)?;
-                let dst = ViewMut::new(&mut out, row * t, t)?;
-                be.copy(src, dst)?;
+        let Some(ranks) = ranks else {
+            for chunk in &chunks {
+                self.score_rows(model, chunk, temperature, &mut arena, &mut out)?;
             }
+            return Ok(out);
+        };
+        // a data-parallel run: each rank scores its block of micro-batches, which are
+        // those of a run without ranks (same rows, same shapes, so the same bits)
+        let units = ranks.map_units(chunks.len(), |c| {
+            let chunk = chunks[c];
+            self.score_rows(model, chunk, temperature, &mut arena, &mut out)?;
+            let mut host = vec![0.0f32; chunk.len() * t];
+            let first = View::new(&out, chunk[0] * t, chunk.len() * t)?;
+            be.download(first, &mut host)?;
+            let mut w = Writer::default();
+            w.f32s(&host);
+            Ok(w.finish())
+        })?;
+        let mut all = Vec::with_capacity(self.rows() * t);
+        for bytes in &units {
+            let mut r = Reader::new(bytes);
+            all.extend(r.f32s().map_err(|e| e.at(ranks.rank()))?);
+            r.end().map_err(|e| e.at(ranks.rank()))?;
         }
+        if all.len() != self.rows() * t {
+            return Err(TrainError::Internal(format!(
+                "scoring gathered {} log-probs for {} rows of {t}",
+                all.len(),
+                self.rows()
+            )));
+        }
+        be.upload(&all, ViewMut::whole(&mut out))?;
         Ok(out)
+    }
+
+    /// Scores the consecutive rows `chunk` into their rows of `out` (see [`Batch::score`]).
+    fn score_rows<B: Backend>(
+        &self,
+        model: &Actor<B>,
+        chunk: &[usize],
+        temperature: f32,
+        arena: &mut Option<(usize, crate::model::Activations<B>)>,
+        out: &mut B::Buffer,
+    ) -> Result<(), TrainError> {
+        let (t, p) = (self.tokens.cols(), self.prompt_cols);
+        let be = model.backend();
+        let packed = self.pack(chunk)?;
+        let acts = match arena {
+            Some((len, a)) if *len == chunk.len() => a,
+            _ => {
+                let a = model.lm().activations(chunk.len(), packed.seq())?;
+                &mut arena.insert((chunk.len(), a)).1
+            }
+        };
+        let vision = self.vision(chunk);
+        model.forward(&packed.inputs(), vision.as_ref(), p, acts, false)?;
+        model
+            .lm()
+            .log_prob_entropy(acts, &packed.targets, temperature)?;
+        let logp = acts.log_probs();
+        for (i, &row) in chunk.iter().enumerate() {
+            // response token j of a row sits at column P + j, predicted at P − 1 + j
+            let src = View::new(logp.buffer(), logp.offset() + i * packed.seq() + p - 1, t)?;
+            let dst = ViewMut::new(out, row * t, t)?;
+            be.copy(src, dst)?;
+        }
+        Ok(())
     }
 }

@@ -4,6 +4,7 @@
 use crate::backend::Backend;
 use crate::model::{GenerateOutput, GenerateRequest, Sampling, WeightDtype};
 
+use crate::parallel::wire::{Reader, WireError, Writer};
 use crate::trainer::TrainError;
 use crate::trainer::actor::{Actor, ActorGenerator, PromptVision};
 
@@ -93,6 +94,9 @@ pub struct RolloutParams {
     pub chunk: usize,
     /// Decode weights: f32 or a bf16 copy.
     pub weight_dtype: WeightDtype,
+    /// A data-parallel run's ranks: each generates its share of the chunks and every
+    /// rank gets every response (`None`: this process generates all).
+    pub ranks: Option<crate::parallel::Ranks>,
 }
 
 /// Generates `prompts` (each once, with `vision[i]` the images of prompt `i`; empty for
@@ -112,9 +116,8 @@ pub fn generate_all<B: Backend>(
     mut on_chunk: impl FnMut(usize),
 ) -> Result<Vec<Response>, TrainError> {
     let chunk = params.chunk.max(1);
-    let mut out = Vec::with_capacity(prompts.len());
     if prompts.is_empty() {
-        return Ok(out);
+        return Ok(Vec::new());
     }
     // one transpose of the weights for every chunk
     let generator = model.generator_with(params.weight_dtype)?;
@@ -130,42 +133,139 @@ pub fn generate_all<B: Backend>(
             seed: params.seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
         })
         .collect();
-    let mut push = |g: GenerateOutput| {
-        for (((tokens, log_probs), entropies), finished) in g
-            .tokens
-            .into_iter()
-            .zip(g.log_probs)
-            .zip(g.entropies)
-            .zip(g.finished_by_eos)
-        {
-            out.push(Response {
-                tool_calls: 0,
-                tokens,
-                log_probs,
-                entropies,
-                finished,
-                from_model: None,
-                interaction: None,
-            });
+    // requests `range`, on this process
+    let mut run = |range: std::ops::Range<usize>| -> Result<Vec<GenerateOutput>, TrainError> {
+        match &generator {
+            ActorGenerator::Text(g) if vision.iter().all(Option::is_none) => {
+                let done = range.start * chunk;
+                Ok(g.generate_many(&requests[range], chunk, |d| on_chunk(done + d))?)
+            }
+            _ => {
+                let mut outputs = Vec::with_capacity(range.len());
+                for c in range {
+                    let request = &requests[c];
+                    let first = c * chunk;
+                    let part_vision = vision
+                        .get(first..(first + request.prompts.len()).min(vision.len()))
+                        .unwrap_or(&[]);
+                    outputs.push(generator.generate(request, part_vision)?);
+                    on_chunk(first + request.prompts.len());
+                }
+                Ok(outputs)
+            }
         }
     };
-    match &generator {
-        ActorGenerator::Text(g) if vision.iter().all(Option::is_none) => {
-            for output in g.generate_many(&requests, chunk, &mut on_chunk)? {
-                push(output);
-            }
+    let Some(ranks) = &params.ranks else {
+        let outputs = run(0..requests.len())?;
+        return Ok(outputs.into_iter().flat_map(responses_of).collect());
+    };
+    // a data-parallel run: each rank generates its block of chunks (a chunk's streams do
+    // not depend on who generates it), every rank gets every response
+    let count = requests.len();
+    let mine: Vec<usize> = (0..count)
+        .filter(|&c| ranks.owner(c, count) == ranks.rank())
+        .collect();
+    let first = mine.first().copied().unwrap_or(0);
+    let mut local: Option<std::vec::IntoIter<GenerateOutput>> = None;
+    let units = ranks.map_units(count, |c| {
+        if local.is_none() {
+            local = Some(run(first..first + mine.len())?.into_iter());
         }
-        _ => {
-            for (c, request) in requests.iter().enumerate() {
-                let first = c * chunk;
-                let part_vision = vision
-                    .get(first..(first + request.prompts.len()).min(vision.len()))
-                    .unwrap_or(&[]);
-                push(generator.generate(request, part_vision)?);
-                on_chunk(first + request.prompts.len());
-            }
-        }
+        let output = local
+            .as_mut()
+            .and_then(Iterator::next)
+            .ok_or_else(|| TrainError::Internal(format!("rollout chunk {c} was not generated")))?;
+        Ok(encode_responses(&responses_of(output)))
+    })?;
+    let mut out = Vec::with_capacity(prompts.len());
+    for bytes in &units {
+        out.extend(decode_responses(bytes).map_err(|e| e.at(ranks.rank()))?);
     }
+    on_chunk(out.len());
+    Ok(out)
+}
+
+/// The responses of one generation output, in order.
+fn responses_of(g: GenerateOutput) -> Vec<Response> {
+    g.tokens
+        .into_iter()
+        .zip(g.log_probs)
+        .zip(g.entropies)
+        .zip(g.finished_by_eos)
+        .map(|(((tokens, log_probs), entropies), finished)| Response {
+            tool_calls: 0,
+            tokens,
+            log_probs,
+            entropies,
+            finished,
+            from_model: None,
+            interaction: None,
+        })
+        .collect()
+}
+
+/// `responses` as bytes for the other ranks (every field; floats as bits).
+pub fn encode_responses(responses: &[Response]) -> Vec<u8> {
+    let mut w = Writer::default();
+    w.u64(responses.len() as u64);
+    for r in responses {
+        w.u32s(&r.tokens);
+        w.f32s(&r.log_probs);
+        w.f32s(&r.entropies);
+        w.u8(u8::from(r.finished));
+        match &r.from_model {
+            None => w.u8(0),
+            Some(m) => {
+                w.u8(1);
+                w.bytes(&m.iter().map(|&b| u8::from(b)).collect::<Vec<u8>>());
+            }
+        }
+        match r.interaction {
+            None => w.u8(0),
+            Some(x) => {
+                w.u8(1);
+                w.f64(x);
+            }
+        }
+        w.u64(r.tool_calls as u64);
+    }
+    w.finish()
+}
+
+/// The responses [`encode_responses`] wrote.
+///
+/// # Errors
+/// Malformed bytes.
+pub fn decode_responses(bytes: &[u8]) -> Result<Vec<Response>, WireError> {
+    let mut r = Reader::new(bytes);
+    let count = r.u64()?;
+    let mut out = Vec::new();
+    for _ in 0..count {
+        let tokens = r.u32s()?;
+        let log_probs = r.f32s()?;
+        let entropies = r.f32s()?;
+        let finished = r.u8()? != 0;
+        let from_model = match r.u8()? {
+            0 => None,
+            _ => Some(r.bytes()?.iter().map(|&b| b != 0).collect()),
+        };
+        let interaction = match r.u8()? {
+            0 => None,
+            _ => Some(r.f64()?),
+        };
+        let tool_calls = usize::try_from(r.u64()?)
+            .map_err(|_| WireError("a tool-call count out of range".into()))?;
+        out.push(Response {
+            tokens,
+            log_probs,
+            entropies,
+            finished,
+            from_model,
+            interaction,
+            tool_calls,
+        });
+    }
+    r.end()?;
     Ok(out)
 }
 

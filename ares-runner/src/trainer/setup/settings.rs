@@ -163,6 +163,9 @@ pub struct StepSettings {
     pub micro_batch: usize,
     /// Optimizer schedule.
     pub optim: OptimSettings,
+    /// The ranks of a data-parallel run (`None`: one process alone). Set by
+    /// [`Trainer::join`](crate::trainer::Trainer::join).
+    pub ranks: Option<crate::parallel::Ranks>,
 }
 
 /// The sampling of the rollout (`temperature`, `top_k` 0 = off, `top_p`).
@@ -249,6 +252,7 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
         mini_batch,
         micro_batch,
         optim,
+        ranks: None,
     })
 }
 

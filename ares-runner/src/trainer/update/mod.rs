@@ -14,8 +14,10 @@ use ares_core::loss::LossAggMode;
 /// Metrics by name.
 pub type Metrics = std::collections::BTreeMap<String, f64>;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, DeviceBuffer, View, ViewMut};
 use crate::model::{Activations, AdamW, Grads};
+use crate::parallel::Ranks;
+use crate::parallel::wire::{Reader, Writer};
 use crate::trainer::TrainError;
 use crate::trainer::collect::batch::Batch;
 use crate::trainer::collect::tokens::gather_rows;
@@ -117,6 +119,64 @@ pub fn ppo_update<B: Backend>(
     Ok(report)
 }
 
+/// A data-parallel micro-batch's status: no valid token, a non-finite loss, learned.
+const SLICE_EMPTY: u8 = 0;
+const SLICE_NON_FINITE: u8 = 1;
+const SLICE_LEARNED: u8 = 2;
+
+/// Every gradient buffer of `opt`: the model's, then the vision tower's.
+fn grad_buffers<B: Backend>(opt: &Optimizer<B>) -> Vec<&B::Buffer> {
+    let mut all = opt.grads.buffers();
+    if let Some(t) = &opt.tower {
+        all.extend(t.grads.buffers());
+    }
+    all
+}
+
+/// The number of gradient values of `opt`.
+fn grads_len<B: Backend>(opt: &Optimizer<B>) -> usize {
+    grad_buffers(opt).iter().map(|b| b.len()).sum()
+}
+
+/// Zeroes `opt`'s gradients (the model's and the tower's).
+fn zero_grads<B: Backend>(be: &B, opt: &mut Optimizer<B>) -> Result<(), TrainError> {
+    opt.grads.zero(be)?;
+    if let Some(t) = &mut opt.tower {
+        t.zero_grads(be)?;
+    }
+    Ok(())
+}
+
+/// `opt`'s gradients as one host vector, buffer after buffer.
+fn grads_to_host<B: Backend>(be: &B, opt: &Optimizer<B>) -> Result<Vec<f32>, TrainError> {
+    let mut out = vec![0.0f32; grads_len(opt)];
+    let mut at = 0;
+    for b in grad_buffers(opt) {
+        be.download(View::whole(b), &mut out[at..at + b.len()])?;
+        at += b.len();
+    }
+    Ok(out)
+}
+
+/// Writes `host` (laid out as [`grads_to_host`] reads) into `opt`'s gradients.
+fn grads_from_host<B: Backend>(
+    be: &B,
+    opt: &mut Optimizer<B>,
+    host: &[f32],
+) -> Result<(), TrainError> {
+    let mut all = opt.grads.buffers_mut();
+    if let Some(t) = &mut opt.tower {
+        all.extend(t.grads.buffers_mut());
+    }
+    let mut at = 0;
+    for b in all {
+        let len = b.len();
+        be.upload(&host[at..at + len], ViewMut::whole(b))?;
+        at += len;
+    }
+    Ok(())
+}
+
 /// What one mini-batch's forward and backward passes gave.
 enum MiniBatch {
     /// No valid token: no optimizer step.
@@ -214,6 +274,9 @@ impl<B: Backend> Update<'_, B> {
         actor: &mut Actor<B>,
         opt: &mut Optimizer<B>,
     ) -> Result<MiniBatch, TrainError> {
+        if let Some(ranks) = self.inputs.settings.ranks.clone() {
+            return self.mini_batch_ranks(&ranks, mini, actor, opt);
+        }
         let mini_size = count(self.inputs.batch, mini);
         opt.grads.zero(actor.backend())?;
         if let Some(t) = &mut opt.tower {
@@ -252,6 +315,99 @@ impl<B: Backend> Update<'_, B> {
         } else {
             MiniBatch::Learned(acc)
         })
+    }
+
+    /// [`Update::mini_batch`] in a data-parallel run: each rank computes its block of the
+    /// micro-batches, each into zeroed gradients (a *slice*); every rank gets every
+    /// micro-batch's losses and the slices' sum in micro-batch order, so the result is
+    /// the same bits at any world size (see [`crate::parallel`]).
+    fn mini_batch_ranks(
+        &mut self,
+        ranks: &Ranks,
+        mini: &[usize],
+        actor: &mut Actor<B>,
+        opt: &mut Optimizer<B>,
+    ) -> Result<MiniBatch, TrainError> {
+        let mini_size = count(self.inputs.batch, mini);
+        let micros: Vec<&[usize]> = mini
+            .chunks(self.inputs.settings.micro_batch.max(1))
+            .collect();
+        let mut slices: Vec<Vec<f32>> = Vec::new();
+        let units = ranks.map_units(micros.len(), |index| {
+            let micro = micros[index];
+            let (micro_tokens, micro_rows) = count(self.inputs.batch, micro);
+            let mut w = Writer::default();
+            if mini_size.0 == 0 || micro_tokens == 0 {
+                w.u8(SLICE_EMPTY);
+                return Ok(w.finish());
+            }
+            zero_grads(actor.backend(), opt)?;
+            let agg = self.inputs.settings.policy.agg;
+            let scale = micro_scale(agg, micro_tokens, mini_size.0, micro_rows, mini_size.1);
+            match self.micro_batch(micro, index, scale, actor, opt)? {
+                None => w.u8(SLICE_NON_FINITE),
+                Some(loss) => {
+                    slices.push(grads_to_host(actor.backend(), opt)?);
+                    w.u8(SLICE_LEARNED);
+                    for v in [
+                        loss.pg_loss,
+                        loss.kl_loss,
+                        loss.clipfrac,
+                        loss.clipfrac_lower,
+                        loss.ppo_kl,
+                        loss.selected_frac,
+                        loss.entropy,
+                        loss.entropy_loss,
+                    ] {
+                        w.f64(v);
+                    }
+                    w.u64(loss.tokens as u64);
+                }
+            }
+            Ok(w.finish())
+        })?;
+        let bad = |e: crate::parallel::wire::WireError| TrainError::from(e.at(ranks.rank()));
+        let mut acc = MicroLoss::default();
+        let mut micros_learned = 0usize;
+        for bytes in &units {
+            let mut r = Reader::new(bytes);
+            match r.u8().map_err(bad)? {
+                SLICE_EMPTY => continue,
+                SLICE_NON_FINITE => return Ok(MiniBatch::NonFinite),
+                _ => {}
+            }
+            let mut f = || r.f64().map_err(bad);
+            let loss = MicroLoss {
+                pg_loss: f()?,
+                kl_loss: f()?,
+                clipfrac: f()?,
+                clipfrac_lower: f()?,
+                ppo_kl: f()?,
+                selected_frac: f()?,
+                entropy: f()?,
+                entropy_loss: f()?,
+                tokens: usize::try_from(r.u64().map_err(bad)?).unwrap_or(usize::MAX),
+            };
+            r.end().map_err(bad)?;
+            // the sums of the run without ranks, in its order
+            acc.pg_loss += loss.pg_loss;
+            acc.kl_loss += loss.kl_loss;
+            let w = loss.tokens as f64 / mini_size.0 as f64;
+            acc.clipfrac += loss.clipfrac * w;
+            acc.clipfrac_lower += loss.clipfrac_lower * w;
+            acc.ppo_kl += loss.ppo_kl * w;
+            acc.selected_frac += loss.selected_frac * w;
+            acc.entropy += loss.entropy;
+            acc.entropy_loss += loss.entropy_loss;
+            micros_learned += 1;
+        }
+        if micros_learned == 0 {
+            return Ok(MiniBatch::Empty);
+        }
+        let mut total = vec![0.0f32; grads_len(opt)];
+        ranks.ordered_sum(&slices, &mut total)?;
+        grads_from_host(actor.backend(), opt, &total)?;
+        Ok(MiniBatch::Learned(acc))
     }
 
     /// Micro-batch `index` (rows `micro`, its share `scale` of the mini-batch, see

@@ -1,0 +1,264 @@
+//! Data parallelism with threads as ranks: a run's numbers do not depend on the world size.
+//! Worlds of 1, 2 and 4 ranks train the demo's task for three steps (bootstrap, the ARES
+//! controllers, the dynamic KL against a reference, two optimizer steps a step in
+//! micro-batches); their metrics, checkpoints (weights, optimizer moments, controller
+//! state) are the same bytes; a run resumed at another world size equals the straight one.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use ares_runner::backend::cpu::CpuBackend;
+use ares_runner::config::Config;
+use ares_runner::demo::model::TinyModelSpec;
+use ares_runner::demo::{DemoAssets, DemoOptions, write_demo_assets_with};
+use ares_runner::metrics::read_metrics;
+use ares_runner::parallel::Ranks;
+use ares_runner::parallel::threads::ThreadGroup;
+use ares_runner::trainer::{RunSummary, TrainError, Trainer};
+use serde_json::{Map, Value};
+
+fn assets(dir: &Path) -> DemoAssets {
+    write_demo_assets_with(
+        dir,
+        &DemoOptions {
+            seed: 5,
+            train_per_level: 4,
+            eval_per_level: 2,
+            sft_examples: 8,
+            model: TinyModelSpec {
+                hidden: 32,
+                layers: 2,
+                heads: 2,
+                kv_heads: 1,
+                intermediate: 64,
+                max_positions: 256,
+                ..TinyModelSpec::default()
+            },
+            ..DemoOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+/// Four prompts × four samples a step (16 rows); mini-batches of two prompts (8 rows), so
+/// two optimizer steps a step, each over four micro-batches of two rows.
+fn config(a: &DemoAssets, run: &Path, overrides: &[&str]) -> Config {
+    let base = format!(
+        "\
+data:
+  train_files: {train}
+  val_files: {val}
+  max_prompt_length: 40
+  max_response_length: 10
+  rollout_batch_size: 4
+  bootstrap: true
+algorithm:
+  online_filtering: false
+  kl_type: dual_ascent
+worker:
+  actor:
+    model_path: {model}
+    global_batch_size: 2
+    micro_batch_size_per_device_for_update: 2
+    optim: {{lr: 1.0e-3}}
+  rollout:
+    n: 4
+trainer:
+  save_checkpoint_path: {run}
+  max_steps: 3
+  save_freq: 0
+  logger: [file]
+",
+        train = a.train.display(),
+        val = a.eval.display(),
+        model = a.model_dir.display(),
+        run = run.display()
+    );
+    let path = run.with_extension("yaml");
+    std::fs::create_dir_all(run.parent().unwrap()).unwrap();
+    std::fs::write(&path, base).unwrap();
+    let overrides: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    Config::load(Some(&path), &overrides).unwrap()
+}
+
+/// Runs `cfg` at `world` ranks (threads); every rank's summary.
+fn run_world(cfg: &Config, world: usize) -> Vec<Result<RunSummary, TrainError>> {
+    let ranks = ThreadGroup::ranks(world, Duration::from_secs(120));
+    std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|rank| {
+                let cfg = cfg.clone();
+                s.spawn(move || {
+                    let mut t = Trainer::new(cfg, CpuBackend, Arc::new(AtomicBool::new(false)))?;
+                    // rollout chunks of four sequences: four chunks a step to share out
+                    t.settings.rollout_chunk = 4;
+                    t.join(Ranks::new(Arc::new(rank)))?;
+                    t.run()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// A run's metrics lines and checkpoint files.
+type Outcome = (Vec<Map<String, Value>>, Vec<(String, Vec<u8>)>);
+
+/// Metrics that do not depend on the wall clock.
+fn metrics(path: &Path) -> Vec<Map<String, Value>> {
+    read_metrics(path)
+        .unwrap()
+        .into_iter()
+        .map(|l| {
+            l.into_iter()
+                .filter(|(k, _)| !k.starts_with("time/") && !k.starts_with("perf/"))
+                .collect()
+        })
+        .collect()
+}
+
+/// Every file of a checkpoint, by path inside it (its config aside: a resumed run's
+/// says so).
+fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, Vec<u8>)>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(root, &p, out);
+            } else {
+                let name = p.strip_prefix(root).unwrap().to_string_lossy().into_owned();
+                if name != "config.yaml" {
+                    out.push((name, std::fs::read(&p).unwrap()));
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out);
+    out.sort();
+    out
+}
+
+/// One world's run: its metrics and final checkpoint's files (from rank 0), after
+/// checking every rank ended well and pointed at the same checkpoint.
+fn outcome(dir: &Path, a: &DemoAssets, world: usize) -> Outcome {
+    let run = dir.join(format!("world{world}"));
+    let summaries: Vec<RunSummary> = run_world(&config(a, &run, &[]), world)
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let checkpoint: PathBuf = summaries[0].checkpoint.clone().expect("a checkpoint");
+    for s in &summaries {
+        assert_eq!(s.steps, 3);
+        assert_eq!(s.checkpoint.as_ref(), Some(&checkpoint));
+    }
+    (metrics(&summaries[0].metrics), files(&checkpoint))
+}
+
+#[test]
+fn worlds_of_one_two_and_four_give_the_same_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let (m1, c1) = outcome(dir.path(), &a, 1);
+    assert_eq!(m1.len(), 3);
+    assert!(
+        c1.iter().any(|(n, _)| n.ends_with("model.safetensors")),
+        "{:?}",
+        c1.iter().map(|f| &f.0).collect::<Vec<_>>()
+    );
+    // the run learned: two optimizer steps a step, none skipped
+    assert!(
+        m1[2]["actor/grad_norm"].as_f64().unwrap() > 0.0,
+        "{:?}",
+        m1[2]
+    );
+    assert_eq!(m1[2]["actor/skipped_updates"].as_f64(), Some(0.0));
+    let state = &c1
+        .iter()
+        .find(|(n, _)| n == "trainer_state.json")
+        .expect("a trainer state")
+        .1;
+    let state: Value = serde_json::from_slice(state).unwrap();
+    assert_eq!(state["optimizer_steps"], 6, "{state}");
+    for world in [2, 4] {
+        let (m, c) = outcome(dir.path(), &a, world);
+        assert_eq!(m, m1, "world {world}: metrics");
+        for ((n1, b1), (n, b)) in c1.iter().zip(&c) {
+            assert_eq!(n, n1);
+            assert!(b == b1, "world {world}: {n} differs");
+        }
+        assert_eq!(c.len(), c1.len());
+    }
+}
+
+#[test]
+fn a_run_resumes_exactly_at_another_world_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let straight = dir.path().join("straight");
+    let s = run_world(&config(&a, &straight, &[]), 2).remove(0).unwrap();
+    let want = (metrics(&s.metrics), files(&s.checkpoint.unwrap()));
+    for (first, second) in [(2, 1), (1, 2)] {
+        let run = dir.path().join(format!("from{first}to{second}"));
+        let part = run_world(
+            &config(&a, &run, &["trainer.max_steps=2", "trainer.save_freq=2"]),
+            first,
+        );
+        assert_eq!(part[0].as_ref().unwrap().steps, 2);
+        let resume = config(&a, &run, &["trainer.find_last_checkpoint=true"]);
+        let s = run_world(&resume, second).remove(0).unwrap();
+        let got = (metrics(&s.metrics), files(&s.checkpoint.unwrap()));
+        assert_eq!(got.0, want.0, "{first} → {second}: metrics");
+        assert_eq!(names(&got.1), names(&want.1));
+        for ((n, b), (_, w)) in got.1.iter().zip(&want.1) {
+            assert!(b == w, "{first} → {second}: {n} differs");
+        }
+    }
+}
+
+#[test]
+fn a_failing_rank_stops_every_rank_with_its_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let cfg = config(&a, &dir.path().join("run"), &[]);
+    let ranks = ThreadGroup::ranks(2, Duration::from_secs(60));
+    let results: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|rank| {
+                let cfg = cfg.clone();
+                s.spawn(move || {
+                    let r = rank_index(&rank);
+                    let mut t =
+                        Trainer::new(cfg, CpuBackend, Arc::new(AtomicBool::new(false))).unwrap();
+                    if r == 1 {
+                        // rank 1 is broken: its rollout cannot fit a response
+                        t.settings.max_new_tokens = 100_000;
+                    }
+                    t.settings.rollout_chunk = 4;
+                    t.join(Ranks::new(Arc::new(rank))).unwrap();
+                    match t.run() {
+                        Ok(_) => "finished".to_string(),
+                        Err(e) => e.to_string(),
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(results[0].starts_with("rank 1 failed: unit"), "{results:?}");
+    assert!(!results[1].contains("rank 1 failed"), "{results:?}");
+    assert_ne!(results[1], "finished");
+}
+
+fn names(files: &[(String, Vec<u8>)]) -> Vec<&str> {
+    files.iter().map(|f| f.0.as_str()).collect()
+}
+
+fn rank_index(r: &ares_runner::parallel::threads::ThreadRank) -> usize {
+    use ares_runner::parallel::Collective;
+    r.rank()
+}
