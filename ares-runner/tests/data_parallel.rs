@@ -59,7 +59,7 @@ algorithm:
   kl_type: dual_ascent
 worker:
   actor:
-    model_path: {model}
+    model: {{model_path: {model}}}
     global_batch_size: 2
     micro_batch_size_per_device_for_update: 2
     optim: {{lr: 1.0e-3}}
@@ -261,4 +261,118 @@ fn names(files: &[(String, Vec<u8>)]) -> Vec<&str> {
 fn rank_index(r: &ares_runner::parallel::threads::ThreadRank) -> usize {
     use ares_runner::parallel::Collective;
     r.rank()
+}
+
+/// `ares-runner train -c <cfg>` as `world` processes launched the torchrun way (`RANK`,
+/// `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), meeting over TCP on this
+/// machine; each process's output.
+fn launch(cfg: &Path, world: usize, extra: &[(&str, &str)]) -> Vec<std::process::Output> {
+    let port = std::net::TcpListener::bind(("127.0.0.1", 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_ares-runner"));
+            c.args(["train", "--device", "cpu", "-c"])
+                .arg(cfg)
+                .arg("trainer.logger=[console,file]")
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("ARES_COLLECTIVE_TIMEOUT", "120")
+                .env("ARES_NO_PROGRESS", "1")
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped());
+            for (k, v) in extra {
+                c.env(k, v);
+            }
+            c.spawn().unwrap()
+        })
+        .collect();
+    children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect()
+}
+
+#[test]
+fn processes_launched_like_torchrun_equal_threads_and_each_other() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let mut outcomes = Vec::new();
+    for world in [1, 2] {
+        let run = dir.path().join(format!("procs{world}"));
+        config(&a, &run, &[]);
+        let outs = launch(&run.with_extension("yaml"), world, &[]);
+        for (rank, o) in outs.iter().enumerate() {
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert!(o.status.success(), "world {world} rank {rank}: {err}");
+            assert!(err.contains(&format!("rank {rank} of {world}")), "{err}");
+            // one set of step lines: rank 0's
+            assert_eq!(err.contains("step 1/3"), rank == 0, "rank {rank}: {err}");
+        }
+        let ck = dir.path().join(format!("procs{world}")).join("checkpoints");
+        let latest = std::fs::read_dir(&ck)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .max()
+            .unwrap();
+        outcomes.push((metrics(&run.join("metrics.jsonl")), files(&latest)));
+    }
+    assert_eq!(outcomes[1].0, outcomes[0].0, "metrics");
+    assert!(outcomes[1].1 == outcomes[0].1, "checkpoints differ");
+}
+
+#[test]
+fn bad_launch_environments_fail_with_what_to_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let run = dir.path().join("run");
+    config(&a, &run, &[]);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ares-runner"))
+        .args(["train", "--device", "cpu", "-c"])
+        .arg(run.with_extension("yaml"))
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "2")
+        .env("LOCAL_RANK", "0")
+        .env_remove("MASTER_ADDR")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("MASTER_ADDR is not set"), "{err}");
+    // two ranks that disagree on the world size
+    let port = std::net::TcpListener::bind(("127.0.0.1", 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let spawn = |rank: &str, world: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_ares-runner"))
+            .args(["train", "--device", "cpu", "-c"])
+            .arg(run.with_extension("yaml"))
+            .env("RANK", rank)
+            .env("WORLD_SIZE", world)
+            .env("LOCAL_RANK", rank)
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .env("ARES_COLLECTIVE_TIMEOUT", "30")
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (r0, r1) = (spawn("0", "2"), spawn("1", "3"));
+    let (o0, o1) = (
+        r0.wait_with_output().unwrap(),
+        r1.wait_with_output().unwrap(),
+    );
+    assert!(!o0.status.success() && !o1.status.success());
+    let e0 = String::from_utf8_lossy(&o0.stderr);
+    assert!(e0.contains("rank 1 says the world has 3 ranks"), "{e0}");
 }

@@ -15,6 +15,8 @@ use std::sync::atomic::AtomicBool;
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::config::{Config, Device};
+use crate::parallel::Ranks;
+use crate::parallel::launch::{LaunchEnv, TcpRanks};
 use crate::trainer::eval::format_table;
 use crate::trainer::{TrainError, Trainer};
 
@@ -98,6 +100,31 @@ macro_rules! with_backend {
 /// `cuda` without a usable GPU, or in a build without the `cuda` feature; an `ARES_CPU_ISA`
 /// that names no path or one this CPU lacks.
 pub fn select_backend(cfg: &Config) -> Result<Selected, TrainError> {
+    select_backend_at(cfg, None)
+}
+
+/// [`select_backend`] for one rank of a launched run: the GPU is `LOCAL_RANK`'s
+/// (`launch.local_rank`), not the first.
+///
+/// # Errors
+/// As [`select_backend`]; a local rank with no GPU of its index, naming the variable.
+pub fn select_backend_at(
+    cfg: &Config,
+    launch: Option<&crate::parallel::launch::LaunchEnv>,
+) -> Result<Selected, TrainError> {
+    #[cfg(feature = "cuda")]
+    let ordinal = launch.map_or(0, |l| l.local_rank);
+    #[cfg(feature = "cuda")]
+    let which = |e: &dyn std::fmt::Display| match launch {
+        Some(l) => format!(
+            "GPU {ordinal} (local rank {} of a {:?} launch; at most one rank per GPU of this \
+             machine): {e}",
+            l.local_rank, l.launcher
+        ),
+        None => e.to_string(),
+    };
+    #[cfg(not(feature = "cuda"))]
+    let _ = launch;
     // the host's kernels run on every device (scoring, sampling, the CPU backend's ops): an
     // invalid ARES_CPU_ISA stops the run here rather than after a warning nobody reads
     let isa = ares_cpu::Isa::setting().map_err(|e| TrainError::Invalid(e.to_string()))?;
@@ -117,18 +144,21 @@ pub fn select_backend(cfg: &Config) -> Result<Selected, TrainError> {
     match cfg.trainer.device {
         Device::Cpu => Ok(Selected::Cpu(CpuBackend)),
         #[cfg(feature = "cuda")]
-        Device::Cuda => crate::backend::cuda::CudaBackend::new(0)
+        Device::Cuda => crate::backend::cuda::CudaBackend::new(ordinal)
             .map(Selected::Cuda)
-            .map_err(|e| TrainError::Invalid(format!("trainer.device = cuda: {e}"))),
+            .map_err(|e| TrainError::Invalid(format!("trainer.device = cuda: {}", which(&e)))),
         #[cfg(not(feature = "cuda"))]
         Device::Cuda => Err(TrainError::Invalid(
             "trainer.device = cuda: this ares-runner was built without the `cuda` feature".into(),
         )),
         #[cfg(feature = "cuda")]
-        Device::Auto => match crate::backend::cuda::CudaBackend::new(0) {
+        Device::Auto => match crate::backend::cuda::CudaBackend::new(ordinal) {
             Ok(b) => Ok(Selected::Cuda(b)),
             Err(e) => {
-                eprintln!("trainer.device = auto: no usable GPU ({e}); using the CPU");
+                eprintln!(
+                    "trainer.device = auto: no usable GPU ({}); using the CPU",
+                    which(&e)
+                );
                 Ok(Selected::Cpu(CpuBackend))
             }
         },
@@ -161,21 +191,57 @@ pub fn interrupt_flag() -> Result<Arc<AtomicBool>, TrainError> {
 /// # Errors
 /// Any error of the run, naming what was wrong.
 pub fn train(cfg: Config, overrides: &[String], from_file: bool) -> Result<(), TrainError> {
+    // one rank of a run launched by torchrun or srun (None: a process alone)
+    let launch = LaunchEnv::from_env().map_err(|e| TrainError::Invalid(e.to_string()))?;
     if cfg.data.train_files.is_none() && !from_file {
+        if launch.as_ref().is_some_and(|l| l.world > 1) {
+            return Err(TrainError::Invalid(
+                "the built-in demo runs as one process; launch a config with data.train_files \
+                 on several ranks (ares-runner train -c run.yaml)"
+                    .into(),
+            ));
+        }
         return demo::run(overrides, demo::Demo::Text, None);
     }
-    let selected = select_backend(&cfg)?;
-    crate::with_backend!(selected, b => train_on(cfg, b))
+    let selected = select_backend_at(&cfg, launch.as_ref())?;
+    let ranks = match &launch {
+        None => None,
+        Some(l) => {
+            eprintln!(
+                "rank {} of {} ({:?} launch, local rank {}){}",
+                l.rank,
+                l.world,
+                l.launcher,
+                l.local_rank,
+                l.master
+                    .as_ref()
+                    .map_or(String::new(), |(a, p)| format!(": meeting at {a}:{p}"))
+            );
+            let tcp = TcpRanks::connect(l)?;
+            Some(Ranks::new(Arc::new(tcp)))
+        }
+    };
+    crate::with_backend!(selected, b => train_on(cfg, b, ranks))
 }
 
-/// [`train`] on a chosen backend.
-fn train_on<B: Backend + Clone>(cfg: Config, backend: B) -> Result<(), TrainError> {
+/// [`train`] on a chosen backend, as one of `ranks` when launched.
+fn train_on<B: Backend + Clone>(
+    cfg: Config,
+    backend: B,
+    ranks: Option<Ranks>,
+) -> Result<(), TrainError> {
     let interrupt = interrupt_flag()?;
     let mut trainer = Trainer::new(cfg, backend, interrupt)?;
+    if let Some(r) = ranks {
+        trainer.join(r)?;
+    }
+    let prints = trainer.writes_files();
     if trainer.cfg.trainer.val_before_train && !trainer.val.is_empty() {
         let val = trainer.val.clone();
         let report = trainer.evaluate(&val)?;
-        eprintln!("validation before training:\n{}", format_table(&report));
+        if prints {
+            eprintln!("validation before training:\n{}", format_table(&report));
+        }
     }
     if trainer.cfg.trainer.val_only {
         if trainer.val.is_empty() {
@@ -188,6 +254,9 @@ fn train_on<B: Backend + Clone>(cfg: Config, backend: B) -> Result<(), TrainErro
         return Ok(());
     }
     let summary = trainer.run()?;
+    if !prints {
+        return Ok(());
+    }
     eprintln!(
         "{} after {} steps; metrics: {}; checkpoint: {}",
         if summary.interrupted {
