@@ -642,3 +642,82 @@ fn vision_episodes_continue_over_kept_blocks() {
         "no episode had a second turn: the test tests nothing"
     );
 }
+
+/// Every file under `dir` (its config aside), by path inside it.
+fn checkpoint_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, Vec<u8>)>) {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                walk(root, &p, out);
+            } else {
+                let name = p.strip_prefix(root).unwrap().display().to_string();
+                if name != "config.yaml" {
+                    out.push((name, std::fs::read(&p).unwrap()));
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, dir, &mut out);
+    out.sort();
+    out
+}
+
+/// Data parallelism with images: worlds of 1, 2 and 3 threads (the rollout in chunks of
+/// two sequences, micro-batches of two rows, the tower trained, a bootstrap) give the same
+/// metrics and checkpoint bytes, the tower's moments included.
+#[test]
+fn data_parallel_worlds_give_the_same_bits_with_images() {
+    use ares_runner::parallel::Ranks;
+    use ares_runner::parallel::threads::ThreadGroup;
+    let dir = tempfile::tempdir().unwrap();
+    let mut outcomes = Vec::new();
+    for world in [1, 2, 3] {
+        let run = dir.path().join(format!("world{world}"));
+        let cfg = config(
+            dir.path(),
+            &run,
+            &[
+                "data.bootstrap=true",
+                "worker.actor.micro_batch_size_per_device_for_update=2",
+                "trainer.save_freq=0",
+            ],
+        );
+        let ranks = ThreadGroup::ranks(world, std::time::Duration::from_secs(120));
+        let summaries: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .into_iter()
+                .map(|rank| {
+                    let cfg = cfg.clone();
+                    s.spawn(move || {
+                        let mut t = Trainer::new(cfg, CpuBackend, Arc::new(AtomicBool::new(false)))
+                            .unwrap();
+                        t.settings.rollout_chunk = 2;
+                        t.join(Ranks::new(Arc::new(rank))).unwrap();
+                        t.run().unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let ck = summaries[0].checkpoint.clone().unwrap();
+        let files = checkpoint_files(&ck);
+        assert!(
+            files
+                .iter()
+                .any(|(n, _)| n.contains("vision") || n.contains("tower")),
+            "the tower's moments: {:?}",
+            files.iter().map(|f| &f.0).collect::<Vec<_>>()
+        );
+        let m = deterministic(read_metrics(&summaries[0].metrics).unwrap());
+        outcomes.push((m, files));
+    }
+    for (i, o) in outcomes.iter().enumerate().skip(1) {
+        assert_eq!(o.0, outcomes[0].0, "world {}: metrics", i + 1);
+        assert_eq!(o.1.len(), outcomes[0].1.len());
+        for ((n, b), (_, w)) in o.1.iter().zip(&outcomes[0].1) {
+            assert!(b == w, "world {}: {n} differs", i + 1);
+        }
+    }
+}
