@@ -24,7 +24,8 @@ pub mod threads;
 pub mod wire;
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Why a collective operation failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -93,7 +94,18 @@ pub trait Collective: Send + Sync {
 
 /// A shared handle on this process's [`Collective`], with the step's helpers.
 #[derive(Clone)]
-pub struct Ranks(Arc<dyn Collective>);
+pub struct Ranks(Arc<dyn Collective>, Arc<Mutex<Traffic>>);
+
+/// What this rank's collective operations cost since last asked.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Traffic {
+    /// Time inside the operations: moving bytes and waiting for slower ranks.
+    pub time: Duration,
+    /// Bytes this rank sent.
+    pub bytes_sent: u64,
+    /// Operations.
+    pub operations: u64,
+}
 
 impl fmt::Debug for Ranks {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -111,7 +123,12 @@ impl PartialEq for Ranks {
 impl Ranks {
     /// A handle on `collective`.
     pub fn new(collective: Arc<dyn Collective>) -> Self {
-        Self(collective)
+        Self(collective, Arc::default())
+    }
+
+    /// The collective operations' cost since the last call, and a fresh count.
+    pub fn take_traffic(&self) -> Traffic {
+        std::mem::take(&mut *self.1.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 
     /// This rank.
@@ -140,7 +157,13 @@ impl Ranks {
     /// # Errors
     /// As [`Collective::all_gather`].
     pub fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, CollectiveError> {
-        self.0.all_gather(mine)
+        let (t, sent) = (Instant::now(), mine.len() as u64);
+        let out = self.0.all_gather(mine);
+        let mut traffic = self.1.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        traffic.time += t.elapsed();
+        traffic.bytes_sent += sent;
+        traffic.operations += 1;
+        out
     }
 
     /// Units `0..count`, each computed by its [`owner`](Ranks::owner) with `compute` and

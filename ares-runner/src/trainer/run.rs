@@ -682,6 +682,12 @@ impl<B: Backend + Clone> Trainer<B> {
         bar.finish();
         times.add("update", t.elapsed());
 
+        // the ranks' share of the step: collective operations, waiting included
+        let traffic = self.settings.ranks.as_ref().map(crate::parallel::Ranks::take_traffic);
+        if let Some(t) = traffic {
+            times.add("collective", t.time);
+        }
+
         self.state.step = step;
         self.state.optimizer_steps = self.opt.steps;
         self.state.skipped_updates += update.skipped as u64;
@@ -691,7 +697,7 @@ impl<B: Backend + Clone> Trainer<B> {
             skipped_updates: self.state.skipped_updates,
             dropped_solved: self.state.dropped.len(),
         };
-        Ok(step_record(
+        let mut record = step_record(
             step,
             &batch,
             &prep,
@@ -701,7 +707,12 @@ impl<B: Backend + Clone> Trainer<B> {
             &counters,
             &times,
             started.elapsed(),
-        ))
+        );
+        if let Some(t) = traffic {
+            record.insert("perf/collective_bytes_sent", t.bytes_sent as f64);
+            record.insert("perf/collective_ops", t.operations as f64);
+        }
+        Ok(record)
     }
 
     /// Rounds of `groups_per_round` prompts, rolled out and graded, until `groups_per_step`
