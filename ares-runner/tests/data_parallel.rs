@@ -85,6 +85,14 @@ trainer:
 
 /// Runs `cfg` at `world` ranks (threads); every rank's summary.
 fn run_world(cfg: &Config, world: usize) -> Vec<Result<RunSummary, TrainError>> {
+    run_world_with(cfg, world)
+        .into_iter()
+        .map(|r| r.map(|(s, _)| s))
+        .collect()
+}
+
+/// [`run_world`], with the optimizer-state bytes each rank held.
+fn run_world_with(cfg: &Config, world: usize) -> Vec<Result<(RunSummary, u64), TrainError>> {
     let ranks = ThreadGroup::ranks(world, Duration::from_secs(120));
     std::thread::scope(|s| {
         let handles: Vec<_> = ranks
@@ -96,7 +104,8 @@ fn run_world(cfg: &Config, world: usize) -> Vec<Result<RunSummary, TrainError>> 
                     // rollout chunks of four sequences: four chunks a step to share out
                     t.settings.rollout_chunk = 4;
                     t.join(Ranks::new(Arc::new(rank)))?;
-                    t.run()
+                    let bytes = t.optimizer_state_bytes();
+                    Ok((t.run()?, bytes))
                 })
             })
             .collect();
@@ -145,17 +154,28 @@ fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
 /// One world's run: its metrics and final checkpoint's files (from rank 0), after
 /// checking every rank ended well and pointed at the same checkpoint.
 fn outcome(dir: &Path, a: &DemoAssets, world: usize) -> Outcome {
-    let run = dir.join(format!("world{world}"));
-    let summaries: Vec<RunSummary> = run_world(&config(a, &run, &[]), world)
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    outcome_with(dir, a, world, &[]).0
+}
+
+/// [`outcome`] with `overrides`, and the optimizer-state bytes each rank held.
+fn outcome_with(
+    dir: &Path,
+    a: &DemoAssets,
+    world: usize,
+    overrides: &[&str],
+) -> (Outcome, Vec<u64>) {
+    let run = dir.join(format!("world{world}-{}", overrides.join("-")));
+    let (summaries, bytes): (Vec<RunSummary>, Vec<u64>) =
+        run_world_with(&config(a, &run, overrides), world)
+            .into_iter()
+            .map(Result::unwrap)
+            .unzip();
     let checkpoint: PathBuf = summaries[0].checkpoint.clone().expect("a checkpoint");
     for s in &summaries {
         assert_eq!(s.steps, 3);
         assert_eq!(s.checkpoint.as_ref(), Some(&checkpoint));
     }
-    (metrics(&summaries[0].metrics), files(&checkpoint))
+    ((metrics(&summaries[0].metrics), files(&checkpoint)), bytes)
 }
 
 #[test]
@@ -194,6 +214,37 @@ fn worlds_of_one_two_and_four_give_the_same_bits() {
     }
 }
 
+/// ZeRO-1: each rank holds the moments of its share of the weights (together, all of
+/// them once), and the run is the unsharded one's to the bit — f32 and 8-bit moments,
+/// the checkpoint's optimizer file whole.
+#[test]
+fn zero_1_shards_the_moments_and_changes_no_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    for dtype in ["f32", "int8"] {
+        let state = format!("worker.actor.optim.state_dtype={dtype}");
+        let (want, full) = outcome_with(dir.path(), &a, 1, &[&state]);
+        for world in [2, 4] {
+            let (got, held) =
+                outcome_with(dir.path(), &a, world, &[&state, "trainer.zero_stage=1"]);
+            assert_eq!(got.0, want.0, "{dtype} world {world}: metrics");
+            assert_eq!(names(&got.1), names(&want.1));
+            for ((n, b), (_, w)) in got.1.iter().zip(&want.1) {
+                assert!(b == w, "{dtype} world {world}: {n} differs");
+            }
+            assert_eq!(
+                held.iter().sum::<u64>(),
+                full[0],
+                "{dtype} world {world}: {held:?}"
+            );
+            assert!(
+                held.iter().all(|&h| h < full[0]),
+                "{dtype} world {world}: {held:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn a_run_resumes_exactly_at_another_world_size() {
     let dir = tempfile::tempdir().unwrap();
@@ -201,14 +252,25 @@ fn a_run_resumes_exactly_at_another_world_size() {
     let straight = dir.path().join("straight");
     let s = run_world(&config(&a, &straight, &[]), 2).remove(0).unwrap();
     let want = (metrics(&s.metrics), files(&s.checkpoint.unwrap()));
-    for (first, second) in [(2, 1), (1, 2)] {
-        let run = dir.path().join(format!("from{first}to{second}"));
+    // (world, ZeRO stage) before and after the resume
+    for ((first, z1), (second, z2)) in [
+        ((2, 0), (1, 0)),
+        ((1, 0), (2, 0)),
+        ((2, 1), (1, 0)),
+        ((1, 0), (4, 1)),
+    ] {
+        let run = dir.path().join(format!("from{first}z{z1}to{second}z{z2}"));
+        let zero = |z: u8| format!("trainer.zero_stage={z}");
         let part = run_world(
-            &config(&a, &run, &["trainer.max_steps=2", "trainer.save_freq=2"]),
+            &config(
+                &a,
+                &run,
+                &["trainer.max_steps=2", "trainer.save_freq=2", &zero(z1)],
+            ),
             first,
         );
         assert_eq!(part[0].as_ref().unwrap().steps, 2);
-        let resume = config(&a, &run, &["trainer.find_last_checkpoint=true"]);
+        let resume = config(&a, &run, &["trainer.find_last_checkpoint=true", &zero(z2)]);
         let s = run_world(&resume, second).remove(0).unwrap();
         let got = (metrics(&s.metrics), files(&s.checkpoint.unwrap()));
         assert_eq!(got.0, want.0, "{first} → {second}: metrics");

@@ -111,6 +111,46 @@ impl<B: Backend> Model<B> {
         })
     }
 
+    /// The buffers of the trained parameters, in the optimizer's order: the weights, or
+    /// with LoRA the pairs (a data-parallel run shares updated ones among its ranks).
+    pub fn trainable_buffers(&self) -> Vec<&B::Buffer> {
+        self.trainable()
+    }
+
+    /// Trainable buffer `buffer` (of [`Model::trainable_buffers`]) on the host.
+    ///
+    /// # Errors
+    /// No such buffer; a backend failure.
+    pub fn read_trainable(&self, buffer: usize) -> Result<Vec<f32>, ModelError> {
+        let all = self.trainable();
+        let b = all.get(buffer).ok_or(ModelError::LayoutMismatch {
+            what: "trainable buffer index",
+        })?;
+        let mut out = vec![0.0f32; b.len()];
+        self.backend.download(View::whole(*b), &mut out)?;
+        Ok(out)
+    }
+
+    /// Sets trainable buffer `buffer` from the host (a data-parallel rank receiving what
+    /// another rank's optimizer updated).
+    ///
+    /// # Errors
+    /// No such buffer, a length other than its; a backend failure.
+    pub fn write_trainable(&mut self, buffer: usize, values: &[f32]) -> Result<(), ModelError> {
+        let mut all = match &mut self.lora {
+            Some(l) => l.params.buffers_mut(),
+            None => self.weights.buffers_mut(),
+        };
+        let b = all
+            .get_mut(buffer)
+            .filter(|b| b.len() == values.len())
+            .ok_or(ModelError::LayoutMismatch {
+                what: "trainable buffer (index or length)",
+            })?;
+        self.backend.upload(values, ViewMut::whole(*b))?;
+        Ok(())
+    }
+
     /// The buffers of the trained parameters: the weights, or with LoRA the pairs.
     pub(crate) fn trainable(&self) -> Vec<&B::Buffer> {
         match &self.lora {

@@ -236,6 +236,15 @@ impl<B: Backend> Moments<B> {
         self.len
     }
 
+    /// Moments of no element with this one's tensor length and dtype: what a rank keeps
+    /// of a buffer another rank updates (ZeRO-1).
+    ///
+    /// # Errors
+    /// A backend allocation failure.
+    pub(crate) fn emptied(&self, be: &B) -> Result<Self, ModelError> {
+        Self::zeros(be, 0, self.item, self.dtype())
+    }
+
     /// Whether the buffer is empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0

@@ -60,6 +60,9 @@ pub struct AdamW<B: Backend> {
     pub(crate) state_dtype: StateDtype,
     /// The moments of each of the model's weight buffers, in `DeviceWeights::buffers` order.
     pub(crate) moments: Vec<Moments<B>>,
+    /// Which of those buffers this optimizer updates (`None`: all). Under ZeRO-1 a rank
+    /// updates its share and holds no moments for the others ([`AdamW::shard`]).
+    pub(crate) owned: Option<Vec<bool>>,
     /// The 8-bit dynamic maps on the device (read by 8-bit moments only).
     pub(crate) maps: B::Buffer,
 }
@@ -112,6 +115,7 @@ impl<B: Backend> AdamW<B> {
             state_dtype,
             moments,
             maps: upload_maps(be)?,
+            owned: None,
         })
     }
 
@@ -134,9 +138,48 @@ impl<B: Backend> AdamW<B> {
         self.moments.iter().map(Moments::bytes).sum()
     }
 
-    /// Whether these moments are for buffers of `lens` (the same count, each as long).
+    /// Whether these moments are for buffers of `lens` (the same count, each as long; a
+    /// buffer another rank updates holds none).
     pub(crate) fn fits(&self, lens: impl ExactSizeIterator<Item = usize>) -> bool {
-        lens.len() == self.moments.len() && lens.zip(&self.moments).all(|(n, m)| n == m.len())
+        lens.len() == self.moments.len()
+            && lens
+                .zip(&self.moments)
+                .enumerate()
+                .all(|(i, (n, m))| m.len() == if self.owns(i) { n } else { 0 })
+    }
+
+    /// Whether this optimizer updates the model's trainable buffer `buffer`.
+    pub fn owns(&self, buffer: usize) -> bool {
+        self.owned
+            .as_ref()
+            .is_none_or(|o| o.get(buffer) == Some(&true))
+    }
+
+    /// Which trainable buffers this optimizer updates (`None`: all of them).
+    pub fn owned(&self) -> Option<&[bool]> {
+        self.owned.as_deref()
+    }
+
+    /// ZeRO-1: from now on this optimizer updates only the trainable buffers marked in
+    /// `owned` (one flag per buffer of [`Model::trainable_buffers`]) and drops the others'
+    /// moments. The gradient norm is still taken over every buffer, so each rank clips by
+    /// the same factor; the caller shares the updated buffers among the ranks.
+    ///
+    /// # Errors
+    /// A flag count other than the buffers'; sharding twice; a backend failure.
+    pub fn shard(&mut self, be: &B, owned: Vec<bool>) -> Result<(), ModelError> {
+        if owned.len() != self.moments.len() || self.owned.is_some() {
+            return Err(ModelError::LayoutMismatch {
+                what: "optimizer shard (one flag per trainable buffer, once)",
+            });
+        }
+        for (m, &own) in self.moments.iter_mut().zip(&owned) {
+            if !own {
+                *m = m.emptied(be)?;
+            }
+        }
+        self.owned = Some(owned);
+        Ok(())
     }
 
     /// Updates applied so far (skipped steps not counted); the next update uses bias
@@ -252,8 +295,11 @@ impl<B: Backend> AdamW<B> {
             Some(l) => l.params.buffers_mut(),
             None => model.weights.buffers_mut(),
         };
-        for ((p, g), m) in params.into_iter().zip(g).zip(&mut self.moments) {
-            m.step(be, p, g, &self.maps, &update)?;
+        let owned = self.owned.clone();
+        for (i, ((p, g), m)) in params.into_iter().zip(g).zip(&mut self.moments).enumerate() {
+            if owned.as_ref().is_none_or(|o| o[i]) {
+                m.step(be, p, g, &self.maps, &update)?;
+            }
         }
         for e in extra.iter_mut() {
             e.moments.step(be, e.param, e.grad, &self.maps, &update)?;

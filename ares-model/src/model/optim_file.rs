@@ -326,6 +326,44 @@ impl<B: Backend> AdamW<B> {
     /// This optimizer made for another model ([`ModelError::LayoutMismatch`]), a backend
     /// failure, or an I/O error naming the file.
     pub fn save(&self, model: &Model<B>, path: &Path) -> Result<(), ModelError> {
+        self.save_with(model, path, |_, _| {
+            Err(ModelError::LayoutMismatch {
+                what: "optimizer moments (a ZeRO-1 shard saves with the other ranks' moments)",
+            })
+        })
+    }
+
+    /// The moments of tensor `item` of each trainable buffer this optimizer updates
+    /// (ZeRO-1: a rank's share), as stored: `(buffer, item, [first, second])`.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn owned_moments(
+        &self,
+        model: &Model<B>,
+    ) -> Result<Vec<(usize, usize, [HostMoment; 2])>, ModelError> {
+        let be = &model.backend;
+        let mut out = Vec::new();
+        for (_, _, (buffer, item)) in model.trainable_tensors()? {
+            if self.owns(buffer) {
+                out.push((buffer, item, self.moments[buffer].read(be, item)?));
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`AdamW::save`] of a ZeRO-1 shard: the moments of buffers another rank updates come
+    /// from `others(buffer, item)` (what that rank's [`AdamW::owned_moments`] gave), so
+    /// the file is the whole optimizer's, as a run without shards writes it.
+    ///
+    /// # Errors
+    /// As [`AdamW::save`]; `others`' error.
+    pub fn save_with(
+        &self,
+        model: &Model<B>,
+        path: &Path,
+        others: impl Fn(usize, usize) -> Result<[HostMoment; 2], ModelError>,
+    ) -> Result<(), ModelError> {
         if !self.fits(model.trainable().into_iter().map(|b| b.len())) {
             return Err(ModelError::LayoutMismatch {
                 what: "optimizer moments",
@@ -354,7 +392,11 @@ impl<B: Backend> AdamW<B> {
         .collect();
         save_moments(path, &params, metadata, |p| {
             let (buffer, item) = places[p];
-            self.moments[buffer].read(be, item)
+            if self.owns(buffer) {
+                self.moments[buffer].read(be, item)
+            } else {
+                others(buffer, item)
+            }
         })
     }
 
@@ -441,6 +483,7 @@ impl<B: Backend> AdamW<B> {
             state_dtype,
             moments,
             maps: upload_maps(be)?,
+            owned: None,
         })
     }
 }

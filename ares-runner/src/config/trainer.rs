@@ -176,6 +176,10 @@ pub struct TrainerConfig {
     pub seed: u64,
     /// CPU threads; 0 = all cores (default 0).
     pub threads: usize,
+    /// Data parallelism's optimizer sharding (a run launched on several ranks): 0 = every
+    /// rank holds every optimizer moment, 1 = ZeRO-1, each rank the moments of its share
+    /// of the weights, which it updates and sends to the others (default 0).
+    pub zero_stage: u8,
 }
 
 impl Default for TrainerConfig {
@@ -203,6 +207,7 @@ impl Default for TrainerConfig {
             matmul_precision: MatmulPrecisionCfg::F32,
             seed: 1,
             threads: 0,
+            zero_stage: 0,
         }
     }
 }

@@ -832,6 +832,13 @@ fn validate_reward(r: &RewardConfig) -> Result<(), ConfigError> {
 
 fn validate_trainer(t: &TrainerConfig) -> Result<(), ConfigError> {
     non_empty("trainer.project_name", &t.project_name)?;
+    if t.zero_stage > 1 {
+        return Err(out_of_range(
+            "trainer.zero_stage",
+            t.zero_stage.to_string(),
+            "0 (no sharding) or 1 (optimizer states sharded across ranks)",
+        ));
+    }
     non_empty("trainer.experiment_name", &t.experiment_name)?;
     // The name becomes a directory under runs/ when no save_checkpoint_path is given.
     if t.experiment_name.contains(['/', '\\']) || t.experiment_name == ".." {

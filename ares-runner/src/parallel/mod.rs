@@ -128,7 +128,12 @@ impl Ranks {
 
     /// The collective operations' cost since the last call, and a fresh count.
     pub fn take_traffic(&self) -> Traffic {
-        std::mem::take(&mut *self.1.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+        std::mem::take(
+            &mut *self
+                .1
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
     }
 
     /// This rank.
@@ -159,7 +164,10 @@ impl Ranks {
     pub fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, CollectiveError> {
         let (t, sent) = (Instant::now(), mine.len() as u64);
         let out = self.0.all_gather(mine);
-        let mut traffic = self.1.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut traffic = self
+            .1
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         traffic.time += t.elapsed();
         traffic.bytes_sent += sent;
         traffic.operations += 1;
@@ -284,6 +292,25 @@ pub fn owner(i: usize, count: usize, world: usize) -> usize {
     ((i as u128 * world as u128) / count as u128) as usize
 }
 
+/// The rank that owns each of `sizes`' buffers (ZeRO-1): contiguous runs of buffers,
+/// each going to the rank whose `1/world` of the total its middle element falls in, so
+/// the ranks hold about equal parts (a buffer is never split; a rank may own none).
+pub fn shares(sizes: &[usize], world: usize) -> Vec<usize> {
+    let total: u128 = sizes.iter().map(|&s| s as u128).sum();
+    let mut before = 0u128;
+    sizes
+        .iter()
+        .map(|&s| {
+            let middle = 2 * before + s as u128; // twice the middle element's index
+            before += s as u128;
+            if total == 0 {
+                return 0;
+            }
+            ((middle * world as u128) / (2 * total)).min(world.saturating_sub(1) as u128) as usize
+        })
+        .collect()
+}
+
 /// Why [`Ranks::map_units`] failed.
 #[derive(Debug)]
 pub enum UnitsError<E> {
@@ -309,6 +336,29 @@ impl<E> From<CollectiveError> for UnitsError<E> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shares_are_contiguous_and_about_equal() {
+        let sizes = [100, 10, 10, 10, 50, 50, 10, 10, 100, 1];
+        assert_eq!(shares(&sizes, 1), vec![0; 10]);
+        let two = shares(&sizes, 2);
+        assert!(two.windows(2).all(|w| w[0] <= w[1]), "{two:?}");
+        let held = |r: usize, s: &[usize]| -> usize {
+            sizes
+                .iter()
+                .zip(s)
+                .filter(|(_, o)| **o == r)
+                .map(|(n, _)| n)
+                .sum()
+        };
+        // 351 elements, half 175.5: the 50 at 130..180 has its middle before the half, the
+        // next 50 after it: 180 and 171 (moving either 50 would leave them 100 apart)
+        assert_eq!((held(0, &two), held(1, &two)), (180, 171));
+        let four = shares(&sizes, 4);
+        assert!(four.iter().all(|&r| r < 4) && four.windows(2).all(|w| w[0] <= w[1]));
+        assert_eq!(shares(&[], 3), Vec::<usize>::new());
+        assert_eq!(shares(&[0, 0], 3), vec![0, 0]);
+    }
 
     #[test]
     fn owners_are_contiguous_balanced_and_cover_every_rank_when_they_can() {

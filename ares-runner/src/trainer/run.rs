@@ -397,6 +397,16 @@ impl<B: Backend + Clone> Trainer<B> {
                 self.python = start_python_worker(&cfg, &self.run_dir)?;
             }
         }
+        if self.cfg.trainer.zero_stage == 1 {
+            let sizes: Vec<usize> = {
+                use crate::backend::DeviceBuffer;
+                let lm = self.actor.lm();
+                lm.trainable_buffers().iter().map(|b| b.len()).collect()
+            };
+            let owners = crate::parallel::shares(&sizes, ranks.world());
+            let owned = owners.iter().map(|&r| r == ranks.rank()).collect();
+            self.opt.adamw.shard(self.actor.backend(), owned)?;
+        }
         self.settings.ranks = Some(ranks);
         Ok(())
     }
@@ -413,6 +423,12 @@ impl<B: Backend + Clone> Trainer<B> {
         };
         let all = ranks.all_gather(vec![u8::from(here)])?;
         Ok(all.iter().any(|b| b.first() == Some(&1)))
+    }
+
+    /// Bytes of optimizer moments this process holds for the language model (under
+    /// ZeRO-1, its share).
+    pub fn optimizer_state_bytes(&self) -> u64 {
+        self.opt.adamw.moment_bytes()
     }
 
     /// Whether this process writes the run's files (rank 0, or no ranks).
@@ -683,7 +699,11 @@ impl<B: Backend + Clone> Trainer<B> {
         times.add("update", t.elapsed());
 
         // the ranks' share of the step: collective operations, waiting included
-        let traffic = self.settings.ranks.as_ref().map(crate::parallel::Ranks::take_traffic);
+        let traffic = self
+            .settings
+            .ranks
+            .as_ref()
+            .map(crate::parallel::Ranks::take_traffic);
         if let Some(t) = traffic {
             times.add("collective", t.time);
         }
@@ -888,6 +908,15 @@ impl<B: Backend + Clone> Trainer<B> {
             crate::config::SaveDtypeCfg::Bf16 => SaveDtype::Bf16,
         };
         let ckdir = CheckpointDir::new(&self.run_dir);
+        // ZeRO-1: every rank sends its moments; rank 0 writes the whole optimizer
+        let gathered = match (&self.settings.ranks, self.opt.adamw.owned()) {
+            (Some(ranks), Some(_)) => Some(crate::trainer::update::zero::gather_moments(
+                ranks,
+                self.actor.lm(),
+                &self.opt.adamw,
+            )?),
+            _ => None,
+        };
         if !self.writes_files() {
             // rank 0 saves; every rank holds the same state
             return Ok(ckdir.path_of(self.state.step));
@@ -914,9 +943,16 @@ impl<B: Backend + Clone> Trainer<B> {
             if self.cfg.trainer.save_model_only {
                 return Ok(());
             }
-            self.opt
-                .adamw
-                .save(self.actor.lm(), &dir.join("optimizer.safetensors"))?;
+            let opt_file = dir.join("optimizer.safetensors");
+            match &gathered {
+                Some(g) => self
+                    .opt
+                    .adamw
+                    .save_with(self.actor.lm(), &opt_file, |b, i| {
+                        crate::trainer::update::zero::from_gathered(g, b, i)
+                    })?,
+                None => self.opt.adamw.save(self.actor.lm(), &opt_file)?,
+            }
             if let (Some(t), Some(vl)) = (&self.opt.tower, self.actor.vision()) {
                 t.moments
                     .save(vl.backend(), vl.tower(), &dir.join(VISION_OPTIMIZER_FILE))?;
@@ -1013,7 +1049,8 @@ impl<B: Backend + Clone> Trainer<B> {
         let save_freq = self.cfg.trainer.save_freq as u64;
         let val_freq = self.cfg.trainer.val_freq as u64;
         let mut interrupted = false;
-        let mut last_saved = None;
+        // (step, path) of this run's last save: every rank decides the same from it
+        let mut last_saved: Option<(u64, PathBuf)> = None;
         while self.state.step < self.total_steps {
             if self.interrupted()? {
                 interrupted = true;
@@ -1042,7 +1079,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 eprintln!("warning: step {}: {e}", self.state.step);
             }
             if save_freq > 0 && self.state.step.is_multiple_of(save_freq) {
-                last_saved = Some(self.save()?);
+                last_saved = Some((self.state.step, self.save()?));
             }
         }
         if let Some(mut w) = writer {
@@ -1053,18 +1090,11 @@ impl<B: Backend + Clone> Trainer<B> {
         {
             eprintln!("warning: closing the loggers: {e}");
         }
-        let final_checkpoint = if !writes {
-            // rank 0 writes it
-            (self.state.step > 0)
-                .then(|| CheckpointDir::new(&self.run_dir).path_of(self.state.step))
-        } else if last_saved.is_some()
-            && CheckpointDir::new(&self.run_dir).latest()?.map(|(s, _)| s) == Some(self.state.step)
-        {
-            last_saved
-        } else if self.state.step > 0 {
-            Some(self.save()?)
-        } else {
-            None
+        // a save every rank makes (ZeRO-1 gathers the moments for it)
+        let final_checkpoint = match last_saved {
+            Some((step, path)) if step == self.state.step => Some(path),
+            _ if self.state.step > 0 => Some(self.save()?),
+            _ => None,
         };
         Ok(RunSummary {
             steps: self.state.step,

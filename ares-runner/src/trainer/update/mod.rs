@@ -8,6 +8,7 @@
 //! gradients are dropped and neither the weights nor the optimizer moments change.
 
 pub mod policy;
+pub mod zero;
 
 use ares_core::loss::LossAggMode;
 
@@ -488,6 +489,14 @@ impl<B: Backend> Update<'_, B> {
         }
         let tower = opt.tower.as_mut();
         let r = actor.optimizer_step(&mut opt.adamw, &opt.grads, tower, lr, optim.max_grad_norm)?;
+        // ZeRO-1: this rank updated its share; the ranks swap the updated buffers
+        if let (true, Some(ranks), Some(owned)) = (
+            r.applied,
+            &self.inputs.settings.ranks,
+            opt.adamw.owned().map(<[bool]>::to_vec),
+        ) {
+            zero::share_updated(ranks, actor.lm_mut(), &owned)?;
+        }
         Ok(r.applied.then_some((r.grad_norm, lr)))
     }
 
