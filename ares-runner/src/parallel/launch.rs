@@ -217,13 +217,25 @@ impl TcpRanks {
             let mut links: Vec<Option<TcpStream>> = (1..world).map(|_| None).collect();
             while links.iter().any(Option::is_none) {
                 match listener.accept() {
-                    Ok((mut s, _)) => {
+                    Ok((mut s, from)) => {
                         s.set_nonblocking(false).map_err(|e| fail(e.to_string()))?;
+                        // a greeting is 24 bytes within a few seconds: whatever else
+                        // connects (a port scanner, another program) is dropped, and rank
+                        // 0 goes on waiting for its ranks
+                        s.set_read_timeout(Some(Duration::from_secs(10)))
+                            .map_err(|e| fail(e.to_string()))?;
+                        let hello = read_frame_at_most(&mut s, 64)
+                            .map_err(|e| e.to_string())
+                            .and_then(|h| parse_hello(&h));
+                        let (peer, peer_world) = match hello {
+                            Ok(h) => h,
+                            Err(e) => {
+                                eprintln!("warning: rank 0: dropped a connection from {from}: {e}");
+                                continue;
+                            }
+                        };
                         s.set_read_timeout(Some(timeout))
                             .map_err(|e| fail(e.to_string()))?;
-                        let hello = read_frame(&mut s)
-                            .map_err(|e| fail(format!("a rank's greeting: {e}")))?;
-                        let (peer, peer_world) = parse_hello(&hello).map_err(fail)?;
                         let problem = if peer_world != world {
                             Some(format!(
                                 "rank {peer} says the world has {peer_world} ranks, rank 0 says {world}: \
@@ -328,10 +340,16 @@ fn write_frame(s: &mut TcpStream, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 fn read_frame(s: &mut TcpStream) -> std::io::Result<Vec<u8>> {
+    read_frame_at_most(s, usize::MAX)
+}
+
+fn read_frame_at_most(s: &mut TcpStream, max: usize) -> std::io::Result<Vec<u8>> {
     let mut len = [0u8; 8];
     s.read_exact(&mut len)?;
     let len = usize::try_from(u64::from_le_bytes(len))
-        .map_err(|_| std::io::Error::other("frame too long"))?;
+        .ok()
+        .filter(|&n| n <= max)
+        .ok_or_else(|| std::io::Error::other(format!("a frame longer than {max} bytes")))?;
     let mut out = Vec::new();
     // grow as bytes arrive: a corrupt length cannot allocate what never comes
     s.take(len as u64).read_to_end(&mut out)?;
@@ -536,6 +554,32 @@ mod tests {
         });
         let want = vec![vec![0u8; 19], vec![1u8; 20], vec![2u8; 21]];
         assert!(out.iter().all(|o| o == &want));
+    }
+
+    #[test]
+    fn a_stranger_on_the_port_is_dropped_and_the_ranks_still_meet() {
+        let port = free_port();
+        let out = std::thread::scope(|s| {
+            let r0 = s.spawn(move || TcpRanks::connect(&launch(0, 2, port)));
+            // something that is not a rank connects first and sends garbage
+            let mut stranger = loop {
+                if let Ok(c) = TcpStream::connect(("127.0.0.1", port)) {
+                    break c;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            stranger.write_all(&u64::MAX.to_le_bytes()).unwrap();
+            let r1 = s.spawn(move || TcpRanks::connect(&launch(1, 2, port)));
+            let (a, b) = (r0.join().unwrap().unwrap(), r1.join().unwrap().unwrap());
+            let (x, y) = std::thread::scope(|s| {
+                let x = s.spawn(|| a.all_gather(vec![7]));
+                let y = s.spawn(|| b.all_gather(vec![8]));
+                (x.join().unwrap().unwrap(), y.join().unwrap().unwrap())
+            });
+            (x, y)
+        });
+        assert_eq!(out.0, vec![vec![7], vec![8]]);
+        assert_eq!(out.1, out.0);
     }
 
     #[test]
