@@ -664,26 +664,26 @@ fn checkpoint_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
     out
 }
 
-/// Data parallelism with images: worlds of 1, 2 and 3 threads (the rollout in chunks of
-/// two sequences, micro-batches of two rows, the tower trained, a bootstrap) give the same
-/// metrics and checkpoint bytes, the tower's moments included.
-#[test]
-fn data_parallel_worlds_give_the_same_bits_with_images() {
+/// Runs `overrides` (with a bootstrap, rollout chunks of two sequences, micro-batches of
+/// two rows, the tower trained) at each of `worlds` thread ranks; each world's metrics
+/// (but the prefill counts, which follow how rows are shared out) and checkpoint files.
+fn data_parallel_outcomes(
+    dir: &Path,
+    overrides: &[&str],
+    worlds: &[usize],
+) -> Vec<(Vec<Map<String, Value>>, Vec<(String, Vec<u8>)>)> {
     use ares_runner::parallel::Ranks;
     use ares_runner::parallel::threads::ThreadGroup;
-    let dir = tempfile::tempdir().unwrap();
     let mut outcomes = Vec::new();
-    for world in [1, 2, 3] {
-        let run = dir.path().join(format!("world{world}"));
-        let cfg = config(
-            dir.path(),
-            &run,
-            &[
-                "data.bootstrap=true",
-                "worker.actor.micro_batch_size_per_device_for_update=2",
-                "trainer.save_freq=0",
-            ],
-        );
+    for &world in worlds {
+        let run = dir.join(format!("world{world}"));
+        let mut all = vec![
+            "data.bootstrap=true",
+            "worker.actor.micro_batch_size_per_device_for_update=2",
+            "trainer.save_freq=0",
+        ];
+        all.extend_from_slice(overrides);
+        let cfg = config(dir, &run, &all);
         let ranks = ThreadGroup::ranks(world, std::time::Duration::from_secs(120));
         let summaries: Vec<_> = std::thread::scope(|s| {
             let handles: Vec<_> = ranks
@@ -701,23 +701,78 @@ fn data_parallel_worlds_give_the_same_bits_with_images() {
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        let ck = summaries[0].checkpoint.clone().unwrap();
-        let files = checkpoint_files(&ck);
-        assert!(
-            files
-                .iter()
-                .any(|(n, _)| n.contains("vision") || n.contains("tower")),
-            "the tower's moments: {:?}",
-            files.iter().map(|f| &f.0).collect::<Vec<_>>()
-        );
-        let m = deterministic(read_metrics(&summaries[0].metrics).unwrap());
+        let files = checkpoint_files(&summaries[0].checkpoint.clone().unwrap());
+        let m = deterministic(read_metrics(&summaries[0].metrics).unwrap())
+            .into_iter()
+            .map(|l| {
+                l.into_iter()
+                    .filter(|(k, _)| !k.starts_with("tools/prefill"))
+                    .collect()
+            })
+            .collect();
         outcomes.push((m, files));
     }
     for (i, o) in outcomes.iter().enumerate().skip(1) {
-        assert_eq!(o.0, outcomes[0].0, "world {}: metrics", i + 1);
+        assert_eq!(o.0, outcomes[0].0, "world {}: metrics", worlds[i]);
         assert_eq!(o.1.len(), outcomes[0].1.len());
         for ((n, b), (_, w)) in o.1.iter().zip(&outcomes[0].1) {
-            assert!(b == w, "world {}: {n} differs", i + 1);
+            assert!(b == w, "world {}: {n} differs", worlds[i]);
         }
     }
+    outcomes
+}
+
+/// Data parallelism with images: worlds of 1, 2 and 3 threads give the same metrics and
+/// checkpoint bytes, the tower's moments included.
+#[test]
+fn data_parallel_worlds_give_the_same_bits_with_images() {
+    let dir = tempfile::tempdir().unwrap();
+    let outcomes = data_parallel_outcomes(dir.path(), &[], &[1, 2, 3]);
+    let files = &outcomes[0].1;
+    assert!(
+        files.iter().any(|(n, _)| n.contains("vision")),
+        "the tower's moments: {:?}",
+        files.iter().map(|f| &f.0).collect::<Vec<_>>()
+    );
+}
+
+/// Multi-turn vision episodes shared out among ranks (an interaction answers each turn)
+/// give the same bits at worlds of 1, 2 and 3, the episode counts summed.
+#[test]
+fn data_parallel_episodes_give_the_same_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let t = tool_template(dir.path());
+    let script = dir.path().join("more.sh");
+    let status = std::process::Command::new("sh")
+        .args([
+            "-c",
+            &format!(
+                "echo 'while read -r l; do echo \"{{\\\"content\\\": \\\"more\\\"}}\"; done' > '{}'",
+                script.display()
+            ),
+        ])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let interaction = format!(
+        "worker.rollout.multi_turn.interaction={{command: 'sh {}', reward_weight: 0}}",
+        script.display()
+    );
+    let outcomes = data_parallel_outcomes(
+        dir.path(),
+        &[
+            &t,
+            "worker.rollout.multi_turn.enable=true",
+            "worker.rollout.multi_turn.max_assistant_turns=3",
+            "data.max_response_length=48",
+            &interaction,
+        ],
+        &[1, 2, 3],
+    );
+    let turns: f64 = outcomes[0]
+        .0
+        .iter()
+        .map(|l| l["tools/turns_per_response"].as_f64().unwrap())
+        .sum();
+    assert!(turns > 2.0, "some episodes went on: {turns}");
 }

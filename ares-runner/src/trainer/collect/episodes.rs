@@ -26,10 +26,13 @@ use ares_model::vision::model::{VisionBatch, VlGenerator};
 
 use crate::backend::Backend;
 use crate::hf::tokenizer::Tokenizer;
+use crate::parallel::wire::{Reader, WireError, Writer};
 use crate::tools::episode::{EpisodeSettings, Next, RowKwargs, TurnEnd, after_turn};
 use crate::trainer::TrainError;
 use crate::trainer::actor::{Actor, ActorGenerator, PromptVision, no_vision};
-use crate::trainer::collect::rollout::{PromptItem, Response, RolloutParams};
+use crate::trainer::collect::rollout::{
+    PromptItem, Response, RolloutParams, decode_responses, encode_responses,
+};
 
 /// Threads that run a round's tool calls at most.
 const TOOL_THREADS: usize = 16;
@@ -137,31 +140,117 @@ pub fn rollout_episodes<B: Backend>(
             });
         }
     }
-    let mut counts = EpisodeCounts {
-        episodes: rows.len(),
-        ..EpisodeCounts::default()
-    };
     let generator = model.generator_with(params.weight_dtype)?;
-    match &generator {
-        ActorGenerator::Text(g) if items.iter().all(|i| i.vision.is_none()) => {
-            engine_episodes(g, &mut rows, params, tools, &mut counts, &mut on_progress)?;
-        }
-        ActorGenerator::Text(_) => return Err(no_vision("multi-turn rollout")),
-        ActorGenerator::Vision(g) => {
-            vision_engine_episodes(g, &mut rows, params, tools, &mut counts, &mut on_progress)?;
-        }
-    }
-    let responses = rows
-        .into_iter()
-        .map(|row| {
-            let mut response = row.response;
-            if row.from_model.iter().any(|&m| !m) {
-                response.from_model = Some(row.from_model);
+    let text = items.iter().all(|i| i.vision.is_none());
+    // rows `offset..` of the rollout, here
+    let mut run = |rows: &mut [Row], offset: usize| -> Result<EpisodeCounts, TrainError> {
+        let mut counts = EpisodeCounts {
+            episodes: rows.len(),
+            ..EpisodeCounts::default()
+        };
+        match &generator {
+            ActorGenerator::Text(g) if text => {
+                engine_episodes(
+                    g,
+                    rows,
+                    offset,
+                    params,
+                    tools,
+                    &mut counts,
+                    &mut on_progress,
+                )?;
             }
-            response
-        })
+            ActorGenerator::Text(_) => return Err(no_vision("multi-turn rollout")),
+            ActorGenerator::Vision(g) => vision_engine_episodes(
+                g,
+                rows,
+                offset,
+                params,
+                tools,
+                &mut counts,
+                &mut on_progress,
+            )?,
+        }
+        Ok(counts)
+    };
+    let Some(ranks) = &params.ranks else {
+        let counts = run(&mut rows, 0)?;
+        return Ok((rows.into_iter().map(Row::into_response).collect(), counts));
+    };
+    // a data-parallel run: each rank plays its block of chunks (a row's streams are its
+    // place in the rollout's), every rank gets every response and the summed counts
+    let chunk = params.chunk.max(1);
+    let count = rows.len().div_ceil(chunk);
+    let mine: Vec<usize> = (0..count)
+        .filter(|&c| ranks.owner(c, count) == ranks.rank())
         .collect();
+    let (a, b) = match (mine.first(), mine.last()) {
+        (Some(&f), Some(&l)) => (f * chunk, ((l + 1) * chunk).min(rows.len())),
+        _ => (0, 0),
+    };
+    let mut local: Option<(Vec<Response>, EpisodeCounts)> = None;
+    let units = ranks.map_units(count, |c| {
+        if local.is_none() {
+            let mut part: Vec<Row> = rows.drain(a..b).collect();
+            let counts = run(&mut part, a)?;
+            local = Some((part.into_iter().map(Row::into_response).collect(), counts));
+        }
+        let (responses, _) = local
+            .as_ref()
+            .ok_or_else(|| TrainError::Internal("episodes were not played".into()))?;
+        let from = c * chunk - a;
+        let to = ((c + 1) * chunk - a).min(responses.len());
+        Ok(encode_responses(&responses[from..to]))
+    })?;
+    let bad = |e: WireError| TrainError::from(e.at(ranks.rank()));
+    let mut responses = Vec::with_capacity(items.len() * n);
+    for bytes in &units {
+        responses.extend(decode_responses(bytes).map_err(bad)?);
+    }
+    // the counts summed over the ranks (sums of whole numbers: in any order)
+    let mine = local.map(|(_, c)| c).unwrap_or_default();
+    let mut w = Writer::default();
+    for v in [
+        mine.episodes,
+        mine.turns,
+        mine.calls,
+        mine.failed_calls,
+        mine.prefill_tokens,
+        mine.conversation_tokens,
+        mine.interaction_errors,
+        mine.interaction_turns,
+    ] {
+        w.u64(v as u64);
+    }
+    let mut counts = EpisodeCounts::default();
+    for bytes in ranks.all_gather(w.finish())? {
+        let mut r = Reader::new(&bytes);
+        let mut next = || -> Result<usize, TrainError> {
+            Ok(usize::try_from(r.u64().map_err(bad)?).unwrap_or(usize::MAX))
+        };
+        counts.add(&EpisodeCounts {
+            episodes: next()?,
+            turns: next()?,
+            calls: next()?,
+            failed_calls: next()?,
+            prefill_tokens: next()?,
+            conversation_tokens: next()?,
+            interaction_errors: next()?,
+            interaction_turns: next()?,
+        });
+    }
     Ok((responses, counts))
+}
+
+impl Row {
+    /// The row's response, with which of its tokens the model wrote.
+    fn into_response(self) -> Response {
+        let mut response = self.response;
+        if self.from_model.iter().any(|&m| !m) {
+            response.from_model = Some(self.from_model);
+        }
+        response
+    }
 }
 
 /// The stream of turn `turn` of row `row` (see the module docs).
@@ -180,6 +269,7 @@ fn stream(params: &RolloutParams, row: usize, turn: usize) -> (u64, u64) {
 fn engine_episodes<B: Backend>(
     generator: &Generator<'_, B>,
     rows: &mut [Row],
+    offset: usize,
     params: &RolloutParams,
     tools: &EpisodeTools<'_>,
     counts: &mut EpisodeCounts,
@@ -199,13 +289,13 @@ fn engine_episodes<B: Backend>(
     engine.keep_finished(true);
     let mut row_of = HashMap::new(); // sequence id → row
     for (j, row) in rows.iter().enumerate() {
-        let id = engine.submit_with_stream(row.ids.clone(), stream(params, j, 0))?;
+        let id = engine.submit_with_stream(row.ids.clone(), stream(params, offset + j, 0))?;
         row_of.insert(id, j);
     }
     drive(
         &mut engine,
         rows,
-        0,
+        offset,
         row_of,
         params,
         tools,
@@ -222,6 +312,7 @@ fn engine_episodes<B: Backend>(
 fn vision_engine_episodes<B: Backend>(
     generator: &VlGenerator<'_, B>,
     rows: &mut [Row],
+    offset: usize,
     params: &RolloutParams,
     tools: &EpisodeTools<'_>,
     counts: &mut EpisodeCounts,
@@ -239,7 +330,7 @@ fn vision_engine_episodes<B: Backend>(
             eos_ids: params.eos_ids.clone(),
             sampling: params.sampling,
             // as generate_all seeds chunk c: stream i of it is row c·chunk + i's
-            seed: stream(params, first, 0).0,
+            seed: stream(params, offset + first, 0).0,
         };
         let vision: Vec<PromptVision> = part.iter().map(|r| r.vision.clone()).collect();
         let batches: Vec<&VisionBatch> = vision
@@ -252,7 +343,7 @@ fn vision_engine_episodes<B: Backend>(
             drive(
                 engine,
                 part,
-                first,
+                offset + first,
                 row_of,
                 params,
                 tools,
