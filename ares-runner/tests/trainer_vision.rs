@@ -664,6 +664,9 @@ fn checkpoint_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
     out
 }
 
+/// A run's metrics lines and checkpoint files.
+type Outcome = (Vec<Map<String, Value>>, Vec<(String, Vec<u8>)>);
+
 /// Runs `overrides` (with a bootstrap, rollout chunks of two sequences, micro-batches of
 /// two rows, the tower trained) at each of `worlds` thread ranks; each world's metrics
 /// (but the prefill counts, which follow how rows are shared out) and checkpoint files.
@@ -671,7 +674,7 @@ fn data_parallel_outcomes(
     dir: &Path,
     overrides: &[&str],
     worlds: &[usize],
-) -> Vec<(Vec<Map<String, Value>>, Vec<(String, Vec<u8>)>)> {
+) -> Vec<Outcome> {
     use ares_runner::parallel::Ranks;
     use ares_runner::parallel::threads::ThreadGroup;
     let mut outcomes = Vec::new();
