@@ -14,6 +14,17 @@ pub fn cuda_available() -> bool {
     unsafe { cudarc::driver::sys::is_culib_present() }
 }
 
+/// The number of CUDA devices this process sees (after `CUDA_VISIBLE_DEVICES`); `None`
+/// when the driver cannot be loaded or initialised.
+pub fn device_count() -> Option<usize> {
+    if !cuda_available() {
+        return None;
+    }
+    CudaContext::device_count()
+        .ok()
+        .and_then(|n| usize::try_from(n).ok())
+}
+
 /// A device with the token kernels compiled and loaded.
 pub struct Cuda {
     pub(crate) stream: Arc<CudaStream>,

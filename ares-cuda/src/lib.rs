@@ -24,7 +24,7 @@ mod token_ops;
 
 /// The cudarc this crate is built on (its slices and views are the ops' arguments).
 pub use cudarc;
-pub use device::{Cuda, DeviceInfo, cuda_available};
+pub use device::{Cuda, DeviceInfo, cuda_available, device_count};
 pub use gemm::{GemmDims, GemmPrecision, cublas_available};
 pub use model_ops::{AdamWStep, AttentionShape, ModelOps};
 pub use token_ops::{HweOutputs, LogitElem, MaskedKlInputs, MaskedKlOutputs, TokenOps, WindowSpec};

@@ -114,6 +114,12 @@ pub fn select_backend_at(
 ) -> Result<Selected, TrainError> {
     #[cfg(feature = "cuda")]
     let ordinal = launch.map_or(0, |l| l.local_rank);
+    // a launched rank whose local rank names no GPU here: say what to change
+    #[cfg(feature = "cuda")]
+    if let (Some(l), Device::Cuda, Some(n)) = (launch, cfg.trainer.device, ares_cuda_count()) {
+        l.check_device(n)
+            .map_err(|e| TrainError::Invalid(e.to_string()))?;
+    }
     #[cfg(feature = "cuda")]
     let which = |e: &dyn std::fmt::Display| match launch {
         Some(l) => format!(
@@ -165,6 +171,12 @@ pub fn select_backend_at(
         #[cfg(not(feature = "cuda"))]
         Device::Auto => Ok(Selected::Cpu(CpuBackend)),
     }
+}
+
+/// The number of GPUs this process sees (`None`: no CUDA driver).
+#[cfg(feature = "cuda")]
+fn ares_cuda_count() -> Option<usize> {
+    crate::backend::cuda::device_count()
 }
 
 /// The Ctrl-C flag: the first Ctrl-C sets it (the trainer finishes its step, saves and

@@ -25,6 +25,7 @@
 mod buffer;
 
 pub use buffer::{CudaBuffer, CudaBytes, CudaHalf, CudaIds};
+pub use ares_cuda::device_count;
 
 use buffer::{
     bytes_view, bytes_view_mut, half_view, half_view_mut, ids, ids_mut, view, view_mut,
