@@ -113,3 +113,103 @@ fn gpu_steps_match_cpu(actor: &str) {
         }
     }
 }
+
+/// Data parallelism on the GPU: two ranks (threads, each with its own backend on GPU 0,
+/// the second with ZeRO-1) against one. The CPU's tests hold the world size to the bit
+/// (`tests/data_parallel.rs`); here the decode batches' makeup differs between the worlds
+/// and cuBLAS may pick other kernels for other batch sizes, so the ranks must agree with
+/// one rank as the GPU agrees with the CPU: the same tokens, losses to f32 noise.
+#[test]
+fn data_parallel_ranks_on_the_gpu_match_one_rank() {
+    use ares_runner::config::Config;
+    use ares_runner::demo::model::TinyModelSpec;
+    use ares_runner::demo::{DemoOptions, write_demo_assets_with};
+    use ares_runner::metrics::read_metrics;
+    use ares_runner::parallel::Ranks;
+    use ares_runner::parallel::threads::ThreadGroup;
+    use ares_runner::trainer::Trainer;
+    use std::sync::Arc;
+    use std::sync::atomic::AtomicBool;
+
+    if gpu_or_skip().is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let a = write_demo_assets_with(
+        &dir.path().join("assets"),
+        &DemoOptions {
+            seed: 5,
+            train_per_level: 4,
+            eval_per_level: 2,
+            sft_examples: 8,
+            model: TinyModelSpec {
+                hidden: 64,
+                layers: 2,
+                heads: 4,
+                kv_heads: 2,
+                intermediate: 128,
+                ..TinyModelSpec::default()
+            },
+            ..DemoOptions::default()
+        },
+    )
+    .unwrap();
+    let run = |world: usize, zero: u8| -> Vec<serde_json::Map<String, serde_json::Value>> {
+        let name = format!("world{world}");
+        let yaml = format!(
+            "data: {{train_files: {}, max_response_length: 16, rollout_batch_size: 4, bootstrap: true}}\n\
+             algorithm: {{online_filtering: false}}\n\
+             worker: {{actor: {{model_path: {}, global_batch_size: 2, micro_batch_size_per_device_for_update: 2}}, rollout: {{n: 4}}}}\n\
+             trainer: {{save_checkpoint_path: {}, max_steps: 2, device: cuda, zero_stage: {zero}}}\n",
+            a.train.display(),
+            a.model_dir.display(),
+            dir.path().join(&name).display()
+        );
+        let cfg = Config::from_yaml_str(&yaml, &name).unwrap();
+        let ranks = ThreadGroup::ranks(world, std::time::Duration::from_secs(300));
+        let mut summaries: Vec<_> = std::thread::scope(|s| {
+            let handles: Vec<_> = ranks
+                .into_iter()
+                .map(|rank| {
+                    let cfg = cfg.clone();
+                    s.spawn(move || {
+                        let gpu = CudaBackend::new(0).unwrap();
+                        let flag = Arc::new(AtomicBool::new(false));
+                        let mut t = Trainer::new(cfg, gpu, flag).unwrap();
+                        t.settings.rollout_chunk = 4;
+                        t.join(Ranks::new(Arc::new(rank))).unwrap();
+                        t.run().unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        read_metrics(&summaries.remove(0).metrics).unwrap()
+    };
+    let one = run(1, 0);
+    let two = run(2, 1);
+    let mut exact = true;
+    for (x, y) in one.iter().zip(&two) {
+        for key in ["accuracy/mean", "response_length/mean"] {
+            assert_eq!(x[key], y[key], "{key}");
+        }
+        for key in [
+            "reward/mean",
+            "kl/mean",
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "tau",
+        ] {
+            let (p, q) = (x[key].as_f64().unwrap(), y[key].as_f64().unwrap());
+            exact &= p == q;
+            assert!(
+                (p - q).abs() <= 1e-3 * p.abs().max(1e-2),
+                "{key}: one rank {p}, two ranks {q}"
+            );
+        }
+    }
+    eprintln!(
+        "two ranks equal one rank {}",
+        if exact { "to the bit" } else { "to f32 noise" }
+    );
+}

@@ -670,11 +670,7 @@ type Outcome = (Vec<Map<String, Value>>, Vec<(String, Vec<u8>)>);
 /// Runs `overrides` (with a bootstrap, rollout chunks of two sequences, micro-batches of
 /// two rows, the tower trained) at each of `worlds` thread ranks; each world's metrics
 /// (but the prefill counts, which follow how rows are shared out) and checkpoint files.
-fn data_parallel_outcomes(
-    dir: &Path,
-    overrides: &[&str],
-    worlds: &[usize],
-) -> Vec<Outcome> {
+fn data_parallel_outcomes(dir: &Path, overrides: &[&str], worlds: &[usize]) -> Vec<Outcome> {
     use ares_runner::parallel::Ranks;
     use ares_runner::parallel::threads::ThreadGroup;
     let mut outcomes = Vec::new();

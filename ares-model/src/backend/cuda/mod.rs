@@ -24,8 +24,8 @@
 
 mod buffer;
 
-pub use buffer::{CudaBuffer, CudaBytes, CudaHalf, CudaIds};
 pub use ares_cuda::device_count;
+pub use buffer::{CudaBuffer, CudaBytes, CudaHalf, CudaIds};
 
 use buffer::{
     bytes_view, bytes_view_mut, half_view, half_view_mut, ids, ids_mut, view, view_mut,
