@@ -22,6 +22,31 @@ fn gpu_or_skip() -> Option<CudaBackend> {
     }
 }
 
+/// The demo's task with a tiny random model (hidden 64, 2 layers) in `dir`.
+fn tiny_assets(dir: &std::path::Path) -> ares_runner::demo::DemoAssets {
+    use ares_runner::demo::model::TinyModelSpec;
+    use ares_runner::demo::{DemoOptions, write_demo_assets_with};
+    write_demo_assets_with(
+        dir,
+        &DemoOptions {
+            seed: 5,
+            train_per_level: 4,
+            eval_per_level: 2,
+            sft_examples: 8,
+            model: TinyModelSpec {
+                hidden: 64,
+                layers: 2,
+                heads: 4,
+                kv_heads: 2,
+                intermediate: 128,
+                ..TinyModelSpec::default()
+            },
+            ..DemoOptions::default()
+        },
+    )
+    .unwrap()
+}
+
 /// The trainer's whole loop on the GPU: 2 ARES steps (bootstrap, filtering off) of the
 /// demo's task on a tiny random model give the same metrics as on the CPU. Sampling happens
 /// on the host from downloaded logits with the same seeds, so the rollouts are identical
@@ -43,8 +68,6 @@ fn lora_trainer_steps_on_the_gpu_match_the_cpu() {
 /// `worker.actor` flow map.
 fn gpu_steps_match_cpu(actor: &str) {
     use ares_runner::config::Config;
-    use ares_runner::demo::model::TinyModelSpec;
-    use ares_runner::demo::{DemoOptions, write_demo_assets_with};
     use ares_runner::metrics::read_metrics;
     use ares_runner::trainer::Trainer;
     use std::sync::Arc;
@@ -52,25 +75,7 @@ fn gpu_steps_match_cpu(actor: &str) {
 
     let Some(gpu) = gpu_or_skip() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let a = write_demo_assets_with(
-        &dir.path().join("assets"),
-        &DemoOptions {
-            seed: 5,
-            train_per_level: 4,
-            eval_per_level: 2,
-            sft_examples: 8,
-            model: TinyModelSpec {
-                hidden: 64,
-                layers: 2,
-                heads: 4,
-                kv_heads: 2,
-                intermediate: 128,
-                ..TinyModelSpec::default()
-            },
-            ..DemoOptions::default()
-        },
-    )
-    .unwrap();
+    let a = tiny_assets(&dir.path().join("assets"));
     let run = |name: &str, device: &str| -> Vec<serde_json::Map<String, serde_json::Value>> {
         let yaml = format!(
             "data: {{train_files: {}, max_response_length: 16, rollout_batch_size: 2, bootstrap: true}}\n\
@@ -122,8 +127,6 @@ fn gpu_steps_match_cpu(actor: &str) {
 #[test]
 fn data_parallel_ranks_on_the_gpu_match_one_rank() {
     use ares_runner::config::Config;
-    use ares_runner::demo::model::TinyModelSpec;
-    use ares_runner::demo::{DemoOptions, write_demo_assets_with};
     use ares_runner::metrics::read_metrics;
     use ares_runner::parallel::Ranks;
     use ares_runner::parallel::threads::ThreadGroup;
@@ -135,25 +138,7 @@ fn data_parallel_ranks_on_the_gpu_match_one_rank() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let a = write_demo_assets_with(
-        &dir.path().join("assets"),
-        &DemoOptions {
-            seed: 5,
-            train_per_level: 4,
-            eval_per_level: 2,
-            sft_examples: 8,
-            model: TinyModelSpec {
-                hidden: 64,
-                layers: 2,
-                heads: 4,
-                kv_heads: 2,
-                intermediate: 128,
-                ..TinyModelSpec::default()
-            },
-            ..DemoOptions::default()
-        },
-    )
-    .unwrap();
+    let a = tiny_assets(&dir.path().join("assets"));
     let run = |world: usize, zero: u8| -> Vec<serde_json::Map<String, serde_json::Value>> {
         let name = format!("world{world}");
         let yaml = format!(

@@ -19,6 +19,9 @@ use ares_runner::parallel::threads::ThreadGroup;
 use ares_runner::trainer::{RunSummary, TrainError, Trainer};
 use serde_json::{Map, Value};
 
+mod common;
+use common::{assert_same_files, checkpoint_files, free_port};
+
 fn assets(dir: &Path) -> DemoAssets {
     write_demo_assets_with(
         dir,
@@ -116,39 +119,9 @@ fn run_world_with(cfg: &Config, world: usize) -> Vec<Result<(RunSummary, u64), T
 /// A run's metrics lines and checkpoint files.
 type Outcome = (Vec<Map<String, Value>>, Vec<(String, Vec<u8>)>);
 
-/// Metrics that do not depend on the wall clock.
+/// The metrics of `path` that do not depend on the wall clock.
 fn metrics(path: &Path) -> Vec<Map<String, Value>> {
-    read_metrics(path)
-        .unwrap()
-        .into_iter()
-        .map(|l| {
-            l.into_iter()
-                .filter(|(k, _)| !k.starts_with("time/") && !k.starts_with("perf/"))
-                .collect()
-        })
-        .collect()
-}
-
-/// Every file of a checkpoint, by path inside it (its config aside: a resumed run's
-/// says so).
-fn files(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, Vec<u8>)>) {
-        for e in std::fs::read_dir(dir).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                walk(root, &p, out);
-            } else {
-                let name = p.strip_prefix(root).unwrap().to_string_lossy().into_owned();
-                if name != "config.yaml" {
-                    out.push((name, std::fs::read(&p).unwrap()));
-                }
-            }
-        }
-    }
-    let mut out = Vec::new();
-    walk(dir, dir, &mut out);
-    out.sort();
-    out
+    common::deterministic(read_metrics(path).unwrap())
 }
 
 /// One world's run: its metrics and final checkpoint's files (from rank 0), after
@@ -175,7 +148,13 @@ fn outcome_with(
         assert_eq!(s.steps, 3);
         assert_eq!(s.checkpoint.as_ref(), Some(&checkpoint));
     }
-    ((metrics(&summaries[0].metrics), files(&checkpoint)), bytes)
+    (
+        (
+            metrics(&summaries[0].metrics),
+            checkpoint_files(&checkpoint),
+        ),
+        bytes,
+    )
 }
 
 #[test]
@@ -206,11 +185,7 @@ fn worlds_of_one_two_and_four_give_the_same_bits() {
     for world in [2, 4] {
         let (m, c) = outcome(dir.path(), &a, world);
         assert_eq!(m, m1, "world {world}: metrics");
-        for ((n1, b1), (n, b)) in c1.iter().zip(&c) {
-            assert_eq!(n, n1);
-            assert!(b == b1, "world {world}: {n} differs");
-        }
-        assert_eq!(c.len(), c1.len());
+        assert_same_files(&c, &c1, &format!("world {world}"));
     }
 }
 
@@ -228,10 +203,7 @@ fn zero_1_shards_the_moments_and_changes_no_bit() {
             let (got, held) =
                 outcome_with(dir.path(), &a, world, &[&state, "trainer.zero_stage=1"]);
             assert_eq!(got.0, want.0, "{dtype} world {world}: metrics");
-            assert_eq!(names(&got.1), names(&want.1));
-            for ((n, b), (_, w)) in got.1.iter().zip(&want.1) {
-                assert!(b == w, "{dtype} world {world}: {n} differs");
-            }
+            assert_same_files(&got.1, &want.1, &format!("{dtype} world {world}"));
             assert_eq!(
                 held.iter().sum::<u64>(),
                 full[0],
@@ -251,7 +223,10 @@ fn a_run_resumes_exactly_at_another_world_size() {
     let a = assets(&dir.path().join("assets"));
     let straight = dir.path().join("straight");
     let s = run_world(&config(&a, &straight, &[]), 2).remove(0).unwrap();
-    let want = (metrics(&s.metrics), files(&s.checkpoint.unwrap()));
+    let want = (
+        metrics(&s.metrics),
+        checkpoint_files(&s.checkpoint.unwrap()),
+    );
     // (world, ZeRO stage) before and after the resume
     for ((first, z1), (second, z2)) in [
         ((2, 0), (1, 0)),
@@ -272,12 +247,12 @@ fn a_run_resumes_exactly_at_another_world_size() {
         assert_eq!(part[0].as_ref().unwrap().steps, 2);
         let resume = config(&a, &run, &["trainer.find_last_checkpoint=true", &zero(z2)]);
         let s = run_world(&resume, second).remove(0).unwrap();
-        let got = (metrics(&s.metrics), files(&s.checkpoint.unwrap()));
+        let got = (
+            metrics(&s.metrics),
+            checkpoint_files(&s.checkpoint.unwrap()),
+        );
         assert_eq!(got.0, want.0, "{first} → {second}: metrics");
-        assert_eq!(names(&got.1), names(&want.1));
-        for ((n, b), (_, w)) in got.1.iter().zip(&want.1) {
-            assert!(b == w, "{first} → {second}: {n} differs");
-        }
+        assert_same_files(&got.1, &want.1, &format!("{first} → {second}"));
     }
 }
 
@@ -316,45 +291,36 @@ fn a_failing_rank_stops_every_rank_with_its_message() {
     assert_ne!(results[1], "finished");
 }
 
-fn names(files: &[(String, Vec<u8>)]) -> Vec<&str> {
-    files.iter().map(|f| f.0.as_str()).collect()
-}
-
 fn rank_index(r: &ares_runner::parallel::threads::ThreadRank) -> usize {
     use ares_runner::parallel::Collective;
     r.rank()
 }
 
-/// `ares-runner train -c <cfg>` as `world` processes launched the torchrun way (`RANK`,
-/// `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), meeting over TCP on this
-/// machine; each process's output.
-fn launch(cfg: &Path, world: usize, extra: &[(&str, &str)]) -> Vec<std::process::Output> {
-    let port = std::net::TcpListener::bind(("127.0.0.1", 0))
+/// `ares-runner train -c <cfg>` as rank `rank` of `world` launched the torchrun way
+/// (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), started.
+fn spawn_rank(cfg: &Path, rank: usize, world: usize, port: &str) -> std::process::Child {
+    std::process::Command::new(env!("CARGO_BIN_EXE_ares-runner"))
+        .args(["train", "--device", "cpu", "-c"])
+        .arg(cfg)
+        .arg("trainer.logger=[console,file]")
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port)
+        .env("ARES_COLLECTIVE_TIMEOUT", "60")
+        .env("ARES_NO_PROGRESS", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
         .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
+}
+
+/// `world` ranks of `cfg` meeting over TCP on this machine; each process's output.
+fn launch(cfg: &Path, world: usize) -> Vec<std::process::Output> {
+    let port = free_port();
     let children: Vec<_> = (0..world)
-        .map(|rank| {
-            let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_ares-runner"));
-            c.args(["train", "--device", "cpu", "-c"])
-                .arg(cfg)
-                .arg("trainer.logger=[console,file]")
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("ARES_COLLECTIVE_TIMEOUT", "120")
-                .env("ARES_NO_PROGRESS", "1")
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped());
-            for (k, v) in extra {
-                c.env(k, v);
-            }
-            c.spawn().unwrap()
-        })
+        .map(|r| spawn_rank(cfg, r, world, &port))
         .collect();
     children
         .into_iter()
@@ -370,7 +336,7 @@ fn processes_launched_like_torchrun_equal_threads_and_each_other() {
     for world in [1, 2] {
         let run = dir.path().join(format!("procs{world}"));
         config(&a, &run, &[]);
-        let outs = launch(&run.with_extension("yaml"), world, &[]);
+        let outs = launch(&run.with_extension("yaml"), world);
         for (rank, o) in outs.iter().enumerate() {
             let err = String::from_utf8_lossy(&o.stderr);
             assert!(o.status.success(), "world {world} rank {rank}: {err}");
@@ -384,10 +350,13 @@ fn processes_launched_like_torchrun_equal_threads_and_each_other() {
             .map(|e| e.unwrap().path())
             .max()
             .unwrap();
-        outcomes.push((metrics(&run.join("metrics.jsonl")), files(&latest)));
+        outcomes.push((
+            metrics(&run.join("metrics.jsonl")),
+            checkpoint_files(&latest),
+        ));
     }
     assert_eq!(outcomes[1].0, outcomes[0].0, "metrics");
-    assert!(outcomes[1].1 == outcomes[0].1, "checkpoints differ");
+    assert_same_files(&outcomes[1].1, &outcomes[0].1, "processes");
 }
 
 #[test]
@@ -409,27 +378,9 @@ fn bad_launch_environments_fail_with_what_to_set() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("MASTER_ADDR is not set"), "{err}");
     // two ranks that disagree on the world size
-    let port = std::net::TcpListener::bind(("127.0.0.1", 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .to_string();
-    let spawn = |rank: &str, world: &str| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_ares-runner"))
-            .args(["train", "--device", "cpu", "-c"])
-            .arg(run.with_extension("yaml"))
-            .env("RANK", rank)
-            .env("WORLD_SIZE", world)
-            .env("LOCAL_RANK", rank)
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", &port)
-            .env("ARES_COLLECTIVE_TIMEOUT", "30")
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
-    let (r0, r1) = (spawn("0", "2"), spawn("1", "3"));
+    let port = free_port();
+    let cfg = run.with_extension("yaml");
+    let (r0, r1) = (spawn_rank(&cfg, 0, 2, &port), spawn_rank(&cfg, 1, 3, &port));
     let (o0, o1) = (
         r0.wait_with_output().unwrap(),
         r1.wait_with_output().unwrap(),

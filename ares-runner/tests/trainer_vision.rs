@@ -15,6 +15,9 @@ use ares_runner::trainer::Trainer;
 use ares_runner::vision::checkpoint::VlCheckpoint;
 use serde_json::{Map, Value};
 
+mod common;
+use common::deterministic;
+
 fn model_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../ares-model/tests/fixtures/vl/qwen2_5_vl_tiny")
 }
@@ -94,18 +97,6 @@ fn train(cfg: Config) -> (Vec<Map<String, Value>>, Option<PathBuf>) {
     let mut t = Trainer::new(cfg, CpuBackend, Arc::new(AtomicBool::new(false))).unwrap();
     let s = t.run().unwrap();
     (read_metrics(&s.metrics).unwrap(), s.checkpoint)
-}
-
-/// The metrics that do not depend on wall-clock time.
-fn deterministic(lines: Vec<Map<String, Value>>) -> Vec<Map<String, Value>> {
-    lines
-        .into_iter()
-        .map(|l| {
-            l.into_iter()
-                .filter(|(k, _)| !k.starts_with("time/") && !k.starts_with("perf/"))
-                .collect()
-        })
-        .collect()
 }
 
 #[test]
@@ -542,6 +533,28 @@ fn easyr1_style_vl_example_config_trains_two_steps() {
     }
 }
 
+/// The override of `worker.rollout.multi_turn.interaction` with a program that answers
+/// every turn "more" (written into `dir` by a child, so no test thread holds the file
+/// open when it runs).
+fn more_interaction(dir: &Path) -> String {
+    let script = dir.join("more.sh");
+    let status = std::process::Command::new("sh")
+        .args([
+            "-c",
+            &format!(
+                "echo 'while read -r l; do echo \"{{\\\"content\\\": \\\"more\\\"}}\"; done' > '{}'",
+                script.display()
+            ),
+        ])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    format!(
+        "worker.rollout.multi_turn.interaction={{command: 'sh {}', reward_weight: 0}}",
+        script.display()
+    )
+}
+
 /// The override of `data.override_chat_template` with the fixture's template marked as
 /// teaching `<tool_call>` (it ignores tools otherwise), written into `dir`.
 fn tool_template(dir: &Path) -> String {
@@ -598,23 +611,7 @@ fn vision_episodes_without_calls_train_as_single_turn() {
 fn vision_episodes_continue_over_kept_blocks() {
     let dir = tempfile::tempdir().unwrap();
     let t = tool_template(dir.path());
-    // (written by a child, so no test thread holds the file open when it runs)
-    let script = dir.path().join("more.sh");
-    let status = std::process::Command::new("sh")
-        .args([
-            "-c",
-            &format!(
-                "echo 'while read -r l; do echo \"{{\\\"content\\\": \\\"more\\\"}}\"; done' > '{}'",
-                script.display()
-            ),
-        ])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let interaction = format!(
-        "worker.rollout.multi_turn.interaction={{command: 'sh {}', reward_weight: 0}}",
-        script.display()
-    );
+    let interaction = more_interaction(dir.path());
     let (lines, _) = train(config(
         dir.path(),
         &dir.path().join("episodes"),
@@ -641,27 +638,6 @@ fn vision_episodes_continue_over_kept_blocks() {
         continued > 0.0,
         "no episode had a second turn: the test tests nothing"
     );
-}
-
-/// Every file under `dir` (its config aside), by path inside it.
-fn checkpoint_files(dir: &Path) -> Vec<(String, Vec<u8>)> {
-    fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, Vec<u8>)>) {
-        for e in std::fs::read_dir(dir).unwrap() {
-            let p = e.unwrap().path();
-            if p.is_dir() {
-                walk(root, &p, out);
-            } else {
-                let name = p.strip_prefix(root).unwrap().display().to_string();
-                if name != "config.yaml" {
-                    out.push((name, std::fs::read(&p).unwrap()));
-                }
-            }
-        }
-    }
-    let mut out = Vec::new();
-    walk(dir, dir, &mut out);
-    out.sort();
-    out
 }
 
 /// A run's metrics lines and checkpoint files.
@@ -700,7 +676,7 @@ fn data_parallel_outcomes(dir: &Path, overrides: &[&str], worlds: &[usize]) -> V
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        let files = checkpoint_files(&summaries[0].checkpoint.clone().unwrap());
+        let files = common::checkpoint_files(&summaries[0].checkpoint.clone().unwrap());
         let m = deterministic(read_metrics(&summaries[0].metrics).unwrap())
             .into_iter()
             .map(|l| {
@@ -713,10 +689,7 @@ fn data_parallel_outcomes(dir: &Path, overrides: &[&str], worlds: &[usize]) -> V
     }
     for (i, o) in outcomes.iter().enumerate().skip(1) {
         assert_eq!(o.0, outcomes[0].0, "world {}: metrics", worlds[i]);
-        assert_eq!(o.1.len(), outcomes[0].1.len());
-        for ((n, b), (_, w)) in o.1.iter().zip(&outcomes[0].1) {
-            assert!(b == w, "world {}: {n} differs", worlds[i]);
-        }
+        common::assert_same_files(&o.1, &outcomes[0].1, &format!("world {}", worlds[i]));
     }
     outcomes
 }
@@ -741,22 +714,7 @@ fn data_parallel_worlds_give_the_same_bits_with_images() {
 fn data_parallel_episodes_give_the_same_bits() {
     let dir = tempfile::tempdir().unwrap();
     let t = tool_template(dir.path());
-    let script = dir.path().join("more.sh");
-    let status = std::process::Command::new("sh")
-        .args([
-            "-c",
-            &format!(
-                "echo 'while read -r l; do echo \"{{\\\"content\\\": \\\"more\\\"}}\"; done' > '{}'",
-                script.display()
-            ),
-        ])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let interaction = format!(
-        "worker.rollout.multi_turn.interaction={{command: 'sh {}', reward_weight: 0}}",
-        script.display()
-    );
+    let interaction = more_interaction(dir.path());
     let outcomes = data_parallel_outcomes(
         dir.path(),
         &[

@@ -148,28 +148,15 @@ pub fn rollout_episodes<B: Backend>(
             episodes: rows.len(),
             ..EpisodeCounts::default()
         };
+        let (c, p) = (&mut counts, &mut on_progress);
         match &generator {
             ActorGenerator::Text(g) if text => {
-                engine_episodes(
-                    g,
-                    rows,
-                    offset,
-                    params,
-                    tools,
-                    &mut counts,
-                    &mut on_progress,
-                )?;
+                engine_episodes(g, rows, offset, params, tools, c, p)?
             }
             ActorGenerator::Text(_) => return Err(no_vision("multi-turn rollout")),
-            ActorGenerator::Vision(g) => vision_engine_episodes(
-                g,
-                rows,
-                offset,
-                params,
-                tools,
-                &mut counts,
-                &mut on_progress,
-            )?,
+            ActorGenerator::Vision(g) => {
+                vision_engine_episodes(g, rows, offset, params, tools, c, p)?;
+            }
         }
         Ok(counts)
     };

@@ -120,6 +120,21 @@ pub fn ppo_update<B: Backend>(
     Ok(report)
 }
 
+/// Adds micro-batch `loss` to its mini-batch's `acc` (of `mini_tokens` valid tokens): the
+/// losses as they are (each already scaled to its share), the fractions weighted by the
+/// micro-batch's tokens.
+fn add_micro(acc: &mut MicroLoss, loss: &MicroLoss, mini_tokens: usize) {
+    acc.pg_loss += loss.pg_loss;
+    acc.kl_loss += loss.kl_loss;
+    let w = loss.tokens as f64 / mini_tokens as f64;
+    acc.clipfrac += loss.clipfrac * w;
+    acc.clipfrac_lower += loss.clipfrac_lower * w;
+    acc.ppo_kl += loss.ppo_kl * w;
+    acc.selected_frac += loss.selected_frac * w;
+    acc.entropy += loss.entropy;
+    acc.entropy_loss += loss.entropy_loss;
+}
+
 /// A data-parallel micro-batch's status: no valid token, a non-finite loss, learned.
 const SLICE_EMPTY: u8 = 0;
 const SLICE_NON_FINITE: u8 = 1;
@@ -299,15 +314,7 @@ impl<B: Backend> Update<'_, B> {
                 let Some(loss) = self.micro_batch(micro, index, scale, actor, opt)? else {
                     return Ok(MiniBatch::NonFinite);
                 };
-                acc.pg_loss += loss.pg_loss;
-                acc.kl_loss += loss.kl_loss;
-                let w = loss.tokens as f64 / mini_size.0 as f64;
-                acc.clipfrac += loss.clipfrac * w;
-                acc.clipfrac_lower += loss.clipfrac_lower * w;
-                acc.ppo_kl += loss.ppo_kl * w;
-                acc.selected_frac += loss.selected_frac * w;
-                acc.entropy += loss.entropy;
-                acc.entropy_loss += loss.entropy_loss;
+                add_micro(&mut acc, &loss, mini_size.0);
                 micros += 1;
             }
         }
@@ -391,15 +398,7 @@ impl<B: Backend> Update<'_, B> {
             };
             r.end().map_err(bad)?;
             // the sums of the run without ranks, in its order
-            acc.pg_loss += loss.pg_loss;
-            acc.kl_loss += loss.kl_loss;
-            let w = loss.tokens as f64 / mini_size.0 as f64;
-            acc.clipfrac += loss.clipfrac * w;
-            acc.clipfrac_lower += loss.clipfrac_lower * w;
-            acc.ppo_kl += loss.ppo_kl * w;
-            acc.selected_frac += loss.selected_frac * w;
-            acc.entropy += loss.entropy;
-            acc.entropy_loss += loss.entropy_loss;
+            add_micro(&mut acc, &loss, mini_size.0);
             micros_learned += 1;
         }
         if micros_learned == 0 {
