@@ -215,6 +215,13 @@ pub fn train(cfg: Config, overrides: &[String], from_file: bool) -> Result<(), T
         }
         return demo::run(overrides, demo::Demo::Text, None);
     }
+    if cfg.trainer.zero_stage > 0 && launch.as_ref().is_none_or(|l| l.world == 1) {
+        eprintln!(
+            "note: trainer.zero_stage = {} shards optimizer states across ranks; this run has \
+             one, so nothing is sharded",
+            cfg.trainer.zero_stage
+        );
+    }
     let selected = select_backend_at(&cfg, launch.as_ref())?;
     let ranks = match &launch {
         None => None,

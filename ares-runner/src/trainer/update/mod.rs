@@ -294,10 +294,7 @@ impl<B: Backend> Update<'_, B> {
             return self.mini_batch_ranks(&ranks, mini, actor, opt);
         }
         let mini_size = count(self.inputs.batch, mini);
-        opt.grads.zero(actor.backend())?;
-        if let Some(t) = &mut opt.tower {
-            t.zero_grads(actor.backend())?;
-        }
+        zero_grads(actor.backend(), opt)?;
         let mut acc = MicroLoss::default();
         let mut micros = 0usize;
         if mini_size.0 > 0 {
@@ -491,7 +488,7 @@ impl<B: Backend> Update<'_, B> {
         // ZeRO-1: this rank updated its share; the ranks swap the updated buffers
         if let (true, Some(ranks), Some(owned)) = (
             r.applied,
-            &self.inputs.settings.ranks,
+            self.inputs.settings.ranks.as_ref().filter(|r| r.world() > 1),
             opt.adamw.owned().map(<[bool]>::to_vec),
         ) {
             zero::share_updated(ranks, actor.lm_mut(), &owned)?;
