@@ -217,6 +217,70 @@ fn zero_1_shards_the_moments_and_changes_no_bit() {
     }
 }
 
+/// `trainer.gradient_sum: ranks`: a world of one is a run without ranks to the bit; more
+/// ranks add their accumulated gradients (one a rank, fewer bytes than every slice) and
+/// agree with it to rounding — the first step's rollout and losses exactly, its gradient
+/// norm to f32 noise.
+#[test]
+fn summing_the_ranks_gradients_is_the_plain_run_at_one_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let plain_run = dir.path().join("plain");
+    let mut t = Trainer::new(
+        config(&a, &plain_run, &[]),
+        CpuBackend,
+        Arc::new(AtomicBool::new(false)),
+    )
+    .unwrap();
+    t.settings.rollout_chunk = 4;
+    let s = t.run().unwrap();
+    let plain = (
+        metrics(&s.metrics),
+        checkpoint_files(&s.checkpoint.unwrap()),
+    );
+    let sum = "trainer.gradient_sum=ranks";
+    let (one, _) = outcome_with(dir.path(), &a, 1, &[sum]);
+    assert_eq!(one.0, plain.0, "a world of one: metrics");
+    assert_same_files(&one.1, &plain.1, "a world of one");
+    let sent = |world: usize, how: &str| -> f64 {
+        let run = dir.path().join(format!("bytes{world}{how}"));
+        let s = run_world(
+            &config(&a, &run, &[&format!("trainer.gradient_sum={how}")]),
+            world,
+        );
+        let lines = read_metrics(&s[0].as_ref().unwrap().metrics).unwrap();
+        lines
+            .iter()
+            .map(|l| l["perf/collective_bytes_sent"].as_f64().unwrap())
+            .sum()
+    };
+    for world in [2, 4] {
+        let ((m, _), _) = outcome_with(dir.path(), &a, world, &[sum]);
+        for (step, (x, y)) in one.0.iter().zip(&m).enumerate() {
+            for (k, v) in x {
+                let (p, q) = (v.as_f64(), y[k].as_f64());
+                let close = match (p, q) {
+                    (Some(p), Some(q)) => (p - q).abs() <= 1e-3 * p.abs().max(1e-2),
+                    _ => v == &y[k],
+                };
+                let exact = step == 0 && k != "actor/grad_norm";
+                assert!(
+                    if exact { v == &y[k] } else { close },
+                    "world {world} step {}: {k}: {v} vs {}",
+                    step + 1,
+                    y[k]
+                );
+            }
+        }
+    }
+    // two micro-batches a rank at world 2: the slices send twice what the sums do
+    let (slices, sums) = (sent(2, "slices"), sent(2, "ranks"));
+    assert!(
+        sums < 0.7 * slices,
+        "bytes sent: slices {slices}, ranks {sums}"
+    );
+}
+
 #[test]
 fn a_run_resumes_exactly_at_another_world_size() {
     let dir = tempfile::tempdir().unwrap();

@@ -50,7 +50,9 @@ pub use choices::Choice;
 pub use data::DataConfig;
 pub use easyr1::{ConfigNote, NoteAction, notes_table};
 pub use error::ConfigError;
-pub use trainer::{Device, Logger, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig, TrainerConfig};
+pub use trainer::{
+    Device, GradientSum, Logger, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig, TrainerConfig,
+};
 pub use worker::{
     ActorConfig, EntropyBonusConfig, ForkingTokensConfig, GradedPromptConfig, LrScheduler,
     ModelConfig, MultiTurnConfig, OptimConfig, POLICY_LOSSES, PolicyLoss, RefConfig, RewardConfig,

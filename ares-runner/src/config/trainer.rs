@@ -26,6 +26,19 @@ impl Device {
     }
 }
 
+/// How the ranks of a data-parallel run add their gradients (`trainer.gradient_sum`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GradientSum {
+    /// Each micro-batch's gradient is a slice, the slices added in micro-batch order on
+    /// every rank: the same bits at any world size; every rank receives every slice.
+    Slices,
+    /// Each rank adds its micro-batches inside its backward GEMMs and the ranks' sums are
+    /// added in rank order: one gradient exchanged a rank, a world of one equal to a run
+    /// without ranks, other worlds equal to it to rounding (what an all-reduce does).
+    Ranks,
+}
+
 /// Precision of the saved weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -180,6 +193,9 @@ pub struct TrainerConfig {
     /// rank holds every optimizer moment, 1 = ZeRO-1, each rank the moments of its share
     /// of the weights, which it updates and sends to the others (default 0).
     pub zero_stage: u8,
+    /// How the ranks add their gradients: `slices` (the same bits at any world size) or
+    /// `ranks` (one gradient exchanged a rank; equal to rounding) (default `slices`).
+    pub gradient_sum: GradientSum,
 }
 
 impl Default for TrainerConfig {
@@ -208,6 +224,7 @@ impl Default for TrainerConfig {
             seed: 1,
             threads: 0,
             zero_stage: 0,
+            gradient_sum: GradientSum::Slices,
         }
     }
 }

@@ -237,6 +237,19 @@ impl Ranks {
         Ok(out)
     }
 
+    /// `values` summed over the ranks, in rank order (`((v₀ + v₁) + v₂) + …`, element by
+    /// element), on every rank: what an all-reduce gives, with its order fixed. A world of
+    /// one leaves `values` as they are.
+    ///
+    /// # Errors
+    /// Ranks with other lengths; a collective failure.
+    pub fn all_reduce_sum(&self, values: &mut [f32]) -> Result<(), CollectiveError> {
+        if self.world() == 1 {
+            return Ok(());
+        }
+        self.ordered_sum(&[values.to_vec()], values)
+    }
+
     /// The sum of every rank's `parts`, folded left to right in rank order and, within a
     /// rank, in `parts` order — `((p₀ + p₁) + p₂) + …` element by element, exactly as
     /// one rank holding every part would add them — written to `out` on every rank.

@@ -166,6 +166,8 @@ pub struct StepSettings {
     /// The ranks of a data-parallel run (`None`: one process alone). Set by
     /// [`Trainer::join`](crate::trainer::Trainer::join).
     pub ranks: Option<crate::parallel::Ranks>,
+    /// How the ranks add their gradients (`trainer.gradient_sum`).
+    pub gradient_sum: crate::config::GradientSum,
 }
 
 /// The sampling of the rollout (`temperature`, `top_k` 0 = off, `top_p`).
@@ -253,6 +255,7 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
         micro_batch,
         optim,
         ranks: None,
+        gradient_sum: cfg.trainer.gradient_sum,
     })
 }
 

@@ -16,6 +16,7 @@ use ares_core::loss::LossAggMode;
 pub type Metrics = std::collections::BTreeMap<String, f64>;
 
 use crate::backend::{Backend, DeviceBuffer, View, ViewMut};
+use crate::config::GradientSum;
 use crate::model::{Activations, AdamW, Grads};
 use crate::parallel::Ranks;
 use crate::parallel::wire::{Reader, Writer};
@@ -323,9 +324,11 @@ impl<B: Backend> Update<'_, B> {
     }
 
     /// [`Update::mini_batch`] in a data-parallel run: each rank computes its block of the
-    /// micro-batches, each into zeroed gradients (a *slice*); every rank gets every
-    /// micro-batch's losses and the slices' sum in micro-batch order, so the result is
-    /// the same bits at any world size (see [`crate::parallel`]).
+    /// micro-batches and every rank gets every micro-batch's losses. The gradients, by
+    /// `trainer.gradient_sum`: `slices` — each micro-batch into zeroed gradients, the
+    /// slices summed in micro-batch order, so the result is the same bits at any world
+    /// size (see [`crate::parallel`]); `ranks` — each rank's micro-batches accumulated as
+    /// without ranks, the ranks' sums added in rank order.
     fn mini_batch_ranks(
         &mut self,
         ranks: &Ranks,
@@ -337,6 +340,12 @@ impl<B: Backend> Update<'_, B> {
         let micros: Vec<&[usize]> = mini
             .chunks(self.inputs.settings.micro_batch.max(1))
             .collect();
+        // slices: each micro-batch into zeroed gradients; ranks: this rank's micro-batches
+        // accumulated in its GEMMs, as a run without ranks does
+        let slices_mode = self.inputs.settings.gradient_sum == GradientSum::Slices;
+        if !slices_mode {
+            zero_grads(actor.backend(), opt)?;
+        }
         let mut slices: Vec<Vec<f32>> = Vec::new();
         let units = ranks.map_units(micros.len(), |index| {
             let micro = micros[index];
@@ -346,13 +355,17 @@ impl<B: Backend> Update<'_, B> {
                 w.u8(SLICE_EMPTY);
                 return Ok(w.finish());
             }
-            zero_grads(actor.backend(), opt)?;
+            if slices_mode {
+                zero_grads(actor.backend(), opt)?;
+            }
             let agg = self.inputs.settings.policy.agg;
             let scale = micro_scale(agg, micro_tokens, mini_size.0, micro_rows, mini_size.1);
             match self.micro_batch(micro, index, scale, actor, opt)? {
                 None => w.u8(SLICE_NON_FINITE),
                 Some(loss) => {
-                    slices.push(grads_to_host(actor.backend(), opt)?);
+                    if slices_mode {
+                        slices.push(grads_to_host(actor.backend(), opt)?);
+                    }
                     w.u8(SLICE_LEARNED);
                     for v in [
                         loss.pg_loss,
@@ -401,9 +414,15 @@ impl<B: Backend> Update<'_, B> {
         if micros_learned == 0 {
             return Ok(MiniBatch::Empty);
         }
-        let mut total = vec![0.0f32; grads_len(opt)];
-        ranks.ordered_sum(&slices, &mut total)?;
-        grads_from_host(actor.backend(), opt, &total)?;
+        if slices_mode {
+            let mut total = vec![0.0f32; grads_len(opt)];
+            ranks.ordered_sum(&slices, &mut total)?;
+            grads_from_host(actor.backend(), opt, &total)?;
+        } else if ranks.world() > 1 {
+            let mut total = grads_to_host(actor.backend(), opt)?;
+            ranks.all_reduce_sum(&mut total)?;
+            grads_from_host(actor.backend(), opt, &total)?;
+        }
         Ok(MiniBatch::Learned(acc))
     }
 
@@ -488,7 +507,11 @@ impl<B: Backend> Update<'_, B> {
         // ZeRO-1: this rank updated its share; the ranks swap the updated buffers
         if let (true, Some(ranks), Some(owned)) = (
             r.applied,
-            self.inputs.settings.ranks.as_ref().filter(|r| r.world() > 1),
+            self.inputs
+                .settings
+                .ranks
+                .as_ref()
+                .filter(|r| r.world() > 1),
             opt.adamw.owned().map(<[bool]>::to_vec),
         ) {
             zero::share_updated(ranks, actor.lm_mut(), &owned)?;
