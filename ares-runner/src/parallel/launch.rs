@@ -395,11 +395,21 @@ impl Collective for TcpRanks {
                     missing: vec![gone],
                 }
             } else {
+                let why = match e.kind() {
+                    std::io::ErrorKind::UnexpectedEof
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::BrokenPipe => {
+                        "its connection closed (the process ended, failed or was killed; its own \
+                         output says why)"
+                            .to_string()
+                    }
+                    _ => format!("its connection failed: {e}"),
+                };
                 CollectiveError::RankGone {
                     rank,
                     gone,
                     round,
-                    why: format!("its connection failed: {e}"),
+                    why,
                 }
             }
         };
@@ -580,6 +590,20 @@ mod tests {
         });
         assert_eq!(out.0, vec![vec![7], vec![8]]);
         assert_eq!(out.1, out.0);
+    }
+
+    #[test]
+    fn a_rank_that_ends_is_named_by_the_others() {
+        let port = free_port();
+        let (r0, r1) = std::thread::scope(|s| {
+            let a = s.spawn(move || TcpRanks::connect(&launch(0, 2, port)).unwrap());
+            let b = s.spawn(move || TcpRanks::connect(&launch(1, 2, port)).unwrap());
+            (a.join().unwrap(), b.join().unwrap())
+        });
+        drop(r1);
+        let e = r0.all_gather(vec![1]).unwrap_err();
+        assert!(matches!(e, CollectiveError::RankGone { gone: 1, .. }), "{e}");
+        assert!(e.to_string().contains("connection closed"), "{e}");
     }
 
     #[test]
