@@ -286,6 +286,16 @@ fn trace_tokens(
 /// # Errors
 /// Missing settings or files, and the run's errors.
 pub fn sft(cfg: &Config) -> Result<(), TrainError> {
+    // several processes would write one run directory at once
+    let launch = crate::parallel::launch::LaunchEnv::from_env()
+        .map_err(|e| TrainError::Invalid(e.to_string()))?;
+    if let Some(l) = launch.filter(|l| l.world > 1) {
+        return Err(TrainError::Invalid(format!(
+            "ares-runner sft runs as one process, and this is rank {} of {} ({:?} launch): \
+             start it without torchrun or srun (data parallelism is train's)",
+            l.rank, l.world, l.launcher
+        )));
+    }
     let data = cfg.sft.train_files.as_deref().ok_or_else(|| {
         TrainError::Invalid(
             "sft.train_files is not set: a JSONL file of prompt/response pairs".into(),
