@@ -5,9 +5,9 @@
 #
 #   scripts/gpu-bundle.sh [DIR]        # default DIR = .gpu (git-ignored)
 #   # on the GPU machine:
-#   DIR/run.sh [tests|kernels|model|grpo]   # all parts, or one (each fits a 10-minute call);
+#   DIR/run.sh [tests|kernels|model|grpo|dp]   # all parts, or one (each fits a 10-minute call);
 #                                            # after `grpo`: dotted overrides of the RL step
-#   DIR/check.sh                             # every part time-boxed in one call (~7 min)
+#   DIR/check.sh                             # every part time-boxed in one call (~8 min)
 #
 # With the `device` tool of this workplace: carry `.gpu` and run `.gpu/run.sh`; results
 # land in $OUT when it is set.
@@ -64,7 +64,8 @@ echo "building ares-runner (the RL-step benchmark)…"
 cargo build --release -p ares-runner
 cp target/release/ares-runner "$dir/bin/ares-runner"
 cp scripts/torch_token_kernels.py scripts/bench_torch_gpu.py scripts/bench_torch_cpu.py scripts/torch_lora.py \
-  scripts/bench_grpo_step.sh scripts/bench_torch_grpo_step.py examples/configs/bench_grpo_step.yaml "$dir/"
+  scripts/bench_grpo_step.sh scripts/bench_torch_grpo_step.py examples/configs/bench_grpo_step.yaml \
+  scripts/dp_check.sh "$dir/"
 
 # Symbols and debug info are most of the size (92 → 41 MB); the device tool carries at
 # most 64 MiB, the working tree included.
@@ -126,14 +127,18 @@ if want grpo; then
   ARES_RUNNER="$here/bin/ares-runner" CONFIG="$here/bench_grpo_step.yaml" DIR=/tmp/ares-bench-grpo \
     "$here/bench_grpo_step.sh" "$@" 2>&1 | grep -v '^\[' | tee "$out/grpo_step.txt" || status=1
 fi
+if want dp; then
+  echo "== data parallel on one GPU: worlds 1 and 2, TCP and NCCL"
+  ARES_RUNNER="$here/bin/ares-runner" "$here/dp_check.sh" 2>&1 | tee "$out/dp_check.txt" || status=1
+fi
 exit $status
 RUN
 chmod +x "$dir/run.sh"
 
 # One time-boxed device call for a short lease (15 minutes of device time, starts included):
 # every part of run.sh under its own limit, the RL step reduced to 16 prompts x 8 and 2 steps,
-# at most 8 files back in $OUT. T_TESTS, T_KERNELS, T_MODEL, T_GRPO set the limits (seconds;
-# the defaults add up to 420: give the call ~440).
+# at most 9 files back in $OUT. T_TESTS, T_KERNELS, T_MODEL, T_GRPO, T_DP set the limits
+# (seconds; the defaults add up to 480: give the call ~500).
 cat > "$dir/check.sh" <<'CHECK'
 #!/usr/bin/env bash
 set +u
@@ -158,7 +163,8 @@ cp "$work/gpu_kernels.jsonl" "$final/" 2>/dev/null
 part model "${T_MODEL:-70}"
 TORCH_ARGS="--prompts 16 --steps 2" part grpo "${T_GRPO:-110}" \
   data.rollout_batch_size=16 worker.actor.global_batch_size=16 trainer.max_steps=2
-tail -n 12 "$final/kernels.txt" "$final/model.txt" "$final/grpo.txt"
+part dp "${T_DP:-60}"
+tail -n 12 "$final/kernels.txt" "$final/model.txt" "$final/grpo.txt" "$final/dp.txt"
 CHECK
 chmod +x "$dir/check.sh"
 du -sh "$dir"

@@ -13,6 +13,7 @@
 
 mod error;
 pub mod kernels;
+pub mod nccl;
 pub mod nvrtc;
 
 pub use error::{Error, Result};

@@ -441,6 +441,19 @@ fn bad_launch_environments_fail_with_what_to_set() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("MASTER_ADDR is not set"), "{err}");
+    // a transport that does not exist
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ares-runner"))
+        .args(["train", "--device", "cpu", "-c"])
+        .arg(run.with_extension("yaml"))
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "1")
+        .env("LOCAL_RANK", "0")
+        .env("ARES_TRANSPORT", "carrier-pigeon")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("ARES_TRANSPORT=\"carrier-pigeon\""), "{err}");
     // two ranks that disagree on the world size
     let port = free_port();
     let cfg = run.with_extension("yaml");

@@ -236,11 +236,28 @@ pub fn train(cfg: Config, overrides: &[String], from_file: bool) -> Result<(), T
                     .as_ref()
                     .map_or(String::new(), |(a, p)| format!(": meeting at {a}:{p}"))
             );
-            let tcp = TcpRanks::connect(l)?;
-            Some(Ranks::new(Arc::new(tcp)))
+            Some(Ranks::new(transport(l)?))
         }
     };
     crate::with_backend!(selected, b => train_on(cfg, b, ranks))
+}
+
+/// The ranks' transport that `ARES_TRANSPORT` names: `tcp` (the default) or `nccl` (GPUs;
+/// the same bytes, so the same numbers).
+///
+/// # Errors
+/// Another name; the transport's failure to connect.
+fn transport(l: &LaunchEnv) -> Result<Arc<dyn crate::parallel::Collective>, TrainError> {
+    let name = std::env::var("ARES_TRANSPORT").unwrap_or_default();
+    match name.trim() {
+        "" | "tcp" => Ok(Arc::new(TcpRanks::connect(l)?)),
+        #[cfg(feature = "cuda")]
+        "nccl" => Ok(Arc::new(crate::parallel::nccl::NcclRanks::connect(l)?)),
+        other => Err(TrainError::Invalid(format!(
+            "ARES_TRANSPORT={other:?}: the ranks' transport is tcp (the default) or nccl (GPUs; \
+             this ares-runner needs its cuda feature and libnccl)"
+        ))),
+    }
 }
 
 /// [`train`] on a chosen backend, as one of `ranks` when launched.

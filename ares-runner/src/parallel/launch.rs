@@ -602,7 +602,10 @@ mod tests {
         });
         drop(r1);
         let e = r0.all_gather(vec![1]).unwrap_err();
-        assert!(matches!(e, CollectiveError::RankGone { gone: 1, .. }), "{e}");
+        assert!(
+            matches!(e, CollectiveError::RankGone { gone: 1, .. }),
+            "{e}"
+        );
         assert!(e.to_string().contains("connection closed"), "{e}");
     }
 

@@ -17,9 +17,12 @@
 //!
 //! [`threads::ThreadGroup`] is the in-process implementation (threads as ranks), used by
 //! the tests. [`launch`] reads a launcher's variables (torchrun, Slurm) and
-//! meets the other processes over TCP ([`launch::TcpRanks`]).
+//! meets the other processes over TCP ([`launch::TcpRanks`]); on GPUs NCCL can carry the
+//! same bytes instead (`nccl::NcclRanks`, `ARES_TRANSPORT=nccl`).
 
 pub mod launch;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 pub mod threads;
 pub mod wire;
 

@@ -24,7 +24,7 @@
 
 mod buffer;
 
-pub use ares_cuda::device_count;
+pub use ares_cuda::{device_count, nccl};
 pub use buffer::{CudaBuffer, CudaBytes, CudaHalf, CudaIds};
 
 use buffer::{

@@ -1,0 +1,176 @@
+//! NCCL between processes, one GPU each (loaded at run time, as the other CUDA libraries):
+//! the transport of a data-parallel run launched on GPUs. Rank 0 makes the unique id
+//! ([`unique_id`]) and hands it to the other ranks itself (the runner sends it over its
+//! TCP rendezvous); every rank then opens its communicator on its own device
+//! ([`NcclComm::new`]).
+//!
+//! [`NcclComm::all_gather_bytes`] carries the runner's collective operations: each rank's
+//! bytes (of any length, padded to the longest on the device) gathered in rank order.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::nccl::{Comm, Id};
+
+use crate::error::{DriverContext, Error, Result};
+
+/// True when the NCCL library (`libnccl.so`) can be loaded.
+pub fn nccl_available() -> bool {
+    // SAFETY: only tries to dlopen the library; no NCCL function is called.
+    unsafe { cudarc::nccl::sys::is_culib_present() }
+}
+
+fn missing() -> Error {
+    Error::LibraryMissing {
+        library: "libnccl.so.2 (NCCL; pip's nvidia-nccl-cu13 ships it)",
+    }
+}
+
+fn nccl(step: &str, e: &cudarc::nccl::result::NcclError) -> Error {
+    Error::BadArgument {
+        kernel: "nccl",
+        message: format!("{step}: {:?}", e.0),
+    }
+}
+
+/// A new NCCL unique id (rank 0 makes it; every rank needs the same).
+///
+/// # Errors
+/// NCCL cannot be loaded, or `ncclGetUniqueId` fails (no usable network interface).
+pub fn unique_id() -> Result<[u8; 128]> {
+    if !nccl_available() {
+        return Err(missing());
+    }
+    let id = Id::new().map_err(|e| nccl("ncclGetUniqueId", &e))?;
+    Ok(id.internal().map(|c| c as u8))
+}
+
+/// An NCCL communicator that may move between threads.
+struct SendComm(Comm);
+
+// SAFETY: NCCL lets any host thread call a communicator so long as no two calls on it
+// overlap; `NcclComm` only reaches it through its mutex.
+unsafe impl Send for SendComm {}
+
+/// This process's rank in an NCCL communicator, on one device.
+pub struct NcclComm {
+    comm: Mutex<SendComm>,
+    stream: Arc<CudaStream>,
+    rank: usize,
+    world: usize,
+}
+
+impl std::fmt::Debug for NcclComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NcclComm")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NcclComm {
+    /// Joins the communicator of `id` as rank `rank` of `world` on device `ordinal` (every
+    /// rank calls it; it returns when all have).
+    ///
+    /// # Errors
+    /// CUDA or NCCL cannot be loaded; the device cannot be opened; `ncclCommInitRank` fails.
+    pub fn new(ordinal: usize, rank: usize, world: usize, id: [u8; 128]) -> Result<Self> {
+        if !crate::cuda_available() {
+            return Err(Error::LibraryMissing {
+                library: "libcuda.so (the CUDA driver)",
+            });
+        }
+        if !nccl_available() {
+            return Err(missing());
+        }
+        let ctx = CudaContext::new(ordinal).during(format!("opening CUDA device {ordinal}"))?;
+        let stream = ctx.new_stream().during("creating NCCL's stream")?;
+        let id = Id::uninit(id.map(|b| b as core::ffi::c_char));
+        let comm = Comm::from_rank(Arc::clone(&stream), rank, world, id)
+            .map_err(|e| nccl("ncclCommInitRank", &e))?;
+        Ok(Self {
+            comm: Mutex::new(SendComm(comm)),
+            stream,
+            rank,
+            world,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks.
+    pub fn world(&self) -> usize {
+        self.world
+    }
+
+    /// Every rank's `mine`, in rank order: the lengths gathered first, then the bytes
+    /// padded to the longest.
+    ///
+    /// # Errors
+    /// A CUDA or NCCL failure (a rank that died makes NCCL fail or hang; the runner's
+    /// timeout names it).
+    pub fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let world = self.world;
+        let comm = self
+            .comm
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let comm = &comm.0;
+        let s = &self.stream;
+        let len = s
+            .clone_htod(&[mine.len() as u64])
+            .during("nccl: upload a length")?;
+        let mut lens = s
+            .alloc_zeros::<u64>(world)
+            .during("nccl: allocate lengths")?;
+        comm.all_gather(&len, &mut lens)
+            .map_err(|e| nccl("ncclAllGather (lengths)", &e))?;
+        let lens: Vec<usize> = s
+            .clone_dtoh(&lens)
+            .during("nccl: download lengths")?
+            .into_iter()
+            .map(|n| usize::try_from(n).unwrap_or(usize::MAX))
+            .collect();
+        let longest = lens.iter().copied().max().unwrap_or(0);
+        if longest == 0 {
+            return Ok(vec![Vec::new(); world]);
+        }
+        let mut padded = mine.to_vec();
+        padded.resize(longest, 0);
+        let send = s.clone_htod(&padded).during("nccl: upload bytes")?;
+        let mut recv = s
+            .alloc_zeros::<u8>(longest * world)
+            .during("nccl: allocate bytes")?;
+        comm.all_gather(&send, &mut recv)
+            .map_err(|e| nccl("ncclAllGather (bytes)", &e))?;
+        let all = s.clone_dtoh(&recv).during("nccl: download bytes")?;
+        Ok(lens
+            .iter()
+            .enumerate()
+            .map(|(r, &n)| all[r * longest..r * longest + n.min(longest)].to_vec())
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without NCCL (a machine with no GPU stack) every entry point says which library is
+    /// missing instead of failing inside the loader.
+    #[test]
+    fn without_nccl_the_error_names_the_library() {
+        if nccl_available() {
+            eprintln!("NCCL is installed here: nothing to check");
+            return;
+        }
+        let e = unique_id().unwrap_err().to_string();
+        assert!(e.contains("libnccl"), "{e}");
+        let e = NcclComm::new(0, 0, 1, [0; 128]).unwrap_err().to_string();
+        assert!(e.contains("libnccl") || e.contains("libcuda"), "{e}");
+    }
+}

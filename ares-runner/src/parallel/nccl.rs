@@ -1,0 +1,73 @@
+//! NCCL as the ranks' transport on GPUs (`ARES_TRANSPORT=nccl`): the ranks meet over TCP
+//! ([`TcpRanks`]), rank 0 sends them NCCL's unique id, and every operation then runs
+//! through NCCL on the rank's GPU (`ares_cuda::nccl`). The bytes are the TCP
+//! transport's, so a run's numbers do not depend on the transport.
+
+use crate::backend::cuda::nccl::{NcclComm, unique_id};
+
+use super::launch::{LaunchEnv, TcpRanks};
+use super::{Collective, CollectiveError};
+
+/// Ranks connected by NCCL, one GPU each.
+#[derive(Debug)]
+pub struct NcclRanks {
+    comm: NcclComm,
+}
+
+impl NcclRanks {
+    /// Meets the other ranks of `env` over TCP, shares rank 0's NCCL id and opens the
+    /// communicator on GPU `env.local_rank`.
+    ///
+    /// # Errors
+    /// The TCP meeting's errors; NCCL cannot be loaded or initialised (named).
+    pub fn connect(env: &LaunchEnv) -> Result<Self, CollectiveError> {
+        let rank = env.rank;
+        let fail = |what: String| CollectiveError::Transport { rank, what };
+        let tcp = TcpRanks::connect(env)?;
+        // rank 0's id, or its failure, reaches every rank
+        let mine = if rank == 0 {
+            match unique_id() {
+                Ok(id) => [&[0u8][..], &id[..]].concat(),
+                Err(e) => [&[1u8][..], e.to_string().as_bytes()].concat(),
+            }
+        } else {
+            Vec::new()
+        };
+        let all = tcp.all_gather(mine)?;
+        let first = all.first().cloned().unwrap_or_default();
+        let id: [u8; 128] = match first.split_first() {
+            Some((0, id)) => id
+                .try_into()
+                .map_err(|_| fail("NCCL's unique id from rank 0 is not 128 bytes".into()))?,
+            Some((_, why)) => {
+                return Err(fail(format!(
+                    "rank 0 could not make NCCL's id: {}",
+                    String::from_utf8_lossy(why)
+                )));
+            }
+            None => return Err(fail("rank 0 sent no NCCL id".into())),
+        };
+        let comm = NcclComm::new(env.local_rank, rank, env.world, id)
+            .map_err(|e| fail(format!("NCCL on GPU {}: {e}", env.local_rank)))?;
+        Ok(Self { comm })
+    }
+}
+
+impl Collective for NcclRanks {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn world(&self) -> usize {
+        self.comm.world()
+    }
+
+    fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        self.comm
+            .all_gather_bytes(&mine)
+            .map_err(|e| CollectiveError::Transport {
+                rank: self.comm.rank(),
+                what: format!("NCCL: {e}"),
+            })
+    }
+}
