@@ -1072,7 +1072,7 @@ impl<B: Backend + Clone> Trainer<B> {
             if writes && self.cfg.trainer.logger.contains(&Logger::Console) {
                 eprintln!("{}", step_line(&record, self.state.step, self.total_steps));
             }
-            if let Some(w) = self.python.as_mut()
+            if let Some(w) = self.python.as_mut().filter(|_| writes)
                 && let Err(e) = w.log(self.state.step, record.as_map())
             {
                 // a logger's failure is reported, and training goes on
