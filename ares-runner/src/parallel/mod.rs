@@ -8,12 +8,14 @@
 //! computed by one rank and gathered by all ([`Ranks::map_units`]).
 //!
 //! The units are those of a run without ranks and are computed with the same shapes, so
-//! their results are the same bits whatever the world size; the gradients of a mini-batch
-//! are one slice per micro-batch, summed in micro-batch order ([`Ranks::ordered_sum`]).
-//! A run's numbers therefore do not depend on the world size — with one exception that
-//! is a choice: a run *without* ranks accumulates its micro-batches inside the backward
-//! GEMMs instead of summing separate slices, so it equals a world of one in everything
-//! but the last bits of those sums.
+//! their results are the same bits whatever the world size. The gradients of a mini-batch
+//! (`trainer.gradient_sum`) are by default one slice per micro-batch, summed in
+//! micro-batch order ([`Ranks::ordered_sum`]), so a run's numbers do not depend on the
+//! world size — but a run *without* ranks accumulates its micro-batches inside the
+//! backward GEMMs, so it equals a world of one in everything but the last bits of those
+//! sums. With `ranks` each rank accumulates as a run without ranks does and the ranks'
+//! sums are added ([`Ranks::all_reduce_sum`]): one gradient exchanged a rank, a world of
+//! one equal to a run without ranks, other worlds equal to it to rounding.
 //!
 //! [`threads::ThreadGroup`] is the in-process implementation (threads as ranks), used by
 //! the tests. [`launch`] reads a launcher's variables (torchrun, Slurm) and
