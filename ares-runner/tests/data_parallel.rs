@@ -219,8 +219,8 @@ fn zero_1_shards_the_moments_and_changes_no_bit() {
 
 /// `trainer.gradient_sum: ranks`: a world of one is a run without ranks to the bit; more
 /// ranks add their accumulated gradients (one a rank, fewer bytes than every slice) and
-/// agree with it to rounding — the first step's rollout and losses exactly, its gradient
-/// norm to f32 noise.
+/// agree with it to rounding — the first step's rollout and rewards exactly, the updates'
+/// metrics to f32 noise.
 #[test]
 fn summing_the_ranks_gradients_is_the_plain_run_at_one_rank() {
     let dir = tempfile::tempdir().unwrap();
@@ -263,7 +263,9 @@ fn summing_the_ranks_gradients_is_the_plain_run_at_one_rank() {
                     (Some(p), Some(q)) => (p - q).abs() <= 1e-3 * p.abs().max(1e-2),
                     _ => v == &y[k],
                 };
-                let exact = step == 0 && k != "actor/grad_norm";
+                // the first step's rollout and rewards come before any update; its second
+                // mini-batch already sees the first one's rounding
+                let exact = step == 0 && !k.starts_with("actor/");
                 assert!(
                     if exact { v == &y[k] } else { close },
                     "world {world} step {}: {k}: {v} vs {}",
