@@ -9,8 +9,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaStream};
-use cudarc::nccl::{Comm, Id};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::nccl::{Comm, Id, ReduceOp};
 
 use crate::error::{DriverContext, Error, Result};
 
@@ -105,6 +105,30 @@ impl NcclComm {
     /// The number of ranks.
     pub fn world(&self) -> usize {
         self.world
+    }
+
+    /// Sums the first `len` values of `values` over the ranks, in place (NCCL's all-reduce,
+    /// in NCCL's order), and waits for it. cudarc orders the call after the kernels that
+    /// wrote `values` on other streams, and theirs after it.
+    ///
+    /// # Errors
+    /// `len` past the buffer; a CUDA or NCCL failure.
+    pub fn all_reduce_sum_f32(&self, values: &mut CudaSlice<f32>, len: usize) -> Result<()> {
+        if len > values.len() {
+            return Err(Error::BadArgument {
+                kernel: "nccl",
+                message: format!("all-reduce of {len} values in a buffer of {}", values.len()),
+            });
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        let comm = self.comm.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut view = values.slice_mut(0..len);
+        comm.0
+            .all_reduce_in_place(&mut view, &ReduceOp::Sum)
+            .map_err(|e| nccl("ncclAllReduce", &e))?;
+        self.stream.synchronize().during("nccl: all-reduce")
     }
 
     /// Every rank's `mine`, in rank order: the lengths gathered first, then the bytes

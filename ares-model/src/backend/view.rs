@@ -54,6 +54,12 @@ pub trait DeviceBuffer {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// The buffer as its concrete type, for code that works on one backend's buffers
+    /// directly (a device-side collective); `None` for a backend that offers none.
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        None
+    }
 }
 
 /// Checks that `[offset, offset + len)` lies in a buffer of `buffer_len` elements.

@@ -95,6 +95,18 @@ pub trait Collective: Send + Sync {
     /// # Errors
     /// A rank that stopped or timed out; a transport failure.
     fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, CollectiveError>;
+
+    /// Sums `buffer` (a backend's f32 buffer, [`DeviceBuffer::as_any_mut`]) over the ranks
+    /// in place on its device, in the transport's own order; `None` when this transport
+    /// cannot reach that buffer (the caller then sums through the host).
+    ///
+    /// [`DeviceBuffer::as_any_mut`]: crate::backend::DeviceBuffer::as_any_mut
+    fn all_reduce_sum_device(
+        &self,
+        _buffer: &mut dyn std::any::Any,
+    ) -> Option<Result<(), CollectiveError>> {
+        None
+    }
 }
 
 /// A shared handle on this process's [`Collective`], with the step's helpers.
@@ -253,6 +265,22 @@ impl Ranks {
             return Ok(());
         }
         self.ordered_sum(&[values.to_vec()], values)
+    }
+
+    /// [`Collective::all_reduce_sum_device`] of `buffer`, counted as traffic; `None` when
+    /// the transport cannot sum it on its device.
+    pub fn all_reduce_sum_device(
+        &self,
+        buffer: &mut impl crate::backend::DeviceBuffer,
+    ) -> Option<Result<(), CollectiveError>> {
+        let sent = buffer.len() as u64 * 4;
+        let t = Instant::now();
+        let out = self.0.all_reduce_sum_device(buffer.as_any_mut()?)?;
+        let mut traffic = self.1.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        traffic.time += t.elapsed();
+        traffic.bytes_sent += sent;
+        traffic.operations += 1;
+        Some(out)
     }
 
     /// The sum of every rank's `parts`, folded left to right in rank order and, within a

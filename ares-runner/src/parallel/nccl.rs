@@ -1,7 +1,8 @@
 //! NCCL as the ranks' transport on GPUs (`ARES_TRANSPORT=nccl`): the ranks meet over TCP
 //! ([`TcpRanks`]), rank 0 sends them NCCL's unique id, and every operation then runs
-//! through NCCL on the rank's GPU (`ares_cuda::nccl`). The bytes are the TCP
-//! transport's, so a run's numbers do not depend on the transport.
+//! through NCCL on the rank's GPU (`ares_cuda::nccl`). The gathered bytes are the TCP
+//! transport's, so those do not depend on the transport; `trainer.gradient_sum: ranks`
+//! sums the gradient buffers on the device instead (NCCL's all-reduce, in its own order).
 
 use crate::backend::cuda::nccl::{NcclComm, unique_id};
 
@@ -60,6 +61,20 @@ impl Collective for NcclRanks {
 
     fn world(&self) -> usize {
         self.comm.world()
+    }
+
+    fn all_reduce_sum_device(
+        &self,
+        buffer: &mut dyn std::any::Any,
+    ) -> Option<Result<(), CollectiveError>> {
+        let b = buffer.downcast_mut::<crate::backend::cuda::CudaBuffer>()?;
+        Some(
+            b.nccl_all_reduce_sum(&self.comm)
+                .map_err(|e| CollectiveError::Transport {
+                    rank: self.comm.rank(),
+                    what: format!("NCCL: {e}"),
+                }),
+        )
     }
 
     fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, CollectiveError> {

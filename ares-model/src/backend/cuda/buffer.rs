@@ -143,6 +143,25 @@ impl DeviceBuffer for CudaBuffer {
     fn dtype(&self) -> DType {
         DType::F32
     }
+
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
+    }
+}
+
+impl CudaBuffer {
+    /// Sums this buffer over the ranks of `comm`, in place, on the device (NCCL's
+    /// all-reduce: its order, not rank order).
+    ///
+    /// # Errors
+    /// NCCL's or CUDA's failure.
+    pub fn nccl_all_reduce_sum(&mut self, comm: &ares_cuda::nccl::NcclComm) -> Result<()> {
+        comm.all_reduce_sum_f32(&mut self.slice, self.len)
+            .map_err(|e| BackendError::Op {
+                op: "nccl all-reduce",
+                source: Box::new(e),
+            })
+    }
 }
 
 impl DeviceBuffer for CudaIds {

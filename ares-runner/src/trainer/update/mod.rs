@@ -194,6 +194,34 @@ fn grads_from_host<B: Backend>(
     Ok(())
 }
 
+/// Sums `opt`'s gradients over `ranks` on the device when the transport can (NCCL on
+/// GPUs); `false` when it cannot, and nothing was summed.
+fn sum_on_device<B: Backend>(
+    ranks: &Ranks,
+    be: &B,
+    opt: &mut Optimizer<B>,
+) -> Result<bool, TrainError> {
+    let mut all = opt.grads.buffers_mut();
+    if let Some(t) = &mut opt.tower {
+        all.extend(t.grads.buffers_mut());
+    }
+    // the backward's kernels first (cudarc also orders the streams)
+    be.synchronize()?;
+    for (i, b) in all.into_iter().enumerate() {
+        match ranks.all_reduce_sum_device(b) {
+            Some(r) => r?,
+            None if i == 0 => return Ok(false),
+            None => {
+                return Err(TrainError::Internal(
+                    "a transport summed some gradient buffers on the device and not others"
+                        .into(),
+                ));
+            }
+        }
+    }
+    Ok(true)
+}
+
 /// What one mini-batch's forward and backward passes gave.
 enum MiniBatch {
     /// No valid token: no optimizer step.
@@ -418,7 +446,7 @@ impl<B: Backend> Update<'_, B> {
             let mut total = vec![0.0f32; grads_len(opt)];
             ranks.ordered_sum(&slices, &mut total)?;
             grads_from_host(actor.backend(), opt, &total)?;
-        } else if ranks.world() > 1 {
+        } else if ranks.world() > 1 && !sum_on_device(ranks, actor.backend(), opt)? {
             let mut total = grads_to_host(actor.backend(), opt)?;
             ranks.all_reduce_sum(&mut total)?;
             grads_from_host(actor.backend(), opt, &total)?;
