@@ -123,7 +123,10 @@ impl NcclComm {
         if len == 0 {
             return Ok(());
         }
-        let comm = self.comm.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let comm = self
+            .comm
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut view = values.slice_mut(0..len);
         comm.0
             .all_reduce_in_place(&mut view, &ReduceOp::Sum)

@@ -181,13 +181,7 @@ impl Ranks {
     pub fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, CollectiveError> {
         let (t, sent) = (Instant::now(), mine.len() as u64);
         let out = self.0.all_gather(mine);
-        let mut traffic = self
-            .1
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        traffic.time += t.elapsed();
-        traffic.bytes_sent += sent;
-        traffic.operations += 1;
+        self.count(t, sent);
         out
     }
 
@@ -276,11 +270,19 @@ impl Ranks {
         let sent = buffer.len() as u64 * 4;
         let t = Instant::now();
         let out = self.0.all_reduce_sum_device(buffer.as_any_mut()?)?;
-        let mut traffic = self.1.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        traffic.time += t.elapsed();
+        self.count(t, sent);
+        Some(out)
+    }
+
+    /// Counts an operation that started at `started` and sent `sent` bytes.
+    fn count(&self, started: Instant, sent: u64) {
+        let mut traffic = self
+            .1
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        traffic.time += started.elapsed();
         traffic.bytes_sent += sent;
         traffic.operations += 1;
-        Some(out)
     }
 
     /// The sum of every rank's `parts`, folded left to right in rank order and, within a

@@ -213,8 +213,7 @@ fn sum_on_device<B: Backend>(
             None if i == 0 => return Ok(false),
             None => {
                 return Err(TrainError::Internal(
-                    "a transport summed some gradient buffers on the device and not others"
-                        .into(),
+                    "a transport summed some gradient buffers on the device and not others".into(),
                 ));
             }
         }
