@@ -15,6 +15,9 @@ use ares_runner::metrics::read_metrics;
 use ares_runner::trainer::{TrainError, Trainer};
 use serde_json::{Map, Value};
 
+mod common;
+use common::deterministic;
+
 /// Demo assets with a very small model and few problems.
 fn assets(dir: &Path) -> DemoAssets {
     assets_sized(dir, 64)
@@ -341,18 +344,6 @@ fn filtering_that_keeps_nothing_fails_clearly() {
     let msg = err.to_string();
     assert!(msg.contains("max_try_make_batch = 2"), "{msg}");
     assert!(msg.contains("collected 0 of 2 groups"), "{msg}");
-}
-
-/// Metrics that depend on the wall clock.
-fn deterministic(lines: Vec<Map<String, Value>>) -> Vec<Map<String, Value>> {
-    lines
-        .into_iter()
-        .map(|l| {
-            l.into_iter()
-                .filter(|(k, _)| !k.starts_with("time/") && !k.starts_with("perf/"))
-                .collect()
-        })
-        .collect()
 }
 
 fn as_strs(v: &[String]) -> Vec<&str> {
