@@ -12,6 +12,8 @@
 //!   the logits with an online max/sum — no `[rows, V]` temporary.
 //!
 //! - [`argmax`]: greedy decoding's pick, the first index of a row's largest logit.
+//! - [`sampler`]: sampling's pick — the exponential race over counter-based random numbers
+//!   with temperature, top-k, top-p and min-p, bit for bit the CUDA kernel's.
 //! - [`entropy_windows`], [`row_percentile`]: window means, HWE masks, per-row counts, soft
 //!   costs and percentile thresholds (docs/algorithms.md §1), row-parallel over `ares_core::entropy`.
 //! - [`masked_dynamic_kl`]: per-token KL, HWE-aware weights, per-row and total weighted
@@ -25,6 +27,7 @@ mod kl;
 mod log_prob_entropy;
 mod logits;
 pub mod ops;
+pub mod sampler;
 #[cfg(test)]
 mod test_rng;
 mod windows;
