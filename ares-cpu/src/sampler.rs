@@ -54,6 +54,27 @@ pub struct SampleKey {
     pub step: u32,
 }
 
+impl SampleKey {
+    /// The five words a device kernel reads: seed lo, seed hi, sequence lo, sequence hi,
+    /// step.
+    pub fn words(&self) -> [u32; 5] {
+        [
+            self.seed as u32,
+            (self.seed >> 32) as u32,
+            self.sequence as u32,
+            (self.sequence >> 32) as u32,
+            self.step,
+        ]
+    }
+
+    /// This key, then the next step's: a sequence's stream of draws.
+    pub fn advance(&mut self) -> Self {
+        let now = *self;
+        self.step = self.step.wrapping_add(1);
+        now
+    }
+}
+
 /// What a sampled token is drawn from: `softmax(logits / temperature)`, restricted by the
 /// filters.
 #[derive(Debug, Clone, Copy, PartialEq)]

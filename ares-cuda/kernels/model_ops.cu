@@ -518,14 +518,16 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, i64 voc
 }
 
 // ---------------------------------------------------------------------------------------
-// Sampling on the device, the same token as ares-runner's host `pick` (sorted walk) without
-// sorting: candidates (logit > -inf) are ordered by a 64-bit key (descending logit, then
-// ascending id; -0 = +0); F(K) is the f64 weight exp((x - max)/T) of the candidates with
-// key <= K. Each cut of the sorted walk is the smallest key where a monotone condition
-// turns true, found by bisection over the key space (64 block-wide passes at most):
-// top-k (count >= k), top-p (F >= top_p * F(top-k cut)), the token (F > u * F(top-p cut)),
-// u in [0, 1) from the host's per-sequence stream. Equal to the host up to the order of the
-// f64 sums. A row holding NaN/+inf, or only -inf, gives 0xffffffff. One block per row.
+// Sampling on the device: the race sampler, twin of ares_cpu::sampler bit for bit (its
+// module docs state the arithmetic). Token i of a row keyed by (seed, sequence, step) gets
+// word i%4 of Philox4x32-10(counter = (i/4, step, seq lo, seq hi), key = (seed lo, seed
+// hi)); the token is argmax_i x_i·inv_t + g_i over the candidates (lowest index among equal
+// scores), g_i = -ln(-log1p(-V_i)) a Gumbel draw. ln/log1p/exp2 are spelled with __f*_rn
+// intrinsics so no multiply-add is fused: the bits are the CPU's. Filters cut a prefix of
+// the rows in key order (descending logit, ascending id) where an integer count or a
+// fixed-point mass floor(w·2^32) reaches a threshold; integer sums (shared-memory
+// atomics) are the same in any order, so the cut is the CPU's. Without filters: one pass
+// over the row. A row holding NaN/+inf, or only -inf, gives 0xffffffff. One block a row.
 
 typedef unsigned long long u64;
 
@@ -535,79 +537,272 @@ __device__ __forceinline__ u64 descending_key(float x, i64 i) {
     return ((u64)(~ascending) << 32) | (u64)(unsigned)i;
 }
 
-// count (weights = false) or F (weights = true) of the candidates with key <= k
-__device__ double mass_upto(const float* x, i64 vocab, u64 k, bool weights, double max,
-                            double t, double* sh) {
-    double acc = 0.0;
-    for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
-        const float v = x[i];
-        if (v > NEG_INF && descending_key(v, i) <= k)
-            acc += weights ? exp(((double)v - max) / t) : 1.0;
+__device__ __forceinline__ void philox4x32_10(unsigned c[4], unsigned k0, unsigned k1) {
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const unsigned hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
+        const unsigned hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
+        const unsigned n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+        c[0] = n0;
+        c[1] = lo1;
+        c[2] = n2;
+        c[3] = lo0;
     }
-    return block_sum_d(acc, sh);
 }
 
-// the smallest key in [0, hi] where mass_upto(key) >= threshold (or > with strict); the
-// condition holds at hi
-__device__ u64 smallest_key(const float* x, i64 vocab, u64 hi, bool weights, bool strict,
-                            double threshold, double max, double t, double* sh) {
-    u64 lo = 0;
-    while (lo < hi) {
-        const u64 mid = lo + (hi - lo) / 2;
-        const double f = mass_upto(x, vocab, mid, weights, max, t, sh);
-        if (strict ? f > threshold : f >= threshold) hi = mid;
-        else lo = mid + 1;
+// ln x for a positive normal x: x = 2^e·m, m in [√½, √2), s = (m-1)/(m+1), the atanh
+// series (ares_cpu::sampler::ln)
+__device__ __forceinline__ float ln_rn(float x) {
+    const unsigned bits = __float_as_uint(x);
+    int e = (int)((bits >> 23) & 0xffu) - 127;
+    float m = __uint_as_float((bits & 0x007fffffu) | 0x3f800000u);
+    if (m > __uint_as_float(0x3fb504f3u)) {  // √2
+        m = __fmul_rn(m, 0.5f);
+        e += 1;
     }
-    return hi;
+    const float f = __fsub_rn(m, 1.0f);
+    const float s = __fdiv_rn(f, __fadd_rn(2.0f, f));
+    const float s2 = __fmul_rn(s, s);
+    float r = __fmul_rn(s2, __uint_as_float(0x3e3a2e8cu));                // 2/11
+    r = __fmul_rn(s2, __fadd_rn(__uint_as_float(0x3e638e39u), r));        // 2/9
+    r = __fmul_rn(s2, __fadd_rn(__uint_as_float(0x3e924925u), r));        // 2/7
+    r = __fmul_rn(s2, __fadd_rn(__uint_as_float(0x3ecccccdu), r));        // 2/5
+    r = __fmul_rn(s2, __fadd_rn(__uint_as_float(0x3f2aaaabu), r));        // 2/3
+    const float ef = __int2float_rn(e);
+    const float lo = __fadd_rn(__fmul_rn(s, r), __fmul_rn(ef, __uint_as_float(0x35bfbe8eu)));
+    return __fadd_rn(__fmul_rn(ef, __uint_as_float(0x3f317200u)), __fadd_rn(__fadd_rn(s, s), lo));
 }
 
-extern "C" __global__ void sample_rows(const float* __restrict__ logits, i64 vocab, i64 rows,
-                                       float temperature, i64 top_k, float top_p,
-                                       const double* __restrict__ uniforms,
-                                       unsigned* __restrict__ out) {
-    __shared__ double shd[32];
-    __shared__ float shf[32];
-    const u64 ALL = ~0ull;
-    const double t = (double)temperature;
-    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-        const float* x = logits + row * vocab;
-        float m = NEG_INF;
-        int bad = 0;
+// ln(1 + y) for y in [-1 + 2^-24, 0] (ares_cpu::sampler::log1p)
+__device__ __forceinline__ float log1p_rn(float y) {
+    if (y < -0.5f) return ln_rn(__fadd_rn(1.0f, y));
+    const float u = __fadd_rn(1.0f, y);
+    if (u == 1.0f) return y;
+    return __fmul_rn(ln_rn(u), __fdiv_rn(y, __fsub_rn(u, 1.0f)));
+}
+
+// the Gumbel draw of 32 random bits (ares_cpu::sampler::gumbel)
+__device__ __forceinline__ float gumbel_rn(unsigned bits) {
+    const float v = fminf(__fadd_rn(__fmul_rn(__uint2float_rn(bits), __uint_as_float(0x2f800000u)),
+                                    __uint_as_float(0x2f000000u)),
+                          __uint_as_float(0x3f7fffffu));
+    return -ln_rn(-log1p_rn(-v));
+}
+
+// 2^x for x <= 0 without FMA (ares_cpu's exp2_nonpositive::<false>)
+__device__ __forceinline__ float exp2_nonpositive_rn(float x) {
+    const float magic = __uint_as_float(0x4b400000u);
+    const float xc = fmaxf(x, -126.0f);
+    const float k = __fadd_rn(xc, magic);
+    const float n = __fsub_rn(k, magic);
+    const int n_int = (int)(__float_as_uint(k) - __float_as_uint(magic));
+    const float r = __fsub_rn(xc, n);
+    float p = __uint_as_float(0x39218489u);
+    p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(0x3aaec3ffu));
+    p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(0x3c1d955bu));
+    p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(0x3d635847u));
+    p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(0x3e75fdf0u));
+    p = __fadd_rn(__fmul_rn(p, r), __uint_as_float(0x3f317218u));
+    p = __fadd_rn(__fmul_rn(p, r), 1.0f);
+    const float scale = __uint_as_float((unsigned)(n_int + 127) << 23);
+    return x < -126.0f ? 0.0f : __fmul_rn(p, scale);
+}
+
+// w = e^{(x - max)·inv_t} (ares_cpu::sampler::relative_weight)
+__device__ __forceinline__ float relative_weight(float x, float max, float inv_t) {
+    return exp2_nonpositive_rn(__fmul_rn(__fmul_rn(__fsub_rn(x, max), inv_t), __uint_as_float(0x3fb8aa3bu)));
+}
+
+__device__ __forceinline__ u64 fixed_weight(float w) {
+    return __float2ull_rz(__fmul_rn(w, 4294967296.0f));
+}
+
+// Radix select (ares_cpu::sampler::radix_select): the smallest key K with the count
+// (mass = false) or the fixed-point mass of the tokens with key <= min(K, limit) reaching
+// need (>= 1); false when the whole sum falls short. 8 bits a pass; `hist` 256 shared u64,
+// `sh` 2 shared u64.
+__device__ bool radix_select(const float* x, i64 vocab, bool mass, u64 limit, float max, float inv_t,
+                             u64 need, u64* hist, u64* sh, u64* key_out) {
+    u64 prefix = 0, before = 0;
+    for (int pass = 0; pass < 8; ++pass) {
+        const int shift = 56 - 8 * pass;
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
         for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
             const float v = x[i];
-            bad |= !(v < POS_INF);
-            m = fmaxf(m, v);
+            if (!(v > NEG_INF)) continue;
+            const u64 key = descending_key(v, i);
+            if (key > limit || (pass > 0 && ((key ^ prefix) >> (shift + 8)) != 0)) continue;
+            const u64 w = mass ? fixed_weight(relative_weight(v, max, inv_t)) : 1ull;
+            if (w) atomicAdd(&hist[(key >> shift) & 0xffu], w);
         }
-        bad = __syncthreads_or(bad);
-        m = block_max(m, shf);
-        if (bad || m == NEG_INF) {
-            if (threadIdx.x == 0) out[row] = 0xffffffffu;
-            continue;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u64 byte = 256;
+            for (int b = 0; b < 256; ++b) {
+                if (before + hist[b] >= need) {
+                    byte = (u64)b;
+                    break;
+                }
+                before += hist[b];
+            }
+            sh[0] = byte;
+            sh[1] = before;
         }
-        const double max = (double)m;
-        u64 k_cut = ALL;
-        if (top_k > 0 && (double)top_k < mass_upto(x, vocab, ALL, false, max, t, shd))
-            k_cut = smallest_key(x, vocab, ALL, false, false, (double)top_k, max, t, shd);
-        const double total = mass_upto(x, vocab, k_cut, true, max, t, shd);
-        // With top_p = 1 the top-p cut keeps the same mass (F reaches the total there and
-        // never exceeds it), so it is only searched for when needed.
-        u64 p_cut = ALL;
-        double kept = total;
+        __syncthreads();
+        const u64 byte = sh[0];
+        before = sh[1];
+        __syncthreads();  // sh and hist are rewritten by the next pass
+        if (byte == 256) return false;
+        prefix |= byte << shift;
+    }
+    *key_out = prefix;
+    return true;
+}
+
+// the race's merge: the larger score, the lower index among equal ones; `none` loses
+__device__ __forceinline__ void race_merge(float& s, unsigned& i, float os, unsigned oi) {
+    if (oi != 0xffffffffu && (i == 0xffffffffu || os > s || (os == s && oi < i))) {
+        s = os;
+        i = oi;
+    }
+}
+
+// The Gumbel draws of tokens 0..n of one key (5 words), for checking the twin bit for bit.
+extern "C" __global__ void race_draws(const unsigned* __restrict__ key, i64 n, float* __restrict__ out) {
+    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; 4 * q < n; q += (i64)gridDim.x * blockDim.x) {
+        unsigned c[4] = {(unsigned)q, key[4], key[2], key[3]};
+        philox4x32_10(c, key[0], key[1]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            if (4 * q + j < n) out[4 * q + j] = gumbel_rn(c[j]);
+    }
+}
+
+#define GUMBEL_MIN (-3.0f)
+#define GUMBEL_MAX 23.0f
+
+// keys: 5 words a row (seed lo, seed hi, sequence lo, sequence hi, step)
+extern "C" __global__ void sample_race(const float* __restrict__ logits, i64 vocab, i64 rows,
+                                       float inv_t, unsigned top_k, float top_p, float min_p,
+                                       const unsigned* __restrict__ keys, unsigned* __restrict__ out) {
+    __shared__ float shf[32];
+    __shared__ unsigned shi[32];
+    __shared__ u64 hist[256];
+    __shared__ u64 sh[2];
+    __shared__ u64 total_sh;
+    const u64 ALL = ~0ull;
+    const bool filtered = top_k != 0 || top_p < 1.0f || min_p > 0.0f;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const float* x = logits + row * vocab;
+        const unsigned* key = keys + row * 5;
+        // the row's max: first, when the filters need it; else alongside the race, each
+        // thread's own max bounding what can win
+        float m = NEG_INF;
+        int bad = 0;
+        if (filtered) {
+            for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
+                const float v = x[i];
+                bad |= !(v < POS_INF);
+                m = fmaxf(m, v);
+            }
+            bad = __syncthreads_or(bad);
+            m = block_max(m, shf);
+            if (bad || m == NEG_INF) {
+                if (threadIdx.x == 0) out[row] = 0xffffffffu;
+                continue;
+            }
+        }
+        u64 cut = ALL;
+        if (top_k != 0) {
+            u64 k;
+            if (radix_select(x, vocab, false, ALL, m, inv_t, (u64)top_k, hist, sh, &k)) cut = k;
+        }
         if (top_p < 1.0f) {
-            p_cut = smallest_key(x, vocab, k_cut, true, false, (double)top_p * total, max, t, shd);
-            kept = mass_upto(x, vocab, p_cut, true, max, t, shd);
+            if (threadIdx.x == 0) total_sh = 0;
+            __syncthreads();
+            u64 part = 0;
+            for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
+                const float v = x[i];
+                if (v > NEG_INF && descending_key(v, i) <= cut)
+                    part += fixed_weight(relative_weight(v, m, inv_t));
+            }
+            atomicAdd(&total_sh, part);
+            __syncthreads();
+            const u64 total = total_sh;
+            const u64 need = (u64)ceil(__dmul_rn((double)top_p, __ull2double_rn(total)));
+            u64 k;
+            if (radix_select(x, vocab, true, cut, m, inv_t, need, hist, sh, &k)) cut = k < cut ? k : cut;
         }
-        const double target = uniforms[row] * kept;
-        u64 chosen;
-        if (kept > target) {
-            chosen = smallest_key(x, vocab, p_cut < k_cut ? p_cut : k_cut, true, true, target,
-                                  max, t, shd);
-        } else {
-            // u * kept rounded up to kept: the host takes the last kept candidate
-            if (p_cut == ALL) p_cut = smallest_key(x, vocab, k_cut, true, false, total, max, t, shd);
-            chosen = p_cut;
+        // the race
+        float floor = __fadd_rn(__fmul_rn(m, inv_t), GUMBEL_MIN);
+        float mine = NEG_INF;  // this thread's max, without filters
+        float best = NEG_INF;
+        unsigned best_i = 0xffffffffu;
+        const i64 quads = (vocab + 3) >> 2;
+        for (i64 q = threadIdx.x; q < quads; q += blockDim.x) {
+            unsigned c[4] = {0u, 0u, 0u, 0u};
+            bool drawn = false;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const i64 i = 4 * q + j;
+                if (i >= vocab) break;
+                const float v = x[i];
+                if (!filtered) {
+                    bad |= !(v < POS_INF);
+                    if (v > mine) {
+                        mine = v;
+                        floor = __fadd_rn(__fmul_rn(mine, inv_t), GUMBEL_MIN);
+                    }
+                }
+                const float z = __fmul_rn(v, inv_t);
+                if (!(v > NEG_INF && __fadd_rn(z, GUMBEL_MAX) >= floor)) continue;
+                if (filtered) {
+                    if (cut != ALL && descending_key(v, i) > cut) continue;
+                    if (min_p > 0.0f && relative_weight(v, m, inv_t) < min_p) continue;
+                }
+                if (!drawn) {
+                    c[0] = (unsigned)q;
+                    c[1] = key[4];
+                    c[2] = key[2];
+                    c[3] = key[3];
+                    philox4x32_10(c, key[0], key[1]);
+                    drawn = true;
+                }
+                const float s = __fadd_rn(z, gumbel_rn(c[j]));
+                race_merge(best, best_i, s, (unsigned)i);
+            }
         }
-        if (threadIdx.x == 0) out[row] = (unsigned)(chosen & 0xffffffffull);
+        if (!filtered) {
+            bad = __syncthreads_or(bad);
+            m = block_max(mine, shf);
+            if (bad || m == NEG_INF) {
+                if (threadIdx.x == 0) out[row] = 0xffffffffu;
+                continue;
+            }
+        }
+        for (int off = 16; off > 0; off >>= 1)
+            race_merge(best, best_i, __shfl_xor_sync(FULL, best, off), __shfl_xor_sync(FULL, best_i, off));
+        __syncthreads();
+        if (lane == 0) {
+            shf[warp] = best;
+            shi[warp] = best_i;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            best = lane < warps ? shf[lane] : NEG_INF;
+            best_i = lane < warps ? shi[lane] : 0xffffffffu;
+            for (int off = 16; off > 0; off >>= 1)
+                race_merge(best, best_i, __shfl_xor_sync(FULL, best, off),
+                           __shfl_xor_sync(FULL, best_i, off));
+            if (lane == 0) out[row] = best_i;
+        }
+        __syncthreads();  // the shared arrays are reused by the next row
     }
 }
 

@@ -260,12 +260,15 @@ impl ModelOps {
         self.download_as("download", src, dst)
     }
 
-    /// A new device buffer holding `src` (f64: the sampler's uniform draws).
+    /// A new device buffer holding `src` (the sampler's keys).
     ///
     /// # Errors
     /// An allocation or copy failure.
-    pub fn upload_f64(&self, src: &[f64]) -> Result<cudarc::driver::CudaSlice<f64>> {
-        self.stream.clone_htod(src).during("upload_f64")
+    pub fn upload_new<T: cudarc::driver::DeviceRepr>(
+        &self,
+        src: &[T],
+    ) -> Result<cudarc::driver::CudaSlice<T>> {
+        self.stream.clone_htod(src).during("upload_new")
     }
 
     /// [`ModelOps::download`] for ids.

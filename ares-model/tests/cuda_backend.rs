@@ -1291,53 +1291,99 @@ fn greedy_tokens_match_cpu() {
     }
 }
 
+/// The race sampler: the device's Gumbel draws are the twin's bit for bit, and so are its
+/// tokens, with every filter, on rows with ties, −∞, NaN and +∞.
 #[test]
 fn sampled_tokens_match_cpu() {
+    use ares_cpu::sampler::{SampleKey, Sampler, gumbel, random_bits};
     let Some(gpu) = gpu_or_skip() else { return };
     let cpu = CpuBackend;
+    // the draws of 3 keys over a vocabulary
+    for key in [
+        SampleKey::default(),
+        SampleKey {
+            seed: 42,
+            sequence: 7,
+            step: 3,
+        },
+        SampleKey {
+            seed: u64::MAX,
+            sequence: u64::MAX,
+            step: u32::MAX,
+        },
+    ] {
+        let n = 151_937;
+        let words = gpu.ops().upload_new(&key.words()).unwrap();
+        let mut out = gpu.ops().alloc(n).unwrap();
+        gpu.ops()
+            .race_draws(&words.as_view(), &mut out.as_view_mut())
+            .unwrap();
+        let mut got = vec![0f32; n];
+        gpu.ops().download(&out.as_view(), &mut got).unwrap();
+        for (i, g) in got.iter().enumerate() {
+            let want = gumbel(random_bits(key, (i / 4) as u32)[i % 4]);
+            assert_eq!(
+                g.to_bits(),
+                want.to_bits(),
+                "{key:?} token {i}: {g} vs {want}"
+            );
+        }
+    }
     let mut rng = Rng(19);
-    // (rows, vocab, temperature, top_k, top_p)
+    // (rows, vocab, temperature, top_k, top_p, min_p)
     let cases = [
-        (12usize, 1usize, 1.0f32, None, 1.0f32),
-        (30, 7, 0.7, None, 0.9),
-        (30, 1000, 1.0, None, 1.0),
-        (30, 1000, 1.3, Some(5), 1.0),
-        (30, 1000, 1.0, Some(50), 0.8),
-        (18, 151_936, 1.0, None, 1.0),
-        (18, 151_936, 0.6, Some(20), 0.95),
+        (12usize, 1usize, 1.0f32, 0u32, 1.0f32, 0.0f32),
+        (30, 7, 0.7, 0, 0.9, 0.0),
+        (30, 1000, 1.0, 0, 1.0, 0.0),
+        (30, 1000, 1.3, 5, 1.0, 0.0),
+        (30, 1000, 1.0, 50, 0.8, 0.0),
+        (30, 1000, 0.8, 0, 1.0, 0.05),
+        (30, 1000, 1.0, 40, 0.9, 0.01),
+        (18, 151_936, 1.0, 0, 1.0, 0.0),
+        (18, 151_936, 0.6, 20, 0.95, 0.0),
+        (18, 151_936, 1.0, 0, 0.9, 0.0),
+        (18, 151_936, 1.0, 0, 1.0, 0.1),
     ];
-    for (rows, vocab, temperature, top_k, top_p) in cases {
-        let what = format!("{rows}x{vocab} T {temperature} top_k {top_k:?} top_p {top_p}");
+    for (rows, vocab, temperature, top_k, top_p, min_p) in cases {
+        let sampler = Sampler {
+            temperature,
+            top_k,
+            top_p,
+            min_p,
+        };
         let logits = greedy_rows(&mut rng, rows, vocab);
-        let uniforms: Vec<f64> = (0..rows).map(|r| (r as f64 + 0.37) / rows as f64).collect();
-        let (mut cids, mut chost) = (vec![0u32; rows], vec![0u32; rows]);
-        cpu.sample_tokens(
-            View::whole(&logits),
-            vocab,
-            temperature,
-            top_k,
-            top_p,
-            &uniforms,
-            &mut cids,
-            &mut chost,
-        )
-        .unwrap();
         let gl = up(&gpu, &logits);
-        let mut gids = up_ids(&gpu, &vec![7u32; rows]);
-        let mut ghost = vec![7u32; rows];
-        gpu.sample_tokens(
-            View::whole(&gl),
-            vocab,
-            temperature,
-            top_k,
-            top_p,
-            &uniforms,
-            &mut gids,
-            &mut ghost,
-        )
-        .unwrap();
-        // equal up to the order of f64 sums: a draw this far from a boundary cannot differ
-        assert_eq!(ghost, chost, "{what}");
+        for step in 0..4 {
+            let keys: Vec<SampleKey> = (0..rows as u64)
+                .map(|r| SampleKey {
+                    seed: 5,
+                    sequence: r,
+                    step,
+                })
+                .collect();
+            let (mut cids, mut chost) = (vec![0u32; rows], vec![0u32; rows]);
+            cpu.sample_tokens(
+                View::whole(&logits),
+                vocab,
+                &sampler,
+                &keys,
+                &mut cids,
+                &mut chost,
+            )
+            .unwrap();
+            let mut gids = up_ids(&gpu, &vec![7u32; rows]);
+            let mut ghost = vec![7u32; rows];
+            gpu.sample_tokens(
+                View::whole(&gl),
+                vocab,
+                &sampler,
+                &keys,
+                &mut gids,
+                &mut ghost,
+            )
+            .unwrap();
+            assert_eq!(ghost, chost, "{rows}x{vocab} {sampler:?} step {step}");
+        }
         gpu.synchronize().unwrap();
     }
 }

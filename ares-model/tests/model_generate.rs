@@ -52,6 +52,7 @@ const SAMPLE: Sampling = Sampling::Sample {
     temperature: 1.3,
     top_k: Some(40),
     top_p: 0.95,
+    min_p: 0.0,
 };
 
 /// Generates each prompt alone and stacks the outputs.
@@ -816,6 +817,7 @@ fn sampling_is_seeded() {
         temperature: 0.5,
         top_k: Some(1),
         top_p: 1.0,
+        min_p: 0.0,
     };
     let greedy = m
         .generate(&request(prompts.clone(), Sampling::Greedy, 0))
@@ -990,26 +992,31 @@ fn request_errors() {
             temperature: 0.0,
             top_k: None,
             top_p: 1.0,
+            min_p: 0.0,
         },
         Sampling::Sample {
             temperature: f32::NAN,
             top_k: None,
             top_p: 1.0,
+            min_p: 0.0,
         },
         Sampling::Sample {
             temperature: 1.0,
             top_k: Some(0),
             top_p: 1.0,
+            min_p: 0.0,
         },
         Sampling::Sample {
             temperature: 1.0,
             top_k: None,
             top_p: 0.0,
+            min_p: 0.0,
         },
         Sampling::Sample {
             temperature: 1.0,
             top_k: None,
             top_p: 1.5,
+            min_p: 0.0,
         },
     ] {
         let e = err(GenerateRequest {

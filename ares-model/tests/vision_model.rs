@@ -447,6 +447,7 @@ fn repeated_prompts_share_the_tower_and_match() {
             temperature: 1.2,
             top_k: None,
             top_p: 1.0,
+            min_p: 0.0,
         },
         seed: 5,
     };

@@ -106,6 +106,7 @@ fn model_dir_loads_and_gives_finite_logits() {
                 temperature: 1.0,
                 top_k: None,
                 top_p: 1.0,
+                min_p: 0.0,
             },
             seed: 1,
         })

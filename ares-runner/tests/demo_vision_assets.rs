@@ -501,6 +501,7 @@ fn model_dir_loads_and_runs_a_rendered_demo_prompt() {
                     temperature: 1.0,
                     top_k: None,
                     top_p: 1.0,
+                    min_p: 0.0,
                 },
                 seed: 1,
             },

@@ -274,8 +274,8 @@ fn values_easyr1_has_and_ares_does_not_are_refused_with_the_reason() {
             "unknown variant `neptune`",
         ),
         (
-            "worker.rollout.val_override_config={temperature: 0.5, min_p: 0.1}",
-            "`min_p` cannot be overridden",
+            "worker.rollout.val_override_config={temperature: 0.5, repetition_penalty: 1.1}",
+            "`repetition_penalty` cannot be overridden",
         ),
         ("trainer.val_only=true", "trainer.val_before_train = false"),
     ] {

@@ -816,6 +816,7 @@ fn streaming_hook_sees_every_new_token_in_order() {
             temperature: 2.0,
             top_k: None,
             top_p: 1.0,
+            min_p: 0.0,
         },
     ] {
         let request = GenerateRequest {

@@ -48,7 +48,9 @@ fn assets_sized(dir: &Path, intermediate: usize) -> DemoAssets {
     .unwrap()
 }
 
-/// A 2-step config over `assets` writing to `run`, then `overrides`.
+/// A 2-step config over `assets` writing to `run`, then `overrides`. The random model's
+/// rewards are luck: rollout seed 2 gives groups of unequal rewards, so gradients, in both
+/// steps (tests that need one check `actor/grad_norm > 0`).
 fn config(a: &DemoAssets, run: &Path, overrides: &[&str]) -> Result<Config, String> {
     let base = format!(
         "\
@@ -69,6 +71,7 @@ worker:
     optim: {{lr: 1.0e-3}}
   rollout:
     n: 4
+    seed: 2
 trainer:
   save_checkpoint_path: {run}
   max_steps: 2

@@ -57,6 +57,8 @@ fn dataset(dir: &Path) -> PathBuf {
     path
 }
 
+/// A 2-step config over the VL fixture writing to `run`, then `overrides`; rollout seed 2
+/// gives the random model groups of unequal rewards (tests that need a gradient check it).
 fn config(dir: &Path, run: &Path, overrides: &[&str]) -> Config {
     let train = dataset(dir);
     let text = format!(
@@ -77,6 +79,7 @@ worker:
     optim: {{lr: 1.0e-3}}
   rollout:
     n: 4
+    seed: 2
 trainer:
   save_checkpoint_path: {run}
   max_steps: 2

@@ -172,6 +172,7 @@ fn main() {
                         temperature: 1.0,
                         top_k: None,
                         top_p: 1.0,
+                        min_p: 0.0,
                     },
                 ),
             ] {

@@ -213,33 +213,43 @@ impl ModelOps {
         Ok(())
     }
 
-    /// Sampling (twin of ares-runner's host sorted walk, by bisection instead of sorting;
-    /// see `sample_rows` in model_ops.cu): `out[row]` = the token of row `row` of `logits`
-    /// `[rows, vocab]` (rows = `out.len()`) for the uniform draw `uniforms[row]` ∈ [0, 1),
-    /// with `temperature`, `top_k` (0 for none) and `top_p`; `u32::MAX` for a row holding
-    /// NaN/+∞ or only −∞. Sets no status bit.
+    /// Sampling, the race sampler (twin of `ares_cpu::sampler::sample_rows` bit for bit; see
+    /// `sample_race` in model_ops.cu): `out[row]` = the token row `row` of `logits`
+    /// `[rows, vocab]` (rows = `out.len()`) draws from `softmax(logits · inv_t)` with
+    /// `top_k` (0: off), `top_p` and `min_p` (0: off), its random numbers keyed by
+    /// `keys[5·row .. 5·row + 5]` (`ares_cpu::sampler::SampleKey::words`); `u32::MAX` for a
+    /// row holding NaN/+∞ or only −∞. Sets no status bit.
     ///
     /// # Errors
-    /// Lengths that do not match, `vocab` 0 or ≥ 2³², a temperature not finite and > 0, a
-    /// `top_p` outside (0, 1].
+    /// Lengths that do not match, `vocab` 0 or ≥ 2³², `inv_t` not finite and > 0, a `top_p`
+    /// outside (0, 1] or a `min_p` outside [0, 1].
     #[allow(clippy::too_many_arguments)] // the kernel's parameters, each checked here
-    pub fn sample_rows(
+    pub fn sample_race(
         &self,
         logits: &CudaView<'_, f32>,
         vocab: usize,
-        temperature: f32,
-        top_k: usize,
+        inv_t: f32,
+        top_k: u32,
         top_p: f32,
-        uniforms: &CudaView<'_, f64>,
+        min_p: f32,
+        keys: &CudaView<'_, u32>,
         out: &mut CudaViewMut<'_, u32>,
     ) -> Result<()> {
-        const K: &str = "sample_rows";
+        const K: &str = "sample_race";
         if vocab == 0 || vocab >= u32::MAX as usize {
             return Err(bad(K, format!("vocab = {vocab} must be in 1..2^32-1")));
         }
-        check_head(K, vocab, temperature)?;
+        if !(inv_t.is_finite() && inv_t > 0.0) {
+            return Err(bad(
+                K,
+                format!("1/temperature = {inv_t} must be finite and > 0"),
+            ));
+        }
         if !(top_p > 0.0 && top_p <= 1.0) {
             return Err(bad(K, format!("top_p = {top_p} must be in (0, 1]")));
+        }
+        if !(0.0..=1.0).contains(&min_p) {
+            return Err(bad(K, format!("min_p = {min_p} must be in [0, 1]")));
         }
         let rows = out.len();
         check_len(
@@ -248,23 +258,54 @@ impl ModelOps {
             mul(K, "rows × vocab", rows, vocab)?,
             logits.len(),
         )?;
-        check_len(K, "uniforms", rows, uniforms.len())?;
+        check_len(K, "keys", mul(K, "rows × 5", rows, 5)?, keys.len())?;
         if rows == 0 {
             return Ok(());
         }
         let cfg = rows_cfg(K, rows)?;
         let (v64, r64) = (i64_of(K, "vocab", vocab)?, i64_of(K, "rows", rows)?);
-        let k64 = i64_of(K, "top_k", top_k)?;
-        let mut l = self.stream.launch_builder(&self.f.sample_rows);
+        let mut l = self.stream.launch_builder(&self.f.sample_race);
         l.arg(logits)
             .arg(&v64)
             .arg(&r64)
-            .arg(&temperature)
-            .arg(&k64)
+            .arg(&inv_t)
+            .arg(&top_k)
             .arg(&top_p)
-            .arg(uniforms)
+            .arg(&min_p)
+            .arg(keys)
             .arg(out);
-        // SAFETY: argument order as `sample_rows` in model_ops.cu; lengths checked above.
+        // SAFETY: argument order as `sample_race` in model_ops.cu; lengths checked above.
+        unsafe { l.launch(cfg) }.during(K)?;
+        Ok(())
+    }
+
+    /// The race sampler's Gumbel draws of tokens `0..out.len()` for one key (its 5 words):
+    /// `out[i]` = `ares_cpu::sampler::gumbel(random_bits(key, i / 4)[i % 4])`, bit for bit
+    /// (the check that the device's draws are the twin's).
+    ///
+    /// # Errors
+    /// A key of other than 5 words.
+    pub fn race_draws(
+        &self,
+        key: &CudaView<'_, u32>,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "race_draws";
+        check_len(K, "key", 5, key.len())?;
+        let n = out.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let quads = n.div_ceil(4).div_ceil(256).min(1 << 16);
+        let cfg = LaunchConfig {
+            grid_dim: (quads as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let n64 = i64_of(K, "n", n)?;
+        let mut l = self.stream.launch_builder(&self.f.race_draws);
+        l.arg(key).arg(&n64).arg(out);
+        // SAFETY: argument order as `race_draws` in model_ops.cu; lengths checked above.
         unsafe { l.launch(cfg) }.during(K)?;
         Ok(())
     }

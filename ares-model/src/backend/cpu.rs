@@ -9,11 +9,10 @@ use ares_cpu::ops::matmul::{
 use ares_cpu::ops::matmul_tiles;
 use ares_cpu::ops::optim::{Moment, adamw_step_scaled, sum_of_squares_f64};
 use ares_cpu::ops::{activation, segment_attention};
-
-use rayon::prelude::*;
+use ares_cpu::sampler::{SampleKey, Sampler};
 
 use super::check_half;
-use super::sampling::{check_top_k, greedy_row, sample_row};
+use super::sampling::greedy_row;
 
 use super::ops::{declared_ops, op_arg_type};
 use super::{
@@ -627,37 +626,20 @@ impl Backend for CpuBackend {
         &self,
         logits: Tensor<'_, Self>,
         vocab: usize,
-        temperature: f32,
-        top_k: Option<usize>,
-        top_p: f32,
-        uniforms: &[f64],
+        sampler: &Sampler,
+        keys: &[SampleKey],
         ids: &mut Vec<u32>,
         host: &mut [u32],
     ) -> Result<()> {
         let logits = slice(logits)?;
-        let bad = |message: String| BackendError::Op {
-            op: "sample_tokens",
-            source: message.into(),
-        };
         check_token_rows("sample_tokens", vocab, ids.len(), host.len(), logits.len())?;
-        if !(temperature.is_finite() && temperature > 0.0) {
-            return Err(bad(format!(
-                "temperature = {temperature} must be finite and > 0"
-            )));
-        }
-        check_top_k("sample_tokens", top_k)?;
-        if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(bad(format!("top_p = {top_p} must be in (0, 1]")));
-        }
-        BackendError::check_len("sample_tokens uniforms", ids.len(), uniforms.len())?;
-        // rows in parallel, in tasks of at least 64 Ki logits
-        ids.par_iter_mut()
-            .zip(logits.par_chunks_exact(vocab))
-            .zip(uniforms.par_iter())
-            .with_min_len((1 << 16) / vocab)
-            .for_each(|((id, row), &u)| {
-                *id = sample_row(row, temperature, top_k, top_p, u).unwrap_or(u32::MAX);
-            });
+        BackendError::check_len("sample_tokens keys", ids.len(), keys.len())?;
+        ares_cpu::sampler::sample_rows(logits, vocab, sampler, keys, ids).map_err(|e| {
+            BackendError::Op {
+                op: "sample_tokens",
+                source: e.into(),
+            }
+        })?;
         host.copy_from_slice(ids);
         Ok(())
     }
@@ -1022,61 +1004,82 @@ mod greedy_tests {
     }
 
     #[test]
-    fn sample_tokens_follow_the_sorted_walk_and_check_their_arguments() {
+    fn sample_tokens_run_the_race_sampler_and_check_their_arguments() {
         let logits = vec![0.0f32, 2.0, 1.0, 2.0, f32::NAN, 0.0, 0.0, 0.0];
-        let first_row = logits[..4].to_vec();
         let (mut ids, mut host) = (vec![9u32; 2], vec![9u32; 2]);
-        // row 0: weights 1, e², e, e² in the order 1, 3, 2, 0; u = 0 takes the first
+        let keys: Vec<SampleKey> = (0..2)
+            .map(|r| SampleKey {
+                seed: 3,
+                sequence: r,
+                step: 0,
+            })
+            .collect();
+        let plain = Sampler::with_temperature(1.0);
         CpuBackend
-            .sample_tokens(
-                View::whole(&logits),
-                4,
-                1.0,
-                None,
-                1.0,
-                &[0.0, 0.5],
-                &mut ids,
-                &mut host,
-            )
+            .sample_tokens(View::whole(&logits), 4, &plain, &keys, &mut ids, &mut host)
             .unwrap();
-        assert_eq!(host, [1, u32::MAX]);
+        let want = ares_cpu::sampler::sample_row(&logits[..4], &plain, keys[0]).unwrap();
+        assert_eq!(host, [want, u32::MAX]);
         assert_eq!(ids, host);
         // top_k 1 keeps only id 1 whatever the draw
-        CpuBackend
-            .sample_tokens(
-                View::whole(&first_row),
-                4,
-                1.0,
-                Some(1),
-                1.0,
-                &[0.99],
-                &mut ids[..1].to_vec(),
-                &mut host[..1],
-            )
-            .unwrap();
-        assert_eq!(host[0], 1);
-        let call = |t: f32, k: Option<usize>, p: f32, u: &[f64]| {
+        let top1 = Sampler { top_k: 1, ..plain };
+        let first_row = logits[..4].to_vec();
+        for step in 0..20 {
+            let key = SampleKey { step, ..keys[0] };
+            let mut one = [0u32];
+            CpuBackend
+                .sample_tokens(
+                    View::whole(&first_row),
+                    4,
+                    &top1,
+                    &[key],
+                    &mut vec![0],
+                    &mut one,
+                )
+                .unwrap();
+            assert_eq!(one[0], 1);
+        }
+        let call = |s: Sampler, keys: &[SampleKey]| {
             CpuBackend.sample_tokens(
                 View::whole(&logits),
                 4,
-                t,
-                k,
-                p,
-                u,
+                &s,
+                keys,
                 &mut vec![0; 2],
                 &mut [0; 2],
             )
         };
-        assert!(call(1.0, None, 1.0, &[0.5, 0.5]).is_ok());
-        for bad in [
-            call(0.0, None, 1.0, &[0.5, 0.5]),
-            call(f32::NAN, None, 1.0, &[0.5, 0.5]),
-            call(1.0, Some(0), 1.0, &[0.5, 0.5]),
-            call(1.0, None, 0.0, &[0.5, 0.5]),
-            call(1.0, None, 1.5, &[0.5, 0.5]),
-            call(1.0, None, 1.0, &[0.5]),
+        assert!(call(plain, &keys).is_ok());
+        for (bad, what) in [
+            (call(Sampler::with_temperature(0.0), &keys), "temperature"),
+            (
+                call(Sampler::with_temperature(f32::NAN), &keys),
+                "temperature",
+            ),
+            (
+                call(
+                    Sampler {
+                        top_p: 0.0,
+                        ..plain
+                    },
+                    &keys,
+                ),
+                "top_p",
+            ),
+            (
+                call(
+                    Sampler {
+                        min_p: 2.0,
+                        ..plain
+                    },
+                    &keys,
+                ),
+                "min_p",
+            ),
+            (call(plain, &keys[..1]), "keys"),
         ] {
-            assert!(bad.is_err());
+            let message = bad.unwrap_err().to_string();
+            assert!(message.contains(what), "{what}: {message}");
         }
     }
 }

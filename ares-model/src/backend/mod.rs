@@ -70,6 +70,8 @@ pub use shapes::{
 pub use token::{HweViews, KlSumViews, KlViews, WindowSpec};
 pub use view::{DType, DeviceBuffer, View, ViewMut};
 
+use ares_cpu::sampler::{SampleKey, Sampler};
+
 use ops::declare_ops;
 
 /// Errors unless `dtype` is a 16-bit float (what [`Backend::alloc_half`] takes).
@@ -220,26 +222,21 @@ pub trait Backend {
         host: &mut [u32],
     ) -> Result<()>;
 
-    /// Sampling: per row of `logits` `[rows, vocab]` (rows = `ids.len()`), the token the
-    /// host's sorted walk picks for the uniform draw `uniforms[row]` ∈ [0, 1) with
-    /// `temperature`, `top_k` (`None`: no limit) and `top_p` (see
-    /// `backend::sampling::sample_row`), written to `ids` on the device and to `host`;
-    /// `u32::MAX` for a row with no token (NaN or +∞ anywhere, or only −∞). A device may
-    /// find the same cuts another way: equal to the host up to the order of its f64 sums.
+    /// Sampling: per row of `logits` `[rows, vocab]` (rows = `ids.len()`), the token
+    /// `sampler` draws with the random numbers of `keys[row]` — the race sampler of
+    /// `ares_cpu::sampler`, the same token on every backend — written to `ids` on the device
+    /// and to `host`; `u32::MAX` for a row with no token (NaN or +∞ anywhere, or only −∞).
     /// **Waits** for the queued ops.
     ///
     /// # Errors
     /// Lengths that do not match, `vocab` 0 or ≥ 2³², a temperature not finite and > 0,
-    /// `top_k` 0, `top_p` outside (0, 1].
-    #[allow(clippy::too_many_arguments)] // the sampling parameters, each checked
+    /// `top_p` outside (0, 1], `min_p` outside [0, 1].
     fn sample_tokens(
         &self,
         logits: Tensor<'_, Self>,
         vocab: usize,
-        temperature: f32,
-        top_k: Option<usize>,
-        top_p: f32,
-        uniforms: &[f64],
+        sampler: &Sampler,
+        keys: &[SampleKey],
         ids: &mut Self::Ids,
         host: &mut [u32],
     ) -> Result<()>;

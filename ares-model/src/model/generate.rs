@@ -28,7 +28,7 @@ use super::request::{
     GenerateError, GenerateOutput, GenerateRequest, PromptVision, SequenceOutput,
     unique_vision_prompts,
 };
-use super::sampling::{sequence_rng, uniform};
+use super::sampling::{SampleKey, sequence_key};
 use super::{Activations, ForwardExtras, HeadMode, Inputs, KvCache, Model, ModelError};
 use crate::backend::{Backend, Tensor, View, ViewMut};
 
@@ -496,8 +496,8 @@ impl<B: Backend> Model<B> {
             let Prefill {
                 mut cache, logits, ..
             } = self.prefill(prompts, &all, vision, max_new, tw)?;
-            let mut rngs: Vec<_> = (0..batch as u64)
-                .map(|i| sequence_rng(request.seed, i))
+            let mut keys: Vec<_> = (0..batch as u64)
+                .map(|i| sequence_key(request.seed, i))
                 .collect();
             let mut done = vec![false; batch];
             let mut picks = Picks::new(&self.backend, batch, self.spec.vocab)?;
@@ -531,7 +531,11 @@ impl<B: Backend> Model<B> {
                 };
                 let sampling = request.sampling;
                 picks.pick(&self.backend, logits, sampling, |b| {
-                    if done[b] { 0.0 } else { uniform(&mut rngs[b]) }
+                    if done[b] {
+                        SampleKey::default()
+                    } else {
+                        keys[b].advance()
+                    }
                 })?;
                 for (b, out) in seqs.iter_mut().enumerate() {
                     if !done[b] {

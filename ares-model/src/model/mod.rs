@@ -76,7 +76,7 @@ pub use lora::{AdaptersOff, lora_arena_elements};
 pub use moments::{HostMoment, Moments, StateDtype};
 pub use optim::{AdamW, AdamWConfig, ExtraParam, StepReport};
 pub use request::{GenerateError, GenerateOutput, GenerateRequest, PromptVision};
-pub use sampling::Sampling;
+pub use sampling::{SampleKey, Sampling};
 pub use spec::{MAX_ROPE_POSITIONS, ModelSpec};
 
 use crate::backend::{Backend, LinearDims, MatmulPrecision, ViewMut};

@@ -1,6 +1,7 @@
 //! [`Picks`]: one token per row of a logits tensor, picked on the device (greedy or
 //! sampled), with its log-prob and the sampling distribution's entropy brought to the host.
 
+use super::sampling::SampleKey;
 use super::{GenerateError, Sampling};
 use crate::backend::{Backend, Tensor, View, ViewMut};
 
@@ -8,8 +9,8 @@ use crate::backend::{Backend, Tensor, View, ViewMut};
 /// device and on the host, reused across steps (re-planned when the row count changes).
 pub(crate) struct Picks<B: Backend> {
     vocab: usize,
-    /// Each row's uniform draw (sampling).
-    uniforms: Vec<f64>,
+    /// Each row's sampling key.
+    keys: Vec<SampleKey>,
     /// The backend's pick of each row, `u32::MAX` for a row without a token.
     picked: Vec<u32>,
     targets: B::Ids,
@@ -31,7 +32,7 @@ impl<B: Backend> Picks<B> {
     pub(crate) fn new(be: &B, rows: usize, vocab: usize) -> Result<Self, GenerateError> {
         Ok(Self {
             vocab,
-            uniforms: vec![0.0; rows],
+            keys: vec![SampleKey::default(); rows],
             picked: vec![0; rows],
             targets: be.alloc_ids(rows)?,
             log_prob: be.alloc(rows)?,
@@ -42,7 +43,8 @@ impl<B: Backend> Picks<B> {
     }
 
     /// Picks a token for each row of `logits` (greedy on the device, or sampled with
-    /// `draw(row)`, the row's uniform from its own stream), then computes its log-prob and
+    /// `draw(row)`, the key of the row's next draw from its own stream), then computes its
+    /// log-prob and
     /// the entropy of the sampling distribution on the device: `picked`, `host_lp` and
     /// `host_ent` hold them, one per row.
     pub(crate) fn pick(
@@ -50,30 +52,23 @@ impl<B: Backend> Picks<B> {
         be: &B,
         logits: Tensor<'_, B>,
         sampling: Sampling,
-        mut draw: impl FnMut(usize) -> f64,
+        mut draw: impl FnMut(usize) -> SampleKey,
     ) -> Result<(), GenerateError> {
         let rows = logits.len() / self.vocab;
         if rows != self.picked.len() {
             *self = Self::new(be, rows, self.vocab)?;
         }
-        if let Sampling::Sample {
-            temperature,
-            top_k,
-            top_p,
-        } = sampling
-        {
-            // one draw per row from its own stream, then the backend walks the candidates
-            // (the CUDA backend on the device)
-            for (r, u) in self.uniforms.iter_mut().enumerate() {
-                *u = draw(r);
+        if let Some(sampler) = sampling.sampler() {
+            // one key per row from its own stream; the backend runs the race (the CUDA
+            // backend on the device)
+            for (r, k) in self.keys.iter_mut().enumerate() {
+                *k = draw(r);
             }
             be.sample_tokens(
                 logits,
                 self.vocab,
-                temperature,
-                top_k,
-                top_p,
-                &self.uniforms,
+                &sampler,
+                &self.keys,
                 &mut self.targets,
                 &mut self.picked,
             )?;

@@ -1,17 +1,14 @@
 //! [`Sampling`]: how the next token is picked from a row of logits, with portable seeded
 //! randomness.
 //!
-//! Randomness: one ChaCha20 stream per sequence, keyed by the request's seed (its 8
-//! little-endian bytes, then zeros) with the sequence's index in the batch as the stream
-//! number, so a sequence draws the same numbers whatever else is in the batch. ChaCha's
-//! output is fully specified, and the conversion to a token is ours (53 random bits to a
-//! uniform in `[0, 1)`, then a walk of the cumulative weights in a fixed order, done by the
-//! backend: `backend::sampling` on the host, the `sample_rows` kernel on a GPU), so results
-//! do not change with platforms or `rand` versions.
+//! Randomness: each sampled token of sequence `i` of a request with `seed` is drawn with the
+//! key `(seed, i, step)` — `step` the sequence's draws so far — by the race sampler
+//! (`ares_cpu::sampler`: Philox4x32-10 words per token, the Gumbel-max race, exact filter
+//! cuts), on the host and bit for bit on a GPU. A sequence's tokens depend on its key only,
+//! never on what else is in the batch, on the platform or on a library version.
 
-use rand_chacha::ChaCha20Rng;
-
-use rand_chacha::rand_core::{Rng, SeedableRng};
+pub use ares_cpu::sampler::SampleKey;
+use ares_cpu::sampler::Sampler;
 
 /// How to pick each new token.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -20,8 +17,9 @@ pub enum Sampling {
     /// `softmax(logits)` (temperature 1).
     Greedy,
     /// A random draw from `softmax(logits / temperature)`, restricted to the `top_k` most
-    /// likely tokens (if set) and then to the smallest most-likely set of probability mass
-    /// `>= top_p`, renormalised (transformers' order: temperature, top-k, top-p).
+    /// likely tokens (if set), then to the smallest most-likely set of probability mass
+    /// `>= top_p`, then to the tokens at least `min_p` times as likely as the most likely,
+    /// renormalised (transformers' order: temperature, top-k, top-p, min-p).
     Sample {
         /// Divides the logits; finite and > 0.
         temperature: f32,
@@ -29,6 +27,8 @@ pub enum Sampling {
         top_k: Option<usize>,
         /// Nucleus mass in `(0, 1]`; `1.0` keeps every token.
         top_p: f32,
+        /// Relative probability floor in `[0, 1]`; `0.0` keeps every token.
+        min_p: f32,
     },
 }
 
@@ -47,6 +47,7 @@ impl Sampling {
             temperature,
             top_k,
             top_p,
+            min_p,
         } = *self
         {
             if !(temperature.is_finite() && temperature > 0.0) {
@@ -58,21 +59,48 @@ impl Sampling {
             if !(top_p > 0.0 && top_p <= 1.0) {
                 return Err(format!("top_p {top_p} is not in (0, 1]"));
             }
+            if !(0.0..=1.0).contains(&min_p) {
+                return Err(format!("min_p {min_p} is not in [0, 1]"));
+            }
         }
         Ok(())
     }
+
+    /// Plain sampling at `temperature`: no top-k, top-p or min-p.
+    pub fn with_temperature(temperature: f32) -> Self {
+        Sampling::Sample {
+            temperature,
+            top_k: None,
+            top_p: 1.0,
+            min_p: 0.0,
+        }
+    }
+
+    /// The race sampler's parameters; `None` for greedy.
+    pub(crate) fn sampler(&self) -> Option<Sampler> {
+        match *self {
+            Sampling::Greedy => None,
+            Sampling::Sample {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+            } => Some(Sampler {
+                temperature,
+                // a limit beyond any vocabulary (< 2³² ids) keeps every token
+                top_k: top_k.map_or(0, |k| u32::try_from(k).unwrap_or(u32::MAX)),
+                top_p,
+                min_p,
+            }),
+        }
+    }
 }
 
-/// The random stream of sequence `index` of a request with `seed`.
-pub(crate) fn sequence_rng(seed: u64, index: u64) -> ChaCha20Rng {
-    let mut key = [0u8; 32];
-    key[..8].copy_from_slice(&seed.to_le_bytes());
-    let mut rng = ChaCha20Rng::from_seed(key);
-    rng.set_stream(index);
-    rng
-}
-
-/// A uniform draw in `[0, 1)` from the top 53 bits of one 64-bit output.
-pub(crate) fn uniform(rng: &mut ChaCha20Rng) -> f64 {
-    (rng.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+/// The first key of sequence `index` of a request with `seed`.
+pub(crate) fn sequence_key(seed: u64, index: u64) -> SampleKey {
+    SampleKey {
+        seed,
+        sequence: index,
+        step: 0,
+    }
 }

@@ -397,6 +397,7 @@ pub fn continued_turns_equal_the_whole_conversation<B: Backend>(make: impl Fn() 
         temperature: 1.2,
         top_k: None,
         top_p: 1.0,
+        min_p: 0.0,
     };
     let (mut squeezed, mut compared, mut skipped) = (0, 0, 0);
     for name in MODELS {

@@ -509,6 +509,22 @@ pub fn evaluate_model<B: Backend + Clone>(
     adapter: Option<&Path>,
     data: &str,
 ) -> Result<EvalReport, TrainError> {
+    evaluate_model_with(cfg, backend, model_dir, adapter, data, None)
+}
+
+/// [`evaluate_model`], each response also pushed to `generations` as (question, response,
+/// answer, score).
+///
+/// # Errors
+/// As [`evaluate_model`].
+pub fn evaluate_model_with<B: Backend + Clone>(
+    cfg: &Config,
+    backend: B,
+    model_dir: &Path,
+    adapter: Option<&Path>,
+    data: &str,
+    generations: Option<&mut Vec<crate::reward::Generation>>,
+) -> Result<EvalReport, TrainError> {
     let mut c = cfg.clone();
     c.worker.actor.model.model_path = Some(model_dir.to_string_lossy().into_owned());
     let examples = load_examples(&c, data)?;
@@ -563,7 +579,7 @@ pub fn evaluate_model<B: Backend + Clone>(
         rr.val_n(),
         &params,
         |d| bar.set_position(d as u64),
-        None,
+        generations,
     )?;
     bar.finish();
     Ok(report)

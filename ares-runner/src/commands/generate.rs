@@ -8,8 +8,9 @@
 //! `tokenizer_config.json` or `--max-new-tokens`.
 //!
 //! Decoding follows transformers' defaults: greedy unless `generation_config.json` sets
-//! `do_sample: true` or a sampling flag is given; then its `temperature`, `top_p` and
-//! `top_k` (transformers' 1.0, 1.0 and 50 when absent), each overridden by its flag.
+//! `do_sample: true` or a sampling flag is given; then its `temperature`, `top_p`, `top_k`
+//! and `min_p` (transformers' 1.0, 1.0, 50 and off when absent), each overridden by its
+//! flag.
 //! Prompt `i` samples with the seed `--seed ^ i·0x9E3779B97F4A7C15` (prompt 0: `--seed`).
 //!
 //! Output: without `--json`, the text is streamed to stdout as tokens are produced
@@ -116,11 +117,15 @@ pub struct GenerateArgs {
     /// else 50 as transformers].
     #[arg(long, value_name = "K")]
     pub top_k: Option<usize>,
+    /// Keep tokens at least P times as likely as the most likely, in [0, 1] (0: off)
+    /// [default: generation_config.json's, else off].
+    #[arg(long, value_name = "P")]
+    pub min_p: Option<f32>,
     /// Seed of the sampling streams.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Greedy decoding, whatever generation_config.json says.
-    #[arg(long, conflicts_with_all = ["temperature", "top_p", "top_k"])]
+    #[arg(long, conflicts_with_all = ["temperature", "top_p", "top_k", "min_p"])]
     pub greedy: bool,
     /// Device: cpu, cuda or auto (as `train --device`) [default: cpu].
     #[arg(long, value_name = "DEVICE", value_parser = ["cpu", "cuda", "auto"])]
@@ -799,12 +804,13 @@ fn parse_prompt_line(line: &str, base: &Path, origin: String) -> Result<Prompt, 
 /// Checks the decoding flags.
 ///
 /// # Errors
-/// `--greedy` with a sampling flag; a temperature or top-p out of range.
+/// `--greedy` with a sampling flag; a temperature, top-p or min-p out of range.
 fn check_decoding_flags(args: &GenerateArgs) -> Result<(), TrainError> {
     let sampling_flags = [
         args.temperature.map(|_| "--temperature"),
         args.top_p.map(|_| "--top-p"),
         args.top_k.map(|_| "--top-k"),
+        args.min_p.map(|_| "--min-p"),
     ];
     if args.greedy
         && let Some(flag) = sampling_flags.iter().flatten().next()
@@ -825,15 +831,23 @@ fn check_decoding_flags(args: &GenerateArgs) -> Result<(), TrainError> {
     {
         return Err(invalid(format!("--top-p {p}: must be in (0, 1]")));
     }
+    if let Some(p) = args.min_p
+        && !(0.0..=1.0).contains(&p)
+    {
+        return Err(invalid(format!("--min-p {p}: must be in [0, 1] (0: off)")));
+    }
     Ok(())
 }
 
 /// The decoding of a run, as transformers picks it: greedy with `--greedy`, or unless a
 /// sampling flag is given or `generation` sets `do_sample: true`; then the flags'
-/// temperature, top-p and top-k, else `generation`'s, else transformers' 1.0, 1.0 and 50
-/// (temperature 0 is greedy, top-k 0 no limit).
+/// temperature, top-p, top-k and min-p, else `generation`'s, else transformers' 1.0, 1.0,
+/// 50 and off (temperature 0 is greedy, top-k 0 no limit).
 fn decoding(args: &GenerateArgs, generation: Option<&GenerationConfig>) -> Sampling {
-    let flagged = args.temperature.is_some() || args.top_p.is_some() || args.top_k.is_some();
+    let flagged = args.temperature.is_some()
+        || args.top_p.is_some()
+        || args.top_k.is_some()
+        || args.min_p.is_some();
     let do_sample = flagged || generation.and_then(|g| g.do_sample) == Some(true);
     if args.greedy || !do_sample {
         return Sampling::Greedy;
@@ -854,6 +868,7 @@ fn decoding(args: &GenerateArgs, generation: Option<&GenerationConfig>) -> Sampl
         temperature,
         top_k: (top_k > 0).then_some(top_k),
         top_p: args.top_p.or_else(|| g(|c| c.top_p)).unwrap_or(1.0),
+        min_p: args.min_p.or_else(|| g(|c| c.min_p)).unwrap_or(0.0),
     }
 }
 
@@ -862,9 +877,6 @@ fn note_unapplied(generation: Option<&GenerationConfig>) {
     let Some(g) = generation else { return };
     if let Some(r) = g.repetition_penalty.filter(|&r| r != 1.0) {
         eprintln!("note: generation_config.json's repetition_penalty {r} is not applied");
-    }
-    if let Some(m) = g.min_p.filter(|&m| m > 0.0) {
-        eprintln!("note: generation_config.json's min_p {m} is not applied");
     }
 }
 
@@ -876,8 +888,10 @@ fn describe(sampling: Sampling, seed: u64) -> String {
             temperature,
             top_k,
             top_p,
+            min_p,
         } => format!(
-            "sampling with temperature {temperature}, top_k {}, top_p {top_p}, seed {seed}",
+            "sampling with temperature {temperature}, top_k {}, top_p {top_p}, min_p {min_p}, \
+             seed {seed}",
             top_k.map_or("off".to_string(), |k| k.to_string())
         ),
     }

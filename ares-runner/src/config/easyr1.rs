@@ -276,7 +276,7 @@ fn reward_type(v: &Value) -> Result<(&'static str, Value), String> {
 /// EasyR1's `val_override_config` replaces the rollout's sampling settings for validation:
 /// a key it leaves out is the rollout's, so every key it does not give is written as null.
 fn val_override_config(v: &Value) -> Result<(&'static str, Value), String> {
-    const KEYS: [&str; 4] = ["temperature", "top_p", "top_k", "n"];
+    const KEYS: [&str; 5] = ["temperature", "top_p", "top_k", "min_p", "n"];
     let to = "worker.rollout.val_override_config";
     let given = match v {
         Value::Null => Map::new(),

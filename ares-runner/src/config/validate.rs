@@ -704,6 +704,12 @@ fn validate_rollout(r: &RolloutConfig) -> Result<(), ConfigError> {
         r.top_p > 0.0 && r.top_p <= 1.0,
         "in (0, 1]",
     )?;
+    real(
+        &format!("{P}.min_p"),
+        r.min_p,
+        (0.0..=1.0).contains(&r.min_p),
+        "in [0, 1] (0 = off)",
+    )?;
     at_least(&format!("{P}.window_size"), r.window_size, 1)?;
     let m = &r.multi_turn;
     at_least(
@@ -777,6 +783,14 @@ fn validate_rollout(r: &RolloutConfig) -> Result<(), ConfigError> {
             p,
             p > 0.0 && p <= 1.0,
             "in (0, 1]",
+        )?;
+    }
+    if let Some(p) = v.min_p {
+        real(
+            &format!("{P}.val_override_config.min_p"),
+            p,
+            (0.0..=1.0).contains(&p),
+            "in [0, 1] (0 = off)",
         )?;
     }
     if let Some(n) = v.n {

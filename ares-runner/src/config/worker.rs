@@ -582,6 +582,9 @@ pub struct RolloutConfig {
     pub top_p: f64,
     /// Top-k cut; 0 = off (default 0).
     pub top_k: usize,
+    /// Min-p cut: keep tokens at least `min_p` times as likely as the most likely, in
+    /// `[0, 1]`; 0 = off (default 0; vLLM's and transformers' `min_p`).
+    pub min_p: f64,
     /// Seed of the sampling and of the rubric subsets (default 1).
     pub seed: u64,
     /// Most images a prompt may hold; a row with more is an error naming it (vLLM's
@@ -701,6 +704,7 @@ impl Default for RolloutConfig {
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,
+            min_p: 0.0,
             seed: 1,
             limit_images: 0,
             window_size: 4,
@@ -725,6 +729,8 @@ pub struct ValOverrideConfig {
     pub top_p: Option<f64>,
     /// Top-k cut; 0 = off (default null: the rollout's).
     pub top_k: Option<usize>,
+    /// Min-p cut, in `[0, 1]`; 0 = off (default null: the rollout's).
+    pub min_p: Option<f64>,
     /// Samples per prompt, ≥ 1 (default 1).
     pub n: Option<usize>,
 }
@@ -735,6 +741,7 @@ impl Default for ValOverrideConfig {
             temperature: Some(0.0),
             top_p: None,
             top_k: None,
+            min_p: None,
             n: Some(1),
         }
     }
@@ -756,6 +763,11 @@ impl RolloutConfig {
     /// Validation's top-k (0 = off).
     pub fn val_top_k(&self) -> usize {
         self.val_override_config.top_k.unwrap_or(self.top_k)
+    }
+
+    /// Validation's min-p (0 = off).
+    pub fn val_min_p(&self) -> f64 {
+        self.val_override_config.min_p.unwrap_or(self.min_p)
     }
 
     /// Validation's samples per prompt, ≥ 1 (EasyR1 validates one sample unless `n` is

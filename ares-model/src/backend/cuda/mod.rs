@@ -33,13 +33,13 @@ use buffer::{
 };
 
 use super::ops::{declared_ops, op_arg_type};
-use super::sampling::check_top_k;
 use super::{
     Activation, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
     BlockTables, DType, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
     MatmulPrecision, PagedKvView, PagedKvViewMut, Result, SegmentAttentionDims, Tensor, TensorMut,
     View, ViewMut, WindowSpec, check_half,
 };
+use ares_cpu::sampler::{SampleKey, Sampler};
 use ares_cuda::cudarc::driver::CudaView;
 use ares_cuda::model_ops::{BlockTablesView, KvCache, KvCacheMut, PagedKvCache, PagedKvCacheMut};
 use ares_cuda::{AdamWStep, AttentionShape, DeviceInfo, GemmDims, GemmPrecision, ModelOps};
@@ -430,25 +430,28 @@ impl Backend for CudaBackend {
         &self,
         logits: Tensor<'_, Self>,
         vocab: usize,
-        temperature: f32,
-        top_k: Option<usize>,
-        top_p: f32,
-        uniforms: &[f64],
+        sampler: &Sampler,
+        keys: &[SampleKey],
         ids_buf: &mut CudaIds,
         host: &mut [u32],
     ) -> Result<()> {
         BackendError::check_len("sample_tokens host", ids_buf.len, host.len())?;
-        BackendError::check_len("sample_tokens uniforms", ids_buf.len, uniforms.len())?;
-        check_top_k("sample_tokens", top_k)?;
-        let u = self.ops.upload_f64(uniforms).map_err(op("sample_tokens"))?;
+        BackendError::check_len("sample_tokens keys", ids_buf.len, keys.len())?;
+        sampler.check().map_err(|e| BackendError::Op {
+            op: "sample_tokens",
+            source: e.into(),
+        })?;
+        let words: Vec<u32> = keys.iter().flat_map(SampleKey::words).collect();
+        let words = self.ops.upload_new(&words).map_err(op("sample_tokens"))?;
         self.ops
-            .sample_rows(
+            .sample_race(
                 &view(logits)?,
                 vocab,
-                temperature,
-                top_k.unwrap_or(0),
-                top_p,
-                &u.as_view(),
+                1.0 / sampler.temperature,
+                sampler.top_k,
+                sampler.top_p,
+                sampler.min_p,
+                &words.as_view(),
                 &mut ids_mut(ids_buf)?,
             )
             .map_err(op("sample_tokens"))?;

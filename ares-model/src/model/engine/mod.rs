@@ -395,7 +395,7 @@ impl<'a, B: Backend> Engine<'a, B> {
             self.runner.decode(&self.sched, &rows)?;
             let sched = &mut self.sched;
             self.runner
-                .pick_decoded(sampling, |r| sched.uniform(rows[r]))?;
+                .pick_decoded(sampling, |r| sched.next_key(rows[r]))?;
             let picks = self.runner.picked(rows.len());
             self.sched
                 .push_decoded(&rows, &picks, on_token, &mut finished)?;
@@ -407,7 +407,7 @@ impl<'a, B: Backend> Engine<'a, B> {
             let sched = &mut self.sched;
             let admitted = &plan.admitted;
             self.runner
-                .pick(&logits, sampling, |r| sched.uniform(admitted[r].id))?;
+                .pick(&logits, sampling, |r| sched.next_key(admitted[r].id))?;
             let picks = self.runner.picked(admitted.len());
             self.sched
                 .push_admitted(&plan, &picks, on_token, &mut finished)?;

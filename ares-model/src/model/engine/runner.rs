@@ -12,6 +12,7 @@ use crate::model::kv_cache::StepCache;
 use crate::model::paged_kv::PagedKv;
 use crate::model::picks::Picks;
 use crate::model::request::{GenerateError, PromptVision};
+use crate::model::sampling::SampleKey;
 use crate::model::{Activations, ForwardExtras, Inputs, Model, Sampling};
 
 /// The device side of the engine; see the module docs.
@@ -201,14 +202,14 @@ impl<'a, B: Backend> Runner<'a, B> {
         Ok(())
     }
 
-    /// A token per row of the last decode pass's logits, `draw(r)` row `r`'s uniform.
+    /// A token per row of the last decode pass's logits, `draw(r)` row `r`'s sampling key.
     ///
     /// # Errors
     /// A backend failure.
     pub(crate) fn pick_decoded(
         &mut self,
         sampling: Sampling,
-        draw: impl FnMut(usize) -> f64,
+        draw: impl FnMut(usize) -> SampleKey,
     ) -> Result<(), GenerateError> {
         let acts = self
             .acts
@@ -226,7 +227,7 @@ impl<'a, B: Backend> Runner<'a, B> {
         &mut self,
         logits: &B::Buffer,
         sampling: Sampling,
-        draw: impl FnMut(usize) -> f64,
+        draw: impl FnMut(usize) -> SampleKey,
     ) -> Result<(), GenerateError> {
         self.picks
             .pick(&self.model.backend, View::whole(logits), sampling, draw)

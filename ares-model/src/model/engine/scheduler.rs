@@ -9,19 +9,17 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use rand_chacha::ChaCha20Rng;
-
 use super::{EngineConfig, EngineRequest, EngineStats, FinishedSequence};
 use crate::model::BlockPool;
 use crate::model::request::{GenerateError, SequenceOutput};
-use crate::model::sampling::{sequence_rng, uniform};
+use crate::model::sampling::{SampleKey, sequence_key};
 
 /// One sequence's state.
 struct Sequence {
     prompt: usize,
-    /// Its sampling stream `(seed, index)`, and the stream itself.
+    /// Its sampling stream `(seed, index)`, and the key of its next draw.
     stream: (u64, u64),
-    rng: ChaCha20Rng,
+    key: SampleKey,
     /// Its blocks, in order.
     blocks: Vec<u32>,
     /// Filled slots (its prompt and the tokens fed back so far).
@@ -337,9 +335,11 @@ impl Scheduler {
         (s.prompt, &s.blocks, s.len, last)
     }
 
-    /// The next uniform draw of sequence `id`'s stream.
-    pub(crate) fn uniform(&mut self, id: usize) -> f64 {
-        self.seqs[id].as_mut().map_or(0.0, |s| uniform(&mut s.rng))
+    /// The key of sequence `id`'s next draw (its stream advances).
+    pub(crate) fn next_key(&mut self, id: usize) -> SampleKey {
+        self.seqs[id]
+            .as_mut()
+            .map_or(SampleKey::default(), |s| s.key.advance())
     }
 
     // ----- The decode half of a step. -----
@@ -892,7 +892,7 @@ fn fresh(id: usize, stream: (u64, u64), max_new: usize) -> Sequence {
     Sequence {
         prompt: id,
         stream,
-        rng: sequence_rng(stream.0, stream.1),
+        key: sequence_key(stream.0, stream.1),
         blocks: Vec::new(),
         len: 0,
         out: SequenceOutput::default(),

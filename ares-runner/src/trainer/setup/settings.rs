@@ -170,13 +170,14 @@ pub struct StepSettings {
     pub gradient_sum: crate::config::GradientSum,
 }
 
-/// The sampling of the rollout (`temperature`, `top_k` 0 = off, `top_p`).
+/// The sampling of the rollout (`temperature`, `top_k` 0 = off, `top_p`, `min_p` 0 = off).
 pub fn rollout_sampling(cfg: &Config) -> Sampling {
     let r = &cfg.worker.rollout;
     Sampling::Sample {
         temperature: r.temperature as f32,
         top_k: (r.top_k > 0).then_some(r.top_k),
         top_p: r.top_p as f32,
+        min_p: r.min_p as f32,
     }
 }
 
@@ -191,6 +192,7 @@ pub fn validation_sampling(cfg: &Config) -> Sampling {
             temperature: r.val_temperature() as f32,
             top_k: (r.val_top_k() > 0).then_some(r.val_top_k()),
             top_p: r.val_top_p() as f32,
+            min_p: r.val_min_p() as f32,
         }
     }
 }
