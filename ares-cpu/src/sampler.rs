@@ -17,7 +17,9 @@
 //! agree on. `ln` and `log1p` are written here from correctly rounded `+ − × ÷` only (no
 //! fused multiply-add: the CUDA twin spells each as an `__f*_rn` intrinsic), so both sides
 //! compute the same bits. `g ∈ [−2.82, 22.88]`, so a token with `z_i + 23 < z_max − 3` can
-//! never win, and is passed over without drawing (the result is the same).
+//! never win; the host also passes over a token whose score, bounded through the top byte
+//! of its random bits, cannot reach the best so far — without its logarithms (the result is
+//! the same; the GPU draws every token).
 //!
 //! **Filters** (transformers' order: top-k, then top-p over the top-k, then min-p). The
 //! candidates are a prefix of the row in key order (descending logit, ascending id; −0 =
@@ -186,6 +188,16 @@ pub fn gumbel(bits: u32) -> f32 {
 const GUMBEL_MIN: f32 = -3.0;
 const GUMBEL_MAX: f32 = 23.0;
 
+/// Per top byte of the random bits, a bound on [`gumbel`] of any bits with that byte: its
+/// value at the byte's smallest bits (`g` falls as the bits grow) plus a margin for the
+/// last-ulp wobble of the polynomial `ln`. Lets the host pass over a token whose best score
+/// cannot reach the best so far without taking two logarithms (the GPU draws every token;
+/// the winner is the same).
+fn gumbel_bounds() -> &'static [f32; 256] {
+    static BOUNDS: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
+    BOUNDS.get_or_init(|| core::array::from_fn(|k| gumbel((k as u32) << 24) + 1e-3))
+}
+
 /// `ln 2` split so that `e · LN2_HI` is exact for |e| < 2⁹.
 const LN2_HI: f32 = 0.693_145_75;
 const LN2_LO: f32 = 1.428_606_8e-6;
@@ -327,14 +339,15 @@ pub fn sample_row(row: &[f32], sampler: &Sampler, key: SampleKey) -> Option<u32>
     } else {
         u64::MAX
     };
-    // the most likely token scores at least this, so a token whose best possible score is
-    // below it cannot win
-    let floor = max * inv_t + GUMBEL_MIN;
+    // the most likely token scores at least this, and the winner at least the best score so
+    // far: a token whose best possible score is below `bar` cannot win
+    let mut bar = max * inv_t + GUMBEL_MIN;
+    let bounds = gumbel_bounds();
     let (mut best, mut best_i) = (f32::NEG_INFINITY, None);
     let mut quad = (u32::MAX, [0u32; 4]);
     for (i, &x) in row.iter().enumerate() {
         let z = x * inv_t;
-        if !(x > f32::NEG_INFINITY && z + GUMBEL_MAX >= floor) {
+        if !(x > f32::NEG_INFINITY && z + GUMBEL_MAX >= bar) {
             continue;
         }
         let i = i as u32;
@@ -349,9 +362,14 @@ pub fn sample_row(row: &[f32], sampler: &Sampler, key: SampleKey) -> Option<u32>
         if quad.0 != i / 4 {
             quad = (i / 4, random_bits(key, i / 4));
         }
-        let s = z + gumbel(quad.1[(i % 4) as usize]);
+        let bits = quad.1[(i % 4) as usize];
+        if z + bounds[(bits >> 24) as usize] < bar {
+            continue;
+        }
+        let s = z + gumbel(bits);
         if s > best || best_i.is_none() {
             (best, best_i) = (s, Some(i));
+            bar = bar.max(s);
         }
     }
     best_i

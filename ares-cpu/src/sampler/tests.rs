@@ -83,6 +83,14 @@ fn gumbel_draws_are_bounded_and_gumbel_distributed() {
         assert!((GUMBEL_MIN..=GUMBEL_MAX).contains(&g), "{bits}: {g}");
     }
     assert!(gumbel(0) > 22.8 && gumbel(u32::MAX) < -2.8);
+    // each top byte's bound holds for its bits: the bucket's edges and a stride through it
+    let bounds = gumbel_bounds();
+    for k in 0..256u32 {
+        for low in (0..1u32 << 24).step_by(4099).chain([1, (1 << 24) - 1]) {
+            let bits = (k << 24) | low;
+            assert!(gumbel(bits) <= bounds[k as usize], "{bits}");
+        }
+    }
     // monotone: more bits, a larger V, a larger E, a smaller g
     let mut last = f32::INFINITY;
     for k in 0..=4096u64 {
