@@ -13,7 +13,7 @@ vocab 151 936, tied embeddings, q/k/v biases; random weights), the same work:
   device-to-device copy bandwidth; MFU is reported against the measured GEMM rate;
 - peak memory (torch.cuda.max_memory_allocated) of each piece.
 
-    python3 scripts/bench_torch_gpu.py [--runs 3] [--compile] [--gen 32x64] [--only train]
+    python3 scripts/bench_torch_gpu.py [--runs 3] [--compile] [--gen 32x64] [--gen-dtypes bf16] [--only train]
     python3 scripts/bench_torch_gpu.py --device cpu --tiny   # checks the script, no GPU
 
 Prints the best and median of the runs after one warm-up, in the format of the Rust bench.
@@ -82,6 +82,7 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="also time torch.compile (train)")
     ap.add_argument("--gen", default="32x64", help="PROMPTSxNEW for generation")
+    ap.add_argument("--gen-dtypes", default="f32,TF32,bf16", help="generation's weights, comma-separated")
     ap.add_argument("--only", choices=["train", "generate"])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (checks the script)")
     args = ap.parse_args()
@@ -166,8 +167,12 @@ def main():
             prompts_n, new = 4, 8
         prompts = torch.randint(0, vocab, (prompts_n, 32), device=device)
         attention = torch.ones_like(prompts)
-        for label, dtype, tf32 in [("f32", torch.float32, False), ("TF32", torch.float32, True),
-                                   ("bf16", torch.bfloat16, False)]:
+        dtypes = [("f32", torch.float32, False), ("TF32", torch.float32, True), ("bf16", torch.bfloat16, False)]
+        wanted = args.gen_dtypes.split(",")
+        unknown = sorted(set(wanted) - {d[0] for d in dtypes})
+        if unknown:
+            ap.error(f"--gen-dtypes: unknown {unknown}; choose from f32, TF32, bf16")
+        for label, dtype, tf32 in [d for d in dtypes if d[0] in wanted]:
             torch.backends.cuda.matmul.allow_tf32 = tf32
             gen_model = model.to(dtype)
 

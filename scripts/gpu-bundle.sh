@@ -60,6 +60,8 @@ cargo bench -p ares-cuda --bench gpu_kernels --no-run --message-format=json | ar
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
 cargo bench -p ares-benches --bench model_cuda --no-run --message-format=json | artifacts |
   while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
+cargo bench -p ares-benches --bench rollout_cuda --no-run --message-format=json | artifacts |
+  while read -r name exe; do cp "$exe" "$dir/bin/$name"; done
 echo "building ares-runner (the RL-step benchmark)…"
 cargo build --release -p ares-runner
 cp target/release/ares-runner "$dir/bin/ares-runner"
@@ -121,6 +123,15 @@ if want model; then
     python3 "$here/bench_torch_gpu.py" --compile | tee "$out/torch_model_gpu.txt" || status=1
   fi
 fi
+if want rollout; then
+  echo "== bench-rollout_cuda: engine greedy / sampled, static, bf16 weights (0.5B, 128 x 256)"
+  "$here/bin/bench-rollout_cuda" | tee "$out/rollout_cuda.txt" || status=1
+  if has_torch; then
+    echo "== transformers generate, the same 128 x 256 (bf16 is the issue's baseline)"
+    python3 "$here/bench_torch_gpu.py" --only generate --gen 128x256 --gen-dtypes bf16 --runs 1 \
+      | tee "$out/torch_rollout.txt" || status=1
+  fi
+fi
 if want grpo; then
   # the 2 GB random model and the run stay out of $OUT (it is copied back)
   echo "== one RL step, ares-runner vs PyTorch"
@@ -137,8 +148,8 @@ chmod +x "$dir/run.sh"
 
 # One time-boxed device call for a short lease (15 minutes of device time, starts included):
 # every part of run.sh under its own limit, the RL step reduced to 16 prompts x 8 and 2 steps,
-# at most 9 files back in $OUT. T_TESTS, T_KERNELS, T_MODEL, T_GRPO, T_DP set the limits
-# (seconds; the defaults add up to 480: give the call ~500).
+# at most 10 files back in $OUT. T_TESTS, T_KERNELS, T_MODEL, T_ROLLOUT, T_GRPO, T_DP set the
+# limits (seconds; the defaults add up to 580: give the call 600).
 cat > "$dir/check.sh" <<'CHECK'
 #!/usr/bin/env bash
 set +u
@@ -161,10 +172,11 @@ grep -E "^test result|panicked" "$final/tests.txt" | sort | uniq -c | head -30
 part kernels "${T_KERNELS:-60}"
 cp "$work/gpu_kernels.jsonl" "$final/" 2>/dev/null
 part model "${T_MODEL:-70}"
+part rollout "${T_ROLLOUT:-100}"
 TORCH_ARGS="--prompts 16 --steps 2" part grpo "${T_GRPO:-110}" \
   data.rollout_batch_size=16 worker.actor.global_batch_size=16 trainer.max_steps=2
 part dp "${T_DP:-60}"
-tail -n 12 "$final/kernels.txt" "$final/model.txt" "$final/grpo.txt" "$final/dp.txt"
+tail -n 12 "$final/kernels.txt" "$final/model.txt" "$final/rollout.txt" "$final/grpo.txt" "$final/dp.txt"
 CHECK
 chmod +x "$dir/check.sh"
 du -sh "$dir"

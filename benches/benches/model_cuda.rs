@@ -21,19 +21,12 @@ use std::path::Path;
 use std::time::Instant;
 
 use ares_benches::SplitMix;
-use ares_benches::model::{best_and_median, env_usize, random_weights, report};
+use ares_benches::model::{QWEN05_MODEL, best_and_median, env_usize, random_weights, report};
 use ares_model::backend::cuda::CudaBackend;
 use ares_model::backend::{Backend, MatmulPrecision};
 use ares_model::hf::config::ModelConfig;
 use ares_model::model::{AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling};
 
-const CONFIG: &str = r#"{
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
-    "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-    "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "tie_word_embeddings": true
-}"#;
 const GEN_PROMPTS: usize = 32;
 const GEN_PROMPT_LEN: usize = 32;
 const GEN_NEW: usize = 64;
@@ -47,7 +40,7 @@ fn main() {
         }
     };
     println!("device: {}", gpu.info());
-    let config = ModelConfig::from_json_str(Path::new("bench/config.json"), CONFIG)
+    let config = ModelConfig::from_json_str(Path::new("bench/config.json"), QWEN05_MODEL)
         .expect("the bench config parses");
     let mut rng = SplitMix::new(7);
     let w = random_weights(&config, &mut rng);

@@ -26,28 +26,19 @@
 use std::path::Path;
 
 use ares_benches::SplitMix;
-use ares_benches::model::{BENCH_MODEL, best_and_median, env_usize, random_weights, report};
+use ares_benches::model::{
+    BENCH_MODEL, QWEN05_MODEL, best_and_median, engine_run, env_usize, random_weights, report,
+    rollout_request,
+};
 use ares_model::backend::cpu::CpuBackend;
 use ares_model::hf::config::ModelConfig;
-use ares_model::model::{
-    Engine, EngineConfig, EngineRequest, GenerateOutput, GenerateRequest, Generator, Model,
-    Sampling, WeightDtype,
-};
+use ares_model::model::{Model, WeightDtype};
 
 const DEMO_MODEL: &str = r#"{
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
     "hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 3,
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 8192,
     "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "tie_word_embeddings": true
-}"#;
-
-/// Qwen2.5-0.5B's shape (random weights), run with `ARES_BENCH_05B=1`.
-const QWEN05_MODEL: &str = r#"{
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
-    "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
-    "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
-    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
     "tie_word_embeddings": true
 }"#;
 
@@ -78,30 +69,15 @@ fn main() {
         let mut rng = SplitMix::new(11);
         let w = random_weights(&config, &mut rng);
         let model = Model::new(CpuBackend, &config, &w).expect("the bench model builds");
-        let vocab = config.vocab_size as u64;
         let n = 8usize;
-        let mut request = GenerateRequest {
-            prompts: (0..prompts)
-                .flat_map(|_| {
-                    let len = 90 + (rng.next_u64() % 21) as usize;
-                    let p: Vec<u32> = (0..len).map(|_| (rng.next_u64() % vocab) as u32).collect();
-                    std::iter::repeat_n(p, n)
-                })
-                .collect(),
-            max_new_tokens: max_new,
-            // ~1 % of a random model's sampling mass: roughly geometric lengths
-            eos_ids: (0..(vocab as u32).div_ceil(100))
-                .map(|i| 100 + 97 * i)
-                .collect(),
-            sampling: Sampling::Sample {
-                temperature: 1.0,
-                top_k: None,
-                top_p: 1.0,
-                min_p: 0.0,
-            },
-            seed: 3,
-        };
-        request.eos_ids.sort_unstable();
+        let request = rollout_request(
+            &mut rng,
+            config.vocab_size as u64,
+            prompts,
+            n,
+            max_new,
+            true,
+        );
         let engine = model.generator().expect("generator");
         let fixed = model.generator().expect("generator").static_batching();
         let a = engine.generate(&request).expect("generate");
@@ -172,29 +148,4 @@ fn main() {
             ts.0.as_secs_f64() / te.0.as_secs_f64()
         );
     }
-}
-
-/// `request` through an engine of `slots` decode slots (unbounded KV pool): the outputs and
-/// the engine's statistics.
-fn engine_run(
-    generator: &Generator<'_, CpuBackend>,
-    request: &GenerateRequest,
-    slots: usize,
-) -> (GenerateOutput, ares_model::model::EngineStats) {
-    let engine_request = EngineRequest {
-        max_new_tokens: request.max_new_tokens,
-        eos_ids: request.eos_ids.clone(),
-        sampling: request.sampling,
-        seed: request.seed,
-    };
-    let config = EngineConfig {
-        max_seqs: slots,
-        ..EngineConfig::default()
-    };
-    let mut engine = Engine::new(generator, engine_request, config).expect("engine");
-    for p in &request.prompts {
-        engine.submit(p.clone()).expect("submit");
-    }
-    let out = engine.run_to_end(&mut |_, _| {}).expect("generate");
-    (out, engine.stats())
 }
