@@ -345,13 +345,14 @@ pub fn sample_row(row: &[f32], sampler: &Sampler, key: SampleKey) -> Option<u32>
     let bounds = gumbel_bounds();
     let (mut best, mut best_i) = (f32::NEG_INFINITY, None);
     let mut quad = (u32::MAX, [0u32; 4]);
+    let filters = sampler.filters();
     for (i, &x) in row.iter().enumerate() {
         let z = x * inv_t;
         if !(x > f32::NEG_INFINITY && z + GUMBEL_MAX >= bar) {
             continue;
         }
         let i = i as u32;
-        if sampler.filters() {
+        if filters {
             if cut != u64::MAX && descending_key(x, i) > cut {
                 continue;
             }
@@ -398,9 +399,12 @@ pub fn sample_rows(
     sampler.check()?;
     crate::error::check_len("keys", out.len(), keys.len())?;
     crate::error::check_len("logits", out.len().saturating_mul(vocab), logits.len())?;
+    // rows in parallel, in tasks of at least 64 Ki logits (a small vocabulary's rows are
+    // too short to be a task each)
     out.par_iter_mut()
         .zip(logits.par_chunks(vocab))
         .zip(keys)
+        .with_min_len((1 << 16) / vocab)
         .for_each(|((o, row), &key)| *o = sample_row(row, sampler, key).unwrap_or(u32::MAX));
     Ok(())
 }

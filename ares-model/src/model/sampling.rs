@@ -41,29 +41,15 @@ impl Sampling {
         }
     }
 
-    /// Checks the parameters; returns what is wrong.
+    /// Checks the parameters; returns what is wrong (the ranges are the race sampler's own
+    /// check; `top_k: Some(0)` is this type's, 0 meaning "off" there).
     pub(crate) fn check(&self) -> Result<(), String> {
-        if let Sampling::Sample {
-            temperature,
-            top_k,
-            top_p,
-            min_p,
-        } = *self
-        {
-            if !(temperature.is_finite() && temperature > 0.0) {
-                return Err(format!("temperature {temperature} is not finite and > 0"));
-            }
-            if top_k == Some(0) {
-                return Err("top_k 0 keeps no token (use None for no limit)".into());
-            }
-            if !(top_p > 0.0 && top_p <= 1.0) {
-                return Err(format!("top_p {top_p} is not in (0, 1]"));
-            }
-            if !(0.0..=1.0).contains(&min_p) {
-                return Err(format!("min_p {min_p} is not in [0, 1]"));
-            }
+        if let Sampling::Sample { top_k: Some(0), .. } = *self {
+            return Err("top_k 0 keeps no token (use None for no limit)".into());
         }
-        Ok(())
+        self.sampler()
+            .map_or(Ok(()), |s| s.check())
+            .map_err(|e| e.to_string())
     }
 
     /// Plain sampling at `temperature`: no top-k, top-p or min-p.

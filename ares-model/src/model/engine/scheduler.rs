@@ -17,8 +17,7 @@ use crate::model::sampling::{SampleKey, sequence_key};
 /// One sequence's state.
 struct Sequence {
     prompt: usize,
-    /// Its sampling stream `(seed, index)`, and the key of its next draw.
-    stream: (u64, u64),
+    /// The key of its next draw: its stream `(seed, index)` and the draws so far.
     key: SampleKey,
     /// Its blocks, in order.
     blocks: Vec<u32>,
@@ -791,7 +790,8 @@ impl Scheduler {
         let s = self.seqs[id].take().unwrap_or_else(|| unreachable!());
         s.blocks.iter().for_each(|&b| self.pool.release(b));
         self.running.retain(|&r| r != id);
-        self.seqs[id] = Some(fresh(id, s.stream, s.max_new));
+        // a restart draws its stream from the start: the same tokens
+        self.seqs[id] = Some(fresh(id, (s.key.seed, s.key.sequence), s.max_new));
         self.waiting[self.group_of[id]] += 1;
         self.pending.push_front(id);
         self.stats.preemptions += 1;
@@ -891,7 +891,6 @@ impl Scheduler {
 fn fresh(id: usize, stream: (u64, u64), max_new: usize) -> Sequence {
     Sequence {
         prompt: id,
-        stream,
         key: sequence_key(stream.0, stream.1),
         blocks: Vec::new(),
         len: 0,
