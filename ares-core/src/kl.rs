@@ -453,27 +453,7 @@ pub fn token_kl<F: Float>(
     if let Some(o) = &out.row_mean_kl {
         check_len("row_mean_kl (output)", shape.rows, o.len())?;
     }
-    let lr = cfg.low_ratio;
-    check_param(
-        "low_ratio",
-        lr,
-        lr >= F::zero() && lr <= F::one(),
-        "in [0, 1]",
-    )?;
-    match cfg.coefficient {
-        KlCoefficient::Uniform(b) => check_param("kl_coef (β)", b, b >= F::zero(), ">= 0")?,
-        KlCoefficient::PerRow(bs) => {
-            check_len("kl_coef (β per row)", shape.rows, bs.len())?;
-            check_finite("kl_coef (β per row)", bs)?;
-            if let Some(index) = bs.iter().position(|&b| b < F::zero()) {
-                return Err(Error::OutOfRange {
-                    what: "kl_coef (β per row)",
-                    value: to_f64(bs.get(index).copied().unwrap_or_else(F::nan)),
-                    expected: ">= 0",
-                });
-            }
-        }
-    }
+    check_weighting(shape, cfg.coefficient, cfg.low_ratio)?;
     let args = Args {
         shape,
         logp,
@@ -495,6 +475,86 @@ pub fn token_kl<F: Float>(
         (KlEstimator::K3Plus, None) => run::<F, K3Plus, false>(&args, out),
         (KlEstimator::K3Plus, Some(_)) => run::<F, K3Plus, true>(&args, out),
     }
+}
+
+/// `low_ratio` in [0, 1]; β (one, or one per row of `shape`) finite and ≥ 0.
+fn check_weighting<F: Float>(
+    shape: Shape,
+    coefficient: KlCoefficient<'_, F>,
+    low_ratio: F,
+) -> Result<()> {
+    check_param(
+        "low_ratio",
+        low_ratio,
+        low_ratio >= F::zero() && low_ratio <= F::one(),
+        "in [0, 1]",
+    )?;
+    match coefficient {
+        KlCoefficient::Uniform(b) => check_param("kl_coef (β)", b, b >= F::zero(), ">= 0"),
+        KlCoefficient::PerRow(bs) => {
+            check_len("kl_coef (β per row)", shape.rows, bs.len())?;
+            check_finite("kl_coef (β per row)", bs)?;
+            match bs.iter().position(|&b| b < F::zero()) {
+                None => Ok(()),
+                Some(index) => Err(Error::OutOfRange {
+                    what: "kl_coef (β per row)",
+                    value: to_f64(bs.get(index).copied().unwrap_or_else(F::nan)),
+                    expected: ">= 0",
+                }),
+            }
+        }
+    }
+}
+
+/// The weight each token's KL carries, `β_t·m_t` with `β_t =`
+/// [`dynamic_kl_weight`]`(β_r, hwe_t, low_ratio)`, written into `out` (`[rows, cols]`; 0 on
+/// padded tokens): what [`token_kl`] multiplies `k_t` by, for a trainer that charges the KL
+/// elsewhere — e.g. in an actor's loss in another process, which then needs only these
+/// weights, the log-probabilities and the estimator.
+///
+/// Errors: a length differing from `rows × cols` (or `rows` for β per row) →
+/// [`Error::LengthMismatch`]; a `mask` or `hwe_mask` value other than 0/1 →
+/// [`Error::InvalidMask`]; β < 0 or not finite, `low_ratio` ∉ [0, 1] → [`Error::OutOfRange`]
+/// (as [`token_kl`]). On error `out` is unchanged.
+pub fn dynamic_kl_weights<F: Float>(
+    shape: Shape,
+    coefficient: KlCoefficient<'_, F>,
+    mask: &[F],
+    hwe_mask: Option<&[F]>,
+    low_ratio: F,
+    out: &mut [F],
+) -> Result<()> {
+    shape.check("mask", mask.len())?;
+    check_len("weights (output)", shape.len()?, out.len())?;
+    check_mask("mask", mask)?;
+    if let Some(h) = hwe_mask {
+        shape.check("hwe_mask", h.len())?;
+        check_mask("hwe_mask", h)?;
+    }
+    check_weighting(shape, coefficient, low_ratio)?;
+    if shape.cols == 0 {
+        return Ok(());
+    }
+    for (r, (o, m)) in out
+        .chunks_exact_mut(shape.cols)
+        .zip(mask.chunks_exact(shape.cols))
+        .enumerate()
+    {
+        let beta = match coefficient {
+            KlCoefficient::Uniform(b) => b,
+            KlCoefficient::PerRow(bs) => bs.get(r).copied().unwrap_or_else(F::zero),
+        };
+        let h = hwe_mask.map(|h| lanes::row(h, shape.cols, r));
+        for (t, (o, &m)) in o.iter_mut().zip(m).enumerate() {
+            let hwe = h.and_then(|h| h.get(t)).is_some_and(|&x| x != F::zero());
+            *o = select(
+                m != F::zero(),
+                dynamic_kl_weight(beta, hwe, low_ratio),
+                F::zero(),
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Per-token KL `k_t · m_t` of `estimator` over a `[rows, cols]` tensor into `kl_out`, with
@@ -921,6 +981,152 @@ mod tests {
         assert!((b - (core::f64::consts::E - 2.0)).abs() < 1e-15);
         let a32 = kl_penalty(-1.0f32, -1.5, KlEstimator::K3);
         assert!((a32 - 0.1065307).abs() < 1e-7);
+    }
+
+    #[test]
+    fn dynamic_kl_weights_hand_checked_and_equal_token_kls_weighting() {
+        // 2 × 3: row 0 β 0.2, row 1 β 0.1; the last token of row 1 padded; (0,1) and (1,0) HWE
+        let shape = Shape::new(2, 3);
+        let (mask, hwe, beta) = (
+            [1.0, 1.0, 1.0, 1.0, 1.0, 0.0],
+            [0.0, 1.0, 0.0, 1.0, 0.0, 1.0],
+            [0.2, 0.1],
+        );
+        let mut w = [f64::NAN; 6];
+        dynamic_kl_weights(
+            shape,
+            KlCoefficient::PerRow(&beta),
+            &mask,
+            Some(&hwe),
+            0.25,
+            &mut w,
+        )
+        .unwrap();
+        assert_eq!(w, [0.2, 0.05, 0.2, 0.025, 0.1, 0.0]);
+        dynamic_kl_weights(
+            shape,
+            KlCoefficient::Uniform(0.5),
+            &mask,
+            None,
+            0.25,
+            &mut w,
+        )
+        .unwrap();
+        assert_eq!(w, [0.5, 0.5, 0.5, 0.5, 0.5, 0.0]);
+        // what token_kl charges: weighted = w · kl, token by token
+        let (lp, lr) = (
+            [-1.0, -0.5, -2.0, -0.1, -3.0, 0.0],
+            [-1.2, -0.4, -1.0, -0.3, -2.0, 0.0],
+        );
+        let cfg =
+            TokenKlConfig::new(KlEstimator::K3, KlCoefficient::PerRow(&beta)).with_hwe(&hwe, 0.25);
+        let (mut kl, mut wk, mut g) = ([0.0; 6], [0.0; 6], [0.0; 6]);
+        let outs = TokenKlOutputs {
+            kl: Some(&mut kl),
+            weighted: Some(&mut wk),
+            grad: Some(&mut g),
+            ..Default::default()
+        };
+        token_kl(shape, &lp, &lr, &mask, &cfg, outs).unwrap();
+        dynamic_kl_weights(
+            shape,
+            KlCoefficient::PerRow(&beta),
+            &mask,
+            Some(&hwe),
+            0.25,
+            &mut w,
+        )
+        .unwrap();
+        for t in 0..6 {
+            assert_eq!(wk[t], w[t] * kl[t], "token {t}");
+            let (_, dk) = kl_penalty_and_grad(lp[t], lr[t], KlEstimator::K3);
+            assert_eq!(g[t], w[t] * dk * mask[t], "token {t}");
+        }
+    }
+
+    #[test]
+    fn dynamic_kl_weights_errors_name_the_argument_and_write_nothing() {
+        let shape = Shape::new(1, 2);
+        let mut w = [7.0f32; 2];
+        let uni = KlCoefficient::Uniform(0.1f32);
+        let e = dynamic_kl_weights(shape, uni, &[1.0, 0.5], None, 0.5, &mut w).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::InvalidMask {
+                    what: "mask",
+                    index: 1
+                }
+            ),
+            "{e:?}"
+        );
+        let e = dynamic_kl_weights(shape, uni, &[1.0, 1.0], Some(&[2.0, 0.0]), 0.5, &mut w)
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::InvalidMask {
+                    what: "hwe_mask",
+                    index: 0
+                }
+            ),
+            "{e:?}"
+        );
+        let e = dynamic_kl_weights(shape, uni, &[1.0, 1.0], None, 1.5, &mut w).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::OutOfRange {
+                    what: "low_ratio",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let neg = KlCoefficient::PerRow(&[-0.1f32]);
+        let e = dynamic_kl_weights(shape, neg, &[1.0, 1.0], None, 0.5, &mut w).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::OutOfRange {
+                    what: "kl_coef (β per row)",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let e = dynamic_kl_weights(
+            shape,
+            KlCoefficient::PerRow(&[0.1f32, 0.2]),
+            &[1.0, 1.0],
+            None,
+            0.5,
+            &mut w,
+        )
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::LengthMismatch {
+                    what: "kl_coef (β per row)",
+                    expected: 1,
+                    actual: 2
+                }
+            ),
+            "{e:?}"
+        );
+        let e = dynamic_kl_weights(shape, uni, &[1.0, 1.0], None, 0.5, &mut [0.0; 3]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::LengthMismatch {
+                    what: "weights (output)",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert_eq!(w, [7.0; 2]);
     }
 
     #[test]

@@ -19,6 +19,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(aggregate, m)?)?;
     m.add_function(wrap_pyfunction!(aggregate_weights, m)?)?;
     m.add_function(wrap_pyfunction!(token_kl, m)?)?;
+    m.add_function(wrap_pyfunction!(dynamic_kl_weights, m)?)?;
     Ok(())
 }
 
@@ -256,18 +257,7 @@ fn token_kl<'py>(
              \"k2\" (\"mse\"), \"k3\" (\"low_var_kl\"), \"k1+\", \"k3+\""
         ))
     })?;
-    // a Python number is one β for every row; an array is β per row
-    let uniform_beta: Option<f64> = match kl_coef {
-        None => Some(1.0),
-        Some(k) if k.cast::<numpy::PyUntypedArray>().is_err() => {
-            Some(k.extract::<f64>().map_err(|_| {
-                value_error(format!(
-                    "{FUNC}: `kl_coef` must be a float or a numpy array [B]"
-                ))
-            })?)
-        }
-        Some(_) => None,
-    };
+    let uniform_beta = uniform_kl_coef(FUNC, kl_coef)?;
     by_dtype!(float_dtype(FUNC, "logp", logp)?, F => {
         let (lp, shape) = token_input::<F>(FUNC, "logp", logp, None)?;
         let (lr, _) = token_input::<F>(FUNC, "logp_ref", logp_ref, Some(shape))?;
@@ -276,20 +266,7 @@ fn token_kl<'py>(
             Some(h) => Some(token_input::<F>(FUNC, "hwe_mask", h, Some(shape))?.0),
             None => None,
         };
-        let per_row = match (uniform_beta, kl_coef) {
-            (None, Some(k)) => {
-                let b = Input::<F>::new(FUNC, "kl_coef", k, 1)?;
-                if b.shape()[0] != shape.rows {
-                    return Err(value_error(format!(
-                        "{FUNC}: `kl_coef` has {} elements, expected {} (one per row)",
-                        b.shape()[0],
-                        shape.rows
-                    )));
-                }
-                Some(b)
-            }
-            _ => None,
-        };
+        let per_row = per_row_kl_coef::<F>(FUNC, uniform_beta, kl_coef, shape)?;
         let tok = |py| Output::<F>::new(py, &[shape.rows, shape.cols]);
         let (kl, weighted, grad) = (tok(py), tok(py), tok(py));
         let row_sum = Output::<F>::new(py, &[shape.rows]);
@@ -305,11 +282,7 @@ fn token_kl<'py>(
                 row_weighted_sum: Some(w4.as_slice_mut().map_err(err)?),
                 row_mean_kl: Some(w5.as_slice_mut().map_err(err)?),
             };
-            let coefficient = match &per_row {
-                Some(b) => KlCoefficient::PerRow(b.slice()),
-                None => KlCoefficient::Uniform(cast::<F>(uniform_beta.unwrap_or(1.0))),
-            };
-            let mut cfg = TokenKlConfig::new(est, coefficient);
+            let mut cfg = TokenKlConfig::new(est, kl_coefficient(&per_row, uniform_beta));
             cfg.low_ratio = cast(low_ratio);
             if let Some(h) = &hwe {
                 cfg = cfg.with_hwe(h.slice(), cast(low_ratio));
@@ -330,6 +303,93 @@ fn token_kl<'py>(
         d.set_item("valid_tokens", summary.valid_tokens)?;
         d.set_item("nonempty_rows", summary.nonempty_rows)?;
         Ok(d)
+    })
+}
+
+/// `kl_coef` as one β: `None` → 1, a Python number → that number; `None` when it is an
+/// array (β per row, read by [`per_row_kl_coef`] once the dtype is known).
+fn uniform_kl_coef(func: &str, kl_coef: Option<&Bound<'_, PyAny>>) -> PyResult<Option<f64>> {
+    match kl_coef {
+        None => Ok(Some(1.0)),
+        Some(k) if k.cast::<numpy::PyUntypedArray>().is_err() => {
+            Ok(Some(k.extract::<f64>().map_err(|_| {
+                value_error(format!(
+                    "{func}: `kl_coef` must be a float or a numpy array [B]"
+                ))
+            })?))
+        }
+        Some(_) => Ok(None),
+    }
+}
+
+/// `kl_coef` as β per row (an array of `shape.rows` elements), when it is not one number.
+fn per_row_kl_coef<'py, F: Real>(
+    func: &str,
+    uniform: Option<f64>,
+    kl_coef: Option<&Bound<'py, PyAny>>,
+    shape: Shape,
+) -> PyResult<Option<Input<'py, F>>> {
+    let (None, Some(k)) = (uniform, kl_coef) else {
+        return Ok(None);
+    };
+    let b = Input::<F>::new(func, "kl_coef", k, 1)?;
+    if b.shape()[0] != shape.rows {
+        return Err(value_error(format!(
+            "{func}: `kl_coef` has {} elements, expected {} (one per row)",
+            b.shape()[0],
+            shape.rows
+        )));
+    }
+    Ok(Some(b))
+}
+
+fn kl_coefficient<'a, F: Real>(
+    per_row: &'a Option<Input<'_, F>>,
+    uniform: Option<f64>,
+) -> KlCoefficient<'a, F> {
+    match per_row {
+        Some(b) => KlCoefficient::PerRow(b.slice()),
+        None => KlCoefficient::Uniform(cast::<F>(uniform.unwrap_or(1.0))),
+    }
+}
+
+/// The weight of each token's KL, `β_t·m_t` with `β_t = β_r·(hwe_t ? low_ratio : 1)` and β_r
+/// = `kl_coef` (a float, or an array [B]): what `token_kl` multiplies `k_t` by
+/// (`weighted = weights · kl`), for a loss that charges the KL elsewhere.
+///
+/// mask (and hwe_mask): [B, T], one float dtype; returns [B, T] of that dtype. Errors as
+/// `token_kl`'s: masks of 0/1 only, β finite and ≥ 0, `low_ratio` in [0, 1].
+#[pyfunction]
+#[pyo3(signature = (mask, *, kl_coef=None, hwe_mask=None,
+    low_ratio=ares_core::kl::DEFAULT_LOW_RATIO))]
+fn dynamic_kl_weights<'py>(
+    py: Python<'py>,
+    mask: &Bound<'py, PyAny>,
+    kl_coef: Option<&Bound<'py, PyAny>>,
+    hwe_mask: Option<&Bound<'py, PyAny>>,
+    low_ratio: f64,
+) -> PyResult<Bound<'py, PyAny>> {
+    const FUNC: &str = "dynamic_kl_weights";
+    let uniform_beta = uniform_kl_coef(FUNC, kl_coef)?;
+    by_dtype!(float_dtype(FUNC, "mask", mask)?, F => {
+        let (m, shape) = token_input::<F>(FUNC, "mask", mask, None)?;
+        let hwe = match hwe_mask {
+            Some(h) => Some(token_input::<F>(FUNC, "hwe_mask", h, Some(shape))?.0),
+            None => None,
+        };
+        let per_row = per_row_kl_coef::<F>(FUNC, uniform_beta, kl_coef, shape)?;
+        let out = Output::<F>::new(py, &[shape.rows, shape.cols]);
+        {
+            let mut w = out.write()?;
+            let o = w.as_slice_mut().map_err(|e| value_error(e.to_string()))?;
+            let coefficient = kl_coefficient(&per_row, uniform_beta);
+            let (ms, hs) = (m.slice(), hwe.as_ref().map(|h| h.slice()));
+            py.detach(|| {
+                ares_core::kl::dynamic_kl_weights(shape, coefficient, ms, hs, cast(low_ratio), o)
+            })
+            .map_err(|e| core_err(FUNC, e))?;
+        }
+        Ok(out.array.into_any())
     })
 }
 

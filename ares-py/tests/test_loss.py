@@ -73,6 +73,31 @@ def test_token_kl_per_row_beta_and_hwe():
     np.testing.assert_allclose(out["row_weighted_sum"], [0.15, 0.4], atol=1e-15)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dynamic_kl_weights_are_what_token_kl_charges(dtype):
+    mask = np.array([[1, 1, 0], [1, 1, 1]], dtype=dtype)
+    hwe = np.array([[1, 0, 1], [0, 1, 0]], dtype=dtype)
+    w = ares.dynamic_kl_weights(mask, kl_coef=np.array([0.1, 0.2], dtype=dtype), hwe_mask=hwe, low_ratio=0.25)
+    assert w.dtype == dtype
+    np.testing.assert_array_equal(w, np.array([[0.025, 0.1, 0], [0.2, 0.05, 0.2]], dtype=dtype))
+    np.testing.assert_array_equal(ares.dynamic_kl_weights(mask, kl_coef=0.5), 0.5 * mask)
+    np.testing.assert_array_equal(ares.dynamic_kl_weights(mask), mask)  # β = 1
+    rng = np.random.default_rng(0)
+    logp, ref = (-rng.random((2, 3))).astype(dtype), (-rng.random((2, 3))).astype(dtype)
+    out = ares.token_kl(logp, ref, mask, kl_coef=np.array([0.1, 0.2], dtype=dtype), hwe_mask=hwe, low_ratio=0.25)
+    np.testing.assert_array_equal(out["weighted"], w * out["kl"])
+    for kw, match in [
+        (dict(kl_coef=np.array([0.1], dtype=dtype)), "has 1 elements, expected 2"),
+        (dict(kl_coef=-1.0), "kl_coef"),
+        (dict(hwe_mask=np.ascontiguousarray(hwe[:, :2])), "`hwe_mask` has shape"),
+        (dict(low_ratio=2.0), "low_ratio"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            ares.dynamic_kl_weights(mask, **kw)
+    with pytest.raises(ValueError, match="mask"):
+        ares.dynamic_kl_weights(mask * 0.5)
+
+
 # ---------------------------------------------------------------- verl 0.9.1 fixture
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import ares
 from ares.verl import AresRewardManager
-from ares.verl_v1 import AresSettingsError, AresStep, final_session_rows, settings_from_config
+from ares.verl_v1 import AresSettingsError, AresStep, final_session_rows, kl_loss_np, settings_from_config
 
 
 def batch(seed, groups=6, n=4, t=24, holes=False):
@@ -52,7 +52,7 @@ def k3(old, ref):
 def test_without_kl_the_shaped_reward_sits_on_each_rows_last_valid_token():
     d = batch(0, holes=True)
     step = AresStep({"kl": {"enable": False}})
-    token, metrics = step(d["scores"], d["mask"], d["uid"], entropies=d["entropies"], difficulty_ids=d["ids"], step=1)
+    token, metrics, *_ = step(d["scores"], d["mask"], d["uid"], entropies=d["entropies"], difficulty_ids=d["ids"], step=1)
     want = AresRewardManager(mode="ares").shape_rewards(
         d["scores"], d["mask"].sum(1), d["uid"], entropies=d["entropies"], mask=d["mask"], global_id=d["ids"], step=1
     )["reward"]
@@ -65,9 +65,10 @@ def test_without_kl_the_shaped_reward_sits_on_each_rows_last_valid_token():
 
 def test_kl_is_charged_per_token_with_the_buckets_lambda_then_lambda_moves():
     d = batch(1)
-    step = AresStep()
+    step = AresStep({"kl": {"placement": "reward"}})
     lam0 = {b: step.shaper.controller.lambda_(b) for b in ("easy", "medium", "hard")}
-    token, metrics = run(step, d, step=1)
+    token, metrics, weights, *_ = run(step, d, step=1)
+    assert weights is None  # charged in the rewards, nothing for the actor's loss
     # the shaping part, from a manager that saw the same batch
     ref_mgr = AresRewardManager(mode="ares")
     out = ref_mgr.shape_rewards(
@@ -96,24 +97,91 @@ def test_kl_is_charged_per_token_with_the_buckets_lambda_then_lambda_moves():
         assert metrics[f"ares/lambda_{b}"] == step.shaper.controller.lambda_(b)
 
 
+def test_kl_in_the_loss_gives_per_token_weights_and_moves_lambda_as_in_the_reward():
+    """``kl.placement: loss`` (the default): no KL in the token rewards; each token's weight
+    β_t·m_t = λ_d·(HWE ? low_ratio : 1) for the actor's loss; τ, the buckets and λ move exactly
+    as with the KL in the rewards."""
+    d = batch(1)
+    in_loss, in_reward = AresStep({"kl": {"low_ratio": 0.25}}), AresStep({"kl": {"low_ratio": 0.25, "placement": "reward"}})
+    lam0 = {b: in_loss.shaper.controller.lambda_(b) for b in ("easy", "medium", "hard")}
+    token, metrics, weights, beta, tau = run(in_loss, d, step=1)
+    token_r, metrics_r, *_ = run(in_reward, d, step=1)
+    assert in_loss.state_dict() == in_reward.state_dict()
+    assert json.dumps(metrics, sort_keys=True) == json.dumps(metrics_r, sort_keys=True)  # NaN targets too
+    out = AresRewardManager(mode="ares").shape_rewards(
+        d["scores"], d["mask"].sum(1), d["uid"], entropies=d["entropies"], mask=d["mask"], global_id=d["ids"], step=1
+    )
+    last = last_valid(d["mask"])
+    want = np.zeros_like(token)
+    want[np.arange(len(last)), last] = out["reward"]
+    np.testing.assert_array_equal(token, want.astype(np.float32))
+    names = np.array(["easy", "medium", "hard"])[out["difficulty"]]
+    np.testing.assert_array_equal(beta, np.array([lam0[n] for n in names], dtype=np.float32))
+    hwe = out["hwe_mask"] > 0
+    assert hwe.any() and tau == out["tau"]
+    np.testing.assert_array_equal(weights, (beta[:, None] * np.where(hwe, np.float32(0.25), 1) * d["mask"]).astype(np.float32))
+    # what the rewards were charged with the other placement, token by token
+    np.testing.assert_allclose(token - token_r, weights * k3(d["old"], d["ref"]), rtol=2e-6, atol=2e-7)
+    # the same weights for rows the step did not shape, from their entropies and the step's τ
+    np.testing.assert_array_equal(in_loss.kl_weights(beta, d["mask"], in_loss.hwe_mask(d["entropies"], d["mask"], tau)), weights)
+    undynamic = AresStep({"kl": {"dynamic": False}})
+    _, _, w, b, _ = run(undynamic, d, step=1)
+    np.testing.assert_array_equal(w, b[:, None] * d["mask"])
+
+
+def test_the_kl_term_of_the_loss_by_hand():
+    rng = np.random.default_rng(7)
+    mask = np.ones((3, 5), np.float32)
+    mask[1, 3:] = 0
+    mask[2, 1] = 0
+    lp = (-rng.random((3, 5)) * 2).astype(np.float32)
+    ref = (lp + 0.3 * rng.standard_normal((3, 5))).astype(np.float32)
+    w = (rng.random((3, 5)) * 0.1 * mask).astype(np.float32)
+    k = k3(lp, ref) * mask
+    dk = (1 - np.exp(np.clip(ref.astype(np.float64) - lp, -20, 20))) * mask  # k3's dk/dlogπ = 1 − eˣ
+    for mode, agg in [
+        ("token-mean", lambda x: x.sum() / mask.sum()),
+        ("token-sum", lambda x: x.sum()),
+        ("seq-mean-token-sum", lambda x: x.sum(1).mean()),
+        ("seq-mean-token-mean", lambda x: (x.sum(1) / mask.sum(1)).mean()),
+        ("seq-mean-token-sum-norm", lambda x: x.sum() / (3 * 5)),
+    ]:
+        loss, grad = kl_loss_np(lp, ref, mask, w, "k3", mode)
+        assert loss == pytest.approx(agg(w * k), rel=1e-6), mode
+        # the gradient: agg is linear, so ∂/∂logπ_t = agg's weight of t · w_t · dk_t
+        unit = np.eye(15).reshape(15, 3, 5)
+        want = np.array([agg(u * w * dk) for u in unit]).reshape(3, 5)
+        np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-9, err_msg=mode)
+    # verl's global batch: tokens of all micro-batches and ranks
+    loss, _ = kl_loss_np(lp, ref, mask, w, "k3", "token-mean", {"dp_size": 2, "batch_num_tokens": 40})
+    assert loss == pytest.approx((w * k).sum() * 2 / 40, rel=1e-6)
+    assert kl_loss_np(lp, ref, np.zeros_like(mask), w, "k3") is None
+    for bad, match in [(-w, "must be finite and >= 0"), (np.where(mask > 0, np.nan, 0).astype(np.float32), r"\[0, 0\] = nan")]:
+        with pytest.raises(ValueError, match=match):
+            kl_loss_np(lp, ref, mask, bad, "k3")
+    with pytest.raises(ValueError, match="shape"):
+        kl_loss_np(lp, ref, mask, w[:, :4], "k3")
+
+
 def test_state_round_trip_gives_the_same_next_step():
     d1, d2 = batch(2), batch(3)
     a = AresStep()
     run(a, d1, step=1)
     b = AresStep()
     b.load_state_dict(json.loads(json.dumps(a.state_dict())))  # as ares_state.json holds it
-    ta, ma = run(a, d2, step=2)
-    tb, mb = run(b, d2, step=2)
+    ta, ma, wa, *_ = run(a, d2, step=2)
+    tb, mb, wb, *_ = run(b, d2, step=2)
     np.testing.assert_array_equal(ta, tb)
+    np.testing.assert_array_equal(wa, wb)
     assert ma == mb and a.state_dict() == b.state_dict()
-    tc, _ = run(AresStep(), d2, step=2)
-    assert not np.array_equal(ta, tc)  # the state matters
+    tc, _, wc, *_ = run(AresStep(), d2, step=2)
+    assert not np.array_equal(ta, tc) and not np.array_equal(wa, wc)  # the state matters
 
 
 def test_grpo_lambda_mode():
     d = batch(4)
     step = AresStep({"mode": "grpo_lambda", "grpo_lambda": 0.5, "grpo_lambda_alpha": 0.4, "kl": {"enable": False}})
-    token, _ = step(d["scores"], d["mask"], d["uid"])
+    token, *_ = step(d["scores"], d["mask"], d["uid"])
     want = ares.grpo_lambda_rewards(d["scores"] > 0.5, d["mask"].sum(1).astype(np.float64), uid=d["uid"], lambda_=0.5, alpha=0.4)
     np.testing.assert_allclose(token.sum(1), want["rewards"], rtol=1e-6)
 
@@ -129,6 +197,7 @@ def test_settings_are_checked_by_name():
         ({"kl": {"estimator": "k4"}}, "`ares.kl.estimator`"),
         ({"mode": "grpo_lambda"}, "`ares.kl.enable` needs `ares.mode: ares`"),
         ({"window_size": 0}, "`ares.window_size`"),
+        ({"kl": {"placement": "actor"}}, "`ares.kl.placement`"),
     ]:
         with pytest.raises(AresSettingsError, match=match.replace(".", r"\.").replace("(", r"\(")):
             settings_from_config(bad)
@@ -340,6 +409,7 @@ def _tq_batch(tq, seed, prompts=5, n=4, turns=lambda p, s: 1, prefix=None):
                 keys.append(f"{prefix}{p}_{s}_{i}")
                 rows.append(dict(
                     uid=f"{prefix}{p}", index=100 + p, response_mask=torch.ones(length, dtype=torch.int64),
+                    prompts=torch.ones(3 + p, dtype=torch.int64), responses=torch.ones(length, dtype=torch.int64),
                     rm_scores=rm, entropy=torch.from_numpy(rng.gamma(0.6, 1.0, length).astype(np.float32)),
                     old_log_probs=old,
                     ref_log_prob=old + torch.from_numpy((0.4 * rng.standard_normal(length)).astype(np.float32)),
@@ -361,19 +431,88 @@ def test_ares_sync_step_over_the_transfer_queue_equals_the_host_step_then_grpo(a
     reference = AresStep(trainer.ares.settings)
     reference.load_state_dict(trainer.ares.state_dict())
     metrics = {}
-    trainer._compute_advantage(batch, metrics)
-    after = _padded(tq, batch, ["advantages", "rm_scores"])
+    out = trainer._compute_advantage(batch, metrics)
+    after = _padded(tq, batch, ["advantages", "rm_scores", "ares_kl_weights"])
     mask, uid = before["response_mask"], np.array(before["uid"], dtype=object)
-    token, want_metrics = reference(
+    token, want_metrics, weights, *_ = reference(
         before["rm_scores"].sum(1).astype(np.float64), mask, uid, entropies=before["entropy"],
         difficulty_ids=np.array([str(i) for i in before["index"]], dtype=object),
         old_log_probs=before["old_log_probs"], ref_log_probs=before["ref_log_prob"], step=1,
     )
     np.testing.assert_allclose(after["rm_scores"], token, rtol=1e-6, atol=1e-7)
+    # the KL is charged in the actor's loss (the default placement): its weights travel with the batch
+    np.testing.assert_array_equal(after["ares_kl_weights"], weights)
+    assert "ares_kl_weights" in out.fields
     adv = ares.grpo_token_advantages(token.sum(1), mask, uid=uid)
     np.testing.assert_allclose(after["advantages"], adv, rtol=1e-5, atol=1e-6)
     assert metrics["ares/lambda_easy"] == want_metrics["ares/lambda_easy"] and "ares/tau" in metrics
     assert trainer.ares.state_dict() == reference.state_dict()
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_the_actors_loss_charges_the_kl_weights_the_batch_carries(ares_sync_trainer, agg):
+    """The actor's batch as verl's worker receives it (TransferQueue fields of the meta the
+    trainer hands ``update_actor``) carries the KL weights and the estimator; verl's loss, as its
+    engine workers bind it, then equals verl's own loss plus ``agg(β_t·k3_t)`` — value and
+    gradient."""
+    trainer, tq = ares_sync_trainer
+    import torch
+    from hydra import compose, initialize_config_module
+    from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.transferqueue_utils import _meta_to_realdata
+    from verl.workers import engine_workers
+    from verl.workers.utils import losses
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    trainer.global_steps = 5
+    meta = trainer._compute_advantage(_tq_batch(tq, 21, prefix=f"al{agg}"), {})
+    seen = []
+
+    class ActorGroup:
+        def update_actor(self, batch):
+            seen.append(batch)
+            return {"metrics": {"mfu": [0.0]}}
+
+    trainer.actor_rollout_wg = ActorGroup()
+    try:
+        trainer._update_actor(meta, {})
+    finally:
+        del trainer.actor_rollout_wg
+    data = _meta_to_realdata(seen[0])
+    assert "ares_kl_weights" in data.keys() and tu.get_non_tensor_data(data, "ares_kl_estimator", None) == "k3"
+    # what the engine adds to each micro-batch before the loss
+    tokens = int(data["response_mask"].values().sum())
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=tokens)
+    with initialize_config_module("verl.trainer.config", version_base=None):
+        cfg = compose("ppo_trainer", overrides=[
+            "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2", f"actor_rollout_ref.actor.loss_agg_mode={agg}",
+        ])
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert engine_workers.ppo_loss is losses.ppo_loss and losses.ppo_loss.__wrapped__ is not None
+    total = int(data["prompts"].offsets()[-1] + data["responses"].offsets()[-1])
+    g = torch.Generator().manual_seed(5)
+    values = (-torch.rand(total, generator=g, dtype=torch.float64) * 2).float()
+
+    def loss_of(fn, plus_kl):
+        v = values.clone().requires_grad_(True)
+        loss, metrics = fn(actor, {"log_probs": v}, data)
+        if plus_kl:
+            f = data.select("response_mask", "ref_log_prob", "ares_kl_weights").to_padded_tensor()
+            kld = kl_penalty(no_padding_2_padding(v, data), f["ref_log_prob"], "low_var_kl")
+            mask = f["response_mask"].bool()
+            loss = loss + agg_loss(kld * f["ares_kl_weights"], mask, agg, **actor.global_batch_info)
+        loss.backward()
+        return loss.detach(), v.grad, metrics
+
+    got, got_grad, metrics = loss_of(losses.ppo_loss, False)
+    want, want_grad, _ = loss_of(losses.ppo_loss.__wrapped__, True)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-9)
+    verl_only, _, _ = loss_of(losses.ppo_loss.__wrapped__, False)
+    assert float(metrics["ares_kl_loss"].values[0]) == pytest.approx(float(got - verl_only), rel=1e-4) and float(got - verl_only) > 0
 
 
 def test_ares_state_is_saved_before_verl_marks_the_checkpoint_and_restored(ares_sync_trainer, monkeypatch):
@@ -415,7 +554,10 @@ def test_settings_that_cannot_run_are_refused_before_any_rollout():
 
     cases = [
         (["algorithm.use_kl_in_reward=true"], "would both charge the KL"),
-        (["+ares.kl.enable=true"], "needs the reference log-probs"),
+        (["+ares.kl.enable=true"], "`ares.kl.placement: loss` charges the KL in the actor's loss"),
+        (["+ares.kl.placement=reward"], "needs the reference log-probs"),
+        (["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.001"],
+         "kl_loss_coef=0.001` would charge verl's own KL term"),
         (["+ares.klx=1"], "`ares.klx` is not an ares setting"),
     ]
     for overrides, match in cases:
@@ -464,7 +606,8 @@ def test_names_and_settings_are_checked_with_verls_config_check():
         (["trainer.v1.trainer_mode=ares_synch"], "did you mean 'ares_sync'"),
         (["+ares.mode=ares"], "read by ares's trainer modes only"),
         (["trainer.v1.trainer_mode=ares_sync", "+ares.mode=dapo"], "`ares.mode`"),
-        (["trainer.v1.trainer_mode=ares_sync"], "needs the reference log-probs"),
+        (["trainer.v1.trainer_mode=ares_sync"], "charges the KL in the actor's loss, which needs ref_log_prob"),
+        (["trainer.v1.trainer_mode=ares_sync", "+ares.kl.placement=reward"], "needs the reference log-probs"),
     ]
     for overrides, match in cases:
         with initialize_config_module("verl.trainer.config", version_base=None):
@@ -481,7 +624,8 @@ def test_names_and_settings_are_checked_with_verls_config_check():
 
 def test_multi_turn_sessions_are_shaped_on_their_final_output(ares_sync_trainer):
     """Sessions with several outputs (turns): the ARES step sees each session's final output;
-    the earlier outputs get the session's outcome on their last valid token and no KL."""
+    the earlier outputs get the session's outcome on their last valid token, and KL weights of
+    their own."""
     trainer, tq = ares_sync_trainer
     trainer.global_steps = 4
     batch = _tq_batch(tq, 9, prompts=4, turns=lambda p, s: 1 + (p + s) % 2, prefix="mt")
@@ -493,7 +637,7 @@ def test_multi_turn_sessions_are_shaped_on_their_final_output(ares_sync_trainer)
     after = _padded(tq, batch, ["rm_scores", "advantages"])
     final, to_final = final_session_rows(keys)
     fr = np.asarray(final)
-    token, _ = reference(
+    token, _, weights, beta, tau = reference(
         before["rm_scores"][fr].sum(1).astype(np.float64), before["response_mask"][fr],
         np.array(before["uid"], dtype=object)[fr], entropies=before["entropy"][fr],
         difficulty_ids=np.array([str(i) for i in before["index"]], dtype=object)[fr],
@@ -508,6 +652,15 @@ def test_multi_turn_sessions_are_shaped_on_their_final_output(ares_sync_trainer)
             want[last[row]] = token[f].sum()
             np.testing.assert_allclose(after["rm_scores"][row], want, rtol=1e-6, atol=1e-7)
     assert trainer.ares.state_dict() == reference.state_dict()
+    # every output's tokens carry KL weights for the actor's loss: the session's β, its own HWE tokens
+    got = _padded(tq, batch, ["ares_kl_weights"])["ares_kl_weights"]
+    for row, f in enumerate(to_final):
+        m = before["response_mask"][row : row + 1]
+        hwe = reference.hwe_mask(before["entropy"][row : row + 1], m, tau)
+        want = weights[f] if row == final[f] else reference.kl_weights(beta[f : f + 1], m, hwe)[0]
+        np.testing.assert_array_equal(got[row], want)
+        assert (got[row][m[0] > 0] > 0).all() == (beta[f] > 0)  # dual ascent may have driven a λ_d to 0
+    assert got.any()
     # and every output of a session carries the advantage of its final output (verl's grpo path)
     adv_final = after["advantages"][fr, 0]
     for row, f in enumerate(to_final):

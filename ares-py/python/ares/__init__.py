@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # the stubs of the native module give the signatures
         batch_median_threshold,
         bucket_means,
         dr_grpo_advantages,
+        dynamic_kl_weights,
         entropy_grad_logits,
         entropy_rewards,
         entropy_windows,
@@ -81,6 +82,7 @@ else:
     batch_median_threshold = wrap(_ares.batch_median_threshold)
     bucket_means = wrap(_ares.bucket_means)
     dr_grpo_advantages = wrap(_ares.dr_grpo_advantages)
+    dynamic_kl_weights = wrap(_ares.dynamic_kl_weights)
     entropy_grad_logits = wrap(_ares.entropy_grad_logits)
     entropy_rewards = wrap(_ares.entropy_rewards)
     entropy_windows = wrap(_ares.entropy_windows)
@@ -152,6 +154,7 @@ __all__ = [
     "batch_median_threshold",
     "bucket_means",
     "dr_grpo_advantages",
+    "dynamic_kl_weights",
     "entropy_grad_logits",
     "entropy_rewards",
     "entropy_windows",

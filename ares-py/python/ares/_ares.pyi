@@ -103,6 +103,14 @@ def token_kl(
     low_ratio: float = 0.5,
 ) -> Dict[str, Any]: ...
 
+def dynamic_kl_weights(
+    mask: _Arr[_F],
+    *,
+    kl_coef: Union[float, _Arr[_F], None] = None,
+    hwe_mask: Optional[_Arr[_F]] = None,
+    low_ratio: float = 0.5,
+) -> _Arr[_F]: ...
+
 # ---------------------------------------------------------------- stateful controllers
 
 _Bucket = Union[str, int]

@@ -17,10 +17,16 @@ in its TransferQueue — the per-token ``entropy`` of the old-log-prob pass, ``r
    the difficulty key, α toward the target, the target, and the entropy-shaped reward
    ``correct + S`` (``ares.verl.AresRewardManager.shape_rewards``, the same numpy core);
    ``mode: grpo_lambda``: GRPO-λ's length-penalised rewards instead;
-3. with ``kl.enable``: the dynamic token-level KL folded into the token rewards,
-   ``R_t = −β_t·k_t + [t = last valid token]·r``, ``β_t = λ_d·(HWE ? low_ratio : 1)``
-   between the old and the reference policy (§4's "KL in the reward" placement: GRPO then
-   groups the folded score ``r − Σ β_t·k_t``), and λ_d's dual ascent on each bucket's mean KL;
+3. with ``kl.enable``: the dynamic token-level KL, ``β_t = λ_d·(HWE ? low_ratio : 1)`` with
+   the λ_d in force, charged where ``kl.placement`` says (docs/algorithms.md §4, "Placement"):
+   ``loss`` (the default, as ares-runner's ``use_kl_loss``) — each token's weight ``β_t·m_t``
+   goes to the actor as the batch field ``ares_kl_weights`` (the estimator's name in its extra
+   info), and verl's actor loss, wrapped where its engine workers bind it, adds
+   ``agg(β_t·k_t)`` between the current and the reference policy with the loss's own
+   aggregation; ``reward`` — folded into the token rewards between the old and the reference
+   policy, ``R_t = −β_t·k_t + [t = last valid token]·r`` (GRPO then groups the folded score
+   ``r − Σ β_t·k_t``). Either way λ_d then moves by dual ascent on each bucket's mean KL
+   between the old and the reference policy;
 4. the token rewards written back as ``rm_scores``; verl's own advantage step follows
    (``algorithm.adv_estimator``: ``grpo``, ``ares_grpo``, ``ares_reinforce_pro_max``, …).
 
@@ -37,18 +43,22 @@ below are checked there too.
 Settings: a top-level ``ares`` section (``+ares.mode=ares``, ``+ares.kl.enable=true`` on the
 command line; every key and default in :data:`DEFAULTS`). Refused at start, before any rollout:
 an unknown key, a value out of range, ``algorithm.use_kl_in_reward`` together with
-``ares.kl.enable`` (the KL would be charged twice), and the rollout-correction bypass mode
-(no old-log-prob pass, hence no entropies).
+``ares.kl.enable`` (the KL would be charged twice), the KL in the loss without
+``actor_rollout_ref.actor.use_kl_loss=true`` (no ``ref_log_prob`` in the actor's batch) or with
+a non-zero ``kl_loss_coef`` (verl's fixed-coefficient term beside ares's), and the
+rollout-correction bypass mode (no old-log-prob pass, hence no entropies).
 
-**Not built**: the KL in the actor's loss with per-token weights (verl's loss takes one
-``kl_loss_coef``; use ``ares.kl`` here, or verl's ``use_kl_loss`` with a fixed coefficient);
-the bootstrap pass over the whole dataset before the first step (targets start from the
+**Not built**: the bootstrap pass over the whole dataset before the first step (targets start from the
 first batch, as with ``data.bootstrap: false`` in ares-runner); CUDA tensors are copied to the
-host (``[B, T]`` per step, on the TaskRunner).
+host (on the TaskRunner ``[B, T]`` per step; in the actor's KL term four ``[b, T]`` per micro-batch).
 
 **Dr.GRPO's flag.** verl's ``compute_advantage`` passes ``norm_adv_by_std_in_grpo`` to its own
 GRPO only; for ``ares_grpo`` and ``ares_grpo_lambda`` called without a ``config`` the flag now
 reaches them as a one-key config (with a config, they read it there, as before).
+
+In multi-turn sessions every output's tokens are trained, so with ``kl.placement: loss`` each
+output carries its own KL weights: its session's β (the final output's bucket) and its own HWE
+tokens under the step's τ.
 
 **Multi-trajectory groups.** verl's v1 trainer gives GRPO only the final output of each
 session (``{uid}_{session}_{index}`` keys) and broadcasts its advantage to the session's other
@@ -61,6 +71,7 @@ per-sample scoring, refused with a message unless the trainer mode is an ares mo
 batch-level shaping happens there). Any other manager works with the ares modes too.
 """
 
+import collections
 import copy
 import json
 import logging
@@ -73,6 +84,7 @@ __all__ = [
     "AresSettingsError",
     "check_config",
     "AresStep",
+    "StepOutput",
     "final_session_rows",
     "register_v1",
     "settings_from_config",
@@ -85,6 +97,11 @@ OUTCOME_ESTIMATORS = ("ares_grpo", "ares_rloo", "ares_reinforce_pro_max", "ares_
 # ares mode -> verl's trainer mode it extends
 TRAINER_MODES = {"ares_sync": "sync", "ares_colocate_async": "colocate_async", "ares_separate_async": "separate_async"}
 STATE_FILE = "ares_state.json"
+PLACEMENTS = ("loss", "reward")
+# what the TaskRunner hands the actor's loss with ``ares.kl.placement: loss``: the weight β_t·m_t
+# of each response token's KL (a batch field), and the estimator's name (the batch's extra info)
+KL_WEIGHTS_FIELD = "ares_kl_weights"
+KL_ESTIMATOR_KEY = "ares_kl_estimator"
 
 DEFAULTS = {
     "mode": "ares",  # "ares" (entropy shaping) or "grpo_lambda"
@@ -102,6 +119,7 @@ DEFAULTS = {
         "estimator": "k3",
         "dynamic": True,  # HWE tokens weighted by low_ratio
         "low_ratio": 0.5,
+        "placement": "loss",  # "loss": agg(β_t·k_t) in the actor's loss; "reward": folded into the rewards
     },
 }
 
@@ -148,6 +166,8 @@ def settings_from_config(section):
     known = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k1+", "k3+")
     if s["kl"]["estimator"] not in known:
         raise AresSettingsError(f"`ares.kl.estimator` = {s['kl']['estimator']!r} is not one of {known}")
+    if s["kl"]["placement"] not in PLACEMENTS:
+        raise AresSettingsError(f"`ares.kl.placement` = {s['kl']['placement']!r}: use 'loss' or 'reward'")
     if s["mode"] == "grpo_lambda" and s["kl"]["enable"]:
         raise AresSettingsError(
             "`ares.kl.enable` needs `ares.mode: ares` (λ_d is per difficulty bucket); set `+ares.kl.enable=false` "
@@ -159,9 +179,17 @@ def settings_from_config(section):
 # ---------------------------------------------------------------- the per-step transform
 
 
+StepOutput = collections.namedtuple("StepOutput", ["token_rewards", "metrics", "kl_weights", "beta", "tau"])
+StepOutput.__doc__ = """What :meth:`AresStep.__call__` returns: ``token_rewards`` float32 [B, T]; ``metrics``;
+with the KL on, ``beta`` float32 [B] (each row's λ_d in force during the step), and with
+``kl.placement: loss`` ``kl_weights`` float32 [B, T] (β_t·m_t, what the actor's loss charges
+each token's KL with; else ``None``); ``tau`` the τ the HWE tokens were counted with (``None``
+in ``grpo_lambda`` mode)."""
+
+
 class AresStep:
     """The ARES step on host arrays (module docs, steps 1–3), with its state. Testable without
-    verl: :meth:`__call__` takes numpy arrays and returns the token rewards and metrics."""
+    verl: :meth:`__call__` takes numpy arrays and returns a :class:`StepOutput`."""
 
     def __init__(self, settings=None):
         from .verl import AresRewardManager
@@ -192,8 +220,8 @@ class AresStep:
                  ref_log_probs=None, step=None):
         """scores: float64 [B] outcome scores; mask: [B, T] response mask (0/1); uid [B] group
         keys; entropies [B, T] and difficulty_ids [B] for ``mode: ares``; old_log_probs and
-        ref_log_probs [B, T] with the KL on. Returns ``(token_rewards float32 [B, T],
-        metrics dict)``; moves τ, the buckets and λ — or, on an error, nothing."""
+        ref_log_probs [B, T] with the KL on. Returns a :class:`StepOutput`; moves τ, the
+        buckets and λ — or, on an error, nothing."""
         before = self.state_dict()
         try:
             return self._step(scores, mask, uid, entropies, difficulty_ids, old_log_probs, ref_log_probs, step)
@@ -226,6 +254,7 @@ class AresStep:
         last = _last_valid(mask)
         has = last >= 0
         token[np.nonzero(has)[0], last[has]] = reward[has].astype(np.float32)
+        kl_weights = beta = tau = None
         metrics = {
             "ares/score_mean": float(np.mean(scores)),
             "ares/acc": float(np.mean(out["correct"])),
@@ -234,8 +263,9 @@ class AresStep:
         if s["mode"] == "ares":
             ctrl = self.shaper.controller
             diff = np.asarray(out["difficulty"], dtype=np.int64)
+            tau = float(out["tau"])
             metrics.update({
-                "ares/tau": float(out["tau"]),
+                "ares/tau": tau,
                 "ares/hwe_count_mean": float(np.mean(out["hwe_count"])),
                 "ares/entropy_reward_mean": float(np.mean(out["entropy_reward"])),
             })
@@ -247,16 +277,20 @@ class AresStep:
             if s["kl"]["enable"]:
                 # β of each row: its bucket's λ_d in force during the step (it moves after)
                 beta = np.array([ctrl.lambda_(int(d)) for d in diff], dtype=np.float32)
+                kl_hwe = out["hwe_mask"] if s["kl"]["dynamic"] else None
                 kl = masked_dynamic_kl(
                     np.ascontiguousarray(old_log_probs, dtype=np.float32),
                     np.ascontiguousarray(ref_log_probs, dtype=np.float32),
                     mask,
                     beta,
-                    hwe_mask=out["hwe_mask"] if s["kl"]["dynamic"] else None,
+                    hwe_mask=kl_hwe,
                     low_ratio=float(s["kl"]["low_ratio"]),
                     estimator=s["kl"]["estimator"],
                 )
-                token -= kl["weighted"]
+                if s["kl"]["placement"] == "reward":
+                    token -= kl["weighted"]
+                else:
+                    kl_weights = self.kl_weights(beta, mask, hwe_mask=kl_hwe)
                 # KL_d: the mean over the bucket's samples of each sample's mean token KL;
                 # λ_d's dual ascent as ares-runner moves it (the controller's step, KL only)
                 per_group = group_means(kl["row_mean_kl"].astype(np.float64), uid=uid)
@@ -266,7 +300,39 @@ class AresStep:
                 metrics["ares/kl_penalty_mean"] = float(np.mean(kl["row_weighted_sum"]))
                 for d, name in enumerate(("easy", "medium", "hard")):
                     metrics[f"ares/lambda_{name}"] = float(ctrl.lambda_(d))
-        return token, metrics
+        return StepOutput(token, metrics, kl_weights, beta, tau)
+
+    def hwe_mask(self, entropies, mask, tau):
+        """The 0/1 HWE mask [B, T] of responses under a given τ (docs/algorithms.md §1): what
+        the step computes for the rows it shapes, for rows it does not (the earlier outputs of
+        a multi-turn session)."""
+        import numpy as np
+
+        from . import entropy_windows
+
+        s = self.settings
+        h = np.ascontiguousarray(entropies, dtype=np.float32)
+        m = np.ascontiguousarray(mask, dtype=np.float32)
+        out = entropy_windows(h, m, window_size=s["window_size"], includes_self=s["window_includes_self"], tau=tau)
+        return out["hwe_mask"]
+
+    def kl_weights(self, beta, mask, hwe_mask=None):
+        """β_t·m_t [B, T] float32 (docs/algorithms.md §4's dynamic token-level KL): ``beta`` [B]
+        each row's coefficient, ``hwe_mask`` [B, T] or ``None`` (no HWE discount, also when
+        ``kl.dynamic`` is off)."""
+        import numpy as np
+
+        from . import dynamic_kl_weights
+
+        s = self.settings
+        if not s["kl"]["dynamic"]:
+            hwe_mask = None
+        return dynamic_kl_weights(
+            np.ascontiguousarray(mask, dtype=np.float32),
+            kl_coef=np.ascontiguousarray(beta, dtype=np.float32),
+            hwe_mask=hwe_mask,
+            low_ratio=float(s["kl"]["low_ratio"]),
+        )
 
 
 def _last_valid(mask):
@@ -352,6 +418,121 @@ def _norm_flag_wrapper(original):
     return compute_advantage
 
 
+# ---------------------------------------------------------------- the KL in the actor's loss
+
+
+def kl_loss_np(log_prob, ref_log_prob, mask, weights, estimator="k3", loss_agg_mode="token-mean", info=None):
+    """The KL term of the actor's loss on host arrays [B, T] of one float dtype:
+    ``agg(w_t·k_t)`` with verl's aggregation ``loss_agg_mode`` and ``global_batch_info``
+    (``info``), ``w_t`` the per-token weights (β_t·m_t), ``k_t`` ``estimator``'s KL between
+    the policy and the reference (docs/algorithms.md §4, "Placement"). Returns ``(loss,
+    ∂loss/∂logπ)``, or ``None`` for an empty mask."""
+    import numpy as np
+
+    from . import aggregate_weights, token_kl
+    from .verl import _agg_scale
+
+    mask = np.ascontiguousarray(mask)
+    if float(mask.sum()) == 0.0:
+        return None
+    weights = np.ascontiguousarray(weights, dtype=mask.dtype)
+    if weights.shape != mask.shape:
+        raise ValueError(f"ares kl loss: `{KL_WEIGHTS_FIELD}` has shape {weights.shape}, the response mask {mask.shape}")
+    bad = ~np.isfinite(weights) | (weights < 0)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"ares kl loss: `{KL_WEIGHTS_FIELD}`{list(at)} = {float(weights[at])}: weights must be finite and >= 0")
+    out = token_kl(log_prob, ref_log_prob, mask, estimator=estimator)  # β = 1: k·m and dk/dlogπ·m
+    scale = aggregate_weights(mask, loss_agg_mode) * weights
+    scale *= _agg_scale(mask, loss_agg_mode, info or {})
+    loss = float(np.sum(scale * out["kl"], dtype=np.float64))
+    return loss, scale * out["grad"]
+
+
+def ares_kl_loss(log_prob, ref_log_prob, response_mask, weights, estimator, loss_agg_mode, info):
+    """:func:`kl_loss_np` on torch tensors, differentiable in ``log_prob`` (ares's kernels on
+    host copies, as ares's policy losses: ``ares.verl``)."""
+    import torch
+
+    from .verl import _float_dtype, _host, _loss_fn
+
+    dtype = _float_dtype(log_prob)
+    args = [
+        _host(t, "ares_kl_loss", name, dtype).numpy()
+        for t, name in (
+            (log_prob, "log_prob"), (ref_log_prob, "ref_log_prob"), (response_mask, "response_mask"),
+            (weights, KL_WEIGHTS_FIELD),
+        )
+    ]
+    res = kl_loss_np(*args, estimator=estimator, loss_agg_mode=loss_agg_mode, info=info)
+    if res is None:
+        return (log_prob * 0.0).sum(), 0.0
+    loss, grad = res
+    grad = torch.from_numpy(grad).to(device=log_prob.device, dtype=log_prob.dtype)
+    return _loss_fn().apply(log_prob, loss, grad), loss
+
+
+def _ppo_loss_wrapper(original):
+    """verl's actor loss (``verl.workers.utils.losses.ppo_loss``) plus, for a batch that carries
+    ares's per-token KL weights, ``agg(β_t·k_t)`` (:func:`ares_kl_loss`); any other batch gets
+    verl's loss unchanged."""
+
+    def ppo_loss(config, model_output, data, dp_group=None):
+        loss, metrics = original(config, model_output, data, dp_group=dp_group)
+        if KL_WEIGHTS_FIELD not in data.keys():
+            return loss, metrics
+        from verl.utils import tensordict_utils as tu
+        from verl.utils.metric import AggregationType, Metric
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        estimator = tu.get_non_tensor_data(data=data, key=KL_ESTIMATOR_KEY, default=None)
+        if estimator is None:
+            raise ValueError(f"ares kl loss: the batch has `{KL_WEIGHTS_FIELD}` but no `{KL_ESTIMATOR_KEY}`")
+        if "ref_log_prob" not in data.keys():
+            raise ValueError(
+                "ares kl loss: the actor's batch has no ref_log_prob: set actor_rollout_ref.actor.use_kl_loss=true"
+            )
+        log_prob = no_padding_2_padding(model_output["log_probs"], data)
+        fields = data.select("response_mask", "ref_log_prob", KL_WEIGHTS_FIELD).to_padded_tensor()
+        term, value = ares_kl_loss(
+            log_prob, fields["ref_log_prob"], fields["response_mask"], fields[KL_WEIGHTS_FIELD], estimator,
+            config.loss_agg_mode, config.global_batch_info,
+        )
+        pg = metrics.get("actor/pg_loss")
+        aggregation = getattr(pg, "aggregation", AggregationType.MEAN)
+        metrics["ares_kl_loss"] = Metric(value=value, aggregation=aggregation)
+        return loss + term, metrics
+
+    ppo_loss.__wrapped__ = original
+    ppo_loss.__doc__ = original.__doc__
+    return ppo_loss
+
+
+def _wrap_ppo_loss():
+    """Puts :func:`_ppo_loss_wrapper` where verl defines ``ppo_loss`` and where its modules
+    imported it by name (the engine workers bind it when their model is built, after the
+    plugin ran)."""
+    import importlib
+    import sys
+
+    from verl.workers.utils import losses
+
+    original = losses.ppo_loss
+    if getattr(original, "__wrapped__", None) is not None:
+        return
+    wrapped = _ppo_loss_wrapper(original)
+    losses.ppo_loss = wrapped
+    for name in ("verl.workers.engine_workers", "verl.trainer.distillation.losses"):
+        module = sys.modules.get(name)
+        if module is None:
+            try:
+                module = importlib.import_module(name)
+            except ImportError:
+                continue
+        if getattr(module, "ppo_loss", None) is original:
+            module.ppo_loss = wrapped
+
+
 # ---------------------------------------------------------------- registration
 
 
@@ -367,6 +548,7 @@ def register_v1():
         logger.debug("ares: verl's v1 trainer is not importable here (%s); trainer modes not registered", e)
         return []
     _wrap_validate_config()
+    _wrap_ppo_loss()
     if getattr(ray_trainer.compute_advantage, "__wrapped__", None) is None:
         advantage = _norm_flag_wrapper(ray_trainer.compute_advantage)
         ray_trainer.compute_advantage = advantage
@@ -497,6 +679,13 @@ def _trainer_class(base, base_mode):
             _ares_rewards(self, batch, metrics)
             return super()._compute_advantage(batch, metrics)
 
+        def _update_actor(self, batch, metrics):
+            # the estimator the actor's loss charges the KL weights with (ares_kl_loss)
+            s = self.ares.settings
+            if s["mode"] == "ares" and s["kl"]["enable"] and s["kl"]["placement"] == "loss":
+                batch.extra_info[KL_ESTIMATOR_KEY] = s["kl"]["estimator"]
+            return super()._update_actor(batch, metrics)
+
         def _save_checkpoint(self):
             # before verl's save, which marks the folder as the latest checkpoint last
             folder = os.path.join(self.config.trainer.default_local_dir, f"global_step_{self.global_steps}")
@@ -531,6 +720,20 @@ def _check_verl_config(config, s):
             "ARES reads the per-token entropies of verl's old-log-prob pass, which "
             "`algorithm.rollout_correction.bypass_mode=true` skips"
         )
+    if s["kl"]["enable"] and s["kl"]["placement"] == "loss":
+        actor = "actor_rollout_ref.actor"
+        if not _get(config, f"{actor}.use_kl_loss", False):
+            raise AresSettingsError(
+                f"`ares.kl.placement: loss` charges the KL in the actor's loss, which needs ref_log_prob in the "
+                f"actor's batch: set `{actor}.use_kl_loss=true` with `{actor}.kl_loss_coef=0`, or "
+                f"`+ares.kl.placement=reward`"
+            )
+        coef = float(_get(config, f"{actor}.kl_loss_coef", 0.0))
+        if coef != 0.0:
+            raise AresSettingsError(
+                f"`{actor}.kl_loss_coef={coef}` would charge verl's own KL term beside ares's per-token one "
+                f"(`ares.kl.placement: loss`): set `{actor}.kl_loss_coef=0`"
+            )
     if s["kl"]["enable"]:
         from verl.trainer.ppo.utils import need_reference_policy
 
@@ -577,7 +780,8 @@ def _ares_rewards(trainer, batch, metrics):
     if s["kl"]["enable"]:
         kw["old_log_probs"] = padded["old_log_probs"].float().cpu().numpy()[fr]
         kw["ref_log_probs"] = padded["ref_log_prob"].float().cpu().numpy()[fr]
-    token_final, m = trainer.ares(scores, mask_all[fr], uid_all[fr], step=int(trainer.global_steps), **kw)
+    res = trainer.ares(scores, mask_all[fr], uid_all[fr], step=int(trainer.global_steps), **kw)
+    token_final = res.token_rewards
     # the final output's rewards on its own row; earlier outputs of a session get the final
     # output's folded outcome (the sum of its token rewards, what GRPO groups) on their last
     # valid token, as verl's reward loop copies the score, and no KL of their own
@@ -590,13 +794,24 @@ def _ares_rewards(trainer, batch, metrics):
         elif last[row] >= 0:
             token[row, last[row]] = outcome[f]
     new = torch.from_numpy(token).to(dtype=padded["rm_scores"].dtype)
-    nested = trainer_base.response_to_nested(new, nested_mask)
+    fields = {"rm_scores": trainer_base.response_to_nested(new, nested_mask)}
+    if res.kl_weights is not None:
+        # every output's tokens are trained, so each row carries its own KL weights: the
+        # session's β (its final output's bucket) and its own HWE tokens under the step's τ
+        weights = np.zeros_like(mask_all)
+        weights[fr] = res.kl_weights
+        other = np.array([row for row, f in enumerate(row_to_final) if row != final_rows[f]], dtype=np.int64)
+        if len(other):
+            beta = res.beta[np.asarray(row_to_final)[other]]
+            hwe = trainer.ares.hwe_mask(padded["entropy"].float().cpu().numpy()[other], mask_all[other], res.tau)
+            weights[other] = trainer.ares.kl_weights(beta, mask_all[other], hwe_mask=hwe)
+        fields[KL_WEIGHTS_FIELD] = trainer_base.response_to_nested(torch.from_numpy(weights), nested_mask)
     tq.kv_batch_put(
         keys=batch.keys,
         partition_id=batch.partition_id,
-        fields=TensorDict({"rm_scores": nested}, batch_size=len(batch)),
+        fields=TensorDict(fields, batch_size=len(batch)),
     )
-    metrics.update(m)
+    metrics.update(res.metrics)
 
 
 def _write_state(folder, state):
