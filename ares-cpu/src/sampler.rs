@@ -57,9 +57,12 @@ pub struct SampleKey {
 }
 
 impl SampleKey {
+    /// The number of words of [`SampleKey::words`].
+    pub const WORDS: usize = 5;
+
     /// The five words a device kernel reads: seed lo, seed hi, sequence lo, sequence hi,
     /// step.
-    pub fn words(&self) -> [u32; 5] {
+    pub fn words(&self) -> [u32; Self::WORDS] {
         [
             self.seed as u32,
             (self.seed >> 32) as u32,

@@ -672,6 +672,23 @@ __device__ __forceinline__ void race_merge(float& s, unsigned& i, float os, unsi
     }
 }
 
+// A pick's results in the words that cross to the host in one transfer (one host
+// synchronisation a decode step): ids, log-prob bits, entropy bits, then the status word,
+// which is cleared here (every kernel that can set it ran before, in stream order).
+extern "C" __global__ void pack_picks(const unsigned* __restrict__ ids, const float* __restrict__ lp,
+                                      const float* __restrict__ ent, i64 rows, unsigned* status,
+                                      unsigned* __restrict__ out) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i <= 3 * rows; i += (i64)gridDim.x * blockDim.x) {
+        if (i < rows) out[i] = ids[i];
+        else if (i < 2 * rows) out[i] = __float_as_uint(lp[i - rows]);
+        else if (i < 3 * rows) out[i] = __float_as_uint(ent[i - 2 * rows]);
+        else {
+            out[i] = *status;
+            *status = 0u;
+        }
+    }
+}
+
 // The Gumbel draws of tokens 0..n of one key (5 words), for checking the twin bit for bit.
 extern "C" __global__ void race_draws(const unsigned* __restrict__ key, i64 n, float* __restrict__ out) {
     for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; 4 * q < n; q += (i64)gridDim.x * blockDim.x) {

@@ -124,6 +124,7 @@ kernel_table! {
         argmax_rows: "argmax_rows",
         sample_race: "sample_race",
         race_draws: "race_draws",
+        pack_picks: "pack_picks",
         sum_sq_partial: "sum_sq_partial",
         sum_sq_final: "sum_sq_final",
         adamw_check: "adamw_check",

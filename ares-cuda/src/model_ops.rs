@@ -42,12 +42,28 @@ pub(crate) use crate::launch::{ArgOrNull, bad, check_len, grid, i32_of, i64_of, 
 use crate::token_ops::TokenOps;
 use cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, LaunchConfig,
-    ValidAsZeroBits,
+    PushKernelArg, ValidAsZeroBits,
 };
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Threads per block of the element-wise (grid-stride) kernels.
 const ELEMENT_BLOCK: u32 = 256;
+
+/// `Ok` for a status word of 0, else [`Error::DeviceStatus`] naming what each bit set means.
+fn status_result(word: u32) -> Result<()> {
+    if word == 0 {
+        return Ok(());
+    }
+    let what: Vec<&str> = STATUS_BITS
+        .iter()
+        .filter(|(bit, _)| word & bit != 0)
+        .map(|&(_, what)| what)
+        .collect();
+    Err(Error::DeviceStatus {
+        bits: word,
+        what: what.join("; "),
+    })
+}
 
 /// Status bits the kernels set (see `model_ops.cu` and `vision_ops.cu`), with what each
 /// means.
@@ -336,15 +352,55 @@ impl ModelOps {
         self.stream
             .memset_zeros(&mut state.status)
             .during("clearing the status word")?;
-        let what: Vec<&str> = STATUS_BITS
-            .iter()
-            .filter(|(bit, _)| word[0] & bit != 0)
-            .map(|&(_, what)| what)
-            .collect();
-        Err(Error::DeviceStatus {
-            bits: word[0],
-            what: what.join("; "),
-        })
+        status_result(word[0])
+    }
+
+    /// A pick's results to the host in **one** transfer: `dst` (`3·rows + 1` words, rows =
+    /// `ids.len()`) receives `ids`, the bits of `log_prob` and of `entropy`, and the status
+    /// word, which the device clears; `packed` is the device staging of the same length.
+    /// Waits for the queued ops.
+    ///
+    /// # Errors
+    /// Lengths that differ, a driver failure, [`Error::DeviceStatus`] when a kernel met a
+    /// bad value since the last check.
+    pub fn download_picks(
+        &self,
+        ids: &CudaView<'_, u32>,
+        log_prob: &CudaView<'_, f32>,
+        entropy: &CudaView<'_, f32>,
+        packed: &mut CudaViewMut<'_, u32>,
+        dst: &mut [u32],
+    ) -> Result<()> {
+        const K: &str = "download_picks";
+        let rows = ids.len();
+        check_len(K, "log_prob", rows, log_prob.len())?;
+        check_len(K, "entropy", rows, entropy.len())?;
+        let words = rows
+            .checked_mul(3)
+            .and_then(|w| w.checked_add(1))
+            .ok_or_else(|| bad(K, format!("rows = {rows} overflows")))?;
+        check_len(K, "packed", words, packed.len())?;
+        check_len(K, "dst", words, dst.len())?;
+        let cfg = LaunchConfig {
+            grid_dim: (words.div_ceil(256).min(1 << 16) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let r64 = i64_of(K, "rows", rows)?;
+        {
+            let mut state = self.lock();
+            let mut l = self.stream.launch_builder(&self.f.pack_picks);
+            l.arg(ids)
+                .arg(log_prob)
+                .arg(entropy)
+                .arg(&r64)
+                .arg(&mut state.status)
+                .arg(&mut *packed);
+            // SAFETY: argument order as `pack_picks` in model_ops.cu; lengths checked above.
+            unsafe { l.launch(cfg) }.during(K)?;
+        }
+        self.stream.memcpy_dtoh(&*packed, dst).during(K)?;
+        status_result(dst.last().copied().unwrap_or(0))
     }
 
     /// Runs `f` with the ARES token ops (HWE windows, row percentiles, masked dynamic KL)

@@ -1388,6 +1388,91 @@ fn sampled_tokens_match_cpu() {
     }
 }
 
+/// A decode step's pick in one transfer: the same ids as the CPU, log-probs and entropies
+/// as `log_prob_entropy`'s, a clear status word — and a row the pick cannot score is the
+/// step's error, reported by that same transfer.
+#[test]
+fn picked_tokens_match_cpu_in_one_transfer() {
+    use ares_cpu::sampler::{SampleKey, Sampler};
+    use ares_model::backend::{PickBuffers, PickBuffersOf, PickRule, picked_row};
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(23);
+    for (rows, vocab) in [(1usize, 7usize), (16, 1000), (9, 151_936)] {
+        let logits = rng.vec(rows * vocab, 6.0);
+        let gl = up(&gpu, &logits);
+        let sampler = Sampler {
+            temperature: 0.8,
+            top_k: 0,
+            top_p: 0.95,
+            min_p: 0.0,
+        };
+        let keys: Vec<SampleKey> = (0..rows as u64)
+            .map(|r| SampleKey {
+                seed: 3,
+                sequence: r,
+                step: 2,
+            })
+            .collect();
+        let rules = [
+            (PickRule::Greedy, 1.0f32),
+            (
+                PickRule::Sample {
+                    sampler: &sampler,
+                    keys: &keys,
+                },
+                0.8,
+            ),
+        ];
+        for (rule, temperature) in rules {
+            let words = PickBuffersOf::<CpuBackend>::host_len(rows);
+            let (mut cb, mut ch) = (PickBuffers::new(&cpu, rows).unwrap(), vec![0u32; words]);
+            cpu.pick_tokens(
+                View::whole(&logits),
+                vocab,
+                rule,
+                temperature,
+                &mut cb,
+                &mut ch,
+            )
+            .unwrap();
+            let (mut gb, mut gh) = (PickBuffers::new(&gpu, rows).unwrap(), vec![7u32; words]);
+            gpu.pick_tokens(View::whole(&gl), vocab, rule, temperature, &mut gb, &mut gh)
+                .unwrap();
+            assert_eq!(gh[words - 1], 0, "status word");
+            for r in 0..rows {
+                let (c, g) = (picked_row(&ch, rows, r), picked_row(&gh, rows, r));
+                assert_eq!(g.0, c.0, "{rows}x{vocab} {rule:?} row {r}");
+                assert!(
+                    (g.1 - c.1).abs() <= 1e-4 * (1.0 + c.1.abs()),
+                    "log-prob row {r}: {g:?} vs {c:?}"
+                );
+                assert!(
+                    (g.2 - c.2).abs() <= 1e-4 * (1.0 + c.2.abs()),
+                    "entropy row {r}: {g:?} vs {c:?}"
+                );
+            }
+        }
+    }
+    // a NaN row: no token, and log_prob_entropy's bad-target flag comes back with the ids
+    let mut logits = rng.vec(2 * 50, 3.0);
+    logits[60] = f32::NAN;
+    let mut gb = PickBuffers::new(&gpu, 2).unwrap();
+    let mut gh = vec![0u32; PickBuffersOf::<CudaBackend>::host_len(2)];
+    let err = gpu
+        .pick_tokens(
+            View::whole(&up(&gpu, &logits)),
+            50,
+            PickRule::Greedy,
+            1.0,
+            &mut gb,
+            &mut gh,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("NaN"), "{err}");
+    gpu.synchronize().unwrap(); // the status word was cleared by the pick
+}
+
 #[test]
 fn optimizer_ops_match_cpu() {
     let Some(gpu) = gpu_or_skip() else { return };

@@ -1110,3 +1110,83 @@ fn a_generator_reused_for_several_batches_gives_what_generate_gives() {
         ));
     }
 }
+
+/// What capturing a decode step as a CUDA graph needs of the engine, counted by a backend
+/// that runs the CPU backend (`backend::Counting`): a decode step (no prefill in it) makes
+/// **one** host synchronisation — the pick of its tokens, ids, log-probs, entropies and the
+/// device status in one transfer — allocates nothing once the first has planned its
+/// buffers, and steps over the same rows run the same ops in the same order (its uploads
+/// go into the same buffers every step).
+#[test]
+fn a_decode_step_waits_for_the_device_once_and_repeats_its_ops() {
+    use ares_model::backend::{Counting, Counts};
+    let checkpoint = Checkpoint::load(&fixture("qwen2_tiny")).unwrap();
+    let m = Model::from_checkpoint(Counting::new(CpuBackend), &checkpoint).unwrap();
+    let generator = m.generator().unwrap();
+    for sampling in [Sampling::Greedy, SAMPLE] {
+        let request = EngineRequest {
+            max_new_tokens: 12,
+            eos_ids: Vec::new(),
+            sampling,
+            seed: 3,
+        };
+        let mut engine = Engine::new(&generator, request, EngineConfig::default()).unwrap();
+        for p in [vec![1u32, 5, 9], vec![2, 7], vec![3, 4, 8, 6], vec![11]] {
+            engine.submit(p).unwrap();
+        }
+        m.backend().take();
+        let mut decode_steps: Vec<Counts> = Vec::new();
+        while !engine.is_idle() {
+            let before = engine.stats();
+            engine.step().unwrap();
+            let (after, counts) = (engine.stats(), m.backend().take());
+            let prefilled = after.prefill_passes + after.extend_passes
+                > before.prefill_passes + before.extend_passes;
+            if after.decode_passes > before.decode_passes && !prefilled {
+                assert_eq!(
+                    after.decode_rows - before.decode_rows,
+                    4,
+                    "every sequence decodes each step"
+                );
+                decode_steps.push(counts);
+            }
+        }
+        assert!(
+            decode_steps.len() >= 10,
+            "{sampling:?}: {} decode steps",
+            decode_steps.len()
+        );
+        for (i, c) in decode_steps.iter().enumerate() {
+            assert_eq!(
+                c.host_waits, 1,
+                "{sampling:?} decode step {i}: {:?}",
+                c.calls
+            );
+            if i > 0 {
+                assert_eq!(
+                    c.allocations, 0,
+                    "{sampling:?} decode step {i}: {:?}",
+                    c.calls
+                );
+            }
+            assert_eq!(
+                c.calls.last(),
+                Some(&"pick_tokens"),
+                "{sampling:?} step {i}"
+            );
+            // every step after the first (whose arena may be new) is the first's, op for op
+            let ops = |c: &Counts| -> Vec<&'static str> {
+                c.calls
+                    .iter()
+                    .copied()
+                    .filter(|n| !n.starts_with("alloc") && !n.starts_with("upload"))
+                    .collect()
+            };
+            assert_eq!(
+                ops(c),
+                ops(&decode_steps[1]),
+                "{sampling:?} decode step {i}"
+            );
+        }
+    }
+}

@@ -1004,6 +1004,61 @@ mod greedy_tests {
     }
 
     #[test]
+    fn pick_tokens_pack_ids_log_probs_entropies_and_a_clear_status() {
+        use crate::backend::{PickBuffers, PickBuffersOf, PickRule, picked_row};
+        let logits = vec![0.0f32, 2.0, 1.0, 2.5, 3.0, -1.0, 0.5, 0.0];
+        let (rows, vocab, t) = (2, 4, 0.7f32);
+        let keys: Vec<SampleKey> = (0..2)
+            .map(|r| SampleKey {
+                seed: 1,
+                sequence: r,
+                step: 4,
+            })
+            .collect();
+        let sampler = Sampler::with_temperature(t);
+        for rule in [
+            PickRule::Greedy,
+            PickRule::Sample {
+                sampler: &sampler,
+                keys: &keys,
+            },
+        ] {
+            let mut bufs = PickBuffers::new(&CpuBackend, rows).unwrap();
+            let mut host = vec![7u32; PickBuffersOf::<CpuBackend>::host_len(rows)];
+            let l = View::whole(&logits);
+            CpuBackend
+                .pick_tokens(l, vocab, rule, t, &mut bufs, &mut host)
+                .unwrap();
+            let mut ids = vec![0u32; rows];
+            match rule {
+                PickRule::Greedy => CpuBackend.greedy_tokens(l, vocab, &mut vec![0; 2], &mut ids),
+                PickRule::Sample { sampler, keys } => {
+                    let mut dev = vec![0; 2];
+                    CpuBackend.sample_tokens(l, vocab, sampler, keys, &mut dev, &mut ids)
+                }
+            }
+            .unwrap();
+            let (mut lp, mut ent) = (vec![0f32; rows], vec![0f32; rows]);
+            kernels::log_prob_entropy(&logits, vocab, t, &ids, &mut lp, &mut ent).unwrap();
+            assert_eq!(bufs.targets, ids, "{rule:?}: the ids stay on the device");
+            for r in 0..rows {
+                assert_eq!(
+                    picked_row(&host, rows, r),
+                    (ids[r], lp[r], ent[r]),
+                    "{rule:?} row {r}"
+                );
+            }
+            assert_eq!(host[3 * rows], 0, "status word");
+            let mut short = vec![0u32; 3 * rows];
+            assert!(
+                CpuBackend
+                    .pick_tokens(l, vocab, rule, t, &mut bufs, &mut short)
+                    .is_err()
+            );
+        }
+    }
+
+    #[test]
     fn sample_tokens_run_the_race_sampler_and_check_their_arguments() {
         let logits = vec![0.0f32, 2.0, 1.0, 2.0, f32::NAN, 0.0, 0.0, 0.0];
         let (mut ids, mut host) = (vec![9u32; 2], vec![9u32; 2]);

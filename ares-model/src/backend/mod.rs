@@ -47,10 +47,12 @@
 //!   [`Backend::scatter_rows`], which places image embeddings among a sequence's token
 //!   embeddings.
 
+mod counting;
 mod decode;
 mod error;
 mod ops;
 mod optim;
+mod pick;
 mod shapes;
 mod token;
 mod view;
@@ -60,9 +62,11 @@ pub mod cpu;
 pub mod cuda;
 pub(crate) mod sampling;
 
+pub use counting::{Counting, Counts};
 pub use decode::{BlockTables, KvCacheView, KvCacheViewMut, PagedKvView, PagedKvViewMut};
 pub use error::BackendError;
 pub use optim::{AdamWConfig, AdamWUpdate};
+pub use pick::{PickBuffers, PickBuffersOf, PickRule, picked_row};
 pub use shapes::{
     Activation, AttentionDims, AttentionGrads, AttentionInputs, LinearDims, MatmulPrecision,
     SegmentAttentionDims,
@@ -240,6 +244,62 @@ pub trait Backend {
         ids: &mut Self::Ids,
         host: &mut [u32],
     ) -> Result<()>;
+
+    /// A token per row of `logits` `[rows, vocab]` (rows = `bufs.rows()`) by `rule`, with
+    /// its log-prob and the entropy of `softmax(logits / temperature)` (as
+    /// [`Backend::log_prob_entropy`]): the ids stay in `bufs.targets` on the device, and
+    /// `host` ([`PickBuffers::host_len`] words; read them with [`picked_row`]) receives the
+    /// ids (`u32::MAX` for a row without a token), the log-probs, the entropies and the
+    /// backend's status word. **Waits** for the queued ops: a decode step's one host
+    /// synchronisation. The CUDA backend brings all of it over in one transfer, its
+    /// bad-value flags included; this default composes the backend's own ops (on the CPU,
+    /// copies).
+    ///
+    /// # Errors
+    /// As [`Backend::greedy_tokens`] / [`Backend::sample_tokens`] and
+    /// [`Backend::log_prob_entropy`]; `host` or `keys` of the wrong length.
+    fn pick_tokens(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        rule: PickRule<'_>,
+        temperature: f32,
+        bufs: &mut PickBuffersOf<Self>,
+        host: &mut [u32],
+    ) -> Result<()> {
+        let rows = bufs.rows();
+        BackendError::check_len(
+            "pick_tokens host",
+            PickBuffersOf::<Self>::host_len(rows),
+            host.len(),
+        )?;
+        let (ids, rest) = host.split_at_mut(rows);
+        match rule {
+            PickRule::Greedy => self.greedy_tokens(logits, vocab, &mut bufs.targets, ids)?,
+            PickRule::Sample { sampler, keys } => {
+                self.sample_tokens(logits, vocab, sampler, keys, &mut bufs.targets, ids)?;
+            }
+        }
+        self.log_prob_entropy(
+            logits,
+            vocab,
+            temperature,
+            &bufs.targets,
+            ViewMut::whole(&mut bufs.log_prob),
+            ViewMut::whole(&mut bufs.entropy),
+        )?;
+        let mut values = vec![0f32; 2 * rows];
+        let (lp, ent) = values.split_at_mut(rows);
+        self.download(View::whole(&bufs.log_prob), lp)?;
+        self.download(View::whole(&bufs.entropy), ent)?;
+        for (w, v) in rest.iter_mut().zip(&values) {
+            *w = v.to_bits();
+        }
+        if let Some(status) = rest.last_mut() {
+            *status = 0;
+        }
+        Ok(())
+    }
 
     // ----- Optimizer ops. -----
 

@@ -3,7 +3,7 @@
 
 use super::sampling::SampleKey;
 use super::{GenerateError, Sampling};
-use crate::backend::{Backend, Tensor, View, ViewMut};
+use crate::backend::{Backend, PickBuffers, PickBuffersOf, PickRule, Tensor, picked_row};
 
 /// The buffers of one pick of a token per row of a `[rows, vocab]` logits tensor, on the
 /// device and on the host, reused across steps (re-planned when the row count changes).
@@ -11,21 +11,16 @@ pub(crate) struct Picks<B: Backend> {
     vocab: usize,
     /// Each row's sampling key.
     keys: Vec<SampleKey>,
-    /// The backend's pick of each row, `u32::MAX` for a row without a token.
-    picked: Vec<u32>,
-    targets: B::Ids,
-    log_prob: B::Buffer,
-    entropy: B::Buffer,
-    /// Log-prob of each row's pick under the sampling distribution.
-    host_lp: Vec<f32>,
-    /// Entropy of each row's sampling distribution.
-    host_ent: Vec<f32>,
+    bufs: PickBuffersOf<B>,
+    /// What the backend brought to the host: ids, log-probs, entropies, status
+    /// ([`PickBuffers::host_len`]).
+    host: Vec<u32>,
 }
 
 impl<B: Backend> Picks<B> {
     /// Row `r`'s pick: its token (`u32::MAX` for none), log-prob and entropy.
     pub(crate) fn row(&self, r: usize) -> (u32, f32, f32) {
-        (self.picked[r], self.host_lp[r], self.host_ent[r])
+        picked_row(&self.host, self.bufs.rows(), r)
     }
 
     /// Buffers for `rows` rows of `vocab` logits.
@@ -33,20 +28,14 @@ impl<B: Backend> Picks<B> {
         Ok(Self {
             vocab,
             keys: vec![SampleKey::default(); rows],
-            picked: vec![0; rows],
-            targets: be.alloc_ids(rows)?,
-            log_prob: be.alloc(rows)?,
-            entropy: be.alloc(rows)?,
-            host_lp: vec![0.0; rows],
-            host_ent: vec![0.0; rows],
+            bufs: PickBuffers::new(be, rows)?,
+            host: vec![0; PickBuffersOf::<B>::host_len(rows)],
         })
     }
 
-    /// Picks a token for each row of `logits` (greedy on the device, or sampled with
-    /// `draw(row)`, the key of the row's next draw from its own stream), then computes its
-    /// log-prob and
-    /// the entropy of the sampling distribution on the device: `picked`, `host_lp` and
-    /// `host_ent` hold them, one per row.
+    /// Picks a token for each row of `logits` (greedy, or sampled with `draw(row)`, the key
+    /// of the row's next draw from its own stream) with its log-prob and the entropy of the
+    /// sampling distribution, on the device, and brings them to the host in one transfer.
     pub(crate) fn pick(
         &mut self,
         be: &B,
@@ -55,38 +44,31 @@ impl<B: Backend> Picks<B> {
         mut draw: impl FnMut(usize) -> SampleKey,
     ) -> Result<(), GenerateError> {
         let rows = logits.len() / self.vocab;
-        if rows != self.picked.len() {
+        if rows != self.bufs.rows() {
             *self = Self::new(be, rows, self.vocab)?;
         }
-        if let Some(sampler) = sampling.sampler() {
-            // one key per row from its own stream; the backend runs the race (the CUDA
-            // backend on the device)
-            for (r, k) in self.keys.iter_mut().enumerate() {
-                *k = draw(r);
+        let sampler = sampling.sampler();
+        let rule = match &sampler {
+            Some(sampler) => {
+                // one key per row from its own stream
+                for (r, k) in self.keys.iter_mut().enumerate() {
+                    *k = draw(r);
+                }
+                PickRule::Sample {
+                    sampler,
+                    keys: &self.keys,
+                }
             }
-            be.sample_tokens(
-                logits,
-                self.vocab,
-                &sampler,
-                &self.keys,
-                &mut self.targets,
-                &mut self.picked,
-            )?;
-        } else {
-            // on the device: only the picked ids cross to the host, and they are already
-            // where the log-prob below needs them
-            be.greedy_tokens(logits, self.vocab, &mut self.targets, &mut self.picked)?;
-        }
-        be.log_prob_entropy(
+            None => PickRule::Greedy,
+        };
+        be.pick_tokens(
             logits,
             self.vocab,
+            rule,
             sampling.temperature(),
-            &self.targets,
-            ViewMut::whole(&mut self.log_prob),
-            ViewMut::whole(&mut self.entropy),
+            &mut self.bufs,
+            &mut self.host,
         )?;
-        be.download(View::whole(&self.log_prob), &mut self.host_lp)?;
-        be.download(View::whole(&self.entropy), &mut self.host_ent)?;
         Ok(())
     }
 }

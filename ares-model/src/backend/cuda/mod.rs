@@ -36,8 +36,8 @@ use super::ops::{declared_ops, op_arg_type};
 use super::{
     Activation, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
     BlockTables, DType, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
-    MatmulPrecision, PagedKvView, PagedKvViewMut, Result, SegmentAttentionDims, Tensor, TensorMut,
-    View, ViewMut, WindowSpec, check_half,
+    MatmulPrecision, PagedKvView, PagedKvViewMut, PickBuffersOf, PickRule, Result,
+    SegmentAttentionDims, Tensor, TensorMut, View, ViewMut, WindowSpec, check_half,
 };
 use ares_cpu::sampler::{SampleKey, Sampler};
 use ares_cuda::cudarc::driver::CudaView;
@@ -119,6 +119,34 @@ fn gemm_dims(dims: LinearDims) -> GemmDims {
 }
 
 impl CudaBackend {
+    /// The race sampler into `out` with the key words `keys` already on the device.
+    fn race(
+        &self,
+        name: &'static str,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        sampler: &Sampler,
+        keys: &CudaView<'_, u32>,
+        out: &mut CudaIds,
+    ) -> Result<()> {
+        sampler.check().map_err(|e| BackendError::Op {
+            op: name,
+            source: e.into(),
+        })?;
+        self.ops
+            .sample_race(
+                &view(logits)?,
+                vocab,
+                1.0 / sampler.temperature,
+                sampler.top_k,
+                sampler.top_p,
+                sampler.min_p,
+                keys,
+                &mut ids_mut(out)?,
+            )
+            .map_err(op(name))
+    }
+
     /// Opens GPU `ordinal` (0 for the first), compiling the kernels with NVRTC (cached on
     /// disk: `$ARES_KERNEL_CACHE`, else `~/.cache/ares/kernels`) and creating a cuBLAS
     /// handle.
@@ -437,27 +465,70 @@ impl Backend for CudaBackend {
     ) -> Result<()> {
         BackendError::check_len("sample_tokens host", ids_buf.len, host.len())?;
         BackendError::check_len("sample_tokens keys", ids_buf.len, keys.len())?;
-        sampler.check().map_err(|e| BackendError::Op {
-            op: "sample_tokens",
-            source: e.into(),
-        })?;
         let words: Vec<u32> = keys.iter().flat_map(SampleKey::words).collect();
         let words = self.ops.upload_new(&words).map_err(op("sample_tokens"))?;
-        self.ops
-            .sample_race(
-                &view(logits)?,
-                vocab,
-                1.0 / sampler.temperature,
-                sampler.top_k,
-                sampler.top_p,
-                sampler.min_p,
-                &words.as_view(),
-                &mut ids_mut(ids_buf)?,
-            )
-            .map_err(op("sample_tokens"))?;
+        self.race(
+            "sample_tokens",
+            logits,
+            vocab,
+            sampler,
+            &words.as_view(),
+            ids_buf,
+        )?;
         self.ops
             .download_ids(&ids(ids_buf)?, host)
             .map_err(op("sample_tokens"))
+    }
+
+    /// Greedy or the race into `bufs.targets`, log-prob and entropy, then one transfer of
+    /// ids, values and the status word ([`ModelOps::download_picks`]); the keys go up into
+    /// the persistent `bufs.keys`.
+    fn pick_tokens(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        rule: PickRule<'_>,
+        temperature: f32,
+        bufs: &mut PickBuffersOf<Self>,
+        host: &mut [u32],
+    ) -> Result<()> {
+        const OP: &str = "pick_tokens";
+        let rows = bufs.rows();
+        BackendError::check_len(
+            "pick_tokens host",
+            PickBuffersOf::<Self>::host_len(rows),
+            host.len(),
+        )?;
+        match rule {
+            PickRule::Greedy => self
+                .ops
+                .argmax_rows(&view(logits)?, vocab, &mut ids_mut(&mut bufs.targets)?)
+                .map_err(op(OP))?,
+            PickRule::Sample { sampler, keys } => {
+                BackendError::check_len("pick_tokens keys", rows, keys.len())?;
+                let words: Vec<u32> = keys.iter().flat_map(SampleKey::words).collect();
+                self.upload_ids(&words, &mut bufs.keys)?;
+                let keys = ids(&bufs.keys)?;
+                self.race(OP, logits, vocab, sampler, &keys, &mut bufs.targets)?;
+            }
+        }
+        self.log_prob_entropy(
+            logits,
+            vocab,
+            temperature,
+            &bufs.targets,
+            ViewMut::whole(&mut bufs.log_prob),
+            ViewMut::whole(&mut bufs.entropy),
+        )?;
+        self.ops
+            .download_picks(
+                &ids(&bufs.targets)?,
+                &view(View::whole(&bufs.log_prob))?,
+                &view(View::whole(&bufs.entropy))?,
+                &mut ids_mut(&mut bufs.packed)?,
+                host,
+            )
+            .map_err(op(OP))
     }
 
     fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64> {

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use super::scheduler::{ChunkStep, ExtendPass, FirstLogits, NewPrefix, PrefillPlan, Scheduler};
-use crate::backend::{Backend, BlockTables, Tensor, View, ViewMut};
+use crate::backend::{Backend, BlockTables, DeviceBuffer, Tensor, View, ViewMut};
 use crate::model::decode_weights::DecodeWeights;
 use crate::model::kv_cache::StepCache;
 use crate::model::paged_kv::PagedKv;
@@ -24,6 +24,10 @@ pub(crate) struct Runner<'a, B: Backend> {
     picks: Picks<B>,
     /// The decode pass's arena, and the chunked prefill's.
     acts: Option<Activations<B>>,
+    /// The decode pass's block tables `[rows, width]` and lengths `[rows]` on the device,
+    /// kept while the rows and the width stay (the width grows by doubling), so that a
+    /// decode step allocates nothing.
+    decode_tables: Option<(B::Ids, B::Ids)>,
     chunk_acts: Option<Activations<B>>,
     /// The next-token logits of each cached prompt, by prefix group.
     prefix_logits: HashMap<usize, B::Buffer>,
@@ -50,6 +54,7 @@ impl<'a, B: Backend> Runner<'a, B> {
             kv: PagedKv::new(be, spec.layers, spec.kv_dim(), block_size)?,
             picks: Picks::new(be, 1, spec.vocab)?,
             acts: None,
+            decode_tables: None,
             chunk_acts: None,
             prefix_logits: HashMap::new(),
         })
@@ -147,12 +152,16 @@ impl<'a, B: Backend> Runner<'a, B> {
         let be = &model.backend;
         let bs = sched.pool().block_size();
         let n = rows.len();
-        // This step's inputs and block tables.
+        // This step's inputs and block tables; the width is a power of two (entries past a
+        // row's blocks are never read: its length bounds its attention), so the device
+        // tables change size only when the longest row's blocks double.
         let width = rows
             .iter()
             .map(|&id| sched.decode_row(id).1.len())
             .max()
-            .unwrap_or(1);
+            .unwrap_or(1)
+            .max(1)
+            .next_power_of_two();
         let mut host_tables = vec![0u32; n * width];
         let mut host_len = vec![0u32; n];
         let mut ids = vec![0u32; n];
@@ -166,10 +175,21 @@ impl<'a, B: Backend> Runner<'a, B> {
             // check_vision (or the prompt check) has bounded every decode position
             positions[r] = (len as i64 + delta) as u32;
         }
-        let mut tables = be.alloc_ids(n * width)?;
-        be.upload_ids(&host_tables, &mut tables)?;
-        let mut lens = be.alloc_ids(n)?;
-        be.upload_ids(&host_len, &mut lens)?;
+        if self
+            .decode_tables
+            .as_ref()
+            .is_none_or(|(t, l)| t.len() != n * width || l.len() != n)
+        {
+            self.decode_tables = None;
+            self.decode_tables = Some((be.alloc_ids(n * width)?, be.alloc_ids(n)?));
+        }
+        let (tables, lens) = self
+            .decode_tables
+            .as_mut()
+            .unwrap_or_else(|| unreachable!());
+        be.upload_ids(&host_tables, tables)?;
+        be.upload_ids(&host_len, lens)?;
+        let (tables, lens) = (&*tables, &*lens);
         if self.acts.as_ref().is_none_or(|a| a.shape() != (n, 1)) {
             self.acts = None; // the old arena is freed before the new one is planned
             self.acts = Some(model.activations_full(n, 1)?);
@@ -186,8 +206,8 @@ impl<'a, B: Backend> Runner<'a, B> {
         let step_tables = BlockTables {
             block_size: bs,
             max_blocks: width,
-            tables: &tables,
-            len: &lens,
+            tables,
+            len: lens,
             host_tables: &host_tables,
             host_len: &host_len,
         };

@@ -1,0 +1,293 @@
+//! [`Counting`]: a backend that runs another and records what each call asks of the device —
+//! allocations, transfers, host waits, and the order of the ops — so a test can check what
+//! capturing a decode step as a CUDA graph requires of it: after warm-up no allocation, at
+//! most one host synchronisation, and the same op sequence every step.
+
+use super::ops::{declared_ops, op_arg_type};
+use super::{
+    Activation, AdamWUpdate, AttentionDims, Backend, DType, HweViews, KlSumViews, KlViews,
+    KvCacheView, KvCacheViewMut, LinearDims, PagedKvView, PagedKvViewMut, PickBuffersOf, PickRule,
+    Result, SegmentAttentionDims, Tensor, TensorMut, View, ViewMut, WindowSpec,
+};
+use ares_cpu::sampler::{SampleKey, Sampler};
+use std::sync::Mutex;
+
+/// What the device was asked for since the last [`Counting::take`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Buffers allocated.
+    pub allocations: usize,
+    /// Host-to-device copies.
+    pub uploads: usize,
+    /// Calls that wait for the device and bring results to the host (downloads, picks,
+    /// `sum_of_squares`, `synchronize`).
+    pub host_waits: usize,
+    /// Every call, in order, by its method's name.
+    pub calls: Vec<&'static str>,
+}
+
+/// Runs backend `B`, counting (see the module docs). The buffers are `B`'s own.
+#[derive(Debug, Default)]
+pub struct Counting<B> {
+    inner: B,
+    counts: Mutex<Counts>,
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Alloc,
+    Upload,
+    Wait,
+    Op,
+}
+
+impl<B> Counting<B> {
+    /// Wraps `inner`.
+    pub fn new(inner: B) -> Self {
+        Self {
+            inner,
+            counts: Mutex::new(Counts::default()),
+        }
+    }
+
+    /// What was counted since the last call (or the start), resetting the counts.
+    pub fn take(&self) -> Counts {
+        std::mem::take(&mut *self.lock())
+    }
+
+    /// The wrapped backend.
+    pub fn inner(&self) -> &B {
+        &self.inner
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Counts> {
+        // a panic while counting leaves plain numbers behind: still usable
+        self.counts.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn note(&self, kind: Kind, name: &'static str) {
+        let mut c = self.lock();
+        match kind {
+            Kind::Alloc => c.allocations += 1,
+            Kind::Upload => c.uploads += 1,
+            Kind::Wait => c.host_waits += 1,
+            Kind::Op => {}
+        }
+        c.calls.push(name);
+    }
+}
+
+/// The declared ops: noted, then run by the inner backend.
+macro_rules! counting_ops {
+    ($(
+        $(#[$meta:meta])*
+        fn $name:ident($($arg:ident: $kind:ident $(<$dt:ident>)?),* $(,)?)
+            cpu $cpu:path, cuda $cuda:ident;
+    )*) => {
+        $(
+            #[allow(clippy::too_many_arguments)]
+            fn $name(&self, $($arg: op_arg_type!($kind $(<$dt>)?)),*) -> Result<()> {
+                self.note(Kind::Op, stringify!($name));
+                self.inner.$name($($arg),*)
+            }
+        )*
+    };
+}
+
+impl<B: Backend> Backend for Counting<B> {
+    type Buffer = B::Buffer;
+    type Ids = B::Ids;
+    type Half = B::Half;
+    type Bytes = B::Bytes;
+
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    fn memory_info(&self) -> Option<(u64, u64)> {
+        self.inner.memory_info()
+    }
+
+    fn alloc(&self, len: usize) -> Result<Self::Buffer> {
+        self.note(Kind::Alloc, "alloc");
+        self.inner.alloc(len)
+    }
+
+    fn alloc_ids(&self, len: usize) -> Result<Self::Ids> {
+        self.note(Kind::Alloc, "alloc_ids");
+        self.inner.alloc_ids(len)
+    }
+
+    fn alloc_half(&self, len: usize, dtype: DType) -> Result<Self::Half> {
+        self.note(Kind::Alloc, "alloc_half");
+        self.inner.alloc_half(len, dtype)
+    }
+
+    fn alloc_bytes(&self, len: usize) -> Result<Self::Bytes> {
+        self.note(Kind::Alloc, "alloc_bytes");
+        self.inner.alloc_bytes(len)
+    }
+
+    fn upload_bytes(&self, src: &[u8], dst: ViewMut<'_, Self::Bytes>) -> Result<()> {
+        self.note(Kind::Upload, "upload_bytes");
+        self.inner.upload_bytes(src, dst)
+    }
+
+    fn download_bytes(&self, src: View<'_, Self::Bytes>, dst: &mut [u8]) -> Result<()> {
+        self.note(Kind::Wait, "download_bytes");
+        self.inner.download_bytes(src, dst)
+    }
+
+    fn upload(&self, src: &[f32], dst: TensorMut<'_, Self>) -> Result<()> {
+        self.note(Kind::Upload, "upload");
+        self.inner.upload(src, dst)
+    }
+
+    fn upload_ids(&self, src: &[u32], dst: &mut Self::Ids) -> Result<()> {
+        self.note(Kind::Upload, "upload_ids");
+        self.inner.upload_ids(src, dst)
+    }
+
+    fn upload_half(&self, src: &[u16], dst: ViewMut<'_, Self::Half>) -> Result<()> {
+        self.note(Kind::Upload, "upload_half");
+        self.inner.upload_half(src, dst)
+    }
+
+    fn download_half(&self, src: View<'_, Self::Half>, dst: &mut [u16]) -> Result<()> {
+        self.note(Kind::Wait, "download_half");
+        self.inner.download_half(src, dst)
+    }
+
+    fn download(&self, src: Tensor<'_, Self>, dst: &mut [f32]) -> Result<()> {
+        self.note(Kind::Wait, "download");
+        self.inner.download(src, dst)
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.note(Kind::Wait, "synchronize");
+        self.inner.synchronize()
+    }
+
+    declared_ops!(counting_ops);
+
+    fn add(
+        &self,
+        a: Tensor<'_, Self>,
+        b: Tensor<'_, Self>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.note(Kind::Op, "add");
+        self.inner.add(a, b, out)
+    }
+
+    fn greedy_tokens(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        ids: &mut Self::Ids,
+        host: &mut [u32],
+    ) -> Result<()> {
+        self.note(Kind::Wait, "greedy_tokens");
+        self.inner.greedy_tokens(logits, vocab, ids, host)
+    }
+
+    fn sample_tokens(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        sampler: &Sampler,
+        keys: &[SampleKey],
+        ids: &mut Self::Ids,
+        host: &mut [u32],
+    ) -> Result<()> {
+        self.note(Kind::Wait, "sample_tokens");
+        self.inner
+            .sample_tokens(logits, vocab, sampler, keys, ids, host)
+    }
+
+    fn pick_tokens(
+        &self,
+        logits: Tensor<'_, Self>,
+        vocab: usize,
+        rule: PickRule<'_>,
+        temperature: f32,
+        bufs: &mut PickBuffersOf<Self>,
+        host: &mut [u32],
+    ) -> Result<()> {
+        self.note(Kind::Wait, "pick_tokens");
+        self.inner
+            .pick_tokens(logits, vocab, rule, temperature, bufs, host)
+    }
+
+    fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64> {
+        self.note(Kind::Wait, "sum_of_squares");
+        self.inner.sum_of_squares(x)
+    }
+
+    fn kv_cache_append(
+        &self,
+        dims: AttentionDims,
+        k_new: Tensor<'_, Self>,
+        v_new: Tensor<'_, Self>,
+        cache: KvCacheViewMut<'_, Self::Buffer>,
+    ) -> Result<()> {
+        self.note(Kind::Op, "kv_cache_append");
+        self.inner.kv_cache_append(dims, k_new, v_new, cache)
+    }
+
+    fn attention_decode(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: KvCacheView<'_, Self::Buffer>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.note(Kind::Op, "attention_decode");
+        self.inner.attention_decode(dims, q, cache, out)
+    }
+
+    fn paged_kv_cache_append(
+        &self,
+        dims: AttentionDims,
+        k_new: Tensor<'_, Self>,
+        v_new: Tensor<'_, Self>,
+        cache: PagedKvViewMut<'_, Self::Buffer, Self::Ids>,
+    ) -> Result<()> {
+        self.note(Kind::Op, "paged_kv_cache_append");
+        self.inner.paged_kv_cache_append(dims, k_new, v_new, cache)
+    }
+
+    fn paged_attention_decode(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: PagedKvView<'_, Self::Buffer, Self::Ids>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.note(Kind::Op, "paged_attention_decode");
+        self.inner.paged_attention_decode(dims, q, cache, out)
+    }
+
+    fn entropy_windows(
+        &self,
+        entropy: Tensor<'_, Self>,
+        mask: Tensor<'_, Self>,
+        spec: WindowSpec,
+        hwe: Option<HweViews<'_, Self::Buffer>>,
+        means: TensorMut<'_, Self>,
+        valid: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.note(Kind::Op, "entropy_windows");
+        self.inner
+            .entropy_windows(entropy, mask, spec, hwe, means, valid)
+    }
+
+    fn masked_dynamic_kl(
+        &self,
+        inputs: KlViews<'_, Self::Buffer>,
+        outputs: KlSumViews<'_, Self::Buffer>,
+    ) -> Result<()> {
+        self.note(Kind::Op, "masked_dynamic_kl");
+        self.inner.masked_dynamic_kl(inputs, outputs)
+    }
+}
