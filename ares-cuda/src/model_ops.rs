@@ -153,11 +153,13 @@ impl ModelOps {
         let f = ModelFunctions::load(&model)?;
         let token = TokenFunctions::load(&token)?;
         let vision = VisionFunctions::load(&vision)?;
-        let stream = ctx.default_stream();
-        // SAFETY: every buffer of this context is used on `stream` alone (no other stream is
-        // ever made), so cudarc's cross-stream events — two made per allocation — would
-        // synchronise nothing.
+        // SAFETY: every buffer of this context is used on `stream` alone (NCCL's stream,
+        // the only other, gets gradient buffers after a `synchronize`), so cudarc's
+        // cross-stream events — two made per allocation — would synchronise nothing.
         unsafe { ctx.disable_event_tracking() };
+        // A stream of our own, not the legacy default stream, on which CUDA graphs cannot be
+        // captured.
+        let stream = ctx.new_stream().during("creating the stream")?;
         keep_freed_memory_pooled(&ctx);
         let blas = Blas::new(stream.clone())?;
         let state = State {

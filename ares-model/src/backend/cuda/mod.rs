@@ -5,9 +5,10 @@
 //!
 //! - **Buffers** are device allocations ([`CudaBuffer`], [`CudaIds`]); views become
 //!   cudarc views of them, so ops read and write device memory in place.
-//! - **Ordering.** Every op is queued on the device's default stream and returns without
-//!   waiting; [`Backend::download`], [`Backend::synchronize`] and
-//!   [`Backend::sum_of_squares`] wait.
+//! - **Ordering.** Every op is queued on one stream the backend creates (not the legacy
+//!   default stream, where CUDA graphs cannot be captured) and returns without waiting;
+//!   [`Backend::download`], [`Backend::synchronize`], [`Backend::sum_of_squares`] and
+//!   [`Backend::pick_tokens`] (a decode step's one transfer, the status word in it) wait.
 //! - **Errors.** Argument errors (lengths, shapes, hyper-parameters) are returned by the
 //!   op, before anything is queued. Bad *values* (an id `>= rows`, a mask value not 0/1,
 //!   NaN logits or an impossible target, a non-finite coefficient or gradient) are found
