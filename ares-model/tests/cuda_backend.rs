@@ -2674,3 +2674,61 @@ fn fixture_loss_grads<B: Backend>(model: &Model<B>, s: &Set) -> Grads<B> {
         .unwrap();
     grads
 }
+
+/// The engine on the GPU, counted (`backend::Counting`): a decode step without a prefill
+/// waits for the device once (the one-transfer pick), and with `decode_buckets` a bucket's
+/// steps after its first allocate nothing; greedy tokens equal the CPU engine's.
+#[test]
+fn engine_decode_steps_wait_once_on_the_gpu() {
+    use ares_model::backend::Counting;
+    use ares_model::model::{Engine, EngineConfig, EngineRequest};
+    let Some(gpu) = gpu_or_skip() else { return };
+    let checkpoint = Checkpoint::load(&fixture("qwen2_tiny")).unwrap();
+    let counted = Model::from_checkpoint(Counting::new(gpu), &checkpoint).unwrap();
+    let cpu = Model::from_checkpoint(CpuBackend, &checkpoint).unwrap();
+    let request = EngineRequest {
+        max_new_tokens: 10,
+        eos_ids: Vec::new(),
+        sampling: Sampling::Greedy,
+        seed: 3,
+    };
+    let config = EngineConfig {
+        decode_buckets: true,
+        ..EngineConfig::default()
+    };
+    let prompts = [vec![1u32, 5, 9], vec![2, 7], vec![3, 4, 8, 6]];
+    let (g_gpu, g_cpu) = (counted.generator().unwrap(), cpu.generator().unwrap());
+    let mut on_gpu = Engine::new(&g_gpu, request.clone(), config).unwrap();
+    let mut on_cpu = Engine::new(&g_cpu, request, config).unwrap();
+    for p in prompts {
+        on_gpu.submit(p.clone()).unwrap();
+        on_cpu.submit(p).unwrap();
+    }
+    counted.backend().take();
+    let (mut decode_steps, mut finished) = (0, Vec::new());
+    while !on_gpu.is_idle() {
+        let before = on_gpu.stats();
+        finished.extend(on_gpu.step().unwrap());
+        let (after, c) = (on_gpu.stats(), counted.backend().take());
+        let prefilled = after.prefill_passes > before.prefill_passes;
+        if after.decode_passes > before.decode_passes && !prefilled {
+            assert_eq!(c.host_waits, 1, "decode step {decode_steps}: {:?}", c.calls);
+            if decode_steps > 0 {
+                assert_eq!(
+                    c.allocations, 0,
+                    "decode step {decode_steps}: {:?}",
+                    c.calls
+                );
+            }
+            decode_steps += 1;
+        }
+    }
+    assert!(decode_steps >= 8, "{decode_steps} decode steps");
+    finished.sort_by_key(|f| f.id);
+    let got: Vec<Vec<u32>> = finished.into_iter().map(|f| f.tokens).collect();
+    let want = on_cpu.run_to_end(&mut |_, _| {}).unwrap();
+    assert_eq!(
+        got, want.tokens,
+        "greedy tokens: the GPU engine with buckets vs the CPU's"
+    );
+}

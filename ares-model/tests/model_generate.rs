@@ -273,14 +273,19 @@ fn engine_with_few_slots_and_blocks_equals_one_by_one() {
                 req.eos_ids = vec![free.tokens[req.prompts.len() - 1][2]];
                 let want = one_by_one(&m, &req);
                 let longest = req.prompts.iter().map(Vec::len).max().unwrap() + 12;
-                for (max_seqs, max_blocks) in
-                    [(3, None), (2, Some(longest.div_ceil(4) + 2)), (5, Some(12))]
-                {
+                for (max_seqs, max_blocks, decode_buckets) in [
+                    (3, None, false),
+                    (3, None, true),
+                    (2, Some(longest.div_ceil(4) + 2), false),
+                    (5, Some(12), false),
+                    (5, Some(12), true),
+                ] {
                     let config = EngineConfig {
                         max_seqs,
                         block_size: 4,
                         max_blocks,
                         max_prefill_tokens: 8,
+                        decode_buckets,
                     };
                     let what = format!("{name} n={n} {sampling:?} {config:?}");
                     let (out, widest, preemptions, in_use) = engine_run(&m, &req, config);
@@ -332,6 +337,7 @@ fn chunked_prefill_equals_one_pass_prefill() {
                     block_size: 4,
                     max_blocks,
                     max_prefill_tokens: chunk,
+                    decode_buckets: false,
                 };
                 let what = format!("{name} {sampling:?} {config:?}");
                 let (out, widest, _, in_use) = engine_run(&m, &req, config);
@@ -381,6 +387,7 @@ fn chunked_prefill_does_not_stall_decoding() {
         block_size: 4,
         max_blocks: None,
         max_prefill_tokens: 4,
+        decode_buckets: false,
     };
     let mut engine = Engine::new(&generator, request, config).unwrap();
     engine.submit(vec![3, 4]).unwrap();
@@ -566,6 +573,7 @@ fn continued_turns_equal_re_prefilling_the_conversation() {
                     block_size: 4,
                     max_blocks,
                     max_prefill_tokens,
+                    decode_buckets: false,
                 };
                 let what = format!("{name} {sampling:?} {config:?}");
                 let (turns, stats, in_use) = multi_turn_run(&m, &prompts, sampling, seed, config);
@@ -1112,81 +1120,108 @@ fn a_generator_reused_for_several_batches_gives_what_generate_gives() {
 }
 
 /// What capturing a decode step as a CUDA graph needs of the engine, counted by a backend
-/// that runs the CPU backend (`backend::Counting`): a decode step (no prefill in it) makes
-/// **one** host synchronisation — the pick of its tokens, ids, log-probs, entropies and the
-/// device status in one transfer — allocates nothing once the first has planned its
-/// buffers, and steps over the same rows run the same ops in the same order (its uploads
-/// go into the same buffers every step).
+/// that runs the CPU backend (`backend::Counting`). Every decode step (no prefill in it)
+/// makes **one** host synchronisation — the pick of its tokens, ids, log-probs, entropies
+/// and the device status in one transfer. With `decode_buckets` the passes come in fixed
+/// shapes: once a bucket has run, its steps allocate nothing and run the same ops in the
+/// same order, however many of its rows are real — the outputs the same bits as without
+/// padding. Without buckets a change in the number of rows re-plans the arena (the check
+/// can fail).
 #[test]
-fn a_decode_step_waits_for_the_device_once_and_repeats_its_ops() {
+fn a_decode_step_waits_once_and_buckets_repeat_their_ops() {
     use ares_model::backend::{Counting, Counts};
     let checkpoint = Checkpoint::load(&fixture("qwen2_tiny")).unwrap();
     let m = Model::from_checkpoint(Counting::new(CpuBackend), &checkpoint).unwrap();
     let generator = m.generator().unwrap();
+    let ops = |c: &Counts| -> Vec<&'static str> {
+        c.calls
+            .iter()
+            .copied()
+            .filter(|n| !n.starts_with("alloc") && !n.starts_with("upload"))
+            .collect()
+    };
     for sampling in [Sampling::Greedy, SAMPLE] {
-        let request = EngineRequest {
-            max_new_tokens: 12,
-            eos_ids: Vec::new(),
-            sampling,
-            seed: 3,
-        };
-        let mut engine = Engine::new(&generator, request, EngineConfig::default()).unwrap();
-        for p in [vec![1u32, 5, 9], vec![2, 7], vec![3, 4, 8, 6], vec![11]] {
-            engine.submit(p).unwrap();
-        }
-        m.backend().take();
-        let mut decode_steps: Vec<Counts> = Vec::new();
-        while !engine.is_idle() {
-            let before = engine.stats();
-            engine.step().unwrap();
-            let (after, counts) = (engine.stats(), m.backend().take());
-            let prefilled = after.prefill_passes + after.extend_passes
-                > before.prefill_passes + before.extend_passes;
-            if after.decode_passes > before.decode_passes && !prefilled {
-                assert_eq!(
-                    after.decode_rows - before.decode_rows,
-                    4,
-                    "every sequence decodes each step"
-                );
-                decode_steps.push(counts);
+        let mut outputs = Vec::new();
+        for decode_buckets in [false, true] {
+            let request = EngineRequest {
+                max_new_tokens: 10,
+                eos_ids: Vec::new(),
+                sampling,
+                seed: 3,
+            };
+            let config = EngineConfig {
+                decode_buckets,
+                ..EngineConfig::default()
+            };
+            let mut engine = Engine::new(&generator, request, config).unwrap();
+            for p in [vec![1u32, 5, 9], vec![2, 7], vec![3, 4, 8, 6]] {
+                engine.submit(p).unwrap();
             }
-        }
-        assert!(
-            decode_steps.len() >= 10,
-            "{sampling:?}: {} decode steps",
-            decode_steps.len()
-        );
-        for (i, c) in decode_steps.iter().enumerate() {
-            assert_eq!(
-                c.host_waits, 1,
-                "{sampling:?} decode step {i}: {:?}",
-                c.calls
-            );
-            if i > 0 {
+            m.backend().take();
+            // (real rows, counts) of each decode step without a prefill
+            let mut steps: Vec<(usize, Counts)> = Vec::new();
+            let mut finished = Vec::new();
+            while !engine.is_idle() {
+                if engine.stats().steps == 3 {
+                    engine.submit(vec![11, 12]).unwrap(); // 3 rows, then 4, then 1
+                }
+                let before = engine.stats();
+                finished.extend(engine.step().unwrap());
+                let (after, counts) = (engine.stats(), m.backend().take());
+                let prefilled = after.prefill_passes + after.extend_passes
+                    > before.prefill_passes + before.extend_passes;
+                if after.decode_passes > before.decode_passes && !prefilled {
+                    steps.push((after.decode_rows - before.decode_rows, counts));
+                }
+            }
+            let rows: Vec<usize> = steps.iter().map(|s| s.0).collect();
+            for n in [3, 4, 1] {
+                assert!(rows.iter().filter(|&&r| r == n).count() >= 2, "{rows:?}");
+            }
+            for (i, (_, c)) in steps.iter().enumerate() {
+                assert_eq!(c.host_waits, 1, "{sampling:?} step {i}: {:?}", c.calls);
+                assert_eq!(
+                    c.calls.last(),
+                    Some(&"pick_tokens"),
+                    "{sampling:?} step {i}"
+                );
+            }
+            let bucket = |n: usize| {
+                if decode_buckets {
+                    n.next_power_of_two()
+                } else {
+                    n
+                }
+            };
+            for (i, (n, c)) in steps.iter().enumerate() {
+                let Some(first) = steps[..i]
+                    .iter()
+                    .position(|(m, _)| bucket(*m) == bucket(*n))
+                else {
+                    continue; // a bucket's first step plans its buffers
+                };
                 assert_eq!(
                     c.allocations, 0,
-                    "{sampling:?} decode step {i}: {:?}",
-                    c.calls
+                    "{sampling:?} buckets {decode_buckets} step {i} ({n} rows)"
+                );
+                assert_eq!(
+                    ops(c),
+                    ops(&steps[first].1),
+                    "{sampling:?} step {i} ({n} rows)"
                 );
             }
-            assert_eq!(
-                c.calls.last(),
-                Some(&"pick_tokens"),
-                "{sampling:?} step {i}"
-            );
-            // every step after the first (whose arena may be new) is the first's, op for op
-            let ops = |c: &Counts| -> Vec<&'static str> {
-                c.calls
-                    .iter()
-                    .copied()
-                    .filter(|n| !n.starts_with("alloc") && !n.starts_with("upload"))
-                    .collect()
-            };
-            assert_eq!(
-                ops(c),
-                ops(&decode_steps[1]),
-                "{sampling:?} decode step {i}"
-            );
+            // 3 and 4 rows share a bucket: the step where the fourth row joins allocates
+            // nothing with buckets, and re-plans without
+            let joined = rows.iter().position(|&r| r == 4).unwrap();
+            assert_eq!(steps[joined - 1].0, 3, "{rows:?}");
+            assert_eq!(steps[joined].1.allocations == 0, decode_buckets, "{rows:?}");
+            finished.sort_by_key(|f| f.id);
+            outputs.push(finished);
+        }
+        for (a, b) in outputs[0].iter().zip(&outputs[1]) {
+            assert_eq!(a.tokens, b.tokens, "{sampling:?} sequence {}", a.id);
+            assert_eq!(a.log_probs, b.log_probs, "{sampling:?} sequence {}", a.id);
+            assert_eq!(a.entropies, b.entropies, "{sampling:?} sequence {}", a.id);
         }
     }
 }

@@ -14,8 +14,10 @@ pub(crate) struct PagedKv<B: Backend> {
     block_size: usize,
     kv_dim: usize,
     layers: usize,
-    /// Blocks allocated in the buffers.
+    /// Blocks allocated in the buffers (the pool's, plus the spare one if any).
     capacity: usize,
+    /// One block past the pool's, which padded decode rows write into (`decode_buckets`).
+    spare: bool,
     /// `[layers, capacity, block_size, kv_dim]`.
     k: B::Buffer,
     v: B::Buffer,
@@ -25,7 +27,7 @@ pub(crate) struct PagedKv<B: Backend> {
 
 impl<B: Backend> PagedKv<B> {
     /// Empty buffers for blocks of `block_size` slots of `layers` layers of `kv_dim` key
-    /// (and value) features per token.
+    /// (and value) features per token; with `spare`, one block more than the pool's.
     ///
     /// # Errors
     /// A size that overflows, or a backend allocation failure.
@@ -34,6 +36,7 @@ impl<B: Backend> PagedKv<B> {
         layers: usize,
         kv_dim: usize,
         block_size: usize,
+        spare: bool,
     ) -> Result<Self, ModelError> {
         let block_len = block_size
             .checked_mul(kv_dim)
@@ -46,6 +49,7 @@ impl<B: Backend> PagedKv<B> {
             kv_dim,
             layers,
             capacity: 0,
+            spare,
             k: backend.alloc(0)?,
             v: backend.alloc(0)?,
             scratch: backend.alloc(block_len)?,
@@ -63,6 +67,9 @@ impl<B: Backend> PagedKv<B> {
     /// # Errors
     /// A size that overflows, or a backend failure.
     pub(crate) fn reserve(&mut self, be: &B, blocks: usize) -> Result<(), ModelError> {
+        // the spare block moves to the end as the pool grows: its old slot becomes a pool
+        // block whose slots are written before they are read, as any reused block's
+        let blocks = blocks + usize::from(self.spare);
         if blocks <= self.capacity {
             return Ok(());
         }
@@ -90,6 +97,16 @@ impl<B: Backend> PagedKv<B> {
         self.v = v;
         self.capacity = blocks;
         Ok(())
+    }
+
+    /// The spare block's id (the last block of the buffers), if there is one and the
+    /// buffers hold it.
+    pub(crate) fn spare_block(&self) -> Option<u32> {
+        if self.spare && self.capacity > 0 {
+            u32::try_from(self.capacity - 1).ok()
+        } else {
+            None
+        }
     }
 
     /// Copies the first `slots` slots of block `src` into block `dst`, every layer.
@@ -217,7 +234,7 @@ mod tests {
     #[test]
     fn growing_and_copying_keep_contents() {
         let be = CpuBackend;
-        let mut kv = PagedKv::new(&be, LAYERS, KV, 2).unwrap();
+        let mut kv = PagedKv::new(&be, LAYERS, KV, 2, false).unwrap();
         kv.reserve(&be, 1).unwrap();
         let (a, c) = (0u32, 3u32);
         let per_block = 2 * KV;

@@ -427,17 +427,18 @@ pub fn continued_turns_equal_the_whole_conversation<B: Backend>(make: impl Fn() 
         let tight = (longest + 24).div_ceil(4) * 2 + 2;
         for sampling in [Sampling::Greedy, sample] {
             let seed = 7;
-            for (max_seqs, max_blocks, max_prefill_tokens) in [
-                (6, None, 4096),
-                (3, None, 16),
-                (3, Some(tight), 4096),
-                (6, Some(roomy / 2), 24),
+            for (max_seqs, max_blocks, max_prefill_tokens, decode_buckets) in [
+                (6, None, 4096, false),
+                (3, None, 16, false),
+                (3, Some(tight), 4096, true),
+                (6, Some(roomy / 2), 24, true),
             ] {
                 let config = EngineConfig {
                     max_seqs,
                     block_size: 4,
                     max_blocks,
                     max_prefill_tokens,
+                    decode_buckets,
                 };
                 let what = format!("{name} {sampling:?} {config:?}");
                 let request = GenerateRequest {

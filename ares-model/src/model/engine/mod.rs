@@ -60,7 +60,7 @@ use super::decode_weights::DecodeWeights;
 use super::request::{
     GenerateError, GenerateOutput, GenerateRequest, PromptVision, SequenceOutput,
 };
-use super::sampling::Sampling;
+use super::sampling::{SampleKey, Sampling};
 use super::{BlockPool, Model};
 use crate::backend::Backend;
 
@@ -77,6 +77,12 @@ pub struct EngineConfig {
     /// Prompt tokens prefilled per step at most (≥ 1): a prompt longer than this is
     /// prefilled in chunks of this many tokens, one chunk a step.
     pub max_prefill_tokens: usize,
+    /// Pad each decode pass to a bucket of rows — the next power of two, at most
+    /// `max_seqs` — the extra rows decoding a dummy token into a spare KV block, so decode
+    /// steps come in a few fixed shapes, each the same ops on the same buffers: what CUDA
+    /// graphs are captured for (vLLM's graph batch sizes). The real rows' outputs are
+    /// unchanged; the padding costs its compute. Default off.
+    pub decode_buckets: bool,
 }
 
 impl Default for EngineConfig {
@@ -86,6 +92,7 @@ impl Default for EngineConfig {
             block_size: 16,
             max_blocks: None,
             max_prefill_tokens: 8192,
+            decode_buckets: false,
         }
     }
 }
@@ -201,7 +208,7 @@ impl<'a, B: Backend> Engine<'a, B> {
         config: EngineConfig,
     ) -> Result<Self, GenerateError> {
         let sched = Scheduler::new(request, config)?;
-        let mut runner = Runner::new(model, tw, vision, config.block_size)?;
+        let mut runner = Runner::new(model, tw, vision, config)?;
         runner.reserve(&sched)?;
         Ok(Self {
             model,
@@ -394,9 +401,12 @@ impl<'a, B: Backend> Engine<'a, B> {
             self.runner.reserve(&self.sched)?;
             self.runner.decode(&self.sched, &rows)?;
             let sched = &mut self.sched;
-            self.runner
-                .pick_decoded(sampling, |r| sched.next_key(rows[r]))?;
-            let picks = self.runner.picked(rows.len());
+            // a padded row's key is any key: its token is thrown away
+            self.runner.pick_decoded(sampling, |r| {
+                rows.get(r)
+                    .map_or_else(SampleKey::default, |&id| sched.next_key(id))
+            })?;
+            let picks = self.runner.decoded(rows.len());
             self.sched
                 .push_decoded(&rows, &picks, on_token, &mut finished)?;
         }

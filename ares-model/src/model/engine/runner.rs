@@ -13,7 +13,7 @@ use crate::model::paged_kv::PagedKv;
 use crate::model::picks::Picks;
 use crate::model::request::{GenerateError, PromptVision};
 use crate::model::sampling::SampleKey;
-use crate::model::{Activations, ForwardExtras, Inputs, Model, Sampling};
+use crate::model::{Activations, EngineConfig, ForwardExtras, Inputs, Model, Sampling};
 
 /// The device side of the engine; see the module docs.
 pub(crate) struct Runner<'a, B: Backend> {
@@ -21,7 +21,13 @@ pub(crate) struct Runner<'a, B: Backend> {
     tw: &'a DecodeWeights<B>,
     vision: Option<&'a PromptVision<'a, B>>,
     kv: PagedKv<B>,
+    /// The picks of prefills' first tokens, and of decode passes (apart, so that neither
+    /// re-plans the other's buffers).
     picks: Picks<B>,
+    decode_picks: Picks<B>,
+    /// Decode passes padded to a bucket of rows (`EngineConfig::decode_buckets`), at most
+    /// `max_seqs`; the padding decodes into the spare KV block.
+    buckets: Option<usize>,
     /// The decode pass's arena, and the chunked prefill's.
     acts: Option<Activations<B>>,
     /// The decode pass's block tables `[rows, width]` and lengths `[rows]` on the device,
@@ -35,7 +41,7 @@ pub(crate) struct Runner<'a, B: Backend> {
 
 impl<'a, B: Backend> Runner<'a, B> {
     /// A runner generating with `model`'s transposed weights `tw` and, for multimodal
-    /// prompts, `vision`; KV blocks of `block_size` slots.
+    /// prompts, `vision`; KV blocks and decode buckets as `config` says.
     ///
     /// # Errors
     /// A backend failure.
@@ -43,16 +49,19 @@ impl<'a, B: Backend> Runner<'a, B> {
         model: &'a Model<B>,
         tw: &'a DecodeWeights<B>,
         vision: Option<&'a PromptVision<'a, B>>,
-        block_size: usize,
+        config: EngineConfig,
     ) -> Result<Self, GenerateError> {
         let be = &model.backend;
         let spec = &model.spec;
+        let spare = config.decode_buckets;
         Ok(Self {
             model,
             tw,
             vision,
-            kv: PagedKv::new(be, spec.layers, spec.kv_dim(), block_size)?,
+            kv: PagedKv::new(be, spec.layers, spec.kv_dim(), config.block_size, spare)?,
             picks: Picks::new(be, 1, spec.vocab)?,
+            decode_picks: Picks::new(be, 1, spec.vocab)?,
+            buckets: spare.then_some(config.max_seqs),
             acts: None,
             decode_tables: None,
             chunk_acts: None,
@@ -133,9 +142,14 @@ impl<'a, B: Backend> Runner<'a, B> {
         Ok(self.kv.reserve(be, sched.pool().capacity())?)
     }
 
-    /// The picks of the last [`Runner::decode`] or [`Runner::prefill`], one per row.
+    /// The picks of the last [`Runner::prefill`], one per admitted row.
     pub(crate) fn picked(&self, rows: usize) -> Vec<(u32, f32, f32)> {
         (0..rows).map(|r| self.picks.row(r)).collect()
+    }
+
+    /// The picks of the last [`Runner::decode`]'s first `rows` rows (the real ones).
+    pub(crate) fn decoded(&self, rows: usize) -> Vec<(u32, f32, f32)> {
+        (0..rows).map(|r| self.decode_picks.row(r)).collect()
     }
 
     /// The decode pass of sequences `rows`: one token each, at its own length, attending
@@ -151,7 +165,13 @@ impl<'a, B: Backend> Runner<'a, B> {
         let model = self.model;
         let be = &model.backend;
         let bs = sched.pool().block_size();
-        let n = rows.len();
+        // rows past the real ones pad the pass to its bucket: a dummy token at position 0
+        // of the spare block, attending over itself
+        let spare = self.kv.spare_block();
+        let n = match (self.buckets, spare) {
+            (Some(most), Some(_)) => rows.len().next_power_of_two().min(most.max(rows.len())),
+            _ => rows.len(),
+        };
         // This step's inputs and block tables; the width is a power of two (entries past a
         // row's blocks are never read: its length bounds its attention), so the device
         // tables change size only when the longest row's blocks double.
@@ -174,6 +194,11 @@ impl<'a, B: Backend> Runner<'a, B> {
             let delta = self.delta(sched, prompt);
             // check_vision (or the prompt check) has bounded every decode position
             positions[r] = (len as i64 + delta) as u32;
+        }
+        if let Some(spare) = spare {
+            for r in rows.len()..n {
+                host_tables[r * width] = spare;
+            }
         }
         if self
             .decode_tables
@@ -235,7 +260,7 @@ impl<'a, B: Backend> Runner<'a, B> {
             .acts
             .as_ref()
             .unwrap_or_else(|| unreachable!("a decode pass ran"));
-        self.picks
+        self.decode_picks
             .pick(&self.model.backend, acts.logits(), sampling, draw)
     }
 

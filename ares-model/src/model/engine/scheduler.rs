@@ -919,6 +919,7 @@ mod tests {
             block_size,
             max_blocks,
             max_prefill_tokens: 8192,
+            decode_buckets: false,
         };
         Scheduler::new(request, config).unwrap()
     }
