@@ -1225,3 +1225,28 @@ fn a_decode_step_waits_once_and_buckets_repeat_their_ops() {
         }
     }
 }
+
+/// `WeightDtype::Training` generates with the training weights themselves: no copy is
+/// made (the generator allocates nothing), and the tokens are the f32 decode copy's, the
+/// log-probs within rounding (a GEMM instead of the column tiles) — what the CUDA backend
+/// now does for f32 (`Backend::decodes_from_training_weights`).
+#[test]
+fn training_weights_generate_without_a_copy() {
+    use ares_model::backend::Counting;
+    for name in MODELS {
+        let checkpoint = Checkpoint::load(&fixture(name)).unwrap();
+        let m = Model::from_checkpoint(Counting::new(CpuBackend), &checkpoint).unwrap();
+        m.backend().take();
+        let copy = m.generator_with(WeightDtype::F32).unwrap();
+        assert!(m.backend().take().allocations >= 8, "{name}: the f32 copies");
+        let shared = m.generator_with(WeightDtype::Training).unwrap();
+        assert_eq!(m.backend().take().allocations, 0, "{name}: no copy");
+        for sampling in [Sampling::Greedy, SAMPLE] {
+            let req = request(greedy_fixture(name).prompts, sampling, 4);
+            let (want, got) = (copy.generate(&req).unwrap(), shared.generate(&req).unwrap());
+            assert_eq!(got.tokens, want.tokens, "{name} {sampling:?}");
+            assert_close(&got.log_probs, &want.log_probs, 1e-4, name);
+            assert_close(&got.entropies, &want.entropies, 1e-4, name);
+        }
+    }
+}

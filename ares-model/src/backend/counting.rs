@@ -108,6 +108,10 @@ impl<B: Backend> Backend for Counting<B> {
         self.inner.memory_info()
     }
 
+    fn decodes_from_training_weights(&self) -> bool {
+        self.inner.decodes_from_training_weights()
+    }
+
     fn alloc(&self, len: usize) -> Result<Self::Buffer> {
         self.note(Kind::Alloc, "alloc");
         self.inner.alloc(len)

@@ -120,6 +120,15 @@ pub trait Backend {
         None
     }
 
+    /// Whether generating in f32 should multiply by the training weights themselves rather
+    /// than a copy in [`Backend::pack_decode_f32`]'s layout: true where that layout is the
+    /// training weights' own and the product reads them as fast (CUDA: cuBLAS either way),
+    /// so a copy would only cost memory; false on the CPU, whose decode product needs its
+    /// column tiles.
+    fn decodes_from_training_weights(&self) -> bool {
+        false
+    }
+
     /// A new buffer of `len` f32 elements, zeroed.
     ///
     /// # Errors

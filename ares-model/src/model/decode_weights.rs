@@ -24,35 +24,48 @@ use crate::backend::{Backend, Tensor, View, ViewMut};
 /// The number format of the decode weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum WeightDtype {
-    /// f32, the training weights' own values (the default).
+    /// f32, the training weights' own values (the default): in the backend's decode layout,
+    /// or — where that layout is the training weights' own
+    /// ([`Backend::decodes_from_training_weights`]: CUDA) and no LoRA pair is merged — the
+    /// training weights themselves, with no copy.
     #[default]
     F32,
     /// bf16 (round to nearest even), products and sums in f32 on the CPU.
     Bf16,
+    /// The training weights themselves on any backend: no copy and nothing to refresh
+    /// after an optimizer step, at the training product's speed (on the CPU slower than
+    /// [`WeightDtype::F32`]'s tiles: its GEMM packs the weights every step). With LoRA
+    /// pairs to merge, f32 copies as [`WeightDtype::F32`].
+    Training,
 }
 
-/// One kind of transposed decode weight, `[layers, in, out]`, in its storage dtype.
+/// One kind of transposed decode weight, `[layers, in, out]`, in its storage dtype — or
+/// none: the training weights multiply.
 pub(crate) enum DecodeStack<B: Backend> {
     /// f32, in [`Backend::pack_decode_f32`]'s layout.
     F32(Stack<B>),
     /// bf16, in [`Backend::pack_bf16`]'s layout.
     Bf16(HalfStack<B>),
+    /// No copy: [`Backend::linear`] with the training weights.
+    Training,
 }
 
 impl<B: Backend> DecodeStack<B> {
-    /// The weight of layer `layer`.
-    pub(crate) fn layer(&self, layer: usize) -> Result<DecodeView<'_, B>, ModelError> {
+    /// The weight of layer `layer` (`None`: the training weight's).
+    pub(crate) fn layer(&self, layer: usize) -> Result<Option<DecodeView<'_, B>>, ModelError> {
         Ok(match self {
-            Self::F32(s) => DecodeView::F32(s.layer(layer)?),
-            Self::Bf16(s) => DecodeView::Bf16(s.layer(layer)?),
+            Self::F32(s) => Some(DecodeView::F32(s.layer(layer)?)),
+            Self::Bf16(s) => Some(DecodeView::Bf16(s.layer(layer)?)),
+            Self::Training => None,
         })
     }
 
     /// Every layer at once (the LM head: one layer).
-    pub(crate) fn whole(&self) -> DecodeView<'_, B> {
+    pub(crate) fn whole(&self) -> Option<DecodeView<'_, B>> {
         match self {
-            Self::F32(s) => DecodeView::F32(s.whole()),
-            Self::Bf16(s) => DecodeView::Bf16(s.whole()),
+            Self::F32(s) => Some(DecodeView::F32(s.whole())),
+            Self::Bf16(s) => Some(DecodeView::Bf16(s.whole())),
+            Self::Training => None,
         }
     }
 }
@@ -62,6 +75,7 @@ impl<B: Backend> std::fmt::Debug for DecodeStack<B> {
         let (dtype, len) = match self {
             Self::F32(s) => ("f32", s.len()),
             Self::Bf16(s) => ("bf16", s.len()),
+            Self::Training => ("the training weights", 0),
         };
         write!(f, "DecodeStack({dtype} × {len})")
     }
@@ -110,12 +124,33 @@ impl<B: Backend> DecodeWeights<B> {
         lora: Option<&Lora<B>>,
         dtype: WeightDtype,
     ) -> Result<Self, ModelError> {
+        let shared = lora.is_none()
+            && match dtype {
+                WeightDtype::Training => true,
+                WeightDtype::F32 => backend.decodes_from_training_weights(),
+                WeightDtype::Bf16 => false,
+            };
+        if shared {
+            let t = || DecodeStack::Training;
+            return Ok(Self {
+                q: t(),
+                k: t(),
+                v: t(),
+                o: t(),
+                gate: t(),
+                up: t(),
+                down: t(),
+                lm_head: t(),
+            });
+        }
         let (c, i, v) = (spec.hidden, spec.intermediate, spec.vocab);
         let (qd, kvd) = (spec.q_dim(), spec.kv_dim());
         // a stack transposed to [rows, cols], then packed in `dtype`
         let pack = |t: Stack<B>, rows, cols| -> Result<DecodeStack<B>, ModelError> {
             Ok(match dtype {
-                WeightDtype::F32 => DecodeStack::F32(t.packed_f32(backend, rows, cols)?),
+                WeightDtype::F32 | WeightDtype::Training => {
+                    DecodeStack::F32(t.packed_f32(backend, rows, cols)?)
+                }
                 WeightDtype::Bf16 => DecodeStack::Bf16(t.packed_bf16(backend, rows, cols)?),
             })
         };

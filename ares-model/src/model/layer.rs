@@ -158,7 +158,10 @@ fn linear<'a, B: Backend>(
 ) -> Result<Linear<'a, B>, ModelError> {
     Ok(Linear {
         w: w.layer(layer)?,
-        wt: wt.map(|t| t.layer(layer)).transpose()?,
+        wt: match wt {
+            Some(t) => t.layer(layer)?,
+            None => None,
+        },
         bias: layer_of(bias, layer)?,
         dims,
     })
@@ -323,7 +326,7 @@ impl<B: Backend> Model<B> {
         let (c, v) = (self.spec.hidden, self.spec.vocab);
         Linear {
             w: self.weights.lm_head(),
-            wt: tw.map(|t| t.lm_head.whole()),
+            wt: tw.and_then(|t| t.lm_head.whole()),
             bias: None,
             dims: self.linear_dims(rows, c, v),
         }

@@ -348,6 +348,12 @@ impl Backend for CudaBackend {
         Some((free as u64, total as u64))
     }
 
+    /// cuBLAS multiplies by the training weights `[out, in]` as fast as by a transposed
+    /// copy: the f32 decode weights are the training weights (no copy).
+    fn decodes_from_training_weights(&self) -> bool {
+        true
+    }
+
     fn alloc(&self, len: usize) -> Result<CudaBuffer> {
         let slice = self.ops.alloc(len.max(1)).map_err(op("alloc"))?;
         Ok(CudaBuffer { slice, len })

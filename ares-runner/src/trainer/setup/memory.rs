@@ -244,7 +244,14 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
     // rollout: decode weights, the KV pool at its largest, the decode and prefill arenas
     let linear = l * (c * qd + 2 * c * kvd + qd * c + 3 * c * i) + c * v;
     let bf16 = cfg.worker.rollout.weight_dtype == crate::config::WeightDtype::Bf16;
-    let decode = if bf16 { linear * 2 } else { f32s(linear) };
+    // f32 on a GPU without LoRA pairs to merge: the training weights themselves
+    // (`Backend::decodes_from_training_weights`)
+    let shared = !bf16 && !model.on_cpu && lora.is_none();
+    let decode = match (bf16, shared) {
+        (true, _) => linear * 2,
+        (false, true) => 0,
+        (false, false) => f32s(linear),
+    };
     let sequences = ((cfg.data.rollout_batch_size as u64) * (cfg.worker.rollout.n as u64))
         .clamp(1, ROLLOUT_SLOTS);
     let blocks = sequences * (longest + 1).div_ceil(BLOCK);
@@ -268,7 +275,11 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         name: "rollout",
         parts: vec![
             Part {
-                what: format!("decode weights ({})", if bf16 { "bf16" } else { "f32" }),
+                what: match (bf16, shared) {
+                    (true, _) => "decode weights (bf16)".into(),
+                    (false, true) => "decode weights: the training weights (no copy)".into(),
+                    (false, false) => "decode weights (f32)".into(),
+                },
                 bytes: decode,
             },
             Part {
