@@ -22,8 +22,9 @@
 //!   allocate their outputs; the CPU attention kernel keeps an O(seq) scratch row per thread.
 //! - **Synchronisation.** Ops may be asynchronous (queued on a stream): the only calls that
 //!   may wait for the device are [`Backend::download`] (returns once the data is on the
-//!   host) and [`Backend::synchronize`]. Uploads copy from the host slice before they
-//!   return. Errors an op reports are argument errors found before launch (shapes, lengths);
+//!   host), [`Backend::synchronize`] and the calls that bring a result to the host (a
+//!   decode step's [`Backend::pick_tokens`], [`Backend::sum_of_squares`]); [`Counting`]
+//!   counts them. Uploads copy from the host slice before they return. Errors an op reports are argument errors found before launch (shapes, lengths);
 //!   a CPU backend reports value errors (an id out of range) too, a GPU one may not.
 //! - **Shapes are explicit.** Every op takes its dimensions ([`LinearDims`],
 //!   [`AttentionDims`], `dim`, `heads`) rather than inferring them from lengths, and checks
