@@ -108,7 +108,12 @@ impl GemmDims {
 pub struct Blas {
     blas: Mutex<CudaBlas>,
     stream: Arc<CudaStream>,
+    /// cuBLAS's workspace, ours: a GEMM in a captured CUDA graph must not allocate one.
+    _workspace: cudarc::driver::CudaSlice<u8>,
 }
+
+/// Bytes of cuBLAS's workspace (what NVIDIA's documentation asks for on Hopper).
+const WORKSPACE_BYTES: usize = 32 << 20;
 
 impl std::fmt::Debug for Blas {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -178,9 +183,26 @@ impl Blas {
         unsafe { sys::cublasSetMathMode(*blas.handle(), sys::cublasMath_t::CUBLAS_DEFAULT_MATH) }
             .result()
             .map_err(blas_err("cublasSetMathMode"))?;
+        let workspace = stream
+            .alloc_zeros::<u8>(WORKSPACE_BYTES)
+            .map_err(|e| Error::Driver {
+                step: "allocating cuBLAS's workspace".into(),
+                source: e,
+            })?;
+        {
+            let (ptr, _guard) = workspace.device_ptr(&stream);
+            // SAFETY: the handle is live; the workspace lives as long as `Self` (which owns
+            // both) and is only used on `stream`, the handle's.
+            unsafe {
+                sys::cublasSetWorkspace_v2(*blas.handle(), ptr as *mut c_void, WORKSPACE_BYTES)
+            }
+            .result()
+            .map_err(blas_err("cublasSetWorkspace"))?;
+        }
         Ok(Self {
             blas: Mutex::new(blas),
             stream,
+            _workspace: workspace,
         })
     }
 

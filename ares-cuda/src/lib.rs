@@ -27,5 +27,5 @@ mod token_ops;
 pub use cudarc;
 pub use device::{Cuda, DeviceInfo, cuda_available, device_count};
 pub use gemm::{GemmDims, GemmPrecision, cublas_available};
-pub use model_ops::{AdamWStep, AttentionShape, ModelOps};
+pub use model_ops::{AdamWStep, AttentionShape, DecodeGraph, ModelOps};
 pub use token_ops::{HweOutputs, LogitElem, MaskedKlInputs, MaskedKlOutputs, TokenOps, WindowSpec};

@@ -49,6 +49,20 @@ use std::sync::{Arc, Mutex, MutexGuard};
 /// Threads per block of the element-wise (grid-stride) kernels.
 const ELEMENT_BLOCK: u32 = 256;
 
+/// A CUDA graph of ops captured on a [`ModelOps`] stream ([`ModelOps::begin_capture`]).
+pub struct DecodeGraph(cudarc::driver::CudaGraph);
+
+impl std::fmt::Debug for DecodeGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeGraph").finish_non_exhaustive()
+    }
+}
+
+// SAFETY: a graph is not internally synchronised, so it is not `Sync`; moving one to
+// another thread is allowed (CUDA only asks that calls on one graph be serialised, which
+// owning it ensures), and its stream is `Send`.
+unsafe impl Send for DecodeGraph {}
+
 /// `Ok` for a status word of 0, else [`Error::DeviceStatus`] naming what each bit set means.
 fn status_result(word: u32) -> Result<()> {
     if word == 0 {
@@ -355,6 +369,41 @@ impl ModelOps {
             .memset_zeros(&mut state.status)
             .during("clearing the status word")?;
         status_result(word[0])
+    }
+
+    /// Starts recording the ops queued on this device's stream into a graph instead of
+    /// running them (stream capture, thread-local mode: a call from this thread that a
+    /// capture cannot record — an allocation, a transfer, a wait — fails it).
+    ///
+    /// # Errors
+    /// A driver failure (a capture already under way).
+    pub fn begin_capture(&self) -> Result<()> {
+        self.stream
+            .begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .during("beginning a graph capture")
+    }
+
+    /// Ends the capture [`ModelOps::begin_capture`] began: the instantiated graph of the ops
+    /// queued since (none of which ran), or `None` when nothing was recorded or the capture
+    /// was invalidated by a call it cannot record — the stream is out of capture mode either
+    /// way, and the caller runs the ops again.
+    pub fn end_capture(&self) -> Option<DecodeGraph> {
+        let flags = cudarc::driver::sys::CUgraphInstantiate_flags(0);
+        match self.stream.end_capture(flags) {
+            Ok(Some(graph)) => Some(DecodeGraph(graph)),
+            Ok(None) | Err(_) => None,
+        }
+    }
+
+    /// Runs a captured graph again on this device's stream (its kernels read the buffers'
+    /// current contents), without waiting.
+    ///
+    /// # Errors
+    /// A driver failure.
+    pub fn replay(&self, graph: &DecodeGraph) -> Result<()> {
+        graph.0.launch().during("replaying a graph")
     }
 
     /// A pick's results to the host in **one** transfer: `dst` (`3·rows + 1` words, rows =

@@ -2675,60 +2675,102 @@ fn fixture_loss_grads<B: Backend>(model: &Model<B>, s: &Set) -> Grads<B> {
     grads
 }
 
-/// The engine on the GPU, counted (`backend::Counting`): a decode step without a prefill
-/// waits for the device once (the one-transfer pick), and with `decode_buckets` a bucket's
-/// steps after its first allocate nothing; greedy tokens equal the CPU engine's.
+/// The engine on the GPU, counted (`backend::Counting`), with decode buckets: a decode step
+/// without a prefill waits for the device once (the one-transfer pick), a shape's passes
+/// after its first allocate nothing, its second pass is captured as a CUDA graph and the
+/// later ones replayed; the tokens, log-probs and entropies are the bits of the same
+/// passes run without graphs (`Counting::emulating_capture`: the captures "fail", the
+/// passes run as they are), and the greedy tokens the CPU engine's.
 #[test]
-fn engine_decode_steps_wait_once_on_the_gpu() {
+fn engine_decode_steps_wait_once_and_replay_graphs_on_the_gpu() {
     use ares_model::backend::Counting;
-    use ares_model::model::{Engine, EngineConfig, EngineRequest};
+    use ares_model::model::{Engine, EngineConfig, EngineRequest, FinishedSequence};
     let Some(gpu) = gpu_or_skip() else { return };
     let checkpoint = Checkpoint::load(&fixture("qwen2_tiny")).unwrap();
-    let counted = Model::from_checkpoint(Counting::new(gpu), &checkpoint).unwrap();
+    let graphs = Model::from_checkpoint(Counting::new(gpu.clone()), &checkpoint).unwrap();
+    let eager = Model::from_checkpoint(Counting::emulating_capture(gpu), &checkpoint).unwrap();
     let cpu = Model::from_checkpoint(CpuBackend, &checkpoint).unwrap();
-    let request = EngineRequest {
-        max_new_tokens: 10,
-        eos_ids: Vec::new(),
-        sampling: Sampling::Greedy,
-        seed: 3,
-    };
     let config = EngineConfig {
         decode_buckets: true,
         ..EngineConfig::default()
     };
     let prompts = [vec![1u32, 5, 9], vec![2, 7], vec![3, 4, 8, 6]];
-    let (g_gpu, g_cpu) = (counted.generator().unwrap(), cpu.generator().unwrap());
-    let mut on_gpu = Engine::new(&g_gpu, request.clone(), config).unwrap();
-    let mut on_cpu = Engine::new(&g_cpu, request, config).unwrap();
-    for p in prompts {
-        on_gpu.submit(p.clone()).unwrap();
-        on_cpu.submit(p).unwrap();
-    }
-    counted.backend().take();
-    let (mut decode_steps, mut finished) = (0, Vec::new());
-    while !on_gpu.is_idle() {
-        let before = on_gpu.stats();
-        finished.extend(on_gpu.step().unwrap());
-        let (after, c) = (on_gpu.stats(), counted.backend().take());
-        let prefilled = after.prefill_passes > before.prefill_passes;
-        if after.decode_passes > before.decode_passes && !prefilled {
-            assert_eq!(c.host_waits, 1, "decode step {decode_steps}: {:?}", c.calls);
-            if decode_steps > 0 {
-                assert_eq!(
-                    c.allocations, 0,
-                    "decode step {decode_steps}: {:?}",
-                    c.calls
-                );
+    let sampled = Sampling::Sample {
+        temperature: 1.0,
+        top_k: None,
+        top_p: 1.0,
+        min_p: 0.0,
+    };
+    for sampling in [Sampling::Greedy, sampled] {
+        let request = EngineRequest {
+            max_new_tokens: 24,
+            eos_ids: Vec::new(),
+            sampling,
+            seed: 3,
+        };
+        let mut outs: Vec<Vec<FinishedSequence>> = Vec::new();
+        for (k, m) in [&graphs, &eager].into_iter().enumerate() {
+            let generator = m.generator().unwrap();
+            let mut engine = Engine::new(&generator, request.clone(), config).unwrap();
+            for p in &prompts {
+                engine.submit(p.clone()).unwrap();
             }
-            decode_steps += 1;
+            m.backend().take();
+            let (mut decode_steps, mut finished) = (0, Vec::new());
+            while !engine.is_idle() {
+                let before = engine.stats();
+                finished.extend(engine.step().unwrap());
+                let (after, c) = (engine.stats(), m.backend().take());
+                let prefilled = after.prefill_passes > before.prefill_passes;
+                if after.decode_passes > before.decode_passes && !prefilled {
+                    assert_eq!(
+                        c.host_waits, 1,
+                        "{sampling:?} step {decode_steps}: {:?}",
+                        c.calls
+                    );
+                    assert!(c.in_capture.is_empty(), "{sampling:?}: {:?}", c.in_capture);
+                    decode_steps += 1;
+                }
+            }
+            let stats = engine.stats();
+            eprintln!("{sampling:?} {}: {stats:?}", ["graphs", "eager"][k]);
+            assert!(decode_steps >= 20, "{decode_steps} decode steps");
+            if k == 0 {
+                assert_eq!(
+                    stats.graph_failures, 0,
+                    "a capture failed on the GPU: {stats:?}"
+                );
+                assert!(
+                    stats.graph_captures >= 2 && stats.graph_replays >= 15,
+                    "{stats:?}"
+                );
+            } else {
+                assert_eq!((stats.graph_captures, stats.graph_replays), (0, 0));
+            }
+            finished.sort_by_key(|f| f.id);
+            outs.push(finished);
+        }
+        for (a, b) in outs[0].iter().zip(&outs[1]) {
+            assert_eq!(
+                a.tokens, b.tokens,
+                "{sampling:?} sequence {}: graphs vs eager",
+                a.id
+            );
+            assert_eq!(a.log_probs, b.log_probs, "{sampling:?} sequence {}", a.id);
+            assert_eq!(a.entropies, b.entropies, "{sampling:?} sequence {}", a.id);
+        }
+        if sampling == Sampling::Greedy {
+            let g = cpu.generator().unwrap();
+            let mut on_cpu = Engine::new(&g, request, config).unwrap();
+            for p in &prompts {
+                on_cpu.submit(p.clone()).unwrap();
+            }
+            let want = on_cpu.run_to_end(&mut |_, _| {}).unwrap();
+            let got: Vec<Vec<u32>> = outs[0].iter().map(|f| f.tokens.clone()).collect();
+            assert_eq!(
+                got, want.tokens,
+                "greedy tokens: the GPU engine with graphs vs the CPU's"
+            );
         }
     }
-    assert!(decode_steps >= 8, "{decode_steps} decode steps");
-    finished.sort_by_key(|f| f.id);
-    let got: Vec<Vec<u32>> = finished.into_iter().map(|f| f.tokens).collect();
-    let want = on_cpu.run_to_end(&mut |_, _| {}).unwrap();
-    assert_eq!(
-        got, want.tokens,
-        "greedy tokens: the GPU engine with buckets vs the CPU's"
-    );
 }

@@ -6,7 +6,10 @@
 //! - **engine, greedy** and **engine, sampled** (T = 1: the race sampler on the device) —
 //!   their time ratio is what sampling costs over greedy;
 //! - **static, sampled** ([`Generator::static_batching`]) — the engine's speedup over it;
-//! - **engine, sampled, bf16 decode weights**.
+//! - **engine, sampled, bf16 decode weights**;
+//! - **engine, sampled, decode buckets + CUDA graphs** (each bucket's decode pass captured
+//!   once and replayed; its tokens compared with the plain engine's — the same kernels, so
+//!   the same bits wherever the padding does not change cuBLAS's choice).
 //!
 //! The engine's and the static batch's sampled tokens are compared and the count of equal
 //! sequences printed (cuBLAS picks GEMM kernels by shape, so a different batch can round
@@ -101,4 +104,21 @@ fn main() {
         .expect("bf16 generator");
     let (tb, _) = time(&bf16, &sampled);
     report("engine, sampled, bf16 decode weights", new, "tokens", tb);
+    let graphs = model.generator().expect("generator").decode_buckets(true);
+    let (tgr, c) = time(&graphs, &sampled);
+    report(
+        "engine, sampled, decode buckets + graphs",
+        new,
+        "tokens",
+        tgr,
+    );
+    println!(
+        "graphs / plain engine time: {:.2}",
+        tgr.0.as_secs_f64() / ts.0.as_secs_f64()
+    );
+    let same = a.iter().zip(&c).filter(|(x, y)| x == y).count();
+    println!(
+        "engine with and without graphs: {same} of {} sampled sequences equal",
+        a.len()
+    );
 }

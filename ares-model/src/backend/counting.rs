@@ -1,7 +1,11 @@
 //! [`Counting`]: a backend that runs another and records what each call asks of the device —
 //! allocations, transfers, host waits, and the order of the ops — so a test can check what
 //! capturing a decode step as a CUDA graph requires of it: after warm-up no allocation, at
-//! most one host synchronisation, and the same op sequence every step.
+//! most one host synchronisation, and the same op sequence every step. On a backend that
+//! records no graph (the CPU) it can stand in for one that does
+//! ([`Counting::emulating_capture`]): captures "succeed" as far as the caller can tell up
+//! to their end, the ops run as called, and whatever a real capture would refuse inside
+//! one — an allocation, a transfer, a wait — is noted.
 
 use super::ops::{declared_ops, op_arg_type};
 use super::{
@@ -24,6 +28,13 @@ pub struct Counts {
     pub host_waits: usize,
     /// Every call, in order, by its method's name.
     pub calls: Vec<&'static str>,
+    /// Captures begun.
+    pub captures: usize,
+    /// Graphs replayed.
+    pub replays: usize,
+    /// Calls made inside a capture that a capture cannot record (allocations, transfers,
+    /// waits), by name.
+    pub in_capture: Vec<&'static str>,
 }
 
 /// Runs backend `B`, counting (see the module docs). The buffers are `B`'s own.
@@ -31,6 +42,9 @@ pub struct Counts {
 pub struct Counting<B> {
     inner: B,
     counts: Mutex<Counts>,
+    /// Captures emulated (see the module docs).
+    emulate: bool,
+    capturing: Mutex<bool>,
 }
 
 #[derive(Clone, Copy)]
@@ -47,6 +61,19 @@ impl<B> Counting<B> {
         Self {
             inner,
             counts: Mutex::new(Counts::default()),
+            emulate: false,
+            capturing: Mutex::new(false),
+        }
+    }
+
+    /// Wraps `inner`, a backend that records no graph, answering captures itself:
+    /// [`Backend::begin_capture`] says yes, the ops then run as called, and
+    /// [`Backend::end_capture`] reports the capture failed (`None`), so the caller runs
+    /// them again — checking a caller's capture discipline without a GPU.
+    pub fn emulating_capture(inner: B) -> Self {
+        Self {
+            emulate: true,
+            ..Self::new(inner)
         }
     }
 
@@ -66,6 +93,7 @@ impl<B> Counting<B> {
     }
 
     fn note(&self, kind: Kind, name: &'static str) {
+        let capturing = *self.capturing.lock().unwrap_or_else(|e| e.into_inner());
         let mut c = self.lock();
         match kind {
             Kind::Alloc => c.allocations += 1,
@@ -73,7 +101,14 @@ impl<B> Counting<B> {
             Kind::Wait => c.host_waits += 1,
             Kind::Op => {}
         }
+        if capturing && !matches!(kind, Kind::Op) {
+            c.in_capture.push(name);
+        }
         c.calls.push(name);
+    }
+
+    fn set_capturing(&self, on: bool) {
+        *self.capturing.lock().unwrap_or_else(|e| e.into_inner()) = on;
     }
 }
 
@@ -99,6 +134,7 @@ impl<B: Backend> Backend for Counting<B> {
     type Ids = B::Ids;
     type Half = B::Half;
     type Bytes = B::Bytes;
+    type Graph = B::Graph;
 
     fn name(&self) -> &str {
         self.inner.name()
@@ -106,6 +142,33 @@ impl<B: Backend> Backend for Counting<B> {
 
     fn memory_info(&self) -> Option<(u64, u64)> {
         self.inner.memory_info()
+    }
+
+    fn begin_capture(&self) -> Result<bool> {
+        self.lock().captures += 1;
+        self.lock().calls.push("begin_capture");
+        let on = if self.emulate {
+            true
+        } else {
+            self.inner.begin_capture()?
+        };
+        self.set_capturing(on);
+        Ok(on)
+    }
+
+    fn end_capture(&self) -> Result<Option<Self::Graph>> {
+        self.lock().calls.push("end_capture");
+        self.set_capturing(false);
+        if self.emulate {
+            return Ok(None);
+        }
+        self.inner.end_capture()
+    }
+
+    fn replay(&self, graph: &Self::Graph) -> Result<()> {
+        self.lock().replays += 1;
+        self.note(Kind::Op, "replay");
+        self.inner.replay(graph)
     }
 
     fn decodes_from_training_weights(&self) -> bool {

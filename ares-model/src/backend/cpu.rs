@@ -508,6 +508,14 @@ impl Backend for CpuBackend {
     type Ids = Vec<u32>;
     type Half = HalfBuffer;
     type Bytes = Vec<u8>;
+    type Graph = ();
+
+    fn replay(&self, (): &()) -> Result<()> {
+        Err(BackendError::Op {
+            op: "replay",
+            source: "the CPU backend records no graph (begin_capture is false)".into(),
+        })
+    }
 
     fn name(&self) -> &str {
         "cpu"

@@ -111,6 +111,9 @@ pub trait Backend {
     type Half: DeviceBuffer;
     /// A byte allocation (8-bit codes: AdamW moments in `int8`).
     type Bytes: DeviceBuffer;
+    /// A recorded sequence of ops ([`Backend::begin_capture`]), replayed by
+    /// [`Backend::replay`]: a CUDA graph; `()` where nothing is recorded.
+    type Graph;
 
     /// A human-readable name of the device (`"cpu"`).
     fn name(&self) -> &str;
@@ -120,6 +123,33 @@ pub trait Backend {
     fn memory_info(&self) -> Option<(u64, u64)> {
         None
     }
+
+    /// Starts recording the ops called from now on into a graph instead of running them
+    /// (CUDA stream capture); `Ok(false)` when this backend records nothing (the CPU: the
+    /// ops then run as called). Until [`Backend::end_capture`] only ops may be called: no
+    /// allocation, transfer or wait — they would fail the capture.
+    ///
+    /// # Errors
+    /// A device failure.
+    fn begin_capture(&self) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Ends a capture: the graph of the ops called since [`Backend::begin_capture`], which
+    /// did not run, or `None` when the capture failed (an op the device cannot record): the
+    /// caller then calls them again to run them.
+    ///
+    /// # Errors
+    /// A device failure.
+    fn end_capture(&self) -> Result<Option<Self::Graph>> {
+        Ok(None)
+    }
+
+    /// Runs the ops of `graph` again, on its buffers' current contents.
+    ///
+    /// # Errors
+    /// A device failure; a backend that records no graph.
+    fn replay(&self, graph: &Self::Graph) -> Result<()>;
 
     /// Whether generating in f32 should multiply by the training weights themselves rather
     /// than a copy in [`Backend::pack_decode_f32`]'s layout: true where that layout is the

@@ -66,15 +66,58 @@ impl<B: Backend> Model<B> {
         self.forward_extras(inputs, extras, acts, None, None)
     }
 
-    /// [`Model::forward_impl`] with extras.
+    /// [`Model::forward_impl`] with extras: [`Model::stage_inputs`], then
+    /// [`Model::forward_staged`].
     pub(crate) fn forward_extras(
         &self,
         inputs: &Inputs<'_>,
         extras: &ForwardExtras<'_, B>,
         acts: &mut Activations<B>,
-        mut cache: Option<StepCache<'_, B>>,
+        cache: Option<StepCache<'_, B>>,
         tw: Option<&DecodeWeights<B>>,
     ) -> Result<(), ModelError> {
+        self.stage_inputs(inputs, extras, acts)?;
+        self.forward_staged(inputs, extras, acts, cache, tw)
+    }
+
+    /// The pass's host → device copies, into `acts`: the ids, positions and key mask, and
+    /// the M-RoPE tables when `extras` gives them. Checks the inputs against `acts`.
+    ///
+    /// # Errors
+    /// Invalid inputs, `acts` planned for another shape, a backend failure.
+    pub(crate) fn stage_inputs(
+        &self,
+        inputs: &Inputs<'_>,
+        extras: &ForwardExtras<'_, B>,
+        acts: &mut Activations<B>,
+    ) -> Result<(), ModelError> {
+        let n = self.check_pass(inputs, acts)?;
+        let be = &self.backend;
+        be.upload_ids(inputs.input_ids, &mut acts.ids)?;
+        be.upload_ids(inputs.position_ids, &mut acts.positions)?;
+        for (m, &x) in acts.host_mask.iter_mut().zip(inputs.attention_mask) {
+            *m = x as f32;
+        }
+        be.upload(&acts.host_mask, ViewMut::whole(&mut acts.mask))?;
+        if let Some((cos, sin)) = extras.rope {
+            let half = self.spec.head_dim / 2;
+            for (what, t) in [("rope cos", cos), ("rope sin", sin)] {
+                if t.len() != n * half {
+                    return Err(ModelError::InputLength {
+                        what,
+                        expected: n * half,
+                        actual: t.len(),
+                    });
+                }
+            }
+            be.upload(cos, ViewMut::whole(&mut acts.cos))?;
+            be.upload(sin, ViewMut::whole(&mut acts.sin))?;
+        }
+        Ok(())
+    }
+
+    /// `inputs` checked, and against the shape `acts` was planned for: its token count.
+    fn check_pass(&self, inputs: &Inputs<'_>, acts: &Activations<B>) -> Result<usize, ModelError> {
         let n = inputs.check(&self.spec)?;
         if acts.shape() != (inputs.batch, inputs.seq) {
             return Err(ModelError::ActivationShape {
@@ -82,19 +125,29 @@ impl<B: Backend> Model<B> {
                 actual: (inputs.batch, inputs.seq),
             });
         }
+        Ok(n)
+    }
+
+    /// The pass's ops, on inputs [`Model::stage_inputs`] put in `acts`: no transfer and no
+    /// allocation, so the same inputs' next values can replay it (a CUDA graph of a decode
+    /// step).
+    ///
+    /// # Errors
+    /// As [`Model::forward`].
+    pub(crate) fn forward_staged(
+        &self,
+        inputs: &Inputs<'_>,
+        extras: &ForwardExtras<'_, B>,
+        acts: &mut Activations<B>,
+        mut cache: Option<StepCache<'_, B>>,
+        tw: Option<&DecodeWeights<B>>,
+    ) -> Result<(), ModelError> {
+        let n = self.check_pass(inputs, acts)?;
         let be = &self.backend;
         let s = &self.spec;
         let w = &self.weights;
         let (c, v, d) = (s.hidden, s.vocab, s.head_dim);
         let (hq, hkv) = (s.q_heads, s.kv_heads);
-
-        // Inputs: the only host → device copies of the pass.
-        be.upload_ids(inputs.input_ids, &mut acts.ids)?;
-        be.upload_ids(inputs.position_ids, &mut acts.positions)?;
-        for (m, &x) in acts.host_mask.iter_mut().zip(inputs.attention_mask) {
-            *m = x as f32;
-        }
-        be.upload(&acts.host_mask, ViewMut::whole(&mut acts.mask))?;
 
         // Token embeddings (image/video rows replaced), and each token's RoPE cos/sin:
         // gathered from the tables by position, or M-RoPE's given per token.
@@ -109,19 +162,8 @@ impl<B: Backend> Model<B> {
             be.scatter_rows(embeds, rows, n, c, ViewMut::whole(&mut acts.layers.encoded))?;
         }
         let half = d / 2;
-        if let Some((cos, sin)) = extras.rope {
-            for (what, t) in [("rope cos", cos), ("rope sin", sin)] {
-                if t.len() != n * half {
-                    return Err(ModelError::InputLength {
-                        what,
-                        expected: n * half,
-                        actual: t.len(),
-                    });
-                }
-            }
-            be.upload(cos, ViewMut::whole(&mut acts.cos))?;
-            be.upload(sin, ViewMut::whole(&mut acts.sin))?;
-        } else {
+        if extras.rope.is_none() {
+            // RoPE from the tables (M-RoPE's were staged with the inputs)
             let table = self.rope_rows;
             be.embedding(
                 &acts.positions,

@@ -42,6 +42,8 @@ pub struct Generator<'m, B: Backend> {
     batching: bool,
     /// Prompt tokens prefilled per engine step at most (`None`: every prompt in the first).
     max_prefill_tokens: Option<usize>,
+    /// [`EngineConfig::decode_buckets`] of the engines it runs.
+    decode_buckets: bool,
 }
 
 impl<'m, B: Backend> Generator<'m, B> {
@@ -61,6 +63,14 @@ impl<'m, B: Backend> Generator<'m, B> {
     /// 0 is refused when generating.
     pub fn max_prefill_tokens(mut self, tokens: usize) -> Self {
         self.max_prefill_tokens = Some(tokens);
+        self
+    }
+
+    /// Pads decode passes to buckets of rows and, on a backend that records graphs (CUDA),
+    /// replays each bucket's pass as a captured graph ([`EngineConfig::decode_buckets`]).
+    /// Same tokens.
+    pub fn decode_buckets(mut self, on: bool) -> Self {
+        self.decode_buckets = on;
         self
     }
 
@@ -152,6 +162,7 @@ impl<'m, B: Backend> Generator<'m, B> {
         };
         let config = EngineConfig {
             max_seqs: max_seqs.max(1),
+            decode_buckets: self.decode_buckets,
             ..EngineConfig::default()
         };
         let mut engine = Engine::new(self, request, config)?;
@@ -220,6 +231,7 @@ impl<'m, B: Backend> Generator<'m, B> {
         if let Some(tokens) = self.max_prefill_tokens {
             config.max_prefill_tokens = tokens;
         }
+        config.decode_buckets = self.decode_buckets;
         config
     }
 }
@@ -470,6 +482,7 @@ impl<B: Backend> Model<B> {
             )?,
             batching: true,
             max_prefill_tokens: None,
+            decode_buckets: false,
         })
     }
 

@@ -18,6 +18,8 @@ pub(crate) struct PagedKv<B: Backend> {
     capacity: usize,
     /// One block past the pool's, which padded decode rows write into (`decode_buckets`).
     spare: bool,
+    /// How many times the buffers were reallocated (a captured pass reads the current ones).
+    generation: u64,
     /// `[layers, capacity, block_size, kv_dim]`.
     k: B::Buffer,
     v: B::Buffer,
@@ -50,6 +52,7 @@ impl<B: Backend> PagedKv<B> {
             layers,
             capacity: 0,
             spare,
+            generation: 0,
             k: backend.alloc(0)?,
             v: backend.alloc(0)?,
             scratch: backend.alloc(block_len)?,
@@ -96,7 +99,13 @@ impl<B: Backend> PagedKv<B> {
         self.k = k;
         self.v = v;
         self.capacity = blocks;
+        self.generation += 1;
         Ok(())
+    }
+
+    /// How many times the buffers were reallocated.
+    pub(crate) fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// The spare block's id (the last block of the buffers), if there is one and the

@@ -338,6 +338,7 @@ impl Backend for CudaBackend {
     type Ids = CudaIds;
     type Half = CudaHalf;
     type Bytes = CudaBytes;
+    type Graph = ares_cuda::DecodeGraph;
 
     fn name(&self) -> &str {
         &self.name
@@ -346,6 +347,19 @@ impl Backend for CudaBackend {
     fn memory_info(&self) -> Option<(u64, u64)> {
         let (free, total) = self.ops.context().mem_get_info().ok()?;
         Some((free as u64, total as u64))
+    }
+
+    fn begin_capture(&self) -> Result<bool> {
+        self.ops.begin_capture().map_err(op("begin_capture"))?;
+        Ok(true)
+    }
+
+    fn end_capture(&self) -> Result<Option<Self::Graph>> {
+        Ok(self.ops.end_capture())
+    }
+
+    fn replay(&self, graph: &Self::Graph) -> Result<()> {
+        self.ops.replay(graph).map_err(op("replay"))
     }
 
     /// cuBLAS multiplies by the training weights `[out, in]` as fast as by a transposed

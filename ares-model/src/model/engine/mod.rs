@@ -79,9 +79,11 @@ pub struct EngineConfig {
     pub max_prefill_tokens: usize,
     /// Pad each decode pass to a bucket of rows — the next power of two, at most
     /// `max_seqs` — the extra rows decoding a dummy token into a spare KV block, so decode
-    /// steps come in a few fixed shapes, each the same ops on the same buffers: what CUDA
-    /// graphs are captured for (vLLM's graph batch sizes). The real rows' outputs are
-    /// unchanged; the padding costs its compute. Default off.
+    /// steps come in a few fixed shapes, each the same ops on the same buffers, and capture
+    /// each shape's pass as a graph the second time it runs, replaying it after (CUDA
+    /// graphs, by `(rows, block-table width)`, as vLLM captures its batch sizes; a backend
+    /// that records no graph — the CPU — runs every pass as it is). The real rows' outputs
+    /// are unchanged; the padding costs its compute. Default off.
     pub decode_buckets: bool,
 }
 
@@ -184,6 +186,14 @@ pub struct EngineStats {
     pub peak_blocks: usize,
     /// The most KV blocks allocated at once (the memory held).
     pub peak_capacity: usize,
+    /// With decode buckets: decode passes captured as graphs (CUDA), replayed, and not
+    /// capturable (the backend records no graph — the CPU — or refused the pass: it then
+    /// runs as it is).
+    pub graph_captures: usize,
+    /// Decode passes replayed from a graph.
+    pub graph_replays: usize,
+    /// Decode passes a capture was tried for and failed.
+    pub graph_failures: usize,
 }
 
 /// The rollout engine over a [`Generator`](crate::model::Generator)'s weights; see the
@@ -372,7 +382,13 @@ impl<'a, B: Backend> Engine<'a, B> {
 
     /// What the engine has done so far.
     pub fn stats(&self) -> EngineStats {
-        self.sched.stats()
+        let g = self.runner.graph_stats();
+        EngineStats {
+            graph_captures: g.captures,
+            graph_replays: g.replays,
+            graph_failures: g.failures,
+            ..self.sched.stats()
+        }
     }
 
     /// One step (a decode of the running sequences, a chunk of a long prompt, then

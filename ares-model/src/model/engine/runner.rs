@@ -4,9 +4,10 @@
 //! decides nothing: which rows, blocks and chunks come from the plan.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 
 use super::scheduler::{ChunkStep, ExtendPass, FirstLogits, NewPrefix, PrefillPlan, Scheduler};
-use crate::backend::{Backend, BlockTables, DeviceBuffer, Tensor, View, ViewMut};
+use crate::backend::{Backend, BlockTables, Tensor, View, ViewMut};
 use crate::model::decode_weights::DecodeWeights;
 use crate::model::kv_cache::StepCache;
 use crate::model::paged_kv::PagedKv;
@@ -14,6 +15,29 @@ use crate::model::picks::Picks;
 use crate::model::request::{GenerateError, PromptVision};
 use crate::model::sampling::SampleKey;
 use crate::model::{Activations, EngineConfig, ForwardExtras, Inputs, Model, Sampling};
+
+/// A decode pass of one shape: seen once (its buffers planned), captured, or not
+/// capturable (the backend records no graph, or refused this pass).
+enum Captured<G> {
+    Seen,
+    Graph(G),
+    Failed,
+}
+
+/// How many decode passes were captured, replayed, or could not be captured.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct GraphStats {
+    pub(crate) captures: usize,
+    pub(crate) replays: usize,
+    pub(crate) failures: usize,
+}
+
+/// The captured decode passes of the KV buffers' generation `kv`.
+struct Graphs<G> {
+    kv: u64,
+    by_shape: HashMap<(usize, usize), Captured<G>>,
+    stats: GraphStats,
+}
 
 /// The device side of the engine; see the module docs.
 pub(crate) struct Runner<'a, B: Backend> {
@@ -28,12 +52,16 @@ pub(crate) struct Runner<'a, B: Backend> {
     /// Decode passes padded to a bucket of rows (`EngineConfig::decode_buckets`), at most
     /// `max_seqs`; the padding decodes into the spare KV block.
     buckets: Option<usize>,
-    /// The decode pass's arena, and the chunked prefill's.
-    acts: Option<Activations<B>>,
-    /// The decode pass's block tables `[rows, width]` and lengths `[rows]` on the device,
-    /// kept while the rows and the width stay (the width grows by doubling), so that a
-    /// decode step allocates nothing.
-    decode_tables: Option<(B::Ids, B::Ids)>,
+    /// The decode passes' arenas by rows, and the chunked prefill's.
+    acts: HashMap<usize, Activations<B>>,
+    /// The rows of the last decode pass (its arena holds its logits).
+    decode_rows: usize,
+    /// The decode passes' block tables `[rows, width]` and lengths `[rows]` on the device,
+    /// by `(rows, width)` (the width grows by doubling): a decode step of a shape seen
+    /// before allocates nothing.
+    decode_tables: HashMap<(usize, usize), (B::Ids, B::Ids)>,
+    /// With decode buckets: the decode passes captured as graphs, by `(rows, width)`.
+    graphs: Option<Graphs<B::Graph>>,
     chunk_acts: Option<Activations<B>>,
     /// The next-token logits of each cached prompt, by prefix group.
     prefix_logits: HashMap<usize, B::Buffer>,
@@ -62,8 +90,14 @@ impl<'a, B: Backend> Runner<'a, B> {
             picks: Picks::new(be, 1, spec.vocab)?,
             decode_picks: Picks::new(be, 1, spec.vocab)?,
             buckets: spare.then_some(config.max_seqs),
-            acts: None,
-            decode_tables: None,
+            acts: HashMap::new(),
+            decode_rows: 0,
+            decode_tables: HashMap::new(),
+            graphs: spare.then(|| Graphs {
+                kv: 0,
+                by_shape: HashMap::new(),
+                stats: GraphStats::default(),
+            }),
             chunk_acts: None,
             prefix_logits: HashMap::new(),
         })
@@ -200,26 +234,31 @@ impl<'a, B: Backend> Runner<'a, B> {
                 host_tables[r * width] = spare;
             }
         }
-        if self
-            .decode_tables
-            .as_ref()
-            .is_none_or(|(t, l)| t.len() != n * width || l.len() != n)
-        {
-            self.decode_tables = None;
-            self.decode_tables = Some((be.alloc_ids(n * width)?, be.alloc_ids(n)?));
+        // the device tables and the arena of this shape: kept per shape with buckets (a
+        // captured graph reads them), else only the current one
+        if self.buckets.is_none() {
+            self.decode_tables.retain(|&k, _| k == (n, width));
+            self.acts.retain(|&k, _| k == n);
         }
-        let (tables, lens) = self
-            .decode_tables
-            .as_mut()
-            .unwrap_or_else(|| unreachable!());
+        self.decode_rows = n;
+        let Self {
+            kv,
+            decode_tables,
+            acts,
+            graphs,
+            tw,
+            ..
+        } = self;
+        let (tables, lens) = match decode_tables.entry((n, width)) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert((be.alloc_ids(n * width)?, be.alloc_ids(n)?)),
+        };
+        let acts = match acts.entry(n) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(model.activations_full(n, 1)?),
+        };
         be.upload_ids(&host_tables, tables)?;
         be.upload_ids(&host_len, lens)?;
-        let (tables, lens) = (&*tables, &*lens);
-        if self.acts.as_ref().is_none_or(|a| a.shape() != (n, 1)) {
-            self.acts = None; // the old arena is freed before the new one is planned
-            self.acts = Some(model.activations_full(n, 1)?);
-        }
-        let acts = self.acts.as_mut().unwrap_or_else(|| unreachable!());
         let ones = vec![1u32; n];
         let inputs = Inputs {
             batch: n,
@@ -228,23 +267,75 @@ impl<'a, B: Backend> Runner<'a, B> {
             attention_mask: &ones,
             position_ids: &positions,
         };
+        let extras = ForwardExtras::default();
+        model.stage_inputs(&inputs, &extras, acts)?;
         let step_tables = BlockTables {
             block_size: bs,
             max_blocks: width,
-            tables,
-            len: lens,
+            tables: &*tables,
+            len: &*lens,
             host_tables: &host_tables,
             host_len: &host_len,
         };
-        let cache = StepCache::Paged(&mut self.kv, step_tables);
-        model.forward_extras(
-            &inputs,
-            &ForwardExtras::default(),
-            acts,
-            Some(cache),
-            Some(self.tw),
-        )?;
+        let tw = Some(*tw);
+        let run = |kv: &mut PagedKv<B>, acts: &mut Activations<B>| {
+            let cache = StepCache::Paged(kv, step_tables);
+            model.forward_staged(&inputs, &extras, acts, Some(cache), tw)
+        };
+        // a captured pass is replayed on the staged inputs; a shape seen once is captured
+        // the next time (its first pass planned its buffers); the KV buffers' reallocation
+        // retires every graph (they read the old ones)
+        let Some(graphs) = graphs.as_mut() else {
+            run(kv, acts)?;
+            return Ok(());
+        };
+        if graphs.kv != kv.generation() {
+            graphs.by_shape.clear();
+            graphs.kv = kv.generation();
+        }
+        let key = (n, width);
+        match graphs.by_shape.get(&key) {
+            Some(Captured::Graph(g)) => {
+                be.replay(g)?;
+                graphs.stats.replays += 1;
+            }
+            Some(Captured::Seen) => {
+                let captured = if be.begin_capture()? {
+                    let ran = run(kv, acts);
+                    let graph = be.end_capture()?;
+                    match (ran, graph) {
+                        (Ok(()), Some(g)) => Some(g),
+                        _ => None,
+                    }
+                } else {
+                    None
+                };
+                match captured {
+                    Some(g) => {
+                        be.replay(&g)?;
+                        graphs.stats.captures += 1;
+                        graphs.by_shape.insert(key, Captured::Graph(g));
+                    }
+                    None => {
+                        // nothing ran: run the pass as it is, and never capture this shape
+                        graphs.stats.failures += 1;
+                        graphs.by_shape.insert(key, Captured::Failed);
+                        run(kv, acts)?;
+                    }
+                }
+            }
+            Some(Captured::Failed) => run(kv, acts)?,
+            None => {
+                graphs.by_shape.insert(key, Captured::Seen);
+                run(kv, acts)?;
+            }
+        }
         Ok(())
+    }
+
+    /// The graphs' counts so far (zeros without decode buckets).
+    pub(crate) fn graph_stats(&self) -> GraphStats {
+        self.graphs.as_ref().map(|g| g.stats).unwrap_or_default()
     }
 
     /// A token per row of the last decode pass's logits, `draw(r)` row `r`'s sampling key.
@@ -258,7 +349,7 @@ impl<'a, B: Backend> Runner<'a, B> {
     ) -> Result<(), GenerateError> {
         let acts = self
             .acts
-            .as_ref()
+            .get(&self.decode_rows)
             .unwrap_or_else(|| unreachable!("a decode pass ran"));
         self.decode_picks
             .pick(&self.model.backend, acts.logits(), sampling, draw)
