@@ -20,7 +20,9 @@
 //! alone) the
 //! Qwen2.5-0.5B shape (random weights; 1 prompt × 8 and 64 new tokens unless
 //! `ARES_BENCH_05B_PROMPTS`). Also the engine with bf16 decode weights (a rounded model:
-//! other tokens, its own count). `cargo bench -p ares-benches --bench rollout`; threads:
+//! other tokens, its own count), with decode buckets (the padding's cost where no graph
+//! replays it; the same tokens, asserted) and on the training weights (no decode copy;
+//! the GEMM instead of the tiles). `cargo bench -p ares-benches --bench rollout`; threads:
 //! rayon's default (`RAYON_NUM_THREADS`).
 
 use std::path::Path;
@@ -126,6 +128,34 @@ fn main() {
             bf16.generate(&request).expect("generate");
         });
         report("  engine, bf16 weights", new_bf16, "tokens", tb);
+        // decode buckets: the padding's cost where no graph replays it (the CPU)
+        let padded = model.generator().expect("generator").decode_buckets(true);
+        let p = padded.generate(&request).expect("generate");
+        assert_eq!(p.tokens, a.tokens, "decode buckets must not change a token");
+        let tp = best_and_median(runs, || {
+            padded.generate(&request).expect("generate");
+        });
+        report("  engine, decode buckets", new, "tokens", tp);
+        // the training weights themselves (no decode copy; the GEMM instead of the tiles)
+        let shared = model
+            .generator_with(WeightDtype::Training)
+            .expect("generator");
+        let t = shared.generate(&request).expect("generate");
+        let same = t
+            .tokens
+            .iter()
+            .zip(&a.tokens)
+            .filter(|(x, y)| x == y)
+            .count();
+        let new_t: usize = t.tokens.iter().map(Vec::len).sum();
+        let tt = best_and_median(runs, || {
+            shared.generate(&request).expect("generate");
+        });
+        report("  engine, training weights", new_t, "tokens", tt);
+        println!(
+            "  training weights: {same} of {} sequences equal the f32 copy's",
+            a.tokens.len()
+        );
         // KV memory: the static cache holds batch × (width + max_new) slots; the engine the
         // blocks it allocated at its peak (16 slots each)
         let (_, all) = engine_run(&engine, &request, request.prompts.len());
