@@ -639,6 +639,13 @@ impl<B: Backend> VlGenerator<'_, B> {
         self
     }
 
+    /// Decode buckets and, on CUDA, graphs of the decode passes
+    /// ([`Generator::decode_buckets`]).
+    pub fn decode_buckets(mut self, on: bool) -> Self {
+        self.lm = self.lm.decode_buckets(on);
+        self
+    }
+
     /// Prefills at most `tokens` prompt tokens per step, a longer prompt (its image and
     /// video rows with it) in chunks ([`Generator::max_prefill_tokens`]).
     pub fn max_prefill_tokens(mut self, tokens: usize) -> Self {

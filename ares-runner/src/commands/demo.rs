@@ -563,6 +563,7 @@ pub fn evaluate_model_with<B: Backend + Clone>(
         seed: c.trainer.seed,
         chunk: 64,
         weight_dtype: rr.weight_dtype.into(),
+        cuda_graphs: rr.cuda_graphs,
         ranks: None,
     };
     let bar =

@@ -466,7 +466,7 @@ pub(crate) const RULES: &[Rule] = &[
     },
     Rule::Ignored {
         key: "worker.rollout.enforce_eager",
-        why: NO_VLLM,
+        why: "ares's CUDA graphs are worker.rollout.cuda_graphs (off by default)",
     },
     Rule::Ignored {
         key: "worker.rollout.enable_chunked_prefill",

@@ -197,6 +197,15 @@ impl Config {
             });
         }
         validate_trainer(&self.trainer)?;
+        if self.worker.rollout.cuda_graphs && self.trainer.device == super::Device::Cpu {
+            return Err(ConfigError::Inconsistent {
+                key: "worker.rollout.cuda_graphs".into(),
+                value: "true".into(),
+                reason: "needs a GPU (trainer.device: cuda or auto): on the CPU the decode \
+                         buckets would only add their padding's compute"
+                    .into(),
+            });
+        }
         validate_sft(&self.sft)?;
         self.validate_group_size()?;
         self.validate_reward_choice()
@@ -907,6 +916,23 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         Config::default().validate().expect("spec defaults");
+    }
+
+    #[test]
+    fn cuda_graphs_need_a_gpu() {
+        let mut c = Config::default();
+        c.worker.rollout.cuda_graphs = true;
+        c.trainer.device = crate::config::Device::Cpu;
+        let e = err(&c);
+        assert!(
+            e.contains("worker.rollout.cuda_graphs") && e.contains("needs a GPU"),
+            "{e}"
+        );
+        for device in [crate::config::Device::Cuda, crate::config::Device::Auto] {
+            c.trainer.device = device;
+            c.validate()
+                .expect("graphs on a GPU, or on one found at run time");
+        }
     }
 
     #[test]

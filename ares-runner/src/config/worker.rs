@@ -604,6 +604,11 @@ pub struct RolloutConfig {
     /// Decode weights of rollout, bootstrap and validation generation: `f32` (default) or
     /// `bf16`.
     pub weight_dtype: WeightDtype,
+    /// Pad decode passes to buckets of rows and, on CUDA, capture each bucket's pass as a
+    /// graph and replay it (vLLM's CUDA graphs; the inverse of its `enforce_eager`). Same
+    /// tokens. Default false until measured on a GPU; with `trainer.device: cpu` refused
+    /// (the CPU replays nothing: the padding would only cost).
+    pub cuda_graphs: bool,
     /// Multi-turn rollout with tool calls (verl's `multi_turn` section).
     pub multi_turn: MultiTurnConfig,
 }
@@ -712,6 +717,7 @@ impl Default for RolloutConfig {
             enable_graded_system_prompt: false,
             graded: GradedPromptConfig::default(),
             weight_dtype: WeightDtype::F32,
+            cuda_graphs: false,
             multi_turn: MultiTurnConfig::default(),
         }
     }

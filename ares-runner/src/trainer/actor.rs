@@ -333,6 +333,15 @@ impl<B: Backend> Actor<B> {
 }
 
 impl<B: Backend> ActorGenerator<'_, B> {
+    /// Decode buckets and, on CUDA, graphs of the decode passes
+    /// (`worker.rollout.cuda_graphs`; [`Generator::decode_buckets`]).
+    pub fn decode_buckets(self, on: bool) -> Self {
+        match self {
+            ActorGenerator::Text(g) => ActorGenerator::Text(g.decode_buckets(on)),
+            ActorGenerator::Vision(g) => ActorGenerator::Vision(g.decode_buckets(on)),
+        }
+    }
+
     /// Generates `request` with each prompt's images and videos (`vision[i]` for prompt
     /// `i`; empty: text only).
     ///

@@ -452,6 +452,7 @@ impl<B: Backend + Clone> Trainer<B> {
             seed,
             chunk: self.settings.rollout_chunk,
             weight_dtype: self.settings.weight_dtype,
+            cuda_graphs: self.settings.cuda_graphs,
             ranks: self.settings.ranks.clone(),
         }
     }
@@ -980,6 +981,7 @@ impl<B: Backend + Clone> Trainer<B> {
             seed: self.cfg.trainer.seed,
             chunk: self.settings.rollout_chunk,
             weight_dtype: self.settings.weight_dtype,
+            cuda_graphs: self.settings.cuda_graphs,
             ranks: self.settings.ranks.clone(),
         };
         let n = r.val_n();

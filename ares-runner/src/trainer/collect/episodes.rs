@@ -140,7 +140,9 @@ pub fn rollout_episodes<B: Backend>(
             });
         }
     }
-    let generator = model.generator_with(params.weight_dtype)?;
+    let generator = model
+        .generator_with(params.weight_dtype)?
+        .decode_buckets(params.cuda_graphs);
     let text = items.iter().all(|i| i.vision.is_none());
     // rows `offset..` of the rollout, here
     let mut run = |rows: &mut [Row], offset: usize| -> Result<EpisodeCounts, TrainError> {
@@ -270,6 +272,7 @@ fn engine_episodes<B: Backend>(
     };
     let config = EngineConfig {
         max_seqs: params.chunk.max(1),
+        decode_buckets: params.cuda_graphs,
         ..EngineConfig::default()
     };
     let mut engine = Engine::new(generator, request, config)?;

@@ -94,6 +94,9 @@ pub struct RolloutParams {
     pub chunk: usize,
     /// Decode weights: f32 or a bf16 copy.
     pub weight_dtype: WeightDtype,
+    /// Decode passes padded to buckets and, on CUDA, captured as graphs and replayed
+    /// (`worker.rollout.cuda_graphs`).
+    pub cuda_graphs: bool,
     /// A data-parallel run's ranks: each generates its share of the chunks and every
     /// rank gets every response (`None`: this process generates all).
     pub ranks: Option<crate::parallel::Ranks>,
@@ -120,7 +123,9 @@ pub fn generate_all<B: Backend>(
         return Ok(Vec::new());
     }
     // one transpose of the weights for every chunk
-    let generator = model.generator_with(params.weight_dtype)?;
+    let generator = model
+        .generator_with(params.weight_dtype)?
+        .decode_buckets(params.cuda_graphs);
     let requests: Vec<GenerateRequest> = prompts
         .chunks(chunk)
         .enumerate()

@@ -125,6 +125,8 @@ pub struct StepSettings {
     pub rollout_chunk: usize,
     /// Decode weights of every generation of the run.
     pub weight_dtype: crate::model::WeightDtype,
+    /// Decode buckets and CUDA graphs in every generation of the run.
+    pub cuda_graphs: bool,
     /// Base seed of the rollout streams.
     pub rollout_seed: u64,
     /// HWE windows and thresholds.
@@ -227,6 +229,7 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
         max_new_tokens: cfg.data.max_response_length,
         rollout_chunk: 64,
         weight_dtype: rollout.weight_dtype.into(),
+        cuda_graphs: rollout.cuda_graphs,
         rollout_seed: rollout.seed,
         hwe: HweParams {
             window_size: rollout.window_size,
