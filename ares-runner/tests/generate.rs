@@ -377,6 +377,11 @@ fn errors_name_what_to_fix() {
     assert!(e.contains("--top-p 0: must be in (0, 1]"), "{e}");
     let e = error(model, &["--prompt", "x", "--temperature=-1"]);
     assert!(e.contains("--temperature -1: must be >= 0"), "{e}");
+    let e = error(model, &["--prompt", "x", "--cuda-graphs"]);
+    assert!(
+        e.contains("--cuda-graphs needs --device cuda or auto"),
+        "{e}"
+    );
     let e = error(model, &["--prompt", "x", "--max-new-tokens", "600"]);
     assert!(
         e.contains("--max-new-tokens 600 exceed the model's context of 512 tokens")

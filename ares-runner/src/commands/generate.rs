@@ -134,6 +134,10 @@ pub struct GenerateArgs {
     /// `worker.rollout.weight_dtype` in training) [default: f32].
     #[arg(long, value_name = "DTYPE", value_parser = ["f32", "bf16"])]
     pub weight_dtype: Option<String>,
+    /// Pad decode passes to buckets and replay each bucket's pass as a captured CUDA graph
+    /// (a GPU only; as `worker.rollout.cuda_graphs` in training). Same tokens.
+    #[arg(long)]
+    pub cuda_graphs: bool,
     /// One JSON line per prompt instead of streamed text.
     #[arg(long)]
     pub json: bool,
@@ -347,6 +351,16 @@ pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<Vec<Completi
     }
     if let Some(d) = &args.weight_dtype {
         overrides.push(format!("worker.rollout.weight_dtype={d}"));
+    }
+    if args.cuda_graphs {
+        if args.device.as_deref().is_none_or(|d| d == "cpu") {
+            return Err(invalid(
+                "--cuda-graphs needs --device cuda or auto: the CPU replays no graph (the \
+                 decode buckets would only add their padding's compute)"
+                    .into(),
+            ));
+        }
+        overrides.push("worker.rollout.cuda_graphs=true".into());
     }
     let cfg = Config::load(None, &overrides).map_err(|e| invalid(e.to_string()))?;
     let selected = super::select_backend(&cfg)?;
@@ -1220,7 +1234,9 @@ impl Job<'_> {
         let write_err = |e: std::io::Error| TrainError::io("<output>", e);
         let model = build_actor(backend, self.files, self.cfg)?;
         let runtime = Runtime {
-            generator: model.generator_with(self.cfg.worker.rollout.weight_dtype.into())?,
+            generator: model
+                .generator_with(self.cfg.worker.rollout.weight_dtype.into())?
+                .decode_buckets(self.cfg.worker.rollout.cuda_graphs),
             media: self.media,
         };
         let n = self.input_ids.len();
