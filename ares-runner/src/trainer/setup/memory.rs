@@ -288,9 +288,31 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
                 ),
                 bytes: capacity * block_bytes,
             },
-            Part {
-                what: format!("decode arena ({sequences} rows) and a prefill of {prompts} prompts"),
-                bytes: arena(sequences, 1, HeadMode::Full, false) + prefill,
+            if cfg.worker.rollout.cuda_graphs {
+                // a decode arena per bucket (1, 2, 4, … rows), each kept for its graph
+                let mut rows = vec![sequences];
+                while let Some(&r) = rows.last().filter(|&&r| r > 1) {
+                    rows.push(r.div_ceil(2).next_power_of_two().min(r - 1).max(1));
+                }
+                let arenas: u64 = rows
+                    .iter()
+                    .map(|&r| arena(r, 1, HeadMode::Full, false))
+                    .sum();
+                Part {
+                    what: format!(
+                        "decode arenas of every bucket ({} … 1 rows, kept for CUDA graphs) and a \
+                         prefill of {prompts} prompts",
+                        sequences
+                    ),
+                    bytes: arenas + prefill,
+                }
+            } else {
+                Part {
+                    what: format!(
+                        "decode arena ({sequences} rows) and a prefill of {prompts} prompts"
+                    ),
+                    bytes: arena(sequences, 1, HeadMode::Full, false) + prefill,
+                }
             },
         ],
     };
@@ -469,6 +491,47 @@ mod tests {
         let (what, bytes) = moments(D::Int8);
         assert_eq!(bytes, embed + 2 * layer + 8 * 64, "{what}");
         assert!(what.contains("int8"));
+    }
+
+    /// With CUDA graphs the rollout keeps a decode arena per bucket (64, 32, …, 1 rows): the
+    /// plan counts them all; the decode copy of the weights is gone on a GPU without LoRA.
+    #[test]
+    fn cuda_graphs_keep_an_arena_per_bucket() {
+        let text = tiny();
+        let rollout = |graphs: bool, on_cpu: bool| {
+            let mut cfg = Config::default();
+            cfg.worker.rollout.cuda_graphs = graphs;
+            let model = PlanModel {
+                text: &text,
+                tower_params: 0,
+                vision: None,
+                on_cpu,
+                reference: false,
+            };
+            let plan = plan(&cfg, model).unwrap();
+            let phase = plan
+                .phases
+                .iter()
+                .find(|p| p.name == "rollout")
+                .unwrap()
+                .clone();
+            phase.parts
+        };
+        let (plain, graphs) = (rollout(false, false), rollout(true, false));
+        assert_eq!(plain[0].bytes, 0, "{}", plain[0].what); // the training weights, no copy
+        assert!(rollout(false, true)[0].bytes > 0); // the CPU's tile copy
+        assert!(
+            graphs[2].what.contains("every bucket"),
+            "{}",
+            graphs[2].what
+        );
+        // 64 + 32 + … + 1 = 127 rows of arena against 64 (the prefill is the same)
+        let extra = graphs[2].bytes - plain[2].bytes;
+        assert!(
+            extra > 0 && extra < plain[2].bytes,
+            "{extra} vs {}",
+            plain[2].bytes
+        );
     }
 
     /// LoRA on a vision-language model: the tower's pairs are held, trained and counted
