@@ -1046,86 +1046,47 @@ mod tests {
 
     #[test]
     fn dynamic_kl_weights_errors_name_the_argument_and_write_nothing() {
+        // (the error's kind, the argument it names)
+        fn named(e: Error) -> (&'static str, &'static str) {
+            match e {
+                Error::InvalidMask { what, .. } => ("mask", what),
+                Error::OutOfRange { what, .. } => ("range", what),
+                Error::LengthMismatch { what, .. } => ("length", what),
+                _ => ("other", ""),
+            }
+        }
         let shape = Shape::new(1, 2);
         let mut w = [7.0f32; 2];
         let uni = KlCoefficient::Uniform(0.1f32);
-        let e = dynamic_kl_weights(shape, uni, &[1.0, 0.5], None, 0.5, &mut w).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::InvalidMask {
-                    what: "mask",
-                    index: 1
-                }
+        let ones = [1.0f32, 1.0];
+        let per_row = |b: &'static [f32]| KlCoefficient::PerRow(b);
+        let cases: [(Result<()>, (&str, &str)); 5] = [
+            (
+                dynamic_kl_weights(shape, uni, &[1.0, 0.5], None, 0.5, &mut w),
+                ("mask", "mask"),
             ),
-            "{e:?}"
-        );
-        let e = dynamic_kl_weights(shape, uni, &[1.0, 1.0], Some(&[2.0, 0.0]), 0.5, &mut w)
-            .unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::InvalidMask {
-                    what: "hwe_mask",
-                    index: 0
-                }
+            (
+                dynamic_kl_weights(shape, uni, &ones, Some(&[2.0, 0.0]), 0.5, &mut w),
+                ("mask", "hwe_mask"),
             ),
-            "{e:?}"
-        );
-        let e = dynamic_kl_weights(shape, uni, &[1.0, 1.0], None, 1.5, &mut w).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::OutOfRange {
-                    what: "low_ratio",
-                    ..
-                }
+            (
+                dynamic_kl_weights(shape, uni, &ones, None, 1.5, &mut w),
+                ("range", "low_ratio"),
             ),
-            "{e:?}"
-        );
-        let neg = KlCoefficient::PerRow(&[-0.1f32]);
-        let e = dynamic_kl_weights(shape, neg, &[1.0, 1.0], None, 0.5, &mut w).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::OutOfRange {
-                    what: "kl_coef (β per row)",
-                    ..
-                }
+            (
+                dynamic_kl_weights(shape, per_row(&[-0.1]), &ones, None, 0.5, &mut w),
+                ("range", "kl_coef (β per row)"),
             ),
-            "{e:?}"
-        );
-        let e = dynamic_kl_weights(
-            shape,
-            KlCoefficient::PerRow(&[0.1f32, 0.2]),
-            &[1.0, 1.0],
-            None,
-            0.5,
-            &mut w,
-        )
-        .unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::LengthMismatch {
-                    what: "kl_coef (β per row)",
-                    expected: 1,
-                    actual: 2
-                }
+            (
+                dynamic_kl_weights(shape, per_row(&[0.1, 0.2]), &ones, None, 0.5, &mut w),
+                ("length", "kl_coef (β per row)"),
             ),
-            "{e:?}"
-        );
-        let e = dynamic_kl_weights(shape, uni, &[1.0, 1.0], None, 0.5, &mut [0.0; 3]).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::LengthMismatch {
-                    what: "weights (output)",
-                    ..
-                }
-            ),
-            "{e:?}"
-        );
+        ];
+        for (got, want) in cases {
+            assert_eq!(named(got.unwrap_err()), want);
+        }
+        let short = dynamic_kl_weights(shape, uni, &ones, None, 0.5, &mut [0.0; 3]).unwrap_err();
+        assert_eq!(named(short), ("length", "weights (output)"));
         assert_eq!(w, [7.0; 2]);
     }
 
