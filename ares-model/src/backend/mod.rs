@@ -24,8 +24,9 @@
 //!   may wait for the device are [`Backend::download`] (returns once the data is on the
 //!   host), [`Backend::synchronize`] and the calls that bring a result to the host (a
 //!   decode step's [`Backend::pick_tokens`], [`Backend::sum_of_squares`]); [`Counting`]
-//!   counts them. Uploads copy from the host slice before they return. Errors an op reports are argument errors found before launch (shapes, lengths);
-//!   a CPU backend reports value errors (an id out of range) too, a GPU one may not.
+//!   counts them. Uploads copy from the host slice before they return. Errors an op
+//!   reports are argument errors found before launch (shapes, lengths); a CPU backend
+//!   reports value errors (an id out of range) too, a GPU one may not.
 //! - **Shapes are explicit.** Every op takes its dimensions ([`LinearDims`],
 //!   [`AttentionDims`], `dim`, `heads`) rather than inferring them from lengths, and checks
 //!   the lengths of its views against them.

@@ -91,7 +91,8 @@ impl<B: Backend> Model<B> {
         extras: &ForwardExtras<'_, B>,
         acts: &mut Activations<B>,
     ) -> Result<(), ModelError> {
-        let n = self.check_pass(inputs, acts)?;
+        let n = inputs.check(&self.spec)?;
+        check_arena(inputs, acts)?;
         let be = &self.backend;
         be.upload_ids(inputs.input_ids, &mut acts.ids)?;
         be.upload_ids(inputs.position_ids, &mut acts.positions)?;
@@ -116,24 +117,12 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
-    /// `inputs` checked, and against the shape `acts` was planned for: its token count.
-    fn check_pass(&self, inputs: &Inputs<'_>, acts: &Activations<B>) -> Result<usize, ModelError> {
-        let n = inputs.check(&self.spec)?;
-        if acts.shape() != (inputs.batch, inputs.seq) {
-            return Err(ModelError::ActivationShape {
-                planned: acts.shape(),
-                actual: (inputs.batch, inputs.seq),
-            });
-        }
-        Ok(n)
-    }
-
-    /// The pass's ops, on inputs [`Model::stage_inputs`] put in `acts`: no transfer and no
-    /// allocation, so the same inputs' next values can replay it (a CUDA graph of a decode
-    /// step).
+    /// The pass's ops, on inputs [`Model::stage_inputs`] checked and put in `acts`: no
+    /// transfer and no allocation, so the same inputs' next values can replay it (a CUDA
+    /// graph of a decode step).
     ///
     /// # Errors
-    /// As [`Model::forward`].
+    /// `acts` planned for another shape, or a backend failure.
     pub(crate) fn forward_staged(
         &self,
         inputs: &Inputs<'_>,
@@ -142,7 +131,9 @@ impl<B: Backend> Model<B> {
         mut cache: Option<StepCache<'_, B>>,
         tw: Option<&DecodeWeights<B>>,
     ) -> Result<(), ModelError> {
-        let n = self.check_pass(inputs, acts)?;
+        // the inputs' values were checked when staged; only the shape is needed here
+        check_arena(inputs, acts)?;
+        let n = inputs.batch * inputs.seq;
         let be = &self.backend;
         let s = &self.spec;
         let w = &self.weights;
@@ -354,4 +345,15 @@ impl<B: Backend> Model<B> {
         }
         Ok(())
     }
+}
+
+/// Errors unless `acts` was planned for the inputs' `(batch, seq)`.
+fn check_arena<B: Backend>(inputs: &Inputs<'_>, acts: &Activations<B>) -> Result<(), ModelError> {
+    if acts.shape() == (inputs.batch, inputs.seq) {
+        return Ok(());
+    }
+    Err(ModelError::ActivationShape {
+        planned: acts.shape(),
+        actual: (inputs.batch, inputs.seq),
+    })
 }

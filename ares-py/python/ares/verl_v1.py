@@ -803,7 +803,9 @@ def _ares_rewards(trainer, batch, metrics):
         other = np.array([row for row, f in enumerate(row_to_final) if row != final_rows[f]], dtype=np.int64)
         if len(other):
             beta = res.beta[np.asarray(row_to_final)[other]]
-            hwe = trainer.ares.hwe_mask(padded["entropy"].float().cpu().numpy()[other], mask_all[other], res.tau)
+            hwe = None
+            if s["kl"]["dynamic"]:
+                hwe = trainer.ares.hwe_mask(padded["entropy"].float().cpu().numpy()[other], mask_all[other], res.tau)
             weights[other] = trainer.ares.kl_weights(beta, mask_all[other], hwe_mask=hwe)
         fields[KL_WEIGHTS_FIELD] = trainer_base.response_to_nested(torch.from_numpy(weights), nested_mask)
     tq.kv_batch_put(

@@ -32,8 +32,10 @@ pub(crate) struct GraphStats {
     pub(crate) failures: usize,
 }
 
-/// The captured decode passes of the KV buffers' generation `kv`.
-struct Graphs<G> {
+/// Decode buckets (`EngineConfig::decode_buckets`): passes padded to at most `max_rows`
+/// rows, and the captured passes of the KV buffers' generation `kv`.
+struct Buckets<G> {
+    max_rows: usize,
     kv: u64,
     by_shape: HashMap<(usize, usize), Captured<G>>,
     stats: GraphStats,
@@ -49,10 +51,7 @@ pub(crate) struct Runner<'a, B: Backend> {
     /// re-plans the other's buffers).
     picks: Picks<B>,
     decode_picks: Picks<B>,
-    /// Decode passes padded to a bucket of rows (`EngineConfig::decode_buckets`), at most
-    /// `max_seqs`; the padding decodes into the spare KV block.
-    buckets: Option<usize>,
-    /// The decode passes' arenas by rows, and the chunked prefill's.
+    /// The decode passes' arenas by rows.
     acts: HashMap<usize, Activations<B>>,
     /// The rows of the last decode pass (its arena holds its logits).
     decode_rows: usize,
@@ -60,8 +59,10 @@ pub(crate) struct Runner<'a, B: Backend> {
     /// by `(rows, width)` (the width grows by doubling): a decode step of a shape seen
     /// before allocates nothing.
     decode_tables: HashMap<(usize, usize), (B::Ids, B::Ids)>,
-    /// With decode buckets: the decode passes captured as graphs, by `(rows, width)`.
-    graphs: Option<Graphs<B::Graph>>,
+    /// With decode buckets: their size, and the passes captured as graphs by `(rows, width)`
+    /// (the padding decodes into the spare KV block).
+    buckets: Option<Buckets<B::Graph>>,
+    /// The chunked prefill's arena.
     chunk_acts: Option<Activations<B>>,
     /// The next-token logits of each cached prompt, by prefix group.
     prefix_logits: HashMap<usize, B::Buffer>,
@@ -89,11 +90,11 @@ impl<'a, B: Backend> Runner<'a, B> {
             kv: PagedKv::new(be, spec.layers, spec.kv_dim(), config.block_size, spare)?,
             picks: Picks::new(be, 1, spec.vocab)?,
             decode_picks: Picks::new(be, 1, spec.vocab)?,
-            buckets: spare.then_some(config.max_seqs),
             acts: HashMap::new(),
             decode_rows: 0,
             decode_tables: HashMap::new(),
-            graphs: spare.then(|| Graphs {
+            buckets: spare.then(|| Buckets {
+                max_rows: config.max_seqs,
                 kv: 0,
                 by_shape: HashMap::new(),
                 stats: GraphStats::default(),
@@ -202,8 +203,11 @@ impl<'a, B: Backend> Runner<'a, B> {
         // rows past the real ones pad the pass to its bucket: a dummy token at position 0
         // of the spare block, attending over itself
         let spare = self.kv.spare_block();
-        let n = match (self.buckets, spare) {
-            (Some(most), Some(_)) => rows.len().next_power_of_two().min(most.max(rows.len())),
+        let n = match (&self.buckets, spare) {
+            (Some(b), Some(_)) => rows
+                .len()
+                .next_power_of_two()
+                .min(b.max_rows.max(rows.len())),
             _ => rows.len(),
         };
         // This step's inputs and block tables; the width is a power of two (entries past a
@@ -245,7 +249,7 @@ impl<'a, B: Backend> Runner<'a, B> {
             kv,
             decode_tables,
             acts,
-            graphs,
+            buckets,
             tw,
             ..
         } = self;
@@ -285,7 +289,7 @@ impl<'a, B: Backend> Runner<'a, B> {
         // a captured pass is replayed on the staged inputs; a shape seen once is captured
         // the next time (its first pass planned its buffers); the KV buffers' reallocation
         // retires every graph (they read the old ones)
-        let Some(graphs) = graphs.as_mut() else {
+        let Some(graphs) = buckets.as_mut() else {
             run(kv, acts)?;
             return Ok(());
         };
@@ -335,7 +339,7 @@ impl<'a, B: Backend> Runner<'a, B> {
 
     /// The graphs' counts so far (zeros without decode buckets).
     pub(crate) fn graph_stats(&self) -> GraphStats {
-        self.graphs.as_ref().map(|g| g.stats).unwrap_or_default()
+        self.buckets.as_ref().map(|g| g.stats).unwrap_or_default()
     }
 
     /// A token per row of the last decode pass's logits, `draw(r)` row `r`'s sampling key.
