@@ -37,6 +37,7 @@ use crate::Result;
 use crate::error::check_len;
 use crate::exp::exp_nonpositive;
 use crate::isa::Isa;
+use crate::ops::stored::{F32Exact, Widen};
 use ares_core::{Error as CoreError, Shape};
 use rayon::prelude::*;
 
@@ -429,19 +430,27 @@ pub fn attention_decode(
 
 /// One sequence's keys and values and the validity of its slots: contiguous slots
 /// `[S, Hkv, D]` with an optional key mask `[S]`, or slots scattered over the blocks of a
-/// paged cache (`table`: the sequence's block ids; slot `s` lives at row `table[s / bs]·bs
-/// + s % bs` of the pool, every slot valid).
-#[derive(Clone, Copy)]
-struct KeySeq<'a> {
-    k: &'a [f32],
-    v: &'a [f32],
+/// paged cache (`table`: the sequence's block ids; slot `s` lives at row
+/// `table[s / bs]·bs + s % bs` of the pool, every slot valid). Keys and values are stored
+/// as `W` says (f32, or bf16 in a paged cache) and widened as they are read.
+struct KeySeq<'a, W: Widen> {
+    k: &'a [W::Elem],
+    v: &'a [W::Elem],
     mask: Option<&'a [f32]>,
     table: Option<(&'a [u32], usize)>,
     hkv: usize,
     d: usize,
 }
 
-impl<'a> KeySeq<'a> {
+impl<W: Widen> Clone for KeySeq<'_, W> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<W: Widen> Copy for KeySeq<'_, W> {}
+
+impl<'a> KeySeq<'a, F32Exact> {
     /// Sequence `b` of buffers holding `s` token slots per sequence.
     fn new(
         dims: &Dims,
@@ -461,10 +470,18 @@ impl<'a> KeySeq<'a> {
             d: dims.d,
         }
     }
+}
 
+impl<'a, W: Widen> KeySeq<'a, W> {
     /// A sequence whose slots are the blocks `table` (of `block_size` slots each) of the
     /// pools `k`, `v` `[blocks, block_size, Hkv, D]`.
-    fn paged(dims: &Dims, k: &'a [f32], v: &'a [f32], table: &'a [u32], block_size: usize) -> Self {
+    fn paged(
+        dims: &Dims,
+        k: &'a [W::Elem],
+        v: &'a [W::Elem],
+        table: &'a [u32],
+        block_size: usize,
+    ) -> Self {
         KeySeq {
             k,
             v,
@@ -477,7 +494,11 @@ impl<'a> KeySeq<'a> {
 
     /// Key and value vectors of kv head `g` and validity of the first `n` slots.
     #[inline(always)]
-    fn rows(self, g: usize, n: usize) -> impl Iterator<Item = (&'a [f32], &'a [f32], bool)> {
+    fn rows(
+        self,
+        g: usize,
+        n: usize,
+    ) -> impl Iterator<Item = (&'a [W::Elem], &'a [W::Elem], bool)> {
         let (tok, d) = (self.hkv * self.d, self.d);
         (0..n).map(move |s| {
             let row = match self.table {
@@ -498,9 +519,9 @@ impl<'a> KeySeq<'a> {
 /// row of `out` (zeros when no slot is valid, NaN when a score is not finite). `scores` is
 /// scratch of ≥ `min(heads, HEADS_AT_ONCE)·n` elements. Runs on the [`Isa::active`] path;
 /// every path runs the same code.
-fn attend(
+fn attend<W: Widen>(
     qs: &[f32],
-    keys: KeySeq<'_>,
+    keys: KeySeq<'_, W>,
     g: usize,
     n: usize,
     scale: f32,
@@ -510,40 +531,40 @@ fn attend(
     match Isa::active() {
         // SAFETY: `Isa::active` is a path the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { attend_avx512(qs, keys, g, n, scale, scores, out) },
+        Isa::Avx512 => unsafe { attend_avx512::<W>(qs, keys, g, n, scale, scores, out) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { attend_avx2(qs, keys, g, n, scale, scores, out) },
-        _ => attend_impl::<false, false>(qs, keys, g, n, scale, scores, out),
+        Isa::Avx2 => unsafe { attend_avx2::<W>(qs, keys, g, n, scale, scores, out) },
+        _ => attend_impl::<W, false, false>(qs, keys, g, n, scale, scores, out),
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
-fn attend_avx512(
+fn attend_avx512<W: Widen>(
     qs: &[f32],
-    keys: KeySeq<'_>,
+    keys: KeySeq<'_, W>,
     g: usize,
     n: usize,
     scale: f32,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
-    attend_impl::<true, true>(qs, keys, g, n, scale, scores, out);
+    attend_impl::<W, true, true>(qs, keys, g, n, scale, scores, out);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn attend_avx2(
+fn attend_avx2<W: Widen>(
     qs: &[f32],
-    keys: KeySeq<'_>,
+    keys: KeySeq<'_, W>,
     g: usize,
     n: usize,
     scale: f32,
     scores: &mut [f32],
     out: &mut [f32],
 ) {
-    attend_impl::<true, true>(qs, keys, g, n, scale, scores, out);
+    attend_impl::<W, true, true>(qs, keys, g, n, scale, scores, out);
 }
 
 /// Query heads [`attend`] takes through one pass over the keys (a group of grouped-query
@@ -555,9 +576,9 @@ const HEADS_AT_ONCE: usize = 8;
 /// (AVX2 and AVX-512 paths): scores of 8 keys at a time by [`dot8_avx2`], the same bits as
 /// [`dot`].
 #[inline(always)]
-fn attend_impl<const FMA: bool, const DOT8: bool>(
+fn attend_impl<W: Widen, const FMA: bool, const DOT8: bool>(
     qs: &[f32],
-    keys: KeySeq<'_>,
+    keys: KeySeq<'_, W>,
     g: usize,
     n: usize,
     scale: f32,
@@ -585,7 +606,7 @@ fn attend_impl<const FMA: bool, const DOT8: bool>(
             });
         };
         // valid slots wait in a batch of 8 when `DOT8`, else go one by one
-        let (mut batch, mut batch_k, mut waiting) = ([0usize; 8], [&[][..]; 8], 0);
+        let (mut batch, mut batch_k, mut waiting) = ([0usize; 8], [&[][..]; 8], 0usize);
         for (s, (k, _, valid)) in keys.rows(g, n).enumerate() {
             if !valid {
                 for j in 0..heads {
@@ -595,7 +616,7 @@ fn attend_impl<const FMA: bool, const DOT8: bool>(
             }
             if !DOT8 || k.len() != d {
                 for (j, q) in qs.chunks_exact(d).enumerate() {
-                    score(j, s, Some(dot(q, k)));
+                    score(j, s, Some(dot::<W>(q, k)));
                 }
                 continue;
             }
@@ -606,7 +627,7 @@ fn attend_impl<const FMA: bool, const DOT8: bool>(
                 for (j, q) in qs.chunks_exact(d).enumerate() {
                     // SAFETY: `DOT8` only under `attend_avx2` / `attend_avx512` (AVX2
                     // supported); every key of the batch holds `d` values, as `q` does.
-                    let dots = unsafe { dot8_avx2(q, &batch_k) };
+                    let dots = unsafe { dot8_avx2::<W>(q, &batch_k) };
                     for (&s, dot) in batch.iter().zip(dots) {
                         score(j, s, Some(dot));
                     }
@@ -616,7 +637,7 @@ fn attend_impl<const FMA: bool, const DOT8: bool>(
         }
         for (&s, k) in batch.iter().zip(batch_k).take(waiting) {
             for (j, q) in qs.chunks_exact(d).enumerate() {
-                score(j, s, Some(dot(q, k)));
+                score(j, s, Some(dot::<W>(q, k)));
             }
         }
         // per head: probabilities (masked slots hold −∞ and become exactly 0) and their sum
@@ -643,7 +664,7 @@ fn attend_impl<const FMA: bool, const DOT8: bool>(
             for (j, o) in out.chunks_exact_mut(d).enumerate() {
                 let p = scores[j * n + s];
                 if live[j] && p != 0.0 {
-                    axpy(p, v, o);
+                    axpy::<W>(p, v, o);
                 }
             }
         }
@@ -672,24 +693,24 @@ fn numel(dims: &[usize]) -> Result<usize> {
 /// Block `i` of `len` elements of `x`; empty if out of range, which validated shapes rule
 /// out (kernels then see no data instead of panicking).
 #[inline(always)]
-fn block(x: &[f32], i: usize, len: usize) -> &[f32] {
+fn block<T>(x: &[T], i: usize, len: usize) -> &[T] {
     x.get(i * len..(i + 1) * len).unwrap_or_default()
 }
 
-/// `a·b` over sixteen independent lanes so the loop vectorises.
+/// `a·b` over sixteen independent lanes so the loop vectorises, `b` widened from `W`.
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn dot<W: Widen>(a: &[f32], b: &[W::Elem]) -> f32 {
     let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
     let tail: f32 = ca
         .remainder()
         .iter()
         .zip(cb.remainder())
-        .map(|(x, y)| x * y)
+        .map(|(x, &y)| x * W::widen(y))
         .sum();
     let mut acc = [0.0f32; 16];
     for (x, y) in ca.zip(cb) {
-        for ((s, x), y) in acc.iter_mut().zip(x).zip(y) {
-            *s += x * y;
+        for ((s, x), &y) in acc.iter_mut().zip(x).zip(y) {
+            *s += x * W::widen(y);
         }
     }
     acc.iter().sum::<f32>() + tail
@@ -704,7 +725,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// The CPU supports AVX2; every `b[i]` has `a.len()` elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn dot8_avx2(a: &[f32], b: &[&[f32]; 8]) -> [f32; 8] {
+unsafe fn dot8_avx2<W: Widen>(a: &[f32], b: &[&[W::Elem]; 8]) -> [f32; 8] {
     use std::arch::x86_64::{
         __m256, _mm256_add_ps, _mm256_loadu_ps, _mm256_mul_ps, _mm256_permute2f128_ps,
         _mm256_set1_ps, _mm256_setzero_ps, _mm256_shuffle_ps, _mm256_storeu_ps, _mm256_unpackhi_ps,
@@ -721,7 +742,7 @@ unsafe fn dot8_avx2(a: &[f32], b: &[&[f32]; 8]) -> [f32; 8] {
             let q = unsafe { _mm256_loadu_ps(a.as_ptr().add(c)) };
             for (acc, b) in acc.iter_mut().zip(b) {
                 // SAFETY: as above.
-                let k = unsafe { _mm256_loadu_ps(b.as_ptr().add(c)) };
+                let k = unsafe { W::load8(b.as_ptr().add(c)) };
                 *acc = _mm256_add_ps(*acc, _mm256_mul_ps(q, k));
             }
         }
@@ -757,7 +778,11 @@ unsafe fn dot8_avx2(a: &[f32], b: &[&[f32]; 8]) -> [f32; 8] {
     // SAFETY: `sums` holds 8 floats.
     unsafe { _mm256_storeu_ps(sums.as_mut_ptr(), total) };
     for (sum, b) in sums.iter_mut().zip(b) {
-        let tail: f32 = a[full..].iter().zip(&b[full..]).map(|(x, y)| x * y).sum();
+        let tail: f32 = a[full..]
+            .iter()
+            .zip(&b[full..])
+            .map(|(x, &y)| x * W::widen(y))
+            .sum();
         *sum += tail;
     }
     sums
@@ -777,16 +802,19 @@ fn sum_f64(x: &[f32]) -> f64 {
     acc.iter().sum::<f64>() + tail
 }
 
-/// `y += a·x`.
+/// `y += a·x`, `x` widened from `W`.
 #[inline(always)]
-fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += a * x;
+fn axpy<W: Widen>(a: f32, x: &[W::Elem], y: &mut [f32]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y += a * W::widen(x);
     }
 }
 
 mod blocked;
 mod paged;
-pub use paged::{PagedKvCache, PagedKvCacheMut, paged_attention_decode, paged_kv_cache_append};
+pub use paged::{
+    PagedKvCache, PagedKvCacheMut, paged_attention_decode, paged_attention_decode_bf16,
+    paged_kv_cache_append, paged_kv_cache_append_bf16,
+};
 #[cfg(test)]
 mod tests;

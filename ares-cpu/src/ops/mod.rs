@@ -29,4 +29,5 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod scatter;
 pub mod segment_attention;
+pub(crate) mod stored;
 pub mod swiglu;

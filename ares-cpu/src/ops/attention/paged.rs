@@ -8,20 +8,28 @@
 //!
 //! The arithmetic is [`attention_decode`](super::attention_decode)'s over the same slots in
 //! the same order, so a sequence gets the same output bits paged or contiguous.
+//!
+//! The pool may hold bf16 instead of f32 ([`paged_kv_cache_append_bf16`],
+//! [`paged_attention_decode_bf16`]: half the memory of the rollout's KV cache): new keys and
+//! values are rounded to the nearest bf16 (ties to even) as they are written and widened
+//! (exactly) as they are read, so the output is the f32 kernel's over the rounded keys and
+//! values, bit for bit.
 
 use super::{AttentionShape, Dims, HEADS_AT_ONCE, KeySeq, attend};
 use crate::Result;
 use crate::error::check_len;
+use crate::ops::stored::{Bf16Bits, F32Exact, Widen};
 use ares_core::Error as CoreError;
 use rayon::prelude::*;
 
-/// One layer's paged KV cache for [`paged_attention_decode`].
+/// One layer's paged KV cache for [`paged_attention_decode`], elements `E`: f32, or bf16
+/// bits (`u16`) for [`paged_attention_decode_bf16`].
 #[derive(Debug, Clone, Copy)]
-pub struct PagedKvCache<'a> {
+pub struct PagedKvCache<'a, E = f32> {
     /// Keys `[blocks, block_size, Hkv, D]`.
-    pub k: &'a [f32],
+    pub k: &'a [E],
     /// Values `[blocks, block_size, Hkv, D]`.
-    pub v: &'a [f32],
+    pub v: &'a [E],
     /// Token slots per block, > 0.
     pub block_size: usize,
     /// Block ids `[B, max_blocks]`: sequence `b`'s blocks in order (entries past its
@@ -33,13 +41,14 @@ pub struct PagedKvCache<'a> {
     pub len: &'a [u32],
 }
 
-/// One layer's paged KV cache for [`paged_kv_cache_append`]; layout as [`PagedKvCache`].
+/// One layer's paged KV cache for [`paged_kv_cache_append`] (f32) or
+/// [`paged_kv_cache_append_bf16`] (`E = u16`: bf16 bits); layout as [`PagedKvCache`].
 #[derive(Debug)]
-pub struct PagedKvCacheMut<'a> {
+pub struct PagedKvCacheMut<'a, E = f32> {
     /// Keys `[blocks, block_size, Hkv, D]`.
-    pub k: &'a mut [f32],
+    pub k: &'a mut [E],
     /// Values `[blocks, block_size, Hkv, D]`.
-    pub v: &'a mut [f32],
+    pub v: &'a mut [E],
     /// Token slots per block, > 0.
     pub block_size: usize,
     /// Block ids `[B, max_blocks]`, as [`PagedKvCache::block_tables`].
@@ -121,6 +130,29 @@ pub fn paged_kv_cache_append(
     v_new: &[f32],
     cache: PagedKvCacheMut<'_>,
 ) -> Result<()> {
+    append::<F32Exact>(shape, k_new, v_new, cache)
+}
+
+/// [`paged_kv_cache_append`] into a bf16 pool: each new key and value rounded to the
+/// nearest bf16 (ties to even, as `torch.Tensor.bfloat16`).
+///
+/// # Errors
+/// As [`paged_kv_cache_append`].
+pub fn paged_kv_cache_append_bf16(
+    shape: &AttentionShape,
+    k_new: &[f32],
+    v_new: &[f32],
+    cache: PagedKvCacheMut<'_, u16>,
+) -> Result<()> {
+    append::<Bf16Bits>(shape, k_new, v_new, cache)
+}
+
+fn append<W: Widen>(
+    shape: &AttentionShape,
+    k_new: &[f32],
+    v_new: &[f32],
+    cache: PagedKvCacheMut<'_, W::Elem>,
+) -> Result<()> {
     let dims = shape.dims()?;
     check_len("k_new", dims.kv_len, k_new.len())?;
     check_len("v_new", dims.kv_len, v_new.len())?;
@@ -149,8 +181,14 @@ pub fn paged_kv_cache_append(
             let s = n as usize + i;
             let row = table[s / block_size] as usize * block_size + s % block_size;
             let src = (b * dims.t + i) * tok;
-            k[row * tok..(row + 1) * tok].copy_from_slice(&k_new[src..src + tok]);
-            v[row * tok..(row + 1) * tok].copy_from_slice(&v_new[src..src + tok]);
+            for (dst, new) in [(&mut *k, k_new), (&mut *v, v_new)] {
+                for (d, &x) in dst[row * tok..(row + 1) * tok]
+                    .iter_mut()
+                    .zip(&new[src..src + tok])
+                {
+                    *d = W::narrow(x);
+                }
+            }
         }
     }
     Ok(())
@@ -168,6 +206,29 @@ pub fn paged_attention_decode(
     shape: &AttentionShape,
     q: &[f32],
     cache: PagedKvCache<'_>,
+    out: &mut [f32],
+) -> Result<()> {
+    decode::<F32Exact>(shape, q, cache, out)
+}
+
+/// [`paged_attention_decode`] over a bf16 pool ([`paged_kv_cache_append_bf16`]): the
+/// bits of the f32 kernel over the same (rounded) keys and values.
+///
+/// # Errors
+/// As [`paged_attention_decode`].
+pub fn paged_attention_decode_bf16(
+    shape: &AttentionShape,
+    q: &[f32],
+    cache: PagedKvCache<'_, u16>,
+    out: &mut [f32],
+) -> Result<()> {
+    decode::<Bf16Bits>(shape, q, cache, out)
+}
+
+fn decode<W: Widen>(
+    shape: &AttentionShape,
+    q: &[f32],
+    cache: PagedKvCache<'_, W::Elem>,
     out: &mut [f32],
 ) -> Result<()> {
     let dims = shape.dims()?;
@@ -219,7 +280,7 @@ pub fn paged_attention_decode(
                 let table = block_tables
                     .get(b * max_blocks..(b + 1) * max_blocks)
                     .unwrap_or_default();
-                let keys = KeySeq::paged(&dims, k, v, table, block_size);
+                let keys = KeySeq::<W>::paged(&dims, k, v, table, block_size);
                 attend(qs, keys, g, n, dims.scale, scores, o);
             },
         );
@@ -372,6 +433,128 @@ mod tests {
             let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&paged), bits(&contiguous), "new = {new}");
             assert!(paged.iter().any(|&x| x != 0.0));
+        }
+    }
+
+    /// A bf16 pool holds each appended key and value rounded to nearest even, and attends
+    /// as the f32 pool holding those rounded values does, bit for bit (one query, and a
+    /// chunk of three; heads 64 wide so the 8-key dot products run on AVX2/AVX-512).
+    #[test]
+    fn bf16_pool_attends_as_f32_over_the_rounded_values() {
+        let (hq, hkv, d, bs) = (6, 2, 64, 4);
+        let tok = hkv * d;
+        let lens = [9usize, 30, 2];
+        for new in [1usize, 3] {
+            let b = lens.len();
+            let max_blocks = 40usize.div_ceil(bs);
+            let mut tables = vec![0u32; b * max_blocks];
+            let blocks = b * max_blocks;
+            // sequence s owns blocks s, s + 3, s + 6, …: interleaved in the pool
+            for (s, row) in tables.chunks_exact_mut(max_blocks).enumerate() {
+                for (c, id) in row.iter_mut().enumerate() {
+                    *id = (c * b + s) as u32;
+                }
+            }
+            let mut f32_pool = [
+                vec![0.0f32; blocks * bs * tok],
+                vec![0.0f32; blocks * bs * tok],
+            ];
+            let mut bf16_pool = [vec![0u16; blocks * bs * tok], vec![0u16; blocks * bs * tok]];
+            for (step, (n, len)) in [
+                (lens.iter().max().copied().unwrap_or(0), None),
+                (new, Some(&lens)),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                // first every sequence's history (padded to the longest), then the new tokens
+                let before: Vec<u32> = match len {
+                    None => vec![0; b],
+                    Some(l) => l.iter().map(|&n| n as u32).collect(),
+                };
+                let shape = AttentionShape::new(b, n, hq, hkv, d);
+                let mut k_new = values(b * n * tok, 30 + step as u32);
+                let v_new = values(b * n * tok, 40 + step as u32);
+                k_new[1] = f32::from_bits(0x3f80_8000); // a tie: rounds to even (1.0)
+                let rounded = |x: &[f32]| -> Vec<f32> {
+                    x.iter()
+                        .map(|&v| Bf16Bits::widen(Bf16Bits::narrow(v)))
+                        .collect()
+                };
+                let [fk, fv] = &mut f32_pool;
+                paged_kv_cache_append(
+                    &shape,
+                    &rounded(&k_new),
+                    &rounded(&v_new),
+                    PagedKvCacheMut {
+                        k: fk,
+                        v: fv,
+                        block_size: bs,
+                        block_tables: &tables,
+                        max_blocks,
+                        len: &before,
+                    },
+                )
+                .unwrap();
+                let [hk, hv] = &mut bf16_pool;
+                paged_kv_cache_append_bf16(
+                    &shape,
+                    &k_new,
+                    &v_new,
+                    PagedKvCacheMut {
+                        k: hk,
+                        v: hv,
+                        block_size: bs,
+                        block_tables: &tables,
+                        max_blocks,
+                        len: &before,
+                    },
+                )
+                .unwrap();
+            }
+            let widened: Vec<Vec<f32>> = bf16_pool
+                .iter()
+                .map(|p| p.iter().map(|&x| Bf16Bits::widen(x)).collect())
+                .collect();
+            assert_eq!(widened[0], f32_pool[0], "keys stored rounded");
+            assert_eq!(widened[1], f32_pool[1], "values stored rounded");
+            assert!(bf16_pool[0].contains(&0x3f80), "the tie rounded to even");
+            let shape = AttentionShape::new(b, new, hq, hkv, d);
+            let q = values(b * new * hq * d, 50);
+            let after: Vec<u32> = lens.iter().map(|&n| (n + new) as u32).collect();
+            let mut want = vec![0.0f32; q.len()];
+            paged_attention_decode(
+                &shape,
+                &q,
+                PagedKvCache {
+                    k: &f32_pool[0],
+                    v: &f32_pool[1],
+                    block_size: bs,
+                    block_tables: &tables,
+                    max_blocks,
+                    len: &after,
+                },
+                &mut want,
+            )
+            .unwrap();
+            let mut got = vec![0.0f32; q.len()];
+            paged_attention_decode_bf16(
+                &shape,
+                &q,
+                PagedKvCache {
+                    k: &bf16_pool[0],
+                    v: &bf16_pool[1],
+                    block_size: bs,
+                    block_tables: &tables,
+                    max_blocks,
+                    len: &after,
+                },
+                &mut got,
+            )
+            .unwrap();
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "new = {new}");
+            assert!(got.iter().any(|&x| x != 0.0));
         }
     }
 

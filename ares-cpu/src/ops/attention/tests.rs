@@ -1,5 +1,6 @@
 use super::*;
 use crate::Error;
+use crate::ops::stored::Bf16Bits;
 
 /// xorshift64*: reproducible inputs without a dependency.
 struct Rng(u64);
@@ -798,12 +799,33 @@ fn eight_key_dots_equal_dot_bit_for_bit() {
         rows[5].iter_mut().for_each(|x| *x *= 1e30);
         let b: [&[f32]; 8] = std::array::from_fn(|j| &rows[j][..]);
         // SAFETY: AVX2 is supported (checked above); every row holds `d` values.
-        let got = unsafe { super::dot8_avx2(&a, &b) };
+        let got = unsafe { super::dot8_avx2::<F32Exact>(&a, &b) };
         for (j, (g, row)) in got.iter().zip(&rows).enumerate() {
             assert_eq!(
                 g.to_bits(),
-                super::dot(&a, row).to_bits(),
+                super::dot::<F32Exact>(&a, row).to_bits(),
                 "d = {d}, key {j}"
+            );
+        }
+        // the same keys stored in bf16 (a bf16 KV page), widened as they are loaded
+        let halves: Vec<Vec<u16>> = rows
+            .iter()
+            .map(|r| r.iter().map(|&x| Bf16Bits::narrow(x)).collect())
+            .collect();
+        let b16: [&[u16]; 8] = std::array::from_fn(|j| &halves[j][..]);
+        // SAFETY: as above.
+        let got = unsafe { super::dot8_avx2::<Bf16Bits>(&a, &b16) };
+        for (j, (g, row)) in got.iter().zip(&halves).enumerate() {
+            let widened: Vec<f32> = row.iter().map(|&x| Bf16Bits::widen(x)).collect();
+            assert_eq!(
+                g.to_bits(),
+                super::dot::<Bf16Bits>(&a, row).to_bits(),
+                "bf16: d = {d}, key {j}"
+            );
+            assert_eq!(
+                g.to_bits(),
+                super::dot::<F32Exact>(&a, &widened).to_bits(),
+                "bf16 widened: d = {d}, key {j}"
             );
         }
     }
