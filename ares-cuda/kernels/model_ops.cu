@@ -87,6 +87,15 @@ __device__ __forceinline__ unsigned short bf16_rne(float x) {
     return (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
+// Values as stored: f32, or bf16 bits widened exactly and rounded to nearest even (AdamW
+// moments: twin of ares_cpu::ops::optim::Moment; KV pages: of ares_cpu::ops::stored).
+__device__ __forceinline__ float widen(float x) { return x; }
+__device__ __forceinline__ float widen(unsigned short b) {
+    return __uint_as_float((unsigned int)b << 16);
+}
+__device__ __forceinline__ void store_narrow(float* p, float x) { *p = x; }
+__device__ __forceinline__ void store_narrow(unsigned short* p, float x) { *p = bf16_rne(x); }
+
 // The operands of bf16 GEMMs.
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, unsigned short* __restrict__ y,
                                        i64 n) {
@@ -869,15 +878,6 @@ extern "C" __global__ void adamw_check(const float* __restrict__ grad, i64 n,
     }
 }
 
-// AdamW moments as stored: f32, or bf16 bits widened exactly and rounded to nearest even
-// (twin of ares_cpu::ops::optim::Moment).
-__device__ __forceinline__ float moment_load(float x) { return x; }
-__device__ __forceinline__ float moment_load(unsigned short b) {
-    return __uint_as_float((unsigned int)b << 16);
-}
-__device__ __forceinline__ void moment_store(float* p, float x) { *p = x; }
-__device__ __forceinline__ void moment_store(unsigned short* p, float x) { *p = bf16_rne(x); }
-
 // One element's update (the order above). `m` and `v` are the stored moments read as f32;
 // they come back updated.
 struct AdamConsts {
@@ -905,11 +905,11 @@ __device__ __forceinline__ void adamw_update_impl(float* __restrict__ param, con
     if (*guard) return;
     const AdamConsts k = {grad_scale, decay, w1, one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, apply_decay};
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        float m = moment_load(exp_avg[i]);
-        float v = moment_load(exp_avg_sq[i]);
+        float m = widen(exp_avg[i]);
+        float v = widen(exp_avg_sq[i]);
         param[i] = adamw_element(param[i], grad[i], m, v, k);
-        moment_store(&exp_avg[i], m);
-        moment_store(&exp_avg_sq[i], v);
+        store_narrow(&exp_avg[i], m);
+        store_narrow(&exp_avg_sq[i], v);
     }
 }
 
@@ -1029,15 +1029,19 @@ extern "C" __global__ void kv_append(const float* __restrict__ k_new, const floa
 }
 
 // Paged KV cache append: token i of sequence b goes to slot s = lens[b] + i, pool row
-// tables[b, s / block_size] · block_size + s % block_size (`tok` elements per row). A block id
-// past the pool is skipped and reported (ST_BAD_ID).
-extern "C" __global__ void paged_kv_append(const float* __restrict__ k_new,
-                                           const float* __restrict__ v_new, i64 batch, i64 seq,
-                                           i64 tok, const unsigned* __restrict__ tables,
-                                           const unsigned* __restrict__ lens, i64 block_size,
-                                           i64 max_blocks, i64 pool_blocks,
-                                           float* __restrict__ k_cache, float* __restrict__ v_cache,
-                                           unsigned* __restrict__ status) {
+// tables[b, s / block_size] · block_size + s % block_size (`tok` elements per row), stored as
+// the pool's type (f32, or bf16 rounded to nearest even). A block id past the pool is skipped
+// and reported (ST_BAD_ID).
+template <typename KV>
+__device__ __forceinline__ void paged_kv_append_impl(const float* __restrict__ k_new,
+                                                     const float* __restrict__ v_new, i64 batch,
+                                                     i64 seq, i64 tok,
+                                                     const unsigned* __restrict__ tables,
+                                                     const unsigned* __restrict__ lens,
+                                                     i64 block_size, i64 max_blocks,
+                                                     i64 pool_blocks, KV* __restrict__ k_cache,
+                                                     KV* __restrict__ v_cache,
+                                                     unsigned* __restrict__ status) {
     const i64 per_seq = seq * tok;
     const i64 n = batch * per_seq;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
@@ -1050,10 +1054,24 @@ extern "C" __global__ void paged_kv_append(const float* __restrict__ k_new,
             continue;
         }
         const i64 dst = ((i64)id * block_size + s % block_size) * tok + c;
-        k_cache[dst] = k_new[i];
-        v_cache[dst] = v_new[i];
+        store_narrow(k_cache + dst, k_new[i]);
+        store_narrow(v_cache + dst, v_new[i]);
     }
 }
+
+#define PAGED_KV_APPEND(NAME, KV)                                                              \
+    extern "C" __global__ void NAME(const float* __restrict__ k_new,                           \
+                                    const float* __restrict__ v_new, i64 batch, i64 seq,       \
+                                    i64 tok, const unsigned* __restrict__ tables,              \
+                                    const unsigned* __restrict__ lens, i64 block_size,         \
+                                    i64 max_blocks, i64 pool_blocks, KV* __restrict__ k_cache, \
+                                    KV* __restrict__ v_cache, unsigned* __restrict__ status) { \
+        paged_kv_append_impl<KV>(k_new, v_new, batch, seq, tok, tables, lens, block_size,      \
+                                 max_blocks, pool_blocks, k_cache, v_cache, status);           \
+    }
+
+PAGED_KV_APPEND(paged_kv_append, float)
+PAGED_KV_APPEND(paged_kv_append_bf16, unsigned short)
 
 // ---------------------------------------------------------------------------------------
 // Attention: causal GQA with a key mask, FlashAttention-style online softmax, f32.
@@ -1089,6 +1107,8 @@ struct AttnArgs {
     const unsigned* tables;  // paged: [batch, max_blocks] block ids; NULL: contiguous k/v
     const unsigned* lens;    // paged: [batch] slots before the new queries
     i64 block_size, max_blocks, pool_blocks;
+    const unsigned short* k16;  // paged in bf16: the pools as bf16 bits (k, v unused); else NULL
+    const unsigned short* v16;
 };
 
 // Slot of sequence b's first query.
@@ -1135,8 +1155,13 @@ __device__ __forceinline__ void stage_kv_tile(const AttnArgs& a, i64 b, int g, i
         const i64 row = s < key_end ? key_row(a, b, s, status) : -1;
         if (row >= 0) {
             const i64 idx = (row * a.hkv + g) * d + c;
-            kv = a.k[idx];
-            vv = a.v[idx];
+            if (a.k16) {
+                kv = widen(a.k16[idx]);
+                vv = widen(a.v16[idx]);
+            } else {
+                kv = a.k[idx];
+                vv = a.v[idx];
+            }
         }
         Ks[j * dp + c] = kv;
         Vs[j * dp + c] = vv;
@@ -1268,6 +1293,24 @@ __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict
 ATTN_FWD(attention_fwd_d64, 2, 2)
 ATTN_FWD(attention_fwd_d128, 4, 2)
 ATTN_FWD(attention_fwd_d256, 8, 1)
+
+// Paged decoding over bf16 pools: the forward above with each key and value widened as it is
+// staged (exact), so the output is the f32 kernel's over the rounded values; no mask, no lse.
+#define ATTN_FWD_KV16(NAME, DPL, RW)                                                          \
+    extern "C" __global__ void __launch_bounds__(NW * 32)                                     \
+        NAME(const float* q, const unsigned short* k16, const unsigned short* v16, i64 batch, \
+             i64 q_seq, int hq, int hkv, int d, float scale, const unsigned* tables,          \
+             const unsigned* lens, i64 block_size, i64 max_blocks, i64 pool_blocks,           \
+             float* out, unsigned* status) {                                                  \
+        AttnArgs a = {q, nullptr, nullptr, nullptr, batch, q_seq, pool_blocks, 0,             \
+                      hq, hkv, d, scale, tables, lens, block_size, max_blocks,                \
+                      pool_blocks, k16, v16};                                                 \
+        attention_fwd_impl<DPL, RW>(a, out, nullptr, status);                                 \
+    }
+
+ATTN_FWD_KV16(attention_fwd_kv16_d64, 2, 2)
+ATTN_FWD_KV16(attention_fwd_kv16_d128, 4, 2)
+ATTN_FWD_KV16(attention_fwd_kv16_d256, 8, 1)
 
 // δ[row] = Σ_c dout[row, c]·out[row, c] per (token, head) row; one warp per row.
 extern "C" __global__ void attention_bwd_delta(const float* __restrict__ dout,

@@ -133,8 +133,15 @@ kernel_table! {
         adamw_update_int8: "adamw_update_int8",
         kv_append: "kv_append",
         paged_kv_append: "paged_kv_append",
+        paged_kv_append_bf16: "paged_kv_append_bf16",
         /// Per head-size class (≤ 64, ≤ 128, ≤ 256).
         attention_fwd: ["attention_fwd_d64", "attention_fwd_d128", "attention_fwd_d256"],
+        /// Paged decoding over bf16 pools, per head-size class.
+        attention_fwd_kv16: [
+            "attention_fwd_kv16_d64",
+            "attention_fwd_kv16_d128",
+            "attention_fwd_kv16_d256"
+        ],
         attention_bwd_delta: "attention_bwd_delta",
         attention_bwd_dq: [
             "attention_bwd_dq_d64",

@@ -940,7 +940,9 @@ fn kv_cache_and_decode_match_cpu() {
 
 /// Paged cache: three sequences of different lengths over a scrambled pool of 4-slot
 /// blocks, appended a prompt each then decoded three steps together; pools and outputs
-/// equal the CPU's, and a block id past the pool is an error naming the tables.
+/// equal the CPU's, and a block id past the pool is an error naming the tables. The same
+/// steps over bf16 pools: the pools hold the CPU's bits, and the attention gives the f32
+/// kernel's bits over an f32 pool of the rounded values.
 #[test]
 fn paged_kv_cache_and_decode_match_cpu() {
     let Some(gpu) = gpu_or_skip() else { return };
@@ -957,6 +959,16 @@ fn paged_kv_cache_and_decode_match_cpu() {
     let pool = 12 * bs * slot;
     let (mut gk, mut gv) = (gpu.alloc(pool).unwrap(), gpu.alloc(pool).unwrap());
     let (mut ck, mut cv) = (vec![0.0; pool], vec![0.0; pool]);
+    let (mut gk16, mut gv16) = (
+        gpu.alloc_half(pool, DType::Bf16).unwrap(),
+        gpu.alloc_half(pool, DType::Bf16).unwrap(),
+    );
+    let (mut ck16, mut cv16) = (
+        cpu.alloc_half(pool, DType::Bf16).unwrap(),
+        cpu.alloc_half(pool, DType::Bf16).unwrap(),
+    );
+    // f32 pools of the rounded keys and values: what the bf16 pools must attend as
+    let (mut grk, mut grv) = (gpu.alloc(pool).unwrap(), gpu.alloc(pool).unwrap());
     let gtables = up_ids(&gpu, &tables);
     // the prompts one sequence at a time (a batch-1 table row each), a second chunk of the
     // first prompt after its first (chunked prefill: queries at slots 5..8 over 0..=slot),
@@ -1046,6 +1058,98 @@ fn paged_kv_cache_and_decode_match_cpu() {
         )
         .unwrap();
         assert_close(&what("paged_attention_decode"), &down(&gpu, &go), &co, 1e-4);
+
+        // bf16 pools
+        let round = |x: &[f32]| -> Vec<f32> {
+            x.iter()
+                .map(|&v| half::bf16::from_f32(v).to_f32())
+                .collect()
+        };
+        let (gkn, gvn) = (up(&gpu, &k_new), up(&gpu, &v_new));
+        gpu.paged_kv_cache_append_bf16(
+            dims,
+            View::whole(&gkn),
+            View::whole(&gvn),
+            PagedKvViewMut {
+                k: ViewMut::whole(&mut gk16),
+                v: ViewMut::whole(&mut gv16),
+                blocks: blocks(&gt, &gl),
+            },
+        )
+        .unwrap();
+        cpu.paged_kv_cache_append_bf16(
+            dims,
+            View::whole(&k_new),
+            View::whole(&v_new),
+            PagedKvViewMut {
+                k: ViewMut::whole(&mut ck16),
+                v: ViewMut::whole(&mut cv16),
+                blocks: cpu_blocks(),
+            },
+        )
+        .unwrap();
+        gpu.paged_kv_cache_append(
+            dims,
+            View::whole(&up(&gpu, &round(&k_new))),
+            View::whole(&up(&gpu, &round(&v_new))),
+            PagedKvViewMut {
+                k: ViewMut::whole(&mut grk),
+                v: ViewMut::whole(&mut grv),
+                blocks: blocks(&gt, &gl),
+            },
+        )
+        .unwrap();
+        for (name, g, c) in [("k16 pool", &gk16, &ck16), ("v16 pool", &gv16, &cv16)] {
+            let (mut gb, mut cb) = (vec![0u16; pool], vec![0u16; pool]);
+            gpu.download_half(View::whole(g), &mut gb).unwrap();
+            cpu.download_half(View::whole(c), &mut cb).unwrap();
+            assert_eq!(gb, cb, "{}", what(name));
+        }
+        let gq = up(&gpu, &q);
+        let mut g16 = up(&gpu, &vec![f32::NAN; qn]);
+        gpu.paged_attention_decode_bf16(
+            dims,
+            View::whole(&gq),
+            PagedKvView {
+                k: View::whole(&gk16),
+                v: View::whole(&gv16),
+                blocks: blocks(&gt, &gl),
+            },
+            ViewMut::whole(&mut g16),
+        )
+        .unwrap();
+        let mut grounded = up(&gpu, &vec![f32::NAN; qn]);
+        gpu.paged_attention_decode(
+            dims,
+            View::whole(&gq),
+            PagedKvView {
+                k: View::whole(&grk),
+                v: View::whole(&grv),
+                blocks: blocks(&gt, &gl),
+            },
+            ViewMut::whole(&mut grounded),
+        )
+        .unwrap();
+        let bits = |x: Vec<f32>| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(down(&gpu, &g16)),
+            bits(down(&gpu, &grounded)),
+            "{}",
+            what("paged_attention_decode_bf16")
+        );
+        let mut c16 = vec![0.0; qn];
+        cpu.paged_attention_decode_bf16(
+            dims,
+            View::whole(&q),
+            PagedKvView {
+                k: View::whole(&ck16),
+                v: View::whole(&cv16),
+                blocks: cpu_blocks(),
+            },
+            ViewMut::whole(&mut c16),
+        )
+        .unwrap();
+        assert_close(&what("bf16 vs CPU"), &down(&gpu, &g16), &c16, 1e-4);
         for &b in &rows {
             lens[b] += seq as u32;
         }

@@ -8,7 +8,7 @@ use ares_model::backend::cpu::CpuBackend;
 use ares_model::hf::checkpoint::Checkpoint;
 use ares_model::model::{
     Engine, EngineConfig, EngineRequest, EngineStats, GenerateError, GenerateOutput,
-    GenerateRequest, HeadMode, Inputs, KvCache, Model, Sampling, WeightDtype,
+    GenerateRequest, HeadMode, Inputs, KvCache, KvCacheDtype, Model, Sampling, WeightDtype,
 };
 
 mod common;
@@ -286,6 +286,7 @@ fn engine_with_few_slots_and_blocks_equals_one_by_one() {
                         max_blocks,
                         max_prefill_tokens: 8,
                         decode_buckets,
+                        ..EngineConfig::default()
                     };
                     let what = format!("{name} n={n} {sampling:?} {config:?}");
                     let (out, widest, preemptions, in_use) = engine_run(&m, &req, config);
@@ -338,6 +339,7 @@ fn chunked_prefill_equals_one_pass_prefill() {
                     max_blocks,
                     max_prefill_tokens: chunk,
                     decode_buckets: false,
+                    ..EngineConfig::default()
                 };
                 let what = format!("{name} {sampling:?} {config:?}");
                 let (out, widest, _, in_use) = engine_run(&m, &req, config);
@@ -388,6 +390,7 @@ fn chunked_prefill_does_not_stall_decoding() {
         max_blocks: None,
         max_prefill_tokens: 4,
         decode_buckets: false,
+        ..EngineConfig::default()
     };
     let mut engine = Engine::new(&generator, request, config).unwrap();
     engine.submit(vec![3, 4]).unwrap();
@@ -574,6 +577,7 @@ fn continued_turns_equal_re_prefilling_the_conversation() {
                     max_blocks,
                     max_prefill_tokens,
                     decode_buckets: false,
+                    ..EngineConfig::default()
                 };
                 let what = format!("{name} {sampling:?} {config:?}");
                 let (turns, stats, in_use) = multi_turn_run(&m, &prompts, sampling, seed, config);
@@ -787,6 +791,100 @@ fn bf16_decode_weights_equal_the_rounded_model() {
             .flatten()
             .all(|lp| lp.is_finite() && *lp <= 0.0)
     );
+}
+
+/// A KV cache in bf16: every sequence is the same bits alone or in a batch with budgets
+/// that preempt and chunk (the pages round each key and value once, whichever block holds
+/// it), the paged bf16 ops run in place of the f32 ones, and the greedy log-probs stay
+/// within bf16's rounding of the f32 cache's.
+#[test]
+fn bf16_kv_cache_is_batch_invariant_and_close_to_f32() {
+    use ares_model::backend::Counting;
+    for name in MODELS {
+        let checkpoint = Checkpoint::load(&fixture(name)).unwrap();
+        let m = Model::from_checkpoint(Counting::new(CpuBackend), &checkpoint).unwrap();
+        let generator = m.generator().unwrap().kv_cache_dtype(KvCacheDtype::Bf16);
+        let p = greedy_fixture(name).prompts;
+        let prompts: Vec<Vec<u32>> = (0..6).map(|i| p[(i / 2) % p.len()].clone()).collect();
+        for sampling in [Sampling::Greedy, SAMPLE] {
+            let mut req = request(prompts.clone(), sampling, 13);
+            req.max_new_tokens = 12;
+            // each sequence alone (at its own stream index)
+            let mut want = GenerateOutput::default();
+            for (i, prompt) in req.prompts.iter().enumerate() {
+                let mut alone = vec![vec![1u32]; i];
+                alone.push(prompt.clone());
+                let one = generator
+                    .generate(&GenerateRequest {
+                        prompts: alone,
+                        ..req.clone()
+                    })
+                    .unwrap();
+                want.tokens.push(one.tokens[i].clone());
+                want.log_probs.push(one.log_probs[i].clone());
+            }
+            m.backend().take();
+            let batched = generator.generate(&req).unwrap();
+            let calls = m.backend().take().calls;
+            assert!(calls.contains(&"paged_attention_decode_bf16"), "{name}");
+            assert!(!calls.contains(&"paged_attention_decode"), "{name}");
+            assert_eq!(batched.tokens, want.tokens, "{name} {sampling:?}");
+            assert_eq!(bits(&batched.log_probs), bits(&want.log_probs), "{name}");
+            let longest = req.prompts.iter().map(Vec::len).max().unwrap() + 12;
+            let config = EngineConfig {
+                max_seqs: 3,
+                block_size: 4,
+                max_blocks: Some(longest.div_ceil(4) + 2),
+                max_prefill_tokens: 8,
+                kv_cache_dtype: KvCacheDtype::Bf16,
+                ..EngineConfig::default()
+            };
+            let request = EngineRequest {
+                max_new_tokens: req.max_new_tokens,
+                eos_ids: Vec::new(),
+                sampling,
+                seed: req.seed,
+            };
+            let mut engine = Engine::new(&generator, request, config).unwrap();
+            for prompt in &req.prompts {
+                engine.submit(prompt.clone()).unwrap();
+            }
+            let mut tokens = vec![Vec::new(); req.prompts.len()];
+            while !engine.is_idle() {
+                for f in engine.step().unwrap() {
+                    tokens[f.id] = f.tokens;
+                }
+            }
+            assert!(engine.stats().preemptions > 0, "{name}: nothing preempted");
+            // a chunked prompt attends over its own rounded keys, where a one-pass prefill
+            // attends over the f32 ones: compare tokens up to the first such difference
+            let same = tokens
+                .iter()
+                .zip(&want.tokens)
+                .filter(|(a, b)| a == b)
+                .count();
+            assert!(
+                same >= tokens.len() - 1,
+                "{name} {sampling:?}: {same} equal"
+            );
+        }
+        // close to the f32 cache's greedy log-probs, up to where the tokens part
+        let req = request(prompts.clone(), Sampling::Greedy, 0);
+        let f32_out = m.generator().unwrap().generate(&req).unwrap();
+        let bf16_out = generator.generate(&req).unwrap();
+        let mut gaps = Vec::new();
+        for (i, (a, b)) in f32_out.tokens.iter().zip(&bf16_out.tokens).enumerate() {
+            for (j, _) in a.iter().zip(b).take_while(|(x, y)| x == y).enumerate() {
+                gaps.push((f32_out.log_probs[i][j] - bf16_out.log_probs[i][j]).abs());
+            }
+        }
+        let max = gaps.iter().copied().fold(0.0f32, f32::max);
+        eprintln!(
+            "{name}: bf16 vs f32 KV greedy log-prob gap over {} tokens: max {max:.2e}",
+            gaps.len()
+        );
+        assert!(!gaps.is_empty() && max < 0.05, "{name}: gap {max}");
+    }
 }
 
 /// Static batching (the benchmark's baseline) gives the engine's outputs.

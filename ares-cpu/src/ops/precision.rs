@@ -17,6 +17,7 @@
 //! Both roundings keep ±0, ±∞ and NaN (as a quiet NaN); a finite value past the narrow
 //! format's largest rounds to ∞ as IEEE rounding does.
 
+use crate::ops::stored::{Bf16Bits, Widen};
 use rayon::prelude::*;
 use std::borrow::Cow;
 
@@ -91,6 +92,19 @@ impl MatmulPrecision {
         }
         Cow::Owned(out)
     }
+}
+
+/// Each element of `src` rounded to the nearest bf16 (ties to even; NaN stays NaN), its bits
+/// into `dst`: what a kernel that stores bf16 (a KV page) writes.
+///
+/// # Errors
+/// `dst` of another length than `src`.
+pub fn round_to_bf16(src: &[f32], dst: &mut [u16]) -> crate::Result<()> {
+    crate::error::check_len("dst", src.len(), dst.len())?;
+    for (d, &x) in dst.iter_mut().zip(src) {
+        *d = Bf16Bits::narrow(x);
+    }
+    Ok(())
 }
 
 /// `x` rounded to nearest (ties to even) with its low `drop` bits cleared; NaN stays a

@@ -10,7 +10,7 @@
 use super::{ArgOrNull, ModelOps, bad, check_len, grid, i32_of, i64_of, mul, scratch};
 use crate::error::{DriverContext, Result};
 use cudarc::driver::{
-    CudaFunction, CudaView, CudaViewMut, LaunchArgs, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaView, CudaViewMut, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 
 /// Warps per block of every attention kernel (`NW` in `model_ops.cu`).
@@ -91,22 +91,22 @@ pub struct BlockTablesView<'a, 'b> {
 }
 
 /// One layer's paged KV cache to append to: pools `[blocks, block_size, kv_heads,
-/// head_dim]`.
-pub struct PagedKvCacheMut<'a, 'b> {
+/// head_dim]` of `T`: f32, or bf16 bits (`u16`).
+pub struct PagedKvCacheMut<'a, 'b, T = f32> {
     /// Keys.
-    pub k: &'a mut CudaViewMut<'b, f32>,
+    pub k: &'a mut CudaViewMut<'b, T>,
     /// Values.
-    pub v: &'a mut CudaViewMut<'b, f32>,
+    pub v: &'a mut CudaViewMut<'b, T>,
     /// The sequences' blocks and lengths.
     pub blocks: BlockTablesView<'a, 'b>,
 }
 
-/// One layer's paged KV cache to attend over (layout as [`PagedKvCacheMut`]).
-pub struct PagedKvCache<'a, 'b> {
+/// One layer's paged KV cache to attend over (layout and `T` as [`PagedKvCacheMut`]).
+pub struct PagedKvCache<'a, 'b, T = f32> {
     /// Keys.
-    pub k: &'a CudaView<'b, f32>,
+    pub k: &'a CudaView<'b, T>,
     /// Values.
-    pub v: &'a CudaView<'b, f32>,
+    pub v: &'a CudaView<'b, T>,
     /// The sequences' blocks and lengths (before the new tokens).
     pub blocks: BlockTablesView<'a, 'b>,
 }
@@ -630,6 +630,64 @@ impl ModelOps {
         )
     }
 
+    /// [`ModelOps::paged_attention_decode`] over bf16 pools (twin of
+    /// `ares_cpu::ops::attention::paged_attention_decode_bf16`): each key and value widened
+    /// (exactly) as it is staged, so the output is the f32 kernel's over the rounded values.
+    ///
+    /// # Errors
+    /// As [`ModelOps::paged_attention_decode`].
+    pub fn paged_attention_decode_bf16(
+        &self,
+        shape: AttentionShape,
+        q: &CudaView<'_, f32>,
+        cache: PagedKvCache<'_, '_, u16>,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "paged_attention_decode_bf16";
+        let dims = shape.dims(K)?;
+        check_len(K, "q", dims.q_len, q.len())?;
+        check_len(K, "out", dims.q_len, out.len())?;
+        let b = &cache.blocks;
+        let blocks = check_paged(K, &shape, &dims, cache.k.len(), cache.v.len(), b)?;
+        if dims.q_len == 0 {
+            return Ok(());
+        }
+        let rows = WARPS * FWD_ROWS_PER_WARP[dims.class];
+        let grid = tiled_blocks(K, &shape, query_rows(K, &shape)?, rows)?;
+        let func = &self.f.attention_fwd_kv16[dims.class];
+        let cfg = attention_cfg(self, K, func, grid, rows_smem(shape.head_dim, rows, 1))?;
+        let (b64, qs64) = (
+            i64_of(K, "batch", shape.batch)?,
+            i64_of(K, "seq", shape.seq)?,
+        );
+        let paged = [
+            i64_of(K, "block_size", b.block_size)?,
+            i64_of(K, "max_blocks", b.max_blocks)?,
+            i64_of(K, "pool blocks", blocks)?,
+        ];
+        let mut state = self.lock();
+        let mut l = self.stream.launch_builder(func);
+        l.arg(q)
+            .arg(cache.k)
+            .arg(cache.v)
+            .arg(&b64)
+            .arg(&qs64)
+            .arg(&dims.hq)
+            .arg(&dims.hkv)
+            .arg(&dims.d)
+            .arg(&shape.scale)
+            .arg(b.tables)
+            .arg(b.lens);
+        for a in &paged {
+            l.arg(a);
+        }
+        l.arg(out).arg(&mut state.status);
+        // SAFETY: argument order as the `ATTN_FWD_KV16` kernels; every length was checked
+        // against the shape above, and the grid/shared memory match the variant.
+        unsafe { l.launch(cfg) }.during(K)?;
+        Ok(())
+    }
+
     /// Appends `shape.seq` new tokens per sequence to a paged KV cache (twin of
     /// `ares_cpu::ops::attention::paged_kv_cache_append`): token `i` of sequence `b` goes to
     /// slot `lens[b] + i`. The caller advances the lengths.
@@ -643,12 +701,42 @@ impl ModelOps {
         v_new: &CudaView<'_, f32>,
         cache: PagedKvCacheMut<'_, '_>,
     ) -> Result<()> {
-        const K: &str = "paged_kv_cache_append";
-        let dims = shape.dims(K)?;
-        check_len(K, "k_new", dims.kv_len, k_new.len())?;
-        check_len(K, "v_new", dims.kv_len, v_new.len())?;
+        let f = &self.f.paged_kv_append;
+        self.paged_append("paged_kv_cache_append", f, shape, k_new, v_new, cache)
+    }
+
+    /// [`ModelOps::paged_kv_cache_append`] into bf16 pools (twin of
+    /// `ares_cpu::ops::attention::paged_kv_cache_append_bf16`): each new key and value
+    /// rounded to the nearest bf16, ties to even.
+    ///
+    /// # Errors
+    /// As [`ModelOps::paged_kv_cache_append`].
+    pub fn paged_kv_cache_append_bf16(
+        &self,
+        shape: AttentionShape,
+        k_new: &CudaView<'_, f32>,
+        v_new: &CudaView<'_, f32>,
+        cache: PagedKvCacheMut<'_, '_, u16>,
+    ) -> Result<()> {
+        let f = &self.f.paged_kv_append_bf16;
+        self.paged_append("paged_kv_cache_append_bf16", f, shape, k_new, v_new, cache)
+    }
+
+    /// Launches `func` (`paged_kv_append` or its bf16 twin, which share their arguments).
+    fn paged_append<T: DeviceRepr>(
+        &self,
+        k: &'static str,
+        func: &CudaFunction,
+        shape: AttentionShape,
+        k_new: &CudaView<'_, f32>,
+        v_new: &CudaView<'_, f32>,
+        cache: PagedKvCacheMut<'_, '_, T>,
+    ) -> Result<()> {
+        let dims = shape.dims(k)?;
+        check_len(k, "k_new", dims.kv_len, k_new.len())?;
+        check_len(k, "v_new", dims.kv_len, v_new.len())?;
         let blocks = check_paged(
-            K,
+            k,
             &shape,
             &dims,
             cache.k.len(),
@@ -660,17 +748,17 @@ impl ModelOps {
         }
         let b = &cache.blocks;
         let args = [
-            i64_of(K, "batch", shape.batch)?,
-            i64_of(K, "seq", shape.seq)?,
-            i64_of(K, "kv_heads × head_dim", dims.kv_tok)?,
+            i64_of(k, "batch", shape.batch)?,
+            i64_of(k, "seq", shape.seq)?,
+            i64_of(k, "kv_heads × head_dim", dims.kv_tok)?,
         ];
         let paged = [
-            i64_of(K, "block_size", b.block_size)?,
-            i64_of(K, "max_blocks", b.max_blocks)?,
-            i64_of(K, "pool blocks", blocks)?,
+            i64_of(k, "block_size", b.block_size)?,
+            i64_of(k, "max_blocks", b.max_blocks)?,
+            i64_of(k, "pool blocks", blocks)?,
         ];
         let mut state = self.lock();
-        let mut l = self.stream.launch_builder(&self.f.paged_kv_append);
+        let mut l = self.stream.launch_builder(func);
         l.arg(k_new).arg(v_new);
         for a in &args {
             l.arg(a);
@@ -680,8 +768,9 @@ impl ModelOps {
             l.arg(a);
         }
         l.arg(cache.k).arg(cache.v).arg(&mut state.status);
-        // SAFETY: argument order as `paged_kv_append`; lengths, tables and room checked above.
-        unsafe { l.launch(super::element_cfg(dims.kv_len)) }.during(K)?;
+        // SAFETY: argument order as `PAGED_KV_APPEND`, the pools of the kernel's type;
+        // lengths, tables and room checked above.
+        unsafe { l.launch(super::element_cfg(dims.kv_len)) }.during(k)?;
         Ok(())
     }
 

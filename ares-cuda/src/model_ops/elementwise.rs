@@ -40,6 +40,18 @@ impl ModelOps {
         self.stream.memcpy_dtod(src, dst).during("copy")
     }
 
+    /// `dst = src` for bf16 (or any 16-bit) elements: blocks of a bf16 KV pool.
+    ///
+    /// # Errors
+    /// Lengths that differ.
+    pub fn copy_bf16(&self, src: &CudaView<'_, u16>, dst: &mut CudaViewMut<'_, u16>) -> Result<()> {
+        check_len("copy_bf16", "dst", src.len(), dst.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.stream.memcpy_dtod(src, dst).during("copy_bf16")
+    }
+
     /// `dst = src` for a `[rows, cols]` matrix: the decode weights' layout on the GPU is the
     /// row-major one cuBLAS reads (the CPU packs tiles, `ares_cpu::ops::matmul_tiles`).
     ///

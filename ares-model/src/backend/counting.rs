@@ -335,6 +335,29 @@ impl<B: Backend> Backend for Counting<B> {
         self.inner.paged_attention_decode(dims, q, cache, out)
     }
 
+    fn paged_kv_cache_append_bf16(
+        &self,
+        dims: AttentionDims,
+        k_new: Tensor<'_, Self>,
+        v_new: Tensor<'_, Self>,
+        cache: PagedKvViewMut<'_, Self::Half, Self::Ids>,
+    ) -> Result<()> {
+        self.note(Kind::Op, "paged_kv_cache_append_bf16");
+        self.inner
+            .paged_kv_cache_append_bf16(dims, k_new, v_new, cache)
+    }
+
+    fn paged_attention_decode_bf16(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: PagedKvView<'_, Self::Half, Self::Ids>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.note(Kind::Op, "paged_attention_decode_bf16");
+        self.inner.paged_attention_decode_bf16(dims, q, cache, out)
+    }
+
     fn entropy_windows(
         &self,
         entropy: Tensor<'_, Self>,

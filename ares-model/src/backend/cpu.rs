@@ -376,7 +376,11 @@ mod kernels {
         attention::attention_backward(&shape, inputs, out, lse, dout, grads)
     }
 
-    pub(super) fn copy(src: &[f32], dst: &mut [f32]) -> Result {
+    pub(super) fn round_bf16(src: &[f32], dst: &mut [u16]) -> Result {
+        ares_cpu::ops::precision::round_to_bf16(src, dst)
+    }
+
+    pub(super) fn copy<T: Copy>(src: &[T], dst: &mut [T]) -> Result {
         if src.len() != dst.len() {
             return Err(ares_cpu::Error::Core(ares_core::Error::LengthMismatch {
                 what: "dst",
@@ -748,6 +752,61 @@ impl Backend for CpuBackend {
             slice_mut(out)?,
         )
         .map_err(op("paged_attention_decode"))
+    }
+
+    fn paged_kv_cache_append_bf16(
+        &self,
+        dims: AttentionDims,
+        k_new: Tensor<'_, Self>,
+        v_new: Tensor<'_, Self>,
+        cache: PagedKvViewMut<'_, HalfBuffer, Vec<u32>>,
+    ) -> Result<()> {
+        const OP: &str = "paged_kv_cache_append_bf16";
+        let b = cache.blocks;
+        attention::paged_kv_cache_append_bf16(
+            &attention_shape(dims),
+            slice(k_new)?,
+            slice(v_new)?,
+            attention::PagedKvCacheMut {
+                k: half_mut(OP, "k_cache", cache.k, DType::Bf16)?,
+                v: half_mut(OP, "v_cache", cache.v, DType::Bf16)?,
+                block_size: b.block_size,
+                block_tables: b.host_tables,
+                max_blocks: b.max_blocks,
+                len: b.host_len,
+            },
+        )
+        .map_err(op(OP))
+    }
+
+    fn paged_attention_decode_bf16(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: PagedKvView<'_, HalfBuffer, Vec<u32>>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        const OP: &str = "paged_attention_decode_bf16";
+        let b = cache.blocks;
+        let len: Vec<u32> = b
+            .host_len
+            .iter()
+            .map(|&n| n.saturating_add(dims.seq as u32))
+            .collect();
+        attention::paged_attention_decode_bf16(
+            &attention_shape(dims),
+            slice(q)?,
+            attention::PagedKvCache {
+                k: half(OP, "k_cache", cache.k, DType::Bf16)?,
+                v: half(OP, "v_cache", cache.v, DType::Bf16)?,
+                block_size: b.block_size,
+                block_tables: b.host_tables,
+                max_blocks: b.max_blocks,
+                len: &len,
+            },
+            slice_mut(out)?,
+        )
+        .map_err(op(OP))
     }
 
     fn entropy_windows(

@@ -418,6 +418,33 @@ pub trait Backend {
         out: TensorMut<'_, Self>,
     ) -> Result<()>;
 
+    /// [`Backend::paged_kv_cache_append`] into bf16 pools (a rollout's KV cache in half the
+    /// memory): each new key and value rounded to the nearest bf16, ties to even.
+    ///
+    /// # Errors
+    /// As [`Backend::paged_kv_cache_append`]; pools that are not bf16.
+    fn paged_kv_cache_append_bf16(
+        &self,
+        dims: AttentionDims,
+        k_new: Tensor<'_, Self>,
+        v_new: Tensor<'_, Self>,
+        cache: PagedKvViewMut<'_, Self::Half, Self::Ids>,
+    ) -> Result<()>;
+
+    /// [`Backend::paged_attention_decode`] over bf16 pools
+    /// ([`Backend::paged_kv_cache_append_bf16`]): keys and values are widened exactly, so
+    /// the output is the f32 op's over the rounded keys and values (the CPU: bit for bit).
+    ///
+    /// # Errors
+    /// As [`Backend::paged_attention_decode`]; pools that are not bf16.
+    fn paged_attention_decode_bf16(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: PagedKvView<'_, Self::Half, Self::Ids>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
     // ----- ARES token ops (docs/algorithms.md §1, §4). -----
 
     /// Window means `W_t` and their 0/1 validity for every position of `[rows, cols]`

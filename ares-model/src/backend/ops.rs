@@ -360,6 +360,27 @@ macro_rules! declared_ops {
                 dst: Out<f32>,
             ) cpu kernels::copy, cuda copy;
 
+            /// Rounds each element of `src` to the nearest bf16 (ties to even, as
+            /// `torch.Tensor.bfloat16`) into `dst`, same length and layout: a prefill's f32
+            /// keys and values into a bf16 KV pool.
+            ///
+            /// # Errors
+            /// Lengths that differ; `dst` not bf16.
+            fn round_bf16(
+                src: In<f32>,
+                dst: Out<bf16>,
+            ) cpu kernels::round_bf16, cuda to_bf16;
+
+            /// Copies the bf16 elements `src` into `dst` (same length): blocks of a bf16 KV
+            /// pool.
+            ///
+            /// # Errors
+            /// Lengths that differ; either not bf16.
+            fn copy_bf16(
+                src: In<bf16>,
+                dst: Out<bf16>,
+            ) cpu kernels::copy, cuda copy_bf16;
+
             // ----- Generation: decode weights. -----
 
             /// Sets every element of `dst` to `value` (`0.0` zeroes a gradient before an

@@ -29,7 +29,9 @@ use super::request::{
     unique_vision_prompts,
 };
 use super::sampling::{SampleKey, sequence_key};
-use super::{Activations, ForwardExtras, HeadMode, Inputs, KvCache, Model, ModelError};
+use super::{
+    Activations, ForwardExtras, HeadMode, Inputs, KvCache, KvCacheDtype, Model, ModelError,
+};
 use crate::backend::{Backend, Tensor, View, ViewMut};
 
 /// A model with its linear weights transposed for generation ([`Model::generator`]):
@@ -44,6 +46,8 @@ pub struct Generator<'m, B: Backend> {
     max_prefill_tokens: Option<usize>,
     /// [`EngineConfig::decode_buckets`] of the engines it runs.
     decode_buckets: bool,
+    /// [`EngineConfig::kv_cache_dtype`] of the engines it runs.
+    kv_cache_dtype: KvCacheDtype,
 }
 
 impl<'m, B: Backend> Generator<'m, B> {
@@ -71,6 +75,13 @@ impl<'m, B: Backend> Generator<'m, B> {
     /// Same tokens.
     pub fn decode_buckets(mut self, on: bool) -> Self {
         self.decode_buckets = on;
+        self
+    }
+
+    /// Keeps the engines' KV cache in `dtype` ([`EngineConfig::kv_cache_dtype`]): bf16
+    /// halves its memory, the tokens then come from keys and values rounded to bf16.
+    pub fn kv_cache_dtype(mut self, dtype: KvCacheDtype) -> Self {
+        self.kv_cache_dtype = dtype;
         self
     }
 
@@ -163,6 +174,7 @@ impl<'m, B: Backend> Generator<'m, B> {
         let config = EngineConfig {
             max_seqs: max_seqs.max(1),
             decode_buckets: self.decode_buckets,
+            kv_cache_dtype: self.kv_cache_dtype,
             ..EngineConfig::default()
         };
         let mut engine = Engine::new(self, request, config)?;
@@ -232,6 +244,7 @@ impl<'m, B: Backend> Generator<'m, B> {
             config.max_prefill_tokens = tokens;
         }
         config.decode_buckets = self.decode_buckets;
+        config.kv_cache_dtype = self.kv_cache_dtype;
         config
     }
 }
@@ -483,6 +496,7 @@ impl<B: Backend> Model<B> {
             batching: true,
             max_prefill_tokens: None,
             decode_buckets: false,
+            kv_cache_dtype: KvCacheDtype::F32,
         })
     }
 

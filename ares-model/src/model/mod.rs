@@ -75,6 +75,7 @@ pub use kv_cache::KvCache;
 pub use lora::{AdaptersOff, lora_arena_elements};
 pub use moments::{HostMoment, Moments, StateDtype};
 pub use optim::{AdamW, AdamWConfig, ExtraParam, StepReport};
+pub use paged_kv::KvCacheDtype;
 pub use request::{GenerateError, GenerateOutput, GenerateRequest, PromptVision};
 pub use sampling::{SampleKey, Sampling};
 pub use spec::{MAX_ROPE_POSITIONS, ModelSpec};

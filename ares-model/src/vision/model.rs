@@ -646,6 +646,12 @@ impl<B: Backend> VlGenerator<'_, B> {
         self
     }
 
+    /// Keeps the KV cache in `dtype` ([`Generator::kv_cache_dtype`]).
+    pub fn kv_cache_dtype(mut self, dtype: crate::model::KvCacheDtype) -> Self {
+        self.lm = self.lm.kv_cache_dtype(dtype);
+        self
+    }
+
     /// Prefills at most `tokens` prompt tokens per step, a longer prompt (its image and
     /// video rows with it) in chunks ([`Generator::max_prefill_tokens`]).
     pub fn max_prefill_tokens(mut self, tokens: usize) -> Self {

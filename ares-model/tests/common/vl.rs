@@ -439,6 +439,7 @@ pub fn continued_turns_equal_the_whole_conversation<B: Backend>(make: impl Fn() 
                     max_blocks,
                     max_prefill_tokens,
                     decode_buckets,
+                    ..EngineConfig::default()
                 };
                 let what = format!("{name} {sampling:?} {config:?}");
                 let request = GenerateRequest {

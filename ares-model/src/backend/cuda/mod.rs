@@ -655,6 +655,58 @@ impl Backend for CudaBackend {
             .map_err(op("paged_attention_decode"))
     }
 
+    fn paged_kv_cache_append_bf16(
+        &self,
+        dims: AttentionDims,
+        k_new: Tensor<'_, Self>,
+        v_new: Tensor<'_, Self>,
+        cache: PagedKvViewMut<'_, CudaHalf, CudaIds>,
+    ) -> Result<()> {
+        const OP: &str = "paged_kv_cache_append_bf16";
+        let b = cache.blocks;
+        let (tables, lens) = (ids(b.tables)?, ids(b.len)?);
+        let mut k = half_view_mut(OP, "k_cache", cache.k, DType::Bf16)?;
+        let mut v = half_view_mut(OP, "v_cache", cache.v, DType::Bf16)?;
+        self.ops
+            .paged_kv_cache_append_bf16(
+                shape(dims),
+                &view(k_new)?,
+                &view(v_new)?,
+                PagedKvCacheMut {
+                    k: &mut k,
+                    v: &mut v,
+                    blocks: block_tables(&b, &tables, &lens),
+                },
+            )
+            .map_err(op(OP))
+    }
+
+    fn paged_attention_decode_bf16(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: PagedKvView<'_, CudaHalf, CudaIds>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        const OP: &str = "paged_attention_decode_bf16";
+        let b = cache.blocks;
+        let (tables, lens) = (ids(b.tables)?, ids(b.len)?);
+        let k = half_view(OP, "k_cache", cache.k, DType::Bf16)?;
+        let v = half_view(OP, "v_cache", cache.v, DType::Bf16)?;
+        self.ops
+            .paged_attention_decode_bf16(
+                shape(dims),
+                &view(q)?,
+                PagedKvCache {
+                    k: &k,
+                    v: &v,
+                    blocks: block_tables(&b, &tables, &lens),
+                },
+                &mut view_mut(out)?,
+            )
+            .map_err(op(OP))
+    }
+
     fn entropy_windows(
         &self,
         entropy: Tensor<'_, Self>,

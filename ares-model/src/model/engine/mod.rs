@@ -61,7 +61,7 @@ use super::request::{
     GenerateError, GenerateOutput, GenerateRequest, PromptVision, SequenceOutput,
 };
 use super::sampling::{SampleKey, Sampling};
-use super::{BlockPool, Model};
+use super::{BlockPool, KvCacheDtype, Model};
 use crate::backend::Backend;
 
 /// Sizes of the engine.
@@ -85,6 +85,8 @@ pub struct EngineConfig {
     /// that records no graph — the CPU — runs every pass as it is). The real rows' outputs
     /// are unchanged; the padding costs its compute. Default off.
     pub decode_buckets: bool,
+    /// The KV pool's number format: f32 (the default) or bf16 (half the memory).
+    pub kv_cache_dtype: KvCacheDtype,
 }
 
 impl Default for EngineConfig {
@@ -95,6 +97,7 @@ impl Default for EngineConfig {
             max_blocks: None,
             max_prefill_tokens: 8192,
             decode_buckets: false,
+            kv_cache_dtype: KvCacheDtype::F32,
         }
     }
 }

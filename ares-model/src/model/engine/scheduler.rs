@@ -919,7 +919,7 @@ mod tests {
             block_size,
             max_blocks,
             max_prefill_tokens: 8192,
-            decode_buckets: false,
+            ..EngineConfig::default()
         };
         Scheduler::new(request, config).unwrap()
     }
