@@ -196,6 +196,28 @@ fn bf16_decode_weights_from_the_command_line() {
     }
 }
 
+/// `--kv-cache-dtype bf16` generates as many tokens with the cache in bf16 (its first
+/// token comes from the prompt's f32 prefill, so it is the f32 cache's).
+#[test]
+fn bf16_kv_cache_from_the_command_line() {
+    let dir = with_id_tokenizer("llama_tiny");
+    let text = text_of(&[5, 17, 42, 8, 91, 33, 60]);
+    let mut args = vec![
+        "--no-chat-template",
+        "--greedy",
+        "--json",
+        "--max-new-tokens",
+        "8",
+        "--prompt",
+        &text,
+    ];
+    let (f32_out, _) = run(dir.path(), &args);
+    args.extend(["--kv-cache-dtype", "bf16"]);
+    let (bf16_out, _) = run(dir.path(), &args);
+    assert_eq!(bf16_out[0].token_ids.len(), 8);
+    assert_eq!(bf16_out[0].token_ids[0], f32_out[0].token_ids[0]);
+}
+
 #[test]
 fn generation_config_decides_greedy_or_sampling_and_flags_override_it() {
     // llama_tiny's generation_config.json has no do_sample: greedy, as transformers

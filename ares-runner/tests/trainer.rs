@@ -670,6 +670,37 @@ fn dapo_overlong_penalty_trains_two_steps() {
 /// ⌈ρ·N⌉/N and a threshold reported; ρ = 1 keeps every token, so its run equals a run
 /// without the option, metric for metric; ρ = 0.2 changes the update; ρ outside (0, 1] is an
 /// error naming the key.
+/// A bf16 KV cache for the rollout trains two steps and the run differs from the f32
+/// cache's; an unknown dtype names the key.
+#[test]
+fn bf16_kv_cache_rollout_trains_two_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let lines = run(
+        dir.path(),
+        "kv16",
+        &[
+            "worker.rollout.kv_cache_dtype=bf16",
+            "worker.actor.is_correction=tis",
+        ],
+    );
+    assert_eq!(lines.len(), 2);
+    assert_finite(&lines);
+    let f32_lines = run(dir.path(), "f32", &["worker.actor.is_correction=tis"]);
+    assert_ne!(
+        deterministic(lines),
+        deterministic(f32_lines),
+        "a bf16 KV cache changed nothing"
+    );
+    let a = assets(&dir.path().join("assets"));
+    let e = config(
+        &a,
+        &dir.path().join("bad"),
+        &["worker.rollout.kv_cache_dtype=fp8"],
+    )
+    .unwrap_err();
+    assert!(e.contains("kv_cache_dtype") && e.contains("fp8"), "{e}");
+}
+
 /// bf16 decode weights for the rollout (with TIS correcting the sampler/trainer gap) train
 /// two steps; the rollout differs from the f32 one; an unknown dtype names the key.
 #[test]

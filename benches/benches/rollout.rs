@@ -20,7 +20,7 @@
 //! alone) the
 //! Qwen2.5-0.5B shape (random weights; 1 prompt × 8 and 64 new tokens unless
 //! `ARES_BENCH_05B_PROMPTS`). Also the engine with bf16 decode weights (a rounded model:
-//! other tokens, its own count), with decode buckets (the padding's cost where no graph
+//! other tokens, its own count), with a bf16 KV cache (likewise), with decode buckets (the padding's cost where no graph
 //! replays it; the same tokens, asserted) and on the training weights (no decode copy;
 //! the GEMM instead of the tiles). `cargo bench -p ares-benches --bench rollout`; threads:
 //! rayon's default (`RAYON_NUM_THREADS`).
@@ -34,7 +34,7 @@ use ares_benches::model::{
 };
 use ares_model::backend::cpu::CpuBackend;
 use ares_model::hf::config::ModelConfig;
-use ares_model::model::{Model, WeightDtype};
+use ares_model::model::{KvCacheDtype, Model, WeightDtype};
 
 const DEMO_MODEL: &str = r#"{
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
@@ -128,6 +128,17 @@ fn main() {
             bf16.generate(&request).expect("generate");
         });
         report("  engine, bf16 weights", new_bf16, "tokens", tb);
+        // a bf16 KV cache: keys and values rounded, so other tokens; its own count
+        let kv16 = model
+            .generator()
+            .expect("generator")
+            .kv_cache_dtype(KvCacheDtype::Bf16);
+        let k = kv16.generate(&request).expect("generate");
+        let new_kv16: usize = k.tokens.iter().map(Vec::len).sum();
+        let tk = best_and_median(runs, || {
+            kv16.generate(&request).expect("generate");
+        });
+        report("  engine, bf16 KV cache", new_kv16, "tokens", tk);
         // decode buckets: the padding's cost where no graph replays it (the CPU)
         let padded = model.generator().expect("generator").decode_buckets(true);
         let p = padded.generate(&request).expect("generate");

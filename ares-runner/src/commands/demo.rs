@@ -564,6 +564,7 @@ pub fn evaluate_model_with<B: Backend + Clone>(
         chunk: 64,
         weight_dtype: rr.weight_dtype.into(),
         cuda_graphs: rr.cuda_graphs,
+        kv_cache_dtype: rr.kv_cache_dtype.into(),
         ranks: None,
     };
     let bar =

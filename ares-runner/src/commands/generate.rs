@@ -134,6 +134,10 @@ pub struct GenerateArgs {
     /// `worker.rollout.weight_dtype` in training) [default: f32].
     #[arg(long, value_name = "DTYPE", value_parser = ["f32", "bf16"])]
     pub weight_dtype: Option<String>,
+    /// KV cache: f32, or bf16 (half its memory; as `worker.rollout.kv_cache_dtype` in
+    /// training) [default: f32].
+    #[arg(long, value_name = "DTYPE", value_parser = ["f32", "bf16"])]
+    pub kv_cache_dtype: Option<String>,
     /// Pad decode passes to buckets and replay each bucket's pass as a captured CUDA graph
     /// (a GPU only; as `worker.rollout.cuda_graphs` in training). Same tokens.
     #[arg(long)]
@@ -351,6 +355,9 @@ pub fn generate(args: &GenerateArgs, out: &mut dyn Write) -> Result<Vec<Completi
     }
     if let Some(d) = &args.weight_dtype {
         overrides.push(format!("worker.rollout.weight_dtype={d}"));
+    }
+    if let Some(d) = &args.kv_cache_dtype {
+        overrides.push(format!("worker.rollout.kv_cache_dtype={d}"));
     }
     if args.cuda_graphs {
         if args.device.as_deref().is_none_or(|d| d == "cpu") {
@@ -1236,7 +1243,8 @@ impl Job<'_> {
         let runtime = Runtime {
             generator: model
                 .generator_with(self.cfg.worker.rollout.weight_dtype.into())?
-                .decode_buckets(self.cfg.worker.rollout.cuda_graphs),
+                .decode_buckets(self.cfg.worker.rollout.cuda_graphs)
+                .kv_cache_dtype(self.cfg.worker.rollout.kv_cache_dtype.into()),
             media: self.media,
         };
         let n = self.input_ids.len();

@@ -54,10 +54,10 @@ pub use trainer::{
     Device, GradientSum, Logger, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig, TrainerConfig,
 };
 pub use worker::{
-    ActorConfig, EntropyBonusConfig, ForkingTokensConfig, GradedPromptConfig, LrScheduler,
-    ModelConfig, MultiTurnConfig, OptimConfig, POLICY_LOSSES, PolicyLoss, RefConfig, RewardConfig,
-    RewardGrader, RewardType, RolloutConfig, RubricGrader, RubricSchedule, StateDtype,
-    ToolCommandConfig, ValOverrideConfig, WeightDtype, WorkerConfig,
+    ActorConfig, EntropyBonusConfig, ForkingTokensConfig, GradedPromptConfig, KvCacheDtype,
+    LrScheduler, ModelConfig, MultiTurnConfig, OptimConfig, POLICY_LOSSES, PolicyLoss, RefConfig,
+    RewardConfig, RewardGrader, RewardType, RolloutConfig, RubricGrader, RubricSchedule,
+    StateDtype, ToolCommandConfig, ValOverrideConfig, WeightDtype, WorkerConfig,
 };
 
 use tree::Override;

@@ -113,6 +113,37 @@ impl WeightDtype {
     }
 }
 
+/// The number format of the rollout's KV cache (`worker.rollout.kv_cache_dtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KvCacheDtype {
+    /// The model's f32 keys and values (default).
+    #[default]
+    F32,
+    /// Each key and value rounded to bf16 as it is cached (half the memory; the sampler's
+    /// log-probs are then a little off the trained policy's, as with `weight_dtype: bf16`).
+    Bf16,
+}
+
+impl From<KvCacheDtype> for crate::model::KvCacheDtype {
+    fn from(d: KvCacheDtype) -> Self {
+        match d {
+            KvCacheDtype::F32 => Self::F32,
+            KvCacheDtype::Bf16 => Self::Bf16,
+        }
+    }
+}
+
+impl KvCacheDtype {
+    /// Bytes of one cached key or value element.
+    pub const fn bytes(self) -> u64 {
+        match self {
+            KvCacheDtype::F32 => 4,
+            KvCacheDtype::Bf16 => 2,
+        }
+    }
+}
+
 /// How AdamW stores its two moments (`worker.actor.optim.state_dtype`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -609,6 +640,9 @@ pub struct RolloutConfig {
     /// tokens. Default false until measured on a GPU; with `trainer.device: cpu` refused
     /// (the CPU replays nothing: the padding would only cost).
     pub cuda_graphs: bool,
+    /// The KV cache of rollout, bootstrap and validation generation: `f32` (default) or
+    /// `bf16` (half the cache's memory; vLLM's `kv_cache_dtype`).
+    pub kv_cache_dtype: KvCacheDtype,
     /// Multi-turn rollout with tool calls (verl's `multi_turn` section).
     pub multi_turn: MultiTurnConfig,
 }
@@ -718,6 +752,7 @@ impl Default for RolloutConfig {
             graded: GradedPromptConfig::default(),
             weight_dtype: WeightDtype::F32,
             cuda_graphs: false,
+            kv_cache_dtype: KvCacheDtype::F32,
             multi_turn: MultiTurnConfig::default(),
         }
     }

@@ -342,6 +342,15 @@ impl<B: Backend> ActorGenerator<'_, B> {
         }
     }
 
+    /// The KV cache's number format (`worker.rollout.kv_cache_dtype`;
+    /// [`Generator::kv_cache_dtype`]).
+    pub fn kv_cache_dtype(self, dtype: crate::model::KvCacheDtype) -> Self {
+        match self {
+            ActorGenerator::Text(g) => ActorGenerator::Text(g.kv_cache_dtype(dtype)),
+            ActorGenerator::Vision(g) => ActorGenerator::Vision(g.kv_cache_dtype(dtype)),
+        }
+    }
+
     /// Generates `request` with each prompt's images and videos (`vision[i]` for prompt
     /// `i`; empty: text only).
     ///

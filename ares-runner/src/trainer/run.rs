@@ -453,6 +453,7 @@ impl<B: Backend + Clone> Trainer<B> {
             chunk: self.settings.rollout_chunk,
             weight_dtype: self.settings.weight_dtype,
             cuda_graphs: self.settings.cuda_graphs,
+            kv_cache_dtype: self.settings.kv_cache_dtype,
             ranks: self.settings.ranks.clone(),
         }
     }
@@ -982,6 +983,7 @@ impl<B: Backend + Clone> Trainer<B> {
             chunk: self.settings.rollout_chunk,
             weight_dtype: self.settings.weight_dtype,
             cuda_graphs: self.settings.cuda_graphs,
+            kv_cache_dtype: self.settings.kv_cache_dtype,
             ranks: self.settings.ranks.clone(),
         };
         let n = r.val_n();

@@ -142,7 +142,8 @@ pub fn rollout_episodes<B: Backend>(
     }
     let generator = model
         .generator_with(params.weight_dtype)?
-        .decode_buckets(params.cuda_graphs);
+        .decode_buckets(params.cuda_graphs)
+        .kv_cache_dtype(params.kv_cache_dtype);
     let text = items.iter().all(|i| i.vision.is_none());
     // rows `offset..` of the rollout, here
     let mut run = |rows: &mut [Row], offset: usize| -> Result<EpisodeCounts, TrainError> {
@@ -273,6 +274,7 @@ fn engine_episodes<B: Backend>(
     let config = EngineConfig {
         max_seqs: params.chunk.max(1),
         decode_buckets: params.cuda_graphs,
+        kv_cache_dtype: params.kv_cache_dtype,
         ..EngineConfig::default()
     };
     let mut engine = Engine::new(generator, request, config)?;

@@ -97,6 +97,8 @@ pub struct RolloutParams {
     /// Decode passes padded to buckets and, on CUDA, captured as graphs and replayed
     /// (`worker.rollout.cuda_graphs`).
     pub cuda_graphs: bool,
+    /// The KV cache's number format (`worker.rollout.kv_cache_dtype`).
+    pub kv_cache_dtype: crate::model::KvCacheDtype,
     /// A data-parallel run's ranks: each generates its share of the chunks and every
     /// rank gets every response (`None`: this process generates all).
     pub ranks: Option<crate::parallel::Ranks>,
@@ -125,7 +127,8 @@ pub fn generate_all<B: Backend>(
     // one transpose of the weights for every chunk
     let generator = model
         .generator_with(params.weight_dtype)?
-        .decode_buckets(params.cuda_graphs);
+        .decode_buckets(params.cuda_graphs)
+        .kv_cache_dtype(params.kv_cache_dtype);
     let requests: Vec<GenerateRequest> = prompts
         .chunks(chunk)
         .enumerate()

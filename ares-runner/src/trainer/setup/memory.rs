@@ -259,7 +259,8 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
     while capacity < blocks {
         capacity *= 2;
     }
-    let block_bytes = f32s(l * 2 * kvd * BLOCK);
+    let kv_dtype = cfg.worker.rollout.kv_cache_dtype;
+    let block_bytes = (l * 2 * kvd * BLOCK).saturating_mul(kv_dtype.bytes());
     let prompts = (cfg.data.rollout_batch_size as u64)
         .min(PREFILL_TOKENS / prompt.max(1))
         .max(1);
@@ -284,7 +285,11 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
             },
             Part {
                 what: format!(
-                    "KV cache ({sequences} sequences × {longest} tokens, {capacity} blocks)"
+                    "KV cache ({sequences} sequences × {longest} tokens, {capacity} blocks, {})",
+                    match kv_dtype {
+                        crate::config::KvCacheDtype::F32 => "f32",
+                        crate::config::KvCacheDtype::Bf16 => "bf16",
+                    }
                 ),
                 bytes: capacity * block_bytes,
             },
@@ -418,6 +423,9 @@ pub fn check(
         }
     } else {
         ways.push("worker.rollout.weight_dtype=bf16");
+        if cfg.worker.rollout.kv_cache_dtype == crate::config::KvCacheDtype::F32 {
+            ways.push("worker.rollout.kv_cache_dtype=bf16");
+        }
         ways.push("a smaller data.rollout_batch_size or worker.rollout.n");
     }
     if cfg.worker.actor.optim.state_dtype != crate::config::StateDtype::Int8
@@ -491,6 +499,57 @@ mod tests {
         let (what, bytes) = moments(D::Int8);
         assert_eq!(bytes, embed + 2 * layer + 8 * 64, "{what}");
         assert!(what.contains("int8"));
+    }
+
+    /// A bf16 KV cache is planned at half the f32 one's bytes, named as such; the other
+    /// rollout parts do not change.
+    #[test]
+    fn a_bf16_kv_cache_is_half_the_f32_one() {
+        let text = tiny();
+        let rollout = |dtype: crate::config::KvCacheDtype| {
+            let mut cfg = Config::default();
+            cfg.worker.rollout.kv_cache_dtype = dtype;
+            let model = PlanModel {
+                text: &text,
+                tower_params: 0,
+                vision: None,
+                on_cpu: true,
+                reference: false,
+            };
+            let plan = plan(&cfg, model).unwrap();
+            let phase = plan.phases.iter().find(|p| p.name == "rollout").unwrap();
+            phase.parts.clone()
+        };
+        let (f32_parts, bf16_parts) = (
+            rollout(crate::config::KvCacheDtype::F32),
+            rollout(crate::config::KvCacheDtype::Bf16),
+        );
+        let kv = |parts: &[Part]| {
+            parts
+                .iter()
+                .find(|p| p.what.starts_with("KV cache"))
+                .cloned()
+        };
+        let (a, b) = (kv(&f32_parts).unwrap(), kv(&bf16_parts).unwrap());
+        assert!(
+            a.bytes > 0 && b.bytes * 2 == a.bytes,
+            "{} vs {}",
+            a.bytes,
+            b.bytes
+        );
+        assert!(
+            a.what.ends_with("f32)") && b.what.ends_with("bf16)"),
+            "{}",
+            b.what
+        );
+        let others = |parts: &[Part]| -> Vec<u64> {
+            parts
+                .iter()
+                .filter(|p| !p.what.starts_with("KV cache"))
+                .map(|p| p.bytes)
+                .collect()
+        };
+        assert_eq!(others(&f32_parts), others(&bf16_parts));
     }
 
     /// With CUDA graphs the rollout keeps a decode arena per bucket (64, 32, …, 1 rows): the
@@ -610,7 +669,7 @@ mod tests {
         assert!(plan.peak() > plan.held_total());
         let table = plan.table();
         assert!(
-            table.contains("KV cache (8 sequences × 31 tokens, 32 blocks)"),
+            table.contains("KV cache (8 sequences × 31 tokens, 32 blocks, f32)"),
             "{table}"
         );
         assert!(table.contains("peak:"), "{table}");

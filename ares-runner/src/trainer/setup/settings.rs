@@ -127,6 +127,8 @@ pub struct StepSettings {
     pub weight_dtype: crate::model::WeightDtype,
     /// Decode buckets and CUDA graphs in every generation of the run.
     pub cuda_graphs: bool,
+    /// The KV cache's number format in every generation of the run.
+    pub kv_cache_dtype: crate::model::KvCacheDtype,
     /// Base seed of the rollout streams.
     pub rollout_seed: u64,
     /// HWE windows and thresholds.
@@ -230,6 +232,7 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
         rollout_chunk: 64,
         weight_dtype: rollout.weight_dtype.into(),
         cuda_graphs: rollout.cuda_graphs,
+        kv_cache_dtype: rollout.kv_cache_dtype.into(),
         rollout_seed: rollout.seed,
         hwe: HweParams {
             window_size: rollout.window_size,
