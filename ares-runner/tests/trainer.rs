@@ -1522,6 +1522,91 @@ fn a_dataset_larger_than_memory_is_refused() {
     );
 }
 
+/// A rollout whose KV cache passes the memory available (stated with `ARES_MEMORY_LIMIT`,
+/// in a child process) runs with the pool capped to what the rest of the plan leaves, and
+/// trains as the uncapped run does — the engine holds fewer sequences at once, preempting
+/// and restarting the others with the same tokens; a limit without room for one sequence
+/// is refused, naming the bf16 cache among the ways to fit.
+#[test]
+fn a_rollout_too_large_for_memory_runs_with_its_kv_pool_capped() {
+    use ares_runner::trainer::setup::memory::{Fit, fit};
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let overrides = [
+        "data.max_response_length=64",
+        "data.rollout_batch_size=8",
+        "trainer.max_steps=1",
+    ];
+    let cfg = config(&a, &dir.path().join("capped"), &overrides).unwrap();
+    let reference = ares_runner::trainer::setup::settings::step_settings(&cfg, 1)
+        .unwrap()
+        .kl
+        .enabled;
+    let plan = ares_runner::trainer::run::memory_plan(&cfg, &a.model_dir, true, reference).unwrap();
+    assert_eq!(
+        plan.peak_phase().unwrap().name,
+        "rollout",
+        "{}",
+        plan.table()
+    );
+    let kv = plan.kv.unwrap();
+    let rollout = plan.phases.iter().find(|p| p.name == "rollout").unwrap();
+    let pool = rollout.parts[kv.part].bytes;
+    let without_pool = plan.peak() - pool;
+    // the other phases must fit too: room for a quarter of the planned pool's blocks
+    let others = plan
+        .phases
+        .iter()
+        .filter(|p| p.name != "rollout")
+        .map(|p| plan.held_total() + p.total())
+        .max()
+        .unwrap();
+    let per = kv.blocks_per_sequence;
+    let blocks = (pool / kv.block_bytes / 4).max(per);
+    let limit = (without_pool + (blocks + 1) * kv.block_bytes).max(others);
+    let blocks = (limit - without_pool) / kv.block_bytes - 1;
+    let sequences = blocks / per;
+    assert!(limit < plan.peak() && sequences >= 1, "{}", plan.table());
+    assert_eq!(fit(&plan, limit), Some(Fit::KvCapped { blocks, sequences }));
+    assert_eq!(fit(&plan, without_pool + per * kv.block_bytes), None);
+    let train = |name: &str, limit: Option<u64>| {
+        config(&a, &dir.path().join(name), &[]).unwrap(); // writes <name>.yaml
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_ares-runner"));
+        cmd.args(["train", "-c"])
+            .arg(dir.path().join(name).with_extension("yaml"))
+            .args(overrides);
+        if let Some(l) = limit {
+            cmd.env("ARES_MEMORY_LIMIT", l.to_string());
+        }
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        (
+            out.status.success(),
+            err,
+            dir.path().join(name).join("metrics.jsonl"),
+        )
+    };
+    let (ok, err, capped) = train("capped", Some(limit));
+    assert!(ok, "{err}");
+    assert!(
+        err.contains(&format!("KV cache is capped at {blocks} blocks"))
+            && err.contains(&format!("about {sequences} sequences")),
+        "{err}"
+    );
+    let (ok, err, whole) = train("whole", None);
+    assert!(ok && !err.contains("capped"), "{err}");
+    let (capped, whole) = (
+        read_metrics(&capped).unwrap(),
+        read_metrics(&whole).unwrap(),
+    );
+    assert_eq!(deterministic(capped), deterministic(whole));
+    let (ok, err, _) = train("refused", Some(without_pool + per * kv.block_bytes));
+    assert!(
+        !ok && err.contains("worker.rollout.kv_cache_dtype=bf16"),
+        "{err}"
+    );
+}
+
 /// `worker.actor.model.enable_gradient_checkpointing` recomputes each layer's
 /// activations in the backward pass: the run is the stored run, metric for metric.
 #[test]

@@ -48,6 +48,8 @@ pub struct Generator<'m, B: Backend> {
     decode_buckets: bool,
     /// [`EngineConfig::kv_cache_dtype`] of the engines it runs.
     kv_cache_dtype: KvCacheDtype,
+    /// [`EngineConfig::max_blocks`] of the engines it runs.
+    max_kv_blocks: Option<usize>,
 }
 
 impl<'m, B: Backend> Generator<'m, B> {
@@ -82,6 +84,15 @@ impl<'m, B: Backend> Generator<'m, B> {
     /// halves its memory, the tokens then come from keys and values rounded to bf16.
     pub fn kv_cache_dtype(mut self, dtype: KvCacheDtype) -> Self {
         self.kv_cache_dtype = dtype;
+        self
+    }
+
+    /// Caps the engines' KV pool at `blocks` blocks ([`EngineConfig::max_blocks`]; `None`,
+    /// the default: it grows as the sequences need): sequences beyond it wait for blocks or
+    /// are preempted and restarted, with the same tokens. The memory plan sets it when a
+    /// run's rollout would not fit otherwise.
+    pub fn max_kv_blocks(mut self, blocks: Option<usize>) -> Self {
+        self.max_kv_blocks = blocks;
         self
     }
 
@@ -175,6 +186,7 @@ impl<'m, B: Backend> Generator<'m, B> {
             max_seqs: max_seqs.max(1),
             decode_buckets: self.decode_buckets,
             kv_cache_dtype: self.kv_cache_dtype,
+            max_blocks: self.max_kv_blocks,
             ..EngineConfig::default()
         };
         let mut engine = Engine::new(self, request, config)?;
@@ -245,6 +257,7 @@ impl<'m, B: Backend> Generator<'m, B> {
         }
         config.decode_buckets = self.decode_buckets;
         config.kv_cache_dtype = self.kv_cache_dtype;
+        config.max_blocks = self.max_kv_blocks;
         config
     }
 }
@@ -497,6 +510,7 @@ impl<B: Backend> Model<B> {
             max_prefill_tokens: None,
             decode_buckets: false,
             kv_cache_dtype: KvCacheDtype::F32,
+            max_kv_blocks: None,
         })
     }
 

@@ -646,6 +646,12 @@ impl<B: Backend> VlGenerator<'_, B> {
         self
     }
 
+    /// Caps the KV pool at `blocks` blocks ([`Generator::max_kv_blocks`]).
+    pub fn max_kv_blocks(mut self, blocks: Option<usize>) -> Self {
+        self.lm = self.lm.max_kv_blocks(blocks);
+        self
+    }
+
     /// Keeps the KV cache in `dtype` ([`Generator::kv_cache_dtype`]).
     pub fn kv_cache_dtype(mut self, dtype: crate::model::KvCacheDtype) -> Self {
         self.lm = self.lm.kv_cache_dtype(dtype);

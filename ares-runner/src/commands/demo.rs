@@ -565,6 +565,7 @@ pub fn evaluate_model_with<B: Backend + Clone>(
         weight_dtype: rr.weight_dtype.into(),
         cuda_graphs: rr.cuda_graphs,
         kv_cache_dtype: rr.kv_cache_dtype.into(),
+        max_kv_blocks: None,
         ranks: None,
     };
     let bar =

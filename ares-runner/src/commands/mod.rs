@@ -54,10 +54,17 @@ pub fn plan(cfg: &Config) -> Result<String, TrainError> {
             crate::host_memory::available_host_memory().map_err(TrainError::Invalid)?
     {
         match crate::trainer::setup::memory::check(&plan, available, &source, cfg) {
-            Ok(()) => out.push_str(&format!(
+            Ok(crate::trainer::setup::memory::Fit::Whole) => out.push_str(&format!(
                 "fits: {} available ({source})\n",
                 crate::host_memory::human_bytes(available)
             )),
+            Ok(crate::trainer::setup::memory::Fit::KvCapped { blocks, sequences }) => {
+                out.push_str(&format!(
+                    "fits with the rollout's KV cache capped at {blocks} blocks (about \
+                     {sequences} sequences at their longest at once): {} available ({source})\n",
+                    crate::host_memory::human_bytes(available)
+                ));
+            }
             Err(e) => out.push_str(&format!(
                 "does not fit: {}\n",
                 e.to_string().lines().next().unwrap_or_default()

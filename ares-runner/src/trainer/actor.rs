@@ -342,6 +342,14 @@ impl<B: Backend> ActorGenerator<'_, B> {
         }
     }
 
+    /// Caps the KV pool at `blocks` blocks (the memory plan's; [`Generator::max_kv_blocks`]).
+    pub fn max_kv_blocks(self, blocks: Option<usize>) -> Self {
+        match self {
+            ActorGenerator::Text(g) => ActorGenerator::Text(g.max_kv_blocks(blocks)),
+            ActorGenerator::Vision(g) => ActorGenerator::Vision(g.max_kv_blocks(blocks)),
+        }
+    }
+
     /// The KV cache's number format (`worker.rollout.kv_cache_dtype`;
     /// [`Generator::kv_cache_dtype`]).
     pub fn kv_cache_dtype(self, dtype: crate::model::KvCacheDtype) -> Self {

@@ -171,14 +171,15 @@ impl<B: Backend + Clone> Trainer<B> {
             Some(s) => s as u64,
             None => per_epoch * cfg.trainer.total_epochs as u64,
         };
-        let settings = step_settings(&cfg, total_steps)?;
+        let mut settings = step_settings(&cfg, total_steps)?;
 
         let lora = lora_settings(&cfg)?;
         // under LoRA the reference policy is the base: the actor with its adapters off
         let separate_reference =
             settings.kl.enabled && (lora.is_none() || cfg.worker.ref_.model_path.is_some());
         // (the plan itself counts no reference copy under LoRA)
-        check_memory(&cfg, &model_dir, backend.memory_info(), settings.kl.enabled)?;
+        settings.max_kv_blocks =
+            check_memory(&cfg, &model_dir, backend.memory_info(), settings.kl.enabled)?;
         let initial = ModelFiles::load(&model_dir)?;
         let max_positions = initial.text_config().max_position_embeddings;
         let longest = train_ids.iter().map(Vec::len).max().unwrap_or(0);
@@ -454,6 +455,7 @@ impl<B: Backend + Clone> Trainer<B> {
             weight_dtype: self.settings.weight_dtype,
             cuda_graphs: self.settings.cuda_graphs,
             kv_cache_dtype: self.settings.kv_cache_dtype,
+            max_kv_blocks: self.settings.max_kv_blocks,
             ranks: self.settings.ranks.clone(),
         }
     }
@@ -984,6 +986,7 @@ impl<B: Backend + Clone> Trainer<B> {
             weight_dtype: self.settings.weight_dtype,
             cuda_graphs: self.settings.cuda_graphs,
             kv_cache_dtype: self.settings.kv_cache_dtype,
+            max_kv_blocks: self.settings.max_kv_blocks,
             ranks: self.settings.ranks.clone(),
         };
         let n = r.val_n();
@@ -1298,27 +1301,46 @@ pub fn memory_plan(
 }
 
 /// Refuses, before the model is loaded, a CPU run whose memory plan passes this machine's
-/// memory ([`crate::trainer::setup::memory`]); on a GPU (`device`: its free and total memory) warns when
-/// the plan passes the free memory (the GPU plan is not yet checked against measured peaks)
-/// and checks the host's share.
+/// memory ([`crate::trainer::setup::memory`]) even with the rollout's KV pool capped; on a
+/// GPU (`device`: its free and total memory) caps the pool to the free memory, or warns when
+/// the plan passes it all the same (the GPU plan is not yet checked against measured peaks),
+/// and checks the host's share. Returns the KV pool's cap in blocks, if any.
 fn check_memory(
     cfg: &Config,
     model_dir: &Path,
     device: Option<(u64, u64)>,
     reference: bool,
-) -> Result<(), TrainError> {
+) -> Result<Option<usize>, TrainError> {
+    use crate::trainer::setup::memory::{Fit, fit};
     let on_cpu = device.is_none();
     let mut plan = memory_plan(cfg, model_dir, on_cpu, reference)?;
+    let capped = |fit: Fit, place: &str, available: u64| match fit {
+        Fit::Whole => None,
+        Fit::KvCapped { blocks, sequences } => {
+            eprintln!(
+                "memory: the rollout's KV cache is capped at {blocks} blocks of 16 tokens to fit \
+                 the {} of {place} memory: about {sequences} sequences at their longest at \
+                 once, the others waiting or preempted (the same tokens; \
+                 worker.rollout.kv_cache_dtype=bf16 fits twice as many)",
+                crate::host_memory::human_bytes(available),
+            );
+            usize::try_from(blocks).ok()
+        }
+    };
+    let mut cap = None;
     if let Some((free, total)) = device
         && plan.peak() > free
     {
-        eprintln!(
-            "memory: this run may need up to {} of GPU memory, more than the {} free of {}; \
-             it may run out of memory (ares-runner plan -c … --device cuda shows the plan)",
-            crate::host_memory::human_bytes(plan.peak()),
-            crate::host_memory::human_bytes(free),
-            crate::host_memory::human_bytes(total),
-        );
+        match fit(&plan, free) {
+            Some(f) => cap = capped(f, "free GPU", free),
+            None => eprintln!(
+                "memory: this run may need up to {} of GPU memory, more than the {} free of {}; \
+                 it may run out of memory (ares-runner plan -c … --device cuda shows the plan)",
+                crate::host_memory::human_bytes(plan.peak()),
+                crate::host_memory::human_bytes(free),
+                crate::host_memory::human_bytes(total),
+            ),
+        }
     }
     if !on_cpu {
         // the GPU's share is the device's; the host reads the checkpoint in f32 first
@@ -1330,14 +1352,18 @@ fn check_memory(
                 bytes: weights,
             }],
             phases: Vec::new(),
+            kv: None,
         };
     }
     if let Some((available, source)) =
         crate::host_memory::available_host_memory().map_err(TrainError::Invalid)?
     {
-        crate::trainer::setup::memory::check(&plan, available, &source, cfg)?;
+        let f = crate::trainer::setup::memory::check(&plan, available, &source, cfg)?;
+        if on_cpu {
+            cap = capped(f, "available host", available);
+        }
     }
-    Ok(())
+    Ok(cap)
 }
 
 /// The reference answer of every row of groups of `n` samples of `items` (of `train`).

@@ -143,7 +143,8 @@ pub fn rollout_episodes<B: Backend>(
     let generator = model
         .generator_with(params.weight_dtype)?
         .decode_buckets(params.cuda_graphs)
-        .kv_cache_dtype(params.kv_cache_dtype);
+        .kv_cache_dtype(params.kv_cache_dtype)
+        .max_kv_blocks(params.max_kv_blocks);
     let text = items.iter().all(|i| i.vision.is_none());
     // rows `offset..` of the rollout, here
     let mut run = |rows: &mut [Row], offset: usize| -> Result<EpisodeCounts, TrainError> {
@@ -275,6 +276,7 @@ fn engine_episodes<B: Backend>(
         max_seqs: params.chunk.max(1),
         decode_buckets: params.cuda_graphs,
         kv_cache_dtype: params.kv_cache_dtype,
+        max_blocks: params.max_kv_blocks,
         ..EngineConfig::default()
     };
     let mut engine = Engine::new(generator, request, config)?;

@@ -99,6 +99,8 @@ pub struct RolloutParams {
     pub cuda_graphs: bool,
     /// The KV cache's number format (`worker.rollout.kv_cache_dtype`).
     pub kv_cache_dtype: crate::model::KvCacheDtype,
+    /// The KV pool's cap in blocks (the memory plan's; `None`: uncapped).
+    pub max_kv_blocks: Option<usize>,
     /// A data-parallel run's ranks: each generates its share of the chunks and every
     /// rank gets every response (`None`: this process generates all).
     pub ranks: Option<crate::parallel::Ranks>,
@@ -128,7 +130,8 @@ pub fn generate_all<B: Backend>(
     let generator = model
         .generator_with(params.weight_dtype)?
         .decode_buckets(params.cuda_graphs)
-        .kv_cache_dtype(params.kv_cache_dtype);
+        .kv_cache_dtype(params.kv_cache_dtype)
+        .max_kv_blocks(params.max_kv_blocks);
     let requests: Vec<GenerateRequest> = prompts
         .chunks(chunk)
         .enumerate()

@@ -9,14 +9,17 @@
 //!   reference policy when the KL needs one; under LoRA the pairs, and gradients and moments
 //!   of the pairs only, with no reference copy (the base with the adapters off);
 //! - **rollout**: the decode weights (a transposed copy of every linear layer and the LM
-//!   head, f32 or bf16), the paged KV cache when `min(rollout_batch_size · n, 64)`
-//!   sequences are at `max_prompt_length + max_response_length` (its pool grows by
+//!   head, f32 or bf16), the paged KV cache (f32 or bf16) when `min(rollout_batch_size · n,
+//!   64)` sequences are at `max_prompt_length + max_response_length` (its pool grows by
 //!   doubling), the decode arena and one prefill pass with its cache;
 //! - **scoring** (old and reference log-probs) and **update**: the activation arena of a
 //!   micro-batch at the longest packed length (`arena_elements`, the same sizes the model
 //!   allocates: checkpointed or not, whole or chunked LM head);
 //! - **checkpoint save**: the weights copied to the host, then the optimizer's moments
 //!   streamed to the file one tensor at a time.
+//!
+//! When only the KV pool keeps a run from fitting, [`fit`] caps it to what the rest leaves
+//! (the engine then holds fewer sequences at once and preempts the others).
 //!
 //! The peak is the held memory plus the largest phase. It is an upper bound of the model's
 //! memory — every sequence at its longest, which a random or rambling policy does reach —
@@ -62,6 +65,36 @@ pub struct MemoryPlan {
     pub held: Vec<Part>,
     /// The phases of a step.
     pub phases: Vec<Phase>,
+    /// The rollout's KV pool as planned (`None`: no rollout), which the run may cap to fit.
+    pub kv: Option<KvPlan>,
+}
+
+/// The rollout's KV pool in a [`MemoryPlan`]: part `part` of the `rollout` phase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvPlan {
+    /// Index of the KV cache's part in the rollout phase.
+    pub part: usize,
+    /// Bytes of one block (16 token slots, every layer, keys and values).
+    pub block_bytes: u64,
+    /// Blocks one sequence takes at its longest (the fewest the pool can run with).
+    pub blocks_per_sequence: u64,
+}
+
+/// How a run fits the memory it has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fit {
+    /// As planned.
+    Whole,
+    /// With the rollout's KV pool capped at `blocks` blocks (vLLM's
+    /// `gpu_memory_utilization` sizing: the pool takes what the rest leaves): about
+    /// `sequences` sequences at their longest at once, the others waiting for a slot or
+    /// preempted and restarted (the same tokens).
+    KvCapped {
+        /// Blocks the pool may hold.
+        blocks: u64,
+        /// Sequences at their longest that fit at once.
+        sequences: u64,
+    },
 }
 
 impl MemoryPlan {
@@ -272,6 +305,11 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         },
         true, // (a forward pass keeps one layer's activations)
     ) + f32s(prompts * prompt * l * 2 * kvd);
+    let kv = KvPlan {
+        part: 1,
+        block_bytes,
+        blocks_per_sequence: (longest + 1).div_ceil(BLOCK),
+    };
     let rollout = Phase {
         name: "rollout",
         parts: vec![
@@ -376,6 +414,7 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         place: if model.on_cpu { "host" } else { "GPU" },
         held,
         phases,
+        kv: Some(kv),
     })
 }
 
@@ -395,20 +434,49 @@ fn lora_tensors(spec: &ModelSpec, config: &crate::hf::lora::LoraConfig) -> Vec<u
     out
 }
 
-/// Refuses a run whose peak passes `available` (from `source`), naming its largest parts
-/// and the settings that would shrink them.
+/// Whether the plan fits `available` bytes: as planned, or with the rollout's KV pool
+/// capped — when the rollout is what passes `available`, everything else fits and the room
+/// left holds one sequence at its longest (one block spare, for the decode buckets).
+pub fn fit(plan: &MemoryPlan, available: u64) -> Option<Fit> {
+    if plan.peak() <= available {
+        return Some(Fit::Whole);
+    }
+    let kv = plan.kv?;
+    let held = plan.held_total();
+    let rollout = plan.phases.iter().find(|p| p.name == "rollout")?;
+    let others = plan
+        .phases
+        .iter()
+        .filter(|p| p.name != "rollout")
+        .map(Phase::total)
+        .max()
+        .unwrap_or(0);
+    let pool = rollout.parts.get(kv.part)?.bytes;
+    let without_pool = held.saturating_add(rollout.total() - pool);
+    if held.saturating_add(others) > available || without_pool >= available {
+        return None;
+    }
+    let blocks = ((available - without_pool) / kv.block_bytes.max(1)).saturating_sub(1);
+    (blocks >= kv.blocks_per_sequence).then_some(Fit::KvCapped {
+        blocks,
+        sequences: blocks / kv.blocks_per_sequence.max(1),
+    })
+}
+
+/// Refuses a run whose peak passes `available` (from `source`) even with its KV pool
+/// capped ([`fit`]), naming its largest parts and the settings that would shrink them.
 ///
 /// # Errors
-/// [`TrainError::Invalid`] when the plan's peak passes what is available.
+/// [`TrainError::Invalid`] when the plan does not fit what is available.
 pub fn check(
     plan: &MemoryPlan,
     available: u64,
     source: &str,
     cfg: &Config,
-) -> Result<(), TrainError> {
+) -> Result<Fit, TrainError> {
     let peak = plan.peak();
-    if peak <= available {
-        return Ok(());
+    if let Some(fit) = fit(plan, available) {
+        return Ok(fit);
     }
     let phase = plan.peak_phase().map_or("-", |p| p.name);
     let mut ways = Vec::new();

@@ -129,6 +129,9 @@ pub struct StepSettings {
     pub cuda_graphs: bool,
     /// The KV cache's number format in every generation of the run.
     pub kv_cache_dtype: crate::model::KvCacheDtype,
+    /// The KV pool's cap in blocks when the memory plan needs one to fit (`None`: it grows
+    /// as the sequences need).
+    pub max_kv_blocks: Option<usize>,
     /// Base seed of the rollout streams.
     pub rollout_seed: u64,
     /// HWE windows and thresholds.
@@ -233,6 +236,7 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
         weight_dtype: rollout.weight_dtype.into(),
         cuda_graphs: rollout.cuda_graphs,
         kv_cache_dtype: rollout.kv_cache_dtype.into(),
+        max_kv_blocks: None,
         rollout_seed: rollout.seed,
         hwe: HweParams {
             window_size: rollout.window_size,
