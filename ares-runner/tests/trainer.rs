@@ -666,69 +666,35 @@ fn dapo_overlong_penalty_trains_two_steps() {
     assert!(err.contains("worker.reward.overlong_buffer.len"), "{err}");
 }
 
+/// bf16 decode weights, and a bf16 KV cache, for the rollout (with TIS correcting the
+/// sampler/trainer gap) train two steps; each run differs from the f32 one; an unknown dtype
+/// names the key.
+#[test]
+fn bf16_rollout_weights_and_kv_cache_train_two_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let tis = "worker.actor.is_correction=tis";
+    let f32_lines = deterministic(run(dir.path(), "f32", &[tis]));
+    let a = assets(&dir.path().join("assets"));
+    for key in ["weight_dtype", "kv_cache_dtype"] {
+        let bf16 = format!("worker.rollout.{key}=bf16");
+        let lines = run(dir.path(), key, &[&bf16, tis]);
+        assert_eq!(lines.len(), 2);
+        assert_finite(&lines);
+        assert_ne!(
+            deterministic(lines),
+            f32_lines,
+            "{key}: bf16 changed nothing"
+        );
+        let bad = format!("worker.rollout.{key}=fp8");
+        let e = config(&a, &dir.path().join("bad"), &[&bad]).unwrap_err();
+        assert!(e.contains(key) && e.contains("fp8"), "{e}");
+    }
+}
+
 /// Forking tokens (docs/algorithms.md §16.1): two steps train with the kept fraction at
 /// ⌈ρ·N⌉/N and a threshold reported; ρ = 1 keeps every token, so its run equals a run
 /// without the option, metric for metric; ρ = 0.2 changes the update; ρ outside (0, 1] is an
 /// error naming the key.
-/// A bf16 KV cache for the rollout trains two steps and the run differs from the f32
-/// cache's; an unknown dtype names the key.
-#[test]
-fn bf16_kv_cache_rollout_trains_two_steps() {
-    let dir = tempfile::tempdir().unwrap();
-    let lines = run(
-        dir.path(),
-        "kv16",
-        &[
-            "worker.rollout.kv_cache_dtype=bf16",
-            "worker.actor.is_correction=tis",
-        ],
-    );
-    assert_eq!(lines.len(), 2);
-    assert_finite(&lines);
-    let f32_lines = run(dir.path(), "f32", &["worker.actor.is_correction=tis"]);
-    assert_ne!(
-        deterministic(lines),
-        deterministic(f32_lines),
-        "a bf16 KV cache changed nothing"
-    );
-    let a = assets(&dir.path().join("assets"));
-    let e = config(
-        &a,
-        &dir.path().join("bad"),
-        &["worker.rollout.kv_cache_dtype=fp8"],
-    )
-    .unwrap_err();
-    assert!(e.contains("kv_cache_dtype") && e.contains("fp8"), "{e}");
-}
-
-/// bf16 decode weights for the rollout (with TIS correcting the sampler/trainer gap) train
-/// two steps; the rollout differs from the f32 one; an unknown dtype names the key.
-#[test]
-fn bf16_rollout_weights_train_two_steps() {
-    let dir = tempfile::tempdir().unwrap();
-    let bf16 = [
-        "worker.rollout.weight_dtype=bf16",
-        "worker.actor.is_correction=tis",
-    ];
-    let lines = run(dir.path(), "bf16", &bf16);
-    assert_eq!(lines.len(), 2);
-    assert_finite(&lines);
-    let f32_lines = run(dir.path(), "f32", &["worker.actor.is_correction=tis"]);
-    assert_ne!(
-        deterministic(lines),
-        deterministic(f32_lines),
-        "bf16 decode weights changed nothing"
-    );
-    let a = assets(&dir.path().join("assets"));
-    let e = config(
-        &a,
-        &dir.path().join("bad"),
-        &["worker.rollout.weight_dtype=fp8"],
-    )
-    .unwrap_err();
-    assert!(e.contains("weight_dtype") && e.contains("fp8"), "{e}");
-}
-
 #[test]
 fn forking_tokens_train_two_steps() {
     let dir = tempfile::tempdir().unwrap();

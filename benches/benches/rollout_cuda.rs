@@ -1,12 +1,12 @@
 //! The RL rollout on the CUDA backend, at the Qwen2.5-0.5B shape (random weights): P prompts
 //! of 90–110 tokens × n = 8 samples (`ARES_BENCH_PROMPTS`, default 16: 128 sequences),
 //! exactly `ARES_BENCH_NEW` new tokens each (default 256; no EOS, so every step decodes the
-//! whole batch), timed four ways in the same run:
+//! whole batch), timed several ways in the same run:
 //!
 //! - **engine, greedy** and **engine, sampled** (T = 1: the race sampler on the device) —
 //!   their time ratio is what sampling costs over greedy;
 //! - **static, sampled** ([`Generator::static_batching`]) — the engine's speedup over it;
-//! - **engine, sampled, bf16 decode weights**;
+//! - **engine, sampled, bf16 decode weights**, and **with a bf16 KV cache**;
 //! - **engine, sampled, decode buckets + CUDA graphs** (each bucket's decode pass captured
 //!   once and replayed; its tokens compared with the plain engine's — the same kernels, so
 //!   the same bits wherever the padding does not change cuBLAS's choice).
@@ -28,7 +28,7 @@ use ares_benches::model::{
 use ares_model::backend::Backend;
 use ares_model::backend::cuda::CudaBackend;
 use ares_model::hf::config::ModelConfig;
-use ares_model::model::{GenerateRequest, Model, Sampling, WeightDtype};
+use ares_model::model::{GenerateRequest, KvCacheDtype, Model, Sampling, WeightDtype};
 
 fn main() {
     let gpu = match CudaBackend::new(0) {
@@ -104,6 +104,12 @@ fn main() {
         .expect("bf16 generator");
     let (tb, _) = time(&bf16, &sampled);
     report("engine, sampled, bf16 decode weights", new, "tokens", tb);
+    let kv16 = model
+        .generator()
+        .expect("generator")
+        .kv_cache_dtype(KvCacheDtype::Bf16);
+    let (tk, _) = time(&kv16, &sampled);
+    report("engine, sampled, bf16 KV cache", new, "tokens", tk);
     let graphs = model.generator().expect("generator").decode_buckets(true);
     let (tgr, c) = time(&graphs, &sampled);
     report(

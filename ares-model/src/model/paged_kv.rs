@@ -312,51 +312,34 @@ impl<B: Backend> PagedKv<B> {
         out: TensorMut<'_, B>,
     ) -> Result<(), ModelError> {
         let n = self.layer_len();
+        // the same two steps in either dtype, through that dtype's pair of ops
+        macro_rules! append_then_attend {
+            ($k:expr, $v:expr, $append:ident, $attend:ident) => {{
+                let (k, v) = ($k, $v);
+                let append = PagedKvViewMut {
+                    k: ViewMut::item(k, layer, n)?,
+                    v: ViewMut::item(v, layer, n)?,
+                    blocks: tables,
+                };
+                be.$append(dims, k_new, v_new, append)?;
+                let cache = PagedKvView {
+                    k: View::item(k, layer, n)?,
+                    v: View::item(v, layer, n)?,
+                    blocks: tables,
+                };
+                be.$attend(dims, q, cache, out)?;
+            }};
+        }
         match &mut self.pools {
             Pools::F32 { k, v, .. } => {
-                be.paged_kv_cache_append(
-                    dims,
-                    k_new,
-                    v_new,
-                    PagedKvViewMut {
-                        k: ViewMut::item(k, layer, n)?,
-                        v: ViewMut::item(v, layer, n)?,
-                        blocks: tables,
-                    },
-                )?;
-                be.paged_attention_decode(
-                    dims,
-                    q,
-                    PagedKvView {
-                        k: View::item(k, layer, n)?,
-                        v: View::item(v, layer, n)?,
-                        blocks: tables,
-                    },
-                    out,
-                )?;
+                append_then_attend!(k, v, paged_kv_cache_append, paged_attention_decode)
             }
-            Pools::Bf16 { k, v, .. } => {
-                be.paged_kv_cache_append_bf16(
-                    dims,
-                    k_new,
-                    v_new,
-                    PagedKvViewMut {
-                        k: ViewMut::item(k, layer, n)?,
-                        v: ViewMut::item(v, layer, n)?,
-                        blocks: tables,
-                    },
-                )?;
-                be.paged_attention_decode_bf16(
-                    dims,
-                    q,
-                    PagedKvView {
-                        k: View::item(k, layer, n)?,
-                        v: View::item(v, layer, n)?,
-                        blocks: tables,
-                    },
-                    out,
-                )?;
-            }
+            Pools::Bf16 { k, v, .. } => append_then_attend!(
+                k,
+                v,
+                paged_kv_cache_append_bf16,
+                paged_attention_decode_bf16
+            ),
         }
         Ok(())
     }
