@@ -351,6 +351,18 @@ impl ModelOps {
         self.check_status()
     }
 
+    /// An event recorded on the ops' stream after everything queued so far, with timing on
+    /// (`ARES_PROFILE`: a pair brackets an op; [`CudaEvent::elapsed_ms`] reads the time
+    /// between them once both are reached).
+    ///
+    /// # Errors
+    /// A driver failure.
+    pub fn timing_event(&self) -> Result<cudarc::driver::CudaEvent> {
+        self.stream
+            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .during("recording a timing event")
+    }
+
     /// Reads the status word (waiting for the queued ops) and clears it: `Ok` when no
     /// kernel met a bad value since the last check.
     ///

@@ -218,6 +218,48 @@ fn bf16_kv_cache_from_the_command_line() {
     assert_eq!(bf16_out[0].token_ids[0], f32_out[0].token_ids[0]);
 }
 
+/// `ARES_PROFILE=1` prints the time of every op, summed per op, after the completions, and
+/// nothing without it (child processes: the setting is read once a process).
+#[test]
+fn ares_profile_prints_op_times() {
+    let dir = with_id_tokenizer("llama_tiny");
+    let prompt = text_of(&[5, 17, 42, 8]);
+    let stderr = |profile: Option<&str>| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_ares-runner"));
+        cmd.args(["generate", "-m"]).arg(dir.path()).args([
+            "--no-chat-template",
+            "--greedy",
+            "--max-new-tokens",
+            "4",
+            "--prompt",
+            &prompt,
+        ]);
+        cmd.env_remove("ARES_PROFILE");
+        if let Some(p) = profile {
+            cmd.env("ARES_PROFILE", p);
+        }
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{err}");
+        err
+    };
+    let err = stderr(Some("1"));
+    assert!(err.contains("op times (CPU, ARES_PROFILE):"), "{err}");
+    for op in [
+        "linear_decode_f32",
+        "paged_attention_decode",
+        "rmsnorm",
+        "download",
+    ] {
+        let row = err
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{op} ")));
+        assert!(row.is_some_and(|r| r.ends_with('%')), "{op}: {err}");
+    }
+    assert!(!stderr(None).contains("op times"));
+    assert!(!stderr(Some("0")).contains("op times"));
+}
+
 #[test]
 fn generation_config_decides_greedy_or_sampling_and_flags_override_it() {
     // llama_tiny's generation_config.json has no do_sample: greedy, as transformers

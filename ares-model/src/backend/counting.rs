@@ -171,6 +171,10 @@ impl<B: Backend> Backend for Counting<B> {
         self.inner.replay(graph)
     }
 
+    fn op_profile(&self) -> Result<Option<String>> {
+        self.inner.op_profile()
+    }
+
     fn decodes_from_training_weights(&self) -> bool {
         self.inner.decodes_from_training_weights()
     }

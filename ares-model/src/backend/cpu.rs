@@ -12,6 +12,7 @@ use ares_cpu::ops::{activation, segment_attention};
 use ares_cpu::sampler::{SampleKey, Sampler};
 
 use super::check_half;
+use super::profile::{self, CpuTimer};
 use super::sampling::greedy_row;
 
 use super::ops::{declared_ops, op_arg_type};
@@ -287,6 +288,7 @@ macro_rules! cpu_ops {
         $(
             #[allow(clippy::too_many_arguments)]
             fn $name(&self, $($arg: op_arg_type!($kind $(<$dt>)?)),*) -> Result<()> {
+                let _timer = CpuTimer::start(stringify!($name));
                 $cpu($(cpu_arg!($name, $arg: $kind $(<$dt>)?)),*).map_err(op(stringify!($name)))
             }
         )*
@@ -521,6 +523,10 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn op_profile(&self) -> Result<Option<String>> {
+        Ok(profile::cpu_table())
+    }
+
     fn name(&self) -> &str {
         "cpu"
     }
@@ -546,6 +552,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload_bytes(&self, src: &[u8], dst: ViewMut<'_, Vec<u8>>) -> Result<()> {
+        let _timer = CpuTimer::start("upload_bytes");
         let dst = slice_mut(dst)?;
         BackendError::check_len("upload_bytes destination", src.len(), dst.len())?;
         dst.copy_from_slice(src);
@@ -553,6 +560,7 @@ impl Backend for CpuBackend {
     }
 
     fn download_bytes(&self, src: View<'_, Vec<u8>>, dst: &mut [u8]) -> Result<()> {
+        let _timer = CpuTimer::start("download_bytes");
         BackendError::check_len("download_bytes destination", src.len(), dst.len())?;
         let (offset, len) = (src.offset(), src.len());
         dst.copy_from_slice(&src.buffer()[offset..offset + len]);
@@ -560,6 +568,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload(&self, src: &[f32], dst: TensorMut<'_, Self>) -> Result<()> {
+        let _timer = CpuTimer::start("upload");
         let dst = slice_mut(dst)?;
         BackendError::check_len("upload destination", src.len(), dst.len())?;
         dst.copy_from_slice(src);
@@ -567,12 +576,14 @@ impl Backend for CpuBackend {
     }
 
     fn upload_ids(&self, src: &[u32], dst: &mut Vec<u32>) -> Result<()> {
+        let _timer = CpuTimer::start("upload_ids");
         BackendError::check_len("upload_ids destination", src.len(), dst.len())?;
         dst.copy_from_slice(src);
         Ok(())
     }
 
     fn download(&self, src: Tensor<'_, Self>, dst: &mut [f32]) -> Result<()> {
+        let _timer = CpuTimer::start("download");
         let src = slice(src)?;
         BackendError::check_len("download destination", src.len(), dst.len())?;
         dst.copy_from_slice(src);
@@ -580,6 +591,7 @@ impl Backend for CpuBackend {
     }
 
     fn upload_half(&self, src: &[u16], dst: ViewMut<'_, HalfBuffer>) -> Result<()> {
+        let _timer = CpuTimer::start("upload_half");
         BackendError::check_len("upload_half destination", src.len(), dst.len())?;
         let (offset, len) = (dst.offset(), dst.len());
         dst.into_buffer().bits[offset..offset + len].copy_from_slice(src);
@@ -587,6 +599,7 @@ impl Backend for CpuBackend {
     }
 
     fn download_half(&self, src: View<'_, HalfBuffer>, dst: &mut [u16]) -> Result<()> {
+        let _timer = CpuTimer::start("download_half");
         BackendError::check_len("download_half destination", src.len(), dst.len())?;
         let (offset, len) = (src.offset(), src.len());
         dst.copy_from_slice(&src.buffer().bits[offset..offset + len]);
@@ -605,6 +618,7 @@ impl Backend for CpuBackend {
         b: Tensor<'_, Self>,
         out: TensorMut<'_, Self>,
     ) -> Result<()> {
+        let _timer = CpuTimer::start("add");
         let (a, b, out) = (slice(a)?, slice(b)?, slice_mut(out)?);
         BackendError::check_len("add b", a.len(), b.len())?;
         BackendError::check_len("add out", a.len(), out.len())?;
@@ -621,6 +635,7 @@ impl Backend for CpuBackend {
         ids: &mut Vec<u32>,
         host: &mut [u32],
     ) -> Result<()> {
+        let _timer = CpuTimer::start("greedy_tokens");
         let logits = slice(logits)?;
         check_token_rows("greedy_tokens", vocab, ids.len(), host.len(), logits.len())?;
         for ((id, h), row) in ids
@@ -643,6 +658,7 @@ impl Backend for CpuBackend {
         ids: &mut Vec<u32>,
         host: &mut [u32],
     ) -> Result<()> {
+        let _timer = CpuTimer::start("sample_tokens");
         let logits = slice(logits)?;
         check_token_rows("sample_tokens", vocab, ids.len(), host.len(), logits.len())?;
         BackendError::check_len("sample_tokens keys", ids.len(), keys.len())?;
@@ -657,6 +673,7 @@ impl Backend for CpuBackend {
     }
 
     fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64> {
+        let _timer = CpuTimer::start("sum_of_squares");
         Ok(sum_of_squares_f64(slice(x)?))
     }
 
@@ -667,6 +684,7 @@ impl Backend for CpuBackend {
         v_new: Tensor<'_, Self>,
         cache: KvCacheViewMut<'_, Vec<f32>>,
     ) -> Result<()> {
+        let _timer = CpuTimer::start("kv_cache_append");
         let mut len = vec![cache.len; dims.batch];
         kv_cache_append(
             &attention_shape(dims),
@@ -689,6 +707,7 @@ impl Backend for CpuBackend {
         cache: KvCacheView<'_, Vec<f32>>,
         out: TensorMut<'_, Self>,
     ) -> Result<()> {
+        let _timer = CpuTimer::start("attention_decode");
         let len = vec![cache.len; dims.batch];
         let cache = attention::KvCache {
             k: slice(cache.k)?,
@@ -708,6 +727,7 @@ impl Backend for CpuBackend {
         v_new: Tensor<'_, Self>,
         cache: PagedKvViewMut<'_, Vec<f32>, Vec<u32>>,
     ) -> Result<()> {
+        let _timer = CpuTimer::start("paged_kv_cache_append");
         let b = cache.blocks;
         attention::paged_kv_cache_append(
             &attention_shape(dims),
@@ -732,6 +752,7 @@ impl Backend for CpuBackend {
         cache: PagedKvView<'_, Vec<f32>, Vec<u32>>,
         out: TensorMut<'_, Self>,
     ) -> Result<()> {
+        let _timer = CpuTimer::start("paged_attention_decode");
         let b = cache.blocks;
         let len: Vec<u32> = b
             .host_len
@@ -761,6 +782,7 @@ impl Backend for CpuBackend {
         v_new: Tensor<'_, Self>,
         cache: PagedKvViewMut<'_, HalfBuffer, Vec<u32>>,
     ) -> Result<()> {
+        let _timer = CpuTimer::start("paged_kv_cache_append_bf16");
         const OP: &str = "paged_kv_cache_append_bf16";
         let b = cache.blocks;
         attention::paged_kv_cache_append_bf16(
@@ -786,6 +808,7 @@ impl Backend for CpuBackend {
         cache: PagedKvView<'_, HalfBuffer, Vec<u32>>,
         out: TensorMut<'_, Self>,
     ) -> Result<()> {
+        let _timer = CpuTimer::start("paged_attention_decode_bf16");
         const OP: &str = "paged_attention_decode_bf16";
         let b = cache.blocks;
         let len: Vec<u32> = b
@@ -818,6 +841,7 @@ impl Backend for CpuBackend {
         means: TensorMut<'_, Self>,
         valid: TensorMut<'_, Self>,
     ) -> Result<()> {
+        let _timer = CpuTimer::start("entropy_windows");
         let hwe = match hwe {
             Some(h) => Some(ares_cpu::HweOutputs {
                 tau: h.tau,
@@ -844,6 +868,7 @@ impl Backend for CpuBackend {
         inputs: KlViews<'_, Vec<f32>>,
         outputs: KlSumViews<'_, Vec<f32>>,
     ) -> Result<()> {
+        let _timer = CpuTimer::start("masked_dynamic_kl");
         let inputs = ares_cpu::MaskedKlInputs {
             logp: slice(inputs.logp)?,
             ref_logp: slice(inputs.ref_logp)?,

@@ -55,6 +55,7 @@ mod error;
 mod ops;
 mod optim;
 mod pick;
+pub mod profile;
 mod shapes;
 mod token;
 mod view;
@@ -159,6 +160,15 @@ pub trait Backend {
     /// column tiles.
     fn decodes_from_training_weights(&self) -> bool {
         false
+    }
+
+    /// The time of every op so far, summed per op, as a table, when `ARES_PROFILE=1`
+    /// ([`profile`]); `None` otherwise (and on a backend that times nothing).
+    ///
+    /// # Errors
+    /// A device failure while reading the timings back.
+    fn op_profile(&self) -> Result<Option<String>> {
+        Ok(None)
     }
 
     /// A new buffer of `len` f32 elements, zeroed.

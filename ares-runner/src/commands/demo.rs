@@ -708,6 +708,7 @@ fn run_on<B: Backend + Clone>(
     lap(&mut phases.eval_before);
 
     let interrupt = super::interrupt_flag()?;
+    let probe = backend.clone();
     let mut trainer = Trainer::new(cfg.clone(), backend, interrupt)?;
     let summary = trainer.run()?;
     lap(&mut phases.rl);
@@ -733,6 +734,7 @@ fn run_on<B: Backend + Clone>(
         summary.steps,
         before_after(&before, &after)
     );
+    super::print_op_profile(&probe);
     let plot = run.join("plot.png");
     match crate::plot::plot_metrics(&summary.metrics, &plot, None) {
         Ok(_) => eprintln!("plot: {}", plot.display()),

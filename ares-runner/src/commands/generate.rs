@@ -1330,6 +1330,7 @@ impl Job<'_> {
             }
             completions.push(completion);
         }
+        super::print_op_profile(model.backend());
         Ok(completions)
     }
 }

@@ -267,6 +267,15 @@ fn transport(l: &LaunchEnv) -> Result<Arc<dyn crate::parallel::Collective>, Trai
     }
 }
 
+/// Prints the backend's op times (`ARES_PROFILE=1`; [`Backend::op_profile`]) to stderr.
+pub(crate) fn print_op_profile<B: Backend>(backend: &B) {
+    match backend.op_profile() {
+        Ok(Some(table)) => eprint!("{table}"),
+        Ok(None) => {}
+        Err(e) => eprintln!("warning: no op times: {e}"),
+    }
+}
+
 /// [`train`] on a chosen backend, as one of `ranks` when launched.
 fn train_on<B: Backend + Clone>(
     cfg: Config,
@@ -274,6 +283,7 @@ fn train_on<B: Backend + Clone>(
     ranks: Option<Ranks>,
 ) -> Result<(), TrainError> {
     let interrupt = interrupt_flag()?;
+    let probe = backend.clone();
     let mut trainer = Trainer::new(cfg, backend, interrupt)?;
     if let Some(r) = ranks {
         trainer.join(r)?;
@@ -300,6 +310,7 @@ fn train_on<B: Backend + Clone>(
     if !prints {
         return Ok(());
     }
+    print_op_profile(&probe);
     eprintln!(
         "{} after {} steps; metrics: {}; checkpoint: {}",
         if summary.interrupted {

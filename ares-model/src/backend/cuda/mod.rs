@@ -44,13 +44,77 @@ use ares_cpu::sampler::{SampleKey, Sampler};
 use ares_cuda::cudarc::driver::CudaView;
 use ares_cuda::model_ops::{BlockTablesView, KvCache, KvCacheMut, PagedKvCache, PagedKvCacheMut};
 use ares_cuda::{AdamWStep, AttentionShape, DeviceInfo, GemmDims, GemmPrecision, ModelOps};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use super::profile::OpTimes;
+use ares_cuda::cudarc::driver::CudaEvent;
 
 /// The CUDA backend: one GPU, its stream, kernels and cuBLAS handle (see the module docs).
 #[derive(Clone)]
 pub struct CudaBackend {
     ops: Arc<ModelOps>,
     name: Arc<str>,
+    /// Op times when `ARES_PROFILE=1` (shared by clones).
+    profile: Option<Arc<Mutex<CudaProfile>>>,
+}
+
+/// Ops bracketed by events and not yet read back, and the times read so far.
+#[derive(Default)]
+struct CudaProfile {
+    pending: Vec<(&'static str, CudaEvent, CudaEvent)>,
+    times: OpTimes,
+}
+
+impl CudaProfile {
+    /// Events held before they are read back (a wait for the device every so many ops).
+    const BATCH: usize = 4096;
+
+    /// Reads the pending pairs' times (waiting for the last of them).
+    fn resolve(&mut self) -> Result<()> {
+        for (name, start, end) in self.pending.drain(..) {
+            let ms = start.elapsed_ms(&end).map_err(|e| BackendError::Op {
+                op: "op_profile",
+                source: format!("reading an op's time: {e}").into(),
+            })?;
+            self.times.add(name, f64::from(ms) / 1e3);
+        }
+        Ok(())
+    }
+}
+
+/// Brackets one op with events when profiling: the start recorded at creation, the end
+/// when dropped (after the op was queued).
+struct OpTimer<'a> {
+    backend: &'a CudaBackend,
+    start: Option<(&'static str, CudaEvent)>,
+}
+
+impl<'a> OpTimer<'a> {
+    fn start(backend: &'a CudaBackend, op: &'static str) -> Self {
+        let start = backend
+            .profile
+            .as_ref()
+            .and_then(|_| backend.ops.timing_event().ok())
+            .map(|e| (op, e));
+        Self { backend, start }
+    }
+}
+
+impl Drop for OpTimer<'_> {
+    fn drop(&mut self) {
+        let (Some((op, start)), Some(profile)) = (self.start.take(), &self.backend.profile) else {
+            return;
+        };
+        let Ok(end) = self.backend.ops.timing_event() else {
+            return;
+        };
+        let mut p = profile.lock().unwrap_or_else(|e| e.into_inner());
+        p.pending.push((op, start, end));
+        if p.pending.len() >= CudaProfile::BATCH {
+            // an error here shows again, with its cause, at the next synchronising call
+            let _ = p.resolve();
+        }
+    }
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -162,6 +226,7 @@ impl CudaBackend {
         Ok(Self {
             ops: Arc::new(ops),
             name: name.into(),
+            profile: super::profile::enabled().then(Default::default),
         })
     }
 
@@ -321,6 +386,7 @@ macro_rules! cuda_ops {
         $(
             #[allow(clippy::too_many_arguments)]
             fn $name(&self, $($arg: op_arg_type!($kind $(<$dt>)?)),*) -> Result<()> {
+                let _timer = OpTimer::start(self, stringify!($name));
                 $(
                     #[allow(unused_mut)]
                     let mut $arg = cuda_arg!($name, $arg: $kind $(<$dt>)?);
@@ -349,7 +415,20 @@ impl Backend for CudaBackend {
         Some((free as u64, total as u64))
     }
 
+    fn op_profile(&self) -> Result<Option<String>> {
+        let Some(profile) = &self.profile else {
+            return Ok(None);
+        };
+        let mut p = profile.lock().unwrap_or_else(|e| e.into_inner());
+        p.resolve()?;
+        Ok(Some(p.times.table(&self.name)))
+    }
+
     fn begin_capture(&self) -> Result<bool> {
+        if self.profile.is_some() {
+            // a replayed graph would hide its ops from the timing
+            return Ok(false);
+        }
         self.ops.begin_capture().map_err(op("begin_capture"))?;
         Ok(true)
     }
@@ -393,12 +472,14 @@ impl Backend for CudaBackend {
     }
 
     fn upload_bytes(&self, src: &[u8], dst: ViewMut<'_, CudaBytes>) -> Result<()> {
+        let _timer = OpTimer::start(self, "upload_bytes");
         BackendError::check_len("upload_bytes destination", src.len(), dst.len())?;
         let mut dst = bytes_view_mut(dst)?;
         self.ops.upload(src, &mut dst).map_err(op("upload_bytes"))
     }
 
     fn download_bytes(&self, src: View<'_, CudaBytes>, dst: &mut [u8]) -> Result<()> {
+        let _timer = OpTimer::start(self, "download_bytes");
         BackendError::check_len("download_bytes destination", src.len(), dst.len())?;
         let src = bytes_view(src)?;
         self.ops
@@ -407,6 +488,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, src: &[f32], dst: TensorMut<'_, Self>) -> Result<()> {
+        let _timer = OpTimer::start(self, "upload");
         BackendError::check_len("upload destination", src.len(), dst.len())?;
         self.ops
             .upload(src, &mut view_mut(dst)?)
@@ -414,6 +496,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload_ids(&self, src: &[u32], dst: &mut CudaIds) -> Result<()> {
+        let _timer = OpTimer::start(self, "upload_ids");
         BackendError::check_len("upload_ids destination", src.len(), dst.len)?;
         self.ops
             .upload(src, &mut ids_mut(dst)?)
@@ -421,11 +504,13 @@ impl Backend for CudaBackend {
     }
 
     fn download(&self, src: Tensor<'_, Self>, dst: &mut [f32]) -> Result<()> {
+        let _timer = OpTimer::start(self, "download");
         BackendError::check_len("download destination", src.len(), dst.len())?;
         self.ops.download(&view(src)?, dst).map_err(op("download"))
     }
 
     fn upload_half(&self, src: &[u16], dst: ViewMut<'_, CudaHalf>) -> Result<()> {
+        let _timer = OpTimer::start(self, "upload_half");
         BackendError::check_len("upload_half destination", src.len(), dst.len())?;
         let dtype = dst.as_view().buffer().dtype;
         let mut dst = half_view_mut("upload_half", "dst", dst, dtype)?;
@@ -433,6 +518,7 @@ impl Backend for CudaBackend {
     }
 
     fn download_half(&self, src: View<'_, CudaHalf>, dst: &mut [u16]) -> Result<()> {
+        let _timer = OpTimer::start(self, "download_half");
         BackendError::check_len("download_half destination", src.len(), dst.len())?;
         let src = half_view("download_half", "src", src, src.buffer().dtype)?;
         self.ops
@@ -452,6 +538,7 @@ impl Backend for CudaBackend {
         b: Tensor<'_, Self>,
         out: TensorMut<'_, Self>,
     ) -> Result<()> {
+        let _timer = OpTimer::start(self, "add");
         BackendError::check_len("add b", a.len(), b.len())?;
         BackendError::check_len("add out", a.len(), out.len())?;
         self.ops
@@ -466,6 +553,7 @@ impl Backend for CudaBackend {
         ids_buf: &mut CudaIds,
         host: &mut [u32],
     ) -> Result<()> {
+        let _timer = OpTimer::start(self, "greedy_tokens");
         BackendError::check_len("greedy_tokens host", ids_buf.len, host.len())?;
         self.ops
             .argmax_rows(&view(logits)?, vocab, &mut ids_mut(ids_buf)?)
@@ -484,6 +572,7 @@ impl Backend for CudaBackend {
         ids_buf: &mut CudaIds,
         host: &mut [u32],
     ) -> Result<()> {
+        let _timer = OpTimer::start(self, "sample_tokens");
         BackendError::check_len("sample_tokens host", ids_buf.len, host.len())?;
         BackendError::check_len("sample_tokens keys", ids_buf.len, keys.len())?;
         let words: Vec<u32> = keys.iter().flat_map(SampleKey::words).collect();
@@ -513,6 +602,7 @@ impl Backend for CudaBackend {
         bufs: &mut PickBuffersOf<Self>,
         host: &mut [u32],
     ) -> Result<()> {
+        // timed in parts: the pick, the log-prob + entropy op, the packed transfer
         const OP: &str = "pick_tokens";
         let rows = bufs.rows();
         BackendError::check_len(
@@ -521,14 +611,17 @@ impl Backend for CudaBackend {
             host.len(),
         )?;
         match rule {
-            PickRule::Greedy => self
-                .ops
-                .argmax_rows(&view(logits)?, vocab, &mut ids_mut(&mut bufs.targets)?)
-                .map_err(op(OP))?,
+            PickRule::Greedy => {
+                let _timer = OpTimer::start(self, "pick_tokens: argmax");
+                self.ops
+                    .argmax_rows(&view(logits)?, vocab, &mut ids_mut(&mut bufs.targets)?)
+                    .map_err(op(OP))?;
+            }
             PickRule::Sample { sampler, keys } => {
                 BackendError::check_len("pick_tokens keys", rows, keys.len())?;
                 let words: Vec<u32> = keys.iter().flat_map(SampleKey::words).collect();
                 self.upload_ids(&words, &mut bufs.keys)?;
+                let _timer = OpTimer::start(self, "pick_tokens: sample");
                 let keys = ids(&bufs.keys)?;
                 self.race(OP, logits, vocab, sampler, &keys, &mut bufs.targets)?;
             }
@@ -541,6 +634,7 @@ impl Backend for CudaBackend {
             ViewMut::whole(&mut bufs.log_prob),
             ViewMut::whole(&mut bufs.entropy),
         )?;
+        let _timer = OpTimer::start(self, "pick_tokens: download");
         self.ops
             .download_picks(
                 &ids(&bufs.targets)?,
@@ -553,6 +647,7 @@ impl Backend for CudaBackend {
     }
 
     fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64> {
+        let _timer = OpTimer::start(self, "sum_of_squares");
         self.ops
             .sum_of_squares(&view(x)?)
             .map_err(op("sum_of_squares"))
@@ -565,6 +660,7 @@ impl Backend for CudaBackend {
         v_new: Tensor<'_, Self>,
         cache: KvCacheViewMut<'_, CudaBuffer>,
     ) -> Result<()> {
+        let _timer = OpTimer::start(self, "kv_cache_append");
         let (max_len, len) = (cache.max_len, cache.len);
         let (mut k, mut v) = (view_mut(cache.k)?, view_mut(cache.v)?);
         self.ops
@@ -589,6 +685,7 @@ impl Backend for CudaBackend {
         cache: KvCacheView<'_, CudaBuffer>,
         out: TensorMut<'_, Self>,
     ) -> Result<()> {
+        let _timer = OpTimer::start(self, "attention_decode");
         let (k, v) = (view(cache.k)?, view(cache.v)?);
         let mask = view_opt(cache.key_mask)?;
         self.ops
@@ -614,6 +711,7 @@ impl Backend for CudaBackend {
         v_new: Tensor<'_, Self>,
         cache: PagedKvViewMut<'_, CudaBuffer, CudaIds>,
     ) -> Result<()> {
+        let _timer = OpTimer::start(self, "paged_kv_cache_append");
         let b = cache.blocks;
         let (tables, lens) = (ids(b.tables)?, ids(b.len)?);
         let (mut k, mut v) = (view_mut(cache.k)?, view_mut(cache.v)?);
@@ -638,6 +736,7 @@ impl Backend for CudaBackend {
         cache: PagedKvView<'_, CudaBuffer, CudaIds>,
         out: TensorMut<'_, Self>,
     ) -> Result<()> {
+        let _timer = OpTimer::start(self, "paged_attention_decode");
         let b = cache.blocks;
         let (tables, lens) = (ids(b.tables)?, ids(b.len)?);
         let (k, v) = (view(cache.k)?, view(cache.v)?);
@@ -662,6 +761,7 @@ impl Backend for CudaBackend {
         v_new: Tensor<'_, Self>,
         cache: PagedKvViewMut<'_, CudaHalf, CudaIds>,
     ) -> Result<()> {
+        let _timer = OpTimer::start(self, "paged_kv_cache_append_bf16");
         const OP: &str = "paged_kv_cache_append_bf16";
         let b = cache.blocks;
         let (tables, lens) = (ids(b.tables)?, ids(b.len)?);
@@ -688,6 +788,7 @@ impl Backend for CudaBackend {
         cache: PagedKvView<'_, CudaHalf, CudaIds>,
         out: TensorMut<'_, Self>,
     ) -> Result<()> {
+        let _timer = OpTimer::start(self, "paged_attention_decode_bf16");
         const OP: &str = "paged_attention_decode_bf16";
         let b = cache.blocks;
         let (tables, lens) = (ids(b.tables)?, ids(b.len)?);
@@ -716,6 +817,7 @@ impl Backend for CudaBackend {
         means: TensorMut<'_, Self>,
         valid: TensorMut<'_, Self>,
     ) -> Result<()> {
+        let _timer = OpTimer::start(self, "entropy_windows");
         let hwe = match hwe {
             Some(h) => Some(ares_cuda::HweOutputs {
                 tau: h.tau,
@@ -745,6 +847,7 @@ impl Backend for CudaBackend {
         inputs: KlViews<'_, CudaBuffer>,
         outputs: KlSumViews<'_, CudaBuffer>,
     ) -> Result<()> {
+        let _timer = OpTimer::start(self, "masked_dynamic_kl");
         let inputs = ares_cuda::MaskedKlInputs {
             logp: view(inputs.logp)?,
             ref_logp: view(inputs.ref_logp)?,
