@@ -11,6 +11,7 @@ use ares_cpu::ops::optim::{Moment, adamw_step_scaled, sum_of_squares_f64};
 use ares_cpu::ops::{activation, segment_attention};
 use ares_cpu::sampler::{SampleKey, Sampler};
 
+use super::BlockTables;
 use super::check_half;
 use super::profile::{self, CpuTimer};
 use super::sampling::greedy_row;
@@ -80,6 +81,47 @@ impl DeviceBuffer for HalfBuffer {
     fn dtype(&self) -> DType {
         self.dtype
     }
+}
+
+/// A paged cache of `ares-cpu` over pools `k`, `v` with the tables of `b`.
+fn paged_mut<'a, E>(
+    k: &'a mut [E],
+    v: &'a mut [E],
+    b: BlockTables<'a, Vec<u32>>,
+) -> attention::PagedKvCacheMut<'a, E> {
+    attention::PagedKvCacheMut {
+        k,
+        v,
+        block_size: b.block_size,
+        block_tables: b.host_tables,
+        max_blocks: b.max_blocks,
+        len: b.host_len,
+    }
+}
+
+/// [`paged_mut`] to attend over, with the lengths after the new tokens (`len`).
+fn paged<'a, E>(
+    k: &'a [E],
+    v: &'a [E],
+    b: BlockTables<'a, Vec<u32>>,
+    len: &'a [u32],
+) -> attention::PagedKvCache<'a, E> {
+    attention::PagedKvCache {
+        k,
+        v,
+        block_size: b.block_size,
+        block_tables: b.host_tables,
+        max_blocks: b.max_blocks,
+        len,
+    }
+}
+
+/// Each sequence's length after this step's `dims.seq` new tokens.
+fn lens_after(b: BlockTables<'_, Vec<u32>>, dims: AttentionDims) -> Vec<u32> {
+    b.host_len
+        .iter()
+        .map(|&n| n.saturating_add(dims.seq as u32))
+        .collect()
 }
 
 /// The bits a 16-bit view names, after checking it holds `want` (argument `arg` of `op`).
@@ -733,14 +775,7 @@ impl Backend for CpuBackend {
             &attention_shape(dims),
             slice(k_new)?,
             slice(v_new)?,
-            attention::PagedKvCacheMut {
-                k: slice_mut(cache.k)?,
-                v: slice_mut(cache.v)?,
-                block_size: b.block_size,
-                block_tables: b.host_tables,
-                max_blocks: b.max_blocks,
-                len: b.host_len,
-            },
+            paged_mut(slice_mut(cache.k)?, slice_mut(cache.v)?, b),
         )
         .map_err(op("paged_kv_cache_append"))
     }
@@ -753,23 +788,11 @@ impl Backend for CpuBackend {
         out: TensorMut<'_, Self>,
     ) -> Result<()> {
         let _timer = CpuTimer::start("paged_attention_decode");
-        let b = cache.blocks;
-        let len: Vec<u32> = b
-            .host_len
-            .iter()
-            .map(|&n| n.saturating_add(dims.seq as u32))
-            .collect();
+        let len = lens_after(cache.blocks, dims);
         attention::paged_attention_decode(
             &attention_shape(dims),
             slice(q)?,
-            attention::PagedKvCache {
-                k: slice(cache.k)?,
-                v: slice(cache.v)?,
-                block_size: b.block_size,
-                block_tables: b.host_tables,
-                max_blocks: b.max_blocks,
-                len: &len,
-            },
+            paged(slice(cache.k)?, slice(cache.v)?, cache.blocks, &len),
             slice_mut(out)?,
         )
         .map_err(op("paged_attention_decode"))
@@ -789,14 +812,11 @@ impl Backend for CpuBackend {
             &attention_shape(dims),
             slice(k_new)?,
             slice(v_new)?,
-            attention::PagedKvCacheMut {
-                k: half_mut(OP, "k_cache", cache.k, DType::Bf16)?,
-                v: half_mut(OP, "v_cache", cache.v, DType::Bf16)?,
-                block_size: b.block_size,
-                block_tables: b.host_tables,
-                max_blocks: b.max_blocks,
-                len: b.host_len,
-            },
+            paged_mut(
+                half_mut(OP, "k_cache", cache.k, DType::Bf16)?,
+                half_mut(OP, "v_cache", cache.v, DType::Bf16)?,
+                b,
+            ),
         )
         .map_err(op(OP))
     }
@@ -810,23 +830,15 @@ impl Backend for CpuBackend {
     ) -> Result<()> {
         let _timer = CpuTimer::start("paged_attention_decode_bf16");
         const OP: &str = "paged_attention_decode_bf16";
-        let b = cache.blocks;
-        let len: Vec<u32> = b
-            .host_len
-            .iter()
-            .map(|&n| n.saturating_add(dims.seq as u32))
-            .collect();
+        let len = lens_after(cache.blocks, dims);
+        let (k, v) = (
+            half(OP, "k_cache", cache.k, DType::Bf16)?,
+            half(OP, "v_cache", cache.v, DType::Bf16)?,
+        );
         attention::paged_attention_decode_bf16(
             &attention_shape(dims),
             slice(q)?,
-            attention::PagedKvCache {
-                k: half(OP, "k_cache", cache.k, DType::Bf16)?,
-                v: half(OP, "v_cache", cache.v, DType::Bf16)?,
-                block_size: b.block_size,
-                block_tables: b.host_tables,
-                max_blocks: b.max_blocks,
-                len: &len,
-            },
+            paged(k, v, cache.blocks, &len),
             slice_mut(out)?,
         )
         .map_err(op(OP))
