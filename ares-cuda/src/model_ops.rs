@@ -352,8 +352,9 @@ impl ModelOps {
     }
 
     /// An event recorded on the ops' stream after everything queued so far, with timing on
-    /// (`ARES_PROFILE`: a pair brackets an op; [`CudaEvent::elapsed_ms`] reads the time
-    /// between them once both are reached).
+    /// (`ARES_PROFILE`: a pair brackets an op;
+    /// [`CudaEvent::elapsed_ms`](cudarc::driver::CudaEvent::elapsed_ms) reads the time between
+    /// them once both are reached).
     ///
     /// # Errors
     /// A driver failure.
