@@ -182,13 +182,10 @@ impl<'m, B: Backend> Generator<'m, B> {
             sampling: first.sampling,
             seed: first.seed,
         };
-        let config = EngineConfig {
+        let config = self.with_options(EngineConfig {
             max_seqs: max_seqs.max(1),
-            decode_buckets: self.decode_buckets,
-            kv_cache_dtype: self.kv_cache_dtype,
-            max_blocks: self.max_kv_blocks,
             ..EngineConfig::default()
-        };
+        });
         let mut engine = Engine::new(self, request, config)?;
         let mut slots = Vec::new(); // (request, index) of each sequence id
         for (k, r) in requests.iter().enumerate() {
@@ -249,16 +246,24 @@ impl<'m, B: Backend> Generator<'m, B> {
     }
 
     /// The engine sizes of `request` ([`EngineConfig::for_request`]) with this
-    /// generator's prefill chunk.
+    /// generator's prefill chunk and options.
     pub(crate) fn engine_config(&self, request: &GenerateRequest) -> EngineConfig {
         let mut config = EngineConfig::for_request(request, self.model.spec.kv_dim());
         if let Some(tokens) = self.max_prefill_tokens {
             config.max_prefill_tokens = tokens;
         }
-        config.decode_buckets = self.decode_buckets;
-        config.kv_cache_dtype = self.kv_cache_dtype;
-        config.max_blocks = self.max_kv_blocks;
-        config
+        self.with_options(config)
+    }
+
+    /// `config` with the options set on this generator: decode buckets, the KV cache's
+    /// dtype and its cap.
+    fn with_options(&self, config: EngineConfig) -> EngineConfig {
+        EngineConfig {
+            decode_buckets: self.decode_buckets,
+            kv_cache_dtype: self.kv_cache_dtype,
+            max_blocks: self.max_kv_blocks,
+            ..config
+        }
     }
 }
 
