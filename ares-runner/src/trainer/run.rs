@@ -1314,14 +1314,19 @@ fn check_memory(
     use crate::trainer::setup::memory::{Fit, fit};
     let on_cpu = device.is_none();
     let mut plan = memory_plan(cfg, model_dir, on_cpu, reference)?;
+    let hint = match cfg.worker.rollout.kv_cache_dtype {
+        crate::config::KvCacheDtype::F32 => {
+            "; worker.rollout.kv_cache_dtype=bf16 fits twice as many"
+        }
+        crate::config::KvCacheDtype::Bf16 => "",
+    };
     let capped = |fit: Fit, place: &str, available: u64| match fit {
         Fit::Whole => None,
         Fit::KvCapped { blocks, sequences } => {
             eprintln!(
                 "memory: the rollout's KV cache is capped at {blocks} blocks of 16 tokens to fit \
                  the {} of {place} memory: about {sequences} sequences at their longest at \
-                 once, the others waiting or preempted (the same tokens; \
-                 worker.rollout.kv_cache_dtype=bf16 fits twice as many)",
+                 once, the others waiting or preempted (the same tokens{hint})",
                 crate::host_memory::human_bytes(available),
             );
             usize::try_from(blocks).ok()
