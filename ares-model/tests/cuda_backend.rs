@@ -529,6 +529,143 @@ fn linear_matches_cpu() {
     }
 }
 
+/// Stored bf16 weights (`linear_bf16`, `linear_backward_bf16`, a model's bf16 copies): the
+/// GPU's products equal the CPU's over the same bf16 operands (only the sum order differs),
+/// and from 64 rows on equal the bf16 products over the f32 weight they were rounded from.
+#[test]
+fn stored_bf16_weight_products_match_cpu() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(21);
+    for (rows, inp, out) in [(64usize, 70usize, 45usize), (100, 33, 129), (3, 64, 96)] {
+        let dims = LinearDims {
+            rows,
+            in_features: inp,
+            out_features: out,
+            precision: MatmulPrecision::Bf16,
+        };
+        let what = |op: &str| format!("{op} {rows}x{inp}->{out}");
+        let (x, w, bias) = (
+            rng.vec(rows * inp, 1.0),
+            rng.vec(out * inp, 1.0),
+            rng.vec(out, 1.0),
+        );
+        let (gx, gwf, gb) = (up(&gpu, &x), up(&gpu, &w), up(&gpu, &bias));
+        let mut gw = gpu.alloc_half(out * inp, DType::Bf16).unwrap();
+        gpu.round_bf16(View::whole(&gwf), ViewMut::whole(&mut gw))
+            .unwrap();
+        let mut cw = cpu.alloc_half(out * inp, DType::Bf16).unwrap();
+        cpu.round_bf16(View::whole(&w), ViewMut::whole(&mut cw))
+            .unwrap();
+        let mut gbits = vec![0u16; out * inp];
+        gpu.download_half(View::whole(&gw), &mut gbits).unwrap();
+        assert_eq!(gbits, cw.bits(), "{}: the copies", what("round_bf16"));
+        let mut yg = up(&gpu, &vec![f32::NAN; rows * out]);
+        gpu.linear_bf16(
+            View::whole(&gx),
+            View::whole(&gw),
+            Some(View::whole(&gb)),
+            dims,
+            ViewMut::whole(&mut yg),
+        )
+        .unwrap();
+        let mut yc = vec![0.0; rows * out];
+        cpu.linear_bf16(
+            View::whole(&x),
+            View::whole(&cw),
+            Some(View::whole(&bias)),
+            dims,
+            ViewMut::whole(&mut yc),
+        )
+        .unwrap();
+        assert_close(&what("linear_bf16"), &down(&gpu, &yg), &yc, 2e-5);
+        if rows >= 64 {
+            let mut yf = up(&gpu, &vec![f32::NAN; rows * out]);
+            gpu.linear(
+                View::whole(&gx),
+                View::whole(&gwf),
+                Some(View::whole(&gb)),
+                dims,
+                ViewMut::whole(&mut yf),
+            )
+            .unwrap();
+            assert_close(
+                &what("linear_bf16 vs f32 w"),
+                &down(&gpu, &yg),
+                &down(&gpu, &yf),
+                2e-5,
+            );
+        }
+        let dy = rng.vec(rows * out, 1.0);
+        let (pdx, pdw, pdb) = (
+            rng.vec(rows * inp, 1.0),
+            rng.vec(out * inp, 1.0),
+            rng.vec(out, 1.0),
+        );
+        let (mut gdx, mut gdw, mut gdb) = (up(&gpu, &pdx), up(&gpu, &pdw), up(&gpu, &pdb));
+        gpu.linear_backward_bf16(
+            View::whole(&up(&gpu, &dy)),
+            View::whole(&gx),
+            View::whole(&gw),
+            dims,
+            Some(ViewMut::whole(&mut gdx)),
+            Some(ViewMut::whole(&mut gdw)),
+            Some(ViewMut::whole(&mut gdb)),
+        )
+        .unwrap();
+        let (mut cdx, mut cdw, mut cdb) = (pdx.clone(), pdw.clone(), pdb.clone());
+        cpu.linear_backward_bf16(
+            View::whole(&dy),
+            View::whole(&x),
+            View::whole(&cw),
+            dims,
+            Some(ViewMut::whole(&mut cdx)),
+            Some(ViewMut::whole(&mut cdw)),
+            Some(ViewMut::whole(&mut cdb)),
+        )
+        .unwrap();
+        assert_close(
+            &what("linear_backward_bf16 dx"),
+            &down(&gpu, &gdx),
+            &cdx,
+            2e-5,
+        );
+        assert_close(
+            &what("linear_backward_bf16 dw"),
+            &down(&gpu, &gdw),
+            &cdw,
+            2e-5,
+        );
+        assert_close(
+            &what("linear_backward_bf16 db"),
+            &down(&gpu, &gdb),
+            &cdb,
+            1e-5,
+        );
+    }
+    // The model: bf16 products with and without the copies, on the GPU and against the CPU.
+    let (mut cpu_model, mut gpu_model) = models(&gpu, "qwen2_tiny");
+    cpu_model.set_matmul_precision(MatmulPrecision::Bf16);
+    gpu_model.set_matmul_precision(MatmulPrecision::Bf16);
+    let s = Set::load("qwen2_tiny", "right");
+    let rounded = gpu_model.forward_logits(&s.inputs()).unwrap();
+    gpu_model.set_bf16_weights(true).unwrap();
+    let stored = gpu_model.forward_logits(&s.inputs()).unwrap();
+    let cpu_logits = cpu_model.forward_logits(&s.inputs()).unwrap();
+    assert_close(
+        "qwen2_tiny bf16 logits, copies vs none",
+        &stored,
+        &rounded,
+        1e-5,
+    );
+    assert_close(
+        "qwen2_tiny bf16 logits, GPU copies vs CPU",
+        &stored,
+        &cpu_logits,
+        1e-4,
+    );
+}
+
 /// bf16 decode weights: each backend packs `[in, out]` weights in its own layout, and the
 /// products agree within bf16 rounding (CUDA also rounds `x` to bf16; the CPU keeps it f32).
 #[test]

@@ -6,7 +6,7 @@
 use ares_model::backend::cpu::CpuBackend;
 use ares_model::backend::{Backend, MatmulPrecision, View, ViewMut};
 use ares_model::hf::checkpoint::Checkpoint;
-use ares_model::model::{Inputs, Model};
+use ares_model::model::{AdamW, AdamWConfig, Inputs, Model};
 
 mod common;
 use common::{fixture, rel_err};
@@ -140,4 +140,143 @@ fn gradients_move_by_the_operand_rounding_and_no_more() {
         assert!(err > 0.0 && err < 5e-2, "{name}: {err:e}");
         assert!(cosine > 0.999, "{name}: cosine {cosine}");
     }
+}
+
+/// A model keeping bf16 copies of its weights (`Model::set_bf16_weights`) multiplies by
+/// them where it would round the f32 weights per product: the same bits in every pass
+/// (whole and chunked LM head, forward, backward), after optimizer steps and after a
+/// trainable buffer is written — the copies follow the f32 weights.
+#[test]
+fn stored_bf16_weights_change_no_bit() {
+    for name in ["qwen2_tiny", "qwen3_tiny", "llama_tiny"] {
+        let mut rounded = model(name);
+        let mut stored = model(name);
+        for m in [&mut rounded, &mut stored] {
+            m.set_matmul_precision(MatmulPrecision::Bf16);
+        }
+        stored.set_bf16_weights(true).unwrap();
+        let s = stored.spec().clone();
+        let linear = s.layers
+            * (s.hidden * (2 * s.q_dim() + 2 * s.kv_dim()) + 3 * s.hidden * s.intermediate);
+        let head = s.vocab * s.hidden;
+        assert_eq!(
+            stored.bf16_weight_bytes(),
+            2 * (linear + head) as u64,
+            "{name}"
+        );
+        assert_eq!(rounded.bf16_weight_bytes(), 0);
+
+        let b = Batch::new(4, 20, s.vocab);
+        let n = b.batch * b.seq;
+        let targets: Vec<u32> = b.ids.iter().map(|&t| (t + 1) % s.vocab as u32).collect();
+        let coeffs: Vec<f32> = (0..n).map(|i| (i % 7) as f32 / 7.0 - 0.4).collect();
+        // log-probs, entropies and every gradient of one pass, with a chunked LM head
+        let pass = |m: &Model<CpuBackend>| {
+            let be = m.backend();
+            let mut acts = m.activations_chunked(b.batch, b.seq, 24).unwrap();
+            m.forward(&b.inputs(), &mut acts).unwrap();
+            m.log_prob_entropy(&mut acts, &targets, 1.0).unwrap();
+            let (mut lp, mut ent) = (vec![0.0; n], vec![0.0; n]);
+            be.download(acts.log_probs(), &mut lp).unwrap();
+            be.download(acts.entropies(), &mut ent).unwrap();
+            let mut g = m.grads().unwrap();
+            m.backward_from_log_prob_grads(&b.inputs(), &mut acts, &targets, &coeffs, 1.0, &mut g)
+                .unwrap();
+            (lp, ent, g)
+        };
+        let grad_names = [
+            "model.embed_tokens.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.self_attn.v_proj.weight",
+            "model.layers.1.self_attn.o_proj.weight",
+            "model.layers.1.mlp.down_proj.weight",
+            "model.norm.weight",
+        ];
+        let mut opt = [&rounded, &stored].map(|m| AdamW::new(m, AdamWConfig::default()).unwrap());
+        for step in 0..3 {
+            assert_eq!(
+                logits(&stored, &b),
+                logits(&rounded, &b),
+                "{name} step {step}"
+            );
+            let (lp_r, ent_r, g_r) = pass(&rounded);
+            let (lp_s, ent_s, g_s) = pass(&stored);
+            assert_eq!((lp_s, ent_s), (lp_r, ent_r), "{name} step {step}");
+            for g in grad_names {
+                let want = g_r.download(rounded.backend(), g).unwrap();
+                assert_eq!(
+                    g_s.download(stored.backend(), g).unwrap(),
+                    want,
+                    "{name} {g}"
+                );
+            }
+            // a step large enough to move the bf16 values
+            let [o_r, o_s] = &mut opt;
+            assert!(o_r.step(&mut rounded, &g_r, 1e-2, None).unwrap().applied);
+            assert!(o_s.step(&mut stored, &g_s, 1e-2, None).unwrap().applied);
+        }
+        assert_eq!(
+            logits(&stored, &b),
+            logits(&rounded, &b),
+            "{name} after steps"
+        );
+        // a buffer written from the host (a data-parallel rank's update) reaches the copy
+        // (the last buffer: the down projections)
+        let before = logits(&stored, &b);
+        let last = rounded.trainable_buffers().len() - 1;
+        let mut values = rounded.read_trainable(last).unwrap();
+        values.iter_mut().for_each(|v| *v *= 1.5);
+        rounded.write_trainable(last, &values).unwrap();
+        stored.write_trainable(last, &values).unwrap();
+        let after = logits(&stored, &b);
+        assert_ne!(after, before, "{name}: the write changed nothing");
+        assert_eq!(after, logits(&rounded, &b), "{name} written");
+        // and without the copies the model is the plain bf16 one again
+        stored.set_bf16_weights(false).unwrap();
+        assert_eq!(stored.bf16_weight_bytes(), 0);
+        assert_eq!(logits(&stored, &b), logits(&rounded, &b));
+    }
+}
+
+/// With bf16 copies, the products of a bf16 pass read them (no f32-weight product, no
+/// per-product rounding of a weight), and an optimizer step rounds them once.
+#[test]
+fn stored_bf16_weights_are_what_the_bf16_products_read() {
+    use ares_model::backend::Counting;
+    let ck = Checkpoint::load(&fixture("qwen2_tiny")).unwrap();
+    let mut m = Model::from_checkpoint(Counting::new(CpuBackend), &ck).unwrap();
+    m.set_matmul_precision(MatmulPrecision::Bf16);
+    m.set_bf16_weights(true).unwrap();
+    let b = Batch::new(4, 20, m.spec().vocab);
+    let n = b.batch * b.seq;
+    let targets = vec![1u32; n];
+    let mut acts = m.activations(b.batch, b.seq).unwrap();
+    let mut g = m.grads().unwrap();
+    let mut opt = AdamW::new(&m, AdamWConfig::default()).unwrap();
+    m.backend().take();
+    m.forward(&b.inputs(), &mut acts).unwrap();
+    m.log_prob_entropy(&mut acts, &targets, 1.0).unwrap();
+    m.backward_from_log_prob_grads(&b.inputs(), &mut acts, &targets, &vec![0.5; n], 1.0, &mut g)
+        .unwrap();
+    let calls = m.backend().take().calls;
+    let count = |op: &str| calls.iter().filter(|&&c| c == op).count();
+    // 7 projections a layer and the LM head, forward and backward
+    let products = 7 * m.spec().layers + 1;
+    assert_eq!(count("linear_bf16"), products);
+    assert_eq!(count("linear_backward_bf16"), products);
+    assert_eq!(
+        count("linear") + count("linear_backward") + count("round_bf16"),
+        0
+    );
+    opt.step(&mut m, &g, 1e-3, None).unwrap();
+    // one rounding per copied stack: 7 kinds of projection and the (tied) head
+    assert_eq!(
+        m.backend()
+            .take()
+            .calls
+            .iter()
+            .filter(|&&c| c == "round_bf16")
+            .count(),
+        8
+    );
 }

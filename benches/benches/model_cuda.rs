@@ -12,7 +12,9 @@
 //!   tokens picked on the device), 32 prompts of 32 tokens, 64 new tokens each.
 //!
 //! Each runs with exact f32 GEMMs, then TF32, then bf16 operands
-//! (`Model::set_matmul_precision`; f32 sums and f32 storage throughout). Times are wall clock
+//! (`Model::set_matmul_precision`; f32 sums and f32 storage throughout), then bf16 with the
+//! model's bf16 weight copies (`Model::set_bf16_weights`: no conversion of a weight per
+//! GEMM; the AdamW step then includes rounding the copies). Times are wall clock
 //! around calls that end with a device synchronisation,
 //! best and median of `ARES_BENCH_RUNS` (default 3) after a warm-up. Without a GPU the
 //! binary says why and exits 0. A plain `main` (`harness = false`).
@@ -60,13 +62,19 @@ fn main() {
     );
     let only = std::env::args().skip(1).find(|a| !a.starts_with('-'));
 
-    for precision in [
-        MatmulPrecision::F32,
-        MatmulPrecision::Tf32,
-        MatmulPrecision::Bf16,
+    for (precision, copies) in [
+        (MatmulPrecision::F32, false),
+        (MatmulPrecision::Tf32, false),
+        (MatmulPrecision::Bf16, false),
+        (MatmulPrecision::Bf16, true),
     ] {
         model.set_matmul_precision(precision);
-        let mode = precision.name();
+        model.set_bf16_weights(copies).expect("bf16 weight copies");
+        let mode = if copies {
+            "bf16, stored bf16 weights"
+        } else {
+            precision.name()
+        };
         if only.as_deref().is_none_or(|o| o == "train") {
             let vocab = 151_936u64;
             let n = batch * seq;
@@ -149,7 +157,8 @@ fn main() {
             );
         }
 
-        if only.as_deref().is_none_or(|o| o == "generate") {
+        // (generation's few-token decode products run in f32 under bf16 either way)
+        if !copies && only.as_deref().is_none_or(|o| o == "generate") {
             let prompts: Vec<Vec<u32>> = (0..GEN_PROMPTS)
                 .map(|_| {
                     (0..GEN_PROMPT_LEN)

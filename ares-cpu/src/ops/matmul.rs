@@ -17,6 +17,8 @@ use rayon::prelude::*;
 use crate::Result;
 use crate::isa::Isa;
 use crate::ops::precision::MatmulPrecision;
+use crate::ops::stored::{Bf16Bits, Widen};
+use std::borrow::Cow;
 
 /// Sizes of a matrix product `[n, k] · [k, m] → [n, m]`.
 ///
@@ -126,11 +128,92 @@ pub fn linear_forward_in(
     dims: MatmulDims,
     out: &mut [f32],
 ) -> Result<()> {
+    linear_forward_w(
+        precision.for_rows(dims.n),
+        x,
+        Weight::F32(w),
+        bias,
+        dims,
+        out,
+    )
+}
+
+/// [`linear_forward`] in bf16 with the weight already stored in bf16: `w16` `[m, k]` holds
+/// bf16 bits (`torch.bfloat16`'s), widened exactly; `x` is rounded to bf16; products and sums
+/// in f32. Always bf16, whatever the number of rows. For any f32 `w` that rounds to `w16`
+/// the result is the bits of [`linear_forward_in`] in [`MatmulPrecision::Bf16`] over `w`
+/// (at [`BF16_MIN_ROWS`](crate::ops::precision::BF16_MIN_ROWS) rows or more): a model that
+/// keeps a bf16 copy of its weights multiplies by it without rounding them per product.
+///
+/// # Errors
+/// As [`linear_forward`] (`w16`: `m·k`).
+pub fn linear_forward_bf16(
+    x: &[f32],
+    w16: &[u16],
+    bias: Option<&[f32]>,
+    dims: MatmulDims,
+    out: &mut [f32],
+) -> Result<()> {
+    linear_forward_w(MatmulPrecision::Bf16, x, Weight::Bf16(w16), bias, dims, out)
+}
+
+/// A linear layer's `[out, in]` weight as stored: f32, or bf16 bits.
+#[derive(Clone, Copy)]
+enum Weight<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+impl<'a> Weight<'a> {
+    fn len(self) -> usize {
+        match self {
+            Self::F32(w) => w.len(),
+            Self::Bf16(w) => w.len(),
+        }
+    }
+
+    /// The operand the product multiplies by in precision `p` (already decided for the
+    /// rows): f32 weights rounded to `p`, bf16 ones widened (exact; `p` is then bf16).
+    fn operand(self, p: MatmulPrecision) -> Cow<'a, [f32]> {
+        match self {
+            Self::F32(w) => p.rounded(w),
+            Self::Bf16(w) => Cow::Owned(widen_bf16(w)),
+        }
+    }
+}
+
+/// bf16 bits widened to f32 (exact), in parallel for large slices.
+fn widen_bf16(src: &[u16]) -> Vec<f32> {
+    let mut out = vec![0.0f32; src.len()];
+    let fill = |(o, s): (&mut [f32], &[u16])| {
+        for (o, &s) in o.iter_mut().zip(s) {
+            *o = Bf16Bits::widen(s);
+        }
+    };
+    if src.len() >= PAR_MIN_ELEMS {
+        out.par_chunks_mut(PAR_MIN_ELEMS)
+            .zip(src.par_chunks(PAR_MIN_ELEMS))
+            .for_each(fill);
+    } else {
+        fill((&mut out, src));
+    }
+    out
+}
+
+/// [`linear_forward_in`] with the weight as stored and the precision `p` already decided
+/// for the rows.
+fn linear_forward_w(
+    p: MatmulPrecision,
+    x: &[f32],
+    w: Weight<'_>,
+    bias: Option<&[f32]>,
+    dims: MatmulDims,
+    out: &mut [f32],
+) -> Result<()> {
     check_len("w", product(dims.m, dims.k)?, w.len())?;
-    let p = precision.for_rows(dims.n);
     // wᵀ: element (l, j) of the right operand is w[j, l].
     let sw = Strides::row_major(dims.k)?.t();
-    linear_with(&p.rounded(x), &p.rounded(w), sw, bias, dims, out)
+    linear_with(&p.rounded(x), &w.operand(p), sw, bias, dims, out)
 }
 
 /// [`linear_forward`] with the weight stored transposed: `out[n, m] = x[n, k] · wt[k, m]
@@ -302,6 +385,43 @@ pub fn linear_backward_in(
     dw: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
 ) -> Result<()> {
+    let p = precision.for_rows(dims.n);
+    linear_backward_w(p, dout, x, Weight::F32(w), dims, dx, dw, dbias)
+}
+
+/// [`linear_backward`] in bf16 with the weight stored in bf16 bits `w16` (as
+/// [`linear_forward_bf16`]): `dout`, `x` rounded to bf16, `w16` widened, whatever the
+/// number of rows; the bits of [`linear_backward_in`] in [`MatmulPrecision::Bf16`] over any
+/// f32 weight that rounds to `w16` (at `BF16_MIN_ROWS` rows or more).
+///
+/// # Errors
+/// As [`linear_backward`]; nothing is written then.
+pub fn linear_backward_bf16(
+    dout: &[f32],
+    x: &[f32],
+    w16: &[u16],
+    dims: MatmulDims,
+    dx: Option<&mut [f32]>,
+    dw: Option<&mut [f32]>,
+    dbias: Option<&mut [f32]>,
+) -> Result<()> {
+    let p = MatmulPrecision::Bf16;
+    linear_backward_w(p, dout, x, Weight::Bf16(w16), dims, dx, dw, dbias)
+}
+
+/// [`linear_backward_in`] with the weight as stored and the precision `p` already decided
+/// for the rows.
+#[allow(clippy::too_many_arguments)]
+fn linear_backward_w(
+    p: MatmulPrecision,
+    dout: &[f32],
+    x: &[f32],
+    w: Weight<'_>,
+    dims: MatmulDims,
+    dx: Option<&mut [f32]>,
+    dw: Option<&mut [f32]>,
+    dbias: Option<&mut [f32]>,
+) -> Result<()> {
     let MatmulDims { n, k, m } = dims;
     let (nk, mk, nm) = (product(n, k)?, product(m, k)?, product(n, m)?);
     check_len("dout", nm, dout.len())?;
@@ -320,12 +440,11 @@ pub fn linear_backward_in(
     if let Some(db) = dbias {
         bias_backward(dout, m, db);
     }
-    let p = precision.for_rows(n);
     let (dout, x) = (p.rounded(dout), p.rounded(x));
 
     if let Some(dx) = dx {
         // dx[n, k] += dout[n, m] · w[m, k]; `w` is only needed (and rounded) here
-        let w = p.rounded(w);
+        let w = w.operand(p);
         let d = MatmulDims { n, k: m, m: k };
         // SAFETY: lengths checked above; `dx` is a unique borrow with row-major strides.
         unsafe {
@@ -1510,5 +1629,44 @@ mod tests {
         )
         .unwrap();
         assert_eq!((dx[0], dw[0], db[0]), (1.0, 2.0, dout[0]));
+    }
+
+    #[test]
+    fn stored_bf16_weights_give_the_bits_of_per_product_rounding() {
+        use crate::ops::precision::{BF16_MIN_ROWS, MatmulPrecision as P, round_to_bf16};
+        // Above the row threshold, the large case through the parallel widening.
+        for (n, k, m) in [(BF16_MIN_ROWS, 7, 5), (70, 33, 130), (64, 96, 700)] {
+            let d = dims(n, k, m);
+            let (x, w, b) = (rand_vec(n * k, 11), rand_vec(m * k, 12), rand_vec(m, 13));
+            let mut w16 = vec![0u16; w.len()];
+            round_to_bf16(&w, &mut w16).unwrap();
+            let (mut want, mut got) = (vec![0.0f32; n * m], vec![f32::NAN; n * m]);
+            linear_forward_in(P::Bf16, &x, &w, Some(&b), d, &mut want).unwrap();
+            linear_forward_bf16(&x, &w16, Some(&b), d, &mut got).unwrap();
+            assert_eq!(got, want, "forward {n}×{k}×{m}");
+
+            let dout = rand_vec(n * m, 14);
+            let grads = |stored: bool| {
+                let (mut dx, mut dw, mut db) =
+                    (rand_vec(n * k, 15), rand_vec(m * k, 16), vec![0.5; m]);
+                let (gx, gw, gb) = (Some(&mut dx[..]), Some(&mut dw[..]), Some(&mut db[..]));
+                if stored {
+                    linear_backward_bf16(&dout, &x, &w16, d, gx, gw, gb).unwrap();
+                } else {
+                    linear_backward_in(P::Bf16, &dout, &x, &w, d, gx, gw, gb).unwrap();
+                }
+                (dx, dw, db)
+            };
+            assert_eq!(grads(true), grads(false), "backward {n}×{k}×{m}");
+        }
+        // Below the threshold the f32-weight op multiplies in f32; the stored one stays bf16.
+        let d = dims(1, 1, 1);
+        let x = 1.0 + 2f32.powi(-9);
+        let mut y = [0.0f32];
+        linear_forward_bf16(&[x], &[0x3f80], None, d, &mut y).unwrap();
+        assert_eq!(y[0], 1.0);
+        // A stored weight of the wrong length names it.
+        let err = linear_forward_bf16(&[1.0; 2], &[0; 3], None, dims(1, 2, 2), &mut [0.0; 2]);
+        assert!(err.unwrap_err().to_string().contains('w'));
     }
 }

@@ -100,9 +100,20 @@ impl MatmulPrecision {
 /// # Errors
 /// `dst` of another length than `src`.
 pub fn round_to_bf16(src: &[f32], dst: &mut [u16]) -> crate::Result<()> {
+    // In parallel for large slices (a model's bf16 weight copy, refreshed every step).
+    const PAR_MIN: usize = 1 << 16;
     crate::error::check_len("dst", src.len(), dst.len())?;
-    for (d, &x) in dst.iter_mut().zip(src) {
-        *d = Bf16Bits::narrow(x);
+    let fill = |(d, s): (&mut [u16], &[f32])| {
+        for (d, &x) in d.iter_mut().zip(s) {
+            *d = Bf16Bits::narrow(x);
+        }
+    };
+    if src.len() >= PAR_MIN {
+        dst.par_chunks_mut(PAR_MIN)
+            .zip(src.par_chunks(PAR_MIN))
+            .for_each(fill);
+    } else {
+        fill((dst, src));
     }
     Ok(())
 }

@@ -1,10 +1,12 @@
 //! Linear layers with Hugging Face `[out, in]` weights: cuBLAS GEMMs (see
 //! [`crate::gemm`]) plus the bias add and the bias gradient (a deterministic column sum).
 //!
-//! In [`GemmPrecision::Bf16`] each product's operands are first rounded into bf16 copies in
-//! a scratch buffer that grows on demand and is reused (one conversion kernel per operand).
-//! Weights stay f32 and are converted on every call: ~6 bytes of traffic per weight element, small beside a
-//! product over many tokens; few-token products are kept in f32 by the caller's rule
+//! In [`GemmPrecision::Bf16`] each product's f32 operands are first rounded into bf16 copies
+//! in a scratch buffer that grows on demand and is reused (one conversion kernel per
+//! operand). An f32 weight is converted on every call (~6 bytes of traffic per weight
+//! element); [`ModelOps::linear_bf16`] and [`ModelOps::linear_backward_bf16`] take the
+//! weight already in bf16 (a model's copy, rounded once per optimizer step), so only the
+//! activations are converted. Few-token products are kept in f32 by the caller's rule
 //! (`MatmulPrecision::for_rows` in ares-cpu).
 
 use super::{ModelOps, check_len};
@@ -27,7 +29,29 @@ impl ModelOps {
         dims: GemmDims,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
-        self.linear_any("linear", x, w, bias, dims, out, false)
+        self.linear_any("linear", x, Src::F32(w), bias, dims, out, false)
+    }
+
+    /// [`ModelOps::linear`] with the weight `w` `[out, in]` already in bf16 (bits): `x` is
+    /// rounded to bf16 into the scratch buffer, `w` read as it is, bf16 tensor cores with f32
+    /// sums (`dims.precision` is ignored: always bf16). The twin of
+    /// `ares_cpu::ops::matmul::linear_forward_bf16`.
+    ///
+    /// # Errors
+    /// As [`ModelOps::linear`].
+    pub fn linear_bf16(
+        &self,
+        x: &CudaView<'_, f32>,
+        w: &CudaView<'_, u16>,
+        bias: Option<&CudaView<'_, f32>>,
+        dims: GemmDims,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let dims = GemmDims {
+            precision: GemmPrecision::Bf16,
+            ..dims
+        };
+        self.linear_any("linear_bf16", x, Src::Bf16(w), bias, dims, out, false)
     }
 
     /// `out = x · wt (+ bias)` with the weight stored transposed, `wt` `[in, out]` (twin of
@@ -43,7 +67,7 @@ impl ModelOps {
         dims: GemmDims,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
-        self.linear_any("linear_transposed", x, wt, bias, dims, out, true)
+        self.linear_any("linear_transposed", x, Src::F32(wt), bias, dims, out, true)
     }
 
     /// `out = x · wt (+ bias)` with `wt` `[in, out]` already in bf16 (bits, e.g. the
@@ -62,39 +86,19 @@ impl ModelOps {
         dims: GemmDims,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
-        const K: &str = "linear_transposed_bf16";
         let dims = GemmDims {
             precision: GemmPrecision::Bf16,
             ..dims
         };
-        let d = dims.blas(K)?;
-        check_len(K, "x", d.x_len, x.len())?;
-        check_len(K, "wt", d.w_len, wt.len())?;
-        check_len(K, "out", d.y_len, out.len())?;
-        if let Some(b) = bias {
-            check_len(K, "bias", dims.out_features, b.len())?;
-        }
-        if d.y_len == 0 {
-            return Ok(());
-        }
-        if dims.in_features == 0 {
-            self.fill(out, 0.0)?;
-        } else {
-            let mut state = self.lock();
-            if state.bf16.len() < x.len() {
-                // SAFETY: every element the GEMM reads is written by the conversion below.
-                state.bf16 = unsafe { self.stream.alloc::<u16>(x.len().next_power_of_two()) }
-                    .during(format!("growing the bf16 scratch to {} elements", x.len()))?;
-            }
-            self.to_bf16(x, &mut state.bf16.slice_mut(0..x.len()))?;
-            let x16 = state.bf16.slice(0..x.len());
-            self.blas
-                .linear_t(&d, Operand::Bf16(&x16), Operand::Bf16(wt), out)?;
-        }
-        match bias {
-            Some(b) => self.bias_add(out, b, dims.rows),
-            None => Ok(()),
-        }
+        self.linear_any(
+            "linear_transposed_bf16",
+            x,
+            Src::Bf16(wt),
+            bias,
+            dims,
+            out,
+            true,
+        )
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -102,7 +106,7 @@ impl ModelOps {
         &self,
         k: &'static str,
         x: &CudaView<'_, f32>,
-        w: &CudaView<'_, f32>,
+        w: Src<'_, '_>,
         bias: Option<&CudaView<'_, f32>>,
         dims: GemmDims,
         out: &mut CudaViewMut<'_, f32>,
@@ -122,7 +126,7 @@ impl ModelOps {
             // An empty sum: cuBLAS is not asked for k = 0.
             self.fill(out, 0.0)?;
         } else {
-            self.with_operands(d.precision, [x, w], |[x, w]| {
+            self.with_sources(k, d.precision, [Src::F32(x), w], |[x, w]| {
                 if transposed {
                     self.blas.linear_t(&d, x, w, out)
                 } else {
@@ -155,77 +159,162 @@ impl ModelOps {
         dw: Option<&mut CudaViewMut<'_, f32>>,
         dbias: Option<&mut CudaViewMut<'_, f32>>,
     ) -> Result<()> {
-        const K: &str = "linear_backward";
-        let d = dims.blas(K)?;
-        check_len(K, "dout", d.y_len, dout.len())?;
-        check_len(K, "x", d.x_len, x.len())?;
-        check_len(K, "w", d.w_len, w.len())?;
+        let k = "linear_backward";
+        self.linear_backward_any(k, dout, x, Src::F32(w), dims, dx, dw, dbias)
+    }
+
+    /// Backward of [`ModelOps::linear_bf16`]: [`ModelOps::linear_backward`] with `dout` and
+    /// `x` rounded to bf16 and the bf16 weight `w` read as it is (always bf16). Twin of
+    /// `ares_cpu::ops::matmul::linear_backward_bf16`.
+    ///
+    /// # Errors
+    /// As [`ModelOps::linear_backward`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_backward_bf16(
+        &self,
+        dout: &CudaView<'_, f32>,
+        x: &CudaView<'_, f32>,
+        w: &CudaView<'_, u16>,
+        dims: GemmDims,
+        dx: Option<&mut CudaViewMut<'_, f32>>,
+        dw: Option<&mut CudaViewMut<'_, f32>>,
+        dbias: Option<&mut CudaViewMut<'_, f32>>,
+    ) -> Result<()> {
+        let dims = GemmDims {
+            precision: GemmPrecision::Bf16,
+            ..dims
+        };
+        let k = "linear_backward_bf16";
+        self.linear_backward_any(k, dout, x, Src::Bf16(w), dims, dx, dw, dbias)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward_any(
+        &self,
+        k: &'static str,
+        dout: &CudaView<'_, f32>,
+        x: &CudaView<'_, f32>,
+        w: Src<'_, '_>,
+        dims: GemmDims,
+        dx: Option<&mut CudaViewMut<'_, f32>>,
+        dw: Option<&mut CudaViewMut<'_, f32>>,
+        dbias: Option<&mut CudaViewMut<'_, f32>>,
+    ) -> Result<()> {
+        let d = dims.blas(k)?;
+        check_len(k, "dout", d.y_len, dout.len())?;
+        check_len(k, "x", d.x_len, x.len())?;
+        check_len(k, "w", d.w_len, w.len())?;
         if let Some(g) = &dw {
-            check_len(K, "dw", d.w_len, g.len())?;
+            check_len(k, "dw", d.w_len, g.len())?;
         }
         if let Some(g) = &dx {
-            check_len(K, "dx", d.x_len, g.len())?;
+            check_len(k, "dx", d.x_len, g.len())?;
         }
         if let Some(g) = &dbias {
-            check_len(K, "dbias", dims.out_features, g.len())?;
+            check_len(k, "dbias", dims.out_features, g.len())?;
         }
         // With rows, in or out zero every product is empty or adds nothing.
         if d.x_len != 0 && d.w_len != 0 && dims.rows != 0 {
             match (dx, dw) {
                 (Some(dx), Some(dw)) => {
-                    self.with_operands(d.precision, [dout, w, x], |[dout, w, x]| {
+                    let srcs = [Src::F32(dout), w, Src::F32(x)];
+                    self.with_sources(k, d.precision, srcs, |[dout, w, x]| {
                         self.blas.backward_dx(&d, dout, w, dx)?;
                         self.blas.backward_dw(&d, dout, x, dw)
                     })?
                 }
-                (Some(dx), None) => self.with_operands(d.precision, [dout, w], |[dout, w]| {
-                    self.blas.backward_dx(&d, dout, w, dx)
-                })?,
-                (None, Some(dw)) => self.with_operands(d.precision, [dout, x], |[dout, x]| {
-                    self.blas.backward_dw(&d, dout, x, dw)
-                })?,
+                (Some(dx), None) => {
+                    let srcs = [Src::F32(dout), w];
+                    self.with_sources(k, d.precision, srcs, |[dout, w]| {
+                        self.blas.backward_dx(&d, dout, w, dx)
+                    })?
+                }
+                (None, Some(dw)) => {
+                    let srcs = [Src::F32(dout), Src::F32(x)];
+                    self.with_sources(k, d.precision, srcs, |[dout, x]| {
+                        self.blas.backward_dw(&d, dout, x, dw)
+                    })?
+                }
                 (None, None) => {}
             }
         }
         match dbias {
-            Some(db) => self.column_sum_plain(K, dout, dims.rows, db),
+            Some(db) => self.column_sum_plain(k, dout, dims.rows, db),
             None => Ok(()),
         }
     }
 }
 
 impl ModelOps {
-    /// Calls `gemms` with `srcs` as GEMM operands: the f32 views themselves, or in bf16
-    /// their bf16 copies in the scratch buffer, converted first. The scratch stays locked
-    /// until the GEMMs are queued; the next user's conversion queues after them on the one
-    /// stream, so reusing it is safe.
-    fn with_operands<const N: usize>(
+    /// Calls `gemms` with `srcs` as GEMM operands: f32 views themselves, or in bf16 their
+    /// bf16 copies in the scratch buffer, converted first; bf16 views (stored weights) as
+    /// they are, in bf16 only. The scratch stays locked until the GEMMs are queued; the next
+    /// user's conversion queues after them on the one stream, so reusing it is safe.
+    fn with_sources<const N: usize>(
         &self,
+        k: &'static str,
         precision: GemmPrecision,
-        srcs: [&CudaView<'_, f32>; N],
+        srcs: [Src<'_, '_>; N],
         gemms: impl FnOnce([Operand<'_, '_>; N]) -> Result<()>,
     ) -> Result<()> {
         if precision != GemmPrecision::Bf16 {
-            return gemms(srcs.map(Operand::F32));
+            if srcs.iter().any(|s| matches!(s, Src::Bf16(_))) {
+                return Err(crate::Error::BadArgument {
+                    kernel: k,
+                    message: format!("internal: a bf16 operand in a {precision:?} product"),
+                });
+            }
+            return gemms(srcs.map(|s| match s {
+                Src::F32(v) => Operand::F32(v),
+                Src::Bf16(v) => Operand::Bf16(v),
+            }));
         }
         // Each copy starts on a 256-byte boundary (cuBLAS picks its fastest tensor-core
         // kernels for aligned operands); the buffer itself comes aligned from the driver.
         const ALIGN: usize = 128;
         let mut state = self.lock();
-        let total: usize = srcs.iter().map(|s| s.len().next_multiple_of(ALIGN)).sum();
+        let converted = |s: &Src<'_, '_>| match s {
+            Src::F32(v) => v.len().next_multiple_of(ALIGN),
+            Src::Bf16(_) => 0,
+        };
+        let total: usize = srcs.iter().map(converted).sum();
         if state.bf16.len() < total {
             // SAFETY: every element a GEMM reads is written by a conversion below first.
             state.bf16 = unsafe { self.stream.alloc::<u16>(total.next_power_of_two()) }
                 .during(format!("growing the bf16 scratch to {total} elements"))?;
         }
-        let mut ranges = [(0usize, 0usize); N];
+        let mut ranges = [None; N];
         let mut at = 0;
         for (src, range) in srcs.iter().zip(&mut ranges) {
-            *range = (at, at + src.len());
-            self.to_bf16(src, &mut state.bf16.slice_mut(at..at + src.len()))?;
-            at += src.len().next_multiple_of(ALIGN);
+            if let Src::F32(v) = src {
+                *range = Some((at, at + v.len()));
+                self.to_bf16(v, &mut state.bf16.slice_mut(at..at + v.len()))?;
+                at += converted(src);
+            }
         }
-        let views = ranges.map(|(a, b)| state.bf16.slice(a..b));
-        gemms(std::array::from_fn(|i| Operand::Bf16(&views[i])))
+        let views = ranges.map(|r| r.map(|(a, b)| state.bf16.slice(a..b)));
+        gemms(std::array::from_fn(|i| match (&srcs[i], &views[i]) {
+            (_, Some(copy)) => Operand::Bf16(copy),
+            (Src::Bf16(v), None) => Operand::Bf16(v),
+            // not reached (every f32 source has a copy); the GEMM refuses mixed operands
+            (Src::F32(v), None) => Operand::F32(v),
+        }))
+    }
+}
+
+/// A GEMM operand as the caller holds it: f32 (rounded to bf16 first in a bf16 product), or
+/// bf16 already (a stored weight).
+#[derive(Clone, Copy)]
+enum Src<'a, 'b> {
+    F32(&'a CudaView<'b, f32>),
+    Bf16(&'a CudaView<'b, u16>),
+}
+
+impl Src<'_, '_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::Bf16(v) => v.len(),
+        }
     }
 }

@@ -179,6 +179,10 @@ impl<B: Backend> Backend for Counting<B> {
         self.inner.decodes_from_training_weights()
     }
 
+    fn keeps_bf16_weights(&self) -> bool {
+        self.inner.keeps_bf16_weights()
+    }
+
     fn alloc(&self, len: usize) -> Result<Self::Buffer> {
         self.note(Kind::Alloc, "alloc");
         self.inner.alloc(len)

@@ -383,6 +383,29 @@ mod kernels {
         linear_backward_in(dims.precision, dout, x, w, md, dx, dw, dbias)
     }
 
+    pub(super) fn linear_bf16(
+        x: &[f32],
+        w: &[u16],
+        bias: Option<&[f32]>,
+        dims: LinearDims,
+        out: &mut [f32],
+    ) -> Result {
+        ares_cpu::ops::matmul::linear_forward_bf16(x, w, bias, matmul_dims(dims), out)
+    }
+
+    pub(super) fn linear_backward_bf16(
+        dout: &[f32],
+        x: &[f32],
+        w: &[u16],
+        dims: LinearDims,
+        dx: Option<&mut [f32]>,
+        dw: Option<&mut [f32]>,
+        dbias: Option<&mut [f32]>,
+    ) -> Result {
+        let md = matmul_dims(dims);
+        ares_cpu::ops::matmul::linear_backward_bf16(dout, x, w, md, dx, dw, dbias)
+    }
+
     pub(super) fn linear_decode_f32(
         x: &[f32],
         wt: &[f32],

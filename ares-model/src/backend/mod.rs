@@ -162,6 +162,15 @@ pub trait Backend {
         false
     }
 
+    /// Whether a model multiplying in bf16 should keep bf16 copies of its weights
+    /// (`Model::set_bf16_weights`): true where a bf16 product over f32 weights pays for
+    /// converting them on each call (CUDA: a conversion kernel before every GEMM); false on
+    /// the CPU, whose products round or widen the weight on each call either way, so a copy
+    /// would only cost memory.
+    fn keeps_bf16_weights(&self) -> bool {
+        false
+    }
+
     /// The time of every op so far, summed per op, as a table, when `ARES_PROFILE=1`
     /// ([`profile`]); `None` otherwise (and on a backend that times nothing).
     ///

@@ -156,6 +156,40 @@ macro_rules! declared_ops {
                 dbias: OutOpt<f32>,
             ) cpu kernels::linear_backward, cuda linear_backward;
 
+            /// [`Backend::linear`] in bf16 with the weight `w` `[out, in]` stored in bf16 (a
+            /// model's bf16 copy of its f32 weights, rounded once per optimizer step): `x` is
+            /// rounded to bf16, products and sums in f32 — on a GPU bf16 tensor cores reading
+            /// `w` as it is, with no conversion of the weight per product. Always bf16,
+            /// whatever `dims.rows` (`dims.precision` is not used); from `BF16_MIN_ROWS` rows
+            /// on, the bits of [`Backend::linear`] in bf16 over any f32 weight that rounds to
+            /// `w` (on the CPU; a GPU may sum in another order). `out` is overwritten.
+            ///
+            /// # Errors
+            /// As [`Backend::linear`]; `w` not bf16.
+            fn linear_bf16(
+                x: In<f32>,
+                w: In<bf16>,
+                bias: InOpt<f32>,
+                dims: LinearDims,
+                out: Out<f32>,
+            ) cpu kernels::linear_bf16, cuda linear_bf16;
+
+            /// Backward of [`Backend::linear_bf16`]: [`Backend::linear_backward`] with `dout`
+            /// and `x` rounded to bf16 and the bf16 weight `w` as it is; the three gradients
+            /// (f32) **accumulate** as there.
+            ///
+            /// # Errors
+            /// As [`Backend::linear_backward`]; `w` not bf16.
+            fn linear_backward_bf16(
+                dout: In<f32>,
+                x: In<f32>,
+                w: In<bf16>,
+                dims: LinearDims,
+                dx: OutOpt<f32>,
+                dw: OutOpt<f32>,
+                dbias: OutOpt<f32>,
+            ) cpu kernels::linear_backward_bf16, cuda linear_backward_bf16;
+
             /// `y += alpha · x`, element-wise, the product rounded before the sum (a LoRA pair's
             /// scaled output added to its frozen layer's, and its gradient scaled back).
             ///

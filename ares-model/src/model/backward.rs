@@ -14,6 +14,7 @@
 //! names: one line per op, in reverse order of the forward's.
 
 use super::activations::head_chunks;
+use super::layer::LinearGrad;
 use super::layer::dqkv;
 use super::lora::Target;
 use super::{Activations, Grads, HeadMode, Inputs, Model, ModelError};
@@ -143,22 +144,17 @@ impl<B: Backend> Model<B> {
             lora: lora_grads,
         } = grads;
         let mut grads = base.as_mut();
-        let lin =
-            |rows, in_features, out_features| self.linear_dims(rows, in_features, out_features);
 
         // LM head: dlnf = dlogits · W; dW += dlogitsᵀ · lnf (tied: into the embedding).
         be.fill(acts.scratch.dln.w(), 0.0)?;
         match head {
             HeadGrad::Dlogits(dlogits) => {
-                be.linear_backward(
-                    dlogits,
-                    View::whole(&acts.lnf),
-                    w.lm_head(),
-                    lin(n, c, v),
-                    Some(acts.scratch.dln.w()),
-                    head_grad(grads.as_deref_mut()),
-                    None,
-                )?;
+                let g = LinearGrad {
+                    param: self.lm_head(n, None),
+                    dw: head_grad(grads.as_deref_mut()),
+                    dbias: None,
+                };
+                self.matmul_backward(dlogits, View::whole(&acts.lnf), g, acts.scratch.dln.w())?;
             }
             HeadGrad::LogProb {
                 temperature,
@@ -195,14 +191,16 @@ impl<B: Backend> Model<B> {
                             ViewMut::new(&mut acts.dlogits, 0, rows * v)?,
                         )?;
                     }
-                    be.linear_backward(
+                    let g = LinearGrad {
+                        param: self.lm_head(rows, None),
+                        dw: head_grad(grads.as_deref_mut()),
+                        dbias: None,
+                    };
+                    self.matmul_backward(
                         View::new(&acts.dlogits, 0, rows * v)?,
                         View::new(&acts.lnf, start * c, rows * c)?,
-                        w.lm_head(),
-                        lin(rows, c, v),
-                        Some(ViewMut::new(&mut acts.scratch.dln.0, start * c, rows * c)?),
-                        head_grad(grads.as_deref_mut()),
-                        None,
+                        g,
+                        ViewMut::new(&mut acts.scratch.dln.0, start * c, rows * c)?,
                     )?;
                 }
             }

@@ -295,14 +295,11 @@ impl<B: Backend> Model<B> {
         logits: &mut B::Buffer,
     ) -> Result<(), ModelError> {
         let (c, v) = (self.spec.hidden, self.spec.vocab);
-        self.backend.linear(
+        self.matmul(
             View::new(lnf, start * c, rows * c)?,
-            self.weights.lm_head(),
-            None,
-            self.linear_dims(rows, c, v),
+            self.lm_head(rows, None),
             ViewMut::new(logits, 0, rows * v)?,
-        )?;
-        Ok(())
+        )
     }
 
     /// After [`Model::forward`] on `acts`: the log-prob of `targets[b, t]` and the entropy

@@ -148,6 +148,9 @@ impl<B: Backend> Model<B> {
                 what: "trainable buffer (index or length)",
             })?;
         self.backend.upload(values, ViewMut::whole(*b))?;
+        if self.lora.is_none() {
+            self.refresh_bf16_weights(Some(buffer))?;
+        }
         Ok(())
     }
 

@@ -15,10 +15,11 @@
 
 use super::activations::{LayerBuffers, Scratch};
 use super::decode_weights::{DecodeStack, DecodeView, DecodeWeights};
-use super::weights::{DeviceWeights, Stack, layer_of, layer_of_mut};
+use super::weights::{DeviceWeights, HalfStack, Stack, layer_of, layer_of_mut};
 use super::{Model, ModelError};
 use crate::backend::{
-    AttentionGrads, AttentionInputs, Backend, DeviceBuffer, LinearDims, Tensor, TensorMut, View,
+    AttentionGrads, AttentionInputs, Backend, DeviceBuffer, LinearDims, MatmulPrecision, Tensor,
+    TensorMut, View,
 };
 
 /// One projection of a layer, `out = x · wᵀ (+ bias)`, for a fixed number of token rows.
@@ -27,10 +28,21 @@ pub(crate) struct Linear<'a, B: Backend> {
     pub(crate) w: Tensor<'a, B>,
     /// `[in, out]`: the transposed copy generation multiplies by ([`DecodeWeights`]).
     pub(crate) wt: Option<DecodeView<'a, B>>,
+    /// `[out, in]` in bf16: the copy the bf16 products read ([`Model::set_bf16_weights`]).
+    pub(crate) w16: Option<View<'a, B::Half>>,
     /// `[out]`, where the architecture has one.
     pub(crate) bias: Option<Tensor<'a, B>>,
     /// Rows, in and out features, precision.
     pub(crate) dims: LinearDims,
+}
+
+impl<'a, B: Backend> Linear<'a, B> {
+    /// The bf16 copy of the weight when this product runs in bf16 (its precision at its
+    /// rows) and the model keeps one: the op that reads it gives the numbers of rounding `w`.
+    fn bf16_weight(&self) -> Option<View<'a, B::Half>> {
+        let bf16 = self.dims.precision.for_rows(self.dims.rows) == MatmulPrecision::Bf16;
+        self.w16.filter(|_| bf16)
+    }
 }
 
 /// One RMSNorm weight of a layer, over rows of `dim` (hidden, or head_dim for q/k norms).
@@ -151,13 +163,14 @@ pub(crate) struct LayerGrads<'a, B: Backend> {
 /// Layer `layer` of a projection's weight stack, its transposed copy and its bias.
 fn linear<'a, B: Backend>(
     layer: usize,
-    w: &'a Stack<B>,
+    (w, w16): (&'a Stack<B>, Option<&'a HalfStack<B>>),
     wt: Option<&'a DecodeStack<B>>,
     bias: &'a Option<Stack<B>>,
     dims: LinearDims,
 ) -> Result<Linear<'a, B>, ModelError> {
     Ok(Linear {
         w: w.layer(layer)?,
+        w16: w16.map(|s| s.layer(layer)).transpose()?,
         wt: match wt {
             Some(t) => t.layer(layer)?,
             None => None,
@@ -200,6 +213,7 @@ impl<B: Backend> Model<B> {
         tw: Option<&'a DecodeWeights<B>>,
     ) -> Result<LayerParams<'a, B>, ModelError> {
         let (w, s) = (&self.weights, &self.spec);
+        let c16 = self.bf16_weights.as_ref();
         let (c, i, qd, kvd) = (s.hidden, s.intermediate, s.q_dim(), s.kv_dim());
         let dims = |in_features, out_features| self.linear_dims(rows, in_features, out_features);
         let norm = |stack: &'a Stack<B>, dim| -> Result<Norm<'a, B>, ModelError> {
@@ -213,27 +227,57 @@ impl<B: Backend> Model<B> {
         };
         Ok(LayerParams {
             ln1: norm(&w.ln1, c)?,
-            q: linear(layer, &w.q, tw.map(|t| &t.q), &w.q_bias, dims(c, qd))?,
-            k: linear(layer, &w.k, tw.map(|t| &t.k), &w.k_bias, dims(c, kvd))?,
-            v: linear(layer, &w.v, tw.map(|t| &t.v), &w.v_bias, dims(c, kvd))?,
+            q: linear(
+                layer,
+                (&w.q, c16.map(|c| &c.q)),
+                tw.map(|t| &t.q),
+                &w.q_bias,
+                dims(c, qd),
+            )?,
+            k: linear(
+                layer,
+                (&w.k, c16.map(|c| &c.k)),
+                tw.map(|t| &t.k),
+                &w.k_bias,
+                dims(c, kvd),
+            )?,
+            v: linear(
+                layer,
+                (&w.v, c16.map(|c| &c.v)),
+                tw.map(|t| &t.v),
+                &w.v_bias,
+                dims(c, kvd),
+            )?,
             qk_norm: QkNorm {
                 layer,
                 q: qk(&w.q_norm)?,
                 k: qk(&w.k_norm)?,
             },
-            o: linear(layer, &w.o, tw.map(|t| &t.o), &w.o_bias, dims(qd, c))?,
+            o: linear(
+                layer,
+                (&w.o, c16.map(|c| &c.o)),
+                tw.map(|t| &t.o),
+                &w.o_bias,
+                dims(qd, c),
+            )?,
             ln2: norm(&w.ln2, c)?,
             gate: linear(
                 layer,
-                &w.gate,
+                (&w.gate, c16.map(|c| &c.gate)),
                 tw.map(|t| &t.gate),
                 &w.gate_bias,
                 dims(c, i),
             )?,
-            up: linear(layer, &w.up, tw.map(|t| &t.up), &w.up_bias, dims(c, i))?,
+            up: linear(
+                layer,
+                (&w.up, c16.map(|c| &c.up)),
+                tw.map(|t| &t.up),
+                &w.up_bias,
+                dims(c, i),
+            )?,
             down: linear(
                 layer,
-                &w.down,
+                (&w.down, c16.map(|c| &c.down)),
                 tw.map(|t| &t.down),
                 &w.down_bias,
                 dims(i, c),
@@ -327,6 +371,7 @@ impl<B: Backend> Model<B> {
         Linear {
             w: self.weights.lm_head(),
             wt: tw.and_then(|t| t.lm_head.whole()),
+            w16: self.bf16_weights.as_ref().map(|c| c.lm_head.whole()),
             bias: None,
             dims: self.linear_dims(rows, c, v),
         }
@@ -347,7 +392,10 @@ impl<B: Backend> Model<B> {
             Some(DecodeView::F32(wt)) => {
                 self.backend.linear_decode_f32(x, wt, p.bias, p.dims, out)?
             }
-            None => self.backend.linear(x, p.w, p.bias, p.dims, out)?,
+            None => match p.bf16_weight() {
+                Some(w16) => self.backend.linear_bf16(x, w16, p.bias, p.dims, out)?,
+                None => self.backend.linear(x, p.w, p.bias, p.dims, out)?,
+            },
         }
         Ok(())
     }
@@ -361,10 +409,12 @@ impl<B: Backend> Model<B> {
         g: LinearGrad<'_, B>,
         dx: TensorMut<'_, B>,
     ) -> Result<(), ModelError> {
-        let p = g.param;
-        Ok(self
-            .backend
-            .linear_backward(dout, x, p.w, p.dims, Some(dx), g.dw, g.dbias)?)
+        let (p, be) = (g.param, &self.backend);
+        match p.bf16_weight() {
+            Some(w16) => be.linear_backward_bf16(dout, x, w16, p.dims, Some(dx), g.dw, g.dbias)?,
+            None => be.linear_backward(dout, x, p.w, p.dims, Some(dx), g.dw, g.dbias)?,
+        }
+        Ok(())
     }
 
     /// RMSNorm of `x`'s rows by `p` into `out`, saving each row's `rstd`.

@@ -895,6 +895,6 @@ impl<B: Backend> Model<B> {
             };
             lora.add_delta(be, spec, t, stack, false)?;
         }
-        Ok(())
+        self.refresh_bf16_weights(None)
     }
 }

@@ -37,6 +37,7 @@
 
 mod activations;
 mod backward;
+mod bf16_weights;
 mod block_pool;
 mod decode_weights;
 mod engine;
@@ -105,6 +106,9 @@ pub struct Model<B: Backend> {
     gradient_checkpointing: bool,
     /// LoRA adapters ([`Model::add_lora`]): with them the base weights are frozen.
     lora: Option<lora::Lora<B>>,
+    /// bf16 copies of the linear weights the bf16 products read
+    /// ([`Model::set_bf16_weights`]).
+    bf16_weights: Option<bf16_weights::Bf16Weights<B>>,
 }
 
 impl<B: Backend> Model<B> {
@@ -165,6 +169,7 @@ impl<B: Backend> Model<B> {
             matmul_precision: MatmulPrecision::F32,
             gradient_checkpointing: false,
             lora: None,
+            bf16_weights: None,
         })
     }
 

@@ -296,13 +296,19 @@ impl<B: Backend> AdamW<B> {
             None => model.weights.buffers_mut(),
         };
         let owned = self.owned.clone();
+        let updated = |i: usize| owned.as_ref().is_none_or(|o| o[i]);
         for (i, ((p, g), m)) in params.into_iter().zip(g).zip(&mut self.moments).enumerate() {
-            if owned.as_ref().is_none_or(|o| o[i]) {
+            if updated(i) {
                 m.step(be, p, g, &self.maps, &update)?;
             }
         }
         for e in extra.iter_mut() {
             e.moments.step(be, e.param, e.grad, &self.maps, &update)?;
+        }
+        if model.lora.is_none() {
+            for i in (0..self.moments.len()).filter(|&i| updated(i)) {
+                model.refresh_bf16_weights(Some(i))?;
+            }
         }
         self.step += 1;
         Ok(StepReport {

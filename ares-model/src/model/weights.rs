@@ -35,6 +35,26 @@ impl<B: Backend> HalfStack<B> {
     pub(crate) fn layer(&self, layer: usize) -> Result<View<'_, B::Half>, ModelError> {
         Ok(View::item(&self.buffer, layer, self.item)?)
     }
+
+    /// `src` rounded to bf16 (same layout), in a new stack of `item`-element layers.
+    pub(crate) fn rounded(
+        backend: &B,
+        src: Tensor<'_, B>,
+        item: usize,
+    ) -> Result<Self, ModelError> {
+        let mut stack = Self {
+            buffer: backend.alloc_half(src.len(), DType::Bf16)?,
+            item,
+        };
+        stack.round_from(backend, src)?;
+        Ok(stack)
+    }
+
+    /// Rounds `src` (as long as the stack) to bf16 into the stack.
+    pub(crate) fn round_from(&mut self, backend: &B, src: Tensor<'_, B>) -> Result<(), ModelError> {
+        backend.round_bf16(src, ViewMut::whole(&mut self.buffer))?;
+        Ok(())
+    }
 }
 
 impl<B: Backend> Stack<B> {

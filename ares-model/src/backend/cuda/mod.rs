@@ -447,6 +447,10 @@ impl Backend for CudaBackend {
         true
     }
 
+    fn keeps_bf16_weights(&self) -> bool {
+        true
+    }
+
     fn alloc(&self, len: usize) -> Result<CudaBuffer> {
         let slice = self.ops.alloc(len.max(1)).map_err(op("alloc"))?;
         Ok(CudaBuffer { slice, len })

@@ -25,7 +25,7 @@
 //! memory — every sequence at its longest, which a random or rambling policy does reach —
 //! and leaves out the program itself, the datasets and the vision tower's activations.
 
-use crate::config::Config;
+use crate::config::{Config, MatmulPrecisionCfg};
 use crate::hf::config::ModelConfig;
 use crate::model::{HeadMode, ModelSpec, StateDtype, arena_elements, lora_arena_elements};
 
@@ -211,6 +211,22 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         what: "weights and RoPE tables (f32)".into(),
         bytes: f32s(p + t) + rope,
     }];
+    // bf16 copies of the linear weights and the LM head, which a GPU's bf16 products read
+    // (`Model::set_bf16_weights`); the actor's and the reference's
+    let (c, v, l) = (spec.hidden as u64, spec.vocab as u64, spec.layers as u64);
+    let (qd, kvd, i) = (
+        spec.q_dim() as u64,
+        spec.kv_dim() as u64,
+        spec.intermediate as u64,
+    );
+    let linear = l * (c * qd + 2 * c * kvd + qd * c + 3 * c * i) + c * v;
+    let bf16_copies = cfg.trainer.matmul_precision == MatmulPrecisionCfg::Bf16 && !model.on_cpu;
+    if bf16_copies {
+        held.push(Part {
+            what: "bf16 copies of the linear weights (bf16 products)".into(),
+            bytes: linear * 2,
+        });
+    }
     if let Some(l) = &lora {
         held.push(Part {
             what: format!("LoRA pairs (r = {}, f32)", l.r),
@@ -252,14 +268,14 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
             what: "reference policy (f32)".into(),
             bytes: f32s(p + t) + rope,
         });
+        if bf16_copies {
+            held.push(Part {
+                what: "reference policy's bf16 copies".into(),
+                bytes: linear * 2,
+            });
+        }
     }
 
-    let (c, v, l) = (spec.hidden as u64, spec.vocab as u64, spec.layers as u64);
-    let (qd, kvd, i) = (
-        spec.q_dim() as u64,
-        spec.kv_dim() as u64,
-        spec.intermediate as u64,
-    );
     let (prompt, response) = (
         cfg.data.max_prompt_length as u64,
         cfg.data.max_response_length as u64,
@@ -275,7 +291,6 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
     };
 
     // rollout: decode weights, the KV pool at its largest, the decode and prefill arenas
-    let linear = l * (c * qd + 2 * c * kvd + qd * c + 3 * c * i) + c * v;
     let bf16 = cfg.worker.rollout.weight_dtype == crate::config::WeightDtype::Bf16;
     // f32 on a GPU without LoRA pairs to merge: the training weights themselves
     // (`Backend::decodes_from_training_weights`)
@@ -567,6 +582,45 @@ mod tests {
         let (what, bytes) = moments(D::Int8);
         assert_eq!(bytes, embed + 2 * layer + 8 * 64, "{what}");
         assert!(what.contains("int8"));
+    }
+
+    /// bf16 products on a GPU hold bf16 copies of the linear weights and the LM head (2
+    /// bytes each, by hand), the reference policy's too; not on the CPU, not in f32.
+    #[test]
+    fn bf16_products_on_a_gpu_hold_bf16_weight_copies() {
+        let text = tiny();
+        let held = |precision, on_cpu| {
+            let mut cfg = Config::default();
+            cfg.trainer.matmul_precision = precision;
+            let model = PlanModel {
+                text: &text,
+                tower_params: 0,
+                vision: None,
+                on_cpu,
+                reference: true,
+            };
+            plan(&cfg, model).unwrap().held
+        };
+        // per layer q, o 64·64, k, v 64·32, gate, up, down 64·128; the tied head 100·64
+        let linear = 2 * (2 * 4096 + 2 * 2048 + 3 * 8192) + 6400;
+        let gpu = held(MatmulPrecisionCfg::Bf16, false);
+        let copies: Vec<u64> = gpu
+            .iter()
+            .filter(|p| p.what.contains("bf16 copies"))
+            .map(|p| p.bytes)
+            .collect();
+        assert_eq!(copies, vec![2 * linear, 2 * linear], "{gpu:?}");
+        for (precision, on_cpu) in [
+            (MatmulPrecisionCfg::Bf16, true),
+            (MatmulPrecisionCfg::F32, false),
+            (MatmulPrecisionCfg::Tf32, false),
+        ] {
+            let parts = held(precision, on_cpu);
+            assert!(
+                !parts.iter().any(|p| p.what.contains("bf16 copies")),
+                "{parts:?}"
+            );
+        }
     }
 
     /// A bf16 KV cache is planned at half the f32 one's bytes, named as such; the other

@@ -143,8 +143,10 @@ impl ModelFiles {
     }
 }
 
-/// The model of `files` on `backend`, multiplying in `trainer.matmul_precision`, its
-/// decoder checkpointed as `worker.actor.model.enable_gradient_checkpointing` says.
+/// The model of `files` on `backend`, multiplying in `trainer.matmul_precision` (in bf16,
+/// with bf16 copies of the decoder's weights where the backend keeps them:
+/// `Backend::keeps_bf16_weights`), its decoder checkpointed as
+/// `worker.actor.model.enable_gradient_checkpointing` says.
 ///
 /// # Errors
 /// As [`Model::from_checkpoint`] and [`VlModel::from_checkpoint`].
@@ -160,6 +162,7 @@ pub fn build_actor<B: Backend>(
             let mut m = VlModel::from_checkpoint(backend, ck)?;
             m.lm_mut().set_matmul_precision(precision);
             m.tower_mut().set_matmul_precision(precision);
+            keep_bf16_weights(m.lm_mut())?;
             let checkpointing = cfg.worker.actor.model.enable_gradient_checkpointing;
             m.lm_mut().set_gradient_checkpointing(checkpointing);
             m.tower_mut().set_gradient_checkpointing(checkpointing);
@@ -219,8 +222,20 @@ pub fn build_model<B: Backend>(
 ) -> Result<Model<B>, TrainError> {
     let mut model = Model::from_checkpoint(backend, ckpt)?;
     model.set_matmul_precision(cfg.trainer.matmul_precision.precision());
+    keep_bf16_weights(&mut model)?;
     model.set_gradient_checkpointing(cfg.worker.actor.model.enable_gradient_checkpointing);
     Ok(model)
+}
+
+/// Gives `model` bf16 copies of its weights when it multiplies in bf16 on a backend where
+/// they pay (`Backend::keeps_bf16_weights`: the GPU's products then skip converting each
+/// weight).
+fn keep_bf16_weights<B: Backend>(model: &mut Model<B>) -> Result<(), TrainError> {
+    let bf16 = model.matmul_precision() == crate::backend::MatmulPrecision::Bf16;
+    if bf16 && model.backend().keeps_bf16_weights() {
+        model.set_bf16_weights(true)?;
+    }
+    Ok(())
 }
 
 /// Loads a dataset with the config's keys.
