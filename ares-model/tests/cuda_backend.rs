@@ -32,7 +32,9 @@ use ares_model::backend::{
     PagedKvView, PagedKvViewMut, SegmentAttentionDims, View, ViewMut,
 };
 use ares_model::hf::checkpoint::Checkpoint;
-use ares_model::model::{AdamW, GenerateRequest, Grads, Inputs, Model, Sampling, StepReport};
+use ares_model::model::{
+    AdamW, GenerateRequest, Grads, Inputs, Model, Sampling, StepReport, WeightDtype,
+};
 use safetensors::{Dtype, SafeTensors};
 
 // ----- Set-up and comparison helpers. -----
@@ -662,6 +664,32 @@ fn stored_bf16_weight_products_match_cpu() {
         "qwen2_tiny bf16 logits, GPU copies vs CPU",
         &stored,
         &cpu_logits,
+        1e-4,
+    );
+    // bf16 decode weights are then the copies themselves (no second copy), and generate as
+    // a decode copy of the same bf16 values does (only GEMM sum orders differ)
+    let (_, mut packed_model) = models(&gpu, "qwen2_tiny");
+    packed_model.set_matmul_precision(MatmulPrecision::Bf16);
+    let text = std::fs::read_to_string(fixture("qwen2_tiny").join("greedy.json")).unwrap();
+    let doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let request = GenerateRequest {
+        prompts: serde_json::from_value(doc["prompts"].clone()).unwrap(),
+        max_new_tokens: 8,
+        eos_ids: Vec::new(),
+        sampling: Sampling::Greedy,
+        seed: 0,
+    };
+    let shared = gpu_model.generator_with(WeightDtype::Bf16).unwrap();
+    let packed = packed_model.generator_with(WeightDtype::Bf16).unwrap();
+    let (a, b) = (
+        shared.generate(&request).unwrap(),
+        packed.generate(&request).unwrap(),
+    );
+    assert_eq!(a.tokens, b.tokens, "bf16 decode: copies vs a decode copy");
+    assert_close(
+        "bf16 decode log-probs: copies vs a decode copy",
+        &a.log_probs.concat(),
+        &b.log_probs.concat(),
         1e-4,
     );
 }

@@ -30,7 +30,10 @@ pub enum WeightDtype {
     /// training weights themselves, with no copy.
     #[default]
     F32,
-    /// bf16 (round to nearest even), products and sums in f32 on the CPU.
+    /// bf16 (round to nearest even), products and sums in f32 on the CPU. Where the
+    /// training weights' layout is the decode layout (CUDA) and the model keeps bf16 copies
+    /// of its weights ([`Model::set_bf16_weights`](super::Model::set_bf16_weights)), with no
+    /// LoRA pair to merge: those copies, with no second copy.
     Bf16,
     /// The training weights themselves on any backend: no copy and nothing to refresh
     /// after an optimizer step, at the training product's speed (on the CPU slower than
@@ -48,6 +51,9 @@ pub(crate) enum DecodeStack<B: Backend> {
     Bf16(HalfStack<B>),
     /// No copy: [`Backend::linear`] with the training weights.
     Training,
+    /// No copy: [`Backend::linear_bf16`] with the model's bf16 copies of the training
+    /// weights, at any number of rows.
+    TrainingBf16,
 }
 
 impl<B: Backend> DecodeStack<B> {
@@ -57,6 +63,7 @@ impl<B: Backend> DecodeStack<B> {
             Self::F32(s) => Some(DecodeView::F32(s.layer(layer)?)),
             Self::Bf16(s) => Some(DecodeView::Bf16(s.layer(layer)?)),
             Self::Training => None,
+            Self::TrainingBf16 => Some(DecodeView::TrainingBf16),
         })
     }
 
@@ -66,6 +73,7 @@ impl<B: Backend> DecodeStack<B> {
             Self::F32(s) => Some(DecodeView::F32(s.whole())),
             Self::Bf16(s) => Some(DecodeView::Bf16(s.whole())),
             Self::Training => None,
+            Self::TrainingBf16 => Some(DecodeView::TrainingBf16),
         }
     }
 }
@@ -76,6 +84,7 @@ impl<B: Backend> std::fmt::Debug for DecodeStack<B> {
             Self::F32(s) => ("f32", s.len()),
             Self::Bf16(s) => ("bf16", s.len()),
             Self::Training => ("the training weights", 0),
+            Self::TrainingBf16 => ("the training weights' bf16 copies", 0),
         };
         write!(f, "DecodeStack({dtype} × {len})")
     }
@@ -86,6 +95,9 @@ impl<B: Backend> std::fmt::Debug for DecodeStack<B> {
 pub(crate) enum DecodeView<'a, B: Backend> {
     F32(Tensor<'a, B>),
     Bf16(View<'a, B::Half>),
+    /// The layer's own bf16 copy ([`Linear::w16`](super::layer::Linear)), in bf16 at any
+    /// number of rows.
+    TrainingBf16,
 }
 
 impl<B: Backend> Clone for DecodeView<'_, B> {
@@ -113,7 +125,10 @@ pub(crate) struct DecodeWeights<B: Backend> {
 impl<B: Backend> DecodeWeights<B> {
     /// Transposes every linear weight of `w` (and rounds it to bf16 for
     /// [`WeightDtype::Bf16`]), with `lora`'s pairs merged in when given (`Wᵀ + s·Aᵀ·Bᵀ`,
-    /// layer by layer): generation runs the adapted model at the base model's cost.
+    /// layer by layer): generation runs the adapted model at the base model's cost. No
+    /// copy where the backend multiplies the training layout as fast
+    /// ([`Backend::decodes_from_training_weights`]) and nothing is merged: in f32 the
+    /// training weights, in bf16 their copies when the model keeps them (`bf16_copies`).
     ///
     /// # Errors
     /// A backend failure.
@@ -123,15 +138,22 @@ impl<B: Backend> DecodeWeights<B> {
         w: &DeviceWeights<B>,
         lora: Option<&Lora<B>>,
         dtype: WeightDtype,
+        bf16_copies: bool,
     ) -> Result<Self, ModelError> {
-        let shared = lora.is_none()
-            && match dtype {
-                WeightDtype::Training => true,
-                WeightDtype::F32 => backend.decodes_from_training_weights(),
-                WeightDtype::Bf16 => false,
+        let fast = backend.decodes_from_training_weights();
+        // Some(in bf16): no copy
+        let shared = match dtype {
+            _ if lora.is_some() => None,
+            WeightDtype::Training => Some(false),
+            WeightDtype::F32 if fast => Some(false),
+            WeightDtype::Bf16 if fast && bf16_copies => Some(true),
+            WeightDtype::F32 | WeightDtype::Bf16 => None,
+        };
+        if let Some(bf16) = shared {
+            let t = || match bf16 {
+                true => DecodeStack::TrainingBf16,
+                false => DecodeStack::Training,
             };
-        if shared {
-            let t = || DecodeStack::Training;
             return Ok(Self {
                 q: t(),
                 k: t(),

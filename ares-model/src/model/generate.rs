@@ -510,6 +510,7 @@ impl<B: Backend> Model<B> {
                 &self.weights,
                 self.active_lora_params(),
                 dtype,
+                self.bf16_weights.is_some(),
             )?,
             batching: true,
             max_prefill_tokens: None,

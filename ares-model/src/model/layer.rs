@@ -392,6 +392,12 @@ impl<B: Backend> Model<B> {
             Some(DecodeView::F32(wt)) => {
                 self.backend.linear_decode_f32(x, wt, p.bias, p.dims, out)?
             }
+            Some(DecodeView::TrainingBf16) => {
+                let w16 = p.w16.ok_or(ModelError::LayoutMismatch {
+                    what: "bf16 decode weights: the model keeps no bf16 copies",
+                })?;
+                self.backend.linear_bf16(x, w16, p.bias, p.dims, out)?
+            }
             None => match p.bf16_weight() {
                 Some(w16) => self.backend.linear_bf16(x, w16, p.bias, p.dims, out)?,
                 None => self.backend.linear(x, p.w, p.bias, p.dims, out)?,

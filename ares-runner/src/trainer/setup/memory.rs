@@ -292,12 +292,12 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
 
     // rollout: decode weights, the KV pool at its largest, the decode and prefill arenas
     let bf16 = cfg.worker.rollout.weight_dtype == crate::config::WeightDtype::Bf16;
-    // f32 on a GPU without LoRA pairs to merge: the training weights themselves
-    // (`Backend::decodes_from_training_weights`)
-    let shared = !bf16 && !model.on_cpu && lora.is_none();
+    // on a GPU without LoRA pairs to merge: the training weights themselves in f32, their
+    // bf16 copies in bf16 when the products keep them (`Backend::decodes_from_training_weights`)
+    let shared = !model.on_cpu && lora.is_none() && (!bf16 || bf16_copies);
     let decode = match (bf16, shared) {
-        (true, _) => linear * 2,
-        (false, true) => 0,
+        (_, true) => 0,
+        (true, false) => linear * 2,
         (false, false) => f32s(linear),
     };
     let sequences = ((cfg.data.rollout_batch_size as u64) * (cfg.worker.rollout.n as u64))
@@ -330,7 +330,8 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         parts: vec![
             Part {
                 what: match (bf16, shared) {
-                    (true, _) => "decode weights (bf16)".into(),
+                    (true, true) => "decode weights: the bf16 copies (no copy)".into(),
+                    (true, false) => "decode weights (bf16)".into(),
                     (false, true) => "decode weights: the training weights (no copy)".into(),
                     (false, false) => "decode weights (f32)".into(),
                 },
@@ -621,6 +622,26 @@ mod tests {
                 "{parts:?}"
             );
         }
+        // bf16 decode weights on a GPU are those copies; without them a copy of their own
+        let decode = |precision| {
+            let mut cfg = Config::default();
+            cfg.trainer.matmul_precision = precision;
+            cfg.worker.rollout.weight_dtype = crate::config::WeightDtype::Bf16;
+            let model = PlanModel {
+                text: &text,
+                tower_params: 0,
+                vision: None,
+                on_cpu: false,
+                reference: false,
+            };
+            let plan = plan(&cfg, model).unwrap();
+            let rollout = plan.phases.iter().find(|p| p.name == "rollout").unwrap();
+            rollout.parts[0].clone()
+        };
+        let shared = decode(MatmulPrecisionCfg::Bf16);
+        assert_eq!(shared.bytes, 0, "{}", shared.what);
+        assert!(shared.what.contains("no copy"), "{}", shared.what);
+        assert_eq!(decode(MatmulPrecisionCfg::F32).bytes, 2 * linear);
     }
 
     /// A bf16 KV cache is planned at half the f32 one's bytes, named as such; the other
