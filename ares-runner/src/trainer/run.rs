@@ -43,8 +43,8 @@ use crate::trainer::setup::bootstrap::{BootstrapResult, apply_bootstrap, read_bo
 use crate::trainer::setup::settings::step_settings;
 use crate::trainer::setup::settings::{FilterKey, StepSettings};
 use crate::trainer::setup::{
-    ModelFiles, adamw_config, add_lora, build_actor, eos_ids_of, filter_prompts, load_examples,
-    lora_settings, renderer, run_dir, save_actor,
+    ModelFiles, adamw_config, add_lora, build_actor, build_reference, eos_ids_of, filter_prompts,
+    load_examples, lora_settings, renderer, run_dir, save_actor,
 };
 use crate::trainer::update::{Optimizer, ppo_update};
 use crate::vision::model::VisionMoments;
@@ -217,7 +217,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 }
                 None => &initial,
             };
-            Some(build_actor(backend.clone(), ref_files, &cfg)?)
+            Some(build_reference(backend.clone(), ref_files, &cfg)?)
         } else {
             None
         };

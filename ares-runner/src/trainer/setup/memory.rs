@@ -211,8 +211,8 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         what: "weights and RoPE tables (f32)".into(),
         bytes: f32s(p + t) + rope,
     }];
-    // bf16 copies of the linear weights and the LM head, which a GPU's bf16 products read
-    // (`Model::set_bf16_weights`); the actor's and the reference's
+    // bf16 copies of the actor's linear weights and LM head, which a GPU's bf16 products
+    // read (`Model::set_bf16_weights`; the reference policy keeps none)
     let (c, v, l) = (spec.hidden as u64, spec.vocab as u64, spec.layers as u64);
     let (qd, kvd, i) = (
         spec.q_dim() as u64,
@@ -268,12 +268,6 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
             what: "reference policy (f32)".into(),
             bytes: f32s(p + t) + rope,
         });
-        if bf16_copies {
-            held.push(Part {
-                what: "reference policy's bf16 copies".into(),
-                bytes: linear * 2,
-            });
-        }
     }
 
     let (prompt, response) = (
@@ -585,8 +579,8 @@ mod tests {
         assert!(what.contains("int8"));
     }
 
-    /// bf16 products on a GPU hold bf16 copies of the linear weights and the LM head (2
-    /// bytes each, by hand), the reference policy's too; not on the CPU, not in f32.
+    /// bf16 products on a GPU hold bf16 copies of the actor's linear weights and LM head (2
+    /// bytes each, by hand), not the reference policy's; none on the CPU, none in f32.
     #[test]
     fn bf16_products_on_a_gpu_hold_bf16_weight_copies() {
         let text = tiny();
@@ -610,7 +604,7 @@ mod tests {
             .filter(|p| p.what.contains("bf16 copies"))
             .map(|p| p.bytes)
             .collect();
-        assert_eq!(copies, vec![2 * linear, 2 * linear], "{gpu:?}");
+        assert_eq!(copies, vec![2 * linear], "{gpu:?}");
         for (precision, on_cpu) in [
             (MatmulPrecisionCfg::Bf16, true),
             (MatmulPrecisionCfg::F32, false),
