@@ -122,30 +122,6 @@ extern "C" __global__ void bias_add(float* __restrict__ out, const float* __rest
         for (i64 c = threadIdx.x; c < cols; c += blockDim.x) out[r * cols + c] += bias[c];
 }
 
-// SwiGLU: out = silu(g)·u with silu(g) = g / (1 + e^(−g)) (torch's f32 form).
-extern "C" __global__ void swiglu_fwd(const float* __restrict__ gate, const float* __restrict__ up,
-                                      float* __restrict__ out, i64 n) {
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        float g = gate[i];
-        out[i] = __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), up[i]);
-    }
-}
-
-// dgate = ((dy·u)·σ)·(1 + g·(1 − σ)), dup = dy·silu(g); overwrites both. The _rn
-// intrinsics keep the compiler from fusing into FMAs, so the order is the CPU's.
-extern "C" __global__ void swiglu_bwd(const float* __restrict__ dout, const float* __restrict__ gate,
-                                      const float* __restrict__ up, float* __restrict__ dgate,
-                                      float* __restrict__ dup, i64 n) {
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        float g = gate[i], u = up[i], dy = dout[i];
-        float e = __fadd_rn(1.0f, expf(-g));
-        float s = __fdiv_rn(1.0f, e);
-        float one_plus = __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, s)));
-        dgate[i] = __fmul_rn(__fmul_rn(__fmul_rn(dy, u), s), one_plus);
-        dup[i] = __fmul_rn(dy, __fdiv_rn(g, e));
-    }
-}
-
 // ---------------------------------------------------------------------------------------
 // Embedding.
 
@@ -619,6 +595,42 @@ __device__ __forceinline__ float exp2_nonpositive_rn(float x) {
     p = __fadd_rn(__fmul_rn(p, r), 1.0f);
     const float scale = __uint_as_float((unsigned)(n_int + 127) << 23);
     return x < -126.0f ? 0.0f : __fmul_rn(p, scale);
+}
+
+// SwiGLU (twin of ares_cpu::ops::swiglu): from t = e^(−|g|) ≤ 1, σ = 1/(1+t) and
+// silu = g/(1+t) for g ≥ 0, σ = t/(1+t) and silu = g·t/(1+t) below; e^y = 2^(y·log₂e) by
+// exp2_nonpositive_rn. The _rn intrinsics keep the compiler from fusing into FMAs, so every
+// operation is the CPU's: the same bits.
+__device__ __forceinline__ void sigmoid_silu_rn(float g, float& s, float& silu) {
+    const float t = exp2_nonpositive_rn(__fmul_rn(-fabsf(g), __uint_as_float(0x3fb8aa3bu)));
+    const float d = __fadd_rn(1.0f, t);
+    const bool pos = g >= 0.0f;
+    s = __fdiv_rn(pos ? 1.0f : t, d);
+    silu = __fdiv_rn(pos ? g : __fmul_rn(g, t), d);
+}
+
+// out = silu(g)·u
+extern "C" __global__ void swiglu_fwd(const float* __restrict__ gate, const float* __restrict__ up,
+                                      float* __restrict__ out, i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        float s, silu;
+        sigmoid_silu_rn(gate[i], s, silu);
+        out[i] = __fmul_rn(silu, up[i]);
+    }
+}
+
+// dgate = ((dy·u)·σ)·(1 + g·(1 − σ)), dup = dy·silu(g); overwrites both.
+extern "C" __global__ void swiglu_bwd(const float* __restrict__ dout, const float* __restrict__ gate,
+                                      const float* __restrict__ up, float* __restrict__ dgate,
+                                      float* __restrict__ dup, i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        float g = gate[i], u = up[i], dy = dout[i];
+        float s, silu;
+        sigmoid_silu_rn(g, s, silu);
+        float one_plus = __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, s)));
+        dgate[i] = __fmul_rn(__fmul_rn(__fmul_rn(dy, u), s), one_plus);
+        dup[i] = __fmul_rn(dy, silu);
+    }
 }
 
 // w = e^{(x - max)·inv_t} (ares_cpu::sampler::relative_weight)

@@ -3,27 +3,106 @@
 //!
 //! `out = silu(gate) · up`, `silu(g) = g · σ(g) = g / (1 + e^(−g))`.
 //!
-//! `g / (1 + e^(−g))` is the form torch evaluates in f32, and it is already stable: for very
-//! negative `g`, `e^(−g)` overflows to +∞ and the quotient is −0 (no ∞/∞); for very
-//! positive `g`, `e^(−g)` underflows to 0 and the result is `g`.
+//! Evaluated from `t = e^(−|g|) ≤ 1`, which never overflows: `silu(g) = g / (1 + t)` for
+//! `g ≥ 0` (torch's form `g / (1 + e^(−g))`) and `g·t / (1 + t)` below; `σ(g)` likewise
+//! `1 / (1 + t)` or `t / (1 + t)`. Very negative `g` gives −0, very positive `g` gives `g`.
+//! `t` comes from the crate's base-2 exponential polynomial (relative error ≈ 1.5e−7 +
+//! |g|·6e−8, the one the softmax kernels use)
+//! rather than libm's `expf`, so the loops vectorise; its multiplies and adds are not fused
+//! on any path, so every instruction-set path gives the same bits (and the CUDA kernels
+//! `swiglu_fwd` / `swiglu_bwd`, written with the same operations, too).
 
 use crate::Result;
 use crate::error::check_len;
+use crate::exp::exp_nonpositive;
+use crate::isa::Isa;
 use rayon::prelude::*;
 
 /// Elements per rayon task: element-wise work this cheap only pays for threads in bulk.
 const CHUNK: usize = 1 << 14;
 
-/// `1 / (1 + e^(−g))` in f32; 0 (not NaN) for very negative `g`.
+/// `(σ(g), silu(g))` from one exponential `t = e^(−|g|)` (see the module docs); NaN `g`
+/// gives NaN for `silu`.
 #[inline(always)]
-fn sigmoid(g: f32) -> f32 {
-    1.0 / (1.0 + (-g).exp())
+fn sigmoid_silu(g: f32) -> (f32, f32) {
+    // mul and add unfused (`false`): the same bits on every path
+    let t = exp_nonpositive::<false>(-g.abs());
+    let d = 1.0 + t;
+    let (s, silu) = if g >= 0.0 { (1.0, g) } else { (t, g * t) };
+    (s / d, silu / d)
 }
 
-/// `silu(g) = g / (1 + e^(−g))` in f32, as torch computes it.
+/// `silu(g) = g·σ(g)` in f32 (see the module docs for how it is evaluated).
 #[inline(always)]
 pub fn silu(g: f32) -> f32 {
-    g / (1.0 + (-g).exp())
+    sigmoid_silu(g).1
+}
+
+/// `out = silu(gate)·up` over a chunk, on the [`Isa::active`] path (the same code compiled
+/// for each; the same bits).
+fn forward_chunk(o: &mut [f32], g: &[f32], u: &[f32]) {
+    match Isa::active() {
+        // SAFETY: `Isa::active` is a path the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { forward_avx512(o, g, u) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { forward_avx2(o, g, u) },
+        _ => forward_portable(o, g, u),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn forward_avx512(o: &mut [f32], g: &[f32], u: &[f32]) {
+    forward_portable(o, g, u);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn forward_avx2(o: &mut [f32], g: &[f32], u: &[f32]) {
+    forward_portable(o, g, u);
+}
+
+#[inline(always)]
+fn forward_portable(o: &mut [f32], g: &[f32], u: &[f32]) {
+    for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+        *o = silu(g) * u;
+    }
+}
+
+/// The backward of a chunk (see [`swiglu_backward`]), on the [`Isa::active`] path.
+fn backward_chunk(dg: &mut [f32], du: &mut [f32], dy: &[f32], g: &[f32], u: &[f32]) {
+    match Isa::active() {
+        // SAFETY: `Isa::active` is a path the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { backward_avx512(dg, du, dy, g, u) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { backward_avx2(dg, du, dy, g, u) },
+        _ => backward_portable(dg, du, dy, g, u),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+fn backward_avx512(dg: &mut [f32], du: &mut [f32], dy: &[f32], g: &[f32], u: &[f32]) {
+    backward_portable(dg, du, dy, g, u);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn backward_avx2(dg: &mut [f32], du: &mut [f32], dy: &[f32], g: &[f32], u: &[f32]) {
+    backward_portable(dg, du, dy, g, u);
+}
+
+#[inline(always)]
+fn backward_portable(dg: &mut [f32], du: &mut [f32], dy: &[f32], g: &[f32], u: &[f32]) {
+    for ((((dg, du), &dy), &g), &u) in dg.iter_mut().zip(du).zip(dy).zip(g).zip(u) {
+        let (s, silu) = sigmoid_silu(g);
+        *dg = ((dy * u) * s) * (1.0 + g * (1.0 - s));
+        *du = dy * silu;
+    }
 }
 
 /// SwiGLU forward: `out[k] = silu(gate[k]) · up[k]`.
@@ -38,11 +117,7 @@ pub fn swiglu_forward(gate: &[f32], up: &[f32], out: &mut [f32]) -> Result<()> {
     check_len("out", gate.len(), out.len())?;
     out.par_chunks_mut(CHUNK)
         .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
-        .for_each(|(o, (g, u))| {
-            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                *o = silu(g) * u;
-            }
-        });
+        .for_each(|(o, (g, u))| forward_chunk(o, g, u));
     Ok(())
 }
 
@@ -75,13 +150,7 @@ pub fn swiglu_backward(
         .zip(dup.par_chunks_mut(CHUNK))
         .zip(dout.par_chunks(CHUNK))
         .zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)))
-        .for_each(|(((dg, du), dy), (g, u))| {
-            for ((((dg, du), &dy), &g), &u) in dg.iter_mut().zip(du).zip(dy).zip(g).zip(u) {
-                let s = sigmoid(g);
-                *dg = ((dy * u) * s) * (1.0 + g * (1.0 - s));
-                *du = dy * silu(g);
-            }
-        });
+        .for_each(|(((dg, du), dy), (g, u))| backward_chunk(dg, du, dy, g, u));
     Ok(())
 }
 
@@ -137,6 +206,68 @@ mod tests {
         }
     }
 
+    /// Every instruction-set path the CPU has gives the portable loop's bits (unfused
+    /// multiplies and adds everywhere), over the full range of `g` and its special values.
+    #[test]
+    fn every_path_gives_the_same_bits() {
+        let mut rng = Rng(12);
+        let n = 1000;
+        let mut g = rng.vec(n, 40.0);
+        g.extend([
+            0.0,
+            -0.0,
+            1e-30,
+            -1e-30,
+            87.0,
+            -87.0,
+            -88.0,
+            1e4,
+            -1e4,
+            f32::MAX,
+            f32::MIN,
+        ]);
+        g.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN]);
+        let n = g.len();
+        let (up, dy) = (rng.vec(n, 2.0), rng.vec(n, 1.0));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let run = |fwd: &dyn Fn(&mut [f32]), bwd: &dyn Fn(&mut [f32], &mut [f32])| {
+            let (mut o, mut dg, mut du) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+            fwd(&mut o);
+            bwd(&mut dg, &mut du);
+            (bits(&o), bits(&dg), bits(&du))
+        };
+        let want = run(&|o| forward_portable(o, &g, &up), &|dg, du| {
+            backward_portable(dg, du, &dy, &g, &up)
+        });
+        #[cfg(target_arch = "x86_64")]
+        {
+            if Isa::detected() >= Isa::Avx2 {
+                // SAFETY: the CPU has AVX2 and FMA.
+                let got = run(&|o| unsafe { forward_avx2(o, &g, &up) }, &|dg, du| unsafe {
+                    backward_avx2(dg, du, &dy, &g, &up)
+                });
+                assert!(got == want, "avx2");
+            }
+            if Isa::detected() >= Isa::Avx512 {
+                // SAFETY: the CPU has AVX-512F.
+                let got = run(
+                    &|o| unsafe { forward_avx512(o, &g, &up) },
+                    &|dg, du| unsafe { backward_avx512(dg, du, &dy, &g, &up) },
+                );
+                assert!(got == want, "avx512");
+            }
+        }
+        // and the special values as the module docs say
+        let mut o = vec![0.0; 3];
+        forward_portable(
+            &mut o,
+            &[f32::INFINITY, f32::NEG_INFINITY, f32::NAN],
+            &[1.0; 3],
+        );
+        assert_eq!(o[0], f32::INFINITY);
+        assert!(o[1].is_nan() && o[2].is_nan(), "{o:?}");
+    }
+
     #[test]
     fn large_magnitudes_stay_finite() {
         let g = [-1e4, -100.0, -88.0, 88.0, 100.0, 1e4, f32::MAX, f32::MIN];
@@ -181,7 +312,7 @@ mod tests {
         for i in (0..n).step_by(101).chain([n - 1]) {
             assert_eq!(out[i], silu(g[i]) * up[i]);
             assert_eq!(du[i], dy[i] * silu(g[i]));
-            let s = sigmoid(g[i]);
+            let s = sigmoid_silu(g[i]).0;
             assert_eq!(dg[i], ((dy[i] * up[i]) * s) * (1.0 + g[i] * (1.0 - s)));
         }
     }
