@@ -16,7 +16,7 @@ use rayon::prelude::*;
 
 use crate::Result;
 use crate::isa::Isa;
-use crate::ops::precision::MatmulPrecision;
+use crate::ops::precision::{MatmulPrecision, map_elements};
 use crate::ops::stored::{Bf16Bits, Widen};
 use std::borrow::Cow;
 
@@ -185,18 +185,7 @@ impl<'a> Weight<'a> {
 /// bf16 bits widened to f32 (exact), in parallel for large slices.
 fn widen_bf16(src: &[u16]) -> Vec<f32> {
     let mut out = vec![0.0f32; src.len()];
-    let fill = |(o, s): (&mut [f32], &[u16])| {
-        for (o, &s) in o.iter_mut().zip(s) {
-            *o = Bf16Bits::widen(s);
-        }
-    };
-    if src.len() >= PAR_MIN_ELEMS {
-        out.par_chunks_mut(PAR_MIN_ELEMS)
-            .zip(src.par_chunks(PAR_MIN_ELEMS))
-            .for_each(fill);
-    } else {
-        fill((&mut out, src));
-    }
+    map_elements(src, &mut out, Bf16Bits::widen);
     out
 }
 

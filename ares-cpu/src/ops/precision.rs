@@ -73,39 +73,26 @@ impl MatmulPrecision {
     /// `src` with every element [`MatmulPrecision::round`]ed: borrowed for `F32`, a rounded
     /// copy otherwise (in parallel for large slices).
     pub fn rounded(self, src: &[f32]) -> Cow<'_, [f32]> {
-        const PAR_MIN: usize = 1 << 16;
         if self == Self::F32 {
             return Cow::Borrowed(src);
         }
         let mut out = vec![0.0f32; src.len()];
-        let fill = |(o, s): (&mut [f32], &[f32])| {
-            for (o, &s) in o.iter_mut().zip(s) {
-                *o = self.round(s);
-            }
-        };
-        if src.len() >= PAR_MIN {
-            out.par_chunks_mut(PAR_MIN)
-                .zip(src.par_chunks(PAR_MIN))
-                .for_each(fill);
-        } else {
-            fill((&mut out, src));
-        }
+        map_elements(src, &mut out, |s| self.round(s));
         Cow::Owned(out)
     }
 }
 
-/// Each element of `src` rounded to the nearest bf16 (ties to even; NaN stays NaN), its bits
-/// into `dst`: what a kernel that stores bf16 (a KV page) writes.
-///
-/// # Errors
-/// `dst` of another length than `src`.
-pub fn round_to_bf16(src: &[f32], dst: &mut [u16]) -> crate::Result<()> {
-    // In parallel for large slices (a model's bf16 weight copy, refreshed every step).
+/// `dst[i] = f(src[i])` (equal lengths), in parallel for large slices (a weight matrix
+/// converted whole).
+pub(crate) fn map_elements<S: Copy + Sync, D: Send>(
+    src: &[S],
+    dst: &mut [D],
+    f: impl Fn(S) -> D + Sync,
+) {
     const PAR_MIN: usize = 1 << 16;
-    crate::error::check_len("dst", src.len(), dst.len())?;
-    let fill = |(d, s): (&mut [u16], &[f32])| {
-        for (d, &x) in d.iter_mut().zip(s) {
-            *d = Bf16Bits::narrow(x);
+    let fill = |(d, s): (&mut [D], &[S])| {
+        for (d, &s) in d.iter_mut().zip(s) {
+            *d = f(s);
         }
     };
     if src.len() >= PAR_MIN {
@@ -115,6 +102,17 @@ pub fn round_to_bf16(src: &[f32], dst: &mut [u16]) -> crate::Result<()> {
     } else {
         fill((dst, src));
     }
+}
+
+/// Each element of `src` rounded to the nearest bf16 (ties to even; NaN stays NaN), its bits
+/// into `dst`: what a kernel that stores bf16 (a KV page) writes.
+///
+/// # Errors
+/// `dst` of another length than `src`.
+pub fn round_to_bf16(src: &[f32], dst: &mut [u16]) -> crate::Result<()> {
+    crate::error::check_len("dst", src.len(), dst.len())?;
+    // (in parallel for a model's bf16 weight copy, refreshed every step)
+    map_elements(src, dst, Bf16Bits::narrow);
     Ok(())
 }
 
