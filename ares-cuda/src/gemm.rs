@@ -142,7 +142,7 @@ impl Operand<'_, '_> {
         }
     }
 
-    fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         match self {
             Operand::F32(v) => v.len(),
             Operand::Bf16(s) => s.len(),

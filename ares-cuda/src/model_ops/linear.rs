@@ -29,7 +29,7 @@ impl ModelOps {
         dims: GemmDims,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
-        self.linear_any("linear", x, Src::F32(w), bias, dims, out, false)
+        self.linear_any("linear", x, Operand::F32(w), bias, dims, out, false)
     }
 
     /// [`ModelOps::linear`] with the weight `w` `[out, in]` already in bf16 (bits): `x` is
@@ -51,7 +51,7 @@ impl ModelOps {
             precision: GemmPrecision::Bf16,
             ..dims
         };
-        self.linear_any("linear_bf16", x, Src::Bf16(w), bias, dims, out, false)
+        self.linear_any("linear_bf16", x, Operand::Bf16(w), bias, dims, out, false)
     }
 
     /// `out = x · wt (+ bias)` with the weight stored transposed, `wt` `[in, out]` (twin of
@@ -67,7 +67,15 @@ impl ModelOps {
         dims: GemmDims,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
-        self.linear_any("linear_transposed", x, Src::F32(wt), bias, dims, out, true)
+        self.linear_any(
+            "linear_transposed",
+            x,
+            Operand::F32(wt),
+            bias,
+            dims,
+            out,
+            true,
+        )
     }
 
     /// `out = x · wt (+ bias)` with `wt` `[in, out]` already in bf16 (bits, e.g. the
@@ -93,7 +101,7 @@ impl ModelOps {
         self.linear_any(
             "linear_transposed_bf16",
             x,
-            Src::Bf16(wt),
+            Operand::Bf16(wt),
             bias,
             dims,
             out,
@@ -106,7 +114,7 @@ impl ModelOps {
         &self,
         k: &'static str,
         x: &CudaView<'_, f32>,
-        w: Src<'_, '_>,
+        w: Operand<'_, '_>,
         bias: Option<&CudaView<'_, f32>>,
         dims: GemmDims,
         out: &mut CudaViewMut<'_, f32>,
@@ -126,7 +134,7 @@ impl ModelOps {
             // An empty sum: cuBLAS is not asked for k = 0.
             self.fill(out, 0.0)?;
         } else {
-            self.with_sources(k, d.precision, [Src::F32(x), w], |[x, w]| {
+            self.with_operands(d.precision, [Operand::F32(x), w], |[x, w]| {
                 if transposed {
                     self.blas.linear_t(&d, x, w, out)
                 } else {
@@ -160,7 +168,7 @@ impl ModelOps {
         dbias: Option<&mut CudaViewMut<'_, f32>>,
     ) -> Result<()> {
         let k = "linear_backward";
-        self.linear_backward_any(k, dout, x, Src::F32(w), dims, dx, dw, dbias)
+        self.linear_backward_any(k, dout, x, Operand::F32(w), dims, dx, dw, dbias)
     }
 
     /// Backward of [`ModelOps::linear_bf16`]: [`ModelOps::linear_backward`] with `dout` and
@@ -185,7 +193,7 @@ impl ModelOps {
             ..dims
         };
         let k = "linear_backward_bf16";
-        self.linear_backward_any(k, dout, x, Src::Bf16(w), dims, dx, dw, dbias)
+        self.linear_backward_any(k, dout, x, Operand::Bf16(w), dims, dx, dw, dbias)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -194,7 +202,7 @@ impl ModelOps {
         k: &'static str,
         dout: &CudaView<'_, f32>,
         x: &CudaView<'_, f32>,
-        w: Src<'_, '_>,
+        w: Operand<'_, '_>,
         dims: GemmDims,
         dx: Option<&mut CudaViewMut<'_, f32>>,
         dw: Option<&mut CudaViewMut<'_, f32>>,
@@ -217,21 +225,21 @@ impl ModelOps {
         if d.x_len != 0 && d.w_len != 0 && dims.rows != 0 {
             match (dx, dw) {
                 (Some(dx), Some(dw)) => {
-                    let srcs = [Src::F32(dout), w, Src::F32(x)];
-                    self.with_sources(k, d.precision, srcs, |[dout, w, x]| {
+                    let srcs = [Operand::F32(dout), w, Operand::F32(x)];
+                    self.with_operands(d.precision, srcs, |[dout, w, x]| {
                         self.blas.backward_dx(&d, dout, w, dx)?;
                         self.blas.backward_dw(&d, dout, x, dw)
                     })?
                 }
                 (Some(dx), None) => {
-                    let srcs = [Src::F32(dout), w];
-                    self.with_sources(k, d.precision, srcs, |[dout, w]| {
+                    let srcs = [Operand::F32(dout), w];
+                    self.with_operands(d.precision, srcs, |[dout, w]| {
                         self.blas.backward_dx(&d, dout, w, dx)
                     })?
                 }
                 (None, Some(dw)) => {
-                    let srcs = [Src::F32(dout), Src::F32(x)];
-                    self.with_sources(k, d.precision, srcs, |[dout, x]| {
+                    let srcs = [Operand::F32(dout), Operand::F32(x)];
+                    self.with_operands(d.precision, srcs, |[dout, x]| {
                         self.blas.backward_dw(&d, dout, x, dw)
                     })?
                 }
@@ -250,32 +258,23 @@ impl ModelOps {
     /// bf16 copies in the scratch buffer, converted first; bf16 views (stored weights) as
     /// they are, in bf16 only. The scratch stays locked until the GEMMs are queued; the next
     /// user's conversion queues after them on the one stream, so reusing it is safe.
-    fn with_sources<const N: usize>(
+    fn with_operands<const N: usize>(
         &self,
-        k: &'static str,
         precision: GemmPrecision,
-        srcs: [Src<'_, '_>; N],
+        srcs: [Operand<'_, '_>; N],
         gemms: impl FnOnce([Operand<'_, '_>; N]) -> Result<()>,
     ) -> Result<()> {
         if precision != GemmPrecision::Bf16 {
-            if srcs.iter().any(|s| matches!(s, Src::Bf16(_))) {
-                return Err(crate::Error::BadArgument {
-                    kernel: k,
-                    message: format!("internal: a bf16 operand in a {precision:?} product"),
-                });
-            }
-            return gemms(srcs.map(|s| match s {
-                Src::F32(v) => Operand::F32(v),
-                Src::Bf16(v) => Operand::Bf16(v),
-            }));
+            // (a bf16 operand here is refused by the GEMM: it checks operands and precision)
+            return gemms(srcs);
         }
         // Each copy starts on a 256-byte boundary (cuBLAS picks its fastest tensor-core
         // kernels for aligned operands); the buffer itself comes aligned from the driver.
         const ALIGN: usize = 128;
         let mut state = self.lock();
-        let converted = |s: &Src<'_, '_>| match s {
-            Src::F32(v) => v.len().next_multiple_of(ALIGN),
-            Src::Bf16(_) => 0,
+        let converted = |s: &Operand<'_, '_>| match s {
+            Operand::F32(v) => v.len().next_multiple_of(ALIGN),
+            Operand::Bf16(_) => 0,
         };
         let total: usize = srcs.iter().map(converted).sum();
         if state.bf16.len() < total {
@@ -286,7 +285,7 @@ impl ModelOps {
         let mut ranges = [None; N];
         let mut at = 0;
         for (src, range) in srcs.iter().zip(&mut ranges) {
-            if let Src::F32(v) = src {
+            if let Operand::F32(v) = src {
                 *range = Some((at, at + v.len()));
                 self.to_bf16(v, &mut state.bf16.slice_mut(at..at + v.len()))?;
                 at += converted(src);
@@ -295,26 +294,9 @@ impl ModelOps {
         let views = ranges.map(|r| r.map(|(a, b)| state.bf16.slice(a..b)));
         gemms(std::array::from_fn(|i| match (&srcs[i], &views[i]) {
             (_, Some(copy)) => Operand::Bf16(copy),
-            (Src::Bf16(v), None) => Operand::Bf16(v),
+            (Operand::Bf16(v), None) => Operand::Bf16(v),
             // not reached (every f32 source has a copy); the GEMM refuses mixed operands
-            (Src::F32(v), None) => Operand::F32(v),
+            (Operand::F32(v), None) => Operand::F32(v),
         }))
-    }
-}
-
-/// A GEMM operand as the caller holds it: f32 (rounded to bf16 first in a bf16 product), or
-/// bf16 already (a stored weight).
-#[derive(Clone, Copy)]
-enum Src<'a, 'b> {
-    F32(&'a CudaView<'b, f32>),
-    Bf16(&'a CudaView<'b, u16>),
-}
-
-impl Src<'_, '_> {
-    fn len(&self) -> usize {
-        match self {
-            Self::F32(v) => v.len(),
-            Self::Bf16(v) => v.len(),
-        }
     }
 }

@@ -123,11 +123,15 @@ impl<B: Backend> Model<B> {
     }
 
     /// Rounds the f32 weights into the bf16 copies again after they changed (all, or one
-    /// buffer of [`Model::trainable`]); nothing without copies.
+    /// buffer of [`Model::trainable`]); nothing without copies, nor for a buffer under LoRA
+    /// (a pair).
     pub(crate) fn refresh_bf16_weights(&mut self, only: Option<usize>) -> Result<(), ModelError> {
         let Some(copies) = self.bf16_weights.as_mut() else {
             return Ok(());
         };
+        if only.is_some() && self.lora.is_some() {
+            return Ok(()); // the trainable buffers are LoRA pairs, which have no copies
+        }
         let buffers = self.weights.buffers();
         let only = match only {
             Some(i) => Some(*buffers.get(i).ok_or(ModelError::LayoutMismatch {

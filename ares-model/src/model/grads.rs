@@ -148,10 +148,7 @@ impl<B: Backend> Model<B> {
                 what: "trainable buffer (index or length)",
             })?;
         self.backend.upload(values, ViewMut::whole(*b))?;
-        if self.lora.is_none() {
-            self.refresh_bf16_weights(Some(buffer))?;
-        }
-        Ok(())
+        self.refresh_bf16_weights(Some(buffer))
     }
 
     /// The buffers of the trained parameters: the weights, or with LoRA the pairs.

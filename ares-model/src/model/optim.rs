@@ -305,10 +305,8 @@ impl<B: Backend> AdamW<B> {
         for e in extra.iter_mut() {
             e.moments.step(be, e.param, e.grad, &self.maps, &update)?;
         }
-        if model.lora.is_none() {
-            for i in (0..self.moments.len()).filter(|&i| updated(i)) {
-                model.refresh_bf16_weights(Some(i))?;
-            }
+        for i in (0..self.moments.len()).filter(|&i| updated(i)) {
+            model.refresh_bf16_weights(Some(i))?;
         }
         self.step += 1;
         Ok(StepReport {
