@@ -1324,6 +1324,237 @@ ATTN_FWD_KV16(attention_fwd_kv16_d64, 2, 2)
 ATTN_FWD_KV16(attention_fwd_kv16_d128, 4, 2)
 ATTN_FWD_KV16(attention_fwd_kv16_d256, 8, 1)
 
+// ---- Tensor-core training forward: bf16 operands, f32 sums and softmax state ----
+// Twin: ares_cpu::ops::attention::attention_forward_bf16 (its `tensor_core` module states
+// the arithmetic). q, k, v are rounded to bf16 as they are loaded; a block of four warps
+// takes MMA_ROWS query rows of one (sequence, kv head) group, 16 a warp, and walks the keys
+// in tiles of MMA_KEYS from key 0 (causal: up to its last row's position). Per tile a warp
+// forms its 16 × 64 scores with mma.sync m16n8k16 (f32 accumulators), updates each row's
+// running max and sum, rounds the probabilities to bf16 straight from the score registers
+// into the A operand of P·V (no shared memory) and accumulates its 16 × D output in f32.
+// e^x is 2^(x·log₂e) by exp2_nonpositive_rn, the twin's exp to the bit.
+//
+// Fragments of mma.m16n8k16 (PTX ISA), lane = 4·gid + tig:
+//   A 16×16: register i holds row gid + 8·(i % 2), columns 8·(i / 2) + 2·tig + {0, 1}
+//   B 16×8:  register i holds k = 8·i + 2·tig + {0, 1}, column n = gid
+//   C 16×8:  element e is row gid + 8·(e / 2), column 2·tig + e % 2
+// (ares-cuda/src/mma.rs holds the same maps and emulates this kernel's indexing with them.)
+// Shared memory: keys [MMA_KEYS][D + 8] and values transposed [D][MMA_KEYS + 8] as bf16
+// bits; the 8 halves of padding put the eight row groups of a fragment load on distinct
+// banks.
+
+#define MMA_WARPS 4
+#define MMA_ROWS 64
+#define MMA_KEYS 64
+
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    return (unsigned)bf16_rne(lo) | ((unsigned)bf16_rne(hi) << 16);
+}
+
+// c += a·b on the tensor cores (sm_80 and later; the host refuses older devices).
+__device__ __forceinline__ void mma_bf16_16816(float c[4], const unsigned a[4], unsigned b0,
+                                               unsigned b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
+}
+
+template <int D>
+__device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __restrict__ out,
+                                                       float* __restrict__ lse,
+                                                       unsigned* __restrict__ status) {
+    constexpr int KS = D / 16;             // k-steps of q·kᵀ over the head dims
+    constexpr int ND = D / 8;              // 8-column blocks of the output
+    constexpr int NB = MMA_KEYS / 8;       // 8-key blocks of a score tile
+    constexpr int KP = D + 8;              // key row pitch (bf16)
+    constexpr int VP = MMA_KEYS + 8;       // transposed value row pitch (bf16)
+    __shared__ __align__(16) unsigned short Ks[MMA_KEYS * KP];
+    __shared__ __align__(16) unsigned short Vt[D * VP];
+    __shared__ float kvalid[MMA_KEYS];
+    const int group = a.hq / a.hkv;
+    const i64 rows_bg = a.q_seq * group;
+    const i64 tiles = (rows_bg + MMA_ROWS - 1) / MMA_ROWS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+
+    for (i64 blk = blockIdx.x; blk < a.batch * a.hkv * tiles; blk += gridDim.x) {
+        const i64 tile = blk % tiles;
+        const i64 bg = blk / tiles;
+        const int g = (int)(bg % a.hkv);
+        const i64 b = bg / a.hkv;
+        const i64 row0 = tile * MMA_ROWS;
+        const i64 pos0 = seq_pos0(a, b);
+        // This thread's two rows: gid and gid + 8 of its warp's 16.
+        bool live[2];
+        i64 qpos[2], orow[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const i64 r = row0 + 16 * warp + gid + 8 * i;
+            live[i] = r < rows_bg;
+            const i64 t = live[i] ? r / group : 0;
+            const int h = g * group + (int)(live[i] ? r % group : 0);
+            orow[i] = (b * a.q_seq + t) * a.hq + h;
+            qpos[i] = pos0 + t;
+        }
+        // q as the A operand of q·kᵀ, k-step ks covering dims 16·ks .. 16·ks + 15.
+        unsigned qa[KS][4];
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int row = i % 2, col = 16 * ks + 8 * (i / 2) + 2 * tig;
+                const float* src = a.q + orow[row] * D + col;
+                qa[ks][i] = live[row] ? pack_bf16x2(src[0], src[1]) : 0u;
+            }
+        }
+        float o[ND][4];
+#pragma unroll
+        for (int nd = 0; nd < ND; nd++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) o[nd][e] = 0.0f;
+        }
+        float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+        int bad[2] = {0, 0};
+        const i64 key_end = causal_key_end(pos0, row0 + MMA_ROWS - 1, rows_bg, group);
+        for (i64 kb = 0; kb < key_end; kb += MMA_KEYS) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < MMA_KEYS * D; i += blockDim.x) {
+                const int j = i / D, c = i - j * D;
+                const i64 s = kb + j;
+                float kv = 0.0f, vv = 0.0f;
+                const i64 row = s < key_end ? key_row(a, b, s, status) : -1;
+                if (row >= 0) {
+                    const i64 idx = (row * a.hkv + g) * D + c;
+                    kv = a.k[idx];
+                    vv = a.v[idx];
+                }
+                Ks[j * KP + c] = bf16_rne(kv);
+                Vt[c * VP + j] = bf16_rne(vv);
+            }
+            if (threadIdx.x < MMA_KEYS) {
+                const i64 s = kb + threadIdx.x;
+                kvalid[threadIdx.x] = s < key_end ? key_valid(a.mask, b * a.kv_seq + s, status) : 0.0f;
+            }
+            __syncthreads();
+
+            float s[NB][4];
+#pragma unroll
+            for (int nb = 0; nb < NB; nb++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[nb][e] = 0.0f;
+            }
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) {
+#pragma unroll
+                for (int nb = 0; nb < NB; nb++) {
+                    const unsigned short* kp = Ks + (8 * nb + gid) * KP + 16 * ks + 2 * tig;
+                    mma_bf16_16816(s[nb], qa[ks], *(const unsigned*)kp, *(const unsigned*)(kp + 8));
+                }
+            }
+            // Visibility and each row's tile max (the quad of a row holds its 64 scores).
+            float tmax[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+            for (int nb = 0; nb < NB; nb++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int i = e / 2, j = 8 * nb + 2 * tig + e % 2;
+                    const bool vis = live[i] && kb + j <= qpos[i] && kvalid[j] != 0.0f;
+                    const float x = __fmul_rn(a.scale, s[nb][e]);
+                    const bool fin = is_finite(x);
+                    bad[i] |= vis && !fin;
+                    s[nb][e] = vis && fin ? x : NEG_INF;
+                    tmax[i] = fmaxf(tmax[i], s[nb][e]);
+                }
+            }
+            float alpha[2], mnew[2];
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                tmax[i] = fmaxf(tmax[i], __shfl_xor_sync(FULL, tmax[i], 1));
+                tmax[i] = fmaxf(tmax[i], __shfl_xor_sync(FULL, tmax[i], 2));
+                const bool none = tmax[i] == NEG_INF;
+                mnew[i] = none ? m[i] : fmaxf(m[i], tmax[i]);
+                alpha[i] = none ? 1.0f : exp2_nonpositive_rn(__fmul_rn(__fsub_rn(m[i], mnew[i]), LOG2E));
+                m[i] = mnew[i];
+                l[i] = __fmul_rn(l[i], alpha[i]);
+            }
+#pragma unroll
+            for (int nb = 0; nb < NB; nb++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int i = e / 2;
+                    const float x = s[nb][e];
+                    const float p = x == NEG_INF ? 0.0f : exp2_nonpositive_rn(__fmul_rn(__fsub_rn(x, mnew[i]), LOG2E));
+                    l[i] = __fadd_rn(l[i], p);
+                    s[nb][e] = p;
+                }
+            }
+#pragma unroll
+            for (int nd = 0; nd < ND; nd++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) o[nd][e] = __fmul_rn(o[nd][e], alpha[e / 2]);
+            }
+            // P·V: the score registers of 8-key blocks 2·kk and 2·kk + 1 are the A operand
+            // of k-step kk (keys 16·kk .. 16·kk + 15).
+#pragma unroll
+            for (int kk = 0; kk < MMA_KEYS / 16; kk++) {
+                unsigned pa[4];
+                pa[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+                pa[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+                pa[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                pa[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+                for (int nd = 0; nd < ND; nd++) {
+                    const unsigned short* vp = Vt + (8 * nd + gid) * VP + 16 * kk + 2 * tig;
+                    mma_bf16_16816(o[nd], pa, *(const unsigned*)vp, *(const unsigned*)(vp + 8));
+                }
+            }
+        }
+        // A row's sum and flag are spread over its quad.
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            l[i] = __fadd_rn(l[i], __shfl_xor_sync(FULL, l[i], 1));
+            l[i] = __fadd_rn(l[i], __shfl_xor_sync(FULL, l[i], 2));
+            bad[i] |= __shfl_xor_sync(FULL, bad[i], 1);
+            bad[i] |= __shfl_xor_sync(FULL, bad[i], 2);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            if (!live[i]) continue;
+            const bool empty = m[i] == NEG_INF;
+            const float inv = empty || bad[i] ? 0.0f : __fdiv_rn(1.0f, l[i]);
+            float* dst = out + orow[i] * D;
+#pragma unroll
+            for (int nd = 0; nd < ND; nd++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    dst[8 * nd + 2 * tig + e] = bad[i] ? NAN_F : __fmul_rn(o[nd][2 * i + e], inv);
+                }
+            }
+            if (lse && tig == 0) lse[orow[i]] = bad[i] ? NAN_F : empty ? NEG_INF : m[i] + logf(l[i]);
+        }
+    }
+}
+
+#define ATTN_FWD_MMA(NAME, D)                                                                 \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                              \
+        NAME(const float* q, const float* k, const float* v, const float* mask, i64 batch,    \
+             i64 q_seq, i64 kv_seq, i64 pos0, int hq, int hkv, float scale, float* out,        \
+             float* lse, unsigned* status) {                                                  \
+        AttnArgs a = {q, k, v, mask, batch, q_seq, kv_seq, pos0, hq, hkv, D, scale,           \
+                      nullptr, nullptr, 0, 0, 0, nullptr, nullptr};                           \
+        attention_fwd_mma_impl<D>(a, out, lse, status);                                       \
+    }
+
+ATTN_FWD_MMA(attention_fwd_mma_d64, 64)
+ATTN_FWD_MMA(attention_fwd_mma_d80, 80)
+ATTN_FWD_MMA(attention_fwd_mma_d128, 128)
+
 // δ[row] = Σ_c dout[row, c]·out[row, c] per (token, head) row; one warp per row.
 extern "C" __global__ void attention_bwd_delta(const float* __restrict__ dout,
                                                const float* __restrict__ out, i64 rows, int d,

@@ -142,6 +142,13 @@ kernel_table! {
             "attention_fwd_kv16_d128",
             "attention_fwd_kv16_d256"
         ],
+        /// The tensor-core bf16 forward, per head size of
+        /// `ares_cpu::ops::attention::BF16_HEAD_DIMS` (64, 80, 128).
+        attention_fwd_mma: [
+            "attention_fwd_mma_d64",
+            "attention_fwd_mma_d80",
+            "attention_fwd_mma_d128"
+        ],
         attention_bwd_delta: "attention_bwd_delta",
         attention_bwd_dq: [
             "attention_bwd_dq_d64",

@@ -20,6 +20,7 @@ pub use error::{Error, Result};
 mod device;
 pub mod gemm;
 mod launch;
+pub mod mma;
 pub mod model_ops;
 mod token_ops;
 

@@ -26,8 +26,8 @@ mod optim;
 mod vision;
 
 pub use attention::{
-    AttentionGrads, AttentionInputs, AttentionShape, BlockTablesView, KvCache, KvCacheMut,
-    MAX_HEAD_DIM, PagedKvCache, PagedKvCacheMut,
+    AttentionGrads, AttentionInputs, AttentionShape, BF16_HEAD_DIMS, BlockTablesView, KvCache,
+    KvCacheMut, MAX_HEAD_DIM, PagedKvCache, PagedKvCacheMut,
 };
 pub use optim::AdamWStep;
 pub use vision::{Activation, MAX_SEGMENT_HEAD_DIM, SegmentAttentionShape};

@@ -230,6 +230,54 @@ pub fn attention_forward(
     blocked::forward(&dims, inputs, mask, out, lse, blocked::BLOCK)
 }
 
+/// Head sizes the CUDA tensor-core forward is instantiated for (multiples of 16): the
+/// model takes [`attention_forward_bf16`] at these and [`attention_forward`] elsewhere.
+pub const BF16_HEAD_DIMS: [usize; 3] = [64, 80, 128];
+
+/// [`attention_forward`] with bf16 operands, as the CUDA tensor-core kernel computes it
+/// (its twin): q, k, v and the probabilities of each key tile rounded to bf16, f32 sums and
+/// softmax state, keys in tiles of [`tensor_core::KEY_TILE`] (the `tensor_core` module
+/// states the arithmetic). Any head size; the kernel takes [`BF16_HEAD_DIMS`]. The
+/// backward of such a forward is [`attention_backward`] over its `out` and `lse`.
+///
+/// # Errors
+/// As [`attention_forward`].
+pub fn attention_forward_bf16(
+    shape: &AttentionShape,
+    inputs: AttentionInputs<'_>,
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<()> {
+    let dims = shape.dims()?;
+    inputs.check(&dims)?;
+    check_len("out", dims.q_len, out.len())?;
+    check_len("lse", dims.lse_len, lse.len())?;
+    if dims.q_len == 0 {
+        return Ok(());
+    }
+    let ones;
+    let mask = match inputs.key_mask {
+        Some(m) => m,
+        None => {
+            ones = vec![1.0f32; dims.b * dims.t];
+            &ones
+        }
+    };
+    let bf16 = crate::ops::precision::MatmulPrecision::Bf16;
+    let (q, k, v) = (
+        bf16.rounded(inputs.q),
+        bf16.rounded(inputs.k),
+        bf16.rounded(inputs.v),
+    );
+    let rounded = AttentionInputs {
+        q: &q,
+        k: &k,
+        v: &v,
+        key_mask: inputs.key_mask,
+    };
+    tensor_core::forward(&dims, rounded, mask, out, lse)
+}
+
 /// Causal GQA backward: from `dout = ∂L/∂out` writes `dq`, `dk`, `dv`.
 ///
 /// With `p_ts` recomputed as `exp(scale·q_t·k_s − lse_t)` and `δ_t = dout_t · out_t`:
@@ -812,6 +860,7 @@ fn axpy<W: Widen>(a: f32, x: &[W::Elem], y: &mut [f32]) {
 
 mod blocked;
 mod paged;
+pub mod tensor_core;
 pub use paged::{
     PagedKvCache, PagedKvCacheMut, paged_attention_decode, paged_attention_decode_bf16,
     paged_kv_cache_append, paged_kv_cache_append_bf16,

@@ -24,6 +24,13 @@ const DQ_ROWS_PER_WARP: [usize; 3] = [1, 2, 1];
 const DKV_ROWS_PER_WARP: [usize; 3] = [1, 1, 1];
 /// Largest head size the kernels take.
 pub const MAX_HEAD_DIM: usize = 256;
+/// Head sizes of the tensor-core forward, one kernel each (`ATTN_FWD_MMA`); the CPU twin's
+/// `ares_cpu::ops::attention::BF16_HEAD_DIMS`, which the model consults.
+pub const BF16_HEAD_DIMS: [usize; 3] = [64, 80, 128];
+/// Warps per block and query rows per block of the tensor-core forward (`MMA_WARPS`,
+/// `MMA_ROWS` in `model_ops.cu`: 16 rows a warp).
+const MMA_WARPS: usize = 4;
+const MMA_ROWS: usize = 64;
 /// Opt-in limit above which a kernel must be allowed more dynamic shared memory.
 const DEFAULT_SMEM: usize = 48 * 1024;
 
@@ -362,6 +369,88 @@ impl ModelOps {
             out,
             Some(lse),
         )
+    }
+
+    /// The bf16 forward on tensor cores (twin of
+    /// `ares_cpu::ops::attention::attention_forward_bf16`): [`ModelOps::attention`] with q,
+    /// k, v and each key tile's probabilities rounded to bf16, f32 sums and softmax state.
+    /// Head sizes of [`BF16_HEAD_DIMS`] (64, 80, 128), devices of
+    /// compute capability 8.0 or later (`mma.sync` with bf16).
+    ///
+    /// # Errors
+    /// As [`ModelOps::attention`]; another head size; an older device.
+    pub fn attention_bf16(
+        &self,
+        shape: AttentionShape,
+        inputs: &AttentionInputs<'_>,
+        out: &mut CudaViewMut<'_, f32>,
+        lse: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "attention_bf16";
+        let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
+        let dims = shape.dims(K)?;
+        let Some(variant) = BF16_HEAD_DIMS.iter().position(|&d| d == shape.head_dim) else {
+            return Err(bad(
+                K,
+                format!(
+                    "head_dim = {}: the tensor-core attention takes {BF16_HEAD_DIMS:?}",
+                    shape.head_dim
+                ),
+            ));
+        };
+        if self.info.arch < 80 {
+            return Err(bad(
+                K,
+                format!(
+                    "bf16 tensor-core attention needs compute capability 8.0 or later; \
+                     this device is sm_{} (use matmul_precision f32 or tf32)",
+                    self.info.arch
+                ),
+            ));
+        }
+        check_len(K, "q", dims.q_len, q.len())?;
+        check_len(K, "k", dims.kv_len, k.len())?;
+        check_len(K, "v", dims.kv_len, v.len())?;
+        check_len(K, "out", dims.q_len, out.len())?;
+        check_len(K, "lse", dims.lse_len, lse.len())?;
+        if let Some(m) = inputs.key_mask.as_ref() {
+            check_len(K, "key_mask", dims.tokens, m.len())?;
+        }
+        if dims.q_len == 0 {
+            return Ok(());
+        }
+        let blocks = tiled_blocks(K, &shape, query_rows(K, &shape)?, MMA_ROWS)?;
+        let func = &self.f.attention_fwd_mma[variant];
+        let cfg = LaunchConfig {
+            grid_dim: (grid(blocks), 1, 1),
+            block_dim: ((MMA_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (b64, t64) = (
+            i64_of(K, "batch", shape.batch)?,
+            i64_of(K, "seq", shape.seq)?,
+        );
+        let pos0 = 0i64;
+        let mut state = self.lock();
+        let mut l = self.stream.launch_builder(func);
+        l.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg_or_null(inputs.key_mask.as_ref())
+            .arg(&b64)
+            .arg(&t64)
+            .arg(&t64)
+            .arg(&pos0)
+            .arg(&dims.hq)
+            .arg(&dims.hkv)
+            .arg(&shape.scale)
+            .arg(out)
+            .arg(lse)
+            .arg(&mut state.status);
+        // SAFETY: argument order as `ATTN_FWD_MMA`; lengths checked against the shape above,
+        // the head size is the variant's, shared memory is static.
+        unsafe { l.launch(cfg) }.during(K)?;
+        Ok(())
     }
 
     /// Attention of `shape.seq` new queries per sequence over a KV cache that already
@@ -935,6 +1024,22 @@ mod tests {
         let src = MODEL_OPS.code;
         assert!(src.contains(&format!("#define NW {WARPS}\n")), "NW");
         assert!(src.contains(&format!("#define KT {KEY_TILE}\n")), "KT");
+        for line in [
+            format!("#define MMA_WARPS {MMA_WARPS}\n"),
+            format!("#define MMA_ROWS {MMA_ROWS}\n"),
+            format!(
+                "#define MMA_KEYS {}\n",
+                ares_cpu::ops::attention::tensor_core::KEY_TILE
+            ),
+        ] {
+            assert!(src.contains(&line), "missing `{line}` in model_ops.cu");
+        }
+        assert_eq!(MMA_ROWS, 16 * MMA_WARPS, "16 query rows a warp");
+        assert_eq!(BF16_HEAD_DIMS, ares_cpu::ops::attention::BF16_HEAD_DIMS);
+        for d in BF16_HEAD_DIMS {
+            let line = format!("ATTN_FWD_MMA(attention_fwd_mma_d{d}, {d})");
+            assert!(src.contains(&line), "missing `{line}` in model_ops.cu");
+        }
         let dpl = [2, 4, 8];
         for (class, d) in [64, 128, 256].iter().enumerate() {
             for (mac, kernel, rw) in [

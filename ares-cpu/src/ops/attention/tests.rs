@@ -830,3 +830,185 @@ fn eight_key_dots_equal_dot_bit_for_bit() {
         }
     }
 }
+
+/// The tensor-core forward's arithmetic one row at a time, in plain loops: the bf16
+/// operands, key tiles from 0, the running max and sum, `α`, the probabilities rounded for
+/// the value product (`tensor_core`'s module docs). Returns `(out, lse)`.
+fn bf16_kernel_reference(c: &Case) -> (Vec<f32>, Vec<f32>) {
+    let AttentionShape {
+        batch,
+        seq,
+        q_heads,
+        kv_heads,
+        head_dim: d,
+        scale,
+    } = c.sh;
+    let r = |x: f32| crate::ops::precision::MatmulPrecision::Bf16.round(x);
+    let exp = |x: f32| exp_nonpositive::<false>(x);
+    let group = q_heads / kv_heads;
+    let mask = c.mask_or_ones();
+    let mut out = vec![0.0f32; c.q.len()];
+    let mut lse = vec![0.0f32; c.sh.lse_len().unwrap()];
+    for b in 0..batch {
+        for t in 0..seq {
+            for h in 0..q_heads {
+                let (qi, g) = (((b * seq + t) * q_heads + h) * d, h / group);
+                let ki = |s: usize| ((b * seq + s) * kv_heads + g) * d;
+                let (mut m, mut l, mut bad) = (f32::NEG_INFINITY, 0.0f32, false);
+                let mut o = vec![0.0f32; d];
+                for k0 in (0..=t).step_by(tensor_core::KEY_TILE) {
+                    let tile: Vec<f32> = (k0..(k0 + tensor_core::KEY_TILE).min(t + 1))
+                        .map(|s| {
+                            let dot = (0..d)
+                                .fold(0.0f32, |acc, e| acc + r(c.q[qi + e]) * r(c.k[ki(s) + e]));
+                            let x = scale * dot;
+                            let visible = mask[b * seq + s] == 1.0;
+                            bad |= visible && !x.is_finite();
+                            if visible && x.is_finite() {
+                                x
+                            } else {
+                                f32::NEG_INFINITY
+                            }
+                        })
+                        .collect();
+                    let tile_max = tile.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    if tile_max == f32::NEG_INFINITY {
+                        continue;
+                    }
+                    let m_new = m.max(tile_max);
+                    let alpha = exp(m - m_new);
+                    let p: Vec<f32> = tile
+                        .iter()
+                        .map(|&x| {
+                            if x == f32::NEG_INFINITY {
+                                0.0
+                            } else {
+                                exp(x - m_new)
+                            }
+                        })
+                        .collect();
+                    l = l * alpha + p.iter().sum::<f32>();
+                    for (e, o) in o.iter_mut().enumerate() {
+                        let pv = p
+                            .iter()
+                            .enumerate()
+                            .fold(0.0f32, |acc, (j, &p)| acc + r(p) * r(c.v[ki(k0 + j) + e]));
+                        *o = *o * alpha + pv;
+                    }
+                    m = m_new;
+                }
+                let empty = m == f32::NEG_INFINITY;
+                for (e, o) in o.iter().enumerate() {
+                    out[qi + e] = if bad {
+                        f32::NAN
+                    } else if empty {
+                        0.0
+                    } else {
+                        o * (1.0 / l)
+                    };
+                }
+                lse[(b * seq + t) * q_heads + h] = if bad {
+                    f32::NAN
+                } else if empty {
+                    f32::NEG_INFINITY
+                } else {
+                    m + l.ln()
+                };
+            }
+        }
+    }
+    (out, lse)
+}
+
+fn bf16_forward(c: &Case) -> (Vec<f32>, Vec<f32>) {
+    let mut out = vec![f32::NAN; c.sh.q_len().unwrap()];
+    let mut lse = vec![f32::NAN; c.sh.lse_len().unwrap()];
+    attention_forward_bf16(&c.sh, c.inputs(), &mut out, &mut lse).unwrap();
+    (out, lse)
+}
+
+/// With operands on a coarse dyadic grid every score is exact whatever the summation
+/// order, so the twin's GEMM tiles and the plain loops must round every probability alike:
+/// the log-sum-exp to the bit, the output to the f32 sums of the value product. A twin that
+/// took the row's final max instead of the running one, another tile size, or unrounded
+/// probabilities fails it (the lse by last bits, the output by bf16 steps of p).
+#[test]
+fn bf16_forward_is_the_kernels_tile_arithmetic() {
+    for (sh, mask) in [
+        (
+            AttentionShape::new(2, 150, 4, 2, 16),
+            Some(mixed_mask(2, 150, 5)),
+        ),
+        (AttentionShape::new(1, 70, 2, 1, 64), None),
+    ] {
+        let mut c = Case::new(sh.with_scale(0.125), mask, 81);
+        for x in c.q.iter_mut().chain(c.k.iter_mut()) {
+            *x = (*x * 4.0).round() / 8.0;
+        }
+        for x in c.v.iter_mut() {
+            *x = (*x * 8.0).round() / 16.0;
+        }
+        let (out, lse) = bf16_forward(&c);
+        let (want_out, want_lse) = bf16_kernel_reference(&c);
+        for (i, (g, w)) in lse.iter().zip(&want_lse).enumerate() {
+            assert!(g.to_bits() == w.to_bits(), "lse[{i}]: {g} vs {w}");
+        }
+        for (i, (g, w)) in out.iter().zip(&want_out).enumerate() {
+            assert!((g - w).abs() <= 1e-5, "out[{i}]: {g} vs {w}");
+        }
+    }
+}
+
+/// Against exact f32 attention the differences are bf16's: scores from operands rounded
+/// to 8 significant bits, probabilities and values rounded once more.
+#[test]
+fn bf16_forward_is_f32_attention_to_bf16_rounding() {
+    let c = Case::new(
+        AttentionShape::new(2, 100, 6, 2, 16),
+        Some(mixed_mask(2, 100, 7)),
+        82,
+    );
+    let (out, lse) = bf16_forward(&c);
+    let (want_out, want_lse) = c.forward();
+    let mut worst = 0.0f32;
+    for (g, w) in out.iter().zip(&want_out) {
+        worst = worst.max((g - w).abs());
+    }
+    assert!(
+        worst <= 2e-2 && worst > 0.0,
+        "out: worst |bf16 − f32| = {worst}"
+    );
+    for (i, (g, w)) in lse.iter().zip(&want_lse).enumerate() {
+        let same_inf = *g == f32::NEG_INFINITY && *w == f32::NEG_INFINITY;
+        assert!(
+            same_inf || (g - w).abs() <= 2e-2 * (1.0 + w.abs()),
+            "lse[{i}]: {g} vs {w}"
+        );
+    }
+}
+
+#[test]
+fn bf16_forward_keeps_empty_and_non_finite_rows() {
+    // Left padding: sequence 0's first 3 queries see no key.
+    let c = Case::new(
+        AttentionShape::new(2, 9, 2, 1, 16),
+        Some(mixed_mask(2, 9, 3)),
+        83,
+    );
+    let (out, lse) = bf16_forward(&c);
+    assert!(out[..3 * 2 * 16].iter().all(|&x| x == 0.0));
+    assert!(lse[..3 * 2].iter().all(|&l| l == f32::NEG_INFINITY));
+    assert!(out[3 * 2 * 16..].iter().all(|x| x.is_finite()));
+    let mut c = Case::new(AttentionShape::new(1, 3, 2, 1, 4), None, 60);
+    c.k[4] = f32::INFINITY; // key 1
+    let (out, lse) = bf16_forward(&c);
+    let row = 2 * 4;
+    assert!(
+        out[..row].iter().all(|x| x.is_finite()),
+        "row 0 does not see key 1"
+    );
+    assert!(out[row..].iter().all(|x| x.is_nan()) && lse[2..].iter().all(|l| l.is_nan()));
+    let mut short = vec![0.0f32; 3];
+    let err = attention_forward_bf16(&c.sh, c.inputs(), &mut short, &mut [0.0; 6]);
+    assert!(err.is_err_and(|e| e.to_string().contains("out")));
+}

@@ -1,0 +1,220 @@
+//! The bf16 training forward as the CUDA tensor-core kernel computes it
+//! (`attention_fwd_mma_*` in ares-cuda's `model_ops.cu`): its CPU twin.
+//!
+//! The kernel multiplies with bf16 operands and f32 sums: q, k and v are rounded to bf16
+//! (nearest even) as they are loaded, and the keys come in tiles of [`KEY_TILE`] from key
+//! 0. Each tile updates a row's running max `m` and sum `l` in f32 (online softmax): with
+//! the tile's scores `s = scale·q̃·k̃ᵀ`, `m' = max(m, max s)`, `α = e^(m − m')` and
+//! `p = e^(s − m')`, it sets `l ← α·l + Σ p` and `o ← α·o + bf16(p)·ṽ` — the probabilities
+//! are rounded for the second product only, the sum keeps them in f32. At the end
+//! `out = o·(1/l)` and `lse = m + ln l`. `e^x` is `2^(x·log₂e)` by the same polynomial and
+//! roundings on both sides, so given the same scores the kernel and the twin round every
+//! probability alike; what the twin cannot copy is the order of the tensor cores' f32
+//! sums, so the two agree to f32 rounding of the same bf16 operands, not bit for bit.
+//!
+//! A row never sees another row's numbers, so how the kernel groups rows into blocks does
+//! not change them; the twin takes blocks of 64 query tokens per task, the product of each
+//! key tile as one GEMM. Visibility, empty and non-finite rows are
+//! [`super::attention_forward`]'s.
+
+use super::{AttentionInputs, Dims};
+use crate::Result;
+use crate::exp::exp_nonpositive;
+use crate::ops::matmul::{MatLayout, MatMut, MatRef, MatmulDims, matmul_seq};
+use crate::ops::precision::MatmulPrecision;
+use rayon::prelude::*;
+
+/// Keys per tile (`MMA_KEYS` in `model_ops.cu`): the step of the online softmax.
+pub const KEY_TILE: usize = 64;
+/// Query tokens per CPU task (any value gives the same numbers).
+const QUERY_BLOCK: usize = 64;
+
+/// One head's rows in a `[tokens, heads, D]` activation: token `t0 + i`, head `h`.
+fn head_rows(t0: usize, heads: usize, d: usize, h: usize) -> MatLayout {
+    MatLayout {
+        offset: (t0 * heads + h) * d,
+        batch_stride: 0,
+        row_stride: heads * d,
+        col_stride: 1,
+    }
+}
+
+/// A row's softmax state across key tiles.
+#[derive(Debug, Clone, Copy)]
+struct RowState {
+    /// Running max of the visible scores (−∞ before the first).
+    max: f32,
+    /// Running sum of `e^(s − max)`.
+    sum: f32,
+    /// A visible score was not finite.
+    bad: bool,
+}
+
+const FRESH: RowState = RowState {
+    max: f32::NEG_INFINITY,
+    sum: 0.0,
+    bad: false,
+};
+
+/// One tile of a row: `row` holds the tile's scores, keys `j < visible_by_position` with
+/// `mask[j] = 1` are visible. Updates `state`, turns `row` into `bf16(p)` (0 for keys not
+/// seen) and returns `α`, the factor of the row's output so far.
+fn online_tile(
+    row: &mut [f32],
+    mask: &[f32],
+    visible_by_position: usize,
+    st: &mut RowState,
+) -> f32 {
+    let mut tile_max = f32::NEG_INFINITY;
+    for (j, x) in row.iter_mut().enumerate() {
+        let visible = j < visible_by_position && mask.get(j) == Some(&1.0);
+        #[allow(clippy::neg_cmp_op_on_partial_ord)] // NaN must count as not finite
+        let finite = *x > f32::NEG_INFINITY && *x < f32::INFINITY;
+        st.bad |= visible && !finite;
+        *x = if visible && finite {
+            *x
+        } else {
+            f32::NEG_INFINITY
+        };
+        tile_max = tile_max.max(*x);
+    }
+    if tile_max == f32::NEG_INFINITY {
+        row.fill(0.0);
+        return 1.0;
+    }
+    let max = st.max.max(tile_max);
+    let alpha = exp_nonpositive::<false>(st.max - max);
+    let mut sum = 0.0f32;
+    for x in row.iter_mut() {
+        let p = if *x == f32::NEG_INFINITY {
+            0.0
+        } else {
+            exp_nonpositive::<false>(*x - max)
+        };
+        sum += p;
+        *x = MatmulPrecision::Bf16.round(p);
+    }
+    st.sum = st.sum * alpha + sum;
+    st.max = max;
+    alpha
+}
+
+/// Forward over rounded `inputs` (checked by the caller) with key validity `mask` `[B, T]`:
+/// writes `out` `[B, T, Hq, D]` and `lse` `[B, T, Hq]`.
+pub(super) fn forward(
+    dims: &Dims,
+    inputs: AttentionInputs<'_>,
+    mask: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<()> {
+    let Dims {
+        t,
+        hq,
+        hkv,
+        d,
+        group,
+        scale,
+        ..
+    } = *dims;
+    let AttentionInputs { q, k, v, .. } = inputs;
+    let q_tok = hq * d;
+    out.par_chunks_mut(t * q_tok)
+        .zip(lse.par_chunks_mut(t * hq))
+        .enumerate()
+        .flat_map(|(b, (ob, lb))| {
+            ob.par_chunks_mut(QUERY_BLOCK * q_tok)
+                .zip(lb.par_chunks_mut(QUERY_BLOCK * hq))
+                .enumerate()
+                .map(move |(i, (o, l))| (b, i * QUERY_BLOCK, o, l))
+        })
+        .try_for_each_init(
+            || (Vec::new(), Vec::new()),
+            |(tile, state), (b, t0, o, l)| {
+                let rows = l.len() / hq;
+                let keys = t0 + rows; // causal: the block's last query sees keys < t0 + rows
+                let m = mask.get(b * t..b * t + keys).unwrap_or_default();
+                o.fill(0.0);
+                for h in 0..hq {
+                    let g = h / group;
+                    state.clear();
+                    state.resize(rows, FRESH);
+                    for k0 in (0..keys).step_by(KEY_TILE) {
+                        let kn = KEY_TILE.min(keys - k0);
+                        tile.resize(rows * kn, 0.0);
+                        matmul_seq(
+                            MatmulDims {
+                                n: rows,
+                                k: d,
+                                m: kn,
+                            },
+                            MatRef {
+                                data: q,
+                                layout: head_rows(b * t + t0, hq, d, h),
+                            },
+                            MatRef {
+                                data: k,
+                                layout: head_rows(b * t + k0, hkv, d, g).t(),
+                            },
+                            MatMut {
+                                data: tile,
+                                layout: MatLayout::row_major(rows, kn),
+                            },
+                            scale,
+                            0.0,
+                        )?;
+                        let tile_mask = m.get(k0..k0 + kn).unwrap_or_default();
+                        for (r, (row, st)) in
+                            tile.chunks_exact_mut(kn).zip(state.iter_mut()).enumerate()
+                        {
+                            let by_position = (t0 + r + 1).saturating_sub(k0);
+                            let alpha = online_tile(row, tile_mask, by_position, st);
+                            let o_row = o.get_mut(r * q_tok + h * d..r * q_tok + (h + 1) * d);
+                            for x in o_row.into_iter().flatten() {
+                                *x *= alpha;
+                            }
+                        }
+                        matmul_seq(
+                            MatmulDims {
+                                n: rows,
+                                k: kn,
+                                m: d,
+                            },
+                            MatRef {
+                                data: tile,
+                                layout: MatLayout::row_major(rows, kn),
+                            },
+                            MatRef {
+                                data: v,
+                                layout: head_rows(b * t + k0, hkv, d, g),
+                            },
+                            MatMut {
+                                data: o,
+                                layout: head_rows(0, hq, d, h),
+                            },
+                            1.0,
+                            1.0,
+                        )?;
+                    }
+                    for (r, st) in state.iter().enumerate() {
+                        let empty = st.max == f32::NEG_INFINITY;
+                        let inv = if empty || st.bad { 0.0 } else { 1.0 / st.sum };
+                        let o_row = o.get_mut(r * q_tok + h * d..r * q_tok + (h + 1) * d);
+                        for x in o_row.into_iter().flatten() {
+                            *x = if st.bad { f32::NAN } else { *x * inv };
+                        }
+                        if let Some(x) = l.get_mut(r * hq + h) {
+                            *x = if st.bad {
+                                f32::NAN
+                            } else if empty {
+                                f32::NEG_INFINITY
+                            } else {
+                                st.max + st.sum.ln()
+                            };
+                        }
+                    }
+                }
+                Ok(())
+            },
+        )
+}
