@@ -999,6 +999,97 @@ fn attention_forward_and_backward_match_cpu() {
     assert!(e.to_string().contains("key mask value"), "{e}");
 }
 
+/// The tensor-core forward against its CPU twin at each head size it takes: the same bf16
+/// operands, tiles and exp, so the scores differ by the order of f32 sums only. That moves
+/// a probability across a bf16 rounding boundary now and then (one step of 2⁻⁸ relative in
+/// one term: ≤ 5e-3 here), so the bound is two-fold: every element within 5e-3, 99 % of
+/// them within 1e-5; the log-sum-exp, which sums unrounded probabilities, within 1e-5.
+/// A GPU that took another tile size or rescaled otherwise would fail the 99 % bound.
+#[test]
+fn tensor_core_attention_matches_its_cpu_twin() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(55);
+    for (batch, seq, hq, hkv, d) in [
+        (2usize, 150usize, 6usize, 2usize, 64usize),
+        (1, 64, 4, 4, 64),
+        (2, 97, 16, 16, 80),
+        (2, 130, 4, 1, 128),
+        (1, 1, 2, 1, 128),
+    ] {
+        let dims = AttentionDims::new(batch, seq, hq, hkv, d);
+        let what = |op: &str| format!("{op} b{batch} t{seq} hq{hq} hkv{hkv} d{d}");
+        let (qn, kn, ln) = (
+            batch * seq * hq * d,
+            batch * seq * hkv * d,
+            batch * seq * hq,
+        );
+        let (q, k, v) = (rng.vec(qn, 2.0), rng.vec(kn, 2.0), rng.vec(kn, 1.0));
+        let mask = padding_mask(batch, seq, 3.min(seq - 1));
+        let (gq, gk, gv, gm) = (up(&gpu, &q), up(&gpu, &k), up(&gpu, &v), up(&gpu, &mask));
+        for masked in [true, false] {
+            let (mut go, mut gl) = (up(&gpu, &vec![f32::NAN; qn]), up(&gpu, &vec![f32::NAN; ln]));
+            gpu.attention_bf16(
+                dims,
+                AttentionInputs {
+                    q: View::whole(&gq),
+                    k: View::whole(&gk),
+                    v: View::whole(&gv),
+                    key_mask: masked.then(|| View::whole(&gm)),
+                },
+                ViewMut::whole(&mut go),
+                ViewMut::whole(&mut gl),
+            )
+            .unwrap();
+            let (mut co, mut cl) = (vec![0.0; qn], vec![0.0; ln]);
+            cpu.attention_bf16(
+                dims,
+                AttentionInputs {
+                    q: View::whole(&q),
+                    k: View::whole(&k),
+                    v: View::whole(&v),
+                    key_mask: masked.then(|| View::whole(&mask)),
+                },
+                ViewMut::whole(&mut co),
+                ViewMut::whole(&mut cl),
+            )
+            .unwrap();
+            let m = if masked { " masked" } else { "" };
+            let got = down(&gpu, &go);
+            assert_close(&what(&format!("bf16 attention out{m}")), &got, &co, 5e-3);
+            let near = got
+                .iter()
+                .zip(&co)
+                .filter(|(g, c)| (*g - *c).abs() <= 1e-5)
+                .count();
+            assert!(
+                near * 100 >= 99 * qn,
+                "{}: only {near} of {qn} within 1e-5",
+                what("bf16 attention out")
+            );
+            let lse = down(&gpu, &gl);
+            for (i, (g, c)) in lse.iter().zip(&cl).enumerate() {
+                let same = g.to_bits() == c.to_bits() || (g - c).abs() <= 1e-5 * c.abs().max(1.0);
+                assert!(same, "{}: lse[{i}] {g} vs {c}", what("bf16 attention"));
+            }
+        }
+    }
+    // Another head size is an error naming it.
+    let dims = AttentionDims::new(1, 4, 2, 1, 32);
+    let x = up(&gpu, &[0.5; 4 * 2 * 32]);
+    let (mut o, mut l) = (gpu.alloc(4 * 2 * 32).unwrap(), gpu.alloc(8).unwrap());
+    let inputs = AttentionInputs {
+        q: View::whole(&x),
+        k: View::whole(&x),
+        v: View::whole(&x),
+        key_mask: None,
+    };
+    let e = gpu
+        .attention_bf16(dims, inputs, ViewMut::whole(&mut o), ViewMut::whole(&mut l))
+        .unwrap_err();
+    assert!(e.to_string().contains("head_dim = 32"), "{e}");
+}
+
 #[test]
 fn kv_cache_and_decode_match_cpu() {
     let Some(gpu) = gpu_or_skip() else { return };

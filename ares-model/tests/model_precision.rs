@@ -280,3 +280,118 @@ fn stored_bf16_weights_are_what_the_bf16_products_read() {
         8
     );
 }
+
+/// qwen3_tiny with heads of `head_dim` features: its attention weights redrawn at that
+/// width (a fixed LCG, ±0.2), everything else the fixture's.
+fn qwen3_with_head_dim(head_dim: usize) -> Checkpoint {
+    let mut ck = Checkpoint::load(&fixture("qwen3_tiny")).unwrap();
+    ck.config.head_dim = head_dim;
+    ck.config.max_position_embeddings = 256;
+    let (hidden, hq, hkv) = (
+        ck.config.hidden_size,
+        ck.config.num_attention_heads,
+        ck.config.num_key_value_heads,
+    );
+    let mut state = 777u64;
+    let mut draw = |shape: &[usize]| {
+        let data = (0..shape.iter().product::<usize>())
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.4
+            })
+            .collect();
+        ares_model::hf::weights::Tensor {
+            shape: shape.to_vec(),
+            data,
+        }
+    };
+    for l in &mut ck.weights.layers {
+        l.q_proj = draw(&[hq * head_dim, hidden]);
+        l.k_proj = draw(&[hkv * head_dim, hidden]);
+        l.v_proj = draw(&[hkv * head_dim, hidden]);
+        l.o_proj = draw(&[hidden, hq * head_dim]);
+        l.q_norm = Some(ares_model::hf::weights::Tensor {
+            shape: vec![head_dim],
+            data: vec![1.0; head_dim],
+        });
+        l.k_norm = l.q_norm.clone();
+    }
+    ck
+}
+
+/// Under bf16, a pass of ≥ 64 tokens at a head size of the tensor-core kernel (64 here)
+/// runs attention through `attention_bf16` — the kernel's twin on the CPU — and its
+/// backward through the f32 `attention_backward`; the logits and gradients stay within
+/// bf16 of exact f32, and at another head size (12) attention stays f32.
+#[test]
+fn bf16_attention_runs_on_the_tensor_core_twin() {
+    use ares_model::backend::Counting;
+    for (head_dim, tensor_core) in [(64, true), (12, false)] {
+        let ck = qwen3_with_head_dim(head_dim);
+        let mut m = Model::from_checkpoint(Counting::new(CpuBackend), &ck).unwrap();
+        let b = Batch::new(2, 80, m.spec().vocab);
+        let n = b.batch * b.seq;
+        let targets = vec![3u32; n];
+        let run = |m: &Model<Counting<CpuBackend>>| {
+            let mut acts = m.activations(b.batch, b.seq).unwrap();
+            let mut g = m.grads().unwrap();
+            m.backend().take();
+            m.forward(&b.inputs(), &mut acts).unwrap();
+            m.log_prob_entropy(&mut acts, &targets, 1.0).unwrap();
+            let mut lp = vec![0.0f32; n];
+            m.backend().download(acts.log_probs(), &mut lp).unwrap();
+            m.backward_from_log_prob_grads(
+                &b.inputs(),
+                &mut acts,
+                &targets,
+                &vec![0.5; n],
+                1.0,
+                &mut g,
+            )
+            .unwrap();
+            let calls = m.backend().take().calls;
+            let q = g
+                .download(m.backend(), "model.layers.0.self_attn.q_proj.weight")
+                .unwrap();
+            (lp, q, calls)
+        };
+        let (lp32, q32, calls32) = run(&m);
+        m.set_matmul_precision(MatmulPrecision::Bf16);
+        let (lp16, q16, calls16) = run(&m);
+        let count = |calls: &[&str], op: &str| calls.iter().filter(|&&c| c == op).count();
+        let layers = m.spec().layers;
+        assert_eq!(count(&calls32, "attention_bf16"), 0);
+        assert_eq!(count(&calls32, "attention"), layers);
+        let want = if tensor_core { layers } else { 0 };
+        assert_eq!(
+            count(&calls16, "attention_bf16"),
+            want,
+            "head_dim {head_dim}"
+        );
+        assert_eq!(
+            count(&calls16, "attention"),
+            layers - want,
+            "head_dim {head_dim}"
+        );
+        assert_eq!(count(&calls16, "attention_backward"), layers);
+        let lp_err = lp16
+            .iter()
+            .zip(&lp32)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        let q_err = rel_err(&q16, &q32);
+        eprintln!(
+            "head_dim {head_dim}: log-prob max |bf16 − f32| {lp_err:.2e}, q_proj grad rel {q_err:.2e}"
+        );
+        assert!(
+            lp_err > 0.0 && lp_err < 5e-2,
+            "head_dim {head_dim}: {lp_err:e}"
+        );
+        assert!(
+            q_err > 0.0 && q_err < 1e-1,
+            "head_dim {head_dim}: {q_err:e}"
+        );
+    }
+}

@@ -431,6 +431,15 @@ mod kernels {
         attention::attention_forward(&attention_shape(dims), inputs, out, lse)
     }
 
+    pub(super) fn attention_bf16(
+        dims: AttentionDims,
+        inputs: attention::AttentionInputs<'_>,
+        out: &mut [f32],
+        lse: &mut [f32],
+    ) -> Result {
+        attention::attention_forward_bf16(&attention_shape(dims), inputs, out, lse)
+    }
+
     pub(super) fn attention_backward(
         dims: AttentionDims,
         inputs: attention::AttentionInputs<'_>,

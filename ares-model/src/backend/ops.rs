@@ -369,6 +369,22 @@ macro_rules! declared_ops {
                 lse: Out<f32>,
             ) cpu kernels::attention, cuda attention;
 
+            /// [`Backend::attention`] with bf16 operands (tensor cores on a GPU): q, k, v and
+            /// each 64-key tile's probabilities rounded to bf16, f32 sums and softmax state — on
+            /// the CPU the kernel's twin (`ares_cpu::ops::attention::attention_forward_bf16`).
+            /// Head sizes of `ares_cpu::ops::attention::BF16_HEAD_DIMS`; its backward is
+            /// [`Backend::attention_backward`] over its `out` and `lse`.
+            ///
+            /// # Errors
+            /// As [`Backend::attention`]; on CUDA another head size or a device older than
+            /// compute capability 8.0.
+            fn attention_bf16(
+                dims: AttentionDims,
+                inputs: Views<AttentionInputs>,
+                out: Out<f32>,
+                lse: Out<f32>,
+            ) cpu kernels::attention_bf16, cuda attention_bf16;
+
             /// Backward of [`Backend::attention`] from `dout` `[batch, seq, q_heads, head_dim]`,
             /// the forward's `inputs`, `out` and `lse`. **Overwrites** `grads` (q, k and v feed
             /// attention only); queries without a valid key and masked keys get zero gradients.

@@ -196,6 +196,14 @@ impl<B: Backend> Model<B> {
         self.gradient_checkpointing
     }
 
+    /// Whether a training pass of `rows` tokens runs attention's two products in bf16
+    /// ([`Backend::attention_bf16`]): the bf16 precision at those rows, at a head size the
+    /// tensor-core kernel takes (`ares_cpu::ops::attention::BF16_HEAD_DIMS`).
+    pub(crate) fn attention_in_bf16(&self, rows: usize) -> bool {
+        self.matmul_precision.for_rows(rows) == MatmulPrecision::Bf16
+            && ares_cpu::ops::attention::BF16_HEAD_DIMS.contains(&self.spec.head_dim)
+    }
+
     /// The precision of the linear layers ([`Model::set_matmul_precision`]).
     pub fn matmul_precision(&self) -> MatmulPrecision {
         self.matmul_precision
