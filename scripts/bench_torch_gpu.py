@@ -83,7 +83,7 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also time torch.compile (train)")
     ap.add_argument("--gen", default="32x64", help="PROMPTSxNEW for generation")
     ap.add_argument("--gen-dtypes", default="f32,TF32,bf16", help="generation's weights, comma-separated")
-    ap.add_argument("--only", choices=["train", "generate"])
+    ap.add_argument("--only", choices=["train", "generate", "attention"])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (checks the script)")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -160,6 +160,29 @@ def main():
         report(f"[bf16 autocast eager] LoRA r=16 all-linear, checkpointed ({b} × {s})", n, "tokens", t)
         peak("LoRA step, checkpointed")
 
+    if args.only in (None, "attention") and cuda:
+        # causal SDPA at bench-model_cuda's attention shapes (4 x 2048, MHA, 2048 features);
+        # TFLOP/s of the causal products as it counts them: forward 4*B*T^2*H*D/2, backward 2.5x
+        F = torch.nn.functional
+        b, t = 4, 2048
+        for heads, d in ((16, 128), (32, 64)):
+            for dtype in (torch.bfloat16, torch.float32):
+                q, k, v = (torch.randn(b, heads, t, d, device=device, dtype=dtype, requires_grad=True)
+                           for _ in range(3))
+                dout = torch.randn(b, heads, t, d, device=device, dtype=dtype)
+                fwd = 4 * b * t * t * heads * d / 2
+                with torch.no_grad():
+                    best, med = timed(max(args.runs, 5), lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), sync)
+                name = "bf16" if dtype == torch.bfloat16 else "f32"
+                print(f"[attention {b} x {t}, {heads} heads of {d}] torch SDPA {name} forward: "
+                      f"{fwd / best / 1e12:.1f} TFLOP/s best ({best * 1e3:.2f} ms), median {med * 1e3:.2f} ms")
+                def fwd_bwd():
+                    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
+                best2, med2 = timed(max(args.runs, 5), fwd_bwd, sync)
+                bwd = max(best2 - best, 1e-9)
+                print(f"[attention {b} x {t}, {heads} heads of {d}] torch SDPA {name} backward: "
+                      f"{2.5 * fwd / bwd / 1e12:.1f} TFLOP/s best ({bwd * 1e3:.2f} ms, forward+backward {best2 * 1e3:.2f} ms)")
+                del q, k, v, dout
     if args.only in (None, "generate"):
         model.eval()
         prompts_n, new = (int(x) for x in args.gen.split("x"))

@@ -61,6 +61,9 @@ fn main() {
         env_usize("ARES_BENCH_SEQ", 512),
     );
     let only = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    if only.as_deref().is_none_or(|o| o == "attention") {
+        attention(&gpu, runs);
+    }
 
     for (precision, copies) in [
         (MatmulPrecision::F32, false),
@@ -249,5 +252,93 @@ fn lora_step(
             "  device memory of the LoRA model, arena and gradients: {:.2} GiB (cuMemGetInfo)",
             (b.saturating_sub(a)) as f64 / (1u64 << 30) as f64
         );
+    }
+}
+
+/// Causal attention alone at FlashAttention's benchmark shape, 4 × 2 048 tokens, MHA with
+/// 2 048 features (16 heads of 128, 32 of 64): the f32 forward (scalar FMAs), the bf16
+/// forward on tensor cores and the f32 backward, in TFLOP/s of the causal products — the
+/// forward 4·B·T²·H·D/2, the backward 2.5 times that (FlashAttention's count). PyTorch's
+/// SDPA at the same shapes: `bench_torch_gpu.py` (`--only attention`).
+fn attention(gpu: &CudaBackend, runs: usize) {
+    use ares_model::backend::{AttentionDims, AttentionGrads, AttentionInputs, View, ViewMut};
+    let (batch, seq) = (4usize, 2048usize);
+    for (heads, d) in [(16usize, 128usize), (32, 64)] {
+        let dims = AttentionDims::new(batch, seq, heads, heads, d);
+        let n = batch * seq * heads * d;
+        let mut rng = SplitMix::new(11);
+        let mut up = |scale: f32| {
+            let host: Vec<f32> = (0..n).map(|_| scale * (rng.unit() * 2.0 - 1.0)).collect();
+            let mut b = gpu.alloc(n).expect("alloc");
+            gpu.upload(&host, ViewMut::whole(&mut b)).expect("upload");
+            b
+        };
+        let (q, k, v, dout) = (up(2.0), up(2.0), up(1.0), up(1.0));
+        let (mut out, mut lse) = (
+            gpu.alloc(n).expect("alloc"),
+            gpu.alloc(n / d).expect("alloc"),
+        );
+        let (mut dq, mut dk, mut dv) = (
+            gpu.alloc(n).expect("alloc"),
+            gpu.alloc(n).expect("alloc"),
+            gpu.alloc(n).expect("alloc"),
+        );
+        let inputs = || AttentionInputs {
+            q: View::whole(&q),
+            k: View::whole(&k),
+            v: View::whole(&v),
+            key_mask: None,
+        };
+        let fwd_flops = 4.0 * (batch * seq * seq * heads * d) as f64 / 2.0;
+        let show = |what: &str,
+                    flops: f64,
+                    (best, median): (std::time::Duration, std::time::Duration)| {
+            println!(
+                "[attention {batch} × {seq}, {heads} heads of {d}] {what}: {:.1} TFLOP/s best ({:.2} ms), median {:.2} ms",
+                flops / best.as_secs_f64() / 1e12,
+                best.as_secs_f64() * 1e3,
+                median.as_secs_f64() * 1e3,
+            );
+        };
+        let t = best_and_median(runs.max(5), || {
+            gpu.attention(
+                dims,
+                inputs(),
+                ViewMut::whole(&mut out),
+                ViewMut::whole(&mut lse),
+            )
+            .expect("attention");
+            gpu.synchronize().expect("sync");
+        });
+        show("f32 forward (scalar FMAs)", fwd_flops, t);
+        let t = best_and_median(runs.max(5), || {
+            gpu.attention_bf16(
+                dims,
+                inputs(),
+                ViewMut::whole(&mut out),
+                ViewMut::whole(&mut lse),
+            )
+            .expect("attention_bf16");
+            gpu.synchronize().expect("sync");
+        });
+        show("bf16 forward (tensor cores)", fwd_flops, t);
+        let t = best_and_median(runs.max(5), || {
+            let grads = AttentionGrads {
+                dq: ViewMut::whole(&mut dq),
+                dk: ViewMut::whole(&mut dk),
+                dv: ViewMut::whole(&mut dv),
+            };
+            gpu.attention_backward(
+                dims,
+                inputs(),
+                View::whole(&out),
+                View::whole(&lse),
+                View::whole(&dout),
+                grads,
+            )
+            .expect("attention_backward");
+            gpu.synchronize().expect("sync");
+        });
+        show("f32 backward (scalar FMAs)", 2.5 * fwd_flops, t);
     }
 }
