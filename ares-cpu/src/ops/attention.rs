@@ -212,6 +212,17 @@ pub fn attention_forward(
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<()> {
+    forward_with(shape, inputs, out, lse, blocked::Operands::F32)
+}
+
+/// The forward in either operand format (checks shared).
+fn forward_with(
+    shape: &AttentionShape,
+    inputs: AttentionInputs<'_>,
+    out: &mut [f32],
+    lse: &mut [f32],
+    operands: blocked::Operands,
+) -> Result<()> {
     let dims = shape.dims()?;
     inputs.check(&dims)?;
     check_len("out", dims.q_len, out.len())?;
@@ -227,7 +238,24 @@ pub fn attention_forward(
             &ones
         }
     };
-    blocked::forward(&dims, inputs, mask, out, lse, blocked::BLOCK)
+    match operands {
+        blocked::Operands::F32 => blocked::forward(&dims, inputs, mask, out, lse, blocked::BLOCK),
+        blocked::Operands::Bf16 => {
+            let (q, k, v) = (bf16(inputs.q), bf16(inputs.k), bf16(inputs.v));
+            let rounded = AttentionInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                key_mask: inputs.key_mask,
+            };
+            tensor_core::forward(&dims, rounded, mask, out, lse)
+        }
+    }
+}
+
+/// `x` rounded to bf16 (a copy).
+fn bf16(x: &[f32]) -> std::borrow::Cow<'_, [f32]> {
+    crate::ops::precision::MatmulPrecision::Bf16.rounded(x)
 }
 
 /// Head sizes the CUDA tensor-core forward is instantiated for (multiples of 16): the
@@ -248,34 +276,7 @@ pub fn attention_forward_bf16(
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<()> {
-    let dims = shape.dims()?;
-    inputs.check(&dims)?;
-    check_len("out", dims.q_len, out.len())?;
-    check_len("lse", dims.lse_len, lse.len())?;
-    if dims.q_len == 0 {
-        return Ok(());
-    }
-    let ones;
-    let mask = match inputs.key_mask {
-        Some(m) => m,
-        None => {
-            ones = vec![1.0f32; dims.b * dims.t];
-            &ones
-        }
-    };
-    let bf16 = crate::ops::precision::MatmulPrecision::Bf16;
-    let (q, k, v) = (
-        bf16.rounded(inputs.q),
-        bf16.rounded(inputs.k),
-        bf16.rounded(inputs.v),
-    );
-    let rounded = AttentionInputs {
-        q: &q,
-        k: &k,
-        v: &v,
-        key_mask: inputs.key_mask,
-    };
-    tensor_core::forward(&dims, rounded, mask, out, lse)
+    forward_with(shape, inputs, out, lse, blocked::Operands::Bf16)
 }
 
 /// Causal GQA backward: from `dout = ∂L/∂out` writes `dq`, `dk`, `dv`.
@@ -300,11 +301,23 @@ pub fn attention_backward(
     dout: &[f32],
     grads: AttentionGrads<'_>,
 ) -> Result<()> {
+    let saved = blocked::Saved { out, lse, dout };
+    backward_with(shape, inputs, saved, grads, blocked::Operands::F32)
+}
+
+/// The backward in either operand format (checks shared).
+fn backward_with(
+    shape: &AttentionShape,
+    inputs: AttentionInputs<'_>,
+    saved: blocked::Saved<'_>,
+    grads: AttentionGrads<'_>,
+    operands: blocked::Operands,
+) -> Result<()> {
     let dims = shape.dims()?;
     inputs.check(&dims)?;
-    check_len("out", dims.q_len, out.len())?;
-    check_len("lse", dims.lse_len, lse.len())?;
-    check_len("dout", dims.q_len, dout.len())?;
+    check_len("out", dims.q_len, saved.out.len())?;
+    check_len("lse", dims.lse_len, saved.lse.len())?;
+    check_len("dout", dims.q_len, saved.dout.len())?;
     let AttentionGrads { dq, dk, dv } = grads;
     check_len("dq", dims.q_len, dq.len())?;
     check_len("dk", dims.kv_len, dk.len())?;
@@ -320,8 +333,48 @@ pub fn attention_backward(
             &ones
         }
     };
+    let block = blocked::BLOCK;
+    if operands == blocked::Operands::F32 {
+        return blocked::backward(&dims, inputs, mask, saved, dq, dk, dv, block, operands);
+    }
+    let (q, k, v, dout) = (
+        bf16(inputs.q),
+        bf16(inputs.k),
+        bf16(inputs.v),
+        bf16(saved.dout),
+    );
+    let rounded = AttentionInputs {
+        q: &q,
+        k: &k,
+        v: &v,
+        key_mask: inputs.key_mask,
+    };
+    let saved = blocked::Saved {
+        dout: &dout,
+        ..saved
+    };
+    blocked::backward(&dims, rounded, mask, saved, dq, dk, dv, block, operands)
+}
+
+/// The backward of [`attention_forward_bf16`] as the CUDA tensor-core kernels compute it
+/// (their twin): [`attention_backward`] with q, k, v and `dout` rounded to bf16 (δ =
+/// `dout·out` from the rounded `dout`), the scores recomputed from the rounded q and k,
+/// `p = e^(s − lse)` by the kernels' `exp`, and the probabilities and `dS = p∘(dP − δ)`
+/// rounded to bf16 for the products that take them (`dV = P̃ᵀ·dÕ`, `dK = scale·dS̃ᵀ·q̃`,
+/// `dQ = scale·dS̃·k̃`); f32 sums. `out` and `lse` are the bf16 forward's.
+///
+/// # Errors
+/// As [`attention_backward`].
+pub fn attention_backward_bf16(
+    shape: &AttentionShape,
+    inputs: AttentionInputs<'_>,
+    out: &[f32],
+    lse: &[f32],
+    dout: &[f32],
+    grads: AttentionGrads<'_>,
+) -> Result<()> {
     let saved = blocked::Saved { out, lse, dout };
-    blocked::backward(&dims, inputs, mask, saved, dq, dk, dv, blocked::BLOCK)
+    backward_with(shape, inputs, saved, grads, blocked::Operands::Bf16)
 }
 
 /// A KV cache view for [`attention_decode`]: per-sequence contiguous

@@ -20,6 +20,7 @@ use crate::Result;
 use crate::exp::exp_nonpositive;
 use crate::isa::Isa;
 use crate::ops::matmul::{MatLayout, MatMut, MatRef, MatmulDims, matmul_seq};
+use crate::ops::precision::MatmulPrecision;
 use rayon::prelude::*;
 
 /// Query tokens (forward, dQ) or key tokens (dK/dV) per task.
@@ -131,6 +132,15 @@ pub(super) fn forward(
         })
 }
 
+/// The operands of the backward's products: exact f32, or the tensor-core kernels' bf16
+/// (the caller rounds q, k, v and dout; the probabilities and `dS` are rounded here before
+/// the products that take them, and `e^x` is the kernels' polynomial without FMA).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Operands {
+    F32,
+    Bf16,
+}
+
 /// What the backward pass reads besides the inputs.
 pub(super) struct Saved<'a> {
     /// The forward output `[B, T, Hq, D]`.
@@ -152,6 +162,7 @@ pub(super) fn backward(
     dk: &mut [f32],
     dv: &mut [f32],
     block: usize,
+    operands: Operands,
 ) -> Result<()> {
     let Dims {
         t,
@@ -164,6 +175,21 @@ pub(super) fn backward(
     } = *dims;
     let AttentionInputs { q, k, v, .. } = inputs;
     let Saved { out, lse, dout } = saved;
+    let bf16 = operands == Operands::Bf16;
+    let probs = |row: &mut [f32], mask: &[f32], causal: usize, lse: f32| {
+        if bf16 {
+            probs_row_portable::<false>(row, mask, causal, lse);
+        } else {
+            probs_row(row, mask, causal, lse);
+        }
+    };
+    let round = |x: &mut [f32]| {
+        if bf16 {
+            for x in x.iter_mut() {
+                *x = MatmulPrecision::Bf16.round(*x);
+            }
+        }
+    };
     let (q_tok, kv_tok) = (hq * d, hkv * d);
 
     // δ_t = dout_t · out_t: the softmax Jacobian's shared term, per (token, head).
@@ -244,9 +270,10 @@ pub(super) fn backward(
                             lse.get(at).copied().unwrap_or(f32::NAN),
                             delta.get(at).copied().unwrap_or(f32::NAN),
                         );
-                        probs_row(p_row, m, t0 + r + 1, l);
+                        probs(p_row, m, t0 + r + 1, l);
                         ds_row(p_row, dp_row, dl);
                     }
+                    round(dp);
                     matmul_seq(
                         MatmulDims {
                             n: rows,
@@ -341,8 +368,18 @@ pub(super) fn backward(
                                 .copied()
                                 .unwrap_or(f32::NAN);
                             // Query s0 + r sees keys s0..=s0 + r of this block.
-                            probs_row(p_row, m, r + 1, l);
+                            probs(p_row, m, r + 1, l);
                         }
+                        for (r, (p_row, dp_row)) in p
+                            .chunks_exact_mut(cols)
+                            .zip(dp.chunks_exact_mut(cols))
+                            .enumerate()
+                        {
+                            let at = (base + s0 + r) * hq + h;
+                            ds_row(p_row, dp_row, delta.get(at).copied().unwrap_or(f32::NAN));
+                        }
+                        round(p);
+                        round(dp);
                         let beta = if n_h == 0 { 0.0 } else { 1.0 };
                         let kv_out = head_rows(0, hkv, d, g);
                         matmul_seq(
@@ -366,14 +403,6 @@ pub(super) fn backward(
                             1.0,
                             beta,
                         )?;
-                        for (r, (p_row, dp_row)) in p
-                            .chunks_exact_mut(cols)
-                            .zip(dp.chunks_exact_mut(cols))
-                            .enumerate()
-                        {
-                            let at = (base + s0 + r) * hq + h;
-                            ds_row(p_row, dp_row, delta.get(at).copied().unwrap_or(f32::NAN));
-                        }
                         matmul_seq(
                             MatmulDims {
                                 n: cols,

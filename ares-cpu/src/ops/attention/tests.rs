@@ -119,6 +119,7 @@ impl Case {
                 &mut dk,
                 &mut dv,
                 self.block,
+                blocked::Operands::F32,
             )
             .unwrap();
         }
@@ -1011,4 +1012,131 @@ fn bf16_forward_keeps_empty_and_non_finite_rows() {
     let mut short = vec![0.0f32; 3];
     let err = attention_forward_bf16(&c.sh, c.inputs(), &mut short, &mut [0.0; 6]);
     assert!(err.is_err_and(|e| e.to_string().contains("out")));
+}
+
+/// The tensor-core backward's arithmetic in plain loops: scores from the rounded q and k,
+/// `p = e^(min(s − lse, 0))` by the kernels' exp, `δ = dÕ·out`, `dS = p·(dÕ·ṽ − δ)`, and
+/// the products over bf16 `p` and `dS`. Returns `[dq, dk, dv]`.
+fn bf16_backward_reference(c: &Case, out: &[f32], lse: &[f32], dout: &[f32]) -> [Vec<f32>; 3] {
+    let AttentionShape {
+        batch,
+        seq,
+        q_heads,
+        kv_heads,
+        head_dim: d,
+        scale,
+    } = c.sh;
+    let r = |x: f32| crate::ops::precision::MatmulPrecision::Bf16.round(x);
+    let group = q_heads / kv_heads;
+    let mask = c.mask_or_ones();
+    let (mut dq, mut dk, mut dv) = (
+        vec![0.0f32; c.q.len()],
+        vec![0.0f32; c.k.len()],
+        vec![0.0f32; c.v.len()],
+    );
+    for b in 0..batch {
+        for h in 0..q_heads {
+            let g = h / group;
+            for t in 0..seq {
+                let qi = ((b * seq + t) * q_heads + h) * d;
+                let l = lse[(b * seq + t) * q_heads + h];
+                let delta: f32 = (0..d).map(|e| r(dout[qi + e]) * out[qi + e]).sum();
+                for s in 0..=t {
+                    let ki = ((b * seq + s) * kv_heads + g) * d;
+                    if mask[b * seq + s] != 1.0 || l == f32::NEG_INFINITY {
+                        continue;
+                    }
+                    let dot = (0..d).fold(0.0f32, |a, e| a + r(c.q[qi + e]) * r(c.k[ki + e]));
+                    let p = exp_nonpositive::<false>((scale * dot - l).min(0.0));
+                    let dp = (0..d).fold(0.0f32, |a, e| a + r(dout[qi + e]) * r(c.v[ki + e]));
+                    let ds = r(p * (dp - delta));
+                    for e in 0..d {
+                        dq[qi + e] += scale * ds * r(c.k[ki + e]);
+                        dk[ki + e] += scale * ds * r(c.q[qi + e]);
+                        dv[ki + e] += r(p) * r(dout[qi + e]);
+                    }
+                }
+            }
+        }
+    }
+    [dq, dk, dv]
+}
+
+fn bf16_backward(c: &Case, out: &[f32], lse: &[f32], dout: &[f32]) -> [Vec<f32>; 3] {
+    let (mut dq, mut dk, mut dv) = (
+        vec![f32::NAN; c.q.len()],
+        vec![f32::NAN; c.k.len()],
+        vec![f32::NAN; c.v.len()],
+    );
+    let grads = AttentionGrads {
+        dq: &mut dq,
+        dk: &mut dk,
+        dv: &mut dv,
+    };
+    attention_backward_bf16(&c.sh, c.inputs(), out, lse, dout, grads).unwrap();
+    [dq, dk, dv]
+}
+
+/// On dyadic operands (exact scores and `dÕ·ṽ`), the twin's blocked GEMMs against the plain
+/// loops: every probability and `dS` rounds alike, so the gradients differ by the order
+/// of f32 sums only. Unrounded `p` or `dS`, or an FMA `exp`, fails it.
+#[test]
+fn bf16_backward_is_the_kernels_arithmetic() {
+    for (sh, mask) in [
+        (
+            AttentionShape::new(2, 90, 4, 2, 16),
+            Some(mixed_mask(2, 90, 4)),
+        ),
+        (AttentionShape::new(1, 70, 2, 1, 64), None),
+    ] {
+        let mut c = Case::new(sh.with_scale(0.125), mask, 91);
+        for x in c.q.iter_mut().chain(c.k.iter_mut()) {
+            *x = (*x * 4.0).round() / 8.0;
+        }
+        for x in c.v.iter_mut() {
+            *x = (*x * 8.0).round() / 16.0;
+        }
+        let dout: Vec<f32> = Rng(92)
+            .vec(c.q.len())
+            .iter()
+            .map(|x| (x * 8.0).round() / 16.0)
+            .collect();
+        let (out, lse) = bf16_forward(&c);
+        let got = bf16_backward(&c, &out, &lse, &dout);
+        let want = bf16_backward_reference(&c, &out, &lse, &dout);
+        for (name, (g, w)) in ["dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+            let scale = w.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+            for (i, (g, w)) in g.iter().zip(w).enumerate() {
+                assert!(
+                    (g - w).abs() <= 2e-6 * scale.max(1.0),
+                    "{name}[{i}]: {g} vs {w}"
+                );
+            }
+        }
+    }
+}
+
+/// Against the exact f32 backward of exact f32 attention: bf16's differences.
+#[test]
+fn bf16_backward_is_f32_gradients_to_bf16_rounding() {
+    let c = Case::new(
+        AttentionShape::new(2, 100, 6, 2, 16),
+        Some(mixed_mask(2, 100, 7)),
+        93,
+    );
+    let dout = Rng(94).vec(c.q.len());
+    let (out, lse) = bf16_forward(&c);
+    let got = bf16_backward(&c, &out, &lse, &dout);
+    let want = c.backward(&dout);
+    for (name, (g, w)) in ["dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+        let scale = w.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+        let worst = g
+            .iter()
+            .zip(w)
+            .fold(0.0f32, |a, (g, w)| a.max((g - w).abs()));
+        assert!(
+            worst > 0.0 && worst <= 3e-2 * scale,
+            "{name}: worst {worst} of {scale}"
+        );
+    }
 }
