@@ -1854,3 +1854,354 @@ __device__ __forceinline__ void attention_bwd_dkv_impl(AttnArgs a, const float* 
 ATTN_BWD_DKV(attention_bwd_dkv_d64, 2, 1)
 ATTN_BWD_DKV(attention_bwd_dkv_d128, 4, 1)
 ATTN_BWD_DKV(attention_bwd_dkv_d256, 8, 1)
+
+// ---- Tensor-core backward: bf16 operands, f32 sums ----
+// Twin: ares_cpu::ops::attention::attention_backward_bf16. q, k, v and dout are rounded to
+// bf16 as they are loaded (δ = Σ bf16(dout)·out: attention_bwd_delta_bf16), the scores
+// s = scale·q·kᵀ are recomputed on tensor cores, p = e^(min(s − lse, 0)) by the twin's exp,
+// dS = p·(dP − δ) with dP = dout·vᵀ, and p and dS are rounded to bf16 from the score
+// registers into the A operand of the products that take them (fragment maps as for the
+// forward above; ares-cuda/src/mma.rs). Two passes, no atomics, as the f32 backward:
+// - dq: a block takes MMA_ROWS query rows of a (sequence, kv head) group, 16 a warp, q and
+//   dout fragments in registers, and walks the visible keys in tiles of MMA_BWD_TILE
+//   (keys and values as [key][D + 8], keys again as [D][MMA_BWD_TILE + 8]);
+//   dQ = scale·dS·k.
+// - dk, dv: a block takes MMA_ROWS keys, 16 a warp, and walks the group's query rows that
+//   see them in tiles of MMA_BWD_TILE (q and dout as [row][D + 8] and [D][tile + 8]), with
+//   the transposed scores sᵀ = k·qᵀ and dPᵀ = v·doutᵀ: dV = Σ pᵀ·dout, dK = scale·Σ dSᵀ·q
+//   over every query head of the kv head.
+
+#define MMA_BWD_TILE 32
+
+// The twin's probs_row_portable::<false> for a visible key: 0 in a row without a key
+// (lse −inf), NaN in a NaN row.
+__device__ __forceinline__ float prob_bf16(float score, float row_lse) {
+    if (row_lse == NEG_INF) return 0.0f;
+    if (row_lse != row_lse) return NAN_F;
+    return exp2_nonpositive_rn(__fmul_rn(fminf(__fsub_rn(score, row_lse), 0.0f), LOG2E));
+}
+
+// δ[row] = Σ_c bf16(dout[row, c])·out[row, c]: attention_bwd_delta over the rounded dout.
+extern "C" __global__ void attention_bwd_delta_bf16(const float* __restrict__ dout,
+                                                    const float* __restrict__ out, i64 rows,
+                                                    int d, float* __restrict__ delta) {
+    const int lane = threadIdx.x & 31;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    for (i64 r = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
+        float acc = 0.0f;
+        for (int c = lane; c < d; c += 32) acc = fmaf(widen(bf16_rne(dout[r * d + c])), out[r * d + c], acc);
+        acc = warp_sum(acc);
+        if (lane == 0) delta[r] = acc;
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const float* __restrict__ lse,
+                                                          const float* __restrict__ delta,
+                                                          const float* __restrict__ dout,
+                                                          float* __restrict__ dq,
+                                                          unsigned* __restrict__ status) {
+    constexpr int KS = D / 16, ND = D / 8, NB = MMA_BWD_TILE / 8;
+    constexpr int KP = D + 8, TP = MMA_BWD_TILE + 8;
+    __shared__ __align__(16) unsigned short Ks[MMA_BWD_TILE * KP];
+    __shared__ __align__(16) unsigned short Vs[MMA_BWD_TILE * KP];
+    __shared__ __align__(16) unsigned short Kt[D * TP];
+    __shared__ float kvalid[MMA_BWD_TILE];
+    const int group = a.hq / a.hkv;
+    const i64 rows_bg = a.q_seq * group;
+    const i64 tiles = (rows_bg + MMA_ROWS - 1) / MMA_ROWS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+
+    for (i64 blk = blockIdx.x; blk < a.batch * a.hkv * tiles; blk += gridDim.x) {
+        const i64 tile = blk % tiles;
+        const i64 bg = blk / tiles;
+        const int g = (int)(bg % a.hkv);
+        const i64 b = bg / a.hkv;
+        const i64 row0 = tile * MMA_ROWS;
+        bool live[2];
+        i64 qpos[2], orow[2];
+        float row_lse[2], row_delta[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const i64 r = row0 + 16 * warp + gid + 8 * i;
+            live[i] = r < rows_bg;
+            const i64 t = live[i] ? r / group : 0;
+            const int h = g * group + (int)(live[i] ? r % group : 0);
+            orow[i] = (b * a.q_seq + t) * a.hq + h;
+            qpos[i] = t;
+            row_lse[i] = live[i] ? lse[orow[i]] : NEG_INF;
+            row_delta[i] = live[i] ? delta[orow[i]] : 0.0f;
+        }
+        // q and dout as A operands, k-step ks covering dims 16·ks .. 16·ks + 15.
+        unsigned qa[KS][4], da[KS][4];
+#pragma unroll
+        for (int ks = 0; ks < KS; ks++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const int row = i % 2, col = 16 * ks + 8 * (i / 2) + 2 * tig;
+                const i64 at = orow[row] * D + col;
+                qa[ks][i] = live[row] ? pack_bf16x2(a.q[at], a.q[at + 1]) : 0u;
+                da[ks][i] = live[row] ? pack_bf16x2(dout[at], dout[at + 1]) : 0u;
+            }
+        }
+        float acc[ND][4];
+#pragma unroll
+        for (int nd = 0; nd < ND; nd++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[nd][e] = 0.0f;
+        }
+        const i64 key_end = causal_key_end(0, row0 + MMA_ROWS - 1, rows_bg, group);
+        for (i64 kb = 0; kb < key_end; kb += MMA_BWD_TILE) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < MMA_BWD_TILE * D; i += blockDim.x) {
+                const int j = i / D, c = i - j * D;
+                const i64 s = kb + j;
+                float kv = 0.0f, vv = 0.0f;
+                if (s < key_end) {
+                    const i64 idx = ((b * a.kv_seq + s) * a.hkv + g) * D + c;
+                    kv = a.k[idx];
+                    vv = a.v[idx];
+                }
+                Ks[j * KP + c] = bf16_rne(kv);
+                Vs[j * KP + c] = bf16_rne(vv);
+                Kt[c * TP + j] = bf16_rne(kv);
+            }
+            if (threadIdx.x < MMA_BWD_TILE) {
+                const i64 s = kb + threadIdx.x;
+                kvalid[threadIdx.x] = s < key_end ? key_valid(a.mask, b * a.kv_seq + s, status) : 0.0f;
+            }
+            __syncthreads();
+            float s[NB][4], dp[NB][4];
+#pragma unroll
+            for (int nb = 0; nb < NB; nb++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) s[nb][e] = dp[nb][e] = 0.0f;
+            }
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) {
+#pragma unroll
+                for (int nb = 0; nb < NB; nb++) {
+                    const unsigned short* kp = Ks + (8 * nb + gid) * KP + 16 * ks + 2 * tig;
+                    mma_bf16_16816(s[nb], qa[ks], *(const unsigned*)kp, *(const unsigned*)(kp + 8));
+                    const unsigned short* vp = Vs + (8 * nb + gid) * KP + 16 * ks + 2 * tig;
+                    mma_bf16_16816(dp[nb], da[ks], *(const unsigned*)vp, *(const unsigned*)(vp + 8));
+                }
+            }
+            // dS = p·(dP − δ) into the score registers.
+#pragma unroll
+            for (int nb = 0; nb < NB; nb++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int i = e / 2, j = 8 * nb + 2 * tig + e % 2;
+                    const bool vis = live[i] && kb + j <= qpos[i] && kvalid[j] != 0.0f;
+                    const float p = vis ? prob_bf16(__fmul_rn(a.scale, s[nb][e]), row_lse[i]) : 0.0f;
+                    s[nb][e] = __fmul_rn(p, __fsub_rn(dp[nb][e], row_delta[i]));
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < MMA_BWD_TILE / 16; kk++) {
+                unsigned pa[4];
+                pa[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+                pa[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+                pa[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+                pa[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+                for (int nd = 0; nd < ND; nd++) {
+                    const unsigned short* tp = Kt + (8 * nd + gid) * TP + 16 * kk + 2 * tig;
+                    mma_bf16_16816(acc[nd], pa, *(const unsigned*)tp, *(const unsigned*)(tp + 8));
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            if (!live[i]) continue;
+            float* dst = dq + orow[i] * D;
+#pragma unroll
+            for (int nd = 0; nd < ND; nd++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) dst[8 * nd + 2 * tig + e] = __fmul_rn(a.scale, acc[nd][2 * i + e]);
+            }
+        }
+    }
+}
+
+// Dynamic shared memory of the dk/dv kernel at head size D (bf16 elements × 2 bytes):
+// keys and values of the block [MMA_ROWS][D + 8], q and dout of a row tile [tile][D + 8]
+// and transposed [D][tile + 8]. The host computes the same (`dkv_mma_smem`).
+template <int D>
+__device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const float* __restrict__ lse,
+                                                           const float* __restrict__ delta,
+                                                           const float* __restrict__ dout,
+                                                           float* __restrict__ dk,
+                                                           float* __restrict__ dv,
+                                                           unsigned* __restrict__ status) {
+    constexpr int KS = D / 16, ND = D / 8, NB = MMA_BWD_TILE / 8;
+    constexpr int KP = D + 8, RP = MMA_BWD_TILE + 8;
+    extern __shared__ __align__(16) unsigned short smem16[];
+    unsigned short* Kb = smem16;                  // [MMA_ROWS][KP]
+    unsigned short* Vb = Kb + MMA_ROWS * KP;      // [MMA_ROWS][KP]
+    unsigned short* Qs = Vb + MMA_ROWS * KP;      // [MMA_BWD_TILE][KP]
+    unsigned short* Os = Qs + MMA_BWD_TILE * KP;  // [MMA_BWD_TILE][KP]
+    unsigned short* Qt = Os + MMA_BWD_TILE * KP;  // [D][RP]
+    unsigned short* Ot = Qt + D * RP;             // [D][RP]
+    __shared__ float kvalid[MMA_ROWS];
+    __shared__ float row_lse[MMA_BWD_TILE], row_delta[MMA_BWD_TILE];
+    __shared__ i64 row_pos[MMA_BWD_TILE];
+    const int group = a.hq / a.hkv;
+    const i64 rows_bg = a.q_seq * group;
+    const i64 tiles = (a.kv_seq + MMA_ROWS - 1) / MMA_ROWS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int gid = lane >> 2, tig = lane & 3;
+
+    for (i64 blk = blockIdx.x; blk < a.batch * a.hkv * tiles; blk += gridDim.x) {
+        const i64 tile = blk % tiles;
+        const i64 bg = blk / tiles;
+        const int g = (int)(bg % a.hkv);
+        const i64 b = bg / a.hkv;
+        const i64 kb0 = tile * MMA_ROWS;
+        __syncthreads();
+        for (int i = threadIdx.x; i < MMA_ROWS * D; i += blockDim.x) {
+            const int j = i / D, c = i - j * D;
+            const i64 s = kb0 + j;
+            float kv = 0.0f, vv = 0.0f;
+            if (s < a.kv_seq) {
+                const i64 idx = ((b * a.kv_seq + s) * a.hkv + g) * D + c;
+                kv = a.k[idx];
+                vv = a.v[idx];
+            }
+            Kb[j * KP + c] = bf16_rne(kv);
+            Vb[j * KP + c] = bf16_rne(vv);
+        }
+        if (threadIdx.x < MMA_ROWS) {
+            const i64 s = kb0 + threadIdx.x;
+            kvalid[threadIdx.x] = s < a.kv_seq ? key_valid(a.mask, b * a.kv_seq + s, status) : 0.0f;
+        }
+        float adk[ND][4], adv[ND][4];
+#pragma unroll
+        for (int nd = 0; nd < ND; nd++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) adk[nd][e] = adv[nd][e] = 0.0f;
+        }
+        // Only queries at or after the block's first key see it.
+        for (i64 rb = (kb0 * group / MMA_BWD_TILE) * MMA_BWD_TILE; rb < rows_bg; rb += MMA_BWD_TILE) {
+            __syncthreads();
+            for (int i = threadIdx.x; i < MMA_BWD_TILE * D; i += blockDim.x) {
+                const int rr = i / D, c = i - rr * D;
+                const i64 r = rb + rr;
+                float qv = 0.0f, ov = 0.0f;
+                if (r < rows_bg) {
+                    const i64 at = ((b * a.q_seq + r / group) * a.hq + g * group + r % group) * D + c;
+                    qv = a.q[at];
+                    ov = dout[at];
+                }
+                const unsigned short q16 = bf16_rne(qv), o16 = bf16_rne(ov);
+                Qs[rr * KP + c] = q16;
+                Os[rr * KP + c] = o16;
+                Qt[c * RP + rr] = q16;
+                Ot[c * RP + rr] = o16;
+            }
+            if (threadIdx.x < MMA_BWD_TILE) {
+                const i64 r = rb + threadIdx.x;
+                const bool in = r < rows_bg;
+                const i64 at = in ? (b * a.q_seq + r / group) * a.hq + g * group + r % group : 0;
+                row_lse[threadIdx.x] = in ? lse[at] : NEG_INF;
+                row_delta[threadIdx.x] = in ? delta[at] : 0.0f;
+                row_pos[threadIdx.x] = in ? r / group : -1;
+            }
+            __syncthreads();
+            float st[NB][4], dpt[NB][4];
+#pragma unroll
+            for (int nb = 0; nb < NB; nb++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) st[nb][e] = dpt[nb][e] = 0.0f;
+            }
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) {
+                // this warp's 16 keys as the A operand: register i is key row i % 2, dims 8·(i / 2)
+                unsigned ka[4], va[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    const int at = (16 * warp + gid + 8 * (i % 2)) * KP + 16 * ks + 8 * (i / 2) + 2 * tig;
+                    ka[i] = *(const unsigned*)(Kb + at);
+                    va[i] = *(const unsigned*)(Vb + at);
+                }
+#pragma unroll
+                for (int nb = 0; nb < NB; nb++) {
+                    const unsigned short* qp = Qs + (8 * nb + gid) * KP + 16 * ks + 2 * tig;
+                    mma_bf16_16816(st[nb], ka, *(const unsigned*)qp, *(const unsigned*)(qp + 8));
+                    const unsigned short* op = Os + (8 * nb + gid) * KP + 16 * ks + 2 * tig;
+                    mma_bf16_16816(dpt[nb], va, *(const unsigned*)op, *(const unsigned*)(op + 8));
+                }
+            }
+            // Element e of row block nb: key 16·warp + gid + 8·(e / 2), row 8·nb + 2·tig + e % 2.
+#pragma unroll
+            for (int nb = 0; nb < NB; nb++) {
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int kl = 16 * warp + gid + 8 * (e / 2), rr = 8 * nb + 2 * tig + e % 2;
+                    const i64 pos = row_pos[rr];
+                    const bool vis = pos >= 0 && kb0 + kl <= pos && kvalid[kl] != 0.0f;
+                    const float p = vis ? prob_bf16(__fmul_rn(a.scale, st[nb][e]), row_lse[rr]) : 0.0f;
+                    dpt[nb][e] = __fmul_rn(p, __fsub_rn(dpt[nb][e], row_delta[rr]));
+                    st[nb][e] = p;
+                }
+            }
+#pragma unroll
+            for (int kk = 0; kk < MMA_BWD_TILE / 16; kk++) {
+                unsigned pa[4], sa[4];
+                pa[0] = pack_bf16x2(st[2 * kk][0], st[2 * kk][1]);
+                pa[1] = pack_bf16x2(st[2 * kk][2], st[2 * kk][3]);
+                pa[2] = pack_bf16x2(st[2 * kk + 1][0], st[2 * kk + 1][1]);
+                pa[3] = pack_bf16x2(st[2 * kk + 1][2], st[2 * kk + 1][3]);
+                sa[0] = pack_bf16x2(dpt[2 * kk][0], dpt[2 * kk][1]);
+                sa[1] = pack_bf16x2(dpt[2 * kk][2], dpt[2 * kk][3]);
+                sa[2] = pack_bf16x2(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
+                sa[3] = pack_bf16x2(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
+#pragma unroll
+                for (int nd = 0; nd < ND; nd++) {
+                    const unsigned short* op = Ot + (8 * nd + gid) * RP + 16 * kk + 2 * tig;
+                    mma_bf16_16816(adv[nd], pa, *(const unsigned*)op, *(const unsigned*)(op + 8));
+                    const unsigned short* qp = Qt + (8 * nd + gid) * RP + 16 * kk + 2 * tig;
+                    mma_bf16_16816(adk[nd], sa, *(const unsigned*)qp, *(const unsigned*)(qp + 8));
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const i64 s = kb0 + 16 * warp + gid + 8 * i;
+            if (s >= a.kv_seq) continue;
+            const i64 at = ((b * a.kv_seq + s) * a.hkv + g) * D;
+#pragma unroll
+            for (int nd = 0; nd < ND; nd++) {
+#pragma unroll
+                for (int e = 0; e < 2; e++) {
+                    dk[at + 8 * nd + 2 * tig + e] = __fmul_rn(a.scale, adk[nd][2 * i + e]);
+                    dv[at + 8 * nd + 2 * tig + e] = adv[nd][2 * i + e];
+                }
+            }
+        }
+    }
+}
+
+#define ATTN_BWD_MMA(D)                                                                        \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                               \
+        attention_bwd_dq_mma_d##D(const float* q, const float* k, const float* v,              \
+                                  const float* mask, i64 batch, i64 seq, int hq, int hkv, int d, \
+                                  float scale, const float* lse, const float* delta,           \
+                                  const float* dout, float* dq, unsigned* status) {            \
+        AttnArgs a = {q, k, v, mask, batch, seq, seq, 0, hq, hkv, D, scale};                   \
+        attention_bwd_dq_mma_impl<D>(a, lse, delta, dout, dq, status);                         \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                               \
+        attention_bwd_dkv_mma_d##D(const float* q, const float* k, const float* v,             \
+                                   const float* mask, i64 batch, i64 seq, int hq, int hkv,     \
+                                   int d, float scale, const float* lse, const float* delta,   \
+                                   const float* dout, float* dk, float* dv, unsigned* status) { \
+        AttnArgs a = {q, k, v, mask, batch, seq, seq, 0, hq, hkv, D, scale};                   \
+        attention_bwd_dkv_mma_impl<D>(a, lse, delta, dout, dk, dv, status);                    \
+    }
+
+ATTN_BWD_MMA(64)
+ATTN_BWD_MMA(80)
+ATTN_BWD_MMA(128)

@@ -150,6 +150,18 @@ kernel_table! {
             "attention_fwd_mma_d128"
         ],
         attention_bwd_delta: "attention_bwd_delta",
+        attention_bwd_delta_bf16: "attention_bwd_delta_bf16",
+        /// The tensor-core bf16 backward, per head size (64, 80, 128).
+        attention_bwd_dq_mma: [
+            "attention_bwd_dq_mma_d64",
+            "attention_bwd_dq_mma_d80",
+            "attention_bwd_dq_mma_d128"
+        ],
+        attention_bwd_dkv_mma: [
+            "attention_bwd_dkv_mma_d64",
+            "attention_bwd_dkv_mma_d80",
+            "attention_bwd_dkv_mma_d128"
+        ],
         attention_bwd_dq: [
             "attention_bwd_dq_d64",
             "attention_bwd_dq_d128",

@@ -7,9 +7,10 @@
 //!
 //! The tests emulate one warp of `attention_fwd_mma_impl` through these maps — q loaded as
 //! the A operand, keys and transposed values read from its shared-memory layouts as B, the
-//! score registers reused as the A operand of `P·V` — and check each product against a
-//! plain matrix product; another test checks that the kernel source indexes exactly as the
-//! emulation does.
+//! score registers reused as the A operand of `P·V` — and one of the backward's dk/dv
+//! kernel (keys as the A operand from shared memory, transposed scores, `pᵀ·dout`), and
+//! check each product against a plain matrix product; another test checks that the kernel
+//! source indexes exactly as the emulations do.
 
 /// Lane `lane`'s group `gid` (`lane / 4`) and thread in the group `tig` (`lane % 4`).
 pub const fn lane_parts(lane: usize) -> (usize, usize) {
@@ -235,6 +236,120 @@ mod tests {
         }
     }
 
+    /// One warp of `attention_bwd_dkv_mma_impl` at head size `d`: its 16 keys (warp 1 of
+    /// the block's 64) against a tile of 32 query rows — keys as the A operand read from
+    /// shared memory, the transposed scores `k·qᵀ`, and `pᵀ·dout` with the probabilities
+    /// from the score registers and dout transposed in shared memory.
+    fn emulate_dkv_warp(d: usize) {
+        const KEYS: usize = 64;
+        const ROWS: usize = 32;
+        let warp = 1;
+        let (ks_n, nd_n, nb_n) = (d / 16, d / 8, ROWS / 8);
+        let (kp, rp) = (d + 8, ROWS + 8);
+        let k: Vec<Vec<f32>> = (0..KEYS)
+            .map(|j| (0..d).map(|c| value(j * d + c)).collect())
+            .collect();
+        let q: Vec<Vec<f32>> = (0..ROWS)
+            .map(|r| (0..d).map(|c| value(7000 + r * d + c)).collect())
+            .collect();
+        let o: Vec<Vec<f32>> = (0..ROWS)
+            .map(|r| (0..d).map(|c| value(3000 + r * d + c)).collect())
+            .collect();
+        // `Kb[j * KP + c]`, `Qs[rr * KP + c]`, `Ot[c * RP + rr]`
+        let mut kb = vec![0u16; KEYS * kp];
+        let mut qs = vec![0u16; ROWS * kp];
+        let mut ot = vec![0u16; d * rp];
+        for (j, row) in k.iter().enumerate() {
+            for (c, &x) in row.iter().enumerate() {
+                kb[j * kp + c] = bits(x);
+            }
+        }
+        for rr in 0..ROWS {
+            for c in 0..d {
+                qs[rr * kp + c] = bits(q[rr][c]);
+                ot[c * rp + rr] = bits(o[rr][c]);
+            }
+        }
+        let mut st = vec![[[0.0f32; 4]; 32]; nb_n];
+        for ks in 0..ks_n {
+            // `(16 * warp + gid + 8 * (i % 2)) * KP + 16 * ks + 8 * (i / 2) + 2 * tig`
+            let mut ka = [[0u32; 4]; 32];
+            for (lane, regs) in ka.iter_mut().enumerate() {
+                let (gid, tig) = lane_parts(lane);
+                for (i, reg) in regs.iter_mut().enumerate() {
+                    *reg = word(
+                        &kb,
+                        (16 * warp + gid + 8 * (i % 2)) * kp + 16 * ks + 8 * (i / 2) + 2 * tig,
+                    );
+                }
+            }
+            for (nb, acc) in st.iter_mut().enumerate() {
+                let mut b = [[0u32; 2]; 32];
+                for (lane, regs) in b.iter_mut().enumerate() {
+                    let (gid, tig) = lane_parts(lane);
+                    let at = (8 * nb + gid) * kp + 16 * ks + 2 * tig;
+                    *regs = [word(&qs, at), word(&qs, at + 8)];
+                }
+                mma(acc, &ka, &b);
+            }
+        }
+        // `kl = 16 * warp + gid + 8 * (e / 2), rr = 8 * nb + 2 * tig + e % 2`
+        let p = |kl: usize, rr: usize| value(40_000 + kl * ROWS + rr).abs() / 4.0;
+        for (nb, acc) in st.iter_mut().enumerate() {
+            for (lane, regs) in acc.iter_mut().enumerate() {
+                let (gid, tig) = lane_parts(lane);
+                for (e, x) in regs.iter_mut().enumerate() {
+                    let (kl, rr) = (16 * warp + gid + 8 * (e / 2), 8 * nb + 2 * tig + e % 2);
+                    let want: f32 = (0..d).map(|c| k[kl][c] * q[rr][c]).sum();
+                    assert_eq!(*x, want, "d {d}: score key {kl} row {rr}");
+                    *x = p(kl, rr);
+                }
+            }
+        }
+        let mut dv = vec![[[0.0f32; 4]; 32]; nd_n];
+        for kk in 0..ROWS / 16 {
+            let mut pa = [[0u32; 4]; 32];
+            for (lane, regs) in pa.iter_mut().enumerate() {
+                let (lo, hi) = (&st[2 * kk][lane], &st[2 * kk + 1][lane]);
+                *regs = [
+                    pack(lo[0], lo[1]),
+                    pack(lo[2], lo[3]),
+                    pack(hi[0], hi[1]),
+                    pack(hi[2], hi[3]),
+                ];
+            }
+            for (nd, acc) in dv.iter_mut().enumerate() {
+                let mut b = [[0u32; 2]; 32];
+                for (lane, regs) in b.iter_mut().enumerate() {
+                    let (gid, tig) = lane_parts(lane);
+                    let at = (8 * nd + gid) * rp + 16 * kk + 2 * tig;
+                    *regs = [word(&ot, at), word(&ot, at + 8)];
+                }
+                mma(acc, &pa, &b);
+            }
+        }
+        // `dv[at + 8 * nd + 2 * tig + e] = adv[nd][2 * i + e]` for key 16·warp + gid + 8·i
+        for (nd, acc) in dv.iter().enumerate() {
+            for (lane, regs) in acc.iter().enumerate() {
+                let (gid, tig) = lane_parts(lane);
+                for i in 0..2 {
+                    for e in 0..2 {
+                        let (kl, col) = (16 * warp + gid + 8 * i, 8 * nd + 2 * tig + e);
+                        let want: f32 = (0..ROWS).map(|rr| p(kl, rr) * o[rr][col]).sum();
+                        assert_eq!(regs[2 * i + e], want, "d {d}: dv key {kl} col {col}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_dkv_warp_computes_its_transposed_products() {
+        for d in crate::model_ops::BF16_HEAD_DIMS {
+            emulate_dkv_warp(d);
+        }
+    }
+
     #[test]
     fn the_attention_warp_computes_its_products() {
         for d in crate::model_ops::BF16_HEAD_DIMS {
@@ -264,6 +379,28 @@ mod tests {
             "return (unsigned)bf16_rne(lo) | ((unsigned)bf16_rne(hi) << 16);",
             "constexpr int KP = D + 8;",
             "constexpr int VP = MMA_KEYS + 8;",
+            // the backward kernels
+            "const int at = (16 * warp + gid + 8 * (i % 2)) * KP + 16 * ks + 8 * (i / 2) + 2 * tig;",
+            "const unsigned short* qp = Qs + (8 * nb + gid) * KP + 16 * ks + 2 * tig;",
+            "mma_bf16_16816(st[nb], ka, *(const unsigned*)qp, *(const unsigned*)(qp + 8));",
+            "const int kl = 16 * warp + gid + 8 * (e / 2), rr = 8 * nb + 2 * tig + e % 2;",
+            "pa[0] = pack_bf16x2(st[2 * kk][0], st[2 * kk][1]);",
+            "pa[1] = pack_bf16x2(st[2 * kk][2], st[2 * kk][3]);",
+            "pa[2] = pack_bf16x2(st[2 * kk + 1][0], st[2 * kk + 1][1]);",
+            "pa[3] = pack_bf16x2(st[2 * kk + 1][2], st[2 * kk + 1][3]);",
+            "sa[0] = pack_bf16x2(dpt[2 * kk][0], dpt[2 * kk][1]);",
+            "sa[1] = pack_bf16x2(dpt[2 * kk][2], dpt[2 * kk][3]);",
+            "sa[2] = pack_bf16x2(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);",
+            "sa[3] = pack_bf16x2(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);",
+            "const unsigned short* op = Ot + (8 * nd + gid) * RP + 16 * kk + 2 * tig;",
+            "const unsigned short* qp = Qt + (8 * nd + gid) * RP + 16 * kk + 2 * tig;",
+            "Qs[rr * KP + c] = q16;",
+            "Qt[c * RP + rr] = q16;",
+            "Ot[c * RP + rr] = o16;",
+            "dv[at + 8 * nd + 2 * tig + e] = adv[nd][2 * i + e];",
+            "const unsigned short* tp = Kt + (8 * nd + gid) * TP + 16 * kk + 2 * tig;",
+            "Kt[c * TP + j] = bf16_rne(kv);",
+            "dst[8 * nd + 2 * tig + e] = __fmul_rn(a.scale, acc[nd][2 * i + e]);",
         ] {
             assert!(src.contains(line), "model_ops.cu no longer has `{line}`");
         }

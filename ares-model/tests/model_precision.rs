@@ -9,7 +9,7 @@ use ares_model::hf::checkpoint::Checkpoint;
 use ares_model::model::{AdamW, AdamWConfig, Inputs, Model};
 
 mod common;
-use common::{fixture, rel_err};
+use common::{fixture, rel_err, with_head_dim};
 
 fn model(name: &str) -> Model<CpuBackend> {
     Model::from_checkpoint(CpuBackend, &Checkpoint::load(&fixture(name)).unwrap()).unwrap()
@@ -281,55 +281,15 @@ fn stored_bf16_weights_are_what_the_bf16_products_read() {
     );
 }
 
-/// qwen3_tiny with heads of `head_dim` features: its attention weights redrawn at that
-/// width (a fixed LCG, ±0.2), everything else the fixture's.
-fn qwen3_with_head_dim(head_dim: usize) -> Checkpoint {
-    let mut ck = Checkpoint::load(&fixture("qwen3_tiny")).unwrap();
-    ck.config.head_dim = head_dim;
-    ck.config.max_position_embeddings = 256;
-    let (hidden, hq, hkv) = (
-        ck.config.hidden_size,
-        ck.config.num_attention_heads,
-        ck.config.num_key_value_heads,
-    );
-    let mut state = 777u64;
-    let mut draw = |shape: &[usize]| {
-        let data = (0..shape.iter().product::<usize>())
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6_364_136_223_846_793_005)
-                    .wrapping_add(1_442_695_040_888_963_407);
-                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.4
-            })
-            .collect();
-        ares_model::hf::weights::Tensor {
-            shape: shape.to_vec(),
-            data,
-        }
-    };
-    for l in &mut ck.weights.layers {
-        l.q_proj = draw(&[hq * head_dim, hidden]);
-        l.k_proj = draw(&[hkv * head_dim, hidden]);
-        l.v_proj = draw(&[hkv * head_dim, hidden]);
-        l.o_proj = draw(&[hidden, hq * head_dim]);
-        l.q_norm = Some(ares_model::hf::weights::Tensor {
-            shape: vec![head_dim],
-            data: vec![1.0; head_dim],
-        });
-        l.k_norm = l.q_norm.clone();
-    }
-    ck
-}
-
-/// Under bf16, a pass of ≥ 64 tokens at a head size of the tensor-core kernel (64 here)
-/// runs attention through `attention_bf16` — the kernel's twin on the CPU — and its
-/// backward through the f32 `attention_backward`; the logits and gradients stay within
-/// bf16 of exact f32, and at another head size (12) attention stays f32.
+/// Under bf16, a pass of ≥ 64 tokens at a head size of the tensor-core kernels (64 here)
+/// runs attention through `attention_bf16` and `attention_backward_bf16` — the kernels'
+/// twins on the CPU; the log-probs and gradients stay within bf16 of exact f32, and at
+/// another head size (12) attention stays f32.
 #[test]
 fn bf16_attention_runs_on_the_tensor_core_twin() {
     use ares_model::backend::Counting;
     for (head_dim, tensor_core) in [(64, true), (12, false)] {
-        let ck = qwen3_with_head_dim(head_dim);
+        let ck = with_head_dim(Checkpoint::load(&fixture("qwen3_tiny")).unwrap(), head_dim);
         let mut m = Model::from_checkpoint(Counting::new(CpuBackend), &ck).unwrap();
         let b = Batch::new(2, 80, m.spec().vocab);
         let n = b.batch * b.seq;
@@ -375,7 +335,16 @@ fn bf16_attention_runs_on_the_tensor_core_twin() {
             layers - want,
             "head_dim {head_dim}"
         );
-        assert_eq!(count(&calls16, "attention_backward"), layers);
+        assert_eq!(
+            count(&calls16, "attention_backward_bf16"),
+            want,
+            "head_dim {head_dim}"
+        );
+        assert_eq!(
+            count(&calls16, "attention_backward"),
+            layers - want,
+            "head_dim {head_dim}"
+        );
         let lp_err = lp16
             .iter()
             .zip(&lp32)

@@ -256,8 +256,8 @@ fn lora_step(
 }
 
 /// Causal attention alone at FlashAttention's benchmark shape, 4 × 2 048 tokens, MHA with
-/// 2 048 features (16 heads of 128, 32 of 64): the f32 forward (scalar FMAs), the bf16
-/// forward on tensor cores and the f32 backward, in TFLOP/s of the causal products — the
+/// 2 048 features (16 heads of 128, 32 of 64): the f32 forward and backward (scalar FMAs)
+/// and the bf16 forward and backward on tensor cores, in TFLOP/s of the causal products — the
 /// forward 4·B·T²·H·D/2, the backward 2.5 times that (FlashAttention's count). PyTorch's
 /// SDPA at the same shapes: `bench_torch_gpu.py` (`--only attention`).
 fn attention(gpu: &CudaBackend, runs: usize) {
@@ -340,5 +340,30 @@ fn attention(gpu: &CudaBackend, runs: usize) {
             gpu.synchronize().expect("sync");
         });
         show("f32 backward (scalar FMAs)", 2.5 * fwd_flops, t);
+        gpu.attention_bf16(
+            dims,
+            inputs(),
+            ViewMut::whole(&mut out),
+            ViewMut::whole(&mut lse),
+        )
+        .expect("attention_bf16");
+        let t = best_and_median(runs.max(5), || {
+            let grads = AttentionGrads {
+                dq: ViewMut::whole(&mut dq),
+                dk: ViewMut::whole(&mut dk),
+                dv: ViewMut::whole(&mut dv),
+            };
+            gpu.attention_backward_bf16(
+                dims,
+                inputs(),
+                View::whole(&out),
+                View::whole(&lse),
+                View::whole(&dout),
+                grads,
+            )
+            .expect("attention_backward_bf16");
+            gpu.synchronize().expect("sync");
+        });
+        show("bf16 backward (tensor cores)", 2.5 * fwd_flops, t);
     }
 }

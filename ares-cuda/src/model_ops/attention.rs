@@ -316,6 +316,17 @@ fn query_rows(k: &'static str, shape: &AttentionShape) -> Result<usize> {
     mul(k, "seq × group", shape.seq, shape.q_heads / shape.kv_heads)
 }
 
+/// Rows of a tile of the tensor-core backward (`MMA_BWD_TILE`: keys of the dq kernel's
+/// tiles, query rows of the dk/dv kernel's).
+const MMA_BWD_TILE: usize = 32;
+
+/// Bytes of dynamic shared memory of the tensor-core dk/dv kernel at head size `d`: the
+/// block's keys and values `[MMA_ROWS][d + 8]`, a row tile's q and dout `[tile][d + 8]` and
+/// transposed `[d][tile + 8]`, all bf16.
+fn dkv_mma_smem(d: usize) -> usize {
+    2 * (2 * MMA_ROWS * (d + 8) + 2 * MMA_BWD_TILE * (d + 8) + 2 * d * (MMA_BWD_TILE + 8))
+}
+
 /// Bytes of dynamic shared memory of the forward and dq kernels: two key tiles (padded
 /// rows) and `row_tiles` `[rows, d]` row buffers.
 fn rows_smem(d: usize, rows: usize, row_buffers: usize) -> usize {
@@ -389,25 +400,7 @@ impl ModelOps {
         const K: &str = "attention_bf16";
         let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
         let dims = shape.dims(K)?;
-        let Some(variant) = BF16_HEAD_DIMS.iter().position(|&d| d == shape.head_dim) else {
-            return Err(bad(
-                K,
-                format!(
-                    "head_dim = {}: the tensor-core attention takes {BF16_HEAD_DIMS:?}",
-                    shape.head_dim
-                ),
-            ));
-        };
-        if self.info.arch < 80 {
-            return Err(bad(
-                K,
-                format!(
-                    "bf16 tensor-core attention needs compute capability 8.0 or later; \
-                     this device is sm_{} (use matmul_precision f32 or tf32)",
-                    self.info.arch
-                ),
-            ));
-        }
+        let variant = self.tensor_core_variant(K, &shape)?;
         check_len(K, "q", dims.q_len, q.len())?;
         check_len(K, "k", dims.kv_len, k.len())?;
         check_len(K, "v", dims.kv_len, v.len())?;
@@ -584,42 +577,107 @@ impl ModelOps {
         dout: &CudaView<'_, f32>,
         grads: &mut AttentionGrads<'_>,
     ) -> Result<()> {
-        const K: &str = "attention_backward";
+        let saved = AttentionSaved { out, lse, dout };
+        self.backward_with("attention_backward", shape, inputs, saved, grads, None)
+    }
+
+    /// The bf16 backward on tensor cores (twin of
+    /// `ares_cpu::ops::attention::attention_backward_bf16`) of
+    /// [`ModelOps::attention_bf16`]'s `out` and `lse`: q, k, v and `dout` rounded to bf16,
+    /// the probabilities and `dS` rounded for the products that take them, f32 sums.
+    /// Head sizes and devices as [`ModelOps::attention_bf16`].
+    ///
+    /// # Errors
+    /// As [`ModelOps::attention_backward`]; another head size; an older device.
+    pub fn attention_backward_bf16(
+        &self,
+        shape: AttentionShape,
+        inputs: &AttentionInputs<'_>,
+        out: &CudaView<'_, f32>,
+        lse: &CudaView<'_, f32>,
+        dout: &CudaView<'_, f32>,
+        grads: &mut AttentionGrads<'_>,
+    ) -> Result<()> {
+        const K: &str = "attention_backward_bf16";
+        let variant = self.tensor_core_variant(K, &shape)?;
+        let saved = AttentionSaved { out, lse, dout };
+        self.backward_with(K, shape, inputs, saved, grads, Some(variant))
+    }
+
+    /// The index of `shape.head_dim` in [`BF16_HEAD_DIMS`], on a device with bf16
+    /// `mma.sync`; else the error naming what is missing.
+    fn tensor_core_variant(&self, k: &'static str, shape: &AttentionShape) -> Result<usize> {
+        let Some(variant) = BF16_HEAD_DIMS.iter().position(|&d| d == shape.head_dim) else {
+            return Err(bad(
+                k,
+                format!(
+                    "head_dim = {}: the tensor-core attention takes {BF16_HEAD_DIMS:?}",
+                    shape.head_dim
+                ),
+            ));
+        };
+        if self.info.arch < 80 {
+            return Err(bad(
+                k,
+                format!(
+                    "bf16 tensor-core attention needs compute capability 8.0 or later; \
+                     this device is sm_{} (use matmul_precision f32 or tf32)",
+                    self.info.arch
+                ),
+            ));
+        }
+        Ok(variant)
+    }
+
+    /// The backward on the f32 kernels, or on the tensor-core kernels of head-size variant
+    /// `tensor_core`.
+    fn backward_with(
+        &self,
+        op: &'static str,
+        shape: AttentionShape,
+        inputs: &AttentionInputs<'_>,
+        saved: AttentionSaved<'_, '_>,
+        grads: &mut AttentionGrads<'_>,
+        tensor_core: Option<usize>,
+    ) -> Result<()> {
         let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
         let key_mask = inputs.key_mask.as_ref();
-        let saved = AttentionSaved { out, lse, dout };
         let grads = AttentionGradsMut {
             dq: &mut grads.dq,
             dk: &mut grads.dk,
             dv: &mut grads.dv,
         };
-        let dims = shape.dims(K)?;
-        check_len(K, "q", dims.q_len, q.len())?;
-        check_len(K, "k", dims.kv_len, k.len())?;
-        check_len(K, "v", dims.kv_len, v.len())?;
+        let dims = shape.dims(op)?;
+        check_len(op, "q", dims.q_len, q.len())?;
+        check_len(op, "k", dims.kv_len, k.len())?;
+        check_len(op, "v", dims.kv_len, v.len())?;
         if let Some(m) = key_mask {
-            check_len(K, "key_mask", dims.tokens, m.len())?;
+            check_len(op, "key_mask", dims.tokens, m.len())?;
         }
-        check_len(K, "out", dims.q_len, saved.out.len())?;
-        check_len(K, "lse", dims.lse_len, saved.lse.len())?;
-        check_len(K, "dout", dims.q_len, saved.dout.len())?;
-        check_len(K, "dq", dims.q_len, grads.dq.len())?;
-        check_len(K, "dk", dims.kv_len, grads.dk.len())?;
-        check_len(K, "dv", dims.kv_len, grads.dv.len())?;
+        check_len(op, "out", dims.q_len, saved.out.len())?;
+        check_len(op, "lse", dims.lse_len, saved.lse.len())?;
+        check_len(op, "dout", dims.q_len, saved.dout.len())?;
+        check_len(op, "dq", dims.q_len, grads.dq.len())?;
+        check_len(op, "dk", dims.kv_len, grads.dk.len())?;
+        check_len(op, "dv", dims.kv_len, grads.dv.len())?;
         if dims.q_len == 0 {
             return Ok(());
         }
         let (b64, s64) = (
-            i64_of(K, "batch", shape.batch)?,
-            i64_of(K, "seq", shape.seq)?,
+            i64_of(op, "batch", shape.batch)?,
+            i64_of(op, "seq", shape.seq)?,
         );
-        let rows64 = i64_of(K, "lse rows", dims.lse_len)?;
+        let rows64 = i64_of(op, "lse rows", dims.lse_len)?;
         let mut guard = self.lock();
         let state = &mut *guard;
         let mut delta = scratch(&mut state.scratch, &self.stream, dims.lse_len)?;
         {
-            // δ = Σ dout·out per (token, head) row; one warp per row.
-            let mut l = self.stream.launch_builder(&self.f.attention_bwd_delta);
+            // δ = Σ dout·out per (token, head) row (bf16: the rounded dout); one warp per row.
+            let func = match tensor_core {
+                None => &self.f.attention_bwd_delta,
+                Some(_) => &self.f.attention_bwd_delta_bf16,
+            };
+            let mut l = self.stream.launch_builder(func);
             l.arg(saved.dout)
                 .arg(saved.out)
                 .arg(&rows64)
@@ -632,7 +690,7 @@ impl ModelOps {
             };
             // SAFETY: argument order as `attention_bwd_delta`; dout/out hold rows × d,
             // delta rows.
-            unsafe { l.launch(cfg) }.during(format!("{K}: delta"))?;
+            unsafe { l.launch(cfg) }.during(format!("{op}: delta"))?;
         }
         let delta = delta.as_view();
         let status = &mut state.status;
@@ -649,26 +707,52 @@ impl ModelOps {
             delta: &delta,
             dout: saved.dout,
         };
+        if let Some(variant) = tensor_core {
+            let threads = ((MMA_WARPS * 32) as u32, 1, 1);
+            let blocks = tiled_blocks(op, &shape, query_rows(op, &shape)?, MMA_ROWS)?;
+            let func = &self.f.attention_bwd_dq_mma[variant];
+            let cfg = LaunchConfig {
+                block_dim: threads,
+                ..attention_cfg(self, op, func, blocks, 0)?
+            };
+            let mut l = self.stream.launch_builder(func);
+            inputs.push(&mut l).arg(grads.dq).arg(&mut *status);
+            // SAFETY: argument order as `ATTN_BWD_MMA`'s dq kernel; lengths checked above,
+            // the head size is the variant's, its shared memory static.
+            unsafe { l.launch(cfg) }.during(format!("{op}: dq"))?;
+            let blocks = tiled_blocks(op, &shape, shape.seq, MMA_ROWS)?;
+            let func = &self.f.attention_bwd_dkv_mma[variant];
+            let cfg = LaunchConfig {
+                block_dim: threads,
+                ..attention_cfg(self, op, func, blocks, dkv_mma_smem(shape.head_dim))?
+            };
+            let mut l = self.stream.launch_builder(func);
+            inputs.push(&mut l).arg(grads.dk).arg(grads.dv).arg(status);
+            // SAFETY: argument order as `ATTN_BWD_MMA`'s dk/dv kernel; lengths checked
+            // above, dynamic shared memory as `dkv_mma_smem` computes the kernel's layout.
+            unsafe { l.launch(cfg) }.during(format!("{op}: dk, dv"))?;
+            return Ok(());
+        }
         {
             let rows = WARPS * DQ_ROWS_PER_WARP[dims.class];
-            let blocks = tiled_blocks(K, &shape, query_rows(K, &shape)?, rows)?;
+            let blocks = tiled_blocks(op, &shape, query_rows(op, &shape)?, rows)?;
             let func = &self.f.attention_bwd_dq[dims.class];
-            let cfg = attention_cfg(self, K, func, blocks, rows_smem(shape.head_dim, rows, 2))?;
+            let cfg = attention_cfg(self, op, func, blocks, rows_smem(shape.head_dim, rows, 2))?;
             let mut l = self.stream.launch_builder(func);
             inputs.push(&mut l).arg(grads.dq).arg(&mut *status);
             // SAFETY: argument order as the `ATTN_BWD_DQ` kernels; lengths checked above.
-            unsafe { l.launch(cfg) }.during(format!("{K}: dq"))?;
+            unsafe { l.launch(cfg) }.during(format!("{op}: dq"))?;
         }
         let key_rows = WARPS * DKV_ROWS_PER_WARP[dims.class];
-        let blocks = tiled_blocks(K, &shape, shape.seq, key_rows)?;
+        let blocks = tiled_blocks(op, &shape, shape.seq, key_rows)?;
         let func = &self.f.attention_bwd_dkv[dims.class];
         let d = shape.head_dim;
         let smem = 4 * (2 * 32 * (d + 1) + 2 * key_rows * d);
-        let cfg = attention_cfg(self, K, func, blocks, smem)?;
+        let cfg = attention_cfg(self, op, func, blocks, smem)?;
         let mut l = self.stream.launch_builder(func);
         inputs.push(&mut l).arg(grads.dk).arg(grads.dv).arg(status);
         // SAFETY: argument order as the `ATTN_BWD_DKV` kernels; lengths checked above.
-        unsafe { l.launch(cfg) }.during(format!("{K}: dk, dv"))?;
+        unsafe { l.launch(cfg) }.during(format!("{op}: dk, dv"))?;
         Ok(())
     }
 
@@ -1036,6 +1120,28 @@ mod tests {
         }
         assert_eq!(MMA_ROWS, 16 * MMA_WARPS, "16 query rows a warp");
         assert_eq!(BF16_HEAD_DIMS, ares_cpu::ops::attention::BF16_HEAD_DIMS);
+        assert!(src.contains(&format!("#define MMA_BWD_TILE {MMA_BWD_TILE}\n")));
+        for d in BF16_HEAD_DIMS {
+            assert!(
+                src.contains(&format!("ATTN_BWD_MMA({d})\n")),
+                "ATTN_BWD_MMA({d})"
+            );
+        }
+        // the kernel's carve-up of its dynamic shared memory, in bf16 elements
+        for line in [
+            "unsigned short* Vb = Kb + MMA_ROWS * KP;",
+            "unsigned short* Qs = Vb + MMA_ROWS * KP;",
+            "unsigned short* Os = Qs + MMA_BWD_TILE * KP;",
+            "unsigned short* Qt = Os + MMA_BWD_TILE * KP;",
+            "unsigned short* Ot = Qt + D * RP;",
+            "constexpr int KP = D + 8, RP = MMA_BWD_TILE + 8;",
+        ] {
+            assert!(src.contains(line), "missing `{line}` in model_ops.cu");
+        }
+        assert_eq!(
+            dkv_mma_smem(128),
+            2 * (2 * 64 * 136 + 2 * 32 * 136 + 2 * 128 * 40)
+        );
         for d in BF16_HEAD_DIMS {
             let line = format!("ATTN_FWD_MMA(attention_fwd_mma_d{d}, {d})");
             assert!(src.contains(&line), "missing `{line}` in model_ops.cu");

@@ -452,6 +452,18 @@ mod kernels {
         attention::attention_backward(&shape, inputs, out, lse, dout, grads)
     }
 
+    pub(super) fn attention_backward_bf16(
+        dims: AttentionDims,
+        inputs: attention::AttentionInputs<'_>,
+        out: &[f32],
+        lse: &[f32],
+        dout: &[f32],
+        grads: attention::AttentionGrads<'_>,
+    ) -> Result {
+        let shape = attention_shape(dims);
+        attention::attention_backward_bf16(&shape, inputs, out, lse, dout, grads)
+    }
+
     pub(super) fn round_bf16(src: &[f32], dst: &mut [u16]) -> Result {
         ares_cpu::ops::precision::round_to_bf16(src, dst)
     }

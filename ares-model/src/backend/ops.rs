@@ -373,7 +373,7 @@ macro_rules! declared_ops {
             /// each 64-key tile's probabilities rounded to bf16, f32 sums and softmax state — on
             /// the CPU the kernel's twin (`ares_cpu::ops::attention::attention_forward_bf16`).
             /// Head sizes of `ares_cpu::ops::attention::BF16_HEAD_DIMS`; its backward is
-            /// [`Backend::attention_backward`] over its `out` and `lse`.
+            /// [`Backend::attention_backward_bf16`].
             ///
             /// # Errors
             /// As [`Backend::attention`]; on CUDA another head size or a device older than
@@ -399,6 +399,23 @@ macro_rules! declared_ops {
                 dout: In<f32>,
                 grads: ViewsMut<AttentionGrads>,
             ) cpu kernels::attention_backward, cuda attention_backward;
+
+            /// Backward of [`Backend::attention_bf16`] (tensor cores on a GPU; on the CPU the
+            /// kernels' twin `ares_cpu::ops::attention::attention_backward_bf16`): q, k, v and
+            /// `dout` rounded to bf16, the probabilities and `dS` rounded for the products
+            /// that take them, f32 sums. **Overwrites** `grads`, as
+            /// [`Backend::attention_backward`].
+            ///
+            /// # Errors
+            /// As [`Backend::attention_backward`]; on CUDA as [`Backend::attention_bf16`].
+            fn attention_backward_bf16(
+                dims: AttentionDims,
+                inputs: Views<AttentionInputs>,
+                out: In<f32>,
+                lse: In<f32>,
+                dout: In<f32>,
+                grads: ViewsMut<AttentionGrads>,
+            ) cpu kernels::attention_backward_bf16, cuda attention_backward_bf16;
 
             /// `dst = src` (views of equal length, possibly of one buffer but never overlapping,
             /// which the borrow rules already forbid). On a GPU a device-to-device copy.

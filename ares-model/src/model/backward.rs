@@ -281,7 +281,11 @@ impl<B: Backend> Model<B> {
             self.matmul_backward(sc.dresidual.r(), a.att, g.o, sc.datt.w())?;
             pair(Target::O, sc.dresidual.r(), a.att, sc.datt.w())?;
             let dqkv = dqkv(&mut sc.dq, &mut sc.dk, &mut sc.dv);
-            be.attention_backward(attn, a.qkv(mask), a.att, a.lse, sc.datt.r(), dqkv)?;
+            if self.attention_in_bf16(attn.batch * attn.seq) {
+                be.attention_backward_bf16(attn, a.qkv(mask), a.att, a.lse, sc.datt.r(), dqkv)?;
+            } else {
+                be.attention_backward(attn, a.qkv(mask), a.att, a.lse, sc.datt.r(), dqkv)?;
+            }
             be.rope_backward(sc.dq.w(), cos, sin, hq, d)?;
             be.rope_backward(sc.dk.w(), cos, sin, hkv, d)?;
             // The gradients of the q/k projections' outputs.

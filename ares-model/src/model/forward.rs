@@ -265,7 +265,7 @@ impl<B: Backend> Model<B> {
         be.rope(a.k.w()?, cos, sin, hkv, d)?;
         let (q, k, v) = (a.q.r()?, a.k.r()?, a.v.r()?);
         match cache {
-            None if self.attention_in_bf16(n) => {
+            None if self.attention_in_bf16(attn.batch * attn.seq) => {
                 be.attention_bf16(attn, qkv(q, k, v, mask), a.att.w()?, a.lse.w()?)?
             }
             None => be.attention(attn, qkv(q, k, v, mask), a.att.w()?, a.lse.w()?)?,

@@ -109,3 +109,47 @@ pub fn batch(name: &str, set: &str) -> Batch {
         coeffs,
     }
 }
+
+/// A Qwen3 checkpoint (explicit `head_dim`) with heads of `head_dim` features: its
+/// attention weights redrawn at that width (a fixed LCG, ±0.2, q/k norms 1), room for 256
+/// positions, everything else as loaded.
+pub fn with_head_dim(
+    mut ck: ares_model::hf::checkpoint::Checkpoint,
+    head_dim: usize,
+) -> ares_model::hf::checkpoint::Checkpoint {
+    use ares_model::hf::weights::Tensor;
+    ck.config.head_dim = head_dim;
+    ck.config.max_position_embeddings = ck.config.max_position_embeddings.max(256);
+    let (hidden, hq, hkv) = (
+        ck.config.hidden_size,
+        ck.config.num_attention_heads,
+        ck.config.num_key_value_heads,
+    );
+    let mut state = 777u64;
+    let mut draw = |shape: &[usize]| {
+        let data = (0..shape.iter().product::<usize>())
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.4
+            })
+            .collect();
+        Tensor {
+            shape: shape.to_vec(),
+            data,
+        }
+    };
+    for l in &mut ck.weights.layers {
+        l.q_proj = draw(&[hq * head_dim, hidden]);
+        l.k_proj = draw(&[hkv * head_dim, hidden]);
+        l.v_proj = draw(&[hkv * head_dim, hidden]);
+        l.o_proj = draw(&[hidden, hq * head_dim]);
+        l.q_norm = Some(Tensor {
+            shape: vec![head_dim],
+            data: vec![1.0; head_dim],
+        });
+        l.k_norm = l.q_norm.clone();
+    }
+    ck
+}
