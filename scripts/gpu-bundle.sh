@@ -69,6 +69,16 @@ cp scripts/torch_token_kernels.py scripts/bench_torch_gpu.py scripts/bench_torch
   scripts/bench_grpo_step.sh scripts/bench_torch_grpo_step.py examples/configs/bench_grpo_step.yaml \
   scripts/dp_check.sh "$dir/"
 
+# The kernels compiled for sm_90 (H100, H200) into the cache run.sh points at, so the GPU's
+# minutes are not spent in NVRTC (model_ops.cu alone takes ~20 s). The key holds NVRTC's
+# version: a GPU machine whose NVRTC differs in major.minor compiles them itself.
+echo "precompiling the kernels for sm_90…"
+nvrtc_lib=${ARES_NVRTC_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/ares/nvrtc-13.0.88}/nvidia/cu13/lib
+if ! LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ARES_KERNEL_CACHE="$dir/kernel-cache" \
+  cargo run --release -q -p ares-cuda --example precompile_kernels -- 90; then
+  echo "  not precompiled (no libnvrtc here; .ci/run installs it): the GPU run compiles them"
+fi
+
 # Symbols and debug info are most of the size (92 → 41 MB); the device tool carries at
 # most 64 MiB, the working tree included.
 strip --strip-all "$dir"/bin/*

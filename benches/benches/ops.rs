@@ -5,7 +5,8 @@
 
 use ares_benches::{centered_values as values, par_read_baseline_f32, read_baseline};
 use ares_cpu::ops::attention::{
-    AttentionGrads, AttentionInputs, AttentionShape, attention_backward, attention_forward,
+    AttentionGrads, AttentionInputs, AttentionShape, attention_backward, attention_backward_bf16,
+    attention_forward, attention_forward_bf16,
 };
 use ares_cpu::ops::matmul::{
     MatmulDims, linear_backward, linear_forward, linear_forward_t_in, transpose,
@@ -127,6 +128,22 @@ fn ops(c: &mut Criterion) {
                 dv: &mut dv,
             };
             attention_backward(&shape, inputs, &out, &lse, &out, grads).expect("bwd")
+        })
+    });
+    // the bf16 twin of the GPU's tensor-core kernels (what CPU bf16 training runs)
+    g.throughput(Throughput::Elements(attn_flops));
+    g.bench_function("forward_bf16", |b| {
+        b.iter(|| attention_forward_bf16(&shape, inputs, &mut out, &mut lse).expect("fwd"))
+    });
+    g.throughput(Throughput::Elements(2 * attn_flops));
+    g.bench_function("backward_bf16", |b| {
+        b.iter(|| {
+            let grads = AttentionGrads {
+                dq: &mut dq,
+                dk: &mut dk,
+                dv: &mut dv,
+            };
+            attention_backward_bf16(&shape, inputs, &out, &lse, &out, grads).expect("bwd")
         })
     });
     g.finish();

@@ -176,7 +176,9 @@ impl<B: Backend> Model<B> {
     /// How the linear layers and the LM head multiply from now on: exact f32 (the default),
     /// or operands rounded to TF32 or bf16 with f32 sums (what tensor cores do; see
     /// [`MatmulPrecision`]). Weights, activations, gradients and optimizer state stay f32
-    /// in every mode; attention, norms and the loss head are f32 too.
+    /// in every mode; norms and the loss head are f32 too, and attention is, except that a
+    /// bf16 training pass at a head size of the tensor-core kernels multiplies in bf16 as
+    /// well (`Backend::attention_bf16`, `Backend::attention_backward_bf16`).
     pub fn set_matmul_precision(&mut self, precision: MatmulPrecision) {
         self.matmul_precision = precision;
     }

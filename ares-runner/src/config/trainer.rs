@@ -183,7 +183,8 @@ pub struct TrainerConfig {
     pub device: Device,
     /// How the linear layers and the LM head multiply: `f32` (exact, default), `tf32` or
     /// `bf16` (operands rounded, f32 sums; weights, activations and optimizer state stay
-    /// f32). The speed-up is the GPU's; the CPU emulates the rounding, slightly slower.
+    /// f32). In bf16, training attention at head_dim 64, 80 or 128 runs on tensor cores
+    /// too. The speed-up is the GPU's; the CPU emulates the rounding, slightly slower.
     pub matmul_precision: MatmulPrecisionCfg,
     /// Seed of everything not seeded elsewhere (default 1).
     pub seed: u64,
