@@ -215,6 +215,30 @@ extern "C" __global__ void rmsnorm_fwd(const float* __restrict__ x, const float*
     }
 }
 
+// The residual add fused with the next RMSNorm: sum = a + b, then rmsnorm_fwd of sum — its
+// bits (each thread reads back only the sums it wrote). One block per row.
+extern "C" __global__ void add_rmsnorm_fwd(const float* __restrict__ a, const float* __restrict__ b,
+                                           const float* __restrict__ w, float eps, i64 rows,
+                                           i64 dim, float* __restrict__ sum,
+                                           float* __restrict__ out, float* __restrict__ rstd) {
+    __shared__ double sh[32];
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        float* sr = sum + row * dim;
+        double acc = 0.0;
+        for (i64 c = threadIdx.x; c < dim; c += blockDim.x) {
+            const float v = __fadd_rn(a[row * dim + c], b[row * dim + c]);
+            sr[c] = v;
+            acc += (double)__fmul_rn(v, v);
+        }
+        const double total = block_sum_d(acc, sh);
+        const float mean_sq = __fdiv_rn((float)total, (float)dim);
+        const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_sq, eps)));
+        float* o = out + row * dim;
+        for (i64 c = threadIdx.x; c < dim; c += blockDim.x) o[c] = __fmul_rn(w[c], __fmul_rn(sr[c], r));
+        if (threadIdx.x == 0) rstd[row] = r;
+    }
+}
+
 // dx[t, i] += r·(dy·w)[i] − c·x[t, i] with c = r³·Σⱼ fl32(dy·w)ⱼ·xⱼ / d (f64), per row.
 extern "C" __global__ void rmsnorm_bwd_dx(const float* __restrict__ dout, const float* __restrict__ x,
                                           const float* __restrict__ w, const float* __restrict__ rstd,

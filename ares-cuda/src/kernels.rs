@@ -114,6 +114,7 @@ kernel_table! {
         embedding_fwd: "embedding_fwd",
         embedding_bwd: "embedding_bwd",
         rmsnorm_fwd: "rmsnorm_fwd",
+        add_rmsnorm_fwd: "add_rmsnorm_fwd",
         rmsnorm_bwd_dx: "rmsnorm_bwd_dx",
         col_partials: "col_partials",
         col_reduce: "col_reduce",

@@ -801,6 +801,79 @@ fn rmsnorm_matches_cpu() {
         assert_close(&what("rmsnorm out"), &down(&gpu, &og), &oc, 1e-6);
         assert_close(&what("rmsnorm rstd"), &down(&gpu, &rg), &rc, 1e-6);
 
+        // The fused add + norm: on each backend the bits of its add then its norm.
+        let b = rng.vec(rows * dim, 3.0);
+        let db = up(&gpu, &b);
+        let mut gsum = gpu.alloc(rows * dim).unwrap();
+        gpu.add(
+            View::whole(&dx_),
+            View::whole(&db),
+            ViewMut::whole(&mut gsum),
+        )
+        .unwrap();
+        let (mut og2, mut rg2) = (gpu.alloc(rows * dim).unwrap(), gpu.alloc(rows).unwrap());
+        gpu.rmsnorm(
+            View::whole(&gsum),
+            View::whole(&dw_),
+            1e-6,
+            dim,
+            ViewMut::whole(&mut og2),
+            ViewMut::whole(&mut rg2),
+        )
+        .unwrap();
+        let mut fused = [
+            gpu.alloc(rows * dim).unwrap(),
+            gpu.alloc(rows * dim).unwrap(),
+            gpu.alloc(rows).unwrap(),
+        ];
+        let [fs, fo, fr] = &mut fused;
+        gpu.add_rmsnorm(
+            View::whole(&dx_),
+            View::whole(&db),
+            View::whole(&dw_),
+            1e-6,
+            dim,
+            ViewMut::whole(fs),
+            ViewMut::whole(fo),
+            ViewMut::whole(fr),
+        )
+        .unwrap();
+        assert_close(
+            &what("add_rmsnorm sum"),
+            &down(&gpu, fs),
+            &down(&gpu, &gsum),
+            0.0,
+        );
+        assert_close(
+            &what("add_rmsnorm out"),
+            &down(&gpu, fo),
+            &down(&gpu, &og2),
+            0.0,
+        );
+        assert_close(
+            &what("add_rmsnorm rstd"),
+            &down(&gpu, fr),
+            &down(&gpu, &rg2),
+            0.0,
+        );
+        let (mut cs, mut co2, mut cr2) = (
+            vec![0.0; rows * dim],
+            vec![0.0; rows * dim],
+            vec![0.0; rows],
+        );
+        cpu.add_rmsnorm(
+            View::whole(&x),
+            View::whole(&b),
+            View::whole(&w),
+            1e-6,
+            dim,
+            ViewMut::whole(&mut cs),
+            ViewMut::whole(&mut co2),
+            ViewMut::whole(&mut cr2),
+        )
+        .unwrap();
+        assert_close(&what("add_rmsnorm out vs CPU"), &down(&gpu, fo), &co2, 1e-6);
+
         let dy = rng.vec(rows * dim, 1.0);
         let (pdx, pdw) = (rng.vec(rows * dim, 1.0), rng.vec(dim, 1.0));
         let (mut gdx, mut gdw) = (up(&gpu, &pdx), up(&gpu, &pdw));

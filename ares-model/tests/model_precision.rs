@@ -268,6 +268,12 @@ fn stored_bf16_weights_are_what_the_bf16_products_read() {
         count("linear") + count("linear_backward") + count("round_bf16"),
         0
     );
+    // a layer's attention residual add and MLP norm run fused; its MLP add and the next
+    // norm (the next layer's, or the final one) do not
+    let layers = m.spec().layers;
+    assert_eq!(count("add_rmsnorm"), layers);
+    assert_eq!(count("add"), layers);
+    assert_eq!(count("rmsnorm"), layers + 1);
     opt.step(&mut m, &g, 1e-3, None).unwrap();
     // one rounding per copied stack: 7 kinds of projection and the (tied) head
     assert_eq!(

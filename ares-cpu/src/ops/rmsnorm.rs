@@ -146,40 +146,43 @@ pub fn rmsnorm_forward(
 }
 
 /// Residual add fused with the next RMSNorm (the pre-norm block boundary):
-/// `residual += delta`, then `out = rmsnorm(residual)` as in [`rmsnorm_forward`], `rstd`
-/// saved. The sum is rounded to f32 before normalising, as transformers does
-/// (`hidden = residual + hidden; norm(hidden)`), so `residual` afterwards is exactly the
-/// `x` to pass to [`rmsnorm_backward`].
+/// `sum = a + b`, then `out = rmsnorm(sum)` as in [`rmsnorm_forward`], `rstd` saved — the
+/// bits of an add followed by [`rmsnorm_forward`] (the sum is rounded to f32 before
+/// normalising, as transformers does: `hidden = residual + hidden; norm(hidden)`), in one
+/// pass over the rows. `sum` is the residual stream onward and the `x` of
+/// [`rmsnorm_backward`].
 ///
-/// Shapes: `residual`, `delta`, `out`: `[rows, d]`; `weight`: `[d]`; `rstd`: `[rows]`.
+/// Shapes: `a`, `b`, `sum`, `out`: `[rows, d]`; `weight`: `[d]`; `rstd`: `[rows]`.
 ///
 /// # Errors
-/// As [`rmsnorm_forward`], with `residual` as the row-count source and `delta` checked too.
+/// As [`rmsnorm_forward`], with `a` as the row-count source and `b`, `sum` checked too.
+#[allow(clippy::too_many_arguments)] // the two outputs of the norm and the sum
 pub fn add_rmsnorm_forward(
-    residual: &mut [f32],
-    delta: &[f32],
+    a: &[f32],
+    b: &[f32],
     weight: &[f32],
     eps: f32,
     d: usize,
+    sum: &mut [f32],
     out: &mut [f32],
     rstd: &mut [f32],
 ) -> Result<()> {
-    let rows = rows_of("residual", residual.len(), d)?;
-    check_len("delta", residual.len(), delta.len())?;
+    let rows = rows_of("a", a.len(), d)?;
+    check_len("b", a.len(), b.len())?;
     check_len("weight", d, weight.len())?;
-    check_len("out", residual.len(), out.len())?;
+    check_len("sum", a.len(), sum.len())?;
+    check_len("out", a.len(), out.len())?;
     check_len("rstd", rows, rstd.len())?;
     check_eps(eps)?;
-    residual
-        .par_chunks_exact_mut(d)
-        .zip(delta.par_chunks_exact(d))
+    sum.par_chunks_exact_mut(d)
+        .zip(a.par_chunks_exact(d).zip(b.par_chunks_exact(d)))
         .zip(out.par_chunks_exact_mut(d).zip(rstd.par_iter_mut()))
         .with_min_len(rows_per_task(d))
-        .for_each(|((hr, dr), (or, r))| {
-            for (h, &v) in hr.iter_mut().zip(dr) {
-                *h += v;
+        .for_each(|((sr, (ar, br)), (or, r))| {
+            for ((s, &x), &y) in sr.iter_mut().zip(ar).zip(br) {
+                *s = x + y;
             }
-            *r = norm_row(hr, weight, eps, or);
+            *r = norm_row(sr, weight, eps, or);
         });
     Ok(())
 }
@@ -331,15 +334,16 @@ mod tests {
     fn fused_add_matches_add_then_norm() {
         let mut rng = Rng(2);
         let (rows, d) = (7, 33);
-        let mut res = rng.vec(rows * d, 2.0);
+        let res = rng.vec(rows * d, 2.0);
         let delta = rng.vec(rows * d, 2.0);
         let w = rng.vec(d, 1.0);
         let summed: Vec<f32> = res.iter().zip(&delta).map(|(a, b)| a + b).collect();
         let (mut o1, mut r1) = (vec![0.0; rows * d], vec![0.0; rows]);
         rmsnorm_forward(&summed, &w, 1e-6, d, &mut o1, &mut r1).unwrap();
         let (mut o2, mut r2) = (vec![0.0; rows * d], vec![0.0; rows]);
-        add_rmsnorm_forward(&mut res, &delta, &w, 1e-6, d, &mut o2, &mut r2).unwrap();
-        assert_eq!(res, summed);
+        let mut sum = vec![f32::NAN; rows * d];
+        add_rmsnorm_forward(&res, &delta, &w, 1e-6, d, &mut sum, &mut o2, &mut r2).unwrap();
+        assert_eq!(sum, summed);
         assert_eq!(o1, o2);
         assert_eq!(r1, r2);
     }
@@ -501,11 +505,11 @@ mod tests {
         for eps in [0.0, -1.0, f32::NAN, f32::INFINITY] {
             assert!(rmsnorm_forward(&x, &w, eps, 3, &mut out, &mut rstd).is_err());
         }
-        let mut res = [0.0f32; 6];
+        let mut sum = [0.0f32; 6];
         assert_eq!(
-            add_rmsnorm_forward(&mut res, &x[..3], &w, 1e-6, 3, &mut out, &mut rstd),
+            add_rmsnorm_forward(&x, &x[..3], &w, 1e-6, 3, &mut sum, &mut out, &mut rstd),
             err(E::LengthMismatch {
-                what: "delta",
+                what: "b",
                 expected: 6,
                 actual: 3
             })

@@ -64,6 +64,54 @@ impl ModelOps {
         Ok(())
     }
 
+    /// The residual add fused with the next RMSNorm (twin of
+    /// `ares_cpu::ops::rmsnorm::add_rmsnorm_forward`): `sum = a + b`, then
+    /// [`ModelOps::rmsnorm`] of `sum` into `out` and `rstd` — the bits of [`ModelOps::add`]
+    /// followed by [`ModelOps::rmsnorm`], in one kernel.
+    ///
+    /// # Errors
+    /// As [`ModelOps::rmsnorm`]; `b` or `sum` not the length of `a`.
+    #[allow(clippy::too_many_arguments)] // the two outputs of the norm and the sum
+    pub fn add_rmsnorm(
+        &self,
+        a: &CudaView<'_, f32>,
+        b: &CudaView<'_, f32>,
+        weight: &CudaView<'_, f32>,
+        eps: f32,
+        dim: usize,
+        sum: &mut CudaViewMut<'_, f32>,
+        out: &mut CudaViewMut<'_, f32>,
+        rstd: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "add_rmsnorm";
+        let rows = rows_of(K, a.len(), dim)?;
+        check_len(K, "b", a.len(), b.len())?;
+        check_len(K, "weight", dim, weight.len())?;
+        check_len(K, "sum", a.len(), sum.len())?;
+        check_len(K, "out", a.len(), out.len())?;
+        check_len(K, "rstd", rows, rstd.len())?;
+        if !(eps.is_finite() && eps > 0.0) {
+            return Err(bad(K, format!("eps = {eps} must be finite and > 0")));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let (r64, d64) = (i64_of(K, "rows", rows)?, i64_of(K, "dim", dim)?);
+        let mut l = self.stream.launch_builder(&self.f.add_rmsnorm_fwd);
+        l.arg(a)
+            .arg(b)
+            .arg(weight)
+            .arg(&eps)
+            .arg(&r64)
+            .arg(&d64)
+            .arg(sum)
+            .arg(out)
+            .arg(rstd);
+        // SAFETY: argument order as `add_rmsnorm_fwd`; lengths checked above.
+        unsafe { l.launch(row_cfg(rows, ROW_BLOCK)) }.during(K)?;
+        Ok(())
+    }
+
     /// RMSNorm backward (twin of `ares_cpu::ops::rmsnorm::rmsnorm_backward`): with
     /// `g = dout·weight` and `r = rstd[t]`, `dx[t] += r·g − r³·x[t]·(g·x[t])/dim` and
     /// `dweight += Σ_t dout[t]·(x[t]·r)`; both **accumulate**. The weight gradient is a

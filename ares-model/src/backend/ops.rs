@@ -102,6 +102,23 @@ macro_rules! declared_ops {
                 rstd: Out<f32>,
             ) cpu ares_cpu::ops::rmsnorm::rmsnorm_forward, cuda rmsnorm;
 
+            /// The residual add fused with the next RMSNorm: `sum = a + b`, then
+            /// [`Backend::rmsnorm`] of `sum` into `out` and `rstd` — the bits of
+            /// [`Backend::add`] followed by [`Backend::rmsnorm`], in one pass (one kernel).
+            ///
+            /// # Errors
+            /// As [`Backend::rmsnorm`]; `b` or `sum` not the length of `a`.
+            fn add_rmsnorm(
+                a: In<f32>,
+                b: In<f32>,
+                weight: In<f32>,
+                eps: f32,
+                dim: usize,
+                sum: Out<f32>,
+                out: Out<f32>,
+                rstd: Out<f32>,
+            ) cpu ares_cpu::ops::rmsnorm::add_rmsnorm_forward, cuda add_rmsnorm;
+
             /// Rotary position embedding in place ("rotate_half" layout of Hugging Face) on `x`
             /// `[tokens, heads, head_dim]`, with per-token `cos`, `sin` `[tokens, head_dim/2]`.
             ///

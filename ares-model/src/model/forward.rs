@@ -273,10 +273,21 @@ impl<B: Backend> Model<B> {
         }
         self.matmul(a.att.r()?, p.o, a.att_proj.w()?)?;
         pair(Target::O, a.att.r()?, a.att_proj.w()?)?;
-        be.add(a.resid.input()?, a.att_proj.r()?, a.resid_mid.w()?)?;
+        // The residual add and the MLP block's norm, fused: the bits of add then rmsnorm.
+        let (ln2, eps) = (p.ln2, s.eps);
+        let (mid, ln2_out, ln2_rstd) = (a.resid_mid.w()?, a.ln2.w()?, a.ln2_rstd.w()?);
+        be.add_rmsnorm(
+            a.resid.input()?,
+            a.att_proj.r()?,
+            ln2.w,
+            eps,
+            ln2.dim,
+            mid,
+            ln2_out,
+            ln2_rstd,
+        )?;
 
         // MLP block.
-        self.rmsnorm(a.resid_mid.r()?, p.ln2, a.ln2.w()?, a.ln2_rstd.w()?)?;
         self.matmul(a.ln2.r()?, p.gate, a.gate.w()?)?;
         pair(Target::Gate, a.ln2.r()?, a.gate.w()?)?;
         self.matmul(a.ln2.r()?, p.up, a.up.w()?)?;
