@@ -15,7 +15,7 @@ use ares_cpu::ops::matmul_tiles::{
     linear_forward_t_bf16, linear_forward_t_tiles, pack_bf16_tiles, pack_f32_tiles,
 };
 use ares_cpu::ops::precision::MatmulPrecision;
-use ares_cpu::ops::rmsnorm::rmsnorm_forward;
+use ares_cpu::ops::rmsnorm::{add_rmsnorm_forward, rmsnorm_forward};
 use ares_cpu::ops::swiglu::swiglu_forward;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use std::hint::black_box;
@@ -160,6 +160,32 @@ fn ops(c: &mut Criterion) {
     g.bench_function("forward", |b| {
         b.iter(|| {
             rmsnorm_forward(&x, &weight, 1e-6, HIDDEN, &mut normed, &mut rstd).expect("rmsnorm")
+        })
+    });
+    // the residual add and the norm: two passes, or fused in one (the same bits)
+    let delta = values(x.len(), 9);
+    let mut sum = vec![0.0f32; x.len()];
+    g.bench_function("add_then_forward", |b| {
+        b.iter(|| {
+            for ((s, &a), &d) in sum.iter_mut().zip(&x).zip(&delta) {
+                *s = a + d;
+            }
+            rmsnorm_forward(&sum, &weight, 1e-6, HIDDEN, &mut normed, &mut rstd).expect("rmsnorm")
+        })
+    });
+    g.bench_function("add_rmsnorm", |b| {
+        b.iter(|| {
+            add_rmsnorm_forward(
+                &x,
+                &delta,
+                &weight,
+                1e-6,
+                HIDDEN,
+                &mut sum,
+                &mut normed,
+                &mut rstd,
+            )
+            .expect("add_rmsnorm")
         })
     });
     g.finish();
