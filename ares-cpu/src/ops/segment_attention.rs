@@ -196,13 +196,7 @@ pub fn segment_attention_forward(
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<()> {
-    let (q_len, lse_len) = shape.lens()?;
-    check_cu_seqlens(cu_seqlens, shape.tokens)?;
-    check_len("q", q_len, q.len())?;
-    check_len("k", q_len, k.len())?;
-    check_len("v", q_len, v.len())?;
-    check_len("out", q_len, out.len())?;
-    check_len("lse", lse_len, lse.len())?;
+    check_forward(shape, cu_seqlens, [q, k, v], out, lse)?;
     let (h, d, scale) = (shape.heads, shape.head_dim, shape.scale);
     let blocks = blocks(cu_seqlens);
     let outs = split_by_blocks(out, &blocks, h * d);
@@ -268,6 +262,135 @@ pub fn segment_attention_forward(
         })
 }
 
+/// The checks of a forward call.
+fn check_forward(
+    shape: &SegmentAttentionShape,
+    cu_seqlens: &[u32],
+    [q, k, v]: [&[f32]; 3],
+    out: &[f32],
+    lse: &[f32],
+) -> Result<()> {
+    let (q_len, lse_len) = shape.lens()?;
+    check_cu_seqlens(cu_seqlens, shape.tokens)?;
+    check_len("q", q_len, q.len())?;
+    check_len("k", q_len, k.len())?;
+    check_len("v", q_len, v.len())?;
+    check_len("out", q_len, out.len())?;
+    check_len("lse", lse_len, lse.len())
+}
+
+/// [`segment_attention_forward`] with bf16 operands, as the CUDA tensor-core kernel computes
+/// it (its twin): q, k, v rounded to bf16, keys in tiles of
+/// [`crate::ops::attention::tensor_core::KEY_TILE`] at multiples of it in token order (a
+/// tile reaching outside the query's segment counts only the keys inside), the online
+/// softmax and rounded probabilities of `attention::attention_forward_bf16`.
+///
+/// # Errors
+/// As [`segment_attention_forward`].
+pub fn segment_attention_forward_bf16(
+    shape: &SegmentAttentionShape,
+    cu_seqlens: &[u32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<()> {
+    use crate::ops::attention::tensor_core::{FRESH, KEY_TILE, finish_row, online_tile};
+    check_forward(shape, cu_seqlens, [q, k, v], out, lse)?;
+    let (h, d, scale) = (shape.heads, shape.head_dim, shape.scale);
+    let (q, k, v) = (bf16(q), bf16(k), bf16(v));
+    let (q, k, v) = (&*q, &*k, &*v);
+    let ones = [1.0f32; KEY_TILE];
+    let blocks = blocks(cu_seqlens);
+    let outs = split_by_blocks(out, &blocks, h * d);
+    let lses = split_by_blocks(lse, &blocks, h);
+    blocks
+        .into_par_iter()
+        .zip(outs)
+        .zip(lses)
+        .try_for_each_init(
+            || (Vec::new(), Vec::new()),
+            |(tile, state), ((b, o), l)| {
+                let rows = b.t1 - b.t0;
+                o.fill(0.0);
+                for hh in 0..h {
+                    state.clear();
+                    state.resize(rows, FRESH);
+                    for k0 in (b.s0 / KEY_TILE * KEY_TILE..b.s1).step_by(KEY_TILE) {
+                        let (ka, kz) = (k0.max(b.s0), (k0 + KEY_TILE).min(b.s1));
+                        let kn = kz - ka;
+                        tile.resize(rows * kn, 0.0);
+                        matmul_seq(
+                            MatmulDims {
+                                n: rows,
+                                k: d,
+                                m: kn,
+                            },
+                            MatRef {
+                                data: q,
+                                layout: head_rows(b.t0, h, d, hh),
+                            },
+                            MatRef {
+                                data: k,
+                                layout: head_rows(ka, h, d, hh).t(),
+                            },
+                            MatMut {
+                                data: tile,
+                                layout: MatLayout::row_major(rows, kn),
+                            },
+                            scale,
+                            0.0,
+                        )?;
+                        for (r, (row, st)) in
+                            tile.chunks_exact_mut(kn).zip(state.iter_mut()).enumerate()
+                        {
+                            let alpha = online_tile(row, &ones, kn, st);
+                            for x in o
+                                .get_mut((r * h + hh) * d..(r * h + hh + 1) * d)
+                                .into_iter()
+                                .flatten()
+                            {
+                                *x *= alpha;
+                            }
+                        }
+                        matmul_seq(
+                            MatmulDims {
+                                n: rows,
+                                k: kn,
+                                m: d,
+                            },
+                            MatRef {
+                                data: tile,
+                                layout: MatLayout::row_major(rows, kn),
+                            },
+                            MatRef {
+                                data: v,
+                                layout: head_rows(ka, h, d, hh),
+                            },
+                            MatMut {
+                                data: o,
+                                layout: head_rows(0, h, d, hh),
+                            },
+                            1.0,
+                            1.0,
+                        )?;
+                    }
+                    for (r, st) in state.iter().enumerate() {
+                        let o_row = o.get_mut((r * h + hh) * d..(r * h + hh + 1) * d);
+                        finish_row(st, o_row, l.get_mut(r * h + hh));
+                    }
+                }
+                Ok(())
+            },
+        )
+}
+
+/// `x` rounded to bf16 (a copy).
+fn bf16(x: &[f32]) -> std::borrow::Cow<'_, [f32]> {
+    crate::ops::precision::MatmulPrecision::Bf16.rounded(x)
+}
+
 /// What [`segment_attention_backward`] reads besides q, k and v.
 #[derive(Debug, Clone, Copy)]
 pub struct SegmentAttentionSaved<'a> {
@@ -299,6 +422,60 @@ pub fn segment_attention_backward(
     dk: &mut [f32],
     dv: &mut [f32],
 ) -> Result<()> {
+    backward_with(shape, cu_seqlens, [q, k, v], saved, [dq, dk, dv], false)
+}
+
+/// The backward of [`segment_attention_forward_bf16`] as the CUDA tensor-core kernels
+/// compute it (their twin): [`segment_attention_backward`] with q, k, v and `dout` rounded
+/// to bf16 (δ from the rounded `dout`), `p = e^(min(s − lse, 0))` by the kernels' `exp`, and
+/// `p` and `dS` rounded to bf16 for the products that take them; f32 sums.
+///
+/// # Errors
+/// As [`segment_attention_backward`].
+#[allow(clippy::too_many_arguments)]
+pub fn segment_attention_backward_bf16(
+    shape: &SegmentAttentionShape,
+    cu_seqlens: &[u32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    saved: SegmentAttentionSaved<'_>,
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+) -> Result<()> {
+    let (q, k, v, dout) = (bf16(q), bf16(k), bf16(v), bf16(saved.dout));
+    let saved = SegmentAttentionSaved {
+        dout: &dout,
+        ..saved
+    };
+    backward_with(shape, cu_seqlens, [&q, &k, &v], saved, [dq, dk, dv], true)
+}
+
+/// The backward in f32, or with the tensor-core kernels' bf16 rounding of `p` and `dS` (the
+/// caller rounds the inputs).
+fn backward_with(
+    shape: &SegmentAttentionShape,
+    cu_seqlens: &[u32],
+    [q, k, v]: [&[f32]; 3],
+    saved: SegmentAttentionSaved<'_>,
+    [dq, dk, dv]: [&mut [f32]; 3],
+    bf16: bool,
+) -> Result<()> {
+    let probs = |row: &mut [f32], lse: f32| {
+        if bf16 {
+            probs_row_portable::<false>(row, lse);
+        } else {
+            probs_row(row, lse);
+        }
+    };
+    let round = |x: &mut [f32]| {
+        if bf16 {
+            for x in x.iter_mut() {
+                *x = crate::ops::precision::MatmulPrecision::Bf16.round(*x);
+            }
+        }
+    };
     let (q_len, lse_len) = shape.lens()?;
     check_cu_seqlens(cu_seqlens, shape.tokens)?;
     let SegmentAttentionSaved { out, lse, dout } = saved;
@@ -378,9 +555,10 @@ pub fn segment_attention_backward(
                     .enumerate()
                 {
                     let at = (b.t0 + r) * h + hh;
-                    probs_row(p_row, lse.get(at).copied().unwrap_or(f32::NAN));
+                    probs(p_row, lse.get(at).copied().unwrap_or(f32::NAN));
                     ds_row(p_row, dp_row, delta.get(at).copied().unwrap_or(f32::NAN));
                 }
+                round(dp);
                 matmul_seq(
                     MatmulDims {
                         n: rows,
@@ -459,10 +637,17 @@ pub fn segment_attention_backward(
                     1.0,
                     0.0,
                 )?;
-                for (r, p_row) in p.chunks_exact_mut(cols).enumerate() {
+                for (r, (p_row, dp_row)) in p
+                    .chunks_exact_mut(cols)
+                    .zip(dp.chunks_exact_mut(cols))
+                    .enumerate()
+                {
                     let at = (b.s0 + r) * h + hh;
-                    probs_row(p_row, lse.get(at).copied().unwrap_or(f32::NAN));
+                    probs(p_row, lse.get(at).copied().unwrap_or(f32::NAN));
+                    ds_row(p_row, dp_row, delta.get(at).copied().unwrap_or(f32::NAN));
                 }
+                round(p);
+                round(dp);
                 let kv_out = head_rows(0, h, d, hh);
                 let back = MatmulDims {
                     n: cols,
@@ -486,14 +671,6 @@ pub fn segment_attention_backward(
                     1.0,
                     0.0,
                 )?;
-                for (r, (p_row, dp_row)) in p
-                    .chunks_exact_mut(cols)
-                    .zip(dp.chunks_exact_mut(cols))
-                    .enumerate()
-                {
-                    let at = (b.s0 + r) * h + hh;
-                    ds_row(p_row, dp_row, delta.get(at).copied().unwrap_or(f32::NAN));
-                }
                 matmul_seq(
                     back,
                     MatRef {
@@ -901,5 +1078,187 @@ mod tests {
         // No token at all.
         let empty = SegmentAttentionShape::new(0, 2, 2);
         assert!(segment_attention_forward(&empty, &[0], &[], &[], &[], &mut [], &mut []).is_ok());
+    }
+
+    /// The tensor-core kernels' arithmetic over segments in plain loops (the twin's
+    /// definition): `(out, lse, [dq, dk, dv])`.
+    #[allow(clippy::type_complexity)]
+    fn bf16_reference(
+        shape: &SegmentAttentionShape,
+        cu: &[u32],
+        [q, k, v]: [&[f32]; 3],
+        dout: &[f32],
+    ) -> (Vec<f32>, Vec<f32>, [Vec<f32>; 3]) {
+        use crate::ops::attention::tensor_core::KEY_TILE;
+        let r = |x: f32| crate::ops::precision::MatmulPrecision::Bf16.round(x);
+        let exp = |x: f32| crate::exp::exp_nonpositive::<false>(x);
+        let (h, d, scale) = (shape.heads, shape.head_dim, shape.scale);
+        let at = |t: usize, hh: usize| (t * h + hh) * d;
+        let dot = |a: &[f32], i: usize, b: &[f32], j: usize| {
+            (0..d).fold(0.0f32, |acc, e| acc + r(a[i + e]) * r(b[j + e]))
+        };
+        let mut out = vec![0.0f32; q.len()];
+        let mut lse = vec![0.0f32; shape.tokens * h];
+        for w in cu.windows(2) {
+            let (lo, hi) = (w[0] as usize, w[1] as usize);
+            for t in lo..hi {
+                for hh in 0..h {
+                    let (mut m, mut l) = (f32::NEG_INFINITY, 0.0f32);
+                    let mut o = vec![0.0f32; d];
+                    for k0 in (lo / KEY_TILE * KEY_TILE..hi).step_by(KEY_TILE) {
+                        let keys: Vec<usize> = (k0.max(lo)..(k0 + KEY_TILE).min(hi)).collect();
+                        let sc: Vec<f32> = keys
+                            .iter()
+                            .map(|&s| scale * dot(q, at(t, hh), k, at(s, hh)))
+                            .collect();
+                        let m_new = sc.iter().fold(m, |a, &b| a.max(b));
+                        let alpha = exp(m - m_new);
+                        let p: Vec<f32> = sc.iter().map(|&x| exp(x - m_new)).collect();
+                        l = l * alpha + p.iter().sum::<f32>();
+                        for (e, o) in o.iter_mut().enumerate() {
+                            let pv = keys
+                                .iter()
+                                .zip(&p)
+                                .fold(0.0f32, |a, (&s, &p)| a + r(p) * r(v[at(s, hh) + e]));
+                            *o = *o * alpha + pv;
+                        }
+                        m = m_new;
+                    }
+                    for (e, o) in o.iter().enumerate() {
+                        out[at(t, hh) + e] = o * (1.0 / l);
+                    }
+                    lse[t * h + hh] = m + l.ln();
+                }
+            }
+        }
+        let (mut dq, mut dk, mut dv) = (
+            vec![0.0f32; q.len()],
+            vec![0.0f32; q.len()],
+            vec![0.0f32; q.len()],
+        );
+        for w in cu.windows(2) {
+            let (lo, hi) = (w[0] as usize, w[1] as usize);
+            for t in lo..hi {
+                for hh in 0..h {
+                    let (qi, ls) = (at(t, hh), lse[t * h + hh]);
+                    let delta: f32 = (0..d).map(|e| r(dout[qi + e]) * out[qi + e]).sum();
+                    for s in lo..hi {
+                        let ki = at(s, hh);
+                        let p = exp((scale * dot(q, qi, k, ki) - ls).min(0.0));
+                        let ds = r(p * (dot(dout, qi, v, ki) - delta));
+                        for e in 0..d {
+                            dq[qi + e] += scale * ds * r(k[ki + e]);
+                            dk[ki + e] += scale * ds * r(q[qi + e]);
+                            dv[ki + e] += r(p) * r(dout[qi + e]);
+                        }
+                    }
+                }
+            }
+        }
+        (out, lse, [dq, dk, dv])
+    }
+
+    /// On dyadic operands every score and `dÕ·ṽ` is exact in any order, so the twin's GEMM
+    /// tiles and the plain loops round every probability and `dS` alike: lse to the bit,
+    /// the rest to f32 sum order. Segments cross tile boundaries (64, 128) and one is empty;
+    /// tiles not at multiples of 64, or unrounded `p` or `dS`, fail it.
+    #[test]
+    fn bf16_twin_is_the_kernels_arithmetic_over_segments() {
+        let shape = SegmentAttentionShape {
+            scale: 0.125,
+            ..SegmentAttentionShape::new(200, 2, 16)
+        };
+        let cu = [0u32, 50, 50, 180, 200];
+        let n = shape.tokens * shape.heads * shape.head_dim;
+        let mut rng = Rng(41);
+        let mut grid = |step: f32| -> Vec<f32> {
+            rng.vec(n, 1.0)
+                .iter()
+                .map(|x| (x * 4.0).round() / step)
+                .collect()
+        };
+        let (q, k, v, dout) = (grid(8.0), grid(8.0), grid(16.0), grid(16.0));
+        let (mut out, mut lse) = (
+            vec![f32::NAN; n],
+            vec![f32::NAN; shape.tokens * shape.heads],
+        );
+        segment_attention_forward_bf16(&shape, &cu, &q, &k, &v, &mut out, &mut lse).unwrap();
+        let (want_out, want_lse, want_grads) = bf16_reference(&shape, &cu, [&q, &k, &v], &dout);
+        for (i, (g, w)) in lse.iter().zip(&want_lse).enumerate() {
+            assert!(g.to_bits() == w.to_bits(), "lse[{i}]: {g} vs {w}");
+        }
+        for (i, (g, w)) in out.iter().zip(&want_out).enumerate() {
+            assert!((g - w).abs() <= 1e-5, "out[{i}]: {g} vs {w}");
+        }
+        let (mut dq, mut dk, mut dv) = (vec![f32::NAN; n], vec![f32::NAN; n], vec![f32::NAN; n]);
+        let saved = SegmentAttentionSaved {
+            out: &out,
+            lse: &lse,
+            dout: &dout,
+        };
+        segment_attention_backward_bf16(&shape, &cu, &q, &k, &v, saved, &mut dq, &mut dk, &mut dv)
+            .unwrap();
+        for (name, (g, w)) in ["dq", "dk", "dv"]
+            .iter()
+            .zip([&dq, &dk, &dv].into_iter().zip(&want_grads))
+        {
+            let scale = w.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+            for (i, (g, w)) in g.iter().zip(w).enumerate() {
+                assert!(
+                    (g - w).abs() <= 2e-6 * scale.max(1.0),
+                    "{name}[{i}]: {g} vs {w}"
+                );
+            }
+        }
+    }
+
+    /// Against exact f32 segment attention, forward and backward: bf16's differences.
+    #[test]
+    fn bf16_twin_is_f32_segment_attention_to_bf16_rounding() {
+        let shape = SegmentAttentionShape::new(150, 3, 16);
+        let cu = [0u32, 70, 150];
+        let n = shape.tokens * shape.heads * shape.head_dim;
+        let mut rng = Rng(42);
+        let (q, k, v, dout) = (
+            rng.vec(n, 2.0),
+            rng.vec(n, 2.0),
+            rng.vec(n, 1.0),
+            rng.vec(n, 1.0),
+        );
+        let lse_n = shape.tokens * shape.heads;
+        let run = |bf16: bool| {
+            let (mut out, mut lse) = (vec![0.0f32; n], vec![0.0f32; lse_n]);
+            let (mut dq, mut dk, mut dv) = (vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]);
+            let fwd = if bf16 {
+                segment_attention_forward_bf16
+            } else {
+                segment_attention_forward
+            };
+            fwd(&shape, &cu, &q, &k, &v, &mut out, &mut lse).unwrap();
+            let saved = SegmentAttentionSaved {
+                out: &out,
+                lse: &lse,
+                dout: &dout,
+            };
+            let bwd = if bf16 {
+                segment_attention_backward_bf16
+            } else {
+                segment_attention_backward
+            };
+            bwd(&shape, &cu, &q, &k, &v, saved, &mut dq, &mut dk, &mut dv).unwrap();
+            [out, dq, dk, dv]
+        };
+        let (got, want) = (run(true), run(false));
+        for (name, (g, w)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+            let scale = w.iter().fold(0.0f32, |a, x| a.max(x.abs()));
+            let worst = g
+                .iter()
+                .zip(w)
+                .fold(0.0f32, |a, (g, w)| a.max((g - w).abs()));
+            assert!(
+                worst > 0.0 && worst <= 3e-2 * scale,
+                "{name}: worst {worst} of {scale}"
+            );
+        }
     }
 }

@@ -41,7 +41,7 @@ fn head_rows(t0: usize, heads: usize, d: usize, h: usize) -> MatLayout {
 
 /// A row's softmax state across key tiles.
 #[derive(Debug, Clone, Copy)]
-struct RowState {
+pub(crate) struct RowState {
     /// Running max of the visible scores (−∞ before the first).
     max: f32,
     /// Running sum of `e^(s − max)`.
@@ -50,7 +50,7 @@ struct RowState {
     bad: bool,
 }
 
-const FRESH: RowState = RowState {
+pub(crate) const FRESH: RowState = RowState {
     max: f32::NEG_INFINITY,
     sum: 0.0,
     bad: false,
@@ -59,7 +59,7 @@ const FRESH: RowState = RowState {
 /// One tile of a row: `row` holds the tile's scores, keys `j < visible_by_position` with
 /// `mask[j] = 1` are visible. Updates `state`, turns `row` into `bf16(p)` (0 for keys not
 /// seen) and returns `α`, the factor of the row's output so far.
-fn online_tile(
+pub(crate) fn online_tile(
     row: &mut [f32],
     mask: &[f32],
     visible_by_position: usize,
@@ -97,6 +97,25 @@ fn online_tile(
     st.sum = st.sum * alpha + sum;
     st.max = max;
     alpha
+}
+
+/// The end of a row: `out = o·(1/l)` and `lse = m + ln l`; a row without a visible key 0
+/// and −∞, one with a non-finite visible score NaN.
+pub(crate) fn finish_row(st: &RowState, o_row: Option<&mut [f32]>, lse: Option<&mut f32>) {
+    let empty = st.max == f32::NEG_INFINITY;
+    let inv = if empty || st.bad { 0.0 } else { 1.0 / st.sum };
+    for x in o_row.into_iter().flatten() {
+        *x = if st.bad { f32::NAN } else { *x * inv };
+    }
+    if let Some(x) = lse {
+        *x = if st.bad {
+            f32::NAN
+        } else if empty {
+            f32::NEG_INFINITY
+        } else {
+            st.max + st.sum.ln()
+        };
+    }
 }
 
 /// Forward over rounded `inputs` (checked by the caller) with key validity `mask` `[B, T]`:
@@ -197,21 +216,8 @@ pub(super) fn forward(
                         )?;
                     }
                     for (r, st) in state.iter().enumerate() {
-                        let empty = st.max == f32::NEG_INFINITY;
-                        let inv = if empty || st.bad { 0.0 } else { 1.0 / st.sum };
                         let o_row = o.get_mut(r * q_tok + h * d..r * q_tok + (h + 1) * d);
-                        for x in o_row.into_iter().flatten() {
-                            *x = if st.bad { f32::NAN } else { *x * inv };
-                        }
-                        if let Some(x) = l.get_mut(r * hq + h) {
-                            *x = if st.bad {
-                                f32::NAN
-                            } else if empty {
-                                f32::NEG_INFINITY
-                            } else {
-                                st.max + st.sum.ln()
-                            };
-                        }
+                        finish_row(st, o_row, l.get_mut(r * hq + h));
                     }
                 }
                 Ok(())
