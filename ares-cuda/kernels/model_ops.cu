@@ -23,6 +23,7 @@
 #define ST_BAD_MASK 8u      // a key mask value other than 0 and 1
 #define ST_BAD_COEFF 16u    // a non-finite log-prob or entropy coefficient (or one overflowing)
 #define ST_BAD_GRAD 32u     // a non-finite gradient given to AdamW (the step was skipped)
+#define ST_BAD_SEGMENTS 64u // cu_seqlens not 0 first, decreasing, or not ending at tokens (as vision_ops.cu)
 
 typedef long long i64;
 
@@ -1145,7 +1146,35 @@ struct AttnArgs {
     i64 block_size, max_blocks, pool_blocks;
     const unsigned short* k16;  // paged in bf16: the pools as bf16 bits (k, v unused); else NULL
     const unsigned short* v16;
+    const unsigned* cu;         // segment attention (tensor-core kernels): [segments + 1] offsets
+    int segments;
 };
+
+// Segment attention on the tensor-core kernels (SEG): batch 1, q_seq = kv_seq = tokens,
+// hq = hkv = heads, and token t sees the keys of its segment [lo, hi) — vision_ops.cu's
+// segment_of and check_offsets over the same offsets.
+__device__ __forceinline__ void seg_bounds(const AttnArgs& a, i64 t, i64& lo, i64& hi) {
+    int l = 0, h = a.segments;
+    while (h - l > 1) {
+        const int m = (l + h) >> 1;
+        if ((i64)a.cu[m] <= t) l = m; else h = m;
+    }
+    lo = (i64)a.cu[l] < a.q_seq ? (i64)a.cu[l] : a.q_seq;
+    hi = (i64)a.cu[l + 1] < a.q_seq ? (i64)a.cu[l + 1] : a.q_seq;
+    if (hi < lo) hi = lo;
+}
+
+__device__ __forceinline__ void seg_check_offsets(const AttnArgs& a, unsigned* status) {
+    if (blockIdx.x != 0) return;
+    bool bad = false;
+    for (int i = threadIdx.x; i <= a.segments; i += blockDim.x) {
+        const unsigned c = a.cu[i];
+        if (i == 0 && c != 0u) bad = true;
+        if (i > 0 && c < a.cu[i - 1]) bad = true;
+        if (i == a.segments && (i64)c != a.q_seq) bad = true;
+    }
+    if (bad) atomicOr(status, ST_BAD_SEGMENTS);
+}
 
 // Slot of sequence b's first query.
 __device__ __forceinline__ i64 seq_pos0(const AttnArgs& a, i64 b) {
@@ -1389,7 +1418,7 @@ __device__ __forceinline__ void mma_bf16_16816(float c[4], const unsigned a[4], 
 #endif
 }
 
-template <int D>
+template <int D, bool SEG>
 __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __restrict__ out,
                                                        float* __restrict__ lse,
                                                        unsigned* __restrict__ status) {
@@ -1406,6 +1435,7 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
     const i64 tiles = (rows_bg + MMA_ROWS - 1) / MMA_ROWS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
+    if (SEG) seg_check_offsets(a, status);
 
     for (i64 blk = blockIdx.x; blk < a.batch * a.hkv * tiles; blk += gridDim.x) {
         const i64 tile = blk % tiles;
@@ -1414,9 +1444,10 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
         const i64 b = bg / a.hkv;
         const i64 row0 = tile * MMA_ROWS;
         const i64 pos0 = seq_pos0(a, b);
-        // This thread's two rows: gid and gid + 8 of its warp's 16.
+        // This thread's two rows: gid and gid + 8 of its warp's 16. Causal: a row sees the
+        // keys at or before qpos (and valid in the mask); SEG: those in [seg_lo, seg_hi).
         bool live[2];
-        i64 qpos[2], orow[2];
+        i64 qpos[2], orow[2], seg_lo[2], seg_hi[2];
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             const i64 r = row0 + 16 * warp + gid + 8 * i;
@@ -1425,6 +1456,10 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
             const int h = g * group + (int)(live[i] ? r % group : 0);
             orow[i] = (b * a.q_seq + t) * a.hq + h;
             qpos[i] = pos0 + t;
+            i64 lo = 0, hi = 0;
+            if (SEG && live[i]) seg_bounds(a, t, lo, hi);
+            seg_lo[i] = lo;
+            seg_hi[i] = hi;
         }
         // q as the A operand of q·kᵀ, k-step ks covering dims 16·ks .. 16·ks + 15.
         unsigned qa[KS][4];
@@ -1445,8 +1480,19 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
         }
         float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
         int bad[2] = {0, 0};
-        const i64 key_end = causal_key_end(pos0, row0 + MMA_ROWS - 1, rows_bg, group);
-        for (i64 kb = 0; kb < key_end; kb += MMA_KEYS) {
+        // Keys in tiles at multiples of MMA_KEYS: causal from 0 to the last row's position;
+        // SEG from the first row's segment start to the last row's segment end.
+        i64 key_begin = 0, key_end;
+        if (SEG) {
+            i64 lo, hi, lo2, hi2;
+            seg_bounds(a, row0, lo, hi);
+            seg_bounds(a, (row0 + MMA_ROWS - 1 < rows_bg ? row0 + MMA_ROWS : rows_bg) - 1, lo2, hi2);
+            key_begin = lo / MMA_KEYS * MMA_KEYS;
+            key_end = hi2;
+        } else {
+            key_end = causal_key_end(pos0, row0 + MMA_ROWS - 1, rows_bg, group);
+        }
+        for (i64 kb = key_begin; kb < key_end; kb += MMA_KEYS) {
             __syncthreads();
             for (int i = threadIdx.x; i < MMA_KEYS * D; i += blockDim.x) {
                 const int j = i / D, c = i - j * D;
@@ -1488,7 +1534,8 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int i = e / 2, j = 8 * nb + 2 * tig + e % 2;
-                    const bool vis = live[i] && kb + j <= qpos[i] && kvalid[j] != 0.0f;
+                    const bool vis = live[i] && kvalid[j] != 0.0f &&
+                                     (SEG ? kb + j >= seg_lo[i] && kb + j < seg_hi[i] : kb + j <= qpos[i]);
                     const float x = __fmul_rn(a.scale, s[nb][e]);
                     const bool fin = is_finite(x);
                     bad[i] |= vis && !fin;
@@ -1572,7 +1619,15 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
              float* lse, unsigned* status) {                                                  \
         AttnArgs a = {q, k, v, mask, batch, q_seq, kv_seq, pos0, hq, hkv, D, scale,           \
                       nullptr, nullptr, 0, 0, 0, nullptr, nullptr};                           \
-        attention_fwd_mma_impl<D>(a, out, lse, status);                                       \
+        attention_fwd_mma_impl<D, false>(a, out, lse, status);                                \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 1)                           \
+        segment_##NAME(const float* q, const float* k, const float* v, const unsigned* cu,    \
+                       int segments, i64 tokens, int heads, float scale, float* out,          \
+                       float* lse, unsigned* status) {                                        \
+        AttnArgs a = {q, k, v, nullptr, 1, tokens, tokens, 0, heads, heads, D, scale,         \
+                      nullptr, nullptr, 0, 0, 0, nullptr, nullptr, cu, segments};             \
+        attention_fwd_mma_impl<D, true>(a, out, lse, status);                                 \
     }
 
 ATTN_FWD_MMA(attention_fwd_mma_d64, 64)
@@ -1919,7 +1974,7 @@ extern "C" __global__ void attention_bwd_delta_bf16(const float* __restrict__ do
     }
 }
 
-template <int D>
+template <int D, bool SEG>
 __device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const float* __restrict__ lse,
                                                           const float* __restrict__ delta,
                                                           const float* __restrict__ dout,
@@ -1937,6 +1992,7 @@ __device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const floa
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
 
+    if (SEG) seg_check_offsets(a, status);
     for (i64 blk = blockIdx.x; blk < a.batch * a.hkv * tiles; blk += gridDim.x) {
         const i64 tile = blk % tiles;
         const i64 bg = blk / tiles;
@@ -1944,7 +2000,7 @@ __device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const floa
         const i64 b = bg / a.hkv;
         const i64 row0 = tile * MMA_ROWS;
         bool live[2];
-        i64 qpos[2], orow[2];
+        i64 qpos[2], orow[2], seg_lo[2], seg_hi[2];
         float row_lse[2], row_delta[2];
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -1954,6 +2010,10 @@ __device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const floa
             const int h = g * group + (int)(live[i] ? r % group : 0);
             orow[i] = (b * a.q_seq + t) * a.hq + h;
             qpos[i] = t;
+            i64 lo = 0, hi = 0;
+            if (SEG && live[i]) seg_bounds(a, t, lo, hi);
+            seg_lo[i] = lo;
+            seg_hi[i] = hi;
             row_lse[i] = live[i] ? lse[orow[i]] : NEG_INF;
             row_delta[i] = live[i] ? delta[orow[i]] : 0.0f;
         }
@@ -1975,8 +2035,17 @@ __device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const floa
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[nd][e] = 0.0f;
         }
-        const i64 key_end = causal_key_end(0, row0 + MMA_ROWS - 1, rows_bg, group);
-        for (i64 kb = 0; kb < key_end; kb += MMA_BWD_TILE) {
+        i64 key_begin = 0, key_end;
+        if (SEG) {
+            i64 lo, hi, lo2, hi2;
+            seg_bounds(a, row0, lo, hi);
+            seg_bounds(a, (row0 + MMA_ROWS - 1 < rows_bg ? row0 + MMA_ROWS : rows_bg) - 1, lo2, hi2);
+            key_begin = lo / MMA_BWD_TILE * MMA_BWD_TILE;
+            key_end = hi2;
+        } else {
+            key_end = causal_key_end(0, row0 + MMA_ROWS - 1, rows_bg, group);
+        }
+        for (i64 kb = key_begin; kb < key_end; kb += MMA_BWD_TILE) {
             __syncthreads();
             for (int i = threadIdx.x; i < MMA_BWD_TILE * D; i += blockDim.x) {
                 const int j = i / D, c = i - j * D;
@@ -2018,7 +2087,8 @@ __device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const floa
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int i = e / 2, j = 8 * nb + 2 * tig + e % 2;
-                    const bool vis = live[i] && kb + j <= qpos[i] && kvalid[j] != 0.0f;
+                    const bool vis = live[i] && kvalid[j] != 0.0f &&
+                                     (SEG ? kb + j >= seg_lo[i] && kb + j < seg_hi[i] : kb + j <= qpos[i]);
                     const float p = vis ? prob_bf16(__fmul_rn(a.scale, s[nb][e]), row_lse[i]) : 0.0f;
                     s[nb][e] = __fmul_rn(p, __fsub_rn(dp[nb][e], row_delta[i]));
                 }
@@ -2053,7 +2123,7 @@ __device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const floa
 // Dynamic shared memory of the dk/dv kernel at head size D (bf16 elements × 2 bytes):
 // keys and values of the block [MMA_ROWS][D + 8], q and dout of a row tile [tile][D + 8]
 // and transposed [D][tile + 8]. The host computes the same (`dkv_mma_smem`).
-template <int D>
+template <int D, bool SEG>
 __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const float* __restrict__ lse,
                                                            const float* __restrict__ delta,
                                                            const float* __restrict__ dout,
@@ -2071,12 +2141,14 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
     unsigned short* Ot = Qt + D * RP;             // [D][RP]
     __shared__ float kvalid[MMA_ROWS];
     __shared__ float row_lse[MMA_BWD_TILE], row_delta[MMA_BWD_TILE];
-    __shared__ i64 row_pos[MMA_BWD_TILE];
+    // A row sees key s iff s ≤ row_a (causal; −1 for no row) or row_a ≤ s < row_b (SEG).
+    __shared__ i64 row_a[MMA_BWD_TILE], row_b[MMA_BWD_TILE];
     const int group = a.hq / a.hkv;
     const i64 rows_bg = a.q_seq * group;
     const i64 tiles = (a.kv_seq + MMA_ROWS - 1) / MMA_ROWS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
+    if (SEG) seg_check_offsets(a, status);
 
     for (i64 blk = blockIdx.x; blk < a.batch * a.hkv * tiles; blk += gridDim.x) {
         const i64 tile = blk % tiles;
@@ -2107,8 +2179,17 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
 #pragma unroll
             for (int e = 0; e < 4; e++) adk[nd][e] = adv[nd][e] = 0.0f;
         }
-        // Only queries at or after the block's first key see it.
-        for (i64 rb = (kb0 * group / MMA_BWD_TILE) * MMA_BWD_TILE; rb < rows_bg; rb += MMA_BWD_TILE) {
+        // Causal: only queries at or after the block's first key see it; SEG: the queries of
+        // the segments of the block's keys.
+        i64 row_begin = kb0 * group, row_end = rows_bg;
+        if (SEG) {
+            i64 lo, hi, lo2, hi2;
+            seg_bounds(a, kb0, lo, hi);
+            seg_bounds(a, (kb0 + MMA_ROWS < a.kv_seq ? kb0 + MMA_ROWS : a.kv_seq) - 1, lo2, hi2);
+            row_begin = lo;
+            row_end = hi2;
+        }
+        for (i64 rb = row_begin / MMA_BWD_TILE * MMA_BWD_TILE; rb < row_end; rb += MMA_BWD_TILE) {
             __syncthreads();
             for (int i = threadIdx.x; i < MMA_BWD_TILE * D; i += blockDim.x) {
                 const int rr = i / D, c = i - rr * D;
@@ -2131,7 +2212,13 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
                 const i64 at = in ? (b * a.q_seq + r / group) * a.hq + g * group + r % group : 0;
                 row_lse[threadIdx.x] = in ? lse[at] : NEG_INF;
                 row_delta[threadIdx.x] = in ? delta[at] : 0.0f;
-                row_pos[threadIdx.x] = in ? r / group : -1;
+                i64 ra = in ? r / group : -1, rbnd = 0;
+                if (SEG) {
+                    if (in) seg_bounds(a, r, ra, rbnd);
+                    else ra = 1;  // [1, 0): sees nothing
+                }
+                row_a[threadIdx.x] = ra;
+                row_b[threadIdx.x] = rbnd;
             }
             __syncthreads();
             float st[NB][4], dpt[NB][4];
@@ -2164,8 +2251,9 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int kl = 16 * warp + gid + 8 * (e / 2), rr = 8 * nb + 2 * tig + e % 2;
-                    const i64 pos = row_pos[rr];
-                    const bool vis = pos >= 0 && kb0 + kl <= pos && kvalid[kl] != 0.0f;
+                    const i64 s_key = kb0 + kl, ra = row_a[rr];
+                    const bool vis = kvalid[kl] != 0.0f &&
+                                     (SEG ? s_key >= ra && s_key < row_b[rr] : ra >= 0 && s_key <= ra);
                     const float p = vis ? prob_bf16(__fmul_rn(a.scale, st[nb][e]), row_lse[rr]) : 0.0f;
                     dpt[nb][e] = __fmul_rn(p, __fsub_rn(dpt[nb][e], row_delta[rr]));
                     st[nb][e] = p;
@@ -2215,7 +2303,7 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
                                   float scale, const float* lse, const float* delta,           \
                                   const float* dout, float* dq, unsigned* status) {            \
         AttnArgs a = {q, k, v, mask, batch, seq, seq, 0, hq, hkv, D, scale};                   \
-        attention_bwd_dq_mma_impl<D>(a, lse, delta, dout, dq, status);                         \
+        attention_bwd_dq_mma_impl<D, false>(a, lse, delta, dout, dq, status);                  \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                               \
         attention_bwd_dkv_mma_d##D(const float* q, const float* k, const float* v,             \
@@ -2223,7 +2311,27 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
                                    int d, float scale, const float* lse, const float* delta,   \
                                    const float* dout, float* dk, float* dv, unsigned* status) { \
         AttnArgs a = {q, k, v, mask, batch, seq, seq, 0, hq, hkv, D, scale};                   \
-        attention_bwd_dkv_mma_impl<D>(a, lse, delta, dout, dk, dv, status);                    \
+        attention_bwd_dkv_mma_impl<D, false>(a, lse, delta, dout, dk, dv, status);             \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                               \
+        segment_attention_bwd_dq_mma_d##D(const float* q, const float* k, const float* v,      \
+                                          const unsigned* cu, int segments, i64 tokens,        \
+                                          int heads, float scale, const float* lse,            \
+                                          const float* delta, const float* dout, float* dq,    \
+                                          unsigned* status) {                                  \
+        AttnArgs a = {q, k, v, nullptr, 1, tokens, tokens, 0, heads, heads, D, scale,          \
+                      nullptr, nullptr, 0, 0, 0, nullptr, nullptr, cu, segments};              \
+        attention_bwd_dq_mma_impl<D, true>(a, lse, delta, dout, dq, status);                   \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                               \
+        segment_attention_bwd_dkv_mma_d##D(const float* q, const float* k, const float* v,     \
+                                           const unsigned* cu, int segments, i64 tokens,       \
+                                           int heads, float scale, const float* lse,           \
+                                           const float* delta, const float* dout, float* dk,   \
+                                           float* dv, unsigned* status) {                      \
+        AttnArgs a = {q, k, v, nullptr, 1, tokens, tokens, 0, heads, heads, D, scale,          \
+                      nullptr, nullptr, 0, 0, 0, nullptr, nullptr, cu, segments};              \
+        attention_bwd_dkv_mma_impl<D, true>(a, lse, delta, dout, dk, dv, status);              \
     }
 
 ATTN_BWD_MMA(64)

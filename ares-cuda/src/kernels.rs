@@ -163,6 +163,22 @@ kernel_table! {
             "attention_bwd_dkv_mma_d80",
             "attention_bwd_dkv_mma_d128"
         ],
+        /// The same kernels over cu_seqlens segments (the vision tower), per head size.
+        segment_fwd_mma: [
+            "segment_attention_fwd_mma_d64",
+            "segment_attention_fwd_mma_d80",
+            "segment_attention_fwd_mma_d128"
+        ],
+        segment_bwd_dq_mma: [
+            "segment_attention_bwd_dq_mma_d64",
+            "segment_attention_bwd_dq_mma_d80",
+            "segment_attention_bwd_dq_mma_d128"
+        ],
+        segment_bwd_dkv_mma: [
+            "segment_attention_bwd_dkv_mma_d64",
+            "segment_attention_bwd_dkv_mma_d80",
+            "segment_attention_bwd_dkv_mma_d128"
+        ],
         attention_bwd_dq: [
             "attention_bwd_dq_d64",
             "attention_bwd_dq_d128",

@@ -2975,6 +2975,116 @@ fn activations_match_cpu() {
 /// query/key tiles and tiles spanning segment boundaries, both head-size classes (16 and
 /// Qwen2-VL's 80); attention tolerance 1e-4. Offsets that are not cu_seqlens are reported
 /// at the next waiting call; a wrong count is an error before launch.
+/// The tensor-core kernels over segments against their CPU twin (bounds as
+/// `tensor_core_attention_matches_its_cpu_twin`): empty segments, segments crossing the
+/// 64-key tiles, head sizes 64, 80 and 128.
+#[test]
+fn tensor_core_segment_attention_matches_its_cpu_twin() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(34);
+    for (cu, heads, d) in [
+        (vec![0u32, 0, 5, 5, 75, 76, 206, 206], 3usize, 64usize),
+        (vec![0u32, 64, 128, 192, 256, 300], 2, 80),
+        (vec![0u32, 130], 2, 128),
+    ] {
+        let tokens = *cu.last().unwrap() as usize;
+        let dims = SegmentAttentionDims::new(tokens, cu.len() - 1, heads, d);
+        let what = |op: &str| format!("{op} t{tokens} h{heads} d{d}");
+        let (n, ln) = (tokens * heads * d, tokens * heads);
+        let (q, k, v, dout) = (
+            rng.vec(n, 2.0),
+            rng.vec(n, 2.0),
+            rng.vec(n, 1.0),
+            rng.vec(n, 1.0),
+        );
+        let (gq, gk, gv, gcu) = (up(&gpu, &q), up(&gpu, &k), up(&gpu, &v), up_ids(&gpu, &cu));
+        let (mut go, mut gl) = (up(&gpu, &vec![f32::NAN; n]), up(&gpu, &vec![f32::NAN; ln]));
+        gpu.segment_attention_bf16(
+            dims,
+            &gcu,
+            View::whole(&gq),
+            View::whole(&gk),
+            View::whole(&gv),
+            ViewMut::whole(&mut go),
+            ViewMut::whole(&mut gl),
+        )
+        .unwrap();
+        let (mut co, mut cl) = (vec![0.0; n], vec![0.0; ln]);
+        cpu.segment_attention_bf16(
+            dims,
+            &cu,
+            View::whole(&q),
+            View::whole(&k),
+            View::whole(&v),
+            ViewMut::whole(&mut co),
+            ViewMut::whole(&mut cl),
+        )
+        .unwrap();
+        let mut outputs = vec![(what("bf16 segment out"), down(&gpu, &go), co.clone())];
+        let lse = down(&gpu, &gl);
+        for (i, (g, c)) in lse.iter().zip(&cl).enumerate() {
+            assert!(
+                (g - c).abs() <= 1e-5 * c.abs().max(1.0),
+                "{}: lse[{i}] {g} vs {c}",
+                what("bf16 segment")
+            );
+        }
+        let (mut gdq, mut gdk, mut gdv) = (
+            up(&gpu, &vec![f32::NAN; n]),
+            up(&gpu, &vec![f32::NAN; n]),
+            up(&gpu, &vec![f32::NAN; n]),
+        );
+        gpu.segment_attention_backward_bf16(
+            dims,
+            &gcu,
+            View::whole(&gq),
+            View::whole(&gk),
+            View::whole(&gv),
+            View::whole(&go),
+            View::whole(&gl),
+            View::whole(&up(&gpu, &dout)),
+            ViewMut::whole(&mut gdq),
+            ViewMut::whole(&mut gdk),
+            ViewMut::whole(&mut gdv),
+        )
+        .unwrap();
+        let (mut cdq, mut cdk, mut cdv) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+        cpu.segment_attention_backward_bf16(
+            dims,
+            &cu,
+            View::whole(&q),
+            View::whole(&k),
+            View::whole(&v),
+            View::whole(&co),
+            View::whole(&cl),
+            View::whole(&dout),
+            ViewMut::whole(&mut cdq),
+            ViewMut::whole(&mut cdk),
+            ViewMut::whole(&mut cdv),
+        )
+        .unwrap();
+        for (name, g, c) in [("dq", &gdq, cdq), ("dk", &gdk, cdk), ("dv", &gdv, cdv)] {
+            outputs.push((what(&format!("bf16 segment {name}")), down(&gpu, g), c));
+        }
+        for (label, got, want) in outputs {
+            let scale = want.iter().fold(0.0f32, |a, x| a.max(x.abs())).max(1e-6);
+            let (mut near, mut worst) = (0usize, 0.0f32);
+            for (x, y) in got.iter().zip(&want) {
+                let e = (x - y).abs();
+                worst = worst.max(if e.is_nan() { f32::INFINITY } else { e });
+                near += usize::from(e <= 1e-4 * scale);
+            }
+            assert!(worst <= 5e-3 * scale, "{label}: worst {worst} of {scale}");
+            assert!(
+                near * 100 >= 99 * got.len(),
+                "{label}: {near} of {}",
+                got.len()
+            );
+        }
+    }
+}
+
 #[test]
 fn segment_attention_matches_cpu() {
     let Some(gpu) = gpu_or_skip() else { return };

@@ -370,3 +370,84 @@ fn bf16_attention_runs_on_the_tensor_core_twin() {
         );
     }
 }
+
+/// The vision tower in bf16 at a head size of the tensor-core kernels (64; windows of 64
+/// patches and one full-attention block over 256): every block's segment attention runs
+/// through `segment_attention_bf16` and its backward `segment_attention_backward_bf16` (the
+/// kernels' CPU twins), and the output and the gradients stay within bf16 of f32.
+#[test]
+fn bf16_tower_attention_runs_on_the_tensor_core_twin() {
+    use ares_model::backend::Counting;
+    use ares_model::vision::config::{VisionConfig, VisionMlp, VlKind};
+    use ares_model::vision::tower::{VisionPlan, VisionTower};
+    use ares_model::vision::weights::VisionWeights;
+    let cfg = VisionConfig {
+        kind: VlKind::Qwen25Vl,
+        depth: 2,
+        hidden: 128,
+        heads: 2,
+        head_dim: 64,
+        intermediate: 96,
+        mlp: VisionMlp::SwiGlu,
+        out_hidden: 48,
+        patch_size: 14,
+        temporal_patch_size: 2,
+        spatial_merge_size: 2,
+        in_channels: 3,
+        window_size: 112,
+        fullatt_block_indexes: vec![1],
+        tokens_per_second: 2.0,
+        rope_theta: 10_000.0,
+    };
+    let be = Counting::new(CpuBackend);
+    let weights = VisionWeights::random(&cfg, 0.1, 5);
+    let plan = VisionPlan::new(&cfg, &[[1, 16, 16]]).unwrap();
+    let pixels: Vec<f32> = (0..plan.patches * cfg.patch_dim())
+        .map(|i| ((i * 7919 % 2000) as f32 / 1000.0) - 1.0)
+        .collect();
+    let dout: Vec<f32> = (0..plan.units * cfg.out_hidden)
+        .map(|i| ((i * 104_729 % 2000) as f32 / 2000.0) - 0.5)
+        .collect();
+    let run = |precision: MatmulPrecision| {
+        let mut tower = VisionTower::new(&be, &cfg, &weights).unwrap();
+        tower.set_matmul_precision(precision);
+        let mut acts = tower.activations(&be, plan.clone(), true).unwrap();
+        let mut grads = tower.zero_grads(&be).unwrap();
+        let mut d = be.alloc(dout.len()).unwrap();
+        be.upload(&dout, ViewMut::whole(&mut d)).unwrap();
+        be.take();
+        tower.forward(&be, &pixels, &mut acts).unwrap();
+        tower
+            .backward(&be, &mut acts, View::whole(&d), &mut grads)
+            .unwrap();
+        let calls = be.take().calls;
+        let mut out = vec![0.0f32; plan.units * cfg.out_hidden];
+        be.download(acts.output(), &mut out).unwrap();
+        let g: Vec<Vec<f32>> = grads
+            .iter()
+            .map(|(_, b)| {
+                let mut h = vec![0.0f32; b.len()];
+                be.download(View::whole(b), &mut h).unwrap();
+                h
+            })
+            .collect();
+        (out, g, calls)
+    };
+    let (out32, g32, calls32) = run(MatmulPrecision::F32);
+    let (out16, g16, calls16) = run(MatmulPrecision::Bf16);
+    let count = |calls: &[&str], op: &str| calls.iter().filter(|&&c| c == op).count();
+    assert_eq!(count(&calls32, "segment_attention"), 2);
+    assert_eq!(count(&calls32, "segment_attention_bf16"), 0);
+    assert_eq!(count(&calls16, "segment_attention_bf16"), 2);
+    assert_eq!(count(&calls16, "segment_attention_backward_bf16"), 2);
+    assert_eq!(
+        count(&calls16, "segment_attention") + count(&calls16, "segment_attention_backward"),
+        0
+    );
+    let out_err = rel_err(&out16, &out32);
+    assert!(out_err > 0.0 && out_err < 5e-2, "tower output: {out_err:e}");
+    for (i, (a, b)) in g16.iter().zip(&g32).enumerate() {
+        let err = rel_err(a, b);
+        assert!(err < 1e-1, "gradient {i}: {err:e}");
+    }
+}

@@ -29,8 +29,8 @@ pub const MAX_HEAD_DIM: usize = 256;
 pub const BF16_HEAD_DIMS: [usize; 3] = [64, 80, 128];
 /// Warps per block and query rows per block of the tensor-core forward (`MMA_WARPS`,
 /// `MMA_ROWS` in `model_ops.cu`: 16 rows a warp).
-const MMA_WARPS: usize = 4;
-const MMA_ROWS: usize = 64;
+pub(super) const MMA_WARPS: usize = 4;
+pub(super) const MMA_ROWS: usize = 64;
 /// Opt-in limit above which a kernel must be allowed more dynamic shared memory.
 const DEFAULT_SMEM: usize = 48 * 1024;
 
@@ -249,7 +249,7 @@ impl AttentionShape {
 
 /// The launch of a row-tiled attention kernel: `units` tiles per (sequence, kv head),
 /// `smem` bytes of dynamic shared memory (raising the kernel's limit past 48 KiB).
-fn attention_cfg(
+pub(super) fn attention_cfg(
     ops: &ModelOps,
     k: &'static str,
     func: &CudaFunction,
@@ -323,7 +323,7 @@ const MMA_BWD_TILE: usize = 32;
 /// Bytes of dynamic shared memory of the tensor-core dk/dv kernel at head size `d`: the
 /// block's keys and values `[MMA_ROWS][d + 8]`, a row tile's q and dout `[tile][d + 8]` and
 /// transposed `[d][tile + 8]`, all bf16.
-fn dkv_mma_smem(d: usize) -> usize {
+pub(super) fn dkv_mma_smem(d: usize) -> usize {
     2 * (2 * MMA_ROWS * (d + 8) + 2 * MMA_BWD_TILE * (d + 8) + 2 * d * (MMA_BWD_TILE + 8))
 }
 
@@ -607,12 +607,16 @@ impl ModelOps {
     /// The index of `shape.head_dim` in [`BF16_HEAD_DIMS`], on a device with bf16
     /// `mma.sync`; else the error naming what is missing.
     fn tensor_core_variant(&self, k: &'static str, shape: &AttentionShape) -> Result<usize> {
-        let Some(variant) = BF16_HEAD_DIMS.iter().position(|&d| d == shape.head_dim) else {
+        self.tensor_core_head(k, shape.head_dim)
+    }
+
+    /// [`ModelOps::tensor_core_variant`] of a head size.
+    pub(super) fn tensor_core_head(&self, k: &'static str, head_dim: usize) -> Result<usize> {
+        let Some(variant) = BF16_HEAD_DIMS.iter().position(|&d| d == head_dim) else {
             return Err(bad(
                 k,
                 format!(
-                    "head_dim = {}: the tensor-core attention takes {BF16_HEAD_DIMS:?}",
-                    shape.head_dim
+                    "head_dim = {head_dim}: the tensor-core attention takes {BF16_HEAD_DIMS:?}"
                 ),
             ));
         };

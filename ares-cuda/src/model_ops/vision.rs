@@ -3,7 +3,9 @@
 //! `cu_seqlens` segments, and the row scatter of image embeddings. Twins of
 //! `ares_cpu::ops::{layer_norm, activation, segment_attention, scatter}`.
 
-use super::attention::{AttentionGradsMut, AttentionSaved};
+use super::attention::{
+    AttentionGradsMut, AttentionSaved, MMA_ROWS, MMA_WARPS, attention_cfg, dkv_mma_smem,
+};
 use super::{ModelOps, bad, check_len, element_cfg, grid, i32_of, i64_of, mul, row_cfg, scratch};
 use crate::error::{DriverContext, Result};
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
@@ -173,6 +175,22 @@ fn seg_blocks(k: &'static str, shape: &SegmentAttentionShape, rows: usize) -> Re
         shape.heads,
         shape.tokens.div_ceil(rows),
     )
+}
+
+/// The launch of a tensor-core segment kernel: four warps, a block per 64 tokens of a head,
+/// `smem` bytes of dynamic shared memory (raising the kernel's limit past 48 KiB).
+fn mma_cfg(
+    ops: &ModelOps,
+    k: &'static str,
+    func: &cudarc::driver::CudaFunction,
+    shape: &SegmentAttentionShape,
+    smem: usize,
+) -> Result<LaunchConfig> {
+    let blocks = seg_blocks(k, shape, MMA_ROWS)?;
+    Ok(LaunchConfig {
+        block_dim: ((MMA_WARPS * 32) as u32, 1, 1),
+        ..attention_cfg(ops, k, func, blocks, smem)?
+    })
 }
 
 /// Bytes of dynamic shared memory: two `[KT, d + 1]` tiles and `row_buffers` `[rows, d]`
@@ -489,6 +507,149 @@ impl ModelOps {
         // SAFETY: argument order as the `SEG_FWD` kernels; lengths checked above, offsets
         // clamped by the kernel; grid and shared memory match the variant.
         unsafe { l.launch(cfg) }.during(K)?;
+        Ok(())
+    }
+
+    /// [`ModelOps::segment_attention`] on tensor cores (twin of
+    /// `ares_cpu::ops::segment_attention::segment_attention_forward_bf16`): the kernels of
+    /// [`ModelOps::attention_bf16`] over the segments — q, k, v and each 64-key tile's
+    /// probabilities rounded to bf16, f32 sums and softmax state. Head sizes 64, 80, 128;
+    /// compute capability 8.0 or later.
+    ///
+    /// # Errors
+    /// As [`ModelOps::segment_attention`]; another head size; an older device.
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments, in its order
+    pub fn segment_attention_bf16(
+        &self,
+        shape: SegmentAttentionShape,
+        cu_seqlens: &CudaView<'_, u32>,
+        q: &CudaView<'_, f32>,
+        k: &CudaView<'_, f32>,
+        v: &CudaView<'_, f32>,
+        out: &mut CudaViewMut<'_, f32>,
+        lse: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "segment_attention_bf16";
+        let dims = shape.dims(K, cu_seqlens.len())?;
+        let variant = self.tensor_core_head(K, shape.head_dim)?;
+        check_len(K, "q", dims.q_len, q.len())?;
+        check_len(K, "k", dims.q_len, k.len())?;
+        check_len(K, "v", dims.q_len, v.len())?;
+        check_len(K, "out", dims.q_len, out.len())?;
+        check_len(K, "lse", dims.lse_len, lse.len())?;
+        if dims.q_len == 0 {
+            return Ok(());
+        }
+        let func = &self.f.segment_fwd_mma[variant];
+        let cfg = mma_cfg(self, K, func, &shape, 0)?;
+        let tokens = i64_of(K, "tokens", shape.tokens)?;
+        let mut state = self.lock();
+        let mut l = self.stream.launch_builder(func);
+        l.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(cu_seqlens)
+            .arg(&dims.segments)
+            .arg(&tokens)
+            .arg(&dims.heads)
+            .arg(&shape.scale)
+            .arg(out)
+            .arg(lse)
+            .arg(&mut state.status);
+        // SAFETY: argument order as `ATTN_FWD_MMA`'s segment kernel; lengths checked above,
+        // offsets clamped by the kernel; the head size is the variant's.
+        unsafe { l.launch(cfg) }.during(K)?;
+        Ok(())
+    }
+
+    /// Backward of [`ModelOps::segment_attention_bf16`] on tensor cores (twin of
+    /// `ares_cpu::ops::segment_attention::segment_attention_backward_bf16`): the kernels of
+    /// [`ModelOps::attention_backward_bf16`] over the segments. **Overwrites** the gradients.
+    ///
+    /// # Errors
+    /// As [`ModelOps::segment_attention_backward`]; as [`ModelOps::segment_attention_bf16`].
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments, in its order
+    pub fn segment_attention_backward_bf16<'v>(
+        &self,
+        shape: SegmentAttentionShape,
+        cu_seqlens: &CudaView<'_, u32>,
+        q: &CudaView<'_, f32>,
+        k: &CudaView<'_, f32>,
+        v: &CudaView<'_, f32>,
+        out: &CudaView<'_, f32>,
+        lse: &CudaView<'_, f32>,
+        dout: &CudaView<'_, f32>,
+        dq: &mut CudaViewMut<'v, f32>,
+        dk: &mut CudaViewMut<'v, f32>,
+        dv: &mut CudaViewMut<'v, f32>,
+    ) -> Result<()> {
+        const K: &str = "segment_attention_backward_bf16";
+        let dims = shape.dims(K, cu_seqlens.len())?;
+        let variant = self.tensor_core_head(K, shape.head_dim)?;
+        check_len(K, "q", dims.q_len, q.len())?;
+        check_len(K, "k", dims.q_len, k.len())?;
+        check_len(K, "v", dims.q_len, v.len())?;
+        check_len(K, "out", dims.q_len, out.len())?;
+        check_len(K, "lse", dims.lse_len, lse.len())?;
+        check_len(K, "dout", dims.q_len, dout.len())?;
+        check_len(K, "dq", dims.q_len, dq.len())?;
+        check_len(K, "dk", dims.q_len, dk.len())?;
+        check_len(K, "dv", dims.q_len, dv.len())?;
+        if dims.q_len == 0 {
+            return Ok(());
+        }
+        let rows64 = i64_of(K, "lse rows", dims.lse_len)?;
+        let tokens = i64_of(K, "tokens", shape.tokens)?;
+        let dq_func = &self.f.segment_bwd_dq_mma[variant];
+        let dkv_func = &self.f.segment_bwd_dkv_mma[variant];
+        let dq_cfg = mma_cfg(self, K, dq_func, &shape, 0)?;
+        let dkv_cfg = mma_cfg(self, K, dkv_func, &shape, dkv_mma_smem(shape.head_dim))?;
+        let mut guard = self.lock();
+        let state = &mut *guard;
+        let mut delta = scratch(&mut state.scratch, &self.stream, dims.lse_len)?;
+        {
+            // δ = Σ bf16(dout)·out per (token, head) row (model_ops.cu).
+            let mut l = self.stream.launch_builder(&self.f.attention_bwd_delta_bf16);
+            l.arg(dout)
+                .arg(out)
+                .arg(&rows64)
+                .arg(&dims.d)
+                .arg(&mut delta);
+            let cfg = LaunchConfig {
+                grid_dim: (grid(dims.lse_len.div_ceil(WARPS)), 1, 1),
+                block_dim: ((WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument order as `attention_bwd_delta_bf16`; dout/out hold rows × d,
+            // delta rows.
+            unsafe { l.launch(cfg) }.during(format!("{K}: delta"))?;
+        }
+        let delta = delta.as_view();
+        let status = &mut state.status;
+        for (func, cfg, grads) in [
+            (dq_func, dq_cfg, [Some(&mut *dq), None]),
+            (dkv_func, dkv_cfg, [Some(&mut *dk), Some(&mut *dv)]),
+        ] {
+            let mut l = self.stream.launch_builder(func);
+            l.arg(q)
+                .arg(k)
+                .arg(v)
+                .arg(cu_seqlens)
+                .arg(&dims.segments)
+                .arg(&tokens)
+                .arg(&dims.heads)
+                .arg(&shape.scale)
+                .arg(lse)
+                .arg(&delta)
+                .arg(dout);
+            for g in grads.into_iter().flatten() {
+                l.arg(g);
+            }
+            l.arg(&mut *status);
+            // SAFETY: argument order as `ATTN_BWD_MMA`'s segment kernels (dq: one gradient,
+            // dk/dv: two); lengths checked above, dynamic shared memory as `dkv_mma_smem`.
+            unsafe { l.launch(cfg) }.during(format!("{K}: gradients"))?;
+        }
         Ok(())
     }
 

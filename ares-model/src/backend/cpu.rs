@@ -501,6 +501,40 @@ mod kernels {
         )
     }
 
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments, in its order
+    pub(super) fn segment_attention_backward_bf16(
+        dims: SegmentAttentionDims,
+        cu_seqlens: &[u32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &[f32],
+        lse: &[f32],
+        dout: &[f32],
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+    ) -> Result {
+        let shape = segment_shape(dims, cu_seqlens)?;
+        let saved = segment_attention::SegmentAttentionSaved { out, lse, dout };
+        segment_attention::segment_attention_backward_bf16(
+            &shape, cu_seqlens, q, k, v, saved, dq, dk, dv,
+        )
+    }
+
+    pub(super) fn segment_attention_bf16(
+        dims: SegmentAttentionDims,
+        cu_seqlens: &[u32],
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        out: &mut [f32],
+        lse: &mut [f32],
+    ) -> Result {
+        let shape = segment_shape(dims, cu_seqlens)?;
+        segment_attention::segment_attention_forward_bf16(&shape, cu_seqlens, q, k, v, out, lse)
+    }
+
     pub(super) fn linear_transposed_bf16(
         x: &[f32],
         wt: &[u16],

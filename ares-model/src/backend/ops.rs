@@ -670,6 +670,45 @@ macro_rules! declared_ops {
                 dk: Out<f32>,
                 dv: Out<f32>,
             ) cpu kernels::segment_attention_backward, cuda segment_attention_backward;
+
+            /// [`Backend::segment_attention`] on tensor cores (bf16 operands, f32 sums and
+            /// softmax state; on the CPU the kernels' twin
+            /// `ares_cpu::ops::segment_attention::segment_attention_forward_bf16`), as
+            /// [`Backend::attention_bf16`] over segments; keys in tiles at multiples of 64.
+            /// Head sizes of `ares_cpu::ops::attention::BF16_HEAD_DIMS`.
+            ///
+            /// # Errors
+            /// As [`Backend::segment_attention`]; on CUDA as [`Backend::attention_bf16`].
+            fn segment_attention_bf16(
+                dims: SegmentAttentionDims,
+                cu_seqlens: In<u32>,
+                q: In<f32>,
+                k: In<f32>,
+                v: In<f32>,
+                out: Out<f32>,
+                lse: Out<f32>,
+            ) cpu kernels::segment_attention_bf16, cuda segment_attention_bf16;
+
+            /// Backward of [`Backend::segment_attention_bf16`] (on the CPU the twin
+            /// `segment_attention_backward_bf16`), as [`Backend::attention_backward_bf16`];
+            /// **overwrites** `dq`, `dk`, `dv`.
+            ///
+            /// # Errors
+            /// As [`Backend::segment_attention_backward`]; on CUDA as
+            /// [`Backend::attention_bf16`].
+            fn segment_attention_backward_bf16(
+                dims: SegmentAttentionDims,
+                cu_seqlens: In<u32>,
+                q: In<f32>,
+                k: In<f32>,
+                v: In<f32>,
+                out: In<f32>,
+                lse: In<f32>,
+                dout: In<f32>,
+                dq: Out<f32>,
+                dk: Out<f32>,
+                dv: Out<f32>,
+            ) cpu kernels::segment_attention_backward_bf16, cuda segment_attention_backward_bf16;
         }
     };
 }

@@ -601,6 +601,14 @@ impl<B: Backend> VisionTower<B> {
         })
     }
 
+    /// Whether segment attention of `dims` runs on the tensor-core kernels (and their CPU
+    /// twin): bf16 at these tokens (≥ 64) and a head size they take — as the decoder's
+    /// `Model::attention_in_bf16`.
+    fn attention_in_bf16(&self, dims: &SegmentAttentionDims) -> bool {
+        self.precision.for_rows(dims.tokens) == MatmulPrecision::Bf16
+            && ares_cpu::ops::attention::BF16_HEAD_DIMS.contains(&dims.head_dim)
+    }
+
     fn dims(&self, rows: usize, in_features: usize, out_features: usize) -> LinearDims {
         LinearDims {
             rows,
@@ -816,7 +824,13 @@ impl<B: Backend> VisionTower<B> {
         } else {
             (seg_window, &a.cu_window)
         };
-        be.segment_attention(
+        let attend = if self.attention_in_bf16(&dims) {
+            B::segment_attention_bf16
+        } else {
+            B::segment_attention
+        };
+        attend(
+            be,
             dims,
             cu,
             View::item(&a.q, s, nc)?,
@@ -1203,7 +1217,13 @@ impl<B: Backend> VisionTower<B> {
             } else {
                 (seg_window, &a.cu_window)
             };
-            be.segment_attention_backward(
+            let attend_backward = if self.attention_in_bf16(&dims) {
+                B::segment_attention_backward_bf16
+            } else {
+                B::segment_attention_backward
+            };
+            attend_backward(
+                be,
                 dims,
                 cu,
                 View::item(&a.q, s, nc)?,
