@@ -1418,6 +1418,83 @@ __device__ __forceinline__ void mma_bf16_16816(float c[4], const unsigned a[4], 
 #endif
 }
 
+// acc[nd] += rnd(C)·B over the 16-column k-steps of a score tile held as NB 8-column C
+// fragments (the next product's A operand: blocks 2·kk and 2·kk + 1 are k-step kk, rounded
+// to bf16), B read from a [n][k] bf16 array `bt` of row pitch `pitch` (n = 8·nd + gid).
+template <int NB, int ND>
+__device__ __forceinline__ void mma_from_scores(float (&acc)[ND][4], const float (&c)[NB][4],
+                                                const unsigned short* bt, int pitch, int gid,
+                                                int tig) {
+#pragma unroll
+    for (int kk = 0; kk < NB / 2; kk++) {
+        unsigned pa[4];
+        pa[0] = pack_bf16x2(c[2 * kk][0], c[2 * kk][1]);
+        pa[1] = pack_bf16x2(c[2 * kk][2], c[2 * kk][3]);
+        pa[2] = pack_bf16x2(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+        pa[3] = pack_bf16x2(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+#pragma unroll
+        for (int nd = 0; nd < ND; nd++) {
+            const unsigned short* bp = bt + (8 * nd + gid) * pitch + 16 * kk + 2 * tig;
+            mma_bf16_16816(acc[nd], pa, *(const unsigned*)bp, *(const unsigned*)(bp + 8));
+        }
+    }
+}
+
+// The two rows of a thread in a block of 64 query rows (gid and gid + 8 of its warp's 16):
+// live, output row, position (causal) and segment (SEG).
+struct MmaRows {
+    bool live[2];
+    i64 qpos[2], orow[2], seg_lo[2], seg_hi[2];
+};
+
+template <bool SEG>
+__device__ __forceinline__ MmaRows mma_rows(const AttnArgs& a, i64 b, int g, i64 row0, i64 pos0,
+                                            int warp, int gid) {
+    const int group = a.hq / a.hkv;
+    const i64 rows_bg = a.q_seq * group;
+    MmaRows m;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const i64 r = row0 + 16 * warp + gid + 8 * i;
+        m.live[i] = r < rows_bg;
+        const i64 t = m.live[i] ? r / group : 0;
+        const int h = g * group + (int)(m.live[i] ? r % group : 0);
+        m.orow[i] = (b * a.q_seq + t) * a.hq + h;
+        m.qpos[i] = pos0 + t;
+        i64 lo = 0, hi = 0;
+        if (SEG && m.live[i]) seg_bounds(a, t, lo, hi);
+        m.seg_lo[i] = lo;
+        m.seg_hi[i] = hi;
+    }
+    return m;
+}
+
+// Whether row i of `m` sees key s (valid in the key tile's mask).
+template <bool SEG>
+__device__ __forceinline__ bool mma_visible(const MmaRows& m, int i, i64 s, float valid) {
+    return m.live[i] && valid != 0.0f && (SEG ? s >= m.seg_lo[i] && s < m.seg_hi[i] : s <= m.qpos[i]);
+}
+
+// The keys a block of query rows from row0 walks, in tiles of TILE at multiples of TILE:
+// causal from 0 to its last row's position; SEG from its first row's segment start to its
+// last row's segment end.
+template <bool SEG, int TILE>
+__device__ __forceinline__ void mma_key_range(const AttnArgs& a, i64 row0, i64 pos0, i64& begin,
+                                              i64& end) {
+    const int group = a.hq / a.hkv;
+    const i64 rows_bg = a.q_seq * group;
+    if (SEG) {
+        i64 lo, hi, lo2, hi2;
+        seg_bounds(a, row0, lo, hi);
+        seg_bounds(a, (row0 + MMA_ROWS < rows_bg ? row0 + MMA_ROWS : rows_bg) - 1, lo2, hi2);
+        begin = lo / TILE * TILE;
+        end = hi2;
+    } else {
+        begin = 0;
+        end = causal_key_end(pos0, row0 + MMA_ROWS - 1, rows_bg, group);
+    }
+}
+
 template <int D, bool SEG>
 __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __restrict__ out,
                                                        float* __restrict__ lse,
@@ -1444,23 +1521,7 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
         const i64 b = bg / a.hkv;
         const i64 row0 = tile * MMA_ROWS;
         const i64 pos0 = seq_pos0(a, b);
-        // This thread's two rows: gid and gid + 8 of its warp's 16. Causal: a row sees the
-        // keys at or before qpos (and valid in the mask); SEG: those in [seg_lo, seg_hi).
-        bool live[2];
-        i64 qpos[2], orow[2], seg_lo[2], seg_hi[2];
-#pragma unroll
-        for (int i = 0; i < 2; i++) {
-            const i64 r = row0 + 16 * warp + gid + 8 * i;
-            live[i] = r < rows_bg;
-            const i64 t = live[i] ? r / group : 0;
-            const int h = g * group + (int)(live[i] ? r % group : 0);
-            orow[i] = (b * a.q_seq + t) * a.hq + h;
-            qpos[i] = pos0 + t;
-            i64 lo = 0, hi = 0;
-            if (SEG && live[i]) seg_bounds(a, t, lo, hi);
-            seg_lo[i] = lo;
-            seg_hi[i] = hi;
-        }
+        const MmaRows rw = mma_rows<SEG>(a, b, g, row0, pos0, warp, gid);
         // q as the A operand of q·kᵀ, k-step ks covering dims 16·ks .. 16·ks + 15.
         unsigned qa[KS][4];
 #pragma unroll
@@ -1468,8 +1529,8 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int row = i % 2, col = 16 * ks + 8 * (i / 2) + 2 * tig;
-                const float* src = a.q + orow[row] * D + col;
-                qa[ks][i] = live[row] ? pack_bf16x2(src[0], src[1]) : 0u;
+                const float* src = a.q + rw.orow[row] * D + col;
+                qa[ks][i] = rw.live[row] ? pack_bf16x2(src[0], src[1]) : 0u;
             }
         }
         float o[ND][4];
@@ -1480,18 +1541,8 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
         }
         float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
         int bad[2] = {0, 0};
-        // Keys in tiles at multiples of MMA_KEYS: causal from 0 to the last row's position;
-        // SEG from the first row's segment start to the last row's segment end.
-        i64 key_begin = 0, key_end;
-        if (SEG) {
-            i64 lo, hi, lo2, hi2;
-            seg_bounds(a, row0, lo, hi);
-            seg_bounds(a, (row0 + MMA_ROWS - 1 < rows_bg ? row0 + MMA_ROWS : rows_bg) - 1, lo2, hi2);
-            key_begin = lo / MMA_KEYS * MMA_KEYS;
-            key_end = hi2;
-        } else {
-            key_end = causal_key_end(pos0, row0 + MMA_ROWS - 1, rows_bg, group);
-        }
+        i64 key_begin, key_end;
+        mma_key_range<SEG, MMA_KEYS>(a, row0, pos0, key_begin, key_end);
         for (i64 kb = key_begin; kb < key_end; kb += MMA_KEYS) {
             __syncthreads();
             for (int i = threadIdx.x; i < MMA_KEYS * D; i += blockDim.x) {
@@ -1534,8 +1585,7 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int i = e / 2, j = 8 * nb + 2 * tig + e % 2;
-                    const bool vis = live[i] && kvalid[j] != 0.0f &&
-                                     (SEG ? kb + j >= seg_lo[i] && kb + j < seg_hi[i] : kb + j <= qpos[i]);
+                    const bool vis = mma_visible<SEG>(rw, i, kb + j, kvalid[j]);
                     const float x = __fmul_rn(a.scale, s[nb][e]);
                     const bool fin = is_finite(x);
                     bad[i] |= vis && !fin;
@@ -1570,21 +1620,8 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
 #pragma unroll
                 for (int e = 0; e < 4; e++) o[nd][e] = __fmul_rn(o[nd][e], alpha[e / 2]);
             }
-            // P·V: the score registers of 8-key blocks 2·kk and 2·kk + 1 are the A operand
-            // of k-step kk (keys 16·kk .. 16·kk + 15).
-#pragma unroll
-            for (int kk = 0; kk < MMA_KEYS / 16; kk++) {
-                unsigned pa[4];
-                pa[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
-                pa[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
-                pa[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                pa[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-                for (int nd = 0; nd < ND; nd++) {
-                    const unsigned short* vp = Vt + (8 * nd + gid) * VP + 16 * kk + 2 * tig;
-                    mma_bf16_16816(o[nd], pa, *(const unsigned*)vp, *(const unsigned*)(vp + 8));
-                }
-            }
+            // P·V, the probabilities straight from the score registers.
+            mma_from_scores<NB, ND>(o, s, Vt, VP, gid, tig);
         }
         // A row's sum and flag are spread over its quad.
 #pragma unroll
@@ -1596,10 +1633,10 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
         }
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            if (!live[i]) continue;
+            if (!rw.live[i]) continue;
             const bool empty = m[i] == NEG_INF;
             const float inv = empty || bad[i] ? 0.0f : __fdiv_rn(1.0f, l[i]);
-            float* dst = out + orow[i] * D;
+            float* dst = out + rw.orow[i] * D;
 #pragma unroll
             for (int nd = 0; nd < ND; nd++) {
 #pragma unroll
@@ -1607,13 +1644,13 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
                     dst[8 * nd + 2 * tig + e] = bad[i] ? NAN_F : __fmul_rn(o[nd][2 * i + e], inv);
                 }
             }
-            if (lse && tig == 0) lse[orow[i]] = bad[i] ? NAN_F : empty ? NEG_INF : m[i] + logf(l[i]);
+            if (lse && tig == 0) lse[rw.orow[i]] = bad[i] ? NAN_F : empty ? NEG_INF : m[i] + logf(l[i]);
         }
     }
 }
 
 #define ATTN_FWD_MMA(NAME, D)                                                                 \
-    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                              \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 1)                           \
         NAME(const float* q, const float* k, const float* v, const float* mask, i64 batch,    \
              i64 q_seq, i64 kv_seq, i64 pos0, int hq, int hkv, float scale, float* out,        \
              float* lse, unsigned* status) {                                                  \
@@ -1999,23 +2036,12 @@ __device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const floa
         const int g = (int)(bg % a.hkv);
         const i64 b = bg / a.hkv;
         const i64 row0 = tile * MMA_ROWS;
-        bool live[2];
-        i64 qpos[2], orow[2], seg_lo[2], seg_hi[2];
+        const MmaRows rw = mma_rows<SEG>(a, b, g, row0, 0, warp, gid);
         float row_lse[2], row_delta[2];
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            const i64 r = row0 + 16 * warp + gid + 8 * i;
-            live[i] = r < rows_bg;
-            const i64 t = live[i] ? r / group : 0;
-            const int h = g * group + (int)(live[i] ? r % group : 0);
-            orow[i] = (b * a.q_seq + t) * a.hq + h;
-            qpos[i] = t;
-            i64 lo = 0, hi = 0;
-            if (SEG && live[i]) seg_bounds(a, t, lo, hi);
-            seg_lo[i] = lo;
-            seg_hi[i] = hi;
-            row_lse[i] = live[i] ? lse[orow[i]] : NEG_INF;
-            row_delta[i] = live[i] ? delta[orow[i]] : 0.0f;
+            row_lse[i] = rw.live[i] ? lse[rw.orow[i]] : NEG_INF;
+            row_delta[i] = rw.live[i] ? delta[rw.orow[i]] : 0.0f;
         }
         // q and dout as A operands, k-step ks covering dims 16·ks .. 16·ks + 15.
         unsigned qa[KS][4], da[KS][4];
@@ -2024,9 +2050,9 @@ __device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const floa
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int row = i % 2, col = 16 * ks + 8 * (i / 2) + 2 * tig;
-                const i64 at = orow[row] * D + col;
-                qa[ks][i] = live[row] ? pack_bf16x2(a.q[at], a.q[at + 1]) : 0u;
-                da[ks][i] = live[row] ? pack_bf16x2(dout[at], dout[at + 1]) : 0u;
+                const i64 at = rw.orow[row] * D + col;
+                qa[ks][i] = rw.live[row] ? pack_bf16x2(a.q[at], a.q[at + 1]) : 0u;
+                da[ks][i] = rw.live[row] ? pack_bf16x2(dout[at], dout[at + 1]) : 0u;
             }
         }
         float acc[ND][4];
@@ -2035,16 +2061,8 @@ __device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const floa
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[nd][e] = 0.0f;
         }
-        i64 key_begin = 0, key_end;
-        if (SEG) {
-            i64 lo, hi, lo2, hi2;
-            seg_bounds(a, row0, lo, hi);
-            seg_bounds(a, (row0 + MMA_ROWS - 1 < rows_bg ? row0 + MMA_ROWS : rows_bg) - 1, lo2, hi2);
-            key_begin = lo / MMA_BWD_TILE * MMA_BWD_TILE;
-            key_end = hi2;
-        } else {
-            key_end = causal_key_end(0, row0 + MMA_ROWS - 1, rows_bg, group);
-        }
+        i64 key_begin, key_end;
+        mma_key_range<SEG, MMA_BWD_TILE>(a, row0, 0, key_begin, key_end);
         for (i64 kb = key_begin; kb < key_end; kb += MMA_BWD_TILE) {
             __syncthreads();
             for (int i = threadIdx.x; i < MMA_BWD_TILE * D; i += blockDim.x) {
@@ -2087,30 +2105,18 @@ __device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const floa
 #pragma unroll
                 for (int e = 0; e < 4; e++) {
                     const int i = e / 2, j = 8 * nb + 2 * tig + e % 2;
-                    const bool vis = live[i] && kvalid[j] != 0.0f &&
-                                     (SEG ? kb + j >= seg_lo[i] && kb + j < seg_hi[i] : kb + j <= qpos[i]);
+                    const bool vis = mma_visible<SEG>(rw, i, kb + j, kvalid[j]);
                     const float p = vis ? prob_bf16(__fmul_rn(a.scale, s[nb][e]), row_lse[i]) : 0.0f;
                     s[nb][e] = __fmul_rn(p, __fsub_rn(dp[nb][e], row_delta[i]));
                 }
             }
-#pragma unroll
-            for (int kk = 0; kk < MMA_BWD_TILE / 16; kk++) {
-                unsigned pa[4];
-                pa[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
-                pa[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
-                pa[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                pa[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-#pragma unroll
-                for (int nd = 0; nd < ND; nd++) {
-                    const unsigned short* tp = Kt + (8 * nd + gid) * TP + 16 * kk + 2 * tig;
-                    mma_bf16_16816(acc[nd], pa, *(const unsigned*)tp, *(const unsigned*)(tp + 8));
-                }
-            }
+            // dQ += dS·k, dS straight from the score registers.
+            mma_from_scores<NB, ND>(acc, s, Kt, TP, gid, tig);
         }
 #pragma unroll
         for (int i = 0; i < 2; i++) {
-            if (!live[i]) continue;
-            float* dst = dq + orow[i] * D;
+            if (!rw.live[i]) continue;
+            float* dst = dq + rw.orow[i] * D;
 #pragma unroll
             for (int nd = 0; nd < ND; nd++) {
 #pragma unroll
@@ -2259,25 +2265,9 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
                     st[nb][e] = p;
                 }
             }
-#pragma unroll
-            for (int kk = 0; kk < MMA_BWD_TILE / 16; kk++) {
-                unsigned pa[4], sa[4];
-                pa[0] = pack_bf16x2(st[2 * kk][0], st[2 * kk][1]);
-                pa[1] = pack_bf16x2(st[2 * kk][2], st[2 * kk][3]);
-                pa[2] = pack_bf16x2(st[2 * kk + 1][0], st[2 * kk + 1][1]);
-                pa[3] = pack_bf16x2(st[2 * kk + 1][2], st[2 * kk + 1][3]);
-                sa[0] = pack_bf16x2(dpt[2 * kk][0], dpt[2 * kk][1]);
-                sa[1] = pack_bf16x2(dpt[2 * kk][2], dpt[2 * kk][3]);
-                sa[2] = pack_bf16x2(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
-                sa[3] = pack_bf16x2(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
-#pragma unroll
-                for (int nd = 0; nd < ND; nd++) {
-                    const unsigned short* op = Ot + (8 * nd + gid) * RP + 16 * kk + 2 * tig;
-                    mma_bf16_16816(adv[nd], pa, *(const unsigned*)op, *(const unsigned*)(op + 8));
-                    const unsigned short* qp = Qt + (8 * nd + gid) * RP + 16 * kk + 2 * tig;
-                    mma_bf16_16816(adk[nd], sa, *(const unsigned*)qp, *(const unsigned*)(qp + 8));
-                }
-            }
+            // dV += pᵀ·dout and dK += dSᵀ·q, both straight from the score registers.
+            mma_from_scores<NB, ND>(adv, st, Ot, RP, gid, tig);
+            mma_from_scores<NB, ND>(adk, dpt, Qt, RP, gid, tig);
         }
 #pragma unroll
         for (int i = 0; i < 2; i++) {

@@ -186,10 +186,10 @@ mod tests {
                 }
             }
         }
-        // Probabilities in the score registers, then P·V with
-        // `pa[0] = pack(s[2kk][0], s[2kk][1])`, `pa[1] = pack(s[2kk][2], s[2kk][3])`,
-        // `pa[2] = pack(s[2kk+1][0], s[2kk+1][1])`, `pa[3] = pack(s[2kk+1][2], s[2kk+1][3])`
-        // and `Vt + (8 * nd + gid) * VP + 16 * kk + 2 * tig`.
+        // Probabilities in the score registers, then P·V as `mma_from_scores(o, s, Vt, VP)`:
+        // `pa[0] = pack(c[2kk][0], c[2kk][1])`, `pa[1] = pack(c[2kk][2], c[2kk][3])`,
+        // `pa[2] = pack(c[2kk+1][0], c[2kk+1][1])`, `pa[3] = pack(c[2kk+1][2], c[2kk+1][3])`
+        // and B at `bt + (8 * nd + gid) * pitch + 16 * kk + 2 * tig`.
         let p = |row: usize, j: usize| value(20_000 + row * KEYS + j).abs() / 4.0;
         for (nb, acc) in s.iter_mut().enumerate() {
             for (lane, regs) in acc.iter_mut().enumerate() {
@@ -369,12 +369,14 @@ mod tests {
             "Ks + (8 * nb + gid) * KP + 16 * ks + 2 * tig;",
             "mma_bf16_16816(s[nb], qa[ks], *(const unsigned*)kp, *(const unsigned*)(kp + 8));",
             "const int i = e / 2, j = 8 * nb + 2 * tig + e % 2;",
-            "pa[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);",
-            "pa[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);",
-            "pa[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);",
-            "pa[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);",
-            "Vt + (8 * nd + gid) * VP + 16 * kk + 2 * tig;",
-            "mma_bf16_16816(o[nd], pa, *(const unsigned*)vp, *(const unsigned*)(vp + 8));",
+            // the product from the score registers (`mma_from_scores`)
+            "pa[0] = pack_bf16x2(c[2 * kk][0], c[2 * kk][1]);",
+            "pa[1] = pack_bf16x2(c[2 * kk][2], c[2 * kk][3]);",
+            "pa[2] = pack_bf16x2(c[2 * kk + 1][0], c[2 * kk + 1][1]);",
+            "pa[3] = pack_bf16x2(c[2 * kk + 1][2], c[2 * kk + 1][3]);",
+            "const unsigned short* bp = bt + (8 * nd + gid) * pitch + 16 * kk + 2 * tig;",
+            "mma_bf16_16816(acc[nd], pa, *(const unsigned*)bp, *(const unsigned*)(bp + 8));",
+            "mma_from_scores<NB, ND>(o, s, Vt, VP, gid, tig);",
             "dst[8 * nd + 2 * tig + e] = bad[i] ? NAN_F : __fmul_rn(o[nd][2 * i + e], inv);",
             "return (unsigned)bf16_rne(lo) | ((unsigned)bf16_rne(hi) << 16);",
             "constexpr int KP = D + 8;",
@@ -384,21 +386,13 @@ mod tests {
             "const unsigned short* qp = Qs + (8 * nb + gid) * KP + 16 * ks + 2 * tig;",
             "mma_bf16_16816(st[nb], ka, *(const unsigned*)qp, *(const unsigned*)(qp + 8));",
             "const int kl = 16 * warp + gid + 8 * (e / 2), rr = 8 * nb + 2 * tig + e % 2;",
-            "pa[0] = pack_bf16x2(st[2 * kk][0], st[2 * kk][1]);",
-            "pa[1] = pack_bf16x2(st[2 * kk][2], st[2 * kk][3]);",
-            "pa[2] = pack_bf16x2(st[2 * kk + 1][0], st[2 * kk + 1][1]);",
-            "pa[3] = pack_bf16x2(st[2 * kk + 1][2], st[2 * kk + 1][3]);",
-            "sa[0] = pack_bf16x2(dpt[2 * kk][0], dpt[2 * kk][1]);",
-            "sa[1] = pack_bf16x2(dpt[2 * kk][2], dpt[2 * kk][3]);",
-            "sa[2] = pack_bf16x2(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);",
-            "sa[3] = pack_bf16x2(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);",
-            "const unsigned short* op = Ot + (8 * nd + gid) * RP + 16 * kk + 2 * tig;",
-            "const unsigned short* qp = Qt + (8 * nd + gid) * RP + 16 * kk + 2 * tig;",
+            "mma_from_scores<NB, ND>(adv, st, Ot, RP, gid, tig);",
+            "mma_from_scores<NB, ND>(adk, dpt, Qt, RP, gid, tig);",
+            "mma_from_scores<NB, ND>(acc, s, Kt, TP, gid, tig);",
             "Qs[rr * KP + c] = q16;",
             "Qt[c * RP + rr] = q16;",
             "Ot[c * RP + rr] = o16;",
             "dv[at + 8 * nd + 2 * tig + e] = adv[nd][2 * i + e];",
-            "const unsigned short* tp = Kt + (8 * nd + gid) * TP + 16 * kk + 2 * tig;",
             "Kt[c * TP + j] = bf16_rne(kv);",
             "dst[8 * nd + 2 * tig + e] = __fmul_rn(a.scale, acc[nd][2 * i + e]);",
         ] {

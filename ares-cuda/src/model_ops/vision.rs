@@ -177,6 +177,26 @@ fn seg_blocks(k: &'static str, shape: &SegmentAttentionShape, rows: usize) -> Re
     )
 }
 
+/// The checks of a backward call: the shape and offsets, then the lengths of q, k, v, out,
+/// dout, dq, dk, dv (`lens`, each `[tokens, heads, head_dim]`) and of lse.
+fn check_backward(
+    k: &'static str,
+    shape: &SegmentAttentionShape,
+    cu_len: usize,
+    lens: [usize; 8],
+    lse_len: usize,
+) -> Result<SegDims> {
+    let dims = shape.dims(k, cu_len)?;
+    for (name, len) in ["q", "k", "v", "out", "dout", "dq", "dk", "dv"]
+        .into_iter()
+        .zip(lens)
+    {
+        check_len(k, name, dims.q_len, len)?;
+    }
+    check_len(k, "lse", dims.lse_len, lse_len)?;
+    Ok(dims)
+}
+
 /// The launch of a tensor-core segment kernel: four warps, a block per 64 tokens of a head,
 /// `smem` bytes of dynamic shared memory (raising the kernel's limit past 48 KiB).
 fn mma_cfg(
@@ -584,17 +604,18 @@ impl ModelOps {
         dv: &mut CudaViewMut<'v, f32>,
     ) -> Result<()> {
         const K: &str = "segment_attention_backward_bf16";
-        let dims = shape.dims(K, cu_seqlens.len())?;
         let variant = self.tensor_core_head(K, shape.head_dim)?;
-        check_len(K, "q", dims.q_len, q.len())?;
-        check_len(K, "k", dims.q_len, k.len())?;
-        check_len(K, "v", dims.q_len, v.len())?;
-        check_len(K, "out", dims.q_len, out.len())?;
-        check_len(K, "lse", dims.lse_len, lse.len())?;
-        check_len(K, "dout", dims.q_len, dout.len())?;
-        check_len(K, "dq", dims.q_len, dq.len())?;
-        check_len(K, "dk", dims.q_len, dk.len())?;
-        check_len(K, "dv", dims.q_len, dv.len())?;
+        let lens = [
+            q.len(),
+            k.len(),
+            v.len(),
+            out.len(),
+            dout.len(),
+            dq.len(),
+            dk.len(),
+            dv.len(),
+        ];
+        let dims = check_backward(K, &shape, cu_seqlens.len(), lens, lse.len())?;
         if dims.q_len == 0 {
             return Ok(());
         }
@@ -681,16 +702,17 @@ impl ModelOps {
         let saved = AttentionSaved { out, lse, dout };
         let grads = AttentionGradsMut { dq, dk, dv };
         const K: &str = "segment_attention_backward";
-        let dims = shape.dims(K, cu_seqlens.len())?;
-        check_len(K, "q", dims.q_len, q.len())?;
-        check_len(K, "k", dims.q_len, k.len())?;
-        check_len(K, "v", dims.q_len, v.len())?;
-        check_len(K, "out", dims.q_len, saved.out.len())?;
-        check_len(K, "lse", dims.lse_len, saved.lse.len())?;
-        check_len(K, "dout", dims.q_len, saved.dout.len())?;
-        check_len(K, "dq", dims.q_len, grads.dq.len())?;
-        check_len(K, "dk", dims.q_len, grads.dk.len())?;
-        check_len(K, "dv", dims.q_len, grads.dv.len())?;
+        let lens = [
+            q.len(),
+            k.len(),
+            v.len(),
+            saved.out.len(),
+            saved.dout.len(),
+            grads.dq.len(),
+            grads.dk.len(),
+            grads.dv.len(),
+        ];
+        let dims = check_backward(K, &shape, cu_seqlens.len(), lens, saved.lse.len())?;
         if dims.q_len == 0 {
             return Ok(());
         }
