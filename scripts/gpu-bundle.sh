@@ -80,8 +80,10 @@ if ! LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ARES_KERN
 fi
 
 # Symbols and debug info are most of the size (92 → 41 MB); the device tool carries at
-# most 64 MiB, the working tree included.
+# most 64 MiB, the working tree (~17 MB) included, so the stripped binaries (~54 MB) also
+# travel gzipped: run.sh unpacks them on the GPU machine before anything runs.
 strip --strip-all "$dir"/bin/*
+gzip -9 "$dir"/bin/*
 
 cat > "$dir/run.sh" <<'RUN'
 #!/usr/bin/env bash
@@ -89,6 +91,11 @@ cat > "$dir/run.sh" <<'RUN'
 # library path; the CUDA toolkit's lib64 is added when present.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+# the binaries travel gzipped (the carry's 64 MiB): unpacked once, in place
+for z in "$here"/bin/*.gz; do
+  [ -e "$z" ] || continue
+  gunzip -f "$z" && chmod +x "${z%.gz}" || { echo "could not unpack $z"; exit 1; }
+done
 for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
   [ -d "$d" ] && LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 done
