@@ -241,7 +241,12 @@ fn forward_with(
     match operands {
         blocked::Operands::F32 => blocked::forward(&dims, inputs, mask, out, lse, blocked::BLOCK),
         blocked::Operands::Bf16 => {
-            let (q, k, v) = (bf16(inputs.q), bf16(inputs.k), bf16(inputs.v));
+            let bf16 = crate::ops::precision::MatmulPrecision::Bf16;
+            let (q, k, v) = (
+                bf16.rounded(inputs.q),
+                bf16.rounded(inputs.k),
+                bf16.rounded(inputs.v),
+            );
             let rounded = AttentionInputs {
                 q: &q,
                 k: &k,
@@ -253,11 +258,6 @@ fn forward_with(
     }
 }
 
-/// `x` rounded to bf16 (a copy).
-fn bf16(x: &[f32]) -> std::borrow::Cow<'_, [f32]> {
-    crate::ops::precision::MatmulPrecision::Bf16.rounded(x)
-}
-
 /// Head sizes the CUDA tensor-core forward is instantiated for (multiples of 16): the
 /// model takes [`attention_forward_bf16`] at these and [`attention_forward`] elsewhere.
 pub const BF16_HEAD_DIMS: [usize; 3] = [64, 80, 128];
@@ -265,8 +265,8 @@ pub const BF16_HEAD_DIMS: [usize; 3] = [64, 80, 128];
 /// [`attention_forward`] with bf16 operands, as the CUDA tensor-core kernel computes it
 /// (its twin): q, k, v and the probabilities of each key tile rounded to bf16, f32 sums and
 /// softmax state, keys in tiles of [`tensor_core::KEY_TILE`] (the `tensor_core` module
-/// states the arithmetic). Any head size; the kernel takes [`BF16_HEAD_DIMS`]. The
-/// backward of such a forward is [`attention_backward`] over its `out` and `lse`.
+/// states the arithmetic). Any head size; the kernel takes [`BF16_HEAD_DIMS`]. Its
+/// backward is [`attention_backward_bf16`].
 ///
 /// # Errors
 /// As [`attention_forward`].
@@ -337,11 +337,12 @@ fn backward_with(
     if operands == blocked::Operands::F32 {
         return blocked::backward(&dims, inputs, mask, saved, dq, dk, dv, block, operands);
     }
+    let bf16 = crate::ops::precision::MatmulPrecision::Bf16;
     let (q, k, v, dout) = (
-        bf16(inputs.q),
-        bf16(inputs.k),
-        bf16(inputs.v),
-        bf16(saved.dout),
+        bf16.rounded(inputs.q),
+        bf16.rounded(inputs.k),
+        bf16.rounded(inputs.v),
+        bf16.rounded(saved.dout),
     );
     let rounded = AttentionInputs {
         q: &q,

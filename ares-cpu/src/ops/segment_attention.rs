@@ -299,7 +299,8 @@ pub fn segment_attention_forward_bf16(
     use crate::ops::attention::tensor_core::{FRESH, KEY_TILE, finish_row, online_tile};
     check_forward(shape, cu_seqlens, [q, k, v], out, lse)?;
     let (h, d, scale) = (shape.heads, shape.head_dim, shape.scale);
-    let (q, k, v) = (bf16(q), bf16(k), bf16(v));
+    let bf16 = crate::ops::precision::MatmulPrecision::Bf16;
+    let (q, k, v) = (bf16.rounded(q), bf16.rounded(k), bf16.rounded(v));
     let (q, k, v) = (&*q, &*k, &*v);
     let ones = [1.0f32; KEY_TILE];
     let blocks = blocks(cu_seqlens);
@@ -386,11 +387,6 @@ pub fn segment_attention_forward_bf16(
         )
 }
 
-/// `x` rounded to bf16 (a copy).
-fn bf16(x: &[f32]) -> std::borrow::Cow<'_, [f32]> {
-    crate::ops::precision::MatmulPrecision::Bf16.rounded(x)
-}
-
 /// What [`segment_attention_backward`] reads besides q, k and v.
 #[derive(Debug, Clone, Copy)]
 pub struct SegmentAttentionSaved<'a> {
@@ -444,7 +440,13 @@ pub fn segment_attention_backward_bf16(
     dk: &mut [f32],
     dv: &mut [f32],
 ) -> Result<()> {
-    let (q, k, v, dout) = (bf16(q), bf16(k), bf16(v), bf16(saved.dout));
+    let bf16 = crate::ops::precision::MatmulPrecision::Bf16;
+    let (q, k, v, dout) = (
+        bf16.rounded(q),
+        bf16.rounded(k),
+        bf16.rounded(v),
+        bf16.rounded(saved.dout),
+    );
     let saved = SegmentAttentionSaved {
         dout: &dout,
         ..saved

@@ -400,7 +400,7 @@ impl ModelOps {
         const K: &str = "attention_bf16";
         let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
         let dims = shape.dims(K)?;
-        let variant = self.tensor_core_variant(K, &shape)?;
+        let variant = self.tensor_core_head(K, shape.head_dim)?;
         check_len(K, "q", dims.q_len, q.len())?;
         check_len(K, "k", dims.kv_len, k.len())?;
         check_len(K, "v", dims.kv_len, v.len())?;
@@ -599,18 +599,13 @@ impl ModelOps {
         grads: &mut AttentionGrads<'_>,
     ) -> Result<()> {
         const K: &str = "attention_backward_bf16";
-        let variant = self.tensor_core_variant(K, &shape)?;
+        let variant = self.tensor_core_head(K, shape.head_dim)?;
         let saved = AttentionSaved { out, lse, dout };
         self.backward_with(K, shape, inputs, saved, grads, Some(variant))
     }
 
-    /// The index of `shape.head_dim` in [`BF16_HEAD_DIMS`], on a device with bf16
-    /// `mma.sync`; else the error naming what is missing.
-    fn tensor_core_variant(&self, k: &'static str, shape: &AttentionShape) -> Result<usize> {
-        self.tensor_core_head(k, shape.head_dim)
-    }
-
-    /// [`ModelOps::tensor_core_variant`] of a head size.
+    /// The index of `head_dim` in [`BF16_HEAD_DIMS`], on a device with bf16 `mma.sync`;
+    /// else the error naming what is missing.
     pub(super) fn tensor_core_head(&self, k: &'static str, head_dim: usize) -> Result<usize> {
         let Some(variant) = BF16_HEAD_DIMS.iter().position(|&d| d == head_dim) else {
             return Err(bad(
