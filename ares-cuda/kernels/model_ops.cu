@@ -1,6 +1,6 @@
 // Model kernels of ares (the decoder's forward and backward ops, the optimizer, the KV
-// cache), compiled at run time by NVRTC; no CUDA headers needed. Storage and math are f32
-// (f64 where a long sum must stay exact to f32), indices are 64-bit. Each kernel has a CPU
+// cache), compiled at run time by NVRTC after online_softmax.cuh; no CUDA headers needed.
+// Storage and math are f32 (f64 where a long sum must stay exact to f32), indices are 64-bit. Each kernel has a CPU
 // twin in ares-cpu with the same semantics; ares-cuda/src/model_ops/*.rs documents the
 // arguments and checks them before launch.
 //
@@ -11,10 +11,7 @@
 //
 // Block sizes are multiples of 32 (warp shuffles use full masks).
 
-#define NEG_INF __int_as_float(0xff800000)
-#define POS_INF __int_as_float(0x7f800000)
 #define NAN_F __int_as_float(0x7fffffff)
-#define LOG2E 1.4426950408889634f
 #define FULL 0xffffffffu
 
 #define ST_BAD_ROW 1u       // a logits row holds NaN/+inf or only -inf
@@ -488,42 +485,69 @@ __device__ __forceinline__ void argmax_merge(float& v, i64& i, float ov, i64 oi)
     }
 }
 
+// What a pick adds to its first read of a row (pick_rows): the online softmax state at
+// scale = inv_t·log2(e), for the pick's log-prob and the row's entropy, and whether a scaled
+// logit left the finite range — log_prob_entropy_row's per-element steps. Nothing when LP is
+// false (argmax_rows, sample_race), which then compile to what they were alone.
+template <bool LP>
+__device__ __forceinline__ void pick_accumulate(Online& st, int& ybad, float v, float scale) {
+    if (LP) {
+        const float y = v * scale;
+        ybad |= !(y < POS_INF);
+        online_rescale(st, y);
+        online_add(st, y);
+    }
+}
+
+// The greedy token of row x, on thread 0 (the whole block calls it; `shv`, `shi` 32 shared
+// entries each).
+template <bool LP>
+__device__ unsigned argmax_row(const float* __restrict__ x, i64 vocab, float scale, Online& st,
+                               int& ybad, float* shv, i64* shi) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    float best = NEG_INF;
+    i64 best_i = vocab;  // none yet: -inf entries are never picked
+    int bad = 0;
+    for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = x[i];
+        bad |= !(v < POS_INF);
+        pick_accumulate<LP>(st, ybad, v, scale);
+        if (v > best) {
+            best = v;
+            best_i = i;
+        }
+    }
+    bad = __syncthreads_or(bad);
+    for (int off = 16; off > 0; off >>= 1)
+        argmax_merge(best, best_i, __shfl_xor_sync(FULL, best, off),
+                     __shfl_xor_sync(FULL, best_i, off));
+    if (lane == 0) {
+        shv[warp] = best;
+        shi[warp] = best_i;
+    }
+    __syncthreads();
+    unsigned id = 0xffffffffu;
+    if (warp == 0) {
+        best = lane < warps ? shv[lane] : NEG_INF;
+        best_i = lane < warps ? shi[lane] : vocab;
+        for (int off = 16; off > 0; off >>= 1)
+            argmax_merge(best, best_i, __shfl_xor_sync(FULL, best, off),
+                         __shfl_xor_sync(FULL, best_i, off));
+        if (!bad && best_i < vocab) id = (unsigned)best_i;
+    }
+    __syncthreads();  // the shared arrays are reused by the next row
+    return id;
+}
+
 extern "C" __global__ void argmax_rows(const float* __restrict__ logits, i64 vocab, i64 rows,
                                        unsigned* __restrict__ out) {
     __shared__ float shv[32];
     __shared__ i64 shi[32];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
-        const float* x = logits + row * vocab;
-        float best = NEG_INF;
-        i64 best_i = vocab;  // none yet: -inf entries are never picked
-        int bad = 0;
-        for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
-            const float v = x[i];
-            bad |= !(v < POS_INF);
-            if (v > best) {
-                best = v;
-                best_i = i;
-            }
-        }
-        bad = __syncthreads_or(bad);
-        for (int off = 16; off > 0; off >>= 1)
-            argmax_merge(best, best_i, __shfl_xor_sync(FULL, best, off),
-                         __shfl_xor_sync(FULL, best_i, off));
-        if (lane == 0) {
-            shv[warp] = best;
-            shi[warp] = best_i;
-        }
-        __syncthreads();
-        if (warp == 0) {
-            best = lane < warps ? shv[lane] : NEG_INF;
-            best_i = lane < warps ? shi[lane] : vocab;
-            for (int off = 16; off > 0; off >>= 1)
-                argmax_merge(best, best_i, __shfl_xor_sync(FULL, best, off),
-                             __shfl_xor_sync(FULL, best_i, off));
-            if (lane == 0) out[row] = (bad || best_i >= vocab) ? 0xffffffffu : (unsigned)best_i;
-        }
-        __syncthreads();  // the shared arrays are reused by the next row
+        Online none = {NEG_INF, 0.0f, 0.0f};
+        int ybad = 0;
+        const unsigned id = argmax_row<false>(logits + row * vocab, vocab, 0.0f, none, ybad, shv, shi);
+        if (threadIdx.x == 0) out[row] = id;
     }
 }
 
@@ -718,23 +742,6 @@ __device__ __forceinline__ void race_merge(float& s, unsigned& i, float os, unsi
     }
 }
 
-// A pick's results in the words that cross to the host in one transfer (one host
-// synchronisation a decode step): ids, log-prob bits, entropy bits, then the status word,
-// which is cleared here (every kernel that can set it ran before, in stream order).
-extern "C" __global__ void pack_picks(const unsigned* __restrict__ ids, const float* __restrict__ lp,
-                                      const float* __restrict__ ent, i64 rows, unsigned* status,
-                                      unsigned* __restrict__ out) {
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i <= 3 * rows; i += (i64)gridDim.x * blockDim.x) {
-        if (i < rows) out[i] = ids[i];
-        else if (i < 2 * rows) out[i] = __float_as_uint(lp[i - rows]);
-        else if (i < 3 * rows) out[i] = __float_as_uint(ent[i - 2 * rows]);
-        else {
-            out[i] = *status;
-            *status = 0u;
-        }
-    }
-}
-
 // The Gumbel draws of tokens 0..n of one key (5 words), for checking the twin bit for bit.
 extern "C" __global__ void race_draws(const unsigned* __restrict__ key, i64 n, float* __restrict__ out) {
     for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; 4 * q < n; q += (i64)gridDim.x * blockDim.x) {
@@ -749,6 +756,119 @@ extern "C" __global__ void race_draws(const unsigned* __restrict__ key, i64 n, f
 #define GUMBEL_MIN (-3.0f)
 #define GUMBEL_MAX 23.0f
 
+// The race's token of row x keyed by `key` (5 words: seed lo, seed hi, sequence lo, sequence
+// hi, step), on thread 0 (the whole block calls it). Shared scratch: shf and shi 32 entries,
+// hist 256, sh 2, total 1.
+template <bool LP>
+__device__ unsigned race_row(const float* __restrict__ x, i64 vocab, float inv_t, unsigned top_k,
+                             float top_p, float min_p, const unsigned* __restrict__ key, float scale,
+                             Online& st, int& ybad, float* shf, unsigned* shi, u64* hist, u64* sh,
+                             u64* total_sh) {
+    const u64 ALL = ~0ull;
+    const bool filtered = top_k != 0 || top_p < 1.0f || min_p > 0.0f;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    // the row's max: first, when the filters need it; else alongside the race, each
+    // thread's own max bounding what can win
+    float m = NEG_INF;
+    int bad = 0;
+    if (filtered) {
+        for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const float v = x[i];
+            bad |= !(v < POS_INF);
+            pick_accumulate<LP>(st, ybad, v, scale);
+            m = fmaxf(m, v);
+        }
+        bad = __syncthreads_or(bad);
+        m = block_max(m, shf);
+        if (bad || m == NEG_INF) return 0xffffffffu;
+    }
+    u64 cut = ALL;
+    if (top_k != 0) {
+        u64 k;
+        if (radix_select(x, vocab, false, ALL, m, inv_t, (u64)top_k, hist, sh, &k)) cut = k;
+    }
+    if (top_p < 1.0f) {
+        if (threadIdx.x == 0) *total_sh = 0;
+        __syncthreads();
+        u64 part = 0;
+        for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const float v = x[i];
+            if (v > NEG_INF && descending_key(v, i) <= cut)
+                part += fixed_weight(relative_weight(v, m, inv_t));
+        }
+        atomicAdd(total_sh, part);
+        __syncthreads();
+        const u64 total = *total_sh;
+        const u64 need = (u64)ceil(__dmul_rn((double)top_p, __ull2double_rn(total)));
+        u64 k;
+        if (radix_select(x, vocab, true, cut, m, inv_t, need, hist, sh, &k)) cut = k < cut ? k : cut;
+    }
+    // the race
+    float floor = __fadd_rn(__fmul_rn(m, inv_t), GUMBEL_MIN);
+    float mine = NEG_INF;  // this thread's max, without filters
+    float best = NEG_INF;
+    unsigned best_i = 0xffffffffu;
+    const i64 quads = (vocab + 3) >> 2;
+    for (i64 q = threadIdx.x; q < quads; q += blockDim.x) {
+        unsigned c[4] = {0u, 0u, 0u, 0u};
+        bool drawn = false;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const i64 i = 4 * q + j;
+            if (i >= vocab) break;
+            const float v = x[i];
+            if (!filtered) {
+                bad |= !(v < POS_INF);
+                pick_accumulate<LP>(st, ybad, v, scale);
+                if (v > mine) {
+                    mine = v;
+                    floor = __fadd_rn(__fmul_rn(mine, inv_t), GUMBEL_MIN);
+                }
+            }
+            const float z = __fmul_rn(v, inv_t);
+            if (!(v > NEG_INF && __fadd_rn(z, GUMBEL_MAX) >= floor)) continue;
+            if (filtered) {
+                if (cut != ALL && descending_key(v, i) > cut) continue;
+                if (min_p > 0.0f && relative_weight(v, m, inv_t) < min_p) continue;
+            }
+            if (!drawn) {
+                c[0] = (unsigned)q;
+                c[1] = key[4];
+                c[2] = key[2];
+                c[3] = key[3];
+                philox4x32_10(c, key[0], key[1]);
+                drawn = true;
+            }
+            const float s = __fadd_rn(z, gumbel_rn(c[j]));
+            race_merge(best, best_i, s, (unsigned)i);
+        }
+    }
+    if (!filtered) {
+        bad = __syncthreads_or(bad);
+        m = block_max(mine, shf);
+        if (bad || m == NEG_INF) return 0xffffffffu;
+    }
+    for (int off = 16; off > 0; off >>= 1)
+        race_merge(best, best_i, __shfl_xor_sync(FULL, best, off), __shfl_xor_sync(FULL, best_i, off));
+    __syncthreads();
+    if (lane == 0) {
+        shf[warp] = best;
+        shi[warp] = best_i;
+    }
+    __syncthreads();
+    unsigned id = 0xffffffffu;
+    if (warp == 0) {
+        best = lane < warps ? shf[lane] : NEG_INF;
+        best_i = lane < warps ? shi[lane] : 0xffffffffu;
+        for (int off = 16; off > 0; off >>= 1)
+            race_merge(best, best_i, __shfl_xor_sync(FULL, best, off),
+                       __shfl_xor_sync(FULL, best_i, off));
+        id = best_i;
+    }
+    __syncthreads();  // the shared arrays are reused by the next row
+    return id;
+}
+
 // keys: 5 words a row (seed lo, seed hi, sequence lo, sequence hi, step)
 extern "C" __global__ void sample_race(const float* __restrict__ logits, i64 vocab, i64 rows,
                                        float inv_t, unsigned top_k, float top_p, float min_p,
@@ -758,114 +878,88 @@ extern "C" __global__ void sample_race(const float* __restrict__ logits, i64 voc
     __shared__ u64 hist[256];
     __shared__ u64 sh[2];
     __shared__ u64 total_sh;
-    const u64 ALL = ~0ull;
-    const bool filtered = top_k != 0 || top_p < 1.0f || min_p > 0.0f;
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        Online none = {NEG_INF, 0.0f, 0.0f};
+        int ybad = 0;
+        const unsigned id = race_row<false>(logits + row * vocab, vocab, inv_t, top_k, top_p, min_p,
+                                            keys + row * 5, 0.0f, none, ybad, shf, shi, hist, sh,
+                                            &total_sh);
+        if (threadIdx.x == 0) out[row] = id;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// A decode step's pick in one launch (Backend::pick_tokens on CUDA): each row's token —
+// greedy (argmax_rows) or drawn (sample_race), the same device code and so the same ids —
+// with its log-prob and the entropy of softmax(x·lp_inv_t), from the online softmax state
+// gathered while the pick reads the row: one read of the logits from memory where the three
+// kernels it replaces (pick, log_prob_entropy_f32, pack_picks) made two. The formulas and the
+// NaN outputs / status bits of bad rows are log_prob_entropy_row's; its thread mapping is
+// the pick's, so the sums' order (not the arithmetic) differs from that kernel's.
+//
+// Writes the ids to `ids` (the next step's input) and the words that cross to the host to
+// `packed` (ids, log-prob bits, entropy bits, then the status word); the last block to finish
+// moves the status word there and clears it, every kernel that can set it having run before
+// (this one's blocks included: each fences its writes before counting itself done).
+extern "C" __global__ void pick_rows(const float* __restrict__ logits, i64 vocab, i64 rows,
+                                     int sample, float inv_t, unsigned top_k, float top_p,
+                                     float min_p, const unsigned* __restrict__ keys, float lp_inv_t,
+                                     unsigned* __restrict__ ids, unsigned* status,
+                                     unsigned* blocks_done, unsigned* __restrict__ packed) {
+    __shared__ float shf[32];
+    __shared__ unsigned shi[32];
+    __shared__ i64 shl[32];
+    __shared__ u64 hist[256];
+    __shared__ u64 sh[2];
+    __shared__ u64 total_sh;
+    __shared__ Online shs[32];
+    __shared__ bool is_last;
+    const float scale = lp_inv_t * LOG2E;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const float* x = logits + row * vocab;
-        const unsigned* key = keys + row * 5;
-        // the row's max: first, when the filters need it; else alongside the race, each
-        // thread's own max bounding what can win
-        float m = NEG_INF;
-        int bad = 0;
-        if (filtered) {
-            for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
-                const float v = x[i];
-                bad |= !(v < POS_INF);
-                m = fmaxf(m, v);
-            }
-            bad = __syncthreads_or(bad);
-            m = block_max(m, shf);
-            if (bad || m == NEG_INF) {
-                if (threadIdx.x == 0) out[row] = 0xffffffffu;
-                continue;
-            }
-        }
-        u64 cut = ALL;
-        if (top_k != 0) {
-            u64 k;
-            if (radix_select(x, vocab, false, ALL, m, inv_t, (u64)top_k, hist, sh, &k)) cut = k;
-        }
-        if (top_p < 1.0f) {
-            if (threadIdx.x == 0) total_sh = 0;
-            __syncthreads();
-            u64 part = 0;
-            for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
-                const float v = x[i];
-                if (v > NEG_INF && descending_key(v, i) <= cut)
-                    part += fixed_weight(relative_weight(v, m, inv_t));
-            }
-            atomicAdd(&total_sh, part);
-            __syncthreads();
-            const u64 total = total_sh;
-            const u64 need = (u64)ceil(__dmul_rn((double)top_p, __ull2double_rn(total)));
-            u64 k;
-            if (radix_select(x, vocab, true, cut, m, inv_t, need, hist, sh, &k)) cut = k < cut ? k : cut;
-        }
-        // the race
-        float floor = __fadd_rn(__fmul_rn(m, inv_t), GUMBEL_MIN);
-        float mine = NEG_INF;  // this thread's max, without filters
-        float best = NEG_INF;
-        unsigned best_i = 0xffffffffu;
-        const i64 quads = (vocab + 3) >> 2;
-        for (i64 q = threadIdx.x; q < quads; q += blockDim.x) {
-            unsigned c[4] = {0u, 0u, 0u, 0u};
-            bool drawn = false;
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const i64 i = 4 * q + j;
-                if (i >= vocab) break;
-                const float v = x[i];
-                if (!filtered) {
-                    bad |= !(v < POS_INF);
-                    if (v > mine) {
-                        mine = v;
-                        floor = __fadd_rn(__fmul_rn(mine, inv_t), GUMBEL_MIN);
-                    }
-                }
-                const float z = __fmul_rn(v, inv_t);
-                if (!(v > NEG_INF && __fadd_rn(z, GUMBEL_MAX) >= floor)) continue;
-                if (filtered) {
-                    if (cut != ALL && descending_key(v, i) > cut) continue;
-                    if (min_p > 0.0f && relative_weight(v, m, inv_t) < min_p) continue;
-                }
-                if (!drawn) {
-                    c[0] = (unsigned)q;
-                    c[1] = key[4];
-                    c[2] = key[2];
-                    c[3] = key[3];
-                    philox4x32_10(c, key[0], key[1]);
-                    drawn = true;
-                }
-                const float s = __fadd_rn(z, gumbel_rn(c[j]));
-                race_merge(best, best_i, s, (unsigned)i);
-            }
-        }
-        if (!filtered) {
-            bad = __syncthreads_or(bad);
-            m = block_max(mine, shf);
-            if (bad || m == NEG_INF) {
-                if (threadIdx.x == 0) out[row] = 0xffffffffu;
-                continue;
-            }
-        }
-        for (int off = 16; off > 0; off >>= 1)
-            race_merge(best, best_i, __shfl_xor_sync(FULL, best, off), __shfl_xor_sync(FULL, best_i, off));
-        __syncthreads();
-        if (lane == 0) {
-            shf[warp] = best;
-            shi[warp] = best_i;
-        }
+        Online st = {NEG_INF, 0.0f, 0.0f};
+        int ybad = 0;
+        const unsigned id =
+            sample ? race_row<true>(x, vocab, inv_t, top_k, top_p, min_p, keys + row * 5, scale, st,
+                                    ybad, shf, shi, hist, sh, &total_sh)
+                   : argmax_row<true>(x, vocab, scale, st, ybad, shf, shl);
+        // the block's state (log_prob_entropy_row's merge)
+        st = warp_merge(st);
+        ybad = __syncthreads_or(ybad);
+        if (lane == 0) shs[warp] = st;
         __syncthreads();
         if (warp == 0) {
-            best = lane < warps ? shf[lane] : NEG_INF;
-            best_i = lane < warps ? shi[lane] : 0xffffffffu;
-            for (int off = 16; off > 0; off >>= 1)
-                race_merge(best, best_i, __shfl_xor_sync(FULL, best, off),
-                           __shfl_xor_sync(FULL, best_i, off));
-            if (lane == 0) out[row] = best_i;
+            Online w = lane < warps ? shs[lane] : Online{NEG_INF, 0.0f, 0.0f};
+            w = warp_merge(w);
+            if (lane == 0) {  // thread 0, which holds the id
+                unsigned lp_bits = 0x7fffffffu, h_bits = 0x7fffffffu;
+                if (ybad || w.m == NEG_INF) {
+                    atomicOr(status, ST_BAD_ROW);
+                } else {
+                    const float log2_s = log2_approx(w.s);
+                    const float h = LN2 * (log2_s - w.u / w.s);
+                    h_bits = __float_as_uint(h > 0.0f ? h : 0.0f);
+                    const float yt = id < vocab ? x[id] * scale : NEG_INF;
+                    if (yt == NEG_INF) atomicOr(status, ST_BAD_TARGET);
+                    else lp_bits = __float_as_uint(LN2 * ((yt - w.m) - log2_s));
+                }
+                ids[row] = id;
+                packed[row] = id;
+                packed[rows + row] = lp_bits;
+                packed[2 * rows + row] = h_bits;
+            }
         }
-        __syncthreads();  // the shared arrays are reused by the next row
+        __syncthreads();  // shs is reused by the next row
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) is_last = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (is_last && threadIdx.x == 0) {
+        __threadfence();
+        packed[3 * rows] = atomicExch(status, 0u);
+        *blocks_done = 0u;
     }
 }
 

@@ -49,11 +49,12 @@ macro_rules! kernel_load {
 }
 
 /// A kernel source (`const`) and the functions it defines (`struct` with `load`), from one
-/// list of `field: "kernel"` (or `field: ["kernel per class", …]`) entries.
+/// list of `field: "kernel"` (or `field: ["kernel per class", …]`) entries; a source
+/// written `"file.cu" after "header.cuh"` is compiled with the header's text in front.
 macro_rules! kernel_table {
     (
         $(#[$meta:meta])*
-        pub const $source:ident = $file:literal;
+        pub const $source:ident = $file:literal $(after $prelude:literal)?;
         $(#[$smeta:meta])*
         pub(crate) struct $functions:ident {
             $($(#[$fmeta:meta])* $field:ident: $kernels:tt),* $(,)?
@@ -62,7 +63,10 @@ macro_rules! kernel_table {
         $(#[$meta])*
         pub const $source: KernelSource = KernelSource {
             name: $file,
-            code: include_str!(concat!("../kernels/", $file)),
+            code: concat!(
+                $(include_str!(concat!("../kernels/", $prelude)),)?
+                include_str!(concat!("../kernels/", $file))
+            ),
             kernels: kernel_names!([] $($kernels),*),
         };
 
@@ -83,7 +87,7 @@ macro_rules! kernel_table {
 kernel_table! {
     /// Token kernels: fused log-prob + entropy, entropy windows / HWE, row percentile, masked
     /// dynamic KL.
-    pub const TOKEN_KERNELS = "token_kernels.cu";
+    pub const TOKEN_KERNELS = "token_kernels.cu" after "online_softmax.cuh";
     /// The loaded kernels of `token_kernels.cu`.
     pub(crate) struct TokenFunctions {
         log_prob_entropy_f32: "log_prob_entropy_f32",
@@ -100,7 +104,7 @@ kernel_table! {
     /// (forward, backward, decode) and KV-cache ops, the log-prob and entropy backward, and the
     /// optimizer's sum of squares and AdamW (what `ares-runner`'s CUDA backend launches besides
     /// cuBLAS).
-    pub const MODEL_OPS = "model_ops.cu";
+    pub const MODEL_OPS = "model_ops.cu" after "online_softmax.cuh";
     /// The loaded kernels of `model_ops.cu`.
     pub(crate) struct ModelFunctions {
         fill: "fill_f32",
@@ -125,7 +129,7 @@ kernel_table! {
         argmax_rows: "argmax_rows",
         sample_race: "sample_race",
         race_draws: "race_draws",
-        pack_picks: "pack_picks",
+        pick_rows: "pick_rows",
         sum_sq_partial: "sum_sq_partial",
         sum_sq_final: "sum_sq_final",
         adamw_check: "adamw_check",

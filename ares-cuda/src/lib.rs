@@ -22,6 +22,7 @@ pub mod gemm;
 mod launch;
 pub mod mma;
 pub mod model_ops;
+mod staging;
 mod token_ops;
 
 /// The cudarc this crate is built on (its slices and views are the ops' arguments).

@@ -29,6 +29,7 @@ pub use attention::{
     AttentionGrads, AttentionInputs, AttentionShape, BF16_HEAD_DIMS, BlockTablesView, KvCache,
     KvCacheMut, MAX_HEAD_DIM, PagedKvCache, PagedKvCacheMut,
 };
+pub use loss::RacePick;
 pub use optim::AdamWStep;
 pub use vision::{Activation, MAX_SEGMENT_HEAD_DIM, SegmentAttentionShape};
 
@@ -39,10 +40,11 @@ use crate::kernels::{
     MODEL_OPS, ModelFunctions, TOKEN_KERNELS, TokenFunctions, VISION_OPS, VisionFunctions,
 };
 pub(crate) use crate::launch::{ArgOrNull, bad, check_len, grid, i32_of, i64_of, mul};
+use crate::staging::Staging;
 use crate::token_ops::TokenOps;
 use cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, LaunchConfig,
-    PushKernelArg, ValidAsZeroBits,
+    ValidAsZeroBits,
 };
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -138,6 +140,8 @@ pub struct ModelOps {
     vision: VisionFunctions,
     blas: Blas,
     state: Mutex<State>,
+    /// Page-locked memory the small transfers go through (lock order: `state` first).
+    staging: Mutex<Staging>,
     info: DeviceInfo,
 }
 
@@ -203,6 +207,7 @@ impl ModelOps {
             vision,
             blas,
             state: Mutex::new(state),
+            staging: Mutex::default(),
             info,
         })
     }
@@ -267,11 +272,13 @@ impl ModelOps {
             .during(format!("allocating {len} {}", std::any::type_name::<T>()))
     }
 
-    /// Copies `src` into `dst` (same length); `src` may be reused when this returns.
+    /// Copies `src` into `dst` (same length); `src` may be reused when this returns. Up to
+    /// [`Staging::MAX_BYTES`] the copy goes through page-locked memory and is queued
+    /// without waiting; larger ones wait while the driver stages them.
     ///
     /// # Errors
     /// Lengths that differ, a driver failure.
-    pub fn upload<T: cudarc::driver::DeviceRepr>(
+    pub fn upload<T: DeviceRepr + ValidAsZeroBits + Copy + 'static>(
         &self,
         src: &[T],
         dst: &mut CudaViewMut<'_, T>,
@@ -280,7 +287,17 @@ impl ModelOps {
         if src.is_empty() {
             return Ok(());
         }
+        if Staging::stages::<T>(&self.stream, src.len()) {
+            return self.staging().upload(&self.stream, src, dst);
+        }
         self.stream.memcpy_htod(src, dst).during("upload")
+    }
+
+    /// The page-locked staging buffers.
+    fn staging(&self) -> MutexGuard<'_, Staging> {
+        self.staging
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Copies `src` to the host after every queued op, then reports bad values any op met
@@ -328,7 +345,7 @@ impl ModelOps {
     }
 
     /// [`ModelOps::download`] of any element type, errors naming `step`.
-    fn download_as<T: DeviceRepr>(
+    fn download_as<T: DeviceRepr + ValidAsZeroBits + Copy + 'static>(
         &self,
         step: &'static str,
         src: &CudaView<'_, T>,
@@ -338,7 +355,11 @@ impl ModelOps {
         if dst.is_empty() {
             return self.synchronize();
         }
-        self.stream.memcpy_dtoh(src, dst).during(step)?;
+        if Staging::stages::<T>(&self.stream, dst.len()) {
+            self.staging().download(&self.stream, src, dst)?;
+        } else {
+            self.stream.memcpy_dtoh(src, dst).during(step)?;
+        }
         self.check_status()
     }
 
@@ -372,9 +393,8 @@ impl ModelOps {
     pub fn check_status(&self) -> Result<()> {
         let mut state = self.lock();
         let mut word = [0u32; 1];
-        self.stream
-            .memcpy_dtoh(&state.status, &mut word)
-            .during("reading the status word")?;
+        self.staging()
+            .download(&self.stream, &state.status.as_view(), &mut word)?;
         if word[0] == 0 {
             return Ok(());
         }
@@ -417,54 +437,6 @@ impl ModelOps {
     /// A driver failure.
     pub fn replay(&self, graph: &DecodeGraph) -> Result<()> {
         graph.0.launch().during("replaying a graph")
-    }
-
-    /// A pick's results to the host in **one** transfer: `dst` (`3·rows + 1` words, rows =
-    /// `ids.len()`) receives `ids`, the bits of `log_prob` and of `entropy`, and the status
-    /// word, which the device clears; `packed` is the device staging of the same length.
-    /// Waits for the queued ops.
-    ///
-    /// # Errors
-    /// Lengths that differ, a driver failure, [`Error::DeviceStatus`] when a kernel met a
-    /// bad value since the last check.
-    pub fn download_picks(
-        &self,
-        ids: &CudaView<'_, u32>,
-        log_prob: &CudaView<'_, f32>,
-        entropy: &CudaView<'_, f32>,
-        packed: &mut CudaViewMut<'_, u32>,
-        dst: &mut [u32],
-    ) -> Result<()> {
-        const K: &str = "download_picks";
-        let rows = ids.len();
-        check_len(K, "log_prob", rows, log_prob.len())?;
-        check_len(K, "entropy", rows, entropy.len())?;
-        let words = rows
-            .checked_mul(3)
-            .and_then(|w| w.checked_add(1))
-            .ok_or_else(|| bad(K, format!("rows = {rows} overflows")))?;
-        check_len(K, "packed", words, packed.len())?;
-        check_len(K, "dst", words, dst.len())?;
-        let cfg = LaunchConfig {
-            grid_dim: (words.div_ceil(256).min(1 << 16) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let r64 = i64_of(K, "rows", rows)?;
-        {
-            let mut state = self.lock();
-            let mut l = self.stream.launch_builder(&self.f.pack_picks);
-            l.arg(ids)
-                .arg(log_prob)
-                .arg(entropy)
-                .arg(&r64)
-                .arg(&mut state.status)
-                .arg(&mut *packed);
-            // SAFETY: argument order as `pack_picks` in model_ops.cu; lengths checked above.
-            unsafe { l.launch(cfg) }.during(K)?;
-        }
-        self.stream.memcpy_dtoh(&*packed, dst).during(K)?;
-        status_result(dst.last().copied().unwrap_or(0))
     }
 
     /// Runs `f` with the ARES token ops (HWE windows, row percentiles, masked dynamic KL)

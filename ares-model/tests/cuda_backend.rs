@@ -1895,9 +1895,12 @@ fn sampled_tokens_match_cpu() {
     }
 }
 
-/// A decode step's pick in one transfer: the same ids as the CPU, log-probs and entropies
-/// as `log_prob_entropy`'s, a clear status word — and a row the pick cannot score is the
-/// step's error, reported by that same transfer.
+/// A decode step's pick in one kernel and one transfer (`pick_rows`): the same ids as the
+/// CPU, left on the device too, log-probs and entropies as `log_prob_entropy`'s (summed in
+/// the pick's order), a clear status word — greedy, the race without filters (the online
+/// state gathered in the race's own pass) and with each filter (gathered in the max pass),
+/// rows with −∞ entries — and a row the pick cannot score is the step's error, reported by
+/// that same transfer.
 #[test]
 fn picked_tokens_match_cpu_in_one_transfer() {
     use ares_cpu::sampler::{SampleKey, Sampler};
@@ -1905,15 +1908,17 @@ fn picked_tokens_match_cpu_in_one_transfer() {
     let Some(gpu) = gpu_or_skip() else { return };
     let cpu = CpuBackend;
     let mut rng = Rng(23);
+    let samplers = [
+        (0.8f32, 0u32, 0.95f32, 0.0f32),
+        (1.3, 0, 1.0, 0.0),
+        (1.0, 40, 1.0, 0.05),
+    ];
     for (rows, vocab) in [(1usize, 7usize), (16, 1000), (9, 151_936)] {
-        let logits = rng.vec(rows * vocab, 6.0);
+        let mut logits = rng.vec(rows * vocab, 6.0);
+        for i in (0..logits.len()).step_by(5) {
+            logits[i] = f32::NEG_INFINITY;
+        }
         let gl = up(&gpu, &logits);
-        let sampler = Sampler {
-            temperature: 0.8,
-            top_k: 0,
-            top_p: 0.95,
-            min_p: 0.0,
-        };
         let keys: Vec<SampleKey> = (0..rows as u64)
             .map(|r| SampleKey {
                 seed: 3,
@@ -1921,16 +1926,23 @@ fn picked_tokens_match_cpu_in_one_transfer() {
                 step: 2,
             })
             .collect();
-        let rules = [
-            (PickRule::Greedy, 1.0f32),
-            (
-                PickRule::Sample {
-                    sampler: &sampler,
-                    keys: &keys,
-                },
-                0.8,
-            ),
-        ];
+        let samplers: Vec<Sampler> = samplers
+            .iter()
+            .map(|&(temperature, top_k, top_p, min_p)| Sampler {
+                temperature,
+                top_k,
+                top_p,
+                min_p,
+            })
+            .collect();
+        let mut rules = vec![(PickRule::Greedy, 1.0f32), (PickRule::Greedy, 0.7)];
+        for sampler in &samplers {
+            let rule = PickRule::Sample {
+                sampler,
+                keys: &keys,
+            };
+            rules.push((rule, sampler.temperature));
+        }
         for (rule, temperature) in rules {
             let words = PickBuffersOf::<CpuBackend>::host_len(rows);
             let (mut cb, mut ch) = (PickBuffers::new(&cpu, rows).unwrap(), vec![0u32; words]);
@@ -1947,7 +1959,20 @@ fn picked_tokens_match_cpu_in_one_transfer() {
             gpu.pick_tokens(View::whole(&gl), vocab, rule, temperature, &mut gb, &mut gh)
                 .unwrap();
             assert_eq!(gh[words - 1], 0, "status word");
-            for r in 0..rows {
+            // the ids left on the device as targets: log_prob_entropy scores the picks
+            let (mut lp, mut ent) = (gpu.alloc(rows).unwrap(), gpu.alloc(rows).unwrap());
+            gpu.log_prob_entropy(
+                View::whole(&gl),
+                vocab,
+                temperature,
+                &gb.targets,
+                ViewMut::whole(&mut lp),
+                ViewMut::whole(&mut ent),
+            )
+            .unwrap();
+            let mut left = vec![0f32; rows];
+            gpu.download(View::whole(&lp), &mut left).unwrap();
+            for (r, left) in left.iter().enumerate() {
                 let (c, g) = (picked_row(&ch, rows, r), picked_row(&gh, rows, r));
                 assert_eq!(g.0, c.0, "{rows}x{vocab} {rule:?} row {r}");
                 assert!(
@@ -1957,6 +1982,10 @@ fn picked_tokens_match_cpu_in_one_transfer() {
                 assert!(
                     (g.2 - c.2).abs() <= 1e-4 * (1.0 + c.2.abs()),
                     "entropy row {r}: {g:?} vs {c:?}"
+                );
+                assert!(
+                    (left - g.1).abs() <= 1e-4 * (1.0 + g.1.abs()),
+                    "row {r}: the id left on the device scores {left}, the pick {g:?}"
                 );
             }
         }
@@ -1978,6 +2007,46 @@ fn picked_tokens_match_cpu_in_one_transfer() {
         .unwrap_err();
     assert!(err.to_string().contains("NaN"), "{err}");
     gpu.synchronize().unwrap(); // the status word was cleared by the pick
+}
+
+/// Small transfers go through page-locked memory and are queued without waiting: many
+/// uploads of one length back to back (one staging buffer, rewritten while earlier copies
+/// may still be queued) each land their own values; above the staging limit, and for ids
+/// and downloads, the same bytes arrive.
+#[test]
+fn staged_transfers_keep_every_uploads_values() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let mut rng = Rng(31);
+    for n in [1usize, 300, 262_144, 1 << 19] {
+        let hosts: Vec<Vec<f32>> = (0..24).map(|_| rng.vec(n, 5.0)).collect();
+        let mut bufs: Vec<CudaBuffer> = (0..24).map(|_| gpu.alloc(n).unwrap()).collect();
+        for (h, b) in hosts.iter().zip(&mut bufs) {
+            gpu.upload(h, ViewMut::whole(b)).unwrap();
+        }
+        for (h, b) in hosts.iter().zip(&bufs) {
+            let mut back = vec![0f32; n];
+            gpu.download(View::whole(b), &mut back).unwrap();
+            assert_eq!(&back, h, "{n} values");
+        }
+        // ids read back through an embedding of a one-column table whose row r holds r
+        let rows = 2 * n;
+        let table: Vec<f32> = (0..rows).map(|r| r as f32).collect();
+        let dtable = up(&gpu, &table);
+        let ids: Vec<Vec<u32>> = (0..8u32)
+            .map(|k| (0..n as u32).map(|i| (i * 7 + k) % rows as u32).collect())
+            .collect();
+        let mut id_bufs: Vec<CudaIds> = (0..8).map(|_| gpu.alloc_ids(n).unwrap()).collect();
+        for (h, b) in ids.iter().zip(&mut id_bufs) {
+            gpu.upload_ids(h, b).unwrap();
+        }
+        for (h, b) in ids.iter().zip(&id_bufs) {
+            let mut out = gpu.alloc(n).unwrap();
+            gpu.embedding(b, View::whole(&dtable), rows, 1, ViewMut::whole(&mut out))
+                .unwrap();
+            let want: Vec<f32> = h.iter().map(|&i| i as f32).collect();
+            assert_eq!(down(&gpu, &out), want, "{n} ids");
+        }
+    }
 }
 
 #[test]

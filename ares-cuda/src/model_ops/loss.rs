@@ -2,9 +2,51 @@
 //! gradients of the per-token log-prob and entropy (backward), one block per row, no
 //! `[rows, vocab]` temporary.
 
-use super::{ModelOps, bad, check_len, i64_of, mul};
+use super::{ArgOrNull, ModelOps, State, bad, check_len, i64_of, mul, status_result};
 use crate::error::{DriverContext, Result};
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+
+/// The race sampler's settings and keys for [`ModelOps::pick_rows`] (the parameters of
+/// [`ModelOps::sample_race`]).
+#[derive(Debug, Clone, Copy)]
+pub struct RacePick<'k, 'v> {
+    /// `1 / temperature` of the draw.
+    pub inv_t: f32,
+    /// Keep the `top_k` most likely tokens (0: off).
+    pub top_k: u32,
+    /// Keep the most likely tokens holding this much mass, in (0, 1] (1: off).
+    pub top_p: f32,
+    /// Keep the tokens at least this likely relative to the most likely, in [0, 1] (0: off).
+    pub min_p: f32,
+    /// Five key words a row (`ares_cpu::sampler::SampleKey::words`).
+    pub keys: &'k CudaView<'v, u32>,
+}
+
+/// Checks a pick's `vocab` (ids must fit below `u32::MAX`, the "no token" id) and
+/// `1 / temperature`.
+fn check_pick(k: &'static str, vocab: usize, inv_t: f32) -> Result<()> {
+    if vocab == 0 || vocab >= u32::MAX as usize {
+        return Err(bad(k, format!("vocab = {vocab} must be in 1..2^32-1")));
+    }
+    if !(inv_t.is_finite() && inv_t > 0.0) {
+        return Err(bad(
+            k,
+            format!("1/temperature = {inv_t} must be finite and > 0"),
+        ));
+    }
+    Ok(())
+}
+
+/// Checks the race's `top_p` and `min_p`.
+fn check_filters(k: &'static str, top_p: f32, min_p: f32) -> Result<()> {
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(bad(k, format!("top_p = {top_p} must be in (0, 1]")));
+    }
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(bad(k, format!("min_p = {min_p} must be in [0, 1]")));
+    }
+    Ok(())
+}
 
 /// Threads per row.
 const ROW_BLOCK: u32 = 512;
@@ -191,9 +233,7 @@ impl ModelOps {
         out: &mut CudaViewMut<'_, u32>,
     ) -> Result<()> {
         const K: &str = "argmax_rows";
-        if vocab == 0 || vocab >= u32::MAX as usize {
-            return Err(bad(K, format!("vocab = {vocab} must be in 1..2^32-1")));
-        }
+        check_pick(K, vocab, 1.0)?;
         let rows = out.len();
         check_len(
             K,
@@ -236,21 +276,8 @@ impl ModelOps {
         out: &mut CudaViewMut<'_, u32>,
     ) -> Result<()> {
         const K: &str = "sample_race";
-        if vocab == 0 || vocab >= u32::MAX as usize {
-            return Err(bad(K, format!("vocab = {vocab} must be in 1..2^32-1")));
-        }
-        if !(inv_t.is_finite() && inv_t > 0.0) {
-            return Err(bad(
-                K,
-                format!("1/temperature = {inv_t} must be finite and > 0"),
-            ));
-        }
-        if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(bad(K, format!("top_p = {top_p} must be in (0, 1]")));
-        }
-        if !(0.0..=1.0).contains(&min_p) {
-            return Err(bad(K, format!("min_p = {min_p} must be in [0, 1]")));
-        }
+        check_pick(K, vocab, inv_t)?;
+        check_filters(K, top_p, min_p)?;
         let rows = out.len();
         check_len(
             K,
@@ -277,6 +304,94 @@ impl ModelOps {
         // SAFETY: argument order as `sample_race` in model_ops.cu; lengths checked above.
         unsafe { l.launch(cfg) }.during(K)?;
         Ok(())
+    }
+
+    /// A decode step's pick in **one** launch and **one** transfer (`pick_rows` in
+    /// model_ops.cu): each row of `logits` `[rows, vocab]` (rows = `ids.len()`) gets its
+    /// token — greedy ([`ModelOps::argmax_rows`]) when `race` is `None`, else the race
+    /// sampler ([`ModelOps::sample_race`]) with its filters and keys, the same ids as those
+    /// ops — with its log-prob and the entropy of `softmax(logits · inv_t)` (the formulas of
+    /// `log_prob_entropy`, summed in the pick's order), gathered while the pick reads the
+    /// row. The ids stay in `ids` (the next step's input); `dst` (`3·rows + 1` words)
+    /// receives the ids (`u32::MAX` for a row with none), the bits of the log-probs and of
+    /// the entropies, and the status word, which the device clears; `packed` is the device
+    /// staging of the same length. Waits for the queued ops.
+    ///
+    /// # Errors
+    /// Lengths that do not match, `vocab` 0 or ≥ 2³², `inv_t` not finite and > 0, a filter
+    /// out of range (as [`ModelOps::sample_race`]); a driver failure;
+    /// [`Error::DeviceStatus`](crate::Error::DeviceStatus) when a kernel met a bad value
+    /// since the last check (a row with NaN / +∞ or only −∞ sets bit 1, its words NaN).
+    #[allow(clippy::too_many_arguments)] // the kernel's parameters, each checked here
+    pub fn pick_rows(
+        &self,
+        logits: &CudaView<'_, f32>,
+        vocab: usize,
+        inv_t: f32,
+        race: Option<RacePick<'_, '_>>,
+        ids: &mut CudaViewMut<'_, u32>,
+        packed: &mut CudaViewMut<'_, u32>,
+        dst: &mut [u32],
+    ) -> Result<()> {
+        const K: &str = "pick_rows";
+        check_pick(K, vocab, inv_t)?;
+        let rows = ids.len();
+        check_len(
+            K,
+            "logits",
+            mul(K, "rows × vocab", rows, vocab)?,
+            logits.len(),
+        )?;
+        let words = mul(K, "3 × rows", rows, 3)?
+            .checked_add(1)
+            .ok_or_else(|| bad(K, format!("rows = {rows} overflows")))?;
+        check_len(K, "packed", words, packed.len())?;
+        check_len(K, "dst", words, dst.len())?;
+        let (race_inv_t, top_k, top_p, min_p) = match &race {
+            Some(r) => {
+                check_pick(K, vocab, r.inv_t)?;
+                check_filters(K, r.top_p, r.min_p)?;
+                check_len(K, "keys", mul(K, "rows × 5", rows, 5)?, r.keys.len())?;
+                (r.inv_t, r.top_k, r.top_p, r.min_p)
+            }
+            None => (1.0, 0, 1.0, 0.0),
+        };
+        if rows == 0 {
+            dst[0] = 0;
+            return self.synchronize();
+        }
+        let cfg = rows_cfg(K, rows)?;
+        let (v64, r64) = (i64_of(K, "vocab", vocab)?, i64_of(K, "rows", rows)?);
+        let sample = i32::from(race.is_some());
+        {
+            let mut state = self.lock();
+            let State {
+                status,
+                blocks_done,
+                ..
+            } = &mut *state;
+            let mut l = self.stream.launch_builder(&self.f.pick_rows);
+            l.arg(logits)
+                .arg(&v64)
+                .arg(&r64)
+                .arg(&sample)
+                .arg(&race_inv_t)
+                .arg(&top_k)
+                .arg(&top_p)
+                .arg(&min_p)
+                .arg_or_null(race.as_ref().map(|r| r.keys))
+                .arg(&inv_t)
+                .arg(&mut *ids)
+                .arg(status)
+                .arg(blocks_done)
+                .arg(&mut *packed);
+            // SAFETY: argument order as `pick_rows` in model_ops.cu; lengths checked above
+            // (keys only read when `sample`).
+            unsafe { l.launch(cfg) }.during(K)?;
+        }
+        self.staging()
+            .download(&self.stream, &packed.as_view(), dst)?;
+        status_result(dst[words - 1])
     }
 
     /// The race sampler's Gumbel draws of tokens `0..out.len()` for one key (its 5 words):

@@ -594,9 +594,9 @@ impl Backend for CudaBackend {
             .map_err(op("sample_tokens"))
     }
 
-    /// Greedy or the race into `bufs.targets`, log-prob and entropy, then one transfer of
-    /// ids, values and the status word ([`ModelOps::download_picks`]); the keys go up into
-    /// the persistent `bufs.keys`.
+    /// The pick, its log-prob and entropy in one kernel (greedy or the race into
+    /// `bufs.targets`), then one transfer of ids, values and the status word
+    /// ([`ModelOps::pick_rows`]); the keys go up into the persistent `bufs.keys`.
     fn pick_tokens(
         &self,
         logits: Tensor<'_, Self>,
@@ -606,7 +606,6 @@ impl Backend for CudaBackend {
         bufs: &mut PickBuffersOf<Self>,
         host: &mut [u32],
     ) -> Result<()> {
-        // timed in parts: the pick, the log-prob + entropy op, the packed transfer
         const OP: &str = "pick_tokens";
         let rows = bufs.rows();
         BackendError::check_len(
@@ -614,36 +613,36 @@ impl Backend for CudaBackend {
             PickBuffersOf::<Self>::host_len(rows),
             host.len(),
         )?;
-        match rule {
-            PickRule::Greedy => {
-                let _timer = OpTimer::start(self, "pick_tokens: argmax");
-                self.ops
-                    .argmax_rows(&view(logits)?, vocab, &mut ids_mut(&mut bufs.targets)?)
-                    .map_err(op(OP))?;
-            }
+        let inv_t = 1.0 / temperature;
+        let sampler = match rule {
+            PickRule::Greedy => None,
             PickRule::Sample { sampler, keys } => {
+                sampler.check().map_err(|e| BackendError::Op {
+                    op: OP,
+                    source: e.into(),
+                })?;
                 BackendError::check_len("pick_tokens keys", rows, keys.len())?;
                 let words: Vec<u32> = keys.iter().flat_map(SampleKey::words).collect();
                 self.upload_ids(&words, &mut bufs.keys)?;
-                let _timer = OpTimer::start(self, "pick_tokens: sample");
-                let keys = ids(&bufs.keys)?;
-                self.race(OP, logits, vocab, sampler, &keys, &mut bufs.targets)?;
+                Some(sampler)
             }
-        }
-        self.log_prob_entropy(
-            logits,
-            vocab,
-            temperature,
-            &bufs.targets,
-            ViewMut::whole(&mut bufs.log_prob),
-            ViewMut::whole(&mut bufs.entropy),
-        )?;
-        let _timer = OpTimer::start(self, "pick_tokens: download");
+        };
+        let _timer = OpTimer::start(self, "pick_tokens: pick and download");
+        let keys = ids(&bufs.keys)?;
+        let race = sampler.map(|s| ares_cuda::model_ops::RacePick {
+            inv_t: 1.0 / s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            min_p: s.min_p,
+            keys: &keys,
+        });
         self.ops
-            .download_picks(
-                &ids(&bufs.targets)?,
-                &view(View::whole(&bufs.log_prob))?,
-                &view(View::whole(&bufs.entropy))?,
+            .pick_rows(
+                &view(logits)?,
+                vocab,
+                inv_t,
+                race,
+                &mut ids_mut(&mut bufs.targets)?,
                 &mut ids_mut(&mut bufs.packed)?,
                 host,
             )
