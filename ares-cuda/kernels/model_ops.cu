@@ -1242,7 +1242,30 @@ struct AttnArgs {
     const unsigned short* v16;
     const unsigned* cu;         // segment attention (tensor-core kernels): [segments + 1] offsets
     int segments;
+    float* split_ws;            // split-K paged decoding (q_seq = 1): partial states; else NULL
 };
+
+// Split-K (flash-decoding) for paged decoding: a sequence's keys are cut into split_count
+// chunks of whole key tiles, each attended by its own block — so a few long sequences still
+// fill the GPU — and attention_split_combine merges the chunks' softmax states. The plan is a
+// function of the sequence's own length, never of the batch: a sequence's output bits do not
+// depend on which sequences share its step. One chunk (up to SPLIT_MIN_KEYS keys) is the
+// unsplit kernel, writing its output directly, to the bit.
+#define SPLIT_MIN_KEYS 512
+#define SPLIT_MAX 16
+
+__device__ __forceinline__ int split_count(i64 key_end) {
+    const i64 n = (key_end + SPLIT_MIN_KEYS - 1) / SPLIT_MIN_KEYS;
+    return n < 1 ? 1 : n > SPLIT_MAX ? SPLIT_MAX : (int)n;
+}
+
+// Keys a chunk covers: ⌈key_end / n⌉ rounded up to whole tiles, so the chunks' tiles are the
+// unsplit kernel's. In 32 bits (lengths are u32 slots; a 64-bit division is a called
+// routine whose frame would spill).
+__device__ __forceinline__ i64 split_chunk(i64 key_end, int n) {
+    const unsigned c = ((unsigned)key_end + (unsigned)n - 1u) / (unsigned)n;
+    return (i64)((c + KT - 1u) / KT * KT);
+}
 
 // Segment attention on the tensor-core kernels (SEG): batch 1, q_seq = kv_seq = tokens,
 // hq = hkv = heads, and token t sees the keys of its segment [lo, hi) — vision_ops.cu's
@@ -1348,13 +1371,31 @@ __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict
     const i64 rows_bg = a.q_seq * group;
     const i64 tiles = (rows_bg + ROWS - 1) / ROWS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int splits = a.split_ws ? SPLIT_MAX : 1;
 
-    for (i64 blk = blockIdx.x; blk < a.batch * a.hkv * tiles; blk += gridDim.x) {
-        const i64 tile = blk % tiles;
-        const i64 bg = blk / tiles;
-        const int g = (int)(bg % a.hkv);
-        const i64 b = bg / a.hkv;
-        const i64 row0 = tile * ROWS;
+    for (i64 blk = blockIdx.x; blk < a.batch * a.hkv * tiles * splits; blk += gridDim.x) {
+        // split fastest (a constant power of two: no division routine)
+        const int split = a.split_ws ? (int)(blk % SPLIT_MAX) : 0;
+        const i64 rest = a.split_ws ? blk / SPLIT_MAX : blk;
+        // 32-bit: the host keeps batch · kv heads · tiles below 2^32 (a 64-bit division is
+        // a called routine, whose frame spilled)
+        const unsigned tile = (unsigned)rest % (unsigned)tiles;
+        const unsigned bg = (unsigned)rest / (unsigned)tiles;
+        const int g = (int)(bg % (unsigned)a.hkv);
+        const i64 b = bg / (unsigned)a.hkv;
+        const i64 row0 = (i64)tile * ROWS;
+        const i64 pos0 = seq_pos0(a, b);
+        const i64 key_end = causal_key_end(pos0, row0 + ROWS - 1, rows_bg, group);
+        // this block's keys: all of them, or its chunk under split-K
+        i64 key_lo = 0, key_hi = key_end;
+        int nsplit = 1;
+        if (a.split_ws) {
+            nsplit = split_count(key_end);
+            if (split >= nsplit) continue;  // the whole block: b and split are uniform
+            const i64 chunk = split_chunk(key_end, nsplit);
+            key_lo = split * chunk;
+            key_hi = key_lo + chunk < key_end ? key_lo + chunk : key_end;
+        }
         __syncthreads();
         for (int i = threadIdx.x; i < ROWS * d; i += blockDim.x) {
             const i64 r = row0 + i / d;
@@ -1376,10 +1417,8 @@ __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict
 #pragma unroll
             for (int i = 0; i < DPL; i++) acc[rr][i] = 0.0f;
         }
-        const i64 pos0 = seq_pos0(a, b);
-        const i64 key_end = causal_key_end(pos0, row0 + ROWS - 1, rows_bg, group);
-        for (i64 kb = 0; kb < key_end; kb += KT) {
-            stage_kv_tile(a, b, g, kb, key_end, Ks, Vs, kvalid, status);
+        for (i64 kb = key_lo; kb < key_hi; kb += KT) {
+            stage_kv_tile(a, b, g, kb, key_hi, Ks, Vs, kvalid, status);
 #pragma unroll
             for (int rr = 0; rr < RW; rr++) {
                 const int lr = warp * RW + rr;
@@ -1426,6 +1465,23 @@ __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict
             const int h = g * group + (int)(r % group);
             const i64 orow = (b * a.q_seq + t) * a.hq + h;
             const bool any_bad = __any_sync(FULL, bad[rr]);
+            if (nsplit > 1) {
+                // the chunk's state for attention_split_combine: [m, l] per (split, row),
+                // then the unnormalised sums; m NaN marks a non-finite score
+                const i64 rows_all = a.batch * a.q_seq * a.hq;
+                float* ml = a.split_ws + 2 * (split * rows_all + orow);
+                float* sums = a.split_ws + 2 * SPLIT_MAX * rows_all + (split * rows_all + orow) * d;
+                if (lane == 0) {
+                    ml[0] = any_bad ? NAN_F : m[rr];
+                    ml[1] = l[rr];
+                }
+#pragma unroll
+                for (int i = 0; i < DPL; i++) {
+                    const int c = lane + 32 * i;
+                    if (c < d) sums[c] = acc[rr][i];
+                }
+                continue;
+            }
             const bool empty = m[rr] == NEG_INF;
             const float inv = empty || any_bad ? 0.0f : 1.0f / l[rr];
 #pragma unroll
@@ -1443,9 +1499,10 @@ __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict
         NAME(const float* q, const float* k, const float* v, const float* mask, i64 batch,    \
              i64 q_seq, i64 kv_seq, i64 pos0, int hq, int hkv, int d, float scale,             \
              const unsigned* tables, const unsigned* lens, i64 block_size, i64 max_blocks,      \
-             i64 pool_blocks, float* out, float* lse, unsigned* status) {                       \
+             i64 pool_blocks, float* out, float* lse, unsigned* status, float* split_ws) {      \
         AttnArgs a = {q, k, v, mask, batch, q_seq, kv_seq, pos0, hq, hkv, d, scale,           \
-                      tables, lens, block_size, max_blocks, pool_blocks};                      \
+                      tables, lens, block_size, max_blocks, pool_blocks,                       \
+                      nullptr, nullptr, nullptr, 0, split_ws};                                 \
         attention_fwd_impl<DPL, RW>(a, out, lse, status);                                      \
     }
 
@@ -1460,12 +1517,59 @@ ATTN_FWD(attention_fwd_d256, 8, 1)
         NAME(const float* q, const unsigned short* k16, const unsigned short* v16, i64 batch, \
              i64 q_seq, int hq, int hkv, int d, float scale, const unsigned* tables,          \
              const unsigned* lens, i64 block_size, i64 max_blocks, i64 pool_blocks,           \
-             float* out, unsigned* status) {                                                  \
+             float* out, unsigned* status, float* split_ws) {                                 \
         AttnArgs a = {q, nullptr, nullptr, nullptr, batch, q_seq, pool_blocks, 0,             \
                       hq, hkv, d, scale, tables, lens, block_size, max_blocks,                \
-                      pool_blocks, k16, v16};                                                 \
+                      pool_blocks, k16, v16, nullptr, 0, split_ws};                           \
         attention_fwd_impl<DPL, RW>(a, out, nullptr, status);                                 \
     }
+
+// Merges split-K chunks (attention_fwd_impl under split_ws) into the output of the paged
+// decoding rows [batch, 1, hq, d] whose sequence has more than one chunk: with M the
+// chunks' largest max, out = Σ e^(m_i − M)·sums_i / Σ e^(m_i − M)·l_i, chunks in order (so
+// deterministic). No visible key: 0; a chunk's non-finite score: NaN. One warp a row.
+extern "C" __global__ void attention_split_combine(const float* __restrict__ ws,
+                                                   const unsigned* __restrict__ lens, i64 batch,
+                                                   int hq, int d, float* __restrict__ out) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const i64 rows_all = batch * hq;
+    for (i64 row = (i64)blockIdx.x * warps + warp; row < rows_all; row += (i64)gridDim.x * warps) {
+        const i64 b = row / hq;
+        const int n = split_count((i64)lens[b] + 1);
+        if (n == 1) continue;  // written by the forward itself
+        float big = NEG_INF;
+        bool bad = false;
+        for (int i = 0; i < n; i++) {
+            const float m = ws[2 * (i * rows_all + row)];
+            bad |= m != m;
+            big = fmaxf(big, m);
+        }
+        float total = 0.0f;
+        float acc[8];  // head_dim <= 256: 8 dims a lane
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[j] = 0.0f;
+        if (!bad && big != NEG_INF) {
+            for (int i = 0; i < n; i++) {
+                const float m = ws[2 * (i * rows_all + row)];
+                if (m == NEG_INF) continue;
+                const float w = expf(m - big);
+                total = fmaf(w, ws[2 * (i * rows_all + row) + 1], total);
+                const float* sums = ws + 2 * SPLIT_MAX * rows_all + (i * rows_all + row) * d;
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    const int c = lane + 32 * j;
+                    if (c < d) acc[j] = fmaf(w, sums[c], acc[j]);
+                }
+            }
+        }
+        const float inv = bad || big == NEG_INF ? 0.0f : 1.0f / total;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int c = lane + 32 * j;
+            if (c < d) out[row * d + c] = bad ? NAN_F : acc[j] * inv;
+        }
+    }
+}
 
 ATTN_FWD_KV16(attention_fwd_kv16_d64, 2, 2)
 ATTN_FWD_KV16(attention_fwd_kv16_d128, 4, 2)

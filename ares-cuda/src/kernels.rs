@@ -154,6 +154,7 @@ kernel_table! {
             "attention_fwd_mma_d80",
             "attention_fwd_mma_d128"
         ],
+        attention_split_combine: "attention_split_combine",
         attention_bwd_delta: "attention_bwd_delta",
         attention_bwd_delta_bf16: "attention_bwd_delta_bf16",
         /// The tensor-core bf16 backward, per head size (64, 80, 128).

@@ -129,6 +129,8 @@ struct State {
     /// bf16 copies of GEMM operands (grown on demand; reused in stream order, since every
     /// op is queued on the one stream).
     bf16: CudaSlice<u16>,
+    /// The split-K workspace of paged decoding (allocated at its first use, then kept).
+    split_ws: Option<CudaSlice<f32>>,
 }
 
 /// The model's ops on one CUDA device (see the module docs).
@@ -198,6 +200,7 @@ impl ModelOps {
             bf16: stream
                 .alloc_zeros::<u16>(1 << 16)
                 .during("allocating bf16 scratch")?,
+            split_ws: None,
         };
         Ok(Self {
             ctx,

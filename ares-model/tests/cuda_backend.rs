@@ -1341,6 +1341,147 @@ fn kv_cache_and_decode_match_cpu() {
     assert!(e.to_string().contains("cache is full"), "{e}");
 }
 
+/// Split-K paged decoding (tables wider than 512 keys): sequences whose keys make 1 to 16
+/// chunks (lengths 5 … 9 000, the last capped at 16) attended together equal the CPU; each
+/// equals itself attended alone, bit for bit (the plan is the sequence's own); a short
+/// sequence gives the same bits under a narrow table (no split) and a wide one (split-K, one
+/// chunk); bf16 pools alike.
+#[test]
+fn split_k_paged_decode_matches_cpu_and_each_sequence_alone() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(41);
+    let (hq, hkv, bs) = (8usize, 2usize, 16usize);
+    let lens = [5u32, 511, 512, 1000, 3000, 9000];
+    let batch = lens.len();
+    let max_blocks = 9001usize.div_ceil(bs);
+    let pool_blocks = batch * max_blocks;
+    // every sequence's blocks scattered over the pool (7919 is prime to the block count)
+    let tables: Vec<u32> = (0..pool_blocks)
+        .map(|i| ((i * 7919) % pool_blocks) as u32)
+        .collect();
+    for d in [64usize, 128] {
+        let pool = pool_blocks * bs * hkv * d;
+        let (k, v) = (rng.vec(pool, 1.0), rng.vec(pool, 1.0));
+        let bits = |x: &[f32]| -> Vec<u16> {
+            x.iter()
+                .map(|&y| half::bf16::from_f32(y).to_bits())
+                .collect()
+        };
+        let (gk, gv) = (up(&gpu, &k), up(&gpu, &v));
+        let (mut gk16, mut gv16) = (
+            gpu.alloc_half(pool, DType::Bf16).unwrap(),
+            gpu.alloc_half(pool, DType::Bf16).unwrap(),
+        );
+        gpu.upload_half(&bits(&k), ViewMut::whole(&mut gk16))
+            .unwrap();
+        gpu.upload_half(&bits(&v), ViewMut::whole(&mut gv16))
+            .unwrap();
+        let (mut ck16, mut cv16) = (
+            cpu.alloc_half(pool, DType::Bf16).unwrap(),
+            cpu.alloc_half(pool, DType::Bf16).unwrap(),
+        );
+        cpu.upload_half(&bits(&k), ViewMut::whole(&mut ck16))
+            .unwrap();
+        cpu.upload_half(&bits(&v), ViewMut::whole(&mut cv16))
+            .unwrap();
+        let q = rng.vec(batch * hq * d, 1.0);
+        // rows `seqs` of the batch under tables of `width` blocks: (f32, bf16) outputs
+        let gpu_run = |seqs: &[usize], width: usize| -> (Vec<f32>, Vec<f32>) {
+            let n = seqs.len();
+            let host_tables: Vec<u32> = seqs
+                .iter()
+                .flat_map(|&b| tables[b * max_blocks..b * max_blocks + width].to_vec())
+                .collect();
+            let host_len: Vec<u32> = seqs.iter().map(|&b| lens[b]).collect();
+            let (gt, gl) = (up_ids(&gpu, &host_tables), up_ids(&gpu, &host_len));
+            let blocks = || BlockTables {
+                block_size: bs,
+                max_blocks: width,
+                tables: &gt,
+                len: &gl,
+                host_tables: &host_tables,
+                host_len: &host_len,
+            };
+            let qs: Vec<f32> = seqs
+                .iter()
+                .flat_map(|&b| q[b * hq * d..(b + 1) * hq * d].to_vec())
+                .collect();
+            let dims = AttentionDims::new(n, 1, hq, hkv, d);
+            let gq = up(&gpu, &qs);
+            let mut o = up(&gpu, &vec![f32::NAN; n * hq * d]);
+            gpu.paged_attention_decode(
+                dims,
+                View::whole(&gq),
+                PagedKvView {
+                    k: View::whole(&gk),
+                    v: View::whole(&gv),
+                    blocks: blocks(),
+                },
+                ViewMut::whole(&mut o),
+            )
+            .unwrap();
+            let mut o16 = up(&gpu, &vec![f32::NAN; n * hq * d]);
+            gpu.paged_attention_decode_bf16(
+                dims,
+                View::whole(&gq),
+                PagedKvView {
+                    k: View::whole(&gk16),
+                    v: View::whole(&gv16),
+                    blocks: blocks(),
+                },
+                ViewMut::whole(&mut o16),
+            )
+            .unwrap();
+            (down(&gpu, &o), down(&gpu, &o16))
+        };
+        let all: Vec<usize> = (0..batch).collect();
+        let (go, go16) = gpu_run(&all, max_blocks);
+        // the CPU
+        let host_len = lens.to_vec();
+        let blocks = || BlockTables {
+            block_size: bs,
+            max_blocks,
+            tables: &tables,
+            len: &host_len,
+            host_tables: &tables,
+            host_len: &host_len,
+        };
+        let dims = AttentionDims::new(batch, 1, hq, hkv, d);
+        let (mut co, mut co16) = (vec![0.0; q.len()], vec![0.0; q.len()]);
+        let kv = PagedKvView {
+            k: View::whole(&k),
+            v: View::whole(&v),
+            blocks: blocks(),
+        };
+        cpu.paged_attention_decode(dims, View::whole(&q), kv, ViewMut::whole(&mut co))
+            .unwrap();
+        let kv16 = PagedKvView {
+            k: View::whole(&ck16),
+            v: View::whole(&cv16),
+            blocks: blocks(),
+        };
+        cpu.paged_attention_decode_bf16(dims, View::whole(&q), kv16, ViewMut::whole(&mut co16))
+            .unwrap();
+        assert_close(&format!("split-K d{d}"), &go, &co, 1e-4);
+        assert_close(&format!("split-K bf16 pools d{d}"), &go16, &co16, 1e-4);
+        let row = hq * d;
+        for b in 0..batch {
+            let (alone, alone16) = gpu_run(&[b], max_blocks);
+            assert_eq!(alone, go[b * row..(b + 1) * row], "d{d} sequence {b} alone");
+            assert_eq!(
+                alone16,
+                go16[b * row..(b + 1) * row],
+                "d{d} bf16 sequence {b} alone"
+            );
+        }
+        // sequence 0 (5 keys + 1) under one block of 16 keys: no split
+        let (narrow, narrow16) = gpu_run(&[0], 1);
+        assert_eq!(narrow, go[..row], "d{d} narrow table");
+        assert_eq!(narrow16, go16[..row], "d{d} bf16 narrow table");
+    }
+}
+
 /// Paged cache: three sequences of different lengths over a scrambled pool of 4-slot
 /// blocks, appended a prompt each then decoded three steps together; pools and outputs
 /// equal the CPU's, and a block id past the pool is an error naming the tables. The same

@@ -64,6 +64,9 @@ fn main() {
     if only.as_deref().is_none_or(|o| o == "attention") {
         attention(&gpu, runs);
     }
+    if only.as_deref().is_none_or(|o| o == "decode-attention") {
+        decode_attention(&gpu, runs);
+    }
 
     for (precision, copies) in [
         (MatmulPrecision::F32, false),
@@ -365,5 +368,117 @@ fn attention(gpu: &CudaBackend, runs: usize) {
             gpu.synchronize().expect("sync");
         });
         show("bf16 backward (tensor cores)", 2.5 * fwd_flops, t);
+    }
+}
+
+/// Paged decode attention at the Qwen2.5-0.5B head shape (14 query / 2 KV heads of 64,
+/// 16-slot blocks), one query a sequence: a few long sequences (split-K: 16 and 5 chunks a
+/// sequence) and many short ones (one chunk each), f32 and bf16 pools, in GB/s of keys and
+/// values read and as a fraction of the device's copy bandwidth measured in the same run
+/// (bytes read + written by a 1 GiB device-to-device copy: the memory roofline a decode
+/// step's attention can reach).
+fn decode_attention(gpu: &CudaBackend, runs: usize) {
+    use ares_model::backend::{AttentionDims, BlockTables, DType, PagedKvView, View, ViewMut};
+    let copy_gbs = {
+        let n = 1usize << 28; // 1 GiB of f32
+        let src = gpu.ops().alloc(n).expect("alloc");
+        let mut dst = gpu.ops().alloc(n).expect("alloc");
+        let (best, _) = best_and_median(runs.max(5), || {
+            gpu.ops()
+                .stream()
+                .memcpy_dtod(&src, &mut dst)
+                .expect("copy");
+            gpu.synchronize().expect("sync");
+        });
+        2.0 * (n * 4) as f64 / best.as_secs_f64() / 1e9
+    };
+    println!("[decode attention] device copy bandwidth: {copy_gbs:.0} GB/s (read + write)");
+    let (hq, hkv, d, bs) = (14usize, 2usize, 64usize, 16usize);
+    let mut rng = SplitMix::new(13);
+    for (batch, len) in [(4usize, 8192usize), (16, 2048), (128, 500)] {
+        let width = (len + 1).div_ceil(bs);
+        let blocks = batch * width;
+        let pool = blocks * bs * hkv * d;
+        let host: Vec<f32> = (0..pool).map(|_| rng.unit() * 2.0 - 1.0).collect();
+        let bits: Vec<u16> = host
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        let mut kv = gpu.alloc(pool).expect("alloc");
+        gpu.upload(&host, ViewMut::whole(&mut kv)).expect("upload");
+        let mut kv16 = gpu.alloc_half(pool, DType::Bf16).expect("alloc");
+        gpu.upload_half(&bits, ViewMut::whole(&mut kv16))
+            .expect("upload");
+        let tables: Vec<u32> = (0..blocks as u32).collect();
+        let lens = vec![len as u32; batch];
+        let (mut gt, mut gl) = (
+            gpu.alloc_ids(tables.len()).expect("alloc"),
+            gpu.alloc_ids(batch).expect("alloc"),
+        );
+        gpu.upload_ids(&tables, &mut gt).expect("upload");
+        gpu.upload_ids(&lens, &mut gl).expect("upload");
+        let q_host: Vec<f32> = (0..batch * hq * d).map(|_| rng.unit()).collect();
+        let mut q = gpu.alloc(q_host.len()).expect("alloc");
+        gpu.upload(&q_host, ViewMut::whole(&mut q)).expect("upload");
+        let mut out = gpu.alloc(q_host.len()).expect("alloc");
+        let dims = AttentionDims::new(batch, 1, hq, hkv, d);
+        let tables_of = || BlockTables {
+            block_size: bs,
+            max_blocks: width,
+            tables: &gt,
+            len: &gl,
+            host_tables: &tables,
+            host_len: &lens,
+        };
+        let keys = batch * (len + 1) * hkv * d * 2;
+        let plan = if width * bs > 512 {
+            format!(
+                "split-K, {} chunks a sequence",
+                (len + 1).div_ceil(512).min(16)
+            )
+        } else {
+            "one chunk a sequence".to_string()
+        };
+        for bf16 in [false, true] {
+            let (best, median) = best_and_median(runs.max(5), || {
+                if bf16 {
+                    let cache = PagedKvView {
+                        k: View::whole(&kv16),
+                        v: View::whole(&kv16),
+                        blocks: tables_of(),
+                    };
+                    gpu.paged_attention_decode_bf16(
+                        dims,
+                        View::whole(&q),
+                        cache,
+                        ViewMut::whole(&mut out),
+                    )
+                    .expect("paged_attention_decode_bf16");
+                } else {
+                    let cache = PagedKvView {
+                        k: View::whole(&kv),
+                        v: View::whole(&kv),
+                        blocks: tables_of(),
+                    };
+                    gpu.paged_attention_decode(
+                        dims,
+                        View::whole(&q),
+                        cache,
+                        ViewMut::whole(&mut out),
+                    )
+                    .expect("paged_attention_decode");
+                }
+                gpu.synchronize().expect("sync");
+            });
+            let bytes = keys * if bf16 { 2 } else { 4 };
+            let gbs = bytes as f64 / best.as_secs_f64() / 1e9;
+            println!(
+                "[decode attention {batch} × {len} keys, {plan}] {} pools: {:.1} µs best, median {:.1} µs; {gbs:.0} GB/s of keys and values = {:.2} of the copy bandwidth",
+                if bf16 { "bf16" } else { "f32" },
+                best.as_secs_f64() * 1e6,
+                median.as_secs_f64() * 1e6,
+                gbs / copy_gbs,
+            );
+        }
     }
 }

@@ -7,8 +7,9 @@
 //! key rows (dk, dv), each output element written by one warp in a fixed order
 //! (deterministic). Heads of up to 256 dims are supported (three kernel variants).
 
-use super::{ArgOrNull, ModelOps, bad, check_len, grid, i32_of, i64_of, mul, scratch};
+use super::{ArgOrNull, ModelOps, State, bad, check_len, grid, i32_of, i64_of, mul, scratch};
 use crate::error::{DriverContext, Result};
+use crate::launch::NULL;
 use cudarc::driver::{
     CudaFunction, CudaView, CudaViewMut, DeviceRepr, LaunchArgs, LaunchConfig, PushKernelArg,
 };
@@ -33,6 +34,14 @@ pub(super) const MMA_WARPS: usize = 4;
 pub(super) const MMA_ROWS: usize = 64;
 /// Opt-in limit above which a kernel must be allowed more dynamic shared memory.
 const DEFAULT_SMEM: usize = 48 * 1024;
+
+/// Split-K paged decoding (`SPLIT_MIN_KEYS`, `SPLIT_MAX` in model_ops.cu): a sequence's keys
+/// are cut into `⌈keys / SPLIT_MIN_KEYS⌉` chunks, at most `SPLIT_MAX`.
+const SPLIT_MIN_KEYS: usize = 512;
+const SPLIT_MAX: usize = 16;
+/// Floats of the split-K workspace (allocated once, never moved, so captured graphs may keep
+/// its address); a batch whose chunks' states do not fit is attended in several launches.
+const SPLIT_WORKSPACE: usize = 1 << 22;
 
 /// The sizes of an attention call: `batch` sequences of `seq` tokens (for the decode ops:
 /// new tokens per sequence), `q_heads` query heads sharing `kv_heads` key/value heads,
@@ -303,12 +312,20 @@ fn tiled_blocks(
     rows: usize,
     tile: usize,
 ) -> Result<usize> {
-    mul(
+    let blocks = mul(
         k,
         "attention blocks",
         shape.batch * shape.kv_heads,
         rows.div_ceil(tile),
-    )
+    )?;
+    // the forward splits its block index in 32 bits
+    if blocks > u32::MAX as usize {
+        return Err(bad(
+            k,
+            format!("{blocks} attention blocks exceed 2^32 - 1: split the batch"),
+        ));
+    }
+    Ok(blocks)
 }
 
 /// Query rows per (sequence, kv head): the tokens times the query heads of the group.
@@ -375,7 +392,6 @@ impl ModelOps {
                 key_mask,
                 kv_seq: shape.seq,
                 pos0: 0,
-                paged: None,
             },
             out,
             Some(lse),
@@ -498,7 +514,6 @@ impl ModelOps {
                 key_mask: cache.key_mask,
                 kv_seq: cache.max_len,
                 pos0: cache.len - shape.seq,
-                paged: None,
             },
             out,
             None,
@@ -525,14 +540,7 @@ impl ModelOps {
             i64_of(k, "kv slots", a.kv_seq)?,
             i64_of(k, "pos0", a.pos0)?,
         );
-        let (bs64, mb64, pool64) = match a.paged {
-            Some(p) => (
-                i64_of(k, "block_size", p.block_size)?,
-                i64_of(k, "max_blocks", p.max_blocks)?,
-                i64_of(k, "pool blocks", a.kv_seq)?,
-            ),
-            None => (0, 0, 0),
-        };
+        let zero = 0i64; // block_size, max_blocks, pool blocks: contiguous k/v
         let mut state = self.lock();
         let mut l = self.stream.launch_builder(func);
         l.arg(a.q)
@@ -547,14 +555,15 @@ impl ModelOps {
             .arg(&dims.hkv)
             .arg(&dims.d)
             .arg(&shape.scale)
-            .arg_or_null(a.paged.map(|p| p.tables))
-            .arg_or_null(a.paged.map(|p| p.lens))
-            .arg(&bs64)
-            .arg(&mb64)
-            .arg(&pool64)
+            .arg(&NULL)
+            .arg(&NULL)
+            .arg(&zero)
+            .arg(&zero)
+            .arg(&zero)
             .arg(out)
             .arg_or_null(lse)
-            .arg(&mut state.status);
+            .arg(&mut state.status)
+            .arg_or_null(None::<&CudaView<'_, f32>>);
         // SAFETY: argument order as the `ATTN_FWD` kernels; every length was checked
         // against the shape by the caller, and the grid/shared memory match the variant.
         unsafe { l.launch(cfg) }.during(k)?;
@@ -784,22 +793,8 @@ impl ModelOps {
         if dims.q_len == 0 {
             return Ok(());
         }
-        self.attend(
-            K,
-            shape,
-            &dims,
-            Attend {
-                q,
-                k: cache.k,
-                v: cache.v,
-                key_mask: None,
-                kv_seq: blocks,
-                pos0: 0,
-                paged: Some(&cache.blocks),
-            },
-            out,
-            None,
-        )
+        let pools = Pools::F32(cache.k, cache.v);
+        self.paged_decode(K, shape, &dims, q, pools, &cache.blocks, blocks, out)
     }
 
     /// [`ModelOps::paged_attention_decode`] over bf16 pools (twin of
@@ -824,39 +819,139 @@ impl ModelOps {
         if dims.q_len == 0 {
             return Ok(());
         }
+        let pools = Pools::Bf16(cache.k, cache.v);
+        self.paged_decode(K, shape, &dims, q, pools, b, blocks, out)
+    }
+
+    /// The paged forward (`ATTN_FWD` / `ATTN_FWD_KV16`) of checked arguments. Decoding
+    /// steps (one query a sequence) whose tables can hold more than `SPLIT_MIN_KEYS` keys run
+    /// split-K: each sequence's keys in up to `SPLIT_MAX` chunks, a block each, merged by
+    /// `attention_split_combine` — the plan a function of the sequence's own length, and one
+    /// chunk the unsplit kernel to the bit, so a sequence's output does not depend on its
+    /// batch (nor on whether the table's width chose this path). The decision rests on the
+    /// width, not the lengths, so a captured graph stays right as the sequences grow. The
+    /// batch goes in as many launches as the workspace needs.
+    #[allow(clippy::too_many_arguments)] // the checked pieces of both callers
+    fn paged_decode(
+        &self,
+        k: &'static str,
+        shape: AttentionShape,
+        dims: &Dims,
+        q: &CudaView<'_, f32>,
+        pools: Pools<'_, '_>,
+        b: &BlockTablesView<'_, '_>,
+        pool_blocks: usize,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let split = shape.seq == 1 && b.max_blocks.saturating_mul(b.block_size) > SPLIT_MIN_KEYS;
+        let per_seq = shape.seq * shape.q_heads * shape.head_dim;
+        let chunk = if split {
+            let state = SPLIT_MAX * shape.q_heads * (shape.head_dim + 2);
+            (SPLIT_WORKSPACE / state).max(1)
+        } else {
+            shape.batch
+        };
         let rows = WARPS * FWD_ROWS_PER_WARP[dims.class];
-        let grid = tiled_blocks(K, &shape, query_rows(K, &shape)?, rows)?;
-        let func = &self.f.attention_fwd_kv16[dims.class];
-        let cfg = attention_cfg(self, K, func, grid, rows_smem(shape.head_dim, rows, 1))?;
-        let (b64, qs64) = (
-            i64_of(K, "batch", shape.batch)?,
-            i64_of(K, "seq", shape.seq)?,
-        );
+        let func = match pools {
+            Pools::F32(..) => &self.f.attention_fwd[dims.class],
+            Pools::Bf16(..) => &self.f.attention_fwd_kv16[dims.class],
+        };
+        let smem = rows_smem(shape.head_dim, rows, 1);
         let paged = [
-            i64_of(K, "block_size", b.block_size)?,
-            i64_of(K, "max_blocks", b.max_blocks)?,
-            i64_of(K, "pool blocks", blocks)?,
+            i64_of(k, "block_size", b.block_size)?,
+            i64_of(k, "max_blocks", b.max_blocks)?,
+            i64_of(k, "pool blocks", pool_blocks)?,
         ];
-        let mut state = self.lock();
-        let mut l = self.stream.launch_builder(func);
-        l.arg(q)
-            .arg(cache.k)
-            .arg(cache.v)
-            .arg(&b64)
-            .arg(&qs64)
-            .arg(&dims.hq)
-            .arg(&dims.hkv)
-            .arg(&dims.d)
-            .arg(&shape.scale)
-            .arg(b.tables)
-            .arg(b.lens);
-        for a in &paged {
-            l.arg(a);
+        let zero = 0i64;
+        let mut b0 = 0;
+        while b0 < shape.batch {
+            let b1 = (b0 + chunk).min(shape.batch);
+            let part = AttentionShape {
+                batch: b1 - b0,
+                ..shape
+            };
+            let mut grid = tiled_blocks(k, &part, query_rows(k, &part)?, rows)?;
+            if split {
+                grid = mul(k, "split-K blocks", grid, SPLIT_MAX)?;
+            }
+            let cfg = attention_cfg(self, k, func, grid, smem)?;
+            let q = q.slice(b0 * per_seq..b1 * per_seq);
+            let mut out = out.slice_mut(b0 * per_seq..b1 * per_seq);
+            let tables = b.tables.slice(b0 * b.max_blocks..b1 * b.max_blocks);
+            let lens = b.lens.slice(b0..b1);
+            let (b64, qs64) = (
+                i64_of(k, "batch", part.batch)?,
+                i64_of(k, "seq", shape.seq)?,
+            );
+            let mut state = self.lock();
+            if split && state.split_ws.is_none() {
+                state.split_ws = Some(
+                    self.stream
+                        .alloc_zeros::<f32>(SPLIT_WORKSPACE)
+                        .during("allocating the split-K workspace")?,
+                );
+            }
+            let State {
+                status, split_ws, ..
+            } = &mut *state;
+            let mut ws = split_ws.as_mut().filter(|_| split);
+            let mut l = self.stream.launch_builder(func);
+            match pools {
+                Pools::F32(kp, vp) => {
+                    l.arg(&q).arg(kp).arg(vp).arg(&NULL).arg(&b64).arg(&qs64);
+                    l.arg(&paged[2]).arg(&zero);
+                }
+                Pools::Bf16(kp, vp) => {
+                    l.arg(&q).arg(kp).arg(vp).arg(&b64).arg(&qs64);
+                }
+            }
+            l.arg(&dims.hq)
+                .arg(&dims.hkv)
+                .arg(&dims.d)
+                .arg(&shape.scale)
+                .arg(&tables)
+                .arg(&lens);
+            for a in &paged {
+                l.arg(a);
+            }
+            l.arg(&mut out);
+            if let Pools::F32(..) = pools {
+                l.arg(&NULL); // no lse
+            }
+            l.arg(&mut *status);
+            match ws.as_mut() {
+                Some(w) => l.arg(&mut **w),
+                None => l.arg(&NULL),
+            };
+            // SAFETY: argument order as the `ATTN_FWD` / `ATTN_FWD_KV16` kernels (F32: the
+            // paged kernel reads no mask, kv_seq = pool blocks, pos0 unused); lengths
+            // checked by the callers, the slices cut at whole sequences; the workspace holds
+            // SPLIT_MAX states of every row of the part (`chunk`).
+            unsafe { l.launch(cfg) }.during(k)?;
+            if let Some(w) = ws {
+                let warps = 8usize;
+                let cfg = LaunchConfig {
+                    grid_dim: (
+                        grid_of(mul(k, "rows", part.batch, shape.q_heads)?, warps),
+                        1,
+                        1,
+                    ),
+                    block_dim: ((warps * 32) as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut l = self.stream.launch_builder(&self.f.attention_split_combine);
+                l.arg(&*w)
+                    .arg(&lens)
+                    .arg(&b64)
+                    .arg(&dims.hq)
+                    .arg(&dims.d)
+                    .arg(&mut out);
+                // SAFETY: argument order as `attention_split_combine`; the workspace was
+                // written by the launch above for these rows.
+                unsafe { l.launch(cfg) }.during(format!("{k}: split-K combine"))?;
+            }
+            b0 = b1;
         }
-        l.arg(out).arg(&mut state.status);
-        // SAFETY: argument order as the `ATTN_FWD_KV16` kernels; every length was checked
-        // against the shape above, and the grid/shared memory match the variant.
-        unsafe { l.launch(cfg) }.during(K)?;
         Ok(())
     }
 
@@ -1005,6 +1100,18 @@ impl ModelOps {
 }
 
 /// Inputs of the forward launch.
+/// A paged cache's pools as the forward kernels take them.
+#[derive(Clone, Copy)]
+enum Pools<'a, 'b> {
+    F32(&'a CudaView<'b, f32>, &'a CudaView<'b, f32>),
+    Bf16(&'a CudaView<'b, u16>, &'a CudaView<'b, u16>),
+}
+
+/// Blocks of `per_block` rows covering `rows` rows.
+fn grid_of(rows: usize, per_block: usize) -> u32 {
+    grid(rows.div_ceil(per_block))
+}
+
 struct Attend<'a, 'b> {
     q: &'a CudaView<'b, f32>,
     k: &'a CudaView<'b, f32>,
@@ -1014,8 +1121,6 @@ struct Attend<'a, 'b> {
     kv_seq: usize,
     /// Slot of the first query.
     pos0: usize,
-    /// A paged cache instead of contiguous k/v (decoding only).
-    paged: Option<&'a BlockTablesView<'a, 'b>>,
 }
 
 /// The arguments the dq and dk/dv kernels share, in their order (`ATTN_BWD_*`).
@@ -1100,6 +1205,90 @@ pub(crate) struct AttentionGradsMut<'a, 'b> {
 mod tests {
     use super::*;
     use crate::kernels::MODEL_OPS;
+
+    /// `split_count` and `split_chunk` of model_ops.cu, line for line.
+    fn split_plan(key_end: u32) -> (u32, u32) {
+        let n = key_end
+            .div_ceil(SPLIT_MIN_KEYS as u32)
+            .clamp(1, SPLIT_MAX as u32);
+        let chunk = key_end.div_ceil(n).div_ceil(KEY_TILE as u32) * KEY_TILE as u32;
+        (n, chunk)
+    }
+
+    /// The split-K plan: its constants are the kernel's; for every length the chunks are
+    /// whole key tiles (the unsplit kernel's tiles), cover the keys once, none empty; one
+    /// chunk up to `SPLIT_MIN_KEYS` keys, at most `SPLIT_MAX`.
+    #[test]
+    fn split_k_chunks_cover_the_keys_once_in_whole_tiles() {
+        let src = MODEL_OPS.code;
+        assert!(src.contains(&format!("#define SPLIT_MIN_KEYS {SPLIT_MIN_KEYS}\n")));
+        assert!(src.contains(&format!("#define SPLIT_MAX {SPLIT_MAX}\n")));
+        for key_end in 1..=40_000u32 {
+            let (n, chunk) = split_plan(key_end);
+            assert!((1..=SPLIT_MAX as u32).contains(&n));
+            assert_eq!(n == 1, key_end as usize <= SPLIT_MIN_KEYS, "{key_end}");
+            assert_eq!(chunk % KEY_TILE as u32, 0);
+            // chunks [i·chunk, min((i+1)·chunk, key_end)) for i < n
+            assert!(n * chunk >= key_end, "{key_end}: keys left over");
+            assert!((n - 1) * chunk < key_end, "{key_end}: an empty chunk");
+        }
+    }
+
+    /// The combine's merge of chunk states (m, l, unnormalised sums) is the softmax over all
+    /// keys: emulated in f32 with the kernel's steps against an f64 reference.
+    #[test]
+    fn split_k_merge_is_the_whole_softmax() {
+        let mut seed = 7u64;
+        let mut unit = || {
+            seed = seed
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        };
+        for key_end in [513u32, 1000, 3000, 9000] {
+            let scores: Vec<f32> = (0..key_end).map(|_| 8.0 * unit()).collect();
+            let values: Vec<f32> = (0..key_end).map(|_| unit()).collect();
+            let (n, chunk) = split_plan(key_end);
+            // each chunk's online state, as the forward leaves it (m, l, Σ p·v)
+            let states: Vec<(f32, f32, f32)> = (0..n)
+                .map(|i| {
+                    let (lo, hi) = (i * chunk, ((i + 1) * chunk).min(key_end));
+                    let m = scores[lo as usize..hi as usize]
+                        .iter()
+                        .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                    let (mut l, mut acc) = (0.0f32, 0.0f32);
+                    for s in lo..hi {
+                        let p = (scores[s as usize] - m).exp();
+                        l += p;
+                        acc = p.mul_add(values[s as usize], acc);
+                    }
+                    (m, l, acc)
+                })
+                .collect();
+            let big = states.iter().fold(f32::NEG_INFINITY, |a, s| a.max(s.0));
+            let (mut total, mut acc) = (0.0f32, 0.0f32);
+            for &(m, l, a) in &states {
+                let w = (m - big).exp();
+                total = w.mul_add(l, total);
+                acc = w.mul_add(a, acc);
+            }
+            let got = acc * (1.0 / total);
+            let m64 = scores
+                .iter()
+                .fold(f64::NEG_INFINITY, |a, &b| a.max(f64::from(b)));
+            let (mut l64, mut a64) = (0.0f64, 0.0f64);
+            for (s, v) in scores.iter().zip(&values) {
+                let p = (f64::from(*s) - m64).exp();
+                l64 += p;
+                a64 += p * f64::from(*v);
+            }
+            let want = a64 / l64;
+            assert!(
+                (f64::from(got) - want).abs() <= 1e-5 * want.abs().max(1e-2),
+                "{key_end} keys: {got} vs {want}"
+            );
+        }
+    }
 
     /// The launch geometry here must be the one the kernels were instantiated with.
     #[test]
