@@ -371,6 +371,54 @@ fn bf16_attention_runs_on_the_tensor_core_twin() {
     }
 }
 
+/// A prefill from slot 0 under bf16 (≥ 64 tokens, head size 64) runs its attention through
+/// `attention_bf16` — its tokens see only each other, so the tensor-core training forward is
+/// the step's attention — and still fills the KV cache: the decode steps after it (over the
+/// cache, `attention_decode`) give f32's greedy tokens and log-probs within bf16. Under f32
+/// nothing changes (no `attention_bf16`).
+#[test]
+fn bf16_prefill_runs_on_the_tensor_core_twin() {
+    use ares_model::backend::Counting;
+    use ares_model::model::{GenerateRequest, Sampling};
+    let ck = with_head_dim(Checkpoint::load(&fixture("qwen3_tiny")).unwrap(), 64);
+    let mut m = Model::from_checkpoint(Counting::new(CpuBackend), &ck).unwrap();
+    let vocab = m.spec().vocab as u32;
+    let prompt =
+        |len: usize, k: u32| -> Vec<u32> { (0..len as u32).map(|i| (i * 7 + k) % vocab).collect() };
+    let request = GenerateRequest {
+        prompts: vec![prompt(40, 1), prompt(33, 5)],
+        max_new_tokens: 4,
+        eos_ids: vec![],
+        sampling: Sampling::Greedy,
+        seed: 0,
+    };
+    let run = |m: &Model<Counting<CpuBackend>>| {
+        m.backend().take();
+        let out = m.generate(&request).unwrap();
+        let calls = m.backend().take().calls;
+        let count = |op: &str| calls.iter().filter(|&&c| c == op).count();
+        (out, count("attention_bf16"), count("attention_decode"))
+    };
+    let layers = m.spec().layers;
+    let (f32_out, f32_bf16, f32_decode) = run(&m);
+    assert_eq!(f32_bf16, 0);
+    m.set_matmul_precision(MatmulPrecision::Bf16);
+    let (out, bf16_calls, decode_calls) = run(&m);
+    // the prefill's layers on the tensor-core twin, the 3 decode steps over the cache
+    assert_eq!(bf16_calls, layers);
+    assert_eq!(decode_calls, f32_decode - layers);
+    assert_eq!(out.tokens, f32_out.tokens);
+    let worst = out
+        .log_probs
+        .iter()
+        .flatten()
+        .zip(f32_out.log_probs.iter().flatten())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    eprintln!("bf16 prefill: greedy log-prob max |bf16 − f32| {worst:.2e}");
+    assert!(worst > 0.0 && worst < 5e-2, "{worst:e}");
+}
+
 /// The vision tower in bf16 at a head size of the tensor-core kernels (64; windows of 64
 /// patches and one full-attention block over 256): every block's segment attention runs
 /// through `segment_attention_bf16` and its backward `segment_attention_backward_bf16` (the

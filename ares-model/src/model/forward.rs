@@ -269,7 +269,18 @@ impl<B: Backend> Model<B> {
                 be.attention_bf16(attn, qkv(q, k, v, mask), a.att.w()?, a.lse.w()?)?
             }
             None => be.attention(attn, qkv(q, k, v, mask), a.att.w()?, a.lse.w()?)?,
-            Some(cache) => cache.attend(be, l, attn, q, k, v, a.att.w()?)?,
+            Some(cache) => {
+                // a prefill from slot 0 in bf16: its tokens see only each other, so the
+                // tensor-core training forward over them is the step's attention
+                let bf16 = self.attention_in_bf16(attn.batch * attn.seq);
+                match cache.fresh().filter(|_| bf16) {
+                    Some(fresh) => {
+                        fresh.append(be, l, attn, k, v)?;
+                        be.attention_bf16(attn, qkv(q, k, v, mask), a.att.w()?, a.lse.w()?)?
+                    }
+                    None => cache.attend(be, l, attn, q, k, v, a.att.w()?)?,
+                }
+            }
         }
         self.matmul(a.att.r()?, p.o, a.att_proj.w()?)?;
         pair(Target::O, a.att.r()?, a.att_proj.w()?)?;

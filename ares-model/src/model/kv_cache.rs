@@ -38,6 +38,16 @@ impl<B: Backend> StepCache<'_, B> {
             }
         }
     }
+
+    /// The contiguous cache of a prefill from slot 0: its new keys see only each other,
+    /// so [`KvCache::append`] then the training attention over them with the pass's key
+    /// mask is this step's attention (the tensor-core forward can take it).
+    pub(crate) fn fresh(&mut self) -> Option<&mut KvCache<B>> {
+        match self {
+            Self::Contiguous(c) if c.len == 0 => Some(c),
+            _ => None,
+        }
+    }
 }
 
 /// Per-layer KV cache of `batch` sequences of up to `max_len` tokens: keys and values
@@ -148,6 +158,31 @@ impl<B: Backend> KvCache<B> {
         Ok(backend.upload(&self.host_mask, ViewMut::whole(&mut self.mask))?)
     }
 
+    /// Appends layer `layer`'s new keys and values `k_new`, `v_new` `[batch, seq,
+    /// kv_heads, head_dim]` at slots `len..len + seq` (without advancing [`KvCache::len`]).
+    pub(crate) fn append(
+        &mut self,
+        backend: &B,
+        layer: usize,
+        dims: AttentionDims,
+        k_new: Tensor<'_, B>,
+        v_new: Tensor<'_, B>,
+    ) -> Result<(), ModelError> {
+        let n = self.layer_len;
+        backend.kv_cache_append(
+            dims,
+            k_new,
+            v_new,
+            KvCacheViewMut {
+                k: ViewMut::item(&mut self.k, layer, n)?,
+                v: ViewMut::item(&mut self.v, layer, n)?,
+                max_len: self.max_len,
+                len: self.len,
+            },
+        )?;
+        Ok(())
+    }
+
     /// Layer `layer`'s attention step: appends the new keys and values `k_new`, `v_new`
     /// `[batch, seq, kv_heads, head_dim]` at slots `len..len + seq`, then attends `q` over
     /// slots `..len + seq` into `out`. Does not advance [`KvCache::len`]: every layer of a
@@ -163,18 +198,8 @@ impl<B: Backend> KvCache<B> {
         v_new: Tensor<'_, B>,
         out: TensorMut<'_, B>,
     ) -> Result<(), ModelError> {
+        self.append(backend, layer, dims, k_new, v_new)?;
         let n = self.layer_len;
-        backend.kv_cache_append(
-            dims,
-            k_new,
-            v_new,
-            KvCacheViewMut {
-                k: ViewMut::item(&mut self.k, layer, n)?,
-                v: ViewMut::item(&mut self.v, layer, n)?,
-                max_len: self.max_len,
-                len: self.len,
-            },
-        )?;
         backend.attention_decode(
             dims,
             q,
