@@ -64,6 +64,17 @@ pub enum Error {
         /// cuBLAS's status.
         source: cudarc::cublas::result::CublasError,
     },
+    /// A collective made no progress within its limit (another rank died or hangs).
+    #[error(
+        "NCCL {what}: no progress in {secs} s (a rank died or hangs; ARES_COLLECTIVE_TIMEOUT \
+         sets the limit, in seconds)"
+    )]
+    CollectiveTimeout {
+        /// The operation.
+        what: String,
+        /// Seconds waited.
+        secs: u64,
+    },
     /// The on-disk kernel cache could not be written (compiling still worked).
     #[error("kernel cache at {path}: {source}")]
     Cache {

@@ -107,31 +107,123 @@ impl NcclComm {
         self.world
     }
 
-    /// Sums the first `len` values of `values` over the ranks, in place (NCCL's all-reduce,
-    /// in NCCL's order), and waits for it. cudarc orders the call after the kernels that
-    /// wrote `values` on other streams, and theirs after it.
+    /// Sums each of `items` — `(buffer, len, root)`: the first `len` values — over the
+    /// ranks in one NCCL group: an all-reduce where `root` is `None`, a reduce to rank
+    /// `root` otherwise (only the root's buffer holds the sum; ZeRO-1's reduce-scatter of
+    /// buffers of any size). Waits for it (see [`NcclComm::wait`]).
     ///
     /// # Errors
-    /// `len` past the buffer; a CUDA or NCCL failure.
-    pub fn all_reduce_sum_f32(&self, values: &mut CudaSlice<f32>, len: usize) -> Result<()> {
-        if len > values.len() {
-            return Err(Error::BadArgument {
-                kernel: "nccl",
-                message: format!("all-reduce of {len} values in a buffer of {}", values.len()),
-            });
-        }
-        if len == 0 {
-            return Ok(());
+    /// A `len` past its buffer, a root past the world; a CUDA or NCCL failure.
+    pub fn sum_f32_grouped(
+        &self,
+        items: &mut [(&mut CudaSlice<f32>, usize, Option<usize>)],
+    ) -> Result<()> {
+        self.grouped(
+            "sum",
+            items.iter_mut().map(|(b, n, r)| (&mut **b, *n, *r)),
+            |comm, view, root| match root {
+                None => comm.all_reduce_in_place(view, &ReduceOp::Sum).map(drop),
+                Some(r) => comm
+                    .reduce_in_place(view, &ReduceOp::Sum, r as i32)
+                    .map(drop),
+            },
+        )
+    }
+
+    /// Broadcasts each of `items` — `(buffer, len, root)` — from its root to every rank,
+    /// in one NCCL group (ZeRO-1: each rank's updated parameters to the others). Waits.
+    ///
+    /// # Errors
+    /// As [`NcclComm::sum_f32_grouped`].
+    pub fn broadcast_f32_grouped(
+        &self,
+        items: &mut [(&mut CudaSlice<f32>, usize, usize)],
+    ) -> Result<()> {
+        self.grouped(
+            "broadcast",
+            items.iter_mut().map(|(b, n, r)| (&mut **b, *n, Some(*r))),
+            |comm, view, root| {
+                comm.broadcast_in_place(view, root.unwrap_or(0) as i32)
+                    .map(drop)
+            },
+        )
+    }
+
+    /// Runs `op` on each `(buffer, len, root)` between `ncclGroupStart` and `ncclGroupEnd`
+    /// (so NCCL fuses them into few launches: the buckets), then waits.
+    fn grouped<'a>(
+        &self,
+        what: &str,
+        items: impl Iterator<Item = (&'a mut CudaSlice<f32>, usize, Option<usize>)>,
+        op: impl Fn(
+            &Comm,
+            &mut cudarc::driver::CudaViewMut<'_, f32>,
+            Option<usize>,
+        ) -> std::result::Result<(), cudarc::nccl::result::NcclError>,
+    ) -> Result<()> {
+        let items: Vec<_> = items.collect();
+        for (b, n, root) in &items {
+            if *n > b.len() || root.is_some_and(|r| r >= self.world) {
+                return Err(Error::BadArgument {
+                    kernel: "nccl",
+                    message: format!(
+                        "{what} of {n} values in a buffer of {} (root {root:?}, world {})",
+                        b.len(),
+                        self.world
+                    ),
+                });
+            }
         }
         let comm = self
             .comm
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let mut view = values.slice_mut(0..len);
-        comm.0
-            .all_reduce_in_place(&mut view, &ReduceOp::Sum)
-            .map_err(|e| nccl("ncclAllReduce", &e))?;
-        self.stream.synchronize().during("nccl: all-reduce")
+        cudarc::nccl::result::group_start().map_err(|e| nccl("ncclGroupStart", &e))?;
+        let mut failed = None;
+        for (b, n, root) in items {
+            if n == 0 {
+                continue;
+            }
+            let mut view = b.slice_mut(0..n);
+            if let Err(e) = op(&comm.0, &mut view, root) {
+                failed = Some(e);
+                break;
+            }
+        }
+        // the group is closed whatever happened inside it
+        let ended = cudarc::nccl::result::group_end();
+        if let Some(e) = failed {
+            return Err(nccl(&format!("{what} (in a group)"), &e));
+        }
+        ended.map_err(|e| nccl("ncclGroupEnd", &e))?;
+        self.wait(what)
+    }
+
+    /// Waits for NCCL's stream, polling it so that a rank that died or hangs cannot hold
+    /// this one forever: after `ARES_COLLECTIVE_TIMEOUT` seconds (600 by default) the wait
+    /// is an error saying so (the runner then stops, and the TCP meeting names the rank).
+    fn wait(&self, what: &str) -> Result<()> {
+        let timeout = std::env::var("ARES_COLLECTIVE_TIMEOUT")
+            .ok()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(600);
+        let start = std::time::Instant::now();
+        loop {
+            // SAFETY: the stream is alive (owned here); cuStreamQuery only reads its state.
+            let r = unsafe { cudarc::driver::sys::cuStreamQuery(self.stream.cu_stream()) };
+            match r {
+                cudarc::driver::sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                _ => return self.stream.synchronize().during(format!("nccl: {what}")),
+            }
+            if start.elapsed().as_secs() >= timeout {
+                return Err(Error::CollectiveTimeout {
+                    what: what.to_string(),
+                    secs: timeout,
+                });
+            }
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
     }
 
     /// Every rank's `mine`, in rank order: the lengths gathered first, then the bytes

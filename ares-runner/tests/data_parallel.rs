@@ -215,6 +215,15 @@ fn zero_1_shards_the_moments_and_changes_no_bit() {
             );
         }
     }
+    // the ranks' accumulated gradients, reduce-scattered to each buffer's owner: the bits
+    // of the all-reduced run at the same world
+    let sum = "trainer.gradient_sum=ranks";
+    for world in [2, 3] {
+        let (want, _) = outcome_with(dir.path(), &a, world, &[sum]);
+        let (got, _) = outcome_with(dir.path(), &a, world, &[sum, "trainer.zero_stage=1"]);
+        assert_eq!(got.0, want.0, "ranks world {world}: metrics");
+        assert_same_files(&got.1, &want.1, &format!("ranks world {world}"));
+    }
 }
 
 /// `trainer.gradient_sum: ranks`: a world of one is a run without ranks to the bit; more
@@ -399,9 +408,10 @@ fn processes_launched_like_torchrun_equal_threads_and_each_other() {
     let dir = tempfile::tempdir().unwrap();
     let a = assets(&dir.path().join("assets"));
     let mut outcomes = Vec::new();
-    for world in [1, 2] {
-        let run = dir.path().join(format!("procs{world}"));
-        config(&a, &run, &[]);
+    // the third: two processes under ZeRO-1, the gradients reduce-scattered through rank 0
+    for (world, zero) in [(1, 0), (2, 0), (2, 1)] {
+        let run = dir.path().join(format!("procs{world}z{zero}"));
+        config(&a, &run, &[&format!("trainer.zero_stage={zero}")]);
         let outs = launch(&run.with_extension("yaml"), world);
         for (rank, o) in outs.iter().enumerate() {
             let err = String::from_utf8_lossy(&o.stderr);
@@ -410,7 +420,7 @@ fn processes_launched_like_torchrun_equal_threads_and_each_other() {
             // one set of step lines: rank 0's
             assert_eq!(err.contains("step 1/3"), rank == 0, "rank {rank}: {err}");
         }
-        let ck = dir.path().join(format!("procs{world}")).join("checkpoints");
+        let ck = run.join("checkpoints");
         let latest = std::fs::read_dir(&ck)
             .unwrap()
             .map(|e| e.unwrap().path())
@@ -421,8 +431,10 @@ fn processes_launched_like_torchrun_equal_threads_and_each_other() {
             checkpoint_files(&latest),
         ));
     }
-    assert_eq!(outcomes[1].0, outcomes[0].0, "metrics");
-    assert_same_files(&outcomes[1].1, &outcomes[0].1, "processes");
+    for (i, o) in outcomes.iter().enumerate().skip(1) {
+        assert_eq!(o.0, outcomes[0].0, "metrics of launch {i}");
+        assert_same_files(&o.1, &outcomes[0].1, &format!("processes, launch {i}"));
+    }
 }
 
 #[test]

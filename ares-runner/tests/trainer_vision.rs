@@ -711,6 +711,20 @@ fn data_parallel_worlds_give_the_same_bits_with_images() {
     );
 }
 
+/// ZeRO-1 with a trained tower: the language model's gradients reduce-scattered to their
+/// owners, the tower's to every rank (each holds its moments) — world 1's bits.
+#[test]
+fn zero_1_with_images_gives_the_same_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let (plain, zero) = (dir.path().join("plain"), dir.path().join("zero"));
+    std::fs::create_dir_all(&plain).unwrap();
+    std::fs::create_dir_all(&zero).unwrap();
+    let want = data_parallel_outcomes(&plain, &[], &[1]);
+    let got = data_parallel_outcomes(&zero, &["trainer.zero_stage=1"], &[2]);
+    assert_eq!(got[0].0, want[0].0, "metrics");
+    common::assert_same_files(&got[0].1, &want[0].1, "ZeRO-1 at world 2");
+}
+
 /// Multi-turn vision episodes shared out among ranks (an interaction answers each turn)
 /// give the same bits at worlds of 1, 2 and 3, the episode counts summed.
 #[test]

@@ -151,6 +151,33 @@ impl<B: Backend> Model<B> {
         self.refresh_bf16_weights(Some(buffer))
     }
 
+    /// Lets `write` set the trainable buffers on the device (a data-parallel transport that
+    /// moves updated parameters between GPUs), then refreshes the bf16 copies of those it
+    /// reports written.
+    ///
+    /// # Errors
+    /// `write`'s; a written index past the buffers; a backend failure.
+    pub fn write_trainable_on_device(
+        &mut self,
+        write: impl FnOnce(&mut [&mut B::Buffer]) -> Result<Vec<usize>, ModelError>,
+    ) -> Result<(), ModelError> {
+        let mut all = match &mut self.lora {
+            Some(l) => l.params.buffers_mut(),
+            None => self.weights.buffers_mut(),
+        };
+        let count = all.len();
+        let written = write(&mut all)?;
+        for b in written {
+            if b >= count {
+                return Err(ModelError::LayoutMismatch {
+                    what: "trainable buffer index",
+                });
+            }
+            self.refresh_bf16_weights(Some(b))?;
+        }
+        Ok(())
+    }
+
     /// The buffers of the trained parameters: the weights, or with LoRA the pairs.
     pub(crate) fn trainable(&self) -> Vec<&B::Buffer> {
         match &self.lora {

@@ -231,6 +231,52 @@ impl<B: Backend> AdamW<B> {
         lr: f64,
         max_grad_norm: Option<f32>,
     ) -> Result<StepReport, ModelError> {
+        self.step_with_sums(model, grads, extra, lr, max_grad_norm, None)
+    }
+
+    /// Each gradient's `Σ g²` in the order the global norm adds them — the model's
+    /// trainable buffers, then `extra_grads` — or `None` for a buffer another rank owns
+    /// (ZeRO-1), whose summed gradient this rank may not hold: the owners' values complete
+    /// the list for [`AdamW::step_with_sums`].
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn grad_sums(
+        &self,
+        model: &Model<B>,
+        grads: &Grads<B>,
+        extra_grads: &[&B::Buffer],
+    ) -> Result<Vec<Option<f64>>, ModelError> {
+        let be = &model.backend;
+        let mut out = Vec::new();
+        for (i, buffer) in grads.buffers().into_iter().enumerate() {
+            out.push(if self.owns(i) {
+                Some(be.sum_of_squares(View::whole(buffer))?)
+            } else {
+                None
+            });
+        }
+        for g in extra_grads {
+            out.push(Some(be.sum_of_squares(View::whole(*g))?));
+        }
+        Ok(out)
+    }
+
+    /// [`AdamW::step_with`] with the gradients' `Σ g²` given (`sums`, in
+    /// [`AdamW::grad_sums`]'s order; `None`: computed here): a ZeRO-1 rank steps its share
+    /// with the norm of every rank's, added in the same order — the unsharded step's bits.
+    ///
+    /// # Errors
+    /// As [`AdamW::step_with`]; `sums` of another length.
+    pub fn step_with_sums(
+        &mut self,
+        model: &mut Model<B>,
+        grads: &Grads<B>,
+        extra: &mut [ExtraParam<'_, B>],
+        lr: f64,
+        max_grad_norm: Option<f32>,
+        sums: Option<&[f64]>,
+    ) -> Result<StepReport, ModelError> {
         if !(lr.is_finite() && lr >= 0.0) {
             return Err(ModelError::InvalidValue {
                 what: "lr".into(),
@@ -257,10 +303,6 @@ impl<B: Backend> AdamW<B> {
         }
         let be = &model.backend;
         let g = grads.buffers();
-        let mut total = 0.0f64;
-        for buffer in &g {
-            total += be.sum_of_squares(View::whole(*buffer))?;
-        }
         for (i, e) in extra.iter().enumerate() {
             let n = e.param.len();
             if e.grad.len() != n || e.moments.len() != n {
@@ -272,7 +314,23 @@ impl<B: Backend> AdamW<B> {
                     },
                 });
             }
-            total += be.sum_of_squares(View::whole(e.grad))?;
+        }
+        if sums.is_some_and(|s| s.len() != g.len() + extra.len()) {
+            return Err(ModelError::LayoutMismatch {
+                what: "gradient sums (one per trainable buffer and extra parameter)",
+            });
+        }
+        let mut total = 0.0f64;
+        match sums {
+            Some(sums) => sums.iter().for_each(|s| total += s),
+            None => {
+                for buffer in &g {
+                    total += be.sum_of_squares(View::whole(*buffer))?;
+                }
+                for e in extra.iter() {
+                    total += be.sum_of_squares(View::whole(e.grad))?;
+                }
+            }
         }
         let grad_norm = total.sqrt() as f32;
         if !total.is_finite() {

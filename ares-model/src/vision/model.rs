@@ -455,6 +455,23 @@ impl<B: Backend> VlModel<B> {
         lr: f64,
         max_grad_norm: Option<f32>,
     ) -> Result<StepReport, ModelError> {
+        self.optimizer_step_with_sums(opt, lm_grads, vision, lr, max_grad_norm, None)
+    }
+
+    /// [`VlModel::optimizer_step`] with the gradients' `Σ g²` given, the language model's
+    /// buffers then the tower's ([`AdamW::step_with_sums`]).
+    ///
+    /// # Errors
+    /// As [`AdamW::step_with_sums`].
+    pub fn optimizer_step_with_sums(
+        &mut self,
+        opt: &mut AdamW<B>,
+        lm_grads: &Grads<B>,
+        vision: Option<(&mut VisionMoments<B>, &VisionGrads<B>)>,
+        lr: f64,
+        max_grad_norm: Option<f32>,
+        sums: Option<&[f64]>,
+    ) -> Result<StepReport, ModelError> {
         let mut extra = Vec::new();
         if let Some((moments, grads)) = vision {
             let params = self.tower.trainable_mut();
@@ -473,7 +490,7 @@ impl<B: Backend> VlModel<B> {
                 });
             }
         }
-        opt.step_with(&mut self.lm, lm_grads, &mut extra, lr, max_grad_norm)
+        opt.step_with_sums(&mut self.lm, lm_grads, &mut extra, lr, max_grad_norm, sums)
     }
 
     /// Adds fresh LoRA pairs (PEFT's default initialisation, `A` drawn from `seed`) to the

@@ -372,6 +372,30 @@ impl Collective for TcpRanks {
     }
 
     fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        self.exchange(mine, false)
+    }
+
+    /// Routed through rank 0: each rank receives its own parts only.
+    fn all_to_all(&self, parts: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        if parts.len() != self.world {
+            return Err(CollectiveError::Mismatch {
+                rank: self.rank,
+                what: format!("all_to_all: {} parts for {} ranks", parts.len(), self.world),
+            });
+        }
+        let mut w = wire::Writer::default();
+        for p in &parts {
+            w.bytes(p);
+        }
+        self.exchange(w.finish(), true)
+    }
+}
+
+impl TcpRanks {
+    /// One operation through rank 0: every rank sends `mine`; rank 0 sends back every
+    /// rank's bytes (`all_gather`), or — `routed`, each `mine` a list of `world` parts —
+    /// part `s` of every rank to rank `s` (`all_to_all`). The result in rank order.
+    fn exchange(&self, mine: Vec<u8>, routed: bool) -> Result<Vec<Vec<u8>>, CollectiveError> {
         let rank = self.rank;
         let mut guard = self
             .links
@@ -380,8 +404,19 @@ impl Collective for TcpRanks {
         let (round, links) = &mut *guard;
         *round += 1;
         let round = *round - 1;
-        if self.world == 1 {
-            return Ok(vec![mine]);
+        let world = self.world;
+        // a routed list of `world` parts
+        let split = |bytes: &[u8]| -> Result<Vec<Vec<u8>>, CollectiveError> {
+            let mut r = wire::Reader::new(bytes);
+            let parts = (0..world)
+                .map(|_| r.bytes().map(<[u8]>::to_vec))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| e.at(rank))?;
+            r.end().map_err(|e| e.at(rank))?;
+            Ok(parts)
+        };
+        if world == 1 {
+            return if routed { split(&mine) } else { Ok(vec![mine]) };
         }
         let lost = |gone: usize, e: std::io::Error| {
             if matches!(
@@ -413,31 +448,40 @@ impl Collective for TcpRanks {
                 }
             }
         };
+        let encode = |all: &[&[u8]]| {
+            let mut w = wire::Writer::default();
+            for b in all {
+                w.bytes(b);
+            }
+            w.finish()
+        };
         if rank == 0 {
             let mut all = vec![mine];
             for (i, s) in links.iter_mut().enumerate() {
                 all.push(read_frame(s).map_err(|e| lost(i + 1, e))?);
             }
-            let mut w = wire::Writer::default();
-            for b in &all {
-                w.bytes(b);
+            if !routed {
+                let msg = encode(&all.iter().map(Vec::as_slice).collect::<Vec<_>>());
+                for (i, s) in links.iter_mut().enumerate() {
+                    write_frame(s, &msg).map_err(|e| lost(i + 1, e))?;
+                }
+                return Ok(all);
             }
-            let msg = w.finish();
+            // every rank's parts, then each destination's column
+            let parts = all
+                .iter()
+                .map(|b| split(b))
+                .collect::<Result<Vec<_>, _>>()?;
             for (i, s) in links.iter_mut().enumerate() {
-                write_frame(s, &msg).map_err(|e| lost(i + 1, e))?;
+                let column: Vec<&[u8]> = parts.iter().map(|p| p[i + 1].as_slice()).collect();
+                write_frame(s, &encode(&column)).map_err(|e| lost(i + 1, e))?;
             }
-            return Ok(all);
+            return Ok(parts.iter().map(|p| p[0].clone()).collect());
         }
         let s = &mut links[0];
         write_frame(s, &mine).map_err(|e| lost(0, e))?;
         let msg = read_frame(s).map_err(|e| lost(0, e))?;
-        let mut r = wire::Reader::new(&msg);
-        let all = (0..self.world)
-            .map(|_| r.bytes().map(<[u8]>::to_vec))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| e.at(rank))?;
-        r.end().map_err(|e| e.at(rank))?;
-        Ok(all)
+        split(&msg)
     }
 }
 
@@ -564,6 +608,39 @@ mod tests {
         });
         let want = vec![vec![0u8; 19], vec![1u8; 20], vec![2u8; 21]];
         assert!(out.iter().all(|o| o == &want));
+    }
+
+    /// `all_to_all` routed through rank 0: rank `s` receives part `s` of every rank, in
+    /// rank order, interleaved with gathers; a wrong part count is an error.
+    #[test]
+    fn ranks_over_tcp_route_each_part_to_its_rank() {
+        let port = free_port();
+        let out: Vec<Vec<Vec<u8>>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|r| {
+                    s.spawn(move || {
+                        let c = TcpRanks::connect(&launch(r, 3, port)).unwrap();
+                        let mut last = Vec::new();
+                        for k in 0..5u8 {
+                            let parts = (0..3)
+                                .map(|d| vec![10 * r as u8 + d as u8; usize::from(k) + d])
+                                .collect();
+                            last = c.all_to_all(parts).unwrap();
+                            assert_eq!(c.all_gather(vec![k]).unwrap(), vec![vec![k]; 3]);
+                        }
+                        assert!(c.all_to_all(vec![vec![]]).is_err());
+                        last
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (d, got) in out.iter().enumerate() {
+            let want: Vec<Vec<u8>> = (0..3)
+                .map(|r| vec![10 * r as u8 + d as u8; 4 + d])
+                .collect();
+            assert_eq!(got, &want, "rank {d}");
+        }
     }
 
     #[test]

@@ -96,14 +96,61 @@ pub trait Collective: Send + Sync {
     /// A rank that stopped or timed out; a transport failure.
     fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, CollectiveError>;
 
-    /// Sums `buffer` (a backend's f32 buffer, [`DeviceBuffer::as_any_mut`]) over the ranks
-    /// in place on its device, in the transport's own order; `None` when this transport
-    /// cannot reach that buffer (the caller then sums through the host).
+    /// Part `s` of every rank's `parts` (one per rank) to rank `s`: what this rank receives,
+    /// in rank order. The default gathers every part everywhere (right on any transport); a
+    /// transport that can route overrides it, so each rank receives its own parts only.
+    ///
+    /// # Errors
+    /// A part count other than the world; as [`Collective::all_gather`].
+    fn all_to_all(&self, parts: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>, CollectiveError> {
+        let (rank, world) = (self.rank(), self.world());
+        if parts.len() != world {
+            return Err(CollectiveError::Mismatch {
+                rank,
+                what: format!("all_to_all: {} parts for {world} ranks", parts.len()),
+            });
+        }
+        let mut w = wire::Writer::default();
+        for p in &parts {
+            w.bytes(p);
+        }
+        let all = self.all_gather(w.finish())?;
+        let mut out = Vec::with_capacity(world);
+        for bytes in &all {
+            let mut r = wire::Reader::new(bytes);
+            let mut mine = None;
+            for s in 0..world {
+                let part = r.bytes().map_err(|e| e.at(rank))?;
+                if s == rank {
+                    mine = Some(part.to_vec());
+                }
+            }
+            r.end().map_err(|e| e.at(rank))?;
+            out.push(mine.unwrap_or_default());
+        }
+        Ok(out)
+    }
+
+    /// Sums each of `buffers` (a backend's f32 buffers, [`DeviceBuffer::as_any_mut`]) over
+    /// the ranks in place on their device, in the transport's own order and as one group:
+    /// to every rank where the root is `None`, to the root rank alone otherwise (ZeRO-1's
+    /// reduce-scatter: the other ranks' copies are then unspecified). `None` when this
+    /// transport cannot reach those buffers (the caller then sums through the host).
     ///
     /// [`DeviceBuffer::as_any_mut`]: crate::backend::DeviceBuffer::as_any_mut
-    fn all_reduce_sum_device(
+    fn sum_device(
         &self,
-        _buffer: &mut dyn std::any::Any,
+        _buffers: &mut [(&mut dyn std::any::Any, Option<usize>)],
+    ) -> Option<Result<(), CollectiveError>> {
+        None
+    }
+
+    /// Broadcasts each of `buffers` from its root rank to every rank, on their device, as
+    /// one group; `None` when this transport cannot reach them (see
+    /// [`Collective::sum_device`]).
+    fn broadcast_device(
+        &self,
+        _buffers: &mut [(&mut dyn std::any::Any, usize)],
     ) -> Option<Result<(), CollectiveError>> {
         None
     }
@@ -261,15 +308,132 @@ impl Ranks {
         self.ordered_sum(&[values.to_vec()], values)
     }
 
-    /// [`Collective::all_reduce_sum_device`] of `buffer`, counted as traffic; `None` when
-    /// the transport cannot sum it on its device.
-    pub fn all_reduce_sum_device(
+    /// [`Ranks::ordered_sum`] as a reduce-scatter: `out` is cut into consecutive `spans`
+    /// (`(len, holder)`), and each rank receives — and sums, in the same order, to the same
+    /// bits — only the spans it holds; the others are left 0. Where a transport routes
+    /// ([`Collective::all_to_all`]) each rank sends every part once and receives only its
+    /// share: ZeRO-1's gradient exchange.
+    ///
+    /// # Errors
+    /// Spans that do not cover `out`, a part of another length; a collective failure.
+    pub fn ordered_sum_held(
         &self,
-        buffer: &mut impl crate::backend::DeviceBuffer,
-    ) -> Option<Result<(), CollectiveError>> {
-        let sent = buffer.len() as u64 * 4;
+        parts: &[Vec<f32>],
+        spans: &[(usize, Holder)],
+        out: &mut [f32],
+    ) -> Result<(), CollectiveError> {
+        let (rank, world) = (self.rank(), self.world());
+        let mismatch = |what: String| CollectiveError::Mismatch { rank, what };
+        if spans.iter().map(|s| s.0).sum::<usize>() != out.len() {
+            return Err(mismatch(format!(
+                "ordered_sum_held: spans of {} values for {}",
+                spans.iter().map(|s| s.0).sum::<usize>(),
+                out.len()
+            )));
+        }
+        if let Some(p) = parts.iter().find(|p| p.len() != out.len()) {
+            return Err(mismatch(format!(
+                "ordered_sum_held: a part of {} values, expected {}",
+                p.len(),
+                out.len()
+            )));
+        }
+        // the spans `r` holds, as ranges of `out`
+        let held = |r: usize| {
+            let mut at = 0;
+            spans
+                .iter()
+                .filter_map(move |&(len, h)| {
+                    let range = at..at + len;
+                    at += len;
+                    h.holds(r).then_some(range)
+                })
+                .collect::<Vec<_>>()
+        };
+        let sends: Vec<Vec<u8>> = (0..world)
+            .map(|r| {
+                let mut w = wire::Writer::default();
+                w.u64(parts.len() as u64);
+                let ranges = held(r);
+                for p in parts {
+                    let values: Vec<f32> = ranges
+                        .iter()
+                        .flat_map(|g| p[g.clone()].iter().copied())
+                        .collect();
+                    w.f32s(&values);
+                }
+                w.finish()
+            })
+            .collect();
+        let sent = sends.iter().map(|b| b.len() as u64).sum();
         let t = Instant::now();
-        let out = self.0.all_reduce_sum_device(buffer.as_any_mut()?)?;
+        let received = self.0.all_to_all(sends);
+        self.count(t, sent);
+        let received = received?;
+        let mine = held(rank);
+        let n: usize = mine.iter().map(ExactSizeIterator::len).sum();
+        let mut sum = vec![0.0f32; n];
+        let mut first = true;
+        for bytes in &received {
+            let mut r = wire::Reader::new(bytes);
+            let k = r.u64().map_err(|e| e.at(rank))?;
+            for _ in 0..k {
+                let values = r.f32_slice(n).map_err(|e| e.at(rank))?;
+                if first {
+                    // 0 + x = x, but −0 would become +0: start from the first part itself
+                    values.write_to(&mut sum);
+                    first = false;
+                } else {
+                    values.add_to(&mut sum);
+                }
+            }
+            r.end().map_err(|e| e.at(rank))?;
+        }
+        out.fill(0.0);
+        let mut at = 0;
+        for g in mine {
+            let len = g.len();
+            out[g].copy_from_slice(&sum[at..at + len]);
+            at += len;
+        }
+        Ok(())
+    }
+
+    /// [`Collective::sum_device`] of `buffers`, counted as traffic; `None` when the
+    /// transport cannot sum them on their device.
+    pub fn sum_device<D: crate::backend::DeviceBuffer>(
+        &self,
+        buffers: &mut [(&mut D, Option<usize>)],
+    ) -> Option<Result<(), CollectiveError>> {
+        let sent = buffers.iter().map(|(b, _)| b.len() as u64 * 4).sum();
+        let mut any = Vec::with_capacity(buffers.len());
+        for (b, root) in buffers.iter_mut() {
+            any.push((b.as_any_mut()?, *root));
+        }
+        let t = Instant::now();
+        let out = self.0.sum_device(&mut any)?;
+        self.count(t, sent);
+        Some(out)
+    }
+
+    /// [`Collective::broadcast_device`] of `buffers`, counted as traffic (the roots' bytes);
+    /// `None` when the transport cannot reach them.
+    pub fn broadcast_device<D: crate::backend::DeviceBuffer>(
+        &self,
+        buffers: &mut [(&mut D, usize)],
+    ) -> Option<Result<(), CollectiveError>> {
+        let rank = self.rank();
+        let sent = buffers
+            .iter()
+            .filter(|(_, root)| *root == rank)
+            .map(|(b, _)| b.len() as u64 * 4)
+            .sum();
+        let mut any = Vec::with_capacity(buffers.len());
+        for (b, root) in buffers.iter_mut() {
+            any.push((b.as_any_mut()?, *root));
+        }
+        let t = Instant::now();
+        let out = self.0.broadcast_device(&mut any)?;
         self.count(t, sent);
         Some(out)
     }
@@ -328,6 +492,25 @@ impl Ranks {
             r.end().map_err(|e| e.at(rank))?;
         }
         Ok(())
+    }
+}
+
+/// Which ranks need the sum of a span of values ([`Ranks::ordered_sum_held`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Holder {
+    /// Every rank (a vision tower's gradients under ZeRO-1).
+    All,
+    /// One rank (the owner of a buffer's optimizer state).
+    Rank(usize),
+}
+
+impl Holder {
+    /// Whether `rank` needs the span.
+    fn holds(self, rank: usize) -> bool {
+        match self {
+            Holder::All => true,
+            Holder::Rank(r) => r == rank,
+        }
     }
 }
 

@@ -4,6 +4,7 @@
 //! transport's, so those do not depend on the transport; `trainer.gradient_sum: ranks`
 //! sums the gradient buffers on the device instead (NCCL's all-reduce, in its own order).
 
+use crate::backend::cuda::CudaBuffer;
 use crate::backend::cuda::nccl::{NcclComm, unique_id};
 
 use super::launch::{LaunchEnv, TcpRanks};
@@ -54,6 +55,16 @@ impl NcclRanks {
     }
 }
 
+impl NcclRanks {
+    /// An NCCL failure as this rank's transport error.
+    fn failed(&self, e: &dyn std::fmt::Display) -> CollectiveError {
+        CollectiveError::Transport {
+            rank: self.comm.rank(),
+            what: format!("NCCL: {e}"),
+        }
+    }
+}
+
 impl Collective for NcclRanks {
     fn rank(&self) -> usize {
         self.comm.rank()
@@ -63,18 +74,26 @@ impl Collective for NcclRanks {
         self.comm.world()
     }
 
-    fn all_reduce_sum_device(
+    fn sum_device(
         &self,
-        buffer: &mut dyn std::any::Any,
+        buffers: &mut [(&mut dyn std::any::Any, Option<usize>)],
     ) -> Option<Result<(), CollectiveError>> {
-        let b = buffer.downcast_mut::<crate::backend::cuda::CudaBuffer>()?;
-        Some(
-            b.nccl_all_reduce_sum(&self.comm)
-                .map_err(|e| CollectiveError::Transport {
-                    rank: self.comm.rank(),
-                    what: format!("NCCL: {e}"),
-                }),
-        )
+        let mut items = Vec::with_capacity(buffers.len());
+        for (b, root) in buffers.iter_mut() {
+            items.push((b.downcast_mut::<CudaBuffer>()?, *root));
+        }
+        Some(CudaBuffer::nccl_sum(&self.comm, &mut items).map_err(|e| self.failed(&e)))
+    }
+
+    fn broadcast_device(
+        &self,
+        buffers: &mut [(&mut dyn std::any::Any, usize)],
+    ) -> Option<Result<(), CollectiveError>> {
+        let mut items = Vec::with_capacity(buffers.len());
+        for (b, root) in buffers.iter_mut() {
+            items.push((b.downcast_mut::<CudaBuffer>()?, *root));
+        }
+        Some(CudaBuffer::nccl_broadcast(&self.comm, &mut items).map_err(|e| self.failed(&e)))
     }
 
     fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, CollectiveError> {

@@ -257,6 +257,58 @@ mod tests {
         }
     }
 
+    /// The reduce-scatter: each rank's held spans are `ordered_sum`'s bits, the rest 0,
+    /// whatever the world; spans held by every rank reach every rank.
+    #[test]
+    fn held_sums_are_the_ordered_sums_of_each_ranks_spans() {
+        use super::super::Holder;
+        let values = |i: usize| -> Vec<f32> {
+            (0..9)
+                .map(|j| 1.0 / (1.0 + (i * 5 + j) as f32) * 1e3f32.powi(i as i32 % 3))
+                .collect()
+        };
+        for world in [1usize, 2, 3, 4] {
+            let spans = [
+                (2, Holder::Rank(0)),
+                (3, Holder::Rank(world - 1)),
+                (1, Holder::All),
+                (3, Holder::Rank(world / 2)),
+            ];
+            let results: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+                let handles: Vec<_> = group(world)
+                    .into_iter()
+                    .map(|r| {
+                        s.spawn(move || {
+                            let mine: Vec<Vec<f32>> = (0..6)
+                                .filter(|&i| r.owner(i, 6) == r.rank())
+                                .map(values)
+                                .collect();
+                            let (mut whole, mut held) = (vec![0.0; 9], vec![7.0; 9]);
+                            r.ordered_sum(&mine, &mut whole).unwrap();
+                            r.ordered_sum_held(&mine, &spans, &mut held).unwrap();
+                            (whole, held)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (rank, (whole, held)) in results.iter().enumerate() {
+                let mut at = 0;
+                for &(len, h) in &spans {
+                    for i in at..at + len {
+                        let want = if h.holds(rank) { whole[i] } else { 0.0 };
+                        assert_eq!(
+                            held[i].to_bits(),
+                            want.to_bits(),
+                            "world {world} rank {rank} [{i}]"
+                        );
+                    }
+                    at += len;
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_failed_unit_stops_every_rank_with_its_message() {
         let errors: Vec<String> = std::thread::scope(|s| {

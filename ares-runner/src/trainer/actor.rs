@@ -310,10 +310,11 @@ impl<B: Backend> Actor<B> {
         }
     }
 
-    /// One AdamW step (the tower's parameters too when `tower` is given).
+    /// One AdamW step (the tower's parameters too when `tower` is given), with the
+    /// gradients' `Σ g²` given under ZeRO-1 (`sums`, [`AdamW::step_with_sums`]).
     ///
     /// # Errors
-    /// As [`AdamW::step_with`].
+    /// As [`AdamW::step_with_sums`].
     pub fn optimizer_step(
         &mut self,
         opt: &mut AdamW<B>,
@@ -321,12 +322,13 @@ impl<B: Backend> Actor<B> {
         tower: Option<&mut TowerTraining<B>>,
         lr: f64,
         max_grad_norm: Option<f32>,
+        sums: Option<&[f64]>,
     ) -> Result<StepReport, ModelError> {
         match self {
-            Actor::Text(m) => opt.step(m, grads, lr, max_grad_norm),
+            Actor::Text(m) => opt.step_with_sums(m, grads, &mut [], lr, max_grad_norm, sums),
             Actor::Vision(m) => {
                 let tower = tower.map(|t| (&mut t.moments, &t.grads));
-                m.optimizer_step(opt, grads, tower, lr, max_grad_norm)
+                m.optimizer_step_with_sums(opt, grads, tower, lr, max_grad_norm, sums)
             }
         }
     }

@@ -149,6 +149,7 @@ pub fn sft_step<B: Backend>(
         opt.tower.as_mut(),
         lr,
         max_grad_norm,
+        None,
     )?;
     Ok(SftStep {
         loss: nll / total as f64,

@@ -150,15 +150,49 @@ impl DeviceBuffer for CudaBuffer {
 }
 
 impl CudaBuffer {
-    /// Sums this buffer over the ranks of `comm`, in place, on the device (NCCL's
-    /// all-reduce: its order, not rank order).
+    /// Sums each of `items` over the ranks of `comm` in place, on the device, in one NCCL
+    /// group: to every rank where the root is `None` (all-reduce), to the root alone
+    /// otherwise (ZeRO-1's reduce-scatter). NCCL's order, not rank order.
     ///
     /// # Errors
-    /// NCCL's or CUDA's failure.
-    pub fn nccl_all_reduce_sum(&mut self, comm: &ares_cuda::nccl::NcclComm) -> Result<()> {
-        comm.all_reduce_sum_f32(&mut self.slice, self.len)
+    /// A root past the world; NCCL's or CUDA's failure.
+    pub fn nccl_sum(
+        comm: &ares_cuda::nccl::NcclComm,
+        items: &mut [(&mut CudaBuffer, Option<usize>)],
+    ) -> Result<()> {
+        let mut slices: Vec<_> = items
+            .iter_mut()
+            .map(|(b, root)| {
+                let len = b.len;
+                (&mut b.slice, len, *root)
+            })
+            .collect();
+        comm.sum_f32_grouped(&mut slices)
             .map_err(|e| BackendError::Op {
-                op: "nccl all-reduce",
+                op: "nccl sum",
+                source: Box::new(e),
+            })
+    }
+
+    /// Broadcasts each of `items` from its root rank to every rank of `comm`, on the
+    /// device, in one NCCL group (ZeRO-1's exchange of updated parameters).
+    ///
+    /// # Errors
+    /// A root past the world; NCCL's or CUDA's failure.
+    pub fn nccl_broadcast(
+        comm: &ares_cuda::nccl::NcclComm,
+        items: &mut [(&mut CudaBuffer, usize)],
+    ) -> Result<()> {
+        let mut slices: Vec<_> = items
+            .iter_mut()
+            .map(|(b, root)| {
+                let len = b.len;
+                (&mut b.slice, len, *root)
+            })
+            .collect();
+        comm.broadcast_f32_grouped(&mut slices)
+            .map_err(|e| BackendError::Op {
+                op: "nccl broadcast",
                 source: Box::new(e),
             })
     }

@@ -18,8 +18,8 @@ pub type Metrics = std::collections::BTreeMap<String, f64>;
 use crate::backend::{Backend, DeviceBuffer, View, ViewMut};
 use crate::config::GradientSum;
 use crate::model::{Activations, AdamW, Grads};
-use crate::parallel::Ranks;
 use crate::parallel::wire::{Reader, Writer};
+use crate::parallel::{Holder, Ranks};
 use crate::trainer::TrainError;
 use crate::trainer::collect::batch::Batch;
 use crate::trainer::collect::tokens::gather_rows;
@@ -195,30 +195,38 @@ fn grads_from_host<B: Backend>(
 }
 
 /// Sums `opt`'s gradients over `ranks` on the device when the transport can (NCCL on
-/// GPUs); `false` when it cannot, and nothing was summed.
+/// GPUs), in one group: each buffer to every rank, or under ZeRO-1 (`spans`) to its owner
+/// alone; `false` when it cannot, and nothing was summed.
 fn sum_on_device<B: Backend>(
     ranks: &Ranks,
     be: &B,
     opt: &mut Optimizer<B>,
+    spans: Option<&[(usize, Holder)]>,
 ) -> Result<bool, TrainError> {
     let mut all = opt.grads.buffers_mut();
     if let Some(t) = &mut opt.tower {
         all.extend(t.grads.buffers_mut());
     }
-    // the backward's kernels first (cudarc also orders the streams)
+    let mut items: Vec<(&mut B::Buffer, Option<usize>)> = all
+        .into_iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let root = match spans.and_then(|s| s.get(i)) {
+                Some(&(_, Holder::Rank(r))) => Some(r),
+                _ => None,
+            };
+            (b, root)
+        })
+        .collect();
+    // the backward's kernels first (NCCL runs on its own stream)
     be.synchronize()?;
-    for (i, b) in all.into_iter().enumerate() {
-        match ranks.all_reduce_sum_device(b) {
-            Some(r) => r?,
-            None if i == 0 => return Ok(false),
-            None => {
-                return Err(TrainError::Internal(
-                    "a transport summed some gradient buffers on the device and not others".into(),
-                ));
-            }
+    match ranks.sum_device(&mut items) {
+        Some(r) => {
+            r?;
+            Ok(true)
         }
+        None => Ok(false),
     }
-    Ok(true)
 }
 
 /// What one mini-batch's forward and backward passes gave.
@@ -441,13 +449,32 @@ impl<B: Backend> Update<'_, B> {
         if micros_learned == 0 {
             return Ok(MiniBatch::Empty);
         }
+        // ZeRO-1: each rank receives the sums of the buffers it updates (and the tower's)
+        let tower: Vec<usize> = opt
+            .tower
+            .as_ref()
+            .map(|t| t.grads.buffers().iter().map(|b| b.len()).collect())
+            .unwrap_or_default();
+        let spans = zero::gradient_spans(ranks, &opt.adamw, &opt.grads, &tower);
         if slices_mode {
             let mut total = vec![0.0f32; grads_len(opt)];
-            ranks.ordered_sum(&slices, &mut total)?;
+            match &spans {
+                Some(spans) => ranks.ordered_sum_held(&slices, spans, &mut total)?,
+                None => ranks.ordered_sum(&slices, &mut total)?,
+            }
             grads_from_host(actor.backend(), opt, &total)?;
-        } else if ranks.world() > 1 && !sum_on_device(ranks, actor.backend(), opt)? {
+        } else if ranks.world() > 1
+            && !sum_on_device(ranks, actor.backend(), opt, spans.as_deref())?
+        {
             let mut total = grads_to_host(actor.backend(), opt)?;
-            ranks.all_reduce_sum(&mut total)?;
+            match &spans {
+                Some(spans) => {
+                    let mine = [std::mem::take(&mut total)];
+                    total = vec![0.0f32; mine[0].len()];
+                    ranks.ordered_sum_held(&mine, spans, &mut total)?;
+                }
+                None => ranks.all_reduce_sum(&mut total)?,
+            }
             grads_from_host(actor.backend(), opt, &total)?;
         }
         Ok(MiniBatch::Learned(acc))
@@ -529,8 +556,34 @@ impl<B: Backend> Update<'_, B> {
         if !finite {
             return Ok(None);
         }
+        // ZeRO-1: the norm from every rank's share of the summed gradients
+        let ranks = self.inputs.settings.ranks.as_ref();
+        let sums = match ranks.filter(|r| r.world() > 1 && opt.adamw.owned().is_some()) {
+            Some(ranks) => {
+                let tower: Vec<&B::Buffer> = opt
+                    .tower
+                    .as_ref()
+                    .map(|t| t.grads.buffers())
+                    .unwrap_or_default();
+                Some(zero::gather_grad_sums(
+                    ranks,
+                    actor.lm(),
+                    &opt.adamw,
+                    &opt.grads,
+                    &tower,
+                )?)
+            }
+            None => None,
+        };
         let tower = opt.tower.as_mut();
-        let r = actor.optimizer_step(&mut opt.adamw, &opt.grads, tower, lr, optim.max_grad_norm)?;
+        let r = actor.optimizer_step(
+            &mut opt.adamw,
+            &opt.grads,
+            tower,
+            lr,
+            optim.max_grad_norm,
+            sums.as_deref(),
+        )?;
         // ZeRO-1: this rank updated its share; the ranks swap the updated buffers
         if let (true, Some(ranks), Some(owned)) = (
             r.applied,

@@ -6,22 +6,123 @@
 //! The update is elementwise and the gradient norm is taken over every buffer on every
 //! rank, so a sharded step gives the bits of an unsharded one.
 
-use crate::backend::Backend;
-use crate::model::{AdamW, HostMoment, Model, ModelError};
-use crate::parallel::Ranks;
+use crate::backend::{Backend, DeviceBuffer};
+use crate::model::{AdamW, Grads, HostMoment, Model, ModelError};
 use crate::parallel::wire::{Reader, WireError, Writer};
+use crate::parallel::{Holder, Ranks, shares};
 use crate::trainer::TrainError;
 
-/// Sends the buffers this rank's optimizer updated to every rank and writes the others'
-/// into `model` (after an applied step).
+/// Who needs each gradient buffer's sum under ZeRO-1 (`None` without sharding, or alone):
+/// `(len, holder)` for the language model's buffers — their owner, as the run sharded them
+/// ([`shares`]) — then the tower's `tower` lengths, held by every rank (its moments are).
+pub fn gradient_spans<B: Backend>(
+    ranks: &Ranks,
+    adamw: &AdamW<B>,
+    grads: &Grads<B>,
+    tower: &[usize],
+) -> Option<Vec<(usize, Holder)>> {
+    adamw.owned()?;
+    if ranks.world() < 2 {
+        return None;
+    }
+    let sizes: Vec<usize> = grads.buffers().iter().map(|b| b.len()).collect();
+    let owners = shares(&sizes, ranks.world());
+    let mut spans: Vec<(usize, Holder)> = sizes
+        .iter()
+        .zip(owners)
+        .map(|(&n, r)| (n, Holder::Rank(r)))
+        .collect();
+    spans.extend(tower.iter().map(|&n| (n, Holder::All)));
+    Some(spans)
+}
+
+/// The gradients' `Σ g²` in the global norm's order, each from the rank that holds its
+/// summed buffer: this rank's own ([`AdamW::grad_sums`]) completed by the owners' —
+/// so every rank folds the same values in the same order, the unsharded norm's bits.
 ///
 /// # Errors
-/// A collective or backend failure.
+/// A collective or backend failure; a buffer no rank reported.
+pub fn gather_grad_sums<B: Backend>(
+    ranks: &Ranks,
+    model: &Model<B>,
+    adamw: &AdamW<B>,
+    grads: &Grads<B>,
+    tower: &[&B::Buffer],
+) -> Result<Vec<f64>, TrainError> {
+    let mut sums = adamw.grad_sums(model, grads, tower)?;
+    let lm = grads.buffers().len();
+    let mut w = Writer::default();
+    for (i, s) in sums.iter().enumerate().take(lm) {
+        if let Some(s) = s {
+            w.u64(i as u64);
+            w.f64(*s);
+        }
+    }
+    let all = ranks.all_gather(w.finish())?;
+    let bad = |e: WireError| TrainError::from(e.at(ranks.rank()));
+    for bytes in &all {
+        let mut r = Reader::new(bytes);
+        while r.end().is_err() {
+            let i = usize::try_from(r.u64().map_err(bad)?).unwrap_or(usize::MAX);
+            let v = r.f64().map_err(bad)?;
+            match sums.get_mut(i) {
+                Some(slot) if i < lm => *slot = Some(v),
+                _ => return Err(bad(WireError(format!("a gradient sum of buffer {i}")))),
+            }
+        }
+    }
+    sums.into_iter()
+        .enumerate()
+        .map(|(i, s)| {
+            s.ok_or_else(|| {
+                TrainError::Internal(format!("no rank reported the gradient sum of buffer {i}"))
+            })
+        })
+        .collect()
+}
+
+/// Sends the buffers this rank's optimizer updated to every rank and writes the others'
+/// into `model` (after an applied step): broadcast from each owner on the device where the
+/// transport can (NCCL), else through the host.
+///
+/// # Errors
+/// A collective or backend failure; owners other than the optimizer's.
 pub fn share_updated<B: Backend>(
     ranks: &Ranks,
     model: &mut Model<B>,
     owned: &[bool],
 ) -> Result<(), TrainError> {
+    let sizes: Vec<usize> = model.trainable_buffers().iter().map(|b| b.len()).collect();
+    let owners = shares(&sizes, ranks.world());
+    if owners.len() != owned.len()
+        || owners
+            .iter()
+            .zip(owned)
+            .any(|(&r, &o)| (r == ranks.rank()) != o)
+    {
+        return Err(TrainError::Internal(
+            "ZeRO-1: the optimizer's shard is not the run's".into(),
+        ));
+    }
+    // the optimizer's kernels first (NCCL runs on its own stream)
+    model.backend().synchronize()?;
+    let mut sent = None;
+    model.write_trainable_on_device(|buffers| {
+        let mut items: Vec<(&mut B::Buffer, usize)> = buffers
+            .iter_mut()
+            .map(|b| &mut **b)
+            .zip(owners.iter().copied())
+            .collect();
+        sent = ranks.broadcast_device(&mut items);
+        // on the device every buffer another rank owns was written
+        Ok(match &sent {
+            Some(Ok(())) => (0..owners.len()).filter(|&b| !owned[b]).collect(),
+            _ => Vec::new(),
+        })
+    })?;
+    if let Some(r) = sent {
+        return Ok(r?);
+    }
     let mut w = Writer::default();
     for (b, _) in owned.iter().enumerate().filter(|(_, o)| **o) {
         w.u64(b as u64);
