@@ -997,6 +997,8 @@ extern "C" __global__ void sum_sq_final(const double* __restrict__ partials, int
 // the CPU's order with separately rounded operations:
 //   g ← g·scale;  θ ← θ·decay;  m ← m + w1·(g − m)  (or g − (g − m)·(1 − w1) for w1 ≥ ½)
 //   v ← v·β2 + (w2·g)·g;  θ ← θ + step·(m / (√v / bc2 + ε))
+// With `copy` (not NULL) the update also writes θ rounded to the nearest bf16 (the model's bf16
+// weight copy: the bits of f32_to_bf16 after the step, without its pass over θ).
 extern "C" __global__ void adamw_check(const float* __restrict__ grad, i64 n,
                                        unsigned* __restrict__ guard, unsigned* __restrict__ status) {
     int bad = 0;
@@ -1032,13 +1034,16 @@ __device__ __forceinline__ void adamw_update_impl(float* __restrict__ param, con
                                                   i64 n, float grad_scale, float decay, int apply_decay,
                                                   float w1, float one_minus_w1, float b2, float w2,
                                                   float neg_step_size, float bc2_sqrt, float eps,
-                                                  const unsigned* __restrict__ guard) {
+                                                  const unsigned* __restrict__ guard,
+                                                  unsigned short* __restrict__ copy) {
     if (*guard) return;
     const AdamConsts k = {grad_scale, decay, w1, one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, apply_decay};
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         float m = widen(exp_avg[i]);
         float v = widen(exp_avg_sq[i]);
-        param[i] = adamw_element(param[i], grad[i], m, v, k);
+        const float p = adamw_element(param[i], grad[i], m, v, k);
+        param[i] = p;
+        if (copy) copy[i] = bf16_rne(p);  // the model's bf16 copy, written with the update
         store_narrow(&exp_avg[i], m);
         store_narrow(&exp_avg_sq[i], v);
     }
@@ -1049,9 +1054,10 @@ extern "C" __global__ void adamw_update(float* __restrict__ param, const float* 
                                         i64 n, float grad_scale, float decay, int apply_decay,
                                         float w1, float one_minus_w1, float b2, float w2,
                                         float neg_step_size, float bc2_sqrt, float eps,
-                                        const unsigned* __restrict__ guard) {
+                                        const unsigned* __restrict__ guard,
+                                        unsigned short* __restrict__ copy) {
     adamw_update_impl(param, grad, exp_avg, exp_avg_sq, n, grad_scale, decay, apply_decay, w1,
-                      one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, guard);
+                      one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, guard, copy);
 }
 
 // AdamW with bf16 moments: the same update, the moments rounded back after it.
@@ -1061,9 +1067,10 @@ extern "C" __global__ void adamw_update_bf16(float* __restrict__ param, const fl
                                              float grad_scale, float decay, int apply_decay, float w1,
                                              float one_minus_w1, float b2, float w2,
                                              float neg_step_size, float bc2_sqrt, float eps,
-                                             const unsigned* __restrict__ guard) {
+                                             const unsigned* __restrict__ guard,
+                                             unsigned short* __restrict__ copy) {
     adamw_update_impl(param, grad, exp_avg, exp_avg_sq, n, grad_scale, decay, apply_decay, w1,
-                      one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, guard);
+                      one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, guard, copy);
 }
 
 // AdamW with 8-bit moments (twin of ares_cpu::ops::optim_int8::adamw_step_int8): one block
@@ -1093,7 +1100,7 @@ adamw_update_int8(float* __restrict__ param, const float* __restrict__ grad,
                   const float* __restrict__ maps, i64 n, float grad_scale, float decay,
                   int apply_decay, float w1, float one_minus_w1, float b2, float w2,
                   float neg_step_size, float bc2_sqrt, float eps,
-                  const unsigned* __restrict__ guard) {
+                  const unsigned* __restrict__ guard, unsigned short* __restrict__ copy) {
     __shared__ float map_m[256], map_v[256], mid_m[255], mid_v[255], sh[32];
     if (*guard) return;
     const AdamConsts k = {grad_scale, decay, w1, one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, apply_decay};
@@ -1117,7 +1124,9 @@ adamw_update_int8(float* __restrict__ param, const float* __restrict__ grad,
         if (i < n) {
             float m = __fmul_rn(map_m[m_codes[i]], am);
             float v = __fmul_rn(map_v[v_codes[i]], av);
-            param[i] = adamw_element(param[i], grad[i], m, v, k);
+            const float p = adamw_element(param[i], grad[i], m, v, k);
+            param[i] = p;
+            if (copy) copy[i] = bf16_rne(p);
             ms[j] = m;
             vs[j] = v;
             m_max = fmaxf(m_max, fabsf(m));

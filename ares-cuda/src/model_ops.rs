@@ -86,11 +86,11 @@ fn status_result(word: u32) -> Result<()> {
 const STATUS_BITS: [(u32, &str); 7] = [
     (
         1,
-        "a logits row holds NaN or +inf, or every entry is -inf (log_prob_entropy / log_prob_backward / entropy_backward)",
+        "a logits row holds NaN or +inf, or every entry is -inf (log_prob_entropy / log_prob_backward / entropy_backward / pick_rows)",
     ),
     (
         2,
-        "a target id is >= vocab or has logit -inf (log_prob_entropy / log_prob_backward)",
+        "a target id is >= vocab or has logit -inf (log_prob_entropy / log_prob_backward / pick_rows)",
     ),
     (
         4,

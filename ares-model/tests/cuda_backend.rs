@@ -2223,20 +2223,34 @@ fn optimizer_ops_match_cpu() {
             grad_scale: if step == 2 { 0.5 } else { 1.0 },
         };
         let dg = up(&gpu, &grad);
+        // the GPU writes a bf16 copy of the updated parameter with the update
+        let mut copy = gpu.alloc_half(n, DType::Bf16).unwrap();
         gpu.adamw_step(
             ViewMut::whole(&mut gp),
             View::whole(&dg),
             ViewMut::whole(&mut gm),
             ViewMut::whole(&mut gv),
             &update,
+            Some(ViewMut::whole(&mut copy)),
         )
         .unwrap();
+        let mut bits = vec![0u16; n];
+        gpu.download_half(View::whole(&copy), &mut bits).unwrap();
+        let rounded: Vec<u16> = down(&gpu, &gp)
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        assert_eq!(
+            bits, rounded,
+            "the bf16 copy written by adamw_step, step {step}"
+        );
         cpu.adamw_step(
             ViewMut::whole(&mut cp),
             View::whole(&grad),
             ViewMut::whole(&mut cm),
             ViewMut::whole(&mut cv),
             &update,
+            None,
         )
         .unwrap();
         assert_close(
@@ -2284,6 +2298,7 @@ fn optimizer_ops_match_cpu() {
             ViewMut::whole(&mut gm16),
             ViewMut::whole(&mut gv16),
             &update,
+            None,
         )
         .unwrap();
         cpu.adamw_step_bf16(
@@ -2292,6 +2307,7 @@ fn optimizer_ops_match_cpu() {
             ViewMut::whole(&mut cm16),
             ViewMut::whole(&mut cv16),
             &update,
+            None,
         )
         .unwrap();
         assert_close(
@@ -2328,6 +2344,7 @@ fn optimizer_ops_match_cpu() {
     let (mut cma, mut cva) = (vec![0.0f32; blocks], vec![0.0f32; blocks]);
     let (mut gm8, mut gv8) = (gpu.alloc_bytes(n).unwrap(), gpu.alloc_bytes(n).unwrap());
     let gmaps = up(&gpu, &maps);
+    let mut copy8 = gpu.alloc_half(n, DType::Bf16).unwrap();
     for step in 1..=3u64 {
         let grad = rng.vec(n, 0.1);
         let update = AdamWUpdate {
@@ -2351,8 +2368,19 @@ fn optimizer_ops_match_cpu() {
             ViewMut::whole(&mut gva),
             View::whole(&gmaps),
             &update,
+            Some(ViewMut::whole(&mut copy8)),
         )
         .unwrap();
+        let mut bits = vec![0u16; n];
+        gpu.download_half(View::whole(&copy8), &mut bits).unwrap();
+        let rounded: Vec<u16> = down(&gpu, &gp8)
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        assert_eq!(
+            bits, rounded,
+            "the bf16 copy written by adamw_step_int8, step {step}"
+        );
         cpu.adamw_step_int8(
             ViewMut::whole(&mut cp8),
             View::whole(&grad),
@@ -2362,6 +2390,7 @@ fn optimizer_ops_match_cpu() {
             ViewMut::whole(&mut cva),
             View::whole(&maps),
             &update,
+            None,
         )
         .unwrap();
         let label = format!("adamw int8 step {step}");
@@ -2405,6 +2434,7 @@ fn optimizer_ops_match_cpu() {
         ViewMut::whole(&mut gm),
         ViewMut::whole(&mut gv),
         &update,
+        None,
     )
     .unwrap();
     let e = gpu.synchronize().unwrap_err();
@@ -2419,6 +2449,7 @@ fn optimizer_ops_match_cpu() {
             ViewMut::whole(&mut gm),
             ViewMut::whole(&mut gv),
             &bad,
+            None,
         )
         .unwrap_err();
     assert!(e.to_string().contains("step = 0"), "{e}");

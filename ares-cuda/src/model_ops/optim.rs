@@ -1,7 +1,7 @@
 //! The optimizer's ops: the sum of squares behind the global gradient norm, and the AdamW
 //! update, both on the device so parameters, gradients and moments never leave it.
 
-use super::{ModelOps, bad, check_len, element_cfg, i32_of, i64_of};
+use super::{ArgOrNull, ModelOps, bad, check_len, element_cfg, i32_of, i64_of};
 use crate::error::{DriverContext, Result};
 use cudarc::driver::{
     CudaFunction, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
@@ -179,9 +179,11 @@ impl ModelOps {
     }
 
     /// One AdamW update in place (see [`AdamWStep`]). `param`, `grad`, `exp_avg` (first
-    /// moment) and `exp_avg_sq` (second moment) have the same length. A non-finite
-    /// gradient anywhere leaves all three untouched (checked on the device before the
-    /// update) and is reported at the next [`ModelOps::check_status`].
+    /// moment) and `exp_avg_sq` (second moment) have the same length; `copy` (as long, bf16
+    /// bits) receives the updated parameter rounded to the nearest bf16 in the same pass (a
+    /// model's bf16 weight copy). A non-finite gradient anywhere leaves all of them
+    /// untouched (checked on the device before the update) and is reported at the next
+    /// [`ModelOps::check_status`].
     ///
     /// # Errors
     /// Lengths that differ, a hyper-parameter out of range (named).
@@ -192,10 +194,12 @@ impl ModelOps {
         exp_avg: &mut CudaViewMut<'_, f32>,
         exp_avg_sq: &mut CudaViewMut<'_, f32>,
         step: &AdamWStep,
+        copy: Option<&mut CudaViewMut<'_, u16>>,
     ) -> Result<()> {
         let kernel = &self.f.adamw_update;
         let k = "adamw_step";
-        self.adamw_step_with(k, kernel, param, grad, exp_avg, exp_avg_sq, None, step)
+        let (m, v) = (exp_avg, exp_avg_sq);
+        self.adamw_step_with(k, kernel, param, grad, m, v, None, step, copy)
     }
 
     /// [`ModelOps::adamw_step`] with both moments stored in bf16 (their bits): widened,
@@ -211,10 +215,12 @@ impl ModelOps {
         exp_avg: &mut CudaViewMut<'_, u16>,
         exp_avg_sq: &mut CudaViewMut<'_, u16>,
         step: &AdamWStep,
+        copy: Option<&mut CudaViewMut<'_, u16>>,
     ) -> Result<()> {
         let kernel = &self.f.adamw_update_bf16;
         let k = "adamw_step_bf16";
-        self.adamw_step_with(k, kernel, param, grad, exp_avg, exp_avg_sq, None, step)
+        let (m, v) = (exp_avg, exp_avg_sq);
+        self.adamw_step_with(k, kernel, param, grad, m, v, None, step, copy)
     }
 
     /// [`ModelOps::adamw_step`] with both moments stored in 8 bits, block-wise (twin of
@@ -236,6 +242,7 @@ impl ModelOps {
         exp_avg_sq_absmax: &mut CudaViewMut<'_, f32>,
         maps: &CudaView<'_, f32>,
         step: &AdamWStep,
+        copy: Option<&mut CudaViewMut<'_, u16>>,
     ) -> Result<()> {
         const K: &str = "adamw_step_int8";
         let n = param.len();
@@ -257,7 +264,7 @@ impl ModelOps {
         };
         let kernel = &self.f.adamw_update_int8;
         let (m, v) = (exp_avg, exp_avg_sq);
-        self.adamw_step_with(K, kernel, param, grad, m, v, Some(scales), step)
+        self.adamw_step_with(K, kernel, param, grad, m, v, Some(scales), step, copy)
     }
 
     /// The finiteness check, then `kernel`'s update of moments stored as `M` (8-bit ones
@@ -273,12 +280,16 @@ impl ModelOps {
         exp_avg_sq: &mut CudaViewMut<'_, M>,
         int8: Option<Int8Scales<'_, '_, '_, '_>>,
         step: &AdamWStep,
+        copy: Option<&mut CudaViewMut<'_, u16>>,
     ) -> Result<()> {
         let c = step.consts()?;
         let n = param.len();
         check_len(name, "grad", n, grad.len())?;
         check_len(name, "exp_avg", n, exp_avg.len())?;
         check_len(name, "exp_avg_sq", n, exp_avg_sq.len())?;
+        if let Some(c) = &copy {
+            check_len(name, "copy", n, c.len())?;
+        }
         if n == 0 {
             return Ok(());
         }
@@ -318,7 +329,8 @@ impl ModelOps {
             .arg(&c.neg_step_size)
             .arg(&c.bc2_sqrt)
             .arg(&c.eps)
-            .arg(&state.guard);
+            .arg(&state.guard)
+            .arg_or_null(copy);
         // SAFETY: argument order as `adamw_update` / `adamw_update_bf16` (moments of `M`, the
         // kernel's storage type) / `adamw_update_int8` (codes, then their scales and maps:
         // lengths checked by `adamw_step_int8`); lengths checked above.

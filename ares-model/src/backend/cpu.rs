@@ -312,6 +312,9 @@ macro_rules! cpu_arg {
     ($op:ident, $a:ident: Out<bf16>) => {
         half_mut(stringify!($op), stringify!($a), $a, DType::Bf16)?
     };
+    ($op:ident, $a:ident: OutOpt<bf16>) => {
+        $a.map(|v| half_mut(stringify!($op), stringify!($a), v, DType::Bf16)).transpose()?
+    };
     ($op:ident, $a:ident: Out<u8>) => { slice_mut($a)? };
     ($op:ident, $a:ident: Views<$t:ident>) => { CpuViews::cpu($a)? };
     ($op:ident, $a:ident: ViewsMut<$t:ident>) => { CpuViews::cpu($a)? };
@@ -581,13 +584,16 @@ mod kernels {
         exp_avg_sq_absmax: &mut [f32],
         maps: &[f32],
         u: &AdamWUpdate,
+        copy: Option<&mut [u16]>,
     ) -> Result {
         let (step, lr, scale) = (u.step, u.lr, u.grad_scale);
         let (m, v) = (exp_avg, exp_avg_sq);
         let (ma, va) = (exp_avg_absmax, exp_avg_sq_absmax);
+        check_copy(param.len(), copy.as_deref())?;
         ares_cpu::ops::optim_int8::adamw_step_int8(
             param, grad, m, v, ma, va, maps, step, &u.config, lr, scale,
-        )
+        )?;
+        write_copy(param, copy)
     }
 
     /// AdamW with moments stored as `M` (f32, or bf16 bits).
@@ -597,9 +603,36 @@ mod kernels {
         exp_avg: &mut [M],
         exp_avg_sq: &mut [M],
         u: &AdamWUpdate,
+        copy: Option<&mut [u16]>,
     ) -> Result {
         let (step, lr, scale) = (u.step, u.lr, u.grad_scale);
-        adamw_step_scaled(param, grad, exp_avg, exp_avg_sq, step, &u.config, lr, scale)
+        check_copy(param.len(), copy.as_deref())?;
+        adamw_step_scaled(param, grad, exp_avg, exp_avg_sq, step, &u.config, lr, scale)?;
+        write_copy(param, copy)
+    }
+
+    /// A bf16 copy as long as its parameter (checked before the update, so a bad one
+    /// changes nothing).
+    fn check_copy(len: usize, copy: Option<&[u16]>) -> Result {
+        match copy {
+            Some(c) if c.len() != len => {
+                Err(ares_cpu::Error::Core(ares_core::Error::LengthMismatch {
+                    what: "copy",
+                    expected: len,
+                    actual: c.len(),
+                }))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The updated parameter into its bf16 copy: the bits of `round_bf16` (on the GPU the
+    /// update kernel writes them; here a pass over the parameter just written).
+    fn write_copy(param: &[f32], copy: Option<&mut [u16]>) -> Result {
+        match copy {
+            Some(c) => round_bf16(param, c),
+            None => Ok(()),
+        }
     }
 
     pub(super) fn activation(kind: Activation, x: &[f32], out: &mut [f32]) -> Result {
@@ -1129,9 +1162,25 @@ mod dtype_tests {
                 ViewMut::whole(&mut f16),
                 ViewMut::whole(&mut v16),
                 &update,
+                None,
             )
             .unwrap_err();
         assert!(e.to_string().contains("`exp_avg` holds f16"), "{e}");
+        assert_eq!(p, [1.0; 4], "nothing stepped");
+        // a bf16 copy of the wrong length: an error, and nothing stepped
+        let (mut m, mut v) = (vec![0.0f32; 4], vec![0.0f32; 4]);
+        let mut short = be.alloc_half(3, DType::Bf16).unwrap();
+        let e = be
+            .adamw_step(
+                ViewMut::whole(&mut p),
+                View::whole(&g),
+                ViewMut::whole(&mut m),
+                ViewMut::whole(&mut v),
+                &update,
+                Some(ViewMut::whole(&mut short)),
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("copy"), "{e}");
         assert_eq!(p, [1.0; 4], "nothing stepped");
         // bf16 round trip of the right dtype: 1, 2, 3, 4 are exact in bf16
         let mut bf16 = be.alloc_half(4, DType::Bf16).unwrap();

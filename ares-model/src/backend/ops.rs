@@ -322,7 +322,10 @@ macro_rules! declared_ops {
 
             /// One AdamW update of one parameter tensor, in place: `param`, `exp_avg` (first
             /// moment) and `exp_avg_sq` (second moment) are updated from `grad · grad_scale` as
-            /// [`AdamWUpdate`] says. All four have the same length.
+            /// [`AdamWUpdate`] says. All four have the same length; `copy` (bf16, as long)
+            /// receives the updated parameter rounded to the nearest bf16, ties to even — the
+            /// model's bf16 weight copy written by the update itself (the bits of
+            /// [`Backend::round_bf16`] after it).
             ///
             /// # Errors
             /// Lengths that differ, `update.step == 0`, a learning rate, scale or config field out
@@ -333,6 +336,7 @@ macro_rules! declared_ops {
                 exp_avg: Out<f32>,
                 exp_avg_sq: Out<f32>,
                 update: Ref<AdamWUpdate>,
+                copy: OutOpt<bf16>,
             ) cpu kernels::adamw_step, cuda adamw_step;
 
             /// [`Backend::adamw_step`] with both moments stored in bf16: each widened, updated
@@ -348,6 +352,7 @@ macro_rules! declared_ops {
                 exp_avg: Out<bf16>,
                 exp_avg_sq: Out<bf16>,
                 update: Ref<AdamWUpdate>,
+                copy: OutOpt<bf16>,
             ) cpu kernels::adamw_step, cuda adamw_step_bf16;
 
             /// [`Backend::adamw_step`] with both moments stored in 8 bits, block-wise
@@ -370,6 +375,7 @@ macro_rules! declared_ops {
                 exp_avg_sq_absmax: Out<f32>,
                 maps: In<f32>,
                 update: Ref<AdamWUpdate>,
+                copy: OutOpt<bf16>,
             ) cpu kernels::adamw_step_int8, cuda adamw_step_int8;
 
             /// Causal grouped-query attention (shapes in [`AttentionDims`]): query `t` of sequence
@@ -724,6 +730,7 @@ macro_rules! op_arg_type {
     (In<u32>) => { &Self::Ids };
     (In<bf16>) => { $crate::backend::View<'_, Self::Half> };
     (Out<bf16>) => { $crate::backend::ViewMut<'_, Self::Half> };
+    (OutOpt<bf16>) => { Option<$crate::backend::ViewMut<'_, Self::Half>> };
     (Out<u8>) => { $crate::backend::ViewMut<'_, Self::Bytes> };
     (Views<$t:ident>) => { $crate::backend::$t<'_, Self::Buffer> };
     (ViewsMut<$t:ident>) => { $crate::backend::$t<'_, Self::Buffer> };

@@ -75,6 +75,43 @@ impl<B: Backend> Bf16Weights<B> {
     }
 
     /// Bytes of the copies.
+    /// For each of `w`'s buffers ([`DeviceWeights::buffers`] order), the index of its copy
+    /// in [`Bf16Weights::copies_mut`] (`None`: no copy, e.g. the norms).
+    pub(crate) fn copy_indices(&self, w: &DeviceWeights<B>) -> Vec<Option<usize>> {
+        let head = w.lm_head.as_ref().unwrap_or(&w.embed);
+        let sources = [
+            w.q.buffer(),
+            w.k.buffer(),
+            w.v.buffer(),
+            w.o.buffer(),
+            w.gate.buffer(),
+            w.up.buffer(),
+            w.down.buffer(),
+            head,
+        ];
+        w.buffers()
+            .into_iter()
+            .map(|b| sources.iter().position(|s| std::ptr::eq(*s, b)))
+            .collect()
+    }
+
+    /// The copies' bits, writable, in [`Bf16Weights::copy_indices`]'s numbering.
+    pub(crate) fn copies_mut(&mut self) -> Vec<&mut B::Half> {
+        [
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.o,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.down,
+            &mut self.lm_head,
+        ]
+        .into_iter()
+        .map(HalfStack::buffer_mut)
+        .collect()
+    }
+
     pub(crate) fn bytes(&self) -> u64 {
         [
             &self.q,

@@ -276,17 +276,23 @@ impl<B: Backend> Moments<B> {
         grad: &B::Buffer,
         maps: &B::Buffer,
         update: &AdamWUpdate,
+        mut copy: Option<&mut B::Half>,
     ) -> Result<(), ModelError> {
-        if param.len() != self.len || grad.len() != self.len {
+        if param.len() != self.len
+            || grad.len() != self.len
+            || copy.as_ref().is_some_and(|c| c.len() != self.len)
+        {
             return Err(layout("optimizer moments"));
         }
         let (p, g) = (ViewMut::whole(param), View::whole(grad));
         match &mut self.store {
             Store::F32 { m, v } => {
-                be.adamw_step(p, g, ViewMut::whole(m), ViewMut::whole(v), update)?;
+                let c = copy.map(ViewMut::whole);
+                be.adamw_step(p, g, ViewMut::whole(m), ViewMut::whole(v), update, c)?;
             }
             Store::Bf16 { m, v } => {
-                be.adamw_step_bf16(p, g, ViewMut::whole(m), ViewMut::whole(v), update)?;
+                let c = copy.map(ViewMut::whole);
+                be.adamw_step_bf16(p, g, ViewMut::whole(m), ViewMut::whole(v), update, c)?;
             }
             Store::Int8 {
                 m,
@@ -306,6 +312,10 @@ impl<B: Backend> Moments<B> {
                         ViewMut::item(v_absmax, t, scales)?,
                         View::whole(maps),
                         update,
+                        match copy.as_deref_mut() {
+                            Some(c) => Some(ViewMut::item(c, t, item)?),
+                            None => None,
+                        },
                     )?;
                 }
             }

@@ -349,6 +349,16 @@ impl<B: Backend> AdamW<B> {
             step: self.step + 1,
             grad_scale,
         };
+        // the bf16 weight copies are written by the update itself (LoRA trains pairs,
+        // which have none)
+        let copy_of = match (&model.bf16_weights, &model.lora) {
+            (Some(c), None) => c.copy_indices(&model.weights),
+            _ => Vec::new(),
+        };
+        let mut copies: Vec<Option<&mut B::Half>> = match &mut model.bf16_weights {
+            Some(c) if model.lora.is_none() => c.copies_mut().into_iter().map(Some).collect(),
+            _ => Vec::new(),
+        };
         let params = match &mut model.lora {
             Some(l) => l.params.buffers_mut(),
             None => model.weights.buffers_mut(),
@@ -357,14 +367,17 @@ impl<B: Backend> AdamW<B> {
         let updated = |i: usize| owned.as_ref().is_none_or(|o| o[i]);
         for (i, ((p, g), m)) in params.into_iter().zip(g).zip(&mut self.moments).enumerate() {
             if updated(i) {
-                m.step(be, p, g, &self.maps, &update)?;
+                let copy = copy_of
+                    .get(i)
+                    .copied()
+                    .flatten()
+                    .and_then(|k| copies.get_mut(k).and_then(Option::take));
+                m.step(be, p, g, &self.maps, &update, copy)?;
             }
         }
         for e in extra.iter_mut() {
-            e.moments.step(be, e.param, e.grad, &self.maps, &update)?;
-        }
-        for i in (0..self.moments.len()).filter(|&i| updated(i)) {
-            model.refresh_bf16_weights(Some(i))?;
+            e.moments
+                .step(be, e.param, e.grad, &self.maps, &update, None)?;
         }
         self.step += 1;
         Ok(StepReport {

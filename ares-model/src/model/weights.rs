@@ -21,6 +21,11 @@ pub(crate) struct HalfStack<B: Backend> {
 }
 
 impl<B: Backend> HalfStack<B> {
+    /// The bits, writable (the optimizer writes a copy with its update).
+    pub(crate) fn buffer_mut(&mut self) -> &mut B::Half {
+        &mut self.buffer
+    }
+
     /// Elements over every layer.
     pub(crate) fn len(&self) -> usize {
         self.buffer.len()

@@ -351,6 +351,9 @@ macro_rules! cuda_arg {
     ($op:ident, $a:ident: Out<bf16>) => {
         half_view_mut(stringify!($op), stringify!($a), $a, DType::Bf16)?
     };
+    ($op:ident, $a:ident: OutOpt<bf16>) => {
+        $a.map(|v| half_view_mut(stringify!($op), stringify!($a), v, DType::Bf16)).transpose()?
+    };
     ($op:ident, $a:ident: Out<u8>) => { bytes_view_mut($a)? };
     ($op:ident, $a:ident: Views<$t:ident>) => { CudaViews::cuda($a)? };
     ($op:ident, $a:ident: ViewsMut<$t:ident>) => { CudaViews::cuda($a)? };
@@ -367,6 +370,7 @@ macro_rules! cuda_pass {
     ($a:ident: In<u32>) => { &$a };
     ($a:ident: In<bf16>) => { &$a };
     ($a:ident: Out<bf16>) => { &mut $a };
+    ($a:ident: OutOpt<bf16>) => { $a.as_mut() };
     ($a:ident: Out<u8>) => { &mut $a };
     ($a:ident: Views<$t:ident>) => { &$a };
     ($a:ident: ViewsMut<$t:ident>) => { &mut $a };
