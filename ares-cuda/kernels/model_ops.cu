@@ -485,6 +485,30 @@ __device__ __forceinline__ void argmax_merge(float& v, i64& i, float ov, i64 oi)
     }
 }
 
+// Block-wide reduction of each thread's (value, index) by MERGE (argmax_merge, race_merge):
+// the winner on warp 0, whose lanes start from (none_v, none_i) past the block's warps.
+// `shv`, `shi`: 32 shared entries each; the closing barrier frees them for reuse.
+template <typename I, void (*MERGE)(float&, I&, float, I)>
+__device__ __forceinline__ void block_merge(float& best, I& best_i, float none_v, I none_i,
+                                            float* shv, I* shi) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (int off = 16; off > 0; off >>= 1)
+        MERGE(best, best_i, __shfl_xor_sync(FULL, best, off), __shfl_xor_sync(FULL, best_i, off));
+    __syncthreads();
+    if (lane == 0) {
+        shv[warp] = best;
+        shi[warp] = best_i;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        best = lane < warps ? shv[lane] : none_v;
+        best_i = lane < warps ? shi[lane] : none_i;
+        for (int off = 16; off > 0; off >>= 1)
+            MERGE(best, best_i, __shfl_xor_sync(FULL, best, off), __shfl_xor_sync(FULL, best_i, off));
+    }
+    __syncthreads();
+}
+
 // What a pick adds to its first read of a row (pick_rows): the online softmax state at
 // scale = inv_t·log2(e), for the pick's log-prob and the row's entropy, and whether a scaled
 // logit left the finite range — log_prob_entropy_row's per-element steps. Nothing when LP is
@@ -504,7 +528,6 @@ __device__ __forceinline__ void pick_accumulate(Online& st, int& ybad, float v, 
 template <bool LP>
 __device__ unsigned argmax_row(const float* __restrict__ x, i64 vocab, float scale, Online& st,
                                int& ybad, float* shv, i64* shi) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     float best = NEG_INF;
     i64 best_i = vocab;  // none yet: -inf entries are never picked
     int bad = 0;
@@ -518,25 +541,8 @@ __device__ unsigned argmax_row(const float* __restrict__ x, i64 vocab, float sca
         }
     }
     bad = __syncthreads_or(bad);
-    for (int off = 16; off > 0; off >>= 1)
-        argmax_merge(best, best_i, __shfl_xor_sync(FULL, best, off),
-                     __shfl_xor_sync(FULL, best_i, off));
-    if (lane == 0) {
-        shv[warp] = best;
-        shi[warp] = best_i;
-    }
-    __syncthreads();
-    unsigned id = 0xffffffffu;
-    if (warp == 0) {
-        best = lane < warps ? shv[lane] : NEG_INF;
-        best_i = lane < warps ? shi[lane] : vocab;
-        for (int off = 16; off > 0; off >>= 1)
-            argmax_merge(best, best_i, __shfl_xor_sync(FULL, best, off),
-                         __shfl_xor_sync(FULL, best_i, off));
-        if (!bad && best_i < vocab) id = (unsigned)best_i;
-    }
-    __syncthreads();  // the shared arrays are reused by the next row
-    return id;
+    block_merge<i64, argmax_merge>(best, best_i, NEG_INF, vocab, shv, shi);
+    return !bad && best_i < vocab ? (unsigned)best_i : 0xffffffffu;
 }
 
 extern "C" __global__ void argmax_rows(const float* __restrict__ logits, i64 vocab, i64 rows,
@@ -766,7 +772,6 @@ __device__ unsigned race_row(const float* __restrict__ x, i64 vocab, float inv_t
                              u64* total_sh) {
     const u64 ALL = ~0ull;
     const bool filtered = top_k != 0 || top_p < 1.0f || min_p > 0.0f;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
     // the row's max: first, when the filters need it; else alongside the race, each
     // thread's own max bounding what can win
     float m = NEG_INF;
@@ -848,25 +853,8 @@ __device__ unsigned race_row(const float* __restrict__ x, i64 vocab, float inv_t
         m = block_max(mine, shf);
         if (bad || m == NEG_INF) return 0xffffffffu;
     }
-    for (int off = 16; off > 0; off >>= 1)
-        race_merge(best, best_i, __shfl_xor_sync(FULL, best, off), __shfl_xor_sync(FULL, best_i, off));
-    __syncthreads();
-    if (lane == 0) {
-        shf[warp] = best;
-        shi[warp] = best_i;
-    }
-    __syncthreads();
-    unsigned id = 0xffffffffu;
-    if (warp == 0) {
-        best = lane < warps ? shf[lane] : NEG_INF;
-        best_i = lane < warps ? shi[lane] : 0xffffffffu;
-        for (int off = 16; off > 0; off >>= 1)
-            race_merge(best, best_i, __shfl_xor_sync(FULL, best, off),
-                       __shfl_xor_sync(FULL, best_i, off));
-        id = best_i;
-    }
-    __syncthreads();  // the shared arrays are reused by the next row
-    return id;
+    block_merge<unsigned, race_merge>(best, best_i, NEG_INF, 0xffffffffu, shf, shi);
+    return best_i;
 }
 
 // keys: 5 words a row (seed lo, seed hi, sequence lo, sequence hi, step)

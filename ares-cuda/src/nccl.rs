@@ -52,6 +52,15 @@ struct SendComm(Comm);
 // overlap; `NcclComm` only reaches it through its mutex.
 unsafe impl Send for SendComm {}
 
+/// A collective of [`NcclComm::grouped_f32`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupOp {
+    /// Sum over the ranks: to every rank, or to a root.
+    Sum,
+    /// Copy a root's values to every rank.
+    Broadcast,
+}
+
 /// This process's rank in an NCCL communicator, on one device.
 pub struct NcclComm {
     comm: Mutex<SendComm>,
@@ -107,45 +116,47 @@ impl NcclComm {
         self.world
     }
 
-    /// Sums each of `items` — `(buffer, len, root)`: the first `len` values — over the
-    /// ranks in one NCCL group: an all-reduce where `root` is `None`, a reduce to rank
-    /// `root` otherwise (only the root's buffer holds the sum; ZeRO-1's reduce-scatter of
-    /// buffers of any size). Waits for it (see [`NcclComm::wait`]).
+    /// Runs `op` on each of `items` — `(buffer, len, root)`: the first `len` values — in one
+    /// NCCL group, and waits for it (see [`NcclComm::wait`]). [`GroupOp::Sum`]: an
+    /// all-reduce where `root` is `None`, a reduce to rank `root` otherwise (only the root's
+    /// buffer holds the sum; ZeRO-1's reduce-scatter of buffers of any size);
+    /// [`GroupOp::Broadcast`]: from rank `root` to every rank (ZeRO-1's updated parameters).
     ///
     /// # Errors
-    /// A `len` past its buffer, a root past the world; a CUDA or NCCL failure.
-    pub fn sum_f32_grouped(
+    /// A `len` past its buffer, a root past the world or missing for a broadcast; a CUDA or
+    /// NCCL failure.
+    pub fn grouped_f32(
         &self,
+        op: GroupOp,
         items: &mut [(&mut CudaSlice<f32>, usize, Option<usize>)],
     ) -> Result<()> {
-        self.grouped(
-            "sum",
-            items.iter_mut().map(|(b, n, r)| (&mut **b, *n, *r)),
-            |comm, view, root| match root {
-                None => comm.all_reduce_in_place(view, &ReduceOp::Sum).map(drop),
-                Some(r) => comm
+        let what = match op {
+            GroupOp::Sum => "sum",
+            GroupOp::Broadcast => "broadcast",
+        };
+        let run = |comm: &Comm,
+                   view: &mut cudarc::driver::CudaViewMut<'_, f32>,
+                   root: Option<usize>| {
+            match (op, root) {
+                (GroupOp::Sum, None) => comm.all_reduce_in_place(view, &ReduceOp::Sum).map(drop),
+                (GroupOp::Sum, Some(r)) => comm
                     .reduce_in_place(view, &ReduceOp::Sum, r as i32)
                     .map(drop),
-            },
-        )
-    }
-
-    /// Broadcasts each of `items` — `(buffer, len, root)` — from its root to every rank,
-    /// in one NCCL group (ZeRO-1: each rank's updated parameters to the others). Waits.
-    ///
-    /// # Errors
-    /// As [`NcclComm::sum_f32_grouped`].
-    pub fn broadcast_f32_grouped(
-        &self,
-        items: &mut [(&mut CudaSlice<f32>, usize, usize)],
-    ) -> Result<()> {
+                (GroupOp::Broadcast, r) => comm
+                    .broadcast_in_place(view, r.unwrap_or(0) as i32)
+                    .map(drop),
+            }
+        };
+        if op == GroupOp::Broadcast && items.iter().any(|(_, _, r)| r.is_none()) {
+            return Err(Error::BadArgument {
+                kernel: "nccl",
+                message: "a broadcast needs a root for every buffer".into(),
+            });
+        }
         self.grouped(
-            "broadcast",
-            items.iter_mut().map(|(b, n, r)| (&mut **b, *n, Some(*r))),
-            |comm, view, root| {
-                comm.broadcast_in_place(view, root.unwrap_or(0) as i32)
-                    .map(drop)
-            },
+            what,
+            items.iter_mut().map(|(b, n, r)| (&mut **b, *n, *r)),
+            run,
         )
     }
 

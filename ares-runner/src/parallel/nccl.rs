@@ -5,7 +5,7 @@
 //! sums the gradient buffers on the device instead (NCCL's all-reduce, in its own order).
 
 use crate::backend::cuda::CudaBuffer;
-use crate::backend::cuda::nccl::{NcclComm, unique_id};
+use crate::backend::cuda::nccl::{GroupOp, NcclComm, unique_id};
 
 use super::launch::{LaunchEnv, TcpRanks};
 use super::{Collective, CollectiveError};
@@ -63,6 +63,19 @@ impl NcclRanks {
             what: format!("NCCL: {e}"),
         }
     }
+
+    /// `op` on backend buffers, in one group; `None` when one is not a CUDA buffer.
+    fn grouped<'a>(
+        &self,
+        op: GroupOp,
+        buffers: impl Iterator<Item = (&'a mut dyn std::any::Any, Option<usize>)>,
+    ) -> Option<Result<(), CollectiveError>> {
+        let mut items = Vec::new();
+        for (b, root) in buffers {
+            items.push((b.downcast_mut::<CudaBuffer>()?, root));
+        }
+        Some(CudaBuffer::nccl_grouped(&self.comm, op, &mut items).map_err(|e| self.failed(&e)))
+    }
 }
 
 impl Collective for NcclRanks {
@@ -78,22 +91,20 @@ impl Collective for NcclRanks {
         &self,
         buffers: &mut [(&mut dyn std::any::Any, Option<usize>)],
     ) -> Option<Result<(), CollectiveError>> {
-        let mut items = Vec::with_capacity(buffers.len());
-        for (b, root) in buffers.iter_mut() {
-            items.push((b.downcast_mut::<CudaBuffer>()?, *root));
-        }
-        Some(CudaBuffer::nccl_sum(&self.comm, &mut items).map_err(|e| self.failed(&e)))
+        self.grouped(
+            GroupOp::Sum,
+            buffers.iter_mut().map(|(b, r)| (&mut **b, *r)),
+        )
     }
 
     fn broadcast_device(
         &self,
         buffers: &mut [(&mut dyn std::any::Any, usize)],
     ) -> Option<Result<(), CollectiveError>> {
-        let mut items = Vec::with_capacity(buffers.len());
-        for (b, root) in buffers.iter_mut() {
-            items.push((b.downcast_mut::<CudaBuffer>()?, *root));
-        }
-        Some(CudaBuffer::nccl_broadcast(&self.comm, &mut items).map_err(|e| self.failed(&e)))
+        self.grouped(
+            GroupOp::Broadcast,
+            buffers.iter_mut().map(|(b, r)| (&mut **b, Some(*r))),
+        )
     }
 
     fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, CollectiveError> {

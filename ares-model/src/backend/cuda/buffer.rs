@@ -150,14 +150,18 @@ impl DeviceBuffer for CudaBuffer {
 }
 
 impl CudaBuffer {
-    /// Sums each of `items` over the ranks of `comm` in place, on the device, in one NCCL
-    /// group: to every rank where the root is `None` (all-reduce), to the root alone
-    /// otherwise (ZeRO-1's reduce-scatter). NCCL's order, not rank order.
+    /// Runs `op` over the ranks of `comm` on each of `items` — `(buffer, root)` — in place,
+    /// on the device, in one NCCL group ([`NcclComm::grouped_f32`]: sums to every rank or to
+    /// the root, ZeRO-1's reduce-scatter; broadcasts from the root). NCCL's order, not rank
+    /// order.
+    ///
+    /// [`NcclComm::grouped_f32`]: ares_cuda::nccl::NcclComm::grouped_f32
     ///
     /// # Errors
-    /// A root past the world; NCCL's or CUDA's failure.
-    pub fn nccl_sum(
+    /// A root past the world or missing for a broadcast; NCCL's or CUDA's failure.
+    pub fn nccl_grouped(
         comm: &ares_cuda::nccl::NcclComm,
+        op: ares_cuda::nccl::GroupOp,
         items: &mut [(&mut CudaBuffer, Option<usize>)],
     ) -> Result<()> {
         let mut slices: Vec<_> = items
@@ -167,32 +171,9 @@ impl CudaBuffer {
                 (&mut b.slice, len, *root)
             })
             .collect();
-        comm.sum_f32_grouped(&mut slices)
+        comm.grouped_f32(op, &mut slices)
             .map_err(|e| BackendError::Op {
-                op: "nccl sum",
-                source: Box::new(e),
-            })
-    }
-
-    /// Broadcasts each of `items` from its root rank to every rank of `comm`, on the
-    /// device, in one NCCL group (ZeRO-1's exchange of updated parameters).
-    ///
-    /// # Errors
-    /// A root past the world; NCCL's or CUDA's failure.
-    pub fn nccl_broadcast(
-        comm: &ares_cuda::nccl::NcclComm,
-        items: &mut [(&mut CudaBuffer, usize)],
-    ) -> Result<()> {
-        let mut slices: Vec<_> = items
-            .iter_mut()
-            .map(|(b, root)| {
-                let len = b.len;
-                (&mut b.slice, len, *root)
-            })
-            .collect();
-        comm.broadcast_f32_grouped(&mut slices)
-            .map_err(|e| BackendError::Op {
-                op: "nccl broadcast",
+                op: "nccl",
                 source: Box::new(e),
             })
     }
