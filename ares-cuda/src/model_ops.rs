@@ -276,8 +276,8 @@ impl ModelOps {
     }
 
     /// Copies `src` into `dst` (same length); `src` may be reused when this returns. Up to
-    /// [`Staging::MAX_BYTES`] the copy goes through page-locked memory and is queued
-    /// without waiting; larger ones wait while the driver stages them.
+    /// 1 MiB the copy goes through page-locked memory and is queued without waiting; larger
+    /// ones wait while the driver stages them.
     ///
     /// # Errors
     /// Lengths that differ, a driver failure.

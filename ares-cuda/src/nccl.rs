@@ -117,7 +117,8 @@ impl NcclComm {
     }
 
     /// Runs `op` on each of `items` — `(buffer, len, root)`: the first `len` values — in one
-    /// NCCL group, and waits for it (see [`NcclComm::wait`]). [`GroupOp::Sum`]: an
+    /// NCCL group, and waits for it (polling, at most `ARES_COLLECTIVE_TIMEOUT` seconds).
+    /// [`GroupOp::Sum`]: an
     /// all-reduce where `root` is `None`, a reduce to rank `root` otherwise (only the root's
     /// buffer holds the sum; ZeRO-1's reduce-scatter of buffers of any size);
     /// [`GroupOp::Broadcast`]: from rank `root` to every rank (ZeRO-1's updated parameters).
