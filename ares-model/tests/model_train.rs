@@ -626,6 +626,19 @@ fn optimizer_errors_name_the_problem() {
         .step(&mut qwen2, &grads, 1e-3, Some(f32::INFINITY))
         .unwrap_err();
     assert!(e.to_string().contains("max_grad_norm"), "{e}");
+    // a sharded optimizer (ZeRO-1) holds only its share of the summed gradients: stepping
+    // without every rank's sums is refused, not a partial norm; with them it steps
+    let mut sharded = AdamW::new(&qwen2, CFG).unwrap();
+    let n = qwen2.trainable_buffers().len();
+    let owned: Vec<bool> = (0..n).map(|i| i % 2 == 0).collect();
+    sharded.shard(qwen2.backend(), owned).unwrap();
+    let e = sharded.step(&mut qwen2, &grads, 1e-3, None).unwrap_err();
+    assert!(e.to_string().contains("step_with_sums"), "{e}");
+    let sums = vec![0.0f64; n];
+    let r = sharded
+        .step_with_sums(&mut qwen2, &grads, &mut [], 1e-3, None, Some(&sums))
+        .unwrap();
+    assert!(r.applied);
     let foreign = qwen3.grads().unwrap();
     let e = opt.step(&mut qwen2, &foreign, 1e-3, None).unwrap_err();
     assert!(

@@ -320,18 +320,26 @@ impl<B: Backend> AdamW<B> {
                 what: "gradient sums (one per trainable buffer and extra parameter)",
             });
         }
-        let mut total = 0.0f64;
-        match sums {
-            Some(sums) => sums.iter().for_each(|s| total += s),
+        // without `sums`, this rank's own; a sharded optimizer holds only its share of the
+        // summed gradients, so it must be given the others' (no silent partial norm)
+        let own;
+        let sums = match sums {
+            Some(s) => s,
             None => {
-                for buffer in &g {
-                    total += be.sum_of_squares(View::whole(*buffer))?;
-                }
-                for e in extra.iter() {
-                    total += be.sum_of_squares(View::whole(e.grad))?;
-                }
+                let extra_grads: Vec<&B::Buffer> = extra.iter().map(|e| e.grad).collect();
+                own = self
+                    .grad_sums(model, grads, &extra_grads)?
+                    .into_iter()
+                    .collect::<Option<Vec<f64>>>()
+                    .ok_or(ModelError::LayoutMismatch {
+                        what: "gradient sums (a sharded optimizer needs every rank's: \
+                               step_with_sums)",
+                    })?;
+                &own
             }
-        }
+        };
+        let mut total = 0.0f64;
+        sums.iter().for_each(|s| total += s);
         let grad_norm = total.sqrt() as f32;
         if !total.is_finite() {
             return Ok(StepReport {

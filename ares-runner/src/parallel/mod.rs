@@ -373,22 +373,7 @@ impl Ranks {
         let mine = held(rank);
         let n: usize = mine.iter().map(ExactSizeIterator::len).sum();
         let mut sum = vec![0.0f32; n];
-        let mut first = true;
-        for bytes in &received {
-            let mut r = wire::Reader::new(bytes);
-            let k = r.u64().map_err(|e| e.at(rank))?;
-            for _ in 0..k {
-                let values = r.f32_slice(n).map_err(|e| e.at(rank))?;
-                if first {
-                    // 0 + x = x, but −0 would become +0: start from the first part itself
-                    values.write_to(&mut sum);
-                    first = false;
-                } else {
-                    values.add_to(&mut sum);
-                }
-            }
-            r.end().map_err(|e| e.at(rank))?;
-        }
+        fold_parts(rank, &received, &mut sum)?;
         out.fill(0.0);
         let mut at = 0;
         for g in mine {
@@ -475,24 +460,31 @@ impl Ranks {
         let rank = self.rank();
         let all = self.all_gather(w.finish())?;
         out.fill(0.0);
-        let mut first = true;
-        for bytes in &all {
-            let mut r = wire::Reader::new(bytes);
-            let k = r.u64().map_err(|e| e.at(rank))?;
-            for _ in 0..k {
-                let values = r.f32_slice(out.len()).map_err(|e| e.at(rank))?;
-                if first {
-                    // 0 + x = x, but −0 would become +0: start from the first part itself
-                    values.write_to(out);
-                    first = false;
-                } else {
-                    values.add_to(out);
-                }
-            }
-            r.end().map_err(|e| e.at(rank))?;
-        }
-        Ok(())
+        fold_parts(rank, &all, out)
     }
+}
+
+/// Adds the parts of every rank's message (`u64` count, then that many runs of
+/// `out.len()` f32s), in rank then part order, into `out` (zeroed by the caller, and left so
+/// when there is no part).
+fn fold_parts(rank: usize, messages: &[Vec<u8>], out: &mut [f32]) -> Result<(), CollectiveError> {
+    let mut first = true;
+    for bytes in messages {
+        let mut r = wire::Reader::new(bytes);
+        let k = r.u64().map_err(|e| e.at(rank))?;
+        for _ in 0..k {
+            let values = r.f32_slice(out.len()).map_err(|e| e.at(rank))?;
+            if first {
+                // 0 + x = x, but −0 would become +0: start from the first part itself
+                values.write_to(out);
+                first = false;
+            } else {
+                values.add_to(out);
+            }
+        }
+        r.end().map_err(|e| e.at(rank))?;
+    }
+    Ok(())
 }
 
 /// Which ranks need the sum of a span of values ([`Ranks::ordered_sum_held`]).

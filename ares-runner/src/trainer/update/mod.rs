@@ -466,15 +466,19 @@ impl<B: Backend> Update<'_, B> {
         } else if ranks.world() > 1
             && !sum_on_device(ranks, actor.backend(), opt, spans.as_deref())?
         {
-            let mut total = grads_to_host(actor.backend(), opt)?;
-            match &spans {
+            let mine = grads_to_host(actor.backend(), opt)?;
+            let total = match &spans {
                 Some(spans) => {
-                    let mine = [std::mem::take(&mut total)];
-                    total = vec![0.0f32; mine[0].len()];
-                    ranks.ordered_sum_held(&mine, spans, &mut total)?;
+                    let mut held = vec![0.0f32; mine.len()];
+                    ranks.ordered_sum_held(std::slice::from_ref(&mine), spans, &mut held)?;
+                    held
                 }
-                None => ranks.all_reduce_sum(&mut total)?,
-            }
+                None => {
+                    let mut all = mine;
+                    ranks.all_reduce_sum(&mut all)?;
+                    all
+                }
+            };
             grads_from_host(actor.backend(), opt, &total)?;
         }
         Ok(MiniBatch::Learned(acc))
