@@ -13,7 +13,7 @@ import pytest
 
 import ares
 from ares.verl import AresRewardManager
-from ares.verl_v1 import AresSettingsError, AresStep, final_session_rows, kl_loss_np, settings_from_config
+from ares.verl_v1 import AresSettingsError, AresStep, _values, final_session_rows, kl_loss_np, settings_from_config
 
 
 def batch(seed, groups=6, n=4, t=24, holes=False):
@@ -420,7 +420,7 @@ def _tq_batch(tq, seed, prompts=5, n=4, turns=lambda p, s: 1, prefix=None):
 
 def _padded(tq, batch, fields):
     data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields).to_padded_tensor()
-    return {f: (data[f].tolist() if f in ("uid", "index") else data[f].float().numpy()) for f in fields}
+    return {f: (_values(data[f]) if f in ("uid", "index") else data[f].float().numpy()) for f in fields}
 
 
 def test_ares_sync_step_over_the_transfer_queue_equals_the_host_step_then_grpo(ares_sync_trainer):

@@ -48,9 +48,16 @@ an unknown key, a value out of range, ``algorithm.use_kl_in_reward`` together wi
 a non-zero ``kl_loss_coef`` (verl's fixed-coefficient term beside ares's), and the
 rollout-correction bypass mode (no old-log-prob pass, hence no entropies).
 
-**Not built**: the bootstrap pass over the whole dataset before the first step (targets start from the
-first batch, as with ``data.bootstrap: false`` in ares-runner); CUDA tensors are copied to the
-host (on the TaskRunner ``[B, T]`` per step; in the actor's KL term four ``[b, T]`` per micro-batch).
+**Bootstrap** (``ares.bootstrap``, default true in ``mode: ares``; docs/algorithms.md §2): before
+the first step the whole training set is rolled out once, scored and given the old-log-prob
+pass, with no update; :class:`AresBootstrap` then sets the first τ, the targets and every
+prompt's difficulty (:func:`_ares_bootstrap`; saved as ``ares_bootstrap.json`` and reused by a
+restart before the first checkpoint).
+
+verl's padding rows (``is_padding`` in their tags) are left out of the step and the pass.
+
+**Not built**: CUDA tensors are copied to the host (on the TaskRunner ``[B, T]`` per step; in the
+actor's KL term four ``[b, T]`` per micro-batch).
 
 **Dr.GRPO's flag.** verl's ``compute_advantage`` passes ``norm_adv_by_std_in_grpo`` to its own
 GRPO only; for ``ares_grpo`` and ``ares_grpo_lambda`` called without a ``config`` the flag now
@@ -83,6 +90,7 @@ __all__ = [
     "TRAINER_MODES",
     "AresSettingsError",
     "check_config",
+    "AresBootstrap",
     "AresStep",
     "StepOutput",
     "final_session_rows",
@@ -97,6 +105,7 @@ OUTCOME_ESTIMATORS = ("ares_grpo", "ares_rloo", "ares_reinforce_pro_max", "ares_
 # ares mode -> verl's trainer mode it extends
 TRAINER_MODES = {"ares_sync": "sync", "ares_colocate_async": "colocate_async", "ares_separate_async": "separate_async"}
 STATE_FILE = "ares_state.json"
+BOOTSTRAP_FILE = "ares_bootstrap.json"
 PLACEMENTS = ("loss", "reward")
 # what the TaskRunner hands the actor's loss with ``ares.kl.placement: loss``: the weight β_t·m_t
 # of each response token's KL (a batch field), and the estimator's name (the batch's extra info)
@@ -114,6 +123,9 @@ DEFAULTS = {
     "grpo_lambda": 0.2,
     "grpo_lambda_alpha": 0.6,
     "controller": {},  # ares.BucketController keyword arguments
+    # mode ares: roll out the whole training set once before the first update (no parameter
+    # change) for the first τ, the targets and every prompt's difficulty (docs/algorithms.md §2)
+    "bootstrap": True,
     "kl": {
         "enable": True,
         "estimator": "k3",
@@ -153,6 +165,8 @@ def settings_from_config(section):
 
         section = OmegaConf.to_container(section, resolve=True)
     s = _merge(DEFAULTS, section, "ares")
+    if not isinstance(s["bootstrap"], bool):
+        raise AresSettingsError(f"`ares.bootstrap` must be true or false, got {s['bootstrap']!r}")
     if s["mode"] not in ("ares", "grpo_lambda"):
         raise AresSettingsError(f"`ares.mode` = {s['mode']!r}: use 'ares' or 'grpo_lambda'")
     if not isinstance(s["difficulty_key"], str) or not s["difficulty_key"]:
@@ -333,6 +347,98 @@ class AresStep:
             hwe_mask=hwe_mask,
             low_ratio=float(s["kl"]["low_ratio"]),
         )
+
+
+class AresBootstrap:
+    """The bootstrap pass's host side (docs/algorithms.md §2) on numpy arrays, fed a batch at a
+    time: :meth:`add` each batch of final outputs (whole uid groups), then :meth:`finish` sets
+    the first τ (the median of every response's entropy-window percentile over the whole
+    pass), each bucket's target ``T_d = round(h̄_d)`` (``h̄_d`` the mean HWE count under that
+    τ over every sample of the bucket's prompts) and every prompt's difficulty in an
+    :class:`AresStep` — what ares-runner's ``data.bootstrap`` does before its first update.
+
+    Memory: each batch's entropies and mask are kept until :meth:`finish` (the HWE counts need
+    the pass's τ), about 5 bytes a response token."""
+
+    def __init__(self, settings=None):
+        from . import BucketController
+
+        self.settings = settings_from_config(settings)
+        if self.settings["mode"] != "ares":
+            raise AresSettingsError("the bootstrap pass sets ARES's targets: it needs `ares.mode: ares`")
+        # classifies each batch's groups and remembers each prompt's bucket, apart from the
+        # step's controller until finish()
+        self.classifier = BucketController(**(self.settings["controller"] or {}))
+        self._thresholds = []
+        self._batches = []
+        self.responses = 0
+        self.correct = 0
+
+    def add(self, scores, mask, uid, entropies, difficulty_ids):
+        """One batch: ``scores`` [B] outcome scores, ``mask`` and ``entropies`` [B, T], ``uid``
+        [B] group keys, ``difficulty_ids`` [B] each sample's prompt id."""
+        import numpy as np
+
+        from . import entropy_windows, row_percentile
+
+        s = self.settings
+        mask = np.ascontiguousarray(mask, dtype=np.float32)
+        h = np.ascontiguousarray(entropies, dtype=np.float32)
+        scores = np.ascontiguousarray(scores, dtype=np.float64)
+        if mask.ndim != 2 or h.shape != mask.shape or scores.shape != (mask.shape[0],):
+            raise ValueError(
+                f"ares bootstrap: scores {scores.shape}, mask {mask.shape} and entropies {h.shape} "
+                f"do not describe one batch of [B] and [B, T]"
+            )
+        if mask.shape[0] == 0:
+            return
+        correct = scores > s["correct_threshold"]
+        ids = [str(g) for g in difficulty_ids]
+        buckets = self.classifier.classify(correct, uid=uid, global_id=ids)
+        w = entropy_windows(h, mask, window_size=s["window_size"], includes_self=s["window_includes_self"])
+        thr, has = row_percentile(w["means"], w["valid"], s["percentile"])
+        self._thresholds.append(np.asarray(thr, dtype=np.float32)[np.asarray(has) > 0])
+        self._batches.append((h, mask.astype(bool), np.asarray(buckets, dtype=np.int64)))
+        self.responses += int(mask.shape[0])
+        self.correct += int(correct.sum())
+
+    def finish(self, step):
+        """Sets τ, the targets and every prompt's difficulty in ``step`` (an :class:`AresStep`)
+        and returns what the pass found: ``tau``, ``targets`` (by bucket name), ``mean_hwe``,
+        ``prompts``, ``responses``, ``accuracy``."""
+        import numpy as np
+
+        from . import batch_median_threshold, bucket_means, entropy_windows
+
+        if self.responses == 0:
+            raise ValueError("ares bootstrap: the pass rolled out no response (is the training set empty?)")
+        s = self.settings
+        thr = np.concatenate(self._thresholds) if self._thresholds else np.zeros(0, dtype=np.float32)
+        tau = batch_median_threshold(thr, np.ones_like(thr)) if len(thr) else None
+        counts, buckets = [], []
+        for h, m, b in self._batches:
+            # with no τ no response has a complete window, so no token is HWE whatever τ is
+            w = entropy_windows(
+                h, m.astype(np.float32), window_size=s["window_size"], includes_self=s["window_includes_self"],
+                tau=0.0 if tau is None else tau,
+            )
+            counts.append(np.asarray(w["counts"], dtype=np.float64))
+            buckets.append(b)
+        mean_hwe = bucket_means(np.concatenate(buckets), np.concatenate(counts))
+        shaper = step.shaper
+        shaper.tau.restore(tau)
+        shaper.controller.bootstrap(mean_hwe)
+        difficulty = self.classifier.difficulty
+        for gid, bucket in difficulty.items():
+            shaper.controller.set_difficulty(gid, bucket)
+        return {
+            "tau": tau,
+            "targets": shaper.controller.targets,
+            "mean_hwe": mean_hwe,
+            "prompts": len(difficulty),
+            "responses": self.responses,
+            "accuracy": self.correct / self.responses,
+        }
 
 
 def _last_valid(mask):
@@ -673,7 +779,15 @@ def _trainer_class(base, base_mode):
         def __init__(self, config):
             self.ares = AresStep(_ares_section(config))
             _check_verl_config(config, self.ares.settings)
+            self._ares_resumed = False
             super().__init__(config)
+
+        def on_train_begin(self):
+            # after verl's validation, before the first step (and the async modes' warm-up)
+            s = self.ares.settings
+            if s["mode"] == "ares" and s["bootstrap"] and not self._ares_resumed:
+                _ares_bootstrap(self, base_mode)
+            return super().on_train_begin()
 
         def _compute_advantage(self, batch, metrics):
             _ares_rewards(self, batch, metrics)
@@ -697,6 +811,7 @@ def _trainer_class(base, base_mode):
             if self.global_steps > 0:
                 folder = _resumed_folder(self.config, self.global_steps)
                 self.ares.load_state_dict(_read_state(folder))
+                self._ares_resumed = True
             return out
 
     AresTrainer.__name__ = AresTrainer.__qualname__ = f"Ares{base.__name__}"
@@ -766,12 +881,12 @@ def _ares_rewards(trainer, batch, metrics):
         raise KeyError(f"ares: the batch has no field {missing} (it has {sorted(data.keys())})")
     nested_mask = data["response_mask"]
     padded = data.to_padded_tensor()
-    uid_all = np.array(padded.pop("uid").tolist(), dtype=object)
-    ids_all = np.array([str(x) for x in padded.pop(key).tolist()], dtype=object) if s["mode"] == "ares" else None
+    uid_all = np.array(_values(padded.pop("uid")), dtype=object)
+    ids_all = np.array([str(x) for x in _values(padded.pop(key))], dtype=object) if s["mode"] == "ares" else None
     mask_all = padded["response_mask"].float().cpu().numpy()
     rm = padded["rm_scores"].float().cpu().numpy()
-    final_rows, row_to_final = final_session_rows(batch.keys)
-    fr = np.asarray(final_rows)
+    real, final_rows, row_to_final = _real_sessions(batch)
+    fr = real[np.asarray(final_rows)]
     scores = rm[fr].sum(axis=1).astype(np.float64)
     kw = {}
     if s["mode"] == "ares":
@@ -784,12 +899,14 @@ def _ares_rewards(trainer, batch, metrics):
     token_final = res.token_rewards
     # the final output's rewards on its own row; earlier outputs of a session get the final
     # output's folded outcome (the sum of its token rewards, what GRPO groups) on their last
-    # valid token, as verl's reward loop copies the score, and no KL of their own
+    # valid token, as verl's reward loop copies the score, and no KL of their own; padding
+    # rows keep zero rewards and weights
     token = np.zeros_like(mask_all)
     last = _last_valid(mask_all)
     outcome = token_final.sum(axis=1)
-    for row, f in enumerate(row_to_final):
-        if row == final_rows[f]:
+    for j, f in enumerate(row_to_final):
+        row = real[j]
+        if j == final_rows[f]:
             token[row] = token_final[f]
         elif last[row] >= 0:
             token[row, last[row]] = outcome[f]
@@ -800,9 +917,10 @@ def _ares_rewards(trainer, batch, metrics):
         # session's β (its final output's bucket) and its own HWE tokens under the step's τ
         weights = np.zeros_like(mask_all)
         weights[fr] = res.kl_weights
-        other = np.array([row for row, f in enumerate(row_to_final) if row != final_rows[f]], dtype=np.int64)
+        earlier = [j for j, f in enumerate(row_to_final) if j != final_rows[f]]
+        other = real[np.asarray(earlier, dtype=np.int64)]
         if len(other):
-            beta = res.beta[np.asarray(row_to_final)[other]]
+            beta = res.beta[np.asarray(row_to_final)[earlier]]
             hwe = None
             if s["kl"]["dynamic"]:
                 hwe = trainer.ares.hwe_mask(padded["entropy"].float().cpu().numpy()[other], mask_all[other], res.tau)
@@ -816,12 +934,182 @@ def _ares_rewards(trainer, batch, metrics):
     metrics.update(res.metrics)
 
 
+def _ares_bootstrap(trainer, base_mode):
+    """The bootstrap pass (docs/algorithms.md §2) in a verl run: the whole training set, in
+    order, ``data.train_batch_size`` prompts at a time, rolled out as a training step rolls out
+    (``rollout.n`` samples, the training sampling settings), scored, and given the old-log-prob
+    pass for its per-token entropies — no update. :class:`AresBootstrap` then sets the first τ,
+    the targets and every prompt's difficulty. The result is saved as ``ares_bootstrap.json`` in
+    ``trainer.default_local_dir`` and reused by a run that restarts before its first checkpoint
+    with the same model, training files, set size and ``rollout.n`` (with
+    ``trainer.resume_mode=disable`` it is made anew)."""
+    import uuid
+
+    import numpy as np
+    from torch.utils.data import DataLoader
+    from verl.trainer.ppo.v1 import trainer_base
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+    from verl.utils import tensordict_utils as tu
+
+    tq = trainer_base.tq
+    config = trainer.config
+    s = trainer.ares.settings
+    path = os.path.join(_local_dir(config), BOOTSTRAP_FILE)
+    identity = {
+        "model": str(_get(config, "actor_rollout_ref.model.path", "")),
+        "train_files": [str(f) for f in _as_list(_get(config, "data.train_files", []))],
+        "prompts": len(trainer.train_dataset),
+        "n": int(_get(config, "actor_rollout_ref.rollout.n", 1)),
+    }
+    if config.trainer.resume_mode != "disable" and os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.get("identity") == identity:
+            trainer.ares.load_state_dict(saved["state"])
+            print(f"ares bootstrap: reusing {path} (delete it to roll the training set out anew)", flush=True)
+            return saved["result"]
+        logger.warning("ares bootstrap: %s is of another run (%s); rolling the training set out anew", path,
+                       saved.get("identity"))
+    boot = AresBootstrap(s)
+    key = s["difficulty_key"]
+    loader = DataLoader(
+        trainer.train_dataset,
+        batch_size=int(config.data.train_batch_size),
+        shuffle=False,
+        drop_last=False,
+        collate_fn=trainer_base.collate_fn,
+        num_workers=0,
+    )
+    # a plain synchronous buffer of the pass's own: no group filtering, no refills from the
+    # training dataloader, whose order the pass leaves untouched
+    buffer = ReplayBuffer(
+        trainer_mode="sync",
+        trainer_config={},
+        max_off_policy_threshold=None,
+        max_off_policy_strategy="wait",
+        sampler_kwargs={},
+        poll_interval=float(getattr(trainer.replay_buffer, "poll_interval", 2.0)),
+    )
+    total, done = len(trainer.train_dataset), 0
+    for batch_dict in loader:
+        batch_dict["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch_dict["raw_prompt"]))], dtype=object)
+        batch = tu.get_tensordict(batch_dict)
+        tu.assign_non_tensor_data(batch, "global_steps", trainer.global_steps)
+        tags = [{"is_prompt": True, "status": "pending", "global_steps": trainer.global_steps} for _ in range(len(batch))]
+        tq.kv_batch_put(keys=list(batch["uid"]), partition_id="train", tags=tags)
+        trainer.agent_loop_manager.generate_sequences(batch)
+        meta, _ = buffer.sample(global_steps=trainer.global_steps, partition_id="train", batch_size=len(batch))
+        try:
+            _bootstrap_to_trainer(trainer, base_mode)
+            metrics = {}
+            if trainer.reward_loop_manager.reward_loop_worker_handles is None:
+                meta = trainer._compute_reward_colocate(meta)
+            meta = trainer._balance_batch(meta, metrics=metrics)
+            # the base class's pass: the weights are the initial ones (no version bookkeeping)
+            meta = trainer_base.PPOTrainer._compute_old_log_prob(trainer, meta, metrics)
+            fields = ["uid", "response_mask", "rm_scores", "entropy", key]
+            data = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=fields)
+            missing = [f for f in fields if f not in data.keys()]
+            if missing:
+                raise KeyError(f"ares bootstrap: the batch has no field {missing} (it has {sorted(data.keys())})")
+            padded = data.to_padded_tensor()
+            real, final_rows, _ = _real_sessions(meta)
+            fr = real[np.asarray(final_rows)]
+            boot.add(
+                padded["rm_scores"].float().cpu().numpy()[fr].sum(axis=1),
+                padded["response_mask"].float().cpu().numpy()[fr],
+                np.array(_values(padded.pop("uid")), dtype=object)[fr],
+                padded["entropy"].float().cpu().numpy()[fr],
+                np.array([str(x) for x in _values(padded.pop(key))], dtype=object)[fr],
+            )
+        finally:
+            tq.kv_clear(keys=meta.keys, partition_id=meta.partition_id)
+        _bootstrap_to_rollout(trainer, base_mode)
+        done += len(batch)
+        print(f"ares bootstrap: {done}/{total} prompts rolled out", flush=True)
+    result = boot.finish(trainer.ares)
+    _write_json(path, {"identity": identity, "result": result, "state": trainer.ares.state_dict()})
+    print(
+        f"ares bootstrap: {result['responses']} responses, accuracy {100 * result['accuracy']:.1f}%, "
+        f"τ = {result['tau']}, targets {result['targets']}",
+        flush=True,
+    )
+    log = getattr(trainer, "logger", None)
+    if log is not None:
+        metrics = {"ares/bootstrap_acc": result["accuracy"]}
+        if result["tau"] is not None:
+            metrics["ares/bootstrap_tau"] = result["tau"]
+        for name, target in result["targets"].items():
+            if target is not None:
+                metrics[f"ares/bootstrap_target_{name}"] = target
+        log.log(data=metrics, step=max(0, int(trainer.global_steps) - 1))
+    return result
+
+
+def _bootstrap_to_trainer(trainer, base_mode):
+    """The GPUs to the actor for the old-log-prob pass, as verl's own steps hand them over."""
+    if base_mode == "separate_async":
+        # the standalone rollout keeps its GPUs; hybrid replicas lent to generation come back
+        from verl.trainer.ppo.v1.trainer_separate_async import HybridEngineMode
+
+        if getattr(trainer, "current_mode", None) == HybridEngineMode.ROLLOUT:
+            trainer.switch_to_trainer()
+    else:
+        trainer.checkpoint_manager.sleep_replicas()
+
+
+def _bootstrap_to_rollout(trainer, base_mode):
+    """The rollout replicas awake again with the (unchanged) weights, as after verl's validation."""
+    if base_mode != "separate_async":
+        # the version the replicas were given at start (fit() has already counted step 1)
+        trainer.checkpoint_manager.update_weights(max(0, int(trainer.global_steps) - 1))
+
+
+def _as_list(value):
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return list(value)
+
+
+def _local_dir(config):
+    folder = config.trainer.default_local_dir
+    return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
+
+
+def _values(field):
+    """A non-tensor field of a TransferQueue batch as a plain list: depending on the
+    TransferQueue and tensordict versions it comes back as a numpy array, a ``NonTensorStack``
+    (``tolist``) or a tensordict ``LinkedList`` (a ``list`` subclass)."""
+    return field.tolist() if hasattr(field, "tolist") else list(field)
+
+
+def _real_sessions(batch):
+    """``(real, final_rows, row_to_final)`` of a batch: the rows that are not verl's padding
+    (``_balance_batch`` appends copies of a real row's prompt id with an empty response mask and
+    ``is_padding`` in their tags, which must not be graded as a group of wrong answers), and
+    :func:`final_session_rows` over those rows (positions into ``real``)."""
+    import numpy as np
+
+    tags = list(batch.tags) if batch.tags is not None else [{}] * len(batch.keys)
+    real = np.array([i for i, tag in enumerate(tags) if not (tag or {}).get("is_padding", False)], dtype=np.int64)
+    if len(real) == 0:
+        raise ValueError(f"ares: the batch has no rows but verl's padding ({len(batch.keys)} padding rows)")
+    final_rows, row_to_final = final_session_rows([batch.keys[i] for i in real])
+    return real, final_rows, row_to_final
+
+
 def _write_state(folder, state):
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, STATE_FILE)
+    _write_json(os.path.join(folder, STATE_FILE), state)
+
+
+def _write_json(path, value):
+    """``value`` as JSON at ``path``, whole or not at all (a temporary file renamed)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(state, f)
+        json.dump(value, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
