@@ -362,12 +362,13 @@ impl Blas {
         self.gemm("linear_transposed", call, y)
     }
 
-    /// `dx += dy · w`.
+    /// `dx = β·dx + dy · w` (`β` 1 accumulates; 0 overwrites without reading `dx`).
     pub(crate) fn backward_dx(
         &self,
         d: &BlasDims,
         dy: Operand<'_, '_>,
         w: Operand<'_, '_>,
+        beta: f32,
         dx: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         let call = Call {
@@ -378,7 +379,7 @@ impl Blas {
             k: d.out,
             a: w,
             b: dy,
-            beta: 1.0,
+            beta,
             precision: d.precision,
         };
         self.gemm("linear_backward dx", call, dx)

@@ -28,8 +28,8 @@ use ares_model::backend::cpu::CpuBackend;
 use ares_model::backend::cuda::{CudaBackend, CudaBuffer, CudaIds};
 use ares_model::backend::{
     Activation, AdamWConfig, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend,
-    BlockTables, DType, DeviceBuffer, KvCacheView, KvCacheViewMut, LinearDims, MatmulPrecision,
-    PagedKvView, PagedKvViewMut, SegmentAttentionDims, View, ViewMut,
+    BlockTables, DType, DeviceBuffer, GradWrite, KvCacheView, KvCacheViewMut, LinearDims,
+    MatmulPrecision, PagedKvView, PagedKvViewMut, SegmentAttentionDims, View, ViewMut,
 };
 use ares_model::hf::checkpoint::Checkpoint;
 use ares_model::model::{
@@ -493,15 +493,28 @@ fn linear_matches_cpu() {
             rng.vec(out, 1.0),
         );
         let ddy = up(&gpu, &dy);
-        // (dx and dbias given, dw given): every gradient, the weight's alone, and a frozen
-        // weight's (dw None: left as it was)
-        for (with_optional, with_dw) in [(true, true), (false, true), (true, false)] {
-            let (mut gdx, mut gdw, mut gdb) = (up(&gpu, &pdx), up(&gpu, &pdw), up(&gpu, &pdb));
+        // (dx and dbias given, dw given, how dx is written): every gradient, the weight's
+        // alone, a frozen weight's (dw None: left as it was), and dx overwritten (cuBLAS
+        // β = 0: the NaNs it held are not read)
+        let nan_dx = vec![f32::NAN; pdx.len()];
+        for (with_optional, with_dw, write) in [
+            (true, true, GradWrite::Accumulate),
+            (false, true, GradWrite::Accumulate),
+            (true, false, GradWrite::Accumulate),
+            (true, true, GradWrite::Overwrite),
+        ] {
+            let pdx = if write == GradWrite::Overwrite {
+                &nan_dx
+            } else {
+                &pdx
+            };
+            let (mut gdx, mut gdw, mut gdb) = (up(&gpu, pdx), up(&gpu, &pdw), up(&gpu, &pdb));
             gpu.linear_backward(
                 View::whole(&ddy),
                 View::whole(&dx_),
                 wv(),
                 dims,
+                write,
                 with_optional.then(|| ViewMut::whole(&mut gdx)),
                 with_dw.then(|| ViewMut::whole(&mut gdw)),
                 with_optional.then(|| ViewMut::whole(&mut gdb)),
@@ -513,6 +526,7 @@ fn linear_matches_cpu() {
                 View::whole(&x),
                 View::whole(&w),
                 dims,
+                write,
                 with_optional.then(|| ViewMut::whole(&mut cdx)),
                 with_dw.then(|| ViewMut::whole(&mut cdw)),
                 with_optional.then(|| ViewMut::whole(&mut cdb)),
@@ -612,6 +626,7 @@ fn stored_bf16_weight_products_match_cpu() {
             View::whole(&gx),
             View::whole(&gw),
             dims,
+            GradWrite::Accumulate,
             Some(ViewMut::whole(&mut gdx)),
             Some(ViewMut::whole(&mut gdw)),
             Some(ViewMut::whole(&mut gdb)),
@@ -623,6 +638,7 @@ fn stored_bf16_weight_products_match_cpu() {
             View::whole(&x),
             View::whole(&cw),
             dims,
+            GradWrite::Accumulate,
             Some(ViewMut::whole(&mut cdx)),
             Some(ViewMut::whole(&mut cdw)),
             Some(ViewMut::whole(&mut cdb)),

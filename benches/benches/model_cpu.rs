@@ -245,4 +245,9 @@ fn main() {
             t,
         );
     }
+    // ARES_PROFILE=1: every op's calls and time over the whole run (all sections, all runs)
+    use ares_model::backend::Backend;
+    if let Some(table) = CpuBackend.op_profile().expect("op profile") {
+        println!("{table}");
+    }
 }

@@ -354,12 +354,13 @@ pub fn linear_backward(
     dw: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
 ) -> Result<()> {
-    linear_backward_in(MatmulPrecision::F32, dout, x, w, dims, dx, dw, dbias)
+    linear_backward_in(MatmulPrecision::F32, dout, x, w, dims, false, dx, dw, dbias)
 }
 
 /// [`linear_backward`] with the operands of both products (`dout`, `w`; `dout`, `x`)
 /// rounded to `precision` (as [`MatmulPrecision::for_rows`] with `dims.n` rows decides);
-/// the bias gradient sums the unrounded `dout` in f32.
+/// the bias gradient sums the unrounded `dout` in f32. With `dx_overwrite` the input
+/// gradient is written (`dx = dout · w`, the old contents never read) instead of added.
 ///
 /// # Errors
 /// As [`linear_backward`]; nothing is written then.
@@ -370,12 +371,23 @@ pub fn linear_backward_in(
     x: &[f32],
     w: &[f32],
     dims: MatmulDims,
+    dx_overwrite: bool,
     dx: Option<&mut [f32]>,
     dw: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
 ) -> Result<()> {
     let p = precision.for_rows(dims.n);
-    linear_backward_w(p, dout, x, Weight::F32(w), dims, dx, dw, dbias)
+    linear_backward_w(
+        p,
+        dout,
+        x,
+        Weight::F32(w),
+        dims,
+        dx_overwrite,
+        dx,
+        dw,
+        dbias,
+    )
 }
 
 /// [`linear_backward`] in bf16 with the weight stored in bf16 bits `w16` (as
@@ -385,17 +397,29 @@ pub fn linear_backward_in(
 ///
 /// # Errors
 /// As [`linear_backward`]; nothing is written then.
+#[allow(clippy::too_many_arguments)]
 pub fn linear_backward_bf16(
     dout: &[f32],
     x: &[f32],
     w16: &[u16],
     dims: MatmulDims,
+    dx_overwrite: bool,
     dx: Option<&mut [f32]>,
     dw: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
 ) -> Result<()> {
     let p = MatmulPrecision::Bf16;
-    linear_backward_w(p, dout, x, Weight::Bf16(w16), dims, dx, dw, dbias)
+    linear_backward_w(
+        p,
+        dout,
+        x,
+        Weight::Bf16(w16),
+        dims,
+        dx_overwrite,
+        dx,
+        dw,
+        dbias,
+    )
 }
 
 /// [`linear_backward_in`] with the weight as stored and the precision `p` already decided
@@ -407,6 +431,7 @@ fn linear_backward_w(
     x: &[f32],
     w: Weight<'_>,
     dims: MatmulDims,
+    dx_overwrite: bool,
     dx: Option<&mut [f32]>,
     dw: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
@@ -432,9 +457,10 @@ fn linear_backward_w(
     let (dout, x) = (p.rounded(dout), p.rounded(x));
 
     if let Some(dx) = dx {
-        // dx[n, k] += dout[n, m] · w[m, k]; `w` is only needed (and rounded) here
+        // dx[n, k] (+)= dout[n, m] · w[m, k]; `w` is only needed (and rounded) here
         let w = w.operand(p);
         let d = MatmulDims { n, k: m, m: k };
+        let beta = if dx_overwrite { 0.0 } else { 1.0 };
         // SAFETY: lengths checked above; `dx` is a unique borrow with row-major strides.
         unsafe {
             gemm_raw(
@@ -446,7 +472,7 @@ fn linear_backward_w(
                 dx.as_mut_ptr(),
                 row_k,
                 1.0,
-                1.0,
+                beta,
                 parallelism(d),
             );
         }
@@ -1612,12 +1638,57 @@ mod tests {
             &xs,
             &w,
             one,
+            false,
             Some(&mut dx),
             Some(&mut dw),
             Some(&mut db),
         )
         .unwrap();
         assert_eq!((dx[0], dw[0], db[0]), (1.0, 2.0, dout[0]));
+    }
+
+    #[test]
+    fn an_overwritten_input_gradient_is_a_zero_fill_then_an_accumulation() {
+        use crate::ops::precision::MatmulPrecision as P;
+        // shapes on both sides of the parallel threshold, and an empty product (m = 0)
+        for (n, k, m) in [(3, 5, 4), (70, 33, 130), (256, 64, 96), (4, 6, 0)] {
+            let d = dims(n, k, m);
+            let (x, w, dout) = (
+                rand_vec(n * k, 21),
+                rand_vec(m * k, 22),
+                rand_vec(n * m, 23),
+            );
+            for p in [P::F32, P::Bf16] {
+                let run = |overwrite: bool, start: f32| {
+                    let (mut dx, mut dw) = (vec![start; n * k], vec![0.25f32; m * k]);
+                    linear_backward_in(
+                        p,
+                        &dout,
+                        &x,
+                        &w,
+                        d,
+                        overwrite,
+                        Some(&mut dx),
+                        Some(&mut dw),
+                        None,
+                    )
+                    .unwrap();
+                    (dx, dw)
+                };
+                let (want_dx, want_dw) = run(false, 0.0);
+                // the old contents (NaN here) are never read
+                let (got_dx, got_dw) = run(true, f32::NAN);
+                assert_eq!(got_dx, want_dx, "{p:?} {n}×{k}×{m}");
+                assert_eq!(got_dw, want_dw, "dw still accumulates: {p:?} {n}×{k}×{m}");
+                // accumulating adds onto what is there
+                let (acc, _) = run(false, 1.0);
+                assert!(
+                    acc.iter()
+                        .zip(&want_dx)
+                        .all(|(a, b)| (a - (b + 1.0)).abs() <= 1e-5 * (1.0 + b.abs()))
+                );
+            }
+        }
     }
 
     #[test]
@@ -1640,9 +1711,9 @@ mod tests {
                     (rand_vec(n * k, 15), rand_vec(m * k, 16), vec![0.5; m]);
                 let (gx, gw, gb) = (Some(&mut dx[..]), Some(&mut dw[..]), Some(&mut db[..]));
                 if stored {
-                    linear_backward_bf16(&dout, &x, &w16, d, gx, gw, gb).unwrap();
+                    linear_backward_bf16(&dout, &x, &w16, d, false, gx, gw, gb).unwrap();
                 } else {
-                    linear_backward_in(P::Bf16, &dout, &x, &w, d, gx, gw, gb).unwrap();
+                    linear_backward_in(P::Bf16, &dout, &x, &w, d, false, gx, gw, gb).unwrap();
                 }
                 (dx, dw, db)
             };

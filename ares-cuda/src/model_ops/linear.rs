@@ -163,12 +163,14 @@ impl ModelOps {
         x: &CudaView<'_, f32>,
         w: &CudaView<'_, f32>,
         dims: GemmDims,
+        dx_overwrite: bool,
         dx: Option<&mut CudaViewMut<'_, f32>>,
         dw: Option<&mut CudaViewMut<'_, f32>>,
         dbias: Option<&mut CudaViewMut<'_, f32>>,
     ) -> Result<()> {
         let k = "linear_backward";
-        self.linear_backward_any(k, dout, x, Operand::F32(w), dims, dx, dw, dbias)
+        let w = Operand::F32(w);
+        self.linear_backward_any(k, dout, x, w, dims, dx_overwrite, dx, dw, dbias)
     }
 
     /// Backward of [`ModelOps::linear_bf16`]: [`ModelOps::linear_backward`] with `dout` and
@@ -184,6 +186,7 @@ impl ModelOps {
         x: &CudaView<'_, f32>,
         w: &CudaView<'_, u16>,
         dims: GemmDims,
+        dx_overwrite: bool,
         dx: Option<&mut CudaViewMut<'_, f32>>,
         dw: Option<&mut CudaViewMut<'_, f32>>,
         dbias: Option<&mut CudaViewMut<'_, f32>>,
@@ -193,7 +196,8 @@ impl ModelOps {
             ..dims
         };
         let k = "linear_backward_bf16";
-        self.linear_backward_any(k, dout, x, Operand::Bf16(w), dims, dx, dw, dbias)
+        let w = Operand::Bf16(w);
+        self.linear_backward_any(k, dout, x, w, dims, dx_overwrite, dx, dw, dbias)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -204,6 +208,7 @@ impl ModelOps {
         x: &CudaView<'_, f32>,
         w: Operand<'_, '_>,
         dims: GemmDims,
+        dx_overwrite: bool,
         dx: Option<&mut CudaViewMut<'_, f32>>,
         dw: Option<&mut CudaViewMut<'_, f32>>,
         dbias: Option<&mut CudaViewMut<'_, f32>>,
@@ -221,20 +226,31 @@ impl ModelOps {
         if let Some(g) = &dbias {
             check_len(k, "dbias", dims.out_features, g.len())?;
         }
-        // With rows, in or out zero every product is empty or adds nothing.
+        // With rows, in or out zero every product is empty or adds nothing; an overwritten
+        // `dx` of an empty product (out = 0) is zero.
+        let mut dx = dx;
+        if dx_overwrite
+            && d.w_len == 0
+            && let Some(g) = dx.as_deref_mut()
+        {
+            self.stream
+                .memset_zeros(g)
+                .during(format!("{k}: zeroing dx"))?;
+        }
+        let beta = if dx_overwrite { 0.0 } else { 1.0 };
         if d.x_len != 0 && d.w_len != 0 && dims.rows != 0 {
             match (dx, dw) {
                 (Some(dx), Some(dw)) => {
                     let srcs = [Operand::F32(dout), w, Operand::F32(x)];
                     self.with_operands(d.precision, srcs, |[dout, w, x]| {
-                        self.blas.backward_dx(&d, dout, w, dx)?;
+                        self.blas.backward_dx(&d, dout, w, beta, dx)?;
                         self.blas.backward_dw(&d, dout, x, dw)
                     })?
                 }
                 (Some(dx), None) => {
                     let srcs = [Operand::F32(dout), w];
                     self.with_operands(d.precision, srcs, |[dout, w]| {
-                        self.blas.backward_dx(&d, dout, w, dx)
+                        self.blas.backward_dx(&d, dout, w, beta, dx)
                     })?
                 }
                 (None, Some(dw)) => {

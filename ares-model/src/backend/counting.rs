@@ -9,9 +9,9 @@
 
 use super::ops::{declared_ops, op_arg_type};
 use super::{
-    Activation, AdamWUpdate, AttentionDims, Backend, DType, HweViews, KlSumViews, KlViews,
-    KvCacheView, KvCacheViewMut, LinearDims, PagedKvView, PagedKvViewMut, PickBuffersOf, PickRule,
-    Result, SegmentAttentionDims, Tensor, TensorMut, View, ViewMut, WindowSpec,
+    Activation, AdamWUpdate, AttentionDims, Backend, DType, GradWrite, HweViews, KlSumViews,
+    KlViews, KvCacheView, KvCacheViewMut, LinearDims, PagedKvView, PagedKvViewMut, PickBuffersOf,
+    PickRule, Result, SegmentAttentionDims, Tensor, TensorMut, View, ViewMut, WindowSpec,
 };
 use ares_cpu::sampler::{SampleKey, Sampler};
 use std::sync::Mutex;

@@ -19,9 +19,9 @@ use super::sampling::greedy_row;
 use super::ops::{declared_ops, op_arg_type};
 use super::{
     Activation, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
-    DType, DeviceBuffer, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
-    PagedKvView, PagedKvViewMut, Result, SegmentAttentionDims, Tensor, TensorMut, View, ViewMut,
-    WindowSpec,
+    DType, DeviceBuffer, GradWrite, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut,
+    LinearDims, PagedKvView, PagedKvViewMut, Result, SegmentAttentionDims, Tensor, TensorMut, View,
+    ViewMut, WindowSpec,
 };
 
 /// The CPU backend: f32, u32 and 16-bit vectors, `ares-cpu` kernels.
@@ -344,10 +344,10 @@ macro_rules! cpu_ops {
 /// order and types.
 mod kernels {
     use super::{
-        Activation, AdamWUpdate, AttentionDims, LinearDims, Moment, SegmentAttentionDims,
-        activation, adamw_step_scaled, attention, attention_shape, cpu_activation,
-        linear_backward_in, linear_forward_in, linear_forward_t_in, matmul_dims, matmul_tiles,
-        segment_attention, segment_shape,
+        Activation, AdamWUpdate, AttentionDims, GradWrite, LinearDims, Moment,
+        SegmentAttentionDims, activation, adamw_step_scaled, attention, attention_shape,
+        cpu_activation, linear_backward_in, linear_forward_in, linear_forward_t_in, matmul_dims,
+        matmul_tiles, segment_attention, segment_shape,
     };
     use ares_cpu::Logits;
 
@@ -373,17 +373,20 @@ mod kernels {
         linear_forward_t_in(dims.precision, x, wt, bias, matmul_dims(dims), out)
     }
 
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments
     pub(super) fn linear_backward(
         dout: &[f32],
         x: &[f32],
         w: &[f32],
         dims: LinearDims,
+        dx_write: GradWrite,
         dx: Option<&mut [f32]>,
         dw: Option<&mut [f32]>,
         dbias: Option<&mut [f32]>,
     ) -> Result {
         let md = matmul_dims(dims);
-        linear_backward_in(dims.precision, dout, x, w, md, dx, dw, dbias)
+        let overwrite = dx_write == GradWrite::Overwrite;
+        linear_backward_in(dims.precision, dout, x, w, md, overwrite, dx, dw, dbias)
     }
 
     pub(super) fn linear_bf16(
@@ -396,17 +399,20 @@ mod kernels {
         ares_cpu::ops::matmul::linear_forward_bf16(x, w, bias, matmul_dims(dims), out)
     }
 
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments
     pub(super) fn linear_backward_bf16(
         dout: &[f32],
         x: &[f32],
         w: &[u16],
         dims: LinearDims,
+        dx_write: GradWrite,
         dx: Option<&mut [f32]>,
         dw: Option<&mut [f32]>,
         dbias: Option<&mut [f32]>,
     ) -> Result {
         let md = matmul_dims(dims);
-        ares_cpu::ops::matmul::linear_backward_bf16(dout, x, w, md, dx, dw, dbias)
+        let overwrite = dx_write == GradWrite::Overwrite;
+        ares_cpu::ops::matmul::linear_backward_bf16(dout, x, w, md, overwrite, dx, dw, dbias)
     }
 
     pub(super) fn linear_decode_f32(
@@ -1036,12 +1042,27 @@ mod backward_tests {
             View::whole(&x),
             View::whole(&w),
             dims,
+            GradWrite::Accumulate,
             Some(ViewMut::whole(&mut dx)),
             Some(ViewMut::whole(&mut dw)),
             Some(ViewMut::whole(&mut db)),
         )
         .unwrap();
         assert_eq!((dx, dw, db), (vec![6.0, 8.0], vec![3.0, 4.0], vec![2.0]));
+        // dx overwritten (its NaNs not read); dw and db still accumulate
+        let (mut dx, mut dw, mut db) = (vec![f32::NAN; 2], vec![1.0f32; 2], vec![1.0f32]);
+        be.linear_backward(
+            View::whole(&dout),
+            View::whole(&x),
+            View::whole(&w),
+            dims,
+            GradWrite::Overwrite,
+            Some(ViewMut::whole(&mut dx)),
+            Some(ViewMut::whole(&mut dw)),
+            Some(ViewMut::whole(&mut db)),
+        )
+        .unwrap();
+        assert_eq!((dx, dw, db), (vec![5.0, 7.0], vec![3.0, 4.0], vec![2.0]));
 
         // fill zeroes a window only.
         let mut buf = vec![1.0f32; 4];

@@ -71,8 +71,8 @@ pub use error::BackendError;
 pub use optim::{AdamWConfig, AdamWUpdate};
 pub use pick::{PickBuffers, PickBuffersOf, PickRule, picked_row};
 pub use shapes::{
-    Activation, AttentionDims, AttentionGrads, AttentionInputs, LinearDims, MatmulPrecision,
-    SegmentAttentionDims,
+    Activation, AttentionDims, AttentionGrads, AttentionInputs, GradWrite, LinearDims,
+    MatmulPrecision, SegmentAttentionDims,
 };
 pub use token::{HweViews, KlSumViews, KlViews, WindowSpec};
 pub use view::{DType, DeviceBuffer, View, ViewMut};

@@ -156,10 +156,12 @@ macro_rules! declared_ops {
                 dtable: Out<f32>,
             ) cpu ares_cpu::ops::embedding::embedding_backward, cuda embedding_backward;
 
-            /// Backward of [`Backend::linear`] given `dout` `[rows, out_features]`. All three
-            /// gradients **accumulate**: `dx[rows, in] += dout · w` (skipped if `None`),
-            /// `dw[out, in] += doutᵀ · x` (skipped if `None`: a frozen weight, as under LoRA),
-            /// `dbias[out] += Σ_rows dout` (skipped if `None`).
+            /// Backward of [`Backend::linear`] given `dout` `[rows, out_features]`:
+            /// `dx[rows, in] = dout · w` or `+=` as `dx_write` says (skipped if `None`); the
+            /// weight's gradients **accumulate**: `dw[out, in] += doutᵀ · x` (skipped if
+            /// `None`: a frozen weight, as under LoRA), `dbias[out] += Σ_rows dout` (skipped if
+            /// `None`). [`GradWrite::Overwrite`] gives the bits of a zero fill followed by
+            /// [`GradWrite::Accumulate`] (up to the sign of a zero) without reading `dx`.
             ///
             /// # Errors
             /// Lengths that do not match `dims`.
@@ -168,6 +170,7 @@ macro_rules! declared_ops {
                 x: In<f32>,
                 w: In<f32>,
                 dims: LinearDims,
+                dx_write: GradWrite,
                 dx: OutOpt<f32>,
                 dw: OutOpt<f32>,
                 dbias: OutOpt<f32>,
@@ -193,7 +196,7 @@ macro_rules! declared_ops {
 
             /// Backward of [`Backend::linear_bf16`]: [`Backend::linear_backward`] with `dout`
             /// and `x` rounded to bf16 and the bf16 weight `w` as it is; the three gradients
-            /// (f32) **accumulate** as there.
+            /// (f32) are written as there (`dx` by `dx_write`, the others accumulate).
             ///
             /// # Errors
             /// As [`Backend::linear_backward`]; `w` not bf16.
@@ -202,6 +205,7 @@ macro_rules! declared_ops {
                 x: In<f32>,
                 w: In<bf16>,
                 dims: LinearDims,
+                dx_write: GradWrite,
                 dx: OutOpt<f32>,
                 dw: OutOpt<f32>,
                 dbias: OutOpt<f32>,

@@ -19,6 +19,17 @@ pub struct LinearDims {
     pub precision: MatmulPrecision,
 }
 
+/// How a backward op writes an input gradient: added to what the buffer holds (a gradient
+/// that several products sum into), or in its place (the first product into a scratch
+/// buffer — the zero fill before it is then not needed; on a GPU `β = 0` in the GEMM).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradWrite {
+    /// `d += …`.
+    Accumulate,
+    /// `d = …`: the buffer's old contents are not read (they may be anything, NaN included).
+    Overwrite,
+}
+
 /// A causal grouped-query attention call: `batch` sequences of `seq` tokens, q `[batch,
 /// seq, q_heads, head_dim]`, k and v `[batch, seq, kv_heads, head_dim]`, key mask `[batch,
 /// seq]`, logits `scale · q·k`.

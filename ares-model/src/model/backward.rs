@@ -18,6 +18,7 @@ use super::layer::LinearGrad;
 use super::layer::dqkv;
 use super::lora::Target;
 use super::{Activations, Grads, HeadMode, Inputs, Model, ModelError};
+use crate::backend::GradWrite::{Accumulate, Overwrite};
 use crate::backend::{AttentionDims, Backend, DeviceBuffer, Tensor, TensorMut, View, ViewMut};
 
 /// The embedding rows a multimodal forward replaced ([`super::ForwardExtras::embeds`]) and
@@ -154,7 +155,8 @@ impl<B: Backend> Model<B> {
                     dw: head_grad(grads.as_deref_mut()),
                     dbias: None,
                 };
-                self.matmul_backward(dlogits, View::whole(&acts.lnf), g, acts.scratch.dln.w())?;
+                let dln = acts.scratch.dln.w();
+                self.matmul_backward(dlogits, View::whole(&acts.lnf), g, Accumulate, dln)?;
             }
             HeadGrad::LogProb {
                 temperature,
@@ -200,6 +202,7 @@ impl<B: Backend> Model<B> {
                         View::new(&acts.dlogits, 0, rows * v)?,
                         View::new(&acts.lnf, start * c, rows * c)?,
                         g,
+                        Accumulate,
                         ViewMut::new(&mut acts.scratch.dln.0, start * c, rows * c)?,
                     )?;
                 }
@@ -263,22 +266,20 @@ impl<B: Backend> Model<B> {
                 }
             };
 
-            // MLP block; `dresidual` is ∂L/∂resid_out[l] = ∂L/∂mlp_out[l].
-            be.fill(sc.dact.w(), 0.0)?;
-            self.matmul_backward(sc.dresidual.r(), a.act, g.down, sc.dact.w())?;
+            // MLP block; `dresidual` is ∂L/∂resid_out[l] = ∂L/∂mlp_out[l]. The first product
+            // into each scratch gradient overwrites it (no zero fill), the others add.
+            self.matmul_backward(sc.dresidual.r(), a.act, g.down, Overwrite, sc.dact.w())?;
             pair(Target::Down, sc.dresidual.r(), a.act, sc.dact.w())?;
             be.swiglu_backward(sc.dact.r(), a.gate, a.up, sc.dgate.w(), sc.dup.w())?;
-            be.fill(sc.dln.w(), 0.0)?;
-            self.matmul_backward(sc.dgate.r(), a.ln2, g.gate, sc.dln.w())?;
+            self.matmul_backward(sc.dgate.r(), a.ln2, g.gate, Overwrite, sc.dln.w())?;
             pair(Target::Gate, sc.dgate.r(), a.ln2, sc.dln.w())?;
-            self.matmul_backward(sc.dup.r(), a.ln2, g.up, sc.dln.w())?;
+            self.matmul_backward(sc.dup.r(), a.ln2, g.up, Accumulate, sc.dln.w())?;
             pair(Target::Up, sc.dup.r(), a.ln2, sc.dln.w())?;
             // ∂L/∂resid_mid = dresidual (skip) + the norm's input gradient.
             self.rmsnorm_backward(sc.dln.r(), a.resid_mid, a.ln2_rstd, g.ln2, sc.dresidual.w())?;
 
             // Attention block; `dresidual` is ∂L/∂resid_mid[l] = ∂L/∂att_proj[l].
-            be.fill(sc.datt.w(), 0.0)?;
-            self.matmul_backward(sc.dresidual.r(), a.att, g.o, sc.datt.w())?;
+            self.matmul_backward(sc.dresidual.r(), a.att, g.o, Overwrite, sc.datt.w())?;
             pair(Target::O, sc.dresidual.r(), a.att, sc.datt.w())?;
             let dqkv = dqkv(&mut sc.dq, &mut sc.dk, &mut sc.dv);
             if self.attention_in_bf16(attn.batch * attn.seq) {
@@ -299,12 +300,11 @@ impl<B: Backend> Model<B> {
             } else {
                 (sc.dq.r(), sc.dk.r())
             };
-            be.fill(sc.dln.w(), 0.0)?;
-            self.matmul_backward(dq_proj, a.ln1, g.q, sc.dln.w())?;
+            self.matmul_backward(dq_proj, a.ln1, g.q, Overwrite, sc.dln.w())?;
             pair(Target::Q, dq_proj, a.ln1, sc.dln.w())?;
-            self.matmul_backward(dk_proj, a.ln1, g.k, sc.dln.w())?;
+            self.matmul_backward(dk_proj, a.ln1, g.k, Accumulate, sc.dln.w())?;
             pair(Target::K, dk_proj, a.ln1, sc.dln.w())?;
-            self.matmul_backward(sc.dv.r(), a.ln1, g.v, sc.dln.w())?;
+            self.matmul_backward(sc.dv.r(), a.ln1, g.v, Accumulate, sc.dln.w())?;
             pair(Target::V, sc.dv.r(), a.ln1, sc.dln.w())?;
             // ∂L/∂input = ∂L/∂resid_mid (skip) + the input norm's input gradient.
             self.rmsnorm_backward(sc.dln.r(), a.input, a.ln1_rstd, g.ln1, sc.dresidual.w())?;

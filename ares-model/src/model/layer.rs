@@ -18,8 +18,8 @@ use super::decode_weights::{DecodeStack, DecodeView, DecodeWeights};
 use super::weights::{DeviceWeights, HalfStack, Stack, layer_of, layer_of_mut};
 use super::{Model, ModelError};
 use crate::backend::{
-    AttentionGrads, AttentionInputs, Backend, DeviceBuffer, LinearDims, MatmulPrecision, Tensor,
-    TensorMut, View,
+    AttentionGrads, AttentionInputs, Backend, DeviceBuffer, GradWrite, LinearDims, MatmulPrecision,
+    Tensor, TensorMut, View,
 };
 
 /// One projection of a layer, `out = x · wᵀ (+ bias)`, for a fixed number of token rows.
@@ -406,19 +406,23 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
-    /// Backward of [`Model::matmul`] from `dout`: **adds** `dout · w` into `dx` and the
-    /// weight and bias gradients into `g`.
+    /// Backward of [`Model::matmul`] from `dout`: writes (`dx_write`) `dout · w` into `dx`
+    /// and **adds** the weight and bias gradients into `g`.
     pub(crate) fn matmul_backward(
         &self,
         dout: Tensor<'_, B>,
         x: Tensor<'_, B>,
         g: LinearGrad<'_, B>,
+        dx_write: GradWrite,
         dx: TensorMut<'_, B>,
     ) -> Result<(), ModelError> {
         let (p, be) = (g.param, &self.backend);
+        let (dims, dx) = (p.dims, Some(dx));
         match p.bf16_weight() {
-            Some(w16) => be.linear_backward_bf16(dout, x, w16, p.dims, Some(dx), g.dw, g.dbias)?,
-            None => be.linear_backward(dout, x, p.w, p.dims, Some(dx), g.dw, g.dbias)?,
+            Some(w16) => {
+                be.linear_backward_bf16(dout, x, w16, dims, dx_write, dx, g.dw, g.dbias)?
+            }
+            None => be.linear_backward(dout, x, p.w, dims, dx_write, dx, g.dw, g.dbias)?,
         }
         Ok(())
     }

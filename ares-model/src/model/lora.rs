@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use super::weights::Stack;
 use super::{Model, ModelError, ModelSpec};
 use crate::backend::{
-    Backend, DeviceBuffer, LinearDims, MatmulPrecision, Tensor, TensorMut, View, ViewMut,
+    Backend, DeviceBuffer, GradWrite, LinearDims, MatmulPrecision, Tensor, TensorMut, View, ViewMut,
 };
 use crate::hf::lora::{LoraAdapter, LoraConfig, LoraPair, TARGETS, is_target_name, weight_name};
 
@@ -736,6 +736,7 @@ impl PairShape {
             u,
             b,
             self.dims(self.r, self.out),
+            GradWrite::Accumulate,
             Some(ViewMut::new(du, 0, self.rows * self.r)?),
             Some(db),
             None,
@@ -759,6 +760,7 @@ impl PairShape {
             x,
             a,
             self.dims(self.inp, self.r),
+            GradWrite::Accumulate,
             dx,
             Some(da),
             None,

@@ -27,8 +27,8 @@ use super::lora::{TOWER_TARGETS, TowerLora, TowerLoraActs, TowerTarget};
 use super::mrope::tokens_per_grid;
 use super::weights::{Slot, VisionParams, VisionWeights, param_table};
 use crate::backend::{
-    Activation, Backend, DeviceBuffer, LinearDims, MatmulPrecision, SegmentAttentionDims, Tensor,
-    TensorMut, View, ViewMut,
+    Activation, Backend, DeviceBuffer, GradWrite, LinearDims, MatmulPrecision,
+    SegmentAttentionDims, Tensor, TensorMut, View, ViewMut,
 };
 use crate::model::ModelError;
 use crate::model::lora::LoraParams;
@@ -1015,6 +1015,7 @@ impl<B: Backend> VisionTower<B> {
             View::whole(&a.merge_act),
             self.w(Slot::Merger2, 0, c.out_hidden * m)?,
             self.dims(units, m, c.out_hidden),
+            GradWrite::Accumulate,
             Some(ViewMut::whole(&mut d_ma)),
             w2,
             b2,
@@ -1044,6 +1045,7 @@ impl<B: Backend> VisionTower<B> {
             View::whole(&a.merge_norm),
             self.w(Slot::Merger0, 0, m * m)?,
             self.dims(units, m, m),
+            GradWrite::Accumulate,
             Some(ViewMut::whole(&mut d_norm)),
             w0,
             b0,
@@ -1092,6 +1094,7 @@ impl<B: Backend> VisionTower<B> {
                 View::item(&a.mlp_act, s, ni)?,
                 self.w(Slot::MlpOut, l, h * i)?,
                 self.dims(n, i, h),
+                GradWrite::Accumulate,
                 Some(ViewMut::whole(&mut d_act)),
                 wo,
                 bo,
@@ -1134,6 +1137,7 @@ impl<B: Backend> VisionTower<B> {
                         n2,
                         self.w(Slot::MlpUp, l, i * h)?,
                         self.dims(n, h, i),
+                        GradWrite::Accumulate,
                         Some(ViewMut::whole(&mut d_norm)),
                         wu,
                         bu,
@@ -1158,6 +1162,7 @@ impl<B: Backend> VisionTower<B> {
                 n2,
                 self.w(Slot::MlpIn, l, i * h)?,
                 self.dims(n, h, i),
+                GradWrite::Accumulate,
                 Some(ViewMut::whole(&mut d_norm)),
                 wi,
                 bi,
@@ -1196,6 +1201,7 @@ impl<B: Backend> VisionTower<B> {
                 View::item(&a.att, s, nc)?,
                 self.w(Slot::Proj, l, h * h)?,
                 self.dims(n, h, h),
+                GradWrite::Accumulate,
                 Some(ViewMut::whole(&mut d_att)),
                 wp,
                 bp,
@@ -1249,6 +1255,7 @@ impl<B: Backend> VisionTower<B> {
                     n1,
                     w,
                     self.dims(n, h, h),
+                    GradWrite::Accumulate,
                     Some(ViewMut::whole(&mut d_norm)),
                     gw,
                     gb,
@@ -1290,6 +1297,7 @@ impl<B: Backend> VisionTower<B> {
                 View::whole(&a.pixels),
                 self.w(Slot::Patch, 0, h * c.patch_dim())?,
                 self.dims(n, c.patch_dim(), h),
+                GradWrite::Accumulate,
                 None,
                 Some(ViewMut::whole(gp)),
                 None,

@@ -36,8 +36,8 @@ use buffer::{
 use super::ops::{declared_ops, op_arg_type};
 use super::{
     Activation, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
-    BlockTables, DType, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
-    MatmulPrecision, PagedKvView, PagedKvViewMut, PickBuffersOf, PickRule, Result,
+    BlockTables, DType, GradWrite, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut,
+    LinearDims, MatmulPrecision, PagedKvView, PagedKvViewMut, PickBuffersOf, PickRule, Result,
     SegmentAttentionDims, Tensor, TensorMut, View, ViewMut, WindowSpec, check_half,
 };
 use ares_cpu::sampler::{SampleKey, Sampler};
@@ -267,6 +267,14 @@ impl ToCuda for LinearDims {
     type Cuda = GemmDims;
     fn to_cuda(self) -> GemmDims {
         gemm_dims(self)
+    }
+}
+
+/// Whether `linear_backward` overwrites `dx` (cuBLAS `β = 0`).
+impl ToCuda for GradWrite {
+    type Cuda = bool;
+    fn to_cuda(self) -> bool {
+        self == GradWrite::Overwrite
     }
 }
 
