@@ -5,7 +5,8 @@
 #
 #   scripts/gpu-bundle.sh [DIR]        # default DIR = .gpu (git-ignored)
 #   # on the GPU machine:
-#   DIR/run.sh [tests|kernels|model|grpo|dp]   # all parts, or one (each fits a 10-minute call);
+#   DIR/run.sh [tests|kernels|model|rollout|wheel|grpo|dp]   # all parts, or one (each fits a
+#                                            # 10-minute call);
 #                                            # after `grpo`: dotted overrides of the RL step
 #   DIR/check.sh                             # every part time-boxed in one call (~8 min)
 #
@@ -68,6 +69,16 @@ cp target/release/ares-runner "$dir/bin/ares-runner"
 cp scripts/torch_token_kernels.py scripts/bench_torch_gpu.py scripts/bench_torch_cpu.py scripts/torch_lora.py \
   scripts/bench_grpo_step.sh scripts/bench_torch_grpo_step.py examples/configs/bench_grpo_step.yaml \
   scripts/dp_check.sh "$dir/"
+
+# The Python wheel (abi3) for the CUDA-tensor check, when maturin is at hand (CI's venv has
+# it): installed on the GPU machine into a scratch folder beside PyTorch.
+if python3 -m maturin --version >/dev/null 2>&1; then
+  echo "building the Python wheel…"
+  python3 -m maturin build --release --locked -m ares-py/Cargo.toml -o "$dir" >/dev/null
+  cp ares-py/tests/test_cuda_tensors.py scripts/bench_cuda_tensors.py "$dir/"
+else
+  echo "  no maturin here (pip install maturin): the bundle has no wheel, its check skips it"
+fi
 
 # The kernels compiled for sm_90 (H100, H200) into the cache run.sh points at, so the GPU's
 # minutes are not spent in NVRTC (model_ops.cu alone takes ~20 s). The key holds NVRTC's
@@ -149,6 +160,18 @@ if want rollout; then
       | tee "$out/torch_rollout.txt" || status=1
   fi
 fi
+if want wheel; then
+  whl=$(ls "$here"/ares-*.whl 2>/dev/null | head -1)
+  if [ -n "$whl" ] && has_torch; then
+    site=$(mktemp -d)
+    python3 -m pip install --quiet --no-deps --target "$site" "$whl" || status=1
+    echo "== ares on PyTorch CUDA tensors: the CPU twins, then beside torch eager"
+    PYTHONPATH="$site" python3 "$here/test_cuda_tensors.py" 2>&1 | tee "$out/wheel_tests.txt" || status=1
+    PYTHONPATH="$site" python3 "$here/bench_cuda_tensors.py" 2>&1 | tee "$out/wheel_bench.txt" || status=1
+  else
+    echo "no wheel in the bundle or no torch here: skipped"
+  fi
+fi
 if want grpo; then
   # the 2 GB random model and the run stay out of $OUT (it is copied back)
   echo "== one RL step, ares-runner vs PyTorch"
@@ -165,8 +188,8 @@ chmod +x "$dir/run.sh"
 
 # One time-boxed device call for a short lease (15 minutes of device time, starts included):
 # every part of run.sh under its own limit, the RL step reduced to 16 prompts x 8 and 2 steps,
-# at most 10 files back in $OUT. T_TESTS, T_KERNELS, T_MODEL, T_ROLLOUT, T_GRPO, T_DP set the
-# limits (seconds; the defaults add up to 580: give the call 600).
+# at most 10 files back in $OUT. T_TESTS, T_KERNELS, T_MODEL, T_ROLLOUT, T_WHEEL, T_GRPO, T_DP
+# set the limits (seconds; the defaults add up to 590: give the call 600).
 cat > "$dir/check.sh" <<'CHECK'
 #!/usr/bin/env bash
 set +u
@@ -189,11 +212,13 @@ grep -E "^test result|panicked" "$final/tests.txt" | sort | uniq -c | head -30
 part kernels "${T_KERNELS:-60}"
 cp "$work/gpu_kernels.jsonl" "$final/" 2>/dev/null
 part model "${T_MODEL:-70}"
-part rollout "${T_ROLLOUT:-100}"
-TORCH_ARGS="--prompts 16 --steps 2" part grpo "${T_GRPO:-110}" \
+part rollout "${T_ROLLOUT:-90}"
+part wheel "${T_WHEEL:-35}"
+TORCH_ARGS="--prompts 16 --steps 2" part grpo "${T_GRPO:-100}" \
   data.rollout_batch_size=16 worker.actor.global_batch_size=16 trainer.max_steps=2
-part dp "${T_DP:-60}"
-tail -n 12 "$final/kernels.txt" "$final/model.txt" "$final/rollout.txt" "$final/grpo.txt" "$final/dp.txt"
+part dp "${T_DP:-55}"
+tail -n 12 "$final/kernels.txt" "$final/model.txt" "$final/rollout.txt" "$final/wheel.txt" "$final/grpo.txt" \
+  "$final/dp.txt"
 CHECK
 chmod +x "$dir/check.sh"
 du -sh "$dir"

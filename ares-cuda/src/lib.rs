@@ -18,6 +18,7 @@ pub mod nvrtc;
 
 pub use error::{Error, Result};
 mod device;
+pub mod external;
 pub mod gemm;
 mod launch;
 pub mod mma;

@@ -12,6 +12,7 @@
 
 mod args;
 mod controllers;
+mod cuda;
 mod curriculum;
 mod extras;
 mod funcs;
@@ -30,5 +31,6 @@ fn _ares(m: &Bound<'_, PyModule>) -> PyResult<()> {
     controllers::register(m)?;
     extras::register(m)?;
     curriculum::register(m)?;
+    cuda::register(m)?;
     kernels::register(m)
 }

@@ -104,8 +104,8 @@ def test_torch_bf16_logits():
 def test_torch_non_cpu_tensor_is_a_clear_error():
     torch = pytest.importorskip("torch")
     t = torch.ones(4, device="meta")
-    with pytest.raises(ValueError, match="grpo_advantages: `rewards` is a tensor on meta: ares runs on CPU arrays; move the tensor with .cpu\\(\\)"):
+    with pytest.raises(ValueError, match="grpo_advantages: `rewards` is a tensor on meta: this function runs on CPU arrays; move the tensor with .cpu\\(\\)"):
         ares.grpo_advantages(t, n=4)
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="move the tensor with .cpu"):
-            ares.log_prob_entropy(torch.ones(2, 3, device="cuda"))
+            ares.grpo_advantages(torch.ones(4, device="cuda"), n=4)

@@ -8,8 +8,13 @@ raises ``ValueError`` with ares-core's message naming the argument.
 
 Inputs may also be torch CPU tensors (bfloat16 logits included) or any object with
 ``__array_interface__`` or ``__dlpack__``: they are turned into numpy views of the same
-memory (no copy; see ``ares.as_array``). A CUDA tensor is a ``ValueError``: ares runs on CPU
-arrays. Outputs are numpy arrays; ``torch.from_numpy`` wraps them without a copy.
+memory (no copy; see ``ares.as_array``). Outputs are numpy arrays; ``torch.from_numpy`` wraps
+them without a copy.
+
+PyTorch CUDA tensors: ``log_prob_entropy``, ``entropy_windows``, ``row_percentile`` and
+``masked_dynamic_kl`` run ares-cuda's kernels on them where they are, on the caller's current
+stream, and return CUDA tensors (``ares._cuda``); every other function is a ``ValueError`` on
+a CUDA tensor (it runs on CPU arrays).
 """
 
 from typing import TYPE_CHECKING
@@ -36,7 +41,7 @@ from ._ares import (
     solved_streak,
     step_factor,
 )
-from ._interop import as_array, wrap
+from ._interop import as_array, routed, wrap
 
 # Every array argument may be a torch CPU tensor or any __array_interface__ / __dlpack__
 # object: it reaches the native function as a numpy view of the same memory.
@@ -85,7 +90,7 @@ else:
     dynamic_kl_weights = wrap(_ares.dynamic_kl_weights)
     entropy_grad_logits = wrap(_ares.entropy_grad_logits)
     entropy_rewards = wrap(_ares.entropy_rewards)
-    entropy_windows = wrap(_ares.entropy_windows)
+    entropy_windows = routed(wrap(_ares.entropy_windows))
     expand_keep = wrap(_ares.expand_keep)
     filter_groups = wrap(_ares.filter_groups)
     forking_token_mask = wrap(_ares.forking_token_mask)
@@ -95,8 +100,8 @@ else:
     grpo_token_advantages = wrap(_ares.grpo_token_advantages)
     linear_log_prob_entropy = wrap(_ares.linear_log_prob_entropy)
     linear_log_prob_entropy_backward = wrap(_ares.linear_log_prob_entropy_backward)
-    log_prob_entropy = wrap(_ares.log_prob_entropy)
-    masked_dynamic_kl = wrap(_ares.masked_dynamic_kl)
+    log_prob_entropy = routed(wrap(_ares.log_prob_entropy))
+    masked_dynamic_kl = routed(wrap(_ares.masked_dynamic_kl))
     masked_whiten = wrap(_ares.masked_whiten)
     overlong_penalty = _ares.overlong_penalty
     policy_loss = wrap(_ares.policy_loss)
@@ -106,7 +111,7 @@ else:
     reinforce_pro_max = wrap(_ares.reinforce_pro_max)
     rloo_advantages = wrap(_ares.rloo_advantages)
     rloo_token_advantages = wrap(_ares.rloo_token_advantages)
-    row_percentile = wrap(_ares.row_percentile)
+    row_percentile = routed(wrap(_ares.row_percentile))
     rubric_score = wrap(_ares.rubric_score)
     token_kl = wrap(_ares.token_kl)
 

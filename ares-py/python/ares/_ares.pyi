@@ -381,3 +381,27 @@ def rubric_message(
 def rubric_score(
     points: Union[_Arr[_F], Sequence[float]], met: Union[npt.NDArray[np.bool_], Sequence[bool]]
 ) -> float: ...
+
+# ---------------------------------------------------------------- CUDA tensors (used by ares._cuda)
+# Device addresses, the device ordinal and the caller's stream handle as integers; shapes and
+# dtypes are checked by ares._cuda before these are called.
+
+def cuda_driver_available() -> bool: ...
+def cuda_log_prob_entropy(
+    device: int, stream: int, logits: int, dtype: str, rows: int, vocab: int, temperature: float,
+    targets: int, out_log_prob: int, out_entropy: int,
+) -> None: ...
+def cuda_entropy_windows(
+    device: int, stream: int, entropy: int, mask: int, rows: int, cols: int, window_size: int,
+    includes_self: bool, out_means: int, out_valid: int, tau: Optional[float], trigger: int,
+    out_hwe_mask: int, out_counts: int, out_soft_cost: int,
+) -> None: ...
+def cuda_row_percentile(
+    device: int, stream: int, means: int, valid: int, rows: int, cols: int, q: float, out_threshold: int,
+    out_has: int,
+) -> None: ...
+def cuda_masked_dynamic_kl(
+    device: int, stream: int, logp: int, ref_logp: int, mask: int, hwe_mask: int, beta_rows: int, rows: int,
+    cols: int, low_ratio: float, estimator: str, out_kl: int, out_weighted: int, out_row_weighted_sum: int,
+    out_row_mean_kl: int, out_total: int,
+) -> None: ...

@@ -4,7 +4,9 @@
 - ``torch.Tensor`` on the CPU: ``t.detach().numpy()`` (a view; ``detach`` shares storage);
   a ``torch.bfloat16`` tensor is viewed as ``int16`` bits (``t.view(torch.int16)``), which
   only ``log_prob_entropy``'s ``logits`` accepts;
-- a tensor on another device (CUDA, MPS, meta) is a ``ValueError``: ares runs on CPU arrays;
+- a tensor on another device (CUDA, MPS, meta) is a ``ValueError`` (the function runs on CPU
+  arrays), except CUDA tensors given to the functions of :data:`CUDA_FUNCTIONS`, which
+  :func:`routed` sends to ``ares._cuda``;
 - other objects: ``np.asarray`` for ``__array_interface__`` / ``__array__``, else
   ``np.from_dlpack`` for ``__dlpack__`` (CPU only).
 
@@ -16,7 +18,10 @@ import inspect
 
 import numpy as np
 
-__all__ = ["as_array", "wrap"]
+__all__ = ["as_array", "routed", "wrap"]
+
+# the functions with a CUDA path (ares._cuda)
+CUDA_FUNCTIONS = ("log_prob_entropy", "entropy_windows", "row_percentile", "masked_dynamic_kl")
 
 # (function name, argument name) pairs that take bfloat16 bits
 _BF16_ARGS = {("log_prob_entropy", "logits")}
@@ -35,7 +40,8 @@ def as_array(x, func="ares", name="argument", bf16_ok=False):
         dev = x.device
         if dev.type != "cpu":
             raise ValueError(
-                f"{func}: `{name}` is a tensor on {dev}: ares runs on CPU arrays; move the tensor with .cpu()"
+                f"{func}: `{name}` is a tensor on {dev}: this function runs on CPU arrays; move the tensor with "
+                f".cpu() (CUDA tensors are taken by {', '.join(CUDA_FUNCTIONS)})"
             )
         t = x.detach()
         if str(t.dtype) == "torch.bfloat16":
@@ -96,5 +102,21 @@ def wrap(fn, name=None):
         args = [conv(i, a) for i, a in enumerate(args)]
         kwargs = {k: conv(k, v) for k, v in kwargs.items()}
         return fn(*args, **kwargs)
+
+    return function
+
+
+def routed(cpu):
+    """``cpu`` (a wrapped native function of :data:`CUDA_FUNCTIONS`), or its twin in
+    ``ares._cuda`` when any argument is a CUDA tensor."""
+    short = cpu.__name__.rsplit(".", 1)[-1]
+
+    @functools.wraps(cpu)
+    def function(*args, **kwargs):
+        from . import _cuda
+
+        if any(_cuda.is_cuda(a) for a in (*args, *kwargs.values())):
+            return getattr(_cuda, short)(*args, **kwargs)
+        return cpu(*args, **kwargs)
 
     return function

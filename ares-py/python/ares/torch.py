@@ -11,7 +11,8 @@ rows at a time, the backward recomputes each chunk. Use it in place of ``lm_head
     log_prob, entropy = ares.torch.linear_log_prob_entropy(hidden, model.lm_head.weight, ids)
     loss = -(adv * log_prob).mean() - 0.01 * entropy.mean()
 
-CUDA tensors are a ``ValueError`` (ares runs on CPU arrays). ``import ares`` never imports
+CUDA tensors are a ``ValueError`` here (this function runs on CPU arrays; ``ares.log_prob_entropy``
+and the token kernels take CUDA tensors, see ``ares._cuda``). ``import ares`` never imports
 torch; this module does.
 """
 

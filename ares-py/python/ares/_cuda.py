@@ -1,0 +1,242 @@
+"""ares's token kernels on PyTorch CUDA tensors, without a copy.
+
+``log_prob_entropy``, ``entropy_windows``, ``row_percentile`` and ``masked_dynamic_kl`` take
+CUDA tensors as they take numpy arrays (the functions of :mod:`ares` route here when an
+argument is a CUDA tensor): the kernels of ``ares-cuda`` read the tensors where they are and
+write new tensors on the same device, queued on the caller's current stream
+(``torch.cuda.current_stream()``), so they are ordered with the caller's own work. The
+outputs are torch tensors (float32), shaped as the numpy functions' outputs.
+
+- libcuda and NVRTC are loaded at the first call (the wheel has no CUDA toolkit in it; the
+  token kernels are compiled once per GPU architecture and cached on disk, under
+  ``$ARES_KERNEL_CACHE`` or ``~/.cache/ares/kernels``). The NVRTC that PyTorch's CUDA wheels
+  install (``nvidia/*/lib/libnvrtc.so*``) is found and loaded when the system has none.
+- Inputs are made contiguous (``.contiguous()``: a copy only if they are not) and must all
+  be on one device; target ids of any integer dtype are converted to int32 on the device.
+- ``log_prob_entropy`` checks its rows as the CPU does (NaN or +inf, all −inf, a target id
+  out of range or with logit −inf: ``ValueError``) by reading a status word, which waits for
+  the stream; the other three are queued without waiting and do not check their inputs for
+  NaN or for masks other than 0/1 (the numpy functions do).
+- Other ``__cuda_array_interface__`` objects (CuPy, Numba): pass them through
+  ``torch.as_tensor(x, device="cuda")``, which shares their memory.
+"""
+
+import glob
+import os
+import sys
+
+from . import _ares
+
+__all__ = ["is_cuda", "log_prob_entropy", "entropy_windows", "row_percentile", "masked_dynamic_kl"]
+
+_FLOAT_LOGITS = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
+_nvrtc_tried = False
+
+
+def is_cuda(x):
+    """Whether ``x`` is a torch tensor on a CUDA device (torch is never imported here)."""
+    return type(x).__module__.startswith("torch") and getattr(getattr(x, "device", None), "type", None) == "cuda"
+
+
+def _other_device_array(x):
+    return hasattr(x, "__cuda_array_interface__") and not type(x).__module__.startswith("torch")
+
+
+def _load_nvrtc():
+    """Loads the NVRTC of PyTorch's CUDA wheels (``site-packages/nvidia/*/lib``) when the
+    dynamic loader finds none by itself, so that ares-cuda's own lookup by name succeeds."""
+    global _nvrtc_tried
+    if _nvrtc_tried:
+        return
+    _nvrtc_tried = True
+    import ctypes
+
+    for name in ("libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"):
+        try:
+            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            return
+        except OSError:
+            pass
+    for root in sys.path:
+        for lib in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so*")), reverse=True):
+            if "builtins" in os.path.basename(lib) or "alt" in os.path.basename(lib):
+                continue
+            try:
+                ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+                return
+            except OSError:
+                pass
+
+
+def _prepare(func, named):
+    """The named CUDA tensors made contiguous, checked to share one device; returns
+    ``(tensors, device index, stream handle)``."""
+    import torch
+
+    out, device = {}, None
+    for name, t in named.items():
+        if t is None:
+            out[name] = None
+            continue
+        if not is_cuda(t):
+            kind = "a CPU tensor or array" if not _other_device_array(t) else type(t).__name__
+            raise ValueError(
+                f"{func}: `{name}` is {kind} while other arguments are CUDA tensors: pass every array on one "
+                f"CUDA device (torch.as_tensor(x, device=...))"
+            )
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(f"{func}: `{name}` is on {t.device}, the other tensors on {device}")
+        out[name] = t.detach().contiguous()
+    _load_nvrtc()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(device).cuda_stream
+    return out, index, stream
+
+
+def _f32(func, name, t):
+    import torch
+
+    if t.dtype != torch.float32:
+        raise ValueError(f"{func}: `{name}` is {t.dtype}; CUDA tensors here are float32 (convert with .float())")
+    return t
+
+
+def _rows_cols(func, name, t):
+    if t.dim() != 2:
+        raise ValueError(f"{func}: `{name}` must be 2-D [rows, cols], got shape {tuple(t.shape)}")
+    return int(t.shape[0]), int(t.shape[1])
+
+
+def _same_shape(func, name, t, shape):
+    if t is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{func}: `{name}` has shape {tuple(t.shape)}, expected {tuple(shape)}")
+
+
+def _ptr(t):
+    return 0 if t is None else int(t.data_ptr())
+
+
+def log_prob_entropy(logits, targets=None, *, temperature=1.0):
+    """:func:`ares.log_prob_entropy` on CUDA tensors: ``logits`` [..., V] float32, bfloat16 or
+    float16; ``targets`` [...] integer ids or ``None``. Returns ``(log_prob or None,
+    entropy)``, float32 tensors of shape ``logits.shape[:-1]`` on the logits' device."""
+    import torch
+
+    func = "log_prob_entropy"
+    t, device, stream = _prepare(func, {"logits": logits, "targets": targets})
+    x = t["logits"]
+    dtype = _FLOAT_LOGITS.get(str(x.dtype))
+    if dtype is None:
+        raise ValueError(f"{func}: `logits` is {x.dtype}; use float32, bfloat16 or float16")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"{func}: `logits` must have a last axis of length >= 1, got shape {tuple(x.shape)}")
+    lead = tuple(x.shape[:-1])
+    vocab = int(x.shape[-1])
+    rows = x.numel() // vocab
+    ids = None
+    if t["targets"] is not None:
+        tg = t["targets"]
+        if tg.is_floating_point() or tg.is_complex() or tg.dtype == torch.bool:
+            raise ValueError(f"{func}: `targets` must hold integer ids, got {tg.dtype}")
+        _same_shape(func, "targets", tg, lead)
+        if tg.numel() and (int(tg.min()) < 0 or int(tg.max()) >= vocab):
+            raise ValueError(f"{func}: `targets` holds ids outside [0, {vocab}) (min {int(tg.min())}, max {int(tg.max())})")
+        ids = tg.to(torch.int32).contiguous()
+    entropy = torch.empty(lead, dtype=torch.float32, device=x.device)
+    log_prob = torch.empty(lead, dtype=torch.float32, device=x.device) if ids is not None else None
+    if rows:
+        _ares.cuda_log_prob_entropy(
+            device, stream, _ptr(x), dtype, rows, vocab, float(temperature), _ptr(ids), _ptr(log_prob), _ptr(entropy)
+        )
+    return log_prob, entropy
+
+
+def entropy_windows(entropy, mask, *, window_size=4, includes_self=False, tau=None, trigger=None):
+    """:func:`ares.entropy_windows` on CUDA tensors (float32 [rows, cols]); returns a dict of
+    float32 tensors: ``means``, ``valid`` and, with ``tau``, ``hwe_mask``, ``counts``,
+    ``soft_cost``."""
+    import torch
+
+    func = "entropy_windows"
+    t, device, stream = _prepare(func, {"entropy": entropy, "mask": mask, "trigger": trigger})
+    h = _f32(func, "entropy", t["entropy"])
+    rows, cols = _rows_cols(func, "entropy", h)
+    m = _f32(func, "mask", t["mask"])
+    _same_shape(func, "mask", m, h.shape)
+    trig = t["trigger"]
+    if trig is not None:
+        _same_shape(func, "trigger", _f32(func, "trigger", trig), h.shape)
+    if int(window_size) < 1:
+        raise ValueError(f"{func}: `window_size` must be >= 1, got {window_size}")
+    new = lambda *shape: torch.empty(shape, dtype=torch.float32, device=h.device)  # noqa: E731
+    out = {"means": new(rows, cols), "valid": new(rows, cols)}
+    if tau is not None:
+        out.update(hwe_mask=new(rows, cols), counts=new(rows), soft_cost=new(rows))
+    if rows and cols:
+        _ares.cuda_entropy_windows(
+            device, stream, _ptr(h), _ptr(m), rows, cols, int(window_size), bool(includes_self),
+            _ptr(out["means"]), _ptr(out["valid"]), None if tau is None else float(tau), _ptr(trig),
+            _ptr(out.get("hwe_mask")), _ptr(out.get("counts")), _ptr(out.get("soft_cost")),
+        )
+    elif tau is not None:
+        out["counts"].zero_()
+        out["soft_cost"].zero_()
+    return out
+
+
+def row_percentile(means, valid, q=95.0):
+    """:func:`ares.row_percentile` on CUDA tensors (float32 [rows, cols]); returns
+    ``(threshold, has)``, float32 [rows]."""
+    import torch
+
+    func = "row_percentile"
+    t, device, stream = _prepare(func, {"means": means, "valid": valid})
+    m = _f32(func, "means", t["means"])
+    rows, cols = _rows_cols(func, "means", m)
+    v = _f32(func, "valid", t["valid"])
+    _same_shape(func, "valid", v, m.shape)
+    thr = torch.zeros(rows, dtype=torch.float32, device=m.device)
+    has = torch.zeros(rows, dtype=torch.float32, device=m.device)
+    if rows and cols:
+        _ares.cuda_row_percentile(device, stream, _ptr(m), _ptr(v), rows, cols, float(q), _ptr(thr), _ptr(has))
+    return thr, has
+
+
+def masked_dynamic_kl(logp, logp_ref, mask, beta, *, hwe_mask=None, low_ratio=0.5, estimator="k3"):
+    """:func:`ares.masked_dynamic_kl` on CUDA tensors (float32 [rows, cols]; ``beta`` a float or
+    a float32 [rows] tensor); returns a dict: ``kl``, ``weighted`` [rows, cols],
+    ``row_weighted_sum``, ``row_mean_kl`` [rows] (float32 tensors) and ``total`` (a float: reading
+    it waits for the stream)."""
+    import torch
+
+    func = "masked_dynamic_kl"
+    beta_t = beta if is_cuda(beta) else None
+    t, device, stream = _prepare(
+        func, {"logp": logp, "logp_ref": logp_ref, "mask": mask, "hwe_mask": hwe_mask, "beta": beta_t}
+    )
+    a = _f32(func, "logp", t["logp"])
+    rows, cols = _rows_cols(func, "logp", a)
+    for name in ("logp_ref", "mask", "hwe_mask"):
+        if t[name] is not None:
+            _same_shape(func, name, _f32(func, name, t[name]), a.shape)
+    if not 0.0 <= float(low_ratio) <= 1.0:
+        raise ValueError(f"{func}: `low_ratio` must be in [0, 1], got {low_ratio}")
+    if beta_t is None:
+        b = torch.full((rows,), float(beta), dtype=torch.float32, device=a.device)
+    else:
+        b = _f32(func, "beta", t["beta"])
+        _same_shape(func, "beta", b, (rows,))
+    new = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=a.device)  # noqa: E731
+    out = {"kl": new(rows, cols), "weighted": new(rows, cols), "row_weighted_sum": new(rows),
+           "row_mean_kl": new(rows)}
+    total = new(1)
+    if rows and cols:
+        _ares.cuda_masked_dynamic_kl(
+            device, stream, _ptr(a), _ptr(t["logp_ref"]), _ptr(t["mask"]), _ptr(t["hwe_mask"]), _ptr(b), rows, cols,
+            float(low_ratio), str(estimator), _ptr(out["kl"]), _ptr(out["weighted"]), _ptr(out["row_weighted_sum"]),
+            _ptr(out["row_mean_kl"]), _ptr(total),
+        )
+    out["total"] = float(total.item())
+    return out

@@ -1,0 +1,294 @@
+//! The token kernels on CUDA tensors, without a copy: `ares/_cuda.py` hands each device
+//! tensor over as its address (PyTorch's `data_ptr()`, or `__cuda_array_interface__`), with
+//! the caller's device and current stream; the kernels (`ares-cuda`, loaded at run time:
+//! libcuda and NVRTC, no toolkit at build time) run on that stream, ordered with the
+//! caller's own work. Shapes, dtypes, contiguity and devices are checked in Python before
+//! these are called; lengths again here (`ares-cuda` checks every view).
+//!
+//! One `ares_cuda::Cuda` per device, opened at the first call (NVRTC compiles the token
+//! kernels once; the image is cached on disk) and kept for the process.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use ares_core::kl::KlEstimator;
+use ares_cuda::{Cuda, HweOutputs, MaskedKlInputs, MaskedKlOutputs, WindowSpec};
+use half::{bf16, f16};
+use pyo3::prelude::*;
+
+use crate::args::value_error;
+
+/// The opened devices. `Cuda` holds driver handles that cudarc marks neither `Send` nor
+/// `Sync`; every use is under this mutex, one call at a time.
+struct Devices(HashMap<usize, Cuda>);
+// SAFETY: the handles are only touched with the mutex held; the CUDA driver API is
+// thread-safe and the primary context is current on whichever thread makes the call.
+unsafe impl Send for Devices {}
+
+static DEVICES: Mutex<Option<Devices>> = Mutex::new(None);
+
+/// Runs `f` on device `device` with its operations queued on `stream`.
+fn on_device<R>(
+    func: &str,
+    device: usize,
+    stream: u64,
+    f: impl FnOnce(&mut Cuda) -> ares_cuda::Result<R>,
+) -> PyResult<R> {
+    let mut guard = DEVICES
+        .lock()
+        .map_err(|_| value_error(format!("{func}: a previous CUDA call panicked")))?;
+    let devices = &mut guard.get_or_insert_with(|| Devices(HashMap::new())).0;
+    let cuda = match devices.entry(device) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => e.insert(
+            Cuda::for_external(device)
+                .map_err(|e| value_error(format!("{func}: CUDA device {device}: {e}")))?,
+        ),
+    };
+    // SAFETY: `stream` is the caller's current stream of `device` (ares/_cuda.py), alive
+    // for the call; the kernels are queued on it and the call returns before it could end.
+    // The previous call's stream: PyTorch keeps its streams for the process's life (a stream
+    // the caller made and destroyed since is the caller's contract to break).
+    let step = unsafe { cuda.use_stream(stream) }.and_then(|()| f(cuda));
+    step.map_err(|e| value_error(format!("{func}: {e}")))
+}
+
+/// `log_prob_entropy` on device memory: `logits` `[rows, vocab]` (`dtype` float32,
+/// bfloat16 or float16), optional `targets` `[rows]` u32 ids (0: none) with `out_log_prob`
+/// `[rows]`, and `out_entropy` `[rows]`, f32. Reads the status word (waits for `stream`).
+#[pyfunction]
+#[pyo3(signature = (device, stream, logits, dtype, rows, vocab, temperature, targets, out_log_prob, out_entropy))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_log_prob_entropy(
+    py: Python<'_>,
+    device: usize,
+    stream: u64,
+    logits: u64,
+    dtype: &str,
+    rows: usize,
+    vocab: usize,
+    temperature: f32,
+    targets: u64,
+    out_log_prob: u64,
+    out_entropy: u64,
+) -> PyResult<()> {
+    const FUNC: &str = "log_prob_entropy";
+    let n = rows
+        .checked_mul(vocab)
+        .ok_or_else(|| value_error(format!("{FUNC}: {rows} × {vocab} logits overflow")))?;
+    let dtype = dtype.to_owned();
+    py.detach(move || {
+        on_device(FUNC, device, stream, |cuda| {
+            // SAFETY: _cuda.py passes the addresses of contiguous tensors of these shapes and
+            // dtypes on `device`, alive for the call.
+            unsafe {
+                let mut ent = cuda.borrow::<f32>(out_entropy, rows);
+                let mut ids = (targets != 0).then(|| cuda.borrow::<u32>(targets, rows));
+                let mut lp = (targets != 0).then(|| cuda.borrow::<f32>(out_log_prob, rows));
+                let tg = ids
+                    .as_deref_mut()
+                    .zip(lp.as_deref_mut())
+                    .map(|(i, l)| (&*i, l));
+                match dtype.as_str() {
+                    "float32" => {
+                        let x = cuda.borrow::<f32>(logits, n);
+                        cuda.log_prob_entropy(&x, vocab, temperature, tg, &mut ent)
+                    }
+                    "bfloat16" => {
+                        let x = cuda.borrow::<bf16>(logits, n);
+                        cuda.log_prob_entropy(&x, vocab, temperature, tg, &mut ent)
+                    }
+                    _ => {
+                        let x = cuda.borrow::<f16>(logits, n);
+                        cuda.log_prob_entropy(&x, vocab, temperature, tg, &mut ent)
+                    }
+                }
+            }
+        })
+    })
+}
+
+/// `entropy_windows` on device memory, `[rows, cols]` f32 throughout: window means and
+/// their validity, and with `tau` the HWE mask, per-row counts and soft costs (`trigger`
+/// 0: every position a candidate). Queued without waiting.
+#[pyfunction]
+#[pyo3(signature = (device, stream, entropy, mask, rows, cols, window_size, includes_self, out_means, out_valid, tau, trigger, out_hwe_mask, out_counts, out_soft_cost))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_entropy_windows(
+    py: Python<'_>,
+    device: usize,
+    stream: u64,
+    entropy: u64,
+    mask: u64,
+    rows: usize,
+    cols: usize,
+    window_size: usize,
+    includes_self: bool,
+    out_means: u64,
+    out_valid: u64,
+    tau: Option<f32>,
+    trigger: u64,
+    out_hwe_mask: u64,
+    out_counts: u64,
+    out_soft_cost: u64,
+) -> PyResult<()> {
+    const FUNC: &str = "entropy_windows";
+    let n = rows
+        .checked_mul(cols)
+        .ok_or_else(|| value_error(format!("{FUNC}: {rows} × {cols} overflows")))?;
+    py.detach(move || {
+        on_device(FUNC, device, stream, |cuda| {
+            // SAFETY: as in cuda_log_prob_entropy.
+            unsafe {
+                let h = cuda.borrow::<f32>(entropy, n);
+                let m = cuda.borrow::<f32>(mask, n);
+                let mut means = cuda.borrow::<f32>(out_means, n);
+                let mut valid = cuda.borrow::<f32>(out_valid, n);
+                let trig = (trigger != 0).then(|| cuda.borrow::<f32>(trigger, n));
+                let mut hwe_mask = tau.map(|_| cuda.borrow::<f32>(out_hwe_mask, n));
+                let mut counts = tau.map(|_| cuda.borrow::<f32>(out_counts, rows));
+                let mut soft = tau.map(|_| cuda.borrow::<f32>(out_soft_cost, rows));
+                let hwe = match (tau, &mut hwe_mask, &mut counts, &mut soft) {
+                    (Some(tau), Some(hm), Some(c), Some(s)) => Some(HweOutputs {
+                        tau,
+                        trigger: trig.as_ref().map(|t| t.as_view()),
+                        hwe_mask: hm.as_view_mut(),
+                        counts: c.as_view_mut(),
+                        soft_cost: s.as_view_mut(),
+                    }),
+                    _ => None,
+                };
+                let spec = WindowSpec {
+                    cols,
+                    window_size,
+                    includes_self,
+                };
+                let (hv, mv) = (h.as_view(), m.as_view());
+                let (mut meansv, mut validv) = (means.as_view_mut(), valid.as_view_mut());
+                cuda.token_ops()
+                    .entropy_windows(&hv, &mv, spec, hwe, &mut meansv, &mut validv)
+            }
+        })
+    })
+}
+
+/// `row_percentile` on device memory: per row of `[rows, cols]` window means with 0/1
+/// `valid`, the `q`-th percentile into `out_threshold` and 1/0 into `out_has` (`[rows]`).
+/// Queued without waiting.
+#[pyfunction]
+#[pyo3(signature = (device, stream, means, valid, rows, cols, q, out_threshold, out_has))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_row_percentile(
+    py: Python<'_>,
+    device: usize,
+    stream: u64,
+    means: u64,
+    valid: u64,
+    rows: usize,
+    cols: usize,
+    q: f32,
+    out_threshold: u64,
+    out_has: u64,
+) -> PyResult<()> {
+    const FUNC: &str = "row_percentile";
+    let n = rows
+        .checked_mul(cols)
+        .ok_or_else(|| value_error(format!("{FUNC}: {rows} × {cols} overflows")))?;
+    py.detach(move || {
+        on_device(FUNC, device, stream, |cuda| {
+            // SAFETY: as in cuda_log_prob_entropy.
+            unsafe {
+                let (m, v) = (cuda.borrow::<f32>(means, n), cuda.borrow::<f32>(valid, n));
+                let mut thr = cuda.borrow::<f32>(out_threshold, rows);
+                let mut has = cuda.borrow::<f32>(out_has, rows);
+                let (mv, vv) = (m.as_view(), v.as_view());
+                let (mut tv, mut hv) = (thr.as_view_mut(), has.as_view_mut());
+                cuda.token_ops()
+                    .row_percentile(&mv, &vv, cols, q, &mut tv, &mut hv)
+            }
+        })
+    })
+}
+
+/// `masked_dynamic_kl` on device memory: `[rows, cols]` f32 log-probs, reference
+/// log-probs, 0/1 mask and optional HWE mask (0: none), `beta_rows` `[rows]`; per-token
+/// `out_kl` and `out_weighted` (0: not wanted), per-row weighted sums and mean KL, and the
+/// total (one element). Queued without waiting.
+#[pyfunction]
+#[pyo3(signature = (device, stream, logp, ref_logp, mask, hwe_mask, beta_rows, rows, cols, low_ratio, estimator, out_kl, out_weighted, out_row_weighted_sum, out_row_mean_kl, out_total))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_masked_dynamic_kl(
+    py: Python<'_>,
+    device: usize,
+    stream: u64,
+    logp: u64,
+    ref_logp: u64,
+    mask: u64,
+    hwe_mask: u64,
+    beta_rows: u64,
+    rows: usize,
+    cols: usize,
+    low_ratio: f32,
+    estimator: &str,
+    out_kl: u64,
+    out_weighted: u64,
+    out_row_weighted_sum: u64,
+    out_row_mean_kl: u64,
+    out_total: u64,
+) -> PyResult<()> {
+    const FUNC: &str = "masked_dynamic_kl";
+    let estimator = KlEstimator::from_name(estimator)
+        .ok_or_else(|| value_error(format!("{FUNC}: unknown estimator {estimator:?}")))?;
+    let n = rows
+        .checked_mul(cols)
+        .ok_or_else(|| value_error(format!("{FUNC}: {rows} × {cols} overflows")))?;
+    py.detach(move || {
+        on_device(FUNC, device, stream, |cuda| {
+            // SAFETY: as in cuda_log_prob_entropy.
+            unsafe {
+                let (a, b) = (cuda.borrow::<f32>(logp, n), cuda.borrow::<f32>(ref_logp, n));
+                let m = cuda.borrow::<f32>(mask, n);
+                let h = (hwe_mask != 0).then(|| cuda.borrow::<f32>(hwe_mask, n));
+                let beta = cuda.borrow::<f32>(beta_rows, rows);
+                let mut kl = (out_kl != 0).then(|| cuda.borrow::<f32>(out_kl, n));
+                let mut w = (out_weighted != 0).then(|| cuda.borrow::<f32>(out_weighted, n));
+                let mut rws = cuda.borrow::<f32>(out_row_weighted_sum, rows);
+                let mut rmk = cuda.borrow::<f32>(out_row_mean_kl, rows);
+                let mut total = cuda.borrow::<f32>(out_total, 1);
+                let inputs = MaskedKlInputs {
+                    logp: a.as_view(),
+                    ref_logp: b.as_view(),
+                    mask: m.as_view(),
+                    hwe_mask: h.as_ref().map(|h| h.as_view()),
+                    beta_rows: beta.as_view(),
+                    low_ratio,
+                    estimator,
+                    cols,
+                };
+                let outputs = MaskedKlOutputs {
+                    kl: kl.as_mut().map(|k| k.as_view_mut()),
+                    weighted: w.as_mut().map(|w| w.as_view_mut()),
+                    row_weighted_sum: rws.as_view_mut(),
+                    row_mean_kl: rmk.as_view_mut(),
+                    total: total.as_view_mut(),
+                };
+                cuda.token_ops().masked_dynamic_kl(inputs, outputs)
+            }
+        })
+    })
+}
+
+/// Whether libcuda loads in this process (the driver; a GPU is not required to load it).
+#[pyfunction]
+fn cuda_driver_available() -> bool {
+    ares_cuda::cuda_available()
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(cuda_log_prob_entropy, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_entropy_windows, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_row_percentile, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_masked_dynamic_kl, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_driver_available, m)?)?;
+    Ok(())
+}

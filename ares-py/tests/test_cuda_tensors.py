@@ -1,0 +1,203 @@
+"""ares on PyTorch CUDA tensors (ares._cuda): each function equals its CPU twin on the same
+data, runs on the caller's current stream, and refuses what it cannot take. Without a GPU
+only the routing and its errors are checked. Runs under pytest, or as a script on a machine
+without pytest (``python3 test_cuda_tensors.py``: the GPU bundle's check does that)."""
+
+import sys
+import types
+
+import numpy as np
+
+try:
+    import pytest
+except ImportError:  # the GPU machine's Python may have no pytest
+    pytest = None
+
+import ares
+
+
+def _torch():
+    if pytest is not None:
+        return pytest.importorskip("torch")
+    import torch
+
+    return torch
+
+
+def _gpu():
+    torch = _torch()
+    if not torch.cuda.is_available():
+        if pytest is not None:
+            pytest.skip("no CUDA device")
+        raise RuntimeError("no CUDA device")
+    return torch
+
+
+def _raises(exc, match, fn):
+    try:
+        fn()
+    except exc as e:
+        assert match in str(e), f"{match!r} not in {str(e)!r}"
+        return
+    raise AssertionError(f"no {exc.__name__} raised (wanted {match!r})")
+
+
+class FakeCuda:
+    """Looks like a torch CUDA tensor to the routing (type module, device type)."""
+
+    __module__ = "torch.fake"
+
+    def __init__(self):
+        self.device = types.SimpleNamespace(type="cuda", index=0)
+
+    def detach(self):
+        return self
+
+    def contiguous(self):
+        return self
+
+
+def test_a_cuda_tensor_beside_a_cpu_array_is_named():
+    _torch()
+    _raises(ValueError, "`mask` is a CPU tensor or array while other arguments are CUDA tensors",
+            lambda: ares.entropy_windows(FakeCuda(), np.ones((2, 3), dtype=np.float32)))
+
+
+def test_functions_without_a_cuda_path_still_refuse_cuda_tensors():
+    torch = _torch()
+    t = torch.ones(4, device="meta")
+    _raises(ValueError, "this function runs on CPU arrays; move the tensor with .cpu()",
+            lambda: ares.grpo_advantages(t, n=4))
+
+
+def test_without_a_cuda_driver_the_error_names_the_library():
+    from ares import _ares
+
+    if _ares.cuda_driver_available():
+        if pytest is not None:
+            pytest.skip("libcuda loads here")
+        return
+    _raises(ValueError, "log_prob_entropy: CUDA device 0:",
+            lambda: _ares.cuda_log_prob_entropy(0, 0, 0, "float32", 1, 1, 1.0, 0, 0, 0))
+
+
+def _close(got, want, rtol, atol, what):
+    got = got.detach().cpu().numpy() if hasattr(got, "detach") else np.asarray(got)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=what)
+
+
+def test_log_prob_entropy_equals_the_cpu_on_every_logit_dtype():
+    torch = _gpu()
+    g = torch.Generator().manual_seed(0)
+    for rows, vocab in [(7, 33), (64, 151936 // 8), (3, 1)]:
+        x32 = torch.randn(rows, vocab, generator=g) * 3
+        x32[0, : vocab // 2] = float("-inf") if vocab > 1 else x32[0, 0]
+        ids = torch.randint(0, vocab, (rows,), generator=g)
+        if vocab > 1:
+            ids[0] = vocab - 1
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = x32.to(dtype)
+            want_lp, want_h = ares.log_prob_entropy(x, ids.numpy(), temperature=0.7)
+            lp, h = ares.log_prob_entropy(x.cuda(), ids.cuda(), temperature=0.7)
+            assert lp.is_cuda and h.is_cuda and lp.dtype == torch.float32
+            _close(lp, want_lp, 1e-5, 1e-5, f"log_prob {rows}x{vocab} {dtype}")
+            _close(h, want_h, 1e-5, 1e-5, f"entropy {rows}x{vocab} {dtype}")
+            none, h2 = ares.log_prob_entropy(x.cuda())
+            assert none is None
+            _close(h2, ares.log_prob_entropy(x)[1], 1e-5, 1e-5, "entropy without targets")
+    # leading axes
+    x = torch.randn(2, 3, 50, generator=g)
+    lp, h = ares.log_prob_entropy(x.cuda(), torch.zeros(2, 3, dtype=torch.int64).cuda())
+    assert tuple(lp.shape) == (2, 3) and tuple(h.shape) == (2, 3)
+
+
+def test_log_prob_entropy_refuses_bad_rows_and_ids():
+    torch = _gpu()
+    x = torch.randn(4, 10, device="cuda")
+    x[2, 3] = float("nan")
+    _raises(ValueError, "NaN", lambda: ares.log_prob_entropy(x))
+    ok = torch.randn(4, 10, device="cuda")
+    _raises(ValueError, "outside [0, 10)", lambda: ares.log_prob_entropy(ok, torch.full((4,), 10, device="cuda")))
+    _raises(ValueError, "integer ids", lambda: ares.log_prob_entropy(ok, torch.zeros(4, device="cuda")))
+    _raises(ValueError, "int64", lambda: ares.log_prob_entropy(ok.long()))
+
+
+def _windows_data(torch, rows=9, cols=300, seed=1):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, cols + 1, rows)
+    mask = (np.arange(cols)[None, :] < lengths[:, None]).astype(np.float32)
+    ent = (rng.gamma(0.6, 1.0, (rows, cols)) * mask).astype(np.float32)
+    trig = (rng.random((rows, cols)) < 0.5).astype(np.float32)
+    return ent, mask, trig
+
+
+def test_entropy_windows_and_row_percentile_equal_the_cpu():
+    torch = _gpu()
+    ent, mask, trig = _windows_data(torch)
+    for w, inc in [(4, False), (1, True), (7, True)]:
+        want = ares.entropy_windows(ent, mask, window_size=w, includes_self=inc, tau=0.9, trigger=trig)
+        got = ares.entropy_windows(torch.from_numpy(ent).cuda(), torch.from_numpy(mask).cuda(), window_size=w,
+                                   includes_self=inc, tau=0.9, trigger=torch.from_numpy(trig).cuda())
+        for k in ("means", "valid", "hwe_mask", "counts", "soft_cost"):
+            _close(got[k], want[k], 1e-5, 1e-5, f"{k} w={w}")
+        thr, has = ares.row_percentile(got["means"], got["valid"], 95.0)
+        want_thr, want_has = ares.row_percentile(want["means"], want["valid"], 95.0)
+        _close(thr, want_thr, 1e-5, 1e-6, "threshold")
+        _close(has, want_has, 0, 0, "has")
+
+
+def test_masked_dynamic_kl_equals_the_cpu_for_every_estimator():
+    torch = _gpu()
+    rng = np.random.default_rng(2)
+    rows, cols = 6, 130
+    a = (-rng.random((rows, cols)) * 3).astype(np.float32)
+    b = (a + 0.4 * rng.standard_normal((rows, cols))).astype(np.float32)
+    m = (rng.random((rows, cols)) < 0.8).astype(np.float32)
+    h = (rng.random((rows, cols)) < 0.3).astype(np.float32)
+    beta = rng.random(rows).astype(np.float32)
+    c = lambda x: torch.from_numpy(x).cuda()  # noqa: E731
+    for est in ("k1", "abs", "k2", "k3", "k1+", "k3+"):
+        for bt, hm in [(beta, h), (0.05, None)]:
+            want = ares.masked_dynamic_kl(a, b, m, bt, hwe_mask=hm, low_ratio=0.5, estimator=est)
+            got = ares.masked_dynamic_kl(c(a), c(b), c(m), c(bt) if isinstance(bt, np.ndarray) else bt,
+                                         hwe_mask=None if hm is None else c(hm), low_ratio=0.5, estimator=est)
+            for k in ("kl", "weighted", "row_weighted_sum", "row_mean_kl"):
+                _close(got[k], want[k], 2e-5, 1e-6, f"{k} {est}")
+            assert abs(got["total"] - want["total"]) <= 2e-5 * (1 + abs(want["total"])), est
+    _raises(ValueError, "unknown estimator", lambda: ares.masked_dynamic_kl(c(a), c(b), c(m), 0.1, estimator="k9"))
+
+
+def test_the_kernels_run_on_the_callers_stream():
+    torch = _gpu()
+    x = torch.randn(256, 4096, device="cuda")
+    want = ares.log_prob_entropy(x.cpu())[1]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y = x * 1.0  # written on the side stream just before the kernel reads it
+        ent, mask, _ = _windows_data(torch, rows=256, cols=512)
+        e = torch.from_numpy(ent).cuda(non_blocking=False)
+        out = ares.entropy_windows(e, torch.from_numpy(mask).cuda(), tau=1.0)
+        _, h = ares.log_prob_entropy(y)
+    torch.cuda.current_stream().wait_stream(side)
+    _close(h, want, 1e-5, 1e-5, "entropy on a side stream")
+    _close(out["counts"], ares.entropy_windows(ent, mask, tau=1.0)["counts"], 0, 0, "counts on a side stream")
+
+
+if __name__ == "__main__":
+    failed = 0
+    for name, fn in sorted(globals().items()):
+        if name.startswith("test_") and callable(fn):
+            try:
+                fn()
+                print(f"ok   {name}")
+            except BaseException as e:  # noqa: BLE001 - a report of every test
+                if type(e).__name__ == "Skipped":
+                    print(f"skip {name}: {e}")
+                    continue
+                if isinstance(e, KeyboardInterrupt):
+                    raise
+                failed += 1
+                print(f"FAIL {name}: {type(e).__name__}: {e}")
+    print(f"{failed} failed")
+    sys.exit(1 if failed else 0)

@@ -1,0 +1,91 @@
+"""ares's token kernels on PyTorch CUDA tensors (the wheel, ares._cuda) beside PyTorch eager on
+the same tensors, same process (issue 29's goals: the fused log-prob + entropy from bf16
+logits within 10 % of the Rust benchmark's time, >= 20x eager).
+
+    python3 scripts/bench_cuda_tensors.py [--rows 8192] [--vocab 151936] [--runs 10]
+
+Times are CUDA-event medians; GB/s counts the logits read once, beside a device copy of the
+same tensor (read + write) in the same run.
+"""
+
+import argparse
+
+import torch
+
+import ares
+
+
+def timed(fn, runs):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def eager_log_prob_entropy(x, ids):
+    logp = torch.log_softmax(x.float(), dim=-1)
+    lp = logp.gather(-1, ids[:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return lp, ent
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--rows", type=int, default=8192)
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--runs", type=int, default=10)
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, ares {ares.__version__}")
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        rows = a.rows if dtype == torch.bfloat16 else a.rows // 2
+        x = (torch.randn(rows, a.vocab, device=dev) * 2).to(dtype)
+        ids = torch.randint(0, a.vocab, (rows,), device=dev)
+        gb = x.numel() * x.element_size() / 1e9
+        t_copy = timed(lambda: x.clone(), a.runs)
+        t_ares = timed(lambda: ares.log_prob_entropy(x, ids), a.runs)
+        t_eager = timed(lambda: eager_log_prob_entropy(x, ids), max(3, a.runs // 3))
+        lp, h = ares.log_prob_entropy(x, ids)
+        lp_t, h_t = eager_log_prob_entropy(x, ids)
+        err = max(float((lp - lp_t).abs().max()), float((h - h_t).abs().max()))
+        name = str(dtype).replace("torch.", "")
+        print(
+            f"log_prob_entropy {rows} x {a.vocab} {name}: ares {t_ares:.3f} ms ({gb / t_ares * 1e3:.0f} GB/s of "
+            f"logits read; a device copy moves {2 * gb / t_copy * 1e3:.0f} GB/s read + write), torch eager "
+            f"{t_eager:.3f} ms: {t_eager / t_ares:.1f}x; max |diff| {err:.2e} (ares's time includes its "
+            f"status check, one sync)"
+        )
+    rows, cols = 1024, 4096
+    logp = -torch.rand(rows, cols, device=dev) * 3
+    ref = logp + 0.3 * torch.randn(rows, cols, device=dev)
+    mask = (torch.rand(rows, cols, device=dev) < 0.8).float()
+    beta = torch.rand(rows, device=dev)
+
+    def eager_kl():
+        d = ref - logp
+        k = (d.exp() - d - 1).clamp(-10, 10) * mask
+        w = k * beta[:, None]
+        return w.sum(-1), k.sum(-1) / mask.sum(-1).clamp(min=1)
+
+    t_ares = timed(lambda: ares.masked_dynamic_kl(logp, ref, mask, beta), a.runs)
+    t_eager = timed(eager_kl, a.runs)
+    print(f"masked_dynamic_kl k3 {rows} x {cols}: ares {t_ares:.3f} ms, torch eager {t_eager:.3f} ms: "
+          f"{t_eager / t_ares:.1f}x (ares's time includes reading `total`, one sync)")
+    ent = torch.rand(rows, cols, device=dev) * mask
+    t_win = timed(lambda: ares.entropy_windows(ent, mask, tau=0.5), a.runs)
+    out = ares.entropy_windows(ent, mask)
+    t_pct = timed(lambda: ares.row_percentile(out["means"], out["valid"], 95.0), a.runs)
+    print(f"entropy_windows + HWE {rows} x {cols}: {t_win:.3f} ms; row_percentile: {t_pct:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
