@@ -138,8 +138,11 @@ impl Rule {
 const NO_FSDP: &str = "ares runs without FSDP: one process holds the whole model";
 const NO_OFFLOAD: &str = "ares keeps parameters and optimizer state where the backend runs";
 const NO_VLLM: &str = "ares generates with its own engine, not vLLM";
-const PACKED: &str = "ares always packs sequences without padding and sizes its own chunks";
-const ONE_DEVICE: &str = "ares runs on one device (data parallelism is not built yet)";
+const PACKED: &str = "ares lays out each step's sequences itself (prompts left-padded, \
+                      responses right-padded to the step's longest) and sizes its own chunks";
+const ONE_DEVICE: &str = "ares shards no model across devices (no sequence or tensor \
+                          parallelism); data parallelism is one process per device, started \
+                          by torchrun or srun (docs/training.md, Data parallel)";
 const NO_CRITIC: &str = "ares has no critic: every estimator it offers is critic-free";
 const SECOND_CHANCE: &str = "a no-op in the ARES fork as released (its actor never receives \
                              the soft cost it reads); not built here";
