@@ -53,6 +53,12 @@ fn on_device<R>(
     step.map_err(|e| value_error(format!("{func}: {e}")))
 }
 
+/// `rows · cols` elements, or an error naming `func` when that overflows.
+fn elems(func: &str, rows: usize, cols: usize) -> PyResult<usize> {
+    rows.checked_mul(cols)
+        .ok_or_else(|| value_error(format!("{func}: {rows} × {cols} elements overflow")))
+}
+
 /// `log_prob_entropy` on device memory: `logits` `[rows, vocab]` (`dtype` float32,
 /// bfloat16 or float16), optional `targets` `[rows]` u32 ids (0: none) with `out_log_prob`
 /// `[rows]`, and `out_entropy` `[rows]`, f32. Reads the status word (waits for `stream`).
@@ -73,9 +79,7 @@ fn cuda_log_prob_entropy(
     out_entropy: u64,
 ) -> PyResult<()> {
     const FUNC: &str = "log_prob_entropy";
-    let n = rows
-        .checked_mul(vocab)
-        .ok_or_else(|| value_error(format!("{FUNC}: {rows} × {vocab} logits overflow")))?;
+    let n = elems(FUNC, rows, vocab)?;
     let dtype = dtype.to_owned();
     py.detach(move || {
         on_device(FUNC, device, stream, |cuda| {
@@ -133,9 +137,7 @@ fn cuda_entropy_windows(
     out_soft_cost: u64,
 ) -> PyResult<()> {
     const FUNC: &str = "entropy_windows";
-    let n = rows
-        .checked_mul(cols)
-        .ok_or_else(|| value_error(format!("{FUNC}: {rows} × {cols} overflows")))?;
+    let n = elems(FUNC, rows, cols)?;
     py.detach(move || {
         on_device(FUNC, device, stream, |cuda| {
             // SAFETY: as in cuda_log_prob_entropy.
@@ -191,9 +193,7 @@ fn cuda_row_percentile(
     out_has: u64,
 ) -> PyResult<()> {
     const FUNC: &str = "row_percentile";
-    let n = rows
-        .checked_mul(cols)
-        .ok_or_else(|| value_error(format!("{FUNC}: {rows} × {cols} overflows")))?;
+    let n = elems(FUNC, rows, cols)?;
     py.detach(move || {
         on_device(FUNC, device, stream, |cuda| {
             // SAFETY: as in cuda_log_prob_entropy.
@@ -239,9 +239,7 @@ fn cuda_masked_dynamic_kl(
     const FUNC: &str = "masked_dynamic_kl";
     let estimator = KlEstimator::from_name(estimator)
         .ok_or_else(|| value_error(format!("{FUNC}: unknown estimator {estimator:?}")))?;
-    let n = rows
-        .checked_mul(cols)
-        .ok_or_else(|| value_error(format!("{FUNC}: {rows} × {cols} overflows")))?;
+    let n = elems(FUNC, rows, cols)?;
     py.detach(move || {
         on_device(FUNC, device, stream, |cuda| {
             // SAFETY: as in cuda_log_prob_entropy.

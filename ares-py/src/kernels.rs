@@ -17,6 +17,7 @@ use pyo3::types::PyDict;
 /// Registers the functions of this file.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(log_prob_entropy, m)?)?;
+    m.add_function(wrap_pyfunction!(log_prob_entropy_backward, m)?)?;
     m.add_function(wrap_pyfunction!(entropy_windows, m)?)?;
     m.add_function(wrap_pyfunction!(row_percentile, m)?)?;
     m.add_function(wrap_pyfunction!(masked_dynamic_kl, m)?)?;
@@ -181,6 +182,98 @@ fn log_prob_entropy<'py>(
             .map_err(|e| cpu_err(FUNC, e))?;
     }
     Ok((out_lp.map(|o| o.array.into_any()), out_h.array.into_any()))
+}
+
+/// Backward of [`log_prob_entropy`] on float32 logits: `∂L/∂logits` from `grad_log_prob`
+/// (∂L/∂log_prob per row, with `targets`) and `grad_entropy` (∂L/∂entropy per row), either
+/// may be `None`: with `z = logits / T` and `p = softmax(z)`,
+/// `dlogits = g_lp/T·(onehot(target) − p) − g_H·p·(ln p + H)/T` (a −∞ logit gets 0; rows
+/// whose coefficients are 0 are 0 and not read).
+///
+/// logits: float32 [..., V] C-contiguous; targets: integer ids [...]; grad_log_prob,
+/// grad_entropy: float32 [...]. Returns dlogits, float32 [..., V]. Errors (ValueError): shapes,
+/// a non-finite coefficient, a row with NaN or +inf or only −inf where its coefficient is
+/// not 0, a target id out of range or with logit −inf, `grad_log_prob` without `targets`.
+#[pyfunction]
+#[pyo3(signature = (logits, targets=None, grad_log_prob=None, grad_entropy=None, *, temperature=1.0))]
+fn log_prob_entropy_backward<'py>(
+    py: Python<'py>,
+    logits: &Bound<'py, PyAny>,
+    targets: Option<&Bound<'py, PyAny>>,
+    grad_log_prob: Option<&Bound<'py, PyAny>>,
+    grad_entropy: Option<&Bound<'py, PyAny>>,
+    temperature: f32,
+) -> PyResult<Bound<'py, PyAny>> {
+    const FUNC: &str = "log_prob_entropy_backward";
+    let x = logits.cast::<PyArrayDyn<f32>>().map_err(|_| {
+        value_error(format!(
+            "{FUNC}: `logits` must be a float32 numpy array (C-contiguous)"
+        ))
+    })?;
+    let shape: Vec<usize> = x.shape().to_vec();
+    let Some((&vocab, lead)) = shape.split_last() else {
+        return Err(value_error(format!(
+            "{FUNC}: `logits` must have at least 1 dimension (the vocabulary), got a scalar"
+        )));
+    };
+    if !x.is_c_contiguous() {
+        return Err(value_error(format!(
+            "{FUNC}: `logits` is not C-contiguous; pass np.ascontiguousarray(logits)"
+        )));
+    }
+    let coeffs = |name: &str, g: Option<&Bound<'py, PyAny>>| -> PyResult<Option<Vec<f32>>> {
+        let Some(g) = g else { return Ok(None) };
+        let a = g
+            .cast::<PyArrayDyn<f32>>()
+            .map_err(|_| value_error(format!("{FUNC}: `{name}` must be a float32 numpy array")))?;
+        if a.shape() != lead {
+            return Err(value_error(format!(
+                "{FUNC}: `{name}` has shape {:?}, expected {lead:?} (logits.shape[:-1])",
+                a.shape()
+            )));
+        }
+        Ok(Some(a.readonly().as_array().iter().copied().collect()))
+    };
+    let g_lp = coeffs("grad_log_prob", grad_log_prob)?;
+    let g_h = coeffs("grad_entropy", grad_entropy)?;
+    let ids = match (targets, &g_lp) {
+        (Some(t), _) => Some(target_ids(FUNC, t, lead, vocab)?),
+        (None, Some(_)) => {
+            return Err(value_error(format!(
+                "{FUNC}: `grad_log_prob` needs the `targets` the log-probs were taken at"
+            )));
+        }
+        (None, None) => None,
+    };
+    let ro = x
+        .try_readonly()
+        .map_err(|e| value_error(format!("{FUNC}: `logits`: {e}")))?;
+    let out = Output::<f32>::new(py, &shape);
+    {
+        let mut w = out.write()?;
+        let d = w.as_slice_mut().map_err(|e| value_error(e.to_string()))?;
+        let x = ro.as_slice().map_err(|e| value_error(e.to_string()))?;
+        py.detach(|| -> ares_cpu::Result<()> {
+            if let (Some(ids), Some(c)) = (&ids, &g_lp) {
+                // overwrites every row (0 where the coefficient is 0)
+                ares_cpu::ops::log_prob_backward::log_prob_backward(
+                    x,
+                    vocab,
+                    temperature,
+                    ids,
+                    c,
+                    d,
+                )?;
+            }
+            if let Some(c) = &g_h {
+                // adds onto the zeros of a new output, or onto the log-prob part
+                ares_cpu::ops::entropy_backward::entropy_backward(x, vocab, temperature, c, d)?;
+            }
+            Ok(())
+        })
+        .map_err(|e| cpu_err(FUNC, e))?;
+    }
+    Ok(out.array.into_any())
 }
 
 /// `u16` bits as a half-float type of the same layout.

@@ -122,6 +122,21 @@ def test_log_prob_entropy_refuses_bad_rows_and_ids():
     _raises(ValueError, "int64", lambda: ares.log_prob_entropy(ok.long()))
 
 
+def test_the_autograd_function_runs_its_forward_on_cuda_and_refuses_a_cuda_backward():
+    torch = _gpu()
+    import ares.torch as at
+
+    x = torch.randn(6, 300, device="cuda")
+    ids = torch.randint(0, 300, (6,), device="cuda")
+    with torch.no_grad():
+        lp, h = at.log_prob_entropy(x, ids)
+    want_lp, want_h = ares.log_prob_entropy(x.cpu(), ids.cpu())
+    _close(lp, want_lp, 1e-5, 1e-5, "log_prob through ares.torch")
+    _close(h, want_h, 1e-5, 1e-5, "entropy through ares.torch")
+    _raises(ValueError, "only the forward is built",
+            lambda: at.log_prob_entropy(x.clone().requires_grad_(True), ids))
+
+
 def _windows_data(torch, rows=9, cols=300, seed=1):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(1, cols + 1, rows)

@@ -101,6 +101,7 @@ else:
     linear_log_prob_entropy = wrap(_ares.linear_log_prob_entropy)
     linear_log_prob_entropy_backward = wrap(_ares.linear_log_prob_entropy_backward)
     log_prob_entropy = routed(wrap(_ares.log_prob_entropy))
+    log_prob_entropy_backward = wrap(_ares.log_prob_entropy_backward)
     masked_dynamic_kl = routed(wrap(_ares.masked_dynamic_kl))
     masked_whiten = wrap(_ares.masked_whiten)
     overlong_penalty = _ares.overlong_penalty
@@ -174,6 +175,7 @@ __all__ = [
     "linear_log_prob_entropy",
     "linear_log_prob_entropy_backward",
     "log_prob_entropy",
+    "log_prob_entropy_backward",
     "masked_dynamic_kl",
     "masked_whiten",
     "overlong_penalties",

@@ -233,6 +233,14 @@ def log_prob_entropy(
     *,
     temperature: float = 1.0,
 ) -> Tuple[Optional[_F32], _F32]: ...
+def log_prob_entropy_backward(
+    logits: _F32,
+    targets: Optional[npt.NDArray[np.integer[Any]]] = None,
+    grad_log_prob: Optional[_F32] = None,
+    grad_entropy: Optional[_F32] = None,
+    *,
+    temperature: float = 1.0,
+) -> _F32: ...
 def linear_log_prob_entropy(
     hidden: _F32,
     weight: _F32,

@@ -1,5 +1,10 @@
 """PyTorch autograd functions over ares's CPU kernels (CPU float32 tensors, read in place).
 
+``ares.torch.log_prob_entropy(logits, targets)`` is the per-token log-prob and entropy of
+``softmax(logits / T)`` in one read of each row (``ares.log_prob_entropy``), differentiable in
+``logits`` (``ares.log_prob_entropy_backward``); on CUDA tensors its forward runs ares-cuda's
+kernel (under ``torch.no_grad()`` or on detached logits: the CUDA backward is not built).
+
 ``ares.torch.linear_log_prob_entropy(hidden, weight, targets)`` is the LM head fused with the
 per-token log-prob and entropy (``ares.linear_log_prob_entropy``): ``hidden`` [..., H],
 ``weight`` [V, H] (the head, Hugging Face layout), ``targets`` [...] integer ids; returns
@@ -20,8 +25,67 @@ import torch
 
 from . import linear_log_prob_entropy as _forward
 from . import linear_log_prob_entropy_backward as _backward
+from . import log_prob_entropy as _lpe
+from . import log_prob_entropy_backward as _lpe_backward
 
-__all__ = ["LinearLogProbEntropy", "linear_log_prob_entropy"]
+__all__ = ["LinearLogProbEntropy", "LogProbEntropy", "linear_log_prob_entropy", "log_prob_entropy"]
+
+
+class LogProbEntropy(torch.autograd.Function):
+    """``(logits [N, V], targets [N] or None) → (log_prob [N] or None, entropy [N])``, the
+    fused row pass of ``ares.log_prob_entropy`` with its backward
+    (``ares.log_prob_entropy_backward``: ``∂L/∂logits`` from both outputs' gradients)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature=1.0):
+        if ctx.needs_input_grad[0] and (logits.device.type != "cpu" or logits.dtype != torch.float32):
+            raise ValueError(
+                f"ares.torch.log_prob_entropy: the backward runs on CPU float32 logits, got {logits.dtype} on "
+                f"{logits.device}; on CUDA tensors only the forward is built (call it under torch.no_grad(), "
+                f"or detach the logits)"
+            )
+        x = logits.detach().contiguous()
+        lp, ent = _lpe(x, targets, temperature=temperature)
+        if x.device.type == "cpu":
+            lp = None if lp is None else torch.from_numpy(lp)
+            ent = torch.from_numpy(ent)
+        ctx.save_for_backward(x, targets if targets is not None else torch.empty(0, dtype=torch.int64))
+        ctx.temperature, ctx.has_targets = temperature, targets is not None
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, grad_log_prob, grad_entropy):
+        x, targets = ctx.saved_tensors
+        g = lambda t: None if t is None else t.detach().float().contiguous()  # noqa: E731
+        dx = _lpe_backward(
+            x,
+            targets if ctx.has_targets else None,
+            g(grad_log_prob) if ctx.has_targets else None,
+            g(grad_entropy),
+            temperature=ctx.temperature,
+        )
+        return torch.from_numpy(dx), None, None
+
+
+def log_prob_entropy(logits, targets=None, *, temperature=1.0):
+    """:class:`LogProbEntropy` over any leading shape: ``logits`` [..., V], ``targets`` [...]
+    integer ids or ``None``; returns ``(log_prob or None, entropy)`` of shape
+    ``logits.shape[:-1]``, differentiable in ``logits`` (CPU float32). The per-token log-prob
+    and entropy of an RL loss from logits in one read of each row::
+
+        log_prob, entropy = ares.torch.log_prob_entropy(logits, ids)
+        loss = -(adv * log_prob).mean() - 0.01 * entropy.mean()
+    """
+    lead = logits.shape[:-1]
+    if targets is not None and tuple(targets.shape) != tuple(lead):
+        raise ValueError(
+            f"ares.torch.log_prob_entropy: `targets` has shape {tuple(targets.shape)}, expected {tuple(lead)} "
+            f"(logits.shape[:-1])"
+        )
+    x = logits.reshape(-1, logits.shape[-1])
+    t = None if targets is None else torch.as_tensor(targets).reshape(-1)
+    lp, ent = LogProbEntropy.apply(x, t, temperature)
+    return (None if lp is None else lp.reshape(lead)), ent.reshape(lead)
 
 
 class LinearLogProbEntropy(torch.autograd.Function):
