@@ -363,3 +363,31 @@ def test_verls_padding_rows_are_not_graded_as_a_group(tq_on_ray, tmp_path):
             assert out["rm_scores"][row].tolist() == want[keys.index(padded.keys[row])].tolist()
     assert trainer.ares.shaper.controller.difficulty["100"] == alone["shaper"]["controller"]["difficulty"]["100"]
     tq.kv_clear(keys=padded.keys, partition_id="train")
+
+
+def test_each_trainer_mode_hands_the_gpus_to_the_actor_and_back():
+    """sync and colocate_async sleep the rollout replicas for the log-prob pass and wake them
+    with the version they hold (as around verl's validation); separate_async switches a hybrid
+    replica lent to generation back to the trainer and leaves the standalone rollout alone."""
+    _verl_v1()
+    from verl.trainer.ppo.v1.trainer_separate_async import HybridEngineMode
+
+    from ares.verl_v1 import _bootstrap_to_rollout, _bootstrap_to_trainer
+
+    for mode in ("sync", "colocate_async"):
+        t = type("T", (), {})()
+        t.checkpoint_manager, t.global_steps = Weights(), 1
+        _bootstrap_to_trainer(t, mode)
+        _bootstrap_to_rollout(t, mode)
+        assert t.checkpoint_manager.calls == ["sleep", ("update", 0)], mode
+    for current, switched in [(HybridEngineMode.ROLLOUT, 1), (HybridEngineMode.TRAINER, 0)]:
+        t = type("T", (), {})()
+        t.current_mode, t.switches, t.checkpoint_manager = current, 0, Weights()
+
+        def switch(t=t):
+            t.switches += 1
+
+        t.switch_to_trainer = switch
+        _bootstrap_to_trainer(t, "separate_async")
+        _bootstrap_to_rollout(t, "separate_async")
+        assert t.switches == switched and t.checkpoint_manager.calls == []
