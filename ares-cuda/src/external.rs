@@ -6,7 +6,9 @@
 use std::mem::ManuallyDrop;
 use std::ops::{Deref, DerefMut};
 
-use cudarc::driver::{CudaSlice, sys};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, sys};
 
 use crate::device::Cuda;
 use crate::error::{DriverContext, Result};
@@ -90,12 +92,47 @@ impl Cuda {
     /// other borrow of it is written, while the returned value lives.
     pub unsafe fn borrow<T>(&self, ptr: u64, len: usize) -> Borrowed<T> {
         // SAFETY: forwarded from the caller's contract.
-        let slice = unsafe {
-            self.stream
-                .upgrade_device_ptr::<T>(ptr as sys::CUdeviceptr, len)
-        };
-        Borrowed {
-            slice: ManuallyDrop::new(slice),
-        }
+        unsafe { borrow_on(&self.stream, ptr, len) }
     }
+}
+
+/// [`Cuda::borrow`] for kernels queued on `stream` (a [`crate::ModelOps`]' stream).
+///
+/// # Safety
+/// As [`Cuda::borrow`], on `stream`'s device.
+pub unsafe fn borrow_on<T>(stream: &Arc<CudaStream>, ptr: u64, len: usize) -> Borrowed<T> {
+    // SAFETY: forwarded from the caller's contract.
+    let slice = unsafe { stream.upgrade_device_ptr::<T>(ptr as sys::CUdeviceptr, len) };
+    Borrowed {
+        slice: ManuallyDrop::new(slice),
+    }
+}
+
+/// The caller's stream `stream` (as in [`Cuda::use_stream`]) of `ops`' device, with `ops`'
+/// stream made to wait for what is queued on it: [`crate::ModelOps`] kernels then read what
+/// the caller's work wrote. Call [`after_ops`] once they are queued.
+///
+/// # Safety
+/// `stream` is 0 or a live stream of that device's primary context, alive for the call.
+///
+/// # Errors
+/// The driver's.
+pub unsafe fn before_ops(ops: &crate::ModelOps, stream: u64) -> Result<Arc<CudaStream>> {
+    let ctx = ops.stream().context().clone();
+    // SAFETY: forwarded from the caller's contract.
+    let caller = unsafe { ctx.wrap_borrowed_stream(stream as usize as sys::CUstream) };
+    ops.stream()
+        .join(&caller)
+        .during("ordering the device's stream after the caller's")?;
+    Ok(caller)
+}
+
+/// The caller's stream (from [`before_ops`]) made to wait for what `ops` queued since.
+///
+/// # Errors
+/// The driver's.
+pub fn after_ops(ops: &crate::ModelOps, caller: &Arc<CudaStream>) -> Result<()> {
+    caller
+        .join(ops.stream())
+        .during("ordering the caller's stream after the device's")
 }

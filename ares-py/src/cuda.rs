@@ -12,7 +12,8 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use ares_core::kl::KlEstimator;
-use ares_cuda::{Cuda, HweOutputs, MaskedKlInputs, MaskedKlOutputs, WindowSpec};
+use ares_cuda::external;
+use ares_cuda::{Cuda, HweOutputs, MaskedKlInputs, MaskedKlOutputs, ModelOps, WindowSpec};
 use half::{bf16, f16};
 use pyo3::prelude::*;
 
@@ -276,6 +277,81 @@ fn cuda_masked_dynamic_kl(
     })
 }
 
+/// The devices' model ops (the log-prob and entropy backward kernels live in `model_ops.cu`),
+/// opened at the first backward: NVRTC compiles them once per architecture (cached on disk),
+/// and cuBLAS must load. Under the mutex, one call at a time, as [`DEVICES`].
+struct Backwards(HashMap<usize, ModelOps>);
+// SAFETY: as `Devices`.
+unsafe impl Send for Backwards {}
+
+static BACKWARDS: Mutex<Option<Backwards>> = Mutex::new(None);
+
+/// Backward of `log_prob_entropy` on device memory: from f32 `logits` `[rows, vocab]`, the
+/// gradients of the log-prob `grad_log_prob` `[rows]` (with `targets` `[rows]` u32 ids; 0:
+/// none) and of the entropy `grad_entropy` `[rows]` (0: none), `out_dlogits` `[rows, vocab]`
+/// f32 = ∂L/∂logits (overwritten). The model ops run on their own stream, ordered after the
+/// caller's `stream` and before its next work; the status word is read (waits).
+#[pyfunction]
+#[pyo3(signature = (device, stream, logits, rows, vocab, temperature, targets, grad_log_prob, grad_entropy, out_dlogits))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_log_prob_entropy_backward(
+    py: Python<'_>,
+    device: usize,
+    stream: u64,
+    logits: u64,
+    rows: usize,
+    vocab: usize,
+    temperature: f32,
+    targets: u64,
+    grad_log_prob: u64,
+    grad_entropy: u64,
+    out_dlogits: u64,
+) -> PyResult<()> {
+    const FUNC: &str = "log_prob_entropy_backward";
+    let n = elems(FUNC, rows, vocab)?;
+    py.detach(move || {
+        let mut guard = BACKWARDS
+            .lock()
+            .map_err(|_| value_error(format!("{FUNC}: a previous CUDA call panicked")))?;
+        let all = &mut guard.get_or_insert_with(|| Backwards(HashMap::new())).0;
+        let ops = match all.entry(device) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(
+                ModelOps::new(device)
+                    .map_err(|e| value_error(format!("{FUNC}: CUDA device {device}: {e}")))?,
+            ),
+        };
+        let run = || -> ares_cuda::Result<()> {
+            // SAFETY: `stream` is the caller's current stream of `device`; the addresses are
+            // of contiguous tensors of these shapes on `device`, alive for the call
+            // (ares/_cuda.py).
+            unsafe {
+                let caller = external::before_ops(ops, stream)?;
+                let s = ops.stream().clone();
+                let x = external::borrow_on::<f32>(&s, logits, n);
+                let mut d = external::borrow_on::<f32>(&s, out_dlogits, n);
+                let (xv, mut dv) = (x.as_view(), d.as_view_mut());
+                if targets != 0 && grad_log_prob != 0 {
+                    let ids = external::borrow_on::<u32>(&s, targets, rows);
+                    let g = external::borrow_on::<f32>(&s, grad_log_prob, rows);
+                    let (iv, gv) = (ids.as_view(), g.as_view());
+                    ops.log_prob_backward(&xv, vocab, temperature, &iv, &gv, &mut dv)?;
+                } else {
+                    ops.fill(&mut dv, 0.0)?;
+                }
+                if grad_entropy != 0 {
+                    let g = external::borrow_on::<f32>(&s, grad_entropy, rows);
+                    ops.entropy_backward(&xv, vocab, temperature, &g.as_view(), &mut dv)?;
+                }
+                let checked = ops.check_status();
+                external::after_ops(ops, &caller)?;
+                checked
+            }
+        };
+        run().map_err(|e| value_error(format!("{FUNC}: {e}")))
+    })
+}
+
 /// Whether libcuda loads in this process (the driver; a GPU is not required to load it).
 #[pyfunction]
 fn cuda_driver_available() -> bool {
@@ -287,6 +363,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_entropy_windows, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_row_percentile, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_masked_dynamic_kl, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_log_prob_entropy_backward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_available, m)?)?;
     Ok(())
 }

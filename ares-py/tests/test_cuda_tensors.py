@@ -79,6 +79,8 @@ def test_without_a_cuda_driver_the_error_names_the_library():
         return
     _raises(ValueError, "log_prob_entropy: CUDA device 0:",
             lambda: _ares.cuda_log_prob_entropy(0, 0, 0, "float32", 1, 1, 1.0, 0, 0, 0))
+    _raises(ValueError, "log_prob_entropy_backward: CUDA device 0:",
+            lambda: _ares.cuda_log_prob_entropy_backward(0, 0, 0, 1, 1, 1.0, 0, 0, 0, 0))
 
 
 def _close(got, want, rtol, atol, what):
@@ -122,19 +124,35 @@ def test_log_prob_entropy_refuses_bad_rows_and_ids():
     _raises(ValueError, "int64", lambda: ares.log_prob_entropy(ok.long()))
 
 
-def test_the_autograd_function_runs_its_forward_on_cuda_and_refuses_a_cuda_backward():
+def test_the_autograd_function_equals_the_cpus_on_cuda():
     torch = _gpu()
     import ares.torch as at
 
-    x = torch.randn(6, 300, device="cuda")
-    ids = torch.randint(0, 300, (6,), device="cuda")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 3000, generator=g) * 2
+    ids = torch.randint(0, 3000, (6,), generator=g)
+    a, b = torch.randn(6, generator=g), torch.randn(6, generator=g)
     with torch.no_grad():
-        lp, h = at.log_prob_entropy(x, ids)
-    want_lp, want_h = ares.log_prob_entropy(x.cpu(), ids.cpu())
+        lp, h = at.log_prob_entropy(x.cuda(), ids.cuda(), temperature=0.8)
+    want_lp, want_h = ares.log_prob_entropy(x, ids, temperature=0.8)
     _close(lp, want_lp, 1e-5, 1e-5, "log_prob through ares.torch")
     _close(h, want_h, 1e-5, 1e-5, "entropy through ares.torch")
-    _raises(ValueError, "only the forward is built",
-            lambda: at.log_prob_entropy(x.clone().requires_grad_(True), ids))
+    grads = {}
+    for dev in ("cpu", "cuda"):
+        xd = x.to(dev).requires_grad_(True)
+        lp, h = at.log_prob_entropy(xd, ids.to(dev), temperature=0.8)
+        (lp * a.to(dev) + h * b.to(dev)).sum().backward()
+        grads[dev] = xd.grad
+    assert grads["cuda"].is_cuda
+    _close(grads["cuda"], grads["cpu"].numpy(), 1e-4, 1e-6, "dlogits on CUDA")
+    # the entropy's gradient alone, without targets
+    xd = x.cuda().requires_grad_(True)
+    at.log_prob_entropy(xd)[1].sum().backward()
+    xc = x.clone().requires_grad_(True)
+    at.log_prob_entropy(xc)[1].sum().backward()
+    _close(xd.grad, xc.grad.numpy(), 1e-4, 1e-6, "entropy-only dlogits on CUDA")
+    _raises(ValueError, "backward runs on float32 logits",
+            lambda: at.log_prob_entropy(x.cuda().bfloat16().requires_grad_(True), ids.cuda()))
 
 
 def _windows_data(torch, rows=9, cols=300, seed=1):

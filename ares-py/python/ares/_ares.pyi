@@ -399,6 +399,10 @@ def cuda_log_prob_entropy(
     device: int, stream: int, logits: int, dtype: str, rows: int, vocab: int, temperature: float,
     targets: int, out_log_prob: int, out_entropy: int,
 ) -> None: ...
+def cuda_log_prob_entropy_backward(
+    device: int, stream: int, logits: int, rows: int, vocab: int, temperature: float, targets: int,
+    grad_log_prob: int, grad_entropy: int, out_dlogits: int,
+) -> None: ...
 def cuda_entropy_windows(
     device: int, stream: int, entropy: int, mask: int, rows: int, cols: int, window_size: int,
     includes_self: bool, out_means: int, out_valid: int, tau: Optional[float], trigger: int,

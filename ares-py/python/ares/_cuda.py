@@ -27,7 +27,14 @@ import sys
 
 from . import _ares
 
-__all__ = ["is_cuda", "log_prob_entropy", "entropy_windows", "row_percentile", "masked_dynamic_kl"]
+__all__ = [
+    "is_cuda",
+    "log_prob_entropy",
+    "log_prob_entropy_backward",
+    "entropy_windows",
+    "row_percentile",
+    "masked_dynamic_kl",
+]
 
 _FLOAT_LOGITS = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 _nvrtc_tried = False
@@ -66,6 +73,28 @@ def _load_nvrtc():
                 return
             except OSError:
                 pass
+
+
+def _load_cublas():
+    """Loads the cuBLAS of PyTorch's CUDA wheels when the dynamic loader finds none (the
+    backward's model ops need it), as :func:`_load_nvrtc`."""
+    import ctypes
+
+    for name in ("libcublas.so", "libcublas.so.13", "libcublas.so.12"):
+        try:
+            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            return
+        except OSError:
+            pass
+    for stem in ("libcublasLt.so", "libcublas.so"):
+        for root in sys.path:
+            libs = sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", stem + "*")), reverse=True)
+            for lib in libs:
+                try:
+                    ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+                    break
+                except OSError:
+                    pass
 
 
 def _prepare(func, named):
@@ -151,6 +180,44 @@ def log_prob_entropy(logits, targets=None, *, temperature=1.0):
             device, stream, _ptr(x), dtype, rows, vocab, float(temperature), _ptr(ids), _ptr(log_prob), _ptr(entropy)
         )
     return log_prob, entropy
+
+
+def log_prob_entropy_backward(logits, targets=None, grad_log_prob=None, grad_entropy=None, *, temperature=1.0):
+    """:func:`ares.log_prob_entropy_backward` on CUDA tensors: float32 ``logits`` [..., V] and
+    the gradients of the outputs ([...] float32, either ``None``); returns ``∂L/∂logits``,
+    float32 [..., V] on the logits' device. Runs the model ops' kernels (``model_ops.cu``: NVRTC
+    and cuBLAS load at the first call) ordered after the caller's stream and before its next
+    work; reads the status word (waits)."""
+    import torch
+
+    func = "log_prob_entropy_backward"
+    named = {"logits": logits, "targets": targets, "grad_log_prob": grad_log_prob, "grad_entropy": grad_entropy}
+    t, device, stream = _prepare(func, named)
+    x = _f32(func, "logits", t["logits"])
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"{func}: `logits` must have a last axis of length >= 1, got shape {tuple(x.shape)}")
+    lead, vocab = tuple(x.shape[:-1]), int(x.shape[-1])
+    rows = x.numel() // vocab
+    for name in ("grad_log_prob", "grad_entropy"):
+        if t[name] is not None:
+            _same_shape(func, name, _f32(func, name, t[name]), lead)
+    if t["grad_log_prob"] is not None and t["targets"] is None:
+        raise ValueError(f"{func}: `grad_log_prob` needs the `targets` the log-probs were taken at")
+    ids = None
+    if t["targets"] is not None:
+        tg = t["targets"]
+        _same_shape(func, "targets", tg, lead)
+        if tg.numel() and (int(tg.min()) < 0 or int(tg.max()) >= vocab):
+            raise ValueError(f"{func}: `targets` holds ids outside [0, {vocab})")
+        ids = tg.to(torch.int32).contiguous()
+    out = torch.empty_like(x)
+    if rows:
+        _load_cublas()
+        _ares.cuda_log_prob_entropy_backward(
+            device, stream, _ptr(x), rows, vocab, float(temperature), _ptr(ids), _ptr(t["grad_log_prob"]),
+            _ptr(t["grad_entropy"]), _ptr(out),
+        )
+    return out
 
 
 def entropy_windows(entropy, mask, *, window_size=4, includes_self=False, tau=None, trigger=None):

@@ -2,8 +2,8 @@
 
 ``ares.torch.log_prob_entropy(logits, targets)`` is the per-token log-prob and entropy of
 ``softmax(logits / T)`` in one read of each row (``ares.log_prob_entropy``), differentiable in
-``logits`` (``ares.log_prob_entropy_backward``); on CUDA tensors its forward runs ares-cuda's
-kernel (under ``torch.no_grad()`` or on detached logits: the CUDA backward is not built).
+``logits`` (``ares.log_prob_entropy_backward``); on CUDA tensors both run ares-cuda's kernels
+(the backward on float32 logits).
 
 ``ares.torch.linear_log_prob_entropy(hidden, weight, targets)`` is the LM head fused with the
 per-token log-prob and entropy (``ares.linear_log_prob_entropy``): ``hidden`` [..., H],
@@ -34,15 +34,15 @@ __all__ = ["LinearLogProbEntropy", "LogProbEntropy", "linear_log_prob_entropy", 
 class LogProbEntropy(torch.autograd.Function):
     """``(logits [N, V], targets [N] or None) → (log_prob [N] or None, entropy [N])``, the
     fused row pass of ``ares.log_prob_entropy`` with its backward
-    (``ares.log_prob_entropy_backward``: ``∂L/∂logits`` from both outputs' gradients)."""
+    (``ares.log_prob_entropy_backward``, or ``ares._cuda``'s on CUDA tensors: ``∂L/∂logits``
+    from both outputs' gradients)."""
 
     @staticmethod
     def forward(ctx, logits, targets, temperature=1.0):
-        if ctx.needs_input_grad[0] and (logits.device.type != "cpu" or logits.dtype != torch.float32):
+        if ctx.needs_input_grad[0] and logits.dtype != torch.float32:
             raise ValueError(
-                f"ares.torch.log_prob_entropy: the backward runs on CPU float32 logits, got {logits.dtype} on "
-                f"{logits.device}; on CUDA tensors only the forward is built (call it under torch.no_grad(), "
-                f"or detach the logits)"
+                f"ares.torch.log_prob_entropy: the backward runs on float32 logits, got {logits.dtype} (convert "
+                f"with .float(), or call it under torch.no_grad() for the forward alone)"
             )
         x = logits.detach().contiguous()
         lp, ent = _lpe(x, targets, temperature=temperature)
@@ -57,20 +57,23 @@ class LogProbEntropy(torch.autograd.Function):
     def backward(ctx, grad_log_prob, grad_entropy):
         x, targets = ctx.saved_tensors
         g = lambda t: None if t is None else t.detach().float().contiguous()  # noqa: E731
-        dx = _lpe_backward(
+        args = (
             x,
             targets if ctx.has_targets else None,
             g(grad_log_prob) if ctx.has_targets else None,
             g(grad_entropy),
-            temperature=ctx.temperature,
         )
-        return torch.from_numpy(dx), None, None
+        if x.device.type == "cuda":
+            from . import _cuda
+
+            return _cuda.log_prob_entropy_backward(*args, temperature=ctx.temperature), None, None
+        return torch.from_numpy(_lpe_backward(*args, temperature=ctx.temperature)), None, None
 
 
 def log_prob_entropy(logits, targets=None, *, temperature=1.0):
     """:class:`LogProbEntropy` over any leading shape: ``logits`` [..., V], ``targets`` [...]
     integer ids or ``None``; returns ``(log_prob or None, entropy)`` of shape
-    ``logits.shape[:-1]``, differentiable in ``logits`` (CPU float32). The per-token log-prob
+    ``logits.shape[:-1]``, differentiable in ``logits`` (float32, CPU or CUDA). The per-token log-prob
     and entropy of an RL loss from logits in one read of each row::
 
         log_prob, entropy = ares.torch.log_prob_entropy(logits, ids)
