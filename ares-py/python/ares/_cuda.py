@@ -49,52 +49,41 @@ def _other_device_array(x):
     return hasattr(x, "__cuda_array_interface__") and not type(x).__module__.startswith("torch")
 
 
-def _load_nvrtc():
-    """Loads the NVRTC of PyTorch's CUDA wheels (``site-packages/nvidia/*/lib``) when the
-    dynamic loader finds none by itself, so that ares-cuda's own lookup by name succeeds."""
-    global _nvrtc_tried
-    if _nvrtc_tried:
-        return
-    _nvrtc_tried = True
+def _preload(names, stems):
+    """Loads a CUDA library by one of ``names`` through the dynamic loader, or else each of
+    ``stems`` from PyTorch's CUDA wheels (``site-packages/nvidia/*/lib``), with RTLD_GLOBAL, so
+    that ares-cuda's own lookup by name finds it loaded."""
     import ctypes
 
-    for name in ("libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"):
+    for name in names:
         try:
             ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
             return
         except OSError:
             pass
-    for root in sys.path:
-        for lib in sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so*")), reverse=True):
-            if "builtins" in os.path.basename(lib) or "alt" in os.path.basename(lib):
+    for stem in stems:
+        libs = [lib for root in sys.path for lib in glob.glob(os.path.join(root, "nvidia", "*", "lib", stem + "*"))]
+        for lib in sorted(libs, reverse=True):
+            if "builtins" in os.path.basename(lib) or ".alt." in os.path.basename(lib):
                 continue
             try:
                 ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
-                return
+                break
             except OSError:
                 pass
 
 
-def _load_cublas():
-    """Loads the cuBLAS of PyTorch's CUDA wheels when the dynamic loader finds none (the
-    backward's model ops need it), as :func:`_load_nvrtc`."""
-    import ctypes
+def _load_nvrtc():
+    """NVRTC, once: the token kernels are compiled at the first call."""
+    global _nvrtc_tried
+    if not _nvrtc_tried:
+        _nvrtc_tried = True
+        _preload(("libnvrtc.so", "libnvrtc.so.13", "libnvrtc.so.12"), ("libnvrtc.so",))
 
-    for name in ("libcublas.so", "libcublas.so.13", "libcublas.so.12"):
-        try:
-            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
-            return
-        except OSError:
-            pass
-    for stem in ("libcublasLt.so", "libcublas.so"):
-        for root in sys.path:
-            libs = sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", stem + "*")), reverse=True)
-            for lib in libs:
-                try:
-                    ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
-                    break
-                except OSError:
-                    pass
+
+def _load_cublas():
+    """cuBLAS, for the backward's model ops."""
+    _preload(("libcublas.so", "libcublas.so.13", "libcublas.so.12"), ("libcublasLt.so", "libcublas.so"))
 
 
 def _prepare(func, named):
