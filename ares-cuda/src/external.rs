@@ -5,7 +5,6 @@
 
 use std::mem::ManuallyDrop;
 use std::ops::{Deref, DerefMut};
-
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, sys};

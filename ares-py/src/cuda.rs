@@ -19,14 +19,40 @@ use pyo3::prelude::*;
 
 use crate::args::value_error;
 
-/// The opened devices. `Cuda` holds driver handles that cudarc marks neither `Send` nor
-/// `Sync`; every use is under this mutex, one call at a time.
-struct Devices(HashMap<usize, Cuda>);
+/// Devices opened once per process, by ordinal: `Cuda` (the token kernels) and `ModelOps`
+/// (the backward's kernels) hold driver handles that cudarc marks neither `Send` nor
+/// `Sync`; every use is under the cell's mutex, one call at a time.
+struct Opened<T>(HashMap<usize, T>);
 // SAFETY: the handles are only touched with the mutex held; the CUDA driver API is
 // thread-safe and the primary context is current on whichever thread makes the call.
-unsafe impl Send for Devices {}
+unsafe impl<T> Send for Opened<T> {}
 
-static DEVICES: Mutex<Option<Devices>> = Mutex::new(None);
+static DEVICES: Mutex<Option<Opened<Cuda>>> = Mutex::new(None);
+/// The model ops (the log-prob and entropy backward kernels live in `model_ops.cu`), opened
+/// at the first backward: NVRTC compiles them once per architecture (cached on disk), and
+/// cuBLAS must load.
+static BACKWARDS: Mutex<Option<Opened<ModelOps>>> = Mutex::new(None);
+
+/// Runs `f` on device `device` of `cell`, opening it with `open` at the first call.
+fn with_opened<T, R>(
+    cell: &Mutex<Option<Opened<T>>>,
+    func: &str,
+    device: usize,
+    open: fn(usize) -> ares_cuda::Result<T>,
+    f: impl FnOnce(&mut T) -> ares_cuda::Result<R>,
+) -> PyResult<R> {
+    let mut guard = cell
+        .lock()
+        .map_err(|_| value_error(format!("{func}: a previous CUDA call panicked")))?;
+    let all = &mut guard.get_or_insert_with(|| Opened(HashMap::new())).0;
+    let opened = match all.entry(device) {
+        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+        std::collections::hash_map::Entry::Vacant(e) => e.insert(
+            open(device).map_err(|e| value_error(format!("{func}: CUDA device {device}: {e}")))?,
+        ),
+    };
+    f(opened).map_err(|e| value_error(format!("{func}: {e}")))
+}
 
 /// Runs `f` on device `device` with its operations queued on `stream`.
 fn on_device<R>(
@@ -35,23 +61,14 @@ fn on_device<R>(
     stream: u64,
     f: impl FnOnce(&mut Cuda) -> ares_cuda::Result<R>,
 ) -> PyResult<R> {
-    let mut guard = DEVICES
-        .lock()
-        .map_err(|_| value_error(format!("{func}: a previous CUDA call panicked")))?;
-    let devices = &mut guard.get_or_insert_with(|| Devices(HashMap::new())).0;
-    let cuda = match devices.entry(device) {
-        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-        std::collections::hash_map::Entry::Vacant(e) => e.insert(
-            Cuda::for_external(device)
-                .map_err(|e| value_error(format!("{func}: CUDA device {device}: {e}")))?,
-        ),
-    };
-    // SAFETY: `stream` is the caller's current stream of `device` (ares/_cuda.py), alive
-    // for the call; the kernels are queued on it and the call returns before it could end.
-    // The previous call's stream: PyTorch keeps its streams for the process's life (a stream
-    // the caller made and destroyed since is the caller's contract to break).
-    let step = unsafe { cuda.use_stream(stream) }.and_then(|()| f(cuda));
-    step.map_err(|e| value_error(format!("{func}: {e}")))
+    with_opened(&DEVICES, func, device, Cuda::for_external, |cuda| {
+        // SAFETY: `stream` is the caller's current stream of `device` (ares/_cuda.py), alive
+        // for the call; the kernels are queued on it and the call returns before it could
+        // end. The previous call's stream: PyTorch keeps its streams for the process's life
+        // (a stream the caller made and destroyed since is the caller's contract to break).
+        unsafe { cuda.use_stream(stream) }?;
+        f(cuda)
+    })
 }
 
 /// `rows · cols` elements, or an error naming `func` when that overflows.
@@ -277,15 +294,6 @@ fn cuda_masked_dynamic_kl(
     })
 }
 
-/// The devices' model ops (the log-prob and entropy backward kernels live in `model_ops.cu`),
-/// opened at the first backward: NVRTC compiles them once per architecture (cached on disk),
-/// and cuBLAS must load. Under the mutex, one call at a time, as [`DEVICES`].
-struct Backwards(HashMap<usize, ModelOps>);
-// SAFETY: as `Devices`.
-unsafe impl Send for Backwards {}
-
-static BACKWARDS: Mutex<Option<Backwards>> = Mutex::new(None);
-
 /// Backward of `log_prob_entropy` on device memory: from f32 `logits` `[rows, vocab]`, the
 /// gradients of the log-prob `grad_log_prob` `[rows]` (with `targets` `[rows]` u32 ids; 0:
 /// none) and of the entropy `grad_entropy` `[rows]` (0: none), `out_dlogits` `[rows, vocab]`
@@ -310,18 +318,7 @@ fn cuda_log_prob_entropy_backward(
     const FUNC: &str = "log_prob_entropy_backward";
     let n = elems(FUNC, rows, vocab)?;
     py.detach(move || {
-        let mut guard = BACKWARDS
-            .lock()
-            .map_err(|_| value_error(format!("{FUNC}: a previous CUDA call panicked")))?;
-        let all = &mut guard.get_or_insert_with(|| Backwards(HashMap::new())).0;
-        let ops = match all.entry(device) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => e.insert(
-                ModelOps::new(device)
-                    .map_err(|e| value_error(format!("{FUNC}: CUDA device {device}: {e}")))?,
-            ),
-        };
-        let run = || -> ares_cuda::Result<()> {
+        with_opened(&BACKWARDS, FUNC, device, ModelOps::new, |ops| {
             // SAFETY: `stream` is the caller's current stream of `device`; the addresses are
             // of contiguous tensors of these shapes on `device`, alive for the call
             // (ares/_cuda.py).
@@ -347,8 +344,7 @@ fn cuda_log_prob_entropy_backward(
                 external::after_ops(ops, &caller)?;
                 checked
             }
-        };
-        run().map_err(|e| value_error(format!("{FUNC}: {e}")))
+        })
     })
 }
 

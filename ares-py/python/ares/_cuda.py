@@ -132,6 +132,29 @@ def _same_shape(func, name, t, shape):
         raise ValueError(f"{func}: `{name}` has shape {tuple(t.shape)}, expected {tuple(shape)}")
 
 
+def _logits_shape(func, x):
+    """``(lead, vocab, rows)`` of logits ``[..., V]``."""
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"{func}: `logits` must have a last axis of length >= 1, got shape {tuple(x.shape)}")
+    vocab = int(x.shape[-1])
+    return tuple(x.shape[:-1]), vocab, x.numel() // vocab
+
+
+def _target_ids(func, tg, lead, vocab):
+    """Integer ids of shape ``lead``, each in ``[0, vocab)``, as int32 on their device (``None``
+    stays ``None``)."""
+    import torch
+
+    if tg is None:
+        return None
+    if tg.is_floating_point() or tg.is_complex() or tg.dtype == torch.bool:
+        raise ValueError(f"{func}: `targets` must hold integer ids, got {tg.dtype}")
+    _same_shape(func, "targets", tg, lead)
+    if tg.numel() and (int(tg.min()) < 0 or int(tg.max()) >= vocab):
+        raise ValueError(f"{func}: `targets` holds ids outside [0, {vocab}) (min {int(tg.min())}, max {int(tg.max())})")
+    return tg.to(torch.int32).contiguous()
+
+
 def _ptr(t):
     return 0 if t is None else int(t.data_ptr())
 
@@ -148,20 +171,8 @@ def log_prob_entropy(logits, targets=None, *, temperature=1.0):
     dtype = _FLOAT_LOGITS.get(str(x.dtype))
     if dtype is None:
         raise ValueError(f"{func}: `logits` is {x.dtype}; use float32, bfloat16 or float16")
-    if x.dim() < 1 or x.shape[-1] == 0:
-        raise ValueError(f"{func}: `logits` must have a last axis of length >= 1, got shape {tuple(x.shape)}")
-    lead = tuple(x.shape[:-1])
-    vocab = int(x.shape[-1])
-    rows = x.numel() // vocab
-    ids = None
-    if t["targets"] is not None:
-        tg = t["targets"]
-        if tg.is_floating_point() or tg.is_complex() or tg.dtype == torch.bool:
-            raise ValueError(f"{func}: `targets` must hold integer ids, got {tg.dtype}")
-        _same_shape(func, "targets", tg, lead)
-        if tg.numel() and (int(tg.min()) < 0 or int(tg.max()) >= vocab):
-            raise ValueError(f"{func}: `targets` holds ids outside [0, {vocab}) (min {int(tg.min())}, max {int(tg.max())})")
-        ids = tg.to(torch.int32).contiguous()
+    lead, vocab, rows = _logits_shape(func, x)
+    ids = _target_ids(func, t["targets"], lead, vocab)
     entropy = torch.empty(lead, dtype=torch.float32, device=x.device)
     log_prob = torch.empty(lead, dtype=torch.float32, device=x.device) if ids is not None else None
     if rows:
@@ -183,22 +194,13 @@ def log_prob_entropy_backward(logits, targets=None, grad_log_prob=None, grad_ent
     named = {"logits": logits, "targets": targets, "grad_log_prob": grad_log_prob, "grad_entropy": grad_entropy}
     t, device, stream = _prepare(func, named)
     x = _f32(func, "logits", t["logits"])
-    if x.dim() < 1 or x.shape[-1] == 0:
-        raise ValueError(f"{func}: `logits` must have a last axis of length >= 1, got shape {tuple(x.shape)}")
-    lead, vocab = tuple(x.shape[:-1]), int(x.shape[-1])
-    rows = x.numel() // vocab
+    lead, vocab, rows = _logits_shape(func, x)
     for name in ("grad_log_prob", "grad_entropy"):
         if t[name] is not None:
             _same_shape(func, name, _f32(func, name, t[name]), lead)
     if t["grad_log_prob"] is not None and t["targets"] is None:
         raise ValueError(f"{func}: `grad_log_prob` needs the `targets` the log-probs were taken at")
-    ids = None
-    if t["targets"] is not None:
-        tg = t["targets"]
-        _same_shape(func, "targets", tg, lead)
-        if tg.numel() and (int(tg.min()) < 0 or int(tg.max()) >= vocab):
-            raise ValueError(f"{func}: `targets` holds ids outside [0, {vocab})")
-        ids = tg.to(torch.int32).contiguous()
+    ids = _target_ids(func, t["targets"], lead, vocab)
     out = torch.empty_like(x)
     if rows:
         _load_cublas()

@@ -875,12 +875,8 @@ def _ares_rewards(trainer, batch, metrics):
         fields += ["entropy", key]
     if s["kl"]["enable"]:
         fields += ["old_log_probs", "ref_log_prob"]
-    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-    missing = [f for f in fields if f not in data.keys()]
-    if missing:
-        raise KeyError(f"ares: the batch has no field {missing} (it has {sorted(data.keys())})")
+    data, padded = _batch_fields(tq, batch, fields, "ares")
     nested_mask = data["response_mask"]
-    padded = data.to_padded_tensor()
     uid_all = np.array(_values(padded.pop("uid")), dtype=object)
     ids_all = np.array([str(x) for x in _values(padded.pop(key))], dtype=object) if s["mode"] == "ares" else None
     mask_all = padded["response_mask"].float().cpu().numpy()
@@ -1008,11 +1004,7 @@ def _ares_bootstrap(trainer, base_mode):
             # the base class's pass: the weights are the initial ones (no version bookkeeping)
             meta = trainer_base.PPOTrainer._compute_old_log_prob(trainer, meta, metrics)
             fields = ["uid", "response_mask", "rm_scores", "entropy", key]
-            data = tq.kv_batch_get(keys=meta.keys, partition_id=meta.partition_id, select_fields=fields)
-            missing = [f for f in fields if f not in data.keys()]
-            if missing:
-                raise KeyError(f"ares bootstrap: the batch has no field {missing} (it has {sorted(data.keys())})")
-            padded = data.to_padded_tensor()
+            _, padded = _batch_fields(tq, meta, fields, "ares bootstrap")
             real, final_rows, _ = _real_sessions(meta)
             fr = real[np.asarray(final_rows)]
             boot.add(
@@ -1078,6 +1070,16 @@ def _local_dir(config):
     return folder if os.path.isabs(folder) else os.path.join(os.getcwd(), folder)
 
 
+def _batch_fields(tq, batch, fields, who):
+    """``fields`` of the TransferQueue's ``batch``, as stored (ragged) and padded to
+    ``[B, T]``; a ``KeyError`` names the missing ones."""
+    data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+    missing = [f for f in fields if f not in data.keys()]
+    if missing:
+        raise KeyError(f"{who}: the batch has no field {missing} (it has {sorted(data.keys())})")
+    return data, data.to_padded_tensor()
+
+
 def _values(field):
     """A non-tensor field of a TransferQueue batch as a plain list: depending on the
     TransferQueue and tensordict versions it comes back as a numpy array, a ``NonTensorStack``
@@ -1127,9 +1129,9 @@ def _read_state(folder):
 
 
 def _resumed_folder(config, global_steps):
-    folder = config.trainer.default_local_dir
+    folder = _local_dir(config)
     if config.trainer.resume_mode == "resume_path":
         folder = os.path.dirname(os.path.normpath(config.trainer.resume_from_path))
-    if not os.path.isabs(folder):
-        folder = os.path.join(os.getcwd(), folder)
+        if not os.path.isabs(folder):
+            folder = os.path.join(os.getcwd(), folder)
     return os.path.join(folder, f"global_step_{global_steps}")
