@@ -995,6 +995,7 @@ fn attention_forward_and_backward_match_cpu() {
             gpu.attention(
                 dims,
                 gin(),
+                None,
                 ViewMut::whole(&mut go),
                 ViewMut::whole(&mut gl),
             )
@@ -1003,6 +1004,7 @@ fn attention_forward_and_backward_match_cpu() {
             cpu.attention(
                 dims,
                 cin(),
+                None,
                 ViewMut::whole(&mut co),
                 ViewMut::whole(&mut cl),
             )
@@ -1030,6 +1032,7 @@ fn attention_forward_and_backward_match_cpu() {
             gpu.attention_backward(
                 dims,
                 gin(),
+                None,
                 View::whole(&go),
                 View::whole(&gl),
                 View::whole(&up(&gpu, &dout)),
@@ -1044,6 +1047,7 @@ fn attention_forward_and_backward_match_cpu() {
             cpu.attention_backward(
                 dims,
                 cin(),
+                None,
                 View::whole(&co),
                 View::whole(&cl),
                 View::whole(&dout),
@@ -1084,8 +1088,14 @@ fn attention_forward_and_backward_match_cpu() {
         v: View::whole(&q),
         key_mask: Some(View::whole(&mask)),
     };
-    gpu.attention(dims, inputs, ViewMut::whole(&mut o), ViewMut::whole(&mut l))
-        .unwrap();
+    gpu.attention(
+        dims,
+        inputs,
+        None,
+        ViewMut::whole(&mut o),
+        ViewMut::whole(&mut l),
+    )
+    .unwrap();
     let e = gpu.synchronize().unwrap_err();
     assert!(e.to_string().contains("key mask value"), "{e}");
 }
@@ -1149,6 +1159,7 @@ fn tensor_core_attention_matches_its_cpu_twin() {
                     v: View::whole(&gv),
                     key_mask: masked.then(|| View::whole(&gm)),
                 },
+                None,
                 ViewMut::whole(&mut go),
                 ViewMut::whole(&mut gl),
             )
@@ -1162,6 +1173,7 @@ fn tensor_core_attention_matches_its_cpu_twin() {
                     v: View::whole(&v),
                     key_mask: masked.then(|| View::whole(&mask)),
                 },
+                None,
                 ViewMut::whole(&mut co),
                 ViewMut::whole(&mut cl),
             )
@@ -1202,6 +1214,7 @@ fn tensor_core_attention_matches_its_cpu_twin() {
                     v: View::whole(&gv),
                     key_mask: masked.then(|| View::whole(&gm)),
                 },
+                None,
                 View::whole(&go),
                 View::whole(&gl),
                 View::whole(&up(&gpu, &dout)),
@@ -1221,6 +1234,7 @@ fn tensor_core_attention_matches_its_cpu_twin() {
                     v: View::whole(&v),
                     key_mask: masked.then(|| View::whole(&mask)),
                 },
+                None,
                 View::whole(&co),
                 View::whole(&cl),
                 View::whole(&dout),
@@ -1248,7 +1262,13 @@ fn tensor_core_attention_matches_its_cpu_twin() {
         key_mask: None,
     };
     let e = gpu
-        .attention_bf16(dims, inputs, ViewMut::whole(&mut o), ViewMut::whole(&mut l))
+        .attention_bf16(
+            dims,
+            inputs,
+            None,
+            ViewMut::whole(&mut o),
+            ViewMut::whole(&mut l),
+        )
         .unwrap_err();
     assert!(e.to_string().contains("head_dim = 32"), "{e}");
 }

@@ -307,6 +307,7 @@ fn attention(gpu: &CudaBackend, runs: usize) {
             gpu.attention(
                 dims,
                 inputs(),
+                None,
                 ViewMut::whole(&mut out),
                 ViewMut::whole(&mut lse),
             )
@@ -318,6 +319,7 @@ fn attention(gpu: &CudaBackend, runs: usize) {
             gpu.attention_bf16(
                 dims,
                 inputs(),
+                None,
                 ViewMut::whole(&mut out),
                 ViewMut::whole(&mut lse),
             )
@@ -334,6 +336,7 @@ fn attention(gpu: &CudaBackend, runs: usize) {
             gpu.attention_backward(
                 dims,
                 inputs(),
+                None,
                 View::whole(&out),
                 View::whole(&lse),
                 View::whole(&dout),
@@ -346,6 +349,7 @@ fn attention(gpu: &CudaBackend, runs: usize) {
         gpu.attention_bf16(
             dims,
             inputs(),
+            None,
             ViewMut::whole(&mut out),
             ViewMut::whole(&mut lse),
         )
@@ -359,6 +363,7 @@ fn attention(gpu: &CudaBackend, runs: usize) {
             gpu.attention_backward_bf16(
                 dims,
                 inputs(),
+                None,
                 View::whole(&out),
                 View::whole(&lse),
                 View::whole(&dout),

@@ -115,6 +115,7 @@ fn ops(c: &mut Criterion) {
         k: &k,
         v: &v,
         key_mask: None,
+        segments: None,
     };
     g.bench_function("forward", |b| {
         b.iter(|| attention_forward(&shape, inputs, &mut out, &mut lse).expect("fwd"))

@@ -200,6 +200,7 @@ fn attention(
         k: &k,
         v: &v,
         key_mask: Some(&mask),
+        segments: None,
     };
     let mut out = vec![0.0f32; TOKENS * q_dim];
     let mut lse = vec![0.0f32; TOKENS * Q_HEADS];

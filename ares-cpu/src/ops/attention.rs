@@ -171,6 +171,11 @@ pub struct AttentionInputs<'a> {
     pub v: &'a [f32],
     /// 0/1 key validity `[B, T]` (Hugging Face's `attention_mask`); `None`: all valid.
     pub key_mask: Option<&'a [f32]>,
+    /// Packed sequences (flash-attn's `cu_seqlens`, batch 1): offsets of length
+    /// `segments + 1` from 0 to `T`, non-decreasing; query `t` of segment `i` sees the keys
+    /// `cu[i] ≤ s ≤ t` (and the key mask), so each segment is attended as a sequence of its
+    /// own with no padding between. `None`: the batch's rows are the sequences.
+    pub segments: Option<&'a [u32]>,
 }
 
 impl AttentionInputs<'_> {
@@ -181,7 +186,29 @@ impl AttentionInputs<'_> {
         if let Some(m) = self.key_mask {
             Shape::new(dims.b, dims.t).check_mask("key_mask", m)?;
         }
+        if let Some(cu) = self.segments {
+            if dims.b != 1 {
+                return Err(CoreError::OutOfRange {
+                    what: "batch (packed segments)",
+                    value: dims.b as f64,
+                    expected: "1: packed sequences are one row",
+                }
+                .into());
+            }
+            crate::ops::segment_attention::check_cu_seqlens(cu, dims.t)?;
+        }
         Ok(())
+    }
+
+    /// The sequences attended: each packed segment, or each row of the batch.
+    fn spans(&self, dims: &Dims) -> Vec<blocked::Span> {
+        match self.segments {
+            Some(cu) => cu
+                .windows(2)
+                .map(|w| (w[0] as usize, (w[1] - w[0]) as usize))
+                .collect(),
+            None => (0..dims.b).map(|b| (b * dims.t, dims.t)).collect(),
+        }
     }
 }
 
@@ -238,8 +265,11 @@ fn forward_with(
             &ones
         }
     };
+    let spans = inputs.spans(&dims);
     match operands {
-        blocked::Operands::F32 => blocked::forward(&dims, inputs, mask, out, lse, blocked::BLOCK),
+        blocked::Operands::F32 => {
+            blocked::forward(&dims, &spans, inputs, mask, out, lse, blocked::BLOCK)
+        }
         blocked::Operands::Bf16 => {
             let bf16 = crate::ops::precision::MatmulPrecision::Bf16;
             let (q, k, v) = (
@@ -251,9 +281,9 @@ fn forward_with(
                 q: &q,
                 k: &k,
                 v: &v,
-                key_mask: inputs.key_mask,
+                ..inputs
             };
-            tensor_core::forward(&dims, rounded, mask, out, lse)
+            tensor_core::forward(&dims, &spans, rounded, mask, out, lse)
         }
     }
 }
@@ -334,8 +364,11 @@ fn backward_with(
         }
     };
     let block = blocked::BLOCK;
+    let spans = inputs.spans(&dims);
     if operands == blocked::Operands::F32 {
-        return blocked::backward(&dims, inputs, mask, saved, dq, dk, dv, block, operands);
+        return blocked::backward(
+            &dims, &spans, inputs, mask, saved, dq, dk, dv, block, operands,
+        );
     }
     let bf16 = crate::ops::precision::MatmulPrecision::Bf16;
     let (q, k, v, dout) = (
@@ -348,13 +381,15 @@ fn backward_with(
         q: &q,
         k: &k,
         v: &v,
-        key_mask: inputs.key_mask,
+        ..inputs
     };
     let saved = blocked::Saved {
         dout: &dout,
         ..saved
     };
-    blocked::backward(&dims, rounded, mask, saved, dq, dk, dv, block, operands)
+    blocked::backward(
+        &dims, &spans, rounded, mask, saved, dq, dk, dv, block, operands,
+    )
 }
 
 /// The backward of [`attention_forward_bf16`] as the CUDA tensor-core kernels compute it

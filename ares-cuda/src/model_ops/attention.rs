@@ -344,6 +344,20 @@ pub(super) fn dkv_mma_smem(d: usize) -> usize {
     2 * (2 * MMA_ROWS * (d + 8) + 2 * MMA_BWD_TILE * (d + 8) + 2 * d * (MMA_BWD_TILE + 8))
 }
 
+/// Packed sequences (`segments`, the CPU's `cu_seqlens` layout) are not implemented on CUDA
+/// yet: an error naming the op, so a caller pads instead (ares-model's
+/// `Backend::packs_sequences` is false here).
+fn no_segments(k: &'static str, segments: Option<&CudaView<'_, u32>>) -> Result<()> {
+    match segments {
+        None => Ok(()),
+        Some(_) => Err(bad(
+            k,
+            "packed segments (cu_seqlens) are not implemented on CUDA yet: pad the batch"
+                .to_string(),
+        )),
+    }
+}
+
 /// Bytes of dynamic shared memory of the forward and dq kernels: two key tiles (padded
 /// rows) and `row_tiles` `[rows, d]` row buffers.
 fn rows_smem(d: usize, rows: usize, row_buffers: usize) -> usize {
@@ -363,10 +377,12 @@ impl ModelOps {
         &self,
         shape: AttentionShape,
         inputs: &AttentionInputs<'_>,
+        segments: Option<&CudaView<'_, u32>>,
         out: &mut CudaViewMut<'_, f32>,
         lse: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         const K: &str = "attention";
+        no_segments(K, segments)?;
         let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
         let key_mask = inputs.key_mask.as_ref();
         let dims = shape.dims(K)?;
@@ -410,10 +426,12 @@ impl ModelOps {
         &self,
         shape: AttentionShape,
         inputs: &AttentionInputs<'_>,
+        segments: Option<&CudaView<'_, u32>>,
         out: &mut CudaViewMut<'_, f32>,
         lse: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         const K: &str = "attention_bf16";
+        no_segments(K, segments)?;
         let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
         let dims = shape.dims(K)?;
         let variant = self.tensor_core_head(K, shape.head_dim)?;
@@ -577,15 +595,18 @@ impl ModelOps {
     ///
     /// # Errors
     /// As [`ModelOps::attention`], and lengths of `out`, `lse`, `dout` and the gradients.
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments, as the CPU's
     pub fn attention_backward(
         &self,
         shape: AttentionShape,
         inputs: &AttentionInputs<'_>,
+        segments: Option<&CudaView<'_, u32>>,
         out: &CudaView<'_, f32>,
         lse: &CudaView<'_, f32>,
         dout: &CudaView<'_, f32>,
         grads: &mut AttentionGrads<'_>,
     ) -> Result<()> {
+        no_segments("attention_backward", segments)?;
         let saved = AttentionSaved { out, lse, dout };
         self.backward_with("attention_backward", shape, inputs, saved, grads, None)
     }
@@ -598,16 +619,19 @@ impl ModelOps {
     ///
     /// # Errors
     /// As [`ModelOps::attention_backward`]; another head size; an older device.
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments, as the CPU's
     pub fn attention_backward_bf16(
         &self,
         shape: AttentionShape,
         inputs: &AttentionInputs<'_>,
+        segments: Option<&CudaView<'_, u32>>,
         out: &CudaView<'_, f32>,
         lse: &CudaView<'_, f32>,
         dout: &CudaView<'_, f32>,
         grads: &mut AttentionGrads<'_>,
     ) -> Result<()> {
         const K: &str = "attention_backward_bf16";
+        no_segments(K, segments)?;
         let variant = self.tensor_core_head(K, shape.head_dim)?;
         let saved = AttentionSaved { out, lse, dout };
         self.backward_with(K, shape, inputs, saved, grads, Some(variant))

@@ -179,6 +179,10 @@ impl<B: Backend> Backend for Counting<B> {
         self.inner.decodes_from_training_weights()
     }
 
+    fn packs_sequences(&self) -> bool {
+        self.inner.packs_sequences()
+    }
+
     fn keeps_bf16_weights(&self) -> bool {
         self.inner.keeps_bf16_weights()
     }

@@ -211,6 +211,7 @@ impl<'a> CpuViews<'a> for AttentionInputs<'a, Vec<f32>> {
             k: slice(self.k)?,
             v: slice(self.v)?,
             key_mask: slice_opt(self.key_mask)?,
+            segments: None,
         })
     }
 }
@@ -306,6 +307,7 @@ macro_rules! cpu_arg {
     ($op:ident, $a:ident: InOpt<f32>) => { slice_opt($a)? };
     ($op:ident, $a:ident: OutOpt<f32>) => { slice_mut_opt($a)? };
     ($op:ident, $a:ident: In<u32>) => { $a };
+    ($op:ident, $a:ident: InOpt<u32>) => { $a.map(Vec::as_slice) };
     ($op:ident, $a:ident: In<bf16>) => {
         half(stringify!($op), stringify!($a), $a, DType::Bf16)?
     };
@@ -431,44 +433,52 @@ mod kernels {
         Ok(())
     }
 
-    pub(super) fn attention(
+    pub(super) fn attention<'a>(
         dims: AttentionDims,
-        inputs: attention::AttentionInputs<'_>,
+        inputs: attention::AttentionInputs<'a>,
+        segments: Option<&'a [u32]>,
         out: &mut [f32],
         lse: &mut [f32],
     ) -> Result {
+        let inputs = attention::AttentionInputs { segments, ..inputs };
         attention::attention_forward(&attention_shape(dims), inputs, out, lse)
     }
 
-    pub(super) fn attention_bf16(
+    pub(super) fn attention_bf16<'a>(
         dims: AttentionDims,
-        inputs: attention::AttentionInputs<'_>,
+        inputs: attention::AttentionInputs<'a>,
+        segments: Option<&'a [u32]>,
         out: &mut [f32],
         lse: &mut [f32],
     ) -> Result {
+        let inputs = attention::AttentionInputs { segments, ..inputs };
         attention::attention_forward_bf16(&attention_shape(dims), inputs, out, lse)
     }
 
-    pub(super) fn attention_backward(
+    pub(super) fn attention_backward<'a>(
         dims: AttentionDims,
-        inputs: attention::AttentionInputs<'_>,
+        inputs: attention::AttentionInputs<'a>,
+        segments: Option<&'a [u32]>,
         out: &[f32],
         lse: &[f32],
         dout: &[f32],
         grads: attention::AttentionGrads<'_>,
     ) -> Result {
+        let inputs = attention::AttentionInputs { segments, ..inputs };
         let shape = attention_shape(dims);
         attention::attention_backward(&shape, inputs, out, lse, dout, grads)
     }
 
-    pub(super) fn attention_backward_bf16(
+    pub(super) fn attention_backward_bf16<'a>(
         dims: AttentionDims,
-        inputs: attention::AttentionInputs<'_>,
+        inputs: attention::AttentionInputs<'a>,
+        segments: Option<&'a [u32]>,
         out: &[f32],
         lse: &[f32],
         dout: &[f32],
         grads: attention::AttentionGrads<'_>,
     ) -> Result {
+        let inputs = attention::AttentionInputs { segments, ..inputs };
         let shape = attention_shape(dims);
         attention::attention_backward_bf16(&shape, inputs, out, lse, dout, grads)
     }
@@ -674,6 +684,10 @@ impl Backend for CpuBackend {
     type Half = HalfBuffer;
     type Bytes = Vec<u8>;
     type Graph = ();
+
+    fn packs_sequences(&self) -> bool {
+        true
+    }
 
     fn replay(&self, (): &()) -> Result<()> {
         Err(BackendError::Op {

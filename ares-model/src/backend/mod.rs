@@ -171,6 +171,13 @@ pub trait Backend {
         false
     }
 
+    /// Whether the training attention takes packed sequences (`segments` of
+    /// [`Backend::attention`]), so a batch can be laid out without padding: true on the CPU;
+    /// not yet on CUDA, where callers pad.
+    fn packs_sequences(&self) -> bool {
+        false
+    }
+
     /// The time of every op so far, summed per op, as a table, when `ARES_PROFILE=1`
     /// ([`profile`]); `None` otherwise (and on a backend that times nothing).
     ///

@@ -8,7 +8,8 @@
 //! Argument kinds:
 //! - `In<f32>` / `Out<f32>`: a tensor read / written ([`Tensor`](super::Tensor) /
 //!   [`TensorMut`](super::TensorMut)); `InOpt<f32>` / `OutOpt<f32>`: the same, optional;
-//! - `In<u32>`: token ids, positions or row indices (`&Self::Ids`);
+//! - `In<u32>`: token ids, positions or row indices (`&Self::Ids`); `InOpt<u32>`: the same,
+//!   optional (packed sequences' offsets);
 //! - `Out<u8>`: a view of a [`Backend::Bytes`](super::Backend::Bytes) buffer written (8-bit
 //!   codes);
 //! - `In<bf16>` / `Out<bf16>`: a view of a [`Backend::Half`](super::Backend::Half) buffer
@@ -386,12 +387,19 @@ macro_rules! declared_ops {
             /// `b` attends to keys `s <= t` with `key_mask[b, s] = 1` (`None`: all keys valid). Writes
             /// `out` `[batch, seq, q_heads, head_dim]` and the softmax log-sum-exp `lse` `[batch,
             /// seq, q_heads]` for the backward pass. A query without a valid key gets `out = 0`.
+            /// With `segments` (packed sequences, flash-attn's `cu_seqlens`: batch 1, offsets
+            /// from 0 to `seq`, non-decreasing) query `t` of segment `i` sees only the keys
+            /// `cu[i] <= s <= t`: each segment is a sequence of its own and padding costs
+            /// nothing (`ares_cpu::ops::attention::AttentionInputs::segments`).
             ///
             /// # Errors
-            /// Invalid head counts or scale, lengths that do not match, a mask value not 0 or 1.
+            /// Invalid head counts or scale, lengths that do not match, a mask value not 0 or 1,
+            /// segments with a batch other than 1 or offsets out of order; on CUDA, segments
+            /// (not implemented there yet: [`Backend::packs_sequences`]).
             fn attention(
                 dims: AttentionDims,
                 inputs: Views<AttentionInputs>,
+                segments: InOpt<u32>,
                 out: Out<f32>,
                 lse: Out<f32>,
             ) cpu kernels::attention, cuda attention;
@@ -408,6 +416,7 @@ macro_rules! declared_ops {
             fn attention_bf16(
                 dims: AttentionDims,
                 inputs: Views<AttentionInputs>,
+                segments: InOpt<u32>,
                 out: Out<f32>,
                 lse: Out<f32>,
             ) cpu kernels::attention_bf16, cuda attention_bf16;
@@ -421,6 +430,7 @@ macro_rules! declared_ops {
             fn attention_backward(
                 dims: AttentionDims,
                 inputs: Views<AttentionInputs>,
+                segments: InOpt<u32>,
                 out: In<f32>,
                 lse: In<f32>,
                 dout: In<f32>,
@@ -438,6 +448,7 @@ macro_rules! declared_ops {
             fn attention_backward_bf16(
                 dims: AttentionDims,
                 inputs: Views<AttentionInputs>,
+                segments: InOpt<u32>,
                 out: In<f32>,
                 lse: In<f32>,
                 dout: In<f32>,
@@ -732,6 +743,7 @@ macro_rules! op_arg_type {
     (InOpt<f32>) => { Option<$crate::backend::Tensor<'_, Self>> };
     (OutOpt<f32>) => { Option<$crate::backend::TensorMut<'_, Self>> };
     (In<u32>) => { &Self::Ids };
+    (InOpt<u32>) => { Option<&Self::Ids> };
     (In<bf16>) => { $crate::backend::View<'_, Self::Half> };
     (Out<bf16>) => { $crate::backend::ViewMut<'_, Self::Half> };
     (OutOpt<bf16>) => { Option<$crate::backend::ViewMut<'_, Self::Half>> };

@@ -97,6 +97,9 @@ pub struct Activations<B: Backend> {
     pub(crate) mask: B::Buffer,
     /// Host staging of the mask as f32, `[N]`.
     pub(crate) host_mask: Vec<f32>,
+    /// The packed sequences' offsets of the pass (`ForwardExtras::segments`), uploaded per
+    /// call; `None`: the rows are the sequences.
+    pub(crate) segments: Option<B::Ids>,
     /// `[N, D/2]` RoPE cos and sin of each token's position.
     pub(crate) cos: B::Buffer,
     pub(crate) sin: B::Buffer,
@@ -458,6 +461,7 @@ impl<B: Backend> Activations<B> {
             positions: backend.alloc_ids(n)?,
             mask: alloc(&[n])?,
             host_mask: vec![0.0; n],
+            segments: None,
             cos: alloc(&[n, spec.head_dim / 2])?,
             sin: alloc(&[n, spec.head_dim / 2])?,
             layers: LayerBuffers::new(backend, spec, batch, seq, n, checkpointed)?,

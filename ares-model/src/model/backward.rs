@@ -229,6 +229,7 @@ impl<B: Backend> Model<B> {
 
         let (cos, sin) = (View::whole(&acts.cos), View::whole(&acts.sin));
         let mask = View::whole(&acts.mask);
+        let segments = acts.segments.as_ref();
         let attn = AttentionDims::new(inputs.batch, inputs.seq, hq, hkv, d);
         for l in (0..s.layers).rev() {
             if acts.layers.checkpointed {
@@ -242,7 +243,7 @@ impl<B: Backend> Model<B> {
                     &mut acts.layers,
                     la,
                     rope,
-                    mask,
+                    (mask, segments),
                     attn,
                     &mut None,
                 )?;
@@ -283,9 +284,11 @@ impl<B: Backend> Model<B> {
             pair(Target::O, sc.dresidual.r(), a.att, sc.datt.w())?;
             let dqkv = dqkv(&mut sc.dq, &mut sc.dk, &mut sc.dv);
             if self.attention_in_bf16(attn.batch * attn.seq) {
-                be.attention_backward_bf16(attn, a.qkv(mask), a.att, a.lse, sc.datt.r(), dqkv)?;
+                let (out, lse, dout) = (a.att, a.lse, sc.datt.r());
+                be.attention_backward_bf16(attn, a.qkv(mask), segments, out, lse, dout, dqkv)?;
             } else {
-                be.attention_backward(attn, a.qkv(mask), a.att, a.lse, sc.datt.r(), dqkv)?;
+                let (out, lse, dout) = (a.att, a.lse, sc.datt.r());
+                be.attention_backward(attn, a.qkv(mask), segments, out, lse, dout, dqkv)?;
             }
             be.rope_backward(sc.dq.w(), cos, sin, hq, d)?;
             be.rope_backward(sc.dk.w(), cos, sin, hkv, d)?;

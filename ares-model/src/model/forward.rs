@@ -76,6 +76,12 @@ impl<B: Backend> Model<B> {
         cache: Option<StepCache<'_, B>>,
         tw: Option<&DecodeWeights<B>>,
     ) -> Result<(), ModelError> {
+        if extras.segments.is_some() && cache.is_some() {
+            return Err(ModelError::Unsupported {
+                what: "packed sequences with a KV cache (generation pads or runs ragged rows)"
+                    .into(),
+            });
+        }
         self.stage_inputs(inputs, extras, acts)?;
         self.forward_staged(inputs, extras, acts, cache, tw)
     }
@@ -100,6 +106,15 @@ impl<B: Backend> Model<B> {
             *m = x as f32;
         }
         be.upload(&acts.host_mask, ViewMut::whole(&mut acts.mask))?;
+        acts.segments = match extras.segments {
+            Some(cu) => {
+                check_segments(inputs, cu, be.packs_sequences())?;
+                let mut ids = be.alloc_ids(cu.len())?;
+                be.upload_ids(cu, &mut ids)?;
+                Some(ids)
+            }
+            None => None,
+        };
         if let Some((cos, sin)) = extras.rope {
             let half = self.spec.head_dim / 2;
             for (what, t) in [("rope cos", cos), ("rope sin", sin)] {
@@ -173,6 +188,7 @@ impl<B: Backend> Model<B> {
         }
         let (cos, sin) = (View::whole(&acts.cos), View::whole(&acts.sin));
         let mask = View::whole(&acts.mask);
+        let segments = acts.segments.as_ref();
 
         let attn = AttentionDims::new(inputs.batch, inputs.seq, hq, hkv, d);
         for l in 0..s.layers {
@@ -183,7 +199,7 @@ impl<B: Backend> Model<B> {
                 &mut acts.layers,
                 acts.lora.as_mut(),
                 (cos, sin),
-                mask,
+                (mask, segments),
                 attn,
                 &mut cache,
             )?;
@@ -207,7 +223,7 @@ impl<B: Backend> Model<B> {
 
     /// Decoder layer `l`'s forward pass: reads its input (the embeddings, or layer `l −
     /// 1`'s output) from `layers` and writes its activations and output there, with the
-    /// pass's RoPE tables `(cos, sin)` and key mask; with `cache`, attention over the KV
+    /// pass's RoPE tables `(cos, sin)`, key mask and packed segments; with `cache`, attention over the KV
     /// cache; with `lora`, the adapters' intermediates (the adapters apply when they are
     /// on and the weights are not the decode copies `tw`, which have them merged). The
     /// backward pass calls it again for a layer whose activations were not kept
@@ -221,7 +237,7 @@ impl<B: Backend> Model<B> {
         layers: &mut LayerBuffers<B>,
         lora: Option<&mut LoraActs<B>>,
         (cos, sin): (Tensor<'_, B>, Tensor<'_, B>),
-        mask: Tensor<'_, B>,
+        (mask, segments): (Tensor<'_, B>, Option<&B::Ids>),
         attn: AttentionDims,
         cache: &mut Option<StepCache<'_, B>>,
     ) -> Result<(), ModelError> {
@@ -266,9 +282,13 @@ impl<B: Backend> Model<B> {
         let (q, k, v) = (a.q.r()?, a.k.r()?, a.v.r()?);
         match cache {
             None if self.attention_in_bf16(attn.batch * attn.seq) => {
-                be.attention_bf16(attn, qkv(q, k, v, mask), a.att.w()?, a.lse.w()?)?
+                let (out, lse) = (a.att.w()?, a.lse.w()?);
+                be.attention_bf16(attn, qkv(q, k, v, mask), segments, out, lse)?
             }
-            None => be.attention(attn, qkv(q, k, v, mask), a.att.w()?, a.lse.w()?)?,
+            None => {
+                let (out, lse) = (a.att.w()?, a.lse.w()?);
+                be.attention(attn, qkv(q, k, v, mask), segments, out, lse)?
+            }
             Some(cache) => {
                 // a prefill from slot 0 in bf16: its tokens see only each other, so the
                 // tensor-core training forward over them is the step's attention
@@ -276,7 +296,8 @@ impl<B: Backend> Model<B> {
                 match cache.fresh().filter(|_| bf16) {
                     Some(fresh) => {
                         fresh.append(be, l, attn, k, v)?;
-                        be.attention_bf16(attn, qkv(q, k, v, mask), a.att.w()?, a.lse.w()?)?
+                        let (out, lse) = (a.att.w()?, a.lse.w()?);
+                        be.attention_bf16(attn, qkv(q, k, v, mask), None, out, lse)?
                     }
                     None => cache.attend(be, l, attn, q, k, v, a.att.w()?)?,
                 }
@@ -370,6 +391,30 @@ impl<B: Backend> Model<B> {
 }
 
 /// Errors unless `acts` was planned for the inputs' `(batch, seq)`.
+/// Packed `segments` of `inputs`: one row, offsets from 0 to `seq` in order, a backend
+/// that takes them.
+fn check_segments(inputs: &Inputs<'_>, cu: &[u32], packs: bool) -> Result<(), ModelError> {
+    if !packs {
+        return Err(ModelError::Unsupported {
+            what: "packed sequences on this backend (pad the batch instead)".into(),
+        });
+    }
+    if inputs.batch != 1 {
+        return Err(ModelError::InvalidValue {
+            what: "batch (packed sequences)".into(),
+            value: inputs.batch as f64,
+            expected: "1: packed sequences are one row",
+        });
+    }
+    ares_cpu::ops::segment_attention::check_cu_seqlens(cu, inputs.seq).map_err(|e| {
+        ModelError::InvalidValue {
+            what: format!("segments (cu_seqlens): {e}"),
+            value: cu.len() as f64,
+            expected: "offsets from 0 to seq, non-decreasing",
+        }
+    })
+}
+
 fn check_arena<B: Backend>(inputs: &Inputs<'_>, acts: &Activations<B>) -> Result<(), ModelError> {
     if acts.shape() == (inputs.batch, inputs.seq) {
         return Ok(());

@@ -694,6 +694,7 @@ impl<B: Backend> Model<B> {
         let extras = ForwardExtras {
             embeds: rows.as_ref().zip(embeds),
             rope: rope.as_ref().map(|(c, s)| (c.as_slice(), s.as_slice())),
+            segments: None,
         };
         let mut cache = KvCache::new(&self.backend, &self.spec, u, max_len)?;
         let mut acts = self.prefill_activations(u, width)?;

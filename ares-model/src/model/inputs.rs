@@ -14,6 +14,11 @@ pub struct ForwardExtras<'a, B: Backend> {
     /// `(cos, sin)`, each `[batch · seq, head_dim / 2]` in [`crate::backend::Backend::rope`]'s
     /// layout.
     pub rope: Option<(&'a [f32], &'a [f32])>,
+    /// Packed sequences (flash-attn's `cu_seqlens`): the inputs are one row (`batch` 1) of
+    /// several sequences back to back, sequence `i` at tokens `cu[i]..cu[i + 1]` with its
+    /// own positions from 0; attention stays within each (no padding between them). Offsets
+    /// from 0 to `seq`, non-decreasing; backends with [`Backend::packs_sequences`] only.
+    pub segments: Option<&'a [u32]>,
 }
 
 impl<B: Backend> Default for ForwardExtras<'_, B> {
@@ -21,6 +26,7 @@ impl<B: Backend> Default for ForwardExtras<'_, B> {
         Self {
             embeds: None,
             rope: None,
+            segments: None,
         }
     }
 }

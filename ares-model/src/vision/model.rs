@@ -319,6 +319,7 @@ impl<B: Backend> VlModel<B> {
             let extras = ForwardExtras {
                 embeds: None,
                 rope: Some((&layout.cos, &layout.sin)),
+                segments: None,
             };
             self.lm.forward_with(inputs, &extras, acts)?;
             return Ok(VlActs { tower: None });
@@ -330,6 +331,7 @@ impl<B: Backend> VlModel<B> {
         let extras = ForwardExtras {
             embeds: Some((&rows, va.output())),
             rope: Some((&layout.cos, &layout.sin)),
+            segments: None,
         };
         self.lm.forward_with(inputs, &extras, acts)?;
         Ok(VlActs {

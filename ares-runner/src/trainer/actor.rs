@@ -10,9 +10,10 @@ use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::model::{
-    Activations, AdamW, EngineConfig, GenerateOutput, GenerateRequest, Generator, Grads, Inputs,
-    Model, ModelError, StateDtype, StepReport, WeightDtype,
+    Activations, AdamW, EngineConfig, ForwardExtras, GenerateOutput, GenerateRequest, Generator,
+    Grads, Inputs, Model, ModelError, StateDtype, StepReport, WeightDtype,
 };
+use crate::trainer::prepare::sequences::Packed;
 use crate::vision::model::{VisionBatch, VisionMoments, VlActs, VlGenerator, VlModel};
 use crate::vision::tower::VisionGrads;
 
@@ -76,6 +77,13 @@ pub(crate) fn no_vision(what: &str) -> TrainError {
 }
 
 impl<B: Backend> Actor<B> {
+    /// Whether batches go to this model packed (`Packed::unpadded`): a text model on a
+    /// backend whose attention takes packed sequences (the CPU); the vision-language model
+    /// and CUDA pad.
+    pub fn packs_sequences(&self) -> bool {
+        matches!(self, Actor::Text(m) if m.backend().packs_sequences())
+    }
+
     /// The language model.
     pub fn lm(&self) -> &Model<B> {
         match self {
@@ -202,29 +210,37 @@ impl<B: Backend> Actor<B> {
         })
     }
 
-    /// Runs the model on `inputs` with the rows' images and videos (`vision`: the
-    /// concatenation of the rows', [`concat_vision`]); the prompts fill the first
-    /// `prompt_cols` columns (placeholders after them are response text); `keep`: the
+    /// Runs the model on the batch `packed` with the rows' images and videos (`vision`:
+    /// the concatenation of the rows', [`concat_vision`]); the prompts fill the first
+    /// `packed.prompt_cols` columns (placeholders after them are response text); `keep`: the
     /// tower keeps what its backward needs.
     ///
     /// # Errors
-    /// Images for a text model; the model's errors.
+    /// Images for a text model, a packed batch for a vision-language model; the model's
+    /// errors.
     pub fn forward(
         &self,
-        inputs: &Inputs<'_>,
+        packed: &Packed,
         vision: Option<&VisionBatch>,
-        prompt_cols: usize,
         acts: &mut Activations<B>,
         keep: bool,
     ) -> Result<Pass<B>, TrainError> {
+        let (inputs, prompt_cols) = (&packed.inputs(), packed.prompt_cols);
         match self {
             Actor::Text(m) => {
                 if vision.is_some() {
                     return Err(no_vision("forward"));
                 }
-                m.forward(inputs, acts)?;
+                let extras = ForwardExtras {
+                    segments: packed.segments(),
+                    ..ForwardExtras::default()
+                };
+                m.forward_with(inputs, &extras, acts)?;
                 Ok(Pass(None))
             }
+            Actor::Vision(_) if packed.segments().is_some() => Err(TrainError::Internal(
+                "a packed batch for a vision-language model (it pads)".into(),
+            )),
             Actor::Vision(m) => {
                 let empty = VisionBatch::default();
                 let v = vision.unwrap_or(&empty);

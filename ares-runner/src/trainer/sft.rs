@@ -6,7 +6,7 @@
 use crate::backend::Backend;
 use crate::trainer::TrainError;
 use crate::trainer::actor::{Actor, PromptVision, concat_vision};
-use crate::trainer::prepare::sequences::{Packed, response_log_probs_after_forward};
+use crate::trainer::prepare::sequences::{Packed, packed_tokens, response_log_probs_after_forward};
 use crate::trainer::update::Optimizer;
 
 /// One prompt/response pair, tokenised (the response ends with EOS).
@@ -96,17 +96,17 @@ pub fn sft_step<B: Backend>(
     for chunk in examples.chunks(micro.max(1)) {
         let prompts: Vec<&[u32]> = chunk.iter().map(|e| e.prompt.as_slice()).collect();
         let responses: Vec<&[u32]> = chunk.iter().map(|e| e.response.as_slice()).collect();
-        let packed = Packed::new(&prompts, &responses, prompt_cols, response_cols)?;
-        let mut acts = model.lm().activations(chunk.len(), packed.seq())?;
+        // packed where the model takes it (each chunk to its own length: its arena is its own)
+        let packed = if model.packs_sequences() {
+            let tokens = packed_tokens(&prompts, &responses);
+            Packed::unpadded(&prompts, &responses, response_cols, tokens)?
+        } else {
+            Packed::new(&prompts, &responses, prompt_cols, response_cols)?
+        };
+        let mut acts = model.lm().activations(packed.batch(), packed.seq())?;
         let rows: Vec<&PromptVision> = chunk.iter().map(|e| &e.vision).collect();
         let vision = concat_vision(&rows);
-        let mut pass = model.forward(
-            &packed.inputs(),
-            vision.as_ref(),
-            prompt_cols,
-            &mut acts,
-            opt.tower.is_some(),
-        )?;
+        let mut pass = model.forward(&packed, vision.as_ref(), &mut acts, opt.tower.is_some())?;
         let (logp, _) = response_log_probs_after_forward(model.lm(), &mut acts, &packed, 1.0)?;
         let mut coeffs = vec![0.0f32; chunk.len() * response_cols];
         let w = -1.0 / total as f32;

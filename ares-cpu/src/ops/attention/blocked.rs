@@ -41,10 +41,58 @@ fn dense(rows: usize, cols: usize) -> MatLayout {
     MatLayout::row_major(rows, cols)
 }
 
+/// One sequence of a call, `(first token, tokens)` in the flattened token order: a row of
+/// the batch, or one packed segment.
+pub(super) type Span = (usize, usize);
+
+/// A task: `rows` tokens of the sequence at `base` (of `len` tokens), from its token `t0`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Task {
+    pub base: usize,
+    pub len: usize,
+    pub t0: usize,
+    pub rows: usize,
+}
+
+/// The tasks of `block` tokens over `spans`, in token order (the spans cover the tokens
+/// in order, so the tasks cut every `[tokens, …]` buffer into consecutive pieces).
+pub(super) fn tasks(spans: &[Span], block: usize) -> Vec<Task> {
+    let mut out = Vec::new();
+    for &(base, len) in spans {
+        for t0 in (0..len).step_by(block.max(1)) {
+            let rows = block.min(len - t0);
+            out.push(Task {
+                base,
+                len,
+                t0,
+                rows,
+            });
+        }
+    }
+    out
+}
+
+/// `buf` cut into the tasks' pieces of `rows · per_token` elements, in order.
+pub(super) fn cut<'a>(
+    mut buf: &'a mut [f32],
+    per_token: usize,
+    tasks: &[Task],
+) -> Vec<&'a mut [f32]> {
+    let mut pieces = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        let n = (task.rows * per_token).min(buf.len());
+        let (piece, rest) = core::mem::take(&mut buf).split_at_mut(n);
+        pieces.push(piece);
+        buf = rest;
+    }
+    pieces
+}
+
 /// Forward over `inputs` (checked by the caller) with key validity `mask` `[B, T]`:
 /// writes `out` `[B, T, Hq, D]` and `lse` `[B, T, Hq]`, `block` query tokens per task.
 pub(super) fn forward(
     dims: &Dims,
+    spans: &[Span],
     inputs: AttentionInputs<'_>,
     mask: &[f32],
     out: &mut [f32],
@@ -52,7 +100,6 @@ pub(super) fn forward(
     block: usize,
 ) -> Result<()> {
     let Dims {
-        t,
         hq,
         hkv,
         d,
@@ -62,21 +109,16 @@ pub(super) fn forward(
     } = *dims;
     let AttentionInputs { q, k, v, .. } = inputs;
     let q_tok = hq * d;
-    out.par_chunks_mut(t * q_tok)
-        .zip(lse.par_chunks_mut(t * hq))
-        .enumerate()
-        .flat_map(|(b, (ob, lb))| {
-            ob.par_chunks_mut(block * q_tok)
-                .zip(lb.par_chunks_mut(block * hq))
-                .enumerate()
-                .map(move |(i, (o, l))| (b, i * block, o, l))
-        })
-        .try_for_each_init(Vec::new, |scores, (b, t0, o, l)| {
-            let rows = l.len() / hq;
+    let tasks = tasks(spans, block);
+    let (outs, lses) = (cut(out, q_tok, &tasks), cut(lse, hq, &tasks));
+    tasks.into_par_iter().zip(outs).zip(lses).try_for_each_init(
+        Vec::new,
+        |scores, ((task, o), l)| {
+            let Task { base, t0, rows, .. } = task;
             let keys = t0 + rows; // causal: the block's last query sees keys < t0 + rows
             scores.resize(rows * keys, 0.0);
-            let m = mask.get(b * t..b * t + keys).unwrap_or_default();
-            let (qb, kb) = (b * t, b * t);
+            let m = mask.get(base..base + keys).unwrap_or_default();
+            let (qb, kb) = (base, base);
             for h in 0..hq {
                 let g = h / group;
                 matmul_seq(
@@ -129,7 +171,8 @@ pub(super) fn forward(
                 )?;
             }
             Ok(())
-        })
+        },
+    )
 }
 
 /// The operands of the backward's products: exact f32, or the tensor-core kernels' bf16
@@ -155,6 +198,7 @@ pub(super) struct Saved<'a> {
 #[allow(clippy::too_many_arguments)]
 pub(super) fn backward(
     dims: &Dims,
+    spans: &[Span],
     inputs: AttentionInputs<'_>,
     mask: &[f32],
     saved: Saved<'_>,
@@ -165,7 +209,6 @@ pub(super) fn backward(
     operands: Operands,
 ) -> Result<()> {
     let Dims {
-        t,
         hq,
         hkv,
         d,
@@ -200,31 +243,123 @@ pub(super) fn backward(
         .collect_into_vec(&mut delta);
     let delta = delta.as_slice();
 
+    let tasks = tasks(spans, block);
+
     // Pass 1, query blocks: dQ_h = scale · dS · K_g.
-    dq.par_chunks_mut(t * q_tok)
-        .enumerate()
-        .flat_map(|(b, dqb)| {
-            dqb.par_chunks_mut(block * q_tok)
-                .enumerate()
-                .map(move |(i, dq)| (b, i * block, dq))
-        })
-        .try_for_each_init(
-            || (Vec::new(), Vec::new()),
-            |(p, dp), (b, t0, dq_blk)| {
-                let rows = dq_blk.len() / q_tok;
-                let keys = t0 + rows;
-                p.resize(rows * keys, 0.0);
-                dp.resize(rows * keys, 0.0);
-                let m = mask.get(b * t..b * t + keys).unwrap_or_default();
-                let base = b * t;
-                for h in 0..hq {
-                    let g = h / group;
-                    let (qrows, krows) =
-                        (head_rows(base + t0, hq, d, h), head_rows(base, hkv, d, g));
-                    let sk = MatmulDims {
+    let dqs = cut(dq, q_tok, &tasks);
+    tasks.par_iter().zip(dqs).try_for_each_init(
+        || (Vec::new(), Vec::new()),
+        |(p, dp), (task, dq_blk)| {
+            let Task { base, t0, rows, .. } = *task;
+            let keys = t0 + rows;
+            p.resize(rows * keys, 0.0);
+            dp.resize(rows * keys, 0.0);
+            let m = mask.get(base..base + keys).unwrap_or_default();
+            for h in 0..hq {
+                let g = h / group;
+                let (qrows, krows) = (head_rows(base + t0, hq, d, h), head_rows(base, hkv, d, g));
+                let sk = MatmulDims {
+                    n: rows,
+                    k: d,
+                    m: keys,
+                };
+                matmul_seq(
+                    sk,
+                    MatRef {
+                        data: q,
+                        layout: qrows,
+                    },
+                    MatRef {
+                        data: k,
+                        layout: krows.t(),
+                    },
+                    MatMut {
+                        data: p,
+                        layout: dense(rows, keys),
+                    },
+                    scale,
+                    0.0,
+                )?;
+                matmul_seq(
+                    sk,
+                    MatRef {
+                        data: dout,
+                        layout: qrows,
+                    },
+                    MatRef {
+                        data: v,
+                        layout: krows.t(),
+                    },
+                    MatMut {
+                        data: dp,
+                        layout: dense(rows, keys),
+                    },
+                    1.0,
+                    0.0,
+                )?;
+                for (r, (p_row, dp_row)) in p
+                    .chunks_exact_mut(keys)
+                    .zip(dp.chunks_exact_mut(keys))
+                    .enumerate()
+                {
+                    let at = (base + t0 + r) * hq + h;
+                    let (l, dl) = (
+                        lse.get(at).copied().unwrap_or(f32::NAN),
+                        delta.get(at).copied().unwrap_or(f32::NAN),
+                    );
+                    probs(p_row, m, t0 + r + 1, l);
+                    ds_row(p_row, dp_row, dl);
+                }
+                round(dp);
+                matmul_seq(
+                    MatmulDims {
                         n: rows,
+                        k: keys,
+                        m: d,
+                    },
+                    MatRef {
+                        data: dp,
+                        layout: dense(rows, keys),
+                    },
+                    MatRef {
+                        data: k,
+                        layout: krows,
+                    },
+                    MatMut {
+                        data: dq_blk,
+                        layout: head_rows(0, hq, d, h),
+                    },
+                    scale,
+                    0.0,
+                )?;
+            }
+            Ok::<(), crate::Error>(())
+        },
+    )?;
+
+    // Pass 2, key blocks: per kv head, sums over its query heads and the queries t ≥ s.
+    let (dks, dvs) = (cut(dk, kv_tok, &tasks), cut(dv, kv_tok, &tasks));
+    tasks.par_iter().zip(dks).zip(dvs).try_for_each_init(
+        || (Vec::new(), Vec::new()),
+        |(p, dp), ((task, dk_blk), dv_blk)| {
+            let Task {
+                base,
+                len,
+                t0: s0,
+                rows: cols, // keys s0..s0 + cols
+            } = *task;
+            let queries = len - s0; // queries s0..len of the sequence see them
+            p.resize(queries * cols, 0.0);
+            dp.resize(queries * cols, 0.0);
+            let m = mask.get(base + s0..base + s0 + cols).unwrap_or_default();
+            for g in 0..hkv {
+                let krows = head_rows(base + s0, hkv, d, g);
+                for (n_h, h) in (g * group..(g + 1) * group).enumerate() {
+                    let qrows = head_rows(base + s0, hq, d, h);
+                    let sk = MatmulDims {
+                        n: queries,
                         k: d,
-                        m: keys,
+                        m: cols,
                     };
                     matmul_seq(
                         sk,
@@ -238,7 +373,7 @@ pub(super) fn backward(
                         },
                         MatMut {
                             data: p,
-                            layout: dense(rows, keys),
+                            layout: dense(queries, cols),
                         },
                         scale,
                         0.0,
@@ -255,180 +390,78 @@ pub(super) fn backward(
                         },
                         MatMut {
                             data: dp,
-                            layout: dense(rows, keys),
+                            layout: dense(queries, cols),
                         },
                         1.0,
                         0.0,
                     )?;
+                    for (r, p_row) in p.chunks_exact_mut(cols).enumerate() {
+                        let l = lse
+                            .get((base + s0 + r) * hq + h)
+                            .copied()
+                            .unwrap_or(f32::NAN);
+                        // Query s0 + r sees keys s0..=s0 + r of this block.
+                        probs(p_row, m, r + 1, l);
+                    }
                     for (r, (p_row, dp_row)) in p
-                        .chunks_exact_mut(keys)
-                        .zip(dp.chunks_exact_mut(keys))
+                        .chunks_exact_mut(cols)
+                        .zip(dp.chunks_exact_mut(cols))
                         .enumerate()
                     {
-                        let at = (base + t0 + r) * hq + h;
-                        let (l, dl) = (
-                            lse.get(at).copied().unwrap_or(f32::NAN),
-                            delta.get(at).copied().unwrap_or(f32::NAN),
-                        );
-                        probs(p_row, m, t0 + r + 1, l);
-                        ds_row(p_row, dp_row, dl);
+                        let at = (base + s0 + r) * hq + h;
+                        ds_row(p_row, dp_row, delta.get(at).copied().unwrap_or(f32::NAN));
                     }
+                    round(p);
                     round(dp);
+                    let beta = if n_h == 0 { 0.0 } else { 1.0 };
+                    let kv_out = head_rows(0, hkv, d, g);
                     matmul_seq(
                         MatmulDims {
-                            n: rows,
-                            k: keys,
+                            n: cols,
+                            k: queries,
+                            m: d,
+                        },
+                        MatRef {
+                            data: p,
+                            layout: dense(queries, cols).t(),
+                        },
+                        MatRef {
+                            data: dout,
+                            layout: qrows,
+                        },
+                        MatMut {
+                            data: dv_blk,
+                            layout: kv_out,
+                        },
+                        1.0,
+                        beta,
+                    )?;
+                    matmul_seq(
+                        MatmulDims {
+                            n: cols,
+                            k: queries,
                             m: d,
                         },
                         MatRef {
                             data: dp,
-                            layout: dense(rows, keys),
+                            layout: dense(queries, cols).t(),
                         },
                         MatRef {
-                            data: k,
-                            layout: krows,
+                            data: q,
+                            layout: qrows,
                         },
                         MatMut {
-                            data: dq_blk,
-                            layout: head_rows(0, hq, d, h),
+                            data: dk_blk,
+                            layout: kv_out,
                         },
                         scale,
-                        0.0,
+                        beta,
                     )?;
                 }
-                Ok::<(), crate::Error>(())
-            },
-        )?;
-
-    // Pass 2, key blocks: per kv head, sums over its query heads and the queries t ≥ s.
-    dk.par_chunks_mut(t * kv_tok)
-        .zip(dv.par_chunks_mut(t * kv_tok))
-        .enumerate()
-        .flat_map(|(b, (dkb, dvb))| {
-            dkb.par_chunks_mut(block * kv_tok)
-                .zip(dvb.par_chunks_mut(block * kv_tok))
-                .enumerate()
-                .map(move |(i, (dk, dv))| (b, i * block, dk, dv))
-        })
-        .try_for_each_init(
-            || (Vec::new(), Vec::new()),
-            |(p, dp), (b, s0, dk_blk, dv_blk)| {
-                let cols = dk_blk.len() / kv_tok; // keys s0..s0 + cols
-                let queries = t - s0; // queries s0..t see them
-                p.resize(queries * cols, 0.0);
-                dp.resize(queries * cols, 0.0);
-                let m = mask.get(b * t + s0..b * t + s0 + cols).unwrap_or_default();
-                let base = b * t;
-                for g in 0..hkv {
-                    let krows = head_rows(base + s0, hkv, d, g);
-                    for (n_h, h) in (g * group..(g + 1) * group).enumerate() {
-                        let qrows = head_rows(base + s0, hq, d, h);
-                        let sk = MatmulDims {
-                            n: queries,
-                            k: d,
-                            m: cols,
-                        };
-                        matmul_seq(
-                            sk,
-                            MatRef {
-                                data: q,
-                                layout: qrows,
-                            },
-                            MatRef {
-                                data: k,
-                                layout: krows.t(),
-                            },
-                            MatMut {
-                                data: p,
-                                layout: dense(queries, cols),
-                            },
-                            scale,
-                            0.0,
-                        )?;
-                        matmul_seq(
-                            sk,
-                            MatRef {
-                                data: dout,
-                                layout: qrows,
-                            },
-                            MatRef {
-                                data: v,
-                                layout: krows.t(),
-                            },
-                            MatMut {
-                                data: dp,
-                                layout: dense(queries, cols),
-                            },
-                            1.0,
-                            0.0,
-                        )?;
-                        for (r, p_row) in p.chunks_exact_mut(cols).enumerate() {
-                            let l = lse
-                                .get((base + s0 + r) * hq + h)
-                                .copied()
-                                .unwrap_or(f32::NAN);
-                            // Query s0 + r sees keys s0..=s0 + r of this block.
-                            probs(p_row, m, r + 1, l);
-                        }
-                        for (r, (p_row, dp_row)) in p
-                            .chunks_exact_mut(cols)
-                            .zip(dp.chunks_exact_mut(cols))
-                            .enumerate()
-                        {
-                            let at = (base + s0 + r) * hq + h;
-                            ds_row(p_row, dp_row, delta.get(at).copied().unwrap_or(f32::NAN));
-                        }
-                        round(p);
-                        round(dp);
-                        let beta = if n_h == 0 { 0.0 } else { 1.0 };
-                        let kv_out = head_rows(0, hkv, d, g);
-                        matmul_seq(
-                            MatmulDims {
-                                n: cols,
-                                k: queries,
-                                m: d,
-                            },
-                            MatRef {
-                                data: p,
-                                layout: dense(queries, cols).t(),
-                            },
-                            MatRef {
-                                data: dout,
-                                layout: qrows,
-                            },
-                            MatMut {
-                                data: dv_blk,
-                                layout: kv_out,
-                            },
-                            1.0,
-                            beta,
-                        )?;
-                        matmul_seq(
-                            MatmulDims {
-                                n: cols,
-                                k: queries,
-                                m: d,
-                            },
-                            MatRef {
-                                data: dp,
-                                layout: dense(queries, cols).t(),
-                            },
-                            MatRef {
-                                data: q,
-                                layout: qrows,
-                            },
-                            MatMut {
-                                data: dk_blk,
-                                layout: kv_out,
-                            },
-                            scale,
-                            beta,
-                        )?;
-                    }
-                }
-                Ok::<(), crate::Error>(())
-            },
-        )
+            }
+            Ok::<(), crate::Error>(())
+        },
+    )
 }
 
 /// Masked softmax of one query's scores in place. `row` holds `scale·q·k_s` for keys

@@ -17,6 +17,7 @@
 //! key tile as one GEMM. Visibility, empty and non-finite rows are
 //! [`super::attention_forward`]'s.
 
+use super::blocked::{Span, Task, cut, tasks};
 use super::{AttentionInputs, Dims};
 use crate::Result;
 use crate::exp::exp_nonpositive;
@@ -122,13 +123,13 @@ pub(crate) fn finish_row(st: &RowState, o_row: Option<&mut [f32]>, lse: Option<&
 /// writes `out` `[B, T, Hq, D]` and `lse` `[B, T, Hq]`.
 pub(super) fn forward(
     dims: &Dims,
+    spans: &[Span],
     inputs: AttentionInputs<'_>,
     mask: &[f32],
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<()> {
     let Dims {
-        t,
         hq,
         hkv,
         d,
@@ -138,89 +139,82 @@ pub(super) fn forward(
     } = *dims;
     let AttentionInputs { q, k, v, .. } = inputs;
     let q_tok = hq * d;
-    out.par_chunks_mut(t * q_tok)
-        .zip(lse.par_chunks_mut(t * hq))
-        .enumerate()
-        .flat_map(|(b, (ob, lb))| {
-            ob.par_chunks_mut(QUERY_BLOCK * q_tok)
-                .zip(lb.par_chunks_mut(QUERY_BLOCK * hq))
-                .enumerate()
-                .map(move |(i, (o, l))| (b, i * QUERY_BLOCK, o, l))
-        })
-        .try_for_each_init(
-            || (Vec::new(), Vec::new()),
-            |(tile, state), (b, t0, o, l)| {
-                let rows = l.len() / hq;
-                let keys = t0 + rows; // causal: the block's last query sees keys < t0 + rows
-                let m = mask.get(b * t..b * t + keys).unwrap_or_default();
-                o.fill(0.0);
-                for h in 0..hq {
-                    let g = h / group;
-                    state.clear();
-                    state.resize(rows, FRESH);
-                    for k0 in (0..keys).step_by(KEY_TILE) {
-                        let kn = KEY_TILE.min(keys - k0);
-                        tile.resize(rows * kn, 0.0);
-                        matmul_seq(
-                            MatmulDims {
-                                n: rows,
-                                k: d,
-                                m: kn,
-                            },
-                            MatRef {
-                                data: q,
-                                layout: head_rows(b * t + t0, hq, d, h),
-                            },
-                            MatRef {
-                                data: k,
-                                layout: head_rows(b * t + k0, hkv, d, g).t(),
-                            },
-                            MatMut {
-                                data: tile,
-                                layout: MatLayout::row_major(rows, kn),
-                            },
-                            scale,
-                            0.0,
-                        )?;
-                        let tile_mask = m.get(k0..k0 + kn).unwrap_or_default();
-                        for (r, (row, st)) in
-                            tile.chunks_exact_mut(kn).zip(state.iter_mut()).enumerate()
-                        {
-                            let by_position = (t0 + r + 1).saturating_sub(k0);
-                            let alpha = online_tile(row, tile_mask, by_position, st);
-                            let o_row = o.get_mut(r * q_tok + h * d..r * q_tok + (h + 1) * d);
-                            for x in o_row.into_iter().flatten() {
-                                *x *= alpha;
-                            }
-                        }
-                        matmul_seq(
-                            MatmulDims {
-                                n: rows,
-                                k: kn,
-                                m: d,
-                            },
-                            MatRef {
-                                data: tile,
-                                layout: MatLayout::row_major(rows, kn),
-                            },
-                            MatRef {
-                                data: v,
-                                layout: head_rows(b * t + k0, hkv, d, g),
-                            },
-                            MatMut {
-                                data: o,
-                                layout: head_rows(0, hq, d, h),
-                            },
-                            1.0,
-                            1.0,
-                        )?;
-                    }
-                    for (r, st) in state.iter().enumerate() {
+    let tasks = tasks(spans, QUERY_BLOCK);
+    let (outs, lses) = (cut(out, q_tok, &tasks), cut(lse, hq, &tasks));
+    tasks.into_par_iter().zip(outs).zip(lses).try_for_each_init(
+        || (Vec::new(), Vec::new()),
+        |(tile, state), ((task, o), l)| {
+            let Task { base, t0, rows, .. } = task;
+            let keys = t0 + rows; // causal: the block's last query sees keys < t0 + rows
+            let m = mask.get(base..base + keys).unwrap_or_default();
+            o.fill(0.0);
+            for h in 0..hq {
+                let g = h / group;
+                state.clear();
+                state.resize(rows, FRESH);
+                for k0 in (0..keys).step_by(KEY_TILE) {
+                    let kn = KEY_TILE.min(keys - k0);
+                    tile.resize(rows * kn, 0.0);
+                    matmul_seq(
+                        MatmulDims {
+                            n: rows,
+                            k: d,
+                            m: kn,
+                        },
+                        MatRef {
+                            data: q,
+                            layout: head_rows(base + t0, hq, d, h),
+                        },
+                        MatRef {
+                            data: k,
+                            layout: head_rows(base + k0, hkv, d, g).t(),
+                        },
+                        MatMut {
+                            data: tile,
+                            layout: MatLayout::row_major(rows, kn),
+                        },
+                        scale,
+                        0.0,
+                    )?;
+                    let tile_mask = m.get(k0..k0 + kn).unwrap_or_default();
+                    for (r, (row, st)) in
+                        tile.chunks_exact_mut(kn).zip(state.iter_mut()).enumerate()
+                    {
+                        let by_position = (t0 + r + 1).saturating_sub(k0);
+                        let alpha = online_tile(row, tile_mask, by_position, st);
                         let o_row = o.get_mut(r * q_tok + h * d..r * q_tok + (h + 1) * d);
-                        finish_row(st, o_row, l.get_mut(r * hq + h));
+                        for x in o_row.into_iter().flatten() {
+                            *x *= alpha;
+                        }
                     }
+                    matmul_seq(
+                        MatmulDims {
+                            n: rows,
+                            k: kn,
+                            m: d,
+                        },
+                        MatRef {
+                            data: tile,
+                            layout: MatLayout::row_major(rows, kn),
+                        },
+                        MatRef {
+                            data: v,
+                            layout: head_rows(base + k0, hkv, d, g),
+                        },
+                        MatMut {
+                            data: o,
+                            layout: head_rows(0, hq, d, h),
+                        },
+                        1.0,
+                        1.0,
+                    )?;
                 }
-                Ok(())
-            },
-        )
+                for (r, st) in state.iter().enumerate() {
+                    let o_row = o.get_mut(r * q_tok + h * d..r * q_tok + (h + 1) * d);
+                    finish_row(st, o_row, l.get_mut(r * hq + h));
+                }
+            }
+            Ok(())
+        },
+    )
 }

@@ -74,7 +74,13 @@ impl Case {
             k: &self.k,
             v: &self.v,
             key_mask: self.mask.as_deref(),
+            segments: None,
         }
+    }
+
+    fn spans(&self) -> Vec<blocked::Span> {
+        let dims = self.sh.dims().unwrap();
+        self.inputs().spans(&dims)
     }
 
     fn forward(&self) -> (Vec<f32>, Vec<f32>) {
@@ -85,7 +91,17 @@ impl Case {
         } else {
             let dims = self.sh.dims().unwrap();
             let mask = self.mask_or_ones();
-            blocked::forward(&dims, self.inputs(), &mask, &mut out, &mut lse, self.block).unwrap();
+            let spans = self.spans();
+            blocked::forward(
+                &dims,
+                &spans,
+                self.inputs(),
+                &mask,
+                &mut out,
+                &mut lse,
+                self.block,
+            )
+            .unwrap();
         }
         (out, lse)
     }
@@ -112,6 +128,7 @@ impl Case {
             };
             blocked::backward(
                 &dims,
+                &self.spans(),
                 self.inputs(),
                 &mask,
                 saved,
@@ -702,6 +719,7 @@ fn empty_batch_is_a_no_op() {
         k: &[],
         v: &[],
         key_mask: Some(&[]),
+        segments: None,
     };
     attention_forward(&sh, inputs, &mut [], &mut []).unwrap();
     let grads = AttentionGrads {
@@ -1138,5 +1156,177 @@ fn bf16_backward_is_f32_gradients_to_bf16_rounding() {
             worst > 0.0 && worst <= 3e-2 * scale,
             "{name}: worst {worst} of {scale}"
         );
+    }
+}
+
+/// Forward and backward of `inputs` at `sh`, f32 or bf16 operands: `[out, lse, dq, dk, dv]`.
+fn run_both(
+    sh: &AttentionShape,
+    inputs: AttentionInputs<'_>,
+    dout: &[f32],
+    bf16: bool,
+) -> [Vec<f32>; 5] {
+    let mut out = vec![f32::NAN; sh.q_len().unwrap()];
+    let mut lse = vec![f32::NAN; sh.lse_len().unwrap()];
+    let (mut dq, mut dk, mut dv) = (
+        vec![f32::NAN; inputs.q.len()],
+        vec![f32::NAN; inputs.k.len()],
+        vec![f32::NAN; inputs.v.len()],
+    );
+    let grads = AttentionGrads {
+        dq: &mut dq,
+        dk: &mut dk,
+        dv: &mut dv,
+    };
+    if bf16 {
+        attention_forward_bf16(sh, inputs, &mut out, &mut lse).unwrap();
+        attention_backward_bf16(sh, inputs, &out, &lse, dout, grads).unwrap();
+    } else {
+        attention_forward(sh, inputs, &mut out, &mut lse).unwrap();
+        attention_backward(sh, inputs, &out, &lse, dout, grads).unwrap();
+    }
+    [out, lse, dq, dk, dv]
+}
+
+/// Packed segments are attended each as a sequence of its own: the packed call equals one
+/// call per segment to the bit (same tasks, same products), forward and backward, f32 and
+/// the bf16 twin, with a key mask, an empty segment and segments across block boundaries.
+#[test]
+fn packed_segments_equal_each_sequence_alone_bit_for_bit() {
+    let lens = [70usize, 0, 5, 130, 1, 64];
+    let tokens: usize = lens.iter().sum();
+    let mut cu = vec![0u32];
+    for l in lens {
+        cu.push(cu.last().unwrap() + l as u32);
+    }
+    let (hq, hkv, d) = (4, 2, 16);
+    let mut mask = vec![1.0f32; tokens];
+    for i in [3, 80, 150] {
+        mask[i] = 0.0;
+    }
+    let c = Case::new(AttentionShape::new(1, tokens, hq, hkv, d), Some(mask), 91);
+    let dout = Rng(92).vec(c.q.len());
+    let packed = AttentionInputs {
+        segments: Some(&cu),
+        ..c.inputs()
+    };
+    for bf16 in [false, true] {
+        let got = run_both(&c.sh, packed, &dout, bf16);
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        for w in cu.windows(2) {
+            let (a, b) = (w[0] as usize, w[1] as usize);
+            if a == b {
+                continue;
+            }
+            let sh = AttentionShape::new(1, b - a, hq, hkv, d);
+            let one = AttentionInputs {
+                q: &c.q[a * hq * d..b * hq * d],
+                k: &c.k[a * hkv * d..b * hkv * d],
+                v: &c.v[a * hkv * d..b * hkv * d],
+                key_mask: c.mask.as_ref().map(|m| &m[a..b]),
+                segments: None,
+            };
+            let want = run_both(&sh, one, &dout[a * hq * d..b * hq * d], bf16);
+            let per_token = [hq * d, hq, hq * d, hkv * d, hkv * d];
+            for (i, name) in ["out", "lse", "dq", "dk", "dv"].iter().enumerate() {
+                let n = per_token[i];
+                assert_eq!(
+                    bits(&got[i][a * n..b * n]),
+                    bits(&want[i]),
+                    "{name} of segment {a}..{b}, bf16 {bf16}"
+                );
+            }
+        }
+    }
+}
+
+/// Packed segments against the same sequences right-padded into a batch: equal up to the
+/// summation order of the padded keys' zero probabilities.
+#[test]
+fn packed_segments_match_the_padded_batch() {
+    let lens = [37usize, 64, 9];
+    let (hq, hkv, d, t) = (4, 2, 8, 64);
+    let tokens: usize = lens.iter().sum();
+    let c = Case::new(AttentionShape::new(1, tokens, hq, hkv, d), None, 93);
+    let mut cu = vec![0u32];
+    for l in lens {
+        cu.push(cu.last().unwrap() + l as u32);
+    }
+    let packed = AttentionInputs {
+        segments: Some(&cu),
+        ..c.inputs()
+    };
+    let dout = Rng(94).vec(c.q.len());
+    let got = run_both(&c.sh, packed, &dout, false);
+    // the padded batch: row b holds segment b, then zeros (masked keys)
+    let sh = AttentionShape::new(lens.len(), t, hq, hkv, d);
+    let pad = |x: &[f32], per: usize| {
+        let mut out = vec![0.0f32; lens.len() * t * per];
+        for (b, w) in cu.windows(2).enumerate() {
+            let (a, e) = (w[0] as usize, w[1] as usize);
+            out[b * t * per..(b * t + e - a) * per].copy_from_slice(&x[a * per..e * per]);
+        }
+        out
+    };
+    let mask = pad(&vec![1.0; tokens], 1);
+    let (q, k, v) = (pad(&c.q, hq * d), pad(&c.k, hkv * d), pad(&c.v, hkv * d));
+    let padded = AttentionInputs {
+        q: &q,
+        k: &k,
+        v: &v,
+        key_mask: Some(&mask),
+        segments: None,
+    };
+    let want = run_both(&sh, padded, &pad(&dout, hq * d), false);
+    let per_token = [hq * d, hq, hq * d, hkv * d, hkv * d];
+    for (i, name) in ["out", "lse", "dq", "dk", "dv"].iter().enumerate() {
+        let want = pad_inverse(&want[i], &cu, t, per_token[i]);
+        for (j, (g, w)) in got[i].iter().zip(&want).enumerate() {
+            assert!(
+                (g - w).abs() <= 1e-5 * (1.0 + w.abs()),
+                "{name}[{j}]: {g} vs {w}"
+            );
+        }
+    }
+}
+
+/// The valid rows of a right-padded `[segments, t, per]` tensor, packed.
+fn pad_inverse(x: &[f32], cu: &[u32], t: usize, per: usize) -> Vec<f32> {
+    let mut out = Vec::new();
+    for (b, w) in cu.windows(2).enumerate() {
+        let n = (w[1] - w[0]) as usize;
+        out.extend_from_slice(&x[b * t * per..(b * t + n) * per]);
+    }
+    out
+}
+
+#[test]
+fn packed_segments_need_one_row_and_valid_offsets() {
+    let c = Case::new(AttentionShape::new(2, 5, 2, 1, 4), None, 95);
+    let (mut out, mut lse) = (vec![0.0; c.q.len()], vec![0.0; 2 * 5 * 2]);
+    let cu = [0u32, 3, 10];
+    let two_rows = AttentionInputs {
+        segments: Some(&cu),
+        ..c.inputs()
+    };
+    let e = core_err(attention_forward(&c.sh, two_rows, &mut out, &mut lse).unwrap_err());
+    assert!(
+        matches!(
+            e,
+            CoreError::OutOfRange {
+                what: "batch (packed segments)",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let sh = AttentionShape::new(1, 10, 2, 1, 4);
+    for bad in [&[0u32, 3, 9][..], &[1, 10], &[0, 6, 4, 10], &[]] {
+        let inputs = AttentionInputs {
+            segments: Some(bad),
+            ..c.inputs()
+        };
+        let e = attention_forward(&sh, inputs, &mut out, &mut lse).unwrap_err();
+        assert!(e.to_string().contains("cu_seqlens"), "{bad:?}: {e}");
     }
 }

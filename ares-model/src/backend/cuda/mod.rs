@@ -353,6 +353,7 @@ macro_rules! cuda_arg {
     ($op:ident, $a:ident: InOpt<f32>) => { view_opt($a)? };
     ($op:ident, $a:ident: OutOpt<f32>) => { view_mut_opt($a)? };
     ($op:ident, $a:ident: In<u32>) => { ids($a)? };
+    ($op:ident, $a:ident: InOpt<u32>) => { $a.map(ids).transpose()? };
     ($op:ident, $a:ident: In<bf16>) => {
         half_view(stringify!($op), stringify!($a), $a, DType::Bf16)?
     };
@@ -376,6 +377,7 @@ macro_rules! cuda_pass {
     ($a:ident: InOpt<f32>) => { $a.as_ref() };
     ($a:ident: OutOpt<f32>) => { $a.as_mut() };
     ($a:ident: In<u32>) => { &$a };
+    ($a:ident: InOpt<u32>) => { $a.as_ref() };
     ($a:ident: In<bf16>) => { &$a };
     ($a:ident: Out<bf16>) => { &mut $a };
     ($a:ident: OutOpt<bf16>) => { $a.as_mut() };

@@ -459,6 +459,7 @@ impl<'a, B: Backend> Runner<'a, B> {
         let extras = ForwardExtras {
             embeds: rows.as_ref().map(|(ids, e)| (ids, View::whole(e))),
             rope,
+            segments: None,
         };
         let ones = vec![1u32; take];
         let inputs = Inputs {

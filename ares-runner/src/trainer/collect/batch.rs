@@ -12,7 +12,7 @@ use crate::trainer::actor::{Actor, concat_vision};
 use crate::trainer::collect::rollout::{PromptItem, Response};
 use crate::trainer::collect::tokens::TokenBatch;
 use crate::trainer::prepare::rewards::Grade;
-use crate::trainer::prepare::sequences::Packed;
+use crate::trainer::prepare::sequences::{Layout, Packed, packed_tokens};
 
 /// One prompt and its `n` graded samples, as a round of generation produced them.
 #[derive(Debug, Clone)]
@@ -113,20 +113,50 @@ impl Batch {
         self.tokens.pad(&rows, 0.0)
     }
 
-    /// Packs `rows` for the model with the batch-wide `P` and `T`.
-    ///
-    /// # Errors
-    /// As [`Packed::new`].
-    pub fn pack(&self, rows: &[usize]) -> Result<Packed, TrainError> {
-        let prompts: Vec<&[u32]> = rows
+    /// The layout of `chunks` (each a pass of the model) on `model`: packed to the longest
+    /// chunk's tokens where the model takes packed sequences, else padded.
+    pub fn layout<B: Backend>(&self, model: &Actor<B>, chunks: &[&[usize]]) -> Layout {
+        if !model.packs_sequences() {
+            return Layout::Padded;
+        }
+        let tokens = chunks
+            .iter()
+            .map(|rows| {
+                let (p, a) = self.samples(rows);
+                packed_tokens(&p, &a)
+            })
+            .max()
+            .unwrap_or(0);
+        Layout::Packed { tokens }
+    }
+
+    /// The prompts and responses of `rows`.
+    fn samples(&self, rows: &[usize]) -> (Vec<&[u32]>, Vec<&[u32]>) {
+        let prompts = rows
             .iter()
             .map(|&r| self.items[self.group_of(r)].train_prompt.as_slice())
             .collect();
-        let responses: Vec<&[u32]> = rows
+        let responses = rows
             .iter()
             .map(|&r| self.responses[r].tokens.as_slice())
             .collect();
-        Packed::new(&prompts, &responses, self.prompt_cols, self.tokens.cols())
+        (prompts, responses)
+    }
+
+    /// Lays `rows` out for the model: padded with the batch-wide `P` and `T`, or packed.
+    ///
+    /// # Errors
+    /// As [`Packed::new`] and [`Packed::unpadded`].
+    pub fn pack(&self, rows: &[usize], layout: Layout) -> Result<Packed, TrainError> {
+        let (prompts, responses) = self.samples(rows);
+        match layout {
+            Layout::Padded => {
+                Packed::new(&prompts, &responses, self.prompt_cols, self.tokens.cols())
+            }
+            Layout::Packed { tokens } => {
+                Packed::unpadded(&prompts, &responses, self.tokens.cols(), tokens)
+            }
+        }
     }
 
     /// The images and videos of `rows` (their prompts', in row order), `None` for text.
@@ -157,10 +187,11 @@ impl Batch {
         let mut out = be.alloc(self.rows() * t)?;
         let rows: Vec<usize> = (0..self.rows()).collect();
         let chunks: Vec<&[usize]> = rows.chunks(micro.max(1)).collect();
-        let mut arena: Option<(usize, crate::model::Activations<B>)> = None;
+        let layout = self.layout(model, &chunks);
+        let mut arena: Option<crate::model::Activations<B>> = None;
         let Some(ranks) = ranks else {
             for chunk in &chunks {
-                self.score_rows(model, chunk, temperature, &mut arena, &mut out)?;
+                self.score_rows(model, chunk, layout, temperature, &mut arena, &mut out)?;
             }
             return Ok(out);
         };
@@ -168,7 +199,7 @@ impl Batch {
         // those of a run without ranks (same rows, same shapes, so the same bits)
         let units = ranks.map_units(chunks.len(), |c| {
             let chunk = chunks[c];
-            self.score_rows(model, chunk, temperature, &mut arena, &mut out)?;
+            self.score_rows(model, chunk, layout, temperature, &mut arena, &mut out)?;
             let mut host = vec![0.0f32; chunk.len() * t];
             let first = View::new(&out, chunk[0] * t, chunk.len() * t)?;
             be.download(first, &mut host)?;
@@ -194,35 +225,39 @@ impl Batch {
     }
 
     /// Scores the consecutive rows `chunk` into their rows of `out` (see [`Batch::score`]).
+    #[allow(clippy::too_many_arguments)]
     fn score_rows<B: Backend>(
         &self,
         model: &Actor<B>,
         chunk: &[usize],
+        layout: Layout,
         temperature: f32,
-        arena: &mut Option<(usize, crate::model::Activations<B>)>,
+        arena: &mut Option<crate::model::Activations<B>>,
         out: &mut B::Buffer,
     ) -> Result<(), TrainError> {
-        let (t, p) = (self.tokens.cols(), self.prompt_cols);
+        let t = self.tokens.cols();
         let be = model.backend();
-        let packed = self.pack(chunk)?;
+        let packed = self.pack(chunk, layout)?;
+        let shape = (packed.batch(), packed.seq());
         let acts = match arena {
-            Some((len, a)) if *len == chunk.len() => a,
-            _ => {
-                let a = model.lm().activations(chunk.len(), packed.seq())?;
-                &mut arena.insert((chunk.len(), a)).1
-            }
+            Some(a) if a.shape() == shape => a,
+            _ => arena.insert(model.lm().activations(shape.0, shape.1)?),
         };
         let vision = self.vision(chunk);
-        model.forward(&packed.inputs(), vision.as_ref(), p, acts, false)?;
+        model.forward(&packed, vision.as_ref(), acts, false)?;
         model
             .lm()
             .log_prob_entropy(acts, &packed.targets, temperature)?;
         let logp = acts.log_probs();
         for (i, &row) in chunk.iter().enumerate() {
-            // response token j of a row sits at column P + j, predicted at P − 1 + j
-            let src = View::new(logp.buffer(), logp.offset() + i * packed.seq() + p - 1, t)?;
-            let dst = ViewMut::new(out, row * t, t)?;
-            be.copy(src, dst)?;
+            // response token j is predicted at `at + j` (padded: column P − 1 + j of its row)
+            let (at, len) = packed.response_span(i);
+            let len = len.min(t);
+            let src = View::new(logp.buffer(), logp.offset() + at, len)?;
+            be.copy(src, ViewMut::new(out, row * t, len)?)?;
+            if len < t {
+                be.fill(ViewMut::new(out, row * t + len, t - len)?, 0.0)?;
+            }
         }
         Ok(())
     }

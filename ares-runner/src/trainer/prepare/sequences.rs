@@ -1,36 +1,49 @@
 //! Prompt + response sequences laid out for the model, and the per-token log-probs of the
 //! responses under a model.
 //!
-//! Layout of a batch of `rows` samples, `P` = the longest prompt, `T` = the longest
-//! response: `[pad … prompt | response … pad]`, prompts left-padded to `P` and responses
-//! right-padded to `T`, so that response token `j` of every row sits at column `P + j` and
-//! its log-prob comes from the logits at column `P + j − 1`. Positions count each row's own
-//! tokens from 0 (left padding does not shift them), as in generation, so the log-probs
-//! computed here are those of the tokens the sampler produced.
+//! Two layouts of a batch of `rows` samples:
+//! - **padded** (`Packed::new`), `P` = the longest prompt, `T` = the longest response:
+//!   `[pad … prompt | response … pad]` per row, prompts left-padded to `P` and responses
+//!   right-padded to `T`, so that response token `j` of every row sits at column `P + j`
+//!   and its log-prob comes from the logits at column `P + j − 1`;
+//! - **packed** (`Packed::unpadded`, flash-attn's "remove padding"): one row of the samples'
+//!   `prompt | response` back to back, then padding up to a fixed length, with their
+//!   offsets (`cu_seqlens`) for an attention that stays within each — no work on padding
+//!   but the tail's.
+//!
+//! Positions count each sample's own tokens from 0 in both (left padding does not shift
+//! them), as in generation, so the log-probs computed here are those of the tokens the
+//! sampler produced. Either way the responses come back as `[rows, T]` tensors.
 
 use crate::backend::Backend;
-use crate::model::{Activations, Inputs, Model};
+use crate::model::{Activations, ForwardExtras, Inputs, Model};
 
 use crate::trainer::TrainError;
 
-/// A packed batch, `[rows, P + T]` row-major.
+/// A batch laid out for the model: `[rows, P + T]` row-major (padded), or one row of the
+/// samples back to back (packed, [`Packed::segments`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Packed {
-    /// Rows.
+    /// Samples.
     pub rows: usize,
-    /// Prompt columns `P`.
+    /// Prompt columns `P` (padded; packed: the longest prompt, for the vision layout).
     pub prompt_cols: usize,
-    /// Response columns `T`.
+    /// Response columns `T` of the `[rows, T]` tensors.
     pub response_cols: usize,
     /// Token ids (0 on padding).
     pub input_ids: Vec<u32>,
     /// 1 on prompt and response tokens.
     pub attention_mask: Vec<u32>,
-    /// Each row's own token positions from 0.
+    /// Each sample's own token positions from 0.
     pub position_ids: Vec<u32>,
-    /// `targets[c]` = `input_ids[c + 1]` (0 in the last column): what logits row `c`
-    /// predicts.
+    /// `targets[c]` = `input_ids[c + 1]` within a sample (0 at its last token and on
+    /// padding): what logits row `c` predicts.
     pub targets: Vec<u32>,
+    /// Packed: the samples' offsets in the row, then the tail's (`cu_seqlens`).
+    segments: Option<Vec<u32>>,
+    /// Per sample, the flat index predicting its response token 0 (`P − 1` of its row, or
+    /// its prompt's last token in the packed row) and its response length.
+    responses: Vec<(usize, usize)>,
 }
 
 impl Packed {
@@ -82,6 +95,10 @@ impl Packed {
         {
             t[..seq - 1].copy_from_slice(&ids[1..]);
         }
+        // every row's T columns, padding included (the caller masks it)
+        let responses = (0..rows)
+            .map(|r| (r * seq + prompt_cols - 1, response_cols))
+            .collect();
         Ok(Self {
             rows,
             prompt_cols,
@@ -90,18 +107,123 @@ impl Packed {
             attention_mask,
             position_ids,
             targets,
+            segments: None,
+            responses,
         })
     }
 
-    /// Columns per row, `P + T`.
+    /// The packed layout of `prompts[i] ++ responses[i]`: one row of `tokens` (at least
+    /// their total; the rest a padding segment, so that micro-batches of one step share one
+    /// shape and one activation arena), `response_cols ≥` every response.
+    ///
+    /// # Errors
+    /// An empty prompt, a response longer than `response_cols`, more tokens than `tokens`
+    /// or than the offsets can count.
+    pub fn unpadded(
+        prompts: &[&[u32]],
+        responses: &[&[u32]],
+        response_cols: usize,
+        tokens: usize,
+    ) -> Result<Self, TrainError> {
+        let rows = prompts.len();
+        if responses.len() != rows {
+            return Err(TrainError::Internal(format!(
+                "pack: {rows} prompts and {} responses",
+                responses.len()
+            )));
+        }
+        let total = packed_tokens(prompts, responses);
+        if total > tokens || u32::try_from(tokens).is_err() {
+            return Err(TrainError::Internal(format!(
+                "pack: {total} tokens in a packed row of {tokens}"
+            )));
+        }
+        let mut p = Self {
+            rows,
+            prompt_cols: prompts.iter().map(|p| p.len()).max().unwrap_or(0),
+            response_cols,
+            input_ids: Vec::with_capacity(tokens),
+            attention_mask: Vec::with_capacity(tokens),
+            position_ids: Vec::with_capacity(tokens),
+            targets: Vec::with_capacity(tokens),
+            segments: Some(vec![0]),
+            responses: Vec::with_capacity(rows),
+        };
+        for (r, (pr, a)) in prompts.iter().zip(responses).enumerate() {
+            if pr.is_empty() || a.len() > response_cols {
+                return Err(TrainError::Internal(format!(
+                    "pack: row {r} has a prompt of {} tokens and a response of {} (columns \
+                     {response_cols})",
+                    pr.len(),
+                    a.len()
+                )));
+            }
+            let start = p.input_ids.len();
+            p.responses.push((start + pr.len() - 1, a.len()));
+            let sample: Vec<u32> = pr.iter().chain(a.iter()).copied().collect();
+            for (k, &id) in sample.iter().enumerate() {
+                p.input_ids.push(id);
+                p.attention_mask.push(1);
+                p.position_ids.push(k as u32);
+                p.targets.push(sample.get(k + 1).copied().unwrap_or(0));
+            }
+            p.push_offset();
+        }
+        let pad = tokens - p.input_ids.len();
+        for v in [
+            &mut p.input_ids,
+            &mut p.attention_mask,
+            &mut p.position_ids,
+            &mut p.targets,
+        ] {
+            v.resize(tokens, 0);
+        }
+        if pad > 0 {
+            p.push_offset();
+        }
+        Ok(p)
+    }
+
+    /// Closes a segment at the current end of the row (fits in u32: checked by the caller).
+    fn push_offset(&mut self) {
+        let end = self.input_ids.len() as u32;
+        if let Some(cu) = self.segments.as_mut() {
+            cu.push(end);
+        }
+    }
+
+    /// Columns per row: `P + T`, or the packed row's tokens.
     pub fn seq(&self) -> usize {
-        self.prompt_cols + self.response_cols
+        match &self.segments {
+            Some(_) => self.input_ids.len(),
+            None => self.prompt_cols + self.response_cols,
+        }
+    }
+
+    /// Rows of the model's input: the samples, or 1 when packed.
+    pub fn batch(&self) -> usize {
+        match &self.segments {
+            Some(_) => 1,
+            None => self.rows,
+        }
+    }
+
+    /// The packed layout's offsets (`cu_seqlens`, the tail's segment last); `None` when
+    /// padded.
+    pub fn segments(&self) -> Option<&[u32]> {
+        self.segments.as_deref()
+    }
+
+    /// Where sample `row`'s response is predicted: the flat index of the logits of its
+    /// token 0 and its length (padded: `T`, padding included).
+    pub fn response_span(&self, row: usize) -> (usize, usize) {
+        self.responses.get(row).copied().unwrap_or((0, 0))
     }
 
     /// The model inputs.
     pub fn inputs(&self) -> Inputs<'_> {
         Inputs {
-            batch: self.rows,
+            batch: self.batch(),
             seq: self.seq(),
             input_ids: &self.input_ids,
             attention_mask: &self.attention_mask,
@@ -109,27 +231,51 @@ impl Packed {
         }
     }
 
-    /// Extracts the response part `[rows, T]` of a per-position tensor `[rows, P + T]`
-    /// (e.g. the log-probs of the targets): column `P − 1 + j` holds response token `j`.
+    /// Extracts the responses `[rows, T]` of a per-position tensor (e.g. the log-probs of
+    /// the targets): response token `j` of a sample is read where it is predicted (padded:
+    /// column `P − 1 + j`). Packed, the columns past a response are 0.
     pub fn response_part(&self, per_position: &[f32]) -> Vec<f32> {
-        let (seq, t) = (self.seq(), self.response_cols);
-        let mut out = Vec::with_capacity(self.rows * t);
-        for row in per_position.chunks_exact(seq) {
-            out.extend_from_slice(&row[self.prompt_cols - 1..self.prompt_cols - 1 + t]);
+        let t = self.response_cols;
+        let mut out = vec![0.0f32; self.rows * t];
+        for (dst, &(at, len)) in out.chunks_exact_mut(t).zip(&self.responses) {
+            if let Some(src) = per_position.get(at..at + len) {
+                dst[..len].copy_from_slice(src);
+            }
         }
         out
     }
 
-    /// Spreads `[rows, T]` response values to `[rows, P + T]` (0 elsewhere): the inverse
-    /// of [`Packed::response_part`], for the loss coefficients.
+    /// Spreads `[rows, T]` response values to the model's positions (0 elsewhere): the
+    /// inverse of [`Packed::response_part`], for the loss coefficients.
     pub fn spread_response(&self, response: &[f32]) -> Vec<f32> {
-        let (seq, t) = (self.seq(), self.response_cols);
-        let mut out = vec![0.0f32; self.rows * seq];
-        for (dst, src) in out.chunks_exact_mut(seq).zip(response.chunks_exact(t)) {
-            dst[self.prompt_cols - 1..self.prompt_cols - 1 + t].copy_from_slice(src);
+        let t = self.response_cols;
+        let mut out = vec![0.0f32; self.input_ids.len()];
+        for (src, &(at, len)) in response.chunks_exact(t).zip(&self.responses) {
+            if let Some(dst) = out.get_mut(at..at + len) {
+                dst.copy_from_slice(&src[..len]);
+            }
         }
         out
     }
+}
+
+/// How a batch's chunks are laid out for the model: one shape for all of a pass's chunks,
+/// so they share one activation arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// `[rows, P + T]` ([`Packed::new`]): the vision-language model, and backends without
+    /// packed attention.
+    Padded,
+    /// One row of `tokens` ([`Packed::unpadded`]): the longest chunk's prompts and responses.
+    Packed {
+        /// The packed row's length.
+        tokens: usize,
+    },
+}
+
+/// Tokens of the packed layout of these samples (prompts and responses back to back).
+pub fn packed_tokens(prompts: &[&[u32]], responses: &[&[u32]]) -> usize {
+    prompts.iter().chain(responses).map(|x| x.len()).sum()
 }
 
 /// Log-probs and entropies `[rows, T]` of the packed responses under `model` at
@@ -143,7 +289,11 @@ pub fn response_log_probs<B: Backend>(
     packed: &Packed,
     temperature: f32,
 ) -> Result<(Vec<f32>, Vec<f32>), TrainError> {
-    model.forward(&packed.inputs(), acts)?;
+    let extras = ForwardExtras {
+        segments: packed.segments(),
+        ..ForwardExtras::default()
+    };
+    model.forward_with(&packed.inputs(), &extras, acts)?;
     response_log_probs_after_forward(model, acts, packed, temperature)
 }
 
@@ -159,7 +309,7 @@ pub fn response_log_probs_after_forward<B: Backend>(
     temperature: f32,
 ) -> Result<(Vec<f32>, Vec<f32>), TrainError> {
     model.log_prob_entropy(acts, &packed.targets, temperature)?;
-    let n = packed.rows * packed.seq();
+    let n = packed.batch() * packed.seq();
     let mut logp = vec![0.0f32; n];
     let mut ent = vec![0.0f32; n];
     let b = model.backend();
@@ -188,6 +338,31 @@ mod tests {
             p.spread_response(&[1.0, 2.0, 5.0, 6.0]),
             [0.0, 1.0, 2.0, 0.0, 0.0, 5.0, 6.0, 0.0]
         );
+    }
+
+    #[test]
+    fn packed_layout_puts_samples_back_to_back() {
+        let p = Packed::unpadded(&[&[5, 6], &[7]], &[&[1], &[2, 3]], 2, 8).unwrap();
+        assert_eq!((p.batch(), p.seq()), (1, 8));
+        assert_eq!(p.input_ids, [5, 6, 1, 7, 2, 3, 0, 0]);
+        assert_eq!(p.attention_mask, [1, 1, 1, 1, 1, 1, 0, 0]);
+        assert_eq!(p.position_ids, [0, 1, 2, 0, 1, 2, 0, 0]);
+        // no target across a sample's end
+        assert_eq!(p.targets, [6, 1, 0, 2, 3, 0, 0, 0]);
+        assert_eq!(p.segments(), Some(&[0, 3, 6, 8][..]));
+        let per_pos: Vec<f32> = (0..8).map(|x| x as f32).collect();
+        // sample 0's response token 0 predicted at 1; sample 1's tokens at 3 and 4
+        assert_eq!(p.response_part(&per_pos), [1.0, 0.0, 3.0, 4.0]);
+        assert_eq!(
+            p.spread_response(&[1.0, 9.0, 5.0, 6.0]),
+            [0.0, 1.0, 0.0, 5.0, 6.0, 0.0, 0.0, 0.0]
+        );
+        // exactly full: no tail segment
+        let full = Packed::unpadded(&[&[5, 6], &[7]], &[&[1], &[2, 3]], 2, 6).unwrap();
+        assert_eq!(full.segments(), Some(&[0, 3, 6][..]));
+        assert!(Packed::unpadded(&[&[5, 6], &[7]], &[&[1], &[2, 3]], 2, 5).is_err());
+        assert!(Packed::unpadded(&[&[5, 6]], &[&[1, 2, 3]], 2, 8).is_err());
+        assert!(Packed::unpadded(&[&[]], &[&[1]], 2, 8).is_err());
     }
 
     #[test]

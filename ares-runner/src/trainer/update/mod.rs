@@ -24,6 +24,7 @@ use crate::trainer::TrainError;
 use crate::trainer::collect::batch::Batch;
 use crate::trainer::collect::tokens::gather_rows;
 use crate::trainer::prepare::Prepared;
+use crate::trainer::prepare::sequences::Layout;
 use crate::trainer::setup::settings::StepSettings;
 use policy::{KlLoss, MicroBatch, MicroLoss, entropy_bonus, micro_loss, micro_scale};
 
@@ -84,12 +85,17 @@ pub fn ppo_update<B: Backend>(
     let rows: Vec<usize> = (0..batch.rows()).collect();
     let minis: Vec<&[usize]> = rows.chunks(settings.mini_batch.max(1)).collect();
     let total = minis.len() * settings.ppo_epochs;
+    let micros: Vec<&[usize]> = minis
+        .iter()
+        .flat_map(|m| m.chunks(settings.micro_batch.max(1)))
+        .collect();
     let mut update = Update {
         inputs: Inputs {
             settings,
             batch,
             prep,
         },
+        layout: batch.layout(actor, &micros),
         arena: None,
     };
     let mut report = UpdateReport::default();
@@ -303,8 +309,11 @@ impl Rows {
 /// One update's inputs, and the activation arena its micro-batches reuse.
 struct Update<'a, B: Backend> {
     inputs: Inputs<'a>,
-    /// Planned for micro-batches of `.0` rows.
-    arena: Option<(usize, Activations<B>)>,
+    /// How every micro-batch is laid out (one shape: one arena).
+    layout: Layout,
+    /// Planned for the micro-batches' shape (the last, shorter one of a padded layout
+    /// gets its own).
+    arena: Option<Activations<B>>,
 }
 
 /// A micro-batch's loss, ∂L/∂logπ per token, and ∂L/∂H per token with an entropy bonus.
@@ -499,23 +508,15 @@ impl<B: Backend> Update<'_, B> {
         let read = self.inputs;
         let batch = read.batch;
         let (t, temperature) = (batch.tokens.cols(), read.settings.sampling.temperature());
-        let packed = batch.pack(micro)?;
+        let packed = batch.pack(micro, self.layout)?;
+        let shape = (packed.batch(), packed.seq());
         let acts = match &mut self.arena {
-            Some((len, a)) if *len == micro.len() => a,
-            _ => {
-                let a = actor.lm().activations(micro.len(), packed.seq())?;
-                &mut self.arena.insert((micro.len(), a)).1
-            }
+            Some(a) if a.shape() == shape => a,
+            _ => self.arena.insert(actor.lm().activations(shape.0, shape.1)?),
         };
         let vision = batch.vision(micro);
         let inputs = packed.inputs();
-        let mut pass = actor.forward(
-            &inputs,
-            vision.as_ref(),
-            packed.prompt_cols,
-            acts,
-            opt.tower.is_some(),
-        )?;
+        let mut pass = actor.forward(&packed, vision.as_ref(), acts, opt.tower.is_some())?;
         let (logp, entropy) = crate::trainer::prepare::sequences::response_log_probs_after_forward(
             actor.lm(),
             acts,
