@@ -2,7 +2,8 @@
 //! each attending only to itself, give the log-probs, entropies and gradients of the same
 //! sequences right-padded into a batch — on the tiny fixtures (Qwen2 with q/k/v biases,
 //! Qwen3 with q/k norms), in f32 and with bf16 products, with and without activation
-//! checkpointing. Plus the refusals: a cache, a batch of several rows, offsets out of order.
+//! checkpointing, with the attention on the backend's segments and padded by gathers (what
+//! CUDA runs). Plus the refusals: a batch of several rows, offsets out of order.
 
 use ares_model::backend::cpu::CpuBackend;
 use ares_model::backend::{Backend, MatmulPrecision};
@@ -154,11 +155,12 @@ fn close(what: &str, got: &[f32], want: &[f32], tol: f32) {
     }
 }
 
-fn check(name: &str, precision: MatmulPrecision, checkpointing: bool) {
+fn check(name: &str, precision: MatmulPrecision, checkpointing: bool, native: bool) {
     let ckpt = Checkpoint::load(&fixture(name)).unwrap();
     let mut model = Model::from_checkpoint(CpuBackend, &ckpt).unwrap();
     model.set_matmul_precision(precision);
     model.set_gradient_checkpointing(checkpointing);
+    model.set_native_packed_attention(native);
     let seqs = sequences(model.spec().vocab);
     let longest = *LENS.iter().max().unwrap();
     let padded = Layout::place(LENS.len(), longest, &seqs, |i| i * longest);
@@ -174,7 +176,7 @@ fn check(name: &str, precision: MatmulPrecision, checkpointing: bool) {
     } else {
         1e-5
     };
-    let what = |x: &str| format!("{name} {precision:?} ckpt {checkpointing}: {x}");
+    let what = |x: &str| format!("{name} {precision:?} ckpt {checkpointing} native {native}: {x}");
     close(&what("log-probs"), &got.0, &want.0, tol);
     close(&what("entropies"), &got.1, &want.1, tol);
     for ((p, g), w) in PARAMS.iter().zip(&got.2).zip(&want.2) {
@@ -184,14 +186,23 @@ fn check(name: &str, precision: MatmulPrecision, checkpointing: bool) {
 
 #[test]
 fn qwen2_packed_equals_padded() {
-    check("qwen2_tiny", MatmulPrecision::F32, false);
-    check("qwen2_tiny", MatmulPrecision::F32, true);
+    check("qwen2_tiny", MatmulPrecision::F32, false, true);
+    check("qwen2_tiny", MatmulPrecision::F32, true, true);
 }
 
 #[test]
 fn qwen3_packed_equals_padded_in_f32_and_bf16() {
-    check("qwen3_tiny", MatmulPrecision::F32, false);
-    check("qwen3_tiny", MatmulPrecision::Bf16, false);
+    check("qwen3_tiny", MatmulPrecision::F32, false, true);
+    check("qwen3_tiny", MatmulPrecision::Bf16, false, true);
+}
+
+/// The attention padded by gathers (segments right-aligned in `[segments, longest]` rows):
+/// the padding slots' copied rows must add nothing to the real tokens' gradients.
+#[test]
+fn packed_through_the_padded_attention_equals_padded() {
+    check("qwen2_tiny", MatmulPrecision::F32, false, false);
+    check("qwen2_tiny", MatmulPrecision::F32, true, false);
+    check("qwen3_tiny", MatmulPrecision::Bf16, false, false);
 }
 
 /// Without the segments the packed row is one long sequence: later sequences see earlier

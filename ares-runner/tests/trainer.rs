@@ -205,6 +205,41 @@ fn every_policy_loss_trains_two_steps() {
     }
 }
 
+/// `worker.actor.padding_free` (the default) lays the text model's passes out back to back
+/// on the CPU; `false` pads them. The same training up to summation order: every loss,
+/// norm and statistic of two steps agrees.
+#[test]
+fn padding_free_trains_as_the_padded_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    // responses long enough to end at different lengths
+    let long = "data.max_response_length=48";
+    let packed = run(dir.path(), "packed", &[long]);
+    let padded = run(
+        dir.path(),
+        "padded",
+        &[long, "worker.actor.padding_free=false"],
+    );
+    assert_eq!(packed.len(), 2);
+    for (a, b) in packed.iter().zip(&padded) {
+        for key in [
+            "reward/mean",
+            "actor/pg_loss",
+            "actor/kl_loss",
+            "actor/grad_norm",
+            "entropy/mean",
+            "advantage/std",
+            "response_length/mean",
+        ] {
+            let (x, y) = (num(a, key), num(b, key));
+            assert!(
+                (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                "step {}: {key} {x} packed against {y} padded",
+                num(a, "step")
+            );
+        }
+    }
+}
+
 #[test]
 fn pro_max_uniform_scale_keeps_a_signal_on_uniform_groups() {
     let dir = tempfile::tempdir().unwrap();

@@ -172,8 +172,9 @@ pub trait Backend {
     }
 
     /// Whether the training attention takes packed sequences (`segments` of
-    /// [`Backend::attention`]), so a batch can be laid out without padding: true on the CPU;
-    /// not yet on CUDA, where callers pad.
+    /// [`Backend::attention`]): true on the CPU; not yet on CUDA, where the model runs a
+    /// packed pass's attention padded by gathers
+    /// ([`Model::set_native_packed_attention`](crate::model::Model::set_native_packed_attention)).
     fn packs_sequences(&self) -> bool {
         false
     }

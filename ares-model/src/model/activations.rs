@@ -100,6 +100,9 @@ pub struct Activations<B: Backend> {
     /// The packed sequences' offsets of the pass (`ForwardExtras::segments`), uploaded per
     /// call; `None`: the rows are the sequences.
     pub(crate) segments: Option<B::Ids>,
+    /// The padded layout the attention of packed segments runs in where the model does not
+    /// pass them to the backend ([`Model::set_native_packed_attention`]).
+    pub(crate) unpack: Option<super::unpack::Unpack<B>>,
     /// `[N, D/2]` RoPE cos and sin of each token's position.
     pub(crate) cos: B::Buffer,
     pub(crate) sin: B::Buffer,
@@ -462,6 +465,7 @@ impl<B: Backend> Activations<B> {
             mask: alloc(&[n])?,
             host_mask: vec![0.0; n],
             segments: None,
+            unpack: None,
             cos: alloc(&[n, spec.head_dim / 2])?,
             sin: alloc(&[n, spec.head_dim / 2])?,
             layers: LayerBuffers::new(backend, spec, batch, seq, n, checkpointed)?,

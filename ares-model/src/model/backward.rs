@@ -17,6 +17,7 @@ use super::activations::head_chunks;
 use super::layer::LinearGrad;
 use super::layer::dqkv;
 use super::lora::Target;
+use super::unpack::Widths;
 use super::{Activations, Grads, HeadMode, Inputs, Model, ModelError};
 use crate::backend::GradWrite::{Accumulate, Overwrite};
 use crate::backend::{AttentionDims, Backend, DeviceBuffer, Tensor, TensorMut, View, ViewMut};
@@ -230,6 +231,7 @@ impl<B: Backend> Model<B> {
         let (cos, sin) = (View::whole(&acts.cos), View::whole(&acts.sin));
         let mask = View::whole(&acts.mask);
         let segments = acts.segments.as_ref();
+        let mut unpack = acts.unpack.as_mut();
         let attn = AttentionDims::new(inputs.batch, inputs.seq, hq, hkv, d);
         for l in (0..s.layers).rev() {
             if acts.layers.checkpointed {
@@ -243,7 +245,7 @@ impl<B: Backend> Model<B> {
                     &mut acts.layers,
                     la,
                     rope,
-                    (mask, segments),
+                    (mask, segments, unpack.as_deref_mut()),
                     attn,
                     &mut None,
                 )?;
@@ -283,7 +285,17 @@ impl<B: Backend> Model<B> {
             self.matmul_backward(sc.dresidual.r(), a.att, g.o, Overwrite, sc.datt.w())?;
             pair(Target::O, sc.dresidual.r(), a.att, sc.datt.w())?;
             let dqkv = dqkv(&mut sc.dq, &mut sc.dk, &mut sc.dv);
-            if self.attention_in_bf16(attn.batch * attn.seq) {
+            let bf16 = self.attention_in_bf16(attn.batch * attn.seq);
+            if let Some(u) = unpack.as_deref_mut() {
+                let saved = (a.att, a.lse, sc.datt.r());
+                u.backward(
+                    be,
+                    (attn, bf16, Widths { hq, hkv, d }),
+                    (a.q, a.k, a.v),
+                    saved,
+                    dqkv,
+                )?;
+            } else if bf16 {
                 let (out, lse, dout) = (a.att, a.lse, sc.datt.r());
                 be.attention_backward_bf16(attn, a.qkv(mask), segments, out, lse, dout, dqkv)?;
             } else {

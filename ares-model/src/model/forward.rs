@@ -12,6 +12,7 @@ use super::kv_cache::StepCache;
 use super::layer::qkv;
 use super::log_prob_grad::check_targets;
 use super::lora::{LoraActs, Target};
+use super::unpack::{Unpack, Widths};
 use super::{Activations, ForwardExtras, HeadMode, Inputs, KvCache, Model, ModelError};
 use crate::backend::{AttentionDims, Backend, Tensor, TensorMut, View, ViewMut};
 
@@ -106,14 +107,24 @@ impl<B: Backend> Model<B> {
             *m = x as f32;
         }
         be.upload(&acts.host_mask, ViewMut::whole(&mut acts.mask))?;
-        acts.segments = match extras.segments {
+        (acts.segments, acts.unpack) = match extras.segments {
             Some(cu) => {
-                check_segments(inputs, cu, be.packs_sequences())?;
-                let mut ids = be.alloc_ids(cu.len())?;
-                be.upload_ids(cu, &mut ids)?;
-                Some(ids)
+                check_segments(inputs, cu)?;
+                if self.native_packing {
+                    let mut ids = be.alloc_ids(cu.len())?;
+                    be.upload_ids(cu, &mut ids)?;
+                    (Some(ids), None)
+                } else {
+                    let w = Widths {
+                        hq: self.spec.q_heads,
+                        hkv: self.spec.kv_heads,
+                        d: self.spec.head_dim,
+                    };
+                    let u = Unpack::new(be, cu, inputs.attention_mask, w)?;
+                    (None, Some(u))
+                }
             }
-            None => None,
+            None => (None, None),
         };
         if let Some((cos, sin)) = extras.rope {
             let half = self.spec.head_dim / 2;
@@ -199,7 +210,7 @@ impl<B: Backend> Model<B> {
                 &mut acts.layers,
                 acts.lora.as_mut(),
                 (cos, sin),
-                (mask, segments),
+                (mask, segments, acts.unpack.as_mut()),
                 attn,
                 &mut cache,
             )?;
@@ -237,7 +248,7 @@ impl<B: Backend> Model<B> {
         layers: &mut LayerBuffers<B>,
         lora: Option<&mut LoraActs<B>>,
         (cos, sin): (Tensor<'_, B>, Tensor<'_, B>),
-        (mask, segments): (Tensor<'_, B>, Option<&B::Ids>),
+        (mask, segments, unpack): Keys<'_, B>,
         attn: AttentionDims,
         cache: &mut Option<StepCache<'_, B>>,
     ) -> Result<(), ModelError> {
@@ -281,6 +292,14 @@ impl<B: Backend> Model<B> {
         be.rope(a.k.w()?, cos, sin, hkv, d)?;
         let (q, k, v) = (a.q.r()?, a.k.r()?, a.v.r()?);
         match cache {
+            None if unpack.is_some() => {
+                let bf16 = self.attention_in_bf16(attn.batch * attn.seq);
+                let (out, lse) = (a.att.w()?, a.lse.w()?);
+                let w = Widths { hq, hkv, d };
+                if let Some(u) = unpack {
+                    u.forward(be, (attn, bf16, w), (q, k, v), out, lse)?;
+                }
+            }
             None if self.attention_in_bf16(attn.batch * attn.seq) => {
                 let (out, lse) = (a.att.w()?, a.lse.w()?);
                 be.attention_bf16(attn, qkv(q, k, v, mask), segments, out, lse)?
@@ -391,14 +410,16 @@ impl<B: Backend> Model<B> {
 }
 
 /// Errors unless `acts` was planned for the inputs' `(batch, seq)`.
-/// Packed `segments` of `inputs`: one row, offsets from 0 to `seq` in order, a backend
-/// that takes them.
-fn check_segments(inputs: &Inputs<'_>, cu: &[u32], packs: bool) -> Result<(), ModelError> {
-    if !packs {
-        return Err(ModelError::Unsupported {
-            what: "packed sequences on this backend (pad the batch instead)".into(),
-        });
-    }
+/// The keys a layer's attention sees: the key mask, and packed sequences' offsets on the
+/// backend or their padded layout ([`Unpack`]).
+pub(crate) type Keys<'a, B> = (
+    Tensor<'a, B>,
+    Option<&'a <B as Backend>::Ids>,
+    Option<&'a mut Unpack<B>>,
+);
+
+/// Packed `segments` of `inputs`: one row, offsets from 0 to `seq` in order.
+fn check_segments(inputs: &Inputs<'_>, cu: &[u32]) -> Result<(), ModelError> {
     if inputs.batch != 1 {
         return Err(ModelError::InvalidValue {
             what: "batch (packed sequences)".into(),

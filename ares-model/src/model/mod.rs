@@ -59,6 +59,7 @@ mod picks;
 mod request;
 mod sampling;
 mod spec;
+mod unpack;
 pub(crate) mod weights;
 
 use ares_cpu::ops::rope::RopeTable;
@@ -104,6 +105,9 @@ pub struct Model<B: Backend> {
     matmul_precision: MatmulPrecision,
     /// Whether new arenas keep one layer's activations ([`Model::set_gradient_checkpointing`]).
     gradient_checkpointing: bool,
+    /// Whether packed sequences' attention runs on the backend's segments
+    /// ([`Model::set_native_packed_attention`]).
+    native_packing: bool,
     /// LoRA adapters ([`Model::add_lora`]): with them the base weights are frozen.
     lora: Option<lora::Lora<B>>,
     /// bf16 copies of the linear weights the bf16 products read
@@ -158,6 +162,7 @@ impl<B: Backend> Model<B> {
         backend.upload(&cos, ViewMut::whole(&mut rope_cos))?;
         backend.upload(&sin, ViewMut::whole(&mut rope_sin))?;
         let weights = DeviceWeights::upload(&backend, &spec, weights)?;
+        let native_packing = backend.packs_sequences();
         Ok(Self {
             backend,
             config: config.clone(),
@@ -168,6 +173,7 @@ impl<B: Backend> Model<B> {
             rope_sin,
             matmul_precision: MatmulPrecision::F32,
             gradient_checkpointing: false,
+            native_packing,
             lora: None,
             bf16_weights: None,
         })
@@ -191,6 +197,17 @@ impl<B: Backend> Model<B> {
     /// ([`Activations::planned`]).
     pub fn set_gradient_checkpointing(&mut self, on: bool) {
         self.gradient_checkpointing = on;
+    }
+
+    /// How the attention of packed sequences ([`ForwardExtras::segments`]) runs: `true` on
+    /// the backend's segments (the default where [`Backend::packs_sequences`]), `false`
+    /// padded — each pass gathers q, k and v into `[segments, longest]` rows, segments
+    /// right-aligned, attends with the padded layout's mask and gathers the results back,
+    /// while every other op still runs on the packed tokens (the default elsewhere: CUDA).
+    /// The same numbers up to summation order. `true` on a backend without segments makes
+    /// packed passes fail.
+    pub fn set_native_packed_attention(&mut self, on: bool) {
+        self.native_packing = on;
     }
 
     /// Whether new arenas are checkpointed ([`Model::set_gradient_checkpointing`]).

@@ -200,7 +200,7 @@ pub fn run_sft<B: Backend + Clone>(
             &mut model,
             &mut opt,
             &batch,
-            options.micro_batch,
+            (options.micro_batch, cfg.worker.actor.padding_free),
             lr_at(s),
             Some(cfg.worker.actor.max_grad_norm as f32),
         )?;
@@ -419,7 +419,7 @@ mod tests {
                 tower: None,
                 steps: 0,
             };
-            sft_step(&mut model, &mut opt, &[e], 1, 0.0, None).unwrap()
+            sft_step(&mut model, &mut opt, &[e], (1, true), 0.0, None).unwrap()
         };
         let (masked, plain) = (step(&first_only), step(&cut));
         assert_eq!((masked.tokens, plain.tokens), (k, k));

@@ -138,8 +138,10 @@ impl Rule {
 const NO_FSDP: &str = "ares runs without FSDP: one process holds the whole model";
 const NO_OFFLOAD: &str = "ares keeps parameters and optimizer state where the backend runs";
 const NO_VLLM: &str = "ares generates with its own engine, not vLLM";
-const PACKED: &str = "ares lays out each step's sequences itself (prompts left-padded, \
-                      responses right-padded to the step's longest) and sizes its own chunks";
+const PACKED: &str = "ares lays out each pass's sequences itself (a text model's on the CPU \
+                      back to back without padding; on CUDA and for vision-language models \
+                      prompts left-padded, responses right-padded to the step's longest) and \
+                      sizes its own chunks";
 const ONE_DEVICE: &str = "ares shards no model across devices (no sequence or tensor \
                           parallelism); data parallelism is one process per device, started \
                           by torchrun or srun (docs/training.md, Data parallel)";
@@ -434,10 +436,6 @@ pub(crate) const RULES: &[Rule] = &[
     Rule::Ignored {
         key: "worker.critic",
         why: NO_CRITIC,
-    },
-    Rule::Ignored {
-        key: "worker.actor.padding_free",
-        why: PACKED,
     },
     Rule::Ignored {
         key: "worker.actor.dynamic_batching",

@@ -422,6 +422,11 @@ pub struct ActorConfig {
     pub dynamic_kl_low_ratio: f64,
     /// Gradient-norm clip, > 0 (default 1).
     pub max_grad_norm: f64,
+    /// Lay a text model's scoring passes, update micro-batches and SFT chunks out back to
+    /// back without padding (EasyR1's key, default true): the same numbers up to summation
+    /// order, less work. Applies where the backend's attention takes packed sequences (the
+    /// CPU); CUDA and vision-language models pad either way.
+    pub padding_free: bool,
     /// Rollout/training importance correction (default `none`): `none`, `tis` (weights
     /// capped at `is_threshold_high`), `icepop` (tokens whose ratio leaves
     /// `[is_threshold_low, is_threshold_high]` are masked) or `reinforce_pro` (clamped to
@@ -521,6 +526,7 @@ impl Default for ActorConfig {
             dynamic_kl_loss: true,
             dynamic_kl_low_ratio: 0.5,
             max_grad_norm: 1.0,
+            padding_free: true,
             is_correction: IsMode::None,
             is_threshold_low: 0.5,
             is_threshold_high: 5.0,

@@ -77,11 +77,11 @@ pub(crate) fn no_vision(what: &str) -> TrainError {
 }
 
 impl<B: Backend> Actor<B> {
-    /// Whether batches go to this model packed (`Packed::unpadded`): a text model on a
-    /// backend whose attention takes packed sequences (the CPU); the vision-language model
-    /// and CUDA pad.
+    /// Whether batches go to this model packed (`Packed::unpadded`): a text model (its
+    /// attention runs on the backend's segments on the CPU, padded by gathers on CUDA:
+    /// `Model::set_native_packed_attention`); the vision-language model pads.
     pub fn packs_sequences(&self) -> bool {
-        matches!(self, Actor::Text(m) if m.backend().packs_sequences())
+        matches!(self, Actor::Text(_))
     }
 
     /// The language model.

@@ -48,7 +48,8 @@ pub struct SftStep {
     pub tokens: usize,
 }
 
-/// One optimizer step on `examples` (a mini-batch), `micro` examples per forward/backward,
+/// One optimizer step on `examples` (a mini-batch), `micro` examples per forward/backward
+/// (without padding with `padding_free` where the model takes it: [`Actor::packs_sequences`]),
 /// at learning rate `lr`. A vision-language model's tower trains too when `opt.tower` holds
 /// its gradients and moments (`None`: frozen).
 ///
@@ -58,7 +59,7 @@ pub fn sft_step<B: Backend>(
     model: &mut Actor<B>,
     opt: &mut Optimizer<B>,
     examples: &[&SftExample],
-    micro: usize,
+    (micro, padding_free): (usize, bool),
     lr: f64,
     max_grad_norm: Option<f32>,
 ) -> Result<SftStep, TrainError> {
@@ -97,7 +98,7 @@ pub fn sft_step<B: Backend>(
         let prompts: Vec<&[u32]> = chunk.iter().map(|e| e.prompt.as_slice()).collect();
         let responses: Vec<&[u32]> = chunk.iter().map(|e| e.response.as_slice()).collect();
         // packed where the model takes it (each chunk to its own length: its arena is its own)
-        let packed = if model.packs_sequences() {
+        let packed = if padding_free && model.packs_sequences() {
             let tokens = packed_tokens(&prompts, &responses);
             Packed::unpadded(&prompts, &responses, response_cols, tokens)?
         } else {

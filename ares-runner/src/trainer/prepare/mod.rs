@@ -190,7 +190,12 @@ pub fn score<B: Backend>(
     let (rows, cols) = (batch.rows(), batch.tokens.cols());
     let temperature = settings.sampling.temperature();
     let ranks = settings.ranks.as_ref();
-    let d_old = batch.score(actor, settings.micro_batch, temperature, ranks)?;
+    let d_old = batch.score(
+        actor,
+        (settings.micro_batch, settings.padding_free),
+        temperature,
+        ranks,
+    )?;
     let old_logp = masked(download(be, &d_old, downloads)?, &batch.tokens.mask);
     let mut out = Scored {
         old_logp,
@@ -202,11 +207,21 @@ pub fn score<B: Backend>(
         token_mean_kl: 0.0,
     };
     let d_ref = match (settings.kl.enabled, reference) {
-        (true, Some(m)) => batch.score(m, settings.micro_batch, temperature, ranks)?,
+        (true, Some(m)) => batch.score(
+            m,
+            (settings.micro_batch, settings.padding_free),
+            temperature,
+            ranks,
+        )?,
         // LoRA: the reference policy is the base, the actor with its adapters off
         (true, None) if actor.lm().lora_config().is_some() => {
             let _off = actor.adapters_off();
-            batch.score(actor, settings.micro_batch, temperature, ranks)?
+            batch.score(
+                actor,
+                (settings.micro_batch, settings.padding_free),
+                temperature,
+                ranks,
+            )?
         }
         _ => return Ok(out),
     };

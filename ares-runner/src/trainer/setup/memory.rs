@@ -386,19 +386,31 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
             "activations of {micro} sequences × {longest} tokens ({head_note}{})",
             if checkpointed { ", checkpointed" } else { "" }
         );
-        phases.push(Phase {
-            name,
-            parts: vec![
-                Part {
-                    what,
-                    bytes: arena(micro, longest, head, checkpointed),
-                },
-                Part {
-                    what: "per-token log-probs and masks of the step".into(),
-                    bytes: f32s(step_rows * response * 6),
-                },
-            ],
-        });
+        let mut parts = vec![
+            Part {
+                what,
+                bytes: arena(micro, longest, head, checkpointed),
+            },
+            Part {
+                what: "per-token log-probs and masks of the step".into(),
+                bytes: f32s(step_rows * response * 6),
+            },
+        ];
+        // a packed pass on a GPU gathers its attention into padded rows (model/unpack.rs):
+        // q, k, v, out, lse and the backward's dout, dq, dk, dv, at most a padded
+        // micro-batch's slots, and the two maps
+        if cfg.worker.actor.padding_free && model.vision.is_none() && !model.on_cpu {
+            let (hq, hkv, d) = (
+                spec.q_heads as u64,
+                spec.kv_heads as u64,
+                spec.head_dim as u64,
+            );
+            parts.push(Part {
+                what: "packed attention's padded rows".into(),
+                bytes: f32s(rows * (4 * hq * d + 4 * hkv * d + hq + 1)) + 4 * 2 * rows,
+            });
+        }
+        phases.push(Phase { name, parts });
     }
     // a checkpoint: the weights (under LoRA the pairs) copied to the host, then the
     // moments one tensor at a time

@@ -168,6 +168,9 @@ pub struct StepSettings {
     pub mini_batch: usize,
     /// Samples per forward/backward.
     pub micro_batch: usize,
+    /// Passes laid out without padding where the model takes it
+    /// (`worker.actor.padding_free`).
+    pub padding_free: bool,
     /// Optimizer schedule.
     pub optim: OptimSettings,
     /// The ranks of a data-parallel run (`None`: one process alone). Set by
@@ -265,6 +268,7 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
         ppo_epochs: actor.ppo_epochs.max(1),
         mini_batch,
         micro_batch,
+        padding_free: cfg.worker.actor.padding_free,
         optim,
         ranks: None,
         gradient_sum: cfg.trainer.gradient_sum,
