@@ -11,7 +11,9 @@
 //!   long-tailed response (8–191), forward + backward from the responses' log-probs — laid
 //!   out padded (`[16, P + T]`, prompts left-padded, responses right-padded: the trainer's
 //!   layout on CUDA) beside packed (one row back to back with `cu_seqlens` segments: the
-//!   trainer's layout on the CPU), same run; tokens/s count real tokens only.
+//!   trainer's layout on the CPU) and packed with the attention padded by gathers (the
+//!   model's path on a backend without segments: CUDA), same run; tokens/s count real
+//!   tokens only.
 //! - **generate**: new tokens/s of greedy batched generation with a KV cache, 16 prompts of
 //!   32 tokens, 128 new tokens each (no EOS, so every sequence runs the full length).
 //! - **rollout**: the RL rollout shape, 4 prompts of 100 tokens × n = 8 samples, 32 new
@@ -27,13 +29,13 @@ use std::path::Path;
 use std::time::Instant;
 
 use ares_benches::SplitMix;
-use ares_benches::model::{BENCH_MODEL, best_and_median, env_usize, random_weights, report};
+use ares_benches::model::{
+    BENCH_MODEL, best_and_median, env_usize, ragged, random_weights, report,
+};
 use ares_model::backend::cpu::CpuBackend;
 use ares_model::hf::config::ModelConfig;
 use ares_model::hf::lora::LoraConfig;
-use ares_model::model::{
-    AdamW, AdamWConfig, ForwardExtras, GenerateRequest, Inputs, Model, Sampling,
-};
+use ares_model::model::{AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling};
 
 const TRAIN_BATCH: usize = 8;
 const TRAIN_SEQ: usize = 256;
@@ -173,7 +175,7 @@ fn main() {
     }
 
     if only.as_deref().is_none_or(|o| o == "ragged") {
-        ragged(&model, &mut rng, runs);
+        ragged(&mut model, &mut rng, runs, 8192, || ());
     }
 
     if only.as_deref().is_none_or(|o| o == "rollout") {
@@ -261,134 +263,4 @@ fn main() {
     if let Some(table) = CpuBackend.op_profile().expect("op profile") {
         println!("{table}");
     }
-}
-
-/// A ragged batch's host tensors in one layout: ids, mask, positions, next-token targets and
-/// `∂L/∂logπ = −1/N` on the response tokens.
-struct Laid {
-    batch: usize,
-    seq: usize,
-    ids: Vec<u32>,
-    mask: Vec<u32>,
-    positions: Vec<u32>,
-    targets: Vec<u32>,
-    coeffs: Vec<f32>,
-}
-
-impl Laid {
-    /// Sample `i` (`prompt ++ response`) at flat index `start(i)`, the prompt's first token
-    /// there.
-    fn new(
-        batch: usize,
-        seq: usize,
-        samples: &[(Vec<u32>, Vec<u32>)],
-        start: impl Fn(usize) -> usize,
-    ) -> Self {
-        let n = batch * seq;
-        let responses: usize = samples.iter().map(|s| s.1.len()).sum();
-        let mut l = Laid {
-            batch,
-            seq,
-            ids: vec![0; n],
-            mask: vec![0; n],
-            positions: vec![0; n],
-            targets: vec![0; n],
-            coeffs: vec![0.0; n],
-        };
-        for (i, (p, a)) in samples.iter().enumerate() {
-            let all: Vec<u32> = p.iter().chain(a).copied().collect();
-            for (k, &id) in all.iter().enumerate() {
-                let c = start(i) + k;
-                l.ids[c] = id;
-                l.mask[c] = 1;
-                l.positions[c] = k as u32;
-                if k + 1 < all.len() {
-                    l.targets[c] = all[k + 1];
-                    if k + 1 >= p.len() {
-                        l.coeffs[c] = -1.0 / responses as f32;
-                    }
-                }
-            }
-        }
-        l
-    }
-
-    fn inputs(&self) -> Inputs<'_> {
-        Inputs {
-            batch: self.batch,
-            seq: self.seq,
-            input_ids: &self.ids,
-            attention_mask: &self.mask,
-            position_ids: &self.positions,
-        }
-    }
-}
-
-/// The `ragged` section: padded beside packed, forward + backward, same run.
-fn ragged(model: &Model<CpuBackend>, rng: &mut SplitMix, runs: usize) {
-    let samples: Vec<(Vec<u32>, Vec<u32>)> = (0..16)
-        .map(|_| {
-            let p = 16 + (rng.next_u64() % 32) as usize;
-            // long-tailed: most responses short, a few near the cap (as sampled ones are)
-            let u = (rng.next_u64() % 1000) as f64 / 1000.0;
-            let a = 8 + (183.0 * u.powi(3)) as usize;
-            let tok = |rng: &mut SplitMix| (rng.next_u64() % 8192) as u32;
-            (
-                (0..p).map(|_| tok(rng)).collect(),
-                (0..a).map(|_| tok(rng)).collect(),
-            )
-        })
-        .collect();
-    let (pmax, amax) = samples
-        .iter()
-        .fold((0, 0), |(p, a), s| (p.max(s.0.len()), a.max(s.1.len())));
-    let seq = pmax + amax;
-    let padded = Laid::new(samples.len(), seq, &samples, |i| {
-        i * seq + pmax - samples[i].0.len()
-    });
-    let mut cu = vec![0u32];
-    for s in &samples {
-        cu.push(cu[cu.len() - 1] + (s.0.len() + s.1.len()) as u32);
-    }
-    let tokens = cu[cu.len() - 1] as usize;
-    let packed = Laid::new(1, tokens, &samples, |i| cu[i] as usize);
-    println!(
-        "ragged batch: 16 samples, {tokens} tokens; padded [16, {seq}] = {} positions ({:.2}× the tokens)",
-        16 * seq,
-        (16 * seq) as f64 / tokens as f64
-    );
-    let be = CpuBackend;
-    let mut grads = model.grads().expect("grads");
-    let mut time = |l: &Laid, segments: Option<&[u32]>| {
-        let mut acts = model.activations(l.batch, l.seq).expect("activations");
-        let extras = ForwardExtras {
-            segments,
-            ..ForwardExtras::default()
-        };
-        best_and_median(runs, || {
-            grads.zero(&be).expect("zero");
-            model
-                .forward_with(&l.inputs(), &extras, &mut acts)
-                .expect("forward");
-            model
-                .backward_from_log_prob_grads(
-                    &l.inputs(),
-                    &mut acts,
-                    &l.targets,
-                    &l.coeffs,
-                    1.0,
-                    &mut grads,
-                )
-                .expect("backward");
-        })
-    };
-    let tp = time(&padded, None);
-    report("ragged forward+backward, padded", tokens, "tokens", tp);
-    let tk = time(&packed, Some(&cu));
-    report("ragged forward+backward, packed", tokens, "tokens", tk);
-    println!(
-        "  time ratio packed / padded: {:.2} best, {:.2} median",
-        tk.0.as_secs_f64() / tp.0.as_secs_f64(),
-        tk.1.as_secs_f64() / tp.1.as_secs_f64()
-    );
 }

@@ -10,6 +10,9 @@
 //!   12 of a full square); the AdamW step timed on its own;
 //! - **generate**: new tokens/s of batched generation, greedy and sampled (T = 1, top-p 1:
 //!   tokens picked on the device), 32 prompts of 32 tokens, 64 new tokens each.
+//! - **ragged** (in the last mode, bf16 with the weight copies): an RL update's ragged batch
+//!   of 16 samples padded beside packed, the packed pass's attention padded by gathers (the
+//!   CUDA kernels take no segments yet; `ares_benches::model::ragged`).
 //!
 //! Each runs with exact f32 GEMMs, then TF32, then bf16 operands
 //! (`Model::set_matmul_precision`; f32 sums and f32 storage throughout), then bf16 with the
@@ -23,7 +26,9 @@ use std::path::Path;
 use std::time::Instant;
 
 use ares_benches::SplitMix;
-use ares_benches::model::{QWEN05_MODEL, best_and_median, env_usize, random_weights, report};
+use ares_benches::model::{
+    QWEN05_MODEL, best_and_median, env_usize, ragged, random_weights, report,
+};
 use ares_model::backend::cuda::CudaBackend;
 use ares_model::backend::{Backend, MatmulPrecision};
 use ares_model::hf::config::ModelConfig;
@@ -161,6 +166,15 @@ fn main() {
                 "steps",
                 t,
             );
+        }
+
+        // a ragged RL batch padded beside packed (the attention padded by gathers: the
+        // CUDA kernels take no segments yet), in bf16 with the weight copies
+        if copies && only.as_deref().is_none_or(|o| o == "ragged") {
+            println!("[{mode}] ragged batch:");
+            ragged(&mut model, &mut rng, runs, 151_936, || {
+                gpu.synchronize().expect("sync")
+            });
         }
 
         // (generation's few-token decode products run in f32 under bf16 either way)

@@ -9,8 +9,8 @@ use ares_model::backend::Backend;
 use ares_model::hf::config::ModelConfig;
 use ares_model::hf::weights::{ModelWeights, Tensor, expected_tensors};
 use ares_model::model::{
-    Engine, EngineConfig, EngineRequest, EngineStats, GenerateOutput, GenerateRequest, Generator,
-    Sampling,
+    Engine, EngineConfig, EngineRequest, EngineStats, ForwardExtras, GenerateOutput,
+    GenerateRequest, Generator, Inputs, Model, Sampling,
 };
 
 use crate::SplitMix;
@@ -155,4 +155,179 @@ pub fn engine_run<B: Backend>(
     }
     let out = engine.run_to_end(&mut |_, _| {}).expect("generate");
     (out, engine.stats())
+}
+
+/// A ragged batch's host tensors in one layout: ids, mask, positions, next-token targets and
+/// `∂L/∂logπ = −1/N` on the response tokens.
+struct Laid {
+    batch: usize,
+    seq: usize,
+    ids: Vec<u32>,
+    mask: Vec<u32>,
+    positions: Vec<u32>,
+    targets: Vec<u32>,
+    coeffs: Vec<f32>,
+}
+
+impl Laid {
+    /// Sample `i` (`prompt ++ response`) at flat index `start(i)`, the prompt's first token
+    /// there.
+    fn new(
+        batch: usize,
+        seq: usize,
+        samples: &[(Vec<u32>, Vec<u32>)],
+        start: impl Fn(usize) -> usize,
+    ) -> Self {
+        let n = batch * seq;
+        let responses: usize = samples.iter().map(|s| s.1.len()).sum();
+        let mut l = Laid {
+            batch,
+            seq,
+            ids: vec![0; n],
+            mask: vec![0; n],
+            positions: vec![0; n],
+            targets: vec![0; n],
+            coeffs: vec![0.0; n],
+        };
+        for (i, (p, a)) in samples.iter().enumerate() {
+            let all: Vec<u32> = p.iter().chain(a).copied().collect();
+            for (k, &id) in all.iter().enumerate() {
+                let c = start(i) + k;
+                l.ids[c] = id;
+                l.mask[c] = 1;
+                l.positions[c] = k as u32;
+                if k + 1 < all.len() {
+                    l.targets[c] = all[k + 1];
+                    if k + 1 >= p.len() {
+                        l.coeffs[c] = -1.0 / responses as f32;
+                    }
+                }
+            }
+        }
+        l
+    }
+
+    fn inputs(&self) -> Inputs<'_> {
+        Inputs {
+            batch: self.batch,
+            seq: self.seq,
+            input_ids: &self.ids,
+            attention_mask: &self.mask,
+            position_ids: &self.positions,
+        }
+    }
+}
+
+/// The RL update's shape, ragged: 16 samples of a prompt (16–47 tokens) and a long-tailed
+/// response (8–191) from a vocabulary of `vocab`, forward + backward from the responses'
+/// log-probs, laid out padded (`[16, P + T]`, prompts left-padded, responses right-padded)
+/// beside packed (one row with `cu_seqlens` segments: the model's default path on this
+/// backend), and where the backend takes segments also packed with the attention padded by
+/// gathers (the path of a backend without them); `sync` waits for the device. Prints
+/// tokens/s of real tokens and the ratios, same run.
+///
+/// # Panics
+/// A model or backend failure (a bench bug).
+pub fn ragged<B: Backend>(
+    model: &mut Model<B>,
+    rng: &mut SplitMix,
+    runs: usize,
+    vocab: u64,
+    sync: impl Fn(),
+) {
+    let samples: Vec<(Vec<u32>, Vec<u32>)> = (0..16)
+        .map(|_| {
+            let p = 16 + (rng.next_u64() % 32) as usize;
+            // long-tailed: most responses short, a few near the cap (as sampled ones are)
+            let u = (rng.next_u64() % 1000) as f64 / 1000.0;
+            let a = 8 + (183.0 * u.powi(3)) as usize;
+            let tok = |rng: &mut SplitMix| (rng.next_u64() % vocab) as u32;
+            (
+                (0..p).map(|_| tok(rng)).collect(),
+                (0..a).map(|_| tok(rng)).collect(),
+            )
+        })
+        .collect();
+    let (pmax, amax) = samples
+        .iter()
+        .fold((0, 0), |(p, a), s| (p.max(s.0.len()), a.max(s.1.len())));
+    let seq = pmax + amax;
+    let padded = Laid::new(samples.len(), seq, &samples, |i| {
+        i * seq + pmax - samples[i].0.len()
+    });
+    let mut cu = vec![0u32];
+    for s in &samples {
+        cu.push(cu[cu.len() - 1] + (s.0.len() + s.1.len()) as u32);
+    }
+    let tokens = cu[cu.len() - 1] as usize;
+    let packed = Laid::new(1, tokens, &samples, |i| cu[i] as usize);
+    println!(
+        "ragged batch: 16 samples, {tokens} tokens; padded [16, {seq}] = {} positions ({:.2}× the tokens)",
+        16 * seq,
+        (16 * seq) as f64 / tokens as f64
+    );
+    let mut grads = model.grads().expect("grads");
+    let mut time = |model: &Model<B>, l: &Laid, segments: Option<&[u32]>| {
+        let be = model.backend();
+        let mut acts = model.activations(l.batch, l.seq).expect("activations");
+        let extras = ForwardExtras {
+            segments,
+            ..ForwardExtras::default()
+        };
+        best_and_median(runs, || {
+            grads.zero(be).expect("zero");
+            model
+                .forward_with(&l.inputs(), &extras, &mut acts)
+                .expect("forward");
+            model
+                .backward_from_log_prob_grads(
+                    &l.inputs(),
+                    &mut acts,
+                    &l.targets,
+                    &l.coeffs,
+                    1.0,
+                    &mut grads,
+                )
+                .expect("backward");
+            sync();
+        })
+    };
+    let tp = time(model, &padded, None);
+    report("ragged forward+backward, padded", tokens, "tokens", tp);
+    let native = model.backend().packs_sequences();
+    let what = if native {
+        "packed (segments in the attention)"
+    } else {
+        "packed, attention padded by gathers"
+    };
+    let tk = time(model, &packed, Some(&cu));
+    report(
+        &format!("ragged forward+backward, {what}"),
+        tokens,
+        "tokens",
+        tk,
+    );
+    let ratio = |t: (Duration, Duration)| {
+        (
+            t.0.as_secs_f64() / tp.0.as_secs_f64(),
+            t.1.as_secs_f64() / tp.1.as_secs_f64(),
+        )
+    };
+    let (kb, km) = ratio(tk);
+    println!("  time ratio {what} / padded: {kb:.2} best, {km:.2} median");
+    if native {
+        // the path of a backend without segments: the attention gathered into padded rows
+        model.set_native_packed_attention(false);
+        let tg = time(model, &packed, Some(&cu));
+        model.set_native_packed_attention(true);
+        let what = "packed, attention padded by gathers";
+        report(
+            &format!("ragged forward+backward, {what}"),
+            tokens,
+            "tokens",
+            tg,
+        );
+        let (gb, gm) = ratio(tg);
+        println!("  time ratio {what} / padded: {gb:.2} best, {gm:.2} median");
+    }
 }
