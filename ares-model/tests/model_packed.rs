@@ -233,6 +233,58 @@ fn without_segments_the_sequences_see_each_other() {
     assert!(worst > 1e-2 * scale, "{worst} against a scale of {scale}");
 }
 
+/// One arena through packed passes of other layouts (the gathered attention's scratch kept
+/// when the new layout's slots fit, made anew when not): each pass's log-probs are those of
+/// a fresh arena, bit for bit.
+#[test]
+fn one_arena_serves_packed_passes_of_other_layouts() {
+    let ckpt = Checkpoint::load(&fixture("qwen2_tiny")).unwrap();
+    let mut model = Model::from_checkpoint(CpuBackend, &ckpt).unwrap();
+    model.set_native_packed_attention(false);
+    let tokens = *cu_seqlens().last().unwrap() as usize;
+    let ids: Vec<u32> = (0..tokens as u32).map(|i| (i * 31 + 7) % 64).collect();
+    let mask = vec![1u32; tokens];
+    let targets: Vec<u32> = ids.iter().skip(1).copied().chain([0]).collect();
+    let t = tokens as u32;
+    let layouts: [Vec<u32>; 4] = [
+        cu_seqlens(),       // 5 segments, longest 9: 45 slots
+        vec![0, 1, 2, t],   // 3 × 19 = 57 slots: new scratch
+        vec![0, 10, 20, t], // 3 × 10 = 30 slots: kept
+        vec![0, t],         // one sequence, 21 slots: kept
+    ];
+    let pass = |acts: &mut Activations<CpuBackend>, cu: &[u32]| -> Vec<f32> {
+        let mut positions = vec![0u32; tokens];
+        for w in cu.windows(2) {
+            for i in w[0]..w[1] {
+                positions[i as usize] = i - w[0];
+            }
+        }
+        let inputs = Inputs {
+            batch: 1,
+            seq: tokens,
+            input_ids: &ids,
+            attention_mask: &mask,
+            position_ids: &positions,
+        };
+        let extras = ForwardExtras {
+            segments: Some(cu),
+            ..ForwardExtras::default()
+        };
+        model.forward_with(&inputs, &extras, acts).unwrap();
+        model.log_prob_entropy(acts, &targets, 1.0).unwrap();
+        let mut lp = vec![0.0f32; tokens];
+        model.backend().download(acts.log_probs(), &mut lp).unwrap();
+        lp
+    };
+    let mut kept = model.activations(1, tokens).unwrap();
+    for cu in &layouts {
+        let again = pass(&mut kept, cu);
+        let fresh = pass(&mut model.activations(1, tokens).unwrap(), cu);
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&again), bits(&fresh), "{cu:?}");
+    }
+}
+
 #[test]
 fn bad_segments_are_refused_naming_them() {
     let ckpt = Checkpoint::load(&fixture("qwen2_tiny")).unwrap();

@@ -107,25 +107,24 @@ impl<B: Backend> Model<B> {
             *m = x as f32;
         }
         be.upload(&acts.host_mask, ViewMut::whole(&mut acts.mask))?;
-        (acts.segments, acts.unpack) = match extras.segments {
-            Some(cu) => {
-                check_segments(inputs, cu)?;
-                if self.native_packing {
-                    let mut ids = be.alloc_ids(cu.len())?;
-                    be.upload_ids(cu, &mut ids)?;
-                    (Some(ids), None)
-                } else {
-                    let w = Widths {
-                        hq: self.spec.q_heads,
-                        hkv: self.spec.kv_heads,
-                        d: self.spec.head_dim,
-                    };
-                    let u = Unpack::new(be, cu, inputs.attention_mask, w)?;
-                    (None, Some(u))
-                }
+        // the gathered attention's scratch stays in the arena for the next packed pass
+        let prev = acts.unpack.take();
+        acts.segments = None;
+        if let Some(cu) = extras.segments {
+            check_segments(inputs, cu)?;
+            if self.native_packing {
+                let mut ids = be.alloc_ids(cu.len())?;
+                be.upload_ids(cu, &mut ids)?;
+                acts.segments = Some(ids);
+            } else {
+                let w = Widths {
+                    hq: self.spec.q_heads,
+                    hkv: self.spec.kv_heads,
+                    d: self.spec.head_dim,
+                };
+                acts.unpack = Some(Unpack::stage(prev, be, cu, inputs.attention_mask, w)?);
             }
-            None => (None, None),
-        };
+        }
         if let Some((cos, sin)) = extras.rope {
             let half = self.spec.head_dim / 2;
             for (what, t) in [("rope cos", cos), ("rope sin", sin)] {

@@ -23,12 +23,16 @@ use crate::backend::{
 /// The padded layout of one pass's packed segments, and the scratch its attention runs in.
 pub(crate) struct Unpack<B: Backend> {
     map: Map<B>,
-    /// Padded q, k, v, out, lse.
+    /// Slots the scratch below holds (at least the layout's `segments · longest`: a later
+    /// pass whose layout fits reuses it).
+    capacity: usize,
+    /// Padded q, k, v, out, lse, the key mask.
     q: B::Buffer,
     k: B::Buffer,
     v: B::Buffer,
     out: B::Buffer,
     lse: B::Buffer,
+    mask: B::Buffer,
     /// The backward's padded dout, dq, dk, dv.
     dout: B::Buffer,
     dq: B::Buffer,
@@ -42,6 +46,7 @@ impl<B: Backend> std::fmt::Debug for Unpack<B> {
             .field("segments", &self.map.segments)
             .field("longest", &self.map.longest)
             .field("tokens", &self.map.tokens)
+            .field("capacity", &self.capacity)
             .finish_non_exhaustive()
     }
 }
@@ -58,9 +63,6 @@ struct Map<B: Backend> {
     gather: B::Ids,
     /// `[tokens]`: each packed token's padded slot.
     scatter: B::Ids,
-    /// `[segments · longest]`: the padded layout's key mask (the packed mask where a token
-    /// is, 0 on padding).
-    mask: B::Buffer,
 }
 
 /// The packed row's per-token widths: query and output `hq · d`, keys and values
@@ -93,6 +95,11 @@ pub(crate) fn maps(cu: &[u32], mask: &[u32]) -> (usize, Vec<u32>, Vec<u32>, Vec<
 }
 
 impl<B: Backend> Map<B> {
+    /// Padded slots.
+    fn slots(&self) -> usize {
+        self.segments * self.longest
+    }
+
     /// The padded attention's sizes.
     fn dims(&self, packed: AttentionDims) -> AttentionDims {
         AttentionDims {
@@ -102,7 +109,17 @@ impl<B: Backend> Map<B> {
         }
     }
 
-    /// `dst` (padded) = the packed rows of `src`, `width` floats a token.
+    /// The layout's first `width` floats a slot of scratch buffer `buf`.
+    fn r<'a>(&self, buf: &'a B::Buffer, width: usize) -> Result<Tensor<'a, B>, ModelError> {
+        Ok(View::new(buf, 0, self.slots() * width)?)
+    }
+
+    /// [`Map::r`], writable.
+    fn w<'a>(&self, buf: &'a mut B::Buffer, width: usize) -> Result<TensorMut<'a, B>, ModelError> {
+        Ok(ViewMut::new(buf, 0, self.slots() * width)?)
+    }
+
+    /// Scratch `dst` (padded) = the packed rows of `src`, `width` floats a token.
     fn to_padded(
         &self,
         be: &B,
@@ -110,10 +127,11 @@ impl<B: Backend> Map<B> {
         width: usize,
         dst: &mut B::Buffer,
     ) -> Result<(), ModelError> {
-        Ok(be.embedding(&self.gather, src, self.tokens, width, ViewMut::whole(dst))?)
+        let dst = self.w(dst, width)?;
+        Ok(be.embedding(&self.gather, src, self.tokens, width, dst)?)
     }
 
-    /// `dst` (packed) = the padded rows of `src` at the packed tokens' slots.
+    /// `dst` (packed) = the padded rows of scratch `src` at the packed tokens' slots.
     fn to_packed(
         &self,
         be: &B,
@@ -121,15 +139,22 @@ impl<B: Backend> Map<B> {
         width: usize,
         dst: TensorMut<'_, B>,
     ) -> Result<(), ModelError> {
-        let slots = self.segments * self.longest;
-        Ok(be.embedding(&self.scatter, View::whole(src), slots, width, dst)?)
+        let src = self.r(src, width)?;
+        Ok(be.embedding(&self.scatter, src, self.slots(), width, dst)?)
     }
 }
 
 impl<B: Backend> Unpack<B> {
     /// The layout of offsets `cu` (checked by the caller) over a packed row whose key mask
-    /// is `mask`, with its scratch on `be`.
-    pub(crate) fn new(be: &B, cu: &[u32], mask: &[u32], w: Widths) -> Result<Self, ModelError> {
+    /// is `mask`, with its scratch on `be`: `prev`'s when its layout's slots fit, new ones
+    /// otherwise.
+    pub(crate) fn stage(
+        prev: Option<Self>,
+        be: &B,
+        cu: &[u32],
+        mask: &[u32],
+        w: Widths,
+    ) -> Result<Self, ModelError> {
         let (longest, gather, scatter, padded) = maps(cu, mask);
         let segments = cu.len().saturating_sub(1);
         let slots = segments * longest;
@@ -138,29 +163,37 @@ impl<B: Backend> Unpack<B> {
             be.upload_ids(host, &mut d)?;
             Ok(d)
         };
-        let buf = |n: usize| be.alloc(slots * n);
-        let mut mask_buf = be.alloc(slots)?;
-        be.upload(&padded, ViewMut::whole(&mut mask_buf))?;
-        let (qd, kvd) = (w.hq * w.d, w.hkv * w.d);
-        Ok(Self {
-            map: Map {
-                segments,
-                longest,
-                tokens: mask.len(),
-                gather: ids(&gather)?,
-                scatter: ids(&scatter)?,
-                mask: mask_buf,
-            },
-            q: buf(qd)?,
-            k: buf(kvd)?,
-            v: buf(kvd)?,
-            out: buf(qd)?,
-            lse: buf(w.hq)?,
-            dout: buf(qd)?,
-            dq: buf(qd)?,
-            dk: buf(kvd)?,
-            dv: buf(kvd)?,
-        })
+        let map = Map {
+            segments,
+            longest,
+            tokens: mask.len(),
+            gather: ids(&gather)?,
+            scatter: ids(&scatter)?,
+        };
+        let mut u = match prev {
+            Some(p) if p.capacity >= slots => Self { map, ..p },
+            _ => {
+                let buf = |n: usize| be.alloc(slots * n);
+                let (qd, kvd) = (w.hq * w.d, w.hkv * w.d);
+                Self {
+                    map,
+                    capacity: slots,
+                    q: buf(qd)?,
+                    k: buf(kvd)?,
+                    v: buf(kvd)?,
+                    out: buf(qd)?,
+                    lse: buf(w.hq)?,
+                    mask: buf(1)?,
+                    dout: buf(qd)?,
+                    dq: buf(qd)?,
+                    dk: buf(kvd)?,
+                    dv: buf(kvd)?,
+                }
+            }
+        };
+        let m = u.map.w(&mut u.mask, 1)?;
+        be.upload(&padded, m)?;
+        Ok(u)
     }
 
     /// Gathers packed `q`, `k`, `v` into the padded scratch.
@@ -186,22 +219,28 @@ impl<B: Backend> Unpack<B> {
         out: TensorMut<'_, B>,
         lse: TensorMut<'_, B>,
     ) -> Result<(), ModelError> {
+        let qd = w.hq * w.d;
         self.gather_qkv(be, qkv, w)?;
-        let dims = self.map.dims(packed);
-        let inputs = AttentionInputs {
-            q: View::whole(&self.q),
-            k: View::whole(&self.k),
-            v: View::whole(&self.v),
-            key_mask: Some(View::whole(&self.map.mask)),
-        };
-        let (po, pl) = (ViewMut::whole(&mut self.out), ViewMut::whole(&mut self.lse));
+        let Self {
+            map,
+            q,
+            k,
+            v,
+            mask,
+            out: po,
+            lse: pl,
+            ..
+        } = self;
+        let dims = map.dims(packed);
+        let inputs = padded_inputs(map, (q, k, v), mask, w)?;
+        let (o, l) = (map.w(po, qd)?, map.w(pl, w.hq)?);
         if bf16 {
-            be.attention_bf16(dims, inputs, None, po, pl)?;
+            be.attention_bf16(dims, inputs, None, o, l)?;
         } else {
-            be.attention(dims, inputs, None, po, pl)?;
+            be.attention(dims, inputs, None, o, l)?;
         }
-        self.map.to_packed(be, &self.out, w.hq * w.d, out)?;
-        self.map.to_packed(be, &self.lse, w.hq, lse)
+        map.to_packed(be, po, qd, out)?;
+        map.to_packed(be, pl, w.hq, lse)
     }
 
     /// The backward of [`Unpack::forward`]: from the packed `q`, `k`, `v`, the forward's
@@ -214,38 +253,58 @@ impl<B: Backend> Unpack<B> {
         (out, lse, dout): (Tensor<'_, B>, Tensor<'_, B>, Tensor<'_, B>),
         grads: AttentionGrads<'_, B::Buffer>,
     ) -> Result<(), ModelError> {
-        let qd = w.hq * w.d;
+        let (qd, kvd) = (w.hq * w.d, w.hkv * w.d);
         self.gather_qkv(be, qkv, w)?;
         self.map.to_padded(be, out, qd, &mut self.out)?;
         self.map.to_padded(be, lse, w.hq, &mut self.lse)?;
         self.map.to_padded(be, dout, qd, &mut self.dout)?;
-        let dims = self.map.dims(packed);
-        let inputs = AttentionInputs {
-            q: View::whole(&self.q),
-            k: View::whole(&self.k),
-            v: View::whole(&self.v),
-            key_mask: Some(View::whole(&self.map.mask)),
-        };
-        let (o, l, g) = (
-            View::whole(&self.out),
-            View::whole(&self.lse),
-            View::whole(&self.dout),
-        );
+        let Self {
+            map: m,
+            q,
+            k,
+            v,
+            mask,
+            out: o,
+            lse: l,
+            dout,
+            dq,
+            dk,
+            dv,
+            ..
+        } = self;
+        let dims = m.dims(packed);
+        let inputs = padded_inputs(m, (q, k, v), mask, w)?;
+        let (o, l, g) = (m.r(o, qd)?, m.r(l, w.hq)?, m.r(dout, qd)?);
         let padded = AttentionGrads {
-            dq: ViewMut::whole(&mut self.dq),
-            dk: ViewMut::whole(&mut self.dk),
-            dv: ViewMut::whole(&mut self.dv),
+            dq: m.w(dq, qd)?,
+            dk: m.w(dk, kvd)?,
+            dv: m.w(dv, kvd)?,
         };
         if bf16 {
             be.attention_backward_bf16(dims, inputs, None, o, l, g, padded)?;
         } else {
             be.attention_backward(dims, inputs, None, o, l, g, padded)?;
         }
-        let kvd = w.hkv * w.d;
-        self.map.to_packed(be, &self.dq, qd, grads.dq)?;
-        self.map.to_packed(be, &self.dk, kvd, grads.dk)?;
-        self.map.to_packed(be, &self.dv, kvd, grads.dv)
+        m.to_packed(be, dq, qd, grads.dq)?;
+        m.to_packed(be, dk, kvd, grads.dk)?;
+        m.to_packed(be, dv, kvd, grads.dv)
     }
+}
+
+/// The padded attention's inputs: the gathered q, k, v under the padded key mask.
+fn padded_inputs<'a, B: Backend>(
+    map: &Map<B>,
+    (q, k, v): (&'a B::Buffer, &'a B::Buffer, &'a B::Buffer),
+    mask: &'a B::Buffer,
+    w: Widths,
+) -> Result<AttentionInputs<'a, B::Buffer>, ModelError> {
+    let (qd, kvd) = (w.hq * w.d, w.hkv * w.d);
+    Ok(AttentionInputs {
+        q: map.r(q, qd)?,
+        k: map.r(k, kvd)?,
+        v: map.r(v, kvd)?,
+        key_mask: Some(map.r(mask, 1)?),
+    })
 }
 
 #[cfg(test)]
