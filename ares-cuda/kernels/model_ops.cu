@@ -101,6 +101,39 @@ extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, unsigned sho
         y[i] = bf16_rne(x[i]);
 }
 
+// Stochastic rounding's 16 random bits for element i under key: SplitMix64's output
+// function of key ^ i·φ, low 16 bits (twin of ares_cpu::ops::precision::rounding_bits).
+__device__ __forceinline__ unsigned int rounding_bits(unsigned long long key, unsigned long long i) {
+    unsigned long long z = key ^ (i * 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return (unsigned int)((z ^ (z >> 31)) & 0xffffull);
+}
+
+// f32 -> bf16 bits rounded stochastically with r (twin of ares_cpu::ops::precision::
+// bf16_stochastic): the magnitude plus r/2^16 of an ulp, truncated; NaN stays a quiet NaN.
+__device__ __forceinline__ unsigned short bf16_stochastic(float x, unsigned int r) {
+    unsigned int b = __float_as_uint(x);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((b | 0x00400000u) >> 16);
+    return (unsigned short)((b + (r & 0xffffu)) >> 16);
+}
+
+// Weights stored in bf16, written back by their optimizer step (element i draws
+// rounding_bits(key, i) whatever the launch shape).
+extern "C" __global__ void f32_to_bf16_stochastic(const float* __restrict__ x,
+                                                  unsigned short* __restrict__ y, i64 n,
+                                                  unsigned long long key) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        y[i] = bf16_stochastic(x[i], rounding_bits(key, (unsigned long long)i));
+}
+
+// bf16 bits -> f32, exact (weights stored in bf16, read by their optimizer step).
+extern "C" __global__ void bf16_to_f32(const unsigned short* __restrict__ x, float* __restrict__ y,
+                                       i64 n) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        y[i] = widen(x[i]);
+}
+
 extern "C" __global__ void scale_f32(float* __restrict__ x, i64 n, float s) {
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
         x[i] = x[i] * s;

@@ -112,6 +112,8 @@ kernel_table! {
         scale: "scale_f32",
         axpy: "axpy_f32",
         to_bf16: "f32_to_bf16",
+        to_bf16_stochastic: "f32_to_bf16_stochastic",
+        from_bf16: "bf16_to_f32",
         bias_add: "bias_add",
         swiglu_fwd: "swiglu_fwd",
         swiglu_bwd: "swiglu_bwd",

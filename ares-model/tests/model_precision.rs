@@ -496,3 +496,164 @@ fn bf16_tower_attention_runs_on_the_tensor_core_twin() {
         assert!(err < 1e-1, "gradient {i}: {err:e}");
     }
 }
+
+/// Linear weights stored in bf16 (`Model::set_weight_storage`) are the bf16 copies with the
+/// f32 buffers freed: every pass gives the bits of a model keeping copies beside f32
+/// weights (bf16 products, ≥ 64 rows), the weights take 2 bytes instead of 4 + 2, the
+/// values read back (`to_weights`, `read_trainable`) are the copies widened, and the copies
+/// cannot be dropped.
+#[test]
+fn weights_stored_in_bf16_are_the_copies_without_f32() {
+    use ares_model::model::{ModelError, WeightStorage};
+    for name in ["qwen2_tiny", "qwen3_tiny", "llama_tiny"] {
+        let mut copied = model(name);
+        let mut stored = model(name);
+        for m in [&mut copied, &mut stored] {
+            m.set_matmul_precision(MatmulPrecision::Bf16);
+        }
+        copied.set_bf16_weights(true).unwrap();
+        stored.set_weight_storage(WeightStorage::Bf16).unwrap();
+        assert_eq!(stored.weight_storage(), WeightStorage::Bf16);
+        let s = stored.spec().clone();
+        let linear = s.layers
+            * (s.hidden * (2 * s.q_dim() + 2 * s.kv_dim()) + 3 * s.hidden * s.intermediate);
+        assert_eq!(
+            copied.weight_bytes() - stored.weight_bytes(),
+            4 * linear as u64,
+            "{name}"
+        );
+
+        let b = Batch::new(4, 20, s.vocab);
+        let n = b.batch * b.seq;
+        assert_eq!(logits(&stored, &b), logits(&copied, &b), "{name}");
+        let targets: Vec<u32> = b.ids.iter().map(|&t| (t + 2) % s.vocab as u32).collect();
+        let coeffs: Vec<f32> = (0..n).map(|i| (i % 5) as f32 / 5.0 - 0.3).collect();
+        let grads = |m: &Model<CpuBackend>| {
+            let mut acts = m.activations_chunked(b.batch, b.seq, 24).unwrap();
+            m.forward(&b.inputs(), &mut acts).unwrap();
+            m.log_prob_entropy(&mut acts, &targets, 1.0).unwrap();
+            let mut g = m.grads().unwrap();
+            m.backward_from_log_prob_grads(&b.inputs(), &mut acts, &targets, &coeffs, 1.0, &mut g)
+                .unwrap();
+            g
+        };
+        let (g_c, g_s) = (grads(&copied), grads(&stored));
+        for g in [
+            "model.embed_tokens.weight",
+            "model.layers.0.self_attn.k_proj.weight",
+            "model.layers.1.mlp.gate_proj.weight",
+            "model.layers.1.input_layernorm.weight",
+        ] {
+            let want = g_c.download(copied.backend(), g).unwrap();
+            assert_eq!(g_s.download(stored.backend(), g).unwrap(), want, "{name} {g}");
+        }
+        // the values: the f32 weights rounded to nearest once
+        let (w_c, w_s) = (copied.to_weights().unwrap(), stored.to_weights().unwrap());
+        let round = |v: &[f32]| -> Vec<f32> {
+            v.iter()
+                .map(|&x| MatmulPrecision::Bf16.round(x))
+                .collect()
+        };
+        assert_eq!(w_s.layers[1].v_proj.data, round(&w_c.layers[1].v_proj.data));
+        assert_eq!(w_s.embed_tokens.data, w_c.embed_tokens.data, "kept in f32");
+        let last = stored.trainable_buffers().len() - 1;
+        assert_eq!(
+            stored.read_trainable(last).unwrap(),
+            round(&copied.read_trainable(last).unwrap())
+        );
+        assert!(matches!(
+            stored.set_bf16_weights(false),
+            Err(ModelError::Bf16Weights { .. })
+        ));
+        // back to f32: the same numbers, the f32 buffers again
+        stored.set_weight_storage(WeightStorage::F32).unwrap();
+        assert_eq!(stored.weight_bytes(), copied.weight_bytes());
+        assert_eq!(stored.to_weights().unwrap().layers[1].v_proj.data, w_s.layers[1].v_proj.data);
+    }
+}
+
+/// AdamW on weights stored in bf16 rounds each update stochastically, so at an RL
+/// learning rate (1e-6, a step ~1e-6 against a half ulp of ~6e-5 at these weights' size)
+/// the weights move as the f32 master does on average — where rounding the f32 result to
+/// nearest (what a bf16 weight updated without it gets) moves none of them. The draws
+/// follow the seed: the same seed gives the same bits, another seed other bits.
+#[test]
+fn bf16_weights_take_updates_below_half_an_ulp() {
+    use ares_model::model::WeightStorage;
+    const STEPS: usize = 8;
+    let lr = 1e-6;
+    let mut master = model("qwen2_tiny");
+    let stored = |seed| {
+        let mut m = model("qwen2_tiny");
+        m.set_weight_storage(WeightStorage::Bf16).unwrap();
+        let mut opt = AdamW::new(&m, AdamWConfig::default()).unwrap();
+        opt.set_rounding_seed(seed);
+        (m, opt)
+    };
+    let (mut a, mut opt_a) = stored(7);
+    let (mut b, mut opt_b) = stored(7);
+    let (mut c, mut opt_c) = stored(8);
+    let mut opt_m = AdamW::new(&master, AdamWConfig::default()).unwrap();
+    // every linear weight, flattened
+    let linear = |m: &Model<CpuBackend>| -> Vec<f32> {
+        let w = m.to_weights().unwrap();
+        w.layers
+            .iter()
+            .flat_map(|l| {
+                [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj]
+                    .into_iter()
+                    .flat_map(|t| t.data.iter().copied())
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let start = linear(&master);
+    // a bf16 weight that takes each f32 update rounded to nearest
+    let r = |x: f32| MatmulPrecision::Bf16.round(x);
+    let mut nearest: Vec<f32> = start.iter().map(|&x| r(x)).collect();
+    // fixed gradients of both signs, the same for every model and step
+    let fill = |m: &Model<CpuBackend>, step: usize| {
+        let mut g = m.grads().unwrap();
+        for (i, buf) in g.buffers_mut().into_iter().enumerate() {
+            let v: Vec<f32> = (0..buf.len())
+                .map(|j| (((j * 7919 + i * 104_729 + step * 31) % 2001) as f32 - 1000.0) * 1e-3)
+                .collect();
+            m.backend().upload(&v, ViewMut::whole(buf)).unwrap();
+        }
+        g
+    };
+    for step in 0..STEPS {
+        let g = fill(&master, step);
+        let before = linear(&master);
+        assert!(opt_m.step(&mut master, &g, lr, None).unwrap().applied);
+        for ((w, &x0), x1) in nearest.iter_mut().zip(&before).zip(linear(&master)) {
+            *w = r(*w + (x1 - x0));
+        }
+        for (m, o) in [(&mut a, &mut opt_a), (&mut b, &mut opt_b), (&mut c, &mut opt_c)] {
+            let g = fill(m, step);
+            assert!(o.step(m, &g, lr, None).unwrap().applied);
+        }
+    }
+    let end = linear(&master);
+    let (wa, wb, wc) = (linear(&a), linear(&b), linear(&c));
+    assert_eq!(wa, wb, "the same seed, the same bits");
+    assert_ne!(wa, wc, "another seed, other draws");
+    // the f32 master's displacement Σ|Δ|, and each bf16 weight's along it, Σ Δ_bf16·sign(Δ)
+    let (mut travelled, mut along, mut along_nearest) = (0.0f64, 0.0f64, 0.0f64);
+    for (j, (&s0, &s1)) in start.iter().zip(&end).enumerate() {
+        let d = f64::from(s1) - f64::from(s0);
+        let from = f64::from(r(s0));
+        travelled += d.abs();
+        along += (f64::from(wa[j]) - from) * d.signum();
+        along_nearest += (f64::from(nearest[j]) - from) * d.signum();
+    }
+    let (ratio, ratio_nearest) = (along / travelled, along_nearest / travelled);
+    eprintln!(
+        "{} weights, {STEPS} steps at lr {lr:e}: f32 travelled {travelled:.3e}; bf16 along it: \
+         stochastic {ratio:.3}×, to nearest {ratio_nearest:.3}×",
+        start.len()
+    );
+    assert!((0.9..1.1).contains(&ratio), "stochastic: {ratio}");
+    // to nearest, only weights within a few 1e-6 of 0 (ulp < 2·step) move at all
+    assert!(ratio_nearest < 0.05, "to nearest: {ratio_nearest}");
+}

@@ -116,6 +116,73 @@ pub fn round_to_bf16(src: &[f32], dst: &mut [u16]) -> crate::Result<()> {
     Ok(())
 }
 
+/// Each bf16 element of `src` (bits) widened to f32 into `dst`: exact.
+///
+/// # Errors
+/// `dst` of another length than `src`.
+pub fn widen_bf16(src: &[u16], dst: &mut [f32]) -> crate::Result<()> {
+    crate::error::check_len("dst", src.len(), dst.len())?;
+    map_elements(src, dst, |b| f32::from_bits(u32::from(b) << 16));
+    Ok(())
+}
+
+/// The 16 random bits that [`bf16_stochastic`] adds to element `index` of a tensor rounded
+/// under `key`: SplitMix64's output function of `key ⊕ index·φ` (φ = 0x9E37_79B9_7F4A_7C15),
+/// low 16 bits. A counter-based generator: any element's bits follow from `(key, index)`
+/// alone, so a kernel may round the elements in any order or split, and a run resumed from
+/// a checkpoint draws what the uninterrupted run drew.
+#[inline]
+pub const fn rounding_bits(key: u64, index: u64) -> u32 {
+    let mut z = key ^ index.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    ((z ^ (z >> 31)) & 0xffff) as u32
+}
+
+/// `x` rounded to bf16 **stochastically** with the random bits `r` (< 2¹⁶): its magnitude
+/// rounds away from zero with probability (dropped bits)/2¹⁶, toward zero otherwise, so the
+/// rounding is unbiased (`E[bf16] = x` for uniform `r`) where round-to-nearest always drops
+/// an update smaller than half an ulp — AdamW's step at a learning rate of 1e-6 on a weight
+/// near 1 is ~1e-6, against bf16's half ulp of 2⁻⁹ ≈ 2e-3 (`docs/training.md`, bf16
+/// weights). bf16 values come back unchanged; ±∞ stays; NaN stays a quiet NaN; the largest
+/// finite values may round to ∞, as their upward neighbour is.
+#[inline]
+pub const fn bf16_stochastic(x: f32, r: u32) -> u16 {
+    let bits = x.to_bits();
+    if bits & 0x7fff_ffff > 0x7f80_0000 {
+        return ((bits | 0x0040_0000) >> 16) as u16;
+    }
+    // |x| + r·2⁻¹⁶ ulp, truncated: the carry reaches the kept bits with the dropped bits'
+    // probability; the sign bit is never reached (∞ + r is below 0x7f81_0000)
+    (bits.wrapping_add(r & 0xffff) >> 16) as u16
+}
+
+/// Each element `i` of `src` rounded to bf16 by [`bf16_stochastic`] with
+/// [`rounding_bits`]`(key, i)`, its bits into `dst`: a weight stored in bf16 written by its
+/// optimizer step (`ares_model`'s bf16 weights).
+///
+/// # Errors
+/// `dst` of another length than `src`.
+pub fn round_to_bf16_stochastic(src: &[f32], key: u64, dst: &mut [u16]) -> crate::Result<()> {
+    crate::error::check_len("dst", src.len(), dst.len())?;
+    const CHUNK: usize = 1 << 16;
+    let fill = |(c, (d, s)): (usize, (&mut [u16], &[f32]))| {
+        let first = (c * CHUNK) as u64;
+        for (j, (d, &s)) in d.iter_mut().zip(s).enumerate() {
+            *d = bf16_stochastic(s, rounding_bits(key, first + j as u64));
+        }
+    };
+    if src.len() >= CHUNK {
+        dst.par_chunks_mut(CHUNK)
+            .zip(src.par_chunks(CHUNK))
+            .enumerate()
+            .for_each(fill);
+    } else {
+        fill((0, (dst, src)));
+    }
+    Ok(())
+}
+
 /// `x` rounded to nearest (ties to even) with its low `drop` bits cleared; NaN stays a
 /// (quiet) NaN.
 #[inline]
@@ -200,6 +267,94 @@ mod tests {
             }
             x *= 1.37;
         }
+    }
+
+    #[test]
+    fn stochastic_rounding_by_hand() {
+        // 1 + 2⁻⁹ lies a quarter of the way from 1 to 1 + 2⁻⁷: its dropped bits are 0x4000
+        let x = 1.0 + 2f32.powi(-9);
+        let (lo, hi) = (0x3f80u16, 0x3f81u16);
+        assert_eq!(bf16_stochastic(x, 0), lo);
+        assert_eq!(bf16_stochastic(x, 0xbfff), lo);
+        assert_eq!(bf16_stochastic(x, 0xc000), hi);
+        assert_eq!(bf16_stochastic(x, 0xffff), hi);
+        // the sign is kept and the magnitude rounds alike
+        assert_eq!(bf16_stochastic(-x, 0xc000), hi | 0x8000);
+        // a bf16 value is never moved, whatever the bits
+        for r in [0, 1, 0x8000, 0xffff] {
+            assert_eq!(bf16_stochastic(1.5, r), 0x3fc0);
+            assert_eq!(bf16_stochastic(0.0, r), 0);
+            assert_eq!(bf16_stochastic(-0.0, r), 0x8000);
+            assert_eq!(bf16_stochastic(f32::INFINITY, r), 0x7f80);
+            assert_eq!(bf16_stochastic(f32::NEG_INFINITY, r), 0xff80);
+            // a NaN whose payload lies only in the dropped bits stays a NaN
+            let nan = bf16_stochastic(f32::from_bits(0x7f80_0001), r);
+            assert!(f32::from_bits(u32::from(nan) << 16).is_nan());
+        }
+        // only bits below 2¹⁶ count
+        assert_eq!(bf16_stochastic(x, 0x1_0000), lo);
+        // past the largest finite bf16, up is ∞
+        assert_eq!(bf16_stochastic(f32::MAX, 0xffff), 0x7f80);
+    }
+
+    #[test]
+    fn stochastic_rounding_is_unbiased() {
+        // many draws of a value between two bf16 neighbours average to the value, where
+        // round-to-nearest is off by its distance to the nearer one
+        let key = 0x5eed;
+        for x in [1.0 + 2f32.powi(-9), 1.0 + 1e-6, -3.0e-5, 7.0e3 + 1.0] {
+            let n = 1u64 << 16;
+            let mean = (0..n)
+                .map(|i| {
+                    let b = bf16_stochastic(x, rounding_bits(key, i));
+                    f64::from(f32::from_bits(u32::from(b) << 16))
+                })
+                .sum::<f64>()
+                / n as f64;
+            let ulp = f64::from(f32::from_bits((x.abs().to_bits() & 0xffff_0000) + 0x1_0000))
+                - f64::from(f32::from_bits(x.abs().to_bits() & 0xffff_0000));
+            // the mean of n Bernoulli draws: ±4σ ≤ 4·ulp/(2√n)
+            let tol = 2.0 * ulp / (n as f64).sqrt();
+            assert!(
+                (mean - f64::from(x)).abs() <= tol,
+                "{x:e}: mean {mean:e}, tolerance {tol:e}"
+            );
+        }
+    }
+
+    #[test]
+    fn rounding_bits_are_uniform_and_keyed() {
+        // 16 bins of the top 4 bits over 2¹⁶ indices: each within 5 % of its share
+        let mut bins = [0u32; 16];
+        for i in 0..1u64 << 16 {
+            bins[(rounding_bits(42, i) >> 12) as usize] += 1;
+        }
+        assert!(bins.iter().all(|&b| (3891..=4301).contains(&b)), "{bins:?}");
+        // another key draws other bits
+        let same = (0..1000u64)
+            .filter(|&i| rounding_bits(42, i) == rounding_bits(43, i))
+            .count();
+        assert!(same < 10, "{same} of 1000 equal");
+    }
+
+    #[test]
+    fn slices_round_and_widen() {
+        let src: Vec<f32> = (0..200_000).map(|i| 1.0 + i as f32 * 1e-7).collect();
+        let mut bits = vec![0u16; src.len()];
+        round_to_bf16_stochastic(&src, 9, &mut bits).unwrap();
+        // element i uses rounding_bits(9, i) whatever the chunk it falls in
+        for i in [0, 1, 65_535, 65_536, 199_999] {
+            assert_eq!(bits[i], bf16_stochastic(src[i], rounding_bits(9, i as u64)));
+        }
+        let mut back = vec![0.0f32; src.len()];
+        widen_bf16(&bits, &mut back).unwrap();
+        assert!(src.iter().zip(&back).all(|(&x, &y)| (x - y).abs() <= 2f32.powi(-7)));
+        // widening then rounding a bf16 value gives it back, under any key
+        let mut again = vec![0u16; src.len()];
+        round_to_bf16_stochastic(&back, 77, &mut again).unwrap();
+        assert_eq!(again, bits);
+        assert!(round_to_bf16_stochastic(&src, 0, &mut again[..3]).is_err());
+        assert!(widen_bf16(&bits[..2], &mut back).is_err());
     }
 
     #[test]

@@ -174,6 +174,53 @@ impl ModelOps {
         Ok(())
     }
 
+    /// `y = x` rounded to bf16 stochastically, element `i` with the random bits of
+    /// `(key, i)` (twin of `ares_cpu::ops::precision::round_to_bf16_stochastic`): a weight
+    /// stored in bf16 written back by its optimizer step.
+    ///
+    /// # Errors
+    /// Lengths that differ, a launch failure.
+    pub fn to_bf16_stochastic(
+        &self,
+        x: &CudaView<'_, f32>,
+        key: u64,
+        y: &mut CudaViewMut<'_, u16>,
+    ) -> Result<()> {
+        const K: &str = "f32_to_bf16_stochastic";
+        let n = x.len();
+        check_len(K, "y", n, y.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = i64_of(K, "len", n)?;
+        let mut l = self.stream.launch_builder(&self.f.to_bf16_stochastic);
+        l.arg(x).arg(y).arg(&n64).arg(&key);
+        // SAFETY: (x, y, n, key) as `f32_to_bf16_stochastic` declares them; both hold n
+        // elements.
+        unsafe { l.launch(element_cfg(n)) }.during(K)?;
+        Ok(())
+    }
+
+    /// `y = x` widened from bf16 bits to f32 (exact; twin of
+    /// `ares_cpu::ops::precision::widen_bf16`).
+    ///
+    /// # Errors
+    /// Lengths that differ, a launch failure.
+    pub fn from_bf16(&self, x: &CudaView<'_, u16>, y: &mut CudaViewMut<'_, f32>) -> Result<()> {
+        const K: &str = "bf16_to_f32";
+        let n = x.len();
+        check_len(K, "y", n, y.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = i64_of(K, "len", n)?;
+        let mut l = self.stream.launch_builder(&self.f.from_bf16);
+        l.arg(x).arg(y).arg(&n64);
+        // SAFETY: (x, y, n) as `bf16_to_f32` declares them; both hold n elements.
+        unsafe { l.launch(element_cfg(n)) }.during(K)?;
+        Ok(())
+    }
+
     /// SwiGLU `out = silu(gate)·up` (twin of `ares_cpu::ops::swiglu::swiglu_forward`).
     ///
     /// # Errors

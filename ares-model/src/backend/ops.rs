@@ -476,6 +476,31 @@ macro_rules! declared_ops {
                 dst: Out<bf16>,
             ) cpu kernels::round_bf16, cuda to_bf16;
 
+            /// Rounds each element `i` of `src` to bf16 **stochastically** into `dst`: up or
+            /// down with the probabilities that make the rounding unbiased, from 16 random
+            /// bits that depend on `(key, i)` alone
+            /// (`ares_cpu::ops::precision::round_to_bf16_stochastic`): a weight stored in bf16
+            /// written back by its optimizer step, where rounding to nearest would drop every
+            /// update below half an ulp.
+            ///
+            /// # Errors
+            /// Lengths that differ; `dst` not bf16.
+            fn round_bf16_stochastic(
+                src: In<f32>,
+                key: u64,
+                dst: Out<bf16>,
+            ) cpu ares_cpu::ops::precision::round_to_bf16_stochastic, cuda to_bf16_stochastic;
+
+            /// Widens each bf16 element of `src` to f32 into `dst` (exact; same length): a
+            /// weight stored in bf16 read by its optimizer step or saved.
+            ///
+            /// # Errors
+            /// Lengths that differ; `src` not bf16.
+            fn widen_bf16(
+                src: In<bf16>,
+                dst: Out<f32>,
+            ) cpu ares_cpu::ops::precision::widen_bf16, cuda from_bf16;
+
             /// Copies the bf16 elements `src` into `dst` (same length): blocks of a bf16 KV
             /// pool.
             ///

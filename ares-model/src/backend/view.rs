@@ -153,6 +153,19 @@ impl<'a, T: ?Sized> View<'a, T> {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// The elements `[start, start + len)` of this view.
+    ///
+    /// # Errors
+    /// [`BackendError::ViewOutOfBounds`] if they do not all lie in the view.
+    pub fn slice(&self, start: usize, len: usize) -> Result<Self, BackendError> {
+        check_bounds(start, len, self.len)?;
+        Ok(Self {
+            buffer: self.buffer,
+            offset: self.offset + start,
+            len,
+        })
+    }
 }
 
 /// A writable view of `len` elements of `buffer` starting at `offset`.
@@ -219,6 +232,19 @@ impl<'a, T: ?Sized> ViewMut<'a, T> {
         self.len == 0
     }
 
+    /// The elements `[start, start + len)` of this view, writable while this borrow lasts.
+    ///
+    /// # Errors
+    /// [`BackendError::ViewOutOfBounds`] if they do not all lie in the view.
+    pub fn slice_mut(&mut self, start: usize, len: usize) -> Result<ViewMut<'_, T>, BackendError> {
+        check_bounds(start, len, self.len)?;
+        Ok(ViewMut {
+            buffer: &mut *self.buffer,
+            offset: self.offset + start,
+            len,
+        })
+    }
+
     /// The same window, read-only (while this borrow lasts).
     pub fn as_view(&self) -> View<'_, T> {
         View {
@@ -255,5 +281,12 @@ mod tests {
         assert!(ViewMut::item(&mut buf, 2, 5).is_err());
         let v = ViewMut::item(&mut buf, 1, 5).map(|v| (v.offset(), v.as_view().len()));
         assert_eq!(v.ok(), Some((5, 5)));
+        // slices are offsets within the view, checked against it
+        let w = View::new(&buf, 2, 6).unwrap();
+        assert_eq!(w.slice(1, 5).map(|v| (v.offset(), v.len())).ok(), Some((3, 5)));
+        assert!(w.slice(2, 5).is_err());
+        let mut m = ViewMut::new(&mut buf, 4, 4).unwrap();
+        assert_eq!(m.slice_mut(3, 1).map(|v| v.offset()).ok(), Some(7));
+        assert!(m.slice_mut(0, 5).is_err());
     }
 }

@@ -12,10 +12,19 @@
 //!
 //! Whatever writes the f32 weights refreshes the copy before the next product reads it:
 //! [`AdamW::step`](super::AdamW::step), [`Model::write_trainable`], [`Model::merge_lora`].
+//!
+//! **Weights stored in bf16** ([`Model::set_weight_storage`], [`WeightStorage::Bf16`]): the
+//! copies of the seven linear stacks become the weights and their f32 buffers are freed —
+//! 2 bytes a linear weight instead of 4 (+ 2). The embedding, the LM head, the norms and the
+//! biases keep f32 masters (and the LM head its copy). Every product of a linear layer then
+//! reads the bf16 weight, whatever its rows; AdamW updates such a weight through an f32
+//! scratch, one layer at a time, and rounds it back **stochastically**
+//! ([`Backend::round_bf16_stochastic`]) — an RL step of 1e-6 is far below bf16's half ulp
+//! (2⁻⁹ at 1) and rounding to nearest would drop it every time.
 
 use super::weights::{DeviceWeights, HalfStack, Stack};
 use super::{Model, ModelError};
-use crate::backend::{Backend, View};
+use crate::backend::{Backend, DeviceBuffer, View};
 
 /// The bf16 copies, one per linear weight stack, `[layers, out, in]` as the f32 stack.
 pub(crate) struct Bf16Weights<B: Backend> {
@@ -28,6 +37,29 @@ pub(crate) struct Bf16Weights<B: Backend> {
     pub(crate) down: HalfStack<B>,
     /// `[vocab, hidden]`: the LM head, or the embedding it is tied to (one layer).
     pub(crate) lm_head: HalfStack<B>,
+    /// The seven linear copies are the weights (their f32 stacks released):
+    /// [`WeightStorage::Bf16`].
+    pub(crate) master: bool,
+}
+
+/// How a [`Model`] stores its linear layers' weights ([`Model::set_weight_storage`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum WeightStorage {
+    /// f32 (the optimizer's master), with or without bf16 copies for bf16 products.
+    #[default]
+    F32,
+    /// bf16 only: half the memory of the linear weights, stochastic rounding in the update.
+    Bf16,
+}
+
+impl WeightStorage {
+    /// The configuration name: `f32` or `bf16`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        }
+    }
 }
 
 impl<B: Backend> Bf16Weights<B> {
@@ -44,7 +76,16 @@ impl<B: Backend> Bf16Weights<B> {
             up: copy(&w.up)?,
             down: copy(&w.down)?,
             lm_head: HalfStack::rounded(be, head, head.len())?,
+            master: false,
         })
+    }
+
+    /// The seven linear copies (q, k, v, o, gate, up, down), in
+    /// [`DeviceWeights::linear_stacks_mut`]'s order.
+    pub(crate) fn linear(&self) -> [&HalfStack<B>; 7] {
+        [
+            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
+        ]
     }
 
     /// Rounds the f32 weights of `w` into the copies again: all of them, or with `only` the
@@ -67,7 +108,9 @@ impl<B: Backend> Bf16Weights<B> {
             (head, &mut self.lm_head),
         ];
         for (src, copy) in pairs {
-            if only.is_none_or(|o| std::ptr::eq(o, src)) {
+            // a released stack's copy is the weight itself: nothing to round from
+            let released = src.is_empty() && !copy.whole().is_empty();
+            if !released && only.is_none_or(|o| std::ptr::eq(o, src)) {
                 copy.round_from(be, View::whole(src))?;
             }
         }
@@ -93,6 +136,34 @@ impl<B: Backend> Bf16Weights<B> {
             .into_iter()
             .map(|b| sources.iter().position(|s| std::ptr::eq(*s, b)))
             .collect()
+    }
+
+    /// Copy `k` in [`Bf16Weights::copy_indices`]'s numbering (7 and past: the LM head).
+    pub(crate) fn by_index(&self, k: usize) -> &HalfStack<B> {
+        match k {
+            0 => &self.q,
+            1 => &self.k,
+            2 => &self.v,
+            3 => &self.o,
+            4 => &self.gate,
+            5 => &self.up,
+            6 => &self.down,
+            _ => &self.lm_head,
+        }
+    }
+
+    /// Copy `k`, writable.
+    pub(crate) fn by_index_mut(&mut self, k: usize) -> &mut HalfStack<B> {
+        match k {
+            0 => &mut self.q,
+            1 => &mut self.k,
+            2 => &mut self.v,
+            3 => &mut self.o,
+            4 => &mut self.gate,
+            5 => &mut self.up,
+            6 => &mut self.down,
+            _ => &mut self.lm_head,
+        }
     }
 
     /// The copies' bits, writable, in [`Bf16Weights::copy_indices`]'s numbering.
@@ -146,12 +217,89 @@ impl<B: Backend> Model<B> {
     /// # Errors
     /// A backend failure (the copies could not be allocated).
     pub fn set_bf16_weights(&mut self, on: bool) -> Result<(), ModelError> {
+        if self.weight_storage() == WeightStorage::Bf16 {
+            return match on {
+                true => Ok(()),
+                false => Err(ModelError::Bf16Weights {
+                    what: "dropping the bf16 weight copies",
+                }),
+            };
+        }
         self.bf16_weights = if on {
             Some(Bf16Weights::new(&self.backend, &self.weights)?)
         } else {
             None
         };
         Ok(())
+    }
+
+    /// Stores the linear layers' weights (q, k, v, o, gate, up, down of every layer) in
+    /// `storage`. [`WeightStorage::Bf16`] rounds them to bf16 (nearest, ties to even) as the
+    /// weights and frees their f32 buffers: half their memory, and no f32 master — every
+    /// product of those layers reads the bf16 weight (at any number of rows, whatever
+    /// [`Model::set_matmul_precision`] says; the LM head follows the precision as before),
+    /// and [`AdamW`](super::AdamW) updates them with stochastic rounding. Generation,
+    /// export ([`Model::to_weights`]: the bf16 values widened, exact), LoRA and the
+    /// data-parallel host exchange read them widened. [`WeightStorage::F32`] widens them
+    /// back (exact) into f32 weights, keeping the copies.
+    ///
+    /// # Errors
+    /// A backend failure (the copies or the f32 buffers could not be allocated).
+    pub fn set_weight_storage(&mut self, storage: WeightStorage) -> Result<(), ModelError> {
+        if storage == self.weight_storage() {
+            return Ok(());
+        }
+        match storage {
+            WeightStorage::Bf16 => {
+                if self.bf16_weights.is_none() {
+                    self.set_bf16_weights(true)?;
+                }
+                let be = &self.backend;
+                for stack in self.weights.linear_stacks_mut() {
+                    stack.release(be)?;
+                }
+                if let Some(c) = self.bf16_weights.as_mut() {
+                    c.master = true;
+                }
+            }
+            WeightStorage::F32 => {
+                let be = &self.backend;
+                let Some(copies) = self.bf16_weights.as_mut() else {
+                    return Ok(());
+                };
+                let stacks = self.weights.linear_stacks_mut();
+                for (stack, copy) in stacks.into_iter().zip(copies.linear()) {
+                    let widened = copy.widened(be)?;
+                    stack.restore(widened.into_buffer())?;
+                }
+                copies.master = false;
+            }
+        }
+        Ok(())
+    }
+
+    /// The bf16 weight of the base weights' buffer `buffer` (in [`DeviceWeights::buffers`]
+    /// order) when the model stores it in bf16 only.
+    pub(crate) fn stored_bf16(&self, buffer: usize) -> Option<&HalfStack<B>> {
+        let copies = self.bf16_weights.as_ref().filter(|c| c.master)?;
+        let k = copies.copy_indices(&self.weights).get(buffer).copied().flatten()?;
+        let released = self.weights.buffers().get(buffer)?.is_empty();
+        released.then(|| copies.by_index(k))
+    }
+
+    /// How the linear layers' weights are stored ([`Model::set_weight_storage`]).
+    pub fn weight_storage(&self) -> WeightStorage {
+        match self.bf16_weights.as_ref().is_some_and(|c| c.master) {
+            true => WeightStorage::Bf16,
+            false => WeightStorage::F32,
+        }
+    }
+
+    /// Bytes the model's weights hold on the device: the f32 buffers (none for linear
+    /// weights stored in bf16) and the bf16 copies or weights (LoRA pairs not counted).
+    pub fn weight_bytes(&self) -> u64 {
+        let f32s: u64 = self.weights.buffers().iter().map(|b| b.len() as u64).sum();
+        4 * f32s + self.bf16_weight_bytes()
     }
 
     /// Bytes held by the bf16 weight copies (0 without them: [`Model::set_bf16_weights`]).

@@ -17,6 +17,7 @@
 //! while generating.
 
 use super::lora::{Lora, Target};
+use super::bf16_weights::Bf16Weights;
 use super::weights::{DeviceWeights, HalfStack, Stack};
 use super::{ModelError, ModelSpec};
 use crate::backend::{Backend, Tensor, View, ViewMut};
@@ -128,7 +129,9 @@ impl<B: Backend> DecodeWeights<B> {
     /// layer by layer): generation runs the adapted model at the base model's cost. No
     /// copy where the backend multiplies the training layout as fast
     /// ([`Backend::decodes_from_training_weights`]) and nothing is merged: in f32 the
-    /// training weights, in bf16 their copies when the model keeps them (`bf16_copies`).
+    /// training weights, in bf16 their copies when the model keeps them (`copies`). Weights
+    /// stored in bf16 ([`WeightStorage::Bf16`](super::WeightStorage::Bf16)) are widened
+    /// from their copies, a stack at a time.
     ///
     /// # Errors
     /// A backend failure.
@@ -138,8 +141,9 @@ impl<B: Backend> DecodeWeights<B> {
         w: &DeviceWeights<B>,
         lora: Option<&Lora<B>>,
         dtype: WeightDtype,
-        bf16_copies: bool,
+        copies: Option<&Bf16Weights<B>>,
     ) -> Result<Self, ModelError> {
+        let bf16_copies = copies.is_some();
         let fast = backend.decodes_from_training_weights();
         // Some(in bf16): no copy
         let shared = match dtype {
@@ -182,7 +186,14 @@ impl<B: Backend> DecodeWeights<B> {
         let lm_head = Stack::new(lm_head, c * v);
         // `[out, in]` weights of `target` transposed, the pairs added
         let t = |target: Target, stack: &Stack<B>, out, inp| -> Result<Stack<B>, ModelError> {
-            let mut wt = stack.transposed(backend, out, inp)?;
+            let mut wt = match copies.filter(|_| stack.is_released()) {
+                // stored in bf16: widened first (exact)
+                Some(c) => {
+                    let w = c.by_index(target as usize).widened(backend)?;
+                    w.transposed(backend, out, inp)?
+                }
+                None => stack.transposed(backend, out, inp)?,
+            };
             if let Some(lora) = lora {
                 lora.add_delta(backend, spec, target, &mut wt, true)?;
             }

@@ -163,6 +163,16 @@ pub enum ModelError {
         /// What is wrong, naming the field or tensor.
         message: String,
     },
+    /// An f32 use of a linear weight that the model stores in bf16 only
+    /// ([`Model::set_weight_storage`](super::Model::set_weight_storage)).
+    #[error(
+        "{what}: the model's linear weights are stored in bf16 only (weight storage bf16), \
+         without f32 values"
+    )]
+    Bf16Weights {
+        /// The use.
+        what: &'static str,
+    },
     /// Converting to or writing the Hugging Face checkpoint failed.
     #[error(transparent)]
     Hf(#[from] crate::hf::HfError),

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use super::{Model, ModelError, ModelSpec};
-use crate::backend::Backend;
+use crate::backend::{Backend, View, ViewMut};
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::config::ModelConfig;
 use crate::hf::generation::GenerationConfig;
@@ -81,12 +81,35 @@ impl<B: Backend> Model<B> {
     pub fn to_weights(&self) -> Result<ModelWeights, ModelError> {
         let mut map = HashMap::new();
         for (name, shape) in expected_tensors(&self.config) {
-            let t = self.weights.tensor(&name)?;
-            let mut data = vec![0.0f32; t.len()];
-            self.backend.download(t, &mut data)?;
+            let data = self.download_parameter(&name)?;
             map.insert(name, Tensor { shape, data });
         }
         Ok(ModelWeights::from_map(&self.config, map)?)
+    }
+
+    /// The parameter with Hugging Face name `name` on the host, in f32 (a weight stored in
+    /// bf16 widened, exact).
+    ///
+    /// # Errors
+    /// An unknown name; a backend failure.
+    pub(crate) fn download_parameter(&self, name: &str) -> Result<Vec<f32>, ModelError> {
+        let (buffer, layer) = self.weights.buffer_item(name)?;
+        let mut data;
+        match self.stored_bf16(buffer) {
+            Some(c) => {
+                let t = c.layer(layer)?;
+                let mut widened = self.backend.alloc(t.len())?;
+                self.backend.widen_bf16(t, ViewMut::whole(&mut widened))?;
+                data = vec![0.0f32; t.len()];
+                self.backend.download(View::whole(&widened), &mut data)?;
+            }
+            None => {
+                let t = self.weights.tensor(name)?;
+                data = vec![0.0f32; t.len()];
+                self.backend.download(t, &mut data)?;
+            }
+        }
+        Ok(data)
     }
 
     /// Writes this model as a Hugging Face checkpoint directory `dir`: `model.safetensors`

@@ -510,7 +510,7 @@ impl<B: Backend> Model<B> {
                 &self.weights,
                 self.active_lora_params(),
                 dtype,
-                self.bf16_weights.is_some(),
+                self.bf16_weights.as_ref(),
             )?,
             batching: true,
             max_prefill_tokens: None,

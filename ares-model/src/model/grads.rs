@@ -122,6 +122,13 @@ impl<B: Backend> Model<B> {
     /// # Errors
     /// No such buffer; a backend failure.
     pub fn read_trainable(&self, buffer: usize) -> Result<Vec<f32>, ModelError> {
+        if let Some(copy) = self.trained_bf16(buffer) {
+            // a weight stored in bf16: its values widened (exact)
+            let widened = copy.widened(&self.backend)?;
+            let mut out = vec![0.0f32; widened.len()];
+            self.backend.download(widened.whole(), &mut out)?;
+            return Ok(out);
+        }
         let all = self.trainable();
         let b = all.get(buffer).ok_or(ModelError::LayoutMismatch {
             what: "trainable buffer index",
@@ -131,12 +138,36 @@ impl<B: Backend> Model<B> {
         Ok(out)
     }
 
+    /// The bf16 weight of trainable buffer `buffer` when the model stores it in bf16 only
+    /// (never under LoRA, which trains f32 pairs).
+    fn trained_bf16(&self, buffer: usize) -> Option<&super::weights::HalfStack<B>> {
+        self.lora.is_none().then(|| self.stored_bf16(buffer)).flatten()
+    }
+
     /// Sets trainable buffer `buffer` from the host (a data-parallel rank receiving what
     /// another rank's optimizer updated).
     ///
     /// # Errors
     /// No such buffer, a length other than its; a backend failure.
     pub fn write_trainable(&mut self, buffer: usize, values: &[f32]) -> Result<(), ModelError> {
+        if let Some(n) = self.trained_bf16(buffer).map(|c| c.len()) {
+            // a weight stored in bf16 receives bf16 values (another rank's update): rounding
+            // to nearest gives them back exactly
+            if n != values.len() {
+                return Err(ModelError::LayoutMismatch {
+                    what: "trainable buffer (index or length)",
+                });
+            }
+            let mut f32s = self.backend.alloc(n)?;
+            self.backend.upload(values, ViewMut::whole(&mut f32s))?;
+            let copies = self.bf16_weights.as_mut().ok_or(ModelError::LayoutMismatch {
+                what: "bf16 weights",
+            })?;
+            let k = copies.copy_indices(&self.weights)[buffer].ok_or(ModelError::LayoutMismatch {
+                what: "bf16 weights",
+            })?;
+            return copies.by_index_mut(k).round_from(&self.backend, View::whole(&f32s));
+        }
         let mut all = match &mut self.lora {
             Some(l) => l.params.buffers_mut(),
             None => self.weights.buffers_mut(),
@@ -161,6 +192,13 @@ impl<B: Backend> Model<B> {
         &mut self,
         write: impl FnOnce(&mut [&mut B::Buffer]) -> Result<Vec<usize>, ModelError>,
     ) -> Result<(), ModelError> {
+        if self.weight_storage() == super::WeightStorage::Bf16 && self.lora.is_none() {
+            // the f32 buffers of the linear layers are empty: a transport writing them
+            // would move nothing
+            return Err(ModelError::Bf16Weights {
+                what: "a device-side exchange of updated weights",
+            });
+        }
         let mut all = match &mut self.lora {
             Some(l) => l.params.buffers_mut(),
             None => self.weights.buffers_mut(),
@@ -183,6 +221,15 @@ impl<B: Backend> Model<B> {
         match &self.lora {
             Some(l) => l.params.buffers(),
             None => self.weights.buffers(),
+        }
+    }
+
+    /// The length of each of [`Model::trainable`]'s buffers, as the gradients and moments
+    /// have it (a linear stack stored in bf16 has an empty f32 buffer: its bf16 length).
+    pub(crate) fn trainable_lens(&self) -> Vec<usize> {
+        match &self.lora {
+            Some(l) => l.params.buffers().iter().map(|b| b.len()).collect(),
+            None => self.weights.buffer_lens(),
         }
     }
 
@@ -228,7 +275,7 @@ impl<B: Backend> Model<B> {
 
     /// Whether `grads` were made for this model's trained parameters.
     pub(crate) fn fits_grads(&self, grads: &Grads<B>) -> bool {
-        let (a, b) = (self.trainable(), grads.buffers());
-        a.len() == b.len() && a.iter().zip(&b).all(|(x, y)| x.len() == y.len())
+        let (a, b) = (self.trainable_lens(), grads.buffers());
+        a.len() == b.len() && a.iter().zip(&b).all(|(&x, y)| x == y.len())
     }
 }

@@ -28,8 +28,12 @@ pub(crate) struct Linear<'a, B: Backend> {
     pub(crate) w: Tensor<'a, B>,
     /// `[in, out]`: the transposed copy generation multiplies by ([`DecodeWeights`]).
     pub(crate) wt: Option<DecodeView<'a, B>>,
-    /// `[out, in]` in bf16: the copy the bf16 products read ([`Model::set_bf16_weights`]).
+    /// `[out, in]` in bf16: the copy the bf16 products read ([`Model::set_bf16_weights`]),
+    /// or the weight itself when the model stores it in bf16 (`w` then empty).
     pub(crate) w16: Option<View<'a, B::Half>>,
+    /// The weight is stored in bf16 only ([`Model::set_weight_storage`]): every product
+    /// reads `w16`.
+    pub(crate) stored_bf16: bool,
     /// `[out]`, where the architecture has one.
     pub(crate) bias: Option<Tensor<'a, B>>,
     /// Rows, in and out features, precision.
@@ -41,7 +45,7 @@ impl<'a, B: Backend> Linear<'a, B> {
     /// rows) and the model keeps one: the op that reads it gives the numbers of rounding `w`.
     fn bf16_weight(&self) -> Option<View<'a, B::Half>> {
         let bf16 = self.dims.precision.for_rows(self.dims.rows) == MatmulPrecision::Bf16;
-        self.w16.filter(|_| bf16)
+        self.w16.filter(|_| bf16 || self.stored_bf16)
     }
 }
 
@@ -168,9 +172,15 @@ fn linear<'a, B: Backend>(
     bias: &'a Option<Stack<B>>,
     dims: LinearDims,
 ) -> Result<Linear<'a, B>, ModelError> {
+    let stored_bf16 = w.is_released();
     Ok(Linear {
-        w: w.layer(layer)?,
+        // stored in bf16: no f32 values, and an empty view that no op accepts as a weight
+        w: match stored_bf16 {
+            true => View::new(w.buffer(), 0, 0)?,
+            false => w.layer(layer)?,
+        },
         w16: w16.map(|s| s.layer(layer)).transpose()?,
+        stored_bf16,
         wt: match wt {
             Some(t) => t.layer(layer)?,
             None => None,
@@ -372,6 +382,7 @@ impl<B: Backend> Model<B> {
             w: self.weights.lm_head(),
             wt: tw.and_then(|t| t.lm_head.whole()),
             w16: self.bf16_weights.as_ref().map(|c| c.lm_head.whole()),
+            stored_bf16: false,
             bias: None,
             dims: self.linear_dims(rows, c, v),
         }

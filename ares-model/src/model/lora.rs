@@ -885,17 +885,30 @@ impl<B: Backend> Model<B> {
             return Ok(());
         };
         let (be, spec, w) = (&self.backend, &self.spec, &mut self.weights);
-        for t in Target::ALL {
-            let stack = match t {
-                Target::Q => &mut w.q,
-                Target::K => &mut w.k,
-                Target::V => &mut w.v,
-                Target::O => &mut w.o,
-                Target::Gate => &mut w.gate,
-                Target::Up => &mut w.up,
-                Target::Down => &mut w.down,
-            };
-            lora.add_delta(be, spec, t, stack, false)?;
+        match self.bf16_weights.as_mut().filter(|c| c.master) {
+            // weights stored in bf16: merged in f32, rounded back to nearest
+            Some(copies) => {
+                for t in Target::ALL {
+                    let copy = copies.by_index_mut(t as usize);
+                    let mut merged = copy.widened(be)?;
+                    lora.add_delta(be, spec, t, &mut merged, false)?;
+                    copy.round_from(be, merged.whole())?;
+                }
+            }
+            None => {
+                for t in Target::ALL {
+                    let stack = match t {
+                        Target::Q => &mut w.q,
+                        Target::K => &mut w.k,
+                        Target::V => &mut w.v,
+                        Target::O => &mut w.o,
+                        Target::Gate => &mut w.gate,
+                        Target::Up => &mut w.up,
+                        Target::Down => &mut w.down,
+                    };
+                    lora.add_delta(be, spec, t, stack, false)?;
+                }
+            }
         }
         self.refresh_bf16_weights(None)
     }

@@ -66,6 +66,7 @@ use ares_cpu::ops::rope::RopeTable;
 
 pub use activations::{Activations, HeadMode, arena_elements};
 pub use backward::EmbedGrad;
+pub use bf16_weights::WeightStorage;
 pub use block_pool::BlockPool;
 pub use decode_weights::WeightDtype;
 pub use engine::{Engine, EngineConfig, EngineRequest, EngineStats, FinishedSequence};

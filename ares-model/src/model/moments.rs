@@ -231,6 +231,11 @@ impl<B: Backend> Moments<B> {
         Ok(Self { len, item, store })
     }
 
+    /// Elements of one tensor of the buffer.
+    pub fn item(&self) -> usize {
+        self.item
+    }
+
     /// Elements of the parameter buffer.
     pub fn len(&self) -> usize {
         self.len
@@ -276,7 +281,7 @@ impl<B: Backend> Moments<B> {
         grad: &B::Buffer,
         maps: &B::Buffer,
         update: &AdamWUpdate,
-        mut copy: Option<&mut B::Half>,
+        copy: Option<&mut B::Half>,
     ) -> Result<(), ModelError> {
         if param.len() != self.len
             || grad.len() != self.len
@@ -284,15 +289,67 @@ impl<B: Backend> Moments<B> {
         {
             return Err(layout("optimizer moments"));
         }
+        let tensors = 0..self.len / self.item.max(1);
         let (p, g) = (ViewMut::whole(param), View::whole(grad));
+        let c = copy.map(ViewMut::whole);
+        self.step_tensors(be, tensors, (p, g), maps, update, c)
+    }
+
+    /// One AdamW update of a weight **stored in bf16** (`weight`, `len` long) from `grad`,
+    /// a tensor at a time: the tensor widened into `scratch` (at least `item` long), the
+    /// f32 update of [`Moments::step`] on it, the result rounded back to bf16
+    /// stochastically under `key(tensor)` ([`Backend::round_bf16_stochastic`]: an update
+    /// below half an ulp moves the weight with the probability that keeps it unbiased,
+    /// where rounding to nearest would drop it).
+    ///
+    /// # Errors
+    /// Lengths that differ, a scratch shorter than a tensor; a backend failure.
+    #[allow(clippy::too_many_arguments)] // the optimizer's state, one tensor at a time
+    pub(crate) fn step_bf16_weight(
+        &mut self,
+        be: &B,
+        weight: &mut B::Half,
+        grad: &B::Buffer,
+        maps: &B::Buffer,
+        update: &AdamWUpdate,
+        scratch: &mut B::Buffer,
+        key: impl Fn(usize) -> u64,
+    ) -> Result<(), ModelError> {
+        let item = self.item;
+        if weight.len() != self.len || grad.len() != self.len || scratch.len() < item {
+            return Err(layout("optimizer moments (bf16 weight)"));
+        }
+        for t in 0..self.len / item.max(1) {
+            be.widen_bf16(View::item(weight, t, item)?, ViewMut::new(scratch, 0, item)?)?;
+            let (p, g) = (ViewMut::new(scratch, 0, item)?, View::item(grad, t, item)?);
+            self.step_tensors(be, t..t + 1, (p, g), maps, update, None)?;
+            let rounded = ViewMut::item(weight, t, item)?;
+            be.round_bf16_stochastic(View::new(scratch, 0, item)?, key(t), rounded)?;
+        }
+        Ok(())
+    }
+
+    /// The update of tensors `tensors` (a range of this buffer's) from `param` and `grad`,
+    /// which hold exactly those tensors.
+    fn step_tensors(
+        &mut self,
+        be: &B,
+        tensors: std::ops::Range<usize>,
+        (param, grad): (ViewMut<'_, B::Buffer>, View<'_, B::Buffer>),
+        maps: &B::Buffer,
+        update: &AdamWUpdate,
+        mut copy: Option<ViewMut<'_, B::Half>>,
+    ) -> Result<(), ModelError> {
+        let item = self.item;
+        let (first, n) = (tensors.start * item, tensors.len() * item);
         match &mut self.store {
             Store::F32 { m, v } => {
-                let c = copy.map(ViewMut::whole);
-                be.adamw_step(p, g, ViewMut::whole(m), ViewMut::whole(v), update, c)?;
+                let (m, v) = (ViewMut::new(m, first, n)?, ViewMut::new(v, first, n)?);
+                be.adamw_step(param, grad, m, v, update, copy)?;
             }
             Store::Bf16 { m, v } => {
-                let c = copy.map(ViewMut::whole);
-                be.adamw_step_bf16(p, g, ViewMut::whole(m), ViewMut::whole(v), update, c)?;
+                let (m, v) = (ViewMut::new(m, first, n)?, ViewMut::new(v, first, n)?);
+                be.adamw_step_bf16(param, grad, m, v, update, copy)?;
             }
             Store::Int8 {
                 m,
@@ -301,19 +358,21 @@ impl<B: Backend> Moments<B> {
                 v_absmax,
             } => {
                 // one call per tensor: its blocks start at its first element
-                let (item, scales) = (self.item, blocks(self.item));
-                for t in 0..self.len / item {
+                let scales = blocks(item);
+                let (mut param, grad) = (param, grad);
+                for (j, t) in tensors.enumerate() {
+                    let within = j * item;
                     be.adamw_step_int8(
-                        ViewMut::item(param, t, item)?,
-                        View::item(grad, t, item)?,
+                        param.slice_mut(within, item)?,
+                        grad.slice(within, item)?,
                         ViewMut::item(m, t, item)?,
                         ViewMut::item(v, t, item)?,
                         ViewMut::item(m_absmax, t, scales)?,
                         ViewMut::item(v_absmax, t, scales)?,
                         View::whole(maps),
                         update,
-                        match copy.as_deref_mut() {
-                            Some(c) => Some(ViewMut::item(c, t, item)?),
+                        match copy.as_mut() {
+                            Some(c) => Some(c.slice_mut(within, item)?),
                             None => None,
                         },
                     )?;

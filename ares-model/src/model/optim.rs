@@ -65,6 +65,8 @@ pub struct AdamW<B: Backend> {
     pub(crate) owned: Option<Vec<bool>>,
     /// The 8-bit dynamic maps on the device (read by 8-bit moments only).
     pub(crate) maps: B::Buffer,
+    /// The seed of the stochastic rounding of weights stored in bf16 ([`AdamW::set_rounding_seed`]).
+    pub(crate) rounding_seed: u64,
 }
 
 impl<B: Backend> std::fmt::Debug for AdamW<B> {
@@ -104,10 +106,10 @@ impl<B: Backend> AdamW<B> {
         check_config(&config)?;
         let be = &model.backend;
         let moments = model
-            .trainable()
+            .trainable_lens()
             .into_iter()
             .zip(model.trainable_items())
-            .map(|(b, item)| Moments::zeros(be, b.len(), item, state_dtype))
+            .map(|(len, item)| Moments::zeros(be, len, item, state_dtype))
             .collect::<Result<_, _>>()?;
         Ok(Self {
             config,
@@ -116,7 +118,16 @@ impl<B: Backend> AdamW<B> {
             moments,
             maps: upload_maps(be)?,
             owned: None,
+            rounding_seed: 0,
         })
+    }
+
+    /// Seeds the stochastic rounding with which weights stored in bf16 take their updates
+    /// ([`Model::set_weight_storage`]; 0 by default). The bits a tensor draws follow from
+    /// the seed, the step and the tensor alone, so a resumed run given the same seed
+    /// rounds as the uninterrupted one.
+    pub fn set_rounding_seed(&mut self, seed: u64) {
+        self.rounding_seed = seed;
     }
 
     /// How the moments are stored.
@@ -296,7 +307,7 @@ impl<B: Backend> AdamW<B> {
         if !model.fits_grads(grads) {
             return Err(ModelError::LayoutMismatch { what: "gradients" });
         }
-        if !self.fits(model.trainable().into_iter().map(|b| b.len())) {
+        if !self.fits(model.trainable_lens().into_iter()) {
             return Err(ModelError::LayoutMismatch {
                 what: "optimizer moments",
             });
@@ -373,14 +384,32 @@ impl<B: Backend> AdamW<B> {
         };
         let owned = self.owned.clone();
         let updated = |i: usize| owned.as_ref().is_none_or(|o| o[i]);
+        // weights stored in bf16 are updated through an f32 scratch of one tensor
+        let mut scratch: Option<B::Buffer> = None;
+        let (seed, step) = (self.rounding_seed, update.step);
         for (i, ((p, g), m)) in params.into_iter().zip(g).zip(&mut self.moments).enumerate() {
-            if updated(i) {
-                let copy = copy_of
-                    .get(i)
-                    .copied()
-                    .flatten()
-                    .and_then(|k| copies.get_mut(k).and_then(Option::take));
-                m.step(be, p, g, &self.maps, &update, copy)?;
+            if !updated(i) {
+                continue;
+            }
+            let copy = copy_of
+                .get(i)
+                .copied()
+                .flatten()
+                .and_then(|k| copies.get_mut(k).and_then(Option::take));
+            match copy {
+                // a released stack: its copy is the weight
+                Some(w16) if p.is_empty() && !g.is_empty() => {
+                    let item = m.item();
+                    if scratch.as_ref().is_none_or(|s| s.len() < item) {
+                        scratch = Some(be.alloc(item)?);
+                    }
+                    let s = scratch.as_mut().ok_or(ModelError::LayoutMismatch {
+                        what: "optimizer scratch",
+                    })?;
+                    let key = |t: usize| rounding_key(seed, step, i, t);
+                    m.step_bf16_weight(be, w16, g, &self.maps, &update, s, key)?;
+                }
+                copy => m.step(be, p, g, &self.maps, &update, copy)?,
             }
         }
         for e in extra.iter_mut() {
@@ -393,6 +422,19 @@ impl<B: Backend> AdamW<B> {
             applied: true,
         })
     }
+}
+
+/// The stochastic-rounding key of tensor `tensor` of trainable buffer `buffer` at update
+/// `step` under the optimizer's `seed` (SplitMix64's finaliser, chained): every tensor of
+/// every step draws its own bits, the same in a resumed run and on any number of ranks.
+pub(crate) fn rounding_key(seed: u64, step: u64, buffer: usize, tensor: usize) -> u64 {
+    const fn mix(mut z: u64) -> u64 {
+        z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    mix(seed ^ mix(step ^ mix(((buffer as u64) << 32) ^ tensor as u64)))
 }
 
 /// [`int8_maps`] on the backend.

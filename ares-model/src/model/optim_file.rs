@@ -29,7 +29,7 @@ use safetensors::{Dtype, SafeTensors};
 use super::moments::{HostMoment, StateDtype};
 use super::optim::{check_config, upload_maps};
 use super::{AdamW, AdamWConfig, Model, ModelError, Moments};
-use crate::backend::{Backend, DeviceBuffer};
+use crate::backend::Backend;
 use crate::hf::tensor_files::{TensorData, le_f32s, le_u16s, write_safetensors_typed};
 
 /// The `format` metadata value of an optimizer state file.
@@ -364,7 +364,7 @@ impl<B: Backend> AdamW<B> {
         path: &Path,
         others: impl Fn(usize, usize) -> Result<[HostMoment; 2], ModelError>,
     ) -> Result<(), ModelError> {
-        if !self.fits(model.trainable().into_iter().map(|b| b.len())) {
+        if !self.fits(model.trainable_lens().into_iter()) {
             return Err(ModelError::LayoutMismatch {
                 what: "optimizer moments",
             });
@@ -468,10 +468,10 @@ impl<B: Backend> AdamW<B> {
 
         let be = &model.backend;
         let mut moments: Vec<Moments<B>> = model
-            .trainable()
+            .trainable_lens()
             .into_iter()
             .zip(model.trainable_items())
-            .map(|(b, item)| Moments::zeros(be, b.len(), item, state_dtype))
+            .map(|(len, item)| Moments::zeros(be, len, item, state_dtype))
             .collect::<Result<_, _>>()?;
         for (name, shape, (buffer, item)) in &params {
             let host = read_moments(&st, path, name, shape)?;
@@ -484,6 +484,7 @@ impl<B: Backend> AdamW<B> {
             moments,
             maps: upload_maps(be)?,
             owned: None,
+            rounding_seed: 0,
         })
     }
 }

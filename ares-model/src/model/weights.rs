@@ -7,10 +7,17 @@ use crate::backend::{Backend, DType, DeviceBuffer, Tensor, TensorMut, View, View
 use crate::hf::weights::{LAYER_SUFFIXES, LayerWeights, ModelWeights, Tensor as HostTensor};
 
 /// One kind of per-layer tensor, `[layers, item]` in one buffer.
+///
+/// A linear layer's stack of a model whose weights are stored in bf16
+/// ([`Model::set_weight_storage`](super::Model::set_weight_storage)) is *released*: its f32
+/// buffer is freed (empty) while the stack keeps its length, the bf16 copy being the weight;
+/// reading a layer of it is then an error, never an empty tensor.
 #[derive(Debug)]
 pub(crate) struct Stack<B: Backend> {
     buffer: B::Buffer,
     item: usize,
+    /// Elements over every layer (the buffer's length unless released).
+    len: usize,
 }
 
 /// [`Stack`] of 16-bit floats (bf16 decode weights).
@@ -62,20 +69,57 @@ impl<B: Backend> HalfStack<B> {
     }
 }
 
+impl<B: Backend> HalfStack<B> {
+    /// The values widened to f32 (exact), in a new stack.
+    pub(crate) fn widened(&self, backend: &B) -> Result<Stack<B>, ModelError> {
+        let mut buffer = backend.alloc(self.buffer.len())?;
+        backend.widen_bf16(self.whole(), ViewMut::whole(&mut buffer))?;
+        Ok(Stack::new(buffer, self.item))
+    }
+}
+
 impl<B: Backend> Stack<B> {
     /// A stack of `buffer.len() / item` layers of `item` elements each.
     pub(crate) fn new(buffer: B::Buffer, item: usize) -> Self {
-        Self { buffer, item }
+        let len = buffer.len();
+        Self { buffer, item, len }
     }
 
-    /// Elements over every layer.
+    /// Elements over every layer (also of a released stack).
     pub(crate) fn len(&self) -> usize {
-        self.buffer.len()
+        self.len
+    }
+
+    /// Whether the f32 buffer is freed (the weight is stored in bf16 only).
+    pub(crate) fn is_released(&self) -> bool {
+        self.buffer.len() != self.len
+    }
+
+    /// Frees the f32 buffer, keeping the stack's length (its bf16 copy becomes the weight).
+    pub(crate) fn release(&mut self, backend: &B) -> Result<(), ModelError> {
+        self.buffer = backend.alloc(0)?;
+        Ok(())
+    }
+
+    /// Gives a released stack its f32 values back (`buffer`, as long as the stack).
+    pub(crate) fn restore(&mut self, buffer: B::Buffer) -> Result<(), ModelError> {
+        if buffer.len() != self.len {
+            return Err(ModelError::LayoutMismatch {
+                what: "restored f32 weights",
+            });
+        }
+        self.buffer = buffer;
+        Ok(())
     }
 
     /// Elements of one layer's tensor.
     pub(crate) fn item(&self) -> usize {
         self.item
+    }
+
+    /// The buffer, taken (a stack made to be restored into another).
+    pub(crate) fn into_buffer(self) -> B::Buffer {
+        self.buffer
     }
 
     /// The buffer of every layer.
@@ -93,14 +137,25 @@ impl<B: Backend> Stack<B> {
         View::whole(&self.buffer)
     }
 
-    /// The tensor of layer `layer`.
+    /// The tensor of layer `layer`; [`ModelError::Bf16Weights`] for a released stack.
     pub(crate) fn layer(&self, layer: usize) -> Result<Tensor<'_, B>, ModelError> {
+        self.check_kept()?;
         Ok(View::item(&self.buffer, layer, self.item)?)
     }
 
     /// The tensor of layer `layer`, writable (gradients).
     pub(crate) fn layer_mut(&mut self, layer: usize) -> Result<TensorMut<'_, B>, ModelError> {
+        self.check_kept()?;
         Ok(ViewMut::item(&mut self.buffer, layer, self.item)?)
+    }
+
+    fn check_kept(&self) -> Result<(), ModelError> {
+        match self.is_released() {
+            true => Err(ModelError::Bf16Weights {
+                what: "an f32 read of a linear weight",
+            }),
+            false => Ok(()),
+        }
     }
 
     /// Every layer's `[rows, cols]` matrix transposed to `[cols, rows]`, in a new stack.
@@ -110,8 +165,8 @@ impl<B: Backend> Stack<B> {
         rows: usize,
         cols: usize,
     ) -> Result<Self, ModelError> {
-        let mut buffer = backend.alloc(self.buffer.len())?;
-        let layers = self.buffer.len() / self.item.max(1);
+        let mut buffer = backend.alloc(self.len)?;
+        let layers = self.len / self.item.max(1);
         for l in 0..layers {
             backend.transpose(
                 self.layer(l)?,
@@ -120,10 +175,7 @@ impl<B: Backend> Stack<B> {
                 ViewMut::item(&mut buffer, l, self.item)?,
             )?;
         }
-        Ok(Self {
-            buffer,
-            item: self.item,
-        })
+        Ok(Self::new(buffer, self.item))
     }
 
     /// Every layer's `[rows, cols]` matrix in the f32 decode layout
@@ -134,16 +186,13 @@ impl<B: Backend> Stack<B> {
         rows: usize,
         cols: usize,
     ) -> Result<Self, ModelError> {
-        let layers = self.buffer.len() / self.item.max(1);
-        let mut buffer = backend.alloc(self.buffer.len())?;
+        let layers = self.len / self.item.max(1);
+        let mut buffer = backend.alloc(self.len)?;
         for l in 0..layers {
             let dst = ViewMut::item(&mut buffer, l, self.item)?;
             backend.pack_decode_f32(self.layer(l)?, rows, cols, dst)?;
         }
-        Ok(Self {
-            buffer,
-            item: self.item,
-        })
+        Ok(Self::new(buffer, self.item))
     }
 
     /// Every layer's `[rows, cols]` matrix rounded to bf16 in the bf16 decode layout
@@ -154,8 +203,8 @@ impl<B: Backend> Stack<B> {
         rows: usize,
         cols: usize,
     ) -> Result<HalfStack<B>, ModelError> {
-        let layers = self.buffer.len() / self.item.max(1);
-        let mut buffer = backend.alloc_half(self.buffer.len(), DType::Bf16)?;
+        let layers = self.len / self.item.max(1);
+        let mut buffer = backend.alloc_half(self.len, DType::Bf16)?;
         for l in 0..layers {
             let dst = ViewMut::item(&mut buffer, l, self.item)?;
             backend.pack_bf16(self.layer(l)?, rows, cols, dst)?;
@@ -166,12 +215,9 @@ impl<B: Backend> Stack<B> {
         })
     }
 
-    /// A zeroed stack of the same shape (a gradient).
+    /// A zeroed stack of the same shape (a gradient; f32 also for a released stack).
     pub(crate) fn zeros_like(&self, backend: &B) -> Result<Self, ModelError> {
-        Ok(Self {
-            buffer: backend.alloc(self.buffer.len())?,
-            item: self.item,
-        })
+        Ok(Self::new(backend.alloc(self.len)?, self.item))
     }
 }
 
@@ -273,7 +319,7 @@ fn stack<B: Backend>(
         check_len(&name, item, tensor.data.len())?;
         backend.upload(&tensor.data, ViewMut::item(&mut buffer, l, item)?)?;
     }
-    Ok(Stack { buffer, item })
+    Ok(Stack::new(buffer, item))
 }
 
 /// [`stack`] when `present`, else `None`.
@@ -456,6 +502,22 @@ impl<B: Backend> DeviceWeights<B> {
         })
     }
 
+    /// The linear layers' weight stacks (q, k, v, o, gate, up, down): the ones stored in
+    /// bf16 under [`WeightStorage::Bf16`](super::WeightStorage::Bf16).
+    pub(crate) fn linear_stacks_mut(&mut self) -> [&mut Stack<B>; 7] {
+        let Self {
+            q,
+            k,
+            v,
+            o,
+            gate,
+            up,
+            down,
+            ..
+        } = self;
+        [q, k, v, o, gate, up, down]
+    }
+
     /// Decoder layers.
     pub(crate) fn layers(&self) -> usize {
         self.ln1.buffer.len() / self.ln1.item.max(1)
@@ -567,6 +629,15 @@ impl<B: Backend> DeviceWeights<B> {
                 .into_iter()
                 .filter_map(|(_, s)| s.map(|s| &mut s.buffer)),
         );
+        out
+    }
+
+    /// The length of each of [`Self::buffers`], in its order — a released stack's too (its
+    /// buffer is empty, its weight the bf16 copy).
+    pub(crate) fn buffer_lens(&self) -> Vec<usize> {
+        let mut out = vec![self.embed.len(), self.norm.len()];
+        out.extend(self.lm_head.as_ref().map(DeviceBuffer::len));
+        out.extend(self.stacks().into_iter().filter_map(|(_, s)| s.map(Stack::len)));
         out
     }
 

@@ -254,6 +254,13 @@ impl ToCuda for f32 {
     }
 }
 
+impl ToCuda for u64 {
+    type Cuda = u64;
+    fn to_cuda(self) -> u64 {
+        self
+    }
+}
+
 impl ToCuda for usize {
     type Cuda = usize;
     fn to_cuda(self) -> usize {
