@@ -545,15 +545,16 @@ fn weights_stored_in_bf16_are_the_copies_without_f32() {
             "model.layers.1.input_layernorm.weight",
         ] {
             let want = g_c.download(copied.backend(), g).unwrap();
-            assert_eq!(g_s.download(stored.backend(), g).unwrap(), want, "{name} {g}");
+            assert_eq!(
+                g_s.download(stored.backend(), g).unwrap(),
+                want,
+                "{name} {g}"
+            );
         }
         // the values: the f32 weights rounded to nearest once
         let (w_c, w_s) = (copied.to_weights().unwrap(), stored.to_weights().unwrap());
-        let round = |v: &[f32]| -> Vec<f32> {
-            v.iter()
-                .map(|&x| MatmulPrecision::Bf16.round(x))
-                .collect()
-        };
+        let round =
+            |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| MatmulPrecision::Bf16.round(x)).collect() };
         assert_eq!(w_s.layers[1].v_proj.data, round(&w_c.layers[1].v_proj.data));
         assert_eq!(w_s.embed_tokens.data, w_c.embed_tokens.data, "kept in f32");
         let last = stored.trainable_buffers().len() - 1;
@@ -568,7 +569,10 @@ fn weights_stored_in_bf16_are_the_copies_without_f32() {
         // back to f32: the same numbers, the f32 buffers again
         stored.set_weight_storage(WeightStorage::F32).unwrap();
         assert_eq!(stored.weight_bytes(), copied.weight_bytes());
-        assert_eq!(stored.to_weights().unwrap().layers[1].v_proj.data, w_s.layers[1].v_proj.data);
+        assert_eq!(
+            stored.to_weights().unwrap().layers[1].v_proj.data,
+            w_s.layers[1].v_proj.data
+        );
     }
 }
 
@@ -600,10 +604,18 @@ fn bf16_weights_take_updates_below_half_an_ulp() {
         w.layers
             .iter()
             .flat_map(|l| {
-                [&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj]
-                    .into_iter()
-                    .flat_map(|t| t.data.iter().copied())
-                    .collect::<Vec<_>>()
+                [
+                    &l.q_proj,
+                    &l.k_proj,
+                    &l.v_proj,
+                    &l.o_proj,
+                    &l.gate_proj,
+                    &l.up_proj,
+                    &l.down_proj,
+                ]
+                .into_iter()
+                .flat_map(|t| t.data.iter().copied())
+                .collect::<Vec<_>>()
             })
             .collect()
     };
@@ -629,7 +641,11 @@ fn bf16_weights_take_updates_below_half_an_ulp() {
         for ((w, &x0), x1) in nearest.iter_mut().zip(&before).zip(linear(&master)) {
             *w = r(*w + (x1 - x0));
         }
-        for (m, o) in [(&mut a, &mut opt_a), (&mut b, &mut opt_b), (&mut c, &mut opt_c)] {
+        for (m, o) in [
+            (&mut a, &mut opt_a),
+            (&mut b, &mut opt_b),
+            (&mut c, &mut opt_c),
+        ] {
             let g = fill(m, step);
             assert!(o.step(m, &g, lr, None).unwrap().applied);
         }

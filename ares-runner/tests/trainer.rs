@@ -448,6 +448,43 @@ fn low_memory_optimizer_states_resume_exactly() {
     }
 }
 
+/// Linear weights stored in bf16 (`trainer.weight_dtype: bf16`, stochastic rounding in
+/// the update, seeded) resume exactly — with 8-bit moments, the leanest run — and the
+/// storage needs bf16 products, said when the config asks otherwise.
+#[test]
+fn bf16_weights_resume_exactly() {
+    let bf16 = [
+        "trainer.matmul_precision=bf16",
+        "trainer.weight_dtype=bf16",
+        "worker.actor.optim.state_dtype=int8",
+    ];
+    let header = resume_equals_straight(&bf16, 128);
+    assert!(header.contains(r#""state_dtype":"int8""#), "{header}");
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    // the storage takes effect: the same run with f32 weights (bf16 products) differs
+    let metrics = |weights: &str, run: &str| {
+        let o = [
+            "trainer.matmul_precision=bf16",
+            weights,
+            "trainer.max_steps=2",
+            "data.bootstrap=true",
+        ];
+        let cfg = config(&a, &dir.path().join(run), &o).unwrap();
+        deterministic(read_metrics(&trainer(cfg).unwrap().run().unwrap().metrics).unwrap())
+    };
+    assert_ne!(
+        metrics("trainer.weight_dtype=bf16", "w16"),
+        metrics("trainer.weight_dtype=f32", "w32")
+    );
+    let err = config(&a, &dir.path().join("run"), &["trainer.weight_dtype=bf16"]).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("trainer.weight_dtype") && msg.contains("trainer.matmul_precision: bf16"),
+        "{msg}"
+    );
+}
+
 /// A LoRA run (the base frozen, pairs on every linear layer, int8 moments) resumes
 /// exactly; its checkpoints hold the adapter as PEFT files and no model copy, and the
 /// optimizer state names the pairs.

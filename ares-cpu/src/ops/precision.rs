@@ -348,7 +348,11 @@ mod tests {
         }
         let mut back = vec![0.0f32; src.len()];
         widen_bf16(&bits, &mut back).unwrap();
-        assert!(src.iter().zip(&back).all(|(&x, &y)| (x - y).abs() <= 2f32.powi(-7)));
+        assert!(
+            src.iter()
+                .zip(&back)
+                .all(|(&x, &y)| (x - y).abs() <= 2f32.powi(-7))
+        );
         // widening then rounding a bf16 value gives it back, under any key
         let mut again = vec![0u16; src.len()];
         round_to_bf16_stochastic(&back, 77, &mut again).unwrap();

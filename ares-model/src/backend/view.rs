@@ -283,7 +283,10 @@ mod tests {
         assert_eq!(v.ok(), Some((5, 5)));
         // slices are offsets within the view, checked against it
         let w = View::new(&buf, 2, 6).unwrap();
-        assert_eq!(w.slice(1, 5).map(|v| (v.offset(), v.len())).ok(), Some((3, 5)));
+        assert_eq!(
+            w.slice(1, 5).map(|v| (v.offset(), v.len())).ok(),
+            Some((3, 5))
+        );
         assert!(w.slice(2, 5).is_err());
         let mut m = ViewMut::new(&mut buf, 4, 4).unwrap();
         assert_eq!(m.slice_mut(3, 1).map(|v| v.offset()).ok(), Some(7));

@@ -282,7 +282,11 @@ impl<B: Backend> Model<B> {
     /// order) when the model stores it in bf16 only.
     pub(crate) fn stored_bf16(&self, buffer: usize) -> Option<&HalfStack<B>> {
         let copies = self.bf16_weights.as_ref().filter(|c| c.master)?;
-        let k = copies.copy_indices(&self.weights).get(buffer).copied().flatten()?;
+        let k = copies
+            .copy_indices(&self.weights)
+            .get(buffer)
+            .copied()
+            .flatten()?;
         let released = self.weights.buffers().get(buffer)?.is_empty();
         released.then(|| copies.by_index(k))
     }

@@ -16,8 +16,8 @@
 //! benchmark model). The price is a second copy of the linear weights (LM head included)
 //! while generating.
 
-use super::lora::{Lora, Target};
 use super::bf16_weights::Bf16Weights;
+use super::lora::{Lora, Target};
 use super::weights::{DeviceWeights, HalfStack, Stack};
 use super::{ModelError, ModelSpec};
 use crate::backend::{Backend, Tensor, View, ViewMut};

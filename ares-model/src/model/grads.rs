@@ -141,7 +141,10 @@ impl<B: Backend> Model<B> {
     /// The bf16 weight of trainable buffer `buffer` when the model stores it in bf16 only
     /// (never under LoRA, which trains f32 pairs).
     fn trained_bf16(&self, buffer: usize) -> Option<&super::weights::HalfStack<B>> {
-        self.lora.is_none().then(|| self.stored_bf16(buffer)).flatten()
+        self.lora
+            .is_none()
+            .then(|| self.stored_bf16(buffer))
+            .flatten()
     }
 
     /// Sets trainable buffer `buffer` from the host (a data-parallel rank receiving what
@@ -160,13 +163,19 @@ impl<B: Backend> Model<B> {
             }
             let mut f32s = self.backend.alloc(n)?;
             self.backend.upload(values, ViewMut::whole(&mut f32s))?;
-            let copies = self.bf16_weights.as_mut().ok_or(ModelError::LayoutMismatch {
-                what: "bf16 weights",
-            })?;
-            let k = copies.copy_indices(&self.weights)[buffer].ok_or(ModelError::LayoutMismatch {
-                what: "bf16 weights",
-            })?;
-            return copies.by_index_mut(k).round_from(&self.backend, View::whole(&f32s));
+            let copies = self
+                .bf16_weights
+                .as_mut()
+                .ok_or(ModelError::LayoutMismatch {
+                    what: "bf16 weights",
+                })?;
+            let k =
+                copies.copy_indices(&self.weights)[buffer].ok_or(ModelError::LayoutMismatch {
+                    what: "bf16 weights",
+                })?;
+            return copies
+                .by_index_mut(k)
+                .round_from(&self.backend, View::whole(&f32s));
         }
         let mut all = match &mut self.lora {
             Some(l) => l.params.buffers_mut(),
@@ -226,7 +235,7 @@ impl<B: Backend> Model<B> {
 
     /// The length of each of [`Model::trainable`]'s buffers, as the gradients and moments
     /// have it (a linear stack stored in bf16 has an empty f32 buffer: its bf16 length).
-    pub(crate) fn trainable_lens(&self) -> Vec<usize> {
+    pub fn trainable_lens(&self) -> Vec<usize> {
         match &self.lora {
             Some(l) => l.params.buffers().iter().map(|b| b.len()).collect(),
             None => self.weights.buffer_lens(),

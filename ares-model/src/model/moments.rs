@@ -320,7 +320,10 @@ impl<B: Backend> Moments<B> {
             return Err(layout("optimizer moments (bf16 weight)"));
         }
         for t in 0..self.len / item.max(1) {
-            be.widen_bf16(View::item(weight, t, item)?, ViewMut::new(scratch, 0, item)?)?;
+            be.widen_bf16(
+                View::item(weight, t, item)?,
+                ViewMut::new(scratch, 0, item)?,
+            )?;
             let (p, g) = (ViewMut::new(scratch, 0, item)?, View::item(grad, t, item)?);
             self.step_tensors(be, t..t + 1, (p, g), maps, update, None)?;
             let rounded = ViewMut::item(weight, t, item)?;

@@ -637,7 +637,11 @@ impl<B: Backend> DeviceWeights<B> {
     pub(crate) fn buffer_lens(&self) -> Vec<usize> {
         let mut out = vec![self.embed.len(), self.norm.len()];
         out.extend(self.lm_head.as_ref().map(DeviceBuffer::len));
-        out.extend(self.stacks().into_iter().filter_map(|(_, s)| s.map(Stack::len)));
+        out.extend(
+            self.stacks()
+                .into_iter()
+                .filter_map(|(_, s)| s.map(Stack::len)),
+        );
         out
     }
 

@@ -9,13 +9,10 @@ use crate::config::Config;
 use crate::data::{Example, SftTarget};
 use crate::hf::tensor_files::SaveDtype;
 use crate::metrics::{MetricsWriter, Record};
-use crate::model::AdamW;
 use crate::progress::Progress;
 use crate::trainer::TrainError;
 use crate::trainer::actor::PromptVision;
-use crate::trainer::setup::{
-    ModelFiles, adamw_config, build_actor, eos_ids_of, renderer, run_dir, save_actor,
-};
+use crate::trainer::setup::{ModelFiles, build_actor, eos_ids_of, renderer, run_dir, save_actor};
 use crate::trainer::sft::{SftExample, sft_step};
 use crate::trainer::update::Optimizer;
 
@@ -160,11 +157,7 @@ pub fn run_sft<B: Backend + Clone>(
     let mut files = files;
     files.drop_weights(); // saving needs its configs only
     let mut opt = Optimizer {
-        adamw: AdamW::with_state_dtype(
-            model.lm(),
-            adamw_config(cfg),
-            cfg.worker.actor.optim.state_dtype.into(),
-        )?,
+        adamw: crate::trainer::setup::build_adamw(model.lm(), cfg, None)?,
         grads: model.lm().grads()?,
         tower: if model.trains_tower(cfg.worker.actor.model.freeze_vision_tower) {
             model.tower_training(cfg.worker.actor.optim.state_dtype.into())?
@@ -409,9 +402,9 @@ mod tests {
         let step = |e: &SftExample| {
             let mut model = build_actor(CpuBackend, &files, &cfg).unwrap();
             let mut opt = Optimizer {
-                adamw: AdamW::with_state_dtype(
+                adamw: crate::model::AdamW::with_state_dtype(
                     model.lm(),
-                    adamw_config(&cfg),
+                    crate::trainer::setup::adamw_config(&cfg),
                     crate::model::StateDtype::F32,
                 )
                 .unwrap(),

@@ -89,6 +89,31 @@ impl MatmulPrecisionCfg {
     }
 }
 
+/// How the decoder's linear weights are stored (`ares_model::model::WeightStorage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightDtypeCfg {
+    /// f32 (the optimizer's master), bf16 copies beside them where bf16 products pay.
+    F32,
+    /// bf16 only, updated with stochastic rounding: half the weights' memory.
+    Bf16,
+}
+
+impl WeightDtypeCfg {
+    /// The YAML spelling.
+    pub const fn name(self) -> &'static str {
+        self.storage().name()
+    }
+
+    /// The runtime setting.
+    pub const fn storage(self) -> crate::model::WeightStorage {
+        match self {
+            WeightDtypeCfg::F32 => crate::model::WeightStorage::F32,
+            WeightDtypeCfg::Bf16 => crate::model::WeightStorage::Bf16,
+        }
+    }
+}
+
 /// An experiment logger (EasyR1's `trainer.logger` names).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -186,6 +211,13 @@ pub struct TrainerConfig {
     /// f32). In bf16, training attention at head_dim 64, 80 or 128 runs on tensor cores
     /// too. The speed-up is the GPU's; the CPU emulates the rounding, slightly slower.
     pub matmul_precision: MatmulPrecisionCfg,
+    /// How the decoder's linear weights (q, k, v, o, gate, up, down) are stored, in the
+    /// actor and the reference policy: `f32` (default) or `bf16` — half their memory, no
+    /// f32 master: every product of those layers in bf16 (needs `matmul_precision: bf16`)
+    /// and each optimizer update rounded to bf16 stochastically (seeded by `seed`), so an
+    /// update smaller than half a bf16 ulp moves a weight with the probability that keeps
+    /// it unbiased. Embedding, LM head, norms and biases stay f32.
+    pub weight_dtype: WeightDtypeCfg,
     /// Seed of everything not seeded elsewhere (default 1).
     pub seed: u64,
     /// CPU threads; 0 = all cores (default 0).
@@ -222,6 +254,7 @@ impl Default for TrainerConfig {
             val_generations_to_log: 0,
             device: Device::Cpu,
             matmul_precision: MatmulPrecisionCfg::F32,
+            weight_dtype: WeightDtypeCfg::F32,
             seed: 1,
             threads: 0,
             zero_stage: 0,

@@ -855,6 +855,19 @@ fn validate_reward(r: &RewardConfig) -> Result<(), ConfigError> {
 
 fn validate_trainer(t: &TrainerConfig) -> Result<(), ConfigError> {
     non_empty("trainer.project_name", &t.project_name)?;
+    if t.weight_dtype == super::WeightDtypeCfg::Bf16
+        && t.matmul_precision != super::MatmulPrecisionCfg::Bf16
+    {
+        return Err(ConfigError::Inconsistent {
+            key: "trainer.weight_dtype".into(),
+            value: "bf16".into(),
+            reason: format!(
+                "weights stored in bf16 multiply in bf16: set trainer.matmul_precision: bf16 \
+                 (it is {})",
+                t.matmul_precision.name()
+            ),
+        });
+    }
     if t.zero_stage > 1 {
         return Err(out_of_range(
             "trainer.zero_stage",

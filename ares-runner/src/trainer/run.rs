@@ -17,7 +17,6 @@ use crate::config::{Config, Logger};
 use crate::data::{EpochSampler, Example};
 use crate::hf::tensor_files::SaveDtype;
 use crate::metrics::{MetricsWriter, PhaseTimes, Record};
-use crate::model::AdamW;
 use crate::progress::Progress;
 use crate::reward::{CallMode, DEFAULT_PYTHON, FunctionSpec, LoggerSetup, PythonWorker};
 use crate::tools::episode::EpisodeSettings;
@@ -43,7 +42,7 @@ use crate::trainer::setup::bootstrap::{BootstrapResult, apply_bootstrap, read_bo
 use crate::trainer::setup::settings::step_settings;
 use crate::trainer::setup::settings::{FilterKey, StepSettings};
 use crate::trainer::setup::{
-    ModelFiles, adamw_config, add_lora, build_actor, build_reference, eos_ids_of, filter_prompts,
+    ModelFiles, add_lora, build_actor, build_adamw, build_reference, eos_ids_of, filter_prompts,
     load_examples, lora_settings, renderer, run_dir, save_actor,
 };
 use crate::trainer::update::{Optimizer, ppo_update};
@@ -221,7 +220,6 @@ impl<B: Backend + Clone> Trainer<B> {
         } else {
             None
         };
-        let adamw_cfg = adamw_config(&cfg);
         let state_dtype = cfg.worker.actor.optim.state_dtype.into();
         let ckdir = CheckpointDir::new(&run_dir);
         let latest = match &cfg.trainer.load_checkpoint_path {
@@ -282,7 +280,7 @@ impl<B: Backend + Clone> Trainer<B> {
                     }
                 };
                 let opt_file = dir.join("optimizer.safetensors");
-                let adamw = AdamW::load_as(actor.lm(), adamw_cfg, state_dtype, &opt_file)?;
+                let adamw = build_adamw(actor.lm(), &cfg, Some(&opt_file))?;
                 let text = std::fs::read_to_string(dir.join(TRAINER_STATE_FILE))
                     .map_err(|e| TrainError::io(dir.join(TRAINER_STATE_FILE), e))?;
                 let state: TrainerState = serde_json::from_str(&text).map_err(|e| {
@@ -315,7 +313,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 add_lora(&mut actor, &cfg, &initial, cfg.data.seed)?;
                 let mut initial = initial;
                 initial.drop_weights(); // before the optimizer's memory is taken
-                let adamw = AdamW::with_state_dtype(actor.lm(), adamw_cfg, state_dtype)?;
+                let adamw = build_adamw(actor.lm(), &cfg, None)?;
                 let grads = actor.lm().grads()?;
                 let mut ares = AresState::new(&settings)?;
                 let mut state = TrainerState {
@@ -399,11 +397,7 @@ impl<B: Backend + Clone> Trainer<B> {
             }
         }
         if self.cfg.trainer.zero_stage == 1 {
-            let sizes: Vec<usize> = {
-                use crate::backend::DeviceBuffer;
-                let lm = self.actor.lm();
-                lm.trainable_buffers().iter().map(|b| b.len()).collect()
-            };
+            let sizes = self.actor.lm().trainable_lens();
             let owners = crate::parallel::shares(&sizes, ranks.world());
             let owned = owners.iter().map(|&r| r == ranks.rank()).collect();
             self.opt.adamw.shard(self.actor.backend(), owned)?;

@@ -25,7 +25,7 @@
 //! memory — every sequence at its longest, which a random or rambling policy does reach —
 //! and leaves out the program itself, the datasets and the vision tower's activations.
 
-use crate::config::{Config, MatmulPrecisionCfg};
+use crate::config::{Config, MatmulPrecisionCfg, WeightDtypeCfg};
 use crate::hf::config::ModelConfig;
 use crate::model::{HeadMode, ModelSpec, StateDtype, arena_elements, lora_arena_elements};
 
@@ -207,21 +207,34 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         Some(_) => adapter,
         None => p + if frozen { 0 } else { t },
     };
-    let mut held = vec![Part {
-        what: "weights and RoPE tables (f32)".into(),
-        bytes: f32s(p + t) + rope,
-    }];
-    // bf16 copies of the actor's linear weights and LM head, which a GPU's bf16 products
-    // read (`Model::set_bf16_weights`; the reference policy keeps none)
     let (c, v, l) = (spec.hidden as u64, spec.vocab as u64, spec.layers as u64);
     let (qd, kvd, i) = (
         spec.q_dim() as u64,
         spec.kv_dim() as u64,
         spec.intermediate as u64,
     );
-    let linear = l * (c * qd + 2 * c * kvd + qd * c + 3 * c * i) + c * v;
+    let layers = l * (c * qd + 2 * c * kvd + qd * c + 3 * c * i);
+    let linear = layers + c * v;
+    // `trainer.weight_dtype: bf16`: the decoder's linear weights are their bf16 copies
+    // alone (`Model::set_weight_storage`), in the actor and the reference policy; the LM
+    // head keeps its f32 master and a bf16 copy
+    let stored_bf16 = cfg.trainer.weight_dtype == WeightDtypeCfg::Bf16;
+    // one model's weights: f32, or the linear layers in bf16 with the head's copy
+    let weights = match stored_bf16 {
+        true => f32s(p + t - layers) + 2 * linear + rope,
+        false => f32s(p + t) + rope,
+    };
+    let mut held = vec![Part {
+        what: match stored_bf16 {
+            true => "weights and RoPE tables (linear layers bf16, the rest f32)".into(),
+            false => "weights and RoPE tables (f32)".into(),
+        },
+        bytes: weights,
+    }];
+    // bf16 copies of the actor's linear weights and LM head, which a GPU's bf16 products
+    // read (`Model::set_bf16_weights`; the reference policy keeps none)
     let bf16_copies = cfg.trainer.matmul_precision == MatmulPrecisionCfg::Bf16 && !model.on_cpu;
-    if bf16_copies {
+    if bf16_copies && !stored_bf16 {
         held.push(Part {
             what: "bf16 copies of the linear weights (bf16 products)".into(),
             bytes: linear * 2,
@@ -265,8 +278,11 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
     // is named
     if model.reference && (lora.is_none() || cfg.worker.ref_.model_path.is_some()) {
         held.push(Part {
-            what: "reference policy (f32)".into(),
-            bytes: f32s(p + t) + rope,
+            what: match stored_bf16 {
+                true => "reference policy (linear layers bf16)".into(),
+                false => "reference policy (f32)".into(),
+            },
+            bytes: weights,
         });
     }
 
@@ -288,7 +304,7 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
     let bf16 = cfg.worker.rollout.weight_dtype == crate::config::WeightDtype::Bf16;
     // on a GPU without LoRA pairs to merge: the training weights themselves in f32, their
     // bf16 copies in bf16 when the products keep them (`Backend::decodes_from_training_weights`)
-    let shared = !model.on_cpu && lora.is_none() && (!bf16 || bf16_copies);
+    let shared = !model.on_cpu && lora.is_none() && (!bf16 || bf16_copies || stored_bf16);
     let decode = match (bf16, shared) {
         (_, true) => 0,
         (true, false) => linear * 2,
@@ -648,6 +664,75 @@ mod tests {
         assert_eq!(shared.bytes, 0, "{}", shared.what);
         assert!(shared.what.contains("no copy"), "{}", shared.what);
         assert_eq!(decode(MatmulPrecisionCfg::F32).bytes, 2 * linear);
+    }
+
+    /// `trainer.weight_dtype: bf16` holds the decoder's linear weights in 2 bytes each (no
+    /// f32 master, no separate copies), the LM head's copy beside its f32 master, in the
+    /// actor and the reference policy alike — what the model allocates
+    /// (`Model::weight_bytes`) — and decodes from them on a GPU without a copy.
+    #[test]
+    fn bf16_weights_halve_the_linear_layers() {
+        use crate::backend::cpu::CpuBackend;
+        let text = tiny();
+        let plan_of = |weight_dtype, on_cpu| {
+            let mut cfg = Config::default();
+            cfg.trainer.matmul_precision = MatmulPrecisionCfg::Bf16;
+            cfg.trainer.weight_dtype = weight_dtype;
+            cfg.worker.rollout.weight_dtype = crate::config::WeightDtype::Bf16;
+            let model = PlanModel {
+                text: &text,
+                tower_params: 0,
+                vision: None,
+                on_cpu,
+                reference: true,
+            };
+            plan(&cfg, model).unwrap()
+        };
+        let part = |plan: &MemoryPlan, what: &str| -> u64 {
+            plan.held
+                .iter()
+                .filter(|p| p.what.starts_with(what))
+                .map(|p| p.bytes)
+                .sum()
+        };
+        // per layer q, o 64·64, k, v 64·32, gate, up, down 64·128 (two layers)
+        let layers = 2 * (2 * 4096 + 2 * 2048 + 3 * 8192);
+        let (f32s, bf16) = (
+            plan_of(WeightDtypeCfg::F32, false),
+            plan_of(WeightDtypeCfg::Bf16, false),
+        );
+        let w32 = part(&f32s, "weights") + part(&f32s, "bf16 copies");
+        let w16 = part(&bf16, "weights") + part(&bf16, "bf16 copies");
+        assert_eq!(w32 - w16, 4 * layers, "{:?}", bf16.held);
+        assert_eq!(part(&bf16, "reference"), part(&bf16, "weights"));
+        // (the bf16 reference keeps its LM head's copy: 2 bytes of the 100·64 tied head)
+        assert_eq!(
+            part(&f32s, "reference") - part(&bf16, "reference"),
+            2 * layers - 2 * 6400
+        );
+        let rollout = bf16.phases.iter().find(|p| p.name == "rollout").unwrap();
+        assert_eq!(rollout.parts[0].bytes, 0, "{}", rollout.parts[0].what);
+        // the model's own count, on the CPU (RoPE tables apart)
+        let spec = ModelSpec::from_config(&text).unwrap();
+        let rope = 4 * (spec.max_positions * spec.head_dim) as u64;
+        let map = crate::hf::weights::expected_tensors(&text)
+            .into_iter()
+            .map(|(name, shape)| {
+                let data = vec![0.01; shape.iter().product()];
+                (name, crate::hf::weights::Tensor { shape, data })
+            })
+            .collect();
+        let weights = crate::hf::weights::ModelWeights::from_map(&text, map).unwrap();
+        let ck = crate::hf::checkpoint::Checkpoint {
+            config: text.clone(),
+            generation: None,
+            weights,
+        };
+        let mut m = crate::model::Model::from_checkpoint(CpuBackend, &ck).unwrap();
+        m.set_weight_storage(crate::model::WeightStorage::Bf16)
+            .unwrap();
+        let cpu = plan_of(WeightDtypeCfg::Bf16, true);
+        assert_eq!(part(&cpu, "weights") - rope, m.weight_bytes());
     }
 
     /// A bf16 KV cache is planned at half the f32 one's bytes, named as such; the other

@@ -165,7 +165,8 @@ pub fn build_actor<B: Backend>(
 
 /// [`build_actor`] without bf16 weight copies: the reference policy, whose forward passes
 /// round the f32 weights per product instead (2 fewer bytes a weight, for a conversion per
-/// product of its one forward pass a step).
+/// product of its one forward pass a step). Under `trainer.weight_dtype: bf16` its linear
+/// weights are stored in bf16, as the actor's.
 ///
 /// # Errors
 /// As [`build_actor`].
@@ -181,12 +182,35 @@ pub fn build_reference<B: Backend>(
             let mut m = VlModel::from_checkpoint(backend, ck)?;
             m.lm_mut().set_matmul_precision(precision);
             m.tower_mut().set_matmul_precision(precision);
+            m.lm_mut()
+                .set_weight_storage(cfg.trainer.weight_dtype.storage())?;
             let checkpointing = cfg.worker.actor.model.enable_gradient_checkpointing;
             m.lm_mut().set_gradient_checkpointing(checkpointing);
             m.tower_mut().set_gradient_checkpointing(checkpointing);
             Actor::Vision(m)
         }
     })
+}
+
+/// AdamW for `model` as the config says (`worker.actor.optim`: hyper-parameters, the
+/// moments' dtype; the stochastic rounding of weights stored in bf16 seeded by
+/// `trainer.seed`), fresh or, with `state`, loaded from a saved optimizer file.
+///
+/// # Errors
+/// A bad hyper-parameter; a state file that is not this model's; a backend failure.
+pub fn build_adamw<B: Backend>(
+    model: &Model<B>,
+    cfg: &Config,
+    state: Option<&Path>,
+) -> Result<crate::model::AdamW<B>, TrainError> {
+    use crate::model::AdamW;
+    let dtype = cfg.worker.actor.optim.state_dtype.into();
+    let mut adamw = match state {
+        Some(path) => AdamW::load_as(model, adamw_config(cfg), dtype, path)?,
+        None => AdamW::with_state_dtype(model, adamw_config(cfg), dtype)?,
+    };
+    adamw.set_rounding_seed(cfg.trainer.seed);
+    Ok(adamw)
 }
 
 /// Saves `actor` as a Hugging Face directory (the layout and configs of `files`) with the
@@ -240,6 +264,7 @@ pub fn build_model<B: Backend>(
 ) -> Result<Model<B>, TrainError> {
     let mut model = Model::from_checkpoint(backend, ckpt)?;
     model.set_matmul_precision(cfg.trainer.matmul_precision.precision());
+    model.set_weight_storage(cfg.trainer.weight_dtype.storage())?;
     model.set_gradient_checkpointing(cfg.worker.actor.model.enable_gradient_checkpointing);
     Ok(model)
 }

@@ -92,7 +92,7 @@ pub fn share_updated<B: Backend>(
     model: &mut Model<B>,
     owned: &[bool],
 ) -> Result<(), TrainError> {
-    let sizes: Vec<usize> = model.trainable_buffers().iter().map(|b| b.len()).collect();
+    let sizes = model.trainable_lens();
     let owners = shares(&sizes, ranks.world());
     if owners.len() != owned.len()
         || owners
@@ -107,19 +107,23 @@ pub fn share_updated<B: Backend>(
     // the optimizer's kernels first (NCCL runs on its own stream)
     model.backend().synchronize()?;
     let mut sent = None;
-    model.write_trainable_on_device(|buffers| {
-        let mut items: Vec<(&mut B::Buffer, usize)> = buffers
-            .iter_mut()
-            .map(|b| &mut **b)
-            .zip(owners.iter().copied())
-            .collect();
-        sent = ranks.broadcast_device(&mut items);
-        // on the device every buffer another rank owns was written
-        Ok(match &sent {
-            Some(Ok(())) => (0..owners.len()).filter(|&b| !owned[b]).collect(),
-            _ => Vec::new(),
-        })
-    })?;
+    // weights stored in bf16 have no f32 buffers to broadcast: through the host
+    let on_device = model.weight_storage() == crate::model::WeightStorage::F32;
+    if on_device {
+        model.write_trainable_on_device(|buffers| {
+            let mut items: Vec<(&mut B::Buffer, usize)> = buffers
+                .iter_mut()
+                .map(|b| &mut **b)
+                .zip(owners.iter().copied())
+                .collect();
+            sent = ranks.broadcast_device(&mut items);
+            // on the device every buffer another rank owns was written
+            Ok(match &sent {
+                Some(Ok(())) => (0..owners.len()).filter(|&b| !owned[b]).collect(),
+                _ => Vec::new(),
+            })
+        })?;
+    }
     if let Some(r) = sent {
         return Ok(r?);
     }
