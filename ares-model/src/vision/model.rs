@@ -84,6 +84,73 @@ pub struct MultimodalLayout {
     pub rows: Vec<u32>,
     /// The tower's plan (`None`: a text-only batch).
     pub plan: Option<VisionPlan>,
+    /// Packed sequences (`cu_seqlens` of a single row, [`ForwardExtras::segments`]): set
+    /// by [`MultimodalLayout::packed`]; `None` for padded rows.
+    pub segments: Option<Vec<u32>>,
+}
+
+impl MultimodalLayout {
+    /// This layout — made for padded rows — moved to the same tokens packed back to back in
+    /// one row (`cu_seqlens`, one segment a sequence): packed token `j` takes padded token
+    /// `from[j]`'s positions and rotary rows (`None`: a padding token, at position 0), and
+    /// each placeholder row follows its token. A token's M-RoPE positions depend on its own
+    /// sequence alone, so computing them padded and moving them is exact.
+    ///
+    /// # Errors
+    /// [`ModelError::VisionInput`]: a `from` index past the padded tokens, two packed tokens
+    /// from one padded token, or a placeholder whose token is not packed.
+    pub fn packed(&self, from: &[Option<usize>], cu_seqlens: Vec<u32>) -> Result<Self, ModelError> {
+        let (n, half) = (self.positions.batch * self.positions.seq, self.cos.len());
+        let half = half / n.max(1);
+        let mut to = vec![None; n];
+        for (j, f) in from.iter().enumerate() {
+            if let Some(i) = *f {
+                match to.get_mut(i) {
+                    Some(slot @ None) => *slot = Some(j as u32),
+                    _ => {
+                        return Err(input_error(format!(
+                            "packed token {j} from padded token {i}: past the {n} padded \
+                             tokens or taken twice"
+                        )));
+                    }
+                }
+            }
+        }
+        let m = from.len();
+        let mut position_ids = vec![0u32; 3 * m];
+        // position 0's rotary row: cos 1, sin 0
+        let (mut cos, mut sin) = (vec![1.0f32; m * half], vec![0.0f32; m * half]);
+        for (j, f) in from.iter().enumerate() {
+            let Some(i) = *f else { continue };
+            for axis in 0..3 {
+                position_ids[axis * m + j] = self.positions.position_ids[axis * n + i];
+            }
+            cos[j * half..(j + 1) * half].copy_from_slice(&self.cos[i * half..(i + 1) * half]);
+            sin[j * half..(j + 1) * half].copy_from_slice(&self.sin[i * half..(i + 1) * half]);
+        }
+        let rows = self
+            .rows
+            .iter()
+            .map(|&r| {
+                to.get(r as usize).copied().flatten().ok_or_else(|| {
+                    input_error(format!("the placeholder at padded token {r} is not packed"))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            positions: MropePositions {
+                batch: 1,
+                seq: m,
+                position_ids,
+                rope_deltas: vec![0],
+            },
+            cos,
+            sin,
+            rows,
+            plan: self.plan.clone(),
+            segments: Some(cu_seqlens),
+        })
+    }
 }
 
 /// What [`VlModel::forward`] keeps for the backward pass besides the language model's
@@ -240,6 +307,7 @@ impl<B: Backend> VlModel<B> {
                 sin,
                 rows: Vec::new(),
                 plan: None,
+                segments: None,
             });
         }
         let mut all = vision.image_grids.clone();
@@ -289,6 +357,7 @@ impl<B: Backend> VlModel<B> {
             sin,
             rows,
             plan: Some(plan),
+            segments: None,
         })
     }
 
@@ -315,11 +384,12 @@ impl<B: Backend> VlModel<B> {
         keep: bool,
     ) -> Result<VlActs<B>, ModelError> {
         let be = self.lm.backend();
+        let segments = layout.segments.as_deref();
         let Some(plan) = &layout.plan else {
             let extras = ForwardExtras {
                 embeds: None,
                 rope: Some((&layout.cos, &layout.sin)),
-                segments: None,
+                segments,
             };
             self.lm.forward_with(inputs, &extras, acts)?;
             return Ok(VlActs { tower: None });
@@ -331,7 +401,7 @@ impl<B: Backend> VlModel<B> {
         let extras = ForwardExtras {
             embeds: Some((&rows, va.output())),
             rope: Some((&layout.cos, &layout.sin)),
-            segments: None,
+            segments,
         };
         self.lm.forward_with(inputs, &extras, acts)?;
         Ok(VlActs {

@@ -77,13 +77,6 @@ pub(crate) fn no_vision(what: &str) -> TrainError {
 }
 
 impl<B: Backend> Actor<B> {
-    /// Whether batches go to this model packed (`Packed::unpadded`): a text model (its
-    /// attention runs on the backend's segments on the CPU, padded by gathers on CUDA:
-    /// `Model::set_native_packed_attention`); the vision-language model pads.
-    pub fn packs_sequences(&self) -> bool {
-        matches!(self, Actor::Text(_))
-    }
-
     /// The language model.
     pub fn lm(&self) -> &Model<B> {
         match self {
@@ -238,19 +231,29 @@ impl<B: Backend> Actor<B> {
                 m.forward_with(inputs, &extras, acts)?;
                 Ok(Pass(None))
             }
-            Actor::Vision(_) if packed.segments().is_some() => Err(TrainError::Internal(
-                "a packed batch for a vision-language model (it pads)".into(),
-            )),
             Actor::Vision(m) => {
                 let empty = VisionBatch::default();
                 let v = vision.unwrap_or(&empty);
-                let layout = m.layout_prompts(
-                    inputs.input_ids,
-                    inputs.attention_mask,
-                    inputs.batch,
-                    v,
-                    Some(prompt_cols),
-                )?;
+                let layout = match (packed.padded_view(), packed.segments()) {
+                    // packed: the M-RoPE layout of the same samples padded, moved to the
+                    // packed tokens
+                    (Some(pv), Some(cu)) => m
+                        .layout_prompts(
+                            &pv.input_ids,
+                            &pv.attention_mask,
+                            pv.rows,
+                            v,
+                            Some(prompt_cols),
+                        )?
+                        .packed(&pv.from, cu.to_vec())?,
+                    _ => m.layout_prompts(
+                        inputs.input_ids,
+                        inputs.attention_mask,
+                        inputs.batch,
+                        v,
+                        Some(prompt_cols),
+                    )?,
+                };
                 let positions = layout.positions.axis(0).to_vec();
                 let inputs = Inputs {
                     position_ids: &positions,

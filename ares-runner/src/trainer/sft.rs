@@ -49,7 +49,7 @@ pub struct SftStep {
 }
 
 /// One optimizer step on `examples` (a mini-batch), `micro` examples per forward/backward
-/// (without padding with `padding_free` where the model takes it: [`Actor::packs_sequences`]),
+/// (without padding with `padding_free`: `Packed::unpadded`),
 /// at learning rate `lr`. A vision-language model's tower trains too when `opt.tower` holds
 /// its gradients and moments (`None`: frozen).
 ///
@@ -97,8 +97,8 @@ pub fn sft_step<B: Backend>(
     for chunk in examples.chunks(micro.max(1)) {
         let prompts: Vec<&[u32]> = chunk.iter().map(|e| e.prompt.as_slice()).collect();
         let responses: Vec<&[u32]> = chunk.iter().map(|e| e.response.as_slice()).collect();
-        // packed where the model takes it (each chunk to its own length: its arena is its own)
-        let packed = if padding_free && model.packs_sequences() {
+        // packed (each chunk to its own length: its arena is its own)
+        let packed = if padding_free {
             let tokens = packed_tokens(&prompts, &responses);
             Packed::unpadded(&prompts, &responses, response_cols, tokens)?
         } else {

@@ -113,16 +113,10 @@ impl Batch {
         self.tokens.pad(&rows, 0.0)
     }
 
-    /// The layout of `chunks` (each a pass of the model) on `model`: with `padding_free`,
-    /// packed to the longest chunk's tokens where the model takes packed sequences; else
-    /// padded.
-    pub fn layout<B: Backend>(
-        &self,
-        model: &Actor<B>,
-        chunks: &[&[usize]],
-        padding_free: bool,
-    ) -> Layout {
-        if !(padding_free && model.packs_sequences()) {
+    /// The layout of `chunks` (each a pass of the model): with `padding_free`, packed to
+    /// the longest chunk's tokens; else padded.
+    pub fn layout(&self, chunks: &[&[usize]], padding_free: bool) -> Layout {
+        if !padding_free {
             return Layout::Padded;
         }
         let tokens = chunks
@@ -193,7 +187,7 @@ impl Batch {
         let mut out = be.alloc(self.rows() * t)?;
         let rows: Vec<usize> = (0..self.rows()).collect();
         let chunks: Vec<&[usize]> = rows.chunks(micro.max(1)).collect();
-        let layout = self.layout(model, &chunks, padding_free);
+        let layout = self.layout(&chunks, padding_free);
         let mut arena: Option<crate::model::Activations<B>> = None;
         let Some(ranks) = ranks else {
             for chunk in &chunks {

@@ -214,6 +214,33 @@ impl Packed {
         self.segments.as_deref()
     }
 
+    /// A packed batch's samples as padded rows (`[rows, P + T]`: each prompt right-aligned
+    /// to `P`, its response after it, as [`Packed::new`] lays them out) with, for each
+    /// packed token, the padded token it is (`None`: the padding segment). A vision-language
+    /// model computes its M-RoPE layout on these rows and moves it to the packed tokens
+    /// (`MultimodalLayout::packed`). `None` when padded.
+    pub fn padded_view(&self) -> Option<PaddedView> {
+        let cu = self.segments.as_deref()?;
+        let (p, width) = (self.prompt_cols, self.prompt_cols + self.response_cols);
+        let mut v = PaddedView {
+            rows: self.rows,
+            cols: width,
+            input_ids: vec![0; self.rows * width],
+            attention_mask: vec![0; self.rows * width],
+            from: vec![None; self.input_ids.len()],
+        };
+        for (r, (w, &(last, len))) in cu.windows(2).zip(&self.responses).enumerate() {
+            let (start, prompt) = (w[0] as usize, last + 1 - w[0] as usize);
+            let first = r * width + p - prompt;
+            for k in 0..prompt + len {
+                v.input_ids[first + k] = self.input_ids[start + k];
+                v.attention_mask[first + k] = 1;
+                v.from[start + k] = Some(first + k);
+            }
+        }
+        Some(v)
+    }
+
     /// Where sample `row`'s response is predicted: the flat index of the logits of its
     /// token 0 and its length (padded: `T`, padding included).
     pub fn response_span(&self, row: usize) -> (usize, usize) {
@@ -257,6 +284,21 @@ impl Packed {
         }
         out
     }
+}
+
+/// A packed batch seen as padded rows ([`Packed::padded_view`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PaddedView {
+    /// Samples.
+    pub rows: usize,
+    /// `P + T`.
+    pub cols: usize,
+    /// `[rows, cols]` token ids (0 on padding).
+    pub input_ids: Vec<u32>,
+    /// `[rows, cols]`, 1 on the samples' tokens.
+    pub attention_mask: Vec<u32>,
+    /// Per packed token, its flat index in the padded rows (`None`: the padding segment).
+    pub from: Vec<Option<usize>>,
 }
 
 /// How a batch's chunks are laid out for the model: one shape for all of a pass's chunks,

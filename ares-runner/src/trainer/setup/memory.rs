@@ -415,7 +415,7 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         // a packed pass on a GPU gathers its attention into padded rows (model/unpack.rs):
         // q, k, v, out, lse and the backward's dout, dq, dk, dv, at most a padded
         // micro-batch's slots, and the two maps
-        if cfg.worker.actor.padding_free && model.vision.is_none() && !model.on_cpu {
+        if cfg.worker.actor.padding_free && !model.on_cpu {
             let (hq, hkv, d) = (
                 spec.q_heads as u64,
                 spec.kv_heads as u64,

@@ -95,7 +95,7 @@ pub fn ppo_update<B: Backend>(
             batch,
             prep,
         },
-        layout: batch.layout(actor, &micros, settings.padding_free),
+        layout: batch.layout(&micros, settings.padding_free),
         arena: None,
     };
     let mut report = UpdateReport::default();
