@@ -888,3 +888,55 @@ impl<B: Backend> VlGenerator<'_, B> {
         f(&pv)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A padded layout of 2 rows × 3 tokens (head_dim 4: 2 rotary values a token) whose
+    /// values name their token, a placeholder at padded token 4.
+    fn padded() -> MultimodalLayout {
+        let n = 6;
+        MultimodalLayout {
+            positions: MropePositions {
+                batch: 2,
+                seq: 3,
+                position_ids: (0..3 * n as u32).collect(),
+                rope_deltas: vec![0, 0],
+            },
+            cos: (0..2 * n).map(|i| i as f32).collect(),
+            sin: (0..2 * n).map(|i| -(i as f32)).collect(),
+            rows: vec![4],
+            plan: None,
+            segments: None,
+        }
+    }
+
+    #[test]
+    fn a_layout_moves_to_packed_tokens() {
+        // packed: row 0's tokens 1, 2, then row 1's 3, 4, then a padding token
+        let from = [Some(1), Some(2), Some(3), Some(4), None];
+        let p = padded().packed(&from, vec![0, 2, 4, 5]).unwrap();
+        assert_eq!((p.positions.batch, p.positions.seq), (1, 5));
+        // axis 0 of padded token i is i, axis 1 is 6 + i, axis 2 is 12 + i
+        assert_eq!(p.positions.axis(0), &[1, 2, 3, 4, 0]);
+        assert_eq!(p.positions.axis(2), &[13, 14, 15, 16, 0]);
+        assert_eq!(p.cos, [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 1.0, 1.0]);
+        assert_eq!(&p.sin[6..], [-8.0, -9.0, 0.0, 0.0]);
+        assert_eq!(p.rows, vec![3], "the placeholder follows its token");
+        assert_eq!(p.segments, Some(vec![0, 2, 4, 5]));
+    }
+
+    #[test]
+    fn bad_maps_are_refused() {
+        let l = padded();
+        for from in [
+            vec![Some(6)],                   // past the padded tokens
+            vec![Some(4), Some(4)],          // one token twice
+            vec![Some(1), Some(2), Some(3)], // the placeholder's token left out
+        ] {
+            let err = l.packed(&from, vec![0, from.len() as u32]).unwrap_err();
+            assert!(matches!(err, ModelError::VisionInput { .. }), "{err}");
+        }
+    }
+}
