@@ -575,6 +575,18 @@ mod tests {
         ModelConfig::from_json_str(std::path::Path::new("config.json"), json).unwrap()
     }
 
+    /// The plan of `cfg` on the text model `text`.
+    fn text_plan(cfg: &Config, text: &ModelConfig, on_cpu: bool, reference: bool) -> MemoryPlan {
+        let model = PlanModel {
+            text,
+            tower_params: 0,
+            vision: None,
+            on_cpu,
+            reference,
+        };
+        plan(cfg, model).unwrap()
+    }
+
     /// The moments in each state dtype, by hand: bf16 half of f32; int8 two bytes an
     /// element and four a block of 2 048 each, tensors under 4 096 elements in f32.
     #[test]
@@ -649,14 +661,7 @@ mod tests {
             let mut cfg = Config::default();
             cfg.trainer.matmul_precision = precision;
             cfg.worker.rollout.weight_dtype = crate::config::WeightDtype::Bf16;
-            let model = PlanModel {
-                text: &text,
-                tower_params: 0,
-                vision: None,
-                on_cpu: false,
-                reference: false,
-            };
-            let plan = plan(&cfg, model).unwrap();
+            let plan = text_plan(&cfg, &text, false, false);
             let rollout = plan.phases.iter().find(|p| p.name == "rollout").unwrap();
             rollout.parts[0].clone()
         };
@@ -679,14 +684,7 @@ mod tests {
             cfg.trainer.matmul_precision = MatmulPrecisionCfg::Bf16;
             cfg.trainer.weight_dtype = weight_dtype;
             cfg.worker.rollout.weight_dtype = crate::config::WeightDtype::Bf16;
-            let model = PlanModel {
-                text: &text,
-                tower_params: 0,
-                vision: None,
-                on_cpu,
-                reference: true,
-            };
-            plan(&cfg, model).unwrap()
+            text_plan(&cfg, &text, on_cpu, true)
         };
         let part = |plan: &MemoryPlan, what: &str| -> u64 {
             plan.held
