@@ -647,3 +647,35 @@ fn example_format_prompts_exist_and_render() {
         }
     }
 }
+
+/// `trainer.precision` sets the products' precision and the weights' storage at once
+/// (`bf16`: both bf16); a finer key left at its default gives way, one that says otherwise
+/// is refused naming both; weights in bf16 under f32 products are refused too; the
+/// resolved config loads back as itself.
+#[test]
+fn precision_sets_products_and_weights() {
+    use ares_runner::config::{MatmulPrecisionCfg, WeightDtypeCfg};
+    let c = with_overrides(&["trainer.precision=bf16"]).unwrap();
+    assert_eq!(c.trainer.matmul_precision, MatmulPrecisionCfg::Bf16);
+    assert_eq!(c.trainer.weight_dtype, WeightDtypeCfg::Bf16);
+    let again = load(&c.to_yaml(), &[]).unwrap();
+    assert_eq!(again, c);
+    let c = with_overrides(&["trainer.precision=tf32"]).unwrap();
+    assert_eq!(c.trainer.matmul_precision, MatmulPrecisionCfg::Tf32);
+    assert_eq!(c.trainer.weight_dtype, WeightDtypeCfg::F32);
+    let msg = message(with_overrides(&[
+        "trainer.precision=bf16",
+        "trainer.matmul_precision=tf32",
+    ]));
+    assert!(
+        msg.contains("trainer.matmul_precision") && msg.contains("trainer.precision: bf16"),
+        "{msg}"
+    );
+    let msg = message(with_overrides(&[
+        "trainer.precision=tf32",
+        "trainer.weight_dtype=bf16",
+    ]));
+    assert!(msg.contains("trainer.weight_dtype"), "{msg}");
+    let msg = message(with_overrides(&["trainer.weight_dtype=bf16"]));
+    assert!(msg.contains("trainer.matmul_precision: bf16"), "{msg}");
+}

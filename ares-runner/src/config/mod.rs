@@ -159,7 +159,7 @@ fn resolve(
     for o in &overrides {
         o.apply(&mut resolved)?;
     }
-    let config: Config = serde_path_to_error::deserialize(resolved).map_err(|e| {
+    let mut config: Config = serde_path_to_error::deserialize(resolved).map_err(|e| {
         let keys: Vec<String> = e
             .path()
             .iter()
@@ -175,6 +175,7 @@ fn resolve(
             message: e.into_inner().to_string(),
         }
     })?;
+    config.trainer.apply_precision()?;
     config.validate()?;
     Ok((config, notes))
 }

@@ -114,6 +114,42 @@ impl WeightDtypeCfg {
     }
 }
 
+impl TrainerConfig {
+    /// Sets `matmul_precision` and `weight_dtype` from `precision` when it is given.
+    ///
+    /// # Errors
+    /// [`ConfigError::Inconsistent`](super::ConfigError::Inconsistent): a finer key set to
+    /// another value than `precision` implies (its default, f32, always gives way).
+    pub(crate) fn apply_precision(&mut self) -> Result<(), super::ConfigError> {
+        let Some(p) = self.precision else {
+            return Ok(());
+        };
+        let weights = match p {
+            MatmulPrecisionCfg::Bf16 => WeightDtypeCfg::Bf16,
+            MatmulPrecisionCfg::F32 | MatmulPrecisionCfg::Tf32 => WeightDtypeCfg::F32,
+        };
+        let clash = |key: &str, value: &str, implied: &str| super::ConfigError::Inconsistent {
+            key: key.into(),
+            value: value.into(),
+            reason: format!(
+                "trainer.precision: {} implies {key}: {implied}; drop one of them",
+                p.name()
+            ),
+        };
+        if ![MatmulPrecisionCfg::F32, p].contains(&self.matmul_precision) {
+            let m = self.matmul_precision.name();
+            return Err(clash("trainer.matmul_precision", m, p.name()));
+        }
+        if ![WeightDtypeCfg::F32, weights].contains(&self.weight_dtype) {
+            let w = self.weight_dtype.name();
+            return Err(clash("trainer.weight_dtype", w, weights.name()));
+        }
+        self.matmul_precision = p;
+        self.weight_dtype = weights;
+        Ok(())
+    }
+}
+
 /// An experiment logger (EasyR1's `trainer.logger` names).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -218,6 +254,10 @@ pub struct TrainerConfig {
     /// update smaller than half a bf16 ulp moves a weight with the probability that keeps
     /// it unbiased. Embedding, LM head, norms and biases stay f32.
     pub weight_dtype: WeightDtypeCfg,
+    /// The two settings above at once (default null: each its own): `f32` (exact products,
+    /// f32 weights), `tf32` (TF32 products, f32 weights) or `bf16` (bf16 products and linear
+    /// weights stored in bf16). Set with a finer key that says otherwise, an error.
+    pub precision: Option<MatmulPrecisionCfg>,
     /// Seed of everything not seeded elsewhere (default 1).
     pub seed: u64,
     /// CPU threads; 0 = all cores (default 0).
@@ -255,6 +295,7 @@ impl Default for TrainerConfig {
             device: Device::Cpu,
             matmul_precision: MatmulPrecisionCfg::F32,
             weight_dtype: WeightDtypeCfg::F32,
+            precision: None,
             seed: 1,
             threads: 0,
             zero_stage: 0,
