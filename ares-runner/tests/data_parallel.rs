@@ -191,17 +191,40 @@ fn worlds_of_one_two_and_four_give_the_same_bits() {
 
 /// ZeRO-1: each rank holds the moments of its share of the weights (together, all of
 /// them once), and the run is the unsharded one's to the bit — f32 and 8-bit moments,
-/// the checkpoint's optimizer file whole.
+/// and linear weights stored in bf16 (their stochastic rounding keyed by tensor, never by
+/// rank; the updated weights cross the ranks as bf16 values), the checkpoint's optimizer
+/// file whole.
 #[test]
 fn zero_1_shards_the_moments_and_changes_no_bit() {
     let dir = tempfile::tempdir().unwrap();
     let a = assets(&dir.path().join("assets"));
-    for dtype in ["f32", "int8"] {
-        let state = format!("worker.actor.optim.state_dtype={dtype}");
-        let (want, full) = outcome_with(dir.path(), &a, 1, &[&state]);
+    for (dtype, base) in [
+        (
+            "f32",
+            [
+                "worker.actor.optim.state_dtype=f32",
+                "trainer.precision=f32",
+            ],
+        ),
+        (
+            "int8",
+            [
+                "worker.actor.optim.state_dtype=int8",
+                "trainer.precision=f32",
+            ],
+        ),
+        (
+            "bf16 weights",
+            [
+                "worker.actor.optim.state_dtype=int8",
+                "trainer.precision=bf16",
+            ],
+        ),
+    ] {
+        let (want, full) = outcome_with(dir.path(), &a, 1, &base);
         for world in [2, 4] {
-            let (got, held) =
-                outcome_with(dir.path(), &a, world, &[&state, "trainer.zero_stage=1"]);
+            let zero = [base[0], base[1], "trainer.zero_stage=1"];
+            let (got, held) = outcome_with(dir.path(), &a, world, &zero);
             assert_eq!(got.0, want.0, "{dtype} world {world}: metrics");
             assert_same_files(&got.1, &want.1, &format!("{dtype} world {world}"));
             assert_eq!(

@@ -17,7 +17,9 @@
 //! Each runs with exact f32 GEMMs, then TF32, then bf16 operands
 //! (`Model::set_matmul_precision`; f32 sums and f32 storage throughout), then bf16 with the
 //! model's bf16 weight copies (`Model::set_bf16_weights`: no conversion of a weight per
-//! GEMM; the AdamW step then includes rounding the copies). Times are wall clock
+//! GEMM; the AdamW step then includes rounding the copies), then with the linear weights
+//! stored in bf16 (`Model::set_weight_storage`: no f32 master; the AdamW step widens,
+//! updates and rounds each tensor stochastically). Times are wall clock
 //! around calls that end with a device synchronisation,
 //! best and median of `ARES_BENCH_RUNS` (default 3) after a warm-up. Without a GPU the
 //! binary says why and exits 0. A plain `main` (`harness = false`).
@@ -32,7 +34,9 @@ use ares_benches::model::{
 use ares_model::backend::cuda::CudaBackend;
 use ares_model::backend::{Backend, MatmulPrecision};
 use ares_model::hf::config::ModelConfig;
-use ares_model::model::{AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling};
+use ares_model::model::{
+    AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling, WeightStorage,
+};
 
 const GEN_PROMPTS: usize = 32;
 const GEN_PROMPT_LEN: usize = 32;
@@ -73,19 +77,30 @@ fn main() {
         decode_attention(&gpu, runs);
     }
 
-    for (precision, copies) in [
-        (MatmulPrecision::F32, false),
-        (MatmulPrecision::Tf32, false),
-        (MatmulPrecision::Bf16, false),
-        (MatmulPrecision::Bf16, true),
+    for (precision, copies, stored) in [
+        (MatmulPrecision::F32, false, false),
+        (MatmulPrecision::Tf32, false, false),
+        (MatmulPrecision::Bf16, false, false),
+        (MatmulPrecision::Bf16, true, false),
+        (MatmulPrecision::Bf16, true, true),
     ] {
         model.set_matmul_precision(precision);
         model.set_bf16_weights(copies).expect("bf16 weight copies");
-        let mode = if copies {
-            "bf16, stored bf16 weights"
+        let storage = if stored {
+            WeightStorage::Bf16
         } else {
-            precision.name()
+            WeightStorage::F32
         };
+        model.set_weight_storage(storage).expect("weight storage");
+        let mode = match (copies, stored) {
+            (_, true) => "bf16, linear weights stored in bf16 (no f32 master)",
+            (true, false) => "bf16, stored bf16 weights",
+            (false, false) => precision.name(),
+        };
+        println!(
+            "[{mode}] weights on the device: {:.1} MiB",
+            model.weight_bytes() as f64 / (1u64 << 20) as f64
+        );
         if only.as_deref().is_none_or(|o| o == "train") {
             let vocab = 151_936u64;
             let n = batch * seq;
@@ -137,7 +152,7 @@ fn main() {
                 gpu.synchronize().expect("sync");
             });
             report("  of which forward", n, "tokens", t);
-            if precision == MatmulPrecision::Bf16 {
+            if precision == MatmulPrecision::Bf16 && !stored {
                 // activation checkpointing: one layer's activations kept, recomputed
                 model.set_gradient_checkpointing(true);
                 let mut ckpt = model.activations(batch, seq).expect("activations");
@@ -170,7 +185,7 @@ fn main() {
 
         // a ragged RL batch padded beside packed (the attention padded by gathers: the
         // CUDA kernels take no segments yet), in bf16 with the weight copies
-        if copies && only.as_deref().is_none_or(|o| o == "ragged") {
+        if copies && !stored && only.as_deref().is_none_or(|o| o == "ragged") {
             println!("[{mode}] ragged batch:");
             ragged(&mut model, &mut rng, runs, 151_936, || {
                 gpu.synchronize().expect("sync")

@@ -281,6 +281,12 @@ impl<B: Backend> Model<B> {
     /// The bf16 weight of the base weights' buffer `buffer` (in [`DeviceWeights::buffers`]
     /// order) when the model stores it in bf16 only.
     pub(crate) fn stored_bf16(&self, buffer: usize) -> Option<&HalfStack<B>> {
+        let k = self.stored_bf16_index(buffer)?;
+        self.bf16_weights.as_ref().map(|c| c.by_index(k))
+    }
+
+    /// [`Model::stored_bf16`]'s copy index (in [`Bf16Weights::copy_indices`]' numbering).
+    pub(crate) fn stored_bf16_index(&self, buffer: usize) -> Option<usize> {
         let copies = self.bf16_weights.as_ref().filter(|c| c.master)?;
         let k = copies
             .copy_indices(&self.weights)
@@ -288,7 +294,7 @@ impl<B: Backend> Model<B> {
             .copied()
             .flatten()?;
         let released = self.weights.buffers().get(buffer)?.is_empty();
-        released.then(|| copies.by_index(k))
+        released.then_some(k)
     }
 
     /// How the linear layers' weights are stored ([`Model::set_weight_storage`]).

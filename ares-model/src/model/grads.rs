@@ -153,29 +153,19 @@ impl<B: Backend> Model<B> {
     /// # Errors
     /// No such buffer, a length other than its; a backend failure.
     pub fn write_trainable(&mut self, buffer: usize, values: &[f32]) -> Result<(), ModelError> {
-        if let Some(n) = self.trained_bf16(buffer).map(|c| c.len()) {
+        let stored = self.lora.is_none().then(|| self.stored_bf16_index(buffer));
+        if let (Some(k), Some(copies)) = (stored.flatten(), self.bf16_weights.as_mut()) {
             // a weight stored in bf16 receives bf16 values (another rank's update): rounding
             // to nearest gives them back exactly
-            if n != values.len() {
+            let copy = copies.by_index_mut(k);
+            if copy.len() != values.len() {
                 return Err(ModelError::LayoutMismatch {
                     what: "trainable buffer (index or length)",
                 });
             }
-            let mut f32s = self.backend.alloc(n)?;
+            let mut f32s = self.backend.alloc(values.len())?;
             self.backend.upload(values, ViewMut::whole(&mut f32s))?;
-            let copies = self
-                .bf16_weights
-                .as_mut()
-                .ok_or(ModelError::LayoutMismatch {
-                    what: "bf16 weights",
-                })?;
-            let k =
-                copies.copy_indices(&self.weights)[buffer].ok_or(ModelError::LayoutMismatch {
-                    what: "bf16 weights",
-                })?;
-            return copies
-                .by_index_mut(k)
-                .round_from(&self.backend, View::whole(&f32s));
+            return copy.round_from(&self.backend, View::whole(&f32s));
         }
         let mut all = match &mut self.lora {
             Some(l) => l.params.buffers_mut(),
