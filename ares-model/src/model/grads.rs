@@ -223,7 +223,7 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    /// The length of each of [`Model::trainable`]'s buffers, as the gradients and moments
+    /// The length of each of [`Model::trainable_buffers`], as the gradients and moments
     /// have it (a linear stack stored in bf16 has an empty f32 buffer: its bf16 length).
     pub fn trainable_lens(&self) -> Vec<usize> {
         match &self.lora {
