@@ -398,6 +398,61 @@ fn merging_on_the_device_equals_merging_the_files() {
     }
 }
 
+/// Over linear weights stored in bf16, `merge_lora` merges in f32 and rounds the merged
+/// weight to the nearest bf16: the host merge of the bf16 weights, rounded, within one bf16
+/// ulp (the sums' order differs); the model stays in bf16 and generation reads the merged
+/// weights.
+#[test]
+fn merging_into_bf16_weights_rounds_the_merged_weight() {
+    use ares_model::backend::MatmulPrecision;
+    use ares_model::model::WeightStorage;
+    let round = |t: &mut [f32]| {
+        t.iter_mut()
+            .for_each(|x| *x = MatmulPrecision::Bf16.round(*x))
+    };
+    for name in MODELS {
+        let (checkpoint, mut model) = load(name);
+        model.set_weight_storage(WeightStorage::Bf16).unwrap();
+        let adapter = random_adapter(&checkpoint, config(4, &TARGETS, None), 23);
+        model.load_lora(&adapter).unwrap();
+        model.merge_lora().unwrap();
+        assert_eq!(model.weight_storage(), WeightStorage::Bf16);
+        assert!(model.lora_config().is_none());
+        let mut host = checkpoint.clone();
+        let linear = |n: &str| n.ends_with("_proj.weight");
+        for (n, t) in host.weights.tensors_mut() {
+            if linear(&n) {
+                round(&mut t.data);
+            }
+        }
+        adapter.merge_into(&mut host.weights).unwrap();
+        let ours = model.to_weights().unwrap();
+        for ((n, a), (_, b)) in ours.tensors().iter().zip(host.weights.tensors()) {
+            for (&x, &y) in a.data.iter().zip(&b.data) {
+                let want = if linear(n) {
+                    MatmulPrecision::Bf16.round(y)
+                } else {
+                    y
+                };
+                let ulp =
+                    f32::from_bits((want.abs().to_bits() & 0xffff_0000) + 0x1_0000) - want.abs();
+                assert!(
+                    (x - want).abs() <= ulp.max(1e-30),
+                    "{name} {n}: {x} vs {want}"
+                );
+            }
+        }
+        let request = GenerateRequest {
+            prompts: vec![vec![1, 2, 3]],
+            max_new_tokens: 4,
+            eos_ids: vec![],
+            sampling: Sampling::Greedy,
+            seed: 0,
+        };
+        assert_eq!(model.generate(&request).unwrap().tokens[0].len(), 4);
+    }
+}
+
 /// The memory plan's figure of the LoRA intermediates is what an arena allocates, stored
 /// and checkpointed.
 #[test]

@@ -449,7 +449,8 @@ fn low_memory_optimizer_states_resume_exactly() {
 }
 
 /// Linear weights stored in bf16 (`trainer.weight_dtype: bf16`, stochastic rounding in
-/// the update, seeded) resume exactly — with 8-bit moments, the leanest run — and the
+/// the update, seeded) resume exactly — with 8-bit moments, the leanest run, and under
+/// LoRA — and the
 /// storage needs bf16 products, said when the config asks otherwise.
 #[test]
 fn bf16_weights_resume_exactly() {
@@ -460,6 +461,15 @@ fn bf16_weights_resume_exactly() {
     ];
     let header = resume_equals_straight(&bf16, 128);
     assert!(header.contains(r#""state_dtype":"int8""#), "{header}");
+    // LoRA on a base stored in bf16 (frozen; the reference is the base with the adapters
+    // off, generation merges the pairs into widened weights)
+    let lora = [
+        "trainer.precision=bf16",
+        "worker.actor.model.lora.rank=4",
+        "worker.actor.model.lora.alpha=8",
+    ];
+    let header = resume_equals_straight(&lora, 128);
+    assert!(header.contains("lora_A"), "{header}");
     let dir = tempfile::tempdir().unwrap();
     let a = assets(&dir.path().join("assets"));
     // the storage takes effect: the same run with f32 weights (bf16 products) differs
