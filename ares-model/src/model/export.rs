@@ -5,8 +5,9 @@
 use std::collections::HashMap;
 use std::path::Path;
 
+use super::weights::HalfStack;
 use super::{Model, ModelError, ModelSpec};
-use crate::backend::{Backend, View, ViewMut};
+use crate::backend::Backend;
 use crate::hf::checkpoint::Checkpoint;
 use crate::hf::config::ModelConfig;
 use crate::hf::generation::GenerationConfig;
@@ -94,21 +95,12 @@ impl<B: Backend> Model<B> {
     /// An unknown name; a backend failure.
     pub(crate) fn download_parameter(&self, name: &str) -> Result<Vec<f32>, ModelError> {
         let (buffer, layer) = self.weights.buffer_item(name)?;
-        let mut data;
-        match self.stored_bf16(buffer) {
-            Some(c) => {
-                let t = c.layer(layer)?;
-                let mut widened = self.backend.alloc(t.len())?;
-                self.backend.widen_bf16(t, ViewMut::whole(&mut widened))?;
-                data = vec![0.0f32; t.len()];
-                self.backend.download(View::whole(&widened), &mut data)?;
-            }
-            None => {
-                let t = self.weights.tensor(name)?;
-                data = vec![0.0f32; t.len()];
-                self.backend.download(t, &mut data)?;
-            }
+        if let Some(c) = self.stored_bf16(buffer) {
+            return HalfStack::download_widened(&self.backend, c.layer(layer)?);
         }
+        let t = self.weights.tensor(name)?;
+        let mut data = vec![0.0f32; t.len()];
+        self.backend.download(t, &mut data)?;
         Ok(data)
     }
 

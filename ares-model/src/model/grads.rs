@@ -5,7 +5,7 @@
 //! pairs only: its gradients are the pairs' (`…q_proj.lora_A.weight`), none of the base.
 
 use super::lora::{LoraParams, lora_tensor_name};
-use super::weights::DeviceWeights;
+use super::weights::{DeviceWeights, HalfStack};
 use super::{Model, ModelError};
 use crate::backend::{Backend, DeviceBuffer, Tensor, View, ViewMut};
 
@@ -124,10 +124,7 @@ impl<B: Backend> Model<B> {
     pub fn read_trainable(&self, buffer: usize) -> Result<Vec<f32>, ModelError> {
         if let Some(copy) = self.trained_bf16(buffer) {
             // a weight stored in bf16: its values widened (exact)
-            let widened = copy.widened(&self.backend)?;
-            let mut out = vec![0.0f32; widened.len()];
-            self.backend.download(widened.whole(), &mut out)?;
-            return Ok(out);
+            return HalfStack::download_widened(&self.backend, copy.whole());
         }
         let all = self.trainable();
         let b = all.get(buffer).ok_or(ModelError::LayoutMismatch {
@@ -140,7 +137,7 @@ impl<B: Backend> Model<B> {
 
     /// The bf16 weight of trainable buffer `buffer` when the model stores it in bf16 only
     /// (never under LoRA, which trains f32 pairs).
-    fn trained_bf16(&self, buffer: usize) -> Option<&super::weights::HalfStack<B>> {
+    fn trained_bf16(&self, buffer: usize) -> Option<&HalfStack<B>> {
         self.lora
             .is_none()
             .then(|| self.stored_bf16(buffer))

@@ -76,6 +76,20 @@ impl<B: Backend> HalfStack<B> {
         backend.widen_bf16(self.whole(), ViewMut::whole(&mut buffer))?;
         Ok(Stack::new(buffer, self.item))
     }
+
+    /// The values of `view` (of this stack) on the host, widened to f32 (exact): the bf16
+    /// bits downloaded, no device copy.
+    pub(crate) fn download_widened(
+        backend: &B,
+        view: View<'_, B::Half>,
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut bits = vec![0u16; view.len()];
+        backend.download_half(view, &mut bits)?;
+        Ok(bits
+            .into_iter()
+            .map(|b| f32::from_bits(u32::from(b) << 16))
+            .collect())
+    }
 }
 
 impl<B: Backend> Stack<B> {

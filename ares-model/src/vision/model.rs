@@ -100,8 +100,8 @@ impl MultimodalLayout {
     /// [`ModelError::VisionInput`]: a `from` index past the padded tokens, two packed tokens
     /// from one padded token, or a placeholder whose token is not packed.
     pub fn packed(&self, from: &[Option<usize>], cu_seqlens: Vec<u32>) -> Result<Self, ModelError> {
-        let (n, half) = (self.positions.batch * self.positions.seq, self.cos.len());
-        let half = half / n.max(1);
+        let n = self.positions.batch * self.positions.seq;
+        let half = self.cos.len() / n.max(1);
         let mut to = vec![None; n];
         for (j, f) in from.iter().enumerate() {
             if let Some(i) = *f {
