@@ -7,17 +7,31 @@
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
 
+// Dynamic shared memory; a CPU emulation of the kernels (ares-cuda/tests/emulate) defines
+// its own, as it does for the inline PTX below.
+#ifndef ARES_EMULATE
+#define ARES_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+
 // 2^x with the hardware unit (max rel. error ~2^-22); 2^-inf = 0.
 __device__ __forceinline__ float exp2_approx(float x) {
+#ifdef ARES_EMULATE
+    return exp2f(x);
+#else
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+#endif
 }
 
 __device__ __forceinline__ float log2_approx(float x) {
+#ifdef ARES_EMULATE
+    return log2f(x);
+#else
     float y;
     asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+#endif
 }
 
 // Online softmax state in base-2 units, y = z·log2(e):

@@ -12,9 +12,15 @@ struct half_t {
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(bf16_t x) { return __uint_as_float(((unsigned)x) << 16); }
 __device__ __forceinline__ float f16_bits_to_f32(unsigned short x) {
+#ifdef ARES_EMULATE
+    _Float16 h;
+    memcpy(&h, &x, 2);
+    return (float)h;
+#else
     float y;
     asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(y) : "h"(x));
     return y;
+#endif
 }
 __device__ __forceinline__ float to_f32(half_t x) { return f16_bits_to_f32(x.bits); }
 
@@ -219,7 +225,7 @@ extern "C" __global__ void row_percentile(const float* __restrict__ means,
                                           const float* __restrict__ valid, long long cols,
                                           int padded, float q, float* __restrict__ out_threshold,
                                           float* __restrict__ out_has) {
-    extern __shared__ float buf[];
+    ARES_DYNAMIC_SHARED(float, buf);
     __shared__ int n_valid;
     const long long row = blockIdx.x;
     if (threadIdx.x == 0) n_valid = 0;
@@ -264,19 +270,71 @@ extern "C" __global__ void row_percentile(const float* __restrict__ means,
 }
 
 // ---------------------------------------------------------------------------------------
+// Exponentials and KL estimators as ares-core computes them (its polynomial `exp` and
+// `exp_m1_minus_x` in f32, no fused multiply-adds), so the KL kernels give core's k_t to the
+// bit: `eˣ − 1 − x` from libm's eˣ would cancel to a relative error of 1e-5 where δ is small.
+#define LOSS_LOG2E 1.4426950408889634f
+#define LOSS_LN2_HI 0.693145751953125f
+#define LOSS_LN2_LO 1.4286068203094173e-6f
+
+// core's `exp_bounded` in f32: eˣ by a degree-8 Taylor polynomial of the reduced argument
+// times an exact 2ⁿ (|x| ≤ 40).
+__device__ __forceinline__ float loss_exp(float x) {
+    const float n = rintf(__fmul_rn(x, LOSS_LOG2E));
+    const float r = __fsub_rn(__fsub_rn(x, __fmul_rn(n, LOSS_LN2_HI)), __fmul_rn(n, LOSS_LN2_LO));
+    const float c[9] = {2.48015873015873e-05f, 0.0001984126984126984f, 0.001388888888888889f,
+                        0.008333333333333333f, 0.041666666666666664f, 0.16666666666666666f,
+                        0.5f, 1.0f, 1.0f};
+    float p = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 9; k++) p = __fadd_rn(__fmul_rn(p, r), c[k]);
+    return __fmul_rn(p, ldexpf(1.0f, (int)n));
+}
+
+// core's `exp_m1_minus_x` in f32 for x ∈ [−12, 3]: (eˣ − 1 − x, eˣ − 1).
+__device__ __forceinline__ void loss_expm1_minus_x(float x, float& k, float& em1) {
+    const float n = rintf(__fmul_rn(x, LOSS_LOG2E));
+    const float r = __fsub_rn(__fsub_rn(x, __fmul_rn(n, LOSS_LN2_HI)), __fmul_rn(n, LOSS_LN2_LO));
+    const float c[5] = {(float)(1.0 / 720.0), (float)(1.0 / 120.0), (float)(1.0 / 24.0),
+                        (float)(1.0 / 6.0), 0.5f};
+    float h = (float)(1.0 / 5040.0);
+#pragma unroll
+    for (int i = 0; i < 5; i++) h = __fadd_rn(__fmul_rn(h, r), c[i]);
+    const float r2h = __fmul_rn(__fmul_rn(r, r), h);
+    const float q = __fadd_rn(r, r2h);
+    const float s = ldexpf(1.0f, (int)n);
+    em1 = __fadd_rn(__fmul_rn(s, q), __fsub_rn(s, 1.0f));
+    k = n == 0.0f ? r2h : __fsub_rn(em1, x);
+}
+
+// A KL estimator's value and derivative in δ = logπ − logπ_ref (core's `kl_penalty_and_grad`):
+// 0 k1, 1 abs, 2 k2, 3 k3, 4 k1+, 5 k3+.
+__device__ __forceinline__ void loss_kl(float d, int est, float& k, float& g) {
+    if (est == 0) { k = d; g = 1.0f; return; }
+    if (est == 1) { k = fabsf(d); g = d > 0.0f ? 1.0f : (d < 0.0f ? -1.0f : 0.0f); return; }
+    if (est == 2) { k = __fmul_rn(__fmul_rn(d, d), 0.5f); g = d; return; }
+    if (est == 4) { k = d; g = d; return; }
+    float x = -d;
+    x = x > 3.0f ? 3.0f : x;
+    x = x < -12.0f ? -12.0f : x;
+    float v, em1;
+    loss_expm1_minus_x(x, v, em1);
+    const bool clamped = v > 10.0f;
+    k = clamped ? 10.0f : v;
+    g = est == 5 ? d : (clamped ? 0.0f : -em1);
+}
+
+
+// ---------------------------------------------------------------------------------------
 // Masked dynamic KL (docs/algorithms.md §4), one block per row. δ = logp − ref; k by estimator
 // (0 k1, 1 abs, 2 k2, 3 k3 with clamps); weight β_row·(hwe ? low_ratio : 1)·mask.
 // Outputs: optional per-token k (out_kl) and β_t·k_t (out_weighted); per row Σ β_t·k_t and
 // mean of k over valid tokens (0 for an empty row); total Σ over rows of the weighted sums,
 // reduced in row order by the last block to finish (deterministic).
 __device__ __forceinline__ float kl_estimate(float logp, float ref, int est) {
-    float d = logp - ref;
-    if (est == 0) return d;
-    if (est == 1) return fabsf(d);
-    if (est == 2) return 0.5f * d * d;
-    float x = fminf(fmaxf(-d, -20.0f), 20.0f);
-    float k = expf(x) - x - 1.0f;
-    return fminf(fmaxf(k, -10.0f), 10.0f);
+    float k, g;
+    loss_kl(logp - ref, est, k, g);
+    return k;
 }
 
 // One token: k (0 on padding), the weighted value β_t·k_t, and the row accumulators.
@@ -375,5 +433,281 @@ extern "C" __global__ void masked_dynamic_kl(const float* __restrict__ logp,
             *total = acc;
             *blocks_done = 0u;
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The actor's loss on the device (docs/algorithms.md §4, §6, §16): the policy loss of
+// `ares_core::loss` (PPO clip / dual clip, CISPO, GSPO, GSPO-token) with the rollout
+// importance correction, the forking-token mask, the dynamic token-level KL term and the
+// entropy bonus, aggregated by `loss_agg_mode`, with ∂L/∂logπ per token. Two launches:
+// `mask_row_counts` (valid tokens per row; resets the status words), then `policy_loss`,
+// one block per row. The per-token arithmetic is core's, operation for operation (its
+// polynomial `exp`, no fused multiply-adds), so a token's gradient is core's to the bit
+// except GSPO's (its sequence ratio sums a row); the sums differ in order only.
+
+// Status word 1 bits (status word 0: the smallest flat index of a bad valid token).
+#define LOSS_BAD_LOGP 1u
+#define LOSS_BAD_LOGP_OLD 2u
+#define LOSS_BAD_ADVANTAGES 4u
+#define LOSS_BAD_ROLLOUT 8u
+#define LOSS_BAD_REF 16u
+#define LOSS_BAD_ENTROPY 32u
+#define LOSS_BAD_MASK 64u
+#define LOSS_BAD_KEEP 128u
+#define LOSS_BAD_HWE 256u
+#define LOSS_BAD_BETA 512u
+// Per-row statistics, and the totals over rows (same order).
+#define LOSS_STATS 9
+// 0 policy loss, 1 KL term agg(β_t·k_t), 2 agg(H), 3 clipped tokens, 4 dual-clipped tokens,
+// 5 Σ −clamp(logπ − logπ_old), 6 Σ importance weights, 7 tokens whose weight changed,
+// 8 valid tokens
+
+// PPO's clipped surrogate for a ratio r > 0: (max(L1, L2), slope, L2 > L1).
+__device__ __forceinline__ void loss_surrogate(float ratio, float a, float lo, float hi,
+                                               float& loss, float& slope, bool& clipped) {
+    const float neg_a = -a;
+    const float l1 = __fmul_rn(neg_a, ratio);
+    const float l2 = __fmul_rn(neg_a, fminf(fmaxf(ratio, lo), hi));
+    clipped = l2 > l1;
+    loss = clipped ? l2 : l1;
+    slope = clipped ? 0.0f : l1;
+}
+
+// The rollout importance weight for d = logπ_old − logπ_rollout: 0 none, 1 tis, 2 icepop,
+// 3 reinforce_pro.
+__device__ __forceinline__ float loss_is_weight(float d, int mode, float low, float high,
+                                                bool& changed) {
+    changed = false;
+    if (mode == 0) return 1.0f;
+    const float w = loss_exp(fminf(fmaxf(d, -20.0f), 20.0f));
+    if (mode == 1) {
+        changed = w > high;
+        return changed ? high : w;
+    }
+    if (mode == 2) {
+        changed = !(w >= low && w <= high);
+        return changed ? 0.0f : w;
+    }
+    if (w < low) { changed = true; return low; }
+    if (w > high) { changed = true; return high; }
+    return w;
+}
+
+// Σ of v over the block, in every thread.
+__device__ __forceinline__ float block_sum_all(float v, float* scratch) {
+    __shared__ float result;
+    v = block_sum(v, scratch);
+    if (threadIdx.x == 0) result = v;
+    __syncthreads();
+    v = result;
+    __syncthreads();
+    return v;
+}
+
+// Valid tokens (mask ≠ 0) of each row, one block per row; block 0 also resets the status
+// words that `policy_loss` reports through.
+extern "C" __global__ void mask_row_counts(const float* __restrict__ mask, long long cols,
+                                           float* __restrict__ counts,
+                                           unsigned* __restrict__ status) {
+    __shared__ float scratch[32];
+    const long long base = (long long)blockIdx.x * cols;
+    float n = 0.0f;
+    for (long long t = threadIdx.x; t < cols; t += blockDim.x) n += mask[base + t] != 0.0f;
+    n = block_sum(n, scratch);
+    if (threadIdx.x == 0) {
+        counts[blockIdx.x] = n;
+        if (blockIdx.x == 0) {
+            status[0] = 0xffffffffu;
+            status[1] = 0u;
+        }
+    }
+}
+
+// Marks a bad input at flat index i.
+__device__ __forceinline__ void loss_bad(unsigned* status, long long i, unsigned bit) {
+    atomicMin(status, (unsigned)i);
+    atomicOr(status + 1, bit);
+}
+
+// kind: 0 PPO clip / dual clip, 1 CISPO, 2 GSPO (sequence), 3 GSPO-token.
+// agg: 0 token-mean, 1 token-sum, 2 seq-mean-token-sum, 3 seq-mean-token-mean,
+// 4 seq-mean-token-sum-norm. clip_c = 0: no dual clip. `rollout` is read iff is_mode ≠ 0;
+// `keep` (forking mask), `ref` (with `beta_rows`; `hwe` optional) and `entropy` (with
+// `entropy_grad`) are optional. `grad` = scale · ∂L/∂logπ, `entropy_grad` = scale · ∂L/∂H
+// (0 on padding); `row_stats` [rows, LOSS_STATS] and `totals` [LOSS_STATS] unscaled.
+extern "C" __global__ void policy_loss(
+    const float* __restrict__ logp, const float* __restrict__ logp_old,
+    const float* __restrict__ advantages, const float* __restrict__ mask,
+    const float* __restrict__ rollout, const float* __restrict__ keep,
+    const float* __restrict__ ref, const float* __restrict__ hwe,
+    const float* __restrict__ beta_rows, const float* __restrict__ entropy,
+    const float* __restrict__ row_counts, long long rows, long long cols, int kind,
+    float clip_lo, float clip_hi, float clip_c, int is_mode, float is_low, float is_high,
+    int agg, int kl_est, float low_ratio, float entropy_coef, float scale,
+    float* __restrict__ grad, float* __restrict__ entropy_grad,
+    float* __restrict__ row_stats, float* __restrict__ totals, unsigned* __restrict__ status,
+    unsigned* __restrict__ blocks_done) {
+    __shared__ float scratch[32];
+    __shared__ bool is_last;
+    const long long row = blockIdx.x;
+    const long long base = row * cols;
+
+    // the aggregation's normalisers: valid tokens and non-empty rows of the whole batch
+    float valid = 0.0f, nonempty = 0.0f;
+    for (long long r = threadIdx.x; r < rows; r += blockDim.x) {
+        valid += row_counts[r];
+        nonempty += row_counts[r] > 0.0f ? 1.0f : 0.0f;
+    }
+    valid = block_sum_all(valid, scratch);
+    nonempty = block_sum_all(nonempty, scratch);
+    const float n_r = row_counts[row];
+    float weight;
+    if (agg == 0) weight = 1.0f / valid;
+    else if (agg == 1) weight = 1.0f;
+    else if (agg == 2) weight = 1.0f / nonempty;
+    else if (agg == 3) weight = (1.0f / nonempty) / fmaxf(n_r, 1.0f);
+    else weight = 1.0f / (float)((double)nonempty * (double)cols);
+
+    const float lo = 1.0f - clip_lo, hi = 1.0f + clip_hi;
+    const bool dual = clip_c > 0.0f;
+    float beta = 0.0f;
+    if (ref != 0) {
+        beta = beta_rows[row];
+        if (!(beta >= 0.0f && beta - beta == 0.0f)) loss_bad(status, base, LOSS_BAD_BETA);
+    }
+
+    // GSPO: the row's mean log-ratio and advantage, and W = Σ weight·w over its tokens
+    float inv_n = 0.0f, seq_loss = 0.0f, seq_slope = 0.0f, seq_ratio = 1.0f, row_w = 0.0f;
+    bool seq_clipped = false, seq_live = false;
+    if (kind >= 2 && n_r > 0.0f) {
+        float sum_d = 0.0f, sum_a = 0.0f;
+        for (long long t = threadIdx.x; t < cols; t += blockDim.x) {
+            const long long i = base + t;
+            if (mask[i] == 0.0f) continue;
+            sum_d += logp[i] - logp_old[i];
+            sum_a += advantages[i];
+            bool changed;
+            const float w =
+                loss_is_weight(is_mode != 0 ? logp_old[i] - rollout[i] : 0.0f, is_mode, is_low,
+                               is_high, changed);
+            row_w += __fmul_rn(weight, w);
+        }
+        sum_d = block_sum_all(sum_d, scratch);
+        sum_a = block_sum_all(sum_a, scratch);
+        row_w = block_sum_all(row_w, scratch);
+        inv_n = 1.0f / n_r;
+        const float mean = __fmul_rn(sum_d, inv_n);
+        seq_live = mean <= 10.0f;
+        seq_ratio = expf(fminf(mean, 10.0f));
+        loss_surrogate(seq_ratio, __fmul_rn(sum_a, inv_n), lo, hi, seq_loss, seq_slope,
+                       seq_clipped);
+    }
+
+    float s_loss = 0.0f, s_kl = 0.0f, s_ent = 0.0f, s_clip = 0.0f, s_dual = 0.0f;
+    float s_approx = 0.0f, s_w = 0.0f, s_changed = 0.0f;
+    for (long long t = threadIdx.x; t < cols; t += blockDim.x) {
+        const long long i = base + t;
+        const float m = mask[i];
+        if (!(m == 0.0f || m == 1.0f)) loss_bad(status, i, LOSS_BAD_MASK);
+        if (keep != 0 && !(keep[i] == 0.0f || keep[i] == 1.0f)) loss_bad(status, i, LOSS_BAD_KEEP);
+        if (hwe != 0 && ref != 0 && !(hwe[i] == 0.0f || hwe[i] == 1.0f))
+            loss_bad(status, i, LOSS_BAD_HWE);
+        if (m == 0.0f) {
+            grad[i] = 0.0f;
+            if (entropy_grad != 0) entropy_grad[i] = 0.0f;
+            continue;
+        }
+        const float lp = logp[i], old = logp_old[i], a = advantages[i];
+        unsigned bad = 0u;
+        if (!(lp - lp == 0.0f)) bad |= LOSS_BAD_LOGP;
+        if (!(old - old == 0.0f)) bad |= LOSS_BAD_LOGP_OLD;
+        if (!(a - a == 0.0f)) bad |= LOSS_BAD_ADVANTAGES;
+        if (is_mode != 0 && !(rollout[i] - rollout[i] == 0.0f)) bad |= LOSS_BAD_ROLLOUT;
+        bool changed;
+        const float w = loss_is_weight(is_mode != 0 ? old - rollout[i] : 0.0f, is_mode, is_low,
+                                       is_high, changed);
+        const float d = lp - old;
+        const float l = fminf(fmaxf(d, -20.0f), 20.0f);
+        float g = 0.0f;
+        bool clipped = false, dual_clipped = false;
+        if (kind == 0) {
+            const bool live = d >= -20.0f && d <= 20.0f;
+            float lc, slope;
+            loss_surrogate(loss_exp(l), a, lo, hi, lc, slope, clipped);
+            const float l3 = __fmul_rn(-a, clip_c);
+            dual_clipped = dual && a < 0.0f && l3 < lc;
+            const float tok_loss = dual_clipped ? l3 : lc;
+            const float tok_grad = dual_clipped ? 0.0f : (live ? slope : 0.0f);
+            s_loss = __fadd_rn(s_loss, __fmul_rn(w, tok_loss));
+            g = __fmul_rn(weight, __fmul_rn(w, tok_grad));
+        } else if (kind == 1) {
+            const float ratio = loss_exp(l);
+            const float cr = fminf(fmaxf(ratio, lo), hi);
+            const float slope = -__fmul_rn(cr, a);
+            const float ww = __fmul_rn(weight, w);
+            s_loss = __fadd_rn(s_loss, __fmul_rn(__fmul_rn(ww, slope), lp));
+            clipped = cr != ratio;
+            g = __fmul_rn(ww, slope);
+        } else {
+            float tl = seq_loss, ts = seq_slope;
+            clipped = seq_clipped;
+            if (kind == 3) loss_surrogate(seq_ratio, a, lo, hi, tl, ts, clipped);
+            s_loss = __fadd_rn(s_loss, __fmul_rn(__fmul_rn(weight, w), tl));
+            if (seq_live)
+                g = kind == 3 ? __fmul_rn(__fmul_rn(weight, w), ts)
+                              : __fmul_rn(__fmul_rn(row_w, seq_slope), inv_n);
+        }
+        s_approx = __fsub_rn(s_approx, l);
+        s_w = __fadd_rn(s_w, w);
+        s_changed += changed ? 1.0f : 0.0f;
+        s_clip += clipped ? 1.0f : 0.0f;
+        s_dual += dual_clipped ? 1.0f : 0.0f;
+        // forking tokens restrict the policy gradient only (docs/algorithms.md §16.1)
+        if (keep != 0 && keep[i] == 0.0f) g = 0.0f;
+        if (ref != 0) {
+            const float dk = lp - ref[i];
+            if (!(dk - dk == 0.0f)) bad |= LOSS_BAD_REF;
+            float k, kg;
+            loss_kl(dk, kl_est, k, kg);
+            const float bt = (hwe != 0 && hwe[i] != 0.0f) ? __fmul_rn(beta, low_ratio) : beta;
+            s_kl = __fadd_rn(s_kl, __fmul_rn(bt, k));
+            g = __fadd_rn(g, __fmul_rn(__fmul_rn(bt, kg), weight));
+        }
+        grad[i] = __fmul_rn(g, scale);
+        if (entropy != 0) {
+            const float h = entropy[i];
+            if (!(h - h == 0.0f)) bad |= LOSS_BAD_ENTROPY;
+            s_ent = __fadd_rn(s_ent, h);
+            entropy_grad[i] = __fmul_rn(__fmul_rn(-entropy_coef, weight), scale);
+        }
+        if (bad != 0u) loss_bad(status, i, bad);
+    }
+
+    float stats[LOSS_STATS] = {s_loss, s_kl, s_ent, s_clip, s_dual, s_approx, s_w, s_changed, 0.0f};
+    for (int k = 0; k < LOSS_STATS - 1; k++) stats[k] = block_sum(stats[k], scratch);
+    if (threadIdx.x == 0) {
+        // PPO sums w·L and weighs the row once, as core does; the others weigh each token
+        const float row_weight = n_r > 0.0f ? weight : 0.0f;
+        if (kind == 0) stats[0] = __fmul_rn(stats[0], row_weight);
+        stats[1] = __fmul_rn(stats[1], row_weight);
+        stats[2] = __fmul_rn(stats[2], row_weight);
+        stats[8] = n_r;
+        for (int k = 0; k < LOSS_STATS; k++) row_stats[row * LOSS_STATS + k] = stats[k];
+        __threadfence();
+        const unsigned done = atomicAdd(blocks_done, 1u);
+        is_last = done == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (is_last) {
+        // the last block: totals in row order, then the counter reset for the next launch
+        for (int k = 0; k < LOSS_STATS; k++) {
+            float acc = 0.0f;
+            for (long long r = threadIdx.x; r < rows; r += blockDim.x)
+                acc += ((volatile float*)row_stats)[r * LOSS_STATS + k];
+            acc = block_sum(acc, scratch);
+            if (threadIdx.x == 0) totals[k] = acc;
+        }
+        if (threadIdx.x == 0) *blocks_done = 0u;
     }
 }

@@ -86,7 +86,7 @@ macro_rules! kernel_table {
 
 kernel_table! {
     /// Token kernels: fused log-prob + entropy, entropy windows / HWE, row percentile, masked
-    /// dynamic KL.
+    /// dynamic KL, and the actor's loss (policy loss, KL term, entropy bonus).
     pub const TOKEN_KERNELS = "token_kernels.cu" after "online_softmax.cuh";
     /// The loaded kernels of `token_kernels.cu`.
     pub(crate) struct TokenFunctions {
@@ -96,6 +96,8 @@ kernel_table! {
         entropy_windows: "entropy_windows",
         row_percentile: "row_percentile",
         masked_dynamic_kl: "masked_dynamic_kl",
+        mask_row_counts: "mask_row_counts",
+        policy_loss: "policy_loss",
     }
 }
 

@@ -21,6 +21,7 @@ mod device;
 pub mod external;
 pub mod gemm;
 mod launch;
+mod loss_ops;
 pub mod mma;
 pub mod model_ops;
 mod staging;
@@ -30,5 +31,8 @@ mod token_ops;
 pub use cudarc;
 pub use device::{Cuda, DeviceInfo, cuda_available, device_count};
 pub use gemm::{GemmDims, GemmPrecision, cublas_available};
+pub use loss_ops::{
+    KlTerm, LOSS_STATS, LossInputs, LossKind, LossOutputs, LossReport, LossScalars, LossSpec,
+};
 pub use model_ops::{AdamWStep, AttentionShape, DecodeGraph, ModelOps};
 pub use token_ops::{HweOutputs, LogitElem, MaskedKlInputs, MaskedKlOutputs, TokenOps, WindowSpec};

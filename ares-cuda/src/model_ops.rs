@@ -442,8 +442,8 @@ impl ModelOps {
         graph.0.launch().during("replaying a graph")
     }
 
-    /// Runs `f` with the ARES token ops (HWE windows, row percentiles, masked dynamic KL)
-    /// on this device's stream; `f` also gets the one-element buffer `masked_dynamic_kl`
+    /// Runs `f` with the ARES token ops (HWE windows, row percentiles, masked dynamic KL,
+    /// the actor's loss) on this device's stream; `f` also gets the one-element buffer `masked_dynamic_kl`
     /// writes its total to. The ops are queued and return without waiting.
     ///
     /// # Errors
@@ -463,6 +463,8 @@ impl ModelOps {
             entropy_windows: &self.token.entropy_windows,
             row_percentile: &self.token.row_percentile,
             masked_dynamic_kl: &self.token.masked_dynamic_kl,
+            mask_row_counts: &self.token.mask_row_counts,
+            policy_loss: &self.token.policy_loss,
             blocks_done,
             max_shared_per_block: self.info.max_shared_per_block,
         };

@@ -203,6 +203,8 @@ pub struct TokenOps<'a> {
     pub(crate) entropy_windows: &'a CudaFunction,
     pub(crate) row_percentile: &'a CudaFunction,
     pub(crate) masked_dynamic_kl: &'a CudaFunction,
+    pub(crate) mask_row_counts: &'a CudaFunction,
+    pub(crate) policy_loss: &'a CudaFunction,
     /// Blocks-finished counter of the last-block reduction; the kernel resets it to 0.
     pub(crate) blocks_done: &'a mut CudaSlice<u32>,
     /// Largest dynamic shared memory a block may opt into, in bytes.
@@ -218,6 +220,8 @@ impl Cuda {
             entropy_windows: &self.functions.entropy_windows,
             row_percentile: &self.functions.row_percentile,
             masked_dynamic_kl: &self.functions.masked_dynamic_kl,
+            mask_row_counts: &self.functions.mask_row_counts,
+            policy_loss: &self.functions.policy_loss,
             blocks_done: &mut self.blocks_done,
             max_shared_per_block,
         }

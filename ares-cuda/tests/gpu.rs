@@ -2,6 +2,9 @@
 //! before each run. Needs a GPU: without one each test is skipped with a message, unless
 //! `ARES_REQUIRE_GPU=1` (set by `scripts/gpu-bundle.sh`'s runner), which makes it fail.
 
+#[path = "common/loss_reference.rs"]
+mod loss_reference;
+
 use ares_cuda::Cuda;
 use cudarc::driver::CudaSlice;
 use half::bf16;
@@ -447,4 +450,106 @@ fn log_prob_entropy_f16_matches_cpu() {
             1e-5,
         );
     }
+}
+
+#[test]
+fn policy_loss_matches_core() {
+    use ares_cuda::{LOSS_STATS, LossInputs, LossKind, LossOutputs, LossReport};
+    use loss_reference::{Batch, close, expected, specs};
+    let Some(mut cuda) = gpu_or_skip() else {
+        return;
+    };
+    let mut rng = loss_reference::Rng(0x5EED_1234);
+    let mut checked = 0;
+    for (rows, cols) in [(1usize, 1usize), (3, 7), (5, 600), (64, 2048)] {
+        let b = Batch::random(&mut rng, rows, cols);
+        let n = rows * cols;
+        let d = |v: &[f32]| upload(&cuda, v);
+        let (logp, old, adv, mask) = (d(&b.logp), d(&b.old), d(&b.adv), d(&b.mask));
+        let (rollout, keep, refp) = (d(&b.rollout), d(&b.keep), d(&b.refp));
+        let (beta, hwe, entropy) = (d(&b.beta), d(&b.hwe), d(&b.entropy));
+        for (spec, forking, with_hwe) in specs() {
+            let what = format!("{rows}×{cols} {spec:?} forking {forking} hwe {with_hwe}");
+            let (mut grad, mut egrad) = (poisoned(&cuda, n), poisoned(&cuda, n));
+            let (mut counts, mut stats) =
+                (poisoned(&cuda, rows), poisoned(&cuda, rows * LOSS_STATS));
+            let mut totals = poisoned(&cuda, LOSS_STATS);
+            let mut status = upload(&cuda, &[7u32, 7]);
+            cuda.token_ops()
+                .policy_loss(
+                    &spec,
+                    LossInputs {
+                        logp: logp.as_view(),
+                        logp_old: old.as_view(),
+                        advantages: adv.as_view(),
+                        mask: mask.as_view(),
+                        logp_rollout: Some(rollout.as_view()),
+                        keep: forking.then(|| keep.as_view()),
+                        logp_ref: Some(refp.as_view()),
+                        beta_rows: Some(beta.as_view()),
+                        hwe: with_hwe.then(|| hwe.as_view()),
+                        entropy: Some(entropy.as_view()),
+                        cols,
+                    },
+                    LossOutputs {
+                        grad: grad.as_view_mut(),
+                        entropy_grad: Some(egrad.as_view_mut()),
+                        row_counts: counts.as_view_mut(),
+                        row_stats: stats.as_view_mut(),
+                        totals: totals.as_view_mut(),
+                        status: status.as_view_mut(),
+                    },
+                )
+                .expect("launch");
+            let got_totals: [f32; LOSS_STATS] =
+                download(&cuda, &totals).try_into().expect("totals");
+            let got_status = cuda.stream().clone_dtoh(&status).expect("status");
+            let report = LossReport::read(&got_totals, [got_status[0], got_status[1]]);
+            let want = match expected(&spec, &b, forking, with_hwe) {
+                Ok(w) => w,
+                Err(e) => {
+                    assert_eq!(report.unwrap_err(), e, "{what}");
+                    continue;
+                }
+            };
+            let report = report.unwrap_or_else(|e| panic!("{what}: {e}"));
+            // core's arithmetic operation for operation (GSPO: its row sums and exp aside);
+            // a GPU's contraction of a·b + c where the source allows it would show here
+            let rel = if matches!(spec.kind, LossKind::Gspo(_)) {
+                1e-5
+            } else {
+                2e-6
+            };
+            assert_close(
+                &format!("{what}: grad"),
+                &download(&cuda, &grad),
+                &want.grad,
+                rel,
+            );
+            if spec.entropy_coef.is_some() {
+                assert_close(
+                    &format!("{what}: entropy_grad"),
+                    &download(&cuda, &egrad),
+                    &want.entropy_grad,
+                    2e-6,
+                );
+            }
+            let (p, e) = (&report.policy, &want.policy);
+            assert_eq!(p.valid_tokens, e.valid_tokens, "{what}");
+            for (name, g, w) in [
+                ("loss", p.loss, e.loss),
+                ("clipfrac", p.clipfrac, e.clipfrac),
+                ("clipfrac_lower", p.clipfrac_lower, e.clipfrac_lower),
+                ("approx_kl", p.approx_kl, e.approx_kl),
+                ("is_weight_mean", p.is_weight_mean, e.is_weight_mean),
+                ("is_changed_frac", p.is_changed_frac, e.is_changed_frac),
+                ("kl_loss", report.kl_loss, want.kl_loss),
+                ("entropy", report.entropy, want.entropy),
+            ] {
+                assert!(close(g, w, 1e-4), "{what}: {name} GPU {g} vs core {w}");
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked > 100, "{checked} cases compared");
 }

@@ -1,0 +1,243 @@
+// CUDA C kernels on the CPU, for tests: the kernel sources of ares-cuda compile as C++20 with
+// this header in front (g++ -DARES_EMULATE -include cuda_on_cpu.h) and run with one fiber
+// per CUDA thread, so a kernel's indexing, barriers, warp shuffles, shared memory and
+// last-block reductions execute as written, without a GPU.
+//
+// What it models, and what not:
+// - one launch at a time (a process-wide lock); its blocks run one after another; a block's
+//   threads are fibers on one OS thread that switch only at barriers: `__syncthreads` (the
+//   whole block) and the warp ops;
+// - `__shared__` is a function-level `static`: one copy, which is one per block because blocks
+//   never overlap; dynamic shared memory (`ARES_DYNAMIC_SHARED`) is the launch's buffer;
+// - warps are 32 consecutive linear thread ids; a `*_sync` warp op is a barrier of the warp
+//   (every lane of the warp must reach it, as full-mask code on a GPU does);
+// - atomics are `std::atomic_ref` (one OS thread: plain read-modify-writes would do);
+//   `__threadfence` is a fence;
+// - arithmetic is the host's IEEE single precision without contraction (-ffp-contract=off):
+//   a GPU may fuse a·b + c into one FMA where the source does not forbid it, and its `expf`
+//   and `logf` differ from glibc's in the last ulp, so results agree to rounding, not bits;
+// - inline PTX is not understood: sources guard theirs with `#ifdef ARES_EMULATE`.
+#pragma once
+
+#include <ucontext.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+struct float4 {
+    float x, y, z, w;
+};
+struct uint4 {
+    unsigned x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+
+namespace emu {
+
+// A CUDA thread: a fiber with its own stack, switched to and from the scheduler.
+struct Fiber {
+    ucontext_t context;
+    dim3 idx;
+    bool done = false;
+};
+
+// A barrier: `expected` fibers arrive, the last one ends the phase.
+struct Meeting {
+    int expected = 0;
+    int arrived = 0;
+    unsigned long phase = 0;
+};
+
+inline dim3 grid_dim, block_dim, block_index;
+inline std::vector<unsigned char> dynamic_shared;
+inline ucontext_t scheduler;
+inline Fiber* current = nullptr;
+inline int current_linear = 0;
+inline Meeting block_meeting;
+inline std::vector<Meeting> warp_meetings;
+// One slot per thread of the block for warp exchanges.
+inline std::vector<std::uint64_t> lane_slots;
+// Held by a launch: the state above is the process's (tests run in parallel).
+inline std::mutex one_launch;
+inline void (*fiber_body)(void*) = nullptr;
+inline void* fiber_arg = nullptr;
+
+inline void yield() { swapcontext(&current->context, &scheduler); }
+
+// Waits until every member of `m` has arrived (the last to arrive goes straight on).
+inline void meet(Meeting& m) {
+    const unsigned long mine = m.phase;
+    if (++m.arrived == m.expected) {
+        m.arrived = 0;
+        m.phase++;
+        return;
+    }
+    while (m.phase == mine) yield();
+}
+
+inline void fiber_entry() {
+    fiber_body(fiber_arg);
+    current->done = true;
+}
+
+// Runs `body` as a launch of `grid` blocks of `threads` threads with `shared` bytes of
+// dynamic shared memory. A block's threads run as fibers on the calling thread, switched at
+// barriers only, in ascending order on even rounds and descending on odd ones, so a read
+// that a missing barrier leaves racing its write sees the wrong order one way or the other.
+template <class F> void launch(dim3 grid, dim3 threads, std::size_t shared, F body) {
+    std::lock_guard<std::mutex> hold(one_launch);
+    grid_dim = grid;
+    block_dim = threads;
+    dynamic_shared.assign(shared, 0);
+    const int n = (int)(threads.x * threads.y * threads.z);
+    constexpr std::size_t STACK = 128 * 1024;
+    std::vector<Fiber> team(n);
+    std::unique_ptr<char[]> stacks(new char[STACK * n]);
+    lane_slots.assign(n, 0);
+    fiber_body = [](void* f) { (*static_cast<F*>(f))(); };
+    fiber_arg = &body;
+    for (unsigned bz = 0; bz < grid.z; bz++)
+        for (unsigned by = 0; by < grid.y; by++)
+            for (unsigned bx = 0; bx < grid.x; bx++) {
+                block_index = dim3{bx, by, bz};
+                block_meeting = Meeting{n, 0, 0};
+                warp_meetings.clear();
+                for (int first = 0; first < n; first += 32)
+                    warp_meetings.push_back(Meeting{n - first < 32 ? n - first : 32, 0, 0});
+                for (int t = 0; t < n; t++) {
+                    Fiber& f = team[t];
+                    f.idx = dim3{t % threads.x, (t / threads.x) % threads.y,
+                                 t / (threads.x * threads.y)};
+                    f.done = false;
+                    getcontext(&f.context);
+                    f.context.uc_stack.ss_sp = stacks.get() + STACK * t;
+                    f.context.uc_stack.ss_size = STACK;
+                    f.context.uc_link = &scheduler;
+                    makecontext(&f.context, fiber_entry, 0);
+                }
+                for (int round = 0, alive = n; alive > 0; round++) {
+                    alive = 0;
+                    for (int k = 0; k < n; k++) {
+                        const int t = round % 2 == 0 ? k : n - 1 - k;
+                        if (team[t].done) continue;
+                        current = &team[t];
+                        current_linear = t;
+                        swapcontext(&scheduler, &current->context);
+                        alive += !team[t].done;
+                    }
+                }
+                current = nullptr;
+            }
+}
+
+// Every lane of the calling warp publishes `v`; returns what `read` makes of the warp's
+// values (lane `l`'s at `slots[l]`).
+template <class T, class R> T exchange(T v, R read) {
+    static_assert(sizeof(T) <= 8, "warp exchange of at most 8 bytes");
+    const int tid = current_linear;
+    Meeting& w = warp_meetings[tid / 32];
+    std::uint64_t* slots = lane_slots.data() + (tid / 32) * 32;
+    std::memcpy(&slots[tid % 32], &v, sizeof(T));
+    meet(w);
+    T out = read(slots, w.expected, tid % 32);
+    meet(w);
+    return out;
+}
+
+template <class T> T lane_value(const std::uint64_t* slots, int lane) {
+    T r;
+    std::memcpy(&r, &slots[lane], sizeof(T));
+    return r;
+}
+
+}  // namespace emu
+
+#define threadIdx (emu::current->idx)
+#define blockIdx (emu::block_index)
+#define blockDim (emu::block_dim)
+#define gridDim (emu::grid_dim)
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+#define __launch_bounds__(...)
+#define ARES_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(emu::dynamic_shared.data())
+
+inline void __syncthreads() { emu::meet(emu::block_meeting); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+template <class T> T __shfl_xor_sync(unsigned, T v, int mask) {
+    return emu::exchange(v, [&](const std::uint64_t* slots, int lanes, int lane) {
+        const int src = lane ^ mask;
+        return src < lanes ? emu::lane_value<T>(slots, src) : v;
+    });
+}
+template <class T> T __shfl_down_sync(unsigned, T v, unsigned delta) {
+    return emu::exchange(v, [&](const std::uint64_t* slots, int lanes, int lane) {
+        const int src = lane + (int)delta;
+        return src < lanes ? emu::lane_value<T>(slots, src) : v;
+    });
+}
+template <class T> T __shfl_sync(unsigned, T v, int src) {
+    return emu::exchange(v, [&](const std::uint64_t* slots, int, int) {
+        return emu::lane_value<T>(slots, src % 32);
+    });
+}
+inline unsigned __ballot_sync(unsigned, int pred) {
+    return emu::exchange((unsigned)(pred != 0), [](const std::uint64_t* slots, int lanes, int) {
+        unsigned bits = 0;
+        for (int l = 0; l < lanes; l++) bits |= emu::lane_value<unsigned>(slots, l) << l;
+        return bits;
+    });
+}
+inline int __any_sync(unsigned m, int pred) { return __ballot_sync(m, pred) != 0; }
+inline int __all_sync(unsigned m, int pred) {
+    const int lanes = emu::warp_meetings[emu::current_linear / 32].expected;
+    const unsigned full = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1u;
+    return __ballot_sync(m, pred) == full;
+}
+
+template <class T> T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
+template <class T> T atomicOr(T* p, T v) { return std::atomic_ref<T>(*p).fetch_or(v); }
+template <class T> T atomicMin(T* p, T v) {
+    std::atomic_ref<T> a(*p);
+    T old = a.load();
+    while (v < old && !a.compare_exchange_weak(old, v)) {
+    }
+    return old;
+}
+template <class T> T atomicMax(T* p, T v) {
+    std::atomic_ref<T> a(*p);
+    T old = a.load();
+    while (v > old && !a.compare_exchange_weak(old, v)) {
+    }
+    return old;
+}
+
+template <class T> T __ldcs(const T* p) { return *p; }
+template <class T> T __ldg(const T* p) { return *p; }
+
+template <class To, class From> To emu_bits(From x) {
+    To y;
+    std::memcpy(&y, &x, sizeof(To));
+    return y;
+}
+inline float __uint_as_float(unsigned x) { return emu_bits<float>(x); }
+inline float __int_as_float(int x) { return emu_bits<float>(x); }
+inline unsigned __float_as_uint(float x) { return emu_bits<unsigned>(x); }
+inline int __float_as_int(float x) { return emu_bits<int>(x); }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __frcp_rn(float a) { return 1.0f / a; }

@@ -1,0 +1,405 @@
+//! The token kernels' CUDA C, run on the CPU: `token_kernels.cu` (as NVRTC gets it) is
+//! compiled by the host's C++ compiler with `emulate/cuda_on_cpu.h` in front — one OS thread
+//! per CUDA thread, real barriers, warp shuffles and last-block reductions — and each
+//! kernel's outputs are checked against its CPU twin. So a kernel's indexing, reductions and
+//! arithmetic are tested on every CI run, not only when a GPU is lent; `gpu.rs` holds the
+//! same kernels to the same twins on a device.
+//!
+//! Needs a C++20 compiler (`$CXX`, else `c++`). Without one the tests are skipped with a
+//! message, unless `ARES_REQUIRE_CXX=1` (CI sets it), which turns the skip into a failure.
+//! Every test's name starts with `kernel_on_cpu_` (CI's reruns on narrower CPU paths skip
+//! them: the emulation does not depend on the path).
+
+#[path = "common/loss_reference.rs"]
+mod loss_reference;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+
+use ares_cuda::kernels::TOKEN_KERNELS;
+use ares_cuda::{LOSS_STATS, LossReport, LossScalars, LossSpec};
+use libloading::Library;
+use loss_reference::{Batch, Rng, close, expected, specs};
+
+const HEADER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/emulate/cuda_on_cpu.h");
+const LAUNCHERS: &str = include_str!("emulate/token_launchers.cpp");
+/// Threads per block, as `ares-cuda` launches the row kernels.
+const ROW_BLOCK: u32 = 512;
+
+/// The compiled kernels, built once per test run (`None`: no compiler, skipped).
+fn kernels() -> Option<&'static Library> {
+    static LIB: OnceLock<Option<Library>> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+        let required = std::env::var("ARES_REQUIRE_CXX").is_ok_and(|v| v == "1");
+        if Command::new(&cxx).arg("--version").output().is_err() {
+            assert!(!required, "ARES_REQUIRE_CXX=1 but `{cxx}` does not run");
+            eprintln!("skipped: no C++ compiler (`{cxx}`); set CXX to run the emulated kernels");
+            return None;
+        }
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("emulated-kernels");
+        std::fs::create_dir_all(&dir).expect("scratch directory");
+        let source = dir.join("token_kernels.cpp");
+        std::fs::write(&source, format!("{}\n{LAUNCHERS}", TOKEN_KERNELS.code)).expect("source");
+        let lib = dir.join(format!("libtoken_kernels_{}.so", std::process::id()));
+        let out = Command::new(&cxx)
+            .args(["-std=c++20", "-O2", "-ffp-contract=off", "-fno-fast-math"])
+            .args(["-fPIC", "-shared", "-pthread", "-DARES_EMULATE"])
+            .args(["-Wno-unknown-pragmas", "-include", HEADER, "-x", "c++"])
+            .arg(&source)
+            .arg("-o")
+            .arg(&lib)
+            .output()
+            .expect("running the C++ compiler");
+        assert!(
+            out.status.success(),
+            "compiling token_kernels.cu for the CPU failed:\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // SAFETY: the library is ours, just built; its initialisers only set up globals.
+        Some(unsafe { Library::new(&lib) }.expect("loading the emulated kernels"))
+    })
+    .as_ref()
+}
+
+/// A launcher of the library, by name.
+macro_rules! launcher {
+    ($lib:expr, $name:literal, $ty:ty) => {{
+        // SAFETY: the launcher's C signature in emulate/token_launchers.cpp is `$ty`.
+        let f: libloading::Symbol<'_, $ty> =
+            unsafe { $lib.get(concat!($name, "\0").as_bytes()) }.expect($name);
+        f
+    }};
+}
+
+const NAN: f32 = f32::NAN;
+
+/// The C struct of the loss's tensors (`EmuLossTensors`).
+#[repr(C)]
+struct LossTensors {
+    logp: *const f32,
+    logp_old: *const f32,
+    advantages: *const f32,
+    mask: *const f32,
+    rollout: *const f32,
+    keep: *const f32,
+    refp: *const f32,
+    hwe: *const f32,
+    beta_rows: *const f32,
+    entropy: *const f32,
+    row_counts: *const f32,
+    grad: *mut f32,
+    entropy_grad: *mut f32,
+    row_stats: *mut f32,
+    totals: *mut f32,
+    status: *mut u32,
+    blocks_done: *mut u32,
+}
+
+/// The kernel's outputs for one micro-batch.
+struct Got {
+    grad: Vec<f32>,
+    entropy_grad: Vec<f32>,
+    totals: [f32; LOSS_STATS],
+    status: [u32; 2],
+}
+
+type LossLauncher = unsafe extern "C" fn(u32, u32, *const LossScalars, *const LossTensors);
+type CountsLauncher = unsafe extern "C" fn(u32, u32, *const f32, i64, *mut f32, *mut u32);
+
+/// Runs `mask_row_counts` then `policy_loss` on `b` as `TokenOps::policy_loss` launches them
+/// (the same scalars, the optional tensors passed as the spec asks).
+fn run_loss(lib: &Library, spec: &LossSpec, b: &Batch, forking: bool, hwe: bool) -> Got {
+    let (rows, cols) = (b.rows, b.cols);
+    let n = rows * cols;
+    let mut counts = vec![NAN; rows];
+    let mut stats = vec![NAN; rows * LOSS_STATS];
+    let mut got = Got {
+        grad: vec![NAN; n],
+        entropy_grad: vec![NAN; n],
+        totals: [NAN; LOSS_STATS],
+        status: [7, 7],
+    };
+    let mut blocks_done = 0u32;
+    let null = std::ptr::null::<f32>();
+    let opt = |on: bool, v: &Vec<f32>| if on { v.as_ptr() } else { null };
+    let with_kl = spec.kl.is_some();
+    let with_entropy = spec.entropy_coef.is_some();
+    let scalars = spec.scalars(rows as i64, cols as i64);
+    let counts_launch = launcher!(lib, "emu_mask_row_counts", CountsLauncher);
+    let loss_launch = launcher!(lib, "emu_policy_loss", LossLauncher);
+    // SAFETY: every pointer covers the lengths the kernels read and write (rows × cols
+    // tensors, rows counts, rows × LOSS_STATS statistics, LOSS_STATS totals, 2 words).
+    unsafe {
+        counts_launch(
+            rows as u32,
+            ROW_BLOCK,
+            b.mask.as_ptr(),
+            cols as i64,
+            counts.as_mut_ptr(),
+            got.status.as_mut_ptr(),
+        );
+        let t = LossTensors {
+            logp: b.logp.as_ptr(),
+            logp_old: b.old.as_ptr(),
+            advantages: b.adv.as_ptr(),
+            mask: b.mask.as_ptr(),
+            rollout: opt(
+                spec.config.is_correction.mode != ares_core::loss::IsMode::None,
+                &b.rollout,
+            ),
+            keep: opt(forking, &b.keep),
+            refp: opt(with_kl, &b.refp),
+            hwe: opt(with_kl && hwe, &b.hwe),
+            beta_rows: opt(with_kl, &b.beta),
+            entropy: opt(with_entropy, &b.entropy),
+            row_counts: counts.as_ptr(),
+            grad: got.grad.as_mut_ptr(),
+            entropy_grad: if with_entropy {
+                got.entropy_grad.as_mut_ptr()
+            } else {
+                std::ptr::null_mut()
+            },
+            row_stats: stats.as_mut_ptr(),
+            totals: got.totals.as_mut_ptr(),
+            status: got.status.as_mut_ptr(),
+            blocks_done: &mut blocks_done,
+        };
+        loss_launch(rows as u32, ROW_BLOCK, &scalars, &t);
+    }
+    assert_eq!(blocks_done, 0, "the last block resets the counter");
+    got
+}
+
+#[test]
+fn kernel_on_cpu_policy_loss_is_cores_loss() {
+    let Some(lib) = kernels() else { return };
+    let mut rng = Rng(0x5EED_1234);
+    let mut checked = 0;
+    for (rows, cols) in [(1usize, 1usize), (3, 7), (4, 300), (6, 129)] {
+        let b = Batch::random(&mut rng, rows, cols);
+        for (spec, forking, hwe) in specs() {
+            let what = format!("{rows}×{cols} {spec:?} forking {forking} hwe {hwe}");
+            let got = run_loss(lib, &spec, &b, forking, hwe);
+            let want = match expected(&spec, &b, forking, hwe) {
+                Ok(w) => w,
+                Err(e) => {
+                    // a batch whose only row is empty: the kernel says so too
+                    assert_eq!(
+                        LossReport::read(&got.totals, got.status).unwrap_err(),
+                        e,
+                        "{what}"
+                    );
+                    continue;
+                }
+            };
+            let report =
+                LossReport::read(&got.totals, got.status).unwrap_or_else(|e| panic!("{what}: {e}"));
+            // GSPO's sequence ratio sums a row (in another order) and uses libm's exp; every
+            // other gradient is core's arithmetic, operation for operation
+            // (a token's gradient adds its KL term to the policy's: GSPO's tolerance is set by
+            // the batch's largest gradient, as the two may cancel)
+            let gspo = matches!(spec.kind, ares_cuda::LossKind::Gspo(_));
+            let largest = want.grad.iter().fold(1e-3f32, |m, g| m.max(g.abs()));
+            for (t, (&g, &w)) in got.grad.iter().zip(&want.grad).enumerate() {
+                if gspo {
+                    assert!(
+                        (g - w).abs() <= 1e-5 * largest,
+                        "{what}: grad[{t}] {g} vs {w}"
+                    );
+                } else {
+                    assert_eq!(g.to_bits(), w.to_bits(), "{what}: grad[{t}] {g} vs {w}");
+                }
+            }
+            if spec.entropy_coef.is_some() {
+                for (t, (&g, &w)) in got.entropy_grad.iter().zip(&want.entropy_grad).enumerate() {
+                    assert_eq!(g.to_bits(), w.to_bits(), "{what}: entropy_grad[{t}]");
+                }
+            }
+            let p = &report.policy;
+            let e = &want.policy;
+            assert_eq!(p.valid_tokens, e.valid_tokens, "{what}");
+            for (name, g, w) in [
+                ("loss", p.loss, e.loss),
+                ("clipfrac", p.clipfrac, e.clipfrac),
+                ("clipfrac_lower", p.clipfrac_lower, e.clipfrac_lower),
+                ("approx_kl", p.approx_kl, e.approx_kl),
+                ("is_weight_mean", p.is_weight_mean, e.is_weight_mean),
+                ("is_changed_frac", p.is_changed_frac, e.is_changed_frac),
+                ("kl_loss", report.kl_loss, want.kl_loss),
+                ("entropy", report.entropy, want.entropy),
+            ] {
+                assert!(close(g, w, 2e-5), "{what}: {name} {g} vs {w}");
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked > 100, "{checked} cases compared");
+}
+
+#[test]
+fn kernel_on_cpu_policy_loss_flags_what_core_refuses() {
+    let Some(lib) = kernels() else { return };
+    let mut rng = Rng(77);
+    let b = Batch::random(&mut rng, 3, 16);
+    let (spec, _, _) = specs()
+        .into_iter()
+        .find(|(s, f, h)| s.kl.is_some() && s.entropy_coef.is_some() && *f && *h)
+        .expect("a spec with everything on");
+    let first_valid = b
+        .mask
+        .iter()
+        .position(|&m| m == 1.0)
+        .expect("a valid token");
+    // NaN on padding is never read; on a valid token it is named with its index
+    for (field, bad) in [
+        ("logp", 0usize),
+        ("logp_old", 1),
+        ("advantages", 2),
+        ("logp_ref", 3),
+        ("entropy", 4),
+    ] {
+        let mut c = b.clone();
+        let fields = [
+            &mut c.logp,
+            &mut c.old,
+            &mut c.adv,
+            &mut c.refp,
+            &mut c.entropy,
+        ];
+        fields.into_iter().nth(bad).expect("a field")[first_valid] = f32::INFINITY;
+        let got = run_loss(lib, &spec, &c, true, true);
+        let core = expected(&spec, &c, true, true).err();
+        let kernel = LossReport::read(&got.totals, got.status).unwrap_err();
+        assert_eq!(
+            kernel,
+            ares_core::Error::NonFinite {
+                what: field,
+                index: first_valid
+            }
+        );
+        assert!(
+            matches!(core, Some(ares_core::Error::NonFinite { .. })),
+            "{field}: core {core:?}"
+        );
+    }
+    let mut c = b.clone();
+    let pad = c.mask.iter().position(|&m| m == 0.0).expect("padding");
+    c.mask[pad] = 0.5;
+    let got = run_loss(lib, &spec, &c, true, true);
+    assert_eq!(
+        LossReport::read(&got.totals, got.status).unwrap_err(),
+        ares_core::Error::InvalidMask {
+            what: "mask",
+            index: pad
+        }
+    );
+    let mut c = b.clone();
+    c.beta[2] = -1.0;
+    let got = run_loss(lib, &spec, &c, true, true);
+    assert!(matches!(
+        LossReport::read(&got.totals, got.status),
+        Err(ares_core::Error::OutOfRange { .. })
+    ));
+    // a clean batch after the bad ones: the status words were reset
+    let got = run_loss(lib, &spec, &b, true, true);
+    assert!(LossReport::read(&got.totals, got.status).is_ok());
+}
+
+#[test]
+fn kernel_on_cpu_masked_dynamic_kl_is_the_cpu_twin() {
+    // a kernel the H100 run verified (benches/RESULTS.md): the emulation must agree too
+    let Some(lib) = kernels() else { return };
+    type KlLauncher = unsafe extern "C" fn(
+        u32,
+        u32,
+        *const f32,
+        *const f32,
+        *const f32,
+        *const f32,
+        *const f32,
+        f32,
+        i32,
+        i64,
+        *mut f32,
+        *mut f32,
+        *mut f32,
+        *mut f32,
+        *mut f32,
+        *mut u32,
+    );
+    let launch = launcher!(lib, "emu_masked_dynamic_kl", KlLauncher);
+    let mut rng = Rng(4);
+    for (rows, cols) in [(3usize, 5usize), (4, 1000)] {
+        let b = Batch::random(&mut rng, rows, cols);
+        let n = rows * cols;
+        for (e, estimator) in [
+            ares_core::kl::KlEstimator::K1,
+            ares_core::kl::KlEstimator::Abs,
+            ares_core::kl::KlEstimator::K2,
+            ares_core::kl::KlEstimator::K3,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let (mut kl, mut w) = (vec![0.0; n], vec![0.0; n]);
+            let (mut sums, mut means) = (vec![0.0; rows], vec![0.0; rows]);
+            let total = ares_cpu::masked_dynamic_kl(
+                ares_cpu::MaskedKlInputs {
+                    logp: &b.logp,
+                    ref_logp: &b.refp,
+                    mask: &b.mask,
+                    hwe_mask: Some(&b.hwe),
+                    beta_rows: &b.beta,
+                    low_ratio: 0.5,
+                    estimator,
+                    cols,
+                },
+                ares_cpu::MaskedKlOutputs {
+                    kl: Some(&mut kl),
+                    weighted: Some(&mut w),
+                    row_weighted_sum: &mut sums,
+                    row_mean_kl: &mut means,
+                },
+            )
+            .expect("cpu");
+            let (mut g_kl, mut g_w) = (vec![NAN; n], vec![NAN; n]);
+            let (mut g_sums, mut g_means, mut g_total) = (vec![NAN; rows], vec![NAN; rows], NAN);
+            let mut done = 0u32;
+            // SAFETY: pointers cover [rows, cols] tensors, [rows] outputs and one total.
+            unsafe {
+                launch(
+                    rows as u32,
+                    ROW_BLOCK,
+                    b.logp.as_ptr(),
+                    b.refp.as_ptr(),
+                    b.mask.as_ptr(),
+                    b.hwe.as_ptr(),
+                    b.beta.as_ptr(),
+                    0.5,
+                    e as i32,
+                    cols as i64,
+                    g_kl.as_mut_ptr(),
+                    g_w.as_mut_ptr(),
+                    g_sums.as_mut_ptr(),
+                    g_means.as_mut_ptr(),
+                    &mut g_total,
+                    &mut done,
+                );
+            }
+            let what = format!("{rows}×{cols} {}", estimator.name());
+            for (name, got, want) in [
+                ("kl", &g_kl, &kl),
+                ("weighted", &g_w, &w),
+                ("row sums", &g_sums, &sums),
+                ("row means", &g_means, &means),
+            ] {
+                for (i, (&g, &w)) in got.iter().zip(want.iter()).enumerate() {
+                    assert!(close(g, w, 1e-5), "{what}: {name}[{i}] {g} vs {w}");
+                }
+            }
+            assert!(close(g_total, total, 1e-5), "{what}: total");
+        }
+    }
+}
