@@ -32,7 +32,7 @@ pub use cudarc;
 pub use device::{Cuda, DeviceInfo, cuda_available, device_count};
 pub use gemm::{GemmDims, GemmPrecision, cublas_available};
 pub use loss_ops::{
-    KlTerm, LOSS_STATS, LossInputs, LossKind, LossOutputs, LossReport, LossScalars, LossSpec,
+    KlLossSpec, LOSS_STATS, LossInputs, LossKind, LossOutputs, LossReport, LossScalars, LossSpec,
 };
 pub use model_ops::{AdamWStep, AttentionShape, DecodeGraph, ModelOps};
 pub use token_ops::{HweOutputs, LogitElem, MaskedKlInputs, MaskedKlOutputs, TokenOps, WindowSpec};

@@ -1,14 +1,15 @@
 //! The actor's loss on the device (docs/algorithms.md §4, §6, §16): `token_kernels.cu`'s
-//! `mask_row_counts` and `policy_loss`, the twins of `ares_core::loss`'s [`policy_loss`],
-//! [`cispo_loss`] and [`gspo_loss`] with the rollout importance correction, the forking-token
-//! mask ([`mask_token_gradient`]), the token-level KL term ([`token_kl`] aggregated by
-//! [`aggregate_term`]) and the entropy bonus — one loss and one `∂L/∂logπ` per token, in two
-//! launches, with nothing read back until the caller wants the numbers
+//! `mask_row_counts` and `policy_loss`, the twin of [`actor_loss`] for its policy losses
+//! [`policy_loss`], [`cispo_loss`] and [`gspo_loss`] with the rollout importance correction,
+//! the forking-token mask ([`mask_token_gradient`]), the token-level KL term ([`token_kl`]
+//! aggregated by [`aggregate_term`]) and the entropy bonus — one loss and one `∂L/∂logπ` per
+//! token, in two launches, with nothing read back until the caller wants the numbers
 //! ([`LossReport::read`]).
 //!
 //! Clip-Cov and KL-Cov select tokens by their covariance over the whole micro-batch (a random
 //! draw, a top-k); they have no kernel.
 //!
+//! [`actor_loss`]: ares_core::loss::actor_loss
 //! [`policy_loss`]: ares_core::loss::policy_loss
 //! [`cispo_loss`]: ares_core::loss::cispo_loss
 //! [`gspo_loss`]: ares_core::loss::gspo_loss
@@ -46,7 +47,7 @@ pub enum LossKind {
 /// The KL loss term `agg(β_t·k_t)`: the estimator and the weight ratio of HWE tokens
 /// (docs/algorithms.md §4).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct KlTerm {
+pub struct KlLossSpec {
     /// The per-token estimator, with its own gradient (`k1+`, `k3+`: k2's).
     pub estimator: KlEstimator,
     /// `β_t = β_row · low_ratio` on HWE tokens, in [0, 1].
@@ -63,7 +64,7 @@ pub struct LossSpec {
     /// Clip, aggregation and importance correction.
     pub config: PolicyLossConfig<f32>,
     /// The KL term (needs `logp_ref` and `beta_rows`).
-    pub kl: Option<KlTerm>,
+    pub kl: Option<KlLossSpec>,
     /// The entropy bonus `−c·agg(H)` (needs `entropy` and `entropy_grad`).
     pub entropy_coef: Option<f32>,
     /// Multiplies `grad` and `entropy_grad`.
@@ -557,7 +558,7 @@ mod tests {
                 agg: LossAggMode::SeqMeanTokenSumNorm,
                 ..PolicyLossConfig::default()
             },
-            kl: Some(KlTerm {
+            kl: Some(KlLossSpec {
                 estimator: KlEstimator::K3Plus,
                 low_ratio: 0.5,
             }),
@@ -575,7 +576,7 @@ mod tests {
         spec.scale = f32::NAN;
         assert!(spec.validate().unwrap_err().to_string().contains("scale"));
         spec.scale = 1.0;
-        spec.kl = Some(KlTerm {
+        spec.kl = Some(KlLossSpec {
             estimator: KlEstimator::K1,
             low_ratio: 1.5,
         });

@@ -9,6 +9,9 @@
 //! | Clip-Cov | PPO clip; a few high-covariance tokens get no gradient | [`clip_cov_loss`] |
 //! | KL-Cov | `−A·r`, plus `coef·|ℓ|` on the top-covariance tokens | [`kl_cov_loss`] |
 //!
+//! [`actor_loss`] adds the forking mask, the KL term and the entropy bonus to any of them:
+//! the whole loss of one micro-batch.
+//!
 //! Everything here returns `dLoss/dlogπ` next to the loss, so a runtime with a hand-written
 //! backward pass (the fused classifier of the runner) needs no autodiff: the gradient with
 //! respect to the logits of token `t` is `grad_t · (onehot − softmax)`.
@@ -16,10 +19,12 @@
 //! Positions whose mask is 0 (padding) are never read for their values: they may hold
 //! anything, NaN included, and their gradient outputs are 0.
 
+mod actor;
 mod cispo;
 mod cov;
 mod gspo;
 
+pub use actor::{ActorLoss, ActorLossOutput, EntropyTerm, KlTerm, Objective, actor_loss};
 pub use cispo::cispo_loss;
 pub use cov::{
     CLIP_COV_LB, CLIP_COV_RATIO, CLIP_COV_UB, ClipCovParams, KL_COV_RATIO, KlCovParams,

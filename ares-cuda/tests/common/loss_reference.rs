@@ -5,12 +5,12 @@
 //! CPU) and `gpu.rs`.
 
 use ares_core::Shape;
-use ares_core::kl::{KlCoefficient, KlEstimator, TokenKlConfig, TokenKlOutputs, token_kl};
+use ares_core::kl::KlEstimator;
 use ares_core::loss::{
-    GspoLevel, IsMode, LossAggMode, PolicyLossConfig, PolicyLossInput, PolicyLossOutput,
-    aggregate_term, cispo_loss, gspo_loss, policy_loss,
+    ActorLoss, EntropyTerm, GspoLevel, IsMode, KlTerm, LossAggMode, Objective, PolicyLossConfig,
+    PolicyLossInput, PolicyLossOutput, actor_loss,
 };
-use ares_cuda::{KlTerm, LossKind, LossSpec};
+use ares_cuda::{LossKind, LossSpec};
 
 /// A tiny deterministic generator (xorshift64*).
 pub struct Rng(pub u64);
@@ -171,7 +171,7 @@ pub fn specs() -> Vec<(LossSpec, bool, bool)> {
                 LossSpec {
                     kind,
                     config,
-                    kl: with_kl.then_some(KlTerm {
+                    kl: with_kl.then_some(ares_cuda::KlLossSpec {
                         estimator,
                         low_ratio: 0.5,
                     }),
@@ -189,7 +189,7 @@ pub fn specs() -> Vec<(LossSpec, bool, bool)> {
             LossSpec {
                 kind: LossKind::Ppo,
                 config: PolicyLossConfig::default(),
-                kl: Some(KlTerm {
+                kl: Some(ares_cuda::KlLossSpec {
                     estimator,
                     low_ratio: 0.25,
                 }),
@@ -203,79 +203,57 @@ pub fn specs() -> Vec<(LossSpec, bool, bool)> {
     out
 }
 
-/// Core's loss of `b` under `spec` (with the forking mask and HWE tokens when asked), as the
-/// runner composes it (`ares-runner/src/trainer/update/policy.rs`).
+/// Core's loss of `b` under `spec` ([`actor_loss`], the composition the runner trains with),
+/// with the forking mask and HWE tokens when asked.
 pub fn expected(
     spec: &LossSpec,
     b: &Batch,
     forking: bool,
     hwe: bool,
 ) -> Result<Expected, ares_core::Error> {
-    let shape = b.shape();
     let n = b.logp.len();
     let input = PolicyLossInput {
-        shape,
+        shape: b.shape(),
         logp: &b.logp,
         logp_old: &b.old,
         advantages: &b.adv,
         mask: &b.mask,
         logp_rollout: Some(&b.rollout),
     };
-    let mut grad = vec![0.0f32; n];
-    let policy = match spec.kind {
-        LossKind::Ppo => policy_loss(&input, &spec.config, &mut grad)?,
-        LossKind::Cispo => cispo_loss(&input, &spec.config, &mut grad)?,
-        LossKind::Gspo(level) => gspo_loss(&input, &spec.config, level, &mut grad)?,
+    let loss = ActorLoss {
+        objective: match spec.kind {
+            LossKind::Ppo => Objective::Ppo,
+            LossKind::Cispo => Objective::Cispo,
+            LossKind::Gspo(level) => Objective::Gspo(level),
+        },
+        config: spec.config,
+        keep: forking.then_some(&b.keep[..]),
+        kl: spec.kl.map(|kl| KlTerm {
+            estimator: kl.estimator,
+            beta: &b.beta,
+            hwe_mask: hwe.then_some(&b.hwe[..]),
+            low_ratio: kl.low_ratio,
+            logp_ref: &b.refp,
+        }),
+        entropy: spec.entropy_coef.map(|coef| EntropyTerm {
+            coef,
+            entropy: &b.entropy,
+        }),
+        scale: spec.scale,
     };
-    if forking {
-        ares_core::forking::mask_token_gradient(&mut grad, &b.keep)?;
-    }
-    let mut kl_loss = 0.0;
-    if let Some(kl) = spec.kl {
-        let (mut weighted, mut g) = (vec![0.0f32; n], vec![0.0f32; n]);
-        let mut cfg = TokenKlConfig::new(kl.estimator, KlCoefficient::PerRow(&b.beta));
-        if hwe {
-            cfg = cfg.with_hwe(&b.hwe, kl.low_ratio);
-        }
-        token_kl(
-            shape,
-            &b.logp,
-            &b.refp,
-            &b.mask,
-            &cfg,
-            TokenKlOutputs {
-                weighted: Some(&mut weighted),
-                grad: Some(&mut g),
-                ..TokenKlOutputs::default()
-            },
-        )?;
-        kl_loss = aggregate_term(shape, &weighted, &mut g, &b.mask, spec.config.agg)?;
-        for (c, g) in grad.iter_mut().zip(&g) {
-            *c += g;
-        }
-    }
-    for c in &mut grad {
-        *c *= spec.scale;
-    }
-    let mut entropy_grad = vec![0.0f32; n];
-    let mut entropy = 0.0;
-    if let Some(c) = spec.entropy_coef {
-        entropy_grad.fill(-c);
-        entropy = aggregate_term(
-            shape,
-            &b.entropy,
-            &mut entropy_grad,
-            &b.mask,
-            spec.config.agg,
-        )?;
-        for g in &mut entropy_grad {
-            *g *= spec.scale;
-        }
-    }
+    let (mut grad, mut entropy_grad) = (vec![0.0f32; n], vec![0.0f32; n]);
+    let out = actor_loss(
+        &input,
+        &loss,
+        &mut grad,
+        Some(&mut entropy_grad),
+        &mut vec![0.0; 2 * n],
+        &mut [],
+    )?;
     Ok(Expected {
-        policy,
-        kl_loss,
-        entropy,
+        policy: out.policy,
+        kl_loss: out.kl_loss,
+        entropy: out.entropy,
         grad,
         entropy_grad,
     })

@@ -10,7 +10,7 @@
 pub mod policy;
 pub mod zero;
 
-use ares_core::loss::LossAggMode;
+use ares_core::loss::EntropyTerm;
 
 /// Metrics by name.
 pub type Metrics = std::collections::BTreeMap<String, f64>;
@@ -26,7 +26,7 @@ use crate::trainer::collect::tokens::gather_rows;
 use crate::trainer::prepare::Prepared;
 use crate::trainer::prepare::sequences::Layout;
 use crate::trainer::setup::settings::StepSettings;
-use policy::{KlLoss, MicroBatch, MicroLoss, entropy_bonus, micro_loss, micro_scale};
+use policy::{KlLoss, MicroBatch, MicroLoss, Terms, micro_loss, micro_scale};
 
 use crate::trainer::actor::{Actor, TowerTraining};
 
@@ -641,36 +641,38 @@ impl Inputs<'_> {
         entropy: &[f32],
     ) -> Result<Option<LossGrads>, TrainError> {
         let (settings, prep) = (self.settings, self.prep);
-        let agg: LossAggMode = settings.policy.agg;
         let rows = Rows::gather(self.batch, prep, settings, micro);
         let (input, kl) = rows.loss_inputs(shape, logp, settings);
-        let mut coeffs = vec![0.0f32; shape.rows * shape.cols];
+        let n = shape.rows * shape.cols;
+        let mut coeffs = vec![0.0f32; n];
+        // the entropy bonus −c·agg(H_t) (docs/algorithms.md §16.2): its gradient goes to the
+        // loss head as ∂L/∂H_t, beside ∂L/∂logπ_t
+        let coef = prep.entropy_coef.filter(|&c| c != 0.0);
+        let mut dh = coef.map(|_| vec![0.0f32; n]);
+        let terms = Terms {
+            kl,
+            entropy: coef.map(|c| EntropyTerm {
+                coef: c as f32,
+                entropy,
+            }),
+        };
         // Clip-Cov's selection: fixed by the run's seed, the optimizer step and the
         // micro-batch, so a resumed run selects the same tokens.
         let seed = settings
             .rollout_seed
             .wrapping_add(steps.wrapping_mul(0x9E37_79B9_7F4A_7C15))
             .wrapping_add(index as u64);
-        let (policy, objective, kl) = (&settings.policy, &settings.objective, kl.as_ref());
-        let mut loss = match micro_loss(&input, policy, objective, seed, kl, scale, &mut coeffs) {
-            Ok(l) if l.pg_loss.is_finite() && l.kl_loss.is_finite() => l,
-            Ok(_) | Err(TrainError::Core(ares_core::Error::NonFinite { .. })) => return Ok(None),
-            Err(e) => return Err(e),
-        };
-        // the entropy bonus −c·agg(H_t) (docs/algorithms.md §16.2): its gradient goes to the
-        // loss head as ∂L/∂H_t, beside ∂L/∂logπ_t
-        let Some(c) = prep.entropy_coef.filter(|&c| c != 0.0) else {
-            return Ok(Some((loss, coeffs, None)));
-        };
-        let mut d = vec![0.0f32; shape.rows * shape.cols];
-        match entropy_bonus(shape, entropy, &rows.mask, agg, c as f32, scale, &mut d) {
-            Ok(h) => {
-                loss.entropy = h;
-                loss.entropy_loss = -c * h;
-                Ok(Some((loss, coeffs, Some(d))))
+        let (policy, objective) = (&settings.policy, &settings.objective);
+        let grads = (&mut coeffs[..], dh.as_deref_mut());
+        match micro_loss(&input, policy, objective, seed, terms, scale, grads) {
+            Ok(mut l) if l.pg_loss.is_finite() && l.kl_loss.is_finite() => {
+                if let Some(c) = coef {
+                    l.entropy_loss = -c * l.entropy;
+                }
+                Ok(Some((l, coeffs, dh)))
             }
-            // a non-finite entropy skips the mini-batch, as a non-finite loss does
-            Err(TrainError::Core(ares_core::Error::NonFinite { .. })) => Ok(None),
+            // a non-finite loss or input (entropy included) skips the mini-batch
+            Ok(_) | Err(TrainError::Core(ares_core::Error::NonFinite { .. })) => Ok(None),
             Err(e) => Err(e),
         }
     }

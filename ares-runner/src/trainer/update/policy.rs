@@ -1,8 +1,8 @@
-//! The actor's loss on one micro-batch (docs/algorithms.md §4, §6): the policy loss chosen by
-//! `worker.actor.policy_loss` (PPO clip / dual clip, GSPO, GSPO-token, CISPO, Clip-Cov,
-//! KL-Cov; each one function of `ares_core::loss`) plus, with `use_kl_loss`, the dynamic
-//! token-level KL term `agg(β_t·k_t)`, returned with `∂L/∂logπ_t` per token — the
-//! coefficients the model's loss head turns into `dlogits`.
+//! The actor's loss on one micro-batch (docs/algorithms.md §4, §6, §16), core's
+//! [`actor_loss`]: the policy loss chosen by `worker.actor.policy_loss` (PPO clip / dual clip,
+//! GSPO, GSPO-token, CISPO, Clip-Cov, KL-Cov) plus, with `use_kl_loss`, the dynamic
+//! token-level KL term `agg(β_t·k_t)` and the entropy bonus, returned with `∂L/∂logπ_t` (and
+//! `∂L/∂H_t`) per token — the coefficients the model's loss head turns into `dlogits`.
 //!
 //! Clip-Cov and KL-Cov compute their token covariances and token budget over one
 //! micro-batch, as verl does.
@@ -15,52 +15,28 @@
 //! reproduces the full-batch gradient exactly.
 
 use ares_core::Shape;
-use ares_core::kl::{KlCoefficient, KlEstimator, TokenKlConfig, TokenKlOutputs, token_kl};
 use ares_core::loss::{
-    ClipCovParams, GspoLevel, KlCovParams, LossAggMode, PolicyLossConfig, PolicyLossInput,
-    aggregate_term, cispo_loss, clip_cov_loss, gspo_loss, kl_cov_loss, policy_loss,
+    ActorLoss, ClipCovParams, EntropyTerm, KlTerm, LossAggMode, PolicyLossConfig, PolicyLossInput,
+    actor_loss,
 };
 
 use crate::trainer::TrainError;
 
 /// Which policy loss a micro-batch takes (`worker.actor.policy_loss`), with its own
 /// parameters; the clip, aggregation and importance correction come from
-/// [`PolicyLossConfig`].
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub enum Objective {
-    /// [`policy_loss`]: PPO clip / dual clip.
-    #[default]
-    Ppo,
-    /// [`gspo_loss`] at a level.
-    Gspo(GspoLevel),
-    /// [`cispo_loss`].
-    Cispo,
-    /// [`clip_cov_loss`]; its `seed` is replaced per micro-batch (see [`micro_loss`]).
-    ClipCov(ClipCovParams<f32>),
-    /// [`kl_cov_loss`].
-    KlCov(KlCovParams<f32>),
-}
+/// [`PolicyLossConfig`]. Clip-Cov's `seed` is replaced per micro-batch (see [`micro_loss`]).
+pub type Objective = ares_core::loss::Objective<f32>;
 
-impl Objective {
-    /// Whether the loss selects tokens by covariance (and reports `actor/selected_frac`).
-    pub fn selects_tokens(&self) -> bool {
-        matches!(self, Objective::ClipCov(_) | Objective::KlCov(_))
-    }
-}
+/// The KL loss term's setting (`β` per row, the HWE mask of dynamic KL, logπ_ref).
+pub type KlLoss<'a> = KlTerm<'a, f32>;
 
-/// The KL loss term's setting.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct KlLoss<'a> {
-    /// The per-token estimator.
-    pub estimator: KlEstimator,
-    /// `β` of each row (the bucket's λ under dual ascent, else the controller's value).
-    pub beta: &'a [f32],
-    /// HWE mask `[rows, T]` for dynamic KL (`None`: plain token-level KL).
-    pub hwe_mask: Option<&'a [f32]>,
-    /// Weight of HWE tokens under dynamic KL.
-    pub low_ratio: f32,
-    /// logπ_ref `[rows, T]`.
-    pub logp_ref: &'a [f32],
+/// The terms a micro-batch's loss adds to its policy loss.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Terms<'a> {
+    /// The KL loss term (with `use_kl_loss`).
+    pub kl: Option<KlLoss<'a>>,
+    /// The entropy bonus `−c·agg(H_t)` (docs/algorithms.md §16.2).
+    pub entropy: Option<EntropyTerm<'a, f32>>,
 }
 
 /// The token tensors of one micro-batch, `[rows, T]`.
@@ -126,9 +102,11 @@ pub fn micro_scale(
     }
 }
 
-/// Loss of one micro-batch and `coeffs[t] = scale · ∂L/∂logπ_t` (`[rows, T]`, 0 on
-/// padding). `seed` picks Clip-Cov's tokens (the caller derives it from the optimizer step
-/// and the micro-batch, so a resumed run selects the same tokens).
+/// Loss of one micro-batch (core's [`actor_loss`]): `coeffs[t] = scale · ∂L/∂logπ_t` and,
+/// with an entropy bonus, `entropy_grad[t] = scale · ∂L/∂H_t` (`[rows, T]`, 0 on padding).
+/// `seed` picks Clip-Cov's tokens (the caller derives it from the optimizer step and the
+/// micro-batch, so a resumed run selects the same tokens). `entropy_loss` is left 0 (the
+/// caller knows the coefficient at full precision).
 ///
 /// # Errors
 /// Non-finite inputs under the mask, a micro-batch without a valid token, bad parameters.
@@ -137,9 +115,9 @@ pub fn micro_loss(
     config: &PolicyLossConfig<f32>,
     objective: &Objective,
     seed: u64,
-    kl: Option<&KlLoss<'_>>,
+    terms: Terms<'_>,
     scale: f32,
-    coeffs: &mut [f32],
+    (coeffs, entropy_grad): (&mut [f32], Option<&mut [f32]>),
 ) -> Result<MicroLoss, TrainError> {
     let input = PolicyLossInput {
         shape: batch.shape,
@@ -149,103 +127,49 @@ pub fn micro_loss(
         mask: batch.mask,
         logp_rollout: batch.logp_rollout,
     };
-    let mut scratch = if objective.selects_tokens() {
-        vec![0usize; coeffs.len()]
-    } else {
-        Vec::new()
+    let objective = match *objective {
+        Objective::ClipCov(params) => Objective::ClipCov(ClipCovParams { seed, ..params }),
+        other => other,
     };
-    let out = match *objective {
-        Objective::Ppo => policy_loss(&input, config, coeffs)?,
-        Objective::Gspo(level) => gspo_loss(&input, config, level, coeffs)?,
-        Objective::Cispo => cispo_loss(&input, config, coeffs)?,
-        Objective::ClipCov(params) => {
-            let params = ClipCovParams { seed, ..params };
-            clip_cov_loss(&input, config, &params, &mut scratch, coeffs)?
-        }
-        Objective::KlCov(params) => kl_cov_loss(&input, config, &params, &mut scratch, coeffs)?,
+    let loss = ActorLoss {
+        objective,
+        config: *config,
+        keep: batch.forking,
+        kl: terms.kl,
+        entropy: terms.entropy,
+        scale,
     };
-    // forking tokens restrict the policy gradient only: the loss value, the clip metrics
-    // and the KL term still see every token (docs/algorithms.md §16.1)
-    if let Some(keep) = batch.forking {
-        ares_core::forking::mask_token_gradient(coeffs, keep)?;
-    }
-    let mut kl_loss = 0.0f64;
-    if let Some(kl) = kl {
-        let len = coeffs.len();
-        let mut weighted = vec![0.0f32; len];
-        let mut grad = vec![0.0f32; len];
-        let mut cfg = TokenKlConfig::new(kl.estimator, KlCoefficient::PerRow(kl.beta));
-        if let Some(h) = kl.hwe_mask {
-            cfg = cfg.with_hwe(h, kl.low_ratio);
-        }
-        token_kl(
-            batch.shape,
-            batch.logp,
-            kl.logp_ref,
-            batch.mask,
-            &cfg,
-            TokenKlOutputs {
-                weighted: Some(&mut weighted),
-                grad: Some(&mut grad),
-                ..TokenKlOutputs::default()
-            },
-        )?;
-        kl_loss = f64::from(aggregate_term(
-            batch.shape,
-            &weighted,
-            &mut grad,
-            batch.mask,
-            config.agg,
-        )?);
-        for (c, g) in coeffs.iter_mut().zip(&grad) {
-            *c += g;
-        }
-    }
-    for c in coeffs.iter_mut() {
-        *c *= scale;
-    }
+    let n = coeffs.len();
+    let mut scratch = vec![0.0f32; if terms.kl.is_some() { 2 * n } else { 0 }];
+    let mut index_scratch = vec![0usize; if objective.selects_tokens() { n } else { 0 }];
+    let out = actor_loss(
+        &input,
+        &loss,
+        coeffs,
+        entropy_grad,
+        &mut scratch,
+        &mut index_scratch,
+    )?;
     let s = f64::from(scale);
+    let p = &out.policy;
     Ok(MicroLoss {
-        pg_loss: f64::from(out.loss) * s,
-        kl_loss: kl_loss * s,
-        clipfrac: f64::from(out.clipfrac),
-        clipfrac_lower: f64::from(out.clipfrac_lower),
-        ppo_kl: f64::from(out.approx_kl),
-        selected_frac: f64::from(out.selected_frac),
-        tokens: out.valid_tokens,
-        entropy: 0.0,
+        pg_loss: f64::from(p.loss) * s,
+        kl_loss: f64::from(out.kl_loss) * s,
+        clipfrac: f64::from(p.clipfrac),
+        clipfrac_lower: f64::from(p.clipfrac_lower),
+        ppo_kl: f64::from(p.approx_kl),
+        selected_frac: f64::from(p.selected_frac),
+        tokens: p.valid_tokens,
+        entropy: f64::from(out.entropy) * s,
         entropy_loss: 0.0,
     })
-}
-
-/// The entropy bonus of one micro-batch (docs/algorithms.md §16.2): the loss term
-/// `−coef·agg(H_t)` over the response tokens, aggregated like the policy loss, times the
-/// micro-batch's `scale`. Writes `∂L/∂H_t` to `grad` (0 on padding) — what the model's loss
-/// head turns into `∂L/∂logits` through `∂H/∂logits` — and returns `scale·agg(H)`, the
-/// micro-batch's share of the mini-batch's entropy (the term's value is `−coef` times it).
-///
-/// # Errors
-/// Lengths, a mask not 0/1, no valid token, a non-finite entropy at a valid token.
-pub fn entropy_bonus(
-    shape: Shape,
-    entropies: &[f32],
-    mask: &[f32],
-    agg: LossAggMode,
-    coef: f32,
-    scale: f32,
-    grad: &mut [f32],
-) -> Result<f64, TrainError> {
-    grad.fill(-coef);
-    let mean = aggregate_term(shape, entropies, grad, mask, agg)?;
-    for g in grad.iter_mut() {
-        *g *= scale;
-    }
-    Ok(f64::from(mean) * f64::from(scale))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ares_core::kl::KlEstimator;
+    use ares_core::loss::GspoLevel;
 
     #[test]
     fn on_policy_gradient_is_minus_advantage_over_tokens() {
@@ -269,9 +193,9 @@ mod tests {
             &PolicyLossConfig::default(),
             &Objective::Ppo,
             0,
-            None,
+            Terms::default(),
             0.5,
-            &mut c,
+            (&mut c, None),
         )
         .unwrap();
         let third = 1.0 / 3.0;
@@ -310,9 +234,12 @@ mod tests {
             &PolicyLossConfig::default(),
             &Objective::Ppo,
             0,
-            Some(&kl),
+            Terms {
+                kl: Some(kl),
+                entropy: None,
+            },
             1.0,
-            &mut c,
+            (&mut c, None),
         )
         .unwrap();
         // spec vector 8: k3 = 0.1065307, β = 2
@@ -352,9 +279,12 @@ mod tests {
                 &PolicyLossConfig::default(),
                 &Objective::Ppo,
                 0,
-                Some(&kl),
+                Terms {
+                    kl: Some(kl),
+                    entropy: None,
+                },
                 1.0,
-                &mut c,
+                (&mut c, None),
             )
             .unwrap();
             (c, out)
@@ -379,40 +309,53 @@ mod tests {
         let shape = Shape { rows: 2, cols: 2 };
         let h = [0.6f32, 0.3, 0.9, f32::NAN];
         let mask = [1.0, 1.0, 1.0, 0.0];
+        let zeros = [0.0f32; 4];
+        let batch = MicroBatch {
+            shape,
+            mask: &mask,
+            logp: &zeros,
+            logp_old: &zeros,
+            logp_rollout: None,
+            advantages: &zeros,
+            forking: None,
+        };
+        let run = |agg, entropy: &[f32], scale, g: &mut [f32]| {
+            let cfg = PolicyLossConfig {
+                agg,
+                ..PolicyLossConfig::default()
+            };
+            let terms = Terms {
+                kl: None,
+                entropy: Some(EntropyTerm {
+                    coef: 0.01,
+                    entropy,
+                }),
+            };
+            let mut c = [0.0f32; 4];
+            micro_loss(
+                &batch,
+                &cfg,
+                &Objective::Ppo,
+                0,
+                terms,
+                scale,
+                (&mut c, Some(g)),
+            )
+            .map(|l| l.entropy)
+        };
         let mut g = [7.0f32; 4];
-        let mean =
-            entropy_bonus(shape, &h, &mask, LossAggMode::TokenMean, 0.01, 0.5, &mut g).unwrap();
+        let mean = run(LossAggMode::TokenMean, &h, 0.5, &mut g).unwrap();
         assert!((mean - 0.5 * 0.6).abs() < 1e-6, "{mean}");
         for (got, want) in g.iter().zip([-0.01 / 6.0, -0.01 / 6.0, -0.01 / 6.0, 0.0]) {
             assert!((got - want).abs() < 1e-9, "{g:?}");
         }
         // seq-mean-token-mean: row 0 has 2 tokens, row 1 one; each row weighs 1/2
-        let mean = entropy_bonus(
-            shape,
-            &h,
-            &mask,
-            LossAggMode::SeqMeanTokenMean,
-            0.01,
-            1.0,
-            &mut g,
-        )
-        .unwrap();
+        let mean = run(LossAggMode::SeqMeanTokenMean, &h, 1.0, &mut g).unwrap();
         assert!((mean - (0.45 + 0.9) / 2.0).abs() < 1e-6, "{mean}");
         assert!((g[0] + 0.01 / 4.0).abs() < 1e-9 && (g[2] + 0.01 / 2.0).abs() < 1e-9);
         // a NaN entropy at a valid token is an error
         let bad = [0.6f32, f32::NAN, 0.9, 0.0];
-        assert!(
-            entropy_bonus(
-                shape,
-                &bad,
-                &mask,
-                LossAggMode::TokenMean,
-                0.01,
-                1.0,
-                &mut g
-            )
-            .is_err()
-        );
+        assert!(run(LossAggMode::TokenMean, &bad, 1.0, &mut g).is_err());
     }
 
     #[test]
@@ -481,7 +424,16 @@ mod tests {
             };
             let (whole, tokens, rows) = rows_of(0..4);
             let mut want = [0.0f32; 12];
-            let full = micro_loss(&whole, &cfg, &objective, 0, None, 1.0, &mut want).unwrap();
+            let full = micro_loss(
+                &whole,
+                &cfg,
+                &objective,
+                0,
+                Terms::default(),
+                1.0,
+                (&mut want, None),
+            )
+            .unwrap();
             let mut got = [0.0f32; 12];
             let mut loss = 0.0;
             for (split, at) in [(0..2, 0), (2..4, 6)] {
@@ -492,9 +444,9 @@ mod tests {
                     &cfg,
                     &objective,
                     0,
-                    None,
+                    Terms::default(),
                     scale,
-                    &mut got[at..at + 6],
+                    (&mut got[at..at + 6], None),
                 )
                 .unwrap()
                 .pg_loss;
