@@ -1391,7 +1391,7 @@ __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict
                                                    float* __restrict__ lse,
                                                    unsigned* __restrict__ status) {
     const int ROWS = NW * RW;
-    extern __shared__ float smem[];
+    ARES_DYNAMIC_SHARED(float, smem);
     const int d = a.d, dp = a.d + 1;
     float* Ks = smem;                 // [KT][d + 1]
     float* Vs = Ks + KT * dp;         // [KT][d + 1]
@@ -1635,7 +1635,9 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
 // c += a·b on the tensor cores (sm_80 and later; the host refuses older devices).
 __device__ __forceinline__ void mma_bf16_16816(float c[4], const unsigned a[4], unsigned b0,
                                                unsigned b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(ARES_EMULATE)
+    emu_mma_bf16_16816(c, a, b0, b1);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
@@ -1932,7 +1934,7 @@ __device__ __forceinline__ void attention_bwd_dq_impl(AttnArgs a, const float* _
                                                       float* __restrict__ dq,
                                                       unsigned* __restrict__ status) {
     const int ROWS = NW * RW;
-    extern __shared__ float smem[];
+    ARES_DYNAMIC_SHARED(float, smem);
     const int d = a.d, dp = a.d + 1;
     float* Ks = smem;                 // [KT][d + 1]
     float* Vs = Ks + KT * dp;         // [KT][d + 1]
@@ -2060,7 +2062,7 @@ __device__ __forceinline__ void attention_bwd_dkv_impl(AttnArgs a, const float* 
                                                        float* __restrict__ dv,
                                                        unsigned* __restrict__ status) {
     const int KROWS = NW * RW;
-    extern __shared__ float smem[];
+    ARES_DYNAMIC_SHARED(float, smem);
     const int d = a.d, dp = a.d + 1;
     float* Qs = smem;                 // [32][d + 1]
     float* Ds = Qs + 32 * dp;         // [32][d + 1]
@@ -2366,7 +2368,7 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
                                                            unsigned* __restrict__ status) {
     constexpr int KS = D / 16, ND = D / 8, NB = MMA_BWD_TILE / 8;
     constexpr int KP = D + 8, RP = MMA_BWD_TILE + 8;
-    extern __shared__ __align__(16) unsigned short smem16[];
+    ARES_DYNAMIC_SHARED(unsigned short, smem16);
     unsigned short* Kb = smem16;                  // [MMA_ROWS][KP]
     unsigned short* Vb = Kb + MMA_ROWS * KP;      // [MMA_ROWS][KP]
     unsigned short* Qs = Vb + MMA_ROWS * KP;      // [MMA_BWD_TILE][KP]

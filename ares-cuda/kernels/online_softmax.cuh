@@ -9,7 +9,7 @@
 
 // Dynamic shared memory; a CPU emulation of the kernels (ares-cuda/tests/emulate) defines
 // its own, as it does for the inline PTX below.
-#ifndef ARES_EMULATE
+#ifndef ARES_DYNAMIC_SHARED
 #define ARES_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 #endif
 

@@ -11,6 +11,12 @@
 //
 // Block sizes are multiples of 32 (warp shuffles use full masks).
 
+// Dynamic shared memory; a CPU emulation of the kernels (ares-cuda/tests/emulate) defines
+// its own.
+#ifndef ARES_DYNAMIC_SHARED
+#define ARES_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#endif
+
 #define NEG_INF __int_as_float(0xff800000)
 #define POS_INF __int_as_float(0x7f800000)
 #define NAN_F __int_as_float(0x7fffffff)
@@ -337,7 +343,7 @@ __device__ __forceinline__ void segment_attention_fwd_impl(SegArgs a, float* __r
                                                            float* __restrict__ lse,
                                                            unsigned* __restrict__ status) {
     const int ROWS = NW * RW;
-    extern __shared__ float smem[];
+    ARES_DYNAMIC_SHARED(float, smem);
     const int d = a.d, dp = a.d + 1;
     float* Ks = smem;          // [KT][d + 1]
     float* Vs = Ks + KT * dp;  // [KT][d + 1]
@@ -459,7 +465,7 @@ __device__ __forceinline__ void segment_attention_bwd_dq_impl(SegArgs a,
                                                               float* __restrict__ dq,
                                                               unsigned* __restrict__ status) {
     const int ROWS = NW * RW;
-    extern __shared__ float smem[];
+    ARES_DYNAMIC_SHARED(float, smem);
     const int d = a.d, dp = a.d + 1;
     float* Ks = smem;          // [KT][d + 1]
     float* Vs = Ks + KT * dp;  // [KT][d + 1]
@@ -572,7 +578,7 @@ __device__ __forceinline__ void segment_attention_bwd_dkv_impl(
     const float* __restrict__ dout, float* __restrict__ dk, float* __restrict__ dv,
     unsigned* __restrict__ status) {
     const int KROWS = NW * RW;
-    extern __shared__ float smem[];
+    ARES_DYNAMIC_SHARED(float, smem);
     const int d = a.d, dp = a.d + 1;
     float* Qs = smem;             // [32][d + 1]
     float* Ds = Qs + 32 * dp;     // [32][d + 1]

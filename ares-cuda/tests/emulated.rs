@@ -1,7 +1,7 @@
-//! The token kernels' CUDA C, run on the CPU: `token_kernels.cu` (as NVRTC gets it) is
-//! compiled by the host's C++ compiler with `emulate/cuda_on_cpu.h` in front — one OS thread
-//! per CUDA thread, real barriers, warp shuffles and last-block reductions — and each
-//! kernel's outputs are checked against its CPU twin. So a kernel's indexing, reductions and
+//! The kernels' CUDA C, run on the CPU: `token_kernels.cu` and `model_ops.cu` (as NVRTC gets
+//! them) are compiled by the host's C++ compiler with `emulate/cuda_on_cpu.h` in front — a
+//! fiber per CUDA thread, real barriers, warp shuffles, `mma.sync` by its fragment maps and
+//! last-block reductions — and each kernel's outputs are checked against its CPU twin. So a kernel's indexing, reductions and
 //! arithmetic are tested on every CI run, not only when a GPU is lent; `gpu.rs` holds the
 //! same kernels to the same twins on a device.
 //!
@@ -17,48 +17,70 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
-use ares_cuda::kernels::TOKEN_KERNELS;
+use ares_cuda::kernels::{MODEL_OPS, TOKEN_KERNELS};
 use ares_cuda::{LOSS_STATS, LossReport, LossScalars, LossSpec};
 use libloading::Library;
 use loss_reference::{Batch, Rng, close, expected, specs};
 
 const HEADER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/emulate/cuda_on_cpu.h");
-const LAUNCHERS: &str = include_str!("emulate/token_launchers.cpp");
 /// Threads per block, as `ares-cuda` launches the row kernels.
 const ROW_BLOCK: u32 = 512;
 
-/// The compiled kernels, built once per test run (`None`: no compiler, skipped).
+/// `source` with `launchers` after it, compiled for the CPU and loaded (`None`: no compiler,
+/// skipped).
+fn build(name: &str, source: &str, launchers: &str) -> Option<Library> {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let required = std::env::var("ARES_REQUIRE_CXX").is_ok_and(|v| v == "1");
+    if Command::new(&cxx).arg("--version").output().is_err() {
+        assert!(!required, "ARES_REQUIRE_CXX=1 but `{cxx}` does not run");
+        eprintln!("skipped: no C++ compiler (`{cxx}`); set CXX to run the emulated kernels");
+        return None;
+    }
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("emulated-kernels");
+    std::fs::create_dir_all(&dir).expect("scratch directory");
+    let cpp = dir.join(format!("{name}.cpp"));
+    std::fs::write(&cpp, format!("{source}\n{launchers}")).expect("source");
+    let lib = dir.join(format!("lib{name}_{}.so", std::process::id()));
+    let out = Command::new(&cxx)
+        .args(["-std=c++20", "-O2", "-ffp-contract=off", "-fno-fast-math"])
+        .args(["-fPIC", "-shared", "-DARES_EMULATE"])
+        .args(["-Wno-unknown-pragmas", "-include", HEADER, "-x", "c++"])
+        .arg(&cpp)
+        .arg("-o")
+        .arg(&lib)
+        .output()
+        .expect("running the C++ compiler");
+    assert!(
+        out.status.success(),
+        "compiling {name} for the CPU failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // SAFETY: the library is ours, just built; its initialisers only set up globals.
+    Some(unsafe { Library::new(&lib) }.expect("loading the emulated kernels"))
+}
+
+/// `token_kernels.cu`, built once per test run.
 fn kernels() -> Option<&'static Library> {
     static LIB: OnceLock<Option<Library>> = OnceLock::new();
     LIB.get_or_init(|| {
-        let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-        let required = std::env::var("ARES_REQUIRE_CXX").is_ok_and(|v| v == "1");
-        if Command::new(&cxx).arg("--version").output().is_err() {
-            assert!(!required, "ARES_REQUIRE_CXX=1 but `{cxx}` does not run");
-            eprintln!("skipped: no C++ compiler (`{cxx}`); set CXX to run the emulated kernels");
-            return None;
-        }
-        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("emulated-kernels");
-        std::fs::create_dir_all(&dir).expect("scratch directory");
-        let source = dir.join("token_kernels.cpp");
-        std::fs::write(&source, format!("{}\n{LAUNCHERS}", TOKEN_KERNELS.code)).expect("source");
-        let lib = dir.join(format!("libtoken_kernels_{}.so", std::process::id()));
-        let out = Command::new(&cxx)
-            .args(["-std=c++20", "-O2", "-ffp-contract=off", "-fno-fast-math"])
-            .args(["-fPIC", "-shared", "-pthread", "-DARES_EMULATE"])
-            .args(["-Wno-unknown-pragmas", "-include", HEADER, "-x", "c++"])
-            .arg(&source)
-            .arg("-o")
-            .arg(&lib)
-            .output()
-            .expect("running the C++ compiler");
-        assert!(
-            out.status.success(),
-            "compiling token_kernels.cu for the CPU failed:\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        // SAFETY: the library is ours, just built; its initialisers only set up globals.
-        Some(unsafe { Library::new(&lib) }.expect("loading the emulated kernels"))
+        build(
+            "token_kernels",
+            TOKEN_KERNELS.code,
+            include_str!("emulate/token_launchers.cpp"),
+        )
+    })
+    .as_ref()
+}
+
+/// `model_ops.cu`, built once per test run.
+fn model_kernels() -> Option<&'static Library> {
+    static LIB: OnceLock<Option<Library>> = OnceLock::new();
+    LIB.get_or_init(|| {
+        build(
+            "model_ops",
+            MODEL_OPS.code,
+            include_str!("emulate/model_launchers.cpp"),
+        )
     })
     .as_ref()
 }
@@ -400,6 +422,148 @@ fn kernel_on_cpu_masked_dynamic_kl_is_the_cpu_twin() {
                 }
             }
             assert!(close(g_total, total, 1e-5), "{what}: total");
+        }
+    }
+}
+
+#[test]
+fn kernel_on_cpu_stochastic_bf16_rounding_is_the_cpu_twin() {
+    // written in the bf16-weight work, never run on a GPU: the CPU's bits, whatever the
+    // launch shape (three blocks of 64 threads stride over the tensor)
+    let Some(lib) = model_kernels() else { return };
+    type Round = unsafe extern "C" fn(u32, u32, *const f32, *mut u16, i64, u64);
+    type Widen = unsafe extern "C" fn(u32, u32, *const u16, *mut f32, i64);
+    let round = launcher!(lib, "emu_f32_to_bf16_stochastic", Round);
+    let widen = launcher!(lib, "emu_bf16_to_f32", Widen);
+    let mut rng = Rng(9);
+    let mut x: Vec<f32> = (0..1000).map(|_| rng.range(-3.0, 3.0) * 1e-3).collect();
+    x.extend([
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        1.0,
+        f32::MAX,
+    ]);
+    let n = x.len();
+    for key in [0u64, 0xDEAD_BEEF_1234_5678] {
+        let mut want = vec![0u16; n];
+        ares_cpu::ops::precision::round_to_bf16_stochastic(&x, key, &mut want).expect("cpu");
+        let mut got = vec![0xAAAAu16; n];
+        // SAFETY: x holds n values, got n slots.
+        unsafe { round(3, 64, x.as_ptr(), got.as_mut_ptr(), n as i64, key) };
+        assert_eq!(got, want, "key {key:#x}");
+        let mut wide = vec![NAN; n];
+        let mut wide_cpu = vec![0.0f32; n];
+        ares_cpu::ops::precision::widen_bf16(&want, &mut wide_cpu).expect("cpu");
+        // SAFETY: want holds n values, wide n slots.
+        unsafe { widen(2, 32, want.as_ptr(), wide.as_mut_ptr(), n as i64) };
+        for (g, w) in wide.iter().zip(&wide_cpu) {
+            assert_eq!(g.to_bits(), w.to_bits());
+        }
+    }
+}
+
+#[test]
+fn kernel_on_cpu_tensor_core_attention_forward_is_the_cpu_twin() {
+    // mma.sync m16n8k16 emulated by its fragment maps: the forward written for the tensor
+    // cores, never run on a GPU, against the CPU twin that rounds the same operands
+    use ares_cpu::ops::attention::{AttentionInputs, AttentionShape, attention_forward_bf16};
+    let Some(lib) = model_kernels() else { return };
+    type Fwd = unsafe extern "C" fn(
+        u32,
+        i32,
+        *const f32,
+        *const f32,
+        *const f32,
+        *const f32,
+        i64,
+        i64,
+        i64,
+        i64,
+        i32,
+        i32,
+        f32,
+        *mut f32,
+        *mut f32,
+        *mut u32,
+    );
+    let fwd = launcher!(lib, "emu_attention_fwd_mma", Fwd);
+    let mut rng = Rng(31);
+    for (d, batch, seq, hq, hkv) in [
+        (64usize, 2usize, 70usize, 4usize, 2usize),
+        (80, 1, 33, 2, 2),
+        (128, 1, 80, 2, 1),
+    ] {
+        let shape = AttentionShape {
+            batch,
+            seq,
+            q_heads: hq,
+            kv_heads: hkv,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+        };
+        let q: Vec<f32> = (0..batch * seq * hq * d)
+            .map(|_| rng.range(-1.0, 1.0))
+            .collect();
+        let k: Vec<f32> = (0..batch * seq * hkv * d)
+            .map(|_| rng.range(-1.0, 1.0))
+            .collect();
+        let v: Vec<f32> = (0..batch * seq * hkv * d)
+            .map(|_| rng.range(-1.0, 1.0))
+            .collect();
+        // the first sequence's last 5 keys are padding
+        let mask: Vec<f32> = (0..batch * seq)
+            .map(|i| f32::from(u8::from(!(i < seq && i >= seq - 5))))
+            .collect();
+        let (mut want, mut want_lse) = (vec![0.0f32; q.len()], vec![0.0f32; batch * seq * hq]);
+        attention_forward_bf16(
+            &shape,
+            AttentionInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                key_mask: Some(&mask),
+                segments: None,
+            },
+            &mut want,
+            &mut want_lse,
+        )
+        .expect("cpu");
+        let (mut out, mut lse) = (vec![NAN; q.len()], vec![NAN; want_lse.len()]);
+        let mut status = 0u32;
+        // SAFETY: q, k, v, mask, out, lse have the shape's lengths; the kernel strides over
+        // its blocks, so 5 blocks cover any shape.
+        unsafe {
+            fwd(
+                5,
+                d as i32,
+                q.as_ptr(),
+                k.as_ptr(),
+                v.as_ptr(),
+                mask.as_ptr(),
+                batch as i64,
+                seq as i64,
+                seq as i64,
+                0,
+                hq as i32,
+                hkv as i32,
+                shape.scale,
+                out.as_mut_ptr(),
+                lse.as_mut_ptr(),
+                &mut status,
+            )
+        };
+        assert_eq!(status, 0, "d {d}: status");
+        for (i, (g, w)) in out.iter().zip(&want).enumerate() {
+            assert!(close(*g, *w, 1e-4), "d {d}: out[{i}] {g} vs {w}");
+        }
+        for (i, (g, w)) in lse.iter().zip(&want_lse).enumerate() {
+            assert!(
+                (g.is_infinite() && g == w) || close(*g, *w, 1e-5),
+                "d {d}: lse[{i}] {g} vs {w}"
+            );
         }
     }
 }

@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -63,8 +64,11 @@ inline Fiber* current = nullptr;
 inline int current_linear = 0;
 inline Meeting block_meeting;
 inline std::vector<Meeting> warp_meetings;
-// One slot per thread of the block for warp exchanges.
+// One slot per thread of the block for warp exchanges, and six words per thread for
+// `mma.sync`'s fragments (sized by the launch: a fiber holds pointers into them across a
+// switch, so they never reallocate mid-block).
 inline std::vector<std::uint64_t> lane_slots;
+inline std::vector<std::uint32_t> mma_words;
 // Held by a launch: the state above is the process's (tests run in parallel).
 inline std::mutex one_launch;
 inline void (*fiber_body)(void*) = nullptr;
@@ -102,6 +106,7 @@ template <class F> void launch(dim3 grid, dim3 threads, std::size_t shared, F bo
     std::vector<Fiber> team(n);
     std::unique_ptr<char[]> stacks(new char[STACK * n]);
     lane_slots.assign(n, 0);
+    mma_words.assign((std::size_t)n * 6, 0);
     fiber_body = [](void* f) { (*static_cast<F*>(f))(); };
     fiber_arg = &body;
     for (unsigned bz = 0; bz < grid.z; bz++)
@@ -171,9 +176,35 @@ template <class T> T lane_value(const std::uint64_t* slots, int lane) {
 #define __forceinline__ inline
 #define __shared__ static
 #define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
 #define ARES_DYNAMIC_SHARED(type, name) type* name = reinterpret_cast<type*>(emu::dynamic_shared.data())
 
 inline void __syncthreads() { emu::meet(emu::block_meeting); }
+
+namespace emu {
+// `__syncthreads_count`'s tallies, one per barrier phase mod 3: the last fiber to arrive
+// clears the slot of the phase after next, which every fiber finished reading a barrier ago.
+inline int votes[3] = {0, 0, 0};
+inline int block_vote(int pred) {
+    Meeting& m = block_meeting;
+    const unsigned long mine = m.phase;
+    votes[mine % 3] += pred != 0;
+    if (++m.arrived == m.expected) {
+        votes[(mine + 1) % 3] = 0;
+        m.arrived = 0;
+        m.phase++;
+    } else {
+        while (m.phase == mine) yield();
+    }
+    return votes[mine % 3];
+}
+}  // namespace emu
+
+inline int __syncthreads_count(int pred) { return emu::block_vote(pred); }
+inline int __syncthreads_or(int pred) { return emu::block_vote(pred) > 0; }
+inline int __syncthreads_and(int pred) {
+    return emu::block_vote(pred) == emu::block_meeting.expected;
+}
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
 template <class T> T __shfl_xor_sync(unsigned, T v, int mask) {
@@ -209,6 +240,11 @@ inline int __all_sync(unsigned m, int pred) {
 
 template <class T> T atomicAdd(T* p, T v) { return std::atomic_ref<T>(*p).fetch_add(v); }
 template <class T> T atomicOr(T* p, T v) { return std::atomic_ref<T>(*p).fetch_or(v); }
+template <class T> T atomicExch(T* p, T v) { return std::atomic_ref<T>(*p).exchange(v); }
+template <class T> T atomicCAS(T* p, T expected, T v) {
+    std::atomic_ref<T>(*p).compare_exchange_strong(expected, v);
+    return expected;
+}
 template <class T> T atomicMin(T* p, T v) {
     std::atomic_ref<T> a(*p);
     T old = a.load();
@@ -241,3 +277,54 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __frcp_rn(float a) { return 1.0f / a; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline float __int2float_rn(int a) { return (float)a; }
+inline float __uint2float_rn(unsigned a) { return (float)a; }
+inline unsigned long long __float2ull_rz(float a) { return (unsigned long long)a; }
+inline double __ull2double_rn(unsigned long long a) { return (double)a; }
+inline unsigned __umulhi(unsigned a, unsigned b) {
+    return (unsigned)(((unsigned long long)a * b) >> 32);
+}
+inline int __ffs(int x) { return __builtin_ffs(x); }
+[[noreturn]] inline void __trap() { std::abort(); }
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 of one warp: every lane gives its A
+// (4 registers of two bf16), B (2) and C (4 f32) fragments and gets its D fragment, with the
+// PTX ISA's maps (lane = 4·gid + tig):
+//   A 16×16: register i holds row gid + 8·(i % 2), columns 8·(i / 2) + 2·tig + {0, 1}
+//   B 16×8:  register i holds k = 8·i + 2·tig + {0, 1}, column n = gid
+//   C, D 16×8: element e is row gid + 8·(e / 2), column 2·tig + e % 2
+// Products of bf16 are exact in f32; the sum runs over k in order from C (the hardware's
+// order is unspecified: results agree with a GPU to rounding).
+inline void emu_mma_bf16_16816(float c[4], const unsigned a[4], unsigned b0, unsigned b1) {
+    const int tid = emu::current_linear;
+    const int warp = tid / 32, lane = tid % 32;
+    std::uint32_t* w = emu::mma_words.data() + (std::size_t)warp * 32 * 6;
+    for (int i = 0; i < 4; i++) w[lane * 6 + i] = a[i];
+    w[lane * 6 + 4] = b0;
+    w[lane * 6 + 5] = b1;
+    emu::Meeting& m = emu::warp_meetings[warp];
+    emu::meet(m);
+    auto half = [](std::uint32_t reg, int hi) {
+        const std::uint32_t bits = hi ? (reg & 0xffff0000u) : (reg << 16);
+        float f;
+        std::memcpy(&f, &bits, 4);
+        return f;
+    };
+    const int gid = lane / 4, tig = lane % 4;
+    float d[4];
+    for (int e = 0; e < 4; e++) {
+        const int r = gid + 8 * (e / 2), n = 2 * tig + e % 2;
+        float acc = c[e];
+        for (int k = 0; k < 16; k++) {
+            const int lane_a = 4 * (r % 8) + (k % 8) / 2, reg_a = 2 * (k / 8) + r / 8;
+            const int lane_b = 4 * n + (k % 8) / 2, reg_b = 4 + k / 8;
+            acc += half(w[lane_a * 6 + reg_a], k % 2) * half(w[lane_b * 6 + reg_b], k % 2);
+        }
+        d[e] = acc;
+    }
+    emu::meet(m);
+    for (int e = 0; e < 4; e++) c[e] = d[e];
+}
