@@ -466,9 +466,9 @@ fn kernel_on_cpu_stochastic_bf16_rounding_is_the_cpu_twin() {
 }
 
 #[test]
-fn kernel_on_cpu_tensor_core_attention_forward_is_the_cpu_twin() {
-    // mma.sync m16n8k16 emulated by its fragment maps: the forward written for the tensor
-    // cores, never run on a GPU, against the CPU twin that rounds the same operands
+fn kernel_on_cpu_tensor_core_attention_is_the_cpu_twin() {
+    // mma.sync m16n8k16 emulated by its fragment maps: the forward and backward written for
+    // the tensor cores, never run on a GPU, against the CPU twin that rounds the same operands
     use ares_cpu::ops::attention::{AttentionInputs, AttentionShape, attention_forward_bf16};
     let Some(lib) = model_kernels() else { return };
     type Fwd = unsafe extern "C" fn(
@@ -490,6 +490,28 @@ fn kernel_on_cpu_tensor_core_attention_forward_is_the_cpu_twin() {
         *mut u32,
     );
     let fwd = launcher!(lib, "emu_attention_fwd_mma", Fwd);
+    type Bwd = unsafe extern "C" fn(
+        u32,
+        i32,
+        *const f32,
+        *const f32,
+        *const f32,
+        *const f32,
+        i64,
+        i64,
+        i32,
+        i32,
+        f32,
+        *const f32,
+        *const f32,
+        *const f32,
+        *mut f32,
+        *mut f32,
+        *mut f32,
+        *mut f32,
+        *mut u32,
+    );
+    let bwd = launcher!(lib, "emu_attention_bwd_mma", Bwd);
     let mut rng = Rng(31);
     for (d, batch, seq, hq, hkv) in [
         (64usize, 2usize, 70usize, 4usize, 2usize),
@@ -564,6 +586,175 @@ fn kernel_on_cpu_tensor_core_attention_forward_is_the_cpu_twin() {
                 (g.is_infinite() && g == w) || close(*g, *w, 1e-5),
                 "d {d}: lse[{i}] {g} vs {w}"
             );
+        }
+        // the backward (δ, dq, then dk and dv) from the twin's forward outputs
+        let dout: Vec<f32> = (0..q.len()).map(|_| rng.range(-1.0, 1.0)).collect();
+        let (mut dq, mut dk, mut dv) = (
+            vec![0.0f32; q.len()],
+            vec![0.0f32; k.len()],
+            vec![0.0f32; v.len()],
+        );
+        ares_cpu::ops::attention::attention_backward_bf16(
+            &shape,
+            AttentionInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                key_mask: Some(&mask),
+                segments: None,
+            },
+            &want,
+            &want_lse,
+            &dout,
+            ares_cpu::ops::attention::AttentionGrads {
+                dq: &mut dq,
+                dk: &mut dk,
+                dv: &mut dv,
+            },
+        )
+        .expect("cpu backward");
+        let mut delta = vec![NAN; want_lse.len()];
+        let (mut g_dq, mut g_dk, mut g_dv) =
+            (vec![NAN; q.len()], vec![NAN; k.len()], vec![NAN; v.len()]);
+        // SAFETY: every buffer has the shape's length (delta: one per (token, head) row).
+        unsafe {
+            bwd(
+                5,
+                d as i32,
+                q.as_ptr(),
+                k.as_ptr(),
+                v.as_ptr(),
+                mask.as_ptr(),
+                batch as i64,
+                seq as i64,
+                hq as i32,
+                hkv as i32,
+                shape.scale,
+                want.as_ptr(),
+                want_lse.as_ptr(),
+                dout.as_ptr(),
+                delta.as_mut_ptr(),
+                g_dq.as_mut_ptr(),
+                g_dk.as_mut_ptr(),
+                g_dv.as_mut_ptr(),
+                &mut status,
+            )
+        };
+        assert_eq!(status, 0, "d {d}: backward status");
+        for (name, got, want) in [("dq", &g_dq, &dq), ("dk", &g_dk, &dk), ("dv", &g_dv, &dv)] {
+            let largest = want.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+            for (i, (g, w)) in got.iter().zip(want.iter()).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-4 * largest,
+                    "d {d}: {name}[{i}] {g} vs {w}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn kernel_on_cpu_tensor_core_segment_attention_is_the_cpu_twin() {
+    // the vision tower's attention on the tensor cores (written, never run on a GPU):
+    // forward and backward within uneven segments, against the CPU twins
+    use ares_cpu::ops::segment_attention::{
+        SegmentAttentionSaved, SegmentAttentionShape, segment_attention_backward_bf16,
+        segment_attention_forward_bf16,
+    };
+    let Some(lib) = model_kernels() else { return };
+    type Seg = unsafe extern "C" fn(
+        u32,
+        i32,
+        *const f32,
+        *const f32,
+        *const f32,
+        *const u32,
+        i32,
+        i64,
+        i32,
+        f32,
+        *mut f32,
+        *mut f32,
+        *const f32,
+        *mut f32,
+        *mut f32,
+        *mut f32,
+        *mut f32,
+        *mut u32,
+    );
+    let run = launcher!(lib, "emu_segment_attention_mma", Seg);
+    let mut rng = Rng(57);
+    // segments of 5, 64 and 31 tokens: tiles that straddle segment ends
+    let cu = [0u32, 5, 69, 100];
+    let tokens = 100usize;
+    for (d, heads) in [(64usize, 2usize), (80, 1), (128, 1)] {
+        let shape = SegmentAttentionShape::new(tokens, heads, d);
+        let n = tokens * heads * d;
+        let q: Vec<f32> = (0..n).map(|_| rng.range(-1.0, 1.0)).collect();
+        let k: Vec<f32> = (0..n).map(|_| rng.range(-1.0, 1.0)).collect();
+        let v: Vec<f32> = (0..n).map(|_| rng.range(-1.0, 1.0)).collect();
+        let dout: Vec<f32> = (0..n).map(|_| rng.range(-1.0, 1.0)).collect();
+        let (mut out, mut lse) = (vec![0.0f32; n], vec![0.0f32; tokens * heads]);
+        segment_attention_forward_bf16(&shape, &cu, &q, &k, &v, &mut out, &mut lse).expect("cpu");
+        let (mut dq, mut dk, mut dv) = (vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]);
+        segment_attention_backward_bf16(
+            &shape,
+            &cu,
+            &q,
+            &k,
+            &v,
+            SegmentAttentionSaved {
+                out: &out,
+                lse: &lse,
+                dout: &dout,
+            },
+            &mut dq,
+            &mut dk,
+            &mut dv,
+        )
+        .expect("cpu backward");
+        let (mut g_out, mut g_lse, mut delta) =
+            (vec![NAN; n], vec![NAN; lse.len()], vec![NAN; lse.len()]);
+        let (mut g_dq, mut g_dk, mut g_dv) = (vec![NAN; n], vec![NAN; n], vec![NAN; n]);
+        let mut status = 0u32;
+        // SAFETY: every buffer has the shape's length; cu holds segments + 1 offsets.
+        unsafe {
+            run(
+                3,
+                d as i32,
+                q.as_ptr(),
+                k.as_ptr(),
+                v.as_ptr(),
+                cu.as_ptr(),
+                (cu.len() - 1) as i32,
+                tokens as i64,
+                heads as i32,
+                shape.scale,
+                g_out.as_mut_ptr(),
+                g_lse.as_mut_ptr(),
+                dout.as_ptr(),
+                delta.as_mut_ptr(),
+                g_dq.as_mut_ptr(),
+                g_dk.as_mut_ptr(),
+                g_dv.as_mut_ptr(),
+                &mut status,
+            )
+        };
+        assert_eq!(status, 0, "d {d}: status");
+        for (name, got, want) in [
+            ("out", &g_out, &out),
+            ("lse", &g_lse, &lse),
+            ("dq", &g_dq, &dq),
+            ("dk", &g_dk, &dk),
+            ("dv", &g_dv, &dv),
+        ] {
+            let largest = want.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+            for (i, (g, w)) in got.iter().zip(want.iter()).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-4 * largest,
+                    "d {d}: {name}[{i}] {g} vs {w}"
+                );
+            }
         }
     }
 }

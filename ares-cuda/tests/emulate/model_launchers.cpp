@@ -29,3 +29,64 @@ extern "C" void emu_attention_fwd_mma(unsigned grid, int d, const float* q, cons
     else if (d == 80) run(attention_fwd_mma_d80);
     else run(attention_fwd_mma_d128);
 }
+
+// The tensor-core backward at head size d: δ over the rounded dout, then dq, then dk and dv
+// (dynamic shared memory as ares-cuda's `dkv_mma_smem`), as `attention_backward_bf16` runs
+// them.
+extern "C" void emu_attention_bwd_mma(unsigned grid, int d, const float* q, const float* k,
+                                      const float* v, const float* mask, i64 batch, i64 seq,
+                                      int hq, int hkv, float scale, const float* out,
+                                      const float* lse, const float* dout, float* delta,
+                                      float* dq, float* dk, float* dv, unsigned* status) {
+    const i64 rows = batch * seq * hq;
+    emu::launch(dim3{4, 1, 1}, dim3{128, 1, 1}, 0,
+                [&] { attention_bwd_delta_bf16(dout, out, rows, d, delta); });
+    const dim3 block{MMA_WARPS * 32, 1, 1};
+    const std::size_t smem = 2 * (2 * MMA_ROWS * (d + 8) + 2 * 32 * (d + 8) + 2 * d * (32 + 8));
+    auto run = [&](auto dq_kernel, auto dkv_kernel) {
+        emu::launch(dim3{grid, 1, 1}, block, 0, [&] {
+            dq_kernel(q, k, v, mask, batch, seq, hq, hkv, d, scale, lse, delta, dout, dq, status);
+        });
+        emu::launch(dim3{grid, 1, 1}, block, smem, [&] {
+            dkv_kernel(q, k, v, mask, batch, seq, hq, hkv, d, scale, lse, delta, dout, dk, dv,
+                       status);
+        });
+    };
+    if (d == 64) run(attention_bwd_dq_mma_d64, attention_bwd_dkv_mma_d64);
+    else if (d == 80) run(attention_bwd_dq_mma_d80, attention_bwd_dkv_mma_d80);
+    else run(attention_bwd_dq_mma_d128, attention_bwd_dkv_mma_d128);
+}
+
+// The tensor-core segment attention of the vision tower at head size d (non-causal within
+// each cu_seqlens segment): forward, then δ, dq, and dk with dv, as ares-cuda runs them.
+extern "C" void emu_segment_attention_mma(unsigned grid, int d, const float* q, const float* k,
+                                          const float* v, const unsigned* cu, int segments,
+                                          i64 tokens, int heads, float scale, float* out,
+                                          float* lse, const float* dout, float* delta,
+                                          float* dq, float* dk, float* dv, unsigned* status) {
+    const dim3 block{MMA_WARPS * 32, 1, 1};
+    const std::size_t smem = 2 * (2 * MMA_ROWS * (d + 8) + 2 * 32 * (d + 8) + 2 * d * (32 + 8));
+    auto run = [&](auto fwd, auto dq_kernel, auto dkv_kernel) {
+        emu::launch(dim3{grid, 1, 1}, block, 0, [&] {
+            fwd(q, k, v, cu, segments, tokens, heads, scale, out, lse, status);
+        });
+        emu::launch(dim3{4, 1, 1}, dim3{128, 1, 1}, 0,
+                    [&] { attention_bwd_delta_bf16(dout, out, tokens * heads, d, delta); });
+        emu::launch(dim3{grid, 1, 1}, block, 0, [&] {
+            dq_kernel(q, k, v, cu, segments, tokens, heads, scale, lse, delta, dout, dq, status);
+        });
+        emu::launch(dim3{grid, 1, 1}, block, smem, [&] {
+            dkv_kernel(q, k, v, cu, segments, tokens, heads, scale, lse, delta, dout, dk, dv,
+                       status);
+        });
+    };
+    if (d == 64)
+        run(segment_attention_fwd_mma_d64, segment_attention_bwd_dq_mma_d64,
+            segment_attention_bwd_dkv_mma_d64);
+    else if (d == 80)
+        run(segment_attention_fwd_mma_d80, segment_attention_bwd_dq_mma_d80,
+            segment_attention_bwd_dkv_mma_d80);
+    else
+        run(segment_attention_fwd_mma_d128, segment_attention_bwd_dq_mma_d128,
+            segment_attention_bwd_dkv_mma_d128);
+}
