@@ -34,5 +34,5 @@ pub use gemm::{GemmDims, GemmPrecision, cublas_available};
 pub use loss_ops::{
     KlLossSpec, LOSS_STATS, LossInputs, LossKind, LossOutputs, LossReport, LossScalars, LossSpec,
 };
-pub use model_ops::{AdamWStep, AttentionShape, DecodeGraph, ModelOps};
+pub use model_ops::{AdamWScalars, AdamWStep, AttentionShape, DecodeGraph, ModelOps};
 pub use token_ops::{HweOutputs, LogitElem, MaskedKlInputs, MaskedKlOutputs, TokenOps, WindowSpec};

@@ -30,7 +30,7 @@ pub use attention::{
     KvCacheMut, MAX_HEAD_DIM, PagedKvCache, PagedKvCacheMut,
 };
 pub use loss::RacePick;
-pub use optim::AdamWStep;
+pub use optim::{AdamWScalars, AdamWStep};
 pub use vision::{Activation, MAX_SEGMENT_HEAD_DIM, SegmentAttentionShape};
 
 use crate::device::{DeviceInfo, load_module, open_device};

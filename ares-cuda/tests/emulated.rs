@@ -758,3 +758,184 @@ fn kernel_on_cpu_tensor_core_segment_attention_is_the_cpu_twin() {
         }
     }
 }
+
+#[test]
+fn kernel_on_cpu_adamw_with_bf16_and_8_bit_moments_is_the_cpu_twin() {
+    // the low-memory optimizer states (written, never run on a GPU): three steps each, the
+    // CPU's bits in the weights, the moments and the bf16 weight copy
+    use ares_cpu::ops::optim::{AdamWConfig, adamw_step_scaled};
+    use ares_cpu::ops::optim_int8::{BLOCK, adamw_step_int8, blocks, dynamic_map};
+    use ares_cuda::{AdamWScalars, AdamWStep};
+    let Some(lib) = model_kernels() else { return };
+    type Bf16 = unsafe extern "C" fn(
+        u32,
+        u32,
+        *mut f32,
+        *const f32,
+        *mut u16,
+        *mut u16,
+        i64,
+        f32,
+        *const AdamWScalars,
+        *const u32,
+        *mut u16,
+    );
+    type Int8 = unsafe extern "C" fn(
+        *mut f32,
+        *const f32,
+        *mut u8,
+        *mut u8,
+        *mut f32,
+        *mut f32,
+        *const f32,
+        i64,
+        f32,
+        *const AdamWScalars,
+        *const u32,
+        *mut u16,
+    );
+    let bf16_launch = launcher!(lib, "emu_adamw_update_bf16", Bf16);
+    let int8_launch = launcher!(lib, "emu_adamw_update_int8", Int8);
+    let mut rng = Rng(71);
+    // two quantisation blocks and a partial third
+    let n = 2 * BLOCK + 300;
+    let cfg = AdamWConfig::default();
+    let (lr, grad_scale) = (1e-3, 0.5f32);
+    let params0: Vec<f32> = (0..n).map(|_| rng.range(-0.1, 0.1)).collect();
+    let grads: Vec<Vec<f32>> = (0..3)
+        .map(|_| (0..n).map(|_| rng.range(-1.0, 1.0)).collect())
+        .collect();
+    let guard = 0u32;
+    let rounded = |p: &[f32]| -> Vec<u16> {
+        p.iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect()
+    };
+
+    // bf16 moments
+    let (mut p_cpu, mut m_cpu, mut v_cpu) = (params0.clone(), vec![0u16; n], vec![0u16; n]);
+    let (mut p_emu, mut m_emu, mut v_emu) = (params0.clone(), vec![0u16; n], vec![0u16; n]);
+    let mut copy = vec![0u16; n];
+    for (t, g) in grads.iter().enumerate() {
+        let step = t as u64 + 1;
+        adamw_step_scaled(
+            &mut p_cpu, g, &mut m_cpu, &mut v_cpu, step, &cfg, lr, grad_scale,
+        )
+        .expect("cpu");
+        let s = AdamWStep {
+            lr,
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            eps: cfg.eps,
+            weight_decay: cfg.weight_decay,
+            step,
+            grad_scale,
+        }
+        .scalars()
+        .expect("scalars");
+        // SAFETY: every tensor holds n elements.
+        unsafe {
+            bf16_launch(
+                3,
+                128,
+                p_emu.as_mut_ptr(),
+                g.as_ptr(),
+                m_emu.as_mut_ptr(),
+                v_emu.as_mut_ptr(),
+                n as i64,
+                grad_scale,
+                &s,
+                &guard,
+                copy.as_mut_ptr(),
+            )
+        };
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&p_emu),
+            bits(&p_cpu),
+            "bf16 moments, step {step}: weights"
+        );
+        assert_eq!(
+            (&m_emu, &v_emu),
+            (&m_cpu, &v_cpu),
+            "bf16 moments, step {step}"
+        );
+        assert_eq!(copy, rounded(&p_cpu), "step {step}: the bf16 copy");
+    }
+
+    // 8-bit moments
+    let mut maps = dynamic_map(true).to_vec();
+    maps.extend(dynamic_map(false));
+    let b = blocks(n);
+    let (mut p_cpu, mut m_cpu, mut v_cpu) = (params0.clone(), vec![0u8; n], vec![0u8; n]);
+    let (mut am_cpu, mut av_cpu) = (vec![0.0f32; b], vec![0.0f32; b]);
+    let (mut p_emu, mut m_emu, mut v_emu) = (params0.clone(), vec![0u8; n], vec![0u8; n]);
+    let (mut am_emu, mut av_emu) = (vec![0.0f32; b], vec![0.0f32; b]);
+    for (t, g) in grads.iter().enumerate() {
+        let step = t as u64 + 1;
+        adamw_step_int8(
+            &mut p_cpu,
+            g,
+            &mut m_cpu,
+            &mut v_cpu,
+            &mut am_cpu,
+            &mut av_cpu,
+            &maps,
+            step,
+            &cfg,
+            lr,
+            grad_scale,
+        )
+        .expect("cpu");
+        let s = AdamWStep {
+            lr,
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            eps: cfg.eps,
+            weight_decay: cfg.weight_decay,
+            step,
+            grad_scale,
+        }
+        .scalars()
+        .expect("scalars");
+        // SAFETY: every tensor holds n elements, the absmax arrays one per block, maps 512.
+        unsafe {
+            int8_launch(
+                p_emu.as_mut_ptr(),
+                g.as_ptr(),
+                m_emu.as_mut_ptr(),
+                v_emu.as_mut_ptr(),
+                am_emu.as_mut_ptr(),
+                av_emu.as_mut_ptr(),
+                maps.as_ptr(),
+                n as i64,
+                grad_scale,
+                &s,
+                &guard,
+                copy.as_mut_ptr(),
+            )
+        };
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&p_emu),
+            bits(&p_cpu),
+            "8-bit moments, step {step}: weights"
+        );
+        assert_eq!(
+            (&m_emu, &v_emu),
+            (&m_cpu, &v_cpu),
+            "8-bit moments, step {step}: codes"
+        );
+        assert_eq!(
+            bits(&am_emu),
+            bits(&am_cpu),
+            "step {step}: first-moment absmax"
+        );
+        assert_eq!(
+            bits(&av_emu),
+            bits(&av_cpu),
+            "step {step}: second-moment absmax"
+        );
+        assert_eq!(copy, rounded(&p_cpu), "step {step}: the bf16 copy");
+    }
+}

@@ -51,22 +51,38 @@ pub struct AdamWStep {
     pub grad_scale: f32,
 }
 
-/// The per-step f32 factors of an update, as the CPU twin derives them.
-struct Consts {
-    decay: f32,
-    apply_decay: i32,
-    w1: f32,
-    one_minus_w1: f32,
-    b2: f32,
-    w2: f32,
-    neg_step_size: f32,
-    bc2_sqrt: f32,
-    eps: f32,
+/// The per-step f32 factors of an update, as the CPU twin derives them: the AdamW kernels'
+/// scalar arguments after `grad_scale`, in their order (`#[repr(C)]`, so a CPU run of the
+/// kernel source, `tests/emulated.rs`, takes the very same values).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWScalars {
+    /// `1 − lr·weight_decay`.
+    pub decay: f32,
+    /// 1 when the weight decays.
+    pub apply_decay: i32,
+    /// `1 − β1`.
+    pub w1: f32,
+    /// `1 − w1`.
+    pub one_minus_w1: f32,
+    /// β2.
+    pub b2: f32,
+    /// `1 − β2`.
+    pub w2: f32,
+    /// `−lr / (1 − β1ᵗ)`.
+    pub neg_step_size: f32,
+    /// `√(1 − β2ᵗ)`.
+    pub bc2_sqrt: f32,
+    /// ε.
+    pub eps: f32,
 }
 
 impl AdamWStep {
-    /// Checks every field; the error names the first bad one.
-    fn consts(&self) -> Result<Consts> {
+    /// The kernels' per-step factors; checks every field first.
+    ///
+    /// # Errors
+    /// A field out of range, named.
+    pub fn scalars(&self) -> Result<AdamWScalars> {
         const K: &str = "adamw_step";
         let unit = |x: f64| (0.0..1.0).contains(&x);
         let checks = [
@@ -105,7 +121,7 @@ impl AdamWStep {
         }
         let t = self.step as f64;
         let w1 = (1.0 - self.beta1) as f32;
-        Ok(Consts {
+        Ok(AdamWScalars {
             decay: (1.0 - self.lr * self.weight_decay) as f32,
             apply_decay: i32::from(self.weight_decay != 0.0),
             w1,
@@ -282,7 +298,7 @@ impl ModelOps {
         step: &AdamWStep,
         copy: Option<&mut CudaViewMut<'_, u16>>,
     ) -> Result<()> {
-        let c = step.consts()?;
+        let c = step.scalars()?;
         let n = param.len();
         check_len(name, "grad", n, grad.len())?;
         check_len(name, "exp_avg", n, exp_avg.len())?;
@@ -358,7 +374,9 @@ mod tests {
     #[test]
     fn per_step_constants_are_the_cpu_twins() {
         // step 2: bias corrections 1 − 0.9² = 0.19 and √(1 − 0.999²) = √0.001999.
-        let c = torch_defaults(2).consts().unwrap_or_else(|e| panic!("{e}"));
+        let c = torch_defaults(2)
+            .scalars()
+            .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(c.decay, (1.0 - 1e-3 * 0.01) as f32);
         assert_eq!(c.apply_decay, 1);
         assert_eq!(c.w1, 0.1f64 as f32);
@@ -372,12 +390,12 @@ mod tests {
             weight_decay: 0.0,
             ..torch_defaults(1)
         };
-        assert_eq!(no_decay.consts().map(|c| c.apply_decay).ok(), Some(0));
+        assert_eq!(no_decay.scalars().map(|c| c.apply_decay).ok(), Some(0));
     }
 
     #[test]
     fn bad_hyper_parameters_are_named() {
-        let msg = |s: AdamWStep| s.consts().err().map(|e| e.to_string()).unwrap_or_default();
+        let msg = |s: AdamWStep| s.scalars().err().map(|e| e.to_string()).unwrap_or_default();
         let d = torch_defaults(1);
         assert!(msg(AdamWStep { beta1: 1.0, ..d }).contains("beta1 = 1"));
         assert!(msg(AdamWStep { beta2: -0.1, ..d }).contains("beta2"));

@@ -90,3 +90,36 @@ extern "C" void emu_segment_attention_mma(unsigned grid, int d, const float* q, 
         run(segment_attention_fwd_mma_d128, segment_attention_bwd_dq_mma_d128,
             segment_attention_bwd_dkv_mma_d128);
 }
+
+// The AdamW kernels' per-step factors (ares-cuda's `AdamWScalars`, in its order).
+struct EmuAdamW {
+    float decay;
+    int apply_decay;
+    float w1, one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps;
+};
+
+// AdamW with bf16 moments over n elements, with the bf16 weight copy.
+extern "C" void emu_adamw_update_bf16(unsigned grid, unsigned block, float* param,
+                                      const float* grad, unsigned short* m, unsigned short* v,
+                                      i64 n, float grad_scale, const EmuAdamW* c,
+                                      const unsigned* guard, unsigned short* copy) {
+    emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] {
+        adamw_update_bf16(param, grad, m, v, n, grad_scale, c->decay, c->apply_decay, c->w1,
+                          c->one_minus_w1, c->b2, c->w2, c->neg_step_size, c->bc2_sqrt, c->eps,
+                          guard, copy);
+    });
+}
+
+// AdamW with 8-bit moments: one block of Q8_THREADS a quantisation block.
+extern "C" void emu_adamw_update_int8(float* param, const float* grad, unsigned char* m_codes,
+                                      unsigned char* v_codes, float* m_absmax, float* v_absmax,
+                                      const float* maps, i64 n, float grad_scale,
+                                      const EmuAdamW* c, const unsigned* guard,
+                                      unsigned short* copy) {
+    const unsigned blocks = (unsigned)((n + Q8_BLOCK - 1) / Q8_BLOCK);
+    emu::launch(dim3{blocks, 1, 1}, dim3{Q8_THREADS, 1, 1}, 0, [&] {
+        adamw_update_int8(param, grad, m_codes, v_codes, m_absmax, v_absmax, maps, n, grad_scale,
+                          c->decay, c->apply_decay, c->w1, c->one_minus_w1, c->b2, c->w2,
+                          c->neg_step_size, c->bc2_sqrt, c->eps, guard, copy);
+    });
+}
