@@ -939,3 +939,143 @@ fn kernel_on_cpu_adamw_with_bf16_and_8_bit_moments_is_the_cpu_twin() {
         assert_eq!(copy, rounded(&p_cpu), "step {step}: the bf16 copy");
     }
 }
+
+#[test]
+fn kernel_on_cpu_race_sampler_and_one_kernel_pick_are_the_cpu_twin() {
+    // the rollout's sampler and a decode step's one-kernel pick (written, never run on a
+    // GPU): the CPU's ids under every filter, and the pick's log-probs and entropies
+    use ares_cpu::sampler::{SampleKey, Sampler, sample_rows};
+    let Some(lib) = model_kernels() else { return };
+    type Race =
+        unsafe extern "C" fn(u32, *const f32, i64, i64, f32, u32, f32, f32, *const u32, *mut u32);
+    type Pick = unsafe extern "C" fn(
+        u32,
+        *const f32,
+        i64,
+        i64,
+        i32,
+        f32,
+        u32,
+        f32,
+        f32,
+        *const u32,
+        f32,
+        *mut u32,
+        *mut u32,
+        *mut u32,
+        *mut u32,
+    );
+    let race = launcher!(lib, "emu_sample_race", Race);
+    let pick = launcher!(lib, "emu_pick_rows", Pick);
+    let mut rng = Rng(83);
+    let (rows, vocab) = (5usize, 3000usize);
+    let mut logits: Vec<f32> = (0..rows * vocab).map(|_| rng.range(-8.0, 8.0)).collect();
+    // row 3: a few finite tokens among −∞; row 4: a NaN (no token)
+    for (t, x) in logits[3 * vocab..4 * vocab].iter_mut().enumerate() {
+        if t % 97 != 5 {
+            *x = f32::NEG_INFINITY;
+        }
+    }
+    logits[4 * vocab + 17] = f32::NAN;
+    let keys: Vec<SampleKey> = (0..rows as u64)
+        .map(|r| SampleKey {
+            seed: 0x1234_5678_9ABC,
+            sequence: r,
+            step: 7,
+        })
+        .collect();
+    let words: Vec<u32> = keys.iter().flat_map(|k| k.words()).collect();
+    let samplers = [
+        Sampler::with_temperature(1.0),
+        Sampler {
+            temperature: 0.7,
+            top_k: 50,
+            top_p: 1.0,
+            min_p: 0.0,
+        },
+        Sampler {
+            temperature: 1.3,
+            top_k: 0,
+            top_p: 0.9,
+            min_p: 0.0,
+        },
+        Sampler {
+            temperature: 0.9,
+            top_k: 200,
+            top_p: 0.8,
+            min_p: 0.05,
+        },
+    ];
+    for sampler in samplers {
+        let mut want = vec![0u32; rows];
+        sample_rows(&logits, vocab, &sampler, &keys, &mut want).expect("cpu");
+        let inv_t = 1.0 / sampler.temperature;
+        let mut got = vec![7u32; rows];
+        // SAFETY: logits hold rows × vocab values, words 5 a row, got one a row.
+        unsafe {
+            race(
+                ROW_BLOCK,
+                logits.as_ptr(),
+                vocab as i64,
+                rows as i64,
+                inv_t,
+                sampler.top_k,
+                sampler.top_p,
+                sampler.min_p,
+                words.as_ptr(),
+                got.as_mut_ptr(),
+            )
+        };
+        assert_eq!(got, want, "{sampler:?}: sample_race");
+        // the one-kernel pick: the same ids, with log-probs and entropies at temperature 1
+        let (mut ids, mut status, mut done) = (vec![7u32; rows], 0u32, 0u32);
+        let mut packed = vec![7u32; 3 * rows + 1];
+        // SAFETY: as above; packed holds 3 words a row and the status word.
+        unsafe {
+            pick(
+                ROW_BLOCK,
+                logits.as_ptr(),
+                vocab as i64,
+                rows as i64,
+                1,
+                inv_t,
+                sampler.top_k,
+                sampler.top_p,
+                sampler.min_p,
+                words.as_ptr(),
+                1.0,
+                ids.as_mut_ptr(),
+                &mut status,
+                &mut done,
+                packed.as_mut_ptr(),
+            )
+        };
+        assert_eq!(&packed[..rows], &want[..], "{sampler:?}: pick_rows ids");
+        assert_eq!(&ids[..rows - 1], &want[..rows - 1], "{sampler:?}: ids stay");
+        assert_eq!(packed[3 * rows] & 1, 1, "the NaN row sets status bit 1");
+        for r in 0..rows - 1 {
+            let row = &logits[r * vocab..(r + 1) * vocab];
+            let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+            let z: f64 = row.iter().map(|&x| f64::from(x - max).exp()).sum();
+            let lp = f64::from(row[want[r] as usize] - max) - z.ln();
+            let h: f64 = row
+                .iter()
+                .filter(|x| x.is_finite())
+                .map(|&x| {
+                    let p = f64::from(x - max).exp() / z;
+                    -p * p.ln()
+                })
+                .sum();
+            let got_lp = f64::from(f32::from_bits(packed[rows + r]));
+            let got_h = f64::from(f32::from_bits(packed[2 * rows + r]));
+            assert!(
+                (got_lp - lp).abs() < 1e-4 * lp.abs().max(1.0),
+                "row {r}: log-prob {got_lp} vs {lp}"
+            );
+            assert!(
+                (got_h - h).abs() < 1e-4 * h.abs().max(1.0),
+                "row {r}: entropy {got_h} vs {h}"
+            );
+        }
+    }
+}

@@ -69,6 +69,10 @@ inline std::vector<Meeting> warp_meetings;
 // switch, so they never reallocate mid-block).
 inline std::vector<std::uint64_t> lane_slots;
 inline std::vector<std::uint32_t> mma_words;
+// `__syncthreads_count`'s tallies, one per barrier phase mod 3 (cleared at each block's
+// start): the last fiber to arrive clears the slot of the phase after next, which every
+// fiber finished reading a barrier ago.
+inline int votes[3] = {0, 0, 0};
 // Held by a launch: the state above is the process's (tests run in parallel).
 inline std::mutex one_launch;
 inline void (*fiber_body)(void*) = nullptr;
@@ -114,6 +118,7 @@ template <class F> void launch(dim3 grid, dim3 threads, std::size_t shared, F bo
             for (unsigned bx = 0; bx < grid.x; bx++) {
                 block_index = dim3{bx, by, bz};
                 block_meeting = Meeting{n, 0, 0};
+                votes[0] = votes[1] = votes[2] = 0;
                 warp_meetings.clear();
                 for (int first = 0; first < n; first += 32)
                     warp_meetings.push_back(Meeting{n - first < 32 ? n - first : 32, 0, 0});
@@ -182,9 +187,6 @@ template <class T> T lane_value(const std::uint64_t* slots, int lane) {
 inline void __syncthreads() { emu::meet(emu::block_meeting); }
 
 namespace emu {
-// `__syncthreads_count`'s tallies, one per barrier phase mod 3: the last fiber to arrive
-// clears the slot of the phase after next, which every fiber finished reading a barrier ago.
-inline int votes[3] = {0, 0, 0};
 inline int block_vote(int pred) {
     Meeting& m = block_meeting;
     const unsigned long mine = m.phase;

@@ -123,3 +123,23 @@ extern "C" void emu_adamw_update_int8(float* param, const float* grad, unsigned 
                           c->neg_step_size, c->bc2_sqrt, c->eps, guard, copy);
     });
 }
+
+// The race sampler, one block of `block` threads a row.
+extern "C" void emu_sample_race(unsigned block, const float* logits, i64 vocab, i64 rows,
+                                float inv_t, unsigned top_k, float top_p, float min_p,
+                                const unsigned* keys, unsigned* out) {
+    emu::launch(dim3{(unsigned)rows, 1, 1}, dim3{block, 1, 1}, 0, [&] {
+        sample_race(logits, vocab, rows, inv_t, top_k, top_p, min_p, keys, out);
+    });
+}
+
+// A decode step's pick in one launch (ids, log-prob and entropy bits, status word).
+extern "C" void emu_pick_rows(unsigned block, const float* logits, i64 vocab, i64 rows,
+                              int sample, float inv_t, unsigned top_k, float top_p, float min_p,
+                              const unsigned* keys, float lp_inv_t, unsigned* ids,
+                              unsigned* status, unsigned* blocks_done, unsigned* packed) {
+    emu::launch(dim3{(unsigned)rows, 1, 1}, dim3{block, 1, 1}, 0, [&] {
+        pick_rows(logits, vocab, rows, sample, inv_t, top_k, top_p, min_p, keys, lp_inv_t, ids,
+                  status, blocks_done, packed);
+    });
+}
