@@ -1079,3 +1079,176 @@ fn kernel_on_cpu_race_sampler_and_one_kernel_pick_are_the_cpu_twin() {
         }
     }
 }
+
+#[test]
+fn kernel_on_cpu_paged_bf16_kv_append_and_split_k_decode_are_the_cpu_twin() {
+    // bf16 KV pages and split-K decoding (written, never run on a GPU): the append's bits,
+    // and the decode of long tables (split-K) and short ones against the CPU twins
+    use ares_cpu::ops::attention::{
+        AttentionShape, PagedKvCache, PagedKvCacheMut, paged_attention_decode_bf16,
+        paged_kv_cache_append_bf16,
+    };
+    let Some(lib) = model_kernels() else { return };
+    type Append = unsafe extern "C" fn(
+        *const f32,
+        *const f32,
+        i64,
+        i64,
+        i64,
+        *const u32,
+        *const u32,
+        i64,
+        i64,
+        i64,
+        *mut u16,
+        *mut u16,
+        *mut u32,
+    );
+    type Decode = unsafe extern "C" fn(
+        *const f32,
+        *const u16,
+        *const u16,
+        i64,
+        i64,
+        i32,
+        i32,
+        i32,
+        f32,
+        *const u32,
+        *const u32,
+        i64,
+        i64,
+        i64,
+        *mut f32,
+        *mut u32,
+        *mut f32,
+    );
+    let append = launcher!(lib, "emu_paged_kv_append_bf16", Append);
+    let decode = launcher!(lib, "emu_paged_decode_kv16", Decode);
+    let mut rng = Rng(97);
+    let bits = |x: f32| half::bf16::from_f32(x).to_bits();
+    // (head_dim, new tokens a sequence, table width in blocks, lengths before the step):
+    // one query a sequence over 48 blocks of 16 (768 slots: split-K), then three queries
+    // over 8 blocks (unsplit)
+    for (d, seq, max_blocks, before) in [
+        (64usize, 1usize, 48usize, vec![0u32, 300, 767]),
+        (128, 1, 48, vec![40, 511, 600]),
+        (64, 3, 8, vec![0, 60, 125]),
+    ] {
+        let (batch, hq, hkv, block_size) = (before.len(), 4usize, 2usize, 16usize);
+        let pool_blocks = batch * max_blocks;
+        let tok = hkv * d;
+        // each sequence's blocks scattered over the pool (a permutation)
+        let mut ids: Vec<u32> = (0..pool_blocks as u32).collect();
+        for i in (1..ids.len()).rev() {
+            let j = (rng.unit() * (i + 1) as f32) as usize % (i + 1);
+            ids.swap(i, j);
+        }
+        let pool = pool_blocks * block_size * tok;
+        let mut k_cpu: Vec<u16> = (0..pool).map(|_| bits(rng.range(-1.0, 1.0))).collect();
+        let mut v_cpu: Vec<u16> = (0..pool).map(|_| bits(rng.range(-1.0, 1.0))).collect();
+        let (mut k_emu, mut v_emu) = (k_cpu.clone(), v_cpu.clone());
+        let shape = AttentionShape {
+            batch,
+            seq,
+            q_heads: hq,
+            kv_heads: hkv,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+        };
+        let k_new: Vec<f32> = (0..batch * seq * tok)
+            .map(|_| rng.range(-1.0, 1.0))
+            .collect();
+        let v_new: Vec<f32> = (0..batch * seq * tok)
+            .map(|_| rng.range(-1.0, 1.0))
+            .collect();
+        paged_kv_cache_append_bf16(
+            &shape,
+            &k_new,
+            &v_new,
+            PagedKvCacheMut {
+                k: &mut k_cpu,
+                v: &mut v_cpu,
+                block_size,
+                block_tables: &ids,
+                max_blocks,
+                len: &before,
+            },
+        )
+        .expect("cpu append");
+        let mut status = 0u32;
+        // SAFETY: the pools hold pool_blocks blocks, the tables batch × max_blocks ids, the
+        // new tokens batch × seq × tok values.
+        unsafe {
+            append(
+                k_new.as_ptr(),
+                v_new.as_ptr(),
+                batch as i64,
+                seq as i64,
+                tok as i64,
+                ids.as_ptr(),
+                before.as_ptr(),
+                block_size as i64,
+                max_blocks as i64,
+                pool_blocks as i64,
+                k_emu.as_mut_ptr(),
+                v_emu.as_mut_ptr(),
+                &mut status,
+            )
+        };
+        assert_eq!(status, 0);
+        assert!(
+            k_emu == k_cpu && v_emu == v_cpu,
+            "d {d}: the appended pools"
+        );
+        let q: Vec<f32> = (0..batch * seq * hq * d)
+            .map(|_| rng.range(-1.0, 1.0))
+            .collect();
+        let after: Vec<u32> = before.iter().map(|&l| l + seq as u32).collect();
+        let mut want = vec![0.0f32; q.len()];
+        paged_attention_decode_bf16(
+            &shape,
+            &q,
+            PagedKvCache {
+                k: &k_cpu,
+                v: &v_cpu,
+                block_size,
+                block_tables: &ids,
+                max_blocks,
+                len: &after,
+            },
+            &mut want,
+        )
+        .expect("cpu decode");
+        let mut out = vec![NAN; q.len()];
+        let mut ws = vec![NAN; 1 << 16];
+        // SAFETY: as above; the workspace holds SPLIT_MAX states of every row.
+        unsafe {
+            decode(
+                q.as_ptr(),
+                k_emu.as_ptr(),
+                v_emu.as_ptr(),
+                batch as i64,
+                seq as i64,
+                hq as i32,
+                hkv as i32,
+                d as i32,
+                shape.scale,
+                ids.as_ptr(),
+                before.as_ptr(),
+                block_size as i64,
+                max_blocks as i64,
+                pool_blocks as i64,
+                out.as_mut_ptr(),
+                &mut status,
+                ws.as_mut_ptr(),
+            )
+        };
+        assert_eq!(status, 0, "d {d}: status");
+        // sums over hundreds of keys in other orders (chunks merged): to the outputs' scale
+        let largest = want.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+        for (i, (g, w)) in out.iter().zip(&want).enumerate() {
+            assert!((g - w).abs() <= 1e-5 * largest, "d {d} seq {seq}: out[{i}] {g} vs {w}");
+        }
+    }
+}

@@ -143,3 +143,48 @@ extern "C" void emu_pick_rows(unsigned block, const float* logits, i64 vocab, i6
                   status, blocks_done, packed);
     });
 }
+
+// Appends `seq` new tokens per sequence to bf16 pools (paged_kv_append_bf16).
+extern "C" void emu_paged_kv_append_bf16(const float* k_new, const float* v_new, i64 batch,
+                                         i64 seq, i64 tok, const unsigned* tables,
+                                         const unsigned* lens, i64 block_size, i64 max_blocks,
+                                         i64 pool_blocks, unsigned short* k_cache,
+                                         unsigned short* v_cache, unsigned* status) {
+    emu::launch(dim3{3, 1, 1}, dim3{64, 1, 1}, 0, [&] {
+        paged_kv_append_bf16(k_new, v_new, batch, seq, tok, tables, lens, block_size, max_blocks,
+                             pool_blocks, k_cache, v_cache, status);
+    });
+}
+
+// Paged decoding over bf16 pools as ares-cuda's `paged_decode` launches it: NW warps and
+// NW·RW query rows a block (RW by head-size class), shared memory `rows_smem`, and for a
+// step of one query a sequence whose table holds more than SPLIT_MIN_KEYS slots, split-K:
+// SPLIT_MAX chunk blocks a tile and `attention_split_combine` (8 warps a block) after.
+extern "C" void emu_paged_decode_kv16(const float* q, const unsigned short* k16,
+                                      const unsigned short* v16, i64 batch, i64 q_seq, int hq,
+                                      int hkv, int d, float scale, const unsigned* tables,
+                                      const unsigned* lens, i64 block_size, i64 max_blocks,
+                                      i64 pool_blocks, float* out, unsigned* status,
+                                      float* split_ws) {
+    const int rw = d <= 128 ? 2 : 1;
+    const i64 rows = NW * rw, group = hq / hkv;
+    const i64 tiles = (q_seq * group + rows - 1) / rows;
+    const bool split = q_seq == 1 && max_blocks * block_size > SPLIT_MIN_KEYS;
+    const unsigned grid = (unsigned)(batch * hkv * tiles * (split ? SPLIT_MAX : 1));
+    const std::size_t smem = 4 * (2 * KT * (d + 1) + rows * d);
+    float* ws = split ? split_ws : nullptr;
+    auto run = [&](auto kernel) {
+        emu::launch(dim3{grid, 1, 1}, dim3{NW * 32, 1, 1}, smem, [&] {
+            kernel(q, k16, v16, batch, q_seq, hq, hkv, d, scale, tables, lens, block_size,
+                   max_blocks, pool_blocks, out, status, ws);
+        });
+    };
+    if (d <= 64) run(attention_fwd_kv16_d64);
+    else if (d <= 128) run(attention_fwd_kv16_d128);
+    else run(attention_fwd_kv16_d256);
+    if (split) {
+        const unsigned combine = (unsigned)((batch * hq + 7) / 8);
+        emu::launch(dim3{combine, 1, 1}, dim3{256, 1, 1}, 0,
+                    [&] { attention_split_combine(split_ws, lens, batch, hq, d, out); });
+    }
+}
