@@ -16,8 +16,9 @@ use ares_cuda::external;
 use ares_cuda::{Cuda, HweOutputs, MaskedKlInputs, MaskedKlOutputs, ModelOps, WindowSpec};
 use half::{bf16, f16};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
-use crate::args::value_error;
+use crate::args::{core_err, value_error};
 
 /// Devices opened once per process, by ordinal: `Cuda` (the token kernels) and `ModelOps`
 /// (the backward's kernels) hold driver handles that cudarc marks neither `Send` nor
@@ -348,6 +349,151 @@ fn cuda_log_prob_entropy_backward(
     })
 }
 
+/// `policy_loss` on device memory: `logp`, `logp_old`, `advantages`, `mask` and (unless the
+/// correction is `none`) `logp_rollout` f32 `[rows, cols]`; writes ∂loss/∂logp to `out_grad`
+/// `[rows, cols]` and returns the loss and its metrics as the CPU function's dict does
+/// (reading them waits for the stream). ares-cuda's `policy_loss` kernel, the twin of
+/// `ares_core::loss`'s PPO / dual clip, GSPO, GSPO-token and CISPO; Clip-Cov and KL-Cov
+/// have no kernel (refused).
+#[pyfunction]
+#[pyo3(signature = (device, stream, logp, logp_old, advantages, mask, logp_rollout, rows, cols,
+    loss_mode, loss_agg_mode, clip_ratio_low, clip_ratio_high, clip_ratio_c, is_correction,
+    is_threshold_low, is_threshold_high, out_grad))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_policy_loss<'py>(
+    py: Python<'py>,
+    device: usize,
+    stream: u64,
+    logp: u64,
+    logp_old: u64,
+    advantages: u64,
+    mask: u64,
+    logp_rollout: u64,
+    rows: usize,
+    cols: usize,
+    loss_mode: &str,
+    loss_agg_mode: &str,
+    clip_ratio_low: f32,
+    clip_ratio_high: f32,
+    clip_ratio_c: f32,
+    is_correction: &str,
+    is_threshold_low: f32,
+    is_threshold_high: f32,
+    out_grad: u64,
+) -> PyResult<Bound<'py, PyDict>> {
+    use crate::loss::{Mode, agg_mode, is_mode, loss_mode_of};
+    use ares_core::loss::{ClipParams, IsCorrection, PolicyLossConfig};
+    use ares_cuda::{LOSS_STATS, LossInputs, LossKind, LossOutputs, LossReport, LossSpec};
+    const FUNC: &str = "policy_loss";
+    let kind = match loss_mode_of(FUNC, loss_mode)? {
+        Mode::Vanilla => LossKind::Ppo,
+        Mode::Gspo(level) => LossKind::Gspo(level),
+        Mode::Cispo => LossKind::Cispo,
+        Mode::ClipCov | Mode::KlCov => {
+            return Err(value_error(format!(
+                "{FUNC}: `loss_mode` = {loss_mode:?} has no CUDA kernel (it selects tokens over \
+                 the whole batch): pass CPU tensors"
+            )));
+        }
+    };
+    let spec = LossSpec {
+        kind,
+        config: PolicyLossConfig {
+            clip: ClipParams {
+                clip_ratio_low,
+                clip_ratio_high,
+                clip_ratio_c,
+            },
+            agg: agg_mode(FUNC, loss_agg_mode)?,
+            is_correction: IsCorrection {
+                mode: is_mode(FUNC, is_correction)?,
+                low: is_threshold_low,
+                high: is_threshold_high,
+            },
+        },
+        kl: None,
+        entropy_coef: None,
+        scale: 1.0,
+    };
+    let n = elems(FUNC, rows, cols)?;
+    let (totals, status) = py.detach(move || {
+        on_device(FUNC, device, stream, |cuda| {
+            let s = cuda.stream().clone();
+            let alloc = |len: usize| {
+                s.alloc_zeros::<f32>(len)
+                    .map_err(|source| ares_cuda::Error::Driver {
+                        step: format!("{FUNC}: scratch"),
+                        source,
+                    })
+            };
+            let (mut counts, mut stats, mut totals) =
+                (alloc(rows)?, alloc(rows * LOSS_STATS)?, alloc(LOSS_STATS)?);
+            let mut status =
+                s.alloc_zeros::<u32>(2)
+                    .map_err(|source| ares_cuda::Error::Driver {
+                        step: format!("{FUNC}: status"),
+                        source,
+                    })?;
+            // SAFETY: as in cuda_log_prob_entropy: contiguous tensors of these shapes on
+            // `device`, alive for the call (ares/_cuda.py).
+            unsafe {
+                let (a, o) = (cuda.borrow::<f32>(logp, n), cuda.borrow::<f32>(logp_old, n));
+                let (adv, m) = (
+                    cuda.borrow::<f32>(advantages, n),
+                    cuda.borrow::<f32>(mask, n),
+                );
+                let r = (logp_rollout != 0).then(|| cuda.borrow::<f32>(logp_rollout, n));
+                let mut g = cuda.borrow::<f32>(out_grad, n);
+                let inputs = LossInputs {
+                    logp: a.as_view(),
+                    logp_old: o.as_view(),
+                    advantages: adv.as_view(),
+                    mask: m.as_view(),
+                    logp_rollout: r.as_ref().map(|r| r.as_view()),
+                    keep: None,
+                    logp_ref: None,
+                    beta_rows: None,
+                    hwe: None,
+                    entropy: None,
+                    cols,
+                };
+                let outputs = LossOutputs {
+                    grad: g.as_view_mut(),
+                    entropy_grad: None,
+                    row_counts: counts.as_view_mut(),
+                    row_stats: stats.as_view_mut(),
+                    totals: totals.as_view_mut(),
+                    status: status.as_view_mut(),
+                };
+                cuda.token_ops().policy_loss(&spec, inputs, outputs)?;
+            }
+            let read = |e| ares_cuda::Error::Driver {
+                step: format!("{FUNC}: reading the totals"),
+                source: e,
+            };
+            let t = s.clone_dtoh(&totals).map_err(read)?;
+            let st = s.clone_dtoh(&status).map_err(read)?;
+            Ok((t, st))
+        })
+    })?;
+    let totals: [f32; LOSS_STATS] = totals
+        .try_into()
+        .map_err(|_| value_error(format!("{FUNC}: short totals")))?;
+    let report =
+        LossReport::read(&totals, [status[0], status[1]]).map_err(|e| core_err(FUNC, e))?;
+    let p = report.policy;
+    let d = PyDict::new(py);
+    d.set_item("loss", f64::from(p.loss))?;
+    d.set_item("clipfrac", f64::from(p.clipfrac))?;
+    d.set_item("clipfrac_lower", f64::from(p.clipfrac_lower))?;
+    d.set_item("approx_kl", f64::from(p.approx_kl))?;
+    d.set_item("is_weight_mean", f64::from(p.is_weight_mean))?;
+    d.set_item("is_changed_frac", f64::from(p.is_changed_frac))?;
+    d.set_item("selected_frac", 0.0)?;
+    d.set_item("valid_tokens", p.valid_tokens)?;
+    Ok(d)
+}
+
 /// Whether libcuda loads in this process (the driver; a GPU is not required to load it).
 #[pyfunction]
 fn cuda_driver_available() -> bool {
@@ -359,6 +505,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_entropy_windows, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_row_percentile, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_masked_dynamic_kl, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_policy_loss, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_log_prob_entropy_backward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_available, m)?)?;
     Ok(())

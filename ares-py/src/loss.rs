@@ -23,11 +23,49 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     Ok(())
 }
 
-fn agg_mode(func: &str, name: &str) -> PyResult<LossAggMode> {
+pub(crate) fn agg_mode(func: &str, name: &str) -> PyResult<LossAggMode> {
     LossAggMode::from_name(name).ok_or_else(|| {
         value_error(format!(
             "{func}: `loss_agg_mode` = {name:?} is not one of \"token-mean\", \"token-sum\", \
              \"seq-mean-token-sum\", \"seq-mean-token-mean\", \"seq-mean-token-sum-norm\""
+        ))
+    })
+}
+
+/// A policy loss by its `loss_mode` name.
+#[derive(Clone, Copy)]
+pub(crate) enum Mode {
+    Vanilla,
+    Gspo(GspoLevel),
+    Cispo,
+    ClipCov,
+    KlCov,
+}
+
+/// `loss_mode` parsed, or an error listing the names.
+pub(crate) fn loss_mode_of(func: &str, loss_mode: &str) -> PyResult<Mode> {
+    Ok(match loss_mode {
+        "vanilla" | "ppo" => Mode::Vanilla,
+        "gspo" => Mode::Gspo(GspoLevel::Sequence),
+        "gspo_token" => Mode::Gspo(GspoLevel::Token),
+        "cispo" => Mode::Cispo,
+        "clip_cov" => Mode::ClipCov,
+        "kl_cov" => Mode::KlCov,
+        other => {
+            return Err(value_error(format!(
+                "{func}: `loss_mode` = {other:?} is not one of \"vanilla\", \"gspo\", \
+                 \"gspo_token\", \"cispo\", \"clip_cov\", \"kl_cov\""
+            )));
+        }
+    })
+}
+
+/// `is_correction` parsed, or an error listing the names.
+pub(crate) fn is_mode(func: &str, is_correction: &str) -> PyResult<IsMode> {
+    IsMode::from_name(is_correction).ok_or_else(|| {
+        value_error(format!(
+            "{func}: `is_correction` = {is_correction:?} is not one of \"none\", \"tis\", \
+             \"icepop\", \"reinforce_pro\""
         ))
     })
 }
@@ -77,34 +115,8 @@ fn policy_loss<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     const FUNC: &str = "policy_loss";
     let agg = agg_mode(FUNC, loss_agg_mode)?;
-    let is_mode = IsMode::from_name(is_correction).ok_or_else(|| {
-        value_error(format!(
-            "{FUNC}: `is_correction` = {is_correction:?} is not one of \"none\", \"tis\", \
-             \"icepop\", \"reinforce_pro\""
-        ))
-    })?;
-    #[derive(Clone, Copy)]
-    enum Mode {
-        Vanilla,
-        Gspo(GspoLevel),
-        Cispo,
-        ClipCov,
-        KlCov,
-    }
-    let mode = match loss_mode {
-        "vanilla" | "ppo" => Mode::Vanilla,
-        "gspo" => Mode::Gspo(GspoLevel::Sequence),
-        "gspo_token" => Mode::Gspo(GspoLevel::Token),
-        "cispo" => Mode::Cispo,
-        "clip_cov" => Mode::ClipCov,
-        "kl_cov" => Mode::KlCov,
-        other => {
-            return Err(value_error(format!(
-                "{FUNC}: `loss_mode` = {other:?} is not one of \"vanilla\", \"gspo\", \
-                 \"gspo_token\", \"cispo\", \"clip_cov\", \"kl_cov\""
-            )));
-        }
-    };
+    let is_mode = is_mode(FUNC, is_correction)?;
+    let mode = loss_mode_of(FUNC, loss_mode)?;
     by_dtype!(float_dtype(FUNC, "logp", logp)?, F => {
         let (lp, shape) = token_input::<F>(FUNC, "logp", logp, None)?;
         let (old, _) = token_input::<F>(FUNC, "logp_old", logp_old, Some(shape))?;

@@ -200,6 +200,45 @@ def test_masked_dynamic_kl_equals_the_cpu_for_every_estimator():
     _raises(ValueError, "unknown estimator", lambda: ares.masked_dynamic_kl(c(a), c(b), c(m), 0.1, estimator="k9"))
 
 
+def test_policy_loss_refuses_what_has_no_kernel():
+    # checked before any device is touched: the fake tensors reach no driver
+    x = FakeCuda()
+    _raises(ValueError, "`loss_mode` = 'clip_cov' has no CUDA kernel",
+            lambda: ares.policy_loss(x, x, x, x, loss_mode="clip_cov"))
+    _raises(ValueError, "`is_correction` = 'tis' needs `logp_rollout`",
+            lambda: ares.policy_loss(x, x, x, x, is_correction="tis"))
+    _raises(TypeError, "unexpected keyword argument 'clip_ratio'",
+            lambda: ares.policy_loss(x, x, x, x, clip_ratio=0.2))
+
+
+def test_policy_loss_equals_the_cpu_for_every_mode():
+    torch = _gpu()
+    rng = np.random.default_rng(5)
+    rows, cols = 7, 300
+    logp = (-rng.random((rows, cols)) * 3).astype(np.float32)
+    old = (logp - 0.5 * rng.standard_normal((rows, cols))).astype(np.float32)
+    roll = (old + 0.8 * rng.standard_normal((rows, cols))).astype(np.float32)
+    adv = rng.standard_normal((rows, cols)).astype(np.float32)
+    mask = (rng.random((rows, cols)) < 0.8).astype(np.float32)
+    mask[2] = 0.0  # an empty row
+    c = lambda x: torch.from_numpy(x).cuda()  # noqa: E731
+    for mode in ("vanilla", "gspo", "gspo_token", "cispo"):
+        for agg in ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+            for isc in ("none", "tis", "icepop", "reinforce_pro"):
+                kw = dict(loss_mode=mode, loss_agg_mode=agg, is_correction=isc)
+                want = ares.policy_loss(logp, old, adv, mask, logp_rollout=roll, **kw)
+                got = ares.policy_loss(c(logp), c(old), c(adv), c(mask), logp_rollout=c(roll), **kw)
+                what = f"{mode} {agg} {isc}"
+                _close(got["grad"], want["grad"], 1e-5, 1e-7, f"grad {what}")
+                for k in ("loss", "clipfrac", "clipfrac_lower", "approx_kl", "is_weight_mean", "is_changed_frac"):
+                    assert abs(got[k] - want[k]) <= 1e-4 * (1 + abs(want[k])), f"{k} {what}: {got[k]} vs {want[k]}"
+                assert got["valid_tokens"] == want["valid_tokens"], what
+    bad = logp.copy()
+    bad[0, 0] = np.nan
+    mask[0, 0] = 1.0
+    _raises(ValueError, "logp", lambda: ares.policy_loss(c(bad), c(old), c(adv), c(mask)))
+
+
 def test_the_kernels_run_on_the_callers_stream():
     torch = _gpu()
     x = torch.randn(256, 4096, device="cuda")

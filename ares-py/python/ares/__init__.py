@@ -105,7 +105,7 @@ else:
     masked_dynamic_kl = routed(wrap(_ares.masked_dynamic_kl))
     masked_whiten = wrap(_ares.masked_whiten)
     overlong_penalty = _ares.overlong_penalty
-    policy_loss = wrap(_ares.policy_loss)
+    policy_loss = routed(wrap(_ares.policy_loss))
     reinforce_baseline_advantages = wrap(_ares.reinforce_baseline_advantages)
     reinforce_pp_advantages = wrap(_ares.reinforce_pp_advantages)
     reinforce_pp_baseline_advantages = wrap(_ares.reinforce_pp_baseline_advantages)

@@ -417,3 +417,8 @@ def cuda_masked_dynamic_kl(
     cols: int, low_ratio: float, estimator: str, out_kl: int, out_weighted: int, out_row_weighted_sum: int,
     out_row_mean_kl: int, out_total: int,
 ) -> None: ...
+def cuda_policy_loss(
+    device: int, stream: int, logp: int, logp_old: int, advantages: int, mask: int, logp_rollout: int, rows: int,
+    cols: int, loss_mode: str, loss_agg_mode: str, clip_ratio_low: float, clip_ratio_high: float,
+    clip_ratio_c: float, is_correction: str, is_threshold_low: float, is_threshold_high: float, out_grad: int,
+) -> Dict[str, Any]: ...

@@ -34,6 +34,7 @@ __all__ = [
     "entropy_windows",
     "row_percentile",
     "masked_dynamic_kl",
+    "policy_loss",
 ]
 
 _FLOAT_LOGITS = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
@@ -297,4 +298,49 @@ def masked_dynamic_kl(logp, logp_ref, mask, beta, *, hwe_mask=None, low_ratio=0.
             _ptr(out["row_mean_kl"]), _ptr(total),
         )
     out["total"] = float(total.item())
+    return out
+
+
+def policy_loss(logp, logp_old, advantages, mask, *, loss_mode="vanilla", loss_agg_mode="token-mean",
+                clip_ratio_low=0.2, clip_ratio_high=0.3, clip_ratio_c=3.0, is_correction="none",
+                is_threshold_low=0.5, is_threshold_high=5.0, logp_rollout=None, **cov):
+    """:func:`ares.policy_loss` on CUDA tensors (float32 [rows, cols]): ``vanilla``, ``gspo``,
+    ``gspo_token`` and ``cispo`` run ares-cuda's loss kernel on the caller's stream; returns
+    the same dict as on the CPU, ``grad`` a float32 CUDA tensor (reading the floats waits for
+    the stream). ``clip_cov`` and ``kl_cov`` select tokens over the whole batch and have no
+    kernel: they are refused (pass CPU tensors); their parameters (``clip_cov_ratio``, …) are
+    accepted for the CPU signature's sake."""
+    func = "policy_loss"
+    known = {"clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "clip_cov_seed", "kl_cov_ratio", "ppo_kl_coef"}
+    unknown = sorted(set(cov) - known)
+    if unknown:
+        raise TypeError(f"{func}: unexpected keyword argument {unknown[0]!r}")
+    if loss_mode in ("clip_cov", "kl_cov"):
+        raise ValueError(
+            f"{func}: `loss_mode` = {loss_mode!r} has no CUDA kernel (it selects tokens over the whole batch): "
+            f"pass CPU tensors"
+        )
+    if is_correction != "none" and logp_rollout is None:
+        raise ValueError(f"{func}: `is_correction` = {is_correction!r} needs `logp_rollout`")
+    import torch
+
+    t, device, stream = _prepare(
+        func,
+        {"logp": logp, "logp_old": logp_old, "advantages": advantages, "mask": mask, "logp_rollout": logp_rollout},
+    )
+    a = _f32(func, "logp", t["logp"])
+    rows, cols = _rows_cols(func, "logp", a)
+    for name in ("logp_old", "advantages", "mask", "logp_rollout"):
+        if t[name] is not None:
+            _same_shape(func, name, _f32(func, name, t[name]), a.shape)
+    grad = torch.zeros((rows, cols), dtype=torch.float32, device=a.device)
+    if rows == 0 or cols == 0:
+        raise ValueError(f"{func}: `mask` holds no valid token (shape {tuple(a.shape)})")
+    rollout = t["logp_rollout"] if is_correction != "none" else None
+    out = _ares.cuda_policy_loss(
+        device, stream, _ptr(a), _ptr(t["logp_old"]), _ptr(t["advantages"]), _ptr(t["mask"]), _ptr(rollout),
+        rows, cols, str(loss_mode), str(loss_agg_mode), float(clip_ratio_low), float(clip_ratio_high),
+        float(clip_ratio_c), str(is_correction), float(is_threshold_low), float(is_threshold_high), _ptr(grad),
+    )
+    out["grad"] = grad
     return out
