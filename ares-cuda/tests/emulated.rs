@@ -1248,7 +1248,10 @@ fn kernel_on_cpu_paged_bf16_kv_append_and_split_k_decode_are_the_cpu_twin() {
         // sums over hundreds of keys in other orders (chunks merged): to the outputs' scale
         let largest = want.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
         for (i, (g, w)) in out.iter().zip(&want).enumerate() {
-            assert!((g - w).abs() <= 1e-5 * largest, "d {d} seq {seq}: out[{i}] {g} vs {w}");
+            assert!(
+                (g - w).abs() <= 1e-5 * largest,
+                "d {d} seq {seq}: out[{i}] {g} vs {w}"
+            );
         }
     }
 }

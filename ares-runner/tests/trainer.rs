@@ -1866,3 +1866,64 @@ fn multi_turn_without_calls_trains_as_single_turn() {
     .unwrap_err();
     assert!(e.contains("tool_commands[0].timeout_s"), "{e}");
 }
+
+/// The loss on the device (`Backend::actor_loss`, what a PPO-family run takes) and on the
+/// host (Clip-Cov's path) train alike, bit for bit, with every term on: the importance
+/// correction, the forking mask, the dynamic KL term and the entropy bonus, over two
+/// aggregations and the policy losses with a kernel.
+#[test]
+fn device_and_host_losses_train_alike() {
+    use ares_runner::backend::Counting;
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let base = [
+        "trainer.max_steps=2",
+        "data.bootstrap=true",
+        "algorithm.use_kl_loss=true",
+        "worker.actor.entropy_bonus.coef=0.01",
+        "worker.actor.forking_tokens.enable=true",
+        "worker.actor.is_correction=tis",
+    ];
+    for (i, extra) in [
+        [
+            "worker.actor.policy_loss=ppo",
+            "worker.actor.loss_agg_mode=token-mean",
+        ],
+        [
+            "worker.actor.policy_loss=gspo",
+            "worker.actor.loss_agg_mode=seq-mean-token-mean",
+        ],
+        [
+            "worker.actor.policy_loss=cispo",
+            "worker.actor.loss_agg_mode=seq-mean-token-sum-norm",
+        ],
+    ]
+    .iter()
+    .enumerate()
+    {
+        let o: Vec<&str> = base.iter().chain(extra.iter()).copied().collect();
+        let run = |host: bool| {
+            let name = format!("run{i}{}", if host { "h" } else { "d" });
+            let cfg = config(&a, &dir.path().join(name), &o).unwrap_or_else(|e| panic!("{e}"));
+            let be = if host {
+                Counting::with_host_loss(CpuBackend)
+            } else {
+                Counting::new(CpuBackend)
+            };
+            let probe = be.clone();
+            let mut t = Trainer::new(cfg, be, Arc::new(AtomicBool::new(false))).unwrap();
+            let summary = t.run().unwrap();
+            let calls = probe.take().calls;
+            (
+                deterministic(read_metrics(&summary.metrics).unwrap()),
+                calls,
+            )
+        };
+        let (device, dc) = run(false);
+        let (host, hc) = run(true);
+        assert_eq!(device, host, "{extra:?}");
+        // the device path called the op; the host path never did
+        assert!(dc.contains(&"actor_loss"), "{extra:?}");
+        assert!(!hc.contains(&"actor_loss"), "{extra:?}");
+    }
+}

@@ -9,12 +9,13 @@
 
 use super::ops::{declared_ops, op_arg_type};
 use super::{
-    Activation, AdamWUpdate, AttentionDims, Backend, DType, GradWrite, HweViews, KlSumViews,
-    KlViews, KvCacheView, KvCacheViewMut, LinearDims, PagedKvView, PagedKvViewMut, PickBuffersOf,
-    PickRule, Result, SegmentAttentionDims, Tensor, TensorMut, View, ViewMut, WindowSpec,
+    Activation, ActorLossGrads, ActorLossSpec, ActorLossViews, AdamWUpdate, AttentionDims, Backend,
+    DType, GradWrite, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
+    PagedKvView, PagedKvViewMut, PickBuffersOf, PickRule, Result, SegmentAttentionDims, Tensor,
+    TensorMut, View, ViewMut, WindowSpec,
 };
 use ares_cpu::sampler::{SampleKey, Sampler};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// What the device was asked for since the last [`Counting::take`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -41,10 +42,13 @@ pub struct Counts {
 #[derive(Debug, Default)]
 pub struct Counting<B> {
     inner: B,
-    counts: Mutex<Counts>,
+    /// Shared by the clones (a trainer clones its backend for the reference policy).
+    counts: Arc<Mutex<Counts>>,
     /// Captures emulated (see the module docs).
     emulate: bool,
-    capturing: Mutex<bool>,
+    capturing: Arc<Mutex<bool>>,
+    /// [`Backend::has_actor_loss`] answers no (a trainer computes every loss on the host).
+    host_loss: bool,
 }
 
 #[derive(Clone, Copy)]
@@ -55,14 +59,38 @@ enum Kind {
     Op,
 }
 
+impl<B: Clone> Clone for Counting<B> {
+    /// A clone counting into the same [`Counts`].
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            counts: Arc::clone(&self.counts),
+            emulate: self.emulate,
+            capturing: Arc::clone(&self.capturing),
+            host_loss: self.host_loss,
+        }
+    }
+}
+
 impl<B> Counting<B> {
     /// Wraps `inner`.
     pub fn new(inner: B) -> Self {
         Self {
             inner,
-            counts: Mutex::new(Counts::default()),
+            counts: Arc::new(Mutex::new(Counts::default())),
             emulate: false,
-            capturing: Mutex::new(false),
+            capturing: Arc::new(Mutex::new(false)),
+            host_loss: false,
+        }
+    }
+
+    /// Wraps `inner`, answering [`Backend::has_actor_loss`] with no: a trainer on it
+    /// computes every loss on the host, as it does Clip-Cov's — so its two loss paths can be
+    /// compared on one backend.
+    pub fn with_host_loss(inner: B) -> Self {
+        Self {
+            host_loss: true,
+            ..Self::new(inner)
         }
     }
 
@@ -391,5 +419,21 @@ impl<B: Backend> Backend for Counting<B> {
     ) -> Result<()> {
         self.note(Kind::Op, "masked_dynamic_kl");
         self.inner.masked_dynamic_kl(inputs, outputs)
+    }
+
+    fn actor_loss(
+        &self,
+        spec: &ActorLossSpec,
+        inputs: ActorLossViews<'_, Self::Buffer>,
+        grads: ActorLossGrads<'_, Self::Buffer>,
+    ) -> Result<std::result::Result<ares_core::loss::ActorLossOutput<f32>, ares_core::Error>> {
+        // the values come back to the host: a wait on a device
+        self.note(Kind::Op, "actor_loss");
+        self.note(Kind::Wait, "actor_loss");
+        self.inner.actor_loss(spec, inputs, grads)
+    }
+
+    fn has_actor_loss(&self, objective: &ares_core::loss::Objective<f32>) -> bool {
+        !self.host_loss && self.inner.has_actor_loss(objective)
     }
 }

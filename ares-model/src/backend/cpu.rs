@@ -18,10 +18,10 @@ use super::sampling::greedy_row;
 
 use super::ops::{declared_ops, op_arg_type};
 use super::{
-    Activation, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
-    DType, DeviceBuffer, GradWrite, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut,
-    LinearDims, PagedKvView, PagedKvViewMut, Result, SegmentAttentionDims, Tensor, TensorMut, View,
-    ViewMut, WindowSpec,
+    Activation, ActorLossGrads, ActorLossSpec, ActorLossViews, AdamWUpdate, AttentionDims,
+    AttentionGrads, AttentionInputs, Backend, BackendError, DType, DeviceBuffer, GradWrite,
+    HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims, PagedKvView,
+    PagedKvViewMut, Result, SegmentAttentionDims, Tensor, TensorMut, View, ViewMut, WindowSpec,
 };
 
 /// The CPU backend: f32, u32 and 16-bit vectors, `ares-cpu` kernels.
@@ -1031,6 +1031,84 @@ impl Backend for CpuBackend {
         ares_cpu::masked_dynamic_kl(inputs, outputs)
             .map(|_| ())
             .map_err(op("masked_dynamic_kl"))
+    }
+
+    fn actor_loss(
+        &self,
+        spec: &ActorLossSpec,
+        inputs: ActorLossViews<'_, Vec<f32>>,
+        grads: ActorLossGrads<'_, Vec<f32>>,
+    ) -> Result<std::result::Result<ares_core::loss::ActorLossOutput<f32>, ares_core::Error>> {
+        use ares_core::loss::{ActorLoss, EntropyTerm, KlTerm, PolicyLossInput};
+        let _timer = CpuTimer::start("actor_loss");
+        let logp = slice(inputs.logp)?;
+        let cols = inputs.cols.max(1);
+        let shape = ares_core::Shape::new(logp.len() / cols, inputs.cols);
+        fn need<'v>(what: &str, v: Option<&'v [f32]>) -> Result<&'v [f32]> {
+            v.ok_or_else(|| BackendError::Refused {
+                op: "actor_loss",
+                message: format!("`{what}` is required by the spec"),
+            })
+        }
+        let (logp_ref, beta, hwe) = (
+            slice_opt(inputs.logp_ref)?,
+            slice_opt(inputs.beta_rows)?,
+            slice_opt(inputs.hwe_mask)?,
+        );
+        let entropy = slice_opt(inputs.entropy)?;
+        let kl = match spec.kl {
+            Some((estimator, low_ratio)) => Some(KlTerm {
+                estimator,
+                beta: need("beta_rows", beta)?,
+                hwe_mask: hwe,
+                low_ratio,
+                logp_ref: need("logp_ref", logp_ref)?,
+            }),
+            None => None,
+        };
+        let entropy = match spec.entropy_coef {
+            Some(coef) => Some(EntropyTerm {
+                coef,
+                entropy: need("entropy", entropy)?,
+            }),
+            None => None,
+        };
+        let input = PolicyLossInput {
+            shape,
+            logp,
+            logp_old: slice(inputs.logp_old)?,
+            advantages: slice(inputs.advantages)?,
+            mask: slice(inputs.mask)?,
+            logp_rollout: slice_opt(inputs.logp_rollout)?,
+        };
+        let loss = ActorLoss {
+            objective: spec.objective,
+            config: spec.config,
+            keep: slice_opt(inputs.keep)?,
+            kl,
+            entropy,
+            scale: spec.scale,
+        };
+        let grad = slice_mut(grads.grad)?;
+        let entropy_grad = slice_mut_opt(grads.entropy_grad)?;
+        let n = grad.len();
+        let mut scratch = vec![0.0f32; if loss.kl.is_some() { 2 * n } else { 0 }];
+        let mut index_scratch = vec![
+            0usize;
+            if spec.objective.selects_tokens() {
+                n
+            } else {
+                0
+            }
+        ];
+        Ok(ares_core::loss::actor_loss(
+            &input,
+            &loss,
+            grad,
+            entropy_grad,
+            &mut scratch,
+            &mut index_scratch,
+        ))
     }
 }
 

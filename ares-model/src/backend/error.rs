@@ -47,6 +47,15 @@ pub enum BackendError {
         /// The kernel's error.
         source: Box<dyn std::error::Error + Send + Sync + 'static>,
     },
+    /// An op refused its call: a tensor the setting needs is missing, or the backend has no
+    /// kernel for the setting.
+    #[error("{op}: {message}")]
+    Refused {
+        /// The backend op.
+        op: &'static str,
+        /// What is missing or not supported.
+        message: String,
+    },
 }
 
 impl BackendError {

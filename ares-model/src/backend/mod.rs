@@ -74,7 +74,9 @@ pub use shapes::{
     Activation, AttentionDims, AttentionGrads, AttentionInputs, GradWrite, LinearDims,
     MatmulPrecision, SegmentAttentionDims,
 };
-pub use token::{HweViews, KlSumViews, KlViews, WindowSpec};
+pub use token::{
+    ActorLossGrads, ActorLossSpec, ActorLossViews, HweViews, KlSumViews, KlViews, WindowSpec,
+};
 pub use view::{DType, DeviceBuffer, View, ViewMut};
 
 use ares_cpu::sampler::{SampleKey, Sampler};
@@ -506,4 +508,30 @@ pub trait Backend {
         inputs: KlViews<'_, Self::Buffer>,
         outputs: KlSumViews<'_, Self::Buffer>,
     ) -> Result<()>;
+
+    /// The actor's loss of one micro-batch (`ares_core::loss::actor_loss`: the policy loss,
+    /// the forking mask, the KL term, the entropy bonus, `scale` times their per-token
+    /// gradients): writes `grads` and returns the values, or core's error for the data (a
+    /// non-finite input at a valid token, a mask not 0/1, no valid token) — the outer error
+    /// is the backend's. The CPU runs core's function; CUDA runs ares-cuda's `policy_loss`
+    /// kernel (its twin) and reads back eleven words (waits), and refuses Clip-Cov and
+    /// KL-Cov (see [`Backend::has_actor_loss`]).
+    ///
+    /// # Errors
+    /// Lengths, a missing tensor the spec needs, an objective without a kernel, a device
+    /// failure.
+    fn actor_loss(
+        &self,
+        spec: &ActorLossSpec,
+        inputs: ActorLossViews<'_, Self::Buffer>,
+        grads: ActorLossGrads<'_, Self::Buffer>,
+    ) -> Result<std::result::Result<ares_core::loss::ActorLossOutput<f32>, ares_core::Error>>;
+
+    /// Whether a trainer should compute `objective`'s loss with [`Backend::actor_loss`]:
+    /// every objective with a CUDA kernel — all but Clip-Cov and KL-Cov. The CPU's
+    /// `actor_loss` takes those too, but answers as CUDA does, so both of a trainer's paths
+    /// (the device loss, and the host loss of those two) run on the CPU.
+    fn has_actor_loss(&self, objective: &ares_core::loss::Objective<f32>) -> bool {
+        !objective.selects_tokens()
+    }
 }

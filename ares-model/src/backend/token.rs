@@ -65,3 +65,61 @@ pub struct KlSumViews<'a, T: ?Sized> {
     /// Per-row mean of `k_t` over the row's valid tokens (0 for a row without one).
     pub row_mean_kl: ViewMut<'a, T>,
 }
+
+/// What [`Backend::actor_loss`] computes: `ares_core::loss::actor_loss`'s setting without its
+/// tensors.
+///
+/// [`Backend::actor_loss`]: super::Backend::actor_loss
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ActorLossSpec {
+    /// The policy loss (Clip-Cov's `seed` included).
+    pub objective: ares_core::loss::Objective<f32>,
+    /// Clip, aggregation, importance correction.
+    pub config: ares_core::loss::PolicyLossConfig<f32>,
+    /// The KL loss term's estimator and HWE weight ratio (with `logp_ref` and `beta_rows`).
+    pub kl: Option<(KlEstimator, f32)>,
+    /// The entropy bonus's coefficient (with `entropy` and `entropy_grad`).
+    pub entropy_coef: Option<f32>,
+    /// Multiplies both gradients.
+    pub scale: f32,
+}
+
+/// The token tensors of [`Backend::actor_loss`], `[rows, cols]` (β: `[rows]`).
+///
+/// [`Backend::actor_loss`]: super::Backend::actor_loss
+#[derive(Debug)]
+pub struct ActorLossViews<'a, T: ?Sized> {
+    /// logπ under the current weights.
+    pub logp: View<'a, T>,
+    /// logπ_old.
+    pub logp_old: View<'a, T>,
+    /// Token advantages.
+    pub advantages: View<'a, T>,
+    /// 0/1 response mask.
+    pub mask: View<'a, T>,
+    /// The sampler's logπ (with an importance correction).
+    pub logp_rollout: Option<View<'a, T>>,
+    /// Forking-token mask (the policy gradient kept where 1).
+    pub keep: Option<View<'a, T>>,
+    /// logπ_ref (with a KL term).
+    pub logp_ref: Option<View<'a, T>>,
+    /// β per row (with a KL term).
+    pub beta_rows: Option<View<'a, T>>,
+    /// 0/1 HWE mask of the dynamic KL.
+    pub hwe_mask: Option<View<'a, T>>,
+    /// Token entropies (with an entropy bonus).
+    pub entropy: Option<View<'a, T>>,
+    /// Columns.
+    pub cols: usize,
+}
+
+/// The gradients [`Backend::actor_loss`] writes, `[rows, cols]`.
+///
+/// [`Backend::actor_loss`]: super::Backend::actor_loss
+#[derive(Debug)]
+pub struct ActorLossGrads<'a, T: ?Sized> {
+    /// `scale · ∂L/∂logπ`.
+    pub grad: ViewMut<'a, T>,
+    /// `scale · ∂L/∂H` (with an entropy bonus).
+    pub entropy_grad: Option<ViewMut<'a, T>>,
+}

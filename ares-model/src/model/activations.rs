@@ -534,6 +534,31 @@ impl<B: Backend> Activations<B> {
     pub fn entropies(&self) -> Tensor<'_, B> {
         View::whole(&self.entropy)
     }
+
+    /// The loss head's coefficient buffers `[batch, seq]`, ∂L/∂logπ and ∂L/∂H per token,
+    /// for a loss computed on the device to write before
+    /// [`Model::backward_from_device_log_prob_grads`](super::Model::backward_from_device_log_prob_grads);
+    /// with them, the log-probs and entropies the loss reads.
+    pub fn loss_buffers(&mut self) -> LossBuffers<'_, B> {
+        LossBuffers {
+            log_probs: View::whole(&self.log_prob),
+            entropies: View::whole(&self.entropy),
+            coeffs: crate::backend::ViewMut::whole(&mut self.coeffs),
+            entropy_coeffs: crate::backend::ViewMut::whole(&mut self.entropy_coeffs),
+        }
+    }
+}
+
+/// [`Activations::loss_buffers`]: what a device loss reads and writes, `[batch, seq]` each.
+pub struct LossBuffers<'a, B: Backend> {
+    /// logπ of each position's target.
+    pub log_probs: Tensor<'a, B>,
+    /// Entropy of each position's distribution.
+    pub entropies: Tensor<'a, B>,
+    /// ∂L/∂logπ per position (the loss head's input).
+    pub coeffs: crate::backend::TensorMut<'a, B>,
+    /// ∂L/∂H per position (the loss head's input with an entropy term).
+    pub entropy_coeffs: crate::backend::TensorMut<'a, B>,
 }
 
 /// One whole buffer of the [`BackwardScratch`], with short views (`sc.dln.r()`,

@@ -202,4 +202,47 @@ impl<B: Backend> Model<B> {
         };
         self.backward_impl(inputs, acts, head, grads, embeds)
     }
+
+    /// [`Model::backward_from_log_prob_grads_with`] from coefficients a loss on the device
+    /// wrote into `acts` ([`Activations::loss_buffers`]: `coeffs`, and `entropy_coeffs` when
+    /// `entropy`), `[batch · seq]` in the pass's token order, 0 at every position without a
+    /// loss term: only the targets cross to the device. Every head chunk runs (the host
+    /// cannot see which coefficients are zero), so a chunk of prompt tokens costs its head
+    /// pass where the host variant skips it.
+    ///
+    /// # Errors
+    /// As [`Model::backward_from_log_prob_grads_with`] (the coefficients are not checked:
+    /// non-finite ones give non-finite gradients, which the optimizer step refuses).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_from_device_log_prob_grads(
+        &self,
+        inputs: &Inputs<'_>,
+        acts: &mut Activations<B>,
+        targets: &[u32],
+        temperature: f32,
+        grads: &mut Grads<B>,
+        embeds: Option<EmbedGrad<'_, B>>,
+        entropy: bool,
+    ) -> Result<(), ModelError> {
+        let n = inputs.check(&self.spec)?;
+        if acts.shape() != (inputs.batch, inputs.seq) {
+            return Err(ModelError::ActivationShape {
+                planned: acts.shape(),
+                actual: (inputs.batch, inputs.seq),
+            });
+        }
+        check_targets(targets, n, self.spec.vocab)?;
+        check_temperature(temperature)?;
+        let be = &self.backend;
+        for ((start, rows), ids) in head_chunks(n, acts.chunk_rows).zip(&mut acts.targets) {
+            be.upload_ids(&targets[start..start + rows], ids)?;
+        }
+        let active = vec![true; acts.targets.len()];
+        let head = HeadGrad::LogProb {
+            temperature,
+            active: &active,
+            entropy,
+        };
+        self.backward_impl(inputs, acts, head, grads, embeds)
+    }
 }

@@ -64,7 +64,7 @@ pub(crate) mod weights;
 
 use ares_cpu::ops::rope::RopeTable;
 
-pub use activations::{Activations, HeadMode, arena_elements};
+pub use activations::{Activations, HeadMode, LossBuffers, arena_elements};
 pub use backward::EmbedGrad;
 pub use bf16_weights::WeightStorage;
 pub use block_pool::BlockPool;

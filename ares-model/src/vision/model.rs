@@ -469,6 +469,38 @@ impl<B: Backend> VlModel<B> {
         })
     }
 
+    /// [`VlModel::backward_from_log_prob_grads`] from coefficients a loss on the device wrote
+    /// into `acts` (`Model::backward_from_device_log_prob_grads`).
+    ///
+    /// # Errors
+    /// As [`VlModel::backward_from_log_prob_grads`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_from_device_log_prob_grads(
+        &self,
+        inputs: &Inputs<'_>,
+        acts: &mut Activations<B>,
+        vl: &mut VlActs<B>,
+        targets: &[u32],
+        temperature: f32,
+        lm_grads: &mut Grads<B>,
+        vision_grads: Option<&mut VisionGrads<B>>,
+        entropy: bool,
+    ) -> Result<(), ModelError> {
+        let frozen = vision_grads.is_none();
+        self.backward_through(vl, vision_grads, |embeds| {
+            let embeds = if frozen { None } else { embeds };
+            self.lm.backward_from_device_log_prob_grads(
+                inputs,
+                acts,
+                targets,
+                temperature,
+                lm_grads,
+                embeds,
+                entropy,
+            )
+        })
+    }
+
     /// Runs the language model's backward `lm` (given where to put the placeholder rows'
     /// gradient, when the batch has any), then the tower's from that gradient.
     fn backward_through(

@@ -312,6 +312,48 @@ impl<B: Backend> Actor<B> {
         Ok(())
     }
 
+    /// [`Actor::backward_from_log_prob_grads`] from coefficients a loss on the device wrote
+    /// into `acts` (`Activations::loss_buffers`; the entropy coefficients too when
+    /// `entropy`).
+    ///
+    /// # Errors
+    /// As [`Actor::backward_from_log_prob_grads`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_from_device_log_prob_grads(
+        &self,
+        inputs: &Inputs<'_>,
+        acts: &mut Activations<B>,
+        pass: &mut Pass<B>,
+        targets: &[u32],
+        temperature: f32,
+        grads: &mut Grads<B>,
+        tower: Option<&mut TowerTraining<B>>,
+        entropy: bool,
+    ) -> Result<(), TrainError> {
+        match (self, &mut pass.0) {
+            (Actor::Vision(m), Some(vl)) => m.backward_from_device_log_prob_grads(
+                inputs,
+                acts,
+                vl,
+                targets,
+                temperature,
+                grads,
+                tower.map(|t| &mut t.grads),
+                entropy,
+            )?,
+            _ => self.lm().backward_from_device_log_prob_grads(
+                inputs,
+                acts,
+                targets,
+                temperature,
+                grads,
+                None,
+                entropy,
+            )?,
+        }
+        Ok(())
+    }
+
     /// Zeroed tower gradients and moments for training the tower (`None`: a text model).
     ///
     /// # Errors

@@ -35,10 +35,11 @@ use buffer::{
 
 use super::ops::{declared_ops, op_arg_type};
 use super::{
-    Activation, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError,
-    BlockTables, DType, GradWrite, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut,
-    LinearDims, MatmulPrecision, PagedKvView, PagedKvViewMut, PickBuffersOf, PickRule, Result,
-    SegmentAttentionDims, Tensor, TensorMut, View, ViewMut, WindowSpec, check_half,
+    Activation, ActorLossGrads, ActorLossSpec, ActorLossViews, AdamWUpdate, AttentionDims,
+    AttentionGrads, AttentionInputs, Backend, BackendError, BlockTables, DType, GradWrite,
+    HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims, MatmulPrecision,
+    PagedKvView, PagedKvViewMut, PickBuffersOf, PickRule, Result, SegmentAttentionDims, Tensor,
+    TensorMut, View, ViewMut, WindowSpec, check_half,
 };
 use ares_cpu::sampler::{SampleKey, Sampler};
 use ares_cuda::cudarc::driver::CudaView;
@@ -899,6 +900,98 @@ impl Backend for CudaBackend {
                 t.masked_dynamic_kl(inputs, outputs)
             })
             .map_err(op("masked_dynamic_kl"))
+    }
+
+    fn actor_loss(
+        &self,
+        spec: &ActorLossSpec,
+        inputs: ActorLossViews<'_, CudaBuffer>,
+        grads: ActorLossGrads<'_, CudaBuffer>,
+    ) -> Result<std::result::Result<ares_core::loss::ActorLossOutput<f32>, ares_core::Error>> {
+        use ares_core::loss::Objective;
+        use ares_cuda::{LOSS_STATS, LossInputs, LossKind, LossOutputs, LossReport, LossSpec};
+        const K: &str = "actor_loss";
+        let _timer = OpTimer::start(self, K);
+        let kind = match spec.objective {
+            Objective::Ppo => LossKind::Ppo,
+            Objective::Gspo(level) => LossKind::Gspo(level),
+            Objective::Cispo => LossKind::Cispo,
+            Objective::ClipCov(_) | Objective::KlCov(_) => {
+                return Err(BackendError::Refused {
+                    op: K,
+                    message: "Clip-Cov and KL-Cov have no CUDA kernel (they select tokens over \
+                              the micro-batch): compute the loss on the host"
+                        .into(),
+                });
+            }
+        };
+        let cuda_spec = LossSpec {
+            kind,
+            config: spec.config,
+            kl: spec.kl.map(|(estimator, low_ratio)| ares_cuda::KlLossSpec {
+                estimator,
+                low_ratio,
+            }),
+            entropy_coef: spec.entropy_coef,
+            scale: spec.scale,
+        };
+        let n = inputs.logp.len();
+        let rows = n / inputs.cols.max(1);
+        let mut counts = self.alloc(rows)?;
+        let mut stats = self.alloc(rows * LOSS_STATS)?;
+        let mut totals = self.alloc(LOSS_STATS)?;
+        let mut status = self.alloc_ids(2)?;
+        let cuda_inputs = LossInputs {
+            logp: view(inputs.logp)?,
+            logp_old: view(inputs.logp_old)?,
+            advantages: view(inputs.advantages)?,
+            mask: view(inputs.mask)?,
+            logp_rollout: view_opt(inputs.logp_rollout)?,
+            keep: view_opt(inputs.keep)?,
+            logp_ref: view_opt(inputs.logp_ref)?,
+            beta_rows: view_opt(inputs.beta_rows)?,
+            hwe: view_opt(inputs.hwe_mask)?,
+            entropy: view_opt(inputs.entropy)?,
+            cols: inputs.cols,
+        };
+        let (grad, entropy_grad) = (view_mut(grads.grad)?, view_mut_opt(grads.entropy_grad)?);
+        let (row_counts, row_stats, total_view) = (
+            view_mut(ViewMut::whole(&mut counts))?,
+            view_mut(ViewMut::whole(&mut stats))?,
+            view_mut(ViewMut::whole(&mut totals))?,
+        );
+        let status_view = ids_mut(&mut status)?;
+        self.ops
+            .with_token_ops(|mut t, _| {
+                t.policy_loss(
+                    &cuda_spec,
+                    cuda_inputs,
+                    LossOutputs {
+                        grad,
+                        entropy_grad,
+                        row_counts,
+                        row_stats,
+                        totals: total_view,
+                        status: status_view,
+                    },
+                )
+            })
+            .map_err(op(K))?;
+        let mut host = [0.0f32; LOSS_STATS];
+        self.ops
+            .download(&view(View::whole(&totals))?, &mut host)
+            .map_err(op(K))?;
+        let mut words = [0u32; 2];
+        self.ops
+            .download_ids(&ids(&status)?, &mut words)
+            .map_err(op(K))?;
+        Ok(
+            LossReport::read(&host, words).map(|r| ares_core::loss::ActorLossOutput {
+                policy: r.policy,
+                kl_loss: r.kl_loss,
+                entropy: r.entropy,
+            }),
+        )
     }
 }
 

@@ -272,6 +272,19 @@ impl Packed {
         out
     }
 
+    /// The model position of each `[rows, T]` response entry, `None` past a response: where
+    /// [`Packed::response_part`] reads and [`Packed::spread_response`] writes.
+    pub fn response_positions(&self) -> Vec<Option<usize>> {
+        let t = self.response_cols;
+        let mut out = vec![None; self.rows * t];
+        for (dst, &(at, len)) in out.chunks_exact_mut(t).zip(&self.responses) {
+            for (j, d) in dst.iter_mut().take(len).enumerate() {
+                *d = Some(at + j);
+            }
+        }
+        out
+    }
+
     /// Spreads `[rows, T]` response values to the model's positions (0 elsewhere): the
     /// inverse of [`Packed::response_part`], for the loss coefficients.
     pub fn spread_response(&self, response: &[f32]) -> Vec<f32> {
@@ -376,6 +389,7 @@ mod tests {
         // target at column P−1+j is response token j
         let per_pos: Vec<f32> = (0..8).map(|x| x as f32).collect();
         assert_eq!(p.response_part(&per_pos), [1.0, 2.0, 5.0, 6.0]);
+        assert_eq!(p.response_positions(), [Some(1), Some(2), Some(5), Some(6)]);
         assert_eq!(
             p.spread_response(&[1.0, 2.0, 5.0, 6.0]),
             [0.0, 1.0, 2.0, 0.0, 0.0, 5.0, 6.0, 0.0]
@@ -395,6 +409,7 @@ mod tests {
         let per_pos: Vec<f32> = (0..8).map(|x| x as f32).collect();
         // sample 0's response token 0 predicted at 1; sample 1's tokens at 3 and 4
         assert_eq!(p.response_part(&per_pos), [1.0, 0.0, 3.0, 4.0]);
+        assert_eq!(p.response_positions(), [Some(1), None, Some(3), Some(4)]);
         assert_eq!(
             p.spread_response(&[1.0, 9.0, 5.0, 6.0]),
             [0.0, 1.0, 0.0, 5.0, 6.0, 0.0, 0.0, 0.0]

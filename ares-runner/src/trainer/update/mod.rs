@@ -7,6 +7,7 @@
 //! A mini-batch whose loss or gradient is not finite is skipped and counted: its
 //! gradients are dropped and neither the weights nor the optimizer moments change.
 
+mod device;
 pub mod policy;
 pub mod zero;
 
@@ -517,17 +518,39 @@ impl<B: Backend> Update<'_, B> {
         let vision = batch.vision(micro);
         let inputs = packed.inputs();
         let mut pass = actor.forward(&packed, vision.as_ref(), acts, opt.tower.is_some())?;
+        let shape = ares_core::Shape {
+            rows: micro.len(),
+            cols: t,
+        };
+        let step = (opt.steps, index, scale);
+        if actor.backend().has_actor_loss(&read.settings.objective) {
+            // the loss where the log-probs are (update/device.rs)
+            actor
+                .lm()
+                .log_prob_entropy(acts, &packed.targets, temperature)?;
+            let Some(loss) = read.device_loss(micro, step, shape, &packed, actor.lm(), acts)?
+            else {
+                return Ok(None);
+            };
+            let entropy = read.prep.entropy_coef.is_some_and(|c| c != 0.0);
+            actor.backward_from_device_log_prob_grads(
+                &inputs,
+                acts,
+                &mut pass,
+                &packed.targets,
+                temperature,
+                &mut opt.grads,
+                opt.tower.as_mut(),
+                entropy,
+            )?;
+            return Ok(Some(loss));
+        }
         let (logp, entropy) = crate::trainer::prepare::sequences::response_log_probs_after_forward(
             actor.lm(),
             acts,
             &packed,
             temperature,
         )?;
-        let shape = ares_core::Shape {
-            rows: micro.len(),
-            cols: t,
-        };
-        let step = (opt.steps, index, scale);
         let Some((loss, coeffs, dh)) = read.loss(micro, step, shape, &logp, &entropy)? else {
             return Ok(None);
         };
