@@ -806,6 +806,20 @@ fn kernel_on_cpu_adamw_with_bf16_and_8_bit_moments_is_the_cpu_twin() {
         .map(|_| (0..n).map(|_| rng.range(-1.0, 1.0)).collect())
         .collect();
     let guard = 0u32;
+    // the kernels' per-step factors, as the device gets them
+    let scalars = |step: u64| {
+        AdamWStep {
+            lr,
+            beta1: cfg.beta1,
+            beta2: cfg.beta2,
+            eps: cfg.eps,
+            weight_decay: cfg.weight_decay,
+            step,
+            grad_scale,
+        }
+        .scalars()
+        .expect("scalars")
+    };
     let rounded = |p: &[f32]| -> Vec<u16> {
         p.iter()
             .map(|&x| half::bf16::from_f32(x).to_bits())
@@ -822,17 +836,7 @@ fn kernel_on_cpu_adamw_with_bf16_and_8_bit_moments_is_the_cpu_twin() {
             &mut p_cpu, g, &mut m_cpu, &mut v_cpu, step, &cfg, lr, grad_scale,
         )
         .expect("cpu");
-        let s = AdamWStep {
-            lr,
-            beta1: cfg.beta1,
-            beta2: cfg.beta2,
-            eps: cfg.eps,
-            weight_decay: cfg.weight_decay,
-            step,
-            grad_scale,
-        }
-        .scalars()
-        .expect("scalars");
+        let s = scalars(step);
         // SAFETY: every tensor holds n elements.
         unsafe {
             bf16_launch(
@@ -887,17 +891,7 @@ fn kernel_on_cpu_adamw_with_bf16_and_8_bit_moments_is_the_cpu_twin() {
             grad_scale,
         )
         .expect("cpu");
-        let s = AdamWStep {
-            lr,
-            beta1: cfg.beta1,
-            beta2: cfg.beta2,
-            eps: cfg.eps,
-            weight_decay: cfg.weight_decay,
-            step,
-            grad_scale,
-        }
-        .scalars()
-        .expect("scalars");
+        let s = scalars(step);
         // SAFETY: every tensor holds n elements, the absmax arrays one per block, maps 512.
         unsafe {
             int8_launch(

@@ -170,16 +170,7 @@ impl<B: Backend> Model<B> {
         embeds: Option<EmbedGrad<'_, B>>,
         entropy_coeffs: Option<&[f32]>,
     ) -> Result<(), ModelError> {
-        let n = inputs.check(&self.spec)?;
-        if acts.shape() != (inputs.batch, inputs.seq) {
-            return Err(ModelError::ActivationShape {
-                planned: acts.shape(),
-                actual: (inputs.batch, inputs.seq),
-            });
-        }
-        let vocab = self.spec.vocab;
-        check_targets(targets, n, vocab)?;
-        check_temperature(temperature)?;
+        let n = self.check_head_call(inputs, acts, targets, temperature)?;
         check_coeffs("coeffs", coeffs, inputs.attention_mask, n)?;
         if let Some(ec) = entropy_coeffs {
             check_coeffs("entropy_coeffs", ec, inputs.attention_mask, n)?;
@@ -224,15 +215,7 @@ impl<B: Backend> Model<B> {
         embeds: Option<EmbedGrad<'_, B>>,
         entropy: bool,
     ) -> Result<(), ModelError> {
-        let n = inputs.check(&self.spec)?;
-        if acts.shape() != (inputs.batch, inputs.seq) {
-            return Err(ModelError::ActivationShape {
-                planned: acts.shape(),
-                actual: (inputs.batch, inputs.seq),
-            });
-        }
-        check_targets(targets, n, self.spec.vocab)?;
-        check_temperature(temperature)?;
+        let n = self.check_head_call(inputs, acts, targets, temperature)?;
         let be = &self.backend;
         for ((start, rows), ids) in head_chunks(n, acts.chunk_rows).zip(&mut acts.targets) {
             be.upload_ids(&targets[start..start + rows], ids)?;
@@ -244,5 +227,26 @@ impl<B: Backend> Model<B> {
             entropy,
         };
         self.backward_impl(inputs, acts, head, grads, embeds)
+    }
+
+    /// The checks both backward entries start with: the inputs, `acts` planned for them,
+    /// the targets and the temperature; the number of positions.
+    fn check_head_call(
+        &self,
+        inputs: &Inputs<'_>,
+        acts: &Activations<B>,
+        targets: &[u32],
+        temperature: f32,
+    ) -> Result<usize, ModelError> {
+        let n = inputs.check(&self.spec)?;
+        if acts.shape() != (inputs.batch, inputs.seq) {
+            return Err(ModelError::ActivationShape {
+                planned: acts.shape(),
+                actual: (inputs.batch, inputs.seq),
+            });
+        }
+        check_targets(targets, n, self.spec.vocab)?;
+        check_temperature(temperature)?;
+        Ok(n)
     }
 }

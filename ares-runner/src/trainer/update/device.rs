@@ -185,19 +185,10 @@ impl Inputs<'_> {
                 spread(eg, entropy_coeffs)?;
             }
         }
-        let s = f64::from(scale);
-        let p = &out.policy;
-        let entropy = f64::from(out.entropy) * s;
-        Ok(Some(MicroLoss {
-            pg_loss: f64::from(p.loss) * s,
-            kl_loss: f64::from(out.kl_loss) * s,
-            clipfrac: f64::from(p.clipfrac),
-            clipfrac_lower: f64::from(p.clipfrac_lower),
-            ppo_kl: f64::from(p.approx_kl),
-            selected_frac: f64::from(p.selected_frac),
-            tokens: p.valid_tokens,
-            entropy,
-            entropy_loss: coef.map_or(0.0, |c| -c * entropy),
-        }))
+        let mut loss = MicroLoss::scaled(&out, scale);
+        if let Some(c) = coef {
+            loss.entropy_loss = -c * loss.entropy;
+        }
+        Ok(Some(loss))
     }
 }

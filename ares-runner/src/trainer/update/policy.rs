@@ -150,19 +150,28 @@ pub fn micro_loss(
         &mut scratch,
         &mut index_scratch,
     )?;
-    let s = f64::from(scale);
-    let p = &out.policy;
-    Ok(MicroLoss {
-        pg_loss: f64::from(p.loss) * s,
-        kl_loss: f64::from(out.kl_loss) * s,
-        clipfrac: f64::from(p.clipfrac),
-        clipfrac_lower: f64::from(p.clipfrac_lower),
-        ppo_kl: f64::from(p.approx_kl),
-        selected_frac: f64::from(p.selected_frac),
-        tokens: p.valid_tokens,
-        entropy: f64::from(out.entropy) * s,
-        entropy_loss: 0.0,
-    })
+    Ok(MicroLoss::scaled(&out, scale))
+}
+
+impl MicroLoss {
+    /// A micro-batch's values from its [`actor_loss`] output: the losses and `agg(H)` times
+    /// `scale`, the metrics as they are; `entropy_loss` 0 (the caller knows the coefficient
+    /// at full precision).
+    pub fn scaled(out: &ares_core::loss::ActorLossOutput<f32>, scale: f32) -> Self {
+        let s = f64::from(scale);
+        let p = &out.policy;
+        MicroLoss {
+            pg_loss: f64::from(p.loss) * s,
+            kl_loss: f64::from(out.kl_loss) * s,
+            clipfrac: f64::from(p.clipfrac),
+            clipfrac_lower: f64::from(p.clipfrac_lower),
+            ppo_kl: f64::from(p.approx_kl),
+            selected_frac: f64::from(p.selected_frac),
+            tokens: p.valid_tokens,
+            entropy: f64::from(out.entropy) * s,
+            entropy_loss: 0.0,
+        }
+    }
 }
 
 #[cfg(test)]
