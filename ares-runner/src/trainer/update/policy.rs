@@ -76,8 +76,8 @@ pub struct MicroLoss {
     pub selected_frac: f64,
     /// Valid tokens.
     pub tokens: usize,
-    /// With an entropy bonus: the micro-batch's share of `agg(H)` (0 otherwise; filled by
-    /// the caller, see [`entropy_bonus`]).
+    /// With an entropy bonus: the micro-batch's share of `agg(H)`, `scale·agg(H)` (0
+    /// otherwise).
     pub entropy: f64,
     /// With an entropy bonus: its loss term `−c·agg(H)` share (0 otherwise).
     pub entropy_loss: f64,
