@@ -20,7 +20,7 @@ use std::sync::OnceLock;
 use ares_cuda::kernels::{MODEL_OPS, TOKEN_KERNELS};
 use ares_cuda::{LOSS_STATS, LossReport, LossScalars, LossSpec};
 use libloading::Library;
-use loss_reference::{Batch, Rng, close, expected, specs};
+use loss_reference::{Batch, Rng, assert_values, close, expected, specs};
 
 const HEADER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/emulate/cuda_on_cpu.h");
 /// Threads per block, as `ares-cuda` launches the row kernels.
@@ -239,21 +239,7 @@ fn kernel_on_cpu_policy_loss_is_cores_loss() {
                     assert_eq!(g.to_bits(), w.to_bits(), "{what}: entropy_grad[{t}]");
                 }
             }
-            let p = &report.policy;
-            let e = &want.policy;
-            assert_eq!(p.valid_tokens, e.valid_tokens, "{what}");
-            for (name, g, w) in [
-                ("loss", p.loss, e.loss),
-                ("clipfrac", p.clipfrac, e.clipfrac),
-                ("clipfrac_lower", p.clipfrac_lower, e.clipfrac_lower),
-                ("approx_kl", p.approx_kl, e.approx_kl),
-                ("is_weight_mean", p.is_weight_mean, e.is_weight_mean),
-                ("is_changed_frac", p.is_changed_frac, e.is_changed_frac),
-                ("kl_loss", report.kl_loss, want.kl_loss),
-                ("entropy", report.entropy, want.entropy),
-            ] {
-                assert!(close(g, w, 2e-5), "{what}: {name} {g} vs {w}");
-            }
+            assert_values(&what, &report, &want, 2e-5);
             checked += 1;
         }
     }

@@ -455,7 +455,7 @@ fn log_prob_entropy_f16_matches_cpu() {
 #[test]
 fn policy_loss_matches_core() {
     use ares_cuda::{LOSS_STATS, LossInputs, LossKind, LossOutputs, LossReport};
-    use loss_reference::{Batch, close, expected, specs};
+    use loss_reference::{Batch, assert_values, expected, specs};
     let Some(mut cuda) = gpu_or_skip() else {
         return;
     };
@@ -534,20 +534,7 @@ fn policy_loss_matches_core() {
                     2e-6,
                 );
             }
-            let (p, e) = (&report.policy, &want.policy);
-            assert_eq!(p.valid_tokens, e.valid_tokens, "{what}");
-            for (name, g, w) in [
-                ("loss", p.loss, e.loss),
-                ("clipfrac", p.clipfrac, e.clipfrac),
-                ("clipfrac_lower", p.clipfrac_lower, e.clipfrac_lower),
-                ("approx_kl", p.approx_kl, e.approx_kl),
-                ("is_weight_mean", p.is_weight_mean, e.is_weight_mean),
-                ("is_changed_frac", p.is_changed_frac, e.is_changed_frac),
-                ("kl_loss", report.kl_loss, want.kl_loss),
-                ("entropy", report.entropy, want.entropy),
-            ] {
-                assert!(close(g, w, 1e-4), "{what}: {name} GPU {g} vs core {w}");
-            }
+            assert_values(&what, &report, &want, 1e-4);
             checked += 1;
         }
     }

@@ -263,3 +263,22 @@ pub fn expected(
 pub fn close(got: f32, want: f32, rel: f32) -> bool {
     (got - want).abs() <= rel * want.abs().max(1e-3)
 }
+
+/// The loss's values and metrics in `report` against core's `want`, each within `rel`
+/// ([`close`]), and the same count of valid tokens.
+pub fn assert_values(what: &str, report: &ares_cuda::LossReport, want: &Expected, rel: f32) {
+    let (p, e) = (&report.policy, &want.policy);
+    assert_eq!(p.valid_tokens, e.valid_tokens, "{what}");
+    for (name, g, w) in [
+        ("loss", p.loss, e.loss),
+        ("clipfrac", p.clipfrac, e.clipfrac),
+        ("clipfrac_lower", p.clipfrac_lower, e.clipfrac_lower),
+        ("approx_kl", p.approx_kl, e.approx_kl),
+        ("is_weight_mean", p.is_weight_mean, e.is_weight_mean),
+        ("is_changed_frac", p.is_changed_frac, e.is_changed_frac),
+        ("kl_loss", report.kl_loss, want.kl_loss),
+        ("entropy", report.entropy, want.entropy),
+    ] {
+        assert!(close(g, w, rel), "{what}: {name} {g} vs core {w}");
+    }
+}
