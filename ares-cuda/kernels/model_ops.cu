@@ -985,30 +985,56 @@ extern "C" __global__ void pick_rows(const float* __restrict__ logits, i64 vocab
 }
 
 // ---------------------------------------------------------------------------------------
-// Σ x² in f64, deterministic: stage 1 sums fixed chunks (block b: elements
-// [b·chunk, (b+1)·chunk)) with a fixed thread mapping and tree; stage 2 adds the partials
-// in one block. The partition depends only on n, so the result does not depend on the GPU.
-extern "C" __global__ void sum_sq_partial(const float* __restrict__ x, i64 n, i64 chunk,
-                                          double* __restrict__ partials) {
+// Σ x² in f64 of several tensors at once, deterministic: stage 1 sums fixed chunks (a
+// tensor's block b: its elements [b·chunk, (b+1)·chunk)) with a fixed thread mapping and
+// tree; stage 2 adds each tensor's partials in one block. A tensor's partition depends only
+// on its own length, so its sum depends neither on the GPU nor on the other tensors. Stage 2
+// also hands the status word to the host in the same read (and clears it), so the gradient
+// norm of a whole model costs one wait.
+struct SumSqTensor {
+    const float* x;
+    i64 n;      // elements, >= 1
+    i64 chunk;  // elements per block of stage 1
+    i64 first;  // its first partial (and block of stage 1); ascending over the table
+};
+
+extern "C" __global__ void sum_sq_multi_partial(const SumSqTensor* __restrict__ tensors,
+                                                int count, double* __restrict__ partials) {
     __shared__ double sh[32];
-    const i64 start = (i64)blockIdx.x * chunk;
-    const i64 end = start + chunk < n ? start + chunk : n;
+    // the block's tensor: the last whose first partial is at most blockIdx.x
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (tensors[mid].first <= (i64)blockIdx.x) lo = mid;
+        else hi = mid - 1;
+    }
+    const SumSqTensor t = tensors[lo];
+    const i64 start = ((i64)blockIdx.x - t.first) * t.chunk;
+    const i64 end = start + t.chunk < t.n ? start + t.chunk : t.n;
     double acc = 0.0;
     for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) {
-        const double v = (double)x[i];
+        const double v = (double)t.x[i];
         acc += v * v;
     }
     const double s = block_sum_d(acc, sh);
     if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
 
-extern "C" __global__ void sum_sq_final(const double* __restrict__ partials, int count,
-                                        double* __restrict__ out) {
+// One block per tensor: out[t] = its partials' sum; out[count] = the status word (cleared).
+extern "C" __global__ void sum_sq_multi_final(const SumSqTensor* __restrict__ tensors,
+                                              int count, const double* __restrict__ partials,
+                                              unsigned* __restrict__ status,
+                                              double* __restrict__ out) {
     __shared__ double sh[32];
+    const SumSqTensor t = tensors[blockIdx.x];
+    const i64 blocks = (t.n + t.chunk - 1) / t.chunk;
     double acc = 0.0;
-    for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partials[i];
+    for (i64 i = threadIdx.x; i < blocks; i += blockDim.x) acc += partials[t.first + i];
     const double s = block_sum_d(acc, sh);
-    if (threadIdx.x == 0) *out = s;
+    if (threadIdx.x == 0) {
+        out[blockIdx.x] = s;
+        if (blockIdx.x == 0) out[count] = (double)atomicExch(status, 0u);
+    }
 }
 
 // ---------------------------------------------------------------------------------------

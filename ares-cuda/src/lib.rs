@@ -34,5 +34,7 @@ pub use gemm::{GemmDims, GemmPrecision, cublas_available};
 pub use loss_ops::{
     KlLossSpec, LOSS_STATS, LossInputs, LossKind, LossOutputs, LossReport, LossScalars, LossSpec,
 };
-pub use model_ops::{AdamWScalars, AdamWStep, AttentionShape, DecodeGraph, ModelOps};
+pub use model_ops::{
+    AdamWScalars, AdamWStep, AttentionShape, DecodeGraph, ModelOps, sum_of_squares_partition,
+};
 pub use token_ops::{HweOutputs, LogitElem, MaskedKlInputs, MaskedKlOutputs, TokenOps, WindowSpec};

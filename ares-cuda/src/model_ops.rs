@@ -30,7 +30,7 @@ pub use attention::{
     KvCacheMut, MAX_HEAD_DIM, PagedKvCache, PagedKvCacheMut,
 };
 pub use loss::RacePick;
-pub use optim::{AdamWScalars, AdamWStep};
+pub use optim::{AdamWScalars, AdamWStep, sum_of_squares_partition};
 pub use vision::{Activation, MAX_SEGMENT_HEAD_DIM, SegmentAttentionShape};
 
 use crate::device::{DeviceInfo, load_module, open_device};
@@ -117,8 +117,11 @@ struct State {
     status: CudaSlice<u32>,
     /// Per-call flag of AdamW's finiteness check.
     guard: CudaSlice<u32>,
-    /// Partial sums of `sum_of_squares` plus one slot for the total.
+    /// Partial sums of `sums_of_squares`, then the totals and the status word (grown on
+    /// demand).
     sums: CudaSlice<f64>,
+    /// The tensor table of `sums_of_squares` (grown on demand).
+    sum_table: CudaSlice<u64>,
     /// Scratch of the two-stage reductions and the attention backward (grown on demand).
     scratch: CudaSlice<f32>,
     /// Blocks-finished counter of the token ops' last-block reductions (the kernel resets
@@ -186,8 +189,11 @@ impl ModelOps {
             status: stream.alloc_zeros::<u32>(1).during("allocating status")?,
             guard: stream.alloc_zeros::<u32>(1).during("allocating guard")?,
             sums: stream
-                .alloc_zeros::<f64>(optim::MAX_PARTIALS + 1)
+                .alloc_zeros::<f64>(1 << 10)
                 .during("allocating sum partials")?,
+            sum_table: stream
+                .alloc_zeros::<u64>(1 << 8)
+                .during("allocating the sum table")?,
             scratch: stream
                 .alloc_zeros::<f32>(1 << 16)
                 .during("allocating scratch")?,
@@ -526,15 +532,18 @@ fn keep_freed_memory_pooled(ctx: &CudaContext) {
 }
 
 /// The first `len` elements of `scratch`, grown (stream-ordered) if needed.
-fn scratch<'a>(
-    scratch: &'a mut CudaSlice<f32>,
+fn scratch<'a, T: DeviceRepr + ValidAsZeroBits>(
+    scratch: &'a mut CudaSlice<T>,
     stream: &Arc<CudaStream>,
     len: usize,
-) -> Result<CudaViewMut<'a, f32>> {
+) -> Result<CudaViewMut<'a, T>> {
     if scratch.len() < len {
         *scratch = stream
-            .alloc_zeros::<f32>(len.next_power_of_two())
-            .during(format!("growing scratch to {len} f32"))?;
+            .alloc_zeros::<T>(len.next_power_of_two())
+            .during(format!(
+                "growing scratch to {len} {}",
+                std::any::type_name::<T>()
+            ))?;
     }
     scratch
         .try_slice_mut(0..len)

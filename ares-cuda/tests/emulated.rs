@@ -921,6 +921,86 @@ fn kernel_on_cpu_adamw_with_bf16_and_8_bit_moments_is_the_cpu_twin() {
 }
 
 #[test]
+fn kernel_on_cpu_sums_of_squares_of_many_tensors_in_one_read() {
+    // the gradient norm's two launches over a whole table of tensors: each tensor's sum as
+    // it is alone (bit for bit), as the CPU's up to order, the status word in the same read
+    use ares_cpu::ops::optim::sum_of_squares_f64;
+    use ares_cuda::sum_of_squares_partition;
+    let Some(lib) = model_kernels() else { return };
+    type Sums = unsafe extern "C" fn(u32, *const u64, i32, *mut f64, *mut u32, *mut f64);
+    let run = launcher!(lib, "emu_sums_of_squares", Sums);
+    // (sums, status word read back) of `xs` in one launch pair, with `status` set before
+    let sums = |xs: &[&[f32]], status: u32| {
+        let (mut table, mut partials) = (Vec::new(), 0usize);
+        for x in xs {
+            let (chunk, blocks) = sum_of_squares_partition(x.len());
+            let words = [x.len() as u64, chunk as u64, partials as u64];
+            table.push(x.as_ptr() as u64);
+            table.extend(words);
+            partials += blocks;
+        }
+        let mut part = vec![f64::NAN; partials];
+        let mut out = vec![f64::NAN; xs.len() + 1];
+        let mut word = status;
+        // SAFETY: the table points at live slices of the stated lengths; `part` has one slot
+        // per block, `out` one per tensor and one for the status.
+        unsafe {
+            run(
+                partials as u32,
+                table.as_ptr(),
+                xs.len() as i32,
+                part.as_mut_ptr(),
+                &mut word,
+                out.as_mut_ptr(),
+            )
+        };
+        assert_eq!(word, 0, "the status word is cleared");
+        let read = out.pop().unwrap();
+        (out, read)
+    };
+    let mut rng = Rng(5);
+    // one block, a block boundary, many blocks, and the 1 024-block cap (chunk above 8 192)
+    let lens = [1usize, 3000, 8192, 8193, 40_000, 8192 * 1024 + 5];
+    let mut xs: Vec<Vec<f32>> = lens
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.range(-2.0, 2.0)).collect())
+        .collect();
+    xs[2].iter_mut().for_each(|v| *v *= 1e-20); // squares far below f32's range
+    let views: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
+    let (together, read) = sums(&views, 0x24);
+    assert_eq!(
+        read,
+        f64::from(0x24u32),
+        "the status word travels with the sums"
+    );
+    for (i, x) in views.iter().enumerate() {
+        let cpu = sum_of_squares_f64(x);
+        assert!(
+            (together[i] - cpu).abs() <= 1e-12 * cpu,
+            "tensor {i} (len {}): {} vs the CPU's {cpu}",
+            x.len(),
+            together[i]
+        );
+        let (alone, read) = sums(&[x], 0);
+        assert_eq!(read, 0.0);
+        assert_eq!(
+            alone[0].to_bits(),
+            together[i].to_bits(),
+            "tensor {i}: alone and among others"
+        );
+    }
+    // a bad value spoils its own tensor's sum only
+    xs[3][8192] = f32::NAN;
+    xs[4][7] = f32::INFINITY;
+    let views: Vec<&[f32]> = xs.iter().map(Vec::as_slice).collect();
+    let (bad, _) = sums(&views[..5], 0);
+    assert!(bad[3].is_nan() && bad[4] == f64::INFINITY, "{bad:?}");
+    for i in 0..3 {
+        assert_eq!(bad[i].to_bits(), together[i].to_bits(), "tensor {i}");
+    }
+}
+
+#[test]
 fn kernel_on_cpu_race_sampler_and_one_kernel_pick_are_the_cpu_twin() {
     // the rollout's sampler and a decode step's one-kernel pick (written, never run on a
     // GPU): the CPU's ids under every filter, and the pick's log-probs and entropies

@@ -2231,15 +2231,28 @@ fn optimizer_ops_match_cpu() {
     let Some(gpu) = gpu_or_skip() else { return };
     let cpu = CpuBackend;
     let mut rng = Rng(8);
-    for n in [0usize, 1, 1000, 300_001] {
+    let lens = [0usize, 1, 1000, 300_001, 9_000_000];
+    let (mut dev, mut alone) = (Vec::new(), Vec::new());
+    for n in lens {
         let x = rng.vec(n, 3.0);
-        let g = gpu.sum_of_squares(View::whole(&up(&gpu, &x))).unwrap();
+        let d = up(&gpu, &x);
+        let g = gpu.sum_of_squares(View::whole(&d)).unwrap();
         let c = cpu.sum_of_squares(View::whole(&x)).unwrap();
         assert!(
             (g - c).abs() <= 1e-10 * c.max(1e-30),
             "sum_of_squares n={n}: {g} vs {c}"
         );
+        dev.push(d);
+        alone.push(g);
     }
+    // the gradient norm's one read: every tensor's sum as it is alone, bit for bit
+    let views: Vec<_> = dev.iter().map(View::whole).collect();
+    let mut together = vec![f64::NAN; lens.len()];
+    gpu.sums_of_squares(&views, &mut together).unwrap();
+    for (i, (t, a)) in together.iter().zip(&alone).enumerate() {
+        assert_eq!(t.to_bits(), a.to_bits(), "sums_of_squares tensor {i}");
+    }
+    assert!(gpu.sums_of_squares(&views, &mut [0.0; 2]).is_err());
 
     let n = 70_000;
     let p0 = rng.vec(n, 1.0);

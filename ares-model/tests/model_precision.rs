@@ -275,13 +275,16 @@ fn stored_bf16_weights_are_what_the_bf16_products_read() {
     assert_eq!(count("add_rmsnorm"), layers);
     assert_eq!(count("add"), layers);
     assert_eq!(count("rmsnorm"), layers + 1);
-    opt.step(&mut m, &g, 1e-3, None).unwrap();
+    opt.step(&mut m, &g, 1e-3, Some(1.0)).unwrap();
     // no rounding pass: the copies (7 kinds of projection and the tied head) come with
     // their buffers' updates (`stored_bf16_weights_change_no_bit` checks their bits)
-    let calls = m.backend().take().calls;
-    let count = |op: &str| calls.iter().filter(|&&c| c == op).count();
+    let counts = m.backend().take();
+    let count = |op: &str| counts.calls.iter().filter(|&&c| c == op).count();
     assert_eq!(count("round_bf16"), 0);
     assert_eq!(count("adamw_step"), m.trainable_buffers().len());
+    // the clipped step's global norm over every gradient buffer: one read
+    assert_eq!(count("sums_of_squares"), 1);
+    assert_eq!(counts.host_waits, 1, "{:?}", counts.calls);
 }
 
 /// Under bf16, a pass of ≥ 64 tokens at a head size of the tensor-core kernels (64 here)

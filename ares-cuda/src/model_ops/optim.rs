@@ -1,10 +1,10 @@
 //! The optimizer's ops: the sum of squares behind the global gradient norm, and the AdamW
 //! update, both on the device so parameters, gradients and moments never leave it.
 
-use super::{ArgOrNull, ModelOps, bad, check_len, element_cfg, i32_of, i64_of};
+use super::{ArgOrNull, ModelOps, State, bad, check_len, element_cfg, i32_of, i64_of};
 use crate::error::{DriverContext, Result};
 use cudarc::driver::{
-    CudaFunction, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaView, CudaViewMut, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
 /// Elements per block of 8-bit moments (one f32 scale each), as `ares_cpu`'s
@@ -21,12 +21,21 @@ struct Int8Scales<'s, 'm, 'v, 'c> {
     cfg: LaunchConfig,
 }
 
-/// Partial sums of [`ModelOps::sum_of_squares`] at most (blocks of its first stage).
-pub(crate) const MAX_PARTIALS: usize = 1024;
+/// Partial sums of a tensor of [`ModelOps::sums_of_squares`] at most (blocks of its first
+/// stage).
+const MAX_PARTIALS: usize = 1024;
 /// Elements per block of the first stage at least.
 const MIN_CHUNK: usize = 8192;
 /// Threads per block of both stages.
 const SUM_BLOCK: u32 = 256;
+
+/// How [`ModelOps::sums_of_squares`] splits a tensor of `len >= 1` elements: `(chunk,
+/// blocks)`, each block of its first stage summing `chunk` consecutive elements (the last
+/// fewer), `blocks <= 1024`. It depends on `len` alone, so a tensor's sum does too.
+pub fn sum_of_squares_partition(len: usize) -> (usize, usize) {
+    let chunk = len.div_ceil(MAX_PARTIALS).max(MIN_CHUNK);
+    (chunk, len.div_ceil(chunk))
+}
 
 /// One AdamW update's hyper-parameters: `torch.optim.AdamW` semantics (decoupled decay
 /// `θ ← θ·(1 − lr·wd)` first, then the bias-corrected Adam step with ε added to
@@ -141,57 +150,108 @@ impl ModelOps {
     /// block), returned to the host: **waits** for the queued ops, then reports bad values
     /// they met ([`ModelOps::check_status`]). NaN or ±∞ anywhere gives a non-finite sum.
     /// Twin of `ares_cpu::ops::optim::sum_of_squares_f64` (equal up to summation order).
+    /// [`ModelOps::sums_of_squares`] of one tensor.
     ///
     /// # Errors
     /// A driver failure, [`crate::Error::DeviceStatus`].
     pub fn sum_of_squares(&self, x: &CudaView<'_, f32>) -> Result<f64> {
-        const K: &str = "sum_of_squares";
-        let n = x.len();
-        if n == 0 {
-            self.synchronize()?;
-            return Ok(0.0);
+        let mut total = [0.0f64];
+        self.sums_of_squares(&[x], &mut total)?;
+        Ok(total[0])
+    }
+
+    /// [`ModelOps::sum_of_squares`] of each of `xs` into `out`, in two launches and **one
+    /// wait** for all of them (the status word travels in the same read): the global
+    /// gradient norm of a model's tensors. A tensor's sum is the one `sum_of_squares` gives
+    /// it alone, bit for bit (its partition depends on its own length only); an empty
+    /// tensor's is 0.
+    ///
+    /// # Errors
+    /// `out` not as long as `xs`, a driver failure, [`crate::Error::DeviceStatus`] (bad
+    /// values an earlier op met).
+    pub fn sums_of_squares(&self, xs: &[&CudaView<'_, f32>], out: &mut [f64]) -> Result<()> {
+        const K: &str = "sums_of_squares";
+        check_len(K, "out", xs.len(), out.len())?;
+        // the non-empty tensors' table (the kernel's `SumSqTensor`: pointer, length, chunk,
+        // first partial) and where each one's sum goes
+        let mut table = Vec::with_capacity(4 * xs.len());
+        let mut slots = Vec::with_capacity(xs.len());
+        let mut guards = Vec::with_capacity(xs.len());
+        let mut partials = 0usize;
+        for (i, x) in xs.iter().enumerate() {
+            out[i] = 0.0;
+            let n = x.len();
+            if n == 0 {
+                continue;
+            }
+            let (chunk, blocks) = sum_of_squares_partition(n);
+            let (ptr, guard) = x.device_ptr(&self.stream);
+            guards.push(guard);
+            table.extend([ptr, n as u64, chunk as u64, partials as u64]);
+            partials += blocks;
+            slots.push(i);
         }
-        let chunk = n.div_ceil(MAX_PARTIALS).max(MIN_CHUNK);
-        let blocks = n.div_ceil(chunk);
-        let (n64, c64, b32) = (
-            i64_of(K, "len", n)?,
-            i64_of(K, "chunk", chunk)?,
-            i32_of(K, "blocks", blocks)?,
+        if slots.is_empty() {
+            return self.check_status();
+        }
+        let count = slots.len();
+        let (blocks, c32) = (
+            i32_of(K, "blocks", partials)? as u32,
+            i32_of(K, "tensors", count)?,
         );
-        let total = {
+        let mut totals = vec![0.0f64; count + 1];
+        {
             let mut state = self.lock();
-            let (mut partials, mut rest) = state.sums.split_at_mut(MAX_PARTIALS);
+            let State {
+                sums,
+                sum_table,
+                status,
+                ..
+            } = &mut *state;
+            let mut tensors = super::scratch(sum_table, &self.stream, table.len())?;
+            self.upload(&table, &mut tensors)?;
+            let tensors = tensors.as_view();
+            let mut sums = super::scratch(sums, &self.stream, partials + count + 1)?;
+            let (mut part, mut rest) = sums.split_at_mut(partials);
             {
-                let mut l = self.stream.launch_builder(&self.f.sum_sq_partial);
-                l.arg(x).arg(&n64).arg(&c64).arg(&mut partials);
+                let mut l = self.stream.launch_builder(&self.f.sum_sq_multi_partial);
+                l.arg(&tensors).arg(&c32).arg(&mut part);
                 let cfg = LaunchConfig {
-                    grid_dim: (blocks as u32, 1, 1),
+                    grid_dim: (blocks, 1, 1),
                     block_dim: (SUM_BLOCK, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                // SAFETY: argument order as `sum_sq_partial`; `blocks` <= MAX_PARTIALS
-                // partial slots.
+                // SAFETY: argument order as `sum_sq_multi_partial`; the table holds `count`
+                // tensors of live buffers (their pointers' guards held), ascending first
+                // partials below `blocks`, `part` one slot per block.
                 unsafe { l.launch(cfg) }.during(format!("{K}: partials"))?;
             }
-            let partials = partials.as_view();
-            let mut l = self.stream.launch_builder(&self.f.sum_sq_final);
-            l.arg(&partials).arg(&b32).arg(&mut rest);
+            let part = part.as_view();
+            let mut l = self.stream.launch_builder(&self.f.sum_sq_multi_final);
+            l.arg(&tensors)
+                .arg(&c32)
+                .arg(&part)
+                .arg(&mut *status)
+                .arg(&mut rest);
             let cfg = LaunchConfig {
-                grid_dim: (1, 1, 1),
+                grid_dim: (count as u32, 1, 1),
                 block_dim: (SUM_BLOCK, 1, 1),
                 shared_mem_bytes: 0,
             };
-            // SAFETY: argument order as `sum_sq_final`; `rest` holds one f64.
-            unsafe { l.launch(cfg) }.during(format!("{K}: total"))?;
+            // SAFETY: argument order as `sum_sq_multi_final`; `rest` holds `count + 1` f64.
+            unsafe { l.launch(cfg) }.during(format!("{K}: totals"))?;
             drop(l);
-            let mut total = [0.0f64; 1];
-            self.stream
-                .memcpy_dtoh(&rest, &mut total)
-                .during(format!("{K}: reading the sum"))?;
-            total[0]
-        };
-        self.check_status()?;
-        Ok(total)
+            self.staging()
+                .download(&self.stream, &rest.as_view(), &mut totals)?;
+        }
+        drop(guards);
+        for (&i, &t) in slots.iter().zip(&totals) {
+            out[i] = t;
+        }
+        match totals[count] as u32 {
+            0 => Ok(()),
+            word => super::status_result(word),
+        }
     }
 
     /// One AdamW update in place (see [`AdamWStep`]). `param`, `grad`, `exp_avg` (first

@@ -188,3 +188,13 @@ extern "C" void emu_paged_decode_kv16(const float* q, const unsigned short* k16,
                     [&] { attention_split_combine(split_ws, lens, batch, hq, d, out); });
     }
 }
+
+// The gradient norm's sums as ares-cuda's `sums_of_squares` launches them: one block of 256
+// threads per partial, then one per tensor.
+extern "C" void emu_sums_of_squares(unsigned blocks, const SumSqTensor* tensors, int count,
+                                    double* partials, unsigned* status, double* out) {
+    emu::launch(dim3{blocks, 1, 1}, dim3{256, 1, 1}, 0,
+                [&] { sum_sq_multi_partial(tensors, count, partials); });
+    emu::launch(dim3{(unsigned)count, 1, 1}, dim3{256, 1, 1}, 0,
+                [&] { sum_sq_multi_final(tensors, count, partials, status, out); });
+}

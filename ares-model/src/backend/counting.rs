@@ -25,7 +25,7 @@ pub struct Counts {
     /// Host-to-device copies.
     pub uploads: usize,
     /// Calls that wait for the device and bring results to the host (downloads, picks,
-    /// `sum_of_squares`, `synchronize`).
+    /// `sums_of_squares`, `synchronize`).
     pub host_waits: usize,
     /// Every call, in order, by its method's name.
     pub calls: Vec<&'static str>,
@@ -326,9 +326,9 @@ impl<B: Backend> Backend for Counting<B> {
             .pick_tokens(logits, vocab, rule, temperature, bufs, host)
     }
 
-    fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64> {
-        self.note(Kind::Wait, "sum_of_squares");
-        self.inner.sum_of_squares(x)
+    fn sums_of_squares(&self, xs: &[Tensor<'_, Self>], out: &mut [f64]) -> Result<()> {
+        self.note(Kind::Wait, "sums_of_squares");
+        self.inner.sums_of_squares(xs, out)
     }
 
     fn kv_cache_append(

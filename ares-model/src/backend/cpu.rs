@@ -845,9 +845,13 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64> {
-        let _timer = CpuTimer::start("sum_of_squares");
-        Ok(sum_of_squares_f64(slice(x)?))
+    fn sums_of_squares(&self, xs: &[Tensor<'_, Self>], out: &mut [f64]) -> Result<()> {
+        let _timer = CpuTimer::start("sums_of_squares");
+        BackendError::check_len("sums_of_squares: out", xs.len(), out.len())?;
+        for (x, o) in xs.iter().zip(out) {
+            *o = sum_of_squares_f64(slice(*x)?);
+        }
+        Ok(())
     }
 
     fn kv_cache_append(

@@ -23,7 +23,7 @@
 //! - **Synchronisation.** Ops may be asynchronous (queued on a stream): the only calls that
 //!   may wait for the device are [`Backend::download`] (returns once the data is on the
 //!   host), [`Backend::synchronize`] and the calls that bring a result to the host (a
-//!   decode step's [`Backend::pick_tokens`], [`Backend::sum_of_squares`]); [`Counting`]
+//!   decode step's [`Backend::pick_tokens`], [`Backend::sums_of_squares`]); [`Counting`]
 //!   counts them. Uploads copy from the host slice before they return. Errors an op
 //!   reports are argument errors found before launch (shapes, lengths); a CPU backend
 //!   reports value errors (an id out of range) too, a GPU one may not.
@@ -35,7 +35,8 @@
 //!   attention) in caller-provided views. Each says whether it accumulates into its
 //!   gradient outputs (`+=`; zero them with [`Backend::fill`]) or overwrites them.
 //! - **Training.** [`Backend::log_prob_backward`] starts the backward pass from ∂L/∂logπ
-//!   per token, and [`Backend::entropy_backward`] adds an entropy bonus's ∂L/∂H per token; [`Backend::sum_of_squares`] and [`Backend::adamw_step`] are the optimizer's
+//!   per token, and [`Backend::entropy_backward`] adds an entropy bonus's ∂L/∂H per token;
+//!   [`Backend::sums_of_squares`] and [`Backend::adamw_step`] are the optimizer's
 //!   ops, so parameters, gradients and moments never leave the device.
 //! - **ARES token ops.** [`Backend::entropy_windows`], [`Backend::row_percentile`] and
 //!   [`Backend::masked_dynamic_kl`] find a step's high-window-entropy tokens and its
@@ -373,14 +374,26 @@ pub trait Backend {
 
     // ----- Optimizer ops. -----
 
-    /// `Σ x²` over `x`, accumulated in f64 (CPU: in a fixed order, so deterministic),
-    /// returned to the host: the per-tensor part of the global gradient norm. **Waits** for
-    /// the queued ops (the caller decides on the host whether to step). NaN or ±∞ anywhere
-    /// gives a non-finite sum.
+    /// `Σ x²` over each of `xs` into `out` (as long), accumulated in f64 in a fixed order
+    /// that depends on the tensor alone (so deterministic, and a tensor's sum is the same
+    /// whatever else is summed with it), returned to the host: the per-tensor parts of the
+    /// global gradient norm. **Waits** once for all of them (CUDA: one multi-tensor kernel
+    /// pair and one read; the caller decides on the host whether to step). NaN or ±∞ in a
+    /// tensor gives that tensor a non-finite sum; an empty tensor's is 0.
     ///
     /// # Errors
-    /// A failure of a queued op reported now.
-    fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64>;
+    /// `out` not as long as `xs`; a failure of a queued op reported now.
+    fn sums_of_squares(&self, xs: &[Tensor<'_, Self>], out: &mut [f64]) -> Result<()>;
+
+    /// [`Backend::sums_of_squares`] of one tensor.
+    ///
+    /// # Errors
+    /// As [`Backend::sums_of_squares`].
+    fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64> {
+        let mut total = [0.0];
+        self.sums_of_squares(&[x], &mut total)?;
+        Ok(total[0])
+    }
 
     /// Appends `dims.seq` new tokens per sequence to one layer's KV cache:
     /// `cache.k[b, cache.len + i] = k_new[b, i]` (and v) for `i < dims.seq`, with `k_new`,

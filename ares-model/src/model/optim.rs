@@ -258,18 +258,25 @@ impl<B: Backend> AdamW<B> {
         grads: &Grads<B>,
         extra_grads: &[&B::Buffer],
     ) -> Result<Vec<Option<f64>>, ModelError> {
-        let be = &model.backend;
-        let mut out = Vec::new();
-        for (i, buffer) in grads.buffers().into_iter().enumerate() {
-            out.push(if self.owns(i) {
-                Some(be.sum_of_squares(View::whole(buffer))?)
-            } else {
-                None
-            });
-        }
-        for g in extra_grads {
-            out.push(Some(be.sum_of_squares(View::whole(*g))?));
-        }
+        // one multi-tensor read for all of them (the owned ones: a buffer another rank
+        // owns may hold a partial sum)
+        let buffers = grads.buffers();
+        let owned: Vec<bool> = (0..buffers.len()).map(|i| self.owns(i)).collect();
+        let views: Vec<_> = buffers
+            .iter()
+            .zip(&owned)
+            .filter(|(_, own)| **own)
+            .map(|(b, _)| View::whole(*b))
+            .chain(extra_grads.iter().map(|g| View::whole(*g)))
+            .collect();
+        let mut sums = vec![0.0; views.len()];
+        model.backend.sums_of_squares(&views, &mut sums)?;
+        let mut sums = sums.into_iter();
+        let mut out: Vec<Option<f64>> = owned
+            .iter()
+            .map(|own| if *own { sums.next() } else { None })
+            .collect();
+        out.extend(sums.map(Some));
         Ok(out)
     }
 

@@ -7,7 +7,7 @@
 //!   cudarc views of them, so ops read and write device memory in place.
 //! - **Ordering.** Every op is queued on one stream the backend creates (not the legacy
 //!   default stream, where CUDA graphs cannot be captured) and returns without waiting;
-//!   [`Backend::download`], [`Backend::synchronize`], [`Backend::sum_of_squares`] and
+//!   [`Backend::download`], [`Backend::synchronize`], [`Backend::sums_of_squares`] and
 //!   [`Backend::pick_tokens`] (a decode step's one transfer, the status word in it) wait.
 //! - **Errors.** Argument errors (lengths, shapes, hyper-parameters) are returned by the
 //!   op, before anything is queued. Bad *values* (an id `>= rows`, a mask value not 0/1,
@@ -671,11 +671,13 @@ impl Backend for CudaBackend {
             .map_err(op(OP))
     }
 
-    fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64> {
-        let _timer = OpTimer::start(self, "sum_of_squares");
+    fn sums_of_squares(&self, xs: &[Tensor<'_, Self>], out: &mut [f64]) -> Result<()> {
+        let _timer = OpTimer::start(self, "sums_of_squares");
+        let views = xs.iter().map(|x| view(*x)).collect::<Result<Vec<_>>>()?;
+        let refs: Vec<_> = views.iter().collect();
         self.ops
-            .sum_of_squares(&view(x)?)
-            .map_err(op("sum_of_squares"))
+            .sums_of_squares(&refs, out)
+            .map_err(op("sums_of_squares"))
     }
 
     fn kv_cache_append(
