@@ -239,6 +239,30 @@ def test_policy_loss_equals_the_cpu_for_every_mode():
     _raises(ValueError, "logp", lambda: ares.policy_loss(c(bad), c(old), c(adv), c(mask)))
 
 
+def test_the_policy_loss_autograd_function_equals_the_cpus_on_cuda():
+    torch = _gpu()
+    import ares.torch as at
+
+    g = torch.Generator().manual_seed(9)
+    rows, cols = 5, 200
+    old = -torch.rand(rows, cols, generator=g) * 3
+    logp = old + torch.randn(rows, cols, generator=g) * 0.3
+    adv = torch.randn(rows, cols, generator=g)
+    mask = (torch.rand(rows, cols, generator=g) < 0.8).float()
+    for mode in ("vanilla", "gspo", "cispo"):
+        got = {}
+        for dev in ("cpu", "cuda"):
+            x = logp.to(dev).requires_grad_(True)
+            loss, metrics = at.policy_loss(x, old.to(dev), adv.to(dev), mask.to(dev), loss_mode=mode)
+            (2.0 * loss).backward()
+            got[dev] = (loss, metrics, x.grad)
+        (lc, mc, gc), (lg, mg, gg) = got["cpu"], got["cuda"]
+        assert lg.is_cuda and gg.is_cuda, mode
+        assert abs(lg.item() - lc.item()) <= 1e-5 * (1 + abs(lc.item())), mode
+        assert mg["valid_tokens"] == mc["valid_tokens"], mode
+        _close(gg, gc.numpy(), 1e-5, 1e-7, f"autograd grad {mode}")
+
+
 def test_the_kernels_run_on_the_callers_stream():
     torch = _gpu()
     x = torch.randn(256, 4096, device="cuda")

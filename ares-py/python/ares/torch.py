@@ -17,8 +17,20 @@ rows at a time, the backward recomputes each chunk. Use it in place of ``lm_head
     loss = -(adv * log_prob).mean() - 0.01 * entropy.mean()
 
 CUDA tensors are a ``ValueError`` here (this function runs on CPU arrays; ``ares.log_prob_entropy``
-and the token kernels take CUDA tensors, see ``ares._cuda``). ``import ares`` never imports
-torch; this module does.
+and the token kernels take CUDA tensors, see ``ares._cuda``).
+
+``ares.torch.policy_loss(logp, logp_old, advantages, mask, loss_mode=…, …)`` is
+``ares.policy_loss`` as a differentiable 0-d loss: ``(loss, metrics)``, where the backward
+multiplies the gradient ares computed with the loss (∂loss/∂logp, the same pass) by the
+incoming one. On CUDA tensors the forward is ares-cuda's loss kernel (``vanilla``, ``gspo``,
+``gspo_token``, ``cispo``), so nothing leaves the device but the metrics; on CPU tensors it is
+ares-core's function (every loss mode, float32 or float64)::
+
+    log_prob, entropy = ares.torch.log_prob_entropy(logits, ids)
+    pg_loss, metrics = ares.torch.policy_loss(log_prob, old_log_prob, adv, mask, loss_mode="gspo")
+    (pg_loss - 0.01 * (entropy * mask).sum() / mask.sum()).backward()
+
+``import ares`` never imports torch; this module does.
 """
 
 import torch
@@ -27,8 +39,16 @@ from . import linear_log_prob_entropy as _forward
 from . import linear_log_prob_entropy_backward as _backward
 from . import log_prob_entropy as _lpe
 from . import log_prob_entropy_backward as _lpe_backward
+from . import policy_loss as _policy_loss
 
-__all__ = ["LinearLogProbEntropy", "LogProbEntropy", "linear_log_prob_entropy", "log_prob_entropy"]
+__all__ = [
+    "LinearLogProbEntropy",
+    "LogProbEntropy",
+    "PolicyLoss",
+    "linear_log_prob_entropy",
+    "log_prob_entropy",
+    "policy_loss",
+]
 
 
 class LogProbEntropy(torch.autograd.Function):
@@ -131,3 +151,47 @@ def linear_log_prob_entropy(hidden, weight, targets, *, temperature=1.0, chunk_r
     x = hidden.reshape(-1, hidden.shape[-1])
     lp, ent = LinearLogProbEntropy.apply(x, weight, targets.reshape(-1), temperature, chunk_rows)
     return lp.reshape(lead), ent.reshape(lead)
+
+
+class PolicyLoss(torch.autograd.Function):
+    """``(logp [B, T], logp_old, advantages, mask, logp_rollout or None, options, metrics) → loss``
+    (0-d, ``logp``'s dtype and device): ``ares.policy_loss``'s value, differentiable in ``logp``
+    only (the other tensors are data). ``options`` are ``ares.policy_loss``'s keywords;
+    ``metrics`` (a dict) receives its other outputs."""
+
+    @staticmethod
+    def forward(ctx, logp, logp_old, advantages, mask, logp_rollout, options, metrics):
+        data = lambda t: None if t is None else t.detach().contiguous()  # noqa: E731
+        out = _policy_loss(
+            data(logp), data(logp_old), data(advantages), data(mask), logp_rollout=data(logp_rollout), **options
+        )
+        grad = out.pop("grad")
+        if not torch.is_tensor(grad):
+            grad = torch.from_numpy(grad)
+        ctx.save_for_backward(grad)
+        metrics.update(out)
+        return torch.tensor(out["loss"], dtype=logp.dtype, device=logp.device)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad,) = ctx.saved_tensors
+        return grad_output * grad, None, None, None, None, None, None
+
+
+def policy_loss(logp, logp_old, advantages, mask, *, logp_rollout=None, **options):
+    """:class:`PolicyLoss`: ``(loss, metrics)`` of ``ares.policy_loss`` (same arguments and
+    keywords: ``loss_mode``, ``loss_agg_mode``, the clip ratios, ``is_correction`` with
+    ``logp_rollout``, Clip-Cov's and KL-Cov's parameters), ``loss`` a 0-d tensor whose
+    backward gives ``logp`` the loss's gradient. ``metrics`` holds the floats ares returns
+    (``clipfrac``, ``clipfrac_lower``, ``approx_kl``, ``is_weight_mean``, ``is_changed_frac``,
+    ``selected_frac``, ``valid_tokens``, and ``loss`` as a float). All tensors [B, T], on one
+    device; an empty mask is ares's ``ValueError``."""
+    for name, t in (("logp_old", logp_old), ("advantages", advantages), ("mask", mask), ("logp_rollout", logp_rollout)):
+        if t is not None and tuple(t.shape) != tuple(logp.shape):
+            raise ValueError(
+                f"ares.torch.policy_loss: `{name}` has shape {tuple(t.shape)}, expected {tuple(logp.shape)} "
+                f"(logp's)"
+            )
+    metrics = {}
+    loss = PolicyLoss.apply(logp, logp_old, advantages, mask, logp_rollout, options, metrics)
+    return loss, metrics
