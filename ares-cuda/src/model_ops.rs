@@ -364,12 +364,18 @@ impl ModelOps {
         if dst.is_empty() {
             return self.synchronize();
         }
-        if Staging::stages::<T>(&self.stream, dst.len()) {
-            self.staging().download(&self.stream, src, dst)?;
-        } else {
-            self.stream.memcpy_dtoh(src, dst).during(step)?;
+        // the data and the status word in one wait
+        let mut state = self.lock();
+        let word =
+            self.staging()
+                .download_checked(&self.stream, src, dst, &state.status.as_view())?;
+        if word == 0 {
+            return Ok(());
         }
-        self.check_status()
+        self.stream
+            .memset_zeros(&mut state.status)
+            .during("clearing the status word")?;
+        status_result(word)
     }
 
     /// Waits for every queued op, then reports bad values ([`ModelOps::check_status`]).

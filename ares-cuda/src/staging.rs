@@ -30,6 +30,9 @@ struct Pinned<T> {
 #[derive(Default)]
 pub(crate) struct Staging {
     buffers: HashMap<(TypeId, usize), Box<dyn Any + Send>>,
+    /// The status word's own buffer ([`Staging::download_checked`]), apart from the
+    /// others so a one-word download cannot share it.
+    status: Option<PinnedHostSlice<u32>>,
 }
 
 impl Staging {
@@ -109,6 +112,44 @@ impl Staging {
                 .during("recording a staged copy")?,
         );
         Ok(())
+    }
+
+    /// Copies `src` to `dst` on `stream` (through page-locked memory when
+    /// [`Staging::stages`] says so, else straight into `dst`) and the status word `status`
+    /// with it, in **one** wait: the word is copied first, after every op queued before,
+    /// so it holds what they reported. Returns the word (not cleared).
+    pub(crate) fn download_checked<T: DeviceRepr + ValidAsZeroBits + Copy + 'static>(
+        &mut self,
+        stream: &Arc<CudaStream>,
+        src: &cudarc::driver::CudaView<'_, T>,
+        dst: &mut [T],
+        status: &cudarc::driver::CudaView<'_, u32>,
+    ) -> Result<u32> {
+        if self.status.is_none() {
+            // SAFETY: overwritten by the copy below before it is read.
+            let word = unsafe { stream.context().alloc_pinned_with_flags::<u32>(1, 0) }
+                .during("allocating the page-locked status word")?;
+            self.status = Some(word);
+        }
+        let word = self
+            .status
+            .as_mut()
+            .expect("the status word was allocated above");
+        stream
+            .memcpy_dtoh(status, word)
+            .during("reading the status word")?;
+        if Self::stages::<T>(stream, dst.len()) {
+            // waits (and so for the word's copy, queued before)
+            self.download(stream, src, dst)?;
+        } else {
+            stream.memcpy_dtoh(src, dst).during("download (pageable)")?;
+            stream.synchronize().during("waiting for a download")?;
+        }
+        let word = self
+            .status
+            .as_ref()
+            .expect("the status word was allocated above");
+        Ok(word.as_slice().during("reading page-locked memory")?[0])
     }
 
     /// Copies `src` to `dst` on `stream` through page-locked memory, waiting for it (and so
