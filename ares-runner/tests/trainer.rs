@@ -1927,3 +1927,55 @@ fn device_and_host_losses_train_alike() {
         assert!(!hc.contains(&"actor_loss"), "{extra:?}");
     }
 }
+
+/// The host waits of a step's preparation are the ones where the host decides: the HWE pass
+/// reads its per-row thresholds (τ moves on the host) and then its counts; the actor's and
+/// the reference's scoring passes and the KL run back to back, and their results come back
+/// together after the KL.
+#[test]
+fn scoring_waits_once_after_the_kl() {
+    use ares_runner::backend::Counting;
+    const WAITS: [&str; 6] = [
+        "download",
+        "download_ids",
+        "download_half",
+        "synchronize",
+        "pick_tokens",
+        "sums_of_squares",
+    ];
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let o = ["trainer.max_steps=1", "algorithm.use_kl_loss=true"];
+    let cfg = config(&a, &dir.path().join("r"), &o).unwrap();
+    let be = Counting::new(CpuBackend);
+    let probe = be.clone();
+    Trainer::new(cfg, be, Arc::new(AtomicBool::new(false)))
+        .unwrap()
+        .run()
+        .unwrap();
+    let calls = probe.take().calls;
+    let at = |name: &str| calls.iter().position(|c| *c == name).unwrap();
+    let rollout_end = calls.iter().rposition(|c| *c == "pick_tokens").unwrap();
+    let (kl, loss) = (at("masked_dynamic_kl"), at("actor_loss"));
+    let waits = |from: usize, to: usize| -> Vec<&str> {
+        calls[from..to]
+            .iter()
+            .copied()
+            .filter(|c| WAITS.contains(c))
+            .collect()
+    };
+    // the HWE pass: thresholds and their validity, then counts and soft costs
+    assert_eq!(waits(rollout_end + 1, kl), ["download"; 4], "{calls:?}");
+    let hwe_done = (rollout_end + 1..kl)
+        .rev()
+        .find(|&i| calls[i] == "download")
+        .unwrap();
+    // ... before the scoring passes begin (each starts with the token embedding)
+    let scoring = (rollout_end + 1..kl)
+        .find(|&i| calls[i] == "embedding")
+        .unwrap();
+    assert!(hwe_done < scoring, "{:?}", &calls[rollout_end..kl]);
+    // after the KL: logπ_old, the rows' mean KL, logπ_ref and the HWE mask (the host loss's
+    // inputs), then the update
+    assert_eq!(waits(kl, loss), ["download"; 4], "{calls:?}");
+}

@@ -196,9 +196,10 @@ pub fn score<B: Backend>(
         temperature,
         ranks,
     )?;
-    let old_logp = masked(download(be, &d_old, downloads)?, &batch.tokens.mask);
+    // logπ_old comes back with the KL's results, after the reference pass is queued: one
+    // wait for the scoring, not one before the reference pass and one after
     let mut out = Scored {
-        old_logp,
+        old_logp: Vec::new(),
         ref_logp: None,
         hwe_mask: None,
         beta,
@@ -223,7 +224,10 @@ pub fn score<B: Backend>(
                 ranks,
             )?
         }
-        _ => return Ok(out),
+        _ => {
+            out.old_logp = masked(download(be, &d_old, downloads)?, &batch.tokens.mask);
+            return Ok(out);
+        }
     };
     let fold_kl = !settings.kl.use_kl_loss;
     let d_beta = upload(be, &out.beta)?;
@@ -246,6 +250,7 @@ pub fn score<B: Backend>(
             row_mean_kl: ViewMut::whole(&mut d_row_mean),
         },
     )?;
+    out.old_logp = masked(download(be, &d_old, downloads)?, &batch.tokens.mask);
     let row_mean_kl = download(be, &d_row_mean, downloads)?;
     let lengths = batch.lengths();
     let valid: usize = lengths.iter().sum();
