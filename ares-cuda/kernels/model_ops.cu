@@ -985,6 +985,153 @@ extern "C" __global__ void pick_rows(const float* __restrict__ logits, i64 vocab
 }
 
 // ---------------------------------------------------------------------------------------
+// Log-prob and entropy backward from 16-bit logits (bf16, or IEEE half bits), fused, the
+// gradient in the logits' dtype: per row the f32 gradient of both outputs is formed from the
+// widened logits by the operations of log_prob_bwd then entropy_bwd, in their order, and
+// rounded to nearest once (so it is the f32 kernels' result on the widened logits, rounded).
+// `targets` or `lp_coeffs` NULL: no log-prob part; `ent_coeffs` NULL: no entropy part. A row
+// whose coefficients are both 0 is zero and not read; a bad row is NaN, with the status bits
+// the two f32 kernels would set.
+__device__ __forceinline__ float half_bits_to_f32(unsigned short x, bool bf16) {
+    if (bf16) return __uint_as_float((unsigned int)x << 16);
+#ifdef ARES_EMULATE
+    _Float16 h;
+    memcpy(&h, &x, 2);
+    return (float)h;
+#else
+    float y;
+    asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(y) : "h"(x));
+    return y;
+#endif
+}
+
+__device__ __forceinline__ unsigned short f32_to_half_bits(float x, bool bf16) {
+    if (bf16) return bf16_rne(x);
+#ifdef ARES_EMULATE
+    const _Float16 h = (_Float16)x;
+    unsigned short y;
+    memcpy(&y, &h, 2);
+    return y;
+#else
+    unsigned short y;
+    asm("{ .reg .f16 h; cvt.rn.f16.f32 h, %1; mov.b16 %0, h; }" : "=h"(y) : "f"(x));
+    return y;
+#endif
+}
+
+template <bool BF16>
+__device__ __forceinline__ void log_prob_entropy_bwd_16(
+    const unsigned short* __restrict__ logits, i64 vocab, float inv_t,
+    const unsigned* __restrict__ targets, const float* __restrict__ lp_coeffs,
+    const float* __restrict__ ent_coeffs, i64 rows, unsigned short* __restrict__ dlogits,
+    unsigned* __restrict__ status) {
+    __shared__ double shd[32];
+    __shared__ float shf[32];
+    const float scale = inv_t * LOG2E;
+    const unsigned short nan16 = f32_to_half_bits(NAN_F, BF16);
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const unsigned short* x = logits + row * vocab;
+        unsigned short* out = dlogits + row * vocab;
+        const float c = (targets && lp_coeffs) ? lp_coeffs[row] : 0.0f;
+        const float ce = ent_coeffs ? ent_coeffs[row] : 0.0f;
+        const unsigned id = c != 0.0f ? targets[row] : 0u;
+        if (c == 0.0f && ce == 0.0f) {
+            for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) out[i] = 0;
+            continue;
+        }
+        // each part's own checks, as its f32 kernel makes them (block-uniform)
+        unsigned lp_bad = 0, ent_bad = 0;
+        if (c != 0.0f) {
+            if (!is_finite(c)) lp_bad = ST_BAD_COEFF;
+            else if ((i64)id >= vocab) lp_bad = ST_BAD_TARGET;
+        }
+        if (ce != 0.0f && !is_finite(ce)) ent_bad = ST_BAD_COEFF;
+        const bool lp_on = c != 0.0f && lp_bad == 0, ent_on = ce != 0.0f && ent_bad == 0;
+        float m = NEG_INF;
+        if (lp_on || ent_on) {
+            int bad = 0;
+            for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
+                const float y = half_bits_to_f32(x[i], BF16) * scale;
+                bad |= !(y < POS_INF);
+                m = fmaxf(m, y);
+            }
+            bad = __syncthreads_or(bad);
+            m = block_max(m, shf);
+            if (bad || m == NEG_INF) {
+                if (lp_on) lp_bad = ST_BAD_ROW;
+                if (ent_on) ent_bad = ST_BAD_ROW;
+            } else if (lp_on && half_bits_to_f32(x[id], BF16) == NEG_INF) {
+                lp_bad = ST_BAD_TARGET;
+            }
+        }
+        const bool lp_go = lp_on && lp_bad == 0, ent_go = ent_on && ent_bad == 0;
+        float k = 0.0f, g = 0.0f, kf = 0.0f, mean_d = 0.0f;
+        if (lp_go || ent_go) {
+            float acc = 0.0f, s = 0.0f, u = 0.0f;
+            for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
+                const float xi = half_bits_to_f32(x[i], BF16);
+                if (lp_go) acc += exp2f(xi * scale - m);
+                if (ent_go) {
+                    const float d = entropy_bwd_d(xi, scale, m);
+                    const float e = entropy_bwd_e(d);
+                    s += e;
+                    u += e * d;
+                }
+            }
+            if (lp_go) {
+                const double total = block_sum_d((double)acc, shd);
+                g = c * inv_t;
+                k = (float)(-(double)g / total);
+            }
+            if (ent_go) {
+                const double s_total = block_sum_d((double)s, shd);
+                const double u_total = block_sum_d((double)u, shd);
+                mean_d = (float)(u_total / s_total);
+                const double kd = -(double)ce * 0.6931471805599453 * (double)inv_t / s_total;
+                if (fabs(kd) * 128.0 <= 3.4028234663852886e38) kf = (float)kd;
+                else ent_bad = ST_BAD_COEFF;
+            }
+        }
+        if ((lp_bad | ent_bad) == 0) {
+            for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) {
+                const float xi = half_bits_to_f32(x[i], BF16);
+                float v = 0.0f;
+                if (lp_go) {
+                    v = exp2f(xi * scale - m) * k;
+                    if (i == (i64)id) v += g;
+                }
+                if (ent_go) {
+                    const float d = entropy_bwd_d(xi, scale, m);
+                    v += kf * entropy_bwd_e(d) * (d - mean_d);
+                }
+                out[i] = f32_to_half_bits(v, BF16);
+            }
+            continue;
+        }
+        for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) out[i] = nan16;
+        if (threadIdx.x == 0) atomicOr(status, lp_bad | ent_bad);
+    }
+}
+
+extern "C" __global__ void log_prob_entropy_bwd_bf16(
+    const unsigned short* __restrict__ logits, i64 vocab, float inv_t,
+    const unsigned* __restrict__ targets, const float* __restrict__ lp_coeffs,
+    const float* __restrict__ ent_coeffs, i64 rows, unsigned short* __restrict__ dlogits,
+    unsigned* __restrict__ status) {
+    log_prob_entropy_bwd_16<true>(logits, vocab, inv_t, targets, lp_coeffs, ent_coeffs, rows,
+                                  dlogits, status);
+}
+
+extern "C" __global__ void log_prob_entropy_bwd_f16(
+    const unsigned short* __restrict__ logits, i64 vocab, float inv_t,
+    const unsigned* __restrict__ targets, const float* __restrict__ lp_coeffs,
+    const float* __restrict__ ent_coeffs, i64 rows, unsigned short* __restrict__ dlogits,
+    unsigned* __restrict__ status) {
+    log_prob_entropy_bwd_16<false>(logits, vocab, inv_t, targets, lp_coeffs, ent_coeffs, rows,
+                                   dlogits, status);
+}
+
+// ---------------------------------------------------------------------------------------
 // Σ x² in f64 of several tensors at once, deterministic: stage 1 sums fixed chunks (a
 // tensor's block b: its elements [b·chunk, (b+1)·chunk)) with a fixed thread mapping and
 // tree; stage 2 adds each tensor's partials in one block. A tensor's partition depends only

@@ -130,6 +130,8 @@ kernel_table! {
         transpose: "transpose_f32",
         log_prob_bwd: "log_prob_bwd",
         entropy_bwd: "entropy_bwd",
+        log_prob_entropy_bwd_bf16: "log_prob_entropy_bwd_bf16",
+        log_prob_entropy_bwd_f16: "log_prob_entropy_bwd_f16",
         argmax_rows: "argmax_rows",
         sample_race: "sample_race",
         race_draws: "race_draws",

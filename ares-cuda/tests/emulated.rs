@@ -921,6 +921,183 @@ fn kernel_on_cpu_adamw_with_bf16_and_8_bit_moments_is_the_cpu_twin() {
 }
 
 #[test]
+fn kernel_on_cpu_backward_from_16_bit_logits_is_the_f32_kernels_rounded() {
+    // the fused bf16/f16 backward against the f32 kernels on the widened logits (rounded to
+    // the logits' dtype: bit for bit, status bits equal) and the CPU twin (to an ulp)
+    use ares_cpu::ops::entropy_backward::entropy_backward;
+    use ares_cpu::ops::log_prob_backward::log_prob_backward;
+    use half::{bf16, f16};
+    let Some(lib) = model_kernels() else { return };
+    type F32 = unsafe extern "C" fn(
+        u32,
+        *const f32,
+        i64,
+        f32,
+        *const u32,
+        *const f32,
+        *const f32,
+        *mut f32,
+        *mut u32,
+    );
+    type Half = unsafe extern "C" fn(
+        i32,
+        u32,
+        *const u16,
+        i64,
+        f32,
+        *const u32,
+        *const f32,
+        *const f32,
+        *mut u16,
+        *mut u32,
+    );
+    let f32_launch = launcher!(lib, "emu_log_prob_entropy_bwd_f32", F32);
+    let half_launch = launcher!(lib, "emu_log_prob_entropy_bwd_16", Half);
+    let (rows, vocab, temperature) = (10usize, 777usize, 0.7f32);
+    let inv_t = 1.0 / temperature;
+    let mut rng = Rng(17);
+    let raw: Vec<f32> = (0..rows * vocab).map(|_| rng.range(-4.0, 4.0)).collect();
+    let mut targets: Vec<u32> = (0..rows).map(|r| (r * 71 % vocab) as u32).collect();
+    let mut lp: Vec<f32> = (0..rows).map(|_| rng.range(-1.0, 1.0)).collect();
+    let mut ent: Vec<f32> = (0..rows).map(|_| rng.range(-1.0, 1.0)).collect();
+    // rows 0, 4: both parts; 1: log-prob only; 2: entropy only; 3: neither; 4: a −∞ logit;
+    // bad: 5 the target's logit −∞, 6 a NaN logit, 7 a NaN coefficient, 8 a target past
+    // the vocabulary, 9 an entropy coefficient whose gradient overflows
+    let mut raw = raw;
+    (ent[1], lp[2], lp[3], ent[3]) = (0.0, 0.0, 0.0, 0.0);
+    raw[4 * vocab + 3] = f32::NEG_INFINITY;
+    raw[5 * vocab + targets[5] as usize] = f32::NEG_INFINITY;
+    raw[6 * vocab + 10] = f32::NAN;
+    lp[7] = f32::NAN;
+    targets[8] = vocab as u32;
+    ent[9] = 3e38;
+    let good = [0usize, 1, 2, 3, 4];
+    for is_bf16 in [true, false] {
+        let (bits, widened): (Vec<u16>, Vec<f32>) = raw
+            .iter()
+            .map(|&x| {
+                if is_bf16 {
+                    let h = bf16::from_f32(x);
+                    (h.to_bits(), h.to_f32())
+                } else {
+                    let h = f16::from_f32(x);
+                    (h.to_bits(), h.to_f32())
+                }
+            })
+            .unzip();
+        let round = |x: f32| -> u16 {
+            if is_bf16 {
+                bf16::from_f32(x).to_bits()
+            } else {
+                f16::from_f32(x).to_bits()
+            }
+        };
+        let widen = |b: u16| -> f32 {
+            if is_bf16 {
+                bf16::from_bits(b).to_f32()
+            } else {
+                f16::from_bits(b).to_f32()
+            }
+        };
+        for (parts, label) in [
+            ((true, true), "both"),
+            ((true, false), "log-prob"),
+            ((false, true), "entropy"),
+        ] {
+            let (tp, lpp) = if parts.0 {
+                (targets.as_ptr(), lp.as_ptr())
+            } else {
+                (std::ptr::null(), std::ptr::null())
+            };
+            let ep = if parts.1 {
+                ent.as_ptr()
+            } else {
+                std::ptr::null()
+            };
+            let (mut want, mut want_status) = (vec![0f32; rows * vocab], 0u32);
+            let (mut got, mut got_status) = (vec![0u16; rows * vocab], 0u32);
+            // SAFETY: buffers of rows × vocab (logits, outputs) and rows (ids,
+            // coefficients), or null for an absent part.
+            unsafe {
+                f32_launch(
+                    rows as u32,
+                    widened.as_ptr(),
+                    vocab as i64,
+                    inv_t,
+                    tp,
+                    lpp,
+                    ep,
+                    want.as_mut_ptr(),
+                    &mut want_status,
+                );
+                half_launch(
+                    i32::from(is_bf16),
+                    rows as u32,
+                    bits.as_ptr(),
+                    vocab as i64,
+                    inv_t,
+                    tp,
+                    lpp,
+                    ep,
+                    got.as_mut_ptr(),
+                    &mut got_status,
+                );
+            }
+            let what = format!("{} {label}", if is_bf16 { "bf16" } else { "f16" });
+            assert_eq!(got_status, want_status, "{what}: status bits");
+            for r in 0..rows {
+                let (g, w) = (
+                    &got[r * vocab..(r + 1) * vocab],
+                    &want[r * vocab..(r + 1) * vocab],
+                );
+                if w.iter().any(|v| v.is_nan()) {
+                    assert!(
+                        g.iter().all(|&b| widen(b).is_nan()),
+                        "{what} row {r}: a NaN row"
+                    );
+                    continue;
+                }
+                for (i, (&gb, &wv)) in g.iter().zip(w).enumerate() {
+                    assert_eq!(
+                        gb,
+                        round(wv),
+                        "{what} row {r} logit {i}: {} vs {wv}",
+                        widen(gb)
+                    );
+                }
+            }
+            // the good rows against the CPU twin on the widened logits, to an ulp
+            let n = good.len();
+            let x: Vec<f32> = good
+                .iter()
+                .flat_map(|&r| widened[r * vocab..(r + 1) * vocab].to_vec())
+                .collect();
+            let mut cpu = vec![0f32; n * vocab];
+            let pick = |v: &[f32]| good.iter().map(|&r| v[r]).collect::<Vec<f32>>();
+            if parts.0 {
+                let ids: Vec<u32> = good.iter().map(|&r| targets[r]).collect();
+                log_prob_backward(&x, vocab, temperature, &ids, &pick(&lp), &mut cpu).unwrap();
+            }
+            if parts.1 {
+                entropy_backward(&x, vocab, temperature, &pick(&ent), &mut cpu).unwrap();
+            }
+            for (k, &r) in good.iter().enumerate() {
+                for i in 0..vocab {
+                    let (g, c) = (widen(got[r * vocab + i]), cpu[k * vocab + i]);
+                    let ulp = (widen(round(c)) - c)
+                        .abs()
+                        .max(c.abs() * if is_bf16 { 1.0 / 128.0 } else { 1.0 / 1024.0 });
+                    assert!(
+                        (g - c).abs() <= ulp + 1e-30,
+                        "{what} row {r} logit {i}: {g} vs the CPU's {c}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn kernel_on_cpu_sums_of_squares_of_many_tensors_in_one_read() {
     // the gradient norm's two launches over a whole table of tensors: each tensor's sum as
     // it is alone (bit for bit), as the CPU's up to order, the status word in the same read

@@ -219,6 +219,75 @@ impl ModelOps {
         Ok(())
     }
 
+    /// [`ModelOps::log_prob_backward`] and then [`ModelOps::entropy_backward`] from 16-bit
+    /// logits (`bf16`: bfloat16 bits, else IEEE half bits), fused, **overwriting** `dlogits`
+    /// (as long, the logits' dtype): per row the f32 gradient of both parts is formed from
+    /// the widened logits by the two kernels' operations in their order and rounded to
+    /// nearest once — the f32 kernels' result on the widened logits, rounded. `lp` =
+    /// `(targets, coeffs)` of the log-prob part, `entropy` the entropy part's coefficients;
+    /// `None` (or a 0 coefficient) leaves a part out, and a row with neither is zero and
+    /// unread. Bad rows, targets and coefficients give a NaN row and the status bits the
+    /// f32 kernels set, reported at the next [`ModelOps::check_status`].
+    ///
+    /// # Errors
+    /// Lengths that do not match, `vocab` 0, a temperature not finite and > 0, neither part
+    /// given.
+    #[allow(clippy::too_many_arguments)] // the logits, both parts' inputs, the output
+    pub fn log_prob_entropy_backward_16(
+        &self,
+        logits: &CudaView<'_, u16>,
+        bf16: bool,
+        vocab: usize,
+        temperature: f32,
+        lp: Option<(&CudaView<'_, u32>, &CudaView<'_, f32>)>,
+        entropy: Option<&CudaView<'_, f32>>,
+        dlogits: &mut CudaViewMut<'_, u16>,
+    ) -> Result<()> {
+        const K: &str = "log_prob_entropy_backward_16";
+        let inv_t = check_head(K, vocab, temperature)?;
+        let rows = match (lp, entropy) {
+            (Some((targets, coeffs)), _) => {
+                check_len(K, "coeffs", targets.len(), coeffs.len())?;
+                targets.len()
+            }
+            (None, Some(c)) => c.len(),
+            (None, None) => {
+                return Err(bad(K, "neither a log-prob nor an entropy gradient".into()));
+            }
+        };
+        if let Some(c) = entropy {
+            check_len(K, "entropy coeffs", rows, c.len())?;
+        }
+        let n = mul(K, "rows × vocab", rows, vocab)?;
+        check_len(K, "logits", n, logits.len())?;
+        check_len(K, "dlogits", n, dlogits.len())?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let cfg = rows_cfg(K, rows)?;
+        let (v64, r64) = (i64_of(K, "vocab", vocab)?, i64_of(K, "rows", rows)?);
+        let kernel = if bf16 {
+            &self.f.log_prob_entropy_bwd_bf16
+        } else {
+            &self.f.log_prob_entropy_bwd_f16
+        };
+        let mut state = self.lock();
+        let mut l = self.stream.launch_builder(kernel);
+        l.arg(logits)
+            .arg(&v64)
+            .arg(&inv_t)
+            .arg_or_null(lp.map(|p| p.0))
+            .arg_or_null(lp.map(|p| p.1))
+            .arg_or_null(entropy)
+            .arg(&r64)
+            .arg(dlogits)
+            .arg(&mut state.status);
+        // SAFETY: argument order as `log_prob_entropy_bwd_16` in model_ops.cu; lengths
+        // checked above, the absent parts null.
+        unsafe { l.launch(cfg) }.during(K)?;
+        Ok(())
+    }
+
     /// Greedy decoding: `out[row]` = the index of the largest logit of row `row` of
     /// `logits` `[rows, vocab]` (rows = `out.len()`), the lowest index among equal maxima,
     /// or `u32::MAX` for a row holding NaN/+∞ or only −∞ (twin of ares-runner's host

@@ -198,3 +198,38 @@ extern "C" void emu_sums_of_squares(unsigned blocks, const SumSqTensor* tensors,
     emu::launch(dim3{(unsigned)count, 1, 1}, dim3{256, 1, 1}, 0,
                 [&] { sum_sq_multi_final(tensors, count, partials, status, out); });
 }
+
+// The f32 loss-head backward as ares-py's CUDA path runs it (log_prob_bwd, or zeros without
+// a log-prob part, then entropy_bwd), and the fused 16-bit one: one block of 512 threads a
+// row.
+extern "C" void emu_log_prob_entropy_bwd_f32(unsigned rows, const float* logits, i64 vocab,
+                                             float inv_t, const unsigned* targets,
+                                             const float* lp, const float* ent, float* dlogits,
+                                             unsigned* status) {
+    if (targets && lp) {
+        emu::launch(dim3{rows, 1, 1}, dim3{512, 1, 1}, 0, [&] {
+            log_prob_bwd(logits, vocab, inv_t, targets, lp, (i64)rows, dlogits, status);
+        });
+    } else {
+        for (i64 i = 0; i < (i64)rows * vocab; ++i) dlogits[i] = 0.0f;
+    }
+    if (ent) {
+        emu::launch(dim3{rows, 1, 1}, dim3{512, 1, 1}, 0,
+                    [&] { entropy_bwd(logits, vocab, inv_t, ent, (i64)rows, dlogits, status); });
+    }
+}
+
+extern "C" void emu_log_prob_entropy_bwd_16(int bf16, unsigned rows, const unsigned short* logits,
+                                            i64 vocab, float inv_t, const unsigned* targets,
+                                            const float* lp, const float* ent,
+                                            unsigned short* dlogits, unsigned* status) {
+    emu::launch(dim3{rows, 1, 1}, dim3{512, 1, 1}, 0, [&] {
+        if (bf16) {
+            log_prob_entropy_bwd_bf16(logits, vocab, inv_t, targets, lp, ent, (i64)rows, dlogits,
+                                      status);
+        } else {
+            log_prob_entropy_bwd_f16(logits, vocab, inv_t, targets, lp, ent, (i64)rows, dlogits,
+                                     status);
+        }
+    });
+}
