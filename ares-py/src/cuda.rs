@@ -295,13 +295,15 @@ fn cuda_masked_dynamic_kl(
     })
 }
 
-/// Backward of `log_prob_entropy` on device memory: from f32 `logits` `[rows, vocab]`, the
-/// gradients of the log-prob `grad_log_prob` `[rows]` (with `targets` `[rows]` u32 ids; 0:
-/// none) and of the entropy `grad_entropy` `[rows]` (0: none), `out_dlogits` `[rows, vocab]`
-/// f32 = ∂L/∂logits (overwritten). The model ops run on their own stream, ordered after the
-/// caller's `stream` and before its next work; the status word is read (waits).
+/// Backward of `log_prob_entropy` on device memory: from `logits` `[rows, vocab]` of `dtype`
+/// ("float32", "bfloat16" or "float16"), the gradients of the log-prob `grad_log_prob`
+/// `[rows]` (f32, with `targets` `[rows]` u32 ids; 0: none) and of the entropy
+/// `grad_entropy` `[rows]` (f32; 0: none), `out_dlogits` `[rows, vocab]` of the logits' dtype
+/// = ∂L/∂logits (overwritten; from 16-bit logits the f32 gradient of the widened logits,
+/// rounded once). The model ops run on their own stream, ordered after the caller's `stream`
+/// and before its next work; the status word is read (waits).
 #[pyfunction]
-#[pyo3(signature = (device, stream, logits, rows, vocab, temperature, targets, grad_log_prob, grad_entropy, out_dlogits))]
+#[pyo3(signature = (device, stream, logits, rows, vocab, temperature, targets, grad_log_prob, grad_entropy, out_dlogits, dtype="float32"))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_log_prob_entropy_backward(
     py: Python<'_>,
@@ -315,9 +317,20 @@ fn cuda_log_prob_entropy_backward(
     grad_log_prob: u64,
     grad_entropy: u64,
     out_dlogits: u64,
+    dtype: &str,
 ) -> PyResult<()> {
     const FUNC: &str = "log_prob_entropy_backward";
     let n = elems(FUNC, rows, vocab)?;
+    let bf16 = match dtype {
+        "float32" => None,
+        "bfloat16" => Some(true),
+        "float16" => Some(false),
+        other => {
+            return Err(value_error(format!(
+                "{FUNC}: `logits` dtype {other:?} is not float32, bfloat16 or float16"
+            )));
+        }
+    };
     py.detach(move || {
         with_opened(&BACKWARDS, FUNC, device, ModelOps::new, |ops| {
             // SAFETY: `stream` is the caller's current stream of `device`; the addresses are
@@ -326,6 +339,37 @@ fn cuda_log_prob_entropy_backward(
             unsafe {
                 let caller = external::before_ops(ops, stream)?;
                 let s = ops.stream().clone();
+                if let Some(bf16) = bf16 {
+                    let x = external::borrow_on::<u16>(&s, logits, n);
+                    let mut d = external::borrow_on::<u16>(&s, out_dlogits, n);
+                    let ids = (targets != 0 && grad_log_prob != 0)
+                        .then(|| external::borrow_on::<u32>(&s, targets, rows));
+                    let g = (targets != 0 && grad_log_prob != 0)
+                        .then(|| external::borrow_on::<f32>(&s, grad_log_prob, rows));
+                    let e = (grad_entropy != 0)
+                        .then(|| external::borrow_on::<f32>(&s, grad_entropy, rows));
+                    let (iv, gv) = (
+                        ids.as_ref().map(|i| i.as_view()),
+                        g.as_ref().map(|g| g.as_view()),
+                    );
+                    let ev = e.as_ref().map(|e| e.as_view());
+                    let lp = iv.as_ref().zip(gv.as_ref());
+                    let mut dv = d.as_view_mut();
+                    // neither part: refused by the op (ares/_cuda.py returns zeros itself)
+                    let checked = ops
+                        .log_prob_entropy_backward_16(
+                            &x.as_view(),
+                            bf16,
+                            vocab,
+                            temperature,
+                            lp,
+                            ev.as_ref(),
+                            &mut dv,
+                        )
+                        .and_then(|()| ops.check_status());
+                    external::after_ops(ops, &caller)?;
+                    return checked;
+                }
                 let x = external::borrow_on::<f32>(&s, logits, n);
                 let mut d = external::borrow_on::<f32>(&s, out_dlogits, n);
                 let (xv, mut dv) = (x.as_view(), d.as_view_mut());

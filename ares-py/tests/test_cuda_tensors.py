@@ -151,8 +151,19 @@ def test_the_autograd_function_equals_the_cpus_on_cuda():
     xc = x.clone().requires_grad_(True)
     at.log_prob_entropy(xc)[1].sum().backward()
     _close(xd.grad, xc.grad.numpy(), 1e-4, 1e-6, "entropy-only dlogits on CUDA")
-    _raises(ValueError, "backward runs on float32 logits",
-            lambda: at.log_prob_entropy(x.cuda().bfloat16().requires_grad_(True), ids.cuda()))
+    # 16-bit logits: the fused kernel's gradient in their dtype, the CPU's (the float32
+    # backward of the widened logits, rounded) to one ulp of that dtype
+    for dtype, ulp in ((torch.bfloat16, 2.0**-7), (torch.float16, 2.0**-10)):
+        half = x.to(dtype)
+        grads = {}
+        for dev in ("cpu", "cuda"):
+            xd = half.to(dev).requires_grad_(True)
+            lp, h = at.log_prob_entropy(xd, ids.to(dev), temperature=0.8)
+            (lp * a.to(dev) + h * b.to(dev)).sum().backward()
+            grads[dev] = xd.grad
+        assert grads["cuda"].dtype == dtype, dtype
+        got, want = grads["cuda"].float().cpu(), grads["cpu"].float()
+        assert bool(((got - want).abs() <= want.abs() * ulp + 1e-7).all()), f"{dtype} dlogits on CUDA"
 
 
 def _windows_data(torch, rows=9, cols=300, seed=1):

@@ -59,10 +59,35 @@ def test_each_output_alone_and_without_targets():
     np.testing.assert_allclose(xa.grad.numpy(), xr.grad.numpy(), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_logits_get_the_widened_gradient_rounded(dtype):
+    # the gradient in the logits' dtype: the float32 backward of the widened logits, rounded
+    # once (the CUDA kernel's definition; test_cuda_tensors.py holds the kernel to it)
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(4, 6, 50, generator=g) * 2).to(dtype)
+    ids = torch.randint(0, 50, (4, 6), generator=g)
+    a, b = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    xa = x.clone().requires_grad_(True)
+    lp, ent = at.log_prob_entropy(xa, ids, temperature=0.9)
+    assert lp.dtype == torch.float32
+    (lp * a + ent * b).sum().backward()
+    assert xa.grad.dtype == dtype
+    xf = x.float().requires_grad_(True)
+    lpf, entf = at.log_prob_entropy(xf, ids, temperature=0.9)
+    (lpf * a + entf * b).sum().backward()
+    assert torch.equal(xa.grad, xf.grad.to(dtype))
+    # and close to float64 autograd on the widened logits
+    xr = x.double().requires_grad_(True)
+    lpr, entr = reference(xr, ids, 0.9)
+    (lpr * a.double() + entr * b.double()).sum().backward()
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    np.testing.assert_allclose(xa.grad.double().numpy(), xr.grad.numpy(), rtol=tol, atol=1e-4)
+
+
 def test_the_backward_refuses_what_it_cannot_take():
     x = torch.randn(3, 5)
-    with pytest.raises(ValueError, match="backward runs on float32 logits"):
-        at.log_prob_entropy(x.bfloat16().requires_grad_(True), torch.zeros(3, dtype=torch.int64))
+    with pytest.raises(ValueError, match="backward runs on float32, bfloat16 or float16 logits"):
+        at.log_prob_entropy(x.double().requires_grad_(True), torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="`targets` has shape"):
         at.log_prob_entropy(x, torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match="needs the `targets`"):

@@ -184,17 +184,21 @@ def log_prob_entropy(logits, targets=None, *, temperature=1.0):
 
 
 def log_prob_entropy_backward(logits, targets=None, grad_log_prob=None, grad_entropy=None, *, temperature=1.0):
-    """:func:`ares.log_prob_entropy_backward` on CUDA tensors: float32 ``logits`` [..., V] and
-    the gradients of the outputs ([...] float32, either ``None``); returns ``∂L/∂logits``,
-    float32 [..., V] on the logits' device. Runs the model ops' kernels (``model_ops.cu``: NVRTC
-    and cuBLAS load at the first call) ordered after the caller's stream and before its next
-    work; reads the status word (waits)."""
+    """:func:`ares.log_prob_entropy_backward` on CUDA tensors: ``logits`` [..., V] float32,
+    bfloat16 or float16 and the gradients of the outputs ([...] float32, either ``None``);
+    returns ``∂L/∂logits`` [..., V] in the logits' dtype on their device (from 16-bit logits the
+    float32 gradient of the widened logits rounded once, by one fused kernel). Runs the model
+    ops' kernels (``model_ops.cu``: NVRTC and cuBLAS load at the first call) ordered after the
+    caller's stream and before its next work; reads the status word (waits)."""
     import torch
 
     func = "log_prob_entropy_backward"
     named = {"logits": logits, "targets": targets, "grad_log_prob": grad_log_prob, "grad_entropy": grad_entropy}
     t, device, stream = _prepare(func, named)
-    x = _f32(func, "logits", t["logits"])
+    x = t["logits"]
+    dtype = _FLOAT_LOGITS.get(str(x.dtype))
+    if dtype is None:
+        raise ValueError(f"{func}: `logits` is {x.dtype}; use float32, bfloat16 or float16")
     lead, vocab, rows = _logits_shape(func, x)
     for name in ("grad_log_prob", "grad_entropy"):
         if t[name] is not None:
@@ -202,12 +206,15 @@ def log_prob_entropy_backward(logits, targets=None, grad_log_prob=None, grad_ent
     if t["grad_log_prob"] is not None and t["targets"] is None:
         raise ValueError(f"{func}: `grad_log_prob` needs the `targets` the log-probs were taken at")
     ids = _target_ids(func, t["targets"], lead, vocab)
+    none = t["grad_entropy"] is None and (t["grad_log_prob"] is None or ids is None)
+    if dtype != "float32" and none:
+        return torch.zeros_like(x)
     out = torch.empty_like(x)
     if rows:
         _load_cublas()
         _ares.cuda_log_prob_entropy_backward(
             device, stream, _ptr(x), rows, vocab, float(temperature), _ptr(ids), _ptr(t["grad_log_prob"]),
-            _ptr(t["grad_entropy"]), _ptr(out),
+            _ptr(t["grad_entropy"]), _ptr(out), dtype,
         )
     return out
 

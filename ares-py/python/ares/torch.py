@@ -51,6 +51,9 @@ __all__ = [
 ]
 
 
+_BACKWARD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 class LogProbEntropy(torch.autograd.Function):
     """``(logits [N, V], targets [N] or None) → (log_prob [N] or None, entropy [N])``, the
     fused row pass of ``ares.log_prob_entropy`` with its backward
@@ -59,10 +62,10 @@ class LogProbEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, temperature=1.0):
-        if ctx.needs_input_grad[0] and logits.dtype != torch.float32:
+        if ctx.needs_input_grad[0] and logits.dtype not in _BACKWARD_DTYPES:
             raise ValueError(
-                f"ares.torch.log_prob_entropy: the backward runs on float32 logits, got {logits.dtype} (convert "
-                f"with .float(), or call it under torch.no_grad() for the forward alone)"
+                f"ares.torch.log_prob_entropy: the backward runs on float32, bfloat16 or float16 logits, got "
+                f"{logits.dtype} (convert with .float(), or call it under torch.no_grad() for the forward alone)"
             )
         x = logits.detach().contiguous()
         lp, ent = _lpe(x, targets, temperature=temperature)
@@ -86,8 +89,12 @@ class LogProbEntropy(torch.autograd.Function):
         if x.device.type == "cuda":
             from . import _cuda
 
+            # 16-bit logits: one fused kernel, the gradient in their dtype
             return _cuda.log_prob_entropy_backward(*args, temperature=ctx.temperature), None, None
-        return torch.from_numpy(_lpe_backward(*args, temperature=ctx.temperature)), None, None
+        # on the CPU from the widened logits, rounded to their dtype once (what the kernel does)
+        wide = (x.float(),) + args[1:]
+        grad = torch.from_numpy(_lpe_backward(*wide, temperature=ctx.temperature))
+        return grad.to(x.dtype), None, None
 
 
 def log_prob_entropy(logits, targets=None, *, temperature=1.0):
