@@ -45,14 +45,15 @@ estimator and loss signatures carry neither: the trainer modes of :mod:`ares.ver
 (``trainer.v1.trainer_mode=ares_sync``) do the whole entropy control inside verl, through
 :class:`AresRewardManager`'s numpy core.
 
-**Devices.** ares runs on CPU memory. CPU tensors are read in place (no copy; a bool or integer
-mask is converted to the float dtype, and a non-contiguous tensor is made contiguous, which do
-copy). A CUDA tensor is a ``ValueError`` unless ``register(copy_to_cpu=True)``: then every input
-is copied to the host with ``.cpu()`` (a device→host transfer and a synchronisation per call)
-and the results copied back to the input's device. verl's actor computes the policy loss on the
-GPU, so ``ares_*`` losses there only run with ``copy_to_cpu=True`` and cost two transfers of
-``[B, T]`` per micro-batch; the estimators run once per step on the driver, where the tensors
-usually are on the CPU already.
+**Devices.** CPU tensors are read in place (no copy; a bool or integer mask is converted to the
+float dtype, and a non-contiguous tensor is made contiguous, which do copy). verl's actor
+computes the policy loss on the GPU: there ``ares_vanilla``, ``ares_gspo``, ``ares_gspo_seq``
+and ``ares_cispo`` run ares-cuda's loss kernel on the CUDA tensors where they are (float32; the
+gradient is cast to ``log_prob``'s dtype), reading back only the loss and its metrics. Any other
+CUDA input (``ares_clip_cov``, ``ares_kl_cov``, the estimators) is a ``ValueError`` unless
+``register(copy_to_cpu=True)``: then it is copied to the host with ``.cpu()`` (a device→host
+transfer and a synchronisation per call) and the results copied back to the input's device; the
+estimators run once per step on the driver, where the tensors usually are on the CPU already.
 
 **Losses and autograd.** ares returns the aggregated loss and ∂loss/∂logπ; the returned loss is a
 0-d tensor whose backward multiplies that gradient in (a ``torch.autograd.Function``), so verl's
@@ -88,6 +89,8 @@ POLICY_LOSSES = {
 }
 # losses whose per-token loss is positively homogeneous in the advantage: w·L(A) = L(w·A), w ≥ 0
 _WEIGHT_BY_ADVANTAGE = {"vanilla", "gspo_token", "cispo"}
+# losses with a CUDA kernel (ares._cuda.policy_loss): CUDA tensors stay where they are
+_CUDA_LOSSES = {"vanilla", "gspo", "gspo_token", "cispo"}
 
 _SETTINGS = {
     "copy_to_cpu": False,
@@ -359,7 +362,7 @@ def _loss_fn():
 def _agg_scale(mask, loss_agg_mode, info):
     """The factor turning ares's local aggregate into verl's ``agg_loss`` with
     ``global_batch_info`` (``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
-    ``loss_scale_factor``). ``mask``: the numpy response mask [B, T]."""
+    ``loss_scale_factor``). ``mask``: the response mask [B, T] (numpy, or a torch tensor)."""
     dp = info.get("dp_size") or 1
     if loss_agg_mode == "token-mean":
         total = info.get("batch_num_tokens")
@@ -370,7 +373,7 @@ def _agg_scale(mask, loss_agg_mode, info):
         return float(mask.sum()) * dp / float(total)
     if loss_agg_mode == "token-sum":
         return float(dp)
-    rows = float((mask.sum(axis=-1) > 0).sum())
+    rows = float((mask.sum(-1) > 0).sum())
     gbs = info.get("global_batch_size")
     if gbs is None:
         if dp > 1:
@@ -389,8 +392,9 @@ _METRIC_KEYS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
 
 
 def _policy_loss_np(registered, old, lp, adv, mask, loss_agg_mode="token-mean", config=None, weights=None):
-    """The numpy core of a registered loss: host arrays [B, T] of one float dtype in,
-    ``(loss, grad, metrics)`` out, loss and grad already scaled as verl's ``agg_loss`` with
+    """The core of a registered loss: host arrays [B, T] of one float dtype (or float32 CUDA
+    tensors, for the losses with a kernel) in, ``(loss, grad, metrics)`` out, loss and grad
+    already scaled as verl's ``agg_loss`` with
     ``config.global_batch_info``; ``None`` when the mask is empty. ``config`` may be verl's
     ActorConfig or a dict of the same keys."""
     from . import policy_loss
@@ -436,25 +440,45 @@ def _policy_loss_np(registered, old, lp, adv, mask, loss_agg_mode="token-mean", 
     return float(out["loss"]) * scale, grad, metrics
 
 
+def _on_device(t, func, name, device):
+    """``t`` as a contiguous float32 tensor on CUDA ``device`` (no copy when it is one)."""
+    import torch
+
+    if t.device != device:
+        raise ValueError(f"ares.verl.{func}: `{name}` is on {t.device}, `log_prob` on {device}")
+    return t.detach().to(torch.float32).contiguous()
+
+
 def _policy_loss(
     registered, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
 ):
     import torch
 
-    dtype = _float_dtype(log_prob)
-    lp = _host(log_prob, registered, "log_prob", dtype)
-    old = _host(old_log_prob, registered, "old_log_prob", dtype)
-    adv = _host(advantages, registered, "advantages", dtype)
-    mask = _host(response_mask, registered, "response_mask", dtype)
-    w = None
-    if rollout_is_weights is not None:
-        w = _host(rollout_is_weights, registered, "rollout_is_weights", dtype).numpy()
-    res = _policy_loss_np(registered, old.numpy(), lp.numpy(), adv.numpy(), mask.numpy(), loss_agg_mode, config, w)
+    if log_prob.device.type == "cuda" and POLICY_LOSSES[registered] in _CUDA_LOSSES:
+        # where verl's actor has them: ares-cuda's loss kernel, no copy to the host
+        dev = log_prob.device
+        named = (("old_log_prob", old_log_prob), ("log_prob", log_prob), ("advantages", advantages),
+                 ("response_mask", response_mask))
+        old, lp, adv, mask = (_on_device(t, registered, n, dev) for n, t in named)
+        w = None if rollout_is_weights is None else _on_device(rollout_is_weights, registered, "rollout_is_weights", dev)
+        res = _policy_loss_np(registered, old, lp, adv, mask, loss_agg_mode, config, w)
+    else:
+        dtype = _float_dtype(log_prob)
+        lp = _host(log_prob, registered, "log_prob", dtype)
+        old = _host(old_log_prob, registered, "old_log_prob", dtype)
+        adv = _host(advantages, registered, "advantages", dtype)
+        mask = _host(response_mask, registered, "response_mask", dtype)
+        w = None
+        if rollout_is_weights is not None:
+            w = _host(rollout_is_weights, registered, "rollout_is_weights", dtype).numpy()
+        res = _policy_loss_np(registered, old.numpy(), lp.numpy(), adv.numpy(), mask.numpy(), loss_agg_mode, config, w)
     if res is None:
         zero = (log_prob * 0.0).sum()
         return zero, dict.fromkeys(_METRIC_KEYS, 0.0)
     loss, grad, metrics = res
-    grad = torch.from_numpy(grad).to(device=log_prob.device, dtype=log_prob.dtype)
+    if not torch.is_tensor(grad):
+        grad = torch.from_numpy(grad)
+    grad = grad.to(device=log_prob.device, dtype=log_prob.dtype)
     return _loss_fn().apply(log_prob, loss, grad), metrics
 
 
