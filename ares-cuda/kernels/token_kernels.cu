@@ -535,7 +535,8 @@ __device__ __forceinline__ void loss_bad(unsigned* status, long long i, unsigned
 // 4 seq-mean-token-sum-norm. clip_c = 0: no dual clip. `rollout` is read iff is_mode ≠ 0;
 // `keep` (forking mask), `ref` (with `beta_rows`; `hwe` optional) and `entropy` (with
 // `entropy_grad`) are optional. `grad` = scale · ∂L/∂logπ, `entropy_grad` = scale · ∂L/∂H
-// (0 on padding); `row_stats` [rows, LOSS_STATS] and `totals` [LOSS_STATS] unscaled.
+// (0 on padding), all 0 when the report is refused (a status bit, a non-finite total);
+// `row_stats` [rows, LOSS_STATS] and `totals` [LOSS_STATS] unscaled.
 extern "C" __global__ void policy_loss(
     const float* __restrict__ logp, const float* __restrict__ logp_old,
     const float* __restrict__ advantages, const float* __restrict__ mask,
@@ -708,6 +709,23 @@ extern "C" __global__ void policy_loss(
             acc = block_sum(acc, scratch);
             if (threadIdx.x == 0) totals[k] = acc;
         }
-        if (threadIdx.x == 0) *blocks_done = 0u;
+        // A report the caller will refuse (a flagged input, a loss, KL or entropy term that
+        // is not finite) leaves every gradient 0, so a backward queued before the report is
+        // read changes nothing.
+        __shared__ int spoiled;
+        if (threadIdx.x == 0) {
+            __threadfence();
+            const unsigned bits = ((volatile unsigned*)status)[1];
+            spoiled = bits != 0u || !(fabsf(totals[0]) < POS_INF) ||
+                      !(fabsf(totals[1]) < POS_INF) || !(fabsf(totals[2]) < POS_INF);
+            *blocks_done = 0u;
+        }
+        __syncthreads();
+        if (spoiled) {
+            for (long long i = threadIdx.x; i < rows * cols; i += blockDim.x) {
+                grad[i] = 0.0f;
+                if (entropy_grad) entropy_grad[i] = 0.0f;
+            }
+        }
     }
 }

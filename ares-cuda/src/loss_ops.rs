@@ -318,7 +318,9 @@ impl TokenOps<'_> {
     /// The actor's loss of one `[rows, cols]` micro-batch (see the module docs), queued on
     /// the stream: `grad`, `entropy_grad`, the per-row statistics and their totals, and the
     /// status words; [`LossReport::read`] turns the downloaded totals and status into the
-    /// loss and its metrics, or core's error.
+    /// loss and its metrics, or core's error. A report the caller refuses — a flagged input,
+    /// or a loss, KL or entropy total that is not finite — comes with `grad` and
+    /// `entropy_grad` all 0, so a backward queued before the report is read changes nothing.
     ///
     /// # Errors
     /// Lengths that do not match, a missing tensor the spec needs, parameters out of range

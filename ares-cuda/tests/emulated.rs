@@ -291,7 +291,24 @@ fn kernel_on_cpu_policy_loss_flags_what_core_refuses() {
             matches!(core, Some(ares_core::Error::NonFinite { .. })),
             "{field}: core {core:?}"
         );
+        // a refused report leaves every gradient 0 (a backward queued before the report is
+        // read changes nothing)
+        assert!(
+            got.grad.iter().chain(&got.entropy_grad).all(|&g| g == 0.0),
+            "{field}: gradients of a refused report"
+        );
     }
+    // finite inputs whose loss overflows: the report reads, the loss is not finite, and the
+    // gradients are 0 too
+    let mut c = b.clone();
+    c.adv.iter_mut().for_each(|a| *a = 3e38);
+    let got = run_loss(lib, &spec, &c, true, true);
+    let report = LossReport::read(&got.totals, got.status).expect("finite inputs");
+    assert!(!report.policy.loss.is_finite());
+    assert!(got.grad.iter().chain(&got.entropy_grad).all(|&g| g == 0.0));
+    // ... and a clean batch's are not
+    let got = run_loss(lib, &spec, &b, true, true);
+    assert!(got.grad.iter().any(|&g| g != 0.0));
     let mut c = b.clone();
     let pad = c.mask.iter().position(|&m| m == 0.0).expect("padding");
     c.mask[pad] = 0.5;
