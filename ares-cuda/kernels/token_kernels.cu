@@ -536,7 +536,8 @@ __device__ __forceinline__ void loss_bad(unsigned* status, long long i, unsigned
 // `keep` (forking mask), `ref` (with `beta_rows`; `hwe` optional) and `entropy` (with
 // `entropy_grad`) are optional. `grad` = scale · ∂L/∂logπ, `entropy_grad` = scale · ∂L/∂H
 // (0 on padding), all 0 when the report is refused (a status bit, a non-finite total);
-// `row_stats` [rows, LOSS_STATS] and `totals` [LOSS_STATS] unscaled.
+// `row_stats` [rows, LOSS_STATS] and `totals` [LOSS_STATS] unscaled; `report` ≠ 0: `totals`
+// has two more words, where the status words' bits are copied.
 extern "C" __global__ void policy_loss(
     const float* __restrict__ logp, const float* __restrict__ logp_old,
     const float* __restrict__ advantages, const float* __restrict__ mask,
@@ -547,8 +548,8 @@ extern "C" __global__ void policy_loss(
     float clip_lo, float clip_hi, float clip_c, int is_mode, float is_low, float is_high,
     int agg, int kl_est, float low_ratio, float entropy_coef, float scale,
     float* __restrict__ grad, float* __restrict__ entropy_grad,
-    float* __restrict__ row_stats, float* __restrict__ totals, unsigned* __restrict__ status,
-    unsigned* __restrict__ blocks_done) {
+    float* __restrict__ row_stats, float* __restrict__ totals, int report,
+    unsigned* __restrict__ status, unsigned* __restrict__ blocks_done) {
     __shared__ float scratch[32];
     __shared__ bool is_last;
     const long long row = blockIdx.x;
@@ -718,6 +719,11 @@ extern "C" __global__ void policy_loss(
             const unsigned bits = ((volatile unsigned*)status)[1];
             spoiled = bits != 0u || !(fabsf(totals[0]) < POS_INF) ||
                       !(fabsf(totals[1]) < POS_INF) || !(fabsf(totals[2]) < POS_INF);
+            if (report) {
+                // the status words after the totals, as their bits: one read for both
+                totals[LOSS_STATS] = __uint_as_float(((volatile unsigned*)status)[0]);
+                totals[LOSS_STATS + 1] = __uint_as_float(bits);
+            }
             *blocks_done = 0u;
         }
         __syncthreads();

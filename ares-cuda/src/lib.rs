@@ -32,7 +32,8 @@ pub use cudarc;
 pub use device::{Cuda, DeviceInfo, cuda_available, device_count};
 pub use gemm::{GemmDims, GemmPrecision, cublas_available};
 pub use loss_ops::{
-    KlLossSpec, LOSS_STATS, LossInputs, LossKind, LossOutputs, LossReport, LossScalars, LossSpec,
+    KlLossSpec, LOSS_REPORT, LOSS_STATS, LossInputs, LossKind, LossOutputs, LossReport,
+    LossScalars, LossSpec,
 };
 pub use model_ops::{
     AdamWScalars, AdamWStep, AttentionShape, DecodeGraph, ModelOps, sum_of_squares_partition,

@@ -29,6 +29,10 @@ use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 /// changed, valid tokens (`token_kernels.cu`'s `LOSS_STATS`).
 pub const LOSS_STATS: usize = 9;
 
+/// Words of a loss report: the [`LOSS_STATS`] totals, then the two status words' bits
+/// ([`LossOutputs::totals`] of this length: one read brings both back).
+pub const LOSS_REPORT: usize = LOSS_STATS + 2;
+
 /// Threads per block of the loss kernels (one block per row).
 const LOSS_BLOCK: u32 = 512;
 
@@ -219,7 +223,8 @@ pub struct LossOutputs<'a> {
     /// `[rows, LOSS_STATS]` per-row statistics.
     pub row_stats: CudaViewMut<'a, f32>,
     /// `[LOSS_STATS]` totals over rows, summed in row order: read them with
-    /// [`LossReport::read`].
+    /// [`LossReport::read`]; or `[LOSS_REPORT]`, the status words' bits after them: read
+    /// them with [`LossReport::from_report`].
     pub totals: CudaViewMut<'a, f32>,
     /// `[2]` status words: the first bad token's flat index and what was bad.
     pub status: CudaViewMut<'a, u32>,
@@ -311,6 +316,21 @@ impl LossReport {
             kl_loss: totals[1],
             entropy: totals[2],
         })
+    }
+
+    /// [`LossReport::read`] of a report read back whole ([`LOSS_REPORT`] words: the totals,
+    /// then the status words' bits).
+    ///
+    /// # Errors
+    /// As [`LossReport::read`].
+    pub fn from_report(report: &[f32; LOSS_REPORT]) -> std::result::Result<Self, ares_core::Error> {
+        let mut totals = [0.0f32; LOSS_STATS];
+        totals.copy_from_slice(&report[..LOSS_STATS]);
+        let status = [
+            report[LOSS_STATS].to_bits(),
+            report[LOSS_STATS + 1].to_bits(),
+        ];
+        Self::read(&totals, status)
     }
 }
 
@@ -414,7 +434,10 @@ impl TokenOps<'_> {
         }
         check_len(KERNEL, "row_counts", rows, row_counts.len())?;
         check_len(KERNEL, "row_stats", rows * LOSS_STATS, row_stats.len())?;
-        check_len(KERNEL, "totals", LOSS_STATS, totals.len())?;
+        let report = i32::from(totals.len() == LOSS_REPORT);
+        if report == 0 {
+            check_len(KERNEL, "totals", LOSS_STATS, totals.len())?;
+        }
         check_len(KERNEL, "status", 2, status.len())?;
         if rows == 0 {
             // no row: an empty mask, which the report names
@@ -493,6 +516,7 @@ impl TokenOps<'_> {
             .arg_or_null(entropy_grad_arg)
             .arg(&mut row_stats)
             .arg(&mut totals)
+            .arg(&report)
             .arg(&mut status)
             .arg(&mut *self.blocks_done);
         // SAFETY: argument order and types match `policy_loss`; lengths checked above, the

@@ -18,7 +18,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use ares_cuda::kernels::{MODEL_OPS, TOKEN_KERNELS};
-use ares_cuda::{LOSS_STATS, LossReport, LossScalars, LossSpec};
+use ares_cuda::{LOSS_REPORT, LOSS_STATS, LossReport, LossScalars, LossSpec};
 use libloading::Library;
 use loss_reference::{Batch, Rng, assert_values, close, expected, specs};
 
@@ -144,6 +144,8 @@ fn run_loss(lib: &Library, spec: &LossSpec, b: &Batch, forking: bool, hwe: bool)
         status: [7, 7],
     };
     let mut blocks_done = 0u32;
+    // the kernel writes a whole report: the totals, then the status words' bits
+    let mut report = [NAN; LOSS_REPORT];
     let null = std::ptr::null::<f32>();
     let opt = |on: bool, v: &Vec<f32>| if on { v.as_ptr() } else { null };
     let with_kl = spec.kl.is_some();
@@ -152,7 +154,7 @@ fn run_loss(lib: &Library, spec: &LossSpec, b: &Batch, forking: bool, hwe: bool)
     let counts_launch = launcher!(lib, "emu_mask_row_counts", CountsLauncher);
     let loss_launch = launcher!(lib, "emu_policy_loss", LossLauncher);
     // SAFETY: every pointer covers the lengths the kernels read and write (rows × cols
-    // tensors, rows counts, rows × LOSS_STATS statistics, LOSS_STATS totals, 2 words).
+    // tensors, rows counts, rows × LOSS_STATS statistics, LOSS_REPORT words, 2 words).
     unsafe {
         counts_launch(
             rows as u32,
@@ -184,13 +186,27 @@ fn run_loss(lib: &Library, spec: &LossSpec, b: &Batch, forking: bool, hwe: bool)
                 std::ptr::null_mut()
             },
             row_stats: stats.as_mut_ptr(),
-            totals: got.totals.as_mut_ptr(),
+            totals: report.as_mut_ptr(),
             status: got.status.as_mut_ptr(),
             blocks_done: &mut blocks_done,
         };
         loss_launch(rows as u32, ROW_BLOCK, &scalars, &t);
     }
     assert_eq!(blocks_done, 0, "the last block resets the counter");
+    got.totals.copy_from_slice(&report[..LOSS_STATS]);
+    assert_eq!(
+        [
+            report[LOSS_STATS].to_bits(),
+            report[LOSS_STATS + 1].to_bits()
+        ],
+        got.status,
+        "the report carries the status words"
+    );
+    // (as text: a refused β carries a NaN value)
+    assert_eq!(
+        format!("{:?}", LossReport::from_report(&report)),
+        format!("{:?}", LossReport::read(&got.totals, got.status))
+    );
     got
 }
 

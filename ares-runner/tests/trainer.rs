@@ -1928,12 +1928,12 @@ fn device_and_host_losses_train_alike() {
     }
 }
 
-/// The host waits of a step's preparation are the ones where the host decides: the HWE pass
-/// reads its per-row thresholds (τ moves on the host) and then its counts; the actor's and
-/// the reference's scoring passes and the KL run back to back, and their results come back
-/// together after the KL.
+/// The host waits of a step are the ones where the host decides: the HWE pass reads its
+/// per-row thresholds (τ moves on the host) and then its counts; the actor's and the
+/// reference's scoring passes and the KL run back to back, and their results come back
+/// together after the KL; a micro-batch's loss report is read after its backward is queued.
 #[test]
-fn scoring_waits_once_after_the_kl() {
+fn a_steps_waits_are_where_the_host_decides() {
     use ares_runner::backend::Counting;
     const WAITS: [&str; 6] = [
         "download",
@@ -1978,4 +1978,21 @@ fn scoring_waits_once_after_the_kl() {
     // after the KL: logπ_old, the rows' mean KL, logπ_ref and the HWE mask (the host loss's
     // inputs), then the update
     assert_eq!(waits(kl, loss), ["download"; 4], "{calls:?}");
+    // the loss is queued and the backward after it with no wait between them (a loss that
+    // waited was noted a second time under its name), and then its report is read
+    let backward = (loss..calls.len())
+        .find(|&i| calls[i] == "embedding_backward")
+        .unwrap();
+    let between = &calls[loss + 1..backward];
+    assert!(
+        between
+            .iter()
+            .all(|c| !WAITS.contains(c) && *c != "actor_loss"),
+        "{between:?}"
+    );
+    assert_eq!(
+        calls[backward..].iter().find(|c| WAITS.contains(c)),
+        Some(&"download"),
+        "the report"
+    );
 }

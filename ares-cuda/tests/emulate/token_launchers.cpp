@@ -48,6 +48,7 @@ struct EmuLossTensors {
     unsigned *status, *blocks_done;
 };
 
+// `totals` holds LOSS_STATS + 2 words (the kernel's `report`: the status words after them).
 extern "C" void emu_policy_loss(unsigned grid, unsigned block, const EmuLossScalars* s,
                                 const EmuLossTensors* t) {
     emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] {
@@ -55,6 +56,6 @@ extern "C" void emu_policy_loss(unsigned grid, unsigned block, const EmuLossScal
                     t->hwe, t->beta_rows, t->entropy, t->row_counts, s->rows, s->cols, s->kind,
                     s->clip_lo, s->clip_hi, s->clip_c, s->is_mode, s->is_low, s->is_high, s->agg,
                     s->kl_est, s->low_ratio, s->entropy_coef, s->scale, t->grad,
-                    t->entropy_grad, t->row_stats, t->totals, t->status, t->blocks_done);
+                    t->entropy_grad, t->row_stats, t->totals, 1, t->status, t->blocks_done);
     });
 }

@@ -426,11 +426,18 @@ impl<B: Backend> Backend for Counting<B> {
         spec: &ActorLossSpec,
         inputs: ActorLossViews<'_, Self::Buffer>,
         grads: ActorLossGrads<'_, Self::Buffer>,
-    ) -> Result<std::result::Result<ares_core::loss::ActorLossOutput<f32>, ares_core::Error>> {
-        // the values come back to the host: a wait on a device
+        report: TensorMut<'_, Self>,
+    ) -> Result<std::result::Result<(), ares_core::Error>> {
+        // queued: the report comes back with a download of the caller's
         self.note(Kind::Op, "actor_loss");
-        self.note(Kind::Wait, "actor_loss");
-        self.inner.actor_loss(spec, inputs, grads)
+        self.inner.actor_loss(spec, inputs, grads, report)
+    }
+
+    fn actor_loss_output(
+        &self,
+        report: &[f32; super::ACTOR_LOSS_REPORT],
+    ) -> std::result::Result<ares_core::loss::ActorLossOutput<f32>, ares_core::Error> {
+        self.inner.actor_loss_output(report)
     }
 
     fn has_actor_loss(&self, objective: &ares_core::loss::Objective<f32>) -> bool {

@@ -18,9 +18,9 @@ use super::sampling::greedy_row;
 
 use super::ops::{declared_ops, op_arg_type};
 use super::{
-    Activation, ActorLossGrads, ActorLossSpec, ActorLossViews, AdamWUpdate, AttentionDims,
-    AttentionGrads, AttentionInputs, Backend, BackendError, DType, DeviceBuffer, GradWrite,
-    HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims, PagedKvView,
+    ACTOR_LOSS_REPORT, Activation, ActorLossGrads, ActorLossSpec, ActorLossViews, AdamWUpdate,
+    AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError, DType, DeviceBuffer,
+    GradWrite, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims, PagedKvView,
     PagedKvViewMut, Result, SegmentAttentionDims, Tensor, TensorMut, View, ViewMut, WindowSpec,
 };
 
@@ -1042,7 +1042,8 @@ impl Backend for CpuBackend {
         spec: &ActorLossSpec,
         inputs: ActorLossViews<'_, Vec<f32>>,
         grads: ActorLossGrads<'_, Vec<f32>>,
-    ) -> Result<std::result::Result<ares_core::loss::ActorLossOutput<f32>, ares_core::Error>> {
+        report: TensorMut<'_, Self>,
+    ) -> Result<std::result::Result<(), ares_core::Error>> {
         use ares_core::loss::{ActorLoss, EntropyTerm, KlTerm, PolicyLossInput};
         let _timer = CpuTimer::start("actor_loss");
         let logp = slice(inputs.logp)?;
@@ -1094,7 +1095,7 @@ impl Backend for CpuBackend {
             scale: spec.scale,
         };
         let grad = slice_mut(grads.grad)?;
-        let entropy_grad = slice_mut_opt(grads.entropy_grad)?;
+        let mut entropy_grad = slice_mut_opt(grads.entropy_grad)?;
         let n = grad.len();
         let mut scratch = vec![0.0f32; if loss.kl.is_some() { 2 * n } else { 0 }];
         let mut index_scratch = vec![
@@ -1105,14 +1106,68 @@ impl Backend for CpuBackend {
                 0
             }
         ];
-        Ok(ares_core::loss::actor_loss(
+        let report = slice_mut(report)?;
+        BackendError::check_len("actor_loss: report", ACTOR_LOSS_REPORT, report.len())?;
+        let out = ares_core::loss::actor_loss(
             &input,
             &loss,
-            grad,
-            entropy_grad,
+            &mut *grad,
+            entropy_grad.as_deref_mut(),
             &mut scratch,
             &mut index_scratch,
-        ))
+        );
+        let finite = |o: &ares_core::loss::ActorLossOutput<f32>| {
+            o.policy.loss.is_finite() && o.kl_loss.is_finite() && o.entropy.is_finite()
+        };
+        if !out.as_ref().is_ok_and(finite) {
+            // a refused report: no gradient (as the kernel leaves it)
+            grad.fill(0.0);
+            if let Some(e) = entropy_grad {
+                e.fill(0.0);
+            }
+        }
+        let out = match out {
+            Ok(o) => o,
+            Err(e) => return Ok(Err(e)),
+        };
+        let p = &out.policy;
+        let valid = u32::try_from(p.valid_tokens).unwrap_or(u32::MAX);
+        report.copy_from_slice(&[
+            p.loss,
+            p.clipfrac,
+            p.clipfrac_lower,
+            p.approx_kl,
+            p.is_weight_mean,
+            p.is_changed_frac,
+            p.selected_frac,
+            f32::from_bits(valid),
+            out.kl_loss,
+            out.entropy,
+            0.0,
+        ]);
+        Ok(Ok(()))
+    }
+
+    fn actor_loss_output(
+        &self,
+        report: &[f32; ACTOR_LOSS_REPORT],
+    ) -> std::result::Result<ares_core::loss::ActorLossOutput<f32>, ares_core::Error> {
+        // the layout `actor_loss` writes: core's values, the valid count as its bits
+        let r = report;
+        Ok(ares_core::loss::ActorLossOutput {
+            policy: ares_core::loss::PolicyLossOutput {
+                loss: r[0],
+                clipfrac: r[1],
+                clipfrac_lower: r[2],
+                approx_kl: r[3],
+                is_weight_mean: r[4],
+                is_changed_frac: r[5],
+                selected_frac: r[6],
+                valid_tokens: r[7].to_bits() as usize,
+            },
+            kl_loss: r[8],
+            entropy: r[9],
+        })
     }
 }
 
@@ -1120,6 +1175,67 @@ impl Backend for CpuBackend {
 mod backward_tests {
     use super::*;
     use crate::backend::MatmulPrecision;
+
+    /// `actor_loss` queues its values into a report that `actor_loss_output` reads back as
+    /// core's; a refused report (a non-finite input, a loss that overflows) leaves the
+    /// gradients 0, as the CUDA kernel does, so a backward queued before the read is
+    /// harmless.
+    #[test]
+    fn actor_loss_reports_core_values_and_zeroes_refused_gradients() {
+        use ares_core::loss::{Objective, PolicyLossConfig};
+        let be = CpuBackend;
+        let spec = ActorLossSpec {
+            objective: Objective::Ppo,
+            config: PolicyLossConfig::default(),
+            kl: None,
+            entropy_coef: None,
+            scale: 0.5,
+        };
+        let run = |adv: f32, logp0: f32| {
+            let (logp, old) = (vec![logp0, -1.0, -0.5, -2.0], vec![-1.1, -0.9, -0.5, -2.0]);
+            let (adv, mask) = (vec![adv, -adv, adv, 0.0], vec![1.0, 1.0, 1.0, 0.0]);
+            let (mut grad, mut report) = (vec![7.0f32; 4], vec![f32::NAN; ACTOR_LOSS_REPORT]);
+            let views = ActorLossViews {
+                logp: View::whole(&logp),
+                logp_old: View::whole(&old),
+                advantages: View::whole(&adv),
+                mask: View::whole(&mask),
+                logp_rollout: None,
+                keep: None,
+                logp_ref: None,
+                beta_rows: None,
+                hwe_mask: None,
+                entropy: None,
+                cols: 2,
+            };
+            let grads = ActorLossGrads {
+                grad: ViewMut::whole(&mut grad),
+                entropy_grad: None,
+            };
+            let queued = be
+                .actor_loss(&spec, views, grads, ViewMut::whole(&mut report))
+                .unwrap();
+            (queued, grad, report)
+        };
+        let (queued, grad, report) = run(1.5, -1.0);
+        assert!(queued.is_ok());
+        let out = be
+            .actor_loss_output(&report.clone().try_into().unwrap())
+            .unwrap();
+        assert_eq!(out.policy.valid_tokens, 3);
+        assert!(out.policy.loss.is_finite() && grad.iter().any(|&g| g != 0.0));
+        assert_eq!(grad[3], 0.0, "padding");
+        // overflowing advantages: the report reads, its loss is not finite, no gradient
+        let (queued, grad, report) = run(3e38, 5.0);
+        assert!(queued.is_ok());
+        let out = be.actor_loss_output(&report.try_into().unwrap()).unwrap();
+        assert!(!out.policy.loss.is_finite());
+        assert_eq!(grad, [0.0; 4]);
+        // a NaN input: core's error at once, no gradient
+        let (queued, grad, _) = run(1.5, f32::NAN);
+        assert!(matches!(queued, Err(ares_core::Error::NonFinite { .. })));
+        assert_eq!(grad, [0.0; 4]);
+    }
 
     #[test]
     fn backward_ops_accumulate_or_overwrite_as_documented() {

@@ -101,6 +101,10 @@ pub type Result<T> = std::result::Result<T, BackendError>;
 
 /// A read-only f32 view of backend `B`.
 pub type Tensor<'a, B> = View<'a, <B as Backend>::Buffer>;
+
+/// Words of a [`Backend::actor_loss`] report (CUDA: the loss kernel's nine totals and its two
+/// status words; the CPU: core's values).
+pub const ACTOR_LOSS_REPORT: usize = 11;
 /// A writable f32 view of backend `B`.
 pub type TensorMut<'a, B> = ViewMut<'a, <B as Backend>::Buffer>;
 
@@ -524,21 +528,38 @@ pub trait Backend {
 
     /// The actor's loss of one micro-batch (`ares_core::loss::actor_loss`: the policy loss,
     /// the forking mask, the KL term, the entropy bonus, `scale` times their per-token
-    /// gradients): writes `grads` and returns the values, or core's error for the data (a
-    /// non-finite input at a valid token, a mask not 0/1, no valid token) — the outer error
-    /// is the backend's. The CPU runs core's function; CUDA runs ares-cuda's `policy_loss`
-    /// kernel (its twin) and reads back eleven words (waits), and refuses Clip-Cov and
-    /// KL-Cov (see [`Backend::has_actor_loss`]).
+    /// gradients), **queued**: writes `grads` and its values into `report`
+    /// ([`ACTOR_LOSS_REPORT`] words in the backend's own layout), which the caller reads
+    /// back whenever it likes — after queueing the backward, with other reports — and turns
+    /// into the values with [`Backend::actor_loss_output`]. Nothing waits. A report that
+    /// will be refused (core's error for the data: a non-finite input at a valid token, a
+    /// mask not 0/1, no valid token; or a loss, KL or entropy term that is not finite) comes
+    /// with `grads` all 0, so a backward queued before the report is read changes nothing.
+    /// A backend that finds core's error at once may return it here (the CPU runs core's
+    /// function, and returns its error); CUDA runs ares-cuda's `policy_loss` kernel (its
+    /// twin), whose errors come with the report, and refuses Clip-Cov and KL-Cov (see
+    /// [`Backend::has_actor_loss`]). The outer error is the backend's.
     ///
     /// # Errors
-    /// Lengths, a missing tensor the spec needs, an objective without a kernel, a device
-    /// failure.
+    /// Lengths (`report` not [`ACTOR_LOSS_REPORT`] long), a missing tensor the spec needs,
+    /// an objective without a kernel, a device failure.
     fn actor_loss(
         &self,
         spec: &ActorLossSpec,
         inputs: ActorLossViews<'_, Self::Buffer>,
         grads: ActorLossGrads<'_, Self::Buffer>,
-    ) -> Result<std::result::Result<ares_core::loss::ActorLossOutput<f32>, ares_core::Error>>;
+        report: TensorMut<'_, Self>,
+    ) -> Result<std::result::Result<(), ares_core::Error>>;
+
+    /// The values of a [`Backend::actor_loss`] report read back to the host, or core's
+    /// error for the data it flagged.
+    ///
+    /// # Errors
+    /// Core's, as [`Backend::actor_loss`] describes.
+    fn actor_loss_output(
+        &self,
+        report: &[f32; ACTOR_LOSS_REPORT],
+    ) -> std::result::Result<ares_core::loss::ActorLossOutput<f32>, ares_core::Error>;
 
     /// Whether a trainer should compute `objective`'s loss with [`Backend::actor_loss`]:
     /// every objective with a CUDA kernel — all but Clip-Cov and KL-Cov. The CPU's

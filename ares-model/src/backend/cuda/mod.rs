@@ -35,14 +35,17 @@ use buffer::{
 
 use super::ops::{declared_ops, op_arg_type};
 use super::{
-    Activation, ActorLossGrads, ActorLossSpec, ActorLossViews, AdamWUpdate, AttentionDims,
-    AttentionGrads, AttentionInputs, Backend, BackendError, BlockTables, DType, GradWrite,
-    HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims, MatmulPrecision,
-    PagedKvView, PagedKvViewMut, PickBuffersOf, PickRule, Result, SegmentAttentionDims, Tensor,
-    TensorMut, View, ViewMut, WindowSpec, check_half,
+    ACTOR_LOSS_REPORT, Activation, ActorLossGrads, ActorLossSpec, ActorLossViews, AdamWUpdate,
+    AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError, BlockTables, DType,
+    GradWrite, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
+    MatmulPrecision, PagedKvView, PagedKvViewMut, PickBuffersOf, PickRule, Result,
+    SegmentAttentionDims, Tensor, TensorMut, View, ViewMut, WindowSpec, check_half,
 };
 use ares_cpu::sampler::{SampleKey, Sampler};
 use ares_cuda::cudarc::driver::CudaView;
+
+// a report is the loss kernel's totals and status words, read back whole
+const _: () = assert!(ACTOR_LOSS_REPORT == ares_cuda::LOSS_REPORT);
 use ares_cuda::model_ops::{BlockTablesView, KvCache, KvCacheMut, PagedKvCache, PagedKvCacheMut};
 use ares_cuda::{AdamWStep, AttentionShape, DeviceInfo, GemmDims, GemmPrecision, ModelOps};
 use std::sync::{Arc, Mutex};
@@ -909,9 +912,10 @@ impl Backend for CudaBackend {
         spec: &ActorLossSpec,
         inputs: ActorLossViews<'_, CudaBuffer>,
         grads: ActorLossGrads<'_, CudaBuffer>,
-    ) -> Result<std::result::Result<ares_core::loss::ActorLossOutput<f32>, ares_core::Error>> {
+        report: TensorMut<'_, Self>,
+    ) -> Result<std::result::Result<(), ares_core::Error>> {
         use ares_core::loss::Objective;
-        use ares_cuda::{LOSS_STATS, LossInputs, LossKind, LossOutputs, LossReport, LossSpec};
+        use ares_cuda::{LOSS_STATS, LossInputs, LossKind, LossOutputs, LossSpec};
         const K: &str = "actor_loss";
         let _timer = OpTimer::start(self, K);
         let kind = match spec.objective {
@@ -939,9 +943,9 @@ impl Backend for CudaBackend {
         };
         let n = inputs.logp.len();
         let rows = n / inputs.cols.max(1);
+        BackendError::check_len("actor_loss: report", ACTOR_LOSS_REPORT, report.len())?;
         let mut counts = self.alloc(rows)?;
         let mut stats = self.alloc(rows * LOSS_STATS)?;
-        let mut totals = self.alloc(LOSS_STATS)?;
         let mut status = self.alloc_ids(2)?;
         let cuda_inputs = LossInputs {
             logp: view(inputs.logp)?,
@@ -957,10 +961,11 @@ impl Backend for CudaBackend {
             cols: inputs.cols,
         };
         let (grad, entropy_grad) = (view_mut(grads.grad)?, view_mut_opt(grads.entropy_grad)?);
+        // the report is the kernel's totals with its status words after them
         let (row_counts, row_stats, total_view) = (
             view_mut(ViewMut::whole(&mut counts))?,
             view_mut(ViewMut::whole(&mut stats))?,
-            view_mut(ViewMut::whole(&mut totals))?,
+            view_mut(report)?,
         );
         let status_view = ids_mut(&mut status)?;
         self.ops
@@ -979,21 +984,18 @@ impl Backend for CudaBackend {
                 )
             })
             .map_err(op(K))?;
-        let mut host = [0.0f32; LOSS_STATS];
-        self.ops
-            .download(&view(View::whole(&totals))?, &mut host)
-            .map_err(op(K))?;
-        let mut words = [0u32; 2];
-        self.ops
-            .download_ids(&ids(&status)?, &mut words)
-            .map_err(op(K))?;
-        Ok(
-            LossReport::read(&host, words).map(|r| ares_core::loss::ActorLossOutput {
-                policy: r.policy,
-                kl_loss: r.kl_loss,
-                entropy: r.entropy,
-            }),
-        )
+        Ok(Ok(()))
+    }
+
+    fn actor_loss_output(
+        &self,
+        report: &[f32; ACTOR_LOSS_REPORT],
+    ) -> std::result::Result<ares_core::loss::ActorLossOutput<f32>, ares_core::Error> {
+        ares_cuda::LossReport::from_report(report).map(|r| ares_core::loss::ActorLossOutput {
+            policy: r.policy,
+            kl_loss: r.kl_loss,
+            entropy: r.entropy,
+        })
     }
 }
 

@@ -2,7 +2,9 @@
 //! `Backend::actor_loss` — on CUDA ares-cuda's loss kernel, on the CPU ares-core's
 //! `actor_loss`, the host path's function — reading the forward's log-probs and entropies
 //! gathered on the device and writing the loss head's coefficients there. Only the batch's
-//! own tensors go up (mask, logπ_old, advantages, …) and eleven words come back, where the
+//! own tensors go up (mask, logπ_old, advantages, …) and eleven words come back — read after
+//! the backward is queued ([`QueuedLoss::read`]), so the device does not wait for the host
+//! between the loss and the backward — where the
 //! host path downloads two `[rows, T]` tensors and uploads two more.
 
 use ares_core::Shape;
@@ -10,7 +12,9 @@ use ares_core::loss::Objective;
 
 use super::policy::MicroLoss;
 use super::{Inputs, Rows};
-use crate::backend::{ActorLossGrads, ActorLossSpec, ActorLossViews, Backend, View, ViewMut};
+use crate::backend::{
+    ACTOR_LOSS_REPORT, ActorLossGrads, ActorLossSpec, ActorLossViews, Backend, View, ViewMut,
+};
 use crate::model::{Activations, Model, ModelError};
 use crate::trainer::TrainError;
 use crate::trainer::prepare::sequences::Packed;
@@ -38,8 +42,9 @@ impl Inputs<'_> {
     /// loss of micro-batch `index` (rows `micro`, `[rows, T]` `shape`, laid out as `packed`),
     /// after `model.log_prob_entropy` filled `acts`; writes `scale · ∂L/∂logπ` (and `∂L/∂H`
     /// with an entropy bonus) into the head's coefficient buffers of `acts`, at the response
-    /// positions, 0 elsewhere. `None` when a loss or an input is not finite (the host path's
-    /// rule).
+    /// positions, 0 elsewhere — all queued: the values come with [`QueuedLoss::read`], after
+    /// the caller has queued the backward. `None` when the backend found a non-finite input
+    /// at once (the host path's rule; the mini-batch is skipped).
     ///
     /// # Errors
     /// A device failure; core's errors for the data other than non-finite values.
@@ -51,7 +56,7 @@ impl Inputs<'_> {
         packed: &Packed,
         model: &Model<B>,
         acts: &mut Activations<B>,
-    ) -> Result<Option<MicroLoss>, TrainError> {
+    ) -> Result<Option<QueuedLoss<B>>, TrainError> {
         let (settings, prep) = (self.settings, self.prep);
         let be = model.backend();
         let rows = Rows::gather(self.batch, prep, settings, micro);
@@ -130,7 +135,8 @@ impl Inputs<'_> {
         };
         let mut grad = be.alloc(n).map_err(backend)?;
         let mut entropy_grad = coef.map(|_| be.alloc(n)).transpose().map_err(backend)?;
-        let out = be
+        let mut report = be.alloc(ACTOR_LOSS_REPORT).map_err(backend)?;
+        let queued = be
             .actor_loss(
                 &spec,
                 ActorLossViews {
@@ -150,14 +156,16 @@ impl Inputs<'_> {
                     grad: ViewMut::whole(&mut grad),
                     entropy_grad: entropy_grad.as_mut().map(ViewMut::whole),
                 },
+                ViewMut::whole(&mut report),
             )
             .map_err(backend)?;
-        let out = match out {
-            Ok(o) if o.policy.loss.is_finite() && o.kl_loss.is_finite() => o,
-            // a non-finite loss or input (entropy included) skips the mini-batch
-            Ok(_) | Err(ares_core::Error::NonFinite { .. }) => return Ok(None),
+        match queued {
+            Ok(()) => {}
+            // found at once (the CPU): a non-finite input (entropy included) skips the
+            // mini-batch before the backward
+            Err(ares_core::Error::NonFinite { .. }) => return Ok(None),
             Err(e) => return Err(e.into()),
-        };
+        }
         // the coefficients to the head's positions: the response entries gathered compact,
         // then scattered (each position once), every other position 0
         let (src, dst): (Vec<u32>, Vec<u32>) = positions
@@ -185,8 +193,45 @@ impl Inputs<'_> {
                 spread(eg, entropy_coeffs)?;
             }
         }
-        let mut loss = MicroLoss::scaled(&out, scale);
-        if let Some(c) = coef {
+        Ok(Some(QueuedLoss {
+            report,
+            scale,
+            entropy_coef: coef,
+        }))
+    }
+}
+
+/// A micro-batch's loss queued on the device ([`Inputs::device_loss`]): its report, read
+/// back after the backward is queued ([`QueuedLoss::read`]).
+#[derive(Debug)]
+pub(super) struct QueuedLoss<B: Backend> {
+    /// `ACTOR_LOSS_REPORT` words.
+    report: B::Buffer,
+    /// The micro-batch's share of the mini-batch.
+    scale: f32,
+    /// The entropy bonus's coefficient, when there is one.
+    entropy_coef: Option<f64>,
+}
+
+impl<B: Backend> QueuedLoss<B> {
+    /// The loss's values (one wait for the report, and for the ops queued before it), or
+    /// `None` when a loss or an input is not finite (the mini-batch is skipped; the
+    /// backward over the report's zero gradients changed nothing).
+    ///
+    /// # Errors
+    /// A device failure; core's errors for the data other than non-finite values.
+    pub(super) fn read(self, be: &B) -> Result<Option<MicroLoss>, TrainError> {
+        let mut words = [0.0f32; ACTOR_LOSS_REPORT];
+        be.download(View::whole(&self.report), &mut words)
+            .map_err(backend)?;
+        let out = match be.actor_loss_output(&words) {
+            Ok(o) if o.policy.loss.is_finite() && o.kl_loss.is_finite() => o,
+            // a non-finite loss or input (entropy included) skips the mini-batch
+            Ok(_) | Err(ares_core::Error::NonFinite { .. }) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        let mut loss = MicroLoss::scaled(&out, self.scale);
+        if let Some(c) = self.entropy_coef {
             loss.entropy_loss = -c * loss.entropy;
         }
         Ok(Some(loss))

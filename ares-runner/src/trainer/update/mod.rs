@@ -528,7 +528,7 @@ impl<B: Backend> Update<'_, B> {
             actor
                 .lm()
                 .log_prob_entropy(acts, &packed.targets, temperature)?;
-            let Some(loss) = read.device_loss(micro, step, shape, &packed, actor.lm(), acts)?
+            let Some(queued) = read.device_loss(micro, step, shape, &packed, actor.lm(), acts)?
             else {
                 return Ok(None);
             };
@@ -543,7 +543,9 @@ impl<B: Backend> Update<'_, B> {
                 opt.tower.as_mut(),
                 entropy,
             )?;
-            return Ok(Some(loss));
+            // the report after the backward is queued: the device never waits for the host
+            // between the loss and the backward
+            return queued.read(actor.backend());
         }
         let (logp, entropy) = crate::trainer::prepare::sequences::response_log_probs_after_forward(
             actor.lm(),
