@@ -1931,7 +1931,8 @@ fn device_and_host_losses_train_alike() {
 /// The host waits of a step are the ones where the host decides: the HWE pass reads its
 /// per-row thresholds (τ moves on the host) and then its counts; the actor's and the
 /// reference's scoring passes and the KL run back to back, and their results come back
-/// together after the KL; a micro-batch's loss report is read after its backward is queued.
+/// together after the KL; the micro-batches' loss reports are read once the mini-batch's
+/// backwards are all queued.
 #[test]
 fn a_steps_waits_are_where_the_host_decides() {
     use ares_runner::backend::Counting;
@@ -1994,5 +1995,15 @@ fn a_steps_waits_are_where_the_host_decides() {
         calls[backward..].iter().find(|c| WAITS.contains(c)),
         Some(&"download"),
         "the report"
+    );
+    // ... and only once the mini-batch's other micro-batches are queued too (two here: 8
+    // rows, 4 a micro-batch)
+    let second = (loss + 1..calls.len())
+        .find(|&i| calls[i] == "actor_loss")
+        .unwrap();
+    assert!(
+        waits(loss + 1, second).is_empty(),
+        "{:?}",
+        &calls[loss..=second]
     );
 }

@@ -242,25 +242,57 @@ impl Ranks {
     pub fn map_units<E: fmt::Display>(
         &self,
         count: usize,
-        mut compute: impl FnMut(usize) -> Result<Vec<u8>, E>,
+        compute: impl FnMut(usize) -> Result<Vec<u8>, E>,
+    ) -> Result<Vec<Vec<u8>>, UnitsError<E>> {
+        let mut compute = compute;
+        self.map_units_then(count, &mut (), |_, i| compute(i), |_, units| Ok(units))
+    }
+
+    /// [`Ranks::map_units`] with each unit made in two parts: `compute` for each of this
+    /// rank's units in order, then `finish` over all of their results at once (one device
+    /// read for all of them, say), which gives each unit's bytes in the same order. Both
+    /// are handed `context` (what both need mutably: a model, its optimizer).
+    ///
+    /// # Errors
+    /// As [`Ranks::map_units`]; `finish`'s error, or its giving another number of units
+    /// than it was given (a collective error).
+    pub fn map_units_then<C, T, E: fmt::Display>(
+        &self,
+        count: usize,
+        context: &mut C,
+        mut compute: impl FnMut(&mut C, usize) -> Result<T, E>,
+        finish: impl FnOnce(&mut C, Vec<T>) -> Result<Vec<Vec<u8>>, E>,
     ) -> Result<Vec<Vec<u8>>, UnitsError<E>> {
         let mut mine = wire::Writer::default();
         let mut failed = None;
+        let mut made = Vec::new();
         for i in (0..count).filter(|&i| self.owner(i, count) == self.rank()) {
-            match compute(i) {
-                Ok(bytes) => mine.bytes(&bytes),
+            match compute(context, i) {
+                Ok(unit) => made.push(unit),
                 Err(e) => {
-                    failed = Some((i, e));
+                    failed = Some((format!("unit {i} of {count}"), Some(e)));
                     break;
                 }
             }
         }
+        let owned = made.len();
+        if failed.is_none() {
+            match finish(context, made) {
+                Ok(units) if units.len() == owned => units.iter().for_each(|b| mine.bytes(b)),
+                Ok(units) => {
+                    let what = format!("{} units finished from {owned}", units.len());
+                    failed = Some((what, None));
+                }
+                Err(e) => failed = Some((format!("the {owned} units of {count} here"), Some(e))),
+            }
+        }
         // a failure is sent as a message so the other ranks stop too
         let message = match &failed {
-            Some((i, e)) => {
+            Some((what, e)) => {
                 let mut w = wire::Writer::default();
                 w.u8(1);
-                w.bytes(format!("unit {i} of {count} failed: {e}").as_bytes());
+                let why = e.as_ref().map_or_else(String::new, |e| format!(": {e}"));
+                w.bytes(format!("{what} failed{why}").as_bytes());
                 w.finish()
             }
             None => {
@@ -271,8 +303,15 @@ impl Ranks {
             }
         };
         let all = self.all_gather(message).map_err(UnitsError::Collective)?;
-        if let Some((_, e)) = failed {
-            return Err(UnitsError::Unit(e));
+        match failed {
+            Some((_, Some(e))) => return Err(UnitsError::Unit(e)),
+            Some((what, None)) => {
+                return Err(UnitsError::Collective(CollectiveError::Transport {
+                    rank: self.rank(),
+                    what,
+                }));
+            }
+            None => {}
         }
         let mut out = Vec::with_capacity(count);
         let bad = |e: wire::WireError| UnitsError::Collective(e.at(self.rank()));

@@ -144,6 +144,24 @@ fn add_micro(acc: &mut MicroLoss, loss: &MicroLoss, mini_tokens: usize) {
 }
 
 /// A data-parallel micro-batch's status: no valid token, a non-finite loss, learned.
+/// A micro-batch's loss: known at once (the host loss), or queued on the device with its
+/// report still to read ([`device::QueuedLoss`]).
+enum PendingLoss<B: Backend> {
+    Known(MicroLoss),
+    Queued(device::QueuedLoss<B>),
+}
+
+impl<B: Backend> PendingLoss<B> {
+    /// The values (a queued loss's report read back: a wait), `None` when a loss or an
+    /// input was not finite.
+    fn read(self, be: &B) -> Result<Option<MicroLoss>, TrainError> {
+        match self {
+            Self::Known(loss) => Ok(Some(loss)),
+            Self::Queued(queued) => queued.read(be),
+        }
+    }
+}
+
 const SLICE_EMPTY: u8 = 0;
 const SLICE_NON_FINITE: u8 = 1;
 const SLICE_LEARNED: u8 = 2;
@@ -342,7 +360,7 @@ impl<B: Backend> Update<'_, B> {
         let mini_size = count(self.inputs.batch, mini);
         zero_grads(actor.backend(), opt)?;
         let mut acc = MicroLoss::default();
-        let mut micros = 0usize;
+        let (mut micros, mut pending) = (0usize, Vec::new());
         if mini_size.0 > 0 {
             for (index, micro) in mini
                 .chunks(self.inputs.settings.micro_batch.max(1))
@@ -357,9 +375,16 @@ impl<B: Backend> Update<'_, B> {
                 let Some(loss) = self.micro_batch(micro, index, scale, actor, opt)? else {
                     return Ok(MiniBatch::NonFinite);
                 };
-                add_micro(&mut acc, &loss, mini_size.0);
-                micros += 1;
+                pending.push(loss);
             }
+        }
+        // the queued losses' reports, read once every micro-batch is queued, in order
+        for loss in pending {
+            let Some(loss) = loss.read(actor.backend())? else {
+                return Ok(MiniBatch::NonFinite);
+            };
+            add_micro(&mut acc, &loss, mini_size.0);
+            micros += 1;
         }
         Ok(if micros == 0 {
             MiniBatch::Empty
@@ -392,43 +417,64 @@ impl<B: Backend> Update<'_, B> {
             zero_grads(actor.backend(), opt)?;
         }
         let mut slices: Vec<Vec<f32>> = Vec::new();
-        let units = ranks.map_units(micros.len(), |index| {
-            let micro = micros[index];
-            let (micro_tokens, micro_rows) = count(self.inputs.batch, micro);
-            let mut w = Writer::default();
-            if mini_size.0 == 0 || micro_tokens == 0 {
-                w.u8(SLICE_EMPTY);
-                return Ok(w.finish());
-            }
-            if slices_mode {
-                zero_grads(actor.backend(), opt)?;
-            }
-            let agg = self.inputs.settings.policy.agg;
-            let scale = micro_scale(agg, micro_tokens, mini_size.0, micro_rows, mini_size.1);
-            match self.micro_batch(micro, index, scale, actor, opt)? {
-                None => w.u8(SLICE_NON_FINITE),
-                Some(loss) => {
-                    if slices_mode {
-                        slices.push(grads_to_host(actor.backend(), opt)?);
-                    }
-                    w.u8(SLICE_LEARNED);
-                    for v in [
-                        loss.pg_loss,
-                        loss.kl_loss,
-                        loss.clipfrac,
-                        loss.clipfrac_lower,
-                        loss.ppo_kl,
-                        loss.selected_frac,
-                        loss.entropy,
-                        loss.entropy_loss,
-                    ] {
-                        w.f64(v);
-                    }
-                    w.u64(loss.tokens as u64);
+        let mut context = (actor, opt, &mut slices);
+        let units = ranks.map_units_then(
+            micros.len(),
+            &mut context,
+            |(actor, opt, slices), index| {
+                let micro = micros[index];
+                let (micro_tokens, micro_rows) = count(self.inputs.batch, micro);
+                if mini_size.0 == 0 || micro_tokens == 0 {
+                    return Ok(None);
                 }
-            }
-            Ok(w.finish())
-        })?;
+                if slices_mode {
+                    zero_grads(actor.backend(), opt)?;
+                }
+                let agg = self.inputs.settings.policy.agg;
+                let scale = micro_scale(agg, micro_tokens, mini_size.0, micro_rows, mini_size.1);
+                let loss = self.micro_batch(micro, index, scale, actor, opt)?;
+                if slices_mode && loss.is_some() {
+                    slices.push(grads_to_host(actor.backend(), opt)?);
+                }
+                Ok(Some(loss))
+            },
+            // the queued losses' reports, read once this rank's micro-batches are queued
+            |(actor, _, _), units| {
+                let mut out = Vec::with_capacity(units.len());
+                for unit in units {
+                    let mut w = Writer::default();
+                    // no tokens; a loss found not finite at once; a loss to read
+                    let loss = match unit {
+                        None => None,
+                        Some(None) => Some(None),
+                        Some(Some(pending)) => Some(pending.read(actor.backend())?),
+                    };
+                    match loss {
+                        None => w.u8(SLICE_EMPTY),
+                        Some(None) => w.u8(SLICE_NON_FINITE),
+                        Some(Some(loss)) => {
+                            w.u8(SLICE_LEARNED);
+                            for v in [
+                                loss.pg_loss,
+                                loss.kl_loss,
+                                loss.clipfrac,
+                                loss.clipfrac_lower,
+                                loss.ppo_kl,
+                                loss.selected_frac,
+                                loss.entropy,
+                                loss.entropy_loss,
+                            ] {
+                                w.f64(v);
+                            }
+                            w.u64(loss.tokens as u64);
+                        }
+                    }
+                    out.push(w.finish());
+                }
+                Ok(out)
+            },
+        )?;
+        let (actor, opt, _) = context;
         let bad = |e: crate::parallel::wire::WireError| TrainError::from(e.at(ranks.rank()));
         let mut acc = MicroLoss::default();
         let mut micros_learned = 0usize;
@@ -496,8 +542,9 @@ impl<B: Backend> Update<'_, B> {
 
     /// Micro-batch `index` (rows `micro`, its share `scale` of the mini-batch, see
     /// [`micro_scale`]): forward, logπ, the loss and ∂L/∂logπ (and an entropy bonus's
-    /// ∂L/∂H), backward into the accumulated gradients. `None` when a loss or the entropy
-    /// is not finite.
+    /// ∂L/∂H), backward into the accumulated gradients; the loss as the host computed it,
+    /// or queued on the device with its report still to read ([`PendingLoss`]). `None` when
+    /// a loss or the entropy was found not finite at once.
     fn micro_batch(
         &mut self,
         micro: &[usize],
@@ -505,7 +552,7 @@ impl<B: Backend> Update<'_, B> {
         scale: f32,
         actor: &mut Actor<B>,
         opt: &mut Optimizer<B>,
-    ) -> Result<Option<MicroLoss>, TrainError> {
+    ) -> Result<Option<PendingLoss<B>>, TrainError> {
         let read = self.inputs;
         let batch = read.batch;
         let (t, temperature) = (batch.tokens.cols(), read.settings.sampling.temperature());
@@ -543,9 +590,9 @@ impl<B: Backend> Update<'_, B> {
                 opt.tower.as_mut(),
                 entropy,
             )?;
-            // the report after the backward is queued: the device never waits for the host
-            // between the loss and the backward
-            return queued.read(actor.backend());
+            // the report is read after the backward (and the next micro-batches) are
+            // queued: the device never waits for the host between them
+            return Ok(Some(PendingLoss::Queued(queued)));
         }
         let (logp, entropy) = crate::trainer::prepare::sequences::response_log_probs_after_forward(
             actor.lm(),
@@ -569,7 +616,7 @@ impl<B: Backend> Update<'_, B> {
             opt.tower.as_mut(),
             entropy_grad.as_deref(),
         )?;
-        Ok(Some(loss))
+        Ok(Some(PendingLoss::Known(loss)))
     }
 
     /// Advances the schedule's clock and, when the gradients are `finite`, steps AdamW;
