@@ -211,11 +211,14 @@ fn log_prob_and_entropy_terms_add_up() {
             );
             let err = rel_err(&both[i].1, &sum);
             assert!(err < 1e-5, "{name} {param}: both vs sum {err:e}");
+            // the chunked head sums its GEMMs in another order than the whole one, and the
+            // order differs by CPU path (16-lane AVX-512 reached 5.3e-6 on a k_proj bias):
+            // rounding, where a wrong chunk would be off by O(1)
             let err = rel_err(&both_chunked[i].1, &both[i].1);
-            assert!(err < 5e-6, "{name} {param}: chunked vs whole {err:e}");
+            assert!(err < 2e-5, "{name} {param}: chunked vs whole {err:e}");
             let err = rel_err(&ent_chunked[i].1, &ent_only[i].1);
             assert!(
-                err < 5e-6,
+                err < 2e-5,
                 "{name} {param}: entropy chunked vs whole {err:e}"
             );
         }
