@@ -993,16 +993,7 @@ extern "C" __global__ void pick_rows(const float* __restrict__ logits, i64 vocab
 // whose coefficients are both 0 is zero and not read; a bad row is NaN, with the status bits
 // the two f32 kernels would set.
 __device__ __forceinline__ float half_bits_to_f32(unsigned short x, bool bf16) {
-    if (bf16) return __uint_as_float((unsigned int)x << 16);
-#ifdef ARES_EMULATE
-    _Float16 h;
-    memcpy(&h, &x, 2);
-    return (float)h;
-#else
-    float y;
-    asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(y) : "h"(x));
-    return y;
-#endif
+    return bf16 ? __uint_as_float((unsigned int)x << 16) : f16_bits_to_f32(x);
 }
 
 __device__ __forceinline__ unsigned short f32_to_half_bits(float x, bool bf16) {

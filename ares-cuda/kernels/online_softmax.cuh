@@ -34,6 +34,19 @@ __device__ __forceinline__ float log2_approx(float x) {
 #endif
 }
 
+// IEEE half bits -> f32, exact (16-bit logits of both files' kernels).
+__device__ __forceinline__ float f16_bits_to_f32(unsigned short x) {
+#ifdef ARES_EMULATE
+    _Float16 h;
+    memcpy(&h, &x, 2);
+    return (float)h;
+#else
+    float y;
+    asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(y) : "h"(x));
+    return y;
+#endif
+}
+
 // Online softmax state in base-2 units, y = z·log2(e):
 //   s = Σ 2^(y−m),  u = Σ 2^(y−m)·(y−m),  m = running max.
 struct Online {

@@ -11,17 +11,6 @@ struct half_t {
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
 __device__ __forceinline__ float to_f32(bf16_t x) { return __uint_as_float(((unsigned)x) << 16); }
-__device__ __forceinline__ float f16_bits_to_f32(unsigned short x) {
-#ifdef ARES_EMULATE
-    _Float16 h;
-    memcpy(&h, &x, 2);
-    return (float)h;
-#else
-    float y;
-    asm("{ .reg .f16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(y) : "h"(x));
-    return y;
-#endif
-}
 __device__ __forceinline__ float to_f32(half_t x) { return f16_bits_to_f32(x.bits); }
 
 // Loads VEC consecutive logits as f32 with one 16-byte load.
