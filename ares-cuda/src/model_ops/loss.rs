@@ -66,6 +66,40 @@ fn check_head(k: &'static str, vocab: usize, temperature: f32) -> Result<f32> {
     Ok(inv_t)
 }
 
+/// The launch of a loss-head backward over `rows` rows of `vocab` logits, its lengths
+/// checked (`None`: no row, nothing to launch).
+struct HeadRows {
+    inv_t: f32,
+    vocab: i64,
+    rows: i64,
+    cfg: LaunchConfig,
+}
+
+impl HeadRows {
+    /// Checks `vocab` and the temperature ([`check_head`]) and that the logits and their
+    /// gradient are `rows × vocab` long.
+    fn check(
+        k: &'static str,
+        (vocab, temperature, rows): (usize, f32, usize),
+        logits: usize,
+        dlogits: usize,
+    ) -> Result<Option<Self>> {
+        let inv_t = check_head(k, vocab, temperature)?;
+        let n = mul(k, "rows × vocab", rows, vocab)?;
+        check_len(k, "logits", n, logits)?;
+        check_len(k, "dlogits", n, dlogits)?;
+        if rows == 0 {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            inv_t,
+            vocab: i64_of(k, "vocab", vocab)?,
+            rows: i64_of(k, "rows", rows)?,
+            cfg: rows_cfg(k, rows)?,
+        }))
+    }
+}
+
 /// One block per row; rows beyond the grid limit are refused (the kernels index rows by
 /// block).
 fn rows_cfg(k: &'static str, rows: usize) -> Result<LaunchConfig> {
@@ -148,29 +182,24 @@ impl ModelOps {
         dlogits: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         const K: &str = "log_prob_backward";
-        let inv_t = check_head(K, vocab, temperature)?;
         let rows = targets.len();
-        let n = mul(K, "rows × vocab", rows, vocab)?;
-        check_len(K, "logits", n, logits.len())?;
-        check_len(K, "dlogits", n, dlogits.len())?;
         check_len(K, "coeffs", rows, coeffs.len())?;
-        if rows == 0 {
+        let shape = (vocab, temperature, rows);
+        let Some(h) = HeadRows::check(K, shape, logits.len(), dlogits.len())? else {
             return Ok(());
-        }
-        let cfg = rows_cfg(K, rows)?;
-        let (v64, r64) = (i64_of(K, "vocab", vocab)?, i64_of(K, "rows", rows)?);
+        };
         let mut state = self.lock();
         let mut l = self.stream.launch_builder(&self.f.log_prob_bwd);
         l.arg(logits)
-            .arg(&v64)
-            .arg(&inv_t)
+            .arg(&h.vocab)
+            .arg(&h.inv_t)
             .arg(targets)
             .arg(coeffs)
-            .arg(&r64)
+            .arg(&h.rows)
             .arg(dlogits)
             .arg(&mut state.status);
         // SAFETY: argument order as `log_prob_bwd`; lengths checked above.
-        unsafe { l.launch(cfg) }.during(K)?;
+        unsafe { l.launch(h.cfg) }.during(K)?;
         Ok(())
     }
 
@@ -195,27 +224,21 @@ impl ModelOps {
         dlogits: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         const K: &str = "entropy_backward";
-        let inv_t = check_head(K, vocab, temperature)?;
-        let rows = coeffs.len();
-        let n = mul(K, "rows × vocab", rows, vocab)?;
-        check_len(K, "logits", n, logits.len())?;
-        check_len(K, "dlogits", n, dlogits.len())?;
-        if rows == 0 {
+        let shape = (vocab, temperature, coeffs.len());
+        let Some(h) = HeadRows::check(K, shape, logits.len(), dlogits.len())? else {
             return Ok(());
-        }
-        let cfg = rows_cfg(K, rows)?;
-        let (v64, r64) = (i64_of(K, "vocab", vocab)?, i64_of(K, "rows", rows)?);
+        };
         let mut state = self.lock();
         let mut l = self.stream.launch_builder(&self.f.entropy_bwd);
         l.arg(logits)
-            .arg(&v64)
-            .arg(&inv_t)
+            .arg(&h.vocab)
+            .arg(&h.inv_t)
             .arg(coeffs)
-            .arg(&r64)
+            .arg(&h.rows)
             .arg(dlogits)
             .arg(&mut state.status);
         // SAFETY: argument order as `entropy_bwd` in model_ops.cu; lengths checked above.
-        unsafe { l.launch(cfg) }.during(K)?;
+        unsafe { l.launch(h.cfg) }.during(K)?;
         Ok(())
     }
 
@@ -244,7 +267,6 @@ impl ModelOps {
         dlogits: &mut CudaViewMut<'_, u16>,
     ) -> Result<()> {
         const K: &str = "log_prob_entropy_backward_16";
-        let inv_t = check_head(K, vocab, temperature)?;
         let rows = match (lp, entropy) {
             (Some((targets, coeffs)), _) => {
                 check_len(K, "coeffs", targets.len(), coeffs.len())?;
@@ -258,14 +280,10 @@ impl ModelOps {
         if let Some(c) = entropy {
             check_len(K, "entropy coeffs", rows, c.len())?;
         }
-        let n = mul(K, "rows × vocab", rows, vocab)?;
-        check_len(K, "logits", n, logits.len())?;
-        check_len(K, "dlogits", n, dlogits.len())?;
-        if rows == 0 {
+        let shape = (vocab, temperature, rows);
+        let Some(h) = HeadRows::check(K, shape, logits.len(), dlogits.len())? else {
             return Ok(());
-        }
-        let cfg = rows_cfg(K, rows)?;
-        let (v64, r64) = (i64_of(K, "vocab", vocab)?, i64_of(K, "rows", rows)?);
+        };
         let kernel = if bf16 {
             &self.f.log_prob_entropy_bwd_bf16
         } else {
@@ -274,17 +292,17 @@ impl ModelOps {
         let mut state = self.lock();
         let mut l = self.stream.launch_builder(kernel);
         l.arg(logits)
-            .arg(&v64)
-            .arg(&inv_t)
+            .arg(&h.vocab)
+            .arg(&h.inv_t)
             .arg_or_null(lp.map(|p| p.0))
             .arg_or_null(lp.map(|p| p.1))
             .arg_or_null(entropy)
-            .arg(&r64)
+            .arg(&h.rows)
             .arg(dlogits)
             .arg(&mut state.status);
         // SAFETY: argument order as `log_prob_entropy_bwd_16` in model_ops.cu; lengths
         // checked above, the absent parts null.
-        unsafe { l.launch(cfg) }.during(K)?;
+        unsafe { l.launch(h.cfg) }.during(K)?;
         Ok(())
     }
 

@@ -101,12 +101,12 @@ pub type Result<T> = std::result::Result<T, BackendError>;
 
 /// A read-only f32 view of backend `B`.
 pub type Tensor<'a, B> = View<'a, <B as Backend>::Buffer>;
+/// A writable f32 view of backend `B`.
+pub type TensorMut<'a, B> = ViewMut<'a, <B as Backend>::Buffer>;
 
 /// Words of a [`Backend::actor_loss`] report (CUDA: the loss kernel's nine totals and its two
 /// status words; the CPU: core's values).
 pub const ACTOR_LOSS_REPORT: usize = 11;
-/// A writable f32 view of backend `B`.
-pub type TensorMut<'a, B> = ViewMut<'a, <B as Backend>::Buffer>;
 
 /// Tensor storage and the forward ops of a Qwen2/Qwen3/Llama decoder (see the module docs
 /// for ownership and synchronisation). All tensors are row-major f32.

@@ -242,9 +242,8 @@ impl Ranks {
     pub fn map_units<E: fmt::Display>(
         &self,
         count: usize,
-        compute: impl FnMut(usize) -> Result<Vec<u8>, E>,
+        mut compute: impl FnMut(usize) -> Result<Vec<u8>, E>,
     ) -> Result<Vec<Vec<u8>>, UnitsError<E>> {
-        let mut compute = compute;
         self.map_units_then(count, &mut (), |_, i| compute(i), |_, units| Ok(units))
     }
 

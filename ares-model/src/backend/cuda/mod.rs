@@ -43,15 +43,15 @@ use super::{
 };
 use ares_cpu::sampler::{SampleKey, Sampler};
 use ares_cuda::cudarc::driver::CudaView;
-
-// a report is the loss kernel's totals and status words, read back whole
-const _: () = assert!(ACTOR_LOSS_REPORT == ares_cuda::LOSS_REPORT);
 use ares_cuda::model_ops::{BlockTablesView, KvCache, KvCacheMut, PagedKvCache, PagedKvCacheMut};
 use ares_cuda::{AdamWStep, AttentionShape, DeviceInfo, GemmDims, GemmPrecision, ModelOps};
 use std::sync::{Arc, Mutex};
 
 use super::profile::OpTimes;
 use ares_cuda::cudarc::driver::CudaEvent;
+
+// a report is the loss kernel's totals and status words, read back whole
+const _: () = assert!(ACTOR_LOSS_REPORT == ares_cuda::LOSS_REPORT);
 
 /// The CUDA backend: one GPU, its stream, kernels and cuBLAS handle (see the module docs).
 #[derive(Clone)]
