@@ -12,7 +12,7 @@ pub fn argmax(row: &[f32]) -> Option<usize> {
     let max = match Isa::active() {
         // SAFETY: `Isa::active` is a path the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { row_max_avx512(row) },
+        Isa::Avx512 | Isa::Amx => unsafe { row_max_avx512(row) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { row_max_avx2(row) },

@@ -7,9 +7,12 @@
 //! - [`Isa::Avx2`]: AVX2 intrinsics where a kernel has them, else the portable loop compiled
 //!   for AVX2 + FMA; `gemm`'s AVX2 + FMA kernels;
 //! - [`Isa::Portable`]: the portable loops for the base x86-64 target (SSE2, no FMA: a fused
-//!   multiply-add that a kernel needs for its bits is a library call); `gemm`'s scalar kernels.
+//!   multiply-add that a kernel needs for its bits is a library call); `gemm`'s scalar kernels;
+//! - [`Isa::Amx`]: the AVX-512 path, with the bf16 matrix products (linear layers and the LM
+//!   head in [`MatmulPrecision::Bf16`]) on AMX tiles (`crate::ops::matmul_amx`): the same
+//!   operands and f32 sums, in another order. f32 products are the AVX-512 path's.
 //!
-//! By default the widest path the CPU has is used. `ARES_CPU_ISA=avx512|avx2|portable` forces
+//! By default the widest path the CPU has is used. `ARES_CPU_ISA=amx|avx512|avx2|portable` forces
 //! a path (`native` or empty: the default) so that one machine can run the tests and the
 //! benchmarks of every path; a narrower path on a wider CPU runs the same instructions an
 //! older CPU would (not its cache sizes or clock). A path the CPU lacks, or an unknown value,
@@ -17,6 +20,8 @@
 //! kernels themselves then keep to the CPU's own path and print one warning.
 //!
 //! The setting is read once per process.
+//!
+//! [`MatmulPrecision::Bf16`]: crate::ops::precision::MatmulPrecision::Bf16
 
 use std::sync::OnceLock;
 
@@ -33,13 +38,16 @@ pub enum Isa {
     Avx2,
     /// AVX-512F besides AVX2 and FMA (Intel Skylake-SP and later servers, AMD Zen 4 and later).
     Avx512,
+    /// AVX-512 and AMX-BF16 tiles, granted to the process by the OS (Intel Xeon Sapphire
+    /// Rapids and later, on Linux 5.16 and later).
+    Amx,
 }
 
 /// What is wrong with an `ARES_CPU_ISA` setting.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum IsaError {
     /// Not one of the path names.
-    #[error("{ENV}={value:?} is not a CPU path: use avx512, avx2, portable or native")]
+    #[error("{ENV}={value:?} is not a CPU path: use amx, avx512, avx2, portable or native")]
     Unknown {
         /// The value as set.
         value: String,
@@ -56,14 +64,15 @@ pub enum IsaError {
 
 impl Isa {
     /// Every path, narrowest first.
-    pub const ALL: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+    pub const ALL: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Amx];
 
-    /// The name `ARES_CPU_ISA` takes: `portable`, `avx2` or `avx512`.
+    /// The name `ARES_CPU_ISA` takes: `portable`, `avx2`, `avx512` or `amx`.
     pub const fn name(self) -> &'static str {
         match self {
             Isa::Portable => "portable",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Amx => "amx",
         }
     }
 
@@ -85,6 +94,9 @@ impl Isa {
                 let avx2 = std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("fma");
                 if avx2 && std::arch::is_x86_feature_detected!("avx512f") {
+                    if crate::ops::matmul_amx::available() {
+                        return Isa::Amx;
+                    }
                     return Isa::Avx512;
                 }
                 if avx2 {
@@ -185,7 +197,7 @@ mod tests {
             );
             assert_eq!(isa.to_string(), isa.name());
         }
-        assert!(Isa::Portable < Isa::Avx2 && Isa::Avx2 < Isa::Avx512);
+        assert!(Isa::Portable < Isa::Avx2 && Isa::Avx2 < Isa::Avx512 && Isa::Avx512 < Isa::Amx);
         assert_eq!(Isa::parse("avx-512"), None);
         assert!(Isa::Portable.supported());
     }
@@ -198,7 +210,7 @@ mod tests {
         let e = Isa::from_setting("sse9").unwrap_err();
         assert_eq!(
             e.to_string(),
-            "ARES_CPU_ISA=\"sse9\" is not a CPU path: use avx512, avx2, portable or native"
+            "ARES_CPU_ISA=\"sse9\" is not a CPU path: use amx, avx512, avx2, portable or native"
         );
         for isa in Isa::ALL {
             match Isa::from_setting(isa.name()) {

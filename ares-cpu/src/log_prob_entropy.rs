@@ -188,7 +188,7 @@ fn row_stats<L: Logit>(row: &[L], inv_t: f32) -> Option<RowStats> {
     match Isa::active() {
         // SAFETY: `Isa::active` is a path the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { avx512::row_stats(row, inv_t) },
+        Isa::Avx512 | Isa::Amx => unsafe { avx512::row_stats(row, inv_t) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { row_stats_avx2(row, inv_t) },

@@ -45,7 +45,7 @@ fn fma_peak() -> f64 {
     #[cfg(target_arch = "x86_64")]
     {
         let lanes = match Isa::active() {
-            Isa::Avx512 => 16,
+            Isa::Avx512 | Isa::Amx => 16,
             Isa::Avx2 => 8,
             Isa::Portable => return f64::NAN,
         };

@@ -668,7 +668,7 @@ fn attend<W: Widen>(
     match Isa::active() {
         // SAFETY: `Isa::active` is a path the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { attend_avx512::<W>(qs, keys, g, n, scale, scores, out) },
+        Isa::Avx512 | Isa::Amx => unsafe { attend_avx512::<W>(qs, keys, g, n, scale, scores, out) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { attend_avx2::<W>(qs, keys, g, n, scale, scores, out) },

@@ -102,7 +102,7 @@ fn row_grad(x: &[f32], out: &mut [f32], inv_t: f32, c: f32) -> RowOutcome {
     match Isa::active() {
         // SAFETY: `Isa::active` is a path the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { row_grad_avx512(x, out, inv_t, c) },
+        Isa::Avx512 | Isa::Amx => unsafe { row_grad_avx512(x, out, inv_t, c) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { row_grad_avx2(x, out, inv_t, c) },

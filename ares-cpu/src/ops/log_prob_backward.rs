@@ -130,7 +130,7 @@ fn row_grad(x: &[f32], out: &mut [f32], inv_t: f32, target: usize, g: f32) -> Ro
     match Isa::active() {
         // SAFETY: `Isa::active` is a path the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { row_grad_avx512(x, out, inv_t, target, g) },
+        Isa::Avx512 | Isa::Amx => unsafe { row_grad_avx512(x, out, inv_t, target, g) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { row_grad_avx2(x, out, inv_t, target, g) },

@@ -16,6 +16,7 @@ use rayon::prelude::*;
 
 use crate::Result;
 use crate::isa::Isa;
+use crate::ops::matmul_amx;
 use crate::ops::precision::{MatmulPrecision, map_elements};
 use crate::ops::stored::{Bf16Bits, Widen};
 use std::borrow::Cow;
@@ -131,7 +132,7 @@ pub fn linear_forward_in(
     linear_forward_w(
         precision.for_rows(dims.n),
         x,
-        Weight::F32(w),
+        Operand::F32(w),
         bias,
         dims,
         out,
@@ -154,17 +155,24 @@ pub fn linear_forward_bf16(
     dims: MatmulDims,
     out: &mut [f32],
 ) -> Result<()> {
-    linear_forward_w(MatmulPrecision::Bf16, x, Weight::Bf16(w16), bias, dims, out)
+    linear_forward_w(
+        MatmulPrecision::Bf16,
+        x,
+        Operand::Bf16(w16),
+        bias,
+        dims,
+        out,
+    )
 }
 
-/// A linear layer's `[out, in]` weight as stored: f32, or bf16 bits.
+/// A product's operand as stored: f32, or bf16 bits (a linear layer's weight).
 #[derive(Clone, Copy)]
-enum Weight<'a> {
+enum Operand<'a> {
     F32(&'a [f32]),
     Bf16(&'a [u16]),
 }
 
-impl<'a> Weight<'a> {
+impl<'a> Operand<'a> {
     fn len(self) -> usize {
         match self {
             Self::F32(w) => w.len(),
@@ -173,12 +181,65 @@ impl<'a> Weight<'a> {
     }
 
     /// The operand the product multiplies by in precision `p` (already decided for the
-    /// rows): f32 weights rounded to `p`, bf16 ones widened (exact; `p` is then bf16).
+    /// rows): f32 elements rounded to `p`, bf16 ones widened (exact; `p` is then bf16).
     fn operand(self, p: MatmulPrecision) -> Cow<'a, [f32]> {
         match self {
             Self::F32(w) => p.rounded(w),
             Self::Bf16(w) => Cow::Owned(widen_bf16(w)),
         }
+    }
+
+    /// The operand as the AMX product packs it (rounding f32 elements to bf16).
+    fn elems(self) -> matmul_amx::Elems<'a> {
+        match self {
+            Self::F32(w) => matmul_amx::Elems::F32(w),
+            Self::Bf16(w) => matmul_amx::Elems::Bf16(w),
+        }
+    }
+}
+
+/// `c = beta·c + a·b` with the operands as stored, rounded to `p` (already decided for the
+/// rows): in bf16 on the `amx` path on AMX tiles (`matmul_amx`), else the rounded
+/// operands through `gemm`'s f32 product. `beta = 0` never reads `c`.
+///
+/// # Safety
+/// As [`gemm_raw`].
+#[allow(clippy::too_many_arguments)] // a GEMM's own argument list
+unsafe fn product_in(
+    p: MatmulPrecision,
+    d: MatmulDims,
+    a: Operand<'_>,
+    sa: Strides,
+    b: Operand<'_>,
+    sb: Strides,
+    c: *mut f32,
+    sc: Strides,
+    beta: f32,
+) {
+    if p == MatmulPrecision::Bf16
+        && Isa::active() == Isa::Amx
+        && let (Some(la), Some(lb), Some(lc)) = (sa.amx(), sb.amx(), sc.amx())
+    {
+        // SAFETY: the path is `amx` only where `matmul_amx::available()`; the rest is
+        // the caller's contract (the same as `gemm_raw`'s).
+        unsafe { matmul_amx::product(d.n, d.k, d.m, a.elems(), la, b.elems(), lb, c, lc, beta) };
+        return;
+    }
+    let (a, b) = (a.operand(p), b.operand(p));
+    // SAFETY: forwarded from the caller's contract.
+    unsafe {
+        gemm_raw(
+            d,
+            a.as_ptr(),
+            sa,
+            b.as_ptr(),
+            sb,
+            c,
+            sc,
+            1.0,
+            beta,
+            parallelism(d),
+        );
     }
 }
 
@@ -194,7 +255,7 @@ fn widen_bf16(src: &[u16]) -> Vec<f32> {
 fn linear_forward_w(
     p: MatmulPrecision,
     x: &[f32],
-    w: Weight<'_>,
+    w: Operand<'_>,
     bias: Option<&[f32]>,
     dims: MatmulDims,
     out: &mut [f32],
@@ -202,7 +263,7 @@ fn linear_forward_w(
     check_len("w", product(dims.m, dims.k)?, w.len())?;
     // wᵀ: element (l, j) of the right operand is w[j, l].
     let sw = Strides::row_major(dims.k)?.t();
-    linear_with(&p.rounded(x), &w.operand(p), sw, bias, dims, out)
+    linear_with(p, x, w, sw, bias, dims, out)
 }
 
 /// [`linear_forward`] with the weight stored transposed: `out[n, m] = x[n, k] · wt[k, m]
@@ -240,14 +301,15 @@ pub fn linear_forward_t_in(
     check_len("wt", product(dims.k, dims.m)?, wt.len())?;
     let p = precision.for_rows(dims.n);
     let sw = Strides::row_major(dims.m)?;
-    linear_with(&p.rounded(x), &p.rounded(wt), sw, bias, dims, out)
+    linear_with(p, x, Operand::F32(wt), sw, bias, dims, out)
 }
 
 /// `out = x · W (+ bias)` with the right operand `W` `[k, m]` at `w` under strides `sw`
 /// (the caller checked `w` holds every element they address).
 fn linear_with(
+    p: MatmulPrecision,
     x: &[f32],
-    w: &[f32],
+    w: Operand<'_>,
     sw: Strides,
     bias: Option<&[f32]>,
     dims: MatmulDims,
@@ -272,17 +334,16 @@ fn linear_with(
     // neither input, and row-major strides with `m` columns map distinct elements to
     // distinct positions.
     unsafe {
-        gemm_raw(
+        product_in(
+            p,
             dims,
-            x.as_ptr(),
+            Operand::F32(x),
             Strides::row_major(k)?,
-            w.as_ptr(),
+            w,
             sw,
             out.as_mut_ptr(),
             Strides::row_major(m)?,
-            1.0,
             beta,
-            parallelism(dims),
         );
     }
     Ok(())
@@ -381,7 +442,7 @@ pub fn linear_backward_in(
         p,
         dout,
         x,
-        Weight::F32(w),
+        Operand::F32(w),
         dims,
         dx_overwrite,
         dx,
@@ -413,7 +474,7 @@ pub fn linear_backward_bf16(
         p,
         dout,
         x,
-        Weight::Bf16(w16),
+        Operand::Bf16(w16),
         dims,
         dx_overwrite,
         dx,
@@ -429,7 +490,7 @@ fn linear_backward_w(
     p: MatmulPrecision,
     dout: &[f32],
     x: &[f32],
-    w: Weight<'_>,
+    w: Operand<'_>,
     dims: MatmulDims,
     dx_overwrite: bool,
     dx: Option<&mut [f32]>,
@@ -454,48 +515,36 @@ fn linear_backward_w(
     if let Some(db) = dbias {
         bias_backward(dout, m, db);
     }
-    let (dout, x) = (p.rounded(dout), p.rounded(x));
+    // rounded once for both products (the AMX product rounds as it packs)
+    let amx = p == MatmulPrecision::Bf16 && Isa::active() == Isa::Amx;
+    let (dout, x) = match amx {
+        true => (Cow::Borrowed(dout), Cow::Borrowed(x)),
+        false => (p.rounded(dout), p.rounded(x)),
+    };
+    let (dout, x) = (Operand::F32(&dout), Operand::F32(&x));
+    let q = if amx { p } else { MatmulPrecision::F32 };
 
     if let Some(dx) = dx {
         // dx[n, k] (+)= dout[n, m] · w[m, k]; `w` is only needed (and rounded) here
-        let w = w.operand(p);
         let d = MatmulDims { n, k: m, m: k };
         let beta = if dx_overwrite { 0.0 } else { 1.0 };
+        let rounded;
+        let w = match amx {
+            true => w,
+            false => {
+                rounded = w.operand(p);
+                Operand::F32(&rounded)
+            }
+        };
         // SAFETY: lengths checked above; `dx` is a unique borrow with row-major strides.
-        unsafe {
-            gemm_raw(
-                d,
-                dout.as_ptr(),
-                row_m,
-                w.as_ptr(),
-                row_k,
-                dx.as_mut_ptr(),
-                row_k,
-                1.0,
-                beta,
-                parallelism(d),
-            );
-        }
+        unsafe { product_in(q, d, dout, row_m, w, row_k, dx.as_mut_ptr(), row_k, beta) };
     }
 
     // dw[m, k] += dout[n, m]ᵀ · x[n, k] (none for a frozen weight)
     let Some(dw) = dw else { return Ok(()) };
     let d = MatmulDims { n: m, k: n, m: k };
     // SAFETY: lengths checked above; `dw` is a unique borrow with row-major strides.
-    unsafe {
-        gemm_raw(
-            d,
-            dout.as_ptr(),
-            row_m.t(),
-            x.as_ptr(),
-            row_k,
-            dw.as_mut_ptr(),
-            row_k,
-            1.0,
-            1.0,
-            parallelism(d),
-        );
-    }
+    unsafe { product_in(q, d, dout, row_m.t(), x, row_k, dw.as_mut_ptr(), row_k, 1.0) };
     Ok(())
 }
 
@@ -694,6 +743,14 @@ impl Strides {
             row: self.col,
             col: self.row,
         }
+    }
+
+    /// The strides as the AMX product takes them: `None` if one is negative.
+    fn amx(self) -> Option<matmul_amx::Layout> {
+        Some(matmul_amx::Layout {
+            row: usize::try_from(self.row).ok()?,
+            col: usize::try_from(self.col).ok()?,
+        })
     }
 }
 

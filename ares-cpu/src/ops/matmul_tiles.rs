@@ -246,7 +246,7 @@ fn tiled_product<W: Widen>(
         match isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `isa` is one the CPU supports (the caller's contract).
-            Isa::Avx512 => unsafe { part_avx512::<W>(&part, out) },
+            Isa::Avx512 | Isa::Amx => unsafe { part_avx512::<W>(&part, out) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
             Isa::Avx2 => unsafe { part_avx2::<W>(&part, out) },

@@ -21,6 +21,7 @@ pub mod layer_norm;
 pub mod linear_head;
 pub mod log_prob_backward;
 pub mod matmul;
+pub(crate) mod matmul_amx;
 pub mod matmul_tiles;
 pub mod optim;
 pub mod optim_int8;

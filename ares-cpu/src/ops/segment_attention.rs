@@ -705,7 +705,7 @@ fn softmax_row(row: &mut [f32]) -> f32 {
     match Isa::active() {
         // SAFETY: `Isa::active` is a path the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { softmax_row_avx512(row) },
+        Isa::Avx512 | Isa::Amx => unsafe { softmax_row_avx512(row) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { softmax_row_avx2(row) },
@@ -777,7 +777,7 @@ fn probs_row(row: &mut [f32], lse: f32) {
     match Isa::active() {
         // SAFETY: `Isa::active` is a path the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { probs_row_avx512(row, lse) },
+        Isa::Avx512 | Isa::Amx => unsafe { probs_row_avx512(row, lse) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { probs_row_avx2(row, lse) },

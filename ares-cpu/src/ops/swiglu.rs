@@ -44,7 +44,7 @@ fn forward_chunk(o: &mut [f32], g: &[f32], u: &[f32]) {
     match Isa::active() {
         // SAFETY: `Isa::active` is a path the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { forward_avx512(o, g, u) },
+        Isa::Avx512 | Isa::Amx => unsafe { forward_avx512(o, g, u) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { forward_avx2(o, g, u) },
@@ -76,7 +76,7 @@ fn backward_chunk(dg: &mut [f32], du: &mut [f32], dy: &[f32], g: &[f32], u: &[f3
     match Isa::active() {
         // SAFETY: `Isa::active` is a path the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { backward_avx512(dg, du, dy, g, u) },
+        Isa::Avx512 | Isa::Amx => unsafe { backward_avx512(dg, du, dy, g, u) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { backward_avx2(dg, du, dy, g, u) },

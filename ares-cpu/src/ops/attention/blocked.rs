@@ -472,7 +472,7 @@ fn softmax_row(row: &mut [f32], mask: &[f32], causal: usize) -> f32 {
     match Isa::active() {
         // SAFETY: `Isa::active` is a path the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { softmax_row_avx512(row, mask, causal) },
+        Isa::Avx512 | Isa::Amx => unsafe { softmax_row_avx512(row, mask, causal) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { softmax_row_avx2(row, mask, causal) },
@@ -543,7 +543,7 @@ fn probs_row(row: &mut [f32], mask: &[f32], causal: usize, lse: f32) {
     match Isa::active() {
         // SAFETY: `Isa::active` is a path the CPU supports.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { probs_row_avx512(row, mask, causal, lse) },
+        Isa::Avx512 | Isa::Amx => unsafe { probs_row_avx512(row, mask, causal, lse) },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => unsafe { probs_row_avx2(row, mask, causal, lse) },

@@ -1,0 +1,736 @@
+//! bf16 matrix products on AMX tiles: what [`MatmulPrecision::Bf16`] runs on the CPU's
+//! [`Isa::Amx`] path (Intel Xeon Sapphire Rapids and later).
+//!
+//! The arithmetic is a tensor core's, as the emulation on the other paths: each operand
+//! element rounded to bf16 (nearest, ties to even), the products exact, the sums in f32.
+//! `tdpbf16ps` adds each pair of products `a[i, 2p]·b[2p, j] + a[i, 2p+1]·b[2p+1, j]` into
+//! an f32 accumulator, one pair after the other along `k`, so only the order of the f32
+//! sums differs from the emulated path's — and the hardware flushes subnormal operands
+//! and results to zero (below 1.2e-38: nothing a model's activations or gradients reach).
+//! Every element of `c` is summed by one tile product in `k` order, whatever the number of
+//! threads: the same bits for any thread count.
+//!
+//! The operands are packed (and rounded) once per product into the tiles' layouts:
+//! - `a` `[n, k]`: 16-row × 32-column tiles, a row's 32 bf16 contiguous (64 bytes);
+//! - `b` `[k, m]`: 16 pairs of rows × 16 columns, each column's pair `(b[2p, j], b[2p+1, j])`
+//!   adjacent (the layout `tdpbf16ps` reads: its "VNNI" format);
+//!
+//! zero-padded to whole 32 × 32 blocks of `c`, which one call of the tile kernel computes
+//! with four accumulator tiles. A block's two strips are interleaved tile by tile, so each
+//! step of the kernel reads 2 KiB of `a` and 2 KiB of `b` in a row.
+//!
+//! Linux hands the tile registers' state to a process only on request (`arch_prctl`
+//! `ARCH_REQ_XCOMP_PERM`); [`available`] asks once and the path exists only if granted.
+//!
+//! [`MatmulPrecision::Bf16`]: crate::ops::precision::MatmulPrecision::Bf16
+//! [`Isa::Amx`]: crate::isa::Isa::Amx
+
+use rayon::prelude::*;
+
+/// Rows (and pairs' columns) of a tile; a tile row holds 32 bf16.
+const TILE: usize = 16;
+/// Elements of one packed operand tile: 16 rows of 32 bf16 (1 KiB).
+const TILE_ELEMS: usize = 512;
+/// The contraction covered by one operand tile.
+const TILE_K: usize = 32;
+/// Distance between a strip's consecutive tiles in a packed block: the block's other
+/// strip's tile for the same `k` lies in between, so a step reads 2 KiB in a row.
+const PITCH: usize = 2 * TILE_ELEMS;
+/// Rows and columns of `c` one kernel call computes (2 × 2 accumulator tiles).
+const BLOCK: usize = 32;
+/// Column blocks of one parallel task (256 columns of `c`).
+const TASK_COL_BLOCKS: usize = 8;
+/// Row blocks of one parallel task (128 rows of `c`).
+const TASK_ROW_BLOCKS: usize = 4;
+/// Products below this many multiply-adds run on the calling thread.
+const PAR_MIN_MACS: usize = 1 << 22;
+
+/// Whether this process can run AMX bf16 tile instructions: the CPU reports AMX-TILE and
+/// AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22) besides AVX-512F, and Linux granted the tile
+/// data state. Asked once per process; `false` elsewhere than x86-64 Linux.
+pub fn available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(detect)
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn detect() -> bool {
+    // leaf 7 is asked only when the maximum leaf (leaf 0's EAX) reaches it
+    if std::arch::x86_64::__cpuid(0).eax < 7 {
+        return false;
+    }
+    let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
+    let (amx_bf16, amx_tile) = ((leaf7.edx >> 22) & 1 == 1, (leaf7.edx >> 24) & 1 == 1);
+    let avx512 = std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw");
+    if !(amx_bf16 && amx_tile && avx512) {
+        return false;
+    }
+    // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): 0 when granted (also when it
+    // was already); an error when the kernel predates AMX (5.16) or refuses.
+    const SYS_ARCH_PRCTL: i64 = 158;
+    const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+    const XFEATURE_XTILEDATA: i64 = 18;
+    let ret: i64;
+    // SAFETY: a plain system call; the kernel clobbers rcx and r11 and nothing else.
+    unsafe {
+        std::arch::asm!(
+            "syscall",
+            inlateout("rax") SYS_ARCH_PRCTL => ret,
+            in("rdi") ARCH_REQ_XCOMP_PERM,
+            in("rsi") XFEATURE_XTILEDATA,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        );
+    }
+    ret == 0
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+fn detect() -> bool {
+    false
+}
+
+/// One operand of a bf16 product as stored: f32 elements (rounded to bf16 as they are
+/// packed) or bf16 bits (taken as they are).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Elems<'a> {
+    /// f32 elements.
+    F32(&'a [f32]),
+    /// bf16 bits.
+    Bf16(&'a [u16]),
+}
+
+impl Elems<'_> {
+    /// The bf16 bits of the element at `i`.
+    #[inline(always)]
+    fn bits(&self, i: usize) -> u16 {
+        match self {
+            Elems::F32(s) => narrow(s[i]),
+            Elems::Bf16(s) => s[i],
+        }
+    }
+
+    /// The bf16 bits of the `dst.len()` elements from `start` on, into `dst`.
+    #[inline(always)]
+    fn run_into(&self, start: usize, dst: &mut [u16]) {
+        let len = dst.len();
+        match self {
+            Elems::F32(s) => {
+                for (d, &x) in dst.iter_mut().zip(&s[start..start + len]) {
+                    *d = narrow(x);
+                }
+            }
+            Elems::Bf16(s) => dst.copy_from_slice(&s[start..start + len]),
+        }
+    }
+}
+
+/// `x` rounded to the nearest bf16 (ties to even; a NaN stays a quiet NaN), as
+/// `Bf16Bits::narrow`, written so that a loop of it vectorises.
+#[inline(always)]
+fn narrow(x: f32) -> u16 {
+    let b = x.to_bits();
+    let r = match b & 0x7fff_ffff > 0x7f80_0000 {
+        true => b | 0x0040_0000,
+        // the carry out of the significand is the correct rounding, up to ∞
+        false => b.wrapping_add(0x7fff + ((b >> 16) & 1)),
+    };
+    (r >> 16) as u16
+}
+
+/// Row and column strides of an operand, in elements.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Layout {
+    /// Distance between consecutive rows.
+    pub row: usize,
+    /// Distance between consecutive columns.
+    pub col: usize,
+}
+
+/// A pointer to `c` that the parallel tasks share; each writes its own elements only.
+#[derive(Clone, Copy)]
+struct Out(*mut f32);
+// SAFETY: the tasks write disjoint blocks of `c` (see `product`).
+unsafe impl Send for Out {}
+// SAFETY: as above.
+unsafe impl Sync for Out {}
+
+thread_local! {
+    /// The packed operands' buffers, kept between products (a training step packs the same
+    /// sizes over and over; fresh allocations cost page faults).
+    static BUFFERS: std::cell::RefCell<[Vec<u16>; 2]> = const {
+        std::cell::RefCell::new([Vec::new(), Vec::new()])
+    };
+}
+
+/// `c[n, m] = beta·c + a[n, k] · b[k, m]` with both operands rounded to bf16, on AMX tiles
+/// ([`available`] must be true). `beta = 0` never reads `c`.
+///
+/// # Safety
+/// [`available`] returned true; every element `(i, l)` of `a` (`i < n`, `l < k`) lies in
+/// it at `i·sa.row + l·sa.col`, likewise `b` under `sb` and `c` under `sc`; the positions
+/// of `c`'s elements are distinct and `c` overlaps neither operand.
+#[allow(clippy::too_many_arguments)] // a GEMM's own argument list
+pub(crate) unsafe fn product(
+    n: usize,
+    k: usize,
+    m: usize,
+    a: Elems<'_>,
+    sa: Layout,
+    b: Elems<'_>,
+    sb: Layout,
+    c: *mut f32,
+    sc: Layout,
+    beta: f32,
+) {
+    if n == 0 || m == 0 {
+        return;
+    }
+    let k_tiles = k.div_ceil(TILE_K).max(1);
+    let sizes = [
+        2 * n.div_ceil(BLOCK) * k_tiles * TILE_ELEMS,
+        2 * m.div_ceil(BLOCK) * k_tiles * TILE_ELEMS,
+    ];
+    let run = |bufs: &mut [Vec<u16>; 2]| {
+        let [pa, pb] = bufs;
+        let (pa, pb) = (zeros_at_64(pa, sizes[0]), zeros_at_64(pb, sizes[1]));
+        // SAFETY: `available` (the caller's contract); the operands' layouts are theirs.
+        unsafe { product_packed(n, k, m, a, sa, b, sb, c, sc, beta, pa, pb) }
+    };
+    // A rayon task of another product may run on this thread while it waits for its own
+    // tasks: then its buffers are in use, and this product takes fresh ones.
+    BUFFERS.with(|cell| match cell.try_borrow_mut() {
+        Ok(mut bufs) => run(&mut bufs),
+        Err(_) => run(&mut [Vec::new(), Vec::new()]),
+    });
+}
+
+/// `len` zeros in `buf` starting at a 64-byte boundary (the padding of the packed operands
+/// must be zeros; a tile row read from one cache line instead of two is several times
+/// faster).
+fn zeros_at_64(buf: &mut Vec<u16>, len: usize) -> &mut [u16] {
+    buf.clear();
+    buf.resize(len + 32, 0);
+    let skip = buf.as_ptr().align_offset(64).min(32);
+    &mut buf[skip..skip + len]
+}
+
+/// [`product`] with the packing buffers at hand: `pa` and `pb` zeros of the packed sizes.
+///
+/// # Safety
+/// As [`product`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn product_packed(
+    n: usize,
+    k: usize,
+    m: usize,
+    a: Elems<'_>,
+    sa: Layout,
+    b: Elems<'_>,
+    sb: Layout,
+    c: *mut f32,
+    sc: Layout,
+    beta: f32,
+    pa: &mut [u16],
+    pb: &mut [u16],
+) {
+    let parallel = n.saturating_mul(k).saturating_mul(m) >= PAR_MIN_MACS;
+    let (row_blocks, col_blocks) = (n.div_ceil(BLOCK), m.div_ceil(BLOCK));
+    let k_tiles = k.div_ceil(TILE_K).max(1);
+    // a block's two 16-row (or 16-column) strips of tiles, interleaved
+    let block = 2 * k_tiles * TILE_ELEMS;
+    // SAFETY (both): `available` implies AVX-512F and BW.
+    let fill_a = |(i, dst): (usize, &mut [u16])| unsafe { pack_a_avx512(a, sa, n, k, i, dst) };
+    let fill_b = |(i, dst): (usize, &mut [u16])| unsafe { pack_b_avx512(b, sb, k, m, i, dst) };
+    if parallel {
+        pa.par_chunks_mut(block).enumerate().for_each(fill_a);
+        pb.par_chunks_mut(block).enumerate().for_each(fill_b);
+    } else {
+        pa.chunks_mut(block).enumerate().for_each(fill_a);
+        pb.chunks_mut(block).enumerate().for_each(fill_b);
+    }
+    let (pa, pb) = (&*pa, &*pb);
+    let out = Out(c);
+    // a whole block of a row-major `c` is loaded into (β = 1) or stored from the
+    // accumulator tiles directly; the others go through `acc`
+    let direct = sc.col == 1 && (beta == 0.0 || beta == 1.0);
+    let task = |(rt, ct): (usize, usize)| {
+        let mut acc = Acc([0.0; BLOCK * BLOCK]);
+        // SAFETY: `available`; released below, and no other tile code runs on this thread
+        // in between (the task calls nothing that could run another product).
+        unsafe { tile_config() };
+        for cb in ct * TASK_COL_BLOCKS..((ct + 1) * TASK_COL_BLOCKS).min(col_blocks) {
+            for rb in rt * TASK_ROW_BLOCKS..((rt + 1) * TASK_ROW_BLOCKS).min(row_blocks) {
+                let a0 = &pa[rb * block..(rb + 1) * block];
+                let b0 = &pb[cb * block..(cb + 1) * block];
+                let (r0, c0) = (rb * BLOCK, cb * BLOCK);
+                if direct && r0 + BLOCK <= n && c0 + BLOCK <= m {
+                    // SAFETY: `available`, configured; whole packed blocks; the
+                    // block's 32 rows of 32 elements of `c` are this task's alone (tasks
+                    // own disjoint ranges of blocks) and in bounds by the contract.
+                    unsafe {
+                        let at = out.0.add(r0 * sc.row + c0);
+                        tile_block(a0, b0, k_tiles, at, sc.row, beta == 1.0);
+                    }
+                } else {
+                    // SAFETY: as above, into `acc` (32 × 32, row-major).
+                    unsafe { tile_block(a0, b0, k_tiles, acc.0.as_mut_ptr(), BLOCK, false) };
+                    // SAFETY: as above.
+                    unsafe { merge(&acc, out, sc, r0, c0, n, m, beta) };
+                }
+            }
+        }
+        // SAFETY: `available`.
+        unsafe { tile_release() };
+    };
+    let (row_tasks, col_tasks) = (
+        row_blocks.div_ceil(TASK_ROW_BLOCKS),
+        col_blocks.div_ceil(TASK_COL_BLOCKS),
+    );
+    let tasks = (0..row_tasks).flat_map(|r| (0..col_tasks).map(move |c| (r, c)));
+    if parallel {
+        tasks.collect::<Vec<_>>().into_par_iter().for_each(task);
+    } else {
+        tasks.for_each(task);
+    }
+}
+
+/// A 32 × 32 block of accumulators, row-major.
+#[repr(C, align(64))]
+struct Acc([f32; BLOCK * BLOCK]);
+
+/// `c`'s block at rows `r0..`, columns `c0..` (clipped to `n × m`) `= beta·c + acc`.
+///
+/// # Safety
+/// As [`product`]'s for `c`; no other thread touches the block.
+#[allow(clippy::too_many_arguments)]
+unsafe fn merge(
+    acc: &Acc,
+    c: Out,
+    sc: Layout,
+    r0: usize,
+    c0: usize,
+    n: usize,
+    m: usize,
+    beta: f32,
+) {
+    for r in 0..BLOCK.min(n - r0) {
+        for col in 0..BLOCK.min(m - c0) {
+            let v = acc.0[r * BLOCK + col];
+            // SAFETY: element (r0 + r, c0 + col) of `c`, in bounds by the contract.
+            let p = unsafe { c.0.add((r0 + r) * sc.row + (c0 + col) * sc.col) };
+            // SAFETY: as above; `beta = 0` must not read `c` (it may hold garbage or NaN).
+            unsafe { *p = if beta == 0.0 { v } else { beta * *p + v } };
+        }
+    }
+}
+
+/// Block `block` of `a` (rows `32·block..`): its two row strips, [`pack_a_strip`]
+/// compiled for AVX-512.
+///
+/// # Safety
+/// The CPU has AVX-512F and BW.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_a_avx512(
+    a: Elems<'_>,
+    s: Layout,
+    n: usize,
+    k: usize,
+    block: usize,
+    dst: &mut [u16],
+) {
+    pack_a_strip(a, s, n, k, 2 * block, dst);
+    pack_a_strip(a, s, n, k, 2 * block + 1, &mut dst[TILE_ELEMS..]);
+}
+
+/// Block `block` of `b` (columns `32·block..`): its two column strips, [`pack_b_strip`]
+/// compiled for AVX-512.
+///
+/// # Safety
+/// The CPU has AVX-512F and BW.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_b_avx512(
+    b: Elems<'_>,
+    s: Layout,
+    k: usize,
+    m: usize,
+    block: usize,
+    dst: &mut [u16],
+) {
+    pack_b_strip(b, s, k, m, 2 * block, dst);
+    pack_b_strip(b, s, k, m, 2 * block + 1, &mut dst[TILE_ELEMS..]);
+}
+
+/// Row strip `s` of `a` `[n, k]` (rows `16·s..`) rounded into its 16 × 32 tiles, one after
+/// the other in `dst` (zeros), a tile's row `r` at `32·r`.
+#[inline(always)]
+fn pack_a_strip(a: Elems<'_>, s: Layout, n: usize, k: usize, strip: usize, dst: &mut [u16]) {
+    let rows = TILE.min(n.saturating_sub(strip * TILE));
+    if rows == 0 {
+        return; // a padding strip
+    }
+    let i0 = strip * TILE;
+    if s.col == 1 {
+        // rows contiguous in `a`: 32 elements at a time
+        for r in 0..rows {
+            for (t, l0) in (0..k).step_by(TILE_K).enumerate() {
+                let len = TILE_K.min(k - l0);
+                let at = t * PITCH + r * TILE_K;
+                a.run_into((i0 + r) * s.row + l0, &mut dst[at..at + len]);
+            }
+        }
+    } else if s.row == 1 {
+        // columns contiguous (a transposed operand): 16 rows of one column at a time
+        let mut col = [0u16; TILE];
+        for l in 0..k {
+            a.run_into(l * s.col + i0, &mut col[..rows]);
+            let at = (l / TILE_K) * PITCH + l % TILE_K;
+            for (r, &v) in col[..rows].iter().enumerate() {
+                dst[at + r * TILE_K] = v;
+            }
+        }
+    } else {
+        for r in 0..rows {
+            for l in 0..k {
+                dst[(l / TILE_K) * PITCH + r * TILE_K + l % TILE_K] =
+                    a.bits((i0 + r) * s.row + l * s.col);
+            }
+        }
+    }
+}
+
+/// Column strip `s` of `b` `[k, m]` (columns `16·s..`) rounded into its tiles of 16 row
+/// pairs × 16 columns, one after the other in `dst` (zeros): pair `p`'s row at `32·p`
+/// holds `(b[2p, j], b[2p+1, j])` for its 16 columns `j` in turn.
+#[inline(always)]
+fn pack_b_strip(b: Elems<'_>, s: Layout, k: usize, m: usize, strip: usize, dst: &mut [u16]) {
+    let cols = TILE.min(m.saturating_sub(strip * TILE));
+    if cols == 0 {
+        return; // a padding strip
+    }
+    let j0 = strip * TILE;
+    let at = |l: usize| (l / TILE_K) * PITCH + (l % TILE_K / 2) * TILE_K + l % 2;
+    if s.col == 1 {
+        // rows contiguous in `b`: 16 columns of one row at a time, every other element
+        let mut row = [0u16; TILE];
+        for l in 0..k {
+            b.run_into(l * s.row + j0, &mut row[..cols]);
+            let at = at(l);
+            for (j, &v) in row[..cols].iter().enumerate() {
+                dst[at + 2 * j] = v;
+            }
+        }
+    } else if s.row == 1 {
+        // columns contiguous (a transposed weight): one column's 32 elements at a time
+        let mut col = [0u16; TILE_K];
+        for j in 0..cols {
+            for l0 in (0..k).step_by(TILE_K) {
+                let len = TILE_K.min(k - l0);
+                b.run_into((j0 + j) * s.col + l0, &mut col[..len]);
+                for (l, &v) in col[..len].iter().enumerate() {
+                    dst[at(l0 + l) + 2 * j] = v;
+                }
+            }
+        }
+    } else {
+        for l in 0..k {
+            for j in 0..cols {
+                dst[at(l) + 2 * j] = b.bits(l * s.row + (j0 + j) * s.col);
+            }
+        }
+    }
+}
+
+/// The tile configuration: palette 1, tiles 0–7 each 16 rows of 64 bytes.
+#[repr(C, align(64))]
+struct TileConfig([u8; 64]);
+
+const CONFIG: TileConfig = {
+    let mut cfg = [0u8; 64];
+    cfg[0] = 1; // palette 1
+    let mut t = 0;
+    while t < 8 {
+        cfg[16 + 2 * t] = 64; // bytes per row (u16, little-endian)
+        cfg[48 + t] = TILE as u8; // rows
+        t += 1;
+    }
+    TileConfig(cfg)
+};
+
+/// Loads [`CONFIG`] into the tile unit (which also zeroes the tiles).
+///
+/// # Safety
+/// [`available`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn tile_config() {
+    // SAFETY: `available`: the tile state is the process's; CONFIG is 64 readable bytes.
+    unsafe { std::arch::asm!("ldtilecfg [{}]", in(reg) CONFIG.0.as_ptr(), options(nostack)) };
+}
+
+/// Returns the tile unit to its initial state (cheaper for the OS to switch).
+///
+/// # Safety
+/// [`available`].
+#[cfg(target_arch = "x86_64")]
+unsafe fn tile_release() {
+    // SAFETY: `available`.
+    unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn tile_config() {}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn tile_release() {}
+
+/// The 32 × 32 block at `c` (rows `c_row` elements apart) `= (load ? c : 0) + ` `a`'s two
+/// row strips times `b`'s two column strips, over `k_tiles` tiles: tiles 0–3 accumulate
+/// (rows `16·(t / 2)..`, columns `16·(t % 2)..`), 4–5 hold `a`'s tiles, 6–7 `b`'s.
+///
+/// # Safety
+/// [`available`] and [`tile_config`] run on this thread since the last [`tile_release`];
+/// `a` and `b` each hold a packed block (two strips of `k_tiles ≥ 1` tiles, interleaved
+/// tile by tile); `c`
+/// addresses 32 rows of 32 writable f32, `c_row` apart, that nothing else accesses.
+#[cfg(target_arch = "x86_64")]
+unsafe fn tile_block(a: &[u16], b: &[u16], k_tiles: usize, c: *mut f32, c_row: usize, load: bool) {
+    debug_assert!(k_tiles >= 1 && a.len() >= 2 * k_tiles * TILE_ELEMS);
+    debug_assert!(b.len() >= 2 * k_tiles * TILE_ELEMS);
+    let c_stride = c_row * 4; // bytes
+    let c_low = c.wrapping_add(TILE * c_row); // rows 16..32
+    // SAFETY: the caller's contract: the tiles' reads stay in `a` and `b` (`k_tiles`
+    // steps of two tiles each), the loads and stores in `c`'s
+    // block (tiles at its rows 0 and 16, columns 0 and 16: byte offset 64).
+    unsafe {
+        std::arch::asm!(
+            "test {load}, {load}",
+            "jz 3f",
+            "tileloadd tmm0, [{c} + {cs}*1]",
+            "tileloadd tmm1, [{c} + {cs}*1 + 64]",
+            "tileloadd tmm2, [{c2} + {cs}*1]",
+            "tileloadd tmm3, [{c2} + {cs}*1 + 64]",
+            "jmp 2f",
+            "3:",
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            "2:",
+            "tileloadd tmm4, [{a} + {stride}*1]",
+            "tileloadd tmm5, [{a} + {stride}*1 + 1024]",
+            "tileloadd tmm6, [{b} + {stride}*1]",
+            "tileloadd tmm7, [{b} + {stride}*1 + 1024]",
+            "tdpbf16ps tmm0, tmm4, tmm6",
+            "tdpbf16ps tmm1, tmm4, tmm7",
+            "tdpbf16ps tmm2, tmm5, tmm6",
+            "tdpbf16ps tmm3, tmm5, tmm7",
+            "add {a}, 2048",
+            "add {b}, 2048",
+            "dec {n}",
+            "jnz 2b",
+            "tilestored [{c} + {cs}*1], tmm0",
+            "tilestored [{c} + {cs}*1 + 64], tmm1",
+            "tilestored [{c2} + {cs}*1], tmm2",
+            "tilestored [{c2} + {cs}*1 + 64], tmm3",
+            load = in(reg) usize::from(load),
+            a = inout(reg) a.as_ptr() => _,
+            b = inout(reg) b.as_ptr() => _,
+            c = in(reg) c,
+            c2 = in(reg) c_low,
+            cs = in(reg) c_stride,
+            n = inout(reg) k_tiles => _,
+            stride = in(reg) 64usize,
+            out("tmm0") _,
+            out("tmm1") _,
+            out("tmm2") _,
+            out("tmm3") _,
+            out("tmm4") _,
+            out("tmm5") _,
+            out("tmm6") _,
+            out("tmm7") _,
+            options(nostack),
+        );
+    }
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn tile_block(_: &[u16], _: &[u16], _: usize, _: *mut f32, _: usize, _: bool) {
+    unreachable!("AMX is never available off x86-64")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::precision::MatmulPrecision::Bf16;
+    use crate::ops::stored::{Bf16Bits, Widen};
+
+    /// A deterministic pseudo-random value in [-2, 2).
+    fn value(seed: u64, i: usize) -> f32 {
+        let mut z = seed.wrapping_add((i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+    }
+
+    /// `c = beta·c + a·b` through `product` with `a` row-major or transposed in memory and
+    /// `b` likewise, against the f64 sums of the bf16-rounded operands.
+    fn check(n: usize, k: usize, m: usize, a_t: bool, b_t: bool, beta: f32) {
+        let a: Vec<f32> = (0..n * k).map(|i| value(1, i)).collect();
+        let b: Vec<f32> = (0..k * m).map(|i| value(2, i)).collect();
+        let sa = match a_t {
+            false => Layout { row: k, col: 1 },
+            true => Layout { row: 1, col: n },
+        };
+        let sb = match b_t {
+            false => Layout { row: m, col: 1 },
+            true => Layout { row: 1, col: k },
+        };
+        let c0: Vec<f32> = (0..n * m).map(|i| value(3, i)).collect();
+        let mut c = c0.clone();
+        // SAFETY: the test runs only where `available`; row-major `c`, operands in bounds.
+        unsafe {
+            product(
+                n,
+                k,
+                m,
+                Elems::F32(&a),
+                sa,
+                Elems::F32(&b),
+                sb,
+                c.as_mut_ptr(),
+                Layout { row: m, col: 1 },
+                beta,
+            );
+        }
+        for i in 0..n {
+            for j in 0..m {
+                let (mut sum, mut abs) = (0f64, 0f64);
+                for l in 0..k {
+                    let x = f64::from(Bf16.round(a[i * sa.row + l * sa.col]));
+                    let y = f64::from(Bf16.round(b[l * sb.row + j * sb.col]));
+                    sum += x * y;
+                    abs += (x * y).abs();
+                }
+                let want = f64::from(beta) * f64::from(c0[i * m + j]) + sum;
+                let got = f64::from(c[i * m + j]);
+                // f32 sums of k products: each addition rounds by at most 2⁻²⁴ of the
+                // running sum's magnitude, bounded by Σ|products| (+ the beta·c term)
+                let tol =
+                    (k as f64 + 2.0) * 2f64.powi(-24) * (abs + f64::from(c0[i * m + j]).abs());
+                assert!(
+                    (got - want).abs() <= tol,
+                    "{n}×{k}×{m} (a_t {a_t}, b_t {b_t}, beta {beta}) at ({i}, {j}): {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn products_equal_the_rounded_operands_sums() {
+        if !available() {
+            eprintln!("no AMX on this CPU (or not granted): nothing to check");
+            return;
+        }
+        for (n, k, m) in [
+            (1, 1, 1),
+            (16, 32, 16),
+            (17, 33, 15),
+            (32, 64, 32),
+            (64, 7, 100),
+            (100, 257, 129),
+            (3, 600, 2),
+        ] {
+            for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
+                for beta in [0.0, 1.0] {
+                    check(n, k, m, a_t, b_t, beta);
+                }
+            }
+        }
+        // the parallel tasks (past PAR_MIN_MACS)
+        check(300, 256, 300, false, true, 1.0);
+        check(257, 128, 513, true, false, 0.0);
+    }
+
+    /// Small integers: every product and partial sum is exact in f32, so any order of the
+    /// sums gives the emulation's bits; bf16 bits as stored equal f32 elements rounded.
+    #[test]
+    fn exact_sums_give_the_emulations_bits() {
+        if !available() {
+            eprintln!("no AMX on this CPU (or not granted): nothing to check");
+            return;
+        }
+        let (n, k, m) = (70, 90, 50);
+        let a: Vec<f32> = (0..n * k).map(|i| ((i * 7) % 13) as f32 - 6.0).collect();
+        let b: Vec<f32> = (0..k * m).map(|i| ((i * 5) % 11) as f32 - 5.0).collect();
+        let b16: Vec<u16> = b.iter().map(|&x| Bf16Bits::narrow(x)).collect();
+        let mut want = vec![0f32; n * m];
+        for i in 0..n {
+            for j in 0..m {
+                want[i * m + j] = (0..k).map(|l| a[i * k + l] * b[l * m + j]).sum();
+            }
+        }
+        for b in [Elems::F32(&b), Elems::Bf16(&b16)] {
+            let mut c = vec![f32::NAN; n * m]; // beta = 0 never reads it
+            // SAFETY: as in `check`.
+            unsafe {
+                product(
+                    n,
+                    k,
+                    m,
+                    Elems::F32(&a),
+                    Layout { row: k, col: 1 },
+                    b,
+                    Layout { row: m, col: 1 },
+                    c.as_mut_ptr(),
+                    Layout { row: m, col: 1 },
+                    0.0,
+                );
+            }
+            assert_eq!(c, want);
+        }
+    }
+
+    /// Each element of `c` is one tile product's: the same bits on 1 thread as on 3.
+    #[test]
+    fn bits_do_not_depend_on_the_thread_count() {
+        if !available() {
+            eprintln!("no AMX on this CPU (or not granted): nothing to check");
+            return;
+        }
+        let (n, k, m) = (200, 300, 260);
+        let a: Vec<f32> = (0..n * k).map(|i| value(4, i)).collect();
+        let b: Vec<f32> = (0..k * m).map(|i| value(5, i)).collect();
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let mut c = vec![0f32; n * m];
+            pool.install(|| {
+                // SAFETY: as in `check`.
+                unsafe {
+                    product(
+                        n,
+                        k,
+                        m,
+                        Elems::F32(&a),
+                        Layout { row: k, col: 1 },
+                        Elems::F32(&b),
+                        Layout { row: 1, col: k },
+                        c.as_mut_ptr(),
+                        Layout { row: m, col: 1 },
+                        0.0,
+                    );
+                }
+            });
+            c
+        };
+        let one = run(1);
+        assert_eq!(
+            one.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            run(3).iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+    }
+}
