@@ -32,10 +32,13 @@ use ares_benches::SplitMix;
 use ares_benches::model::{
     BENCH_MODEL, best_and_median, env_usize, ragged, random_weights, report,
 };
+use ares_model::backend::MatmulPrecision;
 use ares_model::backend::cpu::CpuBackend;
 use ares_model::hf::config::ModelConfig;
 use ares_model::hf::lora::LoraConfig;
-use ares_model::model::{AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling};
+use ares_model::model::{
+    AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling, WeightStorage,
+};
 
 const TRAIN_BATCH: usize = 8;
 const TRAIN_SEQ: usize = 256;
@@ -61,7 +64,7 @@ fn main() {
     let only = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let runs = env_usize("ARES_BENCH_RUNS", 5);
 
-    if only.as_deref().is_none_or(|o| o == "train") {
+    if only.as_deref().is_none_or(|o| o.starts_with("train")) {
         let vocab = 8192u32;
         let n = TRAIN_BATCH * TRAIN_SEQ;
         let ids: Vec<u32> = (0..n)
@@ -84,94 +87,134 @@ fn main() {
             attention_mask: &mask,
             position_ids: &positions,
         };
-        let mut acts = model
-            .activations(TRAIN_BATCH, TRAIN_SEQ)
-            .expect("activations");
-        let mut grads = model.grads().expect("grads");
         let be = CpuBackend;
-        let t = best_and_median(runs, || {
-            grads.zero(&be).expect("zero");
-            model.forward(&inputs, &mut acts).expect("forward");
-            model
-                .backward_from_log_prob_grads(
-                    &inputs, &mut acts, &targets, &coeffs, 1.0, &mut grads,
-                )
-                .expect("backward");
-        });
-        report("train forward+backward (8 × 256)", n, "tokens", t);
-        let t_train = t;
-        let t = best_and_median(runs, || {
-            model.forward(&inputs, &mut acts).expect("forward");
-        });
-        report("  of which forward", n, "tokens", t);
-        // activation checkpointing: one layer's activations kept, recomputed in the backward
-        model.set_gradient_checkpointing(true);
-        let mut ckpt = model
-            .activations(TRAIN_BATCH, TRAIN_SEQ)
-            .expect("activations");
-        let tc = best_and_median(runs, || {
-            grads.zero(&be).expect("zero");
-            model.forward(&inputs, &mut ckpt).expect("forward");
-            model
-                .backward_from_log_prob_grads(
-                    &inputs, &mut ckpt, &targets, &coeffs, 1.0, &mut grads,
-                )
-                .expect("backward");
-        });
-        model.set_gradient_checkpointing(false);
-        report("train forward+backward, checkpointed", n, "tokens", tc);
-        // the layers' activations per token (f32): ln1, q, k, v, att, lse, att_proj,
-        // resid_mid, ln2, gate, up, act, mlp_out, resid_out and two rstd
-        let (c, i, qd, kvd, hq) = (256usize, 704usize, 256usize, 128usize, 4usize);
-        let per_layer = 6 * c + 2 + 2 * qd + 2 * kvd + hq + 3 * i;
-        let layers = 4usize;
-        let mib = |floats: usize| (floats * n * 4) as f64 / (1 << 20) as f64;
-        println!(
-            "  layer activations: stored {:.1} MiB, checkpointed {:.1} MiB; time ratio checkpointed / stored {:.2}",
-            mib(layers * per_layer),
-            mib(per_layer + (layers - 1) * c),
-            tc.0.as_secs_f64() / t_train.0.as_secs_f64(),
-        );
-        let mut opt = AdamW::new(&model, AdamWConfig::default()).expect("adamw");
-        let t = best_and_median(runs, || {
-            opt.step(&mut model, &grads, 1e-6, Some(1.0)).expect("step");
-        });
-        report("AdamW step (clip + update)", 1, "steps", t);
+        // `train-bf16`: the bf16 step alone
+        let mut t_train = None;
+        if only.as_deref() != Some("train-bf16") {
+            let mut acts = model
+                .activations(TRAIN_BATCH, TRAIN_SEQ)
+                .expect("activations");
+            let mut grads = model.grads().expect("grads");
+            let t = best_and_median(runs, || {
+                grads.zero(&be).expect("zero");
+                model.forward(&inputs, &mut acts).expect("forward");
+                model
+                    .backward_from_log_prob_grads(
+                        &inputs, &mut acts, &targets, &coeffs, 1.0, &mut grads,
+                    )
+                    .expect("backward");
+            });
+            report("train forward+backward (8 × 256)", n, "tokens", t);
+            let t_f32 = t;
+            t_train = Some(t);
+            let t = best_and_median(runs, || {
+                model.forward(&inputs, &mut acts).expect("forward");
+            });
+            report("  of which forward", n, "tokens", t);
+            // activation checkpointing: one layer's activations kept, recomputed in the backward
+            model.set_gradient_checkpointing(true);
+            let mut ckpt = model
+                .activations(TRAIN_BATCH, TRAIN_SEQ)
+                .expect("activations");
+            let tc = best_and_median(runs, || {
+                grads.zero(&be).expect("zero");
+                model.forward(&inputs, &mut ckpt).expect("forward");
+                model
+                    .backward_from_log_prob_grads(
+                        &inputs, &mut ckpt, &targets, &coeffs, 1.0, &mut grads,
+                    )
+                    .expect("backward");
+            });
+            model.set_gradient_checkpointing(false);
+            report("train forward+backward, checkpointed", n, "tokens", tc);
+            // the layers' activations per token (f32): ln1, q, k, v, att, lse, att_proj,
+            // resid_mid, ln2, gate, up, act, mlp_out, resid_out and two rstd
+            let (c, i, qd, kvd, hq) = (256usize, 704usize, 256usize, 128usize, 4usize);
+            let per_layer = 6 * c + 2 + 2 * qd + 2 * kvd + hq + 3 * i;
+            let layers = 4usize;
+            let mib = |floats: usize| (floats * n * 4) as f64 / (1 << 20) as f64;
+            println!(
+                "  layer activations: stored {:.1} MiB, checkpointed {:.1} MiB; time ratio checkpointed / stored {:.2}",
+                mib(layers * per_layer),
+                mib(per_layer + (layers - 1) * c),
+                tc.0.as_secs_f64() / t_f32.0.as_secs_f64(),
+            );
+            let mut opt = AdamW::new(&model, AdamWConfig::default()).expect("adamw");
+            let t = best_and_median(runs, || {
+                opt.step(&mut model, &grads, 1e-6, Some(1.0)).expect("step");
+            });
+            report("AdamW step (clip + update)", 1, "steps", t);
 
-        // LoRA r = 16 on every linear layer (PEFT's all-linear), the base frozen: the
-        // same step on a second copy of the model, its pairs' gradients only
-        let mut lora_model = Model::new(CpuBackend, &config, &w).expect("the bench model builds");
-        let lora = LoraConfig::all_linear(16, 32.0);
-        lora_model.add_lora(&lora, 1).expect("adapters");
-        let mut acts = lora_model
+            // LoRA r = 16 on every linear layer (PEFT's all-linear), the base frozen: the
+            // same step on a second copy of the model, its pairs' gradients only
+            let mut lora_model =
+                Model::new(CpuBackend, &config, &w).expect("the bench model builds");
+            let lora = LoraConfig::all_linear(16, 32.0);
+            lora_model.add_lora(&lora, 1).expect("adapters");
+            let mut acts = lora_model
+                .activations(TRAIN_BATCH, TRAIN_SEQ)
+                .expect("activations");
+            let mut grads = lora_model.grads().expect("grads");
+            let t = best_and_median(runs, || {
+                grads.zero(&be).expect("zero");
+                lora_model.forward(&inputs, &mut acts).expect("forward");
+                lora_model
+                    .backward_from_log_prob_grads(
+                        &inputs, &mut acts, &targets, &coeffs, 1.0, &mut grads,
+                    )
+                    .expect("backward");
+            });
+            report(
+                "train forward+backward, LoRA r=16 all-linear",
+                n,
+                "tokens",
+                t,
+            );
+            println!(
+                "  time ratio LoRA / full {:.2}",
+                t.0.as_secs_f64() / t_f32.0.as_secs_f64()
+            );
+            let mut opt = AdamW::new(&lora_model, AdamWConfig::default()).expect("adamw");
+            let t = best_and_median(runs, || {
+                opt.step(&mut lora_model, &grads, 1e-6, Some(1.0))
+                    .expect("step");
+            });
+            report("AdamW step, LoRA pairs", 1, "steps", t);
+        }
+
+        // bf16 storage (issue 26's CPU goal): the linear weights stored in bf16 (no f32
+        // master), every product of at least BF16_MIN_ROWS rows in bf16 with f32 sums —
+        // the LM head and the attention too; the same step on a third copy of the model
+        let mut bf16_model = Model::new(CpuBackend, &config, &w).expect("the bench model builds");
+        bf16_model.set_matmul_precision(MatmulPrecision::Bf16);
+        bf16_model
+            .set_weight_storage(WeightStorage::Bf16)
+            .expect("bf16 weights");
+        let mut acts = bf16_model
             .activations(TRAIN_BATCH, TRAIN_SEQ)
             .expect("activations");
-        let mut grads = lora_model.grads().expect("grads");
+        let mut grads = bf16_model.grads().expect("grads");
         let t = best_and_median(runs, || {
             grads.zero(&be).expect("zero");
-            lora_model.forward(&inputs, &mut acts).expect("forward");
-            lora_model
+            bf16_model.forward(&inputs, &mut acts).expect("forward");
+            bf16_model
                 .backward_from_log_prob_grads(
                     &inputs, &mut acts, &targets, &coeffs, 1.0, &mut grads,
                 )
                 .expect("backward");
         });
         report(
-            "train forward+backward, LoRA r=16 all-linear",
+            "train forward+backward, bf16 weights and products",
             n,
             "tokens",
             t,
         );
-        println!(
-            "  time ratio LoRA / full {:.2}",
-            t.0.as_secs_f64() / t_train.0.as_secs_f64()
-        );
-        let mut opt = AdamW::new(&lora_model, AdamWConfig::default()).expect("adamw");
-        let t = best_and_median(runs, || {
-            opt.step(&mut lora_model, &grads, 1e-6, Some(1.0))
-                .expect("step");
-        });
-        report("AdamW step, LoRA pairs", 1, "steps", t);
+        if let Some(t_f32) = t_train {
+            println!(
+                "  time ratio bf16 / f32 {:.2}",
+                t.0.as_secs_f64() / t_f32.0.as_secs_f64()
+            );
+        }
     }
 
     if only.as_deref().is_none_or(|o| o == "ragged") {
