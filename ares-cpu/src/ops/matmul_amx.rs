@@ -241,15 +241,16 @@ unsafe fn product_packed(
     let k_tiles = k.div_ceil(TILE_K).max(1);
     // a block's two 16-row (or 16-column) strips of tiles, interleaved
     let block = 2 * k_tiles * TILE_ELEMS;
+    let group = GROUP / BLOCK * block;
     // SAFETY (both): `available` implies AVX-512F and BW.
-    let fill_a = |(i, dst): (usize, &mut [u16])| unsafe { pack_a_avx512(a, sa, n, k, i, dst) };
-    let fill_b = |(i, dst): (usize, &mut [u16])| unsafe { pack_b_avx512(b, sb, k, m, i, dst) };
+    let fill_a = |(g, dst): (usize, &mut [u16])| unsafe { pack_a(a, sa, n, k, block, g, dst) };
+    let fill_b = |(g, dst): (usize, &mut [u16])| unsafe { pack_b(b, sb, k, m, block, g, dst) };
     if parallel {
-        pa.par_chunks_mut(block).enumerate().for_each(fill_a);
-        pb.par_chunks_mut(block).enumerate().for_each(fill_b);
+        pa.par_chunks_mut(group).enumerate().for_each(fill_a);
+        pb.par_chunks_mut(group).enumerate().for_each(fill_b);
     } else {
-        pa.chunks_mut(block).enumerate().for_each(fill_a);
-        pb.chunks_mut(block).enumerate().for_each(fill_b);
+        pa.chunks_mut(group).enumerate().for_each(fill_a);
+        pb.chunks_mut(group).enumerate().for_each(fill_b);
     }
     let (pa, pb) = (&*pa, &*pb);
     let out = Out(c);
@@ -327,117 +328,122 @@ unsafe fn merge(
     }
 }
 
-/// Block `block` of `a` (rows `32·block..`): its two row strips, [`pack_a_strip`]
-/// compiled for AVX-512.
+/// Rows of `a` (columns of `b`) one packing task covers: 8 blocks. A transposed operand is
+/// read a whole row of the group at a time, so its reads stream instead of jumping a row
+/// of memory for every 64 bytes.
+const GROUP: usize = 8 * BLOCK;
+
+/// Where element `(r, l)` of a group of `a` (row `r` of the group, `l < k`) lies in its
+/// packed blocks of `block` elements each.
+#[inline(always)]
+fn a_at(block: usize, r: usize, l: usize) -> usize {
+    (r / BLOCK) * block
+        + (r / TILE % 2) * TILE_ELEMS
+        + (l / TILE_K) * PITCH
+        + (r % TILE) * TILE_K
+        + l % TILE_K
+}
+
+/// Where element `(l, j)` of a group of `b` (`l < k`, column `j` of the group) lies in its
+/// packed blocks of `block` elements each.
+#[inline(always)]
+fn b_at(block: usize, l: usize, j: usize) -> usize {
+    (j / BLOCK) * block
+        + (j / TILE % 2) * TILE_ELEMS
+        + (l / TILE_K) * PITCH
+        + (l % TILE_K / 2) * TILE_K
+        + 2 * (j % TILE)
+        + l % 2
+}
+
+/// Group `g` of `a` `[n, k]` (rows `256·g..`) rounded into its packed blocks in `dst`
+/// (zeros; the blocks of `block` elements each), compiled for AVX-512.
 ///
 /// # Safety
 /// The CPU has AVX-512F and BW.
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn pack_a_avx512(
+#[allow(clippy::too_many_arguments)]
+unsafe fn pack_a(
     a: Elems<'_>,
     s: Layout,
     n: usize,
     k: usize,
     block: usize,
+    g: usize,
     dst: &mut [u16],
 ) {
-    pack_a_strip(a, s, n, k, 2 * block, dst);
-    pack_a_strip(a, s, n, k, 2 * block + 1, &mut dst[TILE_ELEMS..]);
-}
-
-/// Block `block` of `b` (columns `32·block..`): its two column strips, [`pack_b_strip`]
-/// compiled for AVX-512.
-///
-/// # Safety
-/// The CPU has AVX-512F and BW.
-#[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn pack_b_avx512(
-    b: Elems<'_>,
-    s: Layout,
-    k: usize,
-    m: usize,
-    block: usize,
-    dst: &mut [u16],
-) {
-    pack_b_strip(b, s, k, m, 2 * block, dst);
-    pack_b_strip(b, s, k, m, 2 * block + 1, &mut dst[TILE_ELEMS..]);
-}
-
-/// Row strip `s` of `a` `[n, k]` (rows `16·s..`) rounded into its 16 × 32 tiles, one after
-/// the other in `dst` (zeros), a tile's row `r` at `32·r`.
-#[inline(always)]
-fn pack_a_strip(a: Elems<'_>, s: Layout, n: usize, k: usize, strip: usize, dst: &mut [u16]) {
-    let rows = TILE.min(n.saturating_sub(strip * TILE));
-    if rows == 0 {
-        return; // a padding strip
-    }
-    let i0 = strip * TILE;
+    let i0 = g * GROUP;
+    let rows = GROUP.min(n - i0);
     if s.col == 1 {
         // rows contiguous in `a`: 32 elements at a time
         for r in 0..rows {
-            for (t, l0) in (0..k).step_by(TILE_K).enumerate() {
+            for l0 in (0..k).step_by(TILE_K) {
+                let at = a_at(block, r, l0);
                 let len = TILE_K.min(k - l0);
-                let at = t * PITCH + r * TILE_K;
                 a.run_into((i0 + r) * s.row + l0, &mut dst[at..at + len]);
             }
         }
     } else if s.row == 1 {
-        // columns contiguous (a transposed operand): 16 rows of one column at a time
-        let mut col = [0u16; TILE];
+        // columns contiguous (a transposed operand): the group's part of a column at a time
+        let mut run = [0u16; GROUP];
         for l in 0..k {
-            a.run_into(l * s.col + i0, &mut col[..rows]);
-            let at = (l / TILE_K) * PITCH + l % TILE_K;
-            for (r, &v) in col[..rows].iter().enumerate() {
-                dst[at + r * TILE_K] = v;
+            a.run_into(l * s.col + i0, &mut run[..rows]);
+            for (r, &v) in run[..rows].iter().enumerate() {
+                dst[a_at(block, r, l)] = v;
             }
         }
     } else {
         for r in 0..rows {
             for l in 0..k {
-                dst[(l / TILE_K) * PITCH + r * TILE_K + l % TILE_K] =
-                    a.bits((i0 + r) * s.row + l * s.col);
+                dst[a_at(block, r, l)] = a.bits((i0 + r) * s.row + l * s.col);
             }
         }
     }
 }
 
-/// Column strip `s` of `b` `[k, m]` (columns `16·s..`) rounded into its tiles of 16 row
-/// pairs × 16 columns, one after the other in `dst` (zeros): pair `p`'s row at `32·p`
-/// holds `(b[2p, j], b[2p+1, j])` for its 16 columns `j` in turn.
-#[inline(always)]
-fn pack_b_strip(b: Elems<'_>, s: Layout, k: usize, m: usize, strip: usize, dst: &mut [u16]) {
-    let cols = TILE.min(m.saturating_sub(strip * TILE));
-    if cols == 0 {
-        return; // a padding strip
-    }
-    let j0 = strip * TILE;
-    let at = |l: usize| (l / TILE_K) * PITCH + (l % TILE_K / 2) * TILE_K + l % 2;
+/// Group `g` of `b` `[k, m]` (columns `256·g..`) rounded into its packed blocks in `dst`
+/// (zeros; the blocks of `block` elements each), compiled for AVX-512.
+///
+/// # Safety
+/// The CPU has AVX-512F and BW.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pack_b(
+    b: Elems<'_>,
+    s: Layout,
+    k: usize,
+    m: usize,
+    block: usize,
+    g: usize,
+    dst: &mut [u16],
+) {
+    let j0 = g * GROUP;
+    let cols = GROUP.min(m - j0);
     if s.col == 1 {
-        // rows contiguous in `b`: 16 columns of one row at a time, every other element
-        let mut row = [0u16; TILE];
+        // rows contiguous in `b`: the group's part of a row at a time
+        let mut run = [0u16; GROUP];
         for l in 0..k {
-            b.run_into(l * s.row + j0, &mut row[..cols]);
-            let at = at(l);
-            for (j, &v) in row[..cols].iter().enumerate() {
-                dst[at + 2 * j] = v;
+            b.run_into(l * s.row + j0, &mut run[..cols]);
+            for (j, &v) in run[..cols].iter().enumerate() {
+                dst[b_at(block, l, j)] = v;
             }
         }
     } else if s.row == 1 {
-        // columns contiguous (a transposed weight): one column's 32 elements at a time
-        let mut col = [0u16; TILE_K];
+        // columns contiguous (a transposed weight): 32 elements of a column at a time
+        let mut run = [0u16; TILE_K];
         for j in 0..cols {
             for l0 in (0..k).step_by(TILE_K) {
                 let len = TILE_K.min(k - l0);
-                b.run_into((j0 + j) * s.col + l0, &mut col[..len]);
-                for (l, &v) in col[..len].iter().enumerate() {
-                    dst[at(l0 + l) + 2 * j] = v;
+                b.run_into((j0 + j) * s.col + l0, &mut run[..len]);
+                for (l, &v) in run[..len].iter().enumerate() {
+                    dst[b_at(block, l0 + l, j)] = v;
                 }
             }
         }
     } else {
         for l in 0..k {
             for j in 0..cols {
-                dst[at(l) + 2 * j] = b.bits(l * s.row + (j0 + j) * s.col);
+                dst[b_at(block, l, j)] = b.bits(l * s.row + (j0 + j) * s.col);
             }
         }
     }
