@@ -38,6 +38,8 @@ const TILE_K: usize = 32;
 const PITCH: usize = 2 * TILE_ELEMS;
 /// Rows and columns of `c` one kernel call computes (2 × 2 accumulator tiles).
 const BLOCK: usize = 32;
+/// Tiles of `k` (32 each) one pass over a task's blocks covers.
+const K_CHUNK: usize = 8;
 /// Column blocks of one parallel task (256 columns of `c`).
 const TASK_COL_BLOCKS: usize = 8;
 /// Row blocks of one parallel task (128 rows of `c`).
@@ -195,7 +197,7 @@ pub(crate) unsafe fn product(
     ];
     let run = |bufs: &mut [Vec<u16>; 2]| {
         let [pa, pb] = bufs;
-        let (pa, pb) = (zeros_at_64(pa, sizes[0]), zeros_at_64(pb, sizes[1]));
+        let (pa, pb) = (at_64(pa, sizes[0]), at_64(pb, sizes[1]));
         // SAFETY: `available` (the caller's contract); the operands' layouts are theirs.
         unsafe { product_packed(n, k, m, a, sa, b, sb, c, sc, beta, pa, pb) }
     };
@@ -207,17 +209,43 @@ pub(crate) unsafe fn product(
     });
 }
 
-/// `len` zeros in `buf` starting at a 64-byte boundary (the padding of the packed operands
-/// must be zeros; a tile row read from one cache line instead of two is several times
-/// faster).
-fn zeros_at_64(buf: &mut Vec<u16>, len: usize) -> &mut [u16] {
-    buf.clear();
-    buf.resize(len + 32, 0);
+/// `len` elements of `buf` (grown if need be, keeping its contents) starting at a 64-byte
+/// boundary: a tile row read from one cache line instead of two is several times faster.
+fn at_64(buf: &mut Vec<u16>, len: usize) -> &mut [u16] {
+    if buf.len() < len + 32 {
+        buf.resize(len + 32, 0);
+    }
     let skip = buf.as_ptr().align_offset(64).min(32);
     &mut buf[skip..skip + len]
 }
 
-/// [`product`] with the packing buffers at hand: `pa` and `pb` zeros of the packed sizes.
+/// Zeros where packed `a` (`[n, k]`, blocks of `block` elements) holds no element: the rows
+/// past `n` in the last block and the columns past `k` in the last tile. The packers write
+/// every element, so with these the buffer needs no clearing between products.
+fn zero_a_padding(pa: &mut [u16], n: usize, k: usize, k_tiles: usize, block: usize) {
+    let (rows, depth) = (n.div_ceil(BLOCK) * BLOCK, k_tiles * TILE_K);
+    for i in 0..rows {
+        let from = if i < n { k } else { 0 };
+        for l in from..depth {
+            pa[a_at(block, i, l)] = 0;
+        }
+    }
+}
+
+/// [`zero_a_padding`] for packed `b` (`[k, m]`): the columns past `m` in the last block
+/// and the rows past `k` in the last tile.
+fn zero_b_padding(pb: &mut [u16], k: usize, m: usize, k_tiles: usize, block: usize) {
+    let (cols, depth) = (m.div_ceil(BLOCK) * BLOCK, k_tiles * TILE_K);
+    for j in 0..cols {
+        let from = if j < m { k } else { 0 };
+        for l in from..depth {
+            pb[b_at(block, l, j)] = 0;
+        }
+    }
+}
+
+/// [`product`] with the packing buffers at hand: `pa` and `pb` of the packed sizes, their
+/// contents anything.
 ///
 /// # Safety
 /// As [`product`].
@@ -242,6 +270,8 @@ unsafe fn product_packed(
     // a block's two 16-row (or 16-column) strips of tiles, interleaved
     let block = 2 * k_tiles * TILE_ELEMS;
     let group = GROUP / BLOCK * block;
+    zero_a_padding(pa, n, k, k_tiles, block);
+    zero_b_padding(pb, k, m, k_tiles, block);
     // SAFETY (both): `available` implies AVX-512F and BW.
     let fill_a = |(g, dst): (usize, &mut [u16])| unsafe { pack_a(a, sa, n, k, block, g, dst) };
     let fill_b = |(g, dst): (usize, &mut [u16])| unsafe { pack_b(b, sb, k, m, block, g, dst) };
@@ -262,24 +292,34 @@ unsafe fn product_packed(
         // SAFETY: `available`; released below, and no other tile code runs on this thread
         // in between (the task calls nothing that could run another product).
         unsafe { tile_config() };
-        for cb in ct * TASK_COL_BLOCKS..((ct + 1) * TASK_COL_BLOCKS).min(col_blocks) {
-            for rb in rt * TASK_ROW_BLOCKS..((rt + 1) * TASK_ROW_BLOCKS).min(row_blocks) {
-                let a0 = &pa[rb * block..(rb + 1) * block];
-                let b0 = &pb[cb * block..(cb + 1) * block];
-                let (r0, c0) = (rb * BLOCK, cb * BLOCK);
-                if direct && r0 + BLOCK <= n && c0 + BLOCK <= m {
-                    // SAFETY: `available`, configured; whole packed blocks; the
-                    // block's 32 rows of 32 elements of `c` are this task's alone (tasks
-                    // own disjoint ranges of blocks) and in bounds by the contract.
-                    unsafe {
-                        let at = out.0.add(r0 * sc.row + c0);
-                        tile_block(a0, b0, k_tiles, at, sc.row, beta == 1.0);
+        // `k` in chunks, so that the blocks' tiles a chunk reads stay in the caches; a
+        // direct block's sums pass through `c` between chunks (f32 out, f32 in: the same
+        // bits as kept in the tiles), a clipped block is summed whole in `acc` at once
+        for (chunk, t0) in (0..k_tiles).step_by(K_CHUNK).enumerate() {
+            let tiles = K_CHUNK.min(k_tiles - t0);
+            for cb in ct * TASK_COL_BLOCKS..((ct + 1) * TASK_COL_BLOCKS).min(col_blocks) {
+                for rb in rt * TASK_ROW_BLOCKS..((rt + 1) * TASK_ROW_BLOCKS).min(row_blocks) {
+                    let a0 = &pa[rb * block..(rb + 1) * block];
+                    let b0 = &pb[cb * block..(cb + 1) * block];
+                    let (r0, c0) = (rb * BLOCK, cb * BLOCK);
+                    if direct && r0 + BLOCK <= n && c0 + BLOCK <= m {
+                        let (a, b) = (&a0[t0 * PITCH..], &b0[t0 * PITCH..]);
+                        let load = chunk > 0 || beta == 1.0;
+                        // SAFETY: `available`, configured; `tiles` steps of the packed
+                        // blocks from `t0` on; the block's 32 rows of 32 elements of `c`
+                        // are this task's alone (tasks own disjoint ranges of blocks)
+                        // and in bounds by the contract.
+                        unsafe {
+                            let at = out.0.add(r0 * sc.row + c0);
+                            tile_block(a, b, tiles, at, sc.row, load);
+                        }
+                    } else if chunk == 0 {
+                        let sums = acc.0.as_mut_ptr();
+                        // SAFETY: as above, whole blocks into `acc` (32 × 32, row-major).
+                        unsafe { tile_block(a0, b0, k_tiles, sums, BLOCK, false) };
+                        // SAFETY: as above.
+                        unsafe { merge(&acc, out, sc, r0, c0, n, m, beta) };
                     }
-                } else {
-                    // SAFETY: as above, into `acc` (32 × 32, row-major).
-                    unsafe { tile_block(a0, b0, k_tiles, acc.0.as_mut_ptr(), BLOCK, false) };
-                    // SAFETY: as above.
-                    unsafe { merge(&acc, out, sc, r0, c0, n, m, beta) };
                 }
             }
         }
@@ -356,8 +396,214 @@ fn b_at(block: usize, l: usize, j: usize) -> usize {
         + l % 2
 }
 
+/// The packers' AVX-512 cores for f32 operands: 16 lanes rounded to bf16 at once, pairs of
+/// `k` built in registers and 16 × 16 blocks of pairs transposed in registers, a tile row
+/// (64 bytes) stored at a time. Every function needs AVX-512F and BW.
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use super::{BLOCK, PITCH, TILE, TILE_ELEMS, TILE_K};
+    use std::arch::x86_64::*;
+
+    /// `len ≤ 16` elements of `src` from `at` as f32 bits (the other lanes 0).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn load(src: &[f32], at: usize, len: usize) -> __m512i {
+        if len == 0 {
+            return _mm512_setzero_si512();
+        }
+        let s = &src[at..at + len]; // bounds checked once
+        let mask = (1u32 << len) as u16;
+        let mask = if len == 16 {
+            u16::MAX
+        } else {
+            mask.wrapping_sub(1)
+        };
+        // SAFETY: the masked lanes are the `len` elements of `s`.
+        unsafe { _mm512_maskz_loadu_epi32(mask, s.as_ptr().cast()) }
+    }
+
+    /// Each lane rounded to bf16 (the top 16 bits of the result; ties to even, NaN quiet),
+    /// as `super::narrow`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn round(b: __m512i) -> __m512i {
+        let abs = _mm512_and_si512(b, _mm512_set1_epi32(0x7fff_ffff));
+        let nan = _mm512_cmpgt_epu32_mask(abs, _mm512_set1_epi32(0x7f80_0000));
+        let odd = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+        let up = _mm512_add_epi32(b, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+        let quiet = _mm512_or_si512(b, _mm512_set1_epi32(0x0040_0000));
+        _mm512_mask_blend_epi32(nan, up, quiet)
+    }
+
+    /// Lane `i`: the bf16 pair `(even[i], odd[i])` of two rounded vectors, `even` low.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn pairs(even: __m512i, odd: __m512i) -> __m512i {
+        let hi = _mm512_and_si512(odd, _mm512_set1_epi32(0xffff_0000u32 as i32));
+        _mm512_or_si512(hi, _mm512_srli_epi32::<16>(even))
+    }
+
+    /// 16 × 16 32-bit lanes transposed: `r[i]` lane `j` ends in `r[j]` lane `i`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn transpose(r: &mut [__m512i; 16]) {
+        let mut a = [_mm512_setzero_si512(); 16];
+        for i in 0..8 {
+            a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+            a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+        }
+        // b[4i + c], 128-bit lane L: rows 4i..4i+4 of column 4L + c
+        let mut b = [_mm512_setzero_si512(); 16];
+        for i in 0..4 {
+            b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+            b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+            b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+            b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+        }
+        for c in 0..4 {
+            let e0 = _mm512_shuffle_i32x4::<0x88>(b[c], b[4 + c]);
+            let e1 = _mm512_shuffle_i32x4::<0xdd>(b[c], b[4 + c]);
+            let f0 = _mm512_shuffle_i32x4::<0x88>(b[8 + c], b[12 + c]);
+            let f1 = _mm512_shuffle_i32x4::<0xdd>(b[8 + c], b[12 + c]);
+            r[c] = _mm512_shuffle_i32x4::<0x88>(e0, f0);
+            r[4 + c] = _mm512_shuffle_i32x4::<0x88>(e1, f1);
+            r[8 + c] = _mm512_shuffle_i32x4::<0xdd>(e0, f0);
+            r[12 + c] = _mm512_shuffle_i32x4::<0xdd>(e1, f1);
+        }
+    }
+
+    /// One tile row (32 bf16, 64 bytes) into `dst` at `at`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn store(dst: &mut [u16], at: usize, v: __m512i) {
+        let d = &mut dst[at..at + TILE_K]; // bounds checked once
+        // SAFETY: 64 writable bytes.
+        unsafe { _mm512_storeu_si512(d.as_mut_ptr().cast(), v) };
+    }
+
+    /// `a` `[n, k]` stored with its columns contiguous (`a[i, l]` at `src[l·col + i]`):
+    /// the group's `rows` rows from `i0` on into its packed blocks (of `block` elements).
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn pack_a_t(
+        src: &[f32],
+        col: usize,
+        i0: usize,
+        rows: usize,
+        k: usize,
+        block: usize,
+        dst: &mut [u16],
+    ) {
+        let mut r = [_mm512_setzero_si512(); 16];
+        // 32 rows of the source at a time, each read along the group (1 KiB in a row)
+        // rather than a strip's 64 bytes down all `k` rows (a cache miss each)
+        for l0 in (0..k).step_by(TILE_K) {
+            for s in 0..rows.div_ceil(TILE) {
+                let len = TILE.min(rows - s * TILE);
+                let strip = (s * TILE / BLOCK) * block + (s % 2) * TILE_ELEMS;
+                // r[p]: pair p of k for the strip's 16 rows, then each row's 16 pairs
+                for (p, rp) in r.iter_mut().enumerate() {
+                    let l = l0 + 2 * p;
+                    let at = |l: usize| l * col + i0 + s * TILE;
+                    let even = if l < k {
+                        load(src, at(l), len)
+                    } else {
+                        _mm512_setzero_si512()
+                    };
+                    let odd = if l + 1 < k {
+                        load(src, at(l + 1), len)
+                    } else {
+                        _mm512_setzero_si512()
+                    };
+                    *rp = pairs(round(even), round(odd));
+                }
+                transpose(&mut r);
+                let tile = strip + (l0 / TILE_K) * PITCH;
+                for (i, &v) in r.iter().enumerate().take(len) {
+                    store(dst, tile + i * TILE_K, v);
+                }
+            }
+        }
+    }
+
+    /// `b` `[k, m]` stored row-major (`b[l, j]` at `src[l·row + j]`): the group's `cols`
+    /// columns from `j0` on into its packed blocks (of `block` elements).
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn pack_b_rows(
+        src: &[f32],
+        row: usize,
+        j0: usize,
+        cols: usize,
+        k: usize,
+        block: usize,
+        dst: &mut [u16],
+    ) {
+        // a pair of rows of the source at a time, each read along the group
+        for l in (0..k).step_by(2) {
+            for s in 0..cols.div_ceil(TILE) {
+                let len = TILE.min(cols - s * TILE);
+                let strip = (s * TILE / BLOCK) * block + (s % 2) * TILE_ELEMS;
+                let at = |l: usize| l * row + j0 + s * TILE;
+                let even = load(src, at(l), len);
+                let odd = if l + 1 < k {
+                    load(src, at(l + 1), len)
+                } else {
+                    _mm512_setzero_si512()
+                };
+                let tile_row = strip + (l / TILE_K) * PITCH + (l % TILE_K / 2) * TILE_K;
+                store(dst, tile_row, pairs(round(even), round(odd)));
+            }
+        }
+    }
+
+    /// `b` `[k, m]` stored with its columns contiguous (`b[l, j]` at `src[j·col + l]`, a
+    /// weight `[m, k]` read transposed): the group's `cols` columns from `j0` on into its
+    /// packed blocks (of `block` elements).
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn pack_b_t(
+        src: &[f32],
+        col: usize,
+        j0: usize,
+        cols: usize,
+        k: usize,
+        block: usize,
+        dst: &mut [u16],
+    ) {
+        // the high halves of 32 rounded lanes: bf16 l0 + i at u16 position i
+        let high: [i16; 32] = std::array::from_fn(|i| (2 * i + 1) as i16);
+        // SAFETY: 64 readable bytes.
+        let high = unsafe { _mm512_loadu_si512(high.as_ptr().cast()) };
+        let mut r = [_mm512_setzero_si512(); 16];
+        for s in 0..cols.div_ceil(TILE) {
+            let len = TILE.min(cols - s * TILE);
+            let strip = (s * TILE / BLOCK) * block + (s % 2) * TILE_ELEMS;
+            for l0 in (0..k).step_by(TILE_K) {
+                // r[j]: column j's 16 pairs of this tile, then each pair's 16 columns
+                for (j, rj) in r.iter_mut().enumerate() {
+                    if j >= len {
+                        *rj = _mm512_setzero_si512();
+                        continue;
+                    }
+                    let at = (j0 + s * TILE + j) * col + l0;
+                    let lo = round(load(src, at, TILE.min(k - l0)));
+                    let hi = round(load(src, at + TILE, TILE.min(k.saturating_sub(l0 + TILE))));
+                    *rj = _mm512_permutex2var_epi16(lo, high, hi);
+                }
+                transpose(&mut r);
+                let tile = strip + (l0 / TILE_K) * PITCH;
+                for (p, &v) in r.iter().enumerate() {
+                    store(dst, tile + p * TILE_K, v);
+                }
+            }
+        }
+    }
+}
+
 /// Group `g` of `a` `[n, k]` (rows `256·g..`) rounded into its packed blocks in `dst`
-/// (zeros; the blocks of `block` elements each), compiled for AVX-512.
+/// (the blocks of `block` elements each; every element written, the padding left as it
+/// is), compiled for AVX-512.
 ///
 /// # Safety
 /// The CPU has AVX-512F and BW.
@@ -374,6 +620,10 @@ unsafe fn pack_a(
 ) {
     let i0 = g * GROUP;
     let rows = GROUP.min(n - i0);
+    #[cfg(target_arch = "x86_64")]
+    if let (1, Elems::F32(src)) = (s.row, a) {
+        return simd::pack_a_t(src, s.col, i0, rows, k, block, dst);
+    }
     if s.col == 1 {
         // rows contiguous in `a`: 32 elements at a time
         for r in 0..rows {
@@ -402,7 +652,8 @@ unsafe fn pack_a(
 }
 
 /// Group `g` of `b` `[k, m]` (columns `256·g..`) rounded into its packed blocks in `dst`
-/// (zeros; the blocks of `block` elements each), compiled for AVX-512.
+/// (the blocks of `block` elements each; every element written, the padding left as it
+/// is), compiled for AVX-512.
 ///
 /// # Safety
 /// The CPU has AVX-512F and BW.
@@ -419,6 +670,12 @@ unsafe fn pack_b(
 ) {
     let j0 = g * GROUP;
     let cols = GROUP.min(m - j0);
+    #[cfg(target_arch = "x86_64")]
+    match (s.col, s.row, b) {
+        (1, _, Elems::F32(src)) => return simd::pack_b_rows(src, s.row, j0, cols, k, block, dst),
+        (_, 1, Elems::F32(src)) => return simd::pack_b_t(src, s.col, j0, cols, k, block, dst),
+        _ => {}
+    }
     if s.col == 1 {
         // rows contiguous in `b`: the group's part of a row at a time
         let mut run = [0u16; GROUP];
@@ -695,6 +952,47 @@ mod tests {
                 );
             }
             assert_eq!(c, want);
+        }
+    }
+
+    /// The vector rounding is `Bf16Bits::narrow`'s, on the values where rounding is subtle.
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn packed_bits_are_the_rounded_elements() {
+        if !available() {
+            eprintln!("no AMX on this CPU (or not granted): nothing to check");
+            return;
+        }
+        let special = [
+            0.0,
+            -0.0,
+            1.0 + 2f32.powi(-8),       // a tie: to even (1)
+            1.0 + 3.0 * 2f32.powi(-8), // a tie: to even (up)
+            1.0 + 2f32.powi(-8) + 2f32.powi(-20),
+            f32::MAX, // rounds to ∞
+            f32::MIN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+            f32::from_bits(0x7f80_0001), // a signalling NaN: made quiet
+            f32::from_bits(0x0000_8001), // subnormal
+            f32::MIN_POSITIVE,
+            -1.0e-30,
+            3.0e38,
+        ];
+        let src: Vec<f32> = (0..2 * 16)
+            .map(|i| special[i % 16] * if i >= 16 { -1.0 } else { 1.0 })
+            .collect();
+        let mut dst = vec![0u16; 2 * TILE_ELEMS];
+        // SAFETY: `available`.
+        unsafe { simd::pack_b_rows(&src, 16, 0, 16, 2, 2 * TILE_ELEMS, &mut dst) };
+        for l in 0..2 {
+            for j in 0..16 {
+                let want = Bf16Bits::narrow(src[l * 16 + j]);
+                assert_eq!(dst[b_at(2 * TILE_ELEMS, l, j)], want, "{}", src[l * 16 + j]);
+                assert_eq!(narrow(src[l * 16 + j]), want);
+            }
         }
     }
 
