@@ -625,7 +625,7 @@ unsafe fn pack_a(
         return simd::pack_a_t(src, s.col, i0, rows, k, block, dst);
     }
     if s.col == 1 {
-        // rows contiguous in `a`: 32 elements at a time
+        // rows contiguous in `a`: 32 elements at a time, straight into their tile rows
         for r in 0..rows {
             for l0 in (0..k).step_by(TILE_K) {
                 let at = a_at(block, r, l0);
@@ -633,21 +633,8 @@ unsafe fn pack_a(
                 a.run_into((i0 + r) * s.row + l0, &mut dst[at..at + len]);
             }
         }
-    } else if s.row == 1 {
-        // columns contiguous (a transposed operand): the group's part of a column at a time
-        let mut run = [0u16; GROUP];
-        for l in 0..k {
-            a.run_into(l * s.col + i0, &mut run[..rows]);
-            for (r, &v) in run[..rows].iter().enumerate() {
-                dst[a_at(block, r, l)] = v;
-            }
-        }
     } else {
-        for r in 0..rows {
-            for l in 0..k {
-                dst[a_at(block, r, l)] = a.bits((i0 + r) * s.row + l * s.col);
-            }
-        }
+        pack_scalar(a, s.row, s.col, i0, rows, k, dst, |r, l| a_at(block, r, l));
     }
 }
 
@@ -676,31 +663,50 @@ unsafe fn pack_b(
         (_, 1, Elems::F32(src)) => return simd::pack_b_t(src, s.col, j0, cols, k, block, dst),
         _ => {}
     }
-    if s.col == 1 {
-        // rows contiguous in `b`: the group's part of a row at a time
-        let mut run = [0u16; GROUP];
-        for l in 0..k {
-            b.run_into(l * s.row + j0, &mut run[..cols]);
-            for (j, &v) in run[..cols].iter().enumerate() {
-                dst[b_at(block, l, j)] = v;
-            }
-        }
-    } else if s.row == 1 {
-        // columns contiguous (a transposed weight): 32 elements of a column at a time
+    pack_scalar(b, s.col, s.row, j0, cols, k, dst, |j, l| b_at(block, l, j));
+}
+
+/// One group of an operand packed element by element (bf16 operands, odd layouts): its
+/// element `(o, l)` — `o` the group's row of `a` or column of `b`, `l < k` — read at
+/// `(o0 + o)·so + l·sl` and stored at `at(o, l)`, the loops walking the source in its
+/// contiguous direction.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn pack_scalar(
+    e: Elems<'_>,
+    so: usize,
+    sl: usize,
+    o0: usize,
+    outer: usize,
+    k: usize,
+    dst: &mut [u16],
+    at: impl Fn(usize, usize) -> usize,
+) {
+    if sl == 1 {
+        // contiguous along k: 32 elements at a time
         let mut run = [0u16; TILE_K];
-        for j in 0..cols {
+        for o in 0..outer {
             for l0 in (0..k).step_by(TILE_K) {
                 let len = TILE_K.min(k - l0);
-                b.run_into((j0 + j) * s.col + l0, &mut run[..len]);
+                e.run_into((o0 + o) * so + l0, &mut run[..len]);
                 for (l, &v) in run[..len].iter().enumerate() {
-                    dst[b_at(block, l0 + l, j)] = v;
+                    dst[at(o, l0 + l)] = v;
                 }
             }
         }
-    } else {
+    } else if so == 1 {
+        // contiguous along the group: its part of a row of the source at a time
+        let mut run = [0u16; GROUP];
         for l in 0..k {
-            for j in 0..cols {
-                dst[b_at(block, l, j)] = b.bits(l * s.row + (j0 + j) * s.col);
+            e.run_into(l * sl + o0, &mut run[..outer]);
+            for (o, &v) in run[..outer].iter().enumerate() {
+                dst[at(o, l)] = v;
+            }
+        }
+    } else {
+        for o in 0..outer {
+            for l in 0..k {
+                dst[at(o, l)] = e.bits((o0 + o) * so + l * sl);
             }
         }
     }
@@ -934,7 +940,16 @@ mod tests {
                 want[i * m + j] = (0..k).map(|l| a[i * k + l] * b[l * m + j]).sum();
             }
         }
-        for b in [Elems::F32(&b), Elems::Bf16(&b16)] {
+        // `b` also stored transposed (`bt[j, l]`: a weight `[m, k]` as the forward reads it)
+        let bt: Vec<f32> = (0..m * k).map(|i| b[(i % k) * m + i / k]).collect();
+        let bt16: Vec<u16> = bt.iter().map(|&x| Bf16Bits::narrow(x)).collect();
+        let (rows, cols) = (Layout { row: m, col: 1 }, Layout { row: 1, col: k });
+        for (b, sb) in [
+            (Elems::F32(&b), rows),
+            (Elems::Bf16(&b16), rows),
+            (Elems::F32(&bt), cols),
+            (Elems::Bf16(&bt16), cols),
+        ] {
             let mut c = vec![f32::NAN; n * m]; // beta = 0 never reads it
             // SAFETY: as in `check`.
             unsafe {
@@ -945,13 +960,13 @@ mod tests {
                     Elems::F32(&a),
                     Layout { row: k, col: 1 },
                     b,
-                    Layout { row: m, col: 1 },
+                    sb,
                     c.as_mut_ptr(),
                     Layout { row: m, col: 1 },
                     0.0,
                 );
             }
-            assert_eq!(c, want);
+            assert_eq!(c, want, "{sb:?}");
         }
     }
 
