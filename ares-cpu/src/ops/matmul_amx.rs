@@ -1011,6 +1011,42 @@ mod tests {
         }
     }
 
+    /// What the module states of subnormals: an operand below bf16's normal range counts
+    /// as 0, and so does a subnormal result (the emulation keeps both).
+    #[test]
+    fn subnormals_flush_to_zero() {
+        if !available() {
+            eprintln!("no AMX on this CPU (or not granted): nothing to check");
+            return;
+        }
+        let sub = f32::from_bits(0x0001_0000); // a bf16 subnormal, 9.2e-41
+        let run = |a: f32, b: f32| {
+            let mut c = [f32::NAN];
+            let one = Layout { row: 1, col: 1 };
+            // SAFETY: `available`; 1 × 1 × 1, every operand one element.
+            unsafe {
+                product(
+                    1,
+                    1,
+                    1,
+                    Elems::F32(&[a]),
+                    one,
+                    Elems::F32(&[b]),
+                    one,
+                    c.as_mut_ptr(),
+                    one,
+                    0.0,
+                )
+            };
+            c[0]
+        };
+        assert_eq!(run(sub, 2f32.powi(100)), 0.0); // exact: 1.16e-10
+        assert_eq!(run(1e-20, 1e-20), 0.0); // about 1e-40
+        // a normal result stays: bf16(1e-18)² ≈ 1e-36
+        let normal = run(1e-18, 1e-18);
+        assert!((normal / 1e-36 - 1.0).abs() < 0.01, "{normal:e}");
+    }
+
     /// Each element of `c` is one tile product's: the same bits on 1 thread as on 3.
     #[test]
     fn bits_do_not_depend_on_the_thread_count() {
