@@ -198,6 +198,11 @@ impl<'a> Operand<'a> {
     }
 }
 
+/// Whether products in precision `p` run on AMX tiles: bf16 on the `amx` path.
+fn on_tiles(p: MatmulPrecision) -> bool {
+    p == MatmulPrecision::Bf16 && Isa::active() == Isa::Amx
+}
+
 /// `c = beta·c + a·b` with the operands as stored, rounded to `p` (already decided for the
 /// rows): in bf16 on the `amx` path on AMX tiles (`matmul_amx`), else the rounded
 /// operands through `gemm`'s f32 product. `beta = 0` never reads `c`.
@@ -216,8 +221,7 @@ unsafe fn product_in(
     sc: Strides,
     beta: f32,
 ) {
-    if p == MatmulPrecision::Bf16
-        && Isa::active() == Isa::Amx
+    if on_tiles(p)
         && let (Some(la), Some(lb), Some(lc)) = (sa.amx(), sb.amx(), sc.amx())
     {
         // SAFETY: the path is `amx` only where `matmul_amx::available()`; the rest is
@@ -516,7 +520,7 @@ fn linear_backward_w(
         bias_backward(dout, m, db);
     }
     // rounded once for both products (the AMX product rounds as it packs)
-    let amx = p == MatmulPrecision::Bf16 && Isa::active() == Isa::Amx;
+    let amx = on_tiles(p);
     let (dout, x) = match amx {
         true => (Cow::Borrowed(dout), Cow::Borrowed(x)),
         false => (p.rounded(dout), p.rounded(x)),

@@ -25,6 +25,7 @@
 //! [`MatmulPrecision::Bf16`]: crate::ops::precision::MatmulPrecision::Bf16
 //! [`Isa::Amx`]: crate::isa::Isa::Amx
 
+use crate::ops::precision::round_to_bits;
 use rayon::prelude::*;
 
 /// Rows (and pairs' columns) of a tile; a tile row holds 32 bf16.
@@ -50,6 +51,7 @@ const PAR_MIN_MACS: usize = 1 << 22;
 /// Whether this process can run AMX bf16 tile instructions: the CPU reports AMX-TILE and
 /// AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22) besides AVX-512F, and Linux granted the tile
 /// data state. Asked once per process; `false` elsewhere than x86-64 Linux.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the path is x86-64's only
 pub fn available() -> bool {
     static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *AVAILABLE.get_or_init(detect)
@@ -90,6 +92,7 @@ fn detect() -> bool {
 }
 
 #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+#[allow(dead_code)] // through `available`, on x86-64 only
 fn detect() -> bool {
     false
 }
@@ -129,17 +132,11 @@ impl Elems<'_> {
     }
 }
 
-/// `x` rounded to the nearest bf16 (ties to even; a NaN stays a quiet NaN), as
-/// `Bf16Bits::narrow`, written so that a loop of it vectorises.
+/// `x` rounded to the nearest bf16 (ties to even; a NaN stays a quiet NaN): the emulation's
+/// rounding (`round_to_bits`), its bits; a loop of it vectorises.
 #[inline(always)]
 fn narrow(x: f32) -> u16 {
-    let b = x.to_bits();
-    let r = match b & 0x7fff_ffff > 0x7f80_0000 {
-        true => b | 0x0040_0000,
-        // the carry out of the significand is the correct rounding, up to ∞
-        false => b.wrapping_add(0x7fff + ((b >> 16) & 1)),
-    };
-    (r >> 16) as u16
+    (round_to_bits(x, 16).to_bits() >> 16) as u16
 }
 
 /// Row and column strides of an operand, in elements.
@@ -607,7 +604,7 @@ mod simd {
 ///
 /// # Safety
 /// The CPU has AVX-512F and BW.
-#[target_feature(enable = "avx512f,avx512bw")]
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bw"))]
 #[allow(clippy::too_many_arguments)]
 unsafe fn pack_a(
     a: Elems<'_>,
@@ -644,7 +641,7 @@ unsafe fn pack_a(
 ///
 /// # Safety
 /// The CPU has AVX-512F and BW.
-#[target_feature(enable = "avx512f,avx512bw")]
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx512f,avx512bw"))]
 #[allow(clippy::too_many_arguments)]
 unsafe fn pack_b(
     b: Elems<'_>,
@@ -713,9 +710,11 @@ fn pack_scalar(
 }
 
 /// The tile configuration: palette 1, tiles 0–7 each 16 rows of 64 bytes.
+#[cfg(target_arch = "x86_64")]
 #[repr(C, align(64))]
 struct TileConfig([u8; 64]);
 
+#[cfg(target_arch = "x86_64")]
 const CONFIG: TileConfig = {
     let mut cfg = [0u8; 64];
     cfg[0] = 1; // palette 1
