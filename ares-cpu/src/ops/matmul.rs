@@ -903,6 +903,7 @@ unsafe fn gemm_on(
             }
         }};
     }
+    #[cfg(target_arch = "x86_64")]
     use gemm_common::simd::MixedSimd;
     if isa != Isa::detected() {
         match isa {

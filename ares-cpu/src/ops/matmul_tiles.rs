@@ -43,6 +43,7 @@ pub const ROW_CHUNK: usize = 64;
 /// weights from memory (a 0.5B model's do not fit any cache) the hardware prefetcher alone
 /// left an 8-row product at ~14 GB/s of weights against a 29 GB/s read limit; 4 KB ahead
 /// gave 20–22 GB/s in f32 and 1.6–1.9× in bf16 (2–4 KB measured best of 0.25–4 KB).
+#[cfg(target_arch = "x86_64")]
 const PREFETCH_BYTES: usize = 4096;
 
 /// Rounds `src` to bf16 (nearest even; NaN stays NaN) into `dst`, as bits.
@@ -303,7 +304,9 @@ fn part_avx2<W: Widen>(part: &Part<'_, W::Elem>, out: &mut [f32]) {
 /// The kernels [`part_loop`] multiplies full tiles with (a const parameter: the choice is
 /// made once per part, not per tile).
 const PORTABLE: u8 = 0;
+#[cfg(target_arch = "x86_64")]
 const AVX2: u8 = 1;
+#[cfg(target_arch = "x86_64")]
 const AVX512: u8 = 2;
 
 /// Calls `$f::<W, R>(args…)` with `R` = `$rows` (1 ..= [`ROW_BLOCK`]): a fixed row count
