@@ -16,8 +16,17 @@
 //!   adjacent (the layout `tdpbf16ps` reads: its "VNNI" format);
 //!
 //! zero-padded to whole 32 × 32 blocks of `c`, which one call of the tile kernel computes
-//! with four accumulator tiles. A block's two strips are interleaved tile by tile, so each
-//! step of the kernel reads 2 KiB of `a` and 2 KiB of `b` in a row.
+//! with four accumulator tiles over the whole of `k`. A block's two strips are interleaved
+//! tile by tile, so each step of the kernel reads 2 KiB of `a` and 2 KiB of `b` in a row
+//! (from L2 at full speed: the tile loads are not what limits it).
+//!
+//! What limits a product with a shallow `k` (a model of hidden size 256: 32 blocks' sums
+//! for every 8 tile steps) is writing `c`. The tiles store a row block's sums into a
+//! 32 KiB panel (the task's 256 columns), and the panel is written out 16 lanes at a time:
+//! `β·c + sums`, or, for a `c` written whole that is larger than a core's L2, straight
+//! to memory with streaming stores (a row's whole 64-byte lines; its partial first and
+//! last lines as usual). A cached store first reads the line it writes; on this path that
+//! doubled the memory traffic and halved the speed of the LM head's forward product.
 //!
 //! Linux hands the tile registers' state to a process only on request (`arch_prctl`
 //! `ARCH_REQ_XCOMP_PERM`); [`available`] asks once and the path exists only if granted.
@@ -39,14 +48,15 @@ const TILE_K: usize = 32;
 const PITCH: usize = 2 * TILE_ELEMS;
 /// Rows and columns of `c` one kernel call computes (2 × 2 accumulator tiles).
 const BLOCK: usize = 32;
-/// Tiles of `k` (32 each) one pass over a task's blocks covers.
-const K_CHUNK: usize = 8;
 /// Column blocks of one parallel task (256 columns of `c`).
 const TASK_COL_BLOCKS: usize = 8;
 /// Row blocks of one parallel task (128 rows of `c`).
 const TASK_ROW_BLOCKS: usize = 4;
 /// Products below this many multiply-adds run on the calling thread.
 const PAR_MIN_MACS: usize = 1 << 22;
+/// `c` of at least this many bytes (beyond a core's L2), written whole (`β = 0`), is
+/// stored past the caches.
+const STREAM_MIN_BYTES: usize = 4 << 20;
 
 /// Whether this process can run AMX bf16 tile instructions: the CPU reports AMX-TILE and
 /// AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22) besides AVX-512F, and Linux granted the tile
@@ -281,47 +291,56 @@ unsafe fn product_packed(
     }
     let (pa, pb) = (&*pa, &*pb);
     let out = Out(c);
-    // a whole block of a row-major `c` is loaded into (β = 1) or stored from the
-    // accumulator tiles directly; the others go through `acc`
-    let direct = sc.col == 1 && (beta == 0.0 || beta == 1.0);
+    // a large `c` written whole goes past the caches: its lines are not read first, and
+    // it does not evict the operands
+    let stream =
+        beta == 0.0 && sc.col == 1 && n.saturating_mul(m).saturating_mul(4) >= STREAM_MIN_BYTES;
     let task = |(rt, ct): (usize, usize)| {
-        let mut acc = Acc([0.0; BLOCK * BLOCK]);
+        let cols = ct * PANEL..((ct + 1) * PANEL).min(m);
+        // every element the write-out reads is stored by the tiles first
+        let mut panel = std::mem::MaybeUninit::<Panel>::uninit();
+        let sums = panel.as_mut_ptr().cast::<f32>();
         // SAFETY: `available`; released below, and no other tile code runs on this thread
         // in between (the task calls nothing that could run another product).
         unsafe { tile_config() };
-        // `k` in chunks, so that the blocks' tiles a chunk reads stay in the caches; a
-        // direct block's sums pass through `c` between chunks (f32 out, f32 in: the same
-        // bits as kept in the tiles), a clipped block is summed whole in `acc` at once
-        for (chunk, t0) in (0..k_tiles).step_by(K_CHUNK).enumerate() {
-            let tiles = K_CHUNK.min(k_tiles - t0);
+        for rb in rt * TASK_ROW_BLOCKS..((rt + 1) * TASK_ROW_BLOCKS).min(row_blocks) {
+            let a0 = &pa[rb * block..(rb + 1) * block];
             for cb in ct * TASK_COL_BLOCKS..((ct + 1) * TASK_COL_BLOCKS).min(col_blocks) {
-                for rb in rt * TASK_ROW_BLOCKS..((rt + 1) * TASK_ROW_BLOCKS).min(row_blocks) {
-                    let a0 = &pa[rb * block..(rb + 1) * block];
-                    let b0 = &pb[cb * block..(cb + 1) * block];
-                    let (r0, c0) = (rb * BLOCK, cb * BLOCK);
-                    if direct && r0 + BLOCK <= n && c0 + BLOCK <= m {
-                        let (a, b) = (&a0[t0 * PITCH..], &b0[t0 * PITCH..]);
-                        let load = chunk > 0 || beta == 1.0;
-                        // SAFETY: `available`, configured; `tiles` steps of the packed
-                        // blocks from `t0` on; the block's 32 rows of 32 elements of `c`
-                        // are this task's alone (tasks own disjoint ranges of blocks)
-                        // and in bounds by the contract.
-                        unsafe {
-                            let at = out.0.add(r0 * sc.row + c0);
-                            tile_block(a, b, tiles, at, sc.row, load);
-                        }
-                    } else if chunk == 0 {
-                        let sums = acc.0.as_mut_ptr();
-                        // SAFETY: as above, whole blocks into `acc` (32 × 32, row-major).
-                        unsafe { tile_block(a0, b0, k_tiles, sums, BLOCK, false) };
-                        // SAFETY: as above.
-                        unsafe { merge(&acc, out, sc, r0, c0, n, m, beta) };
-                    }
+                let b0 = &pb[cb * block..(cb + 1) * block];
+                // SAFETY: `available`, configured; the packed blocks hold `k_tiles`
+                // steps; the block's 32 columns of the panel are in it (`cb` is one of
+                // the task's column blocks).
+                unsafe {
+                    let at = sums.add((cb - ct * TASK_COL_BLOCKS) * BLOCK);
+                    tile_block(a0, b0, k_tiles, at, PANEL);
                 }
             }
+            let r0 = rb * BLOCK;
+            // SAFETY: the panel's rows and columns were stored above; the task's rows
+            // and columns of `c` are its alone (tasks own disjoint ranges of blocks) and
+            // in bounds by the contract.
+            unsafe {
+                write_panel(
+                    sums,
+                    out,
+                    sc,
+                    r0..(r0 + BLOCK).min(n),
+                    cols.clone(),
+                    beta,
+                    stream,
+                )
+            };
         }
         // SAFETY: `available`.
         unsafe { tile_release() };
+        if stream {
+            // the streamed stores are weakly ordered: visible before the task is done
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: SSE is part of x86-64.
+            unsafe {
+                std::arch::x86_64::_mm_sfence()
+            };
+        }
     };
     let (row_tasks, col_tasks) = (
         row_blocks.div_ceil(TASK_ROW_BLOCKS),
@@ -335,32 +354,48 @@ unsafe fn product_packed(
     }
 }
 
-/// A 32 × 32 block of accumulators, row-major.
-#[repr(C, align(64))]
-struct Acc([f32; BLOCK * BLOCK]);
+/// Columns of `c` one parallel task covers: its column blocks.
+const PANEL: usize = TASK_COL_BLOCKS * BLOCK;
 
-/// `c`'s block at rows `r0..`, columns `c0..` (clipped to `n × m`) `= beta·c + acc`.
+/// The sums of one row block of a task, row-major: 32 rows of [`PANEL`] f32 (32 KiB).
+#[repr(C, align(64))]
+struct Panel([f32; BLOCK * PANEL]);
+
+/// `c[rows, cols] = beta·c + sums` (`beta = 0` never reads `c`), `sums` holding the rows
+/// [`PANEL`] apart from the first of `cols`; with `stream`, the whole 64-byte lines of a
+/// row-major `c` are written past the caches.
 ///
 /// # Safety
-/// As [`product`]'s for `c`; no other thread touches the block.
+/// As [`product`]'s for `c`; `sums` holds `rows.len()` rows of `cols.len()` sums; no other
+/// thread touches these elements of `c`; `stream` only with `sc.col = 1`; the CPU has
+/// AVX-512F where `sc.col = 1`.
 #[allow(clippy::too_many_arguments)]
-unsafe fn merge(
-    acc: &Acc,
+unsafe fn write_panel(
+    sums: *const f32,
     c: Out,
     sc: Layout,
-    r0: usize,
-    c0: usize,
-    n: usize,
-    m: usize,
+    rows: std::ops::Range<usize>,
+    cols: std::ops::Range<usize>,
     beta: f32,
+    stream: bool,
 ) {
-    for r in 0..BLOCK.min(n - r0) {
-        for col in 0..BLOCK.min(m - c0) {
-            let v = acc.0[r * BLOCK + col];
-            // SAFETY: element (r0 + r, c0 + col) of `c`, in bounds by the contract.
-            let p = unsafe { c.0.add((r0 + r) * sc.row + (c0 + col) * sc.col) };
-            // SAFETY: as above; `beta = 0` must not read `c` (it may hold garbage or NaN).
-            unsafe { *p = if beta == 0.0 { v } else { beta * *p + v } };
+    #[cfg(target_arch = "x86_64")]
+    if sc.col == 1 {
+        // SAFETY: forwarded; `c`'s element (rows.start, cols.start) is in bounds.
+        return unsafe {
+            let at = c.0.add(rows.start * sc.row + cols.start);
+            simd::write_rows(sums, at, sc.row, rows.len(), cols.len(), beta, stream)
+        };
+    }
+    for (r, i) in rows.enumerate() {
+        for (l, j) in cols.clone().enumerate() {
+            // SAFETY: the caller's: a stored sum, and element (i, j) of `c`.
+            unsafe {
+                let v = *sums.add(r * PANEL + l);
+                let p = c.0.add(i * sc.row + j * sc.col);
+                // `beta = 0` must not read `c` (it may hold garbage or NaN)
+                *p = if beta == 0.0 { v } else { beta * *p + v };
+            }
         }
     }
 }
@@ -398,8 +433,73 @@ fn b_at(block: usize, l: usize, j: usize) -> usize {
 /// (64 bytes) stored at a time. Every function needs AVX-512F and BW.
 #[cfg(target_arch = "x86_64")]
 mod simd {
-    use super::{BLOCK, PITCH, TILE, TILE_ELEMS, TILE_K};
+    use super::{BLOCK, Elems, PANEL, PITCH, TILE, TILE_ELEMS, TILE_K};
     use std::arch::x86_64::*;
+
+    /// `rows` rows of `cols` sums (rows [`PANEL`] apart in `sums`) into row-major `c`
+    /// (rows `row` apart): `c = beta·c + sums` (`beta = 0` never reads `c`), 16 lanes at
+    /// a time; with `stream` (and `beta = 0`), each row's whole 64-byte lines are written
+    /// past the caches, its partial first and last lines as usual.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; `sums` holds the sums; the `rows × cols` elements at `c` are
+    /// writable and no one else's.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub(super) unsafe fn write_rows(
+        sums: *const f32,
+        c: *mut f32,
+        row: usize,
+        rows: usize,
+        cols: usize,
+        beta: f32,
+        stream: bool,
+    ) {
+        let scale = _mm512_set1_ps(beta);
+        let mask = |len: usize| {
+            if len >= TILE {
+                u16::MAX
+            } else {
+                ((1u32 << len) - 1) as u16
+            }
+        };
+        for r in 0..rows {
+            // SAFETY (all): the caller's; the lanes under each mask are row `r`'s.
+            let (src, dst) = unsafe { (sums.add(r * PANEL), c.add(r * row)) };
+            let mut j = 0;
+            if stream && beta == 0.0 {
+                // up to the first line boundary, then whole lines, then the rest
+                let head = (dst.align_offset(64)).min(cols);
+                unsafe {
+                    _mm512_mask_storeu_ps(dst, mask(head), _mm512_maskz_loadu_ps(mask(head), src))
+                };
+                j = head;
+                while j + TILE <= cols {
+                    unsafe { _mm512_stream_ps(dst.add(j), _mm512_loadu_ps(src.add(j))) };
+                    j += TILE;
+                }
+            }
+            while j < cols {
+                let k = mask(cols - j);
+                unsafe {
+                    let (s, d) = (src.add(j), dst.add(j));
+                    let v = _mm512_maskz_loadu_ps(k, s);
+                    let v = if beta == 0.0 {
+                        v
+                    } else {
+                        let old = _mm512_maskz_loadu_ps(k, d);
+                        let old = if beta == 1.0 {
+                            old
+                        } else {
+                            _mm512_mul_ps(scale, old)
+                        };
+                        _mm512_add_ps(old, v)
+                    };
+                    _mm512_mask_storeu_ps(d, k, v);
+                }
+                j += TILE;
+            }
+        }
+    }
 
     /// `len ≤ 16` elements of `src` from `at` as f32 bits (the other lanes 0).
     #[inline]
@@ -417,6 +517,31 @@ mod simd {
         };
         // SAFETY: the masked lanes are the `len` elements of `s`.
         unsafe { _mm512_maskz_loadu_epi32(mask, s.as_ptr().cast()) }
+    }
+
+    /// `len ≤ 16` bf16 elements of `src` from `at` widened to f32 bits (the other lanes 0).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn load_bf16(src: &[u16], at: usize, len: usize) -> __m512i {
+        if len == 0 {
+            return _mm512_setzero_si512();
+        }
+        let s = &src[at..at + len]; // bounds checked once
+        let mask = ((1u64 << len) - 1) as u32;
+        // SAFETY: the masked lanes are the `len` elements of `s`.
+        let v = unsafe { _mm512_maskz_loadu_epi16(mask, s.as_ptr().cast()) };
+        _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)))
+    }
+
+    /// `len ≤ 16` elements of `src` from `at` as bf16 in the high halves of f32 bits:
+    /// f32 elements rounded, bf16 ones as they are (the other lanes 0).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn lanes(src: Elems<'_>, at: usize, len: usize) -> __m512i {
+        match src {
+            Elems::F32(s) => round(load(s, at, len)),
+            Elems::Bf16(s) => load_bf16(s, at, len),
+        }
     }
 
     /// Each lane rounded to bf16 (the top 16 bits of the result; ties to even, NaN quiet),
@@ -478,12 +603,55 @@ mod simd {
         unsafe { _mm512_storeu_si512(d.as_mut_ptr().cast(), v) };
     }
 
+    /// The `min(32, len)` elements of `src` from `at` as one tile row of bf16 (zeros
+    /// past `len`); `high` picks the high halves of 32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn tile_row(src: Elems<'_>, at: usize, len: usize, high: __m512i) -> __m512i {
+        let lo = lanes(src, at, TILE.min(len));
+        let hi = lanes(src, at + TILE, TILE.min(len.saturating_sub(TILE)));
+        _mm512_permutex2var_epi16(lo, high, hi)
+    }
+
+    /// The lane indices that [`tile_row`] takes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    fn high_halves() -> __m512i {
+        // the high halves of 32 rounded lanes: bf16 l0 + i at u16 position i
+        let high: [i16; 32] = std::array::from_fn(|i| (2 * i + 1) as i16);
+        // SAFETY: 64 readable bytes.
+        unsafe { _mm512_loadu_si512(high.as_ptr().cast()) }
+    }
+
+    /// `a` `[n, k]` stored row-major (`a[i, l]` at `src[i·row + l]`): the group's `rows`
+    /// rows from `i0` on into its packed blocks (of `block` elements), a tile row at a
+    /// time.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn pack_a_rows(
+        src: Elems<'_>,
+        row: usize,
+        i0: usize,
+        rows: usize,
+        k: usize,
+        block: usize,
+        dst: &mut [u16],
+    ) {
+        let high = high_halves();
+        for r in 0..rows {
+            for l0 in (0..k).step_by(TILE_K) {
+                let v = tile_row(src, (i0 + r) * row + l0, k - l0, high);
+                store(dst, super::a_at(block, r, l0), v);
+            }
+        }
+    }
+
     /// `a` `[n, k]` stored with its columns contiguous (`a[i, l]` at `src[l·col + i]`):
     /// the group's `rows` rows from `i0` on into its packed blocks (of `block` elements).
     #[target_feature(enable = "avx512f,avx512bw")]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn pack_a_t(
-        src: &[f32],
+        src: Elems<'_>,
         col: usize,
         i0: usize,
         rows: usize,
@@ -503,16 +671,16 @@ mod simd {
                     let l = l0 + 2 * p;
                     let at = |l: usize| l * col + i0 + s * TILE;
                     let even = if l < k {
-                        load(src, at(l), len)
+                        lanes(src, at(l), len)
                     } else {
                         _mm512_setzero_si512()
                     };
                     let odd = if l + 1 < k {
-                        load(src, at(l + 1), len)
+                        lanes(src, at(l + 1), len)
                     } else {
                         _mm512_setzero_si512()
                     };
-                    *rp = pairs(round(even), round(odd));
+                    *rp = pairs(even, odd);
                 }
                 transpose(&mut r);
                 let tile = strip + (l0 / TILE_K) * PITCH;
@@ -528,7 +696,7 @@ mod simd {
     #[target_feature(enable = "avx512f,avx512bw")]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn pack_b_rows(
-        src: &[f32],
+        src: Elems<'_>,
         row: usize,
         j0: usize,
         cols: usize,
@@ -542,14 +710,14 @@ mod simd {
                 let len = TILE.min(cols - s * TILE);
                 let strip = (s * TILE / BLOCK) * block + (s % 2) * TILE_ELEMS;
                 let at = |l: usize| l * row + j0 + s * TILE;
-                let even = load(src, at(l), len);
+                let even = lanes(src, at(l), len);
                 let odd = if l + 1 < k {
-                    load(src, at(l + 1), len)
+                    lanes(src, at(l + 1), len)
                 } else {
                     _mm512_setzero_si512()
                 };
                 let tile_row = strip + (l / TILE_K) * PITCH + (l % TILE_K / 2) * TILE_K;
-                store(dst, tile_row, pairs(round(even), round(odd)));
+                store(dst, tile_row, pairs(even, odd));
             }
         }
     }
@@ -560,7 +728,7 @@ mod simd {
     #[target_feature(enable = "avx512f,avx512bw")]
     #[allow(clippy::too_many_arguments)]
     pub(super) fn pack_b_t(
-        src: &[f32],
+        src: Elems<'_>,
         col: usize,
         j0: usize,
         cols: usize,
@@ -568,10 +736,7 @@ mod simd {
         block: usize,
         dst: &mut [u16],
     ) {
-        // the high halves of 32 rounded lanes: bf16 l0 + i at u16 position i
-        let high: [i16; 32] = std::array::from_fn(|i| (2 * i + 1) as i16);
-        // SAFETY: 64 readable bytes.
-        let high = unsafe { _mm512_loadu_si512(high.as_ptr().cast()) };
+        let high = high_halves();
         let mut r = [_mm512_setzero_si512(); 16];
         for s in 0..cols.div_ceil(TILE) {
             let len = TILE.min(cols - s * TILE);
@@ -584,9 +749,7 @@ mod simd {
                         continue;
                     }
                     let at = (j0 + s * TILE + j) * col + l0;
-                    let lo = round(load(src, at, TILE.min(k - l0)));
-                    let hi = round(load(src, at + TILE, TILE.min(k.saturating_sub(l0 + TILE))));
-                    *rj = _mm512_permutex2var_epi16(lo, high, hi);
+                    *rj = tile_row(src, at, k - l0, high);
                 }
                 transpose(&mut r);
                 let tile = strip + (l0 / TILE_K) * PITCH;
@@ -618,8 +781,10 @@ unsafe fn pack_a(
     let i0 = g * GROUP;
     let rows = GROUP.min(n - i0);
     #[cfg(target_arch = "x86_64")]
-    if let (1, Elems::F32(src)) = (s.row, a) {
-        return simd::pack_a_t(src, s.col, i0, rows, k, block, dst);
+    match (s.col, s.row) {
+        (1, _) => return simd::pack_a_rows(a, s.row, i0, rows, k, block, dst),
+        (_, 1) => return simd::pack_a_t(a, s.col, i0, rows, k, block, dst),
+        _ => {}
     }
     if s.col == 1 {
         // rows contiguous in `a`: 32 elements at a time, straight into their tile rows
@@ -655,9 +820,9 @@ unsafe fn pack_b(
     let j0 = g * GROUP;
     let cols = GROUP.min(m - j0);
     #[cfg(target_arch = "x86_64")]
-    match (s.col, s.row, b) {
-        (1, _, Elems::F32(src)) => return simd::pack_b_rows(src, s.row, j0, cols, k, block, dst),
-        (_, 1, Elems::F32(src)) => return simd::pack_b_t(src, s.col, j0, cols, k, block, dst),
+    match (s.col, s.row) {
+        (1, _) => return simd::pack_b_rows(b, s.row, j0, cols, k, block, dst),
+        (_, 1) => return simd::pack_b_t(b, s.col, j0, cols, k, block, dst),
         _ => {}
     }
     pack_scalar(b, s.col, s.row, j0, cols, k, dst, |j, l| b_at(block, l, j));
@@ -753,45 +918,34 @@ unsafe fn tile_config() {}
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn tile_release() {}
 
-/// The 32 × 32 block at `c` (rows `c_row` elements apart) `= (load ? c : 0) + ` `a`'s two
-/// row strips times `b`'s two column strips, over `k_tiles` tiles: tiles 0–3 accumulate
-/// (rows `16·(t / 2)..`, columns `16·(t % 2)..`), 4–5 hold `a`'s tiles, 6–7 `b`'s.
+/// The 32 × 32 block at `c` (rows `c_row` elements apart) `=` `a`'s two row strips times
+/// `b`'s two column strips, over `k_tiles` tiles: tiles 0–3 accumulate (rows
+/// `16·(t / 2)..`, columns `16·(t % 2)..`), 4–5 hold `a`'s tiles, 6–7 `b`'s.
 ///
 /// # Safety
 /// [`available`] and [`tile_config`] run on this thread since the last [`tile_release`];
-/// `a` and `b` each hold a packed block (two strips of `k_tiles ≥ 1` tiles, interleaved
-/// tile by tile); `c`
-/// addresses 32 rows of 32 writable f32, `c_row` apart, that nothing else accesses.
+/// `c` addresses 32 rows of 32 writable f32, `c_row` apart, that nothing else accesses.
 #[cfg(target_arch = "x86_64")]
-unsafe fn tile_block(a: &[u16], b: &[u16], k_tiles: usize, c: *mut f32, c_row: usize, load: bool) {
-    debug_assert!(k_tiles >= 1 && a.len() >= 2 * k_tiles * TILE_ELEMS);
-    debug_assert!(b.len() >= 2 * k_tiles * TILE_ELEMS);
-    let c_stride = c_row * 4; // bytes
+unsafe fn tile_block(a: &[u16], b: &[u16], k_tiles: usize, c: *mut f32, c_row: usize) {
+    assert!(k_tiles >= 1 && a.len() >= 2 * k_tiles * TILE_ELEMS);
+    assert!(b.len() >= 2 * k_tiles * TILE_ELEMS);
     let c_low = c.wrapping_add(TILE * c_row); // rows 16..32
     // SAFETY: the caller's contract: the tiles' reads stay in `a` and `b` (`k_tiles`
-    // steps of two tiles each), the loads and stores in `c`'s
-    // block (tiles at its rows 0 and 16, columns 0 and 16: byte offset 64).
+    // steps of two tiles each, checked above), the stores in `c`'s block (tiles at its
+    // rows 0 and 16, columns 0 and 16: byte offset 64).
     unsafe {
         std::arch::asm!(
-            "test {load}, {load}",
-            "jz 3f",
-            "tileloadd tmm0, [{c} + {cs}*1]",
-            "tileloadd tmm1, [{c} + {cs}*1 + 64]",
-            "tileloadd tmm2, [{c2} + {cs}*1]",
-            "tileloadd tmm3, [{c2} + {cs}*1 + 64]",
-            "jmp 2f",
-            "3:",
             "tilezero tmm0",
             "tilezero tmm1",
             "tilezero tmm2",
             "tilezero tmm3",
             "2:",
             "tileloadd tmm4, [{a} + {stride}*1]",
-            "tileloadd tmm5, [{a} + {stride}*1 + 1024]",
             "tileloadd tmm6, [{b} + {stride}*1]",
-            "tileloadd tmm7, [{b} + {stride}*1 + 1024]",
             "tdpbf16ps tmm0, tmm4, tmm6",
+            "tileloadd tmm7, [{b} + {stride}*1 + 1024]",
             "tdpbf16ps tmm1, tmm4, tmm7",
+            "tileloadd tmm5, [{a} + {stride}*1 + 1024]",
             "tdpbf16ps tmm2, tmm5, tmm6",
             "tdpbf16ps tmm3, tmm5, tmm7",
             "add {a}, 2048",
@@ -802,12 +956,11 @@ unsafe fn tile_block(a: &[u16], b: &[u16], k_tiles: usize, c: *mut f32, c_row: u
             "tilestored [{c} + {cs}*1 + 64], tmm1",
             "tilestored [{c2} + {cs}*1], tmm2",
             "tilestored [{c2} + {cs}*1 + 64], tmm3",
-            load = in(reg) usize::from(load),
             a = inout(reg) a.as_ptr() => _,
             b = inout(reg) b.as_ptr() => _,
             c = in(reg) c,
             c2 = in(reg) c_low,
-            cs = in(reg) c_stride,
+            cs = in(reg) c_row * 4,
             n = inout(reg) k_tiles => _,
             stride = in(reg) 64usize,
             out("tmm0") _,
@@ -824,7 +977,7 @@ unsafe fn tile_block(a: &[u16], b: &[u16], k_tiles: usize, c: *mut f32, c_row: u
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-unsafe fn tile_block(_: &[u16], _: &[u16], _: usize, _: *mut f32, _: usize, _: bool) {
+unsafe fn tile_block(_: &[u16], _: &[u16], _: usize, _: *mut f32, _: usize) {
     unreachable!("AMX is never available off x86-64")
 }
 
@@ -845,8 +998,32 @@ mod tests {
     /// `c = beta·c + a·b` through `product` with `a` row-major or transposed in memory and
     /// `b` likewise, against the f64 sums of the bf16-rounded operands.
     fn check(n: usize, k: usize, m: usize, a_t: bool, b_t: bool, beta: f32) {
+        check_stored(n, k, m, a_t, b_t, beta, false, 0);
+    }
+
+    /// [`check`] with the operands stored as bf16 bits (`bf16`) and `c` starting `c_off`
+    /// elements into its buffer (its rows then start off the 64-byte lines).
+    #[allow(clippy::too_many_arguments)]
+    fn check_stored(
+        n: usize,
+        k: usize,
+        m: usize,
+        a_t: bool,
+        b_t: bool,
+        beta: f32,
+        bf16: bool,
+        c_off: usize,
+    ) {
         let a: Vec<f32> = (0..n * k).map(|i| value(1, i)).collect();
         let b: Vec<f32> = (0..k * m).map(|i| value(2, i)).collect();
+        let (a16, b16): (Vec<u16>, Vec<u16>) = (
+            a.iter().map(|&x| narrow(x)).collect(),
+            b.iter().map(|&x| narrow(x)).collect(),
+        );
+        let (ea, eb) = match bf16 {
+            false => (Elems::F32(&a), Elems::F32(&b)),
+            true => (Elems::Bf16(&a16), Elems::Bf16(&b16)),
+        };
         let sa = match a_t {
             false => Layout { row: k, col: 1 },
             true => Layout { row: 1, col: n },
@@ -856,22 +1033,14 @@ mod tests {
             true => Layout { row: 1, col: k },
         };
         let c0: Vec<f32> = (0..n * m).map(|i| value(3, i)).collect();
-        let mut c = c0.clone();
+        let mut buf = vec![0.0; c_off + n * m];
+        buf[c_off..].copy_from_slice(&c0);
         // SAFETY: the test runs only where `available`; row-major `c`, operands in bounds.
         unsafe {
-            product(
-                n,
-                k,
-                m,
-                Elems::F32(&a),
-                sa,
-                Elems::F32(&b),
-                sb,
-                c.as_mut_ptr(),
-                Layout { row: m, col: 1 },
-                beta,
-            );
+            let c = buf[c_off..].as_mut_ptr();
+            product(n, k, m, ea, sa, eb, sb, c, Layout { row: m, col: 1 }, beta);
         }
+        let c = &buf[c_off..];
         for i in 0..n {
             for j in 0..m {
                 let (mut sum, mut abs) = (0f64, 0f64);
@@ -889,7 +1058,8 @@ mod tests {
                     (k as f64 + 2.0) * 2f64.powi(-24) * (abs + f64::from(c0[i * m + j]).abs());
                 assert!(
                     (got - want).abs() <= tol,
-                    "{n}×{k}×{m} (a_t {a_t}, b_t {b_t}, beta {beta}) at ({i}, {j}): {got} vs {want}"
+                    "{n}×{k}×{m} (a_t {a_t}, b_t {b_t}, beta {beta}, bf16 {bf16}, c_off {c_off}) \
+                     at ({i}, {j}): {got} vs {want}"
                 );
             }
         }
@@ -911,14 +1081,20 @@ mod tests {
             (3, 600, 2),
         ] {
             for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
-                for beta in [0.0, 1.0] {
+                for beta in [0.0, 1.0, 0.5] {
                     check(n, k, m, a_t, b_t, beta);
+                    check_stored(n, k, m, a_t, b_t, beta, true, 1);
                 }
             }
         }
         // the parallel tasks (past PAR_MIN_MACS)
         check(300, 256, 300, false, true, 1.0);
         check(257, 128, 513, true, false, 0.0);
+        // a `c` of 4 MiB or more, written whole: streamed, from a row start on a line
+        // boundary and off it (its first and last lines partial)
+        for c_off in [0, 3] {
+            check_stored(1030, 40, 1027, false, true, 0.0, false, c_off);
+        }
     }
 
     /// Small integers: every product and partial sum is exact in f32, so any order of the
@@ -1000,7 +1176,7 @@ mod tests {
             .collect();
         let mut dst = vec![0u16; 2 * TILE_ELEMS];
         // SAFETY: `available`.
-        unsafe { simd::pack_b_rows(&src, 16, 0, 16, 2, 2 * TILE_ELEMS, &mut dst) };
+        unsafe { simd::pack_b_rows(Elems::F32(&src), 16, 0, 16, 2, 2 * TILE_ELEMS, &mut dst) };
         for l in 0..2 {
             for j in 0..16 {
                 let want = Bf16Bits::narrow(src[l * 16 + j]);
