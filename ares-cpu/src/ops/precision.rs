@@ -77,7 +77,10 @@ impl MatmulPrecision {
             return Cow::Borrowed(src);
         }
         let mut out = vec![0.0f32; src.len()];
-        map_elements(src, &mut out, |s| self.round(s));
+        match self {
+            Self::Bf16 => map_elements(src, &mut out, |s| round_to_bits(s, 16)),
+            _ => map_elements(src, &mut out, |s| self.round(s)),
+        }
         Cow::Owned(out)
     }
 }
@@ -189,13 +192,17 @@ pub fn round_to_bf16_stochastic(src: &[f32], key: u64, dst: &mut [u16]) -> crate
 pub(crate) fn round_to_bits(x: f32, drop: u32) -> f32 {
     let bits = x.to_bits();
     let low = (1u32 << drop) - 1;
-    if bits & 0x7fff_ffff > 0x7f80_0000 {
-        // NaN: keep sign and payload's top, force the quiet bit
-        return f32::from_bits((bits | 0x0040_0000) & !low);
-    }
     let half = (low >> 1) + ((bits >> drop) & 1);
     // A carry out of the significand bumps the exponent: the correct rounding, up to ∞.
-    f32::from_bits(bits.wrapping_add(half) & !low)
+    let rounded = bits.wrapping_add(half) & !low;
+    // NaN: keep sign and payload's top, force the quiet bit
+    let quiet = (bits | 0x0040_0000) & !low;
+    // both computed and one selected, without a branch: a loop of it vectorises
+    f32::from_bits(if bits & 0x7fff_ffff > 0x7f80_0000 {
+        quiet
+    } else {
+        rounded
+    })
 }
 
 #[cfg(test)]
