@@ -226,7 +226,22 @@ unsafe fn product_in(
     {
         // SAFETY: the path is `amx` only where `matmul_amx::available()`; the rest is
         // the caller's contract (the same as `gemm_raw`'s).
-        unsafe { matmul_amx::product(d.n, d.k, d.m, a.elems(), la, b.elems(), lb, c, lc, beta) };
+        unsafe {
+            matmul_amx::product(
+                d.n,
+                d.k,
+                d.m,
+                a.elems(),
+                la,
+                b.elems(),
+                lb,
+                c,
+                lc,
+                1.0,
+                beta,
+                true,
+            )
+        };
         return;
     }
     let (a, b) = (a.operand(p), b.operand(p));
@@ -641,6 +656,65 @@ pub(crate) fn matmul_seq(
     beta: f32,
 ) -> Result<()> {
     matmul_batched_with(1, dims, a, b, c, alpha, beta, false)
+}
+
+/// [`matmul_seq`] of operands that already hold bf16 values when `bf16` (the bf16 attention
+/// twins' rounded copies of q, k, v, dout and their rounded probabilities): on the `amx`
+/// path on AMX tiles, elsewhere `gemm`'s f32 product — the same exact products summed in
+/// f32 either way, in another order. With `bf16` false, or operands the tiles cannot
+/// address (a batch, a negative stride, `k = 0`), [`matmul_seq`] itself.
+///
+/// # Errors
+/// As [`matmul_seq`].
+pub(crate) fn matmul_seq_rounded(
+    bf16: bool,
+    dims: MatmulDims,
+    a: MatRef<'_>,
+    b: MatRef<'_>,
+    c: MatMut<'_>,
+    alpha: f32,
+    beta: f32,
+) -> Result<()> {
+    let MatmulDims { n, k, m } = dims;
+    if !(bf16 && on_tiles(MatmulPrecision::Bf16)) || k == 0 {
+        return matmul_seq(dims, a, b, c, alpha, beta);
+    }
+    check_finite("alpha", alpha)?;
+    check_finite("beta", beta)?;
+    let sa = check_layout("a", a.data.len(), a.layout, [1, n, k])?;
+    let sb = check_layout("b", b.data.len(), b.layout, [1, k, m])?;
+    let sc = check_layout("c", c.data.len(), c.layout, [1, n, m])?;
+    check_no_overlap(c.layout, [1, n, m])?;
+    let (Some(la), Some(lb), Some(lc)) = (sa.mat.amx(), sb.mat.amx(), sc.mat.amx()) else {
+        return matmul_seq(dims, a, b, c, alpha, beta);
+    };
+    if n == 0 || m == 0 {
+        return Ok(());
+    }
+    // `check_layout` proved every element in bounds (the operands are non-empty here), so
+    // the offsets are too.
+    let (a, b) = (&a.data[a.layout.offset..], &b.data[b.layout.offset..]);
+    let pc = c.data[c.layout.offset..].as_mut_ptr();
+    // SAFETY: the path is `amx` only where `matmul_amx::available()`; the layouts were
+    // checked above (every element of each operand in bounds, distinct elements of `c` at
+    // distinct positions); `c` is a unique borrow, so it overlaps neither operand.
+    unsafe {
+        matmul_amx::product(
+            n,
+            k,
+            m,
+            matmul_amx::Elems::F32(a),
+            la,
+            matmul_amx::Elems::F32(b),
+            lb,
+            pc,
+            lc,
+            alpha,
+            beta,
+            false,
+        );
+    }
+    Ok(())
 }
 
 /// [`matmul_batched`], multithreaded only when `parallel`.

@@ -158,13 +158,19 @@ pub(crate) struct Layout {
     pub col: usize,
 }
 
-/// A pointer to `c` that the parallel tasks share; each writes its own elements only.
+/// Where and how a product's sums go, `c = beta·c + alpha·sums`: shared by the parallel
+/// tasks, each writing its own elements only.
 #[derive(Clone, Copy)]
-struct Out(*mut f32);
+struct Output {
+    c: *mut f32,
+    layout: Layout,
+    alpha: f32,
+    beta: f32,
+}
 // SAFETY: the tasks write disjoint blocks of `c` (see `product`).
-unsafe impl Send for Out {}
+unsafe impl Send for Output {}
 // SAFETY: as above.
-unsafe impl Sync for Out {}
+unsafe impl Sync for Output {}
 
 thread_local! {
     /// The packed operands' buffers, kept between products (a training step packs the same
@@ -174,8 +180,9 @@ thread_local! {
     };
 }
 
-/// `c[n, m] = beta·c + a[n, k] · b[k, m]` with both operands rounded to bf16, on AMX tiles
-/// ([`available`] must be true). `beta = 0` never reads `c`.
+/// `c[n, m] = beta·c + alpha·(a[n, k] · b[k, m])` with both operands rounded to bf16, on AMX
+/// tiles ([`available`] must be true), on the calling thread unless `parallel` (and the
+/// product is large). `beta = 0` never reads `c`.
 ///
 /// # Safety
 /// [`available`] returned true; every element `(i, l)` of `a` (`i < n`, `l < k`) lies in
@@ -192,7 +199,9 @@ pub(crate) unsafe fn product(
     sb: Layout,
     c: *mut f32,
     sc: Layout,
+    alpha: f32,
     beta: f32,
+    parallel: bool,
 ) {
     if n == 0 || m == 0 {
         return;
@@ -206,7 +215,13 @@ pub(crate) unsafe fn product(
         let [pa, pb] = bufs;
         let (pa, pb) = (at_64(pa, sizes[0]), at_64(pb, sizes[1]));
         // SAFETY: `available` (the caller's contract); the operands' layouts are theirs.
-        unsafe { product_packed(n, k, m, a, sa, b, sb, c, sc, beta, pa, pb) }
+        let out = Output {
+            c,
+            layout: sc,
+            alpha,
+            beta,
+        };
+        unsafe { product_packed(n, k, m, a, sa, b, sb, out, parallel, pa, pb) }
     };
     // A rayon task of another product may run on this thread while it waits for its own
     // tasks: then its buffers are in use, and this product takes fresh ones.
@@ -265,13 +280,15 @@ unsafe fn product_packed(
     sa: Layout,
     b: Elems<'_>,
     sb: Layout,
-    c: *mut f32,
-    sc: Layout,
-    beta: f32,
+    output: Output,
+    parallel: bool,
     pa: &mut [u16],
     pb: &mut [u16],
 ) {
-    let parallel = n.saturating_mul(k).saturating_mul(m) >= PAR_MIN_MACS;
+    let Output {
+        layout: sc, beta, ..
+    } = output;
+    let parallel = parallel && n.saturating_mul(k).saturating_mul(m) >= PAR_MIN_MACS;
     let (row_blocks, col_blocks) = (n.div_ceil(BLOCK), m.div_ceil(BLOCK));
     let k_tiles = k.div_ceil(TILE_K).max(1);
     // a block's two 16-row (or 16-column) strips of tiles, interleaved
@@ -290,7 +307,6 @@ unsafe fn product_packed(
         pb.chunks_mut(group).enumerate().for_each(fill_b);
     }
     let (pa, pb) = (&*pa, &*pb);
-    let out = Out(c);
     // a large `c` written whole goes past the caches: its lines are not read first, and
     // it does not evict the operands
     let stream =
@@ -319,17 +335,7 @@ unsafe fn product_packed(
             // SAFETY: the panel's rows and columns were stored above; the task's rows
             // and columns of `c` are its alone (tasks own disjoint ranges of blocks) and
             // in bounds by the contract.
-            unsafe {
-                write_panel(
-                    sums,
-                    out,
-                    sc,
-                    r0..(r0 + BLOCK).min(n),
-                    cols.clone(),
-                    beta,
-                    stream,
-                )
-            };
+            unsafe { write_panel(sums, output, r0..(r0 + BLOCK).min(n), cols.clone(), stream) };
         }
         // SAFETY: `available`.
         unsafe { tile_release() };
@@ -361,38 +367,42 @@ const PANEL: usize = TASK_COL_BLOCKS * BLOCK;
 #[repr(C, align(64))]
 struct Panel([f32; BLOCK * PANEL]);
 
-/// `c[rows, cols] = beta·c + sums` (`beta = 0` never reads `c`), `sums` holding the rows
-/// [`PANEL`] apart from the first of `cols`; with `stream`, the whole 64-byte lines of a
-/// row-major `c` are written past the caches.
+/// `c[rows, cols] = beta·c + alpha·sums` (`beta = 0` never reads `c`), `sums` holding the
+/// rows [`PANEL`] apart from the first of `cols`; with `stream`, the whole 64-byte lines of
+/// a row-major `c` are written past the caches.
 ///
 /// # Safety
 /// As [`product`]'s for `c`; `sums` holds `rows.len()` rows of `cols.len()` sums; no other
-/// thread touches these elements of `c`; `stream` only with `sc.col = 1`; the CPU has
-/// AVX-512F where `sc.col = 1`.
-#[allow(clippy::too_many_arguments)]
+/// thread touches these elements of `c`; `stream` only with a row-major `c`; the CPU has
+/// AVX-512F where `c` is row-major.
 unsafe fn write_panel(
     sums: *const f32,
-    c: Out,
-    sc: Layout,
+    output: Output,
     rows: std::ops::Range<usize>,
     cols: std::ops::Range<usize>,
-    beta: f32,
     stream: bool,
 ) {
+    let Output {
+        c,
+        layout: sc,
+        alpha,
+        beta,
+    } = output;
     #[cfg(target_arch = "x86_64")]
     if sc.col == 1 {
         // SAFETY: forwarded; `c`'s element (rows.start, cols.start) is in bounds.
         return unsafe {
-            let at = c.0.add(rows.start * sc.row + cols.start);
-            simd::write_rows(sums, at, sc.row, rows.len(), cols.len(), beta, stream)
+            let at = c.add(rows.start * sc.row + cols.start);
+            let (n, m) = (rows.len(), cols.len());
+            simd::write_rows(sums, at, sc.row, n, m, alpha, beta, stream)
         };
     }
     for (r, i) in rows.enumerate() {
         for (l, j) in cols.clone().enumerate() {
             // SAFETY: the caller's: a stored sum, and element (i, j) of `c`.
             unsafe {
-                let v = *sums.add(r * PANEL + l);
-                let p = c.0.add(i * sc.row + j * sc.col);
+                let v = alpha * *sums.add(r * PANEL + l);
+                let p = c.add(i * sc.row + j * sc.col);
                 // `beta = 0` must not read `c` (it may hold garbage or NaN)
                 *p = if beta == 0.0 { v } else { beta * *p + v };
             }
@@ -437,7 +447,7 @@ mod simd {
     use std::arch::x86_64::*;
 
     /// `rows` rows of `cols` sums (rows [`PANEL`] apart in `sums`) into row-major `c`
-    /// (rows `row` apart): `c = beta·c + sums` (`beta = 0` never reads `c`), 16 lanes at
+    /// (rows `row` apart): `c = beta·c + alpha·sums` (`beta = 0` never reads `c`), 16 lanes at
     /// a time; with `stream` (and `beta = 0`), each row's whole 64-byte lines are written
     /// past the caches, its partial first and last lines as usual.
     ///
@@ -445,21 +455,26 @@ mod simd {
     /// The CPU has AVX-512F; `sums` holds the sums; the `rows × cols` elements at `c` are
     /// writable and no one else's.
     #[target_feature(enable = "avx512f,avx512bw")]
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn write_rows(
         sums: *const f32,
         c: *mut f32,
         row: usize,
         rows: usize,
         cols: usize,
+        alpha: f32,
         beta: f32,
         stream: bool,
     ) {
-        let scale = _mm512_set1_ps(beta);
-        let mask = |len: usize| {
-            if len >= TILE {
-                u16::MAX
+        let (scale, times) = (_mm512_set1_ps(beta), _mm512_set1_ps(alpha));
+        let mask = |len: usize| ((1u32 << len.min(TILE)) - 1) as u16;
+        // SAFETY (callers): the lanes under `k` are sums.
+        let sums_at = |s: *const f32, k: u16| {
+            let v = unsafe { _mm512_maskz_loadu_ps(k, s) };
+            if alpha == 1.0 {
+                v
             } else {
-                ((1u32 << len) - 1) as u16
+                _mm512_mul_ps(times, v)
             }
         };
         for r in 0..rows {
@@ -469,12 +484,10 @@ mod simd {
             if stream && beta == 0.0 {
                 // up to the first line boundary, then whole lines, then the rest
                 let head = (dst.align_offset(64)).min(cols);
-                unsafe {
-                    _mm512_mask_storeu_ps(dst, mask(head), _mm512_maskz_loadu_ps(mask(head), src))
-                };
+                unsafe { _mm512_mask_storeu_ps(dst, mask(head), sums_at(src, mask(head))) };
                 j = head;
                 while j + TILE <= cols {
-                    unsafe { _mm512_stream_ps(dst.add(j), _mm512_loadu_ps(src.add(j))) };
+                    unsafe { _mm512_stream_ps(dst.add(j), sums_at(src.add(j), u16::MAX)) };
                     j += TILE;
                 }
             }
@@ -482,7 +495,7 @@ mod simd {
                 let k = mask(cols - j);
                 unsafe {
                     let (s, d) = (src.add(j), dst.add(j));
-                    let v = _mm512_maskz_loadu_ps(k, s);
+                    let v = sums_at(s, k);
                     let v = if beta == 0.0 {
                         v
                     } else {
@@ -509,12 +522,7 @@ mod simd {
             return _mm512_setzero_si512();
         }
         let s = &src[at..at + len]; // bounds checked once
-        let mask = (1u32 << len) as u16;
-        let mask = if len == 16 {
-            u16::MAX
-        } else {
-            mask.wrapping_sub(1)
-        };
+        let mask = ((1u32 << len) - 1) as u16;
         // SAFETY: the masked lanes are the `len` elements of `s`.
         unsafe { _mm512_maskz_loadu_epi32(mask, s.as_ptr().cast()) }
     }
@@ -998,22 +1006,33 @@ mod tests {
     /// `c = beta·c + a·b` through `product` with `a` row-major or transposed in memory and
     /// `b` likewise, against the f64 sums of the bf16-rounded operands.
     fn check(n: usize, k: usize, m: usize, a_t: bool, b_t: bool, beta: f32) {
-        check_stored(n, k, m, a_t, b_t, beta, false, 0);
+        let plain = Stored {
+            bf16: false,
+            c_off: 0,
+            alpha: 1.0,
+            parallel: true,
+        };
+        check_stored(n, k, m, a_t, b_t, beta, plain);
     }
 
-    /// [`check`] with the operands stored as bf16 bits (`bf16`) and `c` starting `c_off`
-    /// elements into its buffer (its rows then start off the 64-byte lines).
-    #[allow(clippy::too_many_arguments)]
-    fn check_stored(
-        n: usize,
-        k: usize,
-        m: usize,
-        a_t: bool,
-        b_t: bool,
-        beta: f32,
+    /// What [`check_stored`] varies: the operands as bf16 bits, `c`'s offset in its buffer
+    /// (its rows then start off the 64-byte lines), `alpha`, and threads allowed.
+    #[derive(Clone, Copy)]
+    struct Stored {
         bf16: bool,
         c_off: usize,
-    ) {
+        alpha: f32,
+        parallel: bool,
+    }
+
+    /// [`check`] with the variations of `how`.
+    fn check_stored(n: usize, k: usize, m: usize, a_t: bool, b_t: bool, beta: f32, how: Stored) {
+        let Stored {
+            bf16,
+            c_off,
+            alpha,
+            parallel,
+        } = how;
         let a: Vec<f32> = (0..n * k).map(|i| value(1, i)).collect();
         let b: Vec<f32> = (0..k * m).map(|i| value(2, i)).collect();
         let (a16, b16): (Vec<u16>, Vec<u16>) = (
@@ -1038,7 +1057,8 @@ mod tests {
         // SAFETY: the test runs only where `available`; row-major `c`, operands in bounds.
         unsafe {
             let c = buf[c_off..].as_mut_ptr();
-            product(n, k, m, ea, sa, eb, sb, c, Layout { row: m, col: 1 }, beta);
+            let sc = Layout { row: m, col: 1 };
+            product(n, k, m, ea, sa, eb, sb, c, sc, alpha, beta, parallel);
         }
         let c = &buf[c_off..];
         for i in 0..n {
@@ -1050,16 +1070,19 @@ mod tests {
                     sum += x * y;
                     abs += (x * y).abs();
                 }
-                let want = f64::from(beta) * f64::from(c0[i * m + j]) + sum;
+                let (alpha, beta) = (f64::from(alpha), f64::from(beta));
+                let want = beta * f64::from(c0[i * m + j]) + alpha * sum;
                 let got = f64::from(c[i * m + j]);
                 // f32 sums of k products: each addition rounds by at most 2⁻²⁴ of the
-                // running sum's magnitude, bounded by Σ|products| (+ the beta·c term)
-                let tol =
-                    (k as f64 + 2.0) * 2f64.powi(-24) * (abs + f64::from(c0[i * m + j]).abs());
+                // running sum's magnitude, bounded by Σ|products| (+ the scaling and the
+                // beta·c term: a rounding each)
+                let tol = (k as f64 + 3.0)
+                    * 2f64.powi(-24)
+                    * (alpha.abs() * abs + f64::from(c0[i * m + j]).abs());
                 assert!(
                     (got - want).abs() <= tol,
-                    "{n}×{k}×{m} (a_t {a_t}, b_t {b_t}, beta {beta}, bf16 {bf16}, c_off {c_off}) \
-                     at ({i}, {j}): {got} vs {want}"
+                    "{n}×{k}×{m} (a_t {a_t}, b_t {b_t}, alpha {alpha}, beta {beta}, bf16 {bf16}, \
+                     c_off {c_off}, parallel {parallel}) at ({i}, {j}): {got} vs {want}"
                 );
             }
         }
@@ -1083,7 +1106,13 @@ mod tests {
             for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
                 for beta in [0.0, 1.0, 0.5] {
                     check(n, k, m, a_t, b_t, beta);
-                    check_stored(n, k, m, a_t, b_t, beta, true, 1);
+                    let how = Stored {
+                        bf16: true,
+                        c_off: 1,
+                        alpha: 0.125,
+                        parallel: false,
+                    };
+                    check_stored(n, k, m, a_t, b_t, beta, how);
                 }
             }
         }
@@ -1092,8 +1121,14 @@ mod tests {
         check(257, 128, 513, true, false, 0.0);
         // a `c` of 4 MiB or more, written whole: streamed, from a row start on a line
         // boundary and off it (its first and last lines partial)
-        for c_off in [0, 3] {
-            check_stored(1030, 40, 1027, false, true, 0.0, false, c_off);
+        for (c_off, alpha) in [(0, 1.0), (3, -0.5)] {
+            let how = Stored {
+                bf16: false,
+                c_off,
+                alpha,
+                parallel: true,
+            };
+            check_stored(1030, 40, 1027, false, true, 0.0, how);
         }
     }
 
@@ -1138,7 +1173,9 @@ mod tests {
                     sb,
                     c.as_mut_ptr(),
                     Layout { row: m, col: 1 },
+                    1.0,
                     0.0,
+                    true,
                 );
             }
             assert_eq!(c, want, "{sb:?}");
@@ -1210,7 +1247,9 @@ mod tests {
                     one,
                     c.as_mut_ptr(),
                     one,
+                    1.0,
                     0.0,
+                    true,
                 )
             };
             c[0]
@@ -1251,7 +1290,9 @@ mod tests {
                         Layout { row: 1, col: k },
                         c.as_mut_ptr(),
                         Layout { row: m, col: 1 },
+                        1.0,
                         0.0,
+                        true,
                     );
                 }
             });

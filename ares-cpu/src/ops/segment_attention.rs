@@ -34,7 +34,7 @@ use crate::Result;
 use crate::error::{check_len, product};
 use crate::exp::exp_nonpositive;
 use crate::isa::Isa;
-use crate::ops::matmul::{MatLayout, MatMut, MatRef, MatmulDims, matmul_seq};
+use crate::ops::matmul::{MatLayout, MatMut, MatRef, MatmulDims, matmul_seq, matmul_seq_rounded};
 use ares_core::Error as CoreError;
 use rayon::prelude::*;
 
@@ -322,7 +322,8 @@ pub fn segment_attention_forward_bf16(
                         let (ka, kz) = (k0.max(b.s0), (k0 + KEY_TILE).min(b.s1));
                         let kn = kz - ka;
                         tile.resize(rows * kn, 0.0);
-                        matmul_seq(
+                        matmul_seq_rounded(
+                            true,
                             MatmulDims {
                                 n: rows,
                                 k: d,
@@ -355,7 +356,8 @@ pub fn segment_attention_forward_bf16(
                                 *x *= alpha;
                             }
                         }
-                        matmul_seq(
+                        matmul_seq_rounded(
+                            true,
                             MatmulDims {
                                 n: rows,
                                 k: kn,
@@ -517,7 +519,8 @@ fn backward_with(
                     k: d,
                     m: keys,
                 };
-                matmul_seq(
+                matmul_seq_rounded(
+                    bf16,
                     sk,
                     MatRef {
                         data: q,
@@ -534,7 +537,8 @@ fn backward_with(
                     scale,
                     0.0,
                 )?;
-                matmul_seq(
+                matmul_seq_rounded(
+                    bf16,
                     sk,
                     MatRef {
                         data: dout,
@@ -561,7 +565,8 @@ fn backward_with(
                     ds_row(p_row, dp_row, delta.get(at).copied().unwrap_or(f32::NAN));
                 }
                 round(dp);
-                matmul_seq(
+                matmul_seq_rounded(
+                    bf16,
                     MatmulDims {
                         n: rows,
                         k: keys,
@@ -605,7 +610,8 @@ fn backward_with(
                     k: d,
                     m: cols,
                 };
-                matmul_seq(
+                matmul_seq_rounded(
+                    bf16,
                     sk,
                     MatRef {
                         data: q,
@@ -622,7 +628,8 @@ fn backward_with(
                     scale,
                     0.0,
                 )?;
-                matmul_seq(
+                matmul_seq_rounded(
+                    bf16,
                     sk,
                     MatRef {
                         data: dout,
@@ -656,7 +663,8 @@ fn backward_with(
                     k: queries,
                     m: d,
                 };
-                matmul_seq(
+                matmul_seq_rounded(
+                    bf16,
                     back,
                     MatRef {
                         data: p,
@@ -673,7 +681,8 @@ fn backward_with(
                     1.0,
                     0.0,
                 )?;
-                matmul_seq(
+                matmul_seq_rounded(
+                    bf16,
                     back,
                     MatRef {
                         data: dp,

@@ -19,7 +19,7 @@ use super::{AttentionInputs, Dims};
 use crate::Result;
 use crate::exp::exp_nonpositive;
 use crate::isa::Isa;
-use crate::ops::matmul::{MatLayout, MatMut, MatRef, MatmulDims, matmul_seq};
+use crate::ops::matmul::{MatLayout, MatMut, MatRef, MatmulDims, matmul_seq, matmul_seq_rounded};
 use crate::ops::precision::MatmulPrecision;
 use rayon::prelude::*;
 
@@ -263,7 +263,8 @@ pub(super) fn backward(
                     k: d,
                     m: keys,
                 };
-                matmul_seq(
+                matmul_seq_rounded(
+                    bf16,
                     sk,
                     MatRef {
                         data: q,
@@ -280,7 +281,8 @@ pub(super) fn backward(
                     scale,
                     0.0,
                 )?;
-                matmul_seq(
+                matmul_seq_rounded(
+                    bf16,
                     sk,
                     MatRef {
                         data: dout,
@@ -311,7 +313,8 @@ pub(super) fn backward(
                     ds_row(p_row, dp_row, dl);
                 }
                 round(dp);
-                matmul_seq(
+                matmul_seq_rounded(
+                    bf16,
                     MatmulDims {
                         n: rows,
                         k: keys,
@@ -361,7 +364,8 @@ pub(super) fn backward(
                         k: d,
                         m: cols,
                     };
-                    matmul_seq(
+                    matmul_seq_rounded(
+                        bf16,
                         sk,
                         MatRef {
                             data: q,
@@ -378,7 +382,8 @@ pub(super) fn backward(
                         scale,
                         0.0,
                     )?;
-                    matmul_seq(
+                    matmul_seq_rounded(
+                        bf16,
                         sk,
                         MatRef {
                             data: dout,
@@ -415,7 +420,8 @@ pub(super) fn backward(
                     round(dp);
                     let beta = if n_h == 0 { 0.0 } else { 1.0 };
                     let kv_out = head_rows(0, hkv, d, g);
-                    matmul_seq(
+                    matmul_seq_rounded(
+                        bf16,
                         MatmulDims {
                             n: cols,
                             k: queries,
@@ -436,7 +442,8 @@ pub(super) fn backward(
                         1.0,
                         beta,
                     )?;
-                    matmul_seq(
+                    matmul_seq_rounded(
+                        bf16,
                         MatmulDims {
                             n: cols,
                             k: queries,

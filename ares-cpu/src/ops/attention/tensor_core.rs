@@ -21,7 +21,7 @@ use super::blocked::{Span, Task, cut, tasks};
 use super::{AttentionInputs, Dims};
 use crate::Result;
 use crate::exp::exp_nonpositive;
-use crate::ops::matmul::{MatLayout, MatMut, MatRef, MatmulDims, matmul_seq};
+use crate::ops::matmul::{MatLayout, MatMut, MatRef, MatmulDims, matmul_seq_rounded};
 use crate::ops::precision::MatmulPrecision;
 use rayon::prelude::*;
 
@@ -155,7 +155,8 @@ pub(super) fn forward(
                 for k0 in (0..keys).step_by(KEY_TILE) {
                     let kn = KEY_TILE.min(keys - k0);
                     tile.resize(rows * kn, 0.0);
-                    matmul_seq(
+                    matmul_seq_rounded(
+                        true,
                         MatmulDims {
                             n: rows,
                             k: d,
@@ -187,7 +188,8 @@ pub(super) fn forward(
                             *x *= alpha;
                         }
                     }
-                    matmul_seq(
+                    matmul_seq_rounded(
+                        true,
                         MatmulDims {
                             n: rows,
                             k: kn,
