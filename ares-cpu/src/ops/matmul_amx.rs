@@ -23,7 +23,7 @@
 //! What limits a product with a shallow `k` (a model of hidden size 256: 32 blocks' sums
 //! for every 8 tile steps) is writing `c`. The tiles store a row block's sums into a
 //! 32 KiB panel (the task's 256 columns), and the panel is written out 16 lanes at a time:
-//! `β·c + sums`, or, for a `c` written whole that is larger than a core's L2, straight
+//! `β·c + α·sums`, or, for a `c` written whole that is larger than a core's L2, straight
 //! to memory with streaming stores (a row's whole 64-byte lines; its partial first and
 //! last lines as usual). A cached store first reads the line it writes; on this path that
 //! doubled the memory traffic and halved the speed of the LM head's forward product.
