@@ -642,7 +642,7 @@ pub fn matmul_batched(
     alpha: f32,
     beta: f32,
 ) -> Result<()> {
-    matmul_batched_with(batch, dims, a, b, c, alpha, beta, true)
+    matmul_batched_with(batch, dims, a, b, c, alpha, beta, true, false)
 }
 
 /// One strided product `c = beta·c + alpha·a·b` ([`matmul_batched`] with a batch of 1) on
@@ -655,7 +655,7 @@ pub(crate) fn matmul_seq(
     alpha: f32,
     beta: f32,
 ) -> Result<()> {
-    matmul_batched_with(1, dims, a, b, c, alpha, beta, false)
+    matmul_batched_with(1, dims, a, b, c, alpha, beta, false, false)
 }
 
 /// [`matmul_seq`] of operands that already hold bf16 values when `bf16` (the bf16 attention
@@ -675,49 +675,11 @@ pub(crate) fn matmul_seq_rounded(
     alpha: f32,
     beta: f32,
 ) -> Result<()> {
-    let MatmulDims { n, k, m } = dims;
-    if !(bf16 && on_tiles(MatmulPrecision::Bf16)) || k == 0 {
-        return matmul_seq(dims, a, b, c, alpha, beta);
-    }
-    check_finite("alpha", alpha)?;
-    check_finite("beta", beta)?;
-    let sa = check_layout("a", a.data.len(), a.layout, [1, n, k])?;
-    let sb = check_layout("b", b.data.len(), b.layout, [1, k, m])?;
-    let sc = check_layout("c", c.data.len(), c.layout, [1, n, m])?;
-    check_no_overlap(c.layout, [1, n, m])?;
-    let (Some(la), Some(lb), Some(lc)) = (sa.mat.amx(), sb.mat.amx(), sc.mat.amx()) else {
-        return matmul_seq(dims, a, b, c, alpha, beta);
-    };
-    if n == 0 || m == 0 {
-        return Ok(());
-    }
-    // `check_layout` proved every element in bounds (the operands are non-empty here), so
-    // the offsets are too.
-    let (a, b) = (&a.data[a.layout.offset..], &b.data[b.layout.offset..]);
-    let pc = c.data[c.layout.offset..].as_mut_ptr();
-    // SAFETY: the path is `amx` only where `matmul_amx::available()`; the layouts were
-    // checked above (every element of each operand in bounds, distinct elements of `c` at
-    // distinct positions); `c` is a unique borrow, so it overlaps neither operand.
-    unsafe {
-        matmul_amx::product(
-            n,
-            k,
-            m,
-            matmul_amx::Elems::F32(a),
-            la,
-            matmul_amx::Elems::F32(b),
-            lb,
-            pc,
-            lc,
-            alpha,
-            beta,
-            false,
-        );
-    }
-    Ok(())
+    matmul_batched_with(1, dims, a, b, c, alpha, beta, false, bf16)
 }
 
-/// [`matmul_batched`], multithreaded only when `parallel`.
+/// [`matmul_batched`], multithreaded only when `parallel`; one product of operands that
+/// hold bf16 values (`bf16`) on AMX tiles on the `amx` path (see [`matmul_seq_rounded`]).
 #[allow(clippy::too_many_arguments)]
 fn matmul_batched_with(
     batch: usize,
@@ -728,6 +690,7 @@ fn matmul_batched_with(
     alpha: f32,
     beta: f32,
     parallel: bool,
+    bf16: bool,
 ) -> Result<()> {
     let MatmulDims { n, k, m } = dims;
     check_finite("alpha", alpha)?;
@@ -737,6 +700,37 @@ fn matmul_batched_with(
     let sc = check_layout("c", c.data.len(), c.layout, [batch, n, m])?;
     check_no_overlap(c.layout, [batch, n, m])?;
     if batch == 0 || n == 0 || m == 0 {
+        return Ok(());
+    }
+    if bf16
+        && batch == 1
+        && k > 0
+        && on_tiles(MatmulPrecision::Bf16)
+        && let (Some(la), Some(lb), Some(lc)) = (sa.mat.amx(), sb.mat.amx(), sc.mat.amx())
+    {
+        // `check_layout` proved every element in bounds (the operands are non-empty
+        // here), so the offsets are too.
+        let (a, b) = (&a.data[a.layout.offset..], &b.data[b.layout.offset..]);
+        let pc = c.data[c.layout.offset..].as_mut_ptr();
+        // SAFETY: the path is `amx` only where `matmul_amx::available()`; the layouts were
+        // checked above (every element of each operand in bounds, distinct elements of
+        // `c` at distinct positions); `c` is a unique borrow, so it overlaps neither.
+        unsafe {
+            matmul_amx::product(
+                n,
+                k,
+                m,
+                matmul_amx::Elems::F32(a),
+                la,
+                matmul_amx::Elems::F32(b),
+                lb,
+                pc,
+                lc,
+                alpha,
+                beta,
+                parallel,
+            );
+        }
         return Ok(());
     }
     // Pointers to element (0, 0, 0) of each operand; `check_layout` proved the offsets in
