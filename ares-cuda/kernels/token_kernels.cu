@@ -430,8 +430,9 @@ extern "C" __global__ void masked_dynamic_kl(const float* __restrict__ logp,
 // `ares_core::loss` (PPO clip / dual clip, CISPO, GSPO, GSPO-token) with the rollout
 // importance correction, the forking-token mask, the dynamic token-level KL term and the
 // entropy bonus, aggregated by `loss_agg_mode`, with ∂L/∂logπ per token. Two launches:
-// `mask_row_counts` (valid tokens per row; resets the status words), then `policy_loss`,
-// one block per row. The per-token arithmetic is core's, operation for operation (its
+// `mask_row_counts` (valid tokens per row; resets the status words), for Clip-Cov and KL-Cov
+// `cov_select` (their tokens, chosen over the whole micro-batch), then `policy_loss`, one
+// block per row. The per-token arithmetic is core's, operation for operation (its
 // polynomial `exp`, no fused multiply-adds), so a token's gradient is core's to the bit
 // except GSPO's (its sequence ratio sums a row); the sums differ in order only.
 
@@ -447,10 +448,14 @@ extern "C" __global__ void masked_dynamic_kl(const float* __restrict__ logp,
 #define LOSS_BAD_HWE 256u
 #define LOSS_BAD_BETA 512u
 // Per-row statistics, and the totals over rows (same order).
-#define LOSS_STATS 9
+#define LOSS_STATS 10
 // 0 policy loss, 1 KL term agg(β_t·k_t), 2 agg(H), 3 clipped tokens, 4 dual-clipped tokens,
 // 5 Σ −clamp(logπ − logπ_old), 6 Σ importance weights, 7 tokens whose weight changed,
-// 8 valid tokens
+// 8 tokens chosen by covariance (Clip-Cov, KL-Cov), 9 valid tokens
+// Policy losses (`kind`): 0 PPO clip / dual clip, 1 CISPO, 2 GSPO (sequence), 3 GSPO-token,
+// 4 Clip-Cov, 5 KL-Cov.
+#define LOSS_CLIP_COV 4
+#define LOSS_KL_COV 5
 
 // PPO's clipped surrogate for a ratio r > 0: (max(L1, L2), slope, L2 > L1).
 __device__ __forceinline__ void loss_surrogate(float ratio, float a, float lo, float hi,
@@ -519,7 +524,156 @@ __device__ __forceinline__ void loss_bad(unsigned* status, long long i, unsigned
     atomicOr(status + 1, bit);
 }
 
-// kind: 0 PPO clip / dual clip, 1 CISPO, 2 GSPO (sequence), 3 GSPO-token.
+// ---------------------------------------------------------------------------------------
+// Clip-Cov's and KL-Cov's tokens (docs/algorithms.md §12.3, §12.4; core's `clip_cov_loss` and
+// `kl_cov_loss`), one block for the whole micro-batch: a few passes over its tokens, each
+// recomputing what it needs (no scratch beyond the output). The means of A and logπ over the
+// valid tokens are summed in f64 and rounded once, as core takes them;
+// cov_t = (A_t − Ā)·(logπ_t − mean logπ) in f32. Candidates: KL-Cov every valid token;
+// Clip-Cov the valid tokens PPO's clip left unclipped with lb < cov_t < ub. Each candidate has
+// a 96-bit key — KL-Cov: its covariance descending (IEEE total order, as `total_cmp`), then
+// its flat index; Clip-Cov: SplitMix64 of seed + (t + 1)·φ, then its flat index — unique, so
+// "the k = max(⌊ratio·N⌋, 1) smallest keys" is one set: all candidates when there are at most
+// k, else those up to the k-th smallest key, found 8 bits at a time (12 passes, a shared
+// histogram each). `selected` [n] gets 1 there and 0 elsewhere (padding included).
+
+// Σ v over the block in f64, in every thread (a fixed tree: deterministic). `sh`: 32 doubles.
+__device__ __forceinline__ double cov_block_sum(double v, double* sh) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    const int nwarps = (blockDim.x + 31) >> 5;
+    v = lane < nwarps ? sh[lane] : 0.0;
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+// core's `selection_key`: the SplitMix64 output for seed + (i + 1)·φ (wrapping).
+__device__ __forceinline__ unsigned long long cov_splitmix(unsigned long long seed,
+                                                           long long i) {
+    unsigned long long z = seed + ((unsigned long long)i + 1ull) * 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// Whether token i is a candidate, and then the high 64 bits of its key (the low 32 are i).
+__device__ __forceinline__ bool cov_candidate(const float* __restrict__ logp,
+                                              const float* __restrict__ logp_old,
+                                              const float* __restrict__ advantages,
+                                              const float* __restrict__ mask, long long i,
+                                              int kind, float mean_a, float mean_l, float lo,
+                                              float hi, float lb, float ub,
+                                              unsigned long long seed,
+                                              unsigned long long& key) {
+    if (mask[i] == 0.0f) return false;
+    const float a = advantages[i], lp = logp[i];
+    const float cov = __fmul_rn(__fsub_rn(a, mean_a), __fsub_rn(lp, mean_l));
+    if (kind == LOSS_KL_COV) {
+        // ascending IEEE total order, then complemented: the largest covariance first
+        unsigned u = __float_as_uint(cov);
+        u ^= (u >> 31) != 0u ? 0xffffffffu : 0x80000000u;
+        key = (unsigned long long)(~u);
+        return true;
+    }
+    const float l = fminf(fmaxf(lp - logp_old[i], -20.0f), 20.0f);
+    float lc, slope;
+    bool clipped;
+    loss_surrogate(loss_exp(l), a, lo, hi, lc, slope, clipped);
+    if (clipped || !(cov > lb && cov < ub)) return false;
+    key = cov_splitmix(seed, i);
+    return true;
+}
+
+// kind: LOSS_CLIP_COV or LOSS_KL_COV; clip_lo / clip_hi: ε_low, ε_high (Clip-Cov's candidates);
+// ratio: the budget's fraction, widened from the loss's f32 (the product ratio·N in f64, as
+// core). n < 2^32. Launch: one block (a multiple of 32 threads).
+extern "C" __global__ void cov_select(const float* __restrict__ logp,
+                                      const float* __restrict__ logp_old,
+                                      const float* __restrict__ advantages,
+                                      const float* __restrict__ mask, long long n, int kind,
+                                      float clip_lo, float clip_hi, float lb, float ub,
+                                      unsigned long long seed, double ratio,
+                                      float* __restrict__ selected) {
+    __shared__ double sh[32];
+    __shared__ unsigned hist[256];
+    // the k-th smallest key, decided 8 bits at a time: its bits so far, which bits those are,
+    // and its rank among the candidates that share them
+    __shared__ unsigned long long pre_hi, known_hi, rank;
+    __shared__ unsigned pre_lo, known_lo;
+    double sa = 0.0, sl = 0.0, valid = 0.0;
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) {
+        if (mask[i] == 0.0f) continue;
+        sa += (double)advantages[i];
+        sl += (double)logp[i];
+        valid += 1.0;
+    }
+    sa = cov_block_sum(sa, sh);
+    sl = cov_block_sum(sl, sh);
+    valid = cov_block_sum(valid, sh);
+    const float mean_a = (float)(sa / valid), mean_l = (float)(sl / valid);
+    const float lo = 1.0f - clip_lo, hi = 1.0f + clip_hi;
+    double count = 0.0;
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) {
+        unsigned long long key;
+        count += cov_candidate(logp, logp_old, advantages, mask, i, kind, mean_a, mean_l, lo, hi,
+                               lb, ub, seed, key)
+                     ? 1.0
+                     : 0.0;
+    }
+    count = cov_block_sum(count, sh);
+    long long k = (long long)(ratio * valid);
+    if (k < 1) k = 1;
+    const bool all = count <= (double)k;
+    if (threadIdx.x == 0) {
+        pre_hi = known_hi = 0ull;
+        pre_lo = known_lo = 0u;
+        rank = (unsigned long long)k;
+    }
+    __syncthreads();
+    for (int pass = 0; pass < 12 && !all; pass++) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0u;
+        __syncthreads();
+        for (long long i = threadIdx.x; i < n; i += blockDim.x) {
+            unsigned long long key;
+            if (!cov_candidate(logp, logp_old, advantages, mask, i, kind, mean_a, mean_l, lo, hi,
+                               lb, ub, seed, key))
+                continue;
+            if ((key & known_hi) != pre_hi || ((unsigned)i & known_lo) != pre_lo) continue;
+            const unsigned digit = pass < 8 ? (unsigned)(key >> (56 - 8 * pass)) & 255u
+                                            : ((unsigned)i >> (24 - 8 * (pass - 8))) & 255u;
+            atomicAdd(&hist[digit], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            // the digit whose bin holds the rank-th key (the bins sum to at least the rank)
+            unsigned long long r = rank;
+            unsigned digit = 0u;
+            while (digit < 255u && hist[digit] < r) r -= hist[digit++];
+            rank = r;
+            if (pass < 8) {
+                pre_hi |= (unsigned long long)digit << (56 - 8 * pass);
+                known_hi |= 255ull << (56 - 8 * pass);
+            } else {
+                pre_lo |= digit << (24 - 8 * (pass - 8));
+                known_lo |= 255u << (24 - 8 * (pass - 8));
+            }
+        }
+        __syncthreads();
+    }
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) {
+        unsigned long long key;
+        bool chosen = cov_candidate(logp, logp_old, advantages, mask, i, kind, mean_a, mean_l, lo,
+                                    hi, lb, ub, seed, key);
+        if (chosen && !all) chosen = key < pre_hi || (key == pre_hi && (unsigned)i <= pre_lo);
+        selected[i] = chosen ? 1.0f : 0.0f;
+    }
+}
+
+// kind: see LOSS_CLIP_COV above; 4 and 5 read `selected` (`cov_select`'s output) and
+// `cov_coef` (KL-Cov's coefficient).
 // agg: 0 token-mean, 1 token-sum, 2 seq-mean-token-sum, 3 seq-mean-token-mean,
 // 4 seq-mean-token-sum-norm. clip_c = 0: no dual clip. `rollout` is read iff is_mode ≠ 0;
 // `keep` (forking mask), `ref` (with `beta_rows`; `hwe` optional) and `entropy` (with
@@ -533,10 +687,10 @@ extern "C" __global__ void policy_loss(
     const float* __restrict__ rollout, const float* __restrict__ keep,
     const float* __restrict__ ref, const float* __restrict__ hwe,
     const float* __restrict__ beta_rows, const float* __restrict__ entropy,
-    const float* __restrict__ row_counts, long long rows, long long cols, int kind,
-    float clip_lo, float clip_hi, float clip_c, int is_mode, float is_low, float is_high,
-    int agg, int kl_est, float low_ratio, float entropy_coef, float scale,
-    float* __restrict__ grad, float* __restrict__ entropy_grad,
+    const float* __restrict__ selected, const float* __restrict__ row_counts, long long rows,
+    long long cols, int kind, float clip_lo, float clip_hi, float clip_c, int is_mode,
+    float is_low, float is_high, int agg, int kl_est, float low_ratio, float entropy_coef,
+    float scale, float cov_coef, float* __restrict__ grad, float* __restrict__ entropy_grad,
     float* __restrict__ row_stats, float* __restrict__ totals, int report,
     unsigned* __restrict__ status, unsigned* __restrict__ blocks_done) {
     __shared__ float scratch[32];
@@ -571,7 +725,7 @@ extern "C" __global__ void policy_loss(
     // GSPO: the row's mean log-ratio and advantage, and W = Σ weight·w over its tokens
     float inv_n = 0.0f, seq_loss = 0.0f, seq_slope = 0.0f, seq_ratio = 1.0f, row_w = 0.0f;
     bool seq_clipped = false, seq_live = false;
-    if (kind >= 2 && n_r > 0.0f) {
+    if ((kind == 2 || kind == 3) && n_r > 0.0f) {
         float sum_d = 0.0f, sum_a = 0.0f;
         for (long long t = threadIdx.x; t < cols; t += blockDim.x) {
             const long long i = base + t;
@@ -596,7 +750,7 @@ extern "C" __global__ void policy_loss(
     }
 
     float s_loss = 0.0f, s_kl = 0.0f, s_ent = 0.0f, s_clip = 0.0f, s_dual = 0.0f;
-    float s_approx = 0.0f, s_w = 0.0f, s_changed = 0.0f;
+    float s_approx = 0.0f, s_w = 0.0f, s_changed = 0.0f, s_selected = 0.0f;
     for (long long t = threadIdx.x; t < cols; t += blockDim.x) {
         const long long i = base + t;
         const float m = mask[i];
@@ -640,6 +794,32 @@ extern "C" __global__ void policy_loss(
             s_loss = __fadd_rn(s_loss, __fmul_rn(__fmul_rn(ww, slope), lp));
             clipped = cr != ratio;
             g = __fmul_rn(ww, slope);
+        } else if (kind == LOSS_CLIP_COV) {
+            // PPO's surrogate without dual clip; a chosen token keeps neither loss nor
+            // gradient (core: weight·w·keep·L)
+            const bool live = d >= -20.0f && d <= 20.0f;
+            float lc, slope;
+            loss_surrogate(loss_exp(l), a, lo, hi, lc, slope, clipped);
+            const float keep_t = selected[i] != 0.0f ? 0.0f : 1.0f;
+            const float wk = __fmul_rn(__fmul_rn(weight, w), keep_t);
+            s_loss = __fadd_rn(s_loss, __fmul_rn(wk, lc));
+            g = __fmul_rn(wk, live ? slope : 0.0f);
+            s_selected += 1.0f - keep_t;
+        } else if (kind == LOSS_KL_COV) {
+            // −A·r unclipped; a chosen token adds coef·|ℓ| (slope coef·sign ℓ)
+            const bool live = d >= -20.0f && d <= 20.0f;
+            const float neg_a_r = __fmul_rn(-a, loss_exp(l));
+            float tl = neg_a_r, ts = live ? neg_a_r : 0.0f;
+            if (selected[i] != 0.0f) {
+                float k, kg;
+                loss_kl(l, 1, k, kg);
+                tl = __fadd_rn(tl, __fmul_rn(cov_coef, k));
+                ts = __fadd_rn(ts, live ? __fmul_rn(cov_coef, kg) : 0.0f);
+                s_selected += 1.0f;
+            }
+            const float ww = __fmul_rn(weight, w);
+            s_loss = __fadd_rn(s_loss, __fmul_rn(ww, tl));
+            g = __fmul_rn(ww, ts);
         } else {
             float tl = seq_loss, ts = seq_slope;
             clipped = seq_clipped;
@@ -675,7 +855,8 @@ extern "C" __global__ void policy_loss(
         if (bad != 0u) loss_bad(status, i, bad);
     }
 
-    float stats[LOSS_STATS] = {s_loss, s_kl, s_ent, s_clip, s_dual, s_approx, s_w, s_changed, 0.0f};
+    float stats[LOSS_STATS] = {s_loss, s_kl,      s_ent,      s_clip, s_dual,
+                               s_approx, s_w, s_changed, s_selected, 0.0f};
     for (int k = 0; k < LOSS_STATS - 1; k++) stats[k] = block_sum(stats[k], scratch);
     if (threadIdx.x == 0) {
         // PPO sums w·L and weighs the row once, as core does; the others weigh each token
@@ -683,7 +864,7 @@ extern "C" __global__ void policy_loss(
         if (kind == 0) stats[0] = __fmul_rn(stats[0], row_weight);
         stats[1] = __fmul_rn(stats[1], row_weight);
         stats[2] = __fmul_rn(stats[2], row_weight);
-        stats[8] = n_r;
+        stats[9] = n_r;
         for (int k = 0; k < LOSS_STATS; k++) row_stats[row * LOSS_STATS + k] = stats[k];
         __threadfence();
         const unsigned done = atomicAdd(blocks_done, 1u);

@@ -98,6 +98,7 @@ kernel_table! {
         masked_dynamic_kl: "masked_dynamic_kl",
         mask_row_counts: "mask_row_counts",
         policy_loss: "policy_loss",
+        cov_select: "cov_select",
     }
 }
 

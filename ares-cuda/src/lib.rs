@@ -32,7 +32,7 @@ pub use cudarc;
 pub use device::{Cuda, DeviceInfo, cuda_available, device_count};
 pub use gemm::{GemmDims, GemmPrecision, cublas_available};
 pub use loss_ops::{
-    KlLossSpec, LOSS_REPORT, LOSS_STATS, LossInputs, LossKind, LossOutputs, LossReport,
+    CovScalars, KlLossSpec, LOSS_REPORT, LOSS_STATS, LossInputs, LossKind, LossOutputs, LossReport,
     LossScalars, LossSpec,
 };
 pub use model_ops::{

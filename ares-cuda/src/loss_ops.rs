@@ -6,13 +6,18 @@
 //! token, in two launches, with nothing read back until the caller wants the numbers
 //! ([`LossReport::read`]).
 //!
-//! Clip-Cov and KL-Cov select tokens by their covariance over the whole micro-batch (a random
-//! draw, a top-k); they have no kernel.
+//! [`clip_cov_loss`] and [`kl_cov_loss`] choose their tokens by covariance over the whole
+//! micro-batch (a seeded draw, a top-k): a third launch between the two, `cov_select`, one
+//! block that finds the k-th smallest selection key by radix selection and marks the chosen
+//! tokens in a scratch tensor the loss kernel reads. The means are summed in f64 as core sums
+//! them, so the same tokens are chosen as on the CPU.
 //!
 //! [`actor_loss`]: ares_core::loss::actor_loss
 //! [`policy_loss`]: ares_core::loss::policy_loss
 //! [`cispo_loss`]: ares_core::loss::cispo_loss
 //! [`gspo_loss`]: ares_core::loss::gspo_loss
+//! [`clip_cov_loss`]: ares_core::loss::clip_cov_loss
+//! [`kl_cov_loss`]: ares_core::loss::kl_cov_loss
 //! [`mask_token_gradient`]: ares_core::forking::mask_token_gradient
 //! [`token_kl`]: ares_core::kl::token_kl
 //! [`aggregate_term`]: ares_core::loss::aggregate_term
@@ -21,23 +26,25 @@ use crate::error::{DriverContext, Result};
 use crate::launch::{ArgOrNull, bad, check_len, i64_of};
 use crate::token_ops::TokenOps;
 use ares_core::kl::KlEstimator;
-use ares_core::loss::{GspoLevel, IsMode, LossAggMode, PolicyLossConfig, PolicyLossOutput};
+use ares_core::loss::{
+    ClipCovParams, GspoLevel, IsMode, KlCovParams, LossAggMode, PolicyLossConfig, PolicyLossOutput,
+};
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
 /// Statistics per row and in the totals: policy loss, KL term, `agg(H)`, clipped tokens,
 /// dual-clipped tokens, `Σ −clamp(logπ − logπ_old)`, `Σ w`, tokens whose importance weight
-/// changed, valid tokens (`token_kernels.cu`'s `LOSS_STATS`).
-pub const LOSS_STATS: usize = 9;
+/// changed, tokens chosen by covariance, valid tokens (`token_kernels.cu`'s `LOSS_STATS`).
+pub const LOSS_STATS: usize = 10;
 
 /// Words of a loss report: the [`LOSS_STATS`] totals, then the two status words' bits
 /// ([`LossOutputs::totals`] of this length: one read brings both back).
 pub const LOSS_REPORT: usize = LOSS_STATS + 2;
 
-/// Threads per block of the loss kernels (one block per row).
+/// Threads per block of the loss kernels (one block per row; `cov_select`: one block).
 const LOSS_BLOCK: u32 = 512;
 
-/// The policy losses with a kernel (`worker.actor.policy_loss`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// The policy losses with a kernel (`worker.actor.policy_loss`): all of core's.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum LossKind {
     /// PPO clip / dual clip ([`ares_core::loss::policy_loss`]).
     #[default]
@@ -46,6 +53,18 @@ pub enum LossKind {
     Cispo,
     /// GSPO at a level ([`ares_core::loss::gspo_loss`]).
     Gspo(GspoLevel),
+    /// Clip-Cov ([`ares_core::loss::clip_cov_loss`]; its `seed` picks the tokens).
+    ClipCov(ClipCovParams<f32>),
+    /// KL-Cov ([`ares_core::loss::kl_cov_loss`]).
+    KlCov(KlCovParams<f32>),
+}
+
+impl LossKind {
+    /// Whether the loss chooses tokens by covariance (a `cov_select` launch and
+    /// [`LossOutputs::selected`]).
+    pub fn selects_tokens(&self) -> bool {
+        matches!(self, LossKind::ClipCov(_) | LossKind::KlCov(_))
+    }
 }
 
 /// The KL loss term `agg(β_t·k_t)`: the estimator and the weight ratio of HWE tokens
@@ -85,7 +104,7 @@ pub struct LossScalars {
     pub rows: i64,
     /// Columns.
     pub cols: i64,
-    /// 0 PPO, 1 CISPO, 2 GSPO, 3 GSPO-token.
+    /// 0 PPO, 1 CISPO, 2 GSPO, 3 GSPO-token, 4 Clip-Cov, 5 KL-Cov.
     pub kind: i32,
     /// ε_low.
     pub clip_lo: f32,
@@ -109,6 +128,31 @@ pub struct LossScalars {
     pub entropy_coef: f32,
     /// Gradient scale.
     pub scale: f32,
+    /// KL-Cov's `ppo_kl_coef` (unused by the other losses).
+    pub cov_coef: f32,
+}
+
+/// `cov_select`'s scalar arguments, in its order (`#[repr(C)]` for the CPU run of the kernel
+/// source, as [`LossScalars`]).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CovScalars {
+    /// Tokens (`rows·cols` < 2^32).
+    pub n: i64,
+    /// 4 Clip-Cov, 5 KL-Cov.
+    pub kind: i32,
+    /// ε_low (Clip-Cov's candidates are the tokens PPO's clip leaves unclipped).
+    pub clip_lo: f32,
+    /// ε_high.
+    pub clip_hi: f32,
+    /// Clip-Cov's `lb` (candidates have `lb < cov < ub`).
+    pub lb: f32,
+    /// Clip-Cov's `ub`.
+    pub ub: f32,
+    /// Clip-Cov's selection seed.
+    pub seed: u64,
+    /// The budget's fraction, widened exactly from f32: `k = max(⌊ratio·N⌋, 1)`.
+    pub ratio: f64,
 }
 
 impl LossSpec {
@@ -122,6 +166,11 @@ impl LossSpec {
         let core = |e: ares_core::Error| bad(KERNEL, e.to_string());
         self.config.clip.validate().map_err(core)?;
         self.config.is_correction.validate().map_err(core)?;
+        match self.kind {
+            LossKind::ClipCov(p) => p.validate().map_err(core)?,
+            LossKind::KlCov(p) => p.validate().map_err(core)?,
+            LossKind::Ppo | LossKind::Cispo | LossKind::Gspo(_) => {}
+        }
         if let Some(kl) = self.kl
             && !(0.0..=1.0).contains(&kl.low_ratio)
         {
@@ -151,6 +200,8 @@ impl LossSpec {
                 LossKind::Cispo => 1,
                 LossKind::Gspo(GspoLevel::Sequence) => 2,
                 LossKind::Gspo(GspoLevel::Token) => 3,
+                LossKind::ClipCov(_) => 4,
+                LossKind::KlCov(_) => 5,
             },
             clip_lo: clip.clip_ratio_low,
             clip_hi: clip.clip_ratio_high,
@@ -181,7 +232,31 @@ impl LossSpec {
             low_ratio: self.kl.map_or(1.0, |k| k.low_ratio),
             entropy_coef: self.entropy_coef.unwrap_or(0.0),
             scale: self.scale,
+            cov_coef: match self.kind {
+                LossKind::KlCov(p) => p.coef,
+                _ => 0.0,
+            },
         }
+    }
+
+    /// `cov_select`'s scalars for `n` tokens (`None` for a loss that chooses none).
+    pub fn cov_scalars(&self, n: i64) -> Option<CovScalars> {
+        let clip = self.config.clip;
+        let (kind, lb, ub, seed, ratio) = match self.kind {
+            LossKind::ClipCov(p) => (4, p.lb, p.ub, p.seed, p.ratio),
+            LossKind::KlCov(p) => (5, 0.0, 0.0, 0, p.ratio),
+            LossKind::Ppo | LossKind::Cispo | LossKind::Gspo(_) => return None,
+        };
+        Some(CovScalars {
+            n,
+            kind,
+            clip_lo: clip.clip_ratio_low,
+            clip_hi: clip.clip_ratio_high,
+            lb,
+            ub,
+            seed,
+            ratio: f64::from(ratio),
+        })
     }
 }
 
@@ -228,6 +303,9 @@ pub struct LossOutputs<'a> {
     pub totals: CudaViewMut<'a, f32>,
     /// `[2]` status words: the first bad token's flat index and what was bad.
     pub status: CudaViewMut<'a, u32>,
+    /// Scratch `[rows, cols]` for Clip-Cov and KL-Cov (required by them): 1 where a token
+    /// was chosen, else 0.
+    pub selected: Option<CudaViewMut<'a, f32>>,
 }
 
 /// Status bits of the loss kernel, with the input each names.
@@ -247,8 +325,7 @@ const STATUS_BITS: [(u32, &str); 10] = [
 /// A loss's values read back from [`LossOutputs::totals`] and [`LossOutputs::status`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LossReport {
-    /// The policy loss and its metrics, as core's functions return them
-    /// (`selected_frac` 0).
+    /// The policy loss and its metrics, as core's functions return them.
     pub policy: PolicyLossOutput<f32>,
     /// The KL term `agg(β_t·k_t)` (0 without one).
     pub kl_loss: f32,
@@ -297,7 +374,7 @@ impl LossReport {
                 index,
             });
         }
-        let valid = totals[8];
+        let valid = totals[9];
         if valid < 1.0 {
             return Err(ares_core::Error::Empty { what: "mask" });
         }
@@ -310,7 +387,7 @@ impl LossReport {
                 approx_kl: totals[5] * inv,
                 is_weight_mean: totals[6] * inv,
                 is_changed_frac: totals[7] * inv,
-                selected_frac: 0.0,
+                selected_frac: totals[8] * inv,
                 valid_tokens: valid as usize,
             },
             kl_loss: totals[1],
@@ -419,6 +496,7 @@ impl TokenOps<'_> {
             mut row_stats,
             mut totals,
             mut status,
+            mut selected,
         } = outputs;
         if spec.entropy_coef.is_some() {
             need("entropy", entropy.is_some(), "by the entropy bonus")?;
@@ -439,6 +517,22 @@ impl TokenOps<'_> {
             check_len(KERNEL, "totals", LOSS_STATS, totals.len())?;
         }
         check_len(KERNEL, "status", 2, status.len())?;
+        let cov = spec.cov_scalars(i64_of(KERNEL, "tokens", n)?);
+        if cov.is_some() {
+            match &selected {
+                Some(v) => check_len(KERNEL, "selected", n, v.len())?,
+                None => need("selected", false, "by Clip-Cov and KL-Cov")?,
+            }
+            if u32::try_from(n).is_err() {
+                return Err(bad(
+                    KERNEL,
+                    format!(
+                        "{n} tokens: Clip-Cov and KL-Cov choose among at most 2^32 - 1 tokens \
+                         of a micro-batch"
+                    ),
+                ));
+            }
+        }
         if rows == 0 {
             // no row: an empty mask, which the report names
             self.stream
@@ -481,6 +575,31 @@ impl TokenOps<'_> {
             .arg(&mut status);
         // SAFETY: argument order and types match `mask_row_counts`; lengths checked above.
         unsafe { launch.launch(cfg) }.during("launch mask_row_counts")?;
+        if let (Some(c), Some(sel)) = (cov, selected.as_mut()) {
+            let mut launch = self.stream.launch_builder(self.cov_select);
+            launch
+                .arg(&logp)
+                .arg(&logp_old)
+                .arg(&advantages)
+                .arg(&mask)
+                .arg(&c.n)
+                .arg(&c.kind)
+                .arg(&c.clip_lo)
+                .arg(&c.clip_hi)
+                .arg(&c.lb)
+                .arg(&c.ub)
+                .arg(&c.seed)
+                .arg(&c.ratio)
+                .arg(&mut *sel);
+            let one = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (LOSS_BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: argument order and types match `cov_select`; `selected` holds the n
+            // tokens (checked above), n < 2^32.
+            unsafe { launch.launch(one) }.during("launch cov_select")?;
+        }
         let mut launch = self.stream.launch_builder(self.policy_loss);
         launch
             .arg(&logp)
@@ -496,7 +615,12 @@ impl TokenOps<'_> {
             .arg_or_null(hwe.as_ref())
             .arg_or_null(beta_rows.as_ref())
             .arg_or_null(entropy.as_ref())
-            // read only; a mutable view is what the caller lent
+            // read only (mutable views are what the caller lent)
+            .arg_or_null(if cov.is_some() {
+                selected.as_mut()
+            } else {
+                None
+            })
             .arg(&mut row_counts)
             .arg(&s.rows)
             .arg(&s.cols)
@@ -512,6 +636,7 @@ impl TokenOps<'_> {
             .arg(&s.low_ratio)
             .arg(&s.entropy_coef)
             .arg(&s.scale)
+            .arg(&s.cov_coef)
             .arg(&mut grad)
             .arg_or_null(entropy_grad_arg)
             .arg(&mut row_stats)
@@ -531,7 +656,7 @@ mod tests {
     use super::*;
 
     fn totals(valid: f32) -> [f32; LOSS_STATS] {
-        [0.5, 0.25, 2.0, 1.0, 0.0, -0.5, 4.0, 2.0, valid]
+        [0.5, 0.25, 2.0, 1.0, 0.0, -0.5, 4.0, 2.0, 1.0, valid]
     }
 
     #[test]
@@ -542,6 +667,7 @@ mod tests {
         assert_eq!(r.policy.approx_kl, -0.125);
         assert_eq!(r.policy.is_weight_mean, 1.0);
         assert_eq!(r.policy.is_changed_frac, 0.5);
+        assert_eq!(r.policy.selected_frac, 0.25);
         assert_eq!(r.policy.valid_tokens, 4);
         assert_eq!((r.kl_loss, r.entropy), (0.25, 2.0));
     }

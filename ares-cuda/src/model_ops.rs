@@ -477,6 +477,7 @@ impl ModelOps {
             masked_dynamic_kl: &self.token.masked_dynamic_kl,
             mask_row_counts: &self.token.mask_row_counts,
             policy_loss: &self.token.policy_loss,
+            cov_select: &self.token.cov_select,
             blocks_done,
             max_shared_per_block: self.info.max_shared_per_block,
         };

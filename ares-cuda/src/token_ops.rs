@@ -205,6 +205,7 @@ pub struct TokenOps<'a> {
     pub(crate) masked_dynamic_kl: &'a CudaFunction,
     pub(crate) mask_row_counts: &'a CudaFunction,
     pub(crate) policy_loss: &'a CudaFunction,
+    pub(crate) cov_select: &'a CudaFunction,
     /// Blocks-finished counter of the last-block reduction; the kernel resets it to 0.
     pub(crate) blocks_done: &'a mut CudaSlice<u32>,
     /// Largest dynamic shared memory a block may opt into, in bytes.
@@ -222,6 +223,7 @@ impl Cuda {
             masked_dynamic_kl: &self.functions.masked_dynamic_kl,
             mask_row_counts: &self.functions.mask_row_counts,
             policy_loss: &self.functions.policy_loss,
+            cov_select: &self.functions.cov_select,
             blocks_done: &mut self.blocks_done,
             max_shared_per_block,
         }

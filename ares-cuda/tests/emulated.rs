@@ -18,7 +18,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 use ares_cuda::kernels::{MODEL_OPS, TOKEN_KERNELS};
-use ares_cuda::{LOSS_REPORT, LOSS_STATS, LossReport, LossScalars, LossSpec};
+use ares_cuda::{CovScalars, LOSS_REPORT, LOSS_STATS, LossReport, LossScalars, LossSpec};
 use libloading::Library;
 use loss_reference::{Batch, Rng, assert_values, close, expected, specs};
 
@@ -110,6 +110,7 @@ struct LossTensors {
     hwe: *const f32,
     beta_rows: *const f32,
     entropy: *const f32,
+    selected: *const f32,
     row_counts: *const f32,
     grad: *mut f32,
     entropy_grad: *mut f32,
@@ -129,9 +130,43 @@ struct Got {
 
 type LossLauncher = unsafe extern "C" fn(u32, u32, *const LossScalars, *const LossTensors);
 type CountsLauncher = unsafe extern "C" fn(u32, u32, *const f32, i64, *mut f32, *mut u32);
+type CovLauncher = unsafe extern "C" fn(
+    u32,
+    u32,
+    *const CovScalars,
+    *const f32,
+    *const f32,
+    *const f32,
+    *const f32,
+    *mut f32,
+);
 
-/// Runs `mask_row_counts` then `policy_loss` on `b` as `TokenOps::policy_loss` launches them
-/// (the same scalars, the optional tensors passed as the spec asks).
+/// Runs `cov_select` on `b` (one block, as `TokenOps::policy_loss` launches it): the chosen
+/// tokens, 0/1 (`None` for a loss that chooses none).
+fn run_cov_select(lib: &Library, spec: &LossSpec, b: &Batch) -> Option<Vec<f32>> {
+    let n = b.rows * b.cols;
+    let scalars = spec.cov_scalars(n as i64)?;
+    let launch = launcher!(lib, "emu_cov_select", CovLauncher);
+    let mut selected = vec![NAN; n];
+    // SAFETY: the four inputs and `selected` hold n floats each.
+    unsafe {
+        launch(
+            1,
+            ROW_BLOCK,
+            &scalars,
+            b.logp.as_ptr(),
+            b.old.as_ptr(),
+            b.adv.as_ptr(),
+            b.mask.as_ptr(),
+            selected.as_mut_ptr(),
+        );
+    }
+    Some(selected)
+}
+
+/// Runs `mask_row_counts`, `cov_select` where the loss chooses tokens, then `policy_loss` on
+/// `b` as `TokenOps::policy_loss` launches them (the same scalars, the optional tensors
+/// passed as the spec asks).
 fn run_loss(lib: &Library, spec: &LossSpec, b: &Batch, forking: bool, hwe: bool) -> Got {
     let (rows, cols) = (b.rows, b.cols);
     let n = rows * cols;
@@ -151,6 +186,7 @@ fn run_loss(lib: &Library, spec: &LossSpec, b: &Batch, forking: bool, hwe: bool)
     let with_kl = spec.kl.is_some();
     let with_entropy = spec.entropy_coef.is_some();
     let scalars = spec.scalars(rows as i64, cols as i64);
+    let selected = run_cov_select(lib, spec, b);
     let counts_launch = launcher!(lib, "emu_mask_row_counts", CountsLauncher);
     let loss_launch = launcher!(lib, "emu_policy_loss", LossLauncher);
     // SAFETY: every pointer covers the lengths the kernels read and write (rows × cols
@@ -178,6 +214,7 @@ fn run_loss(lib: &Library, spec: &LossSpec, b: &Batch, forking: bool, hwe: bool)
             hwe: opt(with_kl && hwe, &b.hwe),
             beta_rows: opt(with_kl, &b.beta),
             entropy: opt(with_entropy, &b.entropy),
+            selected: selected.as_ref().map_or(null, |s| s.as_ptr()),
             row_counts: counts.as_ptr(),
             grad: got.grad.as_mut_ptr(),
             entropy_grad: if with_entropy {
@@ -346,6 +383,126 @@ fn kernel_on_cpu_policy_loss_flags_what_core_refuses() {
     // a clean batch after the bad ones: the status words were reset
     let got = run_loss(lib, &spec, &b, true, true);
     assert!(LossReport::read(&got.totals, got.status).is_ok());
+}
+
+/// The tokens Clip-Cov or KL-Cov choose, by the definition (docs/algorithms.md §12.3, §12.4)
+/// written plainly: every candidate's key, sorted, the first k.
+fn chosen_by_definition(spec: &LossSpec, b: &Batch) -> Vec<f32> {
+    let n = b.rows * b.cols;
+    let valid: Vec<usize> = (0..n).filter(|&i| b.mask[i] != 0.0).collect();
+    let mean = |v: &[f32]| {
+        (valid.iter().map(|&i| f64::from(v[i])).sum::<f64>() / valid.len() as f64) as f32
+    };
+    let (mean_a, mean_l) = (mean(&b.adv), mean(&b.logp));
+    let cov = |i: usize| (b.adv[i] - mean_a) * (b.logp[i] - mean_l);
+    let splitmix = |seed: u64, i: usize| {
+        let mut z = seed.wrapping_add((i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    };
+    let clip = spec.config.clip;
+    // (key, index) of each candidate; KL-Cov's key orders covariances descending
+    let (mut keys, ratio): (Vec<(u64, usize)>, f32) = match spec.kind {
+        ares_cuda::LossKind::KlCov(p) => (
+            valid
+                .iter()
+                .map(|&i| {
+                    let u = cov(i).to_bits();
+                    let asc = u ^ if u >> 31 == 1 { u32::MAX } else { 0x8000_0000 };
+                    (u64::from(!asc), i)
+                })
+                .collect(),
+            p.ratio,
+        ),
+        ares_cuda::LossKind::ClipCov(p) => (
+            valid
+                .iter()
+                .filter(|&&i| {
+                    let d = (b.logp[i] - b.old[i]).clamp(-20.0, 20.0);
+                    let r = f64::from(d).exp();
+                    let a = f64::from(b.adv[i]);
+                    let clipped =
+                        -a * r.clamp(
+                            1.0 - f64::from(clip.clip_ratio_low),
+                            1.0 + f64::from(clip.clip_ratio_high),
+                        ) > -a * r;
+                    !clipped && cov(i) > p.lb && cov(i) < p.ub
+                })
+                .map(|&i| (splitmix(p.seed, i), i))
+                .collect(),
+            p.ratio,
+        ),
+        _ => panic!("a loss that chooses no tokens"),
+    };
+    keys.sort_unstable();
+    let k = ((f64::from(ratio) * valid.len() as f64) as usize).max(1);
+    let mut out = vec![0.0f32; n];
+    for &(_, i) in keys.iter().take(k) {
+        out[i] = 1.0;
+    }
+    out
+}
+
+#[test]
+fn kernel_on_cpu_cov_select_chooses_the_definitions_tokens() {
+    let Some(lib) = kernels() else { return };
+    let mut rng = Rng(0xC0F);
+    let spec_of = |kind| LossSpec {
+        kind,
+        config: ares_core::loss::PolicyLossConfig::default(),
+        kl: None,
+        entropy_coef: None,
+        scale: 1.0,
+    };
+    let clip_cov = |ratio, lb, ub, seed| {
+        spec_of(ares_cuda::LossKind::ClipCov(
+            ares_core::loss::ClipCovParams {
+                ratio,
+                lb,
+                ub,
+                seed,
+            },
+        ))
+    };
+    let kl_cov = |ratio| {
+        spec_of(ares_cuda::LossKind::KlCov(ares_core::loss::KlCovParams {
+            ratio,
+            coef: 1.0,
+        }))
+    };
+    let mut compared = 0;
+    for (rows, cols) in [(1usize, 1usize), (2, 5), (7, 300), (16, 700)] {
+        let random = Batch::random(&mut rng, rows, cols);
+        // one advantage for every token: every covariance is ±0, and the order is the
+        // index's (−0 after +0: the total order)
+        let mut flat = random.clone();
+        flat.adv.iter_mut().for_each(|a| *a = 0.75);
+        for b in [&random, &flat] {
+            for spec in [
+                clip_cov(2e-4, 1.0, 5.0, 0),
+                clip_cov(0.01, 0.1, 3.0, 42),
+                clip_cov(0.3, -100.0, 100.0, u64::MAX),
+                clip_cov(1.0, -100.0, 100.0, 9),
+                kl_cov(2e-4),
+                kl_cov(0.1),
+                kl_cov(0.999),
+                kl_cov(1.0),
+            ] {
+                let got = run_cov_select(lib, &spec, b).expect("a choosing loss");
+                let want = chosen_by_definition(&spec, b);
+                let differ: Vec<usize> = (0..got.len()).filter(|&i| got[i] != want[i]).collect();
+                assert!(
+                    differ.is_empty(),
+                    "{rows}×{cols} {:?}: tokens {differ:?} differ (kernel {:?})",
+                    spec.kind,
+                    differ.iter().map(|&i| got[i]).collect::<Vec<_>>()
+                );
+                compared += 1;
+            }
+        }
+    }
+    assert_eq!(compared, 64);
 }
 
 #[test]

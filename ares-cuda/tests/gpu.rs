@@ -475,6 +475,7 @@ fn policy_loss_matches_core() {
                 (poisoned(&cuda, rows), poisoned(&cuda, rows * LOSS_STATS));
             let mut totals = poisoned(&cuda, LOSS_STATS);
             let mut status = upload(&cuda, &[7u32, 7]);
+            let mut selected = poisoned(&cuda, n);
             cuda.token_ops()
                 .policy_loss(
                     &spec,
@@ -498,6 +499,7 @@ fn policy_loss_matches_core() {
                         row_stats: stats.as_view_mut(),
                         totals: totals.as_view_mut(),
                         status: status.as_view_mut(),
+                        selected: spec.kind.selects_tokens().then(|| selected.as_view_mut()),
                     },
                 )
                 .expect("launch");

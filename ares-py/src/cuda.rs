@@ -397,12 +397,13 @@ fn cuda_log_prob_entropy_backward(
 /// correction is `none`) `logp_rollout` f32 `[rows, cols]`; writes ∂loss/∂logp to `out_grad`
 /// `[rows, cols]` and returns the loss and its metrics as the CPU function's dict does
 /// (reading them waits for the stream). ares-cuda's `policy_loss` kernel, the twin of
-/// `ares_core::loss`'s PPO / dual clip, GSPO, GSPO-token and CISPO; Clip-Cov and KL-Cov
-/// have no kernel (refused).
+/// `ares_core::loss`'s PPO / dual clip, GSPO, GSPO-token, CISPO, Clip-Cov and KL-Cov (these
+/// two choose their tokens with `cov_select` first, in a scratch tensor of `[rows, cols]`).
 #[pyfunction]
 #[pyo3(signature = (device, stream, logp, logp_old, advantages, mask, logp_rollout, rows, cols,
     loss_mode, loss_agg_mode, clip_ratio_low, clip_ratio_high, clip_ratio_c, is_correction,
-    is_threshold_low, is_threshold_high, out_grad))]
+    is_threshold_low, is_threshold_high, out_grad, clip_cov_ratio, clip_cov_lb, clip_cov_ub,
+    clip_cov_seed, kl_cov_ratio, ppo_kl_coef))]
 #[allow(clippy::too_many_arguments)]
 fn cuda_policy_loss<'py>(
     py: Python<'py>,
@@ -424,21 +425,31 @@ fn cuda_policy_loss<'py>(
     is_threshold_low: f32,
     is_threshold_high: f32,
     out_grad: u64,
+    clip_cov_ratio: f32,
+    clip_cov_lb: f32,
+    clip_cov_ub: f32,
+    clip_cov_seed: u64,
+    kl_cov_ratio: f32,
+    ppo_kl_coef: f32,
 ) -> PyResult<Bound<'py, PyDict>> {
     use crate::loss::{Mode, agg_mode, is_mode, loss_mode_of};
-    use ares_core::loss::{ClipParams, IsCorrection, PolicyLossConfig};
+    use ares_core::loss::{ClipCovParams, ClipParams, IsCorrection, KlCovParams, PolicyLossConfig};
     use ares_cuda::{LOSS_STATS, LossInputs, LossKind, LossOutputs, LossReport, LossSpec};
     const FUNC: &str = "policy_loss";
     let kind = match loss_mode_of(FUNC, loss_mode)? {
         Mode::Vanilla => LossKind::Ppo,
         Mode::Gspo(level) => LossKind::Gspo(level),
         Mode::Cispo => LossKind::Cispo,
-        Mode::ClipCov | Mode::KlCov => {
-            return Err(value_error(format!(
-                "{FUNC}: `loss_mode` = {loss_mode:?} has no CUDA kernel (it selects tokens over \
-                 the whole batch): pass CPU tensors"
-            )));
-        }
+        Mode::ClipCov => LossKind::ClipCov(ClipCovParams {
+            ratio: clip_cov_ratio,
+            lb: clip_cov_lb,
+            ub: clip_cov_ub,
+            seed: clip_cov_seed,
+        }),
+        Mode::KlCov => LossKind::KlCov(KlCovParams {
+            ratio: kl_cov_ratio,
+            coef: ppo_kl_coef,
+        }),
     };
     let spec = LossSpec {
         kind,
@@ -472,6 +483,11 @@ fn cuda_policy_loss<'py>(
             };
             let (mut counts, mut stats, mut totals) =
                 (alloc(rows)?, alloc(rows * LOSS_STATS)?, alloc(LOSS_STATS)?);
+            let mut selected = if kind.selects_tokens() {
+                Some(alloc(n)?)
+            } else {
+                None
+            };
             let mut status =
                 s.alloc_zeros::<u32>(2)
                     .map_err(|source| ares_cuda::Error::Driver {
@@ -508,6 +524,7 @@ fn cuda_policy_loss<'py>(
                     row_stats: stats.as_view_mut(),
                     totals: totals.as_view_mut(),
                     status: status.as_view_mut(),
+                    selected: selected.as_mut().map(|v| v.as_view_mut()),
                 };
                 cuda.token_ops().policy_loss(&spec, inputs, outputs)?;
             }
@@ -533,7 +550,7 @@ fn cuda_policy_loss<'py>(
     d.set_item("approx_kl", f64::from(p.approx_kl))?;
     d.set_item("is_weight_mean", f64::from(p.is_weight_mean))?;
     d.set_item("is_changed_frac", f64::from(p.is_changed_frac))?;
-    d.set_item("selected_frac", 0.0)?;
+    d.set_item("selected_frac", f64::from(p.selected_frac))?;
     d.set_item("valid_tokens", p.valid_tokens)?;
     Ok(d)
 }

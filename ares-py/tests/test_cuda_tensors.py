@@ -214,8 +214,6 @@ def test_masked_dynamic_kl_equals_the_cpu_for_every_estimator():
 def test_policy_loss_refuses_what_has_no_kernel():
     # checked before any device is touched: the fake tensors reach no driver
     x = FakeCuda()
-    _raises(ValueError, "`loss_mode` = 'clip_cov' has no CUDA kernel",
-            lambda: ares.policy_loss(x, x, x, x, loss_mode="clip_cov"))
     _raises(ValueError, "`is_correction` = 'tis' needs `logp_rollout`",
             lambda: ares.policy_loss(x, x, x, x, is_correction="tis"))
     _raises(TypeError, "unexpected keyword argument 'clip_ratio'",
@@ -233,15 +231,20 @@ def test_policy_loss_equals_the_cpu_for_every_mode():
     mask = (rng.random((rows, cols)) < 0.8).astype(np.float32)
     mask[2] = 0.0  # an empty row
     c = lambda x: torch.from_numpy(x).cuda()  # noqa: E731
-    for mode in ("vanilla", "gspo", "gspo_token", "cispo"):
+    # Clip-Cov with every unclipped token a candidate and a budget of a third, KL-Cov with a
+    # tenth: the covariance means are summed in f64 on both sides, so the same tokens are chosen
+    cov = dict(clip_cov_ratio=0.3, clip_cov_lb=-50.0, clip_cov_ub=50.0, clip_cov_seed=11, kl_cov_ratio=0.1,
+               ppo_kl_coef=0.5)
+    for mode in ("vanilla", "gspo", "gspo_token", "cispo", "clip_cov", "kl_cov"):
         for agg in ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
             for isc in ("none", "tis", "icepop", "reinforce_pro"):
-                kw = dict(loss_mode=mode, loss_agg_mode=agg, is_correction=isc)
+                kw = dict(loss_mode=mode, loss_agg_mode=agg, is_correction=isc, **cov)
                 want = ares.policy_loss(logp, old, adv, mask, logp_rollout=roll, **kw)
                 got = ares.policy_loss(c(logp), c(old), c(adv), c(mask), logp_rollout=c(roll), **kw)
                 what = f"{mode} {agg} {isc}"
                 _close(got["grad"], want["grad"], 1e-5, 1e-7, f"grad {what}")
-                for k in ("loss", "clipfrac", "clipfrac_lower", "approx_kl", "is_weight_mean", "is_changed_frac"):
+                for k in ("loss", "clipfrac", "clipfrac_lower", "approx_kl", "is_weight_mean", "is_changed_frac",
+                          "selected_frac"):
                     assert abs(got[k] - want[k]) <= 1e-4 * (1 + abs(want[k])), f"{k} {what}: {got[k]} vs {want[k]}"
                 assert got["valid_tokens"] == want["valid_tokens"], what
     bad = logp.copy()

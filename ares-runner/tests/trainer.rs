@@ -1867,10 +1867,10 @@ fn multi_turn_without_calls_trains_as_single_turn() {
     assert!(e.contains("tool_commands[0].timeout_s"), "{e}");
 }
 
-/// The loss on the device (`Backend::actor_loss`, what a PPO-family run takes) and on the
-/// host (Clip-Cov's path) train alike, bit for bit, with every term on: the importance
-/// correction, the forking mask, the dynamic KL term and the entropy bonus, over two
-/// aggregations and the policy losses with a kernel.
+/// The loss on the device (`Backend::actor_loss`, what every run takes) and on the host
+/// (the path of a backend that declines) train alike, bit for bit, with every term on: the
+/// importance correction, the forking mask, the dynamic KL term and the entropy bonus, over
+/// the aggregations and every policy loss (Clip-Cov's seed derived alike on both paths).
 #[test]
 fn device_and_host_losses_train_alike() {
     use ares_runner::backend::Counting;
@@ -1884,20 +1884,33 @@ fn device_and_host_losses_train_alike() {
         "worker.actor.forking_tokens.enable=true",
         "worker.actor.is_correction=tis",
     ];
-    for (i, extra) in [
-        [
+    let losses: [&[&str]; 5] = [
+        &[
             "worker.actor.policy_loss=ppo",
             "worker.actor.loss_agg_mode=token-mean",
         ],
-        [
+        &[
             "worker.actor.policy_loss=gspo",
             "worker.actor.loss_agg_mode=seq-mean-token-mean",
         ],
-        [
+        &[
             "worker.actor.policy_loss=cispo",
             "worker.actor.loss_agg_mode=seq-mean-token-sum-norm",
         ],
-    ]
+        &[
+            "worker.actor.policy_loss=clip_cov",
+            "worker.actor.clip_cov_ratio=0.3",
+            "worker.actor.clip_cov_lb=-100",
+            "worker.actor.clip_cov_ub=100",
+            "worker.actor.loss_agg_mode=token-sum",
+        ],
+        &[
+            "worker.actor.policy_loss=kl_cov",
+            "worker.actor.kl_cov_ratio=0.1",
+            "worker.actor.loss_agg_mode=seq-mean-token-sum",
+        ],
+    ];
+    for (i, extra) in losses
     .iter()
     .enumerate()
     {

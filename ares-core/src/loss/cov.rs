@@ -113,18 +113,22 @@ struct Covariance<'s, 'a, F> {
 }
 
 impl<'s, 'a, F: Float> Covariance<'s, 'a, F> {
+    /// The means are summed in f64 and rounded once: for f32 inputs the sum is then (nearly
+    /// always) independent of the order of summation, so ares-cuda's `cov_select`, which sums
+    /// in a block's order, takes the same means and selects the same tokens.
     fn new(s: &'s Streams<'a, F>, plan: &AggPlan<F>) -> Self {
-        let (mut sa, mut sl) = (F::zero(), F::zero());
+        let (mut sa, mut sl) = (0.0f64, 0.0f64);
         for ((&m, &a), &l) in s.mask.iter().zip(s.advantages).zip(s.logp) {
             if m != F::zero() {
-                sa = sa + a;
-                sl = sl + l;
+                sa += to_f64(a);
+                sl += to_f64(l);
             }
         }
+        let n = plan.valid as f64;
         Covariance {
             s,
-            mean_a: sa * plan.inv_total,
-            mean_logp: sl * plan.inv_total,
+            mean_a: cast(sa / n),
+            mean_logp: cast(sl / n),
         }
     }
 

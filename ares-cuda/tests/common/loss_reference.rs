@@ -7,8 +7,8 @@
 use ares_core::Shape;
 use ares_core::kl::KlEstimator;
 use ares_core::loss::{
-    ActorLoss, EntropyTerm, GspoLevel, IsMode, KlTerm, LossAggMode, Objective, PolicyLossConfig,
-    PolicyLossInput, PolicyLossOutput, actor_loss,
+    ActorLoss, ClipCovParams, EntropyTerm, GspoLevel, IsMode, KlCovParams, KlTerm, LossAggMode,
+    Objective, PolicyLossConfig, PolicyLossInput, PolicyLossOutput, actor_loss,
 };
 use ares_cuda::{LossKind, LossSpec};
 
@@ -139,14 +139,36 @@ pub struct Expected {
 }
 
 /// The specs the tests sweep: every loss, aggregation, correction and estimator, with and
-/// without the forking mask, the KL term, HWE tokens and the entropy bonus. Each entry is
-/// `(spec, forking, hwe)`.
+/// without the forking mask, the KL term, HWE tokens and the entropy bonus; Clip-Cov with
+/// its candidates in a band of covariances (few chosen) and with every unclipped token a
+/// candidate (a budget of a third, so the radix selection decides), KL-Cov at budgets of 1
+/// and of half the tokens. Each entry is `(spec, forking, hwe)`.
 pub fn specs() -> Vec<(LossSpec, bool, bool)> {
     let kinds = [
         LossKind::Ppo,
         LossKind::Cispo,
         LossKind::Gspo(GspoLevel::Sequence),
         LossKind::Gspo(GspoLevel::Token),
+        LossKind::ClipCov(ClipCovParams {
+            ratio: 0.05,
+            lb: 0.25,
+            ub: 2.0,
+            seed: 3,
+        }),
+        LossKind::ClipCov(ClipCovParams {
+            ratio: 0.3,
+            lb: -100.0,
+            ub: 100.0,
+            seed: 0xDEAD_BEEF_0000_0001,
+        }),
+        LossKind::KlCov(KlCovParams {
+            ratio: 1e-6,
+            coef: 1.0,
+        }),
+        LossKind::KlCov(KlCovParams {
+            ratio: 0.5,
+            coef: 0.3,
+        }),
     ];
     let corrections = [
         IsMode::None,
@@ -225,6 +247,8 @@ pub fn expected(
             LossKind::Ppo => Objective::Ppo,
             LossKind::Cispo => Objective::Cispo,
             LossKind::Gspo(level) => Objective::Gspo(level),
+            LossKind::ClipCov(p) => Objective::ClipCov(p),
+            LossKind::KlCov(p) => Objective::KlCov(p),
         },
         config: spec.config,
         keep: forking.then_some(&b.keep[..]),
@@ -248,7 +272,7 @@ pub fn expected(
         &mut grad,
         Some(&mut entropy_grad),
         &mut vec![0.0; 2 * n],
-        &mut [],
+        &mut vec![0; n],
     )?;
     Ok(Expected {
         policy: out.policy,
@@ -276,6 +300,7 @@ pub fn assert_values(what: &str, report: &ares_cuda::LossReport, want: &Expected
         ("approx_kl", p.approx_kl, e.approx_kl),
         ("is_weight_mean", p.is_weight_mean, e.is_weight_mean),
         ("is_changed_frac", p.is_changed_frac, e.is_changed_frac),
+        ("selected_frac", p.selected_frac, e.selected_frac),
         ("kl_loss", report.kl_loss, want.kl_loss),
         ("entropy", report.entropy, want.entropy),
     ] {

@@ -37,13 +37,13 @@ struct EmuLossScalars {
     int is_mode;
     float is_low, is_high;
     int agg, kl_est;
-    float low_ratio, entropy_coef, scale;
+    float low_ratio, entropy_coef, scale, cov_coef;
 };
 
 // The policy loss's tensors, in the kernel's order.
 struct EmuLossTensors {
     const float *logp, *logp_old, *advantages, *mask, *rollout, *keep, *ref, *hwe, *beta_rows,
-        *entropy, *row_counts;
+        *entropy, *selected, *row_counts;
     float *grad, *entropy_grad, *row_stats, *totals;
     unsigned *status, *blocks_done;
 };
@@ -53,9 +53,28 @@ extern "C" void emu_policy_loss(unsigned grid, unsigned block, const EmuLossScal
                                 const EmuLossTensors* t) {
     emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] {
         policy_loss(t->logp, t->logp_old, t->advantages, t->mask, t->rollout, t->keep, t->ref,
-                    t->hwe, t->beta_rows, t->entropy, t->row_counts, s->rows, s->cols, s->kind,
-                    s->clip_lo, s->clip_hi, s->clip_c, s->is_mode, s->is_low, s->is_high, s->agg,
-                    s->kl_est, s->low_ratio, s->entropy_coef, s->scale, t->grad,
-                    t->entropy_grad, t->row_stats, t->totals, 1, t->status, t->blocks_done);
+                    t->hwe, t->beta_rows, t->entropy, t->selected, t->row_counts, s->rows,
+                    s->cols, s->kind, s->clip_lo, s->clip_hi, s->clip_c, s->is_mode, s->is_low,
+                    s->is_high, s->agg, s->kl_est, s->low_ratio, s->entropy_coef, s->scale,
+                    s->cov_coef, t->grad, t->entropy_grad, t->row_stats, t->totals, 1, t->status,
+                    t->blocks_done);
+    });
+}
+
+// `cov_select`'s scalars, in the kernel's order (ares_cuda::CovScalars).
+struct EmuCovScalars {
+    long long n;
+    int kind;
+    float clip_lo, clip_hi, lb, ub;
+    unsigned long long seed;
+    double ratio;
+};
+
+extern "C" void emu_cov_select(unsigned grid, unsigned block, const EmuCovScalars* s,
+                               const float* logp, const float* logp_old,
+                               const float* advantages, const float* mask, float* selected) {
+    emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] {
+        cov_select(logp, logp_old, advantages, mask, s->n, s->kind, s->clip_lo, s->clip_hi,
+                   s->lb, s->ub, s->seed, s->ratio, selected);
     });
 }

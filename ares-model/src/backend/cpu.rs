@@ -1144,6 +1144,7 @@ impl Backend for CpuBackend {
             out.kl_loss,
             out.entropy,
             0.0,
+            0.0,
         ]);
         Ok(Ok(()))
     }

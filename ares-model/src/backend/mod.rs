@@ -104,9 +104,9 @@ pub type Tensor<'a, B> = View<'a, <B as Backend>::Buffer>;
 /// A writable f32 view of backend `B`.
 pub type TensorMut<'a, B> = ViewMut<'a, <B as Backend>::Buffer>;
 
-/// Words of a [`Backend::actor_loss`] report (CUDA: the loss kernel's nine totals and its two
+/// Words of a [`Backend::actor_loss`] report (CUDA: the loss kernel's ten totals and its two
 /// status words; the CPU: core's values).
-pub const ACTOR_LOSS_REPORT: usize = 11;
+pub const ACTOR_LOSS_REPORT: usize = 12;
 
 /// Tensor storage and the forward ops of a Qwen2/Qwen3/Llama decoder (see the module docs
 /// for ownership and synchronisation). All tensors are row-major f32.
@@ -537,12 +537,12 @@ pub trait Backend {
     /// with `grads` all 0, so a backward queued before the report is read changes nothing.
     /// A backend that finds core's error at once may return it here (the CPU runs core's
     /// function, and returns its error); CUDA runs ares-cuda's `policy_loss` kernel (its
-    /// twin), whose errors come with the report, and refuses Clip-Cov and KL-Cov (see
-    /// [`Backend::has_actor_loss`]). The outer error is the backend's.
+    /// twin; Clip-Cov and KL-Cov choose their tokens with `cov_select` first), whose errors
+    /// come with the report. The outer error is the backend's.
     ///
     /// # Errors
     /// Lengths (`report` not [`ACTOR_LOSS_REPORT`] long), a missing tensor the spec needs,
-    /// an objective without a kernel, a device failure.
+    /// a device failure.
     fn actor_loss(
         &self,
         spec: &ActorLossSpec,
@@ -561,11 +561,11 @@ pub trait Backend {
         report: &[f32; ACTOR_LOSS_REPORT],
     ) -> std::result::Result<ares_core::loss::ActorLossOutput<f32>, ares_core::Error>;
 
-    /// Whether a trainer should compute `objective`'s loss with [`Backend::actor_loss`]:
-    /// every objective with a CUDA kernel — all but Clip-Cov and KL-Cov. The CPU's
-    /// `actor_loss` takes those too, but answers as CUDA does, so both of a trainer's paths
-    /// (the device loss, and the host loss of those two) run on the CPU.
-    fn has_actor_loss(&self, objective: &ares_core::loss::Objective<f32>) -> bool {
-        !objective.selects_tokens()
+    /// Whether a trainer should compute `objective`'s loss with [`Backend::actor_loss`]
+    /// rather than download the log-probs and compute it on the host: yes for every
+    /// objective on the CPU and on CUDA (a wrapper may answer no to run the host path, as
+    /// the counting backend does when asked).
+    fn has_actor_loss(&self, _objective: &ares_core::loss::Objective<f32>) -> bool {
+        true
     }
 }

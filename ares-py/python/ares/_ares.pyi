@@ -421,4 +421,6 @@ def cuda_policy_loss(
     device: int, stream: int, logp: int, logp_old: int, advantages: int, mask: int, logp_rollout: int, rows: int,
     cols: int, loss_mode: str, loss_agg_mode: str, clip_ratio_low: float, clip_ratio_high: float,
     clip_ratio_c: float, is_correction: str, is_threshold_low: float, is_threshold_high: float, out_grad: int,
+    clip_cov_ratio: float, clip_cov_lb: float, clip_cov_ub: float, clip_cov_seed: int, kl_cov_ratio: float,
+    ppo_kl_coef: float,
 ) -> Dict[str, Any]: ...

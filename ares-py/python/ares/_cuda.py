@@ -310,23 +310,14 @@ def masked_dynamic_kl(logp, logp_ref, mask, beta, *, hwe_mask=None, low_ratio=0.
 
 def policy_loss(logp, logp_old, advantages, mask, *, loss_mode="vanilla", loss_agg_mode="token-mean",
                 clip_ratio_low=0.2, clip_ratio_high=0.3, clip_ratio_c=3.0, is_correction="none",
-                is_threshold_low=0.5, is_threshold_high=5.0, logp_rollout=None, **cov):
-    """:func:`ares.policy_loss` on CUDA tensors (float32 [rows, cols]): ``vanilla``, ``gspo``,
-    ``gspo_token`` and ``cispo`` run ares-cuda's loss kernel on the caller's stream; returns
-    the same dict as on the CPU, ``grad`` a float32 CUDA tensor (reading the floats waits for
-    the stream). ``clip_cov`` and ``kl_cov`` select tokens over the whole batch and have no
-    kernel: they are refused (pass CPU tensors); their parameters (``clip_cov_ratio``, …) are
-    accepted for the CPU signature's sake."""
+                is_threshold_low=0.5, is_threshold_high=5.0, logp_rollout=None, clip_cov_ratio=2e-4,
+                clip_cov_lb=1.0, clip_cov_ub=5.0, clip_cov_seed=0, kl_cov_ratio=2e-4, ppo_kl_coef=1.0):
+    """:func:`ares.policy_loss` on CUDA tensors (float32 [rows, cols]): every ``loss_mode``
+    runs ares-cuda's loss kernel on the caller's stream (``clip_cov`` and ``kl_cov`` choose
+    their tokens over the whole batch with one more kernel first, as the CPU chooses them);
+    returns the same dict as on the CPU, ``grad`` a float32 CUDA tensor (reading the floats
+    waits for the stream)."""
     func = "policy_loss"
-    known = {"clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "clip_cov_seed", "kl_cov_ratio", "ppo_kl_coef"}
-    unknown = sorted(set(cov) - known)
-    if unknown:
-        raise TypeError(f"{func}: unexpected keyword argument {unknown[0]!r}")
-    if loss_mode in ("clip_cov", "kl_cov"):
-        raise ValueError(
-            f"{func}: `loss_mode` = {loss_mode!r} has no CUDA kernel (it selects tokens over the whole batch): "
-            f"pass CPU tensors"
-        )
     if is_correction != "none" and logp_rollout is None:
         raise ValueError(f"{func}: `is_correction` = {is_correction!r} needs `logp_rollout`")
     import torch
@@ -348,6 +339,8 @@ def policy_loss(logp, logp_old, advantages, mask, *, loss_mode="vanilla", loss_a
         device, stream, _ptr(a), _ptr(t["logp_old"]), _ptr(t["advantages"]), _ptr(t["mask"]), _ptr(rollout),
         rows, cols, str(loss_mode), str(loss_agg_mode), float(clip_ratio_low), float(clip_ratio_high),
         float(clip_ratio_c), str(is_correction), float(is_threshold_low), float(is_threshold_high), _ptr(grad),
+        float(clip_cov_ratio), float(clip_cov_lb), float(clip_cov_ub), int(clip_cov_seed), float(kl_cov_ratio),
+        float(ppo_kl_coef),
     )
     out["grad"] = grad
     return out

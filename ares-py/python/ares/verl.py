@@ -47,10 +47,11 @@ estimator and loss signatures carry neither: the trainer modes of :mod:`ares.ver
 
 **Devices.** CPU tensors are read in place (no copy; a bool or integer mask is converted to the
 float dtype, and a non-contiguous tensor is made contiguous, which do copy). verl's actor
-computes the policy loss on the GPU: there ``ares_vanilla``, ``ares_gspo``, ``ares_gspo_seq``
-and ``ares_cispo`` run ares-cuda's loss kernel on the CUDA tensors where they are (float32; the
-gradient is cast to ``log_prob``'s dtype), reading back only the loss and its metrics. Any other
-CUDA input (``ares_clip_cov``, ``ares_kl_cov``, the estimators) is a ``ValueError`` unless
+computes the policy loss on the GPU: there every registered loss (``ares_vanilla``,
+``ares_gspo``, ``ares_gspo_seq``, ``ares_cispo``, ``ares_clip_cov``, ``ares_kl_cov``) runs
+ares-cuda's loss kernel on the CUDA tensors where they are (float32; the gradient is cast to
+``log_prob``'s dtype), reading back only the loss and its metrics. Any other CUDA input (the
+estimators) is a ``ValueError`` unless
 ``register(copy_to_cpu=True)``: then it is copied to the host with ``.cpu()`` (a device→host
 transfer and a synchronisation per call) and the results copied back to the input's device; the
 estimators run once per step on the driver, where the tensors usually are on the CPU already.
@@ -75,6 +76,8 @@ functions (``tests/fixtures/verl_adapter_*.npz``, written by
 torch side live where torch and verl are installed.
 """
 
+import itertools
+
 __all__ = ["ESTIMATORS", "POLICY_LOSSES", "AresRewardManager", "register", "settings"]
 
 ESTIMATORS = ("ares_grpo", "ares_rloo", "ares_reinforce_pro_max", "ares_grpo_lambda")
@@ -90,7 +93,10 @@ POLICY_LOSSES = {
 # losses whose per-token loss is positively homogeneous in the advantage: w·L(A) = L(w·A), w ≥ 0
 _WEIGHT_BY_ADVANTAGE = {"vanilla", "gspo_token", "cispo"}
 # losses with a CUDA kernel (ares._cuda.policy_loss): CUDA tensors stay where they are
-_CUDA_LOSSES = {"vanilla", "gspo", "gspo_token", "cispo"}
+_CUDA_LOSSES = {"vanilla", "gspo", "gspo_token", "cispo", "clip_cov", "kl_cov"}
+# Clip-Cov's selection seed: one per call in this process, as verl draws a fresh
+# ``torch.randperm`` each call (a fixed seed would favour the same flat positions every step)
+_CLIP_COV_CALLS = itertools.count()
 
 _SETTINGS = {
     "copy_to_cpu": False,
@@ -425,6 +431,7 @@ def _policy_loss_np(registered, old, lp, adv, mask, loss_agg_mode="token-mean", 
         clip_cov_ratio=float(_cfg(pl, "clip_cov_ratio", 2e-4)),
         clip_cov_lb=float(_cfg(pl, "clip_cov_lb", 1.0)),
         clip_cov_ub=float(_cfg(pl, "clip_cov_ub", 5.0)),
+        clip_cov_seed=next(_CLIP_COV_CALLS) if mode == "clip_cov" else 0,
         kl_cov_ratio=float(_cfg(pl, "kl_cov_ratio", 2e-4)),
         ppo_kl_coef=float(_cfg(pl, "ppo_kl_coef", 0.1)),
     )

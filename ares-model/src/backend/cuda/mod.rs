@@ -922,14 +922,8 @@ impl Backend for CudaBackend {
             Objective::Ppo => LossKind::Ppo,
             Objective::Gspo(level) => LossKind::Gspo(level),
             Objective::Cispo => LossKind::Cispo,
-            Objective::ClipCov(_) | Objective::KlCov(_) => {
-                return Err(BackendError::Refused {
-                    op: K,
-                    message: "Clip-Cov and KL-Cov have no CUDA kernel (they select tokens over \
-                              the micro-batch): compute the loss on the host"
-                        .into(),
-                });
-            }
+            Objective::ClipCov(p) => LossKind::ClipCov(p),
+            Objective::KlCov(p) => LossKind::KlCov(p),
         };
         let cuda_spec = LossSpec {
             kind,
@@ -947,6 +941,11 @@ impl Backend for CudaBackend {
         let mut counts = self.alloc(rows)?;
         let mut stats = self.alloc(rows * LOSS_STATS)?;
         let mut status = self.alloc_ids(2)?;
+        let mut selected = if kind.selects_tokens() {
+            Some(self.alloc(n)?)
+        } else {
+            None
+        };
         let cuda_inputs = LossInputs {
             logp: view(inputs.logp)?,
             logp_old: view(inputs.logp_old)?,
@@ -968,6 +967,10 @@ impl Backend for CudaBackend {
             view_mut(report)?,
         );
         let status_view = ids_mut(&mut status)?;
+        let selected_view = selected
+            .as_mut()
+            .map(|b| view_mut(ViewMut::whole(b)))
+            .transpose()?;
         self.ops
             .with_token_ops(|mut t, _| {
                 t.policy_loss(
@@ -980,6 +983,7 @@ impl Backend for CudaBackend {
                         row_stats,
                         totals: total_view,
                         status: status_view,
+                        selected: selected_view,
                     },
                 )
             })

@@ -2,7 +2,7 @@
 //! `Backend::actor_loss` — on CUDA ares-cuda's loss kernel, on the CPU ares-core's
 //! `actor_loss`, the host path's function — reading the forward's log-probs and entropies
 //! gathered on the device and writing the loss head's coefficients there. Only the batch's
-//! own tensors go up (mask, logπ_old, advantages, …) and eleven words come back — read once
+//! own tensors go up (mask, logπ_old, advantages, …) and twelve words come back — read once
 //! the mini-batch is queued ([`QueuedLoss::read`]), so the device does not wait for the host
 //! between a loss and its backward — where the
 //! host path downloads two `[rows, T]` tensors and uploads two more.
