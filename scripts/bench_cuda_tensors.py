@@ -1,6 +1,8 @@
 """ares's token kernels on PyTorch CUDA tensors (the wheel, ares._cuda) beside PyTorch eager on
 the same tensors, same process (issue 29's goals: the fused log-prob + entropy from bf16
-logits within 10 % of the Rust benchmark's time, >= 20x eager).
+logits within 10 % of the Rust benchmark's time, >= 20x eager; the fused linear head's
+forward + backward from bf16 hidden states in no more time and memory than Liger's fused
+linear cross-entropy, which is timed too where it imports).
 
     python3 scripts/bench_cuda_tensors.py [--rows 8192] [--vocab 151936] [--runs 10]
 
@@ -35,6 +37,70 @@ def eager_log_prob_entropy(x, ids):
     lp = logp.gather(-1, ids[:, None]).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1)
     return lp, ent
+
+
+def eager_linear_head(x, w, ids, a, b):
+    """What a PyTorch RL loss does without a fused head: [N, V] logits, their log-softmax."""
+    logits = (x @ w.t()).float()
+    logp = torch.log_softmax(logits, dim=-1)
+    lp = logp.gather(-1, ids[:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    (lp * a + ent * b).sum().backward()
+
+
+def fused_linear_head(x, w, ids, a, b):
+    import ares.torch as at
+
+    lp, ent = at.linear_log_prob_entropy(x, w, ids)
+    (lp * a + ent * b).sum().backward()
+
+
+def liger_linear_head(liger, x, w, ids):
+    """Liger's fused linear cross-entropy (the log-prob alone: its loss is the mean −logπ)."""
+    liger(w, x, ids).backward()
+
+
+def linear_heads(rows, vocab, runs):
+    """Forward + backward of the head from bf16 hidden states: time and peak memory over the
+    inputs, for hidden sizes of Qwen2.5-0.5B, 1.5B and 7B."""
+    dev = torch.device("cuda")
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+    except Exception as e:  # noqa: BLE001 - any import failure means: not here
+        liger = None
+        print(f"Liger not importable here ({type(e).__name__}): its line is skipped")
+    for hidden in (896, 1536, 3584):
+        x = (torch.randn(rows, hidden, device=dev) * 0.5).to(torch.bfloat16).requires_grad_(True)
+        w = (torch.randn(vocab, hidden, device=dev) * 0.02).to(torch.bfloat16).requires_grad_(True)
+        ids = torch.randint(0, vocab, (rows,), device=dev)
+        a, b = torch.randn(rows, device=dev), torch.randn(rows, device=dev) * 0.01
+
+        def measured(fn):
+            x.grad = w.grad = None
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            t = timed(fn, runs)
+            return t, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+        cases = [("ares fused", lambda: fused_linear_head(x, w, ids, a, b))]
+        cases.append(("torch eager", lambda: eager_linear_head(x, w, ids, a, b)))
+        if liger is not None:
+            cases.append(("Liger FLCE", lambda: liger_linear_head(liger, x, w, ids)))
+        line = []
+        for name, fn in cases:
+            try:
+                t, gib = measured(fn)
+                line.append(f"{name} {t:.1f} ms / {gib:.2f} GiB")
+            except torch.cuda.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                line.append(f"{name}: out of memory")
+        print(f"linear head fwd+bwd {rows} x {hidden} -> {vocab} bf16: " + "; ".join(line) +
+              " (peak memory above the inputs; the gradients' own memory included)")
+        del x, w
+        torch.cuda.empty_cache()
 
 
 def main():
@@ -85,6 +151,7 @@ def main():
     out = ares.entropy_windows(ent, mask)
     t_pct = timed(lambda: ares.row_percentile(out["means"], out["valid"], 95.0), a.runs)
     print(f"entropy_windows + HWE {rows} x {cols}: {t_win:.3f} ms; row_percentile: {t_pct:.3f} ms")
+    linear_heads(a.rows, a.vocab, max(3, a.runs // 2))
 
 
 if __name__ == "__main__":

@@ -126,10 +126,13 @@ fn blas_err(step: impl Into<String>) -> impl FnOnce(cudarc::cublas::result::Cubl
     move |source| Error::Blas { step, source }
 }
 
-/// A GEMM operand: f32 (for `F32` and `Tf32`) or a bf16 copy (bits in `u16`, for `Bf16`).
+/// A GEMM operand: f32 (for `F32` and `Tf32`) or bf16 bits (`u16`, for `Bf16`: a stored
+/// bf16 tensor, or an f32 operand's bf16 copy).
 #[derive(Clone, Copy)]
-pub(crate) enum Operand<'a, 'b> {
+pub enum Operand<'a, 'b> {
+    /// f32 values (multiplied in f32 or TF32, or rounded to a bf16 copy first).
     F32(&'a CudaView<'b, f32>),
+    /// bf16 values (their bits), multiplied as they are.
     Bf16(&'a CudaView<'b, u16>),
 }
 
@@ -142,11 +145,17 @@ impl Operand<'_, '_> {
         }
     }
 
-    pub(crate) fn len(&self) -> usize {
+    /// Elements.
+    pub fn len(&self) -> usize {
         match self {
             Operand::F32(v) => v.len(),
             Operand::Bf16(s) => s.len(),
         }
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 

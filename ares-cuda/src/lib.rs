@@ -30,12 +30,13 @@ mod token_ops;
 /// The cudarc this crate is built on (its slices and views are the ops' arguments).
 pub use cudarc;
 pub use device::{Cuda, DeviceInfo, cuda_available, device_count};
-pub use gemm::{GemmDims, GemmPrecision, cublas_available};
+pub use gemm::{GemmDims, GemmPrecision, Operand, cublas_available};
 pub use loss_ops::{
     CovScalars, KlLossSpec, LOSS_REPORT, LOSS_STATS, LossInputs, LossKind, LossOutputs, LossReport,
     LossScalars, LossSpec,
 };
 pub use model_ops::{
-    AdamWScalars, AdamWStep, AttentionShape, DecodeGraph, ModelOps, sum_of_squares_partition,
+    AdamWScalars, AdamWStep, AttentionShape, DecodeGraph, HeadDims, ModelOps, head_chunk_rows,
+    sum_of_squares_partition,
 };
 pub use token_ops::{HweOutputs, LogitElem, MaskedKlInputs, MaskedKlOutputs, TokenOps, WindowSpec};

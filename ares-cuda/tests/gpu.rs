@@ -542,3 +542,220 @@ fn policy_loss_matches_core() {
     }
     assert!(checked > 100, "{checked} cases compared");
 }
+
+/// The fused LM head (`ModelOps::linear_log_prob_entropy` and its backward) against its CPU
+/// twin `ares_cpu::ops::linear_head`: f32 operands (exact f32 products) to f32 rounding, and
+/// bf16 operands against the twin on the same bf16 values widened (the GPU rounds each
+/// chunk's ∂L/∂z to bf16 for its two products: to bf16 rounding), over several chunkings.
+#[test]
+fn fused_linear_head_matches_the_cpu_twin() {
+    use ares_cpu::ops::linear_head::{
+        HeadDims as CpuDims, linear_log_prob_entropy, linear_log_prob_entropy_backward,
+    };
+    use ares_cuda::{GemmPrecision, HeadDims, ModelOps, Operand};
+    let ops = match ModelOps::new(0) {
+        Ok(ops) => ops,
+        Err(e) => {
+            let required = std::env::var("ARES_REQUIRE_GPU").is_ok_and(|v| v == "1");
+            assert!(!required, "ARES_REQUIRE_GPU=1 but no model ops: {e}");
+            eprintln!("skipped (no GPU): {e}");
+            return;
+        }
+    };
+    let s = ops.stream().clone();
+    let to_bf16 = |v: &[f32]| {
+        let mut d = vec![0u16; v.len()];
+        ares_cpu::ops::precision::round_to_bf16(v, &mut d).expect("lengths");
+        d
+    };
+    let widen = |b: &[u16]| -> Vec<f32> {
+        b.iter()
+            .map(|&h| f32::from_bits(u32::from(h) << 16))
+            .collect()
+    };
+    let mut rng = Rng(0x4EAD);
+    let (rows, hidden, vocab) = (300usize, 96usize, 1000usize);
+    let mut vals =
+        |n: usize, scale: f32| -> Vec<f32> { (0..n).map(|_| (rng.unit() - 0.5) * scale).collect() };
+    let (x, w) = (vals(rows * hidden, 2.0), vals(vocab * hidden, 0.6));
+    let ids: Vec<u32> = (0..rows).map(|r| (r * 37 % vocab) as u32).collect();
+    let (g, gh) = (vals(rows, 1.0), vals(rows, 0.5));
+    for bf16 in [false, true] {
+        // the CPU twin on the values the GPU multiplies
+        let (xr, wr): (Vec<f32>, Vec<f32>) = if bf16 {
+            (widen(&to_bf16(&x)), widen(&to_bf16(&w)))
+        } else {
+            (x.clone(), w.clone())
+        };
+        let cpu_dims = CpuDims {
+            rows,
+            hidden,
+            vocab,
+        };
+        let (mut want_lp, mut want_h) = (vec![0.0f32; rows], vec![0.0f32; rows]);
+        linear_log_prob_entropy(
+            &xr,
+            &wr,
+            cpu_dims,
+            0.8,
+            Some((&ids, &mut want_lp)),
+            &mut want_h,
+            64,
+        )
+        .expect("cpu forward");
+        let (mut want_gx, mut want_gw) =
+            (vec![0.0f32; rows * hidden], vec![0.0f32; vocab * hidden]);
+        linear_log_prob_entropy_backward(
+            &xr,
+            &wr,
+            cpu_dims,
+            0.8,
+            Some((&ids, &g)),
+            Some(&gh),
+            &mut want_gx,
+            &mut want_gw,
+            64,
+        )
+        .expect("cpu backward");
+        let (xf, wf) = (s.clone_htod(&xr).unwrap(), s.clone_htod(&wr).unwrap());
+        let (xb, wb) = (
+            s.clone_htod(&to_bf16(&xr)).unwrap(),
+            s.clone_htod(&to_bf16(&wr)).unwrap(),
+        );
+        let (ids_d, g_d, gh_d) = (
+            s.clone_htod(&ids).unwrap(),
+            s.clone_htod(&g).unwrap(),
+            s.clone_htod(&gh).unwrap(),
+        );
+        let dims = HeadDims {
+            rows,
+            hidden,
+            vocab,
+            precision: if bf16 {
+                GemmPrecision::Bf16
+            } else {
+                GemmPrecision::F32
+            },
+        };
+        for chunk in [1usize, 7, 64, 300, 1000] {
+            let what = format!("bf16 {bf16} chunk {chunk}");
+            let (xfv, wfv, xbv, wbv) = (xf.as_view(), wf.as_view(), xb.as_view(), wb.as_view());
+            let (xo, wo) = if bf16 {
+                (Operand::Bf16(&xbv), Operand::Bf16(&wbv))
+            } else {
+                (Operand::F32(&xfv), Operand::F32(&wfv))
+            };
+            let (mut lp, mut h) = (
+                s.clone_htod(&vec![f32::NAN; rows]).unwrap(),
+                s.clone_htod(&vec![f32::NAN; rows]).unwrap(),
+            );
+            ops.linear_log_prob_entropy(
+                xo,
+                wo,
+                dims,
+                0.8,
+                &ids_d.as_view(),
+                &mut lp.as_view_mut(),
+                &mut h.as_view_mut(),
+                chunk,
+            )
+            .expect("forward");
+            ops.check_status().expect("forward status");
+            // the products sum in cuBLAS's order: the log-probs to f32 rounding of the sums
+            assert_close(
+                &format!("{what}: log_prob"),
+                &s.clone_dtoh(&lp).unwrap(),
+                &want_lp,
+                2e-5,
+            );
+            assert_close(
+                &format!("{what}: entropy"),
+                &s.clone_dtoh(&h).unwrap(),
+                &want_h,
+                2e-5,
+            );
+            let mut gx = s.clone_htod(&vec![f32::NAN; rows * hidden]).unwrap();
+            // accumulates: start from 1 to see the addition
+            let mut gw = s.clone_htod(&vec![1.0f32; vocab * hidden]).unwrap();
+            ops.linear_log_prob_entropy_backward(
+                xo,
+                wo,
+                dims,
+                0.8,
+                Some((&ids_d.as_view(), &g_d.as_view())),
+                Some(&gh_d.as_view()),
+                &mut gx.as_view_mut(),
+                &mut gw.as_view_mut(),
+                chunk,
+            )
+            .expect("backward");
+            ops.check_status().expect("backward status");
+            let want_gw1: Vec<f32> = want_gw.iter().map(|v| v + 1.0).collect();
+            // bf16: ∂L/∂z rounded to bf16 (relative 2^-9) before its products
+            let rel = if bf16 { 1e-2 } else { 2e-5 };
+            let scale = |v: &[f32]| v.iter().fold(0.0f32, |m, a| m.max(a.abs()));
+            let (gx_got, gw_got) = (s.clone_dtoh(&gx).unwrap(), s.clone_dtoh(&gw).unwrap());
+            for (name, got, want) in [
+                ("grad_x", &gx_got, &want_gx),
+                ("grad_w", &gw_got, &want_gw1),
+            ] {
+                let tol = rel * scale(want).max(1e-3);
+                for (i, (a, b)) in got.iter().zip(want.iter()).enumerate() {
+                    assert!(
+                        (a - b).abs() <= tol,
+                        "{what}: {name}[{i}] GPU {a}, CPU {b} (tolerance {tol})"
+                    );
+                }
+            }
+        }
+    }
+    // bad input: a target out of range is reported
+    let bad: Vec<u32> = (0..rows)
+        .map(|r| if r == 5 { vocab as u32 } else { 0 })
+        .collect();
+    let (xf, wf, bad_d) = (
+        s.clone_htod(&x).unwrap(),
+        s.clone_htod(&w).unwrap(),
+        s.clone_htod(&bad).unwrap(),
+    );
+    let (mut lp, mut h) = (
+        s.clone_htod(&vec![0.0f32; rows]).unwrap(),
+        s.clone_htod(&vec![0.0f32; rows]).unwrap(),
+    );
+    let dims = HeadDims {
+        rows,
+        hidden,
+        vocab,
+        precision: GemmPrecision::F32,
+    };
+    ops.linear_log_prob_entropy(
+        Operand::F32(&xf.as_view()),
+        Operand::F32(&wf.as_view()),
+        dims,
+        1.0,
+        &bad_d.as_view(),
+        &mut lp.as_view_mut(),
+        &mut h.as_view_mut(),
+        64,
+    )
+    .expect("queued");
+    assert!(
+        ops.check_status().is_err(),
+        "a target out of range is reported"
+    );
+    // operands of two kinds are refused
+    let wb = s.clone_htod(&vec![0u16; vocab * hidden]).unwrap();
+    let e = ops
+        .linear_log_prob_entropy(
+            Operand::F32(&xf.as_view()),
+            Operand::Bf16(&wb.as_view()),
+            dims,
+            1.0,
+            &bad_d.as_view(),
+            &mut lp.as_view_mut(),
+            &mut h.as_view_mut(),
+            64,
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("must both be bf16"), "{e}");
+}

@@ -555,6 +555,203 @@ fn cuda_policy_loss<'py>(
     Ok(d)
 }
 
+/// The head's precision for a tensor dtype: float32 exact, bfloat16 on tensor cores.
+fn head_precision(func: &str, dtype: &str) -> PyResult<ares_cuda::GemmPrecision> {
+    match dtype {
+        "float32" => Ok(ares_cuda::GemmPrecision::F32),
+        "bfloat16" => Ok(ares_cuda::GemmPrecision::Bf16),
+        other => Err(value_error(format!(
+            "{func}: `hidden` and `weight` are {other}; use float32 or bfloat16 (both the same)"
+        ))),
+    }
+}
+
+/// The LM head fused with the per-token log-prob and entropy on device memory (ares-cuda's
+/// `ModelOps::linear_log_prob_entropy`, the twin of the CPU's `linear_log_prob_entropy`):
+/// `hidden` `[rows, hidden_size]` and `weight` `[vocab, hidden_size]` of `dtype` (float32 or
+/// bfloat16, both), `targets` `[rows]` u32; writes `out_log_prob` and `out_entropy` `[rows]`
+/// f32, `chunk_rows` rows of logits at a time (never `[rows, vocab]`). The model ops run on
+/// their own stream, ordered after the caller's `stream` and before its next work; the
+/// status word is read (waits).
+#[pyfunction]
+#[pyo3(signature = (device, stream, hidden, weight, dtype, rows, hidden_size, vocab, temperature,
+    targets, out_log_prob, out_entropy, chunk_rows))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_linear_log_prob_entropy(
+    py: Python<'_>,
+    device: usize,
+    stream: u64,
+    hidden: u64,
+    weight: u64,
+    dtype: &str,
+    rows: usize,
+    hidden_size: usize,
+    vocab: usize,
+    temperature: f32,
+    targets: u64,
+    out_log_prob: u64,
+    out_entropy: u64,
+    chunk_rows: usize,
+) -> PyResult<()> {
+    const FUNC: &str = "linear_log_prob_entropy";
+    let precision = head_precision(FUNC, dtype)?;
+    let (nx, nw) = (
+        elems(FUNC, rows, hidden_size)?,
+        elems(FUNC, vocab, hidden_size)?,
+    );
+    let dims = ares_cuda::HeadDims {
+        rows,
+        hidden: hidden_size,
+        vocab,
+        precision,
+    };
+    py.detach(move || {
+        with_opened(&BACKWARDS, FUNC, device, ModelOps::new, |ops| {
+            // SAFETY: `stream` is the caller's current stream of `device`; the addresses are
+            // of contiguous tensors of these shapes and dtypes on `device`, alive for the
+            // call (ares/_cuda.py).
+            unsafe {
+                let caller = external::before_ops(ops, stream)?;
+                let s = ops.stream().clone();
+                let ids = external::borrow_on::<u32>(&s, targets, rows);
+                let mut lp = external::borrow_on::<f32>(&s, out_log_prob, rows);
+                let mut ent = external::borrow_on::<f32>(&s, out_entropy, rows);
+                let (iv, mut lv, mut ev) = (ids.as_view(), lp.as_view_mut(), ent.as_view_mut());
+                let done = if precision == ares_cuda::GemmPrecision::Bf16 {
+                    let x = external::borrow_on::<u16>(&s, hidden, nx);
+                    let w = external::borrow_on::<u16>(&s, weight, nw);
+                    let (xv, wv) = (x.as_view(), w.as_view());
+                    ops.linear_log_prob_entropy(
+                        ares_cuda::Operand::Bf16(&xv),
+                        ares_cuda::Operand::Bf16(&wv),
+                        dims,
+                        temperature,
+                        &iv,
+                        &mut lv,
+                        &mut ev,
+                        chunk_rows,
+                    )
+                } else {
+                    let x = external::borrow_on::<f32>(&s, hidden, nx);
+                    let w = external::borrow_on::<f32>(&s, weight, nw);
+                    let (xv, wv) = (x.as_view(), w.as_view());
+                    ops.linear_log_prob_entropy(
+                        ares_cuda::Operand::F32(&xv),
+                        ares_cuda::Operand::F32(&wv),
+                        dims,
+                        temperature,
+                        &iv,
+                        &mut lv,
+                        &mut ev,
+                        chunk_rows,
+                    )
+                };
+                let checked = done.and_then(|()| ops.check_status());
+                external::after_ops(ops, &caller)?;
+                checked
+            }
+        })
+    })
+}
+
+/// Backward of [`cuda_linear_log_prob_entropy`] on device memory: from `grad_log_prob`
+/// (`[rows]` f32, with `targets`; 0: none) and `grad_entropy` (`[rows]` f32; 0: none),
+/// **overwrites** `out_grad_hidden` `[rows, hidden_size]` and **adds** into
+/// `out_grad_weight` `[vocab, hidden_size]`, both f32, recomputing each chunk's logits.
+/// Ordered and checked as the forward.
+#[pyfunction]
+#[pyo3(signature = (device, stream, hidden, weight, dtype, rows, hidden_size, vocab, temperature,
+    targets, grad_log_prob, grad_entropy, out_grad_hidden, out_grad_weight, chunk_rows))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_linear_log_prob_entropy_backward(
+    py: Python<'_>,
+    device: usize,
+    stream: u64,
+    hidden: u64,
+    weight: u64,
+    dtype: &str,
+    rows: usize,
+    hidden_size: usize,
+    vocab: usize,
+    temperature: f32,
+    targets: u64,
+    grad_log_prob: u64,
+    grad_entropy: u64,
+    out_grad_hidden: u64,
+    out_grad_weight: u64,
+    chunk_rows: usize,
+) -> PyResult<()> {
+    const FUNC: &str = "linear_log_prob_entropy_backward";
+    let precision = head_precision(FUNC, dtype)?;
+    let (nx, nw) = (
+        elems(FUNC, rows, hidden_size)?,
+        elems(FUNC, vocab, hidden_size)?,
+    );
+    let dims = ares_cuda::HeadDims {
+        rows,
+        hidden: hidden_size,
+        vocab,
+        precision,
+    };
+    py.detach(move || {
+        with_opened(&BACKWARDS, FUNC, device, ModelOps::new, |ops| {
+            // SAFETY: as in cuda_linear_log_prob_entropy.
+            unsafe {
+                let caller = external::before_ops(ops, stream)?;
+                let s = ops.stream().clone();
+                let lp = (targets != 0 && grad_log_prob != 0).then(|| {
+                    (
+                        external::borrow_on::<u32>(&s, targets, rows),
+                        external::borrow_on::<f32>(&s, grad_log_prob, rows),
+                    )
+                });
+                let ge =
+                    (grad_entropy != 0).then(|| external::borrow_on::<f32>(&s, grad_entropy, rows));
+                let mut gx = external::borrow_on::<f32>(&s, out_grad_hidden, nx);
+                let mut gw = external::borrow_on::<f32>(&s, out_grad_weight, nw);
+                let lpv = lp.as_ref().map(|(i, g)| (i.as_view(), g.as_view()));
+                let gev = ge.as_ref().map(|g| g.as_view());
+                let (mut gxv, mut gwv) = (gx.as_view_mut(), gw.as_view_mut());
+                let lp_ref = lpv.as_ref().map(|(i, g)| (i, g));
+                let done = if precision == ares_cuda::GemmPrecision::Bf16 {
+                    let x = external::borrow_on::<u16>(&s, hidden, nx);
+                    let w = external::borrow_on::<u16>(&s, weight, nw);
+                    let (xv, wv) = (x.as_view(), w.as_view());
+                    ops.linear_log_prob_entropy_backward(
+                        ares_cuda::Operand::Bf16(&xv),
+                        ares_cuda::Operand::Bf16(&wv),
+                        dims,
+                        temperature,
+                        lp_ref,
+                        gev.as_ref(),
+                        &mut gxv,
+                        &mut gwv,
+                        chunk_rows,
+                    )
+                } else {
+                    let x = external::borrow_on::<f32>(&s, hidden, nx);
+                    let w = external::borrow_on::<f32>(&s, weight, nw);
+                    let (xv, wv) = (x.as_view(), w.as_view());
+                    ops.linear_log_prob_entropy_backward(
+                        ares_cuda::Operand::F32(&xv),
+                        ares_cuda::Operand::F32(&wv),
+                        dims,
+                        temperature,
+                        lp_ref,
+                        gev.as_ref(),
+                        &mut gxv,
+                        &mut gwv,
+                        chunk_rows,
+                    )
+                };
+                let checked = done.and_then(|()| ops.check_status());
+                external::after_ops(ops, &caller)?;
+                checked
+            }
+        })
+    })
+}
+
 /// Whether libcuda loads in this process (the driver; a GPU is not required to load it).
 #[pyfunction]
 fn cuda_driver_available() -> bool {
@@ -568,6 +765,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_masked_dynamic_kl, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_policy_loss, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_log_prob_entropy_backward, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_linear_log_prob_entropy, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_linear_log_prob_entropy_backward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_available, m)?)?;
     Ok(())
 }

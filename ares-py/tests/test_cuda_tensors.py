@@ -316,6 +316,41 @@ def test_verl_losses_run_the_kernel_on_cuda_tensors():
     assert x.grad.dtype == torch.bfloat16
 
 
+def test_the_fused_linear_head_equals_the_cpu_on_cuda():
+    # float32: exact products on both sides (to f32 rounding of the sums' order); bfloat16:
+    # the CPU on the same values widened, the GPU rounding each chunk's dlogits to bfloat16
+    torch = _gpu()
+    import ares.torch as at
+
+    g = torch.Generator().manual_seed(4)
+    rows, hidden, vocab = 200, 64, 3000
+    x = torch.randn(rows, hidden, generator=g)
+    w = torch.randn(vocab, hidden, generator=g) * 0.2
+    ids = torch.randint(0, vocab, (rows,), generator=g)
+    a, b = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
+    for dtype, tol_fwd, tol_bwd in ((torch.float32, 2e-5, 2e-5), (torch.bfloat16, 2e-5, 2e-2)):
+        xs, ws = x.to(dtype), w.to(dtype)
+        grads = {}
+        for dev in ("cpu", "cuda"):
+            xd = (xs.float() if dev == "cpu" else xs).to(dev).requires_grad_(True)
+            wd = (ws.float() if dev == "cpu" else ws).to(dev).requires_grad_(True)
+            lp, h = at.linear_log_prob_entropy(xd, wd, ids.to(dev), temperature=0.9, chunk_rows=37)
+            (lp * a.to(dev) + h * b.to(dev)).sum().backward()
+            grads[dev] = (lp.detach().float().cpu(), h.detach().float().cpu(), xd.grad, wd.grad)
+        (lpc, hc, gxc, gwc), (lpd, hd, gxd, gwd) = grads["cpu"], grads["cuda"]
+        assert gxd.dtype == dtype and gwd.dtype == dtype, (gxd.dtype, gwd.dtype)
+        _close(lpd, lpc.numpy(), tol_fwd, 1e-5, f"log_prob {dtype}")
+        _close(hd, hc.numpy(), tol_fwd, 1e-5, f"entropy {dtype}")
+        for name, got, want in (("grad_hidden", gxd, gxc), ("grad_weight", gwd, gwc)):
+            scale = float(want.abs().max())
+            err = float((got.float().cpu() - want.float()).abs().max())
+            assert err <= tol_bwd * scale + (2.0**-8) * scale * (dtype == torch.bfloat16), f"{name} {dtype}: {err} vs {scale}"
+    _raises(ValueError, "both must be float32 or both bfloat16",
+            lambda: ares.linear_log_prob_entropy(x.cuda(), w.cuda().to(torch.bfloat16), ids.cuda()))
+    _raises(ValueError, "`targets` holds ids outside",
+            lambda: ares.linear_log_prob_entropy(x.cuda(), w.cuda(), torch.full((rows,), vocab, device="cuda")))
+
+
 def test_the_kernels_run_on_the_callers_stream():
     torch = _gpu()
     x = torch.randn(256, 4096, device="cuda")

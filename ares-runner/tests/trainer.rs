@@ -1910,10 +1910,7 @@ fn device_and_host_losses_train_alike() {
             "worker.actor.loss_agg_mode=seq-mean-token-sum",
         ],
     ];
-    for (i, extra) in losses
-    .iter()
-    .enumerate()
-    {
+    for (i, extra) in losses.iter().enumerate() {
         let o: Vec<&str> = base.iter().chain(extra.iter()).copied().collect();
         let run = |host: bool| {
             let name = format!("run{i}{}", if host { "h" } else { "d" });

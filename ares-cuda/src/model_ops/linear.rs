@@ -29,7 +29,15 @@ impl ModelOps {
         dims: GemmDims,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
-        self.linear_any("linear", x, Operand::F32(w), bias, dims, out, false)
+        self.linear_any(
+            "linear",
+            Operand::F32(x),
+            Operand::F32(w),
+            bias,
+            dims,
+            out,
+            false,
+        )
     }
 
     /// [`ModelOps::linear`] with the weight `w` `[out, in]` already in bf16 (bits): `x` is
@@ -51,6 +59,7 @@ impl ModelOps {
             precision: GemmPrecision::Bf16,
             ..dims
         };
+        let x = Operand::F32(x);
         self.linear_any("linear_bf16", x, Operand::Bf16(w), bias, dims, out, false)
     }
 
@@ -69,7 +78,7 @@ impl ModelOps {
     ) -> Result<()> {
         self.linear_any(
             "linear_transposed",
-            x,
+            Operand::F32(x),
             Operand::F32(wt),
             bias,
             dims,
@@ -100,7 +109,7 @@ impl ModelOps {
         };
         self.linear_any(
             "linear_transposed_bf16",
-            x,
+            Operand::F32(x),
             Operand::Bf16(wt),
             bias,
             dims,
@@ -109,11 +118,13 @@ impl ModelOps {
         )
     }
 
+    /// `out = x · wᵀ` (or `x · wt`) with `x` and `w` each f32 or bf16 (an f32 operand is
+    /// rounded to a bf16 copy when `dims.precision` is bf16; a bf16 one needs bf16).
     #[allow(clippy::too_many_arguments)]
-    fn linear_any(
+    pub(crate) fn linear_any(
         &self,
         k: &'static str,
-        x: &CudaView<'_, f32>,
+        x: Operand<'_, '_>,
         w: Operand<'_, '_>,
         bias: Option<&CudaView<'_, f32>>,
         dims: GemmDims,
@@ -134,7 +145,7 @@ impl ModelOps {
             // An empty sum: cuBLAS is not asked for k = 0.
             self.fill(out, 0.0)?;
         } else {
-            self.with_operands(d.precision, [Operand::F32(x), w], |[x, w]| {
+            self.with_operands(d.precision, [x, w], |[x, w]| {
                 if transposed {
                     self.blas.linear_t(&d, x, w, out)
                 } else {
@@ -169,7 +180,7 @@ impl ModelOps {
         dbias: Option<&mut CudaViewMut<'_, f32>>,
     ) -> Result<()> {
         let k = "linear_backward";
-        let w = Operand::F32(w);
+        let (x, w) = (Operand::F32(x), Operand::F32(w));
         self.linear_backward_any(k, dout, x, w, dims, dx_overwrite, dx, dw, dbias)
     }
 
@@ -196,16 +207,18 @@ impl ModelOps {
             ..dims
         };
         let k = "linear_backward_bf16";
-        let w = Operand::Bf16(w);
+        let (x, w) = (Operand::F32(x), Operand::Bf16(w));
         self.linear_backward_any(k, dout, x, w, dims, dx_overwrite, dx, dw, dbias)
     }
 
+    /// [`ModelOps::linear_backward`] with `x` and `w` each f32 or bf16 (see
+    /// [`ModelOps::linear_any`]).
     #[allow(clippy::too_many_arguments)]
-    fn linear_backward_any(
+    pub(crate) fn linear_backward_any(
         &self,
         k: &'static str,
         dout: &CudaView<'_, f32>,
-        x: &CudaView<'_, f32>,
+        x: Operand<'_, '_>,
         w: Operand<'_, '_>,
         dims: GemmDims,
         dx_overwrite: bool,
@@ -241,7 +254,7 @@ impl ModelOps {
         if d.x_len != 0 && d.w_len != 0 && dims.rows != 0 {
             match (dx, dw) {
                 (Some(dx), Some(dw)) => {
-                    let srcs = [Operand::F32(dout), w, Operand::F32(x)];
+                    let srcs = [Operand::F32(dout), w, x];
                     self.with_operands(d.precision, srcs, |[dout, w, x]| {
                         self.blas.backward_dx(&d, dout, w, beta, dx)?;
                         self.blas.backward_dw(&d, dout, x, dw)
@@ -254,7 +267,7 @@ impl ModelOps {
                     })?
                 }
                 (None, Some(dw)) => {
-                    let srcs = [Operand::F32(dout), Operand::F32(x)];
+                    let srcs = [Operand::F32(dout), x];
                     self.with_operands(d.precision, srcs, |[dout, x]| {
                         self.blas.backward_dw(&d, dout, x, dw)
                     })?

@@ -424,3 +424,12 @@ def cuda_policy_loss(
     clip_cov_ratio: float, clip_cov_lb: float, clip_cov_ub: float, clip_cov_seed: int, kl_cov_ratio: float,
     ppo_kl_coef: float,
 ) -> Dict[str, Any]: ...
+def cuda_linear_log_prob_entropy(
+    device: int, stream: int, hidden: int, weight: int, dtype: str, rows: int, hidden_size: int, vocab: int,
+    temperature: float, targets: int, out_log_prob: int, out_entropy: int, chunk_rows: int,
+) -> None: ...
+def cuda_linear_log_prob_entropy_backward(
+    device: int, stream: int, hidden: int, weight: int, dtype: str, rows: int, hidden_size: int, vocab: int,
+    temperature: float, targets: int, grad_log_prob: int, grad_entropy: int, out_grad_hidden: int,
+    out_grad_weight: int, chunk_rows: int,
+) -> None: ...

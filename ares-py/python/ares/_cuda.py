@@ -1,7 +1,8 @@
 """ares's token kernels on PyTorch CUDA tensors, without a copy.
 
-``log_prob_entropy``, ``entropy_windows``, ``row_percentile`` and ``masked_dynamic_kl`` take
-CUDA tensors as they take numpy arrays (the functions of :mod:`ares` route here when an
+``log_prob_entropy`` (and its backward), ``linear_log_prob_entropy`` (and its backward),
+``entropy_windows``, ``row_percentile``, ``masked_dynamic_kl`` and ``policy_loss`` take CUDA
+tensors as they take numpy arrays (the functions of :mod:`ares` route here when an
 argument is a CUDA tensor): the kernels of ``ares-cuda`` read the tensors where they are and
 write new tensors on the same device, queued on the caller's current stream
 (``torch.cuda.current_stream()``), so they are ordered with the caller's own work. The
@@ -31,6 +32,8 @@ __all__ = [
     "is_cuda",
     "log_prob_entropy",
     "log_prob_entropy_backward",
+    "linear_log_prob_entropy",
+    "linear_log_prob_entropy_backward",
     "entropy_windows",
     "row_percentile",
     "masked_dynamic_kl",
@@ -217,6 +220,102 @@ def log_prob_entropy_backward(logits, targets=None, grad_log_prob=None, grad_ent
             _ptr(t["grad_entropy"]), _ptr(out), dtype,
         )
     return out
+
+
+_HEAD_DTYPES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16"}
+# Rows of logits per chunk of the fused head: a [chunk, V] float32 scratch of about 256 MiB
+# (the backward holds two, and a bfloat16 copy of one)
+_HEAD_CHUNK_BYTES = 256 << 20
+
+
+def _head(func, named):
+    """The fused head's checked CUDA inputs: ``(tensors, device, stream, dtype, rows, hidden,
+    vocab)`` with ``hidden`` [N, H] and ``weight`` [V, H] of one dtype (float32 or bfloat16)."""
+    t, device, stream = _prepare(func, named)
+    x, w = t["hidden"], t["weight"]
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(
+            f"{func}: `hidden` [N, H] and `weight` [V, H] must share H, got shapes {tuple(x.shape)} and "
+            f"{tuple(w.shape)}"
+        )
+    if x.dtype != w.dtype or str(x.dtype) not in _HEAD_DTYPES:
+        raise ValueError(
+            f"{func}: `hidden` is {x.dtype} and `weight` {w.dtype}; both must be float32 or both bfloat16"
+        )
+    rows, hidden, vocab = int(x.shape[0]), int(x.shape[1]), int(w.shape[0])
+    if hidden == 0 or vocab == 0:
+        raise ValueError(f"{func}: `weight` must be [V >= 1, H >= 1], got shape {tuple(w.shape)}")
+    return t, device, stream, _HEAD_DTYPES[str(x.dtype)], rows, hidden, vocab
+
+
+def _chunk(func, chunk_rows, vocab):
+    if chunk_rows is None:
+        return max(1, _HEAD_CHUNK_BYTES // 4 // vocab)
+    if int(chunk_rows) < 1:
+        raise ValueError(f"{func}: `chunk_rows` must be >= 1, got {chunk_rows}")
+    return int(chunk_rows)
+
+
+def linear_log_prob_entropy(hidden, weight, targets, *, temperature=1.0, chunk_rows=None):
+    """:func:`ares.linear_log_prob_entropy` on CUDA tensors: ``hidden`` [N, H] and ``weight``
+    [V, H] (float32, multiplied in float32, or bfloat16, on tensor cores with float32 sums),
+    ``targets`` [N] integer ids. Returns ``(log_prob, entropy)``, float32 [N] on their device,
+    ``chunk_rows`` rows of logits at a time (default: ~256 MiB of them), never the [N, V]
+    logits. Runs the model ops (NVRTC and cuBLAS load at the first call) ordered after the
+    caller's stream; reads the status word (waits): a non-finite logit row or a target out
+    of range is a ``ValueError``."""
+    import torch
+
+    func = "linear_log_prob_entropy"
+    t, device, stream, dtype, rows, hidden_size, vocab = _head(
+        func, {"hidden": hidden, "weight": weight, "targets": targets}
+    )
+    if t["targets"] is None:
+        raise ValueError(f"{func}: `targets` is required on CUDA tensors")
+    ids = _target_ids(func, t["targets"], (rows,), vocab)
+    new = lambda: torch.empty(rows, dtype=torch.float32, device=t["hidden"].device)  # noqa: E731
+    log_prob, entropy = new(), new()
+    if rows:
+        _load_cublas()
+        _ares.cuda_linear_log_prob_entropy(
+            device, stream, _ptr(t["hidden"]), _ptr(t["weight"]), dtype, rows, hidden_size, vocab,
+            float(temperature), _ptr(ids), _ptr(log_prob), _ptr(entropy), _chunk(func, chunk_rows, vocab),
+        )
+    return log_prob, entropy
+
+
+def linear_log_prob_entropy_backward(hidden, weight, targets=None, grad_log_prob=None, grad_entropy=None, *,
+                                     temperature=1.0, chunk_rows=None):
+    """:func:`ares.linear_log_prob_entropy_backward` on CUDA tensors: returns ``(grad_hidden
+    [N, H], grad_weight [V, H])``, float32 on their device, from the gradients of the log-probs
+    (with ``targets``) and of the entropies ([N] float32, either ``None`` but not both),
+    recomputing each chunk's logits. In bfloat16, each chunk's ``∂L/∂logits`` is rounded to
+    bfloat16 for its two products (float32 sums)."""
+    import torch
+
+    func = "linear_log_prob_entropy_backward"
+    named = {"hidden": hidden, "weight": weight, "targets": targets, "grad_log_prob": grad_log_prob,
+             "grad_entropy": grad_entropy}
+    t, device, stream, dtype, rows, hidden_size, vocab = _head(func, named)
+    for name in ("grad_log_prob", "grad_entropy"):
+        if t[name] is not None:
+            _same_shape(func, name, _f32(func, name, t[name]), (rows,))
+    if (t["grad_log_prob"] is None) != (t["targets"] is None):
+        raise ValueError(f"{func}: `targets` and `grad_log_prob` go together (the log-prob's gradient needs its targets)")
+    if t["grad_log_prob"] is None and t["grad_entropy"] is None:
+        raise ValueError(f"{func}: give `grad_log_prob` (with `targets`) or `grad_entropy`, or both")
+    ids = _target_ids(func, t["targets"], (rows,), vocab)
+    dev = t["hidden"].device
+    grad_hidden = torch.empty((rows, hidden_size), dtype=torch.float32, device=dev)
+    grad_weight = torch.zeros((vocab, hidden_size), dtype=torch.float32, device=dev)
+    if rows:
+        _load_cublas()
+        _ares.cuda_linear_log_prob_entropy_backward(
+            device, stream, _ptr(t["hidden"]), _ptr(t["weight"]), dtype, rows, hidden_size, vocab,
+            float(temperature), _ptr(ids), _ptr(t["grad_log_prob"]), _ptr(t["grad_entropy"]), _ptr(grad_hidden),
+            _ptr(grad_weight), _chunk(func, chunk_rows, vocab),
+        )
+    return grad_hidden, grad_weight
 
 
 def entropy_windows(entropy, mask, *, window_size=4, includes_self=False, tau=None, trigger=None):

@@ -21,7 +21,15 @@ import numpy as np
 __all__ = ["as_array", "routed", "wrap"]
 
 # the functions with a CUDA path (ares._cuda)
-CUDA_FUNCTIONS = ("log_prob_entropy", "entropy_windows", "row_percentile", "masked_dynamic_kl", "policy_loss")
+CUDA_FUNCTIONS = (
+    "log_prob_entropy",
+    "linear_log_prob_entropy",
+    "linear_log_prob_entropy_backward",
+    "entropy_windows",
+    "row_percentile",
+    "masked_dynamic_kl",
+    "policy_loss",
+)
 
 # (function name, argument name) pairs that take bfloat16 bits
 _BF16_ARGS = {("log_prob_entropy", "logits")}

@@ -16,8 +16,9 @@ rows at a time, the backward recomputes each chunk. Use it in place of ``lm_head
     log_prob, entropy = ares.torch.linear_log_prob_entropy(hidden, model.lm_head.weight, ids)
     loss = -(adv * log_prob).mean() - 0.01 * entropy.mean()
 
-CUDA tensors are a ``ValueError`` here (this function runs on CPU arrays; ``ares.log_prob_entropy``
-and the token kernels take CUDA tensors, see ``ares._cuda``).
+On CUDA tensors (float32 or bfloat16, ``hidden`` and ``weight`` alike) both passes run
+ares-cuda's fused head (``ares._cuda.linear_log_prob_entropy``: cuBLAS products of a chunk of
+rows, then the row kernels), and the gradients come back in the inputs' dtypes.
 
 ``ares.torch.policy_loss(logp, logp_old, advantages, mask, loss_mode=…, …)`` is
 ``ares.policy_loss`` as a differentiable 0-d loss: ``(loss, metrics)``, where the backward
@@ -127,7 +128,9 @@ class LinearLogProbEntropy(torch.autograd.Function):
         lp, ent = _forward(x, w, targets, temperature=temperature, chunk_rows=chunk_rows)
         ctx.save_for_backward(x, w, targets)
         ctx.temperature, ctx.chunk_rows = temperature, chunk_rows
-        return torch.from_numpy(lp), torch.from_numpy(ent)
+        if x.device.type == "cpu":
+            lp, ent = torch.from_numpy(lp), torch.from_numpy(ent)
+        return lp, ent
 
     @staticmethod
     def backward(ctx, grad_log_prob, grad_entropy):
@@ -141,8 +144,10 @@ class LinearLogProbEntropy(torch.autograd.Function):
             temperature=ctx.temperature,
             chunk_rows=ctx.chunk_rows,
         )
-        gx = torch.from_numpy(gx) if ctx.needs_input_grad[0] else None
-        gw = torch.from_numpy(gw) if ctx.needs_input_grad[1] else None
+        if x.device.type == "cpu":
+            gx, gw = torch.from_numpy(gx), torch.from_numpy(gw)
+        gx = gx.to(x.dtype) if ctx.needs_input_grad[0] else None
+        gw = gw.to(w.dtype) if ctx.needs_input_grad[1] else None
         return gx, gw, None, None, None
 
 
