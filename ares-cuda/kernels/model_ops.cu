@@ -1184,6 +1184,9 @@ extern "C" __global__ void sum_sq_multi_final(const SumSqTensor* __restrict__ te
 //   v ← v·β2 + (w2·g)·g;  θ ← θ + step·(m / (√v / bc2 + ε))
 // With `copy` (not NULL) the update also writes θ rounded to the nearest bf16 (the model's bf16
 // weight copy: the bits of f32_to_bf16 after the step, without its pass over θ).
+// With `param_bf16` (not NULL; `param` is then NULL) the weight is stored in bf16: θ is read
+// widened and written back rounded stochastically with rounding_bits(key, i) — the bits of
+// bf16_to_f32, the f32 update and f32_to_bf16_stochastic in one pass instead of three.
 extern "C" __global__ void adamw_check(const float* __restrict__ grad, i64 n,
                                        unsigned* __restrict__ guard, unsigned* __restrict__ status) {
     int bad = 0;
@@ -1213,6 +1216,18 @@ __device__ __forceinline__ float adamw_element(float p, float g, float& m, float
     return __fadd_rn(p, __fmul_rn(k.neg_step_size, __fdiv_rn(m, denom)));
 }
 
+// The parameter as stored: f32, or bf16 bits (read widened, written back with stochastic
+// rounding under `key`, element i drawing rounding_bits(key, i)).
+__device__ __forceinline__ float param_load(const float* param, const unsigned short* param_bf16,
+                                            i64 i) {
+    return param_bf16 ? widen(param_bf16[i]) : param[i];
+}
+__device__ __forceinline__ void param_store(float* param, unsigned short* param_bf16,
+                                            unsigned long long key, i64 i, float p) {
+    if (param_bf16) param_bf16[i] = bf16_stochastic(p, rounding_bits(key, (unsigned long long)i));
+    else param[i] = p;
+}
+
 template <typename M>
 __device__ __forceinline__ void adamw_update_impl(float* __restrict__ param, const float* __restrict__ grad,
                                                   M* __restrict__ exp_avg, M* __restrict__ exp_avg_sq,
@@ -1220,14 +1235,16 @@ __device__ __forceinline__ void adamw_update_impl(float* __restrict__ param, con
                                                   float w1, float one_minus_w1, float b2, float w2,
                                                   float neg_step_size, float bc2_sqrt, float eps,
                                                   const unsigned* __restrict__ guard,
-                                                  unsigned short* __restrict__ copy) {
+                                                  unsigned short* __restrict__ copy,
+                                                  unsigned short* __restrict__ param_bf16,
+                                                  unsigned long long key) {
     if (*guard) return;
     const AdamConsts k = {grad_scale, decay, w1, one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, apply_decay};
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         float m = widen(exp_avg[i]);
         float v = widen(exp_avg_sq[i]);
-        const float p = adamw_element(param[i], grad[i], m, v, k);
-        param[i] = p;
+        const float p = adamw_element(param_load(param, param_bf16, i), grad[i], m, v, k);
+        param_store(param, param_bf16, key, i, p);
         if (copy) copy[i] = bf16_rne(p);  // the model's bf16 copy, written with the update
         store_narrow(&exp_avg[i], m);
         store_narrow(&exp_avg_sq[i], v);
@@ -1240,9 +1257,12 @@ extern "C" __global__ void adamw_update(float* __restrict__ param, const float* 
                                         float w1, float one_minus_w1, float b2, float w2,
                                         float neg_step_size, float bc2_sqrt, float eps,
                                         const unsigned* __restrict__ guard,
-                                        unsigned short* __restrict__ copy) {
+                                        unsigned short* __restrict__ copy,
+                                        unsigned short* __restrict__ param_bf16,
+                                        unsigned long long key) {
     adamw_update_impl(param, grad, exp_avg, exp_avg_sq, n, grad_scale, decay, apply_decay, w1,
-                      one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, guard, copy);
+                      one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, guard, copy,
+                      param_bf16, key);
 }
 
 // AdamW with bf16 moments: the same update, the moments rounded back after it.
@@ -1253,9 +1273,12 @@ extern "C" __global__ void adamw_update_bf16(float* __restrict__ param, const fl
                                              float one_minus_w1, float b2, float w2,
                                              float neg_step_size, float bc2_sqrt, float eps,
                                              const unsigned* __restrict__ guard,
-                                             unsigned short* __restrict__ copy) {
+                                             unsigned short* __restrict__ copy,
+                                             unsigned short* __restrict__ param_bf16,
+                                             unsigned long long key) {
     adamw_update_impl(param, grad, exp_avg, exp_avg_sq, n, grad_scale, decay, apply_decay, w1,
-                      one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, guard, copy);
+                      one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, guard, copy,
+                      param_bf16, key);
 }
 
 // AdamW with 8-bit moments (twin of ares_cpu::ops::optim_int8::adamw_step_int8): one block
@@ -1285,7 +1308,8 @@ adamw_update_int8(float* __restrict__ param, const float* __restrict__ grad,
                   const float* __restrict__ maps, i64 n, float grad_scale, float decay,
                   int apply_decay, float w1, float one_minus_w1, float b2, float w2,
                   float neg_step_size, float bc2_sqrt, float eps,
-                  const unsigned* __restrict__ guard, unsigned short* __restrict__ copy) {
+                  const unsigned* __restrict__ guard, unsigned short* __restrict__ copy,
+                  unsigned short* __restrict__ param_bf16, unsigned long long key) {
     __shared__ float map_m[256], map_v[256], mid_m[255], mid_v[255], sh[32];
     if (*guard) return;
     const AdamConsts k = {grad_scale, decay, w1, one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, apply_decay};
@@ -1309,8 +1333,8 @@ adamw_update_int8(float* __restrict__ param, const float* __restrict__ grad,
         if (i < n) {
             float m = __fmul_rn(map_m[m_codes[i]], am);
             float v = __fmul_rn(map_v[v_codes[i]], av);
-            const float p = adamw_element(param[i], grad[i], m, v, k);
-            param[i] = p;
+            const float p = adamw_element(param_load(param, param_bf16, i), grad[i], m, v, k);
+            param_store(param, param_bf16, key, i, p);
             if (copy) copy[i] = bf16_rne(p);
             ms[j] = m;
             vs[j] = v;

@@ -936,6 +936,177 @@ fn kernel_on_cpu_tensor_core_segment_attention_is_the_cpu_twin() {
 }
 
 #[test]
+fn kernel_on_cpu_adamw_of_a_bf16_weight_is_widen_update_round_in_one_pass() {
+    // a weight stored in bf16: the fused update (one pass) against what the CPU backend runs
+    // in three — widen, the f32 update with each moment dtype, stochastic rounding under the
+    // key — to the bit, over three steps; a non-finite gradient leaves everything as it was
+    use ares_cpu::ops::optim::{AdamWConfig, adamw_step_scaled};
+    use ares_cpu::ops::optim_int8::{BLOCK, adamw_step_int8, blocks, dynamic_map};
+    use ares_cpu::ops::precision::{round_to_bf16, round_to_bf16_stochastic, widen_bf16};
+    use ares_cuda::{AdamWScalars, AdamWStep};
+    let Some(lib) = model_kernels() else { return };
+    type Fused = unsafe extern "C" fn(
+        u32,
+        u32,
+        i32,
+        *mut u16,
+        u64,
+        *const f32,
+        *mut std::ffi::c_void,
+        *mut std::ffi::c_void,
+        *mut f32,
+        *mut f32,
+        *const f32,
+        i64,
+        f32,
+        *const AdamWScalars,
+        *const u32,
+    );
+    let fused = launcher!(lib, "emu_adamw_update_stored_bf16", Fused);
+    let mut rng = Rng(93);
+    let n = 2 * BLOCK + 300;
+    let cfg = AdamWConfig::default();
+    // a learning rate whose updates are mostly below half a bf16 ulp: the rounding decides
+    let (lr, grad_scale) = (2e-4, 0.5f32);
+    let mut weight0 = vec![0u16; n];
+    let init: Vec<f32> = (0..n).map(|_| rng.range(-0.1, 0.1)).collect();
+    round_to_bf16(&init, &mut weight0).expect("lengths");
+    let mut grads: Vec<Vec<f32>> = (0..4)
+        .map(|_| (0..n).map(|_| rng.range(-1.0, 1.0)).collect())
+        .collect();
+    grads[2][777] = f32::NAN;
+    let mut maps = dynamic_map(true).to_vec();
+    maps.extend(dynamic_map(false));
+    let b = blocks(n);
+    for moments in 0..3i32 {
+        let mut w_cpu = weight0.clone();
+        let mut w_emu = weight0.clone();
+        let (mut m32, mut v32) = (vec![0.0f32; n], vec![0.0f32; n]);
+        let (mut m16, mut v16) = (vec![0u16; n], vec![0u16; n]);
+        let (mut m8, mut v8) = (vec![0u8; n], vec![0u8; n]);
+        let (mut am, mut av) = (vec![0.0f32; b], vec![0.0f32; b]);
+        let (mut em32, mut ev32) = (m32.clone(), v32.clone());
+        let (mut em16, mut ev16) = (m16.clone(), v16.clone());
+        let (mut em8, mut ev8) = (m8.clone(), v8.clone());
+        let (mut eam, mut eav) = (am.clone(), av.clone());
+        let mut step = 0u64;
+        for (t, g) in grads.iter().enumerate() {
+            let key = 0xABCD_0000 + t as u64;
+            let bad = g.iter().any(|x| !x.is_finite());
+            if !bad {
+                step += 1;
+            }
+            // the three passes, on the CPU
+            let mut p = vec![0.0f32; n];
+            widen_bf16(&w_cpu, &mut p).expect("lengths");
+            let before = w_cpu.clone();
+            let ok = match moments {
+                0 => adamw_step_scaled(
+                    &mut p,
+                    g,
+                    &mut m32,
+                    &mut v32,
+                    step.max(1),
+                    &cfg,
+                    lr,
+                    grad_scale,
+                ),
+                1 => adamw_step_scaled(
+                    &mut p,
+                    g,
+                    &mut m16,
+                    &mut v16,
+                    step.max(1),
+                    &cfg,
+                    lr,
+                    grad_scale,
+                ),
+                _ => adamw_step_int8(
+                    &mut p,
+                    g,
+                    &mut m8,
+                    &mut v8,
+                    &mut am,
+                    &mut av,
+                    &maps,
+                    step.max(1),
+                    &cfg,
+                    lr,
+                    grad_scale,
+                ),
+            };
+            assert_eq!(ok.is_err(), bad, "the CPU refuses a non-finite gradient");
+            round_to_bf16_stochastic(&p, key, &mut w_cpu).expect("lengths");
+            if bad {
+                assert_eq!(w_cpu, before, "widened and rounded back unchanged");
+            }
+            // the fused kernel; the guard is what adamw_check sets for a bad gradient
+            let guard = u32::from(bad);
+            let s = AdamWStep {
+                lr,
+                beta1: cfg.beta1,
+                beta2: cfg.beta2,
+                eps: cfg.eps,
+                weight_decay: cfg.weight_decay,
+                step: step.max(1),
+                grad_scale,
+            }
+            .scalars()
+            .expect("scalars");
+            let (m_ptr, v_ptr): (*mut std::ffi::c_void, *mut std::ffi::c_void) = match moments {
+                0 => (em32.as_mut_ptr().cast(), ev32.as_mut_ptr().cast()),
+                1 => (em16.as_mut_ptr().cast(), ev16.as_mut_ptr().cast()),
+                _ => (em8.as_mut_ptr().cast(), ev8.as_mut_ptr().cast()),
+            };
+            // SAFETY: the weight, gradient and moments hold n elements, the scales one per
+            // block, the maps 512 values.
+            unsafe {
+                fused(
+                    3,
+                    128,
+                    moments,
+                    w_emu.as_mut_ptr(),
+                    key,
+                    g.as_ptr(),
+                    m_ptr,
+                    v_ptr,
+                    eam.as_mut_ptr(),
+                    eav.as_mut_ptr(),
+                    maps.as_ptr(),
+                    n as i64,
+                    grad_scale,
+                    &s,
+                    &guard,
+                )
+            };
+            let what = format!("moments {moments}, update {t}");
+            assert_eq!(w_emu, w_cpu, "{what}: the bf16 weight");
+            match moments {
+                0 => {
+                    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        (bits(&em32), bits(&ev32)),
+                        (bits(&m32), bits(&v32)),
+                        "{what}"
+                    );
+                }
+                1 => assert_eq!((&em16, &ev16), (&m16, &v16), "{what}"),
+                _ => {
+                    assert_eq!((&em8, &ev8), (&m8, &v8), "{what}: codes");
+                    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        (bits(&eam), bits(&eav)),
+                        (bits(&am), bits(&av)),
+                        "{what}: scales"
+                    );
+                }
+            }
+        }
+        assert_ne!(w_emu, weight0, "moments {moments}: the weight moved");
+    }
+}
+
+#[test]
 fn kernel_on_cpu_adamw_with_bf16_and_8_bit_moments_is_the_cpu_twin() {
     // the low-memory optimizer states (written, never run on a GPU): three steps each, the
     // CPU's bits in the weights, the moments and the bf16 weight copy

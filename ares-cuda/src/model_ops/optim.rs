@@ -21,6 +21,22 @@ struct Int8Scales<'s, 'm, 'v, 'c> {
     cfg: LaunchConfig,
 }
 
+/// The parameter an update writes: f32 values, or a weight stored in bf16 (bits) with the
+/// key of its stochastic rounding.
+enum Target<'a, 'b> {
+    F32(&'a mut CudaViewMut<'b, f32>),
+    Bf16(&'a mut CudaViewMut<'b, u16>, u64),
+}
+
+impl Target<'_, '_> {
+    fn len(&self) -> usize {
+        match self {
+            Target::F32(p) => p.len(),
+            Target::Bf16(w, _) => w.len(),
+        }
+    }
+}
+
 /// Partial sums of a tensor of [`ModelOps::sums_of_squares`] at most (blocks of its first
 /// stage).
 const MAX_PARTIALS: usize = 1024;
@@ -274,8 +290,8 @@ impl ModelOps {
     ) -> Result<()> {
         let kernel = &self.f.adamw_update;
         let k = "adamw_step";
-        let (m, v) = (exp_avg, exp_avg_sq);
-        self.adamw_step_with(k, kernel, param, grad, m, v, None, step, copy)
+        let (m, v, p) = (exp_avg, exp_avg_sq, Target::F32(param));
+        self.adamw_step_with(k, kernel, p, grad, m, v, None, step, copy)
     }
 
     /// [`ModelOps::adamw_step`] with both moments stored in bf16 (their bits): widened,
@@ -295,8 +311,8 @@ impl ModelOps {
     ) -> Result<()> {
         let kernel = &self.f.adamw_update_bf16;
         let k = "adamw_step_bf16";
-        let (m, v) = (exp_avg, exp_avg_sq);
-        self.adamw_step_with(k, kernel, param, grad, m, v, None, step, copy)
+        let (m, v, p) = (exp_avg, exp_avg_sq, Target::F32(param));
+        self.adamw_step_with(k, kernel, p, grad, m, v, None, step, copy)
     }
 
     /// [`ModelOps::adamw_step`] with both moments stored in 8 bits, block-wise (twin of
@@ -321,26 +337,109 @@ impl ModelOps {
         copy: Option<&mut CudaViewMut<'_, u16>>,
     ) -> Result<()> {
         const K: &str = "adamw_step_int8";
-        let n = param.len();
+        let (am, av) = (exp_avg_absmax, exp_avg_sq_absmax);
+        let scales = self.int8_scales(K, param.len(), am, av, maps)?;
+        let kernel = &self.f.adamw_update_int8;
+        let (m, v, p) = (exp_avg, exp_avg_sq, Target::F32(param));
+        self.adamw_step_with(K, kernel, p, grad, m, v, Some(scales), step, copy)
+    }
+
+    /// One AdamW update of a weight **stored in bf16** (`weight`, its bits) with f32
+    /// moments, in one pass: each element widened, updated in f32 as
+    /// [`ModelOps::adamw_step`] updates an f32 parameter, and written back rounded
+    /// stochastically with the 16 random bits of `(key, i)` — the bits of
+    /// [`ModelOps::from_bf16`], the f32 update and [`ModelOps::to_bf16_stochastic`] in turn,
+    /// which take three passes over the weight and an f32 copy of it. A non-finite gradient
+    /// leaves everything untouched, as there.
+    ///
+    /// # Errors
+    /// As [`ModelOps::adamw_step`].
+    pub fn adamw_step_bf16_weight(
+        &self,
+        weight: &mut CudaViewMut<'_, u16>,
+        key: u64,
+        grad: &CudaView<'_, f32>,
+        exp_avg: &mut CudaViewMut<'_, f32>,
+        exp_avg_sq: &mut CudaViewMut<'_, f32>,
+        step: &AdamWStep,
+    ) -> Result<()> {
+        const K: &str = "adamw_step_bf16_weight";
+        let kernel = &self.f.adamw_update;
+        let (m, v, p) = (exp_avg, exp_avg_sq, Target::Bf16(weight, key));
+        self.adamw_step_with(K, kernel, p, grad, m, v, None, step, None)
+    }
+
+    /// [`ModelOps::adamw_step_bf16_weight`] with bf16 moments (as
+    /// [`ModelOps::adamw_step_bf16`]).
+    ///
+    /// # Errors
+    /// As [`ModelOps::adamw_step`].
+    pub fn adamw_step_bf16_weight_bf16(
+        &self,
+        weight: &mut CudaViewMut<'_, u16>,
+        key: u64,
+        grad: &CudaView<'_, f32>,
+        exp_avg: &mut CudaViewMut<'_, u16>,
+        exp_avg_sq: &mut CudaViewMut<'_, u16>,
+        step: &AdamWStep,
+    ) -> Result<()> {
+        const K: &str = "adamw_step_bf16_weight_bf16";
+        let kernel = &self.f.adamw_update_bf16;
+        let (m, v, p) = (exp_avg, exp_avg_sq, Target::Bf16(weight, key));
+        self.adamw_step_with(K, kernel, p, grad, m, v, None, step, None)
+    }
+
+    /// [`ModelOps::adamw_step_bf16_weight`] with 8-bit moments (as
+    /// [`ModelOps::adamw_step_int8`]).
+    ///
+    /// # Errors
+    /// As [`ModelOps::adamw_step_int8`].
+    #[allow(clippy::too_many_arguments)] // the moments' codes and scales, each checked
+    pub fn adamw_step_bf16_weight_int8(
+        &self,
+        weight: &mut CudaViewMut<'_, u16>,
+        key: u64,
+        grad: &CudaView<'_, f32>,
+        exp_avg: &mut CudaViewMut<'_, u8>,
+        exp_avg_sq: &mut CudaViewMut<'_, u8>,
+        exp_avg_absmax: &mut CudaViewMut<'_, f32>,
+        exp_avg_sq_absmax: &mut CudaViewMut<'_, f32>,
+        maps: &CudaView<'_, f32>,
+        step: &AdamWStep,
+    ) -> Result<()> {
+        const K: &str = "adamw_step_bf16_weight_int8";
+        let (am, av) = (exp_avg_absmax, exp_avg_sq_absmax);
+        let scales = self.int8_scales(K, weight.len(), am, av, maps)?;
+        let kernel = &self.f.adamw_update_int8;
+        let (m, v, p) = (exp_avg, exp_avg_sq, Target::Bf16(weight, key));
+        self.adamw_step_with(K, kernel, p, grad, m, v, Some(scales), step, None)
+    }
+
+    /// The scales and launch shape of 8-bit moments of `n` elements, checked.
+    fn int8_scales<'s, 'm, 'v, 'c>(
+        &self,
+        name: &'static str,
+        n: usize,
+        exp_avg_absmax: &'s mut CudaViewMut<'m, f32>,
+        exp_avg_sq_absmax: &'s mut CudaViewMut<'v, f32>,
+        maps: &'s CudaView<'c, f32>,
+    ) -> Result<Int8Scales<'s, 'm, 'v, 'c>> {
         let blocks = n.div_ceil(INT8_BLOCK);
-        check_len(K, "exp_avg_absmax", blocks, exp_avg_absmax.len())?;
-        check_len(K, "exp_avg_sq_absmax", blocks, exp_avg_sq_absmax.len())?;
-        check_len(K, "maps", 512, maps.len())?;
-        let grid = i32_of(K, "blocks", blocks)?;
+        check_len(name, "exp_avg_absmax", blocks, exp_avg_absmax.len())?;
+        check_len(name, "exp_avg_sq_absmax", blocks, exp_avg_sq_absmax.len())?;
+        check_len(name, "maps", 512, maps.len())?;
+        let grid = i32_of(name, "blocks", blocks)?;
         let cfg = LaunchConfig {
             grid_dim: (grid.max(1) as u32, 1, 1),
             block_dim: (INT8_THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let scales = Int8Scales {
+        Ok(Int8Scales {
             m: exp_avg_absmax,
             v: exp_avg_sq_absmax,
             maps,
             cfg,
-        };
-        let kernel = &self.f.adamw_update_int8;
-        let (m, v) = (exp_avg, exp_avg_sq);
-        self.adamw_step_with(K, kernel, param, grad, m, v, Some(scales), step, copy)
+        })
     }
 
     /// The finiteness check, then `kernel`'s update of moments stored as `M` (8-bit ones
@@ -350,7 +449,7 @@ impl ModelOps {
         &self,
         name: &'static str,
         kernel: &CudaFunction,
-        param: &mut CudaViewMut<'_, f32>,
+        param: Target<'_, '_>,
         grad: &CudaView<'_, f32>,
         exp_avg: &mut CudaViewMut<'_, M>,
         exp_avg_sq: &mut CudaViewMut<'_, M>,
@@ -386,7 +485,11 @@ impl ModelOps {
         }
         let scale = step.grad_scale;
         let mut l = self.stream.launch_builder(kernel);
-        l.arg(param).arg(grad).arg(exp_avg).arg(exp_avg_sq);
+        let (param, weight, key) = match param {
+            Target::F32(p) => (Some(p), None, 0u64),
+            Target::Bf16(w, key) => (None, Some(w), key),
+        };
+        l.arg_or_null(param).arg(grad).arg(exp_avg).arg(exp_avg_sq);
         let cfg = match int8 {
             Some(s) => {
                 l.arg(s.m).arg(s.v).arg(s.maps);
@@ -406,7 +509,9 @@ impl ModelOps {
             .arg(&c.bc2_sqrt)
             .arg(&c.eps)
             .arg(&state.guard)
-            .arg_or_null(copy);
+            .arg_or_null(copy)
+            .arg_or_null(weight)
+            .arg(&key);
         // SAFETY: argument order as `adamw_update` / `adamw_update_bf16` (moments of `M`, the
         // kernel's storage type) / `adamw_update_int8` (codes, then their scales and maps:
         // lengths checked by `adamw_step_int8`); lengths checked above.

@@ -106,7 +106,7 @@ extern "C" void emu_adamw_update_bf16(unsigned grid, unsigned block, float* para
     emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] {
         adamw_update_bf16(param, grad, m, v, n, grad_scale, c->decay, c->apply_decay, c->w1,
                           c->one_minus_w1, c->b2, c->w2, c->neg_step_size, c->bc2_sqrt, c->eps,
-                          guard, copy);
+                          guard, copy, nullptr, 0ull);
     });
 }
 
@@ -120,7 +120,39 @@ extern "C" void emu_adamw_update_int8(float* param, const float* grad, unsigned 
     emu::launch(dim3{blocks, 1, 1}, dim3{Q8_THREADS, 1, 1}, 0, [&] {
         adamw_update_int8(param, grad, m_codes, v_codes, m_absmax, v_absmax, maps, n, grad_scale,
                           c->decay, c->apply_decay, c->w1, c->one_minus_w1, c->b2, c->w2,
-                          c->neg_step_size, c->bc2_sqrt, c->eps, guard, copy);
+                          c->neg_step_size, c->bc2_sqrt, c->eps, guard, copy, nullptr, 0ull);
+    });
+}
+
+// AdamW of a weight stored in bf16 (`weight`, read widened, written back rounded
+// stochastically under `key`) with moments of the kind `moments` names: 0 f32 (m, v as
+// floats), 1 bf16 (as bits), 2 8-bit (codes, with their scales and the maps).
+extern "C" void emu_adamw_update_stored_bf16(unsigned grid, unsigned block, int moments,
+                                             unsigned short* weight, unsigned long long key,
+                                             const float* grad, void* m, void* v,
+                                             float* m_absmax, float* v_absmax, const float* maps,
+                                             i64 n, float grad_scale, const EmuAdamW* c,
+                                             const unsigned* guard) {
+    if (moments == 2) {
+        const unsigned blocks = (unsigned)((n + Q8_BLOCK - 1) / Q8_BLOCK);
+        emu::launch(dim3{blocks, 1, 1}, dim3{Q8_THREADS, 1, 1}, 0, [&] {
+            adamw_update_int8(nullptr, grad, (unsigned char*)m, (unsigned char*)v, m_absmax,
+                              v_absmax, maps, n, grad_scale, c->decay, c->apply_decay, c->w1,
+                              c->one_minus_w1, c->b2, c->w2, c->neg_step_size, c->bc2_sqrt,
+                              c->eps, guard, nullptr, weight, key);
+        });
+        return;
+    }
+    emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] {
+        if (moments == 0)
+            adamw_update(nullptr, grad, (float*)m, (float*)v, n, grad_scale, c->decay,
+                         c->apply_decay, c->w1, c->one_minus_w1, c->b2, c->w2, c->neg_step_size,
+                         c->bc2_sqrt, c->eps, guard, nullptr, weight, key);
+        else
+            adamw_update_bf16(nullptr, grad, (unsigned short*)m, (unsigned short*)v, n,
+                              grad_scale, c->decay, c->apply_decay, c->w1, c->one_minus_w1,
+                              c->b2, c->w2, c->neg_step_size, c->bc2_sqrt, c->eps, guard,
+                              nullptr, weight, key);
     });
 }
 

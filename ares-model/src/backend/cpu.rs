@@ -627,6 +627,66 @@ mod kernels {
         write_copy(param, copy)
     }
 
+    thread_local! {
+        /// The f32 copy of a bf16-stored weight during its update, reused (grown to the
+        /// largest tensor once: no allocation, no page faults, in later steps).
+        static WIDE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    /// `update` applied to `weight` (bf16 bits) widened into the reused f32 copy, the result
+    /// rounded back stochastically under `key`: nothing is written when `update` fails.
+    fn on_bf16_weight(
+        weight: &mut [u16],
+        key: u64,
+        update: impl FnOnce(&mut [f32]) -> Result,
+    ) -> Result {
+        use ares_cpu::ops::precision::{round_to_bf16_stochastic, widen_bf16};
+        WIDE.with(|wide| {
+            let mut wide = wide.borrow_mut();
+            if wide.len() < weight.len() {
+                wide.resize(weight.len(), 0.0);
+            }
+            let p = &mut wide[..weight.len()];
+            widen_bf16(weight, p)?;
+            update(p)?;
+            round_to_bf16_stochastic(p, key, weight)
+        })
+    }
+
+    /// AdamW of a weight stored in bf16, moments stored as `M`: widen, update, round
+    /// stochastically (the declared op's three ops in turn).
+    pub(super) fn adamw_step_bf16_weight<M: Moment>(
+        weight: &mut [u16],
+        key: u64,
+        grad: &[f32],
+        exp_avg: &mut [M],
+        exp_avg_sq: &mut [M],
+        u: &AdamWUpdate,
+    ) -> Result {
+        on_bf16_weight(weight, key, |p| {
+            adamw_step(p, grad, exp_avg, exp_avg_sq, u, None)
+        })
+    }
+
+    /// AdamW of a weight stored in bf16 with 8-bit moments (as above).
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments, in its order
+    pub(super) fn adamw_step_bf16_weight_int8(
+        weight: &mut [u16],
+        key: u64,
+        grad: &[f32],
+        exp_avg: &mut [u8],
+        exp_avg_sq: &mut [u8],
+        exp_avg_absmax: &mut [f32],
+        exp_avg_sq_absmax: &mut [f32],
+        maps: &[f32],
+        u: &AdamWUpdate,
+    ) -> Result {
+        on_bf16_weight(weight, key, |p| {
+            let (m, v, ma, va) = (exp_avg, exp_avg_sq, exp_avg_absmax, exp_avg_sq_absmax);
+            adamw_step_int8(p, grad, m, v, ma, va, maps, u, None)
+        })
+    }
+
     /// A bf16 copy as long as its parameter (checked before the update, so a bad one
     /// changes nothing).
     fn check_copy(len: usize, copy: Option<&[u16]>) -> Result {

@@ -383,6 +383,56 @@ macro_rules! declared_ops {
                 copy: OutOpt<bf16>,
             ) cpu kernels::adamw_step_int8, cuda adamw_step_int8;
 
+            /// [`Backend::adamw_step`] of a weight **stored in bf16** (`weight`, the
+            /// parameter itself, `trainer.weight_dtype: bf16`): each element widened, the f32
+            /// update, the result rounded back **stochastically** under `key` — the bits of
+            /// [`Backend::widen_bf16`], [`Backend::adamw_step`] and
+            /// [`Backend::round_bf16_stochastic`] in turn (what the CPU runs, through a
+            /// scratch of its own); CUDA does it in one pass over the weight, without an f32
+            /// copy of it.
+            ///
+            /// # Errors
+            /// As [`Backend::adamw_step`]; `weight` not bf16.
+            fn adamw_step_bf16_weight(
+                weight: Out<bf16>,
+                key: u64,
+                grad: In<f32>,
+                exp_avg: Out<f32>,
+                exp_avg_sq: Out<f32>,
+                update: Ref<AdamWUpdate>,
+            ) cpu kernels::adamw_step_bf16_weight, cuda adamw_step_bf16_weight;
+
+            /// [`Backend::adamw_step_bf16_weight`] with moments stored in bf16 (as
+            /// [`Backend::adamw_step_bf16`]).
+            ///
+            /// # Errors
+            /// As [`Backend::adamw_step_bf16_weight`]; moments that are not bf16.
+            fn adamw_step_bf16_weight_bf16(
+                weight: Out<bf16>,
+                key: u64,
+                grad: In<f32>,
+                exp_avg: Out<bf16>,
+                exp_avg_sq: Out<bf16>,
+                update: Ref<AdamWUpdate>,
+            ) cpu kernels::adamw_step_bf16_weight, cuda adamw_step_bf16_weight_bf16;
+
+            /// [`Backend::adamw_step_bf16_weight`] with moments stored in 8 bits (as
+            /// [`Backend::adamw_step_int8`]).
+            ///
+            /// # Errors
+            /// As [`Backend::adamw_step_bf16_weight`] and [`Backend::adamw_step_int8`].
+            fn adamw_step_bf16_weight_int8(
+                weight: Out<bf16>,
+                key: u64,
+                grad: In<f32>,
+                exp_avg: Out<u8>,
+                exp_avg_sq: Out<u8>,
+                exp_avg_absmax: Out<f32>,
+                exp_avg_sq_absmax: Out<f32>,
+                maps: In<f32>,
+                update: Ref<AdamWUpdate>,
+            ) cpu kernels::adamw_step_bf16_weight_int8, cuda adamw_step_bf16_weight_int8;
+
             /// Causal grouped-query attention (shapes in [`AttentionDims`]): query `t` of sequence
             /// `b` attends to keys `s <= t` with `key_mask[b, s] = 1` (`None`: all keys valid). Writes
             /// `out` `[batch, seq, q_heads, head_dim]` and the softmax log-sum-exp `lse` `[batch,

@@ -296,15 +296,14 @@ impl<B: Backend> Moments<B> {
     }
 
     /// One AdamW update of a weight **stored in bf16** (`weight`, `len` long) from `grad`,
-    /// a tensor at a time: the tensor widened into `scratch` (at least `item` long), the
-    /// f32 update of [`Moments::step`] on it, the result rounded back to bf16
-    /// stochastically under `key(tensor)` ([`Backend::round_bf16_stochastic`]: an update
-    /// below half an ulp moves the weight with the probability that keeps it unbiased,
-    /// where rounding to nearest would drop it).
+    /// a tensor at a time ([`Backend::adamw_step_bf16_weight`] and its moment-dtype
+    /// variants): the tensor widened, the f32 update of [`Moments::step`], the result
+    /// rounded back to bf16 stochastically under `key(tensor)` (an update below half an ulp
+    /// moves the weight with the probability that keeps it unbiased, where rounding to
+    /// nearest would drop it) — one pass over the weight on CUDA.
     ///
     /// # Errors
-    /// Lengths that differ, a scratch shorter than a tensor; a backend failure.
-    #[allow(clippy::too_many_arguments)] // the optimizer's state, one tensor at a time
+    /// Lengths that differ; a backend failure.
     pub(crate) fn step_bf16_weight(
         &mut self,
         be: &B,
@@ -312,22 +311,43 @@ impl<B: Backend> Moments<B> {
         grad: &B::Buffer,
         maps: &B::Buffer,
         update: &AdamWUpdate,
-        scratch: &mut B::Buffer,
         key: impl Fn(usize) -> u64,
     ) -> Result<(), ModelError> {
         let item = self.item;
-        if weight.len() != self.len || grad.len() != self.len || scratch.len() < item {
+        if weight.len() != self.len || grad.len() != self.len {
             return Err(layout("optimizer moments (bf16 weight)"));
         }
         for t in 0..self.len / item.max(1) {
-            be.widen_bf16(
-                View::item(weight, t, item)?,
-                ViewMut::new(scratch, 0, item)?,
-            )?;
-            let (p, g) = (ViewMut::new(scratch, 0, item)?, View::item(grad, t, item)?);
-            self.step_tensors(be, t..t + 1, (p, g), maps, update, None)?;
-            let rounded = ViewMut::item(weight, t, item)?;
-            be.round_bf16_stochastic(View::new(scratch, 0, item)?, key(t), rounded)?;
+            let (w, g) = (ViewMut::item(weight, t, item)?, View::item(grad, t, item)?);
+            match &mut self.store {
+                Store::F32 { m, v } => {
+                    let (m, v) = (ViewMut::item(m, t, item)?, ViewMut::item(v, t, item)?);
+                    be.adamw_step_bf16_weight(w, key(t), g, m, v, update)?;
+                }
+                Store::Bf16 { m, v } => {
+                    let (m, v) = (ViewMut::item(m, t, item)?, ViewMut::item(v, t, item)?);
+                    be.adamw_step_bf16_weight_bf16(w, key(t), g, m, v, update)?;
+                }
+                Store::Int8 {
+                    m,
+                    v,
+                    m_absmax,
+                    v_absmax,
+                } => {
+                    let scales = blocks(item);
+                    be.adamw_step_bf16_weight_int8(
+                        w,
+                        key(t),
+                        g,
+                        ViewMut::item(m, t, item)?,
+                        ViewMut::item(v, t, item)?,
+                        ViewMut::item(m_absmax, t, scales)?,
+                        ViewMut::item(v_absmax, t, scales)?,
+                        View::whole(maps),
+                        update,
+                    )?;
+                }
+            }
         }
         Ok(())
     }
@@ -529,6 +549,89 @@ mod tests {
             absmax: vec![1.0; 2],
         };
         assert!(bad.to_f32(false).is_err());
+    }
+
+    /// A weight stored in bf16, updated by `step_bf16_weight` (the fused op per tensor), has
+    /// the bits of the three ops it stands for — widen, [`Moments::step`] on the f32 copy,
+    /// round stochastically under the tensor's key — with the moments alike, for each
+    /// moment dtype, over tensors that end inside an 8-bit block.
+    #[test]
+    fn a_bf16_weights_update_is_widen_step_round() {
+        let be = CpuBackend;
+        let (item, tensors) = (2 * 2048 + 77, 3);
+        let len = item * tensors;
+        let init: Vec<f32> = (0..len).map(|i| ((i as f32) * 0.37).sin() * 0.05).collect();
+        let mut bits = vec![0u16; len];
+        ares_cpu::ops::precision::round_to_bf16(&init, &mut bits).unwrap();
+        let key = |t: usize| 0x5EED ^ (t as u64) << 7;
+        let maps = {
+            let mut m = ares_cpu::ops::optim_int8::dynamic_map(true).to_vec();
+            m.extend(ares_cpu::ops::optim_int8::dynamic_map(false));
+            let mut b = be.alloc(m.len()).unwrap();
+            be.upload(&m, ViewMut::whole(&mut b)).unwrap();
+            b
+        };
+        let half = |v: &[u16]| {
+            let mut h = be.alloc_half(v.len(), crate::backend::DType::Bf16).unwrap();
+            be.upload_half(v, ViewMut::whole(&mut h)).unwrap();
+            h
+        };
+        let upload = |v: &[f32]| {
+            let mut b = be.alloc(v.len()).unwrap();
+            be.upload(v, ViewMut::whole(&mut b)).unwrap();
+            b
+        };
+        for dtype in [StateDtype::F32, StateDtype::Bf16, StateDtype::Int8] {
+            let mut fused = Moments::zeros(&be, len, item, dtype).unwrap();
+            let mut three = Moments::zeros(&be, len, item, dtype).unwrap();
+            let (mut w_fused, mut w_three) = (half(&bits), half(&bits));
+            for step in 1..=3u64 {
+                let g: Vec<f32> = (0..len)
+                    .map(|i| ((i as f32 + step as f32) * 0.11).cos())
+                    .collect();
+                let grad = upload(&g);
+                let update = AdamWUpdate {
+                    config: ares_cpu::ops::optim::AdamWConfig::default(),
+                    lr: 3e-4,
+                    step,
+                    grad_scale: 0.75,
+                };
+                fused
+                    .step_bf16_weight(&be, &mut w_fused, &grad, &maps, &update, key)
+                    .unwrap();
+                // the three ops, a tensor at a time
+                let mut wide = be.alloc(len).unwrap();
+                be.widen_bf16(View::whole(&w_three), ViewMut::whole(&mut wide))
+                    .unwrap();
+                three
+                    .step(&be, &mut wide, &grad, &maps, &update, None)
+                    .unwrap();
+                for t in 0..tensors {
+                    be.round_bf16_stochastic(
+                        View::item(&wide, t, item).unwrap(),
+                        key(t),
+                        ViewMut::item(&mut w_three, t, item).unwrap(),
+                    )
+                    .unwrap();
+                }
+                let read = |w: &<CpuBackend as Backend>::Half| {
+                    let mut h = vec![0u16; len];
+                    be.download_half(View::whole(w), &mut h).unwrap();
+                    h
+                };
+                assert_eq!(read(&w_fused), read(&w_three), "{dtype:?} step {step}");
+                for t in 0..tensors {
+                    assert_eq!(
+                        fused.read(&be, t).unwrap(),
+                        three.read(&be, t).unwrap(),
+                        "{dtype:?} step {step} tensor {t}"
+                    );
+                }
+            }
+            let mut moved = vec![0u16; len];
+            be.download_half(View::whole(&w_fused), &mut moved).unwrap();
+            assert_ne!(moved, bits, "{dtype:?}: the weight moved");
+        }
     }
 
     #[test]

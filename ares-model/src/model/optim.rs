@@ -391,8 +391,6 @@ impl<B: Backend> AdamW<B> {
         };
         let owned = self.owned.clone();
         let updated = |i: usize| owned.as_ref().is_none_or(|o| o[i]);
-        // weights stored in bf16 are updated through an f32 scratch of one tensor
-        let mut scratch: Option<B::Buffer> = None;
         let (seed, step) = (self.rounding_seed, update.step);
         for (i, ((p, g), m)) in params.into_iter().zip(g).zip(&mut self.moments).enumerate() {
             if !updated(i) {
@@ -406,15 +404,8 @@ impl<B: Backend> AdamW<B> {
             match copy {
                 // a released stack: its copy is the weight
                 Some(w16) if p.is_empty() && !g.is_empty() => {
-                    let item = m.item();
-                    if scratch.as_ref().is_none_or(|s| s.len() < item) {
-                        scratch = Some(be.alloc(item)?);
-                    }
-                    let s = scratch.as_mut().ok_or(ModelError::LayoutMismatch {
-                        what: "optimizer scratch",
-                    })?;
                     let key = |t: usize| rounding_key(seed, step, i, t);
-                    m.step_bf16_weight(be, w16, g, &self.maps, &update, s, key)?;
+                    m.step_bf16_weight(be, w16, g, &self.maps, &update, key)?;
                 }
                 copy => m.step(be, p, g, &self.maps, &update, copy)?,
             }
