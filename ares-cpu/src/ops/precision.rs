@@ -17,6 +17,7 @@
 //! Both roundings keep ±0, ±∞ and NaN (as a quiet NaN); a finite value past the narrow
 //! format's largest rounds to ∞ as IEEE rounding does.
 
+use crate::isa::Isa;
 use crate::ops::stored::{Bf16Bits, Widen};
 use rayon::prelude::*;
 use std::borrow::Cow;
@@ -78,10 +79,79 @@ impl MatmulPrecision {
         }
         let mut out = vec![0.0f32; src.len()];
         match self {
-            Self::Bf16 => map_elements(src, &mut out, |s| round_to_bits(s, 16)),
+            Self::Bf16 => {
+                const PAR_MIN: usize = 1 << 16;
+                if src.len() >= PAR_MIN {
+                    out.par_chunks_mut(PAR_MIN)
+                        .zip(src.par_chunks(PAR_MIN))
+                        .for_each(|(d, s)| round_bf16_into(s, d));
+                } else {
+                    round_bf16_into(src, &mut out);
+                }
+            }
             _ => map_elements(src, &mut out, |s| self.round(s)),
         }
         Cow::Owned(out)
+    }
+}
+
+/// `dst[i]` = `src[i]` rounded to the nearest bf16 (ties to even; NaN stays a quiet NaN), as
+/// f32 — [`MatmulPrecision::round`] over equal-length slices (a shorter one bounds both), in
+/// the widest registers the CPU path has: the same bits on every path.
+pub fn round_bf16_into(src: &[f32], dst: &mut [f32]) {
+    #[inline(always)]
+    fn run(src: &[f32], dst: &mut [f32]) {
+        for (d, &s) in dst.iter_mut().zip(src) {
+            *d = round_to_bits(s, 16);
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2")]
+    fn avx512(src: &[f32], dst: &mut [f32]) {
+        run(src, dst);
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn avx2(src: &[f32], dst: &mut [f32]) {
+        run(src, dst);
+    }
+    match Isa::active() {
+        // SAFETY: `Isa::active` is a path the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Amx => unsafe { avx512(src, dst) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2(src, dst) },
+        _ => run(src, dst),
+    }
+}
+
+/// [`round_bf16_into`] in place.
+pub fn round_bf16_in_place(x: &mut [f32]) {
+    #[inline(always)]
+    fn run(x: &mut [f32]) {
+        for x in x.iter_mut() {
+            *x = round_to_bits(*x, 16);
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2")]
+    fn avx512(x: &mut [f32]) {
+        run(x);
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn avx2(x: &mut [f32]) {
+        run(x);
+    }
+    match Isa::active() {
+        // SAFETY: `Isa::active` is a path the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Amx => unsafe { avx512(x) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { avx2(x) },
+        _ => run(x),
     }
 }
 
@@ -207,6 +277,33 @@ pub(crate) fn round_to_bits(x: f32, drop: u32) -> f32 {
 
 #[cfg(test)]
 mod tests {
+    /// The wide rounding gives `round_to_bits`' bits on every path, specials included.
+    #[test]
+    fn wide_bf16_rounding_is_the_scalar_bits() {
+        let mut x: Vec<f32> = crate::test_rng::rand_vec(1037, 5)
+            .iter()
+            .map(|v| v * 3.0)
+            .collect();
+        x.extend([
+            f32::NAN,
+            -f32::NAN,
+            f32::INFINITY,
+            f32::MAX,
+            1.0 + f32::EPSILON * 128.0,
+            -0.0,
+            1e-40,
+        ]);
+        let want: Vec<u32> = x.iter().map(|&v| round_to_bits(v, 16).to_bits()).collect();
+        let mut into = vec![0.0f32; x.len()];
+        round_bf16_into(&x, &mut into);
+        let mut place = x.clone();
+        round_bf16_in_place(&mut place);
+        let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&into), want);
+        assert_eq!(bits(&place), want);
+        assert_eq!(bits(&MatmulPrecision::Bf16.rounded(&x)), want);
+    }
+
     use super::MatmulPrecision::{Bf16, F32, Tf32};
     use super::*;
 

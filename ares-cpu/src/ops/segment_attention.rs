@@ -468,16 +468,14 @@ fn backward_with(
 ) -> Result<()> {
     let probs = |row: &mut [f32], lse: f32| {
         if bf16 {
-            probs_row_portable::<false>(row, lse);
+            probs_row_unfused(row, lse);
         } else {
             probs_row(row, lse);
         }
     };
     let round = |x: &mut [f32]| {
         if bf16 {
-            for x in x.iter_mut() {
-                *x = crate::ops::precision::MatmulPrecision::Bf16.round(*x);
-            }
+            crate::ops::precision::round_bf16_in_place(x);
         }
     };
     let (q_len, lse_len) = shape.lens()?;
@@ -804,6 +802,34 @@ fn probs_row_avx512(row: &mut [f32], lse: f32) {
 #[target_feature(enable = "avx2,fma")]
 fn probs_row_avx2(row: &mut [f32], lse: f32) {
     probs_row_portable::<true>(row, lse);
+}
+
+/// [`probs_row`] with the CUDA kernels' `exp` (no fused multiply-adds: the bf16 twin's
+/// rounding), vectorised on the wide paths — the same bits on every path.
+fn probs_row_unfused(row: &mut [f32], lse: f32) {
+    match Isa::active() {
+        // SAFETY: `Isa::active` is a path the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Amx => unsafe { probs_row_unfused_avx512(row, lse) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { probs_row_unfused_avx2(row, lse) },
+        _ => probs_row_portable::<false>(row, lse),
+    }
+}
+
+// The unfused `exp` in wider registers: Rust never contracts a·b + c into an FMA, so these
+// are the portable bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2")]
+fn probs_row_unfused_avx512(row: &mut [f32], lse: f32) {
+    probs_row_portable::<false>(row, lse);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn probs_row_unfused_avx2(row: &mut [f32], lse: f32) {
+    probs_row_portable::<false>(row, lse);
 }
 
 #[inline(always)]

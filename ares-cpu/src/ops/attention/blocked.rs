@@ -20,7 +20,6 @@ use crate::Result;
 use crate::exp::exp_nonpositive;
 use crate::isa::Isa;
 use crate::ops::matmul::{MatLayout, MatMut, MatRef, MatmulDims, matmul_seq, matmul_seq_rounded};
-use crate::ops::precision::MatmulPrecision;
 use rayon::prelude::*;
 
 /// Query tokens (forward, dQ) or key tokens (dK/dV) per task.
@@ -221,16 +220,14 @@ pub(super) fn backward(
     let bf16 = operands == Operands::Bf16;
     let probs = |row: &mut [f32], mask: &[f32], causal: usize, lse: f32| {
         if bf16 {
-            probs_row_portable::<false>(row, mask, causal, lse);
+            probs_row_unfused(row, mask, causal, lse);
         } else {
             probs_row(row, mask, causal, lse);
         }
     };
     let round = |x: &mut [f32]| {
         if bf16 {
-            for x in x.iter_mut() {
-                *x = MatmulPrecision::Bf16.round(*x);
-            }
+            crate::ops::precision::round_bf16_in_place(x);
         }
     };
     let (q_tok, kv_tok) = (hq * d, hkv * d);
@@ -568,6 +565,34 @@ fn probs_row_avx512(row: &mut [f32], mask: &[f32], causal: usize, lse: f32) {
 #[target_feature(enable = "avx2,fma")]
 fn probs_row_avx2(row: &mut [f32], mask: &[f32], causal: usize, lse: f32) {
     probs_row_portable::<true>(row, mask, causal, lse);
+}
+
+/// [`probs_row`] with the CUDA kernels' `exp` (no fused multiply-adds: the bf16 twin's
+/// rounding), vectorised on the wide paths — the same bits on every path.
+fn probs_row_unfused(row: &mut [f32], mask: &[f32], causal: usize, lse: f32) {
+    match Isa::active() {
+        // SAFETY: `Isa::active` is a path the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 | Isa::Amx => unsafe { probs_row_unfused_avx512(row, mask, causal, lse) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { probs_row_unfused_avx2(row, mask, causal, lse) },
+        _ => probs_row_portable::<false>(row, mask, causal, lse),
+    }
+}
+
+// The unfused `exp` in wider registers: Rust never contracts a·b + c into an FMA, so these
+// are the portable bits.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2")]
+fn probs_row_unfused_avx512(row: &mut [f32], mask: &[f32], causal: usize, lse: f32) {
+    probs_row_portable::<false>(row, mask, causal, lse);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn probs_row_unfused_avx2(row: &mut [f32], mask: &[f32], causal: usize, lse: f32) {
+    probs_row_portable::<false>(row, mask, causal, lse);
 }
 
 #[inline(always)]

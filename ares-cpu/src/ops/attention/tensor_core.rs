@@ -22,7 +22,6 @@ use super::{AttentionInputs, Dims};
 use crate::Result;
 use crate::exp::exp_nonpositive;
 use crate::ops::matmul::{MatLayout, MatMut, MatRef, MatmulDims, matmul_seq_rounded};
-use crate::ops::precision::MatmulPrecision;
 use rayon::prelude::*;
 
 /// Keys per tile (`MMA_KEYS` in `model_ops.cu`): the step of the online softmax.
@@ -85,19 +84,50 @@ pub(crate) fn online_tile(
     }
     let max = st.max.max(tile_max);
     let alpha = exp_nonpositive::<false>(st.max - max);
+    // p in wide registers, summed in key order, then rounded (the kernel's bits)
+    exp_shifted(row, max);
     let mut sum = 0.0f32;
-    for x in row.iter_mut() {
-        let p = if *x == f32::NEG_INFINITY {
-            0.0
-        } else {
-            exp_nonpositive::<false>(*x - max)
-        };
+    for &p in row.iter() {
         sum += p;
-        *x = MatmulPrecision::Bf16.round(p);
     }
+    crate::ops::precision::round_bf16_in_place(row);
     st.sum = st.sum * alpha + sum;
     st.max = max;
     alpha
+}
+
+/// `x ← e^(x − max)` by the kernels' unfused `exp` (a −∞ score gives 0), in the widest
+/// registers the CPU path has: the same bits on every path.
+fn exp_shifted(row: &mut [f32], max: f32) {
+    #[inline(always)]
+    fn run(row: &mut [f32], max: f32) {
+        for x in row.iter_mut() {
+            *x = if *x == f32::NEG_INFINITY {
+                0.0
+            } else {
+                exp_nonpositive::<false>(*x - max)
+            };
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2")]
+    fn avx512(row: &mut [f32], max: f32) {
+        run(row, max);
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn avx2(row: &mut [f32], max: f32) {
+        run(row, max);
+    }
+    match crate::isa::Isa::active() {
+        // SAFETY: `Isa::active` is a path the CPU supports.
+        #[cfg(target_arch = "x86_64")]
+        crate::isa::Isa::Avx512 | crate::isa::Isa::Amx => unsafe { avx512(row, max) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        crate::isa::Isa::Avx2 => unsafe { avx2(row, max) },
+        _ => run(row, max),
+    }
 }
 
 /// The end of a row: `out = o·(1/l)` and `lse = m + ln l`; a row without a visible key 0
@@ -219,4 +249,39 @@ pub(super) fn forward(
             Ok(())
         },
     )
+}
+
+#[cfg(test)]
+mod wide_tests {
+    use super::*;
+    use crate::test_rng::rand_vec;
+
+    /// The softmax pieces the bf16 twin runs in wide registers give the scalar loop's bits:
+    /// `e^(x − max)` by the unfused `exp` (−∞ → 0), and the probabilities of the backward.
+    #[test]
+    fn wide_exponentials_are_the_scalar_bits() {
+        for n in [1usize, 7, 16, 33, 64, 1000] {
+            let mut x: Vec<f32> = rand_vec(n, n as u64).iter().map(|v| v * 30.0).collect();
+            x[n / 2] = f32::NEG_INFINITY;
+            let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let want: Vec<u32> = x
+                .iter()
+                .map(|&v| {
+                    let e = if v == f32::NEG_INFINITY {
+                        0.0
+                    } else {
+                        exp_nonpositive::<false>(v - max)
+                    };
+                    e.to_bits()
+                })
+                .collect();
+            let mut got = x.clone();
+            exp_shifted(&mut got, max);
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want,
+                "{n}"
+            );
+        }
+    }
 }
