@@ -566,6 +566,58 @@ fn head_precision(func: &str, dtype: &str) -> PyResult<ares_cuda::GemmPrecision>
     }
 }
 
+/// The fused head's hidden states and weight, borrowed in their dtype.
+enum HeadOperands {
+    F32(external::Borrowed<f32>, external::Borrowed<f32>),
+    Bf16(external::Borrowed<u16>, external::Borrowed<u16>),
+}
+
+impl HeadOperands {
+    /// `hidden` (`nx` elements) and `weight` (`nw`) at the caller's addresses, as `precision`
+    /// reads them.
+    ///
+    /// # Safety
+    /// As [`external::borrow_on`] for both.
+    unsafe fn borrow(
+        s: &std::sync::Arc<ares_cuda::cudarc::driver::CudaStream>,
+        precision: ares_cuda::GemmPrecision,
+        (hidden, nx): (u64, usize),
+        (weight, nw): (u64, usize),
+    ) -> Self {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe {
+            if precision == ares_cuda::GemmPrecision::Bf16 {
+                HeadOperands::Bf16(
+                    external::borrow_on(s, hidden, nx),
+                    external::borrow_on(s, weight, nw),
+                )
+            } else {
+                HeadOperands::F32(
+                    external::borrow_on(s, hidden, nx),
+                    external::borrow_on(s, weight, nw),
+                )
+            }
+        }
+    }
+
+    /// `f` on the two as GEMM operands.
+    fn with<R>(
+        &self,
+        f: impl FnOnce(ares_cuda::Operand<'_, '_>, ares_cuda::Operand<'_, '_>) -> R,
+    ) -> R {
+        match self {
+            HeadOperands::F32(x, w) => {
+                let (xv, wv) = (x.as_view(), w.as_view());
+                f(ares_cuda::Operand::F32(&xv), ares_cuda::Operand::F32(&wv))
+            }
+            HeadOperands::Bf16(x, w) => {
+                let (xv, wv) = (x.as_view(), w.as_view());
+                f(ares_cuda::Operand::Bf16(&xv), ares_cuda::Operand::Bf16(&wv))
+            }
+        }
+    }
+}
+
 /// The LM head fused with the per-token log-prob and entropy on device memory (ares-cuda's
 /// `ModelOps::linear_log_prob_entropy`, the twin of the CPU's `linear_log_prob_entropy`):
 /// `hidden` `[rows, hidden_size]` and `weight` `[vocab, hidden_size]` of `dtype` (float32 or
@@ -617,35 +669,11 @@ fn cuda_linear_log_prob_entropy(
                 let mut lp = external::borrow_on::<f32>(&s, out_log_prob, rows);
                 let mut ent = external::borrow_on::<f32>(&s, out_entropy, rows);
                 let (iv, mut lv, mut ev) = (ids.as_view(), lp.as_view_mut(), ent.as_view_mut());
-                let done = if precision == ares_cuda::GemmPrecision::Bf16 {
-                    let x = external::borrow_on::<u16>(&s, hidden, nx);
-                    let w = external::borrow_on::<u16>(&s, weight, nw);
-                    let (xv, wv) = (x.as_view(), w.as_view());
-                    ops.linear_log_prob_entropy(
-                        ares_cuda::Operand::Bf16(&xv),
-                        ares_cuda::Operand::Bf16(&wv),
-                        dims,
-                        temperature,
-                        &iv,
-                        &mut lv,
-                        &mut ev,
-                        chunk_rows,
-                    )
-                } else {
-                    let x = external::borrow_on::<f32>(&s, hidden, nx);
-                    let w = external::borrow_on::<f32>(&s, weight, nw);
-                    let (xv, wv) = (x.as_view(), w.as_view());
-                    ops.linear_log_prob_entropy(
-                        ares_cuda::Operand::F32(&xv),
-                        ares_cuda::Operand::F32(&wv),
-                        dims,
-                        temperature,
-                        &iv,
-                        &mut lv,
-                        &mut ev,
-                        chunk_rows,
-                    )
-                };
+                let head = HeadOperands::borrow(&s, precision, (hidden, nx), (weight, nw));
+                let done = head.with(|x, w| {
+                    let (t, c) = (temperature, chunk_rows);
+                    ops.linear_log_prob_entropy(x, w, dims, t, &iv, &mut lv, &mut ev, c)
+                });
                 let checked = done.and_then(|()| ops.check_status());
                 external::after_ops(ops, &caller)?;
                 checked
@@ -713,37 +741,13 @@ fn cuda_linear_log_prob_entropy_backward(
                 let gev = ge.as_ref().map(|g| g.as_view());
                 let (mut gxv, mut gwv) = (gx.as_view_mut(), gw.as_view_mut());
                 let lp_ref = lpv.as_ref().map(|(i, g)| (i, g));
-                let done = if precision == ares_cuda::GemmPrecision::Bf16 {
-                    let x = external::borrow_on::<u16>(&s, hidden, nx);
-                    let w = external::borrow_on::<u16>(&s, weight, nw);
-                    let (xv, wv) = (x.as_view(), w.as_view());
+                let head = HeadOperands::borrow(&s, precision, (hidden, nx), (weight, nw));
+                let done = head.with(|x, w| {
+                    let (t, c, ge) = (temperature, chunk_rows, gev.as_ref());
                     ops.linear_log_prob_entropy_backward(
-                        ares_cuda::Operand::Bf16(&xv),
-                        ares_cuda::Operand::Bf16(&wv),
-                        dims,
-                        temperature,
-                        lp_ref,
-                        gev.as_ref(),
-                        &mut gxv,
-                        &mut gwv,
-                        chunk_rows,
+                        x, w, dims, t, lp_ref, ge, &mut gxv, &mut gwv, c,
                     )
-                } else {
-                    let x = external::borrow_on::<f32>(&s, hidden, nx);
-                    let w = external::borrow_on::<f32>(&s, weight, nw);
-                    let (xv, wv) = (x.as_view(), w.as_view());
-                    ops.linear_log_prob_entropy_backward(
-                        ares_cuda::Operand::F32(&xv),
-                        ares_cuda::Operand::F32(&wv),
-                        dims,
-                        temperature,
-                        lp_ref,
-                        gev.as_ref(),
-                        &mut gxv,
-                        &mut gwv,
-                        chunk_rows,
-                    )
-                };
+                });
                 let checked = done.and_then(|()| ops.check_status());
                 external::after_ops(ops, &caller)?;
                 checked
