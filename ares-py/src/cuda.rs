@@ -555,15 +555,35 @@ fn cuda_policy_loss<'py>(
     Ok(d)
 }
 
-/// The head's precision for a tensor dtype: float32 exact, bfloat16 on tensor cores.
-fn head_precision(func: &str, dtype: &str) -> PyResult<ares_cuda::GemmPrecision> {
-    match dtype {
-        "float32" => Ok(ares_cuda::GemmPrecision::F32),
-        "bfloat16" => Ok(ares_cuda::GemmPrecision::Bf16),
-        other => Err(value_error(format!(
-            "{func}: `hidden` and `weight` are {other}; use float32 or bfloat16 (both the same)"
-        ))),
-    }
+/// The head's sizes, and the elements of the hidden states and of the weight, with the
+/// precision of their dtype: float32 exact, bfloat16 on tensor cores.
+fn head_dims(
+    func: &str,
+    dtype: &str,
+    rows: usize,
+    hidden: usize,
+    vocab: usize,
+) -> PyResult<(ares_cuda::HeadDims, usize, usize)> {
+    let precision = match dtype {
+        "float32" => ares_cuda::GemmPrecision::F32,
+        "bfloat16" => ares_cuda::GemmPrecision::Bf16,
+        other => {
+            return Err(value_error(format!(
+                "{func}: `hidden` and `weight` are {other}; use float32 or bfloat16 (both the same)"
+            )));
+        }
+    };
+    let dims = ares_cuda::HeadDims {
+        rows,
+        hidden,
+        vocab,
+        precision,
+    };
+    Ok((
+        dims,
+        elems(func, rows, hidden)?,
+        elems(func, vocab, hidden)?,
+    ))
 }
 
 /// The fused head's hidden states and weight, borrowed in their dtype.
@@ -646,17 +666,8 @@ fn cuda_linear_log_prob_entropy(
     chunk_rows: usize,
 ) -> PyResult<()> {
     const FUNC: &str = "linear_log_prob_entropy";
-    let precision = head_precision(FUNC, dtype)?;
-    let (nx, nw) = (
-        elems(FUNC, rows, hidden_size)?,
-        elems(FUNC, vocab, hidden_size)?,
-    );
-    let dims = ares_cuda::HeadDims {
-        rows,
-        hidden: hidden_size,
-        vocab,
-        precision,
-    };
+    let (dims, nx, nw) = head_dims(FUNC, dtype, rows, hidden_size, vocab)?;
+    let precision = dims.precision;
     py.detach(move || {
         with_opened(&BACKWARDS, FUNC, device, ModelOps::new, |ops| {
             // SAFETY: `stream` is the caller's current stream of `device`; the addresses are
@@ -710,17 +721,8 @@ fn cuda_linear_log_prob_entropy_backward(
     chunk_rows: usize,
 ) -> PyResult<()> {
     const FUNC: &str = "linear_log_prob_entropy_backward";
-    let precision = head_precision(FUNC, dtype)?;
-    let (nx, nw) = (
-        elems(FUNC, rows, hidden_size)?,
-        elems(FUNC, vocab, hidden_size)?,
-    );
-    let dims = ares_cuda::HeadDims {
-        rows,
-        hidden: hidden_size,
-        vocab,
-        precision,
-    };
+    let (dims, nx, nw) = head_dims(FUNC, dtype, rows, hidden_size, vocab)?;
+    let precision = dims.precision;
     py.detach(move || {
         with_opened(&BACKWARDS, FUNC, device, ModelOps::new, |ops| {
             // SAFETY: as in cuda_linear_log_prob_entropy.
