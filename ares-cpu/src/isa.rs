@@ -94,7 +94,7 @@ impl Isa {
                 let avx2 = std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("fma");
                 if avx2 && std::arch::is_x86_feature_detected!("avx512f") {
-                    if crate::ops::matmul_amx::available() {
+                    if amx_available() {
                         return Isa::Amx;
                     }
                     return Isa::Avx512;
@@ -163,6 +163,55 @@ impl std::fmt::Display for Isa {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
     }
+}
+
+/// Whether this process can run AMX bf16 tile instructions: the CPU reports AMX-TILE and
+/// AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22) besides AVX-512F, and Linux granted the tile
+/// data state. Asked once per process; `false` elsewhere than x86-64 Linux.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the path is x86-64's only
+pub fn amx_available() -> bool {
+    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVAILABLE.get_or_init(detect_amx)
+}
+
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+fn detect_amx() -> bool {
+    // leaf 7 is asked only when the maximum leaf (leaf 0's EAX) reaches it
+    if std::arch::x86_64::__cpuid(0).eax < 7 {
+        return false;
+    }
+    let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
+    let (amx_bf16, amx_tile) = ((leaf7.edx >> 22) & 1 == 1, (leaf7.edx >> 24) & 1 == 1);
+    let avx512 = std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512bw");
+    if !(amx_bf16 && amx_tile && avx512) {
+        return false;
+    }
+    // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): 0 when granted (also when it
+    // was already); an error when the kernel predates AMX (5.16) or refuses.
+    const SYS_ARCH_PRCTL: i64 = 158;
+    const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
+    const XFEATURE_XTILEDATA: i64 = 18;
+    let ret: i64;
+    // SAFETY: a plain system call; the kernel clobbers rcx and r11 and nothing else.
+    unsafe {
+        std::arch::asm!(
+            "syscall",
+            inlateout("rax") SYS_ARCH_PRCTL => ret,
+            in("rdi") ARCH_REQ_XCOMP_PERM,
+            in("rsi") XFEATURE_XTILEDATA,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        );
+    }
+    ret == 0
+}
+
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+#[allow(dead_code)] // through `amx_available`, on x86-64 only
+fn detect_amx() -> bool {
+    false
 }
 
 #[cfg(test)]

@@ -224,7 +224,7 @@ unsafe fn product_in(
     if on_tiles(p)
         && let (Some(la), Some(lb), Some(lc)) = (sa.amx(), sb.amx(), sc.amx())
     {
-        // SAFETY: the path is `amx` only where `matmul_amx::available()`; the rest is
+        // SAFETY: the path is `amx` only where `isa::amx_available()`; the rest is
         // the caller's contract (the same as `gemm_raw`'s).
         unsafe {
             matmul_amx::product(
@@ -712,7 +712,7 @@ fn matmul_batched_with(
         // here), so the offsets are too.
         let (a, b) = (&a.data[a.layout.offset..], &b.data[b.layout.offset..]);
         let pc = c.data[c.layout.offset..].as_mut_ptr();
-        // SAFETY: the path is `amx` only where `matmul_amx::available()`; the layouts were
+        // SAFETY: the path is `amx` only where `isa::amx_available()`; the layouts were
         // checked above (every element of each operand in bounds, distinct elements of
         // `c` at distinct positions); `c` is a unique borrow, so it overlaps neither.
         unsafe {

@@ -58,55 +58,6 @@ const PAR_MIN_MACS: usize = 1 << 22;
 /// stored past the caches.
 const STREAM_MIN_BYTES: usize = 4 << 20;
 
-/// Whether this process can run AMX bf16 tile instructions: the CPU reports AMX-TILE and
-/// AMX-BF16 (CPUID leaf 7: EDX bits 24 and 22) besides AVX-512F, and Linux granted the tile
-/// data state. Asked once per process; `false` elsewhere than x86-64 Linux.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the path is x86-64's only
-pub fn available() -> bool {
-    static AVAILABLE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVAILABLE.get_or_init(detect)
-}
-
-#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-fn detect() -> bool {
-    // leaf 7 is asked only when the maximum leaf (leaf 0's EAX) reaches it
-    if std::arch::x86_64::__cpuid(0).eax < 7 {
-        return false;
-    }
-    let leaf7 = std::arch::x86_64::__cpuid_count(7, 0);
-    let (amx_bf16, amx_tile) = ((leaf7.edx >> 22) & 1 == 1, (leaf7.edx >> 24) & 1 == 1);
-    let avx512 = std::arch::is_x86_feature_detected!("avx512f")
-        && std::arch::is_x86_feature_detected!("avx512bw");
-    if !(amx_bf16 && amx_tile && avx512) {
-        return false;
-    }
-    // arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): 0 when granted (also when it
-    // was already); an error when the kernel predates AMX (5.16) or refuses.
-    const SYS_ARCH_PRCTL: i64 = 158;
-    const ARCH_REQ_XCOMP_PERM: i64 = 0x1023;
-    const XFEATURE_XTILEDATA: i64 = 18;
-    let ret: i64;
-    // SAFETY: a plain system call; the kernel clobbers rcx and r11 and nothing else.
-    unsafe {
-        std::arch::asm!(
-            "syscall",
-            inlateout("rax") SYS_ARCH_PRCTL => ret,
-            in("rdi") ARCH_REQ_XCOMP_PERM,
-            in("rsi") XFEATURE_XTILEDATA,
-            lateout("rcx") _,
-            lateout("r11") _,
-            options(nostack),
-        );
-    }
-    ret == 0
-}
-
-#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-#[allow(dead_code)] // through `available`, on x86-64 only
-fn detect() -> bool {
-    false
-}
-
 /// One operand of a bf16 product as stored: f32 elements (rounded to bf16 as they are
 /// packed) or bf16 bits (taken as they are).
 #[derive(Clone, Copy, Debug)]
@@ -388,6 +339,9 @@ unsafe fn write_panel(
         alpha,
         beta,
     } = output;
+    // only the x86-64 path streams (the tiles exist nowhere else)
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = stream;
     #[cfg(target_arch = "x86_64")]
     if sc.col == 1 {
         // SAFETY: forwarded; `c`'s element (rows.start, cols.start) is in bounds.
@@ -1090,7 +1044,7 @@ mod tests {
 
     #[test]
     fn products_equal_the_rounded_operands_sums() {
-        if !available() {
+        if !crate::isa::amx_available() {
             eprintln!("no AMX on this CPU (or not granted): nothing to check");
             return;
         }
@@ -1136,7 +1090,7 @@ mod tests {
     /// sums gives the emulation's bits; bf16 bits as stored equal f32 elements rounded.
     #[test]
     fn exact_sums_give_the_emulations_bits() {
-        if !available() {
+        if !crate::isa::amx_available() {
             eprintln!("no AMX on this CPU (or not granted): nothing to check");
             return;
         }
@@ -1186,7 +1140,7 @@ mod tests {
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn packed_bits_are_the_rounded_elements() {
-        if !available() {
+        if !crate::isa::amx_available() {
             eprintln!("no AMX on this CPU (or not granted): nothing to check");
             return;
         }
@@ -1227,7 +1181,7 @@ mod tests {
     /// as 0, and so does a subnormal result (the emulation keeps both).
     #[test]
     fn subnormals_flush_to_zero() {
-        if !available() {
+        if !crate::isa::amx_available() {
             eprintln!("no AMX on this CPU (or not granted): nothing to check");
             return;
         }
@@ -1264,7 +1218,7 @@ mod tests {
     /// Each element of `c` is one tile product's: the same bits on 1 thread as on 3.
     #[test]
     fn bits_do_not_depend_on_the_thread_count() {
-        if !available() {
+        if !crate::isa::amx_available() {
             eprintln!("no AMX on this CPU (or not granted): nothing to check");
             return;
         }
