@@ -1042,6 +1042,67 @@ mod tests {
         }
     }
 
+    /// The tiles round each f32 addition to nearest, ties to even, in `k` order (never
+    /// toward zero: a bias that every sum of a training step would share): 1 plus a product
+    /// of 0.75 ulp rounds up, of an exact half ulp stays at the even 1, minus 1.5 ulps below
+    /// 1 (a tie there) goes to the even neighbour; three quarter-ulps added one at a time
+    /// each round away.
+    #[test]
+    fn tile_sums_round_to_nearest_even_in_k_order() {
+        if !crate::isa::amx_available() {
+            eprintln!("no AMX on this CPU (or not granted): nothing to check");
+            return;
+        }
+        let dot = |a: &[f32], b: &[f32]| -> f32 {
+            let k = a.len();
+            let mut c = [f32::NAN];
+            let (sa, sb, sc) = (
+                Layout { row: k, col: 1 },
+                Layout { row: 1, col: 1 },
+                Layout { row: 1, col: 1 },
+            );
+            // SAFETY: AMX is available; `a` is [1, k], `b` [k, 1], `c` one element.
+            unsafe {
+                product(
+                    1,
+                    k,
+                    1,
+                    Elems::F32(a),
+                    sa,
+                    Elems::F32(b),
+                    sb,
+                    c.as_mut_ptr(),
+                    sc,
+                    1.0,
+                    0.0,
+                    false,
+                )
+            };
+            c[0]
+        };
+        let (ulp, p) = (f32::EPSILON, 2f32.powi(-12));
+        // 1·1 plus a second product of 0.75 ulp (both bf16-exact)
+        assert_eq!(dot(&[1.0, 1.5 * p], &[1.0, p]), 1.0 + ulp);
+        assert_eq!(dot(&[1.5 * p, 1.0], &[p, 1.0]), 1.0 + ulp, "either order");
+        assert_eq!(
+            dot(&[1.0, -1.5 * p], &[1.0, p]),
+            1.0 - ulp,
+            "a tie below 1, to even"
+        );
+        assert_eq!(
+            dot(&[1.0, p], &[1.0, p]),
+            1.0,
+            "a tie goes to the even neighbour"
+        );
+        let mut a = vec![0.0f32; 33];
+        let mut b = a.clone();
+        (a[0], b[0], a[32], b[32]) = (1.0, 1.0, 1.5 * p, p);
+        assert_eq!(dot(&a, &b), 1.0 + ulp, "across tiles of k");
+        // 0.25 ulp three times, each addition rounded: 1 (the exact sum would round up)
+        let q = 2f32.powi(-13);
+        assert_eq!(dot(&[1.0, q, q, q], &[1.0, p, p, p]), 1.0);
+    }
+
     #[test]
     fn products_equal_the_rounded_operands_sums() {
         if !crate::isa::amx_available() {
