@@ -36,7 +36,7 @@ pub use loss_ops::{
     LossScalars, LossSpec,
 };
 pub use model_ops::{
-    AdamWScalars, AdamWStep, AttentionShape, DecodeGraph, HeadDims, ModelOps, head_chunk_rows,
+    AdamWScalars, AdamWStep, AttentionShape, DecodeGraph, HeadDims, ModelOps,
     sum_of_squares_partition,
 };
 pub use token_ops::{HweOutputs, LogitElem, MaskedKlInputs, MaskedKlOutputs, TokenOps, WindowSpec};

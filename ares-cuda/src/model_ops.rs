@@ -30,7 +30,7 @@ pub use attention::{
     AttentionGrads, AttentionInputs, AttentionShape, BF16_HEAD_DIMS, BlockTablesView, KvCache,
     KvCacheMut, MAX_HEAD_DIM, PagedKvCache, PagedKvCacheMut,
 };
-pub use head::{HeadDims, head_chunk_rows};
+pub use head::HeadDims;
 pub use loss::RacePick;
 pub use optim::{AdamWScalars, AdamWStep, sum_of_squares_partition};
 pub use vision::{Activation, MAX_SEGMENT_HEAD_DIM, SegmentAttentionShape};

@@ -32,11 +32,6 @@ pub struct HeadDims {
     pub precision: GemmPrecision,
 }
 
-/// Rows per chunk so that one `[chunk, vocab]` f32 scratch is about `bytes` (at least 1).
-pub fn head_chunk_rows(vocab: usize, bytes: usize) -> usize {
-    (bytes / 4 / vocab.max(1)).max(1)
-}
-
 impl HeadDims {
     /// Checks sizes, operand kinds and the chunk; the rows of the first chunk.
     fn check(
