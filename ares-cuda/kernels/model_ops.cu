@@ -24,7 +24,6 @@
 
 typedef long long i64;
 
-__device__ __forceinline__ bool is_finite(float x) { return fabsf(x) < POS_INF; }
 
 __device__ __forceinline__ float warp_sum(float x) {
     for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(FULL, x, off);

@@ -1,11 +1,13 @@
 // Shared by token_kernels.cu and model_ops.cu (ares-cuda/src/kernels.rs puts it in front of
-// each): the constants both use and the online softmax state of the fused log-prob +
+// each): the constants both use, `is_finite`, and the online softmax state of the fused log-prob +
 // entropy, which the log-prob kernels and the decode step's pick both accumulate.
 
 #define NEG_INF __int_as_float(0xff800000)
 #define POS_INF __int_as_float(0x7f800000)
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
+
+__device__ __forceinline__ bool is_finite(float x) { return fabsf(x) < POS_INF; }
 
 // Dynamic shared memory; a CPU emulation of the kernels (ares-cuda/tests/emulate) defines
 // its own, as it does for the inline PTX below.

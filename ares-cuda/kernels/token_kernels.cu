@@ -905,3 +905,314 @@ extern "C" __global__ void policy_loss(
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// Advantage estimators (docs/algorithms.md §5; ares-core's `advantage` module), composed by
+// ares-cuda/src/advantage_ops.rs from four steps: per-group scores, the token pass (broadcast,
+// or KL folding + returns-to-go, with per-row moments), batch whitening, Pro Max's per-group
+// α/β. Groups come from the host as `group_rows` + `offsets`: group g is the rows
+// group_rows[offsets[g] .. offsets[g + 1]], in the order core visits them. Bad input is
+// flagged in `status` (status[0]: smallest flagged flat index, status[1]: the bits below).
+#define ADV_BAD_REWARD 1u   // non-finite reward (index: its row)
+#define ADV_BAD_MASK 2u     // mask entry not 0/1
+#define ADV_BAD_KL 4u       // non-finite weighted KL (any position)
+#define ADV_EMPTY_ROW 8u    // a row without valid token where its reward needs one
+#define ADV_BAD_VALUE 16u   // non-finite value (whitening input)
+#define ADV_OVERFLOW 32u    // finite inputs whose results overflow
+#define ADV_EMPTY_MASK 64u  // no valid token in the batch (whitening)
+
+// Per-sample scores, one thread per group, summed in core's order (`group_moments`: Σr in row
+// order, mean = Σ/n, m2 = Σ(r − mean)² in row order; every step rounded as written, so the
+// scores equal core's bit for bit). kind: 0 GRPO (r − mean)/(std + eps); 1 r − mean (Dr.GRPO,
+// REINFORCE++-baseline); 2 RLOO (r − mean)·n/(n − 1); 3 Pro Max step 1 with uniform_scale
+// (r/n where the unbiased std < uniform_std, else RLOO; `uniform[g]` = 1 there). A group of
+// equal rewards gets 0 from kinds 0–2.
+extern "C" __global__ void group_scores(const float* __restrict__ rewards,
+                                        const int* __restrict__ group_rows,
+                                        const int* __restrict__ offsets, int groups, int kind,
+                                        float eps, float uniform_std,
+                                        float* __restrict__ scores,
+                                        unsigned char* __restrict__ uniform,
+                                        unsigned* __restrict__ status) {
+    const int g = blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= groups) return;
+    const int lo = offsets[g], hi = offsets[g + 1];
+    const float first = rewards[group_rows[lo]];
+    float sum = 0.0f;
+    bool all_equal = true;
+    for (int i = lo; i < hi; i++) {
+        const int row = group_rows[i];
+        const float r = rewards[row];
+        if (!is_finite(r)) loss_bad(status, row, ADV_BAD_REWARD);
+        sum = __fadd_rn(sum, r);
+        all_equal &= r == first;
+    }
+    const float n = (float)(hi - lo);
+    const float mean = __fdiv_rn(sum, n);
+    float m2 = 0.0f;
+    for (int i = lo; i < hi; i++) {
+        const float d = __fsub_rn(rewards[group_rows[i]], mean);
+        m2 = __fadd_rn(m2, __fmul_rn(d, d));
+    }
+    const float std = __fsqrt_rn(__fdiv_rn(m2, __fsub_rn(n, 1.0f)));
+    const bool flat = kind == 3 && std < uniform_std;
+    if (uniform != 0) uniform[g] = flat ? 1 : 0;
+    const float denom = __fadd_rn(std, eps), loo = __fdiv_rn(n, __fsub_rn(n, 1.0f));
+    for (int i = lo; i < hi; i++) {
+        const int row = group_rows[i];
+        const float r = rewards[row], d = __fsub_rn(r, mean);
+        float a;
+        if (flat) a = __fdiv_rn(r, n);
+        else if (all_equal) a = 0.0f;
+        else if (kind == 0) a = __fdiv_rn(d, denom);
+        else if (kind == 1) a = d;
+        else a = __fmul_rn(d, loo);
+        scores[row] = a;
+    }
+}
+
+// Count, mean and M2 (Σ (x − mean)², two passes) of a row's valid values; thread 0 writes
+// them to moments[3·row ..]. Every thread calls it (block reductions).
+__device__ void adv_row_moments(const float* __restrict__ v, const float* __restrict__ m,
+                                long long cols, float* __restrict__ moments, long long row,
+                                float* scratch) {
+    float c = 0.0f, s = 0.0f;
+    for (long long t = threadIdx.x; t < cols; t += blockDim.x) {
+        const bool on = m[t] != 0.0f;
+        c += on ? 1.0f : 0.0f;
+        s += on ? v[t] : 0.0f;
+    }
+    c = block_sum_all(c, scratch);
+    s = block_sum_all(s, scratch);
+    const float mean = c > 0.0f ? s / c : 0.0f;
+    float q = 0.0f;
+    for (long long t = threadIdx.x; t < cols; t += blockDim.x) {
+        const float d = v[t] - mean;
+        q += m[t] != 0.0f ? d * d : 0.0f;
+    }
+    q = block_sum(q, scratch);
+    if (threadIdx.x == 0) {
+        moments[3 * row] = c;
+        moments[3 * row + 1] = mean;
+        moments[3 * row + 2] = q;
+    }
+}
+
+// The token pass, one block per row (blockDim ≤ 1024). mode 0: out = score·m (GRPO's
+// broadcast; a row may be empty). mode 1: token rewards R_t = (−k_t + [t = last]·score)·m_t
+// (k = weighted KL, 0 when absent; last = the row's last valid token, which must exist) and
+// returns-to-go G_t = R_t + γ·G_{t+1}, out = G·m: each thread takes one contiguous chunk of
+// the row, its local return is carried across the chunks from the right by thread 0, and the
+// chunk is recomputed from its carry. With γ = 1 and no KL every valid token up to the last
+// holds exactly the score (core's broadcast). With `moments`, the row's moments of `out`
+// (for the whitening of REINFORCE++).
+extern "C" __global__ void token_returns(const float* __restrict__ scores,
+                                         const float* __restrict__ mask,
+                                         const float* __restrict__ kl, long long cols,
+                                         float gamma, int mode, float* __restrict__ out,
+                                         float* __restrict__ moments,
+                                         unsigned* __restrict__ status) {
+    __shared__ float scratch[32];
+    __shared__ float carry[1024], chunk_g[1024], chunk_pow[1024];
+    __shared__ long long last_valid;
+    const long long row = blockIdx.x, base = row * cols;
+    const float* m = mask + base;
+    float* o = out + base;
+    const float score = scores[row];
+    // REINFORCE++'s scores are the rewards themselves (the group kinds flag theirs)
+    if (threadIdx.x == 0 && !is_finite(score)) loss_bad(status, row, ADV_BAD_REWARD);
+    if (threadIdx.x == 0) last_valid = -1;
+    __syncthreads();
+    long long last = -1;
+    for (long long t = threadIdx.x; t < cols; t += blockDim.x) {
+        const float w = m[t];
+        if (w != 0.0f && w != 1.0f) loss_bad(status, base + t, ADV_BAD_MASK);
+        if (kl != 0 && !is_finite(kl[base + t])) loss_bad(status, base + t, ADV_BAD_KL);
+        if (w != 0.0f) last = t;
+        if (mode == 0) o[t] = score * w;
+    }
+    if (mode == 1) {
+        if (last >= 0) atomicMax(&last_valid, last);
+        __syncthreads();
+        last = last_valid;
+        if (last < 0) {
+            if (threadIdx.x == 0) loss_bad(status, base, ADV_EMPTY_ROW);
+            for (long long t = threadIdx.x; t < cols; t += blockDim.x) o[t] = 0.0f;
+        } else {
+            const long long chunk = (cols + blockDim.x - 1) / blockDim.x;
+            const long long lo = threadIdx.x * chunk;
+            const long long hi = lo + chunk < cols ? lo + chunk : cols;
+            float g = 0.0f, pw = 1.0f;
+            for (long long t = hi - 1; t >= lo; t--) {
+                const float w = m[t];
+                const float k = kl != 0 ? kl[base + t] : 0.0f;
+                const float r = (t == last ? score - k : -k) * w;
+                g = r + gamma * g;
+                pw *= gamma;
+            }
+            chunk_g[threadIdx.x] = g;
+            chunk_pow[threadIdx.x] = pw;
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                float c = 0.0f;
+                for (int j = blockDim.x - 1; j >= 0; j--) {
+                    carry[j] = c;
+                    c = chunk_g[j] + chunk_pow[j] * c;
+                }
+            }
+            __syncthreads();
+            g = carry[threadIdx.x];
+            for (long long t = hi - 1; t >= lo; t--) {
+                const float w = m[t];
+                const float k = kl != 0 ? kl[base + t] : 0.0f;
+                const float r = (t == last ? score - k : -k) * w;
+                g = r + gamma * g;
+                const float v = g * w;
+                if (!is_finite(v)) loss_bad(status, base + t, ADV_OVERFLOW);
+                o[t] = v;
+            }
+        }
+    }
+    if (moments != 0) {
+        __syncthreads();
+        adv_row_moments(o, m, cols, moments, row, scratch);
+    }
+}
+
+// Moments of each row of `values` for `masked_whiten`, one block per row; flags non-finite
+// values (any position) and mask entries not 0/1.
+extern "C" __global__ void masked_row_moments(const float* __restrict__ values,
+                                              const float* __restrict__ mask, long long cols,
+                                              float* __restrict__ moments,
+                                              unsigned* __restrict__ status) {
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x, base = row * cols;
+    for (long long t = threadIdx.x; t < cols; t += blockDim.x) {
+        const float w = mask[base + t];
+        if (!is_finite(values[base + t])) loss_bad(status, base + t, ADV_BAD_VALUE);
+        if (w != 0.0f && w != 1.0f) loss_bad(status, base + t, ADV_BAD_MASK);
+    }
+    adv_row_moments(values + base, mask + base, cols, moments, row, scratch);
+}
+
+// Chan's merge of (count, mean, M2) in f64.
+__device__ __forceinline__ void adv_merge(double& n, double& mean, double& m2, double nb,
+                                          double mb, double m2b) {
+    if (nb == 0.0) return;
+    const double tot = n + nb, d = mb - mean;
+    mean += d * (nb / tot);
+    m2 += m2b + d * d * (n * nb / tot);
+    n = tot;
+}
+
+// The whitening statistics of the batch, one block of 256 threads: the rows' moments merged
+// in f64 (each thread a strided set of rows, then a fixed tree: deterministic) into
+// stats = {μ, var (population), 1/√max(var, var_floor), valid tokens}. No valid token, or
+// statistics that are not finite, are flagged (and stats[3] = 0: nothing is applied).
+extern "C" __global__ void whiten_stats(const float* __restrict__ moments, long long rows,
+                                        float var_floor, float* __restrict__ stats,
+                                        unsigned* __restrict__ status) {
+    __shared__ double sn[256], smean[256], sm2[256];
+    double n = 0.0, mean = 0.0, m2 = 0.0;
+    for (long long r = threadIdx.x; r < rows; r += blockDim.x)
+        adv_merge(n, mean, m2, moments[3 * r], moments[3 * r + 1], moments[3 * r + 2]);
+    sn[threadIdx.x] = n;
+    smean[threadIdx.x] = mean;
+    sm2[threadIdx.x] = m2;
+    __syncthreads();
+    for (int half = blockDim.x / 2; half > 0; half >>= 1) {
+        if (threadIdx.x < half) {
+            const int j = threadIdx.x + half;
+            adv_merge(sn[threadIdx.x], smean[threadIdx.x], sm2[threadIdx.x], sn[j], smean[j],
+                      sm2[j]);
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        const double count = sn[0];
+        const float mu = (float)smean[0];
+        const float var = count > 0.0 ? (float)(sm2[0] / count) : 0.0f;
+        const bool ok = count > 0.0 && is_finite(mu) && is_finite(var);
+        if (count == 0.0) loss_bad(status, 0, ADV_EMPTY_MASK);
+        else if (!ok) loss_bad(status, 0, ADV_OVERFLOW);
+        stats[0] = mu;
+        stats[1] = var;
+        stats[2] = 1.0f / sqrtf(var > var_floor ? var : var_floor);
+        stats[3] = ok ? (float)count : 0.0f;
+    }
+}
+
+// values = m·(values − μ)·rstd with the stats of `whiten_stats` (unchanged when it flagged).
+extern "C" __global__ void whiten_apply(float* __restrict__ values,
+                                        const float* __restrict__ mask, long long n,
+                                        const float* __restrict__ stats) {
+    if (stats[3] == 0.0f) return;
+    const float mu = stats[0], rstd = stats[2];
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x)
+        values[i] = mask[i] * ((values[i] - mu) * rstd);
+}
+
+// Pro Max step 3 (docs/algorithms.md §5; core's `decide`), one block per group over token
+// values already masked (the output of `token_returns`): sign sums S±, Q± and counts |P|, |N|,
+// then α/β by core's rules (skip, same sign, small sums, ρ²Q⁻ capped, non-finite,
+// clamp to [eps, max_scale]); a scaled group gets A ← α·A on P, β·A on N.
+extern "C" __global__ void pro_max_normalize(float* __restrict__ values, long long cols,
+                                             const int* __restrict__ group_rows,
+                                             const int* __restrict__ offsets,
+                                             const unsigned char* __restrict__ skip,
+                                             float eps, float max_scale, float product_cap) {
+    __shared__ float scratch[32];
+    __shared__ unsigned long long counts[2];
+    __shared__ float scale[3];
+    const int g = blockIdx.x, lo = offsets[g], hi = offsets[g + 1];
+    if (threadIdx.x == 0) counts[0] = counts[1] = 0;
+    __syncthreads();
+    float sp = 0.0f, sn = 0.0f, qp = 0.0f, qn = 0.0f;
+    unsigned long long np = 0, nn = 0;
+    for (int i = lo; i < hi; i++) {
+        const float* v = values + (long long)group_rows[i] * cols;
+        for (long long t = threadIdx.x; t < cols; t += blockDim.x) {
+            const float a = v[t];
+            if (a > 0.0f) { sp += a; qp += a * a; np++; }
+            if (a < 0.0f) { sn += a; qn += a * a; nn++; }
+        }
+    }
+    atomicAdd(&counts[0], np);
+    atomicAdd(&counts[1], nn);
+    sp = block_sum(sp, scratch);
+    sn = block_sum(sn, scratch);
+    qp = block_sum(qp, scratch);
+    qn = block_sum(qn, scratch);
+    if (threadIdx.x == 0) {
+        float alpha = 1.0f, beta = 1.0f;
+        bool scaled = false;
+        const bool skipped = skip != 0 && skip[g] != 0;
+        if (!skipped && counts[0] > 0 && counts[1] > 0 && fabsf(sp) >= eps && fabsf(sn) >= eps) {
+            const float rho = sp / sn;
+            float prod = rho * rho * qn;
+            prod = prod > product_cap ? product_cap : prod;
+            const float m = (float)(counts[0] + counts[1]);
+            const float a = sqrtf(m / (qp + prod + eps));
+            const float b = -a * rho;
+            if (is_finite(a) && is_finite(b)) {
+                alpha = a < eps ? eps : (a > max_scale ? max_scale : a);
+                beta = b < eps ? eps : (b > max_scale ? max_scale : b);
+                scaled = true;
+            }
+        }
+        scale[0] = alpha;
+        scale[1] = beta;
+        scale[2] = scaled ? 1.0f : 0.0f;
+    }
+    __syncthreads();
+    if (scale[2] == 0.0f) return;
+    const float alpha = scale[0], beta = scale[1];
+    for (int i = lo; i < hi; i++) {
+        float* v = values + (long long)group_rows[i] * cols;
+        for (long long t = threadIdx.x; t < cols; t += blockDim.x) {
+            const float a = v[t];
+            v[t] = a * (a > 0.0f ? alpha : beta);
+        }
+    }
+}

@@ -47,6 +47,15 @@ pub enum Error {
         /// What the kernel found.
         message: &'static str,
     },
+    /// A kernel flagged input that core's twin rejects: the error core returns for it
+    /// (non-finite value, mask entry not 0/1, empty row, a group of one, …).
+    #[error("{kernel}: {source}")]
+    Invalid {
+        /// The kernel (or op) that found it.
+        kernel: &'static str,
+        /// Core's error.
+        source: ares_core::Error,
+    },
     /// Kernels met bad values (an id out of range, a mask value not 0/1, NaN logits, a
     /// non-finite gradient) since the last check; the affected outputs are NaN.
     #[error("a device op met bad values (status {bits:#x}): {what}")]

@@ -86,7 +86,8 @@ macro_rules! kernel_table {
 
 kernel_table! {
     /// Token kernels: fused log-prob + entropy, entropy windows / HWE, row percentile, masked
-    /// dynamic KL, and the actor's loss (policy loss, KL term, entropy bonus).
+    /// dynamic KL, the actor's loss (policy loss, KL term, entropy bonus) and the advantage
+    /// estimators.
     pub const TOKEN_KERNELS = "token_kernels.cu" after "online_softmax.cuh";
     /// The loaded kernels of `token_kernels.cu`.
     pub(crate) struct TokenFunctions {
@@ -99,6 +100,12 @@ kernel_table! {
         mask_row_counts: "mask_row_counts",
         policy_loss: "policy_loss",
         cov_select: "cov_select",
+        group_scores: "group_scores",
+        token_returns: "token_returns",
+        masked_row_moments: "masked_row_moments",
+        whiten_stats: "whiten_stats",
+        whiten_apply: "whiten_apply",
+        pro_max_normalize: "pro_max_normalize",
     }
 }
 

@@ -11,6 +11,7 @@
 //! tested against it on a GPU (`tests/gpu.rs`); without a GPU, CI still compiles every
 //! kernel source with NVRTC (`tests/nvrtc.rs`).
 
+mod advantage_ops;
 mod error;
 pub mod kernels;
 pub mod nccl;
@@ -27,6 +28,7 @@ pub mod model_ops;
 mod staging;
 mod token_ops;
 
+pub use advantage_ops::{DeviceTokens, SampleEstimator, TokenEstimator};
 /// The cudarc this crate is built on (its slices and views are the ops' arguments).
 pub use cudarc;
 pub use device::{Cuda, DeviceInfo, cuda_available, device_count};

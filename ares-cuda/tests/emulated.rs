@@ -97,6 +97,9 @@ macro_rules! launcher {
 
 const NAN: f32 = f32::NAN;
 
+#[path = "emulate/advantages.rs"]
+mod advantages;
+
 /// The C struct of the loss's tensors (`EmuLossTensors`).
 #[repr(C)]
 struct LossTensors {

@@ -45,7 +45,10 @@ impl<F: Float> GrpoConfig<F> {
         }
     }
 
-    fn check(&self) -> Result<()> {
+    /// Checks ε (finite, ≥ 0), as every GRPO function does first.
+    ///
+    /// Errors: `OutOfRange` naming `"grpo epsilon"`.
+    pub fn check(&self) -> Result<()> {
         check_param(
             "grpo epsilon",
             self.epsilon,

@@ -60,7 +60,7 @@ pub use pro_max::{
 pub use reinforce::{reinforce_pp_advantages, reinforce_pp_baseline_advantages};
 pub use rloo::{rloo_advantages, rloo_token_advantages};
 pub use token::{
-    broadcast_to_tokens, kl_folded_scores, returns_to_go, returns_to_go_in_place,
+    broadcast_to_tokens, check_gamma, kl_folded_scores, returns_to_go, returns_to_go_in_place,
     token_level_rewards,
 };
 pub use whiten::{WHITEN_VAR_FLOOR, WhitenStats, masked_whiten};

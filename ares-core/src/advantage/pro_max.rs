@@ -75,7 +75,10 @@ impl<F: Float> ProMaxConfig<F> {
         }
     }
 
-    fn check(&self) -> Result<()> {
+    /// Checks the options (ranges on each field's doc), as every Pro Max function does first.
+    ///
+    /// Errors: `OutOfRange` naming the option.
+    pub fn check(&self) -> Result<()> {
         check_param("pro_max eps", self.eps, self.eps > F::zero(), "> 0")?;
         check_param(
             "pro_max max_scale",

@@ -195,7 +195,10 @@ fn returns_to_go_inner<F: Float>(
     Ok(())
 }
 
-pub(crate) fn check_gamma<F: Float>(gamma: F) -> Result<()> {
+/// Checks a discount γ ∈ [0, 1], as every returns-to-go function does first.
+///
+/// Errors: `OutOfRange` naming `"gamma"`.
+pub fn check_gamma<F: Float>(gamma: F) -> Result<()> {
     check_param(
         "gamma",
         gamma,

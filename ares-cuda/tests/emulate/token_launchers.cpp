@@ -78,3 +78,51 @@ extern "C" void emu_cov_select(unsigned grid, unsigned block, const EmuCovScalar
                    s->lb, s->ub, s->seed, s->ratio, selected);
     });
 }
+
+// The advantage estimators' kernels.
+extern "C" void emu_group_scores(unsigned grid, unsigned block, const float* rewards,
+                                 const int* group_rows, const int* offsets, int groups, int kind,
+                                 float eps, float uniform_std, float* scores,
+                                 unsigned char* uniform, unsigned* status) {
+    emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] {
+        group_scores(rewards, group_rows, offsets, groups, kind, eps, uniform_std, scores, uniform,
+                     status);
+    });
+}
+
+extern "C" void emu_token_returns(unsigned grid, unsigned block, const float* scores,
+                                  const float* mask, const float* kl, long long cols, float gamma,
+                                  int mode, float* out, float* moments, unsigned* status) {
+    emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] {
+        token_returns(scores, mask, kl, cols, gamma, mode, out, moments, status);
+    });
+}
+
+extern "C" void emu_masked_row_moments(unsigned grid, unsigned block, const float* values,
+                                       const float* mask, long long cols, float* moments,
+                                       unsigned* status) {
+    emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0,
+                [&] { masked_row_moments(values, mask, cols, moments, status); });
+}
+
+extern "C" void emu_whiten_stats(unsigned grid, unsigned block, const float* moments,
+                                 long long rows, float var_floor, float* stats,
+                                 unsigned* status) {
+    emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0,
+                [&] { whiten_stats(moments, rows, var_floor, stats, status); });
+}
+
+extern "C" void emu_whiten_apply(unsigned grid, unsigned block, float* values, const float* mask,
+                                 long long n, const float* stats) {
+    emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0,
+                [&] { whiten_apply(values, mask, n, stats); });
+}
+
+extern "C" void emu_pro_max_normalize(unsigned grid, unsigned block, float* values,
+                                      long long cols, const int* group_rows, const int* offsets,
+                                      const unsigned char* skip, float eps, float max_scale,
+                                      float product_cap) {
+    emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] {
+        pro_max_normalize(values, cols, group_rows, offsets, skip, eps, max_scale, product_cap);
+    });
+}
