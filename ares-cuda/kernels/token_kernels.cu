@@ -1005,11 +1005,13 @@ __device__ void adv_row_moments(const float* __restrict__ v, const float* __rest
 // the row, its local return is carried across the chunks from the right by thread 0, and the
 // chunk is recomputed from its carry. With γ = 1 and no KL every valid token up to the last
 // holds exactly the score (core's broadcast). With `moments`, the row's moments of `out`
-// (for the whitening of REINFORCE++).
+// (for the whitening of REINFORCE++). `check_scores`: the scores are the rewards as given
+// (REINFORCE++), flagged if not finite.
 extern "C" __global__ void token_returns(const float* __restrict__ scores,
                                          const float* __restrict__ mask,
                                          const float* __restrict__ kl, long long cols,
-                                         float gamma, int mode, float* __restrict__ out,
+                                         float gamma, int mode, int check_scores,
+                                         float* __restrict__ out,
                                          float* __restrict__ moments,
                                          unsigned* __restrict__ status) {
     __shared__ float scratch[32];
@@ -1019,8 +1021,9 @@ extern "C" __global__ void token_returns(const float* __restrict__ scores,
     const float* m = mask + base;
     float* o = out + base;
     const float score = scores[row];
-    // REINFORCE++'s scores are the rewards themselves (the group kinds flag theirs)
-    if (threadIdx.x == 0 && !is_finite(score)) loss_bad(status, row, ADV_BAD_REWARD);
+    // REINFORCE++'s scores are the rewards themselves (group_scores flags the others')
+    if (check_scores && threadIdx.x == 0 && !is_finite(score))
+        loss_bad(status, row, ADV_BAD_REWARD);
     if (threadIdx.x == 0) last_valid = -1;
     __syncthreads();
     long long last = -1;
@@ -1029,7 +1032,11 @@ extern "C" __global__ void token_returns(const float* __restrict__ scores,
         if (w != 0.0f && w != 1.0f) loss_bad(status, base + t, ADV_BAD_MASK);
         if (kl != 0 && !is_finite(kl[base + t])) loss_bad(status, base + t, ADV_BAD_KL);
         if (w != 0.0f) last = t;
-        if (mode == 0) o[t] = score * w;
+        if (mode == 0) {
+            const float v = score * w;
+            if (!is_finite(v)) loss_bad(status, base + t, ADV_OVERFLOW);
+            o[t] = v;
+        }
     }
     if (mode == 1) {
         if (last >= 0) atomicMax(&last_valid, last);

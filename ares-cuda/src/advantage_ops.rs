@@ -395,6 +395,7 @@ impl Cuda {
             None
         };
         let cols_i64 = i64_of(KERNEL, "cols", cols)?;
+        let check_scores = i32::from(layout.is_none());
         {
             let mut launch = self.stream.launch_builder(&self.functions.token_returns);
             launch
@@ -404,6 +405,7 @@ impl Cuda {
                 .arg(&cols_i64)
                 .arg(&gamma)
                 .arg(&mode)
+                .arg(&check_scores)
                 .arg(&mut *out)
                 .arg_or_null(moments.as_mut())
                 .arg(&mut status);

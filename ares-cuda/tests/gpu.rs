@@ -759,3 +759,153 @@ fn fused_linear_head_matches_the_cpu_twin() {
         .unwrap_err();
     assert!(e.to_string().contains("must both be bf16"), "{e}");
 }
+
+#[test]
+fn advantage_estimators_match_core() {
+    use ares_core::advantage::{self as adv, GrpoConfig, ProMaxConfig, ResponseTokens};
+    use ares_core::{Groups, Shape};
+    use ares_cuda::{DeviceTokens, SampleEstimator, TokenEstimator};
+    let Some(mut cuda) = gpu_or_skip() else {
+        return;
+    };
+    let mut rng = Rng(0xAD7);
+    for (groups_n, cols) in [(3usize, 1usize), (64, 700), (256, 4096)] {
+        // groups of 2–5 keyed by uid, shuffled; every 4th group of equal rewards
+        let mut uids = Vec::new();
+        let mut rewards = Vec::new();
+        for g in 0..groups_n {
+            for _ in 0..2 + (rng.unit() * 4.0) as usize {
+                uids.push(g as u64);
+                rewards.push(if g % 4 == 1 {
+                    0.5
+                } else {
+                    rng.unit() * 4.0 - 1.0
+                });
+            }
+        }
+        for i in (1..uids.len()).rev() {
+            let j = (rng.unit() * (i + 1) as f32) as usize % (i + 1);
+            uids.swap(i, j);
+            rewards.swap(i, j);
+        }
+        let rows = uids.len();
+        let mut mask = vec![0.0f32; rows * cols];
+        for r in 0..rows {
+            let len = 1 + (rng.unit() * cols as f32) as usize % cols;
+            for t in 0..len {
+                mask[r * cols + t] = f32::from(rng.unit() > 0.1 || t + 1 == len);
+            }
+        }
+        let kl: Vec<f32> = (0..rows * cols).map(|_| rng.unit() * 0.07 - 0.02).collect();
+        let mut scratch = vec![0usize; 2 * rows + 1];
+        let groups = Groups::by_uid(&uids, &mut scratch).expect("layout");
+        let shape = Shape { rows, cols };
+        let (d_r, d_m, d_k) = (
+            upload(&cuda, &rewards),
+            upload(&cuda, &mask),
+            upload(&cuda, &kl),
+        );
+        for est in [
+            SampleEstimator::Grpo(GrpoConfig::default()),
+            SampleEstimator::Grpo(GrpoConfig::dr_grpo()),
+            SampleEstimator::Rloo,
+            SampleEstimator::ReinforceBaseline,
+        ] {
+            let mut want = vec![0.0f32; rows];
+            match est {
+                SampleEstimator::Grpo(c) => adv::grpo_advantages(&groups, &rewards, &c, &mut want),
+                SampleEstimator::Rloo => adv::rloo_advantages(&groups, &rewards, &mut want),
+                _ => adv::reinforce_baseline_advantages(&groups, &rewards, &mut want),
+            }
+            .expect("core");
+            let mut out = poisoned(&cuda, rows);
+            cuda.sample_advantages(&groups, &d_r.as_view(), est, &mut out.as_view_mut())
+                .expect("gpu");
+            let got = download(&cuda, &out);
+            for i in 0..rows {
+                assert_eq!(got[i].to_bits(), want[i].to_bits(), "{est:?} row {i}");
+            }
+        }
+        for est in [
+            TokenEstimator::Grpo(GrpoConfig::default()),
+            TokenEstimator::Rloo,
+            TokenEstimator::ReinforcePp { gamma: 0.97 },
+            TokenEstimator::ReinforcePpBaseline { gamma: 1.0 },
+            TokenEstimator::ProMax(ProMaxConfig::default()),
+            TokenEstimator::ProMax(ProMaxConfig::uniform_scale()),
+        ] {
+            let with_kl = !matches!(est, TokenEstimator::Grpo(_));
+            let tokens = ResponseTokens::new(shape, &mask);
+            let tokens = if with_kl { tokens.with_kl(&kl) } else { tokens };
+            let mut want = vec![0.0f32; rows * cols];
+            let want_stats = match est {
+                TokenEstimator::Grpo(c) => {
+                    adv::grpo_token_advantages(&groups, &rewards, shape, &mask, &c, &mut want)
+                        .map(|_| None)
+                }
+                TokenEstimator::Rloo => {
+                    adv::rloo_token_advantages(&groups, &rewards, tokens, &mut want).map(|_| None)
+                }
+                TokenEstimator::ReinforcePp { gamma } => {
+                    adv::reinforce_pp_advantages(&rewards, tokens, gamma, &mut want).map(Some)
+                }
+                TokenEstimator::ReinforcePpBaseline { gamma } => {
+                    adv::reinforce_pp_baseline_advantages(
+                        &groups, &rewards, tokens, gamma, &mut want,
+                    )
+                    .map(Some)
+                }
+                TokenEstimator::ProMax(c) => {
+                    adv::reinforce_pro_max(&groups, &rewards, tokens, &c, None, &mut want)
+                        .map(|_| None)
+                }
+            }
+            .expect("core");
+            let mut out = poisoned(&cuda, rows * cols);
+            let dev_tokens = DeviceTokens {
+                mask: d_m.as_view(),
+                weighted_kl: with_kl.then(|| d_k.as_view()),
+                cols,
+            };
+            let stats = cuda
+                .token_advantages(
+                    Some(&groups),
+                    &d_r.as_view(),
+                    dev_tokens,
+                    est,
+                    &mut out.as_view_mut(),
+                )
+                .expect("gpu");
+            let what = format!("{rows}×{cols} {est:?}");
+            assert_close(&what, &download(&cuda, &out), &want, 3e-5);
+            if let (Some(s), Some(w)) = (stats, want_stats) {
+                assert_eq!(s.valid_tokens, w.valid_tokens, "{what}");
+                assert_close(&what, &[s.mean, s.var], &[w.mean, w.var], 1e-5);
+            }
+        }
+        let values: Vec<f32> = kl.iter().map(|k| 3.0 + 40.0 * k).collect();
+        let mut want = values.clone();
+        let w = adv::masked_whiten(shape, &mut want, &mask).expect("core");
+        let mut d_v = upload(&cuda, &values);
+        let s = cuda
+            .masked_whiten(&mut d_v.as_view_mut(), &d_m.as_view(), cols)
+            .expect("gpu");
+        assert_close("masked_whiten", &download(&cuda, &d_v), &want, 1e-4);
+        assert_eq!(s.valid_tokens, w.valid_tokens);
+        // a NaN reward is core's error, naming its row
+        let mut bad = rewards.clone();
+        bad[rows - 1] = f32::NAN;
+        let e = cuda
+            .sample_advantages(
+                &groups,
+                &upload(&cuda, &bad).as_view(),
+                SampleEstimator::Rloo,
+                &mut poisoned(&cuda, rows).as_view_mut(),
+            )
+            .expect_err("NaN reward");
+        assert!(
+            e.to_string().contains(&format!("index {}", rows - 1)),
+            "{e}"
+        );
+    }
+}

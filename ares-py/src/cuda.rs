@@ -18,7 +18,13 @@ use half::{bf16, f16};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::args::{core_err, value_error};
+use crate::args::{GroupSpec, core_err, value_error};
+use ares_core::Groups;
+use ares_core::advantage::{
+    GRPO_EPSILON, GrpoConfig, PRO_MAX_EPSILON, PRO_MAX_MAX_SCALE, PRO_MAX_PRODUCT_CAP,
+    PRO_MAX_UNIFORM_STD, ProMaxConfig,
+};
+use ares_cuda::{DeviceTokens, SampleEstimator, TokenEstimator};
 
 /// Devices opened once per process, by ordinal: `Cuda` (the token kernels) and `ModelOps`
 /// (the backward's kernels) hold driver handles that cudarc marks neither `Send` nor
@@ -52,7 +58,11 @@ fn with_opened<T, R>(
             open(device).map_err(|e| value_error(format!("{func}: CUDA device {device}: {e}")))?,
         ),
     };
-    f(opened).map_err(|e| value_error(format!("{func}: {e}")))
+    f(opened).map_err(|e| match e {
+        // input core rejects: core's message, as the CPU path gives it
+        ares_cuda::Error::Invalid { source, .. } => core_err(func, source),
+        e => value_error(format!("{func}: {e}")),
+    })
 }
 
 /// Runs `f` on device `device` with its operations queued on `stream`.
@@ -759,6 +769,200 @@ fn cuda_linear_log_prob_entropy_backward(
 }
 
 /// Whether libcuda loads in this process (the driver; a GPU is not required to load it).
+/// The advantage estimators' names (as the numpy functions are named) and what each runs.
+fn sample_estimator(func: &str, epsilon: f64) -> PyResult<SampleEstimator> {
+    let grpo = |norm_adv_by_std| {
+        SampleEstimator::Grpo(GrpoConfig {
+            norm_adv_by_std,
+            epsilon: epsilon as f32,
+        })
+    };
+    Ok(match func {
+        "grpo_advantages" => grpo(true),
+        "dr_grpo_advantages" => grpo(false),
+        "rloo_advantages" => SampleEstimator::Rloo,
+        "reinforce_baseline_advantages" => SampleEstimator::ReinforceBaseline,
+        _ => return Err(value_error(format!("no CUDA per-sample estimator {func:?}"))),
+    })
+}
+
+/// A per-sample estimator (`func`: `grpo_advantages`, `dr_grpo_advantages`,
+/// `rloo_advantages`, `reinforce_baseline_advantages`) on device memory: `rewards` and `out`
+/// `[batch]` f32, groups by `n` or `uid` (host keys). Reads the status (waits for `stream`).
+#[pyfunction]
+#[pyo3(signature = (device, stream, func, rewards, batch, n, uid, epsilon, out))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_sample_advantages(
+    py: Python<'_>,
+    device: usize,
+    stream: u64,
+    func: &str,
+    rewards: u64,
+    batch: usize,
+    n: Option<i64>,
+    uid: Option<&Bound<'_, PyAny>>,
+    epsilon: f64,
+    out: u64,
+) -> PyResult<()> {
+    let estimator = sample_estimator(func, epsilon)?;
+    let spec = GroupSpec::new(func, n, uid, batch)?;
+    let name = match estimator {
+        SampleEstimator::Grpo(c) => c.estimator(),
+        SampleEstimator::Rloo => "rloo",
+        SampleEstimator::ReinforceBaseline => "reinforce_baseline",
+    };
+    // a group of one: core's error, with the uid named (GroupSpec::run)
+    spec.run(py, func, batch, |groups| {
+        groups.require_pairs(name)?;
+        Ok(on_device(func, device, stream, |cuda| {
+            // SAFETY: _cuda.py passes contiguous f32 tensors of `batch` elements on `device`.
+            unsafe {
+                let r = cuda.borrow::<f32>(rewards, batch);
+                let mut o = cuda.borrow::<f32>(out, batch);
+                cuda.sample_advantages(groups, &r.as_view(), estimator, &mut o.as_view_mut())
+            }
+        }))
+    })?
+}
+
+/// The token-level options of the numpy functions, as one estimator.
+#[allow(clippy::too_many_arguments)]
+fn token_estimator(
+    func: &str,
+    epsilon: f64,
+    norm_adv_by_std: bool,
+    gamma: f64,
+    uniform_scale: bool,
+    eps: f64,
+    max_scale: f64,
+    product_cap: f64,
+    uniform_std: f64,
+) -> PyResult<TokenEstimator> {
+    let gamma = gamma as f32;
+    Ok(match func {
+        "grpo_token_advantages" => TokenEstimator::Grpo(GrpoConfig {
+            norm_adv_by_std,
+            epsilon: epsilon as f32,
+        }),
+        "rloo_token_advantages" => TokenEstimator::Rloo,
+        "reinforce_pp_advantages" => TokenEstimator::ReinforcePp { gamma },
+        "reinforce_pp_baseline_advantages" => TokenEstimator::ReinforcePpBaseline { gamma },
+        "reinforce_pro_max" => TokenEstimator::ProMax(ProMaxConfig {
+            uniform_scale,
+            eps: eps as f32,
+            max_scale: max_scale as f32,
+            product_cap: product_cap as f32,
+            uniform_std: uniform_std as f32,
+        }),
+        _ => return Err(value_error(format!("no CUDA token estimator {func:?}"))),
+    })
+}
+
+/// A token-level estimator (`func`: `grpo_token_advantages`, `rloo_token_advantages`,
+/// `reinforce_pp_advantages`, `reinforce_pp_baseline_advantages`, `reinforce_pro_max`) on
+/// device memory: `rewards` `[rows]`, `mask`, `weighted_kl` (0: none) and `out` `[rows, cols]`,
+/// f32; groups by `n` or `uid` (none for `reinforce_pp_advantages`). Returns the whitening's
+/// (mean, var) for the REINFORCE++ pair. Reads the status (waits for `stream`).
+#[pyfunction]
+#[pyo3(signature = (device, stream, func, rewards, rows, cols, mask, weighted_kl, n, uid, out, *, epsilon=GRPO_EPSILON, norm_adv_by_std=true, gamma=1.0, uniform_scale=false, eps=PRO_MAX_EPSILON, max_scale=PRO_MAX_MAX_SCALE, product_cap=PRO_MAX_PRODUCT_CAP, uniform_std=PRO_MAX_UNIFORM_STD))]
+#[allow(clippy::too_many_arguments)]
+fn cuda_token_advantages(
+    py: Python<'_>,
+    device: usize,
+    stream: u64,
+    func: &str,
+    rewards: u64,
+    rows: usize,
+    cols: usize,
+    mask: u64,
+    weighted_kl: u64,
+    n: Option<i64>,
+    uid: Option<&Bound<'_, PyAny>>,
+    out: u64,
+    epsilon: f64,
+    norm_adv_by_std: bool,
+    gamma: f64,
+    uniform_scale: bool,
+    eps: f64,
+    max_scale: f64,
+    product_cap: f64,
+    uniform_std: f64,
+) -> PyResult<Option<(f64, f64)>> {
+    let estimator = token_estimator(
+        func,
+        epsilon,
+        norm_adv_by_std,
+        gamma,
+        uniform_scale,
+        eps,
+        max_scale,
+        product_cap,
+        uniform_std,
+    )?;
+    let elements = elems(func, rows, cols)?;
+    let run = |groups: Option<&Groups<'_>>| {
+        on_device(func, device, stream, |cuda| {
+            // SAFETY: _cuda.py passes contiguous f32 tensors of these shapes on `device`.
+            unsafe {
+                let r = cuda.borrow::<f32>(rewards, rows);
+                let m = cuda.borrow::<f32>(mask, elements);
+                let k = (weighted_kl != 0).then(|| cuda.borrow::<f32>(weighted_kl, elements));
+                let mut o = cuda.borrow::<f32>(out, elements);
+                let tokens = DeviceTokens {
+                    mask: m.as_view(),
+                    weighted_kl: k.as_ref().map(|k| k.as_view()),
+                    cols,
+                };
+                cuda.token_advantages(groups, &r.as_view(), tokens, estimator, &mut o.as_view_mut())
+            }
+        })
+    };
+    let stats = match estimator {
+        TokenEstimator::ReinforcePp { .. } => py.detach(|| run(None))?,
+        _ => {
+            let spec = GroupSpec::new(func, n, uid, rows)?;
+            let name = match estimator {
+                TokenEstimator::Grpo(c) => c.estimator(),
+                TokenEstimator::Rloo => "rloo",
+                TokenEstimator::ProMax(_) => "reinforce_pro_max",
+                _ => "reinforce_baseline",
+            };
+            spec.run(py, func, rows, |groups| {
+                groups.require_pairs(name)?;
+                Ok(run(Some(groups)))
+            })??
+        }
+    };
+    Ok(stats.map(|s| (f64::from(s.mean), f64::from(s.var))))
+}
+
+/// `masked_whiten` in place on device memory: `values` and `mask` `[rows, cols]` f32.
+/// Returns (mean, var). Reads the status (waits for `stream`); on error `values` is unchanged.
+#[pyfunction]
+fn cuda_masked_whiten(
+    py: Python<'_>,
+    device: usize,
+    stream: u64,
+    values: u64,
+    mask: u64,
+    rows: usize,
+    cols: usize,
+) -> PyResult<(f64, f64)> {
+    const FUNC: &str = "masked_whiten";
+    let n = elems(FUNC, rows, cols)?;
+    py.detach(move || {
+        on_device(FUNC, device, stream, |cuda| {
+            // SAFETY: _cuda.py passes contiguous f32 tensors of these shapes on `device`.
+            unsafe {
+                let mut v = cuda.borrow::<f32>(values, n);
+                let m = cuda.borrow::<f32>(mask, n);
+                cuda.masked_whiten(&mut v.as_view_mut(), &m.as_view(), cols)
+            }
+        })
+    })
+    .map(|s| (f64::from(s.mean), f64::from(s.var)))
+}
+
 #[pyfunction]
 fn cuda_driver_available() -> bool {
     ares_cuda::cuda_available()
@@ -774,5 +978,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda_linear_log_prob_entropy, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_linear_log_prob_entropy_backward, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_driver_available, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_sample_advantages, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_token_advantages, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_masked_whiten, m)?)?;
     Ok(())
 }

@@ -67,7 +67,15 @@ def test_functions_without_a_cuda_path_still_refuse_cuda_tensors():
     torch = _torch()
     t = torch.ones(4, device="meta")
     _raises(ValueError, "this function runs on CPU arrays; move the tensor with .cpu()",
-            lambda: ares.grpo_advantages(t, n=4))
+            lambda: ares.group_means(t, n=4))
+
+
+def test_the_advantage_estimators_route_cuda_tensors():
+    _torch()
+    _raises(ValueError, "rloo_token_advantages: `mask` is a CPU tensor or array while other arguments are CUDA",
+            lambda: ares.rloo_token_advantages(FakeCuda(), np.ones((2, 3), dtype=np.float32), n=2))
+    _raises(ValueError, "masked_whiten: `mask` is a CPU tensor or array",
+            lambda: ares.masked_whiten(FakeCuda(), np.ones((2, 3), dtype=np.float32)))
 
 
 def test_without_a_cuda_driver_the_error_names_the_library():
@@ -349,6 +357,92 @@ def test_the_fused_linear_head_equals_the_cpu_on_cuda():
             lambda: ares.linear_log_prob_entropy(x.cuda(), w.cuda().to(torch.bfloat16), ids.cuda()))
     _raises(ValueError, "`targets` holds ids outside",
             lambda: ares.linear_log_prob_entropy(x.cuda(), w.cuda(), torch.full((rows,), vocab, device="cuda")))
+
+
+def _advantage_batch(rng, groups, cols):
+    """Rewards in shuffled groups of 2–5 keyed by uid (some all equal, some 0/1), masks with
+    holes, a weighted KL."""
+    sizes = rng.integers(2, 6, groups)
+    uid = np.repeat(np.arange(groups) * 31, sizes)
+    rewards = np.concatenate([
+        np.full(n, 0.5) if g % 4 == 1 else (rng.integers(0, 2, n) if g % 4 == 2 else rng.normal(size=n))
+        for g, n in enumerate(sizes)
+    ]).astype(np.float32)
+    order = rng.permutation(len(uid))
+    uid, rewards = uid[order], rewards[order]
+    rows = len(uid)
+    lengths = rng.integers(1, cols + 1, rows)
+    mask = (np.arange(cols)[None, :] < lengths[:, None]) & (rng.random((rows, cols)) > 0.1)
+    mask[np.arange(rows), lengths - 1] = True
+    kl = rng.uniform(-0.02, 0.05, (rows, cols)).astype(np.float32)
+    return rewards, uid, mask.astype(np.float32), kl
+
+
+def test_the_advantage_estimators_equal_the_cpu_on_cuda():
+    # per-sample advantages: the CPU's bits; token advantages: sums in another order, a few
+    # ulps of the row's scale (whitened values: of 1)
+    torch = _gpu()
+    rng = np.random.default_rng(11)
+    for groups, cols in [(3, 1), (40, 300), (128, 2048)]:
+        rewards, uid, mask, kl = _advantage_batch(rng, groups, cols)
+        r, m, k = (torch.from_numpy(a).cuda() for a in (rewards, mask, kl))
+        for name in ("grpo_advantages", "dr_grpo_advantages", "rloo_advantages", "reinforce_baseline_advantages"):
+            got = getattr(ares, name)(r, uid=uid)
+            assert got.is_cuda and got.dtype == torch.float32
+            np.testing.assert_array_equal(got.cpu().numpy(), getattr(ares, name)(rewards, uid=uid), err_msg=name)
+        got = ares.grpo_advantages(r, uid=torch.from_numpy(uid).cuda(), epsilon=0.1, norm_adv_by_std=False)
+        np.testing.assert_array_equal(got.cpu().numpy(), ares.dr_grpo_advantages(rewards, uid=uid))
+        cases = [
+            ("grpo_token_advantages", {"uid": uid}),
+            ("grpo_token_advantages", {"uid": uid, "norm_adv_by_std": False}),
+            ("rloo_token_advantages", {"uid": uid}),
+            ("rloo_token_advantages", {"uid": uid, "weighted_kl": kl}),
+            ("reinforce_pp_advantages", {"gamma": 0.97, "weighted_kl": kl}),
+            ("reinforce_pp_advantages", {}),
+            ("reinforce_pp_baseline_advantages", {"uid": uid, "gamma": 0.9, "weighted_kl": kl}),
+            ("reinforce_pro_max", {"uid": uid}),
+            ("reinforce_pro_max", {"uid": uid, "weighted_kl": kl}),
+            ("reinforce_pro_max", {"uid": uid, "uniform_scale": True, "uniform_std": 0.05}),
+        ]
+        for name, kw in cases:
+            want = getattr(ares, name)(rewards, mask, **kw)
+            dev = {key: torch.from_numpy(v).cuda() if key == "weighted_kl" else v for key, v in kw.items()}
+            got = getattr(ares, name)(r, m, **dev)
+            assert got.is_cuda and tuple(got.shape) == mask.shape
+            _close(got, want, 2e-5, 2e-5, f"{name} {kw.keys()} {groups}x{cols}")
+        values = kl * 40 + 3
+        want, mean, var = ares.masked_whiten(values, mask)
+        got, dmean, dvar = ares.masked_whiten(torch.from_numpy(values).cuda(), m)
+        _close(got, want, 1e-4, 1e-4, "masked_whiten")
+        assert abs(dmean - mean) <= 1e-5 * max(1.0, abs(mean)) and abs(dvar - var) <= 1e-4 * var
+
+
+def test_the_advantage_estimators_refuse_what_the_cpu_refuses_on_cuda():
+    torch = _gpu()
+    rewards = np.array([1.0, 0.0, float("nan"), 1.0], dtype=np.float32)
+    mask = np.ones((4, 3), dtype=np.float32)
+    for call in (lambda r, m: ares.grpo_advantages(r, n=2), lambda r, m: ares.rloo_token_advantages(r, m, n=2),
+                 lambda r, m: ares.reinforce_pp_advantages(r, m)):
+        cpu = None
+        try:
+            call(rewards, mask)
+        except ValueError as e:
+            cpu = str(e)
+        assert cpu is not None
+        _raises(ValueError, cpu, lambda: call(torch.from_numpy(rewards).cuda(), torch.from_numpy(mask).cuda()))
+    ok = torch.tensor([1.0, 0.0, 0.0, 1.0], device="cuda")
+    _raises(ValueError, "needs at least 2 samples per group; group 1 (uid 'b', first at row 2) has 1",
+            lambda: ares.rloo_advantages(ok, uid=np.array(["a", "a", "b", "c"], dtype=object)))
+    bad = torch.ones((4, 3), device="cuda")
+    bad[1, 2] = 0.5
+    _raises(ValueError, "mask", lambda: ares.reinforce_pro_max(ok, bad, n=2))
+    empty = torch.ones((4, 3), device="cuda")
+    empty[3] = 0
+    _raises(ValueError, "no valid token", lambda: ares.rloo_token_advantages(ok, empty, n=2))
+    values = torch.ones((2, 3), device="cuda")
+    values[0, 0] = float("inf")
+    _raises(ValueError, "values", lambda: ares.masked_whiten(values, torch.ones((2, 3), device="cuda")))
+    assert float(values[0, 0]) == float("inf")
 
 
 def test_the_kernels_run_on_the_callers_stream():

@@ -92,9 +92,10 @@ extern "C" void emu_group_scores(unsigned grid, unsigned block, const float* rew
 
 extern "C" void emu_token_returns(unsigned grid, unsigned block, const float* scores,
                                   const float* mask, const float* kl, long long cols, float gamma,
-                                  int mode, float* out, float* moments, unsigned* status) {
+                                  int mode, int check_scores, float* out, float* moments,
+                                  unsigned* status) {
     emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] {
-        token_returns(scores, mask, kl, cols, gamma, mode, out, moments, status);
+        token_returns(scores, mask, kl, cols, gamma, mode, check_scores, out, moments, status);
     });
 }
 

@@ -11,10 +11,11 @@ Inputs may also be torch CPU tensors (bfloat16 logits included) or any object wi
 memory (no copy; see ``ares.as_array``). Outputs are numpy arrays; ``torch.from_numpy`` wraps
 them without a copy.
 
-PyTorch CUDA tensors: ``log_prob_entropy``, ``entropy_windows``, ``row_percentile`` and
-``masked_dynamic_kl`` run ares-cuda's kernels on them where they are, on the caller's current
-stream, and return CUDA tensors (``ares._cuda``); every other function is a ``ValueError`` on
-a CUDA tensor (it runs on CPU arrays).
+PyTorch CUDA tensors: the functions of ``ares._interop.CUDA_FUNCTIONS`` (the fused log-prob
++ entropy and its linear-head form, entropy windows, row percentile, masked dynamic KL, the
+policy losses, the advantage estimators and ``masked_whiten``) run ares-cuda's kernels on them
+where they are, on the caller's current stream, and return CUDA tensors (``ares._cuda``);
+every other function is a ``ValueError`` on a CUDA tensor (it runs on CPU arrays).
 """
 
 from typing import TYPE_CHECKING
@@ -86,7 +87,7 @@ else:
     aggregate_weights = wrap(_ares.aggregate_weights)
     batch_median_threshold = wrap(_ares.batch_median_threshold)
     bucket_means = wrap(_ares.bucket_means)
-    dr_grpo_advantages = wrap(_ares.dr_grpo_advantages)
+    dr_grpo_advantages = routed(wrap(_ares.dr_grpo_advantages))
     dynamic_kl_weights = wrap(_ares.dynamic_kl_weights)
     entropy_grad_logits = wrap(_ares.entropy_grad_logits)
     entropy_rewards = wrap(_ares.entropy_rewards)
@@ -95,23 +96,23 @@ else:
     filter_groups = wrap(_ares.filter_groups)
     forking_token_mask = wrap(_ares.forking_token_mask)
     group_means = wrap(_ares.group_means)
-    grpo_advantages = wrap(_ares.grpo_advantages)
+    grpo_advantages = routed(wrap(_ares.grpo_advantages))
     grpo_lambda_rewards = wrap(_ares.grpo_lambda_rewards)
-    grpo_token_advantages = wrap(_ares.grpo_token_advantages)
+    grpo_token_advantages = routed(wrap(_ares.grpo_token_advantages))
     linear_log_prob_entropy = routed(wrap(_ares.linear_log_prob_entropy))
     linear_log_prob_entropy_backward = routed(wrap(_ares.linear_log_prob_entropy_backward))
     log_prob_entropy = routed(wrap(_ares.log_prob_entropy))
     log_prob_entropy_backward = wrap(_ares.log_prob_entropy_backward)
     masked_dynamic_kl = routed(wrap(_ares.masked_dynamic_kl))
-    masked_whiten = wrap(_ares.masked_whiten)
+    masked_whiten = routed(wrap(_ares.masked_whiten))
     overlong_penalty = _ares.overlong_penalty
     policy_loss = routed(wrap(_ares.policy_loss))
-    reinforce_baseline_advantages = wrap(_ares.reinforce_baseline_advantages)
-    reinforce_pp_advantages = wrap(_ares.reinforce_pp_advantages)
-    reinforce_pp_baseline_advantages = wrap(_ares.reinforce_pp_baseline_advantages)
-    reinforce_pro_max = wrap(_ares.reinforce_pro_max)
-    rloo_advantages = wrap(_ares.rloo_advantages)
-    rloo_token_advantages = wrap(_ares.rloo_token_advantages)
+    reinforce_baseline_advantages = routed(wrap(_ares.reinforce_baseline_advantages))
+    reinforce_pp_advantages = routed(wrap(_ares.reinforce_pp_advantages))
+    reinforce_pp_baseline_advantages = routed(wrap(_ares.reinforce_pp_baseline_advantages))
+    reinforce_pro_max = routed(wrap(_ares.reinforce_pro_max))
+    rloo_advantages = routed(wrap(_ares.rloo_advantages))
+    rloo_token_advantages = routed(wrap(_ares.rloo_token_advantages))
     row_percentile = routed(wrap(_ares.row_percentile))
     rubric_score = wrap(_ares.rubric_score)
     token_kl = wrap(_ares.token_kl)

@@ -433,3 +433,14 @@ def cuda_linear_log_prob_entropy_backward(
     temperature: float, targets: int, grad_log_prob: int, grad_entropy: int, out_grad_hidden: int,
     out_grad_weight: int, chunk_rows: int,
 ) -> None: ...
+def cuda_sample_advantages(
+    device: int, stream: int, func: str, rewards: int, batch: int, n: Optional[int], uid: Optional[_Uid],
+    epsilon: float, out: int,
+) -> None: ...
+def cuda_token_advantages(
+    device: int, stream: int, func: str, rewards: int, rows: int, cols: int, mask: int, weighted_kl: int,
+    n: Optional[int], uid: Optional[_Uid], out: int, *, epsilon: float = 1e-6, norm_adv_by_std: bool = True,
+    gamma: float = 1.0, uniform_scale: bool = False, eps: float = 1e-8, max_scale: float = 10.0,
+    product_cap: float = 1e8, uniform_std: float = 1e-8,
+) -> Optional[Tuple[float, float]]: ...
+def cuda_masked_whiten(device: int, stream: int, values: int, mask: int, rows: int, cols: int) -> Tuple[float, float]: ...

@@ -1,7 +1,8 @@
 """ares's token kernels on PyTorch CUDA tensors, without a copy.
 
 ``log_prob_entropy`` (and its backward), ``linear_log_prob_entropy`` (and its backward),
-``entropy_windows``, ``row_percentile``, ``masked_dynamic_kl`` and ``policy_loss`` take CUDA
+``entropy_windows``, ``row_percentile``, ``masked_dynamic_kl``, ``policy_loss``, the advantage
+estimators (``grpo_advantages`` … ``reinforce_pro_max``) and ``masked_whiten`` take CUDA
 tensors as they take numpy arrays (the functions of :mod:`ares` route here when an
 argument is a CUDA tensor): the kernels of ``ares-cuda`` read the tensors where they are and
 write new tensors on the same device, queued on the caller's current stream
@@ -14,6 +15,11 @@ outputs are torch tensors (float32), shaped as the numpy functions' outputs.
   install (``nvidia/*/lib/libnvrtc.so*``) is found and loaded when the system has none.
 - Inputs are made contiguous (``.contiguous()``: a copy only if they are not) and must all
   be on one device; target ids of any integer dtype are converted to int32 on the device.
+- The advantage estimators and ``masked_whiten`` check their inputs as the CPU does (a
+  non-finite reward or value, a mask entry not 0/1, a row without valid token where the
+  reward needs one: ``ValueError`` with the CPU's message) by reading a status, which waits
+  for the stream; per-sample advantages equal the CPU's bit for bit, token advantages
+  summed in another order agree to a few ulps of the row's scale.
 - ``log_prob_entropy`` checks its rows as the CPU does (NaN or +inf, all −inf, a target id
   out of range or with logit −inf: ``ValueError``) by reading a status word, which waits for
   the stream; the other three are queued without waiting and do not check their inputs for
@@ -38,6 +44,16 @@ __all__ = [
     "row_percentile",
     "masked_dynamic_kl",
     "policy_loss",
+    "grpo_advantages",
+    "dr_grpo_advantages",
+    "rloo_advantages",
+    "reinforce_baseline_advantages",
+    "grpo_token_advantages",
+    "rloo_token_advantages",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "reinforce_pro_max",
+    "masked_whiten",
 ]
 
 _FLOAT_LOGITS = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
@@ -443,3 +459,121 @@ def policy_loss(logp, logp_old, advantages, mask, *, loss_mode="vanilla", loss_a
     )
     out["grad"] = grad
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The advantage estimators: float32 CUDA rewards [B] (and mask / weighted_kl [B, T]) in,
+# float32 CUDA tensors out. The group layout (``n`` or ``uid``) is built on the host (a uid
+# CUDA tensor is read back) and uploaded; each call reads the kernels' status (waits).
+
+
+def _host_uid(uid):
+    return uid.cpu() if is_cuda(uid) else uid
+
+
+def _rewards(func, t):
+    r = _f32(func, "rewards", t["rewards"])
+    if r.dim() != 1:
+        raise ValueError(f"{func}: `rewards` must be 1-D [B], got shape {tuple(r.shape)}")
+    return r, int(r.shape[0])
+
+
+def _sample(func, rewards, n, uid, epsilon=1e-6):
+    import torch
+
+    t, device, stream = _prepare(func, {"rewards": rewards})
+    r, batch = _rewards(func, t)
+    out = torch.empty(batch, dtype=torch.float32, device=r.device)
+    _ares.cuda_sample_advantages(device, stream, func, _ptr(r), batch, n, _host_uid(uid), float(epsilon), _ptr(out))
+    return out
+
+
+def grpo_advantages(rewards, n=None, uid=None, *, epsilon=1e-6, norm_adv_by_std=True):
+    """:func:`ares.grpo_advantages` on a float32 CUDA tensor ``rewards`` [B]: returns [B] on its
+    device, equal to the CPU's bit for bit."""
+    func = "grpo_advantages" if norm_adv_by_std else "dr_grpo_advantages"
+    return _sample(func, rewards, n, uid, epsilon)
+
+
+def dr_grpo_advantages(rewards, n=None, uid=None):
+    """:func:`ares.dr_grpo_advantages` on a float32 CUDA tensor (bit for bit the CPU's)."""
+    return _sample("dr_grpo_advantages", rewards, n, uid)
+
+
+def rloo_advantages(rewards, n=None, uid=None):
+    """:func:`ares.rloo_advantages` on a float32 CUDA tensor (bit for bit the CPU's)."""
+    return _sample("rloo_advantages", rewards, n, uid)
+
+
+def reinforce_baseline_advantages(rewards, n=None, uid=None):
+    """:func:`ares.reinforce_baseline_advantages` on a float32 CUDA tensor (bit for bit the
+    CPU's)."""
+    return _sample("reinforce_baseline_advantages", rewards, n, uid)
+
+
+def _tokens(func, rewards, mask, weighted_kl, n, uid, **options):
+    """Token advantages [B, T] of ``func``, and the whitening's (mean, var) or ``None``."""
+    import torch
+
+    t, device, stream = _prepare(func, {"rewards": rewards, "mask": mask, "weighted_kl": weighted_kl})
+    r, batch = _rewards(func, t)
+    m = _f32(func, "mask", t["mask"])
+    rows, cols = _rows_cols(func, "mask", m)
+    if rows != batch:
+        raise ValueError(f"{func}: `mask` has {rows} rows, expected {batch} (one per element of `rewards`)")
+    k = t["weighted_kl"]
+    if k is not None:
+        _same_shape(func, "weighted_kl", _f32(func, "weighted_kl", k), m.shape)
+    if cols == 0:
+        raise ValueError(f"{func}: `mask` has 0 columns")
+    out = torch.zeros((rows, cols), dtype=torch.float32, device=m.device)
+    stats = _ares.cuda_token_advantages(
+        device, stream, func, _ptr(r), rows, cols, _ptr(m), _ptr(k), n, _host_uid(uid), _ptr(out), **options
+    )
+    return out, stats
+
+
+def grpo_token_advantages(rewards, mask, n=None, uid=None, *, epsilon=1e-6, norm_adv_by_std=True):
+    """:func:`ares.grpo_token_advantages` on float32 CUDA tensors: [B, T] on their device."""
+    return _tokens("grpo_token_advantages", rewards, mask, None, n, uid, epsilon=float(epsilon),
+                   norm_adv_by_std=bool(norm_adv_by_std))[0]
+
+
+def rloo_token_advantages(rewards, mask, n=None, uid=None, *, weighted_kl=None):
+    """:func:`ares.rloo_token_advantages` on float32 CUDA tensors: [B, T] on their device."""
+    return _tokens("rloo_token_advantages", rewards, mask, weighted_kl, n, uid)[0]
+
+
+def reinforce_pp_advantages(rewards, mask, *, weighted_kl=None, gamma=1.0):
+    """:func:`ares.reinforce_pp_advantages` on float32 CUDA tensors: [B, T] on their device."""
+    return _tokens("reinforce_pp_advantages", rewards, mask, weighted_kl, None, None, gamma=float(gamma))[0]
+
+
+def reinforce_pp_baseline_advantages(rewards, mask, n=None, uid=None, *, weighted_kl=None, gamma=1.0):
+    """:func:`ares.reinforce_pp_baseline_advantages` on float32 CUDA tensors: [B, T] on their
+    device."""
+    return _tokens("reinforce_pp_baseline_advantages", rewards, mask, weighted_kl, n, uid, gamma=float(gamma))[0]
+
+
+def reinforce_pro_max(rewards, mask, n=None, uid=None, *, weighted_kl=None, uniform_scale=False, eps=1e-8,
+                      max_scale=10.0, product_cap=1e8, uniform_std=1e-8):
+    """:func:`ares.reinforce_pro_max` on float32 CUDA tensors: [B, T] on their device."""
+    return _tokens("reinforce_pro_max", rewards, mask, weighted_kl, n, uid, uniform_scale=bool(uniform_scale),
+                   eps=float(eps), max_scale=float(max_scale), product_cap=float(product_cap),
+                   uniform_std=float(uniform_std))[0]
+
+
+def masked_whiten(values, mask):
+    """:func:`ares.masked_whiten` on float32 CUDA tensors [rows, cols]: returns ``(whitened, mean,
+    var)``, the whitened values a new tensor on their device."""
+    func = "masked_whiten"
+    t, device, stream = _prepare(func, {"values": values, "mask": mask})
+    v = _f32(func, "values", t["values"])
+    rows, cols = _rows_cols(func, "values", v)
+    m = _f32(func, "mask", t["mask"])
+    _same_shape(func, "mask", m, v.shape)
+    if rows == 0 or cols == 0:
+        raise ValueError(f"{func}: mask must have at least one element (or one valid element), and has none")
+    out = v.clone()
+    mean, var = _ares.cuda_masked_whiten(device, stream, _ptr(out), _ptr(m), rows, cols)
+    return out, mean, var

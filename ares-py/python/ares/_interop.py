@@ -29,6 +29,16 @@ CUDA_FUNCTIONS = (
     "row_percentile",
     "masked_dynamic_kl",
     "policy_loss",
+    "grpo_advantages",
+    "dr_grpo_advantages",
+    "rloo_advantages",
+    "reinforce_baseline_advantages",
+    "grpo_token_advantages",
+    "rloo_token_advantages",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "reinforce_pro_max",
+    "masked_whiten",
 )
 
 # (function name, argument name) pairs that take bfloat16 bits
