@@ -65,9 +65,20 @@ pub enum TokenEstimator {
     ProMax(ProMaxConfig<f32>),
 }
 
+impl SampleEstimator {
+    /// The estimator's name in core's errors (`GroupTooSmall`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            SampleEstimator::Grpo(c) => c.estimator(),
+            SampleEstimator::Rloo => "rloo",
+            SampleEstimator::ReinforceBaseline => "reinforce_baseline",
+        }
+    }
+}
+
 impl TokenEstimator {
-    /// The estimator's name in core's errors.
-    fn name(&self) -> &'static str {
+    /// The estimator's name in core's errors (`GroupTooSmall`).
+    pub fn name(&self) -> &'static str {
         match self {
             TokenEstimator::Grpo(c) => c.estimator(),
             TokenEstimator::Rloo => "rloo",
@@ -239,24 +250,20 @@ impl Cuda {
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         const KERNEL: &str = "group_scores";
-        let (name, kind, eps) = match estimator {
+        let (kind, eps) = match estimator {
             SampleEstimator::Grpo(c) => {
                 c.check().map_err(|source| Error::Invalid {
                     kernel: KERNEL,
                     source,
                 })?;
-                (
-                    c.estimator(),
-                    if c.norm_adv_by_std { 0 } else { 1 },
-                    c.epsilon,
-                )
+                (if c.norm_adv_by_std { 0 } else { 1 }, c.epsilon)
             }
-            SampleEstimator::Rloo => ("rloo", 2, 0.0),
-            SampleEstimator::ReinforceBaseline => ("reinforce_baseline", 1, 0.0),
+            SampleEstimator::Rloo => (2, 0.0),
+            SampleEstimator::ReinforceBaseline => (1, 0.0),
         };
         check_len(KERNEL, "rewards", groups.batch(), rewards.len())?;
         check_len(KERNEL, "out", groups.batch(), out.len())?;
-        let layout = self.upload_groups(KERNEL, name, groups)?;
+        let layout = self.upload_groups(KERNEL, estimator.name(), groups)?;
         let mut status = self.new_status()?;
         self.group_scores(&layout, rewards, kind, eps, 0.0, out, None, &mut status)?;
         self.finish_status(KERNEL, &status)

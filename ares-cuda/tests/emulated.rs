@@ -10,6 +10,8 @@
 //! Every test's name starts with `kernel_on_cpu_` (CI's reruns on narrower CPU paths skip
 //! them: the emulation does not depend on the path).
 
+#[path = "common/advantage_batch.rs"]
+mod advantage_batch;
 #[path = "common/loss_reference.rs"]
 mod loss_reference;
 

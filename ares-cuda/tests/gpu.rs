@@ -2,6 +2,8 @@
 //! before each run. Needs a GPU: without one each test is skipped with a message, unless
 //! `ARES_REQUIRE_GPU=1` (set by `scripts/gpu-bundle.sh`'s runner), which makes it fail.
 
+#[path = "common/advantage_batch.rs"]
+mod advantage_batch;
 #[path = "common/loss_reference.rs"]
 mod loss_reference;
 
@@ -762,41 +764,24 @@ fn fused_linear_head_matches_the_cpu_twin() {
 
 #[test]
 fn advantage_estimators_match_core() {
+    use advantage_batch::Case;
     use ares_core::advantage::{self as adv, GrpoConfig, ProMaxConfig, ResponseTokens};
     use ares_core::{Groups, Shape};
     use ares_cuda::{DeviceTokens, SampleEstimator, TokenEstimator};
     let Some(mut cuda) = gpu_or_skip() else {
         return;
     };
-    let mut rng = Rng(0xAD7);
+    let mut rng = loss_reference::Rng(0xAD7);
     for (groups_n, cols) in [(3usize, 1usize), (64, 700), (256, 4096)] {
-        // groups of 2–5 keyed by uid, shuffled; every 4th group of equal rewards
-        let mut uids = Vec::new();
-        let mut rewards = Vec::new();
-        for g in 0..groups_n {
-            for _ in 0..2 + (rng.unit() * 4.0) as usize {
-                uids.push(g as u64);
-                rewards.push(if g % 4 == 1 {
-                    0.5
-                } else {
-                    rng.unit() * 4.0 - 1.0
-                });
-            }
-        }
-        for i in (1..uids.len()).rev() {
-            let j = (rng.unit() * (i + 1) as f32) as usize % (i + 1);
-            uids.swap(i, j);
-            rewards.swap(i, j);
-        }
-        let rows = uids.len();
-        let mut mask = vec![0.0f32; rows * cols];
-        for r in 0..rows {
-            let len = 1 + (rng.unit() * cols as f32) as usize % cols;
-            for t in 0..len {
-                mask[r * cols + t] = f32::from(rng.unit() > 0.1 || t + 1 == len);
-            }
-        }
-        let kl: Vec<f32> = (0..rows * cols).map(|_| rng.unit() * 0.07 - 0.02).collect();
+        let case = Case::new(&mut rng, groups_n, cols);
+        let (rows, cols) = (case.rows(), case.cols);
+        let Case {
+            rewards,
+            uids,
+            mask,
+            kl,
+            ..
+        } = case;
         let mut scratch = vec![0usize; 2 * rows + 1];
         let groups = Groups::by_uid(&uids, &mut scratch).expect("layout");
         let shape = Shape { rows, cols };

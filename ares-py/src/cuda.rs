@@ -782,7 +782,11 @@ fn sample_estimator(func: &str, epsilon: f64) -> PyResult<SampleEstimator> {
         "dr_grpo_advantages" => grpo(false),
         "rloo_advantages" => SampleEstimator::Rloo,
         "reinforce_baseline_advantages" => SampleEstimator::ReinforceBaseline,
-        _ => return Err(value_error(format!("no CUDA per-sample estimator {func:?}"))),
+        _ => {
+            return Err(value_error(format!(
+                "no CUDA per-sample estimator {func:?}"
+            )));
+        }
     })
 }
 
@@ -806,11 +810,7 @@ fn cuda_sample_advantages(
 ) -> PyResult<()> {
     let estimator = sample_estimator(func, epsilon)?;
     let spec = GroupSpec::new(func, n, uid, batch)?;
-    let name = match estimator {
-        SampleEstimator::Grpo(c) => c.estimator(),
-        SampleEstimator::Rloo => "rloo",
-        SampleEstimator::ReinforceBaseline => "reinforce_baseline",
-    };
+    let name = estimator.name();
     // a group of one: core's error, with the uid named (GroupSpec::run)
     spec.run(py, func, batch, |groups| {
         groups.require_pairs(name)?;
@@ -913,7 +913,13 @@ fn cuda_token_advantages(
                     weighted_kl: k.as_ref().map(|k| k.as_view()),
                     cols,
                 };
-                cuda.token_advantages(groups, &r.as_view(), tokens, estimator, &mut o.as_view_mut())
+                cuda.token_advantages(
+                    groups,
+                    &r.as_view(),
+                    tokens,
+                    estimator,
+                    &mut o.as_view_mut(),
+                )
             }
         })
     };
@@ -921,12 +927,7 @@ fn cuda_token_advantages(
         TokenEstimator::ReinforcePp { .. } => py.detach(|| run(None))?,
         _ => {
             let spec = GroupSpec::new(func, n, uid, rows)?;
-            let name = match estimator {
-                TokenEstimator::Grpo(c) => c.estimator(),
-                TokenEstimator::Rloo => "rloo",
-                TokenEstimator::ProMax(_) => "reinforce_pro_max",
-                _ => "reinforce_baseline",
-            };
+            let name = estimator.name();
             spec.run(py, func, rows, |groups| {
                 groups.require_pairs(name)?;
                 Ok(run(Some(groups)))

@@ -3,7 +3,8 @@
 // `emulated.rs`: it shares its build of the kernels).
 
 use super::kernels;
-use super::loss_reference::Rng;
+use crate::advantage_batch::Case;
+use crate::loss_reference::Rng;
 use ares_core::advantage::{self as adv, GrpoConfig, ProMaxConfig, ResponseTokens};
 use ares_core::{Groups, Shape};
 use ares_cuda::TokenEstimator;
@@ -46,64 +47,6 @@ type Normalize =
 const GROUP_BLOCK: u32 = 128;
 const ROW_BLOCK: u32 = 256;
 
-/// A batch of `rows` responses of up to `cols` tokens in groups keyed by uid (sizes 2–5,
-/// rows shuffled), with holes in the masks, groups of equal rewards and a weighted KL.
-struct Case {
-    cols: usize,
-    rewards: Vec<f32>,
-    uids: Vec<u64>,
-    mask: Vec<f32>,
-    kl: Vec<f32>,
-}
-
-impl Case {
-    fn new(rng: &mut Rng, groups: usize, cols: usize) -> Self {
-        let mut uids = Vec::new();
-        let mut rewards = Vec::new();
-        for g in 0..groups {
-            let n = 2 + (rng.unit() * 4.0) as usize;
-            let flat = g % 4 == 1;
-            let binary = g % 4 == 2;
-            for _ in 0..n {
-                uids.push(g as u64 * 7919);
-                rewards.push(if flat {
-                    0.5
-                } else if binary {
-                    f32::from(rng.unit() < 0.5)
-                } else {
-                    rng.range(-2.0, 3.0)
-                });
-            }
-        }
-        // shuffle the rows (Fisher–Yates), so groups are not contiguous
-        for i in (1..uids.len()).rev() {
-            let j = (rng.unit() * (i + 1) as f32) as usize % (i + 1);
-            uids.swap(i, j);
-            rewards.swap(i, j);
-        }
-        let rows = uids.len();
-        let mut mask = vec![0.0f32; rows * cols];
-        for r in 0..rows {
-            let len = 1 + (rng.unit() * cols as f32) as usize % cols;
-            for t in 0..len {
-                mask[r * cols + t] = f32::from(rng.unit() > 0.1 || t + 1 == len);
-            }
-        }
-        let kl = (0..rows * cols).map(|_| rng.range(-0.02, 0.05)).collect();
-        Case {
-            cols,
-            rewards,
-            uids,
-            mask,
-            kl,
-        }
-    }
-
-    fn rows(&self) -> usize {
-        self.rewards.len()
-    }
-}
-
 /// The row lists of `groups`, as `advantage_ops.rs` uploads them.
 fn layout(groups: &Groups<'_>) -> (Vec<i32>, Vec<i32>) {
     let mut rows = Vec::new();
@@ -113,6 +56,41 @@ fn layout(groups: &Groups<'_>) -> (Vec<i32>, Vec<i32>) {
         offsets.push(rows.len() as i32);
     }
     (rows, offsets)
+}
+
+/// `whiten_stats` then `whiten_apply` over `values` (`[rows, cols]`, rows = moments / 3), as
+/// `advantage_ops.rs` queues them; returns the stats.
+fn whiten_launches(
+    lib: &libloading::Library,
+    moments: &[f32],
+    values: &mut [f32],
+    mask: &[f32],
+    status: &mut [u32; 2],
+) -> [f32; 4] {
+    let stats_k = launcher!(lib, "emu_whiten_stats", Stats);
+    let apply_k = launcher!(lib, "emu_whiten_apply", Apply);
+    let mut stats = [f32::NAN; 4];
+    // SAFETY: [rows, 3] moments, four stats, `values` and `mask` of one length.
+    unsafe {
+        stats_k(
+            1,
+            256,
+            moments.as_ptr(),
+            (moments.len() / 3) as i64,
+            adv::WHITEN_VAR_FLOOR as f32,
+            stats.as_mut_ptr(),
+            status.as_mut_ptr(),
+        );
+        apply_k(
+            values.len().div_ceil(ROW_BLOCK as usize) as u32,
+            ROW_BLOCK,
+            values.as_mut_ptr(),
+            mask.as_ptr(),
+            values.len() as i64,
+            stats.as_ptr(),
+        );
+    }
+    stats
 }
 
 /// What the device pipeline returns: token values, status words, whitening stats.
@@ -134,8 +112,6 @@ fn device_tokens(
 ) -> Device {
     let scores_k = launcher!(lib, "emu_group_scores", Scores);
     let returns_k = launcher!(lib, "emu_token_returns", Returns);
-    let stats_k = launcher!(lib, "emu_whiten_stats", Stats);
-    let apply_k = launcher!(lib, "emu_whiten_apply", Apply);
     let normalize_k = launcher!(lib, "emu_pro_max_normalize", Normalize);
     let rows = rewards.len();
     let (group_rows, offsets) = layout(groups);
@@ -207,28 +183,11 @@ fn device_tokens(
             status.as_mut_ptr(),
         )
     };
-    let mut stats = [f32::NAN; 4];
-    if whiten {
-        unsafe {
-            stats_k(
-                1,
-                256,
-                moments.as_ptr(),
-                rows as i64,
-                adv::WHITEN_VAR_FLOOR as f32,
-                stats.as_mut_ptr(),
-                status.as_mut_ptr(),
-            );
-            apply_k(
-                (rows * cols).div_ceil(ROW_BLOCK as usize) as u32,
-                ROW_BLOCK,
-                out.as_mut_ptr(),
-                mask.as_ptr(),
-                (rows * cols) as i64,
-                stats.as_ptr(),
-            );
-        }
-    }
+    let stats = if whiten {
+        whiten_launches(lib, &moments, &mut out, mask, &mut status)
+    } else {
+        [f32::NAN; 4]
+    };
     if let TokenEstimator::ProMax(c) = est {
         assert!(pro_max);
         let skip = if c.uniform_scale {
@@ -512,8 +471,6 @@ fn kernel_on_cpu_advantage_kernels_flag_what_core_rejects() {
 fn kernel_on_cpu_masked_whiten_matches_core() {
     let Some(lib) = kernels() else { return };
     let moments_k = launcher!(lib, "emu_masked_row_moments", RowMoments);
-    let stats_k = launcher!(lib, "emu_whiten_stats", Stats);
-    let apply_k = launcher!(lib, "emu_whiten_apply", Apply);
     let mut rng = Rng(0x3417);
     for (groups_n, cols, offset) in [(1usize, 3usize, 0.0f32), (20, 500, 1e3), (50, 64, -7.0)] {
         let case = Case::new(&mut rng, groups_n, cols);
@@ -522,8 +479,7 @@ fn kernel_on_cpu_masked_whiten_matches_core() {
         let mut want = values.clone();
         let s = adv::masked_whiten(Shape { rows, cols }, &mut want, &case.mask).expect("core");
         let mut got = values.clone();
-        let (mut moments, mut stats, mut status) =
-            (vec![0.0f32; 3 * rows], [0.0f32; 4], [u32::MAX, 0]);
+        let (mut moments, mut status) = (vec![0.0f32; 3 * rows], [u32::MAX, 0]);
         // SAFETY: [rows, cols] values and mask, [rows, 3] moments, four stats.
         unsafe {
             moments_k(
@@ -535,24 +491,8 @@ fn kernel_on_cpu_masked_whiten_matches_core() {
                 moments.as_mut_ptr(),
                 status.as_mut_ptr(),
             );
-            stats_k(
-                1,
-                256,
-                moments.as_ptr(),
-                rows as i64,
-                adv::WHITEN_VAR_FLOOR as f32,
-                stats.as_mut_ptr(),
-                status.as_mut_ptr(),
-            );
-            apply_k(
-                (rows * cols).div_ceil(ROW_BLOCK as usize) as u32,
-                ROW_BLOCK,
-                got.as_mut_ptr(),
-                case.mask.as_ptr(),
-                (rows * cols) as i64,
-                stats.as_ptr(),
-            );
         }
+        let stats = whiten_launches(lib, &moments, &mut got, &case.mask, &mut status);
         let what = format!("{rows}×{cols} offset {offset}");
         assert_eq!(status, [u32::MAX, 0], "{what}");
         assert_eq!(stats[3] as usize, s.valid_tokens, "{what}");

@@ -33,28 +33,10 @@ import os
 import sys
 
 from . import _ares
+from ._interop import CUDA_FUNCTIONS
 
-__all__ = [
-    "is_cuda",
-    "log_prob_entropy",
-    "log_prob_entropy_backward",
-    "linear_log_prob_entropy",
-    "linear_log_prob_entropy_backward",
-    "entropy_windows",
-    "row_percentile",
-    "masked_dynamic_kl",
-    "policy_loss",
-    "grpo_advantages",
-    "dr_grpo_advantages",
-    "rloo_advantages",
-    "reinforce_baseline_advantages",
-    "grpo_token_advantages",
-    "rloo_token_advantages",
-    "reinforce_pp_advantages",
-    "reinforce_pp_baseline_advantages",
-    "reinforce_pro_max",
-    "masked_whiten",
-]
+# what `ares` routes here (ares._interop.CUDA_FUNCTIONS), and the backward they build on
+__all__ = ["is_cuda", "log_prob_entropy_backward", *CUDA_FUNCTIONS]
 
 _FLOAT_LOGITS = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 _nvrtc_tried = False
