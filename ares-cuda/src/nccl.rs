@@ -6,11 +6,18 @@
 //!
 //! [`NcclComm::all_gather_bytes`] carries the runner's collective operations: each rank's
 //! bytes (of any length, padded to the longest on the device) gathered in rank order.
+//!
+//! Faults: every wait polls the stream and NCCL's asynchronous error of the communicator. An
+//! error a peer's failure raises here (a closed connection, a remote error) or a wait past
+//! `ARES_COLLECTIVE_TIMEOUT` aborts the communicator (`ncclCommAbort`, which also stops its
+//! kernels still spinning on the stream) and is an error naming the collective; the
+//! communicator refuses every later call. The handle is NCCL's own (cudarc's `Comm` keeps
+//! its handle private, and both the error query and the abort need it).
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use cudarc::nccl::{Comm, Id, ReduceOp};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut};
+use cudarc::nccl::{Id, result, sys};
 
 use crate::error::{DriverContext, Error, Result};
 
@@ -45,12 +52,70 @@ pub fn unique_id() -> Result<[u8; 128]> {
     Ok(id.internal().map(|c| c as u8))
 }
 
-/// An NCCL communicator that may move between threads.
-struct SendComm(Comm);
+/// An element type NCCL moves.
+trait Wire {
+    const TYPE: sys::ncclDataType_t;
+}
+impl Wire for f32 {
+    const TYPE: sys::ncclDataType_t = sys::ncclDataType_t::ncclFloat32;
+}
+impl Wire for u64 {
+    const TYPE: sys::ncclDataType_t = sys::ncclDataType_t::ncclUint64;
+}
+impl Wire for u8 {
+    const TYPE: sys::ncclDataType_t = sys::ncclDataType_t::ncclUint8;
+}
+
+/// NCCL's communicator handle, and why it was aborted (it then runs nothing more).
+struct RawComm {
+    comm: sys::ncclComm_t,
+    aborted: Option<String>,
+}
 
 // SAFETY: NCCL lets any host thread call a communicator so long as no two calls on it
 // overlap; `NcclComm` only reaches it through its mutex.
-unsafe impl Send for SendComm {}
+unsafe impl Send for RawComm {}
+
+impl Drop for RawComm {
+    fn drop(&mut self) {
+        if self.aborted.is_none() {
+            // SAFETY: the handle came from ncclCommInitRank and is released once; every
+            // collective queued on it was waited for. Abort (as cudarc's `Comm` does) returns
+            // at once even if a peer is gone.
+            let _ = unsafe { result::comm_abort(self.comm) };
+        }
+    }
+}
+
+impl RawComm {
+    /// An error if the communicator was aborted.
+    fn usable(&self, what: &str) -> Result<()> {
+        match &self.aborted {
+            None => Ok(()),
+            Some(why) => Err(Error::BadArgument {
+                kernel: "nccl",
+                message: format!("{what}: the communicator was aborted earlier ({why})"),
+            }),
+        }
+    }
+
+    /// NCCL's asynchronous error of the communicator, if it has one.
+    fn async_error(&self) -> Option<result::NcclError> {
+        let mut state = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: the handle is alive (not aborted: callers check); NCCL writes one value.
+        let queried = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
+        queried.result().err().or_else(|| state.result().err())
+    }
+
+    /// Aborts the communicator (its kernels stop, its resources are freed) for `why`.
+    fn abort(&mut self, why: String) {
+        if self.aborted.is_none() {
+            // SAFETY: the handle is alive and released here once (Drop skips it after).
+            let _ = unsafe { result::comm_abort(self.comm) };
+            self.aborted = Some(why);
+        }
+    }
+}
 
 /// A collective of [`NcclComm::grouped_f32`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,7 +128,7 @@ pub enum GroupOp {
 
 /// This process's rank in an NCCL communicator, on one device.
 pub struct NcclComm {
-    comm: Mutex<SendComm>,
+    comm: Mutex<RawComm>,
     stream: Arc<CudaStream>,
     rank: usize,
     world: usize,
@@ -76,6 +141,14 @@ impl std::fmt::Debug for NcclComm {
             .field("world", &self.world)
             .finish_non_exhaustive()
     }
+}
+
+/// `n` as NCCL's `int`.
+fn c_int(what: &str, n: usize) -> Result<core::ffi::c_int> {
+    core::ffi::c_int::try_from(n).map_err(|_| Error::BadArgument {
+        kernel: "nccl",
+        message: format!("{what} = {n} exceeds 2^31 - 1"),
+    })
 }
 
 impl NcclComm {
@@ -93,13 +166,27 @@ impl NcclComm {
         if !nccl_available() {
             return Err(missing());
         }
+        let (rank_c, world_c) = (c_int("rank", rank)?, c_int("world", world)?);
         let ctx = CudaContext::new(ordinal).during(format!("opening CUDA device {ordinal}"))?;
+        // NCCL's calls act on the current context: this device's
+        ctx.bind_to_thread()
+            .during(format!("binding CUDA device {ordinal}"))?;
         let stream = ctx.new_stream().during("creating NCCL's stream")?;
-        let id = Id::uninit(id.map(|b| b as core::ffi::c_char));
-        let comm = Comm::from_rank(Arc::clone(&stream), rank, world, id)
-            .map_err(|e| nccl("ncclCommInitRank", &e))?;
+        let id = sys::ncclUniqueId {
+            internal: id.map(|b| b as core::ffi::c_char),
+        };
+        let mut comm = std::mem::MaybeUninit::uninit();
+        // SAFETY: NCCL writes the handle on success; the id is the one rank 0 made.
+        let comm = unsafe {
+            result::comm_init_rank(comm.as_mut_ptr(), world_c, id, rank_c)
+                .map_err(|e| nccl("ncclCommInitRank", &e))?;
+            comm.assume_init()
+        };
         Ok(Self {
-            comm: Mutex::new(SendComm(comm)),
+            comm: Mutex::new(RawComm {
+                comm,
+                aborted: None,
+            }),
             stream,
             rank,
             world,
@@ -125,7 +212,8 @@ impl NcclComm {
     ///
     /// # Errors
     /// A `len` past its buffer, a root past the world or missing for a broadcast; a CUDA or
-    /// NCCL failure.
+    /// NCCL failure; an asynchronous NCCL error or the timeout (the communicator is then
+    /// aborted).
     pub fn grouped_f32(
         &self,
         op: GroupOp,
@@ -135,46 +223,13 @@ impl NcclComm {
             GroupOp::Sum => "sum",
             GroupOp::Broadcast => "broadcast",
         };
-        let run = |comm: &Comm,
-                   view: &mut cudarc::driver::CudaViewMut<'_, f32>,
-                   root: Option<usize>| {
-            match (op, root) {
-                (GroupOp::Sum, None) => comm.all_reduce_in_place(view, &ReduceOp::Sum).map(drop),
-                (GroupOp::Sum, Some(r)) => comm
-                    .reduce_in_place(view, &ReduceOp::Sum, r as i32)
-                    .map(drop),
-                (GroupOp::Broadcast, r) => comm
-                    .broadcast_in_place(view, r.unwrap_or(0) as i32)
-                    .map(drop),
-            }
-        };
         if op == GroupOp::Broadcast && items.iter().any(|(_, _, r)| r.is_none()) {
             return Err(Error::BadArgument {
                 kernel: "nccl",
                 message: "a broadcast needs a root for every buffer".into(),
             });
         }
-        self.grouped(
-            what,
-            items.iter_mut().map(|(b, n, r)| (&mut **b, *n, *r)),
-            run,
-        )
-    }
-
-    /// Runs `op` on each `(buffer, len, root)` between `ncclGroupStart` and `ncclGroupEnd`
-    /// (so NCCL fuses them into few launches: the buckets), then waits.
-    fn grouped<'a>(
-        &self,
-        what: &str,
-        items: impl Iterator<Item = (&'a mut CudaSlice<f32>, usize, Option<usize>)>,
-        op: impl Fn(
-            &Comm,
-            &mut cudarc::driver::CudaViewMut<'_, f32>,
-            Option<usize>,
-        ) -> std::result::Result<(), cudarc::nccl::result::NcclError>,
-    ) -> Result<()> {
-        let items: Vec<_> = items.collect();
-        for (b, n, root) in &items {
+        for (b, n, root) in items.iter() {
             if *n > b.len() || root.is_some_and(|r| r >= self.world) {
                 return Err(Error::BadArgument {
                     kernel: "nccl",
@@ -186,35 +241,70 @@ impl NcclComm {
                 });
             }
         }
-        let comm = self
+        let mut comm = self
             .comm
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        cudarc::nccl::result::group_start().map_err(|e| nccl("ncclGroupStart", &e))?;
+        comm.usable(what)?;
+        result::group_start().map_err(|e| nccl("ncclGroupStart", &e))?;
         let mut failed = None;
-        for (b, n, root) in items {
-            if n == 0 {
+        for (b, n, root) in items.iter_mut() {
+            if *n == 0 {
                 continue;
             }
-            let mut view = b.slice_mut(0..n);
-            if let Err(e) = op(&comm.0, &mut view, root) {
+            let mut view = b.slice_mut(0..*n);
+            if let Err(e) = self.in_place(&comm, op, &mut view, *root) {
                 failed = Some(e);
                 break;
             }
         }
         // the group is closed whatever happened inside it
-        let ended = cudarc::nccl::result::group_end();
+        let ended = result::group_end();
         if let Some(e) = failed {
             return Err(nccl(&format!("{what} (in a group)"), &e));
         }
         ended.map_err(|e| nccl("ncclGroupEnd", &e))?;
-        self.wait(what)
+        self.wait(&mut comm, what)
     }
 
-    /// Waits for NCCL's stream, polling it so that a rank that died or hangs cannot hold
-    /// this one forever: after `ARES_COLLECTIVE_TIMEOUT` seconds (600 by default) the wait
-    /// is an error saying so (the runner then stops, and the TCP meeting names the rank).
-    fn wait(&self, what: &str) -> Result<()> {
+    /// Queues one in-place collective on `view`: all-reduce (`Sum`, no root), reduce to
+    /// `root` (`Sum`), broadcast from `root`.
+    fn in_place(
+        &self,
+        comm: &RawComm,
+        op: GroupOp,
+        view: &mut CudaViewMut<'_, f32>,
+        root: Option<usize>,
+    ) -> std::result::Result<(), result::NcclError> {
+        let count = view.len();
+        let stream = self.stream.cu_stream() as sys::cudaStream_t;
+        let (ptr, _record) = view.device_ptr_mut(&self.stream);
+        let (buf, sum) = (ptr as *mut core::ffi::c_void, sys::ncclRedOp_t::ncclSum);
+        // roots were checked < world (a c_int)
+        let at = |r: Option<usize>| r.unwrap_or(0) as core::ffi::c_int;
+        // SAFETY: `buf` holds `count` f32 on this communicator's device, alive until the wait
+        // that follows (the caller holds the borrow); send and receive buffers may coincide.
+        unsafe {
+            match (op, root) {
+                (GroupOp::Sum, None) => {
+                    result::all_reduce(buf, buf, count, f32::TYPE, sum, comm.comm, stream)
+                }
+                (GroupOp::Sum, Some(_)) => {
+                    result::reduce(buf, buf, count, f32::TYPE, sum, at(root), comm.comm, stream)
+                }
+                (GroupOp::Broadcast, _) => {
+                    result::broadcast(buf, buf, count, f32::TYPE, at(root), comm.comm, stream)
+                }
+            }
+        }
+        .map(drop)
+    }
+
+    /// Waits for NCCL's stream, polling it and the communicator's asynchronous error, so
+    /// that a rank that died or hangs cannot hold this one forever: an asynchronous error,
+    /// or `ARES_COLLECTIVE_TIMEOUT` seconds (600 by default), aborts the communicator and is
+    /// an error saying so (the runner then stops, and the TCP meeting names the rank).
+    fn wait(&self, comm: &mut RawComm, what: &str) -> Result<()> {
         let timeout = std::env::var("ARES_COLLECTIVE_TIMEOUT")
             .ok()
             .and_then(|v| v.parse::<u64>().ok())
@@ -228,7 +318,19 @@ impl NcclComm {
                 cudarc::driver::sys::CUresult::CUDA_ERROR_NOT_READY => {}
                 _ => return self.stream.synchronize().during(format!("nccl: {what}")),
             }
+            if let Some(e) = comm.async_error() {
+                let why = format!("NCCL reported {:?} during {what}", e.0);
+                comm.abort(why.clone());
+                return Err(Error::BadArgument {
+                    kernel: "nccl",
+                    message: format!(
+                        "{why} (a peer rank failed or its connection dropped); the \
+                         communicator is aborted"
+                    ),
+                });
+            }
             if start.elapsed().as_secs() >= timeout {
+                comm.abort(format!("{what} timed out after {timeout} s"));
                 return Err(Error::CollectiveTimeout {
                     what: what.to_string(),
                     secs: timeout,
@@ -238,19 +340,46 @@ impl NcclComm {
         }
     }
 
+    /// Queues an all-gather of `send` (`count` values per rank) into `recv`.
+    fn all_gather<T: Wire + cudarc::driver::DeviceRepr>(
+        &self,
+        comm: &RawComm,
+        send: &CudaSlice<T>,
+        recv: &mut CudaSlice<T>,
+    ) -> std::result::Result<(), result::NcclError> {
+        let stream = self.stream.cu_stream() as sys::cudaStream_t;
+        let count = send.len();
+        let (src, _read) = send.device_ptr(&self.stream);
+        let (dst, _write) = recv.device_ptr_mut(&self.stream);
+        // SAFETY: `recv` holds world · count values (the callers size it), both buffers on
+        // this communicator's device and alive until the wait that follows.
+        unsafe {
+            result::all_gather(
+                src as *const core::ffi::c_void,
+                dst as *mut core::ffi::c_void,
+                count,
+                T::TYPE,
+                comm.comm,
+                stream,
+            )
+        }
+        .map(drop)
+    }
+
     /// Every rank's `mine`, in rank order: the lengths gathered first, then the bytes
     /// padded to the longest.
     ///
     /// # Errors
-    /// A CUDA or NCCL failure (a rank that died makes NCCL fail or hang; the runner's
-    /// timeout names it).
+    /// A CUDA or NCCL failure; an asynchronous NCCL error or the timeout (the communicator
+    /// is then aborted; a rank that died makes NCCL fail or hang, and the runner's TCP
+    /// meeting names it).
     pub fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         let world = self.world;
-        let comm = self
+        let mut comm = self
             .comm
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let comm = &comm.0;
+        comm.usable("all-gather")?;
         let s = &self.stream;
         let len = s
             .clone_htod(&[mine.len() as u64])
@@ -258,8 +387,9 @@ impl NcclComm {
         let mut lens = s
             .alloc_zeros::<u64>(world)
             .during("nccl: allocate lengths")?;
-        comm.all_gather(&len, &mut lens)
+        self.all_gather(&comm, &len, &mut lens)
             .map_err(|e| nccl("ncclAllGather (lengths)", &e))?;
+        self.wait(&mut comm, "all-gather (lengths)")?;
         let lens: Vec<usize> = s
             .clone_dtoh(&lens)
             .during("nccl: download lengths")?
@@ -276,8 +406,9 @@ impl NcclComm {
         let mut recv = s
             .alloc_zeros::<u8>(longest * world)
             .during("nccl: allocate bytes")?;
-        comm.all_gather(&send, &mut recv)
+        self.all_gather(&comm, &send, &mut recv)
             .map_err(|e| nccl("ncclAllGather (bytes)", &e))?;
+        self.wait(&mut comm, "all-gather (bytes)")?;
         let all = s.clone_dtoh(&recv).during("nccl: download bytes")?;
         Ok(lens
             .iter()
