@@ -912,7 +912,9 @@ extern "C" __global__ void policy_loss(
 // or KL folding + returns-to-go, with per-row moments), batch whitening, Pro Max's per-group
 // α/β. Groups come from the host as `group_rows` + `offsets`: group g is the rows
 // group_rows[offsets[g] .. offsets[g + 1]], in the order core visits them. Bad input is
-// flagged in `status` (status[0]: smallest flagged flat index, status[1]: the bits below).
+// flagged in `status`: status[1] the bits below, status[0] the smallest flagged token (flat
+// index), status[2] the smallest row with a non-finite reward (kept apart: core reports the
+// rewards first, so their row must not mix with a token's index).
 #define ADV_BAD_REWARD 1u   // non-finite reward (index: its row)
 #define ADV_BAD_MASK 2u     // mask entry not 0/1
 #define ADV_BAD_KL 4u       // non-finite weighted KL (any position)
@@ -920,6 +922,11 @@ extern "C" __global__ void policy_loss(
 #define ADV_BAD_VALUE 16u   // non-finite value (whitening input)
 #define ADV_OVERFLOW 32u    // finite inputs whose results overflow
 #define ADV_EMPTY_MASK 64u  // no valid token in the batch (whitening)
+
+__device__ __forceinline__ void adv_bad_reward(unsigned* status, long long row) {
+    atomicMin(status + 2, (unsigned)row);
+    atomicOr(status + 1, ADV_BAD_REWARD);
+}
 
 // Per-sample scores, one thread per group, summed in core's order (`group_moments`: Σr in row
 // order, mean = Σ/n, m2 = Σ(r − mean)² in row order; every step rounded as written, so the
@@ -943,7 +950,7 @@ extern "C" __global__ void group_scores(const float* __restrict__ rewards,
     for (int i = lo; i < hi; i++) {
         const int row = group_rows[i];
         const float r = rewards[row];
-        if (!is_finite(r)) loss_bad(status, row, ADV_BAD_REWARD);
+        if (!is_finite(r)) adv_bad_reward(status, row);
         sum = __fadd_rn(sum, r);
         all_equal &= r == first;
     }
@@ -1023,7 +1030,7 @@ extern "C" __global__ void token_returns(const float* __restrict__ scores,
     const float score = scores[row];
     // REINFORCE++'s scores are the rewards themselves (group_scores flags the others')
     if (check_scores && threadIdx.x == 0 && !is_finite(score))
-        loss_bad(status, row, ADV_BAD_REWARD);
+        adv_bad_reward(status, row);
     if (threadIdx.x == 0) last_valid = -1;
     __syncthreads();
     long long last = -1;

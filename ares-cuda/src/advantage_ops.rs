@@ -108,12 +108,12 @@ struct DeviceGroups {
 }
 
 /// What the kernels flagged, as core's error; `Ok` when nothing was.
-fn read_status(kernel: &'static str, [index, bits]: [u32; 2]) -> Result<()> {
+fn read_status(kernel: &'static str, [index, bits, reward_row]: [u32; 3]) -> Result<()> {
     let index = index as usize;
     let err = if bits & BAD_REWARD != 0 {
         ares_core::Error::NonFinite {
             what: "rewards",
-            index,
+            index: reward_row as usize,
         }
     } else if bits & BAD_VALUE != 0 {
         ares_core::Error::NonFinite {
@@ -219,10 +219,11 @@ impl Cuda {
         Ok(())
     }
 
-    /// A zeroed `[index, bits]` status pair (index starts at `u32::MAX`).
+    /// A cleared status: `[first bad token, bits, first bad reward row]` (indices start at
+    /// `u32::MAX`).
     fn new_status(&self) -> Result<CudaSlice<u32>> {
         self.stream
-            .clone_htod(&[u32::MAX, 0])
+            .clone_htod(&[u32::MAX, 0, u32::MAX])
             .during("allocating the advantage status")
     }
 
@@ -232,7 +233,7 @@ impl Cuda {
             .stream
             .clone_dtoh(status)
             .during(format!("reading the status of {kernel}"))?;
-        read_status(kernel, [s[0], s[1]])
+        read_status(kernel, [s[0], s[1], s[2]])
     }
 
     /// Per-sample advantages `[B]` from rewards `[B]` (GRPO, Dr.GRPO, RLOO,
@@ -263,6 +264,15 @@ impl Cuda {
         };
         check_len(KERNEL, "rewards", groups.batch(), rewards.len())?;
         check_len(KERNEL, "out", groups.batch(), out.len())?;
+        if groups.batch() == 0 {
+            // nothing to compute (and no empty buffer to allocate), but core's layout check
+            return groups
+                .require_pairs(estimator.name())
+                .map_err(|source| Error::Invalid {
+                    kernel: KERNEL,
+                    source,
+                });
+        }
         let layout = self.upload_groups(KERNEL, estimator.name(), groups)?;
         let mut status = self.new_status()?;
         self.group_scores(&layout, rewards, kind, eps, 0.0, out, None, &mut status)?;
@@ -340,6 +350,12 @@ impl Cuda {
         };
         let layout = match (estimator, groups) {
             (TokenEstimator::ReinforcePp { .. }, _) => None,
+            (_, Some(g)) if rows == 0 => {
+                // nothing to upload; core's layout check still applies
+                check_len(KERNEL, "rewards", g.batch(), rows)?;
+                g.require_pairs(estimator.name()).map_err(invalid)?;
+                None
+            }
             (_, Some(g)) => {
                 check_len(KERNEL, "rewards", g.batch(), rows)?;
                 Some(self.upload_groups(KERNEL, estimator.name(), g)?)
@@ -519,7 +535,7 @@ impl Cuda {
             .stream
             .clone_dtoh(&status)
             .during("reading the status")?;
-        read_status(KERNEL, [s[0], s[1]])?;
+        read_status(KERNEL, [s[0], s[1], s[2]])?;
         let stats = self.whiten_in_place(values, mask, &moments, rows, &mut status)?;
         self.finish_status(KERNEL, &status)?;
         stats.read()

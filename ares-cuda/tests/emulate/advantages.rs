@@ -65,7 +65,7 @@ fn whiten_launches(
     moments: &[f32],
     values: &mut [f32],
     mask: &[f32],
-    status: &mut [u32; 2],
+    status: &mut [u32; 3],
 ) -> [f32; 4] {
     let stats_k = launcher!(lib, "emu_whiten_stats", Stats);
     let apply_k = launcher!(lib, "emu_whiten_apply", Apply);
@@ -96,7 +96,7 @@ fn whiten_launches(
 /// What the device pipeline returns: token values, status words, whitening stats.
 struct Device {
     out: Vec<f32>,
-    status: [u32; 2],
+    status: [u32; 3],
     stats: [f32; 4],
 }
 
@@ -130,7 +130,7 @@ fn device_tokens(
             1,
         ),
     };
-    let mut status = [u32::MAX, 0];
+    let mut status = [u32::MAX, 0, u32::MAX];
     let mut scores = vec![f32::NAN; rows];
     let mut uniform = vec![7u8; count];
     let pro_max = matches!(est, TokenEstimator::ProMax(_));
@@ -283,7 +283,7 @@ fn kernel_on_cpu_group_scores_equal_cores_bit_for_bit() {
             let (mut got, mut uniform, mut status) = (
                 vec![f32::NAN; rows],
                 vec![9u8; groups.count()],
-                [u32::MAX, 0],
+                [u32::MAX, 0, u32::MAX],
             );
             let (eps, ustd) = match kind {
                 0 => (grpo.epsilon, 0.0),
@@ -307,7 +307,11 @@ fn kernel_on_cpu_group_scores_equal_cores_bit_for_bit() {
                     status.as_mut_ptr(),
                 )
             };
-            assert_eq!(status, [u32::MAX, 0], "kind {kind}: nothing flagged");
+            assert_eq!(
+                status,
+                [u32::MAX, 0, u32::MAX],
+                "kind {kind}: nothing flagged"
+            );
             for i in 0..rows {
                 assert_eq!(
                     got[i].to_bits(),
@@ -330,7 +334,7 @@ fn kernel_on_cpu_group_scores_equal_cores_bit_for_bit() {
         let mut bad = case.rewards.clone();
         let at = rows / 2;
         bad[at] = f32::NAN;
-        let (mut got, mut status) = (vec![0.0f32; rows], [u32::MAX, 0]);
+        let (mut got, mut status) = (vec![0.0f32; rows], [u32::MAX, 0, u32::MAX]);
         // SAFETY: as above (no uniform flags: null).
         unsafe {
             scores_k(
@@ -348,7 +352,7 @@ fn kernel_on_cpu_group_scores_equal_cores_bit_for_bit() {
                 status.as_mut_ptr(),
             )
         };
-        assert_eq!(status, [at as u32, 1], "NaN reward at row {at}");
+        assert_eq!(status, [u32::MAX, 1, at as u32], "NaN reward at row {at}");
     }
 }
 
@@ -390,7 +394,11 @@ fn kernel_on_cpu_token_advantages_match_core() {
                 let (want, want_stats) = core_tokens(est, &groups, &case.rewards, tokens);
                 let dev = device_tokens(lib, est, &groups, &case.rewards, &case.mask, kl, cols);
                 let what = format!("{rows}×{cols} {est:?} kl={with_kl}");
-                assert_eq!(dev.status, [u32::MAX, 0], "{what}: nothing flagged");
+                assert_eq!(
+                    dev.status,
+                    [u32::MAX, 0, u32::MAX],
+                    "{what}: nothing flagged"
+                );
                 // broadcast scores are core's values; sums in another order are within a few
                 // ulps of the row's scale (whitened values: of 1)
                 let exact =
@@ -432,7 +440,21 @@ fn kernel_on_cpu_advantage_kernels_flag_what_core_rejects() {
     let mut mask = case.mask.clone();
     mask[3 * cols + 1] = 0.5;
     let dev = device_tokens(lib, rloo, &groups, &case.rewards, &mask, None, cols);
-    assert_eq!(dev.status, [(3 * cols + 1) as u32, 2], "mask 0.5");
+    assert_eq!(dev.status, [(3 * cols + 1) as u32, 2, u32::MAX], "mask 0.5");
+    // a NaN reward in a group with an earlier row: the group's tokens overflow from the row
+    // before it, yet the reward's own row is what is named (kept apart from token indices)
+    let g = (0..groups.count())
+        .find(|&g| groups.rows_of(g).max() > groups.rows_of(g).min())
+        .expect("a group of two rows or more");
+    let at = groups.rows_of(g).max().expect("rows");
+    let mut rewards = case.rewards.clone();
+    rewards[at] = f32::NAN;
+    let dev = device_tokens(lib, rloo, &groups, &rewards, &case.mask, None, cols);
+    assert_eq!(
+        (dev.status[1] & 1, dev.status[2]),
+        (1, at as u32),
+        "NaN reward at row {at}"
+    );
     // a non-finite KL value (padding included)
     let mut kl = case.kl.clone();
     kl[rows * cols - 1] = f32::INFINITY;
@@ -450,17 +472,21 @@ fn kernel_on_cpu_advantage_kernels_flag_what_core_rejects() {
     let mut mask = case.mask.clone();
     mask[2 * cols..3 * cols].iter_mut().for_each(|m| *m = 0.0);
     let dev = device_tokens(lib, rloo, &groups, &case.rewards, &mask, None, cols);
-    assert_eq!(dev.status, [(2 * cols) as u32, 8], "empty row");
+    assert_eq!(dev.status, [(2 * cols) as u32, 8, u32::MAX], "empty row");
     let grpo = TokenEstimator::Grpo(GrpoConfig::default());
     let dev = device_tokens(lib, grpo, &groups, &case.rewards, &mask, None, cols);
-    assert_eq!(dev.status, [u32::MAX, 0], "GRPO takes an empty row");
+    assert_eq!(
+        dev.status,
+        [u32::MAX, 0, u32::MAX],
+        "GRPO takes an empty row"
+    );
     assert!(dev.out[2 * cols..3 * cols].iter().all(|&v| v == 0.0));
     // REINFORCE++ reads the rewards as they are: a NaN is flagged at its row
     let mut rewards = case.rewards.clone();
     rewards[4] = f32::NAN;
     let pp = TokenEstimator::ReinforcePp { gamma: 1.0 };
     let dev = device_tokens(lib, pp, &groups, &rewards, &case.mask, None, cols);
-    assert_eq!(dev.status[1] & 1, 1, "NaN reward");
+    assert_eq!((dev.status[1] & 1, dev.status[2]), (1, 4), "NaN reward");
     // no valid token at all: the whitening has no statistics and applies nothing
     let zeros = vec![0.0f32; rows * cols];
     let dev = device_tokens(lib, pp, &groups, &case.rewards, &zeros, None, cols);
@@ -479,7 +505,7 @@ fn kernel_on_cpu_masked_whiten_matches_core() {
         let mut want = values.clone();
         let s = adv::masked_whiten(Shape { rows, cols }, &mut want, &case.mask).expect("core");
         let mut got = values.clone();
-        let (mut moments, mut status) = (vec![0.0f32; 3 * rows], [u32::MAX, 0]);
+        let (mut moments, mut status) = (vec![0.0f32; 3 * rows], [u32::MAX, 0, u32::MAX]);
         // SAFETY: [rows, cols] values and mask, [rows, 3] moments, four stats.
         unsafe {
             moments_k(
@@ -494,7 +520,7 @@ fn kernel_on_cpu_masked_whiten_matches_core() {
         }
         let stats = whiten_launches(lib, &moments, &mut got, &case.mask, &mut status);
         let what = format!("{rows}×{cols} offset {offset}");
-        assert_eq!(status, [u32::MAX, 0], "{what}");
+        assert_eq!(status, [u32::MAX, 0, u32::MAX], "{what}");
         assert_eq!(stats[3] as usize, s.valid_tokens, "{what}");
         assert!(
             (stats[0] - s.mean).abs() <= 1e-6 * s.mean.abs().max(1.0),

@@ -450,7 +450,11 @@ def policy_loss(logp, logp_old, advantages, mask, *, loss_mode="vanilla", loss_a
 
 
 def _host_uid(uid):
-    return uid.cpu() if is_cuda(uid) else uid
+    """The uid keys on the host: a torch tensor (on any device) as a numpy array, as the
+    numpy functions read it (a tensor's elements would compare by identity)."""
+    if type(uid).__module__.startswith("torch") and hasattr(uid, "detach"):
+        return uid.detach().cpu().numpy()
+    return uid
 
 
 def _rewards(func, t):
