@@ -1122,7 +1122,8 @@ __device__ __forceinline__ void adv_merge(double& n, double& mean, double& m2, d
 // The whitening statistics of the batch, one block of 256 threads: the rows' moments merged
 // in f64 (each thread a strided set of rows, then a fixed tree: deterministic) into
 // stats = {μ, var (population), 1/√max(var, var_floor), valid tokens}. No valid token, or
-// statistics that are not finite, are flagged (and stats[3] = 0: nothing is applied).
+// statistics that are not finite, are flagged; after any flag (an earlier kernel's on this
+// stream included) stats[3] = 0 and `whiten_apply` changes nothing.
 extern "C" __global__ void whiten_stats(const float* __restrict__ moments, long long rows,
                                         float var_floor, float* __restrict__ stats,
                                         unsigned* __restrict__ status) {
@@ -1143,16 +1144,19 @@ extern "C" __global__ void whiten_stats(const float* __restrict__ moments, long 
         __syncthreads();
     }
     if (threadIdx.x == 0) {
+        const bool flagged = status[1] != 0;  // bad values, mask or rewards before this
         const double count = sn[0];
         const float mu = (float)smean[0];
         const float var = count > 0.0 ? (float)(sm2[0] / count) : 0.0f;
         const bool ok = count > 0.0 && is_finite(mu) && is_finite(var);
-        if (count == 0.0) loss_bad(status, 0, ADV_EMPTY_MASK);
-        else if (!ok) loss_bad(status, 0, ADV_OVERFLOW);
+        // batch-wide flags carry no index (an earlier flag's stays); non-finite statistics
+        // after an earlier flag are that flag's doing
+        if (count == 0.0) atomicOr(status + 1, ADV_EMPTY_MASK);
+        else if (!ok && !flagged) atomicOr(status + 1, ADV_OVERFLOW);
         stats[0] = mu;
         stats[1] = var;
         stats[2] = 1.0f / sqrtf(var > var_floor ? var : var_floor);
-        stats[3] = ok ? (float)count : 0.0f;
+        stats[3] = ok && !flagged ? (float)count : 0.0f;
     }
 }
 

@@ -15,6 +15,7 @@
 use crate::device::Cuda;
 use crate::error::{DriverContext, Error, Result};
 use crate::launch::{ArgOrNull, bad, check_len, grid, i32_of, i64_of};
+use crate::token_ops::{grid_rows, shape};
 use ares_core::Groups;
 use ares_core::advantage::{GrpoConfig, ProMaxConfig, WHITEN_VAR_FLOOR, WhitenStats, check_gamma};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
@@ -152,16 +153,20 @@ fn read_status(kernel: &'static str, [index, bits, reward_row]: [u32; 3]) -> Res
 }
 
 impl Cuda {
-    /// `groups` as device row lists, after core's check that every group has ≥ 2 samples.
+    /// `groups` as device row lists, after core's check that every group has ≥ 2 samples;
+    /// `None` for an empty batch (nothing to compute, no empty buffer to allocate).
     fn upload_groups(
         &self,
         kernel: &'static str,
         estimator: &'static str,
         groups: &Groups<'_>,
-    ) -> Result<DeviceGroups> {
+    ) -> Result<Option<DeviceGroups>> {
         groups
             .require_pairs(estimator)
             .map_err(|source| Error::Invalid { kernel, source })?;
+        if groups.batch() == 0 {
+            return Ok(None);
+        }
         i32_of(kernel, "batch", groups.batch())?;
         let mut rows = Vec::with_capacity(groups.batch());
         let mut offsets = Vec::with_capacity(groups.count() + 1);
@@ -170,7 +175,7 @@ impl Cuda {
             rows.extend(groups.rows_of(g).map(|r| r as i32));
             offsets.push(rows.len() as i32);
         }
-        Ok(DeviceGroups {
+        Ok(Some(DeviceGroups {
             rows: self
                 .stream
                 .clone_htod(&rows)
@@ -180,7 +185,7 @@ impl Cuda {
                 .clone_htod(&offsets)
                 .during("uploading the group offsets")?,
             count: i32_of(kernel, "groups", groups.count())?,
-        })
+        }))
     }
 
     /// Queues `group_scores`: one score per row of `rewards` into `scores` (kind as in the
@@ -257,23 +262,16 @@ impl Cuda {
                     kernel: KERNEL,
                     source,
                 })?;
-                (if c.norm_adv_by_std { 0 } else { 1 }, c.epsilon)
+                (grpo_kind(&c), c.epsilon)
             }
             SampleEstimator::Rloo => (2, 0.0),
             SampleEstimator::ReinforceBaseline => (1, 0.0),
         };
         check_len(KERNEL, "rewards", groups.batch(), rewards.len())?;
         check_len(KERNEL, "out", groups.batch(), out.len())?;
-        if groups.batch() == 0 {
-            // nothing to compute (and no empty buffer to allocate), but core's layout check
-            return groups
-                .require_pairs(estimator.name())
-                .map_err(|source| Error::Invalid {
-                    kernel: KERNEL,
-                    source,
-                });
-        }
-        let layout = self.upload_groups(KERNEL, estimator.name(), groups)?;
+        let Some(layout) = self.upload_groups(KERNEL, estimator.name(), groups)? else {
+            return Ok(());
+        };
         let mut status = self.new_status()?;
         self.group_scores(&layout, rewards, kind, eps, 0.0, out, None, &mut status)?;
         self.finish_status(KERNEL, &status)
@@ -323,13 +321,7 @@ impl Cuda {
                         "GRPO keeps KL out of the reward: fold it into the rewards first".into(),
                     ));
                 }
-                (
-                    if c.norm_adv_by_std { 0 } else { 1 },
-                    c.epsilon,
-                    0.0,
-                    1.0,
-                    0,
-                )
+                (grpo_kind(&c), c.epsilon, 0.0, 1.0, 0)
             }
             TokenEstimator::Rloo => (2, 0.0, 0.0, 1.0, 1),
             TokenEstimator::ReinforcePp { gamma }
@@ -350,15 +342,9 @@ impl Cuda {
         };
         let layout = match (estimator, groups) {
             (TokenEstimator::ReinforcePp { .. }, _) => None,
-            (_, Some(g)) if rows == 0 => {
-                // nothing to upload; core's layout check still applies
-                check_len(KERNEL, "rewards", g.batch(), rows)?;
-                g.require_pairs(estimator.name()).map_err(invalid)?;
-                None
-            }
             (_, Some(g)) => {
                 check_len(KERNEL, "rewards", g.batch(), rows)?;
-                Some(self.upload_groups(KERNEL, estimator.name(), g)?)
+                self.upload_groups(KERNEL, estimator.name(), g)?
             }
             (_, None) => {
                 return Err(bad(
@@ -378,10 +364,7 @@ impl Cuda {
                 false => Ok(None),
             };
         }
-        let grid_rows = u32::try_from(rows)
-            .ok()
-            .filter(|&r| r <= i32::MAX as u32)
-            .ok_or_else(|| bad(KERNEL, format!("{rows} rows exceed the grid limit")))?;
+        let grid = grid_rows(KERNEL, rows)?;
         let mut status = self.new_status()?;
         let mut scores = self.stream.alloc_zeros::<f32>(rows).during("scores")?;
         let mut uniform = match (&layout, estimator) {
@@ -433,7 +416,7 @@ impl Cuda {
                 .arg_or_null(moments.as_mut())
                 .arg(&mut status);
             let cfg = LaunchConfig {
-                grid_dim: (grid_rows, 1, 1),
+                grid_dim: (grid, 1, 1),
                 block_dim: (ROW_BLOCK, 1, 1),
                 shared_mem_bytes: 0,
             };
@@ -467,7 +450,7 @@ impl Cuda {
             unsafe { launch.launch(cfg) }.during("launch pro_max_normalize")?;
         }
         self.finish_status(KERNEL, &status)?;
-        stats.map(|s| s.read()).transpose()
+        stats.map(|s| self.read_stats(&s)).transpose()
     }
 
     /// Whitens `values` `[rows, cols]` in place over the valid tokens of `mask` (core's
@@ -484,28 +467,15 @@ impl Cuda {
         cols: usize,
     ) -> Result<WhitenStats<f32>> {
         const KERNEL: &str = "masked_row_moments";
-        if cols == 0 {
-            return Err(bad(KERNEL, "`cols` must be >= 1".into()));
-        }
-        let n = values.len();
-        if !n.is_multiple_of(cols) {
-            return Err(bad(
-                KERNEL,
-                format!("{n} elements are not a multiple of cols = {cols}"),
-            ));
-        }
-        check_len(KERNEL, "mask", n, mask.len())?;
-        let rows = n / cols;
+        let rows = shape(KERNEL, values.len(), cols)?;
+        check_len(KERNEL, "mask", values.len(), mask.len())?;
         if rows == 0 {
             return Err(Error::Invalid {
                 kernel: KERNEL,
                 source: ares_core::Error::Empty { what: "mask" },
             });
         }
-        let grid_rows = u32::try_from(rows)
-            .ok()
-            .filter(|&r| r <= i32::MAX as u32)
-            .ok_or_else(|| bad(KERNEL, format!("{rows} rows exceed the grid limit")))?;
+        let grid = grid_rows(KERNEL, rows)?;
         let mut status = self.new_status()?;
         let mut moments = self
             .stream
@@ -523,22 +493,17 @@ impl Cuda {
                 .arg(&mut moments)
                 .arg(&mut status);
             let cfg = LaunchConfig {
-                grid_dim: (grid_rows, 1, 1),
+                grid_dim: (grid, 1, 1),
                 block_dim: (ROW_BLOCK, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: argument order and types match `masked_row_moments`; lengths checked.
             unsafe { launch.launch(cfg) }.during("launch masked_row_moments")?;
         }
-        // nothing is applied when the values or the mask were flagged: on error they stay
-        let s = self
-            .stream
-            .clone_dtoh(&status)
-            .during("reading the status")?;
-        read_status(KERNEL, [s[0], s[1], s[2]])?;
+        // `whiten_stats` applies nothing after a flag: on error the values stay as they were
         let stats = self.whiten_in_place(values, mask, &moments, rows, &mut status)?;
         self.finish_status(KERNEL, &status)?;
-        stats.read()
+        self.read_stats(&stats)
     }
 
     /// Queues `whiten_stats` and `whiten_apply` over `values` from per-row `moments`.
@@ -549,7 +514,7 @@ impl Cuda {
         moments: &CudaSlice<f32>,
         rows: usize,
         status: &mut CudaSlice<u32>,
-    ) -> Result<PendingStats> {
+    ) -> Result<CudaSlice<f32>> {
         const KERNEL: &str = "whiten_stats";
         let mut stats = self
             .stream
@@ -585,24 +550,14 @@ impl Cuda {
         };
         // SAFETY: argument order and types match `whiten_apply`; `mask` has n elements.
         unsafe { launch.launch(cfg) }.during("launch whiten_apply")?;
-        Ok(PendingStats {
-            stats,
-            stream: self.stream.clone(),
-        })
+        Ok(stats)
     }
-}
 
-/// Whitening statistics still on the device.
-struct PendingStats {
-    stats: CudaSlice<f32>,
-    stream: std::sync::Arc<cudarc::driver::CudaStream>,
-}
-
-impl PendingStats {
-    fn read(self) -> Result<WhitenStats<f32>> {
+    /// The whitening statistics `whiten_in_place` left on the device.
+    fn read_stats(&self, stats: &CudaSlice<f32>) -> Result<WhitenStats<f32>> {
         let s = self
             .stream
-            .clone_dtoh(&self.stats)
+            .clone_dtoh(stats)
             .during("reading the whitening stats")?;
         Ok(WhitenStats {
             mean: s[0],
@@ -610,4 +565,9 @@ impl PendingStats {
             valid_tokens: s[3] as usize,
         })
     }
+}
+
+/// `group_scores`' kind of a GRPO configuration: 0 divides by the std, 1 is Dr.GRPO.
+fn grpo_kind(c: &GrpoConfig<f32>) -> i32 {
+    i32::from(!c.norm_adv_by_std)
 }

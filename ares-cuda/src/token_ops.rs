@@ -32,7 +32,7 @@ const ROW_BLOCK: u32 = 512;
 /// Threads per block of the per-token window kernel.
 const TOKEN_BLOCK: u32 = 256;
 
-fn grid_rows(kernel: &'static str, rows: usize) -> Result<u32> {
+pub(crate) fn grid_rows(kernel: &'static str, rows: usize) -> Result<u32> {
     u32::try_from(rows)
         .ok()
         .filter(|&r| r <= i32::MAX as u32)
@@ -44,7 +44,7 @@ fn grid_rows(kernel: &'static str, rows: usize) -> Result<u32> {
         })
 }
 
-fn shape(kernel: &'static str, len: usize, cols: usize) -> Result<usize> {
+pub(crate) fn shape(kernel: &'static str, len: usize, cols: usize) -> Result<usize> {
     if cols == 0 {
         return Err(bad(kernel, "`cols` must be >= 1".into()));
     }

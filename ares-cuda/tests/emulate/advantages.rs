@@ -538,5 +538,35 @@ fn kernel_on_cpu_masked_whiten_matches_core() {
                 "{what}: token {i}: {g} vs {w}"
             );
         }
+        // a non-finite value is flagged and nothing is applied (core leaves `values` as given)
+        let mut bad = values.clone();
+        bad[rows * cols / 2] = f32::INFINITY;
+        let (mut moments, mut status) = (vec![0.0f32; 3 * rows], [u32::MAX, 0, u32::MAX]);
+        // SAFETY: as above.
+        unsafe {
+            moments_k(
+                rows as u32,
+                ROW_BLOCK,
+                bad.as_ptr(),
+                case.mask.as_ptr(),
+                cols as i64,
+                moments.as_mut_ptr(),
+                status.as_mut_ptr(),
+            )
+        };
+        let before = bad.clone();
+        let stats = whiten_launches(lib, &moments, &mut bad, &case.mask, &mut status);
+        assert_eq!(
+            status[..2],
+            [(rows * cols / 2) as u32, 16],
+            "{what}: inf flagged"
+        );
+        assert_eq!(stats[3], 0.0, "{what}: nothing to apply");
+        assert!(
+            bad.iter()
+                .zip(&before)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}"
+        );
     }
 }
