@@ -1510,14 +1510,47 @@ __device__ __forceinline__ void seg_check_offsets(const AttnArgs& a, unsigned* s
     if (bad) atomicOr(status, ST_BAD_SEGMENTS);
 }
 
+// Packed sequences in the decoder's causal tensor-core kernels (`cu` set in a kernel that is
+// not SEG's: batch 1 of q_seq tokens cut by cu_seqlens): sequence b is segment b, attended as a
+// sequence of its own — rows from its first token, positions and key tiles from 0, as the
+// CPU's spans (the CPU twin's tiling) — so a segment's numbers are those of the same
+// sequence alone. The blocks walk segments × kv heads × the longest segment's tiles; a
+// tile past its segment's end is skipped. Offsets out of order raise ST_BAD_SEGMENTS and
+// are clamped, so no access leaves the tokens.
+struct SeqSpan {
+    i64 qb, kvb, len;  // first query row and first key row in q/k/v; tokens
+};
+
+__device__ __forceinline__ SeqSpan seq_span(const AttnArgs& a, i64 b, bool packed) {
+    if (!packed) return {b * a.q_seq, b * a.kv_seq, a.q_seq};
+    const i64 lo = (i64)a.cu[b] < a.q_seq ? (i64)a.cu[b] : a.q_seq;
+    const i64 hi = (i64)a.cu[b + 1] < a.q_seq ? (i64)a.cu[b + 1] : a.q_seq;
+    return {lo, lo, hi > lo ? hi - lo : 0};
+}
+
+// Sequences, and the tokens of the longest (packed: a scan of the offsets).
+__device__ __forceinline__ i64 seq_count(const AttnArgs& a, bool packed) {
+    return packed ? a.segments : a.batch;
+}
+__device__ __forceinline__ i64 longest_seq(const AttnArgs& a, bool packed) {
+    if (!packed) return a.q_seq;
+    i64 longest = 0;
+    for (int i = 0; i < a.segments; i++) {
+        const SeqSpan sp = seq_span(a, i, true);
+        longest = sp.len > longest ? sp.len : longest;
+    }
+    return longest;
+}
+
 // Slot of sequence b's first query.
 __device__ __forceinline__ i64 seq_pos0(const AttnArgs& a, i64 b) {
     return a.tables ? (i64)a.lens[b] : a.pos0;
 }
 
 // Row of key s of sequence b in k/v (-1 and ST_BAD_ID for a block id past the pool).
-__device__ __forceinline__ i64 key_row(const AttnArgs& a, i64 b, i64 s, unsigned* status) {
-    if (!a.tables) return b * a.kv_seq + s;
+// `kvb`: the sequence's first key row in contiguous k/v (seq_span).
+__device__ __forceinline__ i64 key_row(const AttnArgs& a, i64 b, i64 kvb, i64 s, unsigned* status) {
+    if (!a.tables) return kvb + s;
     const unsigned id = a.tables[b * a.max_blocks + s / a.block_size];
     if ((i64)id >= a.pool_blocks) {
         atomicOr(status, ST_BAD_ID);
@@ -1551,7 +1584,7 @@ __device__ __forceinline__ void stage_kv_tile(const AttnArgs& a, i64 b, int g, i
         const int j = i / d, c = i - j * d;
         const i64 s = kb + j;
         float kv = 0.0f, vv = 0.0f;
-        const i64 row = s < key_end ? key_row(a, b, s, status) : -1;
+        const i64 row = s < key_end ? key_row(a, b, b * a.kv_seq, s, status) : -1;
         if (row >= 0) {
             const i64 idx = (row * a.hkv + g) * d + c;
             if (a.k16) {
@@ -1865,10 +1898,10 @@ struct MmaRows {
 };
 
 template <bool SEG>
-__device__ __forceinline__ MmaRows mma_rows(const AttnArgs& a, i64 b, int g, i64 row0, i64 pos0,
-                                            int warp, int gid) {
+__device__ __forceinline__ MmaRows mma_rows(const AttnArgs& a, const SeqSpan& sp, int g, i64 row0,
+                                            i64 pos0, int warp, int gid) {
     const int group = a.hq / a.hkv;
-    const i64 rows_bg = a.q_seq * group;
+    const i64 rows_bg = sp.len * group;
     MmaRows m;
 #pragma unroll
     for (int i = 0; i < 2; i++) {
@@ -1876,7 +1909,7 @@ __device__ __forceinline__ MmaRows mma_rows(const AttnArgs& a, i64 b, int g, i64
         m.live[i] = r < rows_bg;
         const i64 t = m.live[i] ? r / group : 0;
         const int h = g * group + (int)(m.live[i] ? r % group : 0);
-        m.orow[i] = (b * a.q_seq + t) * a.hq + h;
+        m.orow[i] = (sp.qb + t) * a.hq + h;
         m.qpos[i] = pos0 + t;
         i64 lo = 0, hi = 0;
         if (SEG && m.live[i]) seg_bounds(a, t, lo, hi);
@@ -1896,10 +1929,9 @@ __device__ __forceinline__ bool mma_visible(const MmaRows& m, int i, i64 s, floa
 // causal from 0 to its last row's position; SEG from its first row's segment start to its
 // last row's segment end.
 template <bool SEG, int TILE>
-__device__ __forceinline__ void mma_key_range(const AttnArgs& a, i64 row0, i64 pos0, i64& begin,
-                                              i64& end) {
+__device__ __forceinline__ void mma_key_range(const AttnArgs& a, i64 rows_bg, i64 row0, i64 pos0,
+                                              i64& begin, i64& end) {
     const int group = a.hq / a.hkv;
-    const i64 rows_bg = a.q_seq * group;
     if (SEG) {
         i64 lo, hi, lo2, hi2;
         seg_bounds(a, row0, lo, hi);
@@ -1925,20 +1957,22 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
     __shared__ __align__(16) unsigned short Vt[D * VP];
     __shared__ float kvalid[MMA_KEYS];
     const int group = a.hq / a.hkv;
-    const i64 rows_bg = a.q_seq * group;
-    const i64 tiles = (rows_bg + MMA_ROWS - 1) / MMA_ROWS;
+    const bool packed = !SEG && a.cu != nullptr;
+    const i64 tiles = (longest_seq(a, packed) * group + MMA_ROWS - 1) / MMA_ROWS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
-    if (SEG) seg_check_offsets(a, status);
+    if (a.cu) seg_check_offsets(a, status);
 
-    for (i64 blk = blockIdx.x; blk < a.batch * a.hkv * tiles; blk += gridDim.x) {
+    for (i64 blk = blockIdx.x; blk < seq_count(a, packed) * a.hkv * tiles; blk += gridDim.x) {
         const i64 tile = blk % tiles;
         const i64 bg = blk / tiles;
         const int g = (int)(bg % a.hkv);
         const i64 b = bg / a.hkv;
         const i64 row0 = tile * MMA_ROWS;
+        const SeqSpan sp = seq_span(a, b, packed);
+        if (row0 >= sp.len * group) continue;  // past a packed segment's end (uniform)
         const i64 pos0 = seq_pos0(a, b);
-        const MmaRows rw = mma_rows<SEG>(a, b, g, row0, pos0, warp, gid);
+        const MmaRows rw = mma_rows<SEG>(a, sp, g, row0, pos0, warp, gid);
         // q as the A operand of q·kᵀ, k-step ks covering dims 16·ks .. 16·ks + 15.
         unsigned qa[KS][4];
 #pragma unroll
@@ -1959,14 +1993,14 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
         float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
         int bad[2] = {0, 0};
         i64 key_begin, key_end;
-        mma_key_range<SEG, MMA_KEYS>(a, row0, pos0, key_begin, key_end);
+        mma_key_range<SEG, MMA_KEYS>(a, sp.len * group, row0, pos0, key_begin, key_end);
         for (i64 kb = key_begin; kb < key_end; kb += MMA_KEYS) {
             __syncthreads();
             for (int i = threadIdx.x; i < MMA_KEYS * D; i += blockDim.x) {
                 const int j = i / D, c = i - j * D;
                 const i64 s = kb + j;
                 float kv = 0.0f, vv = 0.0f;
-                const i64 row = s < key_end ? key_row(a, b, s, status) : -1;
+                const i64 row = s < key_end ? key_row(a, b, sp.kvb, s, status) : -1;
                 if (row >= 0) {
                     const i64 idx = (row * a.hkv + g) * D + c;
                     kv = a.k[idx];
@@ -1977,7 +2011,7 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
             }
             if (threadIdx.x < MMA_KEYS) {
                 const i64 s = kb + threadIdx.x;
-                kvalid[threadIdx.x] = s < key_end ? key_valid(a.mask, b * a.kv_seq + s, status) : 0.0f;
+                kvalid[threadIdx.x] = s < key_end ? key_valid(a.mask, sp.kvb + s, status) : 0.0f;
             }
             __syncthreads();
 
@@ -2070,9 +2104,9 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 1)                           \
         NAME(const float* q, const float* k, const float* v, const float* mask, i64 batch,    \
              i64 q_seq, i64 kv_seq, i64 pos0, int hq, int hkv, float scale, float* out,        \
-             float* lse, unsigned* status) {                                                  \
+             float* lse, unsigned* status, const unsigned* cu, int segments) {                \
         AttnArgs a = {q, k, v, mask, batch, q_seq, kv_seq, pos0, hq, hkv, D, scale,           \
-                      nullptr, nullptr, 0, 0, 0, nullptr, nullptr};                           \
+                      nullptr, nullptr, 0, 0, 0, nullptr, nullptr, cu, segments};             \
         attention_fwd_mma_impl<D, false>(a, out, lse, status);                                \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 1)                           \
@@ -2441,19 +2475,21 @@ __device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const floa
     __shared__ __align__(16) unsigned short Kt[D * TP];
     __shared__ float kvalid[MMA_BWD_TILE];
     const int group = a.hq / a.hkv;
-    const i64 rows_bg = a.q_seq * group;
-    const i64 tiles = (rows_bg + MMA_ROWS - 1) / MMA_ROWS;
+    const bool packed = !SEG && a.cu != nullptr;
+    const i64 tiles = (longest_seq(a, packed) * group + MMA_ROWS - 1) / MMA_ROWS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
 
-    if (SEG) seg_check_offsets(a, status);
-    for (i64 blk = blockIdx.x; blk < a.batch * a.hkv * tiles; blk += gridDim.x) {
+    if (a.cu) seg_check_offsets(a, status);
+    for (i64 blk = blockIdx.x; blk < seq_count(a, packed) * a.hkv * tiles; blk += gridDim.x) {
         const i64 tile = blk % tiles;
         const i64 bg = blk / tiles;
         const int g = (int)(bg % a.hkv);
         const i64 b = bg / a.hkv;
         const i64 row0 = tile * MMA_ROWS;
-        const MmaRows rw = mma_rows<SEG>(a, b, g, row0, 0, warp, gid);
+        const SeqSpan sp = seq_span(a, b, packed);
+        if (row0 >= sp.len * group) continue;  // past a packed segment's end (uniform)
+        const MmaRows rw = mma_rows<SEG>(a, sp, g, row0, 0, warp, gid);
         float row_lse[2], row_delta[2];
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -2479,7 +2515,7 @@ __device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const floa
             for (int e = 0; e < 4; e++) acc[nd][e] = 0.0f;
         }
         i64 key_begin, key_end;
-        mma_key_range<SEG, MMA_BWD_TILE>(a, row0, 0, key_begin, key_end);
+        mma_key_range<SEG, MMA_BWD_TILE>(a, sp.len * group, row0, 0, key_begin, key_end);
         for (i64 kb = key_begin; kb < key_end; kb += MMA_BWD_TILE) {
             __syncthreads();
             for (int i = threadIdx.x; i < MMA_BWD_TILE * D; i += blockDim.x) {
@@ -2487,7 +2523,7 @@ __device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const floa
                 const i64 s = kb + j;
                 float kv = 0.0f, vv = 0.0f;
                 if (s < key_end) {
-                    const i64 idx = ((b * a.kv_seq + s) * a.hkv + g) * D + c;
+                    const i64 idx = ((sp.kvb + s) * a.hkv + g) * D + c;
                     kv = a.k[idx];
                     vv = a.v[idx];
                 }
@@ -2497,7 +2533,7 @@ __device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const floa
             }
             if (threadIdx.x < MMA_BWD_TILE) {
                 const i64 s = kb + threadIdx.x;
-                kvalid[threadIdx.x] = s < key_end ? key_valid(a.mask, b * a.kv_seq + s, status) : 0.0f;
+                kvalid[threadIdx.x] = s < key_end ? key_valid(a.mask, sp.kvb + s, status) : 0.0f;
             }
             __syncthreads();
             float s[NB][4], dp[NB][4];
@@ -2567,25 +2603,28 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
     // A row sees key s iff s ≤ row_a (causal; −1 for no row) or row_a ≤ s < row_b (SEG).
     __shared__ i64 row_a[MMA_BWD_TILE], row_b[MMA_BWD_TILE];
     const int group = a.hq / a.hkv;
-    const i64 rows_bg = a.q_seq * group;
-    const i64 tiles = (a.kv_seq + MMA_ROWS - 1) / MMA_ROWS;
+    const bool packed = !SEG && a.cu != nullptr;
+    const i64 tiles = (longest_seq(a, packed) + MMA_ROWS - 1) / MMA_ROWS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gid = lane >> 2, tig = lane & 3;
-    if (SEG) seg_check_offsets(a, status);
+    if (a.cu) seg_check_offsets(a, status);
 
-    for (i64 blk = blockIdx.x; blk < a.batch * a.hkv * tiles; blk += gridDim.x) {
+    for (i64 blk = blockIdx.x; blk < seq_count(a, packed) * a.hkv * tiles; blk += gridDim.x) {
         const i64 tile = blk % tiles;
         const i64 bg = blk / tiles;
         const int g = (int)(bg % a.hkv);
         const i64 b = bg / a.hkv;
         const i64 kb0 = tile * MMA_ROWS;
+        const SeqSpan sp = seq_span(a, b, packed);
+        const i64 seq = sp.len, rows_bg = sp.len * group;
+        if (kb0 >= seq) continue;  // past a packed segment's end (uniform)
         __syncthreads();
         for (int i = threadIdx.x; i < MMA_ROWS * D; i += blockDim.x) {
             const int j = i / D, c = i - j * D;
             const i64 s = kb0 + j;
             float kv = 0.0f, vv = 0.0f;
-            if (s < a.kv_seq) {
-                const i64 idx = ((b * a.kv_seq + s) * a.hkv + g) * D + c;
+            if (s < seq) {
+                const i64 idx = ((sp.kvb + s) * a.hkv + g) * D + c;
                 kv = a.k[idx];
                 vv = a.v[idx];
             }
@@ -2594,7 +2633,7 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
         }
         if (threadIdx.x < MMA_ROWS) {
             const i64 s = kb0 + threadIdx.x;
-            kvalid[threadIdx.x] = s < a.kv_seq ? key_valid(a.mask, b * a.kv_seq + s, status) : 0.0f;
+            kvalid[threadIdx.x] = s < seq ? key_valid(a.mask, sp.kvb + s, status) : 0.0f;
         }
         float adk[ND][4], adv[ND][4];
 #pragma unroll
@@ -2608,7 +2647,7 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
         if (SEG) {
             i64 lo, hi, lo2, hi2;
             seg_bounds(a, kb0, lo, hi);
-            seg_bounds(a, (kb0 + MMA_ROWS < a.kv_seq ? kb0 + MMA_ROWS : a.kv_seq) - 1, lo2, hi2);
+            seg_bounds(a, (kb0 + MMA_ROWS < seq ? kb0 + MMA_ROWS : seq) - 1, lo2, hi2);
             row_begin = lo;
             row_end = hi2;
         }
@@ -2619,7 +2658,7 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
                 const i64 r = rb + rr;
                 float qv = 0.0f, ov = 0.0f;
                 if (r < rows_bg) {
-                    const i64 at = ((b * a.q_seq + r / group) * a.hq + g * group + r % group) * D + c;
+                    const i64 at = ((sp.qb + r / group) * a.hq + g * group + r % group) * D + c;
                     qv = a.q[at];
                     ov = dout[at];
                 }
@@ -2632,7 +2671,7 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
             if (threadIdx.x < MMA_BWD_TILE) {
                 const i64 r = rb + threadIdx.x;
                 const bool in = r < rows_bg;
-                const i64 at = in ? (b * a.q_seq + r / group) * a.hq + g * group + r % group : 0;
+                const i64 at = in ? (sp.qb + r / group) * a.hq + g * group + r % group : 0;
                 row_lse[threadIdx.x] = in ? lse[at] : NEG_INF;
                 row_delta[threadIdx.x] = in ? delta[at] : 0.0f;
                 i64 ra = in ? r / group : -1, rbnd = 0;
@@ -2689,8 +2728,8 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             const i64 s = kb0 + 16 * warp + gid + 8 * i;
-            if (s >= a.kv_seq) continue;
-            const i64 at = ((b * a.kv_seq + s) * a.hkv + g) * D;
+            if (s >= seq) continue;
+            const i64 at = ((sp.kvb + s) * a.hkv + g) * D;
 #pragma unroll
             for (int nd = 0; nd < ND; nd++) {
 #pragma unroll
@@ -2708,16 +2747,20 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
         attention_bwd_dq_mma_d##D(const float* q, const float* k, const float* v,              \
                                   const float* mask, i64 batch, i64 seq, int hq, int hkv, int d, \
                                   float scale, const float* lse, const float* delta,           \
-                                  const float* dout, float* dq, unsigned* status) {            \
-        AttnArgs a = {q, k, v, mask, batch, seq, seq, 0, hq, hkv, D, scale};                   \
+                                  const float* dout, float* dq, unsigned* status,              \
+                                  const unsigned* cu, int segments) {                          \
+        AttnArgs a = {q, k, v, mask, batch, seq, seq, 0, hq, hkv, D, scale,                    \
+                      nullptr, nullptr, 0, 0, 0, nullptr, nullptr, cu, segments};              \
         attention_bwd_dq_mma_impl<D, false>(a, lse, delta, dout, dq, status);                  \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                               \
         attention_bwd_dkv_mma_d##D(const float* q, const float* k, const float* v,             \
                                    const float* mask, i64 batch, i64 seq, int hq, int hkv,     \
                                    int d, float scale, const float* lse, const float* delta,   \
-                                   const float* dout, float* dk, float* dv, unsigned* status) { \
-        AttnArgs a = {q, k, v, mask, batch, seq, seq, 0, hq, hkv, D, scale};                   \
+                                   const float* dout, float* dk, float* dv, unsigned* status,  \
+                                   const unsigned* cu, int segments) {                         \
+        AttnArgs a = {q, k, v, mask, batch, seq, seq, 0, hq, hkv, D, scale,                    \
+                      nullptr, nullptr, 0, 0, 0, nullptr, nullptr, cu, segments};              \
         attention_bwd_dkv_mma_impl<D, false>(a, lse, delta, dout, dk, dv, status);             \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                               \

@@ -109,7 +109,7 @@ const STATUS_BITS: [(u32, &str); 7] = [
     ),
     (
         64,
-        "cu_seqlens do not start at 0, decrease, or do not end at tokens (segment_attention)",
+        "cu_seqlens do not start at 0, decrease, or do not end at tokens (segment_attention, or attention over packed segments)",
     ),
 ];
 

@@ -646,53 +646,61 @@ fn kernel_on_cpu_stochastic_bf16_rounding_is_the_cpu_twin() {
     }
 }
 
+/// `emu_attention_fwd_mma`: grid, head size, then the kernel's arguments (packed segments
+/// last: offsets and their count, or null and 0).
+type AttnFwdMma = unsafe extern "C" fn(
+    u32,
+    i32,
+    *const f32,
+    *const f32,
+    *const f32,
+    *const f32,
+    i64,
+    i64,
+    i64,
+    i64,
+    i32,
+    i32,
+    f32,
+    *mut f32,
+    *mut f32,
+    *mut u32,
+    *const u32,
+    i32,
+);
+/// `emu_attention_bwd_mma`: δ, dq, then dk and dv, as `attention_backward_bf16` runs them.
+type AttnBwdMma = unsafe extern "C" fn(
+    u32,
+    i32,
+    *const f32,
+    *const f32,
+    *const f32,
+    *const f32,
+    i64,
+    i64,
+    i32,
+    i32,
+    f32,
+    *const f32,
+    *const f32,
+    *const f32,
+    *mut f32,
+    *mut f32,
+    *mut f32,
+    *mut f32,
+    *mut u32,
+    *const u32,
+    i32,
+);
+
 #[test]
 fn kernel_on_cpu_tensor_core_attention_is_the_cpu_twin() {
     // mma.sync m16n8k16 emulated by its fragment maps: the forward and backward written for
     // the tensor cores, never run on a GPU, against the CPU twin that rounds the same operands
     use ares_cpu::ops::attention::{AttentionInputs, AttentionShape, attention_forward_bf16};
     let Some(lib) = model_kernels() else { return };
-    type Fwd = unsafe extern "C" fn(
-        u32,
-        i32,
-        *const f32,
-        *const f32,
-        *const f32,
-        *const f32,
-        i64,
-        i64,
-        i64,
-        i64,
-        i32,
-        i32,
-        f32,
-        *mut f32,
-        *mut f32,
-        *mut u32,
-    );
-    let fwd = launcher!(lib, "emu_attention_fwd_mma", Fwd);
-    type Bwd = unsafe extern "C" fn(
-        u32,
-        i32,
-        *const f32,
-        *const f32,
-        *const f32,
-        *const f32,
-        i64,
-        i64,
-        i32,
-        i32,
-        f32,
-        *const f32,
-        *const f32,
-        *const f32,
-        *mut f32,
-        *mut f32,
-        *mut f32,
-        *mut f32,
-        *mut u32,
-    );
-    let bwd = launcher!(lib, "emu_attention_bwd_mma", Bwd);
+    let fwd = launcher!(lib, "emu_attention_fwd_mma", AttnFwdMma);
+    let bwd = launcher!(lib, "emu_attention_bwd_mma", AttnBwdMma);
     let mut rng = Rng(31);
     for (d, batch, seq, hq, hkv) in [
         (64usize, 2usize, 70usize, 4usize, 2usize),
@@ -756,6 +764,8 @@ fn kernel_on_cpu_tensor_core_attention_is_the_cpu_twin() {
                 out.as_mut_ptr(),
                 lse.as_mut_ptr(),
                 &mut status,
+                std::ptr::null(),
+                0,
             )
         };
         assert_eq!(status, 0, "d {d}: status");
@@ -819,6 +829,8 @@ fn kernel_on_cpu_tensor_core_attention_is_the_cpu_twin() {
                 g_dk.as_mut_ptr(),
                 g_dv.as_mut_ptr(),
                 &mut status,
+                std::ptr::null(),
+                0,
             )
         };
         assert_eq!(status, 0, "d {d}: backward status");
@@ -831,6 +843,169 @@ fn kernel_on_cpu_tensor_core_attention_is_the_cpu_twin() {
                 );
             }
         }
+    }
+}
+
+#[test]
+fn kernel_on_cpu_tensor_core_attention_over_packed_segments_is_the_cpu_twin() {
+    // the decoder's packed batches (cu_seqlens) on the tensor-core kernels: each segment a
+    // causal sequence of its own, keys from its own start — the CPU twin's spans — with
+    // empty, one-token and multi-tile segments, a key mask, and GQA
+    use ares_cpu::ops::attention::{
+        AttentionGrads, AttentionInputs, AttentionShape, attention_backward_bf16,
+        attention_forward_bf16,
+    };
+    let Some(lib) = model_kernels() else { return };
+    let fwd = launcher!(lib, "emu_attention_fwd_mma", AttnFwdMma);
+    let bwd = launcher!(lib, "emu_attention_bwd_mma", AttnBwdMma);
+    let mut rng = Rng(47);
+    for (d, hq, hkv, cu) in [
+        (64usize, 4usize, 2usize, vec![0u32, 5, 75, 76, 76, 150]),
+        (80, 2, 2, vec![0, 33, 40]),
+        (128, 2, 1, vec![0, 1, 66, 66]),
+    ] {
+        let seq = *cu.last().expect("offsets") as usize;
+        let shape = AttentionShape {
+            batch: 1,
+            seq,
+            q_heads: hq,
+            kv_heads: hkv,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+        };
+        let mut values = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.range(-1.0, 1.0)).collect() };
+        let (q, k, v) = (
+            values(seq * hq * d),
+            values(seq * hkv * d),
+            values(seq * hkv * d),
+        );
+        let dout = values(q.len());
+        // two padding keys inside the packed row
+        let mask: Vec<f32> = (0..seq).map(|i| f32::from(u8::from(i % 29 != 3))).collect();
+        let inputs = AttentionInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            key_mask: Some(&mask),
+            segments: Some(&cu),
+        };
+        let (mut want, mut want_lse) = (vec![0.0f32; q.len()], vec![0.0f32; seq * hq]);
+        attention_forward_bf16(&shape, inputs, &mut want, &mut want_lse).expect("cpu");
+        let (mut out, mut lse) = (vec![NAN; q.len()], vec![NAN; want_lse.len()]);
+        let mut status = 0u32;
+        let segments = (cu.len() - 1) as i32;
+        // SAFETY: q, k, v, mask, out, lse have the shape's lengths, cu holds segments + 1
+        // offsets; 7 blocks stride over the segments' tiles.
+        unsafe {
+            fwd(
+                7,
+                d as i32,
+                q.as_ptr(),
+                k.as_ptr(),
+                v.as_ptr(),
+                mask.as_ptr(),
+                1,
+                seq as i64,
+                seq as i64,
+                0,
+                hq as i32,
+                hkv as i32,
+                shape.scale,
+                out.as_mut_ptr(),
+                lse.as_mut_ptr(),
+                &mut status,
+                cu.as_ptr(),
+                segments,
+            )
+        };
+        assert_eq!(status, 0, "d {d}: status");
+        for (i, (g, w)) in out.iter().zip(&want).enumerate() {
+            assert!(close(*g, *w, 1e-4), "d {d}: out[{i}] {g} vs {w}");
+        }
+        for (i, (g, w)) in lse.iter().zip(&want_lse).enumerate() {
+            assert!(
+                (g.is_infinite() && g == w) || close(*g, *w, 1e-5),
+                "d {d}: lse[{i}] {g} vs {w}"
+            );
+        }
+        let (mut dq, mut dk, mut dv) = (
+            vec![0.0f32; q.len()],
+            vec![0.0f32; k.len()],
+            vec![0.0f32; v.len()],
+        );
+        let grads = AttentionGrads {
+            dq: &mut dq,
+            dk: &mut dk,
+            dv: &mut dv,
+        };
+        attention_backward_bf16(&shape, inputs, &want, &want_lse, &dout, grads).expect("cpu");
+        let mut delta = vec![NAN; want_lse.len()];
+        let (mut g_dq, mut g_dk, mut g_dv) =
+            (vec![NAN; q.len()], vec![NAN; k.len()], vec![NAN; v.len()]);
+        // SAFETY: every buffer has the shape's length (delta: one per (token, head) row).
+        unsafe {
+            bwd(
+                7,
+                d as i32,
+                q.as_ptr(),
+                k.as_ptr(),
+                v.as_ptr(),
+                mask.as_ptr(),
+                1,
+                seq as i64,
+                hq as i32,
+                hkv as i32,
+                shape.scale,
+                want.as_ptr(),
+                want_lse.as_ptr(),
+                dout.as_ptr(),
+                delta.as_mut_ptr(),
+                g_dq.as_mut_ptr(),
+                g_dk.as_mut_ptr(),
+                g_dv.as_mut_ptr(),
+                &mut status,
+                cu.as_ptr(),
+                segments,
+            )
+        };
+        assert_eq!(status, 0, "d {d}: backward status");
+        for (name, got, want) in [("dq", &g_dq, &dq), ("dk", &g_dk, &dk), ("dv", &g_dv, &dv)] {
+            let largest = want.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+            for (i, (g, w)) in got.iter().zip(want.iter()).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-4 * largest,
+                    "d {d}: {name}[{i}] {g} vs {w}"
+                );
+            }
+        }
+        // offsets out of order: flagged, and every access stays inside the tokens (the
+        // clamped segments), so nothing but the flag is promised
+        let bad_cu: Vec<u32> = vec![0, seq as u32, 2, seq as u32 + 40];
+        let mut status = 0u32;
+        // SAFETY: as above; the kernels clamp the offsets to the tokens.
+        unsafe {
+            fwd(
+                3,
+                d as i32,
+                q.as_ptr(),
+                k.as_ptr(),
+                v.as_ptr(),
+                mask.as_ptr(),
+                1,
+                seq as i64,
+                seq as i64,
+                0,
+                hq as i32,
+                hkv as i32,
+                shape.scale,
+                out.as_mut_ptr(),
+                lse.as_mut_ptr(),
+                &mut status,
+                bad_cu.as_ptr(),
+                3,
+            )
+        };
+        assert_eq!(status, 64, "d {d}: bad offsets flag ST_BAD_SEGMENTS");
     }
 }
 

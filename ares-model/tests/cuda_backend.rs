@@ -3413,6 +3413,130 @@ fn activations_match_cpu() {
 /// The tensor-core kernels over segments against their CPU twin (bounds as
 /// `tensor_core_attention_matches_its_cpu_twin`): empty segments, segments crossing the
 /// 64-key tiles, head sizes 64, 80 and 128.
+/// Packed sequences (cu_seqlens) on the tensor-core kernels against the CPU twin's packed
+/// attention: an empty segment, a one-token one, segments across several 64-row tiles, a
+/// padding key inside the row, GQA — bounds as `tensor_core_attention_matches_its_cpu_twin`.
+#[test]
+fn tensor_core_attention_over_packed_segments_matches_its_cpu_twin() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cpu = CpuBackend;
+    let mut rng = Rng(57);
+    for (cu, hq, hkv, d) in [
+        (vec![0u32, 5, 75, 76, 76, 206], 6usize, 2usize, 64usize),
+        (vec![0u32, 97, 130], 4, 4, 80),
+        (vec![0u32, 1, 130, 130], 4, 1, 128),
+    ] {
+        let seq = *cu.last().unwrap() as usize;
+        let dims = AttentionDims::new(1, seq, hq, hkv, d);
+        let what = |op: &str| format!("{op} packed t{seq} hq{hq} hkv{hkv} d{d}");
+        let (qn, kn, ln) = (seq * hq * d, seq * hkv * d, seq * hq);
+        let (q, k, v) = (rng.vec(qn, 2.0), rng.vec(kn, 2.0), rng.vec(kn, 1.0));
+        let dout = rng.vec(qn, 1.0);
+        let mask: Vec<f32> = (0..seq).map(|i| f32::from(u8::from(i != 40))).collect();
+        let (gq, gk, gv, gm) = (up(&gpu, &q), up(&gpu, &k), up(&gpu, &v), up(&gpu, &mask));
+        let gcu = up_ids(&gpu, &cu);
+        let (mut go, mut gl) = (up(&gpu, &vec![f32::NAN; qn]), up(&gpu, &vec![f32::NAN; ln]));
+        let g_inputs = || AttentionInputs {
+            q: View::whole(&gq),
+            k: View::whole(&gk),
+            v: View::whole(&gv),
+            key_mask: Some(View::whole(&gm)),
+        };
+        let c_inputs = || AttentionInputs {
+            q: View::whole(&q),
+            k: View::whole(&k),
+            v: View::whole(&v),
+            key_mask: Some(View::whole(&mask)),
+        };
+        gpu.attention_bf16(
+            dims,
+            g_inputs(),
+            Some(&gcu),
+            ViewMut::whole(&mut go),
+            ViewMut::whole(&mut gl),
+        )
+        .unwrap();
+        let (mut co, mut cl) = (vec![0.0; qn], vec![0.0; ln]);
+        cpu.attention_bf16(
+            dims,
+            c_inputs(),
+            Some(&cu),
+            ViewMut::whole(&mut co),
+            ViewMut::whole(&mut cl),
+        )
+        .unwrap();
+        assert_twin(&what("bf16 attention out"), &down(&gpu, &go), &co, 5e-3);
+        let lse = down(&gpu, &gl);
+        for (i, (g, c)) in lse.iter().zip(&cl).enumerate() {
+            let same = g.to_bits() == c.to_bits() || (g - c).abs() <= 1e-5 * c.abs().max(1.0);
+            assert!(same, "{}: lse[{i}] {g} vs {c}", what("bf16 attention"));
+        }
+        let (mut gdq, mut gdk, mut gdv) = (
+            up(&gpu, &vec![f32::NAN; qn]),
+            up(&gpu, &vec![f32::NAN; kn]),
+            up(&gpu, &vec![f32::NAN; kn]),
+        );
+        gpu.attention_backward_bf16(
+            dims,
+            g_inputs(),
+            Some(&gcu),
+            View::whole(&go),
+            View::whole(&gl),
+            View::whole(&up(&gpu, &dout)),
+            AttentionGrads {
+                dq: ViewMut::whole(&mut gdq),
+                dk: ViewMut::whole(&mut gdk),
+                dv: ViewMut::whole(&mut gdv),
+            },
+        )
+        .unwrap();
+        let (mut cdq, mut cdk, mut cdv) = (vec![0.0; qn], vec![0.0; kn], vec![0.0; kn]);
+        cpu.attention_backward_bf16(
+            dims,
+            c_inputs(),
+            Some(&cu),
+            View::whole(&co),
+            View::whole(&cl),
+            View::whole(&dout),
+            AttentionGrads {
+                dq: ViewMut::whole(&mut cdq),
+                dk: ViewMut::whole(&mut cdk),
+                dv: ViewMut::whole(&mut cdv),
+            },
+        )
+        .unwrap();
+        for (name, g, c) in [("dq", &gdq, &cdq), ("dk", &gdk, &cdk), ("dv", &gdv, &cdv)] {
+            assert_twin(
+                &what(&format!("bf16 attention {name}")),
+                &down(&gpu, g),
+                c,
+                2e-3,
+            );
+        }
+        gpu.synchronize().unwrap(); // and the status word: no flag
+    }
+    // the f32 kernels take no segments: an error that says which attention does
+    let dims = AttentionDims::new(1, 4, 2, 2, 64);
+    let x = up(&gpu, &vec![0.0f32; 4 * 2 * 64]);
+    let gcu = up_ids(&gpu, &[0u32, 2, 4]);
+    let (mut o, mut l) = (up(&gpu, &[0.0f32; 512]), up(&gpu, &[0.0f32; 8]));
+    let e = gpu
+        .attention(
+            dims,
+            AttentionInputs {
+                q: View::whole(&x),
+                k: View::whole(&x),
+                v: View::whole(&x),
+                key_mask: None,
+            },
+            Some(&gcu),
+            ViewMut::whole(&mut o),
+            ViewMut::whole(&mut l),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("tensor-core"), "{e}");
+}
+
 #[test]
 fn tensor_core_segment_attention_matches_its_cpu_twin() {
     let Some(gpu) = gpu_or_skip() else { return };

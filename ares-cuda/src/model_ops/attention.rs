@@ -344,18 +344,97 @@ pub(super) fn dkv_mma_smem(d: usize) -> usize {
     2 * (2 * MMA_ROWS * (d + 8) + 2 * MMA_BWD_TILE * (d + 8) + 2 * d * (MMA_BWD_TILE + 8))
 }
 
-/// Packed sequences (`segments`, the CPU's `cu_seqlens` layout) are not implemented on CUDA
-/// yet: an error naming the op, so a caller pads instead (ares-model's
-/// `Backend::packs_sequences` is false here).
+/// Packed segments on the f32 kernels: not implemented (their 64-register budget leaves
+/// no room); an error naming the op, so a caller pads instead or takes the bf16 tensor-core
+/// kernels, which take segments (ares-model's `Backend::packs_sequences_bf16`).
 fn no_segments(k: &'static str, segments: Option<&CudaView<'_, u32>>) -> Result<()> {
     match segments {
         None => Ok(()),
         Some(_) => Err(bad(
             k,
-            "packed segments (cu_seqlens) are not implemented on CUDA yet: pad the batch"
+            "packed segments (cu_seqlens) are taken by the bf16 tensor-core attention \
+             only (matmul_precision bf16, head_dim 64, 80 or 128): pad the batch"
                 .to_string(),
         )),
     }
+}
+
+/// Packed sequences (flash-attn's `cu_seqlens`, the CPU's `segments`): the offsets on the
+/// device and their count. The kernels attend each segment as a sequence of its own
+/// (`for_each_packed` in `model_ops.cu`) and flag offsets out of order in the status word.
+#[derive(Clone, Copy)]
+struct Packed<'a, 'b> {
+    cu: &'a CudaView<'b, u32>,
+    segments: i32,
+}
+
+/// The packed layout of a training call: `None` without segments; with them, batch 1 and
+/// `segments + 1 ≥ 1` offsets.
+fn packed<'a, 'b>(
+    k: &'static str,
+    shape: &AttentionShape,
+    segments: Option<&'a CudaView<'b, u32>>,
+) -> Result<Option<Packed<'a, 'b>>> {
+    let Some(cu) = segments else {
+        return Ok(None);
+    };
+    if shape.batch != 1 {
+        return Err(bad(
+            k,
+            format!(
+                "packed segments (cu_seqlens) are one row: batch = {}, expected 1",
+                shape.batch
+            ),
+        ));
+    }
+    let Some(count) = cu.len().checked_sub(1) else {
+        return Err(bad(
+            k,
+            "cu_seqlens is empty: it holds segments + 1 offsets, from 0 to seq".to_string(),
+        ));
+    };
+    if count == 0 && shape.seq > 0 {
+        return Err(bad(
+            k,
+            format!(
+                "0 segments cannot hold seq = {} (cu_seqlens must end at seq)",
+                shape.seq
+            ),
+        ));
+    }
+    Ok(Some(Packed {
+        cu,
+        segments: i32_of(k, "segments", count)?,
+    }))
+}
+
+/// Blocks of a causal kernel taking `tile` of the `rows` rows (query rows or keys) of each
+/// (sequence, kv head): [`tiled_blocks`], and with packed segments enough for every
+/// segment's own tiles (each rounds up once more: one tile a segment and kv head more at
+/// most). The kernels stride over their blocks, so the count sets the parallelism only.
+fn causal_blocks(
+    k: &'static str,
+    shape: &AttentionShape,
+    rows: usize,
+    tile: usize,
+    packed: Option<Packed<'_, '_>>,
+) -> Result<usize> {
+    let blocks = tiled_blocks(k, shape, rows, tile)?;
+    match packed {
+        None => Ok(blocks),
+        Some(p) => {
+            let more = mul(k, "segment tiles", shape.kv_heads, p.segments as usize)?;
+            Ok(blocks.saturating_add(more))
+        }
+    }
+}
+
+/// Pushes the packed-segment arguments every causal training kernel ends with.
+fn push_packed<'l>(l: &mut LaunchArgs<'l>, packed: &'l Option<Packed<'l, '_>>, none: &'l i32) {
+    match packed {
+        Some(p) => l.arg(p.cu).arg(&p.segments),
+        None => l.arg(&NULL).arg(none),
+    };
 }
 
 /// Bytes of dynamic shared memory of the forward and dq kernels: two key tiles (padded
@@ -431,7 +510,7 @@ impl ModelOps {
         lse: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         const K: &str = "attention_bf16";
-        no_segments(K, segments)?;
+        let packed = packed(K, &shape, segments)?;
         let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
         let dims = shape.dims(K)?;
         let variant = self.tensor_core_head(K, shape.head_dim)?;
@@ -446,7 +525,7 @@ impl ModelOps {
         if dims.q_len == 0 {
             return Ok(());
         }
-        let blocks = tiled_blocks(K, &shape, query_rows(K, &shape)?, MMA_ROWS)?;
+        let blocks = causal_blocks(K, &shape, query_rows(K, &shape)?, MMA_ROWS, packed)?;
         let func = &self.f.attention_fwd_mma[variant];
         let cfg = LaunchConfig {
             grid_dim: (grid(blocks), 1, 1),
@@ -474,8 +553,10 @@ impl ModelOps {
             .arg(out)
             .arg(lse)
             .arg(&mut state.status);
-        // SAFETY: argument order as `ATTN_FWD_MMA`; lengths checked against the shape above,
-        // the head size is the variant's, shared memory is static.
+        let none = 0i32;
+        push_packed(&mut l, &packed, &none);
+        // SAFETY: argument order as `ATTN_FWD_MMA`; lengths checked against the shape above
+        // (segments by `packed`), the head size is the variant's, shared memory is static.
         unsafe { l.launch(cfg) }.during(K)?;
         Ok(())
     }
@@ -606,9 +687,10 @@ impl ModelOps {
         dout: &CudaView<'_, f32>,
         grads: &mut AttentionGrads<'_>,
     ) -> Result<()> {
-        no_segments("attention_backward", segments)?;
+        const K: &str = "attention_backward";
+        no_segments(K, segments)?;
         let saved = AttentionSaved { out, lse, dout };
-        self.backward_with("attention_backward", shape, inputs, saved, grads, None)
+        self.backward_with(K, shape, (inputs, None), saved, grads, None)
     }
 
     /// The bf16 backward on tensor cores (twin of
@@ -631,10 +713,10 @@ impl ModelOps {
         grads: &mut AttentionGrads<'_>,
     ) -> Result<()> {
         const K: &str = "attention_backward_bf16";
-        no_segments(K, segments)?;
+        let packed = packed(K, &shape, segments)?;
         let variant = self.tensor_core_head(K, shape.head_dim)?;
         let saved = AttentionSaved { out, lse, dout };
-        self.backward_with(K, shape, inputs, saved, grads, Some(variant))
+        self.backward_with(K, shape, (inputs, packed), saved, grads, Some(variant))
     }
 
     /// The index of `head_dim` in [`BF16_HEAD_DIMS`], on a device with bf16 `mma.sync`;
@@ -667,7 +749,7 @@ impl ModelOps {
         &self,
         op: &'static str,
         shape: AttentionShape,
-        inputs: &AttentionInputs<'_>,
+        (inputs, packed): (&AttentionInputs<'_>, Option<Packed<'_, '_>>),
         saved: AttentionSaved<'_, '_>,
         grads: &mut AttentionGrads<'_>,
         tensor_core: Option<usize>,
@@ -726,6 +808,7 @@ impl ModelOps {
         }
         let delta = delta.as_view();
         let status = &mut state.status;
+        let none = 0i32;
         let inputs = BackwardInputs {
             q,
             k,
@@ -741,7 +824,7 @@ impl ModelOps {
         };
         if let Some(variant) = tensor_core {
             let threads = ((MMA_WARPS * 32) as u32, 1, 1);
-            let blocks = tiled_blocks(op, &shape, query_rows(op, &shape)?, MMA_ROWS)?;
+            let blocks = causal_blocks(op, &shape, query_rows(op, &shape)?, MMA_ROWS, packed)?;
             let func = &self.f.attention_bwd_dq_mma[variant];
             let cfg = LaunchConfig {
                 block_dim: threads,
@@ -749,10 +832,11 @@ impl ModelOps {
             };
             let mut l = self.stream.launch_builder(func);
             inputs.push(&mut l).arg(grads.dq).arg(&mut *status);
+            push_packed(&mut l, &packed, &none);
             // SAFETY: argument order as `ATTN_BWD_MMA`'s dq kernel; lengths checked above,
             // the head size is the variant's, its shared memory static.
             unsafe { l.launch(cfg) }.during(format!("{op}: dq"))?;
-            let blocks = tiled_blocks(op, &shape, shape.seq, MMA_ROWS)?;
+            let blocks = causal_blocks(op, &shape, shape.seq, MMA_ROWS, packed)?;
             let func = &self.f.attention_bwd_dkv_mma[variant];
             let cfg = LaunchConfig {
                 block_dim: threads,
@@ -760,6 +844,7 @@ impl ModelOps {
             };
             let mut l = self.stream.launch_builder(func);
             inputs.push(&mut l).arg(grads.dk).arg(grads.dv).arg(status);
+            push_packed(&mut l, &packed, &none);
             // SAFETY: argument order as `ATTN_BWD_MMA`'s dk/dv kernel; lengths checked
             // above, dynamic shared memory as `dkv_mma_smem` computes the kernel's layout.
             unsafe { l.launch(cfg) }.during(format!("{op}: dk, dv"))?;
@@ -947,6 +1032,7 @@ impl ModelOps {
                 Some(w) => l.arg(&mut **w),
                 None => l.arg(&NULL),
             };
+
             // SAFETY: argument order as the `ATTN_FWD` / `ATTN_FWD_KV16` kernels (F32: the
             // paged kernel reads no mask, kv_seq = pool blocks, pos0 unused); lengths
             // checked by the callers, the slices cut at whole sequences; the workspace holds

@@ -14,15 +14,17 @@ extern "C" void emu_bf16_to_f32(unsigned grid, unsigned block, const unsigned sh
 }
 
 // The tensor-core forward at head size d (64, 80 or 128): its arguments after the launch
-// shape, in the kernel's order.
+// shape, in the kernel's order (packed segments: `cu` and their count; else NULL and 0).
 extern "C" void emu_attention_fwd_mma(unsigned grid, int d, const float* q, const float* k,
                                       const float* v, const float* mask, i64 batch, i64 q_seq,
                                       i64 kv_seq, i64 pos0, int hq, int hkv, float scale,
-                                      float* out, float* lse, unsigned* status) {
+                                      float* out, float* lse, unsigned* status,
+                                      const unsigned* cu, int segments) {
     const dim3 block{MMA_WARPS * 32, 1, 1};
     auto run = [&](auto kernel) {
         emu::launch(dim3{grid, 1, 1}, block, 0, [&] {
-            kernel(q, k, v, mask, batch, q_seq, kv_seq, pos0, hq, hkv, scale, out, lse, status);
+            kernel(q, k, v, mask, batch, q_seq, kv_seq, pos0, hq, hkv, scale, out, lse, status,
+                   cu, segments);
         });
     };
     if (d == 64) run(attention_fwd_mma_d64);
@@ -37,7 +39,8 @@ extern "C" void emu_attention_bwd_mma(unsigned grid, int d, const float* q, cons
                                       const float* v, const float* mask, i64 batch, i64 seq,
                                       int hq, int hkv, float scale, const float* out,
                                       const float* lse, const float* dout, float* delta,
-                                      float* dq, float* dk, float* dv, unsigned* status) {
+                                      float* dq, float* dk, float* dv, unsigned* status,
+                                      const unsigned* cu, int segments) {
     const i64 rows = batch * seq * hq;
     emu::launch(dim3{4, 1, 1}, dim3{128, 1, 1}, 0,
                 [&] { attention_bwd_delta_bf16(dout, out, rows, d, delta); });
@@ -45,11 +48,12 @@ extern "C" void emu_attention_bwd_mma(unsigned grid, int d, const float* q, cons
     const std::size_t smem = 2 * (2 * MMA_ROWS * (d + 8) + 2 * 32 * (d + 8) + 2 * d * (32 + 8));
     auto run = [&](auto dq_kernel, auto dkv_kernel) {
         emu::launch(dim3{grid, 1, 1}, block, 0, [&] {
-            dq_kernel(q, k, v, mask, batch, seq, hq, hkv, d, scale, lse, delta, dout, dq, status);
+            dq_kernel(q, k, v, mask, batch, seq, hq, hkv, d, scale, lse, delta, dout, dq, status, cu,
+                      segments);
         });
         emu::launch(dim3{grid, 1, 1}, block, smem, [&] {
             dkv_kernel(q, k, v, mask, batch, seq, hq, hkv, d, scale, lse, delta, dout, dk, dv,
-                       status);
+                       status, cu, segments);
         });
     };
     if (d == 64) run(attention_bwd_dq_mma_d64, attention_bwd_dkv_mma_d64);

@@ -431,6 +431,10 @@ impl Backend for CudaBackend {
     type Bytes = CudaBytes;
     type Graph = ares_cuda::DecodeGraph;
 
+    fn packs_sequences_bf16(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> &str {
         &self.name
     }
