@@ -1575,7 +1575,7 @@ __device__ __forceinline__ i64 causal_key_end(i64 pos0, i64 last_row, i64 rows_b
 
 // Stages keys and values kb .. kb + KT - 1 of sequence b, kv head g in shared memory (rows of
 // d + 1 floats, zeros past key_end) and each key's mask validity, between two block barriers.
-__device__ __forceinline__ void stage_kv_tile(const AttnArgs& a, i64 b, int g, i64 kb,
+__device__ __forceinline__ void stage_kv_tile(const AttnArgs& a, i64 b, i64 kvb, int g, i64 kb,
                                               i64 key_end, float* Ks, float* Vs, float* kvalid,
                                               unsigned* status) {
     const int d = a.d, dp = a.d + 1;
@@ -1584,7 +1584,7 @@ __device__ __forceinline__ void stage_kv_tile(const AttnArgs& a, i64 b, int g, i
         const int j = i / d, c = i - j * d;
         const i64 s = kb + j;
         float kv = 0.0f, vv = 0.0f;
-        const i64 row = s < key_end ? key_row(a, b, b * a.kv_seq, s, status) : -1;
+        const i64 row = s < key_end ? key_row(a, b, kvb, s, status) : -1;
         if (row >= 0) {
             const i64 idx = (row * a.hkv + g) * d + c;
             if (a.k16) {
@@ -1601,12 +1601,12 @@ __device__ __forceinline__ void stage_kv_tile(const AttnArgs& a, i64 b, int g, i
     if (threadIdx.x < KT) {
         const i64 s = kb + threadIdx.x;
         const bool inside = s < key_end && (!a.tables || a.tables[b * a.max_blocks + s / a.block_size] < a.pool_blocks);
-        kvalid[threadIdx.x] = inside ? key_valid(a.mask, b * a.kv_seq + s, status) : 0.0f;
+        kvalid[threadIdx.x] = inside ? key_valid(a.mask, kvb + s, status) : 0.0f;
     }
     __syncthreads();
 }
 
-template <int DPL, int RW>
+template <int DPL, int RW, bool PACKED>
 __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict__ out,
                                                    float* __restrict__ lse,
                                                    unsigned* __restrict__ status) {
@@ -1618,12 +1618,12 @@ __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict
     float* Qs = Vs + KT * dp;         // [ROWS][d]
     __shared__ float kvalid[KT];
     const int group = a.hq / a.hkv;
-    const i64 rows_bg = a.q_seq * group;
-    const i64 tiles = (rows_bg + ROWS - 1) / ROWS;
+    if (PACKED) seg_check_offsets(a, status);
+    const i64 tiles = (longest_seq(a, PACKED) * group + ROWS - 1) / ROWS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int splits = a.split_ws ? SPLIT_MAX : 1;
 
-    for (i64 blk = blockIdx.x; blk < a.batch * a.hkv * tiles * splits; blk += gridDim.x) {
+    for (i64 blk = blockIdx.x; blk < seq_count(a, PACKED) * a.hkv * tiles * splits; blk += gridDim.x) {
         // split fastest (a constant power of two: no division routine)
         const int split = a.split_ws ? (int)(blk % SPLIT_MAX) : 0;
         const i64 rest = a.split_ws ? blk / SPLIT_MAX : blk;
@@ -1634,6 +1634,9 @@ __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict
         const int g = (int)(bg % (unsigned)a.hkv);
         const i64 b = bg / (unsigned)a.hkv;
         const i64 row0 = (i64)tile * ROWS;
+        const SeqSpan sp = seq_span(a, b, PACKED);
+        const i64 rows_bg = sp.len * group;
+        if (PACKED && row0 >= rows_bg) continue;  // past a segment's end (uniform)
         const i64 pos0 = seq_pos0(a, b);
         const i64 key_end = causal_key_end(pos0, row0 + ROWS - 1, rows_bg, group);
         // this block's keys: all of them, or its chunk under split-K
@@ -1653,7 +1656,7 @@ __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict
             if (r < rows_bg) {
                 const i64 t = r / group;
                 const int h = g * group + (int)(r % group);
-                val = a.q[((b * a.q_seq + t) * a.hq + h) * d + i % d];
+                val = a.q[((sp.qb + t) * a.hq + h) * d + i % d];
             }
             Qs[i] = val;
         }
@@ -1668,7 +1671,7 @@ __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict
             for (int i = 0; i < DPL; i++) acc[rr][i] = 0.0f;
         }
         for (i64 kb = key_lo; kb < key_hi; kb += KT) {
-            stage_kv_tile(a, b, g, kb, key_hi, Ks, Vs, kvalid, status);
+            stage_kv_tile(a, b, sp.kvb, g, kb, key_hi, Ks, Vs, kvalid, status);
 #pragma unroll
             for (int rr = 0; rr < RW; rr++) {
                 const int lr = warp * RW + rr;
@@ -1713,7 +1716,7 @@ __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict
             if (r >= rows_bg) continue;
             const i64 t = r / group;
             const int h = g * group + (int)(r % group);
-            const i64 orow = (b * a.q_seq + t) * a.hq + h;
+            const i64 orow = (sp.qb + t) * a.hq + h;
             const bool any_bad = __any_sync(FULL, bad[rr]);
             if (nsplit > 1) {
                 // the chunk's state for attention_split_combine: [m, l] per (split, row),
@@ -1753,7 +1756,15 @@ __device__ __forceinline__ void attention_fwd_impl(AttnArgs a, float* __restrict
         AttnArgs a = {q, k, v, mask, batch, q_seq, kv_seq, pos0, hq, hkv, d, scale,           \
                       tables, lens, block_size, max_blocks, pool_blocks,                       \
                       nullptr, nullptr, nullptr, 0, split_ws};                                 \
-        attention_fwd_impl<DPL, RW>(a, out, lse, status);                                      \
+        attention_fwd_impl<DPL, RW, false>(a, out, lse, status);                               \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(NW * 32, 2)                                  \
+        packed_##NAME(const float* q, const float* k, const float* v, const float* mask,      \
+                      i64 seq, int hq, int hkv, int d, float scale, float* out, float* lse,   \
+                      unsigned* status, const unsigned* cu, int segments) {                   \
+        AttnArgs a = {q, k, v, mask, 1, seq, seq, 0, hq, hkv, d, scale, nullptr, nullptr,    \
+                      0, 0, 0, nullptr, nullptr, cu, segments, nullptr};                      \
+        attention_fwd_impl<DPL, RW, true>(a, out, lse, status);                               \
     }
 
 ATTN_FWD(attention_fwd_d64, 2, 2)
@@ -1771,7 +1782,7 @@ ATTN_FWD(attention_fwd_d256, 8, 1)
         AttnArgs a = {q, nullptr, nullptr, nullptr, batch, q_seq, pool_blocks, 0,             \
                       hq, hkv, d, scale, tables, lens, block_size, max_blocks,                \
                       pool_blocks, k16, v16, nullptr, 0, split_ws};                           \
-        attention_fwd_impl<DPL, RW>(a, out, nullptr, status);                                 \
+        attention_fwd_impl<DPL, RW, false>(a, out, nullptr, status);                          \
     }
 
 // Merges split-K chunks (attention_fwd_impl under split_ws) into the output of the paged
@@ -2148,7 +2159,7 @@ __device__ __forceinline__ float prob_from_lse(float score, float row_lse) {
 
 // Backward pass 1, over query rows (same tiling as the forward):
 //   p = exp(scale·q·k − lse), dp = dout·v, ds = p·(dp − δ), dq = scale·Σ ds·k.
-template <int DPL, int RW>
+template <int DPL, int RW, bool PACKED>
 __device__ __forceinline__ void attention_bwd_dq_impl(AttnArgs a, const float* __restrict__ lse,
                                                       const float* __restrict__ delta,
                                                       const float* __restrict__ dout,
@@ -2163,16 +2174,19 @@ __device__ __forceinline__ void attention_bwd_dq_impl(AttnArgs a, const float* _
     float* Ds = Qs + ROWS * d;        // [ROWS][d] (dout rows)
     __shared__ float kvalid[KT];
     const int group = a.hq / a.hkv;
-    const i64 rows_bg = a.q_seq * group;
-    const i64 tiles = (rows_bg + ROWS - 1) / ROWS;
+    if (PACKED) seg_check_offsets(a, status);
+    const i64 tiles = (longest_seq(a, PACKED) * group + ROWS - 1) / ROWS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-    for (i64 blk = blockIdx.x; blk < a.batch * a.hkv * tiles; blk += gridDim.x) {
+    for (i64 blk = blockIdx.x; blk < seq_count(a, PACKED) * a.hkv * tiles; blk += gridDim.x) {
         const i64 tile = blk % tiles;
         const i64 bg = blk / tiles;
         const int g = (int)(bg % a.hkv);
         const i64 b = bg / a.hkv;
         const i64 row0 = tile * ROWS;
+        const SeqSpan sp = seq_span(a, b, PACKED);
+        const i64 rows_bg = sp.len * group;
+        if (PACKED && row0 >= rows_bg) continue;  // past a segment's end (uniform)
         __syncthreads();
         for (int i = threadIdx.x; i < ROWS * d; i += blockDim.x) {
             const i64 r = row0 + i / d;
@@ -2180,7 +2194,7 @@ __device__ __forceinline__ void attention_bwd_dq_impl(AttnArgs a, const float* _
             if (r < rows_bg) {
                 const i64 t = r / group;
                 const int h = g * group + (int)(r % group);
-                const i64 idx = ((b * a.q_seq + t) * a.hq + h) * d + i % d;
+                const i64 idx = ((sp.qb + t) * a.hq + h) * d + i % d;
                 qv = a.q[idx];
                 dv = dout[idx];
             }
@@ -2196,7 +2210,7 @@ __device__ __forceinline__ void attention_bwd_dq_impl(AttnArgs a, const float* _
             if (r < rows_bg) {
                 const i64 t = r / group;
                 const int h = g * group + (int)(r % group);
-                const i64 orow = (b * a.q_seq + t) * a.hq + h;
+                const i64 orow = (sp.qb + t) * a.hq + h;
                 row_lse[rr] = lse[orow];
                 row_delta[rr] = delta[orow];
             }
@@ -2206,7 +2220,7 @@ __device__ __forceinline__ void attention_bwd_dq_impl(AttnArgs a, const float* _
         const i64 pos0 = seq_pos0(a, b);
         const i64 key_end = causal_key_end(pos0, row0 + ROWS - 1, rows_bg, group);
         for (i64 kb = 0; kb < key_end; kb += KT) {
-            stage_kv_tile(a, b, g, kb, key_end, Ks, Vs, kvalid, status);
+            stage_kv_tile(a, b, sp.kvb, g, kb, key_end, Ks, Vs, kvalid, status);
 #pragma unroll
             for (int rr = 0; rr < RW; rr++) {
                 const int lr = warp * RW + rr;
@@ -2246,7 +2260,7 @@ __device__ __forceinline__ void attention_bwd_dq_impl(AttnArgs a, const float* _
             if (r >= rows_bg) continue;
             const i64 t = r / group;
             const int h = g * group + (int)(r % group);
-            const i64 orow = (b * a.q_seq + t) * a.hq + h;
+            const i64 orow = (sp.qb + t) * a.hq + h;
 #pragma unroll
             for (int i = 0; i < DPL; i++) {
                 const int c = lane + 32 * i;
@@ -2262,7 +2276,16 @@ __device__ __forceinline__ void attention_bwd_dq_impl(AttnArgs a, const float* _
              i64 seq, int hq, int hkv, int d, float scale, const float* lse, const float* delta, \
              const float* dout, float* dq, unsigned* status) {                                  \
         AttnArgs a = {q, k, v, mask, batch, seq, seq, 0, hq, hkv, d, scale};                    \
-        attention_bwd_dq_impl<DPL, RW>(a, lse, delta, dout, dq, status);                        \
+        attention_bwd_dq_impl<DPL, RW, false>(a, lse, delta, dout, dq, status);                 \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(NW * 32, 2)                                   \
+        packed_##NAME(const float* q, const float* k, const float* v, const float* mask,       \
+                      i64 batch, i64 seq, int hq, int hkv, int d, float scale,                 \
+                      const float* lse, const float* delta, const float* dout, float* dq,      \
+                      unsigned* status, const unsigned* cu, int segments) {                    \
+        AttnArgs a = {q, k, v, mask, batch, seq, seq, 0, hq, hkv, d, scale,                     \
+                      nullptr, nullptr, 0, 0, 0, nullptr, nullptr, cu, segments};               \
+        attention_bwd_dq_impl<DPL, RW, true>(a, lse, delta, dout, dq, status);                  \
     }
 
 ATTN_BWD_DQ(attention_bwd_dq_d64, 2, 1)
@@ -2275,7 +2298,7 @@ ATTN_BWD_DQ(attention_bwd_dq_d256, 8, 1)
 //   dv_s = Σ p·dout,  dk_s = scale·Σ p·(dout·v_s − δ)·q,
 // summed over the group's heads and the queries in a fixed order (deterministic). Masked
 // keys get zero gradients.
-template <int DPL, int RW>
+template <int DPL, int RW, bool PACKED>
 __device__ __forceinline__ void attention_bwd_dkv_impl(AttnArgs a, const float* __restrict__ lse,
                                                        const float* __restrict__ delta,
                                                        const float* __restrict__ dout,
@@ -2292,22 +2315,25 @@ __device__ __forceinline__ void attention_bwd_dkv_impl(AttnArgs a, const float* 
     __shared__ float lse_s[32], delta_s[32];
     __shared__ float key_ok[NW * 8];
     const int group = a.hq / a.hkv;
-    const i64 rows_bg = a.q_seq * group;
-    const i64 tiles = (a.q_seq + KROWS - 1) / KROWS;
+    if (PACKED) seg_check_offsets(a, status);
+    const i64 tiles = (longest_seq(a, PACKED) + KROWS - 1) / KROWS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
-    for (i64 blk = blockIdx.x; blk < a.batch * a.hkv * tiles; blk += gridDim.x) {
+    for (i64 blk = blockIdx.x; blk < seq_count(a, PACKED) * a.hkv * tiles; blk += gridDim.x) {
         const i64 tile = blk % tiles;
         const i64 bg = blk / tiles;
         const int g = (int)(bg % a.hkv);
         const i64 b = bg / a.hkv;
         const i64 s0 = tile * KROWS;
+        const SeqSpan sp = seq_span(a, b, PACKED);
+        const i64 seq = sp.len, rows_bg = sp.len * group;
+        if (PACKED && s0 >= seq) continue;  // past a segment's end (uniform)
         __syncthreads();
         for (int i = threadIdx.x; i < KROWS * d; i += blockDim.x) {
             const i64 s = s0 + i / d;
             float kv = 0.0f, vv = 0.0f;
-            if (s < a.q_seq) {
-                const i64 idx = ((b * a.kv_seq + s) * a.hkv + g) * d + i % d;
+            if (s < seq) {
+                const i64 idx = ((sp.kvb + s) * a.hkv + g) * d + i % d;
                 kv = a.k[idx];
                 vv = a.v[idx];
             }
@@ -2316,7 +2342,7 @@ __device__ __forceinline__ void attention_bwd_dkv_impl(AttnArgs a, const float* 
         }
         if (threadIdx.x < KROWS) {
             const i64 s = s0 + threadIdx.x;
-            key_ok[threadIdx.x] = s < a.q_seq ? key_valid(a.mask, b * a.kv_seq + s, status) : 0.0f;
+            key_ok[threadIdx.x] = s < seq ? key_valid(a.mask, sp.kvb + s, status) : 0.0f;
         }
         float gk[RW][DPL], gv[RW][DPL];
 #pragma unroll
@@ -2333,7 +2359,7 @@ __device__ __forceinline__ void attention_bwd_dkv_impl(AttnArgs a, const float* 
                 if (r < rows_bg) {
                     const i64 t = r / group;
                     const int h = g * group + (int)(r % group);
-                    const i64 idx = ((b * a.q_seq + t) * a.hq + h) * d + c;
+                    const i64 idx = ((sp.qb + t) * a.hq + h) * d + c;
                     qv = a.q[idx];
                     dv2 = dout[idx];
                 }
@@ -2346,7 +2372,7 @@ __device__ __forceinline__ void attention_bwd_dkv_impl(AttnArgs a, const float* 
                 if (r < rows_bg) {
                     const i64 t = r / group;
                     const int h = g * group + (int)(r % group);
-                    const i64 orow = (b * a.q_seq + t) * a.hq + h;
+                    const i64 orow = (sp.qb + t) * a.hq + h;
                     l = lse[orow];
                     de = delta[orow];
                 }
@@ -2360,7 +2386,7 @@ __device__ __forceinline__ void attention_bwd_dkv_impl(AttnArgs a, const float* 
             for (int rr = 0; rr < RW; rr++) {
                 const int kr_i = warp * RW + rr;
                 const i64 s = s0 + kr_i;
-                if (s >= a.q_seq || key_ok[kr_i] == 0.0f) continue;
+                if (s >= seq || key_ok[kr_i] == 0.0f) continue;
                 float p = 0.0f, ds = 0.0f;
                 if (r < rows_bg && t >= s) {
                     const float* qr = Qs + lane * dp;
@@ -2395,8 +2421,8 @@ __device__ __forceinline__ void attention_bwd_dkv_impl(AttnArgs a, const float* 
 #pragma unroll
         for (int rr = 0; rr < RW; rr++) {
             const i64 s = s0 + warp * RW + rr;
-            if (s >= a.q_seq) continue;
-            const i64 base = ((b * a.kv_seq + s) * a.hkv + g) * d;
+            if (s >= seq) continue;
+            const i64 base = ((sp.kvb + s) * a.hkv + g) * d;
 #pragma unroll
             for (int i = 0; i < DPL; i++) {
                 const int c = lane + 32 * i;
@@ -2415,7 +2441,16 @@ __device__ __forceinline__ void attention_bwd_dkv_impl(AttnArgs a, const float* 
              i64 seq, int hq, int hkv, int d, float scale, const float* lse, const float* delta, \
              const float* dout, float* dk, float* dv, unsigned* status) {                       \
         AttnArgs a = {q, k, v, mask, batch, seq, seq, 0, hq, hkv, d, scale};                    \
-        attention_bwd_dkv_impl<DPL, RW>(a, lse, delta, dout, dk, dv, status);                   \
+        attention_bwd_dkv_impl<DPL, RW, false>(a, lse, delta, dout, dk, dv, status);            \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(NW * 32, 2)                                   \
+        packed_##NAME(const float* q, const float* k, const float* v, const float* mask,       \
+                      i64 batch, i64 seq, int hq, int hkv, int d, float scale,                 \
+                      const float* lse, const float* delta, const float* dout, float* dk,      \
+                      float* dv, unsigned* status, const unsigned* cu, int segments) {         \
+        AttnArgs a = {q, k, v, mask, batch, seq, seq, 0, hq, hkv, d, scale,                     \
+                      nullptr, nullptr, 0, 0, 0, nullptr, nullptr, cu, segments};               \
+        attention_bwd_dkv_impl<DPL, RW, true>(a, lse, delta, dout, dk, dv, status);             \
     }
 
 ATTN_BWD_DKV(attention_bwd_dkv_d64, 2, 1)

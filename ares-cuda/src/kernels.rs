@@ -155,6 +155,12 @@ kernel_table! {
         paged_kv_append_bf16: "paged_kv_append_bf16",
         /// Per head-size class (≤ 64, ≤ 128, ≤ 256).
         attention_fwd: ["attention_fwd_d64", "attention_fwd_d128", "attention_fwd_d256"],
+        /// The training forward over packed segments (`cu_seqlens`), per head-size class.
+        packed_attention_fwd: [
+            "packed_attention_fwd_d64",
+            "packed_attention_fwd_d128",
+            "packed_attention_fwd_d256"
+        ],
         /// Paged decoding over bf16 pools, per head-size class.
         attention_fwd_kv16: [
             "attention_fwd_kv16_d64",
@@ -207,6 +213,17 @@ kernel_table! {
             "attention_bwd_dkv_d64",
             "attention_bwd_dkv_d128",
             "attention_bwd_dkv_d256"
+        ],
+        /// The f32 backward over packed segments, per head-size class.
+        packed_attention_bwd_dq: [
+            "packed_attention_bwd_dq_d64",
+            "packed_attention_bwd_dq_d128",
+            "packed_attention_bwd_dq_d256"
+        ],
+        packed_attention_bwd_dkv: [
+            "packed_attention_bwd_dkv_d64",
+            "packed_attention_bwd_dkv_d128",
+            "packed_attention_bwd_dkv_d256"
         ],
     }
 }

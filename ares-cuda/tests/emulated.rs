@@ -1010,6 +1010,139 @@ fn kernel_on_cpu_tensor_core_attention_over_packed_segments_is_the_cpu_twin() {
 }
 
 #[test]
+fn kernel_on_cpu_f32_attention_over_packed_segments_is_the_cpu_attention() {
+    // the f32 kernels' packed variants (`packed_attention_*`) at each head-size class:
+    // forward, δ, dq and dk/dv against the CPU's packed attention
+    use ares_cpu::ops::attention::{
+        AttentionGrads, AttentionInputs, AttentionShape, attention_backward, attention_forward,
+    };
+    let Some(lib) = model_kernels() else { return };
+    type Packed = unsafe extern "C" fn(
+        u32,
+        *const f32,
+        *const f32,
+        *const f32,
+        *const f32,
+        *const u32,
+        i32,
+        i64,
+        i32,
+        i32,
+        i32,
+        f32,
+        *mut f32,
+        *mut f32,
+        *const f32,
+        *mut f32,
+        *mut f32,
+        *mut f32,
+        *mut f32,
+        *mut u32,
+    );
+    let run = launcher!(lib, "emu_packed_attention", Packed);
+    let mut rng = Rng(53);
+    for (d, hq, hkv, cu) in [
+        (64usize, 4usize, 2usize, vec![0u32, 5, 45, 46, 46, 90]),
+        (96, 3, 1, vec![0, 17, 50]),
+        (160, 2, 2, vec![0, 1, 30, 30]),
+    ] {
+        let seq = *cu.last().expect("offsets") as usize;
+        let shape = AttentionShape {
+            batch: 1,
+            seq,
+            q_heads: hq,
+            kv_heads: hkv,
+            head_dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+        };
+        let mut values = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.range(-1.0, 1.0)).collect() };
+        let (q, k, v) = (
+            values(seq * hq * d),
+            values(seq * hkv * d),
+            values(seq * hkv * d),
+        );
+        let dout = values(q.len());
+        let mask: Vec<f32> = (0..seq).map(|i| f32::from(u8::from(i % 23 != 7))).collect();
+        let inputs = AttentionInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            key_mask: Some(&mask),
+            segments: Some(&cu),
+        };
+        let (mut want, mut want_lse) = (vec![0.0f32; q.len()], vec![0.0f32; seq * hq]);
+        attention_forward(&shape, inputs, &mut want, &mut want_lse).expect("cpu");
+        let (mut dq, mut dk, mut dv) = (
+            vec![0.0f32; q.len()],
+            vec![0.0f32; k.len()],
+            vec![0.0f32; v.len()],
+        );
+        let grads = AttentionGrads {
+            dq: &mut dq,
+            dk: &mut dk,
+            dv: &mut dv,
+        };
+        attention_backward(&shape, inputs, &want, &want_lse, &dout, grads).expect("cpu");
+        let (mut out, mut lse, mut delta) = (
+            vec![NAN; q.len()],
+            vec![NAN; want_lse.len()],
+            vec![NAN; want_lse.len()],
+        );
+        let (mut g_dq, mut g_dk, mut g_dv) =
+            (vec![NAN; q.len()], vec![NAN; k.len()], vec![NAN; v.len()]);
+        let mut status = 0u32;
+        // SAFETY: every buffer has the shape's length, cu holds segments + 1 offsets; the
+        // kernels stride over their blocks, so 5 cover any shape.
+        unsafe {
+            run(
+                5,
+                q.as_ptr(),
+                k.as_ptr(),
+                v.as_ptr(),
+                mask.as_ptr(),
+                cu.as_ptr(),
+                (cu.len() - 1) as i32,
+                seq as i64,
+                hq as i32,
+                hkv as i32,
+                d as i32,
+                shape.scale,
+                out.as_mut_ptr(),
+                lse.as_mut_ptr(),
+                dout.as_ptr(),
+                delta.as_mut_ptr(),
+                g_dq.as_mut_ptr(),
+                g_dk.as_mut_ptr(),
+                g_dv.as_mut_ptr(),
+                &mut status,
+            )
+        };
+        assert_eq!(status, 0, "d {d}: status");
+        for (i, (g, w)) in lse.iter().zip(&want_lse).enumerate() {
+            assert!(
+                (g.is_infinite() && g == w) || close(*g, *w, 1e-5),
+                "d {d}: lse[{i}] {g} vs {w}"
+            );
+        }
+        // f32 both sides, summed in other orders: within 1e-5 of each tensor's largest
+        for (name, got, want) in [
+            ("out", &out, &want),
+            ("dq", &g_dq, &dq),
+            ("dk", &g_dk, &dk),
+            ("dv", &g_dv, &dv),
+        ] {
+            let largest = want.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+            for (i, (g, w)) in got.iter().zip(want.iter()).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-5 * largest,
+                    "d {d}: {name}[{i}] {g} vs {w}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
 fn kernel_on_cpu_tensor_core_segment_attention_is_the_cpu_twin() {
     // the vision tower's attention on the tensor cores (written, never run on a GPU):
     // forward and backward within uneven segments, against the CPU twins

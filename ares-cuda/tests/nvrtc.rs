@@ -19,6 +19,10 @@ const MAX_REGISTERS: u32 = 64;
 fn register_budget(kernel: &str) -> u32 {
     if kernel.contains("_mma_") {
         255
+    } else if kernel.starts_with("packed_") {
+        // `__launch_bounds__(256, 2)`: the f32 attention over packed segments keeps two
+        // blocks an SM rather than spill at 64
+        128
     } else {
         MAX_REGISTERS
     }

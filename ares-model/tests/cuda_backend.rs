@@ -2732,27 +2732,28 @@ fn packed_pass<B: Backend>(model: &Model<B>) -> (Vec<f32>, Vec<(String, Vec<f32>
     (lp, g)
 }
 
-/// Packed sequences on CUDA: the model gathers each pass's attention into padded rows (the
-/// CUDA attention takes no segments), every other op on the packed tokens; equal to the
-/// CPU's packed pass (segments in its attention).
+/// Packed sequences on CUDA, the attention on the kernels' segments and gathered into padded
+/// rows (`set_native_packed_attention(false)`), every other op on the packed tokens; each
+/// equal to the CPU's packed pass (segments in its attention).
 #[test]
 fn packed_pass_through_gathered_attention_matches_cpu() {
     let Some(gpu) = gpu_or_skip() else { return };
-    for name in MODELS {
-        let (cpu_model, gpu_model) = models(&gpu, name);
+    for (name, native) in MODELS.iter().flat_map(|n| [(*n, true), (*n, false)]) {
+        let (cpu_model, mut gpu_model) = models(&gpu, name);
+        gpu_model.set_native_packed_attention(native);
         let (lp, grads) = packed_pass(&gpu_model);
         let (lp_cpu, grads_cpu) = packed_pass(&cpu_model);
         let real: Vec<usize> = (0..18).collect();
         let pick = |v: &[f32]| real.iter().map(|&i| v[i]).collect::<Vec<_>>();
         assert_close(
-            &format!("{name} packed log-probs"),
+            &format!("{name} packed (native {native}) log-probs"),
             &pick(&lp),
             &pick(&lp_cpu),
             1e-4,
         );
         for ((n, g), (_, c)) in grads.iter().zip(&grads_cpu) {
             let err = rel_err(g, c);
-            assert!(err <= 1e-4, "{name} packed {n}: {err:e}");
+            assert!(err <= 1e-4, "{name} packed (native {native}) {n}: {err:e}");
         }
     }
 }
@@ -3515,26 +3516,89 @@ fn tensor_core_attention_over_packed_segments_matches_its_cpu_twin() {
         }
         gpu.synchronize().unwrap(); // and the status word: no flag
     }
-    // the f32 kernels take no segments: an error that says which attention does
-    let dims = AttentionDims::new(1, 4, 2, 2, 64);
-    let x = up(&gpu, &vec![0.0f32; 4 * 2 * 64]);
-    let gcu = up_ids(&gpu, &[0u32, 2, 4]);
-    let (mut o, mut l) = (up(&gpu, &[0.0f32; 512]), up(&gpu, &[0.0f32; 8]));
-    let e = gpu
-        .attention(
+    // the f32 kernels' packed variants against the CPU's f32 packed attention
+    for (cu, hq, hkv, d) in [
+        (vec![0u32, 5, 75, 76, 76, 206], 6usize, 2usize, 64usize),
+        (vec![0u32, 1, 40, 40], 2, 1, 200),
+    ] {
+        let seq = *cu.last().unwrap() as usize;
+        let dims = AttentionDims::new(1, seq, hq, hkv, d);
+        let what = |op: &str| format!("{op} f32 packed t{seq} hq{hq} hkv{hkv} d{d}");
+        let (qn, kn, ln) = (seq * hq * d, seq * hkv * d, seq * hq);
+        let (q, k, v) = (rng.vec(qn, 2.0), rng.vec(kn, 2.0), rng.vec(kn, 1.0));
+        let dout = rng.vec(qn, 1.0);
+        let (gq, gk, gv, gcu) = (up(&gpu, &q), up(&gpu, &k), up(&gpu, &v), up_ids(&gpu, &cu));
+        let (mut go, mut gl) = (up(&gpu, &vec![f32::NAN; qn]), up(&gpu, &vec![f32::NAN; ln]));
+        let g_inputs = || AttentionInputs {
+            q: View::whole(&gq),
+            k: View::whole(&gk),
+            v: View::whole(&gv),
+            key_mask: None,
+        };
+        let c_inputs = || AttentionInputs {
+            q: View::whole(&q),
+            k: View::whole(&k),
+            v: View::whole(&v),
+            key_mask: None,
+        };
+        gpu.attention(
             dims,
-            AttentionInputs {
-                q: View::whole(&x),
-                k: View::whole(&x),
-                v: View::whole(&x),
-                key_mask: None,
-            },
+            g_inputs(),
             Some(&gcu),
-            ViewMut::whole(&mut o),
-            ViewMut::whole(&mut l),
+            ViewMut::whole(&mut go),
+            ViewMut::whole(&mut gl),
         )
-        .unwrap_err();
-    assert!(e.to_string().contains("tensor-core"), "{e}");
+        .unwrap();
+        let (mut co, mut cl) = (vec![0.0; qn], vec![0.0; ln]);
+        cpu.attention(
+            dims,
+            c_inputs(),
+            Some(&cu),
+            ViewMut::whole(&mut co),
+            ViewMut::whole(&mut cl),
+        )
+        .unwrap();
+        assert_close(&what("attention out"), &down(&gpu, &go), &co, 1e-5);
+        assert_close(&what("attention lse"), &down(&gpu, &gl), &cl, 1e-5);
+        let (mut gdq, mut gdk, mut gdv) = (
+            up(&gpu, &vec![f32::NAN; qn]),
+            up(&gpu, &vec![f32::NAN; kn]),
+            up(&gpu, &vec![f32::NAN; kn]),
+        );
+        gpu.attention_backward(
+            dims,
+            g_inputs(),
+            Some(&gcu),
+            View::whole(&go),
+            View::whole(&gl),
+            View::whole(&up(&gpu, &dout)),
+            AttentionGrads {
+                dq: ViewMut::whole(&mut gdq),
+                dk: ViewMut::whole(&mut gdk),
+                dv: ViewMut::whole(&mut gdv),
+            },
+        )
+        .unwrap();
+        let (mut cdq, mut cdk, mut cdv) = (vec![0.0; qn], vec![0.0; kn], vec![0.0; kn]);
+        cpu.attention_backward(
+            dims,
+            c_inputs(),
+            Some(&cu),
+            View::whole(&co),
+            View::whole(&cl),
+            View::whole(&dout),
+            AttentionGrads {
+                dq: ViewMut::whole(&mut cdq),
+                dk: ViewMut::whole(&mut cdk),
+                dv: ViewMut::whole(&mut cdv),
+            },
+        )
+        .unwrap();
+        for (name, g, c) in [("dq", &gdq, &cdq), ("dk", &gdk, &cdk), ("dv", &gdv, &cdv)] {
+            assert_close(&what(&format!("attention {name}")), &down(&gpu, g), c, 1e-4);
+        }
+    }
+    gpu.synchronize().unwrap();
 }
 
 #[test]

@@ -294,7 +294,7 @@ pub fn ragged<B: Backend>(
     };
     let tp = time(model, &padded, None);
     report("ragged forward+backward, padded", tokens, "tokens", tp);
-    let native = model.packs_natively(packed.batch * packed.seq);
+    let native = model.backend().packs_sequences();
     let what = if native {
         "packed (segments in the attention)"
     } else {

@@ -344,24 +344,9 @@ pub(super) fn dkv_mma_smem(d: usize) -> usize {
     2 * (2 * MMA_ROWS * (d + 8) + 2 * MMA_BWD_TILE * (d + 8) + 2 * d * (MMA_BWD_TILE + 8))
 }
 
-/// Packed segments on the f32 kernels: not implemented (their 64-register budget leaves
-/// no room); an error naming the op, so a caller pads instead or takes the bf16 tensor-core
-/// kernels, which take segments (ares-model's `Backend::packs_sequences_bf16`).
-fn no_segments(k: &'static str, segments: Option<&CudaView<'_, u32>>) -> Result<()> {
-    match segments {
-        None => Ok(()),
-        Some(_) => Err(bad(
-            k,
-            "packed segments (cu_seqlens) are taken by the bf16 tensor-core attention \
-             only (matmul_precision bf16, head_dim 64, 80 or 128): pad the batch"
-                .to_string(),
-        )),
-    }
-}
-
 /// Packed sequences (flash-attn's `cu_seqlens`, the CPU's `segments`): the offsets on the
-/// device and their count. The kernels attend each segment as a sequence of its own
-/// (`for_each_packed` in `model_ops.cu`) and flag offsets out of order in the status word.
+/// device and their count. The kernels attend each segment as a causal sequence of its own
+/// (`seq_span` in `model_ops.cu`) and flag offsets out of order in the status word.
 #[derive(Clone, Copy)]
 struct Packed<'a, 'b> {
     cu: &'a CudaView<'b, u32>,
@@ -461,7 +446,7 @@ impl ModelOps {
         lse: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         const K: &str = "attention";
-        no_segments(K, segments)?;
+        let packed = packed(K, &shape, segments)?;
         let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
         let key_mask = inputs.key_mask.as_ref();
         let dims = shape.dims(K)?;
@@ -475,6 +460,9 @@ impl ModelOps {
         }
         if dims.q_len == 0 {
             return Ok(());
+        }
+        if let Some(p) = packed {
+            return self.attend_packed(shape, &dims, inputs, p, out, lse);
         }
         self.attend(
             K,
@@ -619,6 +607,45 @@ impl ModelOps {
         )
     }
 
+    /// Launches the f32 forward over packed segments (`packed_attention_fwd_*`: each segment
+    /// a causal sequence of its own), lengths checked by the caller.
+    fn attend_packed(
+        &self,
+        shape: AttentionShape,
+        dims: &Dims,
+        inputs: &AttentionInputs<'_>,
+        packed: Packed<'_, '_>,
+        out: &mut CudaViewMut<'_, f32>,
+        lse: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "attention";
+        let rows = WARPS * FWD_ROWS_PER_WARP[dims.class];
+        let blocks = causal_blocks(K, &shape, query_rows(K, &shape)?, rows, Some(packed))?;
+        let func = &self.f.packed_attention_fwd[dims.class];
+        let cfg = attention_cfg(self, K, func, blocks, rows_smem(shape.head_dim, rows, 1))?;
+        let t64 = i64_of(K, "seq", shape.seq)?;
+        let mut state = self.lock();
+        let mut l = self.stream.launch_builder(func);
+        l.arg(&inputs.q)
+            .arg(&inputs.k)
+            .arg(&inputs.v)
+            .arg_or_null(inputs.key_mask.as_ref())
+            .arg(&t64)
+            .arg(&dims.hq)
+            .arg(&dims.hkv)
+            .arg(&dims.d)
+            .arg(&shape.scale)
+            .arg(out)
+            .arg(lse)
+            .arg(&mut state.status)
+            .arg(packed.cu)
+            .arg(&packed.segments);
+        // SAFETY: argument order as `ATTN_FWD`'s packed kernel; lengths checked against the
+        // shape by the caller, segments by `packed`; grid and shared memory as the variant's.
+        unsafe { l.launch(cfg) }.during(K)?;
+        Ok(())
+    }
+
     /// Launches the forward kernel.
     fn attend(
         &self,
@@ -688,9 +715,9 @@ impl ModelOps {
         grads: &mut AttentionGrads<'_>,
     ) -> Result<()> {
         const K: &str = "attention_backward";
-        no_segments(K, segments)?;
+        let packed = packed(K, &shape, segments)?;
         let saved = AttentionSaved { out, lse, dout };
-        self.backward_with(K, shape, (inputs, None), saved, grads, None)
+        self.backward_with(K, shape, (inputs, packed), saved, grads, None)
     }
 
     /// The bf16 backward on tensor cores (twin of
@@ -852,23 +879,37 @@ impl ModelOps {
         }
         {
             let rows = WARPS * DQ_ROWS_PER_WARP[dims.class];
-            let blocks = tiled_blocks(op, &shape, query_rows(op, &shape)?, rows)?;
-            let func = &self.f.attention_bwd_dq[dims.class];
+            let blocks = causal_blocks(op, &shape, query_rows(op, &shape)?, rows, packed)?;
+            let func = match packed {
+                None => &self.f.attention_bwd_dq[dims.class],
+                Some(_) => &self.f.packed_attention_bwd_dq[dims.class],
+            };
             let cfg = attention_cfg(self, op, func, blocks, rows_smem(shape.head_dim, rows, 2))?;
             let mut l = self.stream.launch_builder(func);
             inputs.push(&mut l).arg(grads.dq).arg(&mut *status);
-            // SAFETY: argument order as the `ATTN_BWD_DQ` kernels; lengths checked above.
+            if packed.is_some() {
+                push_packed(&mut l, &packed, &none);
+            }
+            // SAFETY: argument order as the `ATTN_BWD_DQ` kernels (packed: the segments
+            // last); lengths checked above.
             unsafe { l.launch(cfg) }.during(format!("{op}: dq"))?;
         }
         let key_rows = WARPS * DKV_ROWS_PER_WARP[dims.class];
-        let blocks = tiled_blocks(op, &shape, shape.seq, key_rows)?;
-        let func = &self.f.attention_bwd_dkv[dims.class];
+        let blocks = causal_blocks(op, &shape, shape.seq, key_rows, packed)?;
+        let func = match packed {
+            None => &self.f.attention_bwd_dkv[dims.class],
+            Some(_) => &self.f.packed_attention_bwd_dkv[dims.class],
+        };
         let d = shape.head_dim;
         let smem = 4 * (2 * 32 * (d + 1) + 2 * key_rows * d);
         let cfg = attention_cfg(self, op, func, blocks, smem)?;
         let mut l = self.stream.launch_builder(func);
         inputs.push(&mut l).arg(grads.dk).arg(grads.dv).arg(status);
-        // SAFETY: argument order as the `ATTN_BWD_DKV` kernels; lengths checked above.
+        if packed.is_some() {
+            push_packed(&mut l, &packed, &none);
+        }
+        // SAFETY: argument order as the `ATTN_BWD_DKV` kernels (packed: the segments last);
+        // lengths checked above.
         unsafe { l.launch(cfg) }.during(format!("{op}: dk, dv"))?;
         Ok(())
     }

@@ -61,6 +61,45 @@ extern "C" void emu_attention_bwd_mma(unsigned grid, int d, const float* q, cons
     else run(attention_bwd_dq_mma_d128, attention_bwd_dkv_mma_d128);
 }
 
+// The f32 attention over packed segments as ares-cuda launches it: forward, then δ, dq, and
+// dk with dv — NW warps a block, RW rows a warp per head-size class (FWD / DQ / DKV rows per
+// warp in ares-cuda's attention.rs), dynamic shared memory as its `rows_smem`.
+extern "C" void emu_packed_attention(unsigned grid, const float* q, const float* k, const float* v,
+                                     const float* mask, const unsigned* cu, int segments,
+                                     i64 seq, int hq, int hkv, int d, float scale, float* out,
+                                     float* lse, const float* dout, float* delta, float* dq,
+                                     float* dk, float* dv, unsigned* status) {
+    const int cls = d <= 64 ? 0 : d <= 128 ? 1 : 2;
+    const int fwd_rw[3] = {2, 2, 1}, dq_rw[3] = {1, 2, 1};
+    const dim3 block{NW * 32, 1, 1};
+    const std::size_t fwd_smem = 4 * (2 * KT * (d + 1) + NW * fwd_rw[cls] * d);
+    const std::size_t dq_smem = 4 * (2 * KT * (d + 1) + 2 * NW * dq_rw[cls] * d);
+    const std::size_t dkv_smem = 4 * (2 * 32 * (d + 1) + 2 * NW * d);
+    auto run = [&](auto fwd, auto dq_kernel, auto dkv_kernel) {
+        emu::launch(dim3{grid, 1, 1}, block, fwd_smem, [&] {
+            fwd(q, k, v, mask, seq, hq, hkv, d, scale, out, lse, status, cu, segments);
+        });
+        emu::launch(dim3{4, 1, 1}, dim3{128, 1, 1}, 0,
+                    [&] { attention_bwd_delta(dout, out, seq * hq, d, delta); });
+        emu::launch(dim3{grid, 1, 1}, block, dq_smem, [&] {
+            dq_kernel(q, k, v, mask, 1, seq, hq, hkv, d, scale, lse, delta, dout, dq, status, cu,
+                      segments);
+        });
+        emu::launch(dim3{grid, 1, 1}, block, dkv_smem, [&] {
+            dkv_kernel(q, k, v, mask, 1, seq, hq, hkv, d, scale, lse, delta, dout, dk, dv, status,
+                       cu, segments);
+        });
+    };
+    if (cls == 0)
+        run(packed_attention_fwd_d64, packed_attention_bwd_dq_d64, packed_attention_bwd_dkv_d64);
+    else if (cls == 1)
+        run(packed_attention_fwd_d128, packed_attention_bwd_dq_d128,
+            packed_attention_bwd_dkv_d128);
+    else
+        run(packed_attention_fwd_d256, packed_attention_bwd_dq_d256,
+            packed_attention_bwd_dkv_d256);
+}
+
 // The tensor-core segment attention of the vision tower at head size d (non-causal within
 // each cu_seqlens segment): forward, then δ, dq, and dk with dv, as ares-cuda runs them.
 extern "C" void emu_segment_attention_mma(unsigned grid, int d, const float* q, const float* k,

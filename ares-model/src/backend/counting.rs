@@ -211,10 +211,6 @@ impl<B: Backend> Backend for Counting<B> {
         self.inner.packs_sequences()
     }
 
-    fn packs_sequences_bf16(&self) -> bool {
-        self.inner.packs_sequences_bf16()
-    }
-
     fn keeps_bf16_weights(&self) -> bool {
         self.inner.keeps_bf16_weights()
     }

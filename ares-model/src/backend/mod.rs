@@ -179,18 +179,11 @@ pub trait Backend {
     }
 
     /// Whether the training attention takes packed sequences (`segments` of
-    /// [`Backend::attention`]): true on the CPU; not on CUDA, whose f32 kernels do not,
-    /// so the model runs a packed pass's f32 attention padded by gathers
+    /// [`Backend::attention`] and [`Backend::attention_bf16`]): true on the CPU and CUDA;
+    /// where false, the model runs a packed pass's attention padded by gathers
     /// ([`Model::set_native_packed_attention`](crate::model::Model::set_native_packed_attention)).
     fn packs_sequences(&self) -> bool {
         false
-    }
-
-    /// Whether the bf16 training attention ([`Backend::attention_bf16`] and its backward)
-    /// takes packed sequences: true on the CPU and on CUDA (the tensor-core kernels attend
-    /// each segment as a sequence of its own).
-    fn packs_sequences_bf16(&self) -> bool {
-        self.packs_sequences()
     }
 
     /// The time of every op so far, summed per op, as a table, when `ARES_PROFILE=1`

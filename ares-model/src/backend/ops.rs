@@ -444,8 +444,8 @@ macro_rules! declared_ops {
             ///
             /// # Errors
             /// Invalid head counts or scale, lengths that do not match, a mask value not 0 or 1,
-            /// segments with a batch other than 1 or offsets out of order; on CUDA, segments
-            /// (taken by [`Backend::attention_bf16`] only: [`Backend::packs_sequences`]).
+            /// segments with a batch other than 1 or offsets out of order (on CUDA flagged on
+            /// the device: the attention kernels read the offsets there).
             fn attention(
                 dims: AttentionDims,
                 inputs: Views<AttentionInputs>,
@@ -458,8 +458,7 @@ macro_rules! declared_ops {
             /// each 64-key tile's probabilities rounded to bf16, f32 sums and softmax state — on
             /// the CPU the kernel's twin (`ares_cpu::ops::attention::attention_forward_bf16`).
             /// Head sizes of `ares_cpu::ops::attention::BF16_HEAD_DIMS`; its backward is
-            /// [`Backend::attention_backward_bf16`]. Takes `segments` on both backends
-            /// ([`Backend::packs_sequences_bf16`]).
+            /// [`Backend::attention_backward_bf16`].
             ///
             /// # Errors
             /// As [`Backend::attention`]; on CUDA another head size or a device older than

@@ -112,7 +112,7 @@ impl<B: Backend> Model<B> {
         acts.segments = None;
         if let Some(cu) = extras.segments {
             check_segments(inputs, cu)?;
-            if self.packs_natively(n) {
+            if self.native_packing {
                 let mut ids = be.alloc_ids(cu.len())?;
                 be.upload_ids(cu, &mut ids)?;
                 acts.segments = Some(ids);

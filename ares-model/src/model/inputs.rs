@@ -17,8 +17,7 @@ pub struct ForwardExtras<'a, B: Backend> {
     /// Packed sequences (flash-attn's `cu_seqlens`): the inputs are one row (`batch` 1) of
     /// several sequences back to back, sequence `i` at tokens `cu[i]..cu[i + 1]` with its
     /// own positions from 0; attention stays within each (no padding between them). Offsets
-    /// from 0 to `seq`, non-decreasing; where the backend's attention does not take them,
-    /// the model gathers it into padded rows ([`Model::packs_natively`](super::Model::packs_natively)).
+    /// from 0 to `seq`, non-decreasing; backends with [`Backend::packs_sequences`] only.
     pub segments: Option<&'a [u32]>,
 }
 

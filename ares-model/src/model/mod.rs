@@ -108,7 +108,7 @@ pub struct Model<B: Backend> {
     gradient_checkpointing: bool,
     /// Whether packed sequences' attention runs on the backend's segments
     /// ([`Model::set_native_packed_attention`]).
-    native_packing: Option<bool>,
+    native_packing: bool,
     /// LoRA adapters ([`Model::add_lora`]): with them the base weights are frozen.
     lora: Option<lora::Lora<B>>,
     /// bf16 copies of the linear weights the bf16 products read
@@ -163,6 +163,7 @@ impl<B: Backend> Model<B> {
         backend.upload(&cos, ViewMut::whole(&mut rope_cos))?;
         backend.upload(&sin, ViewMut::whole(&mut rope_sin))?;
         let weights = DeviceWeights::upload(&backend, &spec, weights)?;
+        let native_packing = backend.packs_sequences();
         Ok(Self {
             backend,
             config: config.clone(),
@@ -173,7 +174,7 @@ impl<B: Backend> Model<B> {
             rope_sin,
             matmul_precision: MatmulPrecision::F32,
             gradient_checkpointing: false,
-            native_packing: None,
+            native_packing,
             lora: None,
             bf16_weights: None,
         })
@@ -200,28 +201,15 @@ impl<B: Backend> Model<B> {
     }
 
     /// How the attention of packed sequences ([`ForwardExtras::segments`]) runs: `true` on
-    /// the backend's segments, `false` padded — each pass gathers q, k and v into
-    /// `[segments, longest]` rows, segments right-aligned, attends with the padded layout's
-    /// mask and gathers the results back, while every other op still runs on the packed
-    /// tokens. The same numbers up to summation order. By default a pass takes the
-    /// segments where the backend's attention in the pass's precision does
-    /// ([`Backend::packs_sequences`], [`Backend::packs_sequences_bf16`]: on CUDA the bf16
-    /// tensor-core attention) and pads elsewhere. `true` on a backend without segments makes
+    /// the backend's segments (the default where [`Backend::packs_sequences`]), `false`
+    /// padded — each pass gathers q, k and v into `[segments, longest]` rows, segments
+    /// right-aligned, attends with the padded layout's mask and gathers the results back,
+    /// while every other op still runs on the packed tokens (the default on a backend
+    /// without segments; the CPU and CUDA take them).
+    /// The same numbers up to summation order. `true` on a backend without segments makes
     /// packed passes fail.
     pub fn set_native_packed_attention(&mut self, on: bool) {
-        self.native_packing = Some(on);
-    }
-
-    /// Whether a packed pass of `tokens` tokens attends on the backend's segments
-    /// ([`Model::set_native_packed_attention`]).
-    pub fn packs_natively(&self, tokens: usize) -> bool {
-        self.native_packing.unwrap_or_else(|| {
-            if self.attention_in_bf16(tokens) {
-                self.backend.packs_sequences_bf16()
-            } else {
-                self.backend.packs_sequences()
-            }
-        })
+        self.native_packing = on;
     }
 
     /// Whether new arenas are checkpointed ([`Model::set_gradient_checkpointing`]).

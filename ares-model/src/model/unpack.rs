@@ -1,5 +1,7 @@
-//! Packed sequences on a backend whose attention does not take segments in the pass's
-//! precision ([`Backend::packs_sequences`] false: CUDA's f32 and TF32 attention). Everything token-wise — the GEMMs, the
+//! Packed sequences on a backend whose attention does not take segments
+//! ([`Backend::packs_sequences`] false; both of ours take them, and
+//! [`Model::set_native_packed_attention`](super::Model::set_native_packed_attention)`(false)`
+//! runs this path on them). Everything token-wise — the GEMMs, the
 //! norms, the MLP, the head — runs on the packed row; only the attention runs padded: its
 //! q, k, v are gathered into `[segments, longest]` rows, each segment **right-aligned**
 //! (left padding), attended with the padded layout's key mask, and the output and

@@ -431,7 +431,7 @@ impl Backend for CudaBackend {
     type Bytes = CudaBytes;
     type Graph = ares_cuda::DecodeGraph;
 
-    fn packs_sequences_bf16(&self) -> bool {
+    fn packs_sequences(&self) -> bool {
         true
     }
 
