@@ -846,26 +846,26 @@ fn kernel_on_cpu_tensor_core_attention_is_the_cpu_twin() {
     }
 }
 
-#[test]
-fn kernel_on_cpu_tensor_core_attention_over_packed_segments_is_the_cpu_twin() {
-    // the decoder's packed batches (cu_seqlens) on the tensor-core kernels: each segment a
-    // causal sequence of its own, keys from its own start — the CPU twin's spans — with
-    // empty, one-token and multi-tile segments, a key mask, and GQA
-    use ares_cpu::ops::attention::{
-        AttentionGrads, AttentionInputs, AttentionShape, attention_backward_bf16,
-        attention_forward_bf16,
-    };
-    let Some(lib) = model_kernels() else { return };
-    let fwd = launcher!(lib, "emu_attention_fwd_mma", AttnFwdMma);
-    let bwd = launcher!(lib, "emu_attention_bwd_mma", AttnBwdMma);
-    let mut rng = Rng(47);
-    for (d, hq, hkv, cu) in [
-        (64usize, 4usize, 2usize, vec![0u32, 5, 75, 76, 76, 150]),
-        (80, 2, 2, vec![0, 33, 40]),
-        (128, 2, 1, vec![0, 1, 66, 66]),
-    ] {
+/// A packed attention case (batch 1, segments `cu`): random q, k, v, dout, a key mask with
+/// every 29th key from the 4th masked, and the CPU's forward and backward over the
+/// segments (`bf16`: the tensor-core twin's).
+struct PackedCase {
+    shape: ares_cpu::ops::attention::AttentionShape,
+    cu: Vec<u32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    mask: Vec<f32>,
+    dout: Vec<f32>,
+    /// The CPU's out, lse, dq, dk, dv.
+    want: [Vec<f32>; 5],
+}
+
+impl PackedCase {
+    fn new(rng: &mut Rng, (cu, hq, hkv, d): (&[u32], usize, usize, usize), bf16: bool) -> Self {
+        use ares_cpu::ops::attention as att;
         let seq = *cu.last().expect("offsets") as usize;
-        let shape = AttentionShape {
+        let shape = att::AttentionShape {
             batch: 1,
             seq,
             q_heads: hq,
@@ -880,124 +880,162 @@ fn kernel_on_cpu_tensor_core_attention_over_packed_segments_is_the_cpu_twin() {
             values(seq * hkv * d),
         );
         let dout = values(q.len());
-        // two padding keys inside the packed row
         let mask: Vec<f32> = (0..seq).map(|i| f32::from(u8::from(i % 29 != 3))).collect();
-        let inputs = AttentionInputs {
+        let inputs = att::AttentionInputs {
             q: &q,
             k: &k,
             v: &v,
             key_mask: Some(&mask),
-            segments: Some(&cu),
+            segments: Some(cu),
         };
-        let (mut want, mut want_lse) = (vec![0.0f32; q.len()], vec![0.0f32; seq * hq]);
-        attention_forward_bf16(&shape, inputs, &mut want, &mut want_lse).expect("cpu");
-        let (mut out, mut lse) = (vec![NAN; q.len()], vec![NAN; want_lse.len()]);
-        let mut status = 0u32;
-        let segments = (cu.len() - 1) as i32;
-        // SAFETY: q, k, v, mask, out, lse have the shape's lengths, cu holds segments + 1
-        // offsets; 7 blocks stride over the segments' tiles.
-        unsafe {
-            fwd(
-                7,
-                d as i32,
-                q.as_ptr(),
-                k.as_ptr(),
-                v.as_ptr(),
-                mask.as_ptr(),
-                1,
-                seq as i64,
-                seq as i64,
-                0,
-                hq as i32,
-                hkv as i32,
-                shape.scale,
-                out.as_mut_ptr(),
-                lse.as_mut_ptr(),
-                &mut status,
-                cu.as_ptr(),
-                segments,
-            )
-        };
-        assert_eq!(status, 0, "d {d}: status");
-        for (i, (g, w)) in out.iter().zip(&want).enumerate() {
-            assert!(close(*g, *w, 1e-4), "d {d}: out[{i}] {g} vs {w}");
-        }
-        for (i, (g, w)) in lse.iter().zip(&want_lse).enumerate() {
-            assert!(
-                (g.is_infinite() && g == w) || close(*g, *w, 1e-5),
-                "d {d}: lse[{i}] {g} vs {w}"
-            );
-        }
+        let (mut out, mut lse) = (vec![0.0f32; q.len()], vec![0.0f32; seq * hq]);
         let (mut dq, mut dk, mut dv) = (
             vec![0.0f32; q.len()],
             vec![0.0f32; k.len()],
             vec![0.0f32; v.len()],
         );
-        let grads = AttentionGrads {
+        let grads = att::AttentionGrads {
             dq: &mut dq,
             dk: &mut dk,
             dv: &mut dv,
         };
-        attention_backward_bf16(&shape, inputs, &want, &want_lse, &dout, grads).expect("cpu");
-        let mut delta = vec![NAN; want_lse.len()];
-        let (mut g_dq, mut g_dk, mut g_dv) =
-            (vec![NAN; q.len()], vec![NAN; k.len()], vec![NAN; v.len()]);
-        // SAFETY: every buffer has the shape's length (delta: one per (token, head) row).
+        if bf16 {
+            att::attention_forward_bf16(&shape, inputs, &mut out, &mut lse).expect("cpu");
+            att::attention_backward_bf16(&shape, inputs, &out, &lse, &dout, grads).expect("cpu");
+        } else {
+            att::attention_forward(&shape, inputs, &mut out, &mut lse).expect("cpu");
+            att::attention_backward(&shape, inputs, &out, &lse, &dout, grads).expect("cpu");
+        }
+        Self {
+            shape,
+            cu: cu.to_vec(),
+            q,
+            k,
+            v,
+            mask,
+            dout,
+            want: [out, lse, dq, dk, dv],
+        }
+    }
+
+    /// Fresh NaN-filled outputs shaped as `want`.
+    fn outputs(&self) -> [Vec<f32>; 5] {
+        self.want.clone().map(|w| vec![NAN; w.len()])
+    }
+
+    /// `got` (out, lse, dq, dk, dv) against the CPU's: lse within `rel` of each value (equal
+    /// infinities), the others within `rel` of their tensor's largest magnitude.
+    fn check(&self, got: &[Vec<f32>; 5], rel: f32) {
+        let d = self.shape.head_dim;
+        for (name, (got, want)) in ["out", "lse", "dq", "dk", "dv"]
+            .iter()
+            .zip(got.iter().zip(&self.want))
+        {
+            let largest = want
+                .iter()
+                .filter(|x| x.is_finite())
+                .fold(1e-3f32, |m, x| m.max(x.abs()));
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                let ok = if *name == "lse" {
+                    (g.is_infinite() && g == w) || close(*g, *w, rel)
+                } else {
+                    (g - w).abs() <= rel * largest
+                };
+                assert!(ok, "d {d}: {name}[{i}] {g} vs {w}");
+            }
+        }
+    }
+}
+
+#[test]
+fn kernel_on_cpu_tensor_core_attention_over_packed_segments_is_the_cpu_twin() {
+    // the decoder's packed batches (cu_seqlens) on the tensor-core kernels: each segment a
+    // causal sequence of its own, keys from its own start — the CPU twin's spans — with
+    // empty, one-token and multi-tile segments, a key mask, and GQA
+    let Some(lib) = model_kernels() else { return };
+    let fwd = launcher!(lib, "emu_attention_fwd_mma", AttnFwdMma);
+    let bwd = launcher!(lib, "emu_attention_bwd_mma", AttnBwdMma);
+    let mut rng = Rng(47);
+    for (d, hq, hkv, cu) in [
+        (64usize, 4usize, 2usize, vec![0u32, 5, 75, 76, 76, 150]),
+        (80, 2, 2, vec![0, 33, 40]),
+        (128, 2, 1, vec![0, 1, 66, 66]),
+    ] {
+        let c = PackedCase::new(&mut rng, (&cu, hq, hkv, d), true);
+        let [mut out, mut lse, mut dq, mut dk, mut dv] = c.outputs();
+        let mut delta = vec![NAN; lse.len()];
+        let (seq, scale, segments) = (c.shape.seq as i64, c.shape.scale, (cu.len() - 1) as i32);
+        let mut status = 0u32;
+        // SAFETY: every buffer has the shape's length (delta: one per (token, head) row), cu
+        // holds segments + 1 offsets; 7 blocks stride over the segments' tiles. The
+        // backward reads the CPU twin's out and lse.
         unsafe {
+            fwd(
+                7,
+                d as i32,
+                c.q.as_ptr(),
+                c.k.as_ptr(),
+                c.v.as_ptr(),
+                c.mask.as_ptr(),
+                1,
+                seq,
+                seq,
+                0,
+                hq as i32,
+                hkv as i32,
+                scale,
+                out.as_mut_ptr(),
+                lse.as_mut_ptr(),
+                &mut status,
+                c.cu.as_ptr(),
+                segments,
+            );
             bwd(
                 7,
                 d as i32,
-                q.as_ptr(),
-                k.as_ptr(),
-                v.as_ptr(),
-                mask.as_ptr(),
+                c.q.as_ptr(),
+                c.k.as_ptr(),
+                c.v.as_ptr(),
+                c.mask.as_ptr(),
                 1,
-                seq as i64,
+                seq,
                 hq as i32,
                 hkv as i32,
-                shape.scale,
-                want.as_ptr(),
-                want_lse.as_ptr(),
-                dout.as_ptr(),
+                scale,
+                c.want[0].as_ptr(),
+                c.want[1].as_ptr(),
+                c.dout.as_ptr(),
                 delta.as_mut_ptr(),
-                g_dq.as_mut_ptr(),
-                g_dk.as_mut_ptr(),
-                g_dv.as_mut_ptr(),
+                dq.as_mut_ptr(),
+                dk.as_mut_ptr(),
+                dv.as_mut_ptr(),
                 &mut status,
-                cu.as_ptr(),
+                c.cu.as_ptr(),
                 segments,
-            )
-        };
-        assert_eq!(status, 0, "d {d}: backward status");
-        for (name, got, want) in [("dq", &g_dq, &dq), ("dk", &g_dk, &dk), ("dv", &g_dv, &dv)] {
-            let largest = want.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
-            for (i, (g, w)) in got.iter().zip(want.iter()).enumerate() {
-                assert!(
-                    (g - w).abs() <= 1e-4 * largest,
-                    "d {d}: {name}[{i}] {g} vs {w}"
-                );
-            }
+            );
         }
+        assert_eq!(status, 0, "d {d}: status");
+        c.check(&[out, lse, dq, dk, dv], 1e-4);
         // offsets out of order: flagged, and every access stays inside the tokens (the
         // clamped segments), so nothing but the flag is promised
         let bad_cu: Vec<u32> = vec![0, seq as u32, 2, seq as u32 + 40];
-        let mut status = 0u32;
+        let [mut out, mut lse, ..] = c.outputs();
         // SAFETY: as above; the kernels clamp the offsets to the tokens.
         unsafe {
             fwd(
                 3,
                 d as i32,
-                q.as_ptr(),
-                k.as_ptr(),
-                v.as_ptr(),
-                mask.as_ptr(),
+                c.q.as_ptr(),
+                c.k.as_ptr(),
+                c.v.as_ptr(),
+                c.mask.as_ptr(),
                 1,
-                seq as i64,
-                seq as i64,
+                seq,
+                seq,
                 0,
                 hq as i32,
                 hkv as i32,
-                shape.scale,
+                scale,
                 out.as_mut_ptr(),
                 lse.as_mut_ptr(),
                 &mut status,
@@ -1013,9 +1051,6 @@ fn kernel_on_cpu_tensor_core_attention_over_packed_segments_is_the_cpu_twin() {
 fn kernel_on_cpu_f32_attention_over_packed_segments_is_the_cpu_attention() {
     // the f32 kernels' packed variants (`packed_attention_*`) at each head-size class:
     // forward, δ, dq and dk/dv against the CPU's packed attention
-    use ares_cpu::ops::attention::{
-        AttentionGrads, AttentionInputs, AttentionShape, attention_backward, attention_forward,
-    };
     let Some(lib) = model_kernels() else { return };
     type Packed = unsafe extern "C" fn(
         u32,
@@ -1046,99 +1081,39 @@ fn kernel_on_cpu_f32_attention_over_packed_segments_is_the_cpu_attention() {
         (96, 3, 1, vec![0, 17, 50]),
         (160, 2, 2, vec![0, 1, 30, 30]),
     ] {
-        let seq = *cu.last().expect("offsets") as usize;
-        let shape = AttentionShape {
-            batch: 1,
-            seq,
-            q_heads: hq,
-            kv_heads: hkv,
-            head_dim: d,
-            scale: 1.0 / (d as f32).sqrt(),
-        };
-        let mut values = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.range(-1.0, 1.0)).collect() };
-        let (q, k, v) = (
-            values(seq * hq * d),
-            values(seq * hkv * d),
-            values(seq * hkv * d),
-        );
-        let dout = values(q.len());
-        let mask: Vec<f32> = (0..seq).map(|i| f32::from(u8::from(i % 23 != 7))).collect();
-        let inputs = AttentionInputs {
-            q: &q,
-            k: &k,
-            v: &v,
-            key_mask: Some(&mask),
-            segments: Some(&cu),
-        };
-        let (mut want, mut want_lse) = (vec![0.0f32; q.len()], vec![0.0f32; seq * hq]);
-        attention_forward(&shape, inputs, &mut want, &mut want_lse).expect("cpu");
-        let (mut dq, mut dk, mut dv) = (
-            vec![0.0f32; q.len()],
-            vec![0.0f32; k.len()],
-            vec![0.0f32; v.len()],
-        );
-        let grads = AttentionGrads {
-            dq: &mut dq,
-            dk: &mut dk,
-            dv: &mut dv,
-        };
-        attention_backward(&shape, inputs, &want, &want_lse, &dout, grads).expect("cpu");
-        let (mut out, mut lse, mut delta) = (
-            vec![NAN; q.len()],
-            vec![NAN; want_lse.len()],
-            vec![NAN; want_lse.len()],
-        );
-        let (mut g_dq, mut g_dk, mut g_dv) =
-            (vec![NAN; q.len()], vec![NAN; k.len()], vec![NAN; v.len()]);
+        let c = PackedCase::new(&mut rng, (&cu, hq, hkv, d), false);
+        let [mut out, mut lse, mut dq, mut dk, mut dv] = c.outputs();
+        let mut delta = vec![NAN; lse.len()];
         let mut status = 0u32;
         // SAFETY: every buffer has the shape's length, cu holds segments + 1 offsets; the
         // kernels stride over their blocks, so 5 cover any shape.
         unsafe {
             run(
                 5,
-                q.as_ptr(),
-                k.as_ptr(),
-                v.as_ptr(),
-                mask.as_ptr(),
-                cu.as_ptr(),
+                c.q.as_ptr(),
+                c.k.as_ptr(),
+                c.v.as_ptr(),
+                c.mask.as_ptr(),
+                c.cu.as_ptr(),
                 (cu.len() - 1) as i32,
-                seq as i64,
+                c.shape.seq as i64,
                 hq as i32,
                 hkv as i32,
                 d as i32,
-                shape.scale,
+                c.shape.scale,
                 out.as_mut_ptr(),
                 lse.as_mut_ptr(),
-                dout.as_ptr(),
+                c.dout.as_ptr(),
                 delta.as_mut_ptr(),
-                g_dq.as_mut_ptr(),
-                g_dk.as_mut_ptr(),
-                g_dv.as_mut_ptr(),
+                dq.as_mut_ptr(),
+                dk.as_mut_ptr(),
+                dv.as_mut_ptr(),
                 &mut status,
             )
         };
         assert_eq!(status, 0, "d {d}: status");
-        for (i, (g, w)) in lse.iter().zip(&want_lse).enumerate() {
-            assert!(
-                (g.is_infinite() && g == w) || close(*g, *w, 1e-5),
-                "d {d}: lse[{i}] {g} vs {w}"
-            );
-        }
-        // f32 both sides, summed in other orders: within 1e-5 of each tensor's largest
-        for (name, got, want) in [
-            ("out", &out, &want),
-            ("dq", &g_dq, &dq),
-            ("dk", &g_dk, &dk),
-            ("dv", &g_dv, &dv),
-        ] {
-            let largest = want.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
-            for (i, (g, w)) in got.iter().zip(want.iter()).enumerate() {
-                assert!(
-                    (g - w).abs() <= 1e-5 * largest,
-                    "d {d}: {name}[{i}] {g} vs {w}"
-                );
-            }
-        }
+        // f32 both sides, summed in other orders
+        c.check(&[out, lse, dq, dk, dv], 1e-5);
     }
 }
 

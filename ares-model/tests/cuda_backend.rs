@@ -3414,191 +3414,136 @@ fn activations_match_cpu() {
 /// The tensor-core kernels over segments against their CPU twin (bounds as
 /// `tensor_core_attention_matches_its_cpu_twin`): empty segments, segments crossing the
 /// 64-key tiles, head sizes 64, 80 and 128.
-/// Packed sequences (cu_seqlens) on the tensor-core kernels against the CPU twin's packed
-/// attention: an empty segment, a one-token one, segments across several 64-row tiles, a
-/// padding key inside the row, GQA — bounds as `tensor_core_attention_matches_its_cpu_twin`.
+/// One packed attention call and its backward on the GPU and on the CPU (`bf16`: the
+/// tensor-core ops and the CPU twin; else the f32 ops), the key at index 40 masked:
+/// `(what, GPU, CPU)` for out, lse, dq, dk and dv.
+fn packed_attention_pair(
+    gpu: &CudaBackend,
+    rng: &mut Rng,
+    (cu, hq, hkv, d): (&[u32], usize, usize, usize),
+    bf16: bool,
+) -> Vec<(&'static str, Vec<f32>, Vec<f32>)> {
+    let cpu = CpuBackend;
+    let seq = *cu.last().unwrap() as usize;
+    let dims = AttentionDims::new(1, seq, hq, hkv, d);
+    let (qn, kn, ln) = (seq * hq * d, seq * hkv * d, seq * hq);
+    let (q, k, v) = (rng.vec(qn, 2.0), rng.vec(kn, 2.0), rng.vec(kn, 1.0));
+    let dout = rng.vec(qn, 1.0);
+    let mask: Vec<f32> = (0..seq).map(|i| f32::from(u8::from(i != 40))).collect();
+    let (gq, gk, gv, gm) = (up(gpu, &q), up(gpu, &k), up(gpu, &v), up(gpu, &mask));
+    let (gcu, gdout) = (up_ids(gpu, cu), up(gpu, &dout));
+    let cpu_cu = cu.to_vec(); // the CPU backend's id buffer
+    let (mut go, mut gl) = (up(gpu, &vec![f32::NAN; qn]), up(gpu, &vec![f32::NAN; ln]));
+    let (mut gdq, mut gdk, mut gdv) = (
+        up(gpu, &vec![f32::NAN; qn]),
+        up(gpu, &vec![f32::NAN; kn]),
+        up(gpu, &vec![f32::NAN; kn]),
+    );
+    let g_in = || AttentionInputs {
+        q: View::whole(&gq),
+        k: View::whole(&gk),
+        v: View::whole(&gv),
+        key_mask: Some(View::whole(&gm)),
+    };
+    let (mut co, mut cl) = (vec![0.0; qn], vec![0.0; ln]);
+    let (mut cdq, mut cdk, mut cdv) = (vec![0.0; qn], vec![0.0; kn], vec![0.0; kn]);
+    let c_in = || AttentionInputs {
+        q: View::whole(&q),
+        k: View::whole(&k),
+        v: View::whole(&v),
+        key_mask: Some(View::whole(&mask)),
+    };
+    let (g_out, g_lse) = (ViewMut::whole(&mut go), ViewMut::whole(&mut gl));
+    let (c_out, c_lse) = (ViewMut::whole(&mut co), ViewMut::whole(&mut cl));
+    if bf16 {
+        gpu.attention_bf16(dims, g_in(), Some(&gcu), g_out, g_lse)
+            .unwrap();
+        cpu.attention_bf16(dims, c_in(), Some(&cpu_cu), c_out, c_lse)
+            .unwrap();
+    } else {
+        gpu.attention(dims, g_in(), Some(&gcu), g_out, g_lse)
+            .unwrap();
+        cpu.attention(dims, c_in(), Some(&cpu_cu), c_out, c_lse)
+            .unwrap();
+    }
+    let g_saved = (View::whole(&go), View::whole(&gl), View::whole(&gdout));
+    let g_grads = AttentionGrads {
+        dq: ViewMut::whole(&mut gdq),
+        dk: ViewMut::whole(&mut gdk),
+        dv: ViewMut::whole(&mut gdv),
+    };
+    let c_saved = (View::whole(&co), View::whole(&cl), View::whole(&dout));
+    let c_grads = AttentionGrads {
+        dq: ViewMut::whole(&mut cdq),
+        dk: ViewMut::whole(&mut cdk),
+        dv: ViewMut::whole(&mut cdv),
+    };
+    let (o, l, g) = g_saved;
+    let (co_, cl_, cg) = c_saved;
+    if bf16 {
+        gpu.attention_backward_bf16(dims, g_in(), Some(&gcu), o, l, g, g_grads)
+            .unwrap();
+        cpu.attention_backward_bf16(dims, c_in(), Some(&cpu_cu), co_, cl_, cg, c_grads)
+            .unwrap();
+    } else {
+        gpu.attention_backward(dims, g_in(), Some(&gcu), o, l, g, g_grads)
+            .unwrap();
+        cpu.attention_backward(dims, c_in(), Some(&cpu_cu), co_, cl_, cg, c_grads)
+            .unwrap();
+    }
+    gpu.synchronize().unwrap(); // and the status word: no flag
+    vec![
+        ("out", down(gpu, &go), co),
+        ("lse", down(gpu, &gl), cl),
+        ("dq", down(gpu, &gdq), cdq),
+        ("dk", down(gpu, &gdk), cdk),
+        ("dv", down(gpu, &gdv), cdv),
+    ]
+}
+
+/// Packed sequences (cu_seqlens) on the CUDA attention against the CPU's packed attention:
+/// an empty segment, a one-token one, segments across several 64-row tiles, a masked key,
+/// GQA. The tensor-core kernels against their CPU twin with the bounds of
+/// `tensor_core_attention_matches_its_cpu_twin`; the f32 kernels' packed variants against
+/// the CPU's f32 attention at two head-size classes.
 #[test]
 fn tensor_core_attention_over_packed_segments_matches_its_cpu_twin() {
     let Some(gpu) = gpu_or_skip() else { return };
-    let cpu = CpuBackend;
     let mut rng = Rng(57);
     for (cu, hq, hkv, d) in [
         (vec![0u32, 5, 75, 76, 76, 206], 6usize, 2usize, 64usize),
         (vec![0u32, 97, 130], 4, 4, 80),
         (vec![0u32, 1, 130, 130], 4, 1, 128),
     ] {
-        let seq = *cu.last().unwrap() as usize;
-        let dims = AttentionDims::new(1, seq, hq, hkv, d);
-        let what = |op: &str| format!("{op} packed t{seq} hq{hq} hkv{hkv} d{d}");
-        let (qn, kn, ln) = (seq * hq * d, seq * hkv * d, seq * hq);
-        let (q, k, v) = (rng.vec(qn, 2.0), rng.vec(kn, 2.0), rng.vec(kn, 1.0));
-        let dout = rng.vec(qn, 1.0);
-        let mask: Vec<f32> = (0..seq).map(|i| f32::from(u8::from(i != 40))).collect();
-        let (gq, gk, gv, gm) = (up(&gpu, &q), up(&gpu, &k), up(&gpu, &v), up(&gpu, &mask));
-        let gcu = up_ids(&gpu, &cu);
-        let (mut go, mut gl) = (up(&gpu, &vec![f32::NAN; qn]), up(&gpu, &vec![f32::NAN; ln]));
-        let g_inputs = || AttentionInputs {
-            q: View::whole(&gq),
-            k: View::whole(&gk),
-            v: View::whole(&gv),
-            key_mask: Some(View::whole(&gm)),
+        let what = |op: &str| {
+            format!(
+                "bf16 packed {op} t{} hq{hq} hkv{hkv} d{d}",
+                cu[cu.len() - 1]
+            )
         };
-        let c_inputs = || AttentionInputs {
-            q: View::whole(&q),
-            k: View::whole(&k),
-            v: View::whole(&v),
-            key_mask: Some(View::whole(&mask)),
-        };
-        gpu.attention_bf16(
-            dims,
-            g_inputs(),
-            Some(&gcu),
-            ViewMut::whole(&mut go),
-            ViewMut::whole(&mut gl),
-        )
-        .unwrap();
-        let (mut co, mut cl) = (vec![0.0; qn], vec![0.0; ln]);
-        cpu.attention_bf16(
-            dims,
-            c_inputs(),
-            Some(&cu),
-            ViewMut::whole(&mut co),
-            ViewMut::whole(&mut cl),
-        )
-        .unwrap();
-        assert_twin(&what("bf16 attention out"), &down(&gpu, &go), &co, 5e-3);
-        let lse = down(&gpu, &gl);
-        for (i, (g, c)) in lse.iter().zip(&cl).enumerate() {
-            let same = g.to_bits() == c.to_bits() || (g - c).abs() <= 1e-5 * c.abs().max(1.0);
-            assert!(same, "{}: lse[{i}] {g} vs {c}", what("bf16 attention"));
+        for (name, got, want) in packed_attention_pair(&gpu, &mut rng, (&cu, hq, hkv, d), true) {
+            match name {
+                "lse" => {
+                    for (i, (g, c)) in got.iter().zip(&want).enumerate() {
+                        let same =
+                            g.to_bits() == c.to_bits() || (g - c).abs() <= 1e-5 * c.abs().max(1.0);
+                        assert!(same, "{}: [{i}] {g} vs {c}", what(name));
+                    }
+                }
+                "out" => assert_twin(&what(name), &got, &want, 5e-3),
+                _ => assert_twin(&what(name), &got, &want, 2e-3),
+            }
         }
-        let (mut gdq, mut gdk, mut gdv) = (
-            up(&gpu, &vec![f32::NAN; qn]),
-            up(&gpu, &vec![f32::NAN; kn]),
-            up(&gpu, &vec![f32::NAN; kn]),
-        );
-        gpu.attention_backward_bf16(
-            dims,
-            g_inputs(),
-            Some(&gcu),
-            View::whole(&go),
-            View::whole(&gl),
-            View::whole(&up(&gpu, &dout)),
-            AttentionGrads {
-                dq: ViewMut::whole(&mut gdq),
-                dk: ViewMut::whole(&mut gdk),
-                dv: ViewMut::whole(&mut gdv),
-            },
-        )
-        .unwrap();
-        let (mut cdq, mut cdk, mut cdv) = (vec![0.0; qn], vec![0.0; kn], vec![0.0; kn]);
-        cpu.attention_backward_bf16(
-            dims,
-            c_inputs(),
-            Some(&cu),
-            View::whole(&co),
-            View::whole(&cl),
-            View::whole(&dout),
-            AttentionGrads {
-                dq: ViewMut::whole(&mut cdq),
-                dk: ViewMut::whole(&mut cdk),
-                dv: ViewMut::whole(&mut cdv),
-            },
-        )
-        .unwrap();
-        for (name, g, c) in [("dq", &gdq, &cdq), ("dk", &gdk, &cdk), ("dv", &gdv, &cdv)] {
-            assert_twin(
-                &what(&format!("bf16 attention {name}")),
-                &down(&gpu, g),
-                c,
-                2e-3,
-            );
-        }
-        gpu.synchronize().unwrap(); // and the status word: no flag
     }
-    // the f32 kernels' packed variants against the CPU's f32 packed attention
     for (cu, hq, hkv, d) in [
         (vec![0u32, 5, 75, 76, 76, 206], 6usize, 2usize, 64usize),
-        (vec![0u32, 1, 40, 40], 2, 1, 200),
+        (vec![0u32, 1, 40, 45, 45], 2, 1, 200),
     ] {
-        let seq = *cu.last().unwrap() as usize;
-        let dims = AttentionDims::new(1, seq, hq, hkv, d);
-        let what = |op: &str| format!("{op} f32 packed t{seq} hq{hq} hkv{hkv} d{d}");
-        let (qn, kn, ln) = (seq * hq * d, seq * hkv * d, seq * hq);
-        let (q, k, v) = (rng.vec(qn, 2.0), rng.vec(kn, 2.0), rng.vec(kn, 1.0));
-        let dout = rng.vec(qn, 1.0);
-        let (gq, gk, gv, gcu) = (up(&gpu, &q), up(&gpu, &k), up(&gpu, &v), up_ids(&gpu, &cu));
-        let (mut go, mut gl) = (up(&gpu, &vec![f32::NAN; qn]), up(&gpu, &vec![f32::NAN; ln]));
-        let g_inputs = || AttentionInputs {
-            q: View::whole(&gq),
-            k: View::whole(&gk),
-            v: View::whole(&gv),
-            key_mask: None,
-        };
-        let c_inputs = || AttentionInputs {
-            q: View::whole(&q),
-            k: View::whole(&k),
-            v: View::whole(&v),
-            key_mask: None,
-        };
-        gpu.attention(
-            dims,
-            g_inputs(),
-            Some(&gcu),
-            ViewMut::whole(&mut go),
-            ViewMut::whole(&mut gl),
-        )
-        .unwrap();
-        let (mut co, mut cl) = (vec![0.0; qn], vec![0.0; ln]);
-        cpu.attention(
-            dims,
-            c_inputs(),
-            Some(&cu),
-            ViewMut::whole(&mut co),
-            ViewMut::whole(&mut cl),
-        )
-        .unwrap();
-        assert_close(&what("attention out"), &down(&gpu, &go), &co, 1e-5);
-        assert_close(&what("attention lse"), &down(&gpu, &gl), &cl, 1e-5);
-        let (mut gdq, mut gdk, mut gdv) = (
-            up(&gpu, &vec![f32::NAN; qn]),
-            up(&gpu, &vec![f32::NAN; kn]),
-            up(&gpu, &vec![f32::NAN; kn]),
-        );
-        gpu.attention_backward(
-            dims,
-            g_inputs(),
-            Some(&gcu),
-            View::whole(&go),
-            View::whole(&gl),
-            View::whole(&up(&gpu, &dout)),
-            AttentionGrads {
-                dq: ViewMut::whole(&mut gdq),
-                dk: ViewMut::whole(&mut gdk),
-                dv: ViewMut::whole(&mut gdv),
-            },
-        )
-        .unwrap();
-        let (mut cdq, mut cdk, mut cdv) = (vec![0.0; qn], vec![0.0; kn], vec![0.0; kn]);
-        cpu.attention_backward(
-            dims,
-            c_inputs(),
-            Some(&cu),
-            View::whole(&co),
-            View::whole(&cl),
-            View::whole(&dout),
-            AttentionGrads {
-                dq: ViewMut::whole(&mut cdq),
-                dk: ViewMut::whole(&mut cdk),
-                dv: ViewMut::whole(&mut cdv),
-            },
-        )
-        .unwrap();
-        for (name, g, c) in [("dq", &gdq, &cdq), ("dk", &gdk, &cdk), ("dv", &gdv, &cdv)] {
-            assert_close(&what(&format!("attention {name}")), &down(&gpu, g), c, 1e-4);
+        for (name, got, want) in packed_attention_pair(&gpu, &mut rng, (&cu, hq, hkv, d), false) {
+            let tol = if name.starts_with('d') { 1e-4 } else { 1e-5 };
+            assert_close(&format!("f32 packed {name} d{d}"), &got, &want, tol);
         }
     }
-    gpu.synchronize().unwrap();
 }
 
 #[test]

@@ -396,7 +396,10 @@ fn packed<'a, 'b>(
 /// Blocks of a causal kernel taking `tile` of the `rows` rows (query rows or keys) of each
 /// (sequence, kv head): [`tiled_blocks`], and with packed segments enough for every
 /// segment's own tiles (each rounds up once more: one tile a segment and kv head more at
-/// most). The kernels stride over their blocks, so the count sets the parallelism only.
+/// most). The kernels stride over their blocks, so the count sets the parallelism only;
+/// their index space with segments, segments × kv heads × the longest segment's tiles, is
+/// at most `segments` times the unpacked one and must stay below 2³² (the f32 forward
+/// splits its block index in 32 bits).
 fn causal_blocks(
     k: &'static str,
     shape: &AttentionShape,
@@ -408,7 +411,17 @@ fn causal_blocks(
     match packed {
         None => Ok(blocks),
         Some(p) => {
-            let more = mul(k, "segment tiles", shape.kv_heads, p.segments as usize)?;
+            let segments = p.segments as usize;
+            if blocks.saturating_mul(segments) > u32::MAX as usize {
+                return Err(bad(
+                    k,
+                    format!(
+                        "{segments} segments × {blocks} tiles exceed 2^32 - 1 attention blocks: \
+                         split the packed row"
+                    ),
+                ));
+            }
+            let more = mul(k, "segment tiles", shape.kv_heads, segments)?;
             Ok(blocks.saturating_add(more))
         }
     }
