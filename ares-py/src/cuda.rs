@@ -768,18 +768,19 @@ fn cuda_linear_log_prob_entropy_backward(
     })
 }
 
-/// Whether libcuda loads in this process (the driver; a GPU is not required to load it).
+/// GRPO's options as the numpy functions take them.
+fn grpo_config(norm_adv_by_std: bool, epsilon: f64) -> GrpoConfig<f32> {
+    GrpoConfig {
+        norm_adv_by_std,
+        epsilon: epsilon as f32,
+    }
+}
+
 /// The advantage estimators' names (as the numpy functions are named) and what each runs.
 fn sample_estimator(func: &str, epsilon: f64) -> PyResult<SampleEstimator> {
-    let grpo = |norm_adv_by_std| {
-        SampleEstimator::Grpo(GrpoConfig {
-            norm_adv_by_std,
-            epsilon: epsilon as f32,
-        })
-    };
     Ok(match func {
-        "grpo_advantages" => grpo(true),
-        "dr_grpo_advantages" => grpo(false),
+        "grpo_advantages" => SampleEstimator::Grpo(grpo_config(true, epsilon)),
+        "dr_grpo_advantages" => SampleEstimator::Grpo(grpo_config(false, epsilon)),
         "rloo_advantages" => SampleEstimator::Rloo,
         "reinforce_baseline_advantages" => SampleEstimator::ReinforceBaseline,
         _ => {
@@ -840,10 +841,7 @@ fn token_estimator(
 ) -> PyResult<TokenEstimator> {
     let gamma = gamma as f32;
     Ok(match func {
-        "grpo_token_advantages" => TokenEstimator::Grpo(GrpoConfig {
-            norm_adv_by_std,
-            epsilon: epsilon as f32,
-        }),
+        "grpo_token_advantages" => TokenEstimator::Grpo(grpo_config(norm_adv_by_std, epsilon)),
         "rloo_token_advantages" => TokenEstimator::Rloo,
         "reinforce_pp_advantages" => TokenEstimator::ReinforcePp { gamma },
         "reinforce_pp_baseline_advantages" => TokenEstimator::ReinforcePpBaseline { gamma },
@@ -964,6 +962,7 @@ fn cuda_masked_whiten(
     .map(|s| (f64::from(s.mean), f64::from(s.var)))
 }
 
+/// Whether libcuda loads in this process (the driver; a GPU is not required to load it).
 #[pyfunction]
 fn cuda_driver_available() -> bool {
     ares_cuda::cuda_available()
