@@ -10,6 +10,8 @@
 # Expected: every world-2 run equals the world-1 run on the CPU (the same bits at any world
 # size); on a GPU the decode batches differ between worlds, so world 2 may differ from
 # world 1 in the last bits, but TCP and NCCL carry the same bytes and must agree exactly.
+# With `gradient_sum: ranks` over TCP, the sum overlapped with the backward (the default)
+# and the sum after it must agree exactly too.
 set -uo pipefail
 bin=${ARES_RUNNER:-target/release/ares-runner}
 device=${DEVICE:-cuda}
@@ -23,13 +25,14 @@ worker: {actor: {model: {model_path: $dir/assets/model}, global_batch_size: 4, m
 trainer: {max_steps: 2, save_freq: 0, val_before_train: false, device: $device, logger: [file]}
 YAML
 status=0
-launch() {  # launch NAME WORLD TRANSPORT: the run's ranks, waited for
+launch() {  # launch NAME WORLD TRANSPORT [OVERRIDE...]: the run's ranks, waited for
   local name=$1 world=$2 transport=$3 port=$((29600 + RANDOM % 2000)) pids=() r
+  shift 3
   for r in $(seq 0 $((world - 1))); do
     env RANK=$r WORLD_SIZE=$world LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
       ARES_TRANSPORT=$transport ARES_COLLECTIVE_TIMEOUT=120 ARES_NO_PROGRESS=1 \
       NCCL_HOSTID="ares-dp-check-$r" NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo \
-      "$bin" train -c "$dir/run.yaml" "trainer.save_checkpoint_path=$dir/$name" \
+      "$bin" train -c "$dir/run.yaml" "trainer.save_checkpoint_path=$dir/$name" "$@" \
       > "$dir/$name.rank$r.log" 2>&1 &
     pids+=($!)
   done
@@ -41,7 +44,7 @@ launch() {  # launch NAME WORLD TRANSPORT: the run's ranks, waited for
     echo "$name: done"
   fi
 }
-same() {  # same A B: whether two runs' final checkpoints hold the same bytes
+same() {  # same A B [strict]: whether two runs' final checkpoints hold the same bytes
   local a b
   a=$(ls -d "$dir/$1"/checkpoints/step_* 2>/dev/null | tail -1)
   b=$(ls -d "$dir/$2"/checkpoints/step_* 2>/dev/null | tail -1)
@@ -50,6 +53,7 @@ same() {  # same A B: whether two runs' final checkpoints hold the same bytes
     echo "$1 vs $2: the same bytes"
   else
     echo "$1 vs $2: differ"
+    [ "${3:-}" = strict ] && status=1
   fi
 }
 launch w1 1 tcp
@@ -58,4 +62,9 @@ for t in ${TRANSPORTS:-tcp nccl}; do
   same w1 "w2-$t"
 done
 [ -d "$dir/w2-tcp" ] && [ -d "$dir/w2-nccl" ] && same w2-tcp w2-nccl
+if [[ " ${TRANSPORTS:-tcp nccl} " == *" tcp "* ]]; then
+  launch w2-tcp-ranks 2 tcp trainer.gradient_sum=ranks
+  launch w2-tcp-ranks-after 2 tcp trainer.gradient_sum=ranks trainer.overlap_gradient_sum=false
+  same w2-tcp-ranks w2-tcp-ranks-after strict
+fi
 exit $status

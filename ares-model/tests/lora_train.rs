@@ -293,6 +293,22 @@ fn checkpointed_lora_gradients_are_the_stored_ones_bit_for_bit() {
     }
 }
 
+/// The layer watcher under LoRA: each layer's pairs handed over once they are final.
+#[test]
+fn each_layer_s_adapter_gradients_are_handed_over_once_final() {
+    for name in MODELS {
+        let (checkpoint, mut model) = load(name);
+        let adapter = random_adapter(&checkpoint, config(4, &TARGETS, None), 9);
+        model.load_lora(&adapter).unwrap();
+        let b = batch(name, "left");
+        let mut grads = model.grads().unwrap();
+        let layers = model.spec().layers;
+        common::check_layer_watch(model.backend(), layers, &mut grads, |g| {
+            loss(&model, &b, Some(g));
+        });
+    }
+}
+
 /// Two AdamW steps; with `save_between`, the optimizer saved after the first and a fresh
 /// one loaded from the file for the second. Returns the adapter after both.
 fn two_steps(name: &str, dtype: StateDtype, save_between: bool) -> (LoraAdapter, Vec<u32>) {

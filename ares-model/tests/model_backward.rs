@@ -343,6 +343,37 @@ fn checkpointed_gradients_are_the_stored_ones_bit_for_bit() {
     }
 }
 
+/// The layer watcher a data-parallel run starts its sums from: told of each layer once,
+/// last to first, when its gradients are final — every architecture, stored and
+/// checkpointed activations, explicit ∂L/∂logits and the chunked log-prob head.
+#[test]
+fn each_layer_is_handed_over_once_its_gradients_are_final() {
+    for name in ["qwen2_tiny", "qwen3_tiny", "llama_tiny"] {
+        let (checkpoint, mut model) = load(name);
+        let s = set(name, "left");
+        let layers = model.spec().layers;
+        for checkpointed in [false, true] {
+            model.set_gradient_checkpointing(checkpointed);
+            let mut grads = model.grads().unwrap();
+            common::check_layer_watch(model.backend(), layers, &mut grads, |g| {
+                forward_backward(&model, &s, g);
+            });
+            let mut acts = model.activations_chunked(s.batch, s.seq, 3).unwrap();
+            model.forward(&s.inputs(), &mut acts).unwrap();
+            let n = s.batch * s.seq;
+            let targets: Vec<u32> = (0..n).map(|t| (t * 7 % 50) as u32).collect();
+            let coeffs: Vec<f32> = (0..n).map(|t| s.attention_mask[t] as f32 * 0.5).collect();
+            let mut grads = model.grads().unwrap();
+            common::check_layer_watch(model.backend(), layers, &mut grads, |g| {
+                model
+                    .backward_from_log_prob_grads(&s.inputs(), &mut acts, &targets, &coeffs, 0.9, g)
+                    .unwrap();
+            });
+        }
+        drop(checkpoint);
+    }
+}
+
 /// The memory plan's arena size (`arena_elements`) is what `Activations::planned`
 /// allocates, element for element: every architecture, whole and chunked heads, stored and
 /// checkpointed.

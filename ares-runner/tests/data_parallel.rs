@@ -315,6 +315,51 @@ fn summing_the_ranks_gradients_is_the_plain_run_at_one_rank() {
     );
 }
 
+/// `trainer.overlap_gradient_sum` (on by default): with `gradient_sum: ranks` each decoder
+/// layer's sum over the ranks starts in the rank's last backward, as soon as the layer is
+/// done, and the run is the bits of summing after the backward — with ZeRO-1's
+/// reduce-scatter too, and at a world where a rank has no micro-batch (five ranks, four
+/// micro-batches a mini-batch: its zeros join each sum).
+#[test]
+fn overlapping_the_gradient_sum_with_the_backward_changes_no_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let sum = "trainer.gradient_sum=ranks";
+    let overlapped = |world: usize, zero: &str, on: bool| {
+        let how = format!("trainer.overlap_gradient_sum={on}");
+        let run = dir.path().join(format!("w{world}-{zero}-{on}"));
+        let cfg = config(&a, &run, &[sum, zero, &how]);
+        let summaries: Vec<RunSummary> = run_world(&cfg, world)
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        let lines = read_metrics(&summaries[0].metrics).unwrap();
+        let ops: Vec<f64> = lines
+            .iter()
+            .map(|l| l["perf/collective_overlapped_ops"].as_f64().unwrap())
+            .collect();
+        let checkpoint = summaries[0].checkpoint.clone().unwrap();
+        (
+            metrics(&summaries[0].metrics),
+            checkpoint_files(&checkpoint),
+            ops,
+        )
+    };
+    for world in [2, 5] {
+        for zero in ["trainer.zero_stage=0", "trainer.zero_stage=1"] {
+            let (m_on, c_on, ops_on) = overlapped(world, zero, true);
+            let (m_off, c_off, ops_off) = overlapped(world, zero, false);
+            let what = format!("world {world}, {zero}");
+            assert_eq!(m_on, m_off, "{what}: metrics");
+            assert_same_files(&c_on, &c_off, &what);
+            // rank 0 runs micro-batch 0 of each mini-batch last or not, and hands both
+            // layers over during its backward: two mini-batches a step
+            assert_eq!(ops_on, vec![4.0; 3], "{what}: overlapped sums");
+            assert_eq!(ops_off, vec![0.0; 3], "{what}: none without the overlap");
+        }
+    }
+}
+
 #[test]
 fn a_run_resumes_exactly_at_another_world_size() {
     let dir = tempfile::tempdir().unwrap();

@@ -144,6 +144,7 @@ impl<B: Backend> Model<B> {
         let super::Grads {
             g: base,
             lora: lora_grads,
+            watch,
         } = grads;
         let mut grads = base.as_mut();
 
@@ -323,6 +324,12 @@ impl<B: Backend> Model<B> {
             pair(Target::V, sc.dv.r(), a.ln1, sc.dln.w())?;
             // ∂L/∂input = ∂L/∂resid_mid (skip) + the input norm's input gradient.
             self.rmsnorm_backward(sc.dln.r(), a.input, a.ln1_rstd, g.ln1, sc.dresidual.w())?;
+            // layer l's gradients are complete: a watcher may start their sum over ranks
+            if let Some(watch) = watch.as_mut() {
+                let lg = lora.as_ref().map(|(_, lg)| &**lg);
+                let views = super::grads::layer_views(grads.as_deref(), lg, l)?;
+                watch(be, l, &views);
+            }
         }
 
         // Replaced rows (image / video embeddings): their gradient goes to the caller, none

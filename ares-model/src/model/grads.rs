@@ -19,6 +19,50 @@ pub struct Grads<B: Backend> {
     pub(crate) g: Option<DeviceWeights<B>>,
     /// The LoRA pairs' (a model with adapters).
     pub(crate) lora: Option<LoraParams<B>>,
+    /// Told of each decoder layer whose gradients a backward pass has finished
+    /// ([`Grads::watch_layers`]).
+    pub(crate) watch: Option<LayerWatch<B>>,
+}
+
+/// What [`Grads::watch_layers`] calls as a backward pass finishes each decoder layer, last
+/// to first: `(backend, layer, views)`, the views being that layer's gradients as
+/// [`Grads::layer_ranges`] names them, in its order. It cannot fail the backward: a watcher
+/// keeps its own errors.
+pub type LayerWatch<B> = Box<dyn for<'a> FnMut(&'a B, usize, &'a [Tensor<'a, B>]) + Send>;
+
+/// `(buffer, offset, len)` of layer `layer` in each stacked buffer of `base` then `lora`
+/// (indices into their buffers in [`Grads::buffers`]' order); whole buffers have none.
+fn layer_ranges_of<B: Backend>(
+    base: Option<&DeviceWeights<B>>,
+    lora: Option<&LoraParams<B>>,
+    layer: usize,
+) -> Vec<(usize, usize, usize)> {
+    let mut out = base.map(|g| g.layer_ranges(layer)).unwrap_or_default();
+    let before = base.map_or(0, |g| g.buffers().len());
+    if let Some(lora) = lora {
+        for (i, (b, item)) in lora.buffers().iter().zip(lora.buffer_items()).enumerate() {
+            let offset = layer * item;
+            if offset + item <= b.len() {
+                out.push((before + i, offset, item));
+            }
+        }
+    }
+    out
+}
+
+/// Views of `ranges` (of [`layer_ranges_of`]) in the buffers of `base` then `lora`.
+pub(crate) fn layer_views<'a, B: Backend>(
+    base: Option<&'a DeviceWeights<B>>,
+    lora: Option<&'a LoraParams<B>>,
+    layer: usize,
+) -> Result<Vec<Tensor<'a, B>>, ModelError> {
+    let mut buffers = base.map(|g| g.buffers()).unwrap_or_default();
+    buffers.extend(lora.iter().flat_map(|l| l.buffers()));
+    let mut out = Vec::new();
+    for (b, offset, len) in layer_ranges_of(base, lora, layer) {
+        out.push(View::new(buffers[b], offset, len)?);
+    }
+    Ok(out)
 }
 
 impl<B: Backend> std::fmt::Debug for Grads<B> {
@@ -26,6 +70,7 @@ impl<B: Backend> std::fmt::Debug for Grads<B> {
         f.debug_struct("Grads")
             .field("base", &self.g.is_some())
             .field("lora", &self.lora.is_some())
+            .field("watched", &self.watch.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -43,6 +88,21 @@ impl<B: Backend> Grads<B> {
         let mut all = self.g.as_mut().map(|g| g.buffers_mut()).unwrap_or_default();
         all.extend(self.lora.iter_mut().flat_map(LoraParams::buffers_mut));
         all
+    }
+
+    /// Where decoder layer `layer`'s gradients lie: `(buffer, offset, len)` for each buffer
+    /// of [`Grads::buffers`] stacked over layers, in that order (the embedding, final norm
+    /// and LM head are whole buffers, in none). Empty past the last layer.
+    pub fn layer_ranges(&self, layer: usize) -> Vec<(usize, usize, usize)> {
+        layer_ranges_of(self.g.as_ref(), self.lora.as_ref(), layer)
+    }
+
+    /// Has every backward pass into these gradients call `watch` once a decoder layer's
+    /// gradients are complete for that pass — last layer first — while the pass goes on
+    /// below it (a data-parallel run starts the layer's sum over the ranks there); `None`
+    /// stops it. What follows a layer in the pass never writes that layer's gradients.
+    pub fn watch_layers(&mut self, watch: Option<LayerWatch<B>>) {
+        self.watch = watch;
     }
 
     /// Sets every gradient to zero.
@@ -103,10 +163,12 @@ impl<B: Backend> Model<B> {
             Some(lora) => Grads {
                 g: None,
                 lora: Some(lora.params.zeros_like(be)?),
+                watch: None,
             },
             None => Grads {
                 g: Some(self.weights.zeros_like(be)?),
                 lora: None,
+                watch: None,
             },
         })
     }

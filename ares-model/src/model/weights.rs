@@ -633,6 +633,19 @@ impl<B: Backend> DeviceWeights<B> {
         out
     }
 
+    /// `(buffer, offset, len)` of layer `layer` in each stack among [`Self::buffers`] (a
+    /// released stack, and any past the last layer, has none).
+    pub(crate) fn layer_ranges(&self, layer: usize) -> Vec<(usize, usize, usize)> {
+        let whole = 2 + usize::from(self.lm_head.is_some());
+        self.stacks()
+            .into_iter()
+            .filter_map(|(_, s)| s)
+            .enumerate()
+            .filter(|(_, s)| (layer + 1) * s.item <= s.buffer.len())
+            .map(|(i, s)| (whole + i, layer * s.item, s.item))
+            .collect()
+    }
+
     /// [`Self::buffers`], writable.
     pub(crate) fn buffers_mut(&mut self) -> Vec<&mut B::Buffer> {
         let (whole, head, stacks) = self.parts_mut();

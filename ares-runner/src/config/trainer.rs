@@ -269,6 +269,11 @@ pub struct TrainerConfig {
     /// How the ranks add their gradients: `slices` (the same bits at any world size) or
     /// `ranks` (one gradient exchanged a rank; equal to rounding) (default `slices`).
     pub gradient_sum: GradientSum,
+    /// With `gradient_sum: ranks` on a transport that sums through the host (threads, TCP):
+    /// start each decoder layer's sum over the ranks as soon as the backward has finished
+    /// it, while the layers below are differentiated — the same bits as summing after the
+    /// backward (default true).
+    pub overlap_gradient_sum: bool,
 }
 
 impl Default for TrainerConfig {
@@ -300,6 +305,7 @@ impl Default for TrainerConfig {
             threads: 0,
             zero_stage: 0,
             gradient_sum: GradientSum::Slices,
+            overlap_gradient_sum: true,
         }
     }
 }

@@ -145,6 +145,12 @@ pub trait Collective: Send + Sync {
         None
     }
 
+    /// Whether [`Collective::sum_device`] can sum a buffer like `buffer` on its device
+    /// (then the trainer sums there, after the backward, rather than through the host).
+    fn sums_on_device(&self, _buffer: &dyn std::any::Any) -> bool {
+        false
+    }
+
     /// Broadcasts each of `buffers` from its root rank to every rank, on their device, as
     /// one group; `None` when this transport cannot reach them (see
     /// [`Collective::sum_device`]).
@@ -169,6 +175,9 @@ pub struct Traffic {
     pub bytes_sent: u64,
     /// Operations.
     pub operations: u64,
+    /// Of those, the gradient sums started while a backward pass went on
+    /// (`trainer.overlap_gradient_sum`); their time is in `time` too.
+    pub overlapped: u64,
 }
 
 impl fmt::Debug for Ranks {
@@ -439,6 +448,13 @@ impl Ranks {
         Some(out)
     }
 
+    /// [`Collective::sums_on_device`] for `buffer`.
+    pub fn sums_on_device<D: crate::backend::DeviceBuffer>(&self, buffer: &mut D) -> bool {
+        buffer
+            .as_any_mut()
+            .is_some_and(|b| self.0.sums_on_device(&*b))
+    }
+
     /// [`Collective::broadcast_device`] of `buffers`, counted as traffic (the roots' bytes);
     /// `None` when the transport cannot reach them.
     pub fn broadcast_device<D: crate::backend::DeviceBuffer>(
@@ -459,6 +475,14 @@ impl Ranks {
         let out = self.0.broadcast_device(&mut any)?;
         self.count(t, sent);
         Some(out)
+    }
+
+    /// Counts `n` operations as started while a backward pass went on.
+    pub(crate) fn count_overlapped(&self, n: u64) {
+        self.1
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .overlapped += n;
     }
 
     /// Counts an operation that started at `started` and sent `sent` bytes.

@@ -97,6 +97,10 @@ impl Collective for NcclRanks {
         )
     }
 
+    fn sums_on_device(&self, buffer: &dyn std::any::Any) -> bool {
+        buffer.is::<CudaBuffer>()
+    }
+
     fn broadcast_device(
         &self,
         buffers: &mut [(&mut dyn std::any::Any, usize)],

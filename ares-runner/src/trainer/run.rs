@@ -729,6 +729,7 @@ impl<B: Backend + Clone> Trainer<B> {
         if let Some(t) = traffic {
             record.insert("perf/collective_bytes_sent", t.bytes_sent as f64);
             record.insert("perf/collective_ops", t.operations as f64);
+            record.insert("perf/collective_overlapped_ops", t.overlapped as f64);
         }
         Ok(record)
     }

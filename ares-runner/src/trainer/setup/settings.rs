@@ -178,6 +178,8 @@ pub struct StepSettings {
     pub ranks: Option<crate::parallel::Ranks>,
     /// How the ranks add their gradients (`trainer.gradient_sum`).
     pub gradient_sum: crate::config::GradientSum,
+    /// Whether the ranks' sum starts during the backward (`trainer.overlap_gradient_sum`).
+    pub overlap_gradient_sum: bool,
 }
 
 /// The sampling of the rollout (`temperature`, `top_k` 0 = off, `top_p`, `min_p` 0 = off).
@@ -272,6 +274,7 @@ pub fn step_settings(cfg: &Config, total_steps: u64) -> Result<StepSettings, Tra
         optim,
         ranks: None,
         gradient_sum: cfg.trainer.gradient_sum,
+        overlap_gradient_sum: cfg.trainer.overlap_gradient_sum,
     })
 }
 

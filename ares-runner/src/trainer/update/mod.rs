@@ -8,6 +8,7 @@
 //! gradients are dropped and neither the weights nor the optimizer moments change.
 
 mod device;
+mod overlap;
 pub mod policy;
 pub mod zero;
 
@@ -416,27 +417,73 @@ impl<B: Backend> Update<'_, B> {
         if !slices_mode {
             zero_grads(actor.backend(), opt)?;
         }
+        // ZeRO-1: each rank receives the sums of the buffers it updates (and the tower's)
+        let tower: Vec<usize> = opt
+            .tower
+            .as_ref()
+            .map(|t| t.grads.buffers().iter().map(|b| b.len()).collect())
+            .unwrap_or_default();
+        let spans = zero::gradient_spans(ranks, &opt.adamw, &opt.grads, &tower);
+        // ranks: the sum starts in this rank's last backward, layer by layer (overlap.rs)
+        let overlapped = !slices_mode
+            && ranks.world() > 1
+            && mini_size.0 > 0
+            && self.inputs.settings.overlap_gradient_sum
+            && !opt
+                .grads
+                .buffers_mut()
+                .into_iter()
+                .next()
+                .is_some_and(|b| ranks.sums_on_device(b));
+        let layers = actor.lm().spec().layers;
+        let mut overlap =
+            overlapped.then(|| overlap::Overlap::start(ranks, opt, layers, spans.as_deref()));
+        let last = (0..micros.len())
+            .rev()
+            .find(|&i| ranks.owner(i, micros.len()) == ranks.rank());
+        if last.is_none()
+            && let Some(o) = overlap.take()
+        {
+            // no micro-batch here: this rank's zeros join the sum
+            o.finish(actor.backend(), opt)?;
+        }
         let mut slices: Vec<Vec<f32>> = Vec::new();
         let mut context = (actor, opt, &mut slices);
         let units = ranks.map_units_then(
             micros.len(),
             &mut context,
             |(actor, opt, slices), index| {
-                let micro = micros[index];
-                let (micro_tokens, micro_rows) = count(self.inputs.batch, micro);
-                if mini_size.0 == 0 || micro_tokens == 0 {
-                    return Ok(None);
+                let last = Some(index) == last;
+                if last && let Some(o) = &overlap {
+                    opt.grads.watch_layers(Some(o.watch()));
                 }
-                if slices_mode {
-                    zero_grads(actor.backend(), opt)?;
+                let mut unit = (|| {
+                    let micro = micros[index];
+                    let (micro_tokens, micro_rows) = count(self.inputs.batch, micro);
+                    if mini_size.0 == 0 || micro_tokens == 0 {
+                        return Ok(None);
+                    }
+                    if slices_mode {
+                        zero_grads(actor.backend(), opt)?;
+                    }
+                    let agg = self.inputs.settings.policy.agg;
+                    let scale =
+                        micro_scale(agg, micro_tokens, mini_size.0, micro_rows, mini_size.1);
+                    let loss = self.micro_batch(micro, index, scale, actor, opt)?;
+                    if slices_mode && loss.is_some() {
+                        slices.push(grads_to_host(actor.backend(), opt)?);
+                    }
+                    Ok(Some(loss))
+                })();
+                // the sum is completed on every rank, even one whose micro-batch failed
+                // (the ranks' operations stay in step; the failure is reported after)
+                if (last || unit.is_err())
+                    && let Some(o) = overlap.take()
+                {
+                    let summed = o.finish(actor.backend(), opt);
+                    unit = unit.and_then(|u| summed.map(|()| u));
                 }
-                let agg = self.inputs.settings.policy.agg;
-                let scale = micro_scale(agg, micro_tokens, mini_size.0, micro_rows, mini_size.1);
-                let loss = self.micro_batch(micro, index, scale, actor, opt)?;
-                if slices_mode && loss.is_some() {
-                    slices.push(grads_to_host(actor.backend(), opt)?);
-                }
-                Ok(Some(loss))
+                unit
             },
             // the queued losses' reports, read once this rank's micro-batches are queued
             |(actor, _, _), units| {
@@ -505,13 +552,6 @@ impl<B: Backend> Update<'_, B> {
         if micros_learned == 0 {
             return Ok(MiniBatch::Empty);
         }
-        // ZeRO-1: each rank receives the sums of the buffers it updates (and the tower's)
-        let tower: Vec<usize> = opt
-            .tower
-            .as_ref()
-            .map(|t| t.grads.buffers().iter().map(|b| b.len()).collect())
-            .unwrap_or_default();
-        let spans = zero::gradient_spans(ranks, &opt.adamw, &opt.grads, &tower);
         if slices_mode {
             let mut total = vec![0.0f32; grads_len(opt)];
             match &spans {
@@ -520,6 +560,7 @@ impl<B: Backend> Update<'_, B> {
             }
             grads_from_host(actor.backend(), opt, &total)?;
         } else if ranks.world() > 1
+            && !overlapped
             && !sum_on_device(ranks, actor.backend(), opt, spans.as_deref())?
         {
             let mine = grads_to_host(actor.backend(), opt)?;

@@ -1,0 +1,282 @@
+//! The ranks' gradient sum overlapped with the backward (`trainer.overlap_gradient_sum`,
+//! with `gradient_sum: ranks` on a transport that sums through the host).
+//!
+//! The sum is cut into buckets: each decoder layer's gradients, last layer first (the order
+//! the backward finishes them), then everything else (embedding, final norm, LM head, the
+//! vision tower). During this rank's last micro-batch the backward hands each layer's
+//! gradients over as soon as they are complete ([`Grads::watch_layers`]) to a thread that
+//! sums them over the ranks while the layers below are differentiated. What was not handed
+//! over — the rest, or every bucket when this rank ran no backward — is sent when the
+//! rank's micro-batches end, and the sums are written back then.
+//!
+//! Each element is summed as the exchange after the backward sums it (in rank order, to
+//! its holders under ZeRO-1), so the gradients are the same bits. Every rank sends the same
+//! buckets in the same order whatever happened on it (a failed, skipped or absent
+//! micro-batch), so the ranks' operations stay in step.
+
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+
+use super::Optimizer;
+use crate::backend::{Backend, DeviceBuffer, View, ViewMut};
+use crate::model::{Grads, LayerWatch};
+use crate::parallel::{CollectiveError, Holder, Ranks};
+use crate::trainer::TrainError;
+
+/// `(buffer, offset, len)`: a run of gradient values, `buffer` indexing the model's
+/// gradient buffers then the tower's.
+type Range = (usize, usize, usize);
+
+/// Under ZeRO-1, who holds each range of a bucket (`(len, holder)`); `None` without.
+type Holders = Option<Vec<(usize, Holder)>>;
+
+/// A bucket's values and its holders.
+type Bucket = (Vec<f32>, Holders);
+
+/// One mini-batch's overlapped gradient sum, from [`Overlap::start`] to [`Overlap::finish`].
+pub(super) struct Overlap {
+    /// Each bucket's ranges: layer `L − 1 − k` for bucket `k < L`, then the rest.
+    buckets: Vec<Vec<Range>>,
+    /// Each bucket's holders (ZeRO-1), `None` when every rank receives every sum.
+    holders: Arc<Vec<Holders>>,
+    /// What the backward's watcher and [`Overlap::finish`] share.
+    handed: Arc<Mutex<Handed>>,
+    /// The thread that sums the buckets in order, and gives their sums back (`None`
+    /// when none could be started: [`Overlap::finish`] sums them all).
+    worker: Option<JoinHandle<Result<Vec<Vec<f32>>, CollectiveError>>>,
+    ranks: Ranks,
+}
+
+/// The buckets handed to the summing thread so far.
+struct Handed {
+    /// How many, in bucket order.
+    count: usize,
+    /// The summing thread's queue (closed by [`Overlap::finish`]).
+    queue: Option<Sender<Bucket>>,
+}
+
+impl Overlap {
+    /// Starts the summing thread for `opt`'s gradients over `ranks` (a model of `layers`
+    /// decoder layers); `spans` are ZeRO-1's holders of each gradient buffer
+    /// (`zero::gradient_spans`), `None` without sharding.
+    pub(super) fn start<B: Backend>(
+        ranks: &Ranks,
+        opt: &Optimizer<B>,
+        layers: usize,
+        spans: Option<&[(usize, Holder)]>,
+    ) -> Self {
+        let buckets = buckets(&opt.grads, &super::grad_buffers(opt), layers);
+        let holders = buckets
+            .iter()
+            .map(|b| {
+                let spans = spans?;
+                Some(b.iter().map(|&(i, _, n)| (n, spans[i].1)).collect())
+            })
+            .collect();
+        let (queue, received) = channel();
+        let mine = ranks.clone();
+        let worker = std::thread::Builder::new()
+            .name(format!("ares-gradient-sum-{}", ranks.rank()))
+            .spawn(move || sum_each(&mine, &received));
+        let (worker, queue) = match worker {
+            Ok(w) => (Some(w), Some(queue)),
+            // no thread: every bucket is summed by `finish`, on this one
+            Err(_) => (None, None),
+        };
+        Self {
+            buckets,
+            holders: Arc::new(holders),
+            handed: Arc::new(Mutex::new(Handed { count: 0, queue })),
+            worker,
+            ranks: ranks.clone(),
+        }
+    }
+
+    /// The watcher to give [`Grads::watch_layers`] for this rank's last backward: it hands
+    /// each layer over in bucket order (a layer out of order, or one it cannot read, is
+    /// left to [`Overlap::finish`]).
+    pub(super) fn watch<B: Backend>(&self) -> LayerWatch<B> {
+        let (handed, holders) = (Arc::clone(&self.handed), Arc::clone(&self.holders));
+        let layers = self.buckets.len() - 1;
+        Box::new(move |be: &B, layer: usize, views: &[View<'_, B::Buffer>]| {
+            let mut h = handed.lock().unwrap_or_else(PoisonError::into_inner);
+            if layer >= layers || h.count != layers - 1 - layer {
+                return;
+            }
+            let mut values = vec![0.0f32; views.iter().map(|v| v.len()).sum()];
+            let mut at = 0;
+            for v in views {
+                if be.download(*v, &mut values[at..at + v.len()]).is_err() {
+                    return;
+                }
+                at += v.len();
+            }
+            let bucket = (values, holders[h.count].clone());
+            if let Some(q) = &h.queue
+                && q.send(bucket).is_ok()
+            {
+                h.count += 1;
+            }
+        })
+    }
+
+    /// Stops the watcher, sends every bucket not handed over yet, waits for the sums and
+    /// writes them into `opt`'s gradients (under ZeRO-1 the ranges this rank does not hold
+    /// are zeroed, as the exchange after the backward leaves them).
+    ///
+    /// # Errors
+    /// A collective failure (this rank's sums are then not written); a backend failure.
+    pub(super) fn finish<B: Backend>(
+        mut self,
+        be: &B,
+        opt: &mut Optimizer<B>,
+    ) -> Result<(), TrainError> {
+        opt.grads.watch_layers(None);
+        let (count, queue) = {
+            let mut h = self.handed.lock().unwrap_or_else(PoisonError::into_inner);
+            (h.count, h.queue.take())
+        };
+        // a bucket that cannot be read is sent as zeros, so the other ranks are not left
+        // waiting for it; the error is this rank's
+        let mut unread = None;
+        let mut late = Vec::new();
+        {
+            let buffers = super::grad_buffers(opt);
+            for k in count..self.buckets.len() {
+                let ranges = &self.buckets[k];
+                let mut values = vec![0.0f32; ranges.iter().map(|r| r.2).sum()];
+                if let Err(e) = read(be, &buffers, ranges, &mut values) {
+                    unread.get_or_insert(e);
+                    values.fill(0.0);
+                }
+                let bucket = (values, self.holders[k].clone());
+                match &queue {
+                    Some(q) => q.send(bucket).unwrap_or(()),
+                    None => late.push(bucket),
+                }
+            }
+        }
+        drop(queue);
+        self.ranks.count_overlapped(count as u64);
+        let rank = self.ranks.rank();
+        let mut sums = match self.worker.take() {
+            Some(w) => w.join().unwrap_or_else(|_| {
+                Err(CollectiveError::Transport {
+                    rank,
+                    what: "the gradient-summing thread panicked".into(),
+                })
+            })?,
+            None => Vec::new(),
+        };
+        // without a thread, the buckets are summed here, in the same order
+        if !late.is_empty() {
+            let (queue, received) = channel();
+            late.into_iter().for_each(|b| queue.send(b).unwrap_or(()));
+            drop(queue);
+            sums.extend(sum_each(&self.ranks, &received)?);
+        }
+        if let Some(e) = unread {
+            return Err(e);
+        }
+        if sums.len() != self.buckets.len() {
+            return Err(CollectiveError::Transport {
+                rank,
+                what: format!(
+                    "{} of {} gradient buckets summed",
+                    sums.len(),
+                    self.buckets.len()
+                ),
+            }
+            .into());
+        }
+        write(be, opt, &self.buckets, &sums)
+    }
+}
+
+/// The buckets of `grads` (a model of `layers` layers) and the tower's `buffers` beyond
+/// them: each layer's ranges, last layer first, then every value no layer holds.
+fn buckets<B: Backend>(grads: &Grads<B>, buffers: &[&B::Buffer], layers: usize) -> Vec<Vec<Range>> {
+    let mut out: Vec<Vec<Range>> = (0..layers).rev().map(|l| grads.layer_ranges(l)).collect();
+    // the rest: per buffer, the gaps between the layers' ranges
+    let mut rest = Vec::new();
+    for (i, b) in buffers.iter().enumerate() {
+        let mut taken: Vec<(usize, usize)> = out
+            .iter()
+            .flatten()
+            .filter(|r| r.0 == i)
+            .map(|r| (r.1, r.1 + r.2))
+            .collect();
+        taken.sort_unstable();
+        let mut at = 0;
+        for (start, end) in taken.into_iter().chain([(b.len(), b.len())]) {
+            if start > at {
+                rest.push((i, at, start - at));
+            }
+            at = at.max(end);
+        }
+    }
+    out.push(rest);
+    out
+}
+
+/// Sums the buckets `received` over `ranks` in the order they come, until the queue closes.
+fn sum_each(ranks: &Ranks, received: &Receiver<Bucket>) -> Result<Vec<Vec<f32>>, CollectiveError> {
+    let mut out = Vec::new();
+    for (mut values, holders) in received {
+        match holders {
+            Some(spans) => {
+                let mut held = vec![0.0f32; values.len()];
+                ranks.ordered_sum_held(std::slice::from_ref(&values), &spans, &mut held)?;
+                out.push(held);
+            }
+            None => {
+                ranks.all_reduce_sum(&mut values)?;
+                out.push(values);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Reads `ranges` of `buffers` into `values`, one after another.
+fn read<B: Backend>(
+    be: &B,
+    buffers: &[&B::Buffer],
+    ranges: &[Range],
+    values: &mut [f32],
+) -> Result<(), TrainError> {
+    let mut at = 0;
+    for &(i, offset, len) in ranges {
+        be.download(
+            View::new(buffers[i], offset, len)?,
+            &mut values[at..at + len],
+        )?;
+        at += len;
+    }
+    Ok(())
+}
+
+/// Writes each bucket's `sums` into its ranges of `opt`'s gradients.
+fn write<B: Backend>(
+    be: &B,
+    opt: &mut Optimizer<B>,
+    buckets: &[Vec<Range>],
+    sums: &[Vec<f32>],
+) -> Result<(), TrainError> {
+    let mut buffers = opt.grads.buffers_mut();
+    if let Some(t) = &mut opt.tower {
+        buffers.extend(t.grads.buffers_mut());
+    }
+    for (ranges, sum) in buckets.iter().zip(sums) {
+        let mut at = 0;
+        for &(i, offset, len) in ranges {
+            be.upload(
+                &sum[at..at + len],
+                ViewMut::new(&mut *buffers[i], offset, len)?,
+            )?;
+            at += len;
+        }
+    }
+    Ok(())
+}
