@@ -10,8 +10,8 @@
 # Expected: every world-2 run equals the world-1 run on the CPU (the same bits at any world
 # size); on a GPU the decode batches differ between worlds, so world 2 may differ from
 # world 1 in the last bits, but TCP and NCCL carry the same bytes and must agree exactly.
-# With `gradient_sum: ranks` over TCP, the sum overlapped with the backward (the default)
-# and the sum after it must agree exactly too.
+# With `gradient_sum: ranks`, the sum overlapped with the backward (the default) and the sum
+# after it must agree exactly too, over each transport (two ranks: a + b either way).
 set -uo pipefail
 bin=${ARES_RUNNER:-target/release/ares-runner}
 device=${DEVICE:-cuda}
@@ -62,9 +62,9 @@ for t in ${TRANSPORTS:-tcp nccl}; do
   same w1 "w2-$t"
 done
 [ -d "$dir/w2-tcp" ] && [ -d "$dir/w2-nccl" ] && same w2-tcp w2-nccl
-if [[ " ${TRANSPORTS:-tcp nccl} " == *" tcp "* ]]; then
-  launch w2-tcp-ranks 2 tcp trainer.gradient_sum=ranks
-  launch w2-tcp-ranks-after 2 tcp trainer.gradient_sum=ranks trainer.overlap_gradient_sum=false
-  same w2-tcp-ranks w2-tcp-ranks-after strict
-fi
+for t in ${TRANSPORTS:-tcp nccl}; do
+  launch "w2-$t-ranks" 2 "$t" trainer.gradient_sum=ranks
+  launch "w2-$t-ranks-after" 2 "$t" trainer.gradient_sum=ranks trainer.overlap_gradient_sum=false
+  same "w2-$t-ranks" "w2-$t-ranks-after" strict
+done
 exit $status

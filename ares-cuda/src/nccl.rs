@@ -16,7 +16,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, CudaViewMut, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{Id, result, sys};
 
 use crate::error::{DriverContext, Error, Result};
@@ -126,6 +126,16 @@ pub enum GroupOp {
     Broadcast,
 }
 
+impl GroupOp {
+    /// The word errors use.
+    fn name(self) -> &'static str {
+        match self {
+            GroupOp::Sum => "sum",
+            GroupOp::Broadcast => "broadcast",
+        }
+    }
+}
+
 /// This process's rank in an NCCL communicator, on one device.
 pub struct NcclComm {
     comm: Mutex<RawComm>,
@@ -219,41 +229,105 @@ impl NcclComm {
         op: GroupOp,
         items: &mut [(&mut CudaSlice<f32>, usize, Option<usize>)],
     ) -> Result<()> {
-        let what = match op {
-            GroupOp::Sum => "sum",
-            GroupOp::Broadcast => "broadcast",
-        };
-        if op == GroupOp::Broadcast && items.iter().any(|(_, _, r)| r.is_none()) {
-            return Err(Error::BadArgument {
-                kernel: "nccl",
-                message: "a broadcast needs a root for every buffer".into(),
-            });
-        }
         for (b, n, root) in items.iter() {
-            if *n > b.len() || root.is_some_and(|r| r >= self.world) {
-                return Err(Error::BadArgument {
-                    kernel: "nccl",
-                    message: format!(
-                        "{what} of {n} values in a buffer of {} (root {root:?}, world {})",
-                        b.len(),
-                        self.world
-                    ),
-                });
-            }
+            self.check(op, *n, b.len(), *root)?;
         }
         let mut comm = self
             .comm
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        comm.usable(what)?;
+        comm.usable(op.name())?;
+        let mut queued = Vec::with_capacity(items.len());
+        // the pointers' guards are held until the group is queued
+        let mut guards = Vec::with_capacity(items.len());
+        for (b, n, root) in items.iter_mut() {
+            let (ptr, guard) = b.device_ptr_mut(&self.stream);
+            queued.push((ptr, *n, *root));
+            guards.push(guard);
+        }
+        self.group(&comm, op, &queued)?;
+        drop(guards);
+        self.wait(&mut comm, op.name())
+    }
+
+    /// Queues `op` (as [`NcclComm::grouped_f32`]) on each of `items` — `(device pointer,
+    /// len, root)`: `len` f32 values in place — in one NCCL group on NCCL's stream, and
+    /// returns without waiting: [`NcclComm::wait_queued`] waits. The work queued on other
+    /// streams is not waited for: synchronize them first.
+    ///
+    /// # Safety
+    /// Each pointer must name `len` f32 on this communicator's device that stay allocated,
+    /// and that no other work reads or writes, until [`NcclComm::wait_queued`] returns.
+    ///
+    /// # Errors
+    /// As [`NcclComm::grouped_f32`], but for the wait's.
+    pub unsafe fn queue_f32(
+        &self,
+        op: GroupOp,
+        items: &[(cudarc::driver::sys::CUdeviceptr, usize, Option<usize>)],
+    ) -> Result<()> {
+        for &(_, n, root) in items {
+            self.check(op, n, n, root)?;
+        }
+        let comm = self
+            .comm
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        comm.usable(op.name())?;
+        self.group(&comm, op, items)
+    }
+
+    /// Waits for every collective [`NcclComm::queue_f32`] queued, as
+    /// [`NcclComm::grouped_f32`] waits for its own.
+    ///
+    /// # Errors
+    /// A CUDA failure; an asynchronous NCCL error or the timeout (the communicator is then
+    /// aborted).
+    pub fn wait_queued(&self) -> Result<()> {
+        let mut comm = self
+            .comm
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        comm.usable("the queued sums")?;
+        self.wait(&mut comm, "the queued sums")
+    }
+
+    /// An error unless `op` on `n` values of a buffer of `len`, to or from `root`, can run.
+    fn check(&self, op: GroupOp, n: usize, len: usize, root: Option<usize>) -> Result<()> {
+        let what = op.name();
+        if op == GroupOp::Broadcast && root.is_none() {
+            return Err(Error::BadArgument {
+                kernel: "nccl",
+                message: "a broadcast needs a root for every buffer".into(),
+            });
+        }
+        if n > len || root.is_some_and(|r| r >= self.world) {
+            return Err(Error::BadArgument {
+                kernel: "nccl",
+                message: format!(
+                    "{what} of {n} values in a buffer of {len} (root {root:?}, world {})",
+                    self.world
+                ),
+            });
+        }
+        c_int(what, n).map(drop)
+    }
+
+    /// Queues `op` on each of `items` (`(pointer, len, root)`, checked) in one group.
+    fn group(
+        &self,
+        comm: &RawComm,
+        op: GroupOp,
+        items: &[(cudarc::driver::sys::CUdeviceptr, usize, Option<usize>)],
+    ) -> Result<()> {
+        let what = op.name();
         result::group_start().map_err(|e| nccl("ncclGroupStart", &e))?;
         let mut failed = None;
-        for (b, n, root) in items.iter_mut() {
-            if *n == 0 {
+        for &(ptr, n, root) in items {
+            if n == 0 {
                 continue;
             }
-            let mut view = b.slice_mut(0..*n);
-            if let Err(e) = self.in_place(&comm, op, &mut view, *root) {
+            if let Err(e) = self.in_place(comm, op, ptr, n, root) {
                 failed = Some(e);
                 break;
             }
@@ -263,27 +337,25 @@ impl NcclComm {
         if let Some(e) = failed {
             return Err(nccl(&format!("{what} (in a group)"), &e));
         }
-        ended.map_err(|e| nccl("ncclGroupEnd", &e))?;
-        self.wait(&mut comm, what)
+        ended.map(drop).map_err(|e| nccl("ncclGroupEnd", &e))
     }
 
-    /// Queues one in-place collective on `view`: all-reduce (`Sum`, no root), reduce to
-    /// `root` (`Sum`), broadcast from `root`.
+    /// Queues one in-place collective on the `count` values at `ptr`: all-reduce (`Sum`, no
+    /// root), reduce to `root` (`Sum`), broadcast from `root`.
     fn in_place(
         &self,
         comm: &RawComm,
         op: GroupOp,
-        view: &mut CudaViewMut<'_, f32>,
+        ptr: cudarc::driver::sys::CUdeviceptr,
+        count: usize,
         root: Option<usize>,
     ) -> std::result::Result<(), result::NcclError> {
-        let count = view.len();
         let stream = self.stream.cu_stream() as sys::cudaStream_t;
-        let (ptr, _record) = view.device_ptr_mut(&self.stream);
         let (buf, sum) = (ptr as *mut core::ffi::c_void, sys::ncclRedOp_t::ncclSum);
         // roots were checked < world (a c_int)
         let at = |r: Option<usize>| r.unwrap_or(0) as core::ffi::c_int;
         // SAFETY: `buf` holds `count` f32 on this communicator's device, alive until the wait
-        // that follows (the caller holds the borrow); send and receive buffers may coincide.
+        // that follows (the callers' contract); send and receive buffers may coincide.
         unsafe {
             match (op, root) {
                 (GroupOp::Sum, None) => {

@@ -60,6 +60,11 @@ pub trait DeviceBuffer {
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         None
     }
+
+    /// [`DeviceBuffer::as_any_mut`], read-only.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }
 
 /// Checks that `[offset, offset + len)` lies in a buffer of `buffer_len` elements.

@@ -219,6 +219,9 @@ impl TcpRanks {
                 match listener.accept() {
                     Ok((mut s, from)) => {
                         s.set_nonblocking(false).map_err(|e| fail(e.to_string()))?;
+                        // every frame is one write and waits for its answer: Nagle's
+                        // algorithm would only delay it
+                        s.set_nodelay(true).map_err(|e| fail(e.to_string()))?;
                         // a greeting is 24 bytes within a few seconds: whatever else
                         // connects (a port scanner, another program) is dropped, and rank
                         // 0 goes on waiting for its ranks
@@ -305,6 +308,7 @@ impl TcpRanks {
         stream
             .set_read_timeout(Some(timeout))
             .map_err(|e| fail(e.to_string()))?;
+        stream.set_nodelay(true).map_err(|e| fail(e.to_string()))?;
         let mut hello = MAGIC.to_vec();
         hello.extend_from_slice(&(rank as u64).to_le_bytes());
         hello.extend_from_slice(&(world as u64).to_le_bytes());
@@ -333,9 +337,13 @@ fn parse_hello(b: &[u8]) -> Result<(usize, usize), String> {
     Ok((n(&b[8..16]), n(&b[16..24])))
 }
 
+/// Writes `bytes` after their length, in one write: a length sent alone would wait for
+/// the peer's delayed acknowledgement before the bytes could follow.
 fn write_frame(s: &mut TcpStream, bytes: &[u8]) -> std::io::Result<()> {
-    s.write_all(&(bytes.len() as u64).to_le_bytes())?;
-    s.write_all(bytes)?;
+    let mut frame = Vec::with_capacity(8 + bytes.len());
+    frame.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+    frame.extend_from_slice(bytes);
+    s.write_all(&frame)?;
     s.flush()
 }
 

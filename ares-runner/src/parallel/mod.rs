@@ -145,6 +145,31 @@ pub trait Collective: Send + Sync {
         None
     }
 
+    /// Queues the sum over the ranks of each of `ranges` — `(buffer, offset, len, root)`:
+    /// values of a backend's f32 buffer ([`DeviceBuffer::as_any`]), to every rank where the
+    /// root is `None` — in place on their device, as one group, after the work already
+    /// waited for on that device, and returns without waiting for it
+    /// ([`Collective::wait_queued_device`]). `None` when this transport cannot reach them.
+    ///
+    /// # Safety
+    /// Nothing may read, write or free those values until `wait_queued_device` returns.
+    ///
+    /// [`DeviceBuffer::as_any`]: crate::backend::DeviceBuffer::as_any
+    unsafe fn queue_sum_device(
+        &self,
+        _ranges: &[(&dyn std::any::Any, usize, usize, Option<usize>)],
+    ) -> Option<Result<(), CollectiveError>> {
+        None
+    }
+
+    /// Waits for every sum [`Collective::queue_sum_device`] queued.
+    ///
+    /// # Errors
+    /// A rank that stopped or timed out; a transport failure.
+    fn wait_queued_device(&self) -> Result<(), CollectiveError> {
+        Ok(())
+    }
+
     /// Whether [`Collective::sum_device`] can sum a buffer like `buffer` on its device
     /// (then the trainer sums there, after the backward, rather than through the host).
     fn sums_on_device(&self, _buffer: &dyn std::any::Any) -> bool {
@@ -446,6 +471,42 @@ impl Ranks {
         let out = self.0.sum_device(&mut any)?;
         self.count(t, sent);
         Some(out)
+    }
+
+    /// [`Collective::queue_sum_device`] of `ranges` (`(buffer, offset, len, root)`),
+    /// counted as traffic; `None` when the transport cannot reach them.
+    ///
+    /// # Safety
+    /// As [`Collective::queue_sum_device`].
+    pub unsafe fn queue_sum_device<D: crate::backend::DeviceBuffer>(
+        &self,
+        ranges: &[(&D, usize, usize, Option<usize>)],
+    ) -> Option<Result<(), CollectiveError>> {
+        let sent = ranges.iter().map(|r| r.2 as u64 * 4).sum();
+        let mut any = Vec::with_capacity(ranges.len());
+        for &(b, offset, len, root) in ranges {
+            any.push((b.as_any()?, offset, len, root));
+        }
+        let t = Instant::now();
+        // SAFETY: the caller's contract
+        let out = unsafe { self.0.queue_sum_device(&any) }?;
+        self.count(t, sent);
+        Some(out)
+    }
+
+    /// [`Collective::wait_queued_device`], its wait counted as traffic time.
+    ///
+    /// # Errors
+    /// As [`Collective::wait_queued_device`].
+    pub fn wait_queued_device(&self) -> Result<(), CollectiveError> {
+        let t = Instant::now();
+        let out = self.0.wait_queued_device();
+        let mut traffic = self
+            .1
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        traffic.time += t.elapsed();
+        out
     }
 
     /// [`Collective::sums_on_device`] for `buffer`.

@@ -101,6 +101,27 @@ impl Collective for NcclRanks {
         buffer.is::<CudaBuffer>()
     }
 
+    unsafe fn queue_sum_device(
+        &self,
+        ranges: &[(&dyn std::any::Any, usize, usize, Option<usize>)],
+    ) -> Option<Result<(), CollectiveError>> {
+        let mut items = Vec::with_capacity(ranges.len());
+        for &(b, offset, len, root) in ranges {
+            let b = b.downcast_ref::<CudaBuffer>()?;
+            match crate::backend::View::new(b, offset, len) {
+                Ok(v) => items.push((v, root)),
+                Err(e) => return Some(Err(self.failed(&e))),
+            }
+        }
+        // SAFETY: the caller's contract (the values are left alone until the wait)
+        let queued = unsafe { CudaBuffer::nccl_queue_sums(&self.comm, &items) };
+        Some(queued.map_err(|e| self.failed(&e)))
+    }
+
+    fn wait_queued_device(&self) -> Result<(), CollectiveError> {
+        self.comm.wait_queued().map_err(|e| self.failed(&e))
+    }
+
     fn broadcast_device(
         &self,
         buffers: &mut [(&mut dyn std::any::Any, usize)],

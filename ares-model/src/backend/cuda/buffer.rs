@@ -147,9 +147,49 @@ impl DeviceBuffer for CudaBuffer {
     fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
         Some(self)
     }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
 }
 
 impl CudaBuffer {
+    /// Queues sums over the ranks of `comm` of each of `items` — `(values, root)`: to every
+    /// rank, or to the root alone — in place, in one NCCL group on NCCL's stream, and
+    /// returns without waiting ([`NcclComm::queue_f32`]; [`NcclComm::wait_queued`] waits).
+    /// The work queued on this backend's stream is not waited for: synchronize it first.
+    ///
+    /// [`NcclComm::queue_f32`]: ares_cuda::nccl::NcclComm::queue_f32
+    /// [`NcclComm::wait_queued`]: ares_cuda::nccl::NcclComm::wait_queued
+    ///
+    /// # Safety
+    /// Nothing may read, write or free the viewed values until `wait_queued` returns (a
+    /// backward pass past the layer they belong to does not).
+    ///
+    /// # Errors
+    /// A view out of its buffer, a root past the world; NCCL's or CUDA's failure.
+    pub unsafe fn nccl_queue_sums(
+        comm: &ares_cuda::nccl::NcclComm,
+        items: &[(View<'_, CudaBuffer>, Option<usize>)],
+    ) -> Result<()> {
+        let mut queued = Vec::with_capacity(items.len());
+        for (v, root) in items {
+            use ares_cuda::cudarc::driver::{DevicePtr, DeviceSlice};
+            let values = view(*v)?;
+            let stream = values.stream().clone();
+            let (ptr, _) = values.device_ptr(&stream);
+            queued.push((ptr, v.len(), *root));
+        }
+        // SAFETY: each pointer names its view's values, which the caller leaves alone until
+        // the wait
+        unsafe { comm.queue_f32(ares_cuda::nccl::GroupOp::Sum, &queued) }.map_err(|e| {
+            BackendError::Op {
+                op: "nccl",
+                source: Box::new(e),
+            }
+        })
+    }
+
     /// Runs `op` over the ranks of `comm` on each of `items` — `(buffer, root)` — in place,
     /// on the device, in one NCCL group ([`NcclComm::grouped_f32`]: sums to every rank or to
     /// the root, ZeRO-1's reduce-scatter; broadcasts from the root). NCCL's order, not rank

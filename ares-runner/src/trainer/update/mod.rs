@@ -428,16 +428,13 @@ impl<B: Backend> Update<'_, B> {
         let overlapped = !slices_mode
             && ranks.world() > 1
             && mini_size.0 > 0
-            && self.inputs.settings.overlap_gradient_sum
-            && !opt
-                .grads
-                .buffers_mut()
-                .into_iter()
-                .next()
-                .is_some_and(|b| ranks.sums_on_device(b));
+            && self.inputs.settings.overlap_gradient_sum;
+        let on_device = (opt.grads.buffers_mut().into_iter())
+            .next()
+            .is_some_and(|b| ranks.sums_on_device(b));
         let layers = actor.lm().spec().layers;
-        let mut overlap =
-            overlapped.then(|| overlap::Overlap::start(ranks, opt, layers, spans.as_deref()));
+        let mut overlap = overlapped
+            .then(|| overlap::Overlap::start(ranks, opt, layers, spans.as_deref(), on_device));
         let last = (0..micros.len())
             .rev()
             .find(|&i| ranks.owner(i, micros.len()) == ranks.rank());

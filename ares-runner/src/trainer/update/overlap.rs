@@ -1,17 +1,21 @@
 //! The ranks' gradient sum overlapped with the backward (`trainer.overlap_gradient_sum`,
-//! with `gradient_sum: ranks` on a transport that sums through the host).
+//! with `gradient_sum: ranks`).
 //!
 //! The sum is cut into buckets: each decoder layer's gradients, last layer first (the order
 //! the backward finishes them), then everything else (embedding, final norm, LM head, the
 //! vision tower). During this rank's last micro-batch the backward hands each layer's
-//! gradients over as soon as they are complete ([`Grads::watch_layers`]) to a thread that
-//! sums them over the ranks while the layers below are differentiated. What was not handed
-//! over — the rest, or every bucket when this rank ran no backward — is sent when the
-//! rank's micro-batches end, and the sums are written back then.
+//! gradients over as soon as they are complete ([`Grads::watch_layers`]), and their sum
+//! over the ranks runs while the layers below are differentiated: through the host on a
+//! thread of its own (threads, TCP), or queued in place on NCCL's stream (the device waits
+//! for the layer's kernels first; the sums run beside the next layers' kernels). What was
+//! not handed over — the rest, or every bucket when this rank ran no backward — is sent
+//! when the rank's micro-batches end, and the sums are waited for (and, through the host,
+//! written back) then.
 //!
-//! Each element is summed as the exchange after the backward sums it (in rank order, to
-//! its holders under ZeRO-1), so the gradients are the same bits. Every rank sends the same
-//! buckets in the same order whatever happened on it (a failed, skipped or absent
+//! Through the host each element is summed as the exchange after the backward sums it (in
+//! rank order, to its holders under ZeRO-1), so the gradients are the same bits; on NCCL
+//! the order is NCCL's, as after the backward. Every rank sends the same buckets in the
+//! same order, one operation each, whatever happened on it (a failed, skipped or absent
 //! micro-batch), so the ranks' operations stay in step.
 
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -43,28 +47,35 @@ pub(super) struct Overlap {
     /// What the backward's watcher and [`Overlap::finish`] share.
     handed: Arc<Mutex<Handed>>,
     /// The thread that sums the buckets in order, and gives their sums back (`None`
-    /// when none could be started: [`Overlap::finish`] sums them all).
+    /// on the device, or when no thread could be started: [`Overlap::finish`] sums them).
     worker: Option<JoinHandle<Result<Vec<Vec<f32>>, CollectiveError>>>,
+    /// Whether the sums are queued in place on the device (NCCL) rather than through the
+    /// host.
+    on_device: bool,
     ranks: Ranks,
 }
 
-/// The buckets handed to the summing thread so far.
+/// The buckets handed over so far.
 struct Handed {
     /// How many, in bucket order.
     count: usize,
     /// The summing thread's queue (closed by [`Overlap::finish`]).
     queue: Option<Sender<Bucket>>,
+    /// A device sum that could not be queued (the ranks are then out of step: reported).
+    failed: Option<TrainError>,
 }
 
 impl Overlap {
-    /// Starts the summing thread for `opt`'s gradients over `ranks` (a model of `layers`
-    /// decoder layers); `spans` are ZeRO-1's holders of each gradient buffer
-    /// (`zero::gradient_spans`), `None` without sharding.
+    /// Starts the sum of `opt`'s gradients over `ranks` (a model of `layers` decoder
+    /// layers): on the device when `on_device` (the transport sums these buffers there),
+    /// else through the host on a thread of its own. `spans` are ZeRO-1's holders of each
+    /// gradient buffer (`zero::gradient_spans`), `None` without sharding.
     pub(super) fn start<B: Backend>(
         ranks: &Ranks,
         opt: &Optimizer<B>,
         layers: usize,
         spans: Option<&[(usize, Holder)]>,
+        on_device: bool,
     ) -> Self {
         let buckets = buckets(&opt.grads, &super::grad_buffers(opt), layers);
         let holders = buckets
@@ -76,19 +87,27 @@ impl Overlap {
             .collect();
         let (queue, received) = channel();
         let mine = ranks.clone();
-        let worker = std::thread::Builder::new()
-            .name(format!("ares-gradient-sum-{}", ranks.rank()))
-            .spawn(move || sum_each(&mine, &received));
+        let worker = (!on_device).then(|| {
+            std::thread::Builder::new()
+                .name(format!("ares-gradient-sum-{}", ranks.rank()))
+                .spawn(move || sum_each(&mine, &received))
+        });
         let (worker, queue) = match worker {
-            Ok(w) => (Some(w), Some(queue)),
-            // no thread: every bucket is summed by `finish`, on this one
-            Err(_) => (None, None),
+            Some(Ok(w)) => (Some(w), Some(queue)),
+            // on the device, or no thread: `finish` sums what the watcher did not
+            _ => (None, None),
+        };
+        let handed = Handed {
+            count: 0,
+            queue,
+            failed: None,
         };
         Self {
             buckets,
             holders: Arc::new(holders),
-            handed: Arc::new(Mutex::new(Handed { count: 0, queue })),
+            handed: Arc::new(Mutex::new(handed)),
             worker,
+            on_device,
             ranks: ranks.clone(),
         }
     }
@@ -99,9 +118,22 @@ impl Overlap {
     pub(super) fn watch<B: Backend>(&self) -> LayerWatch<B> {
         let (handed, holders) = (Arc::clone(&self.handed), Arc::clone(&self.holders));
         let layers = self.buckets.len() - 1;
+        let (on_device, ranks) = (self.on_device, self.ranks.clone());
         Box::new(move |be: &B, layer: usize, views: &[View<'_, B::Buffer>]| {
             let mut h = handed.lock().unwrap_or_else(PoisonError::into_inner);
-            if layer >= layers || h.count != layers - 1 - layer {
+            if layer >= layers || h.count != layers - 1 - layer || h.failed.is_some() {
+                return;
+            }
+            if on_device {
+                let ranges: Vec<_> = views
+                    .iter()
+                    .map(|v| (v.buffer(), v.offset(), v.len()))
+                    .collect();
+                // the layer's kernels first; then its sum beside the next layers'
+                match queue_on_device(be, &ranks, &ranges, &holders[h.count]) {
+                    Ok(()) => h.count += 1,
+                    Err(e) => h.failed = Some(e),
+                }
                 return;
             }
             let mut values = vec![0.0f32; views.iter().map(|v| v.len()).sum()];
@@ -133,10 +165,26 @@ impl Overlap {
         opt: &mut Optimizer<B>,
     ) -> Result<(), TrainError> {
         opt.grads.watch_layers(None);
-        let (count, queue) = {
+        let (count, queue, failed) = {
             let mut h = self.handed.lock().unwrap_or_else(PoisonError::into_inner);
-            (h.count, h.queue.take())
+            (h.count, h.queue.take(), h.failed.take())
         };
+        self.ranks.count_overlapped(count as u64);
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        if self.on_device {
+            // the rest, a bucket a group as the watcher queued them; then the wait
+            let buffers = super::grad_buffers(opt);
+            for k in count..self.buckets.len() {
+                let ranges: Vec<_> = self.buckets[k]
+                    .iter()
+                    .map(|&(i, offset, len)| (buffers[i], offset, len))
+                    .collect();
+                queue_on_device(be, &self.ranks, &ranges, &self.holders[k])?;
+            }
+            return Ok(self.ranks.wait_queued_device()?);
+        }
         // a bucket that cannot be read is sent as zeros, so the other ranks are not left
         // waiting for it; the error is this rank's
         let mut unread = None;
@@ -158,7 +206,6 @@ impl Overlap {
             }
         }
         drop(queue);
-        self.ranks.count_overlapped(count as u64);
         let rank = self.ranks.rank();
         let mut sums = match self.worker.take() {
             Some(w) => w.join().unwrap_or_else(|_| {
@@ -237,6 +284,38 @@ fn sum_each(ranks: &Ranks, received: &Receiver<Bucket>) -> Result<Vec<Vec<f32>>,
         }
     }
     Ok(out)
+}
+
+/// Queues the sum over `ranks` of `ranges` (`(buffer, offset, len)`, held as `holders`
+/// say) in place on their device, in one group, once `be`'s queued work is done.
+fn queue_on_device<B: Backend>(
+    be: &B,
+    ranks: &Ranks,
+    ranges: &[(&B::Buffer, usize, usize)],
+    holders: &Holders,
+) -> Result<(), TrainError> {
+    be.synchronize()?;
+    let queued: Vec<_> = ranges
+        .iter()
+        .enumerate()
+        .map(|(j, &(b, offset, len))| {
+            let root = match holders.as_ref().map(|h| h[j].1) {
+                Some(Holder::Rank(r)) => Some(r),
+                _ => None,
+            };
+            (b, offset, len, root)
+        })
+        .collect();
+    // SAFETY: nothing touches a finished layer's gradients (or, at the end, any) until
+    // `finish` has waited for the sums (`Grads::watch_layers`' contract)
+    match unsafe { ranks.queue_sum_device(&queued) } {
+        Some(r) => Ok(r?),
+        None => Err(CollectiveError::Transport {
+            rank: ranks.rank(),
+            what: "the transport cannot sum these gradients on their device".into(),
+        }
+        .into()),
+    }
 }
 
 /// Reads `ranges` of `buffers` into `values`, one after another.
