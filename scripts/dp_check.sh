@@ -63,7 +63,7 @@ for t in ${TRANSPORTS:-tcp nccl}; do
 done
 [ -d "$dir/w2-tcp" ] && [ -d "$dir/w2-nccl" ] && same w2-tcp w2-nccl
 for t in ${TRANSPORTS:-tcp nccl}; do
-  launch "w2-$t-ranks" 2 "$t" trainer.gradient_sum=ranks
+  launch "w2-$t-ranks" 2 "$t" trainer.gradient_sum=ranks trainer.overlap_gradient_sum=true
   launch "w2-$t-ranks-after" 2 "$t" trainer.gradient_sum=ranks trainer.overlap_gradient_sum=false
   same "w2-$t-ranks" "w2-$t-ranks-after" strict
 done

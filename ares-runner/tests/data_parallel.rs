@@ -315,7 +315,7 @@ fn summing_the_ranks_gradients_is_the_plain_run_at_one_rank() {
     );
 }
 
-/// `trainer.overlap_gradient_sum` (on by default): with `gradient_sum: ranks` each decoder
+/// `trainer.overlap_gradient_sum: true`: with `gradient_sum: ranks` each decoder
 /// layer's sum over the ranks starts in the rank's last backward, as soon as the layer is
 /// done, and the run is the bits of summing after the backward — with ZeRO-1's
 /// reduce-scatter too, and at a world where a rank has no micro-batch (five ranks, four
@@ -325,9 +325,11 @@ fn overlapping_the_gradient_sum_with_the_backward_changes_no_bit() {
     let dir = tempfile::tempdir().unwrap();
     let a = assets(&dir.path().join("assets"));
     let sum = "trainer.gradient_sum=ranks";
-    let overlapped = |world: usize, zero: &str, on: bool| {
-        let how = format!("trainer.overlap_gradient_sum={on}");
-        let run = dir.path().join(format!("w{world}-{zero}-{on}"));
+    let overlapped = |world: usize, zero: &str, on: Option<bool>| {
+        let how = on.map_or("trainer.overlap_gradient_sum=null".into(), |on| {
+            format!("trainer.overlap_gradient_sum={on}")
+        });
+        let run = dir.path().join(format!("w{world}-{zero}-{on:?}"));
         let cfg = config(&a, &run, &[sum, zero, &how]);
         let summaries: Vec<RunSummary> = run_world(&cfg, world)
             .into_iter()
@@ -347,8 +349,8 @@ fn overlapping_the_gradient_sum_with_the_backward_changes_no_bit() {
     };
     for world in [2, 5] {
         for zero in ["trainer.zero_stage=0", "trainer.zero_stage=1"] {
-            let (m_on, c_on, ops_on) = overlapped(world, zero, true);
-            let (m_off, c_off, ops_off) = overlapped(world, zero, false);
+            let (m_on, c_on, ops_on) = overlapped(world, zero, Some(true));
+            let (m_off, c_off, ops_off) = overlapped(world, zero, Some(false));
             let what = format!("world {world}, {zero}");
             assert_eq!(m_on, m_off, "{what}: metrics");
             assert_same_files(&c_on, &c_off, &what);
@@ -358,6 +360,9 @@ fn overlapping_the_gradient_sum_with_the_backward_changes_no_bit() {
             assert_eq!(ops_off, vec![0.0; 3], "{what}: none without the overlap");
         }
     }
+    // by default, off through the host (threads here)
+    let (_, _, ops) = overlapped(2, "trainer.zero_stage=0", None);
+    assert_eq!(ops, vec![0.0; 3], "the default through the host");
 }
 
 #[test]

@@ -269,11 +269,12 @@ pub struct TrainerConfig {
     /// How the ranks add their gradients: `slices` (the same bits at any world size) or
     /// `ranks` (one gradient exchanged a rank; equal to rounding) (default `slices`).
     pub gradient_sum: GradientSum,
-    /// With `gradient_sum: ranks` on a transport that sums through the host (threads, TCP):
-    /// start each decoder layer's sum over the ranks as soon as the backward has finished
-    /// it, while the layers below are differentiated — the same bits as summing after the
-    /// backward (default true).
-    pub overlap_gradient_sum: bool,
+    /// With `gradient_sum: ranks`: start each decoder layer's sum over the ranks as soon as
+    /// the backward has finished it, while the layers below are differentiated (through
+    /// the host the same bits as summing after the backward). Default null: on where the
+    /// sums run on the GPU (NCCL), off through the host (threads, TCP), where summing
+    /// competes with the backward for the CPU.
+    pub overlap_gradient_sum: Option<bool>,
 }
 
 impl Default for TrainerConfig {
@@ -305,7 +306,7 @@ impl Default for TrainerConfig {
             threads: 0,
             zero_stage: 0,
             gradient_sum: GradientSum::Slices,
-            overlap_gradient_sum: true,
+            overlap_gradient_sum: None,
         }
     }
 }

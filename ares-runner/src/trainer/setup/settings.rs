@@ -178,8 +178,9 @@ pub struct StepSettings {
     pub ranks: Option<crate::parallel::Ranks>,
     /// How the ranks add their gradients (`trainer.gradient_sum`).
     pub gradient_sum: crate::config::GradientSum,
-    /// Whether the ranks' sum starts during the backward (`trainer.overlap_gradient_sum`).
-    pub overlap_gradient_sum: bool,
+    /// Whether the ranks' sum starts during the backward (`trainer.overlap_gradient_sum`;
+    /// `None`: where it runs on the device).
+    pub overlap_gradient_sum: Option<bool>,
 }
 
 /// The sampling of the rollout (`temperature`, `top_k` 0 = off, `top_p`, `min_p` 0 = off).

@@ -399,7 +399,8 @@ impl<B: Backend> Update<'_, B> {
     /// `trainer.gradient_sum`: `slices` — each micro-batch into zeroed gradients, the
     /// slices summed in micro-batch order, so the result is the same bits at any world
     /// size (see [`crate::parallel`]); `ranks` — each rank's micro-batches accumulated as
-    /// without ranks, the ranks' sums added in rank order.
+    /// without ranks, the ranks' sums added in rank order (after the backward, or layer by
+    /// layer during this rank's last one: `overlap.rs`).
     fn mini_batch_ranks(
         &mut self,
         ranks: &Ranks,
@@ -425,13 +426,17 @@ impl<B: Backend> Update<'_, B> {
             .unwrap_or_default();
         let spans = zero::gradient_spans(ranks, &opt.adamw, &opt.grads, &tower);
         // ranks: the sum starts in this rank's last backward, layer by layer (overlap.rs)
-        let overlapped = !slices_mode
-            && ranks.world() > 1
-            && mini_size.0 > 0
-            && self.inputs.settings.overlap_gradient_sum;
         let on_device = (opt.grads.buffers_mut().into_iter())
             .next()
             .is_some_and(|b| ranks.sums_on_device(b));
+        let overlapped = !slices_mode
+            && ranks.world() > 1
+            && mini_size.0 > 0
+            && self
+                .inputs
+                .settings
+                .overlap_gradient_sum
+                .unwrap_or(on_device);
         let layers = actor.lm().spec().layers;
         let mut overlap = overlapped
             .then(|| overlap::Overlap::start(ranks, opt, layers, spans.as_deref(), on_device));
