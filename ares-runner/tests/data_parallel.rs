@@ -439,6 +439,50 @@ fn a_failing_rank_stops_every_rank_with_its_message() {
     assert_ne!(results[1], "finished");
 }
 
+/// A rank whose micro-batch fails while the gradient sum is overlapped with the backward
+/// still completes the sum (its other ranks are summing its layers), then reports: every
+/// rank stops with its message, none waits for the timeout.
+#[test]
+fn a_rank_failing_in_an_overlapped_update_stops_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let overrides = [
+        "trainer.gradient_sum=ranks",
+        "trainer.overlap_gradient_sum=true",
+    ];
+    let cfg = config(&a, &dir.path().join("run"), &overrides);
+    let started = std::time::Instant::now();
+    let ranks = ThreadGroup::ranks(2, Duration::from_secs(60));
+    let results: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .map(|rank| {
+                let cfg = cfg.clone();
+                s.spawn(move || {
+                    let r = rank_index(&rank);
+                    let mut t =
+                        Trainer::new(cfg, CpuBackend, Arc::new(AtomicBool::new(false))).unwrap();
+                    if r == 1 {
+                        // rank 1's policy loss refuses its clip: its first micro-batch fails
+                        t.settings.policy.clip.clip_ratio_low = -1.0;
+                    }
+                    t.settings.rollout_chunk = 4;
+                    t.join(Ranks::new(Arc::new(rank))).unwrap();
+                    match t.run() {
+                        Ok(_) => "finished".to_string(),
+                        Err(e) => e.to_string(),
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(results[0].starts_with("rank 1 failed: unit"), "{results:?}");
+    assert!(results[0].contains("clip"), "{results:?}");
+    assert!(results[1].contains("clip"), "{results:?}");
+    assert!(started.elapsed() < Duration::from_secs(50), "{results:?}");
+}
+
 fn rank_index(r: &ares_runner::parallel::threads::ThreadRank) -> usize {
     use ares_runner::parallel::Collective;
     r.rank()
