@@ -404,24 +404,23 @@ fn a_run_resumes_exactly_at_another_world_size() {
     }
 }
 
-#[test]
-fn a_failing_rank_stops_every_rank_with_its_message() {
-    let dir = tempfile::tempdir().unwrap();
-    let a = assets(&dir.path().join("assets"));
-    let cfg = config(&a, &dir.path().join("run"), &[]);
+/// Runs `cfg` at a world of two threads with rank 1 broken by `break_it`: each rank's
+/// outcome (`finished` or its error's message).
+fn run_with_rank_1_broken(
+    cfg: &Config,
+    break_it: impl Fn(&mut Trainer<CpuBackend>) + Sync,
+) -> Vec<String> {
     let ranks = ThreadGroup::ranks(2, Duration::from_secs(60));
-    let results: Vec<String> = std::thread::scope(|s| {
+    std::thread::scope(|s| {
         let handles: Vec<_> = ranks
             .into_iter()
             .map(|rank| {
-                let cfg = cfg.clone();
+                let (cfg, break_it) = (cfg.clone(), &break_it);
                 s.spawn(move || {
-                    let r = rank_index(&rank);
                     let mut t =
                         Trainer::new(cfg, CpuBackend, Arc::new(AtomicBool::new(false))).unwrap();
-                    if r == 1 {
-                        // rank 1 is broken: its rollout cannot fit a response
-                        t.settings.max_new_tokens = 100_000;
+                    if rank_index(&rank) == 1 {
+                        break_it(&mut t);
                     }
                     t.settings.rollout_chunk = 4;
                     t.join(Ranks::new(Arc::new(rank))).unwrap();
@@ -433,7 +432,16 @@ fn a_failing_rank_stops_every_rank_with_its_message() {
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    })
+}
+
+#[test]
+fn a_failing_rank_stops_every_rank_with_its_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let cfg = config(&a, &dir.path().join("run"), &[]);
+    // rank 1 is broken: its rollout cannot fit a response
+    let results = run_with_rank_1_broken(&cfg, |t| t.settings.max_new_tokens = 100_000);
     assert!(results[0].starts_with("rank 1 failed: unit"), "{results:?}");
     assert!(!results[1].contains("rank 1 failed"), "{results:?}");
     assert_ne!(results[1], "finished");
@@ -452,31 +460,8 @@ fn a_rank_failing_in_an_overlapped_update_stops_every_rank() {
     ];
     let cfg = config(&a, &dir.path().join("run"), &overrides);
     let started = std::time::Instant::now();
-    let ranks = ThreadGroup::ranks(2, Duration::from_secs(60));
-    let results: Vec<String> = std::thread::scope(|s| {
-        let handles: Vec<_> = ranks
-            .into_iter()
-            .map(|rank| {
-                let cfg = cfg.clone();
-                s.spawn(move || {
-                    let r = rank_index(&rank);
-                    let mut t =
-                        Trainer::new(cfg, CpuBackend, Arc::new(AtomicBool::new(false))).unwrap();
-                    if r == 1 {
-                        // rank 1's policy loss refuses its clip: its first micro-batch fails
-                        t.settings.policy.clip.clip_ratio_low = -1.0;
-                    }
-                    t.settings.rollout_chunk = 4;
-                    t.join(Ranks::new(Arc::new(rank))).unwrap();
-                    match t.run() {
-                        Ok(_) => "finished".to_string(),
-                        Err(e) => e.to_string(),
-                    }
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    // rank 1's policy loss refuses its clip: its first micro-batch fails
+    let results = run_with_rank_1_broken(&cfg, |t| t.settings.policy.clip.clip_ratio_low = -1.0);
     assert!(results[0].starts_with("rank 1 failed: unit"), "{results:?}");
     assert!(results[0].contains("clip"), "{results:?}");
     assert!(results[1].contains("clip"), "{results:?}");
