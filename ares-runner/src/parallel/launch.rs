@@ -380,30 +380,127 @@ impl Collective for TcpRanks {
     }
 
     fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, CollectiveError> {
-        self.exchange(mine, false)
+        let rank = self.rank;
+        self.exchange(
+            mine,
+            |all| {
+                let msg = encode(&all.iter().map(Vec::as_slice).collect::<Vec<_>>());
+                (Ok(all), Some(Replies::Same(msg)))
+            },
+            |msg| split(rank, self.world, msg),
+        )
     }
 
     /// Routed through rank 0: each rank receives its own parts only.
     fn all_to_all(&self, parts: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>, CollectiveError> {
-        if parts.len() != self.world {
+        let (rank, world) = (self.rank, self.world);
+        if parts.len() != world {
             return Err(CollectiveError::Mismatch {
-                rank: self.rank,
-                what: format!("all_to_all: {} parts for {} ranks", parts.len(), self.world),
+                rank,
+                what: format!("all_to_all: {} parts for {world} ranks", parts.len()),
             });
         }
-        let mut w = wire::Writer::default();
-        for p in &parts {
-            w.bytes(p);
-        }
-        self.exchange(w.finish(), true)
+        self.exchange(
+            encode(&parts.iter().map(Vec::as_slice).collect::<Vec<_>>()),
+            |all| {
+                // every rank's parts, then each destination's column
+                let parts: Vec<Vec<Vec<u8>>> =
+                    match all.iter().map(|b| split(rank, world, b)).collect() {
+                        Ok(p) => p,
+                        Err(e) => return (Err(e), None),
+                    };
+                let column = |d: usize| parts.iter().map(|p| p[d].as_slice()).collect::<Vec<_>>();
+                let replies = (1..world).map(|d| encode(&column(d))).collect();
+                let mine = parts.iter().map(|p| p[0].clone()).collect();
+                (Ok(mine), Some(Replies::Each(replies)))
+            },
+            |msg| split(rank, world, msg),
+        )
+    }
+
+    /// Summed at rank 0, which sends each rank the sum alone (not every rank's parts).
+    fn ordered_sum(&self, message: Vec<u8>, len: usize) -> Result<Vec<f32>, CollectiveError> {
+        let rank = self.rank;
+        self.exchange(
+            message,
+            |all| {
+                let mut sum = vec![0.0f32; len];
+                let mut w = wire::Writer::default();
+                // a failure reaches every rank, so none waits for a sum that never comes
+                let folded = super::fold_parts(0, &all, &mut sum);
+                match &folded {
+                    Ok(()) => {
+                        w.u8(0);
+                        w.f32s(&sum);
+                    }
+                    Err(e) => {
+                        w.u8(1);
+                        w.bytes(e.to_string().as_bytes());
+                    }
+                }
+                (folded.map(|()| sum), Some(Replies::Same(w.finish())))
+            },
+            |msg| {
+                let mut r = wire::Reader::new(msg);
+                let bad = |e: wire::WireError| e.at(rank);
+                if r.u8().map_err(bad)? != 0 {
+                    let why = String::from_utf8_lossy(r.bytes().map_err(bad)?).into_owned();
+                    return Err(CollectiveError::Transport {
+                        rank,
+                        what: format!("rank 0 could not sum: {why}"),
+                    });
+                }
+                let sum = r.f32s().map_err(bad)?;
+                r.end().map_err(bad)?;
+                if sum.len() != len {
+                    return Err(CollectiveError::Mismatch {
+                        rank,
+                        what: format!("a sum of {} values from rank 0, expected {len}", sum.len()),
+                    });
+                }
+                Ok(sum)
+            },
+        )
     }
 }
 
+/// What rank 0 sends back after an operation: one message for every rank, or each rank's
+/// own (ranks 1, 2, …).
+enum Replies {
+    Same(Vec<u8>),
+    Each(Vec<Vec<u8>>),
+}
+
+/// `parts` as one message (each part's length, then its bytes).
+fn encode(parts: &[&[u8]]) -> Vec<u8> {
+    let mut w = wire::Writer::default();
+    for b in parts {
+        w.bytes(b);
+    }
+    w.finish()
+}
+
+/// A message of [`encode`] holding `world` parts, split (`rank` names the reader).
+fn split(rank: usize, world: usize, bytes: &[u8]) -> Result<Vec<Vec<u8>>, CollectiveError> {
+    let mut r = wire::Reader::new(bytes);
+    let parts = (0..world)
+        .map(|_| r.bytes().map(<[u8]>::to_vec))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.at(rank))?;
+    r.end().map_err(|e| e.at(rank))?;
+    Ok(parts)
+}
+
 impl TcpRanks {
-    /// One operation through rank 0: every rank sends `mine`; rank 0 sends back every
-    /// rank's bytes (`all_gather`), or — `routed`, each `mine` a list of `world` parts —
-    /// part `s` of every rank to rank `s` (`all_to_all`). The result in rank order.
-    fn exchange(&self, mine: Vec<u8>, routed: bool) -> Result<Vec<Vec<u8>>, CollectiveError> {
+    /// One operation through rank 0: every rank sends `mine`; rank 0 makes its own result
+    /// and the replies from every rank's bytes, in rank order (`at_root`; no replies: the
+    /// others are left to their timeout), and each other rank reads its reply (`decode`).
+    fn exchange<T>(
+        &self,
+        mine: Vec<u8>,
+        at_root: impl FnOnce(Vec<Vec<u8>>) -> (Result<T, CollectiveError>, Option<Replies>),
+        decode: impl FnOnce(&[u8]) -> Result<T, CollectiveError>,
+    ) -> Result<T, CollectiveError> {
         let rank = self.rank;
         let mut guard = self
             .links
@@ -412,20 +509,6 @@ impl TcpRanks {
         let (round, links) = &mut *guard;
         *round += 1;
         let round = *round - 1;
-        let world = self.world;
-        // a routed list of `world` parts
-        let split = |bytes: &[u8]| -> Result<Vec<Vec<u8>>, CollectiveError> {
-            let mut r = wire::Reader::new(bytes);
-            let parts = (0..world)
-                .map(|_| r.bytes().map(<[u8]>::to_vec))
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| e.at(rank))?;
-            r.end().map_err(|e| e.at(rank))?;
-            Ok(parts)
-        };
-        if world == 1 {
-            return if routed { split(&mine) } else { Ok(vec![mine]) };
-        }
         let lost = |gone: usize, e: std::io::Error| {
             if matches!(
                 e.kind(),
@@ -456,40 +539,31 @@ impl TcpRanks {
                 }
             }
         };
-        let encode = |all: &[&[u8]]| {
-            let mut w = wire::Writer::default();
-            for b in all {
-                w.bytes(b);
-            }
-            w.finish()
-        };
         if rank == 0 {
             let mut all = vec![mine];
             for (i, s) in links.iter_mut().enumerate() {
                 all.push(read_frame(s).map_err(|e| lost(i + 1, e))?);
             }
-            if !routed {
-                let msg = encode(&all.iter().map(Vec::as_slice).collect::<Vec<_>>());
-                for (i, s) in links.iter_mut().enumerate() {
-                    write_frame(s, &msg).map_err(|e| lost(i + 1, e))?;
+            let (result, replies) = at_root(all);
+            match replies {
+                Some(Replies::Same(msg)) => {
+                    for (i, s) in links.iter_mut().enumerate() {
+                        write_frame(s, &msg).map_err(|e| lost(i + 1, e))?;
+                    }
                 }
-                return Ok(all);
+                Some(Replies::Each(msgs)) => {
+                    for (i, (s, msg)) in links.iter_mut().zip(&msgs).enumerate() {
+                        write_frame(s, msg).map_err(|e| lost(i + 1, e))?;
+                    }
+                }
+                None => {}
             }
-            // every rank's parts, then each destination's column
-            let parts = all
-                .iter()
-                .map(|b| split(b))
-                .collect::<Result<Vec<_>, _>>()?;
-            for (i, s) in links.iter_mut().enumerate() {
-                let column: Vec<&[u8]> = parts.iter().map(|p| p[i + 1].as_slice()).collect();
-                write_frame(s, &encode(&column)).map_err(|e| lost(i + 1, e))?;
-            }
-            return Ok(parts.iter().map(|p| p[0].clone()).collect());
+            return result;
         }
         let s = &mut links[0];
         write_frame(s, &mine).map_err(|e| lost(0, e))?;
         let msg = read_frame(s).map_err(|e| lost(0, e))?;
-        split(&msg)
+        decode(&msg)
     }
 }
 
@@ -648,6 +722,49 @@ mod tests {
                 .map(|r| vec![10 * r as u8 + d as u8; 4 + d])
                 .collect();
             assert_eq!(got, &want, "rank {d}");
+        }
+    }
+
+    /// Ordered sums through rank 0: every rank gets the bits of adding every rank's parts in
+    /// rank then part order (values whose sum depends on that order); interleaved with
+    /// gathers.
+    #[test]
+    fn ranks_over_tcp_sum_in_rank_order_at_rank_0() {
+        let port = free_port();
+        let parts = |r: usize| -> Vec<Vec<f32>> {
+            let pair: [f32; 2] = [[1e8, 1.0], [-1e8, 1.0], [0.5, 0.25]][r];
+            pair.iter()
+                .map(|&x| (0..5).map(|i| x * (i + 1) as f32).collect())
+                .collect()
+        };
+        // the parts added in `order`, element by element
+        let fold = |order: &[usize]| -> Vec<f32> {
+            let all: Vec<Vec<f32>> = order.iter().flat_map(|&r| parts(r)).collect();
+            (0..5)
+                .map(|i| all.iter().skip(1).fold(all[0][i], |acc, p| acc + p[i]))
+                .collect()
+        };
+        let want = fold(&[0, 1, 2]);
+        assert_ne!(want, fold(&[2, 1, 0]), "the values do not test the order");
+        let out: Vec<Vec<f32>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|r| {
+                    s.spawn(move || {
+                        let ranks = crate::parallel::Ranks::new(std::sync::Arc::new(
+                            TcpRanks::connect(&launch(r, 3, port)).unwrap(),
+                        ));
+                        let mut sum = vec![0.0f32; 5];
+                        ranks.ordered_sum(&parts(r), &mut sum).unwrap();
+                        assert_eq!(ranks.all_gather(vec![r as u8]).unwrap().len(), 3);
+                        sum
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (r, got) in out.iter().enumerate() {
+            assert_eq!(bits(got), bits(&want), "rank {r}");
         }
     }
 

@@ -131,6 +131,22 @@ pub trait Collective: Send + Sync {
         Ok(out)
     }
 
+    /// The sum of every rank's parts, `message` holding this rank's as
+    /// [`Ranks::ordered_sum`] writes them (a `u64` count, then that many runs of `len`
+    /// f32), folded in rank then part order — the same bits on every rank. The default
+    /// gathers every rank's parts everywhere and folds them there (right on any transport);
+    /// a transport with a root overrides it, so that the root folds and each rank receives
+    /// the sum alone.
+    ///
+    /// # Errors
+    /// A malformed message; as [`Collective::all_gather`].
+    fn ordered_sum(&self, message: Vec<u8>, len: usize) -> Result<Vec<f32>, CollectiveError> {
+        let all = self.all_gather(message)?;
+        let mut out = vec![0.0f32; len];
+        fold_parts(self.rank(), &all, &mut out)?;
+        Ok(out)
+    }
+
     /// Sums each of `buffers` (a backend's f32 buffers, [`DeviceBuffer::as_any_mut`]) over
     /// the ranks in place on their device, in the transport's own order and as one group:
     /// to every rank where the root is `None`, to the root rank alone otherwise (ZeRO-1's
@@ -580,10 +596,13 @@ impl Ranks {
             }
             w.f32s(p);
         }
-        let rank = self.rank();
-        let all = self.all_gather(w.finish())?;
-        out.fill(0.0);
-        fold_parts(rank, &all, out)
+        let message = w.finish();
+        let sent = message.len() as u64;
+        let t = Instant::now();
+        let sum = self.0.ordered_sum(message, out.len());
+        self.count(t, sent);
+        out.copy_from_slice(&sum?);
+        Ok(())
     }
 }
 
