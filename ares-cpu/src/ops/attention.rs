@@ -952,7 +952,8 @@ mod paged;
 pub mod tensor_core;
 pub use paged::{
     PagedKvCache, PagedKvCacheMut, paged_attention_decode, paged_attention_decode_bf16,
-    paged_kv_cache_append, paged_kv_cache_append_bf16,
+    paged_attention_prefill_bf16, paged_attention_prefill_bf16_kv16, paged_kv_cache_append,
+    paged_kv_cache_append_bf16,
 };
 #[cfg(test)]
 mod tests;

@@ -225,6 +225,138 @@ pub fn paged_attention_decode_bf16(
     decode::<Bf16Bits>(shape, q, cache, out)
 }
 
+/// [`paged_attention_decode`] with bf16 operands, as the CUDA tensor-core kernel computes
+/// a prefill chunk over a paged cache (`paged_attention_fwd_mma_*` in `model_ops.cu`): the
+/// twin of [`super::attention_forward_bf16`] for queries at slots `len[b] − seq ..` over
+/// every slot up to their own. q and every key and value are rounded to bf16 (nearest
+/// even; an f32 pool's as they are read), keys in tiles of
+/// [`KEY_TILE`](super::tensor_core::KEY_TILE) from slot 0, the arithmetic of
+/// [`super::tensor_core`]: a query row's numbers are those of the same row in the training
+/// forward over the whole sequence (`attention_forward_bf16`), bit for bit.
+///
+/// # Errors
+/// As [`paged_attention_decode`].
+pub fn paged_attention_prefill_bf16(
+    shape: &AttentionShape,
+    q: &[f32],
+    cache: PagedKvCache<'_>,
+    out: &mut [f32],
+) -> Result<()> {
+    prefill::<F32Exact>(shape, q, cache, out)
+}
+
+/// [`paged_attention_prefill_bf16`] over a bf16 pool ([`paged_kv_cache_append_bf16`]): its
+/// keys and values are bf16 already, so the rounding leaves them as they are.
+///
+/// # Errors
+/// As [`paged_attention_decode`].
+pub fn paged_attention_prefill_bf16_kv16(
+    shape: &AttentionShape,
+    q: &[f32],
+    cache: PagedKvCache<'_, u16>,
+    out: &mut [f32],
+) -> Result<()> {
+    prefill::<Bf16Bits>(shape, q, cache, out)
+}
+
+/// The checks both paged attentions make: the shape, `q` and `out`, the cache, and every
+/// length at least the queries a sequence (their keys appended first).
+fn check_attend<E>(dims: &Dims, q: &[f32], cache: &PagedKvCache<'_, E>, out: &[f32]) -> Result<()> {
+    check_len("q", dims.q_len, q.len())?;
+    check_len("out", dims.q_len, out.len())?;
+    let c = cache;
+    let (k, v) = (c.k.len(), c.v.len());
+    check_paged(
+        dims,
+        k,
+        v,
+        c.block_size,
+        c.block_tables,
+        c.max_blocks,
+        c.len,
+        0,
+    )?;
+    if let Some(&n) = c.len.iter().find(|&&n| (n as usize) < dims.t) {
+        return Err(CoreError::OutOfRange {
+            what: "cache_len",
+            value: f64::from(n),
+            expected: ">= queries per sequence (append the new keys first)",
+        }
+        .into());
+    }
+    Ok(())
+}
+
+fn prefill<W: Widen>(
+    shape: &AttentionShape,
+    q: &[f32],
+    cache: PagedKvCache<'_, W::Elem>,
+    out: &mut [f32],
+) -> Result<()> {
+    use super::tensor_core::{Keys, Queries, rows_forward};
+    let dims = shape.dims()?;
+    check_attend(&dims, q, &cache, out)?;
+    if dims.q_len == 0 {
+        return Ok(());
+    }
+    let Dims { t, hkv, d, hq, .. } = dims;
+    let tok = hkv * d;
+    let bf16 = crate::ops::precision::MatmulPrecision::Bf16;
+    let q = bf16.rounded(q);
+    // each sequence's slots, in order and rounded: the key rows the kernel stages
+    let gathered: Vec<(Vec<f32>, Vec<f32>)> = (0..dims.b)
+        .into_par_iter()
+        .map(|b| {
+            let n = cache.len[b] as usize;
+            let table = &cache.block_tables[b * cache.max_blocks..(b + 1) * cache.max_blocks];
+            let (mut k, mut v) = (Vec::with_capacity(n * tok), Vec::with_capacity(n * tok));
+            for s in 0..n {
+                let row =
+                    table[s / cache.block_size] as usize * cache.block_size + s % cache.block_size;
+                let (from, to) = (row * tok, (row + 1) * tok);
+                k.extend(cache.k[from..to].iter().map(|&e| W::widen(e)));
+                v.extend(cache.v[from..to].iter().map(|&e| W::widen(e)));
+            }
+            (bf16.rounded(&k).into_owned(), bf16.rounded(&v).into_owned())
+        })
+        .collect();
+    let ones = vec![
+        1.0f32;
+        gathered
+            .iter()
+            .map(|g| g.0.len() / tok.max(1))
+            .max()
+            .unwrap_or(0)
+    ];
+    // tasks of up to 64 queries of one sequence, in the order of `out`
+    let block = super::tensor_core::KEY_TILE;
+    let tasks: Vec<(usize, usize)> = (0..dims.b)
+        .flat_map(|b| (0..t).step_by(block).map(move |t0| (b, t0)))
+        .collect();
+    let mut pieces = Vec::with_capacity(tasks.len());
+    let mut rest = &mut out[..];
+    for &(_, t0) in &tasks {
+        let (piece, tail) = std::mem::take(&mut rest).split_at_mut(block.min(t - t0) * hq * d);
+        pieces.push(piece);
+        rest = tail;
+    }
+    tasks.into_par_iter().zip(pieces).try_for_each_init(
+        || (Vec::new(), Vec::new()),
+        |(tile, state), ((b, t0), o)| {
+            let (k, v) = (&gathered[b].0, &gathered[b].1);
+            let rows = block.min(t - t0);
+            let queries = Queries {
+                q: &q,
+                at: b * t + t0,
+                rows,
+                pos: cache.len[b] as usize - t + t0,
+            };
+            let keys = Keys { k, v, at: 0 };
+            rows_forward(&dims, queries, keys, &ones, (tile, state), o, &mut [])
+        },
+    )
+}
+
 fn decode<W: Widen>(
     shape: &AttentionShape,
     q: &[f32],
@@ -232,8 +364,7 @@ fn decode<W: Widen>(
     out: &mut [f32],
 ) -> Result<()> {
     let dims = shape.dims()?;
-    check_len("q", dims.q_len, q.len())?;
-    check_len("out", dims.q_len, out.len())?;
+    check_attend(&dims, q, &cache, out)?;
     let PagedKvCache {
         k,
         v,
@@ -242,24 +373,6 @@ fn decode<W: Widen>(
         max_blocks,
         len,
     } = cache;
-    check_paged(
-        &dims,
-        k.len(),
-        v.len(),
-        block_size,
-        block_tables,
-        max_blocks,
-        len,
-        0,
-    )?;
-    if let Some(&n) = len.iter().find(|&&n| (n as usize) < dims.t) {
-        return Err(CoreError::OutOfRange {
-            what: "cache_len",
-            value: f64::from(n),
-            expected: ">= queries per sequence (append the new keys first)",
-        }
-        .into());
-    }
     if dims.q_len == 0 {
         return Ok(());
     }
@@ -303,6 +416,113 @@ mod tests {
                 (x as f32 / u32::MAX as f32) * 2.0 - 1.0
             })
             .collect()
+    }
+
+    /// The tensor-core twin of a prefill chunk over a paged cache: each query's output is
+    /// the bits of the same row of the training twin (`attention_forward_bf16`) over the
+    /// whole sequence — two sequences (earlier slots 70 and 3, chunks of 100 queries: several
+    /// key tiles, a tile boundary inside the chunk) in a scrambled pool, f32 and bf16 pools
+    /// (the bf16 pool holding the rounded keys, which the twin rounds anyway).
+    #[test]
+    fn paged_prefill_twin_is_the_training_twin_row_for_row() {
+        let (hq, hkv, d, bs, chunk) = (4, 2, 16, 16, 100);
+        let tok = hkv * d;
+        let before = [70usize, 3];
+        let total: Vec<usize> = before.iter().map(|&n| n + chunk).collect();
+        let max_blocks = 12;
+        let blocks = 24;
+        // block ids handed out backwards and interleaved between the sequences
+        let mut tables = vec![0u32; 2 * max_blocks];
+        for c in 0..max_blocks {
+            for s in 0..2 {
+                tables[s * max_blocks + c] = (blocks - 1 - (2 * c + s)) as u32;
+            }
+        }
+        let whole: Vec<[Vec<f32>; 3]> = (0..2)
+            .map(|s| {
+                let n = total[s];
+                let seed = 40 + 3 * s as u32;
+                [
+                    values(n * hq * d, seed),
+                    values(n * tok, seed + 1),
+                    values(n * tok, seed + 2),
+                ]
+            })
+            .collect();
+        let mut pk = vec![0.0f32; blocks * bs * tok];
+        let mut pv = pk.clone();
+        let mut pk16 = vec![0u16; blocks * bs * tok];
+        let mut pv16 = pk16.clone();
+        let lens: Vec<u32> = total.iter().map(|&n| n as u32).collect();
+        let mut q = Vec::new();
+        let mut want = Vec::new();
+        for (s, [qs, k, v]) in whole.iter().enumerate() {
+            let n = total[s];
+            let one = AttentionShape::new(1, n, hq, hkv, d);
+            let table = &tables[s * max_blocks..(s + 1) * max_blocks];
+            let full = PagedKvCacheMut {
+                k: &mut pk[..],
+                v: &mut pv[..],
+                block_size: bs,
+                block_tables: table,
+                max_blocks,
+                len: &[0],
+            };
+            paged_kv_cache_append(&one, k, v, full).unwrap();
+            let half = PagedKvCacheMut {
+                k: &mut pk16[..],
+                v: &mut pv16[..],
+                block_size: bs,
+                block_tables: table,
+                max_blocks,
+                len: &[0],
+            };
+            paged_kv_cache_append_bf16(&one, k, v, half).unwrap();
+            // the training twin over the whole sequence; its last `chunk` rows are wanted
+            let mut out = vec![0.0f32; n * hq * d];
+            let mut lse = vec![0.0f32; n * hq];
+            let inputs = super::super::AttentionInputs {
+                q: qs,
+                k,
+                v,
+                key_mask: None,
+                segments: None,
+            };
+            super::super::attention_forward_bf16(&one, inputs, &mut out, &mut lse).unwrap();
+            want.extend_from_slice(&out[before[s] * hq * d..]);
+            q.extend_from_slice(&qs[before[s] * hq * d..]);
+        }
+        let shape = AttentionShape::new(2, chunk, hq, hkv, d);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut out = vec![f32::NAN; want.len()];
+        let cache = PagedKvCache {
+            k: &pk,
+            v: &pv,
+            block_size: bs,
+            block_tables: &tables,
+            max_blocks,
+            len: &lens,
+        };
+        paged_attention_prefill_bf16(&shape, &q, cache, &mut out).unwrap();
+        assert_eq!(bits(&out), bits(&want), "f32 pool");
+        let mut out16 = vec![f32::NAN; want.len()];
+        let cache16 = PagedKvCache {
+            k: &pk16,
+            v: &pv16,
+            block_size: bs,
+            block_tables: &tables,
+            max_blocks,
+            len: &lens,
+        };
+        paged_attention_prefill_bf16_kv16(&shape, &q, cache16, &mut out16).unwrap();
+        assert_eq!(bits(&out16), bits(&want), "bf16 pool");
+        // a length below the chunk is refused, as the decode refuses it
+        let short = [lens[0], 50];
+        let bad = PagedKvCache {
+            len: &short,
+            ..cache
+        };
+        assert!(paged_attention_prefill_bf16(&shape, &q, bad, &mut out).is_err());
     }
 
     /// Three sequences of different lengths over a shuffled pool (blocks of 4 slots) give

@@ -159,6 +159,62 @@ pub(super) fn forward(
     out: &mut [f32],
     lse: &mut [f32],
 ) -> Result<()> {
+    let AttentionInputs { q, k, v, .. } = inputs;
+    let tasks = tasks(spans, QUERY_BLOCK);
+    let (outs, lses) = (
+        cut(out, dims.hq * dims.d, &tasks),
+        cut(lse, dims.hq, &tasks),
+    );
+    tasks.into_par_iter().zip(outs).zip(lses).try_for_each_init(
+        || (Vec::new(), Vec::new()),
+        |(tile, state), ((task, o), l)| {
+            let Task { base, t0, rows, .. } = task;
+            // causal: the block's last query sees keys < t0 + rows
+            let m = mask.get(base..base + t0 + rows).unwrap_or_default();
+            let keys = Keys { k, v, at: base };
+            let queries = Queries {
+                q,
+                at: base + t0,
+                rows,
+                pos: t0,
+            };
+            rows_forward(dims, queries, keys, m, (tile, state), o, l)
+        },
+    )
+}
+
+/// The query rows of one task: `rows` tokens of `q` (`[tokens, Hq, D]`, rounded) from
+/// token `at`, at positions `pos..pos + rows` of their sequence.
+#[derive(Clone, Copy)]
+pub(super) struct Queries<'a> {
+    pub(super) q: &'a [f32],
+    pub(super) at: usize,
+    pub(super) rows: usize,
+    pub(super) pos: usize,
+}
+
+/// The sequence's keys and values (`[tokens, Hkv, D]`, rounded), its position 0 at token
+/// `at`.
+#[derive(Clone, Copy)]
+pub(super) struct Keys<'a> {
+    pub(super) k: &'a [f32],
+    pub(super) v: &'a [f32],
+    pub(super) at: usize,
+}
+
+/// One task of the twin: every head of `queries` over the keys at positions up to each
+/// row's own (those with `mask[s] = 1`; `mask` holds at least `pos + rows` entries), key
+/// tiles of [`KEY_TILE`] from position 0. Writes `o` `[rows, Hq, D]` and `l` `[rows, Hq]`
+/// (empty: no lse wanted); `scratch` is the tile and row states, reused between tasks.
+pub(super) fn rows_forward(
+    dims: &Dims,
+    queries: Queries<'_>,
+    keys: Keys<'_>,
+    mask: &[f32],
+    scratch: (&mut Vec<f32>, &mut Vec<RowState>),
+    o: &mut [f32],
+    l: &mut [f32],
+) -> Result<()> {
     let Dims {
         hq,
         hkv,
@@ -167,88 +223,78 @@ pub(super) fn forward(
         scale,
         ..
     } = *dims;
-    let AttentionInputs { q, k, v, .. } = inputs;
+    let (tile, state) = scratch;
+    let Queries { q, at, rows, pos } = queries;
     let q_tok = hq * d;
-    let tasks = tasks(spans, QUERY_BLOCK);
-    let (outs, lses) = (cut(out, q_tok, &tasks), cut(lse, hq, &tasks));
-    tasks.into_par_iter().zip(outs).zip(lses).try_for_each_init(
-        || (Vec::new(), Vec::new()),
-        |(tile, state), ((task, o), l)| {
-            let Task { base, t0, rows, .. } = task;
-            let keys = t0 + rows; // causal: the block's last query sees keys < t0 + rows
-            let m = mask.get(base..base + keys).unwrap_or_default();
-            o.fill(0.0);
-            for h in 0..hq {
-                let g = h / group;
-                state.clear();
-                state.resize(rows, FRESH);
-                for k0 in (0..keys).step_by(KEY_TILE) {
-                    let kn = KEY_TILE.min(keys - k0);
-                    tile.resize(rows * kn, 0.0);
-                    matmul_seq_rounded(
-                        true,
-                        MatmulDims {
-                            n: rows,
-                            k: d,
-                            m: kn,
-                        },
-                        MatRef {
-                            data: q,
-                            layout: head_rows(base + t0, hq, d, h),
-                        },
-                        MatRef {
-                            data: k,
-                            layout: head_rows(base + k0, hkv, d, g).t(),
-                        },
-                        MatMut {
-                            data: tile,
-                            layout: MatLayout::row_major(rows, kn),
-                        },
-                        scale,
-                        0.0,
-                    )?;
-                    let tile_mask = m.get(k0..k0 + kn).unwrap_or_default();
-                    for (r, (row, st)) in
-                        tile.chunks_exact_mut(kn).zip(state.iter_mut()).enumerate()
-                    {
-                        let by_position = (t0 + r + 1).saturating_sub(k0);
-                        let alpha = online_tile(row, tile_mask, by_position, st);
-                        let o_row = o.get_mut(r * q_tok + h * d..r * q_tok + (h + 1) * d);
-                        for x in o_row.into_iter().flatten() {
-                            *x *= alpha;
-                        }
-                    }
-                    matmul_seq_rounded(
-                        true,
-                        MatmulDims {
-                            n: rows,
-                            k: kn,
-                            m: d,
-                        },
-                        MatRef {
-                            data: tile,
-                            layout: MatLayout::row_major(rows, kn),
-                        },
-                        MatRef {
-                            data: v,
-                            layout: head_rows(base + k0, hkv, d, g),
-                        },
-                        MatMut {
-                            data: o,
-                            layout: head_rows(0, hq, d, h),
-                        },
-                        1.0,
-                        1.0,
-                    )?;
-                }
-                for (r, st) in state.iter().enumerate() {
-                    let o_row = o.get_mut(r * q_tok + h * d..r * q_tok + (h + 1) * d);
-                    finish_row(st, o_row, l.get_mut(r * hq + h));
+    let n_keys = pos + rows;
+    o.fill(0.0);
+    for h in 0..hq {
+        let g = h / group;
+        state.clear();
+        state.resize(rows, FRESH);
+        for k0 in (0..n_keys).step_by(KEY_TILE) {
+            let kn = KEY_TILE.min(n_keys - k0);
+            tile.resize(rows * kn, 0.0);
+            matmul_seq_rounded(
+                true,
+                MatmulDims {
+                    n: rows,
+                    k: d,
+                    m: kn,
+                },
+                MatRef {
+                    data: q,
+                    layout: head_rows(at, hq, d, h),
+                },
+                MatRef {
+                    data: keys.k,
+                    layout: head_rows(keys.at + k0, hkv, d, g).t(),
+                },
+                MatMut {
+                    data: tile,
+                    layout: MatLayout::row_major(rows, kn),
+                },
+                scale,
+                0.0,
+            )?;
+            let tile_mask = mask.get(k0..k0 + kn).unwrap_or_default();
+            for (r, (row, st)) in tile.chunks_exact_mut(kn).zip(state.iter_mut()).enumerate() {
+                let by_position = (pos + r + 1).saturating_sub(k0);
+                let alpha = online_tile(row, tile_mask, by_position, st);
+                let o_row = o.get_mut(r * q_tok + h * d..r * q_tok + (h + 1) * d);
+                for x in o_row.into_iter().flatten() {
+                    *x *= alpha;
                 }
             }
-            Ok(())
-        },
-    )
+            matmul_seq_rounded(
+                true,
+                MatmulDims {
+                    n: rows,
+                    k: kn,
+                    m: d,
+                },
+                MatRef {
+                    data: tile,
+                    layout: MatLayout::row_major(rows, kn),
+                },
+                MatRef {
+                    data: keys.v,
+                    layout: head_rows(keys.at + k0, hkv, d, g),
+                },
+                MatMut {
+                    data: o,
+                    layout: head_rows(0, hq, d, h),
+                },
+                1.0,
+                1.0,
+            )?;
+        }
+        for (r, st) in state.iter().enumerate() {
+            let o_row = o.get_mut(r * q_tok + h * d..r * q_tok + (h + 1) * d);
+            finish_row(st, o_row, l.get_mut(r * hq + h));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
