@@ -2010,15 +2010,16 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
             for (int i = threadIdx.x; i < MMA_KEYS * D; i += blockDim.x) {
                 const int j = i / D, c = i - j * D;
                 const i64 s = kb + j;
-                float kv = 0.0f, vv = 0.0f;
+                unsigned short kv = 0, vv = 0;
                 const i64 row = s < key_end ? key_row(a, b, sp.kvb, s, status) : -1;
                 if (row >= 0) {
                     const i64 idx = (row * a.hkv + g) * D + c;
-                    kv = a.k[idx];
-                    vv = a.v[idx];
+                    // a bf16 pool's values are the rounded ones already
+                    kv = a.k16 ? a.k16[idx] : bf16_rne(a.k[idx]);
+                    vv = a.v16 ? a.v16[idx] : bf16_rne(a.v[idx]);
                 }
-                Ks[j * KP + c] = bf16_rne(kv);
-                Vt[c * VP + j] = bf16_rne(vv);
+                Ks[j * KP + c] = kv;
+                Vt[c * VP + j] = vv;
             }
             if (threadIdx.x < MMA_KEYS) {
                 const i64 s = kb + threadIdx.x;
@@ -2111,6 +2112,10 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
     }
 }
 
+// The forward's instances: training (NAME), the vision tower's segments (segment_NAME) and a
+// prefill chunk over a paged cache (paged_NAME: `tables` set, so query i of sequence b sits at
+// slot lens[b] + i and sees every slot up to its own, keys from the f32 pools rounded as
+// they are staged or from bf16 pools (k16/v16) as they are; no mask, no lse).
 #define ATTN_FWD_MMA(NAME, D)                                                                 \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 1)                           \
         NAME(const float* q, const float* k, const float* v, const float* mask, i64 batch,    \
@@ -2127,6 +2132,16 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
         AttnArgs a = {q, k, v, nullptr, 1, tokens, tokens, 0, heads, heads, D, scale,         \
                       nullptr, nullptr, 0, 0, 0, nullptr, nullptr, cu, segments};             \
         attention_fwd_mma_impl<D, true>(a, out, lse, status);                                 \
+    }                                                                                         \
+    extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 1)                           \
+        paged_##NAME(const float* q, const float* k, const float* v, const unsigned short* k16, \
+                     const unsigned short* v16, i64 batch, i64 q_seq, int hq, int hkv,          \
+                     float scale, const unsigned* tables, const unsigned* lens,                \
+                     i64 block_size, i64 max_blocks, i64 pool_blocks, float* out,              \
+                     unsigned* status) {                                                      \
+        AttnArgs a = {q, k, v, nullptr, batch, q_seq, pool_blocks, 0, hq, hkv, D, scale,      \
+                      tables, lens, block_size, max_blocks, pool_blocks, k16, v16, nullptr, 0}; \
+        attention_fwd_mma_impl<D, false>(a, out, nullptr, status);                            \
     }
 
 ATTN_FWD_MMA(attention_fwd_mma_d64, 64)

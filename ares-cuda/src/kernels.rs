@@ -174,6 +174,12 @@ kernel_table! {
             "attention_fwd_mma_d80",
             "attention_fwd_mma_d128"
         ],
+        /// The same forward over a paged cache (a prefill chunk), per head size.
+        paged_attention_fwd_mma: [
+            "paged_attention_fwd_mma_d64",
+            "paged_attention_fwd_mma_d80",
+            "paged_attention_fwd_mma_d128"
+        ],
         attention_split_combine: "attention_split_combine",
         attention_bwd_delta: "attention_bwd_delta",
         attention_bwd_delta_bf16: "attention_bwd_delta_bf16",

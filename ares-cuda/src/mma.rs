@@ -138,7 +138,8 @@ mod tests {
         let v: Vec<Vec<f32>> = (0..KEYS)
             .map(|j| (0..d).map(|c| value(9000 + j * d + c)).collect())
             .collect();
-        // Staging: `Ks[j * KP + c] = bf16_rne(kv); Vt[c * VP + j] = bf16_rne(vv);`
+        // Staging: `Ks[j * KP + c] = kv; Vt[c * VP + j] = vv;` (each rounded to bf16, or a
+        // bf16 pool's bits as they are)
         let mut ks_mem = vec![0u16; KEYS * kp];
         let mut vt_mem = vec![0u16; d * vp];
         for j in 0..KEYS {
@@ -362,8 +363,10 @@ mod tests {
     fn the_kernel_indexes_as_the_emulation() {
         let src = MODEL_OPS.code;
         for line in [
-            "Ks[j * KP + c] = bf16_rne(kv);",
-            "Vt[c * VP + j] = bf16_rne(vv);",
+            "kv = a.k16 ? a.k16[idx] : bf16_rne(a.k[idx]);",
+            "vv = a.v16 ? a.v16[idx] : bf16_rne(a.v[idx]);",
+            "Ks[j * KP + c] = kv;",
+            "Vt[c * VP + j] = vv;",
             "const int row = i % 2, col = 16 * ks + 8 * (i / 2) + 2 * tig;",
             "const i64 r = row0 + 16 * warp + gid + 8 * i;",
             "Ks + (8 * nb + gid) * KP + 16 * ks + 2 * tig;",

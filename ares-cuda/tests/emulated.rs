@@ -668,6 +668,28 @@ type AttnFwdMma = unsafe extern "C" fn(
     *const u32,
     i32,
 );
+/// `emu_paged_attention_fwd_mma`: grid, head size, then the paged kernel's arguments.
+type PagedAttnFwdMma = unsafe extern "C" fn(
+    u32,
+    i32,
+    *const f32,
+    *const f32,
+    *const f32,
+    *const u16,
+    *const u16,
+    i64,
+    i64,
+    i32,
+    i32,
+    f32,
+    *const u32,
+    *const u32,
+    i64,
+    i64,
+    i64,
+    *mut f32,
+    *mut u32,
+);
 /// `emu_attention_bwd_mma`: δ, dq, then dk and dv, as `attention_backward_bf16` runs them.
 type AttnBwdMma = unsafe extern "C" fn(
     u32,
@@ -692,6 +714,140 @@ type AttnBwdMma = unsafe extern "C" fn(
     *const u32,
     i32,
 );
+
+/// The tensor-core forward of a prefill chunk over a paged cache (`paged_attention_fwd_mma_*`,
+/// never run on a GPU) against its CPU twin: two sequences with 70 and 3 earlier slots, a
+/// chunk of 100 queries each, a scrambled pool of 16-slot blocks, f32 and bf16 pools, GQA,
+/// each head size; a block id past the pool raises the status word's id bit.
+#[test]
+fn kernel_on_cpu_paged_tensor_core_prefill_is_the_cpu_twin() {
+    use ares_cpu::ops::attention::{
+        AttentionShape, PagedKvCache, PagedKvCacheMut, paged_attention_prefill_bf16,
+        paged_attention_prefill_bf16_kv16, paged_kv_cache_append, paged_kv_cache_append_bf16,
+    };
+    let Some(lib) = model_kernels() else { return };
+    let fwd = launcher!(lib, "emu_paged_attention_fwd_mma", PagedAttnFwdMma);
+    let mut rng = Rng(47);
+    let (bs, chunk, max_blocks, blocks) = (16usize, 100usize, 12usize, 24usize);
+    let before = [70usize, 3];
+    for (d, hq, hkv) in [(64usize, 4usize, 2usize), (80, 2, 2), (128, 2, 1)] {
+        let tok = hkv * d;
+        let mut tables = vec![0u32; 2 * max_blocks];
+        for c in 0..max_blocks {
+            for s in 0..2 {
+                tables[s * max_blocks + c] = (blocks - 1 - (2 * c + s)) as u32;
+            }
+        }
+        let (mut pk, mut pv) = (
+            vec![0.0f32; blocks * bs * tok],
+            vec![0.0f32; blocks * bs * tok],
+        );
+        let (mut pk16, mut pv16) = (vec![0u16; pk.len()], vec![0u16; pk.len()]);
+        // every sequence's slots written, earlier and new
+        for (s, &n0) in before.iter().enumerate() {
+            let n = n0 + chunk;
+            let one = AttentionShape::new(1, n, hq, hkv, d);
+            let k: Vec<f32> = (0..n * tok).map(|_| rng.range(-1.0, 1.0)).collect();
+            let v: Vec<f32> = (0..n * tok).map(|_| rng.range(-1.0, 1.0)).collect();
+            let table = &tables[s * max_blocks..(s + 1) * max_blocks];
+            let c = PagedKvCacheMut {
+                k: &mut pk[..],
+                v: &mut pv[..],
+                block_size: bs,
+                block_tables: table,
+                max_blocks,
+                len: &[0],
+            };
+            paged_kv_cache_append(&one, &k, &v, c).expect("append");
+            let c16 = PagedKvCacheMut {
+                k: &mut pk16[..],
+                v: &mut pv16[..],
+                block_size: bs,
+                block_tables: table,
+                max_blocks,
+                len: &[0],
+            };
+            paged_kv_cache_append_bf16(&one, &k, &v, c16).expect("append bf16");
+        }
+        let shape = AttentionShape::new(2, chunk, hq, hkv, d);
+        let q: Vec<f32> = (0..2 * chunk * hq * d)
+            .map(|_| rng.range(-1.0, 1.0))
+            .collect();
+        // the CPU twin counts the new keys in its lengths, the kernel starts from the earlier
+        let after: Vec<u32> = before.iter().map(|&n| (n + chunk) as u32).collect();
+        let earlier: Vec<u32> = before.iter().map(|&n| n as u32).collect();
+        for bf16_pool in [false, true] {
+            let mut want = vec![0.0f32; q.len()];
+            if bf16_pool {
+                let cache = PagedKvCache {
+                    k: &pk16,
+                    v: &pv16,
+                    block_size: bs,
+                    block_tables: &tables,
+                    max_blocks,
+                    len: &after,
+                };
+                paged_attention_prefill_bf16_kv16(&shape, &q, cache, &mut want).expect("cpu");
+            } else {
+                let cache = PagedKvCache {
+                    k: &pk,
+                    v: &pv,
+                    block_size: bs,
+                    block_tables: &tables,
+                    max_blocks,
+                    len: &after,
+                };
+                paged_attention_prefill_bf16(&shape, &q, cache, &mut want).expect("cpu");
+            }
+            let launch = |tables: &[u32], out: &mut [f32], status: &mut u32| {
+                let null = std::ptr::null();
+                let (k, v, k16, v16) = if bf16_pool {
+                    (null, null, pk16.as_ptr(), pv16.as_ptr())
+                } else {
+                    (pk.as_ptr(), pv.as_ptr(), std::ptr::null(), std::ptr::null())
+                };
+                // SAFETY: q, out of the shape's lengths; the pools hold `blocks` blocks, the
+                // tables 2 × max_blocks ids; the kernel strides over its blocks.
+                unsafe {
+                    fwd(
+                        5,
+                        d as i32,
+                        q.as_ptr(),
+                        k,
+                        v,
+                        k16,
+                        v16,
+                        2,
+                        chunk as i64,
+                        hq as i32,
+                        hkv as i32,
+                        shape.scale,
+                        tables.as_ptr(),
+                        earlier.as_ptr(),
+                        bs as i64,
+                        max_blocks as i64,
+                        blocks as i64,
+                        out.as_mut_ptr(),
+                        status,
+                    )
+                }
+            };
+            let (mut out, mut status) = (vec![NAN; q.len()], 0u32);
+            launch(&tables, &mut out, &mut status);
+            let what = format!("d {d}, bf16 pool {bf16_pool}");
+            assert_eq!(status, 0, "{what}: status");
+            for (i, (g, w)) in out.iter().zip(&want).enumerate() {
+                assert!(close(*g, *w, 1e-4), "{what}: out[{i}] {g} vs {w}");
+            }
+            // a block id past the pool is flagged, not read
+            let mut bad = tables.clone();
+            bad[1] = blocks as u32 + 5;
+            let mut status = 0u32;
+            launch(&bad, &mut out, &mut status);
+            assert_ne!(status & 4, 0, "{what}: bad id status {status:#x}");
+        }
+    }
+}
 
 #[test]
 fn kernel_on_cpu_tensor_core_attention_is_the_cpu_twin() {

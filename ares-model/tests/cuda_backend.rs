@@ -1522,7 +1522,8 @@ fn split_k_paged_decode_matches_cpu_and_each_sequence_alone() {
 /// blocks, appended a prompt each then decoded three steps together; pools and outputs
 /// equal the CPU's, and a block id past the pool is an error naming the tables. The same
 /// steps over bf16 pools: the pools hold the CPU's bits, and the attention gives the f32
-/// kernel's bits over an f32 pool of the rounded values.
+/// kernel's bits over an f32 pool of the rounded values. Every step also through the
+/// tensor-core prefill kernel over both pools, against its CPU twin.
 #[test]
 fn paged_kv_cache_and_decode_match_cpu() {
     let Some(gpu) = gpu_or_skip() else { return };
@@ -1730,6 +1731,57 @@ fn paged_kv_cache_and_decode_match_cpu() {
         )
         .unwrap();
         assert_close(&what("bf16 vs CPU"), &down(&gpu, &g16), &c16, 1e-4);
+        // the tensor-core prefill kernel over both pools against its CPU twin
+        let mut gtc = up(&gpu, &vec![f32::NAN; qn]);
+        let mut ctc = vec![0.0; qn];
+        gpu.paged_attention_prefill_bf16(
+            dims,
+            View::whole(&gq),
+            PagedKvView {
+                k: View::whole(&gk),
+                v: View::whole(&gv),
+                blocks: blocks(&gt, &gl),
+            },
+            ViewMut::whole(&mut gtc),
+        )
+        .unwrap();
+        cpu.paged_attention_prefill_bf16(
+            dims,
+            View::whole(&q),
+            PagedKvView {
+                k: View::whole(&ck),
+                v: View::whole(&cv),
+                blocks: cpu_blocks(),
+            },
+            ViewMut::whole(&mut ctc),
+        )
+        .unwrap();
+        let tc = what("paged_attention_prefill_bf16");
+        assert_close(&tc, &down(&gpu, &gtc), &ctc, 1e-4);
+        gpu.paged_attention_prefill_bf16_kv16(
+            dims,
+            View::whole(&gq),
+            PagedKvView {
+                k: View::whole(&gk16),
+                v: View::whole(&gv16),
+                blocks: blocks(&gt, &gl),
+            },
+            ViewMut::whole(&mut gtc),
+        )
+        .unwrap();
+        cpu.paged_attention_prefill_bf16_kv16(
+            dims,
+            View::whole(&q),
+            PagedKvView {
+                k: View::whole(&ck16),
+                v: View::whole(&cv16),
+                blocks: cpu_blocks(),
+            },
+            ViewMut::whole(&mut ctc),
+        )
+        .unwrap();
+        let tc = what("paged_attention_prefill_bf16_kv16");
+        assert_close(&tc, &down(&gpu, &gtc), &ctc, 1e-4);
         for &b in &rows {
             lens[b] += seq as u32;
         }

@@ -419,6 +419,71 @@ fn bf16_prefill_runs_on_the_tensor_core_twin() {
     assert!(worst > 0.0 && worst < 5e-2, "{worst:e}");
 }
 
+/// A chunked prefill under bf16 (chunks of 64 tokens, head size 64) runs each full chunk's
+/// attention over the paged pool through `paged_attention_prefill_bf16` (`_kv16` over bf16
+/// pools) — the twin of the tensor-core kernel, queries over every earlier slot — and the
+/// short last chunk and the decode steps through the scalar paged attention; the greedy
+/// tokens are f32's and the log-probs within bf16. Under f32 nothing changes.
+#[test]
+fn bf16_chunked_prefill_runs_on_the_paged_tensor_core_twin() {
+    use ares_model::backend::Counting;
+    use ares_model::model::{EngineConfig, EngineRequest, KvCacheDtype, Sampling};
+    let ck = with_head_dim(Checkpoint::load(&fixture("qwen3_tiny")).unwrap(), 64);
+    let mut m = Model::from_checkpoint(Counting::new(CpuBackend), &ck).unwrap();
+    let (vocab, layers) = (m.spec().vocab as u32, m.spec().layers);
+    // 200 tokens: chunks of 64, 64, 64 and 8
+    let prompt: Vec<u32> = (0..200u32).map(|i| (i * 7 + 3) % vocab).collect();
+    let run = |m: &Model<Counting<CpuBackend>>, dtype: KvCacheDtype| {
+        let generator = m.generator().unwrap();
+        let request = EngineRequest {
+            max_new_tokens: 4,
+            eos_ids: vec![],
+            sampling: Sampling::Greedy,
+            seed: 0,
+        };
+        let config = EngineConfig {
+            max_seqs: 2,
+            block_size: 16,
+            max_prefill_tokens: 64,
+            kv_cache_dtype: dtype,
+            ..EngineConfig::default()
+        };
+        let mut engine = ares_model::model::Engine::new(&generator, request, config).unwrap();
+        engine.submit(prompt.clone()).unwrap();
+        m.backend().take();
+        let mut done = Vec::new();
+        while !engine.is_idle() {
+            done.extend(engine.step().unwrap());
+        }
+        let calls = m.backend().take().calls;
+        let count = |op: &str| calls.iter().filter(|&&c| c == op).count();
+        let tensor_cores =
+            count("paged_attention_prefill_bf16") + count("paged_attention_prefill_bf16_kv16");
+        (done.remove(0), tensor_cores)
+    };
+    for dtype in [KvCacheDtype::F32, KvCacheDtype::Bf16] {
+        m.set_matmul_precision(MatmulPrecision::F32);
+        let (want, none) = run(&m, dtype);
+        assert_eq!(none, 0, "{dtype:?}");
+        m.set_matmul_precision(MatmulPrecision::Bf16);
+        let (got, calls) = run(&m, dtype);
+        assert_eq!(
+            calls,
+            3 * layers,
+            "{dtype:?}: the three full chunks' layers"
+        );
+        assert_eq!(got.tokens, want.tokens, "{dtype:?}");
+        let worst = got
+            .log_probs
+            .iter()
+            .zip(&want.log_probs)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        eprintln!("{dtype:?}: bf16 chunked prefill, greedy log-prob max |bf16 − f32| {worst:.2e}");
+        assert!(worst > 0.0 && worst < 5e-2, "{dtype:?}: {worst:e}");
+    }
+}
+
 /// The vision tower in bf16 at a head size of the tensor-core kernels (64; windows of 64
 /// patches and one full-attention block over 256): every block's segment attention runs
 /// through `segment_attention_bf16` and its backward `segment_attention_backward_bf16` (the

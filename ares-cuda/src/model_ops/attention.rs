@@ -986,6 +986,112 @@ impl ModelOps {
         self.paged_decode(K, shape, &dims, q, pools, b, blocks, out)
     }
 
+    /// A prefill chunk over a paged cache on tensor cores (twin of
+    /// `ares_cpu::ops::attention::paged_attention_prefill_bf16`): [`ModelOps::paged_attention_decode`]
+    /// with q and each key and value rounded to bf16 and the tensor-core forward's
+    /// arithmetic (`paged_attention_fwd_mma_*`). Head sizes and devices as
+    /// [`ModelOps::attention_bf16`].
+    ///
+    /// # Errors
+    /// As [`ModelOps::paged_attention_decode`] and [`ModelOps::attention_bf16`].
+    pub fn paged_attention_prefill_bf16(
+        &self,
+        shape: AttentionShape,
+        q: &CudaView<'_, f32>,
+        cache: PagedKvCache<'_, '_>,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let pools = Pools::F32(cache.k, cache.v);
+        self.paged_prefill(
+            "paged_attention_prefill_bf16",
+            shape,
+            q,
+            pools,
+            &cache.blocks,
+            out,
+        )
+    }
+
+    /// [`ModelOps::paged_attention_prefill_bf16`] over bf16 pools (twin of
+    /// `ares_cpu::ops::attention::paged_attention_prefill_bf16_kv16`): the pools' values
+    /// are the operands as they are.
+    ///
+    /// # Errors
+    /// As [`ModelOps::paged_attention_prefill_bf16`].
+    pub fn paged_attention_prefill_bf16_kv16(
+        &self,
+        shape: AttentionShape,
+        q: &CudaView<'_, f32>,
+        cache: PagedKvCache<'_, '_, u16>,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let pools = Pools::Bf16(cache.k, cache.v);
+        let k = "paged_attention_prefill_bf16_kv16";
+        self.paged_prefill(k, shape, q, pools, &cache.blocks, out)
+    }
+
+    /// Checks and launches `paged_attention_fwd_mma_*` for either pool dtype.
+    fn paged_prefill(
+        &self,
+        k: &'static str,
+        shape: AttentionShape,
+        q: &CudaView<'_, f32>,
+        pools: Pools<'_, '_>,
+        b: &BlockTablesView<'_, '_>,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let dims = shape.dims(k)?;
+        let variant = self.tensor_core_head(k, shape.head_dim)?;
+        check_len(k, "q", dims.q_len, q.len())?;
+        check_len(k, "out", dims.q_len, out.len())?;
+        let (kl, vl) = match pools {
+            Pools::F32(kp, vp) => (kp.len(), vp.len()),
+            Pools::Bf16(kp, vp) => (kp.len(), vp.len()),
+        };
+        let pool_blocks = check_paged(k, &shape, &dims, kl, vl, b)?;
+        if dims.q_len == 0 {
+            return Ok(());
+        }
+        let blocks = causal_blocks(k, &shape, query_rows(k, &shape)?, MMA_ROWS, None)?;
+        let cfg = LaunchConfig {
+            grid_dim: (grid(blocks), 1, 1),
+            block_dim: ((MMA_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let func = &self.f.paged_attention_fwd_mma[variant];
+        let ints = [
+            i64_of(k, "batch", shape.batch)?,
+            i64_of(k, "seq", shape.seq)?,
+            i64_of(k, "block_size", b.block_size)?,
+            i64_of(k, "max_blocks", b.max_blocks)?,
+            i64_of(k, "pool blocks", pool_blocks)?,
+        ];
+        let mut state = self.lock();
+        let mut l = self.stream.launch_builder(func);
+        l.arg(q);
+        match pools {
+            Pools::F32(kp, vp) => l.arg(kp).arg(vp).arg(&NULL).arg(&NULL),
+            Pools::Bf16(kp, vp) => l.arg(&NULL).arg(&NULL).arg(kp).arg(vp),
+        };
+        l.arg(&ints[0])
+            .arg(&ints[1])
+            .arg(&dims.hq)
+            .arg(&dims.hkv)
+            .arg(&shape.scale)
+            .arg(b.tables)
+            .arg(b.lens)
+            .arg(&ints[2])
+            .arg(&ints[3])
+            .arg(&ints[4])
+            .arg(out)
+            .arg(&mut state.status);
+        // SAFETY: argument order as `ATTN_FWD_MMA`'s paged kernel; lengths, tables and
+        // pool checked above (`check_paged`), the head size is the variant's, shared memory
+        // is static.
+        unsafe { l.launch(cfg) }.during(k)?;
+        Ok(())
+    }
+
     /// The paged forward (`ATTN_FWD` / `ATTN_FWD_KV16`) of checked arguments. Decoding
     /// steps (one query a sequence) whose tables can hold more than `SPLIT_MIN_KEYS` keys run
     /// split-K: each sequence's keys in up to `SPLIT_MAX` chunks, a block each, merged by

@@ -32,6 +32,27 @@ extern "C" void emu_attention_fwd_mma(unsigned grid, int d, const float* q, cons
     else run(attention_fwd_mma_d128);
 }
 
+// The tensor-core forward of a prefill chunk over a paged cache at head size d (f32 pools
+// k/v, or bf16 pools k16/v16; the others null).
+extern "C" void emu_paged_attention_fwd_mma(unsigned grid, int d, const float* q, const float* k,
+                                            const float* v, const unsigned short* k16,
+                                            const unsigned short* v16, i64 batch, i64 q_seq,
+                                            int hq, int hkv, float scale, const unsigned* tables,
+                                            const unsigned* lens, i64 block_size,
+                                            i64 max_blocks, i64 pool_blocks, float* out,
+                                            unsigned* status) {
+    const dim3 block{MMA_WARPS * 32, 1, 1};
+    auto run = [&](auto kernel) {
+        emu::launch(dim3{grid, 1, 1}, block, 0, [&] {
+            kernel(q, k, v, k16, v16, batch, q_seq, hq, hkv, scale, tables, lens, block_size,
+                   max_blocks, pool_blocks, out, status);
+        });
+    };
+    if (d == 64) run(paged_attention_fwd_mma_d64);
+    else if (d == 80) run(paged_attention_fwd_mma_d80);
+    else run(paged_attention_fwd_mma_d128);
+}
+
 // The tensor-core backward at head size d: δ over the rounded dout, then dq, then dk and dv
 // (dynamic shared memory as ares-cuda's `dkv_mma_smem`), as `attention_backward_bf16` runs
 // them.

@@ -398,6 +398,29 @@ impl<B: Backend> Backend for Counting<B> {
         self.inner.paged_attention_decode_bf16(dims, q, cache, out)
     }
 
+    fn paged_attention_prefill_bf16(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: PagedKvView<'_, Self::Buffer, Self::Ids>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.note(Kind::Op, "paged_attention_prefill_bf16");
+        self.inner.paged_attention_prefill_bf16(dims, q, cache, out)
+    }
+
+    fn paged_attention_prefill_bf16_kv16(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: PagedKvView<'_, Self::Half, Self::Ids>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        self.note(Kind::Op, "paged_attention_prefill_bf16_kv16");
+        self.inner
+            .paged_attention_prefill_bf16_kv16(dims, q, cache, out)
+    }
+
     fn entropy_windows(
         &self,
         entropy: Tensor<'_, Self>,

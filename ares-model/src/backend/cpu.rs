@@ -1039,6 +1039,47 @@ impl Backend for CpuBackend {
         .map_err(op(OP))
     }
 
+    fn paged_attention_prefill_bf16(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: PagedKvView<'_, Vec<f32>, Vec<u32>>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let _timer = CpuTimer::start("paged_attention_prefill_bf16");
+        let len = lens_after(cache.blocks, dims);
+        attention::paged_attention_prefill_bf16(
+            &attention_shape(dims),
+            slice(q)?,
+            paged(slice(cache.k)?, slice(cache.v)?, cache.blocks, &len),
+            slice_mut(out)?,
+        )
+        .map_err(op("paged_attention_prefill_bf16"))
+    }
+
+    fn paged_attention_prefill_bf16_kv16(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: PagedKvView<'_, HalfBuffer, Vec<u32>>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let _timer = CpuTimer::start("paged_attention_prefill_bf16_kv16");
+        const OP: &str = "paged_attention_prefill_bf16_kv16";
+        let len = lens_after(cache.blocks, dims);
+        let (k, v) = (
+            half(OP, "k_cache", cache.k, DType::Bf16)?,
+            half(OP, "v_cache", cache.v, DType::Bf16)?,
+        );
+        attention::paged_attention_prefill_bf16_kv16(
+            &attention_shape(dims),
+            slice(q)?,
+            paged(k, v, cache.blocks, &len),
+            slice_mut(out)?,
+        )
+        .map_err(op(OP))
+    }
+
     fn entropy_windows(
         &self,
         entropy: Tensor<'_, Self>,

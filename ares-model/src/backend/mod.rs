@@ -491,6 +491,35 @@ pub trait Backend {
         out: TensorMut<'_, Self>,
     ) -> Result<()>;
 
+    /// [`Backend::paged_attention_decode`] with bf16 operands, on tensor cores: a prefill
+    /// chunk's queries over a paged cache with [`Backend::attention_bf16`]'s arithmetic — q
+    /// and every key and value rounded to bf16, keys in tiles of 64 from slot 0, f32 sums
+    /// and softmax — so a query's output is the training forward's for the same row of the
+    /// whole sequence (the CPU: `ares_cpu`'s twin, bit for bit). Head sizes 64, 80, 128.
+    ///
+    /// # Errors
+    /// As [`Backend::paged_attention_decode`]; another head size; on CUDA an older device.
+    fn paged_attention_prefill_bf16(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: PagedKvView<'_, Self::Buffer, Self::Ids>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
+    /// [`Backend::paged_attention_prefill_bf16`] over bf16 pools
+    /// ([`Backend::paged_kv_cache_append_bf16`]): their values are the operands as stored.
+    ///
+    /// # Errors
+    /// As [`Backend::paged_attention_prefill_bf16`]; pools that are not bf16.
+    fn paged_attention_prefill_bf16_kv16(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: PagedKvView<'_, Self::Half, Self::Ids>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()>;
+
     // ----- ARES token ops (docs/algorithms.md §1, §4). -----
 
     /// Window means `W_t` and their 0/1 validity for every position of `[rows, cols]`

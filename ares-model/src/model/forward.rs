@@ -309,7 +309,8 @@ impl<B: Backend> Model<B> {
             }
             Some(cache) => {
                 // a prefill from slot 0 in bf16: its tokens see only each other, so the
-                // tensor-core training forward over them is the step's attention
+                // tensor-core training forward over them is the step's attention; a later
+                // chunk of ≥ 64 tokens a sequence over a paged pool: its tensor-core twin
                 let bf16 = self.attention_in_bf16(attn.batch * attn.seq);
                 match cache.fresh().filter(|_| bf16) {
                     Some(fresh) => {
@@ -317,7 +318,10 @@ impl<B: Backend> Model<B> {
                         let (out, lse) = (a.att.w()?, a.lse.w()?);
                         be.attention_bf16(attn, qkv(q, k, v, mask), None, out, lse)?
                     }
-                    None => cache.attend(be, l, attn, q, k, v, a.att.w()?)?,
+                    None => {
+                        let chunk = self.attention_in_bf16(attn.seq);
+                        cache.attend(be, l, chunk, attn, q, k, v, a.att.w()?)?
+                    }
                 }
             }
         }

@@ -19,12 +19,15 @@ pub(crate) enum StepCache<'c, B: Backend> {
 }
 
 impl<B: Backend> StepCache<'_, B> {
-    /// Layer `layer`'s attention step: append the new keys and values, attend `q`.
+    /// Layer `layer`'s attention step: append the new keys and values, attend `q` — over a
+    /// paged pool with bf16 operands on tensor cores when `tensor_cores`
+    /// ([`Backend::paged_attention_prefill_bf16`]: a prefill chunk in bf16).
     #[allow(clippy::too_many_arguments)] // mirrors Backend::attention's q, k, v, out
     pub(crate) fn attend(
         &mut self,
         backend: &B,
         layer: usize,
+        tensor_cores: bool,
         dims: AttentionDims,
         q: Tensor<'_, B>,
         k_new: Tensor<'_, B>,
@@ -34,7 +37,8 @@ impl<B: Backend> StepCache<'_, B> {
         match self {
             Self::Contiguous(c) => c.attend(backend, layer, dims, q, k_new, v_new, out),
             Self::Paged(kv, tables) => {
-                kv.attend(backend, layer, dims, q, k_new, v_new, *tables, out)
+                let step = (layer, tensor_cores);
+                kv.attend(backend, step, dims, q, k_new, v_new, *tables, out)
             }
         }
     }

@@ -298,12 +298,13 @@ impl<B: Backend> PagedKv<B> {
 
     /// Layer `layer`'s attention step over the pool (the paged twin of
     /// [`KvCache::attend`]): appends the new keys and values at each sequence's slots
-    /// `len[b]..len[b] + seq` (given by `tables`), then attends `q` over its slots.
+    /// `len[b]..len[b] + seq` (given by `tables`), then attends `q` over its slots — with
+    /// bf16 operands on tensor cores when `tensor_cores` (a prefill chunk in bf16).
     #[allow(clippy::too_many_arguments)] // mirrors Backend::attention's q, k, v, out
     pub(crate) fn attend(
         &mut self,
         be: &B,
-        layer: usize,
+        (layer, tensor_cores): (usize, bool),
         dims: AttentionDims,
         q: Tensor<'_, B>,
         k_new: Tensor<'_, B>,
@@ -331,9 +332,18 @@ impl<B: Backend> PagedKv<B> {
             }};
         }
         match &mut self.pools {
+            Pools::F32 { k, v, .. } if tensor_cores => {
+                append_then_attend!(k, v, paged_kv_cache_append, paged_attention_prefill_bf16)
+            }
             Pools::F32 { k, v, .. } => {
                 append_then_attend!(k, v, paged_kv_cache_append, paged_attention_decode)
             }
+            Pools::Bf16 { k, v, .. } if tensor_cores => append_then_attend!(
+                k,
+                v,
+                paged_kv_cache_append_bf16,
+                paged_attention_prefill_bf16_kv16
+            ),
             Pools::Bf16 { k, v, .. } => append_then_attend!(
                 k,
                 v,

@@ -842,6 +842,58 @@ impl Backend for CudaBackend {
             .map_err(op(OP))
     }
 
+    fn paged_attention_prefill_bf16(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: PagedKvView<'_, CudaBuffer, CudaIds>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let _timer = OpTimer::start(self, "paged_attention_prefill_bf16");
+        let b = cache.blocks;
+        let (tables, lens) = (ids(b.tables)?, ids(b.len)?);
+        let (k, v) = (view(cache.k)?, view(cache.v)?);
+        self.ops
+            .paged_attention_prefill_bf16(
+                shape(dims),
+                &view(q)?,
+                PagedKvCache {
+                    k: &k,
+                    v: &v,
+                    blocks: block_tables(&b, &tables, &lens),
+                },
+                &mut view_mut(out)?,
+            )
+            .map_err(op("paged_attention_prefill_bf16"))
+    }
+
+    fn paged_attention_prefill_bf16_kv16(
+        &self,
+        dims: AttentionDims,
+        q: Tensor<'_, Self>,
+        cache: PagedKvView<'_, CudaHalf, CudaIds>,
+        out: TensorMut<'_, Self>,
+    ) -> Result<()> {
+        let _timer = OpTimer::start(self, "paged_attention_prefill_bf16_kv16");
+        const OP: &str = "paged_attention_prefill_bf16_kv16";
+        let b = cache.blocks;
+        let (tables, lens) = (ids(b.tables)?, ids(b.len)?);
+        let k = half_view(OP, "k_cache", cache.k, DType::Bf16)?;
+        let v = half_view(OP, "v_cache", cache.v, DType::Bf16)?;
+        self.ops
+            .paged_attention_prefill_bf16_kv16(
+                shape(dims),
+                &view(q)?,
+                PagedKvCache {
+                    k: &k,
+                    v: &v,
+                    blocks: block_tables(&b, &tables, &lens),
+                },
+                &mut view_mut(out)?,
+            )
+            .map_err(op(OP))
+    }
+
     fn entropy_windows(
         &self,
         entropy: Tensor<'_, Self>,
