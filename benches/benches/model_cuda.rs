@@ -76,6 +76,9 @@ fn main() {
     if only.as_deref().is_none_or(|o| o == "decode-attention") {
         decode_attention(&gpu, runs);
     }
+    if only.as_deref().is_none_or(|o| o == "chunk-attention") {
+        chunk_attention(&gpu, runs);
+    }
 
     for (precision, copies, stored) in [
         (MatmulPrecision::F32, false, false),
@@ -512,6 +515,92 @@ fn decode_attention(gpu: &CudaBackend, runs: usize) {
                 best.as_secs_f64() * 1e6,
                 median.as_secs_f64() * 1e6,
                 gbs / copy_gbs,
+            );
+        }
+    }
+}
+
+/// A chunked prefill's later chunk over the paged pool at the Qwen2.5-0.5B head shape (14
+/// query / 2 KV heads of 64, 16-slot blocks, f32 and bf16 pools): the scalar paged kernel
+/// (`paged_attention_decode`, what such a chunk ran on before) beside the tensor-core one
+/// (`paged_attention_prefill_bf16` / `_kv16`), in TFLOP/s of the causal products
+/// (4 · queries · visible keys · head_dim · heads).
+fn chunk_attention(gpu: &CudaBackend, runs: usize) {
+    use ares_model::backend::{AttentionDims, BlockTables, DType, PagedKvView, View, ViewMut};
+    let (hq, hkv, d, bs) = (14usize, 2usize, 64usize, 16usize);
+    let mut rng = SplitMix::new(17);
+    for (batch, before, chunk) in [(1usize, 2048usize, 512usize), (4, 1024, 256)] {
+        let width = (before + chunk).div_ceil(bs);
+        let blocks = batch * width;
+        let pool = blocks * bs * hkv * d;
+        let host: Vec<f32> = (0..pool).map(|_| rng.unit() * 2.0 - 1.0).collect();
+        let bits: Vec<u16> = host
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        let mut kv = gpu.alloc(pool).expect("alloc");
+        gpu.upload(&host, ViewMut::whole(&mut kv)).expect("upload");
+        let mut kv16 = gpu.alloc_half(pool, DType::Bf16).expect("alloc");
+        gpu.upload_half(&bits, ViewMut::whole(&mut kv16))
+            .expect("upload");
+        let tables: Vec<u32> = (0..blocks as u32).collect();
+        let lens = vec![before as u32; batch];
+        let (mut gt, mut gl) = (
+            gpu.alloc_ids(tables.len()).expect("alloc"),
+            gpu.alloc_ids(batch).expect("alloc"),
+        );
+        gpu.upload_ids(&tables, &mut gt).expect("upload");
+        gpu.upload_ids(&lens, &mut gl).expect("upload");
+        let q_host: Vec<f32> = (0..batch * chunk * hq * d).map(|_| rng.unit()).collect();
+        let mut q = gpu.alloc(q_host.len()).expect("alloc");
+        gpu.upload(&q_host, ViewMut::whole(&mut q)).expect("upload");
+        let mut out = gpu.alloc(q_host.len()).expect("alloc");
+        let dims = AttentionDims::new(batch, chunk, hq, hkv, d);
+        let tables_of = || BlockTables {
+            block_size: bs,
+            max_blocks: width,
+            tables: &gt,
+            len: &gl,
+            host_tables: &tables,
+            host_len: &lens,
+        };
+        let f32_cache = || PagedKvView {
+            k: View::whole(&kv),
+            v: View::whole(&kv),
+            blocks: tables_of(),
+        };
+        let half_cache = || PagedKvView {
+            k: View::whole(&kv16),
+            v: View::whole(&kv16),
+            blocks: tables_of(),
+        };
+        // each query sees `before + i + 1` keys
+        let visible = (chunk * before + chunk * (chunk + 1) / 2) as f64;
+        let flops = 4.0 * batch as f64 * visible * (d * hq) as f64;
+        for (kernel, bf16_pool) in [
+            ("scalar", false),
+            ("tensor cores", false),
+            ("scalar", true),
+            ("tensor cores", true),
+        ] {
+            let (best, median) = best_and_median(runs.max(5), || {
+                let q = View::whole(&q);
+                let o = ViewMut::whole(&mut out);
+                match (kernel == "tensor cores", bf16_pool) {
+                    (false, false) => gpu.paged_attention_decode(dims, q, f32_cache(), o),
+                    (true, false) => gpu.paged_attention_prefill_bf16(dims, q, f32_cache(), o),
+                    (false, true) => gpu.paged_attention_decode_bf16(dims, q, half_cache(), o),
+                    (true, true) => gpu.paged_attention_prefill_bf16_kv16(dims, q, half_cache(), o),
+                }
+                .expect(kernel);
+                gpu.synchronize().expect("sync");
+            });
+            println!(
+                "[chunk attention {batch} × {chunk} queries after {before} slots] {kernel}, {} pools: {:.1} µs best, median {:.1} µs; {:.1} TFLOP/s",
+                if bf16_pool { "bf16" } else { "f32" },
+                best.as_secs_f64() * 1e6,
+                median.as_secs_f64() * 1e6,
+                flops / best.as_secs_f64() / 1e12,
             );
         }
     }
