@@ -313,12 +313,23 @@ impl NcclComm {
         c_int(what, n).map(drop)
     }
 
-    /// Queues `op` on each of `items` (`(pointer, len, root)`, checked) in one group.
+    /// Queues `op` on each of `items` (`(pointer, len, root)`, checked f32s) in one group.
     fn group(
         &self,
         comm: &RawComm,
         op: GroupOp,
         items: &[(cudarc::driver::sys::CUdeviceptr, usize, Option<usize>)],
+    ) -> Result<()> {
+        self.group_typed(comm, op, items, f32::TYPE)
+    }
+
+    /// [`NcclComm::group`] on values of NCCL type `dtype`.
+    fn group_typed(
+        &self,
+        comm: &RawComm,
+        op: GroupOp,
+        items: &[(cudarc::driver::sys::CUdeviceptr, usize, Option<usize>)],
+        dtype: sys::ncclDataType_t,
     ) -> Result<()> {
         let what = op.name();
         result::group_start().map_err(|e| nccl("ncclGroupStart", &e))?;
@@ -327,7 +338,7 @@ impl NcclComm {
             if n == 0 {
                 continue;
             }
-            if let Err(e) = self.in_place(comm, op, ptr, n, root) {
+            if let Err(e) = self.in_place(comm, op, ptr, n, root, dtype) {
                 failed = Some(e);
                 break;
             }
@@ -340,8 +351,37 @@ impl NcclComm {
         ended.map(drop).map_err(|e| nccl("ncclGroupEnd", &e))
     }
 
-    /// Queues one in-place collective on the `count` values at `ptr`: all-reduce (`Sum`, no
-    /// root), reduce to `root` (`Sum`), broadcast from `root`.
+    /// Broadcasts each of `items` — `(buffer, len, root)`: the first `len` 16-bit values
+    /// (bf16 weights), as they are — from its root to every rank, in one NCCL group, and
+    /// waits for it as [`NcclComm::grouped_f32`] does.
+    ///
+    /// # Errors
+    /// As [`NcclComm::grouped_f32`] for a broadcast.
+    pub fn broadcast_u16(&self, items: &mut [(&mut CudaSlice<u16>, usize, usize)]) -> Result<()> {
+        let op = GroupOp::Broadcast;
+        for (b, n, root) in items.iter() {
+            // the values move as pairs of bytes, whatever their format
+            self.check(op, 2 * *n, 2 * b.len(), Some(*root))?;
+        }
+        let mut comm = self
+            .comm
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        comm.usable("broadcast (16-bit)")?;
+        let mut queued = Vec::with_capacity(items.len());
+        let mut guards = Vec::with_capacity(items.len());
+        for (b, n, root) in items.iter_mut() {
+            let (ptr, guard) = b.device_ptr_mut(&self.stream);
+            queued.push((ptr, 2 * *n, Some(*root)));
+            guards.push(guard);
+        }
+        self.group_typed(&comm, op, &queued, sys::ncclDataType_t::ncclUint8)?;
+        drop(guards);
+        self.wait(&mut comm, "broadcast (16-bit)")
+    }
+
+    /// Queues one in-place collective on the `count` values (of NCCL type `dtype`) at `ptr`:
+    /// all-reduce (`Sum`, no root), reduce to `root` (`Sum`), broadcast from `root`.
     fn in_place(
         &self,
         comm: &RawComm,
@@ -349,6 +389,7 @@ impl NcclComm {
         ptr: cudarc::driver::sys::CUdeviceptr,
         count: usize,
         root: Option<usize>,
+        dtype: sys::ncclDataType_t,
     ) -> std::result::Result<(), result::NcclError> {
         let stream = self.stream.cu_stream() as sys::cudaStream_t;
         let (buf, sum) = (ptr as *mut core::ffi::c_void, sys::ncclRedOp_t::ncclSum);
@@ -359,13 +400,13 @@ impl NcclComm {
         unsafe {
             match (op, root) {
                 (GroupOp::Sum, None) => {
-                    result::all_reduce(buf, buf, count, f32::TYPE, sum, comm.comm, stream)
+                    result::all_reduce(buf, buf, count, dtype, sum, comm.comm, stream)
                 }
                 (GroupOp::Sum, Some(_)) => {
-                    result::reduce(buf, buf, count, f32::TYPE, sum, at(root), comm.comm, stream)
+                    result::reduce(buf, buf, count, dtype, sum, at(root), comm.comm, stream)
                 }
                 (GroupOp::Broadcast, _) => {
-                    result::broadcast(buf, buf, count, f32::TYPE, at(root), comm.comm, stream)
+                    result::broadcast(buf, buf, count, dtype, at(root), comm.comm, stream)
                 }
             }
         }

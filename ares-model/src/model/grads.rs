@@ -9,6 +9,15 @@ use super::weights::{DeviceWeights, HalfStack};
 use super::{Model, ModelError};
 use crate::backend::{Backend, DeviceBuffer, Tensor, View, ViewMut};
 
+/// A trainable buffer as [`Model::write_trainable_on_device`] hands it over: f32 values,
+/// or the bf16 bits of a linear weight stored in bf16.
+pub enum TrainableMut<'a, B: Backend> {
+    /// f32 values.
+    F32(&'a mut B::Buffer),
+    /// bf16 bits (the weight itself: no f32 master).
+    Bf16(&'a mut B::Half),
+}
+
 /// A trained tensor: name, shape, and (buffer, layer) among the trained buffers.
 pub(crate) type TrainedTensor = (String, Vec<usize>, (usize, usize));
 
@@ -206,6 +215,42 @@ impl<B: Backend> Model<B> {
             .flatten()
     }
 
+    /// The bf16 bits of trainable buffer `buffer` when it is a weight stored in bf16 (its
+    /// values exactly, in half the bytes of [`Model::read_trainable`]); `None` otherwise.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn read_trainable_bits(&self, buffer: usize) -> Result<Option<Vec<u16>>, ModelError> {
+        let Some(copy) = self.trained_bf16(buffer) else {
+            return Ok(None);
+        };
+        let mut bits = vec![0u16; copy.whole().len()];
+        self.backend.download_half(copy.whole(), &mut bits)?;
+        Ok(Some(bits))
+    }
+
+    /// Sets trainable buffer `buffer`, a weight stored in bf16, from its bits
+    /// ([`Model::read_trainable_bits`] on another rank).
+    ///
+    /// # Errors
+    /// Not such a buffer, a length other than its; a backend failure.
+    pub fn write_trainable_bits(&mut self, buffer: usize, bits: &[u16]) -> Result<(), ModelError> {
+        let stored = self.lora.is_none().then(|| self.stored_bf16_index(buffer));
+        let mismatch = ModelError::LayoutMismatch {
+            what: "trainable bf16 buffer (index or length)",
+        };
+        let (Some(k), Some(copies)) = (stored.flatten(), self.bf16_weights.as_mut()) else {
+            return Err(mismatch);
+        };
+        let copy = copies.by_index_mut(k);
+        if copy.len() != bits.len() {
+            return Err(mismatch);
+        }
+        Ok(self
+            .backend
+            .upload_half(bits, ViewMut::whole(copy.buffer_mut()))?)
+    }
+
     /// Sets trainable buffer `buffer` from the host (a data-parallel rank receiving what
     /// another rank's optimizer updated).
     ///
@@ -241,35 +286,61 @@ impl<B: Backend> Model<B> {
     }
 
     /// Lets `write` set the trainable buffers on the device (a data-parallel transport that
-    /// moves updated parameters between GPUs), then refreshes the bf16 copies of those it
-    /// reports written.
+    /// moves updated parameters between GPUs) — each as it is stored: f32, or the bf16 bits
+    /// of a linear weight stored in bf16 ([`Model::set_weight_storage`]) — then refreshes
+    /// the bf16 copies of the f32 ones it reports written.
     ///
     /// # Errors
     /// `write`'s; a written index past the buffers; a backend failure.
     pub fn write_trainable_on_device(
         &mut self,
-        write: impl FnOnce(&mut [&mut B::Buffer]) -> Result<Vec<usize>, ModelError>,
+        write: impl FnOnce(&mut [TrainableMut<'_, B>]) -> Result<Vec<usize>, ModelError>,
     ) -> Result<(), ModelError> {
-        if self.weight_storage() == super::WeightStorage::Bf16 && self.lora.is_none() {
-            // the f32 buffers of the linear layers are empty: a transport writing them
-            // would move nothing
-            return Err(ModelError::Bf16Weights {
-                what: "a device-side exchange of updated weights",
-            });
-        }
-        let mut all = match &mut self.lora {
-            Some(l) => l.params.buffers_mut(),
-            None => self.weights.buffers_mut(),
+        // each buffer's copy index where the copy is the weight (its f32 buffer released)
+        let stored: Vec<Option<usize>> = (0..self.trainable().len())
+            .map(|b| {
+                self.lora
+                    .is_none()
+                    .then(|| self.stored_bf16_index(b))
+                    .flatten()
+            })
+            .collect();
+        let mut all: Vec<TrainableMut<'_, B>> = match &mut self.lora {
+            Some(l) => l
+                .params
+                .buffers_mut()
+                .into_iter()
+                .map(TrainableMut::F32)
+                .collect(),
+            None => {
+                let mut halves: Vec<Option<&mut B::Half>> = match self.bf16_weights.as_mut() {
+                    Some(c) => c.copies_mut().into_iter().map(Some).collect(),
+                    None => Vec::new(),
+                };
+                let buffers = self.weights.buffers_mut().into_iter().zip(&stored);
+                let mut out = Vec::with_capacity(stored.len());
+                for (f32s, k) in buffers {
+                    let half = k.and_then(|k| halves.get_mut(k).and_then(Option::take));
+                    out.push(match half {
+                        Some(h) => TrainableMut::Bf16(h),
+                        None => TrainableMut::F32(f32s),
+                    });
+                }
+                out
+            }
         };
         let count = all.len();
         let written = write(&mut all)?;
+        drop(all);
         for b in written {
             if b >= count {
                 return Err(ModelError::LayoutMismatch {
                     what: "trainable buffer index",
                 });
             }
-            self.refresh_bf16_weights(Some(b))?;
+            if stored[b].is_none() {
+                self.refresh_bf16_weights(Some(b))?;
+            }
         }
         Ok(())
     }

@@ -72,7 +72,7 @@ pub use decode_weights::WeightDtype;
 pub use engine::{Engine, EngineConfig, EngineRequest, EngineStats, FinishedSequence};
 pub use error::ModelError;
 pub use generate::Generator;
-pub use grads::{Grads, LayerWatch};
+pub use grads::{Grads, LayerWatch, TrainableMut};
 pub use inputs::{ForwardExtras, Inputs};
 pub use kv_cache::KvCache;
 pub use lora::{AdaptersOff, lora_arena_elements};

@@ -192,9 +192,9 @@ pub trait Collective: Send + Sync {
         false
     }
 
-    /// Broadcasts each of `buffers` from its root rank to every rank, on their device, as
-    /// one group; `None` when this transport cannot reach them (see
-    /// [`Collective::sum_device`]).
+    /// Broadcasts each of `buffers` (a backend's f32 buffers or 16-bit ones, as they are)
+    /// from its root rank to every rank, on their device; `None` when this transport cannot
+    /// reach them (see [`Collective::sum_device`]).
     fn broadcast_device(
         &self,
         _buffers: &mut [(&mut dyn std::any::Any, usize)],
@@ -532,21 +532,31 @@ impl Ranks {
             .is_some_and(|b| self.0.sums_on_device(&*b))
     }
 
-    /// [`Collective::broadcast_device`] of `buffers`, counted as traffic (the roots' bytes);
-    /// `None` when the transport cannot reach them.
-    pub fn broadcast_device<D: crate::backend::DeviceBuffer>(
+    /// [`Collective::broadcast_device`] of a model's trainable `buffers` (f32, or the bf16
+    /// bits of weights stored in bf16), each from its root, counted as traffic (the roots'
+    /// bytes); `None` when the transport cannot reach them.
+    pub fn broadcast_device<B: crate::backend::Backend>(
         &self,
-        buffers: &mut [(&mut D, usize)],
+        buffers: &mut [(crate::model::TrainableMut<'_, B>, usize)],
     ) -> Option<Result<(), CollectiveError>> {
+        use crate::backend::DeviceBuffer;
+        use crate::model::TrainableMut;
         let rank = self.rank();
         let sent = buffers
             .iter()
             .filter(|(_, root)| *root == rank)
-            .map(|(b, _)| b.len() as u64 * 4)
+            .map(|(b, _)| match b {
+                TrainableMut::F32(b) => b.len() as u64 * 4,
+                TrainableMut::Bf16(h) => h.len() as u64 * 2,
+            })
             .sum();
         let mut any = Vec::with_capacity(buffers.len());
         for (b, root) in buffers.iter_mut() {
-            any.push((b.as_any_mut()?, *root));
+            let b: &mut dyn std::any::Any = match b {
+                TrainableMut::F32(b) => b.as_any_mut()?,
+                TrainableMut::Bf16(h) => h.as_any_mut()?,
+            };
+            any.push((b, *root));
         }
         let t = Instant::now();
         let out = self.0.broadcast_device(&mut any)?;

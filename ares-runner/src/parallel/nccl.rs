@@ -4,8 +4,8 @@
 //! transport's, so those do not depend on the transport; `trainer.gradient_sum: ranks`
 //! sums the gradient buffers on the device instead (NCCL's all-reduce, in its own order).
 
-use crate::backend::cuda::CudaBuffer;
 use crate::backend::cuda::nccl::{GroupOp, NcclComm, unique_id};
+use crate::backend::cuda::{CudaBuffer, CudaHalf};
 
 use super::launch::{LaunchEnv, TcpRanks};
 use super::{Collective, CollectiveError};
@@ -122,14 +122,23 @@ impl Collective for NcclRanks {
         self.comm.wait_queued().map_err(|e| self.failed(&e))
     }
 
+    /// The f32 buffers in one group, then the 16-bit ones (bf16 weights) in another.
     fn broadcast_device(
         &self,
         buffers: &mut [(&mut dyn std::any::Any, usize)],
     ) -> Option<Result<(), CollectiveError>> {
-        self.grouped(
-            GroupOp::Broadcast,
-            buffers.iter_mut().map(|(b, r)| (&mut **b, Some(*r))),
-        )
+        let (mut f32s, mut halves) = (Vec::new(), Vec::new());
+        for (b, root) in buffers.iter_mut() {
+            if b.is::<CudaBuffer>() {
+                f32s.push((b.downcast_mut::<CudaBuffer>()?, Some(*root)));
+            } else {
+                halves.push((b.downcast_mut::<CudaHalf>()?, *root));
+            }
+        }
+        let comm = &self.comm;
+        let sent = CudaBuffer::nccl_grouped(comm, GroupOp::Broadcast, &mut f32s)
+            .and_then(|()| CudaHalf::nccl_broadcast(comm, &mut halves));
+        Some(sent.map_err(|e| self.failed(&e)))
     }
 
     fn all_gather(&self, mine: Vec<u8>) -> Result<Vec<Vec<u8>>, CollectiveError> {

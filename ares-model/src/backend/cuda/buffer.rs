@@ -93,6 +93,42 @@ impl DeviceBuffer for CudaHalf {
     fn dtype(&self) -> DType {
         self.dtype
     }
+
+    fn as_any_mut(&mut self) -> Option<&mut dyn std::any::Any> {
+        Some(self)
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+}
+
+impl CudaHalf {
+    /// Broadcasts each of `items` — `(buffer, root)`: its 16-bit values as they are (bf16
+    /// weights) — from its root to every rank of `comm`, in one NCCL group
+    /// ([`NcclComm::broadcast_u16`]).
+    ///
+    /// [`NcclComm::broadcast_u16`]: ares_cuda::nccl::NcclComm::broadcast_u16
+    ///
+    /// # Errors
+    /// A root past the world; NCCL's or CUDA's failure.
+    pub fn nccl_broadcast(
+        comm: &ares_cuda::nccl::NcclComm,
+        items: &mut [(&mut CudaHalf, usize)],
+    ) -> Result<()> {
+        let mut slices: Vec<_> = items
+            .iter_mut()
+            .map(|(b, root)| {
+                let len = b.len;
+                (&mut b.slice, len, *root)
+            })
+            .collect();
+        comm.broadcast_u16(&mut slices)
+            .map_err(|e| BackendError::Op {
+                op: "nccl",
+                source: Box::new(e),
+            })
+    }
 }
 
 /// The device bits a 16-bit view names, after checking it holds `want` (argument `arg` of

@@ -7,7 +7,7 @@
 //! rank, so a sharded step gives the bits of an unsharded one.
 
 use crate::backend::{Backend, DeviceBuffer};
-use crate::model::{AdamW, Grads, HostMoment, Model, ModelError};
+use crate::model::{AdamW, Grads, HostMoment, Model, ModelError, TrainableMut};
 use crate::parallel::wire::{Reader, WireError, Writer};
 use crate::parallel::{Holder, Ranks, shares};
 use crate::trainer::TrainError;
@@ -107,30 +107,45 @@ pub fn share_updated<B: Backend>(
     // the optimizer's kernels first (NCCL runs on its own stream)
     model.backend().synchronize()?;
     let mut sent = None;
-    // weights stored in bf16 have no f32 buffers to broadcast: through the host
-    let on_device = model.weight_storage() == crate::model::WeightStorage::F32;
-    if on_device {
-        model.write_trainable_on_device(|buffers| {
-            let mut items: Vec<(&mut B::Buffer, usize)> = buffers
-                .iter_mut()
-                .map(|b| &mut **b)
-                .zip(owners.iter().copied())
-                .collect();
-            sent = ranks.broadcast_device(&mut items);
-            // on the device every buffer another rank owns was written
-            Ok(match &sent {
-                Some(Ok(())) => (0..owners.len()).filter(|&b| !owned[b]).collect(),
-                _ => Vec::new(),
+    // on the device each buffer as it is stored (bf16 weights as their bits)
+    model.write_trainable_on_device(|buffers| {
+        let mut items: Vec<_> = buffers
+            .iter_mut()
+            .map(|b| match b {
+                TrainableMut::F32(b) => TrainableMut::F32(&mut **b),
+                TrainableMut::Bf16(h) => TrainableMut::Bf16(&mut **h),
             })
-        })?;
-    }
+            .zip(owners.iter().copied())
+            .collect();
+        sent = ranks.broadcast_device::<B>(&mut items);
+        // on the device every buffer another rank owns was written
+        Ok(match &sent {
+            Some(Ok(())) => (0..owners.len()).filter(|&b| !owned[b]).collect(),
+            _ => Vec::new(),
+        })
+    })?;
     if let Some(r) = sent {
         return Ok(r?);
     }
+    // through the host: f32 values, or a bf16-stored weight's bits (half the bytes)
     let mut w = Writer::default();
     for (b, _) in owned.iter().enumerate().filter(|(_, o)| **o) {
         w.u64(b as u64);
-        w.f32s(&model.read_trainable(b)?);
+        match model.read_trainable_bits(b)? {
+            Some(bits) => {
+                w.u8(1);
+                w.bytes(
+                    &bits
+                        .iter()
+                        .flat_map(|h| h.to_le_bytes())
+                        .collect::<Vec<u8>>(),
+                );
+            }
+            None => {
+                w.u8(0);
+                w.f32s(&model.read_trainable(b)?);
+            }
+        }
     }
     let all = ranks.all_gather(w.finish())?;
     let bad = |e: WireError| TrainError::from(e.at(ranks.rank()));
@@ -141,8 +156,17 @@ pub fn share_updated<B: Backend>(
         let mut reader = Reader::new(bytes);
         while reader.end().is_err() {
             let b = usize::try_from(reader.u64().map_err(bad)?).unwrap_or(usize::MAX);
-            let values = reader.f32s().map_err(bad)?;
-            model.write_trainable(b, &values)?;
+            match reader.u8().map_err(bad)? {
+                0 => model.write_trainable(b, &reader.f32s().map_err(bad)?)?,
+                _ => {
+                    let raw = reader.bytes().map_err(bad)?;
+                    let bits: Vec<u16> = raw
+                        .chunks_exact(2)
+                        .map(|p| u16::from_le_bytes([p[0], p[1]]))
+                        .collect();
+                    model.write_trainable_bits(b, &bits)?;
+                }
+            }
         }
     }
     Ok(())
