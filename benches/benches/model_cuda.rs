@@ -415,7 +415,7 @@ fn attention(gpu: &CudaBackend, runs: usize) {
 /// (bytes read + written by a 1 GiB device-to-device copy: the memory roofline a decode
 /// step's attention can reach).
 fn decode_attention(gpu: &CudaBackend, runs: usize) {
-    use ares_model::backend::{AttentionDims, BlockTables, DType, PagedKvView, View, ViewMut};
+    use ares_model::backend::{AttentionDims, BlockTables, PagedKvView, View, ViewMut};
     let copy_gbs = {
         let n = 1usize << 28; // 1 GiB of f32
         let src = gpu.ops().alloc(n).expect("alloc");
@@ -434,30 +434,17 @@ fn decode_attention(gpu: &CudaBackend, runs: usize) {
     let mut rng = SplitMix::new(13);
     for (batch, len) in [(4usize, 8192usize), (16, 2048), (128, 500)] {
         let width = (len + 1).div_ceil(bs);
-        let blocks = batch * width;
-        let pool = blocks * bs * hkv * d;
-        let host: Vec<f32> = (0..pool).map(|_| rng.unit() * 2.0 - 1.0).collect();
-        let bits: Vec<u16> = host
-            .iter()
-            .map(|&x| half::bf16::from_f32(x).to_bits())
-            .collect();
-        let mut kv = gpu.alloc(pool).expect("alloc");
-        gpu.upload(&host, ViewMut::whole(&mut kv)).expect("upload");
-        let mut kv16 = gpu.alloc_half(pool, DType::Bf16).expect("alloc");
-        gpu.upload_half(&bits, ViewMut::whole(&mut kv16))
-            .expect("upload");
-        let tables: Vec<u32> = (0..blocks as u32).collect();
-        let lens = vec![len as u32; batch];
-        let (mut gt, mut gl) = (
-            gpu.alloc_ids(tables.len()).expect("alloc"),
-            gpu.alloc_ids(batch).expect("alloc"),
-        );
-        gpu.upload_ids(&tables, &mut gt).expect("upload");
-        gpu.upload_ids(&lens, &mut gl).expect("upload");
-        let q_host: Vec<f32> = (0..batch * hq * d).map(|_| rng.unit()).collect();
-        let mut q = gpu.alloc(q_host.len()).expect("alloc");
-        gpu.upload(&q_host, ViewMut::whole(&mut q)).expect("upload");
-        let mut out = gpu.alloc(q_host.len()).expect("alloc");
+        let shape = (batch, width, len, 1);
+        let PagedBench {
+            kv,
+            kv16,
+            tables,
+            lens,
+            gt,
+            gl,
+            q,
+            mut out,
+        } = paged_bench(gpu, &mut rng, shape, (hq, hkv, d, bs));
         let dims = AttentionDims::new(batch, 1, hq, hkv, d);
         let tables_of = || BlockTables {
             block_size: bs,
@@ -520,41 +507,86 @@ fn decode_attention(gpu: &CudaBackend, runs: usize) {
     }
 }
 
+/// Random f32 and bf16 pools, block tables, queries and an output for the paged benches.
+struct PagedBench {
+    kv: <CudaBackend as ares_model::backend::Backend>::Buffer,
+    kv16: <CudaBackend as ares_model::backend::Backend>::Half,
+    tables: Vec<u32>,
+    lens: Vec<u32>,
+    gt: <CudaBackend as ares_model::backend::Backend>::Ids,
+    gl: <CudaBackend as ares_model::backend::Backend>::Ids,
+    q: <CudaBackend as ares_model::backend::Backend>::Buffer,
+    out: <CudaBackend as ares_model::backend::Backend>::Buffer,
+}
+
+/// [`PagedBench`] of `(batch, width, len, queries)`: `batch` sequences of `width` blocks
+/// each (in order), `len` slots filled before `queries` new ones a sequence, at head shape
+/// `(hq, hkv, d, block_size)`.
+fn paged_bench(
+    gpu: &CudaBackend,
+    rng: &mut SplitMix,
+    (batch, width, len, queries): (usize, usize, usize, usize),
+    (hq, hkv, d, bs): (usize, usize, usize, usize),
+) -> PagedBench {
+    use ares_model::backend::{DType, ViewMut};
+    let blocks = batch * width;
+    let pool = blocks * bs * hkv * d;
+    let host: Vec<f32> = (0..pool).map(|_| rng.unit() * 2.0 - 1.0).collect();
+    let bits: Vec<u16> = host
+        .iter()
+        .map(|&x| half::bf16::from_f32(x).to_bits())
+        .collect();
+    let mut kv = gpu.alloc(pool).expect("alloc");
+    gpu.upload(&host, ViewMut::whole(&mut kv)).expect("upload");
+    let mut kv16 = gpu.alloc_half(pool, DType::Bf16).expect("alloc");
+    gpu.upload_half(&bits, ViewMut::whole(&mut kv16))
+        .expect("upload");
+    let tables: Vec<u32> = (0..blocks as u32).collect();
+    let lens = vec![len as u32; batch];
+    let (mut gt, mut gl) = (
+        gpu.alloc_ids(tables.len()).expect("alloc"),
+        gpu.alloc_ids(batch).expect("alloc"),
+    );
+    gpu.upload_ids(&tables, &mut gt).expect("upload");
+    gpu.upload_ids(&lens, &mut gl).expect("upload");
+    let q_host: Vec<f32> = (0..batch * queries * hq * d).map(|_| rng.unit()).collect();
+    let mut q = gpu.alloc(q_host.len()).expect("alloc");
+    gpu.upload(&q_host, ViewMut::whole(&mut q)).expect("upload");
+    let out = gpu.alloc(q_host.len()).expect("alloc");
+    PagedBench {
+        kv,
+        kv16,
+        tables,
+        lens,
+        gt,
+        gl,
+        q,
+        out,
+    }
+}
+
 /// A chunked prefill's later chunk over the paged pool at the Qwen2.5-0.5B head shape (14
 /// query / 2 KV heads of 64, 16-slot blocks, f32 and bf16 pools): the scalar paged kernel
 /// (`paged_attention_decode`, what such a chunk ran on before) beside the tensor-core one
 /// (`paged_attention_prefill_bf16` / `_kv16`), in TFLOP/s of the causal products
 /// (4 · queries · visible keys · head_dim · heads).
 fn chunk_attention(gpu: &CudaBackend, runs: usize) {
-    use ares_model::backend::{AttentionDims, BlockTables, DType, PagedKvView, View, ViewMut};
+    use ares_model::backend::{AttentionDims, BlockTables, PagedKvView, View, ViewMut};
     let (hq, hkv, d, bs) = (14usize, 2usize, 64usize, 16usize);
     let mut rng = SplitMix::new(17);
     for (batch, before, chunk) in [(1usize, 2048usize, 512usize), (4, 1024, 256)] {
         let width = (before + chunk).div_ceil(bs);
-        let blocks = batch * width;
-        let pool = blocks * bs * hkv * d;
-        let host: Vec<f32> = (0..pool).map(|_| rng.unit() * 2.0 - 1.0).collect();
-        let bits: Vec<u16> = host
-            .iter()
-            .map(|&x| half::bf16::from_f32(x).to_bits())
-            .collect();
-        let mut kv = gpu.alloc(pool).expect("alloc");
-        gpu.upload(&host, ViewMut::whole(&mut kv)).expect("upload");
-        let mut kv16 = gpu.alloc_half(pool, DType::Bf16).expect("alloc");
-        gpu.upload_half(&bits, ViewMut::whole(&mut kv16))
-            .expect("upload");
-        let tables: Vec<u32> = (0..blocks as u32).collect();
-        let lens = vec![before as u32; batch];
-        let (mut gt, mut gl) = (
-            gpu.alloc_ids(tables.len()).expect("alloc"),
-            gpu.alloc_ids(batch).expect("alloc"),
-        );
-        gpu.upload_ids(&tables, &mut gt).expect("upload");
-        gpu.upload_ids(&lens, &mut gl).expect("upload");
-        let q_host: Vec<f32> = (0..batch * chunk * hq * d).map(|_| rng.unit()).collect();
-        let mut q = gpu.alloc(q_host.len()).expect("alloc");
-        gpu.upload(&q_host, ViewMut::whole(&mut q)).expect("upload");
-        let mut out = gpu.alloc(q_host.len()).expect("alloc");
+        let shape = (batch, width, before, chunk);
+        let PagedBench {
+            kv,
+            kv16,
+            tables,
+            lens,
+            gt,
+            gl,
+            q,
+            mut out,
+        } = paged_bench(gpu, &mut rng, shape, (hq, hkv, d, bs));
         let dims = AttentionDims::new(batch, chunk, hq, hkv, d);
         let tables_of = || BlockTables {
             block_size: bs,
