@@ -187,7 +187,7 @@ pub trait Collective: Send + Sync {
     }
 
     /// Whether [`Collective::sum_device`] can sum a buffer like `buffer` on its device
-    /// (then the trainer sums there, after the backward, rather than through the host).
+    /// (then the trainer sums there rather than through the host).
     fn sums_on_device(&self, _buffer: &dyn std::any::Any) -> bool {
         false
     }
