@@ -137,12 +137,8 @@ impl Overlap {
                 return;
             }
             let mut values = vec![0.0f32; views.iter().map(|v| v.len()).sum()];
-            let mut at = 0;
-            for v in views {
-                if be.download(*v, &mut values[at..at + v.len()]).is_err() {
-                    return;
-                }
-                at += v.len();
+            if read_views(be, views, &mut values).is_err() {
+                return;
             }
             let bucket = (values, holders[h.count].clone());
             if let Some(q) = &h.queue
@@ -325,13 +321,23 @@ fn read<B: Backend>(
     ranges: &[Range],
     values: &mut [f32],
 ) -> Result<(), TrainError> {
+    let views = ranges
+        .iter()
+        .map(|&(i, offset, len)| View::new(buffers[i], offset, len))
+        .collect::<Result<Vec<_>, _>>()?;
+    read_views(be, &views, values)
+}
+
+/// Reads `views` into `values`, one after another.
+fn read_views<B: Backend>(
+    be: &B,
+    views: &[View<'_, B::Buffer>],
+    values: &mut [f32],
+) -> Result<(), TrainError> {
     let mut at = 0;
-    for &(i, offset, len) in ranges {
-        be.download(
-            View::new(buffers[i], offset, len)?,
-            &mut values[at..at + len],
-        )?;
-        at += len;
+    for v in views {
+        be.download(*v, &mut values[at..at + v.len()])?;
+        at += v.len();
     }
     Ok(())
 }
