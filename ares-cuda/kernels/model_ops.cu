@@ -155,11 +155,13 @@ extern "C" __global__ void bias_add(float* __restrict__ out, const float* __rest
 // ---------------------------------------------------------------------------------------
 // Embedding.
 
-// out[t, :] = table[ids[t], :]; a row whose id is >= rows is NaN (status ST_BAD_ID).
-extern "C" __global__ void embedding_fwd(const unsigned* __restrict__ ids,
-                                         const float* __restrict__ table, i64 rows, i64 dim,
-                                         i64 tokens, float* __restrict__ out,
-                                         unsigned* __restrict__ status) {
+// out[t, :] = table[ids[t], :] (a bf16 table's bits widened, exact); a row whose id is
+// >= rows is NaN (status ST_BAD_ID).
+template <typename T>
+__device__ __forceinline__ void embedding_rows(const unsigned* __restrict__ ids,
+                                               const T* __restrict__ table, i64 rows, i64 dim,
+                                               i64 tokens, float* __restrict__ out,
+                                               unsigned* __restrict__ status) {
     for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
         const i64 id = ids[t];
         float* o = out + t * dim;
@@ -168,9 +170,24 @@ extern "C" __global__ void embedding_fwd(const unsigned* __restrict__ ids,
             if (threadIdx.x == 0) atomicOr(status, ST_BAD_ID);
             continue;
         }
-        const float* src = table + id * dim;
-        for (i64 c = threadIdx.x; c < dim; c += blockDim.x) o[c] = src[c];
+        const T* src = table + id * dim;
+        for (i64 c = threadIdx.x; c < dim; c += blockDim.x) o[c] = widen(src[c]);
     }
+}
+
+extern "C" __global__ void embedding_fwd(const unsigned* __restrict__ ids,
+                                         const float* __restrict__ table, i64 rows, i64 dim,
+                                         i64 tokens, float* __restrict__ out,
+                                         unsigned* __restrict__ status) {
+    embedding_rows(ids, table, rows, dim, tokens, out, status);
+}
+
+// An embedding stored in bf16 (a model's weights stored in bf16).
+extern "C" __global__ void embedding_fwd_bf16(const unsigned* __restrict__ ids,
+                                              const unsigned short* __restrict__ table, i64 rows,
+                                              i64 dim, i64 tokens, float* __restrict__ out,
+                                              unsigned* __restrict__ status) {
+    embedding_rows(ids, table, rows, dim, tokens, out, status);
 }
 
 // dtable[ids[t], :] += dout[t, :], deterministic without atomics: the block of the first

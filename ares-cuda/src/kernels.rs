@@ -128,6 +128,7 @@ kernel_table! {
         swiglu_fwd: "swiglu_fwd",
         swiglu_bwd: "swiglu_bwd",
         embedding_fwd: "embedding_fwd",
+        embedding_fwd_bf16: "embedding_fwd_bf16",
         embedding_bwd: "embedding_bwd",
         rmsnorm_fwd: "rmsnorm_fwd",
         add_rmsnorm_fwd: "add_rmsnorm_fwd",

@@ -646,6 +646,66 @@ fn kernel_on_cpu_stochastic_bf16_rounding_is_the_cpu_twin() {
     }
 }
 
+/// The gather of an embedding stored in bf16 (`embedding_fwd_bf16`, never run on a GPU):
+/// the CPU's rows, widened, whatever the launch shape (two blocks of 32 threads stride over
+/// 7 tokens of 70 features); an id past the table gives a NaN row and the status bit.
+#[test]
+fn kernel_on_cpu_bf16_embedding_is_the_cpu_twin() {
+    let Some(lib) = model_kernels() else { return };
+    type Gather =
+        unsafe extern "C" fn(u32, u32, *const u32, *const u16, i64, i64, i64, *mut f32, *mut u32);
+    let gather = launcher!(lib, "emu_embedding_fwd_bf16", Gather);
+    let (rows, dim) = (11usize, 70usize);
+    let mut rng = Rng(4);
+    let table: Vec<u16> = (0..rows * dim)
+        .map(|_| (rng.range(-2.0, 2.0).to_bits() >> 16) as u16)
+        .collect();
+    let ids = [3u32, 0, 10, 3, 7, 7, 1];
+    let mut want = vec![0.0f32; ids.len() * dim];
+    ares_cpu::ops::embedding::embedding_forward_bf16(&ids, &table, rows, dim, &mut want)
+        .expect("cpu");
+    let mut got = vec![NAN; want.len()];
+    let mut status = 0u32;
+    // SAFETY: ids holds 7 ids < rows, table rows × dim values, got 7 × dim slots.
+    unsafe {
+        gather(
+            2,
+            32,
+            ids.as_ptr(),
+            table.as_ptr(),
+            rows as i64,
+            dim as i64,
+            7,
+            got.as_mut_ptr(),
+            &mut status,
+        )
+    };
+    assert_eq!(got, want);
+    assert_eq!(status, 0);
+    let bad = [2u32, rows as u32];
+    // SAFETY: as above, two ids.
+    unsafe {
+        gather(
+            1,
+            32,
+            bad.as_ptr(),
+            table.as_ptr(),
+            rows as i64,
+            dim as i64,
+            2,
+            got.as_mut_ptr(),
+            &mut status,
+        )
+    };
+    let row_2: Vec<f32> = table[2 * dim..3 * dim]
+        .iter()
+        .map(|&b| f32::from_bits(u32::from(b) << 16))
+        .collect();
+    assert_eq!(got[..dim], row_2);
+    assert!(got[dim..2 * dim].iter().all(|x| x.is_nan()));
+    assert_ne!(status, 0);
+}
+
 /// `emu_attention_fwd_mma`: grid, head size, then the kernel's arguments (packed segments
 /// last: offsets and their count, or null and 0).
 type AttnFwdMma = unsafe extern "C" fn(

@@ -2956,27 +2956,35 @@ fn bf16_weight_storage_matches_cpu() {
             .collect();
         assert_eq!(down(&gpu, &g32), widened, "widen_bf16 n={n}");
     }
-    let (mut cpu_model, mut gpu_model) = models(&gpu, "qwen2_tiny");
-    cpu_model.set_matmul_precision(MatmulPrecision::Bf16);
-    gpu_model.set_matmul_precision(MatmulPrecision::Bf16);
-    cpu_model.set_weight_storage(WeightStorage::Bf16).unwrap();
-    gpu_model.set_weight_storage(WeightStorage::Bf16).unwrap();
-    assert_eq!(gpu_model.weight_storage(), WeightStorage::Bf16);
-    let s = random_set(2, 40, gpu_model.spec().vocab as u32);
-    let (glp, _, _, gw) = train_step(&mut gpu_model, &s);
-    let (clp, _, _, cw) = train_step(&mut cpu_model, &s);
-    assert_close("bf16 weights: log_probs", &glp, &clp, 2e-3);
-    let (mut unequal, mut total) = (0usize, 0usize);
-    for (i, (g, c)) in gw.iter().zip(&cw).enumerate() {
-        for (&a, &b) in g.iter().zip(c) {
-            let ulp = f32::from_bits((b.abs().to_bits() & 0xffff_0000) + 0x1_0000) - b.abs();
-            assert!((a - b).abs() <= ulp.max(1e-6), "tensor {i}: {a} vs {b}");
-            unequal += usize::from(a != b);
+    // the weight matrices stored in bf16 (a tied and an untied embedding): two steps
+    for name in ["qwen2_tiny", "llama_tiny"] {
+        let (mut cpu_model, mut gpu_model) = models(&gpu, name);
+        cpu_model.set_matmul_precision(MatmulPrecision::Bf16);
+        gpu_model.set_matmul_precision(MatmulPrecision::Bf16);
+        cpu_model.set_weight_storage(WeightStorage::Bf16).unwrap();
+        gpu_model.set_weight_storage(WeightStorage::Bf16).unwrap();
+        assert_eq!(gpu_model.weight_storage(), WeightStorage::Bf16);
+        let s = random_set(2, 40, gpu_model.spec().vocab as u32);
+        let (glp, _, _, gw) = train_step(&mut gpu_model, &s);
+        let (clp, _, _, cw) = train_step(&mut cpu_model, &s);
+        assert_close(&format!("{name} bf16 weights: log_probs"), &glp, &clp, 2e-3);
+        let (mut unequal, mut total) = (0usize, 0usize);
+        for (i, (g, c)) in gw.iter().zip(&cw).enumerate() {
+            for (&a, &b) in g.iter().zip(c) {
+                let ulp = f32::from_bits((b.abs().to_bits() & 0xffff_0000) + 0x1_0000) - b.abs();
+                assert!(
+                    (a - b).abs() <= ulp.max(1e-6),
+                    "{name} tensor {i}: {a} vs {b}"
+                );
+                unequal += usize::from(a != b);
+            }
+            total += c.len();
         }
-        total += c.len();
+        eprintln!(
+            "{name} bf16 weights after two steps: {unequal} of {total} elements differ by an ulp"
+        );
+        assert!(unequal * 100 <= total, "{name}: {unequal} of {total}");
     }
-    eprintln!("bf16 weights after two steps: {unequal} of {total} elements differ by an ulp");
-    assert!(unequal * 100 <= total, "{unequal} of {total}");
 }
 
 #[test]

@@ -287,6 +287,53 @@ fn stored_bf16_weights_are_what_the_bf16_products_read() {
     assert_eq!(counts.host_waits, 1, "{:?}", counts.calls);
 }
 
+/// Stored in bf16, the embedding is gathered from its bf16 table and the LM head multiplies
+/// by its bf16 weight, as the linear layers do; AdamW updates each bf16 weight in one op a
+/// tensor (the seven projections of every layer, the head, an untied embedding).
+#[test]
+fn weights_stored_in_bf16_are_read_by_the_bf16_ops() {
+    use ares_model::backend::Counting;
+    use ares_model::model::WeightStorage;
+    for name in ["qwen2_tiny", "llama_tiny"] {
+        let ck = Checkpoint::load(&fixture(name)).unwrap();
+        let mut m = Model::from_checkpoint(Counting::new(CpuBackend), &ck).unwrap();
+        m.set_matmul_precision(MatmulPrecision::Bf16);
+        m.set_weight_storage(WeightStorage::Bf16).unwrap();
+        let untied = usize::from(!m.spec().tied_embeddings);
+        // 4 × 5 tokens: under 64 rows, so only what is stored in bf16 multiplies in bf16
+        let b = Batch::new(4, 5, m.spec().vocab);
+        let n = b.batch * b.seq;
+        let targets = vec![1u32; n];
+        let mut acts = m.activations_full(b.batch, b.seq).unwrap();
+        let mut g = m.grads().unwrap();
+        let mut opt = AdamW::new(&m, AdamWConfig::default()).unwrap();
+        m.backend().take();
+        m.forward(&b.inputs(), &mut acts).unwrap();
+        m.log_prob_entropy(&mut acts, &targets, 1.0).unwrap();
+        m.backward_from_log_prob_grads(
+            &b.inputs(),
+            &mut acts,
+            &targets,
+            &vec![0.5; n],
+            1.0,
+            &mut g,
+        )
+        .unwrap();
+        let calls = m.backend().take().calls;
+        let count = |op: &str| calls.iter().filter(|&&c| c == op).count();
+        let products = 7 * m.spec().layers + 1;
+        assert_eq!(count("embedding_bf16"), 1, "{name}");
+        assert_eq!(count("embedding"), 2, "{name}: RoPE's cos and sin only");
+        assert_eq!(count("linear_bf16"), products, "{name}");
+        assert_eq!(count("linear_backward_bf16"), products, "{name}");
+        assert_eq!(count("linear") + count("linear_backward"), 0, "{name}");
+        opt.step(&mut m, &g, 1e-3, Some(1.0)).unwrap();
+        let calls = m.backend().take().calls;
+        let count = |op: &str| calls.iter().filter(|&&c| c == op).count();
+        assert_eq!(count("adamw_step_bf16_weight"), products + untied, "{name}");
+    }
+}
+
 /// Under bf16, a pass of ≥ 64 tokens at a head size of the tensor-core kernels (64 here)
 /// runs attention through `attention_bf16` and `attention_backward_bf16` — the kernels'
 /// twins on the CPU; the log-probs and gradients stay within bf16 of exact f32, and at
@@ -565,19 +612,30 @@ fn bf16_tower_attention_runs_on_the_tensor_core_twin() {
     }
 }
 
-/// Linear weights stored in bf16 (`Model::set_weight_storage`) are the bf16 copies with the
-/// f32 buffers freed: every pass gives the bits of a model keeping copies beside f32
-/// weights (bf16 products, ≥ 64 rows), the weights take 2 bytes instead of 4 + 2, the
+/// Weight matrices stored in bf16 (`Model::set_weight_storage`: the linear layers', the
+/// embedding, the LM head) are bf16 copies with the f32 buffers freed: every pass gives the
+/// bits of a model keeping copies beside f32 weights (bf16 products, ≥ 64 rows) whose
+/// embedding and head hold bf16 values, the weights take 2 bytes instead of 4 (+ 2), the
 /// values read back (`to_weights`, `read_trainable`) are the copies widened, and the copies
-/// cannot be dropped.
+/// cannot be dropped. Tied (qwen2_tiny) and untied embeddings.
 #[test]
 fn weights_stored_in_bf16_are_the_copies_without_f32() {
     use ares_model::model::{ModelError, WeightStorage};
+    let round =
+        |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| MatmulPrecision::Bf16.round(x)).collect() };
     for name in ["qwen2_tiny", "qwen3_tiny", "llama_tiny"] {
+        let w0 = model(name).to_weights().unwrap();
         let mut copied = model(name);
         let mut stored = model(name);
         for m in [&mut copied, &mut stored] {
             m.set_matmul_precision(MatmulPrecision::Bf16);
+        }
+        // the copied model's embedding and head hold the values storing rounds them to
+        // (trainable buffers 0 and, untied, 2)
+        let untied = !copied.spec().tied_embeddings;
+        for i in [0].into_iter().chain(untied.then_some(2)) {
+            let v = round(&copied.read_trainable(i).unwrap());
+            copied.write_trainable(i, &v).unwrap();
         }
         copied.set_bf16_weights(true).unwrap();
         stored.set_weight_storage(WeightStorage::Bf16).unwrap();
@@ -585,9 +643,13 @@ fn weights_stored_in_bf16_are_the_copies_without_f32() {
         let s = stored.spec().clone();
         let linear = s.layers
             * (s.hidden * (2 * s.q_dim() + 2 * s.kv_dim()) + 3 * s.hidden * s.intermediate);
+        // f32 linear weights, embedding and head gone; an untied embedding's copy added
+        let cv = (s.hidden * s.vocab) as u64;
+        let freed =
+            4 * linear as u64 + 4 * cv * (1 + u64::from(untied)) - 2 * cv * u64::from(untied);
         assert_eq!(
             copied.weight_bytes() - stored.weight_bytes(),
-            4 * linear as u64,
+            freed,
             "{name}"
         );
 
@@ -597,7 +659,8 @@ fn weights_stored_in_bf16_are_the_copies_without_f32() {
         let targets: Vec<u32> = b.ids.iter().map(|&t| (t + 2) % s.vocab as u32).collect();
         let coeffs: Vec<f32> = (0..n).map(|i| (i % 5) as f32 / 5.0 - 0.3).collect();
         let grads = |m: &Model<CpuBackend>| {
-            let mut acts = m.activations_chunked(b.batch, b.seq, 24).unwrap();
+            // the whole head at once: a chunk under 64 rows multiplies in f32 by f32 weights
+            let mut acts = m.activations_full(b.batch, b.seq).unwrap();
             m.forward(&b.inputs(), &mut acts).unwrap();
             m.log_prob_entropy(&mut acts, &targets, 1.0).unwrap();
             let mut g = m.grads().unwrap();
@@ -621,10 +684,17 @@ fn weights_stored_in_bf16_are_the_copies_without_f32() {
         }
         // the values: the f32 weights rounded to nearest once
         let (w_c, w_s) = (copied.to_weights().unwrap(), stored.to_weights().unwrap());
-        let round =
-            |v: &[f32]| -> Vec<f32> { v.iter().map(|&x| MatmulPrecision::Bf16.round(x)).collect() };
         assert_eq!(w_s.layers[1].v_proj.data, round(&w_c.layers[1].v_proj.data));
-        assert_eq!(w_s.embed_tokens.data, w_c.embed_tokens.data, "kept in f32");
+        assert_eq!(w_s.embed_tokens.data, round(&w0.embed_tokens.data));
+        assert_eq!(
+            w_s.lm_head.map(|t| t.data),
+            w0.lm_head.map(|t| round(&t.data))
+        );
+        assert_eq!(
+            w_s.layers[0].input_layernorm.data, w0.layers[0].input_layernorm.data,
+            "kept in f32"
+        );
+        assert_eq!(stored.read_trainable(0).unwrap(), w_s.embed_tokens.data);
         let last = stored.trainable_buffers().len() - 1;
         assert_eq!(
             stored.read_trainable(last).unwrap(),
@@ -666,9 +736,10 @@ fn bf16_weights_take_updates_below_half_an_ulp() {
     let (mut b, mut opt_b) = stored(7);
     let (mut c, mut opt_c) = stored(8);
     let mut opt_m = AdamW::new(&master, AdamWConfig::default()).unwrap();
-    // every linear weight, flattened
+    // every weight stored in bf16 (the linear layers', the tied embedding), flattened
     let linear = |m: &Model<CpuBackend>| -> Vec<f32> {
         let w = m.to_weights().unwrap();
+        let embed = w.embed_tokens.data.clone();
         w.layers
             .iter()
             .flat_map(|l| {
@@ -685,6 +756,7 @@ fn bf16_weights_take_updates_below_half_an_ulp() {
                 .flat_map(|t| t.data.iter().copied())
                 .collect::<Vec<_>>()
             })
+            .chain(embed)
             .collect()
     };
     let start = linear(&master);

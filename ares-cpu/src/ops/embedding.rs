@@ -28,6 +28,39 @@ pub fn embedding_forward(
     dim: usize,
     out: &mut [f32],
 ) -> Result<()> {
+    gather(ids, table, vocab, dim, out, |row, src| {
+        row.copy_from_slice(src)
+    })
+}
+
+/// [`embedding_forward`] from a table stored in bf16 (`table` holds the bits): each row
+/// widened to f32 (exact) as it is gathered — a model's embedding stored in bf16.
+///
+/// # Errors
+/// As [`embedding_forward`]; nothing is written on error.
+pub fn embedding_forward_bf16(
+    ids: &[u32],
+    table: &[u16],
+    vocab: usize,
+    dim: usize,
+    out: &mut [f32],
+) -> Result<()> {
+    gather(ids, table, vocab, dim, out, |row, src| {
+        for (o, &b) in row.iter_mut().zip(src) {
+            *o = f32::from_bits(u32::from(b) << 16);
+        }
+    })
+}
+
+/// `out[t, :] = widen(table[ids[t], :])` after the shapes and ids are checked.
+fn gather<T: Sync>(
+    ids: &[u32],
+    table: &[T],
+    vocab: usize,
+    dim: usize,
+    out: &mut [f32],
+    widen: impl Fn(&mut [f32], &[T]) + Sync,
+) -> Result<()> {
     check_shapes(ids, vocab, dim, ("table", table.len()), ("out", out.len()))?;
     if dim == 0 {
         return Ok(());
@@ -36,7 +69,7 @@ pub fn embedding_forward(
     // range.
     let copy_row = |(row, &id): (&mut [f32], &u32)| {
         let start = id as usize * dim;
-        row.copy_from_slice(&table[start..start + dim]);
+        widen(row, &table[start..start + dim]);
     };
     if out.len() >= PAR_MIN_ELEMS {
         out.par_chunks_mut(dim)
@@ -147,6 +180,30 @@ mod tests {
             let id = id as usize;
             assert_eq!(out[t * dim..(t + 1) * dim], table[id * dim..(id + 1) * dim]);
         }
+    }
+
+    /// A bf16 table gathers the rows widened: the f32 table of the same values, bit for
+    /// bit, at both the serial and the parallel sizes; a bad id writes nothing.
+    #[test]
+    fn bf16_table_gathers_widened_rows() {
+        for (vocab, dim, tokens) in [(5, 3, 6), (40, 1024, 70)] {
+            let bits: Vec<u16> = rand_vec(vocab * dim, 2)
+                .iter()
+                .map(|x| (x.to_bits() >> 16) as u16)
+                .collect();
+            let table: Vec<f32> = bits
+                .iter()
+                .map(|&b| f32::from_bits(u32::from(b) << 16))
+                .collect();
+            let ids: Vec<u32> = (0..tokens).map(|t| (t * 7 % vocab) as u32).collect();
+            let (mut want, mut got) = (vec![0.0; tokens * dim], vec![f32::NAN; tokens * dim]);
+            embedding_forward(&ids, &table, vocab, dim, &mut want).unwrap();
+            embedding_forward_bf16(&ids, &bits, vocab, dim, &mut got).unwrap();
+            assert_eq!(got, want);
+        }
+        let mut out = vec![0.0; 4];
+        assert!(embedding_forward_bf16(&[0, 5], &[0; 10], 5, 2, &mut out).is_err());
+        assert!(out.iter().all(|&v| v == 0.0));
     }
 
     #[test]

@@ -424,6 +424,26 @@ impl ModelOps {
         self.launch_embedding(K, &self.f.embedding_fwd, ids, table, rows, dim, out)
     }
 
+    /// [`ModelOps::embedding`] from a table stored in bf16 (its bits), each row widened to
+    /// f32 (exact; twin of `ares_cpu::ops::embedding::embedding_forward_bf16`).
+    ///
+    /// # Errors
+    /// Lengths that do not match.
+    pub fn embedding_bf16(
+        &self,
+        ids: &CudaView<'_, u32>,
+        table: &CudaView<'_, u16>,
+        rows: usize,
+        dim: usize,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "embedding_fwd_bf16";
+        let tokens = ids.len();
+        check_len(K, "table", mul(K, "rows × dim", rows, dim)?, table.len())?;
+        check_len(K, "out", mul(K, "tokens × dim", tokens, dim)?, out.len())?;
+        self.launch_embedding(K, &self.f.embedding_fwd_bf16, ids, table, rows, dim, out)
+    }
+
     /// Backward of [`ModelOps::embedding`]: `dtable[ids[t], :] += dout[t, :]`,
     /// **accumulating**, deterministic (each table row sums its tokens in token order, the
     /// CPU's order: bit for bit `ares_cpu::ops::embedding::embedding_backward`). Ids
@@ -446,16 +466,16 @@ impl ModelOps {
         self.launch_embedding(K, &self.f.embedding_bwd, ids, dout, rows, dim, dtable)
     }
 
-    /// Launches `embedding_fwd` or `embedding_bwd`, which take the same arguments `(ids,
-    /// src, rows, dim, tokens, dst, status)`, one block per token; the caller has checked
-    /// `src` and `dst` against `rows × dim` and `tokens × dim`.
+    /// Launches `embedding_fwd(_bf16)` or `embedding_bwd`, which take the same arguments
+    /// `(ids, src, rows, dim, tokens, dst, status)`, one block per token; the caller has
+    /// checked `src` and `dst` against `rows × dim` and `tokens × dim`.
     #[allow(clippy::too_many_arguments)]
-    fn launch_embedding(
+    fn launch_embedding<T: cudarc::driver::DeviceRepr>(
         &self,
         k: &'static str,
         kernel: &CudaFunction,
         ids: &CudaView<'_, u32>,
-        src: &CudaView<'_, f32>,
+        src: &CudaView<'_, T>,
         rows: usize,
         dim: usize,
         dst: &mut CudaViewMut<'_, f32>,

@@ -13,6 +13,13 @@ extern "C" void emu_bf16_to_f32(unsigned grid, unsigned block, const unsigned sh
     emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] { bf16_to_f32(x, y, n); });
 }
 
+extern "C" void emu_embedding_fwd_bf16(unsigned grid, unsigned block, const unsigned* ids,
+                                       const unsigned short* table, i64 rows, i64 dim,
+                                       i64 tokens, float* out, unsigned* status) {
+    emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0,
+                [&] { embedding_fwd_bf16(ids, table, rows, dim, tokens, out, status); });
+}
+
 // The tensor-core forward at head size d (64, 80 or 128): its arguments after the launch
 // shape, in the kernel's order (packed segments: `cu` and their count; else NULL and 0).
 extern "C" void emu_attention_fwd_mma(unsigned grid, int d, const float* q, const float* k,

@@ -48,6 +48,19 @@ macro_rules! declared_ops {
                 out: Out<f32>,
             ) cpu ares_cpu::ops::embedding::embedding_forward, cuda embedding;
 
+            /// [`Backend::embedding`] from a table stored in bf16: each gathered row widened
+            /// to f32 (exact) — the embedding of a model whose weights are stored in bf16.
+            ///
+            /// # Errors
+            /// As [`Backend::embedding`]; `table` not bf16.
+            fn embedding_bf16(
+                ids: In<u32>,
+                table: In<bf16>,
+                rows: usize,
+                dim: usize,
+                out: Out<f32>,
+            ) cpu ares_cpu::ops::embedding::embedding_forward_bf16, cuda embedding_bf16;
+
             /// Linear layer `out = x · wᵀ (+ bias)`, shapes in [`LinearDims`]. `out` is
             /// overwritten. The LM head is this op with the head (or tied embedding) as `w`.
             ///

@@ -355,7 +355,7 @@ impl<B: Backend> Model<B> {
                 sc.dresidual.r(),
                 v,
                 c,
-                ViewMut::whole(&mut g.embed),
+                ViewMut::whole(g.embed.buffer_mut()),
             )?;
         }
         Ok(())
@@ -367,7 +367,7 @@ fn head_grad<B: Backend>(
     grads: Option<&mut super::weights::DeviceWeights<B>>,
 ) -> Option<crate::backend::TensorMut<'_, B>> {
     grads.map(|g| match g.lm_head.as_mut() {
-        Some(h) => ViewMut::whole(h),
-        None => ViewMut::whole(&mut g.embed),
+        Some(h) => ViewMut::whole(h.buffer_mut()),
+        None => ViewMut::whole(g.embed.buffer_mut()),
     })
 }

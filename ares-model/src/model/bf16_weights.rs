@@ -14,13 +14,14 @@
 //! [`AdamW::step`](super::AdamW::step), [`Model::write_trainable`], [`Model::merge_lora`].
 //!
 //! **Weights stored in bf16** ([`Model::set_weight_storage`], [`WeightStorage::Bf16`]): the
-//! copies of the seven linear stacks become the weights and their f32 buffers are freed —
-//! 2 bytes a linear weight instead of 4 (+ 2). The embedding, the LM head, the norms and the
-//! biases keep f32 masters (and the LM head its copy). Every product of a linear layer then
-//! reads the bf16 weight, whatever its rows; AdamW updates such a weight through an f32
-//! scratch, one layer at a time, and rounds it back **stochastically**
-//! ([`Backend::round_bf16_stochastic`]) — an RL step of 1e-6 is far below bf16's half ulp
-//! (2⁻⁹ at 1) and rounding to nearest would drop it every time.
+//! copies of the seven linear stacks and of the LM head become the weights, an untied
+//! embedding gets a bf16 copy that becomes its weight, and their f32 buffers are freed — 2
+//! bytes a weight instead of 4 (+ 2). The norms and the biases keep f32. Every product of a
+//! linear layer and of the head then reads the bf16 weight, whatever its rows, and the
+//! embedding lookup gathers bf16 rows ([`Backend::embedding_bf16`]); AdamW updates such a
+//! weight in one kernel a tensor ([`Backend::adamw_step_bf16_weight`]) and rounds it
+//! **stochastically** — an RL step of 1e-6 is far below bf16's half ulp (2⁻⁹ at 1) and
+//! rounding to nearest would drop it every time.
 
 use super::weights::{DeviceWeights, HalfStack, Stack};
 use super::{Model, ModelError};
@@ -37,8 +38,10 @@ pub(crate) struct Bf16Weights<B: Backend> {
     pub(crate) down: HalfStack<B>,
     /// `[vocab, hidden]`: the LM head, or the embedding it is tied to (one layer).
     pub(crate) lm_head: HalfStack<B>,
-    /// The seven linear copies are the weights (their f32 stacks released):
-    /// [`WeightStorage::Bf16`].
+    /// `[vocab, hidden]`: an untied embedding stored in bf16 ([`WeightStorage::Bf16`]
+    /// only: lookups in f32 need no copy).
+    pub(crate) embed: Option<HalfStack<B>>,
+    /// The copies are the weights (their f32 stacks released): [`WeightStorage::Bf16`].
     pub(crate) master: bool,
 }
 
@@ -48,7 +51,8 @@ pub enum WeightStorage {
     /// f32 (the optimizer's master), with or without bf16 copies for bf16 products.
     #[default]
     F32,
-    /// bf16 only: half the memory of the linear weights, stochastic rounding in the update.
+    /// bf16 only: half the memory of the weight matrices (linear layers, embedding, LM
+    /// head), stochastic rounding in the update.
     Bf16,
 }
 
@@ -76,16 +80,9 @@ impl<B: Backend> Bf16Weights<B> {
             up: copy(&w.up)?,
             down: copy(&w.down)?,
             lm_head: HalfStack::rounded(be, head, head.len())?,
+            embed: None,
             master: false,
         })
-    }
-
-    /// The seven linear copies (q, k, v, o, gate, up, down), in
-    /// [`DeviceWeights::linear_stacks_mut`]'s order.
-    pub(crate) fn linear(&self) -> [&HalfStack<B>; 7] {
-        [
-            &self.q, &self.k, &self.v, &self.o, &self.gate, &self.up, &self.down,
-        ]
     }
 
     /// Rounds the f32 weights of `w` into the copies again: all of them, or with `only` the
@@ -96,20 +93,10 @@ impl<B: Backend> Bf16Weights<B> {
         w: &DeviceWeights<B>,
         only: Option<&B::Buffer>,
     ) -> Result<(), ModelError> {
-        let head = w.lm_head.as_ref().unwrap_or(&w.embed);
-        let pairs = [
-            (w.q.buffer(), &mut self.q),
-            (w.k.buffer(), &mut self.k),
-            (w.v.buffer(), &mut self.v),
-            (w.o.buffer(), &mut self.o),
-            (w.gate.buffer(), &mut self.gate),
-            (w.up.buffer(), &mut self.up),
-            (w.down.buffer(), &mut self.down),
-            (head, &mut self.lm_head),
-        ];
-        for (src, copy) in pairs {
+        let sources = Self::sources(w);
+        for (src, copy) in sources.into_iter().zip(self.stacks_mut()) {
             // a released stack's copy is the weight itself: nothing to round from
-            let released = src.is_empty() && !copy.whole().is_empty();
+            let released = src.is_empty() && copy.len() != 0;
             if !released && only.is_none_or(|o| std::ptr::eq(o, src)) {
                 copy.round_from(be, View::whole(src))?;
             }
@@ -117,12 +104,22 @@ impl<B: Backend> Bf16Weights<B> {
         Ok(())
     }
 
-    /// Bytes of the copies.
     /// For each of `w`'s buffers ([`DeviceWeights::buffers`] order), the index of its copy
     /// in [`Bf16Weights::copies_mut`] (`None`: no copy, e.g. the norms).
     pub(crate) fn copy_indices(&self, w: &DeviceWeights<B>) -> Vec<Option<usize>> {
-        let head = w.lm_head.as_ref().unwrap_or(&w.embed);
-        let sources = [
+        let sources = Self::sources(w);
+        let copies = self.stacks().len();
+        w.buffers()
+            .into_iter()
+            .map(|b| sources[..copies].iter().position(|s| std::ptr::eq(*s, b)))
+            .collect()
+    }
+
+    /// The f32 buffer of each copy in [`Bf16Weights::stacks`]' order: the seven linear
+    /// stacks, the LM head (or the embedding it is tied to), the embedding (used only when
+    /// it has a copy).
+    fn sources(w: &DeviceWeights<B>) -> [&B::Buffer; 9] {
+        [
             w.q.buffer(),
             w.k.buffer(),
             w.v.buffer(),
@@ -130,61 +127,15 @@ impl<B: Backend> Bf16Weights<B> {
             w.gate.buffer(),
             w.up.buffer(),
             w.down.buffer(),
-            head,
-        ];
-        w.buffers()
-            .into_iter()
-            .map(|b| sources.iter().position(|s| std::ptr::eq(*s, b)))
-            .collect()
-    }
-
-    /// Copy `k` in [`Bf16Weights::copy_indices`]'s numbering (7 and past: the LM head).
-    pub(crate) fn by_index(&self, k: usize) -> &HalfStack<B> {
-        match k {
-            0 => &self.q,
-            1 => &self.k,
-            2 => &self.v,
-            3 => &self.o,
-            4 => &self.gate,
-            5 => &self.up,
-            6 => &self.down,
-            _ => &self.lm_head,
-        }
-    }
-
-    /// Copy `k`, writable.
-    pub(crate) fn by_index_mut(&mut self, k: usize) -> &mut HalfStack<B> {
-        match k {
-            0 => &mut self.q,
-            1 => &mut self.k,
-            2 => &mut self.v,
-            3 => &mut self.o,
-            4 => &mut self.gate,
-            5 => &mut self.up,
-            6 => &mut self.down,
-            _ => &mut self.lm_head,
-        }
-    }
-
-    /// The copies' bits, writable, in [`Bf16Weights::copy_indices`]'s numbering.
-    pub(crate) fn copies_mut(&mut self) -> Vec<&mut B::Half> {
-        [
-            &mut self.q,
-            &mut self.k,
-            &mut self.v,
-            &mut self.o,
-            &mut self.gate,
-            &mut self.up,
-            &mut self.down,
-            &mut self.lm_head,
+            w.head_stack().buffer(),
+            w.embed.buffer(),
         ]
-        .into_iter()
-        .map(HalfStack::buffer_mut)
-        .collect()
     }
 
-    pub(crate) fn bytes(&self) -> u64 {
-        [
+    /// Every copy, in [`Bf16Weights::copy_indices`]' numbering: q, k, v, o, gate, up, down,
+    /// the LM head, then the untied embedding's when it has one.
+    fn stacks(&self) -> Vec<&HalfStack<B>> {
+        let mut out = vec![
             &self.q,
             &self.k,
             &self.v,
@@ -193,10 +144,58 @@ impl<B: Backend> Bf16Weights<B> {
             &self.up,
             &self.down,
             &self.lm_head,
-        ]
-        .iter()
-        .map(|s| 2 * s.len() as u64)
-        .sum()
+        ];
+        out.extend(self.embed.as_ref());
+        out
+    }
+
+    /// [`Bf16Weights::stacks`], writable.
+    fn stacks_mut(&mut self) -> Vec<&mut HalfStack<B>> {
+        let mut out = vec![
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.o,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.down,
+            &mut self.lm_head,
+        ];
+        out.extend(self.embed.as_mut());
+        out
+    }
+
+    /// Copy `k` in [`Bf16Weights::copy_indices`]' numbering.
+    pub(crate) fn by_index(&self, k: usize) -> Result<&HalfStack<B>, ModelError> {
+        self.stacks()
+            .get(k)
+            .copied()
+            .ok_or(ModelError::LayoutMismatch {
+                what: "bf16 weight copy index",
+            })
+    }
+
+    /// Copy `k`, writable.
+    pub(crate) fn by_index_mut(&mut self, k: usize) -> Result<&mut HalfStack<B>, ModelError> {
+        self.stacks_mut()
+            .into_iter()
+            .nth(k)
+            .ok_or(ModelError::LayoutMismatch {
+                what: "bf16 weight copy index",
+            })
+    }
+
+    /// The copies' bits, writable, in [`Bf16Weights::copy_indices`]' numbering.
+    pub(crate) fn copies_mut(&mut self) -> Vec<&mut B::Half> {
+        self.stacks_mut()
+            .into_iter()
+            .map(HalfStack::buffer_mut)
+            .collect()
+    }
+
+    /// Bytes of the copies.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.stacks().iter().map(|s| 2 * s.len() as u64).sum()
     }
 }
 
@@ -233,15 +232,16 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
-    /// Stores the linear layers' weights (q, k, v, o, gate, up, down of every layer) in
-    /// `storage`. [`WeightStorage::Bf16`] rounds them to bf16 (nearest, ties to even) as the
-    /// weights and frees their f32 buffers: half their memory, and no f32 master — every
-    /// product of those layers reads the bf16 weight (at any number of rows, whatever
-    /// [`Model::set_matmul_precision`] says; the LM head follows the precision as before),
-    /// and [`AdamW`](super::AdamW) updates them with stochastic rounding. Generation,
-    /// export ([`Model::to_weights`]: the bf16 values widened, exact), LoRA and the
-    /// data-parallel host exchange read them widened. [`WeightStorage::F32`] widens them
-    /// back (exact) into f32 weights, keeping the copies.
+    /// Stores the weight matrices — the linear layers' (q, k, v, o, gate, up, down of every
+    /// layer), the embedding and the LM head — in `storage`. [`WeightStorage::Bf16`] rounds
+    /// them to bf16 (nearest, ties to even) as the weights and frees their f32 buffers: half
+    /// their memory, and no f32 master — every product of those layers and of the head
+    /// reads the bf16 weight (at any number of rows, whatever
+    /// [`Model::set_matmul_precision`] says), the embedding lookup gathers bf16 rows, and
+    /// [`AdamW`](super::AdamW) updates them with stochastic rounding. Norms and biases stay
+    /// f32. Generation, export ([`Model::to_weights`]: the bf16 values widened, exact), LoRA
+    /// and the data-parallel host exchange read them widened. [`WeightStorage::F32`] widens
+    /// them back (exact) into f32 weights, keeping the copies the bf16 products read.
     ///
     /// # Errors
     /// A backend failure (the copies or the f32 buffers could not be allocated).
@@ -254,24 +254,34 @@ impl<B: Backend> Model<B> {
                 if self.bf16_weights.is_none() {
                     self.set_bf16_weights(true)?;
                 }
-                let be = &self.backend;
-                for stack in self.weights.linear_stacks_mut() {
+                let (be, w) = (&self.backend, &mut self.weights);
+                let copies = self
+                    .bf16_weights
+                    .as_mut()
+                    .ok_or(ModelError::LayoutMismatch {
+                        what: "bf16 weight copies",
+                    })?;
+                // an untied embedding is looked up, not multiplied: its copy starts here
+                if w.lm_head.is_some() && copies.embed.is_none() {
+                    let embed = HalfStack::rounded(be, w.embed.whole(), w.embed.item())?;
+                    copies.embed = Some(embed);
+                }
+                for stack in w.stored_stacks_mut() {
                     stack.release(be)?;
                 }
-                if let Some(c) = self.bf16_weights.as_mut() {
-                    c.master = true;
-                }
+                copies.master = true;
             }
             WeightStorage::F32 => {
                 let be = &self.backend;
                 let Some(copies) = self.bf16_weights.as_mut() else {
                     return Ok(());
                 };
-                let stacks = self.weights.linear_stacks_mut();
-                for (stack, copy) in stacks.into_iter().zip(copies.linear()) {
+                let stacks = self.weights.stored_stacks_mut();
+                for (stack, copy) in stacks.into_iter().zip(copies.stacks()) {
                     let widened = copy.widened(be)?;
                     stack.restore(widened.into_buffer())?;
                 }
+                copies.embed = None;
                 copies.master = false;
             }
         }
@@ -282,7 +292,7 @@ impl<B: Backend> Model<B> {
     /// order) when the model stores it in bf16 only.
     pub(crate) fn stored_bf16(&self, buffer: usize) -> Option<&HalfStack<B>> {
         let k = self.stored_bf16_index(buffer)?;
-        self.bf16_weights.as_ref().map(|c| c.by_index(k))
+        self.bf16_weights.as_ref().and_then(|c| c.by_index(k).ok())
     }
 
     /// [`Model::stored_bf16`]'s copy index (in [`Bf16Weights::copy_indices`]' numbering).
@@ -297,7 +307,7 @@ impl<B: Backend> Model<B> {
         released.then_some(k)
     }
 
-    /// How the linear layers' weights are stored ([`Model::set_weight_storage`]).
+    /// How the weight matrices are stored ([`Model::set_weight_storage`]).
     pub fn weight_storage(&self) -> WeightStorage {
         match self.bf16_weights.as_ref().is_some_and(|c| c.master) {
             true => WeightStorage::Bf16,
@@ -305,8 +315,8 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    /// Bytes the model's weights hold on the device: the f32 buffers (none for linear
-    /// weights stored in bf16) and the bf16 copies or weights (LoRA pairs not counted).
+    /// Bytes the model's weights hold on the device: the f32 buffers (none for weights
+    /// stored in bf16) and the bf16 copies or weights (LoRA pairs not counted).
     pub fn weight_bytes(&self) -> u64 {
         let f32s: u64 = self.weights.buffers().iter().map(|b| b.len() as u64).sum();
         4 * f32s + self.bf16_weight_bytes()

@@ -180,16 +180,22 @@ impl<B: Backend> DecodeWeights<B> {
                 WeightDtype::Bf16 => DecodeStack::Bf16(t.packed_bf16(backend, rows, cols)?),
             })
         };
-        let head = w.lm_head();
-        let mut lm_head = backend.alloc(head.len())?;
-        backend.transpose(head, v, c, ViewMut::whole(&mut lm_head))?;
+        let mut lm_head = backend.alloc(v * c)?;
+        match copies.filter(|_| w.head_stack().is_released()) {
+            // stored in bf16: widened first (exact)
+            Some(c16) => {
+                let head = c16.lm_head.widened(backend)?;
+                backend.transpose(head.whole(), v, c, ViewMut::whole(&mut lm_head))?;
+            }
+            None => backend.transpose(w.lm_head(), v, c, ViewMut::whole(&mut lm_head))?,
+        }
         let lm_head = Stack::new(lm_head, c * v);
         // `[out, in]` weights of `target` transposed, the pairs added
         let t = |target: Target, stack: &Stack<B>, out, inp| -> Result<Stack<B>, ModelError> {
             let mut wt = match copies.filter(|_| stack.is_released()) {
                 // stored in bf16: widened first (exact)
                 Some(c) => {
-                    let w = c.by_index(target as usize).widened(backend)?;
+                    let w = c.by_index(target as usize)?.widened(backend)?;
                     w.transposed(backend, out, inp)?
                 }
                 None => stack.transposed(backend, out, inp)?,

@@ -167,13 +167,11 @@ impl<B: Backend> Model<B> {
 
         // Token embeddings (image/video rows replaced), and each token's RoPE cos/sin:
         // gathered from the tables by position, or M-RoPE's given per token.
-        be.embedding(
-            &acts.ids,
-            View::whole(&w.embed),
-            v,
-            c,
-            ViewMut::whole(&mut acts.layers.encoded),
-        )?;
+        let encoded = ViewMut::whole(&mut acts.layers.encoded);
+        match self.stored_bf16(0) {
+            Some(table) => be.embedding_bf16(&acts.ids, table.whole(), v, c, encoded)?,
+            None => be.embedding(&acts.ids, w.embed.whole(), v, c, encoded)?,
+        }
         if let Some((rows, embeds)) = extras.embeds {
             be.scatter_rows(embeds, rows, n, c, ViewMut::whole(&mut acts.layers.encoded))?;
         }

@@ -242,7 +242,7 @@ impl<B: Backend> Model<B> {
         let (Some(k), Some(copies)) = (stored.flatten(), self.bf16_weights.as_mut()) else {
             return Err(mismatch);
         };
-        let copy = copies.by_index_mut(k);
+        let copy = copies.by_index_mut(k)?;
         if copy.len() != bits.len() {
             return Err(mismatch);
         }
@@ -261,7 +261,7 @@ impl<B: Backend> Model<B> {
         if let (Some(k), Some(copies)) = (stored.flatten(), self.bf16_weights.as_mut()) {
             // a weight stored in bf16 receives bf16 values (another rank's update): rounding
             // to nearest gives them back exactly
-            let copy = copies.by_index_mut(k);
+            let copy = copies.by_index_mut(k)?;
             if copy.len() != values.len() {
                 return Err(ModelError::LayoutMismatch {
                     what: "trainable buffer (index or length)",

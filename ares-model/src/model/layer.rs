@@ -382,7 +382,7 @@ impl<B: Backend> Model<B> {
             w: self.weights.lm_head(),
             wt: tw.and_then(|t| t.lm_head.whole()),
             w16: self.bf16_weights.as_ref().map(|c| c.lm_head.whole()),
-            stored_bf16: false,
+            stored_bf16: self.weights.head_stack().is_released(),
             bias: None,
             dims: self.linear_dims(rows, c, v),
         }

@@ -889,7 +889,7 @@ impl<B: Backend> Model<B> {
             // weights stored in bf16: merged in f32, rounded back to nearest
             Some(copies) => {
                 for t in Target::ALL {
-                    let copy = copies.by_index_mut(t as usize);
+                    let copy = copies.by_index_mut(t as usize)?;
                     let mut merged = copy.widened(be)?;
                     lora.add_delta(be, spec, t, &mut merged, false)?;
                     copy.round_from(be, merged.whole())?;

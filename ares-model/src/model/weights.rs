@@ -254,10 +254,11 @@ pub(crate) fn layer_of<B: Backend>(
 /// The model's parameters on backend `B`.
 #[derive(Debug)]
 pub(crate) struct DeviceWeights<B: Backend> {
-    /// `[vocab, hidden]`.
-    pub embed: B::Buffer,
-    /// `[vocab, hidden]`, `None` when tied to `embed`.
-    pub lm_head: Option<B::Buffer>,
+    /// `[vocab, hidden]` (one layer; released when stored in bf16).
+    pub embed: Stack<B>,
+    /// `[vocab, hidden]`, `None` when tied to `embed` (one layer; released when stored
+    /// in bf16).
+    pub lm_head: Option<Stack<B>>,
     /// Final norm `[hidden]`.
     pub norm: B::Buffer,
     pub ln1: Stack<B>,
@@ -368,9 +369,10 @@ impl<B: Backend> DeviceWeights<B> {
             });
         }
         let embed_name = "model.embed_tokens.weight";
-        let embed = upload(backend, embed_name, &weights.embed_tokens, v * c)?;
+        let whole = |buffer: B::Buffer| Stack::new(buffer, v * c);
+        let embed = whole(upload(backend, embed_name, &weights.embed_tokens, v * c)?);
         let lm_head = match (&weights.lm_head, spec.tied_embeddings) {
-            (Some(t), _) => Some(upload(backend, "lm_head.weight", t, v * c)?),
+            (Some(t), _) => Some(whole(upload(backend, "lm_head.weight", t, v * c)?)),
             (None, true) => None,
             (None, false) => {
                 return Err(ModelError::MissingWeight {
@@ -479,21 +481,23 @@ impl<B: Backend> DeviceWeights<B> {
         })
     }
 
-    /// The LM head `[vocab, hidden]`: its own tensor, or the embedding when tied.
+    /// The LM head `[vocab, hidden]`: its own tensor, or the embedding when tied (empty
+    /// when stored in bf16: [`Self::head_stack`] says).
     pub(crate) fn lm_head(&self) -> Tensor<'_, B> {
-        View::whole(self.lm_head.as_ref().unwrap_or(&self.embed))
+        self.head_stack().whole()
+    }
+
+    /// The LM head's stack: its own, or the embedding's when tied.
+    pub(crate) fn head_stack(&self) -> &Stack<B> {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
     }
 
     /// A zeroed copy of the same layout (a gradient, an optimizer moment).
     pub(crate) fn zeros_like(&self, backend: &B) -> Result<Self, ModelError> {
         let zeros = |s: &Option<Stack<B>>| s.as_ref().map(|s| s.zeros_like(backend)).transpose();
         Ok(Self {
-            embed: backend.alloc(self.embed.len())?,
-            lm_head: self
-                .lm_head
-                .as_ref()
-                .map(|h| backend.alloc(h.len()))
-                .transpose()?,
+            embed: self.embed.zeros_like(backend)?,
+            lm_head: zeros(&self.lm_head)?,
             norm: backend.alloc(self.norm.len())?,
             ln1: self.ln1.zeros_like(backend)?,
             q: self.q.zeros_like(backend)?,
@@ -516,9 +520,10 @@ impl<B: Backend> DeviceWeights<B> {
         })
     }
 
-    /// The linear layers' weight stacks (q, k, v, o, gate, up, down): the ones stored in
-    /// bf16 under [`WeightStorage::Bf16`](super::WeightStorage::Bf16).
-    pub(crate) fn linear_stacks_mut(&mut self) -> [&mut Stack<B>; 7] {
+    /// The stacks stored in bf16 under [`WeightStorage::Bf16`](super::WeightStorage::Bf16),
+    /// in the order of their copies: the linear layers' (q, k, v, o, gate, up, down), the
+    /// LM head (the embedding when tied), then an untied embedding.
+    pub(crate) fn stored_stacks_mut(&mut self) -> Vec<&mut Stack<B>> {
         let Self {
             q,
             k,
@@ -527,9 +532,16 @@ impl<B: Backend> DeviceWeights<B> {
             gate,
             up,
             down,
+            embed,
+            lm_head,
             ..
         } = self;
-        [q, k, v, o, gate, up, down]
+        let mut out = vec![q, k, v, o, gate, up, down];
+        match lm_head {
+            Some(head) => out.extend([head, embed]),
+            None => out.push(embed),
+        }
+        out
     }
 
     /// Decoder layers.
@@ -569,7 +581,7 @@ impl<B: Backend> DeviceWeights<B> {
         &mut self,
     ) -> (
         [&mut B::Buffer; 2],
-        Option<&mut B::Buffer>,
+        Option<&mut Stack<B>>,
         [(&'static str, Option<&mut Stack<B>>); 18],
     ) {
         let Self {
@@ -616,15 +628,15 @@ impl<B: Backend> DeviceWeights<B> {
             (s[16], Some(down)),
             (s[17], down_bias.as_mut()),
         ];
-        ([embed, norm], lm_head.as_mut(), stacks)
+        ([&mut embed.buffer, norm], lm_head.as_mut(), stacks)
     }
 
     /// Every buffer (stacks whole) in a fixed order: embedding, final norm, LM head if
     /// untied, then the stacks in [`LAYER_SUFFIXES`] order. Two `DeviceWeights` of the
     /// same model list matching buffers at the same index.
     pub(crate) fn buffers(&self) -> Vec<&B::Buffer> {
-        let mut out = vec![&self.embed, &self.norm];
-        out.extend(self.lm_head.as_ref());
+        let mut out = vec![&self.embed.buffer, &self.norm];
+        out.extend(self.lm_head.as_ref().map(|s| &s.buffer));
         out.extend(
             self.stacks()
                 .into_iter()
@@ -650,7 +662,7 @@ impl<B: Backend> DeviceWeights<B> {
     pub(crate) fn buffers_mut(&mut self) -> Vec<&mut B::Buffer> {
         let (whole, head, stacks) = self.parts_mut();
         let mut out: Vec<&mut B::Buffer> = whole.into_iter().collect();
-        out.extend(head);
+        out.extend(head.map(|s| &mut s.buffer));
         out.extend(
             stacks
                 .into_iter()
@@ -663,7 +675,7 @@ impl<B: Backend> DeviceWeights<B> {
     /// buffer is empty, its weight the bf16 copy).
     pub(crate) fn buffer_lens(&self) -> Vec<usize> {
         let mut out = vec![self.embed.len(), self.norm.len()];
-        out.extend(self.lm_head.as_ref().map(DeviceBuffer::len));
+        out.extend(self.lm_head.as_ref().map(Stack::len));
         out.extend(
             self.stacks()
                 .into_iter()
@@ -675,8 +687,8 @@ impl<B: Backend> DeviceWeights<B> {
     /// The tensor length of each of [`Self::buffers`], in its order: a whole buffer's
     /// length, or one layer's tensor of a stack.
     pub(crate) fn buffer_items(&self) -> Vec<usize> {
-        let mut out = vec![self.embed.len(), self.norm.len()];
-        out.extend(self.lm_head.as_ref().map(DeviceBuffer::len));
+        let mut out = vec![self.embed.item, self.norm.len()];
+        out.extend(self.lm_head.as_ref().map(|s| s.item));
         out.extend(
             self.stacks()
                 .into_iter()
@@ -755,9 +767,9 @@ impl<B: Backend> DeviceWeights<B> {
     /// including `lm_head.weight` with tied embeddings.
     pub(crate) fn tensor(&self, name: &str) -> Result<Tensor<'_, B>, ModelError> {
         match self.locate(name)? {
-            Place::Embed => Ok(View::whole(&self.embed)),
+            Place::Embed => self.embed.layer(0),
             Place::Norm => Ok(View::whole(&self.norm)),
-            Place::LmHead => Ok(View::whole(self.lm_head.as_ref().unwrap_or(&self.embed))),
+            Place::LmHead => self.head_stack().layer(0),
             Place::Layer { layer, slot } => match self.stacks()[slot].1 {
                 Some(s) => s.layer(layer),
                 None => Err(ModelError::UnknownParameter {

@@ -247,16 +247,17 @@ pub struct TrainerConfig {
     /// f32). In bf16, training attention at head_dim 64, 80 or 128 runs on tensor cores
     /// too. The speed-up is the GPU's; the CPU emulates the rounding, slightly slower.
     pub matmul_precision: MatmulPrecisionCfg,
-    /// How the decoder's linear weights (q, k, v, o, gate, up, down) are stored, in the
-    /// actor and the reference policy: `f32` (default) or `bf16` — half their memory, no
-    /// f32 master: every product of those layers in bf16 (needs `matmul_precision: bf16`)
-    /// and each optimizer update rounded to bf16 stochastically (seeded by `seed`), so an
-    /// update smaller than half a bf16 ulp moves a weight with the probability that keeps
-    /// it unbiased. Embedding, LM head, norms and biases stay f32.
+    /// How the weight matrices — the decoder's linear layers (q, k, v, o, gate, up, down),
+    /// the embedding and the LM head — are stored, in the actor and the reference policy:
+    /// `f32` (default) or `bf16` — half their memory, no f32 master: every product of those
+    /// layers and of the head in bf16 (needs `matmul_precision: bf16`), the embedding's rows
+    /// gathered from bf16, and each optimizer update rounded to bf16 stochastically (seeded
+    /// by `seed`), so an update smaller than half a bf16 ulp moves a weight with the
+    /// probability that keeps it unbiased. Norms and biases stay f32.
     pub weight_dtype: WeightDtypeCfg,
     /// The two settings above at once (default null: each its own): `f32` (exact products,
-    /// f32 weights), `tf32` (TF32 products, f32 weights) or `bf16` (bf16 products and linear
-    /// weights stored in bf16). Set with a finer key that says otherwise, an error.
+    /// f32 weights), `tf32` (TF32 products, f32 weights) or `bf16` (bf16 products and weight
+    /// matrices stored in bf16). Set with a finer key that says otherwise, an error.
     pub precision: Option<MatmulPrecisionCfg>,
     /// Seed of everything not seeded elsewhere (default 1).
     pub seed: u64,

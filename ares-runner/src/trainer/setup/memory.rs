@@ -215,18 +215,19 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
     );
     let layers = l * (c * qd + 2 * c * kvd + qd * c + 3 * c * i);
     let linear = layers + c * v;
-    // `trainer.weight_dtype: bf16`: the decoder's linear weights are their bf16 copies
-    // alone (`Model::set_weight_storage`), in the actor and the reference policy; the LM
-    // head keeps its f32 master and a bf16 copy
+    // `trainer.weight_dtype: bf16`: the weight matrices — the decoder's linear layers, the
+    // embedding and the LM head (one matrix when tied) — are their bf16 copies alone
+    // (`Model::set_weight_storage`), in the actor and the reference policy
     let stored_bf16 = cfg.trainer.weight_dtype == WeightDtypeCfg::Bf16;
-    // one model's weights: f32, or the linear layers in bf16 with the head's copy
+    let matrices = layers + c * v * if spec.tied_embeddings { 1 } else { 2 };
+    // one model's weights: f32, or the matrices in bf16
     let weights = match stored_bf16 {
-        true => f32s(p + t - layers) + 2 * linear + rope,
+        true => f32s(p + t - matrices) + 2 * matrices + rope,
         false => f32s(p + t) + rope,
     };
     let mut held = vec![Part {
         what: match stored_bf16 {
-            true => "weights and RoPE tables (linear layers bf16, the rest f32)".into(),
+            true => "weights and RoPE tables (weight matrices bf16, the rest f32)".into(),
             false => "weights and RoPE tables (f32)".into(),
         },
         bytes: weights,
@@ -279,7 +280,7 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
     if model.reference && (lora.is_none() || cfg.worker.ref_.model_path.is_some()) {
         held.push(Part {
             what: match stored_bf16 {
-                true => "reference policy (linear layers bf16)".into(),
+                true => "reference policy (weight matrices bf16)".into(),
                 false => "reference policy (f32)".into(),
             },
             bytes: weights,
@@ -671,12 +672,12 @@ mod tests {
         assert_eq!(decode(MatmulPrecisionCfg::F32).bytes, 2 * linear);
     }
 
-    /// `trainer.weight_dtype: bf16` holds the decoder's linear weights in 2 bytes each (no
-    /// f32 master, no separate copies), the LM head's copy beside its f32 master, in the
-    /// actor and the reference policy alike — what the model allocates
+    /// `trainer.weight_dtype: bf16` holds the weight matrices (the decoder's linear layers,
+    /// the tied embedding and LM head) in 2 bytes each (no f32 master, no separate copies),
+    /// in the actor and the reference policy alike — what the model allocates
     /// (`Model::weight_bytes`) — and decodes from them on a GPU without a copy.
     #[test]
-    fn bf16_weights_halve_the_linear_layers() {
+    fn bf16_weights_halve_the_weight_matrices() {
         use crate::backend::cpu::CpuBackend;
         let text = tiny();
         let plan_of = |weight_dtype, on_cpu| {
@@ -701,12 +702,13 @@ mod tests {
         );
         let w32 = part(&f32s, "weights") + part(&f32s, "bf16 copies");
         let w16 = part(&bf16, "weights") + part(&bf16, "bf16 copies");
-        assert_eq!(w32 - w16, 4 * layers, "{:?}", bf16.held);
+        // the 100·64 tied embedding and head: 4 + 2 bytes (f32, a copy) down to 2
+        let head = 6400;
+        assert_eq!(w32 - w16, 4 * (layers + head), "{:?}", bf16.held);
         assert_eq!(part(&bf16, "reference"), part(&bf16, "weights"));
-        // (the bf16 reference keeps its LM head's copy: 2 bytes of the 100·64 tied head)
         assert_eq!(
             part(&f32s, "reference") - part(&bf16, "reference"),
-            2 * layers - 2 * 6400
+            2 * (layers + head)
         );
         let rollout = bf16.phases.iter().find(|p| p.name == "rollout").unwrap();
         assert_eq!(rollout.parts[0].bytes, 0, "{}", rollout.parts[0].what);
