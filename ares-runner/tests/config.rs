@@ -679,3 +679,44 @@ fn precision_sets_products_and_weights() {
     let msg = message(with_overrides(&["trainer.weight_dtype=bf16"]));
     assert!(msg.contains("trainer.matmul_precision: bf16"), "{msg}");
 }
+
+/// bf16 is CUDA's default: `trainer.device: cuda` with none of the three precision keys
+/// given runs `precision: bf16` (written out, so the resolved config loads back as itself,
+/// on any device); a key given — in the file or as an override, even at its default value
+/// — keeps each setting its own; the CPU and `auto` keep f32.
+#[test]
+fn bf16_is_the_default_on_cuda() {
+    use ares_runner::config::{MatmulPrecisionCfg as P, WeightDtypeCfg as W};
+    let both = |c: &Config| {
+        (
+            c.trainer.precision,
+            c.trainer.matmul_precision,
+            c.trainer.weight_dtype,
+        )
+    };
+    let c = with_overrides(&["trainer.device=cuda"]).unwrap();
+    assert_eq!(both(&c), (Some(P::Bf16), P::Bf16, W::Bf16));
+    assert_eq!(load(&c.to_yaml(), &[]).unwrap(), c);
+    let cpu = load(&c.to_yaml(), &["trainer.device=cpu"]).unwrap();
+    assert_eq!(both(&cpu), (Some(P::Bf16), P::Bf16, W::Bf16), "as written");
+    for given in [
+        "trainer.precision=f32",
+        "trainer.matmul_precision=f32",
+        "trainer.weight_dtype=f32",
+    ] {
+        let c = with_overrides(&["trainer.device=cuda", given]).unwrap();
+        assert_eq!(
+            (c.trainer.matmul_precision, c.trainer.weight_dtype),
+            (P::F32, W::F32),
+            "{given}"
+        );
+    }
+    let c = with_overrides(&["trainer.device=cuda", "trainer.matmul_precision=tf32"]).unwrap();
+    assert_eq!(both(&c), (None, P::Tf32, W::F32));
+    let c = load("trainer: {device: cuda, matmul_precision: f32}\n", &[]).unwrap();
+    assert_eq!(both(&c), (None, P::F32, W::F32), "given in the file");
+    for device in ["cpu", "auto"] {
+        let c = with_overrides(&[&format!("trainer.device={device}")]).unwrap();
+        assert_eq!(both(&c), (None, P::F32, W::F32), "{device}");
+    }
+}

@@ -65,7 +65,7 @@ fn lora_trainer_steps_on_the_gpu_match_the_cpu() {
 }
 
 /// Two steps of a tiny run on the GPU and on the CPU, `actor` appended to the
-/// `worker.actor` flow map.
+/// `worker.actor` flow map, both in f32 (given: bf16 is CUDA's default).
 fn gpu_steps_match_cpu(actor: &str) {
     use ares_runner::config::Config;
     use ares_runner::metrics::read_metrics;
@@ -81,7 +81,7 @@ fn gpu_steps_match_cpu(actor: &str) {
             "data: {{train_files: {}, max_response_length: 16, rollout_batch_size: 2, bootstrap: true}}\n\
              algorithm: {{online_filtering: false}}\n\
              worker: {{actor: {{model_path: {}, global_batch_size: 2, micro_batch_size_per_device_for_update: 4{actor}}}, rollout: {{n: 4}}}}\n\
-             trainer: {{save_checkpoint_path: {}, max_steps: 2, device: {device}}}\n",
+             trainer: {{save_checkpoint_path: {}, max_steps: 2, device: {device}, precision: f32}}\n",
             a.train.display(),
             a.model_dir.display(),
             dir.path().join(name).display()
@@ -145,7 +145,7 @@ fn data_parallel_ranks_on_the_gpu_match_one_rank() {
             "data: {{train_files: {}, max_response_length: 16, rollout_batch_size: 4, bootstrap: true}}\n\
              algorithm: {{online_filtering: false}}\n\
              worker: {{actor: {{model_path: {}, global_batch_size: 2, micro_batch_size_per_device_for_update: 2}}, rollout: {{n: 4}}}}\n\
-             trainer: {{save_checkpoint_path: {}, max_steps: 2, device: cuda, zero_stage: {zero}}}\n",
+             trainer: {{save_checkpoint_path: {}, max_steps: 2, device: cuda, precision: f32, zero_stage: {zero}}}\n",
             a.train.display(),
             a.model_dir.display(),
             dir.path().join(&name).display()

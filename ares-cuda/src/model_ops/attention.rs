@@ -775,7 +775,7 @@ impl ModelOps {
                 k,
                 format!(
                     "bf16 tensor-core attention needs compute capability 8.0 or later; \
-                     this device is sm_{} (use matmul_precision f32 or tf32)",
+                     this device is sm_{} (set trainer.precision: f32 or tf32)",
                     self.info.arch
                 ),
             ));

@@ -175,10 +175,27 @@ fn resolve(
             message: e.into_inner().to_string(),
         }
     })?;
+    // bf16 is CUDA's default: on `trainer.device: cuda` with none of the precision keys
+    // given, `trainer.precision: bf16` (written out with the resolved config, so a resumed
+    // run reads it back as given)
+    let given = |key: &str| {
+        let keys = ["trainer".to_string(), key.to_string()];
+        origin_of(&keys, &overrides, file_tree.as_ref()) != DEFAULT_ORIGIN
+    };
+    if config.trainer.device == Device::Cuda
+        && !["precision", "matmul_precision", "weight_dtype"]
+            .into_iter()
+            .any(given)
+    {
+        config.trainer.precision = Some(MatmulPrecisionCfg::Bf16);
+    }
     config.trainer.apply_precision()?;
     config.validate()?;
     Ok((config, notes))
 }
+
+/// [`origin_of`] a value no file or override set.
+const DEFAULT_ORIGIN: &str = "default";
 
 /// Which source set the value at `keys`: the last override at or above it, else the file,
 /// else the defaults.
@@ -192,6 +209,6 @@ fn origin_of(keys: &[String], overrides: &[Override], file: Option<&(Value, &str
     }
     match file {
         Some((parsed, name)) if tree::contains(parsed, keys) => format!("in {name}"),
-        _ => "default".to_string(),
+        _ => DEFAULT_ORIGIN.to_string(),
     }
 }

@@ -242,9 +242,10 @@ pub struct TrainerConfig {
     pub val_generations_to_log: usize,
     /// Backend (default `cpu`).
     pub device: Device,
-    /// How the linear layers and the LM head multiply: `f32` (exact, default), `tf32` or
-    /// `bf16` (operands rounded, f32 sums; weights, activations and optimizer state stay
-    /// f32). In bf16, training attention at head_dim 64, 80 or 128 runs on tensor cores
+    /// How the linear layers and the LM head multiply: `f32` (exact, default; on
+    /// `device: cuda`, `precision` below makes it bf16 unless a precision key is given),
+    /// `tf32` or `bf16` (operands rounded, f32 sums; weights, activations and optimizer
+    /// state stay f32). In bf16, training attention at head_dim 64, 80 or 128 runs on tensor cores
     /// too. The speed-up is the GPU's; the CPU emulates the rounding, slightly slower.
     pub matmul_precision: MatmulPrecisionCfg,
     /// How the weight matrices — the decoder's linear layers (q, k, v, o, gate, up, down),
@@ -255,9 +256,11 @@ pub struct TrainerConfig {
     /// by `seed`), so an update smaller than half a bf16 ulp moves a weight with the
     /// probability that keeps it unbiased. Norms and biases stay f32.
     pub weight_dtype: WeightDtypeCfg,
-    /// The two settings above at once (default null: each its own): `f32` (exact products,
-    /// f32 weights), `tf32` (TF32 products, f32 weights) or `bf16` (bf16 products and weight
-    /// matrices stored in bf16). Set with a finer key that says otherwise, an error.
+    /// The two settings above at once: `f32` (exact products, f32 weights), `tf32` (TF32
+    /// products, f32 weights) or `bf16` (bf16 products and weight matrices stored in bf16).
+    /// Default null — each its own — but `bf16` on `device: cuda` when none of `precision`,
+    /// `matmul_precision` and `weight_dtype` is given (in the file or as an override; the
+    /// resolved config records it). Set with a finer key that says otherwise, an error.
     pub precision: Option<MatmulPrecisionCfg>,
     /// Seed of everything not seeded elsewhere (default 1).
     pub seed: u64,
