@@ -531,17 +531,11 @@ fn bf16_chunked_prefill_runs_on_the_paged_tensor_core_twin() {
     }
 }
 
-/// The vision tower in bf16 at a head size of the tensor-core kernels (64; windows of 64
-/// patches and one full-attention block over 256): every block's segment attention runs
-/// through `segment_attention_bf16` and its backward `segment_attention_backward_bf16` (the
-/// kernels' CPU twins), and the output and the gradients stay within bf16 of f32.
-#[test]
-fn bf16_tower_attention_runs_on_the_tensor_core_twin() {
-    use ares_model::backend::Counting;
+/// A Qwen2.5-VL tower at a head size of the tensor-core kernels (64): two blocks, the
+/// second of full attention, windows of 64 patches.
+fn tower_64() -> ares_model::vision::config::VisionConfig {
     use ares_model::vision::config::{VisionConfig, VisionMlp, VlKind};
-    use ares_model::vision::tower::{VisionPlan, VisionTower};
-    use ares_model::vision::weights::VisionWeights;
-    let cfg = VisionConfig {
+    VisionConfig {
         kind: VlKind::Qwen25Vl,
         depth: 2,
         hidden: 128,
@@ -558,7 +552,99 @@ fn bf16_tower_attention_runs_on_the_tensor_core_twin() {
         fullatt_block_indexes: vec![1],
         tokens_per_second: 2.0,
         rope_theta: 10_000.0,
+    }
+}
+
+/// The tower's linear weights stored in bf16 (`VisionTower::set_weight_storage`) are what
+/// its products read, through the bf16 ops: the output and every gradient are the bits of
+/// a tower whose f32 weights hold the same bf16 values (bf16 products at 256 patches and 64
+/// merged tokens), the weights take 2 bytes instead of 4, they read back widened, and f32
+/// storage gives the same tower again.
+#[test]
+fn tower_weights_stored_in_bf16_are_read_by_the_bf16_ops() {
+    use ares_model::backend::Counting;
+    use ares_model::model::WeightStorage;
+    use ares_model::vision::tower::{VisionPlan, VisionTower};
+    use ares_model::vision::weights::{VisionWeights, tower_linear_parameters};
+    let cfg = tower_64();
+    let be = Counting::new(CpuBackend);
+    let weights = VisionWeights::random(&cfg, 0.1, 6);
+    let mut rounded = weights.clone();
+    for (slot, t) in rounded.iter_mut() {
+        if slot.is_linear() {
+            t.data
+                .iter_mut()
+                .for_each(|x| *x = MatmulPrecision::Bf16.round(*x));
+        }
+    }
+    let plan = VisionPlan::new(&cfg, &[[1, 16, 16]]).unwrap();
+    let pixels: Vec<f32> = (0..plan.patches * cfg.patch_dim())
+        .map(|i| ((i * 7919 % 2000) as f32 / 1000.0) - 1.0)
+        .collect();
+    let dout: Vec<f32> = (0..plan.units * cfg.out_hidden)
+        .map(|i| ((i * 104_729 % 2000) as f32 / 2000.0) - 0.5)
+        .collect();
+    let run = |tower: &VisionTower<Counting<CpuBackend>>| {
+        let mut acts = tower.activations(&be, plan.clone(), true).unwrap();
+        let mut grads = tower.zero_grads(&be).unwrap();
+        let mut d = be.alloc(dout.len()).unwrap();
+        be.upload(&dout, ViewMut::whole(&mut d)).unwrap();
+        be.take();
+        tower.forward(&be, &pixels, &mut acts).unwrap();
+        tower
+            .backward(&be, &mut acts, View::whole(&d), &mut grads)
+            .unwrap();
+        let calls = be.take().calls;
+        let mut out = vec![0.0f32; plan.units * cfg.out_hidden];
+        be.download(acts.output(), &mut out).unwrap();
+        let g: Vec<Vec<f32>> = grads
+            .iter()
+            .map(|(_, b)| {
+                let mut h = vec![0.0f32; b.len()];
+                be.download(View::whole(b), &mut h).unwrap();
+                h
+            })
+            .collect();
+        (out, g, calls)
     };
+    let mut f32s = VisionTower::new(&be, &cfg, &rounded).unwrap();
+    let mut stored = VisionTower::new(&be, &cfg, &weights).unwrap();
+    f32s.set_matmul_precision(MatmulPrecision::Bf16);
+    stored.set_matmul_precision(MatmulPrecision::Bf16);
+    stored.set_weight_storage(&be, WeightStorage::Bf16).unwrap();
+    assert_eq!(stored.weight_storage(), WeightStorage::Bf16);
+    let linear = tower_linear_parameters(&cfg);
+    assert_eq!(f32s.weight_bytes() - stored.weight_bytes(), 2 * linear);
+    let (want, want_g, want_calls) = run(&f32s);
+    let (got, got_g, calls) = run(&stored);
+    assert_eq!(got, want);
+    assert_eq!(got_g, want_g);
+    let count = |calls: &[&str], op: &str| calls.iter().filter(|&&c| c == op).count();
+    // per block qkv (3), proj, gate, up, down; the patch embedding and the merger's two
+    let products = 2 * 7 + 3;
+    assert_eq!(count(&want_calls, "linear"), products);
+    assert_eq!(count(&calls, "linear_bf16"), products);
+    assert_eq!(count(&calls, "linear_backward_bf16"), products);
+    assert_eq!(
+        count(&calls, "linear") + count(&calls, "linear_backward"),
+        0
+    );
+    assert_eq!(stored.download_weights(&be).unwrap(), rounded);
+    stored.set_weight_storage(&be, WeightStorage::F32).unwrap();
+    assert_eq!(stored.weight_bytes(), f32s.weight_bytes());
+    assert_eq!(run(&stored).0, want);
+}
+
+/// The vision tower in bf16 at a head size of the tensor-core kernels (64; windows of 64
+/// patches and one full-attention block over 256): every block's segment attention runs
+/// through `segment_attention_bf16` and its backward `segment_attention_backward_bf16` (the
+/// kernels' CPU twins), and the output and the gradients stay within bf16 of f32.
+#[test]
+fn bf16_tower_attention_runs_on_the_tensor_core_twin() {
+    use ares_model::backend::Counting;
+    use ares_model::vision::tower::{VisionPlan, VisionTower};
+    use ares_model::vision::weights::VisionWeights;
+    let cfg = tower_64();
     let be = Counting::new(CpuBackend);
     let weights = VisionWeights::random(&cfg, 0.1, 5);
     let plan = VisionPlan::new(&cfg, &[[1, 16, 16]]).unwrap();

@@ -201,6 +201,59 @@ fn two_steps_resume_two_steps_equals_four() {
     assert_eq!(deterministic(got), deterministic(want));
 }
 
+/// Weight matrices stored in bf16 (`trainer.precision: bf16`) in a vision-language model:
+/// the tower's linear layers too — saved as bf16 values, stepped (stochastic rounding) —
+/// and 2 + resume + 2 steps equal 4.
+#[test]
+fn bf16_weights_store_the_tower_in_bf16_and_resume_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let bf16 = "trainer.precision=bf16";
+    let (want, ck) = train(config(
+        dir.path(),
+        &dir.path().join("straight"),
+        &[bf16, "trainer.max_steps=4"],
+    ));
+    let saved = VlCheckpoint::load(&ck.expect("a checkpoint").join("model")).unwrap();
+    let initial = VlCheckpoint::load(&model_dir()).unwrap();
+    let mut linear = 0;
+    for (slot, t) in saved.vision.iter() {
+        let start = initial.vision.get(slot).unwrap();
+        let rounded = |x: f32| {
+            f32::from_bits((x.to_bits() + 0x7fff + ((x.to_bits() >> 16) & 1)) & 0xffff_0000)
+        };
+        if slot.is_linear() {
+            linear += 1;
+            assert!(
+                t.data.iter().all(|&x| rounded(x) == x),
+                "{slot:?}: bf16 values"
+            );
+            assert_ne!(
+                t.data,
+                start.data.iter().map(|&x| rounded(x)).collect::<Vec<_>>(),
+                "{slot:?} stepped"
+            );
+        } else {
+            assert!(
+                t.data.iter().any(|&x| rounded(x) != x),
+                "{slot:?} stays f32"
+            );
+        }
+    }
+    assert!(linear >= 6, "{linear} linear slots");
+    let resumed = dir.path().join("resumed");
+    train(config(dir.path(), &resumed, &[bf16, "trainer.max_steps=2"]));
+    let (got, _) = train(config(
+        dir.path(),
+        &resumed,
+        &[
+            bf16,
+            "trainer.max_steps=4",
+            "trainer.find_last_checkpoint=true",
+        ],
+    ));
+    assert_eq!(deterministic(got), deterministic(want));
+}
+
 /// LoRA on a vision-language model's language model (image, video and text rows): the
 /// tower frozen, the checkpoint a PEFT adapter in transformers' `model.language_model.`
 /// names, and 2 + resume + 2 steps equal 4.

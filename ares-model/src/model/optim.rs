@@ -4,7 +4,7 @@
 //! [`StateDtype`] says). The model's f32 buffers are the master weights.
 
 use super::moments::{Moments, StateDtype, int8_maps};
-use super::{Grads, Model, ModelError};
+use super::{Grads, Model, ModelError, TrainableMut};
 use crate::backend::{AdamWUpdate, Backend, DeviceBuffer, View, ViewMut};
 
 pub use crate::backend::AdamWConfig;
@@ -12,8 +12,8 @@ pub use crate::backend::AdamWConfig;
 /// A parameter outside the model's decoder that [`AdamW::step_with`] updates with it: the
 /// parameter, its gradient and its AdamW moments (all the same length).
 pub struct ExtraParam<'a, B: Backend> {
-    /// The parameter.
-    pub param: &'a mut B::Buffer,
+    /// The parameter: f32, or a weight stored in bf16 (updated with stochastic rounding).
+    pub param: TrainableMut<'a, B>,
     /// Its accumulated gradient.
     pub grad: &'a B::Buffer,
     /// Its two moments.
@@ -322,7 +322,10 @@ impl<B: Backend> AdamW<B> {
         let be = &model.backend;
         let g = grads.buffers();
         for (i, e) in extra.iter().enumerate() {
-            let n = e.param.len();
+            let n = match &e.param {
+                TrainableMut::F32(p) => p.len(),
+                TrainableMut::Bf16(p) => p.len(),
+            };
             if e.grad.len() != n || e.moments.len() != n {
                 return Err(ModelError::LayoutMismatch {
                     what: if i == 0 {
@@ -392,6 +395,8 @@ impl<B: Backend> AdamW<B> {
         let owned = self.owned.clone();
         let updated = |i: usize| owned.as_ref().is_none_or(|o| o[i]);
         let (seed, step) = (self.rounding_seed, update.step);
+        // an extra buffer's rounding keys follow the model's buffers' numbering
+        let before = g.len();
         for (i, ((p, g), m)) in params.into_iter().zip(g).zip(&mut self.moments).enumerate() {
             if !updated(i) {
                 continue;
@@ -410,9 +415,15 @@ impl<B: Backend> AdamW<B> {
                 copy => m.step(be, p, g, &self.maps, &update, copy)?,
             }
         }
-        for e in extra.iter_mut() {
-            e.moments
-                .step(be, e.param, e.grad, &self.maps, &update, None)?;
+        for (j, e) in extra.iter_mut().enumerate() {
+            match &mut e.param {
+                TrainableMut::F32(p) => e.moments.step(be, p, e.grad, &self.maps, &update, None)?,
+                TrainableMut::Bf16(w16) => {
+                    let key = |t: usize| rounding_key(seed, step, before + j, t);
+                    e.moments
+                        .step_bf16_weight(be, w16, e.grad, &self.maps, &update, key)?;
+                }
+            }
         }
         self.step += 1;
         Ok(StepReport {

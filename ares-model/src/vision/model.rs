@@ -25,7 +25,7 @@ use crate::model::{
 };
 use crate::model::{
     AdamW, AdaptersOff, Engine, EngineConfig, ExtraParam, Moments, StateDtype, StepReport,
-    WeightDtype,
+    WeightDtype, WeightStorage,
 };
 
 /// The images and videos of one batch, as the processor gives them.
@@ -219,6 +219,16 @@ impl<B: Backend> VlModel<B> {
     /// The vision tower, mutably.
     pub fn tower_mut(&mut self) -> &mut VisionTower<B> {
         &mut self.tower
+    }
+
+    /// Stores the weight matrices of the language model and of the tower in `storage`
+    /// ([`Model::set_weight_storage`], [`VisionTower::set_weight_storage`]).
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn set_weight_storage(&mut self, storage: WeightStorage) -> Result<(), ModelError> {
+        self.lm.set_weight_storage(storage)?;
+        self.tower.set_weight_storage(self.lm.backend(), storage)
     }
 
     /// The config.

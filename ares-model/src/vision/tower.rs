@@ -26,12 +26,14 @@ use super::config::{VisionConfig, VisionMlp, VlKind};
 use super::lora::{TOWER_TARGETS, TowerLora, TowerLoraActs, TowerTarget};
 use super::mrope::tokens_per_grid;
 use super::weights::{Slot, VisionParams, VisionWeights, param_table};
+use crate::backend::DType;
 use crate::backend::{
     Activation, Backend, DeviceBuffer, GradWrite, LinearDims, MatmulPrecision,
     SegmentAttentionDims, Tensor, TensorMut, View, ViewMut,
 };
-use crate::model::ModelError;
 use crate::model::lora::LoraParams;
+use crate::model::weights::HalfStack;
+use crate::model::{ModelError, TrainableMut, WeightStorage};
 
 /// Epsilon of every norm of the tower (transformers hard-codes 1e-6).
 const EPS: f32 = 1e-6;
@@ -218,6 +220,16 @@ pub struct VisionTower<B: Backend> {
     gradient_checkpointing: bool,
     /// LoRA pairs (`vision/lora.rs`): with them the base weights are frozen.
     pub(super) lora: Option<TowerLora<B>>,
+    /// The linear layers' weights stored in bf16 ([`Self::set_weight_storage`]): their f32
+    /// buffers in `weights` are then empty.
+    pub(super) stored: Option<VisionParams<B::Half>>,
+}
+
+/// A linear layer's weight as the tower's products read it: f32, or its bf16 bits when
+/// the tower stores it in bf16.
+enum TowerWeight<'a, B: Backend> {
+    F32(Tensor<'a, B>),
+    Bf16(View<'a, B::Half>),
 }
 
 /// Gradients of the tower's trained parameters: every weight slot's (full fine-tuning), or
@@ -406,7 +418,81 @@ impl<B: Backend> VisionTower<B> {
             precision: MatmulPrecision::F32,
             gradient_checkpointing: false,
             lora: None,
+            stored: None,
         })
+    }
+
+    /// Stores the linear layers' weights (patch embedding, qkv, projection, MLP, merger) as
+    /// [`Model::set_weight_storage`](crate::model::Model::set_weight_storage) does the
+    /// language model's: [`WeightStorage::Bf16`] rounds them to bf16 (nearest) as the
+    /// weights and frees their f32 buffers — every product of those layers then reads the
+    /// bf16 weight at any number of rows, and [`AdamW`](crate::model::AdamW) updates them
+    /// with stochastic rounding; [`WeightStorage::F32`] widens them back (exact). Norms and
+    /// biases stay f32.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn set_weight_storage(&mut self, be: &B, storage: WeightStorage) -> Result<(), ModelError> {
+        match (storage, self.stored.is_some()) {
+            (WeightStorage::Bf16, false) => {
+                let table: Vec<_> = param_table(&self.cfg)
+                    .into_iter()
+                    .filter(|spec| spec.slot.is_linear())
+                    .collect();
+                let stored = VisionParams::build(&table, |spec| {
+                    let w = self
+                        .weights
+                        .get(spec.slot)
+                        .ok_or_else(|| missing("a linear slot"))?;
+                    let mut half = be.alloc_half(w.len(), DType::Bf16)?;
+                    be.round_bf16(View::whole(w), ViewMut::whole(&mut half))?;
+                    Ok::<_, ModelError>(half)
+                })?;
+                for (slot, _) in stored.iter() {
+                    if let Some(w) = self.weights.get_mut(slot) {
+                        *w = be.alloc(0)?;
+                    }
+                }
+                self.stored = Some(stored);
+            }
+            (WeightStorage::F32, true) => {
+                let Some(stored) = self.stored.take() else {
+                    return Ok(());
+                };
+                for (slot, half) in stored.iter() {
+                    let mut w = be.alloc(half.len())?;
+                    be.widen_bf16(View::whole(half), ViewMut::whole(&mut w))?;
+                    if let Some(dst) = self.weights.get_mut(slot) {
+                        *dst = w;
+                    }
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// How the linear layers' weights are stored ([`Self::set_weight_storage`]).
+    pub fn weight_storage(&self) -> WeightStorage {
+        match self.stored {
+            Some(_) => WeightStorage::Bf16,
+            None => WeightStorage::F32,
+        }
+    }
+
+    /// Bytes the weights hold on the device: the f32 buffers and the bf16 ones.
+    pub fn weight_bytes(&self) -> u64 {
+        let f32s: u64 = self.weights.iter().map(|(_, w)| 4 * w.len() as u64).sum();
+        let halves = self.stored.iter().flat_map(|s| s.iter());
+        f32s + halves.map(|(_, h)| 2 * h.len() as u64).sum::<u64>()
+    }
+
+    /// Elements of `slot`'s parameter (also of a weight stored in bf16).
+    fn slot_len(&self, slot: Slot) -> usize {
+        match self.stored.as_ref().and_then(|s| s.get(slot)) {
+            Some(half) => half.len(),
+            None => self.weights.get(slot).map_or(0, DeviceBuffer::len),
+        }
     }
 
     /// The config.
@@ -444,14 +530,21 @@ impl<B: Backend> VisionTower<B> {
     pub fn download_weights(&self, be: &B) -> Result<VisionWeights, ModelError> {
         let table = param_table(&self.cfg);
         VisionParams::build(&table, |spec| {
-            let buf = self
-                .weights
-                .get(spec.slot)
-                .ok_or_else(|| ModelError::MissingWeight {
-                    name: spec.hf_name(0),
-                })?;
-            let mut data = vec![0.0; buf.len()];
-            be.download(View::whole(buf), &mut data)?;
+            let data = match self.stored.as_ref().and_then(|s| s.get(spec.slot)) {
+                // stored in bf16: widened (exact)
+                Some(half) => HalfStack::<B>::download_widened(be, View::whole(half))?,
+                None => {
+                    let buf =
+                        self.weights
+                            .get(spec.slot)
+                            .ok_or_else(|| ModelError::MissingWeight {
+                                name: spec.hf_name(0),
+                            })?;
+                    let mut data = vec![0.0; buf.len()];
+                    be.download(View::whole(buf), &mut data)?;
+                    data
+                }
+            };
             let mut shape = if spec.per_block {
                 vec![self.cfg.depth]
             } else {
@@ -476,8 +569,7 @@ impl<B: Backend> VisionTower<B> {
         }
         let table = param_table(&self.cfg);
         let base = VisionParams::build(&table, |spec| {
-            let len = self.weights.get(spec.slot).map_or(0, |b| b.len());
-            Ok::<_, ModelError>(be.alloc(len)?)
+            Ok::<_, ModelError>(be.alloc(self.slot_len(spec.slot))?)
         })?;
         Ok(VisionGrads {
             base: Some(base),
@@ -487,10 +579,29 @@ impl<B: Backend> VisionTower<B> {
 
     /// The trained parameters' buffers, in the order of [`Self::trainable_names`]: the
     /// weights (full fine-tuning) or the LoRA pairs.
-    pub(crate) fn trainable_mut(&mut self) -> Vec<&mut B::Buffer> {
+    pub(crate) fn trainable_mut(&mut self) -> Vec<TrainableMut<'_, B>> {
         match &mut self.lora {
-            Some(l) => l.params.buffers_mut(),
-            None => self.weights.iter_mut().map(|(_, w)| w).collect(),
+            Some(l) => l
+                .params
+                .buffers_mut()
+                .into_iter()
+                .map(TrainableMut::F32)
+                .collect(),
+            None => {
+                let mut halves: Vec<(Slot, &mut B::Half)> = match &mut self.stored {
+                    Some(s) => s.iter_mut().collect(),
+                    None => Vec::new(),
+                };
+                self.weights
+                    .iter_mut()
+                    .map(
+                        |(slot, w)| match halves.iter().position(|(s, _)| *s == slot) {
+                            Some(i) => TrainableMut::Bf16(halves.swap_remove(i).1),
+                            None => TrainableMut::F32(w),
+                        },
+                    )
+                    .collect()
+            }
         }
     }
 
@@ -629,18 +740,83 @@ impl<B: Backend> VisionTower<B> {
         Ok(View::item(buf, l, item)?)
     }
 
+    /// The weight of linear slot `slot` for block `l` (or the whole tensor) as the
+    /// products read it: elements `offset..offset + len` of the block's.
+    fn lin(
+        &self,
+        slot: Slot,
+        l: usize,
+        item: usize,
+        (offset, len): (usize, usize),
+    ) -> Result<TowerWeight<'_, B>, ModelError> {
+        if let Some(half) = self.stored.as_ref().and_then(|s| s.get(slot)) {
+            return Ok(TowerWeight::Bf16(View::new(half, l * item + offset, len)?));
+        }
+        let buf = self
+            .weights
+            .get(slot)
+            .ok_or_else(|| ModelError::MissingWeight {
+                name: format!("{slot:?}"),
+            })?;
+        Ok(TowerWeight::F32(View::new(buf, l * item + offset, len)?))
+    }
+
+    /// [`Self::lin`] of a whole block's (or the tower's) weight.
+    fn lw(&self, slot: Slot, l: usize, item: usize) -> Result<TowerWeight<'_, B>, ModelError> {
+        self.lin(slot, l, item, (0, item))
+    }
+
     /// Rows `part·h .. (part+1)·h` of block `l`'s fused qkv weight (0 q, 1 k, 2 v) and bias.
-    fn qkv(&self, l: usize, part: usize) -> Result<(Tensor<'_, B>, Tensor<'_, B>), ModelError> {
+    fn qkv(
+        &self,
+        l: usize,
+        part: usize,
+    ) -> Result<(TowerWeight<'_, B>, Tensor<'_, B>), ModelError> {
         let h = self.cfg.hidden;
-        let w = self.weights.get(Slot::Qkv).ok_or_else(|| missing("qkv"))?;
         let b = self
             .weights
             .get(Slot::QkvBias)
             .ok_or_else(|| missing("qkv bias"))?;
         Ok((
-            View::new(w, (l * 3 + part) * h * h, h * h)?,
+            self.lin(Slot::Qkv, l, 3 * h * h, (part * h * h, h * h))?,
             View::new(b, (l * 3 + part) * h, h)?,
         ))
+    }
+
+    /// `out = x · wᵀ (+ bias)` by a linear layer's weight: [`Backend::linear`], or
+    /// [`Backend::linear_bf16`] for a weight stored in bf16.
+    fn linear(
+        be: &B,
+        x: Tensor<'_, B>,
+        w: TowerWeight<'_, B>,
+        bias: Option<Tensor<'_, B>>,
+        dims: LinearDims,
+        out: TensorMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        match w {
+            TowerWeight::F32(w) => be.linear(x, w, bias, dims, out)?,
+            TowerWeight::Bf16(w) => be.linear_bf16(x, w, bias, dims, out)?,
+        }
+        Ok(())
+    }
+
+    /// Backward of [`Self::linear`] (as [`Backend::linear_backward`]).
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward(
+        be: &B,
+        dout: Tensor<'_, B>,
+        x: Tensor<'_, B>,
+        w: TowerWeight<'_, B>,
+        dims: LinearDims,
+        write: GradWrite,
+        dx: Option<TensorMut<'_, B>>,
+        (dw, db): (Option<TensorMut<'_, B>>, Option<TensorMut<'_, B>>),
+    ) -> Result<(), ModelError> {
+        match w {
+            TowerWeight::F32(w) => be.linear_backward(dout, x, w, dims, write, dx, dw, db)?,
+            TowerWeight::Bf16(w) => be.linear_backward_bf16(dout, x, w, dims, write, dx, dw, db)?,
+        }
+        Ok(())
     }
 
     /// Norm of `x` (`rows × dim`) by `slot`'s weight (and bias: LayerNorm) into `out`.
@@ -688,9 +864,10 @@ impl<B: Backend> VisionTower<B> {
         self.begin_lora(a.lora.as_mut())?;
 
         // Patch embedding: the Conv3d with stride = kernel is one linear layer over patches.
-        be.linear(
+        Self::linear(
+            be,
             View::whole(&a.pixels),
-            self.w(Slot::Patch, 0, h * c.patch_dim())?,
+            self.lw(Slot::Patch, 0, h * c.patch_dim())?,
             None,
             self.dims(n, c.patch_dim(), h),
             ViewMut::item(&mut a.resid, 0, nc)?,
@@ -723,9 +900,10 @@ impl<B: Backend> VisionTower<B> {
             mean,
             ViewMut::whole(&mut a.merge_rstd),
         )?;
-        be.linear(
+        Self::linear(
+            be,
             View::whole(&a.merge_norm),
-            self.w(Slot::Merger0, 0, m * m)?,
+            self.lw(Slot::Merger0, 0, m * m)?,
             Some(self.w(Slot::Merger0Bias, 0, m)?),
             self.dims(units, m, m),
             ViewMut::whole(&mut a.merge_hidden),
@@ -745,9 +923,10 @@ impl<B: Backend> VisionTower<B> {
             View::whole(&a.merge_hidden),
             ViewMut::whole(&mut a.merge_act),
         )?;
-        be.linear(
+        Self::linear(
+            be,
             View::whole(&a.merge_act),
-            self.w(Slot::Merger2, 0, c.out_hidden * m)?,
+            self.lw(Slot::Merger2, 0, c.out_hidden * m)?,
             Some(self.w(Slot::Merger2Bias, 0, c.out_hidden)?),
             self.dims(units, m, c.out_hidden),
             ViewMut::whole(&mut a.out),
@@ -794,7 +973,8 @@ impl<B: Backend> VisionTower<B> {
         let n1 = View::item(&a.n1, s, nc)?;
         for (part, buf) in [(0, &mut a.q), (1, &mut a.k), (2, &mut a.v)] {
             let (w, b) = self.qkv(l, part)?;
-            be.linear(
+            Self::linear(
+                be,
                 n1,
                 w,
                 Some(b),
@@ -839,9 +1019,10 @@ impl<B: Backend> VisionTower<B> {
             ViewMut::item(&mut a.att, s, nc)?,
             ViewMut::item(&mut a.lse, s, n * nh)?,
         )?;
-        be.linear(
+        Self::linear(
+            be,
             View::item(&a.att, s, nc)?,
-            self.w(Slot::Proj, l, h * h)?,
+            self.lw(Slot::Proj, l, h * h)?,
             Some(self.w(Slot::ProjBias, l, h)?),
             self.dims(n, h, h),
             ViewMut::whole(&mut a.branch),
@@ -877,9 +1058,10 @@ impl<B: Backend> VisionTower<B> {
             ViewMut::item(&mut a.n2_rstd, s, n)?,
         )?;
         let n2 = View::item(&a.n2, s, nc)?;
-        be.linear(
+        Self::linear(
+            be,
             n2,
-            self.w(Slot::MlpIn, l, i * h)?,
+            self.lw(Slot::MlpIn, l, i * h)?,
             Some(self.w(Slot::MlpInBias, l, i)?),
             self.dims(n, h, i),
             ViewMut::item(&mut a.mlp_in, s, ni)?,
@@ -903,9 +1085,10 @@ impl<B: Backend> VisionTower<B> {
                 )?;
             }
             VisionMlp::SwiGlu => {
-                be.linear(
+                Self::linear(
+                    be,
                     n2,
-                    self.w(Slot::MlpUp, l, i * h)?,
+                    self.lw(Slot::MlpUp, l, i * h)?,
                     Some(self.w(Slot::MlpUpBias, l, i)?),
                     self.dims(n, h, i),
                     ViewMut::item(&mut a.mlp_up, s, ni)?,
@@ -927,9 +1110,10 @@ impl<B: Backend> VisionTower<B> {
                 )?;
             }
         }
-        be.linear(
+        Self::linear(
+            be,
             View::item(&a.mlp_act, s, ni)?,
-            self.w(Slot::MlpOut, l, h * i)?,
+            self.lw(Slot::MlpOut, l, h * i)?,
             Some(self.w(Slot::MlpOutBias, l, h)?),
             self.dims(n, i, h),
             ViewMut::whole(&mut a.branch),
@@ -1010,15 +1194,15 @@ impl<B: Backend> VisionTower<B> {
             c.out_hidden * m,
             c.out_hidden,
         )?;
-        be.linear_backward(
+        Self::linear_backward(
+            be,
             dout,
             View::whole(&a.merge_act),
-            self.w(Slot::Merger2, 0, c.out_hidden * m)?,
+            self.lw(Slot::Merger2, 0, c.out_hidden * m)?,
             self.dims(units, m, c.out_hidden),
             GradWrite::Accumulate,
             Some(ViewMut::whole(&mut d_ma)),
-            w2,
-            b2,
+            (w2, b2),
         )?;
         self.lora_backward(
             be,
@@ -1040,15 +1224,15 @@ impl<B: Backend> VisionTower<B> {
         )?;
         let (w0, b0) = grad_pair(base.as_mut(), Slot::Merger0, Slot::Merger0Bias, 0, m * m, m)?;
         be.fill(ViewMut::whole(&mut d_norm), 0.0)?;
-        be.linear_backward(
+        Self::linear_backward(
+            be,
             View::whole(&d_mh),
             View::whole(&a.merge_norm),
-            self.w(Slot::Merger0, 0, m * m)?,
+            self.lw(Slot::Merger0, 0, m * m)?,
             self.dims(units, m, m),
             GradWrite::Accumulate,
             Some(ViewMut::whole(&mut d_norm)),
-            w0,
-            b0,
+            (w0, b0),
         )?;
         self.lora_backward(
             be,
@@ -1089,15 +1273,15 @@ impl<B: Backend> VisionTower<B> {
             be.copy(View::whole(&d_resid), ViewMut::whole(&mut d_mid))?;
             let (wo, bo) = grad_pair(base.as_mut(), Slot::MlpOut, Slot::MlpOutBias, l, h * i, h)?;
             be.fill(ViewMut::whole(&mut d_act), 0.0)?;
-            be.linear_backward(
+            Self::linear_backward(
+                be,
                 View::whole(&d_resid),
                 View::item(&a.mlp_act, s, ni)?,
-                self.w(Slot::MlpOut, l, h * i)?,
+                self.lw(Slot::MlpOut, l, h * i)?,
                 self.dims(n, i, h),
                 GradWrite::Accumulate,
                 Some(ViewMut::whole(&mut d_act)),
-                wo,
-                bo,
+                (wo, bo),
             )?;
             self.lora_backward(
                 be,
@@ -1132,15 +1316,15 @@ impl<B: Backend> VisionTower<B> {
                     )?;
                     let (wu, bu) =
                         grad_pair(base.as_mut(), Slot::MlpUp, Slot::MlpUpBias, l, i * h, i)?;
-                    be.linear_backward(
+                    Self::linear_backward(
+                        be,
                         View::whole(&d_up),
                         n2,
-                        self.w(Slot::MlpUp, l, i * h)?,
+                        self.lw(Slot::MlpUp, l, i * h)?,
                         self.dims(n, h, i),
                         GradWrite::Accumulate,
                         Some(ViewMut::whole(&mut d_norm)),
-                        wu,
-                        bu,
+                        (wu, bu),
                     )?;
                     self.lora_backward(
                         be,
@@ -1157,15 +1341,15 @@ impl<B: Backend> VisionTower<B> {
                 }
             }
             let (wi, bi) = grad_pair(base.as_mut(), Slot::MlpIn, Slot::MlpInBias, l, i * h, i)?;
-            be.linear_backward(
+            Self::linear_backward(
+                be,
                 View::whole(&d_in),
                 n2,
-                self.w(Slot::MlpIn, l, i * h)?,
+                self.lw(Slot::MlpIn, l, i * h)?,
                 self.dims(n, h, i),
                 GradWrite::Accumulate,
                 Some(ViewMut::whole(&mut d_norm)),
-                wi,
-                bi,
+                (wi, bi),
             )?;
             self.lora_backward(
                 be,
@@ -1196,15 +1380,15 @@ impl<B: Backend> VisionTower<B> {
             be.copy(View::whole(&d_mid), ViewMut::whole(&mut d_resid))?;
             let (wp, bp) = grad_pair(base.as_mut(), Slot::Proj, Slot::ProjBias, l, h * h, h)?;
             be.fill(ViewMut::whole(&mut d_att), 0.0)?;
-            be.linear_backward(
+            Self::linear_backward(
+                be,
                 View::whole(&d_mid),
                 View::item(&a.att, s, nc)?,
-                self.w(Slot::Proj, l, h * h)?,
+                self.lw(Slot::Proj, l, h * h)?,
                 self.dims(n, h, h),
                 GradWrite::Accumulate,
                 Some(ViewMut::whole(&mut d_att)),
-                wp,
-                bp,
+                (wp, bp),
             )?;
             self.lora_backward(
                 be,
@@ -1250,15 +1434,15 @@ impl<B: Backend> VisionTower<B> {
             for (part, d) in [(0, &dq), (1, &dk), (2, &dv)] {
                 let (w, _) = self.qkv(l, part)?;
                 let (gw, gb) = qkv_grads(base.as_mut(), l, part, h)?;
-                be.linear_backward(
+                Self::linear_backward(
+                    be,
                     View::whole(d),
                     n1,
                     w,
                     self.dims(n, h, h),
                     GradWrite::Accumulate,
                     Some(ViewMut::whole(&mut d_norm)),
-                    gw,
-                    gb,
+                    (gw, gb),
                 )?;
             }
             self.lora_backward(
@@ -1292,15 +1476,15 @@ impl<B: Backend> VisionTower<B> {
             let gp = g
                 .get_mut(Slot::Patch)
                 .ok_or_else(|| missing("patch grad"))?;
-            be.linear_backward(
+            Self::linear_backward(
+                be,
                 View::whole(&d_resid),
                 View::whole(&a.pixels),
-                self.w(Slot::Patch, 0, h * c.patch_dim())?,
+                self.lw(Slot::Patch, 0, h * c.patch_dim())?,
                 self.dims(n, c.patch_dim(), h),
                 GradWrite::Accumulate,
                 None,
-                Some(ViewMut::whole(gp)),
-                None,
+                (Some(ViewMut::whole(gp)), None),
             )?;
         }
         self.lora_backward(

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use super::lora::{ArenaLayout, TOWER_TARGETS, TowerLora, TowerLoraActs, TowerTarget, b_part};
 use super::tower::VisionTower;
 use super::weights::param_table;
-use crate::backend::{Backend, Tensor, TensorMut, ViewMut};
+use crate::backend::{Backend, DeviceBuffer, Tensor, TensorMut, View, ViewMut};
 use crate::hf::lora::{LoraAdapter, LoraConfig, LoraPair};
 use crate::model::ModelError;
 use crate::model::lora::{LoraParams, PairShape, PairStack, lora_error, uniform};
@@ -200,11 +200,28 @@ impl<B: Backend> VisionTower<B> {
                 continue;
             };
             let io = t.in_out(&cfg);
-            let w = self
-                .weights
-                .get_mut(t.slot())
-                .ok_or_else(|| lora_error("a tower target the tower lacks"))?;
-            p.add_delta(be, lora.scale, lora.config.r, io, w, io.0 * io.1, false)?;
+            let missing = || lora_error("a tower target the tower lacks");
+            match self.stored.as_mut().and_then(|s| s.get_mut(t.slot())) {
+                // stored in bf16: merged in f32, rounded back to nearest
+                Some(half) => {
+                    let mut w = be.alloc(half.len())?;
+                    be.widen_bf16(View::whole(&*half), ViewMut::whole(&mut w))?;
+                    p.add_delta(
+                        be,
+                        lora.scale,
+                        lora.config.r,
+                        io,
+                        &mut w,
+                        io.0 * io.1,
+                        false,
+                    )?;
+                    be.round_bf16(View::whole(&w), ViewMut::whole(half))?;
+                }
+                None => {
+                    let w = self.weights.get_mut(t.slot()).ok_or_else(missing)?;
+                    p.add_delta(be, lora.scale, lora.config.r, io, w, io.0 * io.1, false)?;
+                }
+            }
         }
         Ok(())
     }

@@ -43,6 +43,15 @@ pub enum Slot {
 pub const SLOTS: usize = 21;
 
 impl Slot {
+    /// Whether this is a linear layer's weight (one a LoRA pair can sit beside): the
+    /// weights [`VisionTower::set_weight_storage`](super::tower::VisionTower::set_weight_storage)
+    /// stores in bf16.
+    pub fn is_linear(self) -> bool {
+        super::lora::TowerTarget::ALL
+            .into_iter()
+            .any(|t| t.slot() == self)
+    }
+
     /// Every slot, in checkpoint order.
     pub const ALL: [Slot; SLOTS] = [
         Slot::Patch,
@@ -286,8 +295,20 @@ pub type VisionWeights = VisionParams<Tensor>;
 /// The tower's parameters as `cfg` declares them (every slot of [`param_table`], blocks
 /// stacked).
 pub fn tower_parameters(cfg: &VisionConfig) -> u64 {
+    parameters_of(cfg, |_| true)
+}
+
+/// The parameters of the tower's linear layers ([`Slot::is_linear`]): those stored in
+/// bf16 under `trainer.weight_dtype: bf16`.
+pub fn tower_linear_parameters(cfg: &VisionConfig) -> u64 {
+    parameters_of(cfg, Slot::is_linear)
+}
+
+/// The parameters of the slots `keep` picks.
+fn parameters_of(cfg: &VisionConfig, keep: impl Fn(Slot) -> bool) -> u64 {
     param_table(cfg)
         .iter()
+        .filter(|spec| keep(spec.slot))
         .map(|spec| {
             let blocks = if spec.per_block { cfg.depth } else { 1 };
             (blocks * spec.item()) as u64

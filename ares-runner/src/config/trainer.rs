@@ -249,7 +249,8 @@ pub struct TrainerConfig {
     /// too. The speed-up is the GPU's; the CPU emulates the rounding, slightly slower.
     pub matmul_precision: MatmulPrecisionCfg,
     /// How the weight matrices — the decoder's linear layers (q, k, v, o, gate, up, down),
-    /// the embedding and the LM head — are stored, in the actor and the reference policy:
+    /// the embedding and the LM head, a vision tower's linear layers — are stored, in the
+    /// actor and the reference policy:
     /// `f32` (default) or `bf16` — half their memory, no f32 master: every product of those
     /// layers and of the head in bf16 (needs `matmul_precision: bf16`), the embedding's rows
     /// gathered from bf16, and each optimizer update rounded to bf16 stochastically (seeded

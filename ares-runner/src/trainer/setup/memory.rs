@@ -216,10 +216,14 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
     let layers = l * (c * qd + 2 * c * kvd + qd * c + 3 * c * i);
     let linear = layers + c * v;
     // `trainer.weight_dtype: bf16`: the weight matrices — the decoder's linear layers, the
-    // embedding and the LM head (one matrix when tied) — are their bf16 copies alone
+    // embedding and the LM head (one matrix when tied), the tower's linear layers — are
+    // their bf16 copies alone
     // (`Model::set_weight_storage`), in the actor and the reference policy
     let stored_bf16 = cfg.trainer.weight_dtype == WeightDtypeCfg::Bf16;
-    let matrices = layers + c * v * if spec.tied_embeddings { 1 } else { 2 };
+    let tower_linear = model
+        .vision
+        .map_or(0, crate::vision::weights::tower_linear_parameters);
+    let matrices = layers + c * v * if spec.tied_embeddings { 1 } else { 2 } + tower_linear;
     // one model's weights: f32, or the matrices in bf16
     let weights = match stored_bf16 {
         true => f32s(p + t - matrices) + 2 * matrices + rope,
@@ -824,6 +828,42 @@ mod tests {
             extra > 0 && extra < plain[2].bytes,
             "{extra} vs {}",
             plain[2].bytes
+        );
+    }
+
+    /// `trainer.weight_dtype: bf16` on a vision-language model stores the tower's linear
+    /// layers in bf16 too: what the model allocates (`Model::weight_bytes` and
+    /// `VisionTower::weight_bytes`, the tiny Qwen2.5-VL fixture).
+    #[test]
+    fn bf16_weights_count_the_towers_linear_layers() {
+        use crate::backend::cpu::CpuBackend;
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../ares-model/tests/fixtures/vl/qwen2_5_vl_tiny");
+        let vl = crate::vision::config::VlConfig::from_dir(&dir).unwrap();
+        let weights = |dtype| {
+            let mut cfg = Config::default();
+            cfg.trainer.matmul_precision = MatmulPrecisionCfg::Bf16;
+            cfg.trainer.weight_dtype = dtype;
+            let model = PlanModel {
+                text: &vl.text,
+                tower_params: crate::vision::weights::tower_parameters(&vl.vision),
+                vision: Some(&vl.vision),
+                on_cpu: true,
+                reference: false,
+            };
+            let plan = plan(&cfg, model).unwrap();
+            plan.held[0].bytes
+        };
+        let ck = crate::vision::checkpoint::VlCheckpoint::load(&dir).unwrap();
+        let mut m = crate::vision::model::VlModel::from_checkpoint(CpuBackend, &ck).unwrap();
+        let f32s = m.lm().weight_bytes() + m.tower().weight_bytes();
+        m.set_weight_storage(crate::model::WeightStorage::Bf16)
+            .unwrap();
+        let bf16 = m.lm().weight_bytes() + m.tower().weight_bytes();
+        assert!(bf16 < f32s);
+        assert_eq!(
+            weights(WeightDtypeCfg::F32) - weights(WeightDtypeCfg::Bf16),
+            f32s - bf16
         );
     }
 

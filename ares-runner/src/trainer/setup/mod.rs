@@ -182,8 +182,7 @@ pub fn build_reference<B: Backend>(
             let mut m = VlModel::from_checkpoint(backend, ck)?;
             m.lm_mut().set_matmul_precision(precision);
             m.tower_mut().set_matmul_precision(precision);
-            m.lm_mut()
-                .set_weight_storage(cfg.trainer.weight_dtype.storage())?;
+            m.set_weight_storage(cfg.trainer.weight_dtype.storage())?;
             let checkpointing = cfg.worker.actor.model.enable_gradient_checkpointing;
             m.lm_mut().set_gradient_checkpointing(checkpointing);
             m.tower_mut().set_gradient_checkpointing(checkpointing);
