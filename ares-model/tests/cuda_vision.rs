@@ -86,7 +86,7 @@ fn tower_pair_gradients_are_the_full_gradient_projected() {
 #[test]
 fn tower_weights_stored_in_bf16_match_the_cpu() {
     use ares_model::backend::cpu::CpuBackend;
-    use ares_model::backend::{Backend, DeviceBuffer, MatmulPrecision, View, ViewMut};
+    use ares_model::backend::{Backend, MatmulPrecision};
     use ares_model::model::WeightStorage;
     use ares_model::vision::checkpoint::VlCheckpoint;
     use ares_model::vision::tower::{VisionPlan, VisionTower};
@@ -94,47 +94,15 @@ fn tower_weights_stored_in_bf16_match_the_cpu() {
     let dir =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vl/qwen2_5_vl_tiny");
     let ck = VlCheckpoint::load(&dir).unwrap();
-    let cfg = ck.config.vision.clone();
-    let plan = VisionPlan::new(&cfg, &[[1, 16, 16]]).unwrap();
-    let pixels: Vec<f32> = (0..plan.patches * cfg.patch_dim())
-        .map(|i| ((i * 7919 % 2000) as f32 / 1000.0) - 1.0)
-        .collect();
-    let dout: Vec<f32> = (0..plan.units * cfg.out_hidden)
-        .map(|i| ((i * 104_729 % 2000) as f32 / 2000.0) - 0.5)
-        .collect();
-    fn run<B: Backend>(
-        be: &B,
-        ck: &VlCheckpoint,
-        plan: &VisionPlan,
-        pixels: &[f32],
-        dout: &[f32],
-    ) -> (Vec<f32>, Vec<Vec<f32>>) {
-        let cfg = &ck.config.vision;
-        let mut tower = VisionTower::new(be, cfg, &ck.vision).unwrap();
+    let plan = VisionPlan::new(&ck.config.vision, &[[1, 16, 16]]).unwrap();
+    fn run<B: Backend>(be: &B, ck: &VlCheckpoint, plan: &VisionPlan) -> (Vec<f32>, Vec<Vec<f32>>) {
+        let mut tower = VisionTower::new(be, &ck.config.vision, &ck.vision).unwrap();
         tower.set_matmul_precision(MatmulPrecision::Bf16);
         tower.set_weight_storage(be, WeightStorage::Bf16).unwrap();
-        let mut acts = tower.activations(be, plan.clone(), true).unwrap();
-        let mut grads = tower.zero_grads(be).unwrap();
-        let mut d = be.alloc(dout.len()).unwrap();
-        be.upload(dout, ViewMut::whole(&mut d)).unwrap();
-        tower.forward(be, pixels, &mut acts).unwrap();
-        tower
-            .backward(be, &mut acts, View::whole(&d), &mut grads)
-            .unwrap();
-        let mut out = vec![0.0f32; plan.units * cfg.out_hidden];
-        be.download(acts.output(), &mut out).unwrap();
-        let g = grads
-            .iter()
-            .map(|(_, b)| {
-                let mut h = vec![0.0f32; b.len()];
-                be.download(View::whole(b), &mut h).unwrap();
-                h
-            })
-            .collect();
-        (out, g)
+        common::tower_pass(be, &tower, plan)
     }
-    let (want, want_g) = run(&CpuBackend, &ck, &plan, &pixels, &dout);
-    let (got, got_g) = run(&gpu, &ck, &plan, &pixels, &dout);
+    let (want, want_g) = run(&CpuBackend, &ck, &plan);
+    let (got, got_g) = run(&gpu, &ck, &plan);
     let err = common::rel_err(&got, &want);
     assert!(err < 1e-2, "tower output: {err:e}");
     for (i, (a, b)) in got_g.iter().zip(&want_g).enumerate() {

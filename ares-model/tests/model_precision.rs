@@ -254,12 +254,7 @@ fn stored_bf16_weights_are_what_the_bf16_products_read() {
     let mut acts = m.activations(b.batch, b.seq).unwrap();
     let mut g = m.grads().unwrap();
     let mut opt = AdamW::new(&m, AdamWConfig::default()).unwrap();
-    m.backend().take();
-    m.forward(&b.inputs(), &mut acts).unwrap();
-    m.log_prob_entropy(&mut acts, &targets, 1.0).unwrap();
-    m.backward_from_log_prob_grads(&b.inputs(), &mut acts, &targets, &vec![0.5; n], 1.0, &mut g)
-        .unwrap();
-    let calls = m.backend().take().calls;
+    let calls = counted_pass(&m, &b, &targets, &mut acts, &mut g);
     let count = |op: &str| calls.iter().filter(|&&c| c == op).count();
     // 7 projections a layer and the LM head, forward and backward
     let products = 7 * m.spec().layers + 1;
@@ -287,6 +282,23 @@ fn stored_bf16_weights_are_what_the_bf16_products_read() {
     assert_eq!(counts.host_waits, 1, "{:?}", counts.calls);
 }
 
+/// The ops of one forward and backward pass of `b` through `m` (∂L/∂logπ = 0.5 a token).
+fn counted_pass(
+    m: &Model<ares_model::backend::Counting<CpuBackend>>,
+    b: &Batch,
+    targets: &[u32],
+    acts: &mut ares_model::model::Activations<ares_model::backend::Counting<CpuBackend>>,
+    g: &mut ares_model::model::Grads<ares_model::backend::Counting<CpuBackend>>,
+) -> Vec<&'static str> {
+    let n = b.batch * b.seq;
+    m.backend().take();
+    m.forward(&b.inputs(), acts).unwrap();
+    m.log_prob_entropy(acts, targets, 1.0).unwrap();
+    m.backward_from_log_prob_grads(&b.inputs(), acts, targets, &vec![0.5; n], 1.0, g)
+        .unwrap();
+    m.backend().take().calls
+}
+
 /// Stored in bf16, the embedding is gathered from its bf16 table and the LM head multiplies
 /// by its bf16 weight, as the linear layers do; AdamW updates each bf16 weight in one op a
 /// tensor (the seven projections of every layer, the head, an untied embedding).
@@ -307,19 +319,7 @@ fn weights_stored_in_bf16_are_read_by_the_bf16_ops() {
         let mut acts = m.activations_full(b.batch, b.seq).unwrap();
         let mut g = m.grads().unwrap();
         let mut opt = AdamW::new(&m, AdamWConfig::default()).unwrap();
-        m.backend().take();
-        m.forward(&b.inputs(), &mut acts).unwrap();
-        m.log_prob_entropy(&mut acts, &targets, 1.0).unwrap();
-        m.backward_from_log_prob_grads(
-            &b.inputs(),
-            &mut acts,
-            &targets,
-            &vec![0.5; n],
-            1.0,
-            &mut g,
-        )
-        .unwrap();
-        let calls = m.backend().take().calls;
+        let calls = counted_pass(&m, &b, &targets, &mut acts, &mut g);
         let count = |op: &str| calls.iter().filter(|&&c| c == op).count();
         let products = 7 * m.spec().layers + 1;
         assert_eq!(count("embedding_bf16"), 1, "{name}");
@@ -578,34 +578,10 @@ fn tower_weights_stored_in_bf16_are_read_by_the_bf16_ops() {
         }
     }
     let plan = VisionPlan::new(&cfg, &[[1, 16, 16]]).unwrap();
-    let pixels: Vec<f32> = (0..plan.patches * cfg.patch_dim())
-        .map(|i| ((i * 7919 % 2000) as f32 / 1000.0) - 1.0)
-        .collect();
-    let dout: Vec<f32> = (0..plan.units * cfg.out_hidden)
-        .map(|i| ((i * 104_729 % 2000) as f32 / 2000.0) - 0.5)
-        .collect();
     let run = |tower: &VisionTower<Counting<CpuBackend>>| {
-        let mut acts = tower.activations(&be, plan.clone(), true).unwrap();
-        let mut grads = tower.zero_grads(&be).unwrap();
-        let mut d = be.alloc(dout.len()).unwrap();
-        be.upload(&dout, ViewMut::whole(&mut d)).unwrap();
         be.take();
-        tower.forward(&be, &pixels, &mut acts).unwrap();
-        tower
-            .backward(&be, &mut acts, View::whole(&d), &mut grads)
-            .unwrap();
-        let calls = be.take().calls;
-        let mut out = vec![0.0f32; plan.units * cfg.out_hidden];
-        be.download(acts.output(), &mut out).unwrap();
-        let g: Vec<Vec<f32>> = grads
-            .iter()
-            .map(|(_, b)| {
-                let mut h = vec![0.0f32; b.len()];
-                be.download(View::whole(b), &mut h).unwrap();
-                h
-            })
-            .collect();
-        (out, g, calls)
+        let (out, g) = common::tower_pass(&be, tower, &plan);
+        (out, g, be.take().calls)
     };
     let mut f32s = VisionTower::new(&be, &cfg, &rounded).unwrap();
     let mut stored = VisionTower::new(&be, &cfg, &weights).unwrap();
@@ -648,36 +624,12 @@ fn bf16_tower_attention_runs_on_the_tensor_core_twin() {
     let be = Counting::new(CpuBackend);
     let weights = VisionWeights::random(&cfg, 0.1, 5);
     let plan = VisionPlan::new(&cfg, &[[1, 16, 16]]).unwrap();
-    let pixels: Vec<f32> = (0..plan.patches * cfg.patch_dim())
-        .map(|i| ((i * 7919 % 2000) as f32 / 1000.0) - 1.0)
-        .collect();
-    let dout: Vec<f32> = (0..plan.units * cfg.out_hidden)
-        .map(|i| ((i * 104_729 % 2000) as f32 / 2000.0) - 0.5)
-        .collect();
     let run = |precision: MatmulPrecision| {
         let mut tower = VisionTower::new(&be, &cfg, &weights).unwrap();
         tower.set_matmul_precision(precision);
-        let mut acts = tower.activations(&be, plan.clone(), true).unwrap();
-        let mut grads = tower.zero_grads(&be).unwrap();
-        let mut d = be.alloc(dout.len()).unwrap();
-        be.upload(&dout, ViewMut::whole(&mut d)).unwrap();
         be.take();
-        tower.forward(&be, &pixels, &mut acts).unwrap();
-        tower
-            .backward(&be, &mut acts, View::whole(&d), &mut grads)
-            .unwrap();
-        let calls = be.take().calls;
-        let mut out = vec![0.0f32; plan.units * cfg.out_hidden];
-        be.download(acts.output(), &mut out).unwrap();
-        let g: Vec<Vec<f32>> = grads
-            .iter()
-            .map(|(_, b)| {
-                let mut h = vec![0.0f32; b.len()];
-                be.download(View::whole(b), &mut h).unwrap();
-                h
-            })
-            .collect();
-        (out, g, calls)
+        let (out, g) = common::tower_pass(&be, &tower, &plan);
+        (out, g, be.take().calls)
     };
     let (out32, g32, calls32) = run(MatmulPrecision::F32);
     let (out16, g16, calls16) = run(MatmulPrecision::Bf16);

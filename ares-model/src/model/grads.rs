@@ -18,6 +18,13 @@ pub enum TrainableMut<'a, B: Backend> {
     Bf16(&'a mut B::Half),
 }
 
+impl<'a, B: Backend> TrainableMut<'a, B> {
+    /// `buffers`, each as f32 values (LoRA pairs, which are never stored in bf16).
+    pub(crate) fn f32s(buffers: Vec<&'a mut B::Buffer>) -> Vec<Self> {
+        buffers.into_iter().map(Self::F32).collect()
+    }
+}
+
 /// A trained tensor: name, shape, and (buffer, layer) among the trained buffers.
 pub(crate) type TrainedTensor = (String, Vec<usize>, (usize, usize));
 
@@ -306,12 +313,7 @@ impl<B: Backend> Model<B> {
             })
             .collect();
         let mut all: Vec<TrainableMut<'_, B>> = match &mut self.lora {
-            Some(l) => l
-                .params
-                .buffers_mut()
-                .into_iter()
-                .map(TrainableMut::F32)
-                .collect(),
+            Some(l) => TrainableMut::f32s(l.params.buffers_mut()),
             None => {
                 let mut halves: Vec<Option<&mut B::Half>> = match self.bf16_weights.as_mut() {
                     Some(c) => c.copies_mut().into_iter().map(Some).collect(),

@@ -581,12 +581,7 @@ impl<B: Backend> VisionTower<B> {
     /// weights (full fine-tuning) or the LoRA pairs.
     pub(crate) fn trainable_mut(&mut self) -> Vec<TrainableMut<'_, B>> {
         match &mut self.lora {
-            Some(l) => l
-                .params
-                .buffers_mut()
-                .into_iter()
-                .map(TrainableMut::F32)
-                .collect(),
+            Some(l) => TrainableMut::f32s(l.params.buffers_mut()),
             None => {
                 let mut halves: Vec<(Slot, &mut B::Half)> = match &mut self.stored {
                     Some(s) => s.iter_mut().collect(),
@@ -731,13 +726,16 @@ impl<B: Backend> VisionTower<B> {
 
     /// The weight of `slot` for block `l` (or the whole tensor).
     fn w(&self, slot: Slot, l: usize, item: usize) -> Result<Tensor<'_, B>, ModelError> {
-        let buf = self
-            .weights
+        Ok(View::item(self.buffer(slot)?, l, item)?)
+    }
+
+    /// The f32 buffer of `slot` (empty for a weight stored in bf16).
+    fn buffer(&self, slot: Slot) -> Result<&B::Buffer, ModelError> {
+        self.weights
             .get(slot)
             .ok_or_else(|| ModelError::MissingWeight {
                 name: format!("{slot:?}"),
-            })?;
-        Ok(View::item(buf, l, item)?)
+            })
     }
 
     /// The weight of linear slot `slot` for block `l` (or the whole tensor) as the
@@ -752,12 +750,7 @@ impl<B: Backend> VisionTower<B> {
         if let Some(half) = self.stored.as_ref().and_then(|s| s.get(slot)) {
             return Ok(TowerWeight::Bf16(View::new(half, l * item + offset, len)?));
         }
-        let buf = self
-            .weights
-            .get(slot)
-            .ok_or_else(|| ModelError::MissingWeight {
-                name: format!("{slot:?}"),
-            })?;
+        let buf = self.buffer(slot)?;
         Ok(TowerWeight::F32(View::new(buf, l * item + offset, len)?))
     }
 

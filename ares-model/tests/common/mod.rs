@@ -212,3 +212,39 @@ pub fn check_layer_watch(
     }
     assert!(grads.layer_ranges(layers).is_empty());
 }
+
+/// A forward and backward pass of `tower` over `plan`'s patches with fixed pixel values and
+/// output gradient: the output and every weight gradient, on the host.
+pub fn tower_pass<B: ares_model::backend::Backend>(
+    be: &B,
+    tower: &ares_model::vision::tower::VisionTower<B>,
+    plan: &ares_model::vision::tower::VisionPlan,
+) -> (Vec<f32>, Vec<Vec<f32>>) {
+    use ares_model::backend::{DeviceBuffer, View, ViewMut};
+    let cfg = tower.config();
+    let pixels: Vec<f32> = (0..plan.patches * cfg.patch_dim())
+        .map(|i| ((i * 7919 % 2000) as f32 / 1000.0) - 1.0)
+        .collect();
+    let dout: Vec<f32> = (0..plan.units * cfg.out_hidden)
+        .map(|i| ((i * 104_729 % 2000) as f32 / 2000.0) - 0.5)
+        .collect();
+    let mut acts = tower.activations(be, plan.clone(), true).unwrap();
+    let mut grads = tower.zero_grads(be).unwrap();
+    let mut d = be.alloc(dout.len()).unwrap();
+    be.upload(&dout, ViewMut::whole(&mut d)).unwrap();
+    tower.forward(be, &pixels, &mut acts).unwrap();
+    tower
+        .backward(be, &mut acts, View::whole(&d), &mut grads)
+        .unwrap();
+    let mut out = vec![0.0f32; dout.len()];
+    be.download(acts.output(), &mut out).unwrap();
+    let g = grads
+        .iter()
+        .map(|(_, b)| {
+            let mut h = vec![0.0f32; b.len()];
+            be.download(View::whole(b), &mut h).unwrap();
+            h
+        })
+        .collect();
+    (out, g)
+}
