@@ -681,9 +681,10 @@ fn precision_sets_products_and_weights() {
 }
 
 /// bf16 is CUDA's default: `trainer.device: cuda` with none of the three precision keys
-/// given runs `precision: bf16` (written out, so the resolved config loads back as itself,
-/// on any device); a key given — in the file or as an override, even at its default value
-/// — keeps each setting its own; the CPU and `auto` keep f32.
+/// given runs `precision: bf16` and a bf16 KV cache unless that is given (written out, so
+/// the resolved config loads back as itself, on any device); a key given — in the file or
+/// as an override, even at its default value — keeps each setting its own; the CPU and
+/// `auto` keep f32.
 #[test]
 fn bf16_is_the_default_on_cuda() {
     use ares_runner::config::{MatmulPrecisionCfg as P, WeightDtypeCfg as W};
@@ -694,8 +695,15 @@ fn bf16_is_the_default_on_cuda() {
             c.trainer.weight_dtype,
         )
     };
+    use ares_runner::config::KvCacheDtype as Kv;
+    let kv = |c: &Config| c.worker.rollout.kv_cache_dtype;
     let c = with_overrides(&["trainer.device=cuda"]).unwrap();
     assert_eq!(both(&c), (Some(P::Bf16), P::Bf16, W::Bf16));
+    assert_eq!(kv(&c), Kv::Bf16, "the KV cache too");
+    let given = with_overrides(&["trainer.device=cuda", "worker.rollout.kv_cache_dtype=f32"]);
+    assert_eq!(kv(&given.unwrap()), Kv::F32, "given, kept");
+    let exact = with_overrides(&["trainer.device=cuda", "trainer.precision=f32"]).unwrap();
+    assert_eq!(kv(&exact), Kv::F32, "a precision given: f32 cache");
     assert_eq!(load(&c.to_yaml(), &[]).unwrap(), c);
     let cpu = load(&c.to_yaml(), &["trainer.device=cpu"]).unwrap();
     assert_eq!(both(&cpu), (Some(P::Bf16), P::Bf16, W::Bf16), "as written");

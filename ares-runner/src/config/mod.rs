@@ -176,18 +176,22 @@ fn resolve(
         }
     })?;
     // bf16 is CUDA's default: on `trainer.device: cuda` with none of the precision keys
-    // given, `trainer.precision: bf16` (written out with the resolved config, so a resumed
-    // run reads it back as given)
+    // given, `trainer.precision: bf16` and, unless it is given, a bf16 KV cache (written
+    // out with the resolved config, so a resumed run reads them back as given)
     let given = |key: &str| {
-        let keys = ["trainer".to_string(), key.to_string()];
+        let keys: Vec<String> = key.split('.').map(str::to_string).collect();
         origin_of(&keys, &overrides, file_tree.as_ref()) != DEFAULT_ORIGIN
     };
-    if config.trainer.device == Device::Cuda
-        && !["precision", "matmul_precision", "weight_dtype"]
-            .into_iter()
-            .any(given)
-    {
+    let precision_keys = [
+        "trainer.precision",
+        "trainer.matmul_precision",
+        "trainer.weight_dtype",
+    ];
+    if config.trainer.device == Device::Cuda && !precision_keys.into_iter().any(given) {
         config.trainer.precision = Some(MatmulPrecisionCfg::Bf16);
+        if !given("worker.rollout.kv_cache_dtype") {
+            config.worker.rollout.kv_cache_dtype = KvCacheDtype::Bf16;
+        }
     }
     config.trainer.apply_precision()?;
     config.validate()?;

@@ -261,7 +261,8 @@ pub struct TrainerConfig {
     /// products, f32 weights) or `bf16` (bf16 products and weight matrices stored in bf16).
     /// Default null — each its own — but `bf16` on `device: cuda` when none of `precision`,
     /// `matmul_precision` and `weight_dtype` is given (in the file or as an override; the
-    /// resolved config records it). Set with a finer key that says otherwise, an error.
+    /// resolved config records it), with `worker.rollout.kv_cache_dtype: bf16` unless that
+    /// is given. Set with a finer key that says otherwise, an error.
     pub precision: Option<MatmulPrecisionCfg>,
     /// Seed of everything not seeded elsewhere (default 1).
     pub seed: u64,

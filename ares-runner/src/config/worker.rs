@@ -647,7 +647,8 @@ pub struct RolloutConfig {
     /// (the CPU replays nothing: the padding would only cost).
     pub cuda_graphs: bool,
     /// The KV cache of rollout, bootstrap and validation generation: `f32` (default) or
-    /// `bf16` (half the cache's memory; vLLM's `kv_cache_dtype`).
+    /// `bf16` (half the cache's memory; vLLM's `kv_cache_dtype`) — the default on
+    /// `trainer.device: cuda` when `trainer.precision` defaults to bf16 there.
     pub kv_cache_dtype: KvCacheDtype,
     /// Multi-turn rollout with tool calls (verl's `multi_turn` section).
     pub multi_turn: MultiTurnConfig,
