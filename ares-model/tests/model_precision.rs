@@ -63,6 +63,57 @@ fn logits(m: &Model<CpuBackend>, b: &Batch) -> Vec<f32> {
     out
 }
 
+/// transformers' own bf16 forward (`dtype=torch.bfloat16`: bf16 weights and activations;
+/// `scripts/make_bf16_reference.py`) as a reference for ares's bf16 path — bf16 products
+/// and weight matrices stored in bf16, activations in f32 (CUDA's default) — on 80 tokens
+/// of each fixture: ares's f32 logits are transformers' f32 ones, and ares's bf16 logits
+/// are no farther from them than transformers' bf16 ones, and close to those.
+#[test]
+fn bf16_logits_are_as_close_as_transformers_bf16() {
+    use ares_model::model::WeightStorage;
+    for name in ["qwen2_tiny", "qwen3_tiny", "llama_tiny"] {
+        let bytes = std::fs::read(fixture(name).join("bf16_reference.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let (shape, ids) = common::u32s(&st, "input_ids");
+        let (batch, seq) = (shape[0], shape[1]);
+        let b = Batch {
+            batch,
+            seq,
+            ids,
+            mask: vec![1; batch * seq],
+            positions: (0..batch * seq).map(|i| (i % seq) as u32).collect(),
+        };
+        let (hf32, hf16) = (
+            common::f32s(&st, "logits_f32"),
+            common::f32s(&st, "logits_bf16"),
+        );
+        let mut m = model(name);
+        let exact = rel_err(&logits(&m, &b), &hf32);
+        m.set_matmul_precision(MatmulPrecision::Bf16);
+        m.set_weight_storage(WeightStorage::Bf16).unwrap();
+        let ours = logits(&m, &b);
+        let (err, err_hf, apart) = (
+            rel_err(&ours, &hf32),
+            rel_err(&hf16, &hf32),
+            rel_err(&ours, &hf16),
+        );
+        eprintln!(
+            "{name}: max rel error against transformers f32 — ares f32 {exact:.1e}, ares bf16 \
+             {err:.2e}, transformers bf16 {err_hf:.2e}; ares bf16 against transformers bf16 \
+             {apart:.2e}"
+        );
+        assert!(exact < 1e-4, "{name}: f32 {exact:e}");
+        assert!(
+            err > 0.0 && err <= err_hf,
+            "{name}: {err:e} against {err_hf:e}"
+        );
+        assert!(
+            apart <= 2.0 * err_hf,
+            "{name}: {apart:e} against {err_hf:e}"
+        );
+    }
+}
+
 #[test]
 fn logits_move_by_the_operand_rounding_and_no_more() {
     for name in ["qwen2_tiny", "qwen3_tiny", "llama_tiny"] {
