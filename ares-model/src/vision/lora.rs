@@ -259,3 +259,18 @@ pub(crate) fn b_part<'p, B: Backend>(
     let len = cfg.hidden * r;
     Ok(View::new(p.b.buffer(), l * p.b.item() + part * len, len)?)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::TowerTarget;
+    use crate::vision::weights::Slot;
+
+    /// The linear slots (those stored in bf16) are exactly the LoRA targets' slots.
+    #[test]
+    fn linear_slots_are_the_targets_slots() {
+        for slot in Slot::ALL {
+            let target = TowerTarget::ALL.into_iter().any(|t| t.slot() == slot);
+            assert_eq!(slot.is_linear(), target, "{slot:?}");
+        }
+    }
+}

@@ -513,7 +513,8 @@ impl<B: Backend> VisionTower<B> {
         self.precision = precision;
     }
 
-    /// The weights on the device.
+    /// The weights on the device, in f32 (a linear layer's is empty while the tower stores
+    /// it in bf16: [`Self::set_weight_storage`], [`Self::download_weights`]).
     pub fn weights(&self) -> &VisionParams<B::Buffer> {
         &self.weights
     }

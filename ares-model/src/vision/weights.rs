@@ -43,13 +43,22 @@ pub enum Slot {
 pub const SLOTS: usize = 21;
 
 impl Slot {
-    /// Whether this is a linear layer's weight (one a LoRA pair can sit beside): the
-    /// weights [`VisionTower::set_weight_storage`](super::tower::VisionTower::set_weight_storage)
+    /// Whether this is a linear layer's weight (one a LoRA pair can sit beside: the slots
+    /// of the tower's LoRA targets, a test checks): the weights
+    /// [`VisionTower::set_weight_storage`](super::tower::VisionTower::set_weight_storage)
     /// stores in bf16.
     pub fn is_linear(self) -> bool {
-        super::lora::TowerTarget::ALL
-            .into_iter()
-            .any(|t| t.slot() == self)
+        matches!(
+            self,
+            Slot::Patch
+                | Slot::Qkv
+                | Slot::Proj
+                | Slot::MlpIn
+                | Slot::MlpUp
+                | Slot::MlpOut
+                | Slot::Merger0
+                | Slot::Merger2
+        )
     }
 
     /// Every slot, in checkpoint order.
