@@ -415,7 +415,7 @@ fn attention(gpu: &CudaBackend, runs: usize) {
 /// (bytes read + written by a 1 GiB device-to-device copy: the memory roofline a decode
 /// step's attention can reach).
 fn decode_attention(gpu: &CudaBackend, runs: usize) {
-    use ares_model::backend::{AttentionDims, BlockTables, PagedKvView, View, ViewMut};
+    use ares_model::backend::{AttentionDims, View, ViewMut};
     let copy_gbs = {
         let n = 1usize << 28; // 1 GiB of f32
         let src = gpu.ops().alloc(n).expect("alloc");
@@ -435,25 +435,8 @@ fn decode_attention(gpu: &CudaBackend, runs: usize) {
     for (batch, len) in [(4usize, 8192usize), (16, 2048), (128, 500)] {
         let width = (len + 1).div_ceil(bs);
         let shape = (batch, width, len, 1);
-        let PagedBench {
-            kv,
-            kv16,
-            tables,
-            lens,
-            gt,
-            gl,
-            q,
-            mut out,
-        } = paged_bench(gpu, &mut rng, shape, (hq, hkv, d, bs));
+        let (pools, q, mut out) = paged_bench(gpu, &mut rng, shape, (hq, hkv, d, bs));
         let dims = AttentionDims::new(batch, 1, hq, hkv, d);
-        let tables_of = || BlockTables {
-            block_size: bs,
-            max_blocks: width,
-            tables: &gt,
-            len: &gl,
-            host_tables: &tables,
-            host_len: &lens,
-        };
         let keys = batch * (len + 1) * hkv * d * 2;
         let plan = if width * bs > 512 {
             format!(
@@ -465,32 +448,13 @@ fn decode_attention(gpu: &CudaBackend, runs: usize) {
         };
         for bf16 in [false, true] {
             let (best, median) = best_and_median(runs.max(5), || {
+                let (q, o) = (View::whole(&q), ViewMut::whole(&mut out));
                 if bf16 {
-                    let cache = PagedKvView {
-                        k: View::whole(&kv16),
-                        v: View::whole(&kv16),
-                        blocks: tables_of(),
-                    };
-                    gpu.paged_attention_decode_bf16(
-                        dims,
-                        View::whole(&q),
-                        cache,
-                        ViewMut::whole(&mut out),
-                    )
-                    .expect("paged_attention_decode_bf16");
+                    gpu.paged_attention_decode_bf16(dims, q, pools.half_cache(), o)
+                        .expect("paged_attention_decode_bf16");
                 } else {
-                    let cache = PagedKvView {
-                        k: View::whole(&kv),
-                        v: View::whole(&kv),
-                        blocks: tables_of(),
-                    };
-                    gpu.paged_attention_decode(
-                        dims,
-                        View::whole(&q),
-                        cache,
-                        ViewMut::whole(&mut out),
-                    )
-                    .expect("paged_attention_decode");
+                    gpu.paged_attention_decode(dims, q, pools.f32_cache(), o)
+                        .expect("paged_attention_decode");
                 }
                 gpu.synchronize().expect("sync");
             });
@@ -507,27 +471,67 @@ fn decode_attention(gpu: &CudaBackend, runs: usize) {
     }
 }
 
-/// Random f32 and bf16 pools, block tables, queries and an output for the paged benches.
-struct PagedBench {
-    kv: <CudaBackend as ares_model::backend::Backend>::Buffer,
-    kv16: <CudaBackend as ares_model::backend::Backend>::Half,
+type CudaBuffer = <CudaBackend as ares_model::backend::Backend>::Buffer;
+type CudaHalf = <CudaBackend as ares_model::backend::Backend>::Half;
+type CudaIds = <CudaBackend as ares_model::backend::Backend>::Ids;
+
+/// Random f32 and bf16 pools with their block tables, for the paged benches.
+struct PagedPools {
+    kv: CudaBuffer,
+    kv16: CudaHalf,
     tables: Vec<u32>,
     lens: Vec<u32>,
-    gt: <CudaBackend as ares_model::backend::Backend>::Ids,
-    gl: <CudaBackend as ares_model::backend::Backend>::Ids,
-    q: <CudaBackend as ares_model::backend::Backend>::Buffer,
-    out: <CudaBackend as ares_model::backend::Backend>::Buffer,
+    gt: CudaIds,
+    gl: CudaIds,
+    block_size: usize,
+    width: usize,
 }
 
-/// [`PagedBench`] of `(batch, width, len, queries)`: `batch` sequences of `width` blocks
+impl PagedPools {
+    /// The block tables, as the paged ops read them.
+    fn tables(&self) -> ares_model::backend::BlockTables<'_, CudaIds> {
+        ares_model::backend::BlockTables {
+            block_size: self.block_size,
+            max_blocks: self.width,
+            tables: &self.gt,
+            len: &self.gl,
+            host_tables: &self.tables,
+            host_len: &self.lens,
+        }
+    }
+
+    /// The f32 pool as keys and values.
+    fn f32_cache(&self) -> ares_model::backend::PagedKvView<'_, CudaBuffer, CudaIds> {
+        use ares_model::backend::View;
+        let (k, v) = (View::whole(&self.kv), View::whole(&self.kv));
+        ares_model::backend::PagedKvView {
+            k,
+            v,
+            blocks: self.tables(),
+        }
+    }
+
+    /// The bf16 pool as keys and values.
+    fn half_cache(&self) -> ares_model::backend::PagedKvView<'_, CudaHalf, CudaIds> {
+        use ares_model::backend::View;
+        let (k, v) = (View::whole(&self.kv16), View::whole(&self.kv16));
+        ares_model::backend::PagedKvView {
+            k,
+            v,
+            blocks: self.tables(),
+        }
+    }
+}
+
+/// [`PagedPools`] of `(batch, width, len, queries)`: `batch` sequences of `width` blocks
 /// each (in order), `len` slots filled before `queries` new ones a sequence, at head shape
-/// `(hq, hkv, d, block_size)`.
+/// `(hq, hkv, d, block_size)` — with the queries and an output of their size.
 fn paged_bench(
     gpu: &CudaBackend,
     rng: &mut SplitMix,
     (batch, width, len, queries): (usize, usize, usize, usize),
     (hq, hkv, d, bs): (usize, usize, usize, usize),
-) -> PagedBench {
+) -> (PagedPools, CudaBuffer, CudaBuffer) {
     use ares_model::backend::{DType, ViewMut};
     let blocks = batch * width;
     let pool = blocks * bs * hkv * d;
@@ -553,16 +557,17 @@ fn paged_bench(
     let mut q = gpu.alloc(q_host.len()).expect("alloc");
     gpu.upload(&q_host, ViewMut::whole(&mut q)).expect("upload");
     let out = gpu.alloc(q_host.len()).expect("alloc");
-    PagedBench {
+    let pools = PagedPools {
         kv,
         kv16,
         tables,
         lens,
         gt,
         gl,
-        q,
-        out,
-    }
+        block_size: bs,
+        width,
+    };
+    (pools, q, out)
 }
 
 /// A chunked prefill's later chunk over the paged pool at the Qwen2.5-0.5B head shape (14
@@ -571,41 +576,14 @@ fn paged_bench(
 /// (`paged_attention_prefill_bf16` / `_kv16`), in TFLOP/s of the causal products
 /// (4 · queries · visible keys · head_dim · heads).
 fn chunk_attention(gpu: &CudaBackend, runs: usize) {
-    use ares_model::backend::{AttentionDims, BlockTables, PagedKvView, View, ViewMut};
+    use ares_model::backend::{AttentionDims, View, ViewMut};
     let (hq, hkv, d, bs) = (14usize, 2usize, 64usize, 16usize);
     let mut rng = SplitMix::new(17);
     for (batch, before, chunk) in [(1usize, 2048usize, 512usize), (4, 1024, 256)] {
         let width = (before + chunk).div_ceil(bs);
         let shape = (batch, width, before, chunk);
-        let PagedBench {
-            kv,
-            kv16,
-            tables,
-            lens,
-            gt,
-            gl,
-            q,
-            mut out,
-        } = paged_bench(gpu, &mut rng, shape, (hq, hkv, d, bs));
+        let (pools, q, mut out) = paged_bench(gpu, &mut rng, shape, (hq, hkv, d, bs));
         let dims = AttentionDims::new(batch, chunk, hq, hkv, d);
-        let tables_of = || BlockTables {
-            block_size: bs,
-            max_blocks: width,
-            tables: &gt,
-            len: &gl,
-            host_tables: &tables,
-            host_len: &lens,
-        };
-        let f32_cache = || PagedKvView {
-            k: View::whole(&kv),
-            v: View::whole(&kv),
-            blocks: tables_of(),
-        };
-        let half_cache = || PagedKvView {
-            k: View::whole(&kv16),
-            v: View::whole(&kv16),
-            blocks: tables_of(),
-        };
         // each query sees `before + i + 1` keys
         let visible = (chunk * before + chunk * (chunk + 1) / 2) as f64;
         let flops = 4.0 * batch as f64 * visible * (d * hq) as f64;
@@ -619,10 +597,16 @@ fn chunk_attention(gpu: &CudaBackend, runs: usize) {
                 let q = View::whole(&q);
                 let o = ViewMut::whole(&mut out);
                 match (kernel == "tensor cores", bf16_pool) {
-                    (false, false) => gpu.paged_attention_decode(dims, q, f32_cache(), o),
-                    (true, false) => gpu.paged_attention_prefill_bf16(dims, q, f32_cache(), o),
-                    (false, true) => gpu.paged_attention_decode_bf16(dims, q, half_cache(), o),
-                    (true, true) => gpu.paged_attention_prefill_bf16_kv16(dims, q, half_cache(), o),
+                    (false, false) => gpu.paged_attention_decode(dims, q, pools.f32_cache(), o),
+                    (true, false) => {
+                        gpu.paged_attention_prefill_bf16(dims, q, pools.f32_cache(), o)
+                    }
+                    (false, true) => {
+                        gpu.paged_attention_decode_bf16(dims, q, pools.half_cache(), o)
+                    }
+                    (true, true) => {
+                        gpu.paged_attention_prefill_bf16_kv16(dims, q, pools.half_cache(), o)
+                    }
                 }
                 .expect(kernel);
                 gpu.synchronize().expect("sync");
