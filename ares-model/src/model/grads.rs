@@ -23,6 +23,19 @@ impl<'a, B: Backend> TrainableMut<'a, B> {
     pub(crate) fn f32s(buffers: Vec<&'a mut B::Buffer>) -> Vec<Self> {
         buffers.into_iter().map(Self::F32).collect()
     }
+
+    /// Elements of the buffer, whatever its dtype.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(b) => b.len(),
+            Self::Bf16(h) => h.len(),
+        }
+    }
+
+    /// Whether the buffer holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// A trained tensor: name, shape, and (buffer, layer) among the trained buffers.

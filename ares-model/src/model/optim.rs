@@ -322,10 +322,7 @@ impl<B: Backend> AdamW<B> {
         let be = &model.backend;
         let g = grads.buffers();
         for (i, e) in extra.iter().enumerate() {
-            let n = match &e.param {
-                TrainableMut::F32(p) => p.len(),
-                TrainableMut::Bf16(p) => p.len(),
-            };
+            let n = e.param.len();
             if e.grad.len() != n || e.moments.len() != n {
                 return Err(ModelError::LayoutMismatch {
                     what: if i == 0 {
