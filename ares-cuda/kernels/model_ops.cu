@@ -126,6 +126,21 @@ extern "C" __global__ void f32_to_bf16_stochastic(const float* __restrict__ x,
         y[i] = bf16_stochastic(x[i], rounding_bits(key, (unsigned long long)i));
 }
 
+// A gradient stored in bf16 taking an f32 contribution: y = SR(widen(y) + x) with
+// rounding_bits(key, i) (twin of ares_cpu::ops::precision::accumulate_bf16_stochastic).
+extern "C" __global__ void accumulate_bf16_stochastic(const float* __restrict__ x,
+                                                      unsigned short* __restrict__ y, i64 n,
+                                                      unsigned long long key) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        y[i] = bf16_stochastic(widen(y[i]) + x[i], rounding_bits(key, (unsigned long long)i));
+}
+
+// Every element set to the bf16 bits `bits` (a gradient stored in bf16 zeroed).
+extern "C" __global__ void fill_bf16(unsigned short* __restrict__ y, i64 n, unsigned short bits) {
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
+        y[i] = bits;
+}
+
 // bf16 bits -> f32, exact (weights stored in bf16, read by their optimizer step).
 extern "C" __global__ void bf16_to_f32(const unsigned short* __restrict__ x, float* __restrict__ y,
                                        i64 n) {
@@ -1146,10 +1161,11 @@ extern "C" __global__ void log_prob_entropy_bwd_f16(
 // also hands the status word to the host in the same read (and clears it), so the gradient
 // norm of a whole model costs one wait.
 struct SumSqTensor {
-    const float* x;
-    i64 n;      // elements, >= 1
-    i64 chunk;  // elements per block of stage 1
-    i64 first;  // its first partial (and block of stage 1); ascending over the table
+    const void* x;  // f32 values, or bf16 bits (a gradient stored in bf16)
+    i64 n;          // elements, >= 1
+    i64 chunk;      // elements per block of stage 1
+    i64 first;      // its first partial (and block of stage 1); ascending over the table
+    i64 bf16;       // 1: x holds bf16 bits, widened exactly
 };
 
 extern "C" __global__ void sum_sq_multi_partial(const SumSqTensor* __restrict__ tensors,
@@ -1166,9 +1182,18 @@ extern "C" __global__ void sum_sq_multi_partial(const SumSqTensor* __restrict__ 
     const i64 start = ((i64)blockIdx.x - t.first) * t.chunk;
     const i64 end = start + t.chunk < t.n ? start + t.chunk : t.n;
     double acc = 0.0;
-    for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) {
-        const double v = (double)t.x[i];
-        acc += v * v;
+    if (t.bf16) {
+        const unsigned short* x = (const unsigned short*)t.x;
+        for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) {
+            const double v = (double)widen(x[i]);
+            acc += v * v;
+        }
+    } else {
+        const float* x = (const float*)t.x;
+        for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) {
+            const double v = (double)x[i];
+            acc += v * v;
+        }
     }
     const double s = block_sum_d(acc, sh);
     if (threadIdx.x == 0) partials[blockIdx.x] = s;

@@ -123,6 +123,8 @@ kernel_table! {
         axpy: "axpy_f32",
         to_bf16: "f32_to_bf16",
         to_bf16_stochastic: "f32_to_bf16_stochastic",
+        accumulate_bf16_stochastic: "accumulate_bf16_stochastic",
+        fill_bf16: "fill_bf16",
         from_bf16: "bf16_to_f32",
         bias_add: "bias_add",
         swiglu_fwd: "swiglu_fwd",

@@ -1971,13 +1971,14 @@ fn kernel_on_cpu_sums_of_squares_of_many_tensors_in_one_read() {
     let Some(lib) = model_kernels() else { return };
     type Sums = unsafe extern "C" fn(u32, *const u64, i32, *mut f64, *mut u32, *mut f64);
     let run = launcher!(lib, "emu_sums_of_squares", Sums);
-    // (sums, status word read back) of `xs` in one launch pair, with `status` set before
-    let sums = |xs: &[&[f32]], status: u32| {
+    // (sums, status word read back) of tensors `(address, len, bf16)` in one launch pair,
+    // with `status` set before
+    let sums_of = |xs: &[(u64, usize, bool)], status: u32| {
         let (mut table, mut partials) = (Vec::new(), 0usize);
-        for x in xs {
-            let (chunk, blocks) = sum_of_squares_partition(x.len());
-            let words = [x.len() as u64, chunk as u64, partials as u64];
-            table.push(x.as_ptr() as u64);
+        for &(at, len, bf16) in xs {
+            let (chunk, blocks) = sum_of_squares_partition(len);
+            let words = [len as u64, chunk as u64, partials as u64, u64::from(bf16)];
+            table.push(at);
             table.extend(words);
             partials += blocks;
         }
@@ -1999,6 +2000,13 @@ fn kernel_on_cpu_sums_of_squares_of_many_tensors_in_one_read() {
         assert_eq!(word, 0, "the status word is cleared");
         let read = out.pop().unwrap();
         (out, read)
+    };
+    let sums = |xs: &[&[f32]], status: u32| {
+        let table: Vec<_> = xs
+            .iter()
+            .map(|x| (x.as_ptr() as u64, x.len(), false))
+            .collect();
+        sums_of(&table, status)
     };
     let mut rng = Rng(5);
     // one block, a block boundary, many blocks, and the 1 024-block cap (chunk above 8 192)
@@ -2039,6 +2047,80 @@ fn kernel_on_cpu_sums_of_squares_of_many_tensors_in_one_read() {
     assert!(bad[3].is_nan() && bad[4] == f64::INFINITY, "{bad:?}");
     for i in 0..3 {
         assert_eq!(bad[i].to_bits(), together[i].to_bits(), "tensor {i}");
+    }
+    // gradients stored in bf16 among f32 ones: each bf16 tensor's sum is its widened
+    // values' sum as an f32 tensor, bit for bit, and the CPU's up to order
+    let halves: Vec<Vec<u16>> = views[..3]
+        .iter()
+        .map(|x| {
+            x.iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect()
+        })
+        .collect();
+    let widened: Vec<Vec<f32>> = halves
+        .iter()
+        .map(|h| {
+            h.iter()
+                .map(|&b| f32::from_bits(u32::from(b) << 16))
+                .collect()
+        })
+        .collect();
+    let mut table = Vec::new();
+    for (h, x) in halves.iter().zip(&views) {
+        table.push((h.as_ptr() as u64, h.len(), true));
+        table.push((x.as_ptr() as u64, x.len(), false));
+    }
+    let (mixed, _) = sums_of(&table, 0);
+    for (i, (h, w)) in halves.iter().zip(&widened).enumerate() {
+        let (alone, _) = sums(&[w], 0);
+        assert_eq!(
+            mixed[2 * i].to_bits(),
+            alone[0].to_bits(),
+            "bf16 tensor {i}"
+        );
+        let cpu = ares_cpu::ops::optim::sum_of_squares_bf16(h);
+        assert!((mixed[2 * i] - cpu).abs() <= 1e-12 * cpu, "bf16 tensor {i}");
+        assert_eq!(
+            mixed[2 * i + 1].to_bits(),
+            together[i].to_bits(),
+            "f32 tensor {i}"
+        );
+    }
+}
+
+#[test]
+fn kernel_on_cpu_bf16_gradient_accumulation_and_fill_are_the_cpu_twin() {
+    // written for gradients stored in bf16, never run on a GPU: the CPU's bits whatever the
+    // launch shape (three blocks of 64 threads stride over the tensor)
+    let Some(lib) = model_kernels() else { return };
+    type Accumulate = unsafe extern "C" fn(u32, u32, *const f32, *mut u16, i64, u64);
+    type Fill = unsafe extern "C" fn(u32, u32, *mut u16, i64, u16);
+    let accumulate = launcher!(lib, "emu_accumulate_bf16_stochastic", Accumulate);
+    let fill = launcher!(lib, "emu_fill_bf16", Fill);
+    let mut rng = Rng(21);
+    let mut x: Vec<f32> = (0..1500).map(|_| rng.range(-1.0, 1.0) * 1e-3).collect();
+    x.extend([0.0, -0.0, f32::INFINITY, f32::NAN, 1.0, f32::MAX]);
+    let n = x.len();
+    let start: Vec<u16> = (0..n)
+        .map(|i| half::bf16::from_f32(rng.range(-2.0, 2.0) * (i % 7) as f32).to_bits())
+        .collect();
+    for key in [0u64, 0x0123_4567_89AB_CDEF] {
+        let mut want = start.clone();
+        ares_cpu::ops::precision::accumulate_bf16_stochastic(&x, key, &mut want).expect("cpu");
+        let mut got = start.clone();
+        // SAFETY: x holds n values, got n slots.
+        unsafe { accumulate(3, 64, x.as_ptr(), got.as_mut_ptr(), n as i64, key) };
+        assert_eq!(got, want, "key {key:#x}");
+    }
+    for value in [0.0f32, 1.0 + 2f32.powi(-9), -3.5] {
+        let mut want = vec![0xAAAAu16; n];
+        ares_cpu::ops::precision::fill_bf16(&mut want, value);
+        let mut got = vec![0xAAAAu16; n];
+        let bits = half::bf16::from_f32(value).to_bits();
+        // SAFETY: got holds n slots.
+        unsafe { fill(2, 32, got.as_mut_ptr(), n as i64, bits) };
+        assert_eq!(got, want, "fill {value}");
     }
 }
 

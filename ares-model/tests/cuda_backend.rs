@@ -29,11 +29,12 @@ use ares_model::backend::cuda::{CudaBackend, CudaBuffer, CudaIds};
 use ares_model::backend::{
     Activation, AdamWConfig, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend,
     BlockTables, DType, DeviceBuffer, GradWrite, KvCacheView, KvCacheViewMut, LinearDims,
-    MatmulPrecision, PagedKvView, PagedKvViewMut, SegmentAttentionDims, View, ViewMut,
+    MatmulPrecision, PagedKvView, PagedKvViewMut, SegmentAttentionDims, Stored, View, ViewMut,
 };
 use ares_model::hf::checkpoint::Checkpoint;
 use ares_model::model::{
-    AdamW, ForwardExtras, GenerateRequest, Grads, Inputs, Model, Sampling, StepReport, WeightDtype,
+    AdamW, ForwardExtras, GenerateRequest, GradDtype, Grads, Inputs, Model, Sampling, StepReport,
+    WeightDtype,
 };
 use safetensors::{Dtype, SafeTensors};
 
@@ -2298,13 +2299,63 @@ fn optimizer_ops_match_cpu() {
         alone.push(g);
     }
     // the gradient norm's one read: every tensor's sum as it is alone, bit for bit
-    let views: Vec<_> = dev.iter().map(View::whole).collect();
+    let views: Vec<_> = dev.iter().map(|d| Stored::F32(View::whole(d))).collect();
     let mut together = vec![f64::NAN; lens.len()];
     gpu.sums_of_squares(&views, &mut together).unwrap();
     for (i, (t, a)) in together.iter().zip(&alone).enumerate() {
         assert_eq!(t.to_bits(), a.to_bits(), "sums_of_squares tensor {i}");
     }
     assert!(gpu.sums_of_squares(&views, &mut [0.0; 2]).is_err());
+    // gradients stored in bf16 among them: each one's sum is its widened values' sum
+    let halves: Vec<_> = dev
+        .iter()
+        .map(|d| {
+            let mut h = gpu.alloc_half(d.len(), DType::Bf16).unwrap();
+            gpu.round_bf16(View::whole(d), ViewMut::whole(&mut h))
+                .unwrap();
+            h
+        })
+        .collect();
+    let mut mixed: Vec<_> = halves
+        .iter()
+        .map(|h| Stored::Bf16(View::whole(h)))
+        .collect();
+    mixed.extend(views.iter().copied());
+    let mut sums = vec![f64::NAN; mixed.len()];
+    gpu.sums_of_squares(&mixed, &mut sums).unwrap();
+    for (i, h) in halves.iter().enumerate() {
+        let mut wide = gpu.alloc(h.len()).unwrap();
+        gpu.widen_bf16(View::whole(h), ViewMut::whole(&mut wide))
+            .unwrap();
+        let alone = gpu.sum_of_squares(View::whole(&wide)).unwrap();
+        assert_eq!(sums[i].to_bits(), alone.to_bits(), "bf16 tensor {i}");
+        assert_eq!(sums[lens.len() + i].to_bits(), together[i].to_bits());
+    }
+    // their accumulation and zeroing: the CPU's bits
+    let n = 300_001;
+    let (start, add) = (rng.vec(n, 2.0), rng.vec(n, 1e-2));
+    let (mut g16, mut c16) = (
+        gpu.alloc_half(n, DType::Bf16).unwrap(),
+        cpu.alloc_half(n, DType::Bf16).unwrap(),
+    );
+    gpu.round_bf16(View::whole(&up(&gpu, &start)), ViewMut::whole(&mut g16))
+        .unwrap();
+    cpu.round_bf16(View::whole(&start), ViewMut::whole(&mut c16))
+        .unwrap();
+    for key in [1u64, 0xFEED_5EED] {
+        let src = up(&gpu, &add);
+        gpu.accumulate_bf16_stochastic(View::whole(&src), key, ViewMut::whole(&mut g16))
+            .unwrap();
+        cpu.accumulate_bf16_stochastic(View::whole(&add), key, ViewMut::whole(&mut c16))
+            .unwrap();
+        let mut bits = vec![0u16; n];
+        gpu.download_half(View::whole(&g16), &mut bits).unwrap();
+        assert_eq!(bits, c16.bits(), "accumulate_bf16_stochastic key {key:#x}");
+    }
+    gpu.fill_bf16(ViewMut::whole(&mut g16), 0.0).unwrap();
+    let mut bits = vec![1u16; n];
+    gpu.download_half(View::whole(&g16), &mut bits).unwrap();
+    assert!(bits.iter().all(|&b| b == 0), "fill_bf16");
 
     let n = 70_000;
     let p0 = rng.vec(n, 1.0);
@@ -2817,6 +2868,15 @@ fn train_step<B: Backend>(
     model: &mut Model<B>,
     s: &Set,
 ) -> (Vec<f32>, Vec<f32>, Vec<StepReport>, Vec<Vec<f32>>) {
+    train_step_in(model, s, GradDtype::F32)
+}
+
+/// [`train_step`] with gradients stored as `dtype`.
+fn train_step_in<B: Backend>(
+    model: &mut Model<B>,
+    s: &Set,
+    dtype: GradDtype,
+) -> (Vec<f32>, Vec<f32>, Vec<StepReport>, Vec<Vec<f32>>) {
     let n = s.batch * s.seq;
     // Targets: the next input token (0 past the end); coefficients on valid tokens only.
     let targets: Vec<u32> = (0..n)
@@ -2844,7 +2904,7 @@ fn train_step<B: Backend>(
     let (mut lp, mut h) = (vec![0.0; n], vec![0.0; n]);
     be.download(acts.log_probs(), &mut lp).unwrap();
     be.download(acts.entropies(), &mut h).unwrap();
-    let mut grads = model.grads().unwrap();
+    let mut grads = model.grads_in(dtype).unwrap();
     model
         .backward_from_log_prob_grads(&s.inputs(), &mut acts, &targets, &coeffs, 0.8, &mut grads)
         .unwrap();
@@ -2927,7 +2987,9 @@ fn random_set(batch: usize, seq: usize, vocab: u32) -> Set {
 /// and widening kernels give the CPU's bits (the same counter-based random bits), and a
 /// bf16 training step on the GPU matches the CPU twin's — log-probs within 2e-3, and after
 /// two AdamW steps the weights within one bf16 ulp, unequal in few elements (an f32
-/// update that lands on the other side of a rounding threshold on one device).
+/// update that lands on the other side of a rounding threshold on one device) — with f32
+/// gradients and with gradients stored in bf16 (`GradDtype::Bf16`: the accumulation's
+/// stochastic rounding draws the CPU's bits too).
 #[test]
 fn bf16_weight_storage_matches_cpu() {
     use ares_model::model::WeightStorage;
@@ -2957,7 +3019,12 @@ fn bf16_weight_storage_matches_cpu() {
         assert_eq!(down(&gpu, &g32), widened, "widen_bf16 n={n}");
     }
     // the weight matrices stored in bf16 (a tied and an untied embedding): two steps
-    for name in ["qwen2_tiny", "llama_tiny"] {
+    for (name, dtype) in [
+        ("qwen2_tiny", GradDtype::F32),
+        ("llama_tiny", GradDtype::F32),
+        ("qwen2_tiny", GradDtype::Bf16),
+        ("llama_tiny", GradDtype::Bf16),
+    ] {
         let (mut cpu_model, mut gpu_model) = models(&gpu, name);
         cpu_model.set_matmul_precision(MatmulPrecision::Bf16);
         gpu_model.set_matmul_precision(MatmulPrecision::Bf16);
@@ -2965,8 +3032,9 @@ fn bf16_weight_storage_matches_cpu() {
         gpu_model.set_weight_storage(WeightStorage::Bf16).unwrap();
         assert_eq!(gpu_model.weight_storage(), WeightStorage::Bf16);
         let s = random_set(2, 40, gpu_model.spec().vocab as u32);
-        let (glp, _, _, gw) = train_step(&mut gpu_model, &s);
-        let (clp, _, _, cw) = train_step(&mut cpu_model, &s);
+        let (glp, _, _, gw) = train_step_in(&mut gpu_model, &s, dtype);
+        let (clp, _, _, cw) = train_step_in(&mut cpu_model, &s, dtype);
+        let name = format!("{name} ({} gradients)", dtype.name());
         assert_close(&format!("{name} bf16 weights: log_probs"), &glp, &clp, 2e-3);
         let (mut unequal, mut total) = (0usize, 0usize);
         for (i, (g, c)) in gw.iter().zip(&cw).enumerate() {

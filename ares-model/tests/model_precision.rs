@@ -902,3 +902,242 @@ fn bf16_weights_take_updates_below_half_an_ulp() {
     // to nearest, only weights within a few 1e-6 of 0 (ulp < 2·step) move at all
     assert!(ratio_nearest < 0.05, "to nearest: {ratio_nearest}");
 }
+
+/// `(batch, dlogits)` of a fixed ∂L/∂logits with entries in [-1, 1) for `m`.
+fn fixed_dlogits(m: &Model<CpuBackend>) -> (Batch, Vec<f32>) {
+    let b = Batch::new(2, 16, m.spec().vocab);
+    let n = b.batch * b.seq * m.spec().vocab;
+    let dl = (0..n)
+        .map(|i| ((i * 7919 % 2000) as f32 / 1000.0) - 1.0)
+        .collect();
+    (b, dl)
+}
+
+/// One forward and backward of `m` from `dl` into new gradients stored as `dtype`.
+fn grads_of(
+    m: &Model<CpuBackend>,
+    (b, dl): &(Batch, Vec<f32>),
+    dtype: ares_model::model::GradDtype,
+) -> ares_model::model::Grads<CpuBackend> {
+    let be = m.backend();
+    let mut acts = m.activations_full(b.batch, b.seq).unwrap();
+    m.forward(&b.inputs(), &mut acts).unwrap();
+    let mut d = be.alloc(dl.len()).unwrap();
+    be.upload(dl, ViewMut::whole(&mut d)).unwrap();
+    let mut g = m.grads_in(dtype).unwrap();
+    m.backward(&b.inputs(), &mut acts, View::whole(&d), &mut g)
+        .unwrap();
+    g
+}
+
+/// Gradients stored in bf16 (`trainer.grad_dtype: bf16`): each linear weight's gradient
+/// is its f32 gradient rounded stochastically — one of its two bf16 neighbours — and every
+/// other gradient (embedding, norms, biases) is the f32 one, bit for bit; the bf16 stacks
+/// take half the bytes; an f32 view of one is refused, and so is a layer watcher (the
+/// data-parallel sum reads f32 views).
+#[test]
+fn bf16_grads_are_the_f32_grads_rounded_stochastically() {
+    use ares_model::model::{GradDtype, ModelError};
+    let m = model("qwen2_tiny");
+    let batch = fixed_dlogits(&m);
+    let g32 = grads_of(&m, &batch, GradDtype::F32);
+    let g16 = grads_of(&m, &batch, GradDtype::Bf16);
+    assert_eq!(
+        (g32.dtype(), g16.dtype()),
+        (GradDtype::F32, GradDtype::Bf16)
+    );
+    let be = m.backend();
+    // values below the midpoint of their neighbours (`[0]`) and above it (`[1]`): how many,
+    // and how many rounded away from zero — never / always to nearest
+    let (mut linear, mut up, mut moved) = (0usize, [0usize; 2], [0usize; 2]);
+    for layer in 0..m.spec().layers {
+        for suffix in [
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        ] {
+            let name = format!("model.layers.{layer}.{suffix}");
+            let (want, got) = (
+                g32.download(be, &name).unwrap(),
+                g16.download(be, &name).unwrap(),
+            );
+            for (&w, &g) in want.iter().zip(&got) {
+                // the bf16 neighbours of w: its bits truncated, and one ulp farther from 0
+                let down = f32::from_bits(w.to_bits() & 0xffff_0000);
+                let away = f32::from_bits((w.to_bits() & 0xffff_0000) + 0x1_0000);
+                assert!(g == down || g == away, "{name}: {g} for {w}");
+                if down != w {
+                    let half = usize::from(w.to_bits() & 0xffff > 0x8000);
+                    up[half] += usize::from(g == away);
+                    moved[half] += 1;
+                }
+            }
+            linear += want.len();
+            assert!(matches!(
+                g16.tensor(&name),
+                Err(ModelError::Bf16Grads { .. })
+            ));
+        }
+        for suffix in ["input_layernorm.weight", "self_attn.q_proj.bias"] {
+            let name = format!("model.layers.{layer}.{suffix}");
+            let (want, got) = (
+                g32.download(be, &name).unwrap(),
+                g16.download(be, &name).unwrap(),
+            );
+            assert_eq!(want, got, "{name}");
+        }
+    }
+    for name in ["model.embed_tokens.weight", "model.norm.weight"] {
+        assert_eq!(
+            g32.download(be, name).unwrap(),
+            g16.download(be, name).unwrap()
+        );
+    }
+    // stochastic: a value rounds away from zero with its distance from the lower neighbour
+    // (on average ¼ of those below the midpoint, ¾ of those above), not to the nearer one
+    let share = |h: usize| up[h] as f64 / moved[h] as f64;
+    assert!(
+        (0.15..0.35).contains(&share(0)),
+        "{up:?} of {moved:?} rounded up"
+    );
+    assert!(
+        (0.65..0.85).contains(&share(1)),
+        "{up:?} of {moved:?} rounded up"
+    );
+    // the linear gradients' bytes halve (plus one layer of f32 scratch per stack)
+    let saved = g32.bytes() - g16.bytes();
+    let layer_scratch = 4 * linear as u64 / m.spec().layers as u64;
+    assert_eq!(saved, 2 * linear as u64 - layer_scratch);
+    // a layer watcher reads f32 views: refused before anything is added
+    let mut watched = m.grads_in(GradDtype::Bf16).unwrap();
+    watched.watch_layers(Some(Box::new(|_, _, _| {})));
+    let (b, dl) = &batch;
+    let mut acts = m.activations_full(b.batch, b.seq).unwrap();
+    m.forward(&b.inputs(), &mut acts).unwrap();
+    let mut d = be.alloc(dl.len()).unwrap();
+    be.upload(dl, ViewMut::whole(&mut d)).unwrap();
+    let err = m.backward(&b.inputs(), &mut acts, View::whole(&d), &mut watched);
+    assert!(matches!(err, Err(ModelError::Bf16Grads { .. })), "{err:?}");
+}
+
+/// Gradients accumulated in bf16 over many backward passes stay unbiased: 2 048 passes of
+/// the same batch sum to 2 048× the f32 gradient within the rounding's spread, where
+/// rounding to nearest stalls once a pass's part falls below half an ulp of the sum
+/// (from 256–512 passes on) and ends far below it.
+#[test]
+fn bf16_grads_accumulate_without_bias() {
+    use ares_model::model::GradDtype;
+    let m = model("qwen2_tiny");
+    let (b, dl) = fixed_dlogits(&m);
+    let be = m.backend();
+    let g32 = grads_of(
+        &m,
+        &(Batch::new(b.batch, b.seq, m.spec().vocab), dl.clone()),
+        GradDtype::F32,
+    );
+    let mut g16 = m.grads_in(GradDtype::Bf16).unwrap();
+    g16.set_rounding(3, 1);
+    let mut d = be.alloc(dl.len()).unwrap();
+    be.upload(&dl, ViewMut::whole(&mut d)).unwrap();
+    const PASSES: usize = 2048;
+    for _ in 0..PASSES {
+        let mut acts = m.activations_full(b.batch, b.seq).unwrap();
+        m.forward(&b.inputs(), &mut acts).unwrap();
+        m.backward(&b.inputs(), &mut acts, View::whole(&d), &mut g16)
+            .unwrap();
+    }
+    let name = "model.layers.1.mlp.down_proj.weight";
+    let (want, got) = (
+        g32.download(be, name).unwrap(),
+        g16.download(be, name).unwrap(),
+    );
+    // the mean error along each sum's sign, relative to the sums' size
+    let (mut err, mut size) = (0.0f64, 0.0f64);
+    for (&w, &g) in want.iter().zip(&got) {
+        let sum = PASSES as f64 * f64::from(w);
+        err += (f64::from(g) - sum) * sum.signum();
+        size += sum.abs();
+    }
+    let bias = err / size;
+    eprintln!(
+        "{} values, {PASSES} passes: relative bias {bias:.2e}",
+        want.len()
+    );
+    assert!(bias.abs() < 5e-3, "bias {bias:e}");
+}
+
+/// AdamW steps gradients stored in bf16 as it steps f32 gradients holding the same
+/// values: the same norm and the same weights, bit for bit — with f32 weights and with
+/// weights stored in bf16 (where both the gradient and the weight are bf16).
+#[test]
+fn adamw_steps_bf16_grads_as_their_widened_values() {
+    use ares_model::backend::Stored;
+    use ares_model::model::{GradDtype, WeightStorage};
+    for storage in [WeightStorage::F32, WeightStorage::Bf16] {
+        let fresh = || {
+            let mut m = model("qwen2_tiny");
+            m.set_weight_storage(storage).unwrap();
+            m
+        };
+        let (mut a, mut b) = (fresh(), fresh());
+        let batch = fixed_dlogits(&a);
+        let g16 = grads_of(&a, &batch, GradDtype::Bf16);
+        // f32 gradients holding the bf16 gradients' values, widened
+        let be = *a.backend();
+        let host: Vec<Vec<f32>> = g16
+            .stored()
+            .iter()
+            .map(|s| match *s {
+                Stored::F32(v) => {
+                    let mut out = vec![0.0; v.len()];
+                    be.download(v, &mut out).unwrap();
+                    out
+                }
+                Stored::Bf16(v) => {
+                    let mut bits = vec![0u16; v.len()];
+                    be.download_half(v, &mut bits).unwrap();
+                    bits.iter()
+                        .map(|&h| f32::from_bits(u32::from(h) << 16))
+                        .collect()
+                }
+            })
+            .collect();
+        let mut g32 = b.grads().unwrap();
+        for (buf, v) in g32.buffers_mut().into_iter().zip(&host) {
+            be.upload(v, ViewMut::whole(buf)).unwrap();
+        }
+        let config = AdamWConfig::default();
+        let (mut opt_a, mut opt_b) = (
+            AdamW::new(&a, config).unwrap(),
+            AdamW::new(&b, config).unwrap(),
+        );
+        for _ in 0..2 {
+            let ra = opt_a.step(&mut a, &g16, 1e-3, Some(0.5)).unwrap();
+            let rb = opt_b.step(&mut b, &g32, 1e-3, Some(0.5)).unwrap();
+            assert_eq!(
+                ra.grad_norm.to_bits(),
+                rb.grad_norm.to_bits(),
+                "{storage:?}"
+            );
+            assert!(ra.applied && rb.applied);
+        }
+        let (wa, wb) = (a.to_weights().unwrap(), b.to_weights().unwrap());
+        for (la, lb) in wa.layers.iter().zip(&wb.layers) {
+            assert_eq!(la.down_proj.data, lb.down_proj.data, "{storage:?}");
+            assert_eq!(la.q_proj.data, lb.q_proj.data, "{storage:?}");
+            assert_eq!(
+                la.input_layernorm.data, lb.input_layernorm.data,
+                "{storage:?}"
+            );
+        }
+        assert_eq!(wa.embed_tokens.data, wb.embed_tokens.data, "{storage:?}");
+        assert_ne!(
+            wa.layers[0].q_proj.data,
+            fresh().to_weights().unwrap().layers[0].q_proj.data
+        );
+    }
+}

@@ -326,29 +326,45 @@ fn scale_in_place(xs: &mut [f32], s: f32) {
 fn sum_of_squares<'a>(tensors: impl Iterator<Item = &'a [f32]>) -> f64 {
     let mut total = 0.0f64;
     for g in tensors {
-        total += if g.len() >= PAR_MIN_ELEMS {
-            // Partial sums come back in chunk order and are added serially: deterministic.
-            let partials: Vec<f64> = g.par_chunks(CHUNK).map(chunk_sum_of_squares).collect();
-            partials.iter().sum::<f64>()
-        } else {
-            g.chunks(CHUNK).map(chunk_sum_of_squares).sum::<f64>()
-        };
+        total += sum_of_squares_as(g, |x| x);
     }
     total
 }
 
+/// `Σ x²` of one tensor of elements read as f32 by `wide`, chunk by chunk in a fixed order.
+fn sum_of_squares_as<T: Copy + Sync>(g: &[T], wide: impl Fn(T) -> f32 + Sync) -> f64 {
+    let chunk = |xs: &[T]| chunk_sum_of_squares(xs, &wide);
+    if g.len() >= PAR_MIN_ELEMS {
+        // Partial sums come back in chunk order and are added serially: deterministic.
+        let partials: Vec<f64> = g.par_chunks(CHUNK).map(chunk).collect();
+        partials.iter().sum::<f64>()
+    } else {
+        g.chunks(CHUNK).map(chunk).sum::<f64>()
+    }
+}
+
+/// [`sum_of_squares_f64`] of a tensor stored in bf16 (`bits`), each element widened
+/// (exact): equal to [`sum_of_squares_f64`] of the widened values, bit for bit — the part
+/// of the global gradient norm of a gradient stored in bf16.
+pub fn sum_of_squares_bf16(bits: &[u16]) -> f64 {
+    // 0 + …: an empty tensor's sum is +0, as sum_of_squares_f64's (an empty f64 sum is −0)
+    0.0 + sum_of_squares_as(bits, |b| f32::from_bits(u32::from(b) << 16))
+}
+
 /// `Σ x²` in `f64` with eight independent accumulators, so the loop vectorises (a single
 /// accumulator would chain every addition).
-fn chunk_sum_of_squares(xs: &[f32]) -> f64 {
+fn chunk_sum_of_squares<T: Copy>(xs: &[T], wide: impl Fn(T) -> f32) -> f64 {
     let mut acc = [0.0f64; 8];
     let mut lanes = xs.chunks_exact(8);
     for c in &mut lanes {
         for (a, &x) in acc.iter_mut().zip(c) {
-            *a += f64::from(x) * f64::from(x);
+            let x = f64::from(wide(x));
+            *a += x * x;
         }
     }
     for (a, &x) in acc.iter_mut().zip(lanes.remainder()) {
-        *a += f64::from(x) * f64::from(x);
+        let x = f64::from(wide(x));
+        *a += x * x;
     }
     acc.iter().sum()
 }

@@ -201,6 +201,56 @@ impl ModelOps {
         Ok(())
     }
 
+    /// `y = SR(widen(y) + x)`: an f32 contribution added to a tensor stored in bf16, each
+    /// sum rounded stochastically with the 16 random bits of `(key, i)` (twin of
+    /// `ares_cpu::ops::precision::accumulate_bf16_stochastic`): a layer's weight gradient
+    /// folded into a gradient stored in bf16.
+    ///
+    /// # Errors
+    /// Lengths that differ, a launch failure.
+    pub fn accumulate_bf16_stochastic(
+        &self,
+        x: &CudaView<'_, f32>,
+        key: u64,
+        y: &mut CudaViewMut<'_, u16>,
+    ) -> Result<()> {
+        const K: &str = "accumulate_bf16_stochastic";
+        let n = x.len();
+        check_len(K, "y", n, y.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = i64_of(K, "len", n)?;
+        let mut l = self
+            .stream
+            .launch_builder(&self.f.accumulate_bf16_stochastic);
+        l.arg(x).arg(y).arg(&n64).arg(&key);
+        // SAFETY: (x, y, n, key) as `accumulate_bf16_stochastic` declares them; both hold n
+        // elements.
+        unsafe { l.launch(element_cfg(n)) }.during(K)?;
+        Ok(())
+    }
+
+    /// Every element of `y` set to `value` rounded to the nearest bf16 (twin of
+    /// `ares_cpu::ops::precision::fill_bf16`): a gradient stored in bf16 zeroed.
+    ///
+    /// # Errors
+    /// A launch failure.
+    pub fn fill_bf16(&self, y: &mut CudaViewMut<'_, u16>, value: f32) -> Result<()> {
+        const K: &str = "fill_bf16";
+        let n = y.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let n64 = i64_of(K, "len", n)?;
+        let bits = half::bf16::from_f32(value).to_bits();
+        let mut l = self.stream.launch_builder(&self.f.fill_bf16);
+        l.arg(y).arg(&n64).arg(&bits);
+        // SAFETY: (y, n, bits) as `fill_bf16` declares them; y holds n elements.
+        unsafe { l.launch(element_cfg(n)) }.during(K)?;
+        Ok(())
+    }
+
     /// `y = x` widened from bf16 bits to f32 (exact; twin of
     /// `ares_cpu::ops::precision::widen_bf16`).
     ///

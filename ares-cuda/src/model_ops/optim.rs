@@ -37,6 +37,35 @@ impl Target<'_, '_> {
     }
 }
 
+/// A tensor of [`ModelOps::sums_of_squares_of`]: f32 values, or bf16 bits.
+#[derive(Debug, Clone, Copy)]
+pub enum SquaresOf<'a, 'b> {
+    /// f32 values.
+    F32(&'a CudaView<'b, f32>),
+    /// bf16 bits (a gradient stored in bf16).
+    Bf16(&'a CudaView<'b, u16>),
+}
+
+impl SquaresOf<'_, '_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::F32(x) => x.len(),
+            Self::Bf16(x) => x.len(),
+        }
+    }
+
+    /// The device address, and the guard that keeps it in use.
+    fn device_ptr<'s>(
+        &'s self,
+        stream: &'s cudarc::driver::CudaStream,
+    ) -> (u64, cudarc::driver::SyncOnDrop<'s>) {
+        match self {
+            Self::F32(x) => x.device_ptr(stream),
+            Self::Bf16(x) => x.device_ptr(stream),
+        }
+    }
+}
+
 /// Partial sums of a tensor of [`ModelOps::sums_of_squares`] at most (blocks of its first
 /// stage).
 const MAX_PARTIALS: usize = 1024;
@@ -186,11 +215,22 @@ impl ModelOps {
     /// `out` not as long as `xs`, a driver failure, [`crate::Error::DeviceStatus`] (bad
     /// values an earlier op met).
     pub fn sums_of_squares(&self, xs: &[&CudaView<'_, f32>], out: &mut [f64]) -> Result<()> {
+        let xs: Vec<SquaresOf<'_, '_>> = xs.iter().map(|x| SquaresOf::F32(x)).collect();
+        self.sums_of_squares_of(&xs, out)
+    }
+
+    /// [`ModelOps::sums_of_squares`] of tensors stored as f32 or as bf16 (widened exactly),
+    /// in the same two launches and one wait: the norm of gradients some of which are
+    /// stored in bf16. A bf16 tensor's sum is its widened values' sum as an f32 tensor's.
+    ///
+    /// # Errors
+    /// As [`ModelOps::sums_of_squares`].
+    pub fn sums_of_squares_of(&self, xs: &[SquaresOf<'_, '_>], out: &mut [f64]) -> Result<()> {
         const K: &str = "sums_of_squares";
         check_len(K, "out", xs.len(), out.len())?;
         // the non-empty tensors' table (the kernel's `SumSqTensor`: pointer, length, chunk,
         // first partial) and where each one's sum goes
-        let mut table = Vec::with_capacity(4 * xs.len());
+        let mut table = Vec::with_capacity(5 * xs.len());
         let mut slots = Vec::with_capacity(xs.len());
         let mut guards = Vec::with_capacity(xs.len());
         let mut partials = 0usize;
@@ -203,7 +243,8 @@ impl ModelOps {
             let (chunk, blocks) = sum_of_squares_partition(n);
             let (ptr, guard) = x.device_ptr(&self.stream);
             guards.push(guard);
-            table.extend([ptr, n as u64, chunk as u64, partials as u64]);
+            let bf16 = u64::from(matches!(x, SquaresOf::Bf16(_)));
+            table.extend([ptr, n as u64, chunk as u64, partials as u64, bf16]);
             partials += blocks;
             slots.push(i);
         }

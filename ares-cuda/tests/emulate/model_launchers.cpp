@@ -8,6 +8,18 @@ extern "C" void emu_f32_to_bf16_stochastic(unsigned grid, unsigned block, const 
                 [&] { f32_to_bf16_stochastic(x, y, n, key); });
 }
 
+extern "C" void emu_accumulate_bf16_stochastic(unsigned grid, unsigned block, const float* x,
+                                               unsigned short* y, i64 n,
+                                               unsigned long long key) {
+    emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0,
+                [&] { accumulate_bf16_stochastic(x, y, n, key); });
+}
+
+extern "C" void emu_fill_bf16(unsigned grid, unsigned block, unsigned short* y, i64 n,
+                              unsigned short bits) {
+    emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] { fill_bf16(y, n, bits); });
+}
+
 extern "C" void emu_bf16_to_f32(unsigned grid, unsigned block, const unsigned short* x, float* y,
                                 i64 n) {
     emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] { bf16_to_f32(x, y, n); });

@@ -11,8 +11,8 @@ use super::ops::{declared_ops, op_arg_type};
 use super::{
     Activation, ActorLossGrads, ActorLossSpec, ActorLossViews, AdamWUpdate, AttentionDims, Backend,
     DType, GradWrite, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
-    PagedKvView, PagedKvViewMut, PickBuffersOf, PickRule, Result, SegmentAttentionDims, Tensor,
-    TensorMut, View, ViewMut, WindowSpec,
+    PagedKvView, PagedKvViewMut, PickBuffersOf, PickRule, Result, SegmentAttentionDims, Stored,
+    Tensor, TensorMut, View, ViewMut, WindowSpec,
 };
 use ares_cpu::sampler::{SampleKey, Sampler};
 use std::sync::{Arc, Mutex};
@@ -326,9 +326,16 @@ impl<B: Backend> Backend for Counting<B> {
             .pick_tokens(logits, vocab, rule, temperature, bufs, host)
     }
 
-    fn sums_of_squares(&self, xs: &[Tensor<'_, Self>], out: &mut [f64]) -> Result<()> {
+    fn sums_of_squares(&self, xs: &[Stored<'_, Self>], out: &mut [f64]) -> Result<()> {
         self.note(Kind::Wait, "sums_of_squares");
-        self.inner.sums_of_squares(xs, out)
+        let xs: Vec<Stored<'_, B>> = xs
+            .iter()
+            .map(|x| match *x {
+                Stored::F32(x) => Stored::F32(x),
+                Stored::Bf16(x) => Stored::Bf16(x),
+            })
+            .collect();
+        self.inner.sums_of_squares(&xs, out)
     }
 
     fn kv_cache_append(

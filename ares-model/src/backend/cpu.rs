@@ -7,7 +7,7 @@ use ares_cpu::ops::matmul::{
     MatmulDims, linear_backward_in, linear_forward_in, linear_forward_t_in,
 };
 use ares_cpu::ops::matmul_tiles;
-use ares_cpu::ops::optim::{Moment, adamw_step_scaled, sum_of_squares_f64};
+use ares_cpu::ops::optim::{Moment, adamw_step_scaled, sum_of_squares_bf16, sum_of_squares_f64};
 use ares_cpu::ops::{activation, segment_attention};
 use ares_cpu::sampler::{SampleKey, Sampler};
 
@@ -21,7 +21,8 @@ use super::{
     ACTOR_LOSS_REPORT, Activation, ActorLossGrads, ActorLossSpec, ActorLossViews, AdamWUpdate,
     AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError, DType, DeviceBuffer,
     GradWrite, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims, PagedKvView,
-    PagedKvViewMut, Result, SegmentAttentionDims, Tensor, TensorMut, View, ViewMut, WindowSpec,
+    PagedKvViewMut, Result, SegmentAttentionDims, Stored, Tensor, TensorMut, View, ViewMut,
+    WindowSpec,
 };
 
 /// The CPU backend: f32, u32 and 16-bit vectors, `ares-cpu` kernels.
@@ -430,6 +431,11 @@ mod kernels {
 
     pub(super) fn fill(dst: &mut [f32], value: f32) -> Result {
         dst.fill(value);
+        Ok(())
+    }
+
+    pub(super) fn fill_bf16(dst: &mut [u16], value: f32) -> Result {
+        ares_cpu::ops::precision::fill_bf16(dst, value);
         Ok(())
     }
 
@@ -905,11 +911,15 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
-    fn sums_of_squares(&self, xs: &[Tensor<'_, Self>], out: &mut [f64]) -> Result<()> {
-        let _timer = CpuTimer::start("sums_of_squares");
+    fn sums_of_squares(&self, xs: &[Stored<'_, Self>], out: &mut [f64]) -> Result<()> {
+        const OP: &str = "sums_of_squares";
+        let _timer = CpuTimer::start(OP);
         BackendError::check_len("sums_of_squares: out", xs.len(), out.len())?;
         for (x, o) in xs.iter().zip(out) {
-            *o = sum_of_squares_f64(slice(*x)?);
+            *o = match *x {
+                Stored::F32(x) => sum_of_squares_f64(slice(x)?),
+                Stored::Bf16(x) => sum_of_squares_bf16(half(OP, "xs", x, DType::Bf16)?),
+            };
         }
         Ok(())
     }

@@ -104,6 +104,23 @@ pub type Tensor<'a, B> = View<'a, <B as Backend>::Buffer>;
 /// A writable f32 view of backend `B`.
 pub type TensorMut<'a, B> = ViewMut<'a, <B as Backend>::Buffer>;
 
+/// A tensor as it is stored: f32 values, or the bits of a bf16 one — what
+/// [`Backend::sums_of_squares`] reads (gradients kept in bf16 among f32 ones).
+pub enum Stored<'a, B: Backend + ?Sized> {
+    /// f32 values.
+    F32(Tensor<'a, B>),
+    /// bf16 bits (checked to be bf16 where read).
+    Bf16(View<'a, B::Half>),
+}
+
+impl<B: Backend + ?Sized> Clone for Stored<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend + ?Sized> Copy for Stored<'_, B> {}
+
 /// Words of a [`Backend::actor_loss`] report (CUDA: the loss kernel's ten totals and its two
 /// status words; the CPU: core's values).
 pub const ACTOR_LOSS_REPORT: usize = 12;
@@ -383,19 +400,21 @@ pub trait Backend {
     /// whatever else is summed with it), returned to the host: the per-tensor parts of the
     /// global gradient norm. **Waits** once for all of them (CUDA: one multi-tensor kernel
     /// pair and one read; the caller decides on the host whether to step). NaN or ±∞ in a
-    /// tensor gives that tensor a non-finite sum; an empty tensor's is 0.
+    /// tensor gives that tensor a non-finite sum; an empty tensor's is 0. A bf16 tensor is
+    /// summed as its widened values (exact), in the same wait.
     ///
     /// # Errors
-    /// `out` not as long as `xs`; a failure of a queued op reported now.
-    fn sums_of_squares(&self, xs: &[Tensor<'_, Self>], out: &mut [f64]) -> Result<()>;
+    /// `out` not as long as `xs`; a bf16 view of another dtype; a failure of a queued op
+    /// reported now.
+    fn sums_of_squares(&self, xs: &[Stored<'_, Self>], out: &mut [f64]) -> Result<()>;
 
-    /// [`Backend::sums_of_squares`] of one tensor.
+    /// [`Backend::sums_of_squares`] of one f32 tensor.
     ///
     /// # Errors
     /// As [`Backend::sums_of_squares`].
     fn sum_of_squares(&self, x: Tensor<'_, Self>) -> Result<f64> {
         let mut total = [0.0];
-        self.sums_of_squares(&[x], &mut total)?;
+        self.sums_of_squares(&[Stored::F32(x)], &mut total)?;
         Ok(total[0])
     }
 

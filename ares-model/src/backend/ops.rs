@@ -554,6 +554,32 @@ macro_rules! declared_ops {
                 dst: Out<bf16>,
             ) cpu ares_cpu::ops::precision::round_to_bf16_stochastic, cuda to_bf16_stochastic;
 
+            /// `dst[i] ← SR(widen(dst[i]) + src[i])`: an f32 contribution added to a tensor
+            /// stored in bf16, each sum rounded **stochastically** with the bits of `(key, i)`
+            /// as [`Backend::round_bf16_stochastic`]
+            /// (`ares_cpu::ops::precision::accumulate_bf16_stochastic`): a decoder layer's
+            /// weight gradients folded into gradients stored in bf16
+            /// (`trainer.grad_dtype: bf16`), unbiased where rounding to nearest would stall a
+            /// long accumulation.
+            ///
+            /// # Errors
+            /// Lengths that differ; `dst` not bf16.
+            fn accumulate_bf16_stochastic(
+                src: In<f32>,
+                key: u64,
+                dst: Out<bf16>,
+            ) cpu ares_cpu::ops::precision::accumulate_bf16_stochastic, cuda accumulate_bf16_stochastic;
+
+            /// Sets every element of `dst` to `value` rounded to the nearest bf16 (`0.0`
+            /// zeroes a gradient stored in bf16).
+            ///
+            /// # Errors
+            /// `dst` not bf16; a device failure where the backend reports one.
+            fn fill_bf16(
+                dst: Out<bf16>,
+                value: f32,
+            ) cpu kernels::fill_bf16, cuda fill_bf16;
+
             /// Widens each bf16 element of `src` to f32 into `dst` (exact; same length): a
             /// weight stored in bf16 read by its optimizer step or saved.
             ///

@@ -145,7 +145,14 @@ impl<B: Backend> Model<B> {
             g: base,
             lora: lora_grads,
             watch,
+            half,
         } = grads;
+        if watch.is_some() && half.is_some() {
+            // a watcher is handed f32 views of each layer's gradients (a data-parallel sum)
+            return Err(ModelError::Bf16Grads {
+                what: "watching the layers' gradients (a data-parallel sum)",
+            });
+        }
         let mut grads = base.as_mut();
 
         // LM head: dlnf = dlogits · W; dW += dlogitsᵀ · lnf (tied: into the embedding).
@@ -255,7 +262,15 @@ impl<B: Backend> Model<B> {
             // its weights' gradients, each with its weight.
             let slot = acts.layers.slot_of(l);
             let a = acts.layers.at(l)?;
-            let g = self.layer_grads(l, n, grads.as_deref_mut())?;
+            // gradients in bf16: the linear ones are written to a zeroed f32 scratch first
+            let scratch = match half.as_mut() {
+                Some(h) => {
+                    h.clear_scratch(be)?;
+                    Some(h.scratch_mut())
+                }
+                None => None,
+            };
+            let g = self.layer_grads(l, n, grads.as_deref_mut(), scratch)?;
             // a LoRA pair's backward after its frozen layer's: `(target, dy, x, dx)`
             let mut pair = |t: Target,
                             dy: Tensor<'_, B>,
@@ -324,6 +339,9 @@ impl<B: Backend> Model<B> {
             pair(Target::V, sc.dv.r(), a.ln1, sc.dln.w())?;
             // ∂L/∂input = ∂L/∂resid_mid (skip) + the input norm's input gradient.
             self.rmsnorm_backward(sc.dln.r(), a.input, a.ln1_rstd, g.ln1, sc.dresidual.w())?;
+            if let Some(h) = half.as_mut() {
+                h.fold(be, l)?;
+            }
             // layer l's gradients are complete: a watcher may start their sum over ranks
             if let Some(watch) = watch.as_mut() {
                 let lg = lora.as_ref().map(|(_, lg)| &**lg);
@@ -357,6 +375,9 @@ impl<B: Backend> Model<B> {
                 c,
                 ViewMut::whole(g.embed.buffer_mut()),
             )?;
+        }
+        if let Some(h) = half.as_mut() {
+            h.end_pass();
         }
         Ok(())
     }

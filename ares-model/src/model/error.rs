@@ -173,6 +173,16 @@ pub enum ModelError {
         /// The use.
         what: &'static str,
     },
+    /// An f32 use of a linear weight gradient stored in bf16
+    /// ([`Model::grads_in`](super::Model::grads_in)).
+    #[error(
+        "{what}: the linear weight gradients are stored in bf16 (grad dtype bf16); read them \
+         widened (Grads::download)"
+    )]
+    Bf16Grads {
+        /// The use.
+        what: &'static str,
+    },
     /// Converting to or writing the Hugging Face checkpoint failed.
     #[error(transparent)]
     Hf(#[from] crate::hf::HfError),

@@ -4,10 +4,11 @@
 //! into which the LM head's gradient is added. A model with LoRA adapters trains the
 //! pairs only: its gradients are the pairs' (`…q_proj.lora_A.weight`), none of the base.
 
+use super::half_grads::{GradDtype, HalfGrads};
 use super::lora::{LoraParams, lora_tensor_name};
 use super::weights::{DeviceWeights, HalfStack};
 use super::{Model, ModelError};
-use crate::backend::{Backend, DeviceBuffer, Tensor, View, ViewMut};
+use crate::backend::{Backend, DeviceBuffer, Stored, Tensor, View, ViewMut};
 
 /// A trainable buffer as [`Model::write_trainable_on_device`] hands it over: f32 values,
 /// or the bf16 bits of a linear weight stored in bf16.
@@ -51,6 +52,9 @@ pub struct Grads<B: Backend> {
     /// Told of each decoder layer whose gradients a backward pass has finished
     /// ([`Grads::watch_layers`]).
     pub(crate) watch: Option<LayerWatch<B>>,
+    /// The linear weight gradients stored in bf16 ([`GradDtype::Bf16`]; their f32 stacks
+    /// in `g` are released).
+    pub(crate) half: Option<HalfGrads<B>>,
 }
 
 /// What [`Grads::watch_layers`] calls as a backward pass finishes each decoder layer, last
@@ -100,12 +104,15 @@ impl<B: Backend> std::fmt::Debug for Grads<B> {
             .field("base", &self.g.is_some())
             .field("lora", &self.lora.is_some())
             .field("watched", &self.watch.is_some())
+            .field("dtype", &self.dtype())
             .finish_non_exhaustive()
     }
 }
 
 impl<B: Backend> Grads<B> {
-    /// Every gradient buffer, in the order of the trained parameters' buffers.
+    /// Every gradient buffer, in the order of the trained parameters' buffers. A gradient
+    /// stored in bf16 ([`GradDtype::Bf16`]) has an empty f32 buffer here: [`Grads::stored`]
+    /// lists each as it is stored.
     pub fn buffers(&self) -> Vec<&B::Buffer> {
         let mut out = self.g.as_ref().map(|g| g.buffers()).unwrap_or_default();
         out.extend(self.lora.iter().flat_map(LoraParams::buffers));
@@ -117,6 +124,61 @@ impl<B: Backend> Grads<B> {
         let mut all = self.g.as_mut().map(|g| g.buffers_mut()).unwrap_or_default();
         all.extend(self.lora.iter_mut().flat_map(LoraParams::buffers_mut));
         all
+    }
+
+    /// How the gradients are stored ([`Model::grads_in`]).
+    pub fn dtype(&self) -> GradDtype {
+        match self.half {
+            Some(_) => GradDtype::Bf16,
+            None => GradDtype::F32,
+        }
+    }
+
+    /// Every gradient as stored, in [`Grads::buffers`]' order: f32 values, or the bits of
+    /// a gradient stored in bf16.
+    pub fn stored(&self) -> Vec<Stored<'_, B>> {
+        self.buffers()
+            .into_iter()
+            .enumerate()
+            .map(
+                |(i, b)| match self.half.as_ref().and_then(|h| h.stack_of(i)) {
+                    Some(h) => Stored::Bf16(h.whole()),
+                    None => Stored::F32(View::whole(b)),
+                },
+            )
+            .collect()
+    }
+
+    /// The length of each gradient, in [`Grads::buffers`]' order (a bf16 one's too).
+    pub fn lens(&self) -> Vec<usize> {
+        let mut out = self
+            .g
+            .as_ref()
+            .map(DeviceWeights::buffer_lens)
+            .unwrap_or_default();
+        out.extend(
+            self.lora
+                .iter()
+                .flat_map(LoraParams::buffers)
+                .map(DeviceBuffer::len),
+        );
+        out
+    }
+
+    /// Bytes the gradients hold on the device (with bf16 ones, their one-layer f32 scratch).
+    pub fn bytes(&self) -> u64 {
+        let f32s: u64 = self.buffers().iter().map(|b| 4 * b.len() as u64).sum();
+        f32s + self.half.as_ref().map_or(0, HalfGrads::bytes)
+    }
+
+    /// Sets the stochastic rounding of gradients stored in bf16: the optimizer's rounding
+    /// seed and the step the coming backward passes accumulate for (their count restarts).
+    /// A run that calls it before each accumulation draws the same bits when resumed.
+    /// Nothing for f32 gradients.
+    pub fn set_rounding(&mut self, seed: u64, step: u64) {
+        if let Some(h) = &mut self.half {
+            h.set_rounding(seed, step);
+        }
     }
 
     /// Where decoder layer `layer`'s gradients lie: `(buffer, offset, len)` for each buffer
@@ -142,7 +204,17 @@ impl<B: Backend> Grads<B> {
         for buffer in self.buffers_mut() {
             backend.fill(ViewMut::whole(buffer), 0.0)?;
         }
+        if let Some(h) = &mut self.half {
+            h.zero(backend)?;
+        }
         Ok(())
+    }
+
+    /// The bf16 gradient of parameter `name` and its layer, when it is stored in bf16.
+    fn half_tensor(&self, name: &str) -> Option<View<'_, B::Half>> {
+        let (h, g) = (self.half.as_ref()?, self.g.as_ref()?);
+        let (buffer, layer) = g.buffer_item(name).ok()?;
+        h.stack_of(buffer)?.layer(layer).ok()
     }
 
     /// The gradient of the parameter with Hugging Face name `name`
@@ -152,8 +224,14 @@ impl<B: Backend> Grads<B> {
     /// # Errors
     /// [`ModelError::UnknownParameter`] for a name that is not a parameter of this model,
     /// including `lm_head.weight` of a model with tied embeddings (its gradient is part of
-    /// `model.embed_tokens.weight`'s).
+    /// `model.embed_tokens.weight`'s); [`ModelError::Bf16Grads`] for a gradient stored in
+    /// bf16 ([`Grads::download`] reads it widened).
     pub fn tensor(&self, name: &str) -> Result<Tensor<'_, B>, ModelError> {
+        if self.half_tensor(name).is_some() {
+            return Err(ModelError::Bf16Grads {
+                what: "an f32 view of a gradient",
+            });
+        }
         if let Some(lora) = &self.lora
             && let Some((buffer, layer)) = lora.locate(name)
         {
@@ -169,11 +247,15 @@ impl<B: Backend> Grads<B> {
         }
     }
 
-    /// Copies the gradient of parameter `name` (see [`Grads::tensor`]) to a new host vector.
+    /// Copies the gradient of parameter `name` (see [`Grads::tensor`]) to a new host vector
+    /// (a gradient stored in bf16 widened, exact).
     ///
     /// # Errors
-    /// As [`Grads::tensor`], or a backend failure.
+    /// As [`Grads::tensor`] (but a bf16 gradient is read), or a backend failure.
     pub fn download(&self, backend: &B, name: &str) -> Result<Vec<f32>, ModelError> {
+        if let Some(h) = self.half_tensor(name) {
+            return HalfStack::download_widened(backend, h);
+        }
         let t = self.tensor(name)?;
         let mut out = vec![0.0; t.len()];
         backend.download(t, &mut out)?;
@@ -182,6 +264,21 @@ impl<B: Backend> Grads<B> {
 }
 
 impl<B: Backend> Model<B> {
+    /// Zeroed gradient buffers for this model's parameters, stored as `dtype` says
+    /// ([`GradDtype::Bf16`]: the decoder's linear weight gradients in bf16, see
+    /// `half_grads.rs`). Under LoRA the pairs' gradients are f32 whatever `dtype` says:
+    /// there are no linear weight gradients to store.
+    ///
+    /// # Errors
+    /// A backend allocation failure.
+    pub fn grads_in(&self, dtype: GradDtype) -> Result<Grads<B>, ModelError> {
+        let mut grads = self.grads()?;
+        if let (GradDtype::Bf16, Some(g)) = (dtype, grads.g.as_mut()) {
+            grads.half = Some(HalfGrads::new(&self.backend, g)?);
+        }
+        Ok(grads)
+    }
+
     /// Zeroed gradient buffers for this model's parameters.
     ///
     /// # Errors
@@ -193,11 +290,13 @@ impl<B: Backend> Model<B> {
                 g: None,
                 lora: Some(lora.params.zeros_like(be)?),
                 watch: None,
+                half: None,
             },
             None => Grads {
                 g: Some(self.weights.zeros_like(be)?),
                 lora: None,
                 watch: None,
+                half: None,
             },
         })
     }
@@ -419,7 +518,6 @@ impl<B: Backend> Model<B> {
 
     /// Whether `grads` were made for this model's trained parameters.
     pub(crate) fn fits_grads(&self, grads: &Grads<B>) -> bool {
-        let (a, b) = (self.trainable_lens(), grads.buffers());
-        a.len() == b.len() && a.iter().zip(&b).all(|(&x, y)| x == y.len())
+        self.trainable_lens() == grads.lens()
     }
 }

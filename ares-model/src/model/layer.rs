@@ -19,7 +19,7 @@ use super::weights::{DeviceWeights, HalfStack, Stack, layer_of, layer_of_mut};
 use super::{Model, ModelError};
 use crate::backend::{
     AttentionGrads, AttentionInputs, Backend, DeviceBuffer, GradWrite, LinearDims, MatmulPrecision,
-    Tensor, TensorMut, View,
+    Tensor, TensorMut, View, ViewMut,
 };
 
 /// One projection of a layer, `out = x · wᵀ (+ bias)`, for a fixed number of token rows.
@@ -190,16 +190,20 @@ fn linear<'a, B: Backend>(
     })
 }
 
-/// A [`Linear`] with layer `layer` of its gradient stacks.
+/// A [`Linear`] with layer `layer` of its gradient stacks, the weight's written to
+/// `scratch` instead when given (a gradient stored in bf16).
 fn linear_grad<'a, B: Backend>(
     layer: usize,
     param: Linear<'a, B>,
-    dw: &'a mut Stack<B>,
+    (dw, scratch): (&'a mut Stack<B>, Option<&'a mut B::Buffer>),
     dbias: &'a mut Option<Stack<B>>,
 ) -> Result<LinearGrad<'a, B>, ModelError> {
     Ok(LinearGrad {
         param,
-        dw: Some(dw.layer_mut(layer)?),
+        dw: Some(match scratch {
+            Some(s) => ViewMut::whole(s),
+            None => dw.layer_mut(layer)?,
+        }),
         dbias: layer_of_mut(dbias, layer)?,
     })
 }
@@ -297,12 +301,14 @@ impl<B: Backend> Model<B> {
 
     /// The gradients `grads` (laid out as the weights) of layer `layer` applied to `rows`
     /// tokens, each with its parameter; with no `grads` (the base frozen under LoRA) the
-    /// parameters alone.
+    /// parameters alone. With `scratch` (gradients stored in bf16: one layer of q, k, v,
+    /// o, gate, up, down in f32) the linear weights' gradients are written there.
     pub(crate) fn layer_grads<'a>(
         &'a self,
         layer: usize,
         rows: usize,
         grads: Option<&'a mut DeviceWeights<B>>,
+        scratch: Option<&'a mut [B::Buffer]>,
     ) -> Result<LayerGrads<'a, B>, ModelError> {
         let p = self.layer_params(layer, rows, None)?;
         let Some(grads) = grads else {
@@ -346,28 +352,37 @@ impl<B: Backend> Model<B> {
             down_bias,
             ..
         } = grads;
+        let [sq, sk, sv, so, sg, su, sd] = match scratch {
+            Some([q, k, v, o, g, u, d]) => [q, k, v, o, g, u, d].map(Some),
+            Some(_) => {
+                return Err(ModelError::LayoutMismatch {
+                    what: "bf16 gradients' scratch (one buffer per linear stack)",
+                });
+            }
+            None => [None, None, None, None, None, None, None],
+        };
         Ok(LayerGrads {
             ln1: NormGrad {
                 param: p.ln1,
                 dw: Some(ln1.layer_mut(layer)?),
             },
-            q: linear_grad(layer, p.q, q, q_bias)?,
-            k: linear_grad(layer, p.k, k, k_bias)?,
-            v: linear_grad(layer, p.v, v, v_bias)?,
+            q: linear_grad(layer, p.q, (q, sq), q_bias)?,
+            k: linear_grad(layer, p.k, (k, sk), k_bias)?,
+            v: linear_grad(layer, p.v, (v, sv), v_bias)?,
             qk_norm: QkNormGrad {
                 param: p.qk_norm,
                 dq: layer_of_mut(q_norm, layer)?,
                 dk: layer_of_mut(k_norm, layer)?,
                 frozen: false,
             },
-            o: linear_grad(layer, p.o, o, o_bias)?,
+            o: linear_grad(layer, p.o, (o, so), o_bias)?,
             ln2: NormGrad {
                 param: p.ln2,
                 dw: Some(ln2.layer_mut(layer)?),
             },
-            gate: linear_grad(layer, p.gate, gate, gate_bias)?,
-            up: linear_grad(layer, p.up, up, up_bias)?,
-            down: linear_grad(layer, p.down, down, down_bias)?,
+            gate: linear_grad(layer, p.gate, (gate, sg), gate_bias)?,
+            up: linear_grad(layer, p.up, (up, su), up_bias)?,
+            down: linear_grad(layer, p.down, (down, sd), down_bias)?,
         })
     }
 

@@ -46,6 +46,7 @@ mod export;
 mod forward;
 mod generate;
 mod grads;
+mod half_grads;
 mod inputs;
 mod kv_cache;
 mod layer;
@@ -73,6 +74,7 @@ pub use engine::{Engine, EngineConfig, EngineRequest, EngineStats, FinishedSeque
 pub use error::ModelError;
 pub use generate::Generator;
 pub use grads::{Grads, LayerWatch, TrainableMut};
+pub use half_grads::GradDtype;
 pub use inputs::{ForwardExtras, Inputs};
 pub use kv_cache::KvCache;
 pub use lora::{AdaptersOff, lora_arena_elements};

@@ -319,37 +319,75 @@ impl<B: Backend> Moments<B> {
         }
         for t in 0..self.len / item.max(1) {
             let (w, g) = (ViewMut::item(weight, t, item)?, View::item(grad, t, item)?);
-            match &mut self.store {
-                Store::F32 { m, v } => {
-                    let (m, v) = (ViewMut::item(m, t, item)?, ViewMut::item(v, t, item)?);
-                    be.adamw_step_bf16_weight(w, key(t), g, m, v, update)?;
-                }
-                Store::Bf16 { m, v } => {
-                    let (m, v) = (ViewMut::item(m, t, item)?, ViewMut::item(v, t, item)?);
-                    be.adamw_step_bf16_weight_bf16(w, key(t), g, m, v, update)?;
-                }
-                Store::Int8 {
-                    m,
-                    v,
-                    m_absmax,
-                    v_absmax,
-                } => {
-                    let scales = blocks(item);
-                    be.adamw_step_bf16_weight_int8(
-                        w,
-                        key(t),
-                        g,
-                        ViewMut::item(m, t, item)?,
-                        ViewMut::item(v, t, item)?,
-                        ViewMut::item(m_absmax, t, scales)?,
-                        ViewMut::item(v_absmax, t, scales)?,
-                        View::whole(maps),
-                        update,
-                    )?;
-                }
+            self.step_bf16_weight_tensor(be, t, w, key(t), g, maps, update)?;
+        }
+        Ok(())
+    }
+
+    /// [`Moments::step_bf16_weight`] of tensor `t` alone: `weight` and `grad` are that
+    /// tensor's (a gradient widened from bf16 a tensor at a time).
+    ///
+    /// # Errors
+    /// A backend failure.
+    #[allow(clippy::too_many_arguments)] // the update's parts, as the backend op's
+    pub(crate) fn step_bf16_weight_tensor(
+        &mut self,
+        be: &B,
+        t: usize,
+        w: ViewMut<'_, B::Half>,
+        key: u64,
+        g: View<'_, B::Buffer>,
+        maps: &B::Buffer,
+        update: &AdamWUpdate,
+    ) -> Result<(), ModelError> {
+        let item = self.item;
+        match &mut self.store {
+            Store::F32 { m, v } => {
+                let (m, v) = (ViewMut::item(m, t, item)?, ViewMut::item(v, t, item)?);
+                be.adamw_step_bf16_weight(w, key, g, m, v, update)?;
+            }
+            Store::Bf16 { m, v } => {
+                let (m, v) = (ViewMut::item(m, t, item)?, ViewMut::item(v, t, item)?);
+                be.adamw_step_bf16_weight_bf16(w, key, g, m, v, update)?;
+            }
+            Store::Int8 {
+                m,
+                v,
+                m_absmax,
+                v_absmax,
+            } => {
+                let scales = blocks(item);
+                be.adamw_step_bf16_weight_int8(
+                    w,
+                    key,
+                    g,
+                    ViewMut::item(m, t, item)?,
+                    ViewMut::item(v, t, item)?,
+                    ViewMut::item(m_absmax, t, scales)?,
+                    ViewMut::item(v_absmax, t, scales)?,
+                    View::whole(maps),
+                    update,
+                )?;
             }
         }
         Ok(())
+    }
+
+    /// [`Moments::step`] of tensor `t` alone: `param`, `grad` and `copy` are that tensor's
+    /// (a gradient widened from bf16 a tensor at a time).
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub(crate) fn step_tensor(
+        &mut self,
+        be: &B,
+        t: usize,
+        tensor: (ViewMut<'_, B::Buffer>, View<'_, B::Buffer>),
+        maps: &B::Buffer,
+        update: &AdamWUpdate,
+        copy: Option<ViewMut<'_, B::Half>>,
+    ) -> Result<(), ModelError> {
+        self.step_tensors(be, t..t + 1, tensor, maps, update, copy)
     }
 
     /// The update of tensors `tensors` (a range of this buffer's) from `param` and `grad`,

@@ -5,7 +5,7 @@
 
 use super::moments::{Moments, StateDtype, int8_maps};
 use super::{Grads, Model, ModelError, TrainableMut};
-use crate::backend::{AdamWUpdate, Backend, DeviceBuffer, View, ViewMut};
+use crate::backend::{AdamWUpdate, Backend, DeviceBuffer, Stored, View, ViewMut};
 
 pub use crate::backend::AdamWConfig;
 
@@ -67,6 +67,9 @@ pub struct AdamW<B: Backend> {
     pub(crate) maps: B::Buffer,
     /// The seed of the stochastic rounding of weights stored in bf16 ([`AdamW::set_rounding_seed`]).
     pub(crate) rounding_seed: u64,
+    /// One tensor of a gradient stored in bf16, widened for its update (made on the first
+    /// step that needs it, as long as the longest such tensor).
+    pub(crate) widened: Option<B::Buffer>,
 }
 
 impl<B: Backend> std::fmt::Debug for AdamW<B> {
@@ -119,6 +122,7 @@ impl<B: Backend> AdamW<B> {
             maps: upload_maps(be)?,
             owned: None,
             rounding_seed: 0,
+            widened: None,
         })
     }
 
@@ -128,6 +132,12 @@ impl<B: Backend> AdamW<B> {
     /// rounds as the uninterrupted one.
     pub fn set_rounding_seed(&mut self, seed: u64) {
         self.rounding_seed = seed;
+    }
+
+    /// The seed of the stochastic rounding ([`AdamW::set_rounding_seed`]), which gradients
+    /// stored in bf16 also draw from ([`Grads::set_rounding`]).
+    pub fn rounding_seed(&self) -> u64 {
+        self.rounding_seed
     }
 
     /// How the moments are stored.
@@ -260,14 +270,14 @@ impl<B: Backend> AdamW<B> {
     ) -> Result<Vec<Option<f64>>, ModelError> {
         // one multi-tensor read for all of them (the owned ones: a buffer another rank
         // owns may hold a partial sum)
-        let buffers = grads.buffers();
-        let owned: Vec<bool> = (0..buffers.len()).map(|i| self.owns(i)).collect();
-        let views: Vec<_> = buffers
+        let stored = grads.stored();
+        let owned: Vec<bool> = (0..stored.len()).map(|i| self.owns(i)).collect();
+        let views: Vec<Stored<'_, B>> = stored
             .iter()
             .zip(&owned)
             .filter(|(_, own)| **own)
-            .map(|(b, _)| View::whole(*b))
-            .chain(extra_grads.iter().map(|g| View::whole(*g)))
+            .map(|(b, _)| *b)
+            .chain(extra_grads.iter().map(|g| Stored::F32(View::whole(*g))))
             .collect();
         let mut sums = vec![0.0; views.len()];
         model.backend.sums_of_squares(&views, &mut sums)?;
@@ -320,7 +330,8 @@ impl<B: Backend> AdamW<B> {
             });
         }
         let be = &model.backend;
-        let g = grads.buffers();
+        let g = grads.stored();
+        let lens = model.trainable_lens();
         for (i, e) in extra.iter().enumerate() {
             let n = e.param.len();
             if e.grad.len() != n || e.moments.len() != n {
@@ -394,19 +405,63 @@ impl<B: Backend> AdamW<B> {
         let (seed, step) = (self.rounding_seed, update.step);
         // an extra buffer's rounding keys follow the model's buffers' numbering
         let before = g.len();
+        let longest = (g.iter().zip(&self.moments))
+            .filter(|(g, _)| matches!(g, Stored::Bf16(_)))
+            .map(|(_, m)| m.item())
+            .max();
+        if let Some(item) = longest
+            && self.widened.as_ref().is_none_or(|w| w.len() < item)
+        {
+            self.widened = Some(be.alloc(item)?);
+        }
         for (i, ((p, g), m)) in params.into_iter().zip(g).zip(&mut self.moments).enumerate() {
             if !updated(i) {
                 continue;
             }
-            let copy = copy_of
+            let mut copy = copy_of
                 .get(i)
                 .copied()
                 .flatten()
                 .and_then(|k| copies.get_mut(k).and_then(Option::take));
+            // a released stack (its copy is the weight) has an empty f32 buffer
+            let released = p.is_empty() && lens[i] != 0;
+            let key = |t: usize| rounding_key(seed, step, i, t);
+            let g = match g {
+                Stored::F32(g) => g.buffer(),
+                Stored::Bf16(g16) => {
+                    // a gradient stored in bf16: widened one tensor at a time
+                    let wide = self.widened.as_mut().ok_or(ModelError::LayoutMismatch {
+                        what: "widened gradient scratch",
+                    })?;
+                    let item = m.item();
+                    for t in 0..lens[i] / item.max(1) {
+                        be.widen_bf16(g16.slice(t * item, item)?, ViewMut::new(wide, 0, item)?)?;
+                        let g = View::new(&*wide, 0, item)?;
+                        match copy.as_deref_mut() {
+                            Some(w16) if released => {
+                                let w = ViewMut::item(w16, t, item)?;
+                                m.step_bf16_weight_tensor(
+                                    be,
+                                    t,
+                                    w,
+                                    key(t),
+                                    g,
+                                    &self.maps,
+                                    &update,
+                                )?;
+                            }
+                            copy => {
+                                let p = ViewMut::item(p, t, item)?;
+                                let c = copy.map(|c| ViewMut::item(c, t, item)).transpose()?;
+                                m.step_tensor(be, t, (p, g), &self.maps, &update, c)?;
+                            }
+                        }
+                    }
+                    continue;
+                }
+            };
             match copy {
-                // a released stack: its copy is the weight
-                Some(w16) if p.is_empty() && !g.is_empty() => {
-                    let key = |t: usize| rounding_key(seed, step, i, t);
+                Some(w16) if released => {
                     m.step_bf16_weight(be, w16, g, &self.maps, &update, key)?;
                 }
                 copy => m.step(be, p, g, &self.maps, &update, copy)?,

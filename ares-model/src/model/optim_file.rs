@@ -485,6 +485,7 @@ impl<B: Backend> AdamW<B> {
             maps: upload_maps(be)?,
             owned: None,
             rounding_seed: 0,
+            widened: None,
         })
     }
 }

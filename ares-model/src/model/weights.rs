@@ -70,6 +70,18 @@ impl<B: Backend> HalfStack<B> {
 }
 
 impl<B: Backend> HalfStack<B> {
+    /// A zeroed stack of `len` elements in `item`-element layers.
+    pub(crate) fn zeros(backend: &B, len: usize, item: usize) -> Result<Self, ModelError> {
+        let mut buffer = backend.alloc_half(len, DType::Bf16)?;
+        backend.fill_bf16(ViewMut::whole(&mut buffer), 0.0)?;
+        Ok(Self { buffer, item })
+    }
+
+    /// The tensor of layer `layer`, writable.
+    pub(crate) fn layer_mut(&mut self, layer: usize) -> Result<ViewMut<'_, B::Half>, ModelError> {
+        Ok(ViewMut::item(&mut self.buffer, layer, self.item)?)
+    }
+
     /// The values widened to f32 (exact), in a new stack.
     pub(crate) fn widened(&self, backend: &B) -> Result<Stack<B>, ModelError> {
         let mut buffer = backend.alloc(self.buffer.len())?;
@@ -542,6 +554,35 @@ impl<B: Backend> DeviceWeights<B> {
             None => out.push(embed),
         }
         out
+    }
+
+    /// The linear layers' stacks, q, k, v, o, gate, up, down (the first seven of
+    /// [`Self::stored_stacks_mut`]).
+    pub(crate) fn linear_stacks_mut(&mut self) -> [&mut Stack<B>; 7] {
+        let Self {
+            q,
+            k,
+            v,
+            o,
+            gate,
+            up,
+            down,
+            ..
+        } = self;
+        [q, k, v, o, gate, up, down]
+    }
+
+    /// Where each of [`Self::linear_stacks_mut`]' stacks lies among [`Self::buffers`].
+    pub(crate) fn linear_buffer_indices(&self) -> [usize; 7] {
+        let whole = 2 + usize::from(self.lm_head.is_some());
+        let present: Vec<&str> = self
+            .stacks()
+            .into_iter()
+            .filter_map(|(suffix, s)| s.map(|_| suffix))
+            .collect();
+        let at = |suffix: &str| whole + present.iter().position(|p| *p == suffix).unwrap_or(0);
+        let s = LAYER_SUFFIXES;
+        [s[1], s[3], s[5], s[7], s[12], s[14], s[16]].map(at)
     }
 
     /// Decoder layers.

@@ -33,13 +33,15 @@ use buffer::{
     view_mut_opt, view_opt,
 };
 
+use ares_cuda::model_ops::SquaresOf;
+
 use super::ops::{declared_ops, op_arg_type};
 use super::{
     ACTOR_LOSS_REPORT, Activation, ActorLossGrads, ActorLossSpec, ActorLossViews, AdamWUpdate,
     AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError, BlockTables, DType,
     GradWrite, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
     MatmulPrecision, PagedKvView, PagedKvViewMut, PickBuffersOf, PickRule, Result,
-    SegmentAttentionDims, Tensor, TensorMut, View, ViewMut, WindowSpec, check_half,
+    SegmentAttentionDims, Stored, Tensor, TensorMut, View, ViewMut, WindowSpec, check_half,
 };
 use ares_cpu::sampler::{SampleKey, Sampler};
 use ares_cuda::cudarc::driver::CudaView;
@@ -678,13 +680,26 @@ impl Backend for CudaBackend {
             .map_err(op(OP))
     }
 
-    fn sums_of_squares(&self, xs: &[Tensor<'_, Self>], out: &mut [f64]) -> Result<()> {
-        let _timer = OpTimer::start(self, "sums_of_squares");
-        let views = xs.iter().map(|x| view(*x)).collect::<Result<Vec<_>>>()?;
-        let refs: Vec<_> = views.iter().collect();
-        self.ops
-            .sums_of_squares(&refs, out)
-            .map_err(op("sums_of_squares"))
+    fn sums_of_squares(&self, xs: &[Stored<'_, Self>], out: &mut [f64]) -> Result<()> {
+        const OP: &str = "sums_of_squares";
+        let _timer = OpTimer::start(self, OP);
+        // the device views first (they must outlive the table that borrows them)
+        let (mut f32s, mut bf16s) = (Vec::new(), Vec::new());
+        for x in xs {
+            match *x {
+                Stored::F32(x) => f32s.push(view(x)?),
+                Stored::Bf16(x) => bf16s.push(half_view(OP, "xs", x, DType::Bf16)?),
+            }
+        }
+        let (mut f, mut h) = (f32s.iter(), bf16s.iter());
+        let table: Vec<SquaresOf<'_, '_>> = xs
+            .iter()
+            .filter_map(|x| match x {
+                Stored::F32(_) => f.next().map(SquaresOf::F32),
+                Stored::Bf16(_) => h.next().map(SquaresOf::Bf16),
+            })
+            .collect();
+        self.ops.sums_of_squares_of(&table, out).map_err(op(OP))
     }
 
     fn kv_cache_append(

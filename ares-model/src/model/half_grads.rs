@@ -1,0 +1,130 @@
+//! Gradients stored in bf16 ([`GradDtype::Bf16`], `trainer.grad_dtype: bf16`): the decoder's
+//! linear weight gradients (q, k, v, o, gate, up, down of every layer — nearly all of a
+//! model's parameters) kept as bf16 stacks, half the bytes of f32; the embedding's, the LM
+//! head's, the norms' and the biases' stay f32, as do LoRA pairs' and a vision tower's.
+//!
+//! A backward pass writes a layer's weight gradients, as before, with the f32 ops, into a
+//! one-layer f32 scratch per stack (zeroed first), then folds each into its bf16 stack with
+//! [`Backend::accumulate_bf16_stochastic`]: `g ← SR(g + Δ)`, rounded **stochastically** so
+//! that the accumulation over micro-batches is unbiased — rounding to nearest would drop a
+//! micro-batch's part wherever it is below half a bf16 ulp of the running sum. The keys
+//! follow from the optimizer's rounding seed, its step, the pass since
+//! [`Grads::set_rounding`](super::Grads::set_rounding), the stack and the layer: a resumed run draws the same bits.
+//! The gradient norm reads the bf16 stacks as they are ([`Backend::sums_of_squares`]) and
+//! [`AdamW`](super::AdamW) widens one layer's gradient at a time before its update.
+
+use super::ModelError;
+use super::optim::rounding_key;
+use super::weights::{DeviceWeights, HalfStack};
+use crate::backend::{Backend, DeviceBuffer, View, ViewMut};
+
+/// How a model's gradients are stored ([`Model::grads_in`](super::Model::grads_in)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum GradDtype {
+    /// Every gradient in f32.
+    #[default]
+    F32,
+    /// The decoder's linear weight gradients in bf16 (accumulated with stochastic
+    /// rounding), the others in f32.
+    Bf16,
+}
+
+impl GradDtype {
+    /// The configuration name: `f32` or `bf16`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        }
+    }
+}
+
+/// The bf16 gradient stacks of a `Grads` and the scratch a backward pass writes first.
+pub(crate) struct HalfGrads<B: Backend> {
+    /// q, k, v, o, gate, up, down: `[layers, out, in]`, as the weights.
+    stacks: Vec<HalfStack<B>>,
+    /// Where each stack lies among the gradients' buffers (`Grads::buffers` order; their
+    /// f32 stacks are released).
+    buffers: [usize; 7],
+    /// One layer of each stack in f32: where a layer's backward writes its weight gradients.
+    scratch: Vec<B::Buffer>,
+    /// The rounding keys' seed, optimizer step and backward pass (`Grads::set_rounding`).
+    seed: u64,
+    step: u64,
+    pass: u64,
+}
+
+impl<B: Backend> HalfGrads<B> {
+    /// Zeroed bf16 stacks for the linear gradients of `g`, whose f32 stacks are released.
+    pub(crate) fn new(be: &B, g: &mut DeviceWeights<B>) -> Result<Self, ModelError> {
+        let buffers = g.linear_buffer_indices();
+        let (mut stacks, mut scratch) = (Vec::new(), Vec::new());
+        for stack in g.linear_stacks_mut() {
+            stacks.push(HalfStack::zeros(be, stack.len(), stack.item())?);
+            scratch.push(be.alloc(stack.item())?);
+            stack.release(be)?;
+        }
+        Ok(Self {
+            stacks,
+            buffers,
+            scratch,
+            seed: 0,
+            step: 0,
+            pass: 0,
+        })
+    }
+
+    /// The bf16 stack of the gradients' buffer `buffer`, if it is one.
+    pub(crate) fn stack_of(&self, buffer: usize) -> Option<&HalfStack<B>> {
+        let k = self.buffers.iter().position(|&b| b == buffer)?;
+        self.stacks.get(k)
+    }
+
+    /// Zeroes the stacks.
+    pub(crate) fn zero(&mut self, be: &B) -> Result<(), ModelError> {
+        for s in &mut self.stacks {
+            be.fill_bf16(ViewMut::whole(s.buffer_mut()), 0.0)?;
+        }
+        Ok(())
+    }
+
+    /// Zeroes the scratch before a layer's backward writes into it.
+    pub(crate) fn clear_scratch(&mut self, be: &B) -> Result<(), ModelError> {
+        for s in &mut self.scratch {
+            be.fill(ViewMut::whole(s), 0.0)?;
+        }
+        Ok(())
+    }
+
+    /// The scratch, q, k, v, o, gate, up, down.
+    pub(crate) fn scratch_mut(&mut self) -> &mut [B::Buffer] {
+        &mut self.scratch
+    }
+
+    /// Adds the scratch into layer `layer` of each stack, rounding stochastically.
+    pub(crate) fn fold(&mut self, be: &B, layer: usize) -> Result<(), ModelError> {
+        let pass = rounding_key(self.seed, self.step, usize::MAX, self.pass as usize);
+        for (k, (stack, scratch)) in self.stacks.iter_mut().zip(&self.scratch).enumerate() {
+            let key = rounding_key(pass, 0, k, layer);
+            be.accumulate_bf16_stochastic(View::whole(scratch), key, stack.layer_mut(layer)?)?;
+        }
+        Ok(())
+    }
+
+    /// Counts a finished backward pass (the next draws other bits).
+    pub(crate) fn end_pass(&mut self) {
+        self.pass += 1;
+    }
+
+    /// Sets the rounding keys' seed and step; the passes count from 0 again.
+    pub(crate) fn set_rounding(&mut self, seed: u64, step: u64) {
+        (self.seed, self.step, self.pass) = (seed, step, 0);
+    }
+
+    /// Bytes of the stacks and the scratch.
+    pub(crate) fn bytes(&self) -> u64 {
+        let halves: u64 = self.stacks.iter().map(|s| 2 * s.len() as u64).sum();
+        let scratch: u64 = self.scratch.iter().map(|s| 4 * s.len() as u64).sum();
+        halves + scratch
+    }
+}
