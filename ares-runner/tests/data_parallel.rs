@@ -189,6 +189,24 @@ fn worlds_of_one_two_and_four_give_the_same_bits() {
     }
 }
 
+/// Gradients stored in bf16 meet the ranks' f32 sums: unset, a run on ranks keeps f32
+/// gradients (the bf16-weight runs above are such runs); asked for, every rank refuses
+/// with the key to change, before any step.
+#[test]
+fn bf16_gradients_asked_for_on_ranks_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = assets(&dir.path().join("assets"));
+    let cfg = config(&a, &dir.path().join("g16"), &["trainer.grad_dtype=bf16"]);
+    for r in run_world(&cfg, 2) {
+        let Err(e) = r else { panic!("a rank ran") };
+        let msg = e.to_string();
+        assert!(
+            msg.contains("trainer.grad_dtype: bf16") && msg.contains("2 ranks"),
+            "{msg}"
+        );
+    }
+}
+
 /// ZeRO-1: each rank holds the moments of its share of the weights (together, all of
 /// them once), and the run is the unsharded one's to the bit — f32 and 8-bit moments,
 /// and linear weights stored in bf16 (their stochastic rounding keyed by tensor, never by

@@ -449,9 +449,11 @@ fn low_memory_optimizer_states_resume_exactly() {
 }
 
 /// Linear weights stored in bf16 (`trainer.weight_dtype: bf16`, stochastic rounding in
-/// the update, seeded) resume exactly — with 8-bit moments, the leanest run, and under
-/// LoRA — and the
-/// storage needs bf16 products, said when the config asks otherwise.
+/// the update, seeded; with them their gradients in bf16, `trainer.grad_dtype` unset)
+/// resume exactly — with 8-bit moments, the leanest run, and under LoRA — as do bf16
+/// gradients accumulated over two micro-batches beside f32 weights; each storage takes
+/// effect, and the weights' storage needs bf16 products, said when the config asks
+/// otherwise.
 #[test]
 fn bf16_weights_resume_exactly() {
     let bf16 = [
@@ -470,23 +472,28 @@ fn bf16_weights_resume_exactly() {
     ];
     let header = resume_equals_straight(&lora, 128);
     assert!(header.contains("lora_A"), "{header}");
+    let grads = [
+        "trainer.grad_dtype=bf16",
+        "worker.actor.micro_batch_size_per_device_for_update=4",
+    ];
+    resume_equals_straight(&grads, 128);
     let dir = tempfile::tempdir().unwrap();
     let a = assets(&dir.path().join("assets"));
     // the storage takes effect: the same run with f32 weights (bf16 products) differs
-    let metrics = |weights: &str, run: &str| {
-        let o = [
+    let metrics = |storage: &[&str], run: &str| {
+        let mut o = vec![
             "trainer.matmul_precision=bf16",
-            weights,
             "trainer.max_steps=2",
             "data.bootstrap=true",
         ];
+        o.extend(storage);
         let cfg = config(&a, &dir.path().join(run), &o).unwrap();
         deterministic(read_metrics(&trainer(cfg).unwrap().run().unwrap().metrics).unwrap())
     };
-    assert_ne!(
-        metrics("trainer.weight_dtype=bf16", "w16"),
-        metrics("trainer.weight_dtype=f32", "w32")
-    );
+    let w16 = metrics(&["trainer.weight_dtype=bf16"], "w16");
+    assert_ne!(w16, metrics(&["trainer.weight_dtype=f32"], "w32"));
+    let g32 = ["trainer.weight_dtype=bf16", "trainer.grad_dtype=f32"];
+    assert_ne!(w16, metrics(&g32, "w16g32"));
     let err = config(&a, &dir.path().join("run"), &["trainer.weight_dtype=bf16"]).unwrap_err();
     let msg = err.to_string();
     assert!(

@@ -37,7 +37,7 @@ use ares_model::backend::cpu::CpuBackend;
 use ares_model::hf::config::ModelConfig;
 use ares_model::hf::lora::LoraConfig;
 use ares_model::model::{
-    AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling, WeightStorage,
+    AdamW, AdamWConfig, GenerateRequest, GradDtype, Inputs, Model, Sampling, WeightStorage,
 };
 
 const TRAIN_BATCH: usize = 8;
@@ -193,27 +193,37 @@ fn main() {
         let mut acts = bf16_model
             .activations(TRAIN_BATCH, TRAIN_SEQ)
             .expect("activations");
-        let mut grads = bf16_model.grads().expect("grads");
-        let t = best_and_median(runs, || {
-            grads.zero(&be).expect("zero");
-            bf16_model.forward(&inputs, &mut acts).expect("forward");
-            bf16_model
-                .backward_from_log_prob_grads(
-                    &inputs, &mut acts, &targets, &coeffs, 1.0, &mut grads,
-                )
-                .expect("backward");
-        });
-        report(
-            "train forward+backward, bf16 weights and products",
-            n,
-            "tokens",
-            t,
-        );
-        if let Some(t_f32) = t_train {
-            println!(
-                "  time ratio bf16 / f32 {:.2}",
-                t.0.as_secs_f64() / t_f32.0.as_secs_f64()
+        // with f32 gradients, then with the linear layers' gradients in bf16 too
+        let mut t_f32_grads = None;
+        for dtype in [GradDtype::F32, GradDtype::Bf16] {
+            let mut grads = bf16_model.grads_in(dtype).expect("grads");
+            let t = best_and_median(runs, || {
+                grads.zero(&be).expect("zero");
+                bf16_model.forward(&inputs, &mut acts).expect("forward");
+                bf16_model
+                    .backward_from_log_prob_grads(
+                        &inputs, &mut acts, &targets, &coeffs, 1.0, &mut grads,
+                    )
+                    .expect("backward");
+            });
+            let what = format!(
+                "train forward+backward, bf16 weights and products, {} gradients",
+                dtype.name()
             );
+            report(&what, n, "tokens", t);
+            if let Some(t_f32) = t_train {
+                println!(
+                    "  time ratio bf16 / f32 {:.2}",
+                    t.0.as_secs_f64() / t_f32.0.as_secs_f64()
+                );
+            }
+            match t_f32_grads {
+                None => t_f32_grads = Some(t),
+                Some(t32) => println!(
+                    "  time ratio bf16 / f32 gradients {:.2}",
+                    t.0.as_secs_f64() / t32.0.as_secs_f64()
+                ),
+            }
         }
     }
 

@@ -158,7 +158,7 @@ pub fn run_sft<B: Backend + Clone>(
     files.drop_weights(); // saving needs its configs only
     let mut opt = Optimizer {
         adamw: crate::trainer::setup::build_adamw(model.lm(), cfg, None)?,
-        grads: model.lm().grads()?,
+        grads: model.lm().grads_in(cfg.trainer.grad_dtype())?,
         tower: if model.trains_tower(cfg.worker.actor.model.freeze_vision_tower) {
             model.tower_training(cfg.worker.actor.optim.state_dtype.into())?
         } else {

@@ -51,8 +51,8 @@ pub use data::DataConfig;
 pub use easyr1::{ConfigNote, NoteAction, notes_table};
 pub use error::ConfigError;
 pub use trainer::{
-    Device, GradientSum, Logger, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig, TrainerConfig,
-    WeightDtypeCfg,
+    Device, GradDtypeCfg, GradientSum, Logger, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig,
+    TrainerConfig, WeightDtypeCfg,
 };
 pub use worker::{
     ActorConfig, EntropyBonusConfig, ForkingTokensConfig, GradedPromptConfig, KvCacheDtype,

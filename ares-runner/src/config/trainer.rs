@@ -114,7 +114,43 @@ impl WeightDtypeCfg {
     }
 }
 
+/// How the decoder's linear weight gradients are stored (`ares_model::model::GradDtype`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GradDtypeCfg {
+    /// f32.
+    F32,
+    /// bf16, accumulated with stochastic rounding: half the gradients' memory.
+    Bf16,
+}
+
+impl GradDtypeCfg {
+    /// The YAML spelling.
+    pub const fn name(self) -> &'static str {
+        self.dtype().name()
+    }
+
+    /// The runtime setting.
+    pub const fn dtype(self) -> crate::model::GradDtype {
+        match self {
+            GradDtypeCfg::F32 => crate::model::GradDtype::F32,
+            GradDtypeCfg::Bf16 => crate::model::GradDtype::Bf16,
+        }
+    }
+}
+
 impl TrainerConfig {
+    /// How the gradients are stored on one rank: `grad_dtype` when given, else bf16 with
+    /// the weight matrices stored in bf16 (`weight_dtype: bf16`, which `precision: bf16`
+    /// sets) and f32 otherwise.
+    pub fn grad_dtype(&self) -> crate::model::GradDtype {
+        match (self.grad_dtype, self.weight_dtype) {
+            (Some(g), _) => g.dtype(),
+            (None, WeightDtypeCfg::Bf16) => crate::model::GradDtype::Bf16,
+            (None, WeightDtypeCfg::F32) => crate::model::GradDtype::F32,
+        }
+    }
+
     /// Sets `matmul_precision` and `weight_dtype` from `precision` when it is given.
     ///
     /// # Errors
@@ -257,6 +293,15 @@ pub struct TrainerConfig {
     /// by `seed`), so an update smaller than half a bf16 ulp moves a weight with the
     /// probability that keeps it unbiased. Norms and biases stay f32.
     pub weight_dtype: WeightDtypeCfg,
+    /// How the decoder's linear weight gradients (q, k, v, o, gate, up, down: nearly all
+    /// of them) are stored: `f32`, or `bf16` — half their memory, each layer's gradient
+    /// written in f32 and added into the bf16 one with stochastic rounding (seeded by
+    /// `seed`), so an accumulation over micro-batches stays unbiased; the embedding's,
+    /// head's, norms', biases', a vision tower's and LoRA pairs' gradients stay f32.
+    /// Default null: `bf16` with `weight_dtype: bf16` (and so under `precision: bf16`,
+    /// CUDA's default), `f32` otherwise, and `f32` in a data-parallel run, whose gradient
+    /// sums read f32 (set `bf16` there, an error).
+    pub grad_dtype: Option<GradDtypeCfg>,
     /// The two settings above at once: `f32` (exact products, f32 weights), `tf32` (TF32
     /// products, f32 weights) or `bf16` (bf16 products and weight matrices stored in bf16).
     /// Default null — each its own — but `bf16` on `device: cuda` when none of `precision`,
@@ -307,6 +352,7 @@ impl Default for TrainerConfig {
             device: Device::Cpu,
             matmul_precision: MatmulPrecisionCfg::F32,
             weight_dtype: WeightDtypeCfg::F32,
+            grad_dtype: None,
             precision: None,
             seed: 1,
             threads: 0,

@@ -297,7 +297,7 @@ impl<B: Backend + Clone> Trainer<B> {
                     )));
                 }
                 let ares = AresState::restore(&settings, &state.ares)?;
-                let grads = actor.lm().grads()?;
+                let grads = actor.lm().grads_in(cfg.trainer.grad_dtype())?;
                 eprintln!("resuming from {} (step {step})", dir.display());
                 bootstrap_done = true;
                 let opt = Optimizer {
@@ -314,7 +314,7 @@ impl<B: Backend + Clone> Trainer<B> {
                 let mut initial = initial;
                 initial.drop_weights(); // before the optimizer's memory is taken
                 let adamw = build_adamw(actor.lm(), &cfg, None)?;
-                let grads = actor.lm().grads()?;
+                let grads = actor.lm().grads_in(cfg.trainer.grad_dtype())?;
                 let mut ares = AresState::new(&settings)?;
                 let mut state = TrainerState {
                     step: 0,
@@ -395,6 +395,18 @@ impl<B: Backend + Clone> Trainer<B> {
                 cfg.trainer.logger.retain(|l| !l.is_python());
                 self.python = start_python_worker(&cfg, &self.run_dir)?;
             }
+        }
+        // the gradient sums over the ranks read f32 gradients
+        if self.opt.grads.dtype() == crate::model::GradDtype::Bf16 {
+            if self.cfg.trainer.grad_dtype.is_some() {
+                return Err(TrainError::Invalid(format!(
+                    "trainer.grad_dtype: bf16: a data-parallel run ({} ranks) sums f32 \
+                     gradients; set f32, or leave it unset (f32 on several ranks, bf16 on \
+                     one with bf16 weights)",
+                    ranks.world()
+                )));
+            }
+            self.opt.grads = self.actor.lm().grads()?;
         }
         if self.cfg.trainer.zero_stage == 1 {
             let sizes = self.actor.lm().trainable_lens();

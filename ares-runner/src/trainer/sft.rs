@@ -88,10 +88,7 @@ pub fn sft_step<B: Backend>(
     }
     let prompt_cols = examples.iter().map(|e| e.prompt.len()).max().unwrap_or(1);
     let response_cols = examples.iter().map(|e| e.response.len()).max().unwrap_or(1);
-    opt.grads.zero(model.backend())?;
-    if let Some(t) = &mut opt.tower {
-        t.zero_grads(model.backend())?;
-    }
+    super::update::zero_grads(model.backend(), opt)?;
     let mut nll = 0.0f64;
     let mut finite = true;
     for chunk in examples.chunks(micro.max(1)) {

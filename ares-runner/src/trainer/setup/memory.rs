@@ -16,7 +16,8 @@
 //!   micro-batch at the longest packed length (`arena_elements`, the same sizes the model
 //!   allocates: checkpointed or not, whole or chunked LM head);
 //! - **checkpoint save**: the weights copied to the host, then the optimizer's moments
-//!   streamed to the file one tensor at a time.
+//!   streamed to the file one tensor at a time (on a GPU the copies are host memory: the
+//!   device holds one moment tensor more).
 //!
 //! When only the KV pool keeps a run from fitting, [`fit`] caps it to what the rest leaves
 //! (the engine then holds fewer sequences at once and preempts the others).
@@ -27,7 +28,9 @@
 
 use crate::config::{Config, MatmulPrecisionCfg, WeightDtypeCfg};
 use crate::hf::config::ModelConfig;
-use crate::model::{HeadMode, ModelSpec, StateDtype, arena_elements, lora_arena_elements};
+use crate::model::{
+    GradDtype, HeadMode, ModelSpec, StateDtype, arena_elements, lora_arena_elements,
+};
 
 use crate::trainer::TrainError;
 
@@ -252,9 +255,22 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         });
     }
     if !cfg.trainer.val_only {
-        held.push(Part {
-            what: "gradients (f32)".into(),
-            bytes: f32s(trained),
+        // gradients in bf16 (`trainer.grad_dtype`, `Model::grads_in`): the decoder's linear
+        // layers' in bf16, one layer of them in f32 (the backward's scratch) and the
+        // longest matrix in f32 (AdamW widens a tensor at a time); the rest f32
+        let bf16_grads = lora.is_none() && cfg.trainer.grad_dtype() == GradDtype::Bf16;
+        held.push(match bf16_grads {
+            true => {
+                let widest = (c * qd).max(c * kvd).max(c * i);
+                Part {
+                    what: "gradients (linear layers' bf16, the rest f32)".into(),
+                    bytes: 2 * layers + f32s(trained - layers + layers / l.max(1) + widest),
+                }
+            }
+            false => Part {
+                what: "gradients (f32)".into(),
+                bytes: f32s(trained),
+            },
         });
         let dtype: StateDtype = cfg.worker.actor.optim.state_dtype.into();
         // per tensor, as the optimizer stores them (int8 keeps short tensors in f32); the
@@ -439,12 +455,18 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         Some(_) => pairs.iter().copied().max().unwrap_or(0) as u64,
         None => c * v.max(i.max(c)),
     };
-    let (copied, copy_note) = match lora {
-        Some(_) => (
+    // on a GPU the copies are host memory (each tensor downloaded as it is, a bf16 one as
+    // its bits): the device holds one moment tensor more
+    let (copied, copy_note) = match (lora, model.on_cpu) {
+        (_, false) => (
+            0,
+            "one moment tensor (the weights go to the host as they are)",
+        ),
+        (Some(_), true) => (
             adapter,
             "LoRA pairs copied to the host (f32), one moment tensor",
         ),
-        None => (p + t, "weights copied to the host (f32), one moment tensor"),
+        (None, true) => (p + t, "weights copied to the host (f32), one moment tensor"),
     };
     phases.push(Phase {
         name: "checkpoint save",
@@ -737,6 +759,49 @@ mod tests {
             .unwrap();
         let cpu = plan_of(WeightDtypeCfg::Bf16, true);
         assert_eq!(part(&cpu, "weights") - rope, m.weight_bytes());
+    }
+
+    /// Gradients stored in bf16 (`trainer.grad_dtype`, bf16 by default with bf16 weights)
+    /// are planned as the model allocates them (`Grads::bytes`) plus the optimizer's
+    /// widened tensor (the longest linear matrix in f32); an explicit `f32` keeps f32.
+    #[test]
+    fn bf16_grads_are_planned_as_allocated() {
+        use crate::backend::cpu::CpuBackend;
+        use crate::config::GradDtypeCfg;
+        let text = tiny();
+        let grads_of = |grad_dtype: Option<GradDtypeCfg>| -> u64 {
+            let mut cfg = Config::default();
+            cfg.trainer.matmul_precision = MatmulPrecisionCfg::Bf16;
+            cfg.trainer.weight_dtype = WeightDtypeCfg::Bf16;
+            cfg.trainer.grad_dtype = grad_dtype;
+            let plan = text_plan(&cfg, &text, true, true);
+            let grads = plan.held.iter().find(|p| p.what.starts_with("gradients"));
+            grads.unwrap().bytes
+        };
+        let map = crate::hf::weights::expected_tensors(&text)
+            .into_iter()
+            .map(|(name, shape)| {
+                let data = vec![0.01; shape.iter().product()];
+                (name, crate::hf::weights::Tensor { shape, data })
+            })
+            .collect();
+        let weights = crate::hf::weights::ModelWeights::from_map(&text, map).unwrap();
+        let ck = crate::hf::checkpoint::Checkpoint {
+            config: text.clone(),
+            generation: None,
+            weights,
+        };
+        let m = crate::model::Model::from_checkpoint(CpuBackend, &ck).unwrap();
+        let g16 = m.grads_in(GradDtype::Bf16).unwrap().bytes();
+        let g32 = m.grads_in(GradDtype::F32).unwrap().bytes();
+        // the longest linear matrix: gate/up/down, 64·128
+        let widened = 4 * 8192;
+        assert_eq!(grads_of(None), g16 + widened);
+        assert_eq!(grads_of(Some(GradDtypeCfg::Bf16)), g16 + widened);
+        assert_eq!(grads_of(Some(GradDtypeCfg::F32)), g32);
+        // two layers: the bf16 stacks save 2 bytes × 2 layers of linear weights, what the
+        // one-layer f32 scratch takes (4 bytes × 1 layer) — bf16 saves from 3 layers on
+        assert_eq!(g16, g32);
     }
 
     /// A bf16 KV cache is planned at half the f32 one's bytes, named as such; the other

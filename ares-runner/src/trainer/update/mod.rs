@@ -181,9 +181,12 @@ fn grads_len<B: Backend>(opt: &Optimizer<B>) -> usize {
     grad_buffers(opt).iter().map(|b| b.len()).sum()
 }
 
-/// Zeroes `opt`'s gradients (the model's and the tower's).
-fn zero_grads<B: Backend>(be: &B, opt: &mut Optimizer<B>) -> Result<(), TrainError> {
+/// Zeroes `opt`'s gradients (the model's and the tower's) before an accumulation, whose
+/// stochastic rounding of gradients stored in bf16 is keyed by the optimizer's seed and
+/// step (the same bits in a resumed run).
+pub(crate) fn zero_grads<B: Backend>(be: &B, opt: &mut Optimizer<B>) -> Result<(), TrainError> {
     opt.grads.zero(be)?;
+    opt.grads.set_rounding(opt.adamw.rounding_seed(), opt.steps);
     if let Some(t) = &mut opt.tower {
         t.zero_grads(be)?;
     }
