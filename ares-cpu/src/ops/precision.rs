@@ -237,21 +237,32 @@ pub const fn bf16_stochastic(x: f32, r: u32) -> u16 {
 /// # Errors
 /// `dst` of another length than `src`.
 pub fn round_to_bf16_stochastic(src: &[f32], key: u64, dst: &mut [u16]) -> crate::Result<()> {
+    keyed_bf16(src, key, dst, |s, _, r| bf16_stochastic(s, r))
+}
+
+/// `dst[i] ← f(src[i], dst[i], rounding_bits(key, i))` over chunks in parallel (element `i`
+/// draws its bits whatever chunk it falls in).
+fn keyed_bf16(
+    src: &[f32],
+    key: u64,
+    dst: &mut [u16],
+    f: impl Fn(f32, u16, u32) -> u16 + Sync,
+) -> crate::Result<()> {
     crate::error::check_len("dst", src.len(), dst.len())?;
     const CHUNK: usize = 1 << 16;
-    let fill = |(c, (d, s)): (usize, (&mut [u16], &[f32]))| {
+    let each = |(c, (d, s)): (usize, (&mut [u16], &[f32]))| {
         let first = (c * CHUNK) as u64;
         for (j, (d, &s)) in d.iter_mut().zip(s).enumerate() {
-            *d = bf16_stochastic(s, rounding_bits(key, first + j as u64));
+            *d = f(s, *d, rounding_bits(key, first + j as u64));
         }
     };
     if src.len() >= CHUNK {
         dst.par_chunks_mut(CHUNK)
             .zip(src.par_chunks(CHUNK))
             .enumerate()
-            .for_each(fill);
+            .for_each(each);
     } else {
-        fill((0, (dst, src)));
+        each((0, (dst, src)));
     }
     Ok(())
 }
@@ -266,24 +277,9 @@ pub fn round_to_bf16_stochastic(src: &[f32], key: u64, dst: &mut [u16]) -> crate
 /// # Errors
 /// `dst` of another length than `src`.
 pub fn accumulate_bf16_stochastic(src: &[f32], key: u64, dst: &mut [u16]) -> crate::Result<()> {
-    crate::error::check_len("dst", src.len(), dst.len())?;
-    const CHUNK: usize = 1 << 16;
-    let add = |(c, (d, s)): (usize, (&mut [u16], &[f32]))| {
-        let first = (c * CHUNK) as u64;
-        for (j, (d, &s)) in d.iter_mut().zip(s).enumerate() {
-            let sum = f32::from_bits(u32::from(*d) << 16) + s;
-            *d = bf16_stochastic(sum, rounding_bits(key, first + j as u64));
-        }
-    };
-    if src.len() >= CHUNK {
-        dst.par_chunks_mut(CHUNK)
-            .zip(src.par_chunks(CHUNK))
-            .enumerate()
-            .for_each(add);
-    } else {
-        add((0, (dst, src)));
-    }
-    Ok(())
+    keyed_bf16(src, key, dst, |s, d, r| {
+        bf16_stochastic(f32::from_bits(u32::from(d) << 16) + s, r)
+    })
 }
 
 /// Every element of `dst` set to `value` rounded to the nearest bf16 (`0.0`: zeroes a

@@ -602,6 +602,24 @@ mod tests {
         ModelConfig::from_json_str(std::path::Path::new("config.json"), json).unwrap()
     }
 
+    /// The text model `text` on the CPU, every weight 0.01.
+    fn cpu_model(text: &ModelConfig) -> crate::model::Model<crate::backend::cpu::CpuBackend> {
+        let map = crate::hf::weights::expected_tensors(text)
+            .into_iter()
+            .map(|(name, shape)| {
+                let data = vec![0.01; shape.iter().product()];
+                (name, crate::hf::weights::Tensor { shape, data })
+            })
+            .collect();
+        let weights = crate::hf::weights::ModelWeights::from_map(text, map).unwrap();
+        let ck = crate::hf::checkpoint::Checkpoint {
+            config: text.clone(),
+            generation: None,
+            weights,
+        };
+        crate::model::Model::from_checkpoint(crate::backend::cpu::CpuBackend, &ck).unwrap()
+    }
+
     /// The plan of `cfg` on the text model `text`.
     fn text_plan(cfg: &Config, text: &ModelConfig, on_cpu: bool, reference: bool) -> MemoryPlan {
         let model = PlanModel {
@@ -704,7 +722,6 @@ mod tests {
     /// (`Model::weight_bytes`) — and decodes from them on a GPU without a copy.
     #[test]
     fn bf16_weights_halve_the_weight_matrices() {
-        use crate::backend::cpu::CpuBackend;
         let text = tiny();
         let plan_of = |weight_dtype, on_cpu| {
             let mut cfg = Config::default();
@@ -741,20 +758,7 @@ mod tests {
         // the model's own count, on the CPU (RoPE tables apart)
         let spec = ModelSpec::from_config(&text).unwrap();
         let rope = 4 * (spec.max_positions * spec.head_dim) as u64;
-        let map = crate::hf::weights::expected_tensors(&text)
-            .into_iter()
-            .map(|(name, shape)| {
-                let data = vec![0.01; shape.iter().product()];
-                (name, crate::hf::weights::Tensor { shape, data })
-            })
-            .collect();
-        let weights = crate::hf::weights::ModelWeights::from_map(&text, map).unwrap();
-        let ck = crate::hf::checkpoint::Checkpoint {
-            config: text.clone(),
-            generation: None,
-            weights,
-        };
-        let mut m = crate::model::Model::from_checkpoint(CpuBackend, &ck).unwrap();
+        let mut m = cpu_model(&text);
         m.set_weight_storage(crate::model::WeightStorage::Bf16)
             .unwrap();
         let cpu = plan_of(WeightDtypeCfg::Bf16, true);
@@ -766,7 +770,6 @@ mod tests {
     /// widened tensor (the longest linear matrix in f32); an explicit `f32` keeps f32.
     #[test]
     fn bf16_grads_are_planned_as_allocated() {
-        use crate::backend::cpu::CpuBackend;
         use crate::config::GradDtypeCfg;
         let text = tiny();
         let grads_of = |grad_dtype: Option<GradDtypeCfg>| -> u64 {
@@ -778,20 +781,7 @@ mod tests {
             let grads = plan.held.iter().find(|p| p.what.starts_with("gradients"));
             grads.unwrap().bytes
         };
-        let map = crate::hf::weights::expected_tensors(&text)
-            .into_iter()
-            .map(|(name, shape)| {
-                let data = vec![0.01; shape.iter().product()];
-                (name, crate::hf::weights::Tensor { shape, data })
-            })
-            .collect();
-        let weights = crate::hf::weights::ModelWeights::from_map(&text, map).unwrap();
-        let ck = crate::hf::checkpoint::Checkpoint {
-            config: text.clone(),
-            generation: None,
-            weights,
-        };
-        let m = crate::model::Model::from_checkpoint(CpuBackend, &ck).unwrap();
+        let m = cpu_model(&text);
         let g16 = m.grads_in(GradDtype::Bf16).unwrap().bytes();
         let g32 = m.grads_in(GradDtype::F32).unwrap().bytes();
         // the longest linear matrix: gate/up/down, 64·128
