@@ -48,7 +48,7 @@ fn meminfo_kib(meminfo: &str, field: &str) -> Option<u64> {
 }
 
 /// `123`, `64G`, `512M` (binary units).
-fn parse_size(text: &str) -> Option<u64> {
+pub fn parse_size(text: &str) -> Option<u64> {
     let t = text.trim();
     let (digits, shift) = match t.as_bytes().last()? {
         b'G' | b'g' => (&t[..t.len() - 1], 30),

@@ -64,6 +64,10 @@ enum Command {
         /// Device: cpu or cuda (overrides `trainer.device`).
         #[arg(long, value_name = "DEVICE")]
         device: Option<String>,
+        /// Memory to check the plan against, e.g. `80G` for a GPU's (bytes, or a number
+        /// with G or M); default: a CPU run's host memory, nothing for a GPU run.
+        #[arg(long, value_name = "SIZE", value_parser = memory_size)]
+        memory: Option<u64>,
     },
     /// Print the resolved configuration as YAML.
     Config {
@@ -181,6 +185,12 @@ enum Shape {
 }
 
 /// Loads a config and applies `--device`; the EasyR1 keys read differently go to stderr.
+/// `plan --memory`'s size.
+fn memory_size(text: &str) -> Result<u64, String> {
+    ares_runner::host_memory::parse_size(text)
+        .ok_or_else(|| format!("{text:?} is not a size (bytes, or a number with G or M)"))
+}
+
 fn load(cfg: &ConfigArgs, device: Option<&str>) -> Result<Config, Box<dyn std::error::Error>> {
     let (config, notes) = load_with_notes(cfg, device)?;
     eprint!("{}", notes_table(&notes));
@@ -225,9 +235,13 @@ fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 ares_runner::commands::train(config, &overrides, cfg.config.is_some())?;
             }
         }
-        Command::Plan { cfg, device } => {
+        Command::Plan {
+            cfg,
+            device,
+            memory,
+        } => {
             let config = load(&cfg, device.as_deref())?;
-            print!("{}", ares_runner::commands::plan(&config)?);
+            print!("{}", ares_runner::commands::plan(&config, memory)?);
         }
         Command::Config { cfg } => {
             // the notes follow as YAML comments, so the output still loads as a config

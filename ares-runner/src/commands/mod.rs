@@ -23,12 +23,12 @@ use crate::trainer::{TrainError, Trainer};
 pub use sft::{SftOptions, SftReport, read_sft_pairs, run_sft, sft};
 
 /// `ares-runner plan`: the memory plan of a run of `cfg` (its model's config files only,
-/// nothing allocated), as a table, and whether it fits this machine's host memory (a CPU
-/// run).
+/// nothing allocated), as a table, and whether it fits: `memory` bytes when given (a GPU's,
+/// `plan --memory 80G`), else this machine's host memory for a CPU run.
 ///
 /// # Errors
 /// No model configured, unreadable model configs, an invalid config.
-pub fn plan(cfg: &Config) -> Result<String, TrainError> {
+pub fn plan(cfg: &Config, memory: Option<u64>) -> Result<String, TrainError> {
     let path = cfg
         .worker
         .actor
@@ -49,10 +49,12 @@ pub fn plan(cfg: &Config) -> Result<String, TrainError> {
     let on_cpu = cfg.trainer.device == Device::Cpu;
     let plan = crate::trainer::run::memory_plan(cfg, &model_dir, on_cpu, reference)?;
     let mut out = plan.table();
-    if on_cpu
-        && let Some((available, source)) =
-            crate::host_memory::available_host_memory().map_err(TrainError::Invalid)?
-    {
+    let available = match (memory, on_cpu) {
+        (Some(bytes), _) => Some((bytes, "given: --memory".to_string())),
+        (None, true) => crate::host_memory::available_host_memory().map_err(TrainError::Invalid)?,
+        (None, false) => None,
+    };
+    if let Some((available, source)) = available {
         match crate::trainer::setup::memory::check(&plan, available, &source, cfg) {
             Ok(crate::trainer::setup::memory::Fit::Whole) => out.push_str(&format!(
                 "fits: {} available ({source})\n",
@@ -369,4 +371,39 @@ pub fn eval(
     let report = crate::with_backend!(select_backend(cfg)?, b => demo::evaluate_model(cfg, b, &model_dir, adapter, &data))?;
     println!("{}", format_table(&report));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `plan --memory` checks a GPU run's plan against the size given: it fits a large
+    /// one, and a small one is refused with what would shrink the run (bf16 gradients
+    /// among them); without it a GPU plan says nothing of fitting.
+    #[test]
+    fn plan_checks_a_given_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let json = r#"{
+            "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+            "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+            "tie_word_embeddings": true
+        }"#;
+        std::fs::write(dir.path().join("config.json"), json).unwrap();
+        let mut cfg = Config::default();
+        cfg.worker.actor.model.model_path = Some(dir.path().display().to_string());
+        cfg.trainer.device = Device::Cuda;
+        let fits = plan(&cfg, Some(1 << 40)).unwrap();
+        assert!(
+            fits.contains("fits: 1.0 TiB available (given: --memory)"),
+            "{fits}"
+        );
+        let small = plan(&cfg, Some(1 << 20)).unwrap();
+        assert!(small.contains("does not fit"), "{small}");
+        // f32 gradients: bf16 ones are among the ways to shrink the run
+        assert!(small.contains("trainer.grad_dtype=bf16"), "{small}");
+        let silent = plan(&cfg, None).unwrap();
+        assert!(!silent.contains("fit"), "{silent}");
+    }
 }

@@ -555,11 +555,25 @@ pub fn check(
             ways.push("worker.actor.model.enable_gradient_checkpointing=true");
         }
     } else {
-        ways.push("worker.rollout.weight_dtype=bf16");
+        // decode weights that are the training weights (no copy) shrink no further
+        let decode_copy = plan
+            .phases
+            .iter()
+            .find(|p| p.name == "rollout")
+            .and_then(|p| p.parts.first())
+            .is_some_and(|p| p.bytes > 0);
+        if decode_copy && cfg.worker.rollout.weight_dtype != crate::config::WeightDtype::Bf16 {
+            ways.push("worker.rollout.weight_dtype=bf16");
+        }
         if cfg.worker.rollout.kv_cache_dtype == crate::config::KvCacheDtype::F32 {
             ways.push("worker.rollout.kv_cache_dtype=bf16");
         }
         ways.push("a smaller data.rollout_batch_size or worker.rollout.n");
+    }
+    if plan.held.iter().any(|p| p.what == "gradients (f32)")
+        && cfg.worker.actor.model.lora.rank == 0
+    {
+        ways.push("trainer.grad_dtype=bf16 (the linear layers' gradients in bf16)");
     }
     if cfg.worker.actor.optim.state_dtype != crate::config::StateDtype::Int8
         && plan.held.iter().any(|p| p.what.starts_with("AdamW"))
