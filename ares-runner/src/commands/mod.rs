@@ -383,13 +383,7 @@ mod tests {
     #[test]
     fn plan_checks_a_given_memory() {
         let dir = tempfile::tempdir().unwrap();
-        let json = r#"{
-            "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
-            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
-            "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-            "tie_word_embeddings": true
-        }"#;
+        let json = crate::trainer::setup::memory::tests::TINY_CONFIG;
         std::fs::write(dir.path().join("config.json"), json).unwrap();
         let mut cfg = Config::default();
         cfg.worker.actor.model.model_path = Some(dir.path().display().to_string());

@@ -602,18 +602,20 @@ pub fn check(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
+    /// A two-layer Qwen2 `config.json` (hidden 64, MLP 128, 4/2 heads, vocab 100, tied).
+    pub(crate) const TINY_CONFIG: &str = r#"{
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "tie_word_embeddings": true
+    }"#;
+
     fn tiny() -> ModelConfig {
-        let json = r#"{
-            "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
-            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100,
-            "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-            "tie_word_embeddings": true
-        }"#;
-        ModelConfig::from_json_str(std::path::Path::new("config.json"), json).unwrap()
+        ModelConfig::from_json_str(std::path::Path::new("config.json"), TINY_CONFIG).unwrap()
     }
 
     /// The text model `text` on the CPU, every weight 0.01.
