@@ -278,11 +278,14 @@ extern "C" __global__ void rmsnorm_fwd(const float* __restrict__ x, const float*
 }
 
 // The residual add fused with the next RMSNorm: sum = a + b, then rmsnorm_fwd of sum — its
-// bits (each thread reads back only the sums it wrote). One block per row.
-extern "C" __global__ void add_rmsnorm_fwd(const float* __restrict__ a, const float* __restrict__ b,
-                                           const float* __restrict__ w, float eps, i64 rows,
-                                           i64 dim, float* __restrict__ sum,
-                                           float* __restrict__ out, float* __restrict__ rstd) {
+// bits (each thread reads back only the sums it wrote), the output stored as O (f32, or
+// bf16 rounded to nearest even: add_rmsnorm_fwd_bf16). One block per row.
+template <class O>
+__device__ __forceinline__ void add_rmsnorm_rows(const float* __restrict__ a,
+                                                 const float* __restrict__ b,
+                                                 const float* __restrict__ w, float eps, i64 rows,
+                                                 i64 dim, float* __restrict__ sum,
+                                                 O* __restrict__ out, float* __restrict__ rstd) {
     __shared__ double sh[32];
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
         float* sr = sum + row * dim;
@@ -295,10 +298,27 @@ extern "C" __global__ void add_rmsnorm_fwd(const float* __restrict__ a, const fl
         const double total = block_sum_d(acc, sh);
         const float mean_sq = __fdiv_rn((float)total, (float)dim);
         const float r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(mean_sq, eps)));
-        float* o = out + row * dim;
-        for (i64 c = threadIdx.x; c < dim; c += blockDim.x) o[c] = __fmul_rn(w[c], __fmul_rn(sr[c], r));
+        O* o = out + row * dim;
+        for (i64 c = threadIdx.x; c < dim; c += blockDim.x)
+            store_narrow(o + c, __fmul_rn(w[c], __fmul_rn(sr[c], r)));
         if (threadIdx.x == 0) rstd[row] = r;
     }
+}
+
+extern "C" __global__ void add_rmsnorm_fwd(const float* __restrict__ a, const float* __restrict__ b,
+                                           const float* __restrict__ w, float eps, i64 rows,
+                                           i64 dim, float* __restrict__ sum,
+                                           float* __restrict__ out, float* __restrict__ rstd) {
+    add_rmsnorm_rows(a, b, w, eps, rows, dim, sum, out, rstd);
+}
+
+extern "C" __global__ void add_rmsnorm_fwd_bf16(const float* __restrict__ a,
+                                                const float* __restrict__ b,
+                                                const float* __restrict__ w, float eps, i64 rows,
+                                                i64 dim, float* __restrict__ sum,
+                                                unsigned short* __restrict__ out,
+                                                float* __restrict__ rstd) {
+    add_rmsnorm_rows(a, b, w, eps, rows, dim, sum, out, rstd);
 }
 
 // dx[t, i] += r·(dy·w)[i] − c·x[t, i] with c = r³·Σⱼ fl32(dy·w)ⱼ·xⱼ / d (f64), per row.
@@ -728,28 +748,59 @@ __device__ __forceinline__ void sigmoid_silu_rn(float g, float& s, float& silu) 
     silu = __fdiv_rn(pos ? g : __fmul_rn(g, t), d);
 }
 
-// out = silu(g)·u
-extern "C" __global__ void swiglu_fwd(const float* __restrict__ gate, const float* __restrict__ up,
-                                      float* __restrict__ out, i64 n) {
+// out = silu(g)·u, the inputs and output stored as T (f32, or bf16 widened exactly and the
+// output rounded to nearest even: swiglu_fwd_bf16).
+template <class T>
+__device__ __forceinline__ void swiglu_elements(const T* __restrict__ gate, const T* __restrict__ up,
+                                                T* __restrict__ out, i64 n) {
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         float s, silu;
-        sigmoid_silu_rn(gate[i], s, silu);
-        out[i] = __fmul_rn(silu, up[i]);
+        sigmoid_silu_rn(widen(gate[i]), s, silu);
+        store_narrow(out + i, __fmul_rn(silu, widen(up[i])));
     }
 }
 
-// dgate = ((dy·u)·σ)·(1 + g·(1 − σ)), dup = dy·silu(g); overwrites both.
-extern "C" __global__ void swiglu_bwd(const float* __restrict__ dout, const float* __restrict__ gate,
-                                      const float* __restrict__ up, float* __restrict__ dgate,
-                                      float* __restrict__ dup, i64 n) {
+extern "C" __global__ void swiglu_fwd(const float* __restrict__ gate, const float* __restrict__ up,
+                                      float* __restrict__ out, i64 n) {
+    swiglu_elements(gate, up, out, n);
+}
+
+extern "C" __global__ void swiglu_fwd_bf16(const unsigned short* __restrict__ gate,
+                                           const unsigned short* __restrict__ up,
+                                           unsigned short* __restrict__ out, i64 n) {
+    swiglu_elements(gate, up, out, n);
+}
+
+// dgate = ((dy·u)·σ)·(1 + g·(1 − σ)), dup = dy·silu(g); overwrites both (f32), gate and up
+// stored as T.
+template <class T>
+__device__ __forceinline__ void swiglu_grad_elements(const float* __restrict__ dout,
+                                                     const T* __restrict__ gate,
+                                                     const T* __restrict__ up,
+                                                     float* __restrict__ dgate,
+                                                     float* __restrict__ dup, i64 n) {
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
-        float g = gate[i], u = up[i], dy = dout[i];
+        float g = widen(gate[i]), u = widen(up[i]), dy = dout[i];
         float s, silu;
         sigmoid_silu_rn(g, s, silu);
         float one_plus = __fadd_rn(1.0f, __fmul_rn(g, __fsub_rn(1.0f, s)));
         dgate[i] = __fmul_rn(__fmul_rn(__fmul_rn(dy, u), s), one_plus);
         dup[i] = __fmul_rn(dy, silu);
     }
+}
+
+extern "C" __global__ void swiglu_bwd(const float* __restrict__ dout, const float* __restrict__ gate,
+                                      const float* __restrict__ up, float* __restrict__ dgate,
+                                      float* __restrict__ dup, i64 n) {
+    swiglu_grad_elements(dout, gate, up, dgate, dup, n);
+}
+
+extern "C" __global__ void swiglu_bwd_bf16(const float* __restrict__ dout,
+                                           const unsigned short* __restrict__ gate,
+                                           const unsigned short* __restrict__ up,
+                                           float* __restrict__ dgate, float* __restrict__ dup,
+                                           i64 n) {
+    swiglu_grad_elements(dout, gate, up, dgate, dup, n);
 }
 
 // w = e^{(x - max)·inv_t} (ares_cpu::sampler::relative_weight)

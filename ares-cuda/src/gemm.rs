@@ -159,6 +159,25 @@ impl Operand<'_, '_> {
     }
 }
 
+/// A GEMM's output: f32, or bf16 bits (each f32 sum rounded once, to nearest even; only
+/// written over, `β = 0`).
+pub enum Output<'a, 'b> {
+    /// f32 values.
+    F32(&'a mut CudaViewMut<'b, f32>),
+    /// bf16 bits.
+    Bf16(&'a mut CudaViewMut<'b, u16>),
+}
+
+impl Output<'_, '_> {
+    /// Elements.
+    fn len(&self) -> usize {
+        match self {
+            Output::F32(v) => v.len(),
+            Output::Bf16(v) => v.len(),
+        }
+    }
+}
+
 /// One `C = α·op(A)·op(B) + β·C` call, in cuBLAS's column-major terms: `op(A)` is
 /// `[m, k]`, `op(B)` `[k, n]`, `C` `[m, n]`. Every operand is packed (its leading
 /// dimension is its stored row count), which is what the row-major tensors of the model
@@ -215,12 +234,7 @@ impl Blas {
         })
     }
 
-    fn gemm(
-        &self,
-        step: &'static str,
-        call: Call<'_, '_>,
-        c: &mut CudaViewMut<'_, f32>,
-    ) -> Result<()> {
+    fn gemm(&self, step: &'static str, call: Call<'_, '_>, c: Output<'_, '_>) -> Result<()> {
         let op = |t: bool| {
             if t {
                 sys::cublasOperation_t::CUBLAS_OP_T
@@ -250,7 +264,12 @@ impl Blas {
             (Operand::F32(_), Operand::Bf16(_)) | (Operand::Bf16(_), Operand::F32(_))
         );
         let bf16_in = matches!(call.a, Operand::Bf16(_));
-        if !spans_ok || mixed || bf16_in != (call.precision == GemmPrecision::Bf16) {
+        let bf16_out = matches!(c, Output::Bf16(_));
+        if !spans_ok
+            || mixed
+            || bf16_in != (call.precision == GemmPrecision::Bf16)
+            || (bf16_out && (!bf16_in || call.beta != 0.0))
+        {
             return Err(Error::BadArgument {
                 kernel: step,
                 message: format!(
@@ -293,7 +312,16 @@ impl Blas {
         // after the call is queued.
         let (a, _ra) = call.a.device_ptr(stream);
         let (b, _rb) = call.b.device_ptr(stream);
-        let (cp, _rc) = c.device_ptr_mut(stream);
+        let (cp, c_type, _rc) = match c {
+            Output::F32(v) => {
+                let (p, g) = v.device_ptr_mut(stream);
+                (p, sys::cudaDataType_t::CUDA_R_32F, g)
+            }
+            Output::Bf16(v) => {
+                let (p, g) = v.device_ptr_mut(stream);
+                (p, sys::cudaDataType_t::CUDA_R_16BF, g)
+            }
+        };
         let alpha = 1.0f32;
         // SAFETY: the spans were checked above (the callers also check every view against
         // the layer's shape), so cuBLAS reads and writes inside the buffers; alpha and beta
@@ -315,7 +343,7 @@ impl Blas {
                 ldb,
                 (&raw const call.beta).cast::<c_void>(),
                 cp as *mut c_void,
-                sys::cudaDataType_t::CUDA_R_32F,
+                c_type,
                 ldc,
                 compute,
                 sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
@@ -327,13 +355,13 @@ impl Blas {
         )))
     }
 
-    /// `y = x · wᵀ` (overwrites `y`), `w` `[out, in]`.
+    /// `y = x · wᵀ` (overwrites `y`, f32 or bf16), `w` `[out, in]`.
     pub(crate) fn linear(
         &self,
         d: &BlasDims,
         x: Operand<'_, '_>,
         w: Operand<'_, '_>,
-        y: &mut CudaViewMut<'_, f32>,
+        y: Output<'_, '_>,
     ) -> Result<()> {
         let call = Call {
             transa: true,
@@ -368,7 +396,7 @@ impl Blas {
             beta: 0.0,
             precision: d.precision,
         };
-        self.gemm("linear_transposed", call, y)
+        self.gemm("linear_transposed", call, Output::F32(y))
     }
 
     /// `dx = β·dx + dy · w` (`β` 1 accumulates; 0 overwrites without reading `dx`).
@@ -391,7 +419,7 @@ impl Blas {
             beta,
             precision: d.precision,
         };
-        self.gemm("linear_backward dx", call, dx)
+        self.gemm("linear_backward dx", call, Output::F32(dx))
     }
 
     /// `dw += dyᵀ · x`.
@@ -413,6 +441,6 @@ impl Blas {
             beta: 1.0,
             precision: d.precision,
         };
-        self.gemm("linear_backward dw", call, dw)
+        self.gemm("linear_backward dw", call, Output::F32(dw))
     }
 }

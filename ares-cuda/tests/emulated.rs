@@ -2125,6 +2125,108 @@ fn kernel_on_cpu_bf16_gradient_accumulation_and_fill_are_the_cpu_twin() {
 }
 
 #[test]
+fn kernel_on_cpu_bf16_mlp_activations_are_the_cpu_twin() {
+    // written for the MLP's activations stored in bf16, never run on a GPU: SwiGLU over
+    // bf16 gate/up (forward and backward) and the residual add + norm with a bf16 output
+    let Some(lib) = model_kernels() else { return };
+    type Fwd = unsafe extern "C" fn(u32, u32, *const u16, *const u16, *mut u16, i64);
+    type Bwd =
+        unsafe extern "C" fn(u32, u32, *const f32, *const u16, *const u16, *mut f32, *mut f32, i64);
+    type Norm = unsafe extern "C" fn(
+        u32,
+        u32,
+        *const f32,
+        *const f32,
+        *const f32,
+        f32,
+        i64,
+        i64,
+        *mut f32,
+        *mut u16,
+        *mut f32,
+    );
+    let fwd = launcher!(lib, "emu_swiglu_fwd_bf16", Fwd);
+    let bwd = launcher!(lib, "emu_swiglu_bwd_bf16", Bwd);
+    let norm = launcher!(lib, "emu_add_rmsnorm_fwd_bf16", Norm);
+    let mut rng = Rng(22);
+    let bf = |x: f32| half::bf16::from_f32(x).to_bits();
+    let mut g: Vec<u16> = (0..999).map(|_| bf(rng.range(-9.0, 9.0))).collect();
+    g.extend([
+        bf(0.0),
+        bf(-0.0),
+        bf(f32::INFINITY),
+        bf(f32::NEG_INFINITY),
+        bf(f32::NAN),
+    ]);
+    let n = g.len();
+    let u: Vec<u16> = (0..n).map(|_| bf(rng.range(-3.0, 3.0))).collect();
+    let mut want = vec![0u16; n];
+    ares_cpu::ops::swiglu::swiglu_forward_bf16(&g, &u, &mut want).expect("cpu");
+    let mut got = vec![0xAAAAu16; n];
+    // SAFETY: g, u hold n values, got n slots.
+    unsafe { fwd(3, 64, g.as_ptr(), u.as_ptr(), got.as_mut_ptr(), n as i64) };
+    assert_eq!(got, want, "swiglu forward");
+    let dy: Vec<f32> = (0..n).map(|_| rng.range(-1.0, 1.0)).collect();
+    let (mut wg, mut wu) = (vec![0.0f32; n], vec![0.0f32; n]);
+    ares_cpu::ops::swiglu::swiglu_backward_bf16(&dy, &g, &u, &mut wg, &mut wu).expect("cpu");
+    let (mut gg, mut gu) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+    // SAFETY: every buffer holds n values.
+    unsafe {
+        bwd(
+            2,
+            64,
+            dy.as_ptr(),
+            g.as_ptr(),
+            u.as_ptr(),
+            gg.as_mut_ptr(),
+            gu.as_mut_ptr(),
+            n as i64,
+        )
+    };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&gg), bits(&wg), "swiglu dgate");
+    assert_eq!(bits(&gu), bits(&wu), "swiglu dup");
+
+    let (rows, dim) = (5usize, 96usize);
+    let a: Vec<f32> = (0..rows * dim).map(|_| rng.range(-2.0, 2.0)).collect();
+    let b: Vec<f32> = (0..rows * dim).map(|_| rng.range(-2.0, 2.0)).collect();
+    let w: Vec<f32> = (0..dim).map(|_| rng.range(0.5, 1.5)).collect();
+    let (mut ws, mut wo, mut wr) = (
+        vec![0.0f32; rows * dim],
+        vec![0u16; rows * dim],
+        vec![0.0f32; rows],
+    );
+    ares_cpu::ops::rmsnorm::add_rmsnorm_forward_bf16(
+        &a, &b, &w, 1e-6, dim, &mut ws, &mut wo, &mut wr,
+    )
+    .expect("cpu");
+    let (mut gs, mut go, mut gr) = (
+        vec![f32::NAN; rows * dim],
+        vec![0u16; rows * dim],
+        vec![f32::NAN; rows],
+    );
+    // SAFETY: a, b, sum, out hold rows·dim values, w dim, rstd rows.
+    unsafe {
+        norm(
+            2,
+            32,
+            a.as_ptr(),
+            b.as_ptr(),
+            w.as_ptr(),
+            1e-6,
+            rows as i64,
+            dim as i64,
+            gs.as_mut_ptr(),
+            go.as_mut_ptr(),
+            gr.as_mut_ptr(),
+        )
+    };
+    assert_eq!(bits(&gs), bits(&ws), "add_rmsnorm sum");
+    assert_eq!(go, wo, "add_rmsnorm bf16 output");
+    assert_eq!(bits(&gr), bits(&wr), "add_rmsnorm rstd");
+}
+
+#[test]
 fn kernel_on_cpu_race_sampler_and_one_kernel_pick_are_the_cpu_twin() {
     // the rollout's sampler and a decode step's one-kernel pick (written, never run on a
     // GPU): the CPU's ids under every filter, and the pick's log-probs and entropies

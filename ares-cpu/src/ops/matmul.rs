@@ -131,7 +131,7 @@ pub fn linear_forward_in(
 ) -> Result<()> {
     linear_forward_w(
         precision.for_rows(dims.n),
-        x,
+        Operand::F32(x),
         Operand::F32(w),
         bias,
         dims,
@@ -157,12 +157,51 @@ pub fn linear_forward_bf16(
 ) -> Result<()> {
     linear_forward_w(
         MatmulPrecision::Bf16,
-        x,
+        Operand::F32(x),
         Operand::Bf16(w16),
         bias,
         dims,
         out,
     )
+}
+
+/// [`linear_forward_bf16`] with the input stored in bf16 too: `x16` `[n, k]` bits, widened
+/// exactly, so the result is the bits of [`linear_forward_bf16`] over the widened `x16` (a
+/// bf16 activation multiplied as it is stored, with no rounding of its own).
+///
+/// # Errors
+/// As [`linear_forward`] (`x16`: `n·k`, `w16`: `m·k`).
+pub fn linear_forward_bf16_x(
+    x16: &[u16],
+    w16: &[u16],
+    bias: Option<&[f32]>,
+    dims: MatmulDims,
+    out: &mut [f32],
+) -> Result<()> {
+    let (x, w) = (Operand::Bf16(x16), Operand::Bf16(w16));
+    linear_forward_w(MatmulPrecision::Bf16, x, w, bias, dims, out)
+}
+
+/// [`linear_forward_bf16_x`] with the output stored in bf16: each element of
+/// `x16 · w16ᵀ (+ bias)`, summed in f32, rounded once to the nearest bf16 (ties to even)
+/// into `out16` — a projection whose output is an activation stored in bf16. (The f32
+/// result is made in a scratch of `n·m` floats first; the CUDA twin writes bf16 from the
+/// GEMM.)
+///
+/// # Errors
+/// As [`linear_forward_bf16_x`] (`out16`: `n·m`); nothing is written then.
+pub fn linear_forward_bf16_io(
+    x16: &[u16],
+    w16: &[u16],
+    bias: Option<&[f32]>,
+    dims: MatmulDims,
+    out16: &mut [u16],
+) -> Result<()> {
+    check_len("out", product(dims.n, dims.m)?, out16.len())?;
+    let mut out = vec![0.0f32; out16.len()];
+    linear_forward_bf16_x(x16, w16, bias, dims, &mut out)?;
+    map_elements(&out, out16, Bf16Bits::narrow);
+    Ok(())
 }
 
 /// A product's operand as stored: f32, or bf16 bits (a linear layer's weight).
@@ -273,7 +312,7 @@ fn widen_bf16(src: &[u16]) -> Vec<f32> {
 /// for the rows.
 fn linear_forward_w(
     p: MatmulPrecision,
-    x: &[f32],
+    x: Operand<'_>,
     w: Operand<'_>,
     bias: Option<&[f32]>,
     dims: MatmulDims,
@@ -320,14 +359,14 @@ pub fn linear_forward_t_in(
     check_len("wt", product(dims.k, dims.m)?, wt.len())?;
     let p = precision.for_rows(dims.n);
     let sw = Strides::row_major(dims.m)?;
-    linear_with(p, x, Operand::F32(wt), sw, bias, dims, out)
+    linear_with(p, Operand::F32(x), Operand::F32(wt), sw, bias, dims, out)
 }
 
 /// `out = x · W (+ bias)` with the right operand `W` `[k, m]` at `w` under strides `sw`
 /// (the caller checked `w` holds every element they address).
 fn linear_with(
     p: MatmulPrecision,
-    x: &[f32],
+    x: Operand<'_>,
     w: Operand<'_>,
     sw: Strides,
     bias: Option<&[f32]>,
@@ -356,7 +395,7 @@ fn linear_with(
         product_in(
             p,
             dims,
-            Operand::F32(x),
+            x,
             Strides::row_major(k)?,
             w,
             sw,
@@ -460,7 +499,7 @@ pub fn linear_backward_in(
     linear_backward_w(
         p,
         dout,
-        x,
+        Operand::F32(x),
         Operand::F32(w),
         dims,
         dx_overwrite,
@@ -492,7 +531,7 @@ pub fn linear_backward_bf16(
     linear_backward_w(
         p,
         dout,
-        x,
+        Operand::F32(x),
         Operand::Bf16(w16),
         dims,
         dx_overwrite,
@@ -502,13 +541,34 @@ pub fn linear_backward_bf16(
     )
 }
 
+/// [`linear_backward_bf16`] with the forward's input stored in bf16 (`x16`, as
+/// [`linear_forward_bf16_x`]): the bits of [`linear_backward_bf16`] over the widened `x16`.
+///
+/// # Errors
+/// As [`linear_backward`]; nothing is written then.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_backward_bf16_x(
+    dout: &[f32],
+    x16: &[u16],
+    w16: &[u16],
+    dims: MatmulDims,
+    dx_overwrite: bool,
+    dx: Option<&mut [f32]>,
+    dw: Option<&mut [f32]>,
+    dbias: Option<&mut [f32]>,
+) -> Result<()> {
+    let (x, w) = (Operand::Bf16(x16), Operand::Bf16(w16));
+    let p = MatmulPrecision::Bf16;
+    linear_backward_w(p, dout, x, w, dims, dx_overwrite, dx, dw, dbias)
+}
+
 /// [`linear_backward_in`] with the weight as stored and the precision `p` already decided
 /// for the rows.
 #[allow(clippy::too_many_arguments)]
 fn linear_backward_w(
     p: MatmulPrecision,
     dout: &[f32],
-    x: &[f32],
+    x: Operand<'_>,
     w: Operand<'_>,
     dims: MatmulDims,
     dx_overwrite: bool,
@@ -534,13 +594,22 @@ fn linear_backward_w(
     if let Some(db) = dbias {
         bias_backward(dout, m, db);
     }
-    // rounded once for both products (the AMX product rounds as it packs)
+    // rounded once for both products (the AMX product rounds as it packs; a bf16 `x` is
+    // widened, exactly)
     let amx = on_tiles(p);
-    let (dout, x) = match amx {
-        true => (Cow::Borrowed(dout), Cow::Borrowed(x)),
-        false => (p.rounded(dout), p.rounded(x)),
+    let dout = if amx {
+        Cow::Borrowed(dout)
+    } else {
+        p.rounded(dout)
     };
-    let (dout, x) = (Operand::F32(&dout), Operand::F32(&x));
+    let widened;
+    let x = if amx {
+        x
+    } else {
+        widened = x.operand(p);
+        Operand::F32(&widened)
+    };
+    let dout = Operand::F32(&dout);
     let q = if amx { p } else { MatmulPrecision::F32 };
 
     if let Some(dx) = dx {
@@ -1858,5 +1927,51 @@ mod tests {
         // A stored weight of the wrong length names it.
         let err = linear_forward_bf16(&[1.0; 2], &[0; 3], None, dims(1, 2, 2), &mut [0.0; 2]);
         assert!(err.unwrap_err().to_string().contains('w'));
+    }
+
+    #[test]
+    fn bf16_inputs_give_the_bits_of_their_widened_values() {
+        use crate::ops::precision::{round_to_bf16, widen_bf16};
+        let bf16 = |v: &[f32]| {
+            let mut b = vec![0u16; v.len()];
+            round_to_bf16(v, &mut b).unwrap();
+            b
+        };
+        for (n, k, m) in [(3, 7, 5), (70, 33, 130)] {
+            let d = dims(n, k, m);
+            let (x16, w16, b) = (
+                bf16(&rand_vec(n * k, 21)),
+                bf16(&rand_vec(m * k, 22)),
+                rand_vec(m, 23),
+            );
+            let mut x = vec![0.0f32; x16.len()];
+            widen_bf16(&x16, &mut x).unwrap();
+            let (mut want, mut got) = (vec![0.0f32; n * m], vec![f32::NAN; n * m]);
+            linear_forward_bf16(&x, &w16, Some(&b), d, &mut want).unwrap();
+            linear_forward_bf16_x(&x16, &w16, Some(&b), d, &mut got).unwrap();
+            assert_eq!(got, want, "forward {n}×{k}×{m}");
+            // the bf16 output: each f32 sum rounded once
+            let mut got16 = vec![0u16; n * m];
+            linear_forward_bf16_io(&x16, &w16, Some(&b), d, &mut got16).unwrap();
+            assert_eq!(got16, bf16(&want), "bf16 output {n}×{k}×{m}");
+
+            let dout = rand_vec(n * m, 24);
+            let grads = |stored: bool| {
+                let (mut dx, mut dw, mut db) =
+                    (rand_vec(n * k, 25), rand_vec(m * k, 26), vec![0.5; m]);
+                let (gx, gw, gb) = (Some(&mut dx[..]), Some(&mut dw[..]), Some(&mut db[..]));
+                if stored {
+                    linear_backward_bf16_x(&dout, &x16, &w16, d, true, gx, gw, gb).unwrap();
+                } else {
+                    linear_backward_bf16(&dout, &x, &w16, d, true, gx, gw, gb).unwrap();
+                }
+                (dx, dw, db)
+            };
+            assert_eq!(grads(true), grads(false), "backward {n}×{k}×{m}");
+        }
+        let short = linear_forward_bf16_io(&[0; 2], &[0; 4], None, dims(1, 2, 2), &mut [0; 1]);
+        assert!(short.unwrap_err().to_string().contains("out"));
+        let x_len = linear_forward_bf16_x(&[0; 3], &[0; 4], None, dims(1, 2, 2), &mut [0.0; 2]);
+        assert!(x_len.unwrap_err().to_string().contains('x'));
     }
 }

@@ -13,6 +13,7 @@
 
 use crate::Result;
 use crate::error::check_len;
+use crate::ops::stored::{Bf16Bits, Widen};
 use ares_core::Error as CoreError;
 use rayon::prelude::*;
 
@@ -187,6 +188,49 @@ pub fn add_rmsnorm_forward(
     Ok(())
 }
 
+/// [`add_rmsnorm_forward`] with the norm's output stored in bf16: `sum` and `rstd` as
+/// there (f32, the bits), each element of `out` rounded to the nearest bf16 (ties to even)
+/// into `out16` — the input of the MLP's projections stored as the bf16 they multiply.
+///
+/// # Errors
+/// As [`add_rmsnorm_forward`] (`out16` for `out`).
+#[allow(clippy::too_many_arguments)] // the two outputs of the norm and the sum
+pub fn add_rmsnorm_forward_bf16(
+    a: &[f32],
+    b: &[f32],
+    weight: &[f32],
+    eps: f32,
+    d: usize,
+    sum: &mut [f32],
+    out16: &mut [u16],
+    rstd: &mut [f32],
+) -> Result<()> {
+    let rows = rows_of("a", a.len(), d)?;
+    check_len("b", a.len(), b.len())?;
+    check_len("weight", d, weight.len())?;
+    check_len("sum", a.len(), sum.len())?;
+    check_len("out", a.len(), out16.len())?;
+    check_len("rstd", rows, rstd.len())?;
+    check_eps(eps)?;
+    sum.par_chunks_exact_mut(d)
+        .zip(a.par_chunks_exact(d).zip(b.par_chunks_exact(d)))
+        .zip(out16.par_chunks_exact_mut(d).zip(rstd.par_iter_mut()))
+        .with_min_len(rows_per_task(d))
+        .for_each_init(
+            || vec![0.0f32; d],
+            |row, ((sr, (ar, br)), (or, r))| {
+                for ((s, &x), &y) in sr.iter_mut().zip(ar).zip(br) {
+                    *s = x + y;
+                }
+                *r = norm_row(sr, weight, eps, row);
+                for (o, &v) in or.iter_mut().zip(row.iter()) {
+                    *o = Bf16Bits::narrow(v);
+                }
+            },
+        );
+    Ok(())
+}
+
 /// RMSNorm backward. With `g = dout ⊙ weight` per row and `r = rstd[t]`:
 ///
 /// - `dx[t, i] += r · g[i] − r³ · x[t, i] · (Σⱼ g[j] · x[t, j]) / d`
@@ -346,6 +390,20 @@ mod tests {
         assert_eq!(sum, summed);
         assert_eq!(o1, o2);
         assert_eq!(r1, r2);
+        // stored in bf16: the same sum and rstd, the output rounded to nearest even
+        let (mut o16, mut r3) = (vec![0u16; rows * d], vec![0.0; rows]);
+        let mut sum3 = vec![f32::NAN; rows * d];
+        add_rmsnorm_forward_bf16(&res, &delta, &w, 1e-6, d, &mut sum3, &mut o16, &mut r3).unwrap();
+        assert_eq!(sum3, summed);
+        assert_eq!(r3, r1);
+        let want: Vec<u16> = o1
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        assert_eq!(o16, want);
+        let short = &mut o16[1..];
+        let e = add_rmsnorm_forward_bf16(&res, &delta, &w, 1e-6, d, &mut sum3, short, &mut r3);
+        assert!(e.is_err());
     }
 
     #[test]

@@ -16,6 +16,7 @@ use crate::Result;
 use crate::error::check_len;
 use crate::exp::exp_nonpositive;
 use crate::isa::Isa;
+use crate::ops::stored::{Bf16Bits, Widen};
 use rayon::prelude::*;
 
 /// Elements per rayon task: element-wise work this cheap only pays for threads in bulk.
@@ -154,6 +155,64 @@ pub fn swiglu_backward(
     Ok(())
 }
 
+/// [`swiglu_forward`] over `gate16`, `up16` stored in bf16 (bits, widened exactly), each
+/// output rounded to the nearest bf16 (ties to even) into `out16`: the bits of
+/// [`swiglu_forward`] over the widened inputs, rounded — the MLP's activations stored in
+/// bf16.
+///
+/// # Errors
+/// `up16` or `out16` not as long as `gate16`.
+pub fn swiglu_forward_bf16(gate16: &[u16], up16: &[u16], out16: &mut [u16]) -> Result<()> {
+    check_len("up", gate16.len(), up16.len())?;
+    check_len("out", gate16.len(), out16.len())?;
+    out16
+        .par_chunks_mut(CHUNK)
+        .zip(gate16.par_chunks(CHUNK).zip(up16.par_chunks(CHUNK)))
+        .for_each(|(o16, (g16, u16))| {
+            let (g, u) = (widened(g16), widened(u16));
+            let mut o = vec![0.0f32; o16.len()];
+            forward_chunk(&mut o, &g, &u);
+            for (d, &x) in o16.iter_mut().zip(&o) {
+                *d = Bf16Bits::narrow(x);
+            }
+        });
+    Ok(())
+}
+
+/// [`swiglu_backward`] with `gate16`, `up16` stored in bf16 (the forward's inputs of
+/// [`swiglu_forward_bf16`]): the bits of [`swiglu_backward`] over the widened values;
+/// `dout`, `dgate`, `dup` f32, both gradients overwritten.
+///
+/// # Errors
+/// Any argument not as long as `gate16`.
+pub fn swiglu_backward_bf16(
+    dout: &[f32],
+    gate16: &[u16],
+    up16: &[u16],
+    dgate: &mut [f32],
+    dup: &mut [f32],
+) -> Result<()> {
+    let n = gate16.len();
+    check_len("dout", n, dout.len())?;
+    check_len("up", n, up16.len())?;
+    check_len("dgate", n, dgate.len())?;
+    check_len("dup", n, dup.len())?;
+    dgate
+        .par_chunks_mut(CHUNK)
+        .zip(dup.par_chunks_mut(CHUNK))
+        .zip(dout.par_chunks(CHUNK))
+        .zip(gate16.par_chunks(CHUNK).zip(up16.par_chunks(CHUNK)))
+        .for_each(|(((dg, du), dy), (g16, u16))| {
+            backward_chunk(dg, du, dy, &widened(g16), &widened(u16));
+        });
+    Ok(())
+}
+
+/// bf16 bits widened to f32 (exact).
+fn widened(bits: &[u16]) -> Vec<f32> {
+    bits.iter().map(|&b| Bf16Bits::widen(b)).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -170,6 +229,37 @@ mod tests {
             (f64::from(got) - want).abs() <= tol,
             "{what}: got {got}, want {want}"
         );
+    }
+
+    #[test]
+    fn bf16_storage_is_the_f32_op_on_widened_values_rounded() {
+        let mut rng = Rng(7);
+        let n = 40_000; // several chunks
+        let bf = |x: f32| half::bf16::from_f32(x).to_bits();
+        let g16: Vec<u16> = rng.vec(n, 8.0).into_iter().map(bf).collect();
+        let u16_: Vec<u16> = rng.vec(n, 3.0).into_iter().map(bf).collect();
+        let (g, u) = (widened(&g16), widened(&u16_));
+        let mut want = vec![0.0f32; n];
+        swiglu_forward(&g, &u, &mut want).unwrap();
+        let mut got = vec![0u16; n];
+        swiglu_forward_bf16(&g16, &u16_, &mut got).unwrap();
+        let want16: Vec<u16> = want.iter().map(|&x| bf(x)).collect();
+        assert_eq!(got, want16);
+        let dy = rng.vec(n, 1.0);
+        let (mut dg, mut du) = (vec![0.0f32; n], vec![0.0f32; n]);
+        swiglu_backward(&dy, &g, &u, &mut dg, &mut du).unwrap();
+        let (mut dg16, mut du16) = (vec![f32::NAN; n], vec![f32::NAN; n]);
+        swiglu_backward_bf16(&dy, &g16, &u16_, &mut dg16, &mut du16).unwrap();
+        assert_eq!(
+            dg.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            dg16.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            du.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            du16.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+        assert!(swiglu_forward_bf16(&g16, &u16_[1..], &mut got).is_err());
+        assert!(swiglu_backward_bf16(&dy[1..], &g16, &u16_, &mut dg16, &mut du16).is_err());
     }
 
     #[test]

@@ -3,7 +3,9 @@
 
 use super::{ModelOps, bad, check_len, element_cfg, i32_of, i64_of, mul, row_cfg};
 use crate::error::{DriverContext, Result};
-use cudarc::driver::{CudaFunction, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 
 /// Threads per token of the embedding and RoPE kernels.
 const TOKEN_BLOCK: u32 = 256;
@@ -281,18 +283,43 @@ impl ModelOps {
         up: &CudaView<'_, f32>,
         out: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
-        const K: &str = "swiglu";
+        self.swiglu_as(("swiglu", &self.f.swiglu_fwd), gate, up, out)
+    }
+
+    /// [`ModelOps::swiglu`] with `gate`, `up` and `out` stored in bf16 (bits: widened, the
+    /// output rounded to nearest even; twin of `ares_cpu::ops::swiglu::swiglu_forward_bf16`).
+    ///
+    /// # Errors
+    /// Lengths that differ.
+    pub fn swiglu_bf16(
+        &self,
+        gate: &CudaView<'_, u16>,
+        up: &CudaView<'_, u16>,
+        out: &mut CudaViewMut<'_, u16>,
+    ) -> Result<()> {
+        self.swiglu_as(("swiglu_bf16", &self.f.swiglu_fwd_bf16), gate, up, out)
+    }
+
+    /// The launch of `swiglu_fwd` or its bf16 twin (`kernel`) over elements of `T`.
+    fn swiglu_as<T: DeviceRepr>(
+        &self,
+        (k, kernel): (&'static str, &CudaFunction),
+        gate: &CudaView<'_, T>,
+        up: &CudaView<'_, T>,
+        out: &mut CudaViewMut<'_, T>,
+    ) -> Result<()> {
         let n = gate.len();
-        check_len(K, "up", n, up.len())?;
-        check_len(K, "out", n, out.len())?;
+        check_len(k, "up", n, up.len())?;
+        check_len(k, "out", n, out.len())?;
         if n == 0 {
             return Ok(());
         }
-        let n64 = i64_of(K, "len", n)?;
-        let mut l = self.stream.launch_builder(&self.f.swiglu_fwd);
+        let n64 = i64_of(k, "len", n)?;
+        let mut l = self.stream.launch_builder(kernel);
         l.arg(gate).arg(up).arg(out).arg(&n64);
-        // SAFETY: (gate, up, out, n) as `swiglu_fwd` declares them; lengths checked.
-        unsafe { l.launch(element_cfg(n)) }.during(K)?;
+        // SAFETY: (gate, up, out, n) as `swiglu_fwd` / `swiglu_fwd_bf16` declare them (of
+        // `T`); lengths checked.
+        unsafe { l.launch(element_cfg(n)) }.during(k)?;
         Ok(())
     }
 
@@ -309,20 +336,50 @@ impl ModelOps {
         dgate: &mut CudaViewMut<'_, f32>,
         dup: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
-        const K: &str = "swiglu_backward";
+        let k = ("swiglu_backward", &self.f.swiglu_bwd);
+        self.swiglu_backward_as(k, dout, (gate, up), dgate, dup)
+    }
+
+    /// [`ModelOps::swiglu_backward`] with `gate` and `up` stored in bf16 (twin of
+    /// `ares_cpu::ops::swiglu::swiglu_backward_bf16`); the gradients f32.
+    ///
+    /// # Errors
+    /// Lengths that differ.
+    pub fn swiglu_backward_bf16(
+        &self,
+        dout: &CudaView<'_, f32>,
+        gate: &CudaView<'_, u16>,
+        up: &CudaView<'_, u16>,
+        dgate: &mut CudaViewMut<'_, f32>,
+        dup: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let k = ("swiglu_backward_bf16", &self.f.swiglu_bwd_bf16);
+        self.swiglu_backward_as(k, dout, (gate, up), dgate, dup)
+    }
+
+    /// The launch of `swiglu_bwd` or its bf16 twin (`kernel`), `gate` and `up` of `T`.
+    fn swiglu_backward_as<T: DeviceRepr>(
+        &self,
+        (k, kernel): (&'static str, &CudaFunction),
+        dout: &CudaView<'_, f32>,
+        (gate, up): (&CudaView<'_, T>, &CudaView<'_, T>),
+        dgate: &mut CudaViewMut<'_, f32>,
+        dup: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
         let n = gate.len();
-        check_len(K, "dout", n, dout.len())?;
-        check_len(K, "up", n, up.len())?;
-        check_len(K, "dgate", n, dgate.len())?;
-        check_len(K, "dup", n, dup.len())?;
+        check_len(k, "dout", n, dout.len())?;
+        check_len(k, "up", n, up.len())?;
+        check_len(k, "dgate", n, dgate.len())?;
+        check_len(k, "dup", n, dup.len())?;
         if n == 0 {
             return Ok(());
         }
-        let n64 = i64_of(K, "len", n)?;
-        let mut l = self.stream.launch_builder(&self.f.swiglu_bwd);
+        let n64 = i64_of(k, "len", n)?;
+        let mut l = self.stream.launch_builder(kernel);
         l.arg(dout).arg(gate).arg(up).arg(dgate).arg(dup).arg(&n64);
-        // SAFETY: argument order as `swiglu_bwd`; lengths checked above.
-        unsafe { l.launch(element_cfg(n)) }.during(K)?;
+        // SAFETY: argument order as `swiglu_bwd` / `swiglu_bwd_bf16` (gate, up of `T`);
+        // lengths checked above.
+        unsafe { l.launch(element_cfg(n)) }.during(k)?;
         Ok(())
     }
 

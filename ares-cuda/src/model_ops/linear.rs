@@ -12,7 +12,7 @@
 use super::{ModelOps, check_len};
 use crate::error::DriverContext;
 use crate::error::Result;
-use crate::gemm::{GemmDims, GemmPrecision, Operand};
+use crate::gemm::{GemmDims, GemmPrecision, Operand, Output};
 use cudarc::driver::{CudaView, CudaViewMut};
 
 impl ModelOps {
@@ -61,6 +61,76 @@ impl ModelOps {
         };
         let x = Operand::F32(x);
         self.linear_any("linear_bf16", x, Operand::Bf16(w), bias, dims, out, false)
+    }
+
+    /// [`ModelOps::linear_bf16`] with `x` stored in bf16 too (an activation kept in bf16):
+    /// both operands read as they are, no conversion (twin of
+    /// `ares_cpu::ops::matmul::linear_forward_bf16_x`).
+    ///
+    /// # Errors
+    /// As [`ModelOps::linear`].
+    pub fn linear_bf16_x(
+        &self,
+        x: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        bias: Option<&CudaView<'_, f32>>,
+        dims: GemmDims,
+        out: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let dims = GemmDims {
+            precision: GemmPrecision::Bf16,
+            ..dims
+        };
+        let (x, w) = (Operand::Bf16(x), Operand::Bf16(w));
+        self.linear_any("linear_bf16_x", x, w, bias, dims, out, false)
+    }
+
+    /// [`ModelOps::linear_bf16_x`] with the output stored in bf16 too: each f32 sum (with
+    /// the bias) rounded once to nearest even — the GEMM writes bf16 itself, or with a bias
+    /// an f32 result is rounded after the bias add (twin of
+    /// `ares_cpu::ops::matmul::linear_forward_bf16_io`).
+    ///
+    /// # Errors
+    /// As [`ModelOps::linear`].
+    pub fn linear_bf16_io(
+        &self,
+        x: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        bias: Option<&CudaView<'_, f32>>,
+        dims: GemmDims,
+        out: &mut CudaViewMut<'_, u16>,
+    ) -> Result<()> {
+        const K: &str = "linear_bf16_io";
+        let dims = GemmDims {
+            precision: GemmPrecision::Bf16,
+            ..dims
+        };
+        let d = dims.blas(K)?;
+        check_len(K, "x", d.x_len, x.len())?;
+        check_len(K, "w", d.w_len, w.len())?;
+        check_len(K, "out", d.y_len, out.len())?;
+        if let Some(b) = bias {
+            // the bias joins the sum before its one rounding: an f32 result first
+            let mut y = self
+                .stream
+                .alloc_zeros::<f32>(d.y_len)
+                .during(format!("{K}: the f32 result before rounding"))?;
+            let (x, w) = (Operand::Bf16(x), Operand::Bf16(w));
+            self.linear_any(K, x, w, Some(b), dims, &mut y.slice_mut(..), false)?;
+            return self.to_bf16(&y.slice(..), out);
+        }
+        if d.y_len == 0 {
+            return Ok(());
+        }
+        if dims.in_features == 0 {
+            // an empty sum (cuBLAS is not asked for k = 0): +0.0, whose bf16 bits are 0
+            return self
+                .stream
+                .memset_zeros(out)
+                .during(format!("{K}: zeroing out"));
+        }
+        let (x, w) = (Operand::Bf16(x), Operand::Bf16(w));
+        self.blas.linear(&d, x, w, Output::Bf16(out))
     }
 
     /// `out = x · wt (+ bias)` with the weight stored transposed, `wt` `[in, out]` (twin of
@@ -149,7 +219,7 @@ impl ModelOps {
                 if transposed {
                     self.blas.linear_t(&d, x, w, out)
                 } else {
-                    self.blas.linear(&d, x, w, out)
+                    self.blas.linear(&d, x, w, Output::F32(out))
                 }
             })?;
         }
@@ -208,6 +278,33 @@ impl ModelOps {
         };
         let k = "linear_backward_bf16";
         let (x, w) = (Operand::F32(x), Operand::Bf16(w));
+        self.linear_backward_any(k, dout, x, w, dims, dx_overwrite, dx, dw, dbias)
+    }
+
+    /// [`ModelOps::linear_backward_bf16`] with the forward's `x` stored in bf16 (as
+    /// [`ModelOps::linear_bf16_x`]), read as it is; `dout` rounded to bf16. Twin of
+    /// `ares_cpu::ops::matmul::linear_backward_bf16_x`.
+    ///
+    /// # Errors
+    /// As [`ModelOps::linear_backward`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear_backward_bf16_x(
+        &self,
+        dout: &CudaView<'_, f32>,
+        x: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        dims: GemmDims,
+        dx_overwrite: bool,
+        dx: Option<&mut CudaViewMut<'_, f32>>,
+        dw: Option<&mut CudaViewMut<'_, f32>>,
+        dbias: Option<&mut CudaViewMut<'_, f32>>,
+    ) -> Result<()> {
+        let dims = GemmDims {
+            precision: GemmPrecision::Bf16,
+            ..dims
+        };
+        let k = "linear_backward_bf16_x";
+        let (x, w) = (Operand::Bf16(x), Operand::Bf16(w));
         self.linear_backward_any(k, dout, x, w, dims, dx_overwrite, dx, dw, dbias)
     }
 

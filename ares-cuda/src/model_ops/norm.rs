@@ -3,7 +3,9 @@
 
 use super::{ModelOps, State, bad, check_len, grid, i64_of, mul, row_cfg, scratch};
 use crate::error::{DriverContext, Result};
-use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 
 /// Threads per row of the RMSNorm kernels.
 const ROW_BLOCK: u32 = 256;
@@ -83,21 +85,59 @@ impl ModelOps {
         out: &mut CudaViewMut<'_, f32>,
         rstd: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
-        const K: &str = "add_rmsnorm";
-        let rows = rows_of(K, a.len(), dim)?;
-        check_len(K, "b", a.len(), b.len())?;
-        check_len(K, "weight", dim, weight.len())?;
-        check_len(K, "sum", a.len(), sum.len())?;
-        check_len(K, "out", a.len(), out.len())?;
-        check_len(K, "rstd", rows, rstd.len())?;
+        let k = ("add_rmsnorm", &self.f.add_rmsnorm_fwd);
+        self.add_rmsnorm_as(k, a, b, weight, (eps, dim), sum, out, rstd)
+    }
+
+    /// [`ModelOps::add_rmsnorm`] with the norm's output stored in bf16 (bits, rounded to
+    /// nearest even); `sum` and `rstd` as there (twin of
+    /// `ares_cpu::ops::rmsnorm::add_rmsnorm_forward_bf16`).
+    ///
+    /// # Errors
+    /// As [`ModelOps::add_rmsnorm`].
+    #[allow(clippy::too_many_arguments)] // the two outputs of the norm and the sum
+    pub fn add_rmsnorm_bf16(
+        &self,
+        a: &CudaView<'_, f32>,
+        b: &CudaView<'_, f32>,
+        weight: &CudaView<'_, f32>,
+        eps: f32,
+        dim: usize,
+        sum: &mut CudaViewMut<'_, f32>,
+        out: &mut CudaViewMut<'_, u16>,
+        rstd: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let k = ("add_rmsnorm_bf16", &self.f.add_rmsnorm_fwd_bf16);
+        self.add_rmsnorm_as(k, a, b, weight, (eps, dim), sum, out, rstd)
+    }
+
+    /// The launch of `add_rmsnorm_fwd` or its bf16-output twin (`kernel`), `out` as stored.
+    #[allow(clippy::too_many_arguments)]
+    fn add_rmsnorm_as<T: DeviceRepr>(
+        &self,
+        (k, kernel): (&'static str, &CudaFunction),
+        a: &CudaView<'_, f32>,
+        b: &CudaView<'_, f32>,
+        weight: &CudaView<'_, f32>,
+        (eps, dim): (f32, usize),
+        sum: &mut CudaViewMut<'_, f32>,
+        out: &mut CudaViewMut<'_, T>,
+        rstd: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let rows = rows_of(k, a.len(), dim)?;
+        check_len(k, "b", a.len(), b.len())?;
+        check_len(k, "weight", dim, weight.len())?;
+        check_len(k, "sum", a.len(), sum.len())?;
+        check_len(k, "out", a.len(), out.len())?;
+        check_len(k, "rstd", rows, rstd.len())?;
         if !(eps.is_finite() && eps > 0.0) {
-            return Err(bad(K, format!("eps = {eps} must be finite and > 0")));
+            return Err(bad(k, format!("eps = {eps} must be finite and > 0")));
         }
         if rows == 0 {
             return Ok(());
         }
-        let (r64, d64) = (i64_of(K, "rows", rows)?, i64_of(K, "dim", dim)?);
-        let mut l = self.stream.launch_builder(&self.f.add_rmsnorm_fwd);
+        let (r64, d64) = (i64_of(k, "rows", rows)?, i64_of(k, "dim", dim)?);
+        let mut l = self.stream.launch_builder(kernel);
         l.arg(a)
             .arg(b)
             .arg(weight)
@@ -107,8 +147,9 @@ impl ModelOps {
             .arg(sum)
             .arg(out)
             .arg(rstd);
-        // SAFETY: argument order as `add_rmsnorm_fwd`; lengths checked above.
-        unsafe { l.launch(row_cfg(rows, ROW_BLOCK)) }.during(K)?;
+        // SAFETY: argument order as `add_rmsnorm_fwd` / `add_rmsnorm_fwd_bf16` (their `out`
+        // of `T`); lengths checked above.
+        unsafe { l.launch(row_cfg(rows, ROW_BLOCK)) }.during(k)?;
         Ok(())
     }
 

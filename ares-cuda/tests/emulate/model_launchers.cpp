@@ -20,6 +20,25 @@ extern "C" void emu_fill_bf16(unsigned grid, unsigned block, unsigned short* y, 
     emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] { fill_bf16(y, n, bits); });
 }
 
+extern "C" void emu_swiglu_fwd_bf16(unsigned grid, unsigned block, const unsigned short* gate,
+                                    const unsigned short* up, unsigned short* out, i64 n) {
+    emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] { swiglu_fwd_bf16(gate, up, out, n); });
+}
+
+extern "C" void emu_swiglu_bwd_bf16(unsigned grid, unsigned block, const float* dout,
+                                    const unsigned short* gate, const unsigned short* up,
+                                    float* dgate, float* dup, i64 n) {
+    emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0,
+                [&] { swiglu_bwd_bf16(dout, gate, up, dgate, dup, n); });
+}
+
+extern "C" void emu_add_rmsnorm_fwd_bf16(unsigned grid, unsigned block, const float* a,
+                                         const float* b, const float* w, float eps, i64 rows,
+                                         i64 dim, float* sum, unsigned short* out, float* rstd) {
+    emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0,
+                [&] { add_rmsnorm_fwd_bf16(a, b, w, eps, rows, dim, sum, out, rstd); });
+}
+
 extern "C" void emu_bf16_to_f32(unsigned grid, unsigned block, const unsigned short* x, float* y,
                                 i64 n) {
     emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] { bf16_to_f32(x, y, n); });
