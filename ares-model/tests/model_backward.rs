@@ -379,7 +379,7 @@ fn each_layer_is_handed_over_once_its_gradients_are_final() {
 /// checkpointed.
 #[test]
 fn arena_elements_predict_the_allocation() {
-    use ares_model::model::{Activations, HeadMode, ModelSpec, arena_elements};
+    use ares_model::model::{ActivationDtype, Activations, HeadMode, ModelSpec, arena_elements};
     for name in ["qwen2_tiny", "qwen3_tiny", "llama_tiny"] {
         let (checkpoint, _) = load(name);
         let spec = ModelSpec::from_config(&checkpoint.config).unwrap();
@@ -389,15 +389,28 @@ fn arena_elements_predict_the_allocation() {
                 HeadMode::Chunked { rows: 1 },
                 HeadMode::Chunked { rows: 5 },
             ] {
-                for checkpointed in [false, true] {
-                    let acts =
-                        Activations::planned(&CpuBackend, &spec, batch, seq, head, checkpointed)
-                            .unwrap();
+                for (checkpointed, dtype) in [false, true]
+                    .into_iter()
+                    .flat_map(|c| [(c, ActivationDtype::F32), (c, ActivationDtype::Bf16)])
+                {
+                    let acts = Activations::planned(
+                        &CpuBackend,
+                        &spec,
+                        batch,
+                        seq,
+                        head,
+                        checkpointed,
+                        dtype,
+                    )
+                    .unwrap();
+                    let planned = arena_elements(&spec, batch, seq, head, checkpointed, dtype);
                     assert_eq!(
-                        arena_elements(&spec, batch, seq, head, checkpointed),
+                        planned,
                         Some(acts.elements()),
-                        "{name} {batch}x{seq} {head:?} checkpointed={checkpointed}"
+                        "{name} {batch}x{seq} {head:?} checkpointed={checkpointed} {dtype:?}"
                     );
+                    let bf16s = planned.unwrap().bf16s;
+                    assert_eq!(bf16s > 0, dtype == ActivationDtype::Bf16);
                 }
             }
         }

@@ -1141,3 +1141,153 @@ fn adamw_steps_bf16_grads_as_their_widened_values() {
         );
     }
 }
+
+/// One forward and backward of `m` from `dl` in an arena of [`Model::activations`] (the
+/// model's activation dtype): the logits and the gradients.
+fn pass_with_activations(
+    m: &Model<CpuBackend>,
+    (b, dl): &(Batch, Vec<f32>),
+) -> (Vec<f32>, ares_model::model::Grads<CpuBackend>) {
+    let be = m.backend();
+    let mut acts = m.activations(b.batch, b.seq).unwrap();
+    assert_eq!(
+        acts.elements().bf16s > 0,
+        m.activation_dtype() == ares_model::model::ActivationDtype::Bf16
+    );
+    m.forward(&b.inputs(), &mut acts).unwrap();
+    let mut logits = vec![0.0; dl.len()];
+    be.download(acts.logits(), &mut logits).unwrap();
+    let mut d = be.alloc(dl.len()).unwrap();
+    be.upload(dl, ViewMut::whole(&mut d)).unwrap();
+    let mut g = m.grads().unwrap();
+    m.backward(&b.inputs(), &mut acts, View::whole(&d), &mut g)
+        .unwrap();
+    (logits, g)
+}
+
+/// The MLP block's activations stored in bf16 (`trainer.activation_dtype: bf16`): the
+/// logits and gradients stay within bf16 of the pass with f32 activations (the same bf16
+/// products), the arena keeps `L·N·(C + 3I)` of its values in bf16 (half their bytes), and
+/// a checkpointed arena gives the stored one's gradients bit for bit.
+#[test]
+fn bf16_mlp_activations_stay_within_bf16_of_f32_ones() {
+    use ares_model::model::ActivationDtype;
+    for name in ["qwen2_tiny", "qwen3_tiny", "llama_tiny"] {
+        let mut m = model(name);
+        m.set_matmul_precision(MatmulPrecision::Bf16);
+        m.set_bf16_weights(true).unwrap();
+        let fixed = fixed_dlogits(&m);
+        let (l32, g32) = pass_with_activations(&m, &fixed);
+        m.set_activation_dtype(ActivationDtype::Bf16);
+        let (l16, g16) = pass_with_activations(&m, &fixed);
+        let err = rel_err(&l16, &l32);
+        eprintln!("{name}: logits max rel error {err:.2e}");
+        assert!(err > 0.0 && err < 3e-2, "{name} logits: {err:e}");
+        for param in [
+            "model.embed_tokens.weight",
+            "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.mlp.gate_proj.weight",
+            "model.layers.1.mlp.down_proj.weight",
+            "model.layers.1.post_attention_layernorm.weight",
+        ] {
+            let want = g32.download(m.backend(), param).unwrap();
+            let got = g16.download(m.backend(), param).unwrap();
+            let dot: f64 = got
+                .iter()
+                .zip(&want)
+                .map(|(&a, &b)| f64::from(a) * f64::from(b))
+                .sum();
+            let norm = |v: &[f32]| v.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+            let cosine = dot / (norm(&got) * norm(&want));
+            eprintln!("{name} {param}: cosine {cosine:.6}");
+            assert!(cosine > 0.999, "{name} {param}: cosine {cosine}");
+        }
+        // the arena: ln2, gate, up and act of every layer in bf16
+        let s = m.spec();
+        let (b, _) = &fixed;
+        let n = (b.batch * b.seq) as u64;
+        let acts = m.activations(b.batch, b.seq).unwrap();
+        let e = acts.elements();
+        let mlp = s.layers as u64 * n * (s.hidden + 3 * s.intermediate) as u64;
+        assert_eq!(e.bf16s, mlp, "{name}");
+        let f32_arena = m.activations_full(b.batch, b.seq).unwrap().elements();
+        assert_eq!(f32_arena.bf16s, 0, "{name}: generation's arena stays f32");
+        assert_eq!(f32_arena.bytes() - e.bytes(), 2 * mlp, "{name}");
+        // checkpointed: the layers' forward again, the same bits
+        m.set_gradient_checkpointing(true);
+        let (_, gc) = pass_with_activations(&m, &fixed);
+        for param in ["model.layers.0.mlp.up_proj.weight", "model.norm.weight"] {
+            let want = g16.download(m.backend(), param).unwrap();
+            let got = gc.download(m.backend(), param).unwrap();
+            assert_eq!(got, want, "{name} {param}: checkpointed");
+        }
+    }
+}
+
+/// With bf16 MLP activations the MLP runs on the ops that read and write them as stored:
+/// per layer the residual add + norm into bf16, gate and up into bf16, SwiGLU in bf16 and
+/// down from bf16, and the three backward products from the saved bf16 inputs.
+#[test]
+fn bf16_mlp_activations_are_read_and_written_by_the_bf16_ops() {
+    use ares_model::backend::Counting;
+    use ares_model::model::ActivationDtype;
+    let ck = Checkpoint::load(&fixture("qwen2_tiny")).unwrap();
+    let mut m = Model::from_checkpoint(Counting::new(CpuBackend), &ck).unwrap();
+    m.set_matmul_precision(MatmulPrecision::Bf16);
+    m.set_weight_storage(ares_model::model::WeightStorage::Bf16)
+        .unwrap();
+    m.set_activation_dtype(ActivationDtype::Bf16);
+    let l = m.spec().layers;
+    let b = Batch::new(4, 5, m.spec().vocab);
+    let targets = vec![1u32; b.batch * b.seq];
+    let mut acts = m.activations(b.batch, b.seq).unwrap();
+    let mut g = m.grads().unwrap();
+    let calls = counted_pass(&m, &b, &targets, &mut acts, &mut g);
+    let count = |op: &str| calls.iter().filter(|&&c| c == op).count();
+    assert_eq!(count("add_rmsnorm_bf16"), l);
+    assert_eq!(count("add_rmsnorm"), 0);
+    assert_eq!(count("linear_bf16_io"), 2 * l);
+    assert_eq!(count("linear_bf16_x"), l);
+    assert_eq!(count("swiglu_bf16") + count("swiglu_backward_bf16"), 2 * l);
+    assert_eq!(count("swiglu") + count("swiglu_backward"), 0);
+    assert_eq!(count("linear_backward_bf16_x"), 3 * l);
+}
+
+/// bf16 activations need bf16 products and no LoRA pair on the MLP: planning an arena
+/// refuses otherwise, naming why; a pair on the attention's projections is fine.
+#[test]
+fn bf16_mlp_activations_refuse_what_cannot_read_them() {
+    use ares_model::hf::lora::LoraConfig;
+    use ares_model::model::{ActivationDtype, ModelError};
+    let mut m = model("qwen2_tiny");
+    m.set_activation_dtype(ActivationDtype::Bf16);
+    let err = m.activations(2, 8).unwrap_err();
+    assert!(matches!(err, ModelError::Bf16Activations { .. }), "{err}");
+    assert!(err.to_string().contains("set_bf16_weights"), "{err}");
+    m.set_matmul_precision(MatmulPrecision::Bf16);
+    m.set_bf16_weights(true).unwrap();
+    let lora = |targets: &[&str]| LoraConfig {
+        r: 4,
+        lora_alpha: 8.0,
+        use_rslora: false,
+        target_modules: targets.iter().map(|t| t.to_string()).collect(),
+        layers_to_transform: None,
+        exclude_modules: None,
+    };
+    let mut attention_only = model("qwen2_tiny");
+    attention_only.set_matmul_precision(MatmulPrecision::Bf16);
+    attention_only.set_bf16_weights(true).unwrap();
+    attention_only.set_activation_dtype(ActivationDtype::Bf16);
+    attention_only
+        .add_lora(&lora(&["q_proj", "v_proj"]), 1)
+        .unwrap();
+    let fixed = fixed_dlogits(&attention_only);
+    let (logits, _) = pass_with_activations(&attention_only, &fixed);
+    assert!(logits.iter().all(|x| x.is_finite()));
+    m.add_lora(&lora(&["down_proj"]), 1).unwrap();
+    let err = m.activations(2, 8).unwrap_err();
+    assert!(
+        err.to_string().contains("LoRA pair on gate, up or down"),
+        "{err}"
+    );
+}

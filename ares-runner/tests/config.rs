@@ -680,6 +680,45 @@ fn precision_sets_products_and_weights() {
     assert!(msg.contains("trainer.matmul_precision: bf16"), "{msg}");
 }
 
+/// `trainer.activation_dtype`: unset it follows the weights' storage (bf16 under
+/// `precision: bf16`) unless LoRA adapts the MLP; bf16 needs bf16 products and no LoRA pair
+/// on gate/up/down, refused naming the key.
+#[test]
+fn activation_dtype_follows_bf16_weights_and_refuses_what_cannot_read_it() {
+    use ares_runner::model::ActivationDtype;
+    let dtype = |o: &[&str]| with_overrides(o).unwrap().activation_dtype();
+    assert_eq!(dtype(&[]), ActivationDtype::F32);
+    assert_eq!(dtype(&["trainer.precision=bf16"]), ActivationDtype::Bf16);
+    let f32_acts = ["trainer.precision=bf16", "trainer.activation_dtype=f32"];
+    assert_eq!(dtype(&f32_acts), ActivationDtype::F32);
+    let lora = ["trainer.precision=bf16", "worker.actor.model.lora.rank=8"];
+    assert_eq!(
+        dtype(&lora),
+        ActivationDtype::F32,
+        "all-linear adapts the MLP"
+    );
+    let attention_lora = [
+        "trainer.precision=bf16",
+        "worker.actor.model.lora.rank=8",
+        "worker.actor.model.lora.target_modules=q_proj,v_proj",
+    ];
+    assert_eq!(dtype(&attention_lora), ActivationDtype::Bf16);
+    let msg = message(with_overrides(&["trainer.activation_dtype=bf16"]));
+    assert!(
+        msg.contains("trainer.activation_dtype") && msg.contains("trainer.matmul_precision: bf16"),
+        "{msg}"
+    );
+    let msg = message(with_overrides(&[
+        "trainer.precision=bf16",
+        "trainer.activation_dtype=bf16",
+        "worker.actor.model.lora.rank=8",
+    ]));
+    assert!(
+        msg.contains("trainer.activation_dtype") && msg.contains("lora adapts the MLP"),
+        "{msg}"
+    );
+}
+
 /// bf16 is CUDA's default: `trainer.device: cuda` with none of the three precision keys
 /// given runs `precision: bf16` and a bf16 KV cache unless that is given (written out, so
 /// the resolved config loads back as itself, on any device); a key given — in the file or

@@ -477,6 +477,12 @@ fn bf16_weights_resume_exactly() {
         "worker.actor.micro_batch_size_per_device_for_update=4",
     ];
     resume_equals_straight(&grads, 128);
+    // the MLP's activations in bf16 over f32 weights (the products read bf16 copies)
+    let acts = [
+        "trainer.matmul_precision=bf16",
+        "trainer.activation_dtype=bf16",
+    ];
+    resume_equals_straight(&acts, 128);
     let dir = tempfile::tempdir().unwrap();
     let a = assets(&dir.path().join("assets"));
     // the storage takes effect: the same run with f32 weights (bf16 products) differs
@@ -494,6 +500,9 @@ fn bf16_weights_resume_exactly() {
     assert_ne!(w16, metrics(&["trainer.weight_dtype=f32"], "w32"));
     let g32 = ["trainer.weight_dtype=bf16", "trainer.grad_dtype=f32"];
     assert_ne!(w16, metrics(&g32, "w16g32"));
+    // and so does the activations' (bf16 by default with bf16 weights)
+    let a32 = ["trainer.weight_dtype=bf16", "trainer.activation_dtype=f32"];
+    assert_ne!(w16, metrics(&a32, "w16a32"));
     let err = config(&a, &dir.path().join("run"), &["trainer.weight_dtype=bf16"]).unwrap_err();
     let msg = err.to_string();
     assert!(

@@ -418,6 +418,42 @@ mod kernels {
         ares_cpu::ops::matmul::linear_backward_bf16(dout, x, w, md, overwrite, dx, dw, dbias)
     }
 
+    pub(super) fn linear_bf16_x(
+        x: &[u16],
+        w: &[u16],
+        bias: Option<&[f32]>,
+        dims: LinearDims,
+        out: &mut [f32],
+    ) -> Result {
+        ares_cpu::ops::matmul::linear_forward_bf16_x(x, w, bias, matmul_dims(dims), out)
+    }
+
+    pub(super) fn linear_bf16_io(
+        x: &[u16],
+        w: &[u16],
+        bias: Option<&[f32]>,
+        dims: LinearDims,
+        out: &mut [u16],
+    ) -> Result {
+        ares_cpu::ops::matmul::linear_forward_bf16_io(x, w, bias, matmul_dims(dims), out)
+    }
+
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments
+    pub(super) fn linear_backward_bf16_x(
+        dout: &[f32],
+        x: &[u16],
+        w: &[u16],
+        dims: LinearDims,
+        dx_write: GradWrite,
+        dx: Option<&mut [f32]>,
+        dw: Option<&mut [f32]>,
+        dbias: Option<&mut [f32]>,
+    ) -> Result {
+        let md = matmul_dims(dims);
+        let overwrite = dx_write == GradWrite::Overwrite;
+        ares_cpu::ops::matmul::linear_backward_bf16_x(dout, x, w, md, overwrite, dx, dw, dbias)
+    }
+
     pub(super) fn linear_decode_f32(
         x: &[f32],
         wt: &[f32],

@@ -133,6 +133,24 @@ macro_rules! declared_ops {
                 rstd: Out<f32>,
             ) cpu ares_cpu::ops::rmsnorm::add_rmsnorm_forward, cuda add_rmsnorm;
 
+            /// [`Backend::add_rmsnorm`] with the norm's output stored in bf16: `sum` and
+            /// `rstd` the bits of [`Backend::add_rmsnorm`], each element of `out` rounded to
+            /// the nearest bf16 (ties to even) — the MLP's input as an activation stored in
+            /// bf16.
+            ///
+            /// # Errors
+            /// As [`Backend::add_rmsnorm`]; `out` not bf16.
+            fn add_rmsnorm_bf16(
+                a: In<f32>,
+                b: In<f32>,
+                weight: In<f32>,
+                eps: f32,
+                dim: usize,
+                sum: Out<f32>,
+                out: Out<bf16>,
+                rstd: Out<f32>,
+            ) cpu ares_cpu::ops::rmsnorm::add_rmsnorm_forward_bf16, cuda add_rmsnorm_bf16;
+
             /// Rotary position embedding in place ("rotate_half" layout of Hugging Face) on `x`
             /// `[tokens, heads, head_dim]`, with per-token `cos`, `sin` `[tokens, head_dim/2]`.
             ///
@@ -155,6 +173,17 @@ macro_rules! declared_ops {
                 up: In<f32>,
                 out: Out<f32>,
             ) cpu ares_cpu::ops::swiglu::swiglu_forward, cuda swiglu;
+
+            /// [`Backend::swiglu`] over `gate`, `up` stored in bf16 (widened, exact), each
+            /// output rounded to the nearest bf16 into `out`.
+            ///
+            /// # Errors
+            /// Lengths that differ; an argument not bf16.
+            fn swiglu_bf16(
+                gate: In<bf16>,
+                up: In<bf16>,
+                out: Out<bf16>,
+            ) cpu ares_cpu::ops::swiglu::swiglu_forward_bf16, cuda swiglu_bf16;
 
             /// Backward of [`Backend::embedding`]: `dtable[ids[t], :] += dout[t, :]`, with `dout`
             /// `[ids.len(), dim]` and `dtable` `[rows, dim]`. **Accumulates** (tied embeddings add
@@ -225,6 +254,52 @@ macro_rules! declared_ops {
                 dbias: OutOpt<f32>,
             ) cpu kernels::linear_backward_bf16, cuda linear_backward_bf16;
 
+            /// [`Backend::linear_bf16`] with `x` stored in bf16 as well (an activation kept
+            /// in bf16), read as it is: the bits of [`Backend::linear_bf16`] over the widened
+            /// `x` (on the CPU). `out` (f32) is overwritten.
+            ///
+            /// # Errors
+            /// As [`Backend::linear`]; `x` or `w` not bf16.
+            fn linear_bf16_x(
+                x: In<bf16>,
+                w: In<bf16>,
+                bias: InOpt<f32>,
+                dims: LinearDims,
+                out: Out<f32>,
+            ) cpu kernels::linear_bf16_x, cuda linear_bf16_x;
+
+            /// [`Backend::linear_bf16_x`] with the output stored in bf16 too: each f32 sum,
+            /// with its bias, rounded once to the nearest bf16 (ties to even) — a projection
+            /// whose output is an activation kept in bf16 (on a GPU the GEMM writes bf16).
+            ///
+            /// # Errors
+            /// As [`Backend::linear`]; an argument not bf16.
+            fn linear_bf16_io(
+                x: In<bf16>,
+                w: In<bf16>,
+                bias: InOpt<f32>,
+                dims: LinearDims,
+                out: Out<bf16>,
+            ) cpu kernels::linear_bf16_io, cuda linear_bf16_io;
+
+            /// Backward of [`Backend::linear_bf16_x`] (and of [`Backend::linear_bf16_io`],
+            /// whose output gradient is f32 like any other): [`Backend::linear_backward_bf16`]
+            /// with the saved `x` read as stored in bf16; `dout` rounded to bf16 for the
+            /// products, the gradients f32, written as there.
+            ///
+            /// # Errors
+            /// As [`Backend::linear_backward`]; `x` or `w` not bf16.
+            fn linear_backward_bf16_x(
+                dout: In<f32>,
+                x: In<bf16>,
+                w: In<bf16>,
+                dims: LinearDims,
+                dx_write: GradWrite,
+                dx: OutOpt<f32>,
+                dw: OutOpt<f32>,
+                dbias: OutOpt<f32>,
+            ) cpu kernels::linear_backward_bf16_x, cuda linear_backward_bf16_x;
+
             /// `y += alpha · x`, element-wise, the product rounded before the sum (a LoRA pair's
             /// scaled output added to its frozen layer's, and its gradient scaled back).
             ///
@@ -279,6 +354,21 @@ macro_rules! declared_ops {
                 dgate: Out<f32>,
                 dup: Out<f32>,
             ) cpu ares_cpu::ops::swiglu::swiglu_backward, cuda swiglu_backward;
+
+            /// [`Backend::swiglu_backward`] with the forward's `gate`, `up` stored in bf16
+            /// (the inputs of [`Backend::swiglu_bf16`]): the bits of
+            /// [`Backend::swiglu_backward`] over the widened values; the gradients f32,
+            /// overwritten.
+            ///
+            /// # Errors
+            /// Lengths that differ; `gate` or `up` not bf16.
+            fn swiglu_backward_bf16(
+                dout: In<f32>,
+                gate: In<bf16>,
+                up: In<bf16>,
+                dgate: Out<f32>,
+                dup: Out<f32>,
+            ) cpu ares_cpu::ops::swiglu::swiglu_backward_bf16, cuda swiglu_backward_bf16;
 
             /// Per row of `logits` `[rows, vocab]`, with `z = logits / temperature`: writes the
             /// entropy of `softmax(z)` to `entropy[row]` and `log softmax(z)[targets[row]]` to

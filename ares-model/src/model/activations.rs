@@ -35,6 +35,7 @@
 //! ([`Model::forward_cached`](super::Model::forward_cached)); those return
 //! [`ModelError::ChunkedLogits`] on a chunked arena.
 
+use super::act_dtype::{ActStack, ActivationDtype};
 use super::lora::LoraActs;
 use super::weights::Stack;
 use super::{ModelError, ModelSpec};
@@ -178,12 +179,13 @@ pub(crate) struct LayerBuffers<B: Backend> {
     /// `[L, N, C]` residual stream after attention.
     pub(crate) resid_mid: Stack<B>,
     /// `[L, N, C]` post-attention RMSNorm output, and `[L, N]` its rstd.
-    pub(crate) ln2: Stack<B>,
+    pub(crate) ln2: ActStack<B>,
     pub(crate) ln2_rstd: Stack<B>,
-    /// `[L, N, I]` gate and up projections, and `silu(gate) · up`.
-    pub(crate) gate: Stack<B>,
-    pub(crate) up: Stack<B>,
-    pub(crate) act: Stack<B>,
+    /// `[L, N, I]` gate and up projections, and `silu(gate) · up`. These and `ln2` are
+    /// stored as the arena's [`ActivationDtype`] says (`act_dtype.rs`).
+    pub(crate) gate: ActStack<B>,
+    pub(crate) up: ActStack<B>,
+    pub(crate) act: ActStack<B>,
     /// `[L, N, C]` down projection.
     pub(crate) mlp_out: Stack<B>,
     /// `[L, N, C]` residual stream after the MLP (input of the next layer); every layer's,
@@ -193,14 +195,14 @@ pub(crate) struct LayerBuffers<B: Backend> {
 
 impl<B: Backend> LayerBuffers<B> {
     /// Allocates the layers' activations for `n = batch · seq` tokens (`batch`, `seq` for
-    /// the overflow error); `checkpointed`: one layer's but the residual stream.
+    /// the overflow error); `checkpointed`: one layer's but the residual stream; the MLP
+    /// block's stored as `dtype`.
     fn new(
         backend: &B,
         spec: &ModelSpec,
-        batch: usize,
-        seq: usize,
-        n: usize,
+        (batch, seq, n): (usize, usize, usize),
         checkpointed: bool,
+        dtype: ActivationDtype,
     ) -> Result<Self, ModelError> {
         let layers = spec.layers;
         // the stacks that checkpointing keeps one layer of
@@ -213,6 +215,11 @@ impl<B: Backend> LayerBuffers<B> {
             let item = numel(batch, seq, dims)?;
             let total = numel(batch, seq, &[l, item])?;
             Ok(Stack::new(backend.alloc(total)?, item))
+        };
+        let stored = |dims: &[usize]| -> Result<ActStack<B>, ModelError> {
+            let item = numel(batch, seq, dims)?;
+            let total = numel(batch, seq, &[l, item])?;
+            ActStack::new(backend, dtype, total, item)
         };
         let qk_raw = usize::from(spec.qk_norm);
         let resid_item = numel(batch, seq, &[n, c])?;
@@ -237,11 +244,11 @@ impl<B: Backend> LayerBuffers<B> {
             lse: stack(&[n, hq])?,
             att_proj: stack(&[n, c])?,
             resid_mid: stack(&[n, c])?,
-            ln2: stack(&[n, c])?,
+            ln2: stored(&[n, c])?,
             ln2_rstd: stack(&[n])?,
-            gate: stack(&[n, i])?,
-            up: stack(&[n, i])?,
-            act: stack(&[n, i])?,
+            gate: stored(&[n, i])?,
+            up: stored(&[n, i])?,
+            act: stored(&[n, i])?,
             mlp_out: stack(&[n, c])?,
             resid_out,
         })
@@ -264,17 +271,37 @@ pub(crate) fn head_chunks(n: usize, rows: usize) -> impl Iterator<Item = (usize,
         .map(move |start| (start, rows.min(n - start)))
 }
 
-/// What an arena of [`Activations::planned`]`(spec, batch, seq, head, checkpointed)`
-/// holds, without allocating it (the memory plan's figure): `(f32 values, u32 ids)`, by
-/// the same sizes as the allocation (a test checks the two agree). `None` when the shape
-/// overflows or is empty, or `head` is a chunk of 0 rows (the allocation's errors).
+/// What an activation arena holds, by element type ([`arena_elements`],
+/// [`Activations::elements`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ArenaElements {
+    /// f32 values (with the host's staging of the key mask).
+    pub f32s: u64,
+    /// bf16 values: the MLP block's activations under [`ActivationDtype::Bf16`].
+    pub bf16s: u64,
+    /// u32 ids.
+    pub ids: u64,
+}
+
+impl ArenaElements {
+    /// Bytes: 4 an f32 value or id, 2 a bf16 value.
+    pub fn bytes(&self) -> u64 {
+        4 * (self.f32s + self.ids) + 2 * self.bf16s
+    }
+}
+
+/// What an arena of [`Activations::planned`]`(spec, batch, seq, head, checkpointed, dtype)`
+/// holds, without allocating it (the memory plan's figure), by the same sizes as the
+/// allocation (a test checks the two agree). `None` when the shape overflows or is empty,
+/// or `head` is a chunk of 0 rows (the allocation's errors).
 pub fn arena_elements(
     spec: &ModelSpec,
     batch: usize,
     seq: usize,
     head: HeadMode,
     checkpointed: bool,
-) -> Option<(u64, u64)> {
+    dtype: ActivationDtype,
+) -> Option<ArenaElements> {
     if batch == 0 || seq == 0 {
         return None;
     }
@@ -306,12 +333,21 @@ pub fn arena_elements(
         + 3 * i
         + c;
     let layers = n * (c + kept * layer + l * c);
+    // the MLP block's stored in bf16: ln2, gate, up, act
+    let mlp = match dtype {
+        ActivationDtype::F32 => 0,
+        ActivationDtype::Bf16 => n * kept * (c + 3 * i),
+    };
     let scratch = n * (2 * c + 3 * i + 2 * qd + 2 * kvd + raw * (qd + kvd));
     // mask (and its host copy), cos + sin, lnf + rstd, log-prob, entropy and both
     // coefficients per token; the logits and their gradient
     let floats = layers + scratch + n * (2 + spec.head_dim as u64 + c + 1 + 4) + 2 * rows * v;
     // ids, positions and the head chunks' targets
-    Some((floats, 3 * n))
+    Some(ArenaElements {
+        f32s: floats - mlp,
+        bf16s: mlp,
+        ids: 3 * n,
+    })
 }
 
 impl<B: Backend> Activations<B> {
@@ -336,9 +372,12 @@ impl<B: Backend> Activations<B> {
         self.layers.checkpointed
     }
 
-    /// `(f32 values, u32 ids)` the arena holds (what [`arena_elements`] predicts).
-    pub fn elements(&self) -> (u64, u64) {
+    /// What the arena holds (what [`arena_elements`] predicts).
+    pub fn elements(&self) -> ArenaElements {
         let l = &self.layers;
+        let stored = [&l.ln2, &l.gate, &l.up, &l.act];
+        let (halves, stored_f32): (Vec<&ActStack<B>>, Vec<&ActStack<B>>) =
+            stored.into_iter().partition(|s| s.is_bf16());
         let stacks = [
             &l.ln1,
             &l.ln1_rstd,
@@ -353,11 +392,7 @@ impl<B: Backend> Activations<B> {
             &l.lse,
             &l.att_proj,
             &l.resid_mid,
-            &l.ln2,
             &l.ln2_rstd,
-            &l.gate,
-            &l.up,
-            &l.act,
             &l.mlp_out,
             &l.resid_out,
         ];
@@ -390,6 +425,7 @@ impl<B: Backend> Activations<B> {
             &self.dlogits,
         ];
         let floats = stacks.iter().map(|s| s.len()).sum::<usize>()
+            + stored_f32.iter().map(|s| s.len()).sum::<usize>()
             + scratch.iter().map(|s| s.0.len()).sum::<usize>()
             + whole.iter().map(|b| b.len()).sum::<usize>()
             + self.host_mask.len()
@@ -397,7 +433,11 @@ impl<B: Backend> Activations<B> {
         let ids = self.ids.len()
             + self.positions.len()
             + self.targets.iter().map(|t| t.len()).sum::<usize>();
-        (floats as u64, ids as u64)
+        ArenaElements {
+            f32s: floats as u64,
+            bf16s: halves.iter().map(|s| s.len() as u64).sum(),
+            ids: ids as u64,
+        }
     }
 
     /// Allocates the arena for `batch` sequences of `seq` tokens of a model with `spec`,
@@ -413,14 +453,15 @@ impl<B: Backend> Activations<B> {
         seq: usize,
         head: HeadMode,
     ) -> Result<Self, ModelError> {
-        Self::planned(backend, spec, batch, seq, head, false)
+        Self::planned(backend, spec, batch, seq, head, false, ActivationDtype::F32)
     }
 
     /// [`Activations::with_head`], keeping every layer's activations or, `checkpointed`,
     /// one layer's and the residual stream: the backward pass recomputes each layer's
     /// forward from its input first (activation checkpointing: the same gradients, bit for
     /// bit, for about `(L − 1)·N·(5C + 3·Hq·D + 4·Hkv·D + 3I)` fewer floats and one more
-    /// forward pass of the layers).
+    /// forward pass of the layers); the MLP block's activations stored as `dtype`
+    /// (`act_dtype.rs`).
     ///
     /// # Errors
     /// As [`Activations::with_head`].
@@ -431,6 +472,7 @@ impl<B: Backend> Activations<B> {
         seq: usize,
         head: HeadMode,
         checkpointed: bool,
+        dtype: ActivationDtype,
     ) -> Result<Self, ModelError> {
         if batch == 0 || seq == 0 {
             return Err(ModelError::BatchShape { batch, seq });
@@ -468,7 +510,7 @@ impl<B: Backend> Activations<B> {
             unpack: None,
             cos: alloc(&[n, spec.head_dim / 2])?,
             sin: alloc(&[n, spec.head_dim / 2])?,
-            layers: LayerBuffers::new(backend, spec, batch, seq, n, checkpointed)?,
+            layers: LayerBuffers::new(backend, spec, (batch, seq, n), checkpointed, dtype)?,
             lnf: alloc(&[n, c])?,
             lnf_rstd: alloc(&[n])?,
             head,

@@ -13,6 +13,7 @@
 //! its weight (`g`), through the per-layer views of `layer.rs`, under the forward pass's
 //! names: one line per op, in reverse order of the forward's.
 
+use super::act_dtype::Act;
 use super::activations::head_chunks;
 use super::layer::LinearGrad;
 use super::layer::dqkv;
@@ -274,7 +275,7 @@ impl<B: Backend> Model<B> {
             // a LoRA pair's backward after its frozen layer's: `(target, dy, x, dx)`
             let mut pair = |t: Target,
                             dy: Tensor<'_, B>,
-                            x: Tensor<'_, B>,
+                            x: Act<'_, B>,
                             dx: TensorMut<'_, B>|
              -> Result<(), ModelError> {
                 match lora.as_mut() {
@@ -287,19 +288,20 @@ impl<B: Backend> Model<B> {
 
             // MLP block; `dresidual` is ∂L/∂resid_out[l] = ∂L/∂mlp_out[l]. The first product
             // into each scratch gradient overwrites it (no zero fill), the others add.
-            self.matmul_backward(sc.dresidual.r(), a.act, g.down, Overwrite, sc.dact.w())?;
+            let dresidual = sc.dresidual.r();
+            self.matmul_backward_stored(dresidual, a.act, g.down, Overwrite, sc.dact.w())?;
             pair(Target::Down, sc.dresidual.r(), a.act, sc.dact.w())?;
-            be.swiglu_backward(sc.dact.r(), a.gate, a.up, sc.dgate.w(), sc.dup.w())?;
-            self.matmul_backward(sc.dgate.r(), a.ln2, g.gate, Overwrite, sc.dln.w())?;
+            self.swiglu_backward(sc.dact.r(), (a.gate, a.up), sc.dgate.w(), sc.dup.w())?;
+            self.matmul_backward_stored(sc.dgate.r(), a.ln2, g.gate, Overwrite, sc.dln.w())?;
             pair(Target::Gate, sc.dgate.r(), a.ln2, sc.dln.w())?;
-            self.matmul_backward(sc.dup.r(), a.ln2, g.up, Accumulate, sc.dln.w())?;
+            self.matmul_backward_stored(sc.dup.r(), a.ln2, g.up, Accumulate, sc.dln.w())?;
             pair(Target::Up, sc.dup.r(), a.ln2, sc.dln.w())?;
             // ∂L/∂resid_mid = dresidual (skip) + the norm's input gradient.
             self.rmsnorm_backward(sc.dln.r(), a.resid_mid, a.ln2_rstd, g.ln2, sc.dresidual.w())?;
 
             // Attention block; `dresidual` is ∂L/∂resid_mid[l] = ∂L/∂att_proj[l].
             self.matmul_backward(sc.dresidual.r(), a.att, g.o, Overwrite, sc.datt.w())?;
-            pair(Target::O, sc.dresidual.r(), a.att, sc.datt.w())?;
+            pair(Target::O, sc.dresidual.r(), Act::F32(a.att), sc.datt.w())?;
             let dqkv = dqkv(&mut sc.dq, &mut sc.dk, &mut sc.dv);
             let bf16 = self.attention_in_bf16(attn.batch * attn.seq);
             if let Some(u) = unpack.as_deref_mut() {
@@ -332,11 +334,11 @@ impl<B: Backend> Model<B> {
                 (sc.dq.r(), sc.dk.r())
             };
             self.matmul_backward(dq_proj, a.ln1, g.q, Overwrite, sc.dln.w())?;
-            pair(Target::Q, dq_proj, a.ln1, sc.dln.w())?;
+            pair(Target::Q, dq_proj, Act::F32(a.ln1), sc.dln.w())?;
             self.matmul_backward(dk_proj, a.ln1, g.k, Accumulate, sc.dln.w())?;
-            pair(Target::K, dk_proj, a.ln1, sc.dln.w())?;
+            pair(Target::K, dk_proj, Act::F32(a.ln1), sc.dln.w())?;
             self.matmul_backward(sc.dv.r(), a.ln1, g.v, Accumulate, sc.dln.w())?;
-            pair(Target::V, sc.dv.r(), a.ln1, sc.dln.w())?;
+            pair(Target::V, sc.dv.r(), Act::F32(a.ln1), sc.dln.w())?;
             // ∂L/∂input = ∂L/∂resid_mid (skip) + the input norm's input gradient.
             self.rmsnorm_backward(sc.dln.r(), a.input, a.ln1_rstd, g.ln1, sc.dresidual.w())?;
             if let Some(h) = half.as_mut() {

@@ -183,6 +183,16 @@ pub enum ModelError {
         /// The use.
         what: &'static str,
     },
+    /// Something that needs f32 activations met the MLP block's stored in bf16
+    /// ([`Model::set_activation_dtype`](super::Model::set_activation_dtype)).
+    #[error(
+        "{what} (the MLP block's activations are stored in bf16: activation dtype bf16; \
+         Model::set_activation_dtype)"
+    )]
+    Bf16Activations {
+        /// The use.
+        what: &'static str,
+    },
     /// Converting to or writing the Hugging Face checkpoint failed.
     #[error(transparent)]
     Hf(#[from] crate::hf::HfError),

@@ -6,6 +6,7 @@
 //! `layer.rs`, one line per op; the backward pass uses the same names (and `g` for the
 //! gradients), so the two read side by side.
 
+use super::act_dtype::{Act, ActMut};
 use super::activations::{LayerBuffers, head_chunks};
 use super::decode_weights::DecodeWeights;
 use super::kv_cache::StepCache;
@@ -14,7 +15,7 @@ use super::log_prob_grad::check_targets;
 use super::lora::{LoraActs, Target};
 use super::unpack::{Unpack, Widths};
 use super::{Activations, ForwardExtras, HeadMode, Inputs, KvCache, Model, ModelError};
-use crate::backend::{AttentionDims, Backend, Tensor, TensorMut, View, ViewMut};
+use crate::backend::{AttentionDims, Backend, Tensor, View, ViewMut};
 
 impl<B: Backend> Model<B> {
     /// Runs the model on `inputs`, leaving every activation and the logits `[batch, seq,
@@ -258,33 +259,32 @@ impl<B: Backend> Model<B> {
         let mut a = layers.at_mut(l);
         // a LoRA pair's forward after its frozen layer's: `(target, x, y)`
         let mut lora = self.active_lora(lora, tw.is_some())?;
-        let mut pair =
-            |t: Target, x: Tensor<'_, B>, y: TensorMut<'_, B>| -> Result<(), ModelError> {
-                match lora.as_mut() {
-                    Some((l_, la)) => self.lora_forward((*l_, &mut **la), t, l, slot, n, x, y),
-                    None => Ok(()),
-                }
-            };
+        let mut pair = |t: Target, x: Act<'_, B>, y: ActMut<'_, B>| -> Result<(), ModelError> {
+            match lora.as_mut() {
+                Some((l_, la)) => self.lora_forward((*l_, &mut **la), t, l, slot, n, x, y),
+                None => Ok(()),
+            }
+        };
 
         // Attention block.
         self.rmsnorm(a.resid.input()?, p.ln1, a.ln1.w()?, a.ln1_rstd.w()?)?;
         if s.qk_norm {
             // Qwen3: project, then RMSNorm every head over head_dim, then RoPE.
             self.matmul(a.ln1.r()?, p.q, a.q_raw.w()?)?;
-            pair(Target::Q, a.ln1.r()?, a.q_raw.w()?)?;
+            pair(Target::Q, Act::F32(a.ln1.r()?), ActMut::F32(a.q_raw.w()?))?;
             self.matmul(a.ln1.r()?, p.k, a.k_raw.w()?)?;
-            pair(Target::K, a.ln1.r()?, a.k_raw.w()?)?;
+            pair(Target::K, Act::F32(a.ln1.r()?), ActMut::F32(a.k_raw.w()?))?;
             let (q_norm, k_norm) = p.qk_norm.get()?;
             self.rmsnorm(a.q_raw.r()?, q_norm, a.q.w()?, a.q_rstd.w()?)?;
             self.rmsnorm(a.k_raw.r()?, k_norm, a.k.w()?, a.k_rstd.w()?)?;
         } else {
             self.matmul(a.ln1.r()?, p.q, a.q.w()?)?;
-            pair(Target::Q, a.ln1.r()?, a.q.w()?)?;
+            pair(Target::Q, Act::F32(a.ln1.r()?), ActMut::F32(a.q.w()?))?;
             self.matmul(a.ln1.r()?, p.k, a.k.w()?)?;
-            pair(Target::K, a.ln1.r()?, a.k.w()?)?;
+            pair(Target::K, Act::F32(a.ln1.r()?), ActMut::F32(a.k.w()?))?;
         }
         self.matmul(a.ln1.r()?, p.v, a.v.w()?)?;
-        pair(Target::V, a.ln1.r()?, a.v.w()?)?;
+        pair(Target::V, Act::F32(a.ln1.r()?), ActMut::F32(a.v.w()?))?;
         be.rope(a.q.w()?, cos, sin, hq, d)?;
         be.rope(a.k.w()?, cos, sin, hkv, d)?;
         let (q, k, v) = (a.q.r()?, a.k.r()?, a.v.r()?);
@@ -324,29 +324,24 @@ impl<B: Backend> Model<B> {
             }
         }
         self.matmul(a.att.r()?, p.o, a.att_proj.w()?)?;
-        pair(Target::O, a.att.r()?, a.att_proj.w()?)?;
-        // The residual add and the MLP block's norm, fused: the bits of add then rmsnorm.
-        let (ln2, eps) = (p.ln2, s.eps);
-        let (mid, ln2_out, ln2_rstd) = (a.resid_mid.w()?, a.ln2.w()?, a.ln2_rstd.w()?);
-        be.add_rmsnorm(
-            a.resid.input()?,
-            a.att_proj.r()?,
-            ln2.w,
-            eps,
-            ln2.dim,
-            mid,
-            ln2_out,
-            ln2_rstd,
+        pair(
+            Target::O,
+            Act::F32(a.att.r()?),
+            ActMut::F32(a.att_proj.w()?),
         )?;
+        // The residual add and the MLP block's norm, fused: the bits of add then rmsnorm.
+        let (mid, ln2_out, ln2_rstd) = (a.resid_mid.w()?, a.ln2.w()?, a.ln2_rstd.w()?);
+        let added = (a.resid.input()?, a.att_proj.r()?);
+        self.add_rmsnorm(added, p.ln2, mid, ln2_out, ln2_rstd)?;
 
-        // MLP block.
-        self.matmul(a.ln2.r()?, p.gate, a.gate.w()?)?;
+        // MLP block (its activations f32 or bf16, as the arena stores them).
+        self.matmul_stored(a.ln2.r()?, p.gate, a.gate.w()?)?;
         pair(Target::Gate, a.ln2.r()?, a.gate.w()?)?;
-        self.matmul(a.ln2.r()?, p.up, a.up.w()?)?;
+        self.matmul_stored(a.ln2.r()?, p.up, a.up.w()?)?;
         pair(Target::Up, a.ln2.r()?, a.up.w()?)?;
-        be.swiglu(a.gate.r()?, a.up.r()?, a.act.w()?)?;
-        self.matmul(a.act.r()?, p.down, a.mlp_out.w()?)?;
-        pair(Target::Down, a.act.r()?, a.mlp_out.w()?)?;
+        self.swiglu(a.gate.r()?, a.up.r()?, a.act.w()?)?;
+        self.matmul_stored(a.act.r()?, p.down, ActMut::F32(a.mlp_out.w()?))?;
+        pair(Target::Down, a.act.r()?, ActMut::F32(a.mlp_out.w()?))?;
         be.add(a.resid_mid.r()?, a.mlp_out.r()?, a.resid.output()?)?;
         Ok(())
     }

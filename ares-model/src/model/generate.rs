@@ -372,7 +372,8 @@ impl<B: Backend> Model<B> {
         width: usize,
     ) -> Result<Activations<B>, ModelError> {
         let head = HeadMode::Chunked { rows: batch };
-        Activations::planned(&self.backend, &self.spec, batch, width, head, true)
+        let f32 = super::ActivationDtype::F32;
+        Activations::planned(&self.backend, &self.spec, batch, width, head, true, f32)
     }
 
     /// [`Model::forward_cached`] without the whole-logits check (a chunked arena stops at

@@ -13,6 +13,7 @@
 //! - the ops on them: [`Model::matmul`], [`Model::matmul_backward`], [`Model::rmsnorm`] and
 //!   [`Model::rmsnorm_backward`], thin wrappers that only unpack the views.
 
+use super::act_dtype::{Act, ActMut, ActStack};
 use super::activations::{LayerBuffers, Scratch};
 use super::decode_weights::{DecodeStack, DecodeView, DecodeWeights};
 use super::weights::{DeviceWeights, HalfStack, Stack, layer_of, layer_of_mut};
@@ -453,6 +454,112 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
+    /// [`Model::matmul`] over activations stored as their arena says: f32 both, or a bf16
+    /// `x` into an f32 or bf16 `out` (`act_dtype.rs`) — always in bf16, by the weight's
+    /// bf16 copy (or the weight itself stored in bf16).
+    pub(crate) fn matmul_stored(
+        &self,
+        x: Act<'_, B>,
+        p: Linear<'_, B>,
+        out: ActMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        let w16 = p.w16.filter(|_| p.wt.is_none());
+        let w16 = || {
+            w16.ok_or(ModelError::Bf16Activations {
+                what: "a product without bf16 weights (needs matmul precision bf16)",
+            })
+        };
+        let be = &self.backend;
+        match (x, out) {
+            (Act::F32(x), ActMut::F32(out)) => self.matmul(x, p, out)?,
+            (Act::Bf16(x), ActMut::Bf16(out)) => {
+                be.linear_bf16_io(x, w16()?, p.bias, p.dims, out)?
+            }
+            (Act::Bf16(x), ActMut::F32(out)) => be.linear_bf16_x(x, w16()?, p.bias, p.dims, out)?,
+            (Act::F32(_), ActMut::Bf16(_)) => {
+                return Err(ModelError::Bf16Activations {
+                    what: "a product of an f32 input into a bf16 output",
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Backward of [`Model::matmul_stored`] from `dout` (f32, as every gradient): as
+    /// [`Model::matmul_backward`], reading a bf16 `x` as it is stored.
+    pub(crate) fn matmul_backward_stored(
+        &self,
+        dout: Tensor<'_, B>,
+        x: Act<'_, B>,
+        g: LinearGrad<'_, B>,
+        dx_write: GradWrite,
+        dx: TensorMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        let x = match x {
+            Act::F32(x) => return self.matmul_backward(dout, x, g, dx_write, dx),
+            Act::Bf16(x) => x,
+        };
+        let p = g.param;
+        let w16 = p.w16.ok_or(ModelError::Bf16Activations {
+            what: "a backward product without bf16 weights (needs matmul precision bf16)",
+        })?;
+        let (dims, dx) = (p.dims, Some(dx));
+        let be = &self.backend;
+        be.linear_backward_bf16_x(dout, x, w16, dims, dx_write, dx, g.dw, g.dbias)?;
+        Ok(())
+    }
+
+    /// SwiGLU `out = silu(gate)·up` over activations stored alike (f32 or bf16).
+    pub(crate) fn swiglu(
+        &self,
+        gate: Act<'_, B>,
+        up: Act<'_, B>,
+        out: ActMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        let be = &self.backend;
+        match (gate, up, out) {
+            (Act::F32(g), Act::F32(u), ActMut::F32(o)) => be.swiglu(g, u, o)?,
+            (Act::Bf16(g), Act::Bf16(u), ActMut::Bf16(o)) => be.swiglu_bf16(g, u, o)?,
+            _ => return Err(mixed_mlp()),
+        }
+        Ok(())
+    }
+
+    /// Backward of [`Model::swiglu`]: overwrites the f32 `dgate`, `dup`.
+    pub(crate) fn swiglu_backward(
+        &self,
+        dout: Tensor<'_, B>,
+        (gate, up): (Act<'_, B>, Act<'_, B>),
+        dgate: TensorMut<'_, B>,
+        dup: TensorMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        let be = &self.backend;
+        match (gate, up) {
+            (Act::F32(g), Act::F32(u)) => be.swiglu_backward(dout, g, u, dgate, dup)?,
+            (Act::Bf16(g), Act::Bf16(u)) => be.swiglu_backward_bf16(dout, g, u, dgate, dup)?,
+            _ => return Err(mixed_mlp()),
+        }
+        Ok(())
+    }
+
+    /// The residual add `sum = a + b` and the MLP block's norm of it by `p` into `out`
+    /// (stored f32 or bf16), saving each row's `rstd`: one op.
+    pub(crate) fn add_rmsnorm(
+        &self,
+        (a, b): (Tensor<'_, B>, Tensor<'_, B>),
+        p: Norm<'_, B>,
+        sum: TensorMut<'_, B>,
+        out: ActMut<'_, B>,
+        rstd: TensorMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        let (be, eps) = (&self.backend, self.spec.eps);
+        match out {
+            ActMut::F32(o) => be.add_rmsnorm(a, b, p.w, eps, p.dim, sum, o, rstd)?,
+            ActMut::Bf16(o) => be.add_rmsnorm_bf16(a, b, p.w, eps, p.dim, sum, o, rstd)?,
+        }
+        Ok(())
+    }
+
     /// RMSNorm of `x`'s rows by `p` into `out`, saving each row's `rstd`.
     pub(crate) fn rmsnorm(
         &self,
@@ -482,6 +589,13 @@ impl<B: Backend> Model<B> {
     }
 }
 
+/// The MLP block's activations stored in two dtypes: an arena never plans them so.
+fn mixed_mlp() -> ModelError {
+    ModelError::Bf16Activations {
+        what: "internal: the MLP block's activations in two dtypes",
+    }
+}
+
 /// Layer `layer`'s window of an activation stack, written then read by the forward pass.
 pub(crate) struct Slot<'a, B: Backend> {
     stack: &'a mut Stack<B>,
@@ -496,6 +610,24 @@ impl<B: Backend> Slot<'_, B> {
 
     /// The window, writable.
     pub(crate) fn w(&mut self) -> Result<TensorMut<'_, B>, ModelError> {
+        self.stack.layer_mut(self.layer)
+    }
+}
+
+/// Layer `layer`'s window of an activation stack stored as its arena says (f32 or bf16).
+pub(crate) struct ActSlot<'a, B: Backend> {
+    stack: &'a mut ActStack<B>,
+    layer: usize,
+}
+
+impl<B: Backend> ActSlot<'_, B> {
+    /// The window, read-only.
+    pub(crate) fn r(&self) -> Result<Act<'_, B>, ModelError> {
+        self.stack.layer(self.layer)
+    }
+
+    /// The window, writable.
+    pub(crate) fn w(&mut self) -> Result<ActMut<'_, B>, ModelError> {
         self.stack.layer_mut(self.layer)
     }
 }
@@ -539,11 +671,11 @@ pub(crate) struct LayerActsMut<'a, B: Backend> {
     pub(crate) lse: Slot<'a, B>,
     pub(crate) att_proj: Slot<'a, B>,
     pub(crate) resid_mid: Slot<'a, B>,
-    pub(crate) ln2: Slot<'a, B>,
+    pub(crate) ln2: ActSlot<'a, B>,
     pub(crate) ln2_rstd: Slot<'a, B>,
-    pub(crate) gate: Slot<'a, B>,
-    pub(crate) up: Slot<'a, B>,
-    pub(crate) act: Slot<'a, B>,
+    pub(crate) gate: ActSlot<'a, B>,
+    pub(crate) up: ActSlot<'a, B>,
+    pub(crate) act: ActSlot<'a, B>,
     pub(crate) mlp_out: Slot<'a, B>,
 }
 
@@ -563,11 +695,11 @@ pub(crate) struct LayerActs<'a, B: Backend> {
     pub(crate) att: Tensor<'a, B>,
     pub(crate) lse: Tensor<'a, B>,
     pub(crate) resid_mid: Tensor<'a, B>,
-    pub(crate) ln2: Tensor<'a, B>,
+    pub(crate) ln2: Act<'a, B>,
     pub(crate) ln2_rstd: Tensor<'a, B>,
-    pub(crate) gate: Tensor<'a, B>,
-    pub(crate) up: Tensor<'a, B>,
-    pub(crate) act: Tensor<'a, B>,
+    pub(crate) gate: Act<'a, B>,
+    pub(crate) up: Act<'a, B>,
+    pub(crate) act: Act<'a, B>,
 }
 
 impl<'a, B: Backend> LayerActs<'a, B> {
@@ -638,6 +770,10 @@ impl<B: Backend> LayerBuffers<B> {
             stack,
             layer: inner,
         };
+        let stored = |stack| ActSlot {
+            stack,
+            layer: inner,
+        };
         LayerActsMut {
             resid: Residual {
                 encoded,
@@ -657,11 +793,11 @@ impl<B: Backend> LayerBuffers<B> {
             lse: slot(lse),
             att_proj: slot(att_proj),
             resid_mid: slot(resid_mid),
-            ln2: slot(ln2),
+            ln2: stored(ln2),
             ln2_rstd: slot(ln2_rstd),
-            gate: slot(gate),
-            up: slot(up),
-            act: slot(act),
+            gate: stored(gate),
+            up: stored(up),
+            act: stored(act),
             mlp_out: slot(mlp_out),
         }
     }

@@ -25,6 +25,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::act_dtype::{Act, ActMut, MLP_PAIR};
 use super::weights::Stack;
 use super::{Model, ModelError, ModelSpec};
 use crate::backend::{
@@ -566,6 +567,15 @@ impl<B: Backend> Model<B> {
         Ok(Some((lora, acts)))
     }
 
+    /// Whether a LoRA pair sits on the MLP (gate, up or down), whose products read f32
+    /// activations.
+    pub(crate) fn lora_adapts_mlp(&self) -> bool {
+        let mlp = [Target::Gate, Target::Up, Target::Down];
+        self.lora
+            .as_ref()
+            .is_some_and(|l| mlp.iter().any(|&t| l.params.pairs[t as usize].is_some()))
+    }
+
     /// Forward of `target`'s pair at layer `layer` (its `u` in slot `slot`): `y += s ·
     /// (x·Aᵀ)·Bᵀ` for the `n` rows of `x`.
     #[allow(clippy::too_many_arguments)]
@@ -576,12 +586,13 @@ impl<B: Backend> Model<B> {
         layer: usize,
         slot: usize,
         n: usize,
-        x: Tensor<'_, B>,
-        y: TensorMut<'_, B>,
+        x: Act<'_, B>,
+        y: ActMut<'_, B>,
     ) -> Result<(), ModelError> {
         let Some([a, b]) = lora.params.pair(target, layer)? else {
             return Ok(());
         };
+        let (x, y) = (x.f32(MLP_PAIR)?, y.f32(MLP_PAIR)?);
         let (inp, out) = target.in_out(&self.spec);
         let shape = PairShape::new(n, inp, out, lora.config.r, self.matmul_precision);
         let LoraActs { u, tmp, .. } = la;
@@ -605,12 +616,13 @@ impl<B: Backend> Model<B> {
         slot: usize,
         n: usize,
         dy: Tensor<'_, B>,
-        x: Tensor<'_, B>,
+        x: Act<'_, B>,
         dx: TensorMut<'_, B>,
     ) -> Result<(), ModelError> {
         let Some([a, b]) = lora.params.pair(target, layer)? else {
             return Ok(());
         };
+        let x = x.f32(MLP_PAIR)?;
         let g = grads.pairs[target as usize]
             .as_mut()
             .ok_or(ModelError::LayoutMismatch { what: "gradients" })?;

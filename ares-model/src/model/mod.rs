@@ -35,6 +35,7 @@
 //!   sampling, see [`GenerateRequest`]); [`Model::forward_cached`] is a prefill/decode
 //!   step with whole logits (generation's own prefill computes the last position's only).
 
+mod act_dtype;
 mod activations;
 mod backward;
 mod bf16_weights;
@@ -65,7 +66,8 @@ pub(crate) mod weights;
 
 use ares_cpu::ops::rope::RopeTable;
 
-pub use activations::{Activations, HeadMode, LossBuffers, arena_elements};
+pub use act_dtype::ActivationDtype;
+pub use activations::{Activations, ArenaElements, HeadMode, LossBuffers, arena_elements};
 pub use backward::EmbedGrad;
 pub use bf16_weights::WeightStorage;
 pub use block_pool::BlockPool;
@@ -108,6 +110,9 @@ pub struct Model<B: Backend> {
     matmul_precision: MatmulPrecision,
     /// Whether new arenas keep one layer's activations ([`Model::set_gradient_checkpointing`]).
     gradient_checkpointing: bool,
+    /// How new training arenas store the MLP block's activations
+    /// ([`Model::set_activation_dtype`]).
+    activation_dtype: ActivationDtype,
     /// Whether packed sequences' attention runs on the backend's segments
     /// ([`Model::set_native_packed_attention`]).
     native_packing: bool,
@@ -176,6 +181,7 @@ impl<B: Backend> Model<B> {
             rope_sin,
             matmul_precision: MatmulPrecision::F32,
             gradient_checkpointing: false,
+            activation_dtype: ActivationDtype::F32,
             native_packing,
             lora: None,
             bf16_weights: None,
@@ -212,6 +218,25 @@ impl<B: Backend> Model<B> {
     /// packed passes fail.
     pub fn set_native_packed_attention(&mut self, on: bool) {
         self.native_packing = on;
+    }
+
+    /// How the arenas of [`Model::activations`] and [`Model::activations_chunked`] planned
+    /// from now on store the MLP block's activations (f32 by default): with
+    /// [`ActivationDtype::Bf16`] the post-attention norm's output, gate, up and their SwiGLU
+    /// in bf16 — `N·(C + 3I)` of a layer's floats halved — and the MLP's products in bf16
+    /// whatever the row count, reading and writing them as stored (`act_dtype.rs`). Needs the
+    /// weights in bf16 for the products (bf16 copies, [`Model::set_bf16_weights`], or bf16
+    /// storage), and no LoRA pair on gate, up or down: planning refuses otherwise
+    /// ([`ModelError::Bf16Activations`]). [`Model::activations_full`] (generation, logits)
+    /// keeps f32.
+    pub fn set_activation_dtype(&mut self, dtype: ActivationDtype) {
+        self.activation_dtype = dtype;
+    }
+
+    /// How new training arenas store the MLP block's activations
+    /// ([`Model::set_activation_dtype`]).
+    pub fn activation_dtype(&self) -> ActivationDtype {
+        self.activation_dtype
     }
 
     /// Whether new arenas are checkpointed ([`Model::set_gradient_checkpointing`]).
@@ -271,14 +296,25 @@ impl<B: Backend> Model<B> {
     /// As [`Activations::new`].
     pub fn activations(&self, batch: usize, seq: usize) -> Result<Activations<B>, ModelError> {
         let head = HeadMode::auto(batch.saturating_mul(seq), self.spec.vocab);
-        self.plan(batch, seq, head)
+        self.plan(batch, seq, head, self.activation_dtype)
     }
 
-    /// An arena for `batch × seq` tokens with `head`, checkpointed as the model says.
-    fn plan(&self, batch: usize, seq: usize, head: HeadMode) -> Result<Activations<B>, ModelError> {
+    /// An arena for `batch × seq` tokens with `head`, checkpointed as the model says, the
+    /// MLP block's activations stored as `dtype`.
+    fn plan(
+        &self,
+        batch: usize,
+        seq: usize,
+        head: HeadMode,
+        dtype: ActivationDtype,
+    ) -> Result<Activations<B>, ModelError> {
         let spec = &self.spec;
+        if dtype == ActivationDtype::Bf16 {
+            self.check_bf16_activations()?;
+        }
         let checkpointed = self.gradient_checkpointing;
-        let mut acts = Activations::planned(&self.backend, spec, batch, seq, head, checkpointed)?;
+        let mut acts =
+            Activations::planned(&self.backend, spec, batch, seq, head, checkpointed, dtype)?;
         let kept = if checkpointed {
             spec.layers.min(1)
         } else {
@@ -294,7 +330,7 @@ impl<B: Backend> Model<B> {
     /// # Errors
     /// As [`Activations::with_head`].
     pub fn activations_full(&self, batch: usize, seq: usize) -> Result<Activations<B>, ModelError> {
-        self.plan(batch, seq, HeadMode::Full)
+        self.plan(batch, seq, HeadMode::Full, ActivationDtype::F32)
     }
 
     /// A new activation arena for `batch` sequences of `seq` tokens with the LM head run
@@ -309,7 +345,8 @@ impl<B: Backend> Model<B> {
         seq: usize,
         chunk_rows: usize,
     ) -> Result<Activations<B>, ModelError> {
-        self.plan(batch, seq, HeadMode::Chunked { rows: chunk_rows })
+        let head = HeadMode::Chunked { rows: chunk_rows };
+        self.plan(batch, seq, head, self.activation_dtype)
     }
 
     /// Copies the logits `[batch, seq, vocab]` of the last forward pass in `acts` to `out`.

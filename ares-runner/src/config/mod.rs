@@ -51,7 +51,7 @@ pub use data::DataConfig;
 pub use easyr1::{ConfigNote, NoteAction, notes_table};
 pub use error::ConfigError;
 pub use trainer::{
-    Device, GradDtypeCfg, GradientSum, Logger, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig,
+    Device, GradientSum, Logger, MatmulPrecisionCfg, SaveDtypeCfg, SftConfig, StorageDtypeCfg,
     TrainerConfig, WeightDtypeCfg,
 };
 pub use worker::{
@@ -81,6 +81,30 @@ pub struct Config {
 }
 
 impl Config {
+    /// How the actor's training passes store the MLP block's activations:
+    /// `trainer.activation_dtype` when given, else bf16 with the weight matrices stored in
+    /// bf16 (`trainer.weight_dtype: bf16`, which `precision: bf16` sets) unless LoRA adapts
+    /// the MLP, and f32 otherwise.
+    pub fn activation_dtype(&self) -> crate::model::ActivationDtype {
+        use crate::model::ActivationDtype;
+        match (self.trainer.activation_dtype, self.trainer.weight_dtype) {
+            (Some(a), _) => a.activations(),
+            (None, WeightDtypeCfg::Bf16) if !self.lora_adapts_mlp() => ActivationDtype::Bf16,
+            (None, _) => ActivationDtype::F32,
+        }
+    }
+
+    /// Whether `worker.actor.model.lora` puts pairs on the MLP (gate, up or down), whose
+    /// LoRA products read f32 activations.
+    pub(crate) fn lora_adapts_mlp(&self) -> bool {
+        match self.worker.actor.model.lora.peft() {
+            Ok(Some(c)) => ["gate_proj", "up_proj", "down_proj"]
+                .iter()
+                .any(|m| c.adapts_module(m)),
+            _ => false,
+        }
+    }
+
     /// The configuration in YAML `text` (named `source_name` in messages) over the defaults,
     /// validated.
     ///

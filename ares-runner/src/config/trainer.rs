@@ -114,27 +114,37 @@ impl WeightDtypeCfg {
     }
 }
 
-/// How the decoder's linear weight gradients are stored (`ares_model::model::GradDtype`).
+/// How the decoder's linear weight gradients (`trainer.grad_dtype`,
+/// `ares_model::model::GradDtype`) or the MLP block's activations (`trainer.activation_dtype`,
+/// `ares_model::model::ActivationDtype`) are stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
-pub enum GradDtypeCfg {
+pub enum StorageDtypeCfg {
     /// f32.
     F32,
-    /// bf16, accumulated with stochastic rounding: half the gradients' memory.
+    /// bf16: half the memory.
     Bf16,
 }
 
-impl GradDtypeCfg {
+impl StorageDtypeCfg {
     /// The YAML spelling.
     pub const fn name(self) -> &'static str {
         self.dtype().name()
     }
 
-    /// The runtime setting.
+    /// The runtime setting of the gradients.
     pub const fn dtype(self) -> crate::model::GradDtype {
         match self {
-            GradDtypeCfg::F32 => crate::model::GradDtype::F32,
-            GradDtypeCfg::Bf16 => crate::model::GradDtype::Bf16,
+            StorageDtypeCfg::F32 => crate::model::GradDtype::F32,
+            StorageDtypeCfg::Bf16 => crate::model::GradDtype::Bf16,
+        }
+    }
+
+    /// The runtime setting of the activations.
+    pub const fn activations(self) -> crate::model::ActivationDtype {
+        match self {
+            StorageDtypeCfg::F32 => crate::model::ActivationDtype::F32,
+            StorageDtypeCfg::Bf16 => crate::model::ActivationDtype::Bf16,
         }
     }
 }
@@ -301,7 +311,16 @@ pub struct TrainerConfig {
     /// Default null: `bf16` with `weight_dtype: bf16` (and so under `precision: bf16`,
     /// CUDA's default), `f32` otherwise, and `f32` in a data-parallel run, whose gradient
     /// sums read f32 (set `bf16` there, an error).
-    pub grad_dtype: Option<GradDtypeCfg>,
+    pub grad_dtype: Option<StorageDtypeCfg>,
+    /// How the activations the actor's training passes save in its MLP blocks (the
+    /// post-attention norm's output, gate, up and their SwiGLU: most of a layer's) are
+    /// stored: `f32`, or `bf16` — half their memory, each rounded once to nearest where it
+    /// is written, the MLP's products reading and writing them as they are (on a GPU no
+    /// conversion per product); the residual stream, attention and gradients stay f32.
+    /// Needs `matmul_precision: bf16`; not with a LoRA pair on gate/up/down. Default null:
+    /// `bf16` with `weight_dtype: bf16` (and so under `precision: bf16`, CUDA's default)
+    /// unless LoRA adapts the MLP, `f32` otherwise.
+    pub activation_dtype: Option<StorageDtypeCfg>,
     /// The two settings above at once: `f32` (exact products, f32 weights), `tf32` (TF32
     /// products, f32 weights) or `bf16` (bf16 products and weight matrices stored in bf16).
     /// Default null — each its own — but `bf16` on `device: cuda` when none of `precision`,
@@ -353,6 +372,7 @@ impl Default for TrainerConfig {
             matmul_precision: MatmulPrecisionCfg::F32,
             weight_dtype: WeightDtypeCfg::F32,
             grad_dtype: None,
+            activation_dtype: None,
             precision: None,
             seed: 1,
             threads: 0,

@@ -197,6 +197,18 @@ impl Config {
             });
         }
         validate_trainer(&self.trainer)?;
+        if self.trainer.activation_dtype == Some(super::StorageDtypeCfg::Bf16)
+            && self.lora_adapts_mlp()
+        {
+            return Err(ConfigError::Inconsistent {
+                key: "trainer.activation_dtype".into(),
+                value: "bf16".into(),
+                reason: "worker.actor.model.lora adapts the MLP (gate_proj, up_proj or \
+                         down_proj), whose pairs read f32 activations: set f32, or leave it \
+                         unset (f32 then)"
+                    .into(),
+            });
+        }
         if self.worker.rollout.cuda_graphs && self.trainer.device == super::Device::Cpu {
             return Err(ConfigError::Inconsistent {
                 key: "worker.rollout.cuda_graphs".into(),
@@ -864,6 +876,19 @@ fn validate_trainer(t: &TrainerConfig) -> Result<(), ConfigError> {
             reason: format!(
                 "weights stored in bf16 multiply in bf16: set trainer.matmul_precision: bf16 \
                  (it is {})",
+                t.matmul_precision.name()
+            ),
+        });
+    }
+    if t.activation_dtype == Some(super::StorageDtypeCfg::Bf16)
+        && t.matmul_precision != super::MatmulPrecisionCfg::Bf16
+    {
+        return Err(ConfigError::Inconsistent {
+            key: "trainer.activation_dtype".into(),
+            value: "bf16".into(),
+            reason: format!(
+                "activations stored in bf16 are multiplied in bf16: set \
+                 trainer.matmul_precision: bf16 (it is {})",
                 t.matmul_precision.name()
             ),
         });

@@ -29,7 +29,8 @@
 use crate::config::{Config, MatmulPrecisionCfg, WeightDtypeCfg};
 use crate::hf::config::ModelConfig;
 use crate::model::{
-    GradDtype, HeadMode, ModelSpec, StateDtype, arena_elements, lora_arena_elements,
+    ActivationDtype, GradDtype, HeadMode, ModelSpec, StateDtype, arena_elements,
+    lora_arena_elements,
 };
 
 use crate::trainer::TrainError;
@@ -240,8 +241,11 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         bytes: weights,
     }];
     // bf16 copies of the actor's linear weights and LM head, which a GPU's bf16 products
-    // read (`Model::set_bf16_weights`; the reference policy keeps none)
-    let bf16_copies = cfg.trainer.matmul_precision == MatmulPrecisionCfg::Bf16 && !model.on_cpu;
+    // and products over bf16 activations read (`Model::set_bf16_weights`; the reference
+    // policy keeps none)
+    let act16 = cfg.activation_dtype() == ActivationDtype::Bf16;
+    let bf16_copies =
+        cfg.trainer.matmul_precision == MatmulPrecisionCfg::Bf16 && (!model.on_cpu || act16);
     if bf16_copies && !stored_bf16 {
         held.push(Part {
             what: "bf16 copies of the linear weights (bf16 products)".into(),
@@ -312,13 +316,24 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         cfg.data.max_response_length as u64,
     );
     let longest = prompt + response;
-    let arena = |batch: u64, seq: u64, head: HeadMode, checkpointed: bool| -> u64 {
+    // an arena's bytes; generation's keep f32 activations, training's the actor's dtype
+    let arena_as = |batch: u64, seq: u64, head: HeadMode, checkpointed: bool, dtype| -> u64 {
         let kept = if checkpointed { l.min(1) } else { l };
         let pairs = lora
             .as_ref()
             .map_or(0, |lc| lora_arena_elements(&spec, lc, batch * seq, kept));
-        arena_elements(&spec, batch as usize, seq as usize, head, checkpointed)
-            .map_or(u64::MAX, |(floats, ids)| f32s(floats + ids + pairs))
+        arena_elements(
+            &spec,
+            batch as usize,
+            seq as usize,
+            head,
+            checkpointed,
+            dtype,
+        )
+        .map_or(u64::MAX, |e| e.bytes().saturating_add(f32s(pairs)))
+    };
+    let arena = |batch: u64, seq: u64, head: HeadMode, checkpointed: bool| -> u64 {
+        arena_as(batch, seq, head, checkpointed, ActivationDtype::F32)
     };
 
     // rollout: decode weights, the KV pool at its largest, the decode and prefill arenas
@@ -419,14 +434,23 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
     let step_rows = (cfg.data.rollout_batch_size as u64) * (cfg.worker.rollout.n as u64);
     let mut phases = vec![rollout];
     for name in ["scoring", "update"] {
+        // the reference policy scores in f32 activations (it keeps no bf16 copies)
+        let dtype = match name == "scoring" && model.reference {
+            true => ActivationDtype::F32,
+            false => cfg.activation_dtype(),
+        };
         let what = format!(
-            "activations of {micro} sequences × {longest} tokens ({head_note}{})",
-            if checkpointed { ", checkpointed" } else { "" }
+            "activations of {micro} sequences × {longest} tokens ({head_note}{}{})",
+            if checkpointed { ", checkpointed" } else { "" },
+            match dtype {
+                ActivationDtype::Bf16 => ", MLP in bf16",
+                ActivationDtype::F32 => "",
+            }
         );
         let mut parts = vec![
             Part {
                 what,
-                bytes: arena(micro, longest, head, checkpointed),
+                bytes: arena_as(micro, longest, head, checkpointed, dtype),
             },
             Part {
                 what: "per-token log-probs and masks of the step".into(),
@@ -786,9 +810,9 @@ pub(crate) mod tests {
     /// widened tensor (the longest linear matrix in f32); an explicit `f32` keeps f32.
     #[test]
     fn bf16_grads_are_planned_as_allocated() {
-        use crate::config::GradDtypeCfg;
+        use crate::config::StorageDtypeCfg;
         let text = tiny();
-        let grads_of = |grad_dtype: Option<GradDtypeCfg>| -> u64 {
+        let grads_of = |grad_dtype: Option<StorageDtypeCfg>| -> u64 {
             let mut cfg = Config::default();
             cfg.trainer.matmul_precision = MatmulPrecisionCfg::Bf16;
             cfg.trainer.weight_dtype = WeightDtypeCfg::Bf16;
@@ -803,11 +827,49 @@ pub(crate) mod tests {
         // the longest linear matrix: gate/up/down, 64·128
         let widened = 4 * 8192;
         assert_eq!(grads_of(None), g16 + widened);
-        assert_eq!(grads_of(Some(GradDtypeCfg::Bf16)), g16 + widened);
-        assert_eq!(grads_of(Some(GradDtypeCfg::F32)), g32);
+        assert_eq!(grads_of(Some(StorageDtypeCfg::Bf16)), g16 + widened);
+        assert_eq!(grads_of(Some(StorageDtypeCfg::F32)), g32);
         // two layers: the bf16 stacks save 2 bytes × 2 layers of linear weights, what the
         // one-layer f32 scratch takes (4 bytes × 1 layer) — bf16 saves from 3 layers on
         assert_eq!(g16, g32);
+    }
+
+    /// The MLP's activations stored in bf16 (`trainer.activation_dtype`, bf16 by default
+    /// with bf16 weights) are planned as the arena allocates them: the update's arena
+    /// shrinks by 2 bytes × L·N·(C + 3I), and the reference policy's scoring stays f32.
+    #[test]
+    fn bf16_activations_are_planned_as_allocated() {
+        use crate::config::StorageDtypeCfg;
+        let text = tiny();
+        let arena_of = |act: Option<StorageDtypeCfg>, phase: &str, reference: bool| -> u64 {
+            let mut cfg = Config::default();
+            cfg.trainer.matmul_precision = MatmulPrecisionCfg::Bf16;
+            cfg.trainer.weight_dtype = WeightDtypeCfg::Bf16;
+            cfg.trainer.activation_dtype = act;
+            let plan = text_plan(&cfg, &text, true, reference);
+            let phase = plan.phases.iter().find(|p| p.name == phase).unwrap();
+            let part = phase
+                .parts
+                .iter()
+                .find(|p| p.what.starts_with("activations"));
+            part.unwrap().bytes
+        };
+        let spec = ModelSpec::from_config(&text).unwrap();
+        let cfg = Config::default();
+        let micro = cfg.worker.actor.micro_batch_size_per_device_for_update as u64;
+        let n = micro * (cfg.data.max_prompt_length + cfg.data.max_response_length) as u64;
+        let mlp = spec.layers as u64 * n * (spec.hidden + 3 * spec.intermediate) as u64;
+        let (f32_update, bf16_update) = (
+            arena_of(Some(StorageDtypeCfg::F32), "update", true),
+            arena_of(None, "update", true),
+        );
+        assert_eq!(f32_update - bf16_update, 2 * mlp);
+        assert_eq!(
+            arena_of(Some(StorageDtypeCfg::Bf16), "update", true),
+            bf16_update
+        );
+        assert_eq!(arena_of(None, "scoring", true), f32_update);
+        assert_eq!(arena_of(None, "scoring", false), bf16_update);
     }
 
     /// A bf16 KV cache is planned at half the f32 one's bytes, named as such; the other

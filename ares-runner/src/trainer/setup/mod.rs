@@ -156,9 +156,10 @@ pub fn build_actor<B: Backend>(
     cfg: &Config,
 ) -> Result<Actor<B>, TrainError> {
     let mut actor = build_reference(backend, files, cfg)?;
+    let activations = cfg.activation_dtype();
     match &mut actor {
-        Actor::Text(m) => keep_bf16_weights(m)?,
-        Actor::Vision(m) => keep_bf16_weights(m.lm_mut())?,
+        Actor::Text(m) => keep_bf16_weights(m, activations)?,
+        Actor::Vision(m) => keep_bf16_weights(m.lm_mut(), activations)?,
     }
     Ok(actor)
 }
@@ -270,12 +271,19 @@ pub fn build_model<B: Backend>(
 
 /// Gives `model` bf16 copies of its weights when it multiplies in bf16 on a backend where
 /// they pay (`Backend::keeps_bf16_weights`: the GPU's products then skip converting each
-/// weight).
-fn keep_bf16_weights<B: Backend>(model: &mut Model<B>) -> Result<(), TrainError> {
+/// weight) or its MLP's activations are stored in bf16 (`activations`, whose products read
+/// bf16 weights) and its weights are not, and stores its training activations so.
+fn keep_bf16_weights<B: Backend>(
+    model: &mut Model<B>,
+    activations: crate::model::ActivationDtype,
+) -> Result<(), TrainError> {
     let bf16 = model.matmul_precision() == crate::backend::MatmulPrecision::Bf16;
-    if bf16 && model.backend().keeps_bf16_weights() {
+    let stored = model.weight_storage() == crate::model::WeightStorage::Bf16;
+    let act16 = activations == crate::model::ActivationDtype::Bf16;
+    if bf16 && (model.backend().keeps_bf16_weights() || (act16 && !stored)) {
         model.set_bf16_weights(true)?;
     }
+    model.set_activation_dtype(activations);
     Ok(())
 }
 

@@ -1,0 +1,154 @@
+//! Activations stored in bf16 ([`ActivationDtype::Bf16`], `trainer.activation_dtype: bf16`):
+//! the MLP block's saved tensors — the post-attention norm's output and the gate, up and
+//! SwiGLU outputs, `C + 3I` of a layer's `6C + 3·Hq·D + 4·Hkv·D + 3I` floats a token — are
+//! kept as the bf16 their products read, half their memory, and on a GPU the GEMMs read and
+//! write them as they are (no conversion per product).
+//!
+//! Each is rounded once, to nearest even, where it is written: the norm's output (which the
+//! gate and up products round to bf16 anyway), the gate and up projections' f32 sums, and
+//! the SwiGLU of the rounded gate and up (which the down product rounds anyway). The
+//! residual stream, the norms' `rstd`, the attention's tensors and every gradient stay f32.
+//! The products are bf16 (`Backend::linear_bf16_io` and its kin) whatever the row count.
+
+use super::ModelError;
+use super::weights::{HalfStack, Stack};
+use crate::backend::{Backend, Tensor, TensorMut, View, ViewMut};
+
+/// What a LoRA pair of the MLP block cannot read.
+pub(crate) const MLP_PAIR: &str = "a LoRA pair on gate, up or down (train it with f32 activations)";
+
+/// How the activations a training pass saves are stored
+/// ([`Model::set_activation_dtype`](super::Model::set_activation_dtype)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub enum ActivationDtype {
+    /// Every activation in f32.
+    #[default]
+    F32,
+    /// The MLP block's (the norm's output, gate, up and their SwiGLU) in bf16; the others f32.
+    Bf16,
+}
+
+impl ActivationDtype {
+    /// The configuration name: `f32` or `bf16`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+        }
+    }
+}
+
+/// A stack of activations `[layers, item]` stored as [`ActivationDtype`] says.
+pub(crate) enum ActStack<B: Backend> {
+    F32(Stack<B>),
+    Bf16(HalfStack<B>),
+}
+
+impl<B: Backend> std::fmt::Debug for ActStack<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let dtype = if self.is_bf16() { "bf16" } else { "f32" };
+        write!(f, "ActStack({dtype}, {} elements)", self.len())
+    }
+}
+
+/// One layer of an [`ActStack`], read.
+pub(crate) enum Act<'a, B: Backend> {
+    F32(Tensor<'a, B>),
+    Bf16(View<'a, B::Half>),
+}
+
+impl<B: Backend> Clone for Act<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for Act<'_, B> {}
+
+/// One layer of an [`ActStack`], written.
+pub(crate) enum ActMut<'a, B: Backend> {
+    F32(TensorMut<'a, B>),
+    Bf16(ViewMut<'a, B::Half>),
+}
+
+impl<B: Backend> ActStack<B> {
+    /// `len` elements in layers of `item`, stored as `dtype`.
+    pub(crate) fn new(
+        backend: &B,
+        dtype: ActivationDtype,
+        len: usize,
+        item: usize,
+    ) -> Result<Self, ModelError> {
+        Ok(match dtype {
+            ActivationDtype::F32 => Self::F32(Stack::new(backend.alloc(len)?, item)),
+            ActivationDtype::Bf16 => Self::Bf16(HalfStack::zeros(backend, len, item)?),
+        })
+    }
+
+    /// Elements over every layer.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Self::F32(s) => s.len(),
+            Self::Bf16(s) => s.len(),
+        }
+    }
+
+    /// Whether the stack holds bf16.
+    pub(crate) fn is_bf16(&self) -> bool {
+        matches!(self, Self::Bf16(_))
+    }
+
+    /// Layer `layer`, read.
+    pub(crate) fn layer(&self, layer: usize) -> Result<Act<'_, B>, ModelError> {
+        Ok(match self {
+            Self::F32(s) => Act::F32(s.layer(layer)?),
+            Self::Bf16(s) => Act::Bf16(s.layer(layer)?),
+        })
+    }
+
+    /// Layer `layer`, written.
+    pub(crate) fn layer_mut(&mut self, layer: usize) -> Result<ActMut<'_, B>, ModelError> {
+        Ok(match self {
+            Self::F32(s) => ActMut::F32(s.layer_mut(layer)?),
+            Self::Bf16(s) => ActMut::Bf16(s.layer_mut(layer)?),
+        })
+    }
+}
+
+impl<'a, B: Backend> Act<'a, B> {
+    /// The f32 tensor; [`ModelError::Bf16Activations`] naming `what` for a bf16 one (an
+    /// op without a bf16 form, as a LoRA pair's).
+    pub(crate) fn f32(self, what: &'static str) -> Result<Tensor<'a, B>, ModelError> {
+        match self {
+            Self::F32(t) => Ok(t),
+            Self::Bf16(_) => Err(ModelError::Bf16Activations { what }),
+        }
+    }
+}
+
+impl<'a, B: Backend> ActMut<'a, B> {
+    /// The f32 tensor; [`ModelError::Bf16Activations`] naming `what` for a bf16 one.
+    pub(crate) fn f32(self, what: &'static str) -> Result<TensorMut<'a, B>, ModelError> {
+        match self {
+            Self::F32(t) => Ok(t),
+            Self::Bf16(_) => Err(ModelError::Bf16Activations { what }),
+        }
+    }
+}
+
+impl<B: Backend> super::Model<B> {
+    /// Whether the model can run a pass with the MLP block's activations in bf16: its
+    /// products need the weights in bf16, and a LoRA pair of the MLP reads f32.
+    pub(crate) fn check_bf16_activations(&self) -> Result<(), ModelError> {
+        if self.bf16_weights.is_none() {
+            return Err(ModelError::Bf16Activations {
+                what: "the MLP's products in bf16 read the weights in bf16: keep bf16 \
+                       copies (Model::set_bf16_weights) or store the weights in bf16",
+            });
+        }
+        if self.lora_adapts_mlp() {
+            return Err(ModelError::Bf16Activations { what: MLP_PAIR });
+        }
+        Ok(())
+    }
+}
