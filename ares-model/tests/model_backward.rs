@@ -416,3 +416,43 @@ fn arena_elements_predict_the_allocation() {
         }
     }
 }
+
+/// A forward-only arena (`Model::activations_forward`, the scoring passes'): the
+/// checkpointed layout whatever the model says, the log-probs and entropies of a full
+/// arena bit for bit, in fewer elements.
+#[test]
+fn forward_only_arenas_score_the_same_bits_in_less_memory() {
+    for name in ["qwen2_tiny", "qwen3_tiny", "llama_tiny"] {
+        let (_, model) = load(name);
+        let (batch, seq) = (2, 9);
+        let v = model.spec().vocab as u32;
+        let ids: Vec<u32> = (0..batch * seq).map(|i| (i as u32 * 7 + 3) % v).collect();
+        let mask = vec![1u32; batch * seq];
+        let positions: Vec<u32> = (0..batch * seq).map(|i| (i % seq) as u32).collect();
+        let inputs = Inputs {
+            batch,
+            seq,
+            input_ids: &ids,
+            attention_mask: &mask,
+            position_ids: &positions,
+        };
+        let targets: Vec<u32> = ids.iter().map(|&t| (t + 1) % v).collect();
+        let score = |acts: &mut ares_model::model::Activations<CpuBackend>| {
+            model.forward(&inputs, acts).unwrap();
+            model.log_prob_entropy(acts, &targets, 0.9).unwrap();
+            let n = batch * seq;
+            let (mut lp, mut h) = (vec![0.0; n], vec![0.0; n]);
+            model.backend().download(acts.log_probs(), &mut lp).unwrap();
+            model.backend().download(acts.entropies(), &mut h).unwrap();
+            (lp, h)
+        };
+        let mut full = model.activations(batch, seq).unwrap();
+        let mut forward = model.activations_forward(batch, seq).unwrap();
+        assert!(!full.checkpointed() && forward.checkpointed(), "{name}");
+        assert!(
+            forward.elements().bytes() < full.elements().bytes(),
+            "{name}"
+        );
+        assert_eq!(score(&mut forward), score(&mut full), "{name}");
+    }
+}

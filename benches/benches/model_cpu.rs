@@ -37,7 +37,8 @@ use ares_model::backend::cpu::CpuBackend;
 use ares_model::hf::config::ModelConfig;
 use ares_model::hf::lora::LoraConfig;
 use ares_model::model::{
-    AdamW, AdamWConfig, GenerateRequest, GradDtype, Inputs, Model, Sampling, WeightStorage,
+    ActivationDtype, AdamW, AdamWConfig, GenerateRequest, GradDtype, Inputs, Model, Sampling,
+    WeightStorage,
 };
 
 const TRAIN_BATCH: usize = 8;
@@ -190,12 +191,18 @@ fn main() {
         bf16_model
             .set_weight_storage(WeightStorage::Bf16)
             .expect("bf16 weights");
-        let mut acts = bf16_model
-            .activations(TRAIN_BATCH, TRAIN_SEQ)
-            .expect("activations");
-        // with f32 gradients, then with the linear layers' gradients in bf16 too
+        // with f32 gradients, then with the linear layers' gradients in bf16 too, then with
+        // the MLP's activations in bf16 as well
         let mut t_f32_grads = None;
-        for dtype in [GradDtype::F32, GradDtype::Bf16] {
+        for (dtype, act) in [
+            (GradDtype::F32, ActivationDtype::F32),
+            (GradDtype::Bf16, ActivationDtype::F32),
+            (GradDtype::Bf16, ActivationDtype::Bf16),
+        ] {
+            bf16_model.set_activation_dtype(act);
+            let mut acts = bf16_model
+                .activations(TRAIN_BATCH, TRAIN_SEQ)
+                .expect("activations");
             let mut grads = bf16_model.grads_in(dtype).expect("grads");
             let t = best_and_median(runs, || {
                 grads.zero(&be).expect("zero");
@@ -207,8 +214,11 @@ fn main() {
                     .expect("backward");
             });
             let what = format!(
-                "train forward+backward, bf16 weights and products, {} gradients",
-                dtype.name()
+                "train forward+backward, bf16 weights and products, {} gradients, {} MLP \
+                 activations ({:.1} MiB arena)",
+                dtype.name(),
+                act.name(),
+                acts.elements().bytes() as f64 / (1u64 << 20) as f64
             );
             report(&what, n, "tokens", t);
             if let Some(t_f32) = t_train {
@@ -220,7 +230,7 @@ fn main() {
             match t_f32_grads {
                 None => t_f32_grads = Some(t),
                 Some(t32) => println!(
-                    "  time ratio bf16 / f32 gradients {:.2}",
+                    "  time ratio to the f32 gradients' and activations' step {:.2}",
                     t.0.as_secs_f64() / t32.0.as_secs_f64()
                 ),
             }

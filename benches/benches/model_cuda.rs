@@ -35,7 +35,8 @@ use ares_model::backend::cuda::CudaBackend;
 use ares_model::backend::{Backend, MatmulPrecision};
 use ares_model::hf::config::ModelConfig;
 use ares_model::model::{
-    AdamW, AdamWConfig, GenerateRequest, Inputs, Model, Sampling, WeightStorage,
+    ActivationDtype, AdamW, AdamWConfig, GenerateRequest, GradDtype, Inputs, Model, Sampling,
+    WeightStorage,
 };
 
 const GEN_PROMPTS: usize = 32;
@@ -155,6 +156,42 @@ fn main() {
                 gpu.synchronize().expect("sync");
             });
             report("  of which forward", n, "tokens", t);
+            if stored {
+                // the whole bf16 storage: the gradients and the MLP's activations too
+                model.set_activation_dtype(ActivationDtype::Bf16);
+                let mut acts16 = model.activations(batch, seq).expect("activations");
+                let mut g16 = model.grads_in(GradDtype::Bf16).expect("grads");
+                let t = best_and_median(runs, || {
+                    g16.zero(&gpu).expect("zero");
+                    model.forward(&inputs, &mut acts16).expect("forward");
+                    model
+                        .backward_from_log_prob_grads(
+                            &inputs,
+                            &mut acts16,
+                            &targets,
+                            &coeffs,
+                            1.0,
+                            &mut g16,
+                        )
+                        .expect("backward");
+                    gpu.synchronize().expect("sync");
+                });
+                model.set_activation_dtype(ActivationDtype::F32);
+                report(
+                    "[bf16 storage] train forward+backward, bf16 gradients and MLP activations",
+                    n,
+                    "tokens",
+                    t,
+                );
+                let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+                println!(
+                    "  arena {:.1} MiB (f32 activations {:.1} MiB), gradients {:.1} MiB (f32 {:.1})",
+                    mib(acts16.elements().bytes()),
+                    mib(acts.elements().bytes()),
+                    mib(g16.bytes()),
+                    mib(grads.bytes()),
+                );
+            }
             if precision == MatmulPrecision::Bf16 && !stored {
                 // activation checkpointing: one layer's activations kept, recomputed
                 model.set_gradient_checkpointing(true);

@@ -299,6 +299,25 @@ impl<B: Backend> Model<B> {
         self.plan(batch, seq, head, self.activation_dtype)
     }
 
+    /// An arena for forward passes that run no backward (scoring log-probs): the layout of
+    /// activation checkpointing — the residual stream of every layer and the other
+    /// activations of one, which each layer's forward overwrites — whatever
+    /// [`Model::set_gradient_checkpointing`] says, with [`Model::activations`]' head and
+    /// dtype. A forward pass gives the bits of any arena's (the same ops on the same
+    /// inputs) in about `(L − 1)·N·(5C + 3·Hq·D + 4·Hkv·D + 3I)` fewer floats; a backward
+    /// pass would recompute each layer first, as under checkpointing.
+    ///
+    /// # Errors
+    /// As [`Model::activations`].
+    pub fn activations_forward(
+        &self,
+        batch: usize,
+        seq: usize,
+    ) -> Result<Activations<B>, ModelError> {
+        let head = HeadMode::auto(batch.saturating_mul(seq), self.spec.vocab);
+        self.plan_with(batch, seq, head, self.activation_dtype, true)
+    }
+
     /// An arena for `batch × seq` tokens with `head`, checkpointed as the model says, the
     /// MLP block's activations stored as `dtype`.
     fn plan(
@@ -308,11 +327,22 @@ impl<B: Backend> Model<B> {
         head: HeadMode,
         dtype: ActivationDtype,
     ) -> Result<Activations<B>, ModelError> {
+        self.plan_with(batch, seq, head, dtype, self.gradient_checkpointing)
+    }
+
+    /// [`Model::plan`], `checkpointed` as given.
+    fn plan_with(
+        &self,
+        batch: usize,
+        seq: usize,
+        head: HeadMode,
+        dtype: ActivationDtype,
+        checkpointed: bool,
+    ) -> Result<Activations<B>, ModelError> {
         let spec = &self.spec;
         if dtype == ActivationDtype::Bf16 {
             self.check_bf16_activations()?;
         }
-        let checkpointed = self.gradient_checkpointing;
         let mut acts =
             Activations::planned(&self.backend, spec, batch, seq, head, checkpointed, dtype)?;
         let kept = if checkpointed {

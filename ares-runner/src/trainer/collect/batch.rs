@@ -241,7 +241,8 @@ impl Batch {
         let shape = (packed.batch(), packed.seq());
         let acts = match arena {
             Some(a) if a.shape() == shape => a,
-            _ => arena.insert(model.lm().activations(shape.0, shape.1)?),
+            // a forward pass only: one layer's activations besides the residual stream
+            _ => arena.insert(model.lm().activations_forward(shape.0, shape.1)?),
         };
         let vision = self.vision(chunk);
         model.forward(&packed, vision.as_ref(), acts, false)?;

@@ -434,14 +434,21 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
     let step_rows = (cfg.data.rollout_batch_size as u64) * (cfg.worker.rollout.n as u64);
     let mut phases = vec![rollout];
     for name in ["scoring", "update"] {
+        // scoring runs forward only, in the checkpointed layout (`Model::activations_forward`);
         // the reference policy scores in f32 activations (it keeps no bf16 copies)
-        let dtype = match name == "scoring" && model.reference {
+        let scoring = name == "scoring";
+        let dtype = match scoring && model.reference {
             true => ActivationDtype::F32,
             false => cfg.activation_dtype(),
         };
+        let one_layer = checkpointed || scoring;
         let what = format!(
             "activations of {micro} sequences × {longest} tokens ({head_note}{}{})",
-            if checkpointed { ", checkpointed" } else { "" },
+            match (scoring, checkpointed) {
+                (true, _) => ", forward only: one layer kept",
+                (false, true) => ", checkpointed",
+                (false, false) => "",
+            },
             match dtype {
                 ActivationDtype::Bf16 => ", MLP in bf16",
                 ActivationDtype::F32 => "",
@@ -450,7 +457,7 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         let mut parts = vec![
             Part {
                 what,
-                bytes: arena_as(micro, longest, head, checkpointed, dtype),
+                bytes: arena_as(micro, longest, head, one_layer, dtype),
             },
             Part {
                 what: "per-token log-probs and masks of the step".into(),
@@ -577,6 +584,12 @@ pub fn check(
         }
         if !cfg.worker.actor.model.enable_gradient_checkpointing {
             ways.push("worker.actor.model.enable_gradient_checkpointing=true");
+        }
+        if cfg.activation_dtype() == ActivationDtype::F32
+            && cfg.trainer.matmul_precision == MatmulPrecisionCfg::Bf16
+            && !cfg.lora_adapts_mlp()
+        {
+            ways.push("trainer.activation_dtype=bf16 (the MLP's activations in bf16)");
         }
     } else {
         // decode weights that are the training weights (no copy) shrink no further
@@ -868,8 +881,46 @@ pub(crate) mod tests {
             arena_of(Some(StorageDtypeCfg::Bf16), "update", true),
             bf16_update
         );
-        assert_eq!(arena_of(None, "scoring", true), f32_update);
-        assert_eq!(arena_of(None, "scoring", false), bf16_update);
+        // scoring: forward only, one layer kept (f32 with a reference policy)
+        let one_layer = |dtype| {
+            let n = n as usize;
+            let head = HeadMode::auto(n, spec.vocab);
+            let e = arena_elements(&spec, micro as usize, n / micro as usize, head, true, dtype);
+            e.unwrap().bytes()
+        };
+        assert_eq!(
+            arena_of(None, "scoring", true),
+            one_layer(ActivationDtype::F32)
+        );
+        assert_eq!(
+            arena_of(None, "scoring", false),
+            one_layer(ActivationDtype::Bf16)
+        );
+        assert!(one_layer(ActivationDtype::F32) < bf16_update);
+    }
+
+    /// A run whose update does not fit is told of bf16 activations when its products are
+    /// bf16 and its activations f32, and not once they are bf16.
+    #[test]
+    fn a_refused_update_suggests_bf16_activations() {
+        use crate::config::StorageDtypeCfg;
+        let text = tiny();
+        let refusal = |act: StorageDtypeCfg| {
+            let mut cfg = Config::default();
+            cfg.trainer.matmul_precision = MatmulPrecisionCfg::Bf16;
+            cfg.trainer.activation_dtype = Some(act);
+            cfg.data.max_response_length = 4096;
+            let plan = text_plan(&cfg, &text, false, true);
+            assert_eq!(plan.peak_phase().unwrap().name, "update");
+            let available = plan.held_total() + 1;
+            check(&plan, available, "test", &cfg)
+                .unwrap_err()
+                .to_string()
+        };
+        let msg = refusal(StorageDtypeCfg::F32);
+        assert!(msg.contains("trainer.activation_dtype=bf16"), "{msg}");
+        let msg = refusal(StorageDtypeCfg::Bf16);
+        assert!(!msg.contains("trainer.activation_dtype"), "{msg}");
     }
 
     /// A bf16 KV cache is planned at half the f32 one's bytes, named as such; the other
