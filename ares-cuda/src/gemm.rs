@@ -159,6 +159,17 @@ impl Operand<'_, '_> {
     }
 }
 
+/// Which gradients of a linear backward are written over (`β = 0`, the old contents never
+/// read) rather than added into (`β = 1`); the bias gradient always adds (twin of
+/// `ares_cpu::ops::matmul::Overwrite`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Overwrite {
+    /// The input gradient `dx`.
+    pub dx: bool,
+    /// The weight gradient `dw`.
+    pub dw: bool,
+}
+
 /// A GEMM's output: f32, or bf16 bits (each f32 sum rounded once, to nearest even; only
 /// written over, `β = 0`).
 pub enum Output<'a, 'b> {
@@ -422,12 +433,13 @@ impl Blas {
         self.gemm("linear_backward dx", call, Output::F32(dx))
     }
 
-    /// `dw += dyᵀ · x`.
+    /// `dw = β·dw + dyᵀ · x` (`β` 1 accumulates; 0 overwrites without reading `dw`).
     pub(crate) fn backward_dw(
         &self,
         d: &BlasDims,
         dy: Operand<'_, '_>,
         x: Operand<'_, '_>,
+        beta: f32,
         dw: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         let call = Call {
@@ -438,7 +450,7 @@ impl Blas {
             k: d.rows,
             a: x,
             b: dy,
-            beta: 1.0,
+            beta,
             precision: d.precision,
         };
         self.gemm("linear_backward dw", call, Output::F32(dw))

@@ -28,8 +28,9 @@ use ares_model::backend::cpu::CpuBackend;
 use ares_model::backend::cuda::{CudaBackend, CudaBuffer, CudaIds};
 use ares_model::backend::{
     Activation, AdamWConfig, AdamWUpdate, AttentionDims, AttentionGrads, AttentionInputs, Backend,
-    BlockTables, DType, DeviceBuffer, GradWrite, KvCacheView, KvCacheViewMut, LinearDims,
-    MatmulPrecision, PagedKvView, PagedKvViewMut, SegmentAttentionDims, Stored, View, ViewMut,
+    BlockTables, DType, DeviceBuffer, GradWrite, GradWrites, KvCacheView, KvCacheViewMut,
+    LinearDims, MatmulPrecision, PagedKvView, PagedKvViewMut, SegmentAttentionDims, Stored, View,
+    ViewMut,
 };
 use ares_model::hf::checkpoint::Checkpoint;
 use ares_model::model::{
@@ -497,19 +498,29 @@ fn linear_matches_cpu() {
         // (dx and dbias given, dw given, how dx is written): every gradient, the weight's
         // alone, a frozen weight's (dw None: left as it was), and dx overwritten (cuBLAS
         // β = 0: the NaNs it held are not read)
-        let nan_dx = vec![f32::NAN; pdx.len()];
+        let (nan_dx, nan_dw) = (vec![f32::NAN; pdx.len()], vec![f32::NAN; pdw.len()]);
+        let both = GradWrites {
+            dx: GradWrite::Overwrite,
+            dw: GradWrite::Overwrite,
+        };
         for (with_optional, with_dw, write) in [
-            (true, true, GradWrite::Accumulate),
-            (false, true, GradWrite::Accumulate),
-            (true, false, GradWrite::Accumulate),
-            (true, true, GradWrite::Overwrite),
+            (true, true, GradWrites::ACCUMULATE),
+            (false, true, GradWrites::ACCUMULATE),
+            (true, false, GradWrites::ACCUMULATE),
+            (true, true, GradWrites::dx(GradWrite::Overwrite)),
+            (true, true, both),
         ] {
-            let pdx = if write == GradWrite::Overwrite {
+            let pdx = if write.dx == GradWrite::Overwrite {
                 &nan_dx
             } else {
                 &pdx
             };
-            let (mut gdx, mut gdw, mut gdb) = (up(&gpu, pdx), up(&gpu, &pdw), up(&gpu, &pdb));
+            let pdw = if write.dw == GradWrite::Overwrite {
+                &nan_dw
+            } else {
+                &pdw
+            };
+            let (mut gdx, mut gdw, mut gdb) = (up(&gpu, pdx), up(&gpu, pdw), up(&gpu, &pdb));
             gpu.linear_backward(
                 View::whole(&ddy),
                 View::whole(&dx_),
@@ -536,7 +547,7 @@ fn linear_matches_cpu() {
             assert_close(&what("linear_backward dx"), &down(&gpu, &gdx), &cdx, tol);
             assert_close(&what("linear_backward dw"), &down(&gpu, &gdw), &cdw, tol);
             if !with_dw {
-                assert_eq!(cdw, pdw, "a frozen weight's gradient is left alone");
+                assert_eq!(&cdw, pdw, "a frozen weight's gradient is left alone");
             }
             assert_close(
                 &what("linear_backward dbias"),
@@ -627,7 +638,7 @@ fn stored_bf16_weight_products_match_cpu() {
             View::whole(&gx),
             View::whole(&gw),
             dims,
-            GradWrite::Accumulate,
+            GradWrites::ACCUMULATE,
             Some(ViewMut::whole(&mut gdx)),
             Some(ViewMut::whole(&mut gdw)),
             Some(ViewMut::whole(&mut gdb)),
@@ -639,7 +650,7 @@ fn stored_bf16_weight_products_match_cpu() {
             View::whole(&x),
             View::whole(&cw),
             dims,
-            GradWrite::Accumulate,
+            GradWrites::ACCUMULATE,
             Some(ViewMut::whole(&mut cdx)),
             Some(ViewMut::whole(&mut cdw)),
             Some(ViewMut::whole(&mut cdb)),
@@ -4235,7 +4246,7 @@ fn bf16_activation_ops_match_cpu() {
             View::whole(&gx),
             View::whole(&gw),
             dims,
-            GradWrite::Overwrite,
+            GradWrites::dx(GradWrite::Overwrite),
             Some(ViewMut::whole(&mut gdx)),
             Some(ViewMut::whole(&mut gdw)),
             Some(ViewMut::whole(&mut gdb)),
@@ -4246,7 +4257,7 @@ fn bf16_activation_ops_match_cpu() {
             View::whole(&cx),
             View::whole(&cw),
             dims,
-            GradWrite::Overwrite,
+            GradWrites::dx(GradWrite::Overwrite),
             Some(ViewMut::whole(&mut cdx)),
             Some(ViewMut::whole(&mut cdw)),
             Some(ViewMut::whole(&mut cdb)),

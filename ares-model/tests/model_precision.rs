@@ -1291,3 +1291,28 @@ fn bf16_mlp_activations_refuse_what_cannot_read_them() {
         "{err}"
     );
 }
+
+/// Gradients stored in bf16: each layer's seven weight gradients are written over their
+/// f32 scratch by their one product each (`GradWrites::dw`: no zero fill) and folded into
+/// the bf16 stacks — a pass fills no more buffers than with f32 gradients.
+#[test]
+fn bf16_grads_scratch_is_written_over_without_fills() {
+    use ares_model::backend::Counting;
+    use ares_model::model::GradDtype;
+    let ck = Checkpoint::load(&fixture("qwen2_tiny")).unwrap();
+    let mut m = Model::from_checkpoint(Counting::new(CpuBackend), &ck).unwrap();
+    m.set_matmul_precision(MatmulPrecision::Bf16);
+    let l = m.spec().layers;
+    let b = Batch::new(4, 5, m.spec().vocab);
+    let targets = vec![1u32; b.batch * b.seq];
+    let mut acts = m.activations(b.batch, b.seq).unwrap();
+    let mut counts = Vec::new();
+    for dtype in [GradDtype::F32, GradDtype::Bf16] {
+        let mut g = m.grads_in(dtype).unwrap();
+        let calls = counted_pass(&m, &b, &targets, &mut acts, &mut g);
+        let count = |op: &str| calls.iter().filter(|&&c| c == op).count();
+        counts.push((count("fill"), count("accumulate_bf16_stochastic")));
+    }
+    assert_eq!(counts[0], (counts[1].0, 0));
+    assert_eq!(counts[1].1, 7 * l);
+}

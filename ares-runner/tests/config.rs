@@ -722,8 +722,8 @@ fn activation_dtype_follows_bf16_weights_and_refuses_what_cannot_read_it() {
 /// bf16 is CUDA's default: `trainer.device: cuda` with none of the three precision keys
 /// given runs `precision: bf16` and a bf16 KV cache unless that is given (written out, so
 /// the resolved config loads back as itself, on any device); a key given — in the file or
-/// as an override, even at its default value — keeps each setting its own; the CPU and
-/// `auto` keep f32.
+/// as an override, even at its default value — keeps each setting its own; the CPU keeps
+/// f32, and `auto` does where no GPU is found.
 #[test]
 fn bf16_is_the_default_on_cuda() {
     use ares_runner::config::{MatmulPrecisionCfg as P, WeightDtypeCfg as W};
@@ -762,8 +762,12 @@ fn bf16_is_the_default_on_cuda() {
     assert_eq!(both(&c), (None, P::Tf32, W::F32));
     let c = load("trainer: {device: cuda, matmul_precision: f32}\n", &[]).unwrap();
     assert_eq!(both(&c), (None, P::F32, W::F32), "given in the file");
-    for device in ["cpu", "auto"] {
-        let c = with_overrides(&[&format!("trainer.device={device}")]).unwrap();
-        assert_eq!(both(&c), (None, P::F32, W::F32), "{device}");
+    let c = with_overrides(&["trainer.device=cpu"]).unwrap();
+    assert_eq!(both(&c), (None, P::F32, W::F32), "cpu");
+    // `auto` as the machine has it: CUDA's default where a GPU is found
+    let c = with_overrides(&["trainer.device=auto"]).unwrap();
+    match ares_runner::config::gpu_present() {
+        true => assert_eq!(both(&c), (Some(P::Bf16), P::Bf16, W::Bf16), "auto, a GPU"),
+        false => assert_eq!(both(&c), (None, P::F32, W::F32), "auto, no GPU"),
     }
 }

@@ -473,13 +473,35 @@ pub fn linear_backward(
     dw: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
 ) -> Result<()> {
-    linear_backward_in(MatmulPrecision::F32, dout, x, w, dims, false, dx, dw, dbias)
+    let add = Overwrite::NONE;
+    linear_backward_in(MatmulPrecision::F32, dout, x, w, dims, add, dx, dw, dbias)
+}
+
+/// Which gradients of a linear backward are written over — the product alone, the old
+/// contents never read (a BLAS `β = 0`) — rather than added into (`β = 1`): the bits of a
+/// zero fill followed by the accumulation, up to the sign of a zero. The bias gradient
+/// always adds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Overwrite {
+    /// The input gradient `dx`.
+    pub dx: bool,
+    /// The weight gradient `dw`.
+    pub dw: bool,
+}
+
+impl Overwrite {
+    /// Every gradient added into.
+    pub const NONE: Self = Self {
+        dx: false,
+        dw: false,
+    };
 }
 
 /// [`linear_backward`] with the operands of both products (`dout`, `w`; `dout`, `x`)
 /// rounded to `precision` (as [`MatmulPrecision::for_rows`] with `dims.n` rows decides);
-/// the bias gradient sums the unrounded `dout` in f32. With `dx_overwrite` the input
-/// gradient is written (`dx = dout · w`, the old contents never read) instead of added.
+/// the bias gradient sums the unrounded `dout` in f32. The input and weight gradients are
+/// written (`dx = dout · w`, `dw = doutᵀ · x`, the old contents never read) instead of
+/// added where `overwrite` says.
 ///
 /// # Errors
 /// As [`linear_backward`]; nothing is written then.
@@ -490,7 +512,7 @@ pub fn linear_backward_in(
     x: &[f32],
     w: &[f32],
     dims: MatmulDims,
-    dx_overwrite: bool,
+    overwrite: Overwrite,
     dx: Option<&mut [f32]>,
     dw: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
@@ -502,7 +524,7 @@ pub fn linear_backward_in(
         Operand::F32(x),
         Operand::F32(w),
         dims,
-        dx_overwrite,
+        overwrite,
         dx,
         dw,
         dbias,
@@ -522,7 +544,7 @@ pub fn linear_backward_bf16(
     x: &[f32],
     w16: &[u16],
     dims: MatmulDims,
-    dx_overwrite: bool,
+    overwrite: Overwrite,
     dx: Option<&mut [f32]>,
     dw: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
@@ -534,7 +556,7 @@ pub fn linear_backward_bf16(
         Operand::F32(x),
         Operand::Bf16(w16),
         dims,
-        dx_overwrite,
+        overwrite,
         dx,
         dw,
         dbias,
@@ -552,14 +574,14 @@ pub fn linear_backward_bf16_x(
     x16: &[u16],
     w16: &[u16],
     dims: MatmulDims,
-    dx_overwrite: bool,
+    overwrite: Overwrite,
     dx: Option<&mut [f32]>,
     dw: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
 ) -> Result<()> {
     let (x, w) = (Operand::Bf16(x16), Operand::Bf16(w16));
     let p = MatmulPrecision::Bf16;
-    linear_backward_w(p, dout, x, w, dims, dx_overwrite, dx, dw, dbias)
+    linear_backward_w(p, dout, x, w, dims, overwrite, dx, dw, dbias)
 }
 
 /// [`linear_backward_in`] with the weight as stored and the precision `p` already decided
@@ -571,7 +593,7 @@ fn linear_backward_w(
     x: Operand<'_>,
     w: Operand<'_>,
     dims: MatmulDims,
-    dx_overwrite: bool,
+    overwrite: Overwrite,
     dx: Option<&mut [f32]>,
     dw: Option<&mut [f32]>,
     dbias: Option<&mut [f32]>,
@@ -615,7 +637,7 @@ fn linear_backward_w(
     if let Some(dx) = dx {
         // dx[n, k] (+)= dout[n, m] · w[m, k]; `w` is only needed (and rounded) here
         let d = MatmulDims { n, k: m, m: k };
-        let beta = if dx_overwrite { 0.0 } else { 1.0 };
+        let beta = if overwrite.dx { 0.0 } else { 1.0 };
         let rounded;
         let w = match amx {
             true => w,
@@ -628,11 +650,29 @@ fn linear_backward_w(
         unsafe { product_in(q, d, dout, row_m, w, row_k, dx.as_mut_ptr(), row_k, beta) };
     }
 
-    // dw[m, k] += dout[n, m]ᵀ · x[n, k] (none for a frozen weight)
+    // dw[m, k] (+)= dout[n, m]ᵀ · x[n, k] (none for a frozen weight)
     let Some(dw) = dw else { return Ok(()) };
+    if overwrite.dw && n == 0 {
+        // an empty sum over no rows, written: zeros
+        dw.fill(0.0);
+        return Ok(());
+    }
     let d = MatmulDims { n: m, k: n, m: k };
+    let beta = if overwrite.dw { 0.0 } else { 1.0 };
     // SAFETY: lengths checked above; `dw` is a unique borrow with row-major strides.
-    unsafe { product_in(q, d, dout, row_m.t(), x, row_k, dw.as_mut_ptr(), row_k, 1.0) };
+    unsafe {
+        product_in(
+            q,
+            d,
+            dout,
+            row_m.t(),
+            x,
+            row_k,
+            dw.as_mut_ptr(),
+            row_k,
+            beta,
+        )
+    };
     Ok(())
 }
 
@@ -1185,6 +1225,12 @@ fn to_isize(what: &'static str, x: usize) -> Result<isize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The input gradient written over, the weight's added into.
+    const WRITE_DX: Overwrite = Overwrite {
+        dx: true,
+        dw: false,
+    };
     use crate::Error;
     use crate::test_rng::rand_vec;
 
@@ -1837,7 +1883,7 @@ mod tests {
             &xs,
             &w,
             one,
-            false,
+            Overwrite::NONE,
             Some(&mut dx),
             Some(&mut dw),
             Some(&mut db),
@@ -1847,10 +1893,16 @@ mod tests {
     }
 
     #[test]
-    fn an_overwritten_input_gradient_is_a_zero_fill_then_an_accumulation() {
+    fn an_overwritten_gradient_is_a_zero_fill_then_an_accumulation() {
         use crate::ops::precision::MatmulPrecision as P;
-        // shapes on both sides of the parallel threshold, and an empty product (m = 0)
-        for (n, k, m) in [(3, 5, 4), (70, 33, 130), (256, 64, 96), (4, 6, 0)] {
+        // shapes on both sides of the parallel threshold, and empty products (m = 0, n = 0)
+        for (n, k, m) in [
+            (3, 5, 4),
+            (70, 33, 130),
+            (256, 64, 96),
+            (4, 6, 0),
+            (0, 6, 4),
+        ] {
             let d = dims(n, k, m);
             let (x, w, dout) = (
                 rand_vec(n * k, 21),
@@ -1858,8 +1910,8 @@ mod tests {
                 rand_vec(n * m, 23),
             );
             for p in [P::F32, P::Bf16] {
-                let run = |overwrite: bool, start: f32| {
-                    let (mut dx, mut dw) = (vec![start; n * k], vec![0.25f32; m * k]);
+                let run = |overwrite: Overwrite, (dx0, dw0): (f32, f32)| {
+                    let (mut dx, mut dw) = (vec![dx0; n * k], vec![dw0; m * k]);
                     linear_backward_in(
                         p,
                         &dout,
@@ -1874,18 +1926,24 @@ mod tests {
                     .unwrap();
                     (dx, dw)
                 };
-                let (want_dx, want_dw) = run(false, 0.0);
-                // the old contents (NaN here) are never read
-                let (got_dx, got_dw) = run(true, f32::NAN);
-                assert_eq!(got_dx, want_dx, "{p:?} {n}×{k}×{m}");
-                assert_eq!(got_dw, want_dw, "dw still accumulates: {p:?} {n}×{k}×{m}");
+                let want = run(Overwrite::NONE, (0.0, 0.0));
+                // the old contents (NaN here) of what is written over are never read
+                for (dx, dw) in [(true, false), (false, true), (true, true)] {
+                    let start = (
+                        if dx { f32::NAN } else { 0.0 },
+                        if dw { f32::NAN } else { 0.0 },
+                    );
+                    let got = run(Overwrite { dx, dw }, start);
+                    assert_eq!(got, want, "{p:?} {n}×{k}×{m} dx {dx} dw {dw}");
+                }
                 // accumulating adds onto what is there
-                let (acc, _) = run(false, 1.0);
-                assert!(
-                    acc.iter()
-                        .zip(&want_dx)
-                        .all(|(a, b)| (a - (b + 1.0)).abs() <= 1e-5 * (1.0 + b.abs()))
-                );
+                let (acc_dx, acc_dw) = run(Overwrite::NONE, (1.0, 0.25));
+                let near = |got: &[f32], want: &[f32], plus: f32| {
+                    got.iter()
+                        .zip(want)
+                        .all(|(a, b)| (a - (b + plus)).abs() <= 1e-5 * (1.0 + b.abs()))
+                };
+                assert!(near(&acc_dx, &want.0, 1.0) && near(&acc_dw, &want.1, 0.25));
             }
         }
     }
@@ -1910,9 +1968,10 @@ mod tests {
                     (rand_vec(n * k, 15), rand_vec(m * k, 16), vec![0.5; m]);
                 let (gx, gw, gb) = (Some(&mut dx[..]), Some(&mut dw[..]), Some(&mut db[..]));
                 if stored {
-                    linear_backward_bf16(&dout, &x, &w16, d, false, gx, gw, gb).unwrap();
+                    linear_backward_bf16(&dout, &x, &w16, d, Overwrite::NONE, gx, gw, gb).unwrap();
                 } else {
-                    linear_backward_in(P::Bf16, &dout, &x, &w, d, false, gx, gw, gb).unwrap();
+                    linear_backward_in(P::Bf16, &dout, &x, &w, d, Overwrite::NONE, gx, gw, gb)
+                        .unwrap();
                 }
                 (dx, dw, db)
             };
@@ -1961,9 +2020,9 @@ mod tests {
                     (rand_vec(n * k, 25), rand_vec(m * k, 26), vec![0.5; m]);
                 let (gx, gw, gb) = (Some(&mut dx[..]), Some(&mut dw[..]), Some(&mut db[..]));
                 if stored {
-                    linear_backward_bf16_x(&dout, &x16, &w16, d, true, gx, gw, gb).unwrap();
+                    linear_backward_bf16_x(&dout, &x16, &w16, d, WRITE_DX, gx, gw, gb).unwrap();
                 } else {
-                    linear_backward_bf16(&dout, &x, &w16, d, true, gx, gw, gb).unwrap();
+                    linear_backward_bf16(&dout, &x, &w16, d, WRITE_DX, gx, gw, gb).unwrap();
                 }
                 (dx, dw, db)
             };

@@ -238,7 +238,10 @@ impl ModelOps {
                 xs,
                 w,
                 dims.chunk(n),
-                true,
+                crate::gemm::Overwrite {
+                    dx: true,
+                    dw: false,
+                },
                 Some(&mut gx),
                 Some(grad_w),
                 None,

@@ -12,7 +12,7 @@
 use super::{ModelOps, check_len};
 use crate::error::DriverContext;
 use crate::error::Result;
-use crate::gemm::{GemmDims, GemmPrecision, Operand, Output};
+use crate::gemm::{GemmDims, GemmPrecision, Operand, Output, Overwrite};
 use cudarc::driver::{CudaView, CudaViewMut};
 
 impl ModelOps {
@@ -229,11 +229,11 @@ impl ModelOps {
         }
     }
 
-    /// Backward of [`ModelOps::linear`] from `dout` `[rows, out]`; all three gradients
-    /// **accumulate**: `dx += dout · w` (skipped if `None`), `dw += doutᵀ · x` (skipped if
-    /// `None`: a frozen weight),
+    /// Backward of [`ModelOps::linear`] from `dout` `[rows, out]`: `dx (+)= dout · w`
+    /// (skipped if `None`) and `dw (+)= doutᵀ · x` (skipped if `None`: a frozen weight),
+    /// each written over (cuBLAS's `β = 0`) or added into as `overwrite` says, and
     /// `dbias += Σ_rows dout` (skipped if `None`; a deterministic column sum). Twin of
-    /// `ares_cpu::ops::matmul::linear_backward`.
+    /// `ares_cpu::ops::matmul::linear_backward_in`.
     ///
     /// # Errors
     /// Lengths that do not match `dims`, sizes past cuBLAS's `int`.
@@ -244,14 +244,14 @@ impl ModelOps {
         x: &CudaView<'_, f32>,
         w: &CudaView<'_, f32>,
         dims: GemmDims,
-        dx_overwrite: bool,
+        overwrite: Overwrite,
         dx: Option<&mut CudaViewMut<'_, f32>>,
         dw: Option<&mut CudaViewMut<'_, f32>>,
         dbias: Option<&mut CudaViewMut<'_, f32>>,
     ) -> Result<()> {
         let k = "linear_backward";
         let (x, w) = (Operand::F32(x), Operand::F32(w));
-        self.linear_backward_any(k, dout, x, w, dims, dx_overwrite, dx, dw, dbias)
+        self.linear_backward_any(k, dout, x, w, dims, overwrite, dx, dw, dbias)
     }
 
     /// Backward of [`ModelOps::linear_bf16`]: [`ModelOps::linear_backward`] with `dout` and
@@ -267,7 +267,7 @@ impl ModelOps {
         x: &CudaView<'_, f32>,
         w: &CudaView<'_, u16>,
         dims: GemmDims,
-        dx_overwrite: bool,
+        overwrite: Overwrite,
         dx: Option<&mut CudaViewMut<'_, f32>>,
         dw: Option<&mut CudaViewMut<'_, f32>>,
         dbias: Option<&mut CudaViewMut<'_, f32>>,
@@ -278,7 +278,7 @@ impl ModelOps {
         };
         let k = "linear_backward_bf16";
         let (x, w) = (Operand::F32(x), Operand::Bf16(w));
-        self.linear_backward_any(k, dout, x, w, dims, dx_overwrite, dx, dw, dbias)
+        self.linear_backward_any(k, dout, x, w, dims, overwrite, dx, dw, dbias)
     }
 
     /// [`ModelOps::linear_backward_bf16`] with the forward's `x` stored in bf16 (as
@@ -294,7 +294,7 @@ impl ModelOps {
         x: &CudaView<'_, u16>,
         w: &CudaView<'_, u16>,
         dims: GemmDims,
-        dx_overwrite: bool,
+        overwrite: Overwrite,
         dx: Option<&mut CudaViewMut<'_, f32>>,
         dw: Option<&mut CudaViewMut<'_, f32>>,
         dbias: Option<&mut CudaViewMut<'_, f32>>,
@@ -305,7 +305,7 @@ impl ModelOps {
         };
         let k = "linear_backward_bf16_x";
         let (x, w) = (Operand::Bf16(x), Operand::Bf16(w));
-        self.linear_backward_any(k, dout, x, w, dims, dx_overwrite, dx, dw, dbias)
+        self.linear_backward_any(k, dout, x, w, dims, overwrite, dx, dw, dbias)
     }
 
     /// [`ModelOps::linear_backward`] with `x` and `w` each f32 or bf16 (see
@@ -318,7 +318,7 @@ impl ModelOps {
         x: Operand<'_, '_>,
         w: Operand<'_, '_>,
         dims: GemmDims,
-        dx_overwrite: bool,
+        overwrite: Overwrite,
         dx: Option<&mut CudaViewMut<'_, f32>>,
         dw: Option<&mut CudaViewMut<'_, f32>>,
         dbias: Option<&mut CudaViewMut<'_, f32>>,
@@ -337,9 +337,10 @@ impl ModelOps {
             check_len(k, "dbias", dims.out_features, g.len())?;
         }
         // With rows, in or out zero every product is empty or adds nothing; an overwritten
-        // `dx` of an empty product (out = 0) is zero.
-        let mut dx = dx;
-        if dx_overwrite
+        // `dx` of an empty product (out = 0) is zero, and so is an overwritten `dw` of one
+        // (rows = 0).
+        let (mut dx, mut dw) = (dx, dw);
+        if overwrite.dx
             && d.w_len == 0
             && let Some(g) = dx.as_deref_mut()
         {
@@ -347,14 +348,22 @@ impl ModelOps {
                 .memset_zeros(g)
                 .during(format!("{k}: zeroing dx"))?;
         }
-        let beta = if dx_overwrite { 0.0 } else { 1.0 };
+        if overwrite.dw
+            && dims.rows == 0
+            && let Some(g) = dw.as_deref_mut()
+        {
+            self.stream
+                .memset_zeros(g)
+                .during(format!("{k}: zeroing dw"))?;
+        }
+        let (beta, dw_beta) = (f32::from(!overwrite.dx), f32::from(!overwrite.dw));
         if d.x_len != 0 && d.w_len != 0 && dims.rows != 0 {
             match (dx, dw) {
                 (Some(dx), Some(dw)) => {
                     let srcs = [Operand::F32(dout), w, x];
                     self.with_operands(d.precision, srcs, |[dout, w, x]| {
                         self.blas.backward_dx(&d, dout, w, beta, dx)?;
-                        self.blas.backward_dw(&d, dout, x, dw)
+                        self.blas.backward_dw(&d, dout, x, dw_beta, dw)
                     })?
                 }
                 (Some(dx), None) => {
@@ -366,7 +375,7 @@ impl ModelOps {
                 (None, Some(dw)) => {
                     let srcs = [Operand::F32(dout), x];
                     self.with_operands(d.precision, srcs, |[dout, x]| {
-                        self.blas.backward_dw(&d, dout, x, dw)
+                        self.blas.backward_dw(&d, dout, x, dw_beta, dw)
                     })?
                 }
                 (None, None) => {}

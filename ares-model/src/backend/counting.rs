@@ -10,7 +10,7 @@
 use super::ops::{declared_ops, op_arg_type};
 use super::{
     Activation, ActorLossGrads, ActorLossSpec, ActorLossViews, AdamWUpdate, AttentionDims, Backend,
-    DType, GradWrite, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
+    DType, GradWrites, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
     PagedKvView, PagedKvViewMut, PickBuffersOf, PickRule, Result, SegmentAttentionDims, Stored,
     Tensor, TensorMut, View, ViewMut, WindowSpec,
 };

@@ -20,9 +20,9 @@ use super::ops::{declared_ops, op_arg_type};
 use super::{
     ACTOR_LOSS_REPORT, Activation, ActorLossGrads, ActorLossSpec, ActorLossViews, AdamWUpdate,
     AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError, DType, DeviceBuffer,
-    GradWrite, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims, PagedKvView,
-    PagedKvViewMut, Result, SegmentAttentionDims, Stored, Tensor, TensorMut, View, ViewMut,
-    WindowSpec,
+    GradWrite, GradWrites, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
+    PagedKvView, PagedKvViewMut, Result, SegmentAttentionDims, Stored, Tensor, TensorMut, View,
+    ViewMut, WindowSpec,
 };
 
 /// The CPU backend: f32, u32 and 16-bit vectors, `ares-cpu` kernels.
@@ -347,7 +347,7 @@ macro_rules! cpu_ops {
 /// order and types.
 mod kernels {
     use super::{
-        Activation, AdamWUpdate, AttentionDims, GradWrite, LinearDims, Moment,
+        Activation, AdamWUpdate, AttentionDims, GradWrites, LinearDims, Moment,
         SegmentAttentionDims, activation, adamw_step_scaled, attention, attention_shape,
         cpu_activation, linear_backward_in, linear_forward_in, linear_forward_t_in, matmul_dims,
         matmul_tiles, segment_attention, segment_shape,
@@ -355,6 +355,15 @@ mod kernels {
     use ares_cpu::Logits;
 
     type Result = std::result::Result<(), ares_cpu::Error>;
+
+    /// Which gradients `writes` writes over, as `ares-cpu` takes it.
+    fn overwrite_of(writes: GradWrites) -> ares_cpu::ops::matmul::Overwrite {
+        use super::GradWrite::Overwrite;
+        ares_cpu::ops::matmul::Overwrite {
+            dx: writes.dx == Overwrite,
+            dw: writes.dw == Overwrite,
+        }
+    }
 
     pub(super) fn linear(
         x: &[f32],
@@ -382,13 +391,13 @@ mod kernels {
         x: &[f32],
         w: &[f32],
         dims: LinearDims,
-        dx_write: GradWrite,
+        writes: GradWrites,
         dx: Option<&mut [f32]>,
         dw: Option<&mut [f32]>,
         dbias: Option<&mut [f32]>,
     ) -> Result {
         let md = matmul_dims(dims);
-        let overwrite = dx_write == GradWrite::Overwrite;
+        let overwrite = overwrite_of(writes);
         linear_backward_in(dims.precision, dout, x, w, md, overwrite, dx, dw, dbias)
     }
 
@@ -408,13 +417,13 @@ mod kernels {
         x: &[f32],
         w: &[u16],
         dims: LinearDims,
-        dx_write: GradWrite,
+        writes: GradWrites,
         dx: Option<&mut [f32]>,
         dw: Option<&mut [f32]>,
         dbias: Option<&mut [f32]>,
     ) -> Result {
         let md = matmul_dims(dims);
-        let overwrite = dx_write == GradWrite::Overwrite;
+        let overwrite = overwrite_of(writes);
         ares_cpu::ops::matmul::linear_backward_bf16(dout, x, w, md, overwrite, dx, dw, dbias)
     }
 
@@ -444,13 +453,13 @@ mod kernels {
         x: &[u16],
         w: &[u16],
         dims: LinearDims,
-        dx_write: GradWrite,
+        writes: GradWrites,
         dx: Option<&mut [f32]>,
         dw: Option<&mut [f32]>,
         dbias: Option<&mut [f32]>,
     ) -> Result {
         let md = matmul_dims(dims);
-        let overwrite = dx_write == GradWrite::Overwrite;
+        let overwrite = overwrite_of(writes);
         ares_cpu::ops::matmul::linear_backward_bf16_x(dout, x, w, md, overwrite, dx, dw, dbias)
     }
 
@@ -1402,7 +1411,7 @@ mod backward_tests {
             View::whole(&x),
             View::whole(&w),
             dims,
-            GradWrite::Accumulate,
+            GradWrites::ACCUMULATE,
             Some(ViewMut::whole(&mut dx)),
             Some(ViewMut::whole(&mut dw)),
             Some(ViewMut::whole(&mut db)),
@@ -1416,13 +1425,31 @@ mod backward_tests {
             View::whole(&x),
             View::whole(&w),
             dims,
-            GradWrite::Overwrite,
+            GradWrites::dx(GradWrite::Overwrite),
             Some(ViewMut::whole(&mut dx)),
             Some(ViewMut::whole(&mut dw)),
             Some(ViewMut::whole(&mut db)),
         )
         .unwrap();
         assert_eq!((dx, dw, db), (vec![5.0, 7.0], vec![3.0, 4.0], vec![2.0]));
+        // dw overwritten too (its NaNs not read); db still accumulates
+        let (mut dx, mut dw, mut db) = (vec![f32::NAN; 2], vec![f32::NAN; 2], vec![1.0f32]);
+        let both = GradWrites {
+            dx: GradWrite::Overwrite,
+            dw: GradWrite::Overwrite,
+        };
+        be.linear_backward(
+            View::whole(&dout),
+            View::whole(&x),
+            View::whole(&w),
+            dims,
+            both,
+            Some(ViewMut::whole(&mut dx)),
+            Some(ViewMut::whole(&mut dw)),
+            Some(ViewMut::whole(&mut db)),
+        )
+        .unwrap();
+        assert_eq!((dx, dw, db), (vec![5.0, 7.0], vec![2.0, 3.0], vec![2.0]));
 
         // fill zeroes a window only.
         let mut buf = vec![1.0f32; 4];

@@ -72,7 +72,7 @@ pub use error::BackendError;
 pub use optim::{AdamWConfig, AdamWUpdate};
 pub use pick::{PickBuffers, PickBuffersOf, PickRule, picked_row};
 pub use shapes::{
-    Activation, AttentionDims, AttentionGrads, AttentionInputs, GradWrite, LinearDims,
+    Activation, AttentionDims, AttentionGrads, AttentionInputs, GradWrite, GradWrites, LinearDims,
     MatmulPrecision, SegmentAttentionDims,
 };
 pub use token::{

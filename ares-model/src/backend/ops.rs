@@ -200,11 +200,12 @@ macro_rules! declared_ops {
             ) cpu ares_cpu::ops::embedding::embedding_backward, cuda embedding_backward;
 
             /// Backward of [`Backend::linear`] given `dout` `[rows, out_features]`:
-            /// `dx[rows, in] = dout · w` or `+=` as `dx_write` says (skipped if `None`); the
-            /// weight's gradients **accumulate**: `dw[out, in] += doutᵀ · x` (skipped if
-            /// `None`: a frozen weight, as under LoRA), `dbias[out] += Σ_rows dout` (skipped if
+            /// `dx[rows, in] = dout · w` or `+=` as `writes.dx` says (skipped if `None`),
+            /// `dw[out, in] = doutᵀ · x` or `+=` as `writes.dw` says (skipped if `None`: a
+            /// frozen weight, as under LoRA), and `dbias[out] += Σ_rows dout` (skipped if
             /// `None`). [`GradWrite::Overwrite`] gives the bits of a zero fill followed by
-            /// [`GradWrite::Accumulate`] (up to the sign of a zero) without reading `dx`.
+            /// [`GradWrite::Accumulate`] (up to the sign of a zero) without reading the
+            /// buffer.
             ///
             /// # Errors
             /// Lengths that do not match `dims`.
@@ -213,7 +214,7 @@ macro_rules! declared_ops {
                 x: In<f32>,
                 w: In<f32>,
                 dims: LinearDims,
-                dx_write: GradWrite,
+                writes: GradWrites,
                 dx: OutOpt<f32>,
                 dw: OutOpt<f32>,
                 dbias: OutOpt<f32>,
@@ -239,7 +240,7 @@ macro_rules! declared_ops {
 
             /// Backward of [`Backend::linear_bf16`]: [`Backend::linear_backward`] with `dout`
             /// and `x` rounded to bf16 and the bf16 weight `w` as it is; the three gradients
-            /// (f32) are written as there (`dx` by `dx_write`, the others accumulate).
+            /// (f32) are written as there (`dx` and `dw` by `writes`, the bias gradient added).
             ///
             /// # Errors
             /// As [`Backend::linear_backward`]; `w` not bf16.
@@ -248,7 +249,7 @@ macro_rules! declared_ops {
                 x: In<f32>,
                 w: In<bf16>,
                 dims: LinearDims,
-                dx_write: GradWrite,
+                writes: GradWrites,
                 dx: OutOpt<f32>,
                 dw: OutOpt<f32>,
                 dbias: OutOpt<f32>,
@@ -294,7 +295,7 @@ macro_rules! declared_ops {
                 x: In<bf16>,
                 w: In<bf16>,
                 dims: LinearDims,
-                dx_write: GradWrite,
+                writes: GradWrites,
                 dx: OutOpt<f32>,
                 dw: OutOpt<f32>,
                 dbias: OutOpt<f32>,

@@ -30,6 +30,33 @@ pub enum GradWrite {
     Overwrite,
 }
 
+/// How a linear backward writes its input and weight gradients, each as its [`GradWrite`]
+/// says (the bias gradient always adds): a weight gradient written over is a layer's
+/// scratch that one product fills (gradients stored in bf16).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GradWrites {
+    /// The input gradient `dx`.
+    pub dx: GradWrite,
+    /// The weight gradient `dw`.
+    pub dw: GradWrite,
+}
+
+impl GradWrites {
+    /// Both added into.
+    pub const ACCUMULATE: Self = Self {
+        dx: GradWrite::Accumulate,
+        dw: GradWrite::Accumulate,
+    };
+
+    /// `dx` written as given, `dw` added into.
+    pub const fn dx(dx: GradWrite) -> Self {
+        Self {
+            dx,
+            dw: GradWrite::Accumulate,
+        }
+    }
+}
+
 /// A causal grouped-query attention call: `batch` sequences of `seq` tokens, q `[batch,
 /// seq, q_heads, head_dim]`, k and v `[batch, seq, kv_heads, head_dim]`, key mask `[batch,
 /// seq]`, logits `scale · q·k`.

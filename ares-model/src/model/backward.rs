@@ -163,6 +163,7 @@ impl<B: Backend> Model<B> {
                 let g = LinearGrad {
                     param: self.lm_head(n, None),
                     dw: head_grad(grads.as_deref_mut()),
+                    dw_write: Accumulate,
                     dbias: None,
                 };
                 let dln = acts.scratch.dln.w();
@@ -206,6 +207,7 @@ impl<B: Backend> Model<B> {
                     let g = LinearGrad {
                         param: self.lm_head(rows, None),
                         dw: head_grad(grads.as_deref_mut()),
+                        dw_write: Accumulate,
                         dbias: None,
                     };
                     self.matmul_backward(
@@ -263,14 +265,9 @@ impl<B: Backend> Model<B> {
             // its weights' gradients, each with its weight.
             let slot = acts.layers.slot_of(l);
             let a = acts.layers.at(l)?;
-            // gradients in bf16: the linear ones are written to a zeroed f32 scratch first
-            let scratch = match half.as_mut() {
-                Some(h) => {
-                    h.clear_scratch(be)?;
-                    Some(h.scratch_mut())
-                }
-                None => None,
-            };
+            // gradients in bf16: the linear ones are written over an f32 scratch first (one
+            // product each: `β = 0`, no zero fill), then folded into their bf16 stacks
+            let scratch = half.as_mut().map(|h| h.scratch_mut());
             let g = self.layer_grads(l, n, grads.as_deref_mut(), scratch)?;
             // a LoRA pair's backward after its frozen layer's: `(target, dy, x, dx)`
             let mut pair = |t: Target,

@@ -88,14 +88,6 @@ impl<B: Backend> HalfGrads<B> {
         Ok(())
     }
 
-    /// Zeroes the scratch before a layer's backward writes into it.
-    pub(crate) fn clear_scratch(&mut self, be: &B) -> Result<(), ModelError> {
-        for s in &mut self.scratch {
-            be.fill(ViewMut::whole(s), 0.0)?;
-        }
-        Ok(())
-    }
-
     /// The scratch, q, k, v, o, gate, up, down.
     pub(crate) fn scratch_mut(&mut self) -> &mut [B::Buffer] {
         &mut self.scratch

@@ -19,8 +19,8 @@ use super::decode_weights::{DecodeStack, DecodeView, DecodeWeights};
 use super::weights::{DeviceWeights, HalfStack, Stack, layer_of, layer_of_mut};
 use super::{Model, ModelError};
 use crate::backend::{
-    AttentionGrads, AttentionInputs, Backend, DeviceBuffer, GradWrite, LinearDims, MatmulPrecision,
-    Tensor, TensorMut, View, ViewMut,
+    AttentionGrads, AttentionInputs, Backend, DeviceBuffer, GradWrite, GradWrites, LinearDims,
+    MatmulPrecision, Tensor, TensorMut, View, ViewMut,
 };
 
 /// One projection of a layer, `out = x · wᵀ (+ bias)`, for a fixed number of token rows.
@@ -97,10 +97,13 @@ pub(crate) struct LayerParams<'a, B: Backend> {
 }
 
 /// The gradient of a [`Linear`]'s weight and bias, with the [`Linear`] itself (`None`:
-/// frozen, as the base weights under LoRA).
+/// frozen, as the base weights under LoRA), and how the weight's is written: added into,
+/// or written over where it is a layer's scratch that the one product fills (gradients
+/// stored in bf16).
 pub(crate) struct LinearGrad<'a, B: Backend> {
     pub(crate) param: Linear<'a, B>,
     pub(crate) dw: Option<TensorMut<'a, B>>,
+    pub(crate) dw_write: GradWrite,
     pub(crate) dbias: Option<TensorMut<'a, B>>,
 }
 
@@ -201,6 +204,10 @@ fn linear_grad<'a, B: Backend>(
 ) -> Result<LinearGrad<'a, B>, ModelError> {
     Ok(LinearGrad {
         param,
+        dw_write: match scratch {
+            Some(_) => GradWrite::Overwrite,
+            None => GradWrite::Accumulate,
+        },
         dw: Some(match scratch {
             Some(s) => ViewMut::whole(s),
             None => dw.layer_mut(layer)?,
@@ -214,6 +221,7 @@ fn frozen<B: Backend>(param: Linear<'_, B>) -> LinearGrad<'_, B> {
     LinearGrad {
         param,
         dw: None,
+        dw_write: GradWrite::Accumulate,
         dbias: None,
     }
 }
@@ -445,11 +453,13 @@ impl<B: Backend> Model<B> {
     ) -> Result<(), ModelError> {
         let (p, be) = (g.param, &self.backend);
         let (dims, dx) = (p.dims, Some(dx));
+        let w = GradWrites {
+            dx: dx_write,
+            dw: g.dw_write,
+        };
         match p.bf16_weight() {
-            Some(w16) => {
-                be.linear_backward_bf16(dout, x, w16, dims, dx_write, dx, g.dw, g.dbias)?
-            }
-            None => be.linear_backward(dout, x, p.w, dims, dx_write, dx, g.dw, g.dbias)?,
+            Some(w16) => be.linear_backward_bf16(dout, x, w16, dims, w, dx, g.dw, g.dbias)?,
+            None => be.linear_backward(dout, x, p.w, dims, w, dx, g.dw, g.dbias)?,
         }
         Ok(())
     }
@@ -504,8 +514,12 @@ impl<B: Backend> Model<B> {
             what: "a backward product without bf16 weights (needs matmul precision bf16)",
         })?;
         let (dims, dx) = (p.dims, Some(dx));
-        let be = &self.backend;
-        be.linear_backward_bf16_x(dout, x, w16, dims, dx_write, dx, g.dw, g.dbias)?;
+        let w = GradWrites {
+            dx: dx_write,
+            dw: g.dw_write,
+        };
+        self.backend
+            .linear_backward_bf16_x(dout, x, w16, dims, w, dx, g.dw, g.dbias)?;
         Ok(())
     }
 

@@ -29,7 +29,8 @@ use super::act_dtype::{Act, ActMut, MLP_PAIR};
 use super::weights::Stack;
 use super::{Model, ModelError, ModelSpec};
 use crate::backend::{
-    Backend, DeviceBuffer, GradWrite, LinearDims, MatmulPrecision, Tensor, TensorMut, View, ViewMut,
+    Backend, DeviceBuffer, GradWrites, LinearDims, MatmulPrecision, Tensor, TensorMut, View,
+    ViewMut,
 };
 use crate::hf::lora::{LoraAdapter, LoraConfig, LoraPair, TARGETS, is_target_name, weight_name};
 
@@ -748,7 +749,7 @@ impl PairShape {
             u,
             b,
             self.dims(self.r, self.out),
-            GradWrite::Accumulate,
+            GradWrites::ACCUMULATE,
             Some(ViewMut::new(du, 0, self.rows * self.r)?),
             Some(db),
             None,
@@ -772,7 +773,7 @@ impl PairShape {
             x,
             a,
             self.dims(self.inp, self.r),
-            GradWrite::Accumulate,
+            GradWrites::ACCUMULATE,
             dx,
             Some(da),
             None,

@@ -28,7 +28,7 @@ use super::mrope::tokens_per_grid;
 use super::weights::{Slot, VisionParams, VisionWeights, param_table};
 use crate::backend::DType;
 use crate::backend::{
-    Activation, Backend, DeviceBuffer, GradWrite, LinearDims, MatmulPrecision,
+    Activation, Backend, DeviceBuffer, GradWrite, GradWrites, LinearDims, MatmulPrecision,
     SegmentAttentionDims, Tensor, TensorMut, View, ViewMut,
 };
 use crate::model::lora::LoraParams;
@@ -806,6 +806,7 @@ impl<B: Backend> VisionTower<B> {
         dx: Option<TensorMut<'_, B>>,
         (dw, db): (Option<TensorMut<'_, B>>, Option<TensorMut<'_, B>>),
     ) -> Result<(), ModelError> {
+        let write = GradWrites::dx(write);
         match w {
             TowerWeight::F32(w) => be.linear_backward(dout, x, w, dims, write, dx, dw, db)?,
             TowerWeight::Bf16(w) => be.linear_backward_bf16(dout, x, w, dims, write, dx, dw, db)?,

@@ -111,7 +111,7 @@ impl Config {
     /// Errors: malformed YAML (with line and column), unknown keys, wrong types, values out
     /// of range — see [`ConfigError`].
     pub fn from_yaml_str(text: &str, source_name: &str) -> Result<Config, ConfigError> {
-        resolve(Some((text, source_name)), &[]).map(|(config, _)| config)
+        resolve(Some((text, source_name)), &[], &gpu_present).map(|(config, _)| config)
     }
 
     /// The configuration of a run: the defaults, then the YAML file at `path` if given, then
@@ -133,13 +133,14 @@ impl Config {
         overrides: &[String],
     ) -> Result<(Config, Vec<ConfigNote>), ConfigError> {
         match path {
-            None => resolve(None, overrides),
+            None => resolve(None, overrides, &gpu_present),
             Some(path) => {
                 let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
                     path: path.to_path_buf(),
                     source,
                 })?;
-                resolve(Some((&text, &path.display().to_string())), overrides)
+                let name = path.display().to_string();
+                resolve(Some((&text, &name)), overrides, &gpu_present)
             }
         }
     }
@@ -154,9 +155,25 @@ impl Config {
 }
 
 /// Steps 1–5 of the module docs, with EasyR1's keys translated in steps 2 and 3.
+/// Whether a CUDA driver sees a GPU — the first thing `trainer.device: auto` checks
+/// (`false` in a build without the `cuda` feature).
+pub fn gpu_present() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        crate::backend::cuda::device_count().is_some_and(|n| n > 0)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        false
+    }
+}
+
+/// The configuration of `file` and `overrides` over the defaults, validated; `gpu` says
+/// whether `trainer.device: auto` finds a GPU (it is asked only then).
 fn resolve(
     file: Option<(&str, &str)>,
     overrides: &[String],
+    gpu: &dyn Fn() -> bool,
 ) -> Result<(Config, Vec<ConfigNote>), ConfigError> {
     let mut resolved = serde_json::to_value(Config::default())
         .map_err(|e| ConfigError::Internal(e.to_string()))?;
@@ -199,9 +216,10 @@ fn resolve(
             message: e.into_inner().to_string(),
         }
     })?;
-    // bf16 is CUDA's default: on `trainer.device: cuda` with none of the precision keys
-    // given, `trainer.precision: bf16` and, unless it is given, a bf16 KV cache (written
-    // out with the resolved config, so a resumed run reads them back as given)
+    // bf16 is CUDA's default: on `trainer.device: cuda` (or `auto` where a GPU is found)
+    // with none of the precision keys given, `trainer.precision: bf16` and, unless it is
+    // given, a bf16 KV cache (written out with the resolved config, so a resumed run reads
+    // them back as given)
     let given = |key: &str| {
         let keys: Vec<String> = key.split('.').map(str::to_string).collect();
         origin_of(&keys, &overrides, file_tree.as_ref()) != DEFAULT_ORIGIN
@@ -211,7 +229,12 @@ fn resolve(
         "trainer.matmul_precision",
         "trainer.weight_dtype",
     ];
-    if config.trainer.device == Device::Cuda && !precision_keys.into_iter().any(given) {
+    let on_gpu = match config.trainer.device {
+        Device::Cuda => true,
+        Device::Auto => gpu(),
+        Device::Cpu => false,
+    };
+    if on_gpu && !precision_keys.into_iter().any(given) {
         config.trainer.precision = Some(MatmulPrecisionCfg::Bf16);
         if !given("worker.rollout.kv_cache_dtype") {
             config.worker.rollout.kv_cache_dtype = KvCacheDtype::Bf16;
@@ -238,5 +261,34 @@ fn origin_of(keys: &[String], overrides: &[Override], file: Option<&(Value, &str
     match file {
         Some((parsed, name)) if tree::contains(parsed, keys) => format!("in {name}"),
         _ => DEFAULT_ORIGIN.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `trainer.device: auto` takes CUDA's bf16 default where a GPU is found and keeps f32
+    /// where none is; the probe is asked for `auto` only; a precision key given wins.
+    #[test]
+    fn auto_takes_cudas_default_where_a_gpu_is_found() {
+        let o = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let auto = o(&["trainer.device=auto"]);
+        let (found, _) = resolve(None, &auto, &|| true).unwrap();
+        assert_eq!(found.trainer.precision, Some(MatmulPrecisionCfg::Bf16));
+        assert_eq!(found.trainer.weight_dtype, WeightDtypeCfg::Bf16);
+        assert_eq!(found.worker.rollout.kv_cache_dtype, KvCacheDtype::Bf16);
+        let (none, _) = resolve(None, &auto, &|| false).unwrap();
+        assert_eq!(none.trainer.precision, None);
+        assert_eq!(none.trainer.weight_dtype, WeightDtypeCfg::F32);
+        let cpu = o(&["trainer.device=cpu"]);
+        let (cpu, _) = resolve(None, &cpu, &|| panic!("the CPU asks for no GPU")).unwrap();
+        assert_eq!(cpu.trainer.precision, None);
+        let exact = o(&["trainer.device=auto", "trainer.precision=f32"]);
+        let (exact, _) = resolve(None, &exact, &|| true).unwrap();
+        assert_eq!(exact.trainer.matmul_precision, MatmulPrecisionCfg::F32);
+        // the resolved config records the choice: it loads back as itself without a GPU
+        let again = resolve(Some((&found.to_yaml(), "resolved")), &[], &|| false).unwrap();
+        assert_eq!(again.0, found);
     }
 }

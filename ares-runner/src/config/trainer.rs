@@ -323,7 +323,8 @@ pub struct TrainerConfig {
     pub activation_dtype: Option<StorageDtypeCfg>,
     /// The two settings above at once: `f32` (exact products, f32 weights), `tf32` (TF32
     /// products, f32 weights) or `bf16` (bf16 products and weight matrices stored in bf16).
-    /// Default null — each its own — but `bf16` on `device: cuda` when none of `precision`,
+    /// Default null — each its own — but `bf16` on `device: cuda` (and on `auto` where a
+    /// GPU is found when the config is read) when none of `precision`,
     /// `matmul_precision` and `weight_dtype` is given (in the file or as an override; the
     /// resolved config records it), with `worker.rollout.kv_cache_dtype: bf16` unless that
     /// is given. Set with a finer key that says otherwise, an error.

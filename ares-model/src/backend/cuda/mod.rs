@@ -39,7 +39,7 @@ use super::ops::{declared_ops, op_arg_type};
 use super::{
     ACTOR_LOSS_REPORT, Activation, ActorLossGrads, ActorLossSpec, ActorLossViews, AdamWUpdate,
     AttentionDims, AttentionGrads, AttentionInputs, Backend, BackendError, BlockTables, DType,
-    GradWrite, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
+    GradWrite, GradWrites, HweViews, KlSumViews, KlViews, KvCacheView, KvCacheViewMut, LinearDims,
     MatmulPrecision, PagedKvView, PagedKvViewMut, PickBuffersOf, PickRule, Result,
     SegmentAttentionDims, Stored, Tensor, TensorMut, View, ViewMut, WindowSpec, check_half,
 };
@@ -283,11 +283,14 @@ impl ToCuda for LinearDims {
     }
 }
 
-/// Whether `linear_backward` overwrites `dx` (cuBLAS `β = 0`).
-impl ToCuda for GradWrite {
-    type Cuda = bool;
-    fn to_cuda(self) -> bool {
-        self == GradWrite::Overwrite
+/// Which gradients `linear_backward` writes over (cuBLAS `β = 0`).
+impl ToCuda for GradWrites {
+    type Cuda = ares_cuda::gemm::Overwrite;
+    fn to_cuda(self) -> ares_cuda::gemm::Overwrite {
+        ares_cuda::gemm::Overwrite {
+            dx: self.dx == GradWrite::Overwrite,
+            dw: self.dw == GradWrite::Overwrite,
+        }
     }
 }
 
