@@ -1,6 +1,6 @@
 //! Activations stored in bf16 ([`ActivationDtype::Bf16`], `trainer.activation_dtype: bf16`):
 //! the MLP block's saved tensors — the post-attention norm's output and the gate, up and
-//! SwiGLU outputs, `C + 3I` of a layer's `6C + 3·Hq·D + 4·Hkv·D + 3I` floats a token — are
+//! SwiGLU outputs, `C + 3I` of a layer's `4C + 3·Hq·D + 4·Hkv·D + 3I` floats a token — are
 //! kept as the bf16 their products read, half their memory, and on a GPU the GEMMs read and
 //! write them as they are (no conversion per product).
 //!

@@ -4,8 +4,9 @@
 //! Per-layer tensors are one buffer `[layers, tokens, ...]` each, so the backward pass
 //! finds every layer's inputs, `rstd` and `lse` where the forward left them. With `N = batch
 //! · seq` tokens, `C` hidden, `I` intermediate, `V` vocab, `Hq`/`Hkv` heads of `D`, the
-//! arena holds about `L · N · (6C + 3·Hq·D + 4·Hkv·D + 3I) + 2·R·V` floats, plus the
-//! backward scratch, where `R` is the number of logits rows the LM head keeps
+//! arena holds about `L · N · (4C + 3·Hq·D + 4·Hkv·D + 3I) + 2·R·V` floats, plus the
+//! backward scratch and one layer's two projections the residual adds read (`att_proj`,
+//! `mlp_out`: no backward reads them, so no layer keeps its own), where `R` is the number of logits rows the LM head keeps
 //! ([`HeadMode`]): `R = N` with whole logits, `R = rows` with a chunked head (the logits
 //! and their gradient, one buffer each). Buffers a call never touches (the gradients
 //! during generation) cost address space only: fresh allocations are zero pages until
@@ -174,7 +175,8 @@ pub(crate) struct LayerBuffers<B: Backend> {
     /// `[L, N, Hq·D]` attention output and `[L, N·Hq]` its log-sum-exp.
     pub(crate) att: Stack<B>,
     pub(crate) lse: Stack<B>,
-    /// `[L, N, C]` output projection.
+    /// `[N, C]` output projection of the layer being run: one layer's only, whatever the
+    /// checkpointing (the residual add reads it, the backward pass does not).
     pub(crate) att_proj: Stack<B>,
     /// `[L, N, C]` residual stream after attention.
     pub(crate) resid_mid: Stack<B>,
@@ -186,7 +188,7 @@ pub(crate) struct LayerBuffers<B: Backend> {
     pub(crate) gate: ActStack<B>,
     pub(crate) up: ActStack<B>,
     pub(crate) act: ActStack<B>,
-    /// `[L, N, C]` down projection.
+    /// `[N, C]` down projection of the layer being run (one layer's, as `att_proj`).
     pub(crate) mlp_out: Stack<B>,
     /// `[L, N, C]` residual stream after the MLP (input of the next layer); every layer's,
     /// checkpointed or not.
@@ -242,14 +244,14 @@ impl<B: Backend> LayerBuffers<B> {
             v: stack(&[n, kvd])?,
             att: stack(&[n, qd])?,
             lse: stack(&[n, hq])?,
-            att_proj: stack(&[n, c])?,
+            att_proj: Stack::new(backend.alloc(resid_item)?, resid_item),
             resid_mid: stack(&[n, c])?,
             ln2: stored(&[n, c])?,
             ln2_rstd: stack(&[n])?,
             gate: stored(&[n, i])?,
             up: stored(&[n, i])?,
             act: stored(&[n, i])?,
-            mlp_out: stack(&[n, c])?,
+            mlp_out: Stack::new(backend.alloc(resid_item)?, resid_item),
             resid_out,
         })
     }
@@ -321,18 +323,12 @@ pub fn arena_elements(
     let l = spec.layers as u64;
     let kept = if checkpointed { l.min(1) } else { l };
     let raw = u64::from(spec.qk_norm);
-    // per token of one layer, but the residual stream out: ln1 + rstd, (Qwen3) q/k before
-    // their norm + rstd, q, k, v, att, lse, att_proj, resid_mid, ln2 + rstd, gate, up,
-    // act, mlp_out
-    let layer = (c + 1)
-        + raw * (qd + kvd + hq + hkv)
-        + (qd + 2 * kvd)
-        + (qd + hq)
-        + 2 * c
-        + (c + 1)
-        + 3 * i
-        + c;
-    let layers = n * (c + kept * layer + l * c);
+    // per token of one kept layer: ln1 + rstd, (Qwen3) q/k before their norm + rstd, q, k,
+    // v, att, lse, resid_mid, ln2 + rstd, gate, up, act
+    let layer =
+        (c + 1) + raw * (qd + kvd + hq + hkv) + (qd + 2 * kvd) + (qd + hq) + c + (c + 1) + 3 * i;
+    // the embeddings, every layer's residual stream out, one layer's att_proj and mlp_out
+    let layers = n * (c + kept * layer + l * c + 2 * c);
     // the MLP block's stored in bf16: ln2, gate, up, act
     let mlp = match dtype {
         ActivationDtype::F32 => 0,
@@ -459,7 +455,7 @@ impl<B: Backend> Activations<B> {
     /// [`Activations::with_head`], keeping every layer's activations or, `checkpointed`,
     /// one layer's and the residual stream: the backward pass recomputes each layer's
     /// forward from its input first (activation checkpointing: the same gradients, bit for
-    /// bit, for about `(L − 1)·N·(5C + 3·Hq·D + 4·Hkv·D + 3I)` fewer floats and one more
+    /// bit, for about `(L − 1)·N·(3C + 3·Hq·D + 4·Hkv·D + 3I)` fewer floats and one more
     /// forward pass of the layers); the MLP block's activations stored as `dtype`
     /// (`act_dtype.rs`).
     ///

@@ -805,14 +805,21 @@ impl<B: Backend> LayerBuffers<B> {
             v: slot(v),
             att: slot(att),
             lse: slot(lse),
-            att_proj: slot(att_proj),
+            // one layer's, whatever the checkpointing
+            att_proj: Slot {
+                stack: att_proj,
+                layer: 0,
+            },
             resid_mid: slot(resid_mid),
             ln2: stored(ln2),
             ln2_rstd: slot(ln2_rstd),
             gate: stored(gate),
             up: stored(up),
             act: stored(act),
-            mlp_out: slot(mlp_out),
+            mlp_out: Slot {
+                stack: mlp_out,
+                layer: 0,
+            },
         }
     }
 

@@ -304,7 +304,7 @@ impl<B: Backend> Model<B> {
     /// activations of one, which each layer's forward overwrites — whatever
     /// [`Model::set_gradient_checkpointing`] says, with [`Model::activations`]' head and
     /// dtype. A forward pass gives the bits of any arena's (the same ops on the same
-    /// inputs) in about `(L − 1)·N·(5C + 3·Hq·D + 4·Hkv·D + 3I)` fewer floats; a backward
+    /// inputs) in about `(L − 1)·N·(3C + 3·Hq·D + 4·Hkv·D + 3I)` fewer floats; a backward
     /// pass would recompute each layer first, as under checkpointing.
     ///
     /// # Errors
