@@ -607,6 +607,12 @@ pub fn check(
         }
         ways.push("a smaller data.rollout_batch_size or worker.rollout.n");
     }
+    if cfg.trainer.weight_dtype == WeightDtypeCfg::F32 {
+        ways.push(
+            "trainer.weight_dtype=bf16 with trainer.matmul_precision=bf16 (the weight \
+             matrices in bf16; their gradients and the MLP's activations follow)",
+        );
+    }
     if plan.held.iter().any(|p| p.what == "gradients (f32)")
         && cfg.worker.actor.model.lora.rank == 0
     {
@@ -905,9 +911,10 @@ pub(crate) mod tests {
     fn a_refused_update_suggests_bf16_activations() {
         use crate::config::StorageDtypeCfg;
         let text = tiny();
-        let refusal = |act: StorageDtypeCfg| {
+        let refusal = |act: StorageDtypeCfg, weights: WeightDtypeCfg| {
             let mut cfg = Config::default();
             cfg.trainer.matmul_precision = MatmulPrecisionCfg::Bf16;
+            cfg.trainer.weight_dtype = weights;
             cfg.trainer.activation_dtype = Some(act);
             cfg.data.max_response_length = 4096;
             let plan = text_plan(&cfg, &text, false, true);
@@ -917,10 +924,13 @@ pub(crate) mod tests {
                 .unwrap_err()
                 .to_string()
         };
-        let msg = refusal(StorageDtypeCfg::F32);
+        let msg = refusal(StorageDtypeCfg::F32, WeightDtypeCfg::F32);
         assert!(msg.contains("trainer.activation_dtype=bf16"), "{msg}");
-        let msg = refusal(StorageDtypeCfg::Bf16);
+        // f32 weights: their bf16 storage is named too, and not once they are bf16
+        assert!(msg.contains("trainer.weight_dtype=bf16"), "{msg}");
+        let msg = refusal(StorageDtypeCfg::Bf16, WeightDtypeCfg::Bf16);
         assert!(!msg.contains("trainer.activation_dtype"), "{msg}");
+        assert!(!msg.contains("trainer.weight_dtype"), "{msg}");
     }
 
     /// A bf16 KV cache is planned at half the f32 one's bytes, named as such; the other
