@@ -476,7 +476,7 @@ impl<B: Backend> Model<B> {
         let w16 = p.w16.filter(|_| p.wt.is_none());
         let w16 = || {
             w16.ok_or(ModelError::Bf16Activations {
-                what: "a product without bf16 weights (needs matmul precision bf16)",
+                what: "a product without bf16 weights (bf16 copies or bf16 storage)",
             })
         };
         let be = &self.backend;
@@ -511,7 +511,7 @@ impl<B: Backend> Model<B> {
         };
         let p = g.param;
         let w16 = p.w16.ok_or(ModelError::Bf16Activations {
-            what: "a backward product without bf16 weights (needs matmul precision bf16)",
+            what: "a backward product without bf16 weights (bf16 copies or bf16 storage)",
         })?;
         let (dims, dx) = (p.dims, Some(dx));
         let w = GradWrites {
