@@ -229,6 +229,30 @@ impl NcclComm {
         op: GroupOp,
         items: &mut [(&mut CudaSlice<f32>, usize, Option<usize>)],
     ) -> Result<()> {
+        self.grouped(op, items, f32::TYPE)
+    }
+
+    /// [`NcclComm::grouped_f32`] on bf16 values (the bits of gradients stored in bf16):
+    /// NCCL adds them in its own order, each partial sum rounded to bf16 as it travels (a
+    /// world of one leaves them as they are).
+    ///
+    /// # Errors
+    /// As [`NcclComm::grouped_f32`].
+    pub fn grouped_bf16(
+        &self,
+        op: GroupOp,
+        items: &mut [(&mut CudaSlice<u16>, usize, Option<usize>)],
+    ) -> Result<()> {
+        self.grouped(op, items, sys::ncclDataType_t::ncclBfloat16)
+    }
+
+    /// [`NcclComm::grouped_f32`] on values of NCCL type `dtype`.
+    fn grouped<T: cudarc::driver::DeviceRepr>(
+        &self,
+        op: GroupOp,
+        items: &mut [(&mut CudaSlice<T>, usize, Option<usize>)],
+        dtype: sys::ncclDataType_t,
+    ) -> Result<()> {
         for (b, n, root) in items.iter() {
             self.check(op, *n, b.len(), *root)?;
         }
@@ -245,7 +269,7 @@ impl NcclComm {
             queued.push((ptr, *n, *root));
             guards.push(guard);
         }
-        self.group(&comm, op, &queued)?;
+        self.group_typed(&comm, op, &queued, dtype)?;
         drop(guards);
         self.wait(&mut comm, op.name())
     }
@@ -266,6 +290,37 @@ impl NcclComm {
         op: GroupOp,
         items: &[(cudarc::driver::sys::CUdeviceptr, usize, Option<usize>)],
     ) -> Result<()> {
+        // SAFETY: the caller's contract
+        unsafe { self.queue(op, items, f32::TYPE) }
+    }
+
+    /// [`NcclComm::queue_f32`] on bf16 values (the bits of gradients stored in bf16),
+    /// summed as [`NcclComm::grouped_bf16`] sums them.
+    ///
+    /// # Safety
+    /// As [`NcclComm::queue_f32`], each pointer naming `len` bf16 values.
+    ///
+    /// # Errors
+    /// As [`NcclComm::queue_f32`].
+    pub unsafe fn queue_bf16(
+        &self,
+        op: GroupOp,
+        items: &[(cudarc::driver::sys::CUdeviceptr, usize, Option<usize>)],
+    ) -> Result<()> {
+        // SAFETY: the caller's contract
+        unsafe { self.queue(op, items, sys::ncclDataType_t::ncclBfloat16) }
+    }
+
+    /// [`NcclComm::queue_f32`] on values of NCCL type `dtype`.
+    ///
+    /// # Safety
+    /// As [`NcclComm::queue_f32`], for values of `dtype`.
+    unsafe fn queue(
+        &self,
+        op: GroupOp,
+        items: &[(cudarc::driver::sys::CUdeviceptr, usize, Option<usize>)],
+        dtype: sys::ncclDataType_t,
+    ) -> Result<()> {
         for &(_, n, root) in items {
             self.check(op, n, n, root)?;
         }
@@ -274,7 +329,7 @@ impl NcclComm {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         comm.usable(op.name())?;
-        self.group(&comm, op, items)
+        self.group_typed(&comm, op, items, dtype)
     }
 
     /// Waits for every collective [`NcclComm::queue_f32`] queued, as
@@ -313,17 +368,8 @@ impl NcclComm {
         c_int(what, n).map(drop)
     }
 
-    /// Queues `op` on each of `items` (`(pointer, len, root)`, checked f32s) in one group.
-    fn group(
-        &self,
-        comm: &RawComm,
-        op: GroupOp,
-        items: &[(cudarc::driver::sys::CUdeviceptr, usize, Option<usize>)],
-    ) -> Result<()> {
-        self.group_typed(comm, op, items, f32::TYPE)
-    }
-
-    /// [`NcclComm::group`] on values of NCCL type `dtype`.
+    /// Queues `op` on each of `items` (`(pointer, len, root)`, checked values of NCCL type
+    /// `dtype`) in one group.
     fn group_typed(
         &self,
         comm: &RawComm,
@@ -395,8 +441,9 @@ impl NcclComm {
         let (buf, sum) = (ptr as *mut core::ffi::c_void, sys::ncclRedOp_t::ncclSum);
         // roots were checked < world (a c_int)
         let at = |r: Option<usize>| r.unwrap_or(0) as core::ffi::c_int;
-        // SAFETY: `buf` holds `count` f32 on this communicator's device, alive until the wait
-        // that follows (the callers' contract); send and receive buffers may coincide.
+        // SAFETY: `buf` holds `count` values of `dtype` on this communicator's device, alive
+        // until the wait that follows (the callers' contract); send and receive buffers may
+        // coincide.
         unsafe {
             match (op, root) {
                 (GroupOp::Sum, None) => {

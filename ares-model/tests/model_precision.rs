@@ -933,8 +933,7 @@ fn grads_of(
 /// Gradients stored in bf16 (`trainer.grad_dtype: bf16`): each linear weight's gradient
 /// is its f32 gradient rounded stochastically — one of its two bf16 neighbours — and every
 /// other gradient (embedding, norms, biases) is the f32 one, bit for bit; the bf16 stacks
-/// take half the bytes; an f32 view of one is refused, and so is a layer watcher (the
-/// data-parallel sum reads f32 views).
+/// take half the bytes; an f32 view of one is refused.
 #[test]
 fn bf16_grads_are_the_f32_grads_rounded_stochastically() {
     use ares_model::model::{GradDtype, ModelError};
@@ -1012,16 +1011,85 @@ fn bf16_grads_are_the_f32_grads_rounded_stochastically() {
     let saved = g32.bytes() - g16.bytes();
     let layer_scratch = 4 * linear as u64 / m.spec().layers as u64;
     assert_eq!(saved, 2 * linear as u64 - layer_scratch);
-    // a layer watcher reads f32 views: refused before anything is added
-    let mut watched = m.grads_in(GradDtype::Bf16).unwrap();
-    watched.watch_layers(Some(Box::new(|_, _, _| {})));
-    let (b, dl) = &batch;
-    let mut acts = m.activations_full(b.batch, b.seq).unwrap();
-    m.forward(&b.inputs(), &mut acts).unwrap();
-    let mut d = be.alloc(dl.len()).unwrap();
-    be.upload(dl, ViewMut::whole(&mut d)).unwrap();
-    let err = m.backward(&b.inputs(), &mut acts, View::whole(&d), &mut watched);
-    assert!(matches!(err, Err(ModelError::Bf16Grads { .. })), "{err:?}");
+}
+
+/// What a data-parallel run reads and writes of gradients stored in bf16: a layer watcher
+/// is handed each layer's gradients as stored (the seven linear ones as bf16 bits) once
+/// the layer is folded, and they are the values the pass ends with; `read_values` widens
+/// them, `write_values` rounds to nearest (ties to even) — f32 gradients as they are; a
+/// pass keyed by `set_rounding_pass` draws the same bits for the same key, others for
+/// another.
+#[test]
+fn bf16_grads_are_watched_read_and_written_as_stored() {
+    use ares_model::backend::Stored;
+    use ares_model::model::{GradDtype, ModelError};
+    let m = model("qwen2_tiny");
+    let (b, dl) = fixed_dlogits(&m);
+    let be = m.backend();
+    let pass_into = |g: &mut ares_model::model::Grads<CpuBackend>| {
+        let mut acts = m.activations_full(b.batch, b.seq).unwrap();
+        m.forward(&b.inputs(), &mut acts).unwrap();
+        let mut d = be.alloc(dl.len()).unwrap();
+        be.upload(&dl, ViewMut::whole(&mut d)).unwrap();
+        m.backward(&b.inputs(), &mut acts, View::whole(&d), g)
+            .unwrap();
+    };
+    let mut g = m.grads_in(GradDtype::Bf16).unwrap();
+    let layers = m.spec().layers;
+    let halves = common::check_layer_watch(be, layers, &mut g, |g| pass_into(g));
+    assert_eq!(
+        halves,
+        7 * layers,
+        "the linear weights' gradients handed over in bf16"
+    );
+    // a bf16 buffer takes values rounded to nearest, ties to even; an f32 one as they are
+    let (lens, stored) = (g.lens(), g.stored());
+    let half = stored
+        .iter()
+        .position(|s| matches!(s, Stored::Bf16(_)))
+        .unwrap();
+    let f32s = stored
+        .iter()
+        .position(|s| matches!(s, Stored::F32(_)))
+        .unwrap();
+    let u = 2f32.powi(-8); // half an ulp of bf16 at 1
+    let given = [1.0 + u, 1.0 + 3.0 * u, 1.0 + u + u / 16.0, -0.0, 3.0e-3];
+    let rounded = [
+        1.0,
+        1.0 + 4.0 * u,
+        1.0 + 2.0 * u,
+        -0.0,
+        f32::from_bits(0x3b45_0000),
+    ];
+    let mut back = [0.0f32; 5];
+    for (buffer, want) in [(half, rounded), (f32s, given)] {
+        let offset = lens[buffer] - 5;
+        g.write_values(be, buffer, offset, &given).unwrap();
+        g.read_values(be, buffer, offset, &mut back).unwrap();
+        assert_eq!(
+            back.map(f32::to_bits),
+            want.map(f32::to_bits),
+            "buffer {buffer}"
+        );
+    }
+    let past = g.write_values(be, lens.len(), 0, &given);
+    assert!(
+        matches!(past, Err(ModelError::InvalidValue { .. })),
+        "{past:?}"
+    );
+    let over = g.read_values(be, half, lens[half] - 4, &mut back);
+    assert!(over.is_err(), "a range past the buffer: {over:?}");
+    // the rounding keyed by the pass given: the same key the same bits
+    let name = "model.layers.1.mlp.down_proj.weight";
+    let keyed = |pass: u64| {
+        let mut g = m.grads_in(GradDtype::Bf16).unwrap();
+        g.set_rounding(3, 1);
+        g.set_rounding_pass(pass);
+        pass_into(&mut g);
+        g.download(be, name).unwrap()
+    };
+    assert_eq!(keyed(5), keyed(5));
+    assert_ne!(keyed(5), keyed(6));
 }
 
 /// Gradients accumulated in bf16 over many backward passes stay unbiased: 2 048 passes of

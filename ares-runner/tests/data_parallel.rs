@@ -189,21 +189,60 @@ fn worlds_of_one_two_and_four_give_the_same_bits() {
     }
 }
 
-/// Gradients stored in bf16 meet the ranks' f32 sums: unset, a run on ranks keeps f32
-/// gradients (the bf16-weight runs above are such runs); asked for, every rank refuses
-/// with the key to change, before any step.
+/// Gradients stored in bf16 on ranks: each micro-batch's stochastic rounding is keyed by
+/// the micro-batch (not by the rank that runs it), and the ranks' sums are made in f32 from
+/// the widened values and rounded once to nearest. So with `gradient_sum: slices` the run
+/// is the same bits at any world size; with `ranks` a world of one is the run without
+/// ranks, and the sums overlapped with the backward or reduce-scattered (ZeRO-1) are the
+/// bits of the plain sum after it. The setting changes the run (it is not f32 unseen).
 #[test]
-fn bf16_gradients_asked_for_on_ranks_are_refused() {
+fn bf16_gradients_sum_over_ranks_as_on_one() {
     let dir = tempfile::tempdir().unwrap();
     let a = assets(&dir.path().join("assets"));
-    let cfg = config(&a, &dir.path().join("g16"), &["trainer.grad_dtype=bf16"]);
-    for r in run_world(&cfg, 2) {
-        let Err(e) = r else { panic!("a rank ran") };
-        let msg = e.to_string();
-        assert!(
-            msg.contains("trainer.grad_dtype: bf16") && msg.contains("2 ranks"),
-            "{msg}"
-        );
+    let g16 = "trainer.grad_dtype=bf16";
+    let ((m1, c1), _) = outcome_with(dir.path(), &a, 1, &[g16]);
+    let (f32s, _) = outcome(dir.path(), &a, 1);
+    assert_ne!(m1, f32s, "bf16 gradients change the run");
+    assert!(
+        m1[2]["actor/grad_norm"].as_f64().unwrap() > 0.0,
+        "{:?}",
+        m1[2]
+    );
+    for world in [2, 3] {
+        let ((m, c), _) = outcome_with(dir.path(), &a, world, &[g16]);
+        assert_eq!(m, m1, "slices, world {world}: metrics");
+        assert_same_files(&c, &c1, &format!("slices, world {world}"));
+    }
+
+    let sum = "trainer.gradient_sum=ranks";
+    let plain_run = dir.path().join("plain16");
+    let mut t = Trainer::new(
+        config(&a, &plain_run, &[g16]),
+        CpuBackend,
+        Arc::new(AtomicBool::new(false)),
+    )
+    .unwrap();
+    t.settings.rollout_chunk = 4;
+    let s = t.run().unwrap();
+    let plain = (
+        metrics(&s.metrics),
+        checkpoint_files(&s.checkpoint.unwrap()),
+    );
+    let ((one, c_one), _) = outcome_with(dir.path(), &a, 1, &[g16, sum]);
+    assert_eq!(one, plain.0, "ranks, a world of one: metrics");
+    assert_same_files(&c_one, &plain.1, "ranks, a world of one");
+
+    let after = ["trainer.zero_stage=0", "trainer.overlap_gradient_sum=false"];
+    let ((want, c_want), _) = outcome_with(dir.path(), &a, 2, &[g16, sum, after[0], after[1]]);
+    for (zero, overlap) in [
+        ("trainer.zero_stage=0", "trainer.overlap_gradient_sum=true"),
+        ("trainer.zero_stage=1", "trainer.overlap_gradient_sum=false"),
+        ("trainer.zero_stage=1", "trainer.overlap_gradient_sum=true"),
+    ] {
+        let ((m, c), _) = outcome_with(dir.path(), &a, 2, &[g16, sum, zero, overlap]);
+        let what = format!("ranks, world 2, {zero}, {overlap}");
+        assert_eq!(m, want, "{what}: metrics");
+        assert_same_files(&c, &c_want, &what);
     }
 }
 

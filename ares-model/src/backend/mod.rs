@@ -121,6 +121,41 @@ impl<B: Backend + ?Sized> Clone for Stored<'_, B> {
 
 impl<B: Backend + ?Sized> Copy for Stored<'_, B> {}
 
+impl<B: Backend + ?Sized> Stored<'_, B> {
+    /// Elements in the view.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::F32(v) => v.len(),
+            Self::Bf16(v) => v.len(),
+        }
+    }
+
+    /// Whether the view holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Copies the values to `dst` on the host, bf16 ones widened to f32 (exact: the bits
+    /// shifted up). Returns once the copy has landed.
+    ///
+    /// # Errors
+    /// `dst` of another length; a backend failure.
+    pub fn download(self, backend: &B, dst: &mut [f32]) -> Result<()> {
+        match self {
+            Self::F32(v) => backend.download(v, dst),
+            Self::Bf16(v) => {
+                BackendError::check_len("download's destination", v.len(), dst.len())?;
+                let mut bits = vec![0u16; v.len()];
+                backend.download_half(v, &mut bits)?;
+                for (d, b) in dst.iter_mut().zip(bits) {
+                    *d = f32::from_bits(u32::from(b) << 16);
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
 /// Words of a [`Backend::actor_loss`] report (CUDA: the loss kernel's ten totals and its two
 /// status words; the CPU: core's values).
 pub const ACTOR_LOSS_REPORT: usize = 12;

@@ -148,12 +148,6 @@ impl<B: Backend> Model<B> {
             watch,
             half,
         } = grads;
-        if watch.is_some() && half.is_some() {
-            // a watcher is handed f32 views of each layer's gradients (a data-parallel sum)
-            return Err(ModelError::Bf16Grads {
-                what: "watching the layers' gradients (a data-parallel sum)",
-            });
-        }
         let mut grads = base.as_mut();
 
         // LM head: dlnf = dlogits · W; dW += dlogitsᵀ · lnf (tied: into the embedding).
@@ -344,7 +338,7 @@ impl<B: Backend> Model<B> {
             // layer l's gradients are complete: a watcher may start their sum over ranks
             if let Some(watch) = watch.as_mut() {
                 let lg = lora.as_ref().map(|(_, lg)| &**lg);
-                let views = super::grads::layer_views(grads.as_deref(), lg, l)?;
+                let views = super::grads::layer_views(grads.as_deref(), lg, half.as_ref(), l)?;
                 watch(be, l, &views);
             }
         }

@@ -39,6 +39,15 @@ impl<'a, B: Backend> TrainableMut<'a, B> {
     }
 }
 
+/// No gradient buffer `buffer` among `count`.
+fn no_buffer(buffer: usize, count: usize) -> ModelError {
+    ModelError::InvalidValue {
+        what: format!("gradient buffer (of {count})"),
+        value: buffer as f64,
+        expected: "an index below the gradients' buffer count",
+    }
+}
+
 /// A trained tensor: name, shape, and (buffer, layer) among the trained buffers.
 pub(crate) type TrainedTensor = (String, Vec<usize>, (usize, usize));
 
@@ -59,9 +68,9 @@ pub struct Grads<B: Backend> {
 
 /// What [`Grads::watch_layers`] calls as a backward pass finishes each decoder layer, last
 /// to first: `(backend, layer, views)`, the views being that layer's gradients as
-/// [`Grads::layer_ranges`] names them, in its order. It cannot fail the backward: a watcher
-/// keeps its own errors.
-pub type LayerWatch<B> = Box<dyn for<'a> FnMut(&'a B, usize, &'a [Tensor<'a, B>]) + Send>;
+/// [`Grads::layer_ranges`] names them, in its order, each as it is stored (f32, or bf16
+/// bits). It cannot fail the backward: a watcher keeps its own errors.
+pub type LayerWatch<B> = Box<dyn for<'a> FnMut(&'a B, usize, &'a [Stored<'a, B>]) + Send>;
 
 /// `(buffer, offset, len)` of layer `layer` in each stacked buffer of `base` then `lora`
 /// (indices into their buffers in [`Grads::buffers`]' order); whole buffers have none.
@@ -83,17 +92,22 @@ fn layer_ranges_of<B: Backend>(
     out
 }
 
-/// Views of `ranges` (of [`layer_ranges_of`]) in the buffers of `base` then `lora`.
+/// Views of `ranges` (of [`layer_ranges_of`]) in the buffers of `base` then `lora`, or in
+/// the bf16 stacks of `half` for the gradients stored there.
 pub(crate) fn layer_views<'a, B: Backend>(
     base: Option<&'a DeviceWeights<B>>,
     lora: Option<&'a LoraParams<B>>,
+    half: Option<&'a HalfGrads<B>>,
     layer: usize,
-) -> Result<Vec<Tensor<'a, B>>, ModelError> {
+) -> Result<Vec<Stored<'a, B>>, ModelError> {
     let mut buffers = base.map(|g| g.buffers()).unwrap_or_default();
     buffers.extend(lora.iter().flat_map(|l| l.buffers()));
     let mut out = Vec::new();
     for (b, offset, len) in layer_ranges_of(base, lora, layer) {
-        out.push(View::new(buffers[b], offset, len)?);
+        out.push(match half.and_then(|h| h.stack_of(b)) {
+            Some(h) => Stored::Bf16(View::new(h.whole().buffer(), offset, len)?),
+            None => Stored::F32(View::new(buffers[b], offset, len)?),
+        });
     }
     Ok(out)
 }
@@ -179,6 +193,93 @@ impl<B: Backend> Grads<B> {
         if let Some(h) = &mut self.half {
             h.set_rounding(seed, step);
         }
+    }
+
+    /// Keys the stochastic rounding of the coming backward pass by `pass` (gradients
+    /// stored in bf16): a run that numbers its passes itself — a micro-batch's index in its
+    /// mini-batch, whichever rank runs it — draws the same bits for a pass wherever it runs.
+    /// Later passes count on from it. Nothing for f32 gradients.
+    pub fn set_rounding_pass(&mut self, pass: u64) {
+        if let Some(h) = &mut self.half {
+            h.set_pass(pass);
+        }
+    }
+
+    /// Copies `out.len()` values of gradient buffer `buffer` ([`Grads::buffers`]' order)
+    /// from `offset` to the host: f32 values, or a gradient stored in bf16 widened (exact).
+    ///
+    /// # Errors
+    /// A buffer index or range past the gradients; a backend failure.
+    pub fn read_values(
+        &self,
+        backend: &B,
+        buffer: usize,
+        offset: usize,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let len = out.len();
+        let range = match self.stored_buffer(buffer)? {
+            Stored::F32(b) => Stored::F32(View::new(b.buffer(), offset, len)?),
+            Stored::Bf16(h) => Stored::Bf16(View::new(h.buffer(), offset, len)?),
+        };
+        Ok(range.download(backend, out)?)
+    }
+
+    /// Writes `values` into gradient buffer `buffer` from `offset`: f32 values as they
+    /// are, or rounded to the nearest bf16 (ties to even) into a gradient stored in bf16 —
+    /// one rounding of a sum made in f32 (a data-parallel run's over its ranks).
+    ///
+    /// # Errors
+    /// As [`Grads::read_values`].
+    pub fn write_values(
+        &mut self,
+        backend: &B,
+        buffer: usize,
+        offset: usize,
+        values: &[f32],
+    ) -> Result<(), ModelError> {
+        let len = values.len();
+        if let Some(h) = self.half.as_mut().and_then(|h| h.stack_of_mut(buffer)) {
+            let bits: Vec<u16> = values
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            backend.upload_half(&bits, ViewMut::new(h.buffer_mut(), offset, len)?)?;
+            return Ok(());
+        }
+        let mut all = self.buffers_mut();
+        if buffer >= all.len() {
+            return Err(no_buffer(buffer, all.len()));
+        }
+        let b = all.swap_remove(buffer);
+        backend.upload(values, ViewMut::new(b, offset, len)?)?;
+        Ok(())
+    }
+
+    /// Gradient buffer `buffer` as it is stored (see [`Grads::stored`]).
+    fn stored_buffer(&self, buffer: usize) -> Result<Stored<'_, B>, ModelError> {
+        let mut all = self.stored();
+        if buffer >= all.len() {
+            return Err(no_buffer(buffer, all.len()));
+        }
+        Ok(all.swap_remove(buffer))
+    }
+
+    /// Every gradient buffer as stored, writable, in [`Grads::buffers`]' order (a
+    /// data-parallel run sums them over its ranks in place on their device).
+    pub fn stored_mut(&mut self) -> Vec<TrainableMut<'_, B>> {
+        let mut f32s = self.g.as_mut().map(|g| g.buffers_mut()).unwrap_or_default();
+        f32s.extend(self.lora.iter_mut().flat_map(LoraParams::buffers_mut));
+        let mut out: Vec<_> = f32s.into_iter().map(TrainableMut::F32).collect();
+        if let Some(h) = &mut self.half {
+            let indices = h.buffer_indices();
+            for (i, stack) in indices.into_iter().zip(h.stacks_mut()) {
+                if let Some(slot) = out.get_mut(i) {
+                    *slot = TrainableMut::Bf16(stack.buffer_mut());
+                }
+            }
+        }
+        out
     }
 
     /// Where decoder layer `layer`'s gradients lie: `(buffer, offset, len)` for each buffer

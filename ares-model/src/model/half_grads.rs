@@ -80,6 +80,23 @@ impl<B: Backend> HalfGrads<B> {
         self.stacks.get(k)
     }
 
+    /// The bf16 stack of the gradients' buffer `buffer`, writable, if it is one.
+    pub(crate) fn stack_of_mut(&mut self, buffer: usize) -> Option<&mut HalfStack<B>> {
+        let k = self.buffers.iter().position(|&b| b == buffer)?;
+        self.stacks.get_mut(k)
+    }
+
+    /// The buffer index (`Grads::buffers` order) of each stack, in [`Self::stacks_mut`]'
+    /// order.
+    pub(crate) fn buffer_indices(&self) -> [usize; 7] {
+        self.buffers
+    }
+
+    /// The stacks, q, k, v, o, gate, up, down.
+    pub(crate) fn stacks_mut(&mut self) -> Vec<&mut HalfStack<B>> {
+        self.stacks.iter_mut().collect()
+    }
+
     /// Zeroes the stacks.
     pub(crate) fn zero(&mut self, be: &B) -> Result<(), ModelError> {
         for s in &mut self.stacks {
@@ -111,6 +128,11 @@ impl<B: Backend> HalfGrads<B> {
     /// Sets the rounding keys' seed and step; the passes count from 0 again.
     pub(crate) fn set_rounding(&mut self, seed: u64, step: u64) {
         (self.seed, self.step, self.pass) = (seed, step, 0);
+    }
+
+    /// Keys the coming backward pass by `pass` (the ones after it count on).
+    pub(crate) fn set_pass(&mut self, pass: u64) {
+        self.pass = pass;
     }
 
     /// Bytes of the stacks and the scratch.

@@ -3,7 +3,7 @@
 //! views.
 
 use super::{ModelError, ModelSpec};
-use crate::backend::{Backend, DType, DeviceBuffer, Tensor, TensorMut, View, ViewMut};
+use crate::backend::{Backend, DType, DeviceBuffer, Stored, Tensor, TensorMut, View, ViewMut};
 use crate::hf::weights::{LAYER_SUFFIXES, LayerWeights, ModelWeights, Tensor as HostTensor};
 
 /// One kind of per-layer tensor, `[layers, item]` in one buffer.
@@ -95,12 +95,9 @@ impl<B: Backend> HalfStack<B> {
         backend: &B,
         view: View<'_, B::Half>,
     ) -> Result<Vec<f32>, ModelError> {
-        let mut bits = vec![0u16; view.len()];
-        backend.download_half(view, &mut bits)?;
-        Ok(bits
-            .into_iter()
-            .map(|b| f32::from_bits(u32::from(b) << 16))
-            .collect())
+        let mut out = vec![0.0; view.len()];
+        Stored::<B>::Bf16(view).download(backend, &mut out)?;
+        Ok(out)
     }
 }
 
@@ -686,15 +683,16 @@ impl<B: Backend> DeviceWeights<B> {
         out
     }
 
-    /// `(buffer, offset, len)` of layer `layer` in each stack among [`Self::buffers`] (a
-    /// released stack, and any past the last layer, has none).
+    /// `(buffer, offset, len)` of layer `layer` in each stack among [`Self::buffers`] — a
+    /// released stack's too, whose values lie in its bf16 stack (gradients stored in bf16);
+    /// none past the last layer.
     pub(crate) fn layer_ranges(&self, layer: usize) -> Vec<(usize, usize, usize)> {
         let whole = 2 + usize::from(self.lm_head.is_some());
         self.stacks()
             .into_iter()
             .filter_map(|(_, s)| s)
             .enumerate()
-            .filter(|(_, s)| (layer + 1) * s.item <= s.buffer.len())
+            .filter(|(_, s)| (layer + 1) * s.item <= s.len())
             .map(|(i, s)| (whole + i, layer * s.item, s.item))
             .collect()
     }

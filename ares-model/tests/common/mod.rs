@@ -158,7 +158,8 @@ pub fn with_head_dim(
 /// ([`Grads::watch_layers`]) and checks what it was told: every layer once, last to
 /// first, each with its gradients as they are once the whole pass has ended (so nothing
 /// after the layer wrote them), laid out as [`Grads::layer_ranges`] says; and that the
-/// layers' ranges and the whole buffers cover every gradient once.
+/// layers' ranges and the whole buffers cover every gradient once. Gradients stored in
+/// bf16 are handed over as bf16 views and read widened; returns how many views were.
 ///
 /// [`Grads::watch_layers`]: ares_model::model::Grads::watch_layers
 /// [`Grads::layer_ranges`]: ares_model::model::Grads::layer_ranges
@@ -167,34 +168,37 @@ pub fn check_layer_watch(
     layers: usize,
     grads: &mut ares_model::model::Grads<ares_model::backend::cpu::CpuBackend>,
     backward: impl FnOnce(&mut ares_model::model::Grads<ares_model::backend::cpu::CpuBackend>),
-) {
-    use ares_model::backend::{Backend, View};
+) -> usize {
+    use ares_model::backend::Stored;
     use std::sync::{Arc, Mutex};
-    type Seen = Arc<Mutex<Vec<(usize, Vec<f32>)>>>;
+    type Seen = Arc<Mutex<Vec<(usize, Vec<f32>, usize)>>>;
     let seen: Seen = Arc::default();
     let log = Arc::clone(&seen);
     grads.watch_layers(Some(Box::new(move |be, layer, views| {
         let mut values = Vec::new();
         for v in views {
             let mut part = vec![0.0f32; v.len()];
-            be.download(*v, &mut part).unwrap();
+            v.download(be, &mut part).unwrap();
             values.extend(part);
         }
-        log.lock().unwrap().push((layer, values));
+        let halves = views
+            .iter()
+            .filter(|v| matches!(v, Stored::Bf16(_)))
+            .count();
+        log.lock().unwrap().push((layer, values, halves));
     })));
     backward(grads);
     grads.watch_layers(None);
     let seen = seen.lock().unwrap();
     let order: Vec<usize> = seen.iter().map(|s| s.0).collect();
     assert_eq!(order, (0..layers).rev().collect::<Vec<_>>());
-    let buffers = grads.buffers();
-    let mut covered = vec![0usize; buffers.len()];
-    for (layer, values) in seen.iter() {
+    let lens = grads.lens();
+    let mut covered = vec![0usize; lens.len()];
+    for (layer, values, _) in seen.iter() {
         let mut now = Vec::new();
         for (b, offset, len) in grads.layer_ranges(*layer) {
             let mut part = vec![0.0f32; len];
-            be.download(View::new(buffers[b], offset, len).unwrap(), &mut part)
-                .unwrap();
+            grads.read_values(be, b, offset, &mut part).unwrap();
             now.extend(part);
             covered[b] += len;
         }
@@ -203,14 +207,11 @@ pub fn check_layer_watch(
         assert_eq!(bits(values), bits(&now), "layer {layer}");
     }
     // each buffer is stacked over the layers (covered whole) or a whole one (none)
-    for (b, (&c, buffer)) in covered.iter().zip(&buffers).enumerate() {
-        assert!(
-            c == 0 || c == buffer.len(),
-            "buffer {b}: {c} of {}",
-            buffer.len()
-        );
+    for (b, (&c, &len)) in covered.iter().zip(&lens).enumerate() {
+        assert!(c == 0 || c == len, "buffer {b}: {c} of {len}");
     }
     assert!(grads.layer_ranges(layers).is_empty());
+    seen.iter().map(|s| s.2).sum()
 }
 
 /// A forward and backward pass of `tower` over `plan`'s patches with fixed pixel values and

@@ -150,7 +150,7 @@ impl StorageDtypeCfg {
 }
 
 impl TrainerConfig {
-    /// How the gradients are stored on one rank: `grad_dtype` when given, else bf16 with
+    /// How the gradients are stored on each rank: `grad_dtype` when given, else bf16 with
     /// the weight matrices stored in bf16 (`weight_dtype: bf16`, which `precision: bf16`
     /// sets) and f32 otherwise.
     pub fn grad_dtype(&self) -> crate::model::GradDtype {
@@ -309,8 +309,9 @@ pub struct TrainerConfig {
     /// `seed`), so an accumulation over micro-batches stays unbiased; the embedding's,
     /// head's, norms', biases', a vision tower's and LoRA pairs' gradients stay f32.
     /// Default null: `bf16` with `weight_dtype: bf16` (and so under `precision: bf16`,
-    /// CUDA's default), `f32` otherwise, and `f32` in a data-parallel run, whose gradient
-    /// sums read f32 (set `bf16` there, an error).
+    /// CUDA's default), `f32` otherwise. In a data-parallel run each micro-batch's rounding
+    /// is keyed by the micro-batch, and the ranks' sum is made in f32 and rounded once to
+    /// nearest (through the host), or by NCCL in bf16 (`gradient_sum: ranks` on GPUs).
     pub grad_dtype: Option<StorageDtypeCfg>,
     /// How the activations the actor's training passes save in its MLP blocks (the
     /// post-attention norm's output, gate, up and their SwiGLU: most of a layer's) are

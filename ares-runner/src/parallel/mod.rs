@@ -147,7 +147,8 @@ pub trait Collective: Send + Sync {
         Ok(out)
     }
 
-    /// Sums each of `buffers` (a backend's f32 buffers, [`DeviceBuffer::as_any_mut`]) over
+    /// Sums each of `buffers` (a backend's f32 buffers or bf16 ones, gradients stored in
+    /// bf16, [`DeviceBuffer::as_any_mut`]) over
     /// the ranks in place on their device, in the transport's own order and as one group:
     /// to every rank where the root is `None`, to the root rank alone otherwise (ZeRO-1's
     /// reduce-scatter: the other ranks' copies are then unspecified). `None` when this
@@ -162,7 +163,7 @@ pub trait Collective: Send + Sync {
     }
 
     /// Queues the sum over the ranks of each of `ranges` — `(buffer, offset, len, root)`:
-    /// values of a backend's f32 buffer ([`DeviceBuffer::as_any`]), to every rank where the
+    /// values of a backend's f32 or bf16 buffer ([`DeviceBuffer::as_any`]), to every rank where the
     /// root is `None` — in place on their device, as one group, after the work already
     /// waited for on that device, and returns without waiting for it
     /// ([`Collective::wait_queued_device`]). `None` when this transport cannot reach them.
@@ -201,6 +202,15 @@ pub trait Collective: Send + Sync {
     ) -> Option<Result<(), CollectiveError>> {
         None
     }
+}
+
+/// The bytes of a trainable buffer (or a gradient) as stored.
+fn bytes_of<B: crate::backend::Backend>(b: &crate::model::TrainableMut<'_, B>) -> u64 {
+    let size = match b {
+        crate::model::TrainableMut::F32(_) => 4,
+        crate::model::TrainableMut::Bf16(_) => 2,
+    };
+    b.len() as u64 * size
 }
 
 /// A shared handle on this process's [`Collective`], with the step's helpers.
@@ -472,16 +482,23 @@ impl Ranks {
         Ok(())
     }
 
-    /// [`Collective::sum_device`] of `buffers`, counted as traffic; `None` when the
-    /// transport cannot sum them on their device.
-    pub fn sum_device<D: crate::backend::DeviceBuffer>(
+    /// [`Collective::sum_device`] of a model's gradient `buffers` (f32, or the bf16 bits
+    /// of gradients stored in bf16), counted as traffic; `None` when the transport cannot
+    /// sum them on their device.
+    pub fn sum_device<B: crate::backend::Backend>(
         &self,
-        buffers: &mut [(&mut D, Option<usize>)],
+        buffers: &mut [(crate::model::TrainableMut<'_, B>, Option<usize>)],
     ) -> Option<Result<(), CollectiveError>> {
-        let sent = buffers.iter().map(|(b, _)| b.len() as u64 * 4).sum();
+        use crate::backend::DeviceBuffer;
+        use crate::model::TrainableMut;
+        let sent = buffers.iter().map(|(b, _)| bytes_of(b)).sum();
         let mut any = Vec::with_capacity(buffers.len());
         for (b, root) in buffers.iter_mut() {
-            any.push((b.as_any_mut()?, *root));
+            let b: &mut dyn std::any::Any = match b {
+                TrainableMut::F32(b) => b.as_any_mut()?,
+                TrainableMut::Bf16(h) => h.as_any_mut()?,
+            };
+            any.push((b, *root));
         }
         let t = Instant::now();
         let out = self.0.sum_device(&mut any)?;
@@ -489,19 +506,26 @@ impl Ranks {
         Some(out)
     }
 
-    /// [`Collective::queue_sum_device`] of `ranges` (`(buffer, offset, len, root)`),
-    /// counted as traffic; `None` when the transport cannot reach them.
+    /// [`Collective::queue_sum_device`] of `ranges` (`(values, root)`: f32 values, or the
+    /// bits of gradients stored in bf16), counted as traffic; `None` when the transport
+    /// cannot reach them.
     ///
     /// # Safety
     /// As [`Collective::queue_sum_device`].
-    pub unsafe fn queue_sum_device<D: crate::backend::DeviceBuffer>(
+    pub unsafe fn queue_sum_device<B: crate::backend::Backend>(
         &self,
-        ranges: &[(&D, usize, usize, Option<usize>)],
+        ranges: &[(crate::backend::Stored<'_, B>, Option<usize>)],
     ) -> Option<Result<(), CollectiveError>> {
-        let sent = ranges.iter().map(|r| r.2 as u64 * 4).sum();
+        use crate::backend::{DeviceBuffer, Stored};
+        let mut sent = 0;
         let mut any = Vec::with_capacity(ranges.len());
-        for &(b, offset, len, root) in ranges {
-            any.push((b.as_any()?, offset, len, root));
+        for &(v, root) in ranges {
+            let (b, offset, len, size): (&dyn std::any::Any, _, _, _) = match v {
+                Stored::F32(v) => (v.buffer().as_any()?, v.offset(), v.len(), 4),
+                Stored::Bf16(v) => (v.buffer().as_any()?, v.offset(), v.len(), 2),
+            };
+            sent += len as u64 * size;
+            any.push((b, offset, len, root));
         }
         let t = Instant::now();
         // SAFETY: the caller's contract
@@ -545,10 +569,7 @@ impl Ranks {
         let sent = buffers
             .iter()
             .filter(|(_, root)| *root == rank)
-            .map(|(b, _)| match b {
-                TrainableMut::F32(b) => b.len() as u64 * 4,
-                TrainableMut::Bf16(h) => h.len() as u64 * 2,
-            })
+            .map(|(b, _)| bytes_of(b))
             .sum();
         let mut any = Vec::with_capacity(buffers.len());
         for (b, root) in buffers.iter_mut() {

@@ -2,7 +2,9 @@
 //! ([`TcpRanks`]), rank 0 sends them NCCL's unique id, and every operation then runs
 //! through NCCL on the rank's GPU (`ares_cuda::nccl`). The gathered bytes are the TCP
 //! transport's, so those do not depend on the transport; `trainer.gradient_sum: ranks`
-//! sums the gradient buffers on the device instead (NCCL's all-reduce, in its own order).
+//! sums the gradient buffers on the device instead (NCCL's all-reduce, in its own order;
+//! gradients stored in bf16 as bf16, NCCL's partial sums rounded to bf16 — where the host
+//! path sums in f32 and rounds once).
 
 use crate::backend::cuda::nccl::{GroupOp, NcclComm, unique_id};
 use crate::backend::cuda::{CudaBuffer, CudaHalf};
@@ -64,17 +66,23 @@ impl NcclRanks {
         }
     }
 
-    /// `op` on backend buffers, in one group; `None` when one is not a CUDA buffer.
-    fn grouped<'a>(
+    /// Sums backend buffers over the ranks: the f32 ones in one group, then the bf16 ones
+    /// (gradients stored in bf16) in another; `None` when one is not a CUDA buffer.
+    fn sums<'a>(
         &self,
-        op: GroupOp,
         buffers: impl Iterator<Item = (&'a mut dyn std::any::Any, Option<usize>)>,
     ) -> Option<Result<(), CollectiveError>> {
-        let mut items = Vec::new();
+        let (mut f32s, mut halves) = (Vec::new(), Vec::new());
         for (b, root) in buffers {
-            items.push((b.downcast_mut::<CudaBuffer>()?, root));
+            if b.is::<CudaBuffer>() {
+                f32s.push((b.downcast_mut::<CudaBuffer>()?, root));
+            } else {
+                halves.push((b.downcast_mut::<CudaHalf>()?, root));
+            }
         }
-        Some(CudaBuffer::nccl_grouped(&self.comm, op, &mut items).map_err(|e| self.failed(&e)))
+        let summed = CudaBuffer::nccl_grouped(&self.comm, GroupOp::Sum, &mut f32s)
+            .and_then(|()| CudaHalf::nccl_sums(&self.comm, &mut halves));
+        Some(summed.map_err(|e| self.failed(&e)))
     }
 }
 
@@ -91,30 +99,32 @@ impl Collective for NcclRanks {
         &self,
         buffers: &mut [(&mut dyn std::any::Any, Option<usize>)],
     ) -> Option<Result<(), CollectiveError>> {
-        self.grouped(
-            GroupOp::Sum,
-            buffers.iter_mut().map(|(b, r)| (&mut **b, *r)),
-        )
+        self.sums(buffers.iter_mut().map(|(b, r)| (&mut **b, *r)))
     }
 
     fn sums_on_device(&self, buffer: &dyn std::any::Any) -> bool {
-        buffer.is::<CudaBuffer>()
+        buffer.is::<CudaBuffer>() || buffer.is::<CudaHalf>()
     }
 
     unsafe fn queue_sum_device(
         &self,
         ranges: &[(&dyn std::any::Any, usize, usize, Option<usize>)],
     ) -> Option<Result<(), CollectiveError>> {
-        let mut items = Vec::with_capacity(ranges.len());
+        // the f32 values in one group, then the bf16 ones (gradients stored in bf16)
+        let (mut f32s, mut halves) = (Vec::new(), Vec::new());
         for &(b, offset, len, root) in ranges {
-            let b = b.downcast_ref::<CudaBuffer>()?;
-            match crate::backend::View::new(b, offset, len) {
-                Ok(v) => items.push((v, root)),
-                Err(e) => return Some(Err(self.failed(&e))),
+            let viewed = match b.downcast_ref::<CudaBuffer>() {
+                Some(b) => crate::backend::View::new(b, offset, len).map(|v| f32s.push((v, root))),
+                None => crate::backend::View::new(b.downcast_ref::<CudaHalf>()?, offset, len)
+                    .map(|v| halves.push((v, root))),
+            };
+            if let Err(e) = viewed {
+                return Some(Err(self.failed(&e)));
             }
         }
         // SAFETY: the caller's contract (the values are left alone until the wait)
-        let queued = unsafe { CudaBuffer::nccl_queue_sums(&self.comm, &items) };
+        let queued = unsafe { CudaBuffer::nccl_queue_sums(&self.comm, &f32s) }
+            .and_then(|()| unsafe { CudaHalf::nccl_queue_sums(&self.comm, &halves) });
         Some(queued.map_err(|e| self.failed(&e)))
     }
 

@@ -396,18 +396,6 @@ impl<B: Backend + Clone> Trainer<B> {
                 self.python = start_python_worker(&cfg, &self.run_dir)?;
             }
         }
-        // the gradient sums over the ranks read f32 gradients
-        if self.opt.grads.dtype() == crate::model::GradDtype::Bf16 {
-            if self.cfg.trainer.grad_dtype.is_some() {
-                return Err(TrainError::Invalid(format!(
-                    "trainer.grad_dtype: bf16: a data-parallel run ({} ranks) sums f32 \
-                     gradients; set f32, or leave it unset (f32 on several ranks, bf16 on \
-                     one with bf16 weights)",
-                    ranks.world()
-                )));
-            }
-            self.opt.grads = self.actor.lm().grads()?;
-        }
         if self.cfg.trainer.zero_stage == 1 {
             let sizes = self.actor.lm().trainable_lens();
             let owners = crate::parallel::shares(&sizes, ranks.world());

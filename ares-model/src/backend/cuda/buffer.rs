@@ -131,6 +131,68 @@ impl CudaHalf {
     }
 }
 
+impl CudaHalf {
+    /// Sums each of `items` — `(buffer, root)`: bf16 values (gradients stored in bf16) —
+    /// over the ranks of `comm` in place, to every rank or to the root alone, in one NCCL
+    /// group ([`NcclComm::grouped_bf16`]: NCCL's order, its partial sums in bf16).
+    ///
+    /// [`NcclComm::grouped_bf16`]: ares_cuda::nccl::NcclComm::grouped_bf16
+    ///
+    /// # Errors
+    /// A buffer not bf16, a root past the world; NCCL's or CUDA's failure.
+    pub fn nccl_sums(
+        comm: &ares_cuda::nccl::NcclComm,
+        items: &mut [(&mut CudaHalf, Option<usize>)],
+    ) -> Result<()> {
+        for (b, _) in items.iter() {
+            BackendError::check_dtype("nccl", "summed 16-bit values", DType::Bf16, b.dtype)?;
+        }
+        let mut slices: Vec<_> = items
+            .iter_mut()
+            .map(|(b, root)| {
+                let len = b.len;
+                (&mut b.slice, len, *root)
+            })
+            .collect();
+        comm.grouped_bf16(ares_cuda::nccl::GroupOp::Sum, &mut slices)
+            .map_err(|e| BackendError::Op {
+                op: "nccl",
+                source: Box::new(e),
+            })
+    }
+
+    /// [`CudaBuffer::nccl_queue_sums`] of bf16 values (gradients stored in bf16), summed as
+    /// [`CudaHalf::nccl_sums`] sums them.
+    ///
+    /// # Safety
+    /// As [`CudaBuffer::nccl_queue_sums`].
+    ///
+    /// # Errors
+    /// A view out of its buffer or not bf16, a root past the world; NCCL's or CUDA's
+    /// failure.
+    pub unsafe fn nccl_queue_sums(
+        comm: &ares_cuda::nccl::NcclComm,
+        items: &[(View<'_, CudaHalf>, Option<usize>)],
+    ) -> Result<()> {
+        let mut queued = Vec::with_capacity(items.len());
+        for (v, root) in items {
+            use ares_cuda::cudarc::driver::{DevicePtr, DeviceSlice};
+            let bits = half_view("nccl", "summed 16-bit values", *v, DType::Bf16)?;
+            let stream = bits.stream().clone();
+            let (ptr, _) = bits.device_ptr(&stream);
+            queued.push((ptr, v.len(), *root));
+        }
+        // SAFETY: each pointer names its view's bf16 values, which the caller leaves alone
+        // until the wait
+        unsafe { comm.queue_bf16(ares_cuda::nccl::GroupOp::Sum, &queued) }.map_err(|e| {
+            BackendError::Op {
+                op: "nccl",
+                source: Box::new(e),
+            }
+        })
+    }
+}
+
 /// The device bits a 16-bit view names, after checking it holds `want` (argument `arg` of
 /// `op`).
 pub(super) fn half_view<'a>(

@@ -17,9 +17,9 @@ use ares_core::loss::EntropyTerm;
 /// Metrics by name.
 pub type Metrics = std::collections::BTreeMap<String, f64>;
 
-use crate::backend::{Backend, DeviceBuffer, View, ViewMut};
+use crate::backend::{Backend, DeviceBuffer, Stored, View, ViewMut};
 use crate::config::GradientSum;
-use crate::model::{Activations, AdamW, Grads};
+use crate::model::{Activations, AdamW, Grads, TrainableMut};
 use crate::parallel::wire::{Reader, Writer};
 use crate::parallel::{Holder, Ranks};
 use crate::trainer::TrainError;
@@ -167,18 +167,90 @@ const SLICE_EMPTY: u8 = 0;
 const SLICE_NON_FINITE: u8 = 1;
 const SLICE_LEARNED: u8 = 2;
 
-/// Every gradient buffer of `opt`: the model's, then the vision tower's.
-fn grad_buffers<B: Backend>(opt: &Optimizer<B>) -> Vec<&B::Buffer> {
-    let mut all = opt.grads.buffers();
+/// The length of every gradient buffer of `opt`: the model's (one stored in bf16 too, in
+/// [`Grads::buffers`]' order), then the vision tower's.
+///
+/// [`Grads::buffers`]: crate::model::Grads::buffers
+fn grad_lens<B: Backend>(opt: &Optimizer<B>) -> Vec<usize> {
+    let mut all = opt.grads.lens();
     if let Some(t) = &opt.tower {
-        all.extend(t.grads.buffers());
+        all.extend(t.grads.buffers().iter().map(|b| b.len()));
     }
     all
 }
 
 /// The number of gradient values of `opt`.
 fn grads_len<B: Backend>(opt: &Optimizer<B>) -> usize {
-    grad_buffers(opt).iter().map(|b| b.len()).sum()
+    grad_lens(opt).iter().sum()
+}
+
+/// Every gradient buffer of `opt` as stored ([`grad_lens`]' order): the model's f32 or
+/// bf16 ones, then the tower's.
+fn stored_grads<B: Backend>(opt: &Optimizer<B>) -> Vec<Stored<'_, B>> {
+    let mut all = opt.grads.stored();
+    if let Some(t) = &opt.tower {
+        all.extend(
+            t.grads
+                .buffers()
+                .into_iter()
+                .map(|b| Stored::F32(View::whole(b))),
+        );
+    }
+    all
+}
+
+/// Copies `out.len()` values of gradient buffer `buffer` ([`grad_lens`]' order) from
+/// `offset` to the host, a bf16 gradient widened (exact).
+fn read_grads<B: Backend>(
+    be: &B,
+    opt: &Optimizer<B>,
+    (buffer, offset): (usize, usize),
+    out: &mut [f32],
+) -> Result<(), TrainError> {
+    let lm = opt.grads.lens().len();
+    match (buffer.checked_sub(lm), &opt.tower) {
+        (None, _) => opt.grads.read_values(be, buffer, offset, out)?,
+        (Some(t), Some(tower)) => {
+            let b = tower_buffer(tower.grads.buffers(), t)?;
+            be.download(View::new(b, offset, out.len())?, out)?
+        }
+        (Some(t), None) => return Err(no_tower_buffer(t)),
+    }
+    Ok(())
+}
+
+/// Writes `values` into gradient buffer `buffer` ([`grad_lens`]' order) from `offset`,
+/// rounded to nearest into a gradient stored in bf16 (one rounding of the ranks' f32 sum).
+fn write_grads<B: Backend>(
+    be: &B,
+    opt: &mut Optimizer<B>,
+    (buffer, offset): (usize, usize),
+    values: &[f32],
+) -> Result<(), TrainError> {
+    let lm = opt.grads.lens().len();
+    match (buffer.checked_sub(lm), &mut opt.tower) {
+        (None, _) => opt.grads.write_values(be, buffer, offset, values)?,
+        (Some(t), Some(tower)) => {
+            let b = tower_buffer(tower.grads.buffers_mut(), t)?;
+            be.upload(values, ViewMut::new(b, offset, values.len())?)?
+        }
+        (Some(t), None) => return Err(no_tower_buffer(t)),
+    }
+    Ok(())
+}
+
+/// The tower's gradient buffer `t` among `buffers`.
+fn tower_buffer<T>(mut buffers: Vec<T>, t: usize) -> Result<T, TrainError> {
+    if t < buffers.len() {
+        Ok(buffers.swap_remove(t))
+    } else {
+        Err(no_tower_buffer(t))
+    }
+}
+
+/// No vision-tower gradient buffer `t`.
+fn no_tower_buffer(t: usize) -> TrainError {
+    TrainError::Internal(format!("no vision-tower gradient buffer {t}"))
 }
 
 /// Zeroes `opt`'s gradients (the model's and the tower's) before an accumulation, whose
@@ -193,31 +265,28 @@ pub(crate) fn zero_grads<B: Backend>(be: &B, opt: &mut Optimizer<B>) -> Result<(
     Ok(())
 }
 
-/// `opt`'s gradients as one host vector, buffer after buffer.
+/// `opt`'s gradients as one host vector, buffer after buffer (bf16 ones widened).
 fn grads_to_host<B: Backend>(be: &B, opt: &Optimizer<B>) -> Result<Vec<f32>, TrainError> {
-    let mut out = vec![0.0f32; grads_len(opt)];
+    let lens = grad_lens(opt);
+    let mut out = vec![0.0f32; lens.iter().sum()];
     let mut at = 0;
-    for b in grad_buffers(opt) {
-        be.download(View::whole(b), &mut out[at..at + b.len()])?;
-        at += b.len();
+    for (i, len) in lens.into_iter().enumerate() {
+        read_grads(be, opt, (i, 0), &mut out[at..at + len])?;
+        at += len;
     }
     Ok(out)
 }
 
-/// Writes `host` (laid out as [`grads_to_host`] reads) into `opt`'s gradients.
+/// Writes `host` (laid out as [`grads_to_host`] reads) into `opt`'s gradients (into bf16
+/// ones rounded to nearest).
 fn grads_from_host<B: Backend>(
     be: &B,
     opt: &mut Optimizer<B>,
     host: &[f32],
 ) -> Result<(), TrainError> {
-    let mut all = opt.grads.buffers_mut();
-    if let Some(t) = &mut opt.tower {
-        all.extend(t.grads.buffers_mut());
-    }
     let mut at = 0;
-    for b in all {
-        let len = b.len();
-        be.upload(&host[at..at + len], ViewMut::whole(b))?;
+    for (i, len) in grad_lens(opt).into_iter().enumerate() {
+        write_grads(be, opt, (i, 0), &host[at..at + len])?;
         at += len;
     }
     Ok(())
@@ -232,11 +301,11 @@ fn sum_on_device<B: Backend>(
     opt: &mut Optimizer<B>,
     spans: Option<&[(usize, Holder)]>,
 ) -> Result<bool, TrainError> {
-    let mut all = opt.grads.buffers_mut();
+    let mut all = opt.grads.stored_mut();
     if let Some(t) = &mut opt.tower {
-        all.extend(t.grads.buffers_mut());
+        all.extend(t.grads.buffers_mut().into_iter().map(TrainableMut::F32));
     }
-    let mut items: Vec<(&mut B::Buffer, Option<usize>)> = all
+    let mut items: Vec<(TrainableMut<'_, B>, Option<usize>)> = all
         .into_iter()
         .enumerate()
         .map(|(i, b)| {
@@ -602,6 +671,9 @@ impl<B: Backend> Update<'_, B> {
         let read = self.inputs;
         let batch = read.batch;
         let (t, temperature) = (batch.tokens.cols(), read.settings.sampling.temperature());
+        // bf16 gradients' stochastic rounding keyed by the micro-batch, not by the rank
+        // that runs it or the passes before it there: the same bits at any world size
+        opt.grads.set_rounding_pass(index as u64);
         let packed = batch.pack(micro, self.layout)?;
         let shape = (packed.batch(), packed.seq());
         let acts = match &mut self.arena {

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
 use super::Optimizer;
-use crate::backend::{Backend, DeviceBuffer, View, ViewMut};
+use crate::backend::{Backend, Stored, View};
 use crate::model::{Grads, LayerWatch};
 use crate::parallel::{CollectiveError, Holder, Ranks};
 use crate::trainer::TrainError;
@@ -77,7 +77,7 @@ impl Overlap {
         spans: Option<&[(usize, Holder)]>,
         on_device: bool,
     ) -> Self {
-        let buckets = buckets(&opt.grads, &super::grad_buffers(opt), layers);
+        let buckets = buckets(&opt.grads, &super::grad_lens(opt), layers);
         let holders = buckets
             .iter()
             .map(|b| {
@@ -119,24 +119,20 @@ impl Overlap {
         let (handed, holders) = (Arc::clone(&self.handed), Arc::clone(&self.holders));
         let layers = self.buckets.len() - 1;
         let (on_device, ranks) = (self.on_device, self.ranks.clone());
-        Box::new(move |be: &B, layer: usize, views: &[View<'_, B::Buffer>]| {
+        Box::new(move |be: &B, layer: usize, views: &[Stored<'_, B>]| {
             let mut h = handed.lock().unwrap_or_else(PoisonError::into_inner);
             if layer >= layers || h.count != layers - 1 - layer || h.failed.is_some() {
                 return;
             }
             if on_device {
-                let ranges: Vec<_> = views
-                    .iter()
-                    .map(|v| (v.buffer(), v.offset(), v.len()))
-                    .collect();
                 // the layer's kernels first; then its sum beside the next layers'
-                match queue_on_device(be, &ranks, &ranges, &holders[h.count]) {
+                match queue_on_device(be, &ranks, views, &holders[h.count]) {
                     Ok(()) => h.count += 1,
                     Err(e) => h.failed = Some(e),
                 }
                 return;
             }
-            let mut values = vec![0.0f32; views.iter().map(|v| v.len()).sum()];
+            let mut values = vec![0.0f32; views.iter().map(Stored::len).sum()];
             if read_views(be, views, &mut values).is_err() {
                 return;
             }
@@ -171,12 +167,12 @@ impl Overlap {
         }
         if self.on_device {
             // the rest, a bucket a group as the watcher queued them; then the wait
-            let buffers = super::grad_buffers(opt);
+            let stored = super::stored_grads(opt);
             for k in count..self.buckets.len() {
-                let ranges: Vec<_> = self.buckets[k]
+                let ranges = self.buckets[k]
                     .iter()
-                    .map(|&(i, offset, len)| (buffers[i], offset, len))
-                    .collect();
+                    .map(|&(i, offset, len)| sub_view(stored[i], offset, len))
+                    .collect::<Result<Vec<_>, _>>()?;
                 queue_on_device(be, &self.ranks, &ranges, &self.holders[k])?;
             }
             return Ok(self.ranks.wait_queued_device()?);
@@ -186,11 +182,10 @@ impl Overlap {
         let mut unread = None;
         let mut late = Vec::new();
         {
-            let buffers = super::grad_buffers(opt);
             for k in count..self.buckets.len() {
                 let ranges = &self.buckets[k];
                 let mut values = vec![0.0f32; ranges.iter().map(|r| r.2).sum()];
-                if let Err(e) = read(be, &buffers, ranges, &mut values) {
+                if let Err(e) = read(be, opt, ranges, &mut values) {
                     unread.get_or_insert(e);
                     values.fill(0.0);
                 }
@@ -237,13 +232,14 @@ impl Overlap {
     }
 }
 
-/// The buckets of `grads` (a model of `layers` layers) and the tower's `buffers` beyond
-/// them: each layer's ranges, last layer first, then every value no layer holds.
-fn buckets<B: Backend>(grads: &Grads<B>, buffers: &[&B::Buffer], layers: usize) -> Vec<Vec<Range>> {
+/// The buckets of `grads` (a model of `layers` layers) and the tower's buffers beyond
+/// them (`lens`: every buffer's length): each layer's ranges, last layer first, then every
+/// value no layer holds.
+fn buckets<B: Backend>(grads: &Grads<B>, lens: &[usize], layers: usize) -> Vec<Vec<Range>> {
     let mut out: Vec<Vec<Range>> = (0..layers).rev().map(|l| grads.layer_ranges(l)).collect();
     // the rest: per buffer, the gaps between the layers' ranges
     let mut rest = Vec::new();
-    for (i, b) in buffers.iter().enumerate() {
+    for (i, &len) in lens.iter().enumerate() {
         let mut taken: Vec<(usize, usize)> = out
             .iter()
             .flatten()
@@ -252,7 +248,7 @@ fn buckets<B: Backend>(grads: &Grads<B>, buffers: &[&B::Buffer], layers: usize) 
             .collect();
         taken.sort_unstable();
         let mut at = 0;
-        for (start, end) in taken.into_iter().chain([(b.len(), b.len())]) {
+        for (start, end) in taken.into_iter().chain([(len, len)]) {
             if start > at {
                 rest.push((i, at, start - at));
             }
@@ -282,24 +278,24 @@ fn sum_each(ranks: &Ranks, received: &Receiver<Bucket>) -> Result<Vec<Vec<f32>>,
     Ok(out)
 }
 
-/// Queues the sum over `ranks` of `ranges` (`(buffer, offset, len)`, held as `holders`
-/// say) in place on their device, in one group, once `be`'s queued work is done.
+/// Queues the sum over `ranks` of `ranges` (values as stored, held as `holders` say) in
+/// place on their device, in one group, once `be`'s queued work is done.
 fn queue_on_device<B: Backend>(
     be: &B,
     ranks: &Ranks,
-    ranges: &[(&B::Buffer, usize, usize)],
+    ranges: &[Stored<'_, B>],
     holders: &Holders,
 ) -> Result<(), TrainError> {
     be.synchronize()?;
     let queued: Vec<_> = ranges
         .iter()
         .enumerate()
-        .map(|(j, &(b, offset, len))| {
+        .map(|(j, &v)| {
             let root = match holders.as_ref().map(|h| h[j].1) {
                 Some(Holder::Rank(r)) => Some(r),
                 _ => None,
             };
-            (b, offset, len, root)
+            (v, root)
         })
         .collect();
     // SAFETY: nothing touches a finished layer's gradients (or, at the end, any) until
@@ -314,52 +310,60 @@ fn queue_on_device<B: Backend>(
     }
 }
 
-/// Reads `ranges` of `buffers` into `values`, one after another.
+/// `len` values of `v` from `offset`.
+fn sub_view<B: Backend>(
+    v: Stored<'_, B>,
+    offset: usize,
+    len: usize,
+) -> Result<Stored<'_, B>, TrainError> {
+    Ok(match v {
+        Stored::F32(v) => Stored::F32(View::new(v.buffer(), offset, len)?),
+        Stored::Bf16(v) => Stored::Bf16(View::new(v.buffer(), offset, len)?),
+    })
+}
+
+/// Reads `ranges` of `opt`'s gradients into `values`, one after another (bf16 ones
+/// widened).
 fn read<B: Backend>(
     be: &B,
-    buffers: &[&B::Buffer],
+    opt: &Optimizer<B>,
     ranges: &[Range],
     values: &mut [f32],
 ) -> Result<(), TrainError> {
-    let views = ranges
-        .iter()
-        .map(|&(i, offset, len)| View::new(buffers[i], offset, len))
-        .collect::<Result<Vec<_>, _>>()?;
-    read_views(be, &views, values)
+    let mut at = 0;
+    for &(i, offset, len) in ranges {
+        super::read_grads(be, opt, (i, offset), &mut values[at..at + len])?;
+        at += len;
+    }
+    Ok(())
 }
 
-/// Reads `views` into `values`, one after another.
+/// Reads `views` into `values`, one after another (bf16 ones widened).
 fn read_views<B: Backend>(
     be: &B,
-    views: &[View<'_, B::Buffer>],
+    views: &[Stored<'_, B>],
     values: &mut [f32],
 ) -> Result<(), TrainError> {
     let mut at = 0;
     for v in views {
-        be.download(*v, &mut values[at..at + v.len()])?;
+        v.download(be, &mut values[at..at + v.len()])?;
         at += v.len();
     }
     Ok(())
 }
 
-/// Writes each bucket's `sums` into its ranges of `opt`'s gradients.
+/// Writes each bucket's `sums` into its ranges of `opt`'s gradients (into bf16 ones
+/// rounded to nearest).
 fn write<B: Backend>(
     be: &B,
     opt: &mut Optimizer<B>,
     buckets: &[Vec<Range>],
     sums: &[Vec<f32>],
 ) -> Result<(), TrainError> {
-    let mut buffers = opt.grads.buffers_mut();
-    if let Some(t) = &mut opt.tower {
-        buffers.extend(t.grads.buffers_mut());
-    }
     for (ranges, sum) in buckets.iter().zip(sums) {
         let mut at = 0;
         for &(i, offset, len) in ranges {
-            be.upload(
-                &sum[at..at + len],
-                ViewMut::new(&mut *buffers[i], offset, len)?,
-            )?;
+            super::write_grads(be, opt, (i, offset), &sum[at..at + len])?;
             at += len;
         }
     }

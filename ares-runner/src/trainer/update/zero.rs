@@ -6,7 +6,7 @@
 //! The update is elementwise and the gradient norm is taken over every buffer on every
 //! rank, so a sharded step gives the bits of an unsharded one.
 
-use crate::backend::{Backend, DeviceBuffer};
+use crate::backend::Backend;
 use crate::model::{AdamW, Grads, HostMoment, Model, ModelError, TrainableMut};
 use crate::parallel::wire::{Reader, WireError, Writer};
 use crate::parallel::{Holder, Ranks, shares};
@@ -25,7 +25,8 @@ pub fn gradient_spans<B: Backend>(
     if ranks.world() < 2 {
         return None;
     }
-    let sizes: Vec<usize> = grads.buffers().iter().map(|b| b.len()).collect();
+    // every buffer's length, one stored in bf16 too: the shares the optimizer made
+    let sizes = grads.lens();
     let owners = shares(&sizes, ranks.world());
     let mut spans: Vec<(usize, Holder)> = sizes
         .iter()
