@@ -11,7 +11,8 @@
 # size); on a GPU the decode batches differ between worlds, so world 2 may differ from
 # world 1 in the last bits, but TCP and NCCL carry the same bytes and must agree exactly.
 # With `gradient_sum: ranks`, the sum overlapped with the backward (the default) and the sum
-# after it must agree exactly too, over each transport (two ranks: a + b either way).
+# after it must agree exactly too, over each transport (two ranks: a + b either way) — with
+# CUDA's default bf16 gradients (over NCCL summed as bf16) and with f32 ones.
 set -uo pipefail
 bin=${ARES_RUNNER:-target/release/ares-runner}
 device=${DEVICE:-cuda}
@@ -66,5 +67,8 @@ for t in ${TRANSPORTS:-tcp nccl}; do
   launch "w2-$t-ranks" 2 "$t" trainer.gradient_sum=ranks trainer.overlap_gradient_sum=true
   launch "w2-$t-ranks-after" 2 "$t" trainer.gradient_sum=ranks trainer.overlap_gradient_sum=false
   same "w2-$t-ranks" "w2-$t-ranks-after" strict
+  launch "w2-$t-ranks-g32" 2 "$t" trainer.gradient_sum=ranks trainer.overlap_gradient_sum=true trainer.grad_dtype=f32
+  launch "w2-$t-ranks-after-g32" 2 "$t" trainer.gradient_sum=ranks trainer.overlap_gradient_sum=false trainer.grad_dtype=f32
+  same "w2-$t-ranks-g32" "w2-$t-ranks-after-g32" strict
 done
 exit $status

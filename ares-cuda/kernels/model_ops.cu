@@ -1553,6 +1553,9 @@ struct AttnArgs {
     const unsigned* cu;         // segment attention (tensor-core kernels): [segments + 1] offsets
     int segments;
     float* split_ws;            // split-K paged decoding (q_seq = 1): partial states; else NULL
+    const unsigned short* q16;  // tensor-core training kernels over activations stored in
+                                // bf16: q as bf16 bits (q unused; k16/v16 then hold k and v,
+                                // contiguous); else NULL
 };
 
 // Split-K (flash-decoding) for paged decoding: a sequence's keys are cut into split_count
@@ -1956,6 +1959,17 @@ __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     return (unsigned)bf16_rne(lo) | ((unsigned)bf16_rne(hi) << 16);
 }
 
+// Element idx of a tensor as bf16 bits: stored in bf16 (h, as they are), else f32 (f, rounded
+// to nearest even) — one rounding either way, so both give the same bits for the same values.
+__device__ __forceinline__ unsigned short bf16_at(const float* f, const unsigned short* h, i64 idx) {
+    return h ? h[idx] : bf16_rne(f[idx]);
+}
+
+// Elements idx and idx + 1 of such a tensor, packed as an mma operand pair.
+__device__ __forceinline__ unsigned bf16x2_at(const float* f, const unsigned short* h, i64 idx) {
+    return (unsigned)bf16_at(f, h, idx) | ((unsigned)bf16_at(f, h, idx + 1) << 16);
+}
+
 // c += a·b on the tensor cores (sm_80 and later; the host refuses older devices).
 __device__ __forceinline__ void mma_bf16_16816(float c[4], const unsigned a[4], unsigned b0,
                                                unsigned b1) {
@@ -2084,8 +2098,7 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 const int row = i % 2, col = 16 * ks + 8 * (i / 2) + 2 * tig;
-                const float* src = a.q + rw.orow[row] * D + col;
-                qa[ks][i] = rw.live[row] ? pack_bf16x2(src[0], src[1]) : 0u;
+                qa[ks][i] = rw.live[row] ? bf16x2_at(a.q, a.q16, rw.orow[row] * D + col) : 0u;
             }
         }
         float o[ND][4];
@@ -2107,9 +2120,9 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
                 const i64 row = s < key_end ? key_row(a, b, sp.kvb, s, status) : -1;
                 if (row >= 0) {
                     const i64 idx = (row * a.hkv + g) * D + c;
-                    // a bf16 pool's values are the rounded ones already
-                    kv = a.k16 ? a.k16[idx] : bf16_rne(a.k[idx]);
-                    vv = a.v16 ? a.v16[idx] : bf16_rne(a.v[idx]);
+                    // a bf16 pool's (or stored activation's) values are the rounded ones
+                    kv = bf16_at(a.k, a.k16, idx);
+                    vv = bf16_at(a.v, a.v16, idx);
                 }
                 Ks[j * KP + c] = kv;
                 Vt[c * VP + j] = vv;
@@ -2213,9 +2226,11 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 1)                           \
         NAME(const float* q, const float* k, const float* v, const float* mask, i64 batch,    \
              i64 q_seq, i64 kv_seq, i64 pos0, int hq, int hkv, float scale, float* out,        \
-             float* lse, unsigned* status, const unsigned* cu, int segments) {                \
+             float* lse, unsigned* status, const unsigned* cu, int segments,                  \
+             const unsigned short* q16, const unsigned short* k16,                            \
+             const unsigned short* v16) {                                                     \
         AttnArgs a = {q, k, v, mask, batch, q_seq, kv_seq, pos0, hq, hkv, D, scale,           \
-                      nullptr, nullptr, 0, 0, 0, nullptr, nullptr, cu, segments};             \
+                      nullptr, nullptr, 0, 0, 0, k16, v16, cu, segments, nullptr, q16};       \
         attention_fwd_mma_impl<D, false>(a, out, lse, status);                                \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 1)                           \
@@ -2647,7 +2662,7 @@ __device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const floa
             for (int i = 0; i < 4; i++) {
                 const int row = i % 2, col = 16 * ks + 8 * (i / 2) + 2 * tig;
                 const i64 at = rw.orow[row] * D + col;
-                qa[ks][i] = rw.live[row] ? pack_bf16x2(a.q[at], a.q[at + 1]) : 0u;
+                qa[ks][i] = rw.live[row] ? bf16x2_at(a.q, a.q16, at) : 0u;
                 da[ks][i] = rw.live[row] ? pack_bf16x2(dout[at], dout[at + 1]) : 0u;
             }
         }
@@ -2664,15 +2679,15 @@ __device__ __forceinline__ void attention_bwd_dq_mma_impl(AttnArgs a, const floa
             for (int i = threadIdx.x; i < MMA_BWD_TILE * D; i += blockDim.x) {
                 const int j = i / D, c = i - j * D;
                 const i64 s = kb + j;
-                float kv = 0.0f, vv = 0.0f;
+                unsigned short kv = 0, vv = 0;
                 if (s < key_end) {
                     const i64 idx = ((sp.kvb + s) * a.hkv + g) * D + c;
-                    kv = a.k[idx];
-                    vv = a.v[idx];
+                    kv = bf16_at(a.k, a.k16, idx);
+                    vv = bf16_at(a.v, a.v16, idx);
                 }
-                Ks[j * KP + c] = bf16_rne(kv);
-                Vs[j * KP + c] = bf16_rne(vv);
-                Kt[c * TP + j] = bf16_rne(kv);
+                Ks[j * KP + c] = kv;
+                Vs[j * KP + c] = vv;
+                Kt[c * TP + j] = kv;
             }
             if (threadIdx.x < MMA_BWD_TILE) {
                 const i64 s = kb + threadIdx.x;
@@ -2765,14 +2780,14 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
         for (int i = threadIdx.x; i < MMA_ROWS * D; i += blockDim.x) {
             const int j = i / D, c = i - j * D;
             const i64 s = kb0 + j;
-            float kv = 0.0f, vv = 0.0f;
+            unsigned short kv = 0, vv = 0;
             if (s < seq) {
                 const i64 idx = ((sp.kvb + s) * a.hkv + g) * D + c;
-                kv = a.k[idx];
-                vv = a.v[idx];
+                kv = bf16_at(a.k, a.k16, idx);
+                vv = bf16_at(a.v, a.v16, idx);
             }
-            Kb[j * KP + c] = bf16_rne(kv);
-            Vb[j * KP + c] = bf16_rne(vv);
+            Kb[j * KP + c] = kv;
+            Vb[j * KP + c] = vv;
         }
         if (threadIdx.x < MMA_ROWS) {
             const i64 s = kb0 + threadIdx.x;
@@ -2799,13 +2814,12 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
             for (int i = threadIdx.x; i < MMA_BWD_TILE * D; i += blockDim.x) {
                 const int rr = i / D, c = i - rr * D;
                 const i64 r = rb + rr;
-                float qv = 0.0f, ov = 0.0f;
+                unsigned short q16 = 0, o16 = 0;
                 if (r < rows_bg) {
                     const i64 at = ((sp.qb + r / group) * a.hq + g * group + r % group) * D + c;
-                    qv = a.q[at];
-                    ov = dout[at];
+                    q16 = bf16_at(a.q, a.q16, at);
+                    o16 = bf16_rne(dout[at]);
                 }
-                const unsigned short q16 = bf16_rne(qv), o16 = bf16_rne(ov);
                 Qs[rr * KP + c] = q16;
                 Os[rr * KP + c] = o16;
                 Qt[c * RP + rr] = q16;
@@ -2891,9 +2905,10 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
                                   const float* mask, i64 batch, i64 seq, int hq, int hkv, int d, \
                                   float scale, const float* lse, const float* delta,           \
                                   const float* dout, float* dq, unsigned* status,              \
-                                  const unsigned* cu, int segments) {                          \
+                                  const unsigned* cu, int segments, const unsigned short* q16, \
+                                  const unsigned short* k16, const unsigned short* v16) {      \
         AttnArgs a = {q, k, v, mask, batch, seq, seq, 0, hq, hkv, D, scale,                    \
-                      nullptr, nullptr, 0, 0, 0, nullptr, nullptr, cu, segments};              \
+                      nullptr, nullptr, 0, 0, 0, k16, v16, cu, segments, nullptr, q16};        \
         attention_bwd_dq_mma_impl<D, false>(a, lse, delta, dout, dq, status);                  \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                               \
@@ -2901,9 +2916,11 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
                                    const float* mask, i64 batch, i64 seq, int hq, int hkv,     \
                                    int d, float scale, const float* lse, const float* delta,   \
                                    const float* dout, float* dk, float* dv, unsigned* status,  \
-                                   const unsigned* cu, int segments) {                         \
+                                   const unsigned* cu, int segments,                           \
+                                   const unsigned short* q16, const unsigned short* k16,       \
+                                   const unsigned short* v16) {                                \
         AttnArgs a = {q, k, v, mask, batch, seq, seq, 0, hq, hkv, D, scale,                    \
-                      nullptr, nullptr, 0, 0, 0, nullptr, nullptr, cu, segments};              \
+                      nullptr, nullptr, 0, 0, 0, k16, v16, cu, segments, nullptr, q16};        \
         attention_bwd_dkv_mma_impl<D, false>(a, lse, delta, dout, dk, dv, status);             \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                               \

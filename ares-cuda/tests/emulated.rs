@@ -706,8 +706,8 @@ fn kernel_on_cpu_bf16_embedding_is_the_cpu_twin() {
     assert_ne!(status, 0);
 }
 
-/// `emu_attention_fwd_mma`: grid, head size, then the kernel's arguments (packed segments
-/// last: offsets and their count, or null and 0).
+/// `emu_attention_fwd_mma`: grid, head size, then the kernel's arguments (packed segments:
+/// offsets and their count, or null and 0; then q, k, v stored in bf16, or null).
 type AttnFwdMma = unsafe extern "C" fn(
     u32,
     i32,
@@ -727,6 +727,9 @@ type AttnFwdMma = unsafe extern "C" fn(
     *mut u32,
     *const u32,
     i32,
+    *const u16,
+    *const u16,
+    *const u16,
 );
 /// `emu_paged_attention_fwd_mma`: grid, head size, then the paged kernel's arguments.
 type PagedAttnFwdMma = unsafe extern "C" fn(
@@ -773,6 +776,9 @@ type AttnBwdMma = unsafe extern "C" fn(
     *mut u32,
     *const u32,
     i32,
+    *const u16,
+    *const u16,
+    *const u16,
 );
 
 /// The tensor-core forward of a prefill chunk over a paged cache (`paged_attention_fwd_mma_*`,
@@ -982,6 +988,9 @@ fn kernel_on_cpu_tensor_core_attention_is_the_cpu_twin() {
                 &mut status,
                 std::ptr::null(),
                 0,
+                std::ptr::null(),
+                std::ptr::null(),
+                std::ptr::null(),
             )
         };
         assert_eq!(status, 0, "d {d}: status");
@@ -1047,6 +1056,9 @@ fn kernel_on_cpu_tensor_core_attention_is_the_cpu_twin() {
                 &mut status,
                 std::ptr::null(),
                 0,
+                std::ptr::null(),
+                std::ptr::null(),
+                std::ptr::null(),
             )
         };
         assert_eq!(status, 0, "d {d}: backward status");
@@ -1058,6 +1070,91 @@ fn kernel_on_cpu_tensor_core_attention_is_the_cpu_twin() {
                     "d {d}: {name}[{i}] {g} vs {w}"
                 );
             }
+        }
+        // q, k, v stored in bf16 (activation dtype bf16): the kernels read the rounded bits
+        // as stored, the f32 pointers null — the bits of rounding them as they load
+        let bits = |x: &[f32]| -> Vec<u16> {
+            x.iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect()
+        };
+        let same = |got: &[f32], want: &[f32]| {
+            got.iter()
+                .map(|x| x.to_bits())
+                .eq(want.iter().map(|x| x.to_bits()))
+        };
+        let (q16, k16, v16) = (bits(&q), bits(&k), bits(&v));
+        let null = std::ptr::null::<f32>();
+        let (mut out16, mut lse16) = (vec![NAN; q.len()], vec![NAN; lse.len()]);
+        // SAFETY: as the f32 launch, q16/k16/v16 of q/k/v's lengths in their place.
+        unsafe {
+            fwd(
+                5,
+                d as i32,
+                null,
+                null,
+                null,
+                mask.as_ptr(),
+                batch as i64,
+                seq as i64,
+                seq as i64,
+                0,
+                hq as i32,
+                hkv as i32,
+                shape.scale,
+                out16.as_mut_ptr(),
+                lse16.as_mut_ptr(),
+                &mut status,
+                std::ptr::null(),
+                0,
+                q16.as_ptr(),
+                k16.as_ptr(),
+                v16.as_ptr(),
+            )
+        };
+        assert_eq!(status, 0, "d {d}: bf16-stored status");
+        assert!(
+            same(&out16, &out) && same(&lse16, &lse),
+            "d {d}: bf16-stored forward"
+        );
+        let (mut s_dq, mut s_dk, mut s_dv) =
+            (vec![NAN; q.len()], vec![NAN; k.len()], vec![NAN; v.len()]);
+        // SAFETY: as the f32 launch above.
+        unsafe {
+            bwd(
+                5,
+                d as i32,
+                null,
+                null,
+                null,
+                mask.as_ptr(),
+                batch as i64,
+                seq as i64,
+                hq as i32,
+                hkv as i32,
+                shape.scale,
+                want.as_ptr(),
+                want_lse.as_ptr(),
+                dout.as_ptr(),
+                delta.as_mut_ptr(),
+                s_dq.as_mut_ptr(),
+                s_dk.as_mut_ptr(),
+                s_dv.as_mut_ptr(),
+                &mut status,
+                std::ptr::null(),
+                0,
+                q16.as_ptr(),
+                k16.as_ptr(),
+                v16.as_ptr(),
+            )
+        };
+        assert_eq!(status, 0, "d {d}: bf16-stored backward status");
+        for (name, got, want) in [
+            ("dq", &s_dq, &g_dq),
+            ("dk", &s_dk, &g_dk),
+            ("dv", &s_dv, &g_dv),
+        ] {
+            assert!(same(got, want), "d {d}: bf16-stored {name}");
         }
     }
 }
@@ -1205,6 +1302,9 @@ fn kernel_on_cpu_tensor_core_attention_over_packed_segments_is_the_cpu_twin() {
                 &mut status,
                 c.cu.as_ptr(),
                 segments,
+                std::ptr::null(),
+                std::ptr::null(),
+                std::ptr::null(),
             );
             bwd(
                 7,
@@ -1228,6 +1328,9 @@ fn kernel_on_cpu_tensor_core_attention_over_packed_segments_is_the_cpu_twin() {
                 &mut status,
                 c.cu.as_ptr(),
                 segments,
+                std::ptr::null(),
+                std::ptr::null(),
+                std::ptr::null(),
             );
         }
         assert_eq!(status, 0, "d {d}: status");
@@ -1257,6 +1360,9 @@ fn kernel_on_cpu_tensor_core_attention_over_packed_segments_is_the_cpu_twin() {
                 &mut status,
                 bad_cu.as_ptr(),
                 3,
+                std::ptr::null(),
+                std::ptr::null(),
+                std::ptr::null(),
             )
         };
         assert_eq!(status, 64, "d {d}: bad offsets flag ST_BAD_SEGMENTS");

@@ -1261,6 +1261,65 @@ fn tensor_core_attention_matches_its_cpu_twin() {
                 let label = what(&format!("bf16 attention {name}{m}"));
                 assert_twin(&label, &down(&gpu, g), c, 2e-3);
             }
+
+            // q, k, v stored in bf16 (activation dtype bf16): the kernels read the bits
+            // where they rounded the f32 values — the same outputs, bit for bit
+            let half = |x: &[f32]| {
+                let bits: Vec<u16> = x
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_bits())
+                    .collect();
+                let mut b = gpu.alloc_half(bits.len(), DType::Bf16).unwrap();
+                gpu.upload_half(&bits, ViewMut::whole(&mut b)).unwrap();
+                b
+            };
+            let (hq16, hk16, hv16) = (half(&q), half(&k), half(&v));
+            let key_mask = masked.then(|| View::whole(&gm));
+            let (mut so, mut sl) = (up(&gpu, &vec![f32::NAN; qn]), up(&gpu, &vec![f32::NAN; ln]));
+            gpu.attention_bf16_stored(
+                dims,
+                View::whole(&hq16),
+                View::whole(&hk16),
+                View::whole(&hv16),
+                key_mask,
+                None,
+                ViewMut::whole(&mut so),
+                ViewMut::whole(&mut sl),
+            )
+            .unwrap();
+            let bits = |x: Vec<f32>| x.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            let label = what(&format!("bf16-stored attention{m}"));
+            assert_eq!(bits(down(&gpu, &so)), bits(down(&gpu, &go)), "{label}: out");
+            assert_eq!(bits(down(&gpu, &sl)), bits(down(&gpu, &gl)), "{label}: lse");
+            let (mut sdq, mut sdk, mut sdv) = (
+                up(&gpu, &vec![f32::NAN; qn]),
+                up(&gpu, &vec![f32::NAN; kn]),
+                up(&gpu, &vec![f32::NAN; kn]),
+            );
+            gpu.attention_backward_bf16_stored(
+                dims,
+                View::whole(&hq16),
+                View::whole(&hk16),
+                View::whole(&hv16),
+                key_mask,
+                None,
+                View::whole(&go),
+                View::whole(&gl),
+                View::whole(&up(&gpu, &dout)),
+                AttentionGrads {
+                    dq: ViewMut::whole(&mut sdq),
+                    dk: ViewMut::whole(&mut sdk),
+                    dv: ViewMut::whole(&mut sdv),
+                },
+            )
+            .unwrap();
+            for (name, s16, g) in [("dq", &sdq, &gdq), ("dk", &sdk, &gdk), ("dv", &sdv, &gdv)] {
+                assert_eq!(
+                    bits(down(&gpu, s16)),
+                    bits(down(&gpu, g)),
+                    "{label}: {name}"
+                );
+            }
         }
     }
     // Another head size is an error naming it.

@@ -473,9 +473,7 @@ fn merging_into_bf16_weights_rounds_the_merged_weight() {
 /// and checkpointed.
 #[test]
 fn lora_arena_elements_predict_the_allocation() {
-    use ares_model::model::{
-        ActivationDtype, HeadMode, ModelSpec, arena_elements, lora_arena_elements,
-    };
+    use ares_model::model::{ActLayout, HeadMode, ModelSpec, arena_elements, lora_arena_elements};
     for name in MODELS {
         let (checkpoint, mut model) = load(name);
         let spec = ModelSpec::from_config(&checkpoint.config).unwrap();
@@ -486,7 +484,7 @@ fn lora_arena_elements_predict_the_allocation() {
             let (batch, seq) = (3, 7);
             let acts = model.activations_full(batch, seq).unwrap();
             let kept = if checkpointed { 1 } else { spec.layers as u64 };
-            let f32 = ActivationDtype::F32;
+            let f32 = ActLayout::F32;
             let mut want =
                 arena_elements(&spec, batch, seq, HeadMode::Full, checkpointed, f32).unwrap();
             want.f32s += lora_arena_elements(&spec, &cfg, (batch * seq) as u64, kept);

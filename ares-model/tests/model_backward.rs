@@ -376,10 +376,27 @@ fn each_layer_is_handed_over_once_its_gradients_are_final() {
 
 /// The memory plan's arena size (`arena_elements`) is what `Activations::planned`
 /// allocates, element for element: every architecture, whole and chunked heads, stored and
-/// checkpointed.
+/// checkpointed, every layout of bf16 activations.
 #[test]
 fn arena_elements_predict_the_allocation() {
-    use ares_model::model::{ActivationDtype, Activations, HeadMode, ModelSpec, arena_elements};
+    use ares_model::model::{ActLayout, Activations, HeadMode, ModelSpec, arena_elements};
+    let layouts = [
+        ActLayout::F32,
+        ActLayout {
+            mlp: true,
+            ..ActLayout::F32
+        },
+        ActLayout {
+            mlp: true,
+            ln1: true,
+            qkv: true,
+        },
+        ActLayout {
+            mlp: true,
+            ln1: false,
+            qkv: true,
+        },
+    ];
     for name in ["qwen2_tiny", "qwen3_tiny", "llama_tiny"] {
         let (checkpoint, _) = load(name);
         let spec = ModelSpec::from_config(&checkpoint.config).unwrap();
@@ -391,7 +408,7 @@ fn arena_elements_predict_the_allocation() {
             ] {
                 for (checkpointed, dtype) in [false, true]
                     .into_iter()
-                    .flat_map(|c| [(c, ActivationDtype::F32), (c, ActivationDtype::Bf16)])
+                    .flat_map(|c| layouts.map(|l| (c, l)))
                 {
                     let acts = Activations::planned(
                         &CpuBackend,
@@ -410,7 +427,7 @@ fn arena_elements_predict_the_allocation() {
                         "{name} {batch}x{seq} {head:?} checkpointed={checkpointed} {dtype:?}"
                     );
                     let bf16s = planned.unwrap().bf16s;
-                    assert_eq!(bf16s > 0, dtype == ActivationDtype::Bf16);
+                    assert_eq!(bf16s > 0, dtype != ActLayout::F32);
                 }
             }
         }

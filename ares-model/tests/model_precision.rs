@@ -469,6 +469,163 @@ fn bf16_attention_runs_on_the_tensor_core_twin() {
     }
 }
 
+/// The attention block's activations stored in bf16 too (`ActLayout`: where the pass's
+/// attention runs on the tensor cores): `ln1`, q, k, v are rounded once into bf16 stacks
+/// and read as stored (`attention_bf16_stored` and its backward, `linear_bf16_x`) — the
+/// log-probs and every gradient the bits of the arena that keeps them in f32, stored and
+/// checkpointed, three architectures (Qwen3's q/k norms staged too); with a LoRA pair on q
+/// the input norm's output stays f32 and q, k, v still go bf16; at a head size without
+/// tensor-core kernels the attention block stays f32.
+#[test]
+fn bf16_attention_activations_change_no_bit() {
+    use ares_model::backend::Counting;
+    use ares_model::model::{ActLayout, ActivationDtype, Activations, HeadMode};
+    type Cm = Model<Counting<CpuBackend>>;
+    // the base weights' gradients compared (none under LoRA)
+    let names = |m: &Cm| -> Vec<String> {
+        if m.lora_config().is_some() {
+            return Vec::new();
+        }
+        let mut out = vec![
+            "model.embed_tokens.weight".to_string(),
+            "model.norm.weight".into(),
+        ];
+        for l in 0..m.spec().layers {
+            for suffix in [
+                "input_layernorm.weight",
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight",
+                "post_attention_layernorm.weight",
+                "mlp.gate_proj.weight",
+                "mlp.up_proj.weight",
+                "mlp.down_proj.weight",
+            ] {
+                out.push(format!("model.layers.{l}.{suffix}"));
+            }
+            if m.spec().qk_norm {
+                out.push(format!("model.layers.{l}.self_attn.q_norm.weight"));
+                out.push(format!("model.layers.{l}.self_attn.k_norm.weight"));
+            }
+        }
+        out
+    };
+    let run = |m: &Cm, acts: &mut Activations<Counting<CpuBackend>>, b: &Batch| {
+        let n = b.batch * b.seq;
+        let targets: Vec<u32> = (0..n).map(|t| (t * 7 % 50) as u32).collect();
+        let mut g = m.grads().unwrap();
+        m.backend().take();
+        m.forward(&b.inputs(), acts).unwrap();
+        m.log_prob_entropy(acts, &targets, 1.0).unwrap();
+        let mut lp = vec![0.0f32; n];
+        m.backend().download(acts.log_probs(), &mut lp).unwrap();
+        let coeffs: Vec<f32> = (0..n).map(|t| 0.25 + (t % 3) as f32 * 0.25).collect();
+        m.backward_from_log_prob_grads(&b.inputs(), acts, &targets, &coeffs, 1.0, &mut g)
+            .unwrap();
+        let calls = m.backend().take().calls;
+        let mut grads = Vec::new();
+        for name in names(m) {
+            grads.push(g.download(m.backend(), &name).unwrap());
+        }
+        (lp, grads, calls)
+    };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (name, head_dim) in [
+        ("qwen2_tiny", 64),
+        ("qwen3_tiny", 64),
+        ("llama_tiny", 64),
+        ("qwen2_tiny", 12),
+    ] {
+        let ck = with_head_dim(Checkpoint::load(&fixture(name)).unwrap(), head_dim);
+        let mut m = Model::from_checkpoint(Counting::new(CpuBackend), &ck).unwrap();
+        m.set_matmul_precision(MatmulPrecision::Bf16);
+        m.set_bf16_weights(true).unwrap();
+        m.set_activation_dtype(ActivationDtype::Bf16);
+        let b = Batch::new(2, 40, m.spec().vocab);
+        let (n, spec) = (b.batch * b.seq, m.spec().clone());
+        let tensor_cores = head_dim == 64;
+        let layout = m.act_layout(n, ActivationDtype::Bf16);
+        assert_eq!(
+            layout,
+            ActLayout::of(ActivationDtype::Bf16, tensor_cores, false)
+        );
+        let mlp_only = ActLayout {
+            mlp: true,
+            ..ActLayout::F32
+        };
+        for checkpointed in [false, true] {
+            m.set_gradient_checkpointing(checkpointed);
+            let what = format!("{name} head_dim {head_dim} checkpointed={checkpointed}");
+            let mut acts = m.activations(b.batch, b.seq).unwrap();
+            let mut f32_attn = Activations::planned(
+                m.backend(),
+                &spec,
+                b.batch,
+                b.seq,
+                HeadMode::Full,
+                checkpointed,
+                mlp_only,
+            )
+            .unwrap();
+            let (lp, grads, calls) = run(&m, &mut acts, &b);
+            let (lp_f, grads_f, calls_f) = run(&m, &mut f32_attn, &b);
+            assert_eq!(bits(&lp), bits(&lp_f), "{what}: log-probs");
+            for (i, (g, f)) in grads.iter().zip(&grads_f).enumerate() {
+                assert_eq!(bits(g), bits(f), "{what}: gradient {i}");
+            }
+            let count = |calls: &[&str], op: &str| calls.iter().filter(|&&c| c == op).count();
+            let layers = spec.layers * (1 + usize::from(checkpointed));
+            let want = if tensor_cores { layers } else { 0 };
+            assert_eq!(count(&calls, "attention_bf16_stored"), want, "{what}");
+            assert_eq!(count(&calls_f, "attention_bf16_stored"), 0, "{what}");
+            let bwd = if tensor_cores { spec.layers } else { 0 };
+            assert_eq!(
+                count(&calls, "attention_backward_bf16_stored"),
+                bwd,
+                "{what}"
+            );
+            // the f32 arena's bf16 elements are the MLP's; this one's add ln1, q, k, v
+            let (got, mlp) = (acts.elements().bf16s, f32_attn.elements().bf16s);
+            let kept = if checkpointed { 1 } else { spec.layers } as u64;
+            let extra = if tensor_cores {
+                (n as u64) * kept * (spec.hidden + spec.q_dim() + 2 * spec.kv_dim()) as u64
+            } else {
+                0
+            };
+            assert_eq!(got, mlp + extra, "{what}: bf16 elements");
+        }
+        m.set_gradient_checkpointing(false);
+        if head_dim == 64 && name == "qwen2_tiny" {
+            // a LoRA pair on q reads the input norm's output in f32
+            let cfg = ares_model::hf::lora::LoraConfig {
+                r: 4,
+                lora_alpha: 8.0,
+                use_rslora: false,
+                target_modules: vec!["q_proj".into()],
+                layers_to_transform: None,
+                exclude_modules: None,
+            };
+            m.add_lora(&cfg, 3).unwrap();
+            let layout = m.act_layout(n, ActivationDtype::Bf16);
+            assert_eq!((layout.ln1, layout.qkv), (false, true));
+            let mut acts = m.activations(b.batch, b.seq).unwrap();
+            let (lp, _, calls) = run(&m, &mut acts, &b);
+            let stored = calls
+                .iter()
+                .filter(|&&c| c == "attention_bf16_stored")
+                .count();
+            assert_eq!(stored, spec.layers, "LoRA on q");
+            // without the backend's packed attention q, k, v stay f32: the same bits
+            m.set_native_packed_attention(false);
+            assert!(!m.act_layout(n, ActivationDtype::Bf16).qkv);
+            let mut f32_attn = m.activations(b.batch, b.seq).unwrap();
+            let (lp_f, _, _) = run(&m, &mut f32_attn, &b);
+            assert_eq!(bits(&lp), bits(&lp_f), "LoRA on q: log-probs");
+        }
+    }
+}
+
 /// A prefill from slot 0 under bf16 (≥ 64 tokens, head size 64) runs its attention through
 /// `attention_bf16` — its tokens see only each other, so the tensor-core training forward is
 /// the step's attention — and still fills the KV cache: the decode steps after it (over the

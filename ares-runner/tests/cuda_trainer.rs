@@ -139,13 +139,13 @@ fn data_parallel_ranks_on_the_gpu_match_one_rank() {
     }
     let dir = tempfile::tempdir().unwrap();
     let a = tiny_assets(&dir.path().join("assets"));
-    let run = |world: usize, zero: u8| -> Vec<serde_json::Map<String, serde_json::Value>> {
-        let name = format!("world{world}");
+    let run = |world: usize, zero: u8, precision: &str| {
+        let name = format!("world{world}-{precision}");
         let yaml = format!(
             "data: {{train_files: {}, max_response_length: 16, rollout_batch_size: 4, bootstrap: true}}\n\
              algorithm: {{online_filtering: false}}\n\
              worker: {{actor: {{model_path: {}, global_batch_size: 2, micro_batch_size_per_device_for_update: 2}}, rollout: {{n: 4}}}}\n\
-             trainer: {{save_checkpoint_path: {}, max_steps: 2, device: cuda, precision: f32, zero_stage: {zero}}}\n",
+             trainer: {{save_checkpoint_path: {}, max_steps: 2, device: cuda, precision: {precision}, zero_stage: {zero}}}\n",
             a.train.display(),
             a.model_dir.display(),
             dir.path().join(&name).display()
@@ -171,10 +171,27 @@ fn data_parallel_ranks_on_the_gpu_match_one_rank() {
         });
         read_metrics(&summaries.remove(0).metrics).unwrap()
     };
-    let one = run(1, 0);
-    let two = run(2, 1);
+    // f32, and bf16 (the weights, gradients and MLP activations in bf16: the ranks' sums
+    // of bf16 gradients through the host)
+    for precision in ["f32", "bf16"] {
+        let one = run(1, 0, precision);
+        let two = run(2, 1, precision);
+        let exact = close_metrics(&one, &two);
+        eprintln!(
+            "{precision}: two ranks equal one rank {}",
+            if exact { "to the bit" } else { "to f32 noise" }
+        );
+    }
+}
+
+/// Whether the metrics of `one` and `two` agree exactly (the tokens must, the losses to f32
+/// noise: asserted).
+fn close_metrics(
+    one: &[serde_json::Map<String, serde_json::Value>],
+    two: &[serde_json::Map<String, serde_json::Value>],
+) -> bool {
     let mut exact = true;
-    for (x, y) in one.iter().zip(&two) {
+    for (x, y) in one.iter().zip(two) {
         for key in ["accuracy/mean", "response_length/mean"] {
             assert_eq!(x[key], y[key], "{key}");
         }
@@ -193,8 +210,5 @@ fn data_parallel_ranks_on_the_gpu_match_one_rank() {
             );
         }
     }
-    eprintln!(
-        "two ranks equal one rank {}",
-        if exact { "to the bit" } else { "to f32 noise" }
-    );
+    exact
 }

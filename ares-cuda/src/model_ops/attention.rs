@@ -510,23 +510,58 @@ impl ModelOps {
         out: &mut CudaViewMut<'_, f32>,
         lse: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
-        const K: &str = "attention_bf16";
-        let packed = packed(K, &shape, segments)?;
         let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
-        let dims = shape.dims(K)?;
-        let variant = self.tensor_core_head(K, shape.head_dim)?;
-        check_len(K, "q", dims.q_len, q.len())?;
-        check_len(K, "k", dims.kv_len, k.len())?;
-        check_len(K, "v", dims.kv_len, v.len())?;
-        check_len(K, "out", dims.q_len, out.len())?;
-        check_len(K, "lse", dims.lse_len, lse.len())?;
-        if let Some(m) = inputs.key_mask.as_ref() {
-            check_len(K, "key_mask", dims.tokens, m.len())?;
+        let mask = inputs.key_mask.as_ref();
+        let qkv = Operands::F32(q, k, v);
+        self.attention_mma("attention_bf16", shape, (qkv, mask), segments, out, lse)
+    }
+
+    /// [`ModelOps::attention_bf16`] over q, k, v stored in bf16 (activations kept in bf16):
+    /// the kernels read the bits as stored where they round f32 ones as they load — the same
+    /// bits for the same values.
+    ///
+    /// # Errors
+    /// As [`ModelOps::attention_bf16`].
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments, as the CPU's
+    pub fn attention_bf16_stored(
+        &self,
+        shape: AttentionShape,
+        q: &CudaView<'_, u16>,
+        k: &CudaView<'_, u16>,
+        v: &CudaView<'_, u16>,
+        key_mask: Option<&CudaView<'_, f32>>,
+        segments: Option<&CudaView<'_, u32>>,
+        out: &mut CudaViewMut<'_, f32>,
+        lse: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let qkv = Operands::Bf16(q, k, v);
+        let op = "attention_bf16_stored";
+        self.attention_mma(op, shape, (qkv, key_mask), segments, out, lse)
+    }
+
+    /// Checks and launches the tensor-core training forward on `qkv` as stored.
+    fn attention_mma(
+        &self,
+        op: &'static str,
+        shape: AttentionShape,
+        (qkv, key_mask): (Operands<'_, '_>, Option<&CudaView<'_, f32>>),
+        segments: Option<&CudaView<'_, u32>>,
+        out: &mut CudaViewMut<'_, f32>,
+        lse: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let packed = packed(op, &shape, segments)?;
+        let dims = shape.dims(op)?;
+        let variant = self.tensor_core_head(op, shape.head_dim)?;
+        qkv.check(op, &dims)?;
+        check_len(op, "out", dims.q_len, out.len())?;
+        check_len(op, "lse", dims.lse_len, lse.len())?;
+        if let Some(m) = key_mask {
+            check_len(op, "key_mask", dims.tokens, m.len())?;
         }
         if dims.q_len == 0 {
             return Ok(());
         }
-        let blocks = causal_blocks(K, &shape, query_rows(K, &shape)?, MMA_ROWS, packed)?;
+        let blocks = causal_blocks(op, &shape, query_rows(op, &shape)?, MMA_ROWS, packed)?;
         let func = &self.f.attention_fwd_mma[variant];
         let cfg = LaunchConfig {
             grid_dim: (grid(blocks), 1, 1),
@@ -534,16 +569,14 @@ impl ModelOps {
             shared_mem_bytes: 0,
         };
         let (b64, t64) = (
-            i64_of(K, "batch", shape.batch)?,
-            i64_of(K, "seq", shape.seq)?,
+            i64_of(op, "batch", shape.batch)?,
+            i64_of(op, "seq", shape.seq)?,
         );
         let pos0 = 0i64;
         let mut state = self.lock();
         let mut l = self.stream.launch_builder(func);
-        l.arg(q)
-            .arg(k)
-            .arg(v)
-            .arg_or_null(inputs.key_mask.as_ref())
+        qkv.push_f32(&mut l)
+            .arg_or_null(key_mask)
             .arg(&b64)
             .arg(&t64)
             .arg(&t64)
@@ -556,9 +589,10 @@ impl ModelOps {
             .arg(&mut state.status);
         let none = 0i32;
         push_packed(&mut l, &packed, &none);
+        qkv.push_bf16(&mut l);
         // SAFETY: argument order as `ATTN_FWD_MMA`; lengths checked against the shape above
         // (segments by `packed`), the head size is the variant's, shared memory is static.
-        unsafe { l.launch(cfg) }.during(K)?;
+        unsafe { l.launch(cfg) }.during(op)?;
         Ok(())
     }
 
@@ -730,7 +764,9 @@ impl ModelOps {
         const K: &str = "attention_backward";
         let packed = packed(K, &shape, segments)?;
         let saved = AttentionSaved { out, lse, dout };
-        self.backward_with(K, shape, (inputs, packed), saved, grads, None)
+        let qkv = Operands::F32(&inputs.q, &inputs.k, &inputs.v);
+        let inputs = (qkv, inputs.key_mask.as_ref(), packed);
+        self.backward_with(K, shape, inputs, saved, grads, None)
     }
 
     /// The bf16 backward on tensor cores (twin of
@@ -756,7 +792,36 @@ impl ModelOps {
         let packed = packed(K, &shape, segments)?;
         let variant = self.tensor_core_head(K, shape.head_dim)?;
         let saved = AttentionSaved { out, lse, dout };
-        self.backward_with(K, shape, (inputs, packed), saved, grads, Some(variant))
+        let qkv = Operands::F32(&inputs.q, &inputs.k, &inputs.v);
+        let inputs = (qkv, inputs.key_mask.as_ref(), packed);
+        self.backward_with(K, shape, inputs, saved, grads, Some(variant))
+    }
+
+    /// [`ModelOps::attention_backward_bf16`] over q, k, v stored in bf16, read as stored
+    /// ([`ModelOps::attention_bf16_stored`]): the same bits for the same values.
+    ///
+    /// # Errors
+    /// As [`ModelOps::attention_backward_bf16`].
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments, as the CPU's
+    pub fn attention_backward_bf16_stored(
+        &self,
+        shape: AttentionShape,
+        q: &CudaView<'_, u16>,
+        k: &CudaView<'_, u16>,
+        v: &CudaView<'_, u16>,
+        key_mask: Option<&CudaView<'_, f32>>,
+        segments: Option<&CudaView<'_, u32>>,
+        out: &CudaView<'_, f32>,
+        lse: &CudaView<'_, f32>,
+        dout: &CudaView<'_, f32>,
+        grads: &mut AttentionGrads<'_>,
+    ) -> Result<()> {
+        const K: &str = "attention_backward_bf16_stored";
+        let packed = packed(K, &shape, segments)?;
+        let variant = self.tensor_core_head(K, shape.head_dim)?;
+        let saved = AttentionSaved { out, lse, dout };
+        let inputs = (Operands::Bf16(q, k, v), key_mask, packed);
+        self.backward_with(K, shape, inputs, saved, grads, Some(variant))
     }
 
     /// The index of `head_dim` in [`BF16_HEAD_DIMS`], on a device with bf16 `mma.sync`;
@@ -789,22 +854,28 @@ impl ModelOps {
         &self,
         op: &'static str,
         shape: AttentionShape,
-        (inputs, packed): (&AttentionInputs<'_>, Option<Packed<'_, '_>>),
+        (qkv, key_mask, packed): (
+            Operands<'_, '_>,
+            Option<&CudaView<'_, f32>>,
+            Option<Packed<'_, '_>>,
+        ),
         saved: AttentionSaved<'_, '_>,
         grads: &mut AttentionGrads<'_>,
         tensor_core: Option<usize>,
     ) -> Result<()> {
-        let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
-        let key_mask = inputs.key_mask.as_ref();
         let grads = AttentionGradsMut {
             dq: &mut grads.dq,
             dk: &mut grads.dk,
             dv: &mut grads.dv,
         };
         let dims = shape.dims(op)?;
-        check_len(op, "q", dims.q_len, q.len())?;
-        check_len(op, "k", dims.kv_len, k.len())?;
-        check_len(op, "v", dims.kv_len, v.len())?;
+        qkv.check(op, &dims)?;
+        if tensor_core.is_none() && matches!(qkv, Operands::Bf16(..)) {
+            return Err(bad(
+                op,
+                "q, k, v stored in bf16 need the tensor-core kernels".into(),
+            ));
+        }
         if let Some(m) = key_mask {
             check_len(op, "key_mask", dims.tokens, m.len())?;
         }
@@ -850,9 +921,7 @@ impl ModelOps {
         let status = &mut state.status;
         let none = 0i32;
         let inputs = BackwardInputs {
-            q,
-            k,
-            v,
+            qkv,
             key_mask,
             batch: b64,
             seq: s64,
@@ -873,6 +942,7 @@ impl ModelOps {
             let mut l = self.stream.launch_builder(func);
             inputs.push(&mut l).arg(grads.dq).arg(&mut *status);
             push_packed(&mut l, &packed, &none);
+            qkv.push_bf16(&mut l);
             // SAFETY: argument order as `ATTN_BWD_MMA`'s dq kernel; lengths checked above,
             // the head size is the variant's, its shared memory static.
             unsafe { l.launch(cfg) }.during(format!("{op}: dq"))?;
@@ -885,6 +955,7 @@ impl ModelOps {
             let mut l = self.stream.launch_builder(func);
             inputs.push(&mut l).arg(grads.dk).arg(grads.dv).arg(status);
             push_packed(&mut l, &packed, &none);
+            qkv.push_bf16(&mut l);
             // SAFETY: argument order as `ATTN_BWD_MMA`'s dk/dv kernel; lengths checked
             // above, dynamic shared memory as `dkv_mma_smem` computes the kernel's layout.
             unsafe { l.launch(cfg) }.during(format!("{op}: dk, dv"))?;
@@ -1395,9 +1466,7 @@ struct Attend<'a, 'b> {
 
 /// The arguments the dq and dk/dv kernels share, in their order (`ATTN_BWD_*`).
 struct BackwardInputs<'a, 'b> {
-    q: &'a CudaView<'b, f32>,
-    k: &'a CudaView<'b, f32>,
-    v: &'a CudaView<'b, f32>,
+    qkv: Operands<'a, 'b>,
     key_mask: Option<&'a CudaView<'b, f32>>,
     batch: i64,
     seq: i64,
@@ -1412,9 +1481,8 @@ struct BackwardInputs<'a, 'b> {
 impl BackwardInputs<'_, '_> {
     /// Pushes the shared arguments; the caller pushes the kernel's outputs after them.
     fn push<'r, 'l>(&'l self, l: &'r mut LaunchArgs<'l>) -> &'r mut LaunchArgs<'l> {
-        l.arg(self.q)
-            .arg(self.k)
-            .arg(self.v)
+        self.qkv
+            .push_f32(l)
             .arg_or_null(self.key_mask)
             .arg(&self.batch)
             .arg(&self.seq)
@@ -1449,6 +1517,52 @@ pub struct AttentionInputs<'a> {
     pub v: CudaView<'a, f32>,
     /// `[B, T]`, 0/1.
     pub key_mask: Option<CudaView<'a, f32>>,
+}
+
+/// q, k, v as a launch passes them: f32 values (the tensor-core kernels round them as they
+/// load) or bf16 bits as stored. The tensor-core training kernels take both pointer sets,
+/// the unused one null; the f32 kernels take f32 only.
+#[derive(Clone, Copy)]
+enum Operands<'a, 'b> {
+    F32(
+        &'a CudaView<'b, f32>,
+        &'a CudaView<'b, f32>,
+        &'a CudaView<'b, f32>,
+    ),
+    Bf16(
+        &'a CudaView<'b, u16>,
+        &'a CudaView<'b, u16>,
+        &'a CudaView<'b, u16>,
+    ),
+}
+
+impl Operands<'_, '_> {
+    /// Errors unless q, k, v have the lengths of `dims`.
+    fn check(&self, op: &'static str, dims: &Dims) -> Result<()> {
+        let lens = match self {
+            Self::F32(q, k, v) => [q.len(), k.len(), v.len()],
+            Self::Bf16(q, k, v) => [q.len(), k.len(), v.len()],
+        };
+        check_len(op, "q", dims.q_len, lens[0])?;
+        check_len(op, "k", dims.kv_len, lens[1])?;
+        check_len(op, "v", dims.kv_len, lens[2])
+    }
+
+    /// Pushes the f32 q, k, v (null for bf16 ones).
+    fn push_f32<'r, 'l>(&'l self, l: &'r mut LaunchArgs<'l>) -> &'r mut LaunchArgs<'l> {
+        match self {
+            Self::F32(q, k, v) => l.arg(*q).arg(*k).arg(*v),
+            Self::Bf16(..) => l.arg(&NULL).arg(&NULL).arg(&NULL),
+        }
+    }
+
+    /// Pushes the bf16 q16, k16, v16 of the tensor-core kernels (null for f32 ones).
+    fn push_bf16<'r, 'l>(&'l self, l: &'r mut LaunchArgs<'l>) -> &'r mut LaunchArgs<'l> {
+        match self {
+            Self::F32(..) => l.arg(&NULL).arg(&NULL).arg(&NULL),
+            Self::Bf16(q, k, v) => l.arg(*q).arg(*k).arg(*v),
+        }
+    }
 }
 
 /// The gradients of q, k and v that [`ModelOps::attention_backward`] overwrites.

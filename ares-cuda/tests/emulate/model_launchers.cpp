@@ -52,17 +52,20 @@ extern "C" void emu_embedding_fwd_bf16(unsigned grid, unsigned block, const unsi
 }
 
 // The tensor-core forward at head size d (64, 80 or 128): its arguments after the launch
-// shape, in the kernel's order (packed segments: `cu` and their count; else NULL and 0).
+// shape, in the kernel's order (packed segments: `cu` and their count; else NULL and 0; q, k,
+// v stored in bf16: q16, k16, v16 with q, k, v NULL; else NULL).
 extern "C" void emu_attention_fwd_mma(unsigned grid, int d, const float* q, const float* k,
                                       const float* v, const float* mask, i64 batch, i64 q_seq,
                                       i64 kv_seq, i64 pos0, int hq, int hkv, float scale,
                                       float* out, float* lse, unsigned* status,
-                                      const unsigned* cu, int segments) {
+                                      const unsigned* cu, int segments,
+                                      const unsigned short* q16, const unsigned short* k16,
+                                      const unsigned short* v16) {
     const dim3 block{MMA_WARPS * 32, 1, 1};
     auto run = [&](auto kernel) {
         emu::launch(dim3{grid, 1, 1}, block, 0, [&] {
             kernel(q, k, v, mask, batch, q_seq, kv_seq, pos0, hq, hkv, scale, out, lse, status,
-                   cu, segments);
+                   cu, segments, q16, k16, v16);
         });
     };
     if (d == 64) run(attention_fwd_mma_d64);
@@ -99,7 +102,9 @@ extern "C" void emu_attention_bwd_mma(unsigned grid, int d, const float* q, cons
                                       int hq, int hkv, float scale, const float* out,
                                       const float* lse, const float* dout, float* delta,
                                       float* dq, float* dk, float* dv, unsigned* status,
-                                      const unsigned* cu, int segments) {
+                                      const unsigned* cu, int segments,
+                                      const unsigned short* q16, const unsigned short* k16,
+                                      const unsigned short* v16) {
     const i64 rows = batch * seq * hq;
     emu::launch(dim3{4, 1, 1}, dim3{128, 1, 1}, 0,
                 [&] { attention_bwd_delta_bf16(dout, out, rows, d, delta); });
@@ -108,11 +113,11 @@ extern "C" void emu_attention_bwd_mma(unsigned grid, int d, const float* q, cons
     auto run = [&](auto dq_kernel, auto dkv_kernel) {
         emu::launch(dim3{grid, 1, 1}, block, 0, [&] {
             dq_kernel(q, k, v, mask, batch, seq, hq, hkv, d, scale, lse, delta, dout, dq, status, cu,
-                      segments);
+                      segments, q16, k16, v16);
         });
         emu::launch(dim3{grid, 1, 1}, block, smem, [&] {
             dkv_kernel(q, k, v, mask, batch, seq, hq, hkv, d, scale, lse, delta, dout, dk, dv,
-                       status, cu, segments);
+                       status, cu, segments, q16, k16, v16);
         });
     };
     if (d == 64) run(attention_bwd_dq_mma_d64, attention_bwd_dkv_mma_d64);

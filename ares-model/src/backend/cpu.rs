@@ -534,6 +534,69 @@ mod kernels {
         attention::attention_backward_bf16(&shape, inputs, out, lse, dout, grads)
     }
 
+    /// q, k, v stored in bf16, widened (exact) for the twin, which rounds them back to the
+    /// same bits as it loads them.
+    fn widened(
+        q: &[u16],
+        k: &[u16],
+        v: &[u16],
+    ) -> std::result::Result<[Vec<f32>; 3], ares_cpu::Error> {
+        let mut out = [q, k, v].map(|x| vec![0.0f32; x.len()]);
+        for (src, dst) in [q, k, v].into_iter().zip(&mut out) {
+            ares_cpu::ops::precision::widen_bf16(src, dst)?;
+        }
+        Ok(out)
+    }
+
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments
+    pub(super) fn attention_bf16_stored<'a>(
+        dims: AttentionDims,
+        q: &[u16],
+        k: &[u16],
+        v: &[u16],
+        key_mask: Option<&'a [f32]>,
+        segments: Option<&'a [u32]>,
+        out: &mut [f32],
+        lse: &mut [f32],
+    ) -> Result {
+        let [q, k, v] = widened(q, k, v)?;
+        let (q, k, v) = (q.as_slice(), k.as_slice(), v.as_slice());
+        let inputs = attention::AttentionInputs {
+            q,
+            k,
+            v,
+            key_mask,
+            segments,
+        };
+        attention::attention_forward_bf16(&attention_shape(dims), inputs, out, lse)
+    }
+
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments
+    pub(super) fn attention_backward_bf16_stored<'a>(
+        dims: AttentionDims,
+        q: &[u16],
+        k: &[u16],
+        v: &[u16],
+        key_mask: Option<&'a [f32]>,
+        segments: Option<&'a [u32]>,
+        out: &[f32],
+        lse: &[f32],
+        dout: &[f32],
+        grads: attention::AttentionGrads<'_>,
+    ) -> Result {
+        let [q, k, v] = widened(q, k, v)?;
+        let (q, k, v) = (q.as_slice(), k.as_slice(), v.as_slice());
+        let inputs = attention::AttentionInputs {
+            q,
+            k,
+            v,
+            key_mask,
+            segments,
+        };
+        let shape = attention_shape(dims);
+        attention::attention_backward_bf16(&shape, inputs, out, lse, dout, grads)
+    }
+
     pub(super) fn round_bf16(src: &[f32], dst: &mut [u16]) -> Result {
         ares_cpu::ops::precision::round_to_bf16(src, dst)
     }

@@ -609,6 +609,43 @@ macro_rules! declared_ops {
                 grads: ViewsMut<AttentionGrads>,
             ) cpu kernels::attention_backward_bf16, cuda attention_backward_bf16;
 
+            /// [`Backend::attention_bf16`] over q, k, v stored in bf16 (activations kept in
+            /// bf16, `Model::set_activation_dtype`): the kernels read the bits as stored where
+            /// [`Backend::attention_bf16`] rounds f32 values as they load them — the same bits
+            /// for the same values (on the CPU the bits are widened and run through the same
+            /// twin). Its backward is [`Backend::attention_backward_bf16_stored`].
+            ///
+            /// # Errors
+            /// As [`Backend::attention_bf16`]; q, k or v not bf16.
+            fn attention_bf16_stored(
+                dims: AttentionDims,
+                q: In<bf16>,
+                k: In<bf16>,
+                v: In<bf16>,
+                key_mask: InOpt<f32>,
+                segments: InOpt<u32>,
+                out: Out<f32>,
+                lse: Out<f32>,
+            ) cpu kernels::attention_bf16_stored, cuda attention_bf16_stored;
+
+            /// [`Backend::attention_backward_bf16`] over q, k, v stored in bf16, read as
+            /// stored: the same bits as from their f32 values. **Overwrites** `grads` (f32).
+            ///
+            /// # Errors
+            /// As [`Backend::attention_backward_bf16`]; q, k or v not bf16.
+            fn attention_backward_bf16_stored(
+                dims: AttentionDims,
+                q: In<bf16>,
+                k: In<bf16>,
+                v: In<bf16>,
+                key_mask: InOpt<f32>,
+                segments: InOpt<u32>,
+                out: In<f32>,
+                lse: In<f32>,
+                dout: In<f32>,
+                grads: ViewsMut<AttentionGrads>,
+            ) cpu kernels::attention_backward_bf16_stored, cuda attention_backward_bf16_stored;
+
             /// `dst = src` (views of equal length, possibly of one buffer but never overlapping,
             /// which the borrow rules already forbid). On a GPU a device-to-device copy.
             ///

@@ -2,13 +2,19 @@
 //! the MLP block's saved tensors — the post-attention norm's output and the gate, up and
 //! SwiGLU outputs, `C + 3I` of a layer's `4C + 3·Hq·D + 4·Hkv·D + 3I` floats a token — are
 //! kept as the bf16 their products read, half their memory, and on a GPU the GEMMs read and
-//! write them as they are (no conversion per product).
+//! write them as they are (no conversion per product). Where a pass's attention runs on the
+//! tensor cores the attention block's follow ([`ActLayout`]): the input norm's output and
+//! q, k (after RoPE), v — `C + Hq·D + 2·Hkv·D` more — which the bf16 products and the
+//! tensor-core kernels round to bf16 as they read them anyway, so that block's numbers are
+//! its f32 activations', bit for bit.
 //!
 //! Each is rounded once, to nearest even, where it is written: the norm's output (which the
 //! gate and up products round to bf16 anyway), the gate and up projections' f32 sums, and
-//! the SwiGLU of the rounded gate and up (which the down product rounds anyway). The
-//! residual stream, the norms' `rstd`, the attention's tensors and every gradient stay f32.
-//! The products are bf16 (`Backend::linear_bf16_io` and its kin) whatever the row count.
+//! the SwiGLU of the rounded gate and up (which the down product rounds anyway); the
+//! attention block's are made in an f32 one-layer staging buffer and rounded from it. The
+//! residual stream, the norms' `rstd`, the attention's output and log-sum-exp and every
+//! gradient stay f32. The MLP's products are bf16 (`Backend::linear_bf16_io` and its kin)
+//! whatever the row count.
 
 use super::ModelError;
 use super::weights::{HalfStack, Stack};
@@ -24,7 +30,9 @@ pub enum ActivationDtype {
     /// Every activation in f32.
     #[default]
     F32,
-    /// The MLP block's (the norm's output, gate, up and their SwiGLU) in bf16; the others f32.
+    /// The MLP block's (the norm's output, gate, up and their SwiGLU) in bf16, and the
+    /// attention block's input-norm output, q, k and v where its attention runs on the
+    /// tensor cores ([`ActLayout`]); the others f32.
     Bf16,
 }
 
@@ -35,6 +43,50 @@ impl ActivationDtype {
             Self::F32 => "f32",
             Self::Bf16 => "bf16",
         }
+    }
+}
+
+/// Which of a layer's saved activations an arena stores in bf16: [`ActivationDtype::Bf16`]
+/// stores the MLP block's, and the attention block's where the pass runs that block in
+/// bf16 — its products in bf16 and its attention on the tensor cores, which round these
+/// to bf16 as they read them anyway: q, k (after RoPE) and v, and the input norm's output
+/// (`ln1`) unless a LoRA pair on q, k or v reads it (in f32). So the attention block's
+/// numbers are those of its f32 activations, bit for bit; each is made in an f32 one-layer
+/// staging buffer and rounded once, to nearest even, into its stack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct ActLayout {
+    /// The MLP block's: the post-attention norm's output, gate, up and their SwiGLU.
+    pub mlp: bool,
+    /// The input norm's output.
+    pub ln1: bool,
+    /// q, k after RoPE, and v.
+    pub qkv: bool,
+}
+
+impl ActLayout {
+    /// Every activation in f32.
+    pub const F32: Self = Self {
+        mlp: false,
+        ln1: false,
+        qkv: false,
+    };
+
+    /// The layout of `dtype` for a pass whose attention runs on the tensor cores or not
+    /// (`tensor_core_attention`: bf16 products at the pass's rows, a head size they take,
+    /// packed sequences on the backend) in a model with or without a LoRA pair on q, k or
+    /// v (`lora_qkv`).
+    pub const fn of(dtype: ActivationDtype, tensor_core_attention: bool, lora_qkv: bool) -> Self {
+        let attention = matches!(dtype, ActivationDtype::Bf16) && tensor_core_attention;
+        Self {
+            mlp: matches!(dtype, ActivationDtype::Bf16),
+            ln1: attention && !lora_qkv,
+            qkv: attention,
+        }
+    }
+
+    /// Whether the attention block stages an activation in f32 before rounding it.
+    pub const fn stages(self) -> bool {
+        self.ln1 || self.qkv
     }
 }
 
@@ -72,16 +124,16 @@ pub(crate) enum ActMut<'a, B: Backend> {
 }
 
 impl<B: Backend> ActStack<B> {
-    /// `len` elements in layers of `item`, stored as `dtype`.
+    /// `len` elements in layers of `item`, stored in bf16 or f32.
     pub(crate) fn new(
         backend: &B,
-        dtype: ActivationDtype,
+        bf16: bool,
         len: usize,
         item: usize,
     ) -> Result<Self, ModelError> {
-        Ok(match dtype {
-            ActivationDtype::F32 => Self::F32(Stack::new(backend.alloc(len)?, item)),
-            ActivationDtype::Bf16 => Self::Bf16(HalfStack::zeros(backend, len, item)?),
+        Ok(match bf16 {
+            false => Self::F32(Stack::new(backend.alloc(len)?, item)),
+            true => Self::Bf16(HalfStack::zeros(backend, len, item)?),
         })
     }
 
@@ -134,9 +186,39 @@ impl<'a, B: Backend> ActMut<'a, B> {
             Self::Bf16(_) => Err(ModelError::Bf16Activations { what }),
         }
     }
+
+    /// Where to make this activation in f32: its own layer of an f32 stack, or for a bf16
+    /// one the first elements of `stage` ([`ActMut::round_staged`] rounds them in).
+    pub(crate) fn f32_or<'s>(
+        &'s mut self,
+        stage: &'s mut B::Buffer,
+    ) -> Result<TensorMut<'s, B>, ModelError> {
+        Ok(match self {
+            Self::F32(t) => t.slice_mut(0, t.len())?,
+            Self::Bf16(h) => ViewMut::new(stage, 0, h.len())?,
+        })
+    }
+
+    /// Rounds a bf16 activation made in `stage` ([`ActMut::f32_or`]) into its stack, to
+    /// nearest even; nothing for an f32 one.
+    pub(crate) fn round_staged(self, backend: &B, stage: &B::Buffer) -> Result<(), ModelError> {
+        if let Self::Bf16(h) = self {
+            let len = h.len();
+            backend.round_bf16(View::new(stage, 0, len)?, h)?;
+        }
+        Ok(())
+    }
 }
 
 impl<B: Backend> super::Model<B> {
+    /// The layout of `dtype` for a pass over `n` tokens of this model ([`ActLayout::of`]):
+    /// q, k, v in bf16 where its attention runs on the tensor cores over the backend's
+    /// packed sequences, `ln1` unless a LoRA pair on q, k or v reads it.
+    pub fn act_layout(&self, n: usize, dtype: ActivationDtype) -> ActLayout {
+        let tensor_cores = self.attention_in_bf16(n) && self.native_packing;
+        ActLayout::of(dtype, tensor_cores, self.lora_adapts_qkv())
+    }
+
     /// Whether the model can run a pass with the MLP block's activations in bf16: its
     /// products need the weights in bf16, and a LoRA pair of the MLP reads f32.
     pub(crate) fn check_bf16_activations(&self) -> Result<(), ModelError> {

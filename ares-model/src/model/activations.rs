@@ -36,7 +36,7 @@
 //! ([`Model::forward_cached`](super::Model::forward_cached)); those return
 //! [`ModelError::ChunkedLogits`] on a chunked arena.
 
-use super::act_dtype::{ActStack, ActivationDtype};
+use super::act_dtype::{ActLayout, ActStack};
 use super::lora::LoraActs;
 use super::weights::Stack;
 use super::{ModelError, ModelSpec};
@@ -159,8 +159,9 @@ pub(crate) struct LayerBuffers<B: Backend> {
     pub(crate) checkpointed: bool,
     /// `[N, C]` token embeddings (input of layer 0).
     pub(crate) encoded: B::Buffer,
-    /// `[L, N, C]` input RMSNorm output, and `[L, N]` its rstd.
-    pub(crate) ln1: Stack<B>,
+    /// `[L, N, C]` input RMSNorm output (stored as the arena's [`ActLayout`] says), and
+    /// `[L, N]` its rstd.
+    pub(crate) ln1: ActStack<B>,
     pub(crate) ln1_rstd: Stack<B>,
     /// `[L, N, Hq·D]`, `[L, N, Hkv·D]` q/k projections before their RMSNorm (Qwen3 only,
     /// else empty), and `[L, N·Hq]`, `[L, N·Hkv]` their rstd.
@@ -168,10 +169,14 @@ pub(crate) struct LayerBuffers<B: Backend> {
     pub(crate) k_raw: Stack<B>,
     pub(crate) q_rstd: Stack<B>,
     pub(crate) k_rstd: Stack<B>,
-    /// `[L, N, Hq·D]`, `[L, N, Hkv·D]` q, k (after RoPE) and v.
-    pub(crate) q: Stack<B>,
-    pub(crate) k: Stack<B>,
-    pub(crate) v: Stack<B>,
+    /// `[L, N, Hq·D]`, `[L, N, Hkv·D]` q, k (after RoPE) and v (stored as the arena's
+    /// [`ActLayout`] says).
+    pub(crate) q: ActStack<B>,
+    pub(crate) k: ActStack<B>,
+    pub(crate) v: ActStack<B>,
+    /// `[N, max(C, Hq·D)]` f32: where `ln1`, q, k and v stored in bf16 are made before
+    /// they are rounded (one layer's; empty when none is).
+    pub(crate) stage: B::Buffer,
     /// `[L, N, Hq·D]` attention output and `[L, N·Hq]` its log-sum-exp.
     pub(crate) att: Stack<B>,
     pub(crate) lse: Stack<B>,
@@ -184,7 +189,7 @@ pub(crate) struct LayerBuffers<B: Backend> {
     pub(crate) ln2: ActStack<B>,
     pub(crate) ln2_rstd: Stack<B>,
     /// `[L, N, I]` gate and up projections, and `silu(gate) · up`. These and `ln2` are
-    /// stored as the arena's [`ActivationDtype`] says (`act_dtype.rs`).
+    /// stored as the arena's [`ActLayout`] says (`act_dtype.rs`).
     pub(crate) gate: ActStack<B>,
     pub(crate) up: ActStack<B>,
     pub(crate) act: ActStack<B>,
@@ -197,14 +202,14 @@ pub(crate) struct LayerBuffers<B: Backend> {
 
 impl<B: Backend> LayerBuffers<B> {
     /// Allocates the layers' activations for `n = batch · seq` tokens (`batch`, `seq` for
-    /// the overflow error); `checkpointed`: one layer's but the residual stream; the MLP
-    /// block's stored as `dtype`.
+    /// the overflow error); `checkpointed`: one layer's but the residual stream; stored as
+    /// `layout` says.
     fn new(
         backend: &B,
         spec: &ModelSpec,
         (batch, seq, n): (usize, usize, usize),
         checkpointed: bool,
-        dtype: ActivationDtype,
+        layout: ActLayout,
     ) -> Result<Self, ModelError> {
         let layers = spec.layers;
         // the stacks that checkpointing keeps one layer of
@@ -218,10 +223,14 @@ impl<B: Backend> LayerBuffers<B> {
             let total = numel(batch, seq, &[l, item])?;
             Ok(Stack::new(backend.alloc(total)?, item))
         };
-        let stored = |dims: &[usize]| -> Result<ActStack<B>, ModelError> {
+        let stored = |bf16: bool, dims: &[usize]| -> Result<ActStack<B>, ModelError> {
             let item = numel(batch, seq, dims)?;
             let total = numel(batch, seq, &[l, item])?;
-            ActStack::new(backend, dtype, total, item)
+            ActStack::new(backend, bf16, total, item)
+        };
+        let stage = match layout.stages() {
+            true => numel(batch, seq, &[n, c.max(qd)])?,
+            false => 0,
         };
         let qk_raw = usize::from(spec.qk_norm);
         let resid_item = numel(batch, seq, &[n, c])?;
@@ -233,24 +242,25 @@ impl<B: Backend> LayerBuffers<B> {
             count: layers,
             checkpointed,
             encoded: backend.alloc(numel(batch, seq, &[n, c])?)?,
-            ln1: stack(&[n, c])?,
+            ln1: stored(layout.ln1, &[n, c])?,
             ln1_rstd: stack(&[n])?,
             q_raw: stack(&[qk_raw, n, qd])?,
             k_raw: stack(&[qk_raw, n, kvd])?,
             q_rstd: stack(&[qk_raw, n, hq])?,
             k_rstd: stack(&[qk_raw, n, hkv])?,
-            q: stack(&[n, qd])?,
-            k: stack(&[n, kvd])?,
-            v: stack(&[n, kvd])?,
+            q: stored(layout.qkv, &[n, qd])?,
+            k: stored(layout.qkv, &[n, kvd])?,
+            v: stored(layout.qkv, &[n, kvd])?,
+            stage: backend.alloc(stage)?,
             att: stack(&[n, qd])?,
             lse: stack(&[n, hq])?,
             att_proj: Stack::new(backend.alloc(resid_item)?, resid_item),
             resid_mid: stack(&[n, c])?,
-            ln2: stored(&[n, c])?,
+            ln2: stored(layout.mlp, &[n, c])?,
             ln2_rstd: stack(&[n])?,
-            gate: stored(&[n, i])?,
-            up: stored(&[n, i])?,
-            act: stored(&[n, i])?,
+            gate: stored(layout.mlp, &[n, i])?,
+            up: stored(layout.mlp, &[n, i])?,
+            act: stored(layout.mlp, &[n, i])?,
             mlp_out: Stack::new(backend.alloc(resid_item)?, resid_item),
             resid_out,
         })
@@ -279,7 +289,7 @@ pub(crate) fn head_chunks(n: usize, rows: usize) -> impl Iterator<Item = (usize,
 pub struct ArenaElements {
     /// f32 values (with the host's staging of the key mask).
     pub f32s: u64,
-    /// bf16 values: the MLP block's activations under [`ActivationDtype::Bf16`].
+    /// bf16 values: the activations an [`ActLayout`] stores in bf16.
     pub bf16s: u64,
     /// u32 ids.
     pub ids: u64,
@@ -292,7 +302,7 @@ impl ArenaElements {
     }
 }
 
-/// What an arena of [`Activations::planned`]`(spec, batch, seq, head, checkpointed, dtype)`
+/// What an arena of [`Activations::planned`]`(spec, batch, seq, head, checkpointed, layout)`
 /// holds, without allocating it (the memory plan's figure), by the same sizes as the
 /// allocation (a test checks the two agree). `None` when the shape overflows or is empty,
 /// or `head` is a chunk of 0 rows (the allocation's errors).
@@ -302,7 +312,7 @@ pub fn arena_elements(
     seq: usize,
     head: HeadMode,
     checkpointed: bool,
-    dtype: ActivationDtype,
+    layout: ActLayout,
 ) -> Option<ArenaElements> {
     if batch == 0 || seq == 0 {
         return None;
@@ -329,19 +339,19 @@ pub fn arena_elements(
         (c + 1) + raw * (qd + kvd + hq + hkv) + (qd + 2 * kvd) + (qd + hq) + c + (c + 1) + 3 * i;
     // the embeddings, every layer's residual stream out, one layer's att_proj and mlp_out
     let layers = n * (c + kept * layer + l * c + 2 * c);
-    // the MLP block's stored in bf16: ln2, gate, up, act
-    let mlp = match dtype {
-        ActivationDtype::F32 => 0,
-        ActivationDtype::Bf16 => n * kept * (c + 3 * i),
-    };
-    let scratch = n * (2 * c + 3 * i + 2 * qd + 2 * kvd + raw * (qd + kvd));
+    // stored in bf16: ln2, gate, up, act; ln1; q, k, v — and the f32 staging of the latter
+    let on = |b: bool, elements: u64| if b { elements } else { 0 };
+    let halves =
+        n * kept * (on(layout.mlp, c + 3 * i) + on(layout.ln1, c) + on(layout.qkv, qd + 2 * kvd));
+    let stage = on(layout.stages(), n * c.max(qd));
+    let scratch = n * (2 * c + 3 * i + 2 * qd + 2 * kvd + raw * (qd + kvd)) + stage;
     // mask (and its host copy), cos + sin, lnf + rstd, log-prob, entropy and both
     // coefficients per token; the logits and their gradient
     let floats = layers + scratch + n * (2 + spec.head_dim as u64 + c + 1 + 4) + 2 * rows * v;
     // ids, positions and the head chunks' targets
     Some(ArenaElements {
-        f32s: floats - mlp,
-        bf16s: mlp,
+        f32s: floats - halves,
+        bf16s: halves,
         ids: 3 * n,
     })
 }
@@ -371,19 +381,15 @@ impl<B: Backend> Activations<B> {
     /// What the arena holds (what [`arena_elements`] predicts).
     pub fn elements(&self) -> ArenaElements {
         let l = &self.layers;
-        let stored = [&l.ln2, &l.gate, &l.up, &l.act];
+        let stored = [&l.ln1, &l.q, &l.k, &l.v, &l.ln2, &l.gate, &l.up, &l.act];
         let (halves, stored_f32): (Vec<&ActStack<B>>, Vec<&ActStack<B>>) =
             stored.into_iter().partition(|s| s.is_bf16());
         let stacks = [
-            &l.ln1,
             &l.ln1_rstd,
             &l.q_raw,
             &l.k_raw,
             &l.q_rstd,
             &l.k_rstd,
-            &l.q,
-            &l.k,
-            &l.v,
             &l.att,
             &l.lse,
             &l.att_proj,
@@ -408,6 +414,7 @@ impl<B: Backend> Activations<B> {
         ];
         let whole = [
             &l.encoded,
+            &l.stage,
             &self.mask,
             &self.cos,
             &self.sin,
@@ -449,15 +456,14 @@ impl<B: Backend> Activations<B> {
         seq: usize,
         head: HeadMode,
     ) -> Result<Self, ModelError> {
-        Self::planned(backend, spec, batch, seq, head, false, ActivationDtype::F32)
+        Self::planned(backend, spec, batch, seq, head, false, ActLayout::F32)
     }
 
     /// [`Activations::with_head`], keeping every layer's activations or, `checkpointed`,
     /// one layer's and the residual stream: the backward pass recomputes each layer's
     /// forward from its input first (activation checkpointing: the same gradients, bit for
     /// bit, for about `(L − 1)·N·(3C + 3·Hq·D + 4·Hkv·D + 3I)` fewer floats and one more
-    /// forward pass of the layers); the MLP block's activations stored as `dtype`
-    /// (`act_dtype.rs`).
+    /// forward pass of the layers); stored as `layout` says (`act_dtype.rs`).
     ///
     /// # Errors
     /// As [`Activations::with_head`].
@@ -468,7 +474,7 @@ impl<B: Backend> Activations<B> {
         seq: usize,
         head: HeadMode,
         checkpointed: bool,
-        dtype: ActivationDtype,
+        layout: ActLayout,
     ) -> Result<Self, ModelError> {
         if batch == 0 || seq == 0 {
             return Err(ModelError::BatchShape { batch, seq });
@@ -506,7 +512,7 @@ impl<B: Backend> Activations<B> {
             unpack: None,
             cos: alloc(&[n, spec.head_dim / 2])?,
             sin: alloc(&[n, spec.head_dim / 2])?,
-            layers: LayerBuffers::new(backend, spec, (batch, seq, n), checkpointed, dtype)?,
+            layers: LayerBuffers::new(backend, spec, (batch, seq, n), checkpointed, layout)?,
             lnf: alloc(&[n, c])?,
             lnf_rstd: alloc(&[n])?,
             head,

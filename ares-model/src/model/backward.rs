@@ -16,7 +16,7 @@
 use super::act_dtype::Act;
 use super::activations::head_chunks;
 use super::layer::LinearGrad;
-use super::layer::dqkv;
+use super::layer::{StoredQkv, dqkv, qkv as qkv_views};
 use super::lora::Target;
 use super::unpack::Widths;
 use super::{Activations, Grads, HeadMode, Inputs, Model, ModelError};
@@ -295,21 +295,29 @@ impl<B: Backend> Model<B> {
             pair(Target::O, sc.dresidual.r(), Act::F32(a.att), sc.datt.w())?;
             let dqkv = dqkv(&mut sc.dq, &mut sc.dk, &mut sc.dv);
             let bf16 = self.attention_in_bf16(attn.batch * attn.seq);
-            if let Some(u) = unpack.as_deref_mut() {
-                let saved = (a.att, a.lse, sc.datt.r());
-                u.backward(
-                    be,
-                    (attn, bf16, Widths { hq, hkv, d }),
-                    (a.q, a.k, a.v),
-                    saved,
-                    dqkv,
-                )?;
-            } else if bf16 {
-                let (out, lse, dout) = (a.att, a.lse, sc.datt.r());
-                be.attention_backward_bf16(attn, a.qkv(mask), segments, out, lse, dout, dqkv)?;
-            } else {
-                let (out, lse, dout) = (a.att, a.lse, sc.datt.r());
-                be.attention_backward(attn, a.qkv(mask), segments, out, lse, dout, dqkv)?;
+            let qkv = StoredQkv::of(a.q, a.k, a.v)?;
+            const F32_ONLY: &str = "an attention backward over padded rows (q, k, v in bf16)";
+            let (out, lse, dout) = (a.att, a.lse, sc.datt.r());
+            match (unpack.as_deref_mut(), qkv) {
+                (Some(u), qkv) => {
+                    let w = Widths { hq, hkv, d };
+                    let qkv = qkv.f32(F32_ONLY)?;
+                    u.backward(be, (attn, bf16, w), qkv, (out, lse, dout), dqkv)?;
+                }
+                (None, StoredQkv::Bf16(q, k, v)) => {
+                    let (mask, saved) = (Some(mask), (out, lse, dout));
+                    be.attention_backward_bf16_stored(
+                        attn, q, k, v, mask, segments, saved.0, saved.1, saved.2, dqkv,
+                    )?;
+                }
+                (None, StoredQkv::F32(q, k, v)) if bf16 => {
+                    let inputs = qkv_views(q, k, v, mask);
+                    be.attention_backward_bf16(attn, inputs, segments, out, lse, dout, dqkv)?;
+                }
+                (None, StoredQkv::F32(q, k, v)) => {
+                    let inputs = qkv_views(q, k, v, mask);
+                    be.attention_backward(attn, inputs, segments, out, lse, dout, dqkv)?;
+                }
             }
             be.rope_backward(sc.dq.w(), cos, sin, hq, d)?;
             be.rope_backward(sc.dk.w(), cos, sin, hkv, d)?;
@@ -324,12 +332,12 @@ impl<B: Backend> Model<B> {
             } else {
                 (sc.dq.r(), sc.dk.r())
             };
-            self.matmul_backward(dq_proj, a.ln1, g.q, Overwrite, sc.dln.w())?;
-            pair(Target::Q, dq_proj, Act::F32(a.ln1), sc.dln.w())?;
-            self.matmul_backward(dk_proj, a.ln1, g.k, Accumulate, sc.dln.w())?;
-            pair(Target::K, dk_proj, Act::F32(a.ln1), sc.dln.w())?;
-            self.matmul_backward(sc.dv.r(), a.ln1, g.v, Accumulate, sc.dln.w())?;
-            pair(Target::V, sc.dv.r(), Act::F32(a.ln1), sc.dln.w())?;
+            self.matmul_backward_stored(dq_proj, a.ln1, g.q, Overwrite, sc.dln.w())?;
+            pair(Target::Q, dq_proj, a.ln1, sc.dln.w())?;
+            self.matmul_backward_stored(dk_proj, a.ln1, g.k, Accumulate, sc.dln.w())?;
+            pair(Target::K, dk_proj, a.ln1, sc.dln.w())?;
+            self.matmul_backward_stored(sc.dv.r(), a.ln1, g.v, Accumulate, sc.dln.w())?;
+            pair(Target::V, sc.dv.r(), a.ln1, sc.dln.w())?;
             // ∂L/∂input = ∂L/∂resid_mid (skip) + the input norm's input gradient.
             self.rmsnorm_backward(sc.dln.r(), a.input, a.ln1_rstd, g.ln1, sc.dresidual.w())?;
             if let Some(h) = half.as_mut() {

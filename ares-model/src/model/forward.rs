@@ -10,7 +10,7 @@ use super::act_dtype::{Act, ActMut};
 use super::activations::{LayerBuffers, head_chunks};
 use super::decode_weights::DecodeWeights;
 use super::kv_cache::StepCache;
-use super::layer::qkv;
+use super::layer::{StoredQkv, qkv as qkv_views};
 use super::log_prob_grad::check_targets;
 use super::lora::{LoraActs, Target};
 use super::unpack::{Unpack, Widths};
@@ -266,30 +266,51 @@ impl<B: Backend> Model<B> {
             }
         };
 
-        // Attention block.
-        self.rmsnorm(a.resid.input()?, p.ln1, a.ln1.w()?, a.ln1_rstd.w()?)?;
+        // Attention block. ln1, q, k, v are stored as the arena's layout says: one in bf16
+        // is made in f32 in the staging buffer, then rounded into its stack — the bits the
+        // bf16 products and the tensor-core attention take of the f32 one.
+        let stage = &mut *a.stage;
+        let mut ln1 = a.ln1.w()?;
+        let ln1_f32 = ln1.f32_or(stage)?;
+        self.rmsnorm(a.resid.input()?, p.ln1, ln1_f32, a.ln1_rstd.w()?)?;
+        ln1.round_staged(be, stage)?;
+        let x = a.ln1.r()?;
+        let mut q = a.q.w()?;
+        let mut k = a.k.w()?;
         if s.qk_norm {
             // Qwen3: project, then RMSNorm every head over head_dim, then RoPE.
-            self.matmul(a.ln1.r()?, p.q, a.q_raw.w()?)?;
-            pair(Target::Q, Act::F32(a.ln1.r()?), ActMut::F32(a.q_raw.w()?))?;
-            self.matmul(a.ln1.r()?, p.k, a.k_raw.w()?)?;
-            pair(Target::K, Act::F32(a.ln1.r()?), ActMut::F32(a.k_raw.w()?))?;
+            self.matmul_stored(x, p.q, ActMut::F32(a.q_raw.w()?))?;
+            pair(Target::Q, x, ActMut::F32(a.q_raw.w()?))?;
+            self.matmul_stored(x, p.k, ActMut::F32(a.k_raw.w()?))?;
+            pair(Target::K, x, ActMut::F32(a.k_raw.w()?))?;
             let (q_norm, k_norm) = p.qk_norm.get()?;
-            self.rmsnorm(a.q_raw.r()?, q_norm, a.q.w()?, a.q_rstd.w()?)?;
-            self.rmsnorm(a.k_raw.r()?, k_norm, a.k.w()?, a.k_rstd.w()?)?;
+            self.rmsnorm(a.q_raw.r()?, q_norm, q.f32_or(stage)?, a.q_rstd.w()?)?;
+            be.rope(q.f32_or(stage)?, cos, sin, hq, d)?;
+            q.round_staged(be, stage)?;
+            self.rmsnorm(a.k_raw.r()?, k_norm, k.f32_or(stage)?, a.k_rstd.w()?)?;
+            be.rope(k.f32_or(stage)?, cos, sin, hkv, d)?;
+            k.round_staged(be, stage)?;
         } else {
-            self.matmul(a.ln1.r()?, p.q, a.q.w()?)?;
-            pair(Target::Q, Act::F32(a.ln1.r()?), ActMut::F32(a.q.w()?))?;
-            self.matmul(a.ln1.r()?, p.k, a.k.w()?)?;
-            pair(Target::K, Act::F32(a.ln1.r()?), ActMut::F32(a.k.w()?))?;
+            self.matmul_stored(x, p.q, ActMut::F32(q.f32_or(stage)?))?;
+            pair(Target::Q, x, ActMut::F32(q.f32_or(stage)?))?;
+            be.rope(q.f32_or(stage)?, cos, sin, hq, d)?;
+            q.round_staged(be, stage)?;
+            self.matmul_stored(x, p.k, ActMut::F32(k.f32_or(stage)?))?;
+            pair(Target::K, x, ActMut::F32(k.f32_or(stage)?))?;
+            be.rope(k.f32_or(stage)?, cos, sin, hkv, d)?;
+            k.round_staged(be, stage)?;
         }
-        self.matmul(a.ln1.r()?, p.v, a.v.w()?)?;
-        pair(Target::V, Act::F32(a.ln1.r()?), ActMut::F32(a.v.w()?))?;
-        be.rope(a.q.w()?, cos, sin, hq, d)?;
-        be.rope(a.k.w()?, cos, sin, hkv, d)?;
-        let (q, k, v) = (a.q.r()?, a.k.r()?, a.v.r()?);
+        let mut v = a.v.w()?;
+        self.matmul_stored(x, p.v, ActMut::F32(v.f32_or(stage)?))?;
+        pair(Target::V, x, ActMut::F32(v.f32_or(stage)?))?;
+        v.round_staged(be, stage)?;
+        let qkv = StoredQkv::of(a.q.r()?, a.k.r()?, a.v.r()?)?;
+        // the attentions without a form over q, k, v stored in bf16 (an arena plans them in
+        // bf16 only where the tensor-core attention runs over the backend's packed rows)
+        const F32_ONLY: &str = "an attention over padded rows or a KV cache (q, k, v in bf16)";
         match cache {
             None if unpack.is_some() => {
+                let (q, k, v) = qkv.f32(F32_ONLY)?;
                 let bf16 = self.attention_in_bf16(attn.batch * attn.seq);
                 let (out, lse) = (a.att.w()?, a.lse.w()?);
                 let w = Widths { hq, hkv, d };
@@ -299,13 +320,22 @@ impl<B: Backend> Model<B> {
             }
             None if self.attention_in_bf16(attn.batch * attn.seq) => {
                 let (out, lse) = (a.att.w()?, a.lse.w()?);
-                be.attention_bf16(attn, qkv(q, k, v, mask), segments, out, lse)?
+                match qkv {
+                    StoredQkv::F32(q, k, v) => {
+                        be.attention_bf16(attn, qkv_views(q, k, v, mask), segments, out, lse)?
+                    }
+                    StoredQkv::Bf16(q, k, v) => {
+                        be.attention_bf16_stored(attn, q, k, v, Some(mask), segments, out, lse)?
+                    }
+                }
             }
             None => {
+                let (q, k, v) = qkv.f32(F32_ONLY)?;
                 let (out, lse) = (a.att.w()?, a.lse.w()?);
-                be.attention(attn, qkv(q, k, v, mask), segments, out, lse)?
+                be.attention(attn, qkv_views(q, k, v, mask), segments, out, lse)?
             }
             Some(cache) => {
+                let (q, k, v) = qkv.f32(F32_ONLY)?;
                 // a prefill from slot 0 in bf16: its tokens see only each other, so the
                 // tensor-core training forward over them is the step's attention; a later
                 // chunk of ≥ 64 tokens a sequence over a paged pool: its tensor-core twin
@@ -314,7 +344,7 @@ impl<B: Backend> Model<B> {
                     Some(fresh) => {
                         fresh.append(be, l, attn, k, v)?;
                         let (out, lse) = (a.att.w()?, a.lse.w()?);
-                        be.attention_bf16(attn, qkv(q, k, v, mask), None, out, lse)?
+                        be.attention_bf16(attn, qkv_views(q, k, v, mask), None, out, lse)?
                     }
                     None => {
                         let chunk = self.attention_in_bf16(attn.seq);

@@ -372,7 +372,7 @@ impl<B: Backend> Model<B> {
         width: usize,
     ) -> Result<Activations<B>, ModelError> {
         let head = HeadMode::Chunked { rows: batch };
-        let f32 = super::ActivationDtype::F32;
+        let f32 = super::ActLayout::F32;
         Activations::planned(&self.backend, &self.spec, batch, width, head, true, f32)
     }
 

@@ -672,15 +672,17 @@ impl<B: Backend> Residual<'_, B> {
 /// One layer's activations for the forward pass, in the order it writes them.
 pub(crate) struct LayerActsMut<'a, B: Backend> {
     pub(crate) resid: Residual<'a, B>,
-    pub(crate) ln1: Slot<'a, B>,
+    pub(crate) ln1: ActSlot<'a, B>,
     pub(crate) ln1_rstd: Slot<'a, B>,
     pub(crate) q_raw: Slot<'a, B>,
     pub(crate) k_raw: Slot<'a, B>,
     pub(crate) q_rstd: Slot<'a, B>,
     pub(crate) k_rstd: Slot<'a, B>,
-    pub(crate) q: Slot<'a, B>,
-    pub(crate) k: Slot<'a, B>,
-    pub(crate) v: Slot<'a, B>,
+    pub(crate) q: ActSlot<'a, B>,
+    pub(crate) k: ActSlot<'a, B>,
+    pub(crate) v: ActSlot<'a, B>,
+    /// Where the attention block's activations stored in bf16 are made in f32 first.
+    pub(crate) stage: &'a mut B::Buffer,
     pub(crate) att: Slot<'a, B>,
     pub(crate) lse: Slot<'a, B>,
     pub(crate) att_proj: Slot<'a, B>,
@@ -697,15 +699,15 @@ pub(crate) struct LayerActsMut<'a, B: Backend> {
 /// [`LayerActsMut`]; `input` is the residual stream entering the layer).
 pub(crate) struct LayerActs<'a, B: Backend> {
     pub(crate) input: Tensor<'a, B>,
-    pub(crate) ln1: Tensor<'a, B>,
+    pub(crate) ln1: Act<'a, B>,
     pub(crate) ln1_rstd: Tensor<'a, B>,
     pub(crate) q_raw: Tensor<'a, B>,
     pub(crate) k_raw: Tensor<'a, B>,
     pub(crate) q_rstd: Tensor<'a, B>,
     pub(crate) k_rstd: Tensor<'a, B>,
-    pub(crate) q: Tensor<'a, B>,
-    pub(crate) k: Tensor<'a, B>,
-    pub(crate) v: Tensor<'a, B>,
+    pub(crate) q: Act<'a, B>,
+    pub(crate) k: Act<'a, B>,
+    pub(crate) v: Act<'a, B>,
     pub(crate) att: Tensor<'a, B>,
     pub(crate) lse: Tensor<'a, B>,
     pub(crate) resid_mid: Tensor<'a, B>,
@@ -716,10 +718,34 @@ pub(crate) struct LayerActs<'a, B: Backend> {
     pub(crate) act: Act<'a, B>,
 }
 
-impl<'a, B: Backend> LayerActs<'a, B> {
-    /// The saved q, k, v as the attention's inputs, under the key `mask`.
-    pub(crate) fn qkv(&self, mask: Tensor<'a, B>) -> AttentionInputs<'a, B::Buffer> {
-        qkv(self.q, self.k, self.v, mask)
+/// f32 q, k, v.
+pub(crate) type F32Qkv<'a, B> = (Tensor<'a, B>, Tensor<'a, B>, Tensor<'a, B>);
+
+/// q, k, v as the attention reads them: f32, or all three stored in bf16.
+pub(crate) enum StoredQkv<'a, B: Backend> {
+    F32(Tensor<'a, B>, Tensor<'a, B>, Tensor<'a, B>),
+    Bf16(View<'a, B::Half>, View<'a, B::Half>, View<'a, B::Half>),
+}
+
+impl<'a, B: Backend> StoredQkv<'a, B> {
+    /// `q`, `k`, `v` as stored (an arena stores the three alike).
+    pub(crate) fn of(q: Act<'a, B>, k: Act<'a, B>, v: Act<'a, B>) -> Result<Self, ModelError> {
+        match (q, k, v) {
+            (Act::F32(q), Act::F32(k), Act::F32(v)) => Ok(Self::F32(q, k, v)),
+            (Act::Bf16(q), Act::Bf16(k), Act::Bf16(v)) => Ok(Self::Bf16(q, k, v)),
+            _ => Err(ModelError::Bf16Activations {
+                what: "internal: q, k and v stored in two dtypes",
+            }),
+        }
+    }
+
+    /// The f32 q, k, v; [`ModelError::Bf16Activations`] naming `what` for bf16 ones (an
+    /// attention without a bf16-stored form).
+    pub(crate) fn f32(self, what: &'static str) -> Result<F32Qkv<'a, B>, ModelError> {
+        match self {
+            Self::F32(q, k, v) => Ok((q, k, v)),
+            Self::Bf16(..) => Err(ModelError::Bf16Activations { what }),
+        }
     }
 }
 
@@ -768,6 +794,7 @@ impl<B: Backend> LayerBuffers<B> {
             q,
             k,
             v,
+            stage,
             att,
             lse,
             att_proj,
@@ -794,15 +821,16 @@ impl<B: Backend> LayerBuffers<B> {
                 out: resid_out,
                 layer,
             },
-            ln1: slot(ln1),
+            ln1: stored(ln1),
             ln1_rstd: slot(ln1_rstd),
             q_raw: slot(q_raw),
             k_raw: slot(k_raw),
             q_rstd: slot(q_rstd),
             k_rstd: slot(k_rstd),
-            q: slot(q),
-            k: slot(k),
-            v: slot(v),
+            q: stored(q),
+            k: stored(k),
+            v: stored(v),
+            stage,
             att: slot(att),
             lse: slot(lse),
             // one layer's, whatever the checkpointing

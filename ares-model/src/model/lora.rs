@@ -571,10 +571,21 @@ impl<B: Backend> Model<B> {
     /// Whether a LoRA pair sits on the MLP (gate, up or down), whose products read f32
     /// activations.
     pub(crate) fn lora_adapts_mlp(&self) -> bool {
-        let mlp = [Target::Gate, Target::Up, Target::Down];
-        self.lora
-            .as_ref()
-            .is_some_and(|l| mlp.iter().any(|&t| l.params.pairs[t as usize].is_some()))
+        self.lora_adapts(&[Target::Gate, Target::Up, Target::Down])
+    }
+
+    /// Whether a LoRA pair adapts q, k or v (it reads the input norm's output in f32).
+    pub(crate) fn lora_adapts_qkv(&self) -> bool {
+        self.lora_adapts(&[Target::Q, Target::K, Target::V])
+    }
+
+    /// Whether a LoRA pair adapts one of `targets`.
+    fn lora_adapts(&self, targets: &[Target]) -> bool {
+        self.lora.as_ref().is_some_and(|l| {
+            targets
+                .iter()
+                .any(|&t| l.params.pairs[t as usize].is_some())
+        })
     }
 
     /// Forward of `target`'s pair at layer `layer` (its `u` in slot `slot`): `y += s ·

@@ -66,7 +66,15 @@ pub(crate) mod weights;
 
 use ares_cpu::ops::rope::RopeTable;
 
-pub use act_dtype::ActivationDtype;
+pub use act_dtype::{ActLayout, ActivationDtype};
+
+/// Whether a pass over `rows` tokens of a model of `spec` at `precision` runs its attention
+/// in bf16 on the tensor cores (on the CPU their twin): bf16 products at those rows and a
+/// head size of the tensor-core kernels (`ares_cpu::ops::attention::BF16_HEAD_DIMS`).
+pub fn tensor_core_attention(spec: &ModelSpec, precision: MatmulPrecision, rows: usize) -> bool {
+    precision.for_rows(rows) == MatmulPrecision::Bf16
+        && ares_cpu::ops::attention::BF16_HEAD_DIMS.contains(&spec.head_dim)
+}
 pub use activations::{Activations, ArenaElements, HeadMode, LossBuffers, arena_elements};
 pub use backward::EmbedGrad;
 pub use bf16_weights::WeightStorage;
@@ -224,7 +232,9 @@ impl<B: Backend> Model<B> {
     /// from now on store the MLP block's activations (f32 by default): with
     /// [`ActivationDtype::Bf16`] the post-attention norm's output, gate, up and their SwiGLU
     /// in bf16 — `N·(C + 3I)` of a layer's floats halved — and the MLP's products in bf16
-    /// whatever the row count, reading and writing them as stored (`act_dtype.rs`). Needs the
+    /// whatever the row count, reading and writing them as stored; where the pass's
+    /// attention runs on the tensor cores the attention block's input-norm output, q, k and
+    /// v too, with the same numbers ([`Model::act_layout`], `act_dtype.rs`). Needs the
     /// weights in bf16 for the products (bf16 copies, [`Model::set_bf16_weights`], or bf16
     /// storage), and no LoRA pair on gate, up or down: planning refuses otherwise
     /// ([`ModelError::Bf16Activations`]). [`Model::activations_full`] (generation, logits)
@@ -248,8 +258,7 @@ impl<B: Backend> Model<B> {
     /// ([`Backend::attention_bf16`]): the bf16 precision at those rows, at a head size the
     /// tensor-core kernel takes (`ares_cpu::ops::attention::BF16_HEAD_DIMS`).
     pub(crate) fn attention_in_bf16(&self, rows: usize) -> bool {
-        self.matmul_precision.for_rows(rows) == MatmulPrecision::Bf16
-            && ares_cpu::ops::attention::BF16_HEAD_DIMS.contains(&self.spec.head_dim)
+        tensor_core_attention(&self.spec, self.matmul_precision, rows)
     }
 
     /// The precision of the linear layers ([`Model::set_matmul_precision`]).
@@ -343,8 +352,9 @@ impl<B: Backend> Model<B> {
         if dtype == ActivationDtype::Bf16 {
             self.check_bf16_activations()?;
         }
+        let layout = self.act_layout(batch * seq, dtype);
         let mut acts =
-            Activations::planned(&self.backend, spec, batch, seq, head, checkpointed, dtype)?;
+            Activations::planned(&self.backend, spec, batch, seq, head, checkpointed, layout)?;
         let kept = if checkpointed {
             spec.layers.min(1)
         } else {

@@ -145,11 +145,23 @@ pub fn with_head_dim(
         l.k_proj = draw(&[hkv * head_dim, hidden]);
         l.v_proj = draw(&[hkv * head_dim, hidden]);
         l.o_proj = draw(&[hidden, hq * head_dim]);
-        l.q_norm = Some(Tensor {
-            shape: vec![head_dim],
-            data: vec![1.0; head_dim],
-        });
-        l.k_norm = l.q_norm.clone();
+        // biases where the architecture has them (Qwen2's q, k, v)
+        if l.q_proj_bias.is_some() {
+            l.q_proj_bias = Some(draw(&[hq * head_dim]));
+        }
+        for (bias, heads) in [(&mut l.k_proj_bias, hkv), (&mut l.v_proj_bias, hkv)] {
+            if bias.is_some() {
+                *bias = Some(draw(&[heads * head_dim]));
+            }
+        }
+        // Qwen3's q/k norms over the new head size
+        if l.q_norm.is_some() {
+            l.q_norm = Some(Tensor {
+                shape: vec![head_dim],
+                data: vec![1.0; head_dim],
+            });
+            l.k_norm = l.q_norm.clone();
+        }
     }
     ck
 }

@@ -56,9 +56,10 @@ pub use trainer::{
 };
 pub use worker::{
     ActorConfig, EntropyBonusConfig, ForkingTokensConfig, GradedPromptConfig, KvCacheDtype,
-    LrScheduler, ModelConfig, MultiTurnConfig, OptimConfig, POLICY_LOSSES, PolicyLoss, RefConfig,
-    RewardConfig, RewardGrader, RewardType, RolloutConfig, RubricGrader, RubricSchedule,
-    StateDtype, ToolCommandConfig, ValOverrideConfig, WeightDtype, WorkerConfig,
+    LoraSettings, LoraTargets, LrScheduler, ModelConfig, MultiTurnConfig, OptimConfig,
+    POLICY_LOSSES, PolicyLoss, RefConfig, RewardConfig, RewardGrader, RewardType, RolloutConfig,
+    RubricGrader, RubricSchedule, StateDtype, ToolCommandConfig, ValOverrideConfig, WeightDtype,
+    WorkerConfig,
 };
 
 use tree::Override;
@@ -97,10 +98,19 @@ impl Config {
     /// Whether `worker.actor.model.lora` puts pairs on the MLP (gate, up or down), whose
     /// LoRA products read f32 activations.
     pub(crate) fn lora_adapts_mlp(&self) -> bool {
+        self.lora_adapts(&["gate_proj", "up_proj", "down_proj"])
+    }
+
+    /// Whether the actor's LoRA pairs adapt q, k or v (they read the input norm's output
+    /// in f32, so it stays f32 under `activation_dtype: bf16`).
+    pub(crate) fn lora_adapts_qkv(&self) -> bool {
+        self.lora_adapts(&["q_proj", "k_proj", "v_proj"])
+    }
+
+    /// Whether the actor's LoRA pairs adapt one of `modules`.
+    fn lora_adapts(&self, modules: &[&str]) -> bool {
         match self.worker.actor.model.lora.peft() {
-            Ok(Some(c)) => ["gate_proj", "up_proj", "down_proj"]
-                .iter()
-                .any(|m| c.adapts_module(m)),
+            Ok(Some(c)) => modules.iter().any(|m| c.adapts_module(m)),
             _ => false,
         }
     }

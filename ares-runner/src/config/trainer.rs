@@ -317,7 +317,10 @@ pub struct TrainerConfig {
     /// post-attention norm's output, gate, up and their SwiGLU: most of a layer's) are
     /// stored: `f32`, or `bf16` — half their memory, each rounded once to nearest where it
     /// is written, the MLP's products reading and writing them as they are (on a GPU no
-    /// conversion per product); the residual stream, attention and gradients stay f32.
+    /// conversion per product). Where the attention runs on the tensor cores (a head size
+    /// of 64, 80 or 128) the attention block's input-norm output, q, k and v follow (the
+    /// norm's output f32 under a LoRA pair on q, k or v), the same numbers bit for bit; the
+    /// residual stream, the attention's output and the gradients stay f32.
     /// Needs `matmul_precision: bf16`; not with a LoRA pair on gate/up/down. Default null:
     /// `bf16` with `weight_dtype: bf16` (and so under `precision: bf16`, CUDA's default)
     /// unless LoRA adapts the MLP, `f32` otherwise.

@@ -29,8 +29,8 @@
 use crate::config::{Config, MatmulPrecisionCfg, WeightDtypeCfg};
 use crate::hf::config::ModelConfig;
 use crate::model::{
-    ActivationDtype, GradDtype, HeadMode, ModelSpec, StateDtype, arena_elements,
-    lora_arena_elements,
+    ActLayout, ActivationDtype, GradDtype, HeadMode, ModelSpec, StateDtype, arena_elements,
+    lora_arena_elements, tensor_core_attention,
 };
 
 use crate::trainer::TrainError;
@@ -316,8 +316,14 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         cfg.data.max_response_length as u64,
     );
     let longest = prompt + response;
-    // an arena's bytes; generation's keep f32 activations, training's the actor's dtype
+    // an arena's bytes; generation's keep f32 activations, training's the actor's dtype —
+    // the attention block's too where its attention runs on the tensor cores (`ActLayout`)
+    let precision = cfg.trainer.matmul_precision.precision();
+    let lora_qkv = cfg.lora_adapts_qkv();
     let arena_as = |batch: u64, seq: u64, head: HeadMode, checkpointed: bool, dtype| -> u64 {
+        let rows = batch.saturating_mul(seq) as usize;
+        let tensor_cores = tensor_core_attention(&spec, precision, rows);
+        let layout = ActLayout::of(dtype, tensor_cores, lora_qkv);
         let kept = if checkpointed { l.min(1) } else { l };
         let pairs = lora
             .as_ref()
@@ -328,7 +334,7 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
             seq as usize,
             head,
             checkpointed,
-            dtype,
+            layout,
         )
         .map_or(u64::MAX, |e| e.bytes().saturating_add(f32s(pairs)))
     };
@@ -449,9 +455,15 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
                 (false, true) => ", checkpointed",
                 (false, false) => "",
             },
-            match dtype {
-                ActivationDtype::Bf16 => ", MLP in bf16",
-                ActivationDtype::F32 => "",
+            {
+                let rows = micro.saturating_mul(longest) as usize;
+                let tensor_cores = tensor_core_attention(&spec, precision, rows);
+                match ActLayout::of(dtype, tensor_cores, lora_qkv) {
+                    ActLayout { mlp: false, .. } => "",
+                    ActLayout { qkv: false, .. } => ", MLP in bf16",
+                    ActLayout { ln1: false, .. } => ", MLP and q, k, v in bf16",
+                    _ => ", MLP and attention in bf16",
+                }
             }
         );
         let mut parts = vec![
@@ -894,15 +906,58 @@ pub(crate) mod tests {
             let e = arena_elements(&spec, micro as usize, n / micro as usize, head, true, dtype);
             e.unwrap().bytes()
         };
-        assert_eq!(
-            arena_of(None, "scoring", true),
-            one_layer(ActivationDtype::F32)
+        let (f32s, mlp16) = (
+            ActLayout::F32,
+            ActLayout::of(ActivationDtype::Bf16, false, false),
         );
-        assert_eq!(
-            arena_of(None, "scoring", false),
-            one_layer(ActivationDtype::Bf16)
-        );
-        assert!(one_layer(ActivationDtype::F32) < bf16_update);
+        assert_eq!(arena_of(None, "scoring", true), one_layer(f32s));
+        assert_eq!(arena_of(None, "scoring", false), one_layer(mlp16));
+        assert!(one_layer(f32s) < bf16_update);
+    }
+
+    /// At a head size of the tensor-core kernels the attention block's activations follow
+    /// (ln1, q, k, v in bf16, `ActLayout`): the update's arena is the allocation's, smaller
+    /// than the MLP-only layout's, and named so; a LoRA pair on q keeps ln1 in f32.
+    #[test]
+    fn bf16_attention_activations_are_planned_as_allocated() {
+        let mut text = tiny();
+        text.head_dim = 64;
+        let spec = ModelSpec::from_config(&text).unwrap();
+        let update = |lora: bool| {
+            let mut cfg = Config::default();
+            cfg.trainer.matmul_precision = MatmulPrecisionCfg::Bf16;
+            cfg.trainer.weight_dtype = WeightDtypeCfg::Bf16;
+            if lora {
+                cfg.worker.actor.model.lora.rank = 4;
+                cfg.worker.actor.model.lora.target_modules =
+                    crate::config::LoraTargets::One("q_proj".into());
+            }
+            let plan = text_plan(&cfg, &text, true, true);
+            let phase = plan.phases.iter().find(|p| p.name == "update").unwrap();
+            let part = phase
+                .parts
+                .iter()
+                .find(|p| p.what.starts_with("activations"));
+            let part = part.unwrap();
+            (part.what.clone(), part.bytes)
+        };
+        let cfg = Config::default();
+        let micro = cfg.worker.actor.micro_batch_size_per_device_for_update;
+        let seq = cfg.data.max_prompt_length + cfg.data.max_response_length;
+        let head = HeadMode::auto(micro * seq, spec.vocab);
+        let bytes = |layout| {
+            arena_elements(&spec, micro, seq, head, false, layout)
+                .unwrap()
+                .bytes()
+        };
+        let bf16 = ActivationDtype::Bf16;
+        let (what, got) = update(false);
+        assert_eq!(got, bytes(ActLayout::of(bf16, true, false)), "{what}");
+        assert!(got < bytes(ActLayout::of(bf16, false, false)), "{what}");
+        assert!(what.contains("MLP and attention in bf16"), "{what}");
+        let (what, got) = update(true);
+        assert!(what.contains("MLP and q, k, v in bf16"), "{what}");
+        assert!(got > bytes(ActLayout::of(bf16, true, false)), "{what}");
     }
 
     /// A run whose update does not fit is told of bf16 activations when its products are
