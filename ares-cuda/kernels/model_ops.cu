@@ -2065,7 +2065,8 @@ __device__ __forceinline__ void mma_key_range(const AttnArgs& a, i64 rows_bg, i6
 template <int D, bool SEG>
 __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __restrict__ out,
                                                        float* __restrict__ lse,
-                                                       unsigned* __restrict__ status) {
+                                                       unsigned* __restrict__ status,
+                                                       unsigned short* __restrict__ out16 = nullptr) {
     constexpr int KS = D / 16;             // k-steps of q·kᵀ over the head dims
     constexpr int ND = D / 8;              // 8-column blocks of the output
     constexpr int NB = MMA_KEYS / 8;       // 8-key blocks of a score tile
@@ -2205,12 +2206,15 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
             if (!rw.live[i]) continue;
             const bool empty = m[i] == NEG_INF;
             const float inv = empty || bad[i] ? 0.0f : __fdiv_rn(1.0f, l[i]);
-            float* dst = out + rw.orow[i] * D;
+            const i64 row = rw.orow[i] * D;
 #pragma unroll
             for (int nd = 0; nd < ND; nd++) {
 #pragma unroll
                 for (int e = 0; e < 2; e++) {
-                    dst[8 * nd + 2 * tig + e] = bad[i] ? NAN_F : __fmul_rn(o[nd][2 * i + e], inv);
+                    const float val = bad[i] ? NAN_F : __fmul_rn(o[nd][2 * i + e], inv);
+                    // stored in bf16 (activations kept in bf16): rounded once, to nearest even
+                    if (out16) out16[row + 8 * nd + 2 * tig + e] = bf16_rne(val);
+                    else out[row + 8 * nd + 2 * tig + e] = val;
                 }
             }
             if (lse && tig == 0) lse[rw.orow[i]] = bad[i] ? NAN_F : empty ? NEG_INF : m[i] + logf(l[i]);
@@ -2228,10 +2232,10 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
              i64 q_seq, i64 kv_seq, i64 pos0, int hq, int hkv, float scale, float* out,        \
              float* lse, unsigned* status, const unsigned* cu, int segments,                  \
              const unsigned short* q16, const unsigned short* k16,                            \
-             const unsigned short* v16) {                                                     \
+             const unsigned short* v16, unsigned short* out16) {                              \
         AttnArgs a = {q, k, v, mask, batch, q_seq, kv_seq, pos0, hq, hkv, D, scale,           \
                       nullptr, nullptr, 0, 0, 0, k16, v16, cu, segments, nullptr, q16};       \
-        attention_fwd_mma_impl<D, false>(a, out, lse, status);                                \
+        attention_fwd_mma_impl<D, false>(a, out, lse, status, out16);                         \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 1)                           \
         segment_##NAME(const float* q, const float* k, const float* v, const unsigned* cu,    \
@@ -2606,15 +2610,20 @@ __device__ __forceinline__ float prob_bf16(float score, float row_lse) {
     return exp2_nonpositive_rn(__fmul_rn(fminf(__fsub_rn(score, row_lse), 0.0f), LOG2E));
 }
 
-// δ[row] = Σ_c bf16(dout[row, c])·out[row, c]: attention_bwd_delta over the rounded dout.
+// δ[row] = Σ_c bf16(dout[row, c])·out[row, c]: attention_bwd_delta over the rounded dout
+// (out stored in bf16: out16's bits widened; else NULL).
 extern "C" __global__ void attention_bwd_delta_bf16(const float* __restrict__ dout,
                                                     const float* __restrict__ out, i64 rows,
-                                                    int d, float* __restrict__ delta) {
+                                                    int d, float* __restrict__ delta,
+                                                    const unsigned short* __restrict__ out16) {
     const int lane = threadIdx.x & 31;
     const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
     for (i64 r = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
         float acc = 0.0f;
-        for (int c = lane; c < d; c += 32) acc = fmaf(widen(bf16_rne(dout[r * d + c])), out[r * d + c], acc);
+        for (int c = lane; c < d; c += 32) {
+            const float o = out16 ? widen(out16[r * d + c]) : out[r * d + c];
+            acc = fmaf(widen(bf16_rne(dout[r * d + c])), o, acc);
+        }
         acc = warp_sum(acc);
         if (lane == 0) delta[r] = acc;
     }

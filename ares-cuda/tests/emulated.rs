@@ -730,6 +730,7 @@ type AttnFwdMma = unsafe extern "C" fn(
     *const u16,
     *const u16,
     *const u16,
+    *mut u16,
 );
 /// `emu_paged_attention_fwd_mma`: grid, head size, then the paged kernel's arguments.
 type PagedAttnFwdMma = unsafe extern "C" fn(
@@ -776,6 +777,7 @@ type AttnBwdMma = unsafe extern "C" fn(
     *mut u32,
     *const u32,
     i32,
+    *const u16,
     *const u16,
     *const u16,
     *const u16,
@@ -991,6 +993,7 @@ fn kernel_on_cpu_tensor_core_attention_is_the_cpu_twin() {
                 std::ptr::null(),
                 std::ptr::null(),
                 std::ptr::null(),
+                std::ptr::null_mut(),
             )
         };
         assert_eq!(status, 0, "d {d}: status");
@@ -1059,6 +1062,7 @@ fn kernel_on_cpu_tensor_core_attention_is_the_cpu_twin() {
                 std::ptr::null(),
                 std::ptr::null(),
                 std::ptr::null(),
+                std::ptr::null_mut(),
             )
         };
         assert_eq!(status, 0, "d {d}: backward status");
@@ -1110,6 +1114,7 @@ fn kernel_on_cpu_tensor_core_attention_is_the_cpu_twin() {
                 q16.as_ptr(),
                 k16.as_ptr(),
                 v16.as_ptr(),
+                std::ptr::null_mut(),
             )
         };
         assert_eq!(status, 0, "d {d}: bf16-stored status");
@@ -1146,6 +1151,7 @@ fn kernel_on_cpu_tensor_core_attention_is_the_cpu_twin() {
                 q16.as_ptr(),
                 k16.as_ptr(),
                 v16.as_ptr(),
+                std::ptr::null_mut(),
             )
         };
         assert_eq!(status, 0, "d {d}: bf16-stored backward status");
@@ -1155,6 +1161,87 @@ fn kernel_on_cpu_tensor_core_attention_is_the_cpu_twin() {
             ("dv", &s_dv, &g_dv),
         ] {
             assert!(same(got, want), "d {d}: bf16-stored {name}");
+        }
+        // the output stored in bf16 too: the f32 output rounded once, and the backward from
+        // it (δ over its widened bits) the backward from those values in f32, bit for bit
+        let mut out_16 = vec![0u16; q.len()];
+        let mut lse_16 = vec![NAN; lse.len()];
+        // SAFETY: as above, out16 of out's length in its place.
+        unsafe {
+            fwd(
+                5,
+                d as i32,
+                null,
+                null,
+                null,
+                mask.as_ptr(),
+                batch as i64,
+                seq as i64,
+                seq as i64,
+                0,
+                hq as i32,
+                hkv as i32,
+                shape.scale,
+                std::ptr::null_mut(),
+                lse_16.as_mut_ptr(),
+                &mut status,
+                std::ptr::null(),
+                0,
+                q16.as_ptr(),
+                k16.as_ptr(),
+                v16.as_ptr(),
+                out_16.as_mut_ptr(),
+            )
+        };
+        assert_eq!(status, 0, "d {d}: bf16 output status");
+        assert_eq!(out_16, bits(&out), "d {d}: bf16 output");
+        assert!(same(&lse_16, &lse), "d {d}: bf16 output's lse");
+        let widened: Vec<f32> = out_16
+            .iter()
+            .map(|&b| f32::from_bits(u32::from(b) << 16))
+            .collect();
+        let mut grads =
+            [(); 2].map(|()| (vec![NAN; q.len()], vec![NAN; k.len()], vec![NAN; v.len()]));
+        for (i, (dq_, dk_, dv_)) in grads.iter_mut().enumerate() {
+            let (out_f32, out16) = match i {
+                0 => (widened.as_ptr(), std::ptr::null()),
+                _ => (null, out_16.as_ptr()),
+            };
+            // SAFETY: as the launches above.
+            unsafe {
+                bwd(
+                    5,
+                    d as i32,
+                    null,
+                    null,
+                    null,
+                    mask.as_ptr(),
+                    batch as i64,
+                    seq as i64,
+                    hq as i32,
+                    hkv as i32,
+                    shape.scale,
+                    out_f32,
+                    lse.as_ptr(),
+                    dout.as_ptr(),
+                    delta.as_mut_ptr(),
+                    dq_.as_mut_ptr(),
+                    dk_.as_mut_ptr(),
+                    dv_.as_mut_ptr(),
+                    &mut status,
+                    std::ptr::null(),
+                    0,
+                    q16.as_ptr(),
+                    k16.as_ptr(),
+                    v16.as_ptr(),
+                    out16,
+                )
+            };
+            assert_eq!(status, 0, "d {d}: bf16 output backward status");
+        }
+        let [(a_dq, a_dk, a_dv), (b_dq, b_dk, b_dv)] = &grads;
+        for (name, x, y) in [("dq", a_dq, b_dq), ("dk", a_dk, b_dk), ("dv", a_dv, b_dv)] {
+            assert!(same(x, y), "d {d}: bf16 output {name}");
         }
     }
 }
@@ -1305,6 +1392,7 @@ fn kernel_on_cpu_tensor_core_attention_over_packed_segments_is_the_cpu_twin() {
                 std::ptr::null(),
                 std::ptr::null(),
                 std::ptr::null(),
+                std::ptr::null_mut(),
             );
             bwd(
                 7,
@@ -1331,6 +1419,7 @@ fn kernel_on_cpu_tensor_core_attention_over_packed_segments_is_the_cpu_twin() {
                 std::ptr::null(),
                 std::ptr::null(),
                 std::ptr::null(),
+                std::ptr::null_mut(),
             );
         }
         assert_eq!(status, 0, "d {d}: status");
@@ -1363,6 +1452,7 @@ fn kernel_on_cpu_tensor_core_attention_over_packed_segments_is_the_cpu_twin() {
                 std::ptr::null(),
                 std::ptr::null(),
                 std::ptr::null(),
+                std::ptr::null_mut(),
             )
         };
         assert_eq!(status, 64, "d {d}: bad offsets flag ST_BAD_SEGMENTS");

@@ -1283,7 +1283,8 @@ fn tensor_core_attention_matches_its_cpu_twin() {
                 View::whole(&hv16),
                 key_mask,
                 None,
-                ViewMut::whole(&mut so),
+                Some(ViewMut::whole(&mut so)),
+                None,
                 ViewMut::whole(&mut sl),
             )
             .unwrap();
@@ -1303,7 +1304,8 @@ fn tensor_core_attention_matches_its_cpu_twin() {
                 View::whole(&hv16),
                 key_mask,
                 None,
-                View::whole(&go),
+                Some(View::whole(&go)),
+                None,
                 View::whole(&gl),
                 View::whole(&up(&gpu, &dout)),
                 AttentionGrads {
@@ -1320,6 +1322,27 @@ fn tensor_core_attention_matches_its_cpu_twin() {
                     "{label}: {name}"
                 );
             }
+            // the output stored in bf16 too: the f32 output rounded once, as it is stored
+            let mut o16 = gpu.alloc_half(qn, DType::Bf16).unwrap();
+            gpu.attention_bf16_stored(
+                dims,
+                View::whole(&hq16),
+                View::whole(&hk16),
+                View::whole(&hv16),
+                key_mask,
+                None,
+                None,
+                Some(ViewMut::whole(&mut o16)),
+                ViewMut::whole(&mut sl),
+            )
+            .unwrap();
+            let mut got16 = vec![0u16; qn];
+            gpu.download_half(View::whole(&o16), &mut got16).unwrap();
+            let want16: Vec<u16> = down(&gpu, &go)
+                .iter()
+                .map(|&x| half::bf16::from_f32(x).to_bits())
+                .collect();
+            assert_eq!(got16, want16, "{label}: the output in bf16");
         }
     }
     // Another head size is an error naming it.

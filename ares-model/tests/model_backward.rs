@@ -390,11 +390,13 @@ fn arena_elements_predict_the_allocation() {
             mlp: true,
             ln1: true,
             qkv: true,
+            att: true,
         },
         ActLayout {
             mlp: true,
             ln1: false,
             qkv: true,
+            att: false,
         },
     ];
     for name in ["qwen2_tiny", "qwen3_tiny", "llama_tiny"] {

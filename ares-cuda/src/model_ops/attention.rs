@@ -513,6 +513,7 @@ impl ModelOps {
         let (q, k, v) = (&inputs.q, &inputs.k, &inputs.v);
         let mask = inputs.key_mask.as_ref();
         let qkv = Operands::F32(q, k, v);
+        let out = OutMut::F32(out);
         self.attention_mma("attention_bf16", shape, (qkv, mask), segments, out, lse)
     }
 
@@ -523,7 +524,7 @@ impl ModelOps {
     /// # Errors
     /// As [`ModelOps::attention_bf16`].
     #[allow(clippy::too_many_arguments)] // the declared op's arguments, as the CPU's
-    pub fn attention_bf16_stored(
+    pub fn attention_bf16_stored<'o>(
         &self,
         shape: AttentionShape,
         q: &CudaView<'_, u16>,
@@ -531,11 +532,17 @@ impl ModelOps {
         v: &CudaView<'_, u16>,
         key_mask: Option<&CudaView<'_, f32>>,
         segments: Option<&CudaView<'_, u32>>,
-        out: &mut CudaViewMut<'_, f32>,
+        out: Option<&mut CudaViewMut<'o, f32>>,
+        out16: Option<&mut CudaViewMut<'o, u16>>,
         lse: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         let qkv = Operands::Bf16(q, k, v);
         let op = "attention_bf16_stored";
+        let out = match (out, out16) {
+            (Some(o), None) => OutMut::F32(o),
+            (None, Some(o)) => OutMut::Bf16(o),
+            _ => return Err(bad(op, "exactly one of out (f32) and out16 (bf16)".into())),
+        };
         self.attention_mma(op, shape, (qkv, key_mask), segments, out, lse)
     }
 
@@ -546,7 +553,7 @@ impl ModelOps {
         shape: AttentionShape,
         (qkv, key_mask): (Operands<'_, '_>, Option<&CudaView<'_, f32>>),
         segments: Option<&CudaView<'_, u32>>,
-        out: &mut CudaViewMut<'_, f32>,
+        out: OutMut<'_, '_>,
         lse: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
         let packed = packed(op, &shape, segments)?;
@@ -583,13 +590,16 @@ impl ModelOps {
             .arg(&pos0)
             .arg(&dims.hq)
             .arg(&dims.hkv)
-            .arg(&shape.scale)
-            .arg(out)
-            .arg(lse)
-            .arg(&mut state.status);
+            .arg(&shape.scale);
+        let (o32, o16) = match out {
+            OutMut::F32(o) => (Some(o), None),
+            OutMut::Bf16(o) => (None, Some(o)),
+        };
+        l.arg_or_null(o32).arg(lse).arg(&mut state.status);
         let none = 0i32;
         push_packed(&mut l, &packed, &none);
         qkv.push_bf16(&mut l);
+        l.arg_or_null(o16);
         // SAFETY: argument order as `ATTN_FWD_MMA`; lengths checked against the shape above
         // (segments by `packed`), the head size is the variant's, shared memory is static.
         unsafe { l.launch(cfg) }.during(op)?;
@@ -763,6 +773,7 @@ impl ModelOps {
     ) -> Result<()> {
         const K: &str = "attention_backward";
         let packed = packed(K, &shape, segments)?;
+        let out = OutView::F32(out);
         let saved = AttentionSaved { out, lse, dout };
         let qkv = Operands::F32(&inputs.q, &inputs.k, &inputs.v);
         let inputs = (qkv, inputs.key_mask.as_ref(), packed);
@@ -791,6 +802,7 @@ impl ModelOps {
         const K: &str = "attention_backward_bf16";
         let packed = packed(K, &shape, segments)?;
         let variant = self.tensor_core_head(K, shape.head_dim)?;
+        let out = OutView::F32(out);
         let saved = AttentionSaved { out, lse, dout };
         let qkv = Operands::F32(&inputs.q, &inputs.k, &inputs.v);
         let inputs = (qkv, inputs.key_mask.as_ref(), packed);
@@ -803,7 +815,7 @@ impl ModelOps {
     /// # Errors
     /// As [`ModelOps::attention_backward_bf16`].
     #[allow(clippy::too_many_arguments)] // the declared op's arguments, as the CPU's
-    pub fn attention_backward_bf16_stored(
+    pub fn attention_backward_bf16_stored<'o>(
         &self,
         shape: AttentionShape,
         q: &CudaView<'_, u16>,
@@ -811,7 +823,8 @@ impl ModelOps {
         v: &CudaView<'_, u16>,
         key_mask: Option<&CudaView<'_, f32>>,
         segments: Option<&CudaView<'_, u32>>,
-        out: &CudaView<'_, f32>,
+        out: Option<&CudaView<'o, f32>>,
+        out16: Option<&CudaView<'o, u16>>,
         lse: &CudaView<'_, f32>,
         dout: &CudaView<'_, f32>,
         grads: &mut AttentionGrads<'_>,
@@ -819,6 +832,11 @@ impl ModelOps {
         const K: &str = "attention_backward_bf16_stored";
         let packed = packed(K, &shape, segments)?;
         let variant = self.tensor_core_head(K, shape.head_dim)?;
+        let out = match (out, out16) {
+            (Some(o), None) => OutView::F32(o),
+            (None, Some(o)) => OutView::Bf16(o),
+            _ => return Err(bad(K, "exactly one of out (f32) and out16 (bf16)".into())),
+        };
         let saved = AttentionSaved { out, lse, dout };
         let inputs = (Operands::Bf16(q, k, v), key_mask, packed);
         self.backward_with(K, shape, inputs, saved, grads, Some(variant))
@@ -870,11 +888,11 @@ impl ModelOps {
         };
         let dims = shape.dims(op)?;
         qkv.check(op, &dims)?;
-        if tensor_core.is_none() && matches!(qkv, Operands::Bf16(..)) {
-            return Err(bad(
-                op,
-                "q, k, v stored in bf16 need the tensor-core kernels".into(),
-            ));
+        if tensor_core.is_none()
+            && (matches!(qkv, Operands::Bf16(..)) || matches!(saved.out, OutView::Bf16(_)))
+        {
+            let why = "activations stored in bf16 need the tensor-core kernels";
+            return Err(bad(op, why.into()));
         }
         if let Some(m) = key_mask {
             check_len(op, "key_mask", dims.tokens, m.len())?;
@@ -903,11 +921,18 @@ impl ModelOps {
                 Some(_) => &self.f.attention_bwd_delta_bf16,
             };
             let mut l = self.stream.launch_builder(func);
-            l.arg(saved.dout)
-                .arg(saved.out)
-                .arg(&rows64)
-                .arg(&dims.d)
-                .arg(&mut delta);
+            l.arg(saved.dout);
+            match saved.out {
+                OutView::F32(o) => l.arg(o),
+                OutView::Bf16(_) => l.arg(&NULL),
+            };
+            l.arg(&rows64).arg(&dims.d).arg(&mut delta);
+            if tensor_core.is_some() {
+                match saved.out {
+                    OutView::F32(_) => l.arg(&NULL),
+                    OutView::Bf16(o) => l.arg(o),
+                };
+            }
             let cfg = LaunchConfig {
                 grid_dim: (grid(dims.lse_len.div_ceil(WARPS)), 1, 1),
                 block_dim: ((WARPS * 32) as u32, 1, 1),
@@ -1498,8 +1523,8 @@ impl BackwardInputs<'_, '_> {
 
 /// What [`ModelOps::attention_backward`] reads besides the inputs.
 pub(crate) struct AttentionSaved<'a, 'b> {
-    /// The forward output `[B, T, Hq, D]`.
-    pub out: &'a CudaView<'b, f32>,
+    /// The forward output `[B, T, Hq, D]`, f32 or stored in bf16.
+    pub out: OutView<'a, 'b>,
     /// The forward log-sum-exp `[B, T, Hq]`.
     pub lse: &'a CudaView<'b, f32>,
     /// `∂L/∂out` `[B, T, Hq, D]`.
@@ -1517,6 +1542,38 @@ pub struct AttentionInputs<'a> {
     pub v: CudaView<'a, f32>,
     /// `[B, T]`, 0/1.
     pub key_mask: Option<CudaView<'a, f32>>,
+}
+
+/// The attention's output as the forward writes it: f32, or rounded to bf16 (activations
+/// stored in bf16).
+enum OutMut<'a, 'b> {
+    F32(&'a mut CudaViewMut<'b, f32>),
+    Bf16(&'a mut CudaViewMut<'b, u16>),
+}
+
+impl OutMut<'_, '_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::F32(o) => o.len(),
+            Self::Bf16(o) => o.len(),
+        }
+    }
+}
+
+/// The attention's output as the backward reads it (see [`OutMut`]).
+#[derive(Clone, Copy)]
+pub(crate) enum OutView<'a, 'b> {
+    F32(&'a CudaView<'b, f32>),
+    Bf16(&'a CudaView<'b, u16>),
+}
+
+impl OutView<'_, '_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::F32(o) => o.len(),
+            Self::Bf16(o) => o.len(),
+        }
+    }
 }
 
 /// q, k, v as a launch passes them: f32 values (the tensor-core kernels round them as they

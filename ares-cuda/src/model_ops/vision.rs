@@ -3,11 +3,10 @@
 //! `cu_seqlens` segments, and the row scatter of image embeddings. Twins of
 //! `ares_cpu::ops::{layer_norm, activation, segment_attention, scatter}`.
 
-use super::attention::{
-    AttentionGradsMut, AttentionSaved, MMA_ROWS, MMA_WARPS, attention_cfg, dkv_mma_smem,
-};
+use super::attention::{AttentionGradsMut, MMA_ROWS, MMA_WARPS, attention_cfg, dkv_mma_smem};
 use super::{ModelOps, bad, check_len, element_cfg, grid, i32_of, i64_of, mul, row_cfg, scratch};
 use crate::error::{DriverContext, Result};
+use crate::launch::NULL;
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
 /// Threads per row of the LayerNorm kernels and per source row of the scatter.
@@ -635,7 +634,8 @@ impl ModelOps {
                 .arg(out)
                 .arg(&rows64)
                 .arg(&dims.d)
-                .arg(&mut delta);
+                .arg(&mut delta)
+                .arg(&NULL); // out in f32
             let cfg = LaunchConfig {
                 grid_dim: (grid(dims.lse_len.div_ceil(WARPS)), 1, 1),
                 block_dim: ((WARPS * 32) as u32, 1, 1),
@@ -699,20 +699,19 @@ impl ModelOps {
         dk: &mut CudaViewMut<'v, f32>,
         dv: &mut CudaViewMut<'v, f32>,
     ) -> Result<()> {
-        let saved = AttentionSaved { out, lse, dout };
         let grads = AttentionGradsMut { dq, dk, dv };
         const K: &str = "segment_attention_backward";
         let lens = [
             q.len(),
             k.len(),
             v.len(),
-            saved.out.len(),
-            saved.dout.len(),
+            out.len(),
+            dout.len(),
             grads.dq.len(),
             grads.dk.len(),
             grads.dv.len(),
         ];
-        let dims = check_backward(K, &shape, cu_seqlens.len(), lens, saved.lse.len())?;
+        let dims = check_backward(K, &shape, cu_seqlens.len(), lens, lse.len())?;
         if dims.q_len == 0 {
             return Ok(());
         }
@@ -737,8 +736,8 @@ impl ModelOps {
         {
             // δ = Σ dout·out per (token, head) row; one warp per row (model_ops.cu).
             let mut l = self.stream.launch_builder(&self.f.attention_bwd_delta);
-            l.arg(saved.dout)
-                .arg(saved.out)
+            l.arg(dout)
+                .arg(out)
                 .arg(&rows64)
                 .arg(&dims.d)
                 .arg(&mut delta);
@@ -765,9 +764,9 @@ impl ModelOps {
                 .arg(&dims.heads)
                 .arg(&dims.d)
                 .arg(&shape.scale)
-                .arg(saved.lse)
+                .arg(lse)
                 .arg(&delta)
-                .arg(saved.dout)
+                .arg(dout)
                 .arg(grads.dq)
                 .arg(&mut *status);
             // SAFETY: argument order as the `SEG_BWD_DQ` kernels; lengths checked above.
@@ -783,9 +782,9 @@ impl ModelOps {
             .arg(&dims.heads)
             .arg(&dims.d)
             .arg(&shape.scale)
-            .arg(saved.lse)
+            .arg(lse)
             .arg(&delta)
-            .arg(saved.dout)
+            .arg(dout)
             .arg(grads.dk)
             .arg(grads.dv)
             .arg(status);

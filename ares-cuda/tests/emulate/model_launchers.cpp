@@ -60,12 +60,12 @@ extern "C" void emu_attention_fwd_mma(unsigned grid, int d, const float* q, cons
                                       float* out, float* lse, unsigned* status,
                                       const unsigned* cu, int segments,
                                       const unsigned short* q16, const unsigned short* k16,
-                                      const unsigned short* v16) {
+                                      const unsigned short* v16, unsigned short* out16) {
     const dim3 block{MMA_WARPS * 32, 1, 1};
     auto run = [&](auto kernel) {
         emu::launch(dim3{grid, 1, 1}, block, 0, [&] {
             kernel(q, k, v, mask, batch, q_seq, kv_seq, pos0, hq, hkv, scale, out, lse, status,
-                   cu, segments, q16, k16, v16);
+                   cu, segments, q16, k16, v16, out16);
         });
     };
     if (d == 64) run(attention_fwd_mma_d64);
@@ -104,10 +104,10 @@ extern "C" void emu_attention_bwd_mma(unsigned grid, int d, const float* q, cons
                                       float* dq, float* dk, float* dv, unsigned* status,
                                       const unsigned* cu, int segments,
                                       const unsigned short* q16, const unsigned short* k16,
-                                      const unsigned short* v16) {
+                                      const unsigned short* v16, const unsigned short* out16) {
     const i64 rows = batch * seq * hq;
     emu::launch(dim3{4, 1, 1}, dim3{128, 1, 1}, 0,
-                [&] { attention_bwd_delta_bf16(dout, out, rows, d, delta); });
+                [&] { attention_bwd_delta_bf16(dout, out, rows, d, delta, out16); });
     const dim3 block{MMA_WARPS * 32, 1, 1};
     const std::size_t smem = 2 * (2 * MMA_ROWS * (d + 8) + 2 * 32 * (d + 8) + 2 * d * (32 + 8));
     auto run = [&](auto dq_kernel, auto dkv_kernel) {
@@ -178,7 +178,7 @@ extern "C" void emu_segment_attention_mma(unsigned grid, int d, const float* q, 
             fwd(q, k, v, cu, segments, tokens, heads, scale, out, lse, status);
         });
         emu::launch(dim3{4, 1, 1}, dim3{128, 1, 1}, 0,
-                    [&] { attention_bwd_delta_bf16(dout, out, tokens * heads, d, delta); });
+                    [&] { attention_bwd_delta_bf16(dout, out, tokens * heads, d, delta, nullptr); });
         emu::launch(dim3{grid, 1, 1}, block, 0, [&] {
             dq_kernel(q, k, v, cu, segments, tokens, heads, scale, lse, delta, dout, dq, status);
         });

@@ -315,6 +315,9 @@ macro_rules! cpu_arg {
     ($op:ident, $a:ident: Out<bf16>) => {
         half_mut(stringify!($op), stringify!($a), $a, DType::Bf16)?
     };
+    ($op:ident, $a:ident: InOpt<bf16>) => {
+        $a.map(|v| half(stringify!($op), stringify!($a), v, DType::Bf16)).transpose()?
+    };
     ($op:ident, $a:ident: OutOpt<bf16>) => {
         $a.map(|v| half_mut(stringify!($op), stringify!($a), v, DType::Bf16)).transpose()?
     };
@@ -556,7 +559,8 @@ mod kernels {
         v: &[u16],
         key_mask: Option<&'a [f32]>,
         segments: Option<&'a [u32]>,
-        out: &mut [f32],
+        out: Option<&mut [f32]>,
+        out16: Option<&mut [u16]>,
         lse: &mut [f32],
     ) -> Result {
         let [q, k, v] = widened(q, k, v)?;
@@ -568,7 +572,28 @@ mod kernels {
             key_mask,
             segments,
         };
-        attention::attention_forward_bf16(&attention_shape(dims), inputs, out, lse)
+        let shape = attention_shape(dims);
+        match (out, out16) {
+            (Some(out), None) => attention::attention_forward_bf16(&shape, inputs, out, lse),
+            (None, Some(out16)) => {
+                // the twin's f32 output, rounded once (the kernel rounds as it stores)
+                let mut out = vec![0.0f32; out16.len()];
+                attention::attention_forward_bf16(&shape, inputs, &mut out, lse)?;
+                ares_cpu::ops::precision::round_to_bf16(&out, out16)
+            }
+            (out, out16) => Err(one_output(
+                usize::from(out.is_some()) + usize::from(out16.is_some()),
+            )),
+        }
+    }
+
+    /// Both of an attention's outputs given, or neither: how many were.
+    fn one_output(given: usize) -> ares_cpu::Error {
+        ares_cpu::Error::Core(ares_core::Error::OutOfRange {
+            what: "outputs given (out, out16)",
+            value: given as f64,
+            expected: "exactly 1: the f32 or the bf16 output",
+        })
     }
 
     #[allow(clippy::too_many_arguments)] // the declared op's arguments
@@ -579,11 +604,28 @@ mod kernels {
         v: &[u16],
         key_mask: Option<&'a [f32]>,
         segments: Option<&'a [u32]>,
-        out: &[f32],
+        out: Option<&[f32]>,
+        out16: Option<&[u16]>,
         lse: &[f32],
         dout: &[f32],
         grads: attention::AttentionGrads<'_>,
     ) -> Result {
+        let widened_out;
+        let out = match (out, out16) {
+            (Some(out), None) => out,
+            (None, Some(out16)) => {
+                widened_out = {
+                    let mut w = vec![0.0f32; out16.len()];
+                    ares_cpu::ops::precision::widen_bf16(out16, &mut w)?;
+                    w
+                };
+                &widened_out
+            }
+            (out, out16) => {
+                let given = usize::from(out.is_some()) + usize::from(out16.is_some());
+                return Err(one_output(given));
+            }
+        };
         let [q, k, v] = widened(q, k, v)?;
         let (q, k, v) = (q.as_slice(), k.as_slice(), v.as_slice());
         let inputs = attention::AttentionInputs {

@@ -613,10 +613,13 @@ macro_rules! declared_ops {
             /// bf16, `Model::set_activation_dtype`): the kernels read the bits as stored where
             /// [`Backend::attention_bf16`] rounds f32 values as they load them — the same bits
             /// for the same values (on the CPU the bits are widened and run through the same
-            /// twin). Its backward is [`Backend::attention_backward_bf16_stored`].
+            /// twin). The output is written to exactly one of `out` (f32) and `out16` (bf16,
+            /// rounded once to nearest even). Its backward is
+            /// [`Backend::attention_backward_bf16_stored`].
             ///
             /// # Errors
-            /// As [`Backend::attention_bf16`]; q, k or v not bf16.
+            /// As [`Backend::attention_bf16`]; q, k, v or `out16` not bf16; both outputs or
+            /// neither.
             fn attention_bf16_stored(
                 dims: AttentionDims,
                 q: In<bf16>,
@@ -624,15 +627,19 @@ macro_rules! declared_ops {
                 v: In<bf16>,
                 key_mask: InOpt<f32>,
                 segments: InOpt<u32>,
-                out: Out<f32>,
+                out: OutOpt<f32>,
+                out16: OutOpt<bf16>,
                 lse: Out<f32>,
             ) cpu kernels::attention_bf16_stored, cuda attention_bf16_stored;
 
             /// [`Backend::attention_backward_bf16`] over q, k, v stored in bf16, read as
-            /// stored: the same bits as from their f32 values. **Overwrites** `grads` (f32).
+            /// stored, and the forward's output from exactly one of `out` (f32) and `out16`
+            /// (bf16, widened): the same bits as from those values in f32. **Overwrites**
+            /// `grads` (f32).
             ///
             /// # Errors
-            /// As [`Backend::attention_backward_bf16`]; q, k or v not bf16.
+            /// As [`Backend::attention_backward_bf16`]; q, k, v or `out16` not bf16; both
+            /// outputs or neither.
             fn attention_backward_bf16_stored(
                 dims: AttentionDims,
                 q: In<bf16>,
@@ -640,7 +647,8 @@ macro_rules! declared_ops {
                 v: In<bf16>,
                 key_mask: InOpt<f32>,
                 segments: InOpt<u32>,
-                out: In<f32>,
+                out: InOpt<f32>,
+                out16: InOpt<bf16>,
                 lse: In<f32>,
                 dout: In<f32>,
                 grads: ViewsMut<AttentionGrads>,
@@ -989,6 +997,7 @@ macro_rules! op_arg_type {
     (In<bf16>) => { $crate::backend::View<'_, Self::Half> };
     (Out<bf16>) => { $crate::backend::ViewMut<'_, Self::Half> };
     (OutOpt<bf16>) => { Option<$crate::backend::ViewMut<'_, Self::Half>> };
+    (InOpt<bf16>) => { Option<$crate::backend::View<'_, Self::Half>> };
     (Out<u8>) => { $crate::backend::ViewMut<'_, Self::Bytes> };
     (Views<$t:ident>) => { $crate::backend::$t<'_, Self::Buffer> };
     (ViewsMut<$t:ident>) => { $crate::backend::$t<'_, Self::Buffer> };

@@ -4,17 +4,19 @@
 //! kept as the bf16 their products read, half their memory, and on a GPU the GEMMs read and
 //! write them as they are (no conversion per product). Where a pass's attention runs on the
 //! tensor cores the attention block's follow ([`ActLayout`]): the input norm's output and
-//! q, k (after RoPE), v — `C + Hq·D + 2·Hkv·D` more — which the bf16 products and the
-//! tensor-core kernels round to bf16 as they read them anyway, so that block's numbers are
-//! its f32 activations', bit for bit.
+//! q, k (after RoPE), v — which the bf16 products and the tensor-core kernels round to bf16
+//! as they read them anyway, so the forward's numbers are its f32 activations', bit for bit
+//! — and the attention's output, `2·Hq·D + 2·Hkv·D + C` more, which the output projection
+//! rounds anyway and the backward's `δ = Σ dout·out` reads as stored (a change within bf16,
+//! as FlashAttention's bf16 output).
 //!
 //! Each is rounded once, to nearest even, where it is written: the norm's output (which the
 //! gate and up products round to bf16 anyway), the gate and up projections' f32 sums, and
-//! the SwiGLU of the rounded gate and up (which the down product rounds anyway); the
-//! attention block's are made in an f32 one-layer staging buffer and rounded from it. The
-//! residual stream, the norms' `rstd`, the attention's output and log-sum-exp and every
-//! gradient stay f32. The MLP's products are bf16 (`Backend::linear_bf16_io` and its kin)
-//! whatever the row count.
+//! the SwiGLU of the rounded gate and up (which the down product rounds anyway); `ln1`, q,
+//! k, v are made in an f32 one-layer staging buffer and rounded from it, the attention's
+//! output as the kernel stores it. The residual stream, the norms' `rstd`, the attention's
+//! log-sum-exp and every gradient stay f32. The MLP's products are bf16
+//! (`Backend::linear_bf16_io` and its kin) whatever the row count.
 
 use super::ModelError;
 use super::weights::{HalfStack, Stack};
@@ -50,9 +52,11 @@ impl ActivationDtype {
 /// stores the MLP block's, and the attention block's where the pass runs that block in
 /// bf16 — its products in bf16 and its attention on the tensor cores, which round these
 /// to bf16 as they read them anyway: q, k (after RoPE) and v, and the input norm's output
-/// (`ln1`) unless a LoRA pair on q, k or v reads it (in f32). So the attention block's
-/// numbers are those of its f32 activations, bit for bit; each is made in an f32 one-layer
-/// staging buffer and rounded once, to nearest even, into its stack.
+/// (`ln1`) unless a LoRA pair on q, k or v reads it (in f32) — so the forward's numbers are
+/// those of f32 activations, bit for bit; each is made in an f32 one-layer staging buffer
+/// and rounded once, to nearest even, into its stack — and the attention's output unless a
+/// LoRA pair on o reads it, rounded as the kernel stores it (the output projection rounds
+/// it anyway; the backward's `δ` reads the rounded values).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
 pub struct ActLayout {
     /// The MLP block's: the post-attention norm's output, gate, up and their SwiGLU.
@@ -61,6 +65,8 @@ pub struct ActLayout {
     pub ln1: bool,
     /// q, k after RoPE, and v.
     pub qkv: bool,
+    /// The attention's output.
+    pub att: bool,
 }
 
 impl ActLayout {
@@ -69,18 +75,24 @@ impl ActLayout {
         mlp: false,
         ln1: false,
         qkv: false,
+        att: false,
     };
 
     /// The layout of `dtype` for a pass whose attention runs on the tensor cores or not
     /// (`tensor_core_attention`: bf16 products at the pass's rows, a head size they take,
-    /// packed sequences on the backend) in a model with or without a LoRA pair on q, k or
-    /// v (`lora_qkv`).
-    pub const fn of(dtype: ActivationDtype, tensor_core_attention: bool, lora_qkv: bool) -> Self {
+    /// packed sequences on the backend) in a model with or without LoRA pairs on q, k or v
+    /// (`lora.0`) and on o (`lora.1`), which read their inputs in f32.
+    pub const fn of(
+        dtype: ActivationDtype,
+        tensor_core_attention: bool,
+        lora: (bool, bool),
+    ) -> Self {
         let attention = matches!(dtype, ActivationDtype::Bf16) && tensor_core_attention;
         Self {
             mlp: matches!(dtype, ActivationDtype::Bf16),
-            ln1: attention && !lora_qkv,
+            ln1: attention && !lora.0,
             qkv: attention,
+            att: attention && !lora.1,
         }
     }
 
@@ -216,7 +228,8 @@ impl<B: Backend> super::Model<B> {
     /// packed sequences, `ln1` unless a LoRA pair on q, k or v reads it.
     pub fn act_layout(&self, n: usize, dtype: ActivationDtype) -> ActLayout {
         let tensor_cores = self.attention_in_bf16(n) && self.native_packing;
-        ActLayout::of(dtype, tensor_cores, self.lora_adapts_qkv())
+        let lora = (self.lora_adapts_qkv(), self.lora_adapts_o());
+        ActLayout::of(dtype, tensor_cores, lora)
     }
 
     /// Whether the model can run a pass with the MLP block's activations in bf16: its

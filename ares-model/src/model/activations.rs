@@ -177,8 +177,9 @@ pub(crate) struct LayerBuffers<B: Backend> {
     /// `[N, max(C, Hq·D)]` f32: where `ln1`, q, k and v stored in bf16 are made before
     /// they are rounded (one layer's; empty when none is).
     pub(crate) stage: B::Buffer,
-    /// `[L, N, Hq·D]` attention output and `[L, N·Hq]` its log-sum-exp.
-    pub(crate) att: Stack<B>,
+    /// `[L, N, Hq·D]` attention output (stored as the arena's [`ActLayout`] says) and
+    /// `[L, N·Hq]` its log-sum-exp.
+    pub(crate) att: ActStack<B>,
     pub(crate) lse: Stack<B>,
     /// `[N, C]` output projection of the layer being run: one layer's only, whatever the
     /// checkpointing (the residual add reads it, the backward pass does not).
@@ -252,7 +253,7 @@ impl<B: Backend> LayerBuffers<B> {
             k: stored(layout.qkv, &[n, kvd])?,
             v: stored(layout.qkv, &[n, kvd])?,
             stage: backend.alloc(stage)?,
-            att: stack(&[n, qd])?,
+            att: stored(layout.att, &[n, qd])?,
             lse: stack(&[n, hq])?,
             att_proj: Stack::new(backend.alloc(resid_item)?, resid_item),
             resid_mid: stack(&[n, c])?,
@@ -341,8 +342,12 @@ pub fn arena_elements(
     let layers = n * (c + kept * layer + l * c + 2 * c);
     // stored in bf16: ln2, gate, up, act; ln1; q, k, v — and the f32 staging of the latter
     let on = |b: bool, elements: u64| if b { elements } else { 0 };
-    let halves =
-        n * kept * (on(layout.mlp, c + 3 * i) + on(layout.ln1, c) + on(layout.qkv, qd + 2 * kvd));
+    let halves = n
+        * kept
+        * (on(layout.mlp, c + 3 * i)
+            + on(layout.ln1, c)
+            + on(layout.qkv, qd + 2 * kvd)
+            + on(layout.att, qd));
     let stage = on(layout.stages(), n * c.max(qd));
     let scratch = n * (2 * c + 3 * i + 2 * qd + 2 * kvd + raw * (qd + kvd)) + stage;
     // mask (and its host copy), cos + sin, lnf + rstd, log-prob, entropy and both
@@ -381,7 +386,9 @@ impl<B: Backend> Activations<B> {
     /// What the arena holds (what [`arena_elements`] predicts).
     pub fn elements(&self) -> ArenaElements {
         let l = &self.layers;
-        let stored = [&l.ln1, &l.q, &l.k, &l.v, &l.ln2, &l.gate, &l.up, &l.act];
+        let stored = [
+            &l.ln1, &l.q, &l.k, &l.v, &l.att, &l.ln2, &l.gate, &l.up, &l.act,
+        ];
         let (halves, stored_f32): (Vec<&ActStack<B>>, Vec<&ActStack<B>>) =
             stored.into_iter().partition(|s| s.is_bf16());
         let stacks = [
@@ -390,7 +397,6 @@ impl<B: Backend> Activations<B> {
             &l.k_raw,
             &l.q_rstd,
             &l.k_rstd,
-            &l.att,
             &l.lse,
             &l.att_proj,
             &l.resid_mid,

@@ -291,31 +291,36 @@ impl<B: Backend> Model<B> {
             self.rmsnorm_backward(sc.dln.r(), a.resid_mid, a.ln2_rstd, g.ln2, sc.dresidual.w())?;
 
             // Attention block; `dresidual` is ∂L/∂resid_mid[l] = ∂L/∂att_proj[l].
-            self.matmul_backward(sc.dresidual.r(), a.att, g.o, Overwrite, sc.datt.w())?;
-            pair(Target::O, sc.dresidual.r(), Act::F32(a.att), sc.datt.w())?;
+            self.matmul_backward_stored(sc.dresidual.r(), a.att, g.o, Overwrite, sc.datt.w())?;
+            pair(Target::O, sc.dresidual.r(), a.att, sc.datt.w())?;
             let dqkv = dqkv(&mut sc.dq, &mut sc.dk, &mut sc.dv);
             let bf16 = self.attention_in_bf16(attn.batch * attn.seq);
             let qkv = StoredQkv::of(a.q, a.k, a.v)?;
             const F32_ONLY: &str = "an attention backward over padded rows (q, k, v in bf16)";
-            let (out, lse, dout) = (a.att, a.lse, sc.datt.r());
+            const F32_OUT: &str = "an attention backward over f32 q, k, v (its output in bf16)";
+            let (lse, dout) = (a.lse, sc.datt.r());
             match (unpack.as_deref_mut(), qkv) {
                 (Some(u), qkv) => {
                     let w = Widths { hq, hkv, d };
-                    let qkv = qkv.f32(F32_ONLY)?;
+                    let (qkv, out) = (qkv.f32(F32_ONLY)?, a.att.f32(F32_OUT)?);
                     u.backward(be, (attn, bf16, w), qkv, (out, lse, dout), dqkv)?;
                 }
                 (None, StoredQkv::Bf16(q, k, v)) => {
-                    let (mask, saved) = (Some(mask), (out, lse, dout));
+                    let (out, out16) = match a.att {
+                        Act::F32(o) => (Some(o), None),
+                        Act::Bf16(o) => (None, Some(o)),
+                    };
+                    let mask = Some(mask);
                     be.attention_backward_bf16_stored(
-                        attn, q, k, v, mask, segments, saved.0, saved.1, saved.2, dqkv,
+                        attn, q, k, v, mask, segments, out, out16, lse, dout, dqkv,
                     )?;
                 }
                 (None, StoredQkv::F32(q, k, v)) if bf16 => {
-                    let inputs = qkv_views(q, k, v, mask);
+                    let (inputs, out) = (qkv_views(q, k, v, mask), a.att.f32(F32_OUT)?);
                     be.attention_backward_bf16(attn, inputs, segments, out, lse, dout, dqkv)?;
                 }
                 (None, StoredQkv::F32(q, k, v)) => {
-                    let inputs = qkv_views(q, k, v, mask);
+                    let (inputs, out) = (qkv_views(q, k, v, mask), a.att.f32(F32_OUT)?);
                     be.attention_backward(attn, inputs, segments, out, lse, dout, dqkv)?;
                 }
             }

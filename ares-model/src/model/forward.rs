@@ -308,30 +308,37 @@ impl<B: Backend> Model<B> {
         // the attentions without a form over q, k, v stored in bf16 (an arena plans them in
         // bf16 only where the tensor-core attention runs over the backend's packed rows)
         const F32_ONLY: &str = "an attention over padded rows or a KV cache (q, k, v in bf16)";
+        const F32_OUT: &str = "an attention over padded rows or a KV cache (its output in bf16)";
         match cache {
             None if unpack.is_some() => {
                 let (q, k, v) = qkv.f32(F32_ONLY)?;
                 let bf16 = self.attention_in_bf16(attn.batch * attn.seq);
-                let (out, lse) = (a.att.w()?, a.lse.w()?);
+                let (out, lse) = (a.att.w()?.f32(F32_OUT)?, a.lse.w()?);
                 let w = Widths { hq, hkv, d };
                 if let Some(u) = unpack {
                     u.forward(be, (attn, bf16, w), (q, k, v), out, lse)?;
                 }
             }
             None if self.attention_in_bf16(attn.batch * attn.seq) => {
-                let (out, lse) = (a.att.w()?, a.lse.w()?);
-                match qkv {
-                    StoredQkv::F32(q, k, v) => {
-                        be.attention_bf16(attn, qkv_views(q, k, v, mask), segments, out, lse)?
+                let lse = a.lse.w()?;
+                match (qkv, a.att.w()?) {
+                    (StoredQkv::F32(q, k, v), out) => {
+                        let (inputs, out) = (qkv_views(q, k, v, mask), out.f32(F32_OUT)?);
+                        be.attention_bf16(attn, inputs, segments, out, lse)?
                     }
-                    StoredQkv::Bf16(q, k, v) => {
-                        be.attention_bf16_stored(attn, q, k, v, Some(mask), segments, out, lse)?
+                    (StoredQkv::Bf16(q, k, v), out) => {
+                        let (out, out16) = match out {
+                            ActMut::F32(o) => (Some(o), None),
+                            ActMut::Bf16(o) => (None, Some(o)),
+                        };
+                        let mask = Some(mask);
+                        be.attention_bf16_stored(attn, q, k, v, mask, segments, out, out16, lse)?
                     }
                 }
             }
             None => {
                 let (q, k, v) = qkv.f32(F32_ONLY)?;
-                let (out, lse) = (a.att.w()?, a.lse.w()?);
+                let (out, lse) = (a.att.w()?.f32(F32_OUT)?, a.lse.w()?);
                 be.attention(attn, qkv_views(q, k, v, mask), segments, out, lse)?
             }
             Some(cache) => {
@@ -343,22 +350,18 @@ impl<B: Backend> Model<B> {
                 match cache.fresh().filter(|_| bf16) {
                     Some(fresh) => {
                         fresh.append(be, l, attn, k, v)?;
-                        let (out, lse) = (a.att.w()?, a.lse.w()?);
+                        let (out, lse) = (a.att.w()?.f32(F32_OUT)?, a.lse.w()?);
                         be.attention_bf16(attn, qkv_views(q, k, v, mask), None, out, lse)?
                     }
                     None => {
                         let chunk = self.attention_in_bf16(attn.seq);
-                        cache.attend(be, l, chunk, attn, q, k, v, a.att.w()?)?
+                        cache.attend(be, l, chunk, attn, q, k, v, a.att.w()?.f32(F32_OUT)?)?
                     }
                 }
             }
         }
-        self.matmul(a.att.r()?, p.o, a.att_proj.w()?)?;
-        pair(
-            Target::O,
-            Act::F32(a.att.r()?),
-            ActMut::F32(a.att_proj.w()?),
-        )?;
+        self.matmul_stored(a.att.r()?, p.o, ActMut::F32(a.att_proj.w()?))?;
+        pair(Target::O, a.att.r()?, ActMut::F32(a.att_proj.w()?))?;
         // The residual add and the MLP block's norm, fused: the bits of add then rmsnorm.
         let (mid, ln2_out, ln2_rstd) = (a.resid_mid.w()?, a.ln2.w()?, a.ln2_rstd.w()?);
         let added = (a.resid.input()?, a.att_proj.r()?);

@@ -683,7 +683,7 @@ pub(crate) struct LayerActsMut<'a, B: Backend> {
     pub(crate) v: ActSlot<'a, B>,
     /// Where the attention block's activations stored in bf16 are made in f32 first.
     pub(crate) stage: &'a mut B::Buffer,
-    pub(crate) att: Slot<'a, B>,
+    pub(crate) att: ActSlot<'a, B>,
     pub(crate) lse: Slot<'a, B>,
     pub(crate) att_proj: Slot<'a, B>,
     pub(crate) resid_mid: Slot<'a, B>,
@@ -708,7 +708,7 @@ pub(crate) struct LayerActs<'a, B: Backend> {
     pub(crate) q: Act<'a, B>,
     pub(crate) k: Act<'a, B>,
     pub(crate) v: Act<'a, B>,
-    pub(crate) att: Tensor<'a, B>,
+    pub(crate) att: Act<'a, B>,
     pub(crate) lse: Tensor<'a, B>,
     pub(crate) resid_mid: Tensor<'a, B>,
     pub(crate) ln2: Act<'a, B>,
@@ -831,7 +831,7 @@ impl<B: Backend> LayerBuffers<B> {
             k: stored(k),
             v: stored(v),
             stage,
-            att: slot(att),
+            att: stored(att),
             lse: slot(lse),
             // one layer's, whatever the checkpointing
             att_proj: Slot {

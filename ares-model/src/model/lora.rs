@@ -579,6 +579,11 @@ impl<B: Backend> Model<B> {
         self.lora_adapts(&[Target::Q, Target::K, Target::V])
     }
 
+    /// Whether a LoRA pair adapts o (it reads the attention's output in f32).
+    pub(crate) fn lora_adapts_o(&self) -> bool {
+        self.lora_adapts(&[Target::O])
+    }
+
     /// Whether a LoRA pair adapts one of `targets`.
     fn lora_adapts(&self, targets: &[Target]) -> bool {
         self.lora.as_ref().is_some_and(|l| {

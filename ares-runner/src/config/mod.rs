@@ -107,6 +107,11 @@ impl Config {
         self.lora_adapts(&["q_proj", "k_proj", "v_proj"])
     }
 
+    /// Whether the actor's LoRA pairs adapt o (they read the attention's output in f32).
+    pub(crate) fn lora_adapts_o(&self) -> bool {
+        self.lora_adapts(&["o_proj"])
+    }
+
     /// Whether the actor's LoRA pairs adapt one of `modules`.
     fn lora_adapts(&self, modules: &[&str]) -> bool {
         match self.worker.actor.model.lora.peft() {

@@ -376,6 +376,9 @@ macro_rules! cuda_arg {
     ($op:ident, $a:ident: Out<bf16>) => {
         half_view_mut(stringify!($op), stringify!($a), $a, DType::Bf16)?
     };
+    ($op:ident, $a:ident: InOpt<bf16>) => {
+        $a.map(|v| half_view(stringify!($op), stringify!($a), v, DType::Bf16)).transpose()?
+    };
     ($op:ident, $a:ident: OutOpt<bf16>) => {
         $a.map(|v| half_view_mut(stringify!($op), stringify!($a), v, DType::Bf16)).transpose()?
     };
@@ -397,6 +400,7 @@ macro_rules! cuda_pass {
     ($a:ident: In<bf16>) => { &$a };
     ($a:ident: Out<bf16>) => { &mut $a };
     ($a:ident: OutOpt<bf16>) => { $a.as_mut() };
+    ($a:ident: InOpt<bf16>) => { $a.as_ref() };
     ($a:ident: Out<u8>) => { &mut $a };
     ($a:ident: Views<$t:ident>) => { &$a };
     ($a:ident: ViewsMut<$t:ident>) => { &mut $a };

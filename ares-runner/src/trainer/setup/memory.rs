@@ -319,11 +319,11 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
     // an arena's bytes; generation's keep f32 activations, training's the actor's dtype —
     // the attention block's too where its attention runs on the tensor cores (`ActLayout`)
     let precision = cfg.trainer.matmul_precision.precision();
-    let lora_qkv = cfg.lora_adapts_qkv();
+    let lora_reads = (cfg.lora_adapts_qkv(), cfg.lora_adapts_o());
     let arena_as = |batch: u64, seq: u64, head: HeadMode, checkpointed: bool, dtype| -> u64 {
         let rows = batch.saturating_mul(seq) as usize;
         let tensor_cores = tensor_core_attention(&spec, precision, rows);
-        let layout = ActLayout::of(dtype, tensor_cores, lora_qkv);
+        let layout = ActLayout::of(dtype, tensor_cores, lora_reads);
         let kept = if checkpointed { l.min(1) } else { l };
         let pairs = lora
             .as_ref()
@@ -458,11 +458,15 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
             {
                 let rows = micro.saturating_mul(longest) as usize;
                 let tensor_cores = tensor_core_attention(&spec, precision, rows);
-                match ActLayout::of(dtype, tensor_cores, lora_qkv) {
+                match ActLayout::of(dtype, tensor_cores, lora_reads) {
                     ActLayout { mlp: false, .. } => "",
                     ActLayout { qkv: false, .. } => ", MLP in bf16",
-                    ActLayout { ln1: false, .. } => ", MLP and q, k, v in bf16",
-                    _ => ", MLP and attention in bf16",
+                    ActLayout {
+                        ln1: true,
+                        att: true,
+                        ..
+                    } => ", MLP and attention in bf16",
+                    _ => ", MLP and attention in bf16, LoRA's inputs f32",
                 }
             }
         );
@@ -908,7 +912,7 @@ pub(crate) mod tests {
         };
         let (f32s, mlp16) = (
             ActLayout::F32,
-            ActLayout::of(ActivationDtype::Bf16, false, false),
+            ActLayout::of(ActivationDtype::Bf16, false, (false, false)),
         );
         assert_eq!(arena_of(None, "scoring", true), one_layer(f32s));
         assert_eq!(arena_of(None, "scoring", false), one_layer(mlp16));
@@ -952,12 +956,22 @@ pub(crate) mod tests {
         };
         let bf16 = ActivationDtype::Bf16;
         let (what, got) = update(false);
-        assert_eq!(got, bytes(ActLayout::of(bf16, true, false)), "{what}");
-        assert!(got < bytes(ActLayout::of(bf16, false, false)), "{what}");
+        assert_eq!(
+            got,
+            bytes(ActLayout::of(bf16, true, (false, false))),
+            "{what}"
+        );
+        assert!(
+            got < bytes(ActLayout::of(bf16, false, (false, false))),
+            "{what}"
+        );
         assert!(what.contains("MLP and attention in bf16"), "{what}");
         let (what, got) = update(true);
-        assert!(what.contains("MLP and q, k, v in bf16"), "{what}");
-        assert!(got > bytes(ActLayout::of(bf16, true, false)), "{what}");
+        assert!(what.contains("LoRA's inputs f32"), "{what}");
+        assert!(
+            got > bytes(ActLayout::of(bf16, true, (false, false))),
+            "{what}"
+        );
     }
 
     /// A run whose update does not fit is told of bf16 activations when its products are
