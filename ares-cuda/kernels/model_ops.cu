@@ -379,28 +379,46 @@ extern "C" __global__ void col_reduce(const float* __restrict__ partial, i64 chu
 // [tokens, head_dim/2]. Forward: (x1·c − x2·s, x2·c + x1·s); inverse (the backward):
 // (x1·c + x2·s, x2·c − x1·s). Separately rounded products, as torch (and the CPU twin).
 // One block per token (grid-stride).
-extern "C" __global__ void rope(float* __restrict__ x, const float* __restrict__ cos_t,
-                                const float* __restrict__ sin_t, i64 tokens, int heads,
-                                int head_dim, int inverse) {
+// The rotation of x's rows into out (in place: out = x, f32), stored as O (f32, or bf16
+// rounded to nearest even: q and k kept in bf16, rope_fwd_bf16).
+template <class O>
+__device__ __forceinline__ void rope_rows(const float* x, O* out, const float* __restrict__ cos_t,
+                                          const float* __restrict__ sin_t, i64 tokens, int heads,
+                                          int head_dim, int inverse) {
     const int half = head_dim / 2;
     const int pairs = heads * half;
     for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
-        float* xt = x + t * (i64)heads * head_dim;
+        const float* xt = x + t * (i64)heads * head_dim;
+        O* ot = out + t * (i64)heads * head_dim;
         const float* ct = cos_t + t * half;
         const float* st = sin_t + t * half;
         for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
             const int h = i / half, j = i - h * half;
-            float* p = xt + (i64)h * head_dim;
+            const float* p = xt + (i64)h * head_dim;
+            O* o = ot + (i64)h * head_dim;
             const float u = p[j], v = p[j + half], c = ct[j], s = st[j];
             if (inverse) {
-                p[j] = __fadd_rn(__fmul_rn(u, c), __fmul_rn(v, s));
-                p[j + half] = __fsub_rn(__fmul_rn(v, c), __fmul_rn(u, s));
+                store_narrow(o + j, __fadd_rn(__fmul_rn(u, c), __fmul_rn(v, s)));
+                store_narrow(o + j + half, __fsub_rn(__fmul_rn(v, c), __fmul_rn(u, s)));
             } else {
-                p[j] = __fsub_rn(__fmul_rn(u, c), __fmul_rn(v, s));
-                p[j + half] = __fadd_rn(__fmul_rn(v, c), __fmul_rn(u, s));
+                store_narrow(o + j, __fsub_rn(__fmul_rn(u, c), __fmul_rn(v, s)));
+                store_narrow(o + j + half, __fadd_rn(__fmul_rn(v, c), __fmul_rn(u, s)));
             }
         }
     }
+}
+
+extern "C" __global__ void rope(float* x, const float* __restrict__ cos_t,
+                                const float* __restrict__ sin_t, i64 tokens, int heads,
+                                int head_dim, int inverse) {
+    rope_rows(x, x, cos_t, sin_t, tokens, heads, head_dim, inverse);
+}
+
+extern "C" __global__ void rope_fwd_bf16(const float* __restrict__ x,
+                                         const float* __restrict__ cos_t,
+                                         const float* __restrict__ sin_t, i64 tokens, int heads,
+                                         int head_dim, unsigned short* __restrict__ out) {
+    rope_rows(x, out, cos_t, sin_t, tokens, heads, head_dim, 0);
 }
 
 // ---------------------------------------------------------------------------------------

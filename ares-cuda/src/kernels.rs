@@ -141,6 +141,7 @@ kernel_table! {
         col_partials: "col_partials",
         col_reduce: "col_reduce",
         rope: "rope",
+        rope_fwd_bf16: "rope_fwd_bf16",
         transpose: "transpose_f32",
         log_prob_bwd: "log_prob_bwd",
         entropy_bwd: "entropy_bwd",

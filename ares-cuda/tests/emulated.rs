@@ -2341,9 +2341,12 @@ fn kernel_on_cpu_bf16_mlp_activations_are_the_cpu_twin() {
         *mut u16,
         *mut f32,
     );
+    type Rope =
+        unsafe extern "C" fn(u32, u32, *const f32, *const f32, *const f32, i64, i32, i32, *mut u16);
     let fwd = launcher!(lib, "emu_swiglu_fwd_bf16", Fwd);
     let bwd = launcher!(lib, "emu_swiglu_bwd_bf16", Bwd);
     let norm = launcher!(lib, "emu_add_rmsnorm_fwd_bf16", Norm);
+    let rope = launcher!(lib, "emu_rope_fwd_bf16", Rope);
     let mut rng = Rng(22);
     let bf = |x: f32| half::bf16::from_f32(x).to_bits();
     let mut g: Vec<u16> = (0..999).map(|_| bf(rng.range(-9.0, 9.0))).collect();
@@ -2420,6 +2423,33 @@ fn kernel_on_cpu_bf16_mlp_activations_are_the_cpu_twin() {
     assert_eq!(bits(&gs), bits(&ws), "add_rmsnorm sum");
     assert_eq!(go, wo, "add_rmsnorm bf16 output");
     assert_eq!(bits(&gr), bits(&wr), "add_rmsnorm rstd");
+    // RoPE into bf16 (q and k kept in bf16): 5 tokens, 3 heads of 8, NaN kept
+    let (tokens, heads, head_dim) = (5usize, 3usize, 8usize);
+    let mut x: Vec<f32> = (0..tokens * heads * head_dim)
+        .map(|_| rng.range(-4.0, 4.0))
+        .collect();
+    x[7] = f32::NAN;
+    let cos: Vec<f32> = (0..tokens * 4).map(|_| rng.range(-1.0, 1.0)).collect();
+    let sin: Vec<f32> = (0..tokens * 4).map(|_| rng.range(-1.0, 1.0)).collect();
+    let mut want = vec![0u16; x.len()];
+    ares_cpu::ops::rope::rope_forward_bf16(&x, &cos, &sin, heads, head_dim, &mut want)
+        .expect("cpu");
+    let mut got = vec![0xAAAAu16; x.len()];
+    // SAFETY: x and got hold tokens·heads·head_dim values, cos/sin tokens·head_dim/2.
+    unsafe {
+        rope(
+            2,
+            32,
+            x.as_ptr(),
+            cos.as_ptr(),
+            sin.as_ptr(),
+            tokens as i64,
+            heads as i32,
+            head_dim as i32,
+            got.as_mut_ptr(),
+        )
+    };
+    assert_eq!(got, want, "rope into bf16");
 }
 
 #[test]

@@ -4211,8 +4211,9 @@ fn engine_decode_steps_wait_once_and_replay_graphs_on_the_gpu() {
     }
 }
 
-/// The MLP's ops over activations stored in bf16 (`linear_bf16_io`, `linear_bf16_x`,
-/// `linear_backward_bf16_x`, `swiglu_bf16`, `swiglu_backward_bf16`, `add_rmsnorm_bf16`):
+/// The ops over activations stored in bf16 (`linear_bf16_io`, `linear_bf16_x`,
+/// `linear_backward_bf16_x`, `swiglu_bf16`, `swiglu_backward_bf16`, `add_rmsnorm_bf16`,
+/// `rope_bf16`):
 /// the GPU's equal the CPU twins' — elementwise ones bit for bit, products to their sum
 /// order (bf16 outputs within one ulp).
 #[test]
@@ -4438,6 +4439,21 @@ fn bf16_activation_ops_match_cpu() {
     assert_eq!(down(&gpu, &gs), cs, "add_rmsnorm_bf16 sum");
     assert_eq!(down(&gpu, &gr), cr, "add_rmsnorm_bf16 rstd");
     assert_eq!(g16_down(&gout), cout.bits(), "add_rmsnorm_bf16 out");
+
+    // RoPE into bf16 (q and k kept in bf16): bit for bit
+    let (tokens, heads, head_dim) = (9usize, 4usize, 64usize);
+    let x = rng.vec(tokens * heads * head_dim, 3.0);
+    let (cos, sin) = (rng.vec(tokens * 32, 1.0), rng.vec(tokens * 32, 1.0));
+    let mut gout = g16(&vec![0; x.len()]);
+    let (gx, gc, gs) = (up(&gpu, &x), up(&gpu, &cos), up(&gpu, &sin));
+    let (gx, gc, gs) = (View::whole(&gx), View::whole(&gc), View::whole(&gs));
+    gpu.rope_bf16(gx, gc, gs, heads, head_dim, ViewMut::whole(&mut gout))
+        .unwrap();
+    let mut cout = c16(&vec![0; x.len()]);
+    let (cx, cc, cs) = (View::whole(&x), View::whole(&cos), View::whole(&sin));
+    cpu.rope_bf16(cx, cc, cs, heads, head_dim, ViewMut::whole(&mut cout))
+        .unwrap();
+    assert_eq!(g16_down(&gout), cout.bits(), "rope_bf16");
 }
 
 /// A bf16 training step with the MLP's activations stored in bf16 (and the weight

@@ -607,6 +607,9 @@ fn bf16_attention_activations_keep_the_forward_bits() {
             let want = if tensor_cores { layers } else { 0 };
             assert_eq!(count(&calls, "attention_bf16_stored"), want, "{what}");
             assert_eq!(count(&calls_f, "attention_bf16_stored"), 0, "{what}");
+            // q and k rotated into their bf16 stacks in one pass each; ln1 and v rounded
+            assert_eq!(count(&calls, "rope_bf16"), 2 * want, "{what}");
+            assert_eq!(count(&calls, "round_bf16"), 2 * want, "{what}");
             let bwd = if tensor_cores { spec.layers } else { 0 };
             assert_eq!(
                 count(&calls, "attention_backward_bf16_stored"),

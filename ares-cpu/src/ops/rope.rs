@@ -387,6 +387,42 @@ pub fn rope_backward(
     Ok(())
 }
 
+/// [`rope_forward`] of `x` into `out` rounded to bf16 (nearest even, as bits): q and k
+/// stored in bf16 (activations kept in bf16), the f32 rotation rounded once — the bits of
+/// [`rope_forward`] then rounding.
+///
+/// # Errors
+/// As [`rope_forward`]; `out` not as long as `x`.
+pub fn rope_forward_bf16(
+    x: &[f32],
+    cos: &[f32],
+    sin: &[f32],
+    n_heads: usize,
+    head_dim: usize,
+    out: &mut [u16],
+) -> Result<()> {
+    use crate::ops::stored::{Bf16Bits, Widen};
+    let stride = check_rope_shapes("x", x.len(), cos, sin, n_heads, head_dim)?;
+    check_len("out", x.len(), out.len())?;
+    let half = head_dim / 2;
+    out.par_chunks_exact_mut(stride)
+        .zip(x.par_chunks_exact(stride))
+        .zip(cos.par_chunks_exact(half).zip(sin.par_chunks_exact(half)))
+        .with_min_len((MIN_ELEMS_PER_TASK / stride).max(1))
+        .for_each(|((ot, xt), (c, s))| {
+            for (o, head) in ot.chunks_exact_mut(head_dim).zip(xt.chunks_exact(head_dim)) {
+                let (x1, x2) = head.split_at(half);
+                let (o1, o2) = o.split_at_mut(half);
+                for j in 0..half {
+                    let (u, v) = (x1[j], x2[j]);
+                    o1[j] = Bf16Bits::narrow(u * c[j] - v * s[j]);
+                    o2[j] = Bf16Bits::narrow(v * c[j] + u * s[j]);
+                }
+            }
+        });
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -824,5 +860,30 @@ mod tests {
             })
         );
         assert!(rope_forward(&mut [], &[], &[], 2, 4).is_ok());
+    }
+
+    /// Into bf16: the f32 rotation rounded to nearest even, bit for bit (NaN stays NaN);
+    /// an output of another length is refused.
+    #[test]
+    fn rope_into_bf16_is_the_f32_rotation_rounded() {
+        let mut rng = Rng(91);
+        let (tokens, heads, head_dim) = (7, 3, 8);
+        let mut x = rng.vec(tokens * heads * head_dim, 3.0);
+        x[5] = f32::NAN;
+        let (cos, sin) = (rng.vec(tokens * 4, 1.0), rng.vec(tokens * 4, 1.0));
+        let mut want = x.clone();
+        rope_forward(&mut want, &cos, &sin, heads, head_dim).unwrap();
+        let mut got = vec![0u16; x.len()];
+        rope_forward_bf16(&x, &cos, &sin, heads, head_dim, &mut got).unwrap();
+        for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+            let w16 = half::bf16::from_f32(w);
+            if w.is_nan() {
+                assert!(half::bf16::from_bits(g).is_nan(), "{i}");
+            } else {
+                assert_eq!(g, w16.to_bits(), "{i}: {w}");
+            }
+        }
+        let mut short = vec![0u16; x.len() - 1];
+        assert!(rope_forward_bf16(&x, &cos, &sin, heads, head_dim, &mut short).is_err());
     }
 }

@@ -416,6 +416,40 @@ impl ModelOps {
         self.rotate("rope_backward", dx, cos, sin, heads, head_dim, true)
     }
 
+    /// [`ModelOps::rope`] of `x` into `out` rounded to bf16 (twin of
+    /// `ares_cpu::ops::rope::rope_forward_bf16`): q and k kept in bf16, the f32 rotation
+    /// rounded once, in one pass.
+    ///
+    /// # Errors
+    /// As [`ModelOps::rope`]; `out` not as long as `x`.
+    pub fn rope_bf16(
+        &self,
+        x: &CudaView<'_, f32>,
+        cos: &CudaView<'_, f32>,
+        sin: &CudaView<'_, f32>,
+        heads: usize,
+        head_dim: usize,
+        out: &mut CudaViewMut<'_, u16>,
+    ) -> Result<()> {
+        const K: &str = "rope_bf16";
+        check_len(K, "out", x.len(), out.len())?;
+        let Some((tokens, t64, h32, d32)) = rope_dims(K, x.len(), cos, sin, heads, head_dim)?
+        else {
+            return Ok(());
+        };
+        let mut l = self.stream.launch_builder(&self.f.rope_fwd_bf16);
+        l.arg(x)
+            .arg(cos)
+            .arg(sin)
+            .arg(&t64)
+            .arg(&h32)
+            .arg(&d32)
+            .arg(out);
+        // SAFETY: argument order as `rope_fwd_bf16`; lengths checked above.
+        unsafe { l.launch(row_cfg(tokens, TOKEN_BLOCK)) }.during(K)?;
+        Ok(())
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn rotate(
         &self,
@@ -427,39 +461,10 @@ impl ModelOps {
         head_dim: usize,
         inverse: bool,
     ) -> Result<()> {
-        if head_dim == 0 || !head_dim.is_multiple_of(2) {
-            return Err(bad(
-                k,
-                format!("head_dim = {head_dim} must be even and >= 2"),
-            ));
-        }
-        if heads == 0 {
-            return Err(bad(k, "heads = 0 must be >= 1".into()));
-        }
-        let stride = mul(k, "heads × head_dim", heads, head_dim)?;
-        if x.len() % stride != 0 {
-            return Err(bad(
-                k,
-                format!(
-                    "`x` has {} elements, not a multiple of heads × head_dim = {stride}",
-                    x.len()
-                ),
-            ));
-        }
-        let tokens = x.len() / stride;
-        let half = head_dim / 2;
-        check_len(k, "cos", tokens * half, cos.len())?;
-        check_len(k, "sin", tokens * half, sin.len())?;
-        if tokens == 0 {
+        let Some((tokens, t64, h32, d32)) = rope_dims(k, x.len(), cos, sin, heads, head_dim)?
+        else {
             return Ok(());
-        }
-        // Pairs of one token are indexed with `int` in the kernel.
-        let _ = i32_of(k, "heads × head_dim", stride)?;
-        let (t64, h32, d32) = (
-            i64_of(k, "tokens", tokens)?,
-            i32_of(k, "heads", heads)?,
-            i32_of(k, "head_dim", head_dim)?,
-        );
+        };
         let inv = i32::from(inverse);
         let mut l = self.stream.launch_builder(&self.f.rope);
         l.arg(x)
@@ -636,4 +641,47 @@ impl ModelOps {
         unsafe { l.launch(row_cfg(rows, TOKEN_BLOCK)) }.during(K)?;
         Ok(())
     }
+}
+
+/// The tokens of a RoPE over `len` values of `heads` heads of `head_dim` with its cos/sin
+/// tables checked, as the kernel takes them (`None`: no token, nothing to launch).
+fn rope_dims(
+    k: &'static str,
+    len: usize,
+    cos: &CudaView<'_, f32>,
+    sin: &CudaView<'_, f32>,
+    heads: usize,
+    head_dim: usize,
+) -> Result<Option<(usize, i64, i32, i32)>> {
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
+        return Err(bad(
+            k,
+            format!("head_dim = {head_dim} must be even and >= 2"),
+        ));
+    }
+    if heads == 0 {
+        return Err(bad(k, "heads = 0 must be >= 1".into()));
+    }
+    let stride = mul(k, "heads × head_dim", heads, head_dim)?;
+    if !len.is_multiple_of(stride) {
+        return Err(bad(
+            k,
+            format!("`x` has {len} elements, not a multiple of heads × head_dim = {stride}"),
+        ));
+    }
+    let tokens = len / stride;
+    let half = head_dim / 2;
+    check_len(k, "cos", tokens * half, cos.len())?;
+    check_len(k, "sin", tokens * half, sin.len())?;
+    if tokens == 0 {
+        return Ok(None);
+    }
+    // Pairs of one token are indexed with `int` in the kernel.
+    let _ = i32_of(k, "heads × head_dim", stride)?;
+    Ok(Some((
+        tokens,
+        i64_of(k, "tokens", tokens)?,
+        i32_of(k, "heads", heads)?,
+        i32_of(k, "head_dim", head_dim)?,
+    )))
 }

@@ -39,6 +39,13 @@ extern "C" void emu_add_rmsnorm_fwd_bf16(unsigned grid, unsigned block, const fl
                 [&] { add_rmsnorm_fwd_bf16(a, b, w, eps, rows, dim, sum, out, rstd); });
 }
 
+extern "C" void emu_rope_fwd_bf16(unsigned grid, unsigned block, const float* x,
+                                  const float* cos_t, const float* sin_t, i64 tokens, int heads,
+                                  int head_dim, unsigned short* out) {
+    emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0,
+                [&] { rope_fwd_bf16(x, cos_t, sin_t, tokens, heads, head_dim, out); });
+}
+
 extern "C" void emu_bf16_to_f32(unsigned grid, unsigned block, const unsigned short* x, float* y,
                                 i64 n) {
     emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] { bf16_to_f32(x, y, n); });

@@ -164,6 +164,21 @@ macro_rules! declared_ops {
                 head_dim: usize,
             ) cpu ares_cpu::ops::rope::rope_forward, cuda rope;
 
+            /// [`Backend::rope`] of `x` into `out`, rounded to bf16 (nearest even): q and k
+            /// stored in bf16 (activations kept in bf16) — the rotation and the rounding in
+            /// one pass, the bits of [`Backend::rope`] then [`Backend::round_bf16`].
+            ///
+            /// # Errors
+            /// As [`Backend::rope`]; `out` not as long as `x` or not bf16.
+            fn rope_bf16(
+                x: In<f32>,
+                cos: In<f32>,
+                sin: In<f32>,
+                heads: usize,
+                head_dim: usize,
+                out: Out<bf16>,
+            ) cpu ares_cpu::ops::rope::rope_forward_bf16, cuda rope_bf16;
+
             /// SwiGLU, element-wise: `out = silu(gate) · up`.
             ///
             /// # Errors

@@ -211,6 +211,25 @@ impl<'a, B: Backend> ActMut<'a, B> {
         })
     }
 
+    /// RoPE of q or k made in `stage` or its own f32 layer ([`ActMut::f32_or`]): in place
+    /// for an f32 one, into a bf16 one's stack rounded (one pass, `Backend::rope_bf16`).
+    pub(crate) fn rope_staged(
+        self,
+        backend: &B,
+        stage: &mut B::Buffer,
+        (cos, sin): (Tensor<'_, B>, Tensor<'_, B>),
+        (heads, head_dim): (usize, usize),
+    ) -> Result<(), ModelError> {
+        match self {
+            Self::F32(t) => backend.rope(t, cos, sin, heads, head_dim)?,
+            Self::Bf16(h) => {
+                let x = View::new(stage, 0, h.len())?;
+                backend.rope_bf16(x, cos, sin, heads, head_dim, h)?
+            }
+        }
+        Ok(())
+    }
+
     /// Rounds a bf16 activation made in `stage` ([`ActMut::f32_or`]) into its stack, to
     /// nearest even; nothing for an f32 one.
     pub(crate) fn round_staged(self, backend: &B, stage: &B::Buffer) -> Result<(), ModelError> {

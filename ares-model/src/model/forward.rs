@@ -285,20 +285,16 @@ impl<B: Backend> Model<B> {
             pair(Target::K, x, ActMut::F32(a.k_raw.w()?))?;
             let (q_norm, k_norm) = p.qk_norm.get()?;
             self.rmsnorm(a.q_raw.r()?, q_norm, q.f32_or(stage)?, a.q_rstd.w()?)?;
-            be.rope(q.f32_or(stage)?, cos, sin, hq, d)?;
-            q.round_staged(be, stage)?;
+            q.rope_staged(be, stage, (cos, sin), (hq, d))?;
             self.rmsnorm(a.k_raw.r()?, k_norm, k.f32_or(stage)?, a.k_rstd.w()?)?;
-            be.rope(k.f32_or(stage)?, cos, sin, hkv, d)?;
-            k.round_staged(be, stage)?;
+            k.rope_staged(be, stage, (cos, sin), (hkv, d))?;
         } else {
             self.matmul_stored(x, p.q, ActMut::F32(q.f32_or(stage)?))?;
             pair(Target::Q, x, ActMut::F32(q.f32_or(stage)?))?;
-            be.rope(q.f32_or(stage)?, cos, sin, hq, d)?;
-            q.round_staged(be, stage)?;
+            q.rope_staged(be, stage, (cos, sin), (hq, d))?;
             self.matmul_stored(x, p.k, ActMut::F32(k.f32_or(stage)?))?;
             pair(Target::K, x, ActMut::F32(k.f32_or(stage)?))?;
-            be.rope(k.f32_or(stage)?, cos, sin, hkv, d)?;
-            k.round_staged(be, stage)?;
+            k.rope_staged(be, stage, (cos, sin), (hkv, d))?;
         }
         let mut v = a.v.w()?;
         self.matmul_stored(x, p.v, ActMut::F32(v.f32_or(stage)?))?;
