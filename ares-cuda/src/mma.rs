@@ -363,8 +363,9 @@ mod tests {
     fn the_kernel_indexes_as_the_emulation() {
         let src = MODEL_OPS.code;
         for line in [
-            "kv = a.k16 ? a.k16[idx] : bf16_rne(a.k[idx]);",
-            "vv = a.v16 ? a.v16[idx] : bf16_rne(a.v[idx]);",
+            "kv = bf16_at(a.k, a.k16, idx);",
+            "vv = bf16_at(a.v, a.v16, idx);",
+            "return h ? h[idx] : bf16_rne(f[idx]);",
             "Ks[j * KP + c] = kv;",
             "Vt[c * VP + j] = vv;",
             "const int row = i % 2, col = 16 * ks + 8 * (i / 2) + 2 * tig;",
@@ -380,7 +381,9 @@ mod tests {
             "const unsigned short* bp = bt + (8 * nd + gid) * pitch + 16 * kk + 2 * tig;",
             "mma_bf16_16816(acc[nd], pa, *(const unsigned*)bp, *(const unsigned*)(bp + 8));",
             "mma_from_scores<NB, ND>(o, s, Vt, VP, gid, tig);",
-            "dst[8 * nd + 2 * tig + e] = bad[i] ? NAN_F : __fmul_rn(o[nd][2 * i + e], inv);",
+            "const float val = bad[i] ? NAN_F : __fmul_rn(o[nd][2 * i + e], inv);",
+            "else out[row + 8 * nd + 2 * tig + e] = val;",
+            "if (out16) out16[row + 8 * nd + 2 * tig + e] = bf16_rne(val);",
             "return (unsigned)bf16_rne(lo) | ((unsigned)bf16_rne(hi) << 16);",
             "constexpr int KP = D + 8;",
             "constexpr int VP = MMA_KEYS + 8;",
@@ -396,7 +399,7 @@ mod tests {
             "Qt[c * RP + rr] = q16;",
             "Ot[c * RP + rr] = o16;",
             "dv[at + 8 * nd + 2 * tig + e] = adv[nd][2 * i + e];",
-            "Kt[c * TP + j] = bf16_rne(kv);",
+            "Kt[c * TP + j] = kv;",
             "dst[8 * nd + 2 * tig + e] = __fmul_rn(a.scale, acc[nd][2 * i + e]);",
         ] {
             assert!(src.contains(line), "model_ops.cu no longer has `{line}`");
