@@ -1297,11 +1297,19 @@ extern "C" __global__ void sum_sq_multi_final(const SumSqTensor* __restrict__ te
 // With `param_bf16` (not NULL; `param` is then NULL) the weight is stored in bf16: θ is read
 // widened and written back rounded stochastically with rounding_bits(key, i) — the bits of
 // bf16_to_f32, the f32 update and f32_to_bf16_stochastic in one pass instead of three.
+// With `grad_bf16` (not NULL; `grad` is then NULL) the gradient is stored in bf16 and read
+// widened (exact): the update of its widened values without an f32 copy of them.
+__device__ __forceinline__ float grad_load(const float* grad, const unsigned short* grad_bf16,
+                                           i64 i) {
+    return grad_bf16 ? widen(grad_bf16[i]) : grad[i];
+}
+
 extern "C" __global__ void adamw_check(const float* __restrict__ grad, i64 n,
-                                       unsigned* __restrict__ guard, unsigned* __restrict__ status) {
+                                       unsigned* __restrict__ guard, unsigned* __restrict__ status,
+                                       const unsigned short* __restrict__ grad_bf16) {
     int bad = 0;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x)
-        bad |= !is_finite(grad[i]);
+        bad |= !is_finite(grad_load(grad, grad_bf16, i));
     bad = __syncthreads_or(bad);
     if (bad && threadIdx.x == 0) {
         atomicOr(guard, 1u);
@@ -1347,13 +1355,15 @@ __device__ __forceinline__ void adamw_update_impl(float* __restrict__ param, con
                                                   const unsigned* __restrict__ guard,
                                                   unsigned short* __restrict__ copy,
                                                   unsigned short* __restrict__ param_bf16,
-                                                  unsigned long long key) {
+                                                  unsigned long long key,
+                                                  const unsigned short* __restrict__ grad_bf16) {
     if (*guard) return;
     const AdamConsts k = {grad_scale, decay, w1, one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, apply_decay};
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         float m = widen(exp_avg[i]);
         float v = widen(exp_avg_sq[i]);
-        const float p = adamw_element(param_load(param, param_bf16, i), grad[i], m, v, k);
+        const float g = grad_load(grad, grad_bf16, i);
+        const float p = adamw_element(param_load(param, param_bf16, i), g, m, v, k);
         param_store(param, param_bf16, key, i, p);
         if (copy) copy[i] = bf16_rne(p);  // the model's bf16 copy, written with the update
         store_narrow(&exp_avg[i], m);
@@ -1369,10 +1379,11 @@ extern "C" __global__ void adamw_update(float* __restrict__ param, const float* 
                                         const unsigned* __restrict__ guard,
                                         unsigned short* __restrict__ copy,
                                         unsigned short* __restrict__ param_bf16,
-                                        unsigned long long key) {
+                                        unsigned long long key,
+                                        const unsigned short* __restrict__ grad_bf16) {
     adamw_update_impl(param, grad, exp_avg, exp_avg_sq, n, grad_scale, decay, apply_decay, w1,
                       one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, guard, copy,
-                      param_bf16, key);
+                      param_bf16, key, grad_bf16);
 }
 
 // AdamW with bf16 moments: the same update, the moments rounded back after it.
@@ -1385,10 +1396,11 @@ extern "C" __global__ void adamw_update_bf16(float* __restrict__ param, const fl
                                              const unsigned* __restrict__ guard,
                                              unsigned short* __restrict__ copy,
                                              unsigned short* __restrict__ param_bf16,
-                                             unsigned long long key) {
+                                             unsigned long long key,
+                                             const unsigned short* __restrict__ grad_bf16) {
     adamw_update_impl(param, grad, exp_avg, exp_avg_sq, n, grad_scale, decay, apply_decay, w1,
                       one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, guard, copy,
-                      param_bf16, key);
+                      param_bf16, key, grad_bf16);
 }
 
 // AdamW with 8-bit moments (twin of ares_cpu::ops::optim_int8::adamw_step_int8): one block
@@ -1419,7 +1431,8 @@ adamw_update_int8(float* __restrict__ param, const float* __restrict__ grad,
                   int apply_decay, float w1, float one_minus_w1, float b2, float w2,
                   float neg_step_size, float bc2_sqrt, float eps,
                   const unsigned* __restrict__ guard, unsigned short* __restrict__ copy,
-                  unsigned short* __restrict__ param_bf16, unsigned long long key) {
+                  unsigned short* __restrict__ param_bf16, unsigned long long key,
+                  const unsigned short* __restrict__ grad_bf16) {
     __shared__ float map_m[256], map_v[256], mid_m[255], mid_v[255], sh[32];
     if (*guard) return;
     const AdamConsts k = {grad_scale, decay, w1, one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps, apply_decay};
@@ -1443,7 +1456,8 @@ adamw_update_int8(float* __restrict__ param, const float* __restrict__ grad,
         if (i < n) {
             float m = __fmul_rn(map_m[m_codes[i]], am);
             float v = __fmul_rn(map_v[v_codes[i]], av);
-            const float p = adamw_element(param_load(param, param_bf16, i), grad[i], m, v, k);
+            const float g = grad_load(grad, grad_bf16, i);
+            const float p = adamw_element(param_load(param, param_bf16, i), g, m, v, k);
             param_store(param, param_bf16, key, i, p);
             if (copy) copy[i] = bf16_rne(p);
             ms[j] = m;

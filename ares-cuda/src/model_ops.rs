@@ -32,7 +32,7 @@ pub use attention::{
 };
 pub use head::HeadDims;
 pub use loss::RacePick;
-pub use optim::{AdamWScalars, AdamWStep, SquaresOf, sum_of_squares_partition};
+pub use optim::{AdamWScalars, AdamWStep, StoredView, sum_of_squares_partition};
 pub use vision::{Activation, MAX_SEGMENT_HEAD_DIM, SegmentAttentionShape};
 
 use crate::device::{DeviceInfo, load_module, open_device};

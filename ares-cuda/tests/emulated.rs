@@ -1635,6 +1635,164 @@ fn kernel_on_cpu_tensor_core_segment_attention_is_the_cpu_twin() {
     }
 }
 
+/// `emu_adamw_step`: adamw_check then the update (`model_launchers.cpp`): grid, block, the
+/// moments' kind, param, bf16 weight, key, f32 and bf16 gradient, moments, their scales,
+/// maps, length, grad_scale, factors, bf16 copy, status.
+type AdamWLaunch = unsafe extern "C" fn(
+    u32,
+    u32,
+    i32,
+    *mut f32,
+    *mut u16,
+    u64,
+    *const f32,
+    *const u16,
+    *mut std::ffi::c_void,
+    *mut std::ffi::c_void,
+    *mut f32,
+    *mut f32,
+    *const f32,
+    i64,
+    f32,
+    *const ares_cuda::AdamWScalars,
+    *mut u16,
+    *mut u32,
+);
+
+#[test]
+fn kernel_on_cpu_adamw_reads_bf16_gradients_as_their_widened_values() {
+    // a gradient kept in bf16, read by the check and the update as stored: every output the
+    // bits of the same launch on its widened f32 values, for each moment kind, an f32
+    // parameter with its bf16 copy and a weight stored in bf16; a bf16 NaN or ∞ is flagged
+    // and changes nothing
+    use ares_cpu::ops::optim::AdamWConfig;
+    use ares_cpu::ops::optim_int8::{BLOCK, blocks, dynamic_map};
+    use ares_cpu::ops::precision::round_to_bf16;
+    use ares_cuda::AdamWStep;
+    let Some(lib) = model_kernels() else { return };
+    let step_of = launcher!(lib, "emu_adamw_step", AdamWLaunch);
+    let mut rng = Rng(57);
+    let n = BLOCK + 700;
+    let cfg = AdamWConfig::default();
+    let mut maps = dynamic_map(true).to_vec();
+    maps.extend(dynamic_map(false));
+    let b = blocks(n);
+    let p0: Vec<f32> = (0..n).map(|_| rng.range(-0.1, 0.1)).collect();
+    let mut w0 = vec![0u16; n];
+    round_to_bf16(&p0, &mut w0).expect("lengths");
+    let grads16: Vec<Vec<u16>> = (0..3)
+        .map(|t| {
+            let g: Vec<f32> = (0..n).map(|_| rng.range(-1.0, 1.0)).collect();
+            let mut bits = vec![0u16; n];
+            round_to_bf16(&g, &mut bits).expect("lengths");
+            if t == 1 {
+                bits[BLOCK + 5] = 0xff80; // -∞
+            }
+            bits
+        })
+        .collect();
+    /// One run's state: parameter or weight, copy, moments (as bytes), scales.
+    #[derive(Clone, PartialEq, Debug)]
+    struct State {
+        p: Vec<u32>,
+        w: Vec<u16>,
+        copy: Vec<u16>,
+        m: Vec<u8>,
+        v: Vec<u8>,
+        am: Vec<u32>,
+        av: Vec<u32>,
+    }
+    for moments in 0..3i32 {
+        let width = [4, 2, 1][moments as usize];
+        for stored_weight in [false, true] {
+            let fresh = State {
+                p: p0.iter().map(|x| x.to_bits()).collect(),
+                w: w0.clone(),
+                copy: vec![0; n],
+                m: vec![0; n * width],
+                v: vec![0; n * width],
+                am: vec![0; b],
+                av: vec![0; b],
+            };
+            let (mut wide, mut narrow) = (fresh.clone(), fresh.clone());
+            let mut step = 0u64;
+            for (t, g16) in grads16.iter().enumerate() {
+                let g32: Vec<f32> = g16
+                    .iter()
+                    .map(|&x| f32::from_bits(u32::from(x) << 16))
+                    .collect();
+                let bad = g32.iter().any(|x| !x.is_finite());
+                step += u64::from(!bad);
+                let s = AdamWStep {
+                    lr: 3e-4,
+                    beta1: cfg.beta1,
+                    beta2: cfg.beta2,
+                    eps: cfg.eps,
+                    weight_decay: cfg.weight_decay,
+                    step: step.max(1),
+                    grad_scale: 0.75,
+                }
+                .scalars()
+                .expect("scalars");
+                let key = 0x5EED_0000 + t as u64;
+                let before = narrow.clone();
+                let mut statuses = [0u32; 2];
+                let runs = [(&mut wide, false), (&mut narrow, true)];
+                for ((run, from_bf16), status) in runs.into_iter().zip(&mut statuses) {
+                    let (param, weight, copy) = if stored_weight {
+                        (
+                            std::ptr::null_mut(),
+                            run.w.as_mut_ptr(),
+                            std::ptr::null_mut(),
+                        )
+                    } else {
+                        let p = run.p.as_mut_ptr().cast::<f32>();
+                        (p, std::ptr::null_mut(), run.copy.as_mut_ptr())
+                    };
+                    let (g, g16p) = if from_bf16 {
+                        (std::ptr::null(), g16.as_ptr())
+                    } else {
+                        (g32.as_ptr(), std::ptr::null())
+                    };
+                    // SAFETY: every tensor holds n elements (moments n of their width), the
+                    // scales one per block, the maps 512 values.
+                    unsafe {
+                        step_of(
+                            5,
+                            128,
+                            moments,
+                            param,
+                            weight,
+                            key,
+                            g,
+                            g16p,
+                            run.m.as_mut_ptr().cast(),
+                            run.v.as_mut_ptr().cast(),
+                            run.am.as_mut_ptr().cast(),
+                            run.av.as_mut_ptr().cast(),
+                            maps.as_ptr(),
+                            n as i64,
+                            0.75,
+                            &s,
+                            copy,
+                            status,
+                        )
+                    };
+                }
+                let what = format!("moments {moments}, stored weight {stored_weight}, step {t}");
+                assert_eq!(statuses[0] != 0, bad, "{what}: the f32 check");
+                assert_eq!(statuses, [statuses[0]; 2], "{what}: the bf16 check");
+                assert_eq!(narrow, wide, "{what}");
+                if bad {
+                    assert_eq!(narrow, before, "{what}: nothing written");
+                } else {
+                    assert_ne!(narrow, before, "{what}: the update moved");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn kernel_on_cpu_adamw_of_a_bf16_weight_is_widen_update_round_in_one_pass() {
     // a weight stored in bf16: the fused update (one pass) against what the CPU backend runs
@@ -1643,26 +1801,9 @@ fn kernel_on_cpu_adamw_of_a_bf16_weight_is_widen_update_round_in_one_pass() {
     use ares_cpu::ops::optim::{AdamWConfig, adamw_step_scaled};
     use ares_cpu::ops::optim_int8::{BLOCK, adamw_step_int8, blocks, dynamic_map};
     use ares_cpu::ops::precision::{round_to_bf16, round_to_bf16_stochastic, widen_bf16};
-    use ares_cuda::{AdamWScalars, AdamWStep};
+    use ares_cuda::AdamWStep;
     let Some(lib) = model_kernels() else { return };
-    type Fused = unsafe extern "C" fn(
-        u32,
-        u32,
-        i32,
-        *mut u16,
-        u64,
-        *const f32,
-        *mut std::ffi::c_void,
-        *mut std::ffi::c_void,
-        *mut f32,
-        *mut f32,
-        *const f32,
-        i64,
-        f32,
-        *const AdamWScalars,
-        *const u32,
-    );
-    let fused = launcher!(lib, "emu_adamw_update_stored_bf16", Fused);
+    let fused = launcher!(lib, "emu_adamw_step", AdamWLaunch);
     let mut rng = Rng(93);
     let n = 2 * BLOCK + 300;
     let cfg = AdamWConfig::default();
@@ -1740,8 +1881,8 @@ fn kernel_on_cpu_adamw_of_a_bf16_weight_is_widen_update_round_in_one_pass() {
             if bad {
                 assert_eq!(w_cpu, before, "widened and rounded back unchanged");
             }
-            // the fused kernel; the guard is what adamw_check sets for a bad gradient
-            let guard = u32::from(bad);
+            // the check, then the fused kernel
+            let mut status = 0u32;
             let s = AdamWStep {
                 lr,
                 beta1: cfg.beta1,
@@ -1765,9 +1906,11 @@ fn kernel_on_cpu_adamw_of_a_bf16_weight_is_widen_update_round_in_one_pass() {
                     3,
                     128,
                     moments,
+                    std::ptr::null_mut(),
                     w_emu.as_mut_ptr(),
                     key,
                     g.as_ptr(),
+                    std::ptr::null(),
                     m_ptr,
                     v_ptr,
                     eam.as_mut_ptr(),
@@ -1776,10 +1919,12 @@ fn kernel_on_cpu_adamw_of_a_bf16_weight_is_widen_update_round_in_one_pass() {
                     n as i64,
                     grad_scale,
                     &s,
-                    &guard,
+                    std::ptr::null_mut(),
+                    &mut status,
                 )
             };
             let what = format!("moments {moments}, update {t}");
+            assert_eq!(status != 0, bad, "{what}: the check flags a bad gradient");
             assert_eq!(w_emu, w_cpu, "{what}: the bf16 weight");
             match moments {
                 0 => {

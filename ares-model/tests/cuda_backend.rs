@@ -2472,7 +2472,7 @@ fn optimizer_ops_match_cpu() {
         let mut copy = gpu.alloc_half(n, DType::Bf16).unwrap();
         gpu.adamw_step(
             ViewMut::whole(&mut gp),
-            View::whole(&dg),
+            Stored::F32(View::whole(&dg)),
             ViewMut::whole(&mut gm),
             ViewMut::whole(&mut gv),
             &update,
@@ -2491,7 +2491,7 @@ fn optimizer_ops_match_cpu() {
         );
         cpu.adamw_step(
             ViewMut::whole(&mut cp),
-            View::whole(&grad),
+            Stored::F32(View::whole(&grad)),
             ViewMut::whole(&mut cm),
             ViewMut::whole(&mut cv),
             &update,
@@ -2517,6 +2517,44 @@ fn optimizer_ops_match_cpu() {
             1e-6,
         );
     }
+    // a gradient stored in bf16 is read as stored: the update of its widened values, bit
+    // for bit (the check reads it too)
+    {
+        let mut g16 = gpu.alloc_half(n, DType::Bf16).unwrap();
+        let grad = up(&gpu, &rng.vec(n, 0.1));
+        gpu.round_bf16(View::whole(&grad), ViewMut::whole(&mut g16))
+            .unwrap();
+        let mut wide = gpu.alloc(n).unwrap();
+        gpu.widen_bf16(View::whole(&g16), ViewMut::whole(&mut wide))
+            .unwrap();
+        let update = AdamWUpdate {
+            config: AdamWConfig::default(),
+            lr: 1e-3,
+            step: 4,
+            grad_scale: 0.5,
+        };
+        let bits = |b: &CudaBuffer| {
+            down(&gpu, b)
+                .iter()
+                .map(|x| x.to_bits())
+                .collect::<Vec<_>>()
+        };
+        let mut runs = Vec::new();
+        for g in [
+            Stored::Bf16(View::whole(&g16)),
+            Stored::F32(View::whole(&wide)),
+        ] {
+            let [mut p, mut m, mut v] = [&gp, &gm, &gv].map(|b| up(&gpu, &down(&gpu, b)));
+            let (pm, mm, vm) = (
+                ViewMut::whole(&mut p),
+                ViewMut::whole(&mut m),
+                ViewMut::whole(&mut v),
+            );
+            gpu.adamw_step(pm, g, mm, vm, &update, None).unwrap();
+            runs.push([bits(&p), bits(&m), bits(&v)]);
+        }
+        assert_eq!(runs[0], runs[1], "adamw from a bf16 gradient");
+    }
     // bf16 moments: the same update, the moments rounded back (twin of the CPU's).
     let widen = |b: &[u16]| -> Vec<f32> {
         b.iter()
@@ -2539,7 +2577,7 @@ fn optimizer_ops_match_cpu() {
         let dg = up(&gpu, &grad);
         gpu.adamw_step_bf16(
             ViewMut::whole(&mut gp16),
-            View::whole(&dg),
+            Stored::F32(View::whole(&dg)),
             ViewMut::whole(&mut gm16),
             ViewMut::whole(&mut gv16),
             &update,
@@ -2548,7 +2586,7 @@ fn optimizer_ops_match_cpu() {
         .unwrap();
         cpu.adamw_step_bf16(
             ViewMut::whole(&mut cp16),
-            View::whole(&grad),
+            Stored::F32(View::whole(&grad)),
             ViewMut::whole(&mut cm16),
             ViewMut::whole(&mut cv16),
             &update,
@@ -2606,7 +2644,7 @@ fn optimizer_ops_match_cpu() {
         let dg = up(&gpu, &grad);
         gpu.adamw_step_int8(
             ViewMut::whole(&mut gp8),
-            View::whole(&dg),
+            Stored::F32(View::whole(&dg)),
             ViewMut::whole(&mut gm8),
             ViewMut::whole(&mut gv8),
             ViewMut::whole(&mut gma),
@@ -2628,7 +2666,7 @@ fn optimizer_ops_match_cpu() {
         );
         cpu.adamw_step_int8(
             ViewMut::whole(&mut cp8),
-            View::whole(&grad),
+            Stored::F32(View::whole(&grad)),
             ViewMut::whole(&mut cm8),
             ViewMut::whole(&mut cv8),
             ViewMut::whole(&mut cma),
@@ -2675,7 +2713,7 @@ fn optimizer_ops_match_cpu() {
     };
     gpu.adamw_step(
         ViewMut::whole(&mut gp),
-        View::whole(&up(&gpu, &grad)),
+        Stored::F32(View::whole(&up(&gpu, &grad))),
         ViewMut::whole(&mut gm),
         ViewMut::whole(&mut gv),
         &update,
@@ -2690,7 +2728,7 @@ fn optimizer_ops_match_cpu() {
     let e = gpu
         .adamw_step(
             ViewMut::whole(&mut gp),
-            View::whole(&up(&gpu, &grad)),
+            Stored::F32(View::whole(&up(&gpu, &grad))),
             ViewMut::whole(&mut gm),
             ViewMut::whole(&mut gv),
             &bad,

@@ -99,30 +99,53 @@ pub fn adamw_step(
     adamw_step_scaled(params, grads, m, v, step, cfg, lr, 1.0)
 }
 
-/// A stored AdamW moment: f32 itself, or bf16 bits widened and rounded (nearest even).
-pub trait Moment: Copy + Send + Sync {
+/// A value stored as f32 itself or as bf16 bits (`u16`), read as f32 — exactly: bf16 is
+/// f32's upper half. An AdamW gradient is read through it (gradients kept in bf16 are
+/// updated from without a widened copy) and so is a [`Moment`].
+pub trait StoredF32: Copy + Send + Sync {
     /// The value in f32.
     fn load(self) -> f32;
+    /// The f32 bits of the value (bf16 bits shifted up): finite exactly when
+    /// `bits & 0x7fff_ffff <= 0x7f7f_ffff`.
+    fn f32_bits(self) -> u32;
+}
+
+/// A stored AdamW moment: f32 itself, or bf16 bits widened and rounded (nearest even).
+pub trait Moment: StoredF32 {
     /// The stored form of `x`.
     fn store(x: f32) -> Self;
 }
 
-impl Moment for f32 {
+impl StoredF32 for f32 {
     #[inline(always)]
     fn load(self) -> f32 {
         self
     }
+    #[inline(always)]
+    fn f32_bits(self) -> u32 {
+        self.to_bits()
+    }
+}
+
+impl Moment for f32 {
     #[inline(always)]
     fn store(x: f32) -> Self {
         x
     }
 }
 
-impl Moment for u16 {
+impl StoredF32 for u16 {
     #[inline(always)]
     fn load(self) -> f32 {
-        half::bf16::from_bits(self).to_f32()
+        f32::from_bits(self.f32_bits())
     }
+    #[inline(always)]
+    fn f32_bits(self) -> u32 {
+        u32::from(self) << 16
+    }
+}
+
+impl Moment for u16 {
     #[inline(always)]
     fn store(x: f32) -> Self {
         half::bf16::from_f32(x).to_bits()
@@ -137,14 +160,16 @@ impl Moment for u16 {
 /// The moments are stored as `M`: `f32`, or bf16 bits (`u16`), each widened to f32, updated
 /// by the same f32 arithmetic, and rounded back to the nearest bf16 (ties to even) after the
 /// parameter's update used the f32 values — half the moments' memory, at most 2⁻⁹ relative
-/// error added to each moment per step.
+/// error added to each moment per step. The gradient is stored as `G`: `f32`, or bf16 bits
+/// read widened (exact), so a gradient kept in bf16 needs no f32 copy; the update is the
+/// one its widened values would give, bit for bit.
 ///
 /// # Errors
 /// As [`adamw_step`], and `OutOfRange` for `grad_scale` not finite and `>= 0`.
 #[allow(clippy::too_many_arguments)]
-pub fn adamw_step_scaled<M: Moment>(
+pub fn adamw_step_scaled<G: StoredF32, M: Moment>(
     params: &mut [f32],
-    grads: &[f32],
+    grads: &[G],
     m: &mut [M],
     v: &mut [M],
     step: u64,
@@ -185,8 +210,8 @@ impl AdamConsts {
     /// The factors of step `step`, after checking everything an update needs but the
     /// moments: `grad_scale` finite and `>= 0`, `grads` as long as the parameters (`len`)
     /// and finite, the config, `step >= 1`, `lr` finite and `>= 0`.
-    pub(crate) fn checked(
-        grads: &[f32],
+    pub(crate) fn checked<G: StoredF32>(
+        grads: &[G],
         len: usize,
         step: u64,
         cfg: &AdamWConfig,
@@ -226,11 +251,18 @@ impl AdamConsts {
     }
 
     /// The update of one span: parameters, gradients and the two moments as stored.
-    pub(crate) fn update<M: Moment>(&self, p: &mut [f32], g: &[f32], m: &mut [M], v: &mut [M]) {
+    pub(crate) fn update<G: StoredF32, M: Moment>(
+        &self,
+        p: &mut [f32],
+        g: &[G],
+        m: &mut [M],
+        v: &mut [M],
+    ) {
         // PyTorch's lerp switches form at weight 0.5 to stay accurate near both ends.
         let low_weight = self.w1 < 0.5;
         let scaled = self.grad_scale != 1.0;
         for (((p, &g), ms), vs) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            let g = g.load();
             let g = if scaled { g * self.grad_scale } else { g };
             if self.apply_decay {
                 *p *= self.decay;
@@ -369,12 +401,15 @@ fn chunk_sum_of_squares<T: Copy>(xs: &[T], wide: impl Fn(T) -> f32) -> f64 {
     acc.iter().sum()
 }
 
-/// Index of the first NaN or ±∞ in `xs`.
-fn first_non_finite(xs: &[f32]) -> Option<usize> {
+/// Index of the first NaN or ±∞ in `xs` (f32 values or bf16 bits).
+fn first_non_finite<G: StoredF32>(xs: &[G]) -> Option<usize> {
     // Finite f32s have |bits| <= 0x7f7f_ffff; an integer max over a chunk vectorises,
     // and only a chunk that fails is searched element by element.
-    let bad =
-        |c: &[f32]| c.iter().fold(0u32, |a, x| a.max(x.to_bits() & 0x7fff_ffff)) > 0x7f7f_ffff;
+    let bad = |c: &[G]| {
+        c.iter()
+            .fold(0u32, |a, x| a.max(x.f32_bits() & 0x7fff_ffff))
+            > 0x7f7f_ffff
+    };
     let chunk = if xs.len() >= PAR_MIN_ELEMS {
         xs.par_chunks(CHUNK).position_first(bad)?
     } else {
@@ -383,7 +418,7 @@ fn first_non_finite(xs: &[f32]) -> Option<usize> {
     let start = chunk * CHUNK;
     xs.get(start..)?
         .iter()
-        .position(|x| !x.is_finite())
+        .position(|x| !x.load().is_finite())
         .map(|i| start + i)
 }
 
@@ -693,6 +728,82 @@ mod tests {
             adamw_step(pi, &g[i..=i], mi, vi, 3, &cfg, 1e-3).unwrap();
             assert_eq!((p[i], m[i], v[i]), (p1[i], m1[i], v1[i]));
         }
+    }
+
+    #[test]
+    fn adamw_reads_bf16_gradients_as_their_widened_values() {
+        // a gradient kept in bf16 steps as an f32 gradient holding the same values, bit for
+        // bit, with f32, bf16 and 8-bit moments (both sides of the parallel threshold)
+        use super::super::optim_int8::{adamw_step_int8, blocks, dynamic_map};
+        let cfg = AdamWConfig::default();
+        let mut maps = dynamic_map(true).to_vec();
+        maps.extend(dynamic_map(false));
+        for n in [77, PAR_MIN_ELEMS + 1234] {
+            let g16: Vec<u16> = (0..n)
+                .map(|i| half::bf16::from_f32(((i * 37 % 101) as f32 - 50.0) * 0.013).to_bits())
+                .collect();
+            let g32: Vec<f32> = g16
+                .iter()
+                .map(|&b| half::bf16::from_bits(b).to_f32())
+                .collect();
+            let p0: Vec<f32> = (0..n).map(|i| (i % 7) as f32 * 0.1 - 0.3).collect();
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            for step in 1..=2 {
+                let (mut pa, mut pb) = (p0.clone(), p0.clone());
+                let (mut ma, mut va) = (vec![0.0f32; n], vec![0.0f32; n]);
+                let (mut mb, mut vb) = (ma.clone(), va.clone());
+                adamw_step_scaled(&mut pa, &g16, &mut ma, &mut va, step, &cfg, 1e-3, 0.5).unwrap();
+                adamw_step_scaled(&mut pb, &g32, &mut mb, &mut vb, step, &cfg, 1e-3, 0.5).unwrap();
+                assert_eq!(
+                    (bits(&pa), bits(&ma)),
+                    (bits(&pb), bits(&mb)),
+                    "f32 moments"
+                );
+                assert_eq!(bits(&va), bits(&vb));
+                let (mut pa, mut pb) = (p0.clone(), p0.clone());
+                let (mut ma, mut va) = (vec![0u16; n], vec![0u16; n]);
+                let (mut mb, mut vb) = (ma.clone(), va.clone());
+                adamw_step_scaled(&mut pa, &g16, &mut ma, &mut va, step, &cfg, 1e-3, 1.0).unwrap();
+                adamw_step_scaled(&mut pb, &g32, &mut mb, &mut vb, step, &cfg, 1e-3, 1.0).unwrap();
+                assert_eq!((bits(&pa), ma, va), (bits(&pb), mb, vb), "bf16 moments");
+                let (mut pa, mut pb) = (p0.clone(), p0.clone());
+                let (mut ma, mut va) = (vec![0u8; n], vec![0u8; n]);
+                let (mut mb, mut vb) = (ma.clone(), va.clone());
+                let b = blocks(n);
+                let (mut aa, mut ab) = (vec![0.0f32; b], vec![0.0f32; b]);
+                let (mut ba, mut bb) = (aa.clone(), ab.clone());
+                let (ma_, va_) = (&mut ma, &mut va);
+                adamw_step_int8(
+                    &mut pa, &g16, ma_, va_, &mut aa, &mut ab, &maps, step, &cfg, 1e-3, 1.0,
+                )
+                .unwrap();
+                let (mb_, vb_) = (&mut mb, &mut vb);
+                adamw_step_int8(
+                    &mut pb, &g32, mb_, vb_, &mut ba, &mut bb, &maps, step, &cfg, 1e-3, 1.0,
+                )
+                .unwrap();
+                assert_eq!((bits(&pa), ma, va), (bits(&pb), mb, vb), "8-bit moments");
+                assert_eq!((bits(&aa), bits(&ab)), (bits(&ba), bits(&bb)));
+            }
+        }
+        // a bf16 NaN or ±∞ is refused at its index, nothing written
+        let (mut p, mut m, mut v) = ([1.0f32; 4], [0.0f32; 4], [0.0f32; 4]);
+        for (bad, at) in [(0x7fc0u16, 2usize), (0xff80, 1), (0x7f80, 3)] {
+            let mut g = [0x3f80u16; 4];
+            g[at] = bad;
+            let err = adamw_step_scaled(&mut p, &g, &mut m, &mut v, 1, &cfg, 1e-3, 1.0);
+            assert_eq!(
+                err,
+                Err(Error::Core(CoreError::NonFinite {
+                    what: "grads",
+                    index: at
+                }))
+            );
+        }
+        assert_eq!((p, m, v), ([1.0; 4], [0.0; 4], [0.0; 4]));
+        // the largest finite bf16 is finite
+        let g = [0x7f7fu16, 0xff7f, 0, 0x8000];
+        adamw_step_scaled(&mut p, &g, &mut m, &mut v, 1, &cfg, 1e-3, 1.0).unwrap();
     }
 
     #[test]

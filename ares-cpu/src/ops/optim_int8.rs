@@ -24,7 +24,7 @@
 
 use rayon::prelude::*;
 
-use super::optim::{AdamConsts, AdamWConfig};
+use super::optim::{AdamConsts, AdamWConfig, StoredF32};
 use crate::Result;
 use crate::error::check_len;
 
@@ -200,15 +200,16 @@ struct BlockState<'a> {
 /// scale of each block (`blocks(params.len())` long), `maps` the signed map then the
 /// unsigned one (512 values, [`dynamic_map`]). Per block: read back, the f32 update,
 /// quantise with the new `absmax` (see the module docs). Blocks run in parallel; each is
-/// computed alone, so the result does not depend on the thread count.
+/// computed alone, so the result does not depend on the thread count. The gradient is
+/// f32 or bf16 bits, as there.
 ///
 /// # Errors
 /// As `adamw_step_scaled`; lengths that do not match; `maps` not 512 long or a map not
 /// sorted. Everything is checked before anything is written.
 #[allow(clippy::too_many_arguments)]
-pub fn adamw_step_int8(
+pub fn adamw_step_int8<G: StoredF32>(
     params: &mut [f32],
-    grads: &[f32],
+    grads: &[G],
     m: &mut [u8],
     v: &mut [u8],
     m_absmax: &mut [f32],
@@ -245,7 +246,7 @@ pub fn adamw_step_int8(
         Codebook::new(&as_map(signed)),
         Codebook::new(&as_map(unsigned)),
     );
-    let run = |((p, g), s): ((&mut [f32], &[f32]), BlockState<'_>)| {
+    let run = |((p, g), s): ((&mut [f32], &[G]), BlockState<'_>)| {
         let n = p.len();
         let (mut mf, mut vf) = ([0.0f32; BLOCK], [0.0f32; BLOCK]);
         let (mf, vf) = (&mut mf[..n], &mut vf[..n]);

@@ -37,16 +37,17 @@ impl Target<'_, '_> {
     }
 }
 
-/// A tensor of [`ModelOps::sums_of_squares_of`]: f32 values, or bf16 bits.
+/// A tensor as stored, f32 values or bf16 bits: what [`ModelOps::sums_of_squares_of`]
+/// sums and the AdamW updates read as the gradient ([`ModelOps::adamw_step`]).
 #[derive(Debug, Clone, Copy)]
-pub enum SquaresOf<'a, 'b> {
+pub enum StoredView<'a, 'b> {
     /// f32 values.
     F32(&'a CudaView<'b, f32>),
     /// bf16 bits (a gradient stored in bf16).
     Bf16(&'a CudaView<'b, u16>),
 }
 
-impl SquaresOf<'_, '_> {
+impl StoredView<'_, '_> {
     fn len(&self) -> usize {
         match self {
             Self::F32(x) => x.len(),
@@ -215,7 +216,7 @@ impl ModelOps {
     /// `out` not as long as `xs`, a driver failure, [`crate::Error::DeviceStatus`] (bad
     /// values an earlier op met).
     pub fn sums_of_squares(&self, xs: &[&CudaView<'_, f32>], out: &mut [f64]) -> Result<()> {
-        let xs: Vec<SquaresOf<'_, '_>> = xs.iter().map(|x| SquaresOf::F32(x)).collect();
+        let xs: Vec<StoredView<'_, '_>> = xs.iter().map(|x| StoredView::F32(x)).collect();
         self.sums_of_squares_of(&xs, out)
     }
 
@@ -225,7 +226,7 @@ impl ModelOps {
     ///
     /// # Errors
     /// As [`ModelOps::sums_of_squares`].
-    pub fn sums_of_squares_of(&self, xs: &[SquaresOf<'_, '_>], out: &mut [f64]) -> Result<()> {
+    pub fn sums_of_squares_of(&self, xs: &[StoredView<'_, '_>], out: &mut [f64]) -> Result<()> {
         const K: &str = "sums_of_squares";
         check_len(K, "out", xs.len(), out.len())?;
         // the non-empty tensors' table (the kernel's `SumSqTensor`: pointer, length, chunk,
@@ -243,7 +244,7 @@ impl ModelOps {
             let (chunk, blocks) = sum_of_squares_partition(n);
             let (ptr, guard) = x.device_ptr(&self.stream);
             guards.push(guard);
-            let bf16 = u64::from(matches!(x, SquaresOf::Bf16(_)));
+            let bf16 = u64::from(matches!(x, StoredView::Bf16(_)));
             table.extend([ptr, n as u64, chunk as u64, partials as u64, bf16]);
             partials += blocks;
             slots.push(i);
@@ -314,7 +315,8 @@ impl ModelOps {
     /// One AdamW update in place (see [`AdamWStep`]). `param`, `grad`, `exp_avg` (first
     /// moment) and `exp_avg_sq` (second moment) have the same length; `copy` (as long, bf16
     /// bits) receives the updated parameter rounded to the nearest bf16 in the same pass (a
-    /// model's bf16 weight copy). A non-finite gradient anywhere leaves all of them
+    /// model's bf16 weight copy). A gradient stored in bf16 is read widened (exact) as the
+    /// kernels load it — the update of its widened values, without an f32 copy of them. A non-finite gradient anywhere leaves all of them
     /// untouched (checked on the device before the update) and is reported at the next
     /// [`ModelOps::check_status`].
     ///
@@ -323,7 +325,7 @@ impl ModelOps {
     pub fn adamw_step(
         &self,
         param: &mut CudaViewMut<'_, f32>,
-        grad: &CudaView<'_, f32>,
+        grad: StoredView<'_, '_>,
         exp_avg: &mut CudaViewMut<'_, f32>,
         exp_avg_sq: &mut CudaViewMut<'_, f32>,
         step: &AdamWStep,
@@ -344,7 +346,7 @@ impl ModelOps {
     pub fn adamw_step_bf16(
         &self,
         param: &mut CudaViewMut<'_, f32>,
-        grad: &CudaView<'_, f32>,
+        grad: StoredView<'_, '_>,
         exp_avg: &mut CudaViewMut<'_, u16>,
         exp_avg_sq: &mut CudaViewMut<'_, u16>,
         step: &AdamWStep,
@@ -368,7 +370,7 @@ impl ModelOps {
     pub fn adamw_step_int8(
         &self,
         param: &mut CudaViewMut<'_, f32>,
-        grad: &CudaView<'_, f32>,
+        grad: StoredView<'_, '_>,
         exp_avg: &mut CudaViewMut<'_, u8>,
         exp_avg_sq: &mut CudaViewMut<'_, u8>,
         exp_avg_absmax: &mut CudaViewMut<'_, f32>,
@@ -399,7 +401,7 @@ impl ModelOps {
         &self,
         weight: &mut CudaViewMut<'_, u16>,
         key: u64,
-        grad: &CudaView<'_, f32>,
+        grad: StoredView<'_, '_>,
         exp_avg: &mut CudaViewMut<'_, f32>,
         exp_avg_sq: &mut CudaViewMut<'_, f32>,
         step: &AdamWStep,
@@ -419,7 +421,7 @@ impl ModelOps {
         &self,
         weight: &mut CudaViewMut<'_, u16>,
         key: u64,
-        grad: &CudaView<'_, f32>,
+        grad: StoredView<'_, '_>,
         exp_avg: &mut CudaViewMut<'_, u16>,
         exp_avg_sq: &mut CudaViewMut<'_, u16>,
         step: &AdamWStep,
@@ -440,7 +442,7 @@ impl ModelOps {
         &self,
         weight: &mut CudaViewMut<'_, u16>,
         key: u64,
-        grad: &CudaView<'_, f32>,
+        grad: StoredView<'_, '_>,
         exp_avg: &mut CudaViewMut<'_, u8>,
         exp_avg_sq: &mut CudaViewMut<'_, u8>,
         exp_avg_absmax: &mut CudaViewMut<'_, f32>,
@@ -491,7 +493,7 @@ impl ModelOps {
         name: &'static str,
         kernel: &CudaFunction,
         param: Target<'_, '_>,
-        grad: &CudaView<'_, f32>,
+        grad: StoredView<'_, '_>,
         exp_avg: &mut CudaViewMut<'_, M>,
         exp_avg_sq: &mut CudaViewMut<'_, M>,
         int8: Option<Int8Scales<'_, '_, '_, '_>>,
@@ -501,6 +503,10 @@ impl ModelOps {
         let c = step.scalars()?;
         let n = param.len();
         check_len(name, "grad", n, grad.len())?;
+        let (grad, grad_bf16) = match grad {
+            StoredView::F32(g) => (Some(g), None),
+            StoredView::Bf16(g) => (None, Some(g)),
+        };
         check_len(name, "exp_avg", n, exp_avg.len())?;
         check_len(name, "exp_avg_sq", n, exp_avg_sq.len())?;
         if let Some(c) = &copy {
@@ -517,10 +523,11 @@ impl ModelOps {
             .during(format!("{name}: clearing the guard"))?;
         {
             let mut l = self.stream.launch_builder(&self.f.adamw_check);
-            l.arg(grad)
+            l.arg_or_null(grad)
                 .arg(&n64)
                 .arg(&mut state.guard)
-                .arg(&mut state.status);
+                .arg(&mut state.status)
+                .arg_or_null(grad_bf16);
             // SAFETY: argument order as `adamw_check`.
             unsafe { l.launch(element_cfg(n)) }.during(format!("{name}: check"))?;
         }
@@ -530,7 +537,10 @@ impl ModelOps {
             Target::F32(p) => (Some(p), None, 0u64),
             Target::Bf16(w, key) => (None, Some(w), key),
         };
-        l.arg_or_null(param).arg(grad).arg(exp_avg).arg(exp_avg_sq);
+        l.arg_or_null(param)
+            .arg_or_null(grad)
+            .arg(exp_avg)
+            .arg(exp_avg_sq);
         let cfg = match int8 {
             Some(s) => {
                 l.arg(s.m).arg(s.v).arg(s.maps);
@@ -552,7 +562,8 @@ impl ModelOps {
             .arg(&state.guard)
             .arg_or_null(copy)
             .arg_or_null(weight)
-            .arg(&key);
+            .arg(&key)
+            .arg_or_null(grad_bf16);
         // SAFETY: argument order as `adamw_update` / `adamw_update_bf16` (moments of `M`, the
         // kernel's storage type) / `adamw_update_int8` (codes, then their scales and maps:
         // lengths checked by `adamw_step_int8`); lengths checked above.

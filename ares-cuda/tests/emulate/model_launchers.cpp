@@ -220,7 +220,7 @@ extern "C" void emu_adamw_update_bf16(unsigned grid, unsigned block, float* para
     emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] {
         adamw_update_bf16(param, grad, m, v, n, grad_scale, c->decay, c->apply_decay, c->w1,
                           c->one_minus_w1, c->b2, c->w2, c->neg_step_size, c->bc2_sqrt, c->eps,
-                          guard, copy, nullptr, 0ull);
+                          guard, copy, nullptr, 0ull, nullptr);
     });
 }
 
@@ -234,39 +234,44 @@ extern "C" void emu_adamw_update_int8(float* param, const float* grad, unsigned 
     emu::launch(dim3{blocks, 1, 1}, dim3{Q8_THREADS, 1, 1}, 0, [&] {
         adamw_update_int8(param, grad, m_codes, v_codes, m_absmax, v_absmax, maps, n, grad_scale,
                           c->decay, c->apply_decay, c->w1, c->one_minus_w1, c->b2, c->w2,
-                          c->neg_step_size, c->bc2_sqrt, c->eps, guard, copy, nullptr, 0ull);
+                          c->neg_step_size, c->bc2_sqrt, c->eps, guard, copy, nullptr, 0ull,
+                          nullptr);
     });
 }
 
-// AdamW of a weight stored in bf16 (`weight`, read widened, written back rounded
-// stochastically under `key`) with moments of the kind `moments` names: 0 f32 (m, v as
-// floats), 1 bf16 (as bits), 2 8-bit (codes, with their scales and the maps).
-extern "C" void emu_adamw_update_stored_bf16(unsigned grid, unsigned block, int moments,
-                                             unsigned short* weight, unsigned long long key,
-                                             const float* grad, void* m, void* v,
-                                             float* m_absmax, float* v_absmax, const float* maps,
-                                             i64 n, float grad_scale, const EmuAdamW* c,
-                                             const unsigned* guard) {
+// AdamW as the device runs it: adamw_check over the gradient, then the update of the kind
+// `moments` names (0 f32 moments, 1 bf16 bits, 2 8-bit codes with their scales and the
+// maps). The parameter is `param` (f32, with its bf16 `copy` where not NULL) or `weight`
+// (bf16, written back rounded stochastically under `key`); the gradient `grad` (f32) or
+// `grad16` (bf16 bits), the other NULL. `status` receives the check's flags.
+extern "C" void emu_adamw_step(unsigned grid, unsigned block, int moments, float* param,
+                               unsigned short* weight, unsigned long long key, const float* grad,
+                               const unsigned short* grad16, void* m, void* v, float* m_absmax,
+                               float* v_absmax, const float* maps, i64 n, float grad_scale,
+                               const EmuAdamW* c, unsigned short* copy, unsigned* status) {
+    unsigned guard = 0;
+    emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0,
+                [&] { adamw_check(grad, n, &guard, status, grad16); });
     if (moments == 2) {
         const unsigned blocks = (unsigned)((n + Q8_BLOCK - 1) / Q8_BLOCK);
         emu::launch(dim3{blocks, 1, 1}, dim3{Q8_THREADS, 1, 1}, 0, [&] {
-            adamw_update_int8(nullptr, grad, (unsigned char*)m, (unsigned char*)v, m_absmax,
+            adamw_update_int8(param, grad, (unsigned char*)m, (unsigned char*)v, m_absmax,
                               v_absmax, maps, n, grad_scale, c->decay, c->apply_decay, c->w1,
                               c->one_minus_w1, c->b2, c->w2, c->neg_step_size, c->bc2_sqrt,
-                              c->eps, guard, nullptr, weight, key);
+                              c->eps, &guard, copy, weight, key, grad16);
         });
         return;
     }
     emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] {
         if (moments == 0)
-            adamw_update(nullptr, grad, (float*)m, (float*)v, n, grad_scale, c->decay,
+            adamw_update(param, grad, (float*)m, (float*)v, n, grad_scale, c->decay,
                          c->apply_decay, c->w1, c->one_minus_w1, c->b2, c->w2, c->neg_step_size,
-                         c->bc2_sqrt, c->eps, guard, nullptr, weight, key);
+                         c->bc2_sqrt, c->eps, &guard, copy, weight, key, grad16);
         else
-            adamw_update_bf16(nullptr, grad, (unsigned short*)m, (unsigned short*)v, n,
+            adamw_update_bf16(param, grad, (unsigned short*)m, (unsigned short*)v, n,
                               grad_scale, c->decay, c->apply_decay, c->w1, c->one_minus_w1,
-                              c->b2, c->w2, c->neg_step_size, c->bc2_sqrt, c->eps, guard,
-                              nullptr, weight, key);
+                              c->b2, c->w2, c->neg_step_size, c->bc2_sqrt, c->eps, &guard, copy,
+                              weight, key, grad16);
     });
 }
 

@@ -140,6 +140,21 @@ impl<B> Counting<B> {
     }
 }
 
+/// A [`Stored`] view of the counter's as the inner backend's (the same buffers).
+fn inner_stored<B: Backend>(x: Stored<'_, Counting<B>>) -> Stored<'_, B> {
+    match x {
+        Stored::F32(x) => Stored::F32(x),
+        Stored::Bf16(x) => Stored::Bf16(x),
+    }
+}
+
+/// Argument `$a` of a declared op as the inner backend takes it.
+#[rustfmt::skip]
+macro_rules! inner_arg {
+    ($a:ident: In<stored>) => { inner_stored($a) };
+    ($a:ident: $($t:tt)+) => { $a };
+}
+
 /// The declared ops: noted, then run by the inner backend.
 macro_rules! counting_ops {
     ($(
@@ -151,7 +166,7 @@ macro_rules! counting_ops {
             #[allow(clippy::too_many_arguments)]
             fn $name(&self, $($arg: op_arg_type!($kind $(<$dt>)?)),*) -> Result<()> {
                 self.note(Kind::Op, stringify!($name));
-                self.inner.$name($($arg),*)
+                self.inner.$name($(inner_arg!($arg: $kind $(<$dt>)?)),*)
             }
         )*
     };
@@ -328,13 +343,7 @@ impl<B: Backend> Backend for Counting<B> {
 
     fn sums_of_squares(&self, xs: &[Stored<'_, Self>], out: &mut [f64]) -> Result<()> {
         self.note(Kind::Wait, "sums_of_squares");
-        let xs: Vec<Stored<'_, B>> = xs
-            .iter()
-            .map(|x| match *x {
-                Stored::F32(x) => Stored::F32(x),
-                Stored::Bf16(x) => Stored::Bf16(x),
-            })
-            .collect();
+        let xs: Vec<Stored<'_, B>> = xs.iter().map(|&x| inner_stored(x)).collect();
         self.inner.sums_of_squares(&xs, out)
     }
 

@@ -150,6 +150,25 @@ fn half_mut<'a>(
     Ok(&mut view.into_buffer().bits[offset..offset + len])
 }
 
+/// A [`Stored`] view's elements on the host: f32 values or bf16 bits.
+#[derive(Clone, Copy)]
+enum StoredSlice<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [u16]),
+}
+
+/// The elements of argument `arg` of `op`, as stored (a bf16 view's dtype checked).
+fn stored<'a>(
+    op: &'static str,
+    arg: &'static str,
+    x: Stored<'a, CpuBackend>,
+) -> Result<StoredSlice<'a>> {
+    Ok(match x {
+        Stored::F32(v) => StoredSlice::F32(slice(v)?),
+        Stored::Bf16(v) => StoredSlice::Bf16(half(op, arg, v, DType::Bf16)?),
+    })
+}
+
 /// The elements a view names. Views are bounds-checked when made, so this only fails if
 /// the buffer shrank since, which `Vec`s held by a view cannot.
 fn slice<'a>(view: View<'a, Vec<f32>>) -> Result<&'a [f32]> {
@@ -322,6 +341,7 @@ macro_rules! cpu_arg {
         $a.map(|v| half_mut(stringify!($op), stringify!($a), v, DType::Bf16)).transpose()?
     };
     ($op:ident, $a:ident: Out<u8>) => { slice_mut($a)? };
+    ($op:ident, $a:ident: In<stored>) => { stored(stringify!($op), stringify!($a), $a)? };
     ($op:ident, $a:ident: Views<$t:ident>) => { CpuViews::cpu($a)? };
     ($op:ident, $a:ident: ViewsMut<$t:ident>) => { CpuViews::cpu($a)? };
     ($op:ident, $a:ident: Ref<$t:ident>) => { $a };
@@ -351,9 +371,9 @@ macro_rules! cpu_ops {
 mod kernels {
     use super::{
         Activation, AdamWUpdate, AttentionDims, GradWrites, LinearDims, Moment,
-        SegmentAttentionDims, activation, adamw_step_scaled, attention, attention_shape,
-        cpu_activation, linear_backward_in, linear_forward_in, linear_forward_t_in, matmul_dims,
-        matmul_tiles, segment_attention, segment_shape,
+        SegmentAttentionDims, StoredSlice, activation, adamw_step_scaled, attention,
+        attention_shape, cpu_activation, linear_backward_in, linear_forward_in,
+        linear_forward_t_in, matmul_dims, matmul_tiles, segment_attention, segment_shape,
     };
     use ares_cpu::Logits;
 
@@ -749,7 +769,7 @@ mod kernels {
     #[allow(clippy::too_many_arguments)] // the declared op's arguments
     pub(super) fn adamw_step_int8(
         param: &mut [f32],
-        grad: &[f32],
+        grad: StoredSlice<'_>,
         exp_avg: &mut [u8],
         exp_avg_sq: &mut [u8],
         exp_avg_absmax: &mut [f32],
@@ -762,24 +782,31 @@ mod kernels {
         let (m, v) = (exp_avg, exp_avg_sq);
         let (ma, va) = (exp_avg_absmax, exp_avg_sq_absmax);
         check_copy(param.len(), copy.as_deref())?;
-        ares_cpu::ops::optim_int8::adamw_step_int8(
-            param, grad, m, v, ma, va, maps, step, &u.config, lr, scale,
-        )?;
+        use ares_cpu::ops::optim_int8::adamw_step_int8 as int8;
+        let cfg = &u.config;
+        match grad {
+            StoredSlice::F32(g) => int8(param, g, m, v, ma, va, maps, step, cfg, lr, scale),
+            StoredSlice::Bf16(g) => int8(param, g, m, v, ma, va, maps, step, cfg, lr, scale),
+        }?;
         write_copy(param, copy)
     }
 
     /// AdamW with moments stored as `M` (f32, or bf16 bits).
     pub(super) fn adamw_step<M: Moment>(
         param: &mut [f32],
-        grad: &[f32],
+        grad: StoredSlice<'_>,
         exp_avg: &mut [M],
         exp_avg_sq: &mut [M],
         u: &AdamWUpdate,
         copy: Option<&mut [u16]>,
     ) -> Result {
         let (step, lr, scale) = (u.step, u.lr, u.grad_scale);
+        let (m, v, cfg) = (exp_avg, exp_avg_sq, &u.config);
         check_copy(param.len(), copy.as_deref())?;
-        adamw_step_scaled(param, grad, exp_avg, exp_avg_sq, step, &u.config, lr, scale)?;
+        match grad {
+            StoredSlice::F32(g) => adamw_step_scaled(param, g, m, v, step, cfg, lr, scale),
+            StoredSlice::Bf16(g) => adamw_step_scaled(param, g, m, v, step, cfg, lr, scale),
+        }?;
         write_copy(param, copy)
     }
 
@@ -814,7 +841,7 @@ mod kernels {
     pub(super) fn adamw_step_bf16_weight<M: Moment>(
         weight: &mut [u16],
         key: u64,
-        grad: &[f32],
+        grad: StoredSlice<'_>,
         exp_avg: &mut [M],
         exp_avg_sq: &mut [M],
         u: &AdamWUpdate,
@@ -829,7 +856,7 @@ mod kernels {
     pub(super) fn adamw_step_bf16_weight_int8(
         weight: &mut [u16],
         key: u64,
-        grad: &[f32],
+        grad: StoredSlice<'_>,
         exp_avg: &mut [u8],
         exp_avg_sq: &mut [u8],
         exp_avg_absmax: &mut [f32],
@@ -1671,7 +1698,7 @@ mod dtype_tests {
         let e = be
             .adamw_step_bf16(
                 ViewMut::whole(&mut p),
-                View::whole(&g),
+                Stored::F32(View::whole(&g)),
                 ViewMut::whole(&mut f16),
                 ViewMut::whole(&mut v16),
                 &update,
@@ -1686,7 +1713,7 @@ mod dtype_tests {
         let e = be
             .adamw_step(
                 ViewMut::whole(&mut p),
-                View::whole(&g),
+                Stored::F32(View::whole(&g)),
                 ViewMut::whole(&mut m),
                 ViewMut::whole(&mut v),
                 &update,
@@ -1695,6 +1722,46 @@ mod dtype_tests {
             .unwrap_err();
         assert!(e.to_string().contains("copy"), "{e}");
         assert_eq!(p, [1.0; 4], "nothing stepped");
+        // a gradient held as f16 is refused by name (a stored gradient is f32 or bf16); a
+        // bf16 one steps as its widened values
+        let mut g16 = be.alloc_half(4, DType::F16).unwrap();
+        let e = be
+            .adamw_step(
+                ViewMut::whole(&mut p),
+                Stored::Bf16(View::whole(&g16)),
+                ViewMut::whole(&mut m),
+                ViewMut::whole(&mut v),
+                &update,
+                None,
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("`grad` holds f16"), "{e}");
+        assert_eq!(p, [1.0; 4], "nothing stepped");
+        g16 = be.alloc_half(4, DType::Bf16).unwrap();
+        be.round_bf16(View::whole(&g), ViewMut::whole(&mut g16))
+            .unwrap();
+        let mut p32 = p.clone();
+        let (mut m32, mut v32) = (m.clone(), v.clone());
+        be.adamw_step(
+            ViewMut::whole(&mut p),
+            Stored::Bf16(View::whole(&g16)),
+            ViewMut::whole(&mut m),
+            ViewMut::whole(&mut v),
+            &update,
+            None,
+        )
+        .unwrap();
+        be.adamw_step(
+            ViewMut::whole(&mut p32),
+            Stored::F32(View::whole(&g)),
+            ViewMut::whole(&mut m32),
+            ViewMut::whole(&mut v32),
+            &update,
+            None,
+        )
+        .unwrap();
+        assert_eq!((&p, &m, &v), (&p32, &m32, &v32), "0.5 is exact in bf16");
+        assert_ne!(p, [1.0; 4], "stepped");
         // bf16 round trip of the right dtype: 1, 2, 3, 4 are exact in bf16
         let mut bf16 = be.alloc_half(4, DType::Bf16).unwrap();
         be.pack_bf16(View::whole(&src), 2, 2, ViewMut::whole(&mut bf16))

@@ -135,6 +135,17 @@ impl<B: Backend + ?Sized> Stored<'_, B> {
         self.len() == 0
     }
 
+    /// Elements `start..start + len` of the view, stored alike.
+    ///
+    /// # Errors
+    /// A range past the view's end.
+    pub fn slice(&self, start: usize, len: usize) -> Result<Self> {
+        Ok(match self {
+            Self::F32(v) => Self::F32(v.slice(start, len)?),
+            Self::Bf16(v) => Self::Bf16(v.slice(start, len)?),
+        })
+    }
+
     /// Copies the values to `dst` on the host, bf16 ones widened to f32 (exact: the bits
     /// shifted up). Returns once the copy has landed.
     ///

@@ -16,6 +16,9 @@
 //!   that must hold bf16 (checked before the kernel runs:
 //!   [`BackendError::DType`](super::BackendError::DType) names the op, the argument and the
 //!   dtype given);
+//! - `In<stored>`: a tensor read as it is stored, f32 values or bf16 bits
+//!   ([`Stored`](super::Stored); a bf16 view's dtype checked as above) — a gradient kept in
+//!   bf16 among f32 ones;
 //! - `Views<T>` / `ViewsMut<T>`: a struct of views read / written (`AttentionInputs`,
 //!   `AttentionGrads`), converted field by field;
 //! - `Ref<T>`: a `&T` of host parameters;
@@ -449,14 +452,16 @@ macro_rules! declared_ops {
             /// [`AdamWUpdate`] says. All four have the same length; `copy` (bf16, as long)
             /// receives the updated parameter rounded to the nearest bf16, ties to even — the
             /// model's bf16 weight copy written by the update itself (the bits of
-            /// [`Backend::round_bf16`] after it).
+            /// [`Backend::round_bf16`] after it). `grad` is read as stored: a gradient kept in
+            /// bf16 is widened (exact) element by element as the update reads it — the update
+            /// of its widened values, bit for bit, without an f32 copy of them.
             ///
             /// # Errors
             /// Lengths that differ, `update.step == 0`, a learning rate, scale or config field out
             /// of range, and (where checked) a non-finite gradient; then nothing is written.
             fn adamw_step(
                 param: Out<f32>,
-                grad: In<f32>,
+                grad: In<stored>,
                 exp_avg: Out<f32>,
                 exp_avg_sq: Out<f32>,
                 update: Ref<AdamWUpdate>,
@@ -472,7 +477,7 @@ macro_rules! declared_ops {
             /// As [`Backend::adamw_step`]; moments that are not bf16.
             fn adamw_step_bf16(
                 param: Out<f32>,
-                grad: In<f32>,
+                grad: In<stored>,
                 exp_avg: Out<bf16>,
                 exp_avg_sq: Out<bf16>,
                 update: Ref<AdamWUpdate>,
@@ -492,7 +497,7 @@ macro_rules! declared_ops {
             /// ascending (the CPU checks it; a device reads the map as given).
             fn adamw_step_int8(
                 param: Out<f32>,
-                grad: In<f32>,
+                grad: In<stored>,
                 exp_avg: Out<u8>,
                 exp_avg_sq: Out<u8>,
                 exp_avg_absmax: Out<f32>,
@@ -515,7 +520,7 @@ macro_rules! declared_ops {
             fn adamw_step_bf16_weight(
                 weight: Out<bf16>,
                 key: u64,
-                grad: In<f32>,
+                grad: In<stored>,
                 exp_avg: Out<f32>,
                 exp_avg_sq: Out<f32>,
                 update: Ref<AdamWUpdate>,
@@ -529,7 +534,7 @@ macro_rules! declared_ops {
             fn adamw_step_bf16_weight_bf16(
                 weight: Out<bf16>,
                 key: u64,
-                grad: In<f32>,
+                grad: In<stored>,
                 exp_avg: Out<bf16>,
                 exp_avg_sq: Out<bf16>,
                 update: Ref<AdamWUpdate>,
@@ -543,7 +548,7 @@ macro_rules! declared_ops {
             fn adamw_step_bf16_weight_int8(
                 weight: Out<bf16>,
                 key: u64,
-                grad: In<f32>,
+                grad: In<stored>,
                 exp_avg: Out<u8>,
                 exp_avg_sq: Out<u8>,
                 exp_avg_absmax: Out<f32>,
@@ -1013,6 +1018,7 @@ macro_rules! op_arg_type {
     (Out<bf16>) => { $crate::backend::ViewMut<'_, Self::Half> };
     (OutOpt<bf16>) => { Option<$crate::backend::ViewMut<'_, Self::Half>> };
     (InOpt<bf16>) => { Option<$crate::backend::View<'_, Self::Half>> };
+    (In<stored>) => { $crate::backend::Stored<'_, Self> };
     (Out<u8>) => { $crate::backend::ViewMut<'_, Self::Bytes> };
     (Views<$t:ident>) => { $crate::backend::$t<'_, Self::Buffer> };
     (ViewsMut<$t:ident>) => { $crate::backend::$t<'_, Self::Buffer> };

@@ -11,7 +11,8 @@
 //! follow from the optimizer's rounding seed, its step, the pass since
 //! [`Grads::set_rounding`](super::Grads::set_rounding), the stack and the layer: a resumed run draws the same bits.
 //! The gradient norm reads the bf16 stacks as they are ([`Backend::sums_of_squares`]) and
-//! [`AdamW`](super::AdamW) widens one layer's gradient at a time before its update.
+//! [`AdamW`](super::AdamW) reads them as stored too: its update widens each element as it
+//! reads it (the AdamW ops take the gradient as a [`Stored`](crate::backend::Stored) view).
 
 use super::ModelError;
 use super::optim::rounding_key;

@@ -11,7 +11,7 @@
 use ares_cpu::ops::optim_int8::{BLOCK, Codebook, MIN_QUANTIZED_LEN, blocks, dynamic_map};
 
 use super::ModelError;
-use crate::backend::{AdamWUpdate, Backend, DType, DeviceBuffer, View, ViewMut};
+use crate::backend::{AdamWUpdate, Backend, DType, DeviceBuffer, Stored, View, ViewMut};
 
 /// How AdamW stores its moments.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
@@ -270,7 +270,8 @@ impl<B: Backend> Moments<B> {
     }
 
     /// One AdamW update of `param` from `grad` (both `len` long) with these moments;
-    /// `maps` is [`int8_maps`] on the backend (read only by 8-bit moments).
+    /// `maps` is [`int8_maps`] on the backend (read only by 8-bit moments). `grad` is read
+    /// as stored: a gradient kept in bf16 is widened by the update as it reads it.
     ///
     /// # Errors
     /// Lengths that differ; a backend failure.
@@ -278,7 +279,7 @@ impl<B: Backend> Moments<B> {
         &mut self,
         be: &B,
         param: &mut B::Buffer,
-        grad: &B::Buffer,
+        grad: Stored<'_, B>,
         maps: &B::Buffer,
         update: &AdamWUpdate,
         copy: Option<&mut B::Half>,
@@ -289,18 +290,24 @@ impl<B: Backend> Moments<B> {
         {
             return Err(layout("optimizer moments"));
         }
-        let tensors = 0..self.len / self.item.max(1);
-        let (p, g) = (ViewMut::whole(param), View::whole(grad));
+        let p = ViewMut::whole(param);
         let c = copy.map(ViewMut::whole);
-        self.step_tensors(be, tensors, (p, g), maps, update, c)
+        self.step_tensors(
+            be,
+            0..self.len / self.item.max(1),
+            (p, grad),
+            maps,
+            update,
+            c,
+        )
     }
 
-    /// One AdamW update of a weight **stored in bf16** (`weight`, `len` long) from `grad`,
-    /// a tensor at a time ([`Backend::adamw_step_bf16_weight`] and its moment-dtype
-    /// variants): the tensor widened, the f32 update of [`Moments::step`], the result
-    /// rounded back to bf16 stochastically under `key(tensor)` (an update below half an ulp
-    /// moves the weight with the probability that keeps it unbiased, where rounding to
-    /// nearest would drop it) — one pass over the weight on CUDA.
+    /// One AdamW update of a weight **stored in bf16** (`weight`, `len` long) from `grad`
+    /// (as stored), a tensor at a time ([`Backend::adamw_step_bf16_weight`] and its
+    /// moment-dtype variants): the tensor widened, the f32 update of [`Moments::step`], the
+    /// result rounded back to bf16 stochastically under `key(tensor)` (an update below half
+    /// an ulp moves the weight with the probability that keeps it unbiased, where rounding
+    /// to nearest would drop it) — one pass over the weight on CUDA.
     ///
     /// # Errors
     /// Lengths that differ; a backend failure.
@@ -308,7 +315,7 @@ impl<B: Backend> Moments<B> {
         &mut self,
         be: &B,
         weight: &mut B::Half,
-        grad: &B::Buffer,
+        grad: Stored<'_, B>,
         maps: &B::Buffer,
         update: &AdamWUpdate,
         key: impl Fn(usize) -> u64,
@@ -318,25 +325,25 @@ impl<B: Backend> Moments<B> {
             return Err(layout("optimizer moments (bf16 weight)"));
         }
         for t in 0..self.len / item.max(1) {
-            let (w, g) = (ViewMut::item(weight, t, item)?, View::item(grad, t, item)?);
+            let (w, g) = (ViewMut::item(weight, t, item)?, grad.slice(t * item, item)?);
             self.step_bf16_weight_tensor(be, t, w, key(t), g, maps, update)?;
         }
         Ok(())
     }
 
     /// [`Moments::step_bf16_weight`] of tensor `t` alone: `weight` and `grad` are that
-    /// tensor's (a gradient widened from bf16 a tensor at a time).
+    /// tensor's.
     ///
     /// # Errors
     /// A backend failure.
     #[allow(clippy::too_many_arguments)] // the update's parts, as the backend op's
-    pub(crate) fn step_bf16_weight_tensor(
+    fn step_bf16_weight_tensor(
         &mut self,
         be: &B,
         t: usize,
         w: ViewMut<'_, B::Half>,
         key: u64,
-        g: View<'_, B::Buffer>,
+        g: Stored<'_, B>,
         maps: &B::Buffer,
         update: &AdamWUpdate,
     ) -> Result<(), ModelError> {
@@ -373,30 +380,13 @@ impl<B: Backend> Moments<B> {
         Ok(())
     }
 
-    /// [`Moments::step`] of tensor `t` alone: `param`, `grad` and `copy` are that tensor's
-    /// (a gradient widened from bf16 a tensor at a time).
-    ///
-    /// # Errors
-    /// A backend failure.
-    pub(crate) fn step_tensor(
-        &mut self,
-        be: &B,
-        t: usize,
-        tensor: (ViewMut<'_, B::Buffer>, View<'_, B::Buffer>),
-        maps: &B::Buffer,
-        update: &AdamWUpdate,
-        copy: Option<ViewMut<'_, B::Half>>,
-    ) -> Result<(), ModelError> {
-        self.step_tensors(be, t..t + 1, tensor, maps, update, copy)
-    }
-
     /// The update of tensors `tensors` (a range of this buffer's) from `param` and `grad`,
     /// which hold exactly those tensors.
     fn step_tensors(
         &mut self,
         be: &B,
         tensors: std::ops::Range<usize>,
-        (param, grad): (ViewMut<'_, B::Buffer>, View<'_, B::Buffer>),
+        (param, grad): (ViewMut<'_, B::Buffer>, Stored<'_, B>),
         maps: &B::Buffer,
         update: &AdamWUpdate,
         mut copy: Option<ViewMut<'_, B::Half>>,
@@ -420,7 +410,7 @@ impl<B: Backend> Moments<B> {
             } => {
                 // one call per tensor: its blocks start at its first element
                 let scales = blocks(item);
-                let (mut param, grad) = (param, grad);
+                let mut param = param;
                 for (j, t) in tensors.enumerate() {
                     let within = j * item;
                     be.adamw_step_int8(
@@ -635,14 +625,28 @@ mod tests {
                     grad_scale: 0.75,
                 };
                 fused
-                    .step_bf16_weight(&be, &mut w_fused, &grad, &maps, &update, key)
+                    .step_bf16_weight(
+                        &be,
+                        &mut w_fused,
+                        Stored::F32(View::whole(&grad)),
+                        &maps,
+                        &update,
+                        key,
+                    )
                     .unwrap();
                 // the three ops, a tensor at a time
                 let mut wide = be.alloc(len).unwrap();
                 be.widen_bf16(View::whole(&w_three), ViewMut::whole(&mut wide))
                     .unwrap();
                 three
-                    .step(&be, &mut wide, &grad, &maps, &update, None)
+                    .step(
+                        &be,
+                        &mut wide,
+                        Stored::F32(View::whole(&grad)),
+                        &maps,
+                        &update,
+                        None,
+                    )
                     .unwrap();
                 for t in 0..tensors {
                     be.round_bf16_stochastic(

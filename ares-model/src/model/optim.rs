@@ -67,9 +67,6 @@ pub struct AdamW<B: Backend> {
     pub(crate) maps: B::Buffer,
     /// The seed of the stochastic rounding of weights stored in bf16 ([`AdamW::set_rounding_seed`]).
     pub(crate) rounding_seed: u64,
-    /// One tensor of a gradient stored in bf16, widened for its update (made on the first
-    /// step that needs it, as long as the longest such tensor).
-    pub(crate) widened: Option<B::Buffer>,
 }
 
 impl<B: Backend> std::fmt::Debug for AdamW<B> {
@@ -122,7 +119,6 @@ impl<B: Backend> AdamW<B> {
             maps: upload_maps(be)?,
             owned: None,
             rounding_seed: 0,
-            widened: None,
         })
     }
 
@@ -405,20 +401,11 @@ impl<B: Backend> AdamW<B> {
         let (seed, step) = (self.rounding_seed, update.step);
         // an extra buffer's rounding keys follow the model's buffers' numbering
         let before = g.len();
-        let longest = (g.iter().zip(&self.moments))
-            .filter(|(g, _)| matches!(g, Stored::Bf16(_)))
-            .map(|(_, m)| m.item())
-            .max();
-        if let Some(item) = longest
-            && self.widened.as_ref().is_none_or(|w| w.len() < item)
-        {
-            self.widened = Some(be.alloc(item)?);
-        }
         for (i, ((p, g), m)) in params.into_iter().zip(g).zip(&mut self.moments).enumerate() {
             if !updated(i) {
                 continue;
             }
-            let mut copy = copy_of
+            let copy = copy_of
                 .get(i)
                 .copied()
                 .flatten()
@@ -426,40 +413,7 @@ impl<B: Backend> AdamW<B> {
             // a released stack (its copy is the weight) has an empty f32 buffer
             let released = p.is_empty() && lens[i] != 0;
             let key = |t: usize| rounding_key(seed, step, i, t);
-            let g = match g {
-                Stored::F32(g) => g.buffer(),
-                Stored::Bf16(g16) => {
-                    // a gradient stored in bf16: widened one tensor at a time
-                    let wide = self.widened.as_mut().ok_or(ModelError::LayoutMismatch {
-                        what: "widened gradient scratch",
-                    })?;
-                    let item = m.item();
-                    for t in 0..lens[i] / item.max(1) {
-                        be.widen_bf16(g16.slice(t * item, item)?, ViewMut::new(wide, 0, item)?)?;
-                        let g = View::new(&*wide, 0, item)?;
-                        match copy.as_deref_mut() {
-                            Some(w16) if released => {
-                                let w = ViewMut::item(w16, t, item)?;
-                                m.step_bf16_weight_tensor(
-                                    be,
-                                    t,
-                                    w,
-                                    key(t),
-                                    g,
-                                    &self.maps,
-                                    &update,
-                                )?;
-                            }
-                            copy => {
-                                let p = ViewMut::item(p, t, item)?;
-                                let c = copy.map(|c| ViewMut::item(c, t, item)).transpose()?;
-                                m.step_tensor(be, t, (p, g), &self.maps, &update, c)?;
-                            }
-                        }
-                    }
-                    continue;
-                }
-            };
+            // a gradient kept in bf16 is read as stored: the update widens it
             match copy {
                 Some(w16) if released => {
                     m.step_bf16_weight(be, w16, g, &self.maps, &update, key)?;
@@ -469,11 +423,15 @@ impl<B: Backend> AdamW<B> {
         }
         for (j, e) in extra.iter_mut().enumerate() {
             match &mut e.param {
-                TrainableMut::F32(p) => e.moments.step(be, p, e.grad, &self.maps, &update, None)?,
+                TrainableMut::F32(p) => {
+                    let g = Stored::F32(View::whole(e.grad));
+                    e.moments.step(be, p, g, &self.maps, &update, None)?;
+                }
                 TrainableMut::Bf16(w16) => {
                     let key = |t: usize| rounding_key(seed, step, before + j, t);
+                    let g = Stored::F32(View::whole(e.grad));
                     e.moments
-                        .step_bf16_weight(be, w16, e.grad, &self.maps, &update, key)?;
+                        .step_bf16_weight(be, w16, g, &self.maps, &update, key)?;
                 }
             }
         }

@@ -485,7 +485,6 @@ impl<B: Backend> AdamW<B> {
             maps: upload_maps(be)?,
             owned: None,
             rounding_seed: 0,
-            widened: None,
         })
     }
 }

@@ -3,6 +3,7 @@
 
 use crate::backend::{BackendError, DType, DeviceBuffer, Result, View, ViewMut};
 use ares_cuda::cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use ares_cuda::model_ops::StoredView;
 
 /// An f32 allocation on the GPU (the CUDA backend's [`Backend::Buffer`]). Freed,
 /// stream-ordered, on drop.
@@ -191,6 +192,35 @@ impl CudaHalf {
             }
         })
     }
+}
+
+/// A [`Stored`](crate::backend::Stored) view on the device: f32 values or bf16 bits.
+pub(super) enum CudaStored<'a> {
+    F32(CudaView<'a, f32>),
+    Bf16(CudaView<'a, u16>),
+}
+
+impl<'a> CudaStored<'a> {
+    /// The form `ares-cuda`'s ops take.
+    pub(super) fn as_view(&self) -> StoredView<'_, 'a> {
+        match self {
+            Self::F32(v) => StoredView::F32(v),
+            Self::Bf16(v) => StoredView::Bf16(v),
+        }
+    }
+}
+
+/// The device elements of argument `arg` of `op`, as stored (a bf16 view's dtype checked).
+pub(super) fn stored_view<'a>(
+    op: &'static str,
+    arg: &'static str,
+    x: crate::backend::Stored<'a, super::CudaBackend>,
+) -> Result<CudaStored<'a>> {
+    use crate::backend::Stored;
+    Ok(match x {
+        Stored::F32(v) => CudaStored::F32(view(v)?),
+        Stored::Bf16(v) => CudaStored::Bf16(half_view(op, arg, v, DType::Bf16)?),
+    })
 }
 
 /// The device bits a 16-bit view names, after checking it holds `want` (argument `arg` of

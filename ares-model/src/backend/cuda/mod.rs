@@ -29,11 +29,11 @@ pub use ares_cuda::{device_count, nccl};
 pub use buffer::{CudaBuffer, CudaBytes, CudaHalf, CudaIds};
 
 use buffer::{
-    bytes_view, bytes_view_mut, half_view, half_view_mut, ids, ids_mut, view, view_mut,
-    view_mut_opt, view_opt,
+    bytes_view, bytes_view_mut, half_view, half_view_mut, ids, ids_mut, stored_view, view,
+    view_mut, view_mut_opt, view_opt,
 };
 
-use ares_cuda::model_ops::SquaresOf;
+use ares_cuda::model_ops::StoredView;
 
 use super::ops::{declared_ops, op_arg_type};
 use super::{
@@ -383,6 +383,7 @@ macro_rules! cuda_arg {
         $a.map(|v| half_view_mut(stringify!($op), stringify!($a), v, DType::Bf16)).transpose()?
     };
     ($op:ident, $a:ident: Out<u8>) => { bytes_view_mut($a)? };
+    ($op:ident, $a:ident: In<stored>) => { stored_view(stringify!($op), stringify!($a), $a)? };
     ($op:ident, $a:ident: Views<$t:ident>) => { CudaViews::cuda($a)? };
     ($op:ident, $a:ident: ViewsMut<$t:ident>) => { CudaViews::cuda($a)? };
     ($op:ident, $a:ident: $($t:tt)+) => { ToCuda::to_cuda($a) };
@@ -402,6 +403,7 @@ macro_rules! cuda_pass {
     ($a:ident: OutOpt<bf16>) => { $a.as_mut() };
     ($a:ident: InOpt<bf16>) => { $a.as_ref() };
     ($a:ident: Out<u8>) => { &mut $a };
+    ($a:ident: In<stored>) => { $a.as_view() };
     ($a:ident: Views<$t:ident>) => { &$a };
     ($a:ident: ViewsMut<$t:ident>) => { &mut $a };
     ($a:ident: Ref<$t:ident>) => { &$a };
@@ -691,21 +693,10 @@ impl Backend for CudaBackend {
         const OP: &str = "sums_of_squares";
         let _timer = OpTimer::start(self, OP);
         // the device views first (they must outlive the table that borrows them)
-        let (mut f32s, mut bf16s) = (Vec::new(), Vec::new());
-        for x in xs {
-            match *x {
-                Stored::F32(x) => f32s.push(view(x)?),
-                Stored::Bf16(x) => bf16s.push(half_view(OP, "xs", x, DType::Bf16)?),
-            }
-        }
-        let (mut f, mut h) = (f32s.iter(), bf16s.iter());
-        let table: Vec<SquaresOf<'_, '_>> = xs
-            .iter()
-            .filter_map(|x| match x {
-                Stored::F32(_) => f.next().map(SquaresOf::F32),
-                Stored::Bf16(_) => h.next().map(SquaresOf::Bf16),
-            })
-            .collect();
+        let views = (xs.iter())
+            .map(|&x| stored_view(OP, "xs", x))
+            .collect::<Result<Vec<_>>>()?;
+        let table: Vec<StoredView<'_, '_>> = views.iter().map(|v| v.as_view()).collect();
         self.ops.sums_of_squares_of(&table, out).map_err(op(OP))
     }
 

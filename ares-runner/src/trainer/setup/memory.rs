@@ -260,17 +260,14 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
     }
     if !cfg.trainer.val_only {
         // gradients in bf16 (`trainer.grad_dtype`, `Model::grads_in`): the decoder's linear
-        // layers' in bf16, one layer of them in f32 (the backward's scratch) and the
-        // longest matrix in f32 (AdamW widens a tensor at a time); the rest f32
+        // layers' in bf16 and one layer of them in f32 (the backward's scratch; AdamW reads
+        // the bf16 ones as stored); the rest f32
         let bf16_grads = lora.is_none() && cfg.trainer.grad_dtype() == GradDtype::Bf16;
         held.push(match bf16_grads {
-            true => {
-                let widest = (c * qd).max(c * kvd).max(c * i);
-                Part {
-                    what: "gradients (linear layers' bf16, the rest f32)".into(),
-                    bytes: 2 * layers + f32s(trained - layers + layers / l.max(1) + widest),
-                }
-            }
+            true => Part {
+                what: "gradients (linear layers' bf16, the rest f32)".into(),
+                bytes: 2 * layers + f32s(trained - layers + layers / l.max(1)),
+            },
             false => Part {
                 what: "gradients (f32)".into(),
                 bytes: f32s(trained),
@@ -841,8 +838,8 @@ pub(crate) mod tests {
     }
 
     /// Gradients stored in bf16 (`trainer.grad_dtype`, bf16 by default with bf16 weights)
-    /// are planned as the model allocates them (`Grads::bytes`) plus the optimizer's
-    /// widened tensor (the longest linear matrix in f32); an explicit `f32` keeps f32.
+    /// are planned as the model allocates them (`Grads::bytes`), nothing more (AdamW reads
+    /// them as stored); an explicit `f32` keeps f32.
     #[test]
     fn bf16_grads_are_planned_as_allocated() {
         use crate::config::StorageDtypeCfg;
@@ -859,10 +856,8 @@ pub(crate) mod tests {
         let m = cpu_model(&text);
         let g16 = m.grads_in(GradDtype::Bf16).unwrap().bytes();
         let g32 = m.grads_in(GradDtype::F32).unwrap().bytes();
-        // the longest linear matrix: gate/up/down, 64·128
-        let widened = 4 * 8192;
-        assert_eq!(grads_of(None), g16 + widened);
-        assert_eq!(grads_of(Some(StorageDtypeCfg::Bf16)), g16 + widened);
+        assert_eq!(grads_of(None), g16);
+        assert_eq!(grads_of(Some(StorageDtypeCfg::Bf16)), g16);
         assert_eq!(grads_of(Some(StorageDtypeCfg::F32)), g32);
         // two layers: the bf16 stacks save 2 bytes × 2 layers of linear weights, what the
         // one-layer f32 scratch takes (4 bytes × 1 layer) — bf16 saves from 3 layers on
