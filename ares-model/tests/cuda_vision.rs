@@ -82,7 +82,8 @@ fn tower_pair_gradients_are_the_full_gradient_projected() {
 /// The tower's linear weights stored in bf16 on the GPU (`VisionTower::set_weight_storage`,
 /// cuBLAS on the bf16 bits) against the CPU's stored tower: a forward and backward of the
 /// tiny Qwen2.5-VL fixture's tower in bf16 at 256 patches, output and gradients within
-/// bf16 rounding of each other (the sums' order differs).
+/// bf16 rounding of each other (the sums' order differs), with the gradients stored in bf16
+/// over two passes.
 #[test]
 fn tower_weights_stored_in_bf16_match_the_cpu() {
     use ares_model::backend::cpu::CpuBackend;
@@ -95,17 +96,25 @@ fn tower_weights_stored_in_bf16_match_the_cpu() {
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vl/qwen2_5_vl_tiny");
     let ck = VlCheckpoint::load(&dir).unwrap();
     let plan = VisionPlan::new(&ck.config.vision, &[[1, 16, 16]]).unwrap();
-    fn run<B: Backend>(be: &B, ck: &VlCheckpoint, plan: &VisionPlan) -> (Vec<f32>, Vec<Vec<f32>>) {
+    // gradients in bf16 too (the linear layers' folded with stochastic rounding), over two
+    // passes
+    fn run<B: Backend>(
+        be: &B,
+        ck: &VlCheckpoint,
+        plan: &VisionPlan,
+    ) -> (Vec<f32>, Vec<(bool, Vec<f32>)>) {
+        use ares_model::model::GradDtype;
         let mut tower = VisionTower::new(be, &ck.config.vision, &ck.vision).unwrap();
         tower.set_matmul_precision(MatmulPrecision::Bf16);
         tower.set_weight_storage(be, WeightStorage::Bf16).unwrap();
-        common::tower_pass(be, &tower, plan)
+        common::tower_passes(be, &tower, plan, GradDtype::Bf16, 2)
     }
     let (want, want_g) = run(&CpuBackend, &ck, &plan);
     let (got, got_g) = run(&gpu, &ck, &plan);
     let err = common::rel_err(&got, &want);
     assert!(err < 1e-2, "tower output: {err:e}");
-    for (i, (a, b)) in got_g.iter().zip(&want_g).enumerate() {
+    for (i, ((bf16, a), (was, b))) in got_g.iter().zip(&want_g).enumerate() {
+        assert_eq!(bf16, was, "gradient {i}: the same dtype");
         let err = common::rel_err(a, b);
         assert!(err < 3e-2, "gradient {i}: {err:e}");
     }

@@ -850,6 +850,78 @@ fn tower_weights_stored_in_bf16_are_read_by_the_bf16_ops() {
     assert_eq!(run(&stored).0, want);
 }
 
+/// The tower's gradients stored in bf16 (`VisionTower::zero_grads_in`, `grad_dtype: bf16`):
+/// one pass gives each linear layer's gradient as its f32 one rounded to one of its two
+/// bf16 neighbours — stochastically, so about half the values that round below the
+/// midpoint still round up, some above it down — and the norms' and biases' bit for bit;
+/// the pass itself (the output) is unchanged; over 64 passes the sum's length along the
+/// f32 gradient stays within 0.2 % of 64 (unbiased).
+#[test]
+fn tower_bf16_grads_are_the_f32_grads_rounded_stochastically() {
+    use ares_model::model::GradDtype;
+    use ares_model::vision::tower::{VisionPlan, VisionTower};
+    use ares_model::vision::weights::VisionWeights;
+    let cfg = tower_64();
+    let be = CpuBackend;
+    let weights = VisionWeights::random(&cfg, 0.1, 8);
+    let plan = VisionPlan::new(&cfg, &[[1, 8, 8]]).unwrap();
+    let tower = VisionTower::new(&be, &cfg, &weights).unwrap();
+    let (out32, g32) = common::tower_passes(&be, &tower, &plan, GradDtype::F32, 1);
+    let (out16, g16) = common::tower_passes(&be, &tower, &plan, GradDtype::Bf16, 1);
+    assert_eq!(out16, out32);
+    assert_eq!(g16.len(), g32.len());
+    let (mut linear, mut up, mut moved) = (0usize, [0usize; 2], [0usize; 2]);
+    for (i, ((bf16, got), (was_bf16, want))) in g16.iter().zip(&g32).enumerate() {
+        assert!(!was_bf16);
+        if !bf16 {
+            assert_eq!(got, want, "gradient {i}, f32");
+            continue;
+        }
+        linear += 1;
+        for (&w, &g) in want.iter().zip(got) {
+            let down = f32::from_bits(w.to_bits() & 0xffff_0000);
+            let away = f32::from_bits((w.to_bits() & 0xffff_0000) + 0x1_0000);
+            assert!(g == down || g == away, "gradient {i}: {g} for {w}");
+            if down != w {
+                let half = usize::from(w.to_bits() & 0xffff > 0x8000);
+                up[half] += usize::from(g == away);
+                moved[half] += 1;
+            }
+        }
+    }
+    // patch, qkv, proj, gate, up, down, merger 0 and 2
+    assert_eq!(linear, 8);
+    // stochastic, not to nearest: both halves round both ways
+    assert!(
+        up[0] > moved[0] / 8 && up[0] < moved[0] / 2,
+        "{up:?} of {moved:?}"
+    );
+    assert!(
+        up[1] > moved[1] / 2 && up[1] < moved[1] * 7 / 8,
+        "{up:?} of {moved:?}"
+    );
+    // accumulated over passes: unbiased
+    let passes = 64;
+    let (_, sum16) = common::tower_passes(&be, &tower, &plan, GradDtype::Bf16, passes);
+    for (i, ((bf16, got), (_, one))) in sum16.iter().zip(&g32).enumerate() {
+        if !bf16 {
+            continue;
+        }
+        // the sum's length along the f32 gradient: 1 when unbiased
+        let dot = |a: &[f32]| {
+            a.iter()
+                .zip(one)
+                .map(|(x, y)| f64::from(*x) * f64::from(*y))
+                .sum::<f64>()
+        };
+        let along = dot(got) / (passes as f64 * dot(one));
+        assert!(
+            (along - 1.0).abs() < 2e-3,
+            "gradient {i}: {along} after {passes} passes"
+        );
+    }
+}
+
 /// The vision tower in bf16 at a head size of the tensor-core kernels (64; windows of 64
 /// patches and one full-attention block over 256): every block's segment attention runs
 /// through `segment_attention_bf16` and its backward `segment_attention_backward_bf16` (the

@@ -805,6 +805,15 @@ fn data_parallel_worlds_give_the_same_bits_with_images() {
     );
 }
 
+/// Data parallelism with images in bf16 (`trainer.precision=bf16`: weights and gradients
+/// in bf16, the tower's linear layers' too): worlds of 1 and 2 threads give the same
+/// metrics and checkpoint bytes.
+#[test]
+fn data_parallel_worlds_give_the_same_bits_with_bf16_gradients() {
+    let dir = tempfile::tempdir().unwrap();
+    data_parallel_outcomes(dir.path(), &["trainer.precision=bf16"], &[1, 2]);
+}
+
 /// ZeRO-1 with a trained tower: the language model's gradients reduce-scattered to their
 /// owners, the tower's to every rank (each holds its moments) — world 1's bits.
 #[test]

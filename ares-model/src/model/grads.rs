@@ -37,6 +37,32 @@ impl<'a, B: Backend> TrainableMut<'a, B> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Writes `values` from element `offset`: f32 values as they are, or rounded to the
+    /// nearest bf16 (ties to even) into bf16 bits — one rounding of a value made in f32 (a
+    /// data-parallel run's sum over its ranks).
+    ///
+    /// # Errors
+    /// A range past the buffer's end; a backend failure.
+    pub fn write_values(
+        self,
+        backend: &B,
+        offset: usize,
+        values: &[f32],
+    ) -> Result<(), ModelError> {
+        let len = values.len();
+        match self {
+            Self::F32(b) => backend.upload(values, ViewMut::new(b, offset, len)?)?,
+            Self::Bf16(h) => {
+                let bits: Vec<u16> = values
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_bits())
+                    .collect();
+                backend.upload_half(&bits, ViewMut::new(h, offset, len)?)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// No gradient buffer `buffer` among `count`.
@@ -238,22 +264,12 @@ impl<B: Backend> Grads<B> {
         offset: usize,
         values: &[f32],
     ) -> Result<(), ModelError> {
-        let len = values.len();
-        if let Some(h) = self.half.as_mut().and_then(|h| h.stack_of_mut(buffer)) {
-            let bits: Vec<u16> = values
-                .iter()
-                .map(|&v| half::bf16::from_f32(v).to_bits())
-                .collect();
-            backend.upload_half(&bits, ViewMut::new(h.buffer_mut(), offset, len)?)?;
-            return Ok(());
-        }
-        let mut all = self.buffers_mut();
+        let mut all = self.stored_mut();
         if buffer >= all.len() {
             return Err(no_buffer(buffer, all.len()));
         }
-        let b = all.swap_remove(buffer);
-        backend.upload(values, ViewMut::new(b, offset, len)?)?;
-        Ok(())
+        all.swap_remove(buffer)
+            .write_values(backend, offset, values)
     }
 
     /// Gradient buffer `buffer` as it is stored (see [`Grads::stored`]).

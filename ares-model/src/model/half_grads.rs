@@ -81,12 +81,6 @@ impl<B: Backend> HalfGrads<B> {
         self.stacks.get(k)
     }
 
-    /// The bf16 stack of the gradients' buffer `buffer`, writable, if it is one.
-    pub(crate) fn stack_of_mut(&mut self, buffer: usize) -> Option<&mut HalfStack<B>> {
-        let k = self.buffers.iter().position(|&b| b == buffer)?;
-        self.stacks.get_mut(k)
-    }
-
     /// The buffer index (`Grads::buffers` order) of each stack, in [`Self::stacks_mut`]'
     /// order.
     pub(crate) fn buffer_indices(&self) -> [usize; 7] {

@@ -55,6 +55,7 @@ mod log_prob_grad;
 pub(crate) mod lora;
 mod moments;
 mod optim;
+pub(crate) use optim::rounding_key;
 pub(crate) mod optim_file;
 mod paged_kv;
 mod picks;

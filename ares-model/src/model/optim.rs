@@ -5,7 +5,7 @@
 
 use super::moments::{Moments, StateDtype, int8_maps};
 use super::{Grads, Model, ModelError, TrainableMut};
-use crate::backend::{AdamWUpdate, Backend, DeviceBuffer, Stored, View, ViewMut};
+use crate::backend::{AdamWUpdate, Backend, DeviceBuffer, Stored, ViewMut};
 
 pub use crate::backend::AdamWConfig;
 
@@ -14,8 +14,8 @@ pub use crate::backend::AdamWConfig;
 pub struct ExtraParam<'a, B: Backend> {
     /// The parameter: f32, or a weight stored in bf16 (updated with stochastic rounding).
     pub param: TrainableMut<'a, B>,
-    /// Its accumulated gradient.
-    pub grad: &'a B::Buffer,
+    /// Its accumulated gradient, as stored (f32, or bf16 bits the update reads widened).
+    pub grad: Stored<'a, B>,
     /// Its two moments.
     pub moments: &'a mut Moments<B>,
 }
@@ -262,7 +262,7 @@ impl<B: Backend> AdamW<B> {
         &self,
         model: &Model<B>,
         grads: &Grads<B>,
-        extra_grads: &[&B::Buffer],
+        extra_grads: &[Stored<'_, B>],
     ) -> Result<Vec<Option<f64>>, ModelError> {
         // one multi-tensor read for all of them (the owned ones: a buffer another rank
         // owns may hold a partial sum)
@@ -273,7 +273,7 @@ impl<B: Backend> AdamW<B> {
             .zip(&owned)
             .filter(|(_, own)| **own)
             .map(|(b, _)| *b)
-            .chain(extra_grads.iter().map(|g| Stored::F32(View::whole(*g))))
+            .chain(extra_grads.iter().copied())
             .collect();
         let mut sums = vec![0.0; views.len()];
         model.backend.sums_of_squares(&views, &mut sums)?;
@@ -351,7 +351,7 @@ impl<B: Backend> AdamW<B> {
         let sums = match sums {
             Some(s) => s,
             None => {
-                let extra_grads: Vec<&B::Buffer> = extra.iter().map(|e| e.grad).collect();
+                let extra_grads: Vec<Stored<'_, B>> = extra.iter().map(|e| e.grad).collect();
                 own = self
                     .grad_sums(model, grads, &extra_grads)?
                     .into_iter()
@@ -424,14 +424,12 @@ impl<B: Backend> AdamW<B> {
         for (j, e) in extra.iter_mut().enumerate() {
             match &mut e.param {
                 TrainableMut::F32(p) => {
-                    let g = Stored::F32(View::whole(e.grad));
-                    e.moments.step(be, p, g, &self.maps, &update, None)?;
+                    e.moments.step(be, p, e.grad, &self.maps, &update, None)?;
                 }
                 TrainableMut::Bf16(w16) => {
                     let key = |t: usize| rounding_key(seed, step, before + j, t);
-                    let g = Stored::F32(View::whole(e.grad));
                     e.moments
-                        .step_bf16_weight(be, w16, g, &self.maps, &update, key)?;
+                        .step_bf16_weight(be, w16, e.grad, &self.maps, &update, key)?;
                 }
             }
         }

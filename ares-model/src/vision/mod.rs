@@ -5,6 +5,7 @@
 
 pub mod checkpoint;
 pub mod config;
+mod half_grads;
 pub mod lora;
 pub mod model;
 pub mod mrope;

@@ -589,7 +589,7 @@ impl<B: Backend> VlModel<B> {
         let mut extra = Vec::new();
         if let Some((moments, grads)) = vision {
             let params = self.tower.trainable_mut();
-            let grads = grads.buffers();
+            let grads = grads.stored();
             if params.len() != grads.len() || params.len() != moments.moments.len() {
                 return Err(ModelError::LayoutMismatch {
                     what: "vision gradients or moments",

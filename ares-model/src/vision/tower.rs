@@ -23,17 +23,18 @@
 //! ([`VisionTower::activations`] with `keep = true`); inference keeps one block's activations.
 
 use super::config::{VisionConfig, VisionMlp, VlKind};
+use super::half_grads::TowerHalfGrads;
 use super::lora::{TOWER_TARGETS, TowerLora, TowerLoraActs, TowerTarget};
 use super::mrope::tokens_per_grid;
 use super::weights::{Slot, VisionParams, VisionWeights, param_table};
 use crate::backend::DType;
 use crate::backend::{
     Activation, Backend, DeviceBuffer, GradWrite, GradWrites, LinearDims, MatmulPrecision,
-    SegmentAttentionDims, Tensor, TensorMut, View, ViewMut,
+    SegmentAttentionDims, Stored, Tensor, TensorMut, View, ViewMut,
 };
 use crate::model::lora::LoraParams;
 use crate::model::weights::HalfStack;
-use crate::model::{ModelError, TrainableMut, WeightStorage};
+use crate::model::{GradDtype, ModelError, TrainableMut, WeightStorage};
 
 /// Epsilon of every norm of the tower (transformers hard-codes 1e-6).
 const EPS: f32 = 1e-6;
@@ -233,39 +234,121 @@ enum TowerWeight<'a, B: Backend> {
 }
 
 /// Gradients of the tower's trained parameters: every weight slot's (full fine-tuning), or
-/// with LoRA pairs on the tower only the pairs' ([`VisionTower::zero_grads`]).
+/// with LoRA pairs on the tower only the pairs' ([`VisionTower::zero_grads`]). Under
+/// [`GradDtype::Bf16`] ([`VisionTower::zero_grads_in`]) the linear slots' are kept in bf16
+/// (`vision/half_grads.rs`) and their f32 buffers are empty.
 pub struct VisionGrads<B: Backend> {
     pub(crate) base: Option<VisionParams<B::Buffer>>,
     pub(crate) lora: Option<LoraParams<B, TOWER_TARGETS>>,
+    pub(crate) half: Option<TowerHalfGrads<B>>,
 }
 
 impl<B: Backend> VisionGrads<B> {
-    /// The gradient of weight slot `slot` (full fine-tuning), if the tower has it.
+    /// The f32 gradient of weight slot `slot` (full fine-tuning), if the tower has it
+    /// (empty for a linear slot kept in bf16: [`Self::stored`] has it).
     pub fn get(&self, slot: Slot) -> Option<&B::Buffer> {
         self.base.as_ref()?.get(slot)
     }
 
-    /// Every weight slot's gradient (full fine-tuning; nothing under LoRA), in checkpoint
-    /// order.
+    /// Every weight slot's f32 gradient (full fine-tuning; nothing under LoRA), in
+    /// checkpoint order (see [`Self::get`]).
     pub fn iter(&self) -> impl Iterator<Item = (Slot, &B::Buffer)> {
         self.base.iter().flat_map(|b| b.iter())
     }
 
-    /// Every gradient buffer, in the order of [`VisionTower::trainable_names`].
-    pub fn buffers(&self) -> Vec<&B::Buffer> {
+    /// How the gradients are stored: [`GradDtype::Bf16`] when the linear slots' are bf16.
+    pub fn dtype(&self) -> GradDtype {
+        match self.half {
+            Some(_) => GradDtype::Bf16,
+            None => GradDtype::F32,
+        }
+    }
+
+    /// Every gradient buffer as stored (f32, or a linear slot's bf16 bits), in the order of
+    /// [`VisionTower::trainable_names`].
+    pub fn stored(&self) -> Vec<Stored<'_, B>> {
         match (&self.base, &self.lora) {
-            (_, Some(l)) => l.buffers(),
-            (Some(b), None) => b.iter().map(|(_, g)| g).collect(),
+            (_, Some(l)) => l
+                .buffers()
+                .into_iter()
+                .map(|b| Stored::F32(View::whole(b)))
+                .collect(),
+            (Some(b), None) => (b.iter())
+                .map(
+                    |(slot, g)| match self.half.as_ref().and_then(|h| h.get(slot)) {
+                        Some(h) => Stored::Bf16(View::whole(h)),
+                        None => Stored::F32(View::whole(g)),
+                    },
+                )
+                .collect(),
             (None, None) => Vec::new(),
         }
     }
 
-    /// [`Self::buffers`], writable (to zero them).
-    pub fn buffers_mut(&mut self) -> Vec<&mut B::Buffer> {
+    /// [`Self::stored`], writable (a data-parallel run sums them in place).
+    pub fn stored_mut(&mut self) -> Vec<TrainableMut<'_, B>> {
         match (&mut self.base, &mut self.lora) {
-            (_, Some(l)) => l.buffers_mut(),
-            (Some(b), None) => b.iter_mut().map(|(_, g)| g).collect(),
+            (_, Some(l)) => TrainableMut::f32s(l.buffers_mut()),
+            (Some(b), None) => {
+                let mut halves: Vec<(Slot, &mut B::Half)> = match &mut self.half {
+                    Some(h) => h.iter_mut().collect(),
+                    None => Vec::new(),
+                };
+                (b.iter_mut())
+                    .map(
+                        |(slot, g)| match halves.iter().position(|(s, _)| *s == slot) {
+                            Some(i) => TrainableMut::Bf16(halves.swap_remove(i).1),
+                            None => TrainableMut::F32(g),
+                        },
+                    )
+                    .collect()
+            }
             (None, None) => Vec::new(),
+        }
+    }
+
+    /// The elements of each buffer of [`Self::stored`].
+    pub fn lens(&self) -> Vec<usize> {
+        self.stored().iter().map(Stored::len).collect()
+    }
+
+    /// Bytes the gradients hold on the device (with bf16 ones, their one-block scratch).
+    pub fn bytes(&self) -> u64 {
+        let f32s: u64 = match (&self.base, &self.lora) {
+            (_, Some(l)) => l.buffers().iter().map(|b| b.len() as u64).sum(),
+            (Some(b), None) => b.iter().map(|(_, g)| g.len() as u64).sum(),
+            (None, None) => 0,
+        };
+        4 * f32s + self.half.as_ref().map_or(0, TowerHalfGrads::bytes)
+    }
+
+    /// Zeroes every gradient (before a mini-batch accumulates into them).
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn zero(&mut self, be: &B) -> Result<(), ModelError> {
+        for g in self.stored_mut() {
+            match g {
+                TrainableMut::F32(g) => be.fill(ViewMut::whole(g), 0.0)?,
+                TrainableMut::Bf16(h) => be.fill_bf16(ViewMut::whole(h), 0.0)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets the stochastic rounding of gradients stored in bf16, as
+    /// [`Grads::set_rounding`](crate::model::Grads::set_rounding). Nothing for f32 ones.
+    pub fn set_rounding(&mut self, seed: u64, step: u64) {
+        if let Some(h) = &mut self.half {
+            h.set_rounding(seed, step);
+        }
+    }
+
+    /// Keys the coming backward pass's rounding by `pass`, as
+    /// [`Grads::set_rounding_pass`](crate::model::Grads::set_rounding_pass).
+    pub fn set_rounding_pass(&mut self, pass: u64) {
+        if let Some(h) = &mut self.half {
+            h.set_pass(pass);
         }
     }
 }
@@ -562,19 +645,40 @@ impl<B: Backend> VisionTower<B> {
     /// # Errors
     /// A backend failure.
     pub fn zero_grads(&self, be: &B) -> Result<VisionGrads<B>, ModelError> {
+        self.zero_grads_in(be, GradDtype::F32)
+    }
+
+    /// [`Self::zero_grads`] stored as `dtype` says: [`GradDtype::Bf16`] keeps the linear
+    /// slots' gradients in bf16 (the backward folds each block's into them with stochastic
+    /// rounding, `vision/half_grads.rs`), their f32 buffers empty; LoRA pairs' stay f32.
+    ///
+    /// # Errors
+    /// A backend failure.
+    pub fn zero_grads_in(&self, be: &B, dtype: GradDtype) -> Result<VisionGrads<B>, ModelError> {
         if let Some(l) = &self.lora {
             return Ok(VisionGrads {
                 base: None,
                 lora: Some(l.params.zeros_like(be)?),
+                half: None,
             });
         }
         let table = param_table(&self.cfg);
+        let bf16 = dtype == GradDtype::Bf16;
         let base = VisionParams::build(&table, |spec| {
-            Ok::<_, ModelError>(be.alloc(self.slot_len(spec.slot))?)
+            let len = match bf16 && spec.slot.is_linear() {
+                true => 0,
+                false => self.slot_len(spec.slot),
+            };
+            Ok::<_, ModelError>(be.alloc(len)?)
         })?;
+        let half = match bf16 {
+            true => Some(TowerHalfGrads::new(be, &table, self.cfg.depth)?),
+            false => None,
+        };
         Ok(VisionGrads {
             base: Some(base),
             lora: None,
+            half,
         })
     }
 
@@ -802,11 +906,10 @@ impl<B: Backend> VisionTower<B> {
         x: Tensor<'_, B>,
         w: TowerWeight<'_, B>,
         dims: LinearDims,
-        write: GradWrite,
+        write: GradWrites,
         dx: Option<TensorMut<'_, B>>,
         (dw, db): (Option<TensorMut<'_, B>>, Option<TensorMut<'_, B>>),
     ) -> Result<(), ModelError> {
-        let write = GradWrites::dx(write);
         match w {
             TowerWeight::F32(w) => be.linear_backward(dout, x, w, dims, write, dx, dw, db)?,
             TowerWeight::Bf16(w) => be.linear_backward_bf16(dout, x, w, dims, write, dx, dw, db)?,
@@ -1152,7 +1255,11 @@ impl<B: Backend> VisionTower<B> {
                 what: "vision backward on an inference arena (plan it with keep = true)".into(),
             });
         }
-        let VisionGrads { base, lora: lg } = g;
+        let VisionGrads {
+            base,
+            lora: lg,
+            half,
+        } = g;
         let pairs = a.lora.as_ref().is_some_and(|l| l.applied);
         if base.is_none() && !pairs {
             return Err(ModelError::LayoutMismatch {
@@ -1181,10 +1288,9 @@ impl<B: Backend> VisionTower<B> {
         let mut frozen_norm = [be.alloc(frozen_len)?, be.alloc(frozen_len)?];
 
         // Merger.
-        let (w2, b2) = grad_pair(
-            base.as_mut(),
-            Slot::Merger2,
-            Slot::Merger2Bias,
+        let (w2, b2, dw) = linear_grads(
+            (base.as_mut(), half.as_mut()),
+            (Slot::Merger2, Slot::Merger2Bias),
             0,
             c.out_hidden * m,
             c.out_hidden,
@@ -1195,10 +1301,14 @@ impl<B: Backend> VisionTower<B> {
             View::whole(&a.merge_act),
             self.lw(Slot::Merger2, 0, c.out_hidden * m)?,
             self.dims(units, m, c.out_hidden),
-            GradWrite::Accumulate,
+            GradWrites {
+                dx: GradWrite::Accumulate,
+                dw,
+            },
             Some(ViewMut::whole(&mut d_ma)),
             (w2, b2),
         )?;
+        fold(be, half.as_mut(), Slot::Merger2, 0)?;
         self.lora_backward(
             be,
             a.lora.as_mut(),
@@ -1217,7 +1327,13 @@ impl<B: Backend> VisionTower<B> {
             View::whole(&a.merge_hidden),
             ViewMut::whole(&mut d_mh),
         )?;
-        let (w0, b0) = grad_pair(base.as_mut(), Slot::Merger0, Slot::Merger0Bias, 0, m * m, m)?;
+        let (w0, b0, dw) = linear_grads(
+            (base.as_mut(), half.as_mut()),
+            (Slot::Merger0, Slot::Merger0Bias),
+            0,
+            m * m,
+            m,
+        )?;
         be.fill(ViewMut::whole(&mut d_norm), 0.0)?;
         Self::linear_backward(
             be,
@@ -1225,10 +1341,14 @@ impl<B: Backend> VisionTower<B> {
             View::whole(&a.merge_norm),
             self.lw(Slot::Merger0, 0, m * m)?,
             self.dims(units, m, m),
-            GradWrite::Accumulate,
+            GradWrites {
+                dx: GradWrite::Accumulate,
+                dw,
+            },
             Some(ViewMut::whole(&mut d_norm)),
             (w0, b0),
         )?;
+        fold(be, half.as_mut(), Slot::Merger0, 0)?;
         self.lora_backward(
             be,
             a.lora.as_mut(),
@@ -1266,7 +1386,13 @@ impl<B: Backend> VisionTower<B> {
             let s = a.slot(l);
             // MLP block: resid_out = mid + MLP(Norm(mid)).
             be.copy(View::whole(&d_resid), ViewMut::whole(&mut d_mid))?;
-            let (wo, bo) = grad_pair(base.as_mut(), Slot::MlpOut, Slot::MlpOutBias, l, h * i, h)?;
+            let (wo, bo, dw) = linear_grads(
+                (base.as_mut(), half.as_mut()),
+                (Slot::MlpOut, Slot::MlpOutBias),
+                l,
+                h * i,
+                h,
+            )?;
             be.fill(ViewMut::whole(&mut d_act), 0.0)?;
             Self::linear_backward(
                 be,
@@ -1274,10 +1400,14 @@ impl<B: Backend> VisionTower<B> {
                 View::item(&a.mlp_act, s, ni)?,
                 self.lw(Slot::MlpOut, l, h * i)?,
                 self.dims(n, i, h),
-                GradWrite::Accumulate,
+                GradWrites {
+                    dx: GradWrite::Accumulate,
+                    dw,
+                },
                 Some(ViewMut::whole(&mut d_act)),
                 (wo, bo),
             )?;
+            fold(be, half.as_mut(), Slot::MlpOut, l)?;
             self.lora_backward(
                 be,
                 a.lora.as_mut(),
@@ -1309,18 +1439,27 @@ impl<B: Backend> VisionTower<B> {
                         ViewMut::whole(&mut d_in),
                         ViewMut::whole(&mut d_up),
                     )?;
-                    let (wu, bu) =
-                        grad_pair(base.as_mut(), Slot::MlpUp, Slot::MlpUpBias, l, i * h, i)?;
+                    let (wu, bu, dw) = linear_grads(
+                        (base.as_mut(), half.as_mut()),
+                        (Slot::MlpUp, Slot::MlpUpBias),
+                        l,
+                        i * h,
+                        i,
+                    )?;
                     Self::linear_backward(
                         be,
                         View::whole(&d_up),
                         n2,
                         self.lw(Slot::MlpUp, l, i * h)?,
                         self.dims(n, h, i),
-                        GradWrite::Accumulate,
+                        GradWrites {
+                            dx: GradWrite::Accumulate,
+                            dw,
+                        },
                         Some(ViewMut::whole(&mut d_norm)),
                         (wu, bu),
                     )?;
+                    fold(be, half.as_mut(), Slot::MlpUp, l)?;
                     self.lora_backward(
                         be,
                         a.lora.as_mut(),
@@ -1335,17 +1474,27 @@ impl<B: Backend> VisionTower<B> {
                     )?;
                 }
             }
-            let (wi, bi) = grad_pair(base.as_mut(), Slot::MlpIn, Slot::MlpInBias, l, i * h, i)?;
+            let (wi, bi, dw) = linear_grads(
+                (base.as_mut(), half.as_mut()),
+                (Slot::MlpIn, Slot::MlpInBias),
+                l,
+                i * h,
+                i,
+            )?;
             Self::linear_backward(
                 be,
                 View::whole(&d_in),
                 n2,
                 self.lw(Slot::MlpIn, l, i * h)?,
                 self.dims(n, h, i),
-                GradWrite::Accumulate,
+                GradWrites {
+                    dx: GradWrite::Accumulate,
+                    dw,
+                },
                 Some(ViewMut::whole(&mut d_norm)),
                 (wi, bi),
             )?;
+            fold(be, half.as_mut(), Slot::MlpIn, l)?;
             self.lora_backward(
                 be,
                 a.lora.as_mut(),
@@ -1373,7 +1522,13 @@ impl<B: Backend> VisionTower<B> {
 
             // Attention block: mid = resid_in + proj(attention(rope(qkv(Norm(resid_in))))).
             be.copy(View::whole(&d_mid), ViewMut::whole(&mut d_resid))?;
-            let (wp, bp) = grad_pair(base.as_mut(), Slot::Proj, Slot::ProjBias, l, h * h, h)?;
+            let (wp, bp, dw) = linear_grads(
+                (base.as_mut(), half.as_mut()),
+                (Slot::Proj, Slot::ProjBias),
+                l,
+                h * h,
+                h,
+            )?;
             be.fill(ViewMut::whole(&mut d_att), 0.0)?;
             Self::linear_backward(
                 be,
@@ -1381,10 +1536,14 @@ impl<B: Backend> VisionTower<B> {
                 View::item(&a.att, s, nc)?,
                 self.lw(Slot::Proj, l, h * h)?,
                 self.dims(n, h, h),
-                GradWrite::Accumulate,
+                GradWrites {
+                    dx: GradWrite::Accumulate,
+                    dw,
+                },
                 Some(ViewMut::whole(&mut d_att)),
                 (wp, bp),
             )?;
+            fold(be, half.as_mut(), Slot::Proj, l)?;
             self.lora_backward(
                 be,
                 a.lora.as_mut(),
@@ -1428,18 +1587,22 @@ impl<B: Backend> VisionTower<B> {
             let n1 = View::item(&a.n1, s, nc)?;
             for (part, d) in [(0, &dq), (1, &dk), (2, &dv)] {
                 let (w, _) = self.qkv(l, part)?;
-                let (gw, gb) = qkv_grads(base.as_mut(), l, part, h)?;
+                let (gw, gb, dw) = qkv_grads((base.as_mut(), half.as_mut()), l, part, h)?;
                 Self::linear_backward(
                     be,
                     View::whole(d),
                     n1,
                     w,
                     self.dims(n, h, h),
-                    GradWrite::Accumulate,
+                    GradWrites {
+                        dx: GradWrite::Accumulate,
+                        dw,
+                    },
                     Some(ViewMut::whole(&mut d_norm)),
                     (gw, gb),
                 )?;
             }
+            fold(be, half.as_mut(), Slot::Qkv, l)?;
             self.lora_backward(
                 be,
                 a.lora.as_mut(),
@@ -1468,19 +1631,30 @@ impl<B: Backend> VisionTower<B> {
 
         // Patch embedding (no gradient for the pixels).
         if let Some(g) = base.as_mut() {
-            let gp = g
-                .get_mut(Slot::Patch)
-                .ok_or_else(|| missing("patch grad"))?;
+            let (gp, dw) = match half.as_mut() {
+                Some(h) => (h.scratch_mut(Slot::Patch)?, GradWrite::Overwrite),
+                None => {
+                    let gp = g.get_mut(Slot::Patch);
+                    (
+                        gp.ok_or_else(|| missing("patch grad"))?,
+                        GradWrite::Accumulate,
+                    )
+                }
+            };
             Self::linear_backward(
                 be,
                 View::whole(&d_resid),
                 View::whole(&a.pixels),
                 self.lw(Slot::Patch, 0, h * c.patch_dim())?,
                 self.dims(n, c.patch_dim(), h),
-                GradWrite::Accumulate,
+                GradWrites {
+                    dx: GradWrite::Accumulate,
+                    dw,
+                },
                 None,
                 (Some(ViewMut::whole(gp)), None),
             )?;
+            fold(be, half.as_mut(), Slot::Patch, 0)?;
         }
         self.lora_backward(
             be,
@@ -1494,6 +1668,9 @@ impl<B: Backend> VisionTower<B> {
             View::whole(&a.pixels),
             None,
         )?;
+        if let Some(h) = half {
+            h.end_pass();
+        }
         Ok(())
     }
 
@@ -1583,23 +1760,93 @@ fn grad_pair<'g, T: DeviceBuffer>(
     ))
 }
 
-/// Writable gradient views of rows `part` of block `l`'s fused qkv weight and bias
-/// (`None`s for a frozen tower).
+/// Block `l`'s gradient views of linear weight `w` and its bias `b`, and how the weight's
+/// is written: added into its f32 gradient, or — a gradient kept in bf16 — written over in
+/// its one-block scratch, which [`fold`] adds in after the product (`None`s for a frozen
+/// tower).
 #[allow(clippy::type_complexity)]
-fn qkv_grads<T: DeviceBuffer>(
-    g: Option<&mut VisionParams<T>>,
+fn linear_grads<'g, B: Backend>(
+    (base, half): (
+        Option<&'g mut VisionParams<B::Buffer>>,
+        Option<&'g mut TowerHalfGrads<B>>,
+    ),
+    (w, b): (Slot, Slot),
+    l: usize,
+    w_len: usize,
+    b_len: usize,
+) -> Result<
+    (
+        Option<TensorMut<'g, B>>,
+        Option<TensorMut<'g, B>>,
+        GradWrite,
+    ),
+    ModelError,
+> {
+    let Some(h) = half else {
+        let (gw, gb) = grad_pair(base, w, b, l, w_len, b_len)?;
+        return Ok((gw, gb, GradWrite::Accumulate));
+    };
+    let gb = match base {
+        Some(g) => {
+            let gb = g.get_mut(b).ok_or_else(|| missing("bias gradient"))?;
+            Some(ViewMut::item(gb, l, b_len)?)
+        }
+        None => None,
+    };
+    let gw = ViewMut::new(h.scratch_mut(w)?, 0, w_len)?;
+    Ok((Some(gw), gb, GradWrite::Overwrite))
+}
+
+/// [`linear_grads`] of rows `part` (q, k or v) of block `l`'s fused qkv weight and bias.
+#[allow(clippy::type_complexity)]
+fn qkv_grads<'g, B: Backend>(
+    (base, half): (
+        Option<&'g mut VisionParams<B::Buffer>>,
+        Option<&'g mut TowerHalfGrads<B>>,
+    ),
     l: usize,
     part: usize,
     h: usize,
-) -> Result<(Option<ViewMut<'_, T>>, Option<ViewMut<'_, T>>), ModelError> {
-    let Some(g) = g else {
-        return Ok((None, None));
+) -> Result<
+    (
+        Option<TensorMut<'g, B>>,
+        Option<TensorMut<'g, B>>,
+        GradWrite,
+    ),
+    ModelError,
+> {
+    let Some(g) = base else {
+        return Ok((None, None, GradWrite::Accumulate));
     };
     let (gw, gb) = g
         .pair_mut(Slot::Qkv, Slot::QkvBias)
         .ok_or_else(|| missing("qkv gradient"))?;
-    Ok((
-        Some(ViewMut::new(gw, (l * 3 + part) * h * h, h * h)?),
-        Some(ViewMut::new(gb, (l * 3 + part) * h, h)?),
-    ))
+    let gb = ViewMut::new(gb, (l * 3 + part) * h, h)?;
+    let (gw, dw) = match half {
+        Some(half) => {
+            let scratch = half.scratch_mut(Slot::Qkv)?;
+            (
+                ViewMut::new(scratch, part * h * h, h * h)?,
+                GradWrite::Overwrite,
+            )
+        }
+        None => (
+            ViewMut::new(gw, (l * 3 + part) * h * h, h * h)?,
+            GradWrite::Accumulate,
+        ),
+    };
+    Ok((Some(gw), Some(gb), dw))
+}
+
+/// Adds `slot`'s scratch into block `l` of its bf16 gradient (nothing for f32 gradients).
+fn fold<B: Backend>(
+    be: &B,
+    half: Option<&mut TowerHalfGrads<B>>,
+    slot: Slot,
+    l: usize,
+) -> Result<(), ModelError> {
+    match half {
+        Some(h) => h.fold(be, slot, l),
+        None => Ok(()),
+    }
 }

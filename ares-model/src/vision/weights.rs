@@ -313,6 +313,16 @@ pub fn tower_linear_parameters(cfg: &VisionConfig) -> u64 {
     parameters_of(cfg, Slot::is_linear)
 }
 
+/// The parameters of one block of each linear layer (the whole tensor of one outside the
+/// blocks): the one-block f32 scratch of the tower's gradients kept in bf16.
+pub fn tower_linear_block_parameters(cfg: &VisionConfig) -> u64 {
+    param_table(cfg)
+        .iter()
+        .filter(|spec| spec.slot.is_linear())
+        .map(|spec| spec.item() as u64)
+        .sum()
+}
+
 /// The parameters of the slots `keep` picks.
 fn parameters_of(cfg: &VisionConfig, keep: impl Fn(Slot) -> bool) -> u64 {
     param_table(cfg)

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 
 use super::vl::{Case, case, grads_of_case, load};
 use super::{f32s, rel_err};
-use ares_model::backend::{Backend, DeviceBuffer, View};
+use ares_model::backend::Backend;
 use ares_model::hf::lora::LoraAdapter;
 use ares_model::vision::checkpoint::VlCheckpoint;
 use ares_model::vision::model::VlModel;
@@ -107,14 +107,14 @@ pub fn tower_grads<B: Backend>(m: &VlModel<B>, st: &SafeTensors<'_>) -> Vec<(Str
     let be = m.backend();
     let (_, vg) = grads_of_case(m, st, "image");
     let names = m.tower().trainable_names();
-    let bufs = vg.buffers();
+    let bufs = vg.stored();
     assert_eq!(names.len(), bufs.len());
     names
         .into_iter()
         .zip(bufs)
         .map(|((n, _), b)| {
             let mut host = vec![0.0; b.len()];
-            be.download(View::whole(b), &mut host).unwrap();
+            b.download(be, &mut host).unwrap();
             (n, host)
         })
         .collect()

@@ -7,7 +7,7 @@ pub mod vl;
 
 use std::path::{Path, PathBuf};
 
-use ares_model::model::Inputs;
+use ares_model::model::{GradDtype, Inputs};
 use safetensors::{Dtype, SafeTensors};
 
 /// The directory of fixture model `name` (`tests/fixtures/models/<name>`).
@@ -233,7 +233,21 @@ pub fn tower_pass<B: ares_model::backend::Backend>(
     tower: &ares_model::vision::tower::VisionTower<B>,
     plan: &ares_model::vision::tower::VisionPlan,
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
-    use ares_model::backend::{DeviceBuffer, View, ViewMut};
+    let (out, grads) = tower_passes(be, tower, plan, GradDtype::F32, 1);
+    (out, grads.into_iter().map(|(_, g)| g).collect())
+}
+
+/// `passes` passes of [`tower_pass`] accumulated into gradients stored as `dtype`: the
+/// output, and every gradient (whether stored in bf16, its values widened), in trainable
+/// order.
+pub fn tower_passes<B: ares_model::backend::Backend>(
+    be: &B,
+    tower: &ares_model::vision::tower::VisionTower<B>,
+    plan: &ares_model::vision::tower::VisionPlan,
+    dtype: GradDtype,
+    passes: usize,
+) -> (Vec<f32>, Vec<(bool, Vec<f32>)>) {
+    use ares_model::backend::{Stored, View, ViewMut};
     let cfg = tower.config();
     let pixels: Vec<f32> = (0..plan.patches * cfg.patch_dim())
         .map(|i| ((i * 7919 % 2000) as f32 / 1000.0) - 1.0)
@@ -242,21 +256,26 @@ pub fn tower_pass<B: ares_model::backend::Backend>(
         .map(|i| ((i * 104_729 % 2000) as f32 / 2000.0) - 0.5)
         .collect();
     let mut acts = tower.activations(be, plan.clone(), true).unwrap();
-    let mut grads = tower.zero_grads(be).unwrap();
+    let mut grads = tower.zero_grads_in(be, dtype).unwrap();
+    assert_eq!(grads.dtype(), dtype);
+    grads.set_rounding(7, 1);
     let mut d = be.alloc(dout.len()).unwrap();
     be.upload(&dout, ViewMut::whole(&mut d)).unwrap();
-    tower.forward(be, &pixels, &mut acts).unwrap();
-    tower
-        .backward(be, &mut acts, View::whole(&d), &mut grads)
-        .unwrap();
+    for _ in 0..passes {
+        tower.forward(be, &pixels, &mut acts).unwrap();
+        tower
+            .backward(be, &mut acts, View::whole(&d), &mut grads)
+            .unwrap();
+    }
     let mut out = vec![0.0f32; dout.len()];
     be.download(acts.output(), &mut out).unwrap();
     let g = grads
-        .iter()
-        .map(|(_, b)| {
-            let mut h = vec![0.0f32; b.len()];
-            be.download(View::whole(b), &mut h).unwrap();
-            h
+        .stored()
+        .into_iter()
+        .map(|s| {
+            let mut h = vec![0.0f32; s.len()];
+            s.download(be, &mut h).unwrap();
+            (matches!(s, Stored::Bf16(_)), h)
         })
         .collect();
     (out, g)

@@ -160,7 +160,10 @@ pub fn run_sft<B: Backend + Clone>(
         adamw: crate::trainer::setup::build_adamw(model.lm(), cfg, None)?,
         grads: model.lm().grads_in(cfg.trainer.grad_dtype())?,
         tower: if model.trains_tower(cfg.worker.actor.model.freeze_vision_tower) {
-            model.tower_training(cfg.worker.actor.optim.state_dtype.into())?
+            model.tower_training(
+                cfg.worker.actor.optim.state_dtype.into(),
+                cfg.trainer.grad_dtype(),
+            )?
         } else {
             None
         },

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use crate::backend::Backend;
 use crate::model::{
     Activations, AdamW, EngineConfig, ForwardExtras, GenerateOutput, GenerateRequest, Generator,
-    Grads, Inputs, Model, ModelError, StateDtype, StepReport, WeightDtype,
+    GradDtype, Grads, Inputs, Model, ModelError, StateDtype, StepReport, WeightDtype,
 };
 use crate::trainer::prepare::sequences::Packed;
 use crate::vision::model::{VisionBatch, VisionMoments, VlActs, VlGenerator, VlModel};
@@ -354,18 +354,20 @@ impl<B: Backend> Actor<B> {
         Ok(())
     }
 
-    /// Zeroed tower gradients and moments for training the tower (`None`: a text model).
+    /// Zeroed tower gradients (the linear layers' in bf16 under `grad_dtype: bf16`, as
+    /// the language model's) and moments for training the tower (`None`: a text model).
     ///
     /// # Errors
     /// A backend failure.
     pub fn tower_training(
         &self,
         state_dtype: StateDtype,
+        grad_dtype: GradDtype,
     ) -> Result<Option<TowerTraining<B>>, TrainError> {
         match self {
             Actor::Text(_) => Ok(None),
             Actor::Vision(m) => Ok(Some(TowerTraining {
-                grads: m.tower().zero_grads(m.backend())?,
+                grads: m.tower().zero_grads_in(m.backend(), grad_dtype)?,
                 moments: m.vision_moments(state_dtype)?,
             })),
         }
@@ -450,19 +452,5 @@ impl<B: Backend> ActorGenerator<'_, B> {
                 Ok(g.generate(request, &batches, |_, _| {})?)
             }
         }
-    }
-}
-
-impl<B: Backend> TowerTraining<B> {
-    /// Zeroes the tower's gradients (before a mini-batch accumulates into them).
-    ///
-    /// # Errors
-    /// A backend failure.
-    pub fn zero_grads(&mut self, be: &B) -> Result<(), TrainError> {
-        for g in self.grads.buffers_mut() {
-            be.fill(crate::backend::ViewMut::whole(g), 0.0)
-                .map_err(ModelError::from)?;
-        }
-        Ok(())
     }
 }

@@ -338,7 +338,7 @@ impl<B: Backend + Clone> Trainer<B> {
                     adamw,
                     grads,
                     tower: if actor.trains_tower(cfg.worker.actor.model.freeze_vision_tower) {
-                        actor.tower_training(state_dtype)?
+                        actor.tower_training(state_dtype, cfg.trainer.grad_dtype())?
                     } else {
                         None
                     },
@@ -1608,7 +1608,7 @@ fn resume_tower<B: Backend>(
         )));
     }
     let mut t = actor
-        .tower_training(state_dtype)?
+        .tower_training(state_dtype, cfg.trainer.grad_dtype())?
         .ok_or_else(|| TrainError::Internal("a vision model without a tower".into()))?;
     t.moments = VisionMoments::load(vl.backend(), vl.tower(), state_dtype, &path)?;
     Ok(Some(t))

@@ -259,14 +259,23 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         });
     }
     if !cfg.trainer.val_only {
-        // gradients in bf16 (`trainer.grad_dtype`, `Model::grads_in`): the decoder's linear
-        // layers' in bf16 and one layer of them in f32 (the backward's scratch; AdamW reads
+        // gradients in bf16 (`trainer.grad_dtype`, `Model::grads_in`,
+        // `VisionTower::zero_grads_in`): the decoder's and a trained tower's linear layers'
+        // in bf16 and one layer (block) of them in f32 (the backward's scratch; AdamW reads
         // the bf16 ones as stored); the rest f32
         let bf16_grads = lora.is_none() && cfg.trainer.grad_dtype() == GradDtype::Bf16;
+        let (tower_half, tower_scratch) = match (model.vision, frozen) {
+            (Some(v), false) => (
+                tower_linear,
+                crate::vision::weights::tower_linear_block_parameters(v),
+            ),
+            _ => (0, 0),
+        };
         held.push(match bf16_grads {
             true => Part {
                 what: "gradients (linear layers' bf16, the rest f32)".into(),
-                bytes: 2 * layers + f32s(trained - layers + layers / l.max(1)),
+                bytes: 2 * (layers + tower_half)
+                    + f32s(trained - layers - tower_half + layers / l.max(1) + tower_scratch),
             },
             false => Part {
                 what: "gradients (f32)".into(),
@@ -1123,6 +1132,46 @@ pub(crate) mod tests {
             weights(WeightDtypeCfg::F32) - weights(WeightDtypeCfg::Bf16),
             f32s - bf16
         );
+    }
+
+    /// Gradients in bf16 on a vision-language model keep the trained tower's linear layers'
+    /// in bf16 too: planned as the language model and the tower allocate them (`Grads::bytes`,
+    /// `VisionGrads::bytes`), f32 ones as before; a frozen tower's count nothing.
+    #[test]
+    fn bf16_grads_count_the_towers_linear_layers() {
+        use crate::backend::cpu::CpuBackend;
+        use crate::config::StorageDtypeCfg;
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../ares-model/tests/fixtures/vl/qwen2_5_vl_tiny");
+        let vl = crate::vision::config::VlConfig::from_dir(&dir).unwrap();
+        let grads = |dtype, frozen| {
+            let mut cfg = Config::default();
+            cfg.trainer.grad_dtype = Some(dtype);
+            cfg.worker.actor.model.freeze_vision_tower = frozen;
+            let model = PlanModel {
+                text: &vl.text,
+                tower_params: crate::vision::weights::tower_parameters(&vl.vision),
+                vision: Some(&vl.vision),
+                on_cpu: true,
+                reference: false,
+            };
+            let plan = plan(&cfg, model).unwrap();
+            let g = plan.held.iter().find(|p| p.what.starts_with("gradients"));
+            g.unwrap().bytes
+        };
+        let ck = crate::vision::checkpoint::VlCheckpoint::load(&dir).unwrap();
+        let m = crate::vision::model::VlModel::from_checkpoint(CpuBackend, &ck).unwrap();
+        let be = m.backend();
+        for dtype in [GradDtype::F32, GradDtype::Bf16] {
+            let lm = m.lm().grads_in(dtype).unwrap().bytes();
+            let tower = m.tower().zero_grads_in(be, dtype).unwrap().bytes();
+            let cfg_dtype = match dtype {
+                GradDtype::F32 => StorageDtypeCfg::F32,
+                GradDtype::Bf16 => StorageDtypeCfg::Bf16,
+            };
+            assert_eq!(grads(cfg_dtype, false), lm + tower, "{dtype:?}");
+            assert_eq!(grads(cfg_dtype, true), lm, "{dtype:?}, frozen tower");
+        }
     }
 
     /// LoRA on a vision-language model: the tower's pairs are held, trained and counted

@@ -17,7 +17,7 @@ use ares_core::loss::EntropyTerm;
 /// Metrics by name.
 pub type Metrics = std::collections::BTreeMap<String, f64>;
 
-use crate::backend::{Backend, DeviceBuffer, Stored, View, ViewMut};
+use crate::backend::{Backend, Stored};
 use crate::config::GradientSum;
 use crate::model::{Activations, AdamW, Grads, TrainableMut};
 use crate::parallel::wire::{Reader, Writer};
@@ -174,7 +174,7 @@ const SLICE_LEARNED: u8 = 2;
 fn grad_lens<B: Backend>(opt: &Optimizer<B>) -> Vec<usize> {
     let mut all = opt.grads.lens();
     if let Some(t) = &opt.tower {
-        all.extend(t.grads.buffers().iter().map(|b| b.len()));
+        all.extend(t.grads.lens());
     }
     all
 }
@@ -189,12 +189,7 @@ fn grads_len<B: Backend>(opt: &Optimizer<B>) -> usize {
 fn stored_grads<B: Backend>(opt: &Optimizer<B>) -> Vec<Stored<'_, B>> {
     let mut all = opt.grads.stored();
     if let Some(t) = &opt.tower {
-        all.extend(
-            t.grads
-                .buffers()
-                .into_iter()
-                .map(|b| Stored::F32(View::whole(b))),
-        );
+        all.extend(t.grads.stored());
     }
     all
 }
@@ -211,8 +206,8 @@ fn read_grads<B: Backend>(
     match (buffer.checked_sub(lm), &opt.tower) {
         (None, _) => opt.grads.read_values(be, buffer, offset, out)?,
         (Some(t), Some(tower)) => {
-            let b = tower_buffer(tower.grads.buffers(), t)?;
-            be.download(View::new(b, offset, out.len())?, out)?
+            let b = tower_buffer(tower.grads.stored(), t)?;
+            b.slice(offset, out.len())?.download(be, out)?
         }
         (Some(t), None) => return Err(no_tower_buffer(t)),
     }
@@ -231,8 +226,8 @@ fn write_grads<B: Backend>(
     match (buffer.checked_sub(lm), &mut opt.tower) {
         (None, _) => opt.grads.write_values(be, buffer, offset, values)?,
         (Some(t), Some(tower)) => {
-            let b = tower_buffer(tower.grads.buffers_mut(), t)?;
-            be.upload(values, ViewMut::new(b, offset, values.len())?)?
+            let b = tower_buffer(tower.grads.stored_mut(), t)?;
+            b.write_values(be, offset, values)?
         }
         (Some(t), None) => return Err(no_tower_buffer(t)),
     }
@@ -260,7 +255,8 @@ pub(crate) fn zero_grads<B: Backend>(be: &B, opt: &mut Optimizer<B>) -> Result<(
     opt.grads.zero(be)?;
     opt.grads.set_rounding(opt.adamw.rounding_seed(), opt.steps);
     if let Some(t) = &mut opt.tower {
-        t.zero_grads(be)?;
+        t.grads.zero(be)?;
+        t.grads.set_rounding(opt.adamw.rounding_seed(), opt.steps);
     }
     Ok(())
 }
@@ -303,7 +299,7 @@ fn sum_on_device<B: Backend>(
 ) -> Result<bool, TrainError> {
     let mut all = opt.grads.stored_mut();
     if let Some(t) = &mut opt.tower {
-        all.extend(t.grads.buffers_mut().into_iter().map(TrainableMut::F32));
+        all.extend(t.grads.stored_mut());
     }
     let mut items: Vec<(TrainableMut<'_, B>, Option<usize>)> = all
         .into_iter()
@@ -494,7 +490,7 @@ impl<B: Backend> Update<'_, B> {
         let tower: Vec<usize> = opt
             .tower
             .as_ref()
-            .map(|t| t.grads.buffers().iter().map(|b| b.len()).collect())
+            .map(|t| t.grads.lens())
             .unwrap_or_default();
         let spans = zero::gradient_spans(ranks, &opt.adamw, &opt.grads, &tower);
         // ranks: the sum starts in this rank's last backward, layer by layer (overlap.rs)
@@ -674,6 +670,9 @@ impl<B: Backend> Update<'_, B> {
         // bf16 gradients' stochastic rounding keyed by the micro-batch, not by the rank
         // that runs it or the passes before it there: the same bits at any world size
         opt.grads.set_rounding_pass(index as u64);
+        if let Some(t) = &mut opt.tower {
+            t.grads.set_rounding_pass(index as u64);
+        }
         let packed = batch.pack(micro, self.layout)?;
         let shape = (packed.batch(), packed.seq());
         let acts = match &mut self.arena {
@@ -755,10 +754,10 @@ impl<B: Backend> Update<'_, B> {
         let ranks = self.inputs.settings.ranks.as_ref();
         let sums = match ranks.filter(|r| r.world() > 1 && opt.adamw.owned().is_some()) {
             Some(ranks) => {
-                let tower: Vec<&B::Buffer> = opt
+                let tower: Vec<Stored<'_, B>> = opt
                     .tower
                     .as_ref()
-                    .map(|t| t.grads.buffers())
+                    .map(|t| t.grads.stored())
                     .unwrap_or_default();
                 Some(zero::gather_grad_sums(
                     ranks,

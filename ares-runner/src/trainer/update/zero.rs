@@ -6,7 +6,7 @@
 //! The update is elementwise and the gradient norm is taken over every buffer on every
 //! rank, so a sharded step gives the bits of an unsharded one.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Stored};
 use crate::model::{AdamW, Grads, HostMoment, Model, ModelError, TrainableMut};
 use crate::parallel::wire::{Reader, WireError, Writer};
 use crate::parallel::{Holder, Ranks, shares};
@@ -48,7 +48,7 @@ pub fn gather_grad_sums<B: Backend>(
     model: &Model<B>,
     adamw: &AdamW<B>,
     grads: &Grads<B>,
-    tower: &[&B::Buffer],
+    tower: &[Stored<'_, B>],
 ) -> Result<Vec<f64>, TrainError> {
     let mut sums = adamw.grad_sums(model, grads, tower)?;
     let lm = grads.buffers().len();
