@@ -224,6 +224,32 @@ fn backward_accumulates_until_zeroed() {
     }
 }
 
+/// The arena keeps one layer's `silu(gate) · up` and the backward recomputes each layer's:
+/// a second backward of the same forward gives the first one's gradients, bit for bit.
+#[test]
+fn a_second_backward_of_one_forward_gives_the_same_gradients() {
+    let (_, model) = load("qwen2_tiny");
+    let s = set("qwen2_tiny", "right");
+    let be = model.backend();
+    let mut acts = model.activations(s.batch, s.seq).unwrap();
+    model.forward(&s.inputs(), &mut acts).unwrap();
+    let mut dlogits = be.alloc(s.dlogits.len()).unwrap();
+    be.upload(&s.dlogits, ViewMut::whole(&mut dlogits)).unwrap();
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let mut grads = model.grads().unwrap();
+        model
+            .backward(&s.inputs(), &mut acts, View::whole(&dlogits), &mut grads)
+            .unwrap();
+        let all: Vec<Vec<f32>> = PARAMS
+            .iter()
+            .map(|p| grads.download(be, p).unwrap())
+            .collect();
+        runs.push(all);
+    }
+    assert_eq!(runs[0], runs[1]);
+}
+
 #[test]
 fn bad_backward_arguments_are_errors() {
     let (_, model) = load("qwen2_tiny");

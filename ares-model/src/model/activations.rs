@@ -189,8 +189,11 @@ pub(crate) struct LayerBuffers<B: Backend> {
     /// `[L, N, C]` post-attention RMSNorm output, and `[L, N]` its rstd.
     pub(crate) ln2: ActStack<B>,
     pub(crate) ln2_rstd: Stack<B>,
-    /// `[L, N, I]` gate and up projections, and `silu(gate) · up`. These and `ln2` are
-    /// stored as the arena's [`ActLayout`] says (`act_dtype.rs`).
+    /// `[L, N, I]` gate and up projections, and `[N, I]` `silu(gate) · up` of the layer
+    /// last run: one layer's, whatever the checkpointing — the backward recomputes a
+    /// layer's from its gate and up (one elementwise pass, the same bits) rather than keep
+    /// every layer's. These and `ln2` are stored as the arena's [`ActLayout`] says
+    /// (`act_dtype.rs`).
     pub(crate) gate: ActStack<B>,
     pub(crate) up: ActStack<B>,
     pub(crate) act: ActStack<B>,
@@ -224,11 +227,13 @@ impl<B: Backend> LayerBuffers<B> {
             let total = numel(batch, seq, &[l, item])?;
             Ok(Stack::new(backend.alloc(total)?, item))
         };
-        let stored = |bf16: bool, dims: &[usize]| -> Result<ActStack<B>, ModelError> {
+        // `[layers, item]` stored as `bf16` says
+        let stored_over = |layers: usize, bf16: bool, dims: &[usize]| {
             let item = numel(batch, seq, dims)?;
-            let total = numel(batch, seq, &[l, item])?;
+            let total = numel(batch, seq, &[layers, item])?;
             ActStack::new(backend, bf16, total, item)
         };
+        let stored = |bf16: bool, dims: &[usize]| stored_over(l, bf16, dims);
         let stage = match layout.stages() {
             true => numel(batch, seq, &[n, c.max(qd)])?,
             false => 0,
@@ -261,7 +266,7 @@ impl<B: Backend> LayerBuffers<B> {
             ln2_rstd: stack(&[n])?,
             gate: stored(layout.mlp, &[n, i])?,
             up: stored(layout.mlp, &[n, i])?,
-            act: stored(layout.mlp, &[n, i])?,
+            act: stored_over(layers.min(1), layout.mlp, &[n, i])?,
             mlp_out: Stack::new(backend.alloc(resid_item)?, resid_item),
             resid_out,
         })
@@ -335,19 +340,22 @@ pub fn arena_elements(
     let kept = if checkpointed { l.min(1) } else { l };
     let raw = u64::from(spec.qk_norm);
     // per token of one kept layer: ln1 + rstd, (Qwen3) q/k before their norm + rstd, q, k,
-    // v, att, lse, resid_mid, ln2 + rstd, gate, up, act
+    // v, att, lse, resid_mid, ln2 + rstd, gate, up
     let layer =
-        (c + 1) + raw * (qd + kvd + hq + hkv) + (qd + 2 * kvd) + (qd + hq) + c + (c + 1) + 3 * i;
-    // the embeddings, every layer's residual stream out, one layer's att_proj and mlp_out
-    let layers = n * (c + kept * layer + l * c + 2 * c);
+        (c + 1) + raw * (qd + kvd + hq + hkv) + (qd + 2 * kvd) + (qd + hq) + c + (c + 1) + 2 * i;
+    // the embeddings, every layer's residual stream out, one layer's att_proj, mlp_out and
+    // act
+    let one = l.min(1);
+    let layers = n * (c + kept * layer + l * c + 2 * c + one * i);
     // stored in bf16: ln2, gate, up, act; ln1; q, k, v — and the f32 staging of the latter
     let on = |b: bool, elements: u64| if b { elements } else { 0 };
     let halves = n
-        * kept
-        * (on(layout.mlp, c + 3 * i)
-            + on(layout.ln1, c)
-            + on(layout.qkv, qd + 2 * kvd)
-            + on(layout.att, qd));
+        * (kept
+            * (on(layout.mlp, c + 2 * i)
+                + on(layout.ln1, c)
+                + on(layout.qkv, qd + 2 * kvd)
+                + on(layout.att, qd))
+            + one * on(layout.mlp, i));
     let stage = on(layout.stages(), n * c.max(qd));
     let scratch = n * (2 * c + 3 * i + 2 * qd + 2 * kvd + raw * (qd + kvd)) + stage;
     // mask (and its host copy), cos + sin, lnf + rstd, log-prob, entropy and both

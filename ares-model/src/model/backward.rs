@@ -254,6 +254,11 @@ impl<B: Backend> Model<B> {
                     attn,
                     &mut None,
                 )?;
+            } else {
+                // `act` is kept for the layer last run: layer l's again, from its gate and
+                // up (the same op as the forward's, so the same bits; the last layer's too,
+                // so a second backward of one forward reads the right one)
+                self.recompute_act(&mut acts.layers, l)?;
             }
             // Layer l's saved activations (`a.input`: the residual stream entering it) and
             // its weights' gradients, each with its weight.

@@ -539,6 +539,19 @@ impl<B: Backend> Model<B> {
         Ok(())
     }
 
+    /// Layer `layer`'s `silu(gate) · up` again, from its saved gate and up, into the
+    /// arena's one-layer `act` (which keeps the layer last run): what the backward reads
+    /// there, the forward's bits.
+    pub(crate) fn recompute_act(
+        &self,
+        layers: &mut LayerBuffers<B>,
+        layer: usize,
+    ) -> Result<(), ModelError> {
+        let at = layers.slot_of(layer);
+        let (gate, up) = (layers.gate.layer(at)?, layers.up.layer(at)?);
+        self.swiglu(gate, up, layers.act.layer_mut(0)?)
+    }
+
     /// Backward of [`Model::swiglu`]: overwrites the f32 `dgate`, `dup`.
     pub(crate) fn swiglu_backward(
         &self,
@@ -843,7 +856,11 @@ impl<B: Backend> LayerBuffers<B> {
             ln2_rstd: slot(ln2_rstd),
             gate: stored(gate),
             up: stored(up),
-            act: stored(act),
+            // one layer's, whatever the checkpointing: the backward recomputes it
+            act: ActSlot {
+                stack: act,
+                layer: 0,
+            },
             mlp_out: Slot {
                 stack: mlp_out,
                 layer: 0,
@@ -876,7 +893,7 @@ impl<B: Backend> LayerBuffers<B> {
             ln2_rstd: self.ln2_rstd.layer(at)?,
             gate: self.gate.layer(at)?,
             up: self.up.layer(at)?,
-            act: self.act.layer(at)?,
+            act: self.act.layer(0)?,
         })
     }
 

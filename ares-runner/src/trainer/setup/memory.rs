@@ -897,7 +897,10 @@ pub(crate) mod tests {
         let cfg = Config::default();
         let micro = cfg.worker.actor.micro_batch_size_per_device_for_update as u64;
         let n = micro * (cfg.data.max_prompt_length + cfg.data.max_response_length) as u64;
-        let mlp = spec.layers as u64 * n * (spec.hidden + 3 * spec.intermediate) as u64;
+        // ln2, gate, up of every layer, act of one (the backward recomputes it)
+        let mlp = n
+            * (spec.layers as u64 * (spec.hidden + 2 * spec.intermediate) as u64
+                + spec.intermediate as u64);
         let (f32_update, bf16_update) = (
             arena_of(Some(StorageDtypeCfg::F32), "update", true),
             arena_of(None, "update", true),
