@@ -159,8 +159,9 @@ pub(crate) struct LayerBuffers<B: Backend> {
     pub(crate) checkpointed: bool,
     /// `[N, C]` token embeddings (input of layer 0).
     pub(crate) encoded: B::Buffer,
-    /// `[L, N, C]` input RMSNorm output (stored as the arena's [`ActLayout`] says), and
-    /// `[L, N]` its rstd.
+    /// `[N, C]` input RMSNorm output of the layer last run (stored as the arena's
+    /// [`ActLayout`] says; one layer's, whatever the checkpointing: the backward recomputes
+    /// a layer's from its input), and `[L, N]` its rstd.
     pub(crate) ln1: ActStack<B>,
     pub(crate) ln1_rstd: Stack<B>,
     /// `[L, N, Hq·D]`, `[L, N, Hkv·D]` q/k projections before their RMSNorm (Qwen3 only,
@@ -248,7 +249,7 @@ impl<B: Backend> LayerBuffers<B> {
             count: layers,
             checkpointed,
             encoded: backend.alloc(numel(batch, seq, &[n, c])?)?,
-            ln1: stored(layout.ln1, &[n, c])?,
+            ln1: stored_over(layers.min(1), layout.ln1, &[n, c])?,
             ln1_rstd: stack(&[n])?,
             q_raw: stack(&[qk_raw, n, qd])?,
             k_raw: stack(&[qk_raw, n, kvd])?,
@@ -339,23 +340,18 @@ pub fn arena_elements(
     let l = spec.layers as u64;
     let kept = if checkpointed { l.min(1) } else { l };
     let raw = u64::from(spec.qk_norm);
-    // per token of one kept layer: ln1 + rstd, (Qwen3) q/k before their norm + rstd, q, k,
+    // per token of one kept layer: ln1's rstd, (Qwen3) q/k before their norm + rstd, q, k,
     // v, att, lse, resid_mid, ln2 + rstd, gate, up
-    let layer =
-        (c + 1) + raw * (qd + kvd + hq + hkv) + (qd + 2 * kvd) + (qd + hq) + c + (c + 1) + 2 * i;
-    // the embeddings, every layer's residual stream out, one layer's att_proj, mlp_out and
-    // act
+    let layer = 1 + raw * (qd + kvd + hq + hkv) + (qd + 2 * kvd) + (qd + hq) + c + (c + 1) + 2 * i;
+    // the embeddings, every layer's residual stream out, one layer's att_proj, mlp_out, act
+    // and ln1
     let one = l.min(1);
-    let layers = n * (c + kept * layer + l * c + 2 * c + one * i);
+    let layers = n * (c + kept * layer + l * c + 2 * c + one * (i + c));
     // stored in bf16: ln2, gate, up, act; ln1; q, k, v — and the f32 staging of the latter
     let on = |b: bool, elements: u64| if b { elements } else { 0 };
     let halves = n
-        * (kept
-            * (on(layout.mlp, c + 2 * i)
-                + on(layout.ln1, c)
-                + on(layout.qkv, qd + 2 * kvd)
-                + on(layout.att, qd))
-            + one * on(layout.mlp, i));
+        * (kept * (on(layout.mlp, c + 2 * i) + on(layout.qkv, qd + 2 * kvd) + on(layout.att, qd))
+            + one * (on(layout.mlp, i) + on(layout.ln1, c)));
     let stage = on(layout.stages(), n * c.max(qd));
     let scratch = n * (2 * c + 3 * i + 2 * qd + 2 * kvd + raw * (qd + kvd)) + stage;
     // mask (and its host copy), cos + sin, lnf + rstd, log-prob, entropy and both

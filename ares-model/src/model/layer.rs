@@ -552,6 +552,30 @@ impl<B: Backend> Model<B> {
         self.swiglu(gate, up, layers.act.layer_mut(0)?)
     }
 
+    /// Layer `layer`'s input norm again, from the residual stream entering it, into the
+    /// arena's one-layer `ln1` (and its rstd, the same bits again) — made in the staging
+    /// buffer and rounded where stored in bf16, as the forward makes it: the forward's
+    /// bits.
+    pub(crate) fn recompute_ln1(
+        &self,
+        layers: &mut LayerBuffers<B>,
+        layer: usize,
+    ) -> Result<(), ModelError> {
+        let at = layers.slot_of(layer);
+        let input = match layer.checked_sub(1) {
+            None => View::whole(&layers.encoded),
+            Some(prev) => layers.resid_out.layer(prev)?,
+        };
+        let norm = Norm {
+            w: self.weights.ln1.layer(layer)?,
+            dim: self.spec.hidden,
+        };
+        let mut ln1 = layers.ln1.layer_mut(0)?;
+        let out = ln1.f32_or(&mut layers.stage)?;
+        self.rmsnorm(input, norm, out, layers.ln1_rstd.layer_mut(at)?)?;
+        ln1.round_staged(&self.backend, &layers.stage)
+    }
+
     /// Backward of [`Model::swiglu`]: overwrites the f32 `dgate`, `dup`.
     pub(crate) fn swiglu_backward(
         &self,
@@ -834,7 +858,11 @@ impl<B: Backend> LayerBuffers<B> {
                 out: resid_out,
                 layer,
             },
-            ln1: stored(ln1),
+            // one layer's, whatever the checkpointing: the backward recomputes it
+            ln1: ActSlot {
+                stack: ln1,
+                layer: 0,
+            },
             ln1_rstd: slot(ln1_rstd),
             q_raw: slot(q_raw),
             k_raw: slot(k_raw),
@@ -877,7 +905,7 @@ impl<B: Backend> LayerBuffers<B> {
         let at = self.slot_of(layer);
         Ok(LayerActs {
             input,
-            ln1: self.ln1.layer(at)?,
+            ln1: self.ln1.layer(0)?,
             ln1_rstd: self.ln1_rstd.layer(at)?,
             q_raw: self.q_raw.layer(at)?,
             k_raw: self.k_raw.layer(at)?,
