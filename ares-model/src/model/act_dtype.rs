@@ -96,9 +96,10 @@ impl ActLayout {
         }
     }
 
-    /// Whether the attention block stages an activation in f32 before rounding it.
+    /// Whether an activation is staged in f32 before it is rounded: the attention block's
+    /// in the forward, and `ln1` and `ln2` made again in the backward.
     pub const fn stages(self) -> bool {
-        self.ln1 || self.qkv
+        self.ln1 || self.qkv || self.mlp
     }
 }
 

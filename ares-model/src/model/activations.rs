@@ -187,7 +187,8 @@ pub(crate) struct LayerBuffers<B: Backend> {
     pub(crate) att_proj: Stack<B>,
     /// `[L, N, C]` residual stream after attention.
     pub(crate) resid_mid: Stack<B>,
-    /// `[L, N, C]` post-attention RMSNorm output, and `[L, N]` its rstd.
+    /// `[N, C]` post-attention RMSNorm output of the layer last run (one layer's, as `ln1`),
+    /// and `[L, N]` its rstd.
     pub(crate) ln2: ActStack<B>,
     pub(crate) ln2_rstd: Stack<B>,
     /// `[L, N, I]` gate and up projections, and `[N, I]` `silu(gate) · up` of the layer
@@ -263,7 +264,7 @@ impl<B: Backend> LayerBuffers<B> {
             lse: stack(&[n, hq])?,
             att_proj: Stack::new(backend.alloc(resid_item)?, resid_item),
             resid_mid: stack(&[n, c])?,
-            ln2: stored(layout.mlp, &[n, c])?,
+            ln2: stored_over(layers.min(1), layout.mlp, &[n, c])?,
             ln2_rstd: stack(&[n])?,
             gate: stored(layout.mlp, &[n, i])?,
             up: stored(layout.mlp, &[n, i])?,
@@ -341,17 +342,17 @@ pub fn arena_elements(
     let kept = if checkpointed { l.min(1) } else { l };
     let raw = u64::from(spec.qk_norm);
     // per token of one kept layer: ln1's rstd, (Qwen3) q/k before their norm + rstd, q, k,
-    // v, att, lse, resid_mid, ln2 + rstd, gate, up
-    let layer = 1 + raw * (qd + kvd + hq + hkv) + (qd + 2 * kvd) + (qd + hq) + c + (c + 1) + 2 * i;
-    // the embeddings, every layer's residual stream out, one layer's att_proj, mlp_out, act
-    // and ln1
+    // v, att, lse, resid_mid, ln2's rstd, gate, up
+    let layer = 1 + raw * (qd + kvd + hq + hkv) + (qd + 2 * kvd) + (qd + hq) + c + 1 + 2 * i;
+    // the embeddings, every layer's residual stream out, one layer's att_proj, mlp_out, act,
+    // ln1 and ln2
     let one = l.min(1);
-    let layers = n * (c + kept * layer + l * c + 2 * c + one * (i + c));
-    // stored in bf16: ln2, gate, up, act; ln1; q, k, v — and the f32 staging of the latter
+    let layers = n * (c + kept * layer + l * c + 2 * c + one * (i + 2 * c));
+    // stored in bf16: gate, up, act, ln2; ln1; q, k, v — and the f32 staging
     let on = |b: bool, elements: u64| if b { elements } else { 0 };
     let halves = n
-        * (kept * (on(layout.mlp, c + 2 * i) + on(layout.qkv, qd + 2 * kvd) + on(layout.att, qd))
-            + one * (on(layout.mlp, i) + on(layout.ln1, c)));
+        * (kept * (on(layout.mlp, 2 * i) + on(layout.qkv, qd + 2 * kvd) + on(layout.att, qd))
+            + one * (on(layout.mlp, i + c) + on(layout.ln1, c)));
     let stage = on(layout.stages(), n * c.max(qd));
     let scratch = n * (2 * c + 3 * i + 2 * qd + 2 * kvd + raw * (qd + kvd)) + stage;
     // mask (and its host copy), cos + sin, lnf + rstd, log-prob, entropy and both

@@ -255,11 +255,13 @@ impl<B: Backend> Model<B> {
                     &mut None,
                 )?;
             } else {
-                // `act` and `ln1` are kept for the layer last run: layer l's again, from its
-                // gate and up and from its input (the forward's ops, so the same bits; the
-                // last layer's too, so a second backward of one forward reads the right ones)
+                // `act`, `ln1` and `ln2` are kept for the layer last run: layer l's again,
+                // from its gate and up and from the norms' saved inputs (the forward's ops,
+                // so the same bits; the last layer's too, so a second backward of one
+                // forward reads the right ones)
                 self.recompute_act(&mut acts.layers, l)?;
                 self.recompute_ln1(&mut acts.layers, l)?;
+                self.recompute_ln2(&mut acts.layers, l)?;
             }
             // Layer l's saved activations (`a.input`: the residual stream entering it) and
             // its weights' gradients, each with its weight.

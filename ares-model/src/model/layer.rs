@@ -576,6 +576,26 @@ impl<B: Backend> Model<B> {
         ln1.round_staged(&self.backend, &layers.stage)
     }
 
+    /// Layer `layer`'s MLP norm again, from its saved residual stream after attention, into
+    /// the arena's one-layer `ln2`, as [`Model::recompute_ln1`] — the bits of the forward's
+    /// fused add and norm, which are those of the add then the norm.
+    pub(crate) fn recompute_ln2(
+        &self,
+        layers: &mut LayerBuffers<B>,
+        layer: usize,
+    ) -> Result<(), ModelError> {
+        let at = layers.slot_of(layer);
+        let norm = Norm {
+            w: self.weights.ln2.layer(layer)?,
+            dim: self.spec.hidden,
+        };
+        let mid = layers.resid_mid.layer(at)?;
+        let mut ln2 = layers.ln2.layer_mut(0)?;
+        let out = ln2.f32_or(&mut layers.stage)?;
+        self.rmsnorm(mid, norm, out, layers.ln2_rstd.layer_mut(at)?)?;
+        ln2.round_staged(&self.backend, &layers.stage)
+    }
+
     /// Backward of [`Model::swiglu`]: overwrites the f32 `dgate`, `dup`.
     pub(crate) fn swiglu_backward(
         &self,
@@ -880,7 +900,10 @@ impl<B: Backend> LayerBuffers<B> {
                 layer: 0,
             },
             resid_mid: slot(resid_mid),
-            ln2: stored(ln2),
+            ln2: ActSlot {
+                stack: ln2,
+                layer: 0,
+            },
             ln2_rstd: slot(ln2_rstd),
             gate: stored(gate),
             up: stored(up),
@@ -917,7 +940,7 @@ impl<B: Backend> LayerBuffers<B> {
             att: self.att.layer(at)?,
             lse: self.lse.layer(at)?,
             resid_mid: self.resid_mid.layer(at)?,
-            ln2: self.ln2.layer(at)?,
+            ln2: self.ln2.layer(0)?,
             ln2_rstd: self.ln2_rstd.layer(at)?,
             gate: self.gate.layer(at)?,
             up: self.up.layer(at)?,

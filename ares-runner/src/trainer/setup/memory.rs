@@ -897,15 +897,17 @@ pub(crate) mod tests {
         let cfg = Config::default();
         let micro = cfg.worker.actor.micro_batch_size_per_device_for_update as u64;
         let n = micro * (cfg.data.max_prompt_length + cfg.data.max_response_length) as u64;
-        // ln2, gate, up of every layer, act of one (the backward recomputes it)
+        // gate, up of every layer, act and ln2 of one (the backward recomputes them), less
+        // the f32 staging buffer ln2 is made in again
         let mlp = n
-            * (spec.layers as u64 * (spec.hidden + 2 * spec.intermediate) as u64
-                + spec.intermediate as u64);
+            * (spec.layers as u64 * 2 * spec.intermediate as u64
+                + (spec.intermediate + spec.hidden) as u64);
+        let stage = n * spec.hidden.max(spec.q_dim()) as u64;
         let (f32_update, bf16_update) = (
             arena_of(Some(StorageDtypeCfg::F32), "update", true),
             arena_of(None, "update", true),
         );
-        assert_eq!(f32_update - bf16_update, 2 * mlp);
+        assert_eq!(f32_update - bf16_update, 2 * mlp - 4 * stage);
         assert_eq!(
             arena_of(Some(StorageDtypeCfg::Bf16), "update", true),
             bf16_update
