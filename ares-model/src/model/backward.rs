@@ -391,7 +391,7 @@ impl<B: Backend> Model<B> {
             )?;
         }
         if let Some(h) = half.as_mut() {
-            h.end_pass();
+            h.keys.end_pass();
         }
         Ok(())
     }

@@ -217,7 +217,7 @@ impl<B: Backend> Grads<B> {
     /// Nothing for f32 gradients.
     pub fn set_rounding(&mut self, seed: u64, step: u64) {
         if let Some(h) = &mut self.half {
-            h.set_rounding(seed, step);
+            h.keys.set_rounding(seed, step);
         }
     }
 
@@ -227,7 +227,7 @@ impl<B: Backend> Grads<B> {
     /// Later passes count on from it. Nothing for f32 gradients.
     pub fn set_rounding_pass(&mut self, pass: u64) {
         if let Some(h) = &mut self.half {
-            h.set_pass(pass);
+            h.keys.set_pass(pass);
         }
     }
 

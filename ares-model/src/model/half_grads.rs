@@ -1,7 +1,8 @@
 //! Gradients stored in bf16 ([`GradDtype::Bf16`], `trainer.grad_dtype: bf16`): the decoder's
 //! linear weight gradients (q, k, v, o, gate, up, down of every layer — nearly all of a
 //! model's parameters) kept as bf16 stacks, half the bytes of f32; the embedding's, the LM
-//! head's, the norms' and the biases' stay f32, as do LoRA pairs' and a vision tower's.
+//! head's, the norms' and the biases' stay f32, as do LoRA pairs' (a vision tower's linear
+//! ones follow the same way: `vision/half_grads.rs`).
 //!
 //! A backward pass writes a layer's weight gradients, as before, with the f32 ops, into a
 //! one-layer f32 scratch per stack (zeroed first), then folds each into its bf16 stack with
@@ -40,6 +41,9 @@ impl GradDtype {
     }
 }
 
+/// The rounding keys' domain of the decoder's stacks.
+const DECODER_DOMAIN: usize = usize::MAX;
+
 /// The bf16 gradient stacks of a `Grads` and the scratch a backward pass writes first.
 pub(crate) struct HalfGrads<B: Backend> {
     /// q, k, v, o, gate, up, down: `[layers, out, in]`, as the weights.
@@ -49,10 +53,45 @@ pub(crate) struct HalfGrads<B: Backend> {
     buffers: [usize; 7],
     /// One layer of each stack in f32: where a layer's backward writes its weight gradients.
     scratch: Vec<B::Buffer>,
-    /// The rounding keys' seed, optimizer step and backward pass (`Grads::set_rounding`).
+    /// The rounding keys (`Grads::set_rounding`, `Grads::set_rounding_pass`).
+    pub(crate) keys: PassKeys,
+}
+
+/// The keys of the stochastic rounding with which gradients accumulate in bf16: the
+/// optimizer's rounding seed and step and the backward pass, then a domain (the decoder's
+/// stacks, a vision tower's slots), the stack and the layer.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct PassKeys {
     seed: u64,
     step: u64,
     pass: u64,
+}
+
+impl PassKeys {
+    /// The key of layer `layer` of stack `stack` of `domain` in the current pass.
+    pub(crate) fn key(&self, domain: usize, stack: usize, layer: usize) -> u64 {
+        let pass = rounding_key(self.seed, self.step, domain, self.pass as usize);
+        rounding_key(pass, 0, stack, layer)
+    }
+
+    /// Counts a finished backward pass (the next draws other bits).
+    pub(crate) fn end_pass(&mut self) {
+        self.pass += 1;
+    }
+
+    /// Sets the seed and step; the passes count from 0 again.
+    pub(crate) fn set_rounding(&mut self, seed: u64, step: u64) {
+        *self = Self {
+            seed,
+            step,
+            pass: 0,
+        };
+    }
+
+    /// Keys the coming backward pass by `pass` (the ones after it count on).
+    pub(crate) fn set_pass(&mut self, pass: u64) {
+        self.pass = pass;
+    }
 }
 
 impl<B: Backend> HalfGrads<B> {
@@ -69,9 +108,7 @@ impl<B: Backend> HalfGrads<B> {
             stacks,
             buffers,
             scratch,
-            seed: 0,
-            step: 0,
-            pass: 0,
+            keys: PassKeys::default(),
         })
     }
 
@@ -107,27 +144,11 @@ impl<B: Backend> HalfGrads<B> {
 
     /// Adds the scratch into layer `layer` of each stack, rounding stochastically.
     pub(crate) fn fold(&mut self, be: &B, layer: usize) -> Result<(), ModelError> {
-        let pass = rounding_key(self.seed, self.step, usize::MAX, self.pass as usize);
         for (k, (stack, scratch)) in self.stacks.iter_mut().zip(&self.scratch).enumerate() {
-            let key = rounding_key(pass, 0, k, layer);
+            let key = self.keys.key(DECODER_DOMAIN, k, layer);
             be.accumulate_bf16_stochastic(View::whole(scratch), key, stack.layer_mut(layer)?)?;
         }
         Ok(())
-    }
-
-    /// Counts a finished backward pass (the next draws other bits).
-    pub(crate) fn end_pass(&mut self) {
-        self.pass += 1;
-    }
-
-    /// Sets the rounding keys' seed and step; the passes count from 0 again.
-    pub(crate) fn set_rounding(&mut self, seed: u64, step: u64) {
-        (self.seed, self.step, self.pass) = (seed, step, 0);
-    }
-
-    /// Keys the coming backward pass by `pass` (the ones after it count on).
-    pub(crate) fn set_pass(&mut self, pass: u64) {
-        self.pass = pass;
     }
 
     /// Bytes of the stacks and the scratch.

@@ -10,7 +10,7 @@
 use super::weights::{ParamSpec, Slot, VisionParams};
 use crate::backend::{Backend, DType, DeviceBuffer, View, ViewMut};
 use crate::model::ModelError;
-use crate::model::rounding_key;
+use crate::model::PassKeys;
 
 /// The rounding keys' domain: the decoder's passes use `usize::MAX`.
 const TOWER_DOMAIN: usize = usize::MAX - 1;
@@ -21,10 +21,8 @@ pub(crate) struct TowerHalfGrads<B: Backend> {
     halves: VisionParams<B::Half>,
     /// Each linear slot's gradient of one block, f32.
     scratch: VisionParams<B::Buffer>,
-    /// The rounding keys' seed, optimizer step and backward pass.
-    seed: u64,
-    step: u64,
-    pass: u64,
+    /// The rounding keys (`VisionGrads::set_rounding`, `set_rounding_pass`).
+    pub(crate) keys: PassKeys,
 }
 
 impl<B: Backend> TowerHalfGrads<B> {
@@ -45,9 +43,7 @@ impl<B: Backend> TowerHalfGrads<B> {
         Ok(Self {
             halves,
             scratch,
-            seed: 0,
-            step: 0,
-            pass: 0,
+            keys: PassKeys::default(),
         })
     }
 
@@ -73,8 +69,7 @@ impl<B: Backend> TowerHalfGrads<B> {
     /// Adds `slot`'s scratch into block `block` of its bf16 gradient, rounding
     /// stochastically.
     pub(crate) fn fold(&mut self, be: &B, slot: Slot, block: usize) -> Result<(), ModelError> {
-        let pass = rounding_key(self.seed, self.step, TOWER_DOMAIN, self.pass as usize);
-        let key = rounding_key(pass, 0, slot as usize, block);
+        let key = self.keys.key(TOWER_DOMAIN, slot as usize, block);
         let missing = || ModelError::LayoutMismatch {
             what: "vision tower bf16 gradient",
         };
@@ -84,21 +79,6 @@ impl<B: Backend> TowerHalfGrads<B> {
         let dst = ViewMut::item(half, block, item)?;
         be.accumulate_bf16_stochastic(View::whole(scratch), key, dst)?;
         Ok(())
-    }
-
-    /// Counts a finished backward pass (the next draws other bits).
-    pub(crate) fn end_pass(&mut self) {
-        self.pass += 1;
-    }
-
-    /// Sets the rounding keys' seed and step; the passes count from 0 again.
-    pub(crate) fn set_rounding(&mut self, seed: u64, step: u64) {
-        (self.seed, self.step, self.pass) = (seed, step, 0);
-    }
-
-    /// Keys the coming backward pass by `pass` (the ones after it count on).
-    pub(crate) fn set_pass(&mut self, pass: u64) {
-        self.pass = pass;
     }
 
     /// Bytes of the bf16 gradients and the scratch.

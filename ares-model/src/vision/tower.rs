@@ -340,7 +340,7 @@ impl<B: Backend> VisionGrads<B> {
     /// [`Grads::set_rounding`](crate::model::Grads::set_rounding). Nothing for f32 ones.
     pub fn set_rounding(&mut self, seed: u64, step: u64) {
         if let Some(h) = &mut self.half {
-            h.set_rounding(seed, step);
+            h.keys.set_rounding(seed, step);
         }
     }
 
@@ -348,7 +348,7 @@ impl<B: Backend> VisionGrads<B> {
     /// [`Grads::set_rounding_pass`](crate::model::Grads::set_rounding_pass).
     pub fn set_rounding_pass(&mut self, pass: u64) {
         if let Some(h) = &mut self.half {
-            h.set_pass(pass);
+            h.keys.set_pass(pass);
         }
     }
 }
@@ -1669,7 +1669,7 @@ impl<B: Backend> VisionTower<B> {
             None,
         )?;
         if let Some(h) = half {
-            h.end_pass();
+            h.keys.end_pass();
         }
         Ok(())
     }
