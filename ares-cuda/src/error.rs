@@ -73,6 +73,14 @@ pub enum Error {
         /// cuBLAS's status.
         source: cudarc::cublas::result::CublasError,
     },
+    /// A cuBLASLt call failed.
+    #[error("cuBLASLt error in {step}: {source}")]
+    BlasLt {
+        /// The call, e.g. `cublasLtMatmul with the bias epilogue`.
+        step: String,
+        /// cuBLASLt's status.
+        source: cudarc::cublaslt::result::CublasError,
+    },
     /// A collective made no progress within its limit (another rank died or hangs).
     #[error(
         "NCCL {what}: no progress in {secs} s (a rank died or hangs; ARES_COLLECTIVE_TIMEOUT \

@@ -22,6 +22,7 @@
 //!   `CUDA_R_16BF` inputs with `CUBLAS_COMPUTE_32F`: bf16 tensor cores, f32 sums.
 
 use crate::error::{Error, Result};
+use crate::gemm_lt::{BiasGemm, Lt};
 use cudarc::cublas::{CudaBlas, result as blas_result, sys};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, SyncOnDrop};
@@ -35,7 +36,7 @@ pub fn cublas_available() -> bool {
 }
 
 /// How a GEMM multiplies (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum GemmPrecision {
     /// True f32 products.
     #[default]
@@ -109,7 +110,10 @@ pub struct Blas {
     blas: Mutex<CudaBlas>,
     stream: Arc<CudaStream>,
     /// cuBLAS's workspace, ours: a GEMM in a captured CUDA graph must not allocate one.
-    _workspace: cudarc::driver::CudaSlice<u8>,
+    /// cuBLASLt's products are given it too (they queue on the same stream).
+    workspace: cudarc::driver::CudaSlice<u8>,
+    /// cuBLASLt, for the bias epilogue (`None`: not loadable or turned off).
+    lt: Option<Lt>,
 }
 
 /// Bytes of cuBLAS's workspace (what NVIDIA's documentation asks for on Hopper).
@@ -241,8 +245,93 @@ impl Blas {
         Ok(Self {
             blas: Mutex::new(blas),
             stream,
-            _workspace: workspace,
+            workspace,
+            lt: Lt::new(),
         })
+    }
+
+    /// Products that ran with the bias in cuBLASLt's epilogue so far (`None`: cuBLASLt is
+    /// not in use, see `gemm_lt.rs`).
+    pub(crate) fn bias_epilogues(&self) -> Option<u64> {
+        self.lt.as_ref().map(Lt::calls)
+    }
+
+    /// `y = x · wᵀ + bias` (or `x · wt + bias`, `transposed`) in one cuBLASLt call with the
+    /// bias epilogue, overwriting the f32 `y`; `Ok(false)` when it was not run (no
+    /// cuBLASLt, an unaligned bias, no algorithm for the shape) and the caller is to
+    /// multiply and add the bias itself.
+    pub(crate) fn linear_bias(
+        &self,
+        d: &BlasDims,
+        x: Operand<'_, '_>,
+        w: Operand<'_, '_>,
+        bias: &CudaView<'_, f32>,
+        y: &mut CudaViewMut<'_, f32>,
+        transposed: bool,
+    ) -> Result<bool> {
+        let Some(lt) = &self.lt else { return Ok(false) };
+        let span = |a: c_int, b: c_int| a as usize * b as usize;
+        let same_type = matches!(
+            (&x, &w, d.precision),
+            (Operand::Bf16(_), Operand::Bf16(_), GemmPrecision::Bf16)
+                | (
+                    Operand::F32(_),
+                    Operand::F32(_),
+                    GemmPrecision::F32 | GemmPrecision::Tf32
+                )
+        );
+        if !same_type
+            || x.len() < span(d.rows, d.inp)
+            || w.len() < span(d.out, d.inp)
+            || y.len() < span(d.rows, d.out)
+            || bias.len() < d.out as usize
+        {
+            return Err(Error::BadArgument {
+                kernel: "linear (bias epilogue)",
+                message: format!(
+                    "internal: operands ({} and {} elements, bias {}) do not fit rows={} in={} \
+                     out={} or precision {:?}",
+                    x.len(),
+                    w.len(),
+                    bias.len(),
+                    d.rows,
+                    d.inp,
+                    d.out,
+                    d.precision
+                ),
+            });
+        }
+        let _blas = self.blas.lock().unwrap_or_else(|p| p.into_inner());
+        let stream = &self.stream;
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|source| Error::Driver {
+                step: "linear (bias epilogue): binding the context".into(),
+                source,
+            })?;
+        // The guards record the reads and the write on `stream` when they drop, after the
+        // call is queued.
+        let (a, _ra) = w.device_ptr(stream);
+        let (b, _rb) = x.device_ptr(stream);
+        let (bp, _rbias) = bias.device_ptr(stream);
+        let (dp, _rd) = y.device_ptr_mut(stream);
+        let (ws, _rws) = self.workspace.device_ptr(stream);
+        let g = BiasGemm {
+            transa: !transposed,
+            m: d.out,
+            n: d.rows,
+            k: d.inp,
+            precision: d.precision,
+            a,
+            b,
+            d: dp,
+            bias: bp,
+        };
+        // SAFETY: the spans were checked above (the callers check every view against the
+        // layer's shape too); the workspace is ours and used on `stream` only, under the
+        // handle lock that orders it with cuBLAS's own use; the context is bound.
+        unsafe { lt.matmul_bias(stream, (ws, WORKSPACE_BYTES), &g) }
     }
 
     fn gemm(&self, step: &'static str, call: Call<'_, '_>, c: Output<'_, '_>) -> Result<()> {

@@ -21,6 +21,7 @@ pub use error::{Error, Result};
 mod device;
 pub mod external;
 pub mod gemm;
+mod gemm_lt;
 mod launch;
 mod loss_ops;
 pub mod mma;

@@ -405,6 +405,9 @@ fn linear_matches_cpu() {
         (MatmulPrecision::Tf32, 5e-3),
         (MatmulPrecision::Bf16, 2e-5),
     ];
+    // biased products take cuBLASLt's epilogue where it has an algorithm (ares-cuda's
+    // `gemm_lt.rs`); the rest multiply, then add the bias
+    let epilogues_before = gpu.ops().bias_epilogues();
     for ((rows, inp, out), (precision, tol)) in shapes
         .into_iter()
         .flat_map(|s| precisions.into_iter().map(move |p| (s, p)))
@@ -556,6 +559,11 @@ fn linear_matches_cpu() {
                 1e-5,
             );
         }
+    }
+    let epilogues = gpu.ops().bias_epilogues();
+    eprintln!("linear_matches_cpu: bias epilogues {epilogues_before:?} -> {epilogues:?}");
+    if let (Some(before), Some(after)) = (epilogues_before, epilogues) {
+        assert!(after > before, "no biased product took cuBLASLt's epilogue");
     }
 }
 

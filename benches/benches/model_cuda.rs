@@ -275,6 +275,13 @@ fn main() {
             }
         }
     }
+    // the q/k/v biases added in cuBLASLt's epilogue (`ARES_CUBLASLT=0`: a GEMM and a pass)
+    println!(
+        "biased products with cuBLASLt's bias epilogue: {}",
+        gpu.ops()
+            .bias_epilogues()
+            .map_or("none (cuBLASLt not in use)".into(), |n| n.to_string())
+    );
 }
 
 /// LoRA r = 16 on every linear layer of a second copy of the model (bf16 operands,

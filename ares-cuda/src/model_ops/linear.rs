@@ -211,22 +211,33 @@ impl ModelOps {
         if d.y_len == 0 {
             return Ok(());
         }
+        // with a bias, cuBLASLt adds it in the GEMM's epilogue where it can (`gemm_lt.rs`)
+        let mut bias_added = false;
         if dims.in_features == 0 {
             // An empty sum: cuBLAS is not asked for k = 0.
             self.fill(out, 0.0)?;
         } else {
             self.with_operands(d.precision, [x, w], |[x, w]| {
-                if transposed {
-                    self.blas.linear_t(&d, x, w, out)
-                } else {
-                    self.blas.linear(&d, x, w, Output::F32(out))
+                if let Some(b) = bias {
+                    bias_added = self.blas.linear_bias(&d, x, w, b, out, transposed)?;
+                }
+                match (bias_added, transposed) {
+                    (true, _) => Ok(()),
+                    (false, true) => self.blas.linear_t(&d, x, w, out),
+                    (false, false) => self.blas.linear(&d, x, w, Output::F32(out)),
                 }
             })?;
         }
         match bias {
-            Some(b) => self.bias_add(out, b, dims.rows),
-            None => Ok(()),
+            Some(b) if !bias_added => self.bias_add(out, b, dims.rows),
+            _ => Ok(()),
         }
+    }
+
+    /// Biased products that ran with the bias in cuBLASLt's epilogue so far (`None`:
+    /// cuBLASLt not in use — not loadable, or `ARES_CUBLASLT=0`).
+    pub fn bias_epilogues(&self) -> Option<u64> {
+        self.blas.bias_epilogues()
     }
 
     /// Backward of [`ModelOps::linear`] from `dout` `[rows, out]`: `dx (+)= dout · w`
