@@ -533,3 +533,39 @@ fn chat_template_processor_and_expansion_match_transformers() {
 fn vision_turns_continued_over_kept_blocks_equal_the_whole_conversation() {
     vl::continued_turns_equal_the_whole_conversation(|| CpuBackend);
 }
+
+/// `tower_arena_bytes` (what the trainer's memory plan counts) is what an arena holds, for
+/// both families (LayerNorm and QuickGELU; RMSNorm and SwiGLU), each kind of arena:
+/// inference, training, training checkpointed.
+#[test]
+fn tower_arena_bytes_are_what_an_arena_holds() {
+    use ares_model::vision::tower::{VisionPlan, tower_arena_bytes};
+    use safetensors::SafeTensors;
+    for model in MODELS {
+        let (ck, bytes) = vl::load(model);
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let mut m = VlModel::from_checkpoint(CpuBackend, &ck).unwrap();
+        for c in vl::CASES {
+            let cs = vl::case(&st, c);
+            if cs.vision.is_empty() {
+                continue;
+            }
+            let mut grids = cs.vision.image_grids.clone();
+            grids.extend(&cs.vision.video_grids);
+            let cfg = &ck.config.vision;
+            let plan = VisionPlan::new(cfg, &grids).unwrap();
+            for (keep, checkpointed) in [(false, false), (true, false), (true, true)] {
+                m.tower_mut().set_gradient_checkpointing(checkpointed);
+                let acts = m
+                    .tower()
+                    .activations(&CpuBackend, plan.clone(), keep)
+                    .unwrap();
+                assert_eq!(
+                    tower_arena_bytes(cfg, plan.patches, keep, checkpointed),
+                    acts.bytes() as u64,
+                    "{model} {c}: keep {keep}, checkpointed {checkpointed}"
+                );
+            }
+        }
+    }
+}

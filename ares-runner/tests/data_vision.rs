@@ -202,9 +202,16 @@ fn media_become_the_processor_outputs_and_token_counts_match() {
                 "{model} {}",
                 e.global_id
             );
+            // and the image tokens in it (what the memory plan sizes the tower with)
+            assert_eq!(
+                p.expanded_prompt(e, ids.len()).unwrap(),
+                (expanded.len(), n),
+                "{model}"
+            );
         }
         assert_eq!(vision_token_count(&ex[2], &p).unwrap(), 0);
         assert_eq!(p.expanded_prompt_length(&ex[2], 17).unwrap(), 17);
+        assert_eq!(p.expanded_prompt(&ex[2], 17).unwrap(), (17, 0));
     }
 }
 

@@ -102,6 +102,29 @@ fn train(cfg: Config) -> (Vec<Map<String, Value>>, Option<PathBuf>) {
     (read_metrics(&s.metrics).unwrap(), s.checkpoint)
 }
 
+/// `ares-runner plan` on a vision-language run counts the tower's activations from the
+/// data's images: the video row's 4 frames of 56 × 56 are its largest prompt, 2 temporal
+/// × 4 × 4 = 32 patches (the image row's 56 × 84: 24).
+#[test]
+fn the_plan_counts_the_towers_activations_from_the_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path(), &dir.path().join("run"), &[]);
+    let table = ares_runner::commands::plan(&cfg, None).unwrap();
+    let row = table
+        .lines()
+        .filter(|l| l.contains("vision tower activations"))
+        .collect::<Vec<_>>();
+    // rollout, scoring, update
+    assert_eq!(row.len(), 3, "{table}");
+    assert!(row.iter().all(|r| r.contains("32 patches a prompt")), "{table}");
+    assert!(row[2].contains("kept for the backward"), "{table}");
+    // without the data the table says it leaves them out
+    let mut no_data = cfg.clone();
+    no_data.data.train_files = None;
+    let table = ares_runner::commands::plan(&no_data, None).unwrap();
+    assert!(table.contains("vision tower activations: not counted"), "{table}");
+}
+
 #[test]
 fn two_steps_train_and_save_the_tower() {
     let dir = tempfile::tempdir().unwrap();

@@ -397,6 +397,108 @@ pub struct VisionActs<B: Backend> {
     lora: Option<TowerLoraActs<B>>,
 }
 
+/// Lengths in elements of the buffers of a tower arena ([`VisionTower::activations`]):
+/// what it allocates and what the memory plan counts ([`tower_arena_bytes`]).
+struct ArenaLens {
+    pixels: usize,
+    /// cos and sin, each.
+    rope: usize,
+    resid: usize,
+    /// Each of n1, q, k, v, att, mid, n2: `[blocks, N, C]`.
+    block: usize,
+    lse: usize,
+    /// Each of n1_mean and n2_mean (LayerNorm only).
+    stats: usize,
+    /// Each of n1_rstd and n2_rstd.
+    rows: usize,
+    /// Each of mlp_in and mlp_act.
+    mlp: usize,
+    /// mlp_up (SwiGLU only).
+    up: usize,
+    /// Each of branch and merge_norm: `[N, C]`.
+    scratch: usize,
+    merge_mean: usize,
+    merge_rstd: usize,
+    /// Each of merge_hidden and merge_act.
+    merged: usize,
+    out: usize,
+}
+
+impl ArenaLens {
+    /// An arena of `patches` patches: every block's activations (`keep`), every block's
+    /// input and one block's rest (`keep` and `checkpointed`), or one block's (inference).
+    fn new(c: &VisionConfig, patches: usize, keep: bool, checkpointed: bool) -> Self {
+        let n = patches;
+        let units = n / (c.spatial_merge_size * c.spatial_merge_size).max(1);
+        let (h, i) = (c.hidden, c.intermediate);
+        let blocks = if keep && !checkpointed { c.depth } else { 1 };
+        let resid_items = if keep { c.depth + 1 } else { 2 };
+        let ln = c.layer_norm();
+        Self {
+            pixels: n * c.patch_dim(),
+            rope: n * (c.head_dim / 2),
+            resid: resid_items * n * h,
+            block: blocks * n * h,
+            lse: blocks * n * c.heads,
+            stats: if ln { blocks * n } else { 0 },
+            rows: blocks * n,
+            mlp: blocks * n * i,
+            up: if c.mlp == VisionMlp::SwiGlu {
+                blocks * n * i
+            } else {
+                0
+            },
+            scratch: n * h,
+            merge_mean: if ln { n } else { 0 },
+            merge_rstd: n,
+            merged: units * c.merged_dim(),
+            out: units * c.out_hidden,
+        }
+    }
+
+    /// Elements of every buffer (the plan's segment bounds, a few integers, aside).
+    fn total(&self) -> u64 {
+        let n = |x: usize| x as u64;
+        n(self.pixels)
+            + 2 * n(self.rope)
+            + n(self.resid)
+            + 7 * n(self.block)
+            + n(self.lse)
+            + 2 * n(self.stats)
+            + 2 * n(self.rows)
+            + 2 * n(self.mlp)
+            + n(self.up)
+            + 2 * n(self.scratch)
+            + n(self.merge_mean)
+            + n(self.merge_rstd)
+            + 2 * n(self.merged)
+            + n(self.out)
+    }
+}
+
+/// Bytes of a tower arena of `patches` patches (f32; LoRA pairs' intermediates aside), as
+/// [`VisionTower::activations`] allocates it: `keep` for a backward, `checkpointed` with
+/// [`VisionTower::set_gradient_checkpointing`] — what the memory plan counts.
+pub fn tower_arena_bytes(
+    cfg: &VisionConfig,
+    patches: usize,
+    keep: bool,
+    checkpointed: bool,
+) -> u64 {
+    4 * ArenaLens::new(cfg, patches, keep, checkpointed).total()
+}
+
+/// Bytes of the scratch [`VisionTower::backward`] allocates beside the arena for `patches`
+/// patches: the gradients of a block's activations and of the merger's (f32).
+pub fn tower_backward_bytes(cfg: &VisionConfig, patches: usize) -> u64 {
+    let n = patches as u64;
+    let units = n / (cfg.spatial_merge_size * cfg.spatial_merge_size).max(1) as u64;
+    let (h, i) = (cfg.hidden as u64, cfg.intermediate as u64);
+    // d_resid, d_mid, d_norm, d_att, dq, dk, dv; d_act, d_in, d_up; the merger's two; a
+    // frozen LayerNorm's two (at most)
+    4 * (7 * n * h + 3 * n * i + 2 * units * cfg.merged_dim() as u64 + 2 * h)
+}
+
 impl<B: Backend> VisionActs<B> {
     /// The plan this arena was made for.
     pub fn plan(&self) -> &VisionPlan {
@@ -757,17 +859,9 @@ impl<B: Backend> VisionTower<B> {
     ) -> Result<VisionActs<B>, ModelError> {
         let c = &self.cfg;
         let n = plan.patches;
-        let (h, i) = (c.hidden, c.intermediate);
         let checkpointed = keep && self.gradient_checkpointing;
         let blocks = if keep && !checkpointed { c.depth } else { 1 };
-        let resid_items = if keep { c.depth + 1 } else { 2 };
-        let up = if c.mlp == VisionMlp::SwiGlu {
-            blocks * n * i
-        } else {
-            0
-        };
-        let m = c.merged_dim();
-        let stats = if c.layer_norm() { blocks * n } else { 0 };
+        let len = ArenaLens::new(c, n, keep, checkpointed);
         let mut cu_full = be.alloc_ids(plan.cu_full.len())?;
         be.upload_ids(&plan.cu_full, &mut cu_full)?;
         let mut cu_window = be.alloc_ids(plan.cu_window.len())?;
@@ -779,34 +873,34 @@ impl<B: Backend> VisionTower<B> {
         Ok(VisionActs {
             keep,
             checkpointed,
-            pixels: be.alloc(n * c.patch_dim())?,
+            pixels: be.alloc(len.pixels)?,
             cos,
             sin,
             cu_full,
             cu_window,
-            resid: be.alloc(resid_items * n * h)?,
-            n1: be.alloc(blocks * n * h)?,
-            n1_mean: be.alloc(stats)?,
-            n1_rstd: be.alloc(blocks * n)?,
-            q: be.alloc(blocks * n * h)?,
-            k: be.alloc(blocks * n * h)?,
-            v: be.alloc(blocks * n * h)?,
-            att: be.alloc(blocks * n * h)?,
-            lse: be.alloc(blocks * n * c.heads)?,
-            mid: be.alloc(blocks * n * h)?,
-            n2: be.alloc(blocks * n * h)?,
-            n2_mean: be.alloc(stats)?,
-            n2_rstd: be.alloc(blocks * n)?,
-            mlp_in: be.alloc(blocks * n * i)?,
-            mlp_up: be.alloc(up)?,
-            mlp_act: be.alloc(blocks * n * i)?,
-            branch: be.alloc(n * h)?,
-            merge_norm: be.alloc(n * h)?,
-            merge_mean: be.alloc(if c.layer_norm() { n } else { 0 })?,
-            merge_rstd: be.alloc(n)?,
-            merge_hidden: be.alloc(plan.units * m)?,
-            merge_act: be.alloc(plan.units * m)?,
-            out: be.alloc(plan.units * c.out_hidden)?,
+            resid: be.alloc(len.resid)?,
+            n1: be.alloc(len.block)?,
+            n1_mean: be.alloc(len.stats)?,
+            n1_rstd: be.alloc(len.rows)?,
+            q: be.alloc(len.block)?,
+            k: be.alloc(len.block)?,
+            v: be.alloc(len.block)?,
+            att: be.alloc(len.block)?,
+            lse: be.alloc(len.lse)?,
+            mid: be.alloc(len.block)?,
+            n2: be.alloc(len.block)?,
+            n2_mean: be.alloc(len.stats)?,
+            n2_rstd: be.alloc(len.rows)?,
+            mlp_in: be.alloc(len.mlp)?,
+            mlp_up: be.alloc(len.up)?,
+            mlp_act: be.alloc(len.mlp)?,
+            branch: be.alloc(len.scratch)?,
+            merge_norm: be.alloc(len.scratch)?,
+            merge_mean: be.alloc(len.merge_mean)?,
+            merge_rstd: be.alloc(len.merge_rstd)?,
+            merge_hidden: be.alloc(len.merged)?,
+            merge_act: be.alloc(len.merged)?,
+            out: be.alloc(len.out)?,
             lora: self.lora_acts(be, n, plan.units, blocks)?,
             plan,
         })

@@ -22,7 +22,8 @@ use crate::trainer::{TrainError, Trainer};
 
 pub use sft::{SftOptions, SftReport, read_sft_pairs, run_sft, sft};
 
-/// `ares-runner plan`: the memory plan of a run of `cfg` (its model's config files only,
+/// `ares-runner plan`: the memory plan of a run of `cfg` (its model's config files, and for
+/// a vision-language model the sizes of the images of `data.train_files` when it is set;
 /// nothing allocated), as a table, and whether it fits: `memory` bytes when given (a GPU's,
 /// `plan --memory 80G`), else this machine's host memory for a CPU run.
 ///
@@ -47,8 +48,31 @@ pub fn plan(cfg: &Config, memory: Option<u64>) -> Result<String, TrainError> {
         .kl
         .enabled;
     let on_cpu = cfg.trainer.device == Device::Cpu;
-    let plan = crate::trainer::run::memory_plan(cfg, &model_dir, on_cpu, reference)?;
+    // a vision-language model's tower scales with the data's images: read their sizes
+    // when the data is named (as the trainer does at its start)
+    let mut note = String::new();
+    let vision_tokens = match (
+        crate::vision::config::VlConfig::is_vl_dir(&model_dir),
+        cfg.data.train_files.as_deref(),
+    ) {
+        (true, Some(train)) => {
+            let tokens = crate::trainer::setup::renderer(cfg, &model_dir).and_then(|r| {
+                let examples = crate::trainer::setup::load_examples(cfg, train)?;
+                Ok(crate::trainer::setup::filter_prompts(cfg, &r, examples)?.vision_tokens)
+            });
+            match tokens {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    note = format!("(the vision tower's activations: data.train_files: {e})\n");
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
+    let plan = crate::trainer::run::memory_plan(cfg, &model_dir, on_cpu, reference, vision_tokens)?;
     let mut out = plan.table();
+    out.push_str(&note);
     let available = match (memory, on_cpu) {
         (Some(bytes), _) => Some((bytes, "given: --memory".to_string())),
         (None, true) => crate::host_memory::available_host_memory().map_err(TrainError::Invalid)?,

@@ -136,11 +136,25 @@ impl MediaProcessor {
     /// # Errors
     /// As [`vision_token_count`].
     pub fn expanded_prompt_length(&self, example: &Example, rendered_len: usize) -> Result<usize> {
+        Ok(self.expanded_prompt(example, rendered_len)?.0)
+    }
+
+    /// [`Self::expanded_prompt_length`] and the [`vision_token_count`] in it (0 without
+    /// media), from one reading of the media's sizes.
+    ///
+    /// # Errors
+    /// As [`vision_token_count`].
+    pub fn expanded_prompt(
+        &self,
+        example: &Example,
+        rendered_len: usize,
+    ) -> Result<(usize, usize)> {
         if !example.has_media() {
-            return Ok(rendered_len);
+            return Ok((rendered_len, 0));
         }
         let pads = example.images.len() + example.videos.len();
-        Ok(rendered_len.saturating_sub(pads) + vision_token_count(example, self)?)
+        let vision = vision_token_count(example, self)?;
+        Ok((rendered_len.saturating_sub(pads) + vision, vision))
     }
 
     fn error(&self, example: &Example, media: MediaKind, i: usize, reason: String) -> DataError {

@@ -164,7 +164,8 @@ impl<B: Backend + Clone> Trainer<B> {
             }
             None => Vec::new(),
         };
-        let (train, train_ids) = filter_prompts(&cfg, &renderer, train)?;
+        let kept = filter_prompts(&cfg, &renderer, train)?;
+        let (train, train_ids, vision_tokens) = (kept.examples, kept.ids, kept.vision_tokens);
         let per_epoch = (train.len() / cfg.data.rollout_batch_size).max(1) as u64;
         let total_steps = match cfg.trainer.max_steps {
             Some(s) => s as u64,
@@ -177,8 +178,13 @@ impl<B: Backend + Clone> Trainer<B> {
         let separate_reference =
             settings.kl.enabled && (lora.is_none() || cfg.worker.ref_.model_path.is_some());
         // (the plan itself counts no reference copy under LoRA)
-        settings.max_kv_blocks =
-            check_memory(&cfg, &model_dir, backend.memory_info(), settings.kl.enabled)?;
+        settings.max_kv_blocks = check_memory(
+            &cfg,
+            &model_dir,
+            backend.memory_info(),
+            settings.kl.enabled,
+            vision_tokens,
+        )?;
         let initial = ModelFiles::load(&model_dir)?;
         let max_positions = initial.text_config().max_position_embeddings;
         let longest = train_ids.iter().map(Vec::len).max().unwrap_or(0);
@@ -1263,7 +1269,9 @@ pub(crate) fn multi_turn(
 }
 
 /// The memory plan of a run of `cfg` on the model in `model_dir` ([`crate::trainer::setup::memory`]), from
-/// its config files alone.
+/// its config files and, for a vision-language model, the most merged image/video tokens
+/// one prompt of the data holds (`vision_tokens`; `None`: the tower's activations are left
+/// out, the table says so).
 ///
 /// # Errors
 /// Unreadable model configs.
@@ -1272,6 +1280,7 @@ pub fn memory_plan(
     model_dir: &Path,
     on_cpu: bool,
     reference: bool,
+    vision_tokens: Option<usize>,
 ) -> Result<crate::trainer::setup::memory::MemoryPlan, TrainError> {
     let invalid = |e: crate::hf::HfError| TrainError::Invalid(e.to_string());
     let (text, vision) = if crate::vision::config::VlConfig::is_vl_dir(model_dir) {
@@ -1289,6 +1298,7 @@ pub fn memory_plan(
             .as_ref()
             .map_or(0, crate::vision::weights::tower_parameters),
         vision: vision.as_ref(),
+        vision_tokens: vision_tokens.map(|t| t as u64),
         on_cpu,
         reference,
     };
@@ -1305,10 +1315,11 @@ fn check_memory(
     model_dir: &Path,
     device: Option<(u64, u64)>,
     reference: bool,
+    vision_tokens: usize,
 ) -> Result<Option<usize>, TrainError> {
     use crate::trainer::setup::memory::{Fit, fit};
     let on_cpu = device.is_none();
-    let mut plan = memory_plan(cfg, model_dir, on_cpu, reference)?;
+    let mut plan = memory_plan(cfg, model_dir, on_cpu, reference, Some(vision_tokens))?;
     let hint = match cfg.worker.rollout.kv_cache_dtype {
         crate::config::KvCacheDtype::F32 => {
             "; worker.rollout.kv_cache_dtype=bf16 fits twice as many"

@@ -167,12 +167,25 @@ impl PromptRenderer {
     /// # Errors
     /// Unreadable media, naming the row.
     pub fn prompt_len(&self, example: &Example, ids: &[u32]) -> Result<usize, TrainError> {
+        Ok(self.expanded_len(example, ids)?.0)
+    }
+
+    /// [`PromptRenderer::prompt_len`] and the merged image/video tokens among them (0
+    /// without media: what the vision tower's activations scale with).
+    ///
+    /// # Errors
+    /// As [`PromptRenderer::prompt_len`].
+    pub fn expanded_len(
+        &self,
+        example: &Example,
+        ids: &[u32],
+    ) -> Result<(usize, usize), TrainError> {
         match (&self.media, example.has_media()) {
             (Some(m), true) => m
                 .processor
-                .expanded_prompt_length(example, ids.len())
+                .expanded_prompt(example, ids.len())
                 .map_err(|err| TrainError::Invalid(err.to_string())),
-            _ => Ok(ids.len()),
+            _ => Ok((ids.len(), 0)),
         }
     }
 

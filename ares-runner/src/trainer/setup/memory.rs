@@ -24,7 +24,9 @@
 //!
 //! The peak is the held memory plus the largest phase. It is an upper bound of the model's
 //! memory — every sequence at its longest, which a random or rambling policy does reach —
-//! and leaves out the program itself, the datasets and the vision tower's activations.
+//! and leaves out the program itself and the datasets. The vision tower's activations are
+//! counted from the data's largest prompt in image tokens (the trainer reads the images'
+//! sizes at its start; `ares-runner plan` without the data says it leaves them out).
 
 use crate::config::{Config, MatmulPrecisionCfg, WeightDtypeCfg};
 use crate::hf::config::ModelConfig;
@@ -162,6 +164,10 @@ pub struct PlanModel<'a> {
     pub tower_params: u64,
     /// The vision tower's config (`None` for a text model): where LoRA pairs go.
     pub vision: Option<&'a crate::vision::config::VisionConfig>,
+    /// The most merged image/video tokens one prompt of the data holds, which the tower's
+    /// activations scale with (`None`: not known, e.g. `ares-runner plan` without the
+    /// data — the tower's activations are then left out and the table says so).
+    pub vision_tokens: Option<u64>,
     /// Whether the model is trained in host memory (else on a GPU).
     pub on_cpu: bool,
     /// Whether the KL needs a reference policy (under LoRA it is the actor with its
@@ -434,8 +440,55 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         ],
     };
 
+    let mut phases = vec![rollout];
     // scoring and update: an arena of a micro-batch at the longest packed length
     let micro = (cfg.worker.actor.micro_batch_size_per_device_for_update as u64).max(1);
+    // the vision tower's arena: a prompt's images at the rollout (one prompt at a time, the
+    // one before kept while the next is made), a micro-batch's in scoring and the update —
+    // each of its sequences at the data's most image tokens (the n samples of one prompt
+    // sit side by side, so a micro-batch does reach it)
+    let tower = |phase: &str| -> Option<Part> {
+        let v = model.vision?;
+        let Some(tokens) = model.vision_tokens else {
+            return Some(Part {
+                what: "vision tower activations: not counted (they scale with the data's images)"
+                    .into(),
+                bytes: 0,
+            });
+        };
+        let m2 = (v.spatial_merge_size * v.spatial_merge_size) as u64;
+        let one = tokens.saturating_mul(m2);
+        let bytes = |patches: u64, keep: bool, checkpointed: bool| {
+            let patches = usize::try_from(patches).unwrap_or(usize::MAX);
+            crate::vision::tower::tower_arena_bytes(v, patches, keep, checkpointed)
+        };
+        // the update keeps what the tower's backward reads when the tower is trained
+        let keep = !cfg.worker.actor.model.freeze_vision_tower;
+        let checkpointed = cfg.worker.actor.model.enable_gradient_checkpointing;
+        let (what, b) = match phase {
+            "rollout" => ("one prompt's, twice", 2 * bytes(one, false, false)),
+            "scoring" => ("forward only", bytes(micro * one, false, false)),
+            _ if keep => (
+                if checkpointed {
+                    "kept for the backward, checkpointed, with its gradients' scratch"
+                } else {
+                    "kept for the backward, with its gradients' scratch"
+                },
+                bytes(micro * one, true, checkpointed).saturating_add(
+                    crate::vision::tower::tower_backward_bytes(
+                        v,
+                        usize::try_from(micro * one).unwrap_or(usize::MAX),
+                    ),
+                ),
+            ),
+            _ => ("forward only (frozen)", bytes(micro * one, false, false)),
+        };
+        Some(Part {
+            what: format!("vision tower activations ({what}; {one} patches a prompt)"),
+            bytes: b,
+        })
+    };
+    phases[0].parts.extend(tower("rollout"));
     let rows = micro * longest;
     let head = HeadMode::auto(rows as usize, spec.vocab);
     let checkpointed = cfg.worker.actor.model.enable_gradient_checkpointing;
@@ -444,7 +497,6 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         HeadMode::Chunked { rows } => format!("LM head {rows} rows at a time"),
     };
     let step_rows = (cfg.data.rollout_batch_size as u64) * (cfg.worker.rollout.n as u64);
-    let mut phases = vec![rollout];
     for name in ["scoring", "update"] {
         // scoring runs forward only, in the checkpointed layout (`Model::activations_forward`);
         // the reference policy scores in f32 activations (it keeps no bf16 copies)
@@ -500,6 +552,7 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
                 bytes: f32s(rows * (4 * hq * d + 4 * hkv * d + hq + 1)) + 4 * 2 * rows,
             });
         }
+        parts.extend(tower(name));
         phases.push(Phase { name, parts });
     }
     // a checkpoint: the weights (under LoRA the pairs) copied to the host, then the
@@ -707,6 +760,7 @@ pub(crate) mod tests {
             text,
             tower_params: 0,
             vision: None,
+            vision_tokens: None,
             on_cpu,
             reference,
         };
@@ -725,6 +779,7 @@ pub(crate) mod tests {
                 text: &text,
                 tower_params: 0,
                 vision: None,
+                vision_tokens: None,
                 on_cpu: true,
                 reference: false,
             };
@@ -757,6 +812,7 @@ pub(crate) mod tests {
                 text: &text,
                 tower_params: 0,
                 vision: None,
+                vision_tokens: None,
                 on_cpu,
                 reference: true,
             };
@@ -1023,6 +1079,7 @@ pub(crate) mod tests {
                 text: &text,
                 tower_params: 0,
                 vision: None,
+                vision_tokens: None,
                 on_cpu: true,
                 reference: false,
             };
@@ -1074,6 +1131,7 @@ pub(crate) mod tests {
                 text: &text,
                 tower_params: 0,
                 vision: None,
+                vision_tokens: None,
                 on_cpu,
                 reference: false,
             };
@@ -1120,6 +1178,7 @@ pub(crate) mod tests {
                 text: &vl.text,
                 tower_params: crate::vision::weights::tower_parameters(&vl.vision),
                 vision: Some(&vl.vision),
+                vision_tokens: None,
                 on_cpu: true,
                 reference: false,
             };
@@ -1157,6 +1216,7 @@ pub(crate) mod tests {
                 text: &vl.text,
                 tower_params: crate::vision::weights::tower_parameters(&vl.vision),
                 vision: Some(&vl.vision),
+                vision_tokens: None,
                 on_cpu: true,
                 reference: false,
             };
@@ -1177,6 +1237,89 @@ pub(crate) mod tests {
             assert_eq!(grads(cfg_dtype, false), lm + tower, "{dtype:?}");
             assert_eq!(grads(cfg_dtype, true), lm, "{dtype:?}, frozen tower");
         }
+    }
+
+    /// The vision tower's activations: an arena of the data's largest prompt in image
+    /// tokens at the rollout (twice), of a micro-batch of them in scoring and the update —
+    /// what `VisionTower::activations` allocates (the tiny Qwen2.5-VL fixture), kept for
+    /// the backward unless the tower is frozen, checkpointed with the decoder; unknown
+    /// tokens leave them out, saying so.
+    #[test]
+    fn the_towers_activations_are_arenas_of_the_datas_largest_prompt() {
+        use crate::backend::cpu::CpuBackend;
+        use crate::vision::tower::{VisionPlan, tower_backward_bytes};
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../ares-model/tests/fixtures/vl/qwen2_5_vl_tiny");
+        let vl = crate::vision::config::VlConfig::from_dir(&dir).unwrap();
+        let ck = crate::vision::checkpoint::VlCheckpoint::load(&dir).unwrap();
+        let mut m = crate::vision::model::VlModel::from_checkpoint(CpuBackend, &ck).unwrap();
+        assert_eq!(vl.vision.spatial_merge_size, 2);
+        // 16 merged tokens a prompt: one 8 × 8 grid of patches
+        let tower_part = |tokens, frozen, checkpointed, phase: &str| {
+            let mut cfg = Config::default();
+            cfg.worker.actor.model.freeze_vision_tower = frozen;
+            cfg.worker.actor.model.enable_gradient_checkpointing = checkpointed;
+            let model = PlanModel {
+                text: &vl.text,
+                tower_params: crate::vision::weights::tower_parameters(&vl.vision),
+                vision: Some(&vl.vision),
+                vision_tokens: tokens,
+                on_cpu: true,
+                reference: false,
+            };
+            let plan = plan(&cfg, model).unwrap();
+            let phase = plan.phases.iter().find(|p| p.name == phase).unwrap();
+            let part = phase
+                .parts
+                .iter()
+                .find(|p| p.what.starts_with("vision tower"));
+            part.unwrap().clone()
+        };
+        let micro = Config::default()
+            .worker
+            .actor
+            .micro_batch_size_per_device_for_update;
+        let mut arena = |prompts: usize, keep: bool, checkpointed: bool| {
+            m.tower_mut().set_gradient_checkpointing(checkpointed);
+            let plan = VisionPlan::new(&vl.vision, &vec![[1, 8, 8]; prompts]).unwrap();
+            let acts = m.tower().activations(&CpuBackend, plan, keep).unwrap();
+            acts.bytes() as u64
+        };
+        let rollout = tower_part(Some(16), false, false, "rollout");
+        assert_eq!(
+            rollout.bytes,
+            2 * arena(1, false, false),
+            "{}",
+            rollout.what
+        );
+        assert!(
+            rollout.what.contains("64 patches a prompt"),
+            "{}",
+            rollout.what
+        );
+        for frozen in [false, true] {
+            let scoring = tower_part(Some(16), frozen, false, "scoring");
+            assert_eq!(
+                scoring.bytes,
+                arena(micro, false, false),
+                "{}",
+                scoring.what
+            );
+            for checkpointed in [false, true] {
+                let update = tower_part(Some(16), frozen, checkpointed, "update");
+                let want = match frozen {
+                    true => arena(micro, false, false),
+                    false => {
+                        arena(micro, true, checkpointed)
+                            + tower_backward_bytes(&vl.vision, micro * 64)
+                    }
+                };
+                assert_eq!(update.bytes, want, "{}", update.what);
+            }
+        }
+        let unknown = tower_part(None, false, false, "update");
+        assert_eq!(unknown.bytes, 0);
+        assert!(unknown.what.contains("not counted"), "{}", unknown.what);
     }
 
     /// LoRA on a vision-language model: the tower's pairs are held, trained and counted
@@ -1203,6 +1346,7 @@ pub(crate) mod tests {
                 text: &vl.text,
                 tower_params: crate::vision::weights::tower_parameters(&vl.vision),
                 vision: Some(&vl.vision),
+                vision_tokens: None,
                 on_cpu: true,
                 reference: true,
             };
@@ -1233,6 +1377,7 @@ pub(crate) mod tests {
                 text: &text,
                 tower_params: 0,
                 vision: None,
+                vision_tokens: None,
                 on_cpu: true,
                 reference: true,
             },
@@ -1275,6 +1420,7 @@ pub(crate) mod tests {
                 text: &text,
                 tower_params: 0,
                 vision: None,
+                vision_tokens: None,
                 on_cpu: true,
                 reference: true,
             },

@@ -524,8 +524,20 @@ fn prompt_bytes(p: &crate::data::Prompt) -> usize {
     }
 }
 
+/// The prompts [`filter_prompts`] keeps.
+#[derive(Debug)]
+pub struct KeptPrompts {
+    /// The examples.
+    pub examples: Vec<Example>,
+    /// Their rendered prompts' ids.
+    pub ids: Vec<Vec<u32>>,
+    /// The most merged image/video tokens one of them holds once its placeholders are
+    /// expanded (0 without media): what the vision tower's activations scale with.
+    pub vision_tokens: usize,
+}
+
 /// Keeps the examples whose rendered prompt fits `data.max_prompt_length` (when
-/// `filter_overlong_prompts`; else such a prompt is an error) and returns their ids.
+/// `filter_overlong_prompts`; else such a prompt is an error).
 ///
 /// # Errors
 /// Rendering errors; every prompt too long; a too-long prompt without filtering.
@@ -533,7 +545,7 @@ pub fn filter_prompts(
     cfg: &Config,
     renderer: &PromptRenderer,
     examples: Vec<Example>,
-) -> Result<(Vec<Example>, Vec<Vec<u32>>), TrainError> {
+) -> Result<KeptPrompts, TrainError> {
     let max = cfg.data.max_prompt_length;
     // a prompt of more bytes than `max` tokens can cover is overlong whatever the tokenizer
     // makes of it: it is not rendered nor tokenized (a book in a row costs nothing)
@@ -541,18 +553,29 @@ pub fn filter_prompts(
     let byte_limit = max.saturating_mul(bytes_per_token);
     let mut ids = Vec::with_capacity(examples.len());
     let mut lengths = Vec::with_capacity(examples.len());
+    let mut vision = Vec::with_capacity(examples.len());
     for e in &examples {
         let bytes = prompt_bytes(&e.prompt);
         if bytes > byte_limit {
             lengths.push(bytes.div_ceil(bytes_per_token));
+            vision.push(0);
             ids.push(Vec::new());
             continue;
         }
         let i = renderer.ids(e, None)?;
         // images and videos count with their expanded placeholders
-        lengths.push(renderer.prompt_len(e, &i)?);
+        let (len, units) = renderer.expanded_len(e, &i)?;
+        lengths.push(len);
+        vision.push(units);
         ids.push(i);
     }
+    let most_vision = vision
+        .iter()
+        .zip(&lengths)
+        .filter(|(_, l)| **l <= max)
+        .map(|(v, _)| *v)
+        .max()
+        .unwrap_or(0);
     if !cfg.data.filter_overlong_prompts
         && let Some((e, &len)) = examples.iter().zip(&lengths).find(|(_, l)| **l > max)
     {
@@ -580,7 +603,11 @@ pub fn filter_prompts(
         .filter(|(_, l)| **l <= max)
         .map(|(i, _)| i)
         .collect();
-    Ok((kept, ids))
+    Ok(KeptPrompts {
+        examples: kept,
+        ids,
+        vision_tokens: most_vision,
+    })
 }
 
 /// The run's LoRA settings (`worker.actor.model.lora`) as PEFT's configuration; `None` at
