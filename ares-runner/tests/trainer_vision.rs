@@ -116,13 +116,19 @@ fn the_plan_counts_the_towers_activations_from_the_data() {
         .collect::<Vec<_>>();
     // rollout, scoring, update
     assert_eq!(row.len(), 3, "{table}");
-    assert!(row.iter().all(|r| r.contains("32 patches a prompt")), "{table}");
+    assert!(
+        row.iter().all(|r| r.contains("32 patches a prompt")),
+        "{table}"
+    );
     assert!(row[2].contains("kept for the backward"), "{table}");
     // without the data the table says it leaves them out
     let mut no_data = cfg.clone();
     no_data.data.train_files = None;
     let table = ares_runner::commands::plan(&no_data, None).unwrap();
-    assert!(table.contains("vision tower activations: not counted"), "{table}");
+    assert!(
+        table.contains("vision tower activations: not counted"),
+        "{table}"
+    );
 }
 
 #[test]

@@ -666,6 +666,18 @@ pub fn check(
         {
             ways.push("trainer.activation_dtype=bf16 (the MLP's activations in bf16)");
         }
+        // a vision tower's activations scale with the images' pixels
+        let tower = |p: &Phase| {
+            p.parts
+                .iter()
+                .any(|p| p.what.starts_with("vision tower") && p.bytes > 0)
+        };
+        if plan.peak_phase().is_some_and(tower) {
+            ways.push("smaller images (data.max_pixels)");
+            if !cfg.worker.actor.model.freeze_vision_tower {
+                ways.push("worker.actor.model.freeze_vision_tower=true");
+            }
+        }
     } else {
         // decode weights that are the training weights (no copy) shrink no further
         let decode_copy = plan
@@ -1320,6 +1332,22 @@ pub(crate) mod tests {
         let unknown = tower_part(None, false, false, "update");
         assert_eq!(unknown.bytes, 0);
         assert!(unknown.what.contains("not counted"), "{}", unknown.what);
+        // an update too large for its images says so among the ways to shrink it
+        let cfg = Config::default();
+        let model = PlanModel {
+            text: &vl.text,
+            tower_params: crate::vision::weights::tower_parameters(&vl.vision),
+            vision: Some(&vl.vision),
+            vision_tokens: Some(1 << 16),
+            on_cpu: true,
+            reference: false,
+        };
+        let big = plan(&cfg, model).unwrap();
+        assert_eq!(big.peak_phase().unwrap().name, "update");
+        let refused = check(&big, big.held_total() + 1, "a test", &cfg).unwrap_err();
+        let refused = refused.to_string();
+        assert!(refused.contains("smaller images (data.max_pixels)"), "{refused}");
+        assert!(refused.contains("freeze_vision_tower=true"), "{refused}");
     }
 
     /// LoRA on a vision-language model: the tower's pairs are held, trained and counted
