@@ -97,25 +97,30 @@ fn tower_weights_stored_in_bf16_match_the_cpu() {
     let ck = VlCheckpoint::load(&dir).unwrap();
     let plan = VisionPlan::new(&ck.config.vision, &[[1, 16, 16]]).unwrap();
     // gradients in bf16 too (the linear layers' folded with stochastic rounding), over two
-    // passes
+    // passes; the MLP block's activations in f32, then in bf16 (read as stored)
     fn run<B: Backend>(
         be: &B,
         ck: &VlCheckpoint,
         plan: &VisionPlan,
+        activations: ares_model::model::ActivationDtype,
     ) -> (Vec<f32>, Vec<(bool, Vec<f32>)>) {
         use ares_model::model::GradDtype;
         let mut tower = VisionTower::new(be, &ck.config.vision, &ck.vision).unwrap();
         tower.set_matmul_precision(MatmulPrecision::Bf16);
         tower.set_weight_storage(be, WeightStorage::Bf16).unwrap();
+        tower.set_activation_dtype(activations);
         common::tower_passes(be, &tower, plan, GradDtype::Bf16, 2)
     }
-    let (want, want_g) = run(&CpuBackend, &ck, &plan);
-    let (got, got_g) = run(&gpu, &ck, &plan);
-    let err = common::rel_err(&got, &want);
-    assert!(err < 1e-2, "tower output: {err:e}");
-    for (i, ((bf16, a), (was, b))) in got_g.iter().zip(&want_g).enumerate() {
-        assert_eq!(bf16, was, "gradient {i}: the same dtype");
-        let err = common::rel_err(a, b);
-        assert!(err < 3e-2, "gradient {i}: {err:e}");
+    use ares_model::model::ActivationDtype;
+    for activations in [ActivationDtype::F32, ActivationDtype::Bf16] {
+        let (want, want_g) = run(&CpuBackend, &ck, &plan, activations);
+        let (got, got_g) = run(&gpu, &ck, &plan, activations);
+        let err = common::rel_err(&got, &want);
+        assert!(err < 1e-2, "tower output ({activations:?}): {err:e}");
+        for (i, ((bf16, a), (was, b))) in got_g.iter().zip(&want_g).enumerate() {
+            assert_eq!(bf16, was, "gradient {i}: the same dtype");
+            let err = common::rel_err(a, b);
+            assert!(err < 3e-2, "gradient {i} ({activations:?}): {err:e}");
+        }
     }
 }

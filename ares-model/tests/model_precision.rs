@@ -858,6 +858,86 @@ fn tower_weights_stored_in_bf16_are_read_by_the_bf16_ops() {
     assert_eq!(run(&stored).0, want);
 }
 
+/// The tower's MLP block in bf16 (`VisionTower::set_activation_dtype`, Qwen2.5-VL's RMSNorm
+/// and SwiGLU over weights stored in bf16): the second norm's output, gate, up and their
+/// SwiGLU are kept as bf16 and read as stored — the add and the norm as one op, gate and up
+/// bf16 in and out, down bf16 in, the backward's products and SwiGLU on the stored bits —
+/// the output within bf16 of the f32-activation tower's and every gradient along its
+/// gradient; a checkpointed arena gives the same bits; the arena is what
+/// `tower_arena_bytes` counts, and smaller. f32 weights keep f32 activations.
+#[test]
+fn tower_mlp_activations_in_bf16_are_read_as_stored() {
+    use ares_model::backend::Counting;
+    use ares_model::model::{ActivationDtype, WeightStorage};
+    use ares_model::vision::tower::{VisionPlan, VisionTower, tower_arena_bytes};
+    use ares_model::vision::weights::VisionWeights;
+    let cfg = tower_64();
+    let be = Counting::new(CpuBackend);
+    let weights = VisionWeights::random(&cfg, 0.1, 6);
+    let plan = VisionPlan::new(&cfg, &[[1, 16, 16]]).unwrap();
+    let run = |tower: &VisionTower<Counting<CpuBackend>>| {
+        be.take();
+        let (out, g) = common::tower_pass(&be, tower, &plan);
+        (out, g, be.take().calls)
+    };
+    let mut tower = VisionTower::new(&be, &cfg, &weights).unwrap();
+    tower.set_matmul_precision(MatmulPrecision::Bf16);
+    tower.set_activation_dtype(ActivationDtype::Bf16);
+    // f32 weights: the bf16 products would round them per call; the MLP stays f32
+    assert!(!tower.mlp_in_bf16());
+    tower.set_weight_storage(&be, WeightStorage::Bf16).unwrap();
+    assert!(tower.mlp_in_bf16());
+    let bytes16 = tower.activations(&be, plan.clone(), true).unwrap().bytes() as u64;
+    assert_eq!(
+        bytes16,
+        tower_arena_bytes(&cfg, plan.patches, true, false, true)
+    );
+    let (got, got_g, calls) = run(&tower);
+    tower.set_activation_dtype(ActivationDtype::F32);
+    let bytes32 = tower.activations(&be, plan.clone(), true).unwrap().bytes() as u64;
+    // n2, gate, up and act of both blocks at half the bytes
+    let (n, h, i) = (
+        plan.patches as u64,
+        cfg.hidden as u64,
+        cfg.intermediate as u64,
+    );
+    assert_eq!(bytes32 - bytes16, 2 * 2 * n * (h + 3 * i));
+    let (want, want_g, want_calls) = run(&tower);
+    let e = rel_err(&got, &want);
+    assert!(e > 0.0 && e < 1e-2, "output rel err {e:e}");
+    assert_eq!(got_g.len(), want_g.len());
+    for (k, (g, w)) in got_g.iter().zip(&want_g).enumerate() {
+        let dot: f64 = g
+            .iter()
+            .zip(w)
+            .map(|(&a, &b)| f64::from(a) * f64::from(b))
+            .sum();
+        let norm = |v: &[f32]| v.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+        let cos = dot / (norm(g) * norm(w)).max(f64::MIN_POSITIVE);
+        assert!(cos > 0.999 || norm(w) == 0.0, "gradient {k}: cosine {cos}");
+    }
+    let count = |calls: &[&str], op: &str| calls.iter().filter(|&&c| c == op).count();
+    let blocks = cfg.depth;
+    for (op, per_block) in [
+        ("add_rmsnorm_bf16", 1),
+        ("linear_bf16_io", 2),
+        ("swiglu_bf16", 1),
+        ("linear_bf16_x", 1),
+        ("linear_backward_bf16_x", 3),
+        ("swiglu_backward_bf16", 1),
+    ] {
+        assert_eq!(count(&calls, op), per_block * blocks, "{op}");
+        assert_eq!(count(&want_calls, op), 0, "{op} (f32 activations)");
+    }
+    assert_eq!(count(&calls, "swiglu"), 0);
+    // checkpointed: each block made again, the same bits
+    tower.set_activation_dtype(ActivationDtype::Bf16);
+    tower.set_gradient_checkpointing(true);
+    let (ck, ck_g, _) = run(&tower);
+    assert_eq!(ck, got);
+    assert_eq!(ck_g, got_g);
+}
+
 /// The tower's gradients stored in bf16 (`VisionTower::zero_grads_in`, `grad_dtype: bf16`):
 /// one pass gives each linear layer's gradient as its f32 one rounded to one of its two
 /// bf16 neighbours — stochastically, so about half the values that round below the

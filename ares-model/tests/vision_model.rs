@@ -561,7 +561,7 @@ fn tower_arena_bytes_are_what_an_arena_holds() {
                     .activations(&CpuBackend, plan.clone(), keep)
                     .unwrap();
                 assert_eq!(
-                    tower_arena_bytes(cfg, plan.patches, keep, checkpointed),
+                    tower_arena_bytes(cfg, plan.patches, keep, checkpointed, false),
                     acts.bytes() as u64,
                     "{model} {c}: keep {keep}, checkpointed {checkpointed}"
                 );

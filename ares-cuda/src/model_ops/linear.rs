@@ -110,10 +110,11 @@ impl ModelOps {
         check_len(K, "w", d.w_len, w.len())?;
         check_len(K, "out", d.y_len, out.len())?;
         if let Some(b) = bias {
-            // the bias joins the sum before its one rounding: an f32 result first
-            let mut y = self
-                .stream
-                .alloc_zeros::<f32>(d.y_len)
+            // the bias joins the sum before its one rounding: an f32 result first (from the
+            // stream-ordered pool, which keeps freed memory: no driver call a product)
+            // SAFETY: `linear_any` writes every element (a β = 0 GEMM or the k = 0 fill)
+            // before the rounding reads it.
+            let mut y = unsafe { self.stream.alloc::<f32>(d.y_len) }
                 .during(format!("{K}: the f32 result before rounding"))?;
             let (x, w) = (Operand::Bf16(x), Operand::Bf16(w));
             self.linear_any(K, x, w, Some(b), dims, &mut y.slice_mut(..), false)?;

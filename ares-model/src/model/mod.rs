@@ -66,6 +66,7 @@ pub(crate) mod weights;
 
 use ares_cpu::ops::rope::RopeTable;
 
+pub(crate) use act_dtype::{Act, ActMut, ActStack};
 pub use act_dtype::{ActLayout, ActivationDtype};
 
 /// Whether a pass over `rows` tokens of a model of `spec` at `precision` runs its attention

@@ -34,7 +34,9 @@ use crate::backend::{
 };
 use crate::model::lora::LoraParams;
 use crate::model::weights::HalfStack;
-use crate::model::{GradDtype, ModelError, TrainableMut, WeightStorage};
+use crate::model::{
+    Act, ActMut, ActStack, ActivationDtype, GradDtype, ModelError, TrainableMut, WeightStorage,
+};
 
 /// Epsilon of every norm of the tower (transformers hard-codes 1e-6).
 const EPS: f32 = 1e-6;
@@ -219,11 +221,26 @@ pub struct VisionTower<B: Backend> {
     pub(super) precision: MatmulPrecision,
     /// Whether training arenas keep one block's activations ([`Self::set_gradient_checkpointing`]).
     gradient_checkpointing: bool,
+    /// How training arenas store the MLP block's activations ([`Self::set_activation_dtype`]).
+    activation_dtype: ActivationDtype,
     /// LoRA pairs (`vision/lora.rs`): with them the base weights are frozen.
     pub(super) lora: Option<TowerLora<B>>,
     /// The linear layers' weights stored in bf16 ([`Self::set_weight_storage`]): their f32
     /// buffers in `weights` are then empty.
     pub(super) stored: Option<VisionParams<B::Half>>,
+}
+
+/// What reads the MLP block's activations in f32 only (they are then kept in f32:
+/// [`mlp_activations_in_bf16`]).
+const LORA_F32: &str = "a LoRA pair on the tower's MLP (its activations in bf16)";
+const PLAIN_F32: &str = "the tower's QuickGELU MLP (its activations in bf16)";
+
+/// The MLP block's activations stored in mixed dtypes, or in bf16 over f32 weights: never
+/// planned so ([`mlp_activations_in_bf16`]).
+fn mixed_mlp() -> ModelError {
+    ModelError::Bf16Activations {
+        what: "the tower's MLP block in bf16 without bf16 weights, or mixed",
+    }
 }
 
 /// A linear layer's weight as the tower's products read it: f32, or its bf16 bits when
@@ -378,12 +395,13 @@ pub struct VisionActs<B: Backend> {
     att: B::Buffer,
     lse: B::Buffer,
     mid: B::Buffer,
-    n2: B::Buffer,
+    /// The MLP block's activations, f32 or bf16 ([`mlp_activations_in_bf16`]).
+    n2: ActStack<B>,
     n2_mean: B::Buffer,
     n2_rstd: B::Buffer,
-    mlp_in: B::Buffer,
-    mlp_up: B::Buffer,
-    mlp_act: B::Buffer,
+    mlp_in: ActStack<B>,
+    mlp_up: ActStack<B>,
+    mlp_act: ActStack<B>,
     /// Scratch `[N, C]` for a block's projection outputs.
     branch: B::Buffer,
     merge_norm: B::Buffer,
@@ -395,6 +413,27 @@ pub struct VisionActs<B: Backend> {
     out: B::Buffer,
     /// The LoRA pairs' intermediates (a tower with pairs).
     lora: Option<TowerLoraActs<B>>,
+}
+
+/// Whether a tower keeps its MLP block's activations — the second norm's output, gate, up
+/// and their SwiGLU — in bf16 under `dtype`: an RMSNorm tower with a SwiGLU MLP
+/// (Qwen2.5-VL) whose linear weights are stored in bf16 (`weights_bf16`) and multiplied in
+/// bf16 (`products_bf16`), without LoRA pairs (whose ops read f32 inputs). The products read
+/// them as stored (`linear_bf16_io`, `linear_bf16_x`), as the decoder's MLP does; Qwen2-VL's
+/// LayerNorm and QuickGELU have no bf16 forms and keep f32.
+pub fn mlp_activations_in_bf16(
+    cfg: &VisionConfig,
+    dtype: ActivationDtype,
+    weights_bf16: bool,
+    products_bf16: bool,
+    lora: bool,
+) -> bool {
+    dtype == ActivationDtype::Bf16
+        && cfg.mlp == VisionMlp::SwiGlu
+        && !cfg.layer_norm()
+        && weights_bf16
+        && products_bf16
+        && !lora
 }
 
 /// Lengths in elements of the buffers of a tower arena ([`VisionTower::activations`]):
@@ -415,6 +454,8 @@ struct ArenaLens {
     mlp: usize,
     /// mlp_up (SwiGLU only).
     up: usize,
+    /// n2, mlp_in, mlp_up and mlp_act are stored in bf16 ([`mlp_activations_in_bf16`]).
+    mlp_bf16: bool,
     /// Each of branch and merge_norm: `[N, C]`.
     scratch: usize,
     merge_mean: usize,
@@ -427,7 +468,13 @@ struct ArenaLens {
 impl ArenaLens {
     /// An arena of `patches` patches: every block's activations (`keep`), every block's
     /// input and one block's rest (`keep` and `checkpointed`), or one block's (inference).
-    fn new(c: &VisionConfig, patches: usize, keep: bool, checkpointed: bool) -> Self {
+    fn new(
+        c: &VisionConfig,
+        patches: usize,
+        keep: bool,
+        checkpointed: bool,
+        mlp_bf16: bool,
+    ) -> Self {
         let n = patches;
         let units = n / (c.spatial_merge_size * c.spatial_merge_size).max(1);
         let (h, i) = (c.hidden, c.intermediate);
@@ -448,6 +495,7 @@ impl ArenaLens {
             } else {
                 0
             },
+            mlp_bf16,
             scratch: n * h,
             merge_mean: if ln { n } else { 0 },
             merge_rstd: n,
@@ -456,36 +504,40 @@ impl ArenaLens {
         }
     }
 
-    /// Elements of every buffer (the plan's segment bounds, a few integers, aside).
-    fn total(&self) -> u64 {
+    /// Bytes of every buffer (the plan's segment bounds, a few integers, aside).
+    fn bytes(&self) -> u64 {
         let n = |x: usize| x as u64;
-        n(self.pixels)
+        let mlp_bytes = if self.mlp_bf16 { 2 } else { 4 };
+        let f32s = n(self.pixels)
             + 2 * n(self.rope)
             + n(self.resid)
-            + 7 * n(self.block)
+            + 6 * n(self.block)
             + n(self.lse)
             + 2 * n(self.stats)
             + 2 * n(self.rows)
-            + 2 * n(self.mlp)
-            + n(self.up)
             + 2 * n(self.scratch)
             + n(self.merge_mean)
             + n(self.merge_rstd)
             + 2 * n(self.merged)
-            + n(self.out)
+            + n(self.out);
+        // n2 with the MLP's three
+        let mlp = n(self.block) + 2 * n(self.mlp) + n(self.up);
+        4 * f32s + mlp_bytes * mlp
     }
 }
 
-/// Bytes of a tower arena of `patches` patches (f32; LoRA pairs' intermediates aside), as
+/// Bytes of a tower arena of `patches` patches (LoRA pairs' intermediates aside), as
 /// [`VisionTower::activations`] allocates it: `keep` for a backward, `checkpointed` with
-/// [`VisionTower::set_gradient_checkpointing`] — what the memory plan counts.
+/// [`VisionTower::set_gradient_checkpointing`], the MLP block's activations in bf16 with
+/// `mlp_bf16` ([`mlp_activations_in_bf16`]) — what the memory plan counts.
 pub fn tower_arena_bytes(
     cfg: &VisionConfig,
     patches: usize,
     keep: bool,
     checkpointed: bool,
+    mlp_bf16: bool,
 ) -> u64 {
-    4 * ArenaLens::new(cfg, patches, keep, checkpointed).total()
+    ArenaLens::new(cfg, patches, keep, checkpointed, mlp_bf16).bytes()
 }
 
 /// Bytes of the scratch [`VisionTower::backward`] allocates beside the arena for `patches`
@@ -521,12 +573,8 @@ impl<B: Backend> VisionActs<B> {
             &self.att,
             &self.lse,
             &self.mid,
-            &self.n2,
             &self.n2_mean,
             &self.n2_rstd,
-            &self.mlp_in,
-            &self.mlp_up,
-            &self.mlp_act,
             &self.branch,
             &self.merge_norm,
             &self.merge_mean,
@@ -535,7 +583,12 @@ impl<B: Backend> VisionActs<B> {
             &self.merge_act,
             &self.out,
         ];
+        let stacks = [&self.n2, &self.mlp_in, &self.mlp_up, &self.mlp_act];
         bufs.iter().map(|b| b.len() * 4).sum::<usize>()
+            + stacks
+                .iter()
+                .map(|s| s.len() * if s.is_bf16() { 2 } else { 4 })
+                .sum::<usize>()
             + self.lora.as_ref().map_or(0, |l| l.elements() * 4)
     }
 
@@ -602,6 +655,7 @@ impl<B: Backend> VisionTower<B> {
             weights: uploaded,
             precision: MatmulPrecision::F32,
             gradient_checkpointing: false,
+            activation_dtype: ActivationDtype::F32,
             lora: None,
             stored: None,
         })
@@ -696,6 +750,26 @@ impl<B: Backend> VisionTower<B> {
     /// Sets how the linear layers multiply (as [`crate::model::Model::set_matmul_precision`]).
     pub fn set_matmul_precision(&mut self, precision: MatmulPrecision) {
         self.precision = precision;
+    }
+
+    /// How the arenas planned from now on store the MLP block's activations (the second
+    /// norm's output, gate, up and their SwiGLU), as
+    /// [`crate::model::Model::set_activation_dtype`] does the decoder's: in bf16 where
+    /// [`mlp_activations_in_bf16`] says the tower can, else in f32.
+    pub fn set_activation_dtype(&mut self, dtype: ActivationDtype) {
+        self.activation_dtype = dtype;
+    }
+
+    /// Whether this tower's training arenas keep the MLP block's activations in bf16
+    /// ([`mlp_activations_in_bf16`] of its settings).
+    pub fn mlp_in_bf16(&self) -> bool {
+        mlp_activations_in_bf16(
+            &self.cfg,
+            self.activation_dtype,
+            self.stored.is_some(),
+            self.precision == MatmulPrecision::Bf16,
+            self.lora.is_some(),
+        )
     }
 
     /// The weights on the device, in f32 (a linear layer's is empty while the tower stores
@@ -861,7 +935,11 @@ impl<B: Backend> VisionTower<B> {
         let n = plan.patches;
         let checkpointed = keep && self.gradient_checkpointing;
         let blocks = if keep && !checkpointed { c.depth } else { 1 };
-        let len = ArenaLens::new(c, n, keep, checkpointed);
+        // every arena alike: a forward-only pass (old log-probs) gives the bits of the
+        // update's forward
+        let mlp_bf16 = self.mlp_in_bf16();
+        let len = ArenaLens::new(c, n, keep, checkpointed, mlp_bf16);
+        let act = |len: usize, item: usize| ActStack::new(be, mlp_bf16, len, item);
         let mut cu_full = be.alloc_ids(plan.cu_full.len())?;
         be.upload_ids(&plan.cu_full, &mut cu_full)?;
         let mut cu_window = be.alloc_ids(plan.cu_window.len())?;
@@ -888,12 +966,12 @@ impl<B: Backend> VisionTower<B> {
             att: be.alloc(len.block)?,
             lse: be.alloc(len.lse)?,
             mid: be.alloc(len.block)?,
-            n2: be.alloc(len.block)?,
+            n2: act(len.block, n * c.hidden)?,
             n2_mean: be.alloc(len.stats)?,
             n2_rstd: be.alloc(len.rows)?,
-            mlp_in: be.alloc(len.mlp)?,
-            mlp_up: be.alloc(len.up)?,
-            mlp_act: be.alloc(len.mlp)?,
+            mlp_in: act(len.mlp, n * c.intermediate)?,
+            mlp_up: act(len.up, n * c.intermediate)?,
+            mlp_act: act(len.mlp, n * c.intermediate)?,
             branch: be.alloc(len.scratch)?,
             merge_norm: be.alloc(len.scratch)?,
             merge_mean: be.alloc(len.merge_mean)?,
@@ -1143,7 +1221,7 @@ impl<B: Backend> VisionTower<B> {
         let c = &self.cfg;
         let (h, i, n) = (c.hidden, c.intermediate, a.plan.patches);
         let (nh, hd) = (c.heads, c.head_dim);
-        let (nc, ni) = (n * h, n * i);
+        let nc = n * h;
         let (s, r_in, r_out) = (a.slot(l), a.rslot(l), a.rslot(l + 1));
         let ln = c.layer_norm();
         let seg_full = SegmentAttentionDims::new(n, a.plan.cu_full.len() - 1, nh, hd);
@@ -1229,103 +1307,152 @@ impl<B: Backend> VisionTower<B> {
             View::item(&a.att, s, nc)?,
             vec![ViewMut::whole(&mut a.branch)],
         )?;
-        be.add(
-            View::item(&a.resid, r_in, nc)?,
-            View::whole(&a.branch),
-            ViewMut::item(&mut a.mid, s, nc)?,
-        )?;
-
-        // MLP block.
-        let mid = View::item(&a.mid, s, nc)?;
-        let mean = ln
-            .then(|| ViewMut::item(&mut a.n2_mean, s, n))
-            .transpose()?;
-        self.norm(
-            be,
-            Slot::Norm2,
-            l,
-            mid,
-            ViewMut::item(&mut a.n2, s, nc)?,
-            mean,
-            ViewMut::item(&mut a.n2_rstd, s, n)?,
-        )?;
-        let n2 = View::item(&a.n2, s, nc)?;
-        Self::linear(
+        // MLP block. With its activations in bf16 the residual add and the norm are one op
+        // whose output is rounded once (`add_rmsnorm_bf16`: the bits of add then rmsnorm).
+        match a.n2.layer_mut(s)? {
+            ActMut::Bf16(n2) => be.add_rmsnorm_bf16(
+                View::item(&a.resid, r_in, nc)?,
+                View::whole(&a.branch),
+                self.w(Slot::Norm2, l, h)?,
+                EPS,
+                h,
+                ViewMut::item(&mut a.mid, s, nc)?,
+                n2,
+                ViewMut::item(&mut a.n2_rstd, s, n)?,
+            )?,
+            ActMut::F32(n2) => {
+                be.add(
+                    View::item(&a.resid, r_in, nc)?,
+                    View::whole(&a.branch),
+                    ViewMut::item(&mut a.mid, s, nc)?,
+                )?;
+                let mean = ln
+                    .then(|| ViewMut::item(&mut a.n2_mean, s, n))
+                    .transpose()?;
+                self.norm(
+                    be,
+                    Slot::Norm2,
+                    l,
+                    View::item(&a.mid, s, nc)?,
+                    n2,
+                    mean,
+                    ViewMut::item(&mut a.n2_rstd, s, n)?,
+                )?;
+            }
+        }
+        let n2 = a.n2.layer(s)?;
+        Self::linear_stored(
             be,
             n2,
             self.lw(Slot::MlpIn, l, i * h)?,
             Some(self.w(Slot::MlpInBias, l, i)?),
             self.dims(n, h, i),
-            ViewMut::item(&mut a.mlp_in, s, ni)?,
+            a.mlp_in.layer_mut(s)?,
         )?;
-        self.lora_forward(
-            be,
-            a.lora.as_mut(),
-            TowerTarget::MlpIn,
-            l,
-            s,
-            n,
-            n2,
-            vec![ViewMut::item(&mut a.mlp_in, s, ni)?],
-        )?;
+        if a.lora.is_some() {
+            let (x, y) = (n2.f32(LORA_F32)?, a.mlp_in.layer_mut(s)?.f32(LORA_F32)?);
+            let la = a.lora.as_mut();
+            self.lora_forward(be, la, TowerTarget::MlpIn, l, s, n, x, vec![y])?;
+        }
         match c.mlp {
             VisionMlp::Plain(act) => {
                 be.activation(
                     act,
-                    View::item(&a.mlp_in, s, ni)?,
-                    ViewMut::item(&mut a.mlp_act, s, ni)?,
+                    a.mlp_in.layer(s)?.f32(PLAIN_F32)?,
+                    a.mlp_act.layer_mut(s)?.f32(PLAIN_F32)?,
                 )?;
             }
             VisionMlp::SwiGlu => {
-                Self::linear(
+                Self::linear_stored(
                     be,
                     n2,
                     self.lw(Slot::MlpUp, l, i * h)?,
                     Some(self.w(Slot::MlpUpBias, l, i)?),
                     self.dims(n, h, i),
-                    ViewMut::item(&mut a.mlp_up, s, ni)?,
+                    a.mlp_up.layer_mut(s)?,
                 )?;
-                self.lora_forward(
-                    be,
-                    a.lora.as_mut(),
-                    TowerTarget::MlpUp,
-                    l,
-                    s,
-                    n,
-                    n2,
-                    vec![ViewMut::item(&mut a.mlp_up, s, ni)?],
-                )?;
-                be.swiglu(
-                    View::item(&a.mlp_in, s, ni)?,
-                    View::item(&a.mlp_up, s, ni)?,
-                    ViewMut::item(&mut a.mlp_act, s, ni)?,
-                )?;
+                if a.lora.is_some() {
+                    let (x, y) = (n2.f32(LORA_F32)?, a.mlp_up.layer_mut(s)?.f32(LORA_F32)?);
+                    let la = a.lora.as_mut();
+                    self.lora_forward(be, la, TowerTarget::MlpUp, l, s, n, x, vec![y])?;
+                }
+                match (
+                    a.mlp_in.layer(s)?,
+                    a.mlp_up.layer(s)?,
+                    a.mlp_act.layer_mut(s)?,
+                ) {
+                    (Act::F32(g), Act::F32(u), ActMut::F32(o)) => be.swiglu(g, u, o)?,
+                    (Act::Bf16(g), Act::Bf16(u), ActMut::Bf16(o)) => be.swiglu_bf16(g, u, o)?,
+                    _ => return Err(mixed_mlp()),
+                }
             }
         }
-        Self::linear(
+        Self::linear_stored(
             be,
-            View::item(&a.mlp_act, s, ni)?,
+            a.mlp_act.layer(s)?,
             self.lw(Slot::MlpOut, l, h * i)?,
             Some(self.w(Slot::MlpOutBias, l, h)?),
             self.dims(n, i, h),
-            ViewMut::whole(&mut a.branch),
+            ActMut::F32(ViewMut::whole(&mut a.branch)),
         )?;
-        self.lora_forward(
-            be,
-            a.lora.as_mut(),
-            TowerTarget::MlpOut,
-            l,
-            s,
-            n,
-            View::item(&a.mlp_act, s, ni)?,
-            vec![ViewMut::whole(&mut a.branch)],
-        )?;
+        if a.lora.is_some() {
+            let x = a.mlp_act.layer(s)?.f32(LORA_F32)?;
+            let y = vec![ViewMut::whole(&mut a.branch)];
+            self.lora_forward(be, a.lora.as_mut(), TowerTarget::MlpOut, l, s, n, x, y)?;
+        }
         be.add(
             View::item(&a.mid, s, nc)?,
             View::whole(&a.branch),
             ViewMut::item(&mut a.resid, r_out, nc)?,
         )?;
         Ok(())
+    }
+
+    /// [`Self::linear`] over activations stored as the arena says: f32 both, or a bf16 `x`
+    /// into a bf16 or f32 `out` (the MLP block's under [`mlp_activations_in_bf16`], which
+    /// stores the weights in bf16 too) — the ops the decoder's bf16 MLP runs on.
+    fn linear_stored(
+        be: &B,
+        x: Act<'_, B>,
+        w: TowerWeight<'_, B>,
+        bias: Option<Tensor<'_, B>>,
+        dims: LinearDims,
+        out: ActMut<'_, B>,
+    ) -> Result<(), ModelError> {
+        match (x, w, out) {
+            (Act::F32(x), w, ActMut::F32(out)) => return Self::linear(be, x, w, bias, dims, out),
+            (Act::Bf16(x), TowerWeight::Bf16(w), ActMut::Bf16(out)) => {
+                be.linear_bf16_io(x, w, bias, dims, out)?
+            }
+            (Act::Bf16(x), TowerWeight::Bf16(w), ActMut::F32(out)) => {
+                be.linear_bf16_x(x, w, bias, dims, out)?
+            }
+            _ => return Err(mixed_mlp()),
+        }
+        Ok(())
+    }
+
+    /// Backward of [`Self::linear_stored`]: as [`Self::linear_backward`], reading a bf16
+    /// `x` as it is stored.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_backward_stored(
+        be: &B,
+        dout: Tensor<'_, B>,
+        x: Act<'_, B>,
+        w: TowerWeight<'_, B>,
+        dims: LinearDims,
+        write: GradWrites,
+        dx: Option<TensorMut<'_, B>>,
+        (dw, db): (Option<TensorMut<'_, B>>, Option<TensorMut<'_, B>>),
+    ) -> Result<(), ModelError> {
+        match (x, w) {
+            (Act::F32(x), w) => Self::linear_backward(be, dout, x, w, dims, write, dx, (dw, db)),
+            (Act::Bf16(x), TowerWeight::Bf16(w)) => {
+                be.linear_backward_bf16_x(dout, x, w, dims, write, dx, dw, db)?;
+                Ok(())
+            }
+            (Act::Bf16(_), TowerWeight::F32(_)) => Err(mixed_mlp()),
+        }
     }
 
     /// Backward of [`Self::forward`] (on an arena made with `keep = true`) from `dout`
@@ -1488,10 +1615,11 @@ impl<B: Backend> VisionTower<B> {
                 h,
             )?;
             be.fill(ViewMut::whole(&mut d_act), 0.0)?;
-            Self::linear_backward(
+            let act = a.mlp_act.layer(s)?;
+            Self::linear_backward_stored(
                 be,
                 View::whole(&d_resid),
-                View::item(&a.mlp_act, s, ni)?,
+                act,
                 self.lw(Slot::MlpOut, l, h * i)?,
                 self.dims(n, i, h),
                 GradWrites {
@@ -1502,37 +1630,42 @@ impl<B: Backend> VisionTower<B> {
                 (wo, bo),
             )?;
             fold(be, half.as_mut(), Slot::MlpOut, l)?;
-            self.lora_backward(
-                be,
-                a.lora.as_mut(),
-                lg.as_mut(),
-                TowerTarget::MlpOut,
-                l,
-                s,
-                n,
-                vec![View::whole(&d_resid)],
-                View::item(&a.mlp_act, s, ni)?,
-                Some(ViewMut::whole(&mut d_act)),
-            )?;
+            if a.lora.is_some() {
+                let x = act.f32(LORA_F32)?;
+                self.lora_backward(
+                    be,
+                    a.lora.as_mut(),
+                    lg.as_mut(),
+                    TowerTarget::MlpOut,
+                    l,
+                    s,
+                    n,
+                    vec![View::whole(&d_resid)],
+                    x,
+                    Some(ViewMut::whole(&mut d_act)),
+                )?;
+            }
             be.fill(ViewMut::whole(&mut d_norm), 0.0)?;
-            let n2 = View::item(&a.n2, s, nc)?;
+            let n2 = a.n2.layer(s)?;
             match c.mlp {
                 VisionMlp::Plain(act) => {
                     be.activation_backward(
                         act,
                         View::whole(&d_act),
-                        View::item(&a.mlp_in, s, ni)?,
+                        a.mlp_in.layer(s)?.f32(PLAIN_F32)?,
                         ViewMut::whole(&mut d_in),
                     )?;
                 }
                 VisionMlp::SwiGlu => {
-                    be.swiglu_backward(
-                        View::whole(&d_act),
-                        View::item(&a.mlp_in, s, ni)?,
-                        View::item(&a.mlp_up, s, ni)?,
-                        ViewMut::whole(&mut d_in),
-                        ViewMut::whole(&mut d_up),
-                    )?;
+                    let (dg, du) = (ViewMut::whole(&mut d_in), ViewMut::whole(&mut d_up));
+                    let da = View::whole(&d_act);
+                    match (a.mlp_in.layer(s)?, a.mlp_up.layer(s)?) {
+                        (Act::F32(g), Act::F32(u)) => be.swiglu_backward(da, g, u, dg, du)?,
+                        (Act::Bf16(g), Act::Bf16(u)) => {
+                            be.swiglu_backward_bf16(da, g, u, dg, du)?
+                        }
+                        _ => return Err(mixed_mlp()),
+                    }
                     let (wu, bu, dw) = linear_grads(
                         (base.as_mut(), half.as_mut()),
                         (Slot::MlpUp, Slot::MlpUpBias),
@@ -1540,7 +1673,7 @@ impl<B: Backend> VisionTower<B> {
                         i * h,
                         i,
                     )?;
-                    Self::linear_backward(
+                    Self::linear_backward_stored(
                         be,
                         View::whole(&d_up),
                         n2,
@@ -1554,18 +1687,20 @@ impl<B: Backend> VisionTower<B> {
                         (wu, bu),
                     )?;
                     fold(be, half.as_mut(), Slot::MlpUp, l)?;
-                    self.lora_backward(
-                        be,
-                        a.lora.as_mut(),
-                        lg.as_mut(),
-                        TowerTarget::MlpUp,
-                        l,
-                        s,
-                        n,
-                        vec![View::whole(&d_up)],
-                        n2,
-                        Some(ViewMut::whole(&mut d_norm)),
-                    )?;
+                    if a.lora.is_some() {
+                        self.lora_backward(
+                            be,
+                            a.lora.as_mut(),
+                            lg.as_mut(),
+                            TowerTarget::MlpUp,
+                            l,
+                            s,
+                            n,
+                            vec![View::whole(&d_up)],
+                            n2.f32(LORA_F32)?,
+                            Some(ViewMut::whole(&mut d_norm)),
+                        )?;
+                    }
                 }
             }
             let (wi, bi, dw) = linear_grads(
@@ -1575,7 +1710,7 @@ impl<B: Backend> VisionTower<B> {
                 i * h,
                 i,
             )?;
-            Self::linear_backward(
+            Self::linear_backward_stored(
                 be,
                 View::whole(&d_in),
                 n2,
@@ -1589,18 +1724,20 @@ impl<B: Backend> VisionTower<B> {
                 (wi, bi),
             )?;
             fold(be, half.as_mut(), Slot::MlpIn, l)?;
-            self.lora_backward(
-                be,
-                a.lora.as_mut(),
-                lg.as_mut(),
-                TowerTarget::MlpIn,
-                l,
-                s,
-                n,
-                vec![View::whole(&d_in)],
-                n2,
-                Some(ViewMut::whole(&mut d_norm)),
-            )?;
+            if a.lora.is_some() {
+                self.lora_backward(
+                    be,
+                    a.lora.as_mut(),
+                    lg.as_mut(),
+                    TowerTarget::MlpIn,
+                    l,
+                    s,
+                    n,
+                    vec![View::whole(&d_in)],
+                    n2.f32(LORA_F32)?,
+                    Some(ViewMut::whole(&mut d_norm)),
+                )?;
+            }
             let mean = ln.then(|| View::item(&a.n2_mean, s, n)).transpose()?;
             self.norm_backward(
                 be,

@@ -458,9 +458,18 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         };
         let m2 = (v.spatial_merge_size * v.spatial_merge_size) as u64;
         let one = tokens.saturating_mul(m2);
+        // the actor's MLP block in bf16 where it can; the reference's scoring in f32
+        let mlp_bf16 = crate::vision::tower::mlp_activations_in_bf16(
+            v,
+            cfg.activation_dtype(),
+            cfg.trainer.weight_dtype == WeightDtypeCfg::Bf16,
+            cfg.trainer.matmul_precision == MatmulPrecisionCfg::Bf16,
+            lora.is_some(),
+        );
         let bytes = |patches: u64, keep: bool, checkpointed: bool| {
             let patches = usize::try_from(patches).unwrap_or(usize::MAX);
-            crate::vision::tower::tower_arena_bytes(v, patches, keep, checkpointed)
+            let mlp_bf16 = mlp_bf16 && !(phase == "scoring" && model.reference);
+            crate::vision::tower::tower_arena_bytes(v, patches, keep, checkpointed, mlp_bf16)
         };
         // the update keeps what the tower's backward reads when the tower is trained
         let keep = !cfg.worker.actor.model.freeze_vision_tower;
@@ -1267,8 +1276,13 @@ pub(crate) mod tests {
         let mut m = crate::vision::model::VlModel::from_checkpoint(CpuBackend, &ck).unwrap();
         assert_eq!(vl.vision.spatial_merge_size, 2);
         // 16 merged tokens a prompt: one 8 × 8 grid of patches
-        let tower_part = |tokens, frozen, checkpointed, phase: &str| {
+        let tower_part = |tokens, frozen, checkpointed, phase: &str, bf16: bool| {
             let mut cfg = Config::default();
+            if bf16 {
+                // bf16 weights and products: the MLP block's activations in bf16
+                cfg.trainer.weight_dtype = WeightDtypeCfg::Bf16;
+                cfg.trainer.matmul_precision = MatmulPrecisionCfg::Bf16;
+            }
             cfg.worker.actor.model.freeze_vision_tower = frozen;
             cfg.worker.actor.model.enable_gradient_checkpointing = checkpointed;
             let model = PlanModel {
@@ -1291,45 +1305,66 @@ pub(crate) mod tests {
             .worker
             .actor
             .micro_batch_size_per_device_for_update;
-        let mut arena = |prompts: usize, keep: bool, checkpointed: bool| {
-            m.tower_mut().set_gradient_checkpointing(checkpointed);
+        let mut arena = |prompts: usize, keep: bool, checkpointed: bool, bf16: bool| {
+            use crate::backend::MatmulPrecision;
+            use crate::model::{ActivationDtype, WeightStorage};
+            let t = m.tower_mut();
+            t.set_gradient_checkpointing(checkpointed);
+            let (precision, storage, dtype) = match bf16 {
+                true => (
+                    MatmulPrecision::Bf16,
+                    WeightStorage::Bf16,
+                    ActivationDtype::Bf16,
+                ),
+                false => (
+                    MatmulPrecision::F32,
+                    WeightStorage::F32,
+                    ActivationDtype::F32,
+                ),
+            };
+            t.set_matmul_precision(precision);
+            t.set_weight_storage(&CpuBackend, storage).unwrap();
+            t.set_activation_dtype(dtype);
+            assert_eq!(t.mlp_in_bf16(), bf16);
             let plan = VisionPlan::new(&vl.vision, &vec![[1, 8, 8]; prompts]).unwrap();
             let acts = m.tower().activations(&CpuBackend, plan, keep).unwrap();
             acts.bytes() as u64
         };
-        let rollout = tower_part(Some(16), false, false, "rollout");
-        assert_eq!(
-            rollout.bytes,
-            2 * arena(1, false, false),
-            "{}",
-            rollout.what
-        );
-        assert!(
-            rollout.what.contains("64 patches a prompt"),
-            "{}",
-            rollout.what
-        );
-        for frozen in [false, true] {
-            let scoring = tower_part(Some(16), frozen, false, "scoring");
+        for bf16 in [false, true] {
+            let rollout = tower_part(Some(16), false, false, "rollout", bf16);
             assert_eq!(
-                scoring.bytes,
-                arena(micro, false, false),
+                rollout.bytes,
+                2 * arena(1, false, false, bf16),
                 "{}",
-                scoring.what
+                rollout.what
             );
-            for checkpointed in [false, true] {
-                let update = tower_part(Some(16), frozen, checkpointed, "update");
-                let want = match frozen {
-                    true => arena(micro, false, false),
-                    false => {
-                        arena(micro, true, checkpointed)
-                            + tower_backward_bytes(&vl.vision, micro * 64)
-                    }
-                };
-                assert_eq!(update.bytes, want, "{}", update.what);
+            assert!(
+                rollout.what.contains("64 patches a prompt"),
+                "{}",
+                rollout.what
+            );
+            for frozen in [false, true] {
+                let scoring = tower_part(Some(16), frozen, false, "scoring", bf16);
+                assert_eq!(
+                    scoring.bytes,
+                    arena(micro, false, false, bf16),
+                    "{}",
+                    scoring.what
+                );
+                for checkpointed in [false, true] {
+                    let update = tower_part(Some(16), frozen, checkpointed, "update", bf16);
+                    let want = match frozen {
+                        true => arena(micro, false, false, bf16),
+                        false => {
+                            arena(micro, true, checkpointed, bf16)
+                                + tower_backward_bytes(&vl.vision, micro * 64)
+                        }
+                    };
+                    assert_eq!(update.bytes, want, "{}", update.what);
+                }
             }
         }
-        let unknown = tower_part(None, false, false, "update");
+        let unknown = tower_part(None, false, false, "update", false);
         assert_eq!(unknown.bytes, 0);
         assert!(unknown.what.contains("not counted"), "{}", unknown.what);
         // an update too large for its images says so among the ways to shrink it
@@ -1346,7 +1381,10 @@ pub(crate) mod tests {
         assert_eq!(big.peak_phase().unwrap().name, "update");
         let refused = check(&big, big.held_total() + 1, "a test", &cfg).unwrap_err();
         let refused = refused.to_string();
-        assert!(refused.contains("smaller images (data.max_pixels)"), "{refused}");
+        assert!(
+            refused.contains("smaller images (data.max_pixels)"),
+            "{refused}"
+        );
         assert!(refused.contains("freeze_vision_tower=true"), "{refused}");
     }
 

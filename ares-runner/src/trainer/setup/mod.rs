@@ -159,7 +159,11 @@ pub fn build_actor<B: Backend>(
     let activations = cfg.activation_dtype();
     match &mut actor {
         Actor::Text(m) => keep_bf16_weights(m, activations)?,
-        Actor::Vision(m) => keep_bf16_weights(m.lm_mut(), activations)?,
+        Actor::Vision(m) => {
+            keep_bf16_weights(m.lm_mut(), activations)?;
+            // the tower's MLP block in bf16 where it can (`mlp_activations_in_bf16`)
+            m.tower_mut().set_activation_dtype(activations);
+        }
     }
     Ok(actor)
 }
