@@ -1063,11 +1063,7 @@ impl<B: Backend> VisionTower<B> {
         dims: LinearDims,
         out: TensorMut<'_, B>,
     ) -> Result<(), ModelError> {
-        match w {
-            TowerWeight::F32(w) => be.linear(x, w, bias, dims, out)?,
-            TowerWeight::Bf16(w) => be.linear_bf16(x, w, bias, dims, out)?,
-        }
-        Ok(())
+        Self::linear_stored(be, Act::F32(x), w, bias, dims, ActMut::F32(out))
     }
 
     /// Backward of [`Self::linear`] (as [`Backend::linear_backward`]).
@@ -1082,11 +1078,7 @@ impl<B: Backend> VisionTower<B> {
         dx: Option<TensorMut<'_, B>>,
         (dw, db): (Option<TensorMut<'_, B>>, Option<TensorMut<'_, B>>),
     ) -> Result<(), ModelError> {
-        match w {
-            TowerWeight::F32(w) => be.linear_backward(dout, x, w, dims, write, dx, dw, db)?,
-            TowerWeight::Bf16(w) => be.linear_backward_bf16(dout, x, w, dims, write, dx, dw, db)?,
-        }
-        Ok(())
+        Self::linear_backward_stored(be, dout, Act::F32(x), w, dims, write, dx, (dw, db))
     }
 
     /// Norm of `x` (`rows × dim`) by `slot`'s weight (and bias: LayerNorm) into `out`.
@@ -1408,9 +1400,10 @@ impl<B: Backend> VisionTower<B> {
         Ok(())
     }
 
-    /// [`Self::linear`] over activations stored as the arena says: f32 both, or a bf16 `x`
-    /// into a bf16 or f32 `out` (the MLP block's under [`mlp_activations_in_bf16`], which
-    /// stores the weights in bf16 too) — the ops the decoder's bf16 MLP runs on.
+    /// [`Self::linear`] over activations stored as the arena says: f32 both (over an f32
+    /// weight or one stored in bf16), or a bf16 `x` into a bf16 or f32 `out` (the MLP
+    /// block's under [`mlp_activations_in_bf16`], which stores the weights in bf16 too) —
+    /// the ops the decoder's bf16 MLP runs on.
     fn linear_stored(
         be: &B,
         x: Act<'_, B>,
@@ -1420,7 +1413,12 @@ impl<B: Backend> VisionTower<B> {
         out: ActMut<'_, B>,
     ) -> Result<(), ModelError> {
         match (x, w, out) {
-            (Act::F32(x), w, ActMut::F32(out)) => return Self::linear(be, x, w, bias, dims, out),
+            (Act::F32(x), TowerWeight::F32(w), ActMut::F32(out)) => {
+                be.linear(x, w, bias, dims, out)?
+            }
+            (Act::F32(x), TowerWeight::Bf16(w), ActMut::F32(out)) => {
+                be.linear_bf16(x, w, bias, dims, out)?
+            }
             (Act::Bf16(x), TowerWeight::Bf16(w), ActMut::Bf16(out)) => {
                 be.linear_bf16_io(x, w, bias, dims, out)?
             }
@@ -1446,13 +1444,18 @@ impl<B: Backend> VisionTower<B> {
         (dw, db): (Option<TensorMut<'_, B>>, Option<TensorMut<'_, B>>),
     ) -> Result<(), ModelError> {
         match (x, w) {
-            (Act::F32(x), w) => Self::linear_backward(be, dout, x, w, dims, write, dx, (dw, db)),
-            (Act::Bf16(x), TowerWeight::Bf16(w)) => {
-                be.linear_backward_bf16_x(dout, x, w, dims, write, dx, dw, db)?;
-                Ok(())
+            (Act::F32(x), TowerWeight::F32(w)) => {
+                be.linear_backward(dout, x, w, dims, write, dx, dw, db)?
             }
-            (Act::Bf16(_), TowerWeight::F32(_)) => Err(mixed_mlp()),
+            (Act::F32(x), TowerWeight::Bf16(w)) => {
+                be.linear_backward_bf16(dout, x, w, dims, write, dx, dw, db)?
+            }
+            (Act::Bf16(x), TowerWeight::Bf16(w)) => {
+                be.linear_backward_bf16_x(dout, x, w, dims, write, dx, dw, db)?
+            }
+            (Act::Bf16(_), TowerWeight::F32(_)) => return Err(mixed_mlp()),
         }
+        Ok(())
     }
 
     /// Backward of [`Self::forward`] (on an arena made with `keep = true`) from `dout`
