@@ -22,7 +22,7 @@
 //!   `CUDA_R_16BF` inputs with `CUBLAS_COMPUTE_32F`: bf16 tensor cores, f32 sums.
 
 use crate::error::{Error, Result};
-use crate::gemm_lt::{BiasGemm, Lt};
+use crate::gemm_lt::{BiasGemm, Lt, LtTypes};
 use cudarc::cublas::{CudaBlas, result as blas_result, sys};
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, SyncOnDrop};
@@ -322,7 +322,11 @@ impl Blas {
             m: d.out,
             n: d.rows,
             k: d.inp,
-            precision: d.precision,
+            types: match d.precision {
+                GemmPrecision::F32 => LtTypes::F32,
+                GemmPrecision::Tf32 => LtTypes::TF32,
+                GemmPrecision::Bf16 => LtTypes::BF16,
+            },
             a,
             b,
             d: dp,

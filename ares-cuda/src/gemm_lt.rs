@@ -18,7 +18,6 @@
 //! passes), for comparing the two on a GPU.
 
 use crate::error::{Error, Result};
-use crate::gemm::GemmPrecision;
 use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::CudaStream;
 use cudarc::driver::sys::CUdeviceptr;
@@ -54,6 +53,32 @@ fn alignment(ptr: CUdeviceptr) -> u32 {
     }
 }
 
+/// How a product multiplies, in cuBLASLt's terms: the operands' type (f32 or bf16) and
+/// the compute type (f32, or f32 with TF32 tensor cores). `gemm.rs` maps its precisions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct LtTypes {
+    pub operands: sys::cudaDataType_t,
+    pub compute: sys::cublasComputeType_t,
+}
+
+impl LtTypes {
+    /// f32 operands, true f32 products.
+    pub const F32: Self = Self {
+        operands: sys::cudaDataType_t::CUDA_R_32F,
+        compute: sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+    };
+    /// f32 operands rounded to TF32 by the tensor cores.
+    pub const TF32: Self = Self {
+        operands: sys::cudaDataType_t::CUDA_R_32F,
+        compute: sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+    };
+    /// bf16 operands, f32 sums.
+    pub const BF16: Self = Self {
+        operands: sys::cudaDataType_t::CUDA_R_16BF,
+        compute: sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+    };
+}
+
 /// A biased product with f32 output, in cuBLAS's column-major terms (see `gemm.rs`):
 /// `D[m, n] = op(A)[m, k] · B[k, n] + bias[m]` broadcast over the columns, every operand
 /// packed. `transa`: `A` is stored `[k, m]` (a `[out, in]` weight) rather than `[m, k]`.
@@ -62,7 +87,7 @@ pub(crate) struct BiasGemm {
     pub m: c_int,
     pub n: c_int,
     pub k: c_int,
-    pub precision: GemmPrecision,
+    pub types: LtTypes,
     pub a: CUdeviceptr,
     pub b: CUdeviceptr,
     pub d: CUdeviceptr,
@@ -76,7 +101,7 @@ struct Key {
     m: c_int,
     n: c_int,
     k: c_int,
-    precision: GemmPrecision,
+    types: LtTypes,
     /// Alignments of `A`, `B` and `D` (`C` is `D`).
     align: [u32; 3],
 }
@@ -172,7 +197,7 @@ impl Lt {
             m: g.m,
             n: g.n,
             k: g.k,
-            precision: g.precision,
+            types: g.types,
             align: [alignment(g.a), alignment(g.b), alignment(g.d)],
         };
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -223,7 +248,7 @@ impl Lt {
         }
         .map_err(lt_err(format!(
             "cublasLtMatmul with the bias epilogue ({:?}, m={} n={} k={})",
-            g.precision, g.m, g.n, g.k
+            g.types, g.m, g.n, g.k
         )))?;
         self.calls.fetch_add(1, Ordering::Relaxed);
         Ok(true)
@@ -232,15 +257,8 @@ impl Lt {
 
 /// The plan for `key`, or `None` when the heuristic has no algorithm for it.
 fn plan(handle: sys::cublasLtHandle_t, key: &Key, workspace: usize) -> Result<Option<Plan>> {
-    use sys::cudaDataType_t::{CUDA_R_16BF, CUDA_R_32F};
-    let (in_type, compute) = match key.precision {
-        GemmPrecision::F32 => (CUDA_R_32F, sys::cublasComputeType_t::CUBLAS_COMPUTE_32F),
-        GemmPrecision::Tf32 => (
-            CUDA_R_32F,
-            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
-        ),
-        GemmPrecision::Bf16 => (CUDA_R_16BF, sys::cublasComputeType_t::CUBLAS_COMPUTE_32F),
-    };
+    use sys::cudaDataType_t::CUDA_R_32F;
+    let (in_type, compute) = (key.types.operands, key.types.compute);
     let (m, n, k) = (key.m as u64, key.n as u64, key.k as u64);
     let desc =
         lt::create_matmul_desc(compute, CUDA_R_32F).map_err(lt_err("cublasLtMatmulDescCreate"))?;
