@@ -176,8 +176,9 @@ impl Lt {
     }
 
     /// Queues `g` on `stream` with `workspace` (device address and bytes); `Ok(false)`
-    /// when it did not (a bias off a 16-byte boundary, no algorithm for the shape): the
-    /// caller then runs the GEMM and the bias pass.
+    /// when it did not (a bias off a 16-byte boundary, no algorithm for the shape, a plan
+    /// or a call cuBLASLt refused — said once on stderr): the caller then runs the GEMM
+    /// and the bias pass.
     ///
     /// # Safety
     /// Every address in `g` points at a live device buffer of the size `g`'s shape
@@ -204,55 +205,71 @@ impl Lt {
         let handle = state.handle;
         let plan = match state.plans.entry(key) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert(plan(handle, &key, workspace.1)?)
-            }
+            // a plan cuBLASLt refuses to make is no plan: the two passes serve the shape
+            std::collections::hash_map::Entry::Vacant(e) => e.insert(
+                plan(handle, &key, workspace.1)
+                    .inspect_err(|err| fell_back(&key, err))
+                    .ok()
+                    .flatten(),
+            ),
         };
         let Some(plan) = plan.as_ref() else {
             return Ok(false);
         };
         let bias = g.bias as *const c_void;
-        // SAFETY: the descriptor is live (the plan's); the attribute is a device pointer.
-        unsafe {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let [la, lb, ld] = plan.layouts;
+        // SAFETY: the descriptor is live (the plan's) and the attribute a device pointer;
+        // the caller's contract covers the addresses and the stream; the plan was made for
+        // exactly these shapes, types and alignments; C is D with β = 0.
+        let run = unsafe {
             lt::set_matmul_desc_attribute(
                 plan.desc,
                 sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                 (&raw const bias).cast(),
                 size_of::<*const c_void>(),
             )
+            .and_then(|()| {
+                lt::matmul(
+                    handle,
+                    plan.desc,
+                    (&raw const alpha).cast(),
+                    (&raw const beta).cast(),
+                    g.a as *const c_void,
+                    la,
+                    g.b as *const c_void,
+                    lb,
+                    g.d as *const c_void,
+                    ld,
+                    g.d as *mut c_void,
+                    ld,
+                    &plan.algo,
+                    workspace.0 as *mut c_void,
+                    workspace.1,
+                    stream.cu_stream() as sys::cudaStream_t,
+                )
+            })
+        };
+        if let Err(source) = run {
+            // refused before anything was queued (cuBLASLt checks its arguments first):
+            // the shape keeps the two passes from now on
+            let err = lt_err("cublasLtMatmul with the bias epilogue")(source);
+            fell_back(&key, &err);
+            state.plans.insert(key, None);
+            return Ok(false);
         }
-        .map_err(lt_err("cublasLtMatmulDescSetAttribute (bias pointer)"))?;
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let [la, lb, ld] = plan.layouts;
-        // SAFETY: the caller's contract covers the addresses and the stream; the plan was
-        // made for exactly these shapes, types and alignments; C is D with β = 0.
-        unsafe {
-            lt::matmul(
-                handle,
-                plan.desc,
-                (&raw const alpha).cast(),
-                (&raw const beta).cast(),
-                g.a as *const c_void,
-                la,
-                g.b as *const c_void,
-                lb,
-                g.d as *const c_void,
-                ld,
-                g.d as *mut c_void,
-                ld,
-                &plan.algo,
-                workspace.0 as *mut c_void,
-                workspace.1,
-                stream.cu_stream() as sys::cudaStream_t,
-            )
-        }
-        .map_err(lt_err(format!(
-            "cublasLtMatmul with the bias epilogue ({:?}, m={} n={} k={})",
-            g.types, g.m, g.n, g.k
-        )))?;
         self.calls.fetch_add(1, Ordering::Relaxed);
         Ok(true)
     }
+}
+
+/// Says once per shape why its products keep the GEMM and the bias pass.
+fn fell_back(key: &Key, err: &Error) {
+    eprintln!(
+        "cuBLASLt: the bias epilogue is not used for {:?} m={} n={} k={} ({err}); the bias \
+         is added by a pass of its own",
+        key.types, key.m, key.n, key.k
+    );
 }
 
 /// The plan for `key`, or `None` when the heuristic has no algorithm for it.
