@@ -36,7 +36,7 @@ pub fn cublas_available() -> bool {
 }
 
 /// How a GEMM multiplies (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GemmPrecision {
     /// True f32 products.
     #[default]
@@ -335,7 +335,7 @@ impl Blas {
         // SAFETY: the spans were checked above (the callers check every view against the
         // layer's shape too); the workspace is ours and used on `stream` only, under the
         // handle lock that orders it with cuBLAS's own use; the context is bound.
-        unsafe { lt.matmul_bias(stream, (ws, WORKSPACE_BYTES), &g) }
+        Ok(unsafe { lt.matmul_bias(stream, (ws, WORKSPACE_BYTES), &g) })
     }
 
     fn gemm(&self, step: &'static str, call: Call<'_, '_>, c: Output<'_, '_>) -> Result<()> {

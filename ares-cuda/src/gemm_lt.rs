@@ -175,8 +175,8 @@ impl Lt {
         self.calls.load(Ordering::Relaxed)
     }
 
-    /// Queues `g` on `stream` with `workspace` (device address and bytes); `Ok(false)`
-    /// when it did not (a bias off a 16-byte boundary, no algorithm for the shape, a plan
+    /// Queues `g` on `stream` with `workspace` (device address and bytes); `false` when it
+    /// did not (a bias off a 16-byte boundary, no algorithm for the shape, a plan
     /// or a call cuBLASLt refused — said once on stderr): the caller then runs the GEMM
     /// and the bias pass.
     ///
@@ -189,9 +189,9 @@ impl Lt {
         stream: &CudaStream,
         workspace: (CUdeviceptr, usize),
         g: &BiasGemm,
-    ) -> Result<bool> {
+    ) -> bool {
         if !g.bias.is_multiple_of(16) || g.m <= 0 || g.n <= 0 || g.k <= 0 {
-            return Ok(false);
+            return false;
         }
         let key = Key {
             transa: g.transa,
@@ -214,7 +214,7 @@ impl Lt {
             ),
         };
         let Some(plan) = plan.as_ref() else {
-            return Ok(false);
+            return false;
         };
         let bias = g.bias as *const c_void;
         let (alpha, beta) = (1.0f32, 0.0f32);
@@ -256,10 +256,10 @@ impl Lt {
             let err = lt_err("cublasLtMatmul with the bias epilogue")(source);
             fell_back(&key, &err);
             state.plans.insert(key, None);
-            return Ok(false);
+            return false;
         }
         self.calls.fetch_add(1, Ordering::Relaxed);
-        Ok(true)
+        true
     }
 }
 

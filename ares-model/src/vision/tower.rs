@@ -221,7 +221,7 @@ pub struct VisionTower<B: Backend> {
     pub(super) precision: MatmulPrecision,
     /// Whether training arenas keep one block's activations ([`Self::set_gradient_checkpointing`]).
     gradient_checkpointing: bool,
-    /// How training arenas store the MLP block's activations ([`Self::set_activation_dtype`]).
+    /// How the arenas store the MLP block's activations ([`Self::set_activation_dtype`]).
     activation_dtype: ActivationDtype,
     /// LoRA pairs (`vision/lora.rs`): with them the base weights are frozen.
     pub(super) lora: Option<TowerLora<B>>,
@@ -760,7 +760,7 @@ impl<B: Backend> VisionTower<B> {
         self.activation_dtype = dtype;
     }
 
-    /// Whether this tower's training arenas keep the MLP block's activations in bf16
+    /// Whether this tower's arenas keep the MLP block's activations in bf16
     /// ([`mlp_activations_in_bf16`] of its settings).
     pub fn mlp_in_bf16(&self) -> bool {
         mlp_activations_in_bf16(
