@@ -2272,10 +2272,12 @@ __device__ __forceinline__ void attention_fwd_mma_impl(AttnArgs a, float* __rest
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 1)                           \
         segment_##NAME(const float* q, const float* k, const float* v, const unsigned* cu,    \
                        int segments, i64 tokens, int heads, float scale, float* out,          \
-                       float* lse, unsigned* status) {                                        \
+                       float* lse, unsigned* status, const unsigned short* q16,               \
+                       const unsigned short* k16, const unsigned short* v16,                  \
+                       unsigned short* out16) {                                               \
         AttnArgs a = {q, k, v, nullptr, 1, tokens, tokens, 0, heads, heads, D, scale,         \
-                      nullptr, nullptr, 0, 0, 0, nullptr, nullptr, cu, segments};             \
-        attention_fwd_mma_impl<D, true>(a, out, lse, status);                                 \
+                      nullptr, nullptr, 0, 0, 0, k16, v16, cu, segments, nullptr, q16};       \
+        attention_fwd_mma_impl<D, true>(a, out, lse, status, out16);                          \
     }                                                                                         \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32, 1)                           \
         paged_##NAME(const float* q, const float* k, const float* v, const unsigned short* k16, \
@@ -2969,9 +2971,11 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
                                           const unsigned* cu, int segments, i64 tokens,        \
                                           int heads, float scale, const float* lse,            \
                                           const float* delta, const float* dout, float* dq,    \
-                                          unsigned* status) {                                  \
+                                          unsigned* status, const unsigned short* q16,         \
+                                          const unsigned short* k16,                           \
+                                          const unsigned short* v16) {                         \
         AttnArgs a = {q, k, v, nullptr, 1, tokens, tokens, 0, heads, heads, D, scale,          \
-                      nullptr, nullptr, 0, 0, 0, nullptr, nullptr, cu, segments};              \
+                      nullptr, nullptr, 0, 0, 0, k16, v16, cu, segments, nullptr, q16};        \
         attention_bwd_dq_mma_impl<D, true>(a, lse, delta, dout, dq, status);                   \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(MMA_WARPS * 32)                               \
@@ -2979,9 +2983,12 @@ __device__ __forceinline__ void attention_bwd_dkv_mma_impl(AttnArgs a, const flo
                                            const unsigned* cu, int segments, i64 tokens,       \
                                            int heads, float scale, const float* lse,           \
                                            const float* delta, const float* dout, float* dk,   \
-                                           float* dv, unsigned* status) {                      \
+                                           float* dv, unsigned* status,                        \
+                                           const unsigned short* q16,                          \
+                                           const unsigned short* k16,                          \
+                                           const unsigned short* v16) {                        \
         AttnArgs a = {q, k, v, nullptr, 1, tokens, tokens, 0, heads, heads, D, scale,          \
-                      nullptr, nullptr, 0, 0, 0, nullptr, nullptr, cu, segments};              \
+                      nullptr, nullptr, 0, 0, 0, k16, v16, cu, segments, nullptr, q16};        \
         attention_bwd_dkv_mma_impl<D, true>(a, lse, delta, dout, dk, dv, status);              \
     }
 

@@ -1532,7 +1532,8 @@ fn kernel_on_cpu_f32_attention_over_packed_segments_is_the_cpu_attention() {
 #[test]
 fn kernel_on_cpu_tensor_core_segment_attention_is_the_cpu_twin() {
     // the vision tower's attention on the tensor cores (written, never run on a GPU):
-    // forward and backward within uneven segments, against the CPU twins
+    // forward and backward within uneven segments, against the CPU twins; then over q, k, v
+    // stored in bf16 (the same bits) and with the output stored in bf16 (rounded once)
     use ares_cpu::ops::segment_attention::{
         SegmentAttentionSaved, SegmentAttentionShape, segment_attention_backward_bf16,
         segment_attention_forward_bf16,
@@ -1557,12 +1558,32 @@ fn kernel_on_cpu_tensor_core_segment_attention_is_the_cpu_twin() {
         *mut f32,
         *mut f32,
         *mut u32,
+        *const u16,
+        *const u16,
+        *const u16,
+        *mut u16,
     );
     let run = launcher!(lib, "emu_segment_attention_mma", Seg);
     let mut rng = Rng(57);
     // segments of 5, 64 and 31 tokens: tiles that straddle segment ends
     let cu = [0u32, 5, 69, 100];
     let tokens = 100usize;
+    let bits = |x: &[f32]| -> Vec<u16> {
+        x.iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect()
+    };
+    let same = |got: &[f32], want: &[f32]| {
+        got.iter()
+            .map(|x| x.to_bits())
+            .eq(want.iter().map(|x| x.to_bits()))
+    };
+    let close = |what: &str, got: &[f32], want: &[f32]| {
+        let largest = want.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
+        for (i, (g, w)) in got.iter().zip(want.iter()).enumerate() {
+            assert!((g - w).abs() <= 1e-4 * largest, "{what}[{i}] {g} vs {w}");
+        }
+    };
     for (d, heads) in [(64usize, 2usize), (80, 1), (128, 1)] {
         let shape = SegmentAttentionShape::new(tokens, heads, d);
         let n = tokens * heads * d;
@@ -1572,65 +1593,109 @@ fn kernel_on_cpu_tensor_core_segment_attention_is_the_cpu_twin() {
         let dout: Vec<f32> = (0..n).map(|_| rng.range(-1.0, 1.0)).collect();
         let (mut out, mut lse) = (vec![0.0f32; n], vec![0.0f32; tokens * heads]);
         segment_attention_forward_bf16(&shape, &cu, &q, &k, &v, &mut out, &mut lse).expect("cpu");
-        let (mut dq, mut dk, mut dv) = (vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]);
-        segment_attention_backward_bf16(
-            &shape,
-            &cu,
-            &q,
-            &k,
-            &v,
-            SegmentAttentionSaved {
-                out: &out,
+        let cpu_backward = |out: &[f32]| {
+            let (mut dq, mut dk, mut dv) = (vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]);
+            let saved = SegmentAttentionSaved {
+                out,
                 lse: &lse,
                 dout: &dout,
-            },
-            &mut dq,
-            &mut dk,
-            &mut dv,
-        )
-        .expect("cpu backward");
-        let (mut g_out, mut g_lse, mut delta) =
-            (vec![NAN; n], vec![NAN; lse.len()], vec![NAN; lse.len()]);
-        let (mut g_dq, mut g_dk, mut g_dv) = (vec![NAN; n], vec![NAN; n], vec![NAN; n]);
-        let mut status = 0u32;
-        // SAFETY: every buffer has the shape's length; cu holds segments + 1 offsets.
-        unsafe {
-            run(
-                3,
-                d as i32,
-                q.as_ptr(),
-                k.as_ptr(),
-                v.as_ptr(),
-                cu.as_ptr(),
-                (cu.len() - 1) as i32,
-                tokens as i64,
-                heads as i32,
-                shape.scale,
-                g_out.as_mut_ptr(),
-                g_lse.as_mut_ptr(),
-                dout.as_ptr(),
-                delta.as_mut_ptr(),
-                g_dq.as_mut_ptr(),
-                g_dk.as_mut_ptr(),
-                g_dv.as_mut_ptr(),
-                &mut status,
+            };
+            segment_attention_backward_bf16(
+                &shape, &cu, &q, &k, &v, saved, &mut dq, &mut dk, &mut dv,
             )
+            .expect("cpu backward");
+            [dq, dk, dv]
         };
-        assert_eq!(status, 0, "d {d}: status");
+        let [dq, dk, dv] = cpu_backward(&out);
+        // one launch of forward and backward: q, k, v in f32 (`stored` None) or as bf16
+        // bits; the output in f32 or bf16 (`out16`)
+        let (q16, k16, v16) = (bits(&q), bits(&k), bits(&v));
+        let launch = |stored: bool, out16: bool| {
+            let null = std::ptr::null::<f32>();
+            let f = |x: &Vec<f32>| if stored { null } else { x.as_ptr() };
+            let h = |x: &Vec<u16>| if stored { x.as_ptr() } else { std::ptr::null() };
+            let (mut g_out, mut g_lse, mut delta) = (
+                vec![NAN; n],
+                vec![NAN; tokens * heads],
+                vec![NAN; tokens * heads],
+            );
+            let mut g_out16 = vec![0u16; if out16 { n } else { 0 }];
+            let (mut g_dq, mut g_dk, mut g_dv) = (vec![NAN; n], vec![NAN; n], vec![NAN; n]);
+            let mut status = 0u32;
+            // SAFETY: every buffer has the shape's length; cu holds segments + 1 offsets;
+            // exactly one of each operand's f32 and bf16 pointers, and of the output's.
+            unsafe {
+                run(
+                    3,
+                    d as i32,
+                    f(&q),
+                    f(&k),
+                    f(&v),
+                    cu.as_ptr(),
+                    (cu.len() - 1) as i32,
+                    tokens as i64,
+                    heads as i32,
+                    shape.scale,
+                    if out16 {
+                        std::ptr::null_mut()
+                    } else {
+                        g_out.as_mut_ptr()
+                    },
+                    g_lse.as_mut_ptr(),
+                    dout.as_ptr(),
+                    delta.as_mut_ptr(),
+                    g_dq.as_mut_ptr(),
+                    g_dk.as_mut_ptr(),
+                    g_dv.as_mut_ptr(),
+                    &mut status,
+                    h(&q16),
+                    h(&k16),
+                    h(&v16),
+                    if out16 {
+                        g_out16.as_mut_ptr()
+                    } else {
+                        std::ptr::null_mut()
+                    },
+                )
+            };
+            assert_eq!(status, 0, "d {d}: status (stored {stored}, out16 {out16})");
+            (g_out, g_out16, g_lse, [g_dq, g_dk, g_dv])
+        };
+        let (g_out, _, g_lse, g) = launch(false, false);
+        close(&format!("d {d}: out"), &g_out, &out);
+        close(&format!("d {d}: lse"), &g_lse, &lse);
+        for (name, got, want) in [("dq", &g[0], &dq), ("dk", &g[1], &dk), ("dv", &g[2], &dv)] {
+            close(&format!("d {d}: {name}"), got, want);
+        }
+        // q, k, v as bf16 bits: the kernels round f32 ones as they load them — the same bits
+        let (s_out, _, s_lse, s) = launch(true, false);
+        assert!(
+            same(&s_out, &g_out) && same(&s_lse, &g_lse),
+            "d {d}: stored forward"
+        );
         for (name, got, want) in [
-            ("out", &g_out, &out),
-            ("lse", &g_lse, &lse),
-            ("dq", &g_dq, &dq),
-            ("dk", &g_dk, &dk),
-            ("dv", &g_dv, &dv),
+            ("dq", &s[0], &g[0]),
+            ("dk", &s[1], &g[1]),
+            ("dv", &s[2], &g[2]),
         ] {
-            let largest = want.iter().fold(1e-3f32, |m, x| m.max(x.abs()));
-            for (i, (g, w)) in got.iter().zip(want.iter()).enumerate() {
-                assert!(
-                    (g - w).abs() <= 1e-4 * largest,
-                    "d {d}: {name}[{i}] {g} vs {w}"
-                );
-            }
+            assert!(same(got, want), "d {d}: stored {name}");
+        }
+        // and the output in bf16: the f32 output rounded once; the backward's δ reads its
+        // widened bits, as the CPU twin from those values
+        let (_, o16, h_lse, hg) = launch(true, true);
+        assert_eq!(o16, bits(&g_out), "d {d}: bf16 output");
+        assert!(same(&h_lse, &g_lse), "d {d}: bf16 output's lse");
+        let widened: Vec<f32> = o16
+            .iter()
+            .map(|&b| f32::from_bits(u32::from(b) << 16))
+            .collect();
+        let want = cpu_backward(&widened);
+        for (name, got, want) in [
+            ("dq", &hg[0], &want[0]),
+            ("dk", &hg[1], &want[1]),
+            ("dv", &hg[2], &want[2]),
+        ] {
+            close(&format!("d {d}: bf16 output {name}"), got, want);
         }
     }
 }

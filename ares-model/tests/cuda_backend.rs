@@ -3905,6 +3905,115 @@ fn tensor_core_segment_attention_matches_its_cpu_twin() {
         for (label, got, want) in outputs {
             assert_twin(&label, &got, &want, 5e-3);
         }
+
+        // q, k, v stored in bf16 (the tower's activations in bf16): the kernels read the
+        // bits where they rounded the f32 values — the same outputs, bit for bit; the
+        // output stored in bf16 is the f32 one rounded once
+        let half = |x: &[f32]| {
+            let bits: Vec<u16> = x
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            let mut b = gpu.alloc_half(bits.len(), DType::Bf16).unwrap();
+            gpu.upload_half(&bits, ViewMut::whole(&mut b)).unwrap();
+            b
+        };
+        let bits = |x: Vec<f32>| x.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        let (hq16, hk16, hv16) = (half(&q), half(&k), half(&v));
+        let (mut so, mut sl) = (up(&gpu, &vec![f32::NAN; n]), up(&gpu, &vec![f32::NAN; ln]));
+        gpu.segment_attention_bf16_stored(
+            dims,
+            &gcu,
+            View::whole(&hq16),
+            View::whole(&hk16),
+            View::whole(&hv16),
+            Some(ViewMut::whole(&mut so)),
+            None,
+            ViewMut::whole(&mut sl),
+        )
+        .unwrap();
+        let label = what("bf16-stored segment");
+        assert_eq!(bits(down(&gpu, &so)), bits(down(&gpu, &go)), "{label}: out");
+        assert_eq!(bits(down(&gpu, &sl)), bits(down(&gpu, &gl)), "{label}: lse");
+        let mut o16 = gpu.alloc_half(n, DType::Bf16).unwrap();
+        gpu.segment_attention_bf16_stored(
+            dims,
+            &gcu,
+            View::whole(&hq16),
+            View::whole(&hk16),
+            View::whole(&hv16),
+            None,
+            Some(ViewMut::whole(&mut o16)),
+            ViewMut::whole(&mut sl),
+        )
+        .unwrap();
+        let mut got16 = vec![0u16; n];
+        gpu.download_half(View::whole(&o16), &mut got16).unwrap();
+        let want16: Vec<u16> = down(&gpu, &go)
+            .iter()
+            .map(|&x| half::bf16::from_f32(x).to_bits())
+            .collect();
+        assert_eq!(got16, want16, "{label}: the output in bf16");
+        // the backward over the stored bits: from the f32 output, the f32 kernels' bits;
+        // from the bf16 output, the CPU's stored backward
+        let gdout = up(&gpu, &dout);
+        let stored_backward = |out: Option<View<'_, _>>, out16| {
+            let mut g = [(); 3].map(|()| up(&gpu, &vec![f32::NAN; n]));
+            let [dq, dk, dv] = &mut g;
+            gpu.segment_attention_backward_bf16_stored(
+                dims,
+                &gcu,
+                View::whole(&hq16),
+                View::whole(&hk16),
+                View::whole(&hv16),
+                out,
+                out16,
+                View::whole(&gl),
+                View::whole(&gdout),
+                ViewMut::whole(dq),
+                ViewMut::whole(dk),
+                ViewMut::whole(dv),
+            )
+            .unwrap();
+            g.map(|b| down(&gpu, &b))
+        };
+        let from_f32 = stored_backward(Some(View::whole(&go)), None);
+        for (name, s16, g) in [("dq", 0, &gdq), ("dk", 1, &gdk), ("dv", 2, &gdv)] {
+            let stored = bits(from_f32[s16].clone());
+            assert_eq!(stored, bits(down(&gpu, g)), "{label}: {name}");
+        }
+        let from_16 = stored_backward(None, Some(View::whole(&o16)));
+        let hb = |x: &[f32]| -> <CpuBackend as Backend>::Half {
+            let bits: Vec<u16> = x
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            let mut b = cpu.alloc_half(bits.len(), DType::Bf16).unwrap();
+            cpu.upload_half(&bits, ViewMut::whole(&mut b)).unwrap();
+            b
+        };
+        let (cq16, ck16, cv16, co16) = (hb(&q), hb(&k), hb(&v), hb(&down(&gpu, &go)));
+        let mut want = [(); 3].map(|()| vec![0.0f32; n]);
+        let [wq, wk, wv] = &mut want;
+        cpu.segment_attention_backward_bf16_stored(
+            dims,
+            &cu,
+            View::whole(&cq16),
+            View::whole(&ck16),
+            View::whole(&cv16),
+            None,
+            Some(View::whole(&co16)),
+            View::whole(&cl),
+            View::whole(&dout),
+            ViewMut::whole(wq),
+            ViewMut::whole(wk),
+            ViewMut::whole(wv),
+        )
+        .unwrap();
+        for (i, name) in ["dq", "dk", "dv"].into_iter().enumerate() {
+            let l = format!("{label}: {name} from the bf16 output");
+            assert_twin(&l, &from_16[i], &want[i], 5e-3);
+        }
     }
 }
 

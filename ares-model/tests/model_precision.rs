@@ -858,18 +858,22 @@ fn tower_weights_stored_in_bf16_are_read_by_the_bf16_ops() {
     assert_eq!(run(&stored).0, want);
 }
 
-/// The tower's MLP block in bf16 (`VisionTower::set_activation_dtype`, Qwen2.5-VL's RMSNorm
-/// and SwiGLU over weights stored in bf16): the second norm's output, gate, up and their
-/// SwiGLU are kept as bf16 and read as stored — the add and the norm as one op, gate and up
-/// bf16 in and out, down bf16 in, the backward's products and SwiGLU on the stored bits —
-/// the output within bf16 of the f32-activation tower's and every gradient along its
+/// The tower's activations in bf16 (`VisionTower::set_activation_dtype`, weights stored
+/// in bf16, Qwen2.5-VL's RMSNorm and SwiGLU, a tensor-core head size at 256 patches): the
+/// MLP block's — the second norm's output, gate, up and their SwiGLU — and the attention
+/// block's — the first norm's output, q, k, v and the attention's output — are kept as bf16
+/// and read as stored (the add and the norm as one op, gate and up bf16 in and out, the
+/// other products bf16 in, RoPE with the rounding, the attention over the stored bits and
+/// its output stored rounded; the backward's products, SwiGLU and attention on the stored
+/// bits); the output within bf16 of the f32-activation tower's and every gradient along its
 /// gradient; a checkpointed arena gives the same bits; the arena is what
-/// `tower_arena_bytes` counts, and smaller. f32 weights keep f32 activations.
+/// `tower_arena_bytes` counts, and smaller. f32 weights keep f32 activations; fewer than
+/// 64 patches keep the attention block's in f32.
 #[test]
-fn tower_mlp_activations_in_bf16_are_read_as_stored() {
+fn tower_activations_in_bf16_are_read_as_stored() {
     use ares_model::backend::Counting;
     use ares_model::model::{ActivationDtype, WeightStorage};
-    use ares_model::vision::tower::{VisionPlan, VisionTower, tower_arena_bytes};
+    use ares_model::vision::tower::{TowerActLayout, VisionPlan, VisionTower, tower_arena_bytes};
     use ares_model::vision::weights::VisionWeights;
     let cfg = tower_64();
     let be = Counting::new(CpuBackend);
@@ -883,38 +887,38 @@ fn tower_mlp_activations_in_bf16_are_read_as_stored() {
     let mut tower = VisionTower::new(&be, &cfg, &weights).unwrap();
     tower.set_matmul_precision(MatmulPrecision::Bf16);
     tower.set_activation_dtype(ActivationDtype::Bf16);
-    // f32 weights: the bf16 products would round them per call; the MLP stays f32
-    assert!(!tower.mlp_in_bf16());
+    // f32 weights: the bf16 products would round them per call; every activation f32
+    assert_eq!(tower.act_layout(plan.patches), TowerActLayout::F32);
     tower.set_weight_storage(&be, WeightStorage::Bf16).unwrap();
-    assert!(tower.mlp_in_bf16());
+    let both = TowerActLayout {
+        mlp: true,
+        attention: true,
+    };
+    assert_eq!(tower.act_layout(plan.patches), both);
+    // too few rows for the tensor-core attention: its block stays f32
+    assert!(!tower.act_layout(63).attention && tower.act_layout(63).mlp);
     let bytes16 = tower.activations(&be, plan.clone(), true).unwrap().bytes() as u64;
     assert_eq!(
         bytes16,
-        tower_arena_bytes(&cfg, plan.patches, true, false, true)
+        tower_arena_bytes(&cfg, plan.patches, true, false, both)
     );
     let (got, got_g, calls) = run(&tower);
     tower.set_activation_dtype(ActivationDtype::F32);
     let bytes32 = tower.activations(&be, plan.clone(), true).unwrap().bytes() as u64;
-    // n2, gate, up and act of both blocks at half the bytes
+    // n2, gate, up, act and n1, q, k, v, att of both blocks at half the bytes
     let (n, h, i) = (
         plan.patches as u64,
         cfg.hidden as u64,
         cfg.intermediate as u64,
     );
-    assert_eq!(bytes32 - bytes16, 2 * 2 * n * (h + 3 * i));
+    assert_eq!(bytes32 - bytes16, 2 * 2 * n * (h + 3 * i + 5 * h));
     let (want, want_g, want_calls) = run(&tower);
     let e = rel_err(&got, &want);
     assert!(e > 0.0 && e < 1e-2, "output rel err {e:e}");
     assert_eq!(got_g.len(), want_g.len());
     for (k, (g, w)) in got_g.iter().zip(&want_g).enumerate() {
-        let dot: f64 = g
-            .iter()
-            .zip(w)
-            .map(|(&a, &b)| f64::from(a) * f64::from(b))
-            .sum();
-        let norm = |v: &[f32]| v.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
-        let cos = dot / (norm(g) * norm(w)).max(f64::MIN_POSITIVE);
-        assert!(cos > 0.999 || norm(w) == 0.0, "gradient {k}: cosine {cos}");
+        let cos = cosine(g, w);
+        assert!(cos > 0.999 || cos.is_nan(), "gradient {k}: cosine {cos}");
     }
     let count = |calls: &[&str], op: &str| calls.iter().filter(|&&c| c == op).count();
     let blocks = cfg.depth;
@@ -922,20 +926,189 @@ fn tower_mlp_activations_in_bf16_are_read_as_stored() {
         ("add_rmsnorm_bf16", 1),
         ("linear_bf16_io", 2),
         ("swiglu_bf16", 1),
-        ("linear_bf16_x", 1),
-        ("linear_backward_bf16_x", 3),
+        // q, k, v, the projection and down
+        ("linear_bf16_x", 5),
+        // n1 and v; q and k with their RoPE
+        ("round_bf16", 2),
+        ("rope_bf16", 2),
+        ("segment_attention_bf16_stored", 1),
+        ("segment_attention_backward_bf16_stored", 1),
+        // gate, up, down, the projection, q, k, v
+        ("linear_backward_bf16_x", 7),
         ("swiglu_backward_bf16", 1),
     ] {
         assert_eq!(count(&calls, op), per_block * blocks, "{op}");
         assert_eq!(count(&want_calls, op), 0, "{op} (f32 activations)");
     }
-    assert_eq!(count(&calls, "swiglu"), 0);
+    for op in ["swiglu", "rope", "segment_attention_bf16"] {
+        assert_eq!(count(&calls, op), 0, "{op}");
+    }
     // checkpointed: each block made again, the same bits
     tower.set_activation_dtype(ActivationDtype::Bf16);
     tower.set_gradient_checkpointing(true);
     let (ck, ck_g, _) = run(&tower);
     assert_eq!(ck, got);
     assert_eq!(ck_g, got_g);
+}
+
+/// Segment attention over q, k, v stored in bf16 on the CPU
+/// (`Backend::segment_attention_bf16_stored` and its backward) is the twin run on the
+/// widened bits: the f32 output, log-sum-exp and gradients of the f32 op over the same
+/// values bit for bit, the bf16 output that output rounded once; both outputs or neither
+/// is an error saying so.
+#[test]
+fn segment_attention_over_stored_bf16_is_the_twin_of_the_values() {
+    use ares_model::backend::{DType, SegmentAttentionDims};
+    let be = CpuBackend;
+    let (tokens, heads, d) = (100usize, 2usize, 64usize);
+    let cu = vec![0u32, 5, 69, 100];
+    let dims = SegmentAttentionDims::new(tokens, cu.len() - 1, heads, d);
+    let n = tokens * heads * d;
+    let wave = |seed: usize, i: usize| ((i * 7919 + seed * 104_729) % 2000) as f32 / 1000.0 - 1.0;
+    let [q, k, v, dout] = [1, 2, 3, 4].map(|s| {
+        (0..n)
+            .map(|i| MatmulPrecision::Bf16.round(wave(s, i)))
+            .collect::<Vec<f32>>()
+    });
+    let half = |x: &[f32]| {
+        let bits: Vec<u16> = x
+            .iter()
+            .map(|&v| half::bf16::from_f32(v).to_bits())
+            .collect();
+        let mut b = be.alloc_half(n, DType::Bf16).unwrap();
+        be.upload_half(&bits, ViewMut::whole(&mut b)).unwrap();
+        b
+    };
+    let (q16, k16, v16) = (half(&q), half(&k), half(&v));
+    let (mut out, mut lse) = (vec![0.0f32; n], vec![0.0f32; tokens * heads]);
+    let (qv, kv, vv) = (View::whole(&q), View::whole(&k), View::whole(&v));
+    let (o, l) = (ViewMut::whole(&mut out), ViewMut::whole(&mut lse));
+    be.segment_attention_bf16(dims, &cu, qv, kv, vv, o, l)
+        .unwrap();
+    let (mut s_out, mut s_lse) = (vec![f32::NAN; n], vec![f32::NAN; tokens * heads]);
+    let stored = (View::whole(&q16), View::whole(&k16), View::whole(&v16));
+    be.segment_attention_bf16_stored(
+        dims,
+        &cu,
+        stored.0,
+        stored.1,
+        stored.2,
+        Some(ViewMut::whole(&mut s_out)),
+        None,
+        ViewMut::whole(&mut s_lse),
+    )
+    .unwrap();
+    assert_eq!((&s_out, &s_lse), (&out, &lse));
+    let mut o16 = be.alloc_half(n, DType::Bf16).unwrap();
+    be.segment_attention_bf16_stored(
+        dims,
+        &cu,
+        stored.0,
+        stored.1,
+        stored.2,
+        None,
+        Some(ViewMut::whole(&mut o16)),
+        ViewMut::whole(&mut s_lse),
+    )
+    .unwrap();
+    let mut got16 = vec![0u16; n];
+    be.download_half(View::whole(&o16), &mut got16).unwrap();
+    let want16: Vec<u16> = out
+        .iter()
+        .map(|&x| half::bf16::from_f32(x).to_bits())
+        .collect();
+    assert_eq!(got16, want16);
+    let backward = |stored_qkv: bool| {
+        let mut g = [(); 3].map(|()| vec![f32::NAN; n]);
+        let [dq, dk, dv] = &mut g;
+        let (o, l, d) = (View::whole(&out), View::whole(&lse), View::whole(&dout));
+        let grads = (ViewMut::whole(dq), ViewMut::whole(dk), ViewMut::whole(dv));
+        match stored_qkv {
+            false => be.segment_attention_backward_bf16(
+                dims, &cu, qv, kv, vv, o, l, d, grads.0, grads.1, grads.2,
+            ),
+            true => be.segment_attention_backward_bf16_stored(
+                dims,
+                &cu,
+                stored.0,
+                stored.1,
+                stored.2,
+                Some(o),
+                None,
+                l,
+                d,
+                grads.0,
+                grads.1,
+                grads.2,
+            ),
+        }
+        .unwrap();
+        g
+    };
+    assert_eq!(backward(true), backward(false));
+    let (mut o32, mut l32) = (vec![0.0f32; n], vec![0.0f32; tokens * heads]);
+    let e = be
+        .segment_attention_bf16_stored(
+            dims,
+            &cu,
+            stored.0,
+            stored.1,
+            stored.2,
+            Some(ViewMut::whole(&mut o32)),
+            Some(ViewMut::whole(&mut o16)),
+            ViewMut::whole(&mut l32),
+        )
+        .unwrap_err();
+    assert!(e.to_string().contains("exactly 1"), "{e}");
+}
+
+/// The cosine of two vectors (NaN for a zero one).
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a
+        .iter()
+        .zip(b)
+        .map(|(&x, &y)| f64::from(x) * f64::from(y))
+        .sum();
+    let norm = |v: &[f32]| v.iter().map(|&x| f64::from(x).powi(2)).sum::<f64>().sqrt();
+    dot / (norm(a) * norm(b))
+}
+
+/// The attention block alone in bf16 (Qwen2-VL's LayerNorm and QuickGELU keep the MLP's in
+/// f32): its forward reads the bits the f32 activations' bf16 products and tensor-core
+/// attention take — n1, q, k, v rounded once, the output rounded as the projection rounds
+/// it — so the tower's output is the f32-activation tower's bit for bit; the backward's δ
+/// reads the rounded output, so the gradients stay along the f32 ones.
+#[test]
+fn tower_attention_block_in_bf16_is_the_f32_forward_bit_for_bit() {
+    use ares_model::model::{ActivationDtype, WeightStorage};
+    use ares_model::vision::config::{VisionMlp, VlKind};
+    use ares_model::vision::tower::{TowerActLayout, VisionPlan, VisionTower};
+    use ares_model::vision::weights::VisionWeights;
+    let mut cfg = tower_64();
+    cfg.kind = VlKind::Qwen2Vl;
+    cfg.mlp = VisionMlp::Plain(ares_model::backend::Activation::QuickGelu);
+    cfg.fullatt_block_indexes.clear();
+    let be = CpuBackend;
+    let weights = VisionWeights::random(&cfg, 0.1, 9);
+    let plan = VisionPlan::new(&cfg, &[[1, 16, 16]]).unwrap();
+    let mut tower = VisionTower::new(&be, &cfg, &weights).unwrap();
+    tower.set_matmul_precision(MatmulPrecision::Bf16);
+    tower.set_weight_storage(&be, WeightStorage::Bf16).unwrap();
+    tower.set_activation_dtype(ActivationDtype::Bf16);
+    let layout = TowerActLayout {
+        mlp: false,
+        attention: true,
+    };
+    assert_eq!(tower.act_layout(plan.patches), layout);
+    let (got, got_g) = common::tower_pass(&be, &tower, &plan);
+    tower.set_activation_dtype(ActivationDtype::F32);
+    let (want, want_g) = common::tower_pass(&be, &tower, &plan);
+    assert_eq!(got, want);
+    for (k, (g, w)) in got_g.iter().zip(&want_g).enumerate() {
+        let cos = cosine(g, w);
+        assert!(cos > 0.9999 || cos.is_nan(), "gradient {k}: cosine {cos}");
+    }
+    assert_ne!(got_g, want_g);
 }
 
 /// The tower's gradients stored in bf16 (`VisionTower::zero_grads_in`, `grad_dtype: bf16`):

@@ -539,7 +539,7 @@ fn vision_turns_continued_over_kept_blocks_equal_the_whole_conversation() {
 /// inference, training, training checkpointed.
 #[test]
 fn tower_arena_bytes_are_what_an_arena_holds() {
-    use ares_model::vision::tower::{VisionPlan, tower_arena_bytes};
+    use ares_model::vision::tower::{TowerActLayout, VisionPlan, tower_arena_bytes};
     use safetensors::SafeTensors;
     for model in MODELS {
         let (ck, bytes) = vl::load(model);
@@ -561,7 +561,7 @@ fn tower_arena_bytes_are_what_an_arena_holds() {
                     .activations(&CpuBackend, plan.clone(), keep)
                     .unwrap();
                 assert_eq!(
-                    tower_arena_bytes(cfg, plan.patches, keep, checkpointed, false),
+                    tower_arena_bytes(cfg, plan.patches, keep, checkpointed, TowerActLayout::F32),
                     acts.bytes() as u64,
                     "{model} {c}: keep {keep}, checkpointed {checkpointed}"
                 );

@@ -1546,13 +1546,13 @@ pub struct AttentionInputs<'a> {
 
 /// The attention's output as the forward writes it: f32, or rounded to bf16 (activations
 /// stored in bf16).
-enum OutMut<'a, 'b> {
+pub(super) enum OutMut<'a, 'b> {
     F32(&'a mut CudaViewMut<'b, f32>),
     Bf16(&'a mut CudaViewMut<'b, u16>),
 }
 
 impl OutMut<'_, '_> {
-    fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         match self {
             Self::F32(o) => o.len(),
             Self::Bf16(o) => o.len(),
@@ -1568,7 +1568,7 @@ pub(crate) enum OutView<'a, 'b> {
 }
 
 impl OutView<'_, '_> {
-    fn len(&self) -> usize {
+    pub(super) fn len(&self) -> usize {
         match self {
             Self::F32(o) => o.len(),
             Self::Bf16(o) => o.len(),
@@ -1580,7 +1580,7 @@ impl OutView<'_, '_> {
 /// load) or bf16 bits as stored. The tensor-core training kernels take both pointer sets,
 /// the unused one null; the f32 kernels take f32 only.
 #[derive(Clone, Copy)]
-enum Operands<'a, 'b> {
+pub(super) enum Operands<'a, 'b> {
     F32(
         &'a CudaView<'b, f32>,
         &'a CudaView<'b, f32>,
@@ -1594,19 +1594,24 @@ enum Operands<'a, 'b> {
 }
 
 impl Operands<'_, '_> {
-    /// Errors unless q, k, v have the lengths of `dims`.
-    fn check(&self, op: &'static str, dims: &Dims) -> Result<()> {
-        let lens = match self {
+    /// The lengths of q, k, v.
+    pub(super) fn lens(&self) -> [usize; 3] {
+        match self {
             Self::F32(q, k, v) => [q.len(), k.len(), v.len()],
             Self::Bf16(q, k, v) => [q.len(), k.len(), v.len()],
-        };
+        }
+    }
+
+    /// Errors unless q, k, v have the lengths of `dims`.
+    fn check(&self, op: &'static str, dims: &Dims) -> Result<()> {
+        let lens = self.lens();
         check_len(op, "q", dims.q_len, lens[0])?;
         check_len(op, "k", dims.kv_len, lens[1])?;
         check_len(op, "v", dims.kv_len, lens[2])
     }
 
     /// Pushes the f32 q, k, v (null for bf16 ones).
-    fn push_f32<'r, 'l>(&'l self, l: &'r mut LaunchArgs<'l>) -> &'r mut LaunchArgs<'l> {
+    pub(super) fn push_f32<'r, 'l>(&'l self, l: &'r mut LaunchArgs<'l>) -> &'r mut LaunchArgs<'l> {
         match self {
             Self::F32(q, k, v) => l.arg(*q).arg(*k).arg(*v),
             Self::Bf16(..) => l.arg(&NULL).arg(&NULL).arg(&NULL),
@@ -1614,7 +1619,7 @@ impl Operands<'_, '_> {
     }
 
     /// Pushes the bf16 q16, k16, v16 of the tensor-core kernels (null for f32 ones).
-    fn push_bf16<'r, 'l>(&'l self, l: &'r mut LaunchArgs<'l>) -> &'r mut LaunchArgs<'l> {
+    pub(super) fn push_bf16<'r, 'l>(&'l self, l: &'r mut LaunchArgs<'l>) -> &'r mut LaunchArgs<'l> {
         match self {
             Self::F32(..) => l.arg(&NULL).arg(&NULL).arg(&NULL),
             Self::Bf16(q, k, v) => l.arg(*q).arg(*k).arg(*v),

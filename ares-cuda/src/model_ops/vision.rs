@@ -3,10 +3,13 @@
 //! `cu_seqlens` segments, and the row scatter of image embeddings. Twins of
 //! `ares_cpu::ops::{layer_norm, activation, segment_attention, scatter}`.
 
-use super::attention::{AttentionGradsMut, MMA_ROWS, MMA_WARPS, attention_cfg, dkv_mma_smem};
-use super::{ModelOps, bad, check_len, element_cfg, grid, i32_of, i64_of, mul, row_cfg, scratch};
+use super::attention::{
+    AttentionGradsMut, MMA_ROWS, MMA_WARPS, Operands, OutMut, OutView, attention_cfg, dkv_mma_smem,
+};
+use super::{
+    ArgOrNull, ModelOps, bad, check_len, element_cfg, grid, i32_of, i64_of, mul, row_cfg, scratch,
+};
 use crate::error::{DriverContext, Result};
-use crate::launch::NULL;
 use cudarc::driver::{CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
 /// Threads per row of the LayerNorm kernels and per source row of the scatter.
@@ -548,36 +551,83 @@ impl ModelOps {
         out: &mut CudaViewMut<'_, f32>,
         lse: &mut CudaViewMut<'_, f32>,
     ) -> Result<()> {
-        const K: &str = "segment_attention_bf16";
-        let dims = shape.dims(K, cu_seqlens.len())?;
-        let variant = self.tensor_core_head(K, shape.head_dim)?;
-        check_len(K, "q", dims.q_len, q.len())?;
-        check_len(K, "k", dims.q_len, k.len())?;
-        check_len(K, "v", dims.q_len, v.len())?;
-        check_len(K, "out", dims.q_len, out.len())?;
-        check_len(K, "lse", dims.lse_len, lse.len())?;
+        let qkv = Operands::F32(q, k, v);
+        let op = "segment_attention_bf16";
+        self.segment_mma(op, shape, cu_seqlens, qkv, OutMut::F32(out), lse)
+    }
+
+    /// [`ModelOps::segment_attention_bf16`] over q, k, v stored in bf16 (the vision tower's
+    /// activations kept in bf16): the kernels read the bits as stored where they round f32
+    /// ones as they load — the same bits for the same values. The output goes to exactly
+    /// one of `out` (f32) and `out16` (bf16, rounded once to nearest even).
+    ///
+    /// # Errors
+    /// As [`ModelOps::segment_attention_bf16`]; both outputs or neither.
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments, in its order
+    pub fn segment_attention_bf16_stored<'o>(
+        &self,
+        shape: SegmentAttentionShape,
+        cu_seqlens: &CudaView<'_, u32>,
+        q: &CudaView<'_, u16>,
+        k: &CudaView<'_, u16>,
+        v: &CudaView<'_, u16>,
+        out: Option<&mut CudaViewMut<'o, f32>>,
+        out16: Option<&mut CudaViewMut<'o, u16>>,
+        lse: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        const K: &str = "segment_attention_bf16_stored";
+        let out = match (out, out16) {
+            (Some(o), None) => OutMut::F32(o),
+            (None, Some(o)) => OutMut::Bf16(o),
+            _ => return Err(bad(K, "exactly one of out (f32) and out16 (bf16)".into())),
+        };
+        self.segment_mma(K, shape, cu_seqlens, Operands::Bf16(q, k, v), out, lse)
+    }
+
+    /// Checks and launches the tensor-core segment forward on `qkv` as stored.
+    fn segment_mma(
+        &self,
+        op: &'static str,
+        shape: SegmentAttentionShape,
+        cu_seqlens: &CudaView<'_, u32>,
+        qkv: Operands<'_, '_>,
+        out: OutMut<'_, '_>,
+        lse: &mut CudaViewMut<'_, f32>,
+    ) -> Result<()> {
+        let dims = shape.dims(op, cu_seqlens.len())?;
+        let variant = self.tensor_core_head(op, shape.head_dim)?;
+        for (name, len) in ["q", "k", "v"].into_iter().zip(qkv.lens()) {
+            check_len(op, name, dims.q_len, len)?;
+        }
+        check_len(op, "out", dims.q_len, out.len())?;
+        check_len(op, "lse", dims.lse_len, lse.len())?;
         if dims.q_len == 0 {
             return Ok(());
         }
         let func = &self.f.segment_fwd_mma[variant];
-        let cfg = mma_cfg(self, K, func, &shape, 0)?;
-        let tokens = i64_of(K, "tokens", shape.tokens)?;
+        let cfg = mma_cfg(self, op, func, &shape, 0)?;
+        let tokens = i64_of(op, "tokens", shape.tokens)?;
+        let (o32, o16) = match out {
+            OutMut::F32(o) => (Some(o), None),
+            OutMut::Bf16(o) => (None, Some(o)),
+        };
         let mut state = self.lock();
         let mut l = self.stream.launch_builder(func);
-        l.arg(q)
-            .arg(k)
-            .arg(v)
+        qkv.push_f32(&mut l)
             .arg(cu_seqlens)
             .arg(&dims.segments)
             .arg(&tokens)
             .arg(&dims.heads)
             .arg(&shape.scale)
-            .arg(out)
+            .arg_or_null(o32)
             .arg(lse)
             .arg(&mut state.status);
+        qkv.push_bf16(&mut l);
+        l.arg_or_null(o16);
         // SAFETY: argument order as `ATTN_FWD_MMA`'s segment kernel; lengths checked above,
-        // offsets clamped by the kernel; the head size is the variant's.
-        unsafe { l.launch(cfg) }.during(K)?;
+        // offsets clamped by the kernel; the head size is the variant's; exactly one of each
+        // operand's f32 and bf16 pointers, and of the output's, is set.
+        unsafe { l.launch(cfg) }.during(op)?;
         Ok(())
     }
 
@@ -602,59 +652,112 @@ impl ModelOps {
         dk: &mut CudaViewMut<'v, f32>,
         dv: &mut CudaViewMut<'v, f32>,
     ) -> Result<()> {
-        const K: &str = "segment_attention_backward_bf16";
-        let variant = self.tensor_core_head(K, shape.head_dim)?;
+        let qkv = Operands::F32(q, k, v);
+        let saved = (OutView::F32(out), lse, dout);
+        let grads = AttentionGradsMut { dq, dk, dv };
+        let op = "segment_attention_backward_bf16";
+        self.segment_mma_backward(op, shape, cu_seqlens, qkv, saved, grads)
+    }
+
+    /// [`ModelOps::segment_attention_backward_bf16`] over q, k, v stored in bf16, read as
+    /// stored, and the forward's output from exactly one of `out` (f32) and `out16` (bf16,
+    /// widened): the same bits as from those values in f32. **Overwrites** the gradients.
+    ///
+    /// # Errors
+    /// As [`ModelOps::segment_attention_backward_bf16`]; both outputs or neither.
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments, in its order
+    pub fn segment_attention_backward_bf16_stored<'o, 'v>(
+        &self,
+        shape: SegmentAttentionShape,
+        cu_seqlens: &CudaView<'_, u32>,
+        q: &CudaView<'_, u16>,
+        k: &CudaView<'_, u16>,
+        v: &CudaView<'_, u16>,
+        out: Option<&CudaView<'o, f32>>,
+        out16: Option<&CudaView<'o, u16>>,
+        lse: &CudaView<'_, f32>,
+        dout: &CudaView<'_, f32>,
+        dq: &mut CudaViewMut<'v, f32>,
+        dk: &mut CudaViewMut<'v, f32>,
+        dv: &mut CudaViewMut<'v, f32>,
+    ) -> Result<()> {
+        const K: &str = "segment_attention_backward_bf16_stored";
+        let out = match (out, out16) {
+            (Some(o), None) => OutView::F32(o),
+            (None, Some(o)) => OutView::Bf16(o),
+            _ => return Err(bad(K, "exactly one of out (f32) and out16 (bf16)".into())),
+        };
+        let grads = AttentionGradsMut { dq, dk, dv };
+        let qkv = Operands::Bf16(q, k, v);
+        self.segment_mma_backward(K, shape, cu_seqlens, qkv, (out, lse, dout), grads)
+    }
+
+    /// Checks and launches the tensor-core segment backward: δ, then dq, then dk and dv.
+    fn segment_mma_backward(
+        &self,
+        op: &'static str,
+        shape: SegmentAttentionShape,
+        cu_seqlens: &CudaView<'_, u32>,
+        qkv: Operands<'_, '_>,
+        (out, lse, dout): (OutView<'_, '_>, &CudaView<'_, f32>, &CudaView<'_, f32>),
+        grads: AttentionGradsMut<'_, '_>,
+    ) -> Result<()> {
+        let variant = self.tensor_core_head(op, shape.head_dim)?;
+        let [ql, kl, vl] = qkv.lens();
         let lens = [
-            q.len(),
-            k.len(),
-            v.len(),
+            ql,
+            kl,
+            vl,
             out.len(),
             dout.len(),
-            dq.len(),
-            dk.len(),
-            dv.len(),
+            grads.dq.len(),
+            grads.dk.len(),
+            grads.dv.len(),
         ];
-        let dims = check_backward(K, &shape, cu_seqlens.len(), lens, lse.len())?;
+        let dims = check_backward(op, &shape, cu_seqlens.len(), lens, lse.len())?;
         if dims.q_len == 0 {
             return Ok(());
         }
-        let rows64 = i64_of(K, "lse rows", dims.lse_len)?;
-        let tokens = i64_of(K, "tokens", shape.tokens)?;
+        let rows64 = i64_of(op, "lse rows", dims.lse_len)?;
+        let tokens = i64_of(op, "tokens", shape.tokens)?;
         let dq_func = &self.f.segment_bwd_dq_mma[variant];
         let dkv_func = &self.f.segment_bwd_dkv_mma[variant];
-        let dq_cfg = mma_cfg(self, K, dq_func, &shape, 0)?;
-        let dkv_cfg = mma_cfg(self, K, dkv_func, &shape, dkv_mma_smem(shape.head_dim))?;
+        let dq_cfg = mma_cfg(self, op, dq_func, &shape, 0)?;
+        let dkv_cfg = mma_cfg(self, op, dkv_func, &shape, dkv_mma_smem(shape.head_dim))?;
         let mut guard = self.lock();
         let state = &mut *guard;
         let mut delta = scratch(&mut state.scratch, &self.stream, dims.lse_len)?;
         {
-            // δ = Σ bf16(dout)·out per (token, head) row (model_ops.cu).
+            // δ = Σ bf16(dout)·out per (token, head) row (model_ops.cu), out as stored.
+            let (o32, o16) = match out {
+                OutView::F32(o) => (Some(o), None),
+                OutView::Bf16(o) => (None, Some(o)),
+            };
             let mut l = self.stream.launch_builder(&self.f.attention_bwd_delta_bf16);
             l.arg(dout)
-                .arg(out)
+                .arg_or_null(o32)
                 .arg(&rows64)
                 .arg(&dims.d)
                 .arg(&mut delta)
-                .arg(&NULL); // out in f32
+                .arg_or_null(o16);
             let cfg = LaunchConfig {
                 grid_dim: (grid(dims.lse_len.div_ceil(WARPS)), 1, 1),
                 block_dim: ((WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
             // SAFETY: argument order as `attention_bwd_delta_bf16`; dout/out hold rows × d,
-            // delta rows.
-            unsafe { l.launch(cfg) }.during(format!("{K}: delta"))?;
+            // delta rows; exactly one of out and out16 is set.
+            unsafe { l.launch(cfg) }.during(format!("{op}: delta"))?;
         }
         let delta = delta.as_view();
         let status = &mut state.status;
+        let AttentionGradsMut { dq, dk, dv } = grads;
         for (func, cfg, grads) in [
             (dq_func, dq_cfg, [Some(&mut *dq), None]),
             (dkv_func, dkv_cfg, [Some(&mut *dk), Some(&mut *dv)]),
         ] {
             let mut l = self.stream.launch_builder(func);
-            l.arg(q)
-                .arg(k)
-                .arg(v)
+            qkv.push_f32(&mut l)
                 .arg(cu_seqlens)
                 .arg(&dims.segments)
                 .arg(&tokens)
@@ -667,9 +770,11 @@ impl ModelOps {
                 l.arg(g);
             }
             l.arg(&mut *status);
+            qkv.push_bf16(&mut l);
             // SAFETY: argument order as `ATTN_BWD_MMA`'s segment kernels (dq: one gradient,
-            // dk/dv: two); lengths checked above, dynamic shared memory as `dkv_mma_smem`.
-            unsafe { l.launch(cfg) }.during(format!("{K}: gradients"))?;
+            // dk/dv: two); lengths checked above, dynamic shared memory as `dkv_mma_smem`;
+            // exactly one of each operand's f32 and bf16 pointers is set.
+            unsafe { l.launch(cfg) }.during(format!("{op}: gradients"))?;
         }
         Ok(())
     }

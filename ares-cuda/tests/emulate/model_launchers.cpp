@@ -172,26 +172,32 @@ extern "C" void emu_packed_attention(unsigned grid, const float* q, const float*
 }
 
 // The tensor-core segment attention of the vision tower at head size d (non-causal within
-// each cu_seqlens segment): forward, then δ, dq, and dk with dv, as ares-cuda runs them.
+// each cu_seqlens segment): forward, then δ, dq, and dk with dv, as ares-cuda runs them (q,
+// k, v stored in bf16: q16, k16, v16 with q, k, v NULL; the output in bf16: out16 with out
+// NULL; else NULL).
 extern "C" void emu_segment_attention_mma(unsigned grid, int d, const float* q, const float* k,
                                           const float* v, const unsigned* cu, int segments,
                                           i64 tokens, int heads, float scale, float* out,
                                           float* lse, const float* dout, float* delta,
-                                          float* dq, float* dk, float* dv, unsigned* status) {
+                                          float* dq, float* dk, float* dv, unsigned* status,
+                                          const unsigned short* q16, const unsigned short* k16,
+                                          const unsigned short* v16, unsigned short* out16) {
     const dim3 block{MMA_WARPS * 32, 1, 1};
     const std::size_t smem = 2 * (2 * MMA_ROWS * (d + 8) + 2 * 32 * (d + 8) + 2 * d * (32 + 8));
     auto run = [&](auto fwd, auto dq_kernel, auto dkv_kernel) {
         emu::launch(dim3{grid, 1, 1}, block, 0, [&] {
-            fwd(q, k, v, cu, segments, tokens, heads, scale, out, lse, status);
+            fwd(q, k, v, cu, segments, tokens, heads, scale, out, lse, status, q16, k16, v16,
+                out16);
         });
         emu::launch(dim3{4, 1, 1}, dim3{128, 1, 1}, 0,
-                    [&] { attention_bwd_delta_bf16(dout, out, tokens * heads, d, delta, nullptr); });
+                    [&] { attention_bwd_delta_bf16(dout, out, tokens * heads, d, delta, out16); });
         emu::launch(dim3{grid, 1, 1}, block, 0, [&] {
-            dq_kernel(q, k, v, cu, segments, tokens, heads, scale, lse, delta, dout, dq, status);
+            dq_kernel(q, k, v, cu, segments, tokens, heads, scale, lse, delta, dout, dq, status,
+                      q16, k16, v16);
         });
         emu::launch(dim3{grid, 1, 1}, block, smem, [&] {
             dkv_kernel(q, k, v, cu, segments, tokens, heads, scale, lse, delta, dout, dk, dv,
-                       status);
+                       status, q16, k16, v16);
         });
     };
     if (d == 64)

@@ -717,6 +717,75 @@ mod kernels {
         )
     }
 
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments
+    pub(super) fn segment_attention_bf16_stored(
+        dims: SegmentAttentionDims,
+        cu_seqlens: &[u32],
+        q: &[u16],
+        k: &[u16],
+        v: &[u16],
+        out: Option<&mut [f32]>,
+        out16: Option<&mut [u16]>,
+        lse: &mut [f32],
+    ) -> Result {
+        let shape = segment_shape(dims, cu_seqlens)?;
+        let [q, k, v] = widened(q, k, v)?;
+        let forward = |out: &mut [f32], lse: &mut [f32]| {
+            segment_attention::segment_attention_forward_bf16(
+                &shape, cu_seqlens, &q, &k, &v, out, lse,
+            )
+        };
+        match (out, out16) {
+            (Some(out), None) => forward(out, lse),
+            (None, Some(out16)) => {
+                // the twin's f32 output, rounded once (the kernel rounds as it stores)
+                let mut out = vec![0.0f32; out16.len()];
+                forward(&mut out, lse)?;
+                ares_cpu::ops::precision::round_to_bf16(&out, out16)
+            }
+            (out, out16) => Err(one_output(
+                usize::from(out.is_some()) + usize::from(out16.is_some()),
+            )),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments
+    pub(super) fn segment_attention_backward_bf16_stored(
+        dims: SegmentAttentionDims,
+        cu_seqlens: &[u32],
+        q: &[u16],
+        k: &[u16],
+        v: &[u16],
+        out: Option<&[f32]>,
+        out16: Option<&[u16]>,
+        lse: &[f32],
+        dout: &[f32],
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+    ) -> Result {
+        let shape = segment_shape(dims, cu_seqlens)?;
+        let widened_out;
+        let out = match (out, out16) {
+            (Some(out), None) => out,
+            (None, Some(out16)) => {
+                let mut w = vec![0.0f32; out16.len()];
+                ares_cpu::ops::precision::widen_bf16(out16, &mut w)?;
+                widened_out = w;
+                &widened_out
+            }
+            (out, out16) => {
+                let given = usize::from(out.is_some()) + usize::from(out16.is_some());
+                return Err(one_output(given));
+            }
+        };
+        let [q, k, v] = widened(q, k, v)?;
+        let saved = segment_attention::SegmentAttentionSaved { out, lse, dout };
+        segment_attention::segment_attention_backward_bf16(
+            &shape, cu_seqlens, &q, &k, &v, saved, dq, dk, dv,
+        )
+    }
+
     pub(super) fn segment_attention_bf16(
         dims: SegmentAttentionDims,
         cu_seqlens: &[u32],

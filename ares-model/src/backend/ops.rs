@@ -1000,6 +1000,52 @@ macro_rules! declared_ops {
                 dk: Out<f32>,
                 dv: Out<f32>,
             ) cpu kernels::segment_attention_backward_bf16, cuda segment_attention_backward_bf16;
+
+            /// [`Backend::segment_attention_bf16`] over q, k, v stored in bf16 (the vision
+            /// tower's activations kept in bf16): the kernels read the bits as stored where
+            /// [`Backend::segment_attention_bf16`] rounds f32 values as they load them — the
+            /// same bits for the same values (on the CPU the bits are widened and run through
+            /// the same twin). The output is written to exactly one of `out` (f32) and
+            /// `out16` (bf16, rounded once to nearest even). Its backward is
+            /// [`Backend::segment_attention_backward_bf16_stored`].
+            ///
+            /// # Errors
+            /// As [`Backend::segment_attention_bf16`]; q, k, v or `out16` not bf16; both
+            /// outputs or neither.
+            fn segment_attention_bf16_stored(
+                dims: SegmentAttentionDims,
+                cu_seqlens: In<u32>,
+                q: In<bf16>,
+                k: In<bf16>,
+                v: In<bf16>,
+                out: OutOpt<f32>,
+                out16: OutOpt<bf16>,
+                lse: Out<f32>,
+            ) cpu kernels::segment_attention_bf16_stored, cuda segment_attention_bf16_stored;
+
+            /// [`Backend::segment_attention_backward_bf16`] over q, k, v stored in bf16, read
+            /// as stored, and the forward's output from exactly one of `out` (f32) and
+            /// `out16` (bf16, widened): the same bits as from those values in f32.
+            /// **Overwrites** `dq`, `dk`, `dv` (f32).
+            ///
+            /// # Errors
+            /// As [`Backend::segment_attention_backward_bf16`]; q, k, v or `out16` not bf16;
+            /// both outputs or neither.
+            fn segment_attention_backward_bf16_stored(
+                dims: SegmentAttentionDims,
+                cu_seqlens: In<u32>,
+                q: In<bf16>,
+                k: In<bf16>,
+                v: In<bf16>,
+                out: InOpt<f32>,
+                out16: InOpt<bf16>,
+                lse: In<f32>,
+                dout: In<f32>,
+                dq: Out<f32>,
+                dk: Out<f32>,
+                dv: Out<f32>,
+            ) cpu kernels::segment_attention_backward_bf16_stored,
+              cuda segment_attention_backward_bf16_stored;
         }
     };
 }

@@ -183,10 +183,10 @@ pub enum ModelError {
         /// The use.
         what: &'static str,
     },
-    /// Something that needs f32 activations met the MLP block's stored in bf16
+    /// Something that needs f32 activations met activations stored in bf16
     /// ([`Model::set_activation_dtype`](super::Model::set_activation_dtype)).
     #[error(
-        "{what} (the MLP block's activations are stored in bf16: activation dtype bf16; \
+        "{what} (activations are stored in bf16: activation dtype bf16; \
          Model::set_activation_dtype)"
     )]
     Bf16Activations {

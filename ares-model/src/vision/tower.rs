@@ -230,16 +230,17 @@ pub struct VisionTower<B: Backend> {
     pub(super) stored: Option<VisionParams<B::Half>>,
 }
 
-/// What reads the MLP block's activations in f32 only (they are then kept in f32:
-/// [`mlp_activations_in_bf16`]).
-const LORA_F32: &str = "a LoRA pair on the tower's MLP (its activations in bf16)";
+/// What reads a block's activations in f32 only (they are then kept in f32:
+/// [`tower_act_layout`]).
+const LORA_F32: &str = "a LoRA pair on the tower (its activations in bf16)";
 const PLAIN_F32: &str = "the tower's QuickGELU MLP (its activations in bf16)";
+const MIXED: &str = "the tower's attention block in mixed dtypes";
 
-/// The MLP block's activations stored in mixed dtypes, or in bf16 over f32 weights: never
-/// planned so ([`mlp_activations_in_bf16`]).
-fn mixed_mlp() -> ModelError {
+/// A block's activations stored in mixed dtypes, or in bf16 over f32 weights: never
+/// planned so ([`tower_act_layout`]).
+fn mixed_dtypes() -> ModelError {
     ModelError::Bf16Activations {
-        what: "the tower's MLP block in bf16 without bf16 weights, or mixed",
+        what: "the tower's activations in bf16 without bf16 weights, or mixed",
     }
 }
 
@@ -386,16 +387,17 @@ pub struct VisionActs<B: Backend> {
     cu_window: B::Ids,
     /// Residual stream `[depth + 1, N, C]` (training) or `[2, N, C]`.
     resid: B::Buffer,
-    n1: B::Buffer,
+    /// The attention block's activations, f32 or bf16 ([`TowerActLayout::attention`]).
+    n1: ActStack<B>,
     n1_mean: B::Buffer,
     n1_rstd: B::Buffer,
-    q: B::Buffer,
-    k: B::Buffer,
-    v: B::Buffer,
-    att: B::Buffer,
+    q: ActStack<B>,
+    k: ActStack<B>,
+    v: ActStack<B>,
+    att: ActStack<B>,
     lse: B::Buffer,
     mid: B::Buffer,
-    /// The MLP block's activations, f32 or bf16 ([`mlp_activations_in_bf16`]).
+    /// The MLP block's activations, f32 or bf16 ([`TowerActLayout::mlp`]).
     n2: ActStack<B>,
     n2_mean: B::Buffer,
     n2_rstd: B::Buffer,
@@ -415,25 +417,59 @@ pub struct VisionActs<B: Backend> {
     lora: Option<TowerLoraActs<B>>,
 }
 
-/// Whether a tower keeps its MLP block's activations — the second norm's output, gate, up
-/// and their SwiGLU — in bf16 under `dtype`: an RMSNorm tower with a SwiGLU MLP
-/// (Qwen2.5-VL) whose linear weights are stored in bf16 (`weights_bf16`) and multiplied in
-/// bf16 (`products_bf16`), without LoRA pairs (whose ops read f32 inputs). The products read
-/// them as stored (`linear_bf16_io`, `linear_bf16_x`), as the decoder's MLP does; Qwen2-VL's
-/// LayerNorm and QuickGELU have no bf16 forms and keep f32.
-pub fn mlp_activations_in_bf16(
+/// Which of a tower arena's activations are stored in bf16 ([`tower_act_layout`]); the
+/// residual stream, the norms' statistics, the attention's log-sum-exp and every gradient
+/// stay f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+pub struct TowerActLayout {
+    /// The MLP block's: the second norm's output, gate, up and their SwiGLU.
+    pub mlp: bool,
+    /// The attention block's: the first norm's output, q and k after the 2-D RoPE, v, and
+    /// the attention's output.
+    pub attention: bool,
+}
+
+impl TowerActLayout {
+    /// Every activation in f32.
+    pub const F32: Self = Self {
+        mlp: false,
+        attention: false,
+    };
+}
+
+/// Which of a tower's activations an arena of `patches` patches keeps in bf16 under
+/// `dtype`, for a tower whose linear weights are stored in bf16 (`weights_bf16`) and
+/// multiplied in bf16 (`products_bf16`), without LoRA pairs (whose ops read f32 inputs):
+/// - the MLP block's for an RMSNorm tower with a SwiGLU MLP (Qwen2.5-VL): the products
+///   read them as stored (`linear_bf16_io`, `linear_bf16_x`), as the decoder's MLP does;
+///   Qwen2-VL's LayerNorm and QuickGELU have no bf16 forms and keep f32;
+/// - the attention block's where its attention runs on the tensor cores (bf16 products
+///   at these rows, a head size of `ares_cpu::ops::attention::BF16_HEAD_DIMS`): the first
+///   norm's output, q, k (after RoPE) and v are made in f32 and rounded once — the bits
+///   the bf16 products and the tensor-core kernels take of f32 ones, so the forward is
+///   the f32 activations' bit for bit — and the attention's output is stored rounded
+///   (the projection rounds it anyway; the backward's `δ = Σ dout·out` reads the rounded
+///   values), as the decoder's attention block ([`crate::model::ActLayout`]).
+pub fn tower_act_layout(
     cfg: &VisionConfig,
     dtype: ActivationDtype,
-    weights_bf16: bool,
-    products_bf16: bool,
+    (weights_bf16, products_bf16): (bool, bool),
     lora: bool,
-) -> bool {
-    dtype == ActivationDtype::Bf16
-        && cfg.mlp == VisionMlp::SwiGlu
-        && !cfg.layer_norm()
-        && weights_bf16
-        && products_bf16
-        && !lora
+    patches: usize,
+) -> TowerActLayout {
+    let stored = dtype == ActivationDtype::Bf16 && weights_bf16 && products_bf16 && !lora;
+    TowerActLayout {
+        mlp: stored && cfg.mlp == VisionMlp::SwiGlu && !cfg.layer_norm(),
+        attention: stored && tensor_core_segments(MatmulPrecision::Bf16, cfg.head_dim, patches),
+    }
+}
+
+/// Whether segment attention over `tokens` tokens at `head_dim` runs on the tensor-core
+/// kernels (and their CPU twin) at `precision`: bf16 at these tokens (≥ 64) and a head
+/// size they take — as the decoder's `tensor_core_attention`.
+fn tensor_core_segments(precision: MatmulPrecision, head_dim: usize, tokens: usize) -> bool {
+    precision.for_rows(tokens) == MatmulPrecision::Bf16
+        && ares_cpu::ops::attention::BF16_HEAD_DIMS.contains(&head_dim)
 }
 
 /// Lengths in elements of the buffers of a tower arena ([`VisionTower::activations`]):
@@ -454,8 +490,9 @@ struct ArenaLens {
     mlp: usize,
     /// mlp_up (SwiGLU only).
     up: usize,
-    /// n2, mlp_in, mlp_up and mlp_act are stored in bf16 ([`mlp_activations_in_bf16`]).
-    mlp_bf16: bool,
+    /// Which are stored in bf16: n2, mlp_in, mlp_up and mlp_act (`mlp`); n1, q, k, v and
+    /// att (`attention`).
+    layout: TowerActLayout,
     /// Each of branch and merge_norm: `[N, C]`.
     scratch: usize,
     merge_mean: usize,
@@ -473,7 +510,7 @@ impl ArenaLens {
         patches: usize,
         keep: bool,
         checkpointed: bool,
-        mlp_bf16: bool,
+        layout: TowerActLayout,
     ) -> Self {
         let n = patches;
         let units = n / (c.spatial_merge_size * c.spatial_merge_size).max(1);
@@ -495,7 +532,7 @@ impl ArenaLens {
             } else {
                 0
             },
-            mlp_bf16,
+            layout,
             scratch: n * h,
             merge_mean: if ln { n } else { 0 },
             merge_rstd: n,
@@ -507,11 +544,11 @@ impl ArenaLens {
     /// Bytes of every buffer (the plan's segment bounds, a few integers, aside).
     fn bytes(&self) -> u64 {
         let n = |x: usize| x as u64;
-        let mlp_bytes = if self.mlp_bf16 { 2 } else { 4 };
+        let bytes = |bf16: bool| if bf16 { 2 } else { 4 };
         let f32s = n(self.pixels)
             + 2 * n(self.rope)
             + n(self.resid)
-            + 6 * n(self.block)
+            + n(self.block)
             + n(self.lse)
             + 2 * n(self.stats)
             + 2 * n(self.rows)
@@ -520,24 +557,25 @@ impl ArenaLens {
             + n(self.merge_rstd)
             + 2 * n(self.merged)
             + n(self.out);
-        // n2 with the MLP's three
+        // n2 with the MLP's three; n1, q, k, v and att
         let mlp = n(self.block) + 2 * n(self.mlp) + n(self.up);
-        4 * f32s + mlp_bytes * mlp
+        let attention = 5 * n(self.block);
+        4 * f32s + bytes(self.layout.mlp) * mlp + bytes(self.layout.attention) * attention
     }
 }
 
 /// Bytes of a tower arena of `patches` patches (LoRA pairs' intermediates aside), as
 /// [`VisionTower::activations`] allocates it: `keep` for a backward, `checkpointed` with
-/// [`VisionTower::set_gradient_checkpointing`], the MLP block's activations in bf16 with
-/// `mlp_bf16` ([`mlp_activations_in_bf16`]) — what the memory plan counts.
+/// [`VisionTower::set_gradient_checkpointing`], the activations `layout` keeps in bf16
+/// ([`tower_act_layout`] at these patches) — what the memory plan counts.
 pub fn tower_arena_bytes(
     cfg: &VisionConfig,
     patches: usize,
     keep: bool,
     checkpointed: bool,
-    mlp_bf16: bool,
+    layout: TowerActLayout,
 ) -> u64 {
-    ArenaLens::new(cfg, patches, keep, checkpointed, mlp_bf16).bytes()
+    ArenaLens::new(cfg, patches, keep, checkpointed, layout).bytes()
 }
 
 /// Bytes of the scratch [`VisionTower::backward`] allocates beside the arena for `patches`
@@ -557,20 +595,15 @@ impl<B: Backend> VisionActs<B> {
         &self.plan
     }
 
-    /// Bytes of the arena's f32 buffers (the tower's activation memory).
+    /// Bytes of the arena's buffers, f32 and bf16 (the tower's activation memory).
     pub fn bytes(&self) -> usize {
         let bufs = [
             &self.pixels,
             &self.cos,
             &self.sin,
             &self.resid,
-            &self.n1,
             &self.n1_mean,
             &self.n1_rstd,
-            &self.q,
-            &self.k,
-            &self.v,
-            &self.att,
             &self.lse,
             &self.mid,
             &self.n2_mean,
@@ -583,7 +616,17 @@ impl<B: Backend> VisionActs<B> {
             &self.merge_act,
             &self.out,
         ];
-        let stacks = [&self.n2, &self.mlp_in, &self.mlp_up, &self.mlp_act];
+        let stacks = [
+            &self.n1,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.att,
+            &self.n2,
+            &self.mlp_in,
+            &self.mlp_up,
+            &self.mlp_act,
+        ];
         bufs.iter().map(|b| b.len() * 4).sum::<usize>()
             + stacks
                 .iter()
@@ -752,23 +795,26 @@ impl<B: Backend> VisionTower<B> {
         self.precision = precision;
     }
 
-    /// How the arenas planned from now on store the MLP block's activations (the second
-    /// norm's output, gate, up and their SwiGLU), as
+    /// How the arenas planned from now on store the blocks' activations, as
     /// [`crate::model::Model::set_activation_dtype`] does the decoder's: in bf16 where
-    /// [`mlp_activations_in_bf16`] says the tower can, else in f32.
+    /// [`tower_act_layout`] says the tower can (the MLP block's; the attention block's
+    /// where its attention runs on the tensor cores), else in f32.
     pub fn set_activation_dtype(&mut self, dtype: ActivationDtype) {
         self.activation_dtype = dtype;
     }
 
-    /// Whether this tower's arenas keep the MLP block's activations in bf16
-    /// ([`mlp_activations_in_bf16`] of its settings).
-    pub fn mlp_in_bf16(&self) -> bool {
-        mlp_activations_in_bf16(
+    /// Which activations this tower's arenas of `patches` patches keep in bf16
+    /// ([`tower_act_layout`] of its settings).
+    pub fn act_layout(&self, patches: usize) -> TowerActLayout {
+        tower_act_layout(
             &self.cfg,
             self.activation_dtype,
-            self.stored.is_some(),
-            self.precision == MatmulPrecision::Bf16,
+            (
+                self.stored.is_some(),
+                self.precision == MatmulPrecision::Bf16,
+            ),
             self.lora.is_some(),
+            patches,
         )
     }
 
@@ -937,9 +983,10 @@ impl<B: Backend> VisionTower<B> {
         let blocks = if keep && !checkpointed { c.depth } else { 1 };
         // every arena alike: a forward-only pass (old log-probs) gives the bits of the
         // update's forward
-        let mlp_bf16 = self.mlp_in_bf16();
-        let len = ArenaLens::new(c, n, keep, checkpointed, mlp_bf16);
-        let act = |len: usize, item: usize| ActStack::new(be, mlp_bf16, len, item);
+        let layout = self.act_layout(n);
+        let len = ArenaLens::new(c, n, keep, checkpointed, layout);
+        let mlp = |len: usize, item: usize| ActStack::new(be, layout.mlp, len, item);
+        let att = |len: usize| ActStack::new(be, layout.attention, len, n * c.hidden);
         let mut cu_full = be.alloc_ids(plan.cu_full.len())?;
         be.upload_ids(&plan.cu_full, &mut cu_full)?;
         let mut cu_window = be.alloc_ids(plan.cu_window.len())?;
@@ -957,21 +1004,21 @@ impl<B: Backend> VisionTower<B> {
             cu_full,
             cu_window,
             resid: be.alloc(len.resid)?,
-            n1: be.alloc(len.block)?,
+            n1: att(len.block)?,
             n1_mean: be.alloc(len.stats)?,
             n1_rstd: be.alloc(len.rows)?,
-            q: be.alloc(len.block)?,
-            k: be.alloc(len.block)?,
-            v: be.alloc(len.block)?,
-            att: be.alloc(len.block)?,
+            q: att(len.block)?,
+            k: att(len.block)?,
+            v: att(len.block)?,
+            att: att(len.block)?,
             lse: be.alloc(len.lse)?,
             mid: be.alloc(len.block)?,
-            n2: act(len.block, n * c.hidden)?,
+            n2: mlp(len.block, n * c.hidden)?,
             n2_mean: be.alloc(len.stats)?,
             n2_rstd: be.alloc(len.rows)?,
-            mlp_in: act(len.mlp, n * c.intermediate)?,
-            mlp_up: act(len.up, n * c.intermediate)?,
-            mlp_act: act(len.mlp, n * c.intermediate)?,
+            mlp_in: mlp(len.mlp, n * c.intermediate)?,
+            mlp_up: mlp(len.up, n * c.intermediate)?,
+            mlp_act: mlp(len.mlp, n * c.intermediate)?,
             branch: be.alloc(len.scratch)?,
             merge_norm: be.alloc(len.scratch)?,
             merge_mean: be.alloc(len.merge_mean)?,
@@ -988,8 +1035,7 @@ impl<B: Backend> VisionTower<B> {
     /// twin): bf16 at these tokens (≥ 64) and a head size they take — as the decoder's
     /// `Model::attention_in_bf16`.
     fn attention_in_bf16(&self, dims: &SegmentAttentionDims) -> bool {
-        self.precision.for_rows(dims.tokens) == MatmulPrecision::Bf16
-            && ares_cpu::ops::attention::BF16_HEAD_DIMS.contains(&dims.head_dim)
+        tensor_core_segments(self.precision, dims.head_dim, dims.tokens)
     }
 
     fn dims(&self, rows: usize, in_features: usize, out_features: usize) -> LinearDims {
@@ -1218,87 +1264,102 @@ impl<B: Backend> VisionTower<B> {
         let ln = c.layer_norm();
         let seg_full = SegmentAttentionDims::new(n, a.plan.cu_full.len() - 1, nh, hd);
         let seg_window = SegmentAttentionDims::new(n, a.plan.cu_window.len() - 1, nh, hd);
-        // Attention block.
+        // Attention block. With its activations in bf16 (`TowerActLayout::attention`) n1,
+        // q, k and v are each made in f32 in the `branch` scratch and rounded once into
+        // their stacks (q and k with their RoPE, in one pass) — the bits the bf16 products
+        // and the tensor-core attention take of f32 ones — and the attention stores its
+        // output rounded. Such a tower has no LoRA pairs.
         let x = View::item(&a.resid, r_in, nc)?;
         let mean = ln
             .then(|| ViewMut::item(&mut a.n1_mean, s, n))
             .transpose()?;
-        self.norm(
-            be,
-            Slot::Norm1,
-            l,
-            x,
-            ViewMut::item(&mut a.n1, s, nc)?,
-            mean,
-            ViewMut::item(&mut a.n1_rstd, s, n)?,
-        )?;
-        let n1 = View::item(&a.n1, s, nc)?;
-        for (part, buf) in [(0, &mut a.q), (1, &mut a.k), (2, &mut a.v)] {
-            let (w, b) = self.qkv(l, part)?;
-            Self::linear(
-                be,
-                n1,
-                w,
-                Some(b),
-                self.dims(n, h, h),
-                ViewMut::item(buf, s, nc)?,
-            )?;
-        }
-        self.lora_forward(
-            be,
-            a.lora.as_mut(),
-            TowerTarget::Qkv,
-            l,
-            s,
-            n,
-            n1,
-            vec![
-                ViewMut::item(&mut a.q, s, nc)?,
-                ViewMut::item(&mut a.k, s, nc)?,
-                ViewMut::item(&mut a.v, s, nc)?,
-            ],
-        )?;
+        let mut n1 = a.n1.layer_mut(s)?;
+        let rstd = ViewMut::item(&mut a.n1_rstd, s, n)?;
+        self.norm(be, Slot::Norm1, l, x, n1.f32_or(&mut a.branch)?, mean, rstd)?;
+        n1.round_staged(be, &a.branch)?;
+        let n1 = a.n1.layer(s)?;
         let (cos, sin) = (View::whole(&a.cos), View::whole(&a.sin));
-        be.rope(ViewMut::item(&mut a.q, s, nc)?, cos, sin, nh, hd)?;
-        be.rope(ViewMut::item(&mut a.k, s, nc)?, cos, sin, nh, hd)?;
+        if a.q.is_bf16() {
+            for (part, stack) in [(0, &mut a.q), (1, &mut a.k), (2, &mut a.v)] {
+                let (w, b) = self.qkv(l, part)?;
+                let staged = ActMut::F32(ViewMut::whole(&mut a.branch));
+                Self::linear_stored(be, n1, w, Some(b), self.dims(n, h, h), staged)?;
+                let y = stack.layer_mut(s)?;
+                match part {
+                    2 => y.round_staged(be, &a.branch)?,
+                    _ => y.rope_staged(be, &mut a.branch, (cos, sin), (nh, hd))?,
+                }
+            }
+        } else {
+            let n1 = n1.f32(MIXED)?;
+            for (part, buf) in [(0, &mut a.q), (1, &mut a.k), (2, &mut a.v)] {
+                let (w, b) = self.qkv(l, part)?;
+                let y = buf.layer_mut(s)?.f32(MIXED)?;
+                Self::linear(be, n1, w, Some(b), self.dims(n, h, h), y)?;
+            }
+            self.lora_forward(
+                be,
+                a.lora.as_mut(),
+                TowerTarget::Qkv,
+                l,
+                s,
+                n,
+                n1,
+                vec![
+                    a.q.layer_mut(s)?.f32(MIXED)?,
+                    a.k.layer_mut(s)?.f32(MIXED)?,
+                    a.v.layer_mut(s)?.f32(MIXED)?,
+                ],
+            )?;
+            be.rope(a.q.layer_mut(s)?.f32(MIXED)?, cos, sin, nh, hd)?;
+            be.rope(a.k.layer_mut(s)?.f32(MIXED)?, cos, sin, nh, hd)?;
+        }
         let (dims, cu) = if c.full_attention(l) {
             (seg_full, &a.cu_full)
         } else {
             (seg_window, &a.cu_window)
         };
-        let attend = if self.attention_in_bf16(&dims) {
-            B::segment_attention_bf16
-        } else {
-            B::segment_attention
-        };
-        attend(
+        let lse = ViewMut::item(&mut a.lse, s, n * nh)?;
+        match (
+            a.q.layer(s)?,
+            a.k.layer(s)?,
+            a.v.layer(s)?,
+            a.att.layer_mut(s)?,
+        ) {
+            (Act::F32(q), Act::F32(k), Act::F32(v), ActMut::F32(out)) => {
+                let attend = if self.attention_in_bf16(&dims) {
+                    B::segment_attention_bf16
+                } else {
+                    B::segment_attention
+                };
+                attend(be, dims, cu, q, k, v, out, lse)?
+            }
+            (Act::Bf16(q), Act::Bf16(k), Act::Bf16(v), ActMut::Bf16(out16)) => {
+                be.segment_attention_bf16_stored(dims, cu, q, k, v, None, Some(out16), lse)?
+            }
+            _ => return Err(mixed_dtypes()),
+        }
+        let att = a.att.layer(s)?;
+        Self::linear_stored(
             be,
-            dims,
-            cu,
-            View::item(&a.q, s, nc)?,
-            View::item(&a.k, s, nc)?,
-            View::item(&a.v, s, nc)?,
-            ViewMut::item(&mut a.att, s, nc)?,
-            ViewMut::item(&mut a.lse, s, n * nh)?,
-        )?;
-        Self::linear(
-            be,
-            View::item(&a.att, s, nc)?,
+            att,
             self.lw(Slot::Proj, l, h * h)?,
             Some(self.w(Slot::ProjBias, l, h)?),
             self.dims(n, h, h),
-            ViewMut::whole(&mut a.branch),
+            ActMut::F32(ViewMut::whole(&mut a.branch)),
         )?;
-        self.lora_forward(
-            be,
-            a.lora.as_mut(),
-            TowerTarget::Proj,
-            l,
-            s,
-            n,
-            View::item(&a.att, s, nc)?,
-            vec![ViewMut::whole(&mut a.branch)],
-        )?;
+        if a.lora.is_some() {
+            self.lora_forward(
+                be,
+                a.lora.as_mut(),
+                TowerTarget::Proj,
+                l,
+                s,
+                n,
+                att.f32(LORA_F32)?,
+                vec![ViewMut::whole(&mut a.branch)],
+            )?;
+        }
         // MLP block. With its activations in bf16 the residual add and the norm are one op
         // whose output is rounded once (`add_rmsnorm_bf16`: the bits of add then rmsnorm).
         match a.n2.layer_mut(s)? {
@@ -1375,7 +1436,7 @@ impl<B: Backend> VisionTower<B> {
                 ) {
                     (Act::F32(g), Act::F32(u), ActMut::F32(o)) => be.swiglu(g, u, o)?,
                     (Act::Bf16(g), Act::Bf16(u), ActMut::Bf16(o)) => be.swiglu_bf16(g, u, o)?,
-                    _ => return Err(mixed_mlp()),
+                    _ => return Err(mixed_dtypes()),
                 }
             }
         }
@@ -1401,9 +1462,9 @@ impl<B: Backend> VisionTower<B> {
     }
 
     /// [`Self::linear`] over activations stored as the arena says: f32 both (over an f32
-    /// weight or one stored in bf16), or a bf16 `x` into a bf16 or f32 `out` (the MLP
-    /// block's under [`mlp_activations_in_bf16`], which stores the weights in bf16 too) —
-    /// the ops the decoder's bf16 MLP runs on.
+    /// weight or one stored in bf16), or a bf16 `x` into a bf16 or f32 `out` (under
+    /// [`tower_act_layout`], which stores the weights in bf16 too) — the ops the decoder's
+    /// bf16 blocks run on.
     fn linear_stored(
         be: &B,
         x: Act<'_, B>,
@@ -1425,7 +1486,7 @@ impl<B: Backend> VisionTower<B> {
             (Act::Bf16(x), TowerWeight::Bf16(w), ActMut::F32(out)) => {
                 be.linear_bf16_x(x, w, bias, dims, out)?
             }
-            _ => return Err(mixed_mlp()),
+            _ => return Err(mixed_dtypes()),
         }
         Ok(())
     }
@@ -1453,7 +1514,7 @@ impl<B: Backend> VisionTower<B> {
             (Act::Bf16(x), TowerWeight::Bf16(w)) => {
                 be.linear_backward_bf16_x(dout, x, w, dims, write, dx, dw, db)?
             }
-            (Act::Bf16(_), TowerWeight::F32(_)) => return Err(mixed_mlp()),
+            (Act::Bf16(_), TowerWeight::F32(_)) => return Err(mixed_dtypes()),
         }
         Ok(())
     }
@@ -1667,7 +1728,7 @@ impl<B: Backend> VisionTower<B> {
                         (Act::Bf16(g), Act::Bf16(u)) => {
                             be.swiglu_backward_bf16(da, g, u, dg, du)?
                         }
-                        _ => return Err(mixed_mlp()),
+                        _ => return Err(mixed_dtypes()),
                     }
                     let (wu, bu, dw) = linear_grads(
                         (base.as_mut(), half.as_mut()),
@@ -1764,10 +1825,11 @@ impl<B: Backend> VisionTower<B> {
                 h,
             )?;
             be.fill(ViewMut::whole(&mut d_att), 0.0)?;
-            Self::linear_backward(
+            let att = a.att.layer(s)?;
+            Self::linear_backward_stored(
                 be,
                 View::whole(&d_mid),
-                View::item(&a.att, s, nc)?,
+                att,
                 self.lw(Slot::Proj, l, h * h)?,
                 self.dims(n, h, h),
                 GradWrites {
@@ -1778,51 +1840,66 @@ impl<B: Backend> VisionTower<B> {
                 (wp, bp),
             )?;
             fold(be, half.as_mut(), Slot::Proj, l)?;
-            self.lora_backward(
-                be,
-                a.lora.as_mut(),
-                lg.as_mut(),
-                TowerTarget::Proj,
-                l,
-                s,
-                n,
-                vec![View::whole(&d_mid)],
-                View::item(&a.att, s, nc)?,
-                Some(ViewMut::whole(&mut d_att)),
-            )?;
+            if a.lora.is_some() {
+                self.lora_backward(
+                    be,
+                    a.lora.as_mut(),
+                    lg.as_mut(),
+                    TowerTarget::Proj,
+                    l,
+                    s,
+                    n,
+                    vec![View::whole(&d_mid)],
+                    att.f32(LORA_F32)?,
+                    Some(ViewMut::whole(&mut d_att)),
+                )?;
+            }
             let (dims, cu) = if c.full_attention(l) {
                 (seg_full, &a.cu_full)
             } else {
                 (seg_window, &a.cu_window)
             };
-            let attend_backward = if self.attention_in_bf16(&dims) {
-                B::segment_attention_backward_bf16
-            } else {
-                B::segment_attention_backward
-            };
-            attend_backward(
-                be,
-                dims,
-                cu,
-                View::item(&a.q, s, nc)?,
-                View::item(&a.k, s, nc)?,
-                View::item(&a.v, s, nc)?,
-                View::item(&a.att, s, nc)?,
-                View::item(&a.lse, s, n * nh)?,
+            let lse = View::item(&a.lse, s, n * nh)?;
+            let (d_out, grads) = (
                 View::whole(&d_att),
-                ViewMut::whole(&mut dq),
-                ViewMut::whole(&mut dk),
-                ViewMut::whole(&mut dv),
-            )?;
+                [&mut dq, &mut dk, &mut dv].map(ViewMut::whole),
+            );
+            let [g_q, g_k, g_v] = grads;
+            match (a.q.layer(s)?, a.k.layer(s)?, a.v.layer(s)?, att) {
+                (Act::F32(q), Act::F32(k), Act::F32(v), Act::F32(out)) => {
+                    let attend_backward = if self.attention_in_bf16(&dims) {
+                        B::segment_attention_backward_bf16
+                    } else {
+                        B::segment_attention_backward
+                    };
+                    attend_backward(be, dims, cu, q, k, v, out, lse, d_out, g_q, g_k, g_v)?
+                }
+                (Act::Bf16(q), Act::Bf16(k), Act::Bf16(v), Act::Bf16(out16)) => be
+                    .segment_attention_backward_bf16_stored(
+                        dims,
+                        cu,
+                        q,
+                        k,
+                        v,
+                        None,
+                        Some(out16),
+                        lse,
+                        d_out,
+                        g_q,
+                        g_k,
+                        g_v,
+                    )?,
+                _ => return Err(mixed_dtypes()),
+            }
             let (cos, sin) = (View::whole(&a.cos), View::whole(&a.sin));
             be.rope_backward(ViewMut::whole(&mut dq), cos, sin, nh, hd)?;
             be.rope_backward(ViewMut::whole(&mut dk), cos, sin, nh, hd)?;
             be.fill(ViewMut::whole(&mut d_norm), 0.0)?;
-            let n1 = View::item(&a.n1, s, nc)?;
+            let n1 = a.n1.layer(s)?;
             for (part, d) in [(0, &dq), (1, &dk), (2, &dv)] {
                 let (w, _) = self.qkv(l, part)?;
                 let (gw, gb, dw) = qkv_grads((base.as_mut(), half.as_mut()), l, part, h)?;
-                Self::linear_backward(
+                Self::linear_backward_stored(
                     be,
                     View::whole(d),
                     n1,
@@ -1837,18 +1914,20 @@ impl<B: Backend> VisionTower<B> {
                 )?;
             }
             fold(be, half.as_mut(), Slot::Qkv, l)?;
-            self.lora_backward(
-                be,
-                a.lora.as_mut(),
-                lg.as_mut(),
-                TowerTarget::Qkv,
-                l,
-                s,
-                n,
-                vec![View::whole(&dq), View::whole(&dk), View::whole(&dv)],
-                n1,
-                Some(ViewMut::whole(&mut d_norm)),
-            )?;
+            if a.lora.is_some() {
+                self.lora_backward(
+                    be,
+                    a.lora.as_mut(),
+                    lg.as_mut(),
+                    TowerTarget::Qkv,
+                    l,
+                    s,
+                    n,
+                    vec![View::whole(&dq), View::whole(&dk), View::whole(&dv)],
+                    n1.f32(LORA_F32)?,
+                    Some(ViewMut::whole(&mut d_norm)),
+                )?;
+            }
             let mean = ln.then(|| View::item(&a.n1_mean, s, n)).transpose()?;
             self.norm_backward(
                 be,

@@ -458,18 +458,24 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         };
         let m2 = (v.spatial_merge_size * v.spatial_merge_size) as u64;
         let one = tokens.saturating_mul(m2);
-        // the actor's MLP block in bf16 where it can; the reference's scoring in f32
-        let mlp_bf16 = crate::vision::tower::mlp_activations_in_bf16(
-            v,
-            cfg.activation_dtype(),
-            cfg.trainer.weight_dtype == WeightDtypeCfg::Bf16,
-            cfg.trainer.matmul_precision == MatmulPrecisionCfg::Bf16,
-            lora.is_some(),
-        );
+        // the actor's activations in bf16 where it can; the reference's scoring in f32
         let bytes = |patches: u64, keep: bool, checkpointed: bool| {
+            use crate::vision::tower::{TowerActLayout, tower_act_layout, tower_arena_bytes};
             let patches = usize::try_from(patches).unwrap_or(usize::MAX);
-            let mlp_bf16 = mlp_bf16 && !(phase == "scoring" && model.reference);
-            crate::vision::tower::tower_arena_bytes(v, patches, keep, checkpointed, mlp_bf16)
+            let layout = match phase == "scoring" && model.reference {
+                true => TowerActLayout::F32,
+                false => tower_act_layout(
+                    v,
+                    cfg.activation_dtype(),
+                    (
+                        cfg.trainer.weight_dtype == WeightDtypeCfg::Bf16,
+                        cfg.trainer.matmul_precision == MatmulPrecisionCfg::Bf16,
+                    ),
+                    lora.is_some(),
+                    patches,
+                ),
+            };
+            tower_arena_bytes(v, patches, keep, checkpointed, layout)
         };
         // the update keeps what the tower's backward reads when the tower is trained
         let keep = !cfg.worker.actor.model.freeze_vision_tower;
@@ -1325,7 +1331,7 @@ pub(crate) mod tests {
             t.set_matmul_precision(precision);
             t.set_weight_storage(&CpuBackend, storage).unwrap();
             t.set_activation_dtype(dtype);
-            assert_eq!(t.mlp_in_bf16(), bf16);
+            assert_eq!(t.act_layout(64).mlp, bf16);
             let plan = VisionPlan::new(&vl.vision, &vec![[1, 8, 8]; prompts]).unwrap();
             let acts = m.tower().activations(&CpuBackend, plan, keep).unwrap();
             acts.bytes() as u64

@@ -161,7 +161,7 @@ pub fn build_actor<B: Backend>(
         Actor::Text(m) => keep_bf16_weights(m, activations)?,
         Actor::Vision(m) => {
             keep_bf16_weights(m.lm_mut(), activations)?;
-            // the tower's MLP block in bf16 where it can (`mlp_activations_in_bf16`)
+            // the tower's activations in bf16 where it can (`tower_act_layout`)
             m.tower_mut().set_activation_dtype(activations);
         }
     }
