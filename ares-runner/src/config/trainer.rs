@@ -319,8 +319,11 @@ pub struct TrainerConfig {
     /// is written, the MLP's products reading and writing them as they are (on a GPU no
     /// conversion per product). Where the attention runs on the tensor cores (a head size
     /// of 64, 80 or 128) the attention block's input-norm output, q, k and v follow (the
-    /// norm's output f32 under a LoRA pair on q, k or v), the same numbers bit for bit; the
-    /// residual stream, the attention's output and the gradients stay f32.
+    /// norm's output f32 under a LoRA pair on q, k or v), the same numbers bit for bit, and
+    /// the attention's output (rounded as the output projection rounds it; f32 under a
+    /// LoRA pair on o); the residual stream and the gradients stay f32. A vision tower's
+    /// blocks follow where they can (weights stored in bf16, no LoRA pairs on the tower:
+    /// the MLP block's for Qwen2.5-VL, the attention block's at ≥ 64 patches).
     /// Needs `matmul_precision: bf16`; not with a LoRA pair on gate/up/down. Default null:
     /// `bf16` with `weight_dtype: bf16` (and so under `precision: bf16`, CUDA's default)
     /// unless LoRA adapts the MLP, `f32` otherwise.

@@ -1394,6 +1394,67 @@ pub(crate) mod tests {
         assert!(refused.contains("freeze_vision_tower=true"), "{refused}");
     }
 
+    /// At a head size of the tensor-core attention (64) the plan counts the tower's
+    /// attention block in bf16 too, as the tower allocates it: the update's arena is the
+    /// trained tower's (bf16 weights, products and activations) at a micro-batch of 64-patch
+    /// prompts, and smaller than with f32 activations by the ten `[N, C]` bf16 halves.
+    #[test]
+    fn the_plan_counts_the_towers_attention_block_in_bf16() {
+        use crate::backend::MatmulPrecision;
+        use crate::backend::cpu::CpuBackend;
+        use crate::model::{ActivationDtype, WeightStorage};
+        use crate::vision::tower::{VisionPlan, VisionTower, tower_backward_bytes};
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../ares-model/tests/fixtures/vl/qwen2_5_vl_tiny");
+        let vl = crate::vision::config::VlConfig::from_dir(&dir).unwrap();
+        let mut v = vl.vision.clone();
+        (v.hidden, v.heads, v.head_dim) = (128, 2, 64);
+        let update = |bf16: bool| {
+            let mut cfg = Config::default();
+            cfg.trainer.weight_dtype = WeightDtypeCfg::Bf16;
+            cfg.trainer.matmul_precision = MatmulPrecisionCfg::Bf16;
+            if !bf16 {
+                cfg.trainer.activation_dtype = Some(crate::config::StorageDtypeCfg::F32);
+            }
+            let model = PlanModel {
+                text: &vl.text,
+                tower_params: crate::vision::weights::tower_parameters(&v),
+                vision: Some(&v),
+                vision_tokens: Some(16),
+                on_cpu: true,
+                reference: false,
+            };
+            let plan = plan(&cfg, model).unwrap();
+            let phase = plan.phases.iter().find(|p| p.name == "update").unwrap();
+            let part = phase
+                .parts
+                .iter()
+                .find(|p| p.what.starts_with("vision tower"));
+            part.unwrap().bytes
+        };
+        let micro = Config::default()
+            .worker
+            .actor
+            .micro_batch_size_per_device_for_update;
+        let weights = crate::vision::weights::VisionWeights::random(&v, 0.1, 3);
+        let mut tower = VisionTower::new(&CpuBackend, &v, &weights).unwrap();
+        tower.set_matmul_precision(MatmulPrecision::Bf16);
+        tower
+            .set_weight_storage(&CpuBackend, WeightStorage::Bf16)
+            .unwrap();
+        tower.set_activation_dtype(ActivationDtype::Bf16);
+        let plan = VisionPlan::new(&v, &vec![[1, 8, 8]; micro]).unwrap();
+        let layout = tower.act_layout(plan.patches);
+        assert!(layout.mlp && layout.attention, "{layout:?}");
+        let arena = tower.activations(&CpuBackend, plan, true).unwrap().bytes() as u64;
+        let scratch = tower_backward_bytes(&v, micro * 64);
+        assert_eq!(update(true), arena + scratch);
+        // n1, q, k, v, att of every block at 2 bytes instead of 4
+        let halves = 5 * 2 * (micro * 64 * v.hidden * v.depth) as u64;
+        let mlp = 2 * (micro * 64 * (v.hidden + 3 * v.intermediate) * v.depth) as u64;
+        assert_eq!(update(false) - update(true), halves + mlp);
+    }
+
     /// LoRA on a vision-language model: the tower's pairs are held, trained and counted
     /// beside the language model's unless the tower is excluded or frozen (the tiny
     /// Qwen2.5-VL fixture by hand: hidden 32, MLP 48, 4 blocks, merger 128 → 48, r = 4).
