@@ -1462,8 +1462,8 @@ fn plan_against_peak(name: &str, extra: &[&str], reference: bool) {
     overrides.extend_from_slice(extra);
     let cfg = config(&a, &dir.path().join("run"), &overrides).unwrap();
     let longest = cfg.data.max_response_length as f64;
-    let plan =
-        ares_runner::trainer::run::memory_plan(&cfg, &a.model_dir, true, reference, None).unwrap();
+    let plan = ares_runner::trainer::run::memory_plan(&cfg, &a.model_dir, true, reference, None, 0)
+        .unwrap();
     peak.restart();
     let summary = trainer(cfg).unwrap().run().unwrap();
     let measured = peak.added_kib().map(|k| k << 10);
@@ -1607,8 +1607,8 @@ fn a_rollout_too_large_for_memory_runs_with_its_kv_pool_capped() {
         .unwrap()
         .kl
         .enabled;
-    let plan =
-        ares_runner::trainer::run::memory_plan(&cfg, &a.model_dir, true, reference, None).unwrap();
+    let plan = ares_runner::trainer::run::memory_plan(&cfg, &a.model_dir, true, reference, None, 0)
+        .unwrap();
     assert_eq!(
         plan.peak_phase().unwrap().name,
         "rollout",

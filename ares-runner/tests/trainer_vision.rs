@@ -121,6 +121,49 @@ fn the_plan_counts_the_towers_activations_from_the_data() {
         "{table}"
     );
     assert!(row[2].contains("kept for the backward"), "{table}");
+    // a validation prompt of two 56 × 84 images (48 patches) bounds the rollout's arena
+    // (evaluation generates from it), not scoring's nor the update's
+    let images =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../ares-model/tests/fixtures/vl/images");
+    let image = images.join("image_56x84.png").display().to_string();
+    let val = dir.path().join("val.jsonl");
+    let row = serde_json::json!({
+        "prompt": "<image><image>Which has more shapes?",
+        "images": [image, image],
+        "answer": "1",
+    });
+    std::fs::write(&val, row.to_string()).unwrap();
+    let mut with_val = cfg.clone();
+    with_val.data.val_files = Some(val.display().to_string());
+    let larger = ares_runner::commands::plan(&with_val, None).unwrap();
+    let tower_row = |table: &str, n: usize| {
+        let row = table
+            .lines()
+            .filter(|l| l.contains("vision tower activations"))
+            .nth(n)
+            .unwrap()
+            .to_string();
+        let ours = table.lines().filter(|l| l.contains("vision tower")).count();
+        assert_eq!(ours, 3, "{table}");
+        row
+    };
+    assert!(
+        tower_row(&larger, 0).contains("48 patches a prompt of the validation data"),
+        "{larger}"
+    );
+    for n in [1, 2] {
+        assert_eq!(tower_row(&larger, n), tower_row(&table, n), "{larger}");
+    }
+    assert_ne!(tower_row(&larger, 0), tower_row(&table, 0));
+    // an unreadable validation image is said, not fatal to the plan
+    let bad = dir.path().join("bad.jsonl");
+    let row = serde_json::json!({
+        "prompt": "<image>?", "images": [dir.path().join("missing.png")], "answer": "1",
+    });
+    std::fs::write(&bad, row.to_string()).unwrap();
+    with_val.data.val_files = Some(bad.display().to_string());
+    let noted = ares_runner::commands::plan(&with_val, None).unwrap();
+    assert!(noted.contains("data.val_files"), "{noted}");
     // without the data the table says it leaves them out
     let mut no_data = cfg.clone();
     no_data.data.train_files = None;

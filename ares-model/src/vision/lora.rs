@@ -203,8 +203,8 @@ impl ArenaLayout {
 }
 
 /// Floats of the tower's LoRA intermediates for `patches` patches, `units` merged tokens
-/// and `blocks` kept block slots, under `config` — what the arena allocates (the memory
-/// plan does not count the tower's activations yet; this is its figure when it does).
+/// and `blocks` kept block slots, under `config` — what the arena allocates beside
+/// [`super::tower::tower_arena_bytes`]' buffers (the memory plan counts both).
 pub fn tower_lora_elements(
     cfg: &VisionConfig,
     config: &LoraConfig,

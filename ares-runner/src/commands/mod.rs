@@ -51,10 +51,8 @@ pub fn plan(cfg: &Config, memory: Option<u64>) -> Result<String, TrainError> {
     // a vision-language model's tower scales with the data's images: read their sizes
     // when the data is named (as the trainer does at its start)
     let mut note = String::new();
-    let vision_tokens = match (
-        crate::vision::config::VlConfig::is_vl_dir(&model_dir),
-        cfg.data.train_files.as_deref(),
-    ) {
+    let vl = crate::vision::config::VlConfig::is_vl_dir(&model_dir);
+    let vision_tokens = match (vl, cfg.data.train_files.as_deref()) {
         (true, Some(train)) => {
             let tokens = crate::trainer::setup::renderer(cfg, &model_dir).and_then(|r| {
                 let examples = crate::trainer::setup::load_examples(cfg, train)?;
@@ -70,7 +68,30 @@ pub fn plan(cfg: &Config, memory: Option<u64>) -> Result<String, TrainError> {
         }
         _ => None,
     };
-    let plan = crate::trainer::run::memory_plan(cfg, &model_dir, on_cpu, reference, vision_tokens)?;
+    // the validation prompts bound the rollout's tower arena too (evaluation generates)
+    let eval_vision_tokens = match (vl, cfg.data.val_files.as_deref()) {
+        (true, Some(val)) => {
+            let tokens = crate::trainer::setup::renderer(cfg, &model_dir).and_then(|r| {
+                let examples = crate::trainer::setup::load_examples(cfg, val)?;
+                crate::trainer::setup::most_vision_tokens(&r, &examples)
+            });
+            tokens.unwrap_or_else(|e| {
+                note.push_str(&format!(
+                    "(the vision tower's activations: data.val_files: {e}; not counted)\n"
+                ));
+                0
+            })
+        }
+        _ => 0,
+    };
+    let plan = crate::trainer::run::memory_plan(
+        cfg,
+        &model_dir,
+        on_cpu,
+        reference,
+        vision_tokens,
+        eval_vision_tokens,
+    )?;
     let mut out = plan.table();
     out.push_str(&note);
     let available = match (memory, on_cpu) {

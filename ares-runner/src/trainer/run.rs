@@ -165,6 +165,7 @@ impl<B: Backend + Clone> Trainer<B> {
             None => Vec::new(),
         };
         let kept = filter_prompts(&cfg, &renderer, train)?;
+        let eval_vision_tokens = crate::trainer::setup::most_vision_tokens(&renderer, &val)?;
         let (train, train_ids, vision_tokens) = (kept.examples, kept.ids, kept.vision_tokens);
         let per_epoch = (train.len() / cfg.data.rollout_batch_size).max(1) as u64;
         let total_steps = match cfg.trainer.max_steps {
@@ -183,7 +184,7 @@ impl<B: Backend + Clone> Trainer<B> {
             &model_dir,
             backend.memory_info(),
             settings.kl.enabled,
-            vision_tokens,
+            (vision_tokens, eval_vision_tokens),
         )?;
         let initial = ModelFiles::load(&model_dir)?;
         let max_positions = initial.text_config().max_position_embeddings;
@@ -1271,7 +1272,8 @@ pub(crate) fn multi_turn(
 /// The memory plan of a run of `cfg` on the model in `model_dir` ([`crate::trainer::setup::memory`]), from
 /// its config files and, for a vision-language model, the most merged image/video tokens
 /// one prompt of the data holds (`vision_tokens`; `None`: the tower's activations are left
-/// out, the table says so).
+/// out, the table says so) and one of the validation data (`eval_vision_tokens`: the
+/// rollout's bound only; 0 for none).
 ///
 /// # Errors
 /// Unreadable model configs.
@@ -1281,6 +1283,7 @@ pub fn memory_plan(
     on_cpu: bool,
     reference: bool,
     vision_tokens: Option<usize>,
+    eval_vision_tokens: usize,
 ) -> Result<crate::trainer::setup::memory::MemoryPlan, TrainError> {
     let invalid = |e: crate::hf::HfError| TrainError::Invalid(e.to_string());
     let (text, vision) = if crate::vision::config::VlConfig::is_vl_dir(model_dir) {
@@ -1299,6 +1302,7 @@ pub fn memory_plan(
             .map_or(0, crate::vision::weights::tower_parameters),
         vision: vision.as_ref(),
         vision_tokens: vision_tokens.map(|t| t as u64),
+        eval_vision_tokens: eval_vision_tokens as u64,
         on_cpu,
         reference,
     };
@@ -1315,11 +1319,19 @@ fn check_memory(
     model_dir: &Path,
     device: Option<(u64, u64)>,
     reference: bool,
-    vision_tokens: usize,
+    (vision_tokens, eval_vision_tokens): (usize, usize),
 ) -> Result<Option<usize>, TrainError> {
     use crate::trainer::setup::memory::{Fit, fit};
     let on_cpu = device.is_none();
-    let mut plan = memory_plan(cfg, model_dir, on_cpu, reference, Some(vision_tokens))?;
+    let vision = Some(vision_tokens);
+    let mut plan = memory_plan(
+        cfg,
+        model_dir,
+        on_cpu,
+        reference,
+        vision,
+        eval_vision_tokens,
+    )?;
     let hint = match cfg.worker.rollout.kv_cache_dtype {
         crate::config::KvCacheDtype::F32 => {
             "; worker.rollout.kv_cache_dtype=bf16 fits twice as many"

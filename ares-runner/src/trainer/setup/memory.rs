@@ -168,6 +168,10 @@ pub struct PlanModel<'a> {
     /// activations scale with (`None`: not known, e.g. `ares-runner plan` without the
     /// data — the tower's activations are then left out and the table says so).
     pub vision_tokens: Option<u64>,
+    /// The most such tokens one prompt of the validation data holds (0: none, or no
+    /// validation data): those prompts are generated from, never trained on, so they bound
+    /// the rollout's tower arena only.
+    pub eval_vision_tokens: u64,
     /// Whether the model is trained in host memory (else on a GPU).
     pub on_cpu: bool,
     /// Whether the KL needs a reference policy (under LoRA it is the actor with its
@@ -458,9 +462,23 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
         };
         let m2 = (v.spatial_merge_size * v.spatial_merge_size) as u64;
         let one = tokens.saturating_mul(m2);
+        // the rollout generates from the validation prompts too (evaluation)
+        let one_generated = tokens.max(model.eval_vision_tokens).saturating_mul(m2);
+        // the tower's LoRA pairs, where the config puts any on it: their intermediates
+        // beside the arena (every arena of such a tower holds them), its activations f32
+        let tower_lora = lora
+            .as_ref()
+            .filter(|l| !crate::vision::lora::tower_lora_tensors(v, l).is_empty());
         // the actor's activations in bf16 where it can; the reference's scoring in f32
         let bytes = |patches: u64, keep: bool, checkpointed: bool| {
             use crate::vision::tower::{TowerActLayout, tower_act_layout, tower_arena_bytes};
+            let blocks = if keep && !checkpointed { v.depth } else { 1 } as u64;
+            let pairs = tower_lora.map_or(0, |l| {
+                let units = patches / m2;
+                let elements =
+                    crate::vision::lora::tower_lora_elements(v, l, patches, units, blocks);
+                elements.saturating_mul(4)
+            });
             let patches = usize::try_from(patches).unwrap_or(usize::MAX);
             let layout = match phase == "scoring" && model.reference {
                 true => TowerActLayout::F32,
@@ -471,17 +489,20 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
                         cfg.trainer.weight_dtype == WeightDtypeCfg::Bf16,
                         cfg.trainer.matmul_precision == MatmulPrecisionCfg::Bf16,
                     ),
-                    lora.is_some(),
+                    tower_lora.is_some(),
                     patches,
                 ),
             };
-            tower_arena_bytes(v, patches, keep, checkpointed, layout)
+            tower_arena_bytes(v, patches, keep, checkpointed, layout).saturating_add(pairs)
         };
         // the update keeps what the tower's backward reads when the tower is trained
         let keep = !cfg.worker.actor.model.freeze_vision_tower;
         let checkpointed = cfg.worker.actor.model.enable_gradient_checkpointing;
         let (what, b) = match phase {
-            "rollout" => ("one prompt's, twice", 2 * bytes(one, false, false)),
+            "rollout" => (
+                "one prompt's, twice",
+                2 * bytes(one_generated, false, false),
+            ),
             "scoring" => ("forward only", bytes(micro * one, false, false)),
             _ if keep => (
                 if checkpointed {
@@ -499,7 +520,13 @@ pub fn plan(cfg: &Config, model: PlanModel<'_>) -> Result<MemoryPlan, TrainError
             _ => ("forward only (frozen)", bytes(micro * one, false, false)),
         };
         Some(Part {
-            what: format!("vision tower activations ({what}; {one} patches a prompt)"),
+            what: match phase == "rollout" && one_generated > one {
+                true => format!(
+                    "vision tower activations ({what}; {one_generated} patches a prompt of \
+                     the validation data)"
+                ),
+                false => format!("vision tower activations ({what}; {one} patches a prompt)"),
+            },
             bytes: b,
         })
     };
@@ -788,6 +815,7 @@ pub(crate) mod tests {
             tower_params: 0,
             vision: None,
             vision_tokens: None,
+            eval_vision_tokens: 0,
             on_cpu,
             reference,
         };
@@ -807,6 +835,7 @@ pub(crate) mod tests {
                 tower_params: 0,
                 vision: None,
                 vision_tokens: None,
+                eval_vision_tokens: 0,
                 on_cpu: true,
                 reference: false,
             };
@@ -840,6 +869,7 @@ pub(crate) mod tests {
                 tower_params: 0,
                 vision: None,
                 vision_tokens: None,
+                eval_vision_tokens: 0,
                 on_cpu,
                 reference: true,
             };
@@ -1107,6 +1137,7 @@ pub(crate) mod tests {
                 tower_params: 0,
                 vision: None,
                 vision_tokens: None,
+                eval_vision_tokens: 0,
                 on_cpu: true,
                 reference: false,
             };
@@ -1159,6 +1190,7 @@ pub(crate) mod tests {
                 tower_params: 0,
                 vision: None,
                 vision_tokens: None,
+                eval_vision_tokens: 0,
                 on_cpu,
                 reference: false,
             };
@@ -1206,6 +1238,7 @@ pub(crate) mod tests {
                 tower_params: crate::vision::weights::tower_parameters(&vl.vision),
                 vision: Some(&vl.vision),
                 vision_tokens: None,
+                eval_vision_tokens: 0,
                 on_cpu: true,
                 reference: false,
             };
@@ -1244,6 +1277,7 @@ pub(crate) mod tests {
                 tower_params: crate::vision::weights::tower_parameters(&vl.vision),
                 vision: Some(&vl.vision),
                 vision_tokens: None,
+                eval_vision_tokens: 0,
                 on_cpu: true,
                 reference: false,
             };
@@ -1296,6 +1330,7 @@ pub(crate) mod tests {
                 tower_params: crate::vision::weights::tower_parameters(&vl.vision),
                 vision: Some(&vl.vision),
                 vision_tokens: tokens,
+                eval_vision_tokens: 0,
                 on_cpu: true,
                 reference: false,
             };
@@ -1380,6 +1415,7 @@ pub(crate) mod tests {
             tower_params: crate::vision::weights::tower_parameters(&vl.vision),
             vision: Some(&vl.vision),
             vision_tokens: Some(1 << 16),
+            eval_vision_tokens: 0,
             on_cpu: true,
             reference: false,
         };
@@ -1421,6 +1457,7 @@ pub(crate) mod tests {
                 tower_params: crate::vision::weights::tower_parameters(&v),
                 vision: Some(&v),
                 vision_tokens: Some(16),
+                eval_vision_tokens: 0,
                 on_cpu: true,
                 reference: false,
             };
@@ -1455,6 +1492,67 @@ pub(crate) mod tests {
         assert_eq!(update(false) - update(true), halves + mlp);
     }
 
+    /// With LoRA pairs on the tower each of its arenas holds their intermediates, and its
+    /// activations stay f32: every phase's tower part is the arena the tower allocates
+    /// (with the backward's scratch in the update), checkpointed or not; a config that
+    /// leaves the tower out counts none.
+    #[test]
+    fn the_towers_lora_intermediates_are_in_its_arenas() {
+        use crate::backend::cpu::CpuBackend;
+        use crate::vision::tower::{VisionPlan, tower_backward_bytes};
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../ares-model/tests/fixtures/vl/qwen2_5_vl_tiny");
+        let vl = crate::vision::config::VlConfig::from_dir(&dir).unwrap();
+        let ck = crate::vision::checkpoint::VlCheckpoint::load(&dir).unwrap();
+        let micro = Config::default()
+            .worker
+            .actor
+            .micro_batch_size_per_device_for_update;
+        for exclude in [false, true] {
+            let mut cfg = Config::default();
+            cfg.worker.actor.model.lora.rank = 4;
+            if exclude {
+                cfg.worker.actor.model.lora.exclude_modules = Some(".*visual.*".into());
+            }
+            let lc = super::super::lora_settings(&cfg).unwrap().unwrap();
+            let mut m = crate::vision::model::VlModel::from_checkpoint(CpuBackend, &ck).unwrap();
+            m.add_lora(&lc, 1).unwrap();
+            assert_eq!(m.tower().has_lora(), !exclude);
+            for checkpointed in [false, true] {
+                cfg.worker.actor.model.enable_gradient_checkpointing = checkpointed;
+                let model = PlanModel {
+                    text: &vl.text,
+                    tower_params: crate::vision::weights::tower_parameters(&vl.vision),
+                    vision: Some(&vl.vision),
+                    vision_tokens: Some(16),
+                    eval_vision_tokens: 0,
+                    on_cpu: true,
+                    reference: false,
+                };
+                let plan = plan(&cfg, model).unwrap();
+                let part = |phase: &str| {
+                    let phase = plan.phases.iter().find(|p| p.name == phase).unwrap();
+                    let part = phase
+                        .parts
+                        .iter()
+                        .find(|p| p.what.starts_with("vision tower"));
+                    part.unwrap().bytes
+                };
+                m.tower_mut().set_gradient_checkpointing(checkpointed);
+                let arena = |prompts: usize, keep: bool| {
+                    let plan = VisionPlan::new(&vl.vision, &vec![[1, 8, 8]; prompts]).unwrap();
+                    let acts = m.tower().activations(&CpuBackend, plan, keep).unwrap();
+                    acts.bytes() as u64
+                };
+                let what = format!("exclude {exclude}, checkpointed {checkpointed}");
+                assert_eq!(part("rollout"), 2 * arena(1, false), "{what}");
+                assert_eq!(part("scoring"), arena(micro, false), "{what}");
+                let scratch = tower_backward_bytes(&vl.vision, micro * 64);
+                assert_eq!(part("update"), arena(micro, true) + scratch, "{what}");
+            }
+        }
+    }
+
     /// LoRA on a vision-language model: the tower's pairs are held, trained and counted
     /// beside the language model's unless the tower is excluded or frozen (the tiny
     /// Qwen2.5-VL fixture by hand: hidden 32, MLP 48, 4 blocks, merger 128 → 48, r = 4).
@@ -1480,6 +1578,7 @@ pub(crate) mod tests {
                 tower_params: crate::vision::weights::tower_parameters(&vl.vision),
                 vision: Some(&vl.vision),
                 vision_tokens: None,
+                eval_vision_tokens: 0,
                 on_cpu: true,
                 reference: true,
             };
@@ -1511,6 +1610,7 @@ pub(crate) mod tests {
                 tower_params: 0,
                 vision: None,
                 vision_tokens: None,
+                eval_vision_tokens: 0,
                 on_cpu: true,
                 reference: true,
             },
@@ -1554,6 +1654,7 @@ pub(crate) mod tests {
                 tower_params: 0,
                 vision: None,
                 vision_tokens: None,
+                eval_vision_tokens: 0,
                 on_cpu: true,
                 reference: true,
             },

@@ -540,6 +540,24 @@ pub struct KeptPrompts {
     pub vision_tokens: usize,
 }
 
+/// The most merged image/video tokens one prompt of `examples` holds once its
+/// placeholders are expanded (0 without media): the validation prompts' bound on the
+/// rollout's vision tower arena (they are generated from, never trained on).
+///
+/// # Errors
+/// Rendering errors; unreadable media, naming the row.
+pub fn most_vision_tokens(
+    renderer: &PromptRenderer,
+    examples: &[Example],
+) -> Result<usize, TrainError> {
+    let mut most = 0;
+    for e in examples.iter().filter(|e| e.has_media()) {
+        let ids = renderer.ids(e, None)?;
+        most = most.max(renderer.expanded_len(e, &ids)?.1);
+    }
+    Ok(most)
+}
+
 /// Keeps the examples whose rendered prompt fits `data.max_prompt_length` (when
 /// `filter_overlong_prompts`; else such a prompt is an error).
 ///
