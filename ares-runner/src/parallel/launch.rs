@@ -431,7 +431,7 @@ impl Collective for TcpRanks {
                 match &folded {
                     Ok(()) => {
                         w.u8(0);
-                        w.f32s(&sum);
+                        w.values(&sum);
                     }
                     Err(e) => {
                         w.u8(1);
@@ -450,15 +450,12 @@ impl Collective for TcpRanks {
                         what: format!("rank 0 could not sum: {why}"),
                     });
                 }
-                let sum = r.f32s().map_err(bad)?;
+                let sum = r.values(len).map_err(|e| CollectiveError::Mismatch {
+                    rank,
+                    what: format!("the sum from rank 0: {e}"),
+                })?;
                 r.end().map_err(bad)?;
-                if sum.len() != len {
-                    return Err(CollectiveError::Mismatch {
-                        rank,
-                        what: format!("a sum of {} values from rank 0, expected {len}", sum.len()),
-                    });
-                }
-                Ok(sum)
+                Ok(sum.to_vec())
             },
         )
     }

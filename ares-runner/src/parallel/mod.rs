@@ -133,7 +133,7 @@ pub trait Collective: Send + Sync {
 
     /// The sum of every rank's parts, `message` holding this rank's as
     /// [`Ranks::ordered_sum`] writes them (a `u64` count, then that many runs of `len`
-    /// f32), folded in rank then part order — the same bits on every rank. The default
+    /// values, [`wire::Writer::values`]), folded in rank then part order — the same bits on every rank. The default
     /// gathers every rank's parts everywhere and folds them there (right on any transport);
     /// a transport with a root overrides it, so that the root folds and each rank receives
     /// the sum alone.
@@ -458,7 +458,7 @@ impl Ranks {
                         .iter()
                         .flat_map(|g| p[g.clone()].iter().copied())
                         .collect();
-                    w.f32s(&values);
+                    w.values(&values);
                 }
                 w.finish()
             })
@@ -625,7 +625,7 @@ impl Ranks {
                     ),
                 });
             }
-            w.f32s(p);
+            w.values(p);
         }
         let message = w.finish();
         let sent = message.len() as u64;
@@ -638,15 +638,15 @@ impl Ranks {
 }
 
 /// Adds the parts of every rank's message (`u64` count, then that many runs of
-/// `out.len()` f32s), in rank then part order, into `out` (zeroed by the caller, and left so
-/// when there is no part).
+/// `out.len()` values, [`wire::Writer::values`]: bf16 blocks at 2 bytes a value), in rank
+/// then part order, into `out` (zeroed by the caller, and left so when there is no part).
 fn fold_parts(rank: usize, messages: &[Vec<u8>], out: &mut [f32]) -> Result<(), CollectiveError> {
     let mut first = true;
     for bytes in messages {
         let mut r = wire::Reader::new(bytes);
         let k = r.u64().map_err(|e| e.at(rank))?;
         for _ in 0..k {
-            let values = r.f32_slice(out.len()).map_err(|e| e.at(rank))?;
+            let values = r.values(out.len()).map_err(|e| e.at(rank))?;
             if first {
                 // 0 + x = x, but −0 would become +0: start from the first part itself
                 values.write_to(out);
@@ -732,6 +732,48 @@ impl<E> From<CollectiveError> for UnitsError<E> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Parts of bf16 values (gradients stored in bf16, widened) travel at 2 bytes a value
+    /// and sum to the bits of the f32 parts' sum; other values travel at 4.
+    #[test]
+    fn bf16_parts_travel_at_half_the_bytes_and_sum_the_same() {
+        let n = 3 * wire::BLOCK;
+        let part = |r: usize, bf16: bool| -> Vec<f32> {
+            (0..n)
+                .map(|i| {
+                    let x = ((i * 7 + r * 13) % 97) as f32 / 9.0 - 5.0;
+                    if bf16 {
+                        f32::from_bits(x.to_bits() & 0xffff_0000)
+                    } else {
+                        x
+                    }
+                })
+                .collect()
+        };
+        for bf16 in [true, false] {
+            let handles: Vec<_> = threads::ThreadGroup::ranks(2, Duration::from_secs(30))
+                .into_iter()
+                .enumerate()
+                .map(|(r, c)| {
+                    let p = part(r, bf16);
+                    std::thread::spawn(move || {
+                        let ranks = Ranks::new(Arc::new(c));
+                        let mut out = vec![0.0f32; n];
+                        ranks.ordered_sum(&[p], &mut out).unwrap();
+                        (out, ranks.take_traffic().bytes_sent)
+                    })
+                })
+                .collect();
+            let got: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+            let (a, b) = (part(0, bf16), part(1, bf16));
+            let want: Vec<u32> = a.iter().zip(&b).map(|(x, y)| (x + y).to_bits()).collect();
+            for (out, sent) in &got {
+                assert_eq!(out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want);
+                let per_value = if bf16 { 2 } else { 4 };
+                assert_eq!(*sent as usize, 8 + 8 + 3 + per_value * n, "bf16 {bf16}");
+            }
+        }
+    }
 
     #[test]
     fn shares_are_contiguous_and_about_equal() {

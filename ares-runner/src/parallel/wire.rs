@@ -16,6 +16,13 @@ impl WireError {
     }
 }
 
+/// Values a block of [`Writer::values`] holds (the last may hold fewer).
+pub const BLOCK: usize = 2048;
+/// A block of [`Writer::values`] in f32 bits.
+const F32_BLOCK: u8 = 0;
+/// A block of [`Writer::values`] in bf16 bits (each value's upper half).
+const BF16_BLOCK: u8 = 1;
+
 /// Builds a message.
 #[derive(Debug, Default)]
 pub struct Writer(Vec<u8>);
@@ -48,6 +55,29 @@ impl Writer {
         self.0.reserve(v.len() * 4);
         for x in v {
             self.0.extend_from_slice(&x.to_bits().to_le_bytes());
+        }
+    }
+
+    /// A length-prefixed run of `f32` values, in blocks of [`BLOCK`]: a block whose every
+    /// value is a bf16 value exactly (its low 16 bits zero — gradients stored in bf16,
+    /// widened) travels as those values' upper halves, 2 bytes each, any other as 4; the
+    /// reader gets the same bits either way ([`Reader::values`]).
+    pub fn values(&mut self, v: &[f32]) {
+        self.u64(v.len() as u64);
+        self.0.reserve(v.len() * 4);
+        for block in v.chunks(BLOCK) {
+            if block.iter().all(|x| x.to_bits() & 0xffff == 0) {
+                self.0.push(BF16_BLOCK);
+                for x in block {
+                    self.0
+                        .extend_from_slice(&((x.to_bits() >> 16) as u16).to_le_bytes());
+                }
+            } else {
+                self.0.push(F32_BLOCK);
+                for x in block {
+                    self.0.extend_from_slice(&x.to_bits().to_le_bytes());
+                }
+            }
         }
     }
 
@@ -135,13 +165,26 @@ impl<'a> Reader<'a> {
             .collect())
     }
 
-    /// A run of exactly `len` `f32`s, not yet decoded.
-    pub fn f32_slice(&mut self, len: usize) -> Result<F32Bytes<'a>, WireError> {
-        let n = self.len(4)?;
-        if n != len {
+    /// A run of exactly `len` values written by [`Writer::values`], not yet decoded (its
+    /// blocks' tags and lengths checked).
+    pub fn values(&mut self, len: usize) -> Result<Values<'a>, WireError> {
+        let n = self.u64()?;
+        if n != len as u64 {
             return Err(WireError(format!("{n} values, expected {len}")));
         }
-        Ok(F32Bytes(self.take(n * 4)?))
+        let mut blocks = Vec::with_capacity(len.div_ceil(BLOCK));
+        let mut left = len;
+        while left > 0 {
+            let count = left.min(BLOCK);
+            let block = match self.u8()? {
+                F32_BLOCK => Block::F32(self.take(count * 4)?),
+                BF16_BLOCK => Block::Bf16(self.take(count * 2)?),
+                tag => return Err(WireError(format!("a block of values tagged {tag}"))),
+            };
+            blocks.push(block);
+            left -= count;
+        }
+        Ok(Values(blocks))
     }
 
     /// A run of `u32`s.
@@ -164,27 +207,47 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// `f32` values still in their little-endian bytes.
+/// One block of [`Values`], as it travelled.
 #[derive(Debug, Clone, Copy)]
-pub struct F32Bytes<'a>(&'a [u8]);
+enum Block<'a> {
+    F32(&'a [u8]),
+    Bf16(&'a [u8]),
+}
 
-impl F32Bytes<'_> {
-    fn values(self) -> impl Iterator<Item = f32> {
-        self.0
-            .chunks_exact(4)
-            .map(|c| f32::from_bits(u32::from_le_bytes(c.try_into().expect("4 bytes"))))
+/// Values written by [`Writer::values`], still in their blocks' bytes.
+#[derive(Debug, Clone)]
+pub struct Values<'a>(Vec<Block<'a>>);
+
+impl Values<'_> {
+    fn iter(&self) -> impl Iterator<Item = f32> + '_ {
+        self.0.iter().flat_map(|b| {
+            let (bytes, size) = match *b {
+                Block::F32(bytes) => (bytes, 4),
+                Block::Bf16(bytes) => (bytes, 2),
+            };
+            bytes.chunks_exact(size).map(move |c| match c {
+                [a, b, c, d] => f32::from_bits(u32::from_le_bytes([*a, *b, *c, *d])),
+                [a, b] => f32::from_bits(u32::from(u16::from_le_bytes([*a, *b])) << 16),
+                _ => unreachable!("chunks of 4 or 2 bytes"),
+            })
+        })
+    }
+
+    /// The values, decoded.
+    pub fn to_vec(&self) -> Vec<f32> {
+        self.iter().collect()
     }
 
     /// `out[i] = v[i]`.
-    pub fn write_to(self, out: &mut [f32]) {
-        for (o, v) in out.iter_mut().zip(self.values()) {
+    pub fn write_to(&self, out: &mut [f32]) {
+        for (o, v) in out.iter_mut().zip(self.iter()) {
             *o = v;
         }
     }
 
     /// `out[i] += v[i]`.
-    pub fn add_to(self, out: &mut [f32]) {
-        for (o, v) in out.iter_mut().zip(self.values()) {
+    pub fn add_to(&self, out: &mut [f32]) {
+        for (o, v) in out.iter_mut().zip(self.iter()) {
             *o += v;
         }
     }
@@ -219,6 +282,50 @@ mod tests {
         r.end().unwrap();
     }
 
+    /// Blocks of bf16 values travel at 2 bytes a value, any other at 4, and every value
+    /// comes back with its bits (NaN, −0, infinities, subnormals; a short last block).
+    #[test]
+    fn values_travel_as_bf16_where_they_are_and_keep_their_bits() {
+        let n = 2 * BLOCK + 7;
+        // block 0 bf16 values (widened), block 1 one f32 value among them, the tail bf16
+        let mut v: Vec<f32> = (0..n)
+            .map(|i| f32::from_bits(((i as u32).wrapping_mul(2_654_435_761) >> 16) << 16))
+            .collect();
+        v[1] = f32::NAN;
+        v[2] = -0.0;
+        v[3] = f32::NEG_INFINITY;
+        v[4] = f32::from_bits(0x0001_0000); // a subnormal bf16
+        v[BLOCK + 5] = 1.0 + f32::EPSILON;
+        let mut w = Writer::default();
+        w.values(&v);
+        let m = w.finish();
+        assert_eq!(m.len(), 8 + 3 + 2 * BLOCK + 4 * BLOCK + 2 * 7);
+        let mut r = Reader::new(&m);
+        let got = r.values(n).unwrap().to_vec();
+        r.end().unwrap();
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&v));
+        let mut sum = vec![0.5f32; n];
+        Reader::new(&m).values(n).unwrap().add_to(&mut sum);
+        assert_eq!(sum[BLOCK + 5], 0.5 + (1.0 + f32::EPSILON));
+        // a wrong length, a truncated block, a bad tag
+        assert!(Reader::new(&m).values(n - 1).is_err());
+        assert!(Reader::new(&m[..m.len() - 1]).values(n).is_err());
+        let mut bad = m.clone();
+        bad[8] = 9;
+        let e = Reader::new(&bad).values(n).unwrap_err();
+        assert!(e.to_string().contains("tagged 9"), "{e}");
+        let mut empty = Writer::default();
+        empty.values(&[]);
+        assert!(
+            Reader::new(&empty.finish())
+                .values(0)
+                .unwrap()
+                .to_vec()
+                .is_empty()
+        );
+    }
+
     #[test]
     fn truncated_and_oversized_messages_are_errors() {
         let mut w = Writer::default();
@@ -228,8 +335,6 @@ mod tests {
         let mut huge = Writer::default();
         huge.u64(u64::MAX);
         assert!(Reader::new(&huge.finish()).bytes().is_err());
-        let mut r = Reader::new(&m);
-        assert!(r.f32_slice(3).is_err());
         let mut extra = m.clone();
         extra.push(0);
         let mut r = Reader::new(&extra);
