@@ -98,6 +98,17 @@ fn up_ids(be: &CudaBackend, host: &[u32]) -> CudaIds {
     b
 }
 
+/// `host` rounded to bf16 (to nearest even) and uploaded to a half buffer of `be`.
+fn up_bf16<B: Backend>(be: &B, host: &[f32]) -> B::Half {
+    let bits: Vec<u16> = host
+        .iter()
+        .map(|&v| half::bf16::from_f32(v).to_bits())
+        .collect();
+    let mut b = be.alloc_half(bits.len(), DType::Bf16).unwrap();
+    be.upload_half(&bits, ViewMut::whole(&mut b)).unwrap();
+    b
+}
+
 fn down(be: &CudaBackend, b: &CudaBuffer) -> Vec<f32> {
     let mut v = vec![0.0; b.len()];
     be.download(View::whole(b), &mut v).unwrap();
@@ -1272,15 +1283,7 @@ fn tensor_core_attention_matches_its_cpu_twin() {
 
             // q, k, v stored in bf16 (activation dtype bf16): the kernels read the bits
             // where they rounded the f32 values — the same outputs, bit for bit
-            let half = |x: &[f32]| {
-                let bits: Vec<u16> = x
-                    .iter()
-                    .map(|&v| half::bf16::from_f32(v).to_bits())
-                    .collect();
-                let mut b = gpu.alloc_half(bits.len(), DType::Bf16).unwrap();
-                gpu.upload_half(&bits, ViewMut::whole(&mut b)).unwrap();
-                b
-            };
+            let half = |x: &[f32]| up_bf16(&gpu, x);
             let (hq16, hk16, hv16) = (half(&q), half(&k), half(&v));
             let key_mask = masked.then(|| View::whole(&gm));
             let (mut so, mut sl) = (up(&gpu, &vec![f32::NAN; qn]), up(&gpu, &vec![f32::NAN; ln]));
@@ -3909,15 +3912,7 @@ fn tensor_core_segment_attention_matches_its_cpu_twin() {
         // q, k, v stored in bf16 (the tower's activations in bf16): the kernels read the
         // bits where they rounded the f32 values — the same outputs, bit for bit; the
         // output stored in bf16 is the f32 one rounded once
-        let half = |x: &[f32]| {
-            let bits: Vec<u16> = x
-                .iter()
-                .map(|&v| half::bf16::from_f32(v).to_bits())
-                .collect();
-            let mut b = gpu.alloc_half(bits.len(), DType::Bf16).unwrap();
-            gpu.upload_half(&bits, ViewMut::whole(&mut b)).unwrap();
-            b
-        };
+        let half = |x: &[f32]| up_bf16(&gpu, x);
         let bits = |x: Vec<f32>| x.into_iter().map(f32::to_bits).collect::<Vec<_>>();
         let (hq16, hk16, hv16) = (half(&q), half(&k), half(&v));
         let (mut so, mut sl) = (up(&gpu, &vec![f32::NAN; n]), up(&gpu, &vec![f32::NAN; ln]));
@@ -3983,15 +3978,7 @@ fn tensor_core_segment_attention_matches_its_cpu_twin() {
             assert_eq!(stored, bits(down(&gpu, g)), "{label}: {name}");
         }
         let from_16 = stored_backward(None, Some(View::whole(&o16)));
-        let hb = |x: &[f32]| -> <CpuBackend as Backend>::Half {
-            let bits: Vec<u16> = x
-                .iter()
-                .map(|&v| half::bf16::from_f32(v).to_bits())
-                .collect();
-            let mut b = cpu.alloc_half(bits.len(), DType::Bf16).unwrap();
-            cpu.upload_half(&bits, ViewMut::whole(&mut b)).unwrap();
-            b
-        };
+        let hb = |x: &[f32]| up_bf16(&cpu, x);
         let (cq16, ck16, cv16, co16) = (hb(&q), hb(&k), hb(&v), hb(&down(&gpu, &go)));
         let mut want = [(); 3].map(|()| vec![0.0f32; n]);
         let [wq, wk, wv] = &mut want;

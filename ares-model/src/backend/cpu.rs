@@ -593,13 +593,44 @@ mod kernels {
             segments,
         };
         let shape = attention_shape(dims);
+        stored_output(out, out16, |out| {
+            attention::attention_forward_bf16(&shape, inputs, out, lse)
+        })
+    }
+
+    /// Runs `forward` into `out` (f32), or into an f32 scratch then rounded once into
+    /// `out16` (the kernels round as they store); exactly one of them.
+    fn stored_output(
+        out: Option<&mut [f32]>,
+        out16: Option<&mut [u16]>,
+        forward: impl FnOnce(&mut [f32]) -> Result,
+    ) -> Result {
         match (out, out16) {
-            (Some(out), None) => attention::attention_forward_bf16(&shape, inputs, out, lse),
+            (Some(out), None) => forward(out),
             (None, Some(out16)) => {
-                // the twin's f32 output, rounded once (the kernel rounds as it stores)
                 let mut out = vec![0.0f32; out16.len()];
-                attention::attention_forward_bf16(&shape, inputs, &mut out, lse)?;
+                forward(&mut out)?;
                 ares_cpu::ops::precision::round_to_bf16(&out, out16)
+            }
+            (out, out16) => Err(one_output(
+                usize::from(out.is_some()) + usize::from(out16.is_some()),
+            )),
+        }
+    }
+
+    /// The forward's output as a stored backward reads it: `out` (f32), or `out16`'s bits
+    /// widened into `scratch`; exactly one of them.
+    fn saved_output<'a>(
+        out: Option<&'a [f32]>,
+        out16: Option<&[u16]>,
+        scratch: &'a mut Vec<f32>,
+    ) -> std::result::Result<&'a [f32], ares_cpu::Error> {
+        match (out, out16) {
+            (Some(out), None) => Ok(out),
+            (None, Some(out16)) => {
+                scratch.resize(out16.len(), 0.0);
+                ares_cpu::ops::precision::widen_bf16(out16, scratch)?;
+                Ok(scratch)
             }
             (out, out16) => Err(one_output(
                 usize::from(out.is_some()) + usize::from(out16.is_some()),
@@ -630,22 +661,8 @@ mod kernels {
         dout: &[f32],
         grads: attention::AttentionGrads<'_>,
     ) -> Result {
-        let widened_out;
-        let out = match (out, out16) {
-            (Some(out), None) => out,
-            (None, Some(out16)) => {
-                widened_out = {
-                    let mut w = vec![0.0f32; out16.len()];
-                    ares_cpu::ops::precision::widen_bf16(out16, &mut w)?;
-                    w
-                };
-                &widened_out
-            }
-            (out, out16) => {
-                let given = usize::from(out.is_some()) + usize::from(out16.is_some());
-                return Err(one_output(given));
-            }
-        };
+        let mut scratch = Vec::new();
+        let out = saved_output(out, out16, &mut scratch)?;
         let [q, k, v] = widened(q, k, v)?;
         let (q, k, v) = (q.as_slice(), k.as_slice(), v.as_slice());
         let inputs = attention::AttentionInputs {
@@ -730,23 +747,11 @@ mod kernels {
     ) -> Result {
         let shape = segment_shape(dims, cu_seqlens)?;
         let [q, k, v] = widened(q, k, v)?;
-        let forward = |out: &mut [f32], lse: &mut [f32]| {
+        stored_output(out, out16, |out| {
             segment_attention::segment_attention_forward_bf16(
                 &shape, cu_seqlens, &q, &k, &v, out, lse,
             )
-        };
-        match (out, out16) {
-            (Some(out), None) => forward(out, lse),
-            (None, Some(out16)) => {
-                // the twin's f32 output, rounded once (the kernel rounds as it stores)
-                let mut out = vec![0.0f32; out16.len()];
-                forward(&mut out, lse)?;
-                ares_cpu::ops::precision::round_to_bf16(&out, out16)
-            }
-            (out, out16) => Err(one_output(
-                usize::from(out.is_some()) + usize::from(out16.is_some()),
-            )),
-        }
+        })
     }
 
     #[allow(clippy::too_many_arguments)] // the declared op's arguments
@@ -765,20 +770,8 @@ mod kernels {
         dv: &mut [f32],
     ) -> Result {
         let shape = segment_shape(dims, cu_seqlens)?;
-        let widened_out;
-        let out = match (out, out16) {
-            (Some(out), None) => out,
-            (None, Some(out16)) => {
-                let mut w = vec![0.0f32; out16.len()];
-                ares_cpu::ops::precision::widen_bf16(out16, &mut w)?;
-                widened_out = w;
-                &widened_out
-            }
-            (out, out16) => {
-                let given = usize::from(out.is_some()) + usize::from(out16.is_some());
-                return Err(one_output(given));
-            }
-        };
+        let mut scratch = Vec::new();
+        let out = saved_output(out, out16, &mut scratch)?;
         let [q, k, v] = widened(q, k, v)?;
         let saved = segment_attention::SegmentAttentionSaved { out, lse, dout };
         segment_attention::segment_attention_backward_bf16(
