@@ -13,6 +13,10 @@
 //!   prompt, with the tower output and the prompt's prefill shared by the 8 samples (the
 //!   default) and both recomputed for each: new tokens/s of both, side by side.
 //!
+//! `ARES_BENCH_VISION_DTYPE`: `f32` (the default), `bf16` (products in bf16 over linear
+//! weights stored in bf16, f32 activations) or `bf16-acts` (and the activations the tower
+//! can keep in bf16 stored so: `tower_act_layout`) — the arena's size and the time of each.
+//!
 //! The real tower has 32 blocks with full attention in 7, 15, 23, 31; the default here is
 //! `ARES_BENCH_VISION_DEPTH=4` blocks with full attention in block 3 (the same 3:1 mix of
 //! window and full attention; the time per block is what scales). Set it to 32 for the
@@ -56,9 +60,28 @@ fn main() {
     };
     let be = CpuBackend;
     let weights = VisionWeights::random(&cfg, 0.02, 11);
-    let tower = VisionTower::new(&be, &cfg, &weights).expect("the bench tower builds");
+    let mut tower = VisionTower::new(&be, &cfg, &weights).expect("the bench tower builds");
     let grids = [[1, 32, 32]];
     let plan = VisionPlan::new(&cfg, &grids).expect("plan");
+    let dtype = std::env::var("ARES_BENCH_VISION_DTYPE").unwrap_or_else(|_| "f32".into());
+    if dtype != "f32" {
+        use ares_model::backend::MatmulPrecision;
+        use ares_model::model::{ActivationDtype, WeightStorage};
+        let acts = match dtype.as_str() {
+            "bf16" => ActivationDtype::F32,
+            "bf16-acts" => ActivationDtype::Bf16,
+            other => panic!("ARES_BENCH_VISION_DTYPE = {other}: expected f32, bf16 or bf16-acts"),
+        };
+        tower.set_matmul_precision(MatmulPrecision::Bf16);
+        tower
+            .set_weight_storage(&be, WeightStorage::Bf16)
+            .expect("bf16 weights");
+        tower.set_activation_dtype(acts);
+    }
+    println!(
+        "{dtype}: activations stored as {:?}",
+        tower.act_layout(plan.patches)
+    );
     let mut rng = SplitMix::new(5);
     let pixels: Vec<f32> = (0..plan.patches * cfg.patch_dim())
         .map(|_| rng.unit() * 2.0 - 1.0)

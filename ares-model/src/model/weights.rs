@@ -70,10 +70,10 @@ impl<B: Backend> HalfStack<B> {
 }
 
 impl<B: Backend> HalfStack<B> {
-    /// A zeroed stack of `len` elements in `item`-element layers.
+    /// A zeroed stack of `len` elements in `item`-element layers (`Backend::alloc_half`
+    /// zeroes: all-zero bits are bf16 +0).
     pub(crate) fn zeros(backend: &B, len: usize, item: usize) -> Result<Self, ModelError> {
-        let mut buffer = backend.alloc_half(len, DType::Bf16)?;
-        backend.fill_bf16(ViewMut::whole(&mut buffer), 0.0)?;
+        let buffer = backend.alloc_half(len, DType::Bf16)?;
         Ok(Self { buffer, item })
     }
 
