@@ -1619,7 +1619,7 @@ impl<B: Backend> VisionTower<B> {
             m * m,
             m,
         )?;
-        be.fill(ViewMut::whole(&mut d_norm), 0.0)?;
+        // each scratch gradient's first product writes it (β = 0), the rest add: no fills
         Self::linear_backward(
             be,
             View::whole(&d_mh),
@@ -1627,7 +1627,7 @@ impl<B: Backend> VisionTower<B> {
             self.lw(Slot::Merger0, 0, m * m)?,
             self.dims(units, m, m),
             GradWrites {
-                dx: GradWrite::Accumulate,
+                dx: GradWrite::Overwrite,
                 dw,
             },
             Some(ViewMut::whole(&mut d_norm)),
@@ -1678,7 +1678,6 @@ impl<B: Backend> VisionTower<B> {
                 h * i,
                 h,
             )?;
-            be.fill(ViewMut::whole(&mut d_act), 0.0)?;
             let act = a.mlp_act.layer(s)?;
             Self::linear_backward_stored(
                 be,
@@ -1687,7 +1686,7 @@ impl<B: Backend> VisionTower<B> {
                 self.lw(Slot::MlpOut, l, h * i)?,
                 self.dims(n, i, h),
                 GradWrites {
-                    dx: GradWrite::Accumulate,
+                    dx: GradWrite::Overwrite,
                     dw,
                 },
                 Some(ViewMut::whole(&mut d_act)),
@@ -1709,7 +1708,8 @@ impl<B: Backend> VisionTower<B> {
                     Some(ViewMut::whole(&mut d_act)),
                 )?;
             }
-            be.fill(ViewMut::whole(&mut d_norm), 0.0)?;
+            // d_norm: written by the first of up (SwiGLU) and in, added to by the other
+            let mut d_norm_write = GradWrite::Overwrite;
             let n2 = a.n2.layer(s)?;
             match c.mlp {
                 VisionMlp::Plain(act) => {
@@ -1744,7 +1744,7 @@ impl<B: Backend> VisionTower<B> {
                         self.lw(Slot::MlpUp, l, i * h)?,
                         self.dims(n, h, i),
                         GradWrites {
-                            dx: GradWrite::Accumulate,
+                            dx: std::mem::replace(&mut d_norm_write, GradWrite::Accumulate),
                             dw,
                         },
                         Some(ViewMut::whole(&mut d_norm)),
@@ -1781,7 +1781,7 @@ impl<B: Backend> VisionTower<B> {
                 self.lw(Slot::MlpIn, l, i * h)?,
                 self.dims(n, h, i),
                 GradWrites {
-                    dx: GradWrite::Accumulate,
+                    dx: d_norm_write,
                     dw,
                 },
                 Some(ViewMut::whole(&mut d_norm)),
@@ -1824,7 +1824,6 @@ impl<B: Backend> VisionTower<B> {
                 h * h,
                 h,
             )?;
-            be.fill(ViewMut::whole(&mut d_att), 0.0)?;
             let att = a.att.layer(s)?;
             Self::linear_backward_stored(
                 be,
@@ -1833,7 +1832,7 @@ impl<B: Backend> VisionTower<B> {
                 self.lw(Slot::Proj, l, h * h)?,
                 self.dims(n, h, h),
                 GradWrites {
-                    dx: GradWrite::Accumulate,
+                    dx: GradWrite::Overwrite,
                     dw,
                 },
                 Some(ViewMut::whole(&mut d_att)),
@@ -1894,7 +1893,6 @@ impl<B: Backend> VisionTower<B> {
             let (cos, sin) = (View::whole(&a.cos), View::whole(&a.sin));
             be.rope_backward(ViewMut::whole(&mut dq), cos, sin, nh, hd)?;
             be.rope_backward(ViewMut::whole(&mut dk), cos, sin, nh, hd)?;
-            be.fill(ViewMut::whole(&mut d_norm), 0.0)?;
             let n1 = a.n1.layer(s)?;
             for (part, d) in [(0, &dq), (1, &dk), (2, &dv)] {
                 let (w, _) = self.qkv(l, part)?;
@@ -1906,7 +1904,11 @@ impl<B: Backend> VisionTower<B> {
                     w,
                     self.dims(n, h, h),
                     GradWrites {
-                        dx: GradWrite::Accumulate,
+                        // q's product writes d_norm, k's and v's add
+                        dx: match part {
+                            0 => GradWrite::Overwrite,
+                            _ => GradWrite::Accumulate,
+                        },
                         dw,
                     },
                     Some(ViewMut::whole(&mut d_norm)),
