@@ -1373,6 +1373,17 @@ impl<B: Backend> VisionTower<B> {
                 n2,
                 ViewMut::item(&mut a.n2_rstd, s, n)?,
             )?,
+            // RMSNorm: the same fusion in f32 (the bits of add then rmsnorm)
+            ActMut::F32(n2) if !ln => be.add_rmsnorm(
+                View::item(&a.resid, r_in, nc)?,
+                View::whole(&a.branch),
+                self.w(Slot::Norm2, l, h)?,
+                EPS,
+                h,
+                ViewMut::item(&mut a.mid, s, nc)?,
+                n2,
+                ViewMut::item(&mut a.n2_rstd, s, n)?,
+            )?,
             ActMut::F32(n2) => {
                 be.add(
                     View::item(&a.resid, r_in, nc)?,
