@@ -124,3 +124,71 @@ fn tower_weights_stored_in_bf16_match_the_cpu() {
         }
     }
 }
+
+/// A tower at Qwen2.5-VL's head size (80) on the GPU against the CPU, bf16 weights,
+/// products, gradients and activations: 256 patches in windows of 64 and one
+/// full-attention block, so both blocks keep their activations in bf16 — the MLP block's
+/// and the attention block's (the segment tensor-core kernels reading q, k, v as stored
+/// and storing their output rounded) — forward and backward over two passes, within bf16
+/// rounding of each other (the sums' order differs); checkpointed, the same bits as kept.
+#[test]
+fn tower_in_bf16_at_head_size_80_matches_the_cpu() {
+    use ares_model::backend::cpu::CpuBackend;
+    use ares_model::backend::{Backend, MatmulPrecision};
+    use ares_model::model::{ActivationDtype, GradDtype, WeightStorage};
+    use ares_model::vision::config::{VisionConfig, VisionMlp, VlKind};
+    use ares_model::vision::tower::{TowerActLayout, VisionPlan, VisionTower};
+    use ares_model::vision::weights::VisionWeights;
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cfg = VisionConfig {
+        kind: VlKind::Qwen25Vl,
+        depth: 2,
+        hidden: 160,
+        heads: 2,
+        head_dim: 80,
+        intermediate: 96,
+        mlp: VisionMlp::SwiGlu,
+        out_hidden: 48,
+        patch_size: 14,
+        temporal_patch_size: 2,
+        spatial_merge_size: 2,
+        in_channels: 3,
+        window_size: 112,
+        fullatt_block_indexes: vec![1],
+        tokens_per_second: 2.0,
+        rope_theta: 10_000.0,
+    };
+    let weights = VisionWeights::random(&cfg, 0.1, 12);
+    let plan = VisionPlan::new(&cfg, &[[1, 16, 16]]).unwrap();
+    fn run<B: Backend>(
+        be: &B,
+        cfg: &VisionConfig,
+        weights: &VisionWeights,
+        plan: &VisionPlan,
+        checkpointed: bool,
+    ) -> (Vec<f32>, Vec<(bool, Vec<f32>)>) {
+        let mut tower = VisionTower::new(be, cfg, weights).unwrap();
+        tower.set_matmul_precision(MatmulPrecision::Bf16);
+        tower.set_weight_storage(be, WeightStorage::Bf16).unwrap();
+        tower.set_activation_dtype(ActivationDtype::Bf16);
+        tower.set_gradient_checkpointing(checkpointed);
+        let both = TowerActLayout {
+            mlp: true,
+            attention: true,
+        };
+        assert_eq!(tower.act_layout(plan.patches), both);
+        common::tower_passes(be, &tower, plan, GradDtype::Bf16, 2)
+    }
+    let (want, want_g) = run(&CpuBackend, &cfg, &weights, &plan, false);
+    let (got, got_g) = run(&gpu, &cfg, &weights, &plan, false);
+    let err = common::rel_err(&got, &want);
+    assert!(err < 1e-2, "tower output: {err:e}");
+    for (i, ((bf16, a), (was, b))) in got_g.iter().zip(&want_g).enumerate() {
+        assert_eq!(bf16, was, "gradient {i}: the same dtype");
+        let err = common::rel_err(a, b);
+        assert!(err < 3e-2, "gradient {i}: {err:e}");
+    }
+    let (ck, ck_g) = run(&gpu, &cfg, &weights, &plan, true);
+    assert_eq!(ck, got, "checkpointed output");
+    assert_eq!(ck_g, got_g, "checkpointed gradients");
+}
