@@ -136,28 +136,11 @@ fn tower_in_bf16_at_head_size_80_matches_the_cpu() {
     use ares_model::backend::cpu::CpuBackend;
     use ares_model::backend::{Backend, MatmulPrecision};
     use ares_model::model::{ActivationDtype, GradDtype, WeightStorage};
-    use ares_model::vision::config::{VisionConfig, VisionMlp, VlKind};
+    use ares_model::vision::config::VisionConfig;
     use ares_model::vision::tower::{TowerActLayout, VisionPlan, VisionTower};
     use ares_model::vision::weights::VisionWeights;
     let Some(gpu) = gpu_or_skip() else { return };
-    let cfg = VisionConfig {
-        kind: VlKind::Qwen25Vl,
-        depth: 2,
-        hidden: 160,
-        heads: 2,
-        head_dim: 80,
-        intermediate: 96,
-        mlp: VisionMlp::SwiGlu,
-        out_hidden: 48,
-        patch_size: 14,
-        temporal_patch_size: 2,
-        spatial_merge_size: 2,
-        in_channels: 3,
-        window_size: 112,
-        fullatt_block_indexes: vec![1],
-        tokens_per_second: 2.0,
-        rope_theta: 10_000.0,
-    };
+    let cfg = common::tower_at_head(80);
     let weights = VisionWeights::random(&cfg, 0.1, 12);
     let plan = VisionPlan::new(&cfg, &[[1, 16, 16]]).unwrap();
     fn run<B: Backend>(

@@ -781,25 +781,7 @@ fn bf16_chunked_prefill_runs_on_the_paged_tensor_core_twin() {
 /// A Qwen2.5-VL tower at a head size of the tensor-core kernels (64): two blocks, the
 /// second of full attention, windows of 64 patches.
 fn tower_64() -> ares_model::vision::config::VisionConfig {
-    use ares_model::vision::config::{VisionConfig, VisionMlp, VlKind};
-    VisionConfig {
-        kind: VlKind::Qwen25Vl,
-        depth: 2,
-        hidden: 128,
-        heads: 2,
-        head_dim: 64,
-        intermediate: 96,
-        mlp: VisionMlp::SwiGlu,
-        out_hidden: 48,
-        patch_size: 14,
-        temporal_patch_size: 2,
-        spatial_merge_size: 2,
-        in_channels: 3,
-        window_size: 112,
-        fullatt_block_indexes: vec![1],
-        tokens_per_second: 2.0,
-        rope_theta: 10_000.0,
-    }
+    common::tower_at_head(64)
 }
 
 /// The tower's linear weights stored in bf16 (`VisionTower::set_weight_storage`) are what

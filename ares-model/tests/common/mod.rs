@@ -226,6 +226,31 @@ pub fn check_layer_watch(
     seen.iter().map(|s| s.2).sum()
 }
 
+/// A Qwen2.5-VL tower at head size `head_dim` (two heads): two blocks, the second of full
+/// attention, windows of 64 patches (112 px), SwiGLU 96, merged to 48.
+#[allow(dead_code)] // not every test binary that includes `common` uses it
+pub fn tower_at_head(head_dim: usize) -> ares_model::vision::config::VisionConfig {
+    use ares_model::vision::config::{VisionConfig, VisionMlp, VlKind};
+    VisionConfig {
+        kind: VlKind::Qwen25Vl,
+        depth: 2,
+        hidden: 2 * head_dim,
+        heads: 2,
+        head_dim,
+        intermediate: 96,
+        mlp: VisionMlp::SwiGlu,
+        out_hidden: 48,
+        patch_size: 14,
+        temporal_patch_size: 2,
+        spatial_merge_size: 2,
+        in_channels: 3,
+        window_size: 112,
+        fullatt_block_indexes: vec![1],
+        tokens_per_second: 2.0,
+        rope_theta: 10_000.0,
+    }
+}
+
 /// A forward and backward pass of `tower` over `plan`'s patches with fixed pixel values and
 /// output gradient: the output and every weight gradient, on the host.
 pub fn tower_pass<B: ares_model::backend::Backend>(
