@@ -52,38 +52,35 @@ pub fn plan(cfg: &Config, memory: Option<u64>) -> Result<String, TrainError> {
     // when the data is named (as the trainer does at its start)
     let mut note = String::new();
     let vl = crate::vision::config::VlConfig::is_vl_dir(&model_dir);
-    let vision_tokens = match (vl, cfg.data.train_files.as_deref()) {
-        (true, Some(train)) => {
-            let tokens = crate::trainer::setup::renderer(cfg, &model_dir).and_then(|r| {
-                let examples = crate::trainer::setup::load_examples(cfg, train)?;
-                Ok(crate::trainer::setup::filter_prompts(cfg, &r, examples)?.vision_tokens)
-            });
-            match tokens {
-                Ok(t) => Some(t),
-                Err(e) => {
-                    note = format!("(the vision tower's activations: data.train_files: {e})\n");
-                    None
-                }
-            }
-        }
-        _ => None,
+    // one renderer (tokenizer and processor) for both files; its error, said per file
+    let renderer =
+        vl.then(|| crate::trainer::setup::renderer(cfg, &model_dir).map_err(|e| e.to_string()));
+    let read = |files: Option<&str>, most: &dyn Fn(&_, Vec<_>) -> Result<usize, TrainError>| {
+        let (Some(r), Some(files)) = (renderer.as_ref(), files) else {
+            return Ok(None);
+        };
+        let r = r.as_ref().map_err(Clone::clone)?;
+        let examples =
+            crate::trainer::setup::load_examples(cfg, files).map_err(|e| e.to_string())?;
+        most(r, examples).map(Some).map_err(|e| e.to_string())
     };
+    let train = read(cfg.data.train_files.as_deref(), &|r, examples| {
+        Ok(crate::trainer::setup::filter_prompts(cfg, r, examples)?.vision_tokens)
+    });
+    let vision_tokens = train.unwrap_or_else(|e| {
+        note = format!("(the vision tower's activations: data.train_files: {e})\n");
+        None
+    });
     // the validation prompts bound the rollout's tower arena too (evaluation generates)
-    let eval_vision_tokens = match (vl, cfg.data.val_files.as_deref()) {
-        (true, Some(val)) => {
-            let tokens = crate::trainer::setup::renderer(cfg, &model_dir).and_then(|r| {
-                let examples = crate::trainer::setup::load_examples(cfg, val)?;
-                crate::trainer::setup::most_vision_tokens(&r, &examples)
-            });
-            tokens.unwrap_or_else(|e| {
-                note.push_str(&format!(
-                    "(the vision tower's activations: data.val_files: {e}; not counted)\n"
-                ));
-                0
-            })
-        }
-        _ => 0,
-    };
+    let val = read(cfg.data.val_files.as_deref(), &|r, examples| {
+        crate::trainer::setup::most_vision_tokens(r, &examples)
+    });
+    let eval_vision_tokens = val.map(Option::unwrap_or_default).unwrap_or_else(|e| {
+        note.push_str(&format!(
+            "(the vision tower's activations: data.val_files: {e}; not counted)\n"
+        ));
+        0
+    });
     let plan = crate::trainer::run::memory_plan(
         cfg,
         &model_dir,
