@@ -14,6 +14,7 @@ vocab 151 936, tied embeddings, q/k/v biases; random weights), the same work:
 - peak memory (torch.cuda.max_memory_allocated) of each piece.
 
     python3 scripts/bench_torch_gpu.py [--runs 3] [--compile] [--gen 32x64] [--gen-dtypes bf16] [--only train]
+        [--train-dtypes bf16] [--no-lora]
     python3 scripts/bench_torch_gpu.py --device cpu --tiny   # checks the script, no GPU
 
 Prints the best and median of the runs after one warm-up, in the format of the Rust bench.
@@ -83,6 +84,9 @@ def main():
     ap.add_argument("--compile", action="store_true", help="also time torch.compile (train)")
     ap.add_argument("--gen", default="32x64", help="PROMPTSxNEW for generation")
     ap.add_argument("--gen-dtypes", default="f32,TF32,bf16", help="generation's weights, comma-separated")
+    ap.add_argument("--train-dtypes", default="f32,TF32,bf16",
+                    help="training's precisions, comma-separated (bf16: autocast over f32 weights)")
+    ap.add_argument("--no-lora", action="store_true", help="skip the LoRA step (train)")
     ap.add_argument("--only", choices=["train", "generate", "attention"])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model (checks the script)")
     args = ap.parse_args()
@@ -121,7 +125,11 @@ def main():
             return (coeffs * logp).sum()
 
         variants = [("f32", False, None), ("TF32", True, None), ("bf16 autocast", False, torch.bfloat16)]
-        for label, tf32, autocast in variants:
+        wanted = args.train_dtypes.split(",")
+        unknown = sorted(set(wanted) - {"f32", "TF32", "bf16"})
+        if unknown:
+            ap.error(f"--train-dtypes: unknown {unknown}; choose from f32, TF32, bf16")
+        for label, tf32, autocast in [v for v in variants if v[0].split()[0] in wanted]:
             for compiled in [False, True] if args.compile else [False]:
                 torch.backends.cuda.matmul.allow_tf32 = tf32
                 m = torch.compile(model) if compiled else model
@@ -141,9 +149,10 @@ def main():
                 peak(f"{label} {kind} train")
         torch.backends.cuda.matmul.allow_tf32 = False
 
+    if args.only in (None, "train") and not args.no_lora:
+        # (the batch and `loss` of the train section above)
         # LoRA r = 16 on every linear layer, the base frozen, bf16 autocast, gradient
         # checkpointing on (the issue's baseline for `model_cuda`'s LoRA step)
-        del m
         lora_model = with_lora(Qwen2ForCausalLM(cfg).float().to(device), r=16, alpha=32)
         lora_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         lora_model.enable_input_require_grads()

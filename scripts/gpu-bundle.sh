@@ -5,10 +5,13 @@
 #
 #   scripts/gpu-bundle.sh [DIR]        # default DIR = .gpu (git-ignored)
 #   # on the GPU machine:
-#   DIR/run.sh [tests|kernels|model|rollout|wheel|grpo|dp]   # all parts, or one (each fits a
-#                                            # 10-minute call);
-#                                            # after `grpo`: dotted overrides of the RL step
-#   DIR/check.sh                             # every part time-boxed in one call (~8 min)
+#   DIR/run.sh [PART]       # every part (model: train, attention and rest whole, with
+#                           # PyTorch's whole script), or one: tests, kernels, model, train,
+#                           # attention, profile, scale, rest, rollout, wheel, grpo, dp
+#                           # (each fits a 10-minute call); after `grpo`: dotted overrides
+#                           # of the RL step
+#   DIR/check.sh [1|2]      # the parts time-boxed in two device calls: 1 (~9.5 min) the
+#                           # tests and the training figures, 2 (~4 min) the rest
 #
 # With the `device` tool of this workplace: carry `.gpu` and run `.gpu/run.sh`; results
 # land in $OUT when it is set.
@@ -129,7 +132,14 @@ out=${OUT:-$here}
 status=0
 part=${1:-all}
 shift $(( $# > 0 ? 1 : 0 ))  # the rest: overrides of the RL step (grpo)
-want() { [ "$part" = all ] || [ "$part" = "$1" ]; }
+# `all` runs every part but train, attention and rest: the model part holds them whole
+want() {
+  case "$part:$1" in
+    all:train | all:attention | all:rest) return 1 ;;
+    all:*) return 0 ;;
+    *) [ "$part" = "$1" ] ;;
+  esac
+}
 has_torch() { python3 -c 'import torch, transformers' 2>/dev/null; }
 if want tests; then
   for t in "$here"/bin/test-*; do
@@ -152,6 +162,44 @@ if want model; then
     echo "== PyTorch + transformers, the bench-model_cuda model"
     python3 "$here/bench_torch_gpu.py" --compile | tee "$out/torch_model_gpu.txt" || status=1
   fi
+fi
+# The model part in pieces that each fit a time box (check.sh): the training step at the
+# 0.5B shape in TF32 and in bf16 storage beside PyTorch's bf16 autocast, eager and compiled
+# (the issue's headline ratio) ...
+if want train; then
+  echo "== bench-model_cuda train: TF32, bf16 storage (0.5B, 4 x 512)"
+  ARES_BENCH_MODES=tf32,bf16-stored "$here/bin/bench-model_cuda" train | tee "$out/model_train.txt" || status=1
+  if has_torch; then
+    echo "== PyTorch + transformers: the same step, bf16 autocast + SDPA, eager and torch.compile"
+    python3 "$here/bench_torch_gpu.py" --only train --compile --train-dtypes bf16 --no-lora \
+      | tee "$out/torch_train.txt" || status=1
+  fi
+fi
+# ... the attention kernels beside SDPA at 4 x 2048 (head size 128 and 64) ...
+if want attention; then
+  echo "== bench-model_cuda attention"
+  "$here/bin/bench-model_cuda" attention | tee "$out/model_attention.txt" || status=1
+  if has_torch; then
+    echo "== PyTorch SDPA, the same shapes"
+    python3 "$here/bench_torch_gpu.py" --only attention | tee "$out/torch_attention.txt" || status=1
+  fi
+fi
+# ... where the bf16 step's time goes, op by op (CUDA events: one timed run) ...
+if want profile; then
+  echo "== bench-model_cuda train under ARES_PROFILE=1 (bf16 storage)"
+  ARES_PROFILE=1 ARES_BENCH_RUNS=1 ARES_BENCH_MODES=bf16-stored "$here/bin/bench-model_cuda" train \
+    | tee "$out/model_profile.txt" || status=1
+fi
+# ... the 1.5B and 3B shapes, f32 beside bf16 storage (MFU, peak memory) ...
+if want scale; then
+  echo "== bench-model_cuda scale: Qwen2.5-1.5B and 3B shapes"
+  ARES_BENCH_RUNS=2 "$here/bin/bench-model_cuda" scale | tee "$out/model_scale.txt" || status=1
+fi
+# ... and the rest: decode and chunked-prefill attention, the ragged batch, generation.
+if want rest; then
+  echo "== bench-model_cuda decode-attention, chunk-attention, ragged, generate"
+  "$here/bin/bench-model_cuda" decode-attention,chunk-attention,ragged,generate \
+    | tee "$out/model_rest.txt" || status=1
 fi
 if want rollout; then
   echo "== bench-rollout_cuda: engine greedy / sampled, static, bf16 weights (0.5B, 128 x 256)"
@@ -188,10 +236,15 @@ exit $status
 RUN
 chmod +x "$dir/run.sh"
 
-# One time-boxed device call for a short lease (15 minutes of device time, starts included):
-# every part of run.sh under its own limit, the RL step reduced to 16 prompts x 8 and 2 steps,
-# at most 10 files back in $OUT. T_TESTS, T_KERNELS, T_MODEL, T_ROLLOUT, T_WHEEL, T_GRPO, T_DP
-# set the limits (seconds; the defaults add up to 590: give the call 600).
+# Two time-boxed device calls for a short lease (15 minutes of device time, starts
+# included; call 2 right after call 1, while the machine is still warm): every part of run.sh
+# under its own limit, the parts that measure the training step first. `check.sh 1` (or no
+# argument): the tests, the 0.5B training step beside PyTorch (eager and torch.compile), the
+# attention kernels beside SDPA, the op profile, the 1.5B/3B shapes, the token kernels and the
+# rollout — limits adding up to 560 s (give the call 600). `check.sh 2`: the rest of the model
+# bench, the RL step reduced to 16 prompts x 8 and 2 steps, data parallel, the wheel — 220 s
+# (give it 240). T_<PART> (T_TESTS, T_TRAIN, ...) set a part's limit in seconds. Files back
+# in $OUT: one log a part and the kernels' JSON lines.
 cat > "$dir/check.sh" <<'CHECK'
 #!/usr/bin/env bash
 set +u
@@ -209,18 +262,30 @@ part() {  # part NAME LIMIT [OVERRIDES]: run.sh NAME under LIMIT seconds, log to
   OUT=$work timeout "$2" "$here/run.sh" "$1" "${@:3}" > "$final/$1.txt" 2>&1
   echo "$1: rc=$? in $(( $(date +%s) - t0 )) s"
 }
-part tests "${T_TESTS:-180}"
-grep -E "^test result|panicked" "$final/tests.txt" | sort | uniq -c | head -30
-part kernels "${T_KERNELS:-60}"
-cp "$work/gpu_kernels.jsonl" "$final/" 2>/dev/null
-part model "${T_MODEL:-70}"
-part rollout "${T_ROLLOUT:-90}"
-part wheel "${T_WHEEL:-35}"
-TORCH_ARGS="--prompts 16 --steps 2" part grpo "${T_GRPO:-100}" \
-  data.rollout_batch_size=16 worker.actor.global_batch_size=16 trainer.max_steps=2
-part dp "${T_DP:-55}"
-tail -n 12 "$final/kernels.txt" "$final/model.txt" "$final/rollout.txt" "$final/wheel.txt" "$final/grpo.txt" \
-  "$final/dp.txt"
+case "${1:-1}" in
+  1)
+    part tests "${T_TESTS:-170}"
+    grep -E "^test result|panicked" "$final/tests.txt" | sort | uniq -c | head -30
+    part train "${T_TRAIN:-110}"
+    part attention "${T_ATTENTION:-35}"
+    part profile "${T_PROFILE:-30}"
+    part scale "${T_SCALE:-90}"
+    part kernels "${T_KERNELS:-45}"
+    cp "$work/gpu_kernels.jsonl" "$final/" 2>/dev/null
+    part rollout "${T_ROLLOUT:-80}"
+    tail -n 14 "$final/train.txt" "$final/attention.txt" "$final/scale.txt" "$final/kernels.txt" \
+      "$final/rollout.txt"
+    ;;
+  2)
+    part rest "${T_REST:-45}"
+    TORCH_ARGS="--prompts 16 --steps 2" part grpo "${T_GRPO:-90}" \
+      data.rollout_batch_size=16 worker.actor.global_batch_size=16 trainer.max_steps=2
+    part dp "${T_DP:-55}"
+    part wheel "${T_WHEEL:-30}"
+    tail -n 12 "$final/rest.txt" "$final/grpo.txt" "$final/dp.txt" "$final/wheel.txt"
+    ;;
+  *) echo "usage: check.sh [1|2]"; exit 2 ;;
+esac
 CHECK
 chmod +x "$dir/check.sh"
 du -sh "$dir"

@@ -32,13 +32,13 @@ use ares_benches::SplitMix;
 use ares_benches::model::{
     BENCH_MODEL, best_and_median, env_usize, ragged, random_weights, report,
 };
+use ares_benches::train_step::TrainBatch;
 use ares_model::backend::MatmulPrecision;
 use ares_model::backend::cpu::CpuBackend;
 use ares_model::hf::config::ModelConfig;
 use ares_model::hf::lora::LoraConfig;
 use ares_model::model::{
-    ActivationDtype, AdamW, AdamWConfig, GenerateRequest, GradDtype, Inputs, Model, Sampling,
-    WeightStorage,
+    ActivationDtype, AdamW, AdamWConfig, GenerateRequest, GradDtype, Model, Sampling, WeightStorage,
 };
 
 const TRAIN_BATCH: usize = 8;
@@ -66,28 +66,9 @@ fn main() {
     let runs = env_usize("ARES_BENCH_RUNS", 5);
 
     if only.as_deref().is_none_or(|o| o.starts_with("train")) {
-        let vocab = 8192u32;
-        let n = TRAIN_BATCH * TRAIN_SEQ;
-        let ids: Vec<u32> = (0..n)
-            .map(|_| (rng.next_u64() % u64::from(vocab)) as u32)
-            .collect();
-        let mask = vec![1u32; n];
-        let positions: Vec<u32> = (0..n).map(|i| (i % TRAIN_SEQ) as u32).collect();
-        let mut targets = vec![0u32; n];
-        let mut coeffs = vec![0.0f32; n];
-        for i in 0..n {
-            if i % TRAIN_SEQ + 1 < TRAIN_SEQ {
-                targets[i] = ids[i + 1];
-                coeffs[i] = -1.0 / n as f32;
-            }
-        }
-        let inputs = Inputs {
-            batch: TRAIN_BATCH,
-            seq: TRAIN_SEQ,
-            input_ids: &ids,
-            attention_mask: &mask,
-            position_ids: &positions,
-        };
+        let train = TrainBatch::random(&mut rng, TRAIN_BATCH, TRAIN_SEQ, 8192);
+        let (n, inputs) = (train.tokens(), train.inputs());
+        let (targets, coeffs) = (&train.targets, &train.coeffs);
         let be = CpuBackend;
         // `train-bf16`: the bf16 step alone
         let mut t_train = None;
@@ -101,7 +82,7 @@ fn main() {
                 model.forward(&inputs, &mut acts).expect("forward");
                 model
                     .backward_from_log_prob_grads(
-                        &inputs, &mut acts, &targets, &coeffs, 1.0, &mut grads,
+                        &inputs, &mut acts, targets, coeffs, 1.0, &mut grads,
                     )
                     .expect("backward");
             });
@@ -122,7 +103,7 @@ fn main() {
                 model.forward(&inputs, &mut ckpt).expect("forward");
                 model
                     .backward_from_log_prob_grads(
-                        &inputs, &mut ckpt, &targets, &coeffs, 1.0, &mut grads,
+                        &inputs, &mut ckpt, targets, coeffs, 1.0, &mut grads,
                     )
                     .expect("backward");
             });
@@ -161,7 +142,7 @@ fn main() {
                 lora_model.forward(&inputs, &mut acts).expect("forward");
                 lora_model
                     .backward_from_log_prob_grads(
-                        &inputs, &mut acts, &targets, &coeffs, 1.0, &mut grads,
+                        &inputs, &mut acts, targets, coeffs, 1.0, &mut grads,
                     )
                     .expect("backward");
             });
@@ -209,7 +190,7 @@ fn main() {
                 bf16_model.forward(&inputs, &mut acts).expect("forward");
                 bf16_model
                     .backward_from_log_prob_grads(
-                        &inputs, &mut acts, &targets, &coeffs, 1.0, &mut grads,
+                        &inputs, &mut acts, targets, coeffs, 1.0, &mut grads,
                     )
                     .expect("backward");
             });

@@ -12,24 +12,39 @@
 //!   tokens picked on the device), 32 prompts of 32 tokens, 64 new tokens each.
 //! - **ragged** (in the last mode, bf16 with the weight copies): an RL update's ragged batch
 //!   of 16 samples padded beside packed, the packed pass's attention padded by gathers (the
-//!   CUDA kernels take no segments yet; `ares_benches::model::ragged`).
+//!   CUDA kernels take no segments yet; `ares_benches::model::ragged`);
+//! - **attention**, **decode-attention**, **chunk-attention**: the attention kernels alone
+//!   (their functions below say at which shapes);
+//! - **scale** (only when asked: `bench-model_cuda scale`): Qwen2.5-1.5B and 3B shapes
+//!   (random weights), one training step's model work (forward + backward, then the AdamW
+//!   update) on the same `ARES_BENCH_BATCH` × `ARES_BENCH_SEQ` tokens with every tensor in f32
+//!   and TF32 products beside the CUDA trainer's bf16 storage: tokens/s, TFLOP/s and MFU
+//!   against the dense bf16 peak (`ares_benches::train_step::dense_bf16_peak`), the bytes the
+//!   step holds and the device memory in use, and their bf16 / f32 ratios.
 //!
-//! Each runs with exact f32 GEMMs, then TF32, then bf16 operands
-//! (`Model::set_matmul_precision`; f32 sums and f32 storage throughout), then bf16 with the
+//! One argument picks sections, comma-separated (`bench-model_cuda attention,train`); none
+//! runs every section but `scale`. The modes run with exact f32 GEMMs, then TF32, then bf16
+//! operands (`Model::set_matmul_precision`; f32 sums and f32 storage throughout), then bf16 with the
 //! model's bf16 weight copies (`Model::set_bf16_weights`: no conversion of a weight per
 //! GEMM; the AdamW step then includes rounding the copies), then with the linear weights
 //! stored in bf16 (`Model::set_weight_storage`: no f32 master; the AdamW step widens,
 //! updates and rounds each tensor stochastically). Times are wall clock
 //! around calls that end with a device synchronisation,
-//! best and median of `ARES_BENCH_RUNS` (default 3) after a warm-up. Without a GPU the
-//! binary says why and exits 0. A plain `main` (`harness = false`).
+//! best and median of `ARES_BENCH_RUNS` (default 3) after a warm-up. `ARES_BENCH_MODES`
+//! (comma-separated `f32`, `tf32`, `bf16`, `bf16-copies`, `bf16-stored`) runs only those
+//! modes; under `ARES_PROFILE=1` the run ends with every op's calls and device time (CUDA
+//! events). Without a GPU the binary says why and exits 0. A plain `main` (`harness = false`).
 
 use std::path::Path;
 use std::time::Instant;
 
 use ares_benches::SplitMix;
 use ares_benches::model::{
-    QWEN05_MODEL, best_and_median, env_usize, ragged, random_weights, report,
+    QWEN3B_MODEL, QWEN05_MODEL, QWEN15_MODEL, best_and_median, env_usize, ragged, random_weights,
+    report,
+};
+use ares_benches::train_step::{
+    StepSetup, TrainBatch, dense_bf16_peak, random_weights_parallel, train_flops, train_step,
 };
 use ares_model::backend::cuda::CudaBackend;
 use ares_model::backend::{Backend, MatmulPrecision};
@@ -38,6 +53,16 @@ use ares_model::model::{
     ActivationDtype, AdamW, AdamWConfig, GenerateRequest, GradDtype, Inputs, Model, Sampling,
     WeightStorage,
 };
+
+/// The train modes, as `ARES_BENCH_MODES` names them: `(name, precision, bf16 weight copies,
+/// weights stored in bf16)`.
+const MODES: [(&str, MatmulPrecision, bool, bool); 5] = [
+    ("f32", MatmulPrecision::F32, false, false),
+    ("tf32", MatmulPrecision::Tf32, false, false),
+    ("bf16", MatmulPrecision::Bf16, false, false),
+    ("bf16-copies", MatmulPrecision::Bf16, true, false),
+    ("bf16-stored", MatmulPrecision::Bf16, true, true),
+];
 
 const GEN_PROMPTS: usize = 32;
 const GEN_PROMPT_LEN: usize = 32;
@@ -52,6 +77,38 @@ fn main() {
         }
     };
     println!("device: {}", gpu.info());
+    let runs = env_usize("ARES_BENCH_RUNS", 3);
+    let (batch, seq) = (
+        env_usize("ARES_BENCH_BATCH", 4),
+        env_usize("ARES_BENCH_SEQ", 512),
+    );
+    // the sections asked for (`attention,train`), all but `scale` when none are
+    let only: Option<Vec<String>> = std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with('-'))
+        .map(|a| a.split(',').map(|s| s.trim().to_string()).collect());
+    let asked = |what: &str| only.as_ref().is_some_and(|o| o.iter().any(|x| x == what));
+    let wants = |what: &str| only.is_none() || asked(what);
+    let modes = std::env::var("ARES_BENCH_MODES").ok();
+    let modes: Vec<&str> = match modes.as_deref() {
+        None => MODES.iter().map(|m| m.0).collect(),
+        Some(list) => list.split(',').map(str::trim).collect(),
+    };
+    if let Some(unknown) = modes.iter().find(|m| !MODES.iter().any(|k| k.0 == **m)) {
+        let known: Vec<&str> = MODES.iter().map(|m| m.0).collect();
+        println!("ARES_BENCH_MODES: unknown mode {unknown:?}; known: {known:?}");
+        std::process::exit(2);
+    }
+    if asked("scale") {
+        scale(&gpu, runs, (batch, seq));
+    }
+    if only
+        .as_ref()
+        .is_some_and(|o| o.iter().all(|x| x == "scale"))
+    {
+        print_profile(&gpu);
+        return;
+    }
     let config = ModelConfig::from_json_str(Path::new("bench/config.json"), QWEN05_MODEL)
         .expect("the bench config parses");
     let mut rng = SplitMix::new(7);
@@ -65,29 +122,18 @@ fn main() {
         params as f64 / 1e6,
         start.elapsed().as_secs_f64() * 1e3,
     );
-    let runs = env_usize("ARES_BENCH_RUNS", 3);
-    let (batch, seq) = (
-        env_usize("ARES_BENCH_BATCH", 4),
-        env_usize("ARES_BENCH_SEQ", 512),
-    );
-    let only = std::env::args().skip(1).find(|a| !a.starts_with('-'));
-    if only.as_deref().is_none_or(|o| o == "attention") {
+    if wants("attention") {
         attention(&gpu, runs);
     }
-    if only.as_deref().is_none_or(|o| o == "decode-attention") {
+    if wants("decode-attention") {
         decode_attention(&gpu, runs);
     }
-    if only.as_deref().is_none_or(|o| o == "chunk-attention") {
+    if wants("chunk-attention") {
         chunk_attention(&gpu, runs);
     }
 
-    for (precision, copies, stored) in [
-        (MatmulPrecision::F32, false, false),
-        (MatmulPrecision::Tf32, false, false),
-        (MatmulPrecision::Bf16, false, false),
-        (MatmulPrecision::Bf16, true, false),
-        (MatmulPrecision::Bf16, true, true),
-    ] {
+    let chosen = MODES.into_iter().filter(|m| modes.contains(&m.0));
+    for (_, precision, copies, stored) in chosen {
         model.set_matmul_precision(precision);
         model.set_bf16_weights(copies).expect("bf16 weight copies");
         let storage = if stored {
@@ -105,27 +151,10 @@ fn main() {
             "[{mode}] weights on the device: {:.1} MiB",
             model.weight_bytes() as f64 / (1u64 << 20) as f64
         );
-        if only.as_deref().is_none_or(|o| o == "train") {
-            let vocab = 151_936u64;
-            let n = batch * seq;
-            let ids: Vec<u32> = (0..n).map(|_| (rng.next_u64() % vocab) as u32).collect();
-            let mask = vec![1u32; n];
-            let positions: Vec<u32> = (0..n).map(|i| (i % seq) as u32).collect();
-            let mut targets = vec![0u32; n];
-            let mut coeffs = vec![0.0f32; n];
-            for i in 0..n {
-                if i % seq + 1 < seq {
-                    targets[i] = ids[i + 1];
-                    coeffs[i] = -1.0 / n as f32;
-                }
-            }
-            let inputs = Inputs {
-                batch,
-                seq,
-                input_ids: &ids,
-                attention_mask: &mask,
-                position_ids: &positions,
-            };
+        if wants("train") {
+            let train = TrainBatch::random(&mut rng, batch, seq, 151_936);
+            let (n, inputs) = (train.tokens(), train.inputs());
+            let (targets, coeffs) = (&train.targets, &train.coeffs);
             let mut acts = model.activations(batch, seq).expect("activations");
             let mut grads = model.grads().expect("grads");
             let t = best_and_median(runs, || {
@@ -133,13 +162,12 @@ fn main() {
                 model.forward(&inputs, &mut acts).expect("forward");
                 model
                     .backward_from_log_prob_grads(
-                        &inputs, &mut acts, &targets, &coeffs, 1.0, &mut grads,
+                        &inputs, &mut acts, targets, coeffs, 1.0, &mut grads,
                     )
                     .expect("backward");
                 gpu.synchronize().expect("sync");
             });
-            let (h, layers) = (896.0, 24.0);
-            let flops = 6.0 * params as f64 * n as f64 + 6.0 * layers * h * seq as f64 * n as f64;
+            let flops = train_flops(&config, params, n, seq);
             report(
                 &format!("[{mode}] train forward+backward ({batch} × {seq})"),
                 n,
@@ -168,8 +196,8 @@ fn main() {
                         .backward_from_log_prob_grads(
                             &inputs,
                             &mut acts16,
-                            &targets,
-                            &coeffs,
+                            targets,
+                            coeffs,
                             1.0,
                             &mut g16,
                         )
@@ -201,14 +229,14 @@ fn main() {
                     model.forward(&inputs, &mut ckpt).expect("forward");
                     model
                         .backward_from_log_prob_grads(
-                            &inputs, &mut ckpt, &targets, &coeffs, 1.0, &mut grads,
+                            &inputs, &mut ckpt, targets, coeffs, 1.0, &mut grads,
                         )
                         .expect("backward");
                     gpu.synchronize().expect("sync");
                 });
                 model.set_gradient_checkpointing(false);
                 report("  checkpointed forward+backward", n, "tokens", t);
-                lora_step(&gpu, &config, &w, &inputs, &targets, &coeffs, runs);
+                lora_step(&gpu, &config, &w, &inputs, targets, coeffs, runs);
             }
             let mut opt = AdamW::new(&model, AdamWConfig::default()).expect("adamw");
             let t = best_and_median(runs, || {
@@ -225,7 +253,7 @@ fn main() {
 
         // a ragged RL batch padded beside packed (the attention padded by gathers: the
         // CUDA kernels take no segments yet), in bf16 with the weight copies
-        if copies && !stored && only.as_deref().is_none_or(|o| o == "ragged") {
+        if copies && !stored && wants("ragged") {
             println!("[{mode}] ragged batch:");
             ragged(&mut model, &mut rng, runs, 151_936, || {
                 gpu.synchronize().expect("sync")
@@ -233,7 +261,7 @@ fn main() {
         }
 
         // (generation's few-token decode products run in f32 under bf16 either way)
-        if !copies && only.as_deref().is_none_or(|o| o == "generate") {
+        if !copies && wants("generate") {
             let prompts: Vec<Vec<u32>> = (0..GEN_PROMPTS)
                 .map(|_| {
                     (0..GEN_PROMPT_LEN)
@@ -282,6 +310,84 @@ fn main() {
             .bias_epilogues()
             .map_or("none (cuBLASLt not in use)".into(), |n| n.to_string())
     );
+    print_profile(&gpu);
+}
+
+/// Under `ARES_PROFILE=1`: every op's calls and device time over the whole run (all
+/// sections, all runs; CUDA events around each op).
+fn print_profile(gpu: &CudaBackend) {
+    match gpu.op_profile() {
+        Ok(Some(table)) => println!("{table}"),
+        Ok(None) => {}
+        Err(e) => println!("op profile: {e}"),
+    }
+}
+
+/// `bench-model_cuda scale`: one training step's model work at the Qwen2.5-1.5B and 3B
+/// shapes in today's f32 beside bf16 storage (the issue's MFU and peak-memory goals).
+fn scale(gpu: &CudaBackend, runs: usize, (batch, seq): (usize, usize)) {
+    let peak = dense_bf16_peak(&gpu.info().name);
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    for (name, json) in [("Qwen2.5-1.5B", QWEN15_MODEL), ("Qwen2.5-3B", QWEN3B_MODEL)] {
+        let config = ModelConfig::from_json_str(Path::new("bench/config.json"), json)
+            .expect("the bench config parses");
+        let start = Instant::now();
+        let w = random_weights_parallel(&config, 7);
+        let params: usize = w.tensors().iter().map(|(_, t)| t.data.len()).sum();
+        println!(
+            "[{name}] {:.2} B parameters (random weights in {:.1} s)",
+            params as f64 / 1e9,
+            start.elapsed().as_secs_f64()
+        );
+        let train = TrainBatch::random(&mut SplitMix::new(5), batch, seq, 151_936);
+        let flops = train_flops(&config, params, train.tokens(), seq);
+        let mut held = Vec::new();
+        for setup in [StepSetup::F32, StepSetup::BF16] {
+            let label = format!("[{name}, {}]", setup.name);
+            let f = match train_step(gpu, (&config, &w), &setup, &train, runs) {
+                Ok(f) => f,
+                Err(e) => {
+                    println!("{label} did not run: {e}");
+                    continue;
+                }
+            };
+            let what = format!("{label} train forward+backward ({batch} × {seq})");
+            report(&what, train.tokens(), "tokens", f.fwd_bwd);
+            let tflops = flops / f.fwd_bwd.0.as_secs_f64() / 1e12;
+            let mfu = peak.map_or("MFU: set ARES_BENCH_PEAK_TFLOPS".into(), |p| {
+                format!(
+                    "MFU {:.1} % of the dense bf16 peak ({p:.0})",
+                    100.0 * tflops / p
+                )
+            });
+            println!("  = {tflops:.1} TFLOP/s (best), {mfu}");
+            report(&format!("{label} AdamW update"), 1, "steps", f.update);
+            println!(
+                "  held {:.2} GiB: weights {:.2}, gradients {:.2}, arena {:.2}, moments {:.2}; \
+                 device memory in use at the phases' ends {}",
+                gib(f.held()),
+                gib(f.weights),
+                gib(f.grads),
+                gib(f.arena),
+                gib(f.moments),
+                f.device_peak.map_or("unknown".into(), |b| format!(
+                    "{:.2} GiB (cuMemGetInfo)",
+                    gib(b)
+                )),
+            );
+            held.push((f.held(), f.device_peak));
+        }
+        if let [(h32, d32), (h16, d16)] = held[..] {
+            let ratio = |a: u64, b: u64| a as f64 / b.max(1) as f64;
+            let device = d16
+                .zip(d32)
+                .map_or("unknown".into(), |(a, b)| format!("{:.2}×", ratio(a, b)));
+            println!(
+                "[{name}] bf16 / f32 peak memory: held {:.2}×, device {device} (goal ≤ 0.6×)",
+                ratio(h16, h32)
+            );
+        }
+    }
 }
 
 /// LoRA r = 16 on every linear layer of a second copy of the model (bf16 operands,
@@ -336,11 +442,14 @@ fn lora_step(
 
 /// Causal attention alone at FlashAttention's benchmark shape, 4 × 2 048 tokens, MHA with
 /// 2 048 features (16 heads of 128, 32 of 64): the f32 forward and backward (scalar FMAs)
-/// and the bf16 forward and backward on tensor cores, in TFLOP/s of the causal products — the
+/// and the bf16 forward and backward on tensor cores — from f32 q, k, v, and as bf16
+/// training runs them, q, k, v and the output stored in bf16 — in TFLOP/s of the causal products — the
 /// forward 4·B·T²·H·D/2, the backward 2.5 times that (FlashAttention's count). PyTorch's
 /// SDPA at the same shapes: `bench_torch_gpu.py` (`--only attention`).
 fn attention(gpu: &CudaBackend, runs: usize) {
-    use ares_model::backend::{AttentionDims, AttentionGrads, AttentionInputs, View, ViewMut};
+    use ares_model::backend::{
+        AttentionDims, AttentionGrads, AttentionInputs, DType, View, ViewMut,
+    };
     let (batch, seq) = (4usize, 2048usize);
     for (heads, d) in [(16usize, 128usize), (32, 64)] {
         let dims = AttentionDims::new(batch, seq, heads, heads, d);
@@ -449,6 +558,44 @@ fn attention(gpu: &CudaBackend, runs: usize) {
             gpu.synchronize().expect("sync");
         });
         show("bf16 backward (tensor cores)", 2.5 * fwd_flops, t);
+
+        // q, k, v and the output stored in bf16 (bf16 activations): no conversion passes
+        let half = |src: &<CudaBackend as Backend>::Buffer| {
+            let mut h = gpu.alloc_half(n, DType::Bf16).expect("alloc");
+            gpu.round_bf16(View::whole(src), ViewMut::whole(&mut h))
+                .expect("round");
+            h
+        };
+        let (q16, k16, v16) = (half(&q), half(&k), half(&v));
+        let mut out16 = gpu.alloc_half(n, DType::Bf16).expect("alloc");
+        let t = best_and_median(runs.max(5), || {
+            let (q, k, v) = (View::whole(&q16), View::whole(&k16), View::whole(&v16));
+            let out16 = Some(ViewMut::whole(&mut out16));
+            let lse = ViewMut::whole(&mut lse);
+            gpu.attention_bf16_stored(dims, q, k, v, None, None, None, out16, lse)
+                .expect("attention_bf16_stored");
+            gpu.synchronize().expect("sync");
+        });
+        show("bf16 stored forward (tensor cores)", fwd_flops, t);
+        let t = best_and_median(runs.max(5), || {
+            let grads = AttentionGrads {
+                dq: ViewMut::whole(&mut dq),
+                dk: ViewMut::whole(&mut dk),
+                dv: ViewMut::whole(&mut dv),
+            };
+            let (q, k, v) = (View::whole(&q16), View::whole(&k16), View::whole(&v16));
+            let (out16, lse, dout) = (
+                Some(View::whole(&out16)),
+                View::whole(&lse),
+                View::whole(&dout),
+            );
+            gpu.attention_backward_bf16_stored(
+                dims, q, k, v, None, None, None, out16, lse, dout, grads,
+            )
+            .expect("attention_backward_bf16_stored");
+            gpu.synchronize().expect("sync");
+        });
+        show("bf16 stored backward (tensor cores)", 2.5 * fwd_flops, t);
     }
 }
 

@@ -6,6 +6,7 @@
 //! function runs to what memory bandwidth allows on this machine.
 
 pub mod model;
+pub mod train_step;
 
 /// Prompts per batch in the realistic size (512 prompts × 8 samples × 4096 tokens).
 pub const PROMPTS: usize = 512;

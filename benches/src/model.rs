@@ -94,6 +94,26 @@ pub const QWEN05_MODEL: &str = r#"{
     "tie_word_embeddings": true
 }"#;
 
+/// Qwen2.5-1.5B's shape (28 layers, hidden 1536, 12 query / 2 KV heads of 128, MLP 8960,
+/// vocab 151 936, tied embeddings; as `ares-runner init --shape qwen2.5-1.5b`).
+pub const QWEN15_MODEL: &str = r#"{
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+    "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+    "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": true
+}"#;
+
+/// Qwen2.5-3B's shape (36 layers, hidden 2048, 16 query / 2 KV heads of 128, MLP 11008,
+/// vocab 151 936, tied embeddings; as `ares-runner init --shape qwen2.5-3b`).
+pub const QWEN3B_MODEL: &str = r#"{
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+    "hidden_size": 2048, "intermediate_size": 11008, "num_hidden_layers": 36,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "vocab_size": 151936,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": true
+}"#;
+
 /// The RL rollout's request: `prompts` random prompts of 90–110 tokens, each `n` times,
 /// sampled at T = 1 up to `max_new` tokens; with `eos`, ~1 % of the vocabulary are EOS ids
 /// (a random model samples one with probability ≈ 1 % a token: roughly geometric lengths),
