@@ -15,6 +15,9 @@
 //!   CUDA kernels take no segments yet; `ares_benches::model::ragged`);
 //! - **attention**, **decode-attention**, **chunk-attention**: the attention kernels alone
 //!   (their functions below say at which shapes);
+//! - **step** (only when asked): the 0.5B shape's step in the CUDA trainer's default setup
+//!   (bf16 storage, `ares_benches::train_step`) on a model of its own, so that under
+//!   `ARES_PROFILE=1` the op table is that step's alone;
 //! - **scale** (only when asked: `bench-model_cuda scale`): Qwen2.5-1.5B and 3B shapes
 //!   (random weights), one training step's model work (forward + backward, then the AdamW
 //!   update) on the same `ARES_BENCH_BATCH` × `ARES_BENCH_SEQ` tokens with every tensor in f32
@@ -23,7 +26,7 @@
 //!   step holds and the device memory in use, and their bf16 / f32 ratios.
 //!
 //! One argument picks sections, comma-separated (`bench-model_cuda attention,train`); none
-//! runs every section but `scale`. The modes run with exact f32 GEMMs, then TF32, then bf16
+//! runs every section but `step` and `scale`. The modes run with exact f32 GEMMs, then TF32, then bf16
 //! operands (`Model::set_matmul_precision`; f32 sums and f32 storage throughout), then bf16 with the
 //! model's bf16 weight copies (`Model::set_bf16_weights`: no conversion of a weight per
 //! GEMM; the AdamW step then includes rounding the copies), then with the linear weights
@@ -102,9 +105,13 @@ fn main() {
     if asked("scale") {
         scale(&gpu, runs, (batch, seq));
     }
+    if asked("step") {
+        step(&gpu, runs, (batch, seq));
+    }
+    // sections that build their own models: the op profile is theirs alone
     if only
         .as_ref()
-        .is_some_and(|o| o.iter().all(|x| x == "scale"))
+        .is_some_and(|o| o.iter().all(|x| x == "scale" || x == "step"))
     {
         print_profile(&gpu);
         return;
@@ -206,7 +213,7 @@ fn main() {
                 });
                 model.set_activation_dtype(ActivationDtype::F32);
                 report(
-                    "[bf16 storage] train forward+backward, bf16 gradients and MLP activations",
+                    "[bf16 storage] train forward+backward, bf16 gradients and activations",
                     n,
                     "tokens",
                     t,
@@ -323,11 +330,64 @@ fn print_profile(gpu: &CudaBackend) {
     }
 }
 
+/// `bench-model_cuda step`: the 0.5B shape's training step in the CUDA trainer's default
+/// setup (bf16 storage) alone, its model built here: under `ARES_PROFILE=1` the op table is
+/// this step's (warm-up and `ARES_BENCH_RUNS` runs).
+fn step(gpu: &CudaBackend, runs: usize, (batch, seq): (usize, usize)) {
+    let config = ModelConfig::from_json_str(Path::new("bench/config.json"), QWEN05_MODEL)
+        .expect("the bench config parses");
+    let w = random_weights_parallel(&config, 7);
+    let params: usize = w.tensors().iter().map(|(_, t)| t.data.len()).sum();
+    let train = TrainBatch::random(&mut SplitMix::new(5), batch, seq, 151_936);
+    let flops = train_flops(&config, params, train.tokens(), seq);
+    let setup = StepSetup::BF16;
+    let label = format!("[Qwen2.5-0.5B, {}]", setup.name);
+    match train_step(gpu, (&config, &w), &setup, &train, runs) {
+        Ok(f) => print_step(gpu, &label, &train, flops, &f),
+        Err(e) => println!("{label} did not run: {e}"),
+    }
+}
+
+/// The lines of one [`train_step`]: tokens/s, TFLOP/s and MFU, the update, the bytes.
+fn print_step(
+    gpu: &CudaBackend,
+    label: &str,
+    train: &TrainBatch,
+    flops: f64,
+    f: &ares_benches::train_step::StepFigures,
+) {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let (batch, seq) = (train.batch, train.seq);
+    let what = format!("{label} train forward+backward ({batch} × {seq})");
+    report(&what, train.tokens(), "tokens", f.fwd_bwd);
+    let tflops = flops / f.fwd_bwd.0.as_secs_f64() / 1e12;
+    let mfu =
+        dense_bf16_peak(&gpu.info().name).map_or("MFU: set ARES_BENCH_PEAK_TFLOPS".into(), |p| {
+            format!(
+                "MFU {:.1} % of the dense bf16 peak ({p:.0})",
+                100.0 * tflops / p
+            )
+        });
+    println!("  = {tflops:.1} TFLOP/s (best), {mfu}");
+    report(&format!("{label} AdamW update"), 1, "steps", f.update);
+    println!(
+        "  held {:.2} GiB: weights {:.2}, gradients {:.2}, arena {:.2}, moments {:.2}; \
+         device memory in use at the phases' ends {}",
+        gib(f.held()),
+        gib(f.weights),
+        gib(f.grads),
+        gib(f.arena),
+        gib(f.moments),
+        f.device_peak.map_or("unknown".into(), |b| format!(
+            "{:.2} GiB (cuMemGetInfo)",
+            gib(b)
+        )),
+    );
+}
+
 /// `bench-model_cuda scale`: one training step's model work at the Qwen2.5-1.5B and 3B
 /// shapes in today's f32 beside bf16 storage (the issue's MFU and peak-memory goals).
 fn scale(gpu: &CudaBackend, runs: usize, (batch, seq): (usize, usize)) {
-    let peak = dense_bf16_peak(&gpu.info().name);
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     for (name, json) in [("Qwen2.5-1.5B", QWEN15_MODEL), ("Qwen2.5-3B", QWEN3B_MODEL)] {
         let config = ModelConfig::from_json_str(Path::new("bench/config.json"), json)
             .expect("the bench config parses");
@@ -351,30 +411,7 @@ fn scale(gpu: &CudaBackend, runs: usize, (batch, seq): (usize, usize)) {
                     continue;
                 }
             };
-            let what = format!("{label} train forward+backward ({batch} × {seq})");
-            report(&what, train.tokens(), "tokens", f.fwd_bwd);
-            let tflops = flops / f.fwd_bwd.0.as_secs_f64() / 1e12;
-            let mfu = peak.map_or("MFU: set ARES_BENCH_PEAK_TFLOPS".into(), |p| {
-                format!(
-                    "MFU {:.1} % of the dense bf16 peak ({p:.0})",
-                    100.0 * tflops / p
-                )
-            });
-            println!("  = {tflops:.1} TFLOP/s (best), {mfu}");
-            report(&format!("{label} AdamW update"), 1, "steps", f.update);
-            println!(
-                "  held {:.2} GiB: weights {:.2}, gradients {:.2}, arena {:.2}, moments {:.2}; \
-                 device memory in use at the phases' ends {}",
-                gib(f.held()),
-                gib(f.weights),
-                gib(f.grads),
-                gib(f.arena),
-                gib(f.moments),
-                f.device_peak.map_or("unknown".into(), |b| format!(
-                    "{:.2} GiB (cuMemGetInfo)",
-                    gib(b)
-                )),
-            );
+            print_step(gpu, &label, &train, flops, &f);
             held.push((f.held(), f.device_peak));
         }
         if let [(h32, d32), (h16, d16)] = held[..] {
