@@ -21,7 +21,8 @@
 //! - **scale** (only when asked: `bench-model_cuda scale`): Qwen2.5-1.5B and 3B shapes
 //!   (random weights), one training step's model work (forward + backward, then the AdamW
 //!   update) on the same `ARES_BENCH_BATCH` × `ARES_BENCH_SEQ` tokens with every tensor in f32
-//!   and TF32 products beside the CUDA trainer's bf16 storage: tokens/s, TFLOP/s and MFU
+//!   and TF32 products beside the CUDA trainer's bf16 storage, with f32 moments (its
+//!   default) and with int8 moments: tokens/s, TFLOP/s and MFU
 //!   against the dense bf16 peak (`ares_benches::train_step::dense_bf16_peak`), the bytes the
 //!   step holds and the device memory in use, and their bf16 / f32 ratios.
 //!
@@ -401,8 +402,13 @@ fn scale(gpu: &CudaBackend, runs: usize, (batch, seq): (usize, usize)) {
         );
         let train = TrainBatch::random(&mut SplitMix::new(5), batch, seq, 151_936);
         let flops = train_flops(&config, params, train.tokens(), seq);
-        let mut held = Vec::new();
-        for setup in [StepSetup::F32, StepSetup::BF16] {
+        let mut f32_peak = None;
+        let setups = [
+            StepSetup::F32,
+            StepSetup::BF16,
+            StepSetup::BF16_INT8_MOMENTS,
+        ];
+        for (i, setup) in setups.into_iter().enumerate() {
             let label = format!("[{name}, {}]", setup.name);
             let f = match train_step(gpu, (&config, &w), &setup, &train, runs) {
                 Ok(f) => f,
@@ -412,16 +418,19 @@ fn scale(gpu: &CudaBackend, runs: usize, (batch, seq): (usize, usize)) {
                 }
             };
             print_step(gpu, &label, &train, flops, &f);
-            held.push((f.held(), f.device_peak));
-        }
-        if let [(h32, d32), (h16, d16)] = held[..] {
+            if i == 0 {
+                f32_peak = Some((f.held(), f.device_peak));
+            }
+            // the ratios to the f32 setup's, when it ran
+            let Some((h32, d32)) = f32_peak.filter(|_| i > 0) else {
+                continue;
+            };
             let ratio = |a: u64, b: u64| a as f64 / b.max(1) as f64;
-            let device = d16
-                .zip(d32)
+            let device = (f.device_peak.zip(d32))
                 .map_or("unknown".into(), |(a, b)| format!("{:.2}×", ratio(a, b)));
             println!(
-                "[{name}] bf16 / f32 peak memory: held {:.2}×, device {device} (goal ≤ 0.6×)",
-                ratio(h16, h32)
+                "  / f32 storage: held {:.2}×, device memory {device} (goal ≤ 0.6×)",
+                ratio(f.held(), h32)
             );
         }
     }

@@ -57,6 +57,15 @@ impl StepSetup {
         grads: GradDtype::Bf16,
         moments: StateDtype::F32,
     };
+
+    /// [`StepSetup::BF16`] with AdamW's moments in 8 bits
+    /// (`worker.actor.optim.state_dtype: int8`, bitsandbytes' block-wise scheme): the f32
+    /// moments are most of what the bf16 step holds (8 of its 12 bytes a parameter).
+    pub const BF16_INT8_MOMENTS: Self = Self {
+        name: "bf16 storage and int8 moments",
+        moments: StateDtype::Int8,
+        ..Self::BF16
+    };
 }
 
 /// A training batch of random tokens with the loss's per-token coefficients: every
@@ -287,6 +296,9 @@ mod tests {
         assert_eq!(batch.coeffs.iter().filter(|c| **c == 0.0).count(), 2);
         let run = |setup| train_step(&CpuBackend, (&config, &weights), setup, &batch, 1).unwrap();
         let (f32s, bf16s) = (run(&StepSetup::F32), run(&StepSetup::BF16));
+        let lean = run(&StepSetup::BF16_INT8_MOMENTS);
+        assert!(lean.moments * 3 < bf16s.moments);
+        assert_eq!((lean.weights, lean.grads), (bf16s.weights, bf16s.grads));
         // the CPU has no device memory to sample
         assert!(f32s.device_peak.is_none());
         // weights and gradients at half the bytes, the arena smaller, moments the same
