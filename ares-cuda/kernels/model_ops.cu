@@ -1334,6 +1334,16 @@ __device__ __forceinline__ float adamw_element(float p, float g, float& m, float
     return __fadd_rn(p, __fmul_rn(k.neg_step_size, __fdiv_rn(m, denom)));
 }
 
+// A moment as stored: f32, or bf16 bits rounded stochastically, element i drawing
+// rounding_bits(key, i) of its stream's key (twin of ares_cpu's Moment::store).
+__device__ __forceinline__ void moment_store(float* p, unsigned long long, i64, float x) { *p = x; }
+__device__ __forceinline__ void moment_store(unsigned short* p, unsigned long long key, i64 i, float x) {
+    *p = bf16_stochastic(x, rounding_bits(key, (unsigned long long)i));
+}
+// The moments' streams of an update keyed `key` (ares_cpu::ops::precision::moment_keys).
+#define MOMENT_M_STREAM 0x6D5F6D6F6D656E74ull
+#define MOMENT_V_STREAM 0x765F6D6F6D656E74ull
+
 // The parameter as stored: f32, or bf16 bits (read widened, written back with stochastic
 // rounding under `key`, element i drawing rounding_bits(key, i)).
 __device__ __forceinline__ float param_load(const float* param, const unsigned short* param_bf16,
@@ -1366,8 +1376,8 @@ __device__ __forceinline__ void adamw_update_impl(float* __restrict__ param, con
         const float p = adamw_element(param_load(param, param_bf16, i), g, m, v, k);
         param_store(param, param_bf16, key, i, p);
         if (copy) copy[i] = bf16_rne(p);  // the model's bf16 copy, written with the update
-        store_narrow(&exp_avg[i], m);
-        store_narrow(&exp_avg_sq[i], v);
+        moment_store(&exp_avg[i], key ^ MOMENT_M_STREAM, i, m);
+        moment_store(&exp_avg_sq[i], key ^ MOMENT_V_STREAM, i, v);
     }
 }
 
@@ -1386,7 +1396,8 @@ extern "C" __global__ void adamw_update(float* __restrict__ param, const float* 
                       param_bf16, key, grad_bf16);
 }
 
-// AdamW with bf16 moments: the same update, the moments rounded back after it.
+// AdamW with bf16 moments: the same update, the moments rounded back after it
+// stochastically under `key`'s moment streams (also the key of a bf16 `param_bf16`).
 extern "C" __global__ void adamw_update_bf16(float* __restrict__ param, const float* __restrict__ grad,
                                              unsigned short* __restrict__ exp_avg,
                                              unsigned short* __restrict__ exp_avg_sq, i64 n,

@@ -1916,7 +1916,9 @@ fn kernel_on_cpu_adamw_of_a_bf16_weight_is_widen_update_round_in_one_pass() {
                     &cfg,
                     lr,
                     grad_scale,
+                    key,
                 ),
+                // bf16 moments round under the weight's key's moment streams
                 1 => adamw_step_scaled(
                     &mut p,
                     g,
@@ -1926,6 +1928,7 @@ fn kernel_on_cpu_adamw_of_a_bf16_weight_is_widen_update_round_in_one_pass() {
                     &cfg,
                     lr,
                     grad_scale,
+                    key,
                 ),
                 _ => adamw_step_int8(
                     &mut p,
@@ -2027,6 +2030,7 @@ fn kernel_on_cpu_adamw_with_bf16_and_8_bit_moments_is_the_cpu_twin() {
     type Bf16 = unsafe extern "C" fn(
         u32,
         u32,
+        u64,
         *mut f32,
         *const f32,
         *mut u16,
@@ -2089,8 +2093,10 @@ fn kernel_on_cpu_adamw_with_bf16_and_8_bit_moments_is_the_cpu_twin() {
     let mut copy = vec![0u16; n];
     for (t, g) in grads.iter().enumerate() {
         let step = t as u64 + 1;
+        // the moments round stochastically under a key of the step's
+        let key = 0x5EED_0000 ^ step;
         adamw_step_scaled(
-            &mut p_cpu, g, &mut m_cpu, &mut v_cpu, step, &cfg, lr, grad_scale,
+            &mut p_cpu, g, &mut m_cpu, &mut v_cpu, step, &cfg, lr, grad_scale, key,
         )
         .expect("cpu");
         let s = scalars(step);
@@ -2099,6 +2105,7 @@ fn kernel_on_cpu_adamw_with_bf16_and_8_bit_moments_is_the_cpu_twin() {
             bf16_launch(
                 3,
                 128,
+                key,
                 p_emu.as_mut_ptr(),
                 g.as_ptr(),
                 m_emu.as_mut_ptr(),

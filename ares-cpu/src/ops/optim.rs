@@ -5,6 +5,7 @@
 //! per-element constants derived from them are rounded to `f32` once per step, as PyTorch
 //! does when it combines a Python scalar with an `f32` tensor.
 
+use super::precision::{bf16_stochastic, moment_keys, rounding_bits};
 use crate::error::check_len;
 use ares_core::Error as CoreError;
 use rayon::prelude::*;
@@ -96,7 +97,7 @@ pub fn adamw_step(
     cfg: &AdamWConfig,
     lr: f64,
 ) -> Result<()> {
-    adamw_step_scaled(params, grads, m, v, step, cfg, lr, 1.0)
+    adamw_step_scaled(params, grads, m, v, step, cfg, lr, 1.0, 0)
 }
 
 /// A value stored as f32 itself or as bf16 bits (`u16`), read as f32 — exactly: bf16 is
@@ -110,10 +111,12 @@ pub trait StoredF32: Copy + Send + Sync {
     fn f32_bits(self) -> u32;
 }
 
-/// A stored AdamW moment: f32 itself, or bf16 bits widened and rounded (nearest even).
+/// A stored AdamW moment: f32 itself, or bf16 bits widened and rounded stochastically.
 pub trait Moment: StoredF32 {
-    /// The stored form of `x`.
-    fn store(x: f32) -> Self;
+    /// Whether storing rounds (and so draws random bits).
+    const ROUNDS: bool;
+    /// The stored form of `x`, rounded with the random bits `r` (< 2¹⁶) where it rounds.
+    fn store(x: f32, r: u32) -> Self;
 }
 
 impl StoredF32 for f32 {
@@ -128,8 +131,9 @@ impl StoredF32 for f32 {
 }
 
 impl Moment for f32 {
+    const ROUNDS: bool = false;
     #[inline(always)]
-    fn store(x: f32) -> Self {
+    fn store(x: f32, _r: u32) -> Self {
         x
     }
 }
@@ -146,9 +150,13 @@ impl StoredF32 for u16 {
 }
 
 impl Moment for u16 {
+    const ROUNDS: bool = true;
+    /// [`bf16_stochastic`]: unbiased, so a moment whose change a step is under half an ulp
+    /// still moves by it on average — rounded to nearest, a second moment at β₂ = 0.999
+    /// (0.001 of itself a step, under bf16's half ulp of 2⁻⁹ to 2⁻⁸) could never decay.
     #[inline(always)]
-    fn store(x: f32) -> Self {
-        half::bf16::from_f32(x).to_bits()
+    fn store(x: f32, r: u32) -> Self {
+        bf16_stochastic(x, r)
     }
 }
 
@@ -158,9 +166,11 @@ impl Moment for u16 {
 /// bit for bit clipping then stepping). `grad_scale = 1` skips the multiplication.
 ///
 /// The moments are stored as `M`: `f32`, or bf16 bits (`u16`), each widened to f32, updated
-/// by the same f32 arithmetic, and rounded back to the nearest bf16 (ties to even) after the
-/// parameter's update used the f32 values — half the moments' memory, at most 2⁻⁹ relative
-/// error added to each moment per step. The gradient is stored as `G`: `f32`, or bf16 bits
+/// by the same f32 arithmetic, and rounded back to bf16 **stochastically** after the
+/// parameter's update used the f32 values — element `i` of the first and second moment with
+/// [`rounding_bits`]`(key_m, i)` and `(key_v, i)`, [`moment_keys`]`(key) = (key_m, key_v)`
+/// (`key` is ignored for f32 moments) — half the moments' memory, unbiased: each moment is
+/// its f32 update in expectation, within one bf16 ulp of it. The gradient is stored as `G`: `f32`, or bf16 bits
 /// read widened (exact), so a gradient kept in bf16 needs no f32 copy; the update is the
 /// one its widened values would give, bit for bit.
 ///
@@ -176,19 +186,22 @@ pub fn adamw_step_scaled<G: StoredF32, M: Moment>(
     cfg: &AdamWConfig,
     lr: f64,
     grad_scale: f32,
+    key: u64,
 ) -> Result<()> {
     let len = params.len();
     check_len("m", len, m.len())?;
     check_len("v", len, v.len())?;
     let k = AdamConsts::checked(grads, len, step, cfg, lr, grad_scale)?;
+    let keys = moment_keys(key);
     if len >= PAR_MIN_ELEMS {
         params
             .par_chunks_mut(CHUNK)
             .zip(grads.par_chunks(CHUNK))
             .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
-            .for_each(|((p, g), (m, v))| k.update(p, g, m, v));
+            .enumerate()
+            .for_each(|(c, ((p, g), (m, v)))| k.update(p, g, m, v, (keys, (c * CHUNK) as u64)));
     } else {
-        k.update(params, grads, m, v);
+        k.update(params, grads, m, v, (keys, 0));
     }
     Ok(())
 }
@@ -250,18 +263,22 @@ impl AdamConsts {
         })
     }
 
-    /// The update of one span: parameters, gradients and the two moments as stored.
+    /// The update of one span: parameters, gradients and the two moments as stored; the
+    /// span starts at element `first` of the tensor, whose moments round under `keys`
+    /// (`(key_m, key_v)`, [`Moment::store`]).
     pub(crate) fn update<G: StoredF32, M: Moment>(
         &self,
         p: &mut [f32],
         g: &[G],
         m: &mut [M],
         v: &mut [M],
+        ((key_m, key_v), first): ((u64, u64), u64),
     ) {
         // PyTorch's lerp switches form at weight 0.5 to stay accurate near both ends.
         let low_weight = self.w1 < 0.5;
         let scaled = self.grad_scale != 1.0;
-        for (((p, &g), ms), vs) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let spans = p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut());
+        for (j, (((p, &g), ms), vs)) in spans.enumerate() {
             let g = g.load();
             let g = if scaled { g * self.grad_scale } else { g };
             if self.apply_decay {
@@ -276,8 +293,12 @@ impl AdamConsts {
             let v = vs.load() * self.b2 + self.w2 * g * g;
             let denom = v.sqrt() / self.bc2_sqrt + self.eps;
             *p += self.neg_step_size * (m / denom);
-            *ms = M::store(m);
-            *vs = M::store(v);
+            let bits = |key| match M::ROUNDS {
+                true => rounding_bits(key, first + j as u64),
+                false => 0,
+            };
+            *ms = M::store(m, bits(key_m));
+            *vs = M::store(v, bits(key_v));
         }
     }
 }
@@ -578,8 +599,9 @@ fn check(what: &'static str, value: f64, ok: bool, expected: &'static str) -> Re
 #[cfg(test)]
 mod tests {
     /// bf16 moments: the same f32 arithmetic on the widened moments, the parameter updated
-    /// from the f32 values, the moments rounded to the nearest bf16 (over sizes across the
-    /// parallel threshold, with clipping and decay).
+    /// from the f32 values, the moments rounded stochastically, element `i` with the bits
+    /// of `(moment_keys(key), i)` (over sizes across the parallel threshold, with clipping
+    /// and decay).
     #[test]
     fn bf16_moments_step_as_f32_then_round() {
         use half::bf16;
@@ -604,18 +626,28 @@ mod tests {
                 .map(|_| bf16::from_f32(next().abs() * 0.01).to_bits())
                 .collect();
             let (mut p16, mut m16, mut v16) = (p0.clone(), m0.clone(), v0.clone());
-            adamw_step_scaled(&mut p16, &g, &mut m16, &mut v16, 3, &cfg, 1e-3, 0.5).unwrap();
+            let key = 0xA5A5_0123_4567_89AB;
+            adamw_step_scaled(&mut p16, &g, &mut m16, &mut v16, 3, &cfg, 1e-3, 0.5, key).unwrap();
             let widen = |b: &[u16]| -> Vec<f32> {
                 b.iter().map(|&x| bf16::from_bits(x).to_f32()).collect()
             };
             let (mut p32, mut m32, mut v32) = (p0.clone(), widen(&m0), widen(&v0));
-            adamw_step_scaled(&mut p32, &g, &mut m32, &mut v32, 3, &cfg, 1e-3, 0.5).unwrap();
+            adamw_step_scaled(&mut p32, &g, &mut m32, &mut v32, 3, &cfg, 1e-3, 0.5, 0).unwrap();
             assert_eq!(p16, p32, "parameters as the f32 step");
-            let round = |x: &[f32]| -> Vec<u16> {
-                x.iter().map(|&x| bf16::from_f32(x).to_bits()).collect()
+            let (key_m, key_v) = moment_keys(key);
+            let round = |x: &[f32], key| -> Vec<u16> {
+                let bits = |i: usize| rounding_bits(key, i as u64);
+                x.iter()
+                    .enumerate()
+                    .map(|(i, &x)| bf16_stochastic(x, bits(i)))
+                    .collect()
             };
-            assert_eq!(m16, round(&m32));
-            assert_eq!(v16, round(&v32));
+            assert_eq!(m16, round(&m32, key_m));
+            assert_eq!(v16, round(&v32, key_v));
+            // each a bf16 neighbour of its f32 value
+            let near = |b: u16, x: f32| (bf16::from_bits(b).to_f32() - x).abs() <= x.abs() / 128.0;
+            assert!(m16.iter().zip(&m32).all(|(&b, &x)| near(b, x)));
+            assert!(v16.iter().zip(&v32).all(|(&b, &x)| near(b, x)));
         }
         // a NaN gradient changes nothing, as in f32
         let (mut p, mut m, mut v) = (vec![1.0f32; 3], vec![0u16; 3], vec![0u16; 3]);
@@ -628,6 +660,7 @@ mod tests {
             &cfg,
             1e-3,
             1.0,
+            7,
         );
         assert!(e.is_err());
         assert_eq!((p, m, v), (vec![1.0; 3], vec![0; 3], vec![0; 3]));
@@ -636,6 +669,40 @@ mod tests {
     use super::*;
     use crate::Error;
     use crate::test_rng::Rng;
+
+    /// The second moment at β₂ = 0.999 under zero gradients, stored in bf16: rounded to
+    /// nearest it would stay where it was (0.001 of itself is under half a bf16 ulp);
+    /// rounded stochastically it decays as the f32 moment does: on average within 1 %
+    /// after 1 000 steps.
+    #[test]
+    fn bf16_second_moments_decay_as_f32_ones() {
+        let cfg = AdamWConfig::default();
+        let n = 4096;
+        let start = half::bf16::from_f32(1e-4).to_bits();
+        let (mut p, g) = (vec![0.0f32; n], vec![0.0f32; n]);
+        let (mut m, mut v) = (vec![0u16; n], vec![start; n]);
+        let mut v32 = 1e-4f64;
+        for step in 1..=1000u64 {
+            let key = step.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            adamw_step_scaled(&mut p, &g, &mut m, &mut v, step, &cfg, 1e-6, 1.0, key).unwrap();
+            v32 *= 0.999;
+        }
+        let vals: Vec<f64> = v
+            .iter()
+            .map(|&b| f64::from(half::bf16::from_bits(b).to_f32()))
+            .collect();
+        let mean = vals.iter().sum::<f64>() / n as f64;
+        assert!((mean / v32 - 1.0).abs() < 0.01, "mean {mean} against {v32}");
+        // each element a random walk of half-ulp steps: ~9 % spread after 1 000 steps
+        let worst = vals
+            .iter()
+            .map(|x| (x / v32 - 1.0).abs())
+            .fold(0.0, f64::max);
+        assert!(worst < 0.5, "an element {worst} away");
+        // rounded to nearest (bits 0x7fff: the tie-free half ulp) it does not move at all
+        let r = half::bf16::from_f32(1e-4).to_f32();
+        assert_eq!(u16::store(0.999 * r, 0x7fff), start);
+    }
 
     fn near(got: f64, want: f64, tol: f64) -> bool {
         (got - want).abs() <= tol * (1.0 + want.abs())
@@ -752,8 +819,10 @@ mod tests {
                 let (mut pa, mut pb) = (p0.clone(), p0.clone());
                 let (mut ma, mut va) = (vec![0.0f32; n], vec![0.0f32; n]);
                 let (mut mb, mut vb) = (ma.clone(), va.clone());
-                adamw_step_scaled(&mut pa, &g16, &mut ma, &mut va, step, &cfg, 1e-3, 0.5).unwrap();
-                adamw_step_scaled(&mut pb, &g32, &mut mb, &mut vb, step, &cfg, 1e-3, 0.5).unwrap();
+                adamw_step_scaled(&mut pa, &g16, &mut ma, &mut va, step, &cfg, 1e-3, 0.5, 0)
+                    .unwrap();
+                adamw_step_scaled(&mut pb, &g32, &mut mb, &mut vb, step, &cfg, 1e-3, 0.5, 0)
+                    .unwrap();
                 assert_eq!(
                     (bits(&pa), bits(&ma)),
                     (bits(&pb), bits(&mb)),
@@ -763,8 +832,10 @@ mod tests {
                 let (mut pa, mut pb) = (p0.clone(), p0.clone());
                 let (mut ma, mut va) = (vec![0u16; n], vec![0u16; n]);
                 let (mut mb, mut vb) = (ma.clone(), va.clone());
-                adamw_step_scaled(&mut pa, &g16, &mut ma, &mut va, step, &cfg, 1e-3, 1.0).unwrap();
-                adamw_step_scaled(&mut pb, &g32, &mut mb, &mut vb, step, &cfg, 1e-3, 1.0).unwrap();
+                adamw_step_scaled(&mut pa, &g16, &mut ma, &mut va, step, &cfg, 1e-3, 1.0, 0)
+                    .unwrap();
+                adamw_step_scaled(&mut pb, &g32, &mut mb, &mut vb, step, &cfg, 1e-3, 1.0, 0)
+                    .unwrap();
                 assert_eq!((bits(&pa), ma, va), (bits(&pb), mb, vb), "bf16 moments");
                 let (mut pa, mut pb) = (p0.clone(), p0.clone());
                 let (mut ma, mut va) = (vec![0u8; n], vec![0u8; n]);
@@ -791,7 +862,7 @@ mod tests {
         for (bad, at) in [(0x7fc0u16, 2usize), (0xff80, 1), (0x7f80, 3)] {
             let mut g = [0x3f80u16; 4];
             g[at] = bad;
-            let err = adamw_step_scaled(&mut p, &g, &mut m, &mut v, 1, &cfg, 1e-3, 1.0);
+            let err = adamw_step_scaled(&mut p, &g, &mut m, &mut v, 1, &cfg, 1e-3, 1.0, 0);
             assert_eq!(
                 err,
                 Err(Error::Core(CoreError::NonFinite {
@@ -803,7 +874,7 @@ mod tests {
         assert_eq!((p, m, v), ([1.0; 4], [0.0; 4], [0.0; 4]));
         // the largest finite bf16 is finite
         let g = [0x7f7fu16, 0xff7f, 0, 0x8000];
-        adamw_step_scaled(&mut p, &g, &mut m, &mut v, 1, &cfg, 1e-3, 1.0).unwrap();
+        adamw_step_scaled(&mut p, &g, &mut m, &mut v, 1, &cfg, 1e-3, 1.0, 0).unwrap();
     }
 
     #[test]
@@ -884,10 +955,20 @@ mod tests {
             sum_of_squares_f64(&g0).sqrt() as f32 as f64
         );
         adamw_step(&mut pa, &clipped, &mut ma, &mut va, 3, &cfg, 1e-2).unwrap();
-        adamw_step_scaled(&mut pb, &g0, &mut mb, &mut vb, 3, &cfg, 1e-2, scale).unwrap();
+        adamw_step_scaled(&mut pb, &g0, &mut mb, &mut vb, 3, &cfg, 1e-2, scale, 0).unwrap();
         assert_eq!((pa, ma, va), (pb, mb, vb));
         let mut p = [1.0f32];
-        let bad = adamw_step_scaled(&mut p, &[1.0], &mut [0.0], &mut [0.0], 1, &cfg, 0.1, -1.0);
+        let bad = adamw_step_scaled(
+            &mut p,
+            &[1.0],
+            &mut [0.0],
+            &mut [0.0],
+            1,
+            &cfg,
+            0.1,
+            -1.0,
+            0,
+        );
         assert!(bad.is_err() && p == [1.0]);
     }
 

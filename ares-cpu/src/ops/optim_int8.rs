@@ -252,7 +252,7 @@ pub fn adamw_step_int8<G: StoredF32>(
         let (mf, vf) = (&mut mf[..n], &mut vf[..n]);
         books.0.dequantize_block(s.m, *s.m_absmax, mf);
         books.1.dequantize_block(s.v, *s.v_absmax, vf);
-        k.update(p, g, mf, vf);
+        k.update(p, g, mf, vf, ((0, 0), 0)); // f32 moments here: nothing rounds
         *s.m_absmax = books.0.quantize_block(mf, s.m);
         *s.v_absmax = books.1.quantize_block(vf, s.v);
     };
@@ -377,7 +377,7 @@ mod tests {
             let (mut mf, mut vf) = (vec![0.0f32; n], vec![0.0f32; n]);
             book_m.dequantize(&m, &ma, &mut mf).unwrap();
             book_v.dequantize(&v, &va, &mut vf).unwrap();
-            adamw_step_scaled(&mut p_ref, &g, &mut mf, &mut vf, step, &cfg, 1e-3, 0.5).unwrap();
+            adamw_step_scaled(&mut p_ref, &g, &mut mf, &mut vf, step, &cfg, 1e-3, 0.5, 0).unwrap();
             let (mut mc, mut vc) = (vec![0u8; n], vec![0u8; n]);
             let (mut mac, mut vac) = (vec![0.0f32; blocks(n)], vec![0.0f32; blocks(n)]);
             book_m.quantize(&mf, &mut mc, &mut mac).unwrap();

@@ -212,6 +212,15 @@ pub const fn rounding_bits(key: u64, index: u64) -> u32 {
     ((z ^ (z >> 31)) & 0xffff) as u32
 }
 
+/// The keys under which AdamW's first and second moments, stored in bf16, round
+/// stochastically in an update keyed `key` (element `i` of each drawing
+/// [`rounding_bits`]`(key_m, i)` and `(key_v, i)`): streams apart from the one a bf16 weight
+/// rounds with under the same key, `rounding_bits(key, i)`.
+#[inline]
+pub const fn moment_keys(key: u64) -> (u64, u64) {
+    (key ^ 0x6D5F_6D6F_6D65_6E74, key ^ 0x765F_6D6F_6D65_6E74)
+}
+
 /// `x` rounded to bf16 **stochastically** with the random bits `r` (< 2¹⁶): its magnitude
 /// rounds away from zero with probability (dropped bits)/2¹⁶, toward zero otherwise, so the
 /// rounding is unbiased (`E[bf16] = x` for uniform `r`) where round-to-nearest always drops

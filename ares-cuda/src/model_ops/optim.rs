@@ -24,14 +24,17 @@ struct Int8Scales<'s, 'm, 'v, 'c> {
 /// The parameter an update writes: f32 values, or a weight stored in bf16 (bits) with the
 /// key of its stochastic rounding.
 enum Target<'a, 'b> {
-    F32(&'a mut CudaViewMut<'b, f32>),
+    /// An f32 parameter, and the key its bf16 moments (if any) round under.
+    F32(&'a mut CudaViewMut<'b, f32>, u64),
+    /// A bf16 weight and the key it rounds under (its bf16 moments under the same key's
+    /// moment streams).
     Bf16(&'a mut CudaViewMut<'b, u16>, u64),
 }
 
 impl Target<'_, '_> {
     fn len(&self) -> usize {
         match self {
-            Target::F32(p) => p.len(),
+            Target::F32(p, _) => p.len(),
             Target::Bf16(w, _) => w.len(),
         }
     }
@@ -333,19 +336,22 @@ impl ModelOps {
     ) -> Result<()> {
         let kernel = &self.f.adamw_update;
         let k = "adamw_step";
-        let (m, v, p) = (exp_avg, exp_avg_sq, Target::F32(param));
+        let (m, v, p) = (exp_avg, exp_avg_sq, Target::F32(param, 0));
         self.adamw_step_with(k, kernel, p, grad, m, v, None, step, copy)
     }
 
     /// [`ModelOps::adamw_step`] with both moments stored in bf16 (their bits): widened,
-    /// updated in f32 as there, rounded back to the nearest bf16 (twin of
-    /// `ares_cpu::ops::optim::adamw_step_scaled` on bf16 moments).
+    /// updated in f32 as there, rounded back to bf16 stochastically — element `i` with
+    /// `rounding_bits(key ⊕ M_STREAM / V_STREAM, i)`, `ares_cpu::ops::precision::moment_keys`
+    /// (twin of `ares_cpu::ops::optim::adamw_step_scaled` on bf16 moments).
     ///
     /// # Errors
     /// As [`ModelOps::adamw_step`].
+    #[allow(clippy::too_many_arguments)] // the declared op's arguments, in its order
     pub fn adamw_step_bf16(
         &self,
         param: &mut CudaViewMut<'_, f32>,
+        key: u64,
         grad: StoredView<'_, '_>,
         exp_avg: &mut CudaViewMut<'_, u16>,
         exp_avg_sq: &mut CudaViewMut<'_, u16>,
@@ -354,7 +360,7 @@ impl ModelOps {
     ) -> Result<()> {
         let kernel = &self.f.adamw_update_bf16;
         let k = "adamw_step_bf16";
-        let (m, v, p) = (exp_avg, exp_avg_sq, Target::F32(param));
+        let (m, v, p) = (exp_avg, exp_avg_sq, Target::F32(param, key));
         self.adamw_step_with(k, kernel, p, grad, m, v, None, step, copy)
     }
 
@@ -383,7 +389,7 @@ impl ModelOps {
         let (am, av) = (exp_avg_absmax, exp_avg_sq_absmax);
         let scales = self.int8_scales(K, param.len(), am, av, maps)?;
         let kernel = &self.f.adamw_update_int8;
-        let (m, v, p) = (exp_avg, exp_avg_sq, Target::F32(param));
+        let (m, v, p) = (exp_avg, exp_avg_sq, Target::F32(param, 0));
         self.adamw_step_with(K, kernel, p, grad, m, v, Some(scales), step, copy)
     }
 
@@ -534,7 +540,7 @@ impl ModelOps {
         let scale = step.grad_scale;
         let mut l = self.stream.launch_builder(kernel);
         let (param, weight, key) = match param {
-            Target::F32(p) => (Some(p), None, 0u64),
+            Target::F32(p, key) => (Some(p), None, key),
             Target::Bf16(w, key) => (None, Some(w), key),
         };
         l.arg_or_null(param)

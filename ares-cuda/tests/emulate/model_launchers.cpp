@@ -218,15 +218,17 @@ struct EmuAdamW {
     float w1, one_minus_w1, b2, w2, neg_step_size, bc2_sqrt, eps;
 };
 
-// AdamW with bf16 moments over n elements, with the bf16 weight copy.
-extern "C" void emu_adamw_update_bf16(unsigned grid, unsigned block, float* param,
-                                      const float* grad, unsigned short* m, unsigned short* v,
-                                      i64 n, float grad_scale, const EmuAdamW* c,
-                                      const unsigned* guard, unsigned short* copy) {
+// AdamW with bf16 moments over n elements (rounded under `key`'s moment streams), with the
+// bf16 weight copy.
+extern "C" void emu_adamw_update_bf16(unsigned grid, unsigned block, unsigned long long key,
+                                      float* param, const float* grad, unsigned short* m,
+                                      unsigned short* v, i64 n, float grad_scale,
+                                      const EmuAdamW* c, const unsigned* guard,
+                                      unsigned short* copy) {
     emu::launch(dim3{grid, 1, 1}, dim3{block, 1, 1}, 0, [&] {
         adamw_update_bf16(param, grad, m, v, n, grad_scale, c->decay, c->apply_decay, c->w1,
                           c->one_minus_w1, c->b2, c->w2, c->neg_step_size, c->bc2_sqrt, c->eps,
-                          guard, copy, nullptr, 0ull, nullptr);
+                          guard, copy, nullptr, key, nullptr);
     });
 }
 

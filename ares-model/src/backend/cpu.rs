@@ -853,9 +853,23 @@ mod kernels {
         write_copy(param, copy)
     }
 
-    /// AdamW with moments stored as `M` (f32, or bf16 bits).
-    pub(super) fn adamw_step<M: Moment>(
+    /// AdamW with f32 moments.
+    pub(super) fn adamw_step(
         param: &mut [f32],
+        grad: StoredSlice<'_>,
+        exp_avg: &mut [f32],
+        exp_avg_sq: &mut [f32],
+        u: &AdamWUpdate,
+        copy: Option<&mut [u16]>,
+    ) -> Result {
+        adamw_step_keyed(param, 0, grad, exp_avg, exp_avg_sq, u, copy)
+    }
+
+    /// AdamW with moments stored as `M` (f32, or bf16 bits rounded stochastically under
+    /// `key`'s moment streams).
+    pub(super) fn adamw_step_keyed<M: Moment>(
+        param: &mut [f32],
+        key: u64,
         grad: StoredSlice<'_>,
         exp_avg: &mut [M],
         exp_avg_sq: &mut [M],
@@ -866,8 +880,8 @@ mod kernels {
         let (m, v, cfg) = (exp_avg, exp_avg_sq, &u.config);
         check_copy(param.len(), copy.as_deref())?;
         match grad {
-            StoredSlice::F32(g) => adamw_step_scaled(param, g, m, v, step, cfg, lr, scale),
-            StoredSlice::Bf16(g) => adamw_step_scaled(param, g, m, v, step, cfg, lr, scale),
+            StoredSlice::F32(g) => adamw_step_scaled(param, g, m, v, step, cfg, lr, scale, key),
+            StoredSlice::Bf16(g) => adamw_step_scaled(param, g, m, v, step, cfg, lr, scale, key),
         }?;
         write_copy(param, copy)
     }
@@ -909,7 +923,7 @@ mod kernels {
         u: &AdamWUpdate,
     ) -> Result {
         on_bf16_weight(weight, key, |p| {
-            adamw_step(p, grad, exp_avg, exp_avg_sq, u, None)
+            adamw_step_keyed(p, key, grad, exp_avg, exp_avg_sq, u, None)
         })
     }
 
@@ -1760,6 +1774,7 @@ mod dtype_tests {
         let e = be
             .adamw_step_bf16(
                 ViewMut::whole(&mut p),
+                0,
                 Stored::F32(View::whole(&g)),
                 ViewMut::whole(&mut f16),
                 ViewMut::whole(&mut v16),

@@ -469,20 +469,24 @@ macro_rules! declared_ops {
             ) cpu kernels::adamw_step, cuda adamw_step;
 
             /// [`Backend::adamw_step`] with both moments stored in bf16: each widened, updated
-            /// in f32 as there (the parameter from the f32 values), rounded back to the
-            /// nearest bf16 (`worker.actor.optim.state_dtype: bf16`, half the moments'
-            /// memory).
+            /// in f32 as there (the parameter from the f32 values), rounded back to bf16
+            /// **stochastically** under `key` — element `i` of each moment with
+            /// `rounding_bits(moment_keys(key).0 / .1, i)` (`ares_cpu::ops::precision`), so
+            /// a change under half an ulp (a second moment's 0.001 a step at β₂ = 0.999)
+            /// still moves it on average (`worker.actor.optim.state_dtype: bf16`, half the
+            /// moments' memory).
             ///
             /// # Errors
             /// As [`Backend::adamw_step`]; moments that are not bf16.
             fn adamw_step_bf16(
                 param: Out<f32>,
+                key: u64,
                 grad: In<stored>,
                 exp_avg: Out<bf16>,
                 exp_avg_sq: Out<bf16>,
                 update: Ref<AdamWUpdate>,
                 copy: OutOpt<bf16>,
-            ) cpu kernels::adamw_step, cuda adamw_step_bf16;
+            ) cpu kernels::adamw_step_keyed, cuda adamw_step_bf16;
 
             /// [`Backend::adamw_step`] with both moments stored in 8 bits, block-wise
             /// (`worker.actor.optim.state_dtype: int8`; `ares_cpu::ops::optim_int8`):

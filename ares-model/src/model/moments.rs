@@ -19,7 +19,10 @@ pub enum StateDtype {
     /// Both moments in f32 (PyTorch's `torch.optim.AdamW`).
     #[default]
     F32,
-    /// Both moments rounded to bf16 after each update (nearest, ties to even).
+    /// Both moments rounded to bf16 stochastically after each update, each tensor under
+    /// its step's key (`ares_cpu::ops::precision::moment_keys`): unbiased, so a second
+    /// moment whose change a step (0.001 of it at β₂ = 0.999) is under half an ulp still
+    /// decays and grows as the f32 one does on average.
     Bf16,
     /// Both moments quantised block-wise to 8 bits (bitsandbytes' 8-bit Adam scheme).
     Int8,
@@ -271,10 +274,12 @@ impl<B: Backend> Moments<B> {
 
     /// One AdamW update of `param` from `grad` (both `len` long) with these moments;
     /// `maps` is [`int8_maps`] on the backend (read only by 8-bit moments). `grad` is read
-    /// as stored: a gradient kept in bf16 is widened by the update as it reads it.
+    /// as stored: a gradient kept in bf16 is widened by the update as it reads it. bf16
+    /// moments round stochastically under `key(tensor)` ([`Backend::adamw_step_bf16`]).
     ///
     /// # Errors
     /// Lengths that differ; a backend failure.
+    #[allow(clippy::too_many_arguments)] // the update's parts, as the backend op's
     pub(crate) fn step(
         &mut self,
         be: &B,
@@ -283,6 +288,7 @@ impl<B: Backend> Moments<B> {
         maps: &B::Buffer,
         update: &AdamWUpdate,
         copy: Option<&mut B::Half>,
+        key: impl Fn(usize) -> u64,
     ) -> Result<(), ModelError> {
         if param.len() != self.len
             || grad.len() != self.len
@@ -296,9 +302,9 @@ impl<B: Backend> Moments<B> {
             be,
             0..self.len / self.item.max(1),
             (p, grad),
-            maps,
-            update,
+            (maps, update),
             c,
+            &key,
         )
     }
 
@@ -381,15 +387,15 @@ impl<B: Backend> Moments<B> {
     }
 
     /// The update of tensors `tensors` (a range of this buffer's) from `param` and `grad`,
-    /// which hold exactly those tensors.
+    /// which hold exactly those tensors; bf16 moments round under `key(tensor)`.
     fn step_tensors(
         &mut self,
         be: &B,
         tensors: std::ops::Range<usize>,
         (param, grad): (ViewMut<'_, B::Buffer>, Stored<'_, B>),
-        maps: &B::Buffer,
-        update: &AdamWUpdate,
+        (maps, update): (&B::Buffer, &AdamWUpdate),
         mut copy: Option<ViewMut<'_, B::Half>>,
+        key: &dyn Fn(usize) -> u64,
     ) -> Result<(), ModelError> {
         let item = self.item;
         let (first, n) = (tensors.start * item, tensors.len() * item);
@@ -399,8 +405,24 @@ impl<B: Backend> Moments<B> {
                 be.adamw_step(param, grad, m, v, update, copy)?;
             }
             Store::Bf16 { m, v } => {
-                let (m, v) = (ViewMut::new(m, first, n)?, ViewMut::new(v, first, n)?);
-                be.adamw_step_bf16(param, grad, m, v, update, copy)?;
+                // one call per tensor: element i of a tensor draws its rounding bits from
+                // (key(tensor), i), whatever range of the buffer an update covers
+                let mut param = param;
+                for (j, t) in tensors.enumerate() {
+                    let within = j * item;
+                    be.adamw_step_bf16(
+                        param.slice_mut(within, item)?,
+                        key(t),
+                        grad.slice(within, item)?,
+                        ViewMut::item(m, t, item)?,
+                        ViewMut::item(v, t, item)?,
+                        update,
+                        match copy.as_mut() {
+                            Some(c) => Some(c.slice_mut(within, item)?),
+                            None => None,
+                        },
+                    )?;
+                }
             }
             Store::Int8 {
                 m,
@@ -646,6 +668,7 @@ mod tests {
                         &maps,
                         &update,
                         None,
+                        key,
                     )
                     .unwrap();
                 for t in 0..tensors {

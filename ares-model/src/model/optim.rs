@@ -418,16 +418,17 @@ impl<B: Backend> AdamW<B> {
                 Some(w16) if released => {
                     m.step_bf16_weight(be, w16, g, &self.maps, &update, key)?;
                 }
-                copy => m.step(be, p, g, &self.maps, &update, copy)?,
+                copy => m.step(be, p, g, &self.maps, &update, copy, key)?,
             }
         }
         for (j, e) in extra.iter_mut().enumerate() {
+            let key = |t: usize| rounding_key(seed, step, before + j, t);
             match &mut e.param {
                 TrainableMut::F32(p) => {
-                    e.moments.step(be, p, e.grad, &self.maps, &update, None)?;
+                    e.moments
+                        .step(be, p, e.grad, &self.maps, &update, None, key)?;
                 }
                 TrainableMut::Bf16(w16) => {
-                    let key = |t: usize| rounding_key(seed, step, before + j, t);
                     e.moments
                         .step_bf16_weight(be, w16, e.grad, &self.maps, &update, key)?;
                 }

@@ -151,7 +151,7 @@ pub enum StateDtype {
     /// f32, as `torch.optim.AdamW` (8 bytes a parameter; default).
     #[default]
     F32,
-    /// Rounded to bf16 after each update (4 bytes a parameter).
+    /// Rounded to bf16 stochastically after each update (4 bytes a parameter).
     Bf16,
     /// Block-wise 8-bit codes with a scale per 2 048 elements, bitsandbytes' 8-bit Adam
     /// scheme (≈ 2 bytes a parameter; tensors under 4 096 elements keep f32).
@@ -216,27 +216,6 @@ pub struct OptimConfig {
     /// How the moments are stored: `f32` (default), `bf16` or `int8` (the update is f32
     /// arithmetic in every case; the moments are rounded or quantised after it).
     pub state_dtype: StateDtype,
-}
-
-impl OptimConfig {
-    /// A warning for `state_dtype: bf16` with a β₂ whose per-step change `1 − β₂` of the
-    /// second moment is under half a bf16 ulp somewhere (`1 − β₂ < 2⁻⁸`; the half ulp is
-    /// 2⁻⁹ to 2⁻⁸ of a value): rounded to nearest after each update, such a moment cannot
-    /// decay there and grows only under much larger gradients — the steps come out other
-    /// than f32 moments give. `None` otherwise.
-    pub fn bf16_moments_warning(&self) -> Option<String> {
-        let b2 = self.betas[1];
-        (self.state_dtype == StateDtype::Bf16 && 1.0 - b2 < 2f64.powi(-8)).then(|| {
-            format!(
-                "worker.actor.optim.state_dtype: bf16 rounds AdamW's moments to the nearest \
-                 bf16 after each update; with betas[1] = {b2} the second moment's change a \
-                 step (1 - beta2 = {:.4} of it) is under bf16's half ulp (2^-9 to 2^-8), so it \
-                 cannot decay and grows only under gradients a few times its size: steps differ \
-                 from f32 moments'. int8 (a per-block f32 scale) and f32 moments track it",
-                1.0 - b2
-            )
-        })
-    }
 }
 
 impl Default for OptimConfig {
@@ -1008,45 +987,4 @@ pub struct WorkerConfig {
     pub ref_: RefConfig,
     /// The reward.
     pub reward: RewardConfig,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn bf16_moments_warn_where_beta2_stalls_them() {
-        let with = |dtype, b2| OptimConfig {
-            state_dtype: dtype,
-            betas: [0.9, b2],
-            ..OptimConfig::default()
-        };
-        let w = with(StateDtype::Bf16, 0.999).bf16_moments_warning();
-        assert!(w.is_some_and(|w| w.contains("betas[1] = 0.999") && w.contains("int8")));
-        // 1 - beta2 at least 2^-8: every decay step moves a bf16 moment
-        assert_eq!(with(StateDtype::Bf16, 0.99).bf16_moments_warning(), None);
-        assert_eq!(with(StateDtype::F32, 0.999).bf16_moments_warning(), None);
-        assert_eq!(with(StateDtype::Int8, 0.999).bf16_moments_warning(), None);
-    }
-
-    #[test]
-    fn a_bf16_moment_rounded_to_nearest_does_not_decay_at_beta2_0_999() {
-        // the behaviour the warning describes, with the rounding the moments use
-        // to the nearest bf16, ties to even (finite values)
-        let round = |x: f32| {
-            let b = x.to_bits();
-            f32::from_bits((b + 0x7fff + ((b >> 16) & 1)) & 0xffff_0000)
-        };
-        let mut v = round(1e-4);
-        for _ in 0..1000 {
-            v = round(0.999 * v);
-        }
-        assert_eq!(v, round(1e-4));
-        // at beta2 = 0.99 it decays
-        let mut v = round(1e-4);
-        for _ in 0..100 {
-            v = round(0.99 * v);
-        }
-        assert!(v < 0.5e-4);
-    }
 }

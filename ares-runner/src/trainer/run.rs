@@ -228,9 +228,6 @@ impl<B: Backend + Clone> Trainer<B> {
             None
         };
         let state_dtype = cfg.worker.actor.optim.state_dtype.into();
-        if let Some(w) = cfg.worker.actor.optim.bf16_moments_warning() {
-            eprintln!("warning: {w}");
-        }
         let ckdir = CheckpointDir::new(&run_dir);
         let latest = match &cfg.trainer.load_checkpoint_path {
             Some(path) => Some(checkpoint_at(Path::new(path))?),
