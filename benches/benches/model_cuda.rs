@@ -27,9 +27,9 @@
 //!   step holds and the device memory in use, and their bf16 / f32 ratios.
 //!
 //! One argument picks sections, comma-separated (`bench-model_cuda attention,train`); none
-//! runs every section but `step` and `scale`. The modes run with exact f32 GEMMs, then TF32, then bf16
-//! operands (`Model::set_matmul_precision`; f32 sums and f32 storage throughout), then bf16 with the
-//! model's bf16 weight copies (`Model::set_bf16_weights`: no conversion of a weight per
+//! runs every section but `step` and `scale`. The modes run with exact f32 GEMMs, then
+//! TF32, then bf16 operands (`Model::set_matmul_precision`; f32 sums and f32 storage
+//! throughout), then bf16 with the model's bf16 weight copies (`Model::set_bf16_weights`: no conversion of a weight per
 //! GEMM; the AdamW step then includes rounding the copies), then with the linear weights
 //! stored in bf16 (`Model::set_weight_storage`: no f32 master; the AdamW step widens,
 //! updates and rounds each tensor stochastically). Times are wall clock
@@ -68,6 +68,18 @@ const MODES: [(&str, MatmulPrecision, bool, bool); 5] = [
     ("bf16-stored", MatmulPrecision::Bf16, true, true),
 ];
 
+/// The sections one argument may name.
+const SECTIONS: [&str; 8] = [
+    "attention",
+    "decode-attention",
+    "chunk-attention",
+    "train",
+    "ragged",
+    "generate",
+    "step",
+    "scale",
+];
+
 const GEN_PROMPTS: usize = 32;
 const GEN_PROMPT_LEN: usize = 32;
 const GEN_NEW: usize = 64;
@@ -86,11 +98,19 @@ fn main() {
         env_usize("ARES_BENCH_BATCH", 4),
         env_usize("ARES_BENCH_SEQ", 512),
     );
-    // the sections asked for (`attention,train`), all but `scale` when none are
+    // the sections asked for (`attention,train`), all but `step` and `scale` when none are
     let only: Option<Vec<String>> = std::env::args()
         .skip(1)
         .find(|a| !a.starts_with('-'))
         .map(|a| a.split(',').map(|s| s.trim().to_string()).collect());
+    if let Some(unknown) = only
+        .iter()
+        .flatten()
+        .find(|s| !SECTIONS.contains(&s.as_str()))
+    {
+        println!("bench-model_cuda: unknown section {unknown:?}; known: {SECTIONS:?}");
+        std::process::exit(2);
+    }
     let asked = |what: &str| only.as_ref().is_some_and(|o| o.iter().any(|x| x == what));
     let wants = |what: &str| only.is_none() || asked(what);
     let modes = std::env::var("ARES_BENCH_MODES").ok();

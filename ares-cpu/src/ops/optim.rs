@@ -170,9 +170,9 @@ impl Moment for u16 {
 /// parameter's update used the f32 values — element `i` of the first and second moment with
 /// [`rounding_bits`]`(key_m, i)` and `(key_v, i)`, [`moment_keys`]`(key) = (key_m, key_v)`
 /// (`key` is ignored for f32 moments) — half the moments' memory, unbiased: each moment is
-/// its f32 update in expectation, within one bf16 ulp of it. The gradient is stored as `G`: `f32`, or bf16 bits
-/// read widened (exact), so a gradient kept in bf16 needs no f32 copy; the update is the
-/// one its widened values would give, bit for bit.
+/// its f32 update in expectation, within one bf16 ulp of it. The gradient is stored as
+/// `G`: `f32`, or bf16 bits read widened (exact), so a gradient kept in bf16 needs no f32
+/// copy; the update is the one its widened values would give, bit for bit.
 ///
 /// # Errors
 /// As [`adamw_step`], and `OutOfRange` for `grad_scale` not finite and `>= 0`.
