@@ -263,7 +263,7 @@ fn bf16_gradients_sum_over_ranks_as_on_one() {
 }
 
 /// ZeRO-1: each rank holds the moments of its share of the weights (together, all of
-/// them once), and the run is the unsharded one's to the bit — f32 and 8-bit moments,
+/// them once), and the run is the unsharded one's to the bit — f32, bf16 and 8-bit moments,
 /// and linear weights stored in bf16 (their stochastic rounding keyed by tensor, never by
 /// rank; the updated weights cross the ranks as bf16 values), the checkpoint's optimizer
 /// file whole.
@@ -283,6 +283,14 @@ fn zero_1_shards_the_moments_and_changes_no_bit() {
             "int8",
             [
                 "worker.actor.optim.state_dtype=int8",
+                "trainer.precision=f32",
+            ],
+        ),
+        // rounded stochastically, keyed by tensor and step, never by rank
+        (
+            "bf16 moments",
+            [
+                "worker.actor.optim.state_dtype=bf16",
                 "trainer.precision=f32",
             ],
         ),
