@@ -670,6 +670,25 @@ mod tests {
     use crate::Error;
     use crate::test_rng::Rng;
 
+    #[test]
+    fn bf16_sums_of_squares_are_the_widened_values_sums() {
+        use crate::ops::precision::{round_to_bf16, widen_bf16};
+        for n in [0usize, 7, 5000, 300_000] {
+            let x: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013)
+                .collect();
+            let mut bits = vec![0u16; n];
+            round_to_bf16(&x, &mut bits).unwrap();
+            let mut wide = vec![0.0f32; n];
+            widen_bf16(&bits, &mut wide).unwrap();
+            assert_eq!(
+                sum_of_squares_bf16(&bits).to_bits(),
+                sum_of_squares_f64(&wide).to_bits(),
+                "n = {n}"
+            );
+        }
+    }
+
     /// The second moment at β₂ = 0.999 under zero gradients, stored in bf16: rounded to
     /// nearest it would stay where it was (0.001 of itself is under half a bf16 ulp);
     /// rounded stochastically it decays as the f32 moment does: on average within 1 %
