@@ -184,10 +184,13 @@ if want attention; then
     python3 "$here/bench_torch_gpu.py" --only attention | tee "$out/torch_attention.txt" || status=1
   fi
 fi
-# ... where the bf16 step's time goes, op by op (CUDA events: one timed run) ...
+# ... where the bf16 step's time goes, op by op (CUDA events), and what one GEMM for q/k/v
+# or gate|up would save ...
 if want profile; then
   echo "== bench-model_cuda step under ARES_PROFILE=1 (the 0.5B step in bf16 storage)"
   ARES_PROFILE=1 ARES_BENCH_RUNS=2 "$here/bin/bench-model_cuda" step | tee "$out/model_profile.txt" || status=1
+  echo "== bench-model_cuda fuse: q/k/v and gate/up separate beside one product"
+  "$here/bin/bench-model_cuda" fuse | tee "$out/model_fuse.txt" || status=1
 fi
 # ... the 1.5B and 3B shapes, f32 beside bf16 storage (MFU, peak memory) ...
 if want scale; then
@@ -267,11 +270,11 @@ case "${1:-1}" in
     grep -E "^test result|panicked" "$final/tests.txt" | sort | uniq -c | head -30
     part train "${T_TRAIN:-110}"
     part attention "${T_ATTENTION:-35}"
-    part profile "${T_PROFILE:-30}"
+    part profile "${T_PROFILE:-40}"
     part scale "${T_SCALE:-90}"
     part kernels "${T_KERNELS:-45}"
     cp "$work/gpu_kernels.jsonl" "$final/" 2>/dev/null
-    part rollout "${T_ROLLOUT:-80}"
+    part rollout "${T_ROLLOUT:-70}"
     tail -n 14 "$final/train.txt" "$final/attention.txt" "$final/scale.txt" "$final/kernels.txt" \
       "$final/rollout.txt"
     ;;

@@ -15,6 +15,8 @@
 //!   CUDA kernels take no segments yet; `ares_benches::model::ragged`);
 //! - **attention**, **decode-attention**, **chunk-attention**: the attention kernels alone
 //!   (their functions below say at which shapes);
+//! - **fuse**: the q/k/v and gate/up products at this shape, separate beside one product of
+//!   the whole width (`ares_benches::fused_products`): what fusing them could gain;
 //! - **step** (only when asked): the 0.5B shape's step in the CUDA trainer's default setup
 //!   (bf16 storage, `ares_benches::train_step`) on a model of its own, so that under
 //!   `ARES_PROFILE=1` the op table is that step's alone;
@@ -69,8 +71,9 @@ const MODES: [(&str, MatmulPrecision, bool, bool); 5] = [
 ];
 
 /// The sections one argument may name.
-const SECTIONS: [&str; 8] = [
+const SECTIONS: [&str; 9] = [
     "attention",
+    "fuse",
     "decode-attention",
     "chunk-attention",
     "train",
@@ -158,6 +161,9 @@ fn main() {
     }
     if wants("chunk-attention") {
         chunk_attention(&gpu, runs);
+    }
+    if wants("fuse") {
+        fuse(&gpu, runs, batch * seq);
     }
 
     let chosen = MODES.into_iter().filter(|m| modes.contains(&m.0));
@@ -348,6 +354,42 @@ fn print_profile(gpu: &CudaBackend) {
         Ok(Some(table)) => println!("{table}"),
         Ok(None) => {}
         Err(e) => println!("op profile: {e}"),
+    }
+}
+
+/// `bench-model_cuda fuse`: the layer's q/k/v products (with their biases) and gate/up
+/// products on `rows` tokens, separate beside fused, forward and backward.
+fn fuse(gpu: &CudaBackend, runs: usize, rows: usize) {
+    let (c, i, qd, kvd) = (896, 4864, 896, 128);
+    for (what, outs, bias) in [
+        ("q|k|v", &[qd, kvd, kvd][..], true),
+        ("gate|up", &[i, i][..], false),
+    ] {
+        let label = format!("[fuse {what}, {rows} × {c} → {outs:?}]");
+        let f =
+            match ares_benches::fused_products::products(gpu, (rows, c), outs, bias, runs.max(5)) {
+                Ok(f) => f,
+                Err(e) => {
+                    println!("{label} did not run: {e}");
+                    continue;
+                }
+            };
+        let ms = |t: std::time::Duration| t.as_secs_f64() * 1e3;
+        for (dir, sep, one) in [
+            ("forward", f.separate_forward, f.fused_forward),
+            ("backward", f.separate_backward, f.fused_backward),
+        ] {
+            println!(
+                "{label} {dir}: separate {:.3} ms, fused {:.3} ms (best; {:.2}× the time)",
+                ms(sep.0),
+                ms(one.0),
+                one.0.as_secs_f64() / sep.0.as_secs_f64().max(1e-12)
+            );
+        }
+        println!(
+            "  largest output difference, fused − separate: {:.2e}",
+            f.forward_difference
+        );
     }
 }
 

@@ -5,6 +5,7 @@
 //! possible work with them (a sum), so `time(baseline) / time(function)` says how close the
 //! function runs to what memory bandwidth allows on this machine.
 
+pub mod fused_products;
 pub mod model;
 pub mod train_step;
 
