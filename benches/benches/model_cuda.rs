@@ -88,14 +88,7 @@ const GEN_PROMPT_LEN: usize = 32;
 const GEN_NEW: usize = 64;
 
 fn main() {
-    let gpu = match CudaBackend::new(0) {
-        Ok(g) => g,
-        Err(e) => {
-            println!("model_cuda: skipped, no usable GPU: {e}");
-            return;
-        }
-    };
-    println!("device: {}", gpu.info());
+    // the arguments first: a typo is named before a GPU is looked for
     let runs = env_usize("ARES_BENCH_RUNS", 3);
     let (batch, seq) = (
         env_usize("ARES_BENCH_BATCH", 4),
@@ -126,6 +119,14 @@ fn main() {
         println!("ARES_BENCH_MODES: unknown mode {unknown:?}; known: {known:?}");
         std::process::exit(2);
     }
+    let gpu = match CudaBackend::new(0) {
+        Ok(g) => g,
+        Err(e) => {
+            println!("model_cuda: skipped, no usable GPU: {e}");
+            return;
+        }
+    };
+    println!("device: {}", gpu.info());
     if asked("scale") {
         scale(&gpu, runs, (batch, seq));
     }
