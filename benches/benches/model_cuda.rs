@@ -47,11 +47,9 @@ use std::time::Instant;
 use ares_benches::SplitMix;
 use ares_benches::model::{
     QWEN3B_MODEL, QWEN05_MODEL, QWEN15_MODEL, best_and_median, env_usize, ragged, random_weights,
-    report,
+    random_weights_parallel, report,
 };
-use ares_benches::train_step::{
-    StepSetup, TrainBatch, dense_bf16_peak, random_weights_parallel, train_flops, train_step,
-};
+use ares_benches::train_step::{StepSetup, TrainBatch, dense_bf16_peak, train_flops, train_step};
 use ares_model::backend::cuda::CudaBackend;
 use ares_model::backend::{Backend, MatmulPrecision};
 use ares_model::hf::config::ModelConfig;

@@ -14,7 +14,7 @@ use ares_model::backend::{
 };
 
 use crate::SplitMix;
-use crate::train_step::try_best_and_median;
+use crate::model::try_best_and_median;
 
 /// Best and median times of the separate products and of the fused one.
 #[derive(Debug, Clone, Copy)]

@@ -14,6 +14,7 @@ use ares_model::model::{
 };
 
 use crate::SplitMix;
+use rayon::prelude::*;
 
 /// Random weights for `config`: norms 1, everything else uniform with standard deviation
 /// 0.02 (the `initializer_range` of transformers' init).
@@ -21,36 +22,71 @@ use crate::SplitMix;
 /// # Panics
 /// If `config`'s own tensor list does not build a model (a bench config bug).
 pub fn random_weights(config: &ModelConfig, rng: &mut SplitMix) -> ModelWeights {
-    let half_width = 0.02 * 3f32.sqrt();
     let map: HashMap<String, Tensor> = expected_tensors(config)
         .into_iter()
-        .map(|(name, shape)| {
-            let mut t = Tensor::zeros(&shape);
-            if name.ends_with("norm.weight") {
-                t.data.fill(1.0);
-            } else {
-                t.data
-                    .iter_mut()
-                    .for_each(|x| *x = (2.0 * rng.unit() - 1.0) * half_width);
-            }
-            (name, t)
+        .map(|(name, shape)| random_tensor(name, &shape, rng))
+        .collect();
+    ModelWeights::from_map(config, map).expect("the bench config's own tensors")
+}
+
+/// [`random_weights`] with each tensor from its own stream (`seed` and the tensor's index),
+/// the tensors drawn in parallel: a 3B shape's values in seconds, the same for any number
+/// of threads.
+///
+/// # Panics
+/// As [`random_weights`].
+pub fn random_weights_parallel(config: &ModelConfig, seed: u64) -> ModelWeights {
+    let map: HashMap<String, Tensor> = expected_tensors(config)
+        .into_par_iter()
+        .enumerate()
+        .map(|(i, (name, shape))| {
+            let mut rng = SplitMix::new(seed ^ (i as u64).wrapping_mul(0x9E37_79B9));
+            random_tensor(name, &shape, &mut rng)
         })
         .collect();
     ModelWeights::from_map(config, map).expect("the bench config's own tensors")
 }
 
+/// Tensor `name` of `shape`: ones for a norm, else uniform with standard deviation 0.02.
+fn random_tensor(name: String, shape: &[usize], rng: &mut SplitMix) -> (String, Tensor) {
+    let half_width = 0.02 * 3f32.sqrt();
+    let mut t = Tensor::zeros(shape);
+    if name.ends_with("norm.weight") {
+        t.data.fill(1.0);
+    } else {
+        t.data
+            .iter_mut()
+            .for_each(|x| *x = (2.0 * rng.unit() - 1.0) * half_width);
+    }
+    (name, t)
+}
+
 /// Best and median of `runs` (at least 1) timings of `f`, after one warm-up call.
 pub fn best_and_median(runs: usize, mut f: impl FnMut()) -> (Duration, Duration) {
-    f();
-    let mut t: Vec<Duration> = (0..runs.max(1))
-        .map(|_| {
-            let start = Instant::now();
-            f();
-            start.elapsed()
-        })
-        .collect();
+    let never = try_best_and_median(runs, || -> Result<(), std::convert::Infallible> {
+        f();
+        Ok(())
+    });
+    match never {
+        Ok(t) => t,
+        Err(e) => match e {},
+    }
+}
+
+/// [`best_and_median`] of a fallible `f`: the first error ends it.
+pub fn try_best_and_median<E>(
+    runs: usize,
+    mut f: impl FnMut() -> Result<(), E>,
+) -> Result<(Duration, Duration), E> {
+    f()?;
+    let mut t = Vec::with_capacity(runs.max(1));
+    for _ in 0..runs.max(1) {
+        let start = Instant::now();
+        f()?;
+        t.push(start.elapsed());
+    }
     t.sort();
-    (t[0], t[t.len() / 2])
+    Ok((t[0], t[t.len() / 2]))
 }
 
 /// Prints `what: <rate> <unit>/s best (<ms>), <rate> <unit>/s median (<ms>)` for `units`

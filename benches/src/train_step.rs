@@ -5,18 +5,17 @@
 //! ([`StepSetup::F32`]) beside the bf16 storage the CUDA trainer defaults to
 //! ([`StepSetup::BF16`]): the MFU and peak-memory goals are read off those lines.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use crate::SplitMix;
+use crate::model::try_best_and_median;
 use ares_model::backend::{Backend, MatmulPrecision};
 use ares_model::hf::config::ModelConfig;
-use ares_model::hf::weights::{ModelWeights, Tensor, expected_tensors};
+use ares_model::hf::weights::ModelWeights;
 use ares_model::model::{
     ActivationDtype, AdamW, AdamWConfig, GradDtype, Inputs, Model, ModelError, StateDtype,
     WeightStorage,
 };
-use rayon::prelude::*;
-
-use crate::SplitMix;
 
 /// How a training step stores its tensors and multiplies.
 #[derive(Debug, Clone, Copy)]
@@ -175,23 +174,6 @@ impl StepFigures {
     }
 }
 
-/// Best and median of `runs` (at least 1) timings of `f` after one warm-up call; the first
-/// error ends it.
-pub fn try_best_and_median<E>(
-    runs: usize,
-    mut f: impl FnMut() -> Result<(), E>,
-) -> Result<(Duration, Duration), E> {
-    f()?;
-    let mut t = Vec::with_capacity(runs.max(1));
-    for _ in 0..runs.max(1) {
-        let start = Instant::now();
-        f()?;
-        t.push(start.elapsed());
-    }
-    t.sort();
-    Ok((t[0], t[t.len() / 2]))
-}
-
 /// Builds a model of `config` from `weights` on `backend` in `setup`, then times `runs`
 /// forward + backward passes over `batch` and `runs` AdamW updates (lr 1e-7, clip 1), each
 /// ended by a synchronisation. The model and its buffers are dropped on return, so setups
@@ -251,39 +233,12 @@ pub fn train_step<B: Backend + Clone>(
     })
 }
 
-/// Random weights for `config` as [`random_weights`](crate::model::random_weights) draws
-/// them (norms 1, the rest uniform with standard deviation 0.02), each tensor from its own
-/// stream (`seed` and the tensor's index) and the tensors in parallel: a 3B shape's values
-/// in seconds, the same for any number of threads.
-///
-/// # Panics
-/// If `config`'s own tensor list does not build a model (a bench config bug).
-pub fn random_weights_parallel(config: &ModelConfig, seed: u64) -> ModelWeights {
-    let half_width = 0.02 * 3f32.sqrt();
-    let map = expected_tensors(config)
-        .into_par_iter()
-        .enumerate()
-        .map(|(i, (name, shape))| {
-            let mut t = Tensor::zeros(&shape);
-            if name.ends_with("norm.weight") {
-                t.data.fill(1.0);
-            } else {
-                let mut rng = SplitMix::new(seed ^ (i as u64).wrapping_mul(0x9E37_79B9));
-                for x in &mut t.data {
-                    *x = (2.0 * rng.unit() - 1.0) * half_width;
-                }
-            }
-            (name, t)
-        })
-        .collect();
-    ModelWeights::from_map(config, map).expect("the bench config's own tensors")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::BENCH_MODEL;
+    use crate::model::{BENCH_MODEL, random_weights_parallel};
     use ares_model::backend::cpu::CpuBackend;
+    use ares_model::hf::weights::expected_tensors;
     use std::path::Path;
 
     #[test]

@@ -113,10 +113,9 @@ pub trait StoredF32: Copy + Send + Sync {
 
 /// A stored AdamW moment: f32 itself, or bf16 bits widened and rounded stochastically.
 pub trait Moment: StoredF32 {
-    /// Whether storing rounds (and so draws random bits).
-    const ROUNDS: bool;
-    /// The stored form of `x`, rounded with the random bits `r` (< 2¹⁶) where it rounds.
-    fn store(x: f32, r: u32) -> Self;
+    /// The stored form of `x`, element `index` of a tensor rounded under `key` where the
+    /// form rounds (its bits [`rounding_bits`]`(key, index)`).
+    fn store(x: f32, key: u64, index: u64) -> Self;
 }
 
 impl StoredF32 for f32 {
@@ -131,9 +130,8 @@ impl StoredF32 for f32 {
 }
 
 impl Moment for f32 {
-    const ROUNDS: bool = false;
     #[inline(always)]
-    fn store(x: f32, _r: u32) -> Self {
+    fn store(x: f32, _key: u64, _index: u64) -> Self {
         x
     }
 }
@@ -150,13 +148,12 @@ impl StoredF32 for u16 {
 }
 
 impl Moment for u16 {
-    const ROUNDS: bool = true;
     /// [`bf16_stochastic`]: unbiased, so a moment whose change a step is under half an ulp
     /// still moves by it on average — rounded to nearest, a second moment at β₂ = 0.999
     /// (0.001 of itself a step, under bf16's half ulp of 2⁻⁹ to 2⁻⁸) could never decay.
     #[inline(always)]
-    fn store(x: f32, r: u32) -> Self {
-        bf16_stochastic(x, r)
+    fn store(x: f32, key: u64, index: u64) -> Self {
+        bf16_stochastic(x, rounding_bits(key, index))
     }
 }
 
@@ -293,12 +290,9 @@ impl AdamConsts {
             let v = vs.load() * self.b2 + self.w2 * g * g;
             let denom = v.sqrt() / self.bc2_sqrt + self.eps;
             *p += self.neg_step_size * (m / denom);
-            let bits = |key| match M::ROUNDS {
-                true => rounding_bits(key, first + j as u64),
-                false => 0,
-            };
-            *ms = M::store(m, bits(key_m));
-            *vs = M::store(v, bits(key_v));
+            let index = first + j as u64;
+            *ms = M::store(m, key_m, index);
+            *vs = M::store(v, key_v, index);
         }
     }
 }
@@ -718,9 +712,9 @@ mod tests {
             .map(|x| (x / v32 - 1.0).abs())
             .fold(0.0, f64::max);
         assert!(worst < 0.5, "an element {worst} away");
-        // rounded to nearest (bits 0x7fff: the tie-free half ulp) it does not move at all
+        // rounded to nearest it does not move at all
         let r = half::bf16::from_f32(1e-4).to_f32();
-        assert_eq!(u16::store(0.999 * r, 0x7fff), start);
+        assert_eq!(half::bf16::from_f32(0.999 * r).to_bits(), start);
     }
 
     fn near(got: f64, want: f64, tol: f64) -> bool {

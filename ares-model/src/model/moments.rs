@@ -417,10 +417,9 @@ impl<B: Backend> Moments<B> {
                         ViewMut::item(m, t, item)?,
                         ViewMut::item(v, t, item)?,
                         update,
-                        match copy.as_mut() {
-                            Some(c) => Some(c.slice_mut(within, item)?),
-                            None => None,
-                        },
+                        copy.as_mut()
+                            .map(|c| c.slice_mut(within, item))
+                            .transpose()?,
                     )?;
                 }
             }
@@ -444,10 +443,9 @@ impl<B: Backend> Moments<B> {
                         ViewMut::item(v_absmax, t, scales)?,
                         View::whole(maps),
                         update,
-                        match copy.as_mut() {
-                            Some(c) => Some(c.slice_mut(within, item)?),
-                            None => None,
-                        },
+                        copy.as_mut()
+                            .map(|c| c.slice_mut(within, item))
+                            .transpose()?,
                     )?;
                 }
             }
